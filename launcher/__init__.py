@@ -1,0 +1,1 @@
+"""The coordinator, planner front end, driver API and CLI."""

@@ -1,0 +1,308 @@
+"""Tensor-parallel sharding math: which slice of each checkpoint tensor a rank holds.
+
+Everything here is a pure function of (parameter name, full shape, rank, layout). A slice is
+described as index ranges (`TensorSlice`) rather than computed on a tensor, so the checkpoint reader
+can fetch exactly those bytes from disk and `apply_slice` can cut an in-memory tensor the same way.
+
+Styles (Megatron / fairscale terms; W is stored as (out_features, in_features) like nn.Linear):
+- COLUMN:    Y = X W^T with W split along out_features (dim 0); each rank computes a slice of Y.
+             Padded with zero rows when out_features does not divide (the MLP intermediate of
+             SmolLM2, 1536, at TP 9): a zero gate/up row gives silu(0) * 0 = 0, so padding is exact.
+- Q_HEADS:   COLUMN by whole attention heads (q_proj weight and bias).
+- KV_HEADS:  COLUMN by the KV heads the rank's strategy assigns (k_proj / v_proj weight and bias);
+             under replication or MHA conversion one original head appears on several ranks.
+- ROW:       W split along in_features (dim 1); partial outputs are summed by an all-reduce.
+- ROW_HEADS: ROW by whole attention heads (o_proj, whose input is the rank's Q heads).
+- VOCAB:     embedding / LM head split along the vocabulary (dim 0), padded to a multiple of TP.
+             Embedding: each rank looks up the ids it owns, others give zero, all-reduce sums.
+             LM head: each rank produces logits for its vocabulary slice, gathered on rank 0.
+- REPLICATE: every rank holds the whole tensor (norms, MoE router).
+- SKIP:      not a weight the model uses (rotary inv_freq buffers in older checkpoints).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import re
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from shardlib.model_config import ModelConfig
+
+
+class KVStrategy(str, enum.Enum):
+    """How KV heads are laid out over TP ranks (names follow NxD Inference's GQA strategies)."""
+
+    SHARD = "shard"
+    """K % T == 0: K/T whole KV heads per rank."""
+    REPLICATE_TO_TP = "replicate_to_tp"
+    """T % K == 0: each KV head copied T/K times, one KV head per rank."""
+    CONVERT_TO_MHA = "convert_to_mha"
+    """Each KV head copied H/K times (becomes MHA), then split: H/T KV heads per rank."""
+
+
+class Style(str, enum.Enum):
+    COLUMN = "column"
+    Q_HEADS = "q_heads"
+    KV_HEADS = "kv_heads"
+    ROW = "row"
+    ROW_HEADS = "row_heads"
+    VOCAB = "vocab"
+    REPLICATE = "replicate"
+    SKIP = "skip"
+
+
+def default_kv_strategy(num_heads: int, num_kv_heads: int, tp: int) -> KVStrategy | None:
+    """The strategy NxD Inference would pick, or None when no strategy works (H % T != 0)."""
+    if num_kv_heads % tp == 0:
+        return KVStrategy.SHARD
+    if tp % num_kv_heads == 0:
+        return KVStrategy.REPLICATE_TO_TP
+    if num_heads % tp == 0:
+        return KVStrategy.CONVERT_TO_MHA
+    return None
+
+
+def kv_strategy_problem(strategy: KVStrategy, num_heads: int, num_kv_heads: int, tp: int) -> str | None:
+    """Why `strategy` cannot be used at this TP degree, or None when it can."""
+    strategy = KVStrategy(strategy)
+    if strategy is KVStrategy.SHARD and num_kv_heads % tp:
+        return f"kv strategy 'shard' needs num_key_value_heads ({num_kv_heads}) divisible by tp_degree ({tp})"
+    if strategy is KVStrategy.REPLICATE_TO_TP and tp % num_kv_heads:
+        return (f"kv strategy 'replicate_to_tp' needs tp_degree ({tp}) to be a multiple of "
+                f"num_key_value_heads ({num_kv_heads})")
+    if strategy is KVStrategy.CONVERT_TO_MHA and num_heads % tp:
+        return (f"kv strategy 'convert_to_mha' needs num_attention_heads ({num_heads}) divisible by "
+                f"tp_degree ({tp})")
+    return None
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """The TP layout of one model: the single source of per-rank sizes and head assignments."""
+
+    tp_degree: int
+    kv_strategy: KVStrategy
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kv_strategy", KVStrategy(self.kv_strategy))
+        if self.tp_degree < 1:
+            raise ValueError(f"tp_degree ({self.tp_degree}) must be at least 1")
+        if self.num_heads % self.tp_degree:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) is not divisible by tp_degree "
+                f"({self.tp_degree}); run `corelaunch plan` to list the degrees that work"
+            )
+        problem = kv_strategy_problem(self.kv_strategy, self.num_heads, self.num_kv_heads, self.tp_degree)
+        if problem:
+            raise ValueError(problem)
+
+    @classmethod
+    def for_model(cls, config: ModelConfig, tp_degree: int,
+                  kv_strategy: KVStrategy | str | None = None) -> "ShardLayout":
+        if kv_strategy is None:
+            kv_strategy = default_kv_strategy(config.num_attention_heads, config.num_key_value_heads, tp_degree)
+            if kv_strategy is None:
+                raise ValueError(
+                    f"num_attention_heads ({config.num_attention_heads}) is not divisible by tp_degree "
+                    f"({tp_degree}); run `corelaunch plan` to list the degrees that work"
+                )
+        return cls(tp_degree=tp_degree, kv_strategy=KVStrategy(kv_strategy),
+                   num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
+                   head_dim=config.head_dim, hidden_size=config.hidden_size,
+                   intermediate_size=config.intermediate_size, vocab_size=config.vocab_size)
+
+    # ---- per-rank sizes ----------------------------------------------------------------------
+    @property
+    def q_heads_per_rank(self) -> int:
+        return self.num_heads // self.tp_degree
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        return len(self.kv_head_ids(0))
+
+    @property
+    def kv_replication(self) -> int:
+        """How many ranks hold a copy of each original KV head."""
+        return self.tp_degree * self.kv_heads_per_rank // self.num_kv_heads
+
+    @property
+    def intermediate_per_rank(self) -> int:
+        return math.ceil(self.intermediate_size / self.tp_degree)
+
+    @property
+    def vocab_per_rank(self) -> int:
+        return math.ceil(self.vocab_size / self.tp_degree)
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return self.vocab_per_rank * self.tp_degree
+
+    def q_head_ids(self, rank: int) -> range:
+        n = self.q_heads_per_rank
+        return range(rank * n, (rank + 1) * n)
+
+    def kv_head_ids(self, rank: int) -> list[int]:
+        """Original KV head index of each KV head slot on `rank`, in order."""
+        self._check_rank(rank)
+        t, k, h = self.tp_degree, self.num_kv_heads, self.num_heads
+        if self.kv_strategy is KVStrategy.SHARD:
+            n = k // t
+            return list(range(rank * n, (rank + 1) * n))
+        if self.kv_strategy is KVStrategy.REPLICATE_TO_TP:
+            return [rank // (t // k)]
+        group = h // k  # Q heads per original KV head
+        return [q // group for q in self.q_head_ids(rank)]
+
+    def vocab_range(self, rank: int) -> tuple[int, int]:
+        """Real token ids [start, stop) owned by `rank` (stop - start may be < vocab_per_rank)."""
+        start = rank * self.vocab_per_rank
+        return min(start, self.vocab_size), min(start + self.vocab_per_rank, self.vocab_size)
+
+    def _check_rank(self, rank: int) -> None:
+        assert 0 <= rank < self.tp_degree, f"rank {rank} outside tp_degree {self.tp_degree}"
+
+
+@dataclass(frozen=True)
+class TensorSlice:
+    """Rows (or columns) to take along `dim`, concatenated in order, then zero-padded to `pad_to`.
+
+    `ranges` empty and dim None means: the whole tensor (replicated).
+    """
+
+    dim: int | None
+    ranges: tuple[tuple[int, int], ...] = ()
+    pad_to: int | None = None
+
+    @property
+    def is_whole(self) -> bool:
+        return self.dim is None
+
+    def length(self) -> int:
+        return sum(stop - start for start, stop in self.ranges)
+
+    def shape(self, full_shape: Sequence[int]) -> tuple[int, ...]:
+        if self.is_whole:
+            return tuple(full_shape)
+        out = list(full_shape)
+        out[self.dim] = self.pad_to if self.pad_to is not None else self.length()
+        return tuple(out)
+
+
+def _merge(ranges: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """Join touching ranges so a reader issues as few reads as possible."""
+    merged: list[tuple[int, int]] = []
+    for start, stop in ranges:
+        if merged and merged[-1][1] == start:
+            merged[-1] = (merged[-1][0], stop)
+        else:
+            merged.append((start, stop))
+    return tuple(merged)
+
+
+def _even(size: int, rank: int, tp: int, dim: int) -> TensorSlice:
+    per = math.ceil(size / tp)
+    start, stop = min(rank * per, size), min((rank + 1) * per, size)
+    ranges = ((start, stop),) if stop > start else ()
+    return TensorSlice(dim=dim, ranges=ranges, pad_to=per if per * tp != size else None)
+
+
+def _heads(head_ids: Sequence[int], head_dim: int, dim: int) -> TensorSlice:
+    return TensorSlice(dim=dim, ranges=_merge([(h * head_dim, (h + 1) * head_dim) for h in head_ids]))
+
+
+def slice_for_style(style: Style, full_shape: Sequence[int], rank: int, layout: ShardLayout) -> TensorSlice:
+    """The slice of a tensor of `full_shape` that `rank` holds under `style`."""
+    layout._check_rank(rank)
+    tp, d = layout.tp_degree, layout.head_dim
+    if style is Style.REPLICATE:
+        return TensorSlice(dim=None)
+    if style is Style.Q_HEADS:
+        return _heads(layout.q_head_ids(rank), d, dim=0)
+    if style is Style.KV_HEADS:
+        return _heads(layout.kv_head_ids(rank), d, dim=0)
+    if style is Style.ROW_HEADS:
+        return _heads(layout.q_head_ids(rank), d, dim=1)
+    if style is Style.COLUMN:
+        return _even(full_shape[0], rank, tp, dim=0)
+    if style is Style.ROW:
+        return _even(full_shape[1], rank, tp, dim=1)
+    if style is Style.VOCAB:
+        return _even(full_shape[0], rank, tp, dim=0)
+    raise ValueError(f"style {style} has no slice")
+
+
+def apply_slice(tensor: torch.Tensor, tslice: TensorSlice) -> torch.Tensor:
+    """Cut `tensor` as `tslice` says; returns a new contiguous tensor (never a view of the input)."""
+    if tslice.is_whole:
+        return tensor.clone()
+    parts = [tensor.narrow(tslice.dim, start, stop - start) for start, stop in tslice.ranges]
+    out = torch.cat(parts, dim=tslice.dim) if parts else tensor.narrow(tslice.dim, 0, 0).clone()
+    if tslice.pad_to is not None and out.shape[tslice.dim] < tslice.pad_to:
+        pad_shape = list(out.shape)
+        pad_shape[tslice.dim] = tslice.pad_to - out.shape[tslice.dim]
+        out = torch.cat([out, out.new_zeros(pad_shape)], dim=tslice.dim)
+    return out.contiguous()
+
+
+# ---- per-architecture sharding plans: parameter-name pattern -> style --------------------------
+_LAYER = r"model\.layers\.\d+\."
+_DENSE_PLAN: tuple[tuple[str, Style], ...] = (
+    (r"model\.embed_tokens\.weight", Style.VOCAB),
+    (r"lm_head\.weight", Style.VOCAB),
+    (_LAYER + r"self_attn\.q_proj\.(weight|bias)", Style.Q_HEADS),
+    (_LAYER + r"self_attn\.[kv]_proj\.(weight|bias)", Style.KV_HEADS),
+    (_LAYER + r"self_attn\.o_proj\.weight", Style.ROW_HEADS),
+    (_LAYER + r"mlp\.(gate|up)_proj\.weight", Style.COLUMN),
+    (_LAYER + r"mlp\.down_proj\.weight", Style.ROW),
+    (_LAYER + r"(input_layernorm|post_attention_layernorm)\.weight", Style.REPLICATE),
+    (r"model\.norm\.weight", Style.REPLICATE),
+    (_LAYER + r"self_attn\.rotary_emb\.inv_freq", Style.SKIP),
+)
+_MOE_PLAN: tuple[tuple[str, Style], ...] = tuple(
+    p for p in _DENSE_PLAN if "mlp" not in p[0]
+) + (
+    (_LAYER + r"block_sparse_moe\.gate\.weight", Style.REPLICATE),
+    (_LAYER + r"block_sparse_moe\.experts\.\d+\.w[13]\.weight", Style.COLUMN),
+    (_LAYER + r"block_sparse_moe\.experts\.\d+\.w2\.weight", Style.ROW),
+)
+
+SHARDING_PLANS: dict[str, tuple[tuple[str, Style], ...]] = {
+    "llama": _DENSE_PLAN,
+    "mistral": _DENSE_PLAN,
+    "qwen2": _DENSE_PLAN,  # q/k/v biases are matched by the (weight|bias) patterns
+    "mixtral": _MOE_PLAN,
+}
+
+_COMPILED = {arch: tuple((re.compile(p), s) for p, s in plan) for arch, plan in SHARDING_PLANS.items()}
+
+
+def style_for(model_type: str, name: str) -> Style:
+    """The sharding style of parameter `name`; ValueError for a name the plan does not know."""
+    if model_type not in _COMPILED:
+        raise ValueError(f"no sharding plan for architecture {model_type!r}; known: {sorted(_COMPILED)}")
+    for pattern, style in _COMPILED[model_type]:
+        if pattern.fullmatch(name):
+            return style
+    raise ValueError(
+        f"tensor {name!r} matches no entry of the {model_type} sharding plan; the checkpoint holds a "
+        f"parameter corelaunch does not know how to shard"
+    )
+
+
+def slice_for(model_type: str, name: str, full_shape: Sequence[int], rank: int,
+              layout: ShardLayout) -> TensorSlice | None:
+    """The slice of checkpoint tensor `name` that `rank` holds; None for tensors to skip."""
+    style = style_for(model_type, name)
+    if style is Style.SKIP:
+        return None
+    return slice_for_style(style, full_shape, rank, layout)
