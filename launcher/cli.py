@@ -1,0 +1,41 @@
+"""`corelaunch` command line: a thin dispatcher; each subcommand lives in its own module.
+
+A subcommand module exposes `add_parser(subparsers)` (registers its arguments) and
+`run(args) -> int` (the exit code). Modules are imported lazily so `corelaunch plan` never pays for
+importing Ray or transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand name -> module implementing it
+SUBCOMMANDS = {
+    "plan": "launcher.plan_command",
+    "generate": "launcher.generate_command",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="corelaunch",
+        description="Ray-based launcher for tensor-parallel LLM inference (Neuron, CPU).",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers.required = True
+    for name, module_name in SUBCOMMANDS.items():
+        module = importlib.import_module(module_name)
+        module.add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return int(args.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
