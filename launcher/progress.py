@@ -1,0 +1,30 @@
+"""Start-up progress on stderr (stdout stays clean for --json output)."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+from rich.console import Console
+
+
+class Progress:
+    """Prints one line per start-up step with its duration; silent when disabled."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self._console = Console(stderr=True, highlight=False)
+
+    @contextmanager
+    def step(self, what: str):
+        if not self.enabled:
+            yield
+            return
+        start = time.perf_counter()
+        with self._console.status(f"{what} ...", spinner="dots"):
+            yield
+        self._console.print(f"[green]✓[/green] {what} ({time.perf_counter() - start:.1f} s)")
+
+    def note(self, text: str) -> None:
+        if self.enabled:
+            self._console.print(text)

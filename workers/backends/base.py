@@ -1,0 +1,48 @@
+"""The interface every device backend implements for one rank."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+
+from workers.collectives import Collectives
+
+
+@dataclass(frozen=True)
+class RendezvousInfo:
+    """Where the process group meets: rank 0's node address and a port free there."""
+
+    host: str
+    port: int
+
+
+class Backend(abc.ABC):
+    """One rank's device: process set-up, its process group, and how models run on it."""
+
+    name: str = "base"
+    """The name users pass as --backend."""
+    # Ray resource that one rank's placement bundle asks for (None: CPUs only).
+    ray_resource: str | None = None
+
+    @abc.abstractmethod
+    def setup_process(self, rank: int, world_size: int, threads: int) -> None:
+        """Per-process settings, called once before anything heavy (threads, device visibility)."""
+
+    @abc.abstractmethod
+    def init_process_group(self, rendezvous: RendezvousInfo, rank: int, world_size: int,
+                           timeout_s: float) -> Collectives:
+        """Join the group of `world_size` ranks; every rank calls this at the same time."""
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Hook for moving or compiling the model for this device; eager by default."""
+        return model
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Leave the process group; safe to call more than once."""

@@ -1,0 +1,152 @@
+"""One tensor-parallel rank: its backend, process group, shard, model and requests.
+
+The class knows nothing of Ray: the launcher wraps it as an actor (launcher/ray_worker.py), and the
+in-process benchmark drives the same class directly. The constructor is cheap; each heavy step is an
+explicit call made after the launcher has placed the process (so device visibility is already set):
+
+    describe() -> init_backend() -> load() -> generate()* -> shutdown()
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shardlib.model_config import ModelConfig
+from shardlib.sharding import ShardLayout
+from workers.backends import get_backend
+from workers.backends.base import RendezvousInfo
+from workers.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a rank needs to know before it starts; identical for all ranks but `rank`."""
+
+    rank: int
+    world_size: int
+    backend: str
+    """Backend name (see workers.backends.BACKENDS)."""
+    threads: int
+    """torch intra-op threads for this rank (CPU backend)."""
+    lnc: int = 1
+    """Logical NeuronCore config the plan was made for (neuron backend only)."""
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Which weights to load and how to lay them out."""
+
+    config: ModelConfig
+    layout: ShardLayout
+    dtype: str
+    model_dir: str
+    """Hugging Face checkpoint directory (read through per-rank lazy slices)."""
+    presharded_dir: str | None = None
+    """A pre-sharded directory for this exact layout; preferred over model_dir when set."""
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One batch of tokenized prompts; the whole prefill+decode loop runs inside the ranks."""
+
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+    max_new_tokens: int
+    stop_token_ids: tuple[int, ...] = ()
+    max_seq_len: int | None = None
+
+
+@dataclass
+class LoadStats:
+    load_time_s: float
+    shard_bytes: int
+    peak_rss_bytes: int
+    source: str
+    """"checkpoint" or "presharded"."""
+
+
+def free_port() -> int:
+    """A TCP port free on this host right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set (VmHWM), 0 where /proc is absent."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+@dataclass
+class RankWorker:
+    spec: WorkerSpec
+    _backend: object = field(default=None, init=False, repr=False)
+    _collectives: object = field(default=None, init=False, repr=False)
+    _model: object = field(default=None, init=False, repr=False)
+
+    def describe(self) -> dict:
+        """Where this rank runs: used for error messages and rendezvous."""
+        return {"rank": self.spec.rank, "pid": os.getpid(), "hostname": socket.gethostname()}
+
+    def rendezvous_port(self) -> int:
+        """Called on rank 0 only: a port free on rank 0's host for the process group."""
+        return free_port()
+
+    def init_backend(self, host: str, port: int, timeout_s: float) -> dict:
+        """Set up the process and join the process group (all ranks call this concurrently)."""
+        start = time.perf_counter()
+        backend_options = {"lnc": self.spec.lnc} if self.spec.backend == "neuron" else {}
+        self._backend = get_backend(self.spec.backend, **backend_options)
+        self._backend.setup_process(self.spec.rank, self.spec.world_size, self.spec.threads)
+        self._collectives = self._backend.init_process_group(
+            RendezvousInfo(host, port), self.spec.rank, self.spec.world_size, timeout_s)
+        return {"rank": self.spec.rank, "init_time_s": time.perf_counter() - start}
+
+    def load(self, load_spec: LoadSpec) -> LoadStats:
+        """Read only this rank's slices and build the sharded model."""
+        from workers.model import ShardedCausalLM
+
+        assert self._backend is not None, "init_backend must run before load"
+        start = time.perf_counter()
+        if load_spec.presharded_dir:
+            from shardlib.presharded import load_presharded
+
+            shard = load_presharded(load_spec.presharded_dir, load_spec.config, load_spec.layout,
+                                    self.spec.rank, dtype=load_spec.dtype)
+            source = "presharded"
+        else:
+            from shardlib.checkpoint import load_rank_shard
+
+            shard = load_rank_shard(load_spec.model_dir, load_spec.config, load_spec.layout,
+                                    self.spec.rank, dtype=load_spec.dtype)
+            source = "checkpoint"
+        shard_bytes = sum(t.numel() * t.element_size() for t in shard.values())
+        model = ShardedCausalLM(load_spec.config, load_spec.layout, self.spec.rank, shard,
+                                self._collectives, load_spec.dtype)
+        self._model = self._backend.prepare_model(model)
+        return LoadStats(load_time_s=time.perf_counter() - start, shard_bytes=shard_bytes,
+                         peak_rss_bytes=peak_rss_bytes(), source=source)
+
+    def generate(self, request: GenerateRequest):
+        """Run one batch; rank 0 returns the outputs, other ranks return None."""
+        from workers.engine import generate
+
+        assert self._model is not None, "load must run before generate"
+        outputs = generate(self._model, request.prompts, request.params, request.max_new_tokens,
+                           request.stop_token_ids, max_seq_len=request.max_seq_len)
+        return outputs if self.spec.rank == 0 else None
+
+    def shutdown(self) -> None:
+        if self._backend is not None:
+            self._backend.shutdown()
+        self._model = None
