@@ -1,0 +1,94 @@
+"""The coordinator refuses bad input clearly, never hangs, and reports a dead rank by rank and node."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from launcher.api import LaunchConfig, Launcher
+from launcher.errors import PlacementTimeout, PlanRejected, WorkerDied
+from tests.model_factory import save_random_model
+from workers.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory):
+    return str(save_random_model(tmp_path_factory.mktemp("m"), "llama", num_heads=4, num_kv_heads=2))
+
+
+def test_impossible_layout_is_refused_before_any_process(small_model):
+    import ray
+
+    was_running = ray.is_initialized()
+    with pytest.raises(PlanRejected) as info:
+        Launcher(model=small_model, tp=3, progress=False).start()
+    assert "heads_not_divisible" in [e["code"] for e in info.value.errors]
+    assert "num_attention_heads (4)" in str(info.value)
+    # nothing was started: no Ray session was opened by the refused launch
+    assert ray.is_initialized() == was_running
+
+
+def test_missing_model_path_is_named():
+    with pytest.raises(FileNotFoundError, match="/no/such/model"):
+        LaunchConfig(model="/no/such/model")
+
+
+@pytest.mark.parametrize("field, value", [("tp", 0), ("tp", "two"), ("max_batch_size", 0), ("nodes", 0),
+                                          ("request_timeout_s", -1), ("backend", "tpu")])
+def test_bad_launch_options_name_the_value(field, value):
+    with pytest.raises(ValueError, match=field.replace("_s", "")):
+        LaunchConfig(**{field: value})
+
+
+def test_unsatisfiable_placement_fails_within_its_timeout(small_model, ray_session):
+    start = time.monotonic()
+    with pytest.raises(PlacementTimeout, match="could not reserve 2 bundles") as info:
+        Launcher(model=small_model, tp=2, cpus_per_rank=64, placement_timeout_s=2, progress=False).start()
+    assert time.monotonic() - start < 20
+    assert "Reduce --tp" in str(info.value)
+    assert ray_session.available_resources().get("CPU") == ray_session.cluster_resources().get("CPU")
+
+
+def test_bad_requests_get_clear_errors_and_batches_split(small_model, ray_session):
+    with Launcher(model=small_model, tp=2, max_batch_size=2, seq_len=32, progress=False) as launcher:
+        with pytest.raises(ValueError, match="30 tokens.*seq_len is 32"):
+            launcher.generate([list(range(3, 33))], max_new_tokens=4)
+        with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 128\)"):
+            launcher.generate([[1, 500]], max_new_tokens=2)
+        with pytest.raises(ValueError, match="no tokenizer"):
+            launcher.generate("hello", max_new_tokens=2)
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            launcher.generate([[1, 2]], max_new_tokens=0)
+        with pytest.raises(ValueError, match="top_p"):
+            launcher.generate([[1, 2]], SamplingParams(temperature=1.0, top_p=1.5))
+        # five prompts with max_batch_size 2 run as three worker calls, results in prompt order
+        prompts = [[3 + i, 40 + i, 7] for i in range(5)]
+        together = launcher.generate(prompts, max_new_tokens=4)
+        one_by_one = [launcher.generate([p], max_new_tokens=4)[0] for p in prompts]
+        assert [r.token_ids for r in together] == [r.token_ids for r in one_by_one]
+        assert len(together) == 5
+
+
+def test_worker_killed_mid_request_is_reported_within_seconds(tmp_path, ray_session):
+    # A model big enough that a 400-token request takes several seconds on two ranks.
+    model_dir = save_random_model(tmp_path, "llama", hidden_size=256, intermediate_size=512, num_layers=4,
+                                  num_heads=4, num_kv_heads=2, vocab_size=512, max_position_embeddings=1024)
+    launcher = Launcher(model=str(model_dir), tp=2, progress=False, request_timeout_s=120)
+    launcher.start()
+    try:
+        victim = launcher._group.workers[1]
+        killer = threading.Timer(1.5, os.kill, args=(victim["pid"], signal.SIGKILL))
+        killer.start()
+        start = time.monotonic()
+        with pytest.raises(WorkerDied) as info:
+            launcher.generate([[5, 6, 7]], max_new_tokens=900)
+        elapsed = time.monotonic() - start
+        message = str(info.value)
+        assert "rank 1" in message and victim["node_ip"] in message, message
+        assert elapsed < 30, f"death noticed after {elapsed:.1f} s"
+    finally:
+        launcher.shutdown()
