@@ -57,6 +57,8 @@ class Style(str, enum.Enum):
 
 def default_kv_strategy(num_heads: int, num_kv_heads: int, tp: int) -> KVStrategy | None:
     """The strategy NxD Inference would pick, or None when no strategy works (H % T != 0)."""
+    if num_heads % tp:
+        return None  # every strategy needs whole Q heads per rank (H=6, K=2, T=4 is not replicable)
     if num_kv_heads % tp == 0:
         return KVStrategy.SHARD
     if tp % num_kv_heads == 0:
@@ -97,6 +99,15 @@ class ShardLayout:
         object.__setattr__(self, "kv_strategy", KVStrategy(self.kv_strategy))
         if self.tp_degree < 1:
             raise ValueError(f"tp_degree ({self.tp_degree}) must be at least 1")
+        if self.num_heads < 1 or self.num_kv_heads < 1:
+            raise ValueError(f"num_attention_heads ({self.num_heads}) and num_key_value_heads "
+                             f"({self.num_kv_heads}) must be at least 1")
+        if self.num_heads % self.num_kv_heads:
+            # Otherwise kv_head_ids would name KV heads the checkpoint does not have.
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) is not a multiple of num_key_value_heads "
+                f"({self.num_kv_heads}): not a valid GQA config"
+            )
         if self.num_heads % self.tp_degree:
             raise ValueError(
                 f"num_attention_heads ({self.num_heads}) is not divisible by tp_degree "
@@ -148,6 +159,7 @@ class ShardLayout:
         return self.vocab_per_rank * self.tp_degree
 
     def q_head_ids(self, rank: int) -> range:
+        self._check_rank(rank)
         n = self.q_heads_per_rank
         return range(rank * n, (rank + 1) * n)
 
@@ -165,6 +177,7 @@ class ShardLayout:
 
     def vocab_range(self, rank: int) -> tuple[int, int]:
         """Real token ids [start, stop) owned by `rank` (stop - start may be < vocab_per_rank)."""
+        self._check_rank(rank)
         start = rank * self.vocab_per_rank
         return min(start, self.vocab_size), min(start + self.vocab_per_rank, self.vocab_size)
 
@@ -223,6 +236,7 @@ def _heads(head_ids: Sequence[int], head_dim: int, dim: int) -> TensorSlice:
 def slice_for_style(style: Style, full_shape: Sequence[int], rank: int, layout: ShardLayout) -> TensorSlice:
     """The slice of a tensor of `full_shape` that `rank` holds under `style`."""
     layout._check_rank(rank)
+    style = Style(style)  # accept the plain string too ("column"), as KVStrategy does
     tp, d = layout.tp_degree, layout.head_dim
     if style is Style.REPLICATE:
         return TensorSlice(dim=None)
