@@ -1,0 +1,111 @@
+"""The communication a tensor-parallel model needs, behind one small interface.
+
+The model calls exactly two operations, so a backend only has to provide those:
+- `all_reduce_sum_`: after each row-parallel block (o_proj, down_proj) and the vocab-parallel
+  embedding, every rank holds a partial sum of the same (batch, seq, hidden) tensor.
+- `all_gather_last_dim`: the vocab-parallel LM head leaves each rank with its slice of the logits;
+  every rank needs the whole row to sample the same token.
+
+gloo (`TorchDistributedCollectives`) works everywhere but costs hundreds of microseconds per call on
+one host; a shared-memory backend for co-located CPU ranks and NCCL for CUDA plug in as further
+subclasses without the model changing.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+
+
+class Collectives(abc.ABC):
+    """One rank's view of its tensor-parallel group."""
+
+    @property
+    @abc.abstractmethod
+    def rank(self) -> int:
+        """This rank's index in the group, 0 .. world_size - 1."""
+
+    @property
+    @abc.abstractmethod
+    def world_size(self) -> int:
+        """Number of ranks in the group (the TP degree)."""
+
+    @abc.abstractmethod
+    def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Replace `tensor` in place with the element-wise sum over all ranks; returns `tensor`.
+
+        Every rank must end with bit-identical values: the ranks sample from the same logits and
+        must agree on tokens without another round of communication.
+        """
+
+    @abc.abstractmethod
+    def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's `tensor` concatenated along the last dim in rank order (a new tensor).
+
+        All ranks pass tensors of the same shape; the result's last dim is world_size times larger.
+        """
+
+
+class SingleRank(Collectives):
+    """TP degree 1: the rank already holds the whole sum and the whole gather."""
+
+    @property
+    def rank(self) -> int:
+        return 0
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+
+class TorchDistributedCollectives(Collectives):
+    """Collectives over an initialised torch.distributed process group (gloo on CPU, NCCL on CUDA).
+
+    `group=None` means the default (world) group. The process group must already be initialised:
+    rendezvous is the launcher's job, not the model's.
+    """
+
+    def __init__(self, group: "torch.distributed.ProcessGroup | None" = None) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed has no initialised process group; call "
+                "torch.distributed.init_process_group(backend='gloo', ...) on every rank before "
+                "building TorchDistributedCollectives"
+            )
+        self._dist = dist
+        self._group = group
+        self._rank = dist.get_rank(group)
+        self._world_size = dist.get_world_size(group)
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self._world_size == 1:
+            return tensor
+        # torch.distributed reduces contiguous storage only; callers pass fresh matmul outputs.
+        assert tensor.is_contiguous(), "all_reduce_sum_ needs a contiguous tensor"
+        self._dist.all_reduce(tensor, op=self._dist.ReduceOp.SUM, group=self._group)
+        return tensor
+
+    def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self._world_size == 1:
+            return tensor
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self._world_size)]
+        self._dist.all_gather(parts, tensor, group=self._group)
+        return torch.cat(parts, dim=-1)
