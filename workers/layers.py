@@ -1,0 +1,120 @@
+"""The layers of one rank's slice of a Llama-family decoder, built directly from shard tensors.
+
+Each layer receives tensors already cut by `shardlib.sharding.apply_slice` and wraps them without
+copying (unless a dtype conversion is asked for): a rank never holds more than its own slice.
+Parallelism shows up only as the collective a layer calls after a partial result; which slice a
+tensor is, and why the math is exact, is written down in shardlib/sharding.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.collectives import Collectives
+from workers.kv_cache import KVCache
+from workers.rope import apply_rotary
+
+
+def as_param(tensor: torch.Tensor, dtype: torch.dtype) -> nn.Parameter:
+    """Wrap a shard tensor as a frozen parameter; no copy when it already has `dtype`."""
+    return nn.Parameter(tensor.to(dtype), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    """y = w * x / sqrt(mean(x^2) + eps), the statistics taken in float32."""
+
+    def __init__(self, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = as_param(weight, dtype)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, stop) of the embedding table; other ids give zeros, the all-reduce fills them."""
+
+    def __init__(self, weight: torch.Tensor, vocab_range: tuple[int, int], dtype: torch.dtype,
+                 collectives: Collectives) -> None:
+        super().__init__()
+        self.weight = as_param(weight, dtype)  # (vocab_per_rank, hidden), zero rows past the vocab
+        self.start, self.stop = vocab_range
+        self.collectives = collectives
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        owned = (input_ids >= self.start) & (input_ids < self.stop)  # (batch, seq)
+        local_ids = torch.where(owned, input_ids - self.start, 0)
+        hidden = F.embedding(local_ids, self.weight)  # (batch, seq, hidden)
+        hidden = hidden * owned.unsqueeze(-1).to(hidden.dtype)
+        return self.collectives.all_reduce_sum_(hidden)
+
+
+class Attention(nn.Module):
+    """Self-attention over this rank's Q heads and the KV heads they read.
+
+    q/k/v are column-parallel by whole heads, so each rank attends independently; o_proj is
+    row-parallel over the same heads and its partial outputs are summed by one all-reduce. Within a
+    rank, local Q head j reads local KV head j // (q_heads // kv_heads) for every KV strategy.
+    """
+
+    def __init__(self, weights: dict[str, torch.Tensor], q_heads: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, collectives: Collectives) -> None:
+        super().__init__()
+        self.q_heads, self.kv_heads, self.head_dim = q_heads, kv_heads, head_dim
+        self.collectives = collectives
+        self.q_weight = as_param(weights["q_proj.weight"], dtype)  # (q_heads * head_dim, hidden)
+        self.k_weight = as_param(weights["k_proj.weight"], dtype)  # (kv_heads * head_dim, hidden)
+        self.v_weight = as_param(weights["v_proj.weight"], dtype)
+        self.o_weight = as_param(weights["o_proj.weight"], dtype)  # (hidden, q_heads * head_dim)
+        biases = [weights.get(f"{p}_proj.bias") for p in "qkv"]
+        self.q_bias, self.k_bias, self.v_bias = (None if b is None else as_param(b, dtype) for b in biases)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                cache: KVCache, layer: int, cache_positions: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q = F.linear(x, self.q_weight, self.q_bias).view(batch, seq, self.q_heads, self.head_dim)
+        k = F.linear(x, self.k_weight, self.k_bias).view(batch, seq, self.kv_heads, self.head_dim)
+        v = F.linear(x, self.v_weight, self.v_bias).view(batch, seq, self.kv_heads, self.head_dim)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seq, head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+        keys, values = cache.update(layer, cache_positions, k, v)  # (batch, kv_heads, max_seq, head_dim)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                             enable_gqa=self.q_heads != self.kv_heads)
+        out = out.transpose(1, 2).reshape(batch, seq, self.q_heads * self.head_dim)
+        return self.collectives.all_reduce_sum_(F.linear(out, self.o_weight))
+
+
+class MLP(nn.Module):
+    """down(silu(gate(x)) * up(x)): gate/up column-parallel, down row-parallel, one all-reduce.
+
+    Padded intermediate rows are zero in gate and up, so they contribute silu(0) * 0 = 0.
+    """
+
+    def __init__(self, weights: dict[str, torch.Tensor], dtype: torch.dtype, collectives: Collectives) -> None:
+        super().__init__()
+        self.gate_weight = as_param(weights["gate_proj.weight"], dtype)  # (intermediate_per_rank, hidden)
+        self.up_weight = as_param(weights["up_proj.weight"], dtype)
+        self.down_weight = as_param(weights["down_proj.weight"], dtype)  # (hidden, intermediate_per_rank)
+        self.collectives = collectives
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.silu(F.linear(x, self.gate_weight)) * F.linear(x, self.up_weight)
+        return self.collectives.all_reduce_sum_(F.linear(h, self.down_weight))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, attention: Attention, mlp: MLP, input_norm: RMSNorm, post_attention_norm: RMSNorm) -> None:
+        super().__init__()
+        self.attention, self.mlp = attention, mlp
+        self.input_norm, self.post_attention_norm = input_norm, post_attention_norm
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                cache: KVCache, layer: int, cache_positions: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.input_norm(x), cos, sin, mask, cache, layer, cache_positions)
+        return x + self.mlp(self.post_attention_norm(x))

@@ -1,0 +1,209 @@
+"""`ShardedCausalLM`: one rank's slice of a Llama-family causal LM (Llama, Mistral, Qwen2).
+
+Built from a ModelConfig, a ShardLayout, the rank, and that rank's shard: a dict of Hugging Face
+parameter names to tensors cut exactly as `apply_slice(full, slice_for(model_type, name, shape,
+rank, layout))` cuts them. The model never sees a full-size weight and contains no rank-dependent
+branches: the sizes come from the layout, the communication from a `Collectives` object (for TP 1,
+`SingleRank`, which does nothing).
+
+Communication per forward: one all-reduce after the embedding, one after each attention block's
+o_proj and one after each MLP's down_proj (2 per layer), and one all-gather of the last positions'
+logits along the vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shardlib.model_config import ModelConfig, normalize_dtype
+from shardlib.sharding import ShardLayout, Style, slice_for, style_for
+from workers.collectives import Collectives
+from workers.kv_cache import KVCache
+from workers.layers import MLP, Attention, DecoderLayer, RMSNorm, VocabParallelEmbedding, as_param
+from workers.rope import RotaryTables
+
+DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, config: ModelConfig) -> torch.dtype:
+    """A torch dtype from a torch dtype, a spelling like "bf16", or None (the checkpoint's own)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    return getattr(torch, normalize_dtype(dtype if dtype is not None else config.torch_dtype))
+
+
+def full_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Unsharded shape of every parameter the model reads, by Hugging Face name."""
+    h, q, kv, inter = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (config.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+        })
+        if config.attention_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,)})
+    return shapes
+
+
+def check_layout(config: ModelConfig, layout: ShardLayout, rank: int, collectives: Collectives) -> None:
+    """ValueError when the layout, rank or collectives do not describe this model's TP group."""
+    if config.model_type not in DENSE_MODEL_TYPES:
+        raise ValueError(
+            f"ShardedCausalLM supports model_type {', '.join(DENSE_MODEL_TYPES)}; "
+            f"got {config.model_type!r} (mixture-of-experts models are not implemented yet)"
+        )
+    for field, model_value in (("num_heads", config.num_attention_heads),
+                               ("num_kv_heads", config.num_key_value_heads), ("head_dim", config.head_dim),
+                               ("hidden_size", config.hidden_size),
+                               ("intermediate_size", config.intermediate_size),
+                               ("vocab_size", config.vocab_size)):
+        if getattr(layout, field) != model_value:
+            raise ValueError(
+                f"layout.{field} ({getattr(layout, field)}) differs from the model config's "
+                f"({model_value}); build the layout with ShardLayout.for_model(config, tp_degree)"
+            )
+    if layout.q_heads_per_rank * layout.tp_degree != config.num_attention_heads:
+        raise ValueError(
+            f"the layout places {layout.q_heads_per_rank} Q heads on each of {layout.tp_degree} ranks "
+            f"({layout.q_heads_per_rank * layout.tp_degree} in all) but the model has "
+            f"{config.num_attention_heads}: padded Q heads are not supported by ShardedCausalLM; "
+            f"choose a tp_degree that divides num_attention_heads ({config.num_attention_heads})"
+        )
+    if not 0 <= rank < layout.tp_degree:
+        raise ValueError(f"rank ({rank}) must be in 0 .. tp_degree - 1 ({layout.tp_degree - 1})")
+    if collectives.world_size != layout.tp_degree or collectives.rank != rank:
+        raise ValueError(
+            f"collectives report rank {collectives.rank} of world_size {collectives.world_size} but "
+            f"the model is built as rank {rank} of tp_degree {layout.tp_degree}; pass SingleRank() "
+            f"only for TP 1 and a process group of exactly tp_degree ranks otherwise"
+        )
+
+
+def check_shard(config: ModelConfig, layout: ShardLayout, rank: int,
+                shard: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The shard's tensors the model reads, after checking every name and per-rank shape."""
+    expected = full_shapes(config)
+    missing = sorted(name for name in expected if name not in shard)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ValueError(f"rank {rank}'s shard lacks {len(missing)} tensor(s): {shown}")
+    for name in shard:
+        if name in expected or (name == "lm_head.weight" and config.tie_word_embeddings):
+            continue
+        try:
+            skipped = style_for(config.model_type, name) is Style.SKIP
+        except ValueError:
+            skipped = False
+        if not skipped:
+            raise ValueError(f"rank {rank}'s shard holds {name!r}, which this {config.model_type} model does not use")
+    for name, full in expected.items():
+        tslice = slice_for(config.model_type, name, full, rank, layout)
+        want = tslice.shape(full)
+        if tuple(shard[name].shape) != want:
+            raise ValueError(
+                f"shard tensor {name!r} has shape {tuple(shard[name].shape)} but rank {rank} of "
+                f"tp_degree {layout.tp_degree} should hold {want} (full shape {full}); cut it with "
+                f"apply_slice(full, slice_for(...)) for this rank and layout"
+            )
+    return {name: shard[name] for name in expected}
+
+
+class ShardedCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, layout: ShardLayout, rank: int, shard: dict[str, torch.Tensor],
+                 collectives: Collectives, dtype: torch.dtype | str | None = None) -> None:
+        super().__init__()
+        check_layout(config, layout, rank, collectives)
+        shard = check_shard(config, layout, rank, shard)
+        self.config, self.layout, self.rank, self.collectives = config, layout, rank, collectives
+        self.dtype = resolve_dtype(dtype, config)
+
+        self.embed = VocabParallelEmbedding(shard["model.embed_tokens.weight"], layout.vocab_range(rank),
+                                            self.dtype, collectives)
+        layers = []
+        for i in range(config.num_hidden_layers):
+            p = f"model.layers.{i}."
+            attn = {k[len(p + "self_attn."):]: v for k, v in shard.items() if k.startswith(p + "self_attn.")}
+            mlp = {k[len(p + "mlp."):]: v for k, v in shard.items() if k.startswith(p + "mlp.")}
+            layers.append(DecoderLayer(
+                Attention(attn, layout.q_heads_per_rank, layout.kv_heads_per_rank, config.head_dim,
+                          self.dtype, collectives),
+                MLP(mlp, self.dtype, collectives),
+                RMSNorm(shard[p + "input_layernorm.weight"], config.rms_norm_eps, self.dtype),
+                RMSNorm(shard[p + "post_attention_layernorm.weight"], config.rms_norm_eps, self.dtype),
+            ))
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(shard["model.norm.weight"], config.rms_norm_eps, self.dtype)
+        if config.tie_word_embeddings:
+            self.lm_head_weight = self.embed.weight  # same vocab slice, same storage
+        else:
+            self.lm_head_weight = as_param(shard["lm_head.weight"], self.dtype)  # (vocab_per_rank, hidden)
+        self.rotary: RotaryTables | None = None
+
+    # ---- cache ---------------------------------------------------------------------------------
+    def new_cache(self, batch: int, max_seq_len: int) -> KVCache:
+        """A zeroed KV cache for `batch` sequences of up to `max_seq_len` tokens (prompt included)."""
+        cache = KVCache(self.config.num_hidden_layers, batch, self.layout.kv_heads_per_rank, max_seq_len,
+                        self.config.head_dim, dtype=self.dtype, device=self.lm_head_weight.device)
+        self._ensure_rotary(max_seq_len)
+        return cache
+
+    def _ensure_rotary(self, max_positions: int) -> None:
+        # Rebuilt only when a larger cache is allocated; never inside the decode loop.
+        if self.rotary is None or self.rotary.max_positions < max_positions:
+            self.rotary = RotaryTables(self.config.head_dim, max_positions, self.config.rope_theta,
+                                       self.config.rope_scaling, device=self.lm_head_weight.device)
+
+    # ---- forward -------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache,
+                cache_positions: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (batch, vocab_size) float32 of each row's last input position.
+
+        input_ids, position_ids: (batch, seq). position_ids are the rotary positions of each token
+            (in a left-padded batch they start at 0 at each row's first real token).
+        cache_positions: (seq,) cache slots the new tokens occupy, shared by all rows.
+        attention_mask: (batch, max_seq_len) over cache slots, true where the slot holds a real
+            token (or will); None means every slot. Causality comes from cache_positions.
+        """
+        batch, seq = input_ids.shape
+        if seq > cache.max_seq_len or batch != cache.batch:
+            raise ValueError(
+                f"input of batch {batch} x seq {seq} does not fit a KV cache of batch {cache.batch} x "
+                f"max_seq_len {cache.max_seq_len}"
+            )
+        self._ensure_rotary(cache.max_seq_len)
+        cos, sin = self.rotary.lookup(position_ids, self.dtype)  # (batch, seq, head_dim)
+        mask = self._mask(cache, cache_positions, attention_mask)  # (batch, 1, seq, max_seq_len)
+
+        x = self.embed(input_ids)  # (batch, seq, hidden)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, mask, cache, i, cache_positions)
+
+        # Only the last position's logits are needed to pick the next token.
+        last = self.norm(x[:, -1, :])  # (batch, hidden)
+        local = torch.nn.functional.linear(last, self.lm_head_weight)  # (batch, vocab_per_rank)
+        logits = self.collectives.all_gather_last_dim(local)  # (batch, padded_vocab)
+        return logits[:, : self.config.vocab_size].float()
+
+    @staticmethod
+    def _mask(cache: KVCache, cache_positions: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """Boolean (batch, 1, seq, max_seq_len): query i may read slot j when j <= its own slot and
+        slot j holds a real token. A query always reads its own slot: padding queries would otherwise
+        have no slot to read, and their softmax over nothing would be NaN, poisoning the cache."""
+        slots = torch.arange(cache.max_seq_len, device=cache_positions.device)  # (max_seq_len,)
+        causal = slots[None, :] <= cache_positions[:, None]  # (seq, max_seq_len)
+        own = slots[None, :] == cache_positions[:, None]
+        if attention_mask is None:
+            return causal[None, None]
+        return ((causal[None] & attention_mask[:, None, :].bool()) | own[None]).unsqueeze(1)
