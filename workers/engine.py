@@ -1,0 +1,178 @@
+"""The generation loop one rank runs: left-pad a batch, prefill once, decode one token per step.
+
+Every rank of a tensor-parallel group runs this same loop on the same prompts; the model's
+collectives keep the ranks in step and the all-gathered logits plus shared seeds make every rank
+pick the same tokens (see workers/sampling.py). Rank 0's outputs are the ones returned to the user.
+
+Batching: prompts of different lengths are left-padded to the longest, so all rows share cache
+slots and the last column is every row's newest token. A row's padding slots are masked out of
+attention and its rotary positions start at 0 at its first real token, so each row's tokens are
+those the prompt would get alone. Rows that finish keep flowing through the (fixed-shape) batch,
+but their tokens are no longer recorded; the loop ends when every row has finished.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from workers.kv_cache import KVCache
+from workers.sampling import SamplingParams, make_generator, sample
+
+CACHE_LEN_MULTIPLE = 64
+"""Default KV cache lengths are rounded up to this, so nearby request sizes share one shape."""
+
+
+@dataclass
+class GenerationOutput:
+    token_ids: list[int]
+    """Generated tokens only (not the prompt); ends with the stop token when one was produced."""
+    finish_reason: str
+    """"stop" when a stop token was generated, "length" when max_new_tokens ran out."""
+    prompt_length: int
+    """Number of prompt tokens (without padding)."""
+    time_to_first_token_s: float
+    """From the call to generate until the first token was chosen (includes prefill)."""
+    decode_tokens_per_s: float
+    """Tokens after the first, divided by the time from the first token to this row's last one;
+    0.0 when only one token was generated."""
+
+
+def cache_length(prompt_lengths: list[int], max_new_tokens: int, max_position_embeddings: int,
+                 max_seq_len: int | None = None) -> int:
+    """KV cache slots for a batch: max_seq_len if given, else the longest prompt plus
+    max_new_tokens rounded up to CACHE_LEN_MULTIPLE (capped at max_position_embeddings).
+    ValueError when the request cannot fit."""
+    needed = max(prompt_lengths) + max_new_tokens
+    if needed > max_position_embeddings:
+        raise ValueError(
+            f"longest prompt ({max(prompt_lengths)}) + max_new_tokens ({max_new_tokens}) = {needed} "
+            f"exceeds the model's max_position_embeddings ({max_position_embeddings}); shorten the "
+            f"prompt or lower max_new_tokens"
+        )
+    if max_seq_len is not None:
+        if needed > max_seq_len:
+            raise ValueError(
+                f"longest prompt ({max(prompt_lengths)}) + max_new_tokens ({max_new_tokens}) = {needed} "
+                f"exceeds max_seq_len ({max_seq_len}); raise max_seq_len or lower max_new_tokens"
+            )
+        return max_seq_len
+    rounded = -(-needed // CACHE_LEN_MULTIPLE) * CACHE_LEN_MULTIPLE
+    return max(needed, min(rounded, max_position_embeddings))
+
+
+def _check_request(prompts: list[list[int]], params: list[SamplingParams], max_new_tokens: int,
+                   vocab_size: int) -> None:
+    if not prompts:
+        raise ValueError("generate needs at least one prompt; got an empty list")
+    if len(params) != len(prompts):
+        raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams; pass one per prompt")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
+    for i, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        bad = [t for t in prompt if not 0 <= int(t) < vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} holds token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
+
+
+def _shared_seeds(model, params: list[SamplingParams]) -> list[SamplingParams]:
+    """Give every sampled request without a seed one that all ranks share.
+
+    Rank 0 draws the seeds and one all-reduce (the other ranks add zeros) hands them to everyone;
+    every rank sees the same params, so all ranks take this branch together or none does.
+    """
+    unseeded = [i for i, p in enumerate(params) if not p.is_greedy and p.seed is None]
+    if not unseeded:
+        return params
+    collectives = model.collectives
+    seeds = torch.zeros(len(unseeded), dtype=torch.int64)
+    if collectives.rank == 0:
+        seeds = torch.tensor([random.randrange(2**62) for _ in unseeded], dtype=torch.int64)
+    collectives.all_reduce_sum_(seeds)
+    params = list(params)
+    for i, seed in zip(unseeded, seeds.tolist()):
+        p = params[i]
+        params[i] = SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=seed)
+    return params
+
+
+def generate(model, prompts: list[list[int]], params: list[SamplingParams], max_new_tokens: int,
+             stop_token_ids: Iterable[int], max_seq_len: int | None = None, *,
+             cache: KVCache | None = None, pad_token_id: int = 0) -> list[GenerationOutput]:
+    """Generate up to max_new_tokens for each prompt; one GenerationOutput per prompt, in order.
+
+    model: a ShardedCausalLM (anything with its forward, new_cache, config and collectives).
+    stop_token_ids: a row finishes (reason "stop") once it generates one of these.
+    max_seq_len: KV cache length; default: longest prompt + max_new_tokens rounded up to 64.
+    cache: reuse a preallocated KVCache (batch = len(prompts)) instead of allocating one; it is
+        reset first and must hold max_seq_len slots when max_seq_len is given.
+    pad_token_id: id fed in padding positions (never attended to, so any valid id works).
+    """
+    start = time.perf_counter()
+    config = model.config
+    _check_request(prompts, params, max_new_tokens, config.vocab_size)
+    stop = {int(t) for t in stop_token_ids}
+    lengths = [len(p) for p in prompts]
+    batch, longest = len(prompts), max(lengths)
+    if cache is not None and max_seq_len is None:
+        max_seq_len = cache.max_seq_len
+    slots = cache_length(lengths, max_new_tokens, config.max_position_embeddings, max_seq_len)
+
+    with torch.inference_mode():
+        if cache is None:
+            cache = model.new_cache(batch, slots)
+        else:
+            if cache.batch != batch or cache.max_seq_len != slots:
+                raise ValueError(
+                    f"the given KV cache holds batch {cache.batch} x {cache.max_seq_len} slots but this "
+                    f"request needs batch {batch} x {slots}"
+                )
+            cache.reset()
+        params = _shared_seeds(model, params)
+        generators = [make_generator(p) for p in params]
+
+        # Left padding: row i's real tokens occupy slots pad[i] .. longest - 1.
+        pad = torch.tensor([longest - n for n in lengths])  # (batch,)
+        input_ids = torch.full((batch, longest), pad_token_id, dtype=torch.int64)
+        for i, prompt in enumerate(prompts):
+            input_ids[i, pad[i]:] = torch.tensor(prompt, dtype=torch.int64)
+        slot_ids = torch.arange(slots)
+        attention_mask = slot_ids[None, :] >= pad[:, None]  # (batch, slots): false on padding
+        position_ids = (torch.arange(longest)[None, :] - pad[:, None]).clamp(min=0)  # (batch, longest)
+
+        logits = model(input_ids, position_ids, cache, slot_ids[:longest], attention_mask)
+        tokens = sample(logits, params, generators)  # (batch,)
+        first_token_time = time.perf_counter()
+
+        outputs = [GenerationOutput([], "length", n, first_token_time - start, 0.0) for n in lengths]
+        finish_time = [first_token_time] * batch
+        done = [False] * batch
+        positions = torch.tensor(lengths, dtype=torch.int64)[:, None]  # (batch, 1) next rotary position
+        for step in range(max_new_tokens):
+            now = time.perf_counter()
+            for i, token in enumerate(tokens.tolist()):
+                if done[i]:
+                    continue
+                outputs[i].token_ids.append(token)
+                finish_time[i] = now
+                if token in stop:
+                    outputs[i].finish_reason, done[i] = "stop", True
+                elif len(outputs[i].token_ids) == max_new_tokens:
+                    done[i] = True
+            if all(done):
+                break
+            slot = longest + step
+            logits = model(tokens[:, None], positions + step, cache, slot_ids[slot:slot + 1], attention_mask)
+            tokens = sample(logits, params, generators)
+
+    for i, out in enumerate(outputs):
+        decoded = len(out.token_ids) - 1
+        elapsed = finish_time[i] - first_token_time
+        out.decode_tokens_per_s = decoded / elapsed if decoded > 0 and elapsed > 0 else 0.0
+    return outputs

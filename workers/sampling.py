@@ -1,0 +1,110 @@
+"""Per-request token selection: greedy, temperature, top-k, top-p.
+
+Each request carries its own `SamplingParams`; a batch is turned into one (batch, 3) table of
+(top_k, top_p, temperature), the layout NxD Inference uses, and every row is filtered by its own
+values in one vectorised pass. Filters apply in the order temperature, top-k, top-p.
+
+How tensor-parallel ranks agree on tokens without communicating: the LM head all-gathers the
+logits, so every rank holds bit-identical (batch, vocab) logits; every rank builds its generators
+from the same seeds; sampling is then the same deterministic computation on the same inputs, and
+all ranks draw the same token. This holds only if no rank ever draws from an unseeded (global)
+generator while the others draw from a seeded one: the engine gives every sampled row a seed that
+all ranks agree on before the first step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    """Divides the logits before softmax; 0 means greedy (argmax), ignoring top_k and top_p."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 means no limit."""
+    top_p: float = 1.0
+    """Keep the smallest set of most likely tokens whose probability mass reaches top_p; 1 keeps all."""
+    seed: int | None = None
+    """Seed of this request's generator; the same seed gives the same tokens. None: unseeded."""
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature={t!r} must be a finite number >= 0 (0 means greedy)")
+        k = self.top_k
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"top_k={k!r} must be an integer >= 0 (0 turns top-k off)")
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+            raise ValueError(f"top_p={p!r} must be a number in (0, 1] (1 turns top-p off)")
+        s = self.seed
+        if s is not None and (isinstance(s, bool) or not isinstance(s, int) or not 0 <= s <= MAX_SEED):
+            raise ValueError(f"seed={s!r} must be None or an integer in [0, 2**63 - 1]")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """A generator seeded from params.seed, or None (draw from torch's global generator)."""
+    if params.seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(params.seed)
+
+
+def sampling_table(params: list[SamplingParams], device: torch.device | str = "cpu") -> torch.Tensor:
+    """(batch, 3) float32 rows of (top_k, top_p, temperature)."""
+    return torch.tensor([[p.top_k, p.top_p, p.temperature] for p in params], dtype=torch.float32, device=device)
+
+
+def filtered_probs(logits: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Probabilities after temperature, top-k and top-p, in descending-logit order.
+
+    logits (batch, vocab), table (batch, 3). Returns probs (batch, vocab) sorted by logit and the
+    token id of each sorted column (batch, vocab). Rows with temperature 0 are returned unscaled
+    (the caller takes their argmax).
+    """
+    top_k, top_p, temperature = table[:, 0:1], table[:, 1:2], table[:, 2:3]  # (batch, 1) each
+    vocab = logits.shape[-1]
+    scaled = logits.float() / torch.where(temperature > 0, temperature, 1.0)
+    sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)  # (batch, vocab)
+    rank = torch.arange(vocab, device=logits.device)[None, :]  # (1, vocab)
+    keep = rank < torch.where(top_k > 0, top_k, vocab)
+    sorted_logits = sorted_logits.masked_fill(~keep, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    # A token stays when the mass strictly before it is below top_p; the most likely always stays.
+    mass_before = probs.cumsum(dim=-1) - probs
+    keep &= (mass_before < top_p) | (rank == 0)
+    probs = sorted_logits.masked_fill(~keep, float("-inf")).softmax(dim=-1)
+    return probs, sorted_ids
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token id per row (batch,) int64 from logits (batch, vocab), each row by its own params."""
+    batch = logits.shape[0]
+    if len(params) != batch or len(generators) != batch:
+        raise ValueError(
+            f"logits have {batch} rows but {len(params)} SamplingParams and {len(generators)} "
+            f"generators were given; pass one of each per row"
+        )
+    tokens = logits.argmax(dim=-1)  # (batch,) greedy answer for every row
+    sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+    if not sampled_rows:
+        return tokens
+    rows = torch.tensor(sampled_rows, device=logits.device)
+    probs, sorted_ids = filtered_probs(logits[rows], sampling_table([params[i] for i in sampled_rows],
+                                                                     logits.device))
+    for j, i in enumerate(sampled_rows):
+        # Row by row: each request draws from its own generator, so its tokens do not depend on
+        # which other requests share the batch.
+        choice = torch.multinomial(probs[j], 1, generator=generators[i])
+        tokens[i] = sorted_ids[j, choice[0]]
+    return tokens
