@@ -1,0 +1,125 @@
+"""The machines the planner knows: AWS Inferentia2 / Trainium instances and this CPU host.
+
+Numbers are the Neuron documentation's (see DESIGN.md): NeuronCores per instance, device memory per
+NeuronCore, the TP degrees NxD Inference supports per family, and the logical NeuronCore config
+(LNC). Memory is in GiB of device HBM (16 GiB per NeuronCore on Inf2 and Trn1, 12 GiB per physical
+NeuronCore on Trn2, so 24 GiB per logical core at LNC 2).
+
+`cpu` describes the host the planner runs on (its core count and RAM), for development and tests:
+any TP degree is allowed there, even more ranks than cores (ranks then time-share the cores).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+GIB = 2**30
+
+NEURON_FAMILIES = ("inf2", "trn1", "trn2")
+
+
+@dataclass(frozen=True)
+class InstanceType:
+    """One kind of machine a TP group can run on (one node of it)."""
+
+    name: str
+    """Instance type name as AWS spells it (e.g. "trn1.32xlarge"), or "cpu" for this host."""
+    family: str
+    """"inf2", "trn1", "trn2" or "cpu"; the supported TP degrees and LNCs are per family."""
+    physical_cores: int
+    """NeuronCores on one instance (CPU cores for "cpu")."""
+    memory_bytes: int
+    """Device memory of one instance, all cores together (host RAM for "cpu")."""
+    allowed_lncs: tuple[int, ...] = (1,)
+    """Logical NeuronCore configs the hardware has: LNC 2 (two physical cores act as one) is Trn2's."""
+    default_lnc: int = 1
+
+    def __post_init__(self) -> None:
+        if self.family not in NEURON_FAMILIES + ("cpu",):
+            raise ValueError(f"instance family {self.family!r} must be one of {NEURON_FAMILIES + ('cpu',)}")
+        if self.physical_cores < 1 or self.memory_bytes < 1:
+            raise ValueError(f"{self.name}: physical_cores ({self.physical_cores}) and memory_bytes "
+                             f"({self.memory_bytes}) must be positive")
+        if self.default_lnc not in self.allowed_lncs:
+            raise ValueError(f"{self.name}: default_lnc ({self.default_lnc}) is not in allowed_lncs "
+                             f"{self.allowed_lncs}")
+        for lnc in self.allowed_lncs:
+            if self.physical_cores % lnc:
+                raise ValueError(f"{self.name}: {self.physical_cores} cores do not group by LNC {lnc}")
+
+    @property
+    def is_neuron(self) -> bool:
+        return self.family != "cpu"
+
+    def logical_cores(self, lnc: int) -> int:
+        """Cores the Neuron runtime shows at this LNC (each drives `lnc` physical cores)."""
+        return self.physical_cores // lnc
+
+    @property
+    def memory_per_physical_core(self) -> int:
+        return self.memory_bytes // self.physical_cores
+
+    def memory_per_logical_core(self, lnc: int) -> int:
+        return self.memory_per_physical_core * lnc
+
+    def supported_tp_degrees(self, lnc: int) -> tuple[int, ...] | None:
+        """TP degrees NxD Inference supports on one node of this family; None: any degree (cpu)."""
+        if self.family == "cpu":
+            return None
+        if self.family == "trn2":
+            # 64 logical cores at LNC 2 ("TP degree up to 64"); at LNC 1 all 128 cores are visible.
+            return (1, 2, 4, 8, 16, 32, 64) if lnc == 2 else (1, 2, 4, 8, 16, 32, 64, 128)
+        return {"inf2": (1, 2, 4, 8, 24), "trn1": (1, 2, 8, 16, 32)}[self.family]
+
+
+def _neuron(name: str, family: str, cores: int, gib_per_core: int) -> InstanceType:
+    lncs = (1, 2) if family == "trn2" else (1,)
+    return InstanceType(name=name, family=family, physical_cores=cores, memory_bytes=cores * gib_per_core * GIB,
+                        allowed_lncs=lncs, default_lnc=max(lncs))
+
+
+NEURON_INSTANCES: dict[str, InstanceType] = {
+    inst.name: inst
+    for inst in (
+        _neuron("inf2.xlarge", "inf2", 2, 16),
+        _neuron("inf2.8xlarge", "inf2", 2, 16),
+        _neuron("inf2.24xlarge", "inf2", 12, 16),
+        _neuron("inf2.48xlarge", "inf2", 24, 16),
+        _neuron("trn1.2xlarge", "trn1", 2, 16),
+        _neuron("trn1.32xlarge", "trn1", 32, 16),
+        _neuron("trn1n.32xlarge", "trn1", 32, 16),
+        _neuron("trn2.48xlarge", "trn2", 128, 12),
+    )
+}
+
+INSTANCE_NAMES: tuple[str, ...] = tuple(NEURON_INSTANCES) + ("cpu",)
+"""Every name `get_instance` accepts, in table order."""
+
+
+def _host_ram_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024  # the value is in kB
+    except OSError:
+        pass  # not Linux: fall back to sysconf below
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_host() -> InstanceType:
+    """This host as a planning target: its CPU count and total RAM (read once per process)."""
+    return InstanceType(name="cpu", family="cpu", physical_cores=os.cpu_count() or 1,
+                        memory_bytes=_host_ram_bytes())
+
+
+def get_instance(name: str) -> InstanceType:
+    """The instance type called `name` (one of INSTANCE_NAMES)."""
+    if name == "cpu":
+        return cpu_host()
+    if name not in NEURON_INSTANCES:
+        raise ValueError(f"unknown instance {name!r}; known: {', '.join(INSTANCE_NAMES)}")
+    return NEURON_INSTANCES[name]
