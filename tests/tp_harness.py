@@ -1,0 +1,155 @@
+"""Run real tensor parallelism in tests: one spawned process per rank, gloo between them.
+
+The parent passes each rank the full Hugging Face state_dict (tensors travel through shared
+memory); each rank cuts its own slices with shardlib's slice_for/apply_slice, builds a
+ShardedCausalLM over TorchDistributedCollectives and runs engine.generate. Every rank reports its
+outputs through a queue, so tests can check that the ranks agreed; rank 0's are the answer.
+
+Several cases run in one process group: starting a process (importing torch) costs about a second
+on the development machine, far more than a tiny model's generation.
+
+This module imports no transformers, so the spawned ranks start quickly.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import traceback
+from dataclasses import dataclass, field
+from queue import Empty
+
+import torch
+
+from shardlib.model_config import ModelConfig
+from shardlib.sharding import ShardLayout, apply_slice, slice_for
+from workers.sampling import SamplingParams
+
+
+@dataclass
+class Request:
+    """One engine.generate call."""
+
+    prompts: list[list[int]]
+    max_new_tokens: int
+    stop_token_ids: list[int] = field(default_factory=list)
+    params: list[SamplingParams] | None = None
+    """None: greedy for every prompt."""
+
+    def sampling(self) -> list[SamplingParams]:
+        return self.params if self.params is not None else [SamplingParams()] * len(self.prompts)
+
+
+@dataclass
+class Case:
+    """One model and the generate calls to run on it."""
+
+    name: str
+    config: ModelConfig
+    state_dict: dict[str, torch.Tensor]
+    requests: list[Request]
+    kv_strategy: str | None = None
+
+
+def hf_state_dict(model) -> dict[str, torch.Tensor]:
+    """A detached copy of a transformers model's weights."""
+    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+
+
+def shard_for_rank(config: ModelConfig, state_dict: dict[str, torch.Tensor], rank: int,
+                   layout: ShardLayout) -> dict[str, torch.Tensor]:
+    """The tensors `rank` holds, cut from the full checkpoint as the checkpoint reader would."""
+    shard = {}
+    for name, tensor in state_dict.items():
+        if config.tie_word_embeddings and name == "lm_head.weight":
+            continue  # a tied checkpoint stores the embedding only
+        tslice = slice_for(config.model_type, name, tuple(tensor.shape), rank, layout)
+        if tslice is not None:
+            shard[name] = apply_slice(tensor, tslice)
+    return shard
+
+
+def build_rank_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], rank: int, tp_degree: int,
+                     collectives, kv_strategy: str | None = None, dtype=None):
+    from workers.model import ShardedCausalLM
+
+    layout = ShardLayout.for_model(config, tp_degree, kv_strategy)
+    return ShardedCausalLM(config, layout, rank, shard_for_rank(config, state_dict, rank, layout),
+                           collectives, dtype)
+
+
+def run_case(case: Case, rank: int, tp_degree: int, collectives) -> list[list]:
+    """Outputs of every request of `case` on this rank (list of lists of GenerationOutput)."""
+    from workers.engine import generate
+
+    model = build_rank_model(case.config, case.state_dict, rank, tp_degree, collectives, case.kv_strategy)
+    return [generate(model, r.prompts, r.sampling(), r.max_new_tokens, r.stop_token_ids)
+            for r in case.requests]
+
+
+def _rank_main(rank: int, world_size: int, port: int, cases: list[Case], queue) -> None:
+    import torch.distributed as dist
+
+    from workers.collectives import TorchDistributedCollectives
+
+    torch.set_num_threads(1)  # the ranks share two cores; more threads only contend
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size, timeout=datetime.timedelta(seconds=60))
+        collectives = TorchDistributedCollectives()
+        results = {case.name: run_case(case, rank, world_size, collectives) for case in cases}
+        queue.put((rank, "ok", results))
+    except BaseException:  # report any failure to the parent instead of leaving it waiting
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_tp(world_size: int, cases: list[Case], timeout_s: float = 120.0) -> dict[int, dict[str, list[list]]]:
+    """Run `cases` on `world_size` spawned ranks; {rank: {case name: outputs per request}}.
+
+    Raises RuntimeError with the rank's traceback if a rank fails, TimeoutError if the ranks do not
+    all report within timeout_s (the processes are then killed, so nothing hangs).
+    """
+    ctx = torch.multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(rank, world_size, port, cases, queue), daemon=True)
+             for rank in range(world_size)]
+    for proc in procs:
+        proc.start()
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
+    results: dict[int, dict] = {}
+    try:
+        while len(results) < world_size:
+            remaining = (deadline - datetime.datetime.now()).total_seconds()
+            try:
+                rank, status, payload = queue.get(timeout=max(remaining, 0.1))
+            except Empty:
+                alive = [p.pid for p in procs if p.is_alive()]
+                raise TimeoutError(
+                    f"{world_size - len(results)} of {world_size} ranks did not report within "
+                    f"{timeout_s} s (still alive: pids {alive}); cases {[c.name for c in cases]}"
+                ) from None
+            if status == "error":
+                raise RuntimeError(f"rank {rank} of {world_size} failed:\n{payload}")
+            results[rank] = payload
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+    return results
+
+
+def token_ids(outputs: list) -> list[list[int]]:
+    return [out.token_ids for out in outputs]
+
