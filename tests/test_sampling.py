@@ -1,0 +1,101 @@
+"""Token selection: greedy, temperature, top-k, top-p, seeds, and parameter validation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from workers.sampling import SamplingParams, make_generator, sample, sampling_table
+
+
+def draw(logits: torch.Tensor, n: int, **params) -> list[int]:
+    """n independent draws from one row of logits (vocab,), one seeded request per draw."""
+    rows = [SamplingParams(seed=i, **params) for i in range(n)]
+    return sample(logits.expand(n, -1), rows, [make_generator(p) for p in rows]).tolist()
+
+
+def test_temperature_zero_is_argmax():
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams()] * 6
+    assert torch.equal(sample(logits, params, [None] * 6), logits.argmax(dim=-1))
+
+
+def test_greedy_and_sampled_rows_mix_in_one_batch():
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(temperature=1.0, seed=3), SamplingParams()]
+    tokens = sample(logits, params, [make_generator(p) for p in params])
+    assert tokens[1] == logits[1].argmax()
+
+
+def test_same_seed_same_tokens_different_seeds_differ():
+    flat = torch.zeros(1000)  # every token equally likely
+    params = SamplingParams(temperature=1.0, seed=7)
+
+    def run(p: SamplingParams) -> list[int]:
+        gen = make_generator(p)
+        return [sample(flat[None], [p], [gen]).item() for _ in range(20)]
+
+    assert run(params) == run(params)
+    assert run(params) != run(SamplingParams(temperature=1.0, seed=8))
+
+
+def test_top_k_never_draws_outside_the_top_k():
+    logits = torch.randn(100, generator=torch.Generator().manual_seed(2))
+    top5 = set(logits.topk(5).indices.tolist())
+    drawn = draw(logits, 2000, temperature=2.0, top_k=5)
+    assert set(drawn) <= top5
+    assert len(set(drawn)) >= 4  # it samples, it does not just take the argmax
+
+
+def test_top_k_one_is_greedy():
+    logits = torch.randn(100, generator=torch.Generator().manual_seed(3))
+    assert set(draw(logits, 50, temperature=5.0, top_k=1)) == {logits.argmax().item()}
+
+
+def test_top_p_drops_the_tail():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    drawn = draw(probs.log(), 2000, temperature=1.0, top_p=0.7)
+    # 0.5 before token 1 is below 0.7, so it stays; 0.8 before token 2 is not.
+    assert set(drawn) == {0, 1}
+    assert 0.55 < drawn.count(0) / len(drawn) < 0.70  # renormalised: 0.5 / 0.8 = 0.625
+
+
+def test_top_p_keeps_the_most_likely_token_at_least():
+    logits = torch.randn(100, generator=torch.Generator().manual_seed(4))
+    assert set(draw(logits, 50, temperature=1.0, top_p=1e-6)) == {logits.argmax().item()}
+
+
+def test_temperature_sharpens_and_flattens():
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    cold = draw(logits, 1000, temperature=0.1)
+    hot = draw(logits, 1000, temperature=10.0)
+    assert cold.count(0) > 990
+    assert min(hot.count(t) for t in range(4)) > 150
+
+
+def test_sampling_table_rows():
+    table = sampling_table([SamplingParams(temperature=0.7, top_k=40, top_p=0.9), SamplingParams()])
+    assert table.shape == (2, 3)
+    assert table.tolist() == [[40.0, pytest.approx(0.9), pytest.approx(0.7)], [0.0, 1.0, 0.0]]
+
+
+def test_row_count_mismatch_is_refused():
+    with pytest.raises(ValueError, match="2 rows but 1 SamplingParams and 1 generators"):
+        sample(torch.zeros(2, 10), [SamplingParams()], [None])
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=-0.5), r"temperature=-0\.5 must be a finite number >= 0"),
+    (dict(temperature=math.nan), r"temperature=nan must be a finite number"),
+    (dict(top_k=-1), r"top_k=-1 must be an integer >= 0"),
+    (dict(top_k=2.5), r"top_k=2\.5 must be an integer"),
+    (dict(top_p=0.0), r"top_p=0\.0 must be a number in \(0, 1\]"),
+    (dict(top_p=1.5), r"top_p=1\.5 must be a number in \(0, 1\]"),
+    (dict(seed=-3), r"seed=-3 must be None or an integer in \[0, 2\*\*63 - 1\]"),
+    (dict(seed="42"), r"seed='42' must be None or an integer"),
+])
+def test_invalid_params_name_the_value_and_range(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
