@@ -1,0 +1,51 @@
+"""The full (unsharded) shape of every parameter a checkpoint must hold, derived from ModelConfig.
+
+Names are Hugging Face's, as in model.state_dict(). Weights are (out_features, in_features) like
+nn.Linear. The checkpoint reader checks a checkpoint against this table before reading any bytes;
+the planner and the pre-sharded format use it to size shards without opening a checkpoint.
+"""
+
+from __future__ import annotations
+
+from shardlib.model_config import ModelConfig
+
+LM_HEAD = "lm_head.weight"
+EMBED = "model.embed_tokens.weight"
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> full shape, for every tensor the model needs.
+
+    With tie_word_embeddings the LM head is the embedding matrix, so LM_HEAD is not listed (a
+    checkpoint may still carry a copy of it; readers ignore it).
+    """
+    h, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    q, kv = config.q_size, config.kv_size
+    shapes: dict[str, tuple[int, ...]] = {EMBED: (v, h)}
+    for layer in range(config.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        shapes[p + "self_attn.q_proj.weight"] = (q, h)
+        shapes[p + "self_attn.k_proj.weight"] = (kv, h)
+        shapes[p + "self_attn.v_proj.weight"] = (kv, h)
+        if config.attention_bias:
+            shapes[p + "self_attn.q_proj.bias"] = (q,)
+            shapes[p + "self_attn.k_proj.bias"] = (kv,)
+            shapes[p + "self_attn.v_proj.bias"] = (kv,)
+        shapes[p + "self_attn.o_proj.weight"] = (h, q)
+        if config.is_moe:
+            shapes[p + "block_sparse_moe.gate.weight"] = (config.num_local_experts, h)
+            for e in range(config.num_local_experts):
+                x = f"{p}block_sparse_moe.experts.{e}."
+                shapes[x + "w1.weight"] = (i, h)  # gate
+                shapes[x + "w3.weight"] = (i, h)  # up
+                shapes[x + "w2.weight"] = (h, i)  # down
+        else:
+            shapes[p + "mlp.gate_proj.weight"] = (i, h)
+            shapes[p + "mlp.up_proj.weight"] = (i, h)
+            shapes[p + "mlp.down_proj.weight"] = (h, i)
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+    shapes["model.norm.weight"] = (h,)
+    if not config.tie_word_embeddings:
+        shapes[LM_HEAD] = (v, h)
+    return shapes
