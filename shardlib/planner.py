@@ -1,0 +1,577 @@
+"""The planner: prove a tensor-parallel layout fits before any process starts.
+
+`plan(config, instance=..., tp=...)` is pure arithmetic on a ModelConfig and the instance table: no
+Ray, no tensors, well under a millisecond per TP degree, so even Llama-3.1-405B plans instantly.
+Every rule is checked and every failure is reported (not just the first), each message naming the
+values, the rule and the ways out. Rules and their error codes (the facts are DESIGN.md's):
+
+- heads_not_divisible:   num_attention_heads % tp != 0 (unless pad_q_heads pads Q heads).
+- kv_heads_incompatible: an explicit kv_strategy that cannot split the KV heads at this degree.
+- insufficient_memory:   a rank's weight shard plus its KV cache exceed the memory of the cores it
+                         drives, less RESERVE_FRACTION (on `cpu`: all ranks together against RAM).
+- unsupported_tp_degree: the ranks per node are not a degree NxD Inference supports on the family.
+- not_enough_cores:      TP x cores per rank exceeds the NeuronCores of the nodes.
+- invalid_lnc:           LNC other than 1 or 2, or LNC 2 where the hardware has no LNC 2.
+- no_valid_tp_degree:    tp="auto" and no degree passes every rule (followed by the errors of the
+                         degree that fails the fewest).
+
+Per-rank weights count each rank's real shard as shardlib.sharding cuts it: Q/O by whole heads,
+K/V by the strategy's KV heads (replication and MHA conversion hold copies, so they cost more),
+MLP (and every Mixtral expert) column/row split with padding to a multiple of TP, vocabulary split
+padded to a multiple of TP, norms and the MoE router replicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from shardlib.instances import GIB, NEURON_INSTANCES, InstanceType, get_instance
+from shardlib.model_config import DTYPE_BYTES, ModelConfig, normalize_dtype
+
+RESERVE_FRACTION = 0.10
+# Why 10%: the Neuron runtime, the loaded compiled graphs (one per bucket) and their scratchpad for
+# activations live in the same device memory as the weights and the KV cache; on the cpu target the
+# OS, Python and torch of every rank share the RAM. NxD Inference's own sizing examples (8B in
+# 16 GB, 70B in 148 GB) leave about this much headroom. It is a heuristic, not a measurement: very
+# large batch x seq_len prefill activations can need more.
+RESERVE_REASON = ("10% of each rank's memory is kept free for the runtime, the compiled graphs and "
+                  "their activation scratchpad (RAM for the OS and the rank processes on cpu)")
+
+DEFAULT_MAX_SEQ_LEN = 4096
+"""seq_len when none is given: min(max_position_embeddings, 4096). Long-context checkpoints
+(131072 positions) would otherwise size a KV cache nobody asked for; 4096 is the sequence length
+of NxD Inference's and optimum-neuron's usual compiled configurations."""
+
+KV_STRATEGIES = ("shard", "replicate_to_tp", "convert_to_mha")
+_LOWER_DTYPES = ("bfloat16", "float8_e4m3")  # suggested in this order when memory runs out
+_MAX_SUGGESTED_NODES = 8
+_NOTHING_FITS = ("none found with up to {nodes} nodes, the known instances and the lower-precision "
+                 "dtypes; a smaller seq_len or batch_size only shrinks the KV cache")
+
+
+@dataclass(frozen=True)
+class PlanIssue:
+    """One failed rule."""
+
+    code: str
+    """Machine-readable rule name (see the module docstring)."""
+    message: str
+    """The values involved, the rule, and the ways out."""
+
+    def to_dict(self) -> dict:
+        return {"code": self.code, "message": self.message}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one rank needs and has (every rank holds the same padded shard sizes)."""
+
+    weight_bytes_per_rank: int
+    kv_cache_bytes_per_rank: int
+    """2 x layers x batch x seq_len x kv_heads_per_rank x head_dim x bytes(kv_cache_dtype)."""
+    capacity_bytes_per_rank: int
+    """Memory of the cores a rank drives (cpu: host RAM x nodes / tp, its share of the RAM)."""
+    capacity_bytes_per_core: int
+    """Per physical NeuronCore (cpu: host RAM / CPU cores)."""
+    reserve_fraction: float
+    model_weight_bytes: int
+    """The unsharded checkpoint at the plan's dtype (what one TP-1 rank would hold)."""
+    kv_cache_dtype: str
+    tp_degree: int
+
+    @property
+    def total_bytes_per_rank(self) -> int:
+        return self.weight_bytes_per_rank + self.kv_cache_bytes_per_rank
+
+    @property
+    def usable_bytes_per_rank(self) -> int:
+        return int(self.capacity_bytes_per_rank * (1 - self.reserve_fraction))
+
+    @property
+    def total_bytes_all_ranks(self) -> int:
+        return self.total_bytes_per_rank * self.tp_degree
+
+    def to_dict(self) -> dict:
+        return {
+            "weight_bytes_per_rank": self.weight_bytes_per_rank,
+            "kv_cache_bytes_per_rank": self.kv_cache_bytes_per_rank,
+            "total_bytes_per_rank": self.total_bytes_per_rank,
+            "capacity_bytes_per_rank": self.capacity_bytes_per_rank,
+            "capacity_bytes_per_core": self.capacity_bytes_per_core,
+            "usable_bytes_per_rank": self.usable_bytes_per_rank,
+            "reserve_fraction": self.reserve_fraction,
+            "reserve_reason": RESERVE_REASON,
+            "total_bytes_all_ranks": self.total_bytes_all_ranks,
+            "model_weight_bytes": self.model_weight_bytes,
+            "kv_cache_dtype": self.kv_cache_dtype,
+        }
+
+
+@dataclass(frozen=True)
+class PaddingWaste:
+    """What padding Q heads with zero heads costs (pad_q_heads=True)."""
+
+    extra_q_heads: int
+    extra_qo_weight_bytes: int
+    """Zero rows of q_proj (and its bias) plus zero columns of o_proj, all layers, all ranks."""
+    extra_qo_fraction: float
+    """extra_qo_weight_bytes over the real Q/O weight bytes."""
+    extra_model_fraction: float
+    """extra_qo_weight_bytes over the whole checkpoint."""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The verdict on one layout, with the numbers behind it. Build it with plan()."""
+
+    valid: bool
+    tp_degree: int
+    """The degree checked: the requested one, auto's pick, or (auto, none valid) the representative."""
+    tp_requested: int | str
+    instance: str
+    family: str
+    nodes: int
+    lnc: int
+    """The LNC asked for (or the instance default); an invalid one is reported, checks use the default."""
+    cores_per_rank: int
+    """Physical NeuronCores a rank drives (= LNC; Ray's `neuron_cores` per rank); 1 on cpu."""
+    ranks_per_node: int
+    logical_cores_per_node: int
+    dtype: str
+    batch_size: int
+    seq_len: int
+    kv_strategy: str | None
+    """"shard", "replicate_to_tp" or "convert_to_mha"; None when no strategy fits the degree."""
+    q_heads_per_rank: int | None
+    kv_heads_per_rank: int | None
+    padded_q_heads: int | None
+    """With pad_q_heads: Q heads after padding to ceil(H/T)*T; None otherwise."""
+    padding_waste: PaddingWaste | None
+    memory: MemoryEstimate
+    valid_tp_degrees: tuple[int, ...]
+    """Every candidate degree on this instance and node count that passes every rule."""
+    errors: tuple[PlanIssue, ...]
+    warnings: tuple[str, ...]
+    config: ModelConfig = field(repr=False, compare=False)
+
+    @property
+    def error_codes(self) -> tuple[str, ...]:
+        return tuple(issue.code for issue in self.errors)
+
+    def layout(self):
+        """The shardlib.sharding.ShardLayout of this plan (ValueError when the plan is invalid)."""
+        if not self.valid:
+            raise ValueError(f"no layout for an invalid plan (errors: {', '.join(self.error_codes)}); "
+                             f"fix the errors `corelaunch plan` reports first")
+        if self.padded_q_heads is not None and self.padded_q_heads != self.config.num_attention_heads:
+            raise ValueError(
+                f"the plan pads Q heads from {self.config.num_attention_heads} to {self.padded_q_heads}; "
+                f"corelaunch's executor does not run padded layouts yet; use one of the degrees "
+                f"{_fmt_list(self.valid_tp_degrees)} without pad_q_heads")
+        from shardlib.sharding import ShardLayout
+
+        return ShardLayout.for_model(self.config, self.tp_degree, self.kv_strategy)
+
+    def to_dict(self) -> dict:
+        cfg = self.config
+        return {
+            "valid": self.valid,
+            "model": {"model_type": cfg.model_type, "num_hidden_layers": cfg.num_hidden_layers,
+                      "hidden_size": cfg.hidden_size, "num_attention_heads": cfg.num_attention_heads,
+                      "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
+                      "vocab_size": cfg.vocab_size, "num_local_experts": cfg.num_local_experts,
+                      "param_count": cfg.param_count()},
+            "tp_degree": self.tp_degree, "tp_requested": self.tp_requested,
+            "instance": self.instance, "family": self.family, "nodes": self.nodes, "lnc": self.lnc,
+            "cores_per_rank": self.cores_per_rank, "ranks_per_node": self.ranks_per_node,
+            "logical_cores_per_node": self.logical_cores_per_node,
+            "dtype": self.dtype, "batch_size": self.batch_size, "seq_len": self.seq_len,
+            "kv_strategy": self.kv_strategy, "q_heads_per_rank": self.q_heads_per_rank,
+            "kv_heads_per_rank": self.kv_heads_per_rank, "padded_q_heads": self.padded_q_heads,
+            "padding_waste": self.padding_waste.to_dict() if self.padding_waste else None,
+            "memory": self.memory.to_dict(),
+            "valid_tp_degrees": list(self.valid_tp_degrees),
+            "errors": [issue.to_dict() for issue in self.errors],
+            "warnings": list(self.warnings),
+        }
+
+
+# ---- normalized request and the per-degree check ------------------------------------------------
+@dataclass(frozen=True)
+class _Request:
+    config: ModelConfig
+    inst: InstanceType
+    nodes: int
+    lnc: int
+    """Effective LNC: the requested one, or the instance default when the request is invalid."""
+    lnc_requested: int
+    lnc_problem: str | None
+    batch: int
+    seq_len: int
+    dtype: str
+    kv_override: str | None
+    pad: bool
+
+
+@dataclass(frozen=True)
+class _Check:
+    tp: int
+    codes: tuple[str, ...]
+    q_heads_total: int  # after padding (== H without padding)
+    q_per_rank: int
+    kv_strategy: str | None
+    kv_problem: str | None
+    kv_per_rank: int
+    ranks_per_node: int
+    memory: MemoryEstimate
+
+
+def _weight_elements(cfg: ModelConfig, tp: int, q_per_rank: int, kv_per_rank: int) -> int:
+    """Parameters one rank holds (see the module docstring for the split of each tensor)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    vocab = math.ceil(cfg.vocab_size / tp) * h
+    embed = vocab if cfg.tie_word_embeddings else 2 * vocab  # tied: one tensor is both
+    attn = 2 * q_per_rank * d * h + 2 * kv_per_rank * d * h  # q, o + k, v
+    if cfg.attention_bias:
+        attn += (q_per_rank + 2 * kv_per_rank) * d
+    mlp = 3 * h * math.ceil(cfg.intermediate_size / tp)  # gate/up (w1/w3) columns, down (w2) rows
+    if cfg.is_moe:
+        mlp = cfg.num_local_experts * mlp + h * cfg.num_local_experts  # all experts + router
+    return embed + cfg.num_hidden_layers * (attn + mlp + 2 * h) + h
+
+
+def _kv_cache_dtype(dtype: str) -> str:
+    # Quantized (1-byte) weights compute in bfloat16, and so does the cache (fp8 KV is not modelled).
+    return dtype if DTYPE_BYTES[dtype] >= 2 else "bfloat16"
+
+
+def _check(req: _Request, tp: int) -> _Check:
+    from shardlib.sharding import default_kv_strategy, kv_strategy_problem
+
+    cfg, inst = req.config, req.inst
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    codes = []
+    if req.lnc_problem:
+        codes.append("invalid_lnc")
+    heads_total = math.ceil(heads / tp) * tp if req.pad else heads
+    if heads_total % tp:
+        codes.append("heads_not_divisible")
+    q_per_rank = math.ceil(heads_total / tp)
+
+    strategy = req.kv_override or _value(default_kv_strategy(heads_total, kv_heads, tp))
+    kv_problem = kv_strategy_problem(strategy, heads_total, kv_heads, tp) if strategy else None
+    # convert_to_mha's only condition is the heads rule, already reported above
+    if kv_problem and strategy != "convert_to_mha":
+        codes.append("kv_heads_incompatible")
+    if strategy and not kv_problem:
+        kv_per_rank = {"shard": kv_heads // tp, "replicate_to_tp": 1,
+                       "convert_to_mha": heads_total // tp}[strategy]
+    else:
+        kv_per_rank = max(1, math.ceil(kv_heads / tp))  # an estimate: the layout does not exist
+
+    ranks_per_node = math.ceil(tp / req.nodes)
+    supported = inst.supported_tp_degrees(req.lnc)
+    if supported is not None and (tp % req.nodes or ranks_per_node not in supported):
+        codes.append("unsupported_tp_degree")
+    if inst.is_neuron and ranks_per_node > inst.logical_cores(req.lnc):
+        codes.append("not_enough_cores")
+
+    nbytes = DTYPE_BYTES[req.dtype]
+    kv_dtype = _kv_cache_dtype(req.dtype)
+    kv_bytes = (2 * cfg.num_hidden_layers * req.batch * req.seq_len * kv_per_rank * cfg.head_dim
+                * DTYPE_BYTES[kv_dtype])
+    if inst.is_neuron:
+        per_core = inst.memory_per_physical_core
+        capacity = per_core * req.lnc
+    else:
+        per_core = inst.memory_bytes // inst.physical_cores
+        capacity = inst.memory_bytes * req.nodes // tp
+    memory = MemoryEstimate(
+        weight_bytes_per_rank=_weight_elements(cfg, tp, q_per_rank, kv_per_rank) * nbytes,
+        kv_cache_bytes_per_rank=kv_bytes, capacity_bytes_per_rank=capacity,
+        capacity_bytes_per_core=per_core, reserve_fraction=RESERVE_FRACTION,
+        model_weight_bytes=_weight_elements(cfg, 1, heads, kv_heads) * nbytes,
+        kv_cache_dtype=kv_dtype, tp_degree=tp)
+    if inst.is_neuron:
+        fits = memory.total_bytes_per_rank <= memory.usable_bytes_per_rank
+    else:  # the cpu target: all ranks share the hosts' RAM
+        fits = memory.total_bytes_all_ranks <= inst.memory_bytes * req.nodes * (1 - RESERVE_FRACTION)
+    if not fits:
+        codes.append("insufficient_memory")
+    return _Check(tp=tp, codes=tuple(codes), q_heads_total=heads_total, q_per_rank=q_per_rank,
+                  kv_strategy=strategy, kv_problem=kv_problem, kv_per_rank=kv_per_rank,
+                  ranks_per_node=ranks_per_node, memory=memory)
+
+
+def _value(strategy) -> str | None:
+    return None if strategy is None else strategy.value
+
+
+def _candidates(req: _Request) -> list[int]:
+    supported = req.inst.supported_tp_degrees(req.lnc)
+    if supported is not None:
+        return [d * req.nodes for d in supported]
+    heads = req.config.num_attention_heads  # cpu: any degree; these are the ones heads allow
+    return [t for t in range(1, heads + 1) if req.pad or heads % t == 0]
+
+
+def _valid_degrees(req: _Request) -> list[int]:
+    return [t for t in _candidates(req) if not _check(req, t).codes]
+
+
+# ---- messages -----------------------------------------------------------------------------------
+def _fmt_list(values) -> str:
+    return ", ".join(str(v) for v in values) if values else "none"
+
+
+def _fmt_bytes(n: float) -> str:
+    return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
+
+
+def _ways_out(req: _Request, check: _Check) -> list[str]:
+    """Concrete changes under which a degree passes every rule (memory-related ones first)."""
+    if req.lnc_problem:
+        fixed = _valid_degrees(dataclasses.replace(req, lnc_problem=None))
+        return [f"omit lnc (the default is {req.inst.default_lnc}); degrees that work then: "
+                f"{_fmt_list(fixed)}"]
+    ways = []
+    mem = check.memory
+    per_token = mem.kv_cache_bytes_per_rank // (req.batch * req.seq_len)  # KV bytes per position of one sequence
+    if "insufficient_memory" in check.codes:
+        usable = mem.usable_bytes_per_rank
+        if not req.inst.is_neuron:  # a rank's share of the usable RAM
+            usable = int(req.inst.memory_bytes * req.nodes * (1 - RESERVE_FRACTION)) // check.tp
+        room = usable - mem.weight_bytes_per_rank
+        if room > 0 and per_token:
+            if room // (per_token * req.batch) >= 1:
+                ways.append(f"a smaller seq_len (at most {room // (per_token * req.batch)} at batch_size "
+                            f"{req.batch})")
+            if req.batch > 1 and room // (per_token * req.seq_len) >= 1:
+                ways.append(f"a smaller batch_size (at most {room // (per_token * req.seq_len)})")
+    for dtype in _LOWER_DTYPES:
+        if DTYPE_BYTES[dtype] < DTYPE_BYTES[req.dtype]:
+            fits = _valid_degrees(dataclasses.replace(req, dtype=dtype))
+            if fits:
+                ways.append(f"a lower-precision dtype: {dtype} fits at tp {_fmt_list(fits)}")
+                break
+    for nodes in range(req.nodes + 1, _MAX_SUGGESTED_NODES + 1):
+        fits = _valid_degrees(dataclasses.replace(req, nodes=nodes))
+        if fits:
+            ways.append(f"more nodes: --nodes {nodes} fits at tp {_fmt_list(fits)}")
+            break
+    if req.inst.is_neuron:
+        bigger = []
+        for other in sorted(NEURON_INSTANCES.values(), key=lambda i: i.memory_bytes):
+            if other.name != req.inst.name:
+                alt = dataclasses.replace(req, inst=other, lnc=other.default_lnc, lnc_problem=None)
+                fits = _valid_degrees(alt)
+                if fits:
+                    bigger.append(f"{other.name} (tp {fits[0]})")
+        if bigger:
+            ways.append(f"another instance: {', '.join(bigger[:3])}")
+    return ways
+
+
+def _describe(code: str, req: _Request, check: _Check, hint_degrees: list[int]) -> str:
+    cfg, inst, tp = req.config, req.inst, check.tp
+    works = f"degrees that work for this model on {inst.name}: {_fmt_list(hint_degrees)}"
+    if code == "invalid_lnc":
+        return req.lnc_problem
+    if code == "heads_not_divisible":
+        return (f"num_attention_heads ({cfg.num_attention_heads}) is not divisible by tp_degree ({tp}); "
+                f"{works}; or pad Q heads with zero heads (pad_q_heads, --pad-q-heads: sizing only, the "
+                f"executor does not run padded layouts yet)")
+    if code == "kv_heads_incompatible":
+        from shardlib.sharding import default_kv_strategy, kv_strategy_problem
+
+        ok = [s for s in KV_STRATEGIES
+              if not kv_strategy_problem(s, check.q_heads_total, cfg.num_key_value_heads, tp)]
+        default = _value(default_kv_strategy(check.q_heads_total, cfg.num_key_value_heads, tp))
+        return (f"{check.kv_problem}; strategies that work at tp_degree {tp}: {_fmt_list(ok)}"
+                + (f"; or leave kv_strategy unset for the default ({default})" if default else ""))
+    if code == "unsupported_tp_degree":
+        supported = inst.supported_tp_degrees(req.lnc)
+        at_lnc = f" at LNC {req.lnc}" if len(inst.allowed_lncs) > 1 else ""
+        if tp % req.nodes:
+            what = f"tp_degree ({tp}) does not split evenly over {req.nodes} nodes"
+        elif req.nodes > 1:
+            what = (f"tp_degree ({tp}) over {req.nodes} nodes puts {check.ranks_per_node} ranks on each "
+                    f"node, which is not a supported degree on {inst.family}")
+        else:
+            what = f"tp_degree ({tp}) is not a supported degree on {inst.family}"
+        return f"{what} (NxD Inference supports {_fmt_list(supported)} per node{at_lnc}); {works}"
+    if code == "not_enough_cores":
+        logical = inst.logical_cores(req.lnc)
+        needed_nodes = math.ceil(tp / logical)
+        msg = (f"tp_degree ({tp}) needs {tp} logical NeuronCores ({req.lnc} physical per rank at LNC "
+               f"{req.lnc}) but {inst.name} has {logical} per node x {req.nodes} node(s) = "
+               f"{logical * req.nodes}; use --nodes {needed_nodes}")
+        for lnc in inst.allowed_lncs:
+            if lnc < req.lnc and tp <= inst.logical_cores(lnc) * req.nodes:
+                msg += (f", or --lnc {lnc} ({inst.logical_cores(lnc)} cores per node of "
+                        f"{_fmt_bytes(inst.memory_per_logical_core(lnc))} each)")
+        return f"{msg}; {works}"
+    if code == "insufficient_memory":
+        mem = check.memory
+        if inst.is_neuron:
+            need = (f"tp_degree ({tp}) needs {_fmt_bytes(mem.total_bytes_per_rank)} per rank (weights "
+                    f"{_fmt_bytes(mem.weight_bytes_per_rank)} + KV cache "
+                    f"{_fmt_bytes(mem.kv_cache_bytes_per_rank)}) "
+                    f"but a rank on {inst.name} has {_fmt_bytes(mem.usable_bytes_per_rank)} usable "
+                    f"({_fmt_bytes(mem.capacity_bytes_per_rank)} of {req.lnc} NeuronCore(s) less the "
+                    f"{RESERVE_FRACTION:.0%} reserve)")
+        else:
+            need = (f"tp_degree ({tp}) needs {_fmt_bytes(mem.total_bytes_all_ranks)} for all {tp} ranks "
+                    f"(per rank: weights {_fmt_bytes(mem.weight_bytes_per_rank)} + KV cache "
+                    f"{_fmt_bytes(mem.kv_cache_bytes_per_rank)}) but this host has "
+                    f"{_fmt_bytes(inst.memory_bytes)} RAM x {req.nodes} node(s), "
+                    f"{_fmt_bytes(inst.memory_bytes * req.nodes * (1 - RESERVE_FRACTION))} after the "
+                    f"{RESERVE_FRACTION:.0%} reserve")
+        ways = [f"a degree that fits: {_fmt_list(hint_degrees)}"] if hint_degrees else []
+        ways += _ways_out(req, check)
+        return f"{need} (batch_size {req.batch}, seq_len {req.seq_len}, {req.dtype}); ways out: " + (
+            "; ".join(ways) if ways else _NOTHING_FITS.format(nodes=_MAX_SUGGESTED_NODES))
+    raise AssertionError(f"no message for rule {code}")
+
+
+# ---- the public entry point ---------------------------------------------------------------------
+def _resolve_dtype(name: str | None, config: ModelConfig) -> str:
+    if name is None:
+        return config.torch_dtype
+    key = str(name).replace("torch.", "").lower()
+    if key in DTYPE_BYTES:
+        return key
+    try:
+        return normalize_dtype(name)
+    except ValueError:
+        raise ValueError(f"unknown dtype {name!r}; use one of {', '.join(DTYPE_BYTES)} "
+                         f"(or bf16, fp16, fp32)") from None
+
+
+def _lnc_problem(lnc: int, inst: InstanceType) -> str | None:
+    if lnc not in (1, 2):
+        return (f"lnc ({lnc}) must be 1 or 2 (the logical NeuronCore config); omit it for "
+                f"{inst.name}'s default ({inst.default_lnc})")
+    if lnc in inst.allowed_lncs:
+        return None
+    if not inst.is_neuron:
+        return f"lnc ({lnc}) has no meaning on the cpu target (it has no NeuronCores); omit --lnc"
+    return (f"lnc ({lnc}) is not available on {inst.name}: LNC 2 exists only on trn2 hardware "
+            f"({inst.name} is {inst.family}); use --lnc 1 or omit --lnc")
+
+
+def _positive(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} ({value!r}) must be a positive integer")
+    return value
+
+
+def plan(config: ModelConfig, *, instance: str = "cpu", tp: int | str = "auto", nodes: int = 1,
+         lnc: int | None = None, batch_size: int = 1, seq_len: int | None = None,
+         dtype: str | None = None, kv_strategy: str | None = None, pad_q_heads: bool = False) -> Plan:
+    """Check serving `config` at TP degree `tp` ("auto": the smallest degree that passes) on `nodes`
+    nodes of `instance`. ValueError for malformed arguments; rule failures land in Plan.errors."""
+    inst = get_instance(instance)
+    if isinstance(tp, str) and tp != "auto":
+        if not tp.isdigit():
+            raise ValueError(f"tp ({tp!r}) must be a positive integer or 'auto'")
+        tp = int(tp)
+    if tp != "auto":
+        _positive("tp", tp)
+    if kv_strategy is not None:
+        kv_strategy = getattr(kv_strategy, "value", kv_strategy)
+        if kv_strategy not in KV_STRATEGIES:
+            raise ValueError(f"kv_strategy ({kv_strategy!r}) must be one of {', '.join(KV_STRATEGIES)}, "
+                             f"or None for the default")
+    lnc_problem = None if lnc is None else _lnc_problem(lnc, inst)
+    req = _Request(
+        config=config, inst=inst, nodes=_positive("nodes", nodes),
+        lnc=inst.default_lnc if lnc is None or lnc_problem else lnc,
+        lnc_requested=inst.default_lnc if lnc is None else lnc, lnc_problem=lnc_problem,
+        batch=_positive("batch_size", batch_size),
+        seq_len=_positive("seq_len", seq_len) if seq_len is not None
+        else min(config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN),
+        dtype=_resolve_dtype(dtype, config), kv_override=kv_strategy, pad=bool(pad_q_heads))
+
+    valid = _valid_degrees(req)
+    # degrees named in messages: with a bad LNC every degree fails, so name those the default LNC allows
+    hints = valid if lnc_problem is None else _valid_degrees(dataclasses.replace(req, lnc_problem=None))
+    errors: list[PlanIssue] = []
+    if tp == "auto" and valid:
+        check = _check(req, valid[0])
+    elif tp == "auto":
+        # The degree that fails the fewest rules; among equals, on Neuron the largest (the smallest
+        # shard per rank), on cpu the smallest (all ranks share the RAM, so fewer copies is closer).
+        sign = -1 if inst.is_neuron else 1
+        check = min((_check(req, t) for t in _candidates(req)), key=lambda c: (len(c.codes), sign * c.tp))
+        summary = (f"no tp_degree passes every rule for this {config.model_type} model on {req.nodes} x "
+                   f"{inst.name} ({req.dtype}, batch_size {req.batch}, seq_len {req.seq_len}); the errors "
+                   f"below are those of tp_degree {check.tp}, which fails the fewest")
+        if "insufficient_memory" not in check.codes:  # that message lists the ways out itself
+            ways = _ways_out(req, check)
+            summary += "; ways out: " + (
+                "; ".join(ways) if ways else _NOTHING_FITS.format(nodes=_MAX_SUGGESTED_NODES))
+        errors.append(PlanIssue("no_valid_tp_degree", summary))
+    else:
+        check = _check(req, tp)
+    errors += [PlanIssue(code, _describe(code, req, check, hints)) for code in check.codes]
+    return _build(req, check, tp, valid, errors)
+
+
+def _build(req: _Request, check: _Check, tp_requested, valid: list[int], errors: list[PlanIssue]) -> Plan:
+    cfg, inst = req.config, req.inst
+    heads_ok = check.q_heads_total % check.tp == 0
+    kv_ok = heads_ok and check.kv_strategy is not None and check.kv_problem is None
+    padded = check.q_heads_total if req.pad else None
+    waste = None
+    if padded is not None:
+        extra = padded - cfg.num_attention_heads
+        per_head = (2 * cfg.hidden_size + (1 if cfg.attention_bias else 0)) * cfg.head_dim
+        extra_bytes = extra * per_head * cfg.num_hidden_layers * DTYPE_BYTES[req.dtype]
+        waste = PaddingWaste(extra_q_heads=extra, extra_qo_weight_bytes=extra_bytes,
+                             extra_qo_fraction=extra / cfg.num_attention_heads,
+                             extra_model_fraction=extra_bytes / check.memory.model_weight_bytes)
+    return Plan(
+        valid=not errors, tp_degree=check.tp, tp_requested=tp_requested, instance=inst.name,
+        family=inst.family, nodes=req.nodes, lnc=req.lnc_requested,
+        cores_per_rank=req.lnc if inst.is_neuron else 1, ranks_per_node=check.ranks_per_node,
+        logical_cores_per_node=inst.logical_cores(req.lnc), dtype=req.dtype, batch_size=req.batch,
+        seq_len=req.seq_len, kv_strategy=check.kv_strategy if kv_ok else None,
+        q_heads_per_rank=check.q_per_rank if heads_ok else None,
+        kv_heads_per_rank=check.kv_per_rank if kv_ok else None,
+        padded_q_heads=padded, padding_waste=waste, memory=check.memory,
+        valid_tp_degrees=tuple(valid), errors=tuple(errors), warnings=tuple(_warnings(req, check)),
+        config=cfg)
+
+
+def _warnings(req: _Request, check: _Check) -> list[str]:
+    cfg, inst, tp = req.config, req.inst, check.tp
+    out = []
+    if not inst.is_neuron and tp > inst.physical_cores * req.nodes:
+        out.append(f"tp_degree {tp} runs {tp} ranks on {inst.physical_cores} CPU core(s) x {req.nodes} "
+                   f"node(s): ranks time-share the cores (fine for development and tests, slow to serve)")
+    if not inst.is_neuron and tp % req.nodes:
+        out.append(f"tp_degree {tp} does not split evenly over {req.nodes} nodes: up to "
+                   f"{check.ranks_per_node} ranks on one node")
+    if not inst.is_neuron and req.nodes > 1:
+        out.append("the cpu target assumes every node has this host's cores and RAM")
+    if check.q_heads_total > cfg.num_attention_heads:
+        out.append(f"Q heads padded from {cfg.num_attention_heads} to {check.q_heads_total} with zero "
+                   f"heads: corelaunch's executor does not run padded layouts yet (the worker refuses "
+                   f"them), so this plan is for sizing only")
+    if check.kv_strategy == "convert_to_mha" and check.kv_problem is None:
+        copies = check.q_heads_total // cfg.num_key_value_heads
+        out.append(f"kv strategy convert_to_mha copies each of the {cfg.num_key_value_heads} KV heads "
+                   f"{copies} times: KV weights and KV cache cost {copies}x the checkpoint's layout")
+    if req.seq_len > cfg.max_position_embeddings:
+        out.append(f"seq_len {req.seq_len} exceeds the model's max_position_embeddings "
+                   f"({cfg.max_position_embeddings})")
+    if DTYPE_BYTES[req.dtype] == 1:
+        out.append(f"{req.dtype} plans quantized weights with a bfloat16 KV cache; the executor must "
+                   f"support that quantization")
+    return out

@@ -1,0 +1,359 @@
+"""shardlib.planner: every rule on the published configs, bytes checked by hand and against the
+sharding plan, and planning speed (pure arithmetic, no Ray)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shardlib.instances import GIB, cpu_host, get_instance
+from shardlib.model_config import ModelConfig, load_model_config
+from shardlib.planner import RESERVE_FRACTION, plan
+from shardlib.sharding import ShardLayout, slice_for
+
+CONFIGS = Path(__file__).parent / "data" / "configs"
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load(name: str) -> ModelConfig:
+    return load_model_config(CONFIGS / f"{name}.json")
+
+
+LLAMA_8B, LLAMA_70B, LLAMA_405B = load("llama-3.1-8b"), load("llama-3.1-70b"), load("llama-3.1-405b")
+QWEN_72B, SMOLLM2 = load("qwen2.5-72b"), load("smollm2-135m-instruct")
+MISTRAL_7B, MIXTRAL = load("mistral-7b-v0.1"), load("mixtral-8x7b-v0.1")
+ALL = [LLAMA_8B, LLAMA_70B, LLAMA_405B, QWEN_72B, SMOLLM2, MISTRAL_7B, MIXTRAL]
+
+TINY = ModelConfig(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128,
+                   torch_dtype="float32", max_position_embeddings=512)
+
+
+def codes(p) -> set[str]:
+    return {issue.code for issue in p.errors}
+
+
+def message(p, code: str) -> str:
+    [text] = [issue.message for issue in p.errors if issue.code == code]
+    return text
+
+
+# ---- bytes --------------------------------------------------------------------------------------
+def test_tiny_model_bytes_by_hand():
+    p = plan(TINY, instance="cpu", tp=2, seq_len=128, batch_size=1)
+    # per rank, float32: embed and lm_head 64 vocab rows x 64 = 2 x 4096; per layer q and o 2 heads
+    # x 16 x 64 = 2 x 2048, k and v 1 KV head x 16 x 64 = 2 x 1024, MLP 3 x 64 x 48 = 9216, two
+    # norms 128; final norm 64.
+    layer = 2 * 2048 + 2 * 1024 + 9216 + 128
+    assert p.memory.weight_bytes_per_rank == (2 * 4096 + 2 * layer + 64) * 4 == 156928
+    # 2 (K and V) x 2 layers x batch 1 x 128 positions x 1 KV head x 16 x 4 bytes
+    assert p.memory.kv_cache_bytes_per_rank == 2 * 2 * 1 * 128 * 1 * 16 * 4 == 32768
+    assert p.memory.total_bytes_per_rank == 156928 + 32768
+    assert (p.kv_strategy, p.q_heads_per_rank, p.kv_heads_per_rank) == ("shard", 2, 1)
+    assert p.memory.model_weight_bytes == TINY.param_count() * 4
+
+
+def test_tp1_weights_are_the_checkpoint():
+    for cfg in ALL:
+        p = plan(cfg, instance="trn2.48xlarge", tp=1, dtype="bfloat16")
+        assert p.memory.weight_bytes_per_rank == p.memory.model_weight_bytes == cfg.param_count() * 2
+
+
+def param_shapes(cfg: ModelConfig):
+    """(name, shape) of every checkpoint tensor, as Hugging Face names them."""
+    h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    yield "model.embed_tokens.weight", (cfg.vocab_size, h)
+    if not cfg.tie_word_embeddings:
+        yield "lm_head.weight", (cfg.vocab_size, h)
+    yield "model.norm.weight", (h,)
+    for layer in range(cfg.num_hidden_layers):
+        pre = f"model.layers.{layer}."
+        yield pre + "self_attn.q_proj.weight", (q, h)
+        yield pre + "self_attn.k_proj.weight", (kv, h)
+        yield pre + "self_attn.v_proj.weight", (kv, h)
+        yield pre + "self_attn.o_proj.weight", (h, q)
+        if cfg.attention_bias:
+            yield pre + "self_attn.q_proj.bias", (q,)
+            yield pre + "self_attn.k_proj.bias", (kv,)
+            yield pre + "self_attn.v_proj.bias", (kv,)
+        yield pre + "input_layernorm.weight", (h,)
+        yield pre + "post_attention_layernorm.weight", (h,)
+        if cfg.is_moe:
+            yield pre + "block_sparse_moe.gate.weight", (cfg.num_local_experts, h)
+            for e in range(cfg.num_local_experts):
+                yield pre + f"block_sparse_moe.experts.{e}.w1.weight", (i, h)
+                yield pre + f"block_sparse_moe.experts.{e}.w3.weight", (i, h)
+                yield pre + f"block_sparse_moe.experts.{e}.w2.weight", (h, i)
+        else:
+            yield pre + "mlp.gate_proj.weight", (i, h)
+            yield pre + "mlp.up_proj.weight", (i, h)
+            yield pre + "mlp.down_proj.weight", (h, i)
+
+
+def sharded_elements(cfg: ModelConfig, layout: ShardLayout, rank: int) -> int:
+    return sum(math.prod(slice_for(cfg.model_type, name, shape, rank, layout).shape(shape))
+               for name, shape in param_shapes(cfg))
+
+
+@pytest.mark.parametrize("cfg, tp, strategy", [
+    (SMOLLM2, 3, None), (SMOLLM2, 9, None), (SMOLLM2, 9, "convert_to_mha"), (SMOLLM2, 3, "convert_to_mha"),
+    (QWEN_72B, 8, None), (QWEN_72B, 16, None), (MISTRAL_7B, 32, "convert_to_mha"), (MIXTRAL, 8, None),
+    (MIXTRAL, 32, None), (TINY, 2, None),
+], ids=lambda v: getattr(v, "model_type", v))
+def test_weight_bytes_match_the_sharding_plan(cfg, tp, strategy):
+    """The planner's arithmetic equals the sum of the slices shardlib.sharding hands each rank."""
+    p = plan(cfg, instance="cpu", tp=tp, kv_strategy=strategy, dtype="bfloat16", seq_len=16)
+    assert not codes(p) - {"insufficient_memory"}  # only the size of this host may refuse it
+    layout = ShardLayout.for_model(cfg, tp, strategy)
+    assert p.kv_heads_per_rank == layout.kv_heads_per_rank
+    for rank in (0, tp - 1):
+        assert p.memory.weight_bytes_per_rank == sharded_elements(cfg, layout, rank) * 2
+
+
+def test_replication_and_mha_conversion_cost_more_than_sharding():
+    shard = plan(SMOLLM2, instance="cpu", tp=3, dtype="bfloat16")
+    mha = plan(SMOLLM2, instance="cpu", tp=3, dtype="bfloat16", kv_strategy="convert_to_mha")
+    assert (shard.kv_heads_per_rank, mha.kv_heads_per_rank) == (1, 3)
+    assert mha.memory.kv_cache_bytes_per_rank == 3 * shard.memory.kv_cache_bytes_per_rank
+    # two extra KV heads (k and v rows) per layer: 2 x 2 x 64 x 576 elements x 30 layers x 2 bytes
+    assert mha.memory.weight_bytes_per_rank - shard.memory.weight_bytes_per_rank == 2 * 2 * 64 * 576 * 30 * 2
+
+
+# ---- the documented sizing examples -------------------------------------------------------------
+def test_llama_8b_bf16_fits_trn1_2xlarge():
+    p = plan(LLAMA_8B, instance="trn1.2xlarge", batch_size=1)
+    assert p.valid and p.tp_degree == 2 and p.valid_tp_degrees == (2,)
+    assert p.memory.model_weight_bytes == 16_060_522_496  # "about 16 GB"
+    assert p.memory.usable_bytes_per_rank == int(16 * GIB * (1 - RESERVE_FRACTION))
+    one = plan(LLAMA_8B, instance="trn1.2xlarge", tp=1)
+    assert codes(one) == {"insufficient_memory"}
+
+
+def test_llama_70b_needs_about_148_gb_and_16_trn1_cores():
+    p = plan(LLAMA_70B, instance="trn1.32xlarge")
+    assert p.valid and p.tp_degree == 16 and p.valid_tp_degrees == (16, 32)
+    assert p.kv_strategy == "replicate_to_tp" and p.ranks_per_node == 16
+    assert 140e9 < p.memory.total_bytes_all_ranks < 150e9
+    assert p.memory.model_weight_bytes == LLAMA_70B.param_count() * 2
+    assert codes(plan(LLAMA_70B, instance="trn1.32xlarge", tp=8)) == {"insufficient_memory"}
+
+
+def test_llama_70b_refused_on_inf2_xlarge_with_ways_out():
+    p = plan(LLAMA_70B, instance="inf2.xlarge", tp=2)
+    assert not p.valid and codes(p) == {"insufficient_memory"}
+    text = message(p, "insufficient_memory")
+    assert "inf2.xlarge" in text and "14.4 GiB usable" in text
+    assert "trn1.32xlarge (tp 16)" in text  # a bigger instance that works
+    auto = plan(LLAMA_70B, instance="inf2.xlarge")
+    assert not auto.valid and auto.valid_tp_degrees == ()
+    assert auto.error_codes[0] == "no_valid_tp_degree" and "insufficient_memory" in codes(auto)
+    assert "no tp_degree passes every rule" in auto.errors[0].message
+
+
+# ---- heads and KV heads -------------------------------------------------------------------------
+def test_qwen_72b_tp6_reports_every_failed_rule():
+    p = plan(QWEN_72B, instance="trn1.32xlarge", tp=6)
+    assert not p.valid
+    assert {"heads_not_divisible", "unsupported_tp_degree", "insufficient_memory"} == codes(p)
+    assert message(p, "heads_not_divisible").startswith(
+        "num_attention_heads (64) is not divisible by tp_degree (6); degrees that work for this model "
+        "on trn1.32xlarge: 16, 32")
+    assert "1, 2, 8, 16, 32" in message(p, "unsupported_tp_degree")
+    assert p.kv_strategy is None and p.q_heads_per_rank is None
+
+
+@pytest.mark.parametrize("tp, strategy", [(8, "shard"), (16, "replicate_to_tp"), (32, "replicate_to_tp")])
+def test_qwen_72b_kv_strategy_per_degree(tp, strategy):
+    p = plan(QWEN_72B, instance="trn2.48xlarge", tp=tp)
+    assert p.valid, p.errors
+    assert (p.kv_strategy, p.q_heads_per_rank, p.kv_heads_per_rank) == (strategy, 64 // tp, 1)
+    assert p.layout().kv_strategy.value == strategy
+
+
+def test_smollm2_head_valid_degrees():
+    for tp in range(1, 10):
+        p = plan(SMOLLM2, instance="cpu", tp=tp)
+        assert ("heads_not_divisible" in codes(p)) == (tp not in (1, 3, 9)), tp
+    assert plan(SMOLLM2, instance="cpu").valid_tp_degrees == (1, 3, 9)
+    trn1 = plan(SMOLLM2, instance="trn1.32xlarge")
+    assert trn1.valid_tp_degrees == (1,) and trn1.tp_degree == 1
+    for tp in (3, 9):
+        p = plan(SMOLLM2, instance="trn1.32xlarge", tp=tp)
+        assert codes(p) == {"unsupported_tp_degree"}
+        assert "degrees that work for this model on trn1.32xlarge: 1" in p.errors[0].message
+
+
+def test_smollm2_kv_strategy_override_at_tp9():
+    mha = plan(SMOLLM2, instance="cpu", tp=9, kv_strategy="convert_to_mha")
+    assert mha.valid and (mha.kv_strategy, mha.q_heads_per_rank, mha.kv_heads_per_rank) == ("convert_to_mha", 1, 1)
+    assert any("time-share" in w for w in mha.warnings)  # 9 ranks on this small host
+    shard = plan(SMOLLM2, instance="cpu", tp=9, kv_strategy="shard")
+    assert codes(shard) == {"kv_heads_incompatible"}
+    assert "num_key_value_heads (3) divisible by tp_degree (9)" in shard.errors[0].message
+    assert "replicate_to_tp, convert_to_mha" in shard.errors[0].message
+    assert plan(SMOLLM2, instance="cpu", tp=9).kv_strategy == "replicate_to_tp"
+
+
+def test_pad_q_heads_reports_the_waste():
+    plain = plan(SMOLLM2, instance="cpu", tp=2, dtype="bfloat16")
+    assert codes(plain) == {"heads_not_divisible"}
+    p = plan(SMOLLM2, instance="cpu", tp=2, dtype="bfloat16", pad_q_heads=True)
+    assert p.valid and p.padded_q_heads == 10 and p.q_heads_per_rank == 5
+    # one zero head: a q_proj row block and an o_proj column block of 64 x 576, 30 layers, 2 bytes
+    assert p.padding_waste.extra_q_heads == 1
+    assert p.padding_waste.extra_qo_weight_bytes == 2 * 64 * 576 * 30 * 2
+    assert p.padding_waste.extra_qo_fraction == pytest.approx(1 / 9)
+    assert any("does not run padded layouts" in w for w in p.warnings)
+    with pytest.raises(ValueError, match="padded"):
+        p.layout()
+
+
+# ---- cores, LNC, nodes --------------------------------------------------------------------------
+def test_lnc2_only_on_trn2():
+    p = plan(SMOLLM2, instance="trn1.32xlarge", tp=1, lnc=2)
+    assert codes(p) == {"invalid_lnc"} and p.lnc == 2
+    assert "only on trn2" in p.errors[0].message
+    assert "invalid_lnc" in codes(plan(SMOLLM2, instance="trn2.48xlarge", tp=1, lnc=3))
+    assert "invalid_lnc" in codes(plan(SMOLLM2, instance="cpu", tp=1, lnc=2))
+    assert plan(SMOLLM2, instance="trn2.48xlarge", tp=1, lnc=1).valid
+
+
+def test_trn2_defaults_to_lnc2_with_64_logical_cores():
+    p = plan(LLAMA_405B, instance="trn2.48xlarge", tp=64)
+    assert p.valid and p.lnc == 2 and p.logical_cores_per_node == 64 and p.cores_per_rank == 2
+    assert p.memory.capacity_bytes_per_rank == 24 * GIB and p.memory.capacity_bytes_per_core == 12 * GIB
+    assert plan(LLAMA_405B, instance="trn2.48xlarge").tp_degree == 64
+    one_node = plan(LLAMA_405B, instance="trn2.48xlarge", tp=128)
+    assert "not_enough_cores" in codes(one_node)
+    assert "--nodes 2" in message(one_node, "not_enough_cores")
+    two = plan(LLAMA_405B, instance="trn2.48xlarge", tp=128, nodes=2)
+    assert two.valid and two.ranks_per_node == 64
+    lnc1 = plan(LLAMA_405B, instance="trn2.48xlarge", tp=128, lnc=1)
+    assert lnc1.valid and lnc1.logical_cores_per_node == 128 and lnc1.memory.capacity_bytes_per_rank == 12 * GIB
+
+
+def test_not_enough_cores_on_inf2_xlarge_and_more_nodes():
+    p = plan(MISTRAL_7B, instance="inf2.xlarge", tp=4)
+    assert codes(p) == {"not_enough_cores"}
+    assert "--nodes 2" in p.errors[0].message
+    assert plan(MISTRAL_7B, instance="inf2.xlarge", tp=4, nodes=2).valid
+    uneven = plan(MISTRAL_7B, instance="trn1.32xlarge", tp=8, nodes=2)  # 4 per node: not a trn1 degree
+    assert codes(uneven) == {"unsupported_tp_degree"}
+
+
+def test_auto_picks_the_smallest_valid_degree():
+    for cfg, instance in [(LLAMA_70B, "trn1.32xlarge"), (QWEN_72B, "trn2.48xlarge"), (MIXTRAL, "trn1.32xlarge"),
+                          (SMOLLM2, "cpu"), (LLAMA_8B, "inf2.48xlarge")]:
+        p = plan(cfg, instance=instance)
+        assert p.valid and p.tp_degree == p.valid_tp_degrees[0] == min(p.valid_tp_degrees)
+        assert p.tp_requested == "auto"
+    assert plan(QWEN_72B, instance="trn2.48xlarge").tp_degree == 8
+
+
+def test_mixtral_counts_every_expert():
+    p = plan(MIXTRAL, instance="trn1.32xlarge", tp=8)
+    experts = 8 * 3 * 4096 * math.ceil(14336 / 8) * 32 * 2  # all 8 experts' w1/w3/w2 shards, 32 layers
+    assert p.valid and p.memory.weight_bytes_per_rank > experts
+    assert p.memory.model_weight_bytes == MIXTRAL.param_count() * 2
+
+
+# ---- the cpu target -----------------------------------------------------------------------------
+def test_cpu_memory_is_checked_against_host_ram_times_nodes():
+    host = cpu_host()
+    p = plan(LLAMA_405B, instance="cpu", tp=1)
+    assert p.memory.capacity_bytes_per_rank == host.memory_bytes
+    if p.memory.total_bytes_all_ranks > host.memory_bytes * 64 * (1 - RESERVE_FRACTION):
+        pytest.skip("this host has more than 64 x 810 GB of RAM")
+    assert "insufficient_memory" in codes(p) and "RAM" in message(p, "insufficient_memory")
+    p3 = plan(SMOLLM2, instance="cpu", tp=3, nodes=2)
+    assert p3.memory.capacity_bytes_per_rank == host.memory_bytes * 2 // 3
+
+
+def test_tp_above_core_count_is_a_warning_on_cpu():
+    if get_instance("cpu").physical_cores >= 9:
+        pytest.skip("this host has 9 or more cores")
+    p = plan(SMOLLM2, instance="cpu", tp=9)
+    assert p.valid and any("time-share" in w for w in p.warnings)
+
+
+# ---- defaults, arguments, output ----------------------------------------------------------------
+def test_defaults_seq_len_and_dtype():
+    p = plan(LLAMA_70B, instance="trn1.32xlarge")
+    assert p.seq_len == 4096 and p.dtype == "bfloat16" and p.batch_size == 1
+    assert plan(TINY).seq_len == 512 and plan(TINY).dtype == "float32"
+    fp32 = plan(LLAMA_8B, instance="trn1.32xlarge", tp=8, dtype="fp32")
+    bf16 = plan(LLAMA_8B, instance="trn1.32xlarge", tp=8)
+    assert fp32.dtype == "float32" and fp32.memory.weight_bytes_per_rank == 2 * bf16.memory.weight_bytes_per_rank
+    fp8 = plan(LLAMA_8B, instance="trn1.32xlarge", tp=8, dtype="float8_e4m3")
+    assert fp8.memory.kv_cache_dtype == "bfloat16"
+    assert fp8.memory.kv_cache_bytes_per_rank == bf16.memory.kv_cache_bytes_per_rank
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(instance="trn3.huge"), "unknown instance 'trn3.huge'"),
+    (dict(tp=0), r"tp \(0\) must be a positive integer"),
+    (dict(tp="eight"), "positive integer or 'auto'"),
+    (dict(nodes=0), r"nodes \(0\)"),
+    (dict(dtype="int4"), "unknown dtype 'int4'"),
+    (dict(kv_strategy="split"), "kv_strategy"),
+])
+def test_malformed_arguments_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        plan(SMOLLM2, **kwargs)
+
+
+def test_to_dict_is_json_with_the_contract_keys():
+    d = json.loads(json.dumps(plan(QWEN_72B, instance="trn1.32xlarge", tp=6).to_dict()))
+    for key in ("valid", "tp_degree", "instance", "nodes", "lnc", "cores_per_rank", "ranks_per_node", "dtype",
+                "batch_size", "seq_len", "errors", "warnings", "kv_strategy", "q_heads_per_rank",
+                "kv_heads_per_rank", "memory", "valid_tp_degrees"):
+        assert key in d
+    for key in ("weight_bytes_per_rank", "kv_cache_bytes_per_rank", "total_bytes_per_rank",
+                "capacity_bytes_per_rank", "capacity_bytes_per_core", "reserve_fraction"):
+        assert key in d["memory"]
+    assert all(set(e) == {"code", "message"} for e in d["errors"])
+    assert d["valid_tp_degrees"] == [16, 32]
+
+
+def test_invalid_plan_has_no_layout():
+    with pytest.raises(ValueError, match="invalid plan"):
+        plan(QWEN_72B, instance="trn1.32xlarge", tp=6).layout()
+
+
+# ---- speed and imports --------------------------------------------------------------------------
+def test_405b_plans_in_well_under_a_second():
+    start = time.perf_counter()
+    for instance in ("trn2.48xlarge", "trn1.32xlarge", "inf2.48xlarge", "cpu"):
+        plan(LLAMA_405B, instance=instance)  # includes the ways-out search on the refused ones
+    assert time.perf_counter() - start < 1.0
+
+
+PLAN_IN_FRESH_PROCESS = (
+    "import sys\n"
+    "from shardlib.model_config import load_model_config\n"
+    "from shardlib.planner import plan\n"
+    f"p = plan(load_model_config({str(CONFIGS / 'llama-3.1-405b.json')!r}), instance='trn2.48xlarge')\n"
+    "assert p.valid\n"
+    "print(sorted(m for m in ('ray', 'transformers', 'torch') if m in sys.modules))\n"
+)
+
+
+def test_planning_never_imports_ray_or_transformers():
+    out = subprocess.run([sys.executable, "-c", PLAN_IN_FRESH_PROCESS], cwd=REPO, capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    assert "ray" not in out and "transformers" not in out
+
+
+@pytest.mark.xfail(reason="shardlib.sharding imports torch at module level (the planner needs its KV "
+                          "strategy rules); moving that import into apply_slice makes this pass")
+def test_planning_does_not_import_torch():
+    out = subprocess.run([sys.executable, "-c", PLAN_IN_FRESH_PROCESS], cwd=REPO, capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    assert "torch" not in out
