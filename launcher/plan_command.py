@@ -1,0 +1,114 @@
+"""`corelaunch plan`: check a TP layout against an instance before starting anything.
+
+Only shardlib is imported here: planning is arithmetic on config.json, so the command answers in a
+fraction of a second and never starts Ray. Exit code 0 when the layout is valid, 2 when it is not
+(or when the model cannot be read).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from shardlib.instances import INSTANCE_NAMES
+from shardlib.model_config import load_model_config
+from shardlib.planner import KV_STRATEGIES, Plan, plan
+
+EXIT_VALID, EXIT_INVALID = 0, 2
+
+
+def _tp_value(text: str) -> int | str:
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"--tp must be a positive integer or 'auto', not {text!r}")
+    return int(text)
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "plan", help="check a tensor-parallel layout (heads, KV heads, memory, cores) before launching",
+        description="Check whether a model can be served at a TP degree on an instance type: every "
+                    "failed rule is reported with the values involved and the ways out. Pure "
+                    "arithmetic on config.json; nothing is started.")
+    p.add_argument("--model", metavar="PATH",
+                   help="model directory or config.json (default: the built-in SmolLM2-135M-Instruct)")
+    p.add_argument("--instance", choices=INSTANCE_NAMES, default="cpu", metavar="NAME",
+                   help=f"target instance type: {', '.join(INSTANCE_NAMES)} (cpu: this host; the default)")
+    p.add_argument("--nodes", type=int, default=1, metavar="N", help="nodes the TP group spans (default 1)")
+    p.add_argument("--tp", type=_tp_value, default="auto", metavar="N|auto",
+                   help="tensor-parallel degree, or auto for the smallest that passes (default auto)")
+    p.add_argument("--lnc", type=int, metavar="1|2",
+                   help="logical NeuronCore config (default: the instance's; 2 exists only on trn2)")
+    p.add_argument("--batch-size", type=int, default=1, metavar="N", help="sequences per batch (default 1)")
+    p.add_argument("--seq-len", type=int, metavar="N",
+                   help="KV-cache length (default: min(max_position_embeddings, 4096))")
+    p.add_argument("--dtype",
+                   help="weight dtype, e.g. bfloat16, float32, float8_e4m3 (default: the checkpoint's)")
+    p.add_argument("--kv-strategy", choices=KV_STRATEGIES,
+                   help="force a KV-head layout (default: shard, else replicate_to_tp, else convert_to_mha)")
+    p.add_argument("--pad-q-heads", action="store_true",
+                   help="pad Q heads to a multiple of TP with zero heads (sizing only: not executable yet)")
+    p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.model is None:
+            from shardlib.demo_model import ensure_demo_model
+
+            model = ensure_demo_model()
+        else:
+            model = args.model
+        config = load_model_config(model)
+        result = plan(config, instance=args.instance, tp=args.tp, nodes=args.nodes, lnc=args.lnc,
+                      batch_size=args.batch_size, seq_len=args.seq_len, dtype=args.dtype,
+                      kv_strategy=args.kv_strategy, pad_q_heads=args.pad_q_heads)
+    except (OSError, ValueError) as err:
+        # a missing path or demo package, an unknown architecture, a malformed argument
+        print(f"corelaunch plan: {err}", file=sys.stderr)
+        return EXIT_INVALID
+    except KeyError as err:
+        print(f"corelaunch plan: the model's config.json has no {err} field; is it a Hugging Face "
+              f"causal-LM config?", file=sys.stderr)
+        return EXIT_INVALID
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        print(format_report(result))
+    return EXIT_VALID if result.valid else EXIT_INVALID
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def format_report(result: Plan) -> str:
+    """A few lines for a person: verdict, layout, memory against capacity, degrees, each error."""
+    cfg, mem = result.config, result.memory
+    verdict = "VALID" if result.valid else "INVALID"
+    lines = [
+        f"{verdict}: {cfg.model_type} ({cfg.num_attention_heads} heads, {cfg.num_key_value_heads} KV heads, "
+        f"{cfg.param_count() / 1e9:.2f} B params) on {result.nodes} x {result.instance} (LNC {result.lnc}), "
+        f"{result.dtype}, batch_size {result.batch_size}, seq_len {result.seq_len}",
+        f"tp_degree {result.tp_degree} ({'auto' if result.tp_requested == 'auto' else 'requested'}), "
+        f"{result.ranks_per_node} rank(s) per node, kv strategy {result.kv_strategy or '-'}, "
+        f"per rank: {_or_dash(result.q_heads_per_rank)} Q heads, {_or_dash(result.kv_heads_per_rank)} KV heads",
+        f"memory per rank: {_gib(mem.total_bytes_per_rank)} (weights {_gib(mem.weight_bytes_per_rank)} + "
+        f"KV cache {_gib(mem.kv_cache_bytes_per_rank)}) of {_gib(mem.usable_bytes_per_rank)} usable "
+        f"({_gib(mem.capacity_bytes_per_rank)} less {mem.reserve_fraction:.0%} reserve)",
+        f"valid tp degrees: {', '.join(map(str, result.valid_tp_degrees)) or 'none'}",
+    ]
+    if result.padding_waste is not None:
+        waste = result.padding_waste
+        lines.append(f"padding: {result.padded_q_heads} Q heads ({waste.extra_q_heads} zero heads, "
+                     f"{_gib(waste.extra_qo_weight_bytes)} extra, {waste.extra_qo_fraction:.1%} of Q/O)")
+    lines += [f"error [{issue.code}]: {issue.message}" for issue in result.errors]
+    lines += [f"warning: {text}" for text in result.warnings]
+    return "\n".join(lines)
+
+
+def _or_dash(value) -> str:
+    return "-" if value is None else str(value)

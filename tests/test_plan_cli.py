@@ -1,0 +1,101 @@
+"""`corelaunch plan` end to end: `python -m launcher plan ...` in a subprocess, as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from launcher.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "tests" / "data" / "configs"
+QWEN = str(CONFIGS / "qwen2.5-72b.json")
+SMOLLM2 = str(CONFIGS / "smollm2-135m-instruct.json")
+
+
+def corelaunch_plan(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "launcher", "plan", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_refused_layout_json_exits_2_with_every_error_code():
+    out = corelaunch_plan("--model", QWEN, "--instance", "trn1.32xlarge", "--tp", "6", "--json")
+    assert out.returncode == 2, out.stderr
+    assert len(out.stdout.strip().splitlines()) == 1  # exactly one JSON object
+    result = json.loads(out.stdout)
+    assert result["valid"] is False and result["tp_degree"] == 6
+    assert {e["code"] for e in result["errors"]} == {"heads_not_divisible", "unsupported_tp_degree",
+                                                    "insufficient_memory"}
+    assert result["valid_tp_degrees"] == [16, 32]
+
+
+def test_valid_layout_exits_0():
+    out = corelaunch_plan("--model", SMOLLM2, "--tp", "3", "--dtype", "bfloat16", "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["valid"] is True and result["errors"] == []
+    assert (result["tp_degree"], result["kv_strategy"], result["q_heads_per_rank"]) == (3, "shard", 3)
+    assert result["instance"] == "cpu"
+
+
+def test_readable_report_shows_each_error_with_its_code():
+    out = corelaunch_plan("--model", QWEN, "--instance", "trn1.32xlarge", "--tp", "6")
+    assert out.returncode == 2
+    assert out.stdout.startswith("INVALID")
+    assert ("error [heads_not_divisible]: num_attention_heads (64) is not divisible by tp_degree (6); "
+            "degrees that work for this model on trn1.32xlarge: 16, 32") in out.stdout
+    assert "error [unsupported_tp_degree]" in out.stdout
+    assert "valid tp degrees: 16, 32" in out.stdout
+
+
+def test_flags_reach_the_planner():
+    out = corelaunch_plan("--model", str(CONFIGS / "llama-3.1-405b.json"), "--instance", "trn2.48xlarge",
+                          "--tp", "128", "--nodes", "2", "--batch-size", "2", "--seq-len", "1024", "--json")
+    assert out.returncode == 0, out.stdout
+    result = json.loads(out.stdout)
+    assert (result["nodes"], result["lnc"], result["ranks_per_node"]) == (2, 2, 64)
+    assert (result["batch_size"], result["seq_len"]) == (2, 1024)
+    lnc = corelaunch_plan("--model", SMOLLM2, "--instance", "trn1.32xlarge", "--lnc", "2", "--tp", "1", "--json")
+    assert lnc.returncode == 2 and [e["code"] for e in json.loads(lnc.stdout)["errors"]] == ["invalid_lnc"]
+    kv = corelaunch_plan("--model", SMOLLM2, "--tp", "9", "--kv-strategy", "shard")
+    assert kv.returncode == 2 and "error [kv_heads_incompatible]" in kv.stdout
+
+
+def test_missing_model_path_exits_2_naming_it(tmp_path):
+    missing = tmp_path / "no-such-model"
+    out = corelaunch_plan("--model", str(missing))
+    assert out.returncode == 2 and out.stdout == ""
+    assert str(missing) in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_unknown_architecture_exits_2(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    out = corelaunch_plan("--model", str(tmp_path))
+    assert out.returncode == 2 and out.stdout == ""
+    assert "model_type='gpt2'" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_bad_tp_value_is_a_usage_error():
+    out = corelaunch_plan("--model", SMOLLM2, "--tp", "three")
+    assert out.returncode == 2 and "--tp must be a positive integer or 'auto'" in out.stderr
+
+
+def test_default_model_is_the_demo_model(tmp_path, monkeypatch, capsys):
+    """Without --model the command plans shardlib.demo_model's folder (stubbed: no conversion here)."""
+    import shardlib.demo_model
+
+    shutil.copy(SMOLLM2, tmp_path / "config.json")
+    monkeypatch.setattr(shardlib.demo_model, "ensure_demo_model", lambda: tmp_path)
+    assert main(["plan", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["model"]["num_attention_heads"] == 9 and result["valid_tp_degrees"] == [1, 3, 9]
+
+
+def test_model_directory_works_like_its_config_file(tmp_path):
+    shutil.copy(SMOLLM2, tmp_path / "config.json")
+    out = corelaunch_plan("--model", str(tmp_path), "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["model"]["num_attention_heads"] == 9
