@@ -14,6 +14,7 @@ import pytest
 
 from shardlib.instances import GIB, cpu_host, get_instance
 from shardlib.model_config import ModelConfig, load_model_config
+from shardlib.param_shapes import expected_shapes
 from shardlib.planner import RESERVE_FRACTION, plan
 from shardlib.sharding import ShardLayout, slice_for
 
@@ -65,41 +66,9 @@ def test_tp1_weights_are_the_checkpoint():
         assert p.memory.weight_bytes_per_rank == p.memory.model_weight_bytes == cfg.param_count() * 2
 
 
-def param_shapes(cfg: ModelConfig):
-    """(name, shape) of every checkpoint tensor, as Hugging Face names them."""
-    h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-    yield "model.embed_tokens.weight", (cfg.vocab_size, h)
-    if not cfg.tie_word_embeddings:
-        yield "lm_head.weight", (cfg.vocab_size, h)
-    yield "model.norm.weight", (h,)
-    for layer in range(cfg.num_hidden_layers):
-        pre = f"model.layers.{layer}."
-        yield pre + "self_attn.q_proj.weight", (q, h)
-        yield pre + "self_attn.k_proj.weight", (kv, h)
-        yield pre + "self_attn.v_proj.weight", (kv, h)
-        yield pre + "self_attn.o_proj.weight", (h, q)
-        if cfg.attention_bias:
-            yield pre + "self_attn.q_proj.bias", (q,)
-            yield pre + "self_attn.k_proj.bias", (kv,)
-            yield pre + "self_attn.v_proj.bias", (kv,)
-        yield pre + "input_layernorm.weight", (h,)
-        yield pre + "post_attention_layernorm.weight", (h,)
-        if cfg.is_moe:
-            yield pre + "block_sparse_moe.gate.weight", (cfg.num_local_experts, h)
-            for e in range(cfg.num_local_experts):
-                yield pre + f"block_sparse_moe.experts.{e}.w1.weight", (i, h)
-                yield pre + f"block_sparse_moe.experts.{e}.w3.weight", (i, h)
-                yield pre + f"block_sparse_moe.experts.{e}.w2.weight", (h, i)
-        else:
-            yield pre + "mlp.gate_proj.weight", (i, h)
-            yield pre + "mlp.up_proj.weight", (i, h)
-            yield pre + "mlp.down_proj.weight", (h, i)
-
-
 def sharded_elements(cfg: ModelConfig, layout: ShardLayout, rank: int) -> int:
     return sum(math.prod(slice_for(cfg.model_type, name, shape, rank, layout).shape(shape))
-               for name, shape in param_shapes(cfg))
+               for name, shape in expected_shapes(cfg).items())
 
 
 @pytest.mark.parametrize("cfg, tp, strategy", [
