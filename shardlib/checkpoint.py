@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import json
 import math
 import mmap
@@ -89,7 +90,7 @@ def find_checkpoint(model_dir: str | Path) -> CheckpointFiles:
             continue
         if name.endswith(".index.json"):
             return _from_index(directory, fmt, path)
-        names = _SafetensorsFile(path).entries if fmt == "safetensors" else _PickleFile(path).tensors
+        names = SafetensorsFile(path).entries if fmt == "safetensors" else _PickleFile(path).tensors
         return CheckpointFiles(directory, fmt, (path,), {n: path for n in names})
     present = sorted(p.name for p in directory.iterdir())
     shown = ", ".join(present[:12]) + (f" and {len(present) - 12} more" if len(present) > 12 else "")
@@ -123,7 +124,7 @@ def _from_index(directory: Path, fmt: str, index: Path) -> CheckpointFiles:
             f"checkpoint index {index} names shard file(s) missing from {directory}: {', '.join(missing)}; "
             f"the download is incomplete: fetch the missing files again"
         )
-    return CheckpointFiles(directory, fmt, tuple(files.values()),
+    return CheckpointFiles(directory, fmt, tuple(sorted(files.values())),
                            {name: files[f] for name, f in weight_map.items()}, index)
 
 
@@ -144,8 +145,11 @@ class _Entry:
     """Absolute file offset of the first byte (safetensors only)."""
 
 
-class _SafetensorsFile:
-    """A safetensors file's table of contents; reads slices with preadv into fresh tensors."""
+class SafetensorsFile:
+    """A safetensors file's table of contents; reads slices with preadv into fresh tensors.
+
+    Use as a context manager around read() calls (it holds one file descriptor open).
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -173,7 +177,7 @@ class _SafetensorsFile:
             self.entries[name] = _Entry(tuple(info["shape"]), dtype, data_start + info["data_offsets"][0])
         self._fd: int | None = None
 
-    def __enter__(self) -> "_SafetensorsFile":
+    def __enter__(self) -> "SafetensorsFile":
         if sys.byteorder != "little":
             raise RuntimeError("safetensors data is little-endian; this reader needs a little-endian host")
         self._fd = os.open(self.path, os.O_RDONLY)
@@ -309,7 +313,7 @@ def load_rank_shard(model_dir: str | Path, config: ModelConfig, layout: ShardLay
     `dtype` casts every tensor (default: each tensor keeps the checkpoint's dtype). With tied
     embeddings the result has no lm_head.weight: the LM head is the embed_tokens shard.
     """
-    _check_layout(config, layout, rank)
+    check_layout(config, layout, rank)
     target = None if dtype is None else getattr(torch, normalize_dtype(dtype))
     ckpt = find_checkpoint(model_dir)
     with _open_files(ckpt) as files:
@@ -317,8 +321,9 @@ def load_rank_shard(model_dir: str | Path, config: ModelConfig, layout: ShardLay
         absent = [n for n, (_, e) in table.items() if e is None]
         if absent:
             raise ValueError(f"checkpoint index {ckpt.index_file} maps tensor {absent[0]!r} to "
-                             f"{ckpt.weight_map[absent[0]].name}, which does not contain it "
-                             f"({len(absent)} such tensors); the index and the files disagree")
+                             f"{ckpt.weight_map[absent[0]].name}, which does not contain it"
+                             f"{f' (and {len(absent) - 1} more like it)' if len(absent) > 1 else ''}; "
+                             f"the index and the files disagree: re-download or re-save the checkpoint")
         names = _validated_names(ckpt, {n: e.shape for n, (_, e) in table.items()}, config)
         order = {path: i for i, path in enumerate(ckpt.files)}  # file by file, in offset order
         names.sort(key=lambda n: (order[ckpt.weight_map[n]], table[n][1].begin))
@@ -334,23 +339,26 @@ def load_rank_shard(model_dir: str | Path, config: ModelConfig, layout: ShardLay
 
 def shard_shapes(config: ModelConfig, layout: ShardLayout, rank: int) -> dict[str, tuple[int, ...]]:
     """Name -> shape of each tensor load_rank_shard returns for `rank`."""
-    _check_layout(config, layout, rank)
+    check_layout(config, layout, rank)
     return {name: slice_for(config.model_type, name, shape, rank, layout).shape(shape)
             for name, shape in expected_shapes(config).items()}
 
 
-def _check_layout(config: ModelConfig, layout: ShardLayout, rank: int) -> None:
+def check_layout(config: ModelConfig, layout: ShardLayout, rank: int) -> None:
+    """ValueError unless `layout` was built for `config` and `rank` is one of its ranks."""
     if not 0 <= rank < layout.tp_degree:
         raise ValueError(f"rank {rank} is outside tp_degree {layout.tp_degree}: ranks are 0..{layout.tp_degree - 1}")
     own = ShardLayout.for_model(config, layout.tp_degree, layout.kv_strategy)
     if own != layout:
-        raise ValueError(f"the layout {layout} was built for another model than this config ({own}); "
-                         f"build it with ShardLayout.for_model(config, ...)")
+        diff = ", ".join(f"{f.name}={getattr(layout, f.name)} (config: {getattr(own, f.name)})"
+                         for f in dataclasses.fields(layout) if getattr(layout, f.name) != getattr(own, f.name))
+        raise ValueError(f"the shard layout was built for another model than this config: {diff}; "
+                         f"build it with ShardLayout.for_model(config, tp_degree, kv_strategy)")
 
 
 @contextlib.contextmanager
-def _open_files(ckpt: CheckpointFiles) -> Iterator[dict[Path, _SafetensorsFile | _PickleFile]]:
-    kind = _SafetensorsFile if ckpt.format.startswith("safetensors") else _PickleFile
+def _open_files(ckpt: CheckpointFiles) -> Iterator[dict[Path, SafetensorsFile | _PickleFile]]:
+    kind = SafetensorsFile if ckpt.format.startswith("safetensors") else _PickleFile
     with contextlib.ExitStack() as stack:
         yield {path: stack.enter_context(kind(path)) for path in ckpt.files}
 

@@ -1,0 +1,314 @@
+"""shardlib.checkpoint: every rank's shard equals apply_slice of the full state_dict, in every format."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from shardlib.checkpoint import CHECKPOINT_FILES, find_checkpoint, load_rank_shard
+from shardlib.model_config import load_model_config
+from shardlib.param_shapes import expected_shapes
+from shardlib.sharding import KVStrategy, ShardLayout, apply_slice, kv_strategy_problem, slice_for
+from tests.model_factory import FORMATS, build_random_model, save_model
+
+# Head counts chosen so each KV strategy is exercised for real; intermediate 100 and vocab 128 do not
+# divide by 3, so TP 3 also exercises the zero padding of column and vocabulary slices.
+VARIANTS = {
+    # K=2: shard at TP 1 and 2 (replicate_to_tp is one head per rank at TP 2), MHA at TP 3
+    "llama": ("llama", dict(num_heads=6, num_kv_heads=2)),
+    # K=1 with q/k/v biases: replicate_to_tp at TP 2 and 3
+    "qwen2_bias": ("qwen2", dict(num_heads=6, num_kv_heads=1)),
+    # K=3 tied: shard at TP 3, only MHA at TP 2
+    "llama_tied": ("llama", dict(num_heads=6, num_kv_heads=3, tie_word_embeddings=True)),
+}
+SHAPE = dict(hidden_size=48, intermediate_size=100, vocab_size=128, num_layers=2)
+
+
+def _cases():
+    for variant, (_, kw) in VARIANTS.items():
+        for tp in (1, 2, 3):
+            for strategy in KVStrategy:
+                if kv_strategy_problem(strategy, kw["num_heads"], kw["num_kv_heads"], tp) is None:
+                    yield variant, tp, strategy.value
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """variant -> (full state_dict, {format: model dir})."""
+    root = tmp_path_factory.mktemp("ckpt")
+    out = {}
+    for variant, (model_type, kw) in VARIANTS.items():
+        model = build_random_model(model_type, **SHAPE, **kw)
+        dirs = {fmt: save_model(model, root / f"{variant}-{fmt}", fmt) for fmt in FORMATS}
+        out[variant] = ({k: v.detach().clone() for k, v in model.state_dict().items()}, dirs)
+    return out
+
+
+def _expected(state, config, layout, rank):
+    names = set(expected_shapes(config))
+    return {n: apply_slice(state[n], slice_for(config.model_type, n, state[n].shape, rank, layout)) for n in names}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("variant,tp,strategy", list(_cases()))
+def test_every_rank_equals_apply_slice_of_full_state_dict(models, variant, fmt, tp, strategy):
+    state, dirs = models[variant]
+    config = load_model_config(dirs[fmt])
+    layout = ShardLayout.for_model(config, tp, strategy)
+    assert find_checkpoint(dirs[fmt]).format == fmt
+    for rank in range(tp):
+        got = load_rank_shard(dirs[fmt], config, layout, rank)
+        want = _expected(state, config, layout, rank)
+        assert set(got) == set(want)
+        for name, tensor in want.items():
+            assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), (name, rank)
+
+
+def test_cases_cover_every_strategy_and_degree():
+    seen = {(tp, s) for _, tp, s in _cases()}
+    assert {s for _, s in seen} == {s.value for s in KVStrategy}
+    assert {tp for tp, _ in seen} == {1, 2, 3}
+    assert (3, "replicate_to_tp") in seen and (3, "shard") in seen and (3, "convert_to_mha") in seen
+
+
+def test_tied_embeddings_have_no_lm_head_in_the_shard(models):
+    state, dirs = models["llama_tied"]
+    config = load_model_config(dirs["safetensors"])
+    assert config.tie_word_embeddings
+    shard = load_rank_shard(dirs["safetensors"], config, ShardLayout.for_model(config, 3), 1)
+    assert "lm_head.weight" not in shard and "model.embed_tokens.weight" in shard
+
+
+def test_tied_lm_head_copy_in_the_checkpoint_is_ignored(models, tmp_path):
+    state, dirs = models["llama_tied"]
+    d = _copy_config(dirs["safetensors"], tmp_path)
+    save_file({**state, "lm_head.weight": state["model.embed_tokens.weight"].clone()}, d / "model.safetensors")
+    config = load_model_config(d)
+    assert "lm_head.weight" not in load_rank_shard(d, config, ShardLayout.for_model(config, 1), 0)
+
+
+def test_dtype_cast_and_progress(models):
+    state, dirs = models["qwen2_bias"]
+    config = load_model_config(dirs["safetensors_sharded"])
+    layout = ShardLayout.for_model(config, 2)
+    calls = []
+    got = load_rank_shard(dirs["safetensors_sharded"], config, layout, 1, dtype="bf16",
+                          progress=lambda name, done, total: calls.append((name, done, total)))
+    for name, tensor in _expected(state, config, layout, 1).items():
+        assert got[name].dtype == torch.bfloat16 and torch.equal(got[name], tensor.to(torch.bfloat16))
+    assert [c[1] for c in calls] == list(range(1, len(got) + 1)) and {c[0] for c in calls} == set(got)
+
+
+def test_bin_tensors_sharing_storage_read_correctly(models, tmp_path):
+    # Pages of a pickle are dropped after each tensor; a later tensor on the same storage must re-read them.
+    state, dirs = models["llama"]
+    d = _copy_config(dirs["bin"], tmp_path)
+    shared = dict(state)
+    shared["lm_head.weight"] = shared["model.embed_tokens.weight"]
+    torch.save(shared, d / "pytorch_model.bin")
+    config = load_model_config(d)
+    layout = ShardLayout.for_model(config, 2)
+    got = load_rank_shard(d, config, layout, 0)
+    want = apply_slice(state["model.embed_tokens.weight"], slice_for("llama", "lm_head.weight", (128, 48), 0, layout))
+    assert torch.equal(got["lm_head.weight"], want) and torch.equal(got["model.embed_tokens.weight"], want)
+
+
+def test_format_preference_order(models, tmp_path):
+    state, dirs = models["llama"]
+    d = tmp_path / "both"
+    shutil.copytree(dirs["bin"], d)
+    for f in dirs["safetensors"].iterdir():
+        shutil.copy(f, d)
+    assert find_checkpoint(d).format == "safetensors"
+    assert [n for _, n in CHECKPOINT_FILES] == ["model.safetensors", "model.safetensors.index.json",
+                                                "pytorch_model.bin", "pytorch_model.bin.index.json"]
+
+
+# ---- errors ----------------------------------------------------------------------------------
+def _copy_config(src: Path, dst: Path) -> Path:
+    dst.mkdir(parents=True, exist_ok=True)
+    shutil.copy(src / "config.json", dst / "config.json")
+    return dst
+
+
+def _load(d):
+    config = load_model_config(d)
+    return load_rank_shard(d, config, ShardLayout.for_model(config, 1), 0)
+
+
+def test_directory_without_checkpoint_lists_what_was_looked_for(models, tmp_path):
+    d = _copy_config(models["llama"][1]["safetensors"], tmp_path / "empty")
+    with pytest.raises(FileNotFoundError) as err:
+        find_checkpoint(d)
+    msg = str(err.value)
+    assert str(d) in msg and all(name in msg for _, name in CHECKPOINT_FILES) and "config.json" in msg
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        find_checkpoint(tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize("fmt", ["safetensors_sharded", "bin_sharded"])
+def test_index_naming_a_missing_shard_file(models, tmp_path, fmt):
+    d = tmp_path / fmt
+    shutil.copytree(models["llama"][1][fmt], d)
+    index = next(d.glob("*.index.json"))
+    lost = sorted(set(json.loads(index.read_text())["weight_map"].values()))[-1]
+    (d / lost).unlink()
+    with pytest.raises(FileNotFoundError) as err:
+        find_checkpoint(d)
+    assert str(index) in str(err.value) and lost in str(err.value)
+
+
+@pytest.mark.parametrize("content", ["{not json", json.dumps({"metadata": {}}), json.dumps({"weight_map": [1]})])
+def test_corrupt_index(models, tmp_path, content):
+    d = tmp_path / "idx"
+    shutil.copytree(models["llama"][1]["safetensors_sharded"], d)
+    (d / "model.safetensors.index.json").write_text(content)
+    with pytest.raises(ValueError, match="model.safetensors.index.json"):
+        find_checkpoint(d)
+
+
+def test_index_and_file_disagree(models, tmp_path):
+    d = tmp_path / "idx"
+    shutil.copytree(models["llama"][1]["safetensors_sharded"], d)
+    index = d / "model.safetensors.index.json"
+    raw = json.loads(index.read_text())
+    files = sorted(set(raw["weight_map"].values()))
+    name = next(n for n, f in raw["weight_map"].items() if f == files[0])
+    raw["weight_map"][name] = files[1]
+    index.write_text(json.dumps(raw))
+    with pytest.raises(ValueError) as err:
+        _load(d)
+    assert name in str(err.value) and files[1] in str(err.value)
+
+
+def test_pickle_with_a_non_tensor_object_is_refused(models, tmp_path):
+    d = _copy_config(models["llama"][1]["bin"], tmp_path)
+    state = dict(models["llama"][0])
+    state["model.norm.weight"] = _NotATensor()
+    torch.save(state, d / "pytorch_model.bin")
+    with pytest.raises(ValueError) as err:
+        _load(d)
+    assert "pytorch_model.bin" in str(err.value) and "_NotATensor" in str(err.value)
+    assert "weights_only" in str(err.value)
+
+
+def test_pickle_with_a_plain_non_tensor_value_is_refused(models, tmp_path):
+    d = _copy_config(models["llama"][1]["bin"], tmp_path)
+    torch.save({**models["llama"][0], "step": 5}, d / "pytorch_model.bin")
+    with pytest.raises(ValueError) as err:
+        _load(d)
+    assert "pytorch_model.bin" in str(err.value) and "step" in str(err.value)
+
+
+def test_legacy_and_corrupt_pickles(models, tmp_path):
+    d = _copy_config(models["llama"][1]["bin"], tmp_path)
+    torch.save(models["llama"][0], d / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+    with pytest.raises(ValueError, match="pytorch_model.bin.*legacy"):
+        _load(d)
+    torch.save(models["llama"][0], d / "pytorch_model.bin")
+    data = (d / "pytorch_model.bin").read_bytes()
+    (d / "pytorch_model.bin").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="pytorch_model.bin.*truncated or corrupt"):
+        _load(d)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+def test_truncated_or_corrupt_safetensors(models, tmp_path, damage):
+    d = tmp_path / "st"
+    shutil.copytree(models["llama"][1]["safetensors_sharded"], d)
+    victim = sorted(d.glob("model-*.safetensors"))[1]
+    data = victim.read_bytes()
+    victim.write_bytes(data[:-64] if damage == "truncate" else b"\x20" + b"\x00" * 7 + b"{" * 40)
+    with pytest.raises(ValueError) as err:
+        _load(d)
+    assert str(victim) in str(err.value) and "truncated or corrupt" in str(err.value)
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+def test_missing_tensor_is_named_with_the_file_set(models, tmp_path, fmt):
+    d = _copy_config(models["llama"][1][fmt], tmp_path)
+    state = {k: v for k, v in models["llama"][0].items() if k != "model.layers.1.mlp.up_proj.weight"}
+    path = _save(state, d, fmt)
+    with pytest.raises(ValueError) as err:
+        _load(d)
+    assert "model.layers.1.mlp.up_proj.weight" in str(err.value) and str(path) in str(err.value)
+
+
+def test_untied_model_without_lm_head_is_an_error(models, tmp_path):
+    d = _copy_config(models["llama"][1]["safetensors"], tmp_path)
+    _save({k: v for k, v in models["llama"][0].items() if k != "lm_head.weight"}, d, "safetensors")
+    with pytest.raises(ValueError, match="lm_head.weight.*tie_word_embeddings"):
+        _load(d)
+
+
+@pytest.mark.parametrize("extra", ["model.layers.0.mlp.extra_proj.weight", "model.layers.7.mlp.up_proj.weight"])
+def test_unknown_tensor_is_named(models, tmp_path, extra):
+    d = _copy_config(models["llama"][1]["safetensors"], tmp_path)
+    _save({**models["llama"][0], extra: torch.zeros(3)}, d, "safetensors")
+    with pytest.raises(ValueError) as err:
+        _load(d)
+    assert extra in str(err.value) and "model.safetensors" in str(err.value)
+
+
+def test_rotary_buffers_are_skipped(models, tmp_path):
+    d = _copy_config(models["llama"][1]["bin"], tmp_path)
+    _save({**models["llama"][0], "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(4)}, d, "bin")
+    assert "model.layers.0.self_attn.rotary_emb.inv_freq" not in _load(d)
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+def test_wrong_shape_names_tensor_expected_and_found(models, tmp_path, fmt):
+    d = _copy_config(models["llama"][1][fmt], tmp_path)
+    _save({**models["llama"][0], "model.layers.0.self_attn.k_proj.weight": torch.zeros(24, 48)}, d, fmt)
+    with pytest.raises(ValueError) as err:
+        _load(d)
+    msg = str(err.value)
+    assert "model.layers.0.self_attn.k_proj.weight" in msg and "(16, 48)" in msg and "(24, 48)" in msg
+
+
+def test_rank_and_layout_must_fit(models):
+    d = models["llama"][1]["safetensors"]
+    config = load_model_config(d)
+    with pytest.raises(ValueError, match="rank 2 is outside tp_degree 2"):
+        load_rank_shard(d, config, ShardLayout.for_model(config, 2), 2)
+    other = ShardLayout(2, "shard", 6, 2, 8, 48, 96, 128)
+    with pytest.raises(ValueError, match="another model"):
+        load_rank_shard(d, config, other, 0)
+
+
+def test_safetensors_reads_only_the_shard_bytes(models, monkeypatch):
+    # The reader's promise: bytes read from the file are the rank's slices, padding excluded.
+    import os
+
+    state, dirs = models["llama"]
+    config = load_model_config(dirs["safetensors"])
+    layout = ShardLayout.for_model(config, 3)
+    read = []
+    real_preadv = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: read.append(real_preadv(fd, bufs, off)) or read[-1])
+    load_rank_shard(dirs["safetensors"], config, layout, 2)
+    wanted = 0
+    for name, tensor in state.items():
+        tslice = slice_for("llama", name, tensor.shape, 2, layout)
+        per_index = tensor.numel() // tensor.shape[tslice.dim] if not tslice.is_whole else 0
+        wanted += 4 * (tensor.numel() if tslice.is_whole else tslice.length() * per_index)
+    assert sum(read) == wanted
+
+
+class _NotATensor:
+    pass
+
+
+def _save(state, d: Path, fmt: str) -> Path:
+    if fmt == "safetensors":
+        path = d / "model.safetensors"
+        save_file({k: v.contiguous() for k, v in state.items()}, path)
+    else:
+        path = d / "pytorch_model.bin"
+        torch.save(state, path)
+    return path
