@@ -58,7 +58,8 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False
-    """Bias on q/k/v projections (Qwen2 has it; o_proj never does in this family)."""
+    """Bias on q/k/v projections (Qwen2). Llama configs with attention_bias also bias o_proj,
+    which the sharding plan has no style for yet: such checkpoints are refused by name."""
     torch_dtype: str = "float32"
     """The checkpoint's own dtype; the default compute dtype."""
     num_local_experts: int = 0
@@ -132,6 +133,10 @@ class ModelConfig:
                 f"unsupported architecture model_type={model_type!r} (architectures={archs}); "
                 f"corelaunch supports {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
+        missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                "num_attention_heads", "vocab_size") if k not in raw]
+        if missing:
+            raise ValueError(f"config.json lacks required field(s) {missing} for a {model_type} model")
         heads = raw["num_attention_heads"]
         head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
         # transformers 5 nests rope settings in "rope_parameters"; 4.x has rope_theta + rope_scaling.

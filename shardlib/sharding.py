@@ -26,11 +26,13 @@ import enum
 import math
 import re
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-import torch
 
 from shardlib.model_config import ModelConfig
+
+if TYPE_CHECKING:  # torch is imported only where tensors are cut, so planning stays torch-free
+    import torch
 
 
 class KVStrategy(str, enum.Enum):
@@ -255,8 +257,10 @@ def slice_for_style(style: Style, full_shape: Sequence[int], rank: int, layout: 
     raise ValueError(f"style {style} has no slice")
 
 
-def apply_slice(tensor: torch.Tensor, tslice: TensorSlice) -> torch.Tensor:
+def apply_slice(tensor: "torch.Tensor", tslice: TensorSlice) -> "torch.Tensor":
     """Cut `tensor` as `tslice` says; returns a new contiguous tensor (never a view of the input)."""
+    import torch
+
     if tslice.is_whole:
         return tensor.clone()
     parts = [tensor.narrow(tslice.dim, start, stop - start) for start, stop in tslice.ranges]
