@@ -201,8 +201,12 @@ class Launcher:
     # ---- requests ----------------------------------------------------------------------------
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None,
-                 max_new_tokens: int = 64, stop_token_ids: Sequence[int] = ()) -> list[GenerationResult]:
+                 max_new_tokens: int = 64, stop_token_ids: Sequence[int] = (),
+                 ignore_eos: bool = False) -> list[GenerationResult]:
         """Generate for each prompt (text, or token ids); results come back in prompt order.
+
+        Generation stops at the model's EOS tokens and at `stop_token_ids` (the stop token is kept
+        in token_ids); `ignore_eos` keeps only the explicit stop tokens (fixed-length benchmarks).
 
         More prompts than max_batch_size are run as several batches, one worker call each.
         """
@@ -215,7 +219,8 @@ class Launcher:
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens ({max_new_tokens!r}) must be a positive integer")
         self._check_lengths(token_lists, max_new_tokens)
-        stops = tuple(sorted(set(stop_token_ids) | set(self._eos_ids())))
+        eos = () if ignore_eos else self._eos_ids()
+        stops = tuple(sorted(set(stop_token_ids) | set(eos)))
         results: list[GenerationResult] = []
         step = self.config.max_batch_size
         for i in range(0, len(token_lists), step):

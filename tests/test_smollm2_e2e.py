@@ -1,0 +1,75 @@
+"""The real model end to end: SmolLM2-135M-Instruct through Ray at TP 1 and 3, and the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launcher.api import Launcher
+from workers.sampling import SamplingParams
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def demo_dir():
+    from shardlib.demo_model import ensure_demo_model
+
+    return ensure_demo_model()
+
+
+@pytest.fixture(scope="module")
+def hf_tokens(demo_dir):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(demo_dir)
+    model = AutoModelForCausalLM.from_pretrained(demo_dir, dtype=torch.float32).eval()
+    ids = tok(PROMPT, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+    return out[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 3])
+def test_smollm2_greedy_says_paris_and_matches_transformers(tp, demo_dir, hf_tokens, ray_session):
+    with Launcher(model=str(demo_dir), tp=tp, progress=False) as launcher:
+        [out] = launcher.generate(PROMPT, max_new_tokens=8)
+        sampled_a = launcher.generate(PROMPT, SamplingParams(temperature=0.9, top_k=20, seed=7), max_new_tokens=8)
+        sampled_b = launcher.generate(PROMPT, SamplingParams(temperature=0.9, top_k=20, seed=7), max_new_tokens=8)
+    assert out.text.lstrip().startswith("Paris"), out.text
+    assert out.token_ids == hf_tokens[:len(out.token_ids)]
+    assert sampled_a[0].token_ids == sampled_b[0].token_ids  # reproducible with a seed
+
+
+@pytest.mark.slow
+def test_cli_generate_json_prints_only_json(demo_dir):
+    proc = subprocess.run(
+        [sys.executable, "-m", "launcher", "generate", "--model", str(demo_dir), "--tp", "3",
+         "--max-new-tokens", "4", "--json", PROMPT, "--prompt", "The capital of Italy is"],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)  # the whole stdout is one JSON object
+    assert report["tp_degree"] == 3 and report["kv_strategy"] == "shard"
+    first, second = report["outputs"]
+    assert first["prompt"] == PROMPT and "Paris" in first["text"]
+    assert second["prompt"] == "The capital of Italy is" and "Rome" in second["text"]
+    assert len(first["token_ids"]) <= 4 and first["finish_reason"] in ("stop", "length")
+
+
+def test_cli_generate_refuses_bad_input_with_exit_2(tmp_path):
+    missing = subprocess.run([sys.executable, "-m", "launcher", "generate", "--model", str(tmp_path / "nope"),
+                              "hi"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "nope" in missing.stderr and "does not exist" in missing.stderr
+    bad_top_p = subprocess.run([sys.executable, "-m", "launcher", "generate", "--top-p", "2", "hi"],
+                               cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert bad_top_p.returncode == 2 and "top_p" in bad_top_p.stderr
+    bad_tp = subprocess.run([sys.executable, "-m", "launcher", "generate", "--tp", "2", "--quiet", "hi"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert bad_tp.returncode == 2 and "heads_not_divisible" in bad_tp.stderr, bad_tp.stderr
