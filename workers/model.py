@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from shardlib.model_config import ModelConfig, normalize_dtype
+from shardlib.param_shapes import expected_shapes
 from shardlib.sharding import ShardLayout, Style, slice_for, style_for
 from workers.collectives import Collectives
 from workers.kv_cache import KVCache
@@ -31,30 +32,6 @@ def resolve_dtype(dtype: torch.dtype | str | None, config: ModelConfig) -> torch
     if isinstance(dtype, torch.dtype):
         return dtype
     return getattr(torch, normalize_dtype(dtype if dtype is not None else config.torch_dtype))
-
-
-def full_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Unsharded shape of every parameter the model reads, by Hugging Face name."""
-    h, q, kv, inter = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (config.vocab_size, h),
-        "model.norm.weight": (h,),
-    }
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, h)
-    for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-        })
-        if config.attention_bias:
-            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                           p + "self_attn.v_proj.bias": (kv,)})
-    return shapes
 
 
 def check_layout(config: ModelConfig, layout: ShardLayout, rank: int, collectives: Collectives) -> None:
@@ -94,7 +71,7 @@ def check_layout(config: ModelConfig, layout: ShardLayout, rank: int, collective
 def check_shard(config: ModelConfig, layout: ShardLayout, rank: int,
                 shard: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The shard's tensors the model reads, after checking every name and per-rank shape."""
-    expected = full_shapes(config)
+    expected = expected_shapes(config)
     missing = sorted(name for name in expected if name not in shard)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
