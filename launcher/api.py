@@ -92,9 +92,15 @@ class GenerationResult:
     prompt_tokens: int
     time_to_first_token_s: float
     decode_tokens_per_s: float
+    decode_step_latencies_s: list[float]
+    """Wall time of each decode step after the first token, measured inside rank 0."""
+    logits: object = None
+    """With return_logits: a (len(token_ids), vocab) float32 tensor of the logits each token came from."""
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        out.pop("logits")
+        return out
 
 
 class Launcher:
@@ -202,7 +208,7 @@ class Launcher:
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                  max_new_tokens: int = 64, stop_token_ids: Sequence[int] = (),
-                 ignore_eos: bool = False) -> list[GenerationResult]:
+                 ignore_eos: bool = False, return_logits: bool = False) -> list[GenerationResult]:
         """Generate for each prompt (text, or token ids); results come back in prompt order.
 
         Generation stops at the model's EOS tokens and at `stop_token_ids` (the stop token is kept
@@ -226,14 +232,15 @@ class Launcher:
         for i in range(0, len(token_lists), step):
             request = GenerateRequest(prompts=token_lists[i:i + step], params=params[i:i + step],
                                       max_new_tokens=max_new_tokens, stop_token_ids=stops,
-                                      max_seq_len=self.config.seq_len)
+                                      max_seq_len=self.config.seq_len, return_logits=return_logits)
             outputs = self._group.generate(request)
             for j, out in enumerate(outputs):
                 results.append(GenerationResult(
                     prompt=texts[i + j], text=self._decode(out.token_ids), token_ids=list(out.token_ids),
                     finish_reason=out.finish_reason, prompt_tokens=len(token_lists[i + j]),
                     time_to_first_token_s=out.time_to_first_token_s,
-                    decode_tokens_per_s=out.decode_tokens_per_s))
+                    decode_tokens_per_s=out.decode_tokens_per_s,
+                    decode_step_latencies_s=list(out.decode_step_latencies_s), logits=out.logits))
         return results
 
     def _tokenize(self, prompts) -> tuple[list[str | None], list[list[int]]]:

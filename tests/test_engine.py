@@ -163,3 +163,19 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent(model):
 
     assert run(11) == run(11)
     assert run(11) != run(12)
+
+
+def test_returned_logits_are_those_each_token_came_from(model):
+    outs = generate(model, PROMPTS, [GREEDY] * len(PROMPTS), NEW, [], return_logits=True)
+    hf = hf_model()
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.logits.shape == (NEW, hf.config.vocab_size) and out.logits.dtype == torch.float32
+        assert out.logits.argmax(dim=-1).tolist() == out.token_ids
+        # teacher-forced reference: HF's logits at each position of prompt + generated tokens
+        ids = torch.tensor([prompt + out.token_ids[:-1]])
+        with torch.inference_mode():
+            ref = hf(ids).logits[0, len(prompt) - 1:].float()
+        torch.testing.assert_close(out.logits, ref, atol=1e-4, rtol=1e-4)
+        assert len(out.decode_step_latencies_s) == NEW - 1
+        assert all(t > 0 for t in out.decode_step_latencies_s)
+    assert generate(model, PROMPTS[:1], [GREEDY], 2, [])[0].logits is None

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable
 
 import torch
@@ -40,6 +40,10 @@ class GenerationOutput:
     decode_tokens_per_s: float
     """Tokens after the first, divided by the time from the first token to this row's last one;
     0.0 when only one token was generated."""
+    decode_step_latencies_s: list[float] = field(default_factory=list)
+    """Wall time of each decode step that produced one of this row's tokens after the first."""
+    logits: torch.Tensor | None = None
+    """With return_logits: (len(token_ids), vocab) float32, the logits each token was chosen from."""
 
 
 def cache_length(prompt_lengths: list[int], max_new_tokens: int, max_position_embeddings: int,
@@ -104,7 +108,8 @@ def _shared_seeds(model, params: list[SamplingParams]) -> list[SamplingParams]:
 
 def generate(model, prompts: list[list[int]], params: list[SamplingParams], max_new_tokens: int,
              stop_token_ids: Iterable[int], max_seq_len: int | None = None, *,
-             cache: KVCache | None = None, pad_token_id: int = 0) -> list[GenerationOutput]:
+             cache: KVCache | None = None, pad_token_id: int = 0,
+             return_logits: bool = False) -> list[GenerationOutput]:
     """Generate up to max_new_tokens for each prompt; one GenerationOutput per prompt, in order.
 
     model: a ShardedCausalLM (anything with its forward, new_cache, config and collectives).
@@ -113,6 +118,8 @@ def generate(model, prompts: list[list[int]], params: list[SamplingParams], max_
     cache: reuse a preallocated KVCache (batch = len(prompts)) instead of allocating one; it is
         reset first and must hold max_seq_len slots when max_seq_len is given.
     pad_token_id: id fed in padding positions (never attended to, so any valid id works).
+    return_logits: keep, per row, the logits each generated token was chosen from (for logit
+        matching against a reference model); off by default since it costs vocab floats per token.
     """
     start = time.perf_counter()
     config = model.config
@@ -153,6 +160,8 @@ def generate(model, prompts: list[list[int]], params: list[SamplingParams], max_
         outputs = [GenerationOutput([], "length", n, first_token_time - start, 0.0) for n in lengths]
         finish_time = [first_token_time] * batch
         done = [False] * batch
+        row_logits: list[list[torch.Tensor]] = [[] for _ in range(batch)]
+        step_latency = 0.0
         positions = torch.tensor(lengths, dtype=torch.int64)[:, None]  # (batch, 1) next rotary position
         for step in range(max_new_tokens):
             now = time.perf_counter()
@@ -160,6 +169,10 @@ def generate(model, prompts: list[list[int]], params: list[SamplingParams], max_
                 if done[i]:
                     continue
                 outputs[i].token_ids.append(token)
+                if return_logits:
+                    row_logits[i].append(logits[i].float().clone())
+                if len(outputs[i].token_ids) > 1:
+                    outputs[i].decode_step_latencies_s.append(step_latency)
                 finish_time[i] = now
                 if token in stop:
                     outputs[i].finish_reason, done[i] = "stop", True
@@ -168,11 +181,15 @@ def generate(model, prompts: list[list[int]], params: list[SamplingParams], max_
             if all(done):
                 break
             slot = longest + step
+            step_start = time.perf_counter()
             logits = model(tokens[:, None], positions + step, cache, slot_ids[slot:slot + 1], attention_mask)
             tokens = sample(logits, params, generators)
+            step_latency = time.perf_counter() - step_start
 
     for i, out in enumerate(outputs):
         decoded = len(out.token_ids) - 1
         elapsed = finish_time[i] - first_token_time
         out.decode_tokens_per_s = decoded / elapsed if decoded > 0 and elapsed > 0 else 0.0
+        if return_logits:
+            out.logits = torch.stack(row_logits[i])
     return outputs

@@ -58,6 +58,8 @@ class GenerateRequest:
     max_new_tokens: int
     stop_token_ids: tuple[int, ...] = ()
     max_seq_len: int | None = None
+    return_logits: bool = False
+    """Return the logits each token was chosen from (accuracy checks)."""
 
 
 @dataclass
@@ -143,7 +145,8 @@ class RankWorker:
 
         assert self._model is not None, "load must run before generate"
         outputs = generate(self._model, request.prompts, request.params, request.max_new_tokens,
-                           request.stop_token_ids, max_seq_len=request.max_seq_len)
+                           request.stop_token_ids, max_seq_len=request.max_seq_len,
+                           return_logits=request.return_logits)
         return outputs if self.spec.rank == 0 else None
 
     def shutdown(self) -> None:
