@@ -68,8 +68,16 @@ class TPGroup:
         rank0 = self.workers[0]
         port = self._wait_all([self.actors[0].rendezvous_port.remote()], self.timeouts.startup_s,
                               "choose a rendezvous port", ranks=[0])[0]
-        self._wait_all([a.init_backend.remote(rank0["node_ip"], port, self.timeouts.startup_s)
+        self._wait_all([a.init_backend.remote(rank0["node_ip"], port, self.timeouts.startup_s,
+                                              self.node_groups())
                         for a in self.actors], self.timeouts.startup_s, "join the process group")
+
+    def node_groups(self) -> list[list[int]]:
+        """Ranks grouped by the Ray node they run on, in rank order."""
+        groups: dict[str, list[int]] = {}
+        for info in self.workers:
+            groups.setdefault(info["node_id"], []).append(info["rank"])
+        return list(groups.values())
 
     def _place(self) -> None:
         bundles = [dict(self.resources.bundle) for _ in range(self.tp_degree)]

@@ -104,14 +104,17 @@ class RankWorker:
         """Called on rank 0 only: a port free on rank 0's host for the process group."""
         return free_port()
 
-    def init_backend(self, host: str, port: int, timeout_s: float) -> dict:
-        """Set up the process and join the process group (all ranks call this concurrently)."""
+    def init_backend(self, host: str, port: int, timeout_s: float,
+                     node_groups: list[list[int]] | None = None) -> dict:
+        """Set up the process and join the process group (all ranks call this concurrently).
+
+        node_groups: the ranks on each node (see Backend.init_process_group)."""
         start = time.perf_counter()
         backend_options = {"lnc": self.spec.lnc} if self.spec.backend == "neuron" else {}
         self._backend = get_backend(self.spec.backend, **backend_options)
         self._backend.setup_process(self.spec.rank, self.spec.world_size, self.spec.threads)
         self._collectives = self._backend.init_process_group(
-            RendezvousInfo(host, port), self.spec.rank, self.spec.world_size, timeout_s)
+            RendezvousInfo(host, port), self.spec.rank, self.spec.world_size, timeout_s, node_groups)
         return {"rank": self.spec.rank, "init_time_s": time.perf_counter() - start}
 
     def load(self, load_spec: LoadSpec) -> LoadStats:

@@ -32,8 +32,13 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def init_process_group(self, rendezvous: RendezvousInfo, rank: int, world_size: int,
-                           timeout_s: float) -> Collectives:
-        """Join the group of `world_size` ranks; every rank calls this at the same time."""
+                           timeout_s: float, node_groups: list[list[int]] | None = None) -> Collectives:
+        """Join the group of `world_size` ranks; every rank calls this at the same time.
+
+        node_groups: the ranks of each node, e.g. [[0, 1], [2, 3]] for TP 4 over two nodes (the
+        launcher knows placement; None means unknown). Ranks sharing a node may use a faster
+        co-located path for their collectives; ranks on other nodes go through the network backend.
+        """
 
     @property
     def device(self) -> torch.device:

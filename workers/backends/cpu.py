@@ -23,7 +23,7 @@ class CpuBackend(Backend):
         torch.set_num_threads(threads)
 
     def init_process_group(self, rendezvous: RendezvousInfo, rank: int, world_size: int,
-                           timeout_s: float) -> Collectives:
+                           timeout_s: float, node_groups: list[list[int]] | None = None) -> Collectives:
         if world_size == 1:
             return SingleRank()
         dist.init_process_group(

@@ -59,7 +59,7 @@ class NeuronBackend(Backend):
         torch.set_num_threads(max(1, int(threads)))
 
     def init_process_group(self, rendezvous: RendezvousInfo, rank: int, world_size: int,
-                           timeout_s: float) -> Collectives:
+                           timeout_s: float, node_groups: list[list[int]] | None = None) -> Collectives:
         import torch.distributed as dist
 
         import_neuron_module("torch_xla")
