@@ -8,12 +8,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
-from launcher.errors import LaunchError, PlanRejected
+from launcher.errors import LaunchError, PlacementTimeout, PlanRejected
 from launcher.progress import Progress
 from shardlib.model_config import ModelConfig, load_model_config, normalize_dtype
 from workers.sampling import SamplingParams
@@ -32,6 +35,21 @@ class LaunchConfig:
     instance: str | None = None
     """Planner target (e.g. trn1.32xlarge); None means "cpu" on the cpu backend."""
     nodes: int = 1
+    """Nodes one TP group may span: 1 keeps a group on one node; more let its ranks spill over to
+    other nodes when one node lacks cores (the planner counts cores over this many nodes)."""
+    replicas: int | str = 1
+    """Independent TP groups serving the model; "auto": as many as the cluster's free resources hold."""
+    max_restarts: int = 3
+    """Restarts of a failed replica's group allowed within restart_window_s; 0 disables restarts."""
+    restart_window_s: float = 600.0
+    health_check_interval_s: float = 2.0
+    """How often an idle replica checks that its ranks are alive (so a dead one is replaced early)."""
+    presharded_cache: bool = False
+    """After the first load, write a pre-sharded copy of this layout into presharded_cache_dir and
+    load restarted groups (and later launches) from it. The directory must be visible at the same
+    path on every node (as the model directory must)."""
+    presharded_cache_dir: str | None = None
+    """Default: $CORELAUNCH_CACHE/presharded (~/.cache/corelaunch/presharded)."""
     lnc: int | None = None
     dtype: str | None = None
     """Compute dtype; None keeps the checkpoint's."""
@@ -63,6 +81,16 @@ class LaunchConfig:
             raise ValueError(f"backend ({self.backend!r}) must be 'cpu' or 'neuron'")
         if self.nodes < 1:
             raise ValueError(f"nodes ({self.nodes}) must be at least 1")
+        if self.replicas != "auto":
+            if isinstance(self.replicas, str) and self.replicas.isdigit():
+                self.replicas = int(self.replicas)
+            if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:
+                raise ValueError(f"replicas ({self.replicas!r}) must be a positive integer or 'auto'")
+        if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
+            raise ValueError(f"max_restarts ({self.max_restarts!r}) must be an integer >= 0 (0 disables restarts)")
+        for name in ("restart_window_s", "health_check_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be positive")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size ({self.max_batch_size}) must be at least 1")
         if self.seq_len is not None and self.seq_len < 2:
@@ -96,6 +124,10 @@ class GenerationResult:
     """Wall time of each decode step after the first token, measured inside rank 0."""
     logits: object = None
     """With return_logits: a (len(token_ids), vocab) float32 tensor of the logits each token came from."""
+    replica: int = 0
+    """Index of the replica that answered."""
+    attempts: int = 1
+    """1, or more when the request was re-run after its TP group failed and was restarted."""
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -104,7 +136,9 @@ class GenerationResult:
 
 
 class Launcher:
-    """Serves one model on a TP group; use as a context manager or call start()/shutdown()."""
+    """Serves one model on one or more TP groups (replicas); use as a context manager or call
+    start()/shutdown(). generate() may be called from several threads at once: each call's prompts
+    are split over the replicas and its parts run in parallel (see launcher/replica_pool.py)."""
 
     def __init__(self, config: LaunchConfig | None = None, **options):
         self.config = config if config is not None else LaunchConfig(**options)
@@ -117,7 +151,11 @@ class Launcher:
         self.load_stats: list = []
         self.timings: dict[str, float] = {}
         self.backend: str | None = None
-        self._group = None
+        self.replicas = 0
+        """Number of replicas started (replicas="auto" resolves to the count that fit)."""
+        self._pool = None
+        self._cache_writer = None
+        self._lock = threading.Lock()  # tokenizers are not safe to share between threads
         self._ray = None
         self._progress = Progress(self.config.progress)
 
@@ -166,40 +204,122 @@ class Launcher:
         return Path(ensure_demo_model())
 
     def _start_group(self, backend: str) -> None:
-        import ray
-
+        """Connect to Ray, size each rank's bundle and the replica count, start every replica."""
         from launcher import ray_cluster
-        from launcher.resources import cpu_rank_resources, neuron_rank_resources
-        from launcher.tp_group import GroupTimeouts, TPGroup
-        from workers.rank_worker import LoadSpec
+        from launcher.placement import alive_nodes
+        from launcher.replica_pool import ReplicaPool
+        from launcher.restart_policy import RestartPolicy
+        from launcher.tp_group import GroupTimeouts
 
         cfg, plan = self.config, self.plan
         with self._progress.step("connecting to Ray"):
             self._ray = ray_cluster.connect(cfg.ray_address)
-        if backend == "neuron":
-            resources = neuron_rank_resources(plan.cores_per_rank)
-        else:
-            resources = cpu_rank_resources(plan.tp_degree, ray.cluster_resources().get("CPU", 1),
-                                           nodes=cfg.nodes, cpus_per_rank=cfg.cpus_per_rank)
-        timeouts = GroupTimeouts(placement_s=cfg.placement_timeout_s, startup_s=cfg.startup_timeout_s,
-                                 load_s=cfg.load_timeout_s, request_s=cfg.request_timeout_s)
-        self._group = TPGroup(tp_degree=plan.tp_degree, backend=backend, resources=resources,
-                              timeouts=timeouts, lnc=plan.lnc)
-        with self._progress.step(f"starting {plan.tp_degree} {backend} worker(s), "
-                                 f"{resources.threads} thread(s) each, and joining their group"):
-            self._group.start()
-        load_spec = LoadSpec(config=self.model_config, layout=plan.layout(), dtype=plan.dtype,
-                             model_dir=str(self.model_dir), presharded_dir=cfg.presharded_dir)
-        with self._progress.step(f"loading each rank's shard ({plan.kv_strategy} KV heads)"):
-            self.load_stats = self._group.load(load_spec)
+        self._rank_resources, self.replicas = self._size_replicas(backend, alive_nodes())
+        self._timeouts = GroupTimeouts(placement_s=cfg.placement_timeout_s, startup_s=cfg.startup_timeout_s,
+                                       load_s=cfg.load_timeout_s, request_s=cfg.request_timeout_s)
+        self._load_spec = self._make_load_spec()
+        self._pool = ReplicaPool(self.replicas, self._new_group,
+                                 lambda: RestartPolicy(cfg.max_restarts, cfg.restart_window_s),
+                                 cfg.health_check_interval_s, note=self._progress.note)
+        where = f" over up to {cfg.nodes} nodes" if cfg.nodes > 1 else ""
+        with self._progress.step(
+                f"starting {self.replicas} replica(s) of {plan.tp_degree} {backend} worker(s){where}, "
+                f"{self._rank_resources.threads} thread(s) each: joining their groups and loading each "
+                f"rank's shard ({plan.kv_strategy} KV heads)"):
+            self._pool.start()
+        self.load_stats = self._pool.replicas[0].started.load_stats
+        self._start_presharded_cache()
         with self._progress.step("loading tokenizer"):
             self.tokenizer = _load_tokenizer(self.model_dir)
 
+    def _make_load_spec(self):
+        """What every rank loads (and loads again after a restart)."""
+        from workers.rank_worker import LoadSpec
+
+        cfg, plan = self.config, self.plan
+        spec = LoadSpec(config=self.model_config, layout=plan.layout(), dtype=plan.dtype,
+                        model_dir=str(self.model_dir), presharded_dir=cfg.presharded_dir)
+        if cfg.presharded_cache and not cfg.presharded_dir:
+            from launcher import presharded_cache
+
+            self._cache_path = presharded_cache.cache_dir(presharded_cache.cache_root(cfg.presharded_cache_dir),
+                                                          self.model_dir, self.model_config, spec.layout, plan.dtype)
+            if presharded_cache.is_ready(self._cache_path):
+                spec = dataclasses.replace(spec, presharded_dir=str(self._cache_path))
+        return spec
+
+    def _start_presharded_cache(self) -> None:
+        if self._load_spec.presharded_dir or not self.config.presharded_cache:
+            return
+        from launcher.presharded_cache import CacheWriter
+
+        self._cache_writer = CacheWriter(self._cache_path, self.model_dir, self.model_config,
+                                         self._load_spec.layout, self.plan.dtype).start()
+
+    def _size_replicas(self, backend: str, nodes: list):
+        """(each rank's resources, replica count) for the alive `nodes` (launcher.placement.NodeInfo)."""
+        from launcher.resources import (cpu_rank_resources, explain_unplaceable, groups_that_fit,
+                                        neuron_rank_resources)
+
+        cfg, tp = self.config, self.plan.tp_degree
+        node_cpus = [n.total.get("CPU", 0.0) for n in nodes]
+        if cfg.replicas != "auto":
+            if backend == "neuron":
+                return neuron_rank_resources(self.plan.cores_per_rank), cfg.replicas
+            return cpu_rank_resources(tp, node_cpus, nodes=cfg.nodes, replicas=cfg.replicas,
+                                      cpus_per_rank=cfg.cpus_per_rank), cfg.replicas
+        # auto: as many groups as the free resources hold now (on cpu, one CPU per rank by default)
+        if backend == "neuron":
+            resources = neuron_rank_resources(self.plan.cores_per_rank)
+        else:
+            resources = cpu_rank_resources(tp, node_cpus, nodes=cfg.nodes, cpus_per_rank=cfg.cpus_per_rank or 1)
+        count = groups_that_fit([n.free for n in nodes], resources.bundle, tp, cfg.nodes)
+        if count == 0 and backend == "cpu" and cfg.cpus_per_rank is None:
+            return cpu_rank_resources(tp, node_cpus, nodes=cfg.nodes), 1  # fractional CPUs: one group
+        if count == 0:
+            why = explain_unplaceable(resources.bundle, tp, cfg.nodes, [n.total for n in nodes],
+                                      [n.free for n in nodes], [n.name for n in nodes])
+            raise PlacementTimeout(f"replicas=auto found room for no TP group: {why}")
+        return resources, count
+
+    def _new_group(self, index: int, restart: bool):
+        """Place, join and load one replica's TP group (also used to restart it)."""
+        from launcher.replica_pool import StartedGroup
+        from launcher.tp_group import TPGroup
+
+        group = TPGroup(tp_degree=self.plan.tp_degree, backend=self.backend, resources=self._rank_resources,
+                        timeouts=self._timeouts, lnc=self.plan.lnc, nodes=self.config.nodes,
+                        name=f"corelaunch-r{index}")
+        spec = self._load_spec
+        if restart and self._cache_writer is not None and self._cache_writer.ready:
+            spec = dataclasses.replace(spec, presharded_dir=str(self._cache_writer.path))
+        try:
+            group.start()
+            stats = group.load(spec)
+        except BaseException:
+            group.kill()
+            raise
+        return StartedGroup(group=group, load_stats=stats)
+
+    def replica_status(self) -> list[dict]:
+        """Per replica: index, state (serving, restarting, failed, ...), restarts, requests served,
+        last_recovery_s, failure, its workers' describe() (rank, pid, node_id, node_ip) and nodes."""
+        return self._pool.status() if self._pool is not None else []
+
+    @property
+    def _group(self):
+        """Replica 0's current TP group (the single group of earlier releases)."""
+        replica = self._pool.replicas[0] if self._pool is not None else None
+        return replica.started.group if replica is not None and replica.started is not None else None
+
     def shutdown(self) -> None:
         """Stop the workers and, if corelaunch started Ray, Ray itself. Safe to call twice."""
-        if self._group is not None:
-            self._group.shutdown()
-            self._group = None
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+        if self._cache_writer is not None:
+            self._cache_writer.join(timeout_s=30)  # a daemon thread: a long write is abandoned at exit
+            self._cache_writer = None
         if self._ray is not None:
             self._ray.close()
             self._ray = None
@@ -214,33 +334,53 @@ class Launcher:
         Generation stops at the model's EOS tokens and at `stop_token_ids` (the stop token is kept
         in token_ids); `ignore_eos` keeps only the explicit stop tokens (fixed-length benchmarks).
 
-        More prompts than max_batch_size are run as several batches, one worker call each.
+        The prompts are split into parts of at most max_batch_size, and into at least as many parts
+        as there are replicas serving (when there are enough prompts); each part is one worker call,
+        and the parts run in parallel on whichever replicas are free. Safe to call from several
+        threads at once. A part whose TP group fails is re-run on the restarted group
+        (GenerationResult.attempts > 1); if its replica is given up, this call raises the
+        ReplicaFailed naming what is missing, after every other part has finished.
         """
         from workers.rank_worker import GenerateRequest
 
-        if self._group is None:
+        pool = self._pool
+        if pool is None:
             raise LaunchError("the launcher is not running: call start() or use it as a context manager")
-        texts, token_lists = self._tokenize(prompts)
+        with self._lock:
+            texts, token_lists = self._tokenize(prompts)
         params = self._sampling_per_prompt(sampling, len(token_lists))
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens ({max_new_tokens!r}) must be a positive integer")
         self._check_lengths(token_lists, max_new_tokens)
         eos = () if ignore_eos else self._eos_ids()
         stops = tuple(sorted(set(stop_token_ids) | set(eos)))
-        results: list[GenerationResult] = []
-        step = self.config.max_batch_size
-        for i in range(0, len(token_lists), step):
-            request = GenerateRequest(prompts=token_lists[i:i + step], params=params[i:i + step],
+        parts = []
+        for first, stop in split_prompts(len(token_lists), self.config.max_batch_size, pool.serving()):
+            request = GenerateRequest(prompts=token_lists[first:stop], params=params[first:stop],
                                       max_new_tokens=max_new_tokens, stop_token_ids=stops,
                                       max_seq_len=self.config.seq_len, return_logits=return_logits)
-            outputs = self._group.generate(request)
-            for j, out in enumerate(outputs):
-                results.append(GenerationResult(
-                    prompt=texts[i + j], text=self._decode(out.token_ids), token_ids=list(out.token_ids),
-                    finish_reason=out.finish_reason, prompt_tokens=len(token_lists[i + j]),
+            parts.append((first, pool.submit(request)))
+        results: list[GenerationResult | None] = [None] * len(token_lists)
+        errors = []
+        for first, future in parts:  # every part finishes (or fails) before this call returns
+            try:
+                answer = future.result()
+            except BaseException as err:  # noqa: BLE001 - raised below once all parts are done
+                errors.append(err)
+                continue
+            for j, out in enumerate(answer.outputs):
+                i = first + j
+                with self._lock:
+                    text = self._decode(out.token_ids)
+                results[i] = GenerationResult(
+                    prompt=texts[i], text=text, token_ids=list(out.token_ids),
+                    finish_reason=out.finish_reason, prompt_tokens=len(token_lists[i]),
                     time_to_first_token_s=out.time_to_first_token_s,
                     decode_tokens_per_s=out.decode_tokens_per_s,
-                    decode_step_latencies_s=list(out.decode_step_latencies_s), logits=out.logits))
+                    decode_step_latencies_s=list(out.decode_step_latencies_s), logits=out.logits,
+                    replica=answer.replica, attempts=answer.attempts)
+        if errors:
+            raise errors[0]
         return results
 
     def _tokenize(self, prompts) -> tuple[list[str | None], list[list[int]]]:
@@ -301,6 +441,25 @@ class Launcher:
         if self.tokenizer is None:
             return None
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+
+def split_prompts(count: int, max_batch_size: int, replicas: int) -> list[tuple[int, int]]:
+    """[first, stop) ranges covering `count` prompts: parts of at most max_batch_size, at least one
+    per replica when there are enough prompts, sizes as even as possible, in prompt order.
+
+    >>> split_prompts(5, 2, 1)
+    [(0, 2), (2, 4), (4, 5)]
+    >>> split_prompts(4, 8, 2)
+    [(0, 2), (2, 4)]
+    """
+    parts = max(math.ceil(count / max_batch_size), min(count, max(replicas, 1)))
+    base, extra = divmod(count, parts)
+    bounds, first = [], 0
+    for k in range(parts):
+        stop = first + base + (1 if k < extra else 0)
+        bounds.append((first, stop))
+        first = stop
+    return bounds
 
 
 def _load_tokenizer(model_dir: Path):

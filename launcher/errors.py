@@ -21,9 +21,34 @@ class RendezvousTimeout(LaunchError):
     """A rank did not join the process group (or finish a set-up step) in time."""
 
 
-class WorkerDied(LaunchError):
+class GroupFault(LaunchError):
+    """The TP group broke while working (a rank died, failed or hung); restarting it may help."""
+
+
+class WorkerDied(GroupFault):
     """A rank's process died; the message names the rank and its node."""
 
 
-class RequestTimeout(LaunchError):
+class RequestTimeout(GroupFault):
     """A request did not finish within the request timeout."""
+
+
+class RankFailed(GroupFault):
+    """A rank raised an unexpected error (not the user's input) while serving; the group was stopped."""
+
+
+class NeuronDevicesMissing(LaunchError):
+    """A node that declares `neuron_cores` shows no Neuron devices to the rank placed on it."""
+
+
+class ReplicaFailed(LaunchError):
+    """A replica's TP group failed and could not be restarted (the cluster cannot host it any more);
+    the requests it had in flight fail with this error, other replicas keep serving."""
+
+
+class RestartLimitExceeded(ReplicaFailed):
+    """A replica failed more often than max_restarts within restart_window_s (a crash loop)."""
+
+
+class NoReplicaAvailable(LaunchError):
+    """Every replica has failed for good: nothing is left to serve requests."""

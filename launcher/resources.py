@@ -1,8 +1,10 @@
-"""How much of the cluster each rank asks Ray for, and how many torch threads it runs.
+"""How much of the cluster each rank asks Ray for, how many groups fit, and what is missing when
+none does. Pure arithmetic on resource dicts: no Ray here, so every rule is unit-tested.
 
-CPU backend: the host's CPUs are divided evenly over the ranks. With TP above the core count (a
-development and test use) each rank's bundle gets a fraction of a CPU (Ray accepts fractional CPU
-bundles) and one thread, so the group still fits; such a run is slower, not wrong.
+CPU backend: the cluster's CPUs are divided evenly over every rank of every replica, never more
+than one node can give the ranks it hosts. With more ranks than cores (a development and test use)
+each rank's bundle gets a fraction of a CPU (Ray accepts fractional CPU bundles) and one thread, so
+the group still fits; such a run is slower, not wrong.
 Neuron backend: a bundle of whole `neuron_cores` (Ray knows no fractions of them) sized by the
 plan's cores per rank (the LNC), plus one CPU for the driving process.
 """
@@ -11,6 +13,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+_EPS = 1e-9
 
 
 @dataclass(frozen=True)
@@ -23,19 +28,95 @@ class RankResources:
     """torch threads the rank runs."""
 
 
-def cpu_rank_resources(tp: int, cluster_cpus: float, nodes: int = 1,
+def cpu_rank_resources(tp: int, node_cpus: Sequence[float] | float, nodes: int = 1, replicas: int = 1,
                        cpus_per_rank: float | None = None) -> RankResources:
+    """A CPU rank's bundle: `cpus_per_rank`, or an even share of the CPUs of the alive nodes
+    (`node_cpus`, one entry per node; a single number means one node) over tp x replicas ranks,
+    capped by what one node gives the ceil(tp / nodes) ranks it hosts."""
     if cpus_per_rank is None:
+        per_node = [float(node_cpus)] if isinstance(node_cpus, (int, float)) else [float(c) for c in node_cpus]
+        per_node = [c for c in per_node if c > 0] or [1.0]
         ranks_per_node = math.ceil(tp / max(nodes, 1))
-        node_cpus = cluster_cpus / max(nodes, 1)
-        share = node_cpus / ranks_per_node
+        share = min(sum(per_node) / (tp * max(replicas, 1)), max(per_node) / ranks_per_node)
         # whole CPUs when there are enough, else a fraction rounded down to Ray's 1e-4 granularity
-        cpus_per_rank = math.floor(share) if share >= 1 else math.floor(share * 1e4) / 1e4
+        cpus_per_rank = math.floor(share + _EPS) if share >= 1 else math.floor(share * 1e4 + _EPS) / 1e4
     if cpus_per_rank <= 0:
         raise ValueError(f"cpus_per_rank ({cpus_per_rank}) must be positive")
-    threads = max(1, math.floor(cpus_per_rank))
+    threads = max(1, math.floor(cpus_per_rank + _EPS))
     return RankResources(bundle={"CPU": cpus_per_rank}, num_cpus=cpus_per_rank, threads=threads)
 
 
 def neuron_rank_resources(cores_per_rank: int) -> RankResources:
     return RankResources(bundle={"neuron_cores": cores_per_rank, "CPU": 1}, num_cpus=1, threads=1)
+
+
+def bundles_that_fit(free: Mapping[str, float], bundle: Mapping[str, float]) -> int:
+    """How many copies of `bundle` fit in one node's `free` resources."""
+    counts = [math.floor((free.get(name, 0.0) + _EPS) / amount) for name, amount in bundle.items() if amount > 0]
+    return min(counts) if counts else 0
+
+
+def place_group(free: list[dict[str, float]], bundle: Mapping[str, float], tp: int,
+                max_nodes: int) -> list[int] | None:
+    """Ranks per node (indexes into `free`) for one group of `tp` bundles over at most `max_nodes`
+    nodes, filling the roomiest nodes first (like Ray's PACK); None when it does not fit."""
+    room = sorted(range(len(free)), key=lambda i: -bundles_that_fit(free[i], bundle))
+    chosen, left = [0] * len(free), tp
+    for i in room[:max_nodes]:
+        take = min(left, bundles_that_fit(free[i], bundle))
+        chosen[i], left = take, left - take
+    return chosen if left == 0 else None
+
+
+def groups_that_fit(free: Sequence[Mapping[str, float]], bundle: Mapping[str, float], tp: int,
+                    max_nodes: int, limit: int = 1024) -> int:
+    """How many TP groups of `tp` bundles, each over at most `max_nodes` nodes, the nodes' `free`
+    resources hold at once (greedy, as Ray would place them one after the other)."""
+    free = [dict(f) for f in free]
+    count = 0
+    while count < limit:
+        ranks = place_group(free, bundle, tp, max_nodes)
+        if ranks is None:
+            break
+        for node, n in zip(free, ranks):
+            for name, amount in bundle.items():
+                node[name] = node.get(name, 0.0) - n * amount
+        count += 1
+    return count
+
+
+def explain_unplaceable(bundle: Mapping[str, float], tp: int, max_nodes: int,
+                        node_total: Sequence[Mapping[str, float]],
+                        node_free: Sequence[Mapping[str, float]] | None = None,
+                        node_names: Sequence[str] | None = None) -> str:
+    """Why a group of `tp` x `bundle` over at most `max_nodes` nodes cannot be placed: whether the
+    cluster could never hold it (and what is missing), or whether its resources are held by others."""
+    names = list(node_names) if node_names else [f"node {i}" for i in range(len(node_total))]
+    want = ", ".join(f"{name}: {_fmt(amount)}" for name, amount in bundle.items())
+    need = f"{tp} bundle(s) of {{{want}}} on at most {max_nodes} node(s)"
+    if not node_total:
+        return f"it needs {need}, and the cluster has no alive node"
+    held = "; ".join(f"{n} has {_resources(t)}" for n, t in zip(names, node_total))
+    if place_group([dict(t) for t in node_total], bundle, tp, max_nodes) is None:
+        best = sorted((bundles_that_fit(t, bundle) for t in node_total), reverse=True)[:max_nodes]
+        short = [f"{name} ({_fmt(amount * tp)} in all)" for name, amount in bundle.items()
+                 if sum(t.get(name, 0.0) for t in node_total) + _EPS < amount * tp]
+        missing = (f"the cluster lacks {', '.join(short)}" if short else
+                   f"its {min(max_nodes, len(node_total))} roomiest node(s) hold only {sum(best)} such bundle(s)")
+        return (f"it needs {need} and the cluster can never hold that: {missing} (alive nodes: {held}). "
+                f"Add nodes with these resources, allow more nodes per group (--nodes), or lower --tp")
+    free_txt = ""
+    if node_free is not None:
+        free_txt = "; free now: " + "; ".join(f"{n} {_resources(f)}" for n, f in zip(names, node_free))
+    return (f"it needs {need}; the cluster could hold it but other groups or jobs hold those resources "
+            f"(alive nodes: {held}{free_txt}). Free them, add nodes, or lower --replicas")
+
+
+def _fmt(amount: float) -> str:
+    return str(int(amount)) if float(amount).is_integer() else f"{amount:g}"
+
+
+def _resources(res: Mapping[str, float]) -> str:
+    shown = {k: v for k, v in res.items() if k in ("CPU", "GPU", "neuron_cores") or not (
+        k.startswith("node:") or k in ("memory", "object_store_memory") or k.startswith("accelerator_type"))}
+    return "{" + ", ".join(f"{k}: {_fmt(v)}" for k, v in sorted(shown.items())) + "}"

@@ -2,7 +2,13 @@
 
 Every wait on Ray here has a deadline and, when it passes, an error naming what did not arrive and
 what to change. A rank that dies is reported with its rank and node; the rest of the group is then
-killed so no rank stays blocked in a collective.
+killed so no rank stays blocked in a collective. Restarting a broken group is the replica pool's
+job (launcher/replica_pool.py): a TPGroup is started once and thrown away when it breaks.
+
+Placement: one bundle per rank in one placement group. With nodes=1 the group must fit one node
+(STRICT_PACK); with more it may spill over (PACK). Once Ray has placed the bundles, ranks are
+numbered node by node (launcher/placement.py), rank 0's node hosts the rendezvous, and every rank
+is told which ranks share its node (node_groups) so co-located ranks can use a faster path.
 """
 
 from __future__ import annotations
@@ -14,13 +20,17 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from launcher.errors import LaunchError, PlacementTimeout, RendezvousTimeout, RequestTimeout, WorkerDied
-from launcher.ray_worker import RankWorkerActor
-from launcher.resources import RankResources
+from launcher.errors import (LaunchError, NeuronDevicesMissing, PlacementTimeout, RankFailed, RendezvousTimeout,
+                             RequestTimeout, WorkerDied)
+from launcher.placement import alive_nodes, bundle_nodes, placement_strategy, rank_order
+from launcher.resources import RankResources, explain_unplaceable
 from workers.rank_worker import GenerateRequest, LoadSpec, LoadStats, WorkerSpec
 
 # How often a long wait wakes up to check for dead ranks; a death is seen within this delay.
 _POLL_S = 0.5
+# After one rank raises, how long to look for a rank that died (the usual root cause: the survivors'
+# collectives fail because a peer vanished) before reporting the raised error itself.
+_ROOT_CAUSE_GRACE_S = 2.0
 
 
 @dataclass
@@ -42,32 +52,46 @@ class TPGroup:
     resources: RankResources
     timeouts: GroupTimeouts = field(default_factory=GroupTimeouts)
     lnc: int = 1
+    nodes: int = 1
+    """Nodes the group may span: 1 keeps it on one node, more lets Ray spill ranks over (PACK)."""
     name: str = "corelaunch"
+    """Placement-group name prefix (the replica pool names each replica's group)."""
+    actor_cls: object = None
+    """The Ray actor class of a rank; None: launcher.ray_worker.RankWorkerActor."""
     actors: list = field(default_factory=list, init=False)
     workers: list[dict] = field(default_factory=list, init=False)
-    """describe() of each rank: rank, pid, hostname, node_id, node_ip."""
+    """describe() of each rank: rank, pid, hostname, node_id, node_ip, neuron_devices."""
+    bundle_of_rank: list[int] = field(default_factory=list, init=False)
+    """The placement-group bundle index each rank runs in (ranks are numbered node by node)."""
     _pg: object = field(default=None, init=False, repr=False)
 
     # ---- start-up ----------------------------------------------------------------------------
     def start(self) -> None:
-        """Reserve resources, start one actor per rank, and join their process group."""
+        """Reserve resources, start one actor per rank (node by node), and join their process group."""
+        from launcher import ray_worker
+
+        actor_cls = self.actor_cls or ray_worker.RankWorkerActor
         self._place()
-        for rank in range(self.tp_degree):
+        self.bundle_of_rank = rank_order(bundle_nodes(self._pg)) or list(range(self.tp_degree))
+        for rank, bundle in enumerate(self.bundle_of_rank):
             spec = WorkerSpec(rank=rank, world_size=self.tp_degree, backend=self.backend,
                               threads=self.resources.threads, lnc=self.lnc)
-            actor = RankWorkerActor.options(
+            actor = actor_cls.options(
                 num_cpus=self.resources.num_cpus,
                 resources={k: v for k, v in self.resources.bundle.items() if k != "CPU"},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self._pg, placement_group_bundle_index=rank),
+                    placement_group=self._pg, placement_group_bundle_index=bundle),
                 name=None,
             ).remote(spec)
             self.actors.append(actor)
         self.workers = self._wait_all([a.describe.remote() for a in self.actors],
                                       self.timeouts.startup_s, "start")
+        if self.backend == "neuron":
+            self._check_neuron_devices()
         rank0 = self.workers[0]
         port = self._wait_all([self.actors[0].rendezvous_port.remote()], self.timeouts.startup_s,
                               "choose a rendezvous port", ranks=[0])[0]
+        self._rendezvous = f"{rank0['node_ip']}:{port}"
         self._wait_all([a.init_backend.remote(rank0["node_ip"], port, self.timeouts.startup_s,
                                               self.node_groups())
                         for a in self.actors], self.timeouts.startup_s, "join the process group")
@@ -81,16 +105,31 @@ class TPGroup:
 
     def _place(self) -> None:
         bundles = [dict(self.resources.bundle) for _ in range(self.tp_degree)]
-        self._pg = placement_group(bundles, strategy="PACK", name=f"{self.name}-tp{self.tp_degree}")
+        strategy = placement_strategy(self.nodes)
+        self._pg = placement_group(bundles, strategy=strategy, name=f"{self.name}-tp{self.tp_degree}")
         if not self._pg.wait(timeout_seconds=self.timeouts.placement_s):
-            available = ray.available_resources()
             remove_placement_group(self._pg)
             self._pg = None
+            nodes = alive_nodes()
+            why = explain_unplaceable(self.resources.bundle, self.tp_degree, self.nodes,
+                                      [n.total for n in nodes], [n.free for n in nodes], [n.name for n in nodes])
             raise PlacementTimeout(
-                f"Ray could not reserve {self.tp_degree} bundles of {self.resources.bundle} within "
-                f"{self.timeouts.placement_s:.0f} s; the cluster has available "
-                f"{ {k: v for k, v in available.items() if not k.startswith('node:')} }. Reduce --tp, "
-                f"add nodes, or free the resources held by other jobs"
+                f"Ray could not reserve {self.tp_degree} bundles of {self.resources.bundle} ({strategy}) "
+                f"within {self.timeouts.placement_s:g} s: {why}. Reduce --tp, add nodes, or free the "
+                f"resources held by other jobs"
+            )
+
+    def _check_neuron_devices(self) -> None:
+        lost = [w for w in self.workers if not w.get("neuron_devices")]
+        if lost:
+            where = ", ".join(sorted({f"node {w['node_ip']} ({w['node_id'][:8]})" for w in lost}))
+            ranks = ", ".join(str(w["rank"]) for w in lost)
+            self.kill()
+            raise NeuronDevicesMissing(
+                f"{where} declares neuron_cores to Ray but shows no Neuron devices (/dev/neuron*) to "
+                f"rank(s) {ranks}: its Neuron driver is not loaded or its devices were lost. Run "
+                f"`neuron-ls` on that node; restart its Ray node (ray stop; ray start ...) once the devices "
+                f"are back, or take it out of the cluster so Ray stops placing ranks there"
             )
 
     def load(self, spec: LoadSpec) -> list[LoadStats]:
@@ -103,6 +142,21 @@ class TPGroup:
         results = self._wait_all([a.generate.remote(request) for a in self.actors],
                                  self.timeouts.request_s, "finish the request")
         return results[0]
+
+    def dead_ranks(self, timeout_s: float = 5.0) -> list[str]:
+        """Ranks whose process is gone (an idle group's health check); [] when all answer or are busy."""
+        if not self.actors:
+            return ["the group (stopped)"]
+        refs = [a.describe.remote() for a in self.actors]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        dead = []
+        for rank, ref in enumerate(refs):
+            if ref in done:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError:
+                    dead.append(self._where(rank))
+        return dead
 
     # ---- waiting -----------------------------------------------------------------------------
     def _where(self, rank: int) -> str:
@@ -123,26 +177,77 @@ class TPGroup:
             if remaining <= 0:
                 missing = sorted(rank_of[r] for r in pending)
                 self.kill()
-                raise (RequestTimeout if step == "finish the request" else RendezvousTimeout)(
-                    f"{', '.join(self._where(r) for r in missing)} did not {step} within "
-                    f"{timeout_s:.0f} s; the group was stopped. Check that rank's node (ray status, "
-                    f"its worker log) or raise the timeout"
-                )
+                raise self._timeout_error(missing, step, timeout_s)
             done, pending = ray.wait(pending, num_returns=1, timeout=min(_POLL_S, remaining))
             for ref in done:
                 try:
                     results[ref] = ray.get(ref)
                 except ray.exceptions.RayActorError as err:
-                    rank = rank_of[ref]
                     self.kill()
-                    raise WorkerDied(
-                        f"{self._where(rank)} died while trying to {step}: "
-                        f"{str(err).splitlines()[0]}; the group was stopped"
-                    ) from None
+                    raise self._death(rank_of[ref], step, err) from None
                 except ray.exceptions.RayTaskError as err:
+                    failure = _rank_failure(self._where(rank_of[ref]), step, err)
+                    if not isinstance(failure, RankFailed) and self._all_finish(pending):
+                        raise failure from None  # every rank refused the same input: the group is intact
+                    death = self._find_death(pending, rank_of, step)
                     self.kill()
-                    raise _rank_failure(self._where(rank_of[ref]), step, err) from None
+                    if death is not None:
+                        raise death from None
+                    raise failure from None
         return [results[r] for r in refs]
+
+    def _death(self, rank: int, step: str, err: Exception) -> WorkerDied:
+        return WorkerDied(f"{self._where(rank)} died while trying to {step}: "
+                          f"{str(err).splitlines()[0]}; the group was stopped")
+
+    def _all_finish(self, pending: list) -> bool:
+        """True when every pending call ends soon and no rank died (nobody is stuck in a collective)."""
+        if not pending:
+            return True
+        done, rest = ray.wait(list(pending), num_returns=len(pending), timeout=_ROOT_CAUSE_GRACE_S)
+        if rest:
+            return False
+        for ref in done:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                return False
+            except ray.exceptions.RayTaskError:
+                pass
+        return True
+
+    def _find_death(self, pending: list, rank_of: dict, step: str) -> WorkerDied | None:
+        """A rank among `pending` that died, if one shows up within a short grace period."""
+        deadline = time.monotonic() + _ROOT_CAUSE_GRACE_S
+        pending = list(pending)
+        while pending and time.monotonic() < deadline:
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError as err:
+                    return self._death(rank_of[ref], step, err)
+                except ray.exceptions.RayTaskError:
+                    pass
+        return None
+
+    def _timeout_error(self, missing: list[int], step: str, timeout_s: float) -> LaunchError:
+        who = ", ".join(self._where(r) for r in missing)
+        if step == "finish the request":
+            return RequestTimeout(
+                f"{who} did not {step} within {timeout_s:g} s; the group was stopped. Raise "
+                f"request_timeout_s (--request-timeout) for long generations, or check that rank's node "
+                f"(ray status, its worker log)")
+        if step == "join the process group":
+            return RendezvousTimeout(
+                f"{who} did not join the process group at {getattr(self, '_rendezvous', '?')} within "
+                f"{timeout_s:g} s (each rank waits there until all {self.tp_degree} have arrived, so at "
+                f"least one of them never did); the group was stopped. Check that every node can reach "
+                f"rank 0's node on that port (firewall or security group between nodes), look at those "
+                f"ranks' worker logs (ray logs), or raise startup_timeout_s (--startup-timeout)")
+        return RendezvousTimeout(
+            f"{who} did not {step} within {timeout_s:g} s; the group was stopped. Check that rank's node "
+            f"(ray status, its worker log) or raise the timeout")
 
     # ---- teardown ----------------------------------------------------------------------------
     def shutdown(self, grace_s: float = 10.0) -> None:
@@ -171,10 +276,11 @@ def _rank_failure(where: str, step: str, err: Exception) -> Exception:
     """The error to raise on the driver for an exception raised inside a rank.
 
     The user's mistakes (a bad checkpoint, a bad value) keep their type so callers can catch them;
-    anything else is a LaunchError. Both name the rank and its node.
+    anything else is a RankFailed (a group fault: restarting the group may cure it). Both name the
+    rank and its node.
     """
     cause = getattr(err, "cause", None) or err
     message = f"{where} failed to {step}: {cause}"
     if isinstance(cause, (ValueError, FileNotFoundError)):
         return type(cause)(message)
-    return LaunchError(message)
+    return RankFailed(message + "; the group was stopped")

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from launcher.api import LaunchConfig, Launcher
-from launcher.errors import PlacementTimeout, PlanRejected, WorkerDied
+from launcher.errors import PlacementTimeout, PlanRejected, ReplicaFailed, WorkerDied
 from tests.model_factory import save_random_model
 from workers.sampling import SamplingParams
 
@@ -38,7 +38,8 @@ def test_missing_model_path_is_named():
 
 
 @pytest.mark.parametrize("field, value", [("tp", 0), ("tp", "two"), ("max_batch_size", 0), ("nodes", 0),
-                                          ("request_timeout_s", -1), ("backend", "tpu")])
+                                          ("request_timeout_s", -1), ("backend", "tpu"), ("replicas", 0),
+                                          ("replicas", "many"), ("max_restarts", -1), ("restart_window_s", 0)])
 def test_bad_launch_options_name_the_value(field, value):
     with pytest.raises(ValueError, match=field.removesuffix("_s")):
         LaunchConfig(**{field: value})
@@ -74,21 +75,27 @@ def test_bad_requests_get_clear_errors_and_batches_split(small_model, ray_sessio
 
 
 def test_worker_killed_mid_request_is_reported_within_seconds(tmp_path, ray_session):
+    """With restarts disabled, the death itself reaches the caller: rank, node and pid named.
+    (With restarts, the group is restarted and the request re-run: tests/test_fault_tolerance.py.)"""
     # A model big enough that a 400-token request takes several seconds on two ranks.
     model_dir = save_random_model(tmp_path, "llama", hidden_size=256, intermediate_size=512, num_layers=4,
                                   num_heads=4, num_kv_heads=2, vocab_size=512, max_position_embeddings=1024)
-    launcher = Launcher(model=str(model_dir), tp=2, progress=False, request_timeout_s=120)
+    launcher = Launcher(model=str(model_dir), tp=2, progress=False, request_timeout_s=120, max_restarts=0)
     launcher.start()
     try:
-        victim = launcher._group.workers[1]
+        [replica] = launcher.replica_status()
+        victim = replica["workers"][1]
         killer = threading.Timer(1.5, os.kill, args=(victim["pid"], signal.SIGKILL))
         killer.start()
         start = time.monotonic()
-        with pytest.raises(WorkerDied) as info:
+        with pytest.raises(ReplicaFailed) as info:
             launcher.generate([[5, 6, 7]], max_new_tokens=900)
         elapsed = time.monotonic() - start
         message = str(info.value)
-        assert "rank 1" in message and victim["node_ip"] in message, message
+        assert isinstance(info.value.__cause__, WorkerDied), repr(info.value.__cause__)
+        assert "rank 1" in message and victim["node_ip"] in message and str(victim["pid"]) in message, message
+        assert "max_restarts=0" in message, message
         assert elapsed < 30, f"death noticed after {elapsed:.1f} s"
+        assert launcher.replica_status()[0]["state"] == "failed"
     finally:
         launcher.shutdown()

@@ -1,0 +1,82 @@
+"""A per-model cache of pre-sharded weights, so a restarted TP group (or a later launch with the
+same layout) loads each rank's file in one read instead of slicing the original checkpoint.
+
+The cache key covers everything a pre-sharded copy depends on: the checkpoint's resolved path and
+its weight files (name, size, modification time), the model config hash, TP degree, KV strategy
+and dtype. A changed checkpoint therefore never loads a stale copy; shardlib.presharded also checks
+its manifest against the requested layout on every load.
+
+The copy is written by the driver in a background thread after the first load (one rank's shard in
+memory at a time, written to a temporary folder and renamed into place, so a half-written copy is
+never used). It costs the model's size again on disk. On a multi-node cluster the cache directory
+must be visible at the same path on every node, like the model directory itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from pathlib import Path
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".json")
+
+
+def cache_root(directory: str | None) -> Path:
+    if directory:
+        return Path(directory)
+    from shardlib.demo_model import default_cache_dir
+
+    return Path(default_cache_dir()) / "presharded"
+
+
+def cache_dir(root: Path, model_dir: str | Path, config, layout, dtype: str) -> Path:
+    """The cache folder for this checkpoint and layout (named so a person can tell what it holds)."""
+    model_dir = Path(model_dir).resolve()
+    files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in model_dir.iterdir()
+                   if p.is_file() and p.suffix in _WEIGHT_SUFFIXES)
+    blob = json.dumps([str(model_dir), files, config.config_hash(), layout.tp_degree,
+                       layout.kv_strategy.value, dtype]).encode()
+    key = hashlib.sha256(blob).hexdigest()[:16]
+    return root / f"{model_dir.name}-tp{layout.tp_degree}-{layout.kv_strategy.value}-{dtype}-{key}"
+
+
+def is_ready(path: Path) -> bool:
+    from shardlib.presharded import MANIFEST
+
+    return (path / MANIFEST).is_file()
+
+
+class CacheWriter:
+    """Writes the pre-sharded copy once, in a background thread; `ready` says when it can be used."""
+
+    def __init__(self, path: Path, model_dir: str | Path, config, layout, dtype: str):
+        self.path = path
+        self.error: BaseException | None = None
+        self._args = (model_dir, config, layout, dtype)
+        self._thread = threading.Thread(target=self._write, name="corelaunch-presharded-cache", daemon=True)
+
+    def start(self) -> "CacheWriter":
+        self._thread.start()
+        return self
+
+    @property
+    def ready(self) -> bool:
+        return not self._thread.is_alive() and self.error is None and is_ready(self.path)
+
+    def join(self, timeout_s: float) -> None:
+        self._thread.join(timeout_s)
+
+    def _write(self) -> None:
+        from filelock import FileLock
+
+        from shardlib.presharded import save_presharded
+
+        model_dir, config, layout, dtype = self._args
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with FileLock(str(self.path) + ".lock"):  # one writer per copy, even across launchers
+                if not is_ready(self.path):
+                    save_presharded(self.path, model_dir, config, layout, dtype=dtype)
+        except BaseException as err:  # noqa: BLE001 - a cache that cannot be written is only slower
+            self.error = err

@@ -1,0 +1,321 @@
+"""Replicas: N independent TP groups behind one request queue, each restarted when it breaks.
+
+Routing: requests (one batch of prompts each) wait in one shared FIFO queue; every replica has a
+thread that takes the next request whenever its group is idle. A request therefore always goes to
+a replica with the least outstanding work (an idle one) and never waits behind a busy or
+restarting replica. A replica runs one request at a time, so all ranks of a group see the same
+calls in the same order (they must: their collectives pair up call by call).
+
+Faults: a rank that dies, fails or hangs mid-request stops its group (tp_group.py). The replica's
+thread then restarts the group, on the same or other resources (the old placement group is
+released first), and re-runs the request it had in flight; requests on other replicas carry on
+meanwhile. Every request's future is set exactly once, so none is lost or answered twice; a greedy
+request re-run on the same layout returns exactly the tokens it would have without the fault.
+Restarts are bounded by a RestartPolicy; when the bound is reached, or the cluster can no longer
+host the group (placement fails, a node lost its Neuron devices), the replica is given up and the
+requests it had in flight fail with a ReplicaFailed naming what is missing. The other replicas keep
+serving; when none is left, every queued and later request fails with NoReplicaAvailable. Idle
+replicas are health-checked every few seconds so a dead rank is replaced before the next request.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable
+
+from launcher.errors import (GroupFault, LaunchError, NeuronDevicesMissing, NoReplicaAvailable, PlacementTimeout,
+                             RendezvousTimeout, ReplicaFailed, RequestTimeout, RestartLimitExceeded, WorkerDied)
+from launcher.restart_policy import RestartPolicy
+
+_STOP = object()
+
+
+@dataclass
+class StartedGroup:
+    """A TP group that has been placed, joined and loaded (what a GroupFactory returns)."""
+
+    group: object
+    """launcher.tp_group.TPGroup (or anything with generate/kill/shutdown/dead_ranks/workers)."""
+    load_stats: list = field(default_factory=list)
+
+
+GroupFactory = Callable[[int, bool], StartedGroup]
+"""(replica index, is_restart) -> a started, loaded group; raises when it cannot be started."""
+
+
+@dataclass
+class ReplicaOutput:
+    replica: int
+    """Index of the replica that answered."""
+    attempts: int
+    """1, or more when the request was re-run after its group failed."""
+    outputs: object
+    """Rank 0's outputs (a list of workers.engine.GenerationOutput)."""
+
+
+@dataclass
+class _Item:
+    request: object
+    future: Future = field(default_factory=Future)
+    attempts: int = 0
+
+
+class Replica:
+    """One TP group and the thread that feeds it requests, restarting it within its policy."""
+
+    def __init__(self, index: int, pool: "ReplicaPool", policy: RestartPolicy):
+        self.index = index
+        self.pool = pool
+        self.policy = policy
+        self.state = "starting"
+        """starting | serving | restarting | failed | stopped"""
+        self.started: StartedGroup | None = None
+        self.restarts = 0
+        self.served = 0
+        self.busy = False
+        self.failure: ReplicaFailed | None = None
+        self.last_recovery_s: float | None = None
+        """Seconds from noticing the last fault to the restarted group being ready."""
+        self._thread: threading.Thread | None = None
+
+    # ---- the serving loop --------------------------------------------------------------------
+    def run(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name=f"corelaunch-replica-{self.index}", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        pool = self.pool
+        while not pool.stopping and self.state != "failed":
+            try:
+                item = pool._queue.get(timeout=pool.health_check_interval_s)
+            except queue.Empty:
+                self._health_check()
+                continue
+            if item is _STOP:
+                break
+            self._serve(item)
+        if self.state != "failed":
+            self.state = "stopped"
+
+    def _serve(self, item: _Item) -> None:
+        while True:
+            item.attempts += 1
+            group = self.started.group
+            self.busy = True
+            try:
+                outputs = group.generate(item.request)
+            except GroupFault as fault:
+                if self.pool.stopping:
+                    _fail(item, LaunchError("the launcher was shut down while this request was running"))
+                    return
+                if not self._restart(fault):
+                    _fail(item, self.failure)
+                    return
+                if isinstance(fault, RequestTimeout):
+                    _fail(item, fault)  # it would time out again; the group was restarted for the next ones
+                    return
+                continue  # re-run on the restarted group
+            except BaseException as err:  # noqa: BLE001 - the caller's error (a bad request) goes to its future
+                _fail(item, err)
+                if not group.actors and not self.pool.stopping:  # the error took the group down
+                    self._restart(err)
+                return
+            finally:
+                self.busy = False
+            self.served += 1
+            _succeed(item, ReplicaOutput(replica=self.index, attempts=item.attempts, outputs=outputs))
+            return
+
+    def _health_check(self) -> None:
+        if self.state != "serving" or self.pool.stopping:
+            return
+        dead = self.started.group.dead_ranks(timeout_s=min(5.0, self.pool.health_check_interval_s * 2))
+        if dead and not self.pool.stopping:
+            self._restart(WorkerDied(f"{', '.join(dead)} died while replica {self.index} was idle"))
+
+    # ---- restarts ----------------------------------------------------------------------------
+    def _restart(self, cause: BaseException) -> bool:
+        """Replace the broken group; False (and the replica failed) when that is not possible."""
+        noticed = time.monotonic()
+        self.state = "restarting"
+        if self.started is not None:
+            self.started.group.kill()
+        while True:
+            if not self.policy.allow():
+                if self.policy.max_restarts == 0:
+                    why = f"restarts are disabled (max_restarts=0; raise --max-restarts to restart failed groups)"
+                else:
+                    why = (f"it was already restarted {self.policy.recent()} times within "
+                           f"{self.policy.window_s:g} s ({self.policy.describe()}), so it looks like a crash "
+                           f"loop; find the cause in the message below and the worker logs (ray logs), or raise "
+                           f"--max-restarts / lower --restart-window")
+                self._give_up(RestartLimitExceeded(f"replica {self.index} failed and is given up: {why}. "
+                                                   f"Last failure: {cause}"), cause)
+                return False
+            self.restarts += 1
+            self.pool._note(f"replica {self.index}: {_first_line(cause)}; restarting its group "
+                            f"(restart {self.policy.recent()} of at most {self.policy.max_restarts} "
+                            f"within {self.policy.window_s:g} s)")
+            try:
+                started = self.pool._make_group(self.index, True)
+            except (PlacementTimeout, NeuronDevicesMissing) as err:
+                self._give_up(ReplicaFailed(f"replica {self.index} lost its group ({_first_line(cause)}) and "
+                                            f"the cluster cannot host it any more: {err}"), err)
+                return False
+            except (GroupFault, RendezvousTimeout) as err:  # a rank died or hung starting: another failure
+                cause = err
+                continue
+            except BaseException as err:  # noqa: BLE001 - anything else cannot be cured by retrying
+                self._give_up(ReplicaFailed(f"replica {self.index} lost its group ({_first_line(cause)}) and "
+                                            f"could not be restarted: {type(err).__name__}: {err}"), err)
+                return False
+            if self.pool.stopping:
+                started.group.kill()
+                return False
+            self.started = started
+            self.state = "serving"
+            self.last_recovery_s = time.monotonic() - noticed
+            self.pool._note(f"replica {self.index}: serving again after {self.last_recovery_s:.1f} s")
+            return True
+
+    def _give_up(self, error: ReplicaFailed, cause: BaseException) -> None:
+        error.__cause__ = cause
+        self.failure = error
+        self.state = "failed"
+        if self.started is not None:
+            self.started.group.kill()
+        self.pool._replica_failed(self)
+
+    def status(self) -> dict:
+        group = self.started.group if self.started is not None else None
+        workers = list(getattr(group, "workers", []) or []) if self.state in ("serving", "starting") else []
+        return {"index": self.index, "state": self.state, "busy": self.busy, "restarts": self.restarts,
+                "served": self.served, "last_recovery_s": self.last_recovery_s,
+                "failure": str(self.failure) if self.failure else None,
+                "workers": workers, "nodes": sorted({w["node_id"] for w in workers if "node_id" in w}),
+                "load_source": sorted({getattr(s, "source", "?") for s in self.started.load_stats})
+                if self.started is not None else []}
+
+
+class ReplicaPool:
+    """`count` replicas built by `make_group`, fed from one queue (see the module docstring)."""
+
+    def __init__(self, count: int, make_group: GroupFactory, policy: Callable[[], RestartPolicy],
+                 health_check_interval_s: float = 2.0, note: Callable[[str], None] | None = None):
+        if count < 1:
+            raise ValueError(f"replicas ({count}) must be at least 1")
+        self._make_group = make_group
+        self.health_check_interval_s = health_check_interval_s
+        self._note = note or (lambda text: None)
+        self.replicas = [Replica(i, self, policy()) for i in range(count)]
+        self._queue: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self.stopping = False
+        self._no_replica: NoReplicaAvailable | None = None
+
+    def start(self) -> None:
+        """Start every replica's group at once; on any failure stop them all and raise the first."""
+        errors: dict[int, BaseException] = {}
+
+        def start_one(replica: Replica) -> None:
+            try:
+                replica.started = self._make_group(replica.index, False)
+                replica.state = "serving"
+            except BaseException as err:  # noqa: BLE001 - re-raised below on the caller's thread
+                errors[replica.index] = err
+
+        threads = [threading.Thread(target=start_one, args=(r,), daemon=True) for r in self.replicas]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            self.shutdown()
+            first = errors[min(errors)]
+            if len(self.replicas) > 1:
+                first.add_note(f"(replica {min(errors)} of {len(self.replicas)}; "
+                               f"{len(errors)} replica(s) failed to start)")
+            raise first
+        for replica in self.replicas:
+            replica.run()
+
+    # ---- requests ----------------------------------------------------------------------------
+    def submit(self, request) -> Future:
+        """Queue one request; its future resolves to a ReplicaOutput or raises the request's error."""
+        item = _Item(request)
+        with self._lock:
+            if self.stopping:
+                raise LaunchError("the launcher is shut down; start a new one")
+            if self._no_replica is not None:
+                raise NoReplicaAvailable(str(self._no_replica))
+            self._queue.put(item)
+        return item.future
+
+    def serving(self) -> int:
+        """Replicas that are serving or will be again (restarting)."""
+        return sum(r.state in ("serving", "restarting", "starting") for r in self.replicas)
+
+    def status(self) -> list[dict]:
+        return [r.status() for r in self.replicas]
+
+    def _replica_failed(self, replica: Replica) -> None:
+        with self._lock:
+            if self.serving() > 0:
+                return
+            reasons = "; ".join(f"replica {r.index}: {r.failure}" for r in self.replicas if r.failure)
+            self._no_replica = NoReplicaAvailable(
+                f"no replica is left to serve requests ({reasons}). Fix the cluster (ray status) and start "
+                f"a new Launcher")
+            self._drain(self._no_replica)
+
+    def _drain(self, error: BaseException) -> None:
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is not _STOP:
+                _fail(item, type(error)(str(error)) if isinstance(error, LaunchError) else error)
+
+    # ---- teardown ----------------------------------------------------------------------------
+    def shutdown(self, grace_s: float = 10.0) -> None:
+        """Fail what is queued, stop every group (patiently, then by force), end the threads."""
+        with self._lock:
+            self.stopping = True
+            self._drain(LaunchError("the launcher was shut down before this request ran"))
+        for _ in self.replicas:
+            self._queue.put(_STOP)
+        stoppers = []
+        for replica in self.replicas:
+            if replica.started is not None:
+                t = threading.Thread(target=replica.started.group.shutdown, args=(grace_s,), daemon=True)
+                t.start()
+                stoppers.append(t)
+        for t in stoppers:
+            t.join(grace_s + 5)
+        for replica in self.replicas:
+            if replica.started is not None:
+                replica.started.group.kill()
+            if replica._thread is not None:
+                replica._thread.join(grace_s)
+            if replica.state != "failed":
+                replica.state = "stopped"
+
+
+# Each item is held by exactly one replica thread (or drained from the queue once), so its future is
+# set exactly once; a second answer would raise InvalidStateError instead of passing silently.
+def _succeed(item: _Item, value) -> None:
+    item.future.set_result(value)
+
+
+def _fail(item: _Item, error: BaseException) -> None:
+    item.future.set_exception(error)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"
