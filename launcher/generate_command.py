@@ -20,7 +20,18 @@ def add_parser(subparsers) -> None:
     p.add_argument("--backend", choices=["cpu", "neuron"],
                    help="default: neuron where Neuron devices exist, else cpu")
     p.add_argument("--instance", help="planner target, e.g. trn1.32xlarge (default: cpu on the cpu backend)")
-    p.add_argument("--nodes", type=int, default=1, help="nodes the TP group may span (default 1)")
+    p.add_argument("--nodes", type=int, default=1,
+                   help="nodes one TP group may span when one node lacks cores (default 1)")
+    p.add_argument("--replicas", default="1", metavar="N|auto",
+                   help="independent TP groups; prompts are spread over them; auto: as many as fit (default 1)")
+    p.add_argument("--max-restarts", type=int, default=3, metavar="N",
+                   help="restarts of a failed replica within --restart-window; 0 disables them (default 3)")
+    p.add_argument("--restart-window", type=float, default=600.0, metavar="S",
+                   help="seconds over which --max-restarts is counted (default 600)")
+    p.add_argument("--cpus-per-rank", type=float, metavar="C",
+                   help="cpu backend: CPUs per rank (default: the cluster's CPUs divided over every rank)")
+    p.add_argument("--presharded-cache", action="store_true",
+                   help="write a pre-sharded copy after the first load and restart groups from it")
     p.add_argument("--lnc", type=int, choices=[1, 2], help="logical NeuronCore config (default: per instance)")
     p.add_argument("--kv-strategy", choices=["shard", "replicate_to_tp", "convert_to_mha"])
     p.add_argument("--seq-len", type=int, help="KV-cache length (default: longest prompt + new tokens)")
@@ -36,6 +47,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--ray-address", help="Ray cluster address (default: a running cluster, else local)")
     p.add_argument("--placement-timeout", type=float, default=60.0, metavar="S",
                    help="seconds to wait for Ray to reserve the workers (default 60)")
+    p.add_argument("--startup-timeout", type=float, default=120.0, metavar="S",
+                   help="seconds for the workers to start and join their group (default 120)")
     p.add_argument("--request-timeout", type=float, default=600.0, metavar="S")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -64,7 +77,10 @@ def run(args: argparse.Namespace) -> int:
         sampling = _sampling(args)
         config = LaunchConfig(
             model=args.model, tp=args.tp, backend=args.backend, instance=args.instance, nodes=args.nodes,
-            lnc=args.lnc, dtype=args.dtype, kv_strategy=args.kv_strategy, seq_len=args.seq_len,
+            replicas=args.replicas, max_restarts=args.max_restarts, restart_window_s=args.restart_window,
+            cpus_per_rank=args.cpus_per_rank, presharded_cache=args.presharded_cache,
+            startup_timeout_s=args.startup_timeout, lnc=args.lnc, dtype=args.dtype,
+            kv_strategy=args.kv_strategy, seq_len=args.seq_len,
             max_batch_size=args.max_batch_size, presharded_dir=args.presharded,
             ray_address=args.ray_address, placement_timeout_s=args.placement_timeout,
             request_timeout_s=args.request_timeout, progress=not args.quiet)
@@ -75,8 +91,9 @@ def run(args: argparse.Namespace) -> int:
                 "tp_degree": launcher.plan.tp_degree,
                 "kv_strategy": str(launcher.plan.kv_strategy),
                 "backend": launcher.backend,
+                "replicas": launcher.replicas,
                 "outputs": [{"prompt": r.prompt, "text": r.text, "token_ids": r.token_ids,
-                             "finish_reason": r.finish_reason,
+                             "finish_reason": r.finish_reason, "replica": r.replica,
                              "time_to_first_token_s": round(r.time_to_first_token_s, 4),
                              "decode_tokens_per_s": round(r.decode_tokens_per_s, 2)} for r in results],
                 "startup_s": round(launcher.timings["startup_s"], 3),
