@@ -1,0 +1,146 @@
+"""Several replicas: the arithmetic that sizes and splits work (pure), then real Ray replicas.
+
+Two replicas must answer a batch with exactly the tokens one replica gives (and transformers
+gives), use both replicas, and serve concurrent callers of one Launcher correctly.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from launcher.api import Launcher, split_prompts
+from launcher.placement import rank_order
+from launcher.resources import cpu_rank_resources, explain_unplaceable, groups_that_fit, place_group
+from launcher.restart_policy import RestartPolicy
+from tests.model_factory import build_random_model, save_model
+from tests.test_launcher_generate import hf_greedy
+
+PROMPTS = [[5, 17, 42, 9, 77, 3], [8, 60, 21], [11, 12], [90, 4, 4, 30, 2 + 5], [66], [7, 100, 101, 3]]
+NEW_TOKENS = 6
+
+
+# ---- pure arithmetic ----------------------------------------------------------------------------
+@pytest.mark.parametrize("count, batch, replicas, expected", [
+    (5, 2, 1, [(0, 2), (2, 4), (4, 5)]),
+    (4, 8, 2, [(0, 2), (2, 4)]),
+    (16, 8, 2, [(0, 8), (8, 16)]),
+    (3, 8, 4, [(0, 1), (1, 2), (2, 3)]),      # never more parts than prompts
+    (17, 8, 2, [(0, 6), (6, 12), (12, 17)]),  # at most max_batch_size each, as even as possible
+    (1, 8, 1, [(0, 1)]),
+])
+def test_split_prompts(count, batch, replicas, expected):
+    assert split_prompts(count, batch, replicas) == expected
+
+
+def test_rank_order_makes_each_nodes_ranks_contiguous():
+    assert rank_order({0: "a", 1: "b", 2: "a", 3: "b"}) == [0, 2, 1, 3]
+    # the node holding more bundles comes first, so rank 0 sits with the largest co-located set
+    assert rank_order({0: "b", 1: "a", 2: "a", 3: "c"}) == [1, 2, 0, 3]
+    assert rank_order({0: "x"}) == [0]
+
+
+def test_cpu_shares_divide_over_replicas_and_respect_one_node():
+    assert cpu_rank_resources(1, [2.0]).bundle == {"CPU": 2}
+    two = cpu_rank_resources(1, [2.0], replicas=2)
+    assert two.bundle == {"CPU": 1} and two.threads == 1
+    assert cpu_rank_resources(3, [2.0]).bundle == {"CPU": 0.6666}
+    # a head with no CPUs and three 1-CPU nodes: a TP 2 group over 2 nodes gets 1 CPU per rank
+    assert cpu_rank_resources(2, [0.0, 1.0, 1.0, 1.0], nodes=2).bundle == {"CPU": 1}
+    # never more than one node can give the ranks it hosts (2 nodes x 1 CPU, TP 1: 1 CPU, not 2)
+    assert cpu_rank_resources(1, [1.0, 1.0]).bundle == {"CPU": 1}
+    assert cpu_rank_resources(2, [2.0], cpus_per_rank=0.5).bundle == {"CPU": 0.5}
+
+
+def test_groups_that_fit_counts_like_pack_within_the_node_limit():
+    cpu1 = {"CPU": 1.0}
+    assert groups_that_fit([{"CPU": 2.0}], cpu1, tp=1, max_nodes=1) == 2
+    assert groups_that_fit([{"CPU": 1.0}] * 3, cpu1, tp=2, max_nodes=1) == 0
+    assert groups_that_fit([{"CPU": 1.0}] * 3, cpu1, tp=2, max_nodes=2) == 1
+    assert groups_that_fit([{"CPU": 1.0}] * 4, cpu1, tp=2, max_nodes=2) == 2
+    trn1 = [{"CPU": 128.0, "neuron_cores": 32.0}] * 2
+    assert groups_that_fit(trn1, {"neuron_cores": 1, "CPU": 1}, tp=8, max_nodes=1) == 8
+    assert groups_that_fit(trn1, {"neuron_cores": 1, "CPU": 1}, tp=64, max_nodes=2) == 1
+    assert place_group([{"CPU": 1.0}, {"CPU": 3.0}], cpu1, tp=3, max_nodes=1) == [0, 3]
+
+
+def test_unplaceable_explanations_name_what_is_missing():
+    never = explain_unplaceable({"CPU": 1}, 2, 1, [{"CPU": 1.0}, {"CPU": 1.0}], node_names=["n1", "n2"])
+    assert "can never hold" in never and "--nodes" in never and "n1 has {CPU: 1}" in never
+    lacking = explain_unplaceable({"neuron_cores": 1, "CPU": 1}, 2, 2, [{"CPU": 4.0}])
+    assert "lacks neuron_cores (2 in all)" in lacking
+    busy = explain_unplaceable({"CPU": 1}, 1, 1, [{"CPU": 1.0}], [{"CPU": 0.0}], ["n1"])
+    assert "other groups or jobs hold" in busy and "free now: n1 {CPU: 0}" in busy
+
+
+def test_restart_policy_bounds_restarts_in_a_sliding_window():
+    policy = RestartPolicy(max_restarts=2, window_s=10)
+    assert policy.allow(0) and policy.allow(1)
+    assert not policy.allow(2)            # a third restart within 10 s is refused
+    assert policy.allow(10.5)             # the first one has left the window
+    assert policy.recent(10.5) == 2
+    assert not RestartPolicy(max_restarts=0).allow(0)
+    with pytest.raises(ValueError, match="max_restarts"):
+        RestartPolicy(max_restarts=-1)
+
+
+# ---- real replicas on the local Ray -------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model_and_expected(tmp_path_factory):
+    model = build_random_model("llama", num_heads=4, num_kv_heads=2, seed=7)
+    path = save_model(model, tmp_path_factory.mktemp("replicas"))
+    return str(path), [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
+
+
+def test_two_replicas_give_the_tokens_of_one(model_and_expected, ray_session):
+    model_dir, expected = model_and_expected
+    with Launcher(model=model_dir, tp=1, replicas=1, progress=False) as one:
+        single = one.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+    with Launcher(model=model_dir, tp=1, replicas=2, max_batch_size=2, progress=False) as two:
+        assert two.replicas == 2
+        status = two.replica_status()
+        assert [s["state"] for s in status] == ["serving", "serving"]
+        assert all(len(s["workers"]) == 1 for s in status)
+        batch = two.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+        # concurrent callers of one Launcher: each gets its own prompt's tokens
+        answers: dict[int, list[int]] = {}
+
+        def ask(i: int) -> None:
+            answers[i] = two.generate([PROMPTS[i]], max_new_tokens=NEW_TOKENS)[0].token_ids
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        served = [s["served"] for s in two.replica_status()]
+    assert [r.token_ids for r in single] == expected
+    assert [r.token_ids for r in batch] == expected
+    assert [answers[i] for i in range(len(PROMPTS))] == expected
+    assert {r.replica for r in batch} == {0, 1}, "the batch was not split over both replicas"
+    assert all(n > 0 for n in served), served
+    assert all(r.attempts == 1 for r in batch)
+
+
+def wait_until_all_cpus_free(ray, timeout_s: float = 15.0) -> int:
+    """Resources of a launcher just shut down come back asynchronously; "auto" counts free ones."""
+    import time
+
+    from launcher.placement import alive_nodes
+
+    cpus = ray.cluster_resources()["CPU"]
+    deadline = time.monotonic() + timeout_s
+    while sum(n.free.get("CPU", 0.0) for n in alive_nodes()) < cpus:
+        assert time.monotonic() < deadline, f"the cluster's {cpus} CPUs were not free within {timeout_s} s"
+        time.sleep(0.1)
+    return int(cpus)
+
+
+def test_replicas_auto_fills_the_cluster(model_and_expected, ray_session):
+    model_dir, expected = model_and_expected
+    cpus = wait_until_all_cpus_free(ray_session)
+    with Launcher(model=model_dir, tp=1, replicas="auto", progress=False) as launcher:
+        assert launcher.replicas == cpus  # one CPU per rank: one TP 1 replica per CPU
+        out = launcher.generate(PROMPTS[:2], max_new_tokens=NEW_TOKENS)
+    assert [r.token_ids for r in out] == expected[:2]
