@@ -7,8 +7,9 @@ The model calls exactly two operations, so a backend only has to provide those:
   every rank needs the whole row to sample the same token.
 
 gloo (`TorchDistributedCollectives`) works everywhere but costs hundreds of microseconds per call on
-one host; a shared-memory backend for co-located CPU ranks and NCCL for CUDA plug in as further
-subclasses without the model changing.
+one host. Co-located CPU ranks use shared memory instead (`workers/shm/`: `ShmCollectives` when the
+whole group shares a node, `HierarchicalCollectives` across nodes); NCCL for CUDA would plug in as
+another subclass without the model changing.
 """
 
 from __future__ import annotations
@@ -45,6 +46,11 @@ class Collectives(abc.ABC):
 
         All ranks pass tensors of the same shape; the result's last dim is world_size times larger.
         """
+
+    def close(self) -> None:
+        """Release what the collectives hold beyond the process group (shared memory); idempotent.
+
+        The process group itself is the backend's to destroy."""
 
 
 class SingleRank(Collectives):

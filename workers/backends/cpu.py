@@ -24,8 +24,16 @@ class CpuBackend(Backend):
 
     def init_process_group(self, rendezvous: RendezvousInfo, rank: int, world_size: int,
                            timeout_s: float, node_groups: list[list[int]] | None = None) -> Collectives:
+        """gloo for every rank, plus shared memory between ranks that share a node.
+
+        CORELAUNCH_COLLECTIVES (read here, in the worker's environment) picks the path: auto (the
+        default: shared memory where ranks share a node, gloo across nodes and as the fallback),
+        gloo (gloo only), shm (like auto, but fail instead of falling back). See workers/shm/."""
         if world_size == 1:
             return SingleRank()
+        from workers.shm.group import build_cpu_collectives, mode_from_env
+
+        mode = mode_from_env()  # before joining, so a bad value fails alike on every rank
         dist.init_process_group(
             backend="gloo",
             init_method=f"tcp://{rendezvous.host}:{rendezvous.port}",
@@ -33,7 +41,8 @@ class CpuBackend(Backend):
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
-        return TorchDistributedCollectives()
+        # A waiting rank gives up after the process group's own timeout, naming whom it waited for.
+        return build_cpu_collectives(rank, world_size, node_groups, timeout_s, mode)
 
     def shutdown(self) -> None:
         if dist.is_available() and dist.is_initialized():

@@ -1,0 +1,132 @@
+"""all_reduce latency, side by side in one run: gloo against corelaunch's shared-memory path.
+
+Local processes (2, then 3: TP 3 on this 2-core machine is oversubscribed), one torch thread each,
+float32 tensors of a decode step's shapes (1 x 576 is SmolLM2's hidden size, 1 x 1024 the TP
+benchmark model's, 4 x 1024 a small batch). Every call is timed on its own, back to back as in a
+decode step; variants alternate in blocks so machine noise hits them alike. Latencies are rank 0's.
+
+Variants: `gloo` (torch.distributed), `shm` (workers/shm, as the CPU backend builds it), and with
+more ranks than cores also `shm_busy_wait` (the same code never yielding its core: why it yields).
+Prints one JSON object.
+
+    python benchmarks/allreduce.py [--calls 2000] [--blocks 3] [--world-sizes 2,3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SHAPES = ((1, 576), (1, 1024), (4, 1024))
+
+
+def _stats(samples_s: list[float]) -> dict:
+    ordered = sorted(samples_s)
+
+    def pct(p: float) -> float:
+        return ordered[min(len(ordered) - 1, int(p * len(ordered)))] * 1e6
+
+    return {"median_us": round(statistics.median(ordered) * 1e6, 1),
+            "mean_us": round(statistics.fmean(ordered) * 1e6, 1),
+            "p90_us": round(pct(0.90), 1), "p99_us": round(pct(0.99), 1),
+            "max_us": round(ordered[-1] * 1e6, 1), "calls": len(ordered)}
+
+
+def _rank_main(rank: int, world_size: int, port: int, args, queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from workers.collectives import TorchDistributedCollectives
+    from workers.shm.group import build_cpu_collectives
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=120))
+    variants = {"gloo": TorchDistributedCollectives(),
+                "shm": build_cpu_collectives(rank, world_size, [list(range(world_size))], 120.0, "shm")}
+    oversubscribed = world_size > len(os.sched_getaffinity(0))
+    if oversubscribed:
+        busy = build_cpu_collectives(rank, world_size, [list(range(world_size))], 120.0, "shm")
+        busy._x.spin_s = busy._x.yield_s = 1e9  # spin for ever: never yield the core
+        variants["shm_busy_wait"] = busy
+    samples = {f"{a}x{b}": {name: [] for name in variants} for a, b in SHAPES}
+    for a, b in SHAPES:
+        tensor = torch.randn(a, b, generator=torch.Generator().manual_seed(rank))
+        for block in range(args.blocks):
+            for name, coll in variants.items():
+                # the busy-wait variant can take a scheduler time slice per call: fewer calls
+                calls = args.calls if name != "shm_busy_wait" else max(20, args.calls // 20)
+                dist.barrier()
+                for _ in range(args.warmup if block == 0 else 0):
+                    coll.all_reduce_sum_(tensor.clone())
+                times = samples[f"{a}x{b}"][name]
+                for _ in range(calls):
+                    work = tensor.clone()
+                    start = time.perf_counter()
+                    coll.all_reduce_sum_(work)
+                    times.append(time.perf_counter() - start)
+    dist.barrier()
+    for coll in variants.values():
+        coll.close()
+    dist.destroy_process_group()
+    if rank == 0:
+        queue.put({shape: {name: _stats(t) for name, t in per.items()} for shape, per in samples.items()})
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run(world_size: int, args) -> dict:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, args, queue)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    try:
+        result = queue.get(timeout=args.timeout_s)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    for per in result.values():
+        if "gloo" in per and "shm" in per:
+            per["gloo_over_shm"] = {k: round(per["gloo"][k] / max(per["shm"][k], 1e-3), 1)
+                                    for k in ("median_us", "mean_us", "p90_us", "p99_us")}
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=2000, help="timed calls per variant, shape and block")
+    parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument("--blocks", type=int, default=3)
+    parser.add_argument("--world-sizes", default="2,3")
+    parser.add_argument("--timeout-s", type=float, default=600)
+    args = parser.parse_args()
+    load_before = os.getloadavg()
+    report = {"dtype": "float32", "threads_per_rank": 1, "cores": len(os.sched_getaffinity(0)),
+              "calls": args.calls, "blocks": args.blocks, "loadavg_before": [round(x, 2) for x in load_before]}
+    for ws in (int(w) for w in args.world_sizes.split(",")):
+        report[f"{ws}_ranks"] = run(ws, args)
+    report["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

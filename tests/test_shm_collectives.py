@@ -1,0 +1,400 @@
+"""Shared-memory collectives (workers/shm) in real spawned process groups, checked against gloo.
+
+- 2 ranks: a + b == b + a exactly, so every result must equal gloo's bit for bit.
+- 3 ranks: every rank's result must equal ((x0 + x1) + x2) computed here bit for bit (fixed rank
+  order), agree across ranks, and lie within float32 rounding of gloo's (gloo's ring all-reduce
+  starts each third of the tensor at a different rank, so it differs from any fixed order by an
+  ulp or two); greedy tokens of a TP 3 model are identical with both paths.
+- Buffer reuse: thousands of back-to-back calls of varying sizes with random delays, slot size
+  forced small so chunking and both buffers are exercised; the same test run against a deliberately
+  single-buffered exchange must catch the race (so the stress test can fail).
+- Across nodes (several node groups on this machine): hierarchical results, exact and identical.
+- A peer that never arrives raises naming it; a peer that died is noticed within a second.
+- Set-up failure on one rank: every rank falls back to gloo together (auto) or all raise (shm).
+- Nothing named corelaunch-* is left in /dev/shm, during a group's life or after.
+
+Each test starts one group of processes and runs several checks in it (starting a process costs
+about a second here).
+"""
+
+from __future__ import annotations
+
+import datetime
+import glob
+import io
+import os
+import random
+import socket
+import time
+import traceback
+from queue import Empty
+
+import pytest
+import torch
+
+SHM_GLOB = "/dev/shm/corelaunch-*"
+
+
+@pytest.fixture(autouse=True)
+def no_shm_leaks():
+    before = set(glob.glob(SHM_GLOB))
+    yield
+    left = set(glob.glob(SHM_GLOB)) - before
+    assert not left, f"shared-memory segments left behind: {sorted(left)}"
+
+
+# ---- running a function on N spawned ranks ---------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, queue, fn, args) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size, timeout=datetime.timedelta(seconds=60))
+        # Serialised here: tensors put on a queue as they are would be shared through this process's
+        # file descriptors, gone if it exits before the parent reads them.
+        payload = io.BytesIO()
+        torch.save(fn(rank, world_size, *args), payload)
+        queue.put((rank, "ok", payload.getvalue()))
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(world_size: int, fn, *args, timeout_s: float = 90.0, expect: int | None = None) -> dict:
+    """{rank: fn(rank, world_size, *args)} from `world_size` spawned ranks sharing a gloo group.
+    `expect`: how many ranks report (a rank that exits on purpose reports nothing)."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, queue, fn, args), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) < (world_size if expect is None else expect):
+            try:
+                rank, status, payload = queue.get(timeout=max(0.1, deadline - time.monotonic()))
+            except Empty:
+                raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(results))} did not report "
+                                   f"within {timeout_s} s") from None
+            if status == "error":
+                raise RuntimeError(f"rank {rank} failed:\n{payload}")
+            results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    return results
+
+
+def inputs(rank: int, shape, seed: int, dtype=torch.float32) -> torch.Tensor:
+    """Rank `rank`'s input for call `seed`: values of mixed magnitudes, so rounding order matters."""
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-8, 9, shape, generator=g).float())
+    return x.to(dtype)
+
+
+def fixed_order_sum(world_size: int, shape, seed: int, dtype=torch.float32) -> torch.Tensor:
+    total = inputs(0, shape, seed, dtype) + inputs(1, shape, seed, dtype)
+    for r in range(2, world_size):
+        total = total + inputs(r, shape, seed, dtype)
+    return total
+
+
+def _build(rank, world_size, node_groups="one", timeout_s=60.0, mode="shm", slot_bytes=None):
+    from workers.shm.group import DEFAULT_SLOT_BYTES, build_cpu_collectives
+
+    groups = [list(range(world_size))] if node_groups == "one" else node_groups
+    return build_cpu_collectives(rank, world_size, groups, timeout_s, mode, slot_bytes or DEFAULT_SLOT_BYTES)
+
+
+SHAPES = [(1, 576), (1, 1024), (4, 1024), (3, 5, 7), (1,), (2, 40000)]
+
+
+# ---- 2 ranks: bit-identical to gloo -------------------------------------------------------------
+def _two_ranks(rank, world_size):
+    import torch.distributed as dist
+
+    from workers.collectives import TorchDistributedCollectives
+    from workers.shm.collectives import ShmCollectives
+
+    gloo = TorchDistributedCollectives()
+    shm = _build(rank, world_size)
+    small = _build(rank, world_size, slot_bytes=4096)  # 1024 floats per step: big tensors go in chunks
+    out = {"types": [type(shm).__name__, type(_build(rank, world_size, node_groups=None)).__name__,
+                     type(_build(rank, world_size, mode="gloo")).__name__,
+                     type(_build(rank, world_size, node_groups=[[0], [1]], mode="auto")).__name__],
+           "mismatch": []}
+    dist.barrier()  # the leader unlinks right after the last set-up step: let it
+    out["segments_while_alive"] = sorted(glob.glob(SHM_GLOB))
+    assert isinstance(shm, ShmCollectives)
+    for seed, shape in enumerate(SHAPES):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = inputs(rank, shape, seed, dtype)
+            want = gloo.all_reduce_sum_(x.clone())
+            for name, coll in (("shm", shm), ("shm_chunked", small)):
+                got = x.clone()
+                assert coll.all_reduce_sum_(got) is got  # in place
+                if not torch.equal(got, want):
+                    out["mismatch"].append((name, shape, str(dtype)))
+            if len(shape) > 1:
+                for name, coll in (("shm", shm), ("shm_chunked", small)):
+                    if not torch.equal(coll.all_gather_last_dim(x), gloo.all_gather_last_dim(x)):
+                        out["mismatch"].append((name + "_gather", shape, str(dtype)))
+    dist.barrier()
+    for c in (shm, small):
+        c.close()
+    return out
+
+
+def test_two_ranks_bitwise_equal_to_gloo_and_selection():
+    results = run_ranks(2, _two_ranks)
+    for rank, out in results.items():
+        assert out["mismatch"] == [], f"rank {rank}: results differ from gloo: {out['mismatch']}"
+        # explicit one node, hostnames (node_groups None), forced gloo, nobody co-located
+        assert out["types"] == ["ShmCollectives", "ShmCollectives", "TorchDistributedCollectives",
+                                "TorchDistributedCollectives"]
+        # the leader unlinks the name as soon as every rank has attached
+        assert out["segments_while_alive"] == []
+
+
+# ---- 3 ranks (more ranks than cores here): fixed order, agreement, reuse under stress -------------
+class _SlowReads:
+    """Mixed into an exchange: random delays after each wait, i.e. while peers may run ahead."""
+
+    def _wait(self, target, wanted):
+        super()._wait(target, wanted)
+        if random.random() < 0.2:
+            time.sleep(random.random() * 2e-4)
+
+
+def _stress(rank, world_size, coll, calls: int, seed0: int) -> list:
+    """Back-to-back calls of varying sizes; returns the calls whose result was wrong on this rank."""
+    rng = random.Random(seed0)  # same sequence of shapes on every rank
+    local = random.Random(seed0 * 31 + rank)  # different delays on each rank
+    bad = []
+    for i in range(calls):
+        shape = rng.choice([(1, 64), (1, 1024), (3, 1000), (1, 2500), (2, 17)])
+        seed = seed0 * 100000 + i
+        if local.random() < 0.1:
+            time.sleep(local.random() * 3e-4)
+        if rng.random() < 0.2:
+            got = coll.all_gather_last_dim(inputs(rank, shape, seed))
+            want = torch.cat([inputs(r, shape, seed) for r in range(world_size)], dim=-1)
+        else:
+            got = coll.all_reduce_sum_(inputs(rank, shape, seed))
+            want = fixed_order_sum(world_size, shape, seed)
+        if not torch.equal(got, want):
+            bad.append(i)
+    return bad
+
+
+def _three_ranks(rank, world_size, calls, case):
+    import torch.distributed as dist
+
+    from tests.tp_harness import run_case, token_ids
+    from workers.collectives import TorchDistributedCollectives
+    from workers.shm.exchange import NodeExchange
+
+    gloo = TorchDistributedCollectives()
+    shm = _build(rank, world_size)
+    out = {"results": {}, "gloo_max_ulps": 0.0, "fixed_order_mismatch": []}
+    # A TP 3 model's greedy tokens through each path.
+    out["tokens"] = {name: [token_ids(outputs) for outputs in run_case(case, rank, world_size, coll)]
+                     for name, coll in (("gloo", gloo), ("shm", shm))}
+    for seed, shape in enumerate(SHAPES):
+        x = inputs(rank, shape, seed)
+        got = shm.all_reduce_sum_(x.clone())
+        out["results"][str(shape)] = got
+        if not torch.equal(got, fixed_order_sum(world_size, shape, seed)):
+            out["fixed_order_mismatch"].append(shape)
+        want = gloo.all_reduce_sum_(x.clone())
+        # distance in units of the last place of the largest input magnitude involved
+        scale = torch.stack([inputs(r, shape, seed).abs() for r in range(world_size)]).amax(0)
+        ulps = ((got - want).abs() / torch.finfo(torch.float32).eps / scale.clamp_min(1e-30)).max().item()
+        out["gloo_max_ulps"] = max(out["gloo_max_ulps"], ulps)
+
+    # Stress, with slow readers and a one-page slot (chunking, both buffers, every step reused).
+    small = _build(rank, world_size, slot_bytes=4096)
+    small._x.__class__ = type("SlowReadsExchange", (_SlowReads, NodeExchange), {})
+    start = time.perf_counter()
+    out["stress_bad"] = _stress(rank, world_size, small, calls, seed0=1)
+    out["stress_s"] = time.perf_counter() - start
+
+    # The same stress against a broken protocol: one buffer instead of two must be caught.
+    broken = _build(rank, world_size, slot_bytes=4096)
+
+    class SingleBuffer(_SlowReads, NodeExchange):
+        def _slots(self, buffer, dtype, numel):
+            return super()._slots(0, dtype, numel)
+
+    broken._x.__class__ = SingleBuffer
+    out["broken_bad"] = _stress(rank, world_size, broken, calls, seed0=2)
+    dist.barrier()
+    for c in (shm, small, broken):
+        c.close()
+    return out
+
+
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def three_ranks() -> dict:
+    """{rank: _three_ranks output} of one 3-rank group (TP 3: more ranks than this machine's cores)."""
+    from shardlib.model_config import ModelConfig
+    from tests.model_factory import build_random_model
+    from tests.tp_harness import Case, Request, hf_state_dict
+
+    model = build_random_model(hidden_size=96, num_heads=6, num_kv_heads=3, vocab_size=150,
+                               intermediate_size=120, num_layers=3, seed=3)
+    case = Case("tp3", ModelConfig.from_dict(model.config.to_dict()), hf_state_dict(model),
+                [Request([[5, 9, 33, 17, 80, 3], [7, 100, 21]], max_new_tokens=NEW_TOKENS)])
+    return run_ranks(3, _three_ranks, 600, case)
+
+
+def test_three_ranks_fixed_order_agreement_and_race_free_reuse(three_ranks):
+    results = three_ranks
+    for rank, out in results.items():
+        assert out["fixed_order_mismatch"] == [], f"rank {rank}: not ((x0 + x1) + x2) for {out['fixed_order_mismatch']}"
+        # |fl(fl(a+b)+c) - (a+b+c)| <= (2 + 3) / 2 eps max|x|, so two orders differ by <= 5 such units
+        assert out["gloo_max_ulps"] <= 5, f"rank {rank}: {out['gloo_max_ulps']} ulps from gloo"
+        for shape, value in out["results"].items():
+            assert torch.equal(value, results[0]["results"][shape]), f"ranks 0 and {rank} differ for {shape}"
+        assert out["stress_bad"] == [], f"rank {rank}: corrupted results at calls {out['stress_bad'][:10]}"
+    assert sum(len(out["broken_bad"]) for out in results.values()) > 0, (
+        "the stress test did not catch a single-buffered exchange: it cannot detect reuse races")
+
+
+# ---- timeouts and dead peers ---------------------------------------------------------------------
+def _absent_peers(rank, world_size):
+    import torch.distributed as dist
+
+    from workers.shm.exchange import CollectiveTimeout
+
+    out = {}
+    late = _build(rank, world_size, timeout_s=1.0)
+    if rank == 0:
+        start = time.perf_counter()
+        try:
+            late.all_reduce_sum_(torch.ones(8))
+        except CollectiveTimeout as err:
+            out["timeout"] = (str(err), time.perf_counter() - start)
+        try:
+            late.all_reduce_sum_(torch.ones(8))  # the group is now unusable, and says so at once
+        except CollectiveTimeout as err:
+            out["after"] = str(err)
+    dist.barrier()  # rank 1 never joined the all-reduce above
+    dead = _build(rank, world_size, timeout_s=60.0)
+    dist.barrier()
+    if rank == 1:
+        os._exit(0)  # dies without a word, as a killed process would
+    start = time.perf_counter()
+    try:
+        dead.all_reduce_sum_(torch.ones(8))
+    except Exception as err:  # noqa: BLE001 - the test checks the type below
+        out["dead"] = (type(err).__name__, str(err), time.perf_counter() - start)
+    return out
+
+
+def test_absent_peer_times_out_and_dead_peer_is_noticed():
+    out = run_ranks(2, _absent_peers, expect=1)[0]
+    message, waited = out["timeout"]
+    assert "rank 1" in message and "waited 1 s" in message and "CORELAUNCH_COLLECTIVES=gloo" in message
+    assert 0.9 < waited < 10
+    assert "rank 1" in out["after"]
+    kind, message, waited = out["dead"]
+    assert kind == "CollectiveTimeout" and "rank 1" in message and "exited" in message
+    assert waited < 10  # checked every 0.2 s; the 60 s timeout never comes into it
+
+
+# ---- several nodes (node groups on this machine) and set-up failures -------------------------------
+def _multi_node(rank, world_size):
+    import torch.distributed as dist
+
+    from workers.collectives import TorchDistributedCollectives
+    import workers.shm.group as group
+
+    gloo = TorchDistributedCollectives()
+    out = {"types": {}, "values": {}, "exact": {}}
+    for name, groups in {"2x2": [[0, 1], [2, 3]], "interleaved": [[0, 2], [1, 3]],
+                         "1+3": [[0], [1, 2, 3]]}.items():
+        coll = _build(rank, world_size, node_groups=groups, slot_bytes=4096)
+        out["types"][name] = type(coll).__name__
+        for seed, shape in enumerate([(1, 1024), (2, 3000), (3, 5, 7)]):
+            x = inputs(rank, shape, seed)
+            got = coll.all_reduce_sum_(x.clone())
+            out["values"][(name, shape)] = got
+            node_sums = []
+            for g in sorted(sorted(g) for g in groups):
+                s = inputs(g[0], shape, seed)
+                for r in g[1:]:
+                    s = s + inputs(r, shape, seed)
+                node_sums.append(s)
+            if len(node_sums) == 2:  # two leaders: gloo's a + b is exact in either order
+                out["exact"][(name, shape)] = torch.equal(got, node_sums[0] + node_sums[1])
+            gathered = coll.all_gather_last_dim(x)
+            out["exact"][(name, shape, "gather")] = torch.equal(gathered, gloo.all_gather_last_dim(x))
+        dist.barrier()
+        coll.close()
+    # One rank cannot attach (as if its /dev/shm were another machine's): all fall back together.
+    if rank == 1:
+        group.SHM_DIR = "/nonexistent-corelaunch-test"
+    out["fallback_auto"] = type(_build(rank, world_size, mode="auto")).__name__
+    try:
+        _build(rank, world_size, mode="shm")
+        out["fallback_shm"] = "no error"
+    except RuntimeError as err:
+        out["fallback_shm"] = str(err)
+    dist.barrier()
+    return out
+
+
+def test_hierarchical_across_node_groups_and_collective_fallback():
+    results = run_ranks(4, _multi_node)
+    for rank, out in results.items():
+        assert out["types"] == {"2x2": "HierarchicalCollectives", "interleaved": "HierarchicalCollectives",
+                                "1+3": "HierarchicalCollectives"}
+        assert all(out["exact"].values()), [k for k, ok in out["exact"].items() if not ok]
+        for key, value in out["values"].items():
+            assert torch.equal(value, results[0]["values"][key]), f"ranks 0 and {rank} differ for {key}"
+        assert out["fallback_auto"] == "TorchDistributedCollectives"
+        assert "rank 1: FileNotFoundError" in out["fallback_shm"]
+
+
+def test_tp3_greedy_tokens_identical_with_gloo_and_shared_memory(three_ranks):
+    for rank, out in three_ranks.items():
+        tokens = out["tokens"]
+        assert tokens["shm"] == tokens["gloo"], f"rank {rank}: shm {tokens['shm']} != gloo {tokens['gloo']}"
+        assert tokens["shm"] == three_ranks[0]["tokens"]["shm"]
+    assert all(len(t) == NEW_TOKENS for t in three_ranks[0]["tokens"]["shm"][0])
+
+
+# ---- through the launcher: the CPU backend picks shared memory by default ----------------------------
+def test_launcher_tp2_uses_shared_memory_and_leaves_nothing(tmp_path, ray_session):
+    import ray
+
+    from launcher.api import Launcher
+    from tests.model_factory import save_random_model
+
+    save_random_model(tmp_path, num_heads=4, num_kv_heads=2)
+    with Launcher(model=str(tmp_path), tp=2, progress=False) as llm:
+        kinds = ray.get([a.__ray_call__.remote(lambda self: type(self._collectives).__name__)
+                         for a in llm._group.actors])
+        [out] = llm.generate([[5, 17, 42, 9]], max_new_tokens=4, ignore_eos=True)
+        assert glob.glob(SHM_GLOB) == []
+    assert kinds == ["ShmCollectives", "ShmCollectives"]
+    assert len(out.token_ids) == 4

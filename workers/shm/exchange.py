@@ -1,0 +1,252 @@
+"""One node's shared-memory segment and the three exchanges built on it: reduce, broadcast, gather.
+
+Layout of the segment of a node with n local ranks (offsets in bytes):
+
+    0                     token: b"corelaunch-shm:" + the group's unique id (checked on attach)
+    128 + 128 * i         local rank i's block: uint64 sequence counter, int32 pid (one cache
+                          line pair each, so counters written by different ranks never share one)
+    header                data: buffer 0 slots for local ranks 0 .. n-1, then buffer 1 slots
+                          (each slot `slot_bytes`, a multiple of 4096)
+
+Protocol. Every exchange is one step with a sequence number k (1, 2, ...), the same on every local
+rank; step k uses buffer k % 2. A rank that has written its slot for step k publishes k in its
+counter (release order); a rank that needs a peer's data waits until that peer's counter is >= k
+(acquire order) and then reads. Counters only grow.
+
+Reuse is race-free: a rank about to write its slot for step k first makes sure every peer has
+published k - 1 or more. A peer publishes k - 1 only after it has finished step k - 2, the last
+step that read this buffer, so nobody is still reading the slot being overwritten (double
+buffering plus that check). After a reduce or gather the check is already known to hold (that step
+waited for every peer), so it costs nothing in the common case; only after a broadcast, where the
+root waits for nobody, is it a real wait.
+
+Sums are taken in local-rank order on every rank (slot 0 + slot 1 + ...), so all ranks get
+bit-identical results.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from dataclasses import dataclass
+
+import torch
+
+from workers.shm.native import Native
+
+TOKEN_PREFIX = b"corelaunch-shm:"
+_BLOCK = 128  # bytes per rank's header block; counters sit at its start
+_PAGE = 4096
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple
+
+
+@dataclass(frozen=True)
+class SegmentLayout:
+    local_size: int
+    slot_bytes: int
+
+    @property
+    def header_bytes(self) -> int:
+        return _round_up(_BLOCK * (1 + self.local_size), _PAGE)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.header_bytes + 2 * self.local_size * self.slot_bytes
+
+    def counter_offset(self, local_rank: int) -> int:
+        return _BLOCK * (1 + local_rank)
+
+    def slot_offset(self, buffer: int, local_rank: int) -> int:
+        return self.header_bytes + (buffer * self.local_size + local_rank) * self.slot_bytes
+
+
+class Segment:
+    """A mapped shared-memory file: created (and later unlinked) by the node's leader, attached by
+    the others. Unlinking only removes the name; the memory lives until every rank unmaps it."""
+
+    def __init__(self, path: str, layout: SegmentLayout, create: bool, token: bytes) -> None:
+        self.path, self.layout = path, layout
+        if create:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                # Reserve the pages now: tmpfs would otherwise grant a sparse file and the first
+                # write past /dev/shm's capacity would kill the process with SIGBUS.
+                os.posix_fallocate(fd, 0, layout.total_bytes)
+                self._map = mmap.mmap(fd, layout.total_bytes)
+            except BaseException:
+                os.close(fd)
+                self.unlink()
+                raise
+            os.close(fd)
+            self._map[: len(token)] = token
+        else:
+            fd = os.open(path, os.O_RDWR)
+            try:
+                size = os.fstat(fd).st_size
+                if size != layout.total_bytes:
+                    raise RuntimeError(f"{path} holds {size} bytes, expected {layout.total_bytes}")
+                self._map = mmap.mmap(fd, layout.total_bytes)
+            finally:
+                os.close(fd)
+            if self._map[: len(token)] != token:
+                self._map.close()
+                raise RuntimeError(f"{path} does not carry this group's token: not the segment its "
+                                   f"node leader created (ranks grouped as one node that are not)")
+        self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)  # the whole segment
+        self.address = self.bytes.data_ptr()
+
+    def unlink(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def close(self) -> None:
+        """Unmap (views into the segment must be dropped first)."""
+        self.bytes = None
+        try:
+            self._map.close()
+        except BufferError:
+            pass  # a view is still alive somewhere: the mapping goes when the process exits
+
+
+class CollectiveTimeout(TimeoutError):
+    """A peer did not arrive in time (or its process is gone); the group cannot be used again."""
+
+
+class NodeExchange:
+    """Local rank `local_rank` of the `layout.local_size` ranks sharing `segment`."""
+
+    def __init__(self, segment: Segment, local_rank: int, global_ranks: list[int], native: Native,
+                 timeout_s: float, spin_s: float, yield_s: float) -> None:
+        self.segment, self.layout = segment, segment.layout
+        self.local_rank, self.global_ranks = local_rank, list(global_ranks)
+        self.size = self.layout.local_size
+        self._native = native
+        self.timeout_s, self.spin_s, self.yield_s = timeout_s, spin_s, yield_s
+        n = self.size
+        self._counters = segment.address + self.layout.counter_offset(0)
+        self._my_counter = segment.address + self.layout.counter_offset(local_rank)
+        self._stride = _BLOCK // 8
+        self._pids = (ctypes.c_int32 * n)()
+        self._missing = (ctypes.c_int32 * n)()
+        self._others = (ctypes.c_int32 * n)(*[int(i != local_rank) for i in range(n)])
+        self._only = [(ctypes.c_int32 * n)(*[int(i == j) for i in range(n)]) for j in range(n)]
+        self._seq = 0
+        self._all_reached = 0  # every peer is known to have published at least this step
+        self._broken: str | None = None
+        self._views: dict = {}
+        torch.frombuffer(segment._map, dtype=torch.int32, count=1,
+                         offset=self.layout.counter_offset(local_rank) + 8)[0] = os.getpid()
+
+    # ---- set-up ----------------------------------------------------------------------------
+    def read_peer_pids(self) -> None:
+        """Remember each peer's pid (written at attach) for the dead-peer check while waiting; a
+        pid this process cannot see (another pid namespace) is not checked."""
+        for i in range(self.size):
+            off = self.layout.counter_offset(i) + 8
+            pid = int(torch.frombuffer(self.segment._map, dtype=torch.int32, count=1, offset=off)[0])
+            visible = pid > 0 and i != self.local_rank and _pid_visible(pid)
+            self._pids[i] = pid if visible else 0
+
+    def close(self) -> None:
+        self._views.clear()
+        self.segment.close()
+
+    # ---- the steps ---------------------------------------------------------------------------
+    def max_numel(self, dtype: torch.dtype) -> int:
+        """Elements of `dtype` one step moves per rank."""
+        return self.layout.slot_bytes // _itemsize(dtype)
+
+    def reduce_(self, flat: torch.Tensor) -> None:
+        """flat <- sum over local ranks of their `flat` (local-rank order); fits one slot."""
+        slots = self._post(flat)
+        self._wait(self._seq, self._others)
+        self._all_reached = self._seq
+        torch.add(slots[0], slots[1], out=flat)
+        for slot in slots[2:]:
+            flat.add_(slot)
+
+    def broadcast_(self, flat: torch.Tensor, root: int = 0) -> None:
+        """flat <- local rank `root`'s flat."""
+        if self.local_rank == root:
+            self._post(flat)
+            return
+        if self._broken:
+            raise CollectiveTimeout(self._broken)
+        self._seq += 1
+        slots = self._slots(self._seq & 1, flat.dtype, flat.numel())
+        self._wait(self._seq, self._only[root])
+        flat.copy_(slots[root])
+        self._native.publish(self._my_counter, self._seq)  # "done reading" for the root's next write
+
+    def gather(self, flat: torch.Tensor, out: torch.Tensor) -> None:
+        """out[i] <- local rank i's flat; out is (size, numel)."""
+        slots = self._post(flat)
+        self._wait(self._seq, self._others)
+        self._all_reached = self._seq
+        for i, slot in enumerate(slots):
+            out[i].copy_(slot)
+
+    # ---- internals -------------------------------------------------------------------------
+    def _post(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Start step seq + 1: write this rank's slot and publish it; returns the step's slots."""
+        if self._broken:
+            raise CollectiveTimeout(self._broken)
+        seq = self._seq + 1
+        if self._all_reached < seq - 1:
+            self._wait(seq - 1, self._others)  # peers done reading this buffer (see module doc)
+            self._all_reached = seq - 1
+        self._seq = seq
+        slots = self._slots(seq & 1, flat.dtype, flat.numel())
+        slots[self.local_rank].copy_(flat)
+        self._native.publish(self._my_counter, seq)
+        return slots
+
+    def _slots(self, buffer: int, dtype: torch.dtype, numel: int) -> list[torch.Tensor]:
+        key = (buffer, dtype, numel)
+        views = self._views.get(key)
+        if views is None:
+            if len(self._views) > 256:  # many distinct sizes (prefills of many lengths)
+                self._views.clear()
+            size = numel * _itemsize(dtype)
+            views = [self.segment.bytes[off: off + size].view(dtype)
+                     for off in (self.layout.slot_offset(buffer, i) for i in range(self.size))]
+            self._views[key] = views
+        return views
+
+    def _wait(self, target: int, wanted) -> None:
+        status = self._native.wait(self._counters, self._stride, self.size, wanted, target, self.spin_s,
+                                   self.yield_s, self.timeout_s, self._pids, self._missing)
+        if status == 0:
+            return
+        late = [i for i in range(self.size) if self._missing[i]]
+        who = ", ".join(f"rank {self.global_ranks[i]} (pid {self._pids[i] or '?'})" for i in late)
+        if status == 1:
+            reason = f"waited {self.timeout_s:.0f} s for {who} to reach step {target}"
+        else:
+            reason = f"the process of {who} exited before reaching step {target}"
+        self._broken = (
+            f"shared-memory collective on rank {self.global_ranks[self.local_rank]}: {reason}; the "
+            f"group cannot continue (a peer is stuck or died). Restart the group; to rule out the "
+            f"shared-memory path set CORELAUNCH_COLLECTIVES=gloo"
+        )
+        raise CollectiveTimeout(self._broken)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return dtype.itemsize
+
+
+def _pid_visible(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,179 @@
+"""Choosing and building a CPU group's collectives once gloo is up.
+
+    mode "gloo"  -> gloo only (TorchDistributedCollectives)
+    mode "auto"  -> shared memory where ranks share a node, gloo otherwise; if shared memory cannot
+                    be set up (no C compiler, no /dev/shm, /dev/shm full) every rank falls back to
+                    gloo together, with a warning saying why
+    mode "shm"   -> like auto, but a failed set-up raises instead of falling back (tests, benchmarks)
+
+Set-up is collective: every rank calls `build_cpu_collectives` at the same time, after
+torch.distributed.init_process_group, and they agree at each step over gloo, so a failure on one
+rank never leaves the others waiting.
+
+Segments are named /dev/shm/corelaunch-<id>-node<i>, where <id> is drawn by rank 0 and broadcast
+over gloo, so concurrent groups never collide. Each node's leader (its lowest rank) creates the
+segment, every local rank attaches, and the leader unlinks the name as soon as all have attached:
+from then on nothing is left in /dev/shm, whatever happens to the processes (the memory is freed
+when the last rank unmaps it, at close() or exit).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import uuid
+
+import torch.distributed as dist
+
+from workers.collectives import Collectives, TorchDistributedCollectives
+
+log = logging.getLogger(__name__)
+
+MODES = ("auto", "gloo", "shm")
+ENV_VAR = "CORELAUNCH_COLLECTIVES"
+SHM_DIR = "/dev/shm"
+DEFAULT_SLOT_BYTES = 1 << 20
+"""Bytes one rank moves per step (a decode step's hidden state is a few KiB; a prefill's larger
+tensors go in slot-sized chunks). A node's segment is 2 x local ranks x this."""
+SPIN_S = 50e-6
+"""Busy-wait this long before yielding, when every local rank can have a core of its own."""
+YIELD_S = 2e-3
+"""Then sched_yield until this long, then sleep in 50 us naps."""
+
+
+def mode_from_env(default: str = "auto") -> str:
+    """CORELAUNCH_COLLECTIVES (auto | gloo | shm), checked."""
+    mode = os.environ.get(ENV_VAR, default).strip().lower() or default
+    if mode not in MODES:
+        raise ValueError(f"{ENV_VAR}={mode!r} is not one of {', '.join(MODES)}")
+    return mode
+
+
+def hostname_groups(world_size: int) -> list[list[int]]:
+    """Ranks grouped by hostname, gathered over gloo (used when the launcher passes no node_groups)."""
+    names: list = [None] * world_size
+    dist.all_gather_object(names, socket.gethostname())
+    groups: dict[str, list[int]] = {}
+    for rank, name in enumerate(names):
+        groups.setdefault(name, []).append(rank)
+    return list(groups.values())
+
+
+def check_node_groups(node_groups: list[list[int]], world_size: int) -> list[list[int]]:
+    """node_groups sorted, each rank exactly once; ValueError naming the problem otherwise."""
+    groups = [sorted(int(r) for r in g) for g in node_groups if len(g)]
+    seen = sorted(r for g in groups for r in g)
+    if seen != list(range(world_size)):
+        raise ValueError(f"node_groups {node_groups} must place each rank 0 .. {world_size - 1} on exactly "
+                         f"one node")
+    return sorted(groups)
+
+
+def build_cpu_collectives(rank: int, world_size: int, node_groups: list[list[int]] | None,
+                          timeout_s: float, mode: str = "auto",
+                          slot_bytes: int = DEFAULT_SLOT_BYTES) -> Collectives:
+    """The collectives for this rank of an initialised gloo group (see the module docstring)."""
+    if mode not in MODES:
+        raise ValueError(f"collectives mode {mode!r} is not one of {', '.join(MODES)}")
+    gloo = TorchDistributedCollectives()
+    if mode == "gloo" or world_size == 1:
+        return gloo
+    groups = check_node_groups(node_groups, world_size) if node_groups is not None else hostname_groups(world_size)
+    if all(len(g) == 1 for g in groups):
+        return gloo  # nobody shares a node: nothing to gain
+    try:
+        return _build(rank, world_size, groups, timeout_s, slot_bytes, gloo)
+    except _SetupFailed as err:
+        if mode == "shm":
+            raise RuntimeError(f"shared-memory collectives could not be set up ({err}); unset "
+                               f"{ENV_VAR} or set it to auto to fall back to gloo") from None
+        if rank == 0:
+            log.warning("shared-memory collectives unavailable (%s); using gloo", err)
+        return gloo
+
+
+class _SetupFailed(Exception):
+    pass
+
+
+def _agree(error: str | None, world_size: int) -> None:
+    """Every rank learns every rank's error from this step; raise _SetupFailed if there was one."""
+    errors: list = [None] * world_size
+    dist.all_gather_object(errors, error)
+    failed = [(r, e) for r, e in enumerate(errors) if e]
+    if failed:
+        raise _SetupFailed("; ".join(f"rank {r}: {e}" for r, e in failed))
+
+
+def _build(rank: int, world_size: int, groups: list[list[int]], timeout_s: float, slot_bytes: int,
+           gloo: TorchDistributedCollectives) -> Collectives:
+    from workers.shm.collectives import HierarchicalCollectives, ShmCollectives
+    from workers.shm.exchange import TOKEN_PREFIX, NodeExchange, Segment, SegmentLayout
+
+    box = [uuid.uuid4().hex if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    group_id = box[0]
+    node = next(i for i, g in enumerate(groups) if rank in g)
+    local = groups[node]
+    local_rank = local.index(rank)
+    token = TOKEN_PREFIX + group_id.encode()
+    layout = SegmentLayout(local_size=len(local), slot_bytes=_round_slot(slot_bytes))
+    path = os.path.join(SHM_DIR, f"corelaunch-{group_id}-node{node}")
+    shared = len(local) > 1
+    segment = None
+    native = None
+
+    # Step 1: helpers built everywhere, segment created by each sharing node's leader.
+    error = None
+    try:
+        if shared:
+            from workers.shm.native import native as load_native
+
+            native = load_native()
+            if local_rank == 0:
+                segment = Segment(path, layout, create=True, token=token)
+    except Exception as err:  # noqa: BLE001 - reported to every rank, then a fallback
+        error = f"{type(err).__name__}: {err}"
+    try:
+        _agree(error, world_size)
+        # Step 2: the others attach; then the leader removes the name (memory stays mapped).
+        error = None
+        try:
+            if shared and local_rank > 0:
+                segment = Segment(path, layout, create=False, token=token)
+        except Exception as err:  # noqa: BLE001
+            error = f"{type(err).__name__}: {err}"
+        exchange = None
+        if segment is not None:
+            exchange = NodeExchange(segment, local_rank, local, native, timeout_s,
+                                    spin_s=SPIN_S if len(local) <= _usable_cores() else 0.0, yield_s=YIELD_S)
+        _agree(error, world_size)  # also orders every pid write before the reads below
+    except BaseException:
+        if segment is not None:
+            if local_rank == 0:
+                segment.unlink()
+            segment.close()
+        raise
+    finally:
+        if segment is not None and local_rank == 0:
+            segment.unlink()
+    if exchange is not None:
+        exchange.read_peer_pids()
+    if len(groups) == 1:
+        return ShmCollectives(exchange)
+    leaders = [g[0] for g in groups]
+    leader_group = dist.new_group(ranks=leaders)  # collective: every rank calls it
+    return HierarchicalCollectives(exchange, leader_group if rank in leaders else None, gloo,
+                                   chunk_bytes=layout.slot_bytes)
+
+
+def _round_slot(slot_bytes: int) -> int:
+    return max(4096, (int(slot_bytes) + 4095) // 4096 * 4096)
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1

@@ -1,0 +1,208 @@
+"""The few lines of C the shared-memory collectives need: publish a counter, wait for counters.
+
+Why C and not Python: the data moves through torch (copies and adds on views of the segment), but
+the hand-off between processes needs an atomic store with release order and loads with acquire
+order, so that a peer that sees a counter also sees the data written before it. Python has no
+atomics: plain stores happen to work on x86 (total store order) but not on Arm (Graviton hosts).
+Python spinning also costs microseconds per check. These functions are compiled once with the
+system C compiler (under a second, no torch headers) into the corelaunch cache and loaded with
+ctypes, which releases the GIL during the call. Without a C compiler the CPU backend falls back
+to gloo (see workers/shm/group.py).
+
+Waiting is spin, then yield, then sleep: spinning answers a peer that arrives within
+microseconds (the common case in a decode step, one rank per core), but a rank that spins while
+its peer waits for a core (more ranks than cores, e.g. TP 3 on 2 cores) steals the very time the
+peer needs; so after `spin_s` the waiter calls sched_yield, and after `yield_s` it sleeps in
+short naps. Python picks spin_s = 0 when a node holds more ranks than this process may use cores.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+_SOURCE = r"""
+#include <errno.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/types.h>
+#include <time.h>
+
+/* 1 when process `pid` is gone: no such process, or a zombie (exited, not yet reaped). */
+static int process_gone(int32_t pid) {
+    if (kill((pid_t)pid, 0) != 0 && errno == ESRCH) return 1;
+    char path[64], buf[512];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    FILE *f = fopen(path, "r");
+    if (!f) return 0;  /* no /proc: trust kill() */
+    size_t got = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[got] = 0;
+    char *end = strrchr(buf, ')');  /* "pid (comm) S ...": the state follows the last ')' */
+    return end && end[1] == ' ' && (end[2] == 'Z' || end[2] == 'X');
+}
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield" ::: "memory");
+#endif
+}
+
+/* Make every store this thread (and threads it joined) made before the call visible to a peer
+   that reads `value` from `counter` with acquire order. */
+void cl_publish(uint64_t *counter, uint64_t value) {
+    __atomic_store_n(counter, value, __ATOMIC_RELEASE);
+}
+
+uint64_t cl_load(uint64_t *counter) {
+    return __atomic_load_n(counter, __ATOMIC_ACQUIRE);
+}
+
+/* Wait until counters[i * stride] >= target for each i in 0 .. n-1 where wanted[i] != 0.
+   Returns 0 when all have arrived, 1 on timeout, 2 when a peer's process has exited (pids[i] > 0;
+   checked every 0.2 s once past the spin phase). missing[i] is set to 1 for each wanted
+   counter that had not arrived when the call gave up, 0 otherwise. */
+int cl_wait(uint64_t *counters, int stride, int n, const int32_t *wanted, uint64_t target,
+            double spin_s, double yield_s, double timeout_s, const int32_t *pids,
+            int32_t *missing) {
+    double start = 0.0, next_liveness = 0.0;
+    long spins = 0;
+    struct timespec nap = {0, 50000};  /* 50 us */
+    for (;;) {
+        int all = 1;
+        for (int i = 0; i < n; i++) {
+            if (wanted[i] && __atomic_load_n(&counters[(long)i * stride], __ATOMIC_ACQUIRE) < target) {
+                all = 0;
+                break;
+            }
+        }
+        if (all) return 0;
+        if (spins++ < 64) {  /* the first few checks without even reading the clock */
+            cpu_relax();
+            continue;
+        }
+        double now = now_s();
+        if (start == 0.0) {
+            start = now;
+            next_liveness = now + 0.2;
+        }
+        double waited = now - start;
+        if (waited < spin_s) {
+            for (int k = 0; k < 32; k++) cpu_relax();
+            continue;
+        }
+        int status = 0;
+        if (waited > timeout_s) status = 1;
+        if (!status && now > next_liveness) {
+            next_liveness = now + 0.2;
+            for (int i = 0; i < n; i++)
+                if (wanted[i] && pids[i] > 0 && process_gone(pids[i])
+                    && __atomic_load_n(&counters[(long)i * stride], __ATOMIC_ACQUIRE) < target)
+                    status = 2;
+        }
+        if (status) {
+            for (int i = 0; i < n; i++)
+                missing[i] = wanted[i] &&
+                    __atomic_load_n(&counters[(long)i * stride], __ATOMIC_ACQUIRE) < target;
+            return status;
+        }
+        if (waited < yield_s) sched_yield();
+        else nanosleep(&nap, NULL);
+    }
+}
+"""
+
+_VERSION = hashlib.sha256(_SOURCE.encode()).hexdigest()[:16]
+
+
+class NativeUnavailable(RuntimeError):
+    """The C helpers could not be built or loaded (no compiler, read-only cache, ...)."""
+
+
+def _cache_dir() -> Path:
+    from shardlib.demo_model import default_cache_dir
+
+    return default_cache_dir() / "native"
+
+
+def library_path() -> Path:
+    """Where the compiled helpers live: one file per version of the source."""
+    return _cache_dir() / f"corelaunch_shm_sync_{_VERSION}.so"
+
+
+def build(path: Path | None = None) -> Path:
+    """Compile the helpers into `path` unless already there; safe when several processes race.
+
+    Each process compiles into its own temporary file and renames it into place (atomic), so a
+    reader never sees a half-written library."""
+    path = path or library_path()
+    if path.is_file():
+        return path
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        raise NativeUnavailable("no C compiler found (cc, gcc or $CC); it builds the shared-memory "
+                                "collectives' synchronisation helpers once")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            src = Path(tmp) / "shm_sync.c"
+            src.write_text(_SOURCE)
+            out = Path(tmp) / path.name
+            proc = subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", str(out), str(src)],
+                                  capture_output=True, text=True, timeout=120)
+            if proc.returncode != 0:
+                raise NativeUnavailable(f"{compiler} failed to build the shared-memory helpers:\n"
+                                        f"{proc.stderr.strip()}")
+            os.replace(out, path)
+    except (OSError, subprocess.SubprocessError) as err:
+        raise NativeUnavailable(f"could not build the shared-memory helpers in {path.parent}: {err}") from None
+    return path
+
+
+class Native:
+    """ctypes bindings of the helpers (one instance per process is enough)."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        path = build(path)
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as err:
+            raise NativeUnavailable(f"could not load {path}: {err}") from None
+        u64p, i32p = ctypes.c_void_p, ctypes.c_void_p
+        lib.cl_publish.argtypes = [u64p, ctypes.c_uint64]
+        lib.cl_publish.restype = None
+        lib.cl_load.argtypes = [u64p]
+        lib.cl_load.restype = ctypes.c_uint64
+        lib.cl_wait.argtypes = [u64p, ctypes.c_int, ctypes.c_int, i32p, ctypes.c_uint64, ctypes.c_double,
+                                ctypes.c_double, ctypes.c_double, i32p, i32p]
+        lib.cl_wait.restype = ctypes.c_int
+        self.publish = lib.cl_publish
+        self.load = lib.cl_load
+        self.wait = lib.cl_wait
+
+
+_native: Native | None = None
+
+
+def native() -> Native:
+    """The process-wide bindings, built on first use; raises NativeUnavailable."""
+    global _native
+    if _native is None:
+        _native = Native()
+    return _native
