@@ -16,6 +16,9 @@ from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral")
 
+# Rope scaling types workers/rope.py implements (None: plain rotary embeddings).
+EXECUTABLE_ROPE_TYPES = (None, "llama3")
+
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3": 1, "float8_e5m2": 1, "int8": 1}
 
 # Hugging Face spells dtypes several ways across versions ("torch_dtype" or "dtype", "fp32"...).
@@ -58,8 +61,13 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False
-    """Bias on q/k/v projections (Qwen2). Llama configs with attention_bias also bias o_proj,
-    which the sharding plan has no style for yet: such checkpoints are refused by name."""
+    """Bias on q/k/v projections (Qwen2 always; Llama/Mistral when config.attention_bias)."""
+    output_bias: bool = False
+    """Bias on o_proj (Llama configs with attention_bias set it too; Qwen2 has none)."""
+    mlp_bias: bool = False
+    """Bias on gate/up/down projections (Llama's mlp_bias)."""
+    sliding_window: int | None = None
+    """Attention window when the model uses one (Mistral v0.1: 4096; Qwen2 with use_sliding_window)."""
     torch_dtype: str = "float32"
     """The checkpoint's own dtype; the default compute dtype."""
     num_local_experts: int = 0
@@ -85,6 +93,29 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads}): not a valid GQA config"
             )
+
+    def executor_gaps(self, seq_len: int | None = None) -> list[str]:
+        """Why corelaunch's workers cannot run this model (empty when they can).
+
+        The planner sizes any config (NxD Inference may run what corelaunch cannot); the launcher
+        refuses these before starting any process, instead of failing after every rank has loaded.
+        """
+        gaps = []
+        if self.is_moe:
+            gaps.append(f"{self.model_type} is a mixture-of-experts model ({self.num_local_experts} experts); "
+                        f"corelaunch plans it but its workers run dense models only")
+        rope_type = None if self.rope_scaling is None else self.rope_scaling.get(
+            "rope_type", self.rope_scaling.get("type"))
+        if rope_type not in EXECUTABLE_ROPE_TYPES:
+            gaps.append(f"rope scaling type {rope_type!r} is not implemented by corelaunch's workers "
+                        f"(supported: default, llama3)")
+        if self.output_bias or self.mlp_bias:
+            which = [n for n, on in (("o_proj (attention_bias)", self.output_bias), ("mlp (mlp_bias)", self.mlp_bias)) if on]
+            gaps.append(f"biases on {' and '.join(which)} are not implemented by corelaunch's workers")
+        if self.sliding_window is not None and seq_len is not None and seq_len > self.sliding_window:
+            gaps.append(f"seq_len ({seq_len}) exceeds the model's sliding_window ({self.sliding_window}), which "
+                        f"corelaunch's attention does not apply; use --seq-len {self.sliding_window} or less")
+        return gaps
 
     # ---- derived sizes -------------------------------------------------------------------------
     @property
@@ -126,6 +157,8 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
         """Build from a parsed config.json of any supported architecture (transformers 4.x or 5.x)."""
+        if not isinstance(raw, dict):
+            raise ValueError(f"config.json must hold a JSON object, not {type(raw).__name__}")
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             archs = raw.get("architectures")
@@ -138,6 +171,8 @@ class ModelConfig:
         if missing:
             raise ValueError(f"config.json lacks required field(s) {missing} for a {model_type} model")
         heads = raw["num_attention_heads"]
+        if not isinstance(heads, int) or heads <= 0:
+            raise ValueError(f"config field num_attention_heads={heads!r} must be a positive integer")
         head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
         # transformers 5 nests rope settings in "rope_parameters"; 4.x has rope_theta + rope_scaling.
         rope_params = raw.get("rope_parameters") or {}
@@ -150,7 +185,11 @@ class ModelConfig:
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         dtype = raw.get("torch_dtype") or raw.get("dtype") or "float32"
-        attention_bias = bool(raw.get("attention_bias", model_type == "qwen2"))
+        # Qwen2 always biases q/k/v and never o_proj; Llama's attention_bias biases all four.
+        attention_bias = model_type == "qwen2" or bool(raw.get("attention_bias", False))
+        output_bias = model_type != "qwen2" and bool(raw.get("attention_bias", False))
+        window = raw.get("sliding_window")
+        uses_window = model_type == "mistral" or (model_type == "qwen2" and raw.get("use_sliding_window"))
         return cls(
             model_type=model_type,
             hidden_size=raw["hidden_size"],
@@ -166,6 +205,9 @@ class ModelConfig:
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,
+            output_bias=output_bias,
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            sliding_window=window if uses_window and window else None,
             torch_dtype=normalize_dtype(dtype),
             num_local_experts=raw.get("num_local_experts", 0) or 0,
             num_experts_per_tok=raw.get("num_experts_per_tok", 0) or 0,

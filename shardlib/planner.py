@@ -574,4 +574,6 @@ def _warnings(req: _Request, check: _Check) -> list[str]:
     if DTYPE_BYTES[req.dtype] == 1:
         out.append(f"{req.dtype} plans quantized weights with a bfloat16 KV cache; the executor must "
                    f"support that quantization")
+    # Sizing stays valid (NxD Inference may run these), but corelaunch's own workers cannot.
+    out.extend(f"not runnable by corelaunch's workers: {gap}" for gap in cfg.executor_gaps(req.seq_len))
     return out

@@ -7,7 +7,6 @@ import json
 import math
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -238,8 +237,8 @@ def test_cpu_memory_is_checked_against_host_ram_times_nodes():
     host = cpu_host()
     p = plan(LLAMA_405B, instance="cpu", tp=1)
     assert p.memory.capacity_bytes_per_rank == host.memory_bytes
-    if p.memory.total_bytes_all_ranks > host.memory_bytes * 64 * (1 - RESERVE_FRACTION):
-        pytest.skip("this host has more than 64 x 810 GB of RAM")
+    if p.memory.total_bytes_all_ranks <= host.memory_bytes * (1 - RESERVE_FRACTION):
+        pytest.skip("this host has enough RAM for Llama-3.1-405B")
     assert "insufficient_memory" in codes(p) and "RAM" in message(p, "insufficient_memory")
     p3 = plan(SMOLLM2, instance="cpu", tp=3, nodes=2)
     assert p3.memory.capacity_bytes_per_rank == host.memory_bytes * 2 // 3
@@ -297,13 +296,6 @@ def test_invalid_plan_has_no_layout():
 
 
 # ---- speed and imports --------------------------------------------------------------------------
-def test_405b_plans_in_well_under_a_second():
-    start = time.perf_counter()
-    for instance in ("trn2.48xlarge", "trn1.32xlarge", "inf2.48xlarge", "cpu"):
-        plan(LLAMA_405B, instance=instance)  # includes the ways-out search on the refused ones
-    assert time.perf_counter() - start < 1.0
-
-
 PLAN_IN_FRESH_PROCESS = (
     "import sys\n"
     "from shardlib.model_config import load_model_config\n"
@@ -314,13 +306,42 @@ PLAN_IN_FRESH_PROCESS = (
 )
 
 
-def test_planning_never_imports_ray_or_transformers():
+def test_planning_imports_neither_ray_nor_torch_nor_transformers():
+    # (planning time is measured by benchmarks/plan_speed.py, not asserted here)
     out = subprocess.run([sys.executable, "-c", PLAN_IN_FRESH_PROCESS], cwd=REPO, capture_output=True,
                          text=True, timeout=120, check=True).stdout
-    assert "ray" not in out and "transformers" not in out
+    assert out.strip() == "[]", out
 
 
-def test_planning_does_not_import_torch():
-    out = subprocess.run([sys.executable, "-c", PLAN_IN_FRESH_PROCESS], cwd=REPO, capture_output=True,
-                         text=True, timeout=120, check=True).stdout
-    assert "torch" not in out
+@pytest.mark.parametrize("extra, gap", [
+    ({"attention_bias": True}, "o_proj (attention_bias)"),
+    ({"mlp_bias": True}, "mlp (mlp_bias)"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling type 'yarn'"),
+])
+def test_configs_the_workers_cannot_run_are_sized_but_flagged(extra, gap):
+    raw = json.loads((CONFIGS / "llama-3.1-8b.json").read_text()) | extra
+    p = plan(ModelConfig.from_dict(raw), instance="trn1.32xlarge", tp=8)
+    assert p.valid  # the sizing stands
+    assert any(gap in w and "not runnable by corelaunch" in w for w in p.warnings), p.warnings
+    assert any(gap in g for g in ModelConfig.from_dict(raw).executor_gaps())
+    assert plan(LLAMA_8B, instance="trn1.32xlarge", tp=8).warnings == ()
+
+
+def test_mixtral_and_a_sliding_window_past_seq_len_are_flagged():
+    assert "mixture-of-experts" in MIXTRAL.executor_gaps()[0]
+    mistral = load_model_config(CONFIGS / "mistral-7b-v0.1.json")
+    assert mistral.sliding_window == 4096 and mistral.executor_gaps(4096) == []
+    assert "sliding_window (4096)" in mistral.executor_gaps(8192)[0]
+    assert QWEN_72B.sliding_window is None  # use_sliding_window is false in its config
+
+
+@pytest.mark.parametrize("raw, match", [
+    ([1, 2], "must hold a JSON object, not list"),
+    ({"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+      "num_attention_heads": 0, "vocab_size": 10}, "num_attention_heads=0"),
+    ({"model_type": "llama", "hidden_size": 64}, "lacks required field"),
+    ({"model_type": "gpt2"}, "unsupported architecture model_type='gpt2'"),
+])
+def test_malformed_configs_raise_value_errors(raw, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_dict(raw)
