@@ -57,9 +57,9 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         if args.model is None:
-            from shardlib.demo_model import ensure_demo_model
+            from shardlib.demo_model import demo_config_path
 
-            model = ensure_demo_model()
+            model = demo_config_path()  # sizing needs only config.json: never converts the weights
         else:
             model = args.model
         config = load_model_config(model)

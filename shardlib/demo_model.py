@@ -61,6 +61,21 @@ def find_demo_gguf() -> Path:
     ) from None
 
 
+LOCK_TIMEOUT_S = 600
+"""How long a process waits for another one's conversion (about 20 s here) before giving up."""
+
+# The converted model's config.json, shipped so `corelaunch plan` can size the demo model without
+# converting it (pure arithmetic needs no weights).
+PACKAGED_CONFIG = Path(__file__).with_name("data") / f"{DEMO_MODEL_NAME}.config.json"
+
+
+def demo_config_path(cache_dir: Path | None = None) -> Path:
+    """config.json of the demo model: the converted one when cached, else the packaged copy."""
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    cached = root / DEMO_MODEL_NAME / "config.json"
+    return cached if (root / DEMO_MODEL_NAME / _MARKER).is_file() else PACKAGED_CONFIG
+
+
 def ensure_demo_model(cache_dir: Path | None = None) -> Path:
     """The converted SmolLM2-135M-Instruct folder, converting the GGUF on first use.
 
@@ -75,9 +90,18 @@ def ensure_demo_model(cache_dir: Path | None = None) -> Path:
         return target
     gguf_path = find_demo_gguf()
     root.mkdir(parents=True, exist_ok=True)
-    from filelock import FileLock
+    from filelock import FileLock, Timeout
 
-    with FileLock(str(root / f"{DEMO_MODEL_NAME}.lock")):
+    lock_path = root / f"{DEMO_MODEL_NAME}.lock"
+    try:
+        lock = FileLock(str(lock_path), timeout=LOCK_TIMEOUT_S)
+        lock.acquire()
+    except Timeout:
+        raise TimeoutError(
+            f"waited {LOCK_TIMEOUT_S} s for another process converting the demo model (lock {lock_path}); "
+            f"if no conversion is running, delete the lock file and retry"
+        ) from None
+    with lock:
         if (target / _MARKER).is_file():  # another process finished while we waited
             return target
         if target.exists():
@@ -114,7 +138,9 @@ def _convert(gguf_path: Path, out_dir: Path) -> None:
     missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
     # With tied embeddings lm_head.weight is the embedding itself, so it may be reported missing.
     missing = [n for n in missing if not (config.tie_word_embeddings and n == "lm_head.weight")]
-    assert not missing and not unexpected, f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}"
+    if missing or unexpected:
+        raise RuntimeError(f"converting {gguf_path.name} did not give a plain Llama: missing tensors "
+                           f"{missing}, unexpected tensors {unexpected}")
     model.tie_weights()
     model.generation_config = loaded.generation_config
     model.eval().save_pretrained(out_dir)

@@ -6,6 +6,8 @@ import importlib.metadata
 import importlib.util
 import json
 import multiprocessing
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -46,9 +48,7 @@ def test_cached_model_is_returned_at_once_without_converting(tmp_path, monkeypat
     first = ensure_demo_model(tmp_path)
     assert first == tmp_path / DEMO_MODEL_NAME
     monkeypatch.setattr(demo_model, "_convert", lambda *a: pytest.fail("converted twice"))
-    start = time.perf_counter()
     assert ensure_demo_model(tmp_path) == first
-    assert time.perf_counter() - start < 0.05
 
 
 def test_default_cache_dir_follows_the_environment(tmp_path, monkeypatch):
@@ -108,6 +108,15 @@ def test_converted_model_says_paris(converted):
     ids = tokenizer("The capital of France is", return_tensors="pt")
     out = model.generate(**ids, max_new_tokens=3, do_sample=False)
     assert tokenizer.decode(out[0, ids.input_ids.shape[1]:]).startswith(" Paris")
-    start = time.perf_counter()
     assert ensure_demo_model(converted.parent) == converted
-    assert time.perf_counter() - start < 0.05
+
+
+def test_plan_sizes_the_demo_model_from_the_packaged_config_without_converting(tmp_path):
+    # An empty cache: plan must not convert (no weights needed), it reads the packaged config.json.
+    assert demo_model.demo_config_path(tmp_path) == demo_model.PACKAGED_CONFIG
+    proc = subprocess.run([sys.executable, "-m", "launcher", "plan", "--json"], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "CORELAUNCH_CACHE": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["model"]["num_attention_heads"] == 9 and report["valid_tp_degrees"][:2] == [1, 3]
+    assert not (tmp_path / DEMO_MODEL_NAME).exists()
