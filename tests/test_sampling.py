@@ -99,3 +99,30 @@ def test_row_count_mismatch_is_refused():
 def test_invalid_params_name_the_value_and_range(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_temperature_zero_ignores_top_k_and_top_p():
+    logits = torch.randn(4, 60, generator=torch.Generator().manual_seed(5))
+    params = [SamplingParams(temperature=0.0, top_k=5, top_p=0.3, seed=1)] * 4
+    assert torch.equal(sample(logits, params, [make_generator(p) for p in params]), logits.argmax(dim=-1))
+
+
+def test_top_k_then_top_p_together():
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    # top-k 3 renormalises to (0.44, 0.33, 0.22); mass before token 2 is 0.78 >= 0.6, so it goes.
+    drawn = draw(probs.log(), 1000, temperature=1.0, top_k=3, top_p=0.6)
+    assert set(drawn) == {0, 1}
+
+
+def test_top_k_fast_path_keeps_the_same_distribution_as_the_full_sort():
+    from workers.sampling import filtered_probs
+
+    logits = torch.randn(2, 500, generator=torch.Generator().manual_seed(6))
+    row = [SamplingParams(temperature=0.7, top_k=7, top_p=0.9)]
+    fast_probs, fast_ids = filtered_probs(logits[:1], sampling_table(row))  # every row has top_k: topk path
+    mixed = row + [SamplingParams(temperature=1.0)]  # a row without top_k forces the full sort
+    full_probs, full_ids = filtered_probs(logits, sampling_table(mixed))
+    assert fast_probs.shape == (1, 7) and full_probs.shape == (2, 500)
+    assert torch.equal(fast_ids[0], full_ids[0, :7])
+    torch.testing.assert_close(fast_probs[0], full_probs[0, :7], rtol=0, atol=1e-7)
+    assert full_probs[0, 7:].sum() == 0

