@@ -64,8 +64,12 @@ class NeuronBackend(Backend):
 
         import_neuron_module("torch_xla")
         parallel_state = import_neuron_module("neuronx_distributed.parallel_layers.parallel_state")
-        os.environ.setdefault("MASTER_ADDR", rendezvous.host)
-        os.environ.setdefault("MASTER_PORT", str(rendezvous.port))
+        # Registers the "xla" process-group backend with torch.distributed.
+        import_neuron_module("torch_xla.distributed.xla_backend")
+        # The launcher's rendezvous wins over anything inherited from the environment: a stale
+        # MASTER_ADDR would send the ranks to different places and they would wait until the timeout.
+        os.environ["MASTER_ADDR"] = rendezvous.host
+        os.environ["MASTER_PORT"] = str(rendezvous.port)
         dist.init_process_group(backend="xla", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
