@@ -1,5 +1,7 @@
 """all_reduce latency, side by side in one run: gloo against corelaunch's shared-memory path.
 
+Also the logits all-gather (1 x 16000 per rank, once per generated token).
+
 Local processes (2, then 3: TP 3 on this 2-core machine is oversubscribed), one torch thread each,
 float32 tensors of a decode step's shapes (1 x 576 is SmolLM2's hidden size, 1 x 1024 the TP
 benchmark model's, 4 x 1024 a small batch). Every call is timed on its own, back to back as in a
@@ -27,6 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SHAPES = ((1, 576), (1, 1024), (4, 1024))
+GATHER_SHAPE = (1, 16000)  # one rank's logits of a 32000-token vocabulary at TP 2, gathered once per token
 
 
 def _stats(samples_s: list[float]) -> dict:
@@ -39,6 +42,11 @@ def _stats(samples_s: list[float]) -> dict:
             "mean_us": round(statistics.fmean(ordered) * 1e6, 1),
             "p90_us": round(pct(0.90), 1), "p99_us": round(pct(0.99), 1),
             "max_us": round(ordered[-1] * 1e6, 1), "calls": len(ordered)}
+
+
+def _label(op: str, shape) -> str:
+    dims = "x".join(str(d) for d in shape)
+    return dims if op == "all_reduce" else f"{op} {dims}"
 
 
 def _rank_main(rank: int, world_size: int, port: int, args, queue) -> None:
@@ -58,21 +66,23 @@ def _rank_main(rank: int, world_size: int, port: int, args, queue) -> None:
         busy = build_cpu_collectives(rank, world_size, [list(range(world_size))], 120.0, "shm")
         busy._x.spin_s = busy._x.yield_s = 1e9  # spin for ever: never yield the core
         variants["shm_busy_wait"] = busy
-    samples = {f"{a}x{b}": {name: [] for name in variants} for a, b in SHAPES}
-    for a, b in SHAPES:
-        tensor = torch.randn(a, b, generator=torch.Generator().manual_seed(rank))
+    cases = [("all_reduce", shape) for shape in SHAPES] + [("all_gather_last_dim", GATHER_SHAPE)]
+    samples = {_label(op, shape): {name: [] for name in variants} for op, shape in cases}
+    for op, shape in cases:
+        tensor = torch.randn(shape, generator=torch.Generator().manual_seed(rank))
         for block in range(args.blocks):
             for name, coll in variants.items():
                 # the busy-wait variant can take a scheduler time slice per call: fewer calls
                 calls = args.calls if name != "shm_busy_wait" else max(20, args.calls // 20)
+                call = coll.all_reduce_sum_ if op == "all_reduce" else coll.all_gather_last_dim
                 dist.barrier()
                 for _ in range(args.warmup if block == 0 else 0):
-                    coll.all_reduce_sum_(tensor.clone())
-                times = samples[f"{a}x{b}"][name]
+                    call(tensor.clone())
+                times = samples[_label(op, shape)][name]
                 for _ in range(calls):
                     work = tensor.clone()
                     start = time.perf_counter()
-                    coll.all_reduce_sum_(work)
+                    call(work)
                     times.append(time.perf_counter() - start)
     dist.barrier()
     for coll in variants.values():

@@ -398,3 +398,24 @@ def test_launcher_tp2_uses_shared_memory_and_leaves_nothing(tmp_path, ray_sessio
         assert glob.glob(SHM_GLOB) == []
     assert kinds == ["ShmCollectives", "ShmCollectives"]
     assert len(out.token_ids) == 4
+
+
+# ---- orphans: a leader killed during set-up ---------------------------------------------------------
+def test_orphaned_segment_of_a_dead_creator_is_removed(tmp_path):
+    import subprocess
+
+    from workers.shm.exchange import TOKEN_PREFIX, Segment, SegmentLayout, remove_orphans
+
+    layout = SegmentLayout(local_size=2, slot_bytes=4096)
+    live = Segment(str(tmp_path / "corelaunch-live-node0"), layout, create=True, token=TOKEN_PREFIX + b"a")
+    orphan = Segment(str(tmp_path / "corelaunch-orphan-node0"), layout, create=True, token=TOKEN_PREFIX + b"b")
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # exited and reaped: its pid no longer runs
+    at = layout.counter_offset(0) + 8
+    orphan.bytes[at: at + 4] = torch.tensor([gone.pid], dtype=torch.int32).view(torch.uint8)
+    (tmp_path / "corelaunch-not-a-segment").write_bytes(b"x" * 512)
+    assert remove_orphans(str(tmp_path)) == [str(tmp_path / "corelaunch-orphan-node0")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corelaunch-live-node0", "corelaunch-not-a-segment"]
+    for seg in (live, orphan):
+        seg.close()
+    live.unlink()

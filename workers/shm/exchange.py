@@ -83,6 +83,9 @@ class Segment:
                 raise
             os.close(fd)
             self._map[: len(token)] = token
+            # The creator's pid, so a later group can tell a segment orphaned by a killed leader.
+            pid_at = layout.counter_offset(0) + 8
+            self._map[pid_at: pid_at + 4] = os.getpid().to_bytes(4, "little", signed=True)
         else:
             fd = os.open(path, os.O_RDWR)
             try:
@@ -112,6 +115,33 @@ class Segment:
             self._map.close()
         except BufferError:
             pass  # a view is still alive somewhere: the mapping goes when the process exits
+
+
+def remove_orphans(shm_dir: str, prefix: str = "corelaunch-") -> list[str]:
+    """Unlink segments whose creator has exited: left only if a leader was killed during set-up,
+    between creating its segment and unlinking it once all ranks had attached. Returns them."""
+    removed = []
+    try:
+        names = [n for n in os.listdir(shm_dir) if n.startswith(prefix)]
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(shm_dir, name)
+        try:
+            with open(path, "rb") as f:
+                head = f.read(_BLOCK * 2)
+        except OSError:
+            continue
+        if not head.startswith(TOKEN_PREFIX) or len(head) < _BLOCK + 12:
+            continue
+        pid = int.from_bytes(head[_BLOCK + 8: _BLOCK + 12], "little", signed=True)
+        if pid > 0 and not _process_alive(pid):
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except OSError:
+                pass
+    return removed
 
 
 class CollectiveTimeout(TimeoutError):
@@ -150,7 +180,7 @@ class NodeExchange:
         for i in range(self.size):
             off = self.layout.counter_offset(i) + 8
             pid = int(torch.frombuffer(self.segment._map, dtype=torch.int32, count=1, offset=off)[0])
-            visible = pid > 0 and i != self.local_rank and _pid_visible(pid)
+            visible = pid > 0 and i != self.local_rank and _process_alive(pid)
             self._pids[i] = pid if visible else 0
 
     def close(self) -> None:
@@ -242,11 +272,17 @@ def _itemsize(dtype: torch.dtype) -> int:
     return dtype.itemsize
 
 
-def _pid_visible(pid: int) -> bool:
+def _process_alive(pid: int) -> bool:
+    """pid exists in this pid namespace and has not exited (a zombie counts as exited)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1][1:2]
+    except (OSError, IndexError):
+        return True
+    return state not in (b"Z", b"X")

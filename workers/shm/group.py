@@ -14,7 +14,9 @@ Segments are named /dev/shm/corelaunch-<id>-node<i>, where <id> is drawn by rank
 over gloo, so concurrent groups never collide. Each node's leader (its lowest rank) creates the
 segment, every local rank attaches, and the leader unlinks the name as soon as all have attached:
 from then on nothing is left in /dev/shm, whatever happens to the processes (the memory is freed
-when the last rank unmaps it, at close() or exit).
+when the last rank unmaps it, at close() or exit). Only a leader killed within set-up itself (a few
+milliseconds) could leave its segment behind; the next leader to create one removes such orphans
+(their creator's pid, in the header, no longer runs).
 """
 
 from __future__ import annotations
@@ -109,7 +111,7 @@ def _agree(error: str | None, world_size: int) -> None:
 def _build(rank: int, world_size: int, groups: list[list[int]], timeout_s: float, slot_bytes: int,
            gloo: TorchDistributedCollectives) -> Collectives:
     from workers.shm.collectives import HierarchicalCollectives, ShmCollectives
-    from workers.shm.exchange import TOKEN_PREFIX, NodeExchange, Segment, SegmentLayout
+    from workers.shm.exchange import TOKEN_PREFIX, NodeExchange, Segment, SegmentLayout, remove_orphans
 
     box = [uuid.uuid4().hex if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
@@ -132,6 +134,7 @@ def _build(rank: int, world_size: int, groups: list[list[int]], timeout_s: float
 
             native = load_native()
             if local_rank == 0:
+                remove_orphans(SHM_DIR)
                 segment = Segment(path, layout, create=True, token=token)
     except Exception as err:  # noqa: BLE001 - reported to every rank, then a fallback
         error = f"{type(err).__name__}: {err}"
