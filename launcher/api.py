@@ -66,6 +66,9 @@ class LaunchConfig:
     """CPU backend: CPUs per rank bundle; None divides the cluster's CPUs evenly."""
     placement_timeout_s: float = 60.0
     startup_timeout_s: float = 120.0
+    """Starting the rank processes (a Python worker each, importing torch) until each answers."""
+    rendezvous_timeout_s: float = 30.0
+    """Once every rank runs: joining the process group (a rank that never arrives fails here)."""
     load_timeout_s: float = 900.0
     request_timeout_s: float = 600.0
     progress: bool = True
@@ -97,7 +100,8 @@ class LaunchConfig:
             raise ValueError(f"seq_len ({self.seq_len}) must be at least 2")
         if self.dtype is not None:
             self.dtype = normalize_dtype(self.dtype)
-        for name in ("placement_timeout_s", "startup_timeout_s", "load_timeout_s", "request_timeout_s"):
+        for name in ("placement_timeout_s", "startup_timeout_s", "rendezvous_timeout_s", "load_timeout_s",
+                     "request_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be positive")
         if self.model is not None and not Path(self.model).exists():
@@ -216,6 +220,7 @@ class Launcher:
             self._ray = ray_cluster.connect(cfg.ray_address)
         self._rank_resources, self.replicas = self._size_replicas(backend, alive_nodes())
         self._timeouts = GroupTimeouts(placement_s=cfg.placement_timeout_s, startup_s=cfg.startup_timeout_s,
+                                       rendezvous_s=cfg.rendezvous_timeout_s,
                                        load_s=cfg.load_timeout_s, request_s=cfg.request_timeout_s)
         self._load_spec = self._make_load_spec()
         self._pool = ReplicaPool(self.replicas, self._new_group,
@@ -300,6 +305,14 @@ class Launcher:
             group.kill()
             raise
         return StartedGroup(group=group, load_stats=stats)
+
+    @property
+    def presharded_cache_ready(self) -> bool:
+        """True once the presharded_cache copy is complete (restarts then load from it)."""
+        if self._cache_writer is not None:
+            return self._cache_writer.ready
+        return bool(self.config.presharded_cache and self._pool is not None and self._load_spec.presharded_dir
+                    and not self.config.presharded_dir)
 
     def replica_status(self) -> list[dict]:
         """Per replica: index, state (serving, restarting, failed, ...), restarts, requests served,

@@ -48,7 +48,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--placement-timeout", type=float, default=60.0, metavar="S",
                    help="seconds to wait for Ray to reserve the workers (default 60)")
     p.add_argument("--startup-timeout", type=float, default=120.0, metavar="S",
-                   help="seconds for the workers to start and join their group (default 120)")
+                   help="seconds for the worker processes to start (default 120)")
+    p.add_argument("--rendezvous-timeout", type=float, default=30.0, metavar="S",
+                   help="seconds for started workers to join their process group (default 30)")
     p.add_argument("--request-timeout", type=float, default=600.0, metavar="S")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -79,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
             model=args.model, tp=args.tp, backend=args.backend, instance=args.instance, nodes=args.nodes,
             replicas=args.replicas, max_restarts=args.max_restarts, restart_window_s=args.restart_window,
             cpus_per_rank=args.cpus_per_rank, presharded_cache=args.presharded_cache,
-            startup_timeout_s=args.startup_timeout, lnc=args.lnc, dtype=args.dtype,
+            startup_timeout_s=args.startup_timeout, rendezvous_timeout_s=args.rendezvous_timeout,
+            lnc=args.lnc, dtype=args.dtype,
             kv_strategy=args.kv_strategy, seq_len=args.seq_len,
             max_batch_size=args.max_batch_size, presharded_dir=args.presharded,
             ray_address=args.ray_address, placement_timeout_s=args.placement_timeout,

@@ -31,6 +31,7 @@ _POLL_S = 0.5
 # After one rank raises, how long to look for a rank that died (the usual root cause: the survivors'
 # collectives fail because a peer vanished) before reporting the raised error itself.
 _ROOT_CAUSE_GRACE_S = 2.0
+_RANK_TIMEOUT_MARGIN_S = 5.0
 
 
 @dataclass
@@ -38,7 +39,9 @@ class GroupTimeouts:
     placement_s: float = 60.0
     """Waiting for Ray to reserve every rank's bundle."""
     startup_s: float = 120.0
-    """Actor start and process-group rendezvous (includes importing torch in each worker)."""
+    """Actor start: a worker process per rank, importing torch, until each answers describe()."""
+    rendezvous_s: float = 30.0
+    """Joining the process group once every rank runs (seconds when all is well)."""
     load_s: float = 900.0
     """Reading shards and building the model."""
     request_s: float = 600.0
@@ -72,7 +75,9 @@ class TPGroup:
 
         actor_cls = self.actor_cls or ray_worker.RankWorkerActor
         self._place()
-        self.bundle_of_rank = rank_order(bundle_nodes(self._pg)) or list(range(self.tp_degree))
+        placed = bundle_nodes(self._pg)
+        self.bundle_of_rank = rank_order(placed) or list(range(self.tp_degree))
+        self._placed_node = [placed.get(b, "") for b in self.bundle_of_rank]
         for rank, bundle in enumerate(self.bundle_of_rank):
             spec = WorkerSpec(rank=rank, world_size=self.tp_degree, backend=self.backend,
                               threads=self.resources.threads, lnc=self.lnc)
@@ -89,12 +94,14 @@ class TPGroup:
         if self.backend == "neuron":
             self._check_neuron_devices()
         rank0 = self.workers[0]
-        port = self._wait_all([self.actors[0].rendezvous_port.remote()], self.timeouts.startup_s,
+        port = self._wait_all([self.actors[0].rendezvous_port.remote()], self.timeouts.rendezvous_s,
                               "choose a rendezvous port", ranks=[0])[0]
         self._rendezvous = f"{rank0['node_ip']}:{port}"
-        self._wait_all([a.init_backend.remote(rank0["node_ip"], port, self.timeouts.startup_s,
-                                              self.node_groups())
-                        for a in self.actors], self.timeouts.startup_s, "join the process group")
+        # Ranks wait a little longer than the driver does, so a missing rank is reported by the
+        # driver (naming every rank still waiting) rather than by rank 0's own rendezvous timeout.
+        rank_timeout_s = self.timeouts.rendezvous_s + _RANK_TIMEOUT_MARGIN_S
+        self._wait_all([a.init_backend.remote(rank0["node_ip"], port, rank_timeout_s, self.node_groups())
+                        for a in self.actors], self.timeouts.rendezvous_s, "join the process group")
 
     def node_groups(self) -> list[list[int]]:
         """Ranks grouped by the Ray node they run on, in rank order."""
@@ -161,9 +168,11 @@ class TPGroup:
     # ---- waiting -----------------------------------------------------------------------------
     def _where(self, rank: int) -> str:
         info = self.workers[rank] if rank < len(self.workers) else {}
-        node = info.get("node_ip", "unknown node")
-        pid = info.get("pid", "?")
-        return f"rank {rank} (node {node}, pid {pid})"
+        if not info:  # not started yet: name the node Ray placed it on
+            placed = getattr(self, "_placed_node", [])
+            node = placed[rank][:8] if rank < len(placed) and placed[rank] else "unknown"
+            return f"rank {rank} (placed on node {node}, not started)"
+        return f"rank {rank} (node {info.get('node_ip', '?')}, pid {info.get('pid', '?')})"
 
     def _wait_all(self, refs: list, timeout_s: float, step: str, ranks: list[int] | None = None) -> list:
         """Results of `refs` in order; raises naming the rank that died or did not finish `step`."""
@@ -244,7 +253,12 @@ class TPGroup:
                 f"{timeout_s:g} s (each rank waits there until all {self.tp_degree} have arrived, so at "
                 f"least one of them never did); the group was stopped. Check that every node can reach "
                 f"rank 0's node on that port (firewall or security group between nodes), look at those "
-                f"ranks' worker logs (ray logs), or raise startup_timeout_s (--startup-timeout)")
+                f"ranks' worker logs (ray logs), or raise rendezvous_timeout_s (--rendezvous-timeout)")
+        if step == "start":
+            return RendezvousTimeout(
+                f"{who} did not start within {timeout_s:g} s (starting a worker process and importing torch "
+                f"there); the group was stopped. On a busy machine raise startup_timeout_s "
+                f"(--startup-timeout); otherwise check that node (ray status, its worker logs: ray logs)")
         return RendezvousTimeout(
             f"{who} did not {step} within {timeout_s:g} s; the group was stopped. Check that rank's node "
             f"(ray status, its worker log) or raise the timeout")

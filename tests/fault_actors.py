@@ -1,0 +1,31 @@
+"""Rank actors that misbehave on purpose, for the fault-tolerance tests (imported by Ray workers:
+the driver's working directory, the repository root, is on their sys.path)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import ray
+
+from launcher.ray_worker import RayRankWorker
+
+
+class _CrashOnGenerate(RayRankWorker):
+    """Starts and loads normally, then its process dies on every request: a crash loop."""
+
+    def generate(self, request):
+        os._exit(3)
+
+
+class _NeverJoins(RayRankWorker):
+    """Rank 1 never arrives at the rendezvous (stuck before joining the process group)."""
+
+    def init_backend(self, host, port, timeout_s, node_groups=None):
+        if self.spec.rank == 1:
+            time.sleep(3600)
+        return super().init_backend(host, port, timeout_s, node_groups)
+
+
+CrashOnGenerate = ray.remote(max_restarts=0, max_concurrency=2)(_CrashOnGenerate)
+NeverJoins = ray.remote(max_restarts=0, max_concurrency=2)(_NeverJoins)

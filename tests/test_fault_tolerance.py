@@ -1,0 +1,126 @@
+"""Surviving failure on the local Ray: a rank SIGKILLed mid-request, a crash loop, a rank that never
+joins. (Losing a whole node is in tests/test_multinode.py, on a multi-node cluster.)
+
+Every answer after a fault must equal transformers' greedy tokens, i.e. a fault-free run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from launcher import ray_worker
+from launcher.api import Launcher
+from launcher.errors import NoReplicaAvailable, RendezvousTimeout, RestartLimitExceeded, WorkerDied
+from tests import fault_actors
+from tests.model_factory import build_random_model, save_model
+
+# Long enough that a request is still running when the kill lands, short enough to keep the test quick.
+LONG = 160
+PROMPTS = [[5, 17, 42, 9], [8, 60, 21], [11, 12, 13], [90, 4, 30]]
+
+
+@pytest.fixture(scope="module")
+def model_and_expected(tmp_path_factory):
+    model = build_random_model("llama", hidden_size=128, intermediate_size=256, num_layers=4, num_heads=4,
+                               num_kv_heads=2, vocab_size=256, max_position_embeddings=512, seed=3)
+    path = save_model(model, tmp_path_factory.mktemp("ft"))
+    return str(path), [greedy_ignoring_eos(model, p, LONG) for p in PROMPTS]
+
+
+def greedy_ignoring_eos(model, prompt: list[int], new_tokens: int) -> list[int]:
+    """transformers' model, argmax one token at a time, EOS not special (as ignore_eos=True)."""
+    out, past, step = [], None, torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            result = model(step, past_key_values=past, use_cache=True)
+            past, step = result.past_key_values, result.logits[:, -1].argmax(-1, keepdim=True)
+            out.append(int(step))
+    return out
+
+
+def wait_for(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout_s} s"
+        time.sleep(0.05)
+
+
+def test_killed_rank_mid_request_restarts_its_group_and_reruns(model_and_expected, tmp_path, ray_session):
+    model_dir, expected = model_and_expected
+    launcher = Launcher(model=model_dir, tp=2, replicas=2, cpus_per_rank=0.5, max_restarts=2,
+                        presharded_cache=True, presharded_cache_dir=str(tmp_path / "cache"), progress=False)
+    launcher.start()
+    try:
+        wait_for(lambda: launcher.presharded_cache_ready, 30, "the pre-sharded cache copy")
+        before = launcher.replica_status()
+        assert [s["load_source"] for s in before] == [["checkpoint"], ["checkpoint"]]
+        answers: dict[int, object] = {}
+
+        def ask(i: int) -> None:
+            answers[i] = launcher.generate([PROMPTS[i]], max_new_tokens=LONG, ignore_eos=True)[0]
+
+        callers = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
+        for t in callers:
+            t.start()
+        wait_for(lambda: launcher.replica_status()[0]["busy"], 30, "replica 0 taking a request")
+        time.sleep(0.3)
+        victim = before[0]["workers"][1]
+        os.kill(victim["pid"], signal.SIGKILL)
+        killed_at = time.monotonic()
+        wait_for(lambda: launcher.replica_status()[0]["restarts"] == 1, 15, "noticing the dead rank")
+        noticed_s = time.monotonic() - killed_at
+        for t in callers:
+            t.join(120)
+        after = launcher.replica_status()
+    finally:
+        launcher.shutdown()
+    assert len(answers) == len(PROMPTS)
+    assert [answers[i].token_ids for i in range(len(PROMPTS))] == expected
+    assert noticed_s < 5, f"the dead rank was noticed after {noticed_s:.1f} s"
+    assert [s["restarts"] for s in after] == [1, 0]
+    assert [s["state"] for s in after] == ["serving", "serving"]
+    rerun = [a for a in answers.values() if a.attempts == 2]
+    assert rerun and all(a.replica == 0 for a in rerun), [(a.replica, a.attempts) for a in answers.values()]
+    assert all(a.attempts == 1 for a in answers.values() if a.replica == 1)  # the other replica: untouched
+    assert after[0]["load_source"] == ["presharded"], "the restarted group did not load the cached copy"
+    assert victim["pid"] not in {w["pid"] for w in after[0]["workers"]}
+    assert after[0]["last_recovery_s"] < 30
+
+
+def test_crash_loop_stops_at_the_restart_bound(model_and_expected, monkeypatch, ray_session):
+    model_dir, _ = model_and_expected
+    monkeypatch.setattr(ray_worker, "RankWorkerActor", fault_actors.CrashOnGenerate)
+    with Launcher(model=model_dir, tp=1, max_restarts=2, restart_window_s=120, progress=False) as launcher:
+        start = time.monotonic()
+        with pytest.raises(RestartLimitExceeded) as info:
+            launcher.generate([[5, 6, 7]], max_new_tokens=4)
+        elapsed = time.monotonic() - start
+        message = str(info.value)
+        assert "replica 0" in message and "already restarted 2 times within 120 s" in message, message
+        assert "max_restarts=2" in message and "crash loop" in message, message
+        assert "rank 0" in message and "died" in message, message  # the last failure is named
+        assert isinstance(info.value.__cause__, WorkerDied)
+        [status] = launcher.replica_status()
+        assert status["state"] == "failed" and status["restarts"] == 2
+        with pytest.raises(NoReplicaAvailable, match="no replica is left"):
+            launcher.generate([[5, 6, 7]], max_new_tokens=4)
+    assert elapsed < 90, f"the crash loop took {elapsed:.0f} s to stop"
+
+
+def test_rank_that_never_joins_fails_within_the_startup_timeout(model_and_expected, monkeypatch, ray_session):
+    model_dir, _ = model_and_expected
+    monkeypatch.setattr(ray_worker, "RankWorkerActor", fault_actors.NeverJoins)
+    start = time.monotonic()
+    with pytest.raises(RendezvousTimeout) as info:
+        Launcher(model=model_dir, tp=2, rendezvous_timeout_s=3, progress=False).start()
+    elapsed = time.monotonic() - start
+    message = str(info.value)
+    assert "rank 1" in message and "did not join the process group at" in message, message
+    assert "--rendezvous-timeout" in message, message
+    assert elapsed < 40, f"took {elapsed:.0f} s"  # worker start (a busy machine's share) + 3 s
