@@ -1,0 +1,212 @@
+"""Several Ray nodes on this machine (ray.cluster_utils.Cluster): placement over nodes, rank order,
+placement and device failures, and losing a node in the middle of requests.
+
+One cluster for the module: a head with no CPUs (the driver's node, never removed) and 1-CPU worker
+nodes that each declare 8 `neuron_cores`, the CPU backend doing the work. The tests that remove
+nodes come last; each one first adds or removes nodes to get the cluster it needs, so none depends
+on what an earlier test left.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from launcher.api import Launcher
+from launcher.errors import NeuronDevicesMissing, PlacementTimeout, ReplicaFailed
+from tests.model_factory import build_random_model, save_model
+from tests.test_fault_tolerance import greedy_ignoring_eos, wait_for
+
+WORKER_NODE = dict(num_cpus=1, resources={"neuron_cores": 8})
+PROMPTS = [[5, 17, 42, 9], [8, 60, 21]]
+LONG = 160
+
+pytestmark = pytest.mark.slow
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as fh:
+            return fh.read()
+    except OSError:
+        return None
+
+
+def _restore(path: str, content: str | None) -> None:
+    """Put back the machine's "current Ray cluster" file as it was: Cluster() overwrites it, and
+    other Ray users on this machine connect to whatever it names."""
+    if content is None:
+        if os.path.exists(path):
+            os.remove(path)
+    else:
+        with open(path, "w") as fh:
+            fh.write(content)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    import ray
+    from ray._common.utils import get_ray_address_file
+    from ray.cluster_utils import Cluster
+
+    session_was_open = ray.is_initialized()  # the session-wide local Ray (tests/conftest.py)
+    if session_was_open:
+        ray.shutdown()
+    address_file = get_ray_address_file(None)
+    previous = _read(address_file)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    try:
+        for _ in range(3):
+            cluster.add_node(**WORKER_NODE)
+        _restore(address_file, previous)
+        ray.init(address=cluster.address, log_to_driver=False, logging_level="ERROR")
+        cluster.wait_for_nodes()
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        _restore(address_file, previous)
+        if session_was_open:
+            ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+
+
+def set_worker_nodes(cluster, count: int) -> None:
+    """Add or remove worker nodes until `count` are alive (removing from those added last)."""
+    while len(cluster.worker_nodes) < count:
+        cluster.add_node(**WORKER_NODE)
+    while len(cluster.worker_nodes) > count:
+        cluster.remove_node(sorted(cluster.worker_nodes, key=lambda n: n.node_id)[-1])
+    cluster.wait_for_nodes()
+
+
+def remove_node_of(cluster, node_id: str) -> None:
+    [node] = [n for n in cluster.worker_nodes if n.node_id == node_id]
+    cluster.remove_node(node)
+
+
+@pytest.fixture(scope="module")
+def model_and_expected(tmp_path_factory):
+    model = build_random_model("llama", hidden_size=128, intermediate_size=256, num_layers=4, num_heads=4,
+                               num_kv_heads=2, vocab_size=256, max_position_embeddings=512, seed=5)
+    path = save_model(model, tmp_path_factory.mktemp("multinode"))
+    return str(path), [greedy_ignoring_eos(model, p, LONG) for p in PROMPTS]
+
+
+def test_tp_groups_over_two_nodes_give_the_tokens_of_tp1(cluster, model_and_expected):
+    model_dir, expected = model_and_expected
+    set_worker_nodes(cluster, 3)
+    short = [e[:12] for e in expected]
+    with Launcher(model=model_dir, tp=1, progress=False) as tp1:
+        out1 = tp1.generate(PROMPTS, max_new_tokens=12, ignore_eos=True)
+    # TP 2 on 1-CPU nodes: one rank per node, so the group must span two nodes
+    with Launcher(model=model_dir, tp=2, nodes=2, progress=False) as tp2:
+        [status] = tp2.replica_status()
+        workers = status["workers"]
+        assert len({w["node_id"] for w in workers}) == 2, workers
+        assert tp2._group.node_groups() == [[0], [1]]
+        out2 = tp2.generate(PROMPTS, max_new_tokens=12, ignore_eos=True)
+    # TP 4 at half a CPU per rank: two ranks on each of two nodes, each node's ranks contiguous
+    with Launcher(model=model_dir, tp=4, nodes=2, cpus_per_rank=0.5, progress=False) as tp4:
+        groups = tp4._group.node_groups()
+        workers = tp4.replica_status()[0]["workers"]
+        out4 = tp4.generate(PROMPTS, max_new_tokens=12, ignore_eos=True)
+    assert sorted(map(sorted, groups)) == [[0, 1], [2, 3]], groups
+    assert len({w["node_id"] for w in workers}) == 2
+    assert [r.token_ids for r in out1] == short
+    assert [r.token_ids for r in out2] == short
+    assert [r.token_ids for r in out4] == short
+
+
+def test_a_group_held_to_one_node_fails_placement_within_its_timeout(cluster, model_and_expected):
+    model_dir, _ = model_and_expected
+    start = time.monotonic()
+    with pytest.raises(PlacementTimeout) as info:
+        Launcher(model=model_dir, tp=2, nodes=1, cpus_per_rank=1, placement_timeout_s=3, progress=False).start()
+    elapsed = time.monotonic() - start
+    message = str(info.value)
+    assert "STRICT_PACK" in message and "can never hold" in message and "--nodes" in message, message
+    assert "{CPU: 1, neuron_cores: 8}" in message, message  # what each node has
+    assert elapsed < 20, f"took {elapsed:.1f} s"
+
+
+def test_a_node_without_neuron_devices_is_refused_before_the_rendezvous(cluster, model_and_expected):
+    model_dir, _ = model_and_expected
+    start = time.monotonic()
+    with pytest.raises(NeuronDevicesMissing) as info:
+        Launcher(model=model_dir, backend="neuron", instance="trn1.32xlarge", tp=1, progress=False).start()
+    message = str(info.value)
+    assert "declares neuron_cores" in message and "/dev/neuron" in message and "neuron-ls" in message, message
+    assert time.monotonic() - start < 60
+
+
+def test_losing_a_node_mid_request_restarts_the_group_on_other_nodes(cluster, model_and_expected):
+    model_dir, expected = model_and_expected
+    set_worker_nodes(cluster, 3)  # two for the group, one spare
+    launcher = Launcher(model=model_dir, tp=2, nodes=2, max_restarts=2, placement_timeout_s=20, progress=False)
+    launcher.start()
+    try:
+        before = launcher.replica_status()[0]
+        lost_node = before["workers"][1]["node_id"]
+        answers: dict[int, object] = {}
+
+        def ask(i: int) -> None:
+            answers[i] = launcher.generate([PROMPTS[i]], max_new_tokens=LONG, ignore_eos=True)[0]
+
+        callers = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
+        for t in callers:
+            t.start()
+        wait_for(lambda: launcher.replica_status()[0]["busy"], 30, "the group taking a request")
+        time.sleep(0.3)
+        remove_node_of(cluster, lost_node)
+        for t in callers:
+            t.join(120)
+        after = launcher.replica_status()[0]
+    finally:
+        launcher.shutdown()
+    assert [answers[i].token_ids for i in range(len(PROMPTS))] == expected
+    assert max(a.attempts for a in answers.values()) == 2
+    assert after["state"] == "serving" and after["restarts"] == 1
+    assert lost_node not in after["nodes"] and len(after["nodes"]) == 2, after["nodes"]
+
+
+def test_a_replica_the_cluster_cannot_host_fails_its_requests_and_the_rest_are_served(cluster, model_and_expected):
+    model_dir, expected = model_and_expected
+    set_worker_nodes(cluster, 2)  # one node per replica, no spare
+    launcher = Launcher(model=model_dir, tp=1, replicas=2, cpus_per_rank=1, max_restarts=2,
+                        placement_timeout_s=3, progress=False)
+    launcher.start()
+    try:
+        status = launcher.replica_status()
+        assert len({s["nodes"][0] for s in status}) == 2
+        answers: dict[int, object] = {}
+
+        def ask(i: int) -> None:
+            try:
+                answers[i] = launcher.generate([PROMPTS[i]], max_new_tokens=LONG, ignore_eos=True)[0]
+            except Exception as err:  # noqa: BLE001 - the test inspects it
+                answers[i] = err
+
+        callers = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+        for t in callers:
+            t.start()
+        wait_for(lambda: all(s["busy"] for s in launcher.replica_status()), 30, "both replicas taking a request")
+        time.sleep(0.3)
+        remove_node_of(cluster, status[1]["nodes"][0])
+        for t in callers:
+            t.join(120)
+        failed = [a for a in answers.values() if isinstance(a, Exception)]
+        served = [a for a in answers.values() if not isinstance(a, Exception)]
+        later = launcher.generate(PROMPTS, max_new_tokens=LONG, ignore_eos=True)  # the survivor serves on
+        after = launcher.replica_status()
+    finally:
+        launcher.shutdown()
+    assert len(failed) == 1 and len(served) == 1, answers
+    message = str(failed[0])
+    assert isinstance(failed[0], ReplicaFailed), repr(failed[0])
+    assert "replica 1" in message and "cannot host it any more" in message and "'CPU': 1" in message, message
+    assert served[0].replica == 0 and served[0].token_ids == expected[PROMPTS.index(PROMPTS[0])]
+    assert [r.token_ids for r in later] == expected and {r.replica for r in later} == {0}
+    assert [s["state"] for s in after] == ["serving", "failed"]
