@@ -1,0 +1,78 @@
+"""cluster_configs/*.yaml are valid Ray cluster launcher configs and say what corelaunch needs.
+
+Each file is checked against the JSON schema that ships inside the installed ray package
+(ray/autoscaler/ray-schema.json), then run through the same preparation and validation `ray up`
+applies before it contacts any cloud (defaults merged, node types checked).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from shardlib.instances import get_instance
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "cluster_configs"
+AWS = {"aws-trn1.32xlarge.yaml": "trn1.32xlarge", "aws-trn2.48xlarge.yaml": "trn2.48xlarge",
+       "aws-inf2.48xlarge.yaml": "inf2.48xlarge"}
+ALL = sorted(AWS) + ["local.yaml"]
+
+
+def load(name: str) -> dict:
+    return yaml.safe_load((CONFIG_DIR / name).read_text())
+
+
+@pytest.fixture(scope="module")
+def ray_schema() -> dict:
+    import ray.autoscaler
+
+    return json.loads((Path(ray.autoscaler.__file__).parent / "ray-schema.json").read_text())
+
+
+def test_every_expected_config_is_there():
+    assert sorted(p.name for p in CONFIG_DIR.glob("*.yaml")) == ALL
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_config_matches_rays_schema(name, ray_schema):
+    import jsonschema
+
+    jsonschema.validate(load(name), ray_schema)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_config_passes_ray_ups_own_preparation(name):
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    prepared = prepare_config(load(name))
+    validate_config(prepared)
+    assert prepared["head_node_type"] in prepared["available_node_types"]
+
+
+@pytest.mark.parametrize("name", sorted(AWS))
+def test_aws_configs_declare_neuron_cores_and_set_up_neuron(name):
+    config = load(name)
+    instance = get_instance(AWS[name])
+    assert config["provider"]["type"] == "aws"
+    node_types = config["available_node_types"]
+    assert config["head_node_type"] in node_types and len(node_types) >= 2  # a head and workers
+    for node_type in node_types.values():
+        assert node_type["node_config"]["InstanceType"] == instance.name
+        # the planner's core count for the instance is what Ray is told the node has
+        assert node_type["resources"]["neuron_cores"] == instance.physical_cores
+    setup = "\n".join(config["setup_commands"])
+    assert "https://pip.repos.neuron.amazonaws.com" in setup
+    assert "corelaunch[neuron]" in setup
+    assert config["file_mounts"] == {"~/corelaunch": "."}
+    assert "ray start --head" in "\n".join(config["head_start_ray_commands"])
+
+
+def test_local_config_names_its_hosts():
+    config = load("local.yaml")
+    assert config["provider"]["type"] == "local"
+    assert config["provider"]["head_ip"] and config["provider"]["worker_ips"]
+    assert "available_node_types" not in config  # Ray refuses node types for on-premise clusters
+    assert "ray start --address=$RAY_HEAD_IP:6379" in "\n".join(config["worker_start_ray_commands"])
