@@ -1,0 +1,225 @@
+"""Decode speed of tensor parallelism on one host, side by side in one run.
+
+A random Llama of hidden 1024, 16 layers, 16 heads, 8 KV heads, intermediate 2816, vocab 32000
+(~254M parameters, float32), built once with tests/model_factory.save_random_model. Batch 1, a fixed
+prompt, 128 new tokens with EOS ignored. Variants (same two cores in all):
+
+    transformers    transformers generate(), 2 torch threads
+    tp1             corelaunch TP 1 through the driver API: one rank, 2 threads
+    tp2             corelaunch TP 2: two ranks, 1 thread each, default collectives (shared memory)
+    tp2_gloo        the same with CORELAUNCH_COLLECTIVES=gloo
+
+Each variant lives in its own process (its own local Ray: the collectives choice is read from the
+workers' environment, which one Ray session shares), started once; the repeats then run
+interleaved, one variant at a time, so machine noise hits them alike. Medians are reported, each
+next to its weights-over-bandwidth bound: bytes of weights per rank over the bandwidth one process
+streams alone (~16 GB/s) or each of two processes streaming together (27-33 GB/s in all), as
+measured on the development machine (shared/DESIGN.md). Prints one JSON object.
+
+    python benchmarks/tp_scaling.py [--new-tokens 128] [--repeats 3] [--model-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SHAPE = dict(hidden_size=1024, num_layers=16, num_heads=16, num_kv_heads=8, intermediate_size=2816,
+             vocab_size=32000, max_position_embeddings=1024)
+PROMPT = [1, 450, 4996, 17354, 1701, 432, 17204, 975, 278, 17366, 11203, 29889, 13, 1576, 3444, 338]
+VARIANTS = ("transformers", "tp1", "tp2", "tp2_gloo")
+ONE_PROCESS_GBPS = 16.0
+TWO_PROCESSES_GBPS = (27.0, 33.0)
+
+
+# ---- one variant, served in its own process ---------------------------------------------------
+def serve(variant: str, model_dir: str, new_tokens: int) -> None:
+    """Load `variant`, then answer each line on stdin with one JSON line on stdout."""
+    out = sys.stdout
+    sys.stdout = sys.stderr  # keep library chatter off the protocol channel
+    if variant == "transformers":
+        run, info, close = _hf(model_dir, new_tokens)
+    else:
+        run, info, close = _corelaunch(variant, model_dir, new_tokens)
+    out.write(json.dumps({"ready": info}) + "\n")
+    out.flush()
+    try:
+        for line in sys.stdin:
+            if line.strip() != "run":
+                break
+            out.write(json.dumps(run()) + "\n")
+            out.flush()
+    finally:
+        close()
+
+
+def _hf(model_dir: str, new_tokens: int):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(2)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([PROMPT])
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+
+    def timed(n: int):
+        start = time.perf_counter()
+        with torch.inference_mode():
+            tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                    do_sample=False, pad_token_id=0)
+        return time.perf_counter() - start, tokens[0, len(PROMPT):].tolist()
+
+    def run() -> dict:
+        ttft, _ = timed(1)
+        total, tokens = timed(new_tokens)
+        return {"decode_tokens_per_s": (new_tokens - 1) / (total - ttft), "token_ids": tokens}
+
+    return run, {"weight_bytes_per_rank": weight_bytes, "threads": 2, "ranks": 1}, lambda: None
+
+
+def _corelaunch(variant: str, model_dir: str, new_tokens: int):
+    import ray
+
+    from launcher.api import Launcher
+
+    tp = 1 if variant == "tp1" else 2
+    if variant == "tp2_gloo":
+        os.environ["CORELAUNCH_COLLECTIVES"] = "gloo"  # before Ray starts: its workers inherit it
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    launcher = Launcher(model=model_dir, tp=tp, progress=False).start()
+    group = launcher._group
+    kinds = ray.get([a.__ray_call__.remote(lambda self: type(self._collectives).__name__) for a in group.actors])
+    info = {"ranks": tp, "threads": group.resources.threads, "collectives": kinds[0],
+            "weight_bytes_per_rank": max(s.shard_bytes for s in launcher.load_stats),
+            # compiled graphs: whatever LaunchConfig's default is today (absent: eager only)
+            "compile": getattr(launcher.config, "compile", "no such option")}
+
+    def run() -> dict:
+        [out] = launcher.generate([PROMPT], max_new_tokens=new_tokens, ignore_eos=True)
+        assert len(out.token_ids) == new_tokens
+        return {"decode_tokens_per_s": out.decode_tokens_per_s, "token_ids": out.token_ids}
+
+    def close() -> None:
+        launcher.shutdown()
+        ray.shutdown()
+
+    return run, info, close
+
+
+# ---- the driver ---------------------------------------------------------------------------------
+class Server:
+    def __init__(self, variant: str, model_dir: str, new_tokens: int) -> None:
+        self.variant = variant
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--serve", variant, "--model-dir", model_dir, "--new-tokens", str(new_tokens)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        self.info = self._read()["ready"]
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"variant {self.variant} exited (code {self.proc.wait()}); see its stderr above")
+        return json.loads(line)
+
+    def run(self) -> dict:
+        self.proc.stdin.write("run\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write("stop\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+
+
+def bounds(weight_bytes: int, ranks: int) -> dict:
+    if ranks == 1:
+        return {"weights_over_bandwidth_tokens_per_s": round(ONE_PROCESS_GBPS * 1e9 / weight_bytes, 1),
+                "bandwidth_assumed": f"{ONE_PROCESS_GBPS:.0f} GB/s (one process)"}
+    low, high = (bw / ranks * 1e9 / weight_bytes for bw in TWO_PROCESSES_GBPS)
+    return {"weights_over_bandwidth_tokens_per_s": [round(low, 1), round(high, 1)],
+            "bandwidth_assumed": f"{TWO_PROCESSES_GBPS[0]:.0f}-{TWO_PROCESSES_GBPS[1]:.0f} GB/s shared by {ranks} processes"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--model-dir", help="reuse (or create) the model here instead of a temporary folder")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--serve", choices=VARIANTS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        serve(args.serve, args.model_dir, args.new_tokens)
+        return
+
+    tmp = None
+    model_dir = args.model_dir
+    if model_dir is None:
+        tmp = tempfile.TemporaryDirectory(prefix="corelaunch-tp-scaling-")
+        model_dir = tmp.name
+    if not (Path(model_dir) / "config.json").is_file():
+        from tests.model_factory import save_random_model
+
+        start = time.perf_counter()
+        save_random_model(Path(model_dir), **SHAPE)
+        print(f"built the model in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+
+    variants = [v for v in args.variants.split(",") if v]
+    servers: dict[str, Server] = {}
+    samples: dict[str, list[dict]] = {v: [] for v in variants}
+    load_before = os.getloadavg()
+    try:
+        for v in variants:  # one at a time: start-ups would otherwise fight for the two cores
+            servers[v] = Server(v, model_dir, args.new_tokens)
+        for server in servers.values():
+            server.run()  # warm-up
+        for _ in range(args.repeats):
+            for v, server in servers.items():
+                samples[v].append(server.run())
+    finally:
+        for server in servers.values():
+            server.close()
+        if tmp is not None:
+            tmp.cleanup()
+
+    results = {}
+    for v, runs in samples.items():
+        info = servers[v].info
+        rates = [r["decode_tokens_per_s"] for r in runs]
+        results[v] = {"decode_tokens_per_s": round(statistics.median(rates), 2),
+                      "all_runs": [round(x, 2) for x in rates], **info, **bounds(info["weight_bytes_per_rank"], info["ranks"])}
+    tokens = {v: runs[-1]["token_ids"] for v, runs in samples.items()}
+    rate = {v: r["decode_tokens_per_s"] for v, r in results.items()}
+    ratios = {}
+    for a, b in (("tp2", "tp1"), ("tp2", "transformers"), ("tp1", "transformers"), ("tp2", "tp2_gloo")):
+        if a in rate and b in rate:
+            ratios[f"{a}_over_{b}"] = round(rate[a] / rate[b], 3)
+    report = {
+        "model": {"params_millions": 254, **SHAPE, "dtype": "float32"}, "batch": 1,
+        "prompt_tokens": len(PROMPT), "new_tokens": args.new_tokens, "repeats": args.repeats,
+        "results": results, "ratios": ratios,
+        "targets": {"tp2_over_tp1": ">= 1.3", "tp2_over_transformers": ">= 2"},
+        "tokens_identical": {f"{v}_vs_tp1": tokens[v] == tokens["tp1"] for v in tokens if "tp1" in tokens and v != "tp1"},
+        "loadavg_before": [round(x, 2) for x in load_before], "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+        "note": "noisy shared machine: re-run on a quiet one for figures to quote",
+    }
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
