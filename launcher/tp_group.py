@@ -14,6 +14,7 @@ is told which ranks share its node (node_groups) so co-located ranks can use a f
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import ray
@@ -113,7 +114,10 @@ class TPGroup:
     def _place(self) -> None:
         bundles = [dict(self.resources.bundle) for _ in range(self.tp_degree)]
         strategy = placement_strategy(self.nodes)
-        self._pg = placement_group(bundles, strategy=strategy, name=f"{self.name}-tp{self.tp_degree}")
+        # Names are unique in a Ray namespace: several launchers (or a restart racing the removal of
+        # the old group) must not collide, so each group gets a random suffix.
+        self._pg = placement_group(bundles, strategy=strategy,
+                                   name=f"{self.name}-tp{self.tp_degree}-{uuid.uuid4().hex[:8]}")
         if not self._pg.wait(timeout_seconds=self.timeouts.placement_s):
             remove_placement_group(self._pg)
             self._pg = None

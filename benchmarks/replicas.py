@@ -1,0 +1,166 @@
+"""Replicas and recovery, side by side in one run; prints one JSON object.
+
+Throughput: SmolLM2-135M-Instruct, float32, `--requests` concurrent greedy requests (one prompt each,
+one thread per caller) of `--new-tokens` tokens (EOS ignored, so every request decodes the same
+count), served by
+  - one replica:  TP 1, one rank with `--threads` torch threads (the whole machine), against
+  - N replicas:   TP 1 each, threads / N torch threads per rank (the same cores, split).
+Both launchers stay up for the whole run and their rounds alternate (A B A B ...), so machine noise
+hits both alike; the median round is reported. Ray is started here with logical CPUs for both
+launchers at once; the real split of the cores is each rank's thread count.
+
+Recovery: with the N-replica launcher serving a wave of requests, one replica's rank is SIGKILLed;
+reported are the times from the kill until the coordinator noticed (restart begun) and until the
+group served again, where the restarted group loaded its weights from, and whether the interrupted
+request's tokens equal the fault-free ones.
+
+    python benchmarks/replicas.py [--requests 16] [--new-tokens 64] [--rounds 2] [--replicas 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PROMPTS = ["The capital of France is", "Once upon a time", "The best way to learn", "In the year 2050,",
+           "My favourite food is", "The ocean is", "A good friend", "Water boils at"]
+
+
+def concurrent_round(launcher, prompts: list[str], new_tokens: int) -> dict:
+    """Every prompt as its own generate() call from its own thread, all at once."""
+    results: dict[int, object] = {}
+    latencies: dict[int, float] = {}
+    barrier = threading.Barrier(len(prompts) + 1)
+
+    def ask(i: int) -> None:
+        barrier.wait()
+        start = time.perf_counter()
+        results[i] = launcher.generate([prompts[i]], max_new_tokens=new_tokens, ignore_eos=True)[0]
+        latencies[i] = time.perf_counter() - start
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    start = time.perf_counter()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(results[i].token_ids) for i in results)
+    lat = sorted(latencies.values())
+    return {"elapsed_s": elapsed, "tokens": tokens, "tokens_per_s": tokens / elapsed,
+            "latency_s_p50": statistics.median(lat), "latency_s_max": lat[-1],
+            "replicas_used": sorted({results[i].replica for i in results}),
+            "token_ids": [results[i].token_ids for i in range(len(prompts))]}
+
+
+def measure_recovery(launcher, prompts: list[str], new_tokens: int, expected: list[list[int]]) -> dict:
+    """SIGKILL replica 0's rank while the replicas serve a wave of requests; time the way back."""
+    answers: dict[int, object] = {}
+
+    def ask(i: int) -> None:
+        answers[i] = launcher.generate([prompts[i]], max_new_tokens=new_tokens, ignore_eos=True)[0]
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while not launcher.replica_status()[0]["busy"]:
+        assert time.monotonic() < deadline, "replica 0 never took a request"
+        time.sleep(0.01)
+    time.sleep(0.5)
+    victim = launcher.replica_status()[0]["workers"][0]
+    os.kill(victim["pid"], signal.SIGKILL)
+    killed = time.monotonic()
+    noticed = serving = None
+    while serving is None and time.monotonic() - killed < 300:
+        status = launcher.replica_status()[0]
+        if noticed is None and status["restarts"] >= 1:
+            noticed = time.monotonic() - killed
+        if status["restarts"] >= 1 and status["state"] == "serving":
+            serving = time.monotonic() - killed
+        time.sleep(0.02)
+    for t in threads:
+        t.join()
+    status = launcher.replica_status()[0]
+    rerun = [i for i in answers if answers[i].attempts > 1]
+    return {"kill_to_noticed_s": noticed, "kill_to_serving_again_s": serving,
+            "restart_s": status["last_recovery_s"], "restarted_group_loaded_from": status["load_source"],
+            "requests_rerun": len(rerun), "all_answers_equal_fault_free": all(
+                answers[i].token_ids == expected[i] for i in answers), "state_after": status["state"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds per configuration")
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="torch threads in all")
+    args = parser.parse_args()
+
+    import ray
+
+    from launcher.api import Launcher
+    from shardlib.demo_model import ensure_demo_model
+
+    model = str(ensure_demo_model())
+    prompts = [PROMPTS[i % len(PROMPTS)] + ("" if i < len(PROMPTS) else " really") for i in range(args.requests)]
+    per_rank = max(1, args.threads // args.replicas)
+    ray.init(num_cpus=args.threads + per_rank * args.replicas, include_dashboard=False, log_to_driver=False,
+             logging_level="ERROR")
+    cache = tempfile.mkdtemp(prefix="corelaunch-bench-cache-")
+    common = dict(model=model, tp=1, dtype="float32", progress=False, max_batch_size=8)
+    try:
+        one = Launcher(replicas=1, cpus_per_rank=args.threads, **common).start()
+        many = Launcher(replicas=args.replicas, cpus_per_rank=per_rank, presharded_cache=True,
+                        presharded_cache_dir=cache, **common).start()
+        for launcher in (one, many):  # warm-up: first calls pay one-off costs
+            concurrent_round(launcher, prompts[:args.replicas], 4)
+        rounds: dict[str, list[dict]] = {"one": [], "many": []}
+        for _ in range(args.rounds):
+            rounds["one"].append(concurrent_round(one, prompts, args.new_tokens))
+            rounds["many"].append(concurrent_round(many, prompts, args.new_tokens))
+        one.shutdown()
+        expected = rounds["one"][0]["token_ids"]
+        deadline = time.monotonic() + 120
+        while not many.presharded_cache_ready and time.monotonic() < deadline:
+            time.sleep(0.2)
+        recovery = measure_recovery(many, prompts, args.new_tokens, expected)
+        many.shutdown()
+    finally:
+        ray.shutdown()
+        import shutil
+
+        shutil.rmtree(cache, ignore_errors=True)
+
+    def summary(runs: list[dict]) -> dict:
+        best = sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]  # the median round
+        return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in best.items() if k != "token_ids"} | {
+            "tokens_per_s_all_rounds": [round(r["tokens_per_s"], 2) for r in runs]}
+
+    report = {
+        "model": "SmolLM2-135M-Instruct", "dtype": "float32", "requests": args.requests,
+        "new_tokens": args.new_tokens, "rounds": args.rounds, "cpu_count": os.cpu_count(),
+        "one_replica": {"replicas": 1, "threads_per_rank": args.threads} | summary(rounds["one"]),
+        "replicas": {"replicas": args.replicas, "threads_per_rank": per_rank} | summary(rounds["many"]),
+        "same_tokens": all(r["token_ids"] == expected for r in rounds["one"] + rounds["many"]),
+        "recovery": {k: (round(v, 3) if isinstance(v, float) else v) for k, v in recovery.items()},
+    }
+    report["throughput_ratio"] = round(report["replicas"]["tokens_per_s"] / report["one_replica"]["tokens_per_s"], 3)
+    report["throughput_target"] = 1.5
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
