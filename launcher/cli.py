@@ -15,6 +15,8 @@ import sys
 SUBCOMMANDS = {
     "plan": "launcher.plan_command",
     "generate": "launcher.generate_command",
+    "check": "launcher.check_command",
+    "bench": "launcher.bench_command",
 }
 
 

@@ -1,0 +1,145 @@
+"""`corelaunch bench`: latency percentiles and throughput in NxD Inference's report format.
+
+Starts one TP group, runs `--warmup` generate calls that are not recorded, then `--runs` measured
+calls of `--batch-size` random prompts of `--prompt-len` tokens, each generating exactly
+`--max-new-tokens` tokens greedily (EOS ignored). Per measured call:
+- e2e_model: the driver-side wall time of Launcher.generate (Ray round trip included);
+- context_encoding_model: the call's time to first token, measured inside rank 0;
+- token_generation_model: each decode step's latency, measured inside rank 0.
+The sections and their throughput definitions are in launcher/bench_report.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _positive(name: str, minimum: int = 1):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, not {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{name} ({value}) must be at least {minimum}")
+        return value
+    return parse
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "bench", help="benchmark latency and throughput (NxD Inference's report: e2e, context encoding, "
+                      "token generation)",
+        description="Measure corelaunch end to end, its context encoding (time to first token) and its "
+                    "token generation (each decode step) over several runs after a warm-up, and report "
+                    "p50/p90/p95/p99/p100/avg latency in ms and throughput (tokens/s; for context "
+                    "encoding, prompt tokens/s) per part, as NxD Inference does.")
+    p.add_argument("--model", help="Hugging Face model directory (default: built-in SmolLM2-135M-Instruct)")
+    p.add_argument("--tp", default="auto", help="tensor-parallel degree, or auto (default)")
+    p.add_argument("--batch-size", type=_positive("--batch-size"), default=1, metavar="N",
+                   help="prompts per generate call (default 1)")
+    p.add_argument("--prompt-len", type=_positive("--prompt-len"), default=128, metavar="N",
+                   help="tokens per prompt (default 128)")
+    p.add_argument("--max-new-tokens", type=_positive("--max-new-tokens", 2), default=64, metavar="N",
+                   help="tokens generated per prompt, EOS ignored (default 64; at least 2)")
+    p.add_argument("--warmup", type=_positive("--warmup", 0), default=1, metavar="N",
+                   help="unrecorded calls before measuring (default 1)")
+    p.add_argument("--runs", type=_positive("--runs"), default=10, metavar="N", help="measured calls (default 10)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids (default 0)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's")
+    p.add_argument("--backend", choices=["cpu", "neuron"],
+                   help="default: neuron where Neuron devices exist, else cpu")
+    p.add_argument("--instance", help="planner target, e.g. trn1.32xlarge (default: cpu on the cpu backend)")
+    p.add_argument("--ray-address", help="Ray cluster address (default: a running cluster, else local)")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    p.set_defaults(run=run)
+
+
+def random_prompts(batch_size: int, prompt_len: int, vocab_size: int, seed: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_size) for _ in range(prompt_len)] for _ in range(batch_size)]
+
+
+def run(args: argparse.Namespace) -> int:
+    from launcher.errors import LaunchError
+
+    try:
+        report = _bench(args)
+    except (ValueError, FileNotFoundError, LaunchError) as err:
+        print(f"corelaunch bench: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report))
+    else:
+        _print_table(report)
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> dict:
+    import time
+
+    from launcher.api import LaunchConfig, Launcher
+    from launcher.bench_report import RunTiming, build_report
+    from launcher.progress import Progress
+
+    config = LaunchConfig(model=args.model, tp=args.tp, backend=args.backend, instance=args.instance,
+                          dtype=args.dtype, max_batch_size=args.batch_size, ray_address=args.ray_address,
+                          progress=not args.quiet)
+    timings: list[RunTiming] = []
+    with Launcher(config) as launcher:
+        prompts = random_prompts(args.batch_size, args.prompt_len, launcher.model_config.vocab_size, args.seed)
+        progress = Progress(not args.quiet)
+        for phase, count in (("warm-up", args.warmup), ("measured", args.runs)):
+            if count == 0:
+                continue
+            with progress.step(f"{count} {phase} run(s): batch {args.batch_size} x {args.prompt_len} prompt "
+                               f"tokens, {args.max_new_tokens} new tokens"):
+                for _ in range(count):
+                    start = time.perf_counter()
+                    results = launcher.generate(prompts, max_new_tokens=args.max_new_tokens, ignore_eos=True)
+                    e2e = time.perf_counter() - start
+                    if phase == "measured":
+                        timings.append(RunTiming(
+                            e2e_s=e2e, time_to_first_token_s=results[0].time_to_first_token_s,
+                            decode_step_latencies_s=list(results[0].decode_step_latencies_s),
+                            generated_tokens=sum(len(r.token_ids) for r in results)))
+        report = build_report(timings, args.batch_size, args.prompt_len)
+        report["config"] = {
+            "model": str(launcher.model_dir), "tp_degree": launcher.plan.tp_degree,
+            "kv_strategy": str(launcher.plan.kv_strategy), "backend": launcher.backend,
+            "dtype": str(launcher.plan.dtype), "batch_size": args.batch_size, "prompt_len": args.prompt_len,
+            "max_new_tokens": args.max_new_tokens, "warmup": args.warmup, "runs": args.runs,
+        }
+    return report
+
+
+def _print_table(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from launcher.bench_report import PERCENTILES, SECTIONS
+
+    cfg = report["config"]
+    table = Table(title=f"corelaunch bench: tp {cfg['tp_degree']} ({cfg['backend']}, {cfg['dtype']}), batch "
+                        f"{cfg['batch_size']} x {cfg['prompt_len']} prompt tokens, {cfg['max_new_tokens']} new "
+                        f"tokens, {cfg['runs']} runs after {cfg['warmup']} warm-up",
+                  title_justify="left")
+    table.add_column("model")
+    for p in PERCENTILES:
+        table.add_column(f"p{p} ms", justify="right")
+    table.add_column("avg ms", justify="right")
+    table.add_column("throughput", justify="right")
+    table.add_column("samples", justify="right")
+    for name in SECTIONS:
+        s = report[name]
+        table.add_row(name, *(f"{s[f'latency_ms_p{p}']:.2f}" for p in PERCENTILES), f"{s['latency_ms_avg']:.2f}",
+                      f"{s['throughput']:.1f} {s['throughput_unit']}", str(s["count"]))
+    console = Console(width=max(Console().width, 140), highlight=False)
+    console.print(table)
+    console.print("throughput: e2e = generated tokens / call time; context encoding = prompt tokens x batch / "
+                  "time to first token; token generation = batch / decode step latency", soft_wrap=True)

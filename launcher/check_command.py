@@ -1,0 +1,387 @@
+"""`corelaunch check`: compare corelaunch's greedy output with Hugging Face transformers on CPU.
+
+The reference is the checkpoint (or `--reference DIR`) loaded with AutoModelForCausalLM in float32
+in this driver process, or expected outputs saved earlier with `--save-expected`. Modes, as in NxD
+Inference: token matching (exact greedy tokens) and logit matching (top-k logit tolerances, with
+teacher forcing at divergences); the rules are in launcher/accuracy.py. Both sides generate exactly
+--num-tokens tokens: EOS stops neither.
+
+Expected-outputs file (torch.save of a dict; read with torch.load(weights_only=True)):
+    "format":          "corelaunch-expected/1"
+    "input_ids":       list of prompts, each a list of token ids (a (batch, len) tensor, or one
+                       flat list / 1-D tensor for one prompt, are accepted too)
+    "expected_tokens": int64 tensor (batch, n), or (n,) for one prompt
+    "expected_logits": float32 tensor (batch, n, vocab), or (n, vocab) for one prompt; optional,
+                       needed for logit matching (tokens default to its argmax when absent)
+    "reference":       free text naming what produced it (optional)
+
+Exit codes: 0 passed, 1 failed, 2 bad input (nothing compared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
+FILE_FORMAT = "corelaunch-expected/1"
+DEFAULT_PROMPT = "I believe the meaning of life is"
+DEFAULT_NUM_TOKENS = 16
+DEFAULT_TOL_SPEC = "5:0.01,50:0.02,1000:0.03,all:0.05"
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "check", help="check corelaunch's tokens or logits against Hugging Face transformers (CPU, float32)",
+        description="Run corelaunch and a reference (transformers AutoModelForCausalLM, float32, in this "
+                    "process; or a file of expected outputs) on the same prompts and compare their greedy "
+                    "tokens (token-matching) or logits (logit-matching, NxD Inference's tolerances, teacher "
+                    "forcing at divergences). Exit 0 on pass, 1 on fail, 2 on bad input.")
+    p.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt text (or use --prompt / --prompt-ids)")
+    p.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a prompt; repeatable")
+    p.add_argument("--prompt-ids", action="append", default=[], metavar="IDS",
+                   help="a prompt as comma-separated token ids, e.g. 5,17,42 (for models without a "
+                        "tokenizer); repeatable")
+    p.add_argument("--mode", "--check-accuracy-mode", dest="mode", default="logit-matching",
+                   choices=["token-matching", "logit-matching"], help="default: logit-matching")
+    p.add_argument("--num-tokens", "--num-tokens-to-check", dest="num_tokens", type=int, metavar="N",
+                   help=f"tokens to generate and compare per prompt (default {DEFAULT_NUM_TOKENS}, or all "
+                        f"of an --expected file's)")
+    p.add_argument("--model", help="Hugging Face model directory (default: built-in SmolLM2-135M-Instruct)")
+    p.add_argument("--reference", metavar="DIR",
+                   help="checkpoint the transformers reference loads (default: the --model directory)")
+    p.add_argument("--expected", "--expected-outputs-path", dest="expected", metavar="PATH",
+                   help="compare with outputs saved by --save-expected instead of running transformers")
+    p.add_argument("--save-expected", metavar="PATH",
+                   help="only run the transformers reference and save its tokens and logits to PATH "
+                        "(no workers are started)")
+    p.add_argument("--tp", default="auto", help="tensor-parallel degree, or auto (default)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="corelaunch's compute dtype (default: the checkpoint's); the reference stays float32")
+    p.add_argument("--backend", choices=["cpu", "neuron"],
+                   help="default: neuron where Neuron devices exist, else cpu")
+    p.add_argument("--instance", help="planner target, e.g. trn1.32xlarge (default: cpu on the cpu backend)")
+    p.add_argument("--divergence-difference-tol", type=float, default=0.001, metavar="TOL",
+                   help="at a divergence, max(actual) - actual[expected token] must be below this (default 0.001)")
+    p.add_argument("--tol-map", default=DEFAULT_TOL_SPEC, metavar="K:RTOL,...",
+                   help=f"top-k groups and their rtol; K an integer or 'all' (default {DEFAULT_TOL_SPEC})")
+    p.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance of every top-k group (default 1e-5)")
+    p.add_argument("--ray-address", help="Ray cluster address (default: a running cluster, else local)")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    p.set_defaults(run=run)
+
+
+# ---- inputs ------------------------------------------------------------------------------------
+@dataclass
+class Expected:
+    input_ids: list[list[int]]
+    tokens: list[list[int]]
+    logits: object  # torch.Tensor (batch, n, vocab) or None
+    source: str
+
+
+def parse_prompt_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+    except ValueError:
+        raise ValueError(f"--prompt-ids {text!r} is not a comma-separated list of token ids, e.g. 5,17,42") from None
+    if not ids:
+        raise ValueError(f"--prompt-ids {text!r} holds no token ids")
+    return ids
+
+
+def load_expected(path: str) -> Expected:
+    """Read and validate an expected-outputs file (format in the module docstring)."""
+    import torch
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"expected-outputs file {path} does not exist; write one with "
+                                f"`corelaunch check --save-expected {path}`")
+    try:
+        data = torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as err:  # a pickle of anything but tensors and plain containers, or a corrupt file
+        raise ValueError(f"{path} is not a readable expected-outputs file ({type(err).__name__}: {err})") from None
+    if not isinstance(data, dict) or "input_ids" not in data or not (
+            "expected_tokens" in data or "expected_logits" in data):
+        raise ValueError(f"{path} must hold a dict with 'input_ids' and 'expected_tokens' and/or "
+                         f"'expected_logits'; see `corelaunch check --help`")
+    ids = data["input_ids"]
+    if isinstance(ids, torch.Tensor):
+        ids = ids.tolist()
+    if isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids):
+        ids = [ids]
+    if not (isinstance(ids, list) and ids and all(isinstance(p, list) and p and all(isinstance(t, int) for t in p)
+                                                   for p in ids)):
+        raise ValueError(f"{path}: input_ids must be a non-empty list of non-empty token-id lists")
+    batch = len(ids)
+
+    logits = data.get("expected_logits")
+    if logits is not None:
+        if not isinstance(logits, torch.Tensor) or logits.dim() not in (2, 3):
+            raise ValueError(f"{path}: expected_logits must be a (batch, n, vocab) or (n, vocab) tensor")
+        logits = logits.float()
+        if logits.dim() == 2:
+            logits = logits.unsqueeze(0)
+        if logits.shape[0] != batch:
+            raise ValueError(f"{path}: expected_logits has {logits.shape[0]} rows for {batch} prompts")
+    tokens = data.get("expected_tokens")
+    if tokens is None:
+        tokens = logits.argmax(dim=-1)
+    if isinstance(tokens, list):
+        tokens = torch.tensor(tokens)
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() not in (1, 2) or tokens.is_floating_point():
+        raise ValueError(f"{path}: expected_tokens must be an integer (batch, n) or (n,) tensor")
+    if tokens.dim() == 1:
+        tokens = tokens.unsqueeze(0)
+    if tokens.shape[0] != batch or tokens.shape[1] < 1:
+        raise ValueError(f"{path}: expected_tokens {tuple(tokens.shape)} must have one row per prompt ({batch}) "
+                         f"and at least one token")
+    if logits is not None and logits.shape[1] != tokens.shape[1]:
+        raise ValueError(f"{path}: expected_tokens has {tokens.shape[1]} tokens per prompt but expected_logits "
+                         f"{logits.shape[1]}")
+    return Expected(ids, tokens.tolist(), logits, str(data.get("reference") or f"expected outputs in {path}"))
+
+
+def reference_outputs(reference_dir: Path, prompts: list[list[int]], num_tokens: int,
+                      quiet: bool = False) -> Expected:
+    """Greedy tokens and raw logits of transformers' model, float32 on CPU, one prompt at a time."""
+    import torch
+    import transformers
+
+    if quiet:
+        transformers.utils.logging.disable_progress_bar()
+    model = transformers.AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.float32).eval()
+    # A blank generation config: no sampling defaults or logits processors from the checkpoint's
+    # generation_config.json, so each greedy token is the argmax of the raw logits kept here.
+    model.generation_config = transformers.GenerationConfig()
+    config = transformers.GenerationConfig(do_sample=False, max_new_tokens=num_tokens, min_new_tokens=0,
+                                           eos_token_id=[], pad_token_id=0, output_logits=True,
+                                           return_dict_in_generate=True)
+    tokens, logits = [], []
+    with torch.no_grad():
+        for ids in prompts:
+            input_ids = torch.tensor([ids])
+            out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config)
+            tokens.append(out.sequences[0, len(ids):].tolist())
+            logits.append(torch.stack(out.logits)[:, 0].float())  # (n, vocab)
+    source = (f"transformers {transformers.__version__} AutoModelForCausalLM float32 on CPU: {reference_dir}")
+    return Expected(prompts, tokens, torch.stack(logits), source)
+
+
+def save_expected(expected: Expected, path: str) -> None:
+    import torch
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"format": FILE_FORMAT, "input_ids": expected.input_ids,
+                "expected_tokens": torch.tensor(expected.tokens, dtype=torch.int64),
+                "expected_logits": expected.logits, "reference": expected.source}, path)
+
+
+def _model_dir(model: str | None) -> Path:
+    if model is None:
+        from shardlib.demo_model import ensure_demo_model
+
+        return Path(ensure_demo_model())
+    if not Path(model).exists():
+        raise FileNotFoundError(f"model path {model} does not exist; pass a Hugging Face model directory, or "
+                                f"omit --model for the built-in SmolLM2-135M-Instruct")
+    return Path(model)
+
+
+def _prompts(args, model_dir: Path):
+    """(texts, token-id lists, tokenizer) from the command line; the default prompt when none."""
+    from launcher.api import _load_tokenizer
+
+    tokenizer = _load_tokenizer(model_dir)
+    texts = list(args.prompts) + list(args.prompt)
+    if not texts and not args.prompt_ids:
+        texts = [DEFAULT_PROMPT]
+    if texts and tokenizer is None:
+        raise ValueError(f"{model_dir} has no tokenizer, so text prompts cannot be encoded; give prompts as "
+                         f"token ids with --prompt-ids 5,17,42")
+    ids = [list(tokenizer(t)["input_ids"]) for t in texts] + [parse_prompt_ids(s) for s in args.prompt_ids]
+    return texts + [None] * len(args.prompt_ids), ids, tokenizer
+
+
+def _check_prompts(prompts: list[list[int]], num_tokens: int, model_dir: Path) -> None:
+    from shardlib.model_config import load_model_config
+
+    config = load_model_config(model_dir)
+    for i, ids in enumerate(prompts):
+        bad = [t for t in ids if not 0 <= t < config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {config.vocab_size})")
+        if len(ids) + num_tokens > config.max_position_embeddings:
+            raise ValueError(f"prompt {i} has {len(ids)} tokens; with --num-tokens {num_tokens} that needs "
+                             f"{len(ids) + num_tokens} positions but the model's max_position_embeddings is "
+                             f"{config.max_position_embeddings}: shorten the prompt or lower --num-tokens")
+
+
+# ---- run ---------------------------------------------------------------------------------------
+def run(args: argparse.Namespace) -> int:
+    from launcher.errors import LaunchError
+
+    try:
+        return _run(args)
+    except (ValueError, FileNotFoundError, LaunchError) as err:
+        print(f"corelaunch check: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+def _run(args: argparse.Namespace) -> int:
+    from launcher.accuracy import parse_tol_map
+    from launcher.progress import Progress
+
+    progress = Progress(not args.quiet)
+    tol_map = parse_tol_map(args.tol_map, args.atol)
+    if not args.divergence_difference_tol > 0:
+        raise ValueError(f"--divergence-difference-tol ({args.divergence_difference_tol}) must be positive")
+    if args.num_tokens is not None and args.num_tokens < 1:
+        raise ValueError(f"--num-tokens ({args.num_tokens}) must be at least 1")
+    if args.expected and args.save_expected:
+        raise ValueError("--expected and --save-expected exclude each other: one reads a reference file, "
+                         "the other writes one")
+    if args.expected and args.reference:
+        raise ValueError("--expected and --reference exclude each other: the file is the reference")
+    model_dir = _model_dir(args.model)
+
+    if args.expected:
+        if args.prompts or args.prompt or args.prompt_ids:
+            raise ValueError(f"{args.expected} carries its own input_ids; give no prompts with --expected")
+        expected = load_expected(args.expected)
+        available = len(expected.tokens[0])
+        num_tokens = available if args.num_tokens is None else args.num_tokens
+        if num_tokens > available:
+            raise ValueError(f"--num-tokens {num_tokens} but {args.expected} holds only {available} expected "
+                             f"tokens per prompt; lower --num-tokens or save a longer reference")
+        if args.mode == "logit-matching" and expected.logits is None:
+            raise ValueError(f"{args.expected} holds no expected_logits, so logit matching cannot run; use "
+                             f"--mode token-matching, or save the reference with --save-expected")
+        from launcher.api import _load_tokenizer
+
+        texts, prompts, tokenizer = [None] * len(expected.input_ids), expected.input_ids, _load_tokenizer(model_dir)
+        _check_prompts(prompts, num_tokens, model_dir)
+    else:
+        num_tokens = DEFAULT_NUM_TOKENS if args.num_tokens is None else args.num_tokens
+        texts, prompts, tokenizer = _prompts(args, model_dir)
+        _check_prompts(prompts, num_tokens, model_dir)
+        reference_dir = _model_dir(args.reference) if args.reference else model_dir
+        with progress.step("running the transformers reference (float32, CPU)"):
+            expected = reference_outputs(reference_dir, prompts, num_tokens, quiet=args.quiet)
+        if args.save_expected:
+            save_expected(expected, args.save_expected)
+            summary = {"saved": args.save_expected, "num_prompts": len(prompts), "num_tokens": num_tokens,
+                       "reference": expected.source}
+            print(json.dumps(summary) if args.json else
+                  f"wrote expected tokens and logits of {len(prompts)} prompt(s) x {num_tokens} tokens to "
+                  f"{args.save_expected} ({expected.source})")
+            return EXIT_PASS
+
+    report = _compare(args, model_dir, texts, prompts, expected, num_tokens, tol_map, progress)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(format_report(report, tokenizer))
+    return EXIT_PASS if report["passed"] else EXIT_FAIL
+
+
+def _compare(args, model_dir, texts, prompts, expected: Expected, num_tokens, tol_map, progress) -> dict:
+    from launcher.accuracy import group_name, logit_matching, token_matching
+    from launcher.api import LaunchConfig, Launcher
+
+    config = LaunchConfig(model=str(model_dir), tp=args.tp, backend=args.backend, instance=args.instance,
+                          dtype=args.dtype, max_batch_size=1, ray_address=args.ray_address,
+                          progress=not args.quiet)
+    results = []
+    with Launcher(config) as launcher:
+
+        def run_corelaunch(ids: list[int], count: int):
+            [out] = launcher.generate([ids], max_new_tokens=count, ignore_eos=True, return_logits=True)
+            return out.token_ids, out.logits
+
+        with progress.step(f"comparing {len(prompts)} prompt(s) x {num_tokens} tokens ({args.mode})"):
+            for i, ids in enumerate(prompts):
+                want = expected.tokens[i][:num_tokens]
+                if args.mode == "token-matching":
+                    tokens, logits = run_corelaunch(ids, num_tokens)
+                    result = token_matching(want, tokens, logits).to_dict()
+                else:
+                    result = logit_matching(ids, expected.logits[i, :num_tokens], run_corelaunch,
+                                            expected_tokens=want, tol_map=tol_map,
+                                            divergence_difference_tol=args.divergence_difference_tol).to_dict()
+                results.append({"prompt": texts[i], "input_ids": ids, **result})
+        plan = launcher.plan
+        report = {
+            "mode": args.mode,
+            "passed": all(r["passed"] for r in results),
+            "model": str(model_dir),
+            "reference": expected.source,
+            "tp_degree": plan.tp_degree,
+            "kv_strategy": str(plan.kv_strategy),
+            "backend": launcher.backend,
+            "dtype": str(plan.dtype),
+            "num_tokens": num_tokens,
+            "prompts": results,
+        }
+    if args.mode == "logit-matching":
+        report["divergence_difference_tol"] = args.divergence_difference_tol
+        report["tol_map"] = {group_name(k): {"atol": a, "rtol": r} for k, (a, r) in tol_map.items()}
+    return report
+
+
+# ---- text report -------------------------------------------------------------------------------
+def _text(tokenizer, tokens) -> str:
+    if tokenizer is None:
+        return str(tokens)
+    return json.dumps(tokenizer.decode(tokens, skip_special_tokens=False), ensure_ascii=False)
+
+
+def format_report(report: dict, tokenizer=None) -> str:
+    verdict = "PASSED" if report["passed"] else "FAILED"
+    lines = [f"{report['mode']} {verdict}: corelaunch tp {report['tp_degree']} ({report['kv_strategy']} KV heads, "
+             f"{report['backend']}, {report['dtype']}) on {report['model']}",
+             f"reference: {report['reference']}",
+             f"{report['num_tokens']} tokens per prompt, EOS ignored on both sides"]
+    if report["mode"] == "logit-matching":
+        groups = ", ".join(f"{name} rtol {t['rtol']:g}" for name, t in report["tol_map"].items())
+        lines.append(f"tolerances: {groups}; atol {next(iter(report['tol_map'].values()))['atol']:g}; "
+                     f"divergence_difference_tol {report['divergence_difference_tol']:g}")
+    for i, r in enumerate(report["prompts"]):
+        name = _text(tokenizer, r["input_ids"]) if r["prompt"] is None else json.dumps(r["prompt"], ensure_ascii=False)
+        lines.append("")
+        lines.append(f"prompt {i} {name} ({len(r['input_ids'])} ids): {'PASSED' if r['passed'] else 'FAILED'}")
+        lines.append(f"  expected: {_text(tokenizer, r['expected_tokens'])}")
+        if report["mode"] == "token-matching":
+            lines.append(f"  actual:   {_text(tokenizer, r['actual_tokens'])}")
+            d = r["first_divergence"]
+            if d is None:
+                lines.append(f"  all {r['num_tokens']} tokens equal")
+            else:
+                by = ("" if d["divergence_difference"] is None else
+                      f"; max(actual) - actual[expected] = {d['divergence_difference']:.6g}")
+                lines.append(f"  first divergence at position {d['position']}: expected token "
+                             f"{d['expected_token']}, corelaunch chose {d['actual_token']}{by}")
+            continue
+        lines.append(f"  actual:   {_text(tokenizer, r['first_pass_tokens'])} (from the prompt alone)")
+        lines.append(f"  {r['num_tokens']} positions checked in {r['runs']} run(s); "
+                     f"{len(r['divergences'])} divergence(s)")
+        for d in r["divergences"]:
+            ok = "passes" if d["passed"] else "FAILS"
+            rerun = "; re-run from the expected prefix" if d["position"] < r["num_tokens"] - 1 else ""
+            lines.append(f"  divergence at position {d['position']}: expected token {d['expected_token']}, "
+                         f"corelaunch chose {d['actual_token']}; max(actual) - actual[expected] = "
+                         f"{d['divergence_difference']:.6g} ({ok}){rerun}")
+        lines.append(f"  {'group':<8}{'atol':>8}{'rtol':>7}{'max abs err':>14}{'max rel err':>14}  worst at")
+        for gname, g in r["top_k"].items():
+            where = f"position {g['position']}, token {g['token_id']}"
+            flag = "" if g["passed"] else f"  FAILED at positions {g['failed_positions'][:8]}"
+            lines.append(f"  {gname:<8}{g['atol']:>8g}{g['rtol']:>7g}{g['max_abs_error']:>14.4g}"
+                         f"{g['max_rel_error']:>14.4g}  {where}{flag}")
+        if r["first_failure"] is not None:
+            lines.append(f"  first failure at position {r['first_failure']['position']}:")
+            lines += [f"    {text}" for text in r["first_failure"]["failures"]]
+    return "\n".join(lines)

@@ -1,0 +1,202 @@
+"""`corelaunch check` and `corelaunch bench` end to end: real Ray TP groups on random checkpoints.
+
+The check runs in this process (sharing the session's Ray instance) and must pass against the
+transformers reference of the same checkpoint, and fail for a copy whose weights were perturbed
+while the reference stays the original. The bench runs as a subprocess with --json.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from launcher.check_command import format_report
+from launcher.cli import main
+from tests.model_factory import save_random_model
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPT_IDS = "5,17,42,9"
+NUM_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """(original, perturbed): a random Llama (4 heads, 2 KV heads) and a copy with noise added to one
+    layer's MLP down projection."""
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("check_models")
+    original = save_random_model(root / "original", num_heads=4, num_kv_heads=2, seed=3)
+    perturbed = root / "perturbed"
+    shutil.copytree(original, perturbed)
+    state = load_file(perturbed / "model.safetensors")
+    name = "model.layers.1.mlp.down_proj.weight"
+    noise = torch.randn(state[name].shape, generator=torch.Generator().manual_seed(0))
+    state[name] = state[name] + 0.05 * noise
+    save_file(state, perturbed / "model.safetensors", metadata={"format": "pt"})
+    return original, perturbed
+
+
+def run_check(capsys, *args: str) -> tuple[int, dict | None, str]:
+    """Run `corelaunch check ... --json --quiet` in this process: (exit code, report, stderr)."""
+    capsys.readouterr()
+    code = main(["check", "--json", "--quiet", *args])
+    out = capsys.readouterr()
+    return code, (json.loads(out.out) if out.out.strip() else None), out.err
+
+
+def test_command_modules_import_neither_torch_nor_ray():
+    code = ("import argparse, sys\n"
+            "import launcher.check_command as c, launcher.bench_command as b\n"
+            "sub = argparse.ArgumentParser().add_subparsers()\n"
+            "c.add_parser(sub); b.add_parser(sub)\n"
+            "print(sorted(m for m in ('torch', 'ray', 'transformers') if m in sys.modules))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+def test_check_passes_token_and_logit_matching_against_transformers_at_tp2(models, capsys, ray_session):
+    original, _ = models
+    common = ["--model", str(original), "--tp", "2", "--prompt-ids", PROMPT_IDS, "--prompt-ids", "8,60,21",
+              "--num-tokens", str(NUM_TOKENS)]
+    code, report, err = run_check(capsys, "--mode", "token-matching", *common)
+    assert code == 0, err
+    assert report["passed"] and report["tp_degree"] == 2 and report["mode"] == "token-matching"
+    assert [p["input_ids"] for p in report["prompts"]] == [[5, 17, 42, 9], [8, 60, 21]]
+    for p in report["prompts"]:
+        assert p["passed"] and p["first_divergence"] is None
+        assert p["actual_tokens"] == p["expected_tokens"] and len(p["actual_tokens"]) == NUM_TOKENS
+
+    code, report, err = run_check(capsys, "--mode", "logit-matching", *common)
+    assert code == 0, err
+    assert report["passed"] and report["num_tokens"] == NUM_TOKENS
+    assert report["tol_map"]["top5"] == {"atol": 1e-5, "rtol": 0.01}
+    for p in report["prompts"]:
+        assert p["passed"] and p["runs"] == 1 and p["divergences"] == [] and p["first_failure"] is None
+        assert set(p["top_k"]) == {"top5", "top50", "top1000", "all"}
+        assert all(g["passed"] and g["max_abs_error"] < 1e-3 for g in p["top_k"].values())
+
+
+def test_check_fails_for_perturbed_weights_and_says_where(models, capsys, ray_session):
+    original, perturbed = models
+    common = ["--model", str(perturbed), "--reference", str(original), "--tp", "2",
+              "--prompt-ids", PROMPT_IDS, "--num-tokens", str(NUM_TOKENS)]
+    code, report, _ = run_check(capsys, "--mode", "logit-matching", *common)
+    assert code == 1 and not report["passed"]
+    [p] = report["prompts"]
+    assert not p["passed"] and p["first_failure"]["position"] == 0  # the noise shows from the first token
+    top5 = p["top_k"]["top5"]
+    assert not top5["passed"] and top5["max_rel_error"] > 0.01 and 0 in top5["failed_positions"]
+    assert any("top5 rel error" in line for line in p["first_failure"]["failures"])
+    text = format_report(report)
+    assert text.startswith("logit-matching FAILED") and "first failure at position 0:" in text
+    first_pass, expected = p["first_pass_tokens"], p["expected_tokens"]
+    if first_pass != expected:  # the greedy tokens part too: the divergence is reported there
+        first = next(i for i, (a, b) in enumerate(zip(first_pass, expected)) if a != b)
+        assert p["divergences"][0]["position"] == first
+        assert p["divergences"][0]["expected_token"] == expected[first]
+
+    code, report, _ = run_check(capsys, "--mode", "token-matching", *common)
+    [t] = report["prompts"]
+    assert t["expected_tokens"] == expected  # the same reference
+    if t["actual_tokens"] == expected:
+        assert code == 0
+    else:
+        assert code == 1
+        d = t["first_divergence"]
+        first = next(i for i, (a, b) in enumerate(zip(t["actual_tokens"], expected)) if a != b)
+        assert d["position"] == first and d["expected_token"] == expected[first]
+        assert d["actual_token"] == t["actual_tokens"][first] and d["divergence_difference"] > 0
+
+
+def test_saved_expected_outputs_are_a_reference_too(models, capsys, tmp_path, ray_session):
+    original, perturbed = models
+    path = tmp_path / "expected.pt"
+    code, summary, err = run_check(capsys, "--model", str(original), "--prompt-ids", PROMPT_IDS,
+                                   "--num-tokens", str(NUM_TOKENS), "--save-expected", str(path))
+    assert code == 0, err
+    assert summary["saved"] == str(path) and summary["num_prompts"] == 1
+    data = torch.load(path, weights_only=True)
+    assert data["format"] == "corelaunch-expected/1" and data["input_ids"] == [[5, 17, 42, 9]]
+    assert data["expected_tokens"].shape == (1, NUM_TOKENS) and data["expected_logits"].shape == (1, NUM_TOKENS, 128)
+    assert torch.equal(data["expected_tokens"], data["expected_logits"].argmax(-1))
+
+    code, report, err = run_check(capsys, "--model", str(original), "--tp", "2", "--expected", str(path))
+    assert code == 0 and report["passed"] and report["num_tokens"] == NUM_TOKENS, err
+    assert str(path) not in report["reference"] and "transformers" in report["reference"]
+    code, report, _ = run_check(capsys, "--model", str(perturbed), "--tp", "2", "--expected", str(path),
+                                "--num-tokens", "4")
+    assert code == 1 and not report["passed"] and report["num_tokens"] == 4
+
+
+def test_check_bad_input_exits_2_before_starting_workers(models, capsys, tmp_path):
+    original, _ = models
+    tokens_only = tmp_path / "tokens.pt"
+    torch.save({"input_ids": [[5, 17]], "expected_tokens": torch.tensor([[1, 2, 3]])}, tokens_only)
+    cases = [
+        (["--expected", str(tmp_path / "missing.pt")], "does not exist"),
+        (["--expected", str(tokens_only)], "no expected_logits"),
+        (["--expected", str(tokens_only), "--mode", "token-matching", "--num-tokens", "5"], "only 3"),
+        (["--expected", str(tokens_only), "--prompt-ids", "1,2"], "carries its own input_ids"),
+        (["some text"], "has no tokenizer"),
+        (["--prompt-ids", "5,x"], "comma-separated"),
+        (["--prompt-ids", "5,999"], "outside the vocabulary"),
+        (["--prompt-ids", "5", "--tol-map", "5=0.1"], "K:RTOL"),
+        (["--prompt-ids", "5", "--num-tokens", "0"], "at least 1"),
+        (["--prompt-ids", "5", "--num-tokens", "600"], "max_position_embeddings"),
+    ]
+    for args, message in cases:
+        code, report, err = run_check(capsys, "--model", str(original), *args)
+        assert code == 2 and report is None, args
+        assert message in err and err.startswith("corelaunch check: "), (args, err)
+    code, _, err = run_check(capsys, "--model", str(tmp_path / "nope"), "--prompt-ids", "5")
+    assert code == 2 and "does not exist" in err
+
+
+def test_bench_json_report_via_cli(models):
+    original, _ = models
+    runs = 3
+    proc = subprocess.run(
+        [sys.executable, "-m", "launcher", "bench", "--model", str(original), "--tp", "2", "--batch-size", "2",
+         "--prompt-len", "8", "--max-new-tokens", "5", "--warmup", "1", "--runs", str(runs), "--json",
+         "--ray-address", "local"],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)  # the whole stdout is one JSON object
+    assert report["config"]["tp_degree"] == 2 and report["config"]["runs"] == runs
+    counts = {"e2e_model": runs, "context_encoding_model": runs, "token_generation_model": runs * (5 - 1)}
+    for name, count in counts.items():
+        section = report[name]
+        ordered = [section[f"latency_ms_p{p}"] for p in (50, 90, 95, 99, 100)]
+        assert ordered == sorted(ordered) and ordered[0] > 0, (name, section)
+        assert 0 < section["latency_ms_avg"] <= section["latency_ms_p100"]
+        assert section["count"] == count and section["throughput"] > 0
+    e2e, ctx, tkg = report["e2e_model"], report["context_encoding_model"], report["token_generation_model"]
+    assert ctx["latency_ms_p100"] <= e2e["latency_ms_p100"]  # prefill is part of each call
+    # throughput definitions: 2 rows x 5 tokens per call; 2 x 8 prompt tokens; 2 tokens per step
+    assert e2e["throughput"] == pytest.approx(2 * 5 / (e2e["latency_ms_avg"] / 1000), rel=1e-6)
+    assert ctx["throughput"] == pytest.approx(2 * 8 / (ctx["latency_ms_avg"] / 1000), rel=1e-6)
+    assert tkg["throughput"] == pytest.approx(2 / (tkg["latency_ms_avg"] / 1000), rel=1e-6)
+
+
+def test_bench_refuses_bad_arguments():
+    proc = subprocess.run([sys.executable, "-m", "launcher", "bench", "--max-new-tokens", "1"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--max-new-tokens (1) must be at least 2" in proc.stderr
+
+
+@pytest.mark.slow
+def test_smollm2_logit_matching_passes_at_tp3(capsys, ray_session):
+    code, report, err = run_check(capsys, "--mode", "logit-matching", "--tp", "3", "--num-tokens", "8")
+    assert code == 0, err
+    [p] = report["prompts"]
+    assert report["tp_degree"] == 3 and p["prompt"] == "I believe the meaning of life is"
+    assert p["passed"] and p["first_pass_tokens"] == p["expected_tokens"]
+    assert p["top_k"]["top5"]["max_abs_error"] < 1e-3
