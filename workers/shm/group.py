@@ -38,10 +38,15 @@ SHM_DIR = "/dev/shm"
 DEFAULT_SLOT_BYTES = 1 << 20
 """Bytes one rank moves per step (a decode step's hidden state is a few KiB; a prefill's larger
 tensors go in slot-sized chunks). A node's segment is 2 x local ranks x this."""
-SPIN_S = 50e-6
-"""Busy-wait this long before yielding, when every local rank can have a core of its own."""
+SPIN_S = 0.0
+"""Busy-wait (cpu pause) this long before yielding; the native wait always starts with ~64 pauses.
+0, measured: on the shared 2-core machine, 2 ranks, 1 x 1024 (benchmarks/allreduce.py style, four
+interleaved runs), spinning 50 us before yielding gave means of 67-195 us against 23-84 us for
+yielding at once, and spinning for ever a p99 of 11 ms. A sched_yield on a core with nothing else
+to run returns in well under a microsecond, so yielding costs little when cores are free and hands
+the core to a peer (or anyone) when they are not."""
 YIELD_S = 2e-3
-"""Then sched_yield until this long, then sleep in 50 us naps."""
+"""sched_yield until this long, then sleep in 50 us naps (a peer far behind: a long prefill chunk)."""
 
 
 def mode_from_env(default: str = "auto") -> str:
@@ -150,7 +155,7 @@ def _build(rank: int, world_size: int, groups: list[list[int]], timeout_s: float
         exchange = None
         if segment is not None:
             exchange = NodeExchange(segment, local_rank, local, native, timeout_s,
-                                    spin_s=SPIN_S if len(local) <= _usable_cores() else 0.0, yield_s=YIELD_S)
+                                    spin_s=SPIN_S, yield_s=YIELD_S)
         _agree(error, world_size)  # also orders every pid write before the reads below
     except BaseException:
         if segment is not None:
@@ -174,9 +179,3 @@ def _build(rank: int, world_size: int, groups: list[list[int]], timeout_s: float
 def _round_slot(slot_bytes: int) -> int:
     return max(4096, (int(slot_bytes) + 4095) // 4096 * 4096)
 
-
-def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1

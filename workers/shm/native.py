@@ -9,11 +9,12 @@ system C compiler (under a second, no torch headers) into the corelaunch cache a
 ctypes, which releases the GIL during the call. Without a C compiler the CPU backend falls back
 to gloo (see workers/shm/group.py).
 
-Waiting is spin, then yield, then sleep: spinning answers a peer that arrives within
-microseconds (the common case in a decode step, one rank per core), but a rank that spins while
-its peer waits for a core (more ranks than cores, e.g. TP 3 on 2 cores) steals the very time the
-peer needs; so after `spin_s` the waiter calls sched_yield, and after `yield_s` it sleeps in
-short naps. Python picks spin_s = 0 when a node holds more ranks than this process may use cores.
+Waiting is a brief spin, then yield, then sleep. A rank that busy-waits while its peer waits for
+a core (more ranks than cores, e.g. TP 3 on 2 cores, or other work on the host) steals the very
+time the peer needs: pure spinning measured 4-11 ms per all-reduce at TP 3 here, against ~0.1 ms
+yielding. So after ~64 pauses (and `spin_s`, 0 by default, see workers/shm/group.py) the waiter
+calls sched_yield, which returns at once when the core has nothing else to run, and after
+`yield_s` it sleeps in 50 us naps.
 """
 
 from __future__ import annotations
