@@ -316,7 +316,8 @@ class Launcher:
 
     def replica_status(self) -> list[dict]:
         """Per replica: index, state (serving, restarting, failed, ...), restarts, requests served,
-        last_recovery_s, failure, its workers' describe() (rank, pid, node_id, node_ip) and nodes."""
+        last_recovery_s, failure, load_source, its workers' describe() (rank, pid, node_id, node_ip),
+        the nodes it uses and node_groups (its ranks grouped by node)."""
         return self._pool.status() if self._pool is not None else []
 
     @property

@@ -197,6 +197,7 @@ class Replica:
                 "served": self.served, "last_recovery_s": self.last_recovery_s,
                 "failure": str(self.failure) if self.failure else None,
                 "workers": workers, "nodes": sorted({w["node_id"] for w in workers if "node_id" in w}),
+                "node_groups": group.node_groups() if workers and hasattr(group, "node_groups") else [],
                 "load_source": sorted({getattr(s, "source", "?") for s in self.started.load_stats})
                 if self.started is not None else []}
 

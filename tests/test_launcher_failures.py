@@ -77,7 +77,7 @@ def test_bad_requests_get_clear_errors_and_batches_split(small_model, ray_sessio
 def test_worker_killed_mid_request_is_reported_within_seconds(tmp_path, ray_session):
     """With restarts disabled, the death itself reaches the caller: rank, node and pid named.
     (With restarts, the group is restarted and the request re-run: tests/test_fault_tolerance.py.)"""
-    # A model big enough that a 400-token request takes several seconds on two ranks.
+    # A request of 900 tokens: a second or more even with fast co-located collectives.
     model_dir = save_random_model(tmp_path, "llama", hidden_size=256, intermediate_size=512, num_layers=4,
                                   num_heads=4, num_kv_heads=2, vocab_size=512, max_position_embeddings=1024)
     launcher = Launcher(model=str(model_dir), tp=2, progress=False, request_timeout_s=120, max_restarts=0)
@@ -85,12 +85,21 @@ def test_worker_killed_mid_request_is_reported_within_seconds(tmp_path, ray_sess
     try:
         [replica] = launcher.replica_status()
         victim = replica["workers"][1]
-        killer = threading.Timer(1.5, os.kill, args=(victim["pid"], signal.SIGKILL))
+
+        def kill_once_running() -> None:  # the kill must land while the request runs
+            deadline = time.monotonic() + 30
+            while not launcher.replica_status()[0]["busy"] and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.1)
+            os.kill(victim["pid"], signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_once_running)
         killer.start()
         start = time.monotonic()
         with pytest.raises(ReplicaFailed) as info:
-            launcher.generate([[5, 6, 7]], max_new_tokens=900)
+            launcher.generate([[5, 6, 7]], max_new_tokens=900, ignore_eos=True)
         elapsed = time.monotonic() - start
+        killer.join(30)
         message = str(info.value)
         assert isinstance(info.value.__cause__, WorkerDied), repr(info.value.__cause__)
         assert "rank 1" in message and victim["node_ip"] in message and str(victim["pid"]) in message, message
