@@ -128,3 +128,22 @@ def test_rank_that_never_joins_fails_within_the_startup_timeout(model_and_expect
     assert "rank 1" in message and "did not join the process group at" in message, message
     assert "--rendezvous-timeout" in message, message
     assert elapsed < 40, f"took {elapsed:.0f} s"  # worker start (a busy machine's share) + 3 s
+
+
+def test_presharded_cache_key_follows_the_checkpoint_and_the_layout(tmp_path):
+    from launcher.presharded_cache import cache_dir, is_ready
+    from shardlib.model_config import load_model_config
+    from shardlib.sharding import ShardLayout
+
+    model_dir = save_model(build_random_model("llama", num_heads=4, num_kv_heads=2), tmp_path / "m")
+    config = load_model_config(model_dir)
+    tp1, tp2 = ShardLayout.for_model(config, 1), ShardLayout.for_model(config, 2)
+    root = tmp_path / "cache"
+    first = cache_dir(root, model_dir, config, tp1, "float32")
+    assert first == cache_dir(root, model_dir, config, tp1, "float32")  # stable
+    assert first != cache_dir(root, model_dir, config, tp2, "float32")
+    assert first != cache_dir(root, model_dir, config, tp1, "bfloat16")
+    weights = model_dir / "model.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    assert first != cache_dir(root, model_dir, config, tp1, "float32")  # a rewritten checkpoint: new copy
+    assert not is_ready(first)
