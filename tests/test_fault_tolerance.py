@@ -55,6 +55,7 @@ def wait_for(condition, timeout_s: float, what: str) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_killed_rank_mid_request_restarts_its_group_and_reruns(model_and_expected, tmp_path, ray_session):
     model_dir, expected = model_and_expected
     launcher = Launcher(model=model_dir, tp=2, replicas=2, cpus_per_rank=0.5, max_restarts=2,
@@ -97,6 +98,7 @@ def test_killed_rank_mid_request_restarts_its_group_and_reruns(model_and_expecte
     assert after[0]["last_recovery_s"] < 30
 
 
+@pytest.mark.slow
 def test_crash_loop_stops_at_the_restart_bound(model_and_expected, monkeypatch, ray_session):
     model_dir, _ = model_and_expected
     monkeypatch.setattr(ray_worker, "RankWorkerActor", fault_actors.CrashOnGenerate)
@@ -117,6 +119,7 @@ def test_crash_loop_stops_at_the_restart_bound(model_and_expected, monkeypatch, 
     assert elapsed < 90, f"the crash loop took {elapsed:.0f} s to stop"
 
 
+@pytest.mark.slow
 def test_rank_that_never_joins_fails_within_the_startup_timeout(model_and_expected, monkeypatch, ray_session):
     model_dir, _ = model_and_expected
     monkeypatch.setattr(ray_worker, "RankWorkerActor", fault_actors.NeverJoins)
