@@ -60,6 +60,19 @@ class LaunchConfig:
     """Prompts per worker call; more are split into several calls."""
     presharded_dir: str | None = None
     """A directory written by shardlib.presharded.save_presharded for this exact layout."""
+    compile: bool = True
+    """Run each rank through one static-shape compiled graph per bucket (CPU: torch.compile, see
+    workers/compiled.py); False runs eagerly at exact shapes (for debugging)."""
+    compiled_dir: str | None = None
+    """A directory written by `corelaunch compile`: start from its weights, graphs and settings
+    (see launcher/compiled_dir.py); options that contradict it are refused."""
+    max_context_length: int | None = None
+    """Longest prompt (largest context-encoding bucket); None: seq_len."""
+    context_buckets: tuple[int, ...] | None = None
+    """Context-encoding (prefill) lengths; None: powers of two from 128 up to max_context_length."""
+    token_buckets: tuple[int, ...] | None = None
+    """Token-generation (KV-cache) lengths; None: powers of two from 128 up to seq_len (default: the
+    plan's, min(max_position_embeddings, 4096))."""
     ray_address: str | None = None
     """None: a running cluster if any, else a local one; "auto", "local" or "host:port"."""
     cpus_per_rank: float | None = None
@@ -104,6 +117,14 @@ class LaunchConfig:
                      "request_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be positive")
+        for name in ("context_buckets", "token_buckets"):
+            if getattr(self, name) is not None:
+                from shardlib.buckets import normalize_buckets
+
+                setattr(self, name, normalize_buckets(getattr(self, name), name.replace("_", " ")))
+        if self.compiled_dir is not None and not Path(self.compiled_dir).is_dir():
+            raise FileNotFoundError(f"compiled-model directory {self.compiled_dir} does not exist; write it "
+                                    f"with `corelaunch compile --out {self.compiled_dir}`")
         if self.model is not None and not Path(self.model).exists():
             raise FileNotFoundError(
                 f"model path {self.model} does not exist; pass a Hugging Face model directory, or "
@@ -162,6 +183,8 @@ class Launcher:
         self._lock = threading.Lock()  # tokenizers are not safe to share between threads
         self._ray = None
         self._progress = Progress(self.config.progress)
+        self.buckets = None
+        """The shapes the workers run at (compiled, or eager with buckets); None: exact shapes."""
 
     # ---- life cycle --------------------------------------------------------------------------
     def __enter__(self) -> "Launcher":
@@ -176,6 +199,10 @@ class Launcher:
         from shardlib.planner import plan as make_plan
         from workers.backends import default_backend_name
 
+        if self.config.compiled_dir is not None:
+            from launcher.compiled_dir import apply_compiled_dir
+
+            self.config = apply_compiled_dir(self.config)  # its weights, graphs and settings
         cfg = self.config
         start = time.perf_counter()
         with self._progress.step("resolving model"):
@@ -192,6 +219,12 @@ class Launcher:
             errors = [dict(e) for e in self.plan.to_dict()["errors"]]
             lines = "\n".join(f"  [{e['code']}] {e['message']}" for e in errors)
             raise PlanRejected(f"the layout is impossible; nothing was started:\n{lines}", errors)
+        gaps = self.model_config.executor_gaps(cfg.seq_len)
+        if gaps:  # refuse before Ray starts, not after every rank has read its shard
+            errors = [{"code": "not_runnable", "message": gap} for gap in gaps]
+            lines = "\n".join(f"  [not_runnable] {gap}" for gap in gaps)
+            raise PlanRejected(f"{self.model_dir} cannot run on corelaunch's workers; nothing was "
+                               f"started:\n{lines}", errors)
         try:
             self._start_group(backend)
         except BaseException:
@@ -235,15 +268,19 @@ class Launcher:
         self.load_stats = self._pool.replicas[0].started.load_stats
         self._start_presharded_cache()
         with self._progress.step("loading tokenizer"):
-            self.tokenizer = _load_tokenizer(self.model_dir)
+            self.tokenizer = load_tokenizer(self.model_dir)
 
     def _make_load_spec(self):
         """What every rank loads (and loads again after a restart)."""
         from workers.rank_worker import LoadSpec
 
         cfg, plan = self.config, self.plan
+        from launcher.compiled_dir import load_spec_fields
+
         spec = LoadSpec(config=self.model_config, layout=plan.layout(), dtype=plan.dtype,
-                        model_dir=str(self.model_dir), presharded_dir=cfg.presharded_dir)
+                        model_dir=str(self.model_dir), presharded_dir=cfg.presharded_dir,
+                        **load_spec_fields(cfg, plan, self.model_config))
+        self.buckets = spec.buckets
         if cfg.presharded_cache and not cfg.presharded_dir:
             from launcher import presharded_cache
 
@@ -444,6 +481,14 @@ class Launcher:
                     f"{len(ids) + max_new_tokens} positions but {name} is {limit}: shorten the prompt, "
                     f"lower max_new_tokens, or raise --seq-len"
                 )
+        if self.buckets is not None:  # the largest buckets, checked here before any worker call
+            from shardlib.buckets import request_shape
+
+            for i, ids in enumerate(token_lists):
+                try:
+                    request_shape(self.buckets, [len(ids)], max_new_tokens)
+                except ValueError as err:
+                    raise ValueError(f"prompt {i}: {err}") from None
 
     def _eos_ids(self) -> list[int]:
         ids = list(self.model_config.eos_token_id)
@@ -476,7 +521,7 @@ def split_prompts(count: int, max_batch_size: int, replicas: int) -> list[tuple[
     return bounds
 
 
-def _load_tokenizer(model_dir: Path):
+def load_tokenizer(model_dir: Path):
     """The checkpoint's tokenizer, or None when the directory has none (random test checkpoints)."""
     if not any((model_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None

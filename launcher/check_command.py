@@ -194,9 +194,9 @@ def _model_dir(model: str | None) -> Path:
 
 def _prompts(args, model_dir: Path):
     """(texts, token-id lists, tokenizer) from the command line; the default prompt when none."""
-    from launcher.api import _load_tokenizer
+    from launcher.api import load_tokenizer
 
-    tokenizer = _load_tokenizer(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     texts = list(args.prompts) + list(args.prompt)
     if not texts and not args.prompt_ids:
         texts = [DEFAULT_PROMPT]
@@ -261,9 +261,9 @@ def _run(args: argparse.Namespace) -> int:
         if args.mode == "logit-matching" and expected.logits is None:
             raise ValueError(f"{args.expected} holds no expected_logits, so logit matching cannot run; use "
                              f"--mode token-matching, or save the reference with --save-expected")
-        from launcher.api import _load_tokenizer
+        from launcher.api import load_tokenizer
 
-        texts, prompts, tokenizer = [None] * len(expected.input_ids), expected.input_ids, _load_tokenizer(model_dir)
+        texts, prompts, tokenizer = [None] * len(expected.input_ids), expected.input_ids, load_tokenizer(model_dir)
         _check_prompts(prompts, num_tokens, model_dir)
     else:
         num_tokens = DEFAULT_NUM_TOKENS if args.num_tokens is None else args.num_tokens

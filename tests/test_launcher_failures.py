@@ -108,3 +108,19 @@ def test_worker_killed_mid_request_is_reported_within_seconds(tmp_path, ray_sess
         assert launcher.replica_status()[0]["state"] == "failed"
     finally:
         launcher.shutdown()
+
+
+def test_a_model_the_workers_cannot_run_is_refused_before_any_process(tmp_path):
+    import json
+
+    import ray
+
+    model_dir = save_random_model(tmp_path, "llama", num_heads=4, num_kv_heads=2)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["mlp_bias"] = True
+    (model_dir / "config.json").write_text(json.dumps(config))
+    was_running = ray.is_initialized()
+    with pytest.raises(PlanRejected, match=r"mlp \(mlp_bias\)") as info:
+        Launcher(model=str(model_dir), tp=2, progress=False).start()
+    assert [e["code"] for e in info.value.errors] == ["not_runnable"]
+    assert ray.is_initialized() == was_running
