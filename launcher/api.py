@@ -60,7 +60,7 @@ class LaunchConfig:
     """Prompts per worker call; more are split into several calls."""
     presharded_dir: str | None = None
     """A directory written by shardlib.presharded.save_presharded for this exact layout."""
-    compile: bool = True
+    compile: bool = False
     """Run each rank through one static-shape compiled graph per bucket (CPU: torch.compile, see
     workers/compiled.py); False runs eagerly at exact shapes (for debugging)."""
     compiled_dir: str | None = None

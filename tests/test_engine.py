@@ -81,9 +81,9 @@ class CacheSpy:
         self.original = model.forward
 
     def __enter__(self):
-        def forward(input_ids, position_ids, cache, cache_positions, attention_mask=None):
+        def forward(input_ids, position_ids, cache, *rest):
             self.seen.append([(t.data_ptr(), tuple(t.shape)) for t in cache.k + cache.v])
-            return self.original(input_ids, position_ids, cache, cache_positions, attention_mask)
+            return self.original(input_ids, position_ids, cache, *rest)
 
         self.model.forward = forward
         return self

@@ -9,6 +9,13 @@ slots and the last column is every row's newest token. A row's padding slots are
 attention and its rotary positions start at 0 at its first real token, so each row's tokens are
 those the prompt would get alone. Rows that finish keep flowing through the (fixed-shape) batch,
 but their tokens are no longer recorded; the loop ends when every row has finished.
+
+Buckets (shardlib/buckets.py): compiled graphs have static shapes, so with buckets every forward
+runs at one of a few shapes. The batch gets filler rows up to a batch bucket; the left-padded prompts
+get filler columns on the right up to a context-encoding bucket, and the logits are read at the
+last real column; the KV cache gets a token-generation bucket's slots (enough for the padded
+prefill and every new token). Decode then writes slot longest + step, as without buckets: each
+decode step overwrites a filler column's slot before any query can read it.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from typing import Iterable
 
 import torch
 
+from shardlib.buckets import Buckets, request_shape
 from workers.kv_cache import KVCache
 from workers.sampling import SamplingParams, make_generator, sample
 
@@ -109,17 +117,22 @@ def _shared_seeds(model, params: list[SamplingParams]) -> list[SamplingParams]:
 def generate(model, prompts: list[list[int]], params: list[SamplingParams], max_new_tokens: int,
              stop_token_ids: Iterable[int], max_seq_len: int | None = None, *,
              cache: KVCache | None = None, pad_token_id: int = 0,
-             return_logits: bool = False) -> list[GenerationOutput]:
+             return_logits: bool = False, buckets: Buckets | None = None) -> list[GenerationOutput]:
     """Generate up to max_new_tokens for each prompt; one GenerationOutput per prompt, in order.
 
-    model: a ShardedCausalLM (anything with its forward, new_cache, config and collectives).
+    model: a ShardedCausalLM or a CompiledCausalLM (anything with its forward, new_cache, config
+        and collectives; a compiled model also carries the buckets its graphs were built for).
     stop_token_ids: a row finishes (reason "stop") once it generates one of these.
-    max_seq_len: KV cache length; default: longest prompt + max_new_tokens rounded up to 64.
+    max_seq_len: without buckets, the KV cache length (default: longest prompt + max_new_tokens
+        rounded up to 64); with buckets, only a limit the request must fit.
     cache: reuse a preallocated KVCache (batch = len(prompts)) instead of allocating one; it is
         reset first and must hold max_seq_len slots when max_seq_len is given.
     pad_token_id: id fed in padding positions (never attended to, so any valid id works).
     return_logits: keep, per row, the logits each generated token was chosen from (for logit
         matching against a reference model); off by default since it costs vocab floats per token.
+    buckets: run at bucketed shapes (default: the model's own buckets, if it has any). The batch
+        is padded with filler rows to a batch bucket, the prefill on the right to a context-encoding
+        bucket, and the KV cache gets a token-generation bucket's slots (see _bucketed_shape).
     """
     start = time.perf_counter()
     config = model.config
@@ -127,33 +140,46 @@ def generate(model, prompts: list[list[int]], params: list[SamplingParams], max_
     stop = {int(t) for t in stop_token_ids}
     lengths = [len(p) for p in prompts]
     batch, longest = len(prompts), max(lengths)
-    if cache is not None and max_seq_len is None:
+    if buckets is None:
+        buckets = getattr(model, "buckets", None)
+    if cache is not None and max_seq_len is None and buckets is None:
         max_seq_len = cache.max_seq_len
-    slots = cache_length(lengths, max_new_tokens, config.max_position_embeddings, max_seq_len)
+    if buckets is None:
+        rows, width = batch, longest
+        slots = cache_length(lengths, max_new_tokens, config.max_position_embeddings, max_seq_len)
+    else:
+        cache_length(lengths, max_new_tokens, config.max_position_embeddings, max_seq_len)  # limits only
+        shape = request_shape(buckets, lengths, max_new_tokens)
+        rows, width, slots = shape.batch, shape.context, shape.cache
 
     with torch.inference_mode():
         if cache is None:
-            cache = model.new_cache(batch, slots)
+            cache = model.new_cache(rows, slots)
         else:
-            if cache.batch != batch or cache.max_seq_len != slots:
+            if cache.batch != rows or cache.max_seq_len != slots:
                 raise ValueError(
                     f"the given KV cache holds batch {cache.batch} x {cache.max_seq_len} slots but this "
-                    f"request needs batch {batch} x {slots}"
+                    f"request needs batch {rows} x {slots}"
                 )
             cache.reset()
         params = _shared_seeds(model, params)
         generators = [make_generator(p) for p in params]
 
-        # Left padding: row i's real tokens occupy slots pad[i] .. longest - 1.
-        pad = torch.tensor([longest - n for n in lengths])  # (batch,)
-        input_ids = torch.full((batch, longest), pad_token_id, dtype=torch.int64)
+        # Left padding: row i's real tokens occupy slots pad[i] .. longest - 1. Filler rows (batch
+        # bucket padding) hold no real token: pad = longest. Columns longest .. width - 1 (context
+        # bucket padding) are filler too: they write cache slots that decode overwrites before any
+        # query may read them (a query reads only slots <= its own), and their logits are not used.
+        pad = torch.tensor([longest - n for n in lengths] + [longest] * (rows - batch))  # (rows,)
+        input_ids = torch.full((rows, width), pad_token_id, dtype=torch.int64)
         for i, prompt in enumerate(prompts):
-            input_ids[i, pad[i]:] = torch.tensor(prompt, dtype=torch.int64)
+            input_ids[i, pad[i]:longest] = torch.tensor(prompt, dtype=torch.int64)
         slot_ids = torch.arange(slots)
-        attention_mask = slot_ids[None, :] >= pad[:, None]  # (batch, slots): false on padding
-        position_ids = (torch.arange(longest)[None, :] - pad[:, None]).clamp(min=0)  # (batch, longest)
+        attention_mask = slot_ids[None, :] >= pad[:, None]  # (rows, slots): false on left padding
+        position_ids = (torch.arange(width)[None, :] - pad[:, None]).clamp(min=0)  # (rows, width)
+        # The last real column's logits; bucketed runs always pass it, so one graph serves a bucket.
+        logit_index = None if buckets is None else torch.tensor([longest - 1])
 
-        logits = model(input_ids, position_ids, cache, slot_ids[:longest], attention_mask)
+        logits = model(input_ids, position_ids, cache, slot_ids[:width], attention_mask, logit_index)[:batch]
         tokens = sample(logits, params, generators)  # (batch,)
         first_token_time = time.perf_counter()
 
@@ -162,7 +188,8 @@ def generate(model, prompts: list[list[int]], params: list[SamplingParams], max_
         done = [False] * batch
         row_logits: list[list[torch.Tensor]] = [[] for _ in range(batch)]
         step_latency = 0.0
-        positions = torch.tensor(lengths, dtype=torch.int64)[:, None]  # (batch, 1) next rotary position
+        positions = torch.tensor(lengths + [0] * (rows - batch), dtype=torch.int64)[:, None]  # (rows, 1)
+        filler = torch.full((rows - batch,), pad_token_id, dtype=torch.int64)
         for step in range(max_new_tokens):
             now = time.perf_counter()
             for i, token in enumerate(tokens.tolist()):
@@ -182,7 +209,8 @@ def generate(model, prompts: list[list[int]], params: list[SamplingParams], max_
                 break
             slot = longest + step
             step_start = time.perf_counter()
-            logits = model(tokens[:, None], positions + step, cache, slot_ids[slot:slot + 1], attention_mask)
+            step_ids = torch.cat((tokens, filler))[:, None]  # (rows, 1)
+            logits = model(step_ids, positions + step, cache, slot_ids[slot:slot + 1], attention_mask)[:batch]
             tokens = sample(logits, params, generators)
             step_latency = time.perf_counter() - step_start
 

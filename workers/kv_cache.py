@@ -14,6 +14,18 @@ from __future__ import annotations
 import torch
 
 
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, cache_positions: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write k, v (batch, kv_heads, seq, head_dim) into one layer's caches (batch, kv_heads,
+    max_seq_len, head_dim) at slots cache_positions (seq,); returns the caches.
+
+    index_copy_ writes in place: the cache tensors keep their storage for the whole request (and a
+    compiled graph turns it into a scatter into its input, not a copy of the cache)."""
+    k_cache.index_copy_(2, cache_positions, k)
+    v_cache.index_copy_(2, cache_positions, v)
+    return k_cache, v_cache
+
+
 class KVCache:
     def __init__(self, num_layers: int, batch: int, kv_heads: int, max_seq_len: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
@@ -41,11 +53,7 @@ class KVCache:
                v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v (batch, kv_heads, seq, head_dim) at slots cache_positions (seq,); return the
         layer's whole cache (batch, kv_heads, max_seq_len, head_dim) for attention."""
-        k_cache, v_cache = self.k[layer], self.v[layer]
-        # index_copy_ writes in place: the cache tensors keep their storage for the whole request.
-        k_cache.index_copy_(2, cache_positions, k)
-        v_cache.index_copy_(2, cache_positions, v)
-        return k_cache, v_cache
+        return write_kv(self.k[layer], self.v[layer], cache_positions, k, v)
 
     def reset(self) -> None:
         """Zero every slot (stale values are masked anyway; zeroing keeps them finite)."""

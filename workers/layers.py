@@ -13,8 +13,27 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.collectives import Collectives
-from workers.kv_cache import KVCache
+from workers.kv_cache import write_kv
 from workers.rope import apply_rotary
+
+
+GEMV_MAX_ROWS = 1
+"""Inside a compiled graph, products with at most this many rows (decode) use multiply-and-sum."""
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T + b, as F.linear; but traced by torch.compile with at most GEMV_MAX_ROWS rows (a
+    decode step), the product is written as a multiply-and-sum over the input dimension.
+
+    Inductor turns that into one fused, vectorised reduction split over the threads, which streams
+    the weight at memory bandwidth; F.linear there becomes a call to the BLAS GEMV, which on the
+    development machine streams it at about a third of that (see workers/compiled.py for the numbers).
+    Eager mode keeps F.linear: there the multiply would materialise a (rows, out, in) tensor.
+    """
+    if torch.compiler.is_compiling() and x.numel() // x.shape[-1] <= GEMV_MAX_ROWS:
+        y = (x.unsqueeze(-2) * weight).sum(-1)  # (..., 1, in) * (out, in) -> (..., out)
+        return y if bias is None else y + bias
+    return F.linear(x, weight, bias)
 
 
 def as_param(tensor: torch.Tensor, dtype: torch.dtype) -> nn.Parameter:
@@ -46,12 +65,15 @@ class VocabParallelEmbedding(nn.Module):
         self.start, self.stop = vocab_range
         self.collectives = collectives
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def partial(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of the lookup, zeros for ids it does not own (before the all-reduce)."""
         owned = (input_ids >= self.start) & (input_ids < self.stop)  # (batch, seq)
         local_ids = torch.where(owned, input_ids - self.start, 0)
         hidden = F.embedding(local_ids, self.weight)  # (batch, seq, hidden)
-        hidden = hidden * owned.unsqueeze(-1).to(hidden.dtype)
-        return self.collectives.all_reduce_sum_(hidden)
+        return hidden * owned.unsqueeze(-1).to(hidden.dtype)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.collectives.all_reduce_sum_(self.partial(input_ids))
 
 
 class Attention(nn.Module):
@@ -74,20 +96,36 @@ class Attention(nn.Module):
         biases = [weights.get(f"{p}_proj.bias") for p in "qkv"]
         self.q_bias, self.k_bias, self.v_bias = (None if b is None else as_param(b, dtype) for b in biases)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-                cache: KVCache, layer: int, cache_positions: torch.Tensor) -> torch.Tensor:
+    def project(self, x: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (batch, q_heads, seq, head_dim) and k, v (batch, kv_heads, seq, head_dim), rotated."""
         batch, seq, _ = x.shape
-        q = F.linear(x, self.q_weight, self.q_bias).view(batch, seq, self.q_heads, self.head_dim)
-        k = F.linear(x, self.k_weight, self.k_bias).view(batch, seq, self.kv_heads, self.head_dim)
-        v = F.linear(x, self.v_weight, self.v_bias).view(batch, seq, self.kv_heads, self.head_dim)
+        q = linear(x, self.q_weight, self.q_bias).view(batch, seq, self.q_heads, self.head_dim)
+        k = linear(x, self.k_weight, self.k_bias).view(batch, seq, self.kv_heads, self.head_dim)
+        v = linear(x, self.v_weight, self.v_bias).view(batch, seq, self.kv_heads, self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seq, head_dim)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
-        keys, values = cache.update(layer, cache_positions, k, v)  # (batch, kv_heads, max_seq, head_dim)
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """o_proj of attention over keys/values (batch, kv_heads, slots, head_dim) under mask
+        (batch, 1, seq, slots): (batch, seq, hidden), this rank's partial sum."""
+        batch, _, seq, _ = q.shape
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                              enable_gqa=self.q_heads != self.kv_heads)
         out = out.transpose(1, 2).reshape(batch, seq, self.q_heads * self.head_dim)
-        return self.collectives.all_reduce_sum_(F.linear(out, self.o_weight))
+        return linear(out, self.o_weight)
+
+    def partial(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, cache_positions: torch.Tensor) -> torch.Tensor:
+        """o_proj of this rank's heads (batch, seq, hidden), before the all-reduce; writes the new
+        keys and values into k_cache/v_cache (batch, kv_heads, max_seq_len, head_dim) at cache_positions."""
+        q, k, v = self.project(x, cos, sin)
+        keys, values = write_kv(k_cache, v_cache, cache_positions, k, v)
+        return self.attend(q, keys, values, mask)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, cache_positions: torch.Tensor) -> torch.Tensor:
+        return self.collectives.all_reduce_sum_(self.partial(x, cos, sin, mask, k_cache, v_cache, cache_positions))
 
 
 class MLP(nn.Module):
@@ -103,9 +141,13 @@ class MLP(nn.Module):
         self.down_weight = as_param(weights["down_proj.weight"], dtype)  # (hidden, intermediate_per_rank)
         self.collectives = collectives
 
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """down_proj's partial sum (batch, seq, hidden), before the all-reduce."""
+        h = F.silu(linear(x, self.gate_weight)) * linear(x, self.up_weight)
+        return linear(h, self.down_weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.silu(F.linear(x, self.gate_weight)) * F.linear(x, self.up_weight)
-        return self.collectives.all_reduce_sum_(F.linear(h, self.down_weight))
+        return self.collectives.all_reduce_sum_(self.partial(x))
 
 
 class DecoderLayer(nn.Module):
@@ -115,6 +157,6 @@ class DecoderLayer(nn.Module):
         self.input_norm, self.post_attention_norm = input_norm, post_attention_norm
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-                cache: KVCache, layer: int, cache_positions: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.input_norm(x), cos, sin, mask, cache, layer, cache_positions)
+                k_cache: torch.Tensor, v_cache: torch.Tensor, cache_positions: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.input_norm(x), cos, sin, mask, k_cache, v_cache, cache_positions)
         return x + self.mlp(self.post_attention_norm(x))

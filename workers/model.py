@@ -21,7 +21,7 @@ from shardlib.param_shapes import expected_shapes
 from shardlib.sharding import ShardLayout, Style, slice_for, style_for
 from workers.collectives import Collectives
 from workers.kv_cache import KVCache
-from workers.layers import MLP, Attention, DecoderLayer, RMSNorm, VocabParallelEmbedding, as_param
+from workers.layers import MLP, Attention, DecoderLayer, RMSNorm, VocabParallelEmbedding, as_param, linear
 from workers.rope import RotaryTables
 
 DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -144,14 +144,17 @@ class ShardedCausalLM(nn.Module):
 
     # ---- forward -------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache,
-                cache_positions: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (batch, vocab_size) float32 of each row's last input position.
+                cache_positions: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                logit_index: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (batch, vocab_size) float32 of one position of each row (by default the last).
 
         input_ids, position_ids: (batch, seq). position_ids are the rotary positions of each token
             (in a left-padded batch they start at 0 at each row's first real token).
         cache_positions: (seq,) cache slots the new tokens occupy, shared by all rows.
         attention_mask: (batch, max_seq_len) over cache slots, true where the slot holds a real
             token (or will); None means every slot. Causality comes from cache_positions.
+        logit_index: (1,) int64, the input column whose logits are returned (a prefill padded on
+            the right to a bucket wants its last real column); None means the last column.
         """
         batch, seq = input_ids.shape
         if seq > cache.max_seq_len or batch != cache.batch:
@@ -161,26 +164,33 @@ class ShardedCausalLM(nn.Module):
             )
         self._ensure_rotary(cache.max_seq_len)
         cos, sin = self.rotary.lookup(position_ids, self.dtype)  # (batch, seq, head_dim)
-        mask = self._mask(cache, cache_positions, attention_mask)  # (batch, 1, seq, max_seq_len)
+        mask = attention_bias_mask(cache.max_seq_len, cache_positions, attention_mask)  # (batch, 1, seq, slots)
 
         x = self.embed(input_ids)  # (batch, seq, hidden)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, cache, i, cache_positions)
+            x = layer(x, cos, sin, mask, cache.k[i], cache.v[i], cache_positions)
+        return self.gather_logits(self.local_logits(x, logit_index))
 
-        # Only the last position's logits are needed to pick the next token.
-        last = self.norm(x[:, -1, :])  # (batch, hidden)
-        local = torch.nn.functional.linear(last, self.lm_head_weight)  # (batch, vocab_per_rank)
+    def local_logits(self, x: torch.Tensor, logit_index: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's vocabulary slice of the logits (batch, vocab_per_rank) at one column of x
+        (batch, seq, hidden): the last, or logit_index. Only that position is needed for the next token."""
+        last = x[:, -1, :] if logit_index is None else x.index_select(1, logit_index).squeeze(1)
+        return linear(self.norm(last), self.lm_head_weight)
+
+    def gather_logits(self, local: torch.Tensor) -> torch.Tensor:
+        """Every rank's slice gathered: (batch, vocab_size) float32."""
         logits = self.collectives.all_gather_last_dim(local)  # (batch, padded_vocab)
         return logits[:, : self.config.vocab_size].float()
 
-    @staticmethod
-    def _mask(cache: KVCache, cache_positions: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-        """Boolean (batch, 1, seq, max_seq_len): query i may read slot j when j <= its own slot and
-        slot j holds a real token. A query always reads its own slot: padding queries would otherwise
-        have no slot to read, and their softmax over nothing would be NaN, poisoning the cache."""
-        slots = torch.arange(cache.max_seq_len, device=cache_positions.device)  # (max_seq_len,)
-        causal = slots[None, :] <= cache_positions[:, None]  # (seq, max_seq_len)
-        own = slots[None, :] == cache_positions[:, None]
-        if attention_mask is None:
-            return causal[None, None]
-        return ((causal[None] & attention_mask[:, None, :].bool()) | own[None]).unsqueeze(1)
+
+def attention_bias_mask(max_seq_len: int, cache_positions: torch.Tensor,
+                        attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """Boolean (batch, 1, seq, max_seq_len): query i may read slot j when j <= its own slot and
+    slot j holds a real token. A query always reads its own slot: padding queries would otherwise
+    have no slot to read, and their softmax over nothing would be NaN, poisoning the cache."""
+    slots = torch.arange(max_seq_len, device=cache_positions.device)  # (max_seq_len,)
+    causal = slots[None, :] <= cache_positions[:, None]  # (seq, max_seq_len)
+    own = slots[None, :] == cache_positions[:, None]
+    if attention_mask is None:
+        return causal[None, None]
+    return ((causal[None] & attention_mask[:, None, :].bool()) | own[None]).unsqueeze(1)

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shardlib.buckets import Buckets
 from shardlib.model_config import ModelConfig
 from shardlib.sharding import ShardLayout
 from workers.backends import get_backend
@@ -47,6 +48,18 @@ class LoadSpec:
     """Hugging Face checkpoint directory (read through per-rank lazy slices)."""
     presharded_dir: str | None = None
     """A pre-sharded directory for this exact layout; preferred over model_dir when set."""
+    compile: bool = False
+    """Run through the backend's per-bucket compiled graphs (needs buckets); False: eager."""
+    buckets: Buckets | None = None
+    """Bucketed shapes: the graphs' shapes when compiling; eager runs at these shapes too when set."""
+    compile_cache_dir: str | None = None
+    """Where the backend persists and finds compiled graphs (a compiled-model directory's cache)."""
+    warm_up: bool = False
+    """Build every bucket's graph during load instead of on first use."""
+    expected_versions: dict[str, str] | None = None
+    """Library versions the compiled artifacts were built with; load refuses other ones."""
+    progress_file: str | None = None
+    """Rank 0 appends one line per graph built during warm-up here (the compile command shows them)."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +82,8 @@ class LoadStats:
     peak_rss_bytes: int
     source: str
     """"checkpoint" or "presharded"."""
+    compile: dict | None = None
+    """Compiled runs: the graphs built so far with their times, and the compile cache's hit/miss counts."""
 
 
 def free_port() -> int:
@@ -95,6 +110,7 @@ class RankWorker:
     _backend: object = field(default=None, init=False, repr=False)
     _collectives: object = field(default=None, init=False, repr=False)
     _model: object = field(default=None, init=False, repr=False)
+    _buckets: Buckets | None = field(default=None, init=False, repr=False)
 
     def describe(self) -> dict:
         """Where this rank runs: used for error messages and rendezvous."""
@@ -138,9 +154,36 @@ class RankWorker:
         shard_bytes = sum(t.numel() * t.element_size() for t in shard.values())
         model = ShardedCausalLM(load_spec.config, load_spec.layout, self.spec.rank, shard,
                                 self._collectives, load_spec.dtype)
-        self._model = self._backend.prepare_model(model)
+        self._model = self._backend.prepare_model(model, self._compile_options(load_spec))
+        self._buckets = load_spec.buckets
         return LoadStats(load_time_s=time.perf_counter() - start, shard_bytes=shard_bytes,
-                         peak_rss_bytes=peak_rss_bytes(), source=source)
+                         peak_rss_bytes=peak_rss_bytes(), source=source, compile=self.compile_stats())
+
+    def _compile_options(self, load_spec: LoadSpec):
+        if not load_spec.compile:
+            return None
+        from workers.backends.base import CompileOptions
+        from workers.compiled import check_versions
+
+        if load_spec.buckets is None:
+            raise ValueError("compiling needs buckets (LoadSpec.buckets); pass them, or load with compile=False")
+        if load_spec.expected_versions is not None:
+            check_versions(load_spec.expected_versions, where=f"rank {self.spec.rank} ({socket.gethostname()})")
+        progress = None
+        if load_spec.progress_file and self.spec.rank == 0:
+            path = Path(load_spec.progress_file)
+
+            def progress(done: int, total: int, shape: tuple[str, int, int], seconds: float) -> None:
+                with path.open("a") as fh:
+                    fh.write(f"{done} {total} {shape[0]} {shape[1]} {shape[2]} {seconds:.3f}\n")
+
+        return CompileOptions(buckets=load_spec.buckets, cache_dir=load_spec.compile_cache_dir,
+                              warm_up=load_spec.warm_up, progress=progress)
+
+    def compile_stats(self) -> dict | None:
+        """The compiled model's graphs built so far and its compile-cache counters; None when eager."""
+        stats = getattr(self._model, "stats", None)
+        return stats().to_dict() if callable(stats) else None
 
     def generate(self, request: GenerateRequest):
         """Run one batch; rank 0 returns the outputs, other ranks return None."""
@@ -149,7 +192,7 @@ class RankWorker:
         assert self._model is not None, "load must run before generate"
         outputs = generate(self._model, request.prompts, request.params, request.max_new_tokens,
                            request.stop_token_ids, max_seq_len=request.max_seq_len,
-                           return_logits=request.return_logits)
+                           return_logits=request.return_logits, buckets=self._buckets)
         return outputs if self.spec.rank == 0 else None
 
     def shutdown(self) -> None:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
+from shardlib.buckets import Buckets
 from workers.collectives import Collectives
 
 
@@ -16,6 +18,21 @@ class RendezvousInfo:
 
     host: str
     port: int
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """How a backend turns a model into its per-bucket graphs (see Backend.prepare_model)."""
+
+    buckets: Buckets
+    """The shapes to build graphs for: one per (phase, batch bucket, length bucket)."""
+    cache_dir: str | None = None
+    """Where compiled artifacts are persisted and looked up (a compiled-model directory's cache);
+    None: the backend's default location."""
+    warm_up: bool = False
+    """Build every bucket's graph now; otherwise each is built the first time a request needs it."""
+    progress: Callable[[int, int, tuple[str, int, int], float], None] | None = None
+    """Called after each graph built by warm_up with (done, total, (phase, batch, length), seconds)."""
 
 
 class Backend(abc.ABC):
@@ -44,8 +61,10 @@ class Backend(abc.ABC):
     def device(self) -> torch.device:
         return torch.device("cpu")
 
-    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Hook for moving or compiling the model for this device; eager by default."""
+    def prepare_model(self, model: torch.nn.Module, compile: CompileOptions | None = None):
+        """The model as this device runs it: eager (compile=None), or through one static-shape graph
+        per bucket. The result is called like ShardedCausalLM (see workers.engine.generate) and, when
+        compiled, has `buckets` and `stats()`. Eager by default."""
         return model
 
     @abc.abstractmethod

@@ -8,7 +8,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from workers.backends.base import Backend, RendezvousInfo
+from workers.backends.base import Backend, CompileOptions, RendezvousInfo
 from workers.collectives import Collectives, SingleRank, TorchDistributedCollectives
 
 
@@ -43,6 +43,20 @@ class CpuBackend(Backend):
         )
         # A waiting rank gives up after the process group's own timeout, naming whom it waited for.
         return build_cpu_collectives(rank, world_size, node_groups, timeout_s, mode)
+
+    def prepare_model(self, model: torch.nn.Module, compile: CompileOptions | None = None):
+        """Eager, or a CompiledCausalLM: torch.compile (inductor) graphs per bucket whose compiled
+        code is cached in compile.cache_dir (see workers/compiled.py for why this and not AOTInductor)."""
+        if compile is None:
+            return model
+        from workers.compiled import CompiledCausalLM, use_cache_dir
+
+        if compile.cache_dir is not None:
+            use_cache_dir(compile.cache_dir)
+        compiled = CompiledCausalLM(model, compile.buckets)
+        if compile.warm_up:
+            compiled.warm_up(progress=compile.progress)
+        return compiled
 
     def shutdown(self) -> None:
         if dist.is_available() and dist.is_initialized():

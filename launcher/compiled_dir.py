@@ -1,0 +1,129 @@
+"""Compiled-model directories: what `corelaunch compile` writes and `--compiled DIR` starts from.
+
+Layout:
+  manifest.json   what the directory was built for and with: model config hash, TP plan (degree, KV
+                  strategy, LNC), dtype, backend, buckets, library versions (torch, transformers,
+                  corelaunch), and each graph's compile time
+  model/          config.json, generation config and tokenizer files: the directory is self-contained
+  weights/        every rank's pre-sharded weights (shardlib.presharded's format, its own manifest)
+  cache/          the backend's persisted compiled graphs (CPU: inductor's cache directory)
+
+Starting from one re-shards nothing and recompiles nothing that was persisted; asking for anything
+else than what it was built for (another model, TP degree, dtype, backend, buckets or library
+versions) is refused with what differs, expected against found, and how to fix it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from shardlib.buckets import Buckets
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+MODEL, WEIGHTS, CACHE = "model", "weights", "cache"
+MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+               "tokenizer.model", "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")
+"""Files copied from the Hugging Face model directory (those present); weights are not among them."""
+
+
+def model_dir(root: str | Path) -> Path:
+    return Path(root) / MODEL
+
+
+def weights_dir(root: str | Path) -> Path:
+    return Path(root) / WEIGHTS
+
+
+def cache_dir(root: str | Path) -> Path:
+    return Path(root) / CACHE
+
+
+def read_manifest(root: str | Path) -> dict[str, Any]:
+    path = Path(root) / MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{root} is not a compiled-model directory (it has no {MANIFEST}); write one with "
+            f"`corelaunch compile --model MODEL --tp N --out {root}`"
+        )
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON ({err}); run `corelaunch compile` again") from None
+    required = ("format_version", "config_hash", "tp_degree", "kv_strategy", "dtype", "backend", "buckets",
+                "versions")
+    absent = [key for key in required if not isinstance(manifest, dict) or key not in manifest]
+    if absent:
+        raise ValueError(f"{path} lacks {', '.join(absent)}; run `corelaunch compile` again")
+    return manifest
+
+
+def apply_compiled_dir(config):
+    """A LaunchConfig that starts from config.compiled_dir: its model files, pre-sharded weights,
+    compile cache, TP degree, dtype, KV strategy and buckets. ValueError when config asks for
+    anything the directory was not built for, naming each field with the expected and found values."""
+    from shardlib.model_config import load_model_config
+    from workers.compiled import version_differences
+
+    root = Path(config.compiled_dir)
+    manifest = read_manifest(root)
+    differ: list[str] = []
+    if manifest["format_version"] != FORMAT_VERSION:
+        differ.append(f"format_version: expected {FORMAT_VERSION}, found {manifest['format_version']}")
+    if config.model is not None:
+        given = load_model_config(config.model).config_hash()
+        if given != manifest["config_hash"]:
+            differ.append(f"model: expected config hash {manifest['config_hash']} "
+                          f"({manifest.get('source', 'the compiled model')}), found {given} ({config.model})")
+    for field, wanted in (("tp_degree", config.tp), ("dtype", config.dtype), ("backend", config.backend),
+                          ("kv_strategy", config.kv_strategy)):
+        if wanted not in (None, "auto") and wanted != manifest[field]:
+            differ.append(f"{field}: expected {manifest[field]!r} (compiled), found {wanted!r} (asked)")
+    buckets = Buckets.from_dict(manifest["buckets"])
+    asked = {"token buckets": config.token_buckets, "context buckets": config.context_buckets}
+    for name, wanted in asked.items():
+        have = buckets.token if name.startswith("token") else buckets.context
+        if wanted is not None and tuple(sorted(set(wanted))) != have:
+            differ.append(f"{name}: expected {list(have)} (compiled), found {sorted(set(wanted))} (asked)")
+    if config.seq_len is not None and config.seq_len != buckets.max_seq_len:
+        differ.append(f"seq_len: expected {buckets.max_seq_len} (compiled), found {config.seq_len} (asked)")
+    if not config.compile:
+        differ.append("compile: expected True (a compiled directory), found False (--no-compile)")
+    differ += version_differences(manifest["versions"])
+    if differ:
+        raise ValueError(
+            f"compiled-model directory {root} does not match this launch: {'; '.join(differ)}. Re-run "
+            f"`corelaunch compile` with the settings (and libraries) you want to serve with, or drop the "
+            f"options that differ so the compiled ones are used"
+        )
+    return dataclasses.replace(
+        config, model=config.model or str(model_dir(root)), tp=manifest["tp_degree"], dtype=manifest["dtype"],
+        backend=manifest["backend"], kv_strategy=manifest["kv_strategy"], seq_len=buckets.max_seq_len,
+        presharded_dir=str(weights_dir(root)), context_buckets=buckets.context, token_buckets=buckets.token,
+        max_batch_size=min(config.max_batch_size, buckets.max_batch_size))
+
+
+def launch_buckets(config, plan, model_config) -> Buckets:
+    """The buckets a launch runs at: the custom lists given, else automatic ones up to the maximum
+    context length (default: the sequence length) and the plan's sequence length."""
+    batch = None
+    if config.compiled_dir is not None:
+        batch = Buckets.from_dict(read_manifest(config.compiled_dir)["buckets"]).batch
+    return Buckets.build(max_context_length=config.max_context_length, max_seq_len=config.seq_len or plan.seq_len,
+                         max_batch_size=config.max_batch_size, context=config.context_buckets,
+                         token=config.token_buckets, batch=batch,
+                         max_positions=model_config.max_position_embeddings)
+
+
+def load_spec_fields(config, plan, model_config) -> dict[str, Any]:
+    """The LoadSpec fields for compiling (or bucketed eager runs) that a LaunchConfig asks for."""
+    bucketed = config.compile or config.context_buckets is not None or config.token_buckets is not None
+    fields: dict[str, Any] = {"compile": bool(config.compile),
+                              "buckets": launch_buckets(config, plan, model_config) if bucketed else None}
+    if config.compiled_dir is not None:
+        fields["compile_cache_dir"] = str(cache_dir(config.compiled_dir))
+        fields["expected_versions"] = read_manifest(config.compiled_dir)["versions"]
+    return fields
