@@ -60,7 +60,7 @@ class LaunchConfig:
     """Prompts per worker call; more are split into several calls."""
     presharded_dir: str | None = None
     """A directory written by shardlib.presharded.save_presharded for this exact layout."""
-    compile: bool = False
+    compile: bool = True
     """Run each rank through one static-shape compiled graph per bucket (CPU: torch.compile, see
     workers/compiled.py); False runs eagerly at exact shapes (for debugging)."""
     compiled_dir: str | None = None
@@ -73,6 +73,9 @@ class LaunchConfig:
     token_buckets: tuple[int, ...] | None = None
     """Token-generation (KV-cache) lengths; None: powers of two from 128 up to seq_len (default: the
     plan's, min(max_position_embeddings, 4096))."""
+    warm_up: bool = False
+    """Build every bucket's graph while starting (predictable first requests); otherwise each graph
+    is built the first time a request needs it."""
     ray_address: str | None = None
     """None: a running cluster if any, else a local one; "auto", "local" or "host:port"."""
     cpus_per_rank: float | None = None

@@ -17,6 +17,7 @@ SUBCOMMANDS = {
     "generate": "launcher.generate_command",
     "check": "launcher.check_command",
     "bench": "launcher.bench_command",
+    "compile": "launcher.compile_command",
 }
 
 

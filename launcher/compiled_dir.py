@@ -7,6 +7,7 @@ Layout:
   model/          config.json, generation config and tokenizer files: the directory is self-contained
   weights/        every rank's pre-sharded weights (shardlib.presharded's format, its own manifest)
   cache/          the backend's persisted compiled graphs (CPU: inductor's cache directory)
+  compile.log     one line per graph built by `corelaunch compile`, with its compile time
 
 Starting from one re-shards nothing and recompiles nothing that was persisted; asking for anything
 else than what it was built for (another model, TP degree, dtype, backend, buckets or library
@@ -25,6 +26,8 @@ from shardlib.buckets import Buckets
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 MODEL, WEIGHTS, CACHE = "model", "weights", "cache"
+COMPILE_LOG = "compile.log"
+"""Rank 0's warm-up record: one line per graph ("done total phase batch length seconds")."""
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                "tokenizer.model", "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")
 """Files copied from the Hugging Face model directory (those present); weights are not among them."""
@@ -121,9 +124,11 @@ def launch_buckets(config, plan, model_config) -> Buckets:
 def load_spec_fields(config, plan, model_config) -> dict[str, Any]:
     """The LoadSpec fields for compiling (or bucketed eager runs) that a LaunchConfig asks for."""
     bucketed = config.compile or config.context_buckets is not None or config.token_buckets is not None
-    fields: dict[str, Any] = {"compile": bool(config.compile),
+    fields: dict[str, Any] = {"compile": bool(config.compile), "warm_up": bool(config.compile and config.warm_up),
                               "buckets": launch_buckets(config, plan, model_config) if bucketed else None}
     if config.compiled_dir is not None:
         fields["compile_cache_dir"] = str(cache_dir(config.compiled_dir))
         fields["expected_versions"] = read_manifest(config.compiled_dir)["versions"]
+        if fields["warm_up"]:
+            fields["progress_file"] = str(Path(config.compiled_dir) / COMPILE_LOG)
     return fields

@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from launcher.compile_command import add_bucket_lists, bucket_lists
+
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
@@ -34,7 +36,9 @@ def add_parser(subparsers) -> None:
                    help="write a pre-sharded copy after the first load and restart groups from it")
     p.add_argument("--lnc", type=int, choices=[1, 2], help="logical NeuronCore config (default: per instance)")
     p.add_argument("--kv-strategy", choices=["shard", "replicate_to_tp", "convert_to_mha"])
-    p.add_argument("--seq-len", type=int, help="KV-cache length (default: longest prompt + new tokens)")
+    p.add_argument("--seq-len", type=int, help="maximum sequence length, the largest KV-cache (token-generation) "
+                                                "bucket (default: min(max_position_embeddings, 4096); with "
+                                                "--no-compile: longest prompt + new tokens)")
     p.add_argument("--max-batch-size", type=int, default=8,
                    help="prompts per worker call; more prompts run as several batches (default 8)")
     p.add_argument("--max-new-tokens", type=int, default=32)
@@ -44,6 +48,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1]")
     p.add_argument("--seed", type=int, help="seed for reproducible sampling")
     p.add_argument("--presharded", metavar="DIR", help="pre-sharded weights for this exact layout")
+    p.add_argument("--compiled", metavar="CDIR",
+                   help="start from a directory written by `corelaunch compile` (its weights, graphs, settings)")
+    p.add_argument("--no-compile", dest="compile", action="store_false",
+                   help="run eagerly at exact shapes, without compiled graphs (debugging)")
+    p.add_argument("--warm-up", action="store_true", help="build every bucket's graph while starting")
+    add_bucket_lists(p)
     p.add_argument("--ray-address", help="Ray cluster address (default: a running cluster, else local)")
     p.add_argument("--placement-timeout", type=float, default=60.0, metavar="S",
                    help="seconds to wait for Ray to reserve the workers (default 60)")
@@ -85,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
             lnc=args.lnc, dtype=args.dtype,
             kv_strategy=args.kv_strategy, seq_len=args.seq_len,
             max_batch_size=args.max_batch_size, presharded_dir=args.presharded,
+            compile=args.compile, compiled_dir=args.compiled, warm_up=args.warm_up, **bucket_lists(args),
             ray_address=args.ray_address, placement_timeout_s=args.placement_timeout,
             request_timeout_s=args.request_timeout, progress=not args.quiet)
         with Launcher(config) as launcher:
@@ -100,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
                              "time_to_first_token_s": round(r.time_to_first_token_s, 4),
                              "decode_tokens_per_s": round(r.decode_tokens_per_s, 2)} for r in results],
                 "startup_s": round(launcher.timings["startup_s"], 3),
+                "compile": launcher.load_stats[0].compile if launcher.load_stats else None,
             }
     except (ValueError, FileNotFoundError, LaunchError) as err:
         print(f"corelaunch generate: {err}", file=sys.stderr)

@@ -10,15 +10,35 @@ Two phases, each with its own graphs (shapes from shardlib.buckets):
 - token generation (decode) at (batch bucket, token bucket): one token per row is written into the
   cache (batch, kv_heads, token bucket, head_dim) at its slot and attends over the whole cache.
 
-Granularity:
-- TP 1: one graph per shape covers the whole step (embedding, every layer, norm, LM-head slice).
-- TP > 1: collectives stay outside compiled code whatever implements them (gloo, shared memory,
-  ...): the step is cut at each collective into regions (prologue, attention, MLP, epilogue). Every
-  region is compiled once per shape and shared by all layers (weights are graph inputs, not
-  constants), and the runner calls the collectives eagerly between regions.
+Granularity (what one graph covers):
+- TP 1 ("layer", the default): one graph per decoder layer call, shared by every layer (weights are
+  graph inputs, not constants), plus a small prologue and epilogue graph. "model" (one graph for
+  the whole step) decodes about 9% faster but compiles 10x slower, and its compile time grows
+  with the number of layers; it stays available as CompiledCausalLM(granularity="model").
+- TP > 1 ("collective"): collectives stay outside compiled code whatever implements them (gloo,
+  shared memory, ...): each layer is cut at its two all-reduces into an attention and an MLP
+  region, compiled once per shape and shared by all layers; the runner calls the collectives
+  eagerly between regions (two graph boundaries per layer).
 
-Measured choice (see benchmarks/decode.py; SmolLM2-135M fp32, batch 1, 2 threads, noisy 2-core
-machine): <filled in below from the measurements>.
+Decode matmuls: with one row per step, workers.layers.linear writes the product as a
+multiply-and-sum inside compiled graphs, which inductor turns into a vectorised reduction split
+over the threads: 30 layers of SmolLM2-shaped weights stream at ~29 GB/s that way against ~11 GB/s
+through the BLAS GEMV that F.linear calls (measured in isolation, 2 threads). That, not the removed
+Python overhead (~5%), is where the compiled speed-up comes from.
+
+Measured choice: torch.compile (inductor) with its cache persisted, not AOTInductor. SmolLM2-135M
+fp32, batch 1, 128-token prompt, 2 threads, on the shared 2-core development machine (medians of 6
+interleaved runs; the machine was busy, so absolute numbers are noisy):
+- decode tokens/s: eager 15.8, transformers generate() 15.1, "layer" 44.7, "model" 48.9, regions
+  cut at collectives (what TP > 1 runs, measured at TP 1) ~39;
+- compiling the two graphs a request needs (context 128, token 256) from an empty cache: "layer"
+  ~13 s, "model" ~81 s; with the cache persisted (a warm start): "layer" 1-5 s, "model" 8-10 s;
+- AOTInductor (torch.export + aoti_compile_and_package, weights loaded with load_constants):
+  one whole-model decode graph took 10-16 s to export and 125-187 s to compile (busy machine), and
+  loads in ~0.02 s. It runs the same inductor kernels, so decode speed is no better; it compiles
+  2-3x slower, and torch.export cannot leave our eager collectives outside the graph, so TP > 1
+  would need every region exported separately. The persisted inductor cache already makes a warm
+  start several times faster than a cold one, so AOTInductor's faster load does not pay for that.
 
 Persisted compilation: inductor's FX-graph and AOTAutograd caches live under TORCHINDUCTOR_CACHE_DIR
 (set per worker by the CPU backend, pointing into a compiled-model directory); a later process that
@@ -126,6 +146,19 @@ def mlp(layer, x, a):
     return x, layer.mlp.partial(layer.post_attention_norm(x))
 
 
+def context_layer(layer, x, m, cos, sin, mask):
+    """A whole decoder layer when nothing needs reducing (TP 1): (x, MLP output, k, v)."""
+    x, a, k, v = context_attention(layer, x, m, cos, sin, mask)
+    x, m = mlp(layer, x, a)
+    return x, m, k, v
+
+
+def token_layer(layer, x, m, cos, sin, mask, k_cache, v_cache, cache_positions):
+    """A whole decoder layer when nothing needs reducing (TP 1): (x, MLP output)."""
+    x, a = token_attention(layer, x, m, cos, sin, mask, k_cache, v_cache, cache_positions)
+    return mlp(layer, x, a)
+
+
 def epilogue(model: ShardedCausalLM, x, m, logit_index):
     """Last residual add, final norm and this rank's LM-head slice at one column: (batch, vocab_per_rank)."""
     return model.local_logits(x + m, logit_index)
@@ -138,6 +171,8 @@ class Regions:
     context_attention: Callable = context_attention
     token_attention: Callable = token_attention
     mlp: Callable = mlp
+    context_layer: Callable = context_layer
+    token_layer: Callable = token_layer
     epilogue: Callable = epilogue
 
     def compiled(self) -> "Regions":
@@ -151,14 +186,14 @@ def context_step(model, regions: Regions, reduce, input_ids, position_ids, atten
         x = reduce(x)
     ks, vs = [], []
     for layer in model.layers:
-        x, a, k, v = regions.context_attention(layer, x, m, cos, sin, mask)
+        if reduce is None:
+            x, m, k, v = regions.context_layer(layer, x, m, cos, sin, mask)
+        else:
+            x, a, k, v = regions.context_attention(layer, x, m, cos, sin, mask)
+            x, m = regions.mlp(layer, x, reduce(a))
+            m = reduce(m)
         ks.append(k)
         vs.append(v)
-        if reduce is not None:
-            a = reduce(a)
-        x, m = regions.mlp(layer, x, a)
-        if reduce is not None:
-            m = reduce(m)
     return regions.epilogue(model, x, m, logit_index), ks, vs
 
 
@@ -169,13 +204,20 @@ def token_step(model, regions: Regions, reduce, input_ids, position_ids, attenti
     if reduce is not None:
         x = reduce(x)
     for layer, k_cache, v_cache in zip(model.layers, k_caches, v_caches):
-        x, a = regions.token_attention(layer, x, m, cos, sin, mask, k_cache, v_cache, cache_positions)
-        if reduce is not None:
-            a = reduce(a)
-        x, m = regions.mlp(layer, x, a)
-        if reduce is not None:
+        if reduce is None:
+            x, m = regions.token_layer(layer, x, m, cos, sin, mask, k_cache, v_cache, cache_positions)
+        else:
+            x, a = regions.token_attention(layer, x, m, cos, sin, mask, k_cache, v_cache, cache_positions)
+            x, m = regions.mlp(layer, x, reduce(a))
             m = reduce(m)
     return regions.epilogue(model, x, m, None)
+
+
+GRANULARITIES = ("model", "layer", "collective")
+"""What one compiled graph covers: the whole step, one decoder layer (TP 1), or the code between two
+collectives (TP > 1). Layer and collective graphs are shared by every layer."""
+DEFAULT_GRANULARITY = "layer"
+"""At TP 1; measured in benchmarks/decode.py (see the module docstring)."""
 
 
 def _compile(fn):
@@ -216,22 +258,26 @@ class CompileStats:
 class CompiledCausalLM:
     """Drop-in for ShardedCausalLM in workers.engine.generate: same call, bucketed shapes only."""
 
-    def __init__(self, model: ShardedCausalLM, buckets: Buckets, *, whole_graph: bool | None = None) -> None:
+    def __init__(self, model: ShardedCausalLM, buckets: Buckets, *, granularity: str | None = None) -> None:
         self.model, self.buckets = model, buckets
         self.config, self.collectives, self.dtype = model.config, model.collectives, model.dtype
         tp1 = model.collectives.world_size == 1
-        self.whole_graph = tp1 if whole_graph is None else whole_graph
-        if self.whole_graph and not tp1:
-            raise ValueError("whole_graph=True needs TP 1: at TP > 1 the collectives run between regions")
+        self.granularity = granularity or (DEFAULT_GRANULARITY if tp1 else "collective")
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"granularity {self.granularity!r} must be one of {', '.join(GRANULARITIES)}")
+        if self.granularity != "collective" and not tp1:
+            raise ValueError(f"granularity {self.granularity!r} needs TP 1: at TP > 1 the collectives run "
+                             f"between compiled regions (granularity 'collective')")
         # Rotary tables for every position a bucket can hold, built now so no call rebuilds them
         # (a rebuilt table would be a new graph input and a recompile).
         model._ensure_rotary(buckets.max_seq_len)
         configure_dynamo(len(buckets.shapes()))
-        if self.whole_graph:
-            self._regions, self._reduce = Regions(), None
+        self._reduce = None if tp1 else model.collectives.all_reduce_sum_
+        if self.granularity == "model":
+            self._regions = Regions()
             self._context, self._token = _compile(context_step), _compile(token_step)
         else:
-            self._regions, self._reduce = Regions().compiled(), model.collectives.all_reduce_sum_
+            self._regions = Regions().compiled()
             self._context, self._token = context_step, token_step
         self._seen: set[tuple[str, int, int]] = set()
         self._stats = CompileStats()

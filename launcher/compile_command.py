@@ -1,0 +1,239 @@
+"""`corelaunch compile`: pre-shard the weights and build every bucket's graphs into a directory.
+
+    corelaunch compile --model DIR --tp 2 --seq-len 1024 --out CDIR
+    corelaunch generate --compiled CDIR "The capital of France is"
+
+Steps, each shown on stderr: plan the layout (refused before anything is written), write each rank's
+pre-sharded weights (shardlib.presharded), copy the model's config and tokenizer files, start the TP
+group from that directory with warm-up on, so every rank builds (and the backend persists) the graph
+of every bucket shape, then record what was built in the manifest (launcher/compiled_dir.py). The
+directory is written next to its destination and renamed into place only when complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "compile", help="pre-shard a model and build its per-bucket graphs into a directory",
+        description="Write a compiled-model directory: each rank's pre-sharded weights, the compiled graph "
+                    "of every bucket shape, and a manifest; `corelaunch generate --compiled DIR` starts from it "
+                    "without re-sharding or recompiling.")
+    p.add_argument("--out", required=True, metavar="CDIR", help="the directory to write (replaced if it is one)")
+    p.add_argument("--model", help="Hugging Face model directory (default: built-in SmolLM2-135M-Instruct)")
+    p.add_argument("--tp", default="auto", help="tensor-parallel degree, or auto (default)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's")
+    p.add_argument("--backend", choices=["cpu", "neuron"], help="default: neuron where Neuron devices exist")
+    p.add_argument("--instance", help="planner target (default: cpu on the cpu backend)")
+    p.add_argument("--lnc", type=int, choices=[1, 2])
+    p.add_argument("--kv-strategy", choices=["shard", "replicate_to_tp", "convert_to_mha"])
+    add_bucket_arguments(p, max_batch_default=1)
+    p.add_argument("--ray-address", help="Ray cluster address (default: a running cluster, else local)")
+    p.add_argument("--json", action="store_true", help="print the manifest as JSON on stdout")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    p.set_defaults(run=run)
+
+
+def add_bucket_arguments(p: argparse.ArgumentParser, max_batch_default: int) -> None:
+    """The bucket options `compile` and `generate` share."""
+    p.add_argument("--seq-len", type=int,
+                   help="maximum sequence length: the largest token-generation bucket (default: the plan's, "
+                        "min(max_position_embeddings, 4096))")
+    p.add_argument("--max-batch-size", type=int, default=max_batch_default,
+                   help=f"largest batch; batch buckets are 1, 2, 4, ... up to it (default {max_batch_default})")
+    add_bucket_lists(p)
+
+
+def add_bucket_lists(p: argparse.ArgumentParser) -> None:
+    """Custom bucket options (compile and generate)."""
+    p.add_argument("--max-context-length", type=int, metavar="N",
+                   help="longest prompt: the largest context-encoding bucket (default: --seq-len)")
+    p.add_argument("--buckets", metavar="L1,L2,..",
+                   help="custom buckets for both phases (context buckets stop at --max-context-length)")
+    p.add_argument("--context-buckets", metavar="L1,L2,..", help="custom context-encoding (prefill) buckets")
+    p.add_argument("--token-buckets", metavar="L1,L2,..", help="custom token-generation (KV-cache) buckets")
+
+
+def bucket_lists(args: argparse.Namespace) -> dict:
+    """LaunchConfig's max_context_length, context_buckets and token_buckets from the options
+    (ValueError for a malformed list)."""
+    from shardlib.buckets import parse_buckets
+
+    both = parse_buckets(args.buckets) if args.buckets else None
+    context = parse_buckets(args.context_buckets) if args.context_buckets else both
+    token = parse_buckets(args.token_buckets) if args.token_buckets else both
+    if both is not None and args.max_context_length is not None and not args.context_buckets:
+        context = tuple(b for b in both if b <= args.max_context_length) or (args.max_context_length,)
+    return {"max_context_length": args.max_context_length, "context_buckets": context, "token_buckets": token}
+
+
+def bucket_options(args: argparse.Namespace) -> dict:
+    """LaunchConfig's bucket fields, sequence length and batch size included."""
+    return {"seq_len": args.seq_len, "max_batch_size": args.max_batch_size, **bucket_lists(args)}
+
+
+def run(args: argparse.Namespace) -> int:
+    from launcher.errors import LaunchError
+
+    try:
+        manifest = compile_model(args)
+    except (ValueError, FileNotFoundError, FileExistsError, LaunchError) as err:
+        print(f"corelaunch compile: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(manifest))
+    return 0
+
+
+def compile_model(args: argparse.Namespace) -> dict:
+    """Write the compiled-model directory args.out; returns its manifest."""
+    from launcher import compiled_dir
+    from launcher.api import LaunchConfig, Launcher
+    from launcher.errors import PlanRejected
+    from launcher.progress import Progress
+    from shardlib.model_config import load_model_config
+    from shardlib.planner import plan as make_plan
+    from shardlib.presharded import save_presharded
+    from workers.backends import default_backend_name
+    from workers.compiled import DEFAULT_GRANULARITY, library_versions
+
+    progress = Progress(not args.quiet)
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()) and not (out / compiled_dir.MANIFEST).is_file():
+        raise FileExistsError(f"{out} exists and is not a compiled-model directory; choose a new or empty "
+                              f"directory, or remove it")
+    # Every option is checked (and the layout planned) before anything is written.
+    config = LaunchConfig(model=args.model, tp=args.tp, dtype=args.dtype, backend=args.backend,
+                          instance=args.instance, lnc=args.lnc, kv_strategy=args.kv_strategy,
+                          ray_address=args.ray_address, progress=not args.quiet, compile=True,
+                          **bucket_options(args))
+    with progress.step("resolving model"):
+        model_dir = Path(config.model) if config.model else _demo_model()
+        model_config = load_model_config(model_dir)
+    backend = config.backend or default_backend_name()
+    instance = config.instance or ("cpu" if backend == "cpu" else None)
+    if instance is None:
+        raise ValueError("the neuron backend needs --instance (e.g. trn1.32xlarge) for planning")
+    plan = make_plan(model_config, instance=instance, tp=config.tp, lnc=config.lnc,
+                     batch_size=config.max_batch_size, seq_len=config.seq_len, dtype=config.dtype,
+                     kv_strategy=config.kv_strategy)
+    if not plan.valid:
+        lines = "\n".join(f"  [{e['code']}] {e['message']}" for e in plan.to_dict()["errors"])
+        raise PlanRejected(f"the layout is impossible; nothing was written:\n{lines}",
+                           [dict(e) for e in plan.to_dict()["errors"]])
+    buckets = compiled_dir.launch_buckets(config, plan, model_config)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        started = time.perf_counter()
+        layout = plan.layout()
+        with progress.step(f"writing {plan.tp_degree} rank(s)' pre-sharded weights ({plan.dtype})"):
+            save_presharded(compiled_dir.weights_dir(tmp), model_dir, model_config, layout, plan.dtype)
+        _copy_model_files(model_dir, compiled_dir.model_dir(tmp))
+        manifest = {
+            "format_version": compiled_dir.FORMAT_VERSION, "config_hash": model_config.config_hash(),
+            "model_type": model_config.model_type, "source": str(model_dir.resolve()),
+            "tp_degree": plan.tp_degree, "kv_strategy": str(plan.kv_strategy), "lnc": plan.lnc,
+            "instance": instance, "backend": backend, "dtype": plan.dtype, "buckets": buckets.to_dict(),
+            "granularity": DEFAULT_GRANULARITY if plan.tp_degree == 1 else "collective",
+            "versions": library_versions(), "graphs": [],
+        }
+        _write_manifest(tmp, manifest)
+        shapes = buckets.shapes()
+        progress.note(f"building {len(shapes)} graph(s) per rank: context-encoding buckets "
+                      f"{list(buckets.context)}, token-generation buckets {list(buckets.token)}, "
+                      f"batch buckets {list(buckets.batch)}")
+        launch = LaunchConfig(compiled_dir=str(tmp), compile=True, warm_up=True, ray_address=config.ray_address,
+                              progress=not args.quiet, max_batch_size=buckets.max_batch_size)
+        with _GraphProgress(tmp / compiled_dir.COMPILE_LOG, progress), Launcher(launch) as launcher:
+            stats = [s.compile for s in launcher.load_stats]
+        rank0 = dict(stats[0]) if stats and stats[0] else {}
+        manifest["graphs"] = rank0.pop("graphs", [])
+        manifest["compile_stats"] = rank0  # rank 0's compile time and inductor cache counters
+        manifest["compile_s"] = round(time.perf_counter() - started, 3)
+        _write_manifest(tmp, manifest)
+        _move_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    progress.note(f"compiled-model directory written: {out} (start from it with `corelaunch generate "
+                  f"--compiled {out}`)")
+    return manifest
+
+
+def _demo_model() -> Path:
+    from shardlib.demo_model import ensure_demo_model
+
+    return Path(ensure_demo_model())
+
+
+def _copy_model_files(model_dir: Path, dest: Path) -> None:
+    from launcher.compiled_dir import MODEL_FILES
+
+    dest.mkdir(parents=True)
+    for name in MODEL_FILES:
+        if (model_dir / name).is_file():
+            shutil.copy2(model_dir / name, dest / name)
+
+
+def _write_manifest(root: Path, manifest: dict) -> None:
+    from launcher.compiled_dir import MANIFEST
+
+    (root / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+
+
+def _move_into_place(tmp: Path, out: Path) -> None:
+    """Rename tmp to out; an existing compiled-model directory there is set aside, then removed."""
+    import os
+
+    tmp.chmod(0o755)  # mkdtemp makes it private
+    if out.exists() and any(out.iterdir()):
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+
+
+class _GraphProgress:
+    """Shows rank 0's warm-up lines (written to compile.log by the worker) on stderr as they appear."""
+
+    def __init__(self, path: Path, progress) -> None:
+        self.path, self.progress = path, progress
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._follow, daemon=True)
+
+    def __enter__(self) -> "_GraphProgress":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _follow(self) -> None:
+        shown = 0
+        while True:
+            stopping = self._stop.wait(0.5)
+            lines = self.path.read_text().splitlines() if self.path.is_file() else []
+            for line in lines[shown:]:
+                done, total, phase, batch, length, seconds = line.split()
+                kind = "context-encoding" if phase == "context" else "token-generation"
+                self.progress.note(f"  graph {done}/{total}: {kind} batch {batch} x {length} "
+                                   f"({float(seconds):.1f} s)")
+            shown = len(lines)
+            if stopping:
+                return

@@ -1,0 +1,151 @@
+"""`corelaunch compile` and `corelaunch generate --compiled`: the directory, its reload without
+recompiling (inductor cache counters), and refusals naming what differs.
+
+The model is a tiny random Llama with a word-level tokenizer ("t0" .. "t127"), so the CLI's text
+prompts work without downloading anything.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launcher import compiled_dir
+from launcher.api import LaunchConfig
+from tests.model_factory import build_random_model, save_model
+from workers.compiled import library_versions
+
+REPO = Path(__file__).resolve().parents[1]
+VOCAB = 128
+
+
+def save_word_tokenizer(path: Path) -> None:
+    """A word-level tokenizer over "t0" .. "t127" (ids 0 .. 127), saved as Hugging Face files."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", pad_token="t0",
+                            eos_token="t2").save_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    path = save_model(build_random_model("llama", seed=3, vocab_size=VOCAB), tmp_path_factory.mktemp("tiny"))
+    save_word_tokenizer(path)
+    return path
+
+
+def corelaunch(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "launcher", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+PROMPT = "t5 t9 t33 t17 t80"
+
+
+def eager_tokens(model_dir: Path, prompt: str, new_tokens: int) -> list[int]:
+    """Greedy tokens of the prompt from the eager model in this process (the reference)."""
+    from transformers import AutoTokenizer
+
+    from shardlib.model_config import load_model_config
+    from tests.tp_harness import build_rank_model, hf_state_dict
+    from workers.collectives import SingleRank
+    from workers.engine import generate
+    from workers.sampling import SamplingParams
+
+    ids = AutoTokenizer.from_pretrained(model_dir)(prompt)["input_ids"]
+    model = build_rank_model(load_model_config(model_dir), hf_state_dict(build_random_model(
+        "llama", seed=3, vocab_size=VOCAB)), 0, 1, SingleRank())
+    return generate(model, [ids], [SamplingParams()], new_tokens, [])[0].token_ids
+
+
+@pytest.mark.slow
+def test_compile_then_generate_from_the_directory_reuses_every_graph(model_dir, tmp_path):
+    out = tmp_path / "compiled"
+    built = corelaunch("compile", "--model", str(model_dir), "--tp", "1", "--buckets", "16",
+                       "--ray-address", "local", "--json", "--out", str(out))
+    assert built.returncode == 0, built.stderr
+    manifest = json.loads(built.stdout)
+    assert manifest == json.loads((out / "manifest.json").read_text())
+    assert manifest["buckets"] == {"context": [16], "token": [16], "batch": [1]}
+    assert manifest["tp_degree"] == 1 and manifest["dtype"] == "float32" and manifest["backend"] == "cpu"
+    assert {k: manifest["versions"][k] for k in ("torch", "transformers", "corelaunch")} == \
+        {k: library_versions()[k] for k in ("torch", "transformers", "corelaunch")}
+    assert [(g["phase"], g["batch"], g["length"]) for g in manifest["graphs"]] == [("context", 1, 16),
+                                                                                 ("token", 1, 16)]
+    assert "graph 2/2: token-generation batch 1 x 16" in built.stderr  # progress on stderr
+    assert (out / "weights" / "manifest.json").is_file() and (out / "model" / "tokenizer.json").is_file()
+    assert manifest["compile_stats"]["fxgraph_cache_miss"] > 0  # it really compiled
+
+    warm = corelaunch("generate", "--compiled", str(out), "--warm-up", "--max-new-tokens", "6", "--ray-address",
+                      "local", "--json", "--quiet", PROMPT)
+    assert warm.returncode == 0, warm.stderr
+    report = json.loads(warm.stdout)
+    assert report["outputs"][0]["token_ids"] == eager_tokens(model_dir, PROMPT, 6)
+    stats = report["compile"]
+    assert len(stats["graphs"]) == 2  # every bucket's graph was set up again ...
+    assert stats["fxgraph_cache_miss"] == 0 and stats["fxgraph_cache_hit"] > 0  # ... from the directory
+    assert stats["autograd_cache_miss"] == 0
+
+
+def fake_compiled_dir(root: Path, model_dir: Path, **overrides) -> Path:
+    """A compiled-model directory's manifest and model files (no weights: refusals come first)."""
+    from shardlib.model_config import load_model_config
+
+    (root / "model").mkdir(parents=True)
+    (root / "model" / "config.json").write_text((model_dir / "config.json").read_text())
+    manifest = {"format_version": compiled_dir.FORMAT_VERSION,
+                "config_hash": load_model_config(model_dir).config_hash(), "tp_degree": 1, "kv_strategy": "shard",
+                "dtype": "float32", "backend": "cpu", "buckets": {"context": [8, 16], "token": [16], "batch": [1]},
+                "versions": library_versions()}
+    manifest.update(overrides)
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    return root
+
+
+@pytest.mark.parametrize("asked, overrides, expected", [
+    (dict(tp=2), {}, r"tp_degree: expected 1 \(compiled\), found 2 \(asked\)"),
+    (dict(dtype="bfloat16"), {}, r"dtype: expected 'float32' \(compiled\), found 'bfloat16' \(asked\)"),
+    (dict(token_buckets=(16, 32)), {}, r"token buckets: expected \[16\] \(compiled\), found \[16, 32\]"),
+    (dict(compile=False), {}, r"compile: expected True"),
+    ({}, {"versions": {**library_versions(), "torch": "1.0.0"}}, r"torch: expected '1.0.0', found '"),
+    ({}, {"versions": {**library_versions(), "transformers": "4.0.0"}}, r"transformers: expected '4.0.0'"),
+])
+def test_a_mismatch_is_refused_naming_the_field_and_the_fix(model_dir, tmp_path, asked, overrides, expected):
+    root = fake_compiled_dir(tmp_path / "c", model_dir, **overrides)
+    with pytest.raises(ValueError, match=expected) as err:
+        compiled_dir.apply_compiled_dir(LaunchConfig(compiled_dir=str(root), **asked))
+    assert "Re-run `corelaunch compile`" in str(err.value)
+
+
+def test_another_model_is_refused(model_dir, tmp_path):
+    other = save_model(build_random_model("llama", seed=3, vocab_size=VOCAB, num_layers=3), tmp_path / "other")
+    root = fake_compiled_dir(tmp_path / "c", model_dir)
+    with pytest.raises(ValueError, match=r"model: expected config hash \w+ .*found \w+ \(" + str(other)):
+        compiled_dir.apply_compiled_dir(LaunchConfig(compiled_dir=str(root), model=str(other)))
+
+
+def test_a_matching_launch_takes_the_directory_settings(model_dir, tmp_path):
+    root = fake_compiled_dir(tmp_path / "c", model_dir)
+    config = compiled_dir.apply_compiled_dir(LaunchConfig(compiled_dir=str(root), model=str(model_dir)))
+    assert (config.tp, config.dtype, config.seq_len, config.max_batch_size) == (1, "float32", 16, 1)
+    assert config.presharded_dir == str(root / "weights") and config.context_buckets == (8, 16)
+
+
+def test_cli_refusals_exit_2_before_starting_anything(model_dir, tmp_path):
+    root = fake_compiled_dir(tmp_path / "c", model_dir)
+    wrong_tp = corelaunch("generate", "--compiled", str(root), "--tp", "2", "--quiet", "t1 t2", timeout=60)
+    assert wrong_tp.returncode == 2 and "tp_degree: expected 1 (compiled), found 2 (asked)" in wrong_tp.stderr
+    missing = corelaunch("generate", "--compiled", str(tmp_path / "nope"), "t1", timeout=60)
+    assert missing.returncode == 2 and "does not exist" in missing.stderr
+    not_compiled = corelaunch("compile", "--model", str(model_dir), "--out", str(model_dir), timeout=60)
+    assert not_compiled.returncode == 2 and "is not a compiled-model directory" in not_compiled.stderr
+    bad_buckets = corelaunch("compile", "--model", str(model_dir), "--buckets", "8,x", "--out",
+                             str(tmp_path / "o"), timeout=60)
+    assert bad_buckets.returncode == 2 and "comma-separated integers" in bad_buckets.stderr

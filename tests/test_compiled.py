@@ -1,0 +1,109 @@
+"""Compiled graphs (workers/compiled.py) against eager execution: identical greedy tokens.
+
+TP 1 runs in this process for every bucket: each context-encoding and token-generation bucket at
+two batch buckets, prompts padded on both ends, plus a batch that needs filler rows. TP 2 runs
+through the Launcher (real Ray worker processes, the CPU backend's collectives between compiled
+regions). torch.compile is slow (the first graph of a process takes ~15 s on 2 cores, later ones
+~4 s; inductor's cache makes reruns faster), so the models are tiny and the shapes few.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from shardlib.buckets import Buckets
+from shardlib.model_config import ModelConfig
+from tests.model_factory import build_random_model, save_model
+from tests.tp_harness import build_rank_model, hf_state_dict
+from workers.collectives import SingleRank
+from workers.compiled import CompiledCausalLM
+from workers.engine import generate
+from workers.sampling import SamplingParams
+
+GREEDY = SamplingParams()
+NEW = 6
+# context buckets 8 and 16, one cache bucket 32 (the smallest holding 16 + NEW), batch buckets 1 and 2
+BUCKETS = Buckets.build(context=[8, 16], token=[32], batch=[1, 2])
+SHORT, LONG = [5, 9, 33, 17, 80], [7, 100, 21, 4, 66, 8, 120, 3, 44, 12, 61]  # -> context buckets 8, 16
+
+
+@functools.lru_cache(maxsize=None)
+def hf_model():
+    return build_random_model("llama", seed=3)
+
+
+def eager_model():
+    hf = hf_model()
+    return build_rank_model(ModelConfig.from_dict(hf.config.to_dict()), hf_state_dict(hf), 0, 1, SingleRank())
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    return CompiledCausalLM(eager_model(), BUCKETS)
+
+
+def tokens(model, prompts, **kwargs):
+    return [o.token_ids for o in generate(model, prompts, [GREEDY] * len(prompts), NEW, [], **kwargs)]
+
+
+@pytest.mark.parametrize("prompts", [[SHORT], [LONG], [SHORT, LONG]], ids=["context8", "context16", "batch2"])
+def test_compiled_tokens_equal_eager_for_each_bucket(compiled, prompts):
+    eager = eager_model()
+    expected = tokens(eager, prompts)  # exact shapes, no buckets
+    assert tokens(eager, prompts, buckets=BUCKETS) == expected  # eager at the bucketed shapes
+    assert tokens(compiled, prompts) == expected
+
+
+def test_every_bucket_shape_got_its_own_graph(compiled):
+    for prompts in ([SHORT], [LONG], [SHORT, LONG], [LONG, SHORT]):
+        tokens(compiled, prompts)
+    seen = {(g.phase, g.batch, g.length) for g in compiled.stats().graphs}
+    assert seen == {("context", 1, 8), ("context", 1, 16), ("context", 2, 16), ("token", 1, 32), ("token", 2, 32)}
+
+
+def test_one_prompt_in_a_batch_bucket_of_two_gets_a_filler_row():
+    eager = eager_model()
+    buckets = Buckets.build(context=[8], token=[32], batch=[2])
+    assert tokens(eager, [SHORT], buckets=buckets) == tokens(eager, [SHORT])
+
+
+def test_shapes_outside_the_buckets_are_refused(compiled):
+    cache = compiled.new_cache(1, 64)
+    with pytest.raises(ValueError, match=r"token-generation input of batch 1 x length 64 is not a bucket shape"):
+        compiled(torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int64), cache,
+                 torch.tensor([0]))
+    with pytest.raises(ValueError, match=r"prompt length \(17\) is longer than the largest context-encoding bucket "
+                                         r"\(16\)"):
+        generate(compiled, [list(range(1, 18))], [GREEDY], 2, [])
+
+
+def test_unknown_granularity_is_refused():
+    with pytest.raises(ValueError, match="granularity 'graph' must be one of model, layer, collective"):
+        CompiledCausalLM(eager_model(), BUCKETS, granularity="graph")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return save_model(build_random_model("llama", seed=3), tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.mark.slow
+def test_tp2_compiled_equals_eager_through_ray(ray_session, tiny_dir):
+    from launcher.api import Launcher
+
+    prompts = [SHORT, [SHORT, LONG]]
+    runs = {}
+    for compile_ in (False, True):
+        with Launcher(model=str(tiny_dir), tp=2, compile=compile_, context_buckets=(8, 16), token_buckets=(32,),
+                      max_batch_size=2, progress=False) as launcher:
+            runs[compile_] = [[r.token_ids for r in launcher.generate(p if isinstance(p[0], list) else [p],
+                                                                       max_new_tokens=NEW, ignore_eos=True)]
+                              for p in prompts]
+            stats = [s.compile for s in launcher.load_stats]
+        assert (stats == [None, None]) != compile_  # the compiled run really compiled
+    assert runs[True] == runs[False]
+    # and both equal TP 1 eager at exact shapes
+    assert runs[False] == [tokens(eager_model(), [SHORT]), tokens(eager_model(), [SHORT, LONG])]
