@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from workers.backends.base import Backend, RendezvousInfo
+from workers.backends.base import Backend, CompileOptions, RendezvousInfo
 from workers.collectives import Collectives, TorchDistributedCollectives
 
 _INSTALL_HINT = (
@@ -80,10 +80,16 @@ class NeuronBackend(Backend):
         xla_model = import_neuron_module("torch_xla.core.xla_model")
         return xla_model.xla_device()
 
-    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        # Per-bucket tracing with torch_neuronx / neuronx_distributed.trace comes with compiled
-        # graphs; until then the model runs through torch-xla lazily on the device.
-        return model.to(self.device)
+    def prepare_model(self, model: torch.nn.Module, compile: CompileOptions | None = None):
+        """Eager: the model on the XLA device, run lazily by torch-xla. Compiled: one Neuron graph per
+        bucket traced and compiled with neuronx-distributed's ModelBuilder, saved into
+        compile.cache_dir and loaded from there later (workers/compiled_neuron.py; UNVERIFIED)."""
+        if compile is None:
+            return model.to(self.device)
+        from workers.compiled_neuron import NeuronCompiledModel
+
+        return NeuronCompiledModel(model, compile.buckets, model.rank, model.layout.tp_degree,
+                                   compile.cache_dir, import_neuron_module)
 
     def shutdown(self) -> None:
         import torch.distributed as dist

@@ -1,0 +1,129 @@
+"""Per-bucket Neuron graphs through neuronx-distributed's ModelBuilder (V2) — UNVERIFIED.
+
+Written against the documented neuronx-distributed API (ModelBuilder(model).trace(args, tag=...)
+once per bucket, .compile(compiler_workdir=...) -> NxDModel; NxDModel.set_weights, .to_neuron,
+.save / NxDModel.load with start_rank and local_ranks_size; forward routes inputs to the graph whose
+example shapes they match). No Neuron device exists where corelaunch is developed, so none of this
+has run; it is kept behind the backend seam (workers/backends/neuron.py) and nothing else imports it.
+
+The design differs from the CPU path (workers/compiled.py) where the device forces it:
+- the KV cache lives on the device as the traced module's buffers, which neuronx-distributed keeps
+  as state between calls: one cache of (largest batch bucket, kv_heads, largest token bucket,
+  head_dim) per layer. Graphs for smaller buckets use its leading rows and slots (NxD Inference
+  does the same), so every graph shares one set of state tensors;
+- a context-encoding graph writes slots [0, context) and attends over the prompt itself; a
+  token-generation graph for bucket t writes one slot and attends over slots [0, t);
+- each Ray actor drives one rank: the NxDModel is built with start_rank=rank, local_ranks_size=1,
+  and holds only this rank's weights.
+Compiled graphs are saved with NxDModel.save into the compile cache directory (a compiled-model
+directory's cache/neuron-rank-N.pt) and loaded from there by later processes instead of compiling.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from shardlib.buckets import Buckets
+from workers.model import ShardedCausalLM, attention_bias_mask
+
+
+class NeuronStep(nn.Module):
+    """One phase of one bucket as a traceable module: the model plus the device-resident KV cache."""
+
+    def __init__(self, model: ShardedCausalLM, buckets: Buckets) -> None:
+        super().__init__()
+        self.model = model
+        shape = (buckets.max_batch_size, model.layout.kv_heads_per_rank, buckets.max_seq_len, model.config.head_dim)
+        for i in range(model.config.num_hidden_layers):
+            self.register_buffer(f"k_cache_{i}", torch.zeros(shape, dtype=model.dtype), persistent=False)
+            self.register_buffer(f"v_cache_{i}", torch.zeros(shape, dtype=model.dtype), persistent=False)
+        model._ensure_rotary(buckets.max_seq_len)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
+                cache_positions: torch.Tensor, logit_index: torch.Tensor) -> torch.Tensor:
+        """Logits (batch, vocab) at logit_index; a prefill when input_ids has more than one column."""
+        model = self.model
+        batch, seq = input_ids.shape
+        slots = attention_mask.shape[1]  # the token bucket; a prefill's own length
+        cos, sin = model.rotary.lookup(position_ids, model.dtype)
+        if seq > 1:  # context encoding from slot 0: attention over the prompt itself
+            mask = attention_bias_mask(seq, cache_positions, attention_mask)
+        else:
+            mask = attention_bias_mask(slots, cache_positions, attention_mask)
+        x = model.embed(input_ids)
+        for i, layer in enumerate(model.layers):
+            k_cache = getattr(self, f"k_cache_{i}")[:batch, :, :slots]
+            v_cache = getattr(self, f"v_cache_{i}")[:batch, :, :slots]
+            h = layer.input_norm(x)
+            q, k, v = layer.attention.project(h, cos, sin)
+            k_cache.index_copy_(2, cache_positions, k)
+            v_cache.index_copy_(2, cache_positions, v)
+            keys, values = (k, v) if seq > 1 else (k_cache, v_cache)
+            x = x + model.collectives.all_reduce_sum_(layer.attention.attend(q, keys, values, mask))
+            x = x + layer.mlp(layer.post_attention_norm(x))
+        return model.gather_logits(model.local_logits(x, logit_index))
+
+
+class _DeviceCache:
+    """What engine.generate needs of a KV cache when the cache itself lives on the device."""
+
+    def __init__(self, batch: int, max_seq_len: int) -> None:
+        self.batch, self.max_seq_len = batch, max_seq_len
+
+    def reset(self) -> None:  # stale slots are masked; the device cache is never read past them
+        pass
+
+
+class NeuronCompiledModel:
+    """Drop-in for ShardedCausalLM in workers.engine.generate on a Neuron device (UNVERIFIED)."""
+
+    def __init__(self, model: ShardedCausalLM, buckets: Buckets, rank: int, world_size: int,
+                 cache_dir: str | None, import_module) -> None:
+        self.model, self.buckets = model, buckets
+        self.config, self.collectives, self.dtype = model.config, model.collectives, model.dtype
+        self._graphs: list[tuple[str, int, int]] = []
+        nxd = import_module("neuronx_distributed")
+        workdir = Path(cache_dir) if cache_dir else Path(tempfile.mkdtemp(prefix="corelaunch-neuron-"))
+        saved = workdir / f"neuron-rank-{rank}.pt"
+        step = NeuronStep(model, buckets)
+        if not saved.is_file():
+            builder = nxd.ModelBuilder(step)
+            for phase, batch, length in buckets.shapes():
+                builder.trace(args=self._example(phase, batch, length), tag=f"{phase}-b{batch}-l{length}")
+                self._graphs.append((phase, batch, length))
+            builder.compile(compiler_workdir=str(workdir / "neuronx-cc")).save(str(saved))
+        # Loaded back as this rank alone: one process drives one rank (and holds its weights only).
+        self._nxd = nxd.NxDModel.load(str(saved), start_rank=rank, local_ranks_size=1)
+        weights = {name: tensor for name, tensor in step.state_dict().items() if "_cache_" not in name}
+        self._nxd.set_weights([weights])
+        self._nxd.to_neuron()
+
+    def _example(self, phase: str, batch: int, length: int) -> tuple[torch.Tensor, ...]:
+        """Inputs of one bucket's shape (their values do not matter to tracing)."""
+        seq = length if phase == "context" else 1  # a prefill's mask covers its own slots only
+        return (torch.zeros(batch, seq, dtype=torch.int64), torch.zeros(batch, seq, dtype=torch.int64),
+                torch.ones(batch, length, dtype=torch.bool), torch.arange(seq), torch.tensor([seq - 1]))
+
+    def new_cache(self, batch: int, max_seq_len: int) -> _DeviceCache:
+        return _DeviceCache(batch, max_seq_len)
+
+    def __call__(self, input_ids, position_ids, cache, cache_positions, attention_mask=None, logit_index=None):
+        batch, seq = input_ids.shape
+        if attention_mask is None:
+            attention_mask = torch.ones(batch, cache.max_seq_len, dtype=torch.bool)
+        if logit_index is None:
+            logit_index = torch.tensor([seq - 1])
+        if seq > 1:  # route by shape: a prefill graph is keyed by its context bucket alone
+            attention_mask = attention_mask[:, :seq]
+        return self._nxd(input_ids, position_ids, attention_mask, cache_positions, logit_index)
+
+    forward = __call__
+
+    def stats(self):
+        from workers.compiled import CompileStats, GraphStats
+
+        return CompileStats(graphs=[GraphStats(p, b, n, 0.0) for p, b, n in self._graphs])
