@@ -51,8 +51,10 @@ def test_smollm2_greedy_says_paris_and_matches_transformers(tp, demo_dir, hf_tok
 @pytest.mark.slow
 def test_cli_generate_json_prints_only_json(demo_dir):
     proc = subprocess.run(
+        # --ray-address local: its own Ray, not whatever cluster earlier tests left discoverable
         [sys.executable, "-m", "launcher", "generate", "--model", str(demo_dir), "--tp", "3",
-         "--max-new-tokens", "4", "--json", PROMPT, "--prompt", "The capital of Italy is"],
+         "--ray-address", "local", "--max-new-tokens", "4", "--json", PROMPT,
+         "--prompt", "The capital of Italy is"],
         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)  # the whole stdout is one JSON object
