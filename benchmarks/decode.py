@@ -1,10 +1,23 @@
-"""Decode speed, side by side in one run: transformers generate(), corelaunch in-process, corelaunch via Ray.
+"""Decode speed and start-up time, side by side in one run; prints one JSON object.
 
-SmolLM2-135M-Instruct, float32, batch 1, greedy, a fixed prompt and a fixed number of new tokens
-(EOS ignored so every run decodes the same count). Each variant runs `--repeats` times, interleaved
-so machine noise hits all of them alike; the median is reported. Prints one JSON object.
+SmolLM2-135M-Instruct, float32, batch 1, greedy, a 128-token prompt, 128 new tokens (EOS ignored
+so every run decodes the same count). Decode variants, each run `--repeats` times interleaved so
+machine noise hits all alike (median and best reported):
+- transformers generate();
+- corelaunch's worker code in this process (no Ray): eager, compiled (the default "layer"
+  granularity) and compiled as one whole-model graph ("model" granularity);
+- corelaunch TP 1 through Ray (compiled, the default).
+Alongside: the weights-over-bandwidth bound (weight bytes / ~29 GB/s from one thread, ~33 GB/s from
+two, as DESIGN.md measured on the development machine).
 
-    python benchmarks/decode.py [--new-tokens 128] [--repeats 3] [--threads 2]
+Start-up, each in a fresh process with its own fresh Ray instance, until every bucket's graph is
+built and a first request has its first tokens: cold (from the Hugging Face checkpoint with an
+empty compile cache, so sharding and compiling are included) and warm (from a compiled-model
+directory written by `corelaunch compile`). Both build the same graphs (the buckets for the
+benchmark request: context 128, token 128 and 256).
+
+    python benchmarks/decode.py [--new-tokens 128] [--prompt-tokens 128] [--repeats 3] [--threads 2]
+                                [--skip-start] [--skip-model-granularity]
 """
 
 from __future__ import annotations
@@ -13,28 +26,50 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
-PROMPT = "The capital of France is"
+TEXT = ("The history of the city begins with a small settlement on the river, where traders met to exchange "
+        "grain, salt and cloth. Over the centuries the market grew into a town, the town into a city, and ")
+BANDWIDTH_GBPS = {"one_thread": 29.0, "two_threads": 33.0}  # DESIGN.md, development machine
 
 
-def hf_runner(model_dir: Path, prompt_ids: list[int], new_tokens: int):
+def prompt_ids(tokenizer, length: int) -> list[int]:
+    """Exactly `length` token ids of ordinary English text."""
+    ids: list[int] = []
+    while len(ids) < length:
+        ids += tokenizer(TEXT)["input_ids"]
+    return ids[:length]
+
+
+def bucket_settings(prompt_tokens: int, new_tokens: int) -> dict:
+    """The smallest buckets that hold the benchmark request: one context bucket, one cache bucket."""
+    from shardlib.buckets import auto_buckets
+
+    seq = next(b for b in auto_buckets(8192) if b >= prompt_tokens + new_tokens)
+    return {"seq_len": seq, "max_context_length": next(b for b in auto_buckets(8192) if b >= prompt_tokens),
+            "max_batch_size": 1}
+
+
+def hf_runner(model_dir: Path, ids: list[int], new_tokens: int):
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = torch.tensor([prompt_ids])
+    inputs = torch.tensor([ids])
 
     def timed(n: int) -> float:
         start = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+            out = model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=n, min_new_tokens=n,
                                  do_sample=False, pad_token_id=0)
-        assert out.shape[1] == len(prompt_ids) + n
+        assert out.shape[1] == len(ids) + n
         return time.perf_counter() - start
 
     def run() -> dict:
@@ -46,19 +81,28 @@ def hf_runner(model_dir: Path, prompt_ids: list[int], new_tokens: int):
     return run
 
 
-def in_process_runner(model_dir: Path, prompt_ids: list[int], new_tokens: int, threads: int):
+def worker_runner(model_dir: Path, ids: list[int], new_tokens: int, threads: int, compile_: bool,
+                  granularity: str | None = None):
     """The worker code corelaunch runs inside each Ray actor, driven directly (no Ray)."""
+    from shardlib.buckets import Buckets
     from shardlib.model_config import load_model_config
     from shardlib.sharding import ShardLayout
     from workers.rank_worker import GenerateRequest, LoadSpec, RankWorker, WorkerSpec
     from workers.sampling import SamplingParams
 
     config = load_model_config(model_dir)
+    settings = bucket_settings(len(ids), new_tokens)
+    buckets = Buckets.build(max_context_length=settings["max_context_length"], max_seq_len=settings["seq_len"])
     worker = RankWorker(WorkerSpec(rank=0, world_size=1, backend="cpu", threads=threads))
     worker.init_backend("127.0.0.1", 0, timeout_s=60)
     worker.load(LoadSpec(config=config, layout=ShardLayout.for_model(config, 1), dtype="float32",
-                         model_dir=str(model_dir)))
-    request = GenerateRequest(prompts=[prompt_ids], params=[SamplingParams()], max_new_tokens=new_tokens)
+                         model_dir=str(model_dir), compile=compile_ and granularity is None,
+                         buckets=buckets if compile_ else None))
+    if granularity is not None:  # another granularity than the backend's default: wrap the eager model
+        from workers.compiled import CompiledCausalLM
+
+        worker._model = CompiledCausalLM(worker._model, buckets, granularity=granularity)
+    request = GenerateRequest(prompts=[ids], params=[SamplingParams()], max_new_tokens=new_tokens)
 
     def run() -> dict:
         start = time.perf_counter()
@@ -71,14 +115,15 @@ def in_process_runner(model_dir: Path, prompt_ids: list[int], new_tokens: int, t
     return run, worker
 
 
-def ray_runner(model_dir: Path, prompt_ids: list[int], new_tokens: int):
+def ray_runner(model_dir: Path, ids: list[int], new_tokens: int):
     from launcher.api import Launcher
 
-    launcher = Launcher(model=str(model_dir), tp=1, progress=False).start()
+    launcher = Launcher(model=str(model_dir), tp=1, progress=False, ray_address="local",
+                        **bucket_settings(len(ids), new_tokens)).start()
 
     def run() -> dict:
         start = time.perf_counter()
-        [out] = launcher.generate([prompt_ids], max_new_tokens=new_tokens, ignore_eos=True)
+        [out] = launcher.generate([ids], max_new_tokens=new_tokens, ignore_eos=True)
         e2e = time.perf_counter() - start
         assert len(out.token_ids) == new_tokens
         return {"time_to_first_token_s": out.time_to_first_token_s,
@@ -87,16 +132,101 @@ def ray_runner(model_dir: Path, prompt_ids: list[int], new_tokens: int):
     return run, launcher
 
 
-def median_of(runs: list[dict]) -> dict:
-    return {key: round(statistics.median(r[key] for r in runs), 4) for key in runs[0]}
+def summarize(runs: list[dict]) -> dict:
+    out = {key: round(statistics.median(r[key] for r in runs), 4) for key in runs[0]}
+    out["best_decode_tokens_per_s"] = round(max(r["decode_tokens_per_s"] for r in runs), 2)
+    return out
+
+
+# ---- start-up, in fresh processes ---------------------------------------------------------------
+def start_probe(args) -> None:
+    """Child process: start a Launcher (cold: from the checkpoint; warm: from a compiled directory)
+    with every bucket's graph built at start (warm_up), run one request of 2 new tokens (its
+    prefill and one decode step), print timings and the compile-cache counters as JSON."""
+    t0 = time.perf_counter()
+    from launcher.api import Launcher
+
+    ids = json.loads(args.probe_ids)
+    options = ({"compiled_dir": args.compiled_dir} if args.compiled_dir else
+               {"model": args.model_dir, "tp": 1, **bucket_settings(len(ids), args.new_tokens)})
+    imported = time.perf_counter()
+    with Launcher(progress=False, ray_address="local", warm_up=True, **options) as launcher:
+        started = time.perf_counter()
+        [out] = launcher.generate([ids], max_new_tokens=2, ignore_eos=True)
+        done = time.perf_counter()
+        stats = launcher.load_stats[0].compile
+    print(json.dumps({"import_s": imported - t0, "start_s": started - imported, "first_request_s": done - started,
+                      "ready_s": done - t0, "ttft_s": out.time_to_first_token_s,
+                      "graphs_built": len(stats["graphs"]), "compile_s": stats["compile_s"],
+                      "fxgraph_cache_hit": stats["fxgraph_cache_hit"],
+                      "fxgraph_cache_miss": stats["fxgraph_cache_miss"]}))
+
+
+def run_start_probe(ids: list[int], new_tokens: int, model_dir: Path, compiled_dir: Path | None,
+                    cache_dir: Path) -> dict:
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache_dir))  # cold: empty; warm: unused
+    cmd = [sys.executable, __file__, "--start-probe", "--probe-ids", json.dumps(ids), "--new-tokens", str(new_tokens),
+           "--model-dir", str(model_dir)] + (["--compiled-dir", str(compiled_dir)] if compiled_dir else [])
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"start probe failed:\n{proc.stderr[-3000:]}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {"wall_s": round(wall, 3), **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in result.items()}}
+
+
+def start_times(ids: list[int], new_tokens: int, model_dir: Path, repeats: int) -> dict:
+    settings = bucket_settings(len(ids), new_tokens)
+    with tempfile.TemporaryDirectory(prefix="corelaunch-bench-") as tmp:
+        tmp = Path(tmp)
+        compiled = tmp / "compiled"
+        start = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "launcher", "compile", "--model", str(model_dir), "--tp", "1",
+                               "--seq-len", str(settings["seq_len"]), "--max-context-length",
+                               str(settings["max_context_length"]), "--max-batch-size",
+                               str(settings["max_batch_size"]), "--ray-address", "local", "--quiet",
+                               "--out", str(compiled)],
+                              cwd=REPO, env=dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp / "compile-cache")),
+                              capture_output=True, text=True, timeout=3600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"corelaunch compile failed:\n{proc.stderr[-3000:]}")
+        build_s = time.perf_counter() - start
+        cold, warm = [], []
+        for i in range(repeats):  # interleaved; each cold run gets a new empty compile cache
+            cold.append(run_start_probe(ids, new_tokens, model_dir, None, tmp / f"cold-cache-{i}"))
+            warm.append(run_start_probe(ids, new_tokens, model_dir, compiled, tmp / f"warm-cache-{i}"))
+        manifest = json.loads((compiled / "manifest.json").read_text())
+    med = lambda runs, key: round(statistics.median(r[key] for r in runs), 3)  # noqa: E731
+    return {
+        "compiled_dir_build_s": round(build_s, 3),
+        "compiled_dir_graphs": [(g["phase"], g["batch"], g["length"], round(g["first_call_s"], 2))
+                                for g in manifest["graphs"]],
+        "cold": {"median_wall_s": med(cold, "wall_s"), "median_ready_s": med(cold, "ready_s"), "runs": cold},
+        "warm": {"median_wall_s": med(warm, "wall_s"), "median_ready_s": med(warm, "ready_s"), "runs": warm},
+        "warm_over_cold_wall": round(med(warm, "wall_s") / med(cold, "wall_s"), 4),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--start-repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--skip-start", action="store_true", help="no cold/warm start-up measurement")
+    parser.add_argument("--start-only", action="store_true", help="only the cold/warm start-up measurement")
+    parser.add_argument("--skip-model-granularity", action="store_true",
+                        help="no whole-model-graph variant (its first compile takes minutes)")
+    parser.add_argument("--start-probe", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--probe-ids", help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--compiled-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.start_probe:
+        start_probe(args)
+        return
 
     import torch
     from transformers import AutoTokenizer
@@ -104,15 +234,27 @@ def main() -> None:
     from shardlib.demo_model import ensure_demo_model
 
     torch.set_num_threads(args.threads)
-    model_dir = ensure_demo_model()
-    prompt_ids = AutoTokenizer.from_pretrained(model_dir)(PROMPT)["input_ids"]
+    model_dir = Path(ensure_demo_model())
+    ids = prompt_ids(AutoTokenizer.from_pretrained(model_dir), args.prompt_tokens)
+    if args.start_only:
+        print(json.dumps({"prompt_tokens": len(ids), "new_tokens": args.new_tokens,
+                          "start": start_times(ids, args.new_tokens, model_dir, args.start_repeats)}, indent=2))
+        return
 
-    runners = {"transformers_generate": hf_runner(model_dir, prompt_ids, args.new_tokens)}
-    runners["corelaunch_in_process"], worker = in_process_runner(model_dir, prompt_ids, args.new_tokens,
-                                                                 args.threads)
-    runners["corelaunch_ray_tp1"], launcher = ray_runner(model_dir, prompt_ids, args.new_tokens)
+    runners = {"transformers_generate": hf_runner(model_dir, ids, args.new_tokens)}
+    workers = []
+    for name, compile_, granularity in (("corelaunch_eager_in_process", False, None),
+                                        ("corelaunch_compiled_in_process", True, None),
+                                        ("corelaunch_compiled_model_graph_in_process", True, "model")):
+        if granularity == "model" and args.skip_model_granularity:
+            continue
+        runners[name], worker = worker_runner(model_dir, ids, args.new_tokens, args.threads, compile_, granularity)
+        workers.append(worker)
+    # every weight is read once per decoded token (the tied embedding once, as the LM head)
+    weight_bytes = sum(p.numel() * p.element_size() for p in workers[0]._model.parameters())
+    runners["corelaunch_ray_tp1_compiled"], launcher = ray_runner(model_dir, ids, args.new_tokens)
     try:
-        for run in runners.values():  # warm-up: first-call allocations, lazy inits
+        for run in runners.values():  # warm-up: compiles graphs, first-call allocations, lazy inits
             run()
         samples: dict[str, list[dict]] = {name: [] for name in runners}
         for _ in range(args.repeats):
@@ -120,25 +262,33 @@ def main() -> None:
                 samples[name].append(run())
     finally:
         launcher.shutdown()
-        worker.shutdown()
+        for worker in workers:
+            worker.shutdown()
 
-    results = {name: median_of(runs) for name, runs in samples.items()}
-    ray_r, local_r, hf_r = (results[k] for k in ("corelaunch_ray_tp1", "corelaunch_in_process",
-                                                  "transformers_generate"))
+    results = {name: summarize(runs) for name, runs in samples.items()}
+    hf = results["transformers_generate"]["decode_tokens_per_s"]
+    compiled = results["corelaunch_compiled_in_process"]["decode_tokens_per_s"]
+    ray_r = results["corelaunch_ray_tp1_compiled"]
     report = {
-        "model": "SmolLM2-135M-Instruct", "dtype": "float32", "batch": 1, "prompt_tokens": len(prompt_ids),
+        "model": "SmolLM2-135M-Instruct", "dtype": "float32", "batch": 1, "prompt_tokens": len(ids),
         "new_tokens": args.new_tokens, "threads": args.threads, "repeats": args.repeats, "results": results,
+        "bound": {"weight_bytes": weight_bytes, **{
+            f"decode_tokens_per_s_at_{gbps:g}GBps_{name}": round(gbps * 1e9 / weight_bytes, 1)
+            for name, gbps in BANDWIDTH_GBPS.items()}},
         "ratios": {
-            # decode rate measured inside the worker: Ray is not in the loop at all
-            "ray_over_in_process_decode": round(ray_r["decode_tokens_per_s"] / local_r["decode_tokens_per_s"], 4),
-            # whole request as the driver sees it: includes Ray's call and result transfer
-            "ray_over_in_process_e2e_throughput": round(local_r["e2e_s"] / ray_r["e2e_s"], 4),
-            "ray_share_of_request_time": round(max(0.0, ray_r["e2e_s"] - local_r["e2e_s"]) / ray_r["e2e_s"], 4),
-            "corelaunch_tp1_over_transformers_decode": round(
-                local_r["decode_tokens_per_s"] / hf_r["decode_tokens_per_s"], 4),
+            "compiled_tp1_over_transformers_decode": round(compiled / hf, 4),
+            "ray_compiled_tp1_over_transformers_decode": round(ray_r["decode_tokens_per_s"] / hf, 4),
+            "compiled_over_eager_decode": round(
+                compiled / results["corelaunch_eager_in_process"]["decode_tokens_per_s"], 4),
+            "ray_over_in_process_decode": round(ray_r["decode_tokens_per_s"] / compiled, 4),
         },
-        "targets": {"ray_over_in_process_e2e_throughput": ">= 0.97"},
+        "targets": {"compiled_tp1_over_transformers_decode": ">= 1.5", "warm_over_cold_wall": "<= 0.5"},
     }
+    if "corelaunch_compiled_model_graph_in_process" in results:
+        report["ratios"]["model_graph_over_layer_graphs_decode"] = round(
+            results["corelaunch_compiled_model_graph_in_process"]["decode_tokens_per_s"] / compiled, 4)
+    if not args.skip_start:
+        report["start"] = start_times(ids, args.new_tokens, model_dir, args.start_repeats)
     print(json.dumps(report, indent=2))
 
 

@@ -37,6 +37,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--lnc", type=int, choices=[1, 2])
     p.add_argument("--kv-strategy", choices=["shard", "replicate_to_tp", "convert_to_mha"])
     add_bucket_arguments(p, max_batch_default=1)
+    p.add_argument("--granularity", choices=["layer", "model"],
+                   help="TP 1 on cpu: one graph per decoder layer (default; compiles fast) or one graph for the "
+                        "whole model (decodes ~15%% faster, compiles several times slower)")
     p.add_argument("--ray-address", help="Ray cluster address (default: a running cluster, else local)")
     p.add_argument("--json", action="store_true", help="print the manifest as JSON on stdout")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -131,6 +134,10 @@ def compile_model(args: argparse.Namespace) -> dict:
         raise PlanRejected(f"the layout is impossible; nothing was written:\n{lines}",
                            [dict(e) for e in plan.to_dict()["errors"]])
     buckets = compiled_dir.launch_buckets(config, plan, model_config)
+    granularity = args.granularity or (DEFAULT_GRANULARITY if plan.tp_degree == 1 else "collective")
+    if plan.tp_degree > 1 and granularity != "collective":
+        raise ValueError(f"--granularity {granularity} needs --tp 1: at TP {plan.tp_degree} the graphs are cut at "
+                         f"the collectives; drop --granularity")
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -145,7 +152,7 @@ def compile_model(args: argparse.Namespace) -> dict:
             "model_type": model_config.model_type, "source": str(model_dir.resolve()),
             "tp_degree": plan.tp_degree, "kv_strategy": str(plan.kv_strategy), "lnc": plan.lnc,
             "instance": instance, "backend": backend, "dtype": plan.dtype, "buckets": buckets.to_dict(),
-            "granularity": DEFAULT_GRANULARITY if plan.tp_degree == 1 else "collective",
+            "granularity": granularity,
             "versions": library_versions(), "graphs": [],
         }
         _write_manifest(tmp, manifest)

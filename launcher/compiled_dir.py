@@ -127,8 +127,10 @@ def load_spec_fields(config, plan, model_config) -> dict[str, Any]:
     fields: dict[str, Any] = {"compile": bool(config.compile), "warm_up": bool(config.compile and config.warm_up),
                               "buckets": launch_buckets(config, plan, model_config) if bucketed else None}
     if config.compiled_dir is not None:
+        manifest = read_manifest(config.compiled_dir)
         fields["compile_cache_dir"] = str(cache_dir(config.compiled_dir))
-        fields["expected_versions"] = read_manifest(config.compiled_dir)["versions"]
+        fields["compile_granularity"] = manifest.get("granularity")
+        fields["expected_versions"] = manifest["versions"]
         if fields["warm_up"]:
             fields["progress_file"] = str(Path(config.compiled_dir) / COMPILE_LOG)
     return fields

@@ -1,9 +1,9 @@
 """Compiled graphs (workers/compiled.py) against eager execution: identical greedy tokens.
 
 TP 1 runs in this process for every bucket: each context-encoding and token-generation bucket at
-two batch buckets, prompts padded on both ends, plus a batch that needs filler rows. TP 2 runs
+two batch buckets, prompts padded on both ends, plus a batch that needs filler rows. TP 2 and 3 run
 through the Launcher (real Ray worker processes, the CPU backend's collectives between compiled
-regions). torch.compile is slow (the first graph of a process takes ~15 s on 2 cores, later ones
+regions; marked slow). torch.compile is slow (the first graph of a process takes ~15 s on 2 cores, later ones
 ~4 s; inductor's cache makes reruns faster), so the models are tiny and the shapes few.
 """
 
@@ -80,30 +80,41 @@ def test_shapes_outside_the_buckets_are_refused(compiled):
         generate(compiled, [list(range(1, 18))], [GREEDY], 2, [])
 
 
+@pytest.mark.slow
+def test_whole_model_graph_equals_eager():
+    model = CompiledCausalLM(eager_model(), BUCKETS, granularity="model")
+    assert tokens(model, [SHORT, LONG]) == tokens(eager_model(), [SHORT, LONG])
+
+
 def test_unknown_granularity_is_refused():
     with pytest.raises(ValueError, match="granularity 'graph' must be one of model, layer, collective"):
         CompiledCausalLM(eager_model(), BUCKETS, granularity="graph")
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return save_model(build_random_model("llama", seed=3), tmp_path_factory.mktemp("tiny"))
+TP_MODELS = {  # tp degree: build_random_model arguments that split at that degree
+    2: dict(seed=3),
+    3: dict(seed=3, hidden_size=48, num_heads=6, num_kv_heads=3, vocab_size=130, intermediate_size=100,
+            tie_word_embeddings=True),
+}
 
 
 @pytest.mark.slow
-def test_tp2_compiled_equals_eager_through_ray(ray_session, tiny_dir):
+@pytest.mark.parametrize("tp", [2, 3])
+def test_tp_compiled_equals_eager_through_ray(ray_session, tmp_path, tp):
     from launcher.api import Launcher
 
-    prompts = [SHORT, [SHORT, LONG]]
+    hf = build_random_model("llama", **TP_MODELS[tp])
+    model_dir = save_model(hf, tmp_path / "model")
+    batches = [[SHORT], [SHORT, LONG]]
     runs = {}
     for compile_ in (False, True):
-        with Launcher(model=str(tiny_dir), tp=2, compile=compile_, context_buckets=(8, 16), token_buckets=(32,),
+        with Launcher(model=str(model_dir), tp=tp, compile=compile_, context_buckets=(8, 16), token_buckets=(32,),
                       max_batch_size=2, progress=False) as launcher:
-            runs[compile_] = [[r.token_ids for r in launcher.generate(p if isinstance(p[0], list) else [p],
-                                                                       max_new_tokens=NEW, ignore_eos=True)]
-                              for p in prompts]
+            runs[compile_] = [[r.token_ids for r in launcher.generate(batch, max_new_tokens=NEW, ignore_eos=True)]
+                              for batch in batches]
             stats = [s.compile for s in launcher.load_stats]
-        assert (stats == [None, None]) != compile_  # the compiled run really compiled
+        assert (stats == [None] * tp) != compile_  # the compiled run really compiled
     assert runs[True] == runs[False]
     # and both equal TP 1 eager at exact shapes
-    assert runs[False] == [tokens(eager_model(), [SHORT]), tokens(eager_model(), [SHORT, LONG])]
+    tp1 = build_rank_model(ModelConfig.from_dict(hf.config.to_dict()), hf_state_dict(hf), 0, 1, SingleRank())
+    assert runs[False] == [tokens(tp1, batch) for batch in batches]

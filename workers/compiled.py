@@ -13,32 +13,36 @@ Two phases, each with its own graphs (shapes from shardlib.buckets):
 Granularity (what one graph covers):
 - TP 1 ("layer", the default): one graph per decoder layer call, shared by every layer (weights are
   graph inputs, not constants), plus a small prologue and epilogue graph. "model" (one graph for
-  the whole step) decodes about 9% faster but compiles 10x slower, and its compile time grows
-  with the number of layers; it stays available as CompiledCausalLM(granularity="model").
+  the whole step) decodes ~15% faster but compiles ~3x slower, and its compile and warm-start
+  times grow with the number of layers; `corelaunch compile --granularity model` selects it.
 - TP > 1 ("collective"): collectives stay outside compiled code whatever implements them (gloo,
   shared memory, ...): each layer is cut at its two all-reduces into an attention and an MLP
   region, compiled once per shape and shared by all layers; the runner calls the collectives
-  eagerly between regions (two graph boundaries per layer).
+  eagerly between regions (two graph boundaries per layer, ~70 us of call overhead per region).
 
 Decode matmuls: with one row per step, workers.layers.linear writes the product as a
 multiply-and-sum inside compiled graphs, which inductor turns into a vectorised reduction split
 over the threads: 30 layers of SmolLM2-shaped weights stream at ~29 GB/s that way against ~11 GB/s
 through the BLAS GEMV that F.linear calls (measured in isolation, 2 threads). That, not the removed
-Python overhead (~5%), is where the compiled speed-up comes from.
+Python overhead (~5%), is most of the compiled speed-up. Batches of 2-8 rows measured the same
+either way, so they keep F.linear.
 
 Measured choice: torch.compile (inductor) with its cache persisted, not AOTInductor. SmolLM2-135M
-fp32, batch 1, 128-token prompt, 2 threads, on the shared 2-core development machine (medians of 6
-interleaved runs; the machine was busy, so absolute numbers are noisy):
-- decode tokens/s: eager 15.8, transformers generate() 15.1, "layer" 44.7, "model" 48.9, regions
-  cut at collectives (what TP > 1 runs, measured at TP 1) ~39;
-- compiling the two graphs a request needs (context 128, token 256) from an empty cache: "layer"
-  ~13 s, "model" ~81 s; with the cache persisted (a warm start): "layer" 1-5 s, "model" 8-10 s;
-- AOTInductor (torch.export + aoti_compile_and_package, weights loaded with load_constants):
-  one whole-model decode graph took 10-16 s to export and 125-187 s to compile (busy machine), and
-  loads in ~0.02 s. It runs the same inductor kernels, so decode speed is no better; it compiles
-  2-3x slower, and torch.export cannot leave our eager collectives outside the graph, so TP > 1
-  would need every region exported separately. The persisted inductor cache already makes a warm
-  start several times faster than a cold one, so AOTInductor's faster load does not pay for that.
+fp32, 2 threads, on the shared 2-core development machine (noisy; quiet-period numbers):
+- benchmarks/decode.py (batch 1, 128-token prompt, 128 new tokens, medians of 3): decode tokens/s
+  transformers generate() 14.2, eager 15.3, "layer" 48.0, "model" 56.0; weights over bandwidth
+  53.9 (29 GB/s) to 61.3 (33 GB/s);
+- one decode graph (cache 256) from an empty cache, then raw forward steps/s: torch.compile
+  "layer" 13.7 s, 38.9/s; torch.compile "model" 44.8 s, 42.2/s; AOTInductor (torch.export +
+  aoti_compile_and_package, weights given with load_constants) 44.1 s including a 4.0 s export,
+  45.5/s, and 0.006 s to load a compiled package against ~1-4 s for torch.compile to trace and
+  fetch the same graph from its cache.
+AOTInductor would gain ~8% decode over the whole-model graph and a few seconds of warm start, but
+torch.export cannot leave our eager collectives outside the graph (TP > 1 would need every region
+exported and packaged per shape), and plain `corelaunch generate` would still need torch.compile to
+build the shapes nobody precompiled. One mechanism covers both here: graphs built on first use,
+and the same graphs persisted by `corelaunch compile`. The warm start meets its target without it
+(benchmarks/decode.py: cold 36.5 s, warm 17.3 s from a compiled-model directory).
 
 Persisted compilation: inductor's FX-graph and AOTAutograd caches live under TORCHINDUCTOR_CACHE_DIR
 (set per worker by the CPU backend, pointing into a compiled-model directory); a later process that

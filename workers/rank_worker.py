@@ -9,8 +9,10 @@ explicit call made after the launcher has placed the process (so device visibili
 
 from __future__ import annotations
 
+import importlib
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +54,8 @@ class LoadSpec:
     """Run through the backend's per-bucket compiled graphs (needs buckets); False: eager."""
     buckets: Buckets | None = None
     """Bucketed shapes: the graphs' shapes when compiling; eager runs at these shapes too when set."""
+    compile_granularity: str | None = None
+    """What one compiled graph covers (see workers/compiled.py); None: the backend's default."""
     compile_cache_dir: str | None = None
     """Where the backend persists and finds compiled graphs (a compiled-model directory's cache)."""
     warm_up: bool = False
@@ -139,6 +143,10 @@ class RankWorker:
 
         assert self._backend is not None, "init_backend must run before load"
         start = time.perf_counter()
+        if load_spec.compile and self.spec.backend == "cpu":
+            # The compiler's modules take ~2 s to import; do it while the shard is being read.
+            threading.Thread(target=importlib.import_module, args=("torch._inductor.compile_fx",),
+                             daemon=True).start()
         if load_spec.presharded_dir:
             from shardlib.presharded import load_presharded
 
@@ -178,7 +186,8 @@ class RankWorker:
                     fh.write(f"{done} {total} {shape[0]} {shape[1]} {shape[2]} {seconds:.3f}\n")
 
         return CompileOptions(buckets=load_spec.buckets, cache_dir=load_spec.compile_cache_dir,
-                              warm_up=load_spec.warm_up, progress=progress)
+                              granularity=load_spec.compile_granularity, warm_up=load_spec.warm_up,
+                              progress=progress)
 
     def compile_stats(self) -> dict | None:
         """The compiled model's graphs built so far and its compile-cache counters; None when eager."""

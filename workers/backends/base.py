@@ -29,6 +29,9 @@ class CompileOptions:
     cache_dir: str | None = None
     """Where compiled artifacts are persisted and looked up (a compiled-model directory's cache);
     None: the backend's default location."""
+    granularity: str | None = None
+    """What one compiled graph covers where the backend offers a choice (CPU: "layer" or "model" at
+    TP 1, see workers/compiled.py); None: the backend's default."""
     warm_up: bool = False
     """Build every bucket's graph now; otherwise each is built the first time a request needs it."""
     progress: Callable[[int, int, tuple[str, int, int], float], None] | None = None

@@ -53,7 +53,7 @@ class CpuBackend(Backend):
 
         if compile.cache_dir is not None:
             use_cache_dir(compile.cache_dir)
-        compiled = CompiledCausalLM(model, compile.buckets)
+        compiled = CompiledCausalLM(model, compile.buckets, granularity=compile.granularity)
         if compile.warm_up:
             compiled.warm_up(progress=compile.progress)
         return compiled
