@@ -131,6 +131,6 @@ def load_spec_fields(config, plan, model_config) -> dict[str, Any]:
         fields["compile_cache_dir"] = str(cache_dir(config.compiled_dir))
         fields["compile_granularity"] = manifest.get("granularity")
         fields["expected_versions"] = manifest["versions"]
-        if fields["warm_up"]:
+        if fields["warm_up"] and "compile_s" not in manifest:  # still being written by `corelaunch compile`
             fields["progress_file"] = str(Path(config.compiled_dir) / COMPILE_LOG)
     return fields

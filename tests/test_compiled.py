@@ -60,8 +60,11 @@ def test_compiled_tokens_equal_eager_for_each_bucket(compiled, prompts):
 def test_every_bucket_shape_got_its_own_graph(compiled):
     for prompts in ([SHORT], [LONG], [SHORT, LONG], [LONG, SHORT]):
         tokens(compiled, prompts)
-    seen = {(g.phase, g.batch, g.length) for g in compiled.stats().graphs}
+    stats = compiled.stats()
+    seen = {(g.phase, g.batch, g.length) for g in stats.graphs}
     assert seen == {("context", 1, 8), ("context", 1, 16), ("context", 2, 16), ("token", 1, 32), ("token", 2, 32)}
+    # "layer" granularity: a prologue, a layer and an epilogue graph per shape, shared by both layers
+    assert stats.counters["dynamo_graphs"] == 3 * len(seen)
 
 
 def test_one_prompt_in_a_batch_bucket_of_two_gets_a_filler_row():

@@ -57,5 +57,6 @@ def test_a_fresh_process_reuses_the_persisted_graphs(tmp_path):
     assert len(warm["load"]["graphs"]) == 2
     assert warm["load"]["fxgraph_cache_miss"] == 0 and warm["load"]["autograd_cache_miss"] == 0
     assert warm["load"]["fxgraph_cache_hit"] == cold["load"]["fxgraph_cache_miss"]
-    # the request used only the warmed-up graphs: nothing was compiled after load
+    # the request used only the warmed-up graphs: nothing was traced or compiled after load
     assert warm["after"]["fxgraph_cache_miss"] == 0 and len(warm["after"]["graphs"]) == 2
+    assert warm["after"]["dynamo_graphs"] == warm["load"]["dynamo_graphs"]

@@ -348,7 +348,7 @@ class CompiledCausalLM:
                 if phase == "context":
                     cache = self.new_cache(batch, self.buckets.token_bucket(length))
                     ids = torch.zeros(batch, length, dtype=torch.int64)
-                    positions = torch.arange(length).expand(batch, length)
+                    positions = torch.arange(length).repeat(batch, 1)  # contiguous, as the engine's
                     self(ids, positions, cache, torch.arange(length), None, torch.tensor([length - 1]))
                 else:
                     cache = self.new_cache(batch, length)
@@ -367,6 +367,6 @@ def _cache_counters() -> dict[str, int]:
     from torch._dynamo.utils import counters
 
     inductor, aot = counters["inductor"], counters["aot_autograd"]
-    return {"fxgraph_cache_hit": inductor["fxgraph_cache_hit"], "fxgraph_cache_miss": inductor["fxgraph_cache_miss"],
+    return {"dynamo_graphs": counters["stats"]["unique_graphs"], "fxgraph_cache_hit": inductor["fxgraph_cache_hit"], "fxgraph_cache_miss": inductor["fxgraph_cache_miss"],
             "fxgraph_cache_bypass": inductor["fxgraph_cache_bypass"],
             "autograd_cache_hit": aot["autograd_cache_hit"], "autograd_cache_miss": aot["autograd_cache_miss"]}
