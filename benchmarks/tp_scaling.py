@@ -8,6 +8,12 @@ prompt, 128 new tokens with EOS ignored. Variants (same two cores in all):
     tp1             corelaunch TP 1 through the driver API: one rank, 2 threads
     tp2             corelaunch TP 2: two ranks, 1 thread each, default collectives (shared memory)
     tp2_gloo        the same with CORELAUNCH_COLLECTIVES=gloo
+    tp1_eager       tp1 without compiled graphs (--no-compile); not in the default set
+    tp2_eager       tp2 without compiled graphs; not in the default set
+
+tp1, tp2 and tp2_gloo run compiled graphs (the default: whole layers at TP 1, the regions between
+collectives at TP > 1); the untimed warm-up request builds the graphs its buckets need, so the
+timed runs never compile.
 
 Each variant lives in its own process (its own local Ray: the collectives choice is read from the
 workers' environment, which one Ray session shares), started once; the repeats then run
@@ -37,7 +43,8 @@ sys.path.insert(0, str(ROOT))
 SHAPE = dict(hidden_size=1024, num_layers=16, num_heads=16, num_kv_heads=8, intermediate_size=2816,
              vocab_size=32000, max_position_embeddings=1024)
 PROMPT = [1, 450, 4996, 17354, 1701, 432, 17204, 975, 278, 17366, 11203, 29889, 13, 1576, 3444, 338]
-VARIANTS = ("transformers", "tp1", "tp2", "tp2_gloo")
+VARIANTS = ("transformers", "tp1", "tp2", "tp2_gloo", "tp1_eager", "tp2_eager")
+DEFAULT_VARIANTS = VARIANTS[:4]
 ONE_PROCESS_GBPS = 16.0
 TWO_PROCESSES_GBPS = (27.0, 33.0)
 
@@ -92,17 +99,17 @@ def _corelaunch(variant: str, model_dir: str, new_tokens: int):
 
     from launcher.api import Launcher
 
-    tp = 1 if variant == "tp1" else 2
+    tp = 1 if variant.startswith("tp1") else 2
+    compile_ = not variant.endswith("_eager")
     if variant == "tp2_gloo":
         os.environ["CORELAUNCH_COLLECTIVES"] = "gloo"  # before Ray starts: its workers inherit it
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
-    launcher = Launcher(model=model_dir, tp=tp, progress=False).start()
+    launcher = Launcher(model=model_dir, tp=tp, compile=compile_, progress=False).start()
     group = launcher._group
     kinds = ray.get([a.__ray_call__.remote(lambda self: type(self._collectives).__name__) for a in group.actors])
     info = {"ranks": tp, "threads": group.resources.threads, "collectives": kinds[0],
             "weight_bytes_per_rank": max(s.shard_bytes for s in launcher.load_stats),
-            # compiled graphs: whatever LaunchConfig's default is today (absent: eager only)
-            "compile": getattr(launcher.config, "compile", "no such option")}
+            "compile": launcher.config.compile}
 
     def run() -> dict:
         [out] = launcher.generate([PROMPT], max_new_tokens=new_tokens, ignore_eos=True)
@@ -160,7 +167,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--model-dir", help="reuse (or create) the model here instead of a temporary folder")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                        help=f"comma-separated, from {', '.join(VARIANTS)}")
     parser.add_argument("--serve", choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
@@ -206,7 +214,8 @@ def main() -> None:
     tokens = {v: runs[-1]["token_ids"] for v, runs in samples.items()}
     rate = {v: r["decode_tokens_per_s"] for v, r in results.items()}
     ratios = {}
-    for a, b in (("tp2", "tp1"), ("tp2", "transformers"), ("tp1", "transformers"), ("tp2", "tp2_gloo")):
+    for a, b in (("tp2", "tp1"), ("tp2", "transformers"), ("tp1", "transformers"), ("tp2", "tp2_gloo"),
+                 ("tp2_eager", "tp1_eager"), ("tp1", "tp1_eager"), ("tp2", "tp2_eager")):
         if a in rate and b in rate:
             ratios[f"{a}_over_{b}"] = round(rate[a] / rate[b], 3)
     report = {

@@ -205,6 +205,11 @@ class RankWorker:
         return outputs if self.spec.rank == 0 else None
 
     def shutdown(self) -> None:
+        # The model holds the collectives; drop it first so the shared-memory views go with it,
+        # then unmap the segment before the process group is destroyed.
+        self._model = None
+        if self._collectives is not None:
+            self._collectives.close()
+            self._collectives = None
         if self._backend is not None:
             self._backend.shutdown()
-        self._model = None
