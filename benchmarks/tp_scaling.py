@@ -15,14 +15,20 @@ tp1, tp2 and tp2_gloo run compiled graphs (the default: whole layers at TP 1, th
 collectives at TP > 1); the untimed warm-up request builds the graphs its buckets need, so the
 timed runs never compile.
 
-Each variant lives in its own process (its own local Ray: the collectives choice is read from the
-workers' environment, which one Ray session shares), started once; the repeats then run
-interleaved, one variant at a time, so machine noise hits them alike. Medians are reported, each
-next to its weights-over-bandwidth bound: bytes of weights per rank over the bandwidth one process
-streams alone (~16 GB/s) or each of two processes streaming together (27-33 GB/s in all), as
-measured on the development machine (shared/DESIGN.md). Prints one JSON object.
+Each variant runs in its own process with its own local Ray (the collectives choice is read from
+the workers' environment, which one Ray session shares). Only one variant's processes are alive at
+a time: an idle Ray instance costs ~6% of a core in background wake-ups, and ranks that wait on
+each other in a spin loop lose a whole step when either is preempted, so idle instances of the
+other variants would bias the figures. The variants run in `--rounds` rounds, in the same order
+each round (each start, one untimed warm-up request, `--runs` timed requests, stop), so machine
+noise over time hits them alike; the compile cache is shared, so only the first round compiles.
+Medians over all timed runs are reported, each next to its weights-over-bandwidth bound (weight
+bytes streamed per token over the machine's bandwidth: 33-36 GB/s for one process with two
+threads, 27-33 GB/s for two single-thread processes together, shared/DESIGN.md) and the weight
+bandwidth the run achieved. Prints one JSON object.
 
-    python benchmarks/tp_scaling.py [--new-tokens 128] [--repeats 3] [--model-dir DIR]
+    python benchmarks/tp_scaling.py [--new-tokens 128] [--rounds 3] [--runs 2] [--model-dir DIR]
+                                    [--variants transformers,tp1,tp2,tp2_gloo,tp1_eager,tp2_eager]
 """
 
 from __future__ import annotations
@@ -45,8 +51,8 @@ SHAPE = dict(hidden_size=1024, num_layers=16, num_heads=16, num_kv_heads=8, inte
 PROMPT = [1, 450, 4996, 17354, 1701, 432, 17204, 975, 278, 17366, 11203, 29889, 13, 1576, 3444, 338]
 VARIANTS = ("transformers", "tp1", "tp2", "tp2_gloo", "tp1_eager", "tp2_eager")
 DEFAULT_VARIANTS = VARIANTS[:4]
-ONE_PROCESS_GBPS = 16.0
-TWO_PROCESSES_GBPS = (27.0, 33.0)
+ONE_PROCESS_GBPS = (33.0, 36.0)  # two threads in one process (DESIGN.md)
+TWO_PROCESSES_GBPS = (27.0, 33.0)  # two single-thread processes together
 
 
 # ---- one variant, served in its own process ---------------------------------------------------
@@ -153,19 +159,20 @@ class Server:
                 self.proc.kill()
 
 
-def bounds(weight_bytes: int, ranks: int) -> dict:
-    if ranks == 1:
-        return {"weights_over_bandwidth_tokens_per_s": round(ONE_PROCESS_GBPS * 1e9 / weight_bytes, 1),
-                "bandwidth_assumed": f"{ONE_PROCESS_GBPS:.0f} GB/s (one process)"}
-    low, high = (bw / ranks * 1e9 / weight_bytes for bw in TWO_PROCESSES_GBPS)
-    return {"weights_over_bandwidth_tokens_per_s": [round(low, 1), round(high, 1)],
-            "bandwidth_assumed": f"{TWO_PROCESSES_GBPS[0]:.0f}-{TWO_PROCESSES_GBPS[1]:.0f} GB/s shared by {ranks} processes"}
+def bounds(weight_bytes_per_rank: int, ranks: int, tokens_per_s: float) -> dict:
+    """Every rank reads all of its weights once per decoded token."""
+    total = weight_bytes_per_rank * ranks
+    low, high = ONE_PROCESS_GBPS if ranks == 1 else TWO_PROCESSES_GBPS
+    return {"weights_over_bandwidth_tokens_per_s": [round(low * 1e9 / total, 1), round(high * 1e9 / total, 1)],
+            "bandwidth_assumed_GBps": [low, high],
+            "weight_stream_achieved_GBps": round(tokens_per_s * total / 1e9, 1)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=2, help="timed requests per variant per round")
     parser.add_argument("--model-dir", help="reuse (or create) the model here instead of a temporary folder")
     parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                         help=f"comma-separated, from {', '.join(VARIANTS)}")
@@ -188,29 +195,36 @@ def main() -> None:
         print(f"built the model in {time.perf_counter() - start:.0f} s", file=sys.stderr)
 
     variants = [v for v in args.variants.split(",") if v]
-    servers: dict[str, Server] = {}
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
     samples: dict[str, list[dict]] = {v: [] for v in variants}
+    infos: dict[str, dict] = {}
     load_before = os.getloadavg()
+    cache = tempfile.TemporaryDirectory(prefix="corelaunch-tp-scaling-inductor-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache.name  # shared by the servers: later rounds reuse graphs
     try:
-        for v in variants:  # one at a time: start-ups would otherwise fight for the two cores
-            servers[v] = Server(v, model_dir, args.new_tokens)
-        for server in servers.values():
-            server.run()  # warm-up
-        for _ in range(args.repeats):
-            for v, server in servers.items():
-                samples[v].append(server.run())
+        for _ in range(args.rounds):
+            for v in variants:
+                server = Server(v, model_dir, args.new_tokens)
+                try:
+                    infos[v] = server.info
+                    server.run()  # warm-up: builds the graphs its buckets need, first-call allocations
+                    samples[v] += [server.run() for _ in range(args.runs)]
+                finally:
+                    server.close()
     finally:
-        for server in servers.values():
-            server.close()
+        cache.cleanup()
         if tmp is not None:
             tmp.cleanup()
 
     results = {}
     for v, runs in samples.items():
-        info = servers[v].info
+        info = infos[v]
         rates = [r["decode_tokens_per_s"] for r in runs]
-        results[v] = {"decode_tokens_per_s": round(statistics.median(rates), 2),
-                      "all_runs": [round(x, 2) for x in rates], **info, **bounds(info["weight_bytes_per_rank"], info["ranks"])}
+        median = statistics.median(rates)
+        results[v] = {"decode_tokens_per_s": round(median, 2), "all_runs": [round(x, 2) for x in rates], **info,
+                      **bounds(info["weight_bytes_per_rank"], info["ranks"], median)}
     tokens = {v: runs[-1]["token_ids"] for v, runs in samples.items()}
     rate = {v: r["decode_tokens_per_s"] for v, r in results.items()}
     ratios = {}
@@ -220,7 +234,8 @@ def main() -> None:
             ratios[f"{a}_over_{b}"] = round(rate[a] / rate[b], 3)
     report = {
         "model": {"params_millions": 254, **SHAPE, "dtype": "float32"}, "batch": 1,
-        "prompt_tokens": len(PROMPT), "new_tokens": args.new_tokens, "repeats": args.repeats,
+        "prompt_tokens": len(PROMPT), "new_tokens": args.new_tokens, "rounds": args.rounds,
+        "runs_per_round": args.runs,
         "results": results, "ratios": ratios,
         "targets": {"tp2_over_tp1": ">= 1.3", "tp2_over_transformers": ">= 2"},
         "tokens_identical": {f"{v}_vs_tp1": tokens[v] == tokens["tp1"] for v in tokens if "tp1" in tokens and v != "tp1"},
