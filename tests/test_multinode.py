@@ -22,6 +22,10 @@ from tests.test_fault_tolerance import LONG, LONGEST, MODEL_SHAPE, greedy_ignori
 
 WORKER_NODE = dict(num_cpus=1, resources={"neuron_cores": 8})
 PROMPTS = [[5, 17, 42, 9], [8, 60, 21]]
+# Placement, node loss and restarts are this module's subject: its groups run eagerly. Compiled
+# graphs through Ray at TP > 1 are proven in tests/test_compiled.py; compiling here (up to four
+# ranks on two cores, again after each restart) would only add minutes.
+EAGER = dict(compile=False)
 
 pytestmark = pytest.mark.slow
 
@@ -97,17 +101,17 @@ def test_tp_groups_over_two_nodes_give_the_tokens_of_tp1(cluster, model_and_expe
     model_dir, expected = model_and_expected
     set_worker_nodes(cluster, 3)
     short = [e[:12] for e in expected]
-    with Launcher(model=model_dir, tp=1, progress=False) as tp1:
+    with Launcher(model=model_dir, tp=1, progress=False, **EAGER) as tp1:
         out1 = tp1.generate(PROMPTS, max_new_tokens=12, ignore_eos=True)
     # TP 2 on 1-CPU nodes: one rank per node, so the group must span two nodes
-    with Launcher(model=model_dir, tp=2, nodes=2, progress=False) as tp2:
+    with Launcher(model=model_dir, tp=2, nodes=2, progress=False, **EAGER) as tp2:
         [status] = tp2.replica_status()
         workers = status["workers"]
         assert len({w["node_id"] for w in workers}) == 2, workers
         assert status["node_groups"] == [[0], [1]]
         out2 = tp2.generate(PROMPTS, max_new_tokens=12, ignore_eos=True)
     # TP 4 at half a CPU per rank: two ranks on each of two nodes, each node's ranks contiguous
-    with Launcher(model=model_dir, tp=4, nodes=2, cpus_per_rank=0.5, progress=False) as tp4:
+    with Launcher(model=model_dir, tp=4, nodes=2, cpus_per_rank=0.5, progress=False, **EAGER) as tp4:
         [status] = tp4.replica_status()
         groups, workers = status["node_groups"], status["workers"]
         out4 = tp4.generate(PROMPTS, max_new_tokens=12, ignore_eos=True)
@@ -122,7 +126,7 @@ def test_a_group_held_to_one_node_fails_placement_within_its_timeout(cluster, mo
     model_dir, _ = model_and_expected
     start = time.monotonic()
     with pytest.raises(PlacementTimeout) as info:
-        Launcher(model=model_dir, tp=2, nodes=1, cpus_per_rank=1, placement_timeout_s=3, progress=False).start()
+        Launcher(model=model_dir, tp=2, nodes=1, cpus_per_rank=1, placement_timeout_s=3, progress=False, **EAGER).start()
     elapsed = time.monotonic() - start
     message = str(info.value)
     assert "STRICT_PACK" in message and "can never hold" in message and "--nodes" in message, message
@@ -143,7 +147,7 @@ def test_a_node_without_neuron_devices_is_refused_before_the_rendezvous(cluster,
 def test_losing_a_node_mid_request_restarts_the_group_on_other_nodes(cluster, model_and_expected):
     model_dir, expected = model_and_expected
     set_worker_nodes(cluster, 3)  # two for the group, one spare
-    launcher = Launcher(model=model_dir, tp=2, nodes=2, max_restarts=2, placement_timeout_s=20, progress=False)
+    launcher = Launcher(model=model_dir, tp=2, nodes=2, max_restarts=2, placement_timeout_s=20, progress=False, **EAGER)
     launcher.start()
     try:
         before = launcher.replica_status()[0]
@@ -174,7 +178,7 @@ def test_a_replica_the_cluster_cannot_host_fails_its_requests_and_the_rest_are_s
     model_dir, expected = model_and_expected
     set_worker_nodes(cluster, 2)  # one node per replica, no spare
     launcher = Launcher(model=model_dir, tp=1, replicas=2, cpus_per_rank=1, max_restarts=2,
-                        placement_timeout_s=3, progress=False)
+                        placement_timeout_s=3, progress=False, **EAGER)
     launcher.start()
     try:
         status = launcher.replica_status()
