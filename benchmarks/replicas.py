@@ -126,8 +126,8 @@ def main() -> None:
         one = Launcher(replicas=1, cpus_per_rank=args.threads, **common).start()
         many = Launcher(replicas=args.replicas, cpus_per_rank=per_rank, presharded_cache=True,
                         presharded_cache_dir=cache, **common).start()
-        for launcher in (one, many):  # warm-up: first calls pay one-off costs
-            concurrent_round(launcher, prompts[:args.replicas], 4)
+        for launcher in (one, many):  # warm-up: a whole round, so every batch and length bucket the
+            concurrent_round(launcher, prompts, args.new_tokens)  # timed rounds use is compiled
         rounds: dict[str, list[dict]] = {"one": [], "many": []}
         for _ in range(args.rounds):
             rounds["one"].append(concurrent_round(one, prompts, args.new_tokens))

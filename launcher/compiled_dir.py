@@ -17,14 +17,13 @@ versions) is refused with what differs, expected against found, and how to fix i
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
 from shardlib.buckets import Buckets
+from shardlib.manifest import MANIFEST, read_manifest_json
 
 FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
 MODEL, WEIGHTS, CACHE = "model", "weights", "cache"
 COMPILE_LOG = "compile.log"
 """Rank 0's warm-up record: one line per graph ("done total phase batch length seconds")."""
@@ -46,22 +45,11 @@ def cache_dir(root: str | Path) -> Path:
 
 
 def read_manifest(root: str | Path) -> dict[str, Any]:
-    path = Path(root) / MANIFEST
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"{root} is not a compiled-model directory (it has no {MANIFEST}); write one with "
-            f"`corelaunch compile --model MODEL --tp N --out {root}`"
-        )
-    try:
-        manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path} is not valid JSON ({err}); run `corelaunch compile` again") from None
-    required = ("format_version", "config_hash", "tp_degree", "kv_strategy", "dtype", "backend", "buckets",
-                "versions")
-    absent = [key for key in required if not isinstance(manifest, dict) or key not in manifest]
-    if absent:
-        raise ValueError(f"{path} lacks {', '.join(absent)}; run `corelaunch compile` again")
-    return manifest
+    return read_manifest_json(
+        root, what="a compiled-model directory",
+        required=("format_version", "config_hash", "tp_degree", "kv_strategy", "dtype", "backend", "buckets",
+                  "versions"),
+        write_hint=f"write it with `corelaunch compile --model MODEL --tp N --out {root}`")
 
 
 def apply_compiled_dir(config):

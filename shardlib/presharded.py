@@ -25,12 +25,12 @@ import torch
 from safetensors.torch import save_file
 
 from shardlib.checkpoint import Progress, SafetensorsFile, check_layout, load_rank_shard, shard_shapes
+from shardlib.manifest import MANIFEST, read_manifest_json
 from shardlib.model_config import ModelConfig, normalize_dtype
 from shardlib.param_shapes import expected_shapes
 from shardlib.sharding import ShardLayout, TensorSlice
 
 FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
 _WHOLE = TensorSlice(dim=None)
 
 
@@ -91,21 +91,11 @@ def save_presharded(out_dir: str | Path, model_dir: str | Path, config: ModelCon
 
 def read_manifest(directory: str | Path) -> dict[str, Any]:
     """The parsed manifest.json of a pre-sharded directory."""
-    path = Path(directory) / MANIFEST
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"{directory} is not a pre-sharded checkpoint: it has no {MANIFEST}; write one with "
-            f"shardlib.presharded.save_presharded, or load the original Hugging Face checkpoint instead"
-        )
-    try:
-        manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path} is not valid JSON ({err}); write the pre-sharded checkpoint again") from None
-    required = ("format_version", "config_hash", "model_type", "tp_degree", "kv_strategy", "dtype", "files")
-    absent = [k for k in required if not isinstance(manifest, dict) or k not in manifest]
-    if absent:
-        raise ValueError(f"{path} lacks {', '.join(absent)}; write the pre-sharded checkpoint again")
-    return manifest
+    return read_manifest_json(
+        directory, what="a pre-sharded checkpoint",
+        required=("format_version", "config_hash", "model_type", "tp_degree", "kv_strategy", "dtype", "files"),
+        write_hint="write it with shardlib.presharded.save_presharded (or `corelaunch compile`), or load "
+                   "the original Hugging Face checkpoint instead")
 
 
 def load_presharded(directory: str | Path, config: ModelConfig, layout: ShardLayout, rank: int,
