@@ -7,8 +7,11 @@ float32 tensors of a decode step's shapes (1 x 576 is SmolLM2's hidden size, 1 x
 benchmark model's, 4 x 1024 a small batch). Every call is timed on its own, back to back as in a
 decode step; variants alternate in blocks so machine noise hits them alike. Latencies are rank 0's.
 
-Variants: `gloo` (torch.distributed), `shm` (workers/shm, as the CPU backend builds it), and with
-more ranks than cores also `shm_busy_wait` (the same code never yielding its core: why it yields).
+Variants: `gloo` (corelaunch's gloo path: gloo's all-reduce at 2 ranks, an all-gather and a
+rank-order sum from 3), `shm` (workers/shm, as the CPU backend builds it), from 3 ranks also
+`gloo_ring` (gloo's own all-reduce, whose summation order is not fixed: what the rank-order sum
+costs), and with more ranks than cores `shm_busy_wait` (the same code never yielding its core: why
+it yields).
 Prints one JSON object.
 
     python benchmarks/allreduce.py [--calls 2000] [--blocks 3] [--world-sizes 2,3]
@@ -61,6 +64,13 @@ def _rank_main(rank: int, world_size: int, port: int, args, queue) -> None:
                             timeout=datetime.timedelta(seconds=120))
     variants = {"gloo": TorchDistributedCollectives(),
                 "shm": build_cpu_collectives(rank, world_size, [list(range(world_size))], 120.0, "shm")}
+    if world_size > 2:
+        class GlooRing(TorchDistributedCollectives):
+            def all_reduce_sum_(self, tensor):
+                dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+                return tensor
+
+        variants["gloo_ring"] = GlooRing()
     oversubscribed = world_size > len(os.sched_getaffinity(0))
     if oversubscribed:
         busy = build_cpu_collectives(rank, world_size, [list(range(world_size))], 120.0, "shm")

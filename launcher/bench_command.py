@@ -15,6 +15,8 @@ import argparse
 import json
 import sys
 
+from launcher.compile_command import add_no_compile
+
 
 def _positive(name: str, minimum: int = 1):
     def parse(text: str) -> int:
@@ -52,6 +54,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--backend", choices=["cpu", "neuron"],
                    help="default: neuron where Neuron devices exist, else cpu")
     p.add_argument("--instance", help="planner target, e.g. trn1.32xlarge (default: cpu on the cpu backend)")
+    add_no_compile(p)
     p.add_argument("--ray-address", help="Ray cluster address (default: a running cluster, else local)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -89,7 +92,7 @@ def _bench(args: argparse.Namespace) -> dict:
 
     config = LaunchConfig(model=args.model, tp=args.tp, backend=args.backend, instance=args.instance,
                           dtype=args.dtype, max_batch_size=args.batch_size, ray_address=args.ray_address,
-                          progress=not args.quiet)
+                          compile=args.compile, progress=not args.quiet)
     timings: list[RunTiming] = []
     with Launcher(config) as launcher:
         prompts = random_prompts(args.batch_size, args.prompt_len, launcher.model_config.vocab_size, args.seed)
@@ -112,7 +115,7 @@ def _bench(args: argparse.Namespace) -> dict:
         report["config"] = {
             "model": str(launcher.model_dir), "tp_degree": launcher.plan.tp_degree,
             "kv_strategy": str(launcher.plan.kv_strategy), "backend": launcher.backend,
-            "dtype": str(launcher.plan.dtype), "batch_size": args.batch_size, "prompt_len": args.prompt_len,
+            "dtype": str(launcher.plan.dtype), "compile": launcher.config.compile, "batch_size": args.batch_size, "prompt_len": args.prompt_len,
             "max_new_tokens": args.max_new_tokens, "warmup": args.warmup, "runs": args.runs,
         }
     return report

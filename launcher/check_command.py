@@ -26,6 +26,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from launcher.compile_command import add_no_compile
+
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
 FILE_FORMAT = "corelaunch-expected/1"
 DEFAULT_PROMPT = "I believe the meaning of life is"
@@ -69,6 +71,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--tol-map", default=DEFAULT_TOL_SPEC, metavar="K:RTOL,...",
                    help=f"top-k groups and their rtol; K an integer or 'all' (default {DEFAULT_TOL_SPEC})")
     p.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance of every top-k group (default 1e-5)")
+    add_no_compile(p)
     p.add_argument("--ray-address", help="Ray cluster address (default: a running cluster, else local)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -295,7 +298,7 @@ def _compare(args, model_dir, texts, prompts, expected: Expected, num_tokens, to
 
     config = LaunchConfig(model=str(model_dir), tp=args.tp, backend=args.backend, instance=args.instance,
                           dtype=args.dtype, max_batch_size=1, ray_address=args.ray_address,
-                          progress=not args.quiet)
+                          compile=args.compile, progress=not args.quiet)
     results = []
     with Launcher(config) as launcher:
 
@@ -324,6 +327,7 @@ def _compare(args, model_dir, texts, prompts, expected: Expected, num_tokens, to
             "kv_strategy": str(plan.kv_strategy),
             "backend": launcher.backend,
             "dtype": str(plan.dtype),
+            "compile": launcher.config.compile,
             "num_tokens": num_tokens,
             "prompts": results,
         }

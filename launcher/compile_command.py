@@ -56,6 +56,13 @@ def add_bucket_arguments(p: argparse.ArgumentParser, max_batch_default: int) -> 
     add_bucket_lists(p)
 
 
+def add_no_compile(p: argparse.ArgumentParser) -> None:
+    """--no-compile (generate, check, bench): args.compile False runs eagerly."""
+    p.add_argument("--no-compile", dest="compile", action="store_false",
+                   help="run eagerly at exact shapes, without compiled graphs (debugging: a check that "
+                        "fails compiled but passes eager points at the compiler, not the sharding)")
+
+
 def add_bucket_lists(p: argparse.ArgumentParser) -> None:
     """Custom bucket options (compile and generate)."""
     p.add_argument("--max-context-length", type=int, metavar="N",

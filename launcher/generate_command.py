@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from launcher.compile_command import add_bucket_lists, bucket_lists
+from launcher.compile_command import add_bucket_lists, add_no_compile, bucket_lists
 
 
 def add_parser(subparsers) -> None:
@@ -50,8 +50,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--presharded", metavar="DIR", help="pre-sharded weights for this exact layout")
     p.add_argument("--compiled", metavar="CDIR",
                    help="start from a directory written by `corelaunch compile` (its weights, graphs, settings)")
-    p.add_argument("--no-compile", dest="compile", action="store_false",
-                   help="run eagerly at exact shapes, without compiled graphs (debugging)")
+    add_no_compile(p)
     p.add_argument("--warm-up", action="store_true", help="build every bucket's graph while starting")
     add_bucket_lists(p)
     p.add_argument("--ray-address", help="Ray cluster address (default: a running cluster, else local)")

@@ -69,6 +69,7 @@ def test_check_passes_token_and_logit_matching_against_transformers_at_tp2(model
     code, report, err = run_check(capsys, "--mode", "token-matching", *common)
     assert code == 0, err
     assert report["passed"] and report["tp_degree"] == 2 and report["mode"] == "token-matching"
+    assert report["compile"] is True  # the default: the compiled graphs users run are what is checked
     assert [p["input_ids"] for p in report["prompts"]] == [[5, 17, 42, 9], [8, 60, 21]]
     for p in report["prompts"]:
         assert p["passed"] and p["first_divergence"] is None
@@ -86,10 +87,11 @@ def test_check_passes_token_and_logit_matching_against_transformers_at_tp2(model
 
 def test_check_fails_for_perturbed_weights_and_says_where(models, capsys, ray_session):
     original, perturbed = models
+    # the report logic is the subject: eager (--no-compile) is enough and spares compiling graphs
     common = ["--model", str(perturbed), "--reference", str(original), "--tp", "2",
-              "--prompt-ids", PROMPT_IDS, "--num-tokens", str(NUM_TOKENS)]
+              "--prompt-ids", PROMPT_IDS, "--num-tokens", str(NUM_TOKENS), "--no-compile"]
     code, report, _ = run_check(capsys, "--mode", "logit-matching", *common)
-    assert code == 1 and not report["passed"]
+    assert code == 1 and not report["passed"] and report["compile"] is False
     [p] = report["prompts"]
     assert not p["passed"] and p["first_failure"]["position"] == 0  # the noise shows from the first token
     top5 = p["top_k"]["top5"]
@@ -128,11 +130,12 @@ def test_saved_expected_outputs_are_a_reference_too(models, capsys, tmp_path, ra
     assert data["expected_tokens"].shape == (1, NUM_TOKENS) and data["expected_logits"].shape == (1, NUM_TOKENS, 128)
     assert torch.equal(data["expected_tokens"], data["expected_logits"].argmax(-1))
 
-    code, report, err = run_check(capsys, "--model", str(original), "--tp", "2", "--expected", str(path))
+    code, report, err = run_check(capsys, "--model", str(original), "--tp", "2", "--expected", str(path),
+                                  "--no-compile")
     assert code == 0 and report["passed"] and report["num_tokens"] == NUM_TOKENS, err
     assert str(path) not in report["reference"] and "transformers" in report["reference"]
     code, report, _ = run_check(capsys, "--model", str(perturbed), "--tp", "2", "--expected", str(path),
-                                "--num-tokens", "4")
+                                "--num-tokens", "4", "--no-compile")
     assert code == 1 and not report["passed"] and report["num_tokens"] == 4
 
 
@@ -171,6 +174,7 @@ def test_bench_json_report_via_cli(models):
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)  # the whole stdout is one JSON object
     assert report["config"]["tp_degree"] == 2 and report["config"]["runs"] == runs
+    assert report["config"]["compile"] is True
     counts = {"e2e_model": runs, "context_encoding_model": runs, "token_generation_model": runs * (5 - 1)}
     for name, count in counts.items():
         section = report[name]

@@ -24,25 +24,29 @@ def hf_greedy(model, prompt: list[int], new_tokens: int = NEW_TOKENS) -> list[in
     return out[0, len(prompt):].tolist()
 
 
+# The first two cases run the default path (compiled graphs) at TP 1 and 2; the others cover KV
+# strategies, checkpoint formats and TP 3 eagerly: compiled equals eager per bucket at TP 1, 2 and 3
+# in tests/test_compiled.py, and compiling every shape here would add minutes to the suite.
 CASES = [
-    # (id, model_type, shape, format, tp, expected kv strategy)
-    ("llama-tp1", "llama", dict(num_heads=4, num_kv_heads=2), "safetensors", 1, "shard"),
-    ("llama-tp2-shard-sharded-st", "llama", dict(num_heads=4, num_kv_heads=2), "safetensors_sharded", 2, "shard"),
-    ("llama-tp2-replicate-bin", "llama", dict(num_heads=4, num_kv_heads=1), "bin", 2, "replicate_to_tp"),
+    # (id, model_type, shape, format, tp, expected kv strategy, compile)
+    ("llama-tp1", "llama", dict(num_heads=4, num_kv_heads=2), "safetensors", 1, "shard", True),
+    ("llama-tp2-shard-sharded-st", "llama", dict(num_heads=4, num_kv_heads=2), "safetensors_sharded", 2, "shard",
+     True),
+    ("llama-tp2-replicate-bin", "llama", dict(num_heads=4, num_kv_heads=1), "bin", 2, "replicate_to_tp", False),
     ("qwen2-tp3-mha-bin-sharded", "qwen2", dict(hidden_size=96, num_heads=6, num_kv_heads=2, vocab_size=130),
-     "bin_sharded", 3, "convert_to_mha"),
+     "bin_sharded", 3, "convert_to_mha", False),
     ("llama-tp3-tied-replicate", "llama", dict(hidden_size=48, num_heads=3, num_kv_heads=1,
-                                                tie_word_embeddings=True), "safetensors", 3, "replicate_to_tp"),
+                                                tie_word_embeddings=True), "safetensors", 3, "replicate_to_tp", False),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_tp_group_matches_transformers_greedy(case, tmp_path, ray_session):
-    _, model_type, shape, fmt, tp, strategy = case
+    _, model_type, shape, fmt, tp, strategy, compile_ = case
     model = build_random_model(model_type, seed=tp, **shape)
     save_model(model, tmp_path, fmt)
     expected = [hf_greedy(model, p) for p in PROMPTS]
-    with Launcher(model=str(tmp_path), tp=tp, progress=False) as launcher:
+    with Launcher(model=str(tmp_path), tp=tp, compile=compile_, progress=False) as launcher:
         assert launcher.plan.tp_degree == tp
         assert str(launcher.plan.kv_strategy) in (strategy, f"KVStrategy.{strategy.upper()}")
         batch = launcher.generate(PROMPTS, max_new_tokens=NEW_TOKENS)

@@ -99,9 +99,11 @@ def test_ray_job_submit_runs_corelaunch_generate_on_the_cluster(ray_head):
     from shardlib.demo_model import ensure_demo_model
 
     model_dir = ensure_demo_model()
+    # Job submission is the subject: --no-compile spares compiling graphs inside the job (the compiled
+    # default of the same command is tested in tests/test_smollm2_e2e.py).
     submit = [str(BIN / "ray"), "job", "submit", "--address", ray_head["address"], "--",
               "corelaunch", "generate", "--model", str(model_dir), "--max-new-tokens", "8", "--json", "--quiet",
-              "The capital of France is"]
+              "--no-compile", "The capital of France is"]
     job = subprocess.run(submit, env=ray_head["env"], cwd=ray_head["temp_dir"], capture_output=True, text=True,
                          timeout=400)
     log = job.stdout + job.stderr

@@ -86,6 +86,10 @@ def test_restart_policy_bounds_restarts_in_a_sliding_window():
 
 
 # ---- real replicas on the local Ray -------------------------------------------------------------
+# Routing, splitting and filling the cluster are the subject: the replicas run eagerly (compiled
+# graphs through Ray are proven in tests/test_compiled.py).
+EAGER = dict(compile=False)
+
 @pytest.fixture(scope="module")
 def model_and_expected(tmp_path_factory):
     model = build_random_model("llama", num_heads=4, num_kv_heads=2, seed=7)
@@ -95,9 +99,9 @@ def model_and_expected(tmp_path_factory):
 
 def test_two_replicas_give_the_tokens_of_one(model_and_expected, ray_session):
     model_dir, expected = model_and_expected
-    with Launcher(model=model_dir, tp=1, replicas=1, progress=False) as one:
+    with Launcher(model=model_dir, tp=1, replicas=1, progress=False, **EAGER) as one:
         single = one.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
-    with Launcher(model=model_dir, tp=1, replicas=2, max_batch_size=2, progress=False) as two:
+    with Launcher(model=model_dir, tp=1, replicas=2, max_batch_size=2, progress=False, **EAGER) as two:
         assert two.replicas == 2
         status = two.replica_status()
         assert [s["state"] for s in status] == ["serving", "serving"]
@@ -140,7 +144,7 @@ def wait_until_all_cpus_free(ray, timeout_s: float = 15.0) -> int:
 def test_replicas_auto_fills_the_cluster(model_and_expected, ray_session):
     model_dir, expected = model_and_expected
     cpus = wait_until_all_cpus_free(ray_session)
-    with Launcher(model=model_dir, tp=1, replicas="auto", progress=False) as launcher:
+    with Launcher(model=model_dir, tp=1, replicas="auto", progress=False, **EAGER) as launcher:
         assert launcher.replicas == cpus  # one CPU per rank: one TP 1 replica per CPU
         out = launcher.generate(PROMPTS[:2], max_new_tokens=NEW_TOKENS)
     assert [r.token_ids for r in out] == expected[:2]

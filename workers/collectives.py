@@ -6,6 +6,13 @@ The model calls exactly two operations, so a backend only has to provide those:
 - `all_gather_last_dim`: the vocab-parallel LM head leaves each rank with its slice of the logits;
   every rank needs the whole row to sample the same token.
 
+Every path sums in one fixed order, global rank order: ((x0 + x1) + x2) + ... (see
+`sum_in_rank_order_`). float32 addition is not associative, so this is what makes the results
+bit-identical whichever path carries them (gloo, shared memory, or both across nodes) and whatever
+the topology. gloo's own ring all-reduce starts each chunk of the tensor at a different rank; at two
+ranks that is still exact (a + b == b + a), beyond two it is replaced by an all-gather and the
+ordered sum.
+
 gloo (`TorchDistributedCollectives`) works everywhere but costs hundreds of microseconds per call on
 one host. Co-located CPU ranks use shared memory instead (`workers/shm/`: `ShmCollectives` when the
 whole group shares a node, `HierarchicalCollectives` across nodes); NCCL for CUDA would plug in as
@@ -17,6 +24,15 @@ from __future__ import annotations
 import abc
 
 import torch
+
+
+def sum_in_rank_order_(out: torch.Tensor, parts: list[torch.Tensor]) -> torch.Tensor:
+    """out <- ((parts[0] + parts[1]) + parts[2]) + ...; parts in global rank order, at least two,
+    none aliasing `out`. The one summation order of every Collectives implementation."""
+    torch.add(parts[0], parts[1], out=out)
+    for part in parts[2:]:
+        out.add_(part)
+    return out
 
 
 class Collectives(abc.ABC):
@@ -105,7 +121,13 @@ class TorchDistributedCollectives(Collectives):
             return tensor
         # torch.distributed reduces contiguous storage only; callers pass fresh matmul outputs.
         assert tensor.is_contiguous(), "all_reduce_sum_ needs a contiguous tensor"
-        self._dist.all_reduce(tensor, op=self._dist.ReduceOp.SUM, group=self._group)
+        if self._world_size == 2:  # a + b == b + a bit for bit: gloo's ring sum is the rank-order sum
+            self._dist.all_reduce(tensor, op=self._dist.ReduceOp.SUM, group=self._group)
+            return tensor
+        flat = tensor.view(-1)
+        parts = torch.empty((self._world_size, flat.numel()), dtype=flat.dtype)
+        self._dist.all_gather(list(parts.unbind(0)), flat, group=self._group)
+        sum_in_rank_order_(flat, list(parts.unbind(0)))
         return tensor
 
     def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:

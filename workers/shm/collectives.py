@@ -3,21 +3,23 @@
 - `ShmCollectives`: every rank of the group on one node. all_reduce and all_gather go entirely
   through the node's segment (about 10 us for a decode step's 1 x hidden tensor, against gloo's
   hundreds of microseconds; see benchmarks/allreduce.py).
-- `HierarchicalCollectives`: ranks spread over several nodes, some sharing one. all_reduce sums
-  within each node through shared memory (local-rank order), all-reduces the node sums over gloo
-  among one leader per node, then the leader broadcasts the result within its node. all_gather
-  (once per generated token, for the logits) stays on gloo.
+- `HierarchicalCollectives`: ranks spread over several nodes, some sharing one. all_reduce gathers
+  each node's partials to its leader through shared memory, the leaders all-gather them over gloo,
+  each leader sums every rank's partial in global rank order, then broadcasts the result within its
+  node. (Summing within the node first would be cheaper, but ((x0 + x1) + (x2 + x3)) is not
+  ((x0 + x1) + x2) + x3 in float32, and results must not depend on which ranks share a node.)
+  all_gather (once per generated token, for the logits) stays on gloo.
 
-Both keep the Collectives contract: results are bit-identical on every rank. Tensors larger than a
-slot are processed in slot-sized chunks, so any size works; an element's sum never depends on the
-chunking.
+Both keep the Collectives contract: results are bit-identical on every rank and equal the gloo
+path's (workers.collectives.sum_in_rank_order_). Tensors larger than a slot are processed in
+slot-sized chunks, so any size works; an element's sum never depends on the chunking.
 """
 
 from __future__ import annotations
 
 import torch
 
-from workers.collectives import Collectives, TorchDistributedCollectives
+from workers.collectives import Collectives, TorchDistributedCollectives, sum_in_rank_order_
 from workers.shm.exchange import NodeExchange
 
 
@@ -73,18 +75,24 @@ class HierarchicalCollectives(Collectives):
     """Ranks over several nodes: shared memory inside a node, gloo among node leaders.
 
     exchange: this node's NodeExchange, None when this rank is alone on its node.
-    leaders: the gloo group of each node's first rank (None on ranks that are not leaders).
+    leaders: the gloo group of each node's first rank (None on ranks that are not leaders); its
+        rank i leads node_groups[i].
     world: gloo over all ranks (all_gather_last_dim).
     chunk_bytes: the slot size, the same on every rank: every node cuts a tensor into the same
         chunks, so the leaders' gloo calls match.
+    node_groups: the global ranks on each node, each sorted, the nodes sorted by first rank.
     """
 
     def __init__(self, exchange: NodeExchange | None, leaders, world: TorchDistributedCollectives,
-                 chunk_bytes: int) -> None:
+                 chunk_bytes: int, node_groups: list[list[int]]) -> None:
         import torch.distributed as dist
 
         self._x, self._leaders, self._world, self._dist = exchange, leaders, world, dist
         self._chunk_bytes = chunk_bytes
+        self._groups = node_groups
+        self._max_local = max(len(g) for g in node_groups)
+        # (node, local index) of each global rank, in rank order: where its partial lands
+        self._place = sorted((r, node, i) for node, g in enumerate(node_groups) for i, r in enumerate(g))
 
     @property
     def rank(self) -> int:
@@ -99,13 +107,28 @@ class HierarchicalCollectives(Collectives):
         flat = tensor.view(-1)
         for start, end in _chunks(flat.numel(), self._chunk_bytes // flat.element_size()):
             part = flat[start:end]
-            if self._x is not None:
-                self._x.reduce_(part)  # node sum, on every rank of the node
+            local = self._gather_node(part)  # (ranks on this node, n): every rank takes part
             if self._leaders is not None:
-                self._dist.all_reduce(part, op=self._dist.ReduceOp.SUM, group=self._leaders)
+                self._sum_over_nodes_(part, local)
             if self._x is not None:
                 self._x.broadcast_(part, root=0)  # the leader's total to the rest of the node
         return tensor
+
+    def _gather_node(self, part: torch.Tensor) -> torch.Tensor:
+        if self._x is None:
+            return part.unsqueeze(0)
+        out = torch.empty((self._x.size, part.numel()), dtype=part.dtype)
+        self._x.gather(part, out)
+        return out
+
+    def _sum_over_nodes_(self, part: torch.Tensor, local: torch.Tensor) -> None:
+        """part <- every rank's partial summed in global rank order (node leaders only)."""
+        # gloo's all_gather needs equal sizes: each node's block padded to the largest node
+        block = torch.zeros((self._max_local, part.numel()), dtype=part.dtype)
+        block[: local.shape[0]] = local
+        blocks = torch.empty((len(self._groups), *block.shape), dtype=part.dtype)
+        self._dist.all_gather(list(blocks.unbind(0)), block, group=self._leaders)
+        sum_in_rank_order_(part, [blocks[node, i] for _, node, i in self._place])
 
     def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
         return self._world.all_gather_last_dim(tensor)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.collectives import sum_in_rank_order_
 from workers.shm.native import Native
 
 TOKEN_PREFIX = b"corelaunch-shm:"
@@ -197,9 +198,7 @@ class NodeExchange:
         slots = self._post(flat)
         self._wait(self._seq, self._others)
         self._all_reached = self._seq
-        torch.add(slots[0], slots[1], out=flat)
-        for slot in slots[2:]:
-            flat.add_(slot)
+        sum_in_rank_order_(flat, slots)
 
     def broadcast_(self, flat: torch.Tensor, root: int = 0) -> None:
         """flat <- local rank `root`'s flat."""

@@ -173,7 +173,7 @@ def _build(rank: int, world_size: int, groups: list[list[int]], timeout_s: float
     leaders = [g[0] for g in groups]
     leader_group = dist.new_group(ranks=leaders)  # collective: every rank calls it
     return HierarchicalCollectives(exchange, leader_group if rank in leaders else None, gloo,
-                                   chunk_bytes=layout.slot_bytes)
+                                   chunk_bytes=layout.slot_bytes, node_groups=groups)
 
 
 def _round_slot(slot_bytes: int) -> int:
