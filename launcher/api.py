@@ -16,9 +16,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
-from launcher.errors import LaunchError, PlacementTimeout, PlanRejected
+from launcher.errors import LaunchError, PlacementTimeout
 from launcher.progress import Progress
-from shardlib.model_config import ModelConfig, load_model_config, normalize_dtype
+from shardlib.model_config import ModelConfig, normalize_dtype
 from workers.sampling import SamplingParams
 
 
@@ -199,49 +199,23 @@ class Launcher:
 
     def start(self) -> "Launcher":
         """Plan (refusing impossible layouts before any process), place, rendezvous, load."""
-        from shardlib.planner import plan as make_plan
-        from workers.backends import default_backend_name
+        from launcher.launch_plan import plan_launch
 
         if self.config.compiled_dir is not None:
             from launcher.compiled_dir import apply_compiled_dir
 
             self.config = apply_compiled_dir(self.config)  # its weights, graphs and settings
-        cfg = self.config
         start = time.perf_counter()
-        with self._progress.step("resolving model"):
-            self.model_dir = self._resolve_model_dir()
-            self.model_config = load_model_config(self.model_dir)
-        backend = self.backend = cfg.backend or default_backend_name()
-        instance = cfg.instance or ("cpu" if backend == "cpu" else None)
-        if instance is None:
-            raise ValueError("the neuron backend needs --instance (e.g. trn1.32xlarge) for planning")
-        self.plan = make_plan(self.model_config, instance=instance, tp=cfg.tp, nodes=cfg.nodes,
-                              lnc=cfg.lnc, batch_size=cfg.max_batch_size, seq_len=cfg.seq_len,
-                              dtype=cfg.dtype, kv_strategy=cfg.kv_strategy)
-        if not self.plan.valid:
-            errors = [dict(e) for e in self.plan.to_dict()["errors"]]
-            lines = "\n".join(f"  [{e['code']}] {e['message']}" for e in errors)
-            raise PlanRejected(f"the layout is impossible; nothing was started:\n{lines}", errors)
-        gaps = self.model_config.executor_gaps(cfg.seq_len)
-        if gaps:  # refuse before Ray starts, not after every rank has read its shard
-            errors = [{"code": "not_runnable", "message": gap} for gap in gaps]
-            lines = "\n".join(f"  [not_runnable] {gap}" for gap in gaps)
-            raise PlanRejected(f"{self.model_dir} cannot run on corelaunch's workers; nothing was "
-                               f"started:\n{lines}", errors)
+        planned = plan_launch(self.config, self._progress)
+        self.model_dir, self.model_config = planned.model_dir, planned.model_config
+        self.backend, self.plan = planned.backend, planned.plan
         try:
-            self._start_group(backend)
+            self._start_group(self.backend)
         except BaseException:
             self.shutdown()
             raise
         self.timings["startup_s"] = time.perf_counter() - start
         return self
-
-    def _resolve_model_dir(self) -> Path:
-        if self.config.model is not None:
-            return Path(self.config.model)
-        from shardlib.demo_model import ensure_demo_model
-
-        return Path(ensure_demo_model())
 
     def _start_group(self, backend: str) -> None:
         """Connect to Ray, size each rank's bundle and the replica count, start every replica."""

@@ -108,17 +108,15 @@ def compile_model(args: argparse.Namespace) -> dict:
     """Write the compiled-model directory args.out; returns its manifest."""
     from launcher import compiled_dir
     from launcher.api import LaunchConfig, Launcher
-    from launcher.errors import PlanRejected
+    from launcher.launch_plan import plan_launch
     from launcher.progress import Progress
-    from shardlib.model_config import load_model_config
-    from shardlib.planner import plan as make_plan
+    from shardlib.manifest import MANIFEST, write_manifest_json
     from shardlib.presharded import save_presharded
-    from workers.backends import default_backend_name
-    from workers.compiled import DEFAULT_GRANULARITY, library_versions
+    from workers.compiled import default_granularity, library_versions
 
     progress = Progress(not args.quiet)
     out = Path(args.out)
-    if out.exists() and any(out.iterdir()) and not (out / compiled_dir.MANIFEST).is_file():
+    if out.exists() and any(out.iterdir()) and not (out / MANIFEST).is_file():
         raise FileExistsError(f"{out} exists and is not a compiled-model directory; choose a new or empty "
                               f"directory, or remove it")
     # Every option is checked (and the layout planned) before anything is written.
@@ -126,22 +124,10 @@ def compile_model(args: argparse.Namespace) -> dict:
                           instance=args.instance, lnc=args.lnc, kv_strategy=args.kv_strategy,
                           ray_address=args.ray_address, progress=not args.quiet, compile=True,
                           **bucket_options(args))
-    with progress.step("resolving model"):
-        model_dir = Path(config.model) if config.model else _demo_model()
-        model_config = load_model_config(model_dir)
-    backend = config.backend or default_backend_name()
-    instance = config.instance or ("cpu" if backend == "cpu" else None)
-    if instance is None:
-        raise ValueError("the neuron backend needs --instance (e.g. trn1.32xlarge) for planning")
-    plan = make_plan(model_config, instance=instance, tp=config.tp, lnc=config.lnc,
-                     batch_size=config.max_batch_size, seq_len=config.seq_len, dtype=config.dtype,
-                     kv_strategy=config.kv_strategy)
-    if not plan.valid:
-        lines = "\n".join(f"  [{e['code']}] {e['message']}" for e in plan.to_dict()["errors"])
-        raise PlanRejected(f"the layout is impossible; nothing was written:\n{lines}",
-                           [dict(e) for e in plan.to_dict()["errors"]])
+    planned = plan_launch(config, progress, nothing_done="nothing was written")
+    model_dir, model_config, plan = planned.model_dir, planned.model_config, planned.plan
     buckets = compiled_dir.launch_buckets(config, plan, model_config)
-    granularity = args.granularity or (DEFAULT_GRANULARITY if plan.tp_degree == 1 else "collective")
+    granularity = args.granularity or default_granularity(plan.tp_degree)
     if plan.tp_degree > 1 and granularity != "collective":
         raise ValueError(f"--granularity {granularity} needs --tp 1: at TP {plan.tp_degree} the graphs are cut at "
                          f"the collectives; drop --granularity")
@@ -158,11 +144,12 @@ def compile_model(args: argparse.Namespace) -> dict:
             "format_version": compiled_dir.FORMAT_VERSION, "config_hash": model_config.config_hash(),
             "model_type": model_config.model_type, "source": str(model_dir.resolve()),
             "tp_degree": plan.tp_degree, "kv_strategy": str(plan.kv_strategy), "lnc": plan.lnc,
-            "instance": instance, "backend": backend, "dtype": plan.dtype, "buckets": buckets.to_dict(),
+            "instance": planned.instance, "backend": planned.backend, "dtype": plan.dtype,
+            "buckets": buckets.to_dict(),
             "granularity": granularity,
             "versions": library_versions(), "graphs": [],
         }
-        _write_manifest(tmp, manifest)
+        write_manifest_json(tmp, manifest)
         shapes = buckets.shapes()
         progress.note(f"building {len(shapes)} graph(s) per rank: context-encoding buckets "
                       f"{list(buckets.context)}, token-generation buckets {list(buckets.token)}, "
@@ -175,7 +162,7 @@ def compile_model(args: argparse.Namespace) -> dict:
         manifest["graphs"] = rank0.pop("graphs", [])
         manifest["compile_stats"] = rank0  # rank 0's compile time and inductor cache counters
         manifest["compile_s"] = round(time.perf_counter() - started, 3)
-        _write_manifest(tmp, manifest)
+        write_manifest_json(tmp, manifest)
         _move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -185,12 +172,6 @@ def compile_model(args: argparse.Namespace) -> dict:
     return manifest
 
 
-def _demo_model() -> Path:
-    from shardlib.demo_model import ensure_demo_model
-
-    return Path(ensure_demo_model())
-
-
 def _copy_model_files(model_dir: Path, dest: Path) -> None:
     from launcher.compiled_dir import MODEL_FILES
 
@@ -198,12 +179,6 @@ def _copy_model_files(model_dir: Path, dest: Path) -> None:
     for name in MODEL_FILES:
         if (model_dir / name).is_file():
             shutil.copy2(model_dir / name, dest / name)
-
-
-def _write_manifest(root: Path, manifest: dict) -> None:
-    from launcher.compiled_dir import MANIFEST
-
-    (root / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
 
 
 def _move_into_place(tmp: Path, out: Path) -> None:

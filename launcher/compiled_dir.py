@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from shardlib.buckets import Buckets
-from shardlib.manifest import MANIFEST, read_manifest_json
+from shardlib.manifest import read_manifest_json
 
 FORMAT_VERSION = 1
 MODEL, WEIGHTS, CACHE = "model", "weights", "cache"
@@ -97,12 +97,10 @@ def apply_compiled_dir(config):
         max_batch_size=min(config.max_batch_size, buckets.max_batch_size))
 
 
-def launch_buckets(config, plan, model_config) -> Buckets:
+def launch_buckets(config, plan, model_config, batch: tuple[int, ...] | None = None) -> Buckets:
     """The buckets a launch runs at: the custom lists given, else automatic ones up to the maximum
-    context length (default: the sequence length) and the plan's sequence length."""
-    batch = None
-    if config.compiled_dir is not None:
-        batch = Buckets.from_dict(read_manifest(config.compiled_dir)["buckets"]).batch
+    context length (default: the sequence length) and the plan's sequence length; `batch`: the batch
+    buckets (a compiled-model directory's), else powers of two up to the maximum batch size."""
     return Buckets.build(max_context_length=config.max_context_length, max_seq_len=config.seq_len or plan.seq_len,
                          max_batch_size=config.max_batch_size, context=config.context_buckets,
                          token=config.token_buckets, batch=batch,
@@ -111,11 +109,12 @@ def launch_buckets(config, plan, model_config) -> Buckets:
 
 def load_spec_fields(config, plan, model_config) -> dict[str, Any]:
     """The LoadSpec fields for compiling (or bucketed eager runs) that a LaunchConfig asks for."""
+    manifest = read_manifest(config.compiled_dir) if config.compiled_dir is not None else None
+    batch = Buckets.from_dict(manifest["buckets"]).batch if manifest is not None else None
     bucketed = config.compile or config.context_buckets is not None or config.token_buckets is not None
     fields: dict[str, Any] = {"compile": bool(config.compile), "warm_up": bool(config.compile and config.warm_up),
-                              "buckets": launch_buckets(config, plan, model_config) if bucketed else None}
-    if config.compiled_dir is not None:
-        manifest = read_manifest(config.compiled_dir)
+                              "buckets": launch_buckets(config, plan, model_config, batch) if bucketed else None}
+    if manifest is not None:
         fields["compile_cache_dir"] = str(cache_dir(config.compiled_dir))
         fields["compile_granularity"] = manifest.get("granularity")
         fields["expected_versions"] = manifest["versions"]

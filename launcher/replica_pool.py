@@ -147,7 +147,7 @@ class Replica:
         while True:
             if not self.policy.allow():
                 if self.policy.max_restarts == 0:
-                    why = f"restarts are disabled (max_restarts=0; raise --max-restarts to restart failed groups)"
+                    why = "restarts are disabled (max_restarts=0; raise --max-restarts to restart failed groups)"
                 else:
                     why = (f"it was already restarted {self.policy.recent()} times within "
                            f"{self.policy.window_s:g} s ({self.policy.describe()}), so it looks like a crash "

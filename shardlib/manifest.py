@@ -1,7 +1,7 @@
-"""Reading the manifest.json of a directory corelaunch wrote (pre-sharded weights, compiled models).
+"""The manifest.json of a directory corelaunch writes (pre-sharded weights, compiled models).
 
-One reader so every such directory fails the same way: a missing file, bad JSON or an absent
-field is an error that names the path and says how to write the directory again.
+One writer, and one reader so every such directory fails the same way: a missing file, bad JSON or
+an absent field is an error that names the path and says how to write the directory again.
 """
 
 from __future__ import annotations
@@ -11,6 +11,10 @@ from pathlib import Path
 from typing import Any
 
 MANIFEST = "manifest.json"
+
+
+def write_manifest_json(directory: str | Path, manifest: dict[str, Any]) -> None:
+    (Path(directory) / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
 
 
 def read_manifest_json(directory: str | Path, *, what: str, required: tuple[str, ...],

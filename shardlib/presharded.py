@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import json
 import os
 import shutil
 import tempfile
@@ -25,7 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 from shardlib.checkpoint import Progress, SafetensorsFile, check_layout, load_rank_shard, shard_shapes
-from shardlib.manifest import MANIFEST, read_manifest_json
+from shardlib.manifest import MANIFEST, read_manifest_json, write_manifest_json
 from shardlib.model_config import ModelConfig, normalize_dtype
 from shardlib.param_shapes import expected_shapes
 from shardlib.sharding import ShardLayout, TensorSlice
@@ -80,7 +79,7 @@ def save_presharded(out_dir: str | Path, model_dir: str | Path, config: ModelCon
             "corelaunch_version": _corelaunch_version(),
             "source": str(Path(model_dir).resolve()),
         }
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        write_manifest_json(tmp, manifest)
         tmp.chmod(0o755)  # mkdtemp makes it private
         _move_into_place(tmp, out_dir)
     except BaseException:

@@ -112,23 +112,26 @@ def use_cache_dir(path: str) -> None:
 # Pure functions of modules and tensors; compiled as they are (TP > 1) or inlined into one step graph
 # (TP 1). `m` is the previous block's output still to be added to the residual stream.
 
-def context_prologue(model: ShardedCausalLM, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                     attention_mask: torch.Tensor):
-    """Embedding slice, rotary cos/sin and the (batch, 1, seq, seq) mask over the prompt itself."""
-    seq = input_ids.shape[1]
+def _prologue(model: ShardedCausalLM, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor):
+    """Embedding slice, a zero first block output, rotary cos/sin, and the mask passed through."""
     cos, sin = model.rotary.lookup(position_ids, model.dtype)
-    mask = attention_bias_mask(seq, torch.arange(seq, device=input_ids.device), attention_mask[:, :seq])
     x = model.embed.partial(input_ids)
     return x, torch.zeros_like(x), cos, sin, mask
+
+
+def context_prologue(model: ShardedCausalLM, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                     attention_mask: torch.Tensor):
+    """_prologue with the (batch, 1, seq, seq) mask over the prompt itself."""
+    seq = input_ids.shape[1]
+    mask = attention_bias_mask(seq, torch.arange(seq, device=input_ids.device), attention_mask[:, :seq])
+    return _prologue(model, input_ids, position_ids, mask)
 
 
 def token_prologue(model: ShardedCausalLM, input_ids: torch.Tensor, position_ids: torch.Tensor,
                    attention_mask: torch.Tensor, cache_positions: torch.Tensor):
-    """Embedding slice, rotary cos/sin and the (batch, 1, 1, slots) mask over the cache."""
-    cos, sin = model.rotary.lookup(position_ids, model.dtype)
+    """_prologue with the (batch, 1, 1, slots) mask over the cache."""
     mask = attention_bias_mask(attention_mask.shape[1], cache_positions, attention_mask)
-    x = model.embed.partial(input_ids)
-    return x, torch.zeros_like(x), cos, sin, mask
+    return _prologue(model, input_ids, position_ids, mask)
 
 
 def context_attention(layer, x, m, cos, sin, mask):
@@ -224,6 +227,11 @@ DEFAULT_GRANULARITY = "layer"
 """At TP 1; measured in benchmarks/decode.py (see the module docstring)."""
 
 
+def default_granularity(tp_degree: int) -> str:
+    """The only choice at TP > 1 is to cut at the collectives."""
+    return DEFAULT_GRANULARITY if tp_degree == 1 else "collective"
+
+
 def _compile(fn):
     # dynamic=False: a static graph per shape, never a shape-generic one (bucketing's whole point).
     return torch.compile(fn, fullgraph=True, dynamic=False)
@@ -266,7 +274,7 @@ class CompiledCausalLM:
         self.model, self.buckets = model, buckets
         self.config, self.collectives, self.dtype = model.config, model.collectives, model.dtype
         tp1 = model.collectives.world_size == 1
-        self.granularity = granularity or (DEFAULT_GRANULARITY if tp1 else "collective")
+        self.granularity = granularity or default_granularity(model.collectives.world_size)
         if self.granularity not in GRANULARITIES:
             raise ValueError(f"granularity {self.granularity!r} must be one of {', '.join(GRANULARITIES)}")
         if self.granularity != "collective" and not tp1:
@@ -367,6 +375,7 @@ def _cache_counters() -> dict[str, int]:
     from torch._dynamo.utils import counters
 
     inductor, aot = counters["inductor"], counters["aot_autograd"]
-    return {"dynamo_graphs": counters["stats"]["unique_graphs"], "fxgraph_cache_hit": inductor["fxgraph_cache_hit"], "fxgraph_cache_miss": inductor["fxgraph_cache_miss"],
+    return {"dynamo_graphs": counters["stats"]["unique_graphs"],
+            "fxgraph_cache_hit": inductor["fxgraph_cache_hit"], "fxgraph_cache_miss": inductor["fxgraph_cache_miss"],
             "fxgraph_cache_bypass": inductor["fxgraph_cache_bypass"],
             "autograd_cache_hit": aot["autograd_cache_hit"], "autograd_cache_miss": aot["autograd_cache_miss"]}

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from shardlib.buckets import Buckets
+from workers.kv_cache import write_kv
 from workers.model import ShardedCausalLM, attention_bias_mask
 
 
@@ -60,8 +61,7 @@ class NeuronStep(nn.Module):
             v_cache = getattr(self, f"v_cache_{i}")[:batch, :, :slots]
             h = layer.input_norm(x)
             q, k, v = layer.attention.project(h, cos, sin)
-            k_cache.index_copy_(2, cache_positions, k)
-            v_cache.index_copy_(2, cache_positions, v)
+            write_kv(k_cache, v_cache, cache_positions, k, v)
             keys, values = (k, v) if seq > 1 else (k_cache, v_cache)
             x = x + model.collectives.all_reduce_sum_(layer.attention.attend(q, keys, values, mask))
             x = x + layer.mlp(layer.post_attention_norm(x))

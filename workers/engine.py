@@ -189,7 +189,7 @@ def generate(model, prompts: list[list[int]], params: list[SamplingParams], max_
         row_logits: list[list[torch.Tensor]] = [[] for _ in range(batch)]
         step_latency = 0.0
         positions = torch.tensor(lengths + [0] * (rows - batch), dtype=torch.int64)[:, None]  # (rows, 1)
-        filler = torch.full((rows - batch,), pad_token_id, dtype=torch.int64)
+        filler = torch.full((rows - batch,), pad_token_id, dtype=torch.int64) if rows > batch else None
         for step in range(max_new_tokens):
             now = time.perf_counter()
             for i, token in enumerate(tokens.tolist()):
@@ -209,7 +209,7 @@ def generate(model, prompts: list[list[int]], params: list[SamplingParams], max_
                 break
             slot = longest + step
             step_start = time.perf_counter()
-            step_ids = torch.cat((tokens, filler))[:, None]  # (rows, 1)
+            step_ids = (tokens if filler is None else torch.cat((tokens, filler)))[:, None]  # (rows, 1)
             logits = model(step_ids, positions + step, cache, slot_ids[slot:slot + 1], attention_mask)[:batch]
             tokens = sample(logits, params, generators)
             step_latency = time.perf_counter() - step_start

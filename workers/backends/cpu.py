@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from workers.backends.base import Backend, CompileOptions, RendezvousInfo
-from workers.collectives import Collectives, SingleRank, TorchDistributedCollectives
+from workers.collectives import Collectives, SingleRank
 
 
 class CpuBackend(Backend):

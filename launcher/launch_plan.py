@@ -1,0 +1,62 @@
+"""From a LaunchConfig to a proven layout, before any process starts or any file is written.
+
+Shared by the driver API (Launcher.start) and `corelaunch compile`: both resolve the model, pick the
+backend and planner target, plan, and refuse layouts the planner rejects or checkpoints the workers
+cannot run, with every reason listed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from launcher.errors import PlanRejected
+from launcher.progress import Progress
+from shardlib.model_config import ModelConfig, load_model_config
+
+
+@dataclass(frozen=True)
+class PlannedLaunch:
+    model_dir: Path
+    model_config: ModelConfig
+    backend: str
+    instance: str
+    plan: object
+    """shardlib.planner's plan, valid."""
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    """The given model directory, or the built-in demo model (converted on first use)."""
+    if model is not None:
+        return Path(model)
+    from shardlib.demo_model import ensure_demo_model
+
+    return Path(ensure_demo_model())
+
+
+def plan_launch(config, progress: Progress, nothing_done: str = "nothing was started") -> PlannedLaunch:
+    """Plan config (a LaunchConfig); PlanRejected naming every failed rule (or every part of the
+    checkpoint the workers cannot run), ending with `nothing_done`."""
+    from shardlib.planner import plan as make_plan
+    from workers.backends import default_backend_name
+
+    with progress.step("resolving model"):
+        model_dir = resolve_model_dir(config.model)
+        model_config = load_model_config(model_dir)
+    backend = config.backend or default_backend_name()
+    instance = config.instance or ("cpu" if backend == "cpu" else None)
+    if instance is None:
+        raise ValueError("the neuron backend needs --instance (e.g. trn1.32xlarge) for planning")
+    plan = make_plan(model_config, instance=instance, tp=config.tp, nodes=config.nodes, lnc=config.lnc,
+                     batch_size=config.max_batch_size, seq_len=config.seq_len, dtype=config.dtype,
+                     kv_strategy=config.kv_strategy)
+    if not plan.valid:
+        errors = [dict(e) for e in plan.to_dict()["errors"]]
+        lines = "\n".join(f"  [{e['code']}] {e['message']}" for e in errors)
+        raise PlanRejected(f"the layout is impossible; {nothing_done}:\n{lines}", errors)
+    gaps = model_config.executor_gaps(config.seq_len)
+    if gaps:  # refuse now, not after every rank has read its shard
+        errors = [{"code": "not_runnable", "message": gap} for gap in gaps]
+        lines = "\n".join(f"  [not_runnable] {gap}" for gap in gaps)
+        raise PlanRejected(f"{model_dir} cannot run on corelaunch's workers; {nothing_done}:\n{lines}", errors)
+    return PlannedLaunch(model_dir, model_config, backend, instance, plan)
