@@ -15,7 +15,7 @@ from shardlib.model_config import ModelConfig
 from shardlib.sharding import KVStrategy, ShardLayout
 from tests.model_factory import build_random_model
 from tests.tp_harness import Case, Request, build_rank_model, hf_state_dict, run_tp, shard_for_rank, token_ids
-from workers.collectives import SingleRank
+from workers.collectives import Collectives, SingleRank
 from workers.engine import generate
 from workers.model import ShardedCausalLM
 from workers.rope import RotaryTables, apply_rotary
@@ -145,7 +145,12 @@ def test_rotary_tables_equal_transformers_bitwise(rope_scaling):
 
 
 # ---- communication count and refusals ----------------------------------------------------------
-class CountingRank(SingleRank):
+class CountingRank(Collectives):
+    """One rank that counts what it is asked to communicate (through the custom operators, which
+    SingleRank skips since it has nothing to communicate)."""
+
+    rank, world_size = 0, 1
+
     def __init__(self) -> None:
         self.all_reduces = self.all_gathers = 0
 

@@ -15,8 +15,15 @@ ordered sum.
 
 gloo (`TorchDistributedCollectives`) works everywhere but costs hundreds of microseconds per call on
 one host. Co-located CPU ranks use shared memory instead (`workers/shm/`: `ShmCollectives` when the
-whole group shares a node, `HierarchicalCollectives` across nodes); NCCL for CUDA would plug in as
-another subclass without the model changing.
+whole group shares a node, `HierarchicalCollectives` across nodes); NCCL for CUDA is
+`TorchDistributedCollectives` over an NCCL group.
+
+Implementations provide the in-place `all_reduce_sum_` and `all_gather_last_dim`. The model calls
+the functional `all_reduce` and `all_gather`, which go through the custom operators of
+workers/collective_ops.py so that a compiled step keeps them inside its graph; with
+`in_graph = False` they are called as plain Python instead, which makes torch.compile cut its graph
+at every collective (the former per-region compilation, kept for comparison in
+benchmarks/tp_scaling.py).
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ from __future__ import annotations
 import abc
 
 import torch
+
+from workers import collective_ops
 
 
 def sum_in_rank_order_(out: torch.Tensor, parts: list[torch.Tensor]) -> torch.Tensor:
@@ -37,6 +46,29 @@ def sum_in_rank_order_(out: torch.Tensor, parts: list[torch.Tensor]) -> torch.Te
 
 class Collectives(abc.ABC):
     """One rank's view of its tensor-parallel group."""
+
+    in_graph: bool = True
+    """Traced by torch.compile as operators inside the graph (True), or as graph breaks (False)."""
+    _handle: int | None = None
+
+    @property
+    def handle(self) -> int:
+        """This object's handle for the custom operators (registered on first use)."""
+        if self._handle is None:
+            self._handle = collective_ops.register(self)
+        return self._handle
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The sum over all ranks as a new tensor (what the model calls; see the module docstring)."""
+        if self.in_graph:
+            return torch.ops.corelaunch.all_reduce_sum(tensor, self.handle)
+        return _outside_graph(self.all_reduce_sum_, tensor.contiguous().clone())
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's tensor concatenated along the last dim, in rank order (what the model calls)."""
+        if self.in_graph:
+            return torch.ops.corelaunch.all_gather_last_dim(tensor, self.handle)
+        return _outside_graph(self.all_gather_last_dim, tensor)
 
     @property
     @abc.abstractmethod
@@ -66,7 +98,16 @@ class Collectives(abc.ABC):
     def close(self) -> None:
         """Release what the collectives hold beyond the process group (shared memory); idempotent.
 
-        The process group itself is the backend's to destroy."""
+        The process group itself is the backend's to destroy. Subclasses call this too."""
+        if self._handle is not None:
+            collective_ops.unregister(self._handle)
+            self._handle = None
+
+
+@torch.compiler.disable
+def _outside_graph(fn, tensor: torch.Tensor) -> torch.Tensor:
+    """fn(tensor) run by Python, never traced: torch.compile ends its graph before it."""
+    return fn(tensor)
 
 
 class SingleRank(Collectives):
@@ -84,6 +125,13 @@ class SingleRank(Collectives):
         return tensor
 
     def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    # Nothing to communicate: the traced graph holds no operator at all.
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
 
@@ -125,7 +173,7 @@ class TorchDistributedCollectives(Collectives):
             self._dist.all_reduce(tensor, op=self._dist.ReduceOp.SUM, group=self._group)
             return tensor
         flat = tensor.view(-1)
-        parts = torch.empty((self._world_size, flat.numel()), dtype=flat.dtype)
+        parts = torch.empty((self._world_size, flat.numel()), dtype=flat.dtype, device=flat.device)
         self._dist.all_gather(list(parts.unbind(0)), flat, group=self._group)
         sum_in_rank_order_(flat, list(parts.unbind(0)))
         return tensor

@@ -1,4 +1,5 @@
-"""`CompiledCausalLM`: a ShardedCausalLM run through one static-shape inductor graph per bucket (CPU).
+"""`CompiledCausalLM`: the decoder step (workers/step.py) run through static-shape inductor graphs, one
+per bucket and phase (CPU; CUDA uses the same class).
 
 Two phases, each with its own graphs (shapes from shardlib.buckets):
 
@@ -10,43 +11,26 @@ Two phases, each with its own graphs (shapes from shardlib.buckets):
 - token generation (decode) at (batch bucket, token bucket): one token per row is written into the
   cache (batch, kv_heads, token bucket, head_dim) at its slot and attends over the whole cache.
 
-Granularity (what one graph covers):
-- TP 1 ("layer", the default): one graph per decoder layer call, shared by every layer (weights are
-  graph inputs, not constants), plus a small prologue and epilogue graph. "model" (one graph for
-  the whole step) decodes ~15% faster but compiles ~3x slower, and its compile and warm-start
-  times grow with the number of layers; `corelaunch compile --granularity model` selects it.
-- TP > 1 ("collective"): collectives stay outside compiled code whatever implements them (gloo,
-  shared memory, ...): each layer is cut at its two all-reduces into an attention and an MLP
-  region, compiled once per shape and shared by all layers; the runner calls the collectives
-  eagerly between regions (two graph boundaries per layer, ~70 us of call overhead per region).
+The collectives are custom operators inside the graphs (workers/collective_ops.py), so what one
+graph covers is the same choice at every TP degree (`granularity`):
+- "layer": one graph for the decoder layer, shared by every layer (weights are graph inputs), plus a
+  prologue and an epilogue graph; a step is (layers + 2) graph calls.
+- "model": one graph for the whole step.
+- "collective": "layer" with the collectives left outside the graphs, so each layer falls apart into
+  the code between two collectives; the way TP > 1 ran before the collectives were operators, kept
+  to measure against (benchmarks/tp_scaling.py).
+The README's Measured table has the figures behind the default.
 
 Decode matmuls: with one row per step, workers.layers.linear writes the product as a
 multiply-and-sum inside compiled graphs, which inductor turns into a vectorised reduction split
-over the threads: 30 layers of SmolLM2-shaped weights stream at ~29 GB/s that way against ~11 GB/s
-through the BLAS GEMV that F.linear calls (measured in isolation, 2 threads). That, not the removed
-Python overhead (~5%), is most of the compiled speed-up. Batches of 2-8 rows measured the same
-either way, so they keep F.linear.
-
-Measured choice: torch.compile (inductor) with its cache persisted, not AOTInductor. SmolLM2-135M
-fp32, 2 threads, on the shared 2-core development machine (noisy; quiet-period numbers):
-- benchmarks/decode.py (batch 1, 128-token prompt, 128 new tokens, medians of 3): decode tokens/s
-  transformers generate() 14.2, eager 15.3, "layer" 48.0, "model" 56.0; weights over bandwidth
-  53.9 (29 GB/s) to 61.3 (33 GB/s);
-- one decode graph (cache 256) from an empty cache, then raw forward steps/s: torch.compile
-  "layer" 13.7 s, 38.9/s; torch.compile "model" 44.8 s, 42.2/s; AOTInductor (torch.export +
-  aoti_compile_and_package, weights given with load_constants) 44.1 s including a 4.0 s export,
-  45.5/s, and 0.006 s to load a compiled package against ~1-4 s for torch.compile to trace and
-  fetch the same graph from its cache.
-AOTInductor would gain ~8% decode over the whole-model graph and a few seconds of warm start, but
-torch.export cannot leave our eager collectives outside the graph (TP > 1 would need every region
-exported and packaged per shape), and plain `corelaunch generate` would still need torch.compile to
-build the shapes nobody precompiled. One mechanism covers both here: graphs built on first use,
-and the same graphs persisted by `corelaunch compile`. The warm start meets its target without it
-(benchmarks/decode.py: cold 36.5 s, warm 17.3 s from a compiled-model directory).
+over the threads and streams the weight near memory bandwidth, where the BLAS GEMV that F.linear
+calls streamed it at about a third of that (the LM head above all).
 
 Persisted compilation: inductor's FX-graph and AOTAutograd caches live under TORCHINDUCTOR_CACHE_DIR
-(set per worker by the CPU backend, pointing into a compiled-model directory); a later process that
+(set per worker by the backend, pointing into a compiled-model directory); a later process that
 traces the same graphs finds them there and compiles nothing (stats() counts the cache hits).
+torch.compile with its cache persisted was measured against AOTInductor packages; the README's
+"Compiled graphs" section gives the reasons and figures for the choice.
 """
 
 from __future__ import annotations
@@ -54,6 +38,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -62,8 +47,8 @@ import torch
 
 from shardlib.buckets import Buckets
 from workers.kv_cache import KVCache
-from workers.model import ShardedCausalLM, attention_bias_mask
-
+from workers.model import ShardedCausalLM
+from workers.step import EAGER, StepParts, run_step
 
 CHECKED_LIBRARIES = ("torch", "transformers", "corelaunch")
 """Libraries whose versions a compiled-model directory must match (compiled code depends on them)."""
@@ -108,133 +93,21 @@ def use_cache_dir(path: str) -> None:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
 
 
-# ---- the regions between collectives ------------------------------------------------------------
-# Pure functions of modules and tensors; compiled as they are (TP > 1) or inlined into one step graph
-# (TP 1). `m` is the previous block's output still to be added to the residual stream.
-
-def _prologue(model: ShardedCausalLM, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor):
-    """Embedding slice, a zero first block output, rotary cos/sin, and the mask passed through."""
-    cos, sin = model.rotary.lookup(position_ids, model.dtype)
-    x = model.embed.partial(input_ids)
-    return x, torch.zeros_like(x), cos, sin, mask
-
-
-def context_prologue(model: ShardedCausalLM, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                     attention_mask: torch.Tensor):
-    """_prologue with the (batch, 1, seq, seq) mask over the prompt itself."""
-    seq = input_ids.shape[1]
-    mask = attention_bias_mask(seq, torch.arange(seq, device=input_ids.device), attention_mask[:, :seq])
-    return _prologue(model, input_ids, position_ids, mask)
-
-
-def token_prologue(model: ShardedCausalLM, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                   attention_mask: torch.Tensor, cache_positions: torch.Tensor):
-    """_prologue with the (batch, 1, 1, slots) mask over the cache."""
-    mask = attention_bias_mask(attention_mask.shape[1], cache_positions, attention_mask)
-    return _prologue(model, input_ids, position_ids, mask)
-
-
-def context_attention(layer, x, m, cos, sin, mask):
-    """Residual add, norm, attention over the prompt's own k/v: (x, o_proj partial, k, v)."""
-    x = x + m
-    q, k, v = layer.attention.project(layer.input_norm(x), cos, sin)
-    return x, layer.attention.attend(q, k, v, mask), k, v
-
-
-def token_attention(layer, x, m, cos, sin, mask, k_cache, v_cache, cache_positions):
-    """Residual add, norm, attention writing this token's k/v into the cache: (x, o_proj partial)."""
-    x = x + m
-    return x, layer.attention.partial(layer.input_norm(x), cos, sin, mask, k_cache, v_cache, cache_positions)
-
-
-def mlp(layer, x, a):
-    """Residual add of the attention output, norm, MLP: (x, down_proj partial)."""
-    x = x + a
-    return x, layer.mlp.partial(layer.post_attention_norm(x))
-
-
-def context_layer(layer, x, m, cos, sin, mask):
-    """A whole decoder layer when nothing needs reducing (TP 1): (x, MLP output, k, v)."""
-    x, a, k, v = context_attention(layer, x, m, cos, sin, mask)
-    x, m = mlp(layer, x, a)
-    return x, m, k, v
-
-
-def token_layer(layer, x, m, cos, sin, mask, k_cache, v_cache, cache_positions):
-    """A whole decoder layer when nothing needs reducing (TP 1): (x, MLP output)."""
-    x, a = token_attention(layer, x, m, cos, sin, mask, k_cache, v_cache, cache_positions)
-    return mlp(layer, x, a)
-
-
-def epilogue(model: ShardedCausalLM, x, m, logit_index):
-    """Last residual add, final norm and this rank's LM-head slice at one column: (batch, vocab_per_rank)."""
-    return model.local_logits(x + m, logit_index)
-
-
-@dataclass(frozen=True)
-class Regions:
-    context_prologue: Callable = context_prologue
-    token_prologue: Callable = token_prologue
-    context_attention: Callable = context_attention
-    token_attention: Callable = token_attention
-    mlp: Callable = mlp
-    context_layer: Callable = context_layer
-    token_layer: Callable = token_layer
-    epilogue: Callable = epilogue
-
-    def compiled(self) -> "Regions":
-        return Regions(**{name: _compile(fn) for name, fn in self.__dict__.items()})
-
-
-def context_step(model, regions: Regions, reduce, input_ids, position_ids, attention_mask, logit_index):
-    """Prefill from slot 0: (local logits (batch, vocab_per_rank), [k per layer], [v per layer])."""
-    x, m, cos, sin, mask = regions.context_prologue(model, input_ids, position_ids, attention_mask)
-    if reduce is not None:
-        x = reduce(x)
-    ks, vs = [], []
-    for layer in model.layers:
-        if reduce is None:
-            x, m, k, v = regions.context_layer(layer, x, m, cos, sin, mask)
-        else:
-            x, a, k, v = regions.context_attention(layer, x, m, cos, sin, mask)
-            x, m = regions.mlp(layer, x, reduce(a))
-            m = reduce(m)
-        ks.append(k)
-        vs.append(v)
-    return regions.epilogue(model, x, m, logit_index), ks, vs
-
-
-def token_step(model, regions: Regions, reduce, input_ids, position_ids, attention_mask, cache_positions,
-               k_caches, v_caches):
-    """One decode step: local logits (batch, vocab_per_rank); writes each layer's cache in place."""
-    x, m, cos, sin, mask = regions.token_prologue(model, input_ids, position_ids, attention_mask, cache_positions)
-    if reduce is not None:
-        x = reduce(x)
-    for layer, k_cache, v_cache in zip(model.layers, k_caches, v_caches):
-        if reduce is None:
-            x, m = regions.token_layer(layer, x, m, cos, sin, mask, k_cache, v_cache, cache_positions)
-        else:
-            x, a = regions.token_attention(layer, x, m, cos, sin, mask, k_cache, v_cache, cache_positions)
-            x, m = regions.mlp(layer, x, reduce(a))
-            m = reduce(m)
-    return regions.epilogue(model, x, m, None)
-
-
 GRANULARITIES = ("model", "layer", "collective")
-"""What one compiled graph covers: the whole step, one decoder layer (TP 1), or the code between two
-collectives (TP > 1). Layer and collective graphs are shared by every layer."""
+"""What one compiled graph covers: the whole step, one decoder layer, or the code between two
+collectives (see the module docstring)."""
 DEFAULT_GRANULARITY = "layer"
-"""At TP 1; measured in benchmarks/decode.py (see the module docstring)."""
+"""The README's Measured table (benchmarks/decode.py) has the figures behind this choice."""
 
 
 def default_granularity(tp_degree: int) -> str:
-    """The only choice at TP > 1 is to cut at the collectives."""
-    return DEFAULT_GRANULARITY if tp_degree == 1 else "collective"
+    """The same at every TP degree now that collectives are operators inside the graphs."""
+    return DEFAULT_GRANULARITY
 
 
-def _compile(fn):
+def _compile(fn, fullgraph: bool = True):
     # dynamic=False: a static graph per shape, never a shape-generic one (bucketing's whole point).
-    return torch.compile(fn, fullgraph=True, dynamic=False)
+    return torch.compile(fn, fullgraph=fullgraph, dynamic=False)
 
 
 def configure_dynamo(graphs: int) -> None:
@@ -270,27 +143,29 @@ class CompileStats:
 class CompiledCausalLM:
     """Drop-in for ShardedCausalLM in workers.engine.generate: same call, bucketed shapes only."""
 
-    def __init__(self, model: ShardedCausalLM, buckets: Buckets, *, granularity: str | None = None) -> None:
+    def __init__(self, model: ShardedCausalLM, buckets: Buckets, *, granularity: str | None = None,
+                 announce: Callable[[str], None] | None = None) -> None:
+        """announce: called with a line before and after each graph built during a request (not
+        during warm_up, which has its own progress); default: print to stderr."""
         self.model, self.buckets = model, buckets
         self.config, self.collectives, self.dtype = model.config, model.collectives, model.dtype
-        tp1 = model.collectives.world_size == 1
         self.granularity = granularity or default_granularity(model.collectives.world_size)
         if self.granularity not in GRANULARITIES:
             raise ValueError(f"granularity {self.granularity!r} must be one of {', '.join(GRANULARITIES)}")
-        if self.granularity != "collective" and not tp1:
-            raise ValueError(f"granularity {self.granularity!r} needs TP 1: at TP > 1 the collectives run "
-                             f"between compiled regions (granularity 'collective')")
         # Rotary tables for every position a bucket can hold, built now so no call rebuilds them
         # (a rebuilt table would be a new graph input and a recompile).
         model._ensure_rotary(buckets.max_seq_len)
         configure_dynamo(len(buckets.shapes()))
-        self._reduce = None if tp1 else model.collectives.all_reduce_sum_
+        model.collectives.in_graph = self.granularity != "collective"
+        model.collectives.handle  # registered now, not while a graph is being traced
         if self.granularity == "model":
-            self._regions = Regions()
-            self._context, self._token = _compile(context_step), _compile(token_step)
+            self._parts, self._step = EAGER, _compile(run_step)
         else:
-            self._regions = Regions().compiled()
-            self._context, self._token = context_step, token_step
+            fullgraph = self.granularity != "collective"
+            self._parts = StepParts(*(_compile(part, fullgraph) for part in EAGER))
+            self._step = run_step
+        self._announce = announce if announce is not None else _print_stderr
+        self._warming_up = False
         self._seen: set[tuple[str, int, int]] = set()
         self._stats = CompileStats()
         self._counters_at_start = _cache_counters()
@@ -298,6 +173,10 @@ class CompiledCausalLM:
     # ---- what engine.generate uses -------------------------------------------------------------
     def new_cache(self, batch: int, max_seq_len: int) -> KVCache:
         return self.model.new_cache(batch, max_seq_len)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache,
                  cache_positions: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -308,26 +187,32 @@ class CompiledCausalLM:
         phase, length = ("context", seq) if seq > 1 else ("token", slots)
         self._check_shape(phase, batch, length, cache)
         if attention_mask is None:
-            attention_mask = torch.ones(batch, slots, dtype=torch.bool)
+            attention_mask = torch.ones(batch, slots, dtype=torch.bool, device=input_ids.device)
+        key = (phase, batch, length)
+        new_graph = key not in self._seen
+        if new_graph and not self._warming_up:
+            self._announce(f"corelaunch: building the graph for {phase} bucket batch {batch} x {length} "
+                           f"(first use; cached for later runs)")
         start = time.perf_counter()
         if phase == "context":
             if logit_index is None:
-                logit_index = torch.tensor([seq - 1])
+                logit_index = torch.tensor([seq - 1], device=input_ids.device)
             if int(cache_positions[0]) != 0:
                 raise ValueError("a compiled prefill starts at cache slot 0 (the prompt is the whole history)")
-            local, ks, vs = self._context(self.model, self._regions, self._reduce, input_ids, position_ids,
-                                          attention_mask, logit_index)
+            logits, ks, vs = self._step(self.model, self._parts, input_ids, position_ids, attention_mask[:, :seq],
+                                        cache_positions, None, logit_index)
             for k_cache, v_cache, k, v in zip(cache.k, cache.v, ks, vs):
                 k_cache[:, :, :seq].copy_(k)
                 v_cache[:, :, :seq].copy_(v)
         else:
-            local = self._token(self.model, self._regions, self._reduce, input_ids, position_ids, attention_mask,
-                                cache_positions, cache.k, cache.v)
-        logits = self.model.gather_logits(local)
-        key = (phase, batch, length)
-        if key not in self._seen:
+            logits, _, _ = self._step(self.model, self._parts, input_ids, position_ids, attention_mask,
+                                      cache_positions, (cache.k, cache.v), None)
+        if new_graph:
+            seconds = time.perf_counter() - start
             self._seen.add(key)
-            self._stats.graphs.append(GraphStats(phase, batch, length, time.perf_counter() - start))
+            self._stats.graphs.append(GraphStats(phase, batch, length, seconds))
+            if not self._warming_up:
+                self._announce(f"corelaunch: built the {phase} graph for batch {batch} x {length} in {seconds:.1f} s")
         return logits
 
     forward = __call__
@@ -350,25 +235,36 @@ class CompiledCausalLM:
         """Compile (or fetch from the cache) the graphs of `shapes` (default: every bucket shape) by
         running each once on a scratch cache; progress(done, total, shape, seconds) after each."""
         shapes = self.buckets.shapes() if shapes is None else shapes
-        with torch.inference_mode():
-            for i, (phase, batch, length) in enumerate(shapes):
-                start = time.perf_counter()
-                if phase == "context":
-                    cache = self.new_cache(batch, self.buckets.token_bucket(length))
-                    ids = torch.zeros(batch, length, dtype=torch.int64)
-                    positions = torch.arange(length).repeat(batch, 1)  # contiguous, as the engine's
-                    self(ids, positions, cache, torch.arange(length), None, torch.tensor([length - 1]))
-                else:
-                    cache = self.new_cache(batch, length)
-                    ids = torch.zeros(batch, 1, dtype=torch.int64)
-                    self(ids, torch.zeros(batch, 1, dtype=torch.int64), cache, torch.tensor([0]), None)
-                if progress is not None:
-                    progress(i + 1, len(shapes), (phase, batch, length), time.perf_counter() - start)
+        device = self.device
+        self._warming_up = True
+        try:
+            with torch.inference_mode():
+                for i, (phase, batch, length) in enumerate(shapes):
+                    start = time.perf_counter()
+                    if phase == "context":
+                        cache = self.new_cache(batch, self.buckets.token_bucket(length))
+                        ids = torch.zeros(batch, length, dtype=torch.int64, device=device)
+                        positions = torch.arange(length, device=device).repeat(batch, 1)  # contiguous, as the engine's
+                        self(ids, positions, cache, torch.arange(length, device=device), None,
+                             torch.tensor([length - 1], device=device))
+                    else:
+                        cache = self.new_cache(batch, length)
+                        ids = torch.zeros(batch, 1, dtype=torch.int64, device=device)
+                        self(ids, torch.zeros(batch, 1, dtype=torch.int64, device=device), cache,
+                             torch.tensor([0], device=device), None)
+                    if progress is not None:
+                        progress(i + 1, len(shapes), (phase, batch, length), time.perf_counter() - start)
+        finally:
+            self._warming_up = False
 
     def stats(self) -> CompileStats:
         now = _cache_counters()
         self._stats.counters = {k: now.get(k, 0) - self._counters_at_start.get(k, 0) for k in now}
         return self._stats
+
+
+def _print_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def _cache_counters() -> dict[str, int]:

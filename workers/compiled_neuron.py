@@ -29,11 +29,15 @@ from torch import nn
 
 from shardlib.buckets import Buckets
 from workers.kv_cache import write_kv
-from workers.model import ShardedCausalLM, attention_bias_mask
+from workers.model import ShardedCausalLM
+from workers.step import EAGER, run_step
 
 
 class NeuronStep(nn.Module):
-    """One phase of one bucket as a traceable module: the model plus the device-resident KV cache."""
+    """One phase of one bucket as a traceable module: the model plus the device-resident KV cache.
+
+    The step itself is workers/step.py's run_step, the same code the CPU runs; only where the KV
+    cache lives differs (module buffers here, so the device keeps it between calls)."""
 
     def __init__(self, model: ShardedCausalLM, buckets: Buckets) -> None:
         super().__init__()
@@ -46,26 +50,23 @@ class NeuronStep(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
                 cache_positions: torch.Tensor, logit_index: torch.Tensor) -> torch.Tensor:
-        """Logits (batch, vocab) at logit_index; a prefill when input_ids has more than one column."""
-        model = self.model
+        """Logits (batch, vocab) at logit_index; a prefill from slot 0 when input_ids has more than
+        one column (attention_mask then covers the prompt's own slots), else one decode step over
+        the cache's first attention_mask.shape[1] slots."""
         batch, seq = input_ids.shape
-        slots = attention_mask.shape[1]  # the token bucket; a prefill's own length
-        cos, sin = model.rotary.lookup(position_ids, model.dtype)
-        if seq > 1:  # context encoding from slot 0: attention over the prompt itself
-            mask = attention_bias_mask(seq, cache_positions, attention_mask)
-        else:
-            mask = attention_bias_mask(slots, cache_positions, attention_mask)
-        x = model.embed(input_ids)
-        for i, layer in enumerate(model.layers):
-            k_cache = getattr(self, f"k_cache_{i}")[:batch, :, :slots]
-            v_cache = getattr(self, f"v_cache_{i}")[:batch, :, :slots]
-            h = layer.input_norm(x)
-            q, k, v = layer.attention.project(h, cos, sin)
-            write_kv(k_cache, v_cache, cache_positions, k, v)
-            keys, values = (k, v) if seq > 1 else (k_cache, v_cache)
-            x = x + model.collectives.all_reduce_sum_(layer.attention.attend(q, keys, values, mask))
-            x = x + layer.mlp(layer.post_attention_norm(x))
-        return model.gather_logits(model.local_logits(x, logit_index))
+        slots = attention_mask.shape[1]
+        count = self.model.config.num_hidden_layers
+        ks = [getattr(self, f"k_cache_{i}")[:batch, :, :slots] for i in range(count)]
+        vs = [getattr(self, f"v_cache_{i}")[:batch, :, :slots] for i in range(count)]
+        if seq > 1:
+            logits, new_k, new_v = run_step(self.model, EAGER, input_ids, position_ids, attention_mask,
+                                            cache_positions, None, logit_index)
+            for k_cache, v_cache, k, v in zip(ks, vs, new_k, new_v):
+                write_kv(k_cache, v_cache, cache_positions, k, v)
+            return logits
+        logits, _, _ = run_step(self.model, EAGER, input_ids, position_ids, attention_mask, cache_positions,
+                                (ks, vs), logit_index)
+        return logits
 
 
 class _DeviceCache:

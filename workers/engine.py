@@ -103,9 +103,10 @@ def _shared_seeds(model, params: list[SamplingParams]) -> list[SamplingParams]:
     if not unseeded:
         return params
     collectives = model.collectives
-    seeds = torch.zeros(len(unseeded), dtype=torch.int64)
+    device = getattr(model, "device", torch.device("cpu"))  # NCCL reduces device tensors only
+    seeds = torch.zeros(len(unseeded), dtype=torch.int64, device=device)
     if collectives.rank == 0:
-        seeds = torch.tensor([random.randrange(2**62) for _ in unseeded], dtype=torch.int64)
+        seeds = torch.tensor([random.randrange(2**62) for _ in unseeded], dtype=torch.int64, device=device)
     collectives.all_reduce_sum_(seeds)
     params = list(params)
     for i, seed in zip(unseeded, seeds.tolist()):
@@ -136,6 +137,7 @@ def generate(model, prompts: list[list[int]], params: list[SamplingParams], max_
     """
     start = time.perf_counter()
     config = model.config
+    device = getattr(model, "device", torch.device("cpu"))
     _check_request(prompts, params, max_new_tokens, config.vocab_size)
     stop = {int(t) for t in stop_token_ids}
     lengths = [len(p) for p in prompts]
@@ -163,7 +165,7 @@ def generate(model, prompts: list[list[int]], params: list[SamplingParams], max_
                 )
             cache.reset()
         params = _shared_seeds(model, params)
-        generators = [make_generator(p) for p in params]
+        generators = [make_generator(p, device) for p in params]
 
         # Left padding: row i's real tokens occupy slots pad[i] .. longest - 1. Filler rows (batch
         # bucket padding) hold no real token: pad = longest. Columns longest .. width - 1 (context
@@ -177,7 +179,10 @@ def generate(model, prompts: list[list[int]], params: list[SamplingParams], max_
         attention_mask = slot_ids[None, :] >= pad[:, None]  # (rows, slots): false on left padding
         position_ids = (torch.arange(width)[None, :] - pad[:, None]).clamp(min=0)  # (rows, width)
         # The last real column's logits; bucketed runs always pass it, so one graph serves a bucket.
-        logit_index = None if buckets is None else torch.tensor([longest - 1])
+        logit_index = None if buckets is None else torch.tensor([longest - 1], device=device)
+        # Everything the model reads lives on its device (built on the host once per request).
+        input_ids, slot_ids, attention_mask, position_ids = (
+            t.to(device) for t in (input_ids, slot_ids, attention_mask, position_ids))
 
         logits = model(input_ids, position_ids, cache, slot_ids[:width], attention_mask, logit_index)[:batch]
         tokens = sample(logits, params, generators)  # (batch,)
@@ -188,8 +193,9 @@ def generate(model, prompts: list[list[int]], params: list[SamplingParams], max_
         done = [False] * batch
         row_logits: list[list[torch.Tensor]] = [[] for _ in range(batch)]
         step_latency = 0.0
-        positions = torch.tensor(lengths + [0] * (rows - batch), dtype=torch.int64)[:, None]  # (rows, 1)
-        filler = torch.full((rows - batch,), pad_token_id, dtype=torch.int64) if rows > batch else None
+        positions = torch.tensor(lengths + [0] * (rows - batch), dtype=torch.int64, device=device)[:, None]  # (rows, 1)
+        filler = (torch.full((rows - batch,), pad_token_id, dtype=torch.int64, device=device)
+                  if rows > batch else None)
         for step in range(max_new_tokens):
             now = time.perf_counter()
             for i, token in enumerate(tokens.tolist()):
@@ -197,7 +203,7 @@ def generate(model, prompts: list[list[int]], params: list[SamplingParams], max_
                     continue
                 outputs[i].token_ids.append(token)
                 if return_logits:
-                    row_logits[i].append(logits[i].float().clone())
+                    row_logits[i].append(logits[i].float().cpu())
                 if len(outputs[i].token_ids) > 1:
                     outputs[i].decode_step_latencies_s.append(step_latency)
                 finish_time[i] = now

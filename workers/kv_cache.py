@@ -49,12 +49,6 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
-    def update(self, layer: int, cache_positions: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v (batch, kv_heads, seq, head_dim) at slots cache_positions (seq,); return the
-        layer's whole cache (batch, kv_heads, max_seq_len, head_dim) for attention."""
-        return write_kv(self.k[layer], self.v[layer], cache_positions, k, v)
-
     def reset(self) -> None:
         """Zero every slot (stale values are masked anyway; zeroing keeps them finite)."""
         with torch.inference_mode():

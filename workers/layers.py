@@ -65,15 +65,17 @@ class VocabParallelEmbedding(nn.Module):
         self.start, self.stop = vocab_range
         self.collectives = collectives
 
-    def partial(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of the lookup, zeros for ids it does not own (before the all-reduce)."""
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(batch, seq) ids -> (batch, seq, hidden): this rank's rows, zeros elsewhere, summed over ranks."""
         owned = (input_ids >= self.start) & (input_ids < self.stop)  # (batch, seq)
         local_ids = torch.where(owned, input_ids - self.start, 0)
         hidden = F.embedding(local_ids, self.weight)  # (batch, seq, hidden)
-        return hidden * owned.unsqueeze(-1).to(hidden.dtype)
+        return self.collectives.all_reduce(hidden * owned.unsqueeze(-1).to(hidden.dtype))
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.collectives.all_reduce_sum_(self.partial(input_ids))
+
+KVSlots = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""One layer's (k_cache, v_cache, cache_positions): caches (batch, kv_heads, slots, head_dim) and the
+(seq,) slots a step's new keys and values go to."""
 
 
 class Attention(nn.Module):
@@ -106,26 +108,22 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seq, head_dim)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
-    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """o_proj of attention over keys/values (batch, kv_heads, slots, head_dim) under mask
-        (batch, 1, seq, slots): (batch, seq, hidden), this rank's partial sum."""
-        batch, _, seq, _ = q.shape
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                kv: KVSlots | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(output (batch, seq, hidden) summed over ranks, k, v of the new tokens).
+
+        kv None: the tokens are the whole history (a prefill from slot 0); they attend over their
+        own keys and values under mask (batch, 1, seq, seq), and the caller stores k and v.
+        kv given: k and v are written into the caches at their slots first, and the tokens attend
+        over the whole cache under mask (batch, 1, seq, slots).
+        """
+        batch, seq, _ = x.shape
+        q, k, v = self.project(x, cos, sin)
+        keys, values = (k, v) if kv is None else write_kv(kv[0], kv[1], kv[2], k, v)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                              enable_gqa=self.q_heads != self.kv_heads)
         out = out.transpose(1, 2).reshape(batch, seq, self.q_heads * self.head_dim)
-        return linear(out, self.o_weight)
-
-    def partial(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, cache_positions: torch.Tensor) -> torch.Tensor:
-        """o_proj of this rank's heads (batch, seq, hidden), before the all-reduce; writes the new
-        keys and values into k_cache/v_cache (batch, kv_heads, max_seq_len, head_dim) at cache_positions."""
-        q, k, v = self.project(x, cos, sin)
-        keys, values = write_kv(k_cache, v_cache, cache_positions, k, v)
-        return self.attend(q, keys, values, mask)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, cache_positions: torch.Tensor) -> torch.Tensor:
-        return self.collectives.all_reduce_sum_(self.partial(x, cos, sin, mask, k_cache, v_cache, cache_positions))
+        return self.collectives.all_reduce(linear(out, self.o_weight)), k, v
 
 
 class MLP(nn.Module):
@@ -141,13 +139,9 @@ class MLP(nn.Module):
         self.down_weight = as_param(weights["down_proj.weight"], dtype)  # (hidden, intermediate_per_rank)
         self.collectives = collectives
 
-    def partial(self, x: torch.Tensor) -> torch.Tensor:
-        """down_proj's partial sum (batch, seq, hidden), before the all-reduce."""
-        h = F.silu(linear(x, self.gate_weight)) * linear(x, self.up_weight)
-        return linear(h, self.down_weight)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.collectives.all_reduce_sum_(self.partial(x))
+        h = F.silu(linear(x, self.gate_weight)) * linear(x, self.up_weight)
+        return self.collectives.all_reduce(linear(h, self.down_weight))
 
 
 class DecoderLayer(nn.Module):
@@ -157,6 +151,8 @@ class DecoderLayer(nn.Module):
         self.input_norm, self.post_attention_norm = input_norm, post_attention_norm
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, cache_positions: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.input_norm(x), cos, sin, mask, k_cache, v_cache, cache_positions)
-        return x + self.mlp(self.post_attention_norm(x))
+                kv: KVSlots | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(x after the layer, the new tokens' k, v); see Attention.forward for kv and mask."""
+        attended, k, v = self.attention(self.input_norm(x), cos, sin, mask, kv)
+        x = x + attended
+        return x + self.mlp(self.post_attention_norm(x)), k, v

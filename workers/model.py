@@ -8,7 +8,7 @@ branches: the sizes come from the layout, the communication from a `Collectives`
 
 Communication per forward: one all-reduce after the embedding, one after each attention block's
 o_proj and one after each MLP's down_proj (2 per layer), and one all-gather of the last positions'
-logits along the vocabulary.
+logits along the vocabulary. The forward itself is workers/step.py's, shared with every compiled path.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from workers.collectives import Collectives
 from workers.kv_cache import KVCache
 from workers.layers import MLP, Attention, DecoderLayer, RMSNorm, VocabParallelEmbedding, as_param, linear
 from workers.rope import RotaryTables
+from workers.step import EAGER, run_step
 
 DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -128,11 +129,15 @@ class ShardedCausalLM(nn.Module):
             self.lm_head_weight = as_param(shard["lm_head.weight"], self.dtype)  # (vocab_per_rank, hidden)
         self.rotary: RotaryTables | None = None
 
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head_weight.device
+
     # ---- cache ---------------------------------------------------------------------------------
     def new_cache(self, batch: int, max_seq_len: int) -> KVCache:
         """A zeroed KV cache for `batch` sequences of up to `max_seq_len` tokens (prompt included)."""
         cache = KVCache(self.config.num_hidden_layers, batch, self.layout.kv_heads_per_rank, max_seq_len,
-                        self.config.head_dim, dtype=self.dtype, device=self.lm_head_weight.device)
+                        self.config.head_dim, dtype=self.dtype, device=self.device)
         self._ensure_rotary(max_seq_len)
         return cache
 
@@ -140,13 +145,18 @@ class ShardedCausalLM(nn.Module):
         # Rebuilt only when a larger cache is allocated; never inside the decode loop.
         if self.rotary is None or self.rotary.max_positions < max_positions:
             self.rotary = RotaryTables(self.config.head_dim, max_positions, self.config.rope_theta,
-                                       self.config.rope_scaling, device=self.lm_head_weight.device)
+                                       self.config.rope_scaling, device=self.device)
 
     # ---- forward -------------------------------------------------------------------------------
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary slice of the logits: (batch, hidden) -> (batch, vocab_per_rank)."""
+        return linear(hidden, self.lm_head_weight)
+
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache,
                 cache_positions: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 logit_index: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (batch, vocab_size) float32 of one position of each row (by default the last).
+        """Logits (batch, vocab_size) float32 of one position of each row (by default the last),
+        run eagerly; the new tokens' keys and values are written into `cache`.
 
         input_ids, position_ids: (batch, seq). position_ids are the rotary positions of each token
             (in a left-padded batch they start at 0 at each row's first real token).
@@ -163,34 +173,8 @@ class ShardedCausalLM(nn.Module):
                 f"max_seq_len {cache.max_seq_len}"
             )
         self._ensure_rotary(cache.max_seq_len)
-        cos, sin = self.rotary.lookup(position_ids, self.dtype)  # (batch, seq, head_dim)
-        mask = attention_bias_mask(cache.max_seq_len, cache_positions, attention_mask)  # (batch, 1, seq, slots)
-
-        x = self.embed(input_ids)  # (batch, seq, hidden)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, cache.k[i], cache.v[i], cache_positions)
-        return self.gather_logits(self.local_logits(x, logit_index))
-
-    def local_logits(self, x: torch.Tensor, logit_index: torch.Tensor | None = None) -> torch.Tensor:
-        """This rank's vocabulary slice of the logits (batch, vocab_per_rank) at one column of x
-        (batch, seq, hidden): the last, or logit_index. Only that position is needed for the next token."""
-        last = x[:, -1, :] if logit_index is None else x.index_select(1, logit_index).squeeze(1)
-        return linear(self.norm(last), self.lm_head_weight)
-
-    def gather_logits(self, local: torch.Tensor) -> torch.Tensor:
-        """Every rank's slice gathered: (batch, vocab_size) float32."""
-        logits = self.collectives.all_gather_last_dim(local)  # (batch, padded_vocab)
-        return logits[:, : self.config.vocab_size].float()
-
-
-def attention_bias_mask(max_seq_len: int, cache_positions: torch.Tensor,
-                        attention_mask: torch.Tensor | None) -> torch.Tensor:
-    """Boolean (batch, 1, seq, max_seq_len): query i may read slot j when j <= its own slot and
-    slot j holds a real token. A query always reads its own slot: padding queries would otherwise
-    have no slot to read, and their softmax over nothing would be NaN, poisoning the cache."""
-    slots = torch.arange(max_seq_len, device=cache_positions.device)  # (max_seq_len,)
-    causal = slots[None, :] <= cache_positions[:, None]  # (seq, max_seq_len)
-    own = slots[None, :] == cache_positions[:, None]
-    if attention_mask is None:
-        return causal[None, None]
-    return ((causal[None] & attention_mask[:, None, :].bool()) | own[None]).unsqueeze(1)
+        if attention_mask is None:
+            attention_mask = torch.ones(batch, cache.max_seq_len, dtype=torch.bool, device=input_ids.device)
+        logits, _, _ = run_step(self, EAGER, input_ids, position_ids, attention_mask, cache_positions,
+                                (cache.k, cache.v), logit_index)
+        return logits

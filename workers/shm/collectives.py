@@ -68,6 +68,7 @@ class ShmCollectives(Collectives):
         return out
 
     def close(self) -> None:
+        super().close()
         self._x.close()
 
 
@@ -134,5 +135,6 @@ class HierarchicalCollectives(Collectives):
         return self._world.all_gather_last_dim(tensor)
 
     def close(self) -> None:
+        super().close()
         if self._x is not None:
             self._x.close()

@@ -1,0 +1,93 @@
+"""One forward step of the decoder, the single implementation every path runs.
+
+Eager runs, the CPU's compiled graphs and the Neuron builder all call `run_step`. It is cut into
+three parts a compiler can take whole or one at a time (`StepParts`):
+
+- prologue: rotary cos/sin of each token's position, the attention mask, the embedding;
+- layer: one decoder layer, the same function for every layer (weights are its inputs, so one
+  compiled graph serves all of them);
+- epilogue: the final norm and the LM head at one column, logits gathered over ranks.
+
+A step either starts a sequence or continues it (`kv_caches`):
+- None: the tokens are the whole history from slot 0 (a prefill). They attend over their own keys
+  and values, and each layer's k and v come back for the caller to store. Nothing in the step
+  depends on how long the cache is, so a compiled prefill graph serves every cache length.
+- ([k per layer], [v per layer]): the new keys and values are written into the caches at
+  `cache_positions`, and the tokens attend over the whole cache (decode, or any step after slot 0).
+
+Collectives are calls of the model's Collectives object inside the layers (workers/collectives.py);
+at TP 1 they are identities, so nothing here knows the TP degree.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+
+from workers.layers import DecoderLayer
+
+
+def attention_bias_mask(max_seq_len: int, cache_positions: torch.Tensor,
+                        attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """Boolean (batch, 1, seq, max_seq_len): query i may read slot j when j <= its own slot and
+    slot j holds a real token. A query always reads its own slot: padding queries would otherwise
+    have no slot to read, and their softmax over nothing would be NaN, poisoning the cache."""
+    slots = torch.arange(max_seq_len, device=cache_positions.device)  # (max_seq_len,)
+    causal = slots[None, :] <= cache_positions[:, None]  # (seq, max_seq_len)
+    own = slots[None, :] == cache_positions[:, None]
+    if attention_mask is None:
+        return causal[None, None]
+    return ((causal[None] & attention_mask[:, None, :].bool()) | own[None]).unsqueeze(1)
+
+
+def prologue(model, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
+             cache_positions: torch.Tensor):
+    """(x (batch, seq, hidden), cos, sin (batch, seq, head_dim), mask (batch, 1, seq, slots)).
+
+    attention_mask (batch, slots): true where a slot holds a real token; slots is the prompt's own
+    length for a prefill from slot 0, the cache length otherwise."""
+    cos, sin = model.rotary.lookup(position_ids, model.dtype)
+    mask = attention_bias_mask(attention_mask.shape[1], cache_positions, attention_mask)
+    return model.embed(input_ids), cos, sin, mask
+
+
+def layer(block: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+          k_cache: torch.Tensor | None, v_cache: torch.Tensor | None, cache_positions: torch.Tensor):
+    """(x, k, v) after one decoder layer; caches None for a prefill from slot 0."""
+    kv = None if k_cache is None else (k_cache, v_cache, cache_positions)
+    return block(x, cos, sin, mask, kv)
+
+
+def epilogue(model, x: torch.Tensor, logit_index: torch.Tensor | None) -> torch.Tensor:
+    """Logits (batch, vocab_size) float32 at one column of x: logit_index (1,), or the last."""
+    last = x[:, -1, :] if logit_index is None else x.index_select(1, logit_index).squeeze(1)
+    local = model.lm_head(model.norm(last))  # (batch, vocab_per_rank)
+    return model.collectives.all_gather(local)[:, : model.config.vocab_size].float()
+
+
+class StepParts(NamedTuple):
+    prologue: Callable = prologue
+    layer: Callable = layer
+    epilogue: Callable = epilogue
+
+
+EAGER = StepParts()
+
+
+def run_step(model, parts: StepParts, input_ids: torch.Tensor, position_ids: torch.Tensor,
+             attention_mask: torch.Tensor, cache_positions: torch.Tensor,
+             kv_caches: tuple[list[torch.Tensor], list[torch.Tensor]] | None,
+             logit_index: torch.Tensor | None = None):
+    """(logits (batch, vocab) float32, [k per layer], [v per layer]); the lists are empty when
+    kv_caches is given (the caches were written in place). See the module docstring."""
+    x, cos, sin, mask = parts.prologue(model, input_ids, position_ids, attention_mask, cache_positions)
+    ks, vs = [], []
+    for i, block in enumerate(model.layers):
+        if kv_caches is None:
+            x, k, v = parts.layer(block, x, cos, sin, mask, None, None, cache_positions)
+            ks.append(k)
+            vs.append(v)
+        else:
+            x, _, _ = parts.layer(block, x, cos, sin, mask, kv_caches[0][i], kv_caches[1][i], cache_positions)
+    return parts.epilogue(model, x, logit_index), ks, vs
