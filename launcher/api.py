@@ -65,7 +65,7 @@ class LaunchConfig:
     workers/compiled.py); False runs eagerly at exact shapes (for debugging)."""
     compiled_dir: str | None = None
     """A directory written by `corelaunch compile`: start from its weights, graphs and settings
-    (see launcher/compiled_dir.py); options that contradict it are refused."""
+    (see launcher/artifacts/compiled_dir.py); options that contradict it are refused."""
     max_context_length: int | None = None
     """Longest prompt (largest context-encoding bucket); None: seq_len."""
     context_buckets: tuple[int, ...] | None = None
@@ -166,7 +166,7 @@ class GenerationResult:
 class Launcher:
     """Serves one model on one or more TP groups (replicas); use as a context manager or call
     start()/shutdown(). generate() may be called from several threads at once: each call's prompts
-    are split over the replicas and its parts run in parallel (see launcher/replica_pool.py)."""
+    are split over the replicas and its parts run in parallel (see launcher/cluster/replica_pool.py)."""
 
     def __init__(self, config: LaunchConfig | None = None, **options):
         self.config = config if config is not None else LaunchConfig(**options)
@@ -202,7 +202,7 @@ class Launcher:
         from launcher.launch_plan import plan_launch
 
         if self.config.compiled_dir is not None:
-            from launcher.compiled_dir import apply_compiled_dir
+            from launcher.artifacts.compiled_dir import apply_compiled_dir
 
             self.config = apply_compiled_dir(self.config)  # its weights, graphs and settings
         start = time.perf_counter()
@@ -219,11 +219,11 @@ class Launcher:
 
     def _start_group(self, backend: str) -> None:
         """Connect to Ray, size each rank's bundle and the replica count, start every replica."""
-        from launcher import ray_cluster
-        from launcher.placement import alive_nodes
-        from launcher.replica_pool import ReplicaPool
-        from launcher.restart_policy import RestartPolicy
-        from launcher.tp_group import GroupTimeouts
+        from launcher.cluster import ray_cluster
+        from launcher.cluster.placement import alive_nodes
+        from launcher.cluster.replica_pool import ReplicaPool
+        from launcher.cluster.restart_policy import RestartPolicy
+        from launcher.cluster.tp_group import GroupTimeouts
 
         cfg, plan = self.config, self.plan
         with self._progress.step("connecting to Ray"):
@@ -252,14 +252,14 @@ class Launcher:
         from workers.rank_worker import LoadSpec
 
         cfg, plan = self.config, self.plan
-        from launcher.compiled_dir import load_spec_fields
+        from launcher.artifacts.compiled_dir import load_spec_fields
 
         spec = LoadSpec(config=self.model_config, layout=plan.layout(), dtype=plan.dtype,
                         model_dir=str(self.model_dir), presharded_dir=cfg.presharded_dir,
                         **load_spec_fields(cfg, plan, self.model_config))
         self.buckets = spec.buckets
         if cfg.presharded_cache and not cfg.presharded_dir:
-            from launcher import presharded_cache
+            from launcher.artifacts import presharded_cache
 
             self._cache_path = presharded_cache.cache_dir(presharded_cache.cache_root(cfg.presharded_cache_dir),
                                                           self.model_dir, self.model_config, spec.layout, plan.dtype)
@@ -270,14 +270,14 @@ class Launcher:
     def _start_presharded_cache(self) -> None:
         if self._load_spec.presharded_dir or not self.config.presharded_cache:
             return
-        from launcher.presharded_cache import CacheWriter
+        from launcher.artifacts.presharded_cache import CacheWriter
 
         self._cache_writer = CacheWriter(self._cache_path, self.model_dir, self.model_config,
                                          self._load_spec.layout, self.plan.dtype).start()
 
     def _size_replicas(self, backend: str, nodes: list):
-        """(each rank's resources, replica count) for the alive `nodes` (launcher.placement.NodeInfo)."""
-        from launcher.resources import (cpu_rank_resources, explain_unplaceable, groups_that_fit,
+        """(each rank's resources, replica count) for the alive `nodes` (launcher.cluster.placement.NodeInfo)."""
+        from launcher.cluster.resources import (cpu_rank_resources, explain_unplaceable, groups_that_fit,
                                         neuron_rank_resources)
 
         cfg, tp = self.config, self.plan.tp_degree
@@ -303,8 +303,8 @@ class Launcher:
 
     def _new_group(self, index: int, restart: bool):
         """Place, join and load one replica's TP group (also used to restart it)."""
-        from launcher.replica_pool import StartedGroup
-        from launcher.tp_group import TPGroup
+        from launcher.cluster.replica_pool import StartedGroup
+        from launcher.cluster.tp_group import TPGroup
 
         group = TPGroup(tp_degree=self.plan.tp_degree, backend=self.backend, resources=self._rank_resources,
                         timeouts=self._timeouts, lnc=self.plan.lnc, nodes=self.config.nodes,

@@ -6,7 +6,7 @@
 Steps, each shown on stderr: plan the layout (refused before anything is written), write each rank's
 pre-sharded weights (shardlib.presharded), copy the model's config and tokenizer files, start the TP
 group from that directory with warm-up on, so every rank builds (and the backend persists) the graph
-of every bucket shape, then record what was built in the manifest (launcher/compiled_dir.py). The
+of every bucket shape, then record what was built in the manifest (launcher/artifacts/compiled_dir.py). The
 directory is written next to its destination and renamed into place only when complete.
 """
 
@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
 
 def compile_model(args: argparse.Namespace) -> dict:
     """Write the compiled-model directory args.out; returns its manifest."""
-    from launcher import compiled_dir
+    from launcher.artifacts import compiled_dir
     from launcher.api import LaunchConfig, Launcher
     from launcher.launch_plan import plan_launch
     from launcher.progress import Progress
@@ -173,7 +173,7 @@ def compile_model(args: argparse.Namespace) -> dict:
 
 
 def _copy_model_files(model_dir: Path, dest: Path) -> None:
-    from launcher.compiled_dir import MODEL_FILES
+    from launcher.artifacts.compiled_dir import MODEL_FILES
 
     dest.mkdir(parents=True)
     for name in MODEL_FILES:

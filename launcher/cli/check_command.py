@@ -3,7 +3,7 @@
 The reference is the checkpoint (or `--reference DIR`) loaded with AutoModelForCausalLM in float32
 in this driver process, or expected outputs saved earlier with `--save-expected`. Modes, as in NxD
 Inference: token matching (exact greedy tokens) and logit matching (top-k logit tolerances, with
-teacher forcing at divergences); the rules are in launcher/accuracy.py. Both sides generate exactly
+teacher forcing at divergences); the rules are in shardlib/evaluation/accuracy.py. Both sides generate exactly
 --num-tokens tokens: EOS stops neither.
 
 Expected-outputs file (torch.save of a dict; read with torch.load(weights_only=True)):
@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from launcher.compile_command import add_no_compile
+from launcher.cli.compile_command import add_no_compile
 
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
 FILE_FORMAT = "corelaunch-expected/1"
@@ -236,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from launcher.accuracy import parse_tol_map
+    from shardlib.evaluation.accuracy import parse_tol_map
     from launcher.progress import Progress
 
     progress = Progress(not args.quiet)
@@ -293,7 +293,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _compare(args, model_dir, texts, prompts, expected: Expected, num_tokens, tol_map, progress) -> dict:
-    from launcher.accuracy import group_name, logit_matching, token_matching
+    from shardlib.evaluation.accuracy import group_name, logit_matching, token_matching
     from launcher.api import LaunchConfig, Launcher
 
     config = LaunchConfig(model=str(model_dir), tp=args.tp, backend=args.backend, instance=args.instance,

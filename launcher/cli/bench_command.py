@@ -6,7 +6,7 @@ calls of `--batch-size` random prompts of `--prompt-len` tokens, each generating
 - e2e_model: the driver-side wall time of Launcher.generate (Ray round trip included);
 - context_encoding_model: the call's time to first token, measured inside rank 0;
 - token_generation_model: each decode step's latency, measured inside rank 0.
-The sections and their throughput definitions are in launcher/bench_report.py.
+The sections and their throughput definitions are in shardlib/evaluation/bench_report.py.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 
-from launcher.compile_command import add_no_compile
+from launcher.cli.compile_command import add_no_compile
 
 
 def _positive(name: str, minimum: int = 1):
@@ -87,7 +87,7 @@ def _bench(args: argparse.Namespace) -> dict:
     import time
 
     from launcher.api import LaunchConfig, Launcher
-    from launcher.bench_report import RunTiming, build_report
+    from shardlib.evaluation.bench_report import RunTiming, build_report
     from launcher.progress import Progress
 
     config = LaunchConfig(model=args.model, tp=args.tp, backend=args.backend, instance=args.instance,
@@ -125,7 +125,7 @@ def _print_table(report: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from launcher.bench_report import PERCENTILES, SECTIONS
+    from shardlib.evaluation.bench_report import PERCENTILES, SECTIONS
 
     cfg = report["config"]
     table = Table(title=f"corelaunch bench: tp {cfg['tp_degree']} ({cfg['backend']}, {cfg['dtype']}), batch "
