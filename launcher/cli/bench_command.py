@@ -15,19 +15,7 @@ import argparse
 import json
 import sys
 
-from launcher.cli.compile_command import add_no_compile
-
-
-def _positive(name: str, minimum: int = 1):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, not {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{name} ({value}) must be at least {minimum}")
-        return value
-    return parse
+from launcher.cli.options import add_no_compile, int_at_least
 
 
 def add_parser(subparsers) -> None:
@@ -40,15 +28,15 @@ def add_parser(subparsers) -> None:
                     "encoding, prompt tokens/s) per part, as NxD Inference does.")
     p.add_argument("--model", help="Hugging Face model directory (default: built-in SmolLM2-135M-Instruct)")
     p.add_argument("--tp", default="auto", help="tensor-parallel degree, or auto (default)")
-    p.add_argument("--batch-size", type=_positive("--batch-size"), default=1, metavar="N",
+    p.add_argument("--batch-size", type=int_at_least("--batch-size"), default=1, metavar="N",
                    help="prompts per generate call (default 1)")
-    p.add_argument("--prompt-len", type=_positive("--prompt-len"), default=128, metavar="N",
+    p.add_argument("--prompt-len", type=int_at_least("--prompt-len"), default=128, metavar="N",
                    help="tokens per prompt (default 128)")
-    p.add_argument("--max-new-tokens", type=_positive("--max-new-tokens", 2), default=64, metavar="N",
+    p.add_argument("--max-new-tokens", type=int_at_least("--max-new-tokens", 2), default=64, metavar="N",
                    help="tokens generated per prompt, EOS ignored (default 64; at least 2)")
-    p.add_argument("--warmup", type=_positive("--warmup", 0), default=1, metavar="N",
+    p.add_argument("--warmup", type=int_at_least("--warmup", 0), default=1, metavar="N",
                    help="unrecorded calls before measuring (default 1)")
-    p.add_argument("--runs", type=_positive("--runs"), default=10, metavar="N", help="measured calls (default 10)")
+    p.add_argument("--runs", type=int_at_least("--runs"), default=10, metavar="N", help="measured calls (default 10)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids (default 0)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's")
     p.add_argument("--backend", choices=["cpu", "neuron"],

@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from launcher.cli.compile_command import add_no_compile
+from launcher.cli.options import add_no_compile
 
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
 FILE_FORMAT = "corelaunch-expected/1"
