@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher.cli.check_command import format_report
 from launcher.cli import main
+from launcher.cli.check_command import format_report
 from tests.model_factory import save_random_model
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,8 +14,8 @@ import time
 import pytest
 import torch
 
-from launcher.cluster import ray_worker
 from launcher.api import Launcher
+from launcher.cluster import ray_worker
 from launcher.errors import NoReplicaAvailable, RendezvousTimeout, RestartLimitExceeded, WorkerDied
 from tests import fault_actors
 from tests.model_factory import build_random_model, save_model

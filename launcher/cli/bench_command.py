@@ -75,8 +75,8 @@ def _bench(args: argparse.Namespace) -> dict:
     import time
 
     from launcher.api import LaunchConfig, Launcher
-    from shardlib.evaluation.bench_report import RunTiming, build_report
     from launcher.progress import Progress
+    from shardlib.evaluation.bench_report import RunTiming, build_report
 
     config = LaunchConfig(model=args.model, tp=args.tp, backend=args.backend, instance=args.instance,
                           dtype=args.dtype, max_batch_size=args.batch_size, ray_address=args.ray_address,

@@ -78,8 +78,8 @@ def run(args: argparse.Namespace) -> int:
 
 def compile_model(args: argparse.Namespace) -> dict:
     """Write the compiled-model directory args.out; returns its manifest."""
-    from launcher.artifacts import compiled_dir
     from launcher.api import LaunchConfig, Launcher
+    from launcher.artifacts import compiled_dir
     from launcher.launch_plan import plan_launch
     from launcher.progress import Progress
     from shardlib.manifest import MANIFEST, write_manifest_json
