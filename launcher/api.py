@@ -16,9 +16,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
+from launcher.cluster.restart_policy import RestartPolicy
 from launcher.errors import LaunchError, PlacementTimeout
 from launcher.progress import Progress
 from shardlib.model_config import ModelConfig, normalize_dtype
+from shardlib.positive_int import is_positive_int, positive_int
+from shardlib.request_checks import check_fits, check_request
 from workers.sampling import SamplingParams
 
 
@@ -91,27 +94,15 @@ class LaunchConfig:
     """Print start-up steps on stderr."""
 
     def __post_init__(self) -> None:
-        if self.tp != "auto":
-            if isinstance(self.tp, str) and self.tp.isdigit():
-                self.tp = int(self.tp)
-            if not isinstance(self.tp, int) or self.tp < 1:
-                raise ValueError(f"tp ({self.tp!r}) must be a positive integer or 'auto'")
+        self.tp = _positive_or_auto("tp", self.tp)
         if self.backend is not None and self.backend not in ("cpu", "neuron"):
             raise ValueError(f"backend ({self.backend!r}) must be 'cpu' or 'neuron'")
-        if self.nodes < 1:
-            raise ValueError(f"nodes ({self.nodes}) must be at least 1")
-        if self.replicas != "auto":
-            if isinstance(self.replicas, str) and self.replicas.isdigit():
-                self.replicas = int(self.replicas)
-            if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:
-                raise ValueError(f"replicas ({self.replicas!r}) must be a positive integer or 'auto'")
-        if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
-            raise ValueError(f"max_restarts ({self.max_restarts!r}) must be an integer >= 0 (0 disables restarts)")
-        for name in ("restart_window_s", "health_check_interval_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} ({getattr(self, name)}) must be positive")
-        if self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size ({self.max_batch_size}) must be at least 1")
+        positive_int("nodes", self.nodes)
+        self.replicas = _positive_or_auto("replicas", self.replicas)
+        RestartPolicy(self.max_restarts, self.restart_window_s)  # checks both, as every replica will
+        if self.health_check_interval_s <= 0:
+            raise ValueError(f"health_check_interval_s ({self.health_check_interval_s}) must be positive")
+        positive_int("max_batch_size", self.max_batch_size)
         if self.seq_len is not None and self.seq_len < 2:
             raise ValueError(f"seq_len ({self.seq_len}) must be at least 2")
         if self.dtype is not None:
@@ -133,6 +124,15 @@ class LaunchConfig:
                 f"model path {self.model} does not exist; pass a Hugging Face model directory, or "
                 f"omit --model for the built-in SmolLM2-135M-Instruct"
             )
+
+
+def _positive_or_auto(name: str, value: int | str) -> int | str:
+    """A positive int (digits accepted: the CLI passes text) or "auto"; ValueError naming the value."""
+    if isinstance(value, str) and value.isdigit():
+        value = int(value)
+    if value != "auto" and not is_positive_int(value):
+        raise ValueError(f"{name} ({value!r}) must be a positive integer or 'auto'")
+    return value
 
 
 @dataclass
@@ -222,7 +222,6 @@ class Launcher:
         from launcher.cluster import ray_cluster
         from launcher.cluster.placement import alive_nodes
         from launcher.cluster.replica_pool import ReplicaPool
-        from launcher.cluster.restart_policy import RestartPolicy
         from launcher.cluster.tp_group import GroupTimeouts
 
         cfg, plan = self.config, self.plan
@@ -377,8 +376,7 @@ class Launcher:
         with self._lock:
             texts, token_lists = self._tokenize(prompts)
         params = self._sampling_per_prompt(sampling, len(token_lists))
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens ({max_new_tokens!r}) must be a positive integer")
+        check_request(token_lists, params, max_new_tokens, self.model_config.vocab_size)
         self._check_lengths(token_lists, max_new_tokens)
         eos = () if ignore_eos else self._eos_ids()
         stops = tuple(sorted(set(stop_token_ids) | set(eos)))
@@ -415,9 +413,7 @@ class Launcher:
         if isinstance(prompts, str):
             prompts = [prompts]
         prompts = list(prompts)
-        if not prompts:
-            raise ValueError("no prompts given; pass at least one prompt")
-        if all(isinstance(p, str) for p in prompts):
+        if prompts and all(isinstance(p, str) for p in prompts):
             if self.tokenizer is None:
                 raise ValueError(f"{self.model_dir} has no tokenizer files; pass prompts as token ids")
             token_lists = [list(self.tokenizer(p)["input_ids"]) for p in prompts]
@@ -426,14 +422,7 @@ class Launcher:
             token_lists, texts = [list(p) for p in prompts], [None] * len(prompts)
         else:
             raise ValueError("prompts must be all strings or all lists of token ids")
-        vocab = self.model_config.vocab_size
-        for i, ids in enumerate(token_lists):
-            if not ids:
-                raise ValueError(f"prompt {i} is empty after tokenization; give at least one token")
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {vocab})")
-        return texts, token_lists
+        return texts, token_lists  # checked by check_request
 
     @staticmethod
     def _sampling_per_prompt(sampling, count: int) -> list[SamplingParams]:
@@ -441,23 +430,15 @@ class Launcher:
             return [SamplingParams()] * count
         if isinstance(sampling, SamplingParams):
             return [sampling] * count
-        sampling = list(sampling)
-        if len(sampling) != count:
-            raise ValueError(f"got {len(sampling)} sampling params for {count} prompts; give one, or one per prompt")
-        return sampling
+        return list(sampling)  # one per prompt, checked by check_request
 
     def _check_lengths(self, token_lists: list[list[int]], max_new_tokens: int) -> None:
         limit = self.model_config.max_position_embeddings
-        name = "the model's max_position_embeddings"
         if self.config.seq_len is not None and self.config.seq_len < limit:
-            limit, name = self.config.seq_len, "seq_len"
-        for i, ids in enumerate(token_lists):
-            if len(ids) + max_new_tokens > limit:
-                raise ValueError(
-                    f"prompt {i} has {len(ids)} tokens; with max_new_tokens {max_new_tokens} that needs "
-                    f"{len(ids) + max_new_tokens} positions but {name} is {limit}: shorten the prompt, "
-                    f"lower max_new_tokens, or raise --seq-len"
-                )
+            check_fits(token_lists, max_new_tokens, self.config.seq_len, "seq_len",
+                       fix="shorten the prompt, lower max_new_tokens, or raise seq_len (--seq-len)")
+        else:
+            check_fits(token_lists, max_new_tokens, limit, "the model's max_position_embeddings")
         if self.buckets is not None:  # the largest buckets, checked here before any worker call
             from shardlib.buckets import request_shape
 
