@@ -16,7 +16,6 @@ import argparse
 import json
 import shutil
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -82,15 +81,14 @@ def compile_model(args: argparse.Namespace) -> dict:
     from launcher.artifacts import compiled_dir
     from launcher.launch_plan import plan_launch
     from launcher.progress import Progress
-    from shardlib.manifest import MANIFEST, write_manifest_json
+    from shardlib.atomic_dir import atomic_dir, refuse_foreign_dir
+    from shardlib.manifest import write_manifest_json
     from shardlib.presharded import save_presharded
     from workers.compiled import default_granularity, library_versions
 
     progress = Progress(not args.quiet)
     out = Path(args.out)
-    if out.exists() and any(out.iterdir()) and not (out / MANIFEST).is_file():
-        raise FileExistsError(f"{out} exists and is not a compiled-model directory; choose a new or empty "
-                              f"directory, or remove it")
+    refuse_foreign_dir(out, compiled_dir.KIND)
     # Every option is checked (and the layout planned) before anything is written.
     config = LaunchConfig(model=args.model, tp=args.tp, dtype=args.dtype, backend=args.backend,
                           instance=args.instance, lnc=args.lnc, kv_strategy=args.kv_strategy,
@@ -104,9 +102,7 @@ def compile_model(args: argparse.Namespace) -> dict:
         raise ValueError(f"--granularity {granularity} needs --tp 1: at TP {plan.tp_degree} the graphs are cut at "
                          f"the collectives; drop --granularity")
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with atomic_dir(out, compiled_dir.KIND) as tmp:
         started = time.perf_counter()
         layout = plan.layout()
         with progress.step(f"writing {plan.tp_degree} rank(s)' pre-sharded weights ({plan.dtype})"):
@@ -135,10 +131,6 @@ def compile_model(args: argparse.Namespace) -> dict:
         manifest["compile_stats"] = rank0  # rank 0's compile time and inductor cache counters
         manifest["compile_s"] = round(time.perf_counter() - started, 3)
         write_manifest_json(tmp, manifest)
-        _move_into_place(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     progress.note(f"compiled-model directory written: {out} (start from it with `corelaunch generate "
                   f"--compiled {out}`)")
     return manifest
@@ -151,22 +143,6 @@ def _copy_model_files(model_dir: Path, dest: Path) -> None:
     for name in MODEL_FILES:
         if (model_dir / name).is_file():
             shutil.copy2(model_dir / name, dest / name)
-
-
-def _move_into_place(tmp: Path, out: Path) -> None:
-    """Rename tmp to out; an existing compiled-model directory there is set aside, then removed."""
-    import os
-
-    tmp.chmod(0o755)  # mkdtemp makes it private
-    if out.exists() and any(out.iterdir()):
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
 
 
 class _GraphProgress:
