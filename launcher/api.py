@@ -335,7 +335,7 @@ class Launcher:
 
     @property
     def _group(self):
-        """Replica 0's current TP group (the single group of earlier releases)."""
+        """Replica 0's current TP group (tests and benchmarks/tp_scaling.py reach its actors)."""
         replica = self._pool.replicas[0] if self._pool is not None else None
         return replica.started.group if replica is not None and replica.started is not None else None
 

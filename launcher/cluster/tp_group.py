@@ -60,8 +60,6 @@ class TPGroup:
     """Nodes the group may span: 1 keeps it on one node, more lets Ray spill ranks over (PACK)."""
     name: str = "corelaunch"
     """Placement-group name prefix (the replica pool names each replica's group)."""
-    actor_cls: object = None
-    """The Ray actor class of a rank; None: launcher.cluster.ray_worker.RankWorkerActor."""
     actors: list = field(default_factory=list, init=False)
     workers: list[dict] = field(default_factory=list, init=False)
     """describe() of each rank: rank, pid, hostname, node_id, node_ip, neuron_devices."""
@@ -72,9 +70,11 @@ class TPGroup:
     # ---- start-up ----------------------------------------------------------------------------
     def start(self) -> None:
         """Reserve resources, start one actor per rank (node by node), and join their process group."""
+        # Looked up at each start, so a test can swap in a misbehaving actor class
+        # (monkeypatch ray_worker.RankWorkerActor; tests/fault_actors.py).
         from launcher.cluster import ray_worker
 
-        actor_cls = self.actor_cls or ray_worker.RankWorkerActor
+        actor_cls = ray_worker.RankWorkerActor
         self._place()
         placed = bundle_nodes(self._pg)
         self.bundle_of_rank = rank_order(placed) or list(range(self.tp_degree))
