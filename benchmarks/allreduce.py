@@ -23,7 +23,6 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -102,18 +101,14 @@ def _rank_main(rank: int, world_size: int, port: int, args, queue) -> None:
         queue.put({shape: {name: _stats(t) for name, t in per.items()} for shape, per in samples.items()})
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run(world_size: int, args) -> dict:
     import torch.multiprocessing as mp
 
+    from workers.net import free_port
+
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, args, queue)) for r in range(world_size)]
     for p in procs:
         p.start()

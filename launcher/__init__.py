@@ -1,4 +1,6 @@
-"""The coordinator, planner front end, driver API and CLI.
+"""The coordinator: the driver API (api.py), its errors and planning front end, and below it
+cli/ (the corelaunch command), cluster/ (Ray placement, rank actors, TP groups, replicas) and
+artifacts/ (compiled-model and pre-sharded cache directories).
 
 `from launcher import Launcher, LaunchConfig, SamplingParams` — imported lazily so that
 `corelaunch plan` and `python -m launcher --help` do not pay for torch and Ray.

@@ -16,9 +16,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
+from launcher.cluster.restart_policy import RestartPolicy
 from launcher.errors import LaunchError, PlacementTimeout
 from launcher.progress import Progress
 from shardlib.model_config import ModelConfig, normalize_dtype
+from shardlib.positive_int import is_positive_int, positive_int
+from shardlib.request_checks import check_fits, check_request
 from workers.sampling import SamplingParams
 
 
@@ -65,7 +68,7 @@ class LaunchConfig:
     workers/compiled.py); False runs eagerly at exact shapes (for debugging)."""
     compiled_dir: str | None = None
     """A directory written by `corelaunch compile`: start from its weights, graphs and settings
-    (see launcher/compiled_dir.py); options that contradict it are refused."""
+    (see launcher/artifacts/compiled_dir.py); options that contradict it are refused."""
     max_context_length: int | None = None
     """Longest prompt (largest context-encoding bucket); None: seq_len."""
     context_buckets: tuple[int, ...] | None = None
@@ -91,27 +94,15 @@ class LaunchConfig:
     """Print start-up steps on stderr."""
 
     def __post_init__(self) -> None:
-        if self.tp != "auto":
-            if isinstance(self.tp, str) and self.tp.isdigit():
-                self.tp = int(self.tp)
-            if not isinstance(self.tp, int) or self.tp < 1:
-                raise ValueError(f"tp ({self.tp!r}) must be a positive integer or 'auto'")
+        self.tp = _positive_or_auto("tp", self.tp)
         if self.backend is not None and self.backend not in ("cpu", "neuron"):
             raise ValueError(f"backend ({self.backend!r}) must be 'cpu' or 'neuron'")
-        if self.nodes < 1:
-            raise ValueError(f"nodes ({self.nodes}) must be at least 1")
-        if self.replicas != "auto":
-            if isinstance(self.replicas, str) and self.replicas.isdigit():
-                self.replicas = int(self.replicas)
-            if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:
-                raise ValueError(f"replicas ({self.replicas!r}) must be a positive integer or 'auto'")
-        if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
-            raise ValueError(f"max_restarts ({self.max_restarts!r}) must be an integer >= 0 (0 disables restarts)")
-        for name in ("restart_window_s", "health_check_interval_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} ({getattr(self, name)}) must be positive")
-        if self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size ({self.max_batch_size}) must be at least 1")
+        positive_int("nodes", self.nodes)
+        self.replicas = _positive_or_auto("replicas", self.replicas)
+        RestartPolicy(self.max_restarts, self.restart_window_s)  # checks both, as every replica will
+        if self.health_check_interval_s <= 0:
+            raise ValueError(f"health_check_interval_s ({self.health_check_interval_s}) must be positive")
+        positive_int("max_batch_size", self.max_batch_size)
         if self.seq_len is not None and self.seq_len < 2:
             raise ValueError(f"seq_len ({self.seq_len}) must be at least 2")
         if self.dtype is not None:
@@ -133,6 +124,15 @@ class LaunchConfig:
                 f"model path {self.model} does not exist; pass a Hugging Face model directory, or "
                 f"omit --model for the built-in SmolLM2-135M-Instruct"
             )
+
+
+def _positive_or_auto(name: str, value: int | str) -> int | str:
+    """A positive int (digits accepted: the CLI passes text) or "auto"; ValueError naming the value."""
+    if isinstance(value, str) and value.isdigit():
+        value = int(value)
+    if value != "auto" and not is_positive_int(value):
+        raise ValueError(f"{name} ({value!r}) must be a positive integer or 'auto'")
+    return value
 
 
 @dataclass
@@ -166,7 +166,7 @@ class GenerationResult:
 class Launcher:
     """Serves one model on one or more TP groups (replicas); use as a context manager or call
     start()/shutdown(). generate() may be called from several threads at once: each call's prompts
-    are split over the replicas and its parts run in parallel (see launcher/replica_pool.py)."""
+    are split over the replicas and its parts run in parallel (see launcher/cluster/replica_pool.py)."""
 
     def __init__(self, config: LaunchConfig | None = None, **options):
         self.config = config if config is not None else LaunchConfig(**options)
@@ -202,7 +202,7 @@ class Launcher:
         from launcher.launch_plan import plan_launch
 
         if self.config.compiled_dir is not None:
-            from launcher.compiled_dir import apply_compiled_dir
+            from launcher.artifacts.compiled_dir import apply_compiled_dir
 
             self.config = apply_compiled_dir(self.config)  # its weights, graphs and settings
         start = time.perf_counter()
@@ -219,11 +219,10 @@ class Launcher:
 
     def _start_group(self, backend: str) -> None:
         """Connect to Ray, size each rank's bundle and the replica count, start every replica."""
-        from launcher import ray_cluster
-        from launcher.placement import alive_nodes
-        from launcher.replica_pool import ReplicaPool
-        from launcher.restart_policy import RestartPolicy
-        from launcher.tp_group import GroupTimeouts
+        from launcher.cluster import ray_cluster
+        from launcher.cluster.placement import alive_nodes
+        from launcher.cluster.replica_pool import ReplicaPool
+        from launcher.cluster.tp_group import GroupTimeouts
 
         cfg, plan = self.config, self.plan
         with self._progress.step("connecting to Ray"):
@@ -252,14 +251,14 @@ class Launcher:
         from workers.rank_worker import LoadSpec
 
         cfg, plan = self.config, self.plan
-        from launcher.compiled_dir import load_spec_fields
+        from launcher.artifacts.compiled_dir import load_spec_fields
 
         spec = LoadSpec(config=self.model_config, layout=plan.layout(), dtype=plan.dtype,
                         model_dir=str(self.model_dir), presharded_dir=cfg.presharded_dir,
                         **load_spec_fields(cfg, plan, self.model_config))
         self.buckets = spec.buckets
         if cfg.presharded_cache and not cfg.presharded_dir:
-            from launcher import presharded_cache
+            from launcher.artifacts import presharded_cache
 
             self._cache_path = presharded_cache.cache_dir(presharded_cache.cache_root(cfg.presharded_cache_dir),
                                                           self.model_dir, self.model_config, spec.layout, plan.dtype)
@@ -270,14 +269,14 @@ class Launcher:
     def _start_presharded_cache(self) -> None:
         if self._load_spec.presharded_dir or not self.config.presharded_cache:
             return
-        from launcher.presharded_cache import CacheWriter
+        from launcher.artifacts.presharded_cache import CacheWriter
 
         self._cache_writer = CacheWriter(self._cache_path, self.model_dir, self.model_config,
                                          self._load_spec.layout, self.plan.dtype).start()
 
     def _size_replicas(self, backend: str, nodes: list):
-        """(each rank's resources, replica count) for the alive `nodes` (launcher.placement.NodeInfo)."""
-        from launcher.resources import (cpu_rank_resources, explain_unplaceable, groups_that_fit,
+        """(each rank's resources, replica count) for the alive `nodes` (launcher.cluster.placement.NodeInfo)."""
+        from launcher.cluster.resources import (cpu_rank_resources, explain_unplaceable, groups_that_fit,
                                         neuron_rank_resources)
 
         cfg, tp = self.config, self.plan.tp_degree
@@ -303,8 +302,8 @@ class Launcher:
 
     def _new_group(self, index: int, restart: bool):
         """Place, join and load one replica's TP group (also used to restart it)."""
-        from launcher.replica_pool import StartedGroup
-        from launcher.tp_group import TPGroup
+        from launcher.cluster.replica_pool import StartedGroup
+        from launcher.cluster.tp_group import TPGroup
 
         group = TPGroup(tp_degree=self.plan.tp_degree, backend=self.backend, resources=self._rank_resources,
                         timeouts=self._timeouts, lnc=self.plan.lnc, nodes=self.config.nodes,
@@ -336,7 +335,7 @@ class Launcher:
 
     @property
     def _group(self):
-        """Replica 0's current TP group (the single group of earlier releases)."""
+        """Replica 0's current TP group (tests and benchmarks/tp_scaling.py reach its actors)."""
         replica = self._pool.replicas[0] if self._pool is not None else None
         return replica.started.group if replica is not None and replica.started is not None else None
 
@@ -377,8 +376,7 @@ class Launcher:
         with self._lock:
             texts, token_lists = self._tokenize(prompts)
         params = self._sampling_per_prompt(sampling, len(token_lists))
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens ({max_new_tokens!r}) must be a positive integer")
+        check_request(token_lists, params, max_new_tokens, self.model_config.vocab_size)
         self._check_lengths(token_lists, max_new_tokens)
         eos = () if ignore_eos else self._eos_ids()
         stops = tuple(sorted(set(stop_token_ids) | set(eos)))
@@ -415,9 +413,7 @@ class Launcher:
         if isinstance(prompts, str):
             prompts = [prompts]
         prompts = list(prompts)
-        if not prompts:
-            raise ValueError("no prompts given; pass at least one prompt")
-        if all(isinstance(p, str) for p in prompts):
+        if prompts and all(isinstance(p, str) for p in prompts):
             if self.tokenizer is None:
                 raise ValueError(f"{self.model_dir} has no tokenizer files; pass prompts as token ids")
             token_lists = [list(self.tokenizer(p)["input_ids"]) for p in prompts]
@@ -426,14 +422,7 @@ class Launcher:
             token_lists, texts = [list(p) for p in prompts], [None] * len(prompts)
         else:
             raise ValueError("prompts must be all strings or all lists of token ids")
-        vocab = self.model_config.vocab_size
-        for i, ids in enumerate(token_lists):
-            if not ids:
-                raise ValueError(f"prompt {i} is empty after tokenization; give at least one token")
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {vocab})")
-        return texts, token_lists
+        return texts, token_lists  # checked by check_request
 
     @staticmethod
     def _sampling_per_prompt(sampling, count: int) -> list[SamplingParams]:
@@ -441,23 +430,15 @@ class Launcher:
             return [SamplingParams()] * count
         if isinstance(sampling, SamplingParams):
             return [sampling] * count
-        sampling = list(sampling)
-        if len(sampling) != count:
-            raise ValueError(f"got {len(sampling)} sampling params for {count} prompts; give one, or one per prompt")
-        return sampling
+        return list(sampling)  # one per prompt, checked by check_request
 
     def _check_lengths(self, token_lists: list[list[int]], max_new_tokens: int) -> None:
         limit = self.model_config.max_position_embeddings
-        name = "the model's max_position_embeddings"
         if self.config.seq_len is not None and self.config.seq_len < limit:
-            limit, name = self.config.seq_len, "seq_len"
-        for i, ids in enumerate(token_lists):
-            if len(ids) + max_new_tokens > limit:
-                raise ValueError(
-                    f"prompt {i} has {len(ids)} tokens; with max_new_tokens {max_new_tokens} that needs "
-                    f"{len(ids) + max_new_tokens} positions but {name} is {limit}: shorten the prompt, "
-                    f"lower max_new_tokens, or raise --seq-len"
-                )
+            check_fits(token_lists, max_new_tokens, self.config.seq_len, "seq_len",
+                       fix="shorten the prompt, lower max_new_tokens, or raise seq_len (--seq-len)")
+        else:
+            check_fits(token_lists, max_new_tokens, limit, "the model's max_position_embeddings")
         if self.buckets is not None:  # the largest buckets, checked here before any worker call
             from shardlib.buckets import request_shape
 

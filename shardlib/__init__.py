@@ -1,1 +1,2 @@
-"""Pure sharding math, planner rules, checkpoint slicing and quantization (no Ray, no processes)."""
+"""Pure sharding math, planner rules, checkpoint slicing and quantization, and
+evaluation/ (accuracy checks, benchmark reports); no Ray, no processes."""

@@ -23,17 +23,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
+from shardlib.positive_int import is_positive_int, positive_int
+
 MIN_AUTO_BUCKET = 128
 """The smallest automatic sequence bucket (unless the maximum itself is smaller)."""
-
-PHASES = ("context", "token")
-"""Graph phases: context encoding (prefill) and token generation (decode)."""
 
 
 def auto_buckets(maximum: int, minimum: int = MIN_AUTO_BUCKET) -> tuple[int, ...]:
     """Powers of two p with minimum <= p < maximum, then maximum: auto_buckets(300) == (128, 256, 300)."""
-    _check_int("maximum", maximum)
-    _check_int("minimum", minimum)
+    positive_int("maximum", maximum)
+    positive_int("minimum", minimum)
     buckets, p = [], 1
     while p < minimum:
         p *= 2
@@ -53,7 +52,7 @@ def normalize_buckets(buckets: Iterable[int], what: str, limit: int | None = Non
     if not values:
         raise ValueError(f"{what} buckets are empty; give at least one length, or none for the automatic ones")
     for value in values:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_positive_int(value):
             raise ValueError(f"{what} bucket {value!r} must be a positive integer")
     out = tuple(sorted(set(values)))
     if limit is not None and out[-1] > limit:
@@ -99,8 +98,7 @@ class Buckets:
     def __post_init__(self) -> None:
         for name in ("context", "token", "batch"):
             values = getattr(self, name)
-            if not values or list(values) != sorted(set(values)) or any(
-                    isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
+            if not values or list(values) != sorted(set(values)) or not all(map(is_positive_int, values)):
                 raise ValueError(f"{name} buckets {values!r} must be a non-empty, increasing tuple of positive "
                                  f"integers; build them with Buckets.build")
         if self.context[-1] > self.token[-1]:
@@ -126,7 +124,7 @@ class Buckets:
         else:
             if max_seq_len is None:
                 raise ValueError("give max_seq_len or a list of token-generation buckets")
-            _check_int("max_seq_len", max_seq_len)
+            positive_int("max_seq_len", max_seq_len)
             if max_positions is not None and max_seq_len > max_positions:
                 raise ValueError(f"max_seq_len ({max_seq_len}) exceeds {limit_name} ({max_positions}); lower it")
             token = auto_buckets(max_seq_len)
@@ -135,12 +133,12 @@ class Buckets:
                                         "the largest token-generation bucket")
         else:
             max_context = min(max_context_length or token[-1], token[-1])
-            _check_int("max_context_length", max_context)
+            positive_int("max_context_length", max_context)
             context = auto_buckets(max_context)
         if batch is not None:
             batch = normalize_buckets(batch, "batch")
         else:
-            _check_int("max_batch_size", max_batch_size)
+            positive_int("max_batch_size", max_batch_size)
             batch = auto_buckets(max_batch_size, minimum=1)
         return cls(context=context, token=token, batch=batch)
 
@@ -216,8 +214,3 @@ def request_shape(buckets: Buckets, prompt_lengths: list[int], max_new_tokens: i
         )
     cache = buckets.token_bucket(max(context, needed))  # fits: context <= max_context_length <= max_seq_len
     return RequestShape(batch=buckets.batch_bucket(len(prompt_lengths)), context=context, cache=cache)
-
-
-def _check_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} ({value!r}) must be a positive integer")

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shardlib.positive_int import is_positive_int
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral")
 
 # Rope scaling types workers/rope.py implements (None: plain rotary embeddings).
@@ -86,7 +88,7 @@ class ModelConfig:
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "vocab_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if not is_positive_int(value):
                 raise ValueError(f"config field {name}={value!r} must be a positive integer")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
@@ -171,7 +173,7 @@ class ModelConfig:
         if missing:
             raise ValueError(f"config.json lacks required field(s) {missing} for a {model_type} model")
         heads = raw["num_attention_heads"]
-        if not isinstance(heads, int) or heads <= 0:
+        if not is_positive_int(heads):
             raise ValueError(f"config field num_attention_heads={heads!r} must be a positive integer")
         head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
         # transformers 5 nests rope settings in "rope_parameters"; 4.x has rope_theta + rope_scaling.

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from shardlib.instances import GIB, NEURON_INSTANCES, InstanceType, get_instance
 from shardlib.model_config import DTYPE_BYTES, ModelConfig, normalize_dtype
+from shardlib.positive_int import positive_int
 
 RESERVE_FRACTION = 0.10
 # Why 10%: the Neuron runtime, the loaded compiled graphs (one per bucket) and their scratchpad for
@@ -465,12 +466,6 @@ def _lnc_problem(lnc: int, inst: InstanceType) -> str | None:
             f"({inst.name} is {inst.family}); use --lnc 1 or omit --lnc")
 
 
-def _positive(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} ({value!r}) must be a positive integer")
-    return value
-
-
 def plan(config: ModelConfig, *, instance: str = "cpu", tp: int | str = "auto", nodes: int = 1,
          lnc: int | None = None, batch_size: int = 1, seq_len: int | None = None,
          dtype: str | None = None, kv_strategy: str | None = None, pad_q_heads: bool = False) -> Plan:
@@ -482,7 +477,7 @@ def plan(config: ModelConfig, *, instance: str = "cpu", tp: int | str = "auto", 
             raise ValueError(f"tp ({tp!r}) must be a positive integer or 'auto'")
         tp = int(tp)
     if tp != "auto":
-        _positive("tp", tp)
+        positive_int("tp", tp)
     if kv_strategy is not None:
         kv_strategy = getattr(kv_strategy, "value", kv_strategy)
         if kv_strategy not in KV_STRATEGIES:
@@ -490,11 +485,11 @@ def plan(config: ModelConfig, *, instance: str = "cpu", tp: int | str = "auto", 
                              f"or None for the default")
     lnc_problem = None if lnc is None else _lnc_problem(lnc, inst)
     req = _Request(
-        config=config, inst=inst, nodes=_positive("nodes", nodes),
+        config=config, inst=inst, nodes=positive_int("nodes", nodes),
         lnc=inst.default_lnc if lnc is None or lnc_problem else lnc,
         lnc_requested=inst.default_lnc if lnc is None else lnc, lnc_problem=lnc_problem,
-        batch=_positive("batch_size", batch_size),
-        seq_len=_positive("seq_len", seq_len) if seq_len is not None
+        batch=positive_int("batch_size", batch_size),
+        seq_len=positive_int("seq_len", seq_len) if seq_len is not None
         else min(config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN),
         dtype=_resolve_dtype(dtype, config), kv_override=kv_strategy, pad=bool(pad_q_heads))
 

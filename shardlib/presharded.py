@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
+from shardlib.atomic_dir import atomic_dir
 from shardlib.checkpoint import Progress, SafetensorsFile, check_layout, load_rank_shard, shard_shapes
 from shardlib.manifest import MANIFEST, read_manifest_json, write_manifest_json
 from shardlib.model_config import ModelConfig, normalize_dtype
@@ -30,6 +28,8 @@ from shardlib.param_shapes import expected_shapes
 from shardlib.sharding import ShardLayout, TensorSlice
 
 FORMAT_VERSION = 1
+KIND = "a pre-sharded checkpoint"
+"""What these directories are called in messages."""
 _WHOLE = TensorSlice(dim=None)
 
 
@@ -47,16 +47,9 @@ def save_presharded(out_dir: str | Path, model_dir: str | Path, config: ModelCon
     """
     out_dir = Path(out_dir)
     dtype_name = None if dtype is None else normalize_dtype(dtype)
-    if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / MANIFEST).is_file():
-        raise FileExistsError(
-            f"{out_dir} exists and is not a pre-sharded checkpoint (no {MANIFEST}); choose an empty or "
-            f"new directory, or remove it"
-        )
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
     tp = layout.tp_degree
     per_rank = len(expected_shapes(config))
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
+    with atomic_dir(out_dir, KIND) as tmp:
         files, stored = [], set()
         for rank in range(tp):
             def report(name: str, done: int, total: int, rank: int = rank) -> None:
@@ -80,18 +73,13 @@ def save_presharded(out_dir: str | Path, model_dir: str | Path, config: ModelCon
             "source": str(Path(model_dir).resolve()),
         }
         write_manifest_json(tmp, manifest)
-        tmp.chmod(0o755)  # mkdtemp makes it private
-        _move_into_place(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 
 def read_manifest(directory: str | Path) -> dict[str, Any]:
     """The parsed manifest.json of a pre-sharded directory."""
     return read_manifest_json(
-        directory, what="a pre-sharded checkpoint",
+        directory, what=KIND,
         required=("format_version", "config_hash", "model_type", "tp_degree", "kv_strategy", "dtype", "files"),
         write_hint="write it with shardlib.presharded.save_presharded (or `corelaunch compile`), or load "
                    "the original Hugging Face checkpoint instead")
@@ -159,17 +147,6 @@ def _sha256(path: Path) -> str:
         while block := fh.read(1 << 22):
             digest.update(block)
     return digest.hexdigest()
-
-
-def _move_into_place(tmp: Path, out_dir: Path) -> None:
-    """Rename `tmp` to `out_dir`; an existing pre-sharded directory is set aside first, then removed."""
-    if out_dir.exists() and any(out_dir.iterdir()):
-        old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-        os.replace(out_dir, old)  # onto an empty directory: allowed by rename(2)
-        os.replace(tmp, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, out_dir)  # absent or empty: one atomic rename
 
 
 def _corelaunch_version() -> str:

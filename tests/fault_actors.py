@@ -8,7 +8,7 @@ import time
 
 import ray
 
-from launcher.ray_worker import RayRankWorker
+from launcher.cluster.ray_worker import RayRankWorker
 
 
 class _CrashOnGenerate(RayRankWorker):

@@ -1,4 +1,4 @@
-"""launcher.accuracy on synthetic tensors: token matching, top-k groups, divergences, teacher forcing."""
+"""shardlib.evaluation.accuracy on synthetic tensors: token matching, top-k groups, divergences, teacher forcing."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from launcher.accuracy import (DEFAULT_TOL_MAP, check_position, logit_matching, parse_tol_map,
+from shardlib.evaluation.accuracy import (DEFAULT_TOL_MAP, check_position, logit_matching, parse_tol_map,
                                token_matching)
 
 PROMPT = [3, 1, 4, 1, 5]

@@ -1,4 +1,4 @@
-"""launcher.bench_report: percentiles, sections and throughput on known latencies."""
+"""shardlib.evaluation.bench_report: percentiles, sections and throughput on known latencies."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from launcher.bench_report import FIELDS, RunTiming, build_report, percentile, summarize
+from shardlib.evaluation.bench_report import FIELDS, RunTiming, build_report, percentile, summarize
 
 
 def test_percentile_interpolates_linearly_between_ranks():

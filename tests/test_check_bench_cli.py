@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher.check_command import format_report
 from launcher.cli import main
+from launcher.cli.check_command import format_report
 from tests.model_factory import save_random_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,7 +53,7 @@ def run_check(capsys, *args: str) -> tuple[int, dict | None, str]:
 
 def test_command_modules_import_neither_torch_nor_ray():
     code = ("import argparse, sys\n"
-            "import launcher.check_command as c, launcher.bench_command as b\n"
+            "import launcher.cli.check_command as c, launcher.cli.bench_command as b\n"
             "sub = argparse.ArgumentParser().add_subparsers()\n"
             "c.add_parser(sub); b.add_parser(sub)\n"
             "print(sorted(m for m in ('torch', 'ray', 'transformers') if m in sys.modules))\n")

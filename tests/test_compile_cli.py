@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from launcher import compiled_dir
 from launcher.api import LaunchConfig
+from launcher.artifacts import compiled_dir
 from tests.model_factory import build_random_model, save_model
 from workers.compiled import library_versions
 

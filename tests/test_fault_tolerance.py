@@ -14,8 +14,8 @@ import time
 import pytest
 import torch
 
-from launcher import ray_worker
 from launcher.api import Launcher
+from launcher.cluster import ray_worker
 from launcher.errors import NoReplicaAvailable, RendezvousTimeout, RestartLimitExceeded, WorkerDied
 from tests import fault_actors
 from tests.model_factory import build_random_model, save_model
@@ -134,7 +134,7 @@ def test_rank_that_never_joins_fails_within_the_startup_timeout(model_and_expect
 
 
 def test_presharded_cache_key_follows_the_checkpoint_and_the_layout(tmp_path):
-    from launcher.presharded_cache import cache_dir, is_ready
+    from launcher.artifacts.presharded_cache import cache_dir, is_ready
     from shardlib.model_config import load_model_config
     from shardlib.sharding import ShardLayout
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from launcher import compiled_dir
+from launcher.artifacts import compiled_dir
 from shardlib import presharded
 from shardlib.manifest import read_manifest_json
 

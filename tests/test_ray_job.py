@@ -12,7 +12,6 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,21 +19,12 @@ from pathlib import Path
 
 import pytest
 
+from workers.net import free_ports
+
 pytestmark = pytest.mark.slow
 
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_ports(count: int) -> list[int]:
-    socks = [socket.socket() for _ in range(count)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def stop_processes_of(temp_dir: str, grace_s: float = 5.0) -> int:

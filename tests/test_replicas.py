@@ -11,9 +11,9 @@ import threading
 import pytest
 
 from launcher.api import Launcher, split_prompts
-from launcher.placement import rank_order
-from launcher.resources import cpu_rank_resources, explain_unplaceable, groups_that_fit, place_group
-from launcher.restart_policy import RestartPolicy
+from launcher.cluster.placement import rank_order
+from launcher.cluster.resources import cpu_rank_resources, explain_unplaceable, groups_that_fit, place_group
+from launcher.cluster.restart_policy import RestartPolicy
 from tests.model_factory import build_random_model, save_model
 from tests.test_launcher_generate import hf_greedy
 
@@ -131,7 +131,7 @@ def wait_until_all_cpus_free(ray, timeout_s: float = 15.0) -> int:
     """Resources of a launcher just shut down come back asynchronously; "auto" counts free ones."""
     import time
 
-    from launcher.placement import alive_nodes
+    from launcher.cluster.placement import alive_nodes
 
     cpus = ray.cluster_resources()["CPU"]
     deadline = time.monotonic() + timeout_s

@@ -25,13 +25,14 @@ import glob
 import io
 import os
 import random
-import socket
 import time
 import traceback
 from queue import Empty
 
 import pytest
 import torch
+
+from workers.net import free_port
 
 SHM_GLOB = "/dev/shm/corelaunch-*"
 
@@ -45,12 +46,6 @@ def no_shm_leaks():
 
 
 # ---- running a function on N spawned ranks ---------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _entry(rank: int, world_size: int, port: int, queue, fn, args) -> None:
     import torch.distributed as dist
 
@@ -75,7 +70,7 @@ def run_ranks(world_size: int, fn, *args, timeout_s: float = 90.0, expect: int |
     `expect`: how many ranks report (a rank that exits on purpose reports nothing)."""
     ctx = torch.multiprocessing.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, queue, fn, args), daemon=True)
              for r in range(world_size)]
     for p in procs:

@@ -14,7 +14,6 @@ This module imports no transformers, so the spawned ranks start quickly.
 from __future__ import annotations
 
 import datetime
-import socket
 import traceback
 from dataclasses import dataclass, field
 from queue import Empty
@@ -23,6 +22,7 @@ import torch
 
 from shardlib.model_config import ModelConfig
 from shardlib.sharding import ShardLayout, apply_slice, slice_for
+from workers.net import free_port
 from workers.sampling import SamplingParams
 
 
@@ -104,12 +104,6 @@ def _rank_main(rank: int, world_size: int, port: int, cases: list[Case], queue) 
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_tp(world_size: int, cases: list[Case], timeout_s: float = 120.0) -> dict[int, dict[str, list[list]]]:

@@ -22,6 +22,7 @@ from shardlib.model_config import ModelConfig
 from shardlib.sharding import ShardLayout
 from workers.backends import get_backend
 from workers.backends.base import RendezvousInfo
+from workers.net import free_port
 from workers.sampling import SamplingParams
 
 
@@ -90,13 +91,6 @@ class LoadStats:
     """Compiled runs: the graphs built so far with their times, and the compile cache's hit/miss counts."""
 
 
-def free_port() -> int:
-    """A TCP port free on this host right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
-
-
 def peak_rss_bytes() -> int:
     """This process's peak resident set (VmHWM), 0 where /proc is absent."""
     try:
@@ -122,7 +116,7 @@ class RankWorker:
 
     def rendezvous_port(self) -> int:
         """Called on rank 0 only: a port free on rank 0's host for the process group."""
-        return free_port()
+        return free_port(host="")  # "": free on every interface, as the process group listens on all
 
     def init_backend(self, host: str, port: int, timeout_s: float,
                      node_groups: list[list[int]] | None = None) -> dict:

@@ -71,10 +71,6 @@ void cl_publish(uint64_t *counter, uint64_t value) {
     __atomic_store_n(counter, value, __ATOMIC_RELEASE);
 }
 
-uint64_t cl_load(uint64_t *counter) {
-    return __atomic_load_n(counter, __ATOMIC_ACQUIRE);
-}
-
 /* Wait until counters[i * stride] >= target for each i in 0 .. n-1 where wanted[i] != 0.
    Returns 0 when all have arrived, 1 on timeout, 2 when a peer's process has exited (pids[i] > 0;
    checked every 0.2 s once past the spin phase). missing[i] is set to 1 for each wanted
@@ -188,13 +184,10 @@ class Native:
         u64p, i32p = ctypes.c_void_p, ctypes.c_void_p
         lib.cl_publish.argtypes = [u64p, ctypes.c_uint64]
         lib.cl_publish.restype = None
-        lib.cl_load.argtypes = [u64p]
-        lib.cl_load.restype = ctypes.c_uint64
         lib.cl_wait.argtypes = [u64p, ctypes.c_int, ctypes.c_int, i32p, ctypes.c_uint64, ctypes.c_double,
                                 ctypes.c_double, ctypes.c_double, i32p, i32p]
         lib.cl_wait.restype = ctypes.c_int
         self.publish = lib.cl_publish
-        self.load = lib.cl_load
         self.wait = lib.cl_wait
 
 

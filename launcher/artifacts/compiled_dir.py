@@ -24,6 +24,8 @@ from shardlib.buckets import Buckets
 from shardlib.manifest import read_manifest_json
 
 FORMAT_VERSION = 1
+KIND = "a compiled-model directory"
+"""What these directories are called in messages."""
 MODEL, WEIGHTS, CACHE = "model", "weights", "cache"
 COMPILE_LOG = "compile.log"
 """Rank 0's warm-up record: one line per graph ("done total phase batch length seconds")."""
@@ -46,7 +48,7 @@ def cache_dir(root: str | Path) -> Path:
 
 def read_manifest(root: str | Path) -> dict[str, Any]:
     return read_manifest_json(
-        root, what="a compiled-model directory",
+        root, what=KIND,
         required=("format_version", "config_hash", "tp_degree", "kv_strategy", "dtype", "backend", "buckets",
                   "versions"),
         write_hint=f"write it with `corelaunch compile --model MODEL --tp N --out {root}`")

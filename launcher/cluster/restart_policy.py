@@ -21,7 +21,7 @@ class RestartPolicy:
 
     def __post_init__(self) -> None:
         if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
-            raise ValueError(f"max_restarts ({self.max_restarts!r}) must be an integer >= 0")
+            raise ValueError(f"max_restarts ({self.max_restarts!r}) must be an integer >= 0 (0 disables restarts)")
         if self.window_s <= 0:
             raise ValueError(f"restart_window_s ({self.window_s}) must be positive")
 

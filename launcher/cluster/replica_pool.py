@@ -29,7 +29,7 @@ from typing import Callable
 
 from launcher.errors import (GroupFault, LaunchError, NeuronDevicesMissing, NoReplicaAvailable, PlacementTimeout,
                              RendezvousTimeout, ReplicaFailed, RequestTimeout, RestartLimitExceeded, WorkerDied)
-from launcher.restart_policy import RestartPolicy
+from launcher.cluster.restart_policy import RestartPolicy
 
 _STOP = object()
 
@@ -39,7 +39,7 @@ class StartedGroup:
     """A TP group that has been placed, joined and loaded (what a GroupFactory returns)."""
 
     group: object
-    """launcher.tp_group.TPGroup (or anything with generate/kill/shutdown/dead_ranks/workers)."""
+    """launcher.cluster.tp_group.TPGroup (or anything with generate/kill/shutdown/dead_ranks/workers)."""
     load_stats: list = field(default_factory=list)
 
 

@@ -6,7 +6,7 @@ calls of `--batch-size` random prompts of `--prompt-len` tokens, each generating
 - e2e_model: the driver-side wall time of Launcher.generate (Ray round trip included);
 - context_encoding_model: the call's time to first token, measured inside rank 0;
 - token_generation_model: each decode step's latency, measured inside rank 0.
-The sections and their throughput definitions are in launcher/bench_report.py.
+The sections and their throughput definitions are in shardlib/evaluation/bench_report.py.
 """
 
 from __future__ import annotations
@@ -15,19 +15,7 @@ import argparse
 import json
 import sys
 
-from launcher.compile_command import add_no_compile
-
-
-def _positive(name: str, minimum: int = 1):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, not {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{name} ({value}) must be at least {minimum}")
-        return value
-    return parse
+from launcher.cli.options import add_no_compile, int_at_least
 
 
 def add_parser(subparsers) -> None:
@@ -40,15 +28,15 @@ def add_parser(subparsers) -> None:
                     "encoding, prompt tokens/s) per part, as NxD Inference does.")
     p.add_argument("--model", help="Hugging Face model directory (default: built-in SmolLM2-135M-Instruct)")
     p.add_argument("--tp", default="auto", help="tensor-parallel degree, or auto (default)")
-    p.add_argument("--batch-size", type=_positive("--batch-size"), default=1, metavar="N",
+    p.add_argument("--batch-size", type=int_at_least("--batch-size"), default=1, metavar="N",
                    help="prompts per generate call (default 1)")
-    p.add_argument("--prompt-len", type=_positive("--prompt-len"), default=128, metavar="N",
+    p.add_argument("--prompt-len", type=int_at_least("--prompt-len"), default=128, metavar="N",
                    help="tokens per prompt (default 128)")
-    p.add_argument("--max-new-tokens", type=_positive("--max-new-tokens", 2), default=64, metavar="N",
+    p.add_argument("--max-new-tokens", type=int_at_least("--max-new-tokens", 2), default=64, metavar="N",
                    help="tokens generated per prompt, EOS ignored (default 64; at least 2)")
-    p.add_argument("--warmup", type=_positive("--warmup", 0), default=1, metavar="N",
+    p.add_argument("--warmup", type=int_at_least("--warmup", 0), default=1, metavar="N",
                    help="unrecorded calls before measuring (default 1)")
-    p.add_argument("--runs", type=_positive("--runs"), default=10, metavar="N", help="measured calls (default 10)")
+    p.add_argument("--runs", type=int_at_least("--runs"), default=10, metavar="N", help="measured calls (default 10)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids (default 0)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's")
     p.add_argument("--backend", choices=["cpu", "neuron"],
@@ -87,8 +75,8 @@ def _bench(args: argparse.Namespace) -> dict:
     import time
 
     from launcher.api import LaunchConfig, Launcher
-    from launcher.bench_report import RunTiming, build_report
     from launcher.progress import Progress
+    from shardlib.evaluation.bench_report import RunTiming, build_report
 
     config = LaunchConfig(model=args.model, tp=args.tp, backend=args.backend, instance=args.instance,
                           dtype=args.dtype, max_batch_size=args.batch_size, ray_address=args.ray_address,
@@ -125,7 +113,7 @@ def _print_table(report: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from launcher.bench_report import PERCENTILES, SECTIONS
+    from shardlib.evaluation.bench_report import PERCENTILES, SECTIONS
 
     cfg = report["config"]
     table = Table(title=f"corelaunch bench: tp {cfg['tp_degree']} ({cfg['backend']}, {cfg['dtype']}), batch "

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from launcher.compile_command import add_bucket_lists, add_no_compile, bucket_lists
+from launcher.cli.options import add_bucket_lists, add_no_compile, bucket_lists
 
 
 def add_parser(subparsers) -> None:

@@ -3,11 +3,11 @@
 Every wait on Ray here has a deadline and, when it passes, an error naming what did not arrive and
 what to change. A rank that dies is reported with its rank and node; the rest of the group is then
 killed so no rank stays blocked in a collective. Restarting a broken group is the replica pool's
-job (launcher/replica_pool.py): a TPGroup is started once and thrown away when it breaks.
+job (launcher/cluster/replica_pool.py): a TPGroup is started once and thrown away when it breaks.
 
 Placement: one bundle per rank in one placement group. With nodes=1 the group must fit one node
 (STRICT_PACK); with more it may spill over (PACK). Once Ray has placed the bundles, ranks are
-numbered node by node (launcher/placement.py), rank 0's node hosts the rendezvous, and every rank
+numbered node by node (launcher/cluster/placement.py), rank 0's node hosts the rendezvous, and every rank
 is told which ranks share its node (node_groups) so co-located ranks can use a faster path.
 """
 
@@ -23,8 +23,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from launcher.errors import (LaunchError, NeuronDevicesMissing, PlacementTimeout, RankFailed, RendezvousTimeout,
                              RequestTimeout, WorkerDied)
-from launcher.placement import alive_nodes, bundle_nodes, placement_strategy, rank_order
-from launcher.resources import RankResources, explain_unplaceable
+from launcher.cluster.placement import alive_nodes, bundle_nodes, placement_strategy, rank_order
+from launcher.cluster.resources import RankResources, explain_unplaceable
 from workers.rank_worker import GenerateRequest, LoadSpec, LoadStats, WorkerSpec
 
 # How often a long wait wakes up to check for dead ranks; a death is seen within this delay.
@@ -60,8 +60,6 @@ class TPGroup:
     """Nodes the group may span: 1 keeps it on one node, more lets Ray spill ranks over (PACK)."""
     name: str = "corelaunch"
     """Placement-group name prefix (the replica pool names each replica's group)."""
-    actor_cls: object = None
-    """The Ray actor class of a rank; None: launcher.ray_worker.RankWorkerActor."""
     actors: list = field(default_factory=list, init=False)
     workers: list[dict] = field(default_factory=list, init=False)
     """describe() of each rank: rank, pid, hostname, node_id, node_ip, neuron_devices."""
@@ -72,9 +70,11 @@ class TPGroup:
     # ---- start-up ----------------------------------------------------------------------------
     def start(self) -> None:
         """Reserve resources, start one actor per rank (node by node), and join their process group."""
-        from launcher import ray_worker
+        # Looked up at each start, so a test can swap in a misbehaving actor class
+        # (monkeypatch ray_worker.RankWorkerActor; tests/fault_actors.py).
+        from launcher.cluster import ray_worker
 
-        actor_cls = self.actor_cls or ray_worker.RankWorkerActor
+        actor_cls = ray_worker.RankWorkerActor
         self._place()
         placed = bundle_nodes(self._pg)
         self.bundle_of_rank = rank_order(placed) or list(range(self.tp_degree))

@@ -6,7 +6,7 @@
 Steps, each shown on stderr: plan the layout (refused before anything is written), write each rank's
 pre-sharded weights (shardlib.presharded), copy the model's config and tokenizer files, start the TP
 group from that directory with warm-up on, so every rank builds (and the backend persists) the graph
-of every bucket shape, then record what was built in the manifest (launcher/compiled_dir.py). The
+of every bucket shape, then record what was built in the manifest (launcher/artifacts/compiled_dir.py). The
 directory is written next to its destination and renamed into place only when complete.
 """
 
@@ -16,10 +16,11 @@ import argparse
 import json
 import shutil
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
+
+from launcher.cli.options import add_bucket_lists, bucket_lists
 
 
 def add_parser(subparsers) -> None:
@@ -56,36 +57,6 @@ def add_bucket_arguments(p: argparse.ArgumentParser, max_batch_default: int) -> 
     add_bucket_lists(p)
 
 
-def add_no_compile(p: argparse.ArgumentParser) -> None:
-    """--no-compile (generate, check, bench): args.compile False runs eagerly."""
-    p.add_argument("--no-compile", dest="compile", action="store_false",
-                   help="run eagerly at exact shapes, without compiled graphs (debugging: a check that "
-                        "fails compiled but passes eager points at the compiler, not the sharding)")
-
-
-def add_bucket_lists(p: argparse.ArgumentParser) -> None:
-    """Custom bucket options (compile and generate)."""
-    p.add_argument("--max-context-length", type=int, metavar="N",
-                   help="longest prompt: the largest context-encoding bucket (default: --seq-len)")
-    p.add_argument("--buckets", metavar="L1,L2,..",
-                   help="custom buckets for both phases (context buckets stop at --max-context-length)")
-    p.add_argument("--context-buckets", metavar="L1,L2,..", help="custom context-encoding (prefill) buckets")
-    p.add_argument("--token-buckets", metavar="L1,L2,..", help="custom token-generation (KV-cache) buckets")
-
-
-def bucket_lists(args: argparse.Namespace) -> dict:
-    """LaunchConfig's max_context_length, context_buckets and token_buckets from the options
-    (ValueError for a malformed list)."""
-    from shardlib.buckets import parse_buckets
-
-    both = parse_buckets(args.buckets) if args.buckets else None
-    context = parse_buckets(args.context_buckets) if args.context_buckets else both
-    token = parse_buckets(args.token_buckets) if args.token_buckets else both
-    if both is not None and args.max_context_length is not None and not args.context_buckets:
-        context = tuple(b for b in both if b <= args.max_context_length) or (args.max_context_length,)
-    return {"max_context_length": args.max_context_length, "context_buckets": context, "token_buckets": token}
-
-
 def bucket_options(args: argparse.Namespace) -> dict:
     """LaunchConfig's bucket fields, sequence length and batch size included."""
     return {"seq_len": args.seq_len, "max_batch_size": args.max_batch_size, **bucket_lists(args)}
@@ -106,19 +77,18 @@ def run(args: argparse.Namespace) -> int:
 
 def compile_model(args: argparse.Namespace) -> dict:
     """Write the compiled-model directory args.out; returns its manifest."""
-    from launcher import compiled_dir
     from launcher.api import LaunchConfig, Launcher
+    from launcher.artifacts import compiled_dir
     from launcher.launch_plan import plan_launch
     from launcher.progress import Progress
-    from shardlib.manifest import MANIFEST, write_manifest_json
+    from shardlib.atomic_dir import atomic_dir, refuse_foreign_dir
+    from shardlib.manifest import write_manifest_json
     from shardlib.presharded import save_presharded
     from workers.compiled import default_granularity, library_versions
 
     progress = Progress(not args.quiet)
     out = Path(args.out)
-    if out.exists() and any(out.iterdir()) and not (out / MANIFEST).is_file():
-        raise FileExistsError(f"{out} exists and is not a compiled-model directory; choose a new or empty "
-                              f"directory, or remove it")
+    refuse_foreign_dir(out, compiled_dir.KIND)
     # Every option is checked (and the layout planned) before anything is written.
     config = LaunchConfig(model=args.model, tp=args.tp, dtype=args.dtype, backend=args.backend,
                           instance=args.instance, lnc=args.lnc, kv_strategy=args.kv_strategy,
@@ -132,9 +102,7 @@ def compile_model(args: argparse.Namespace) -> dict:
         raise ValueError(f"--granularity {granularity} needs --tp 1: at TP {plan.tp_degree} the graphs are cut at "
                          f"the collectives; drop --granularity")
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with atomic_dir(out, compiled_dir.KIND) as tmp:
         started = time.perf_counter()
         layout = plan.layout()
         with progress.step(f"writing {plan.tp_degree} rank(s)' pre-sharded weights ({plan.dtype})"):
@@ -163,38 +131,18 @@ def compile_model(args: argparse.Namespace) -> dict:
         manifest["compile_stats"] = rank0  # rank 0's compile time and inductor cache counters
         manifest["compile_s"] = round(time.perf_counter() - started, 3)
         write_manifest_json(tmp, manifest)
-        _move_into_place(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     progress.note(f"compiled-model directory written: {out} (start from it with `corelaunch generate "
                   f"--compiled {out}`)")
     return manifest
 
 
 def _copy_model_files(model_dir: Path, dest: Path) -> None:
-    from launcher.compiled_dir import MODEL_FILES
+    from launcher.artifacts.compiled_dir import MODEL_FILES
 
     dest.mkdir(parents=True)
     for name in MODEL_FILES:
         if (model_dir / name).is_file():
             shutil.copy2(model_dir / name, dest / name)
-
-
-def _move_into_place(tmp: Path, out: Path) -> None:
-    """Rename tmp to out; an existing compiled-model directory there is set aside, then removed."""
-    import os
-
-    tmp.chmod(0o755)  # mkdtemp makes it private
-    if out.exists() and any(out.iterdir()):
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
 
 
 class _GraphProgress:

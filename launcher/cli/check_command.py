@@ -3,7 +3,7 @@
 The reference is the checkpoint (or `--reference DIR`) loaded with AutoModelForCausalLM in float32
 in this driver process, or expected outputs saved earlier with `--save-expected`. Modes, as in NxD
 Inference: token matching (exact greedy tokens) and logit matching (top-k logit tolerances, with
-teacher forcing at divergences); the rules are in launcher/accuracy.py. Both sides generate exactly
+teacher forcing at divergences); the rules are in shardlib/evaluation/accuracy.py. Both sides generate exactly
 --num-tokens tokens: EOS stops neither.
 
 Expected-outputs file (torch.save of a dict; read with torch.load(weights_only=True)):
@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from launcher.compile_command import add_no_compile
+from launcher.cli.options import add_no_compile
 
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
 FILE_FORMAT = "corelaunch-expected/1"
@@ -212,16 +212,12 @@ def _prompts(args, model_dir: Path):
 
 def _check_prompts(prompts: list[list[int]], num_tokens: int, model_dir: Path) -> None:
     from shardlib.model_config import load_model_config
+    from shardlib.request_checks import check_fits, check_prompts
 
     config = load_model_config(model_dir)
-    for i, ids in enumerate(prompts):
-        bad = [t for t in ids if not 0 <= t < config.vocab_size]
-        if bad:
-            raise ValueError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {config.vocab_size})")
-        if len(ids) + num_tokens > config.max_position_embeddings:
-            raise ValueError(f"prompt {i} has {len(ids)} tokens; with --num-tokens {num_tokens} that needs "
-                             f"{len(ids) + num_tokens} positions but the model's max_position_embeddings is "
-                             f"{config.max_position_embeddings}: shorten the prompt or lower --num-tokens")
+    check_prompts(prompts, config.vocab_size)
+    check_fits(prompts, num_tokens, config.max_position_embeddings, "the model's max_position_embeddings",
+               new_tokens_name="--num-tokens")
 
 
 # ---- run ---------------------------------------------------------------------------------------
@@ -236,8 +232,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from launcher.accuracy import parse_tol_map
     from launcher.progress import Progress
+    from shardlib.evaluation.accuracy import parse_tol_map
 
     progress = Progress(not args.quiet)
     tol_map = parse_tol_map(args.tol_map, args.atol)
@@ -293,8 +289,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _compare(args, model_dir, texts, prompts, expected: Expected, num_tokens, tol_map, progress) -> dict:
-    from launcher.accuracy import group_name, logit_matching, token_matching
     from launcher.api import LaunchConfig, Launcher
+    from shardlib.evaluation.accuracy import group_name, logit_matching, token_matching
 
     config = LaunchConfig(model=str(model_dir), tp=args.tp, backend=args.backend, instance=args.instance,
                           dtype=args.dtype, max_batch_size=1, ray_address=args.ray_address,

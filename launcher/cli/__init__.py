@@ -1,4 +1,4 @@
-"""`corelaunch` command line: a thin dispatcher; each subcommand lives in its own module.
+"""`corelaunch` command line: a thin dispatcher; each subcommand lives in its own module here.
 
 A subcommand module exposes `add_parser(subparsers)` (registers its arguments) and
 `run(args) -> int` (the exit code). Modules are imported lazily so `corelaunch plan` never pays for
@@ -13,11 +13,11 @@ import sys
 
 # subcommand name -> module implementing it
 SUBCOMMANDS = {
-    "plan": "launcher.plan_command",
-    "generate": "launcher.generate_command",
-    "check": "launcher.check_command",
-    "bench": "launcher.bench_command",
-    "compile": "launcher.compile_command",
+    "plan": "launcher.cli.plan_command",
+    "generate": "launcher.cli.generate_command",
+    "check": "launcher.cli.check_command",
+    "bench": "launcher.cli.bench_command",
+    "compile": "launcher.cli.compile_command",
 }
 
 

@@ -1,0 +1,16 @@
+"""The one check that a count (a TP degree, a batch size, a bucket length, max_new_tokens) is a
+positive integer. bool is refused although it is an int in Python: True is never meant as 1."""
+
+from __future__ import annotations
+
+
+def is_positive_int(value) -> bool:
+    """True for an int >= 1 that is not a bool (for checks whose message says more, e.g. "or 'auto'")."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def positive_int(name: str, value) -> int:
+    """`value`, or ValueError "NAME (VALUE) must be a positive integer"."""
+    if not is_positive_int(value):
+        raise ValueError(f"{name} ({value!r}) must be a positive integer")
+    return value

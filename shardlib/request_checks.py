@@ -1,0 +1,53 @@
+"""The checks of one generate request (prompts as token ids, sampling params, max_new_tokens).
+
+One copy, so a request refused by the driver API, the CLI or a rank's engine is refused with the
+same message. Pure: token ids and counts only (SamplingParams objects are only counted here; they
+check their own fields when built).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from shardlib.positive_int import positive_int
+
+
+def check_request(prompts: Sequence[Sequence[int]], params: Sequence, max_new_tokens: int,
+                  vocab_size: int) -> None:
+    """ValueError unless: at least one prompt, each a non-empty list of token ids in
+    [0, vocab_size), one SamplingParams per prompt, and max_new_tokens a positive int (not a bool)."""
+    check_prompts(prompts, vocab_size)
+    if len(params) != len(prompts):
+        raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams; pass one per prompt")
+    positive_int("max_new_tokens", max_new_tokens)
+
+
+def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> None:
+    """ValueError unless there is at least one prompt and each is a non-empty list of token ids
+    in [0, vocab_size)."""
+    if len(prompts) == 0:
+        raise ValueError("generate needs at least one prompt; got an empty list")
+    for i, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        bad = [t for t in prompt if not 0 <= int(t) < vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} holds token ids {bad[:5]} outside the vocabulary [0, {vocab_size}); "
+                             f"were they tokenized for another model?")
+
+
+def check_fits(prompts: Sequence[Sequence[int]], max_new_tokens: int, limit: int, limit_name: str, *,
+               new_tokens_name: str = "max_new_tokens", fix: str | None = None) -> None:
+    """ValueError naming the first prompt whose tokens plus max_new_tokens exceed `limit` positions.
+
+    limit_name: what the limit is, e.g. "seq_len" or "the model's max_position_embeddings".
+    new_tokens_name: how the caller spells max_new_tokens (the CLI's check says --num-tokens).
+    fix: the way out; default: shorten the prompt or lower new_tokens_name.
+    """
+    for i, ids in enumerate(prompts):
+        needed = len(ids) + max_new_tokens
+        if needed > limit:
+            raise ValueError(
+                f"prompt {i} has {len(ids)} tokens; with {new_tokens_name} {max_new_tokens} that needs {needed} "
+                f"positions but {limit_name} is {limit}: "
+                f"{fix or f'shorten the prompt or lower {new_tokens_name}'}")
