@@ -28,6 +28,7 @@ from typing import Iterable
 import torch
 
 from shardlib.buckets import Buckets, request_shape
+from shardlib.request_checks import check_request
 from workers.kv_cache import KVCache
 from workers.sampling import SamplingParams, make_generator, sample
 
@@ -77,22 +78,6 @@ def cache_length(prompt_lengths: list[int], max_new_tokens: int, max_position_em
     return max(needed, min(rounded, max_position_embeddings))
 
 
-def _check_request(prompts: list[list[int]], params: list[SamplingParams], max_new_tokens: int,
-                   vocab_size: int) -> None:
-    if not prompts:
-        raise ValueError("generate needs at least one prompt; got an empty list")
-    if len(params) != len(prompts):
-        raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams; pass one per prompt")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
-    for i, prompt in enumerate(prompts):
-        if len(prompt) == 0:
-            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-        bad = [t for t in prompt if not 0 <= int(t) < vocab_size]
-        if bad:
-            raise ValueError(f"prompt {i} holds token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
-
-
 def _shared_seeds(model, params: list[SamplingParams]) -> list[SamplingParams]:
     """Give every sampled request without a seed one that all ranks share.
 
@@ -138,7 +123,7 @@ def generate(model, prompts: list[list[int]], params: list[SamplingParams], max_
     start = time.perf_counter()
     config = model.config
     device = getattr(model, "device", torch.device("cpu"))
-    _check_request(prompts, params, max_new_tokens, config.vocab_size)
+    check_request(prompts, params, max_new_tokens, config.vocab_size)
     stop = {int(t) for t in stop_token_ids}
     lengths = [len(p) for p in prompts]
     batch, longest = len(prompts), max(lengths)

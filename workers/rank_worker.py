@@ -1,6 +1,6 @@
 """One tensor-parallel rank: its backend, process group, shard, model and requests.
 
-The class knows nothing of Ray: the launcher wraps it as an actor (launcher/ray_worker.py), and the
+The class knows nothing of Ray: the launcher wraps it as an actor (launcher/cluster/ray_worker.py), and the
 in-process benchmark drives the same class directly. The constructor is cheap; each heavy step is an
 explicit call made after the launcher has placed the process (so device visibility is already set):
 
