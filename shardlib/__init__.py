@@ -1,2 +1,3 @@
-"""Pure sharding math, planner rules, checkpoint slicing and quantization, and
-evaluation/ (accuracy checks, benchmark reports); no Ray, no processes."""
+"""Pure maths, no Ray and no processes: model configs, the planner and its instance table, sharding
+rules, checkpoint slicing, buckets, request checks, and evaluation/ (accuracy checks, benchmark
+reports)."""

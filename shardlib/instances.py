@@ -1,9 +1,10 @@
 """The machines the planner knows: AWS Inferentia2 / Trainium instances and this CPU host.
 
-Numbers are the Neuron documentation's (see DESIGN.md): NeuronCores per instance, device memory per
-NeuronCore, the TP degrees NxD Inference supports per family, and the logical NeuronCore config
-(LNC). Memory is in GiB of device HBM (16 GiB per NeuronCore on Inf2 and Trn1, 12 GiB per physical
-NeuronCore on Trn2, so 24 GiB per logical core at LNC 2).
+Numbers are the Neuron documentation's (summarised in the README's "Neuron facts the planner
+encodes"): NeuronCores per instance, device memory per NeuronCore, the TP degrees NxD Inference
+supports per family, and the logical NeuronCore config (LNC). Memory is in GiB of device HBM
+(16 GiB per NeuronCore on Inf2 and Trn1, 12 GiB per physical NeuronCore on Trn2, so 24 GiB per
+logical core at LNC 2).
 
 `cpu` describes the host the planner runs on (its core count and RAM), for development and tests:
 any TP degree is allowed there, even more ranks than cores (ranks then time-share the cores).

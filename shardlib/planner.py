@@ -3,7 +3,8 @@
 `plan(config, instance=..., tp=...)` is pure arithmetic on a ModelConfig and the instance table: no
 Ray, no tensors, well under a millisecond per TP degree, so even Llama-3.1-405B plans instantly.
 Every rule is checked and every failure is reported (not just the first), each message naming the
-values, the rule and the ways out. Rules and their error codes (the facts are DESIGN.md's):
+values, the rule and the ways out. Rules and their error codes (the facts behind them: the README's
+"Neuron facts the planner encodes"):
 
 - heads_not_divisible:   num_attention_heads % tp != 0 (unless pad_q_heads pads Q heads).
 - kv_heads_incompatible: an explicit kv_strategy that cannot split the KV heads at this degree.

@@ -16,6 +16,10 @@ graph covers is the same choice at every TP degree (`granularity`):
 - "layer": one graph for the decoder layer, shared by every layer (weights are graph inputs), plus a
   prologue and an epilogue graph; a step is (layers + 2) graph calls.
 - "model": one graph for the whole step.
+- "model-decode": "model" for decode steps, "layer" for prefills. A decode step is mostly memory
+  traffic and a (layers + 2)-call step spends a measurable share of it in the calls themselves; a
+  prefill is compute and barely notices them, while a whole-model graph takes about three times
+  as long to compile as a layer graph.
 - "collective": "layer" with the collectives left outside the graphs, so each layer falls apart into
   the code between two collectives; the way TP > 1 ran before the collectives were operators, kept
   to measure against (benchmarks/tp_scaling.py).
@@ -93,7 +97,7 @@ def use_cache_dir(path: str) -> None:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
 
 
-GRANULARITIES = ("model", "layer", "collective")
+GRANULARITIES = ("model", "layer", "model-decode", "collective")
 """What one compiled graph covers: the whole step, one decoder layer, or the code between two
 collectives (see the module docstring)."""
 DEFAULT_GRANULARITY = "layer"
@@ -158,12 +162,12 @@ class CompiledCausalLM:
         configure_dynamo(len(buckets.shapes()))
         model.collectives.in_graph = self.granularity != "collective"
         model.collectives.handle  # registered now, not while a graph is being traced
-        if self.granularity == "model":
-            self._parts, self._step = EAGER, _compile(run_step)
-        else:
-            fullgraph = self.granularity != "collective"
-            self._parts = StepParts(*(_compile(part, fullgraph) for part in EAGER))
-            self._step = run_step
+        per_layer = StepParts(*(_compile(part, self.granularity != "collective") for part in EAGER))
+        whole = (EAGER, _compile(run_step))  # parts inlined into one graph
+        self._runners = {  # phase -> (parts, step function)
+            "context": whole if self.granularity == "model" else (per_layer, run_step),
+            "token": whole if self.granularity in ("model", "model-decode") else (per_layer, run_step),
+        }
         self._announce = announce if announce is not None else _print_stderr
         self._warming_up = False
         self._seen: set[tuple[str, int, int]] = set()
@@ -194,18 +198,19 @@ class CompiledCausalLM:
             self._announce(f"corelaunch: building the graph for {phase} bucket batch {batch} x {length} "
                            f"(first use; cached for later runs)")
         start = time.perf_counter()
+        parts, step = self._runners[phase]
         if phase == "context":
             if logit_index is None:
                 logit_index = torch.tensor([seq - 1], device=input_ids.device)
             if int(cache_positions[0]) != 0:
                 raise ValueError("a compiled prefill starts at cache slot 0 (the prompt is the whole history)")
-            logits, ks, vs = self._step(self.model, self._parts, input_ids, position_ids, attention_mask[:, :seq],
+            logits, ks, vs = step(self.model, parts, input_ids, position_ids, attention_mask[:, :seq],
                                         cache_positions, None, logit_index)
             for k_cache, v_cache, k, v in zip(cache.k, cache.v, ks, vs):
                 k_cache[:, :, :seq].copy_(k)
                 v_cache[:, :, :seq].copy_(v)
         else:
-            logits, _, _ = self._step(self.model, self._parts, input_ids, position_ids, attention_mask,
+            logits, _, _ = step(self.model, parts, input_ids, position_ids, attention_mask,
                                       cache_positions, (cache.k, cache.v), None)
         if new_graph:
             seconds = time.perf_counter() - start

@@ -36,6 +36,29 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(head_dim) + mask) v: q (batch, q_heads, seq, head_dim), keys/values
+    (batch, kv_heads, slots, head_dim) shared by q_heads // kv_heads query heads each, boolean mask
+    (batch, 1, seq, slots); returns (batch, q_heads, seq, head_dim).
+
+    Eager, and for prefills, this is F.scaled_dot_product_attention. Traced by torch.compile for a
+    decode step (one query per row), it is written out as products and sums, which inductor fuses
+    into the graph's own loops: the CPU flash-attention kernel it would otherwise call is a
+    separate, un-fused call that spends most of its time on set-up for a single query.
+    """
+    batch, q_heads, seq, head_dim = q.shape
+    kv_heads = keys.shape[1]
+    if not (torch.compiler.is_compiling() and seq == 1):
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=q_heads != kv_heads)
+    group = q_heads // kv_heads
+    qg = q.view(batch, kv_heads, group, 1, head_dim)  # query heads grouped by the KV head they read
+    scores = (qg * keys.unsqueeze(2)).sum(-1) * head_dim ** -0.5  # (batch, kv_heads, group, slots)
+    scores = scores.masked_fill(~mask.view(batch, 1, 1, -1), float("-inf"))
+    weights = torch.softmax(scores, dim=-1)
+    out = (weights.unsqueeze(-1) * values.unsqueeze(2)).sum(-2)  # (batch, kv_heads, group, head_dim)
+    return out.view(batch, q_heads, 1, head_dim)
+
+
 def as_param(tensor: torch.Tensor, dtype: torch.dtype) -> nn.Parameter:
     """Wrap a shard tensor as a frozen parameter; no copy when it already has `dtype`."""
     return nn.Parameter(tensor.to(dtype), requires_grad=False)
@@ -120,8 +143,7 @@ class Attention(nn.Module):
         batch, seq, _ = x.shape
         q, k, v = self.project(x, cos, sin)
         keys, values = (k, v) if kv is None else write_kv(kv[0], kv[1], kv[2], k, v)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                             enable_gqa=self.q_heads != self.kv_heads)
+        out = attention(q, keys, values, mask)
         out = out.transpose(1, 2).reshape(batch, seq, self.q_heads * self.head_dim)
         return self.collectives.all_reduce(linear(out, self.o_weight)), k, v
 
