@@ -23,6 +23,12 @@ class RayConnection:
             ray.shutdown()
 
 
+def on_this_host(address: str | None) -> bool:
+    """True when connect(address) reaches a cluster on this machine: a private local one, or one
+    started here with `ray start --head` (no --ray-address and no RAY_ADDRESS)."""
+    return address == "local" or (address is None and not os.environ.get("RAY_ADDRESS"))
+
+
 def connect(address: str | None = None, num_cpus: int | None = None) -> RayConnection:
     """`address`: None (a running cluster if any, else local), "auto", "local", or "host:port"."""
     import ray

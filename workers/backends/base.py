@@ -30,8 +30,8 @@ class CompileOptions:
     """Where compiled artifacts are persisted and looked up (a compiled-model directory's cache);
     None: the backend's default location."""
     granularity: str | None = None
-    """What one compiled graph covers where the backend offers a choice (CPU: "layer" or "model" at
-    TP 1, see workers/compiled.py); None: the backend's default."""
+    """What one compiled graph covers where the backend offers a choice (workers/granularities.py,
+    its registry entry's granularities); None: the backend's default."""
     warm_up: bool = False
     """Build every bucket's graph now; otherwise each is built the first time a request needs it."""
     progress: Callable[[int, int, tuple[str, int, int], float], None] | None = None
@@ -42,9 +42,7 @@ class Backend(abc.ABC):
     """One rank's device: process set-up, its process group, and how models run on it."""
 
     name: str = "base"
-    """The name users pass as --backend."""
-    # Ray resource that one rank's placement bundle asks for (None: CPUs only).
-    ray_resource: str | None = None
+    """The name users pass as --backend (its entry in workers.backends.BACKENDS says the rest)."""
 
     @abc.abstractmethod
     def setup_process(self, rank: int, world_size: int, threads: int) -> None:
@@ -63,6 +61,10 @@ class Backend(abc.ABC):
     @property
     def device(self) -> torch.device:
         return torch.device("cpu")
+
+    def prefetch_compiler(self) -> None:
+        """Start importing what prepare_model compiles with, in the background, so the import
+        overlaps reading the shard; nothing by default."""
 
     def prepare_model(self, model: torch.nn.Module, compile: CompileOptions | None = None):
         """The model as this device runs it: eager (compile=None), or through one static-shape graph

@@ -8,8 +8,19 @@ import os
 import torch
 import torch.distributed as dist
 
+from shardlib.instances import CPU_TARGET
 from workers.backends.base import Backend, CompileOptions, RendezvousInfo
+from workers.backends.inductor import compile_per_bucket, prefetch_compiler
 from workers.collectives import Collectives, SingleRank
+
+
+def planner_target(request):
+    """The cpu backend plans against --instance when given (sizing for another machine), else this
+    host's cores and RAM."""
+    if request.device_memory_gib is not None:
+        raise ValueError(f"--device-memory-gib ({request.device_memory_gib}) is for device backends; the cpu "
+                         f"backend plans against this host's RAM: drop it")
+    return request.instance or CPU_TARGET
 
 
 class CpuBackend(Backend):
@@ -44,19 +55,12 @@ class CpuBackend(Backend):
         # A waiting rank gives up after the process group's own timeout, naming whom it waited for.
         return build_cpu_collectives(rank, world_size, node_groups, timeout_s, mode)
 
-    def prepare_model(self, model: torch.nn.Module, compile: CompileOptions | None = None):
-        """Eager, or a CompiledCausalLM: torch.compile (inductor) graphs per bucket whose compiled
-        code is cached in compile.cache_dir (see workers/compiled.py for why this and not AOTInductor)."""
-        if compile is None:
-            return model
-        from workers.compiled import CompiledCausalLM, use_cache_dir
+    def prefetch_compiler(self) -> None:
+        prefetch_compiler()
 
-        if compile.cache_dir is not None:
-            use_cache_dir(compile.cache_dir)
-        compiled = CompiledCausalLM(model, compile.buckets, granularity=compile.granularity)
-        if compile.warm_up:
-            compiled.warm_up(progress=compile.progress)
-        return compiled
+    def prepare_model(self, model: torch.nn.Module, compile: CompileOptions | None = None):
+        """Eager, or inductor graphs per bucket (workers/backends/inductor.py)."""
+        return model if compile is None else compile_per_bucket(model, compile)
 
     def shutdown(self) -> None:
         if dist.is_available() and dist.is_initialized():
