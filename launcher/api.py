@@ -245,7 +245,8 @@ class Launcher:
 
         cfg, plan = self.config, self.plan
         with self._progress.step("connecting to Ray"):
-            self._ray = ray_cluster.connect(cfg.ray_address)
+            # Forwarded worker output carries rank 0's lines about graphs built during a request.
+            self._ray = ray_cluster.connect(cfg.ray_address, worker_logs=cfg.progress)
         nodes = alive_nodes()
         resource = backend_entry(backend).ray_resource
         missing = resource and missing_resource(resource, [n.total for n in nodes], [n.name for n in nodes])
@@ -351,6 +352,12 @@ class Launcher:
         last_recovery_s, failure, load_source, its workers' describe() (rank, pid, node_id, node_ip),
         the nodes it uses and node_groups (its ranks grouped by node)."""
         return self._pool.status() if self._pool is not None else []
+
+    def compile_stats(self) -> list[tuple[dict | None, dict | None]]:
+        """Per serving replica, rank 0's compile stats (workers.compiled.CompileStats.to_dict) as
+        reported at load and as they are now: the graphs built since, each with its first_call_s,
+        and the compile-cache counters. None where the replica runs eagerly."""
+        return self._pool.compile_stats() if self._pool is not None else []
 
     @property
     def _group(self):

@@ -90,6 +90,10 @@ class LoadStats:
     """Compiled runs: the graphs built so far with their times, and the compile cache's hit/miss counts."""
 
 
+def _silent(line: str) -> None:
+    """Other ranks build the same graphs as rank 0 at the same time: one announcement is enough."""
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident set (VmHWM), 0 where /proc is absent."""
     try:
@@ -178,7 +182,7 @@ class RankWorker:
 
         return CompileOptions(buckets=load_spec.buckets, cache_dir=load_spec.compile_cache_dir,
                               granularity=load_spec.compile_granularity, warm_up=load_spec.warm_up,
-                              progress=progress)
+                              progress=progress, announce=None if self.spec.rank == 0 else _silent)
 
     def compile_stats(self) -> dict | None:
         """The compiled model's graphs built so far and its compile-cache counters; None when eager."""

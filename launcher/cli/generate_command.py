@@ -96,6 +96,7 @@ def launch_config(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from launcher.api import Launcher
+    from launcher.compile_report import compile_message
     from launcher.errors import LaunchError
 
     prompts = list(args.prompts) + list(args.prompt)
@@ -106,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
         sampling = _sampling(args)
         with Launcher(launch_config(args)) as launcher:
             results = launcher.generate(prompts, sampling, max_new_tokens=args.max_new_tokens)
+            compiled = launcher.compile_stats()  # graphs built inside the requests show up here
             report = {
                 "model": str(launcher.model_dir),
                 "tp_degree": launcher.plan.tp_degree,
@@ -117,11 +119,14 @@ def run(args: argparse.Namespace) -> int:
                              "time_to_first_token_s": round(r.time_to_first_token_s, 4),
                              "decode_tokens_per_s": round(r.decode_tokens_per_s, 2)} for r in results],
                 "startup_s": round(launcher.timings["startup_s"], 3),
-                "compile": launcher.load_stats[0].compile if launcher.load_stats else None,
+                "compile": compiled[0][1] if compiled else None,
             }
     except (ValueError, FileNotFoundError, LaunchError) as err:
         print(f"corelaunch generate: {err}", file=sys.stderr)
         return 2
+    message = compile_message(compiled)
+    if message and not args.quiet:
+        print(f"corelaunch: {message}", file=sys.stderr)
     if args.json:
         print(json.dumps(report))
     else:

@@ -4,6 +4,7 @@ and what the node shows it (its backend's device files, the accelerators Ray mad
 from __future__ import annotations
 
 import glob
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import ray
@@ -25,7 +26,15 @@ class RayRankWorker(RankWorker):
 
     def __init__(self, spec: WorkerSpec):
         super().__init__(spec)
+        # With worker logs forwarded (ray_cluster.connect), Ray prints a worker's stdout on the
+        # driver's stdout, which carries `--json` output: whatever Python code here prints goes
+        # to stderr instead.
+        sys.stdout = sys.stderr
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="corelaunch-compute")
+
+    def __repr__(self) -> str:
+        # Ray names the actor by this in forwarded log lines: "(rank 0 pid=...) corelaunch: ..."
+        return f"rank {self.spec.rank}"
 
     def init_backend(self, *args, **kwargs):
         return self._compute.submit(super().init_backend, *args, **kwargs).result()

@@ -263,6 +263,17 @@ class ReplicaPool:
     def status(self) -> list[dict]:
         return [r.status() for r in self.replicas]
 
+    def compile_stats(self) -> list[tuple[dict | None, dict | None]]:
+        """Per serving replica: rank 0's compile stats when its current group was loaded, and now."""
+        out = []
+        for replica in self.replicas:
+            started = replica.started
+            if replica.state != "serving" or started is None:
+                continue
+            at_load = started.load_stats[0].compile if started.load_stats else None
+            out.append((at_load, started.group.compile_stats()))
+        return out
+
     def _replica_failed(self, replica: Replica) -> None:
         with self._lock:
             if self.serving() > 0:

@@ -155,6 +155,18 @@ class TPGroup:
                                  self.timeouts.request_s, "finish the request")
         return results[0]
 
+    def compile_stats(self, timeout_s: float = 30.0) -> dict | None:
+        """Rank 0's graphs built so far and its compile-cache counters (RankWorker.compile_stats);
+        every rank builds the same graphs, so rank 0 speaks for all. None when it runs eagerly, or
+        does not answer: these are only informational, and a broken group is for the health check
+        and the next request to find (this neither waits long nor stops the group)."""
+        if not self.actors:
+            return None
+        try:
+            return ray.get(self.actors[0].compile_stats.remote(), timeout=timeout_s)
+        except ray.exceptions.RayError:
+            return None
+
     def dead_ranks(self, timeout_s: float = 5.0) -> list[str]:
         """Ranks whose process is gone (an idle group's health check); [] when all answer or are busy."""
         if not self.actors:

@@ -36,6 +36,9 @@ class CompileOptions:
     """Build every bucket's graph now; otherwise each is built the first time a request needs it."""
     progress: Callable[[int, int, tuple[str, int, int], float], None] | None = None
     """Called after each graph built by warm_up with (done, total, (phase, batch, length), seconds)."""
+    announce: Callable[[str], None] | None = None
+    """Where a line about each graph built during a request goes; None: the backend's default
+    (stderr). The ranks of a group build the same graphs together, so only rank 0 announces."""
 
 
 class Backend(abc.ABC):

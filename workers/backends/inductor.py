@@ -25,7 +25,7 @@ def compile_per_bucket(model, compile: CompileOptions):
 
     if compile.cache_dir is not None:
         use_cache_dir(compile.cache_dir)
-    compiled = CompiledCausalLM(model, compile.buckets, granularity=compile.granularity)
+    compiled = CompiledCausalLM(model, compile.buckets, granularity=compile.granularity, announce=compile.announce)
     if compile.warm_up:
         compiled.warm_up(progress=compile.progress)
     return compiled
