@@ -148,6 +148,7 @@ def _fmt(amount: float) -> str:
 
 
 def _resources(res: Mapping[str, float]) -> str:
-    shown = {k: v for k, v in res.items() if k in ("CPU", "GPU", "neuron_cores") or not (
+    # Ray's bookkeeping resources say nothing about what a rank can use.
+    shown = {k: v for k, v in res.items() if not (
         k.startswith("node:") or k in ("memory", "object_store_memory") or k.startswith("accelerator_type"))}
     return "{" + ", ".join(f"{k}: {_fmt(v)}" for k, v in sorted(shown.items())) + "}"

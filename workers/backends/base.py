@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import datetime
 from dataclasses import dataclass
 from typing import Callable
 
@@ -39,6 +40,25 @@ class CompileOptions:
     announce: Callable[[str], None] | None = None
     """Where a line about each graph built during a request goes; None: the backend's default
     (stderr). The ranks of a group build the same graphs together, so only rank 0 announces."""
+
+
+def join_torch_distributed(process_group_backend: str, rendezvous: RendezvousInfo, rank: int, world_size: int,
+                           timeout_s: float, **options) -> None:
+    """Join torch.distributed's default group at the launcher's rendezvous (rank 0's tcp://host:port);
+    `options` go to init_process_group."""
+    import torch.distributed as dist
+
+    dist.init_process_group(backend=process_group_backend, init_method=f"tcp://{rendezvous.host}:{rendezvous.port}",
+                            rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s),
+                            **options)
+
+
+def leave_torch_distributed() -> None:
+    """Destroy torch.distributed's default group if this process joined one; safe to call twice."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 class Backend(abc.ABC):

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import datetime
 import os
 
 import torch
-import torch.distributed as dist
 
 from shardlib.instances import CPU_TARGET
-from workers.backends.base import Backend, CompileOptions, RendezvousInfo
+from workers.backends.base import (Backend, CompileOptions, RendezvousInfo, join_torch_distributed,
+                                   leave_torch_distributed)
 from workers.backends.inductor import compile_per_bucket, prefetch_compiler
 from workers.collectives import Collectives, SingleRank
 
@@ -45,13 +44,7 @@ class CpuBackend(Backend):
         from workers.shm.group import build_cpu_collectives, mode_from_env
 
         mode = mode_from_env()  # before joining, so a bad value fails alike on every rank
-        dist.init_process_group(
-            backend="gloo",
-            init_method=f"tcp://{rendezvous.host}:{rendezvous.port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        join_torch_distributed("gloo", rendezvous, rank, world_size, timeout_s)
         # A waiting rank gives up after the process group's own timeout, naming whom it waited for.
         return build_cpu_collectives(rank, world_size, node_groups, timeout_s, mode)
 
@@ -63,5 +56,4 @@ class CpuBackend(Backend):
         return model if compile is None else compile_per_bucket(model, compile)
 
     def shutdown(self) -> None:
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        leave_torch_distributed()

@@ -17,15 +17,14 @@ Nothing here is installed with corelaunch: it needs a CUDA build of torch on eve
 
 from __future__ import annotations
 
-import datetime
 import os
 import socket
 
 import torch
-import torch.distributed as dist
 
 from shardlib.instances import GIB, gpu_node
-from workers.backends.base import Backend, CompileOptions, RendezvousInfo
+from workers.backends.base import (Backend, CompileOptions, RendezvousInfo, join_torch_distributed,
+                                   leave_torch_distributed)
 from workers.backends.inductor import compile_per_bucket, prefetch_compiler
 from workers.collectives import Collectives, SingleRank, TorchDistributedCollectives
 
@@ -79,14 +78,7 @@ class CudaBackend(Backend):
         itself, so node_groups is not needed)."""
         if world_size == 1:
             return SingleRank()
-        dist.init_process_group(
-            backend="nccl",
-            init_method=f"tcp://{rendezvous.host}:{rendezvous.port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-            device_id=self.device,
-        )
+        join_torch_distributed("nccl", rendezvous, rank, world_size, timeout_s, device_id=self.device)
         return TorchDistributedCollectives()
 
     @property
@@ -104,5 +96,4 @@ class CudaBackend(Backend):
         return model if compile is None else compile_per_bucket(model, compile)
 
     def shutdown(self) -> None:
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        leave_torch_distributed()

@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from workers.backends.base import Backend, CompileOptions, RendezvousInfo
+from workers.backends.base import Backend, CompileOptions, RendezvousInfo, leave_torch_distributed
 from workers.collectives import Collectives, TorchDistributedCollectives
 
 _INSTALL_HINT = (
@@ -101,7 +101,4 @@ class NeuronBackend(Backend):
                                    compile.cache_dir, import_neuron_module)
 
     def shutdown(self) -> None:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        leave_torch_distributed()
