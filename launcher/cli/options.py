@@ -8,9 +8,9 @@ import argparse
 def add_backend_arguments(p: argparse.ArgumentParser) -> None:
     """--backend (every backend in the workers.backends registry), --instance and --device-memory-gib:
     what the ranks run on and what the planner plans against (generate, compile, check, bench)."""
-    from workers.backends import backend_names, default_backend_help
+    from workers.backends import backend_help, backend_names
 
-    p.add_argument("--backend", choices=backend_names(), help=default_backend_help())
+    p.add_argument("--backend", choices=backend_names(), help=backend_help())
     p.add_argument("--instance", help="planner target of the cpu and neuron backends, e.g. trn1.32xlarge "
                                       "(default: this host on the cpu backend)")
     p.add_argument("--device-memory-gib", type=float, metavar="GIB",

@@ -75,7 +75,7 @@ BACKENDS: dict[str, BackendEntry] = {entry.name: entry for entry in (
     BackendEntry(
         name="cpu", implementation="workers.backends.cpu:CpuBackend",
         planner_target="workers.backends.cpu:planner_target",
-        description="torch on the host CPUs; gloo between nodes, shared memory within one",
+        description="torch on the host CPUs (gloo between nodes, shared memory within one)",
         granularities=GRANULARITIES),
     BackendEntry(
         name="neuron", implementation="workers.backends.neuron:NeuronBackend",
@@ -132,11 +132,12 @@ def default_backend_name() -> str:
     return next(entry.name for entry in BACKENDS.values() if _is_fallback(entry))
 
 
-def default_backend_help() -> str:
-    """The default-backend rule in words, for --help."""
+def backend_help() -> str:
+    """Each backend's description and the default-backend rule, for --help."""
+    described = "; ".join(f"{e.name}: {e.description}" for e in BACKENDS.values())
     found = [f"{e.name} where {e.found_when}" for e in BACKENDS.values() if not _is_fallback(e)]
     fallback = [e.name for e in BACKENDS.values() if _is_fallback(e)]
-    return "default: " + ", ".join(found + [f"else {' or '.join(fallback)}"])
+    return f"{described}. Default: " + ", ".join(found + [f"else {' or '.join(fallback)}"])
 
 
 def planner_target(name: str, request: TargetRequest):
