@@ -17,11 +17,13 @@ from pathlib import Path
 from typing import Sequence
 
 from launcher.cluster.restart_policy import RestartPolicy
-from launcher.errors import LaunchError, PlacementTimeout
+from launcher.errors import LaunchError, NoDeviceResource, PlacementTimeout
 from launcher.progress import Progress
 from shardlib.model_config import ModelConfig, normalize_dtype
 from shardlib.positive_int import is_positive_int, positive_int
 from shardlib.request_checks import check_fits, check_request
+from workers.backends import backend_entry
+from workers.granularities import GRANULARITIES
 from workers.sampling import SamplingParams
 
 
@@ -34,9 +36,13 @@ class LaunchConfig:
     tp: int | str = "auto"
     """Tensor-parallel degree, or "auto" for the smallest degree the planner accepts."""
     backend: str | None = None
-    """"cpu" or "neuron"; None picks neuron where Neuron devices exist, else cpu."""
+    """A name from workers.backends.BACKENDS (cpu, neuron, cuda); None: the first whose device this
+    host has, else cpu."""
     instance: str | None = None
-    """Planner target (e.g. trn1.32xlarge); None means "cpu" on the cpu backend."""
+    """Planner target for the cpu and neuron backends (e.g. trn1.32xlarge); None means this host
+    ("cpu") on the cpu backend."""
+    device_memory_gib: float | None = None
+    """cuda backend: the memory of one GPU, for planning; None measures this host's GPUs."""
     nodes: int = 1
     """Nodes one TP group may span: 1 keeps a group on one node; more let its ranks spill over to
     other nodes when one node lacks cores (the planner counts cores over this many nodes)."""
@@ -66,6 +72,9 @@ class LaunchConfig:
     compile: bool = True
     """Run each rank through one static-shape compiled graph per bucket (CPU: torch.compile, see
     workers/compiled.py); False runs eagerly at exact shapes (for debugging)."""
+    compile_granularity: str | None = None
+    """What one compiled graph covers: "layer", "model" or "collective" (workers/granularities.py;
+    what each means is in workers/compiled.py); None: the backend's default ("layer")."""
     compiled_dir: str | None = None
     """A directory written by `corelaunch compile`: start from its weights, graphs and settings
     (see launcher/artifacts/compiled_dir.py); options that contradict it are refused."""
@@ -95,8 +104,17 @@ class LaunchConfig:
 
     def __post_init__(self) -> None:
         self.tp = _positive_or_auto("tp", self.tp)
-        if self.backend is not None and self.backend not in ("cpu", "neuron"):
-            raise ValueError(f"backend ({self.backend!r}) must be 'cpu' or 'neuron'")
+        if self.backend is not None:
+            backend_entry(self.backend)  # ValueError naming the known backends
+        if self.device_memory_gib is not None and not self.device_memory_gib > 0:
+            raise ValueError(f"device_memory_gib ({self.device_memory_gib}) must be positive (GiB of one device)")
+        if self.compile_granularity is not None:
+            if self.compile_granularity not in GRANULARITIES:
+                raise ValueError(f"compile_granularity ({self.compile_granularity!r}) must be one of "
+                                 f"{', '.join(GRANULARITIES)}")
+            if not self.compile:
+                raise ValueError(f"compile_granularity ({self.compile_granularity!r}) applies to compiled graphs "
+                                 f"and compile is False (--no-compile): drop one of them")
         positive_int("nodes", self.nodes)
         self.replicas = _positive_or_auto("replicas", self.replicas)
         RestartPolicy(self.max_restarts, self.restart_window_s)  # checks both, as every replica will
@@ -222,12 +240,19 @@ class Launcher:
         from launcher.cluster import ray_cluster
         from launcher.cluster.placement import alive_nodes
         from launcher.cluster.replica_pool import ReplicaPool
+        from launcher.cluster.resources import missing_resource
         from launcher.cluster.tp_group import GroupTimeouts
 
         cfg, plan = self.config, self.plan
         with self._progress.step("connecting to Ray"):
-            self._ray = ray_cluster.connect(cfg.ray_address)
-        self._rank_resources, self.replicas = self._size_replicas(backend, alive_nodes())
+            # Forwarded worker output carries rank 0's lines about graphs built during a request.
+            self._ray = ray_cluster.connect(cfg.ray_address, worker_logs=cfg.progress)
+        nodes = alive_nodes()
+        resource = backend_entry(backend).ray_resource
+        missing = resource and missing_resource(resource, [n.total for n in nodes], [n.name for n in nodes])
+        if missing:  # refused now rather than after the placement timeout
+            raise NoDeviceResource(f"the {backend} backend's ranks need {resource}, but {missing}")
+        self._rank_resources, self.replicas = self._size_replicas(backend, nodes)
         self._timeouts = GroupTimeouts(placement_s=cfg.placement_timeout_s, startup_s=cfg.startup_timeout_s,
                                        rendezvous_s=cfg.rendezvous_timeout_s,
                                        load_s=cfg.load_timeout_s, request_s=cfg.request_timeout_s)
@@ -276,24 +301,19 @@ class Launcher:
 
     def _size_replicas(self, backend: str, nodes: list):
         """(each rank's resources, replica count) for the alive `nodes` (launcher.cluster.placement.NodeInfo)."""
-        from launcher.cluster.resources import (cpu_rank_resources, explain_unplaceable, groups_that_fit,
-                                        neuron_rank_resources)
+        from launcher.cluster.resources import explain_unplaceable, groups_that_fit, rank_resources
 
         cfg, tp = self.config, self.plan.tp_degree
-        node_cpus = [n.total.get("CPU", 0.0) for n in nodes]
+        device = backend_entry(backend).ray_resource
+        share = dict(ray_resource=device, cores_per_rank=self.plan.cores_per_rank, tp=tp,
+                     node_cpus=[n.total.get("CPU", 0.0) for n in nodes], nodes=cfg.nodes)
         if cfg.replicas != "auto":
-            if backend == "neuron":
-                return neuron_rank_resources(self.plan.cores_per_rank), cfg.replicas
-            return cpu_rank_resources(tp, node_cpus, nodes=cfg.nodes, replicas=cfg.replicas,
-                                      cpus_per_rank=cfg.cpus_per_rank), cfg.replicas
-        # auto: as many groups as the free resources hold now (on cpu, one CPU per rank by default)
-        if backend == "neuron":
-            resources = neuron_rank_resources(self.plan.cores_per_rank)
-        else:
-            resources = cpu_rank_resources(tp, node_cpus, nodes=cfg.nodes, cpus_per_rank=cfg.cpus_per_rank or 1)
+            return rank_resources(**share, replicas=cfg.replicas, cpus_per_rank=cfg.cpus_per_rank), cfg.replicas
+        # auto: as many groups as the free resources hold now (CPU shares: one CPU per rank by default)
+        resources = rank_resources(**share, cpus_per_rank=cfg.cpus_per_rank or 1)
         count = groups_that_fit([n.free for n in nodes], resources.bundle, tp, cfg.nodes)
-        if count == 0 and backend == "cpu" and cfg.cpus_per_rank is None:
-            return cpu_rank_resources(tp, node_cpus, nodes=cfg.nodes), 1  # fractional CPUs: one group
+        if count == 0 and device is None and cfg.cpus_per_rank is None:
+            return rank_resources(**share), 1  # fractional CPUs: one group
         if count == 0:
             why = explain_unplaceable(resources.bundle, tp, cfg.nodes, [n.total for n in nodes],
                                       [n.free for n in nodes], [n.name for n in nodes])
@@ -332,6 +352,12 @@ class Launcher:
         last_recovery_s, failure, load_source, its workers' describe() (rank, pid, node_id, node_ip),
         the nodes it uses and node_groups (its ranks grouped by node)."""
         return self._pool.status() if self._pool is not None else []
+
+    def compile_stats(self) -> list[tuple[dict | None, dict | None]]:
+        """Per serving replica, rank 0's compile stats (workers.compiled.CompileStats.to_dict) as
+        reported at load and as they are now: the graphs built since, each with its first_call_s,
+        and the compile-cache counters. None where the replica runs eagerly."""
+        return self._pool.compile_stats() if self._pool is not None else []
 
     @property
     def _group(self):

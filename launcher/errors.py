@@ -37,8 +37,17 @@ class RankFailed(GroupFault):
     """A rank raised an unexpected error (not the user's input) while serving; the group was stopped."""
 
 
-class NeuronDevicesMissing(LaunchError):
-    """A node that declares `neuron_cores` shows no Neuron devices to the rank placed on it."""
+class DevicesMissing(LaunchError):
+    """A node that declares a backend's device resource (e.g. `neuron_cores`) shows none of its
+    device files to the rank placed on it."""
+
+
+NeuronDevicesMissing = DevicesMissing
+"""Its name from when Neuron was the only backend with devices."""
+
+
+class NoDeviceResource(LaunchError):
+    """No alive node of the Ray cluster declares the resource the backend's ranks ask for."""
 
 
 class ReplicaFailed(LaunchError):

@@ -21,6 +21,7 @@ class PlannedLaunch:
     model_config: ModelConfig
     backend: str
     instance: str
+    """The planner target's name (an instance type, "cpu", or a description of the GPUs)."""
     plan: object
     """shardlib.planner's plan, valid."""
 
@@ -37,17 +38,22 @@ def resolve_model_dir(model: str | None) -> Path:
 def plan_launch(config, progress: Progress, nothing_done: str = "nothing was started") -> PlannedLaunch:
     """Plan config (a LaunchConfig); PlanRejected naming every failed rule (or every part of the
     checkpoint the workers cannot run), ending with `nothing_done`."""
+    from launcher.cluster.ray_cluster import on_this_host
     from shardlib.planner import plan as make_plan
-    from workers.backends import default_backend_name
+    from workers.backends import TargetRequest, backend_entry, default_backend_name, planner_target
 
+    backend = config.backend or default_backend_name()
+    entry = backend_entry(backend)
+    if config.compile_granularity is not None and config.compile_granularity not in entry.granularities:
+        raise ValueError(f"compile_granularity ({config.compile_granularity!r}): the {backend} backend offers "
+                         f"{', '.join(entry.granularities) or 'no choice of granularity'}; drop --granularity")
+    # Before the model is resolved: a backend this host cannot run is refused first, and cheaply.
+    target = planner_target(backend, TargetRequest(instance=config.instance, device_memory_gib=config.device_memory_gib,
+                                                   cluster_on_this_host=on_this_host(config.ray_address)))
     with progress.step("resolving model"):
         model_dir = resolve_model_dir(config.model)
         model_config = load_model_config(model_dir)
-    backend = config.backend or default_backend_name()
-    instance = config.instance or ("cpu" if backend == "cpu" else None)
-    if instance is None:
-        raise ValueError("the neuron backend needs --instance (e.g. trn1.32xlarge) for planning")
-    plan = make_plan(model_config, instance=instance, tp=config.tp, nodes=config.nodes, lnc=config.lnc,
+    plan = make_plan(model_config, instance=target, tp=config.tp, nodes=config.nodes, lnc=config.lnc,
                      batch_size=config.max_batch_size, seq_len=config.seq_len, dtype=config.dtype,
                      kv_strategy=config.kv_strategy)
     if not plan.valid:
@@ -59,4 +65,4 @@ def plan_launch(config, progress: Progress, nothing_done: str = "nothing was sta
         errors = [{"code": "not_runnable", "message": gap} for gap in gaps]
         lines = "\n".join(f"  [not_runnable] {gap}" for gap in gaps)
         raise PlanRejected(f"{model_dir} cannot run on corelaunch's workers; {nothing_done}:\n{lines}", errors)
-    return PlannedLaunch(model_dir, model_config, backend, instance, plan)
+    return PlannedLaunch(model_dir, model_config, backend, plan.instance, plan)

@@ -8,6 +8,9 @@ logical core at LNC 2).
 
 `cpu` describes the host the planner runs on (its core count and RAM), for development and tests:
 any TP degree is allowed there, even more ranks than cores (ranks then time-share the cores).
+
+`gpu_node(...)` describes a node of GPUs, one per rank, from numbers the caller measured or was
+given (this module stays pure: it never looks at devices itself).
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ from dataclasses import dataclass
 GIB = 2**30
 
 NEURON_FAMILIES = ("inf2", "trn1", "trn2")
+FAMILIES = NEURON_FAMILIES + ("cpu", "gpu")
+CPU_TARGET = "cpu"
+"""The instance name of this host as a planning target."""
 
 
 @dataclass(frozen=True)
@@ -28,18 +34,21 @@ class InstanceType:
     name: str
     """Instance type name as AWS spells it (e.g. "trn1.32xlarge"), or "cpu" for this host."""
     family: str
-    """"inf2", "trn1", "trn2" or "cpu"; the supported TP degrees and LNCs are per family."""
+    """"inf2", "trn1", "trn2", "cpu" or "gpu"; the supported TP degrees and LNCs are per family."""
     physical_cores: int
-    """NeuronCores on one instance (CPU cores for "cpu")."""
+    """NeuronCores on one instance (CPU cores for "cpu", GPUs for "gpu")."""
     memory_bytes: int
     """Device memory of one instance, all cores together (host RAM for "cpu")."""
     allowed_lncs: tuple[int, ...] = (1,)
     """Logical NeuronCore configs the hardware has: LNC 2 (two physical cores act as one) is Trn2's."""
     default_lnc: int = 1
+    core_count_known: bool = True
+    """False when the number of cores per node is not known (GPUs of a cluster the planner cannot
+    see): physical_cores is then 1 and memory_bytes one core's, and the core count is not checked."""
 
     def __post_init__(self) -> None:
-        if self.family not in NEURON_FAMILIES + ("cpu",):
-            raise ValueError(f"instance family {self.family!r} must be one of {NEURON_FAMILIES + ('cpu',)}")
+        if self.family not in FAMILIES:
+            raise ValueError(f"instance family {self.family!r} must be one of {FAMILIES}")
         if self.physical_cores < 1 or self.memory_bytes < 1:
             raise ValueError(f"{self.name}: physical_cores ({self.physical_cores}) and memory_bytes "
                              f"({self.memory_bytes}) must be positive")
@@ -52,7 +61,19 @@ class InstanceType:
 
     @property
     def is_neuron(self) -> bool:
+        return self.family in NEURON_FAMILIES
+
+    @property
+    def per_rank_memory(self) -> bool:
+        """True when each rank has the memory of its own cores (devices); False on the cpu host,
+        where all ranks share the RAM."""
         return self.family != "cpu"
+
+    @property
+    def limits_ranks_per_node(self) -> bool:
+        """True when a node's core count bounds its ranks (devices, counted); the cpu host
+        time-shares its cores instead."""
+        return self.per_rank_memory and self.core_count_known
 
     def logical_cores(self, lnc: int) -> int:
         """Cores the Neuron runtime shows at this LNC (each drives `lnc` physical cores)."""
@@ -66,8 +87,8 @@ class InstanceType:
         return self.memory_per_physical_core * lnc
 
     def supported_tp_degrees(self, lnc: int) -> tuple[int, ...] | None:
-        """TP degrees NxD Inference supports on one node of this family; None: any degree (cpu)."""
-        if self.family == "cpu":
+        """TP degrees NxD Inference supports on one node of this family; None: any degree (cpu, gpu)."""
+        if not self.is_neuron:
             return None
         if self.family == "trn2":
             # 64 logical cores at LNC 2 ("TP degree up to 64"); at LNC 1 all 128 cores are visible.
@@ -95,7 +116,7 @@ NEURON_INSTANCES: dict[str, InstanceType] = {
     )
 }
 
-INSTANCE_NAMES: tuple[str, ...] = tuple(NEURON_INSTANCES) + ("cpu",)
+INSTANCE_NAMES: tuple[str, ...] = tuple(NEURON_INSTANCES) + (CPU_TARGET,)
 """Every name `get_instance` accepts, in table order."""
 
 
@@ -113,13 +134,22 @@ def _host_ram_bytes() -> int:
 @functools.lru_cache(maxsize=1)
 def cpu_host() -> InstanceType:
     """This host as a planning target: its CPU count and total RAM (read once per process)."""
-    return InstanceType(name="cpu", family="cpu", physical_cores=os.cpu_count() or 1,
+    return InstanceType(name=CPU_TARGET, family="cpu", physical_cores=os.cpu_count() or 1,
                         memory_bytes=_host_ram_bytes())
+
+
+def gpu_node(memory_per_gpu: int, gpus: int | None = None, model: str = "GPU") -> InstanceType:
+    """A node of `gpus` GPUs of `memory_per_gpu` bytes each, one rank per GPU; gpus=None when the
+    count is unknown (then the planner checks memory per rank only, and Ray's placement the count)."""
+    each = f"{model} ({memory_per_gpu / GIB:.1f} GiB each)"
+    return InstanceType(name=f"{gpus} x {each}" if gpus else f"{each}, count unknown", family="gpu",
+                        physical_cores=gpus or 1, memory_bytes=(gpus or 1) * memory_per_gpu,
+                        core_count_known=gpus is not None)
 
 
 def get_instance(name: str) -> InstanceType:
     """The instance type called `name` (one of INSTANCE_NAMES)."""
-    if name == "cpu":
+    if name == CPU_TARGET:
         return cpu_host()
     if name not in NEURON_INSTANCES:
         raise ValueError(f"unknown instance {name!r}; known: {', '.join(INSTANCE_NAMES)}")

@@ -9,9 +9,10 @@ values, the rule and the ways out. Rules and their error codes (the facts behind
 - heads_not_divisible:   num_attention_heads % tp != 0 (unless pad_q_heads pads Q heads).
 - kv_heads_incompatible: an explicit kv_strategy that cannot split the KV heads at this degree.
 - insufficient_memory:   a rank's weight shard plus its KV cache exceed the memory of the cores it
-                         drives, less RESERVE_FRACTION (on `cpu`: all ranks together against RAM).
+                         drives (its GPU on a gpu node), less RESERVE_FRACTION (on `cpu`: all ranks
+                         together against RAM).
 - unsupported_tp_degree: the ranks per node are not a degree NxD Inference supports on the family.
-- not_enough_cores:      TP x cores per rank exceeds the NeuronCores of the nodes.
+- not_enough_cores:      TP x cores per rank exceeds the NeuronCores (or GPUs) of the nodes.
 - invalid_lnc:           LNC other than 1 or 2, or LNC 2 where the hardware has no LNC 2.
 - no_valid_tp_degree:    tp="auto" and no degree passes every rule (followed by the errors of the
                          degree that fails the fewest).
@@ -28,7 +29,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from shardlib.instances import GIB, NEURON_INSTANCES, InstanceType, get_instance
+from shardlib.instances import CPU_TARGET, GIB, NEURON_INSTANCES, InstanceType, get_instance
 from shardlib.model_config import DTYPE_BYTES, ModelConfig, normalize_dtype
 from shardlib.positive_int import positive_int
 
@@ -143,7 +144,8 @@ class Plan:
     cores_per_rank: int
     """Physical NeuronCores a rank drives (= LNC; Ray's `neuron_cores` per rank); 1 on cpu."""
     ranks_per_node: int
-    logical_cores_per_node: int
+    logical_cores_per_node: int | None
+    """None when the node's core count is unknown (see InstanceType.core_count_known)."""
     dtype: str
     batch_size: int
     seq_len: int
@@ -280,14 +282,14 @@ def _check(req: _Request, tp: int) -> _Check:
     supported = inst.supported_tp_degrees(req.lnc)
     if supported is not None and (tp % req.nodes or ranks_per_node not in supported):
         codes.append("unsupported_tp_degree")
-    if inst.is_neuron and ranks_per_node > inst.logical_cores(req.lnc):
+    if inst.limits_ranks_per_node and ranks_per_node > inst.logical_cores(req.lnc):
         codes.append("not_enough_cores")
 
     nbytes = DTYPE_BYTES[req.dtype]
     kv_dtype = _kv_cache_dtype(req.dtype)
     kv_bytes = (2 * cfg.num_hidden_layers * req.batch * req.seq_len * kv_per_rank * cfg.head_dim
                 * DTYPE_BYTES[kv_dtype])
-    if inst.is_neuron:
+    if inst.per_rank_memory:
         per_core = inst.memory_per_physical_core
         capacity = per_core * req.lnc
     else:
@@ -299,7 +301,7 @@ def _check(req: _Request, tp: int) -> _Check:
         capacity_bytes_per_core=per_core, reserve_fraction=RESERVE_FRACTION,
         model_weight_bytes=_weight_elements(cfg, 1, heads, kv_heads) * nbytes,
         kv_cache_dtype=kv_dtype, tp_degree=tp)
-    if inst.is_neuron:
+    if inst.per_rank_memory:
         fits = memory.total_bytes_per_rank <= memory.usable_bytes_per_rank
     else:  # the cpu target: all ranks share the hosts' RAM
         fits = memory.total_bytes_all_ranks <= inst.memory_bytes * req.nodes * (1 - RESERVE_FRACTION)
@@ -346,7 +348,7 @@ def _ways_out(req: _Request, check: _Check) -> list[str]:
     per_token = mem.kv_cache_bytes_per_rank // (req.batch * req.seq_len)  # KV bytes per position of one sequence
     if "insufficient_memory" in check.codes:
         usable = mem.usable_bytes_per_rank
-        if not req.inst.is_neuron:  # a rank's share of the usable RAM
+        if not req.inst.per_rank_memory:  # a rank's share of the usable RAM
             usable = int(req.inst.memory_bytes * req.nodes * (1 - RESERVE_FRACTION)) // check.tp
         room = usable - mem.weight_bytes_per_rank
         if room > 0 and per_token:
@@ -407,6 +409,9 @@ def _describe(code: str, req: _Request, check: _Check, hint_degrees: list[int]) 
         else:
             what = f"tp_degree ({tp}) is not a supported degree on {inst.family}"
         return f"{what} (NxD Inference supports {_fmt_list(supported)} per node{at_lnc}); {works}"
+    if code == "not_enough_cores" and not inst.is_neuron:
+        return (f"tp_degree ({tp}) puts {check.ranks_per_node} ranks on a node, one per GPU, but {inst.name} "
+                f"has {inst.physical_cores} GPU(s) per node; use --nodes {math.ceil(tp / inst.physical_cores)}; {works}")
     if code == "not_enough_cores":
         logical = inst.logical_cores(req.lnc)
         needed_nodes = math.ceil(tp / logical)
@@ -420,12 +425,13 @@ def _describe(code: str, req: _Request, check: _Check, hint_degrees: list[int]) 
         return f"{msg}; {works}"
     if code == "insufficient_memory":
         mem = check.memory
-        if inst.is_neuron:
+        if inst.per_rank_memory:
+            cores = f"{req.lnc} NeuronCore(s)" if inst.is_neuron else "one GPU"
             need = (f"tp_degree ({tp}) needs {_fmt_bytes(mem.total_bytes_per_rank)} per rank (weights "
                     f"{_fmt_bytes(mem.weight_bytes_per_rank)} + KV cache "
                     f"{_fmt_bytes(mem.kv_cache_bytes_per_rank)}) "
                     f"but a rank on {inst.name} has {_fmt_bytes(mem.usable_bytes_per_rank)} usable "
-                    f"({_fmt_bytes(mem.capacity_bytes_per_rank)} of {req.lnc} NeuronCore(s) less the "
+                    f"({_fmt_bytes(mem.capacity_bytes_per_rank)} of {cores} less the "
                     f"{RESERVE_FRACTION:.0%} reserve)")
         else:
             need = (f"tp_degree ({tp}) needs {_fmt_bytes(mem.total_bytes_all_ranks)} for all {tp} ranks "
@@ -462,17 +468,19 @@ def _lnc_problem(lnc: int, inst: InstanceType) -> str | None:
     if lnc in inst.allowed_lncs:
         return None
     if not inst.is_neuron:
-        return f"lnc ({lnc}) has no meaning on the cpu target (it has no NeuronCores); omit --lnc"
+        return f"lnc ({lnc}) has no meaning on the {inst.name} target (it has no NeuronCores); omit --lnc"
     return (f"lnc ({lnc}) is not available on {inst.name}: LNC 2 exists only on trn2 hardware "
             f"({inst.name} is {inst.family}); use --lnc 1 or omit --lnc")
 
 
-def plan(config: ModelConfig, *, instance: str = "cpu", tp: int | str = "auto", nodes: int = 1,
-         lnc: int | None = None, batch_size: int = 1, seq_len: int | None = None,
+def plan(config: ModelConfig, *, instance: str | InstanceType = CPU_TARGET, tp: int | str = "auto",
+         nodes: int = 1, lnc: int | None = None, batch_size: int = 1, seq_len: int | None = None,
          dtype: str | None = None, kv_strategy: str | None = None, pad_q_heads: bool = False) -> Plan:
     """Check serving `config` at TP degree `tp` ("auto": the smallest degree that passes) on `nodes`
-    nodes of `instance`. ValueError for malformed arguments; rule failures land in Plan.errors."""
-    inst = get_instance(instance)
+    nodes of `instance` (a name from the instance table, or an InstanceType such as
+    shardlib.instances.gpu_node's). ValueError for malformed arguments; rule failures land in
+    Plan.errors."""
+    inst = instance if isinstance(instance, InstanceType) else get_instance(instance)
     if isinstance(tp, str) and tp != "auto":
         if not tp.isdigit():
             raise ValueError(f"tp ({tp!r}) must be a positive integer or 'auto'")
@@ -501,9 +509,10 @@ def plan(config: ModelConfig, *, instance: str = "cpu", tp: int | str = "auto", 
     if tp == "auto" and valid:
         check = _check(req, valid[0])
     elif tp == "auto":
-        # The degree that fails the fewest rules; among equals, on Neuron the largest (the smallest
-        # shard per rank), on cpu the smallest (all ranks share the RAM, so fewer copies is closer).
-        sign = -1 if inst.is_neuron else 1
+        # The degree that fails the fewest rules; among equals, with per-rank device memory the
+        # largest (the smallest shard per rank), on cpu the smallest (all ranks share the RAM, so
+        # fewer copies is closer).
+        sign = -1 if inst.per_rank_memory else 1
         check = min((_check(req, t) for t in _candidates(req)), key=lambda c: (len(c.codes), sign * c.tp))
         summary = (f"no tp_degree passes every rule for this {config.model_type} model on {req.nodes} x "
                    f"{inst.name} ({req.dtype}, batch_size {req.batch}, seq_len {req.seq_len}); the errors "
@@ -536,7 +545,7 @@ def _build(req: _Request, check: _Check, tp_requested, valid: list[int], errors:
         valid=not errors, tp_degree=check.tp, tp_requested=tp_requested, instance=inst.name,
         family=inst.family, nodes=req.nodes, lnc=req.lnc_requested,
         cores_per_rank=req.lnc if inst.is_neuron else 1, ranks_per_node=check.ranks_per_node,
-        logical_cores_per_node=inst.logical_cores(req.lnc), dtype=req.dtype, batch_size=req.batch,
+        logical_cores_per_node=inst.logical_cores(req.lnc) if inst.core_count_known else None, dtype=req.dtype, batch_size=req.batch,
         seq_len=req.seq_len, kv_strategy=check.kv_strategy if kv_ok else None,
         q_heads_per_rank=check.q_per_rank if heads_ok else None,
         kv_heads_per_rank=check.kv_per_rank if kv_ok else None,
@@ -548,13 +557,13 @@ def _build(req: _Request, check: _Check, tp_requested, valid: list[int], errors:
 def _warnings(req: _Request, check: _Check) -> list[str]:
     cfg, inst, tp = req.config, req.inst, check.tp
     out = []
-    if not inst.is_neuron and tp > inst.physical_cores * req.nodes:
+    if not inst.per_rank_memory and tp > inst.physical_cores * req.nodes:
         out.append(f"tp_degree {tp} runs {tp} ranks on {inst.physical_cores} CPU core(s) x {req.nodes} "
                    f"node(s): ranks time-share the cores (fine for development and tests, slow to serve)")
-    if not inst.is_neuron and tp % req.nodes:
+    if not inst.per_rank_memory and tp % req.nodes:
         out.append(f"tp_degree {tp} does not split evenly over {req.nodes} nodes: up to "
                    f"{check.ranks_per_node} ranks on one node")
-    if not inst.is_neuron and req.nodes > 1:
+    if not inst.per_rank_memory and req.nodes > 1:
         out.append("the cpu target assumes every node has this host's cores and RAM")
     if check.q_heads_total > cfg.num_attention_heads:
         out.append(f"Q heads padded from {cfg.num_attention_heads} to {check.q_heads_total} with zero "

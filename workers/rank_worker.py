@@ -9,10 +9,8 @@ explicit call made after the launcher has placed the process (so device visibili
 
 from __future__ import annotations
 
-import importlib
 import os
 import socket
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +18,7 @@ from pathlib import Path
 from shardlib.buckets import Buckets
 from shardlib.model_config import ModelConfig
 from shardlib.sharding import ShardLayout
-from workers.backends import get_backend
+from workers.backends import backend_entry, get_backend
 from workers.backends.base import RendezvousInfo
 from workers.net import free_port
 from workers.sampling import SamplingParams
@@ -37,7 +35,8 @@ class WorkerSpec:
     threads: int
     """torch intra-op threads for this rank (CPU backend)."""
     lnc: int = 1
-    """Logical NeuronCore config the plan was made for (neuron backend only)."""
+    """Logical NeuronCore config the plan was made for (the backends whose registry entry lists it
+    in constructor_options: neuron)."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +90,10 @@ class LoadStats:
     """Compiled runs: the graphs built so far with their times, and the compile cache's hit/miss counts."""
 
 
+def _silent(line: str) -> None:
+    """Other ranks build the same graphs as rank 0 at the same time: one announcement is enough."""
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident set (VmHWM), 0 where /proc is absent."""
     try:
@@ -124,8 +127,8 @@ class RankWorker:
 
         node_groups: the ranks on each node (see Backend.init_process_group)."""
         start = time.perf_counter()
-        backend_options = {"lnc": self.spec.lnc} if self.spec.backend == "neuron" else {}
-        self._backend = get_backend(self.spec.backend, **backend_options)
+        options = {name: getattr(self.spec, name) for name in backend_entry(self.spec.backend).constructor_options}
+        self._backend = get_backend(self.spec.backend, **options)
         self._backend.setup_process(self.spec.rank, self.spec.world_size, self.spec.threads)
         self._collectives = self._backend.init_process_group(
             RendezvousInfo(host, port), self.spec.rank, self.spec.world_size, timeout_s, node_groups)
@@ -137,10 +140,8 @@ class RankWorker:
 
         assert self._backend is not None, "init_backend must run before load"
         start = time.perf_counter()
-        if load_spec.compile and self.spec.backend == "cpu":
-            # The compiler's modules take ~2 s to import; do it while the shard is being read.
-            threading.Thread(target=importlib.import_module, args=("torch._inductor.compile_fx",),
-                             daemon=True).start()
+        if load_spec.compile:
+            self._backend.prefetch_compiler()  # overlaps reading the shard
         if load_spec.presharded_dir:
             from shardlib.presharded import load_presharded
 
@@ -181,7 +182,7 @@ class RankWorker:
 
         return CompileOptions(buckets=load_spec.buckets, cache_dir=load_spec.compile_cache_dir,
                               granularity=load_spec.compile_granularity, warm_up=load_spec.warm_up,
-                              progress=progress)
+                              progress=progress, announce=None if self.spec.rank == 0 else _silent)
 
     def compile_stats(self) -> dict | None:
         """The compiled model's graphs built so far and its compile-cache counters; None when eager."""

@@ -10,7 +10,7 @@ Layout:
   compile.log     one line per graph built by `corelaunch compile`, with its compile time
 
 Starting from one re-shards nothing and recompiles nothing that was persisted; asking for anything
-else than what it was built for (another model, TP degree, dtype, backend, buckets or library
+else than what it was built for (another model, TP degree, dtype, backend, granularity, buckets or library
 versions) is refused with what differs, expected against found, and how to fix it.
 """
 
@@ -56,7 +56,7 @@ def read_manifest(root: str | Path) -> dict[str, Any]:
 
 def apply_compiled_dir(config):
     """A LaunchConfig that starts from config.compiled_dir: its model files, pre-sharded weights,
-    compile cache, TP degree, dtype, KV strategy and buckets. ValueError when config asks for
+    compile cache, TP degree, dtype, KV strategy, granularity and buckets. ValueError when config asks for
     anything the directory was not built for, naming each field with the expected and found values."""
     from shardlib.model_config import load_model_config
     from workers.compiled import version_differences
@@ -72,9 +72,9 @@ def apply_compiled_dir(config):
             differ.append(f"model: expected config hash {manifest['config_hash']} "
                           f"({manifest.get('source', 'the compiled model')}), found {given} ({config.model})")
     for field, wanted in (("tp_degree", config.tp), ("dtype", config.dtype), ("backend", config.backend),
-                          ("kv_strategy", config.kv_strategy)):
-        if wanted not in (None, "auto") and wanted != manifest[field]:
-            differ.append(f"{field}: expected {manifest[field]!r} (compiled), found {wanted!r} (asked)")
+                          ("kv_strategy", config.kv_strategy), ("granularity", config.compile_granularity)):
+        if wanted not in (None, "auto") and wanted != manifest.get(field):
+            differ.append(f"{field}: expected {manifest.get(field)!r} (compiled), found {wanted!r} (asked)")
     buckets = Buckets.from_dict(manifest["buckets"])
     asked = {"token buckets": config.token_buckets, "context buckets": config.context_buckets}
     for name, wanted in asked.items():
@@ -95,6 +95,7 @@ def apply_compiled_dir(config):
     return dataclasses.replace(
         config, model=config.model or str(model_dir(root)), tp=manifest["tp_degree"], dtype=manifest["dtype"],
         backend=manifest["backend"], kv_strategy=manifest["kv_strategy"], seq_len=buckets.max_seq_len,
+        compile_granularity=manifest.get("granularity"),
         presharded_dir=str(weights_dir(root)), context_buckets=buckets.context, token_buckets=buckets.token,
         max_batch_size=min(config.max_batch_size, buckets.max_batch_size))
 
@@ -115,10 +116,10 @@ def load_spec_fields(config, plan, model_config) -> dict[str, Any]:
     batch = Buckets.from_dict(manifest["buckets"]).batch if manifest is not None else None
     bucketed = config.compile or config.context_buckets is not None or config.token_buckets is not None
     fields: dict[str, Any] = {"compile": bool(config.compile), "warm_up": bool(config.compile and config.warm_up),
-                              "buckets": launch_buckets(config, plan, model_config, batch) if bucketed else None}
+                              "buckets": launch_buckets(config, plan, model_config, batch) if bucketed else None,
+                              "compile_granularity": config.compile_granularity}
     if manifest is not None:
         fields["compile_cache_dir"] = str(cache_dir(config.compiled_dir))
-        fields["compile_granularity"] = manifest.get("granularity")
         fields["expected_versions"] = manifest["versions"]
         if fields["warm_up"] and "compile_s" not in manifest:  # still being written by `corelaunch compile`
             fields["progress_file"] = str(Path(config.compiled_dir) / COMPILE_LOG)

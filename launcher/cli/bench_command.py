@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 
-from launcher.cli.options import add_no_compile, int_at_least
+from launcher.cli.options import add_backend_arguments, add_no_compile, backend_options, int_at_least
 
 
 def add_parser(subparsers) -> None:
@@ -39,9 +39,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--runs", type=int_at_least("--runs"), default=10, metavar="N", help="measured calls (default 10)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids (default 0)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's")
-    p.add_argument("--backend", choices=["cpu", "neuron"],
-                   help="default: neuron where Neuron devices exist, else cpu")
-    p.add_argument("--instance", help="planner target, e.g. trn1.32xlarge (default: cpu on the cpu backend)")
+    add_backend_arguments(p)
     add_no_compile(p)
     p.add_argument("--ray-address", help="Ray cluster address (default: a running cluster, else local)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -78,7 +76,7 @@ def _bench(args: argparse.Namespace) -> dict:
     from launcher.progress import Progress
     from shardlib.evaluation.bench_report import RunTiming, build_report
 
-    config = LaunchConfig(model=args.model, tp=args.tp, backend=args.backend, instance=args.instance,
+    config = LaunchConfig(model=args.model, tp=args.tp, **backend_options(args),
                           dtype=args.dtype, max_batch_size=args.batch_size, ray_address=args.ray_address,
                           compile=args.compile, progress=not args.quiet)
     timings: list[RunTiming] = []

@@ -20,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from launcher.cli.options import add_bucket_lists, bucket_lists
+from launcher.cli.options import add_backend_arguments, add_bucket_lists, add_granularity, backend_options, bucket_lists
 
 
 def add_parser(subparsers) -> None:
@@ -33,14 +33,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--model", help="Hugging Face model directory (default: built-in SmolLM2-135M-Instruct)")
     p.add_argument("--tp", default="auto", help="tensor-parallel degree, or auto (default)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's")
-    p.add_argument("--backend", choices=["cpu", "neuron"], help="default: neuron where Neuron devices exist")
-    p.add_argument("--instance", help="planner target (default: cpu on the cpu backend)")
+    add_backend_arguments(p)
     p.add_argument("--lnc", type=int, choices=[1, 2])
     p.add_argument("--kv-strategy", choices=["shard", "replicate_to_tp", "convert_to_mha"])
     add_bucket_arguments(p, max_batch_default=1)
-    p.add_argument("--granularity", choices=["layer", "model"],
-                   help="TP 1 on cpu: one graph per decoder layer (default; compiles fast) or one graph for the "
-                        "whole model (decodes ~15%% faster, compiles several times slower)")
+    add_granularity(p)
     p.add_argument("--ray-address", help="Ray cluster address (default: a running cluster, else local)")
     p.add_argument("--json", action="store_true", help="print the manifest as JSON on stdout")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -84,23 +81,24 @@ def compile_model(args: argparse.Namespace) -> dict:
     from shardlib.atomic_dir import atomic_dir, refuse_foreign_dir
     from shardlib.manifest import write_manifest_json
     from shardlib.presharded import save_presharded
-    from workers.compiled import default_granularity, library_versions
+    from workers.backends import backend_entry
+    from workers.compiled import library_versions
+    from workers.granularities import DEFAULT_GRANULARITY
 
     progress = Progress(not args.quiet)
     out = Path(args.out)
     refuse_foreign_dir(out, compiled_dir.KIND)
     # Every option is checked (and the layout planned) before anything is written.
-    config = LaunchConfig(model=args.model, tp=args.tp, dtype=args.dtype, backend=args.backend,
-                          instance=args.instance, lnc=args.lnc, kv_strategy=args.kv_strategy,
-                          ray_address=args.ray_address, progress=not args.quiet, compile=True,
-                          **bucket_options(args))
+    config = LaunchConfig(model=args.model, tp=args.tp, dtype=args.dtype, **backend_options(args), lnc=args.lnc,
+                          kv_strategy=args.kv_strategy, ray_address=args.ray_address, progress=not args.quiet,
+                          compile=True, compile_granularity=args.granularity, **bucket_options(args))
     planned = plan_launch(config, progress, nothing_done="nothing was written")
     model_dir, model_config, plan = planned.model_dir, planned.model_config, planned.plan
     buckets = compiled_dir.launch_buckets(config, plan, model_config)
-    granularity = args.granularity or default_granularity(plan.tp_degree)
-    if plan.tp_degree > 1 and granularity != "collective":
-        raise ValueError(f"--granularity {granularity} needs --tp 1: at TP {plan.tp_degree} the graphs are cut at "
-                         f"the collectives; drop --granularity")
+    # Every granularity works at every TP degree (the collectives are operators inside the graphs);
+    # a backend without the choice records none.
+    offered = backend_entry(planned.backend).granularities
+    granularity = args.granularity or (DEFAULT_GRANULARITY if offered else None)
 
     with atomic_dir(out, compiled_dir.KIND) as tmp:
         started = time.perf_counter()
@@ -122,7 +120,9 @@ def compile_model(args: argparse.Namespace) -> dict:
         progress.note(f"building {len(shapes)} graph(s) per rank: context-encoding buckets "
                       f"{list(buckets.context)}, token-generation buckets {list(buckets.token)}, "
                       f"batch buckets {list(buckets.batch)}")
+        # The planner target's options too: the directory records the backend, not what it plans against.
         launch = LaunchConfig(compiled_dir=str(tmp), compile=True, warm_up=True, ray_address=config.ray_address,
+                              instance=config.instance, device_memory_gib=config.device_memory_gib, lnc=config.lnc,
                               progress=not args.quiet, max_batch_size=buckets.max_batch_size)
         with _GraphProgress(tmp / compiled_dir.COMPILE_LOG, progress), Launcher(launch) as launcher:
             stats = [s.compile for s in launcher.load_stats]

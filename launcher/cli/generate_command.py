@@ -6,7 +6,8 @@ import argparse
 import json
 import sys
 
-from launcher.cli.options import add_bucket_lists, add_no_compile, bucket_lists
+from launcher.cli.options import (add_backend_arguments, add_bucket_lists, add_granularity, add_no_compile,
+                                  backend_options, bucket_lists)
 
 
 def add_parser(subparsers) -> None:
@@ -19,9 +20,7 @@ def add_parser(subparsers) -> None:
                    help="a prompt; repeatable (added after the positional prompts)")
     p.add_argument("--model", help="Hugging Face model directory (default: built-in SmolLM2-135M-Instruct)")
     p.add_argument("--tp", default="auto", help="tensor-parallel degree, or auto (default)")
-    p.add_argument("--backend", choices=["cpu", "neuron"],
-                   help="default: neuron where Neuron devices exist, else cpu")
-    p.add_argument("--instance", help="planner target, e.g. trn1.32xlarge (default: cpu on the cpu backend)")
+    add_backend_arguments(p)
     p.add_argument("--nodes", type=int, default=1,
                    help="nodes one TP group may span when one node lacks cores (default 1)")
     p.add_argument("--replicas", default="1", metavar="N|auto",
@@ -51,6 +50,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--compiled", metavar="CDIR",
                    help="start from a directory written by `corelaunch compile` (its weights, graphs, settings)")
     add_no_compile(p)
+    add_granularity(p)
     p.add_argument("--warm-up", action="store_true", help="build every bucket's graph while starting")
     add_bucket_lists(p)
     p.add_argument("--ray-address", help="Ray cluster address (default: a running cluster, else local)")
@@ -76,8 +76,27 @@ def _sampling(args):
     return SamplingParams(**given)
 
 
+def launch_config(args: argparse.Namespace):
+    """The LaunchConfig the options ask for (ValueError or FileNotFoundError naming a bad one)."""
+    from launcher.api import LaunchConfig
+
+    return LaunchConfig(
+        model=args.model, tp=args.tp, **backend_options(args), nodes=args.nodes,
+        replicas=args.replicas, max_restarts=args.max_restarts, restart_window_s=args.restart_window,
+        cpus_per_rank=args.cpus_per_rank, presharded_cache=args.presharded_cache,
+        startup_timeout_s=args.startup_timeout, rendezvous_timeout_s=args.rendezvous_timeout,
+        lnc=args.lnc, dtype=args.dtype,
+        kv_strategy=args.kv_strategy, seq_len=args.seq_len,
+        max_batch_size=args.max_batch_size, presharded_dir=args.presharded,
+        compile=args.compile, compile_granularity=args.granularity, compiled_dir=args.compiled,
+        warm_up=args.warm_up, **bucket_lists(args),
+        ray_address=args.ray_address, placement_timeout_s=args.placement_timeout,
+        request_timeout_s=args.request_timeout, progress=not args.quiet)
+
+
 def run(args: argparse.Namespace) -> int:
-    from launcher.api import LaunchConfig, Launcher
+    from launcher.api import Launcher
+    from launcher.compile_report import compile_message
     from launcher.errors import LaunchError
 
     prompts = list(args.prompts) + list(args.prompt)
@@ -86,19 +105,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         sampling = _sampling(args)
-        config = LaunchConfig(
-            model=args.model, tp=args.tp, backend=args.backend, instance=args.instance, nodes=args.nodes,
-            replicas=args.replicas, max_restarts=args.max_restarts, restart_window_s=args.restart_window,
-            cpus_per_rank=args.cpus_per_rank, presharded_cache=args.presharded_cache,
-            startup_timeout_s=args.startup_timeout, rendezvous_timeout_s=args.rendezvous_timeout,
-            lnc=args.lnc, dtype=args.dtype,
-            kv_strategy=args.kv_strategy, seq_len=args.seq_len,
-            max_batch_size=args.max_batch_size, presharded_dir=args.presharded,
-            compile=args.compile, compiled_dir=args.compiled, warm_up=args.warm_up, **bucket_lists(args),
-            ray_address=args.ray_address, placement_timeout_s=args.placement_timeout,
-            request_timeout_s=args.request_timeout, progress=not args.quiet)
-        with Launcher(config) as launcher:
+        with Launcher(launch_config(args)) as launcher:
             results = launcher.generate(prompts, sampling, max_new_tokens=args.max_new_tokens)
+            compiled = launcher.compile_stats()  # graphs built inside the requests show up here
             report = {
                 "model": str(launcher.model_dir),
                 "tp_degree": launcher.plan.tp_degree,
@@ -110,11 +119,14 @@ def run(args: argparse.Namespace) -> int:
                              "time_to_first_token_s": round(r.time_to_first_token_s, 4),
                              "decode_tokens_per_s": round(r.decode_tokens_per_s, 2)} for r in results],
                 "startup_s": round(launcher.timings["startup_s"], 3),
-                "compile": launcher.load_stats[0].compile if launcher.load_stats else None,
+                "compile": compiled[0][1] if compiled else None,
             }
     except (ValueError, FileNotFoundError, LaunchError) as err:
         print(f"corelaunch generate: {err}", file=sys.stderr)
         return 2
+    message = compile_message(compiled)
+    if message and not args.quiet:
+        print(f"corelaunch: {message}", file=sys.stderr)
     if args.json:
         print(json.dumps(report))
     else:

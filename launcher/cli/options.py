@@ -5,6 +5,33 @@ from __future__ import annotations
 import argparse
 
 
+def add_backend_arguments(p: argparse.ArgumentParser) -> None:
+    """--backend (every backend in the workers.backends registry), --instance and --device-memory-gib:
+    what the ranks run on and what the planner plans against (generate, compile, check, bench)."""
+    from workers.backends import backend_help, backend_names
+
+    p.add_argument("--backend", choices=backend_names(), help=backend_help())
+    p.add_argument("--instance", help="planner target of the cpu and neuron backends, e.g. trn1.32xlarge "
+                                      "(default: this host on the cpu backend)")
+    p.add_argument("--device-memory-gib", type=float, metavar="GIB",
+                   help="cuda backend: the memory of one GPU, for planning (default: measured on this host)")
+
+
+def backend_options(args: argparse.Namespace) -> dict:
+    """LaunchConfig's backend, instance and device_memory_gib from add_backend_arguments' options."""
+    return {"backend": args.backend, "instance": args.instance, "device_memory_gib": args.device_memory_gib}
+
+
+def add_granularity(p: argparse.ArgumentParser) -> None:
+    """--granularity (compile and generate): what one compiled graph covers."""
+    from workers.granularities import DEFAULT_GRANULARITY, GRANULARITIES
+
+    p.add_argument("--granularity", choices=GRANULARITIES,
+                   help=f"what one compiled graph covers (default {DEFAULT_GRANULARITY}): layer, one graph per "
+                        f"decoder layer; model, the whole step (decodes faster, compiles several times slower); "
+                        f"collective, the layer cut at its collectives (for comparison)")
+
+
 def add_no_compile(p: argparse.ArgumentParser) -> None:
     """--no-compile (generate, check, bench): args.compile False runs eagerly."""
     p.add_argument("--no-compile", dest="compile", action="store_false",

@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from shardlib.instances import INSTANCE_NAMES
+from shardlib.instances import CPU_TARGET, INSTANCE_NAMES
 from shardlib.model_config import load_model_config
 from shardlib.planner import KV_STRATEGIES, Plan, plan
 
@@ -34,7 +34,7 @@ def add_parser(subparsers) -> None:
                     "arithmetic on config.json; nothing is started.")
     p.add_argument("--model", metavar="PATH",
                    help="model directory or config.json (default: the built-in SmolLM2-135M-Instruct)")
-    p.add_argument("--instance", choices=INSTANCE_NAMES, default="cpu", metavar="NAME",
+    p.add_argument("--instance", choices=INSTANCE_NAMES, default=CPU_TARGET, metavar="NAME",
                    help=f"target instance type: {', '.join(INSTANCE_NAMES)} (cpu: this host; the default)")
     p.add_argument("--nodes", type=int, default=1, metavar="N", help="nodes the TP group spans (default 1)")
     p.add_argument("--tp", type=_tp_value, default="auto", metavar="N|auto",

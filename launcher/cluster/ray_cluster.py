@@ -23,11 +23,22 @@ class RayConnection:
             ray.shutdown()
 
 
-def connect(address: str | None = None, num_cpus: int | None = None) -> RayConnection:
-    """`address`: None (a running cluster if any, else local), "auto", "local", or "host:port"."""
+def on_this_host(address: str | None) -> bool:
+    """True when connect(address) reaches a cluster on this machine: a private local one, or one
+    started here with `ray start --head` (no --ray-address and no RAY_ADDRESS)."""
+    return address == "local" or (address is None and not os.environ.get("RAY_ADDRESS"))
+
+
+def connect(address: str | None = None, num_cpus: int | None = None, worker_logs: bool = False) -> RayConnection:
+    """`address`: None (a running cluster if any, else local), "auto", "local", or "host:port".
+
+    worker_logs: print the workers' output in this process (Ray's log_to_driver: their stderr on
+    stderr, their stdout on stdout, each line prefixed with the actor and its pid; the rank actors
+    write nothing on stdout, see ray_worker.py). Only for a connection made here: a Ray session the
+    calling program opened keeps its own setting."""
     import ray
 
-    quiet = dict(log_to_driver=False, logging_level="ERROR")
+    quiet = dict(log_to_driver=worker_logs, logging_level="ERROR")
     if ray.is_initialized():
         return RayConnection(started_here=False, address="existing session")
     if address is None and os.environ.get("RAY_ADDRESS"):

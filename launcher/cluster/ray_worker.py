@@ -1,14 +1,15 @@
 """The Ray actor around workers.rank_worker.RankWorker: adds where the actor runs (node id and IP)
-and what the node shows it (Neuron devices, the NeuronCores Ray made visible)."""
+and what the node shows it (its backend's device files, the accelerators Ray made visible)."""
 
 from __future__ import annotations
 
 import glob
-import os
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import ray
 
+from workers.backends import backend_entry
 from workers.rank_worker import RankWorker, WorkerSpec
 
 
@@ -25,7 +26,15 @@ class RayRankWorker(RankWorker):
 
     def __init__(self, spec: WorkerSpec):
         super().__init__(spec)
+        # With worker logs forwarded (ray_cluster.connect), Ray prints a worker's stdout on the
+        # driver's stdout, which carries `--json` output: whatever Python code here prints goes
+        # to stderr instead.
+        sys.stdout = sys.stderr
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="corelaunch-compute")
+
+    def __repr__(self) -> str:
+        # Ray names the actor by this in forwarded log lines: "(rank 0 pid=...) corelaunch: ..."
+        return f"rank {self.spec.rank}"
 
     def init_backend(self, *args, **kwargs):
         return self._compute.submit(super().init_backend, *args, **kwargs).result()
@@ -46,10 +55,11 @@ class RayRankWorker(RankWorker):
         info = super().describe()
         info["node_id"] = ray.get_runtime_context().get_node_id()
         info["node_ip"] = ray.util.get_node_ip_address()
-        # A node can declare neuron_cores to Ray yet have lost its devices (driver unloaded, device
-        # fault): the launcher checks this before any rank tries to use them.
-        info["neuron_devices"] = sorted(glob.glob("/dev/neuron[0-9]*"))
-        info["neuron_rt_visible_cores"] = os.environ.get("NEURON_RT_VISIBLE_CORES")
+        # A node can declare a device resource to Ray yet have lost its devices (driver unloaded,
+        # device fault): the launcher checks this before any rank tries to use them.
+        pattern = backend_entry(self.spec.backend).device_files
+        info["devices"] = sorted(glob.glob(pattern)) if pattern else None
+        info["accelerator_ids"] = ray.get_runtime_context().get_accelerator_ids()
         return info
 
 

@@ -27,7 +27,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
 
-from launcher.errors import (GroupFault, LaunchError, NeuronDevicesMissing, NoReplicaAvailable, PlacementTimeout,
+from launcher.errors import (DevicesMissing, GroupFault, LaunchError, NoReplicaAvailable, PlacementTimeout,
                              RendezvousTimeout, ReplicaFailed, RequestTimeout, RestartLimitExceeded, WorkerDied)
 from launcher.cluster.restart_policy import RestartPolicy
 
@@ -162,7 +162,7 @@ class Replica:
                             f"within {self.policy.window_s:g} s)")
             try:
                 started = self.pool._make_group(self.index, True)
-            except (PlacementTimeout, NeuronDevicesMissing) as err:
+            except (PlacementTimeout, DevicesMissing) as err:
                 self._give_up(ReplicaFailed(f"replica {self.index} lost its group ({_first_line(cause)}) and "
                                             f"the cluster cannot host it any more: {err}"), err)
                 return False
@@ -262,6 +262,17 @@ class ReplicaPool:
 
     def status(self) -> list[dict]:
         return [r.status() for r in self.replicas]
+
+    def compile_stats(self) -> list[tuple[dict | None, dict | None]]:
+        """Per serving replica: rank 0's compile stats when its current group was loaded, and now."""
+        out = []
+        for replica in self.replicas:
+            started = replica.started
+            if replica.state != "serving" or started is None:
+                continue
+            at_load = started.load_stats[0].compile if started.load_stats else None
+            out.append((at_load, started.group.compile_stats()))
+        return out
 
     def _replica_failed(self, replica: Replica) -> None:
         with self._lock:

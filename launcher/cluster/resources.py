@@ -5,8 +5,9 @@ CPU backend: the cluster's CPUs are divided evenly over every rank of every repl
 than one node can give the ranks it hosts. With more ranks than cores (a development and test use)
 each rank's bundle gets a fraction of a CPU (Ray accepts fractional CPU bundles) and one thread, so
 the group still fits; such a run is slower, not wrong.
-Neuron backend: a bundle of whole `neuron_cores` (Ray knows no fractions of them) sized by the
-plan's cores per rank (the LNC), plus one CPU for the driving process.
+Device backends (those whose workers.backends entry names a ray_resource: `neuron_cores`, `GPU`):
+a bundle of whole units of that resource (Ray knows no fractions of them) sized by the plan's cores
+per rank (the LNC on Neuron, 1 GPU on cuda), plus one CPU for the driving process.
 """
 
 from __future__ import annotations
@@ -46,8 +47,38 @@ def cpu_rank_resources(tp: int, node_cpus: Sequence[float] | float, nodes: int =
     return RankResources(bundle={"CPU": cpus_per_rank}, num_cpus=cpus_per_rank, threads=threads)
 
 
-def neuron_rank_resources(cores_per_rank: int) -> RankResources:
-    return RankResources(bundle={"neuron_cores": cores_per_rank, "CPU": 1}, num_cpus=1, threads=1)
+def device_rank_resources(resource: str, cores_per_rank: int) -> RankResources:
+    """A device rank's bundle: cores_per_rank of `resource` plus one CPU, one torch thread."""
+    return RankResources(bundle={resource: cores_per_rank, "CPU": 1}, num_cpus=1, threads=1)
+
+
+def rank_resources(ray_resource: str | None, cores_per_rank: int, tp: int, node_cpus: Sequence[float] | float,
+                   nodes: int = 1, replicas: int = 1, cpus_per_rank: float | None = None) -> RankResources:
+    """One rank's resources for a backend whose registry entry asks for `ray_resource`
+    (workers.backends.BackendEntry): device_rank_resources, or for None a CPU share
+    (cpu_rank_resources, which the remaining arguments are for)."""
+    if ray_resource is not None:
+        return device_rank_resources(ray_resource, cores_per_rank)
+    return cpu_rank_resources(tp, node_cpus, nodes=nodes, replicas=replicas, cpus_per_rank=cpus_per_rank)
+
+
+def actor_options(resources: RankResources) -> dict:
+    """The actor options that claim a rank's bundle: Ray takes CPUs and GPUs as num_cpus and
+    num_gpus and refuses them inside `resources`, which holds every other resource."""
+    bundle = resources.bundle
+    return {"num_cpus": resources.num_cpus, "num_gpus": bundle.get("GPU", 0),
+            "resources": {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}}
+
+
+def missing_resource(resource: str, node_total: Sequence[Mapping[str, float]],
+                     node_names: Sequence[str]) -> str | None:
+    """Why no rank asking for `resource` can ever be placed (no alive node declares any), or None."""
+    if any(total.get(resource, 0.0) > 0 for total in node_total):
+        return None
+    held = "; ".join(f"{n} has {_resources(t)}" for n, t in zip(node_names, node_total)) or "no alive node"
+    return (f"no alive node of the Ray cluster declares {resource} ({held}); start Ray on nodes that have "
+            f"them (Ray counts GPUs itself; other resources are declared with `ray start --resources`), "
+            f"connect to such a cluster with --ray-address, or choose another --backend")
 
 
 def bundles_that_fit(free: Mapping[str, float], bundle: Mapping[str, float]) -> int:
@@ -117,6 +148,7 @@ def _fmt(amount: float) -> str:
 
 
 def _resources(res: Mapping[str, float]) -> str:
-    shown = {k: v for k, v in res.items() if k in ("CPU", "GPU", "neuron_cores") or not (
+    # Ray's bookkeeping resources say nothing about what a rank can use.
+    shown = {k: v for k, v in res.items() if not (
         k.startswith("node:") or k in ("memory", "object_store_memory") or k.startswith("accelerator_type"))}
     return "{" + ", ".join(f"{k}: {_fmt(v)}" for k, v in sorted(shown.items())) + "}"

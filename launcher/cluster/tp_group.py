@@ -21,10 +21,11 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from launcher.errors import (LaunchError, NeuronDevicesMissing, PlacementTimeout, RankFailed, RendezvousTimeout,
+from launcher.errors import (DevicesMissing, LaunchError, PlacementTimeout, RankFailed, RendezvousTimeout,
                              RequestTimeout, WorkerDied)
 from launcher.cluster.placement import alive_nodes, bundle_nodes, placement_strategy, rank_order
-from launcher.cluster.resources import RankResources, explain_unplaceable
+from launcher.cluster.resources import RankResources, actor_options, explain_unplaceable
+from workers.backends import BackendEntry, backend_entry
 from workers.rank_worker import GenerateRequest, LoadSpec, LoadStats, WorkerSpec
 
 # How often a long wait wakes up to check for dead ranks; a death is seen within this delay.
@@ -62,7 +63,7 @@ class TPGroup:
     """Placement-group name prefix (the replica pool names each replica's group)."""
     actors: list = field(default_factory=list, init=False)
     workers: list[dict] = field(default_factory=list, init=False)
-    """describe() of each rank: rank, pid, hostname, node_id, node_ip, neuron_devices."""
+    """describe() of each rank: rank, pid, hostname, node_id, node_ip, devices, accelerator_ids."""
     bundle_of_rank: list[int] = field(default_factory=list, init=False)
     """The placement-group bundle index each rank runs in (ranks are numbered node by node)."""
     _pg: object = field(default=None, init=False, repr=False)
@@ -83,8 +84,7 @@ class TPGroup:
             spec = WorkerSpec(rank=rank, world_size=self.tp_degree, backend=self.backend,
                               threads=self.resources.threads, lnc=self.lnc)
             actor = actor_cls.options(
-                num_cpus=self.resources.num_cpus,
-                resources={k: v for k, v in self.resources.bundle.items() if k != "CPU"},
+                **actor_options(self.resources),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=self._pg, placement_group_bundle_index=bundle),
                 name=None,
@@ -92,8 +92,9 @@ class TPGroup:
             self.actors.append(actor)
         self.workers = self._wait_all([a.describe.remote() for a in self.actors],
                                       self.timeouts.startup_s, "start")
-        if self.backend == "neuron":
-            self._check_neuron_devices()
+        entry = backend_entry(self.backend)
+        if entry.device_files:
+            self._check_devices(entry)
         rank0 = self.workers[0]
         port = self._wait_all([self.actors[0].rendezvous_port.remote()], self.timeouts.rendezvous_s,
                               "choose a rendezvous port", ranks=[0])[0]
@@ -130,17 +131,17 @@ class TPGroup:
                 f"resources held by other jobs"
             )
 
-    def _check_neuron_devices(self) -> None:
-        lost = [w for w in self.workers if not w.get("neuron_devices")]
+    def _check_devices(self, entry: BackendEntry) -> None:
+        lost = [w for w in self.workers if not w.get("devices")]
         if lost:
             where = ", ".join(sorted({f"node {w['node_ip']} ({w['node_id'][:8]})" for w in lost}))
             ranks = ", ".join(str(w["rank"]) for w in lost)
             self.kill()
-            raise NeuronDevicesMissing(
-                f"{where} declares neuron_cores to Ray but shows no Neuron devices (/dev/neuron*) to "
-                f"rank(s) {ranks}: its Neuron driver is not loaded or its devices were lost. Run "
-                f"`neuron-ls` on that node; restart its Ray node (ray stop; ray start ...) once the devices "
-                f"are back, or take it out of the cluster so Ray stops placing ranks there"
+            raise DevicesMissing(
+                f"{where} declares {entry.ray_resource} to Ray but shows no {entry.name} devices "
+                f"({entry.device_files}) to rank(s) {ranks}: its device driver is not loaded or its devices "
+                f"were lost. Run `{entry.device_tool}` on that node; restart its Ray node (ray stop; ray start "
+                f"...) once the devices are back, or take it out of the cluster so Ray stops placing ranks there"
             )
 
     def load(self, spec: LoadSpec) -> list[LoadStats]:
@@ -153,6 +154,18 @@ class TPGroup:
         results = self._wait_all([a.generate.remote(request) for a in self.actors],
                                  self.timeouts.request_s, "finish the request")
         return results[0]
+
+    def compile_stats(self, timeout_s: float = 30.0) -> dict | None:
+        """Rank 0's graphs built so far and its compile-cache counters (RankWorker.compile_stats);
+        every rank builds the same graphs, so rank 0 speaks for all. None when it runs eagerly, or
+        does not answer: these are only informational, and a broken group is for the health check
+        and the next request to find (this neither waits long nor stops the group)."""
+        if not self.actors:
+            return None
+        try:
+            return ray.get(self.actors[0].compile_stats.remote(), timeout=timeout_s)
+        except ray.exceptions.RayError:
+            return None
 
     def dead_ranks(self, timeout_s: float = 5.0) -> list[str]:
         """Ranks whose process is gone (an idle group's health check); [] when all answer or are busy."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import datetime
 from dataclasses import dataclass
 from typing import Callable
 
@@ -30,21 +31,41 @@ class CompileOptions:
     """Where compiled artifacts are persisted and looked up (a compiled-model directory's cache);
     None: the backend's default location."""
     granularity: str | None = None
-    """What one compiled graph covers where the backend offers a choice (CPU: "layer" or "model" at
-    TP 1, see workers/compiled.py); None: the backend's default."""
+    """What one compiled graph covers where the backend offers a choice (workers/granularities.py,
+    its registry entry's granularities); None: the backend's default."""
     warm_up: bool = False
     """Build every bucket's graph now; otherwise each is built the first time a request needs it."""
     progress: Callable[[int, int, tuple[str, int, int], float], None] | None = None
     """Called after each graph built by warm_up with (done, total, (phase, batch, length), seconds)."""
+    announce: Callable[[str], None] | None = None
+    """Where a line about each graph built during a request goes; None: the backend's default
+    (stderr). The ranks of a group build the same graphs together, so only rank 0 announces."""
+
+
+def join_torch_distributed(process_group_backend: str, rendezvous: RendezvousInfo, rank: int, world_size: int,
+                           timeout_s: float, **options) -> None:
+    """Join torch.distributed's default group at the launcher's rendezvous (rank 0's tcp://host:port);
+    `options` go to init_process_group."""
+    import torch.distributed as dist
+
+    dist.init_process_group(backend=process_group_backend, init_method=f"tcp://{rendezvous.host}:{rendezvous.port}",
+                            rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s),
+                            **options)
+
+
+def leave_torch_distributed() -> None:
+    """Destroy torch.distributed's default group if this process joined one; safe to call twice."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 class Backend(abc.ABC):
     """One rank's device: process set-up, its process group, and how models run on it."""
 
     name: str = "base"
-    """The name users pass as --backend."""
-    # Ray resource that one rank's placement bundle asks for (None: CPUs only).
-    ray_resource: str | None = None
+    """The name users pass as --backend (its entry in workers.backends.BACKENDS says the rest)."""
 
     @abc.abstractmethod
     def setup_process(self, rank: int, world_size: int, threads: int) -> None:
@@ -63,6 +84,10 @@ class Backend(abc.ABC):
     @property
     def device(self) -> torch.device:
         return torch.device("cpu")
+
+    def prefetch_compiler(self) -> None:
+        """Start importing what prepare_model compiles with, in the background, so the import
+        overlaps reading the shard; nothing by default."""
 
     def prepare_model(self, model: torch.nn.Module, compile: CompileOptions | None = None):
         """The model as this device runs it: eager (compile=None), or through one static-shape graph

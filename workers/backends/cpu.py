@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
-import datetime
 import os
 
 import torch
-import torch.distributed as dist
 
-from workers.backends.base import Backend, CompileOptions, RendezvousInfo
+from shardlib.instances import CPU_TARGET
+from workers.backends.base import (Backend, CompileOptions, RendezvousInfo, join_torch_distributed,
+                                   leave_torch_distributed)
+from workers.backends.inductor import compile_per_bucket, prefetch_compiler
 from workers.collectives import Collectives, SingleRank
+
+
+def planner_target(request):
+    """The cpu backend plans against --instance when given (sizing for another machine), else this
+    host's cores and RAM."""
+    if request.device_memory_gib is not None:
+        raise ValueError(f"--device-memory-gib ({request.device_memory_gib}) is for device backends; the cpu "
+                         f"backend plans against this host's RAM: drop it")
+    return request.instance or CPU_TARGET
 
 
 class CpuBackend(Backend):
@@ -34,30 +44,16 @@ class CpuBackend(Backend):
         from workers.shm.group import build_cpu_collectives, mode_from_env
 
         mode = mode_from_env()  # before joining, so a bad value fails alike on every rank
-        dist.init_process_group(
-            backend="gloo",
-            init_method=f"tcp://{rendezvous.host}:{rendezvous.port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        join_torch_distributed("gloo", rendezvous, rank, world_size, timeout_s)
         # A waiting rank gives up after the process group's own timeout, naming whom it waited for.
         return build_cpu_collectives(rank, world_size, node_groups, timeout_s, mode)
 
-    def prepare_model(self, model: torch.nn.Module, compile: CompileOptions | None = None):
-        """Eager, or a CompiledCausalLM: torch.compile (inductor) graphs per bucket whose compiled
-        code is cached in compile.cache_dir (see workers/compiled.py for why this and not AOTInductor)."""
-        if compile is None:
-            return model
-        from workers.compiled import CompiledCausalLM, use_cache_dir
+    def prefetch_compiler(self) -> None:
+        prefetch_compiler()
 
-        if compile.cache_dir is not None:
-            use_cache_dir(compile.cache_dir)
-        compiled = CompiledCausalLM(model, compile.buckets, granularity=compile.granularity)
-        if compile.warm_up:
-            compiled.warm_up(progress=compile.progress)
-        return compiled
+    def prepare_model(self, model: torch.nn.Module, compile: CompileOptions | None = None):
+        """Eager, or inductor graphs per bucket (workers/backends/inductor.py)."""
+        return model if compile is None else compile_per_bucket(model, compile)
 
     def shutdown(self) -> None:
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        leave_torch_distributed()

@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from workers.backends.base import Backend, CompileOptions, RendezvousInfo
+from workers.backends.base import Backend, CompileOptions, RendezvousInfo, leave_torch_distributed
 from workers.collectives import Collectives, TorchDistributedCollectives
 
 _INSTALL_HINT = (
@@ -38,9 +38,18 @@ def import_neuron_module(name: str):
         ) from None
 
 
+def planner_target(request):
+    """A Neuron launch plans against the instance type it names (shardlib/instances.py's table)."""
+    if request.instance is None:
+        raise ValueError("the neuron backend needs --instance (e.g. trn1.32xlarge) for planning")
+    if request.device_memory_gib is not None:
+        raise ValueError(f"--device-memory-gib ({request.device_memory_gib}) does not apply to the neuron "
+                         f"backend: the memory per NeuronCore comes from --instance {request.instance}; drop it")
+    return request.instance
+
+
 class NeuronBackend(Backend):
     name = "neuron"
-    ray_resource = "neuron_cores"
 
     def __init__(self, lnc: int = 1) -> None:
         self.lnc = lnc
@@ -92,7 +101,4 @@ class NeuronBackend(Backend):
                                    compile.cache_dir, import_neuron_module)
 
     def shutdown(self) -> None:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        leave_torch_distributed()

@@ -1,0 +1,157 @@
+"""The backend registry (workers/backends/__init__.py) is what every part of corelaunch asks: the CLI's
+--backend choices, the default backend, the planner target, the Ray bundles and a rank's constructor
+options. A third backend registered here (tests/fake_backend.py) works without editing anything else.
+(That the registry and the CLI import neither torch nor Ray: tests/test_check_bench_cli.py.)
+The cuda backend is refused, with the fix, before Ray starts on a host without a GPU (this one)."""
+
+from __future__ import annotations
+
+import pytest
+
+from launcher.api import LaunchConfig, Launcher
+from launcher.cli import SUBCOMMANDS, build_parser, main
+from launcher.cluster.resources import actor_options, missing_resource, rank_resources
+from launcher.errors import NoDeviceResource
+from launcher.launch_plan import plan_launch
+from launcher.progress import Progress
+from tests.fake_backend import FAKE_ENTRY
+from tests.model_factory import save_random_model
+from workers.backends import (BACKENDS, TargetRequest, backend_entry, backend_names, default_backend_name,
+                              get_backend, planner_target)
+
+NO_GPU = "this host shows no CUDA GPU to torch"
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory):
+    return str(save_random_model(tmp_path_factory.mktemp("m"), "llama", num_heads=4, num_kv_heads=2))
+
+
+@pytest.fixture
+def fake_backend(monkeypatch):
+    """Register the test-only backend: one entry, nothing else."""
+    monkeypatch.setitem(BACKENDS, FAKE_ENTRY.name, FAKE_ENTRY)
+    return FAKE_ENTRY
+
+
+def backend_choices() -> dict[str, tuple]:
+    """--backend's choices of every subcommand that has the option."""
+    parser = build_parser()
+    [subparsers] = [a for a in parser._actions if a.dest == "command"]
+    found = {}
+    for name, sub in subparsers.choices.items():
+        for action in sub._actions:
+            if "--backend" in action.option_strings:
+                found[name] = tuple(action.choices)
+    return found
+
+
+def test_every_command_offers_the_registry_backends():
+    choices = backend_choices()
+    assert set(choices) == set(SUBCOMMANDS) - {"plan"}  # plan takes --instance, not --backend
+    assert all(c == backend_names() == ("cpu", "neuron", "cuda") for c in choices.values()), choices
+
+
+def test_a_registered_backend_is_offered_and_accepted(fake_backend, capsys):
+    assert all("fake" in c for c in backend_choices().values())
+    args = build_parser().parse_args(["generate", "--backend", "fake", "hello"])
+    assert args.backend == "fake"
+    assert LaunchConfig(backend="fake").backend == "fake"
+    with pytest.raises(ValueError, match="unknown backend 'tpu'; choose one of cpu, neuron, cuda, fake"):
+        LaunchConfig(backend="tpu")
+
+
+# ---- Ray bundles --------------------------------------------------------------------------------
+def test_bundles_come_from_the_registry():
+    def bundle(name: str, cores_per_rank: int = 1) -> dict:
+        resources = rank_resources(backend_entry(name).ray_resource, cores_per_rank, tp=2, node_cpus=[4.0])
+        return resources.bundle
+
+    assert bundle("cpu") == {"CPU": 2}
+    assert bundle("neuron", cores_per_rank=2) == {"neuron_cores": 2, "CPU": 1}  # the LNC
+    assert bundle("cuda") == {"GPU": 1, "CPU": 1}
+
+
+def test_actor_options_claim_gpus_the_way_ray_takes_them():
+    gpu = rank_resources("GPU", 1, tp=2, node_cpus=[4.0])
+    assert actor_options(gpu) == {"num_cpus": 1, "num_gpus": 1, "resources": {}}
+    neuron = rank_resources("neuron_cores", 2, tp=2, node_cpus=[4.0])
+    assert actor_options(neuron) == {"num_cpus": 1, "num_gpus": 0, "resources": {"neuron_cores": 2}}
+
+
+def test_a_registered_backend_gets_its_bundle(fake_backend):
+    resources = rank_resources(backend_entry("fake").ray_resource, 1, tp=2, node_cpus=[4.0])
+    assert resources.bundle == {"fake_accelerator": 1, "CPU": 1}
+    why = missing_resource("fake_accelerator", [{"CPU": 2.0}], ["node a"])
+    assert "no alive node of the Ray cluster declares fake_accelerator (node a has {CPU: 2})" in why
+    assert missing_resource("fake_accelerator", [{"CPU": 2.0, "fake_accelerator": 1.0}], ["node a"]) is None
+
+
+# ---- default, planner target, constructor options ---------------------------------------------------
+def test_default_backend_is_the_first_device_found():
+    assert default_backend_name() == "cpu"  # this host has neither Neuron devices nor a CUDA GPU
+
+
+def test_a_registered_backend_is_detected_planned_and_constructed(fake_backend, small_model):
+    assert default_backend_name() == "fake"  # its detect function says its device is here
+    planned = plan_launch(LaunchConfig(model=small_model, tp=2), Progress(False))
+    assert planned.backend == "fake" and planned.instance == "cpu" and planned.plan.valid
+    backend = get_backend("fake", lnc=2)
+    assert backend.name == "fake" and backend.lnc == 2
+
+
+def test_a_registered_backend_runs_a_rank(fake_backend, small_model):
+    """The rank takes its constructor options from the entry (no Ray: the worker class itself)."""
+    from shardlib.model_config import load_model_config
+    from shardlib.sharding import ShardLayout
+    from workers.rank_worker import GenerateRequest, LoadSpec, RankWorker, WorkerSpec
+    from workers.sampling import SamplingParams
+
+    worker = RankWorker(WorkerSpec(rank=0, world_size=1, backend="fake", threads=1, lnc=2))
+    worker.init_backend("127.0.0.1", 0, 10.0)
+    assert worker._backend.lnc == 2
+    config = load_model_config(small_model)
+    worker.load(LoadSpec(config=config, layout=ShardLayout.for_model(config, 1), dtype="float32",
+                         model_dir=small_model))
+    [out] = worker.generate(GenerateRequest(prompts=[[5, 17, 42]], params=[SamplingParams()], max_new_tokens=3))
+    assert len(out.token_ids) == 3
+    worker.shutdown()
+
+
+def test_planner_targets_per_backend():
+    assert planner_target("cpu", TargetRequest()) == "cpu"
+    assert planner_target("cpu", TargetRequest(instance="trn1.32xlarge")) == "trn1.32xlarge"
+    assert planner_target("neuron", TargetRequest(instance="trn1.32xlarge")) == "trn1.32xlarge"
+    with pytest.raises(ValueError, match="the neuron backend needs --instance"):
+        planner_target("neuron", TargetRequest())
+    with pytest.raises(ValueError, match="--device-memory-gib .* cpu backend plans against this host's RAM"):
+        planner_target("cpu", TargetRequest(device_memory_gib=80))
+    with pytest.raises(ValueError, match="--instance trn1.32xlarge .* the cuda backend plans against GPU memory"):
+        planner_target("cuda", TargetRequest(instance="trn1.32xlarge", device_memory_gib=80))
+    # GPUs this host cannot see (a remote cluster): their memory as given, their count left to Ray
+    remote = planner_target("cuda", TargetRequest(device_memory_gib=80, cluster_on_this_host=False))
+    assert remote.family == "gpu" and remote.memory_per_physical_core == 80 * 2**30
+    assert not remote.core_count_known
+
+
+# ---- cuda without a GPU --------------------------------------------------------------------------
+@pytest.mark.parametrize("options", [{}, {"device_memory_gib": 80}])
+def test_cuda_without_a_gpu_is_refused_before_ray_starts(small_model, options):
+    launcher = Launcher(model=small_model, backend="cuda", progress=False, **options)
+    with pytest.raises(ValueError, match=NO_GPU) as info:
+        launcher.start()
+    assert "--device-memory-gib" in str(info.value) and "--backend cpu" in str(info.value)
+    assert launcher._ray is None and launcher._pool is None  # Ray was never connected to
+
+
+def test_cuda_without_a_gpu_exits_2_from_the_cli(small_model, capsys):
+    assert main(["generate", "--backend", "cuda", "--model", small_model, "--quiet", "hello"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("corelaunch generate: --backend cuda: this host shows no CUDA GPU") and err.count("\n") == 1
+
+
+def test_cuda_on_a_cluster_without_gpus_is_refused_before_placement(small_model, ray_session):
+    launcher = Launcher(model=small_model, backend="cuda", device_memory_gib=80, ray_address="auto", progress=False)
+    with pytest.raises(NoDeviceResource, match="the cuda backend's ranks need GPU, but no alive node .* declares GPU"):
+        launcher.start()
+    assert launcher._pool is None

@@ -1,0 +1,42 @@
+"""The line `corelaunch generate` prints about graphs built during its requests (launcher/compile_report.py)."""
+
+from __future__ import annotations
+
+from launcher.compile_report import built_since_load, compile_message
+
+
+def stats(*seconds: float, misses: int = 0, hits: int = 0) -> dict:
+    """A rank's compile stats (workers.compiled.CompileStats.to_dict) with one graph per entry."""
+    return {"graphs": [{"phase": "token", "batch": 1, "length": 16, "first_call_s": s} for s in seconds],
+            "compile_s": sum(seconds), "fxgraph_cache_miss": misses, "fxgraph_cache_hit": hits,
+            "autograd_cache_miss": 0}
+
+
+def test_graphs_built_after_load_on_a_cold_cache():
+    built = built_since_load(stats(), stats(30.0, 11.2, misses=6))
+    assert (built.graphs, round(built.seconds, 1), built.compiled) == (2, 41.2, True)
+    assert compile_message([(stats(), stats(30.0, 11.2, misses=6))]) == (
+        "compiled 2 graph(s) in 41.2 s during the requests; later runs take them from the cache")
+
+
+def test_graphs_taken_from_a_warm_cache():
+    message = compile_message([(stats(), stats(2.0, 1.5, hits=6))])
+    assert message == "set up 2 graph(s) from the compile cache in 3.5 s during the requests"
+
+
+def test_only_graphs_after_load_count():
+    at_load = stats(20.0, misses=3)  # built by --warm-up
+    assert built_since_load(at_load, stats(20.0, misses=3)) is None
+    built = built_since_load(at_load, stats(20.0, 5.0, misses=4))
+    assert (built.graphs, built.seconds, built.compiled) == (1, 5.0, True)
+
+
+def test_nothing_to_say_when_eager_or_nothing_was_built():
+    assert compile_message([]) is None
+    assert compile_message([(None, None)]) is None
+    assert compile_message([(stats(1.0), stats(1.0))]) is None
+
+
+def test_several_replicas_report_the_slowest():
+    per_replica = [(stats(), stats(10.0, misses=3)), (stats(), stats(12.0, 3.0, misses=6)), (None, None)]
+    assert compile_message(per_replica).startswith("compiled 2 graph(s) in 15.0 s")

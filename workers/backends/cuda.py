@@ -1,0 +1,99 @@
+"""CUDA backend: one NVIDIA GPU per rank, torch.distributed over NCCL. UNVERIFIED: no GPU exists
+where corelaunch is developed and tested, so this module has never run on one.
+
+What it does on a GPU host (written against torch's documented CUDA and NCCL APIs):
+- Each rank's bundle asks Ray for one `GPU`; Ray sets CUDA_VISIBLE_DEVICES for the actor, so the
+  rank's GPU is cuda:0 inside its process.
+- `init_process_group` joins NCCL at the launcher's rendezvous (tcp://host:port, as the cpu backend
+  joins gloo); the collectives are workers.collectives.TorchDistributedCollectives, which allocate
+  on the tensor's device.
+- `prepare_model` moves the rank's model onto the GPU and compiles it with inductor exactly as the
+  cpu backend does (workers/backends/inductor.py); the engine puts inputs, KV cache and sampling on
+  the model's device.
+- The planner plans against the GPUs' memory: measured on this host with torch.cuda, or given with
+  --device-memory-gib for a cluster whose GPUs the driver cannot see.
+Nothing here is installed with corelaunch: it needs a CUDA build of torch on every node.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+
+from shardlib.instances import GIB, gpu_node
+from workers.backends.base import (Backend, CompileOptions, RendezvousInfo, join_torch_distributed,
+                                   leave_torch_distributed)
+from workers.backends.inductor import compile_per_bucket, prefetch_compiler
+from workers.collectives import Collectives, SingleRank, TorchDistributedCollectives
+
+NO_GPU = ("--backend cuda: this host shows no CUDA GPU to torch (torch.cuda.is_available() is False: no "
+          "GPU or driver, or torch's CPU build, which constraints.txt installs); on a GPU host install a "
+          "CUDA build of torch, for a Ray cluster whose GPUs are on other nodes pass --ray-address and "
+          "--device-memory-gib (the memory of one GPU), or use --backend cpu")
+
+
+def devices_present() -> bool:
+    """True where torch can use a CUDA GPU (a GPU with the CPU build of torch does not count)."""
+    return torch.cuda.is_available()
+
+
+def planner_target(request):
+    """The GPUs of this host (count and memory from torch.cuda; --device-memory-gib overrides the
+    memory), or, for a remote cluster this host cannot see into, GPUs of --device-memory-gib each,
+    their number left to Ray's placement to check."""
+    if request.instance is not None:
+        raise ValueError(f"--instance {request.instance} names a Neuron instance type or the cpu host; the cuda "
+                         f"backend plans against GPU memory: drop --instance (and give --device-memory-gib "
+                         f"for GPUs this host cannot see)")
+    given = None if request.device_memory_gib is None else int(request.device_memory_gib * GIB)
+    if not torch.cuda.is_available():
+        if request.cluster_on_this_host or given is None:
+            raise ValueError(NO_GPU)
+        return gpu_node(given)
+    # This initialises CUDA in the driver process; that is safe because Ray starts ranks as new
+    # processes, never as forks of the driver.
+    props = torch.cuda.get_device_properties(0)
+    return gpu_node(given or props.total_memory, torch.cuda.device_count(), props.name)
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+
+    def setup_process(self, rank: int, world_size: int, threads: int) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                f"rank {rank} on {socket.gethostname()} sees no CUDA GPU (CUDA_VISIBLE_DEVICES="
+                f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}, torch {torch.__version__}); the node declares "
+                f"GPUs to Ray but torch cannot use them: install a CUDA build of torch there, or check its "
+                f"driver with nvidia-smi")
+        torch.cuda.set_device(self.device)
+        # Host-side work (sampling bookkeeping, the Python loop) needs few threads.
+        torch.set_num_threads(max(1, int(threads)))
+
+    def init_process_group(self, rendezvous: RendezvousInfo, rank: int, world_size: int,
+                           timeout_s: float, node_groups: list[list[int]] | None = None) -> Collectives:
+        """NCCL between every rank (it picks NVLink or shared memory between GPUs of one node by
+        itself, so node_groups is not needed)."""
+        if world_size == 1:
+            return SingleRank()
+        join_torch_distributed("nccl", rendezvous, rank, world_size, timeout_s, device_id=self.device)
+        return TorchDistributedCollectives()
+
+    @property
+    def device(self) -> torch.device:
+        # Ray makes only this rank's GPU visible to its process, so it is always device 0.
+        return torch.device("cuda", 0)
+
+    def prefetch_compiler(self) -> None:
+        prefetch_compiler()
+
+    def prepare_model(self, model: torch.nn.Module, compile: CompileOptions | None = None):
+        """The model on this rank's GPU (its rotary tables are then built there on first use), run
+        eagerly or through inductor graphs per bucket like the cpu backend."""
+        model = model.to(self.device)
+        return model if compile is None else compile_per_bucket(model, compile)
+
+    def shutdown(self) -> None:
+        leave_torch_distributed()

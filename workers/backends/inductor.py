@@ -1,0 +1,31 @@
+"""Per-bucket torch.compile (inductor) graphs: what the cpu and cuda backends compile with.
+
+workers/compiled.py's CompiledCausalLM runs on whichever device the model is on, so both backends
+share this; only where the model lives differs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+
+from workers.backends.base import CompileOptions
+
+
+def prefetch_compiler() -> None:
+    """Import inductor's modules (~2 s) on a background thread, while the shard is being read."""
+    threading.Thread(target=importlib.import_module, args=("torch._inductor.compile_fx",), daemon=True).start()
+
+
+def compile_per_bucket(model, compile: CompileOptions):
+    """A CompiledCausalLM of `model` whose compiled code is cached in compile.cache_dir (see
+    workers/compiled.py for why this and not AOTInductor); every bucket's graph built now when
+    compile.warm_up, else each on first use."""
+    from workers.compiled import CompiledCausalLM, use_cache_dir
+
+    if compile.cache_dir is not None:
+        use_cache_dir(compile.cache_dir)
+    compiled = CompiledCausalLM(model, compile.buckets, granularity=compile.granularity, announce=compile.announce)
+    if compile.warm_up:
+        compiled.warm_up(progress=compile.progress)
+    return compiled
