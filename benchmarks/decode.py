@@ -37,6 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.bandwidth import decode_bound, measure_gbps  # noqa: E402
+from workers.granularities import DEFAULT_GRANULARITY  # noqa: E402
 
 TEXT = ("The history of the city begins with a small settlement on the river, where traders met to exchange "
         "grain, salt and cloth. Over the centuries the market grew into a town, the town into a city, and ")
@@ -251,8 +252,12 @@ def main() -> None:
     workers = []
     for name, compile_, granularity in (("corelaunch_eager_in_process", False, None),
                                         ("corelaunch_compiled_in_process", True, None),
+                                        ("corelaunch_compiled_layer_graphs_in_process", True, "layer"),
+                                        ("corelaunch_compiled_model_decode_graph_in_process", True, "model-decode"),
                                         ("corelaunch_compiled_model_graph_in_process", True, "model")):
-        if granularity == "model" and args.skip_model_granularity:
+        if granularity in ("model", "model-decode") and args.skip_model_granularity:
+            continue
+        if granularity == DEFAULT_GRANULARITY:  # the default variant above already runs it
             continue
         runners[name], worker = worker_runner(model_dir, ids, args.new_tokens, args.threads, compile_, granularity)
         workers.append(worker)
@@ -313,9 +318,11 @@ def main() -> None:
         report["ratios"]["tp3_compiled_over_tp3_eager_decode"] = round(
             results["corelaunch_ray_tp3_compiled"]["decode_tokens_per_s"]
             / results["corelaunch_ray_tp3_eager"]["decode_tokens_per_s"], 4)
-    if "corelaunch_compiled_model_graph_in_process" in results:
-        report["ratios"]["model_graph_over_layer_graphs_decode"] = round(
-            results["corelaunch_compiled_model_graph_in_process"]["decode_tokens_per_s"] / compiled, 4)
+    for name in ("layer_graphs", "model_decode_graph", "model_graph"):
+        if f"corelaunch_compiled_{name}_in_process" in results:
+            report["ratios"][f"{name}_over_default_decode"] = round(
+                results[f"corelaunch_compiled_{name}_in_process"]["decode_tokens_per_s"] / compiled, 4)
+    report["default_granularity"] = DEFAULT_GRANULARITY
     if not args.skip_start:
         report["start"] = start_times(ids, args.new_tokens, model_dir, args.start_repeats)
     print(json.dumps(report, indent=2))

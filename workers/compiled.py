@@ -52,6 +52,7 @@ import torch
 from shardlib.buckets import Buckets
 from workers.kv_cache import KVCache
 from workers.model import ShardedCausalLM
+from workers.granularities import DEFAULT_GRANULARITY, GRANULARITIES
 from workers.step import EAGER, StepParts, run_step
 
 CHECKED_LIBRARIES = ("torch", "transformers", "corelaunch")
@@ -95,18 +96,6 @@ def use_cache_dir(path: str) -> None:
     path = os.path.abspath(path)
     os.makedirs(path, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
-
-
-GRANULARITIES = ("model", "layer", "model-decode", "collective")
-"""What one compiled graph covers: the whole step, one decoder layer, or the code between two
-collectives (see the module docstring)."""
-DEFAULT_GRANULARITY = "layer"
-"""The README's Measured table (benchmarks/decode.py) has the figures behind this choice."""
-
-
-def default_granularity(tp_degree: int) -> str:
-    """The same at every TP degree now that collectives are operators inside the graphs."""
-    return DEFAULT_GRANULARITY
 
 
 def _compile(fn, fullgraph: bool = True):
@@ -153,7 +142,7 @@ class CompiledCausalLM:
         during warm_up, which has its own progress); default: print to stderr."""
         self.model, self.buckets = model, buckets
         self.config, self.collectives, self.dtype = model.config, model.collectives, model.dtype
-        self.granularity = granularity or default_granularity(model.collectives.world_size)
+        self.granularity = granularity or DEFAULT_GRANULARITY
         if self.granularity not in GRANULARITIES:
             raise ValueError(f"granularity {self.granularity!r} must be one of {', '.join(GRANULARITIES)}")
         # Rotary tables for every position a bucket can hold, built now so no call rebuilds them

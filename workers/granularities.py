@@ -5,8 +5,8 @@ both must stay light, and workers/compiled.py (which implements them) imports to
 means is in workers/compiled.py's docstring.
 """
 
-GRANULARITIES = ("model", "layer", "collective")
-"""What one compiled graph covers: the whole step, one decoder layer, or the code between two
-collectives."""
+GRANULARITIES = ("model", "layer", "model-decode", "collective")
+"""What one compiled graph covers: the whole step, one decoder layer, whole-step decode graphs with
+per-layer prefill graphs, or the code between two collectives."""
 DEFAULT_GRANULARITY = "layer"
 """The README's Measured table (benchmarks/decode.py) has the figures behind this choice."""
