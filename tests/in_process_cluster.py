@@ -12,7 +12,8 @@ driver's logic cheap to test in the fast lane; tests that start real Ray workers
 What is replaced, all through monkeypatch:
 - launcher.cluster.ray_cluster.connect: no Ray session (a RayConnection that owns nothing);
 - launcher.cluster.placement.alive_nodes: one node of `cpus` CPUs, all free;
-- Launcher._new_group (the pool's GroupFactory): a ThreadTPGroup instead of a Ray TPGroup;
+- launcher.cluster.tp_group.TPGroup: a ThreadTPGroup (Launcher._new_group, the pool's GroupFactory,
+  builds, starts and loads it as it would a Ray group);
 - workers.backends.BACKENDS["cpu"]: the CPU backend whose process group is an InProcessGroup.
 """
 
@@ -53,6 +54,11 @@ class ThreadTPGroup:
     RankWorkers on threads of this process. `fail_next(...)` and `kill_rank(...)` inject faults."""
 
     tp_degree: int
+    backend: str = "cpu"
+    resources: object = None
+    timeouts: object = None
+    lnc: int = 1
+    nodes: int = 1
     name: str = "in-process"
     actors: list = field(default_factory=list, init=False)
     """The RankWorkers while the group lives; [] once killed (the pool looks at this)."""
@@ -163,20 +169,20 @@ class ThreadTPGroup:
 
 @dataclass
 class InProcessCluster:
-    """What use_in_process_groups set up: every group the launchers started, in order."""
+    """What use_in_process_groups set up: every group the launchers built, in order."""
 
     cpus: int
     groups: list[ThreadTPGroup] = field(default_factory=list)
-    started: list[tuple[int, bool]] = field(default_factory=list)
-    """(replica index, is_restart) of every group start."""
+
+    def names(self) -> list[str]:
+        """The groups' names (corelaunch-r<replica index>), sorted: one per start or restart."""
+        return sorted(g.name for g in self.groups)
 
 
 def use_in_process_groups(monkeypatch, cpus: int = 2) -> InProcessCluster:
     """Make every Launcher started from now on (until monkeypatch undoes it) run in-process."""
     import workers.backends
-    from launcher.api import Launcher
-    from launcher.cluster import placement, ray_cluster
-    from launcher.cluster.replica_pool import StartedGroup
+    from launcher.cluster import placement, ray_cluster, tp_group
 
     cluster = InProcessCluster(cpus)
     node = placement.NodeInfo(node_id=NODE_ID, address="127.0.0.1", total={"CPU": float(cpus)},
@@ -187,17 +193,10 @@ def use_in_process_groups(monkeypatch, cpus: int = 2) -> InProcessCluster:
     monkeypatch.setitem(workers.backends.BACKENDS, "cpu", f"{__name__}:InProcessCpuBackend")
     monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", str(torch.get_num_threads())))
 
-    def new_group(self, index: int, restart: bool) -> StartedGroup:
-        group = ThreadTPGroup(self.plan.tp_degree, name=f"corelaunch-r{index}")
-        cluster.started.append((index, restart))
-        try:
-            group.start()
-            stats = group.load(self._load_spec)
-        except BaseException:
-            group.kill()
-            raise
+    def new_group(*args, **kwargs) -> ThreadTPGroup:
+        group = ThreadTPGroup(*args, **kwargs)
         cluster.groups.append(group)
-        return StartedGroup(group=group, load_stats=stats)
+        return group
 
-    monkeypatch.setattr(Launcher, "_new_group", new_group)
+    monkeypatch.setattr(tp_group, "TPGroup", new_group)
     return cluster
