@@ -91,7 +91,9 @@ def check_bad_requests_and_batch_split(small_model, compile_: bool) -> None:
 
 
 def test_a_dead_rank_with_restarts_disabled_fails_the_call_naming_it(small_model, in_process_cluster):
-    with Launcher(model=small_model, tp=2, max_restarts=0, compile=False, progress=False) as launcher:
+    # No health check comes between the death and the request (it would give the replica up first).
+    with Launcher(model=small_model, tp=2, max_restarts=0, compile=False, health_check_interval_s=600,
+                  progress=False) as launcher:
         launcher._group.kill_rank(1)
         with pytest.raises(ReplicaFailed) as info:
             launcher.generate([[5, 6, 7]], max_new_tokens=4)
