@@ -19,6 +19,7 @@ What is replaced, all through monkeypatch:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import threading
@@ -190,7 +191,10 @@ def use_in_process_groups(monkeypatch, cpus: int = 2) -> InProcessCluster:
     monkeypatch.setattr(ray_cluster, "connect", lambda address=None, num_cpus=None: ray_cluster.RayConnection(
         started_here=False, address="in-process"))
     monkeypatch.setattr(placement, "alive_nodes", lambda: [node])
-    monkeypatch.setitem(workers.backends.BACKENDS, "cpu", f"{__name__}:InProcessCpuBackend")
+    # The registry names the class as "module:Class", directly or as a BackendEntry's implementation.
+    entry, ours = workers.backends.BACKENDS["cpu"], f"{__name__}:InProcessCpuBackend"
+    monkeypatch.setitem(workers.backends.BACKENDS, "cpu", ours if isinstance(entry, str)
+                        else dataclasses.replace(entry, implementation=ours))
     monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", str(torch.get_num_threads())))
 
     def new_group(*args, **kwargs) -> ThreadTPGroup:
