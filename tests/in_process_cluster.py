@@ -188,7 +188,7 @@ def use_in_process_groups(monkeypatch, cpus: int = 2) -> InProcessCluster:
     cluster = InProcessCluster(cpus)
     node = placement.NodeInfo(node_id=NODE_ID, address="127.0.0.1", total={"CPU": float(cpus)},
                               free={"CPU": float(cpus)})
-    monkeypatch.setattr(ray_cluster, "connect", lambda address=None, num_cpus=None: ray_cluster.RayConnection(
+    monkeypatch.setattr(ray_cluster, "connect", lambda *args, **kwargs: ray_cluster.RayConnection(
         started_here=False, address="in-process"))
     monkeypatch.setattr(placement, "alive_nodes", lambda: [node])
     # The registry names the class as "module:Class", directly or as a BackendEntry's implementation.
