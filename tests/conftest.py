@@ -1,4 +1,5 @@
-"""Shared fixtures: one local Ray instance for the whole test session (ray.init costs ~2 s)."""
+"""Shared fixtures: one local Ray instance for the whole test session (ray.init costs ~2 s), and
+the Launcher's TP groups run in-process without Ray (tests/in_process_cluster.py)."""
 
 from __future__ import annotations
 
@@ -17,3 +18,12 @@ def ray_session():
                  logging_level="ERROR")
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture
+def in_process_cluster(monkeypatch):
+    """Launchers started in this test run every TP group as threads of this process (no Ray):
+    see tests/in_process_cluster.py. Yields its record of the groups started."""
+    from tests.in_process_cluster import use_in_process_groups
+
+    return use_in_process_groups(monkeypatch)

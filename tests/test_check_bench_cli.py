@@ -1,8 +1,10 @@
-"""`corelaunch check` and `corelaunch bench` end to end: real Ray TP groups on random checkpoints.
+"""`corelaunch check` and `corelaunch bench` end to end on random checkpoints.
 
-The check runs in this process (sharing the session's Ray instance) and must pass against the
-transformers reference of the same checkpoint, and fail for a copy whose weights were perturbed
-while the reference stays the original. The bench runs as a subprocess with --json.
+The check runs in this process and must pass against the transformers reference of the same
+checkpoint, and fail for a copy whose weights were perturbed while the reference stays the
+original. Each check runs twice: on real Ray TP groups (sharing the session's Ray instance; slow)
+and with the Launcher's groups in-process, eagerly (tests/in_process_cluster.py; fast). The bench
+runs as a subprocess with --json on Ray (slow), and in-process through main() (fast).
 """
 
 from __future__ import annotations
@@ -62,14 +64,34 @@ def test_command_modules_import_neither_torch_nor_ray():
     assert proc.stdout.strip() == "[]"
 
 
-def test_check_passes_token_and_logit_matching_against_transformers_at_tp2(models, capsys, ray_session):
+@pytest.fixture(params=[pytest.param("ray", marks=pytest.mark.slow), "in-process"])
+def where(request) -> list[str]:
+    """Where the checks' TP groups run: real Ray workers with the default compiled graphs (slow),
+    or in-process groups, eagerly (fast). The extra command-line arguments that takes."""
+    if request.param == "ray":
+        request.getfixturevalue("ray_session")
+        return []
+    request.getfixturevalue("in_process_cluster")
+    return ["--no-compile"]
+
+
+def test_compiling_is_the_default_of_check_and_bench():
+    from launcher.cli import build_parser
+
+    for command in ("check", "bench"):
+        assert build_parser().parse_args([command]).compile is True
+        assert build_parser().parse_args([command, "--no-compile"]).compile is False
+
+
+def test_check_passes_token_and_logit_matching_against_transformers_at_tp2(models, capsys, where):
     original, _ = models
     common = ["--model", str(original), "--tp", "2", "--prompt-ids", PROMPT_IDS, "--prompt-ids", "8,60,21",
-              "--num-tokens", str(NUM_TOKENS)]
+              "--num-tokens", str(NUM_TOKENS), *where]
     code, report, err = run_check(capsys, "--mode", "token-matching", *common)
     assert code == 0, err
     assert report["passed"] and report["tp_degree"] == 2 and report["mode"] == "token-matching"
-    assert report["compile"] is True  # the default: the compiled graphs users run are what is checked
+    # by default the compiled graphs users run are what is checked
+    assert report["compile"] is ("--no-compile" not in where)
     assert [p["input_ids"] for p in report["prompts"]] == [[5, 17, 42, 9], [8, 60, 21]]
     for p in report["prompts"]:
         assert p["passed"] and p["first_divergence"] is None
@@ -85,7 +107,7 @@ def test_check_passes_token_and_logit_matching_against_transformers_at_tp2(model
         assert all(g["passed"] and g["max_abs_error"] < 1e-3 for g in p["top_k"].values())
 
 
-def test_check_fails_for_perturbed_weights_and_says_where(models, capsys, ray_session):
+def test_check_fails_for_perturbed_weights_and_says_where(models, capsys, where):
     original, perturbed = models
     # the report logic is the subject: eager (--no-compile) is enough and spares compiling graphs
     common = ["--model", str(perturbed), "--reference", str(original), "--tp", "2",
@@ -118,7 +140,7 @@ def test_check_fails_for_perturbed_weights_and_says_where(models, capsys, ray_se
         assert d["actual_token"] == t["actual_tokens"][first] and d["divergence_difference"] > 0
 
 
-def test_saved_expected_outputs_are_a_reference_too(models, capsys, tmp_path, ray_session):
+def test_saved_expected_outputs_are_a_reference_too(models, capsys, tmp_path, where):
     original, perturbed = models
     path = tmp_path / "expected.pt"
     code, summary, err = run_check(capsys, "--model", str(original), "--prompt-ids", PROMPT_IDS,
@@ -163,18 +185,39 @@ def test_check_bad_input_exits_2_before_starting_workers(models, capsys, tmp_pat
     assert code == 2 and "does not exist" in err
 
 
+BENCH_ARGS = ["--tp", "2", "--batch-size", "2", "--prompt-len", "8", "--max-new-tokens", "5", "--warmup", "1",
+              "--json"]
+BENCH_RUNS = 3
+
+
+@pytest.mark.slow
 def test_bench_json_report_via_cli(models):
     original, _ = models
-    runs = 3
     proc = subprocess.run(
-        [sys.executable, "-m", "launcher", "bench", "--model", str(original), "--tp", "2", "--batch-size", "2",
-         "--prompt-len", "8", "--max-new-tokens", "5", "--warmup", "1", "--runs", str(runs), "--json",
+        [sys.executable, "-m", "launcher", "bench", "--model", str(original), *BENCH_ARGS, "--runs", str(BENCH_RUNS),
          "--ray-address", "local"],
         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)  # the whole stdout is one JSON object
-    assert report["config"]["tp_degree"] == 2 and report["config"]["runs"] == runs
     assert report["config"]["compile"] is True
+    check_bench_report(report)
+
+
+def test_bench_json_report_in_process(models, capsys, in_process_cluster):
+    original, _ = models
+    capsys.readouterr()
+    code = main(["bench", "--model", str(original), *BENCH_ARGS, "--runs", str(BENCH_RUNS), "--no-compile",
+                 "--quiet"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    report = json.loads(out.out)  # the whole stdout is one JSON object
+    assert report["config"]["compile"] is False
+    check_bench_report(report)
+
+
+def check_bench_report(report: dict) -> None:
+    runs = BENCH_RUNS
+    assert report["config"]["tp_degree"] == 2 and report["config"]["runs"] == runs
     counts = {"e2e_model": runs, "context_encoding_model": runs, "token_generation_model": runs * (5 - 1)}
     for name, count in counts.items():
         section = report[name]

@@ -138,15 +138,36 @@ def test_a_matching_launch_takes_the_directory_settings(model_dir, tmp_path):
     assert config.presharded_dir == str(root / "weights") and config.context_buckets == (8, 16)
 
 
-def test_cli_refusals_exit_2_before_starting_anything(model_dir, tmp_path):
+def corelaunch_in_process(capsys, *args: str) -> tuple[int, str]:
+    """`corelaunch ARGS` through launcher.cli.main in this process: (exit code, stderr)."""
+    from launcher.cli import main
+
+    capsys.readouterr()
+    code = main(list(args))
+    return code, capsys.readouterr().err
+
+
+def test_cli_refusals_exit_2_before_starting_anything(model_dir, tmp_path, capsys, in_process_cluster):
+    root = fake_compiled_dir(tmp_path / "c", model_dir)
+    code, err = corelaunch_in_process(capsys, "generate", "--compiled", str(root), "--tp", "2", "--quiet", "t1 t2")
+    assert code == 2 and "tp_degree: expected 1 (compiled), found 2 (asked)" in err
+    code, err = corelaunch_in_process(capsys, "generate", "--compiled", str(tmp_path / "nope"), "t1")
+    assert code == 2 and "does not exist" in err
+    code, err = corelaunch_in_process(capsys, "compile", "--model", str(model_dir), "--out", str(model_dir))
+    assert code == 2 and "is not a compiled-model directory" in err
+    code, err = corelaunch_in_process(capsys, "compile", "--model", str(model_dir), "--buckets", "8,x", "--out",
+                                      str(tmp_path / "o"))
+    assert code == 2 and "comma-separated integers" in err
+    code, err = corelaunch_in_process(capsys, "compile", "--model", str(model_dir), "--granularity", "graph",
+                                      "--buckets", "16", "--out", str(tmp_path / "o"))
+    assert code == 2 and "invalid choice: 'graph'" in err
+    assert not (tmp_path / "o").exists()  # refused before anything was written
+    assert in_process_cluster.groups == []  # and before any group was started
+
+
+@pytest.mark.slow
+def test_the_console_script_exits_2_on_a_refusal(model_dir, tmp_path):
+    """The same exit through `python -m launcher` (one subprocess: the exit code reaches the shell)."""
     root = fake_compiled_dir(tmp_path / "c", model_dir)
     wrong_tp = corelaunch("generate", "--compiled", str(root), "--tp", "2", "--quiet", "t1 t2", timeout=60)
     assert wrong_tp.returncode == 2 and "tp_degree: expected 1 (compiled), found 2 (asked)" in wrong_tp.stderr
-    missing = corelaunch("generate", "--compiled", str(tmp_path / "nope"), "t1", timeout=60)
-    assert missing.returncode == 2 and "does not exist" in missing.stderr
-    not_compiled = corelaunch("compile", "--model", str(model_dir), "--out", str(model_dir), timeout=60)
-    assert not_compiled.returncode == 2 and "is not a compiled-model directory" in not_compiled.stderr
-    bad_buckets = corelaunch("compile", "--model", str(model_dir), "--buckets", "8,x", "--out",
-                             str(tmp_path / "o"), timeout=60)
-    assert bad_buckets.returncode == 2 and "comma-separated integers" in bad_buckets.stderr
-    assert not (tmp_path / "o").exists()  # refused before anything was written

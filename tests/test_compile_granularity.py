@@ -44,7 +44,7 @@ def test_no_granularity_leaves_the_backend_default():
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(compile_granularity="graph"), "compile_granularity ('graph') must be one of model, layer, collective"),
+    (dict(compile_granularity="graph"), "compile_granularity ('graph') must be one of model, layer, model-decode, collective"),
     (dict(compile_granularity="model", compile=False), "compile is False (--no-compile)"),
 ])
 def test_bad_granularities_are_refused_naming_the_value(options, message):

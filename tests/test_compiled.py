@@ -2,8 +2,8 @@
 
 TP 1 runs in this process for every bucket: each context-encoding and token-generation bucket at
 two batch buckets, prompts padded on both ends, plus a batch that needs filler rows. TP 2 and 3 run
-through the Launcher (real Ray worker processes, the CPU backend's collectives between compiled
-regions; marked slow). torch.compile is slow (the first graph of a process takes ~15 s on 2 cores, later ones
+through the Launcher (real Ray worker processes, the CPU backend's collectives as operators inside
+the compiled graphs; marked slow). torch.compile is slow (the first graph of a process takes ~15 s on 2 cores, later ones
 ~4 s; inductor's cache makes reruns faster), so the models are tiny and the shapes few.
 """
 
@@ -84,13 +84,14 @@ def test_shapes_outside_the_buckets_are_refused(compiled):
 
 
 @pytest.mark.slow
-def test_whole_model_graph_equals_eager():
-    model = CompiledCausalLM(eager_model(), BUCKETS, granularity="model")
+@pytest.mark.parametrize("granularity", ["model", "model-decode", "collective"])
+def test_other_granularities_equal_eager(granularity):
+    model = CompiledCausalLM(eager_model(), BUCKETS, granularity=granularity)
     assert tokens(model, [SHORT, LONG]) == tokens(eager_model(), [SHORT, LONG])
 
 
 def test_unknown_granularity_is_refused():
-    with pytest.raises(ValueError, match="granularity 'graph' must be one of model, layer, collective"):
+    with pytest.raises(ValueError, match="granularity 'graph' must be one of model, layer, model-decode, collective"):
         CompiledCausalLM(eager_model(), BUCKETS, granularity="graph")
 
 

@@ -3,7 +3,9 @@
 Each step runs in its own process, as a restarted worker would: one RankWorker (no Ray) loads a
 tiny model with compiling on, warm-up on and its compile cache in a temporary directory, then
 generates. The first process finds the cache empty and compiles every graph; the second finds them
-all there (inductor's FX-graph and AOTAutograd cache counters) and gives the same tokens.
+all there (inductor's FX-graph and AOTAutograd cache counters) and gives the same tokens. Two
+processes compiling with a cold cache take most of a minute: slow (compiling itself is checked in
+the fast lane by tests/test_compiled.py).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tests.model_factory import build_random_model, save_model
 
@@ -44,6 +48,7 @@ def run_worker(model_dir: Path, cache_dir: Path) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_a_fresh_process_reuses_the_persisted_graphs(tmp_path):
     model_dir = save_model(build_random_model("llama", seed=3), tmp_path / "tiny")
     cache = tmp_path / "cache"
@@ -60,3 +65,4 @@ def test_a_fresh_process_reuses_the_persisted_graphs(tmp_path):
     # the request used only the warmed-up graphs: nothing was traced or compiled after load
     assert warm["after"]["fxgraph_cache_miss"] == 0 and len(warm["after"]["graphs"]) == 2
     assert warm["after"]["dynamo_graphs"] == warm["load"]["dynamo_graphs"]
+

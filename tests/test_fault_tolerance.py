@@ -1,7 +1,9 @@
 """Surviving failure on the local Ray: a rank SIGKILLed mid-request, a crash loop, a rank that never
-joins. (Losing a whole node is in tests/test_multinode.py, on a multi-node cluster.)
+joins (slow). (Losing a whole node is in tests/test_multinode.py, on a multi-node cluster.)
 
-Every answer after a fault must equal transformers' greedy tokens, i.e. a fault-free run.
+Every answer after a fault must equal transformers' greedy tokens, i.e. a fault-free run. The
+fast lane covers the same restart logic with the Launcher's groups in-process
+(tests/in_process_cluster.py) and the pool alone (tests/test_replica_pool.py).
 """
 
 from __future__ import annotations
@@ -150,3 +152,21 @@ def test_presharded_cache_key_follows_the_checkpoint_and_the_layout(tmp_path):
     os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
     assert first != cache_dir(root, model_dir, config, tp1, "float32")  # a rewritten checkpoint: new copy
     assert not is_ready(first)
+
+
+def test_a_restarted_group_reruns_the_request_from_the_presharded_cache_in_process(tmp_path, in_process_cluster):
+    """A group that breaks mid-request is restarted from the pre-sharded copy written after the
+    first load, and the re-run gives transformers' tokens."""
+    model = build_random_model("llama", seed=3, num_heads=4, num_kv_heads=2)
+    model_dir = save_model(model, tmp_path / "m")
+    expected = [greedy_ignoring_eos(model, p, 12) for p in PROMPTS]
+    with Launcher(model=str(model_dir), tp=2, max_restarts=2, presharded_cache=True, compile=False,
+                  presharded_cache_dir=str(tmp_path / "cache"), progress=False) as launcher:
+        wait_for(lambda: launcher.presharded_cache_ready, 30, "the pre-sharded cache copy")
+        assert [s["load_source"] for s in launcher.replica_status()] == [["checkpoint"]]
+        launcher._group.fail_next(WorkerDied("rank 1 (in-process) died while trying to finish the request"))
+        out = launcher.generate(PROMPTS, max_new_tokens=12, ignore_eos=True)
+        [after] = launcher.replica_status()
+    assert [r.token_ids for r in out] == expected and {r.attempts for r in out} == {2}
+    assert after["restarts"] == 1 and after["state"] == "serving"
+    assert after["load_source"] == ["presharded"], "the restarted group did not load the cached copy"

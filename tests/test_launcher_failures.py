@@ -1,4 +1,8 @@
-"""The coordinator refuses bad input clearly, never hangs, and reports a dead rank by rank and node."""
+"""The coordinator refuses bad input clearly, never hangs, and reports a dead rank by rank and node.
+
+Request checks and a dead rank's report run twice: with the Launcher's groups in-process
+(tests/in_process_cluster.py, fast) and on real Ray workers (slow).
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import time
 import pytest
 
 from launcher.api import LaunchConfig, Launcher
-from launcher.errors import PlacementTimeout, PlanRejected, ReplicaFailed, WorkerDied
+from launcher.errors import NoReplicaAvailable, PlacementTimeout, PlanRejected, ReplicaFailed, WorkerDied
 from tests.model_factory import save_random_model
 from workers.sampling import SamplingParams
 
@@ -54,8 +58,20 @@ def test_unsatisfiable_placement_fails_within_its_timeout(small_model, ray_sessi
     assert ray_session.available_resources().get("CPU") == ray_session.cluster_resources().get("CPU")
 
 
+@pytest.mark.slow
 def test_bad_requests_get_clear_errors_and_batches_split(small_model, ray_session):
-    with Launcher(model=small_model, tp=2, max_batch_size=2, seq_len=32, progress=False) as launcher:
+    check_bad_requests_and_batch_split(small_model, compile_=True)
+
+
+def test_bad_requests_get_clear_errors_and_batches_split_in_process(small_model, in_process_cluster):
+    check_bad_requests_and_batch_split(small_model, compile_=False)
+    [group] = in_process_cluster.groups
+    assert group.calls == 3 + 5  # the bad requests never reached the ranks; 3 parts, then 5 one by one
+
+
+def check_bad_requests_and_batch_split(small_model, compile_: bool) -> None:
+    with Launcher(model=small_model, tp=2, max_batch_size=2, seq_len=32, compile=compile_,
+                  progress=False) as launcher:
         with pytest.raises(ValueError, match="30 tokens.*seq_len is 32"):
             launcher.generate([list(range(3, 33))], max_new_tokens=4)
         with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 128\)"):
@@ -74,6 +90,22 @@ def test_bad_requests_get_clear_errors_and_batches_split(small_model, ray_sessio
         assert len(together) == 5
 
 
+def test_a_dead_rank_with_restarts_disabled_fails_the_call_naming_it(small_model, in_process_cluster):
+    # No health check comes between the death and the request (it would give the replica up first).
+    with Launcher(model=small_model, tp=2, max_restarts=0, compile=False, health_check_interval_s=600,
+                  progress=False) as launcher:
+        launcher._group.kill_rank(1)
+        with pytest.raises(ReplicaFailed) as info:
+            launcher.generate([[5, 6, 7]], max_new_tokens=4)
+        message = str(info.value)
+        assert isinstance(info.value.__cause__, WorkerDied), repr(info.value.__cause__)
+        assert "rank 1" in message and "max_restarts=0" in message, message
+        assert launcher.replica_status()[0]["state"] == "failed"
+        with pytest.raises(NoReplicaAvailable, match="no replica is left"):
+            launcher.generate([[5, 6, 7]], max_new_tokens=4)
+
+
+@pytest.mark.slow
 def test_worker_killed_mid_request_is_reported_within_seconds(tmp_path, ray_session):
     """With restarts disabled, the death itself reaches the caller: rank, node and pid named.
     (With restarts, the group is restarted and the request re-run: tests/test_fault_tolerance.py.)"""

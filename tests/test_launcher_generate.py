@@ -1,6 +1,9 @@
-"""End to end through Ray: greedy tokens of a TP group equal Hugging Face transformers' greedy tokens.
+"""End to end: greedy tokens of a TP group equal Hugging Face transformers' greedy tokens.
 
-Real Ray actors, real gloo process groups, real checkpoints written to disk in each format.
+Real checkpoints written to disk in each format. Each case runs twice: through real Ray actors and
+real process groups (slow, but for one eager TP 2 case kept in the fast lane as its Ray smoke
+test), and through the same Launcher with its groups' ranks as threads of this process
+(tests/in_process_cluster.py: planning, loading, the replica pool and the engine are the real ones).
 """
 
 from __future__ import annotations
@@ -40,9 +43,25 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+RAY_SMOKE = "llama-tp2-replicate-bin"
+"""The one case run through Ray in the fast lane (eager TP 2: worker start, gloo and shared memory)."""
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c[0], marks=() if c[0] == RAY_SMOKE else pytest.mark.slow)
+                                  for c in CASES])
 def test_tp_group_matches_transformers_greedy(case, tmp_path, ray_session):
-    _, model_type, shape, fmt, tp, strategy, compile_ = case
+    check_case(case, tmp_path, compile_=case[6])
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_in_process_group_matches_transformers_greedy(case, tmp_path, in_process_cluster):
+    """The same cases with no Ray: eager (compiled equals eager is tests/test_compiled.py's)."""
+    check_case(case, tmp_path, compile_=False)
+    assert [group.tp_degree for group in in_process_cluster.groups] == [case[4]]
+
+
+def check_case(case, tmp_path, compile_: bool) -> None:
+    _, model_type, shape, fmt, tp, strategy, _ = case
     model = build_random_model(model_type, seed=tp, **shape)
     save_model(model, tmp_path, fmt)
     expected = [hf_greedy(model, p) for p in PROMPTS]

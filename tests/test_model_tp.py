@@ -1,7 +1,9 @@
 """ShardedCausalLM against Hugging Face transformers: greedy tokens must be identical.
 
-TP 1 runs in this process; TP 2 and TP 3 run as real process groups (gloo, one spawned process per
-rank, see tests/tp_harness.py), every case of one degree in a single group.
+TP 1 runs in this process. TP 2 and TP 3 run every rank in this process too, one thread per rank,
+their collectives meeting in memory (tests/tp_harness.py's run_tp_in_process), every case of one
+degree in a single group. The same cases on real process groups (gloo, one spawned process per
+rank) must give the same tokens on every rank: that test is marked slow.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import torch
 from shardlib.model_config import ModelConfig
 from shardlib.sharding import KVStrategy, ShardLayout
 from tests.model_factory import build_random_model
-from tests.tp_harness import Case, Request, build_rank_model, hf_state_dict, run_tp, shard_for_rank, token_ids
+from tests.tp_harness import (Case, Request, build_rank_model, hf_state_dict, run_tp, run_tp_in_process,
+                              shard_for_rank, token_ids)
 from workers.collectives import Collectives, SingleRank
 from workers.engine import generate
 from workers.model import ShardedCausalLM
@@ -74,20 +77,31 @@ def requests_for(name: str) -> list[Request]:
     return requests
 
 
-@pytest.fixture(scope="module")
-def tp_outputs() -> dict[str, dict[int, list[list]]]:
-    """{case name: {rank: outputs per request}} for every multi-rank spec, one group per degree."""
+def multi_rank_cases() -> dict[int, list[Case]]:
+    """{tp degree: its cases} for every multi-rank spec."""
+    by_degree: dict[int, list[Case]] = {}
+    for name, (tp, _, _) in SPECS.items():
+        if tp > 1:
+            config, state_dict, _ = reference(name)
+            by_degree.setdefault(tp, []).append(Case(name, config, state_dict, requests_for(name)))
+    return by_degree
+
+
+def outputs_by_case(run) -> dict[str, dict[int, list[list]]]:
+    """{case name: {rank: outputs per request}}: every degree's cases run by `run` (run_tp or
+    run_tp_in_process) as one group."""
     outputs: dict[str, dict[int, list[list]]] = {}
-    for tp in sorted({spec[0] for spec in SPECS.values()} - {1}):
-        cases = []
-        for name, spec in SPECS.items():
-            if spec[0] == tp:
-                config, state_dict, _ = reference(name)
-                cases.append(Case(name, config, state_dict, requests_for(name)))
-        by_rank = run_tp(tp, cases, timeout_s=180)
+    for tp, cases in multi_rank_cases().items():
+        by_rank = run(tp, cases, timeout_s=180)
         for case in cases:
             outputs[case.name] = {rank: by_rank[rank][case.name] for rank in by_rank}
     return outputs
+
+
+@pytest.fixture(scope="module")
+def tp_outputs() -> dict[str, dict[int, list[list]]]:
+    """Every multi-rank spec's outputs, each rank a thread of this process."""
+    return outputs_by_case(run_tp_in_process)
 
 
 @pytest.mark.parametrize("name", [n for n, spec in SPECS.items() if spec[0] == 1])
@@ -124,6 +138,21 @@ def test_multi_rank_unseeded_sampling_agrees_across_ranks(tp_outputs):
     sampled = [token_ids(by_rank[rank][-1]) for rank in sorted(by_rank)]
     assert len(sampled[0][0]) == NEW_TOKENS
     assert all(tokens == sampled[0] for tokens in sampled)
+
+
+@pytest.mark.slow
+def test_gloo_process_groups_give_every_rank_the_in_process_tokens(tp_outputs):
+    """The same cases on real process groups (one spawned process per rank, gloo): the greedy tokens
+    equal the in-process ranks' on every rank (the unseeded sampled request draws other seeds, so
+    only its agreement across ranks is compared)."""
+    gloo = outputs_by_case(run_tp)
+    assert gloo.keys() == tp_outputs.keys()
+    for name, by_rank in gloo.items():
+        greedy = len(requests_for(name)) - (1 if name == BATCH_CASE else 0)
+        for rank, outputs in by_rank.items():
+            assert [token_ids(r) for r in outputs[:greedy]] == \
+                [token_ids(r) for r in tp_outputs[name][rank][:greedy]], (name, rank)
+            assert token_ids(outputs[-1]) == token_ids(by_rank[0][-1]), (name, rank)
 
 
 # ---- rotary numerics ---------------------------------------------------------------------------

@@ -1,4 +1,6 @@
-"""`corelaunch plan` end to end: `python -m launcher plan ...` in a subprocess, as a user runs it."""
+"""`corelaunch plan` end to end: `python -m launcher plan ...` in a subprocess, as a user runs it
+(exit codes and stdout as the shell sees them), and its parsing and refusals through main() in this
+process."""
 
 from __future__ import annotations
 
@@ -21,6 +23,18 @@ def corelaunch_plan(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=120)
 
 
+def plan_in_process(capsys, *args: str) -> subprocess.CompletedProcess:
+    """`corelaunch plan ARGS` through main() in this process, reported like corelaunch_plan's
+    (a usage error's SystemExit becomes its exit code)."""
+    capsys.readouterr()
+    try:
+        code = main(["plan", *args])
+    except SystemExit as exit_:
+        code = exit_.code
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(["corelaunch", "plan", *args], code, out.out, out.err)
+
+
 def test_refused_layout_json_exits_2_with_every_error_code():
     out = corelaunch_plan("--model", QWEN, "--instance", "trn1.32xlarge", "--tp", "6", "--json")
     assert out.returncode == 2, out.stderr
@@ -41,8 +55,8 @@ def test_valid_layout_exits_0():
     assert result["instance"] == "cpu"
 
 
-def test_readable_report_shows_each_error_with_its_code():
-    out = corelaunch_plan("--model", QWEN, "--instance", "trn1.32xlarge", "--tp", "6")
+def test_readable_report_shows_each_error_with_its_code(capsys):
+    out = plan_in_process(capsys, "--model", QWEN, "--instance", "trn1.32xlarge", "--tp", "6")
     assert out.returncode == 2
     assert out.stdout.startswith("INVALID")
     assert ("error [heads_not_divisible]: num_attention_heads (64) is not divisible by tp_degree (6); "
@@ -51,16 +65,17 @@ def test_readable_report_shows_each_error_with_its_code():
     assert "valid tp degrees: 16, 32" in out.stdout
 
 
-def test_flags_reach_the_planner():
-    out = corelaunch_plan("--model", str(CONFIGS / "llama-3.1-405b.json"), "--instance", "trn2.48xlarge",
+def test_flags_reach_the_planner(capsys):
+    out = plan_in_process(capsys, "--model", str(CONFIGS / "llama-3.1-405b.json"), "--instance", "trn2.48xlarge",
                           "--tp", "128", "--nodes", "2", "--batch-size", "2", "--seq-len", "1024", "--json")
     assert out.returncode == 0, out.stdout
     result = json.loads(out.stdout)
     assert (result["nodes"], result["lnc"], result["ranks_per_node"]) == (2, 2, 64)
     assert (result["batch_size"], result["seq_len"]) == (2, 1024)
-    lnc = corelaunch_plan("--model", SMOLLM2, "--instance", "trn1.32xlarge", "--lnc", "2", "--tp", "1", "--json")
+    lnc = plan_in_process(capsys, "--model", SMOLLM2, "--instance", "trn1.32xlarge", "--lnc", "2", "--tp", "1",
+                          "--json")
     assert lnc.returncode == 2 and [e["code"] for e in json.loads(lnc.stdout)["errors"]] == ["invalid_lnc"]
-    kv = corelaunch_plan("--model", SMOLLM2, "--tp", "9", "--kv-strategy", "shard")
+    kv = plan_in_process(capsys, "--model", SMOLLM2, "--tp", "9", "--kv-strategy", "shard")
     assert kv.returncode == 2 and "error [kv_heads_incompatible]" in kv.stdout
 
 
@@ -71,15 +86,15 @@ def test_missing_model_path_exits_2_naming_it(tmp_path):
     assert str(missing) in out.stderr and len(out.stderr.strip().splitlines()) == 1
 
 
-def test_unknown_architecture_exits_2(tmp_path):
+def test_unknown_architecture_exits_2(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
-    out = corelaunch_plan("--model", str(tmp_path))
+    out = plan_in_process(capsys, "--model", str(tmp_path))
     assert out.returncode == 2 and out.stdout == ""
     assert "model_type='gpt2'" in out.stderr and len(out.stderr.strip().splitlines()) == 1
 
 
-def test_bad_tp_value_is_a_usage_error():
-    out = corelaunch_plan("--model", SMOLLM2, "--tp", "three")
+def test_bad_tp_value_is_a_usage_error(capsys):
+    out = plan_in_process(capsys, "--model", SMOLLM2, "--tp", "three")
     assert out.returncode == 2 and "--tp must be a positive integer or 'auto'" in out.stderr
 
 
@@ -94,8 +109,8 @@ def test_default_model_is_the_demo_model(tmp_path, monkeypatch, capsys):
     assert result["model"]["num_attention_heads"] == 9 and result["valid_tp_degrees"] == [1, 3, 9]
 
 
-def test_model_directory_works_like_its_config_file(tmp_path):
+def test_model_directory_works_like_its_config_file(tmp_path, capsys):
     shutil.copy(SMOLLM2, tmp_path / "config.json")
-    out = corelaunch_plan("--model", str(tmp_path), "--json")
+    out = plan_in_process(capsys, "--model", str(tmp_path), "--json")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["model"]["num_attention_heads"] == 9

@@ -1,7 +1,9 @@
-"""Several replicas: the arithmetic that sizes and splits work (pure), then real Ray replicas.
+"""Several replicas: the arithmetic that sizes and splits work (pure), then whole Launchers.
 
 Two replicas must answer a batch with exactly the tokens one replica gives (and transformers
-gives), use both replicas, and serve concurrent callers of one Launcher correctly.
+gives), use both replicas, and serve concurrent callers of one Launcher correctly. The Launchers
+run once with their groups in-process (tests/in_process_cluster.py, fast) and once on real Ray
+replicas (slow). The pool's routing and restarts alone are tests/test_replica_pool.py's.
 """
 
 from __future__ import annotations
@@ -97,7 +99,17 @@ def model_and_expected(tmp_path_factory):
     return str(path), [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
 
 
+@pytest.mark.slow
 def test_two_replicas_give_the_tokens_of_one(model_and_expected, ray_session):
+    check_two_replicas_give_the_tokens_of_one(model_and_expected)
+
+
+def test_two_in_process_replicas_give_the_tokens_of_one(model_and_expected, in_process_cluster):
+    check_two_replicas_give_the_tokens_of_one(model_and_expected)
+    assert in_process_cluster.names() == ["corelaunch-r0", "corelaunch-r0", "corelaunch-r1"]  # one, then two
+
+
+def check_two_replicas_give_the_tokens_of_one(model_and_expected) -> None:
     model_dir, expected = model_and_expected
     with Launcher(model=model_dir, tp=1, replicas=1, progress=False, **EAGER) as one:
         single = one.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
@@ -141,6 +153,7 @@ def wait_until_all_cpus_free(ray, timeout_s: float = 15.0) -> int:
     return int(cpus)
 
 
+@pytest.mark.slow
 def test_replicas_auto_fills_the_cluster(model_and_expected, ray_session):
     model_dir, expected = model_and_expected
     cpus = wait_until_all_cpus_free(ray_session)
@@ -148,3 +161,30 @@ def test_replicas_auto_fills_the_cluster(model_and_expected, ray_session):
         assert launcher.replicas == cpus  # one CPU per rank: one TP 1 replica per CPU
         out = launcher.generate(PROMPTS[:2], max_new_tokens=NEW_TOKENS)
     assert [r.token_ids for r in out] == expected[:2]
+
+
+def test_replicas_auto_counts_the_groups_the_free_cpus_hold(model_and_expected, in_process_cluster):
+    model_dir, expected = model_and_expected
+    with Launcher(model=model_dir, tp=1, replicas="auto", progress=False, **EAGER) as launcher:
+        assert launcher.replicas == in_process_cluster.cpus  # one CPU per rank: one TP 1 replica per CPU
+        out = launcher.generate(PROMPTS[:2], max_new_tokens=NEW_TOKENS)
+    assert [r.token_ids for r in out] == expected[:2]
+    assert {r.replica for r in out} == set(range(in_process_cluster.cpus))
+
+
+def test_a_part_whose_group_breaks_is_rerun_and_the_call_still_gives_every_token(model_and_expected,
+                                                                                 in_process_cluster):
+    """Launcher.generate over two replicas when one part's group fails mid-request: that part is
+    re-run on the restarted group (attempts 2), the other part is untouched, the tokens are exact."""
+    from launcher.errors import WorkerDied
+
+    model_dir, expected = model_and_expected
+    with Launcher(model=model_dir, tp=1, replicas=2, max_batch_size=3, progress=False, **EAGER) as launcher:
+        first = launcher._group  # replica 0's
+        first.fail_next(WorkerDied("rank 0 (in-process) died while trying to finish the request"))
+        out = launcher.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+        status = launcher.replica_status()
+    assert [r.token_ids for r in out] == expected
+    assert sorted({(r.replica, r.attempts) for r in out}) == [(0, 2), (1, 1)]
+    assert [s["restarts"] for s in status] == [1, 0] and first.actors == []
+    assert in_process_cluster.names() == ["corelaunch-r0", "corelaunch-r0", "corelaunch-r1"]  # r0 restarted

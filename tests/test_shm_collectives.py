@@ -15,7 +15,10 @@
 - Nothing named corelaunch-* is left in /dev/shm, during a group's life or after.
 
 Each test starts one group of processes and runs several checks in it (starting a process costs
-about a second here).
+about a second here); those are marked slow. The fast lane runs the same exchange protocol with the
+ranks as threads of this process sharing one mapped segment (fixed-order sums, gathers, chunking,
+reuse under stress including the single-buffer race, an absent peer's timeout); a real TP 2
+Launcher using shared memory between processes is tests/test_launcher_generate.py's Ray smoke test.
 """
 
 from __future__ import annotations
@@ -156,6 +159,7 @@ def _two_ranks(rank, world_size):
     return out
 
 
+@pytest.mark.slow
 def test_two_ranks_bitwise_equal_to_gloo_and_selection():
     results = run_ranks(2, _two_ranks)
     for rank, out in results.items():
@@ -259,6 +263,7 @@ def three_ranks() -> dict:
     return run_ranks(3, _three_ranks, 600, case)
 
 
+@pytest.mark.slow
 def test_three_ranks_fixed_order_agreement_and_race_free_reuse(three_ranks):
     results = three_ranks
     for rank, out in results.items():
@@ -302,6 +307,7 @@ def _absent_peers(rank, world_size):
     return out
 
 
+@pytest.mark.slow
 def test_absent_peer_times_out_and_dead_peer_is_noticed():
     out = run_ranks(2, _absent_peers, expect=1)[0]
     message, waited = out["timeout"]
@@ -349,6 +355,7 @@ def _multi_node(rank, world_size):
     return out
 
 
+@pytest.mark.slow
 def test_hierarchical_across_node_groups_and_collective_fallback():
     results = run_ranks(4, _multi_node)
     for rank, out in results.items():
@@ -361,6 +368,7 @@ def test_hierarchical_across_node_groups_and_collective_fallback():
         assert "rank 1: FileNotFoundError" in out["fallback_shm"]
 
 
+@pytest.mark.slow
 def test_tp3_greedy_tokens_identical_with_gloo_and_shared_memory(three_ranks):
     for rank, out in three_ranks.items():
         tokens = out["tokens"]
@@ -370,6 +378,7 @@ def test_tp3_greedy_tokens_identical_with_gloo_and_shared_memory(three_ranks):
 
 
 # ---- through the launcher: the CPU backend picks shared memory by default ----------------------------
+@pytest.mark.slow
 def test_launcher_tp2_uses_shared_memory_and_leaves_nothing(tmp_path, ray_session):
     import ray
 
@@ -384,6 +393,120 @@ def test_launcher_tp2_uses_shared_memory_and_leaves_nothing(tmp_path, ray_sessio
         assert glob.glob(SHM_GLOB) == []
     assert kinds == ["ShmCollectives", "ShmCollectives"]
     assert len(out.token_ids) == 4
+
+
+# ---- the same exchange between threads of this process (fast) -------------------------------------
+def thread_ranks(tmp_path, size: int, slot_bytes: int = 4096, timeout_s: float = 30.0, exchange_cls=None) -> list:
+    """`size` ShmCollectives over one segment in this process, attached as group.py's _build does
+    (the leader creates and unlinks the file; every rank maps it), each rank to be run on a thread."""
+    from workers.shm.collectives import ShmCollectives
+    from workers.shm.exchange import TOKEN_PREFIX, NodeExchange, Segment, SegmentLayout
+    from workers.shm.group import SPIN_S, YIELD_S
+    from workers.shm.native import native
+
+    layout = SegmentLayout(local_size=size, slot_bytes=slot_bytes)
+    token = TOKEN_PREFIX + b"threads"
+    path = str(tmp_path / f"corelaunch-threads-{size}-{slot_bytes}")
+    segments = [Segment(path, layout, create=True, token=token)]
+    segments += [Segment(path, layout, create=False, token=token) for _ in range(1, size)]
+    segments[0].unlink()
+    exchanges = [(exchange_cls or NodeExchange)(seg, rank, list(range(size)), native(), timeout_s, SPIN_S, YIELD_S)
+                 for rank, seg in enumerate(segments)]
+    for x in exchanges:
+        x.read_peer_pids()
+    return [ShmCollectives(x) for x in exchanges]
+
+
+def on_threads(fn, colls: list, *args, timeout_s: float = 120.0) -> dict:
+    """{rank: fn(rank, world_size, coll, *args)}, every rank on its own thread at once."""
+    import threading
+
+    results, errors = {}, {}
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = fn(rank, len(colls), colls[rank], *args)
+        except BaseException:  # noqa: BLE001 - reported below
+            errors[rank] = traceback.format_exc()
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(len(colls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    assert not any(t.is_alive() for t in threads), f"ranks still running after {timeout_s} s"
+    assert not errors, errors
+    return results
+
+
+def _exact_results(rank, world_size, coll):
+    bad = []
+    for seed, shape in enumerate(SHAPES):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = inputs(rank, shape, seed, dtype)
+            got = x.clone()
+            assert coll.all_reduce_sum_(got) is got  # in place
+            if not torch.equal(got, fixed_order_sum(world_size, shape, seed, dtype)):
+                bad.append(("reduce", shape, str(dtype)))
+            if len(shape) > 1:
+                want = torch.cat([inputs(r, shape, seed, dtype) for r in range(world_size)], dim=-1)
+                if not torch.equal(coll.all_gather_last_dim(x), want):
+                    bad.append(("gather", shape, str(dtype)))
+    return bad
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_threads_sharing_a_segment_sum_in_rank_order_and_gather_in_chunks(tmp_path, size):
+    colls = thread_ranks(tmp_path, size)  # one-page slots: (2, 40000) goes in many chunks
+    try:
+        results = on_threads(_exact_results, colls)
+    finally:
+        for c in colls:
+            c.close()
+    assert results == {rank: [] for rank in range(size)}, results
+
+
+def _stress_on_thread(rank, world_size, coll, calls, seed0):
+    return _stress(rank, world_size, coll, calls, seed0)
+
+
+def test_threads_reuse_buffers_race_free_and_the_stress_catches_a_single_buffer(tmp_path):
+    from workers.shm.exchange import NodeExchange
+
+    class SingleBuffer(_SlowReads, NodeExchange):
+        def _slots(self, buffer, dtype, numel):
+            return super()._slots(0, dtype, numel)
+
+    good = thread_ranks(tmp_path, 3, exchange_cls=type("SlowReadsExchange", (_SlowReads, NodeExchange), {}))
+    broken = thread_ranks(tmp_path, 3, exchange_cls=SingleBuffer)
+    try:
+        good_bad = on_threads(_stress_on_thread, good, 300, 1)
+        broken_bad = on_threads(_stress_on_thread, broken, 300, 2)
+    finally:
+        for c in good + broken:
+            c.close()
+    assert good_bad == {0: [], 1: [], 2: []}, {r: b[:10] for r, b in good_bad.items()}
+    assert sum(len(b) for b in broken_bad.values()) > 0, (
+        "the stress test did not catch a single-buffered exchange: it cannot detect reuse races")
+
+
+def test_a_peer_that_never_arrives_times_out_naming_it(tmp_path):
+    from workers.shm.exchange import CollectiveTimeout
+
+    first, second = thread_ranks(tmp_path, 2, timeout_s=1.0)
+    try:
+        start = time.perf_counter()
+        with pytest.raises(CollectiveTimeout) as info:
+            first.all_reduce_sum_(torch.ones(8))
+        waited = time.perf_counter() - start
+        message = str(info.value)
+        assert "rank 1" in message and "waited 1 s" in message and "CORELAUNCH_COLLECTIVES=gloo" in message
+        assert 0.9 < waited < 10
+        with pytest.raises(CollectiveTimeout, match="rank 1"):  # the group is unusable now, and says so at once
+            first.all_reduce_sum_(torch.ones(8))
+    finally:
+        first.close()
+        second.close()
 
 
 # ---- orphans: a leader killed during set-up ---------------------------------------------------------

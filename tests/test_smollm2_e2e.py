@@ -1,4 +1,8 @@
-"""The real model end to end: SmolLM2-135M-Instruct through Ray at TP 1 and 3, and the CLI."""
+"""The real model end to end: SmolLM2-135M-Instruct through Ray at TP 1 and 3, and the CLI (slow).
+
+The generate command's refusals are checked in-process too (fast), with the demo model's packaged
+config standing in for the converted model (planning needs only the config).
+"""
 
 from __future__ import annotations
 
@@ -65,6 +69,32 @@ def test_cli_generate_json_prints_only_json(demo_dir):
     assert len(first["token_ids"]) <= 4 and first["finish_reason"] in ("stop", "length")
 
 
+def test_cli_generate_refusals_in_process(tmp_path, capsys, monkeypatch, in_process_cluster):
+    import shutil
+
+    import shardlib.demo_model
+    from launcher.cli import main
+
+    demo = tmp_path / "demo"
+    demo.mkdir()
+    shutil.copy(shardlib.demo_model.PACKAGED_CONFIG, demo / "config.json")
+    monkeypatch.setattr(shardlib.demo_model, "ensure_demo_model", lambda *a, **k: demo)
+
+    def refused(*args: str) -> str:
+        capsys.readouterr()
+        assert main(["generate", *args]) == 2, args
+        return capsys.readouterr().err
+
+    missing = refused("--model", str(tmp_path / "nope"), "hi")
+    assert "nope" in missing and "does not exist" in missing
+    assert "top_p" in refused("--top-p", "2", "hi")
+    bad_tp = refused("--tp", "2", "--quiet", "hi")
+    assert "heads_not_divisible" in bad_tp and "num_attention_heads (9)" in bad_tp, bad_tp
+    assert "give at least one PROMPT" in refused("--quiet")
+    assert in_process_cluster.groups == []  # every refusal came before any group started
+
+
+@pytest.mark.slow
 def test_cli_generate_refuses_bad_input_with_exit_2(tmp_path):
     missing = subprocess.run([sys.executable, "-m", "launcher", "generate", "--model", str(tmp_path / "nope"),
                               "hi"], cwd=REPO, capture_output=True, text=True, timeout=60)

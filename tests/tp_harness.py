@@ -1,9 +1,13 @@
-"""Run real tensor parallelism in tests: one spawned process per rank, gloo between them.
+"""Run real tensor parallelism in tests, two ways with the same results.
 
-The parent passes each rank the full Hugging Face state_dict (tensors travel through shared
-memory); each rank cuts its own slices with shardlib's slice_for/apply_slice, builds a
-ShardedCausalLM over TorchDistributedCollectives and runs engine.generate. Every rank reports its
-outputs through a queue, so tests can check that the ranks agreed; rank 0's are the answer.
+- `run_tp_in_process`: every rank's shard in this process, one thread per rank, the ranks'
+  collectives exchanging tensors through memory (`InProcessGroup`, summing in rank order like every
+  production path). No process is started, so it is cheap enough for the fast lane.
+- `run_tp`: one spawned process per rank, gloo between them (the real process groups; slow lane).
+
+Both pass each rank the full Hugging Face state_dict; each rank cuts its own slices with shardlib's
+slice_for/apply_slice, builds a ShardedCausalLM over its collectives and runs engine.generate. Both
+return every rank's outputs, so tests can check that the ranks agreed; rank 0's are the answer.
 
 Several cases run in one process group: starting a process (importing torch) costs about a second
 on the development machine, far more than a tiny model's generation.
@@ -14,6 +18,8 @@ This module imports no transformers, so the spawned ranks start quickly.
 from __future__ import annotations
 
 import datetime
+import threading
+import time
 import traceback
 from dataclasses import dataclass, field
 from queue import Empty
@@ -22,6 +28,7 @@ import torch
 
 from shardlib.model_config import ModelConfig
 from shardlib.sharding import ShardLayout, apply_slice, slice_for
+from workers.collectives import Collectives, sum_in_rank_order_
 from workers.net import free_port
 from workers.sampling import SamplingParams
 
@@ -85,6 +92,89 @@ def run_case(case: Case, rank: int, tp_degree: int, collectives) -> list[list]:
     model = build_rank_model(case.config, case.state_dict, rank, tp_degree, collectives, case.kv_strategy)
     return [generate(model, r.prompts, r.sampling(), r.max_new_tokens, r.stop_token_ids)
             for r in case.requests]
+
+
+class InProcessGroup:
+    """The ranks of one TP group as threads of this process: each collective is a rendezvous where
+    every rank posts a copy of its tensor, then reads everyone's (a barrier on each side)."""
+
+    def __init__(self, world_size: int, timeout_s: float = 60.0) -> None:
+        self.world_size = world_size
+        self._posted: list[torch.Tensor | None] = [None] * world_size
+        self._barrier = threading.Barrier(world_size, timeout=timeout_s)
+
+    def ranks(self) -> list["InProcessRank"]:
+        return [InProcessRank(self, rank) for rank in range(self.world_size)]
+
+    def exchange(self, rank: int, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's tensor, in rank order (each rank calls this once per collective)."""
+        self._posted[rank] = tensor.detach().contiguous().clone()
+        self._barrier.wait()
+        parts = list(self._posted)
+        self._barrier.wait()  # nobody posts the next call's tensor before everyone has read this one
+        return parts
+
+    def abort(self) -> None:
+        """Wake every rank waiting in a collective (with BrokenBarrierError): a peer has failed."""
+        self._barrier.abort()
+
+
+class InProcessRank(Collectives):
+    """One rank's collectives over an InProcessGroup: the rank-order sum and the rank-order gather."""
+
+    def __init__(self, group: InProcessGroup, rank: int) -> None:
+        self._group, self._rank = group, rank
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._group.world_size
+
+    def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        return sum_in_rank_order_(tensor, self._group.exchange(self._rank, tensor))
+
+    def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
+        return torch.cat(self._group.exchange(self._rank, tensor), dim=-1)
+
+
+def run_tp_in_process(world_size: int, cases: list[Case],
+                      timeout_s: float = 120.0) -> dict[int, dict[str, list[list]]]:
+    """Like run_tp, with every rank a thread of this process (see InProcessGroup); same result shape.
+
+    Raises RuntimeError with the rank's traceback if a rank fails (its peers are released), and
+    TimeoutError if the ranks do not finish within timeout_s."""
+    group = InProcessGroup(world_size, timeout_s)
+    results: dict[int, dict] = {}
+    errors: dict[int, tuple[bool, str]] = {}  # rank -> (released by a peer's failure, traceback)
+
+    def rank_main(collectives: InProcessRank) -> None:
+        try:
+            results[collectives.rank] = {case.name: run_case(case, collectives.rank, world_size, collectives)
+                                         for case in cases}
+        except BaseException as err:  # noqa: BLE001 - reported below, on the caller's thread
+            errors[collectives.rank] = (isinstance(err, threading.BrokenBarrierError), traceback.format_exc())
+            group.abort()
+        finally:
+            collectives.close()
+
+    threads = [threading.Thread(target=rank_main, args=(c,), daemon=True, name=f"tp-rank-{c.rank}")
+               for c in group.ranks()]
+    deadline = time.monotonic() + timeout_s
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    if errors:
+        first = min(errors, key=lambda rank: (errors[rank][0], rank))  # the cause, not a released peer
+        raise RuntimeError(f"rank {first} of {world_size} failed:\n{errors[first][1]}")
+    if len(results) < world_size:
+        group.abort()
+        raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(results))} of {world_size} did not "
+                           f"finish within {timeout_s} s; cases {[c.name for c in cases]}")
+    return results
 
 
 def _rank_main(rank: int, world_size: int, port: int, cases: list[Case], queue) -> None:

@@ -1,0 +1,206 @@
+"""The Launcher without Ray: every replica's TP group as threads of the test process.
+
+`use_in_process_groups(monkeypatch)` makes Launcher.start (and the CLI commands built on it) plan,
+size replicas, build the real ReplicaPool and load the tokenizer as usual, but start each TP group
+as a `ThreadTPGroup`: one real workers.rank_worker.RankWorker per rank, each call on every rank at
+once on threads of this process, the ranks' collectives meeting in memory (tests/tp_harness.py's
+InProcessGroup) instead of a torch.distributed process group. Loading (checkpoint slices, shards,
+the model), the engine, sampling and the pool's routing, restarts and errors are the production
+code; only Ray (actors, placement groups) and the process group are left out. That makes the
+driver's logic cheap to test in the fast lane; tests that start real Ray workers are marked slow.
+
+What is replaced, all through monkeypatch:
+- launcher.cluster.ray_cluster.connect: no Ray session (a RayConnection that owns nothing);
+- launcher.cluster.placement.alive_nodes: one node of `cpus` CPUs, all free;
+- launcher.cluster.tp_group.TPGroup: a ThreadTPGroup (Launcher._new_group, the pool's GroupFactory,
+  builds, starts and loads it as it would a Ray group);
+- workers.backends.BACKENDS["cpu"]: the CPU backend whose process group is an InProcessGroup.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tests.tp_harness import InProcessGroup
+from workers.backends.cpu import CpuBackend
+
+_GROUPS: dict[int, InProcessGroup] = {}
+"""Collective groups by their stand-in rendezvous port (each ThreadTPGroup takes a fresh one)."""
+_PORTS = itertools.count(1)
+NODE_ID = "in-process-node"
+
+
+class InProcessCpuBackend(CpuBackend):
+    """The CPU backend with its process group replaced: rank `rank` joins the InProcessGroup
+    registered under the rendezvous port (the ranks are threads of one process)."""
+
+    def init_process_group(self, rendezvous, rank, world_size, timeout_s, node_groups=None):
+        if world_size == 1:
+            return super().init_process_group(rendezvous, rank, world_size, timeout_s, node_groups)
+        group = _GROUPS[rendezvous.port]
+        assert group.world_size == world_size, (group.world_size, world_size)
+        return group.ranks()[rank]
+
+
+@dataclass
+class ThreadTPGroup:
+    """A TP group (what launcher.cluster.tp_group.TPGroup is to the replica pool) whose ranks are
+    RankWorkers on threads of this process. `fail_next(...)` and `kill_rank(...)` inject faults."""
+
+    tp_degree: int
+    backend: str = "cpu"
+    resources: object = None
+    timeouts: object = None
+    lnc: int = 1
+    nodes: int = 1
+    name: str = "in-process"
+    actors: list = field(default_factory=list, init=False)
+    """The RankWorkers while the group lives; [] once killed (the pool looks at this)."""
+    workers: list[dict] = field(default_factory=list, init=False)
+    calls: int = field(default=0, init=False)
+    """generate calls received."""
+    _dead: list[int] = field(default_factory=list, init=False)
+    _fault: BaseException | None = field(default=None, init=False)
+
+    def start(self) -> None:
+        from workers.rank_worker import RankWorker, WorkerSpec
+
+        port = next(_PORTS)
+        self._port = port
+        _GROUPS[port] = self._collectives = InProcessGroup(self.tp_degree, timeout_s=60.0)
+        # torch's thread count is the process's: keep it (the backend sets what the spec says).
+        threads = torch.get_num_threads()
+        self.actors = [RankWorker(WorkerSpec(rank=r, world_size=self.tp_degree, backend="cpu", threads=threads))
+                       for r in range(self.tp_degree)]
+        self.workers = [dict(w.describe(), node_id=NODE_ID, node_ip="127.0.0.1") for w in self.actors]
+        groups = [list(range(self.tp_degree))]
+        self._on_every_rank("join the process group",
+                            lambda w: w.init_backend("127.0.0.1", port, 60.0, groups))
+
+    def node_groups(self) -> list[list[int]]:
+        return [list(range(self.tp_degree))]
+
+    def load(self, spec) -> list:
+        return self._on_every_rank("load its shard", lambda w: w.load(spec))
+
+    def generate(self, request):
+        from launcher.errors import WorkerDied
+
+        self.calls += 1
+        if self._dead:
+            self.kill()
+            raise WorkerDied(f"rank {self._dead[0]} (in-process, pid {os.getpid()}) died while trying to "
+                             f"finish the request; the group was stopped")
+        if self._fault is not None:
+            fault, self._fault = self._fault, None
+            self.kill()
+            raise fault
+        return self._on_every_rank("finish the request", lambda w: w.generate(request))[0]
+
+    def fail_next(self, fault: BaseException) -> None:
+        """The next generate call raises `fault` (a GroupFault) and stops the group, as a broken one does."""
+        self._fault = fault
+
+    def kill_rank(self, rank: int) -> None:
+        """Rank `rank` is gone: the health check reports it, the next request fails with WorkerDied."""
+        self._dead.append(rank)
+
+    def dead_ranks(self, timeout_s: float = 5.0) -> list[str]:
+        if not self.actors:
+            return ["the group (stopped)"]
+        return [f"rank {r} (in-process, pid {os.getpid()})" for r in self._dead]
+
+    def shutdown(self, grace_s: float = 10.0) -> None:
+        if self.actors:
+            self._on_every_rank("shut down", lambda w: w.shutdown())
+        self.kill()
+
+    def kill(self) -> None:
+        self.actors = []
+        if hasattr(self, "_collectives"):
+            self._collectives.abort()  # a rank still waiting in a collective gives up
+            _GROUPS.pop(self._port, None)
+
+    def _on_every_rank(self, step: str, fn) -> list:
+        """fn(worker) on every rank at once (they meet in collectives); results in rank order.
+        Errors as TPGroup raises them: the user's mistakes keep their type, anything else stops
+        the group and becomes a RankFailed (launcher.cluster.tp_group._rank_failure)."""
+        from launcher.cluster.tp_group import _rank_failure
+
+        workers = list(self.actors)
+        results: list = [None] * len(workers)
+        errors: dict[int, BaseException] = {}
+
+        def run(rank: int) -> None:
+            try:
+                results[rank] = fn(workers[rank])
+            except BaseException as err:  # noqa: BLE001 - raised below on the caller's thread
+                errors[rank] = err
+
+        threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(len(workers))]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 120
+        first_error_at = None
+        while any(t.is_alive() for t in threads):
+            if time.monotonic() > deadline:
+                self.kill()
+                raise TimeoutError(f"{self.name}: ranks did not {step} within 120 s")
+            if errors and first_error_at is None:
+                first_error_at = time.monotonic()
+            if first_error_at is not None and time.monotonic() - first_error_at > 2.0:
+                self._collectives.abort()  # the others wait in a collective for the rank that failed
+            next((t for t in threads if t.is_alive()), threads[0]).join(0.02)
+        if errors:
+            # The rank whose own error it was, not a peer released from a collective by it.
+            rank = min(errors, key=lambda r: (isinstance(errors[r], threading.BrokenBarrierError), r))
+            failure = _rank_failure(f"rank {rank} (in-process)", step, errors[rank])
+            if not isinstance(failure, (ValueError, FileNotFoundError)) or len(errors) < len(workers):
+                self.kill()
+            raise failure from errors[rank]
+        return results
+
+
+@dataclass
+class InProcessCluster:
+    """What use_in_process_groups set up: every group the launchers built, in order."""
+
+    cpus: int
+    groups: list[ThreadTPGroup] = field(default_factory=list)
+
+    def names(self) -> list[str]:
+        """The groups' names (corelaunch-r<replica index>), sorted: one per start or restart."""
+        return sorted(g.name for g in self.groups)
+
+
+def use_in_process_groups(monkeypatch, cpus: int = 2) -> InProcessCluster:
+    """Make every Launcher started from now on (until monkeypatch undoes it) run in-process."""
+    import workers.backends
+    from launcher.cluster import placement, ray_cluster, tp_group
+
+    cluster = InProcessCluster(cpus)
+    node = placement.NodeInfo(node_id=NODE_ID, address="127.0.0.1", total={"CPU": float(cpus)},
+                              free={"CPU": float(cpus)})
+    monkeypatch.setattr(ray_cluster, "connect", lambda *args, **kwargs: ray_cluster.RayConnection(
+        started_here=False, address="in-process"))
+    monkeypatch.setattr(placement, "alive_nodes", lambda: [node])
+    # The registry names the class as "module:Class", directly or as a BackendEntry's implementation.
+    entry, ours = workers.backends.BACKENDS["cpu"], f"{__name__}:InProcessCpuBackend"
+    monkeypatch.setitem(workers.backends.BACKENDS, "cpu", ours if isinstance(entry, str)
+                        else dataclasses.replace(entry, implementation=ours))
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", str(torch.get_num_threads())))
+
+    def new_group(*args, **kwargs) -> ThreadTPGroup:
+        group = ThreadTPGroup(*args, **kwargs)
+        cluster.groups.append(group)
+        return group
+
+    monkeypatch.setattr(tp_group, "TPGroup", new_group)
+    return cluster

@@ -1,0 +1,374 @@
+"""launcher/cluster/replica_pool.py on its own: queueing, routing, restarts, failures, teardown.
+
+The pool is driven through its GroupFactory seam with scripted in-process groups (what a TPGroup is
+to the pool: generate, kill, shutdown, dead_ranks, workers, actors), so every decision of the pool
+is checked in milliseconds. The same logic with real Ray workers (a SIGKILLed rank, a crash loop)
+is in tests/test_fault_tolerance.py and tests/test_launcher_failures.py (slow).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import wait
+
+import pytest
+
+from launcher.cluster.replica_pool import ReplicaPool, StartedGroup
+from launcher.cluster.restart_policy import RestartPolicy
+from launcher.errors import (LaunchError, NoReplicaAvailable, PlacementTimeout, RendezvousTimeout, ReplicaFailed,
+                             RequestTimeout, RestartLimitExceeded, WorkerDied)
+
+TIMEOUT_S = 10
+
+
+class ScriptedGroup:
+    """One started TP group. Each request is answered by `script(request)` (its return value, or
+    the error it raises); `gate` (when set) holds every request until it is opened."""
+
+    def __init__(self, name: str, script=None, gate: threading.Event | None = None) -> None:
+        self.name, self.script, self.gate = name, script or (lambda request: f"{name}:{request}"), gate
+        self.actors = [f"{name}/rank0", f"{name}/rank1"]
+        self.workers = [{"rank": 0, "pid": 100, "node_id": "node-a"}, {"rank": 1, "pid": 101, "node_id": "node-b"}]
+        self.seen: list = []
+        self.running = 0
+        self.max_running = 0
+        self.dead: list[str] = []
+        self.killed = self.shut_down = False
+        self._lock = threading.Lock()
+
+    def generate(self, request):
+        with self._lock:
+            self.running += 1
+            self.max_running = max(self.max_running, self.running)
+            self.seen.append(request)
+        try:
+            if self.gate is not None:
+                assert self.gate.wait(TIMEOUT_S), "the test never opened the gate"
+            return self.script(request)
+        finally:
+            with self._lock:
+                self.running -= 1
+
+    def dead_ranks(self, timeout_s: float = 5.0) -> list[str]:
+        return list(self.dead)
+
+    def kill(self) -> None:
+        self.killed = True
+        self.actors = []
+
+    def shutdown(self, grace_s: float = 10.0) -> None:
+        self.shut_down = True
+        self.kill()
+
+    def node_groups(self) -> list[list[int]]:
+        return [[0], [1]]
+
+
+class Factory:
+    """The pool's GroupFactory: each call returns a new group for that replica. `plan[index]`
+    optionally lists, per start of that replica in turn, an exception to raise instead or a
+    function returning the new group's script (a fresh one per group)."""
+
+    def __init__(self, plan: dict | None = None, gate: threading.Event | None = None) -> None:
+        self.plan = {k: list(v) for k, v in (plan or {}).items()}
+        self.gate = gate
+        self.calls: list[tuple[int, bool]] = []
+        self.groups: dict[int, list[ScriptedGroup]] = {}
+
+    def __call__(self, index: int, restart: bool) -> StartedGroup:
+        self.calls.append((index, restart))
+        step = self.plan.get(index, []).pop(0) if self.plan.get(index) else None
+        if isinstance(step, BaseException):
+            raise step
+        group = ScriptedGroup(f"r{index}.{len(self.groups.get(index, []))}", script=step() if step else None,
+                              gate=self.gate)
+        self.groups.setdefault(index, []).append(group)
+        return StartedGroup(group=group, load_stats=[])
+
+
+def dies_once(message: str = "rank 1 (node n1, pid 7) died while trying to finish the request"):
+    """A script whose first request fails as a dead rank does; later ones are answered."""
+    calls = []
+
+    def script(request):
+        calls.append(request)
+        if len(calls) == 1:
+            raise WorkerDied(message)
+        return f"after restart:{request}"
+
+    return lambda: script
+
+
+def always(error: BaseException):
+    def script(request):
+        raise error
+
+    return script
+
+
+@pytest.fixture
+def make_pool():
+    pools = []
+
+    def make(count=1, factory=None, max_restarts=3, window_s=600.0, interval_s=30.0, notes=None):
+        pool = ReplicaPool(count, factory or Factory(), lambda: RestartPolicy(max_restarts, window_s),
+                           health_check_interval_s=interval_s,
+                           note=notes.append if notes is not None else None)
+        pools.append(pool)
+        return pool
+
+    yield make
+    for pool in pools:
+        pool.shutdown(grace_s=1)
+
+
+def results(futures) -> list:
+    return [f.result(timeout=TIMEOUT_S) for f in futures]
+
+
+def wait_for(condition, what: str) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not happen within {TIMEOUT_S} s"
+        time.sleep(0.005)
+
+
+# ---- routing --------------------------------------------------------------------------------
+def test_one_replica_serves_its_queue_in_order_one_request_at_a_time(make_pool):
+    factory = Factory()
+    pool = make_pool(1, factory)
+    pool.start()
+    answers = results([pool.submit(i) for i in range(6)])
+    [group] = factory.groups[0]
+    assert [a.outputs for a in answers] == [f"r0.0:{i}" for i in range(6)]
+    assert {(a.replica, a.attempts) for a in answers} == {(0, 1)}
+    assert group.seen == list(range(6)) and group.max_running == 1
+    assert pool.status()[0]["served"] == 6 and factory.calls == [(0, False)]
+
+
+def test_a_request_goes_to_an_idle_replica_never_behind_a_busy_one(make_pool):
+    slow = threading.Event()
+    factory = Factory({0: [lambda: lambda r: (slow.wait(TIMEOUT_S), f"slow:{r}")[1]]})
+    pool = make_pool(2, factory)
+    pool.start()
+    # Replica 1 answers at once and replica 0 holds what it takes: send requests one by one until
+    # replica 0 has taken one.
+    while True:
+        held = pool.submit("held")
+        wait_for(lambda: held.done() or pool.status()[0]["busy"], "an answer or replica 0 taking it")
+        if not held.done():
+            break
+    others = results([pool.submit(f"next{i}") for i in range(4)])
+    assert {a.replica for a in others} == {1}  # all served while replica 0 was busy
+    assert [a.outputs for a in others] == [f"r1.0:next{i}" for i in range(4)]
+    assert not held.done()
+    slow.set()
+    assert held.result(TIMEOUT_S).replica == 0 and held.result().outputs == "slow:held"
+
+
+def test_concurrent_requests_use_every_replica_and_each_gets_its_own_answer(make_pool):
+    gate = threading.Event()
+    factory = Factory(gate=gate)
+    pool = make_pool(3, factory)
+    pool.start()
+    futures = [pool.submit(i) for i in range(9)]
+    wait_for(lambda: sum(s["busy"] for s in pool.status()) == 3, "all three replicas busy")
+    gate.set()
+    answers = results(futures)
+    assert [a.outputs.split(":")[1] for a in answers] == [str(i) for i in range(9)]
+    assert {a.replica for a in answers} == {0, 1, 2}
+    assert sum(s["served"] for s in pool.status()) == 9
+    assert all(g.max_running == 1 for groups in factory.groups.values() for g in groups)
+
+
+# ---- faults and restarts ----------------------------------------------------------------------
+def test_a_dead_rank_restarts_the_group_and_reruns_the_request(make_pool):
+    notes: list[str] = []
+    factory = Factory({0: [dies_once()]})
+    pool = make_pool(1, factory, max_restarts=2, notes=notes)
+    pool.start()
+    answer = pool.submit("a").result(TIMEOUT_S)
+    old, new = factory.groups[0]
+    assert answer.attempts == 2 and answer.outputs == "r0.1:a"  # re-run on the restarted group
+    assert old.killed and not new.killed and factory.calls == [(0, False), (0, True)]
+    [status] = pool.status()
+    assert status["state"] == "serving" and status["restarts"] == 1 and status["last_recovery_s"] >= 0
+    assert any("replica 0: WorkerDied: rank 1" in n and "restart 1 of at most 2" in n for n in notes), notes
+    assert pool.submit("b").result(TIMEOUT_S).attempts == 1
+
+
+def test_a_crash_loop_stops_at_the_restart_bound_and_then_nothing_is_served(make_pool):
+    crash = lambda: always(WorkerDied("rank 0 (node n1, pid 9) died while trying to finish the request"))  # noqa: E731
+    factory = Factory({0: [crash] * 5})
+    pool = make_pool(1, factory, max_restarts=2, window_s=120)
+    pool.start()
+    with pytest.raises(RestartLimitExceeded) as info:
+        pool.submit("a").result(TIMEOUT_S)
+    message = str(info.value)
+    assert "replica 0 failed and is given up" in message and "already restarted 2 times within 120 s" in message
+    assert "max_restarts=2" in message and "crash loop" in message and "rank 0 (node n1" in message, message
+    assert isinstance(info.value.__cause__, WorkerDied)
+    [status] = pool.status()
+    assert status["state"] == "failed" and status["restarts"] == 2 and status["workers"] == []
+    assert factory.calls == [(0, False), (0, True), (0, True)]
+    assert all(g.killed for g in factory.groups[0])
+    with pytest.raises(NoReplicaAvailable, match="no replica is left to serve requests"):
+        pool.submit("b")
+
+
+def test_restarts_disabled_fail_the_request_naming_the_setting(make_pool):
+    factory = Factory({0: [dies_once()]})
+    pool = make_pool(1, factory, max_restarts=0)
+    pool.start()
+    with pytest.raises(ReplicaFailed) as info:
+        pool.submit("a").result(TIMEOUT_S)
+    assert "restarts are disabled (max_restarts=0" in str(info.value)
+    assert isinstance(info.value.__cause__, WorkerDied) and factory.calls == [(0, False)]
+
+
+def test_a_timed_out_request_fails_but_its_group_is_restarted_for_the_next(make_pool):
+    factory = Factory({0: [lambda: always(RequestTimeout("rank 0 did not finish the request within 5 s"))]})
+    pool = make_pool(1, factory)
+    pool.start()
+    with pytest.raises(RequestTimeout, match="within 5 s"):
+        pool.submit("long").result(TIMEOUT_S)  # not re-run: it would time out again
+    assert pool.submit("next").result(TIMEOUT_S).outputs == "r0.1:next"
+    assert pool.status()[0]["restarts"] == 1
+
+
+def test_a_group_that_cannot_be_placed_again_fails_its_replica_only(make_pool):
+    gate = threading.Event()
+    placement = PlacementTimeout("Ray could not reserve 2 bundles of {'CPU': 1}")
+    factory = Factory({0: [dies_once(), placement]}, gate=gate)
+    pool = make_pool(2, factory)
+    pool.start()
+    futures = [pool.submit(i) for i in range(2)]
+    wait_for(lambda: all(s["busy"] for s in pool.status()), "both replicas busy")
+    gate.set()
+    done, _ = wait(futures, timeout=TIMEOUT_S)
+    failed = [f for f in done if f.exception() is not None]
+    assert len(done) == 2 and len(failed) == 1
+    error = failed[0].exception()
+    assert isinstance(error, ReplicaFailed) and "cannot host it any more" in str(error)
+    assert "Ray could not reserve" in str(error) and error.__cause__ is placement
+    assert [s["state"] for s in pool.status()] == ["failed", "serving"]
+    assert pool.serving() == 1
+    later = results([pool.submit(i) for i in range(3)])
+    assert {a.replica for a in later} == {1}  # the survivor takes everything
+
+
+def test_a_rank_that_dies_again_while_restarting_counts_as_another_failure(make_pool):
+    notes: list[str] = []
+    rejoin = RendezvousTimeout("rank 1 did not join the process group")
+    factory = Factory({0: [dies_once(), rejoin]})
+    pool = make_pool(1, factory, max_restarts=3, notes=notes)
+    pool.start()
+    answer = pool.submit("a").result(TIMEOUT_S)
+    assert answer.attempts == 2 and answer.outputs == "r0.1:a"
+    assert factory.calls == [(0, False), (0, True), (0, True)] and pool.status()[0]["restarts"] == 2
+    assert any("RendezvousTimeout: rank 1 did not join" in n for n in notes), notes
+
+
+def test_a_restart_that_fails_otherwise_gives_the_replica_up(make_pool):
+    factory = Factory({0: [dies_once(), OSError("disk gone")]})
+    pool = make_pool(1, factory)
+    pool.start()
+    with pytest.raises(ReplicaFailed, match=r"could not be restarted: OSError: disk gone"):
+        pool.submit("a").result(TIMEOUT_S)
+    assert pool.status()[0]["state"] == "failed"
+
+
+def test_a_bad_request_fails_alone_and_the_group_keeps_serving(make_pool):
+    def script(request):
+        if request == "bad":
+            raise ValueError("prompt 0 holds token ids [500] outside the vocabulary [0, 128)")
+        return f"ok:{request}"
+
+    factory = Factory({0: [lambda: script]})
+    pool = make_pool(1, factory)
+    pool.start()
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        pool.submit("bad").result(TIMEOUT_S)
+    assert pool.submit("good").result(TIMEOUT_S).outputs == "ok:good"
+    assert factory.calls == [(0, False)] and pool.status()[0]["restarts"] == 0
+
+
+def test_an_error_that_took_the_group_down_restarts_it(make_pool):
+    factory = Factory()
+
+    def script_for_first_group(request):
+        factory.groups[0][0].kill()  # e.g. a rank failed (RankFailed) and the group stopped itself
+        raise RuntimeError("rank 0 failed to finish the request")
+
+    factory.plan = {0: [lambda: script_for_first_group]}
+    pool = make_pool(1, factory)
+    pool.start()
+    with pytest.raises(RuntimeError, match="rank 0 failed"):
+        pool.submit("a").result(TIMEOUT_S)
+    wait_for(lambda: factory.calls == [(0, False), (0, True)], "the restart")
+    assert pool.submit("b").result(TIMEOUT_S).outputs == "r0.1:b"
+
+
+def test_an_idle_replica_with_a_dead_rank_is_restarted_by_the_health_check(make_pool):
+    factory = Factory()
+    pool = make_pool(1, factory, interval_s=0.02)
+    pool.start()
+    [first] = factory.groups[0]
+    first.dead = ["rank 1 (node n2, pid 8)"]
+    wait_for(lambda: len(factory.groups[0]) == 2 and pool.status()[0]["state"] == "serving",
+             "the health check's restart")
+    assert first.killed and pool.status()[0]["restarts"] == 1
+    assert pool.submit("x").result(TIMEOUT_S).outputs == "r0.1:x"
+
+
+# ---- start, status, shutdown ---------------------------------------------------------------------
+def test_a_replica_that_fails_to_start_fails_the_start_and_stops_the_others(make_pool):
+    factory = Factory({1: [PlacementTimeout("no room for replica 1")]})
+    pool = make_pool(3, factory)
+    with pytest.raises(PlacementTimeout, match="no room for replica 1") as info:
+        pool.start()
+    assert "(replica 1 of 3; 1 replica(s) failed to start)" in info.value.__notes__
+    assert sorted(factory.calls) == [(0, False), (1, False), (2, False)]
+    assert all(g.shut_down for i in (0, 2) for g in factory.groups[i])
+    with pytest.raises(LaunchError, match="shut down"):
+        pool.submit("a")
+
+
+def test_status_reports_workers_nodes_and_counters(make_pool):
+    pool = make_pool(2)
+    pool.start()
+    pool.submit("a").result(TIMEOUT_S)
+    status = pool.status()
+    assert [s["index"] for s in status] == [0, 1]
+    assert all(s["state"] == "serving" and s["nodes"] == ["node-a", "node-b"] for s in status)
+    assert all(s["node_groups"] == [[0], [1]] and [w["rank"] for w in s["workers"]] == [0, 1] for s in status)
+    assert sum(s["served"] for s in status) == 1 and all(s["failure"] is None for s in status)
+
+
+def test_shutdown_fails_what_is_queued_and_stops_every_group(make_pool):
+    gate = threading.Event()
+    factory = Factory(gate=gate)
+    pool = make_pool(1, factory)
+    pool.start()
+    running = pool.submit("running")
+    wait_for(lambda: pool.status()[0]["busy"], "the first request running")
+    queued = [pool.submit(i) for i in range(3)]
+    stopper = threading.Thread(target=pool.shutdown, kwargs={"grace_s": 1})
+    stopper.start()
+    for future in queued:
+        with pytest.raises(LaunchError, match="shut down before this request ran"):
+            future.result(TIMEOUT_S)
+    gate.set()
+    stopper.join(TIMEOUT_S)
+    assert running.done()
+    [group] = factory.groups[0]
+    assert group.shut_down and group.seen == ["running"]
+    assert pool.status()[0]["state"] == "stopped"
+    with pytest.raises(LaunchError, match="the launcher is shut down"):
+        pool.submit("late")
+
+
+def test_at_least_one_replica():
+    with pytest.raises(ValueError, match=r"replicas \(0\) must be at least 1"):
+        ReplicaPool(0, Factory(), RestartPolicy)
