@@ -29,6 +29,7 @@ def add_granularity(p: argparse.ArgumentParser) -> None:
     p.add_argument("--granularity", choices=GRANULARITIES,
                    help=f"what one compiled graph covers (default {DEFAULT_GRANULARITY}): layer, one graph per "
                         f"decoder layer; model, the whole step (decodes faster, compiles several times slower); "
+                        f"model-decode, whole-step decode graphs and per-layer prefill graphs; "
                         f"collective, the layer cut at its collectives (for comparison)")
 
 
