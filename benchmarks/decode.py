@@ -4,8 +4,8 @@ SmolLM2-135M-Instruct, float32, batch 1, greedy, a 128-token prompt, 128 new tok
 so every run decodes the same count). Decode variants, each run `--repeats` times interleaved so
 machine noise hits all alike (median and best reported):
 - transformers generate();
-- corelaunch's worker code in this process (no Ray): eager, compiled (the default "layer"
-  granularity) and compiled as one whole-model graph ("model" granularity);
+- corelaunch's worker code in this process (no Ray): eager, and compiled at the default granularity
+  and at every other whole-step one ("model-decode", "model");
 - corelaunch TP 1 through Ray (compiled, the default).
 Alongside: the weights-over-bandwidth bound, measured in the same run (benchmarks/bandwidth.py: the
 best 1 GiB read on `--threads` threads, once per round between the variants): `bound_tokens_per_s`

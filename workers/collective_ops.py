@@ -51,7 +51,7 @@ def _group(handle: int) -> "Collectives":
 @torch.library.custom_op("corelaunch::all_reduce_sum", mutates_args=())
 def all_reduce_sum(tensor: torch.Tensor, handle: int) -> torch.Tensor:
     """The element-wise sum of `tensor` over the group's ranks, in global rank order."""
-    out = tensor.contiguous().clone()  # a fresh buffer: the operator must not change its input
+    out = tensor.clone(memory_format=torch.contiguous_format)  # one fresh, contiguous copy: never the input
     return _group(handle).all_reduce_sum_(out)
 
 

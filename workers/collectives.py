@@ -62,7 +62,7 @@ class Collectives(abc.ABC):
         """The sum over all ranks as a new tensor (what the model calls; see the module docstring)."""
         if self.in_graph:
             return torch.ops.corelaunch.all_reduce_sum(tensor, self.handle)
-        return _outside_graph(self.all_reduce_sum_, tensor.contiguous().clone())
+        return _outside_graph(self.all_reduce_sum_, tensor.clone(memory_format=torch.contiguous_format))
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's tensor concatenated along the last dim, in rank order (what the model calls)."""
