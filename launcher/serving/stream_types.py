@@ -1,0 +1,27 @@
+"""What Launcher.stream / astream yield."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from workers.serving.requests import TokenLogprob
+
+
+@dataclass
+class StreamDelta:
+    request_id: str
+    text: str
+    """Text new since the previous delta; never ends inside a multi-byte character, and never
+    includes a stop string (text that might start one is held back until it cannot)."""
+    token_ids: list[int]
+    """Tokens new since the previous delta (a delta may carry text of earlier tokens)."""
+    finish_reason: str | None = None
+    """Set on the last delta only: "stop" (stop token or stop string), "length" (max_new_tokens)."""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    """Tokens generated so far, this delta's included."""
+    logprobs: list[TokenLogprob] | None = None
+    """One entry per token of token_ids, when the request asked for logprobs."""
+    time_to_first_token_s: float | None = None
+    """On the delta that carries the first token: seconds since the request was submitted."""
+    extra: dict = field(default_factory=dict)

@@ -1,0 +1,53 @@
+"""What a group's leader receives (StreamRequest) and what it hands back (TokenEvent).
+
+Both cross the Ray boundary between the driver and rank 0, so they hold plain Python values only
+(no tensors but the optional logits, which only accuracy checks ask for)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from workers.sampling import SamplingParams
+
+MAX_LOGPROBS = 20
+"""Most alternatives per token a request may ask for (the OpenAI API's own bound)."""
+
+
+@dataclass(frozen=True)
+class StreamRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    """The whole history to prefill: the prompt, plus the tokens already streamed when a request is
+    resumed after its group was restarted."""
+    sampling: SamplingParams
+    max_tokens: int
+    """New tokens to generate at most (after prompt_token_ids)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Generation ends after one of these (EOS included unless the caller ignores it)."""
+    logprobs: int | None = None
+    """None: no log-probabilities; n >= 0: the chosen token's plus the n most likely (n <= MAX_LOGPROBS)."""
+    return_logits: bool = False
+    """Send the full logits each token was chosen from (accuracy checks)."""
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+    """The n most likely (token id, logprob) pairs at this position, most likely first."""
+
+
+@dataclass
+class TokenEvent:
+    """New tokens of one request, in order; the last event of a request has finish_reason set."""
+
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    """None while running; "stop" (a stop token), "length" (max_tokens), "abort" (cancelled)."""
+    logprobs: list[TokenLogprob] | None = None
+    logits: list | None = None
+    """With return_logits: one (vocab,) float32 tensor per token."""
+    step_s: float = 0.0
+    """Wall time of the step that produced the last of these tokens (rank 0)."""
