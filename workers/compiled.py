@@ -211,6 +211,37 @@ class CompiledCausalLM:
 
     forward = __call__
 
+    def serve_step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache,
+                   cache_positions: torch.Tensor, rows: torch.Tensor, read_slots: int,
+                   logit_index: torch.Tensor | None = None) -> torch.Tensor:
+        """As ShardedCausalLM.serve_step, through the graph of its shape: a prefill chunk (seq > 1,
+        one graph per chunk length, reading the whole cache row) or a decode step (one graph per
+        batch and slots read). The serving engine pads every step to these shapes
+        (workers/serving/step_inputs.py)."""
+        batch, seq = input_ids.shape
+        phase, length = ("serve-prefill", seq) if seq > 1 else ("serve-decode", read_slots)
+        key = (phase, batch, length)
+        new_graph = key not in self._seen
+        if new_graph and not self._warming_up:
+            self._announce(f"corelaunch: building the graph for {phase} batch {batch} x {length} "
+                           f"(first use; cached for later runs)")
+        start = time.perf_counter()
+        parts, step = self._runners["context" if seq > 1 else "token"]
+        mask = torch.ones(batch, read_slots, dtype=torch.bool, device=input_ids.device)
+        logits, _, _ = step(self.model, parts, input_ids, position_ids, mask, cache_positions,
+                            (cache.k, cache.v), logit_index, rows)
+        if new_graph:
+            seconds = time.perf_counter() - start
+            self._seen.add(key)
+            self._stats.graphs.append(GraphStats(phase, batch, length, seconds))
+            if not self._warming_up:
+                self._announce(f"corelaunch: built the {phase} graph for batch {batch} x {length} in {seconds:.1f} s")
+        return logits
+
+    def warming_up(self):
+        """Context manager: graphs built inside are not announced (the caller shows its own progress)."""
+        return _WarmingUp(self)
+
     def _check_shape(self, phase: str, batch: int, length: int, cache: KVCache) -> None:
         lengths = self.buckets.context if phase == "context" else self.buckets.token
         if batch not in self.buckets.batch or length not in lengths:
@@ -255,6 +286,17 @@ class CompiledCausalLM:
         now = _cache_counters()
         self._stats.counters = {k: now.get(k, 0) - self._counters_at_start.get(k, 0) for k in now}
         return self._stats
+
+
+class _WarmingUp:
+    def __init__(self, model: "CompiledCausalLM") -> None:
+        self.model = model
+
+    def __enter__(self):
+        self.model._warming_up = True
+
+    def __exit__(self, *exc) -> None:
+        self.model._warming_up = False
 
 
 def _print_stderr(line: str) -> None:

@@ -6,7 +6,15 @@ allocated once. A forward pass writes its new keys and values into the slots nam
 grows between decode steps: a fixed-shape decode step is what a compiler (Neuron, torch.compile)
 turns into a single graph.
 
-Slots are shared by the batch: in a left-padded batch, slot i holds column i of every row.
+Two ways to index it, one write function:
+- a static batch (workers/engine.py) owns the whole cache, one row per sequence; slots are shared
+  by the batch (in a left-padded batch, slot i holds column i of every row), so a step names its
+  slots once: cache_positions (seq,).
+- the serving engine (workers/serving/) keeps max_num_seqs rows plus one scratch row, and each
+  step names, for every token, the row and the slot it goes to: rows and cache_positions (batch,
+  seq). Sequences start at slot 0 of their own row, each at its own length; padding tokens (a
+  chunk padded to its bucket, filler rows of a batch bucket) are sent to the scratch row, which no
+  real sequence reads.
 """
 
 from __future__ import annotations
@@ -15,15 +23,28 @@ import torch
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, cache_positions: torch.Tensor, k: torch.Tensor,
-             v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Write k, v (batch, kv_heads, seq, head_dim) into one layer's caches (batch, kv_heads,
-    max_seq_len, head_dim) at slots cache_positions (seq,); returns the caches.
+             v: torch.Tensor, rows: torch.Tensor | None = None,
+             read_slots: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write k, v (batch, kv_heads, seq, head_dim) into one layer's caches (cache rows, kv_heads,
+    max_seq_len, head_dim) and return the keys and values the batch attends over.
 
-    index_copy_ writes in place: the cache tensors keep their storage for the whole request (and a
-    compiled graph turns it into a scatter into its input, not a copy of the cache)."""
-    k_cache.index_copy_(2, cache_positions, k)
-    v_cache.index_copy_(2, cache_positions, v)
-    return k_cache, v_cache
+    rows None: the batch is the cache's rows and cache_positions (seq,) the slots, shared by all
+    rows; the whole caches are returned.
+    rows (batch, seq): token (i, j) goes to row rows[i, j], slot cache_positions[i, j]; returned are
+    the rows rows[:, 0] (each batch row's own sequence), their first read_slots slots.
+
+    Both write in place: the cache tensors keep their storage for the whole request (and a compiled
+    graph turns the write into a scatter into its input, not a copy of the cache)."""
+    if rows is None:
+        k_cache.index_copy_(2, cache_positions, k)
+        v_cache.index_copy_(2, cache_positions, v)
+        return k_cache, v_cache
+    # Advanced indices around a slice: the indexed view is (batch, seq, kv_heads, head_dim).
+    k_cache[rows, :, cache_positions] = k.transpose(1, 2)
+    v_cache[rows, :, cache_positions] = v.transpose(1, 2)
+    own = rows[:, 0]
+    read_slots = k_cache.shape[2] if read_slots is None else read_slots
+    return k_cache[own, :, :read_slots], v_cache[own, :, :read_slots]
 
 
 class KVCache:

@@ -8,6 +8,8 @@ tensor is, and why the math is exact, is written down in shardlib/sharding.py.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -96,9 +98,15 @@ class VocabParallelEmbedding(nn.Module):
         return self.collectives.all_reduce(hidden * owned.unsqueeze(-1).to(hidden.dtype))
 
 
-KVSlots = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-"""One layer's (k_cache, v_cache, cache_positions): caches (batch, kv_heads, slots, head_dim) and the
-(seq,) slots a step's new keys and values go to."""
+class KVSlots(NamedTuple):
+    """Where one layer's new keys and values go (see workers/kv_cache.py for both ways)."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    cache_positions: torch.Tensor
+    """(seq,) slots shared by the batch's rows, or (batch, seq) with rows."""
+    rows: torch.Tensor | None = None
+    """(batch, seq) cache row of each token (the serving engine); None: batch row i is cache row i."""
 
 
 class Attention(nn.Module):
@@ -142,7 +150,8 @@ class Attention(nn.Module):
         """
         batch, seq, _ = x.shape
         q, k, v = self.project(x, cos, sin)
-        keys, values = (k, v) if kv is None else write_kv(kv[0], kv[1], kv[2], k, v)
+        keys, values = (k, v) if kv is None else write_kv(kv.k_cache, kv.v_cache, kv.cache_positions, k, v,
+                                                          kv.rows, mask.shape[-1])
         out = attention(q, keys, values, mask)
         out = out.transpose(1, 2).reshape(batch, seq, self.q_heads * self.head_dim)
         return self.collectives.all_reduce(linear(out, self.o_weight)), k, v

@@ -178,3 +178,16 @@ class ShardedCausalLM(nn.Module):
         logits, _, _ = run_step(self, EAGER, input_ids, position_ids, attention_mask, cache_positions,
                                 (cache.k, cache.v), logit_index)
         return logits
+
+    def serve_step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache,
+                   cache_positions: torch.Tensor, rows: torch.Tensor, read_slots: int,
+                   logit_index: torch.Tensor | None = None) -> torch.Tensor:
+        """The serving engine's step, eagerly: token (i, j) is written to cache row rows[i, j] at slot
+        cache_positions[i, j], and batch row i attends over slots 0 .. read_slots - 1 of cache row
+        rows[i, 0] (workers/kv_cache.py). Logits (batch, vocab_size) float32 at logit_index (1,), or
+        the last column."""
+        self._ensure_rotary(cache.max_seq_len)
+        mask = torch.ones(input_ids.shape[0], read_slots, dtype=torch.bool, device=input_ids.device)
+        logits, _, _ = run_step(self, EAGER, input_ids, position_ids, mask, cache_positions,
+                                (cache.k, cache.v), logit_index, rows)
+        return logits

@@ -25,20 +25,23 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from workers.layers import DecoderLayer
+from workers.layers import DecoderLayer, KVSlots
 
 
 def attention_bias_mask(max_seq_len: int, cache_positions: torch.Tensor,
                         attention_mask: torch.Tensor | None) -> torch.Tensor:
     """Boolean (batch, 1, seq, max_seq_len): query i may read slot j when j <= its own slot and
     slot j holds a real token. A query always reads its own slot: padding queries would otherwise
-    have no slot to read, and their softmax over nothing would be NaN, poisoning the cache."""
+    have no slot to read, and their softmax over nothing would be NaN, poisoning the cache.
+
+    cache_positions: (seq,) shared by the rows, or (batch, seq), each row at its own slots."""
     slots = torch.arange(max_seq_len, device=cache_positions.device)  # (max_seq_len,)
-    causal = slots[None, :] <= cache_positions[:, None]  # (seq, max_seq_len)
-    own = slots[None, :] == cache_positions[:, None]
+    positions = cache_positions if cache_positions.dim() == 2 else cache_positions[None]  # (batch or 1, seq)
+    causal = slots[None, None, :] <= positions[:, :, None]  # (batch or 1, seq, max_seq_len)
+    own = slots[None, None, :] == positions[:, :, None]
     if attention_mask is None:
-        return causal[None, None]
-    return ((causal[None] & attention_mask[:, None, :].bool()) | own[None]).unsqueeze(1)
+        return causal.unsqueeze(1)
+    return ((causal & attention_mask[:, None, :].bool()) | own).unsqueeze(1)
 
 
 def prologue(model, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -53,9 +56,10 @@ def prologue(model, input_ids: torch.Tensor, position_ids: torch.Tensor, attenti
 
 
 def layer(block: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-          k_cache: torch.Tensor | None, v_cache: torch.Tensor | None, cache_positions: torch.Tensor):
+          k_cache: torch.Tensor | None, v_cache: torch.Tensor | None, cache_positions: torch.Tensor,
+          rows: torch.Tensor | None = None):
     """(x, k, v) after one decoder layer; caches None for a prefill from slot 0."""
-    kv = None if k_cache is None else (k_cache, v_cache, cache_positions)
+    kv = None if k_cache is None else KVSlots(k_cache, v_cache, cache_positions, rows)
     return block(x, cos, sin, mask, kv)
 
 
@@ -78,9 +82,13 @@ EAGER = StepParts()
 def run_step(model, parts: StepParts, input_ids: torch.Tensor, position_ids: torch.Tensor,
              attention_mask: torch.Tensor, cache_positions: torch.Tensor,
              kv_caches: tuple[list[torch.Tensor], list[torch.Tensor]] | None,
-             logit_index: torch.Tensor | None = None):
+             logit_index: torch.Tensor | None = None, rows: torch.Tensor | None = None):
     """(logits (batch, vocab) float32, [k per layer], [v per layer]); the lists are empty when
-    kv_caches is given (the caches were written in place). See the module docstring."""
+    kv_caches is given (the caches were written in place). See the module docstring.
+
+    rows (batch, seq): the cache row of every token, with cache_positions (batch, seq) its slot
+    (the serving engine's indexing, workers/kv_cache.py); attention then reads each batch row's
+    own cache row over attention_mask's width of slots."""
     x, cos, sin, mask = parts.prologue(model, input_ids, position_ids, attention_mask, cache_positions)
     ks, vs = [], []
     for i, block in enumerate(model.layers):
@@ -89,5 +97,5 @@ def run_step(model, parts: StepParts, input_ids: torch.Tensor, position_ids: tor
             ks.append(k)
             vs.append(v)
         else:
-            x, _, _ = parts.layer(block, x, cos, sin, mask, kv_caches[0][i], kv_caches[1][i], cache_positions)
+            x, _, _ = parts.layer(block, x, cos, sin, mask, kv_caches[0][i], kv_caches[1][i], cache_positions, rows)
     return parts.epilogue(model, x, logit_index), ks, vs

@@ -1,0 +1,70 @@
+"""The static shapes the serving engine runs at (compiled graphs exist per shape).
+
+- prefill chunks: batch 1 x a chunk bucket (the context-encoding buckets up to max_prefill_tokens),
+  attending over the sequence's whole cache row;
+- decode steps: a batch bucket of running rows (powers of two up to max_num_seqs, and
+  max_num_seqs) x a token bucket of slots read (the smallest holding every row's history).
+
+A step's real size is rounded up to these; padding is harmless by construction
+(workers/kv_cache.py: padding tokens write only the scratch row).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardlib.buckets import Buckets, select_bucket
+from shardlib.positive_int import positive_int
+
+
+def powers_of_two_up_to(limit: int) -> tuple[int, ...]:
+    out, value = [], 1
+    while value < limit:
+        out.append(value)
+        value *= 2
+    return tuple(out) + (limit,)
+
+
+@dataclass(frozen=True)
+class ServingShapes:
+    max_num_seqs: int
+    max_prefill_tokens: int
+    cache_slots: int
+    """Slots per cache row: the longest sequence (prompt plus generated tokens) served."""
+    token_buckets: tuple[int, ...]
+    chunk_buckets: tuple[int, ...]
+
+    @classmethod
+    def build(cls, buckets: Buckets, max_num_seqs: int, max_prefill_tokens: int) -> "ServingShapes":
+        positive_int("max_num_seqs", max_num_seqs)
+        positive_int("max_prefill_tokens", max_prefill_tokens)
+        slots = buckets.max_seq_len
+        cap = min(max_prefill_tokens, buckets.max_context_length, slots)
+        chunks = tuple(sorted({c for c in buckets.context if c < cap} | {cap}))
+        return cls(max_num_seqs, max_prefill_tokens, slots, tuple(buckets.token), chunks)
+
+    @property
+    def batch_buckets(self) -> tuple[int, ...]:
+        return powers_of_two_up_to(self.max_num_seqs)
+
+    @property
+    def max_chunk(self) -> int:
+        return self.chunk_buckets[-1]
+
+    def chunk_bucket(self, length: int) -> int:
+        return select_bucket(length, self.chunk_buckets, "prefill chunk", "chunk")
+
+    def decode_shape(self, rows: int, longest: int) -> tuple[int, int]:
+        """(batch bucket, slots read) for `rows` running sequences whose longest history, the new
+        token included, is `longest` tokens."""
+        batch = select_bucket(rows, self.batch_buckets, "running sequences", "batch")
+        return batch, select_bucket(longest, self.token_buckets, "sequence length", "token-generation")
+
+    def shapes(self, max_length: int | None = None) -> list[tuple[str, int, int]]:
+        """Every (phase, batch, length) a load can need; max_length: only token buckets up to the
+        one holding sequences of that many tokens (a warm-up for a known workload)."""
+        tokens = self.token_buckets
+        if max_length is not None:
+            tokens = tokens[: tokens.index(select_bucket(max_length, tokens, "sequence length")) + 1]
+        return ([("serve-prefill", 1, c) for c in self.chunk_buckets]
+                + [("serve-decode", b, t) for b in self.batch_buckets for t in tokens])

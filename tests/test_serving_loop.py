@@ -1,0 +1,176 @@
+"""The serving loop in-process: continuous batching with chunked prefill equals each prompt run
+alone (eager and compiled, TP 1 and TP 2 with rank 0 leading), rows are freed and reused, stop
+tokens, lengths, logprobs, seeds and cancellation behave, static batches still run, and no graph is
+built after warm-up."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from shardlib.buckets import Buckets
+from shardlib.model_config import ModelConfig
+from shardlib.serving_shapes import ServingShapes
+from tests.serving_driver import collect, request, run_loops, stop
+from tests.test_engine import PROMPTS, alone, fresh_model, hf_model
+from tests.tp_harness import InProcessGroup, build_rank_model, hf_state_dict
+from workers.sampling import SamplingParams
+from workers.serving.loop import ServingConfig, ServingLoop
+from workers.serving.scheduler import Scheduler, Sequence
+from workers.serving.step_plan import Command, DecodeRow, PlanCodec, PrefillChunk, StepPlan
+
+MORE_PROMPTS = PROMPTS + [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9], [11], [64, 32, 16, 8]]
+
+
+def eager_loop(max_num_seqs=2, max_prefill_tokens=4, slots=64, model=None) -> ServingLoop:
+    return ServingLoop(model or fresh_model(), ServingConfig(max_num_seqs, max_prefill_tokens, slots))
+
+
+def test_plan_round_trips_through_its_tensor():
+    codec = PlanCodec(max_num_seqs=3, max_prefill_tokens=8)
+    plan = StepPlan(Command.WORK, (PrefillChunk(2, 5, (7, 8, 9)), PrefillChunk(0, 0, (1,))),
+                    (DecodeRow(1, 40, 99),))
+    assert codec.decode(codec.encode(plan)) == plan
+    with pytest.raises(ValueError, match="max_prefill_tokens 8"):
+        codec.encode(StepPlan(Command.WORK, (PrefillChunk(0, 0, tuple(range(9))),)))
+
+
+def test_scheduler_budgets_chunks_and_reuses_rows():
+    sched = Scheduler(max_num_seqs=2, max_prefill_tokens=5, max_chunk=4)
+    for rid, n in (("a", 6), ("b", 3), ("c", 2)):
+        sched.add(Sequence(request(rid, range(n), 4)))
+    plan = sched.schedule()
+    # a takes row 0 and a 4-token chunk (the largest chunk), b row 1 and what is left of the budget
+    assert [(c.row, c.start, len(c.token_ids)) for c in plan.prefills] == [(0, 0, 4), (1, 0, 1)]
+    assert sched.load() == {"running": 2, "waiting": 1}
+    sched.cancel("a")
+    assert sched.free_rows == [0]
+    plan = sched.schedule()  # c is seated in a's row at once
+    assert sched.running["c"].row == 0 and sched.load() == {"running": 2, "waiting": 0}
+    with pytest.raises(ValueError, match="already queued"):
+        sched.add(Sequence(request("c", [1], 1)))
+
+
+def test_continuous_batch_with_chunked_prefill_equals_each_prompt_alone():
+    loop = eager_loop(max_num_seqs=2, max_prefill_tokens=4)
+    threads = run_loops([loop])
+    loop.submit([request(f"r{i}", p, 10) for i, p in enumerate(MORE_PROMPTS)])
+    got = collect(loop, {f"r{i}" for i in range(len(MORE_PROMPTS))})
+    stop([loop], threads)
+    for i, prompt in enumerate(MORE_PROMPTS):
+        assert got.tokens[f"r{i}"] == alone(tuple(prompt)) and got.finish[f"r{i}"] == "length"
+    assert loop.scheduler.free_rows == [0, 1]
+
+
+def test_requests_arriving_mid_stream_equal_their_runs_alone():
+    loop = eager_loop(max_num_seqs=3, max_prefill_tokens=6)
+    threads = run_loops([loop])
+    pending = [request(f"r{i}", p, 10) for i, p in enumerate(MORE_PROMPTS)]
+    loop.submit([pending.pop(0)])
+
+    def arrive(event):  # a new request each time a token comes out
+        if pending:
+            loop.submit([pending.pop(0)])
+
+    got = collect(loop, {f"r{i}" for i in range(len(MORE_PROMPTS))}, on_event=arrive)
+    stop([loop], threads)
+    for i, prompt in enumerate(MORE_PROMPTS):
+        assert got.tokens[f"r{i}"] == alone(tuple(prompt))
+
+
+def test_stop_tokens_lengths_logprobs_and_cancellation():
+    full = alone(tuple(PROMPTS[0]))
+    loop = eager_loop(max_num_seqs=1, max_prefill_tokens=16)
+    threads = run_loops([loop])
+    loop.submit([request("stopped", PROMPTS[0], 10, stop_token_ids=(full[3],)),
+                 request("short", PROMPTS[1], 2, logprobs=3),
+                 request("long", PROMPTS[2], 40)])
+    got = collect(loop, {"stopped", "short"})
+    assert got.tokens["stopped"] == full[:4] and got.finish["stopped"] == "stop"
+    assert got.finish["short"] == "length" and len(got.tokens["short"]) == 2
+    lps = [lp for e in got.events if e.request_id == "short" for lp in (e.logprobs or [])]
+    assert len(lps) == 2
+    for lp, token in zip(lps, got.tokens["short"]):
+        assert lp.token_id == token and lp.logprob <= 0 and len(lp.top) == 3
+        assert lp.top[0][0] == token  # greedy: the chosen token is the most likely
+        assert [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
+    loop.cancel(["long"])  # it holds the only row; cancelling frees it for the next request
+    loop.submit([request("after", PROMPTS[1], 3)])
+    more = collect(loop, {"long", "after"})
+    stop([loop], threads)
+    assert more.finish["long"] == "abort" and len(more.tokens["long"]) < 40
+    assert more.tokens["after"] == alone(tuple(PROMPTS[1]))[:3]
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch():
+    sampled = SamplingParams(temperature=0.8, top_k=20, seed=1234)
+    runs = []
+    for companions in (0, 3):
+        loop = eager_loop(max_num_seqs=4, max_prefill_tokens=32)
+        threads = run_loops([loop])
+        loop.submit([request("s", PROMPTS[0], 12, sampling=sampled)]
+                    + [request(f"o{i}", p, 12) for i, p in enumerate(PROMPTS[:companions])])
+        runs.append(collect(loop, {"s"} | {f"o{i}" for i in range(companions)}).tokens["s"])
+        stop([loop], threads)
+    assert runs[0] == runs[1] and len(runs[0]) == 12
+
+
+def test_static_batches_run_between_iterations():
+    from workers.engine import generate
+
+    model = fresh_model()
+    loop = ServingLoop(model, ServingConfig(2, 8, 64),
+                       run_static=lambda req: generate(model, req, [SamplingParams()] * len(req), 10, []))
+    threads = run_loops([loop])
+    loop.submit([request("streamed", PROMPTS[2], 10)])
+    outputs = loop.static(1, PROMPTS[:2]).result(timeout=60)
+    got = collect(loop, {"streamed"})
+    stop([loop], threads)
+    assert [o.token_ids for o in outputs] == [alone(tuple(p)) for p in PROMPTS[:2]]
+    assert got.tokens["streamed"] == alone(tuple(PROMPTS[2]))
+
+
+def tp2_loops(max_num_seqs=2, max_prefill_tokens=5):
+    hf = hf_model()
+    config, state = ModelConfig.from_dict(hf.config.to_dict()), hf_state_dict(hf)
+    ranks = InProcessGroup(2, timeout_s=60).ranks()
+    return [ServingLoop(build_rank_model(config, state, r.rank, 2, r),
+                        ServingConfig(max_num_seqs, max_prefill_tokens, 64)) for r in ranks]
+
+
+def test_tp2_followers_run_the_leaders_plans():
+    loops = tp2_loops()
+    threads = run_loops(loops)
+    loops[0].submit([request(f"r{i}", p, 10) for i, p in enumerate(MORE_PROMPTS)])
+    time.sleep(0.5)  # idle heartbeats in between must not upset the followers
+    got = collect(loops[0], {f"r{i}" for i in range(len(MORE_PROMPTS))})
+    stop(loops, threads)
+    for i, prompt in enumerate(MORE_PROMPTS):
+        assert got.tokens[f"r{i}"] == alone(tuple(prompt))
+    assert loops[1].outbox.take(0)[0] == []  # followers post nothing
+
+
+def test_compiled_loop_builds_no_graph_after_warm_up():
+    from torch._dynamo.utils import counters
+
+    from workers.compiled import CompiledCausalLM
+
+    torch._dynamo.reset()
+    buckets = Buckets.build(max_seq_len=64, context=(4, 8), token=(32, 64))
+    shapes = ServingShapes.build(buckets, max_num_seqs=3, max_prefill_tokens=8)
+    model = CompiledCausalLM(fresh_model(), buckets, announce=lambda line: None)
+    loop = ServingLoop(model, ServingConfig(3, 8, 64, shapes))
+    with model.warming_up():
+        loop.warm_up(shapes.shapes())
+    graphs = counters["stats"]["unique_graphs"]
+    threads = run_loops([loop])
+    pending = [request(f"r{i}", p, 10) for i, p in enumerate(MORE_PROMPTS)]
+    loop.submit([pending.pop(0)])
+    got = collect(loop, {f"r{i}" for i in range(len(MORE_PROMPTS))},
+                  on_event=lambda e: pending and loop.submit([pending.pop(0)]))
+    stop([loop], threads)
+    assert counters["stats"]["unique_graphs"] == graphs
+    for i, prompt in enumerate(MORE_PROMPTS):
+        assert got.tokens[f"r{i}"] == alone(tuple(prompt))

@@ -1,0 +1,272 @@
+"""The serving loop every rank of a group runs while it serves: one iteration per step plan.
+
+Rank 0 leads: it takes requests and cancellations from its inbox, plans the iteration
+(workers/serving/scheduler.py), sends the plan to the other ranks (workers/serving/step_plan.py),
+runs the plan's forwards, chooses the tokens and posts them to its outbox, which the driver polls.
+The other ranks follow: receive a plan, run the same forwards, repeat. Nothing but the plan tensor
+and the model's own collectives passes between ranks.
+
+The KV cache is allocated once, when the loop starts: max_num_seqs rows of cache_slots slots plus
+the scratch row padding writes to (workers/kv_cache.py).
+
+Static batches (workers/engine.py, what `generate(..., batching="static")`, `check` and `bench`
+run) still reach every rank as one Ray call each; while the loop runs, each rank parks its batch
+here, and the leader tells all ranks when to run it (Command.STATIC), between two iterations.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from shardlib.serving_shapes import ServingShapes
+from workers.serving.outbox import Outbox
+from workers.serving.requests import StreamRequest, TokenEvent
+from workers.serving.scheduler import Scheduler, Sequence
+from workers.serving.step_inputs import decode_inputs, prefill_inputs
+from workers.serving.step_plan import Command, DecodeRow, PlanCodec, PrefillChunk, StepPlan
+from workers.serving.token_choice import choose, request_generator
+
+HEARTBEAT_S = 0.2
+"""An idle leader sends an IDLE plan this often: followers wait in a collective for the next plan,
+and a collective gives up after its timeout (tens of seconds)."""
+STATIC_WAIT_S = 60.0
+"""How long a follower waits for its copy of a static batch the leader already announced."""
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    max_num_seqs: int
+    max_prefill_tokens: int
+    cache_slots: int
+    """Slots per cache row: the longest prompt plus generated tokens a request may have."""
+    shapes: ServingShapes | None = None
+    """Pad every step to these shapes (compiled graphs); None: exact shapes (eager)."""
+
+
+class ServingLoop:
+    def __init__(self, model, config: ServingConfig, run_static=None) -> None:
+        """model: a ShardedCausalLM or CompiledCausalLM (anything with serve_step, new_cache,
+        collectives, device). run_static(request) -> outputs runs one static batch."""
+        self.model, self.config = model, config
+        self.collectives = model.collectives
+        self.is_leader = self.collectives.rank == 0
+        self.device = getattr(model, "device", torch.device("cpu"))
+        self.scratch_row = config.max_num_seqs
+        self.cache = model.new_cache(config.max_num_seqs + 1, config.cache_slots)
+        self.codec = PlanCodec(config.max_num_seqs, config.max_prefill_tokens)
+        max_chunk = config.shapes.max_chunk if config.shapes is not None else config.max_prefill_tokens
+        self.scheduler = Scheduler(config.max_num_seqs, config.max_prefill_tokens, max_chunk)
+        self.outbox = Outbox()
+        self._inbox: queue.Queue = queue.Queue()
+        self._run_static = run_static
+        self._statics: dict[int, tuple[object, Future]] = {}
+        self._statics_changed = threading.Condition()
+        self.steps = 0
+        self.step_seconds = 0.0
+        """Forward time (prefill and decode) summed over steps, for the overhead benchmark."""
+        self.plan_seconds = 0.0
+        """Leader: scheduling, plan broadcast, sampling and event posting summed over steps."""
+
+    # ---- called from other threads --------------------------------------------------------------
+    def submit(self, requests: list[StreamRequest]) -> None:
+        self._inbox.put(("submit", requests))
+
+    def cancel(self, request_ids: list[str]) -> None:
+        self._inbox.put(("cancel", request_ids))
+
+    def stop(self) -> None:
+        self._inbox.put(("stop", None))
+
+    def poll(self, wait_s: float) -> tuple[list[TokenEvent], dict[str, int]]:
+        return self.outbox.take(wait_s)
+
+    def static(self, static_id: int, request) -> Future:
+        """Park a static batch until the leader runs it (every rank parks the same one)."""
+        future: Future = Future()
+        with self._statics_changed:
+            self._statics[static_id] = (request, future)
+            self._statics_changed.notify_all()
+        if self.is_leader:
+            self._inbox.put(("static", static_id))
+        return future
+
+    def warm_up(self, shapes: list[tuple[str, int, int]]) -> None:
+        """Run each (phase, batch, length) of shardlib.serving_shapes once, writing only the scratch
+        row, so its graph is built now rather than during a request. Every rank calls this with the
+        same shapes (the forwards hold collectives)."""
+        scratch = self.scratch_row
+        with torch.inference_mode():
+            for phase, batch, length in shapes:
+                if phase == "serve-prefill":
+                    self._step(prefill_inputs(PrefillChunk(scratch, 0, (0,) * length), self.config.shapes,
+                                              scratch, self.config.cache_slots))
+                else:
+                    rows = tuple(DecodeRow(scratch, length - 1, 0) for _ in range(batch))
+                    self._step(decode_inputs(rows, self.config.shapes, scratch))
+
+    # ---- the loop ----------------------------------------------------------------------------------
+    def run(self) -> None:
+        """Serve until stopped; raises when a forward or a collective fails (the group is then broken)."""
+        with torch.inference_mode():
+            if self.is_leader:
+                self._lead()
+            else:
+                self._follow()
+
+    def _broadcast(self, plan: StepPlan | None) -> StepPlan:
+        if self.collectives.world_size == 1:
+            return plan
+        buffer = self.codec.encode(plan) if plan is not None else self.codec.empty()
+        # An all-reduce is the broadcast every Collectives has: the followers contribute zeros.
+        device_buffer = buffer.to(self.device)
+        self.collectives.all_reduce_sum_(device_buffer)
+        return plan if plan is not None else self.codec.decode(device_buffer.cpu())
+
+    def _follow(self) -> None:
+        while True:
+            plan = self._broadcast(None)
+            if plan.command is Command.STOP:
+                return
+            if plan.command is Command.STATIC:
+                self._static_now(plan.static_id)
+            elif plan.command is Command.WORK:
+                self._forwards(plan)
+
+    def _lead(self) -> None:
+        stopping = False
+        while True:
+            started = time.perf_counter()
+            stopping = self._drain_inbox(block=self.scheduler.idle) or stopping
+            if stopping:
+                self._fail_all("the group is stopping")
+                self._broadcast(StepPlan(Command.STOP))
+                return
+            static_id = self._next_static()
+            if static_id is not None:
+                self._broadcast(StepPlan(Command.STATIC, static_id=static_id))
+                self._static_now(static_id)
+                continue
+            plan = self.scheduler.schedule()
+            if plan is None:
+                self._broadcast(StepPlan(Command.IDLE))
+                continue
+            self._broadcast(plan)
+            planned = time.perf_counter()
+            prefill_logits, decode_logits = self._forwards(plan)
+            ran = time.perf_counter()
+            self.outbox.put(self._choose(plan, prefill_logits, decode_logits, ran - planned),
+                            self.scheduler.load())
+            self.steps += 1
+            self.step_seconds += ran - planned
+            self.plan_seconds += (planned - started) + (time.perf_counter() - ran)
+
+    def _drain_inbox(self, block: bool) -> bool:
+        """Apply queued submissions and cancellations; True when asked to stop."""
+        stop, events = False, []
+        try:
+            item = self._inbox.get(timeout=HEARTBEAT_S) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return False
+        while True:
+            kind, payload = item
+            if kind == "submit":
+                for request in payload:
+                    seq = Sequence(request)
+                    seq.generator = request_generator(seq, self.device)
+                    try:
+                        self.scheduler.add(seq)
+                    except ValueError:
+                        events.append(TokenEvent(request.request_id, [], "abort"))
+            elif kind == "cancel":
+                for rid in payload:
+                    if self.scheduler.cancel(rid) is not None:
+                        events.append(TokenEvent(rid, [], "abort"))
+            elif kind == "stop":
+                stop = True
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+        self.outbox.put(events, self.scheduler.load())
+        return stop
+
+    def _fail_all(self, why: str) -> None:
+        events = []
+        for seq in list(self.scheduler.running.values()) + list(self.scheduler.waiting):
+            self.scheduler.cancel(seq.request.request_id)
+            events.append(TokenEvent(seq.request.request_id, [], "abort"))
+        self.outbox.put(events, self.scheduler.load())
+
+    # ---- forwards, the same on every rank ----------------------------------------------------------
+    def _forwards(self, plan: StepPlan) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        prefill_logits = []
+        for chunk in plan.prefills:
+            inputs = prefill_inputs(chunk, self.config.shapes, self.scratch_row, self.config.cache_slots)
+            prefill_logits.append(self._step(inputs))
+        decode_logits = None
+        if plan.decode:
+            inputs = decode_inputs(plan.decode, self.config.shapes, self.scratch_row)
+            decode_logits = self._step(inputs)[: len(plan.decode)]
+        return prefill_logits, decode_logits
+
+    def _step(self, inputs) -> torch.Tensor:
+        i = inputs.to(self.device)
+        return self.model.serve_step(i.input_ids, i.position_ids, self.cache, i.cache_positions, i.rows,
+                                     i.read_slots, i.logit_index)
+
+    # ---- the leader's token choice --------------------------------------------------------------
+    def _choose(self, plan: StepPlan, prefill_logits: list[torch.Tensor], decode_logits: torch.Tensor | None,
+                step_s: float) -> list[TokenEvent]:
+        by_row = self.scheduler.by_row()
+        chosen: list[tuple[Sequence, torch.Tensor]] = []
+        for chunk, logits in zip(plan.prefills, prefill_logits):
+            seq = by_row[chunk.row]
+            seq.prefilled += len(chunk.token_ids)
+            if seq.prefilled == len(seq.prompt):  # the prompt's last chunk: its logits give the first token
+                chosen.append((seq, logits[0]))
+        if decode_logits is not None:
+            chosen.extend((by_row[r.row], decode_logits[i]) for i, r in enumerate(plan.decode))
+        if not chosen:
+            return []
+        sequences = [seq for seq, _ in chosen]
+        logits = torch.stack([row for _, row in chosen])
+        tokens, logprobs = choose(logits, sequences)
+        events = []
+        for i, (seq, token) in enumerate(zip(sequences, tokens)):
+            seq.generated += 1
+            request = seq.request
+            reason = ("stop" if token in request.stop_token_ids
+                      else "length" if seq.generated >= request.max_tokens else None)
+            events.append(TokenEvent(request.request_id, [token], reason,
+                                     None if logprobs[i] is None else [logprobs[i]],
+                                     [logits[i].cpu()] if request.return_logits else None, step_s))
+            if reason is None:
+                seq.pending = token
+            else:
+                self.scheduler.finish(seq)
+        return events
+
+    # ---- static batches ------------------------------------------------------------------------------
+    def _next_static(self) -> int | None:
+        with self._statics_changed:
+            pending = [i for i, (_, f) in self._statics.items() if not f.done()]
+        return min(pending) if pending else None
+
+    def _static_now(self, static_id: int) -> None:
+        with self._statics_changed:
+            if not self._statics_changed.wait_for(lambda: static_id in self._statics, timeout=STATIC_WAIT_S):
+                raise RuntimeError(f"rank {self.collectives.rank} never received static batch {static_id} "
+                                   f"that rank 0 announced (waited {STATIC_WAIT_S:g} s)")
+            request, future = self._statics.pop(static_id)
+        try:
+            future.set_result(self._run_static(request))
+        except BaseException as err:  # noqa: BLE001 - the caller's error goes back to the caller
+            future.set_exception(err)
+            if not isinstance(err, (ValueError, FileNotFoundError)):
+                raise

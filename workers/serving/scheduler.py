@@ -1,0 +1,110 @@
+"""The leader's bookkeeping: which requests wait, which cache row each running one holds, and what
+the next iteration runs (pure Python; workers/serving/loop.py runs the plans).
+
+Each iteration (`schedule`):
+1. requests waiting in arrival order take free cache rows (at most max_num_seqs run at once);
+2. sequences still prefilling get chunks of their prompt, oldest first, while the iteration's
+   budget of max_prefill_tokens lasts (a chunk is also at most the largest chunk bucket), so a
+   long prompt delays running streams by one chunk per iteration, never by its whole prefill;
+3. every sequence holding a token to feed back runs one decode step.
+A sequence that finishes or is cancelled gives its row back at once; the next iteration can seat
+a waiting request there.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+from workers.serving.requests import StreamRequest
+from workers.serving.step_plan import Command, DecodeRow, PrefillChunk, StepPlan
+
+
+@dataclass
+class Sequence:
+    request: StreamRequest
+    arrived: float = field(default_factory=time.monotonic)
+    row: int | None = None
+    prefilled: int = 0
+    """Prompt tokens already in the cache."""
+    pending: int | None = None
+    """The last token chosen, fed back by the next decode step."""
+    generated: int = 0
+    generator: object = None
+    """The leader's torch.Generator for this request (None: greedy)."""
+
+    @property
+    def prompt(self) -> tuple[int, ...]:
+        return self.request.prompt_token_ids
+
+    @property
+    def length(self) -> int:
+        """Tokens in the cache: the prompt so far, then one per decode step."""
+        return self.prefilled + max(self.generated - 1, 0)
+
+
+class Scheduler:
+    def __init__(self, max_num_seqs: int, max_prefill_tokens: int, max_chunk: int) -> None:
+        self.max_num_seqs, self.max_prefill_tokens, self.max_chunk = max_num_seqs, max_prefill_tokens, max_chunk
+        self.free_rows = list(range(max_num_seqs))
+        self.waiting: deque[Sequence] = deque()
+        self.running: OrderedDict[str, Sequence] = OrderedDict()
+        """By admission order: the order chunks and decode rows are planned in."""
+
+    # ---- requests in and out -------------------------------------------------------------------
+    def add(self, sequence: Sequence) -> None:
+        rid = sequence.request.request_id
+        if rid in self.running or any(s.request.request_id == rid for s in self.waiting):
+            raise ValueError(f"request id {rid!r} is already queued or running")
+        self.waiting.append(sequence)
+
+    def cancel(self, request_id: str) -> Sequence | None:
+        """Remove a waiting or running request (freeing its row); None when it is not here."""
+        if request_id in self.running:
+            return self.finish(self.running[request_id])
+        for seq in self.waiting:
+            if seq.request.request_id == request_id:
+                self.waiting.remove(seq)
+                return seq
+        return None
+
+    def finish(self, sequence: Sequence) -> Sequence:
+        self.running.pop(sequence.request.request_id, None)
+        if sequence.row is not None:
+            self.free_rows.append(sequence.row)
+            self.free_rows.sort()
+            sequence.row = None
+        sequence.pending = None
+        return sequence
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def load(self) -> dict[str, int]:
+        return {"running": len(self.running), "waiting": len(self.waiting)}
+
+    # ---- planning ------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan | None:
+        """The next iteration's plan (see the module docstring), or None when there is nothing to run."""
+        while self.waiting and self.free_rows:
+            seq = self.waiting.popleft()
+            seq.row = self.free_rows.pop(0)
+            self.running[seq.request.request_id] = seq
+        budget, prefills, decode = self.max_prefill_tokens, [], []
+        for seq in self.running.values():
+            if seq.prefilled < len(seq.prompt):
+                size = min(len(seq.prompt) - seq.prefilled, budget, self.max_chunk)
+                if size > 0:
+                    prefills.append(PrefillChunk(seq.row, seq.prefilled,
+                                                 tuple(seq.prompt[seq.prefilled: seq.prefilled + size])))
+                    budget -= size
+            elif seq.pending is not None:
+                decode.append(DecodeRow(seq.row, seq.length, seq.pending))
+        if not prefills and not decode:
+            return None
+        return StepPlan(Command.WORK, tuple(prefills), tuple(decode))
+
+    def by_row(self) -> dict[int, Sequence]:
+        return {seq.row: seq for seq in self.running.values()}
