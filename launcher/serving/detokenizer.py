@@ -1,0 +1,94 @@
+"""Text from a stream of token ids, one delta at a time, never ending inside a character.
+
+A byte-level BPE token can carry part of a UTF-8 character (an emoji is often three or four
+tokens), so decoding tokens one by one gives U+FFFD halves. Decoding everything each step is
+correct but costs O(length) per token. The sliding window used by vLLM and TGI does neither:
+decode only the tokens from `prefix_offset` on, twice per push:
+
+    ids:   ... | prefix_offset ... read_offset | read_offset ... end |
+                 already emitted (context)       not yet emitted
+
+    prefix_text = decode(ids[prefix_offset:read_offset])
+    new_text    = decode(ids[prefix_offset:])
+    delta       = new_text[len(prefix_text):]
+
+The context tokens are decoded again so that whatever depends on the neighbouring tokens (a
+character split across the boundary) comes out the same as in the full decode. While `new_text`
+ends in U+FFFD the last character is incomplete: nothing is emitted and the offsets stay, so the
+next push decodes the held tokens again together with the new ones. Once the delta is complete
+the window moves forward: the emitted tokens become the next context.
+
+Why the concatenation equals the full decode: the window only moves to a point where its decode
+ended in a complete character, and UTF-8 decoding restarts cleanly after a complete character, so
+decoding from there gives the same characters as decoding from the start.
+"""
+
+from __future__ import annotations
+
+REPLACEMENT_CHAR = "\ufffd"
+"""What a decoder writes for bytes that are not (yet) a whole UTF-8 character."""
+
+
+class IncrementalDetokenizer:
+    """Turns generated token ids into text deltas; each push decodes only the last few tokens.
+
+    `tokenizer` is a Hugging Face tokenizer (anything with `decode(ids, skip_special_tokens=...)`).
+    The prompt is not pushed: the first generated token is decoded without left context, exactly
+    as `tokenizer.decode(generated_ids)` decodes it.
+    """
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix_offset = 0
+        """Start of the window: tokens before it are decoded and emitted for good."""
+        self._read_offset = 0
+        """Tokens before this have been emitted; from here on they are pending."""
+        self._pieces: list[str] = []
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far (pushes and flush)."""
+        return "".join(self._pieces)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return list(self._ids)
+
+    def push(self, token_ids: list[int]) -> str:
+        """Adds tokens; returns only the text that is new and complete (possibly "")."""
+        if not token_ids:
+            return ""
+        self._ids.extend(token_ids)
+        prefix_text, new_text = self._decode_window()
+        # A trailing U+FFFD is an unfinished character: hold it (and the tokens that carry it)
+        # until the next push completes it. `len(new_text) > len(prefix_text)`: tokens that decode
+        # to nothing (skipped special tokens) emit nothing and keep the window where it is.
+        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
+            return ""
+        return self._emit(new_text[len(prefix_text):])
+
+    def flush(self) -> str:
+        """The text still held back when the request ends (may end in U+FFFD if the generation
+        stopped inside a character, exactly as the full decode does)."""
+        if self._read_offset == len(self._ids):
+            return ""
+        prefix_text, new_text = self._decode_window()
+        return self._emit(new_text[len(prefix_text):])
+
+    def _decode_window(self) -> tuple[str, str]:
+        window = self._ids[self._prefix_offset:]
+        context = self._read_offset - self._prefix_offset
+        prefix_text = self._decode(window[:context]) if context else ""
+        return prefix_text, self._decode(window)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+
+    def _emit(self, delta: str) -> str:
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        if delta:
+            self._pieces.append(delta)
+        return delta
