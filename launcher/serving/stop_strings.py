@@ -1,0 +1,84 @@
+"""Stop strings over streamed text: emit what cannot be part of a stop string, hold the rest.
+
+A stop string can arrive split across any number of deltas ("<|e", "nd", "|>"), so text that could
+still grow into one is held back. Only a tail that is a prefix of some stop string needs holding,
+and such a tail is shorter than the longest stop, so at most max(len(stop)) - 1 characters wait.
+Once a stop string is found, it and everything after it are dropped (OpenAI's behaviour: the stop
+sequence is not part of the returned text).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+MAX_STOP_STRINGS = 4
+"""OpenAI's completions and chat APIs accept up to 4 stop sequences."""
+
+
+def validate_stops(stops: Sequence[str]) -> tuple[str, ...]:
+    """The stops as a tuple; ValueError naming the value for anything else than up to 4 non-empty
+    strings. A lone string is refused (it would be read as one stop per character)."""
+    if isinstance(stops, str):
+        raise ValueError(f"stop strings must be a list of strings, got the single string {stops!r}; "
+                         f"wrap it in a list: [{stops!r}]")
+    stops = tuple(stops)
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed (OpenAI's limit), got "
+                         f"{len(stops)}: {list(stops)!r}")
+    for stop in stops:
+        if not isinstance(stop, str) or not stop:
+            raise ValueError(f"each stop string must be a non-empty str, got {stop!r} in {list(stops)!r}")
+    return stops
+
+
+class StopStringMatcher:
+    """Feed text deltas with push(); each returns (text safe to emit now, whether a stop was found).
+
+    After a stop is found every later push returns ("", True): the request is over.
+    """
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = validate_stops(stops)
+        self._hold_max = max((len(s) for s in self.stops), default=1) - 1
+        """The longest tail that can still be the start of a stop string."""
+        self._held = ""
+        self.stopped = False
+
+    @property
+    def held(self) -> str:
+        """Text received but not yet emitted, because it may begin a stop string."""
+        return self._held
+
+    def push(self, text: str) -> tuple[str, bool]:
+        if self.stopped:
+            return "", True
+        if not self.stops:
+            return text, False
+        buffer = self._held + text
+        found = self._first_stop(buffer)
+        if found is not None:
+            self.stopped = True
+            self._held = ""
+            return buffer[:found], True
+        keep = self._partial_stop_length(buffer)
+        self._held = buffer[len(buffer) - keep:] if keep else ""
+        return buffer[:len(buffer) - keep], False
+
+    def flush(self) -> str:
+        """The held tail, at the end of a request that hit no stop string (it never completed one)."""
+        held, self._held = self._held, ""
+        return "" if self.stopped else held
+
+    def _first_stop(self, buffer: str) -> int | None:
+        """Where the earliest stop string starts in buffer, or None. Earliest, not first listed: the
+        text before it is what the model wrote before stopping."""
+        starts = [i for i in (buffer.find(stop) for stop in self.stops) if i >= 0]
+        return min(starts, default=None)
+
+    def _partial_stop_length(self, buffer: str) -> int:
+        """The length of the longest tail of buffer that is a proper prefix of some stop string."""
+        for length in range(min(self._hold_max, len(buffer)), 0, -1):
+            tail = buffer[-length:]
+            if any(stop.startswith(tail) for stop in self.stops):
+                return length
+        return 0

@@ -1,0 +1,98 @@
+"""StopStringMatcher: stop strings split across pushes, overlapping prefixes, passthrough."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from launcher.serving.stop_strings import StopStringMatcher
+
+
+def run(stops, pieces):
+    """Pushes every piece; returns (everything emitted including the flush, whether it stopped)."""
+    matcher = StopStringMatcher(stops)
+    out, stopped = [], False
+    for piece in pieces:
+        text, stopped = matcher.push(piece)
+        out.append(text)
+    out.append(matcher.flush())
+    return "".join(out), stopped
+
+
+def reference(stops, text):
+    """What the whole text gives at once: everything before the earliest stop string."""
+    starts = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return (text[:min(starts)], True) if starts else (text, False)
+
+
+def test_no_stops_is_a_passthrough_that_holds_nothing():
+    matcher = StopStringMatcher([])
+    for piece in ["Hello", ", ", "wor", "ld"]:
+        assert matcher.push(piece) == (piece, False)
+        assert matcher.held == ""
+    assert matcher.flush() == ""
+
+
+def test_a_stop_split_across_many_pushes_is_never_emitted():
+    matcher = StopStringMatcher(["<|end|>"])
+    pushes = [matcher.push(p) for p in ["Answer: 42", "<", "|", "e", "n", "d", "|", ">", " more"]]
+    assert pushes[0] == ("Answer: 42", False)
+    assert all(p == ("", False) for p in pushes[1:7])  # each one still a prefix of the stop
+    assert pushes[7] == ("", True)
+    assert pushes[8] == ("", True)  # after a stop, nothing more
+    assert matcher.flush() == ""
+
+
+def test_a_false_start_is_released_once_it_cannot_be_a_stop():
+    matcher = StopStringMatcher(["STOP"])
+    assert matcher.push("a ST") == ("a ", False)
+    assert matcher.held == "ST"
+    assert matcher.push("ART") == ("START", False)
+    assert matcher.push("S") == ("", False)
+    assert matcher.flush() == "S"
+
+
+def test_text_after_the_stop_in_the_same_push_is_dropped():
+    assert StopStringMatcher(["\n\n"]).push("one\n\ntwo") == ("one", True)
+
+
+def test_overlapping_prefixes_hold_the_longest_possible_start():
+    # "ab" is a prefix of "abc"; "bca" overlaps "abc" by "bc"
+    matcher = StopStringMatcher(["abcd", "bcx"])
+    assert matcher.push("zab") == ("z", False)
+    assert matcher.held == "ab"
+    assert matcher.push("c") == ("", False)  # "abc" could still be "abcd", "bc" could be "bcx"
+    assert matcher.push("x") == ("a", True)  # "bcx" found: "a" came before it
+    assert run(["aab"], ["a", "a", "a", "b"]) == ("a", True)  # "aaa" -> held "aa", then "aab"
+
+
+def test_the_earliest_stop_wins_not_the_first_listed():
+    assert run(["later", "early"], ["an early and later"]) == ("an ", True)
+
+
+def test_holds_at_most_the_longest_stop_minus_one():
+    matcher = StopStringMatcher(["x", "<stop>"])
+    matcher.push("<stop" * 3)
+    assert len(matcher.held) <= len("<stop>") - 1
+
+
+@pytest.mark.parametrize("stops", [["ab", "ba"], ["aaa"], ["abab", "b", "bb"], ["\n\n", "User:"], []])
+def test_random_splits_match_the_whole_text(stops):
+    rng = random.Random(0)
+    for _ in range(300):
+        text = "".join(rng.choice("ab\nUser: ") for _ in range(rng.randint(0, 30)))
+        cuts = sorted(rng.sample(range(len(text) + 1), k=min(len(text) + 1, rng.randint(0, 8))))
+        pieces = [text[i:j] for i, j in zip([0] + cuts, cuts + [len(text)])]
+        assert run(stops, pieces) == reference(stops, text), (stops, pieces)
+
+
+@pytest.mark.parametrize("stops, message", [
+    (["a", "b", "c", "d", "e"], "at most 4 stop strings"),
+    ([""], "non-empty str, got ''"),
+    (["ok", 3], "non-empty str, got 3"),
+    ("STOP", "single string 'STOP'"),
+])
+def test_bad_stops_are_refused_naming_the_value(stops, message):
+    with pytest.raises(ValueError, match=message):
+        StopStringMatcher(stops)
