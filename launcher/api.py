@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import queue
 import threading
 import time
+import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
@@ -66,7 +68,15 @@ class LaunchConfig:
     seq_len: int | None = None
     """KV-cache length per sequence; None sizes it per request (longest prompt + new tokens)."""
     max_batch_size: int = 8
-    """Prompts per worker call; more are split into several calls."""
+    """Static batches (generate(..., batching="static")): prompts per worker call; more are split."""
+    max_num_seqs: int = 8
+    """Continuous batching: requests each TP group runs at once (its serving KV cache holds this many
+    sequences of seq_len tokens, allocated at start-up; the planner counts it). More wait for a row."""
+    max_prefill_tokens: int = 2048
+    """Prompt tokens a group prefills per iteration (in chunks), between two decode steps."""
+    max_queued_requests: int | None = None
+    """Streaming requests allowed to wait for a row over all replicas; more are refused with QueueFull.
+    None: no limit."""
     presharded_dir: str | None = None
     """A directory written by shardlib.presharded.save_presharded for this exact layout."""
     compile: bool = True
@@ -121,6 +131,12 @@ class LaunchConfig:
         if self.health_check_interval_s <= 0:
             raise ValueError(f"health_check_interval_s ({self.health_check_interval_s}) must be positive")
         positive_int("max_batch_size", self.max_batch_size)
+        positive_int("max_num_seqs", self.max_num_seqs)
+        positive_int("max_prefill_tokens", self.max_prefill_tokens)
+        if self.max_queued_requests is not None and (isinstance(self.max_queued_requests, bool) or not isinstance(
+                self.max_queued_requests, int) or self.max_queued_requests < 0):
+            raise ValueError(f"max_queued_requests ({self.max_queued_requests!r}) must be an integer >= 0, or None "
+                             f"for no limit")
         if self.seq_len is not None and self.seq_len < 2:
             raise ValueError(f"seq_len ({self.seq_len}) must be at least 2")
         if self.dtype is not None:
@@ -334,10 +350,19 @@ class Launcher:
         try:
             group.start()
             stats = group.load(spec)
+            group.start_serving(self._serve_spec())
         except BaseException:
             group.kill()
             raise
         return StartedGroup(group=group, load_stats=stats)
+
+    def _serve_spec(self):
+        from workers.rank_worker import ServeSpec
+
+        cfg = self.config
+        return ServeSpec(max_num_seqs=cfg.max_num_seqs, max_prefill_tokens=cfg.max_prefill_tokens,
+                         cache_slots=cfg.seq_len or self.plan.seq_len,
+                         warm_up_max_length=0 if cfg.warm_up else None)
 
     @property
     def presharded_cache_ready(self) -> bool:
@@ -381,8 +406,15 @@ class Launcher:
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                  max_new_tokens: int = 64, stop_token_ids: Sequence[int] = (),
-                 ignore_eos: bool = False, return_logits: bool = False) -> list[GenerationResult]:
+                 ignore_eos: bool = False, return_logits: bool = False,
+                 batching: str = "continuous") -> list[GenerationResult]:
         """Generate for each prompt (text, or token ids); results come back in prompt order.
+
+        batching "continuous" (default): every prompt is its own request in the groups' running
+        batches (see stream()), so concurrent callers share the groups step by step.
+        batching "static": the prompts run as whole batches, one batch per group at a time (the
+        engine before continuous batching; what `check` and `bench` measure). What follows
+        describes the static path; both give the same greedy tokens.
 
         Generation stops at the model's EOS tokens and at `stop_token_ids` (the stop token is kept
         in token_ids); `ignore_eos` keeps only the explicit stop tokens (fixed-length benchmarks).
@@ -396,9 +428,11 @@ class Launcher:
         """
         from workers.rank_worker import GenerateRequest
 
-        pool = self._pool
-        if pool is None:
-            raise LaunchError("the launcher is not running: call start() or use it as a context manager")
+        pool = self._running_pool()
+        if batching == "continuous":
+            return self._generate_streams(prompts, sampling, max_new_tokens, stop_token_ids, ignore_eos, return_logits)
+        if batching != "static":
+            raise ValueError(f"batching ({batching!r}) must be 'continuous' or 'static'")
         with self._lock:
             texts, token_lists = self._tokenize(prompts)
         params = self._sampling_per_prompt(sampling, len(token_lists))
@@ -434,6 +468,173 @@ class Launcher:
         if errors:
             raise errors[0]
         return results
+
+    # ---- streaming requests (continuous batching) ----------------------------------------------
+    def stream(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None, max_new_tokens: int = 64,
+               stop_token_ids: Sequence[int] = (), stop: Sequence[str] = (), ignore_eos: bool = False,
+               logprobs: int | None = None, request_id: str | None = None):
+        """Submit one request and return an iterator of StreamDelta (launcher/serving/stream_types.py):
+        its text as it is generated, a few milliseconds after each step, never cut inside a
+        character. The request joins a group's running batch at the next iteration.
+
+        Raises at once (before anything runs) on bad input: ValueError naming the value, and
+        QueueFull when max_queued_requests are already waiting. stop: strings that end the
+        generation (not included in the text); logprobs: n to get the chosen token's log-probability
+        and the n most likely (0..20). Closing the iterator early cancels the request."""
+        from launcher.serving.request_streams import RequestStream, thread_sink
+
+        items: queue.Queue = queue.Queue()
+        handle, text = self._open_stream(prompt, sampling, max_new_tokens, stop_token_ids, stop, ignore_eos,
+                                         logprobs, request_id, thread_sink(items))
+        return RequestStream(self._cancel_stream, handle, text, items)
+
+    def astream(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None, max_new_tokens: int = 64,
+                stop_token_ids: Sequence[int] = (), stop: Sequence[str] = (), ignore_eos: bool = False,
+                logprobs: int | None = None, request_id: str | None = None):
+        """stream() for asyncio: call it inside a running event loop; it returns an async iterator
+        (`async for delta in llm.astream(...)`); `aclose()` or cancelling the reading task cancels."""
+        import asyncio
+
+        from launcher.serving.request_streams import AsyncRequestStream, loop_sink
+
+        items: asyncio.Queue = asyncio.Queue()
+        handle, text = self._open_stream(prompt, sampling, max_new_tokens, stop_token_ids, stop, ignore_eos,
+                                         logprobs, request_id, loop_sink(items, asyncio.get_running_loop()))
+        return AsyncRequestStream(self._cancel_stream, handle, text, items)
+
+    async def agenerate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
+                        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+                        max_new_tokens: int = 64, stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
+                        return_logits: bool = False) -> list[GenerationResult]:
+        """generate() for asyncio (continuous batching): every prompt streams concurrently."""
+        import asyncio
+
+        streams, texts, token_lists = self._open_generation(prompts, sampling, max_new_tokens, stop_token_ids,
+                                                            ignore_eos, return_logits, asynchronous=True)
+
+        async def drain(stream):
+            async for _ in stream:
+                pass
+
+        outcomes = await asyncio.gather(*(drain(s) for s in streams), return_exceptions=True)
+        errors = [o for o in outcomes if isinstance(o, BaseException)]
+        if errors:
+            raise errors[0]
+        return [self._result(s, texts[i], token_lists[i]) for i, s in enumerate(streams)]
+
+    def load(self) -> dict[str, int]:
+        """Streaming requests running (holding a cache row) and waiting for one, over all replicas."""
+        pool = self._running_pool()
+        rows = self.config.max_num_seqs
+        flights = pool.in_flight()
+        return {"running": sum(min(n, rows) for n in flights), "waiting": sum(max(n - rows, 0) for n in flights)}
+
+    def _running_pool(self):
+        if self._pool is None:
+            raise LaunchError("the launcher is not running: call start() or use it as a context manager")
+        return self._pool
+
+    def _open_stream(self, prompt, sampling, max_new_tokens, stop_token_ids, stop, ignore_eos, logprobs,
+                     request_id, sink, return_logits: bool = False):
+        """Check one request, submit it, and return its (StreamHandle, TextStream)."""
+        from launcher.cluster.stream_handle import StreamHandle
+        from launcher.errors import QueueFull
+        from launcher.serving.stop_strings import validate_stops
+        from launcher.serving.text_stream import TextStream
+        from workers.serving.requests import MAX_LOGPROBS, StreamRequest
+
+        pool = self._running_pool()
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        elif prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            prompt = [list(prompt)]
+        else:
+            raise ValueError("prompt must be a string or a non-empty list of token ids")
+        with self._lock:
+            _, [token_ids] = self._tokenize(prompt)
+        params = sampling if sampling is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling ({params!r}) must be a SamplingParams")
+        check_request([token_ids], [params], max_new_tokens, self.model_config.vocab_size)
+        self._check_lengths([token_ids], max_new_tokens)
+        stops = validate_stops(stop)
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                     or not 0 <= logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs ({logprobs!r}) must be an integer from 0 to {MAX_LOGPROBS}, or None")
+        limit = self.config.max_queued_requests
+        if limit is not None and self.load()["waiting"] >= limit:
+            raise QueueFull(f"{self.load()['waiting']} requests already wait for a free sequence slot "
+                            f"(max_queued_requests {limit}, max_num_seqs {self.config.max_num_seqs} per replica); "
+                            f"retry later, or raise --max-queued-requests / --max-num-seqs", retry_after_s=1.0)
+        eos = () if ignore_eos else self._eos_ids()
+        request = StreamRequest(request_id or uuid.uuid4().hex, tuple(token_ids), params, max_new_tokens,
+                                tuple(sorted(set(stop_token_ids) | set(eos))), logprobs, return_logits)
+        handle = StreamHandle(request, sink, self.config.request_timeout_s)
+        text = TextStream(request.request_id, self.tokenizer, stops, len(token_ids), handle.submitted)
+        pool.submit_stream(handle)
+        return handle, text
+
+    def _cancel_stream(self, handle) -> None:
+        if self._pool is not None:
+            self._pool.cancel_stream(handle)
+
+    def _open_generation(self, prompts, sampling, max_new_tokens, stop_token_ids, ignore_eos, return_logits,
+                         asynchronous: bool):
+        """Check every prompt first (nothing is submitted if one is bad), then submit them all."""
+        import asyncio
+
+        from launcher.serving.request_streams import AsyncRequestStream, RequestStream, loop_sink, thread_sink
+
+        with self._lock:
+            texts, token_lists = self._tokenize(prompts)
+        params = self._sampling_per_prompt(sampling, len(token_lists))
+        check_request(token_lists, params, max_new_tokens, self.model_config.vocab_size)
+        self._check_lengths(token_lists, max_new_tokens)
+        streams = []
+        for ids, p in zip(token_lists, params):
+            items = asyncio.Queue() if asynchronous else queue.Queue()
+            sink = loop_sink(items, asyncio.get_running_loop()) if asynchronous else thread_sink(items)
+            handle, text = self._open_stream(ids, p, max_new_tokens, stop_token_ids, (), ignore_eos, None, None,
+                                             sink, return_logits)
+            kind = AsyncRequestStream if asynchronous else RequestStream
+            streams.append(kind(self._cancel_stream, handle, text, items))
+        return streams, texts, token_lists
+
+    def _generate_streams(self, prompts, sampling, max_new_tokens, stop_token_ids, ignore_eos,
+                          return_logits) -> list[GenerationResult]:
+        streams, texts, token_lists = self._open_generation(prompts, sampling, max_new_tokens, stop_token_ids,
+                                                            ignore_eos, return_logits, asynchronous=False)
+        errors = []
+        for stream in streams:  # they run concurrently; reading them in turn waits for the slowest
+            try:
+                for _ in stream:
+                    pass
+            except BaseException as err:  # noqa: BLE001 - raised below once every request has ended
+                errors.append(err)
+        if errors:
+            raise errors[0]
+        return [self._result(s, texts[i], token_lists[i]) for i, s in enumerate(streams)]
+
+    def _result(self, stream, prompt_text, token_ids) -> GenerationResult:
+        events = stream.events
+        tokens = [t for e in events for t in e.token_ids]
+        with self._lock:
+            text = self._decode(tokens)
+        token_events = [e for e in events if e.token_ids]
+        steps = [e.step_s for e in token_events[1:]]
+        decoded_s = sum(steps)
+        logits = None
+        if any(e.logits for e in events):
+            import torch
+
+            logits = torch.stack([row for e in events for row in (e.logits or [])])
+        return GenerationResult(
+            prompt=prompt_text, text=text, token_ids=tokens, finish_reason=stream.text.finish_reason or "length",
+            prompt_tokens=len(token_ids),
+            time_to_first_token_s=(stream.text.first_token_at or stream.handle.submitted) - stream.handle.submitted,
+            decode_tokens_per_s=len(steps) / decoded_s if steps and decoded_s > 0 else 0.0,
+            decode_step_latencies_s=steps, logits=logits, replica=stream.handle.replica or 0,
+            attempts=stream.handle.attempts)
 
     def _tokenize(self, prompts) -> tuple[list[str | None], list[list[int]]]:
         if isinstance(prompts, str):

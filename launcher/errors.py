@@ -61,3 +61,11 @@ class RestartLimitExceeded(ReplicaFailed):
 
 class NoReplicaAvailable(LaunchError):
     """Every replica has failed for good: nothing is left to serve requests."""
+
+
+class QueueFull(LaunchError):
+    """More requests wait for a free cache row than max_queued_requests allows; retry later."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

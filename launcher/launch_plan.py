@@ -54,7 +54,7 @@ def plan_launch(config, progress: Progress, nothing_done: str = "nothing was sta
         model_dir = resolve_model_dir(config.model)
         model_config = load_model_config(model_dir)
     plan = make_plan(model_config, instance=target, tp=config.tp, nodes=config.nodes, lnc=config.lnc,
-                     batch_size=config.max_batch_size, seq_len=config.seq_len, dtype=config.dtype,
+                     batch_size=config.max_batch_size + config.max_num_seqs + 1, seq_len=config.seq_len, dtype=config.dtype,
                      kv_strategy=config.kv_strategy)
     if not plan.valid:
         errors = [dict(e) for e in plan.to_dict()["errors"]]

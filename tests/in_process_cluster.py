@@ -90,6 +90,61 @@ class ThreadTPGroup:
     def load(self, spec) -> list:
         return self._on_every_rank("load its shard", lambda w: w.load(spec))
 
+    # ---- serving: the ranks' serving loops on threads, rank 0 reached directly --------------------
+    @property
+    def serving(self) -> bool:
+        return bool(getattr(self, "_serve_threads", None))
+
+    def start_serving(self, spec) -> list:
+        prepared = self._on_every_rank("prepare serving", lambda w: w.prepare_serving(spec))
+        self._serve_errors: dict[int, BaseException] = {}
+        self._static_ids = 0
+
+        def serve(rank: int, worker) -> None:
+            try:
+                worker.serve()
+            except BaseException as err:  # noqa: BLE001 - reported by the next poll
+                self._serve_errors[rank] = err
+
+        self._serve_threads = [threading.Thread(target=serve, args=(r, w), daemon=True)
+                               for r, w in enumerate(self.actors)]
+        for t in self._serve_threads:
+            t.start()
+        return prepared
+
+    def submit(self, requests) -> None:
+        if self.actors:
+            self.actors[0].submit_requests(requests)
+
+    def cancel(self, request_ids) -> None:
+        if self.actors:
+            self.actors[0].cancel_requests(request_ids)
+
+    def poll(self, wait_s: float):
+        from launcher.errors import RankFailed, WorkerDied
+
+        if self._dead:
+            self.kill()
+            raise WorkerDied(f"rank {self._dead[0]} (in-process, pid {os.getpid()}) died while serving; the "
+                             f"group was stopped")
+        if self._fault is not None:
+            fault, self._fault = self._fault, None
+            self.kill()
+            raise fault
+        if self._serve_errors or not self.actors:
+            errors = dict(self._serve_errors)
+            self.kill()
+            rank = min(errors, default=0)
+            raise RankFailed(f"rank {rank} (in-process) stopped serving: {errors.get(rank)!r}")
+        return self.actors[0].poll(wait_s)
+
+    def stop_serving(self, grace_s: float = 10.0) -> None:
+        threads, self._serve_threads = getattr(self, "_serve_threads", []), []
+        if threads and self.actors:
+            self.actors[0].stop_serving()
+        for t in threads:
+            t.join(grace_s)
+
     def generate(self, request):
         from launcher.errors import WorkerDied
 
@@ -102,7 +157,11 @@ class ThreadTPGroup:
             fault, self._fault = self._fault, None
             self.kill()
             raise fault
-        return self._on_every_rank("finish the request", lambda w: w.generate(request))[0]
+        static_id = None
+        if self.serving:
+            self._static_ids += 1
+            static_id = self._static_ids
+        return self._on_every_rank("finish the request", lambda w: w.generate(request, static_id))[0]
 
     def fail_next(self, fault: BaseException) -> None:
         """The next generate call raises `fault` (a GroupFault) and stops the group, as a broken one does."""
@@ -118,11 +177,15 @@ class ThreadTPGroup:
         return [f"rank {r} (in-process, pid {os.getpid()})" for r in self._dead]
 
     def shutdown(self, grace_s: float = 10.0) -> None:
+        self.stop_serving(grace_s)
         if self.actors:
             self._on_every_rank("shut down", lambda w: w.shutdown())
         self.kill()
 
     def kill(self) -> None:
+        if self.actors and self.serving:
+            self.actors[0].stop_serving()  # a killed process's loop would be gone too
+        self._serve_threads = []
         self.actors = []
         if hasattr(self, "_collectives"):
             self._collectives.abort()  # a rank still waiting in a collective gives up

@@ -82,12 +82,15 @@ def check_bad_requests_and_batch_split(small_model, compile_: bool) -> None:
             launcher.generate([[1, 2]], max_new_tokens=0)
         with pytest.raises(ValueError, match="top_p"):
             launcher.generate([[1, 2]], SamplingParams(temperature=1.0, top_p=1.5))
-        # five prompts with max_batch_size 2 run as three worker calls, results in prompt order
+        # five prompts with max_batch_size 2 run as three static worker calls, results in prompt order
         prompts = [[3 + i, 40 + i, 7] for i in range(5)]
-        together = launcher.generate(prompts, max_new_tokens=4)
-        one_by_one = [launcher.generate([p], max_new_tokens=4)[0] for p in prompts]
-        assert [r.token_ids for r in together] == [r.token_ids for r in one_by_one]
+        together = launcher.generate(prompts, max_new_tokens=4, batching="static")
+        one_by_one = [launcher.generate([p], max_new_tokens=4, batching="static")[0] for p in prompts]
+        streamed = launcher.generate(prompts, max_new_tokens=4)  # continuous batching: the same tokens
+        assert [r.token_ids for r in together] == [r.token_ids for r in one_by_one] == [r.token_ids for r in streamed]
         assert len(together) == 5
+        with pytest.raises(ValueError, match="batching"):
+            launcher.generate(prompts, batching="dynamic")
 
 
 def test_a_dead_rank_with_restarts_disabled_fails_the_call_naming_it(small_model, in_process_cluster):

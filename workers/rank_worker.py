@@ -5,6 +5,10 @@ in-process benchmark drives the same class directly. The constructor is cheap; e
 explicit call made after the launcher has placed the process (so device visibility is already set):
 
     describe() -> init_backend() -> load() -> generate()* -> shutdown()
+
+To serve (continuous batching, workers/serving/), every rank then calls prepare_serving() and
+serve(), which runs until stop_serving() reaches rank 0; meanwhile the driver talks to rank 0 only
+(submit_requests, cancel_requests, poll), and generate() batches run between two iterations.
 """
 
 from __future__ import annotations
@@ -79,6 +83,21 @@ class GenerateRequest:
     """Return the logits each token was chosen from (accuracy checks)."""
 
 
+@dataclass(frozen=True)
+class ServeSpec:
+    """The serving loop's limits (workers/serving/loop.py)."""
+
+    max_num_seqs: int
+    """Cache rows: requests running at once; more wait for a free row."""
+    max_prefill_tokens: int
+    """Prompt tokens prefilled per iteration, over all sequences."""
+    cache_slots: int | None = None
+    """Slots per row without buckets; with buckets, the largest token bucket."""
+    warm_up_max_length: int | None = None
+    """Build the serving graphs for sequences of up to this many tokens before serving; None: none
+    (each is built on first use), 0: every serving shape."""
+
+
 @dataclass
 class LoadStats:
     load_time_s: float
@@ -112,6 +131,7 @@ class RankWorker:
     _collectives: object = field(default=None, init=False, repr=False)
     _model: object = field(default=None, init=False, repr=False)
     _buckets: Buckets | None = field(default=None, init=False, repr=False)
+    _loop: object = field(default=None, init=False, repr=False)
 
     def describe(self) -> dict:
         """Where this rank runs: used for error messages and rendezvous."""
@@ -189,17 +209,87 @@ class RankWorker:
         stats = getattr(self._model, "stats", None)
         return stats().to_dict() if callable(stats) else None
 
-    def generate(self, request: GenerateRequest):
-        """Run one batch; rank 0 returns the outputs, other ranks return None."""
+    def generate(self, request: GenerateRequest, static_id: int | None = None):
+        """Run one batch; rank 0 returns the outputs, other ranks return None. While the serving loop
+        runs, the batch waits there for its turn (static_id: the same number on every rank)."""
         from workers.engine import generate
 
         assert self._model is not None, "load must run before generate"
+        loop = self._loop
+        if loop is not None:
+            if static_id is None:
+                raise ValueError("this group is serving: a static batch needs the static_id every rank shares")
+            outputs = loop.static(static_id, request).result()
+            return outputs if self.spec.rank == 0 else None
         outputs = generate(self._model, request.prompts, request.params, request.max_new_tokens,
                            request.stop_token_ids, max_seq_len=request.max_seq_len,
                            return_logits=request.return_logits, buckets=self._buckets)
         return outputs if self.spec.rank == 0 else None
 
+    # ---- serving ---------------------------------------------------------------------------------
+    def prepare_serving(self, spec: ServeSpec) -> dict:
+        """Allocate the serving cache (and build graphs, when asked); every rank, before serve()."""
+        from shardlib.serving_shapes import ServingShapes
+        from workers.engine import generate
+        from workers.serving.loop import ServingConfig, ServingLoop
+
+        assert self._model is not None, "load must run before prepare_serving"
+        buckets = self._buckets
+        shapes = ServingShapes.build(buckets, spec.max_num_seqs, spec.max_prefill_tokens) if buckets else None
+        slots = buckets.max_seq_len if buckets is not None else spec.cache_slots
+        if slots is None:
+            raise ValueError("serving without buckets needs ServeSpec.cache_slots")
+        model = self._model
+
+        def run_static(request: GenerateRequest):
+            return generate(model, request.prompts, request.params, request.max_new_tokens, request.stop_token_ids,
+                            max_seq_len=request.max_seq_len, return_logits=request.return_logits,
+                            buckets=self._buckets)
+
+        start = time.perf_counter()
+        loop = ServingLoop(model, ServingConfig(spec.max_num_seqs, spec.max_prefill_tokens, slots, shapes), run_static)
+        if shapes is not None and spec.warm_up_max_length is not None and hasattr(model, "warming_up"):
+            with model.warming_up():
+                loop.warm_up(shapes.shapes(spec.warm_up_max_length or None))
+        self._loop = loop
+        return {"rank": self.spec.rank, "cache_bytes": loop.cache.nbytes(), "prepare_s": time.perf_counter() - start}
+
+    def serve(self) -> dict:
+        """Run the serving loop until stop_serving(); the loop's step counters when it ends."""
+        loop = self._loop
+        assert loop is not None, "prepare_serving must run before serve"
+        try:
+            loop.run()
+        finally:
+            self._loop = None
+        return {"steps": loop.steps, "step_s": loop.step_seconds, "plan_s": loop.plan_seconds}
+
+    def submit_requests(self, requests: list) -> None:
+        self._leader_loop().submit(requests)
+
+    def cancel_requests(self, request_ids: list[str]) -> None:
+        self._leader_loop().cancel(request_ids)
+
+    def poll(self, wait_s: float):
+        """(new TokenEvents, {"running", "waiting"}, {"steps", "step_s", "plan_s"}) from rank 0's loop."""
+        loop = self._leader_loop()
+        events, load = loop.poll(wait_s)
+        return events, load, {"steps": loop.steps, "step_s": loop.step_seconds, "plan_s": loop.plan_seconds}
+
+    def stop_serving(self) -> None:
+        if self._loop is not None:
+            self._loop.stop()
+
+    def _leader_loop(self):
+        if self.spec.rank != 0:
+            raise ValueError(f"rank {self.spec.rank} is a follower: requests go to rank 0")
+        if self._loop is None:
+            raise RuntimeError("this group is not serving (prepare_serving and serve were not called, or it stopped)")
+        return self._loop
+
     def shutdown(self) -> None:
+        if self._loop is not None:
+            self._loop.stop()
         # The model holds the collectives; drop it first so the shared-memory views go with it,
         # then unmap the segment before the process group is destroyed.
         self._model = None

@@ -42,10 +42,20 @@ class RayRankWorker(RankWorker):
     def load(self, load_spec):
         return self._compute.submit(super().load, load_spec).result()
 
-    def generate(self, request):
+    def generate(self, request, static_id=None):
+        if self._loop is not None:  # the compute thread runs the serving loop, which runs the batch
+            return super().generate(request, static_id)
         return self._compute.submit(super().generate, request).result()
 
+    def prepare_serving(self, spec):
+        return self._compute.submit(super().prepare_serving, spec).result()
+
+    def serve(self):
+        return self._compute.submit(super().serve).result()
+
     def shutdown(self) -> None:
+        if self._loop is not None:
+            self._loop.stop()  # rank 0 ends the loop on every rank; the compute thread is then free
         try:
             self._compute.submit(super().shutdown).result()
         finally:
@@ -64,6 +74,7 @@ class RayRankWorker(RankWorker):
 
 
 # max_restarts=0: a dead rank is reported, never silently restarted by Ray with lost state (the
-# launcher restarts the whole group instead); max_concurrency=2 lets a describe/health call through
-# while a long generate runs.
-RankWorkerActor = ray.remote(max_restarts=0, max_concurrency=2)(RayRankWorker)
+# launcher restarts the whole group instead); max_concurrency: the serving loop holds one actor
+# thread for as long as it serves, a static batch one more, and polls, submissions, cancellations
+# and health checks must still get through.
+RankWorkerActor = ray.remote(max_restarts=0, max_concurrency=8)(RayRankWorker)

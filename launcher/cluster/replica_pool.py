@@ -1,5 +1,12 @@
 """Replicas: N independent TP groups behind one request queue, each restarted when it breaks.
 
+Two kinds of requests reach a replica:
+- streams (continuous batching, workers/serving/): each is routed when it arrives to the serving
+  replica with the fewest requests in flight (running plus waiting for a cache row), handed to its
+  group's leader at once, and followed by the replica's thread, which polls the leader for tokens
+  and passes them on. Many streams share a group at once.
+- static batches (the rest of this docstring): one at a time per replica, from a shared queue.
+
 Routing: requests (one batch of prompts each) wait in one shared FIFO queue; every replica has a
 thread that takes the next request whenever its group is idle. A request therefore always goes to
 a replica with the least outstanding work (an idle one) and never waits behind a busy or
@@ -30,8 +37,13 @@ from typing import Callable
 from launcher.errors import (DevicesMissing, GroupFault, LaunchError, NoReplicaAvailable, PlacementTimeout,
                              RendezvousTimeout, ReplicaFailed, RequestTimeout, RestartLimitExceeded, WorkerDied)
 from launcher.cluster.restart_policy import RestartPolicy
+from launcher.cluster.stream_handle import StreamHandle
+from workers.serving.requests import TokenEvent
 
 _STOP = object()
+POLL_WAIT_S = 0.05
+"""A streaming replica's thread asks its leader for new tokens at least this often (a poll returns
+as soon as there are tokens, so this bounds only how soon a queued static batch is noticed)."""
 
 
 @dataclass
@@ -81,6 +93,11 @@ class Replica:
         self.last_recovery_s: float | None = None
         """Seconds from noticing the last fault to the restarted group being ready."""
         self._thread: threading.Thread | None = None
+        self.streams: dict[str, StreamHandle] = {}
+        """Streaming requests in flight here, by request id."""
+        self._streams_lock = threading.Lock()
+        self.loop_counters: dict = {}
+        """The leader's serving-loop counters at the last poll (steps, step_s, plan_s)."""
 
     # ---- the serving loop --------------------------------------------------------------------
     def run(self) -> None:
@@ -90,16 +107,83 @@ class Replica:
     def _loop(self) -> None:
         pool = self.pool
         while not pool.stopping and self.state != "failed":
+            streaming = getattr(self.started.group, "serving", False)
             try:
-                item = pool._queue.get(timeout=pool.health_check_interval_s)
+                item = pool._queue.get_nowait() if streaming else pool._queue.get(timeout=pool.health_check_interval_s)
             except queue.Empty:
-                self._health_check()
+                if streaming:
+                    self._poll_streams()
+                else:
+                    self._health_check()
                 continue
             if item is _STOP:
                 break
             self._serve(item)
         if self.state != "failed":
             self.state = "stopped"
+
+    # ---- streams -----------------------------------------------------------------------------
+    def submit_stream(self, handle: StreamHandle) -> None:
+        with self._streams_lock:
+            self.streams[handle.request_id] = handle
+            handle.replica = self.index
+            if self.state == "serving":
+                self.started.group.submit([handle.request])
+            # else the restart in progress submits it with the others (_resume_streams)
+
+    def cancel_stream(self, request_id: str) -> None:
+        with self._streams_lock:
+            handle = self.streams.get(request_id)
+            if handle is None:
+                return
+            handle.cancelled = True
+            if self.state == "serving":
+                self.started.group.cancel([request_id])  # the leader answers with an "abort" event
+
+    def _poll_streams(self) -> None:
+        group = self.started.group
+        try:
+            events, load, counters = group.poll(POLL_WAIT_S)
+        except GroupFault as fault:
+            if self.pool.stopping:
+                return
+            self._restart(fault)  # resumes the streams on the new group, or fails them
+            return
+        self.loop_counters = counters
+        for event in events:
+            with self._streams_lock:
+                handle = self.streams.get(event.request_id)
+            if handle is not None and handle.deliver(event):
+                with self._streams_lock:
+                    if self.streams.pop(event.request_id, None) is not None:
+                        self.served += 1
+        now = time.monotonic()
+        with self._streams_lock:
+            late = [h for h in self.streams.values() if now > h.deadline]
+            for handle in late:
+                self.streams.pop(handle.request_id)
+        for handle in late:
+            group.cancel([handle.request_id])
+            handle.fail(RequestTimeout(
+                f"request {handle.request_id} did not finish within {handle.timeout_s:g} s (it had "
+                f"{len(handle.delivered)} of {handle.request.max_tokens} tokens); it was cancelled. Raise "
+                f"request_timeout_s (--request-timeout) for long generations"))
+
+    def _resume_streams(self) -> None:
+        """On a freshly (re)started group: every stream in flight continues where it stopped.
+        Called with _streams_lock held."""
+        for handle in list(self.streams.values()):
+            if handle.cancelled:
+                self.streams.pop(handle.request_id)
+                handle.deliver(TokenEvent(handle.request_id, [], "abort"))
+                continue
+            handle.attempts += 1
+            self.started.group.submit([handle.resumed()])
+
+    def _take_streams(self) -> list[StreamHandle]:
+        with self._streams_lock:
+            handles, self.streams = list(self.streams.values()), {}
+        return handles
 
     def _serve(self, item: _Item) -> None:
         while True:
@@ -176,8 +260,11 @@ class Replica:
             if self.pool.stopping:
                 started.group.kill()
                 return False
-            self.started = started
-            self.state = "serving"
+            with self._streams_lock:
+                self.started = started
+                self.state = "serving"
+                if getattr(started.group, "serving", False):
+                    self._resume_streams()
             self.last_recovery_s = time.monotonic() - noticed
             self.pool._note(f"replica {self.index}: serving again after {self.last_recovery_s:.1f} s")
             return True
@@ -185,15 +272,18 @@ class Replica:
     def _give_up(self, error: ReplicaFailed, cause: BaseException) -> None:
         error.__cause__ = cause
         self.failure = error
-        self.state = "failed"
+        with self._streams_lock:
+            self.state = "failed"
         if self.started is not None:
             self.started.group.kill()
         self.pool._replica_failed(self)
+        self.pool._reroute(self._take_streams(), error)
 
     def status(self) -> dict:
         group = self.started.group if self.started is not None else None
         workers = list(getattr(group, "workers", []) or []) if self.state in ("serving", "starting") else []
         return {"index": self.index, "state": self.state, "busy": self.busy, "restarts": self.restarts,
+                "streams": len(self.streams),
                 "served": self.served, "last_recovery_s": self.last_recovery_s,
                 "failure": str(self.failure) if self.failure else None,
                 "workers": workers, "nodes": sorted({w["node_id"] for w in workers if "node_id" in w}),
@@ -256,6 +346,39 @@ class ReplicaPool:
             self._queue.put(item)
         return item.future
 
+    def submit_stream(self, handle: StreamHandle) -> None:
+        """Route a streaming request to the replica with the fewest in flight (see the module docstring)."""
+        with self._lock:
+            if self.stopping:
+                raise LaunchError("the launcher is shut down; start a new one")
+            if self._no_replica is not None:
+                raise NoReplicaAvailable(str(self._no_replica))
+            candidates = ([r for r in self.replicas if r.state == "serving"]
+                          or [r for r in self.replicas if r.state in ("restarting", "starting")])
+            min(candidates, key=lambda r: len(r.streams)).submit_stream(handle)
+
+    def cancel_stream(self, handle: StreamHandle) -> None:
+        if handle.replica is not None:
+            self.replicas[handle.replica].cancel_stream(handle.request_id)
+
+    def in_flight(self) -> list[int]:
+        """Streaming requests in flight on each replica."""
+        return [len(r.streams) for r in self.replicas]
+
+    def _reroute(self, handles: list[StreamHandle], error: BaseException) -> None:
+        """Streams of a replica given up: resumed on another replica, or failed when none is left."""
+        for handle in handles:
+            if handle.cancelled:
+                handle.deliver(TokenEvent(handle.request_id, [], "abort"))
+                continue
+            # The resumed request becomes the request: its history already holds what was delivered.
+            handle.request, handle.delivered = handle.resumed(), []
+            try:
+                handle.attempts += 1
+                self.submit_stream(handle)
+            except LaunchError:
+                handle.fail(error)
+
     def serving(self) -> int:
         """Replicas that are serving or will be again (restarting)."""
         return sum(r.state in ("serving", "restarting", "starting") for r in self.replicas)
@@ -299,6 +422,9 @@ class ReplicaPool:
         with self._lock:
             self.stopping = True
             self._drain(LaunchError("the launcher was shut down before this request ran"))
+        for replica in self.replicas:
+            for handle in replica._take_streams():
+                handle.fail(LaunchError("the launcher was shut down while this request was streaming"))
         for _ in self.replicas:
             self._queue.put(_STOP)
         stoppers = []

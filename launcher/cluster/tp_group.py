@@ -26,7 +26,7 @@ from launcher.errors import (DevicesMissing, LaunchError, PlacementTimeout, Rank
 from launcher.cluster.placement import alive_nodes, bundle_nodes, placement_strategy, rank_order
 from launcher.cluster.resources import RankResources, actor_options, explain_unplaceable
 from workers.backends import BackendEntry, backend_entry
-from workers.rank_worker import GenerateRequest, LoadSpec, LoadStats, WorkerSpec
+from workers.rank_worker import GenerateRequest, LoadSpec, LoadStats, ServeSpec, WorkerSpec
 
 # How often a long wait wakes up to check for dead ranks; a death is seen within this delay.
 _POLL_S = 0.5
@@ -67,6 +67,8 @@ class TPGroup:
     bundle_of_rank: list[int] = field(default_factory=list, init=False)
     """The placement-group bundle index each rank runs in (ranks are numbered node by node)."""
     _pg: object = field(default=None, init=False, repr=False)
+    _serve_refs: list = field(default_factory=list, init=False, repr=False)
+    _static_ids: int = field(default=0, init=False, repr=False)
 
     # ---- start-up ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -150,10 +152,92 @@ class TPGroup:
 
     # ---- requests ----------------------------------------------------------------------------
     def generate(self, request: GenerateRequest):
-        """One call per rank for the whole batch; rank 0's outputs are returned."""
-        results = self._wait_all([a.generate.remote(request) for a in self.actors],
+        """One call per rank for the whole batch; rank 0's outputs are returned. While the group
+        serves, the batch runs inside the serving loop between two iterations."""
+        static_id = None
+        if self._serve_refs:
+            self._static_ids += 1
+            static_id = self._static_ids
+        results = self._wait_all([a.generate.remote(request, static_id) for a in self.actors],
                                  self.timeouts.request_s, "finish the request")
         return results[0]
+
+    # ---- serving (continuous batching; workers/serving/) -----------------------------------------
+    @property
+    def serving(self) -> bool:
+        return bool(self._serve_refs)
+
+    def start_serving(self, spec: ServeSpec) -> list[dict]:
+        """Allocate every rank's serving cache (building graphs if asked), then start the loops."""
+        prepared = self._wait_all([a.prepare_serving.remote(spec) for a in self.actors], self.timeouts.load_s,
+                                  "prepare serving")
+        self._serve_refs = [a.serve.remote() for a in self.actors]
+        return prepared
+
+    def submit(self, requests: list) -> None:
+        """Hand requests to rank 0's loop (not awaited: a failure shows in the next poll)."""
+        self.actors[0].submit_requests.remote(requests)
+
+    def cancel(self, request_ids: list[str]) -> None:
+        if self.actors:
+            self.actors[0].cancel_requests.remote(request_ids)
+
+    def poll(self, wait_s: float):
+        """(events, load, counters) from rank 0, waiting up to wait_s for the first event; raises the
+        group's fault (WorkerDied, RankFailed, RequestTimeout) when a rank's loop ended or rank 0
+        does not answer, after stopping the group."""
+        self._check_loops()
+        ref = self.actors[0].poll.remote(wait_s)
+        deadline_s = wait_s + self.timeouts.startup_s
+        done, _ = ray.wait([ref], timeout=deadline_s)
+        if not done:
+            self._check_loops()
+            self.kill()
+            raise RequestTimeout(f"{self._where(0)} did not answer a poll within {deadline_s:g} s; the group was "
+                                 f"stopped")
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayActorError as err:
+            self.kill()
+            raise self._death(0, "serve", err) from None
+
+    def _check_loops(self) -> None:
+        """Raise (after stopping the group) when any rank's serving loop has ended."""
+        done, _ = ray.wait(self._serve_refs, num_returns=len(self._serve_refs), timeout=0)
+        if not done:
+            return
+        rank_of = {ref: rank for rank, ref in enumerate(self._serve_refs)}
+        pending = [r for r in self._serve_refs if r not in done]
+        failure: Exception | None = None
+        for ref in done:
+            try:
+                ray.get(ref)
+                failure = failure or RankFailed(f"{self._where(rank_of[ref])} stopped serving unexpectedly")
+            except ray.exceptions.RayActorError as err:
+                failure = self._death(rank_of[ref], "serve", err)
+                break
+            except ray.exceptions.RayTaskError as err:
+                failure = failure or _rank_failure(self._where(rank_of[ref]), "serve", err)
+        if not isinstance(failure, WorkerDied):
+            failure = self._find_death(pending, rank_of, "serve") or failure
+        self._serve_refs = []
+        self.kill()
+        raise failure if isinstance(failure, (RankFailed, WorkerDied)) else RankFailed(str(failure))
+
+    def stop_serving(self, grace_s: float = 10.0) -> list[dict]:
+        """End every rank's loop; the loops' counters (steps, forward and planning seconds)."""
+        refs, self._serve_refs = self._serve_refs, []
+        if not refs or not self.actors:
+            return []
+        self.actors[0].stop_serving.remote()
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=grace_s)
+        out = []
+        for ref in done:
+            try:
+                out.append(ray.get(ref))
+            except ray.exceptions.RayError:
+                pass
+        return out
 
     def compile_stats(self, timeout_s: float = 30.0) -> dict | None:
         """Rank 0's graphs built so far and its compile-cache counters (RankWorker.compile_stats);
@@ -283,12 +367,15 @@ class TPGroup:
     # ---- teardown ----------------------------------------------------------------------------
     def shutdown(self, grace_s: float = 10.0) -> None:
         """Ask every rank to leave its process group, wait a little, then kill what is left."""
+        if self._serve_refs:
+            self.stop_serving(grace_s)
         if self.actors:
             refs = [a.shutdown.remote() for a in self.actors]
             ray.wait(refs, num_returns=len(refs), timeout=grace_s)
         self.kill()
 
     def kill(self) -> None:
+        self._serve_refs = []
         for actor in self.actors:
             try:
                 ray.kill(actor, no_restart=True)

@@ -1,0 +1,62 @@
+"""One streaming request as the driver tracks it: where its events go, what has been delivered.
+
+The replica that serves it (launcher/cluster/replica_pool.py) appends every token it delivers, so
+after a group fault the request can resume on the restarted group from exactly where its stream
+stopped: the prompt plus the delivered tokens are prefilled again and generation continues for
+the tokens still owed. No token is delivered twice and none is skipped; a greedy stream is the
+same as without the fault.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Callable
+
+from workers.serving.requests import StreamRequest, TokenEvent
+
+Sink = Callable[[object], None]
+"""Receives each TokenEvent of the request, then possibly one exception (the request failed)."""
+
+
+class StreamHandle:
+    def __init__(self, request: StreamRequest, sink: Sink, timeout_s: float) -> None:
+        self.request = request
+        self.sink = sink
+        self.submitted = time.monotonic()
+        self.deadline = self.submitted + timeout_s
+        self.timeout_s = timeout_s
+        self.delivered: list[int] = []
+        self.attempts = 1
+        self.replica: int | None = None
+        self.cancelled = False
+        self.finished = False
+        self._lock = threading.Lock()
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    def resumed(self) -> StreamRequest:
+        """The request to submit to a restarted group: history = prompt + delivered tokens."""
+        return dataclasses.replace(self.request,
+                                   prompt_token_ids=self.request.prompt_token_ids + tuple(self.delivered),
+                                   max_tokens=self.request.max_tokens - len(self.delivered))
+
+    def deliver(self, event: TokenEvent) -> bool:
+        """Pass an event on (once finished, nothing more); True when it finished the request."""
+        with self._lock:
+            if self.finished:
+                return True
+            self.delivered.extend(event.token_ids)
+            self.finished = event.finish_reason is not None
+        self.sink(event)
+        return self.finished
+
+    def fail(self, error: BaseException) -> None:
+        with self._lock:
+            if self.finished:
+                return
+            self.finished = True
+        self.sink(error)

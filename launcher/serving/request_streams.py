@@ -1,0 +1,126 @@
+"""The iterators Launcher.stream and Launcher.astream return.
+
+A request is validated and submitted when the iterator is made, not when it is first read, so bad
+input and a full queue raise at the call. Closing the iterator early (close / aclose, a `break`
+followed by garbage collection, an asyncio task cancelled while it waits) cancels the request,
+which frees its cache row at the group's next iteration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+
+from launcher.cluster.stream_handle import StreamHandle
+from launcher.serving.stream_types import StreamDelta
+from launcher.serving.text_stream import TextStream
+from workers.serving.requests import TokenEvent
+
+_GRACE_S = 30.0
+"""Beyond the request's own deadline, how long a reader waits for the replica to report anything
+(the replica's thread fails overdue requests itself; this only guards against that thread dying)."""
+
+
+class _Stream:
+    def __init__(self, cancel, handle: StreamHandle, text: TextStream) -> None:
+        self._cancel, self.handle, self.text = cancel, handle, text
+        self.done = False
+        self.events: list[TokenEvent] = []
+        """Every event read (generate() keeps their logits and step times)."""
+
+    @property
+    def request_id(self) -> str:
+        return self.handle.request_id
+
+    def _delta(self, item) -> StreamDelta:
+        if isinstance(item, BaseException):
+            self.done = True
+            raise item
+        self.events.append(item)
+        delta = self.text.delta(item)
+        if delta.finish_reason is not None:
+            self.done = True
+            if self.text.stopped_by_string and item.finish_reason is None:
+                self._cancel(self.handle)  # the group would go on generating: free its row now
+        return delta
+
+    def _overdue(self) -> TimeoutError:
+        return TimeoutError(f"request {self.request_id} got no answer within {self.handle.timeout_s + _GRACE_S:g} s")
+
+    def cancel(self) -> None:
+        if not self.done:
+            self.done = True
+            self._cancel(self.handle)
+
+    def __del__(self) -> None:
+        try:
+            self.cancel()
+        except Exception:  # noqa: BLE001 - at interpreter exit the launcher may be gone already
+            pass
+
+
+class RequestStream(_Stream):
+    """Iterator of StreamDelta; the last has finish_reason set."""
+
+    def __init__(self, cancel, handle: StreamHandle, text: TextStream, items: queue.Queue) -> None:
+        super().__init__(cancel, handle, text)
+        self._items = items
+
+    def __iter__(self) -> "RequestStream":
+        return self
+
+    def __next__(self) -> StreamDelta:
+        if self.done:
+            raise StopIteration
+        try:
+            item = self._items.get(timeout=self.handle.timeout_s + _GRACE_S)
+        except queue.Empty:
+            self.cancel()
+            raise self._overdue() from None
+        return self._delta(item)
+
+    def close(self) -> None:
+        self.cancel()
+
+
+class AsyncRequestStream(_Stream):
+    """Async iterator of StreamDelta; the last has finish_reason set."""
+
+    def __init__(self, cancel, handle: StreamHandle, text: TextStream, items: asyncio.Queue) -> None:
+        super().__init__(cancel, handle, text)
+        self._items = items
+
+    def __aiter__(self) -> "AsyncRequestStream":
+        return self
+
+    async def __anext__(self) -> StreamDelta:
+        if self.done:
+            raise StopAsyncIteration
+        try:
+            item = await asyncio.wait_for(self._items.get(), self.handle.timeout_s + _GRACE_S)
+        except asyncio.TimeoutError:
+            self.cancel()
+            raise self._overdue() from None
+        except asyncio.CancelledError:
+            self.cancel()  # the task reading this stream was cancelled (a client went away)
+            raise
+        return self._delta(item)
+
+    async def aclose(self) -> None:
+        self.cancel()
+
+
+def thread_sink(items: queue.Queue):
+    return items.put
+
+
+def loop_sink(items: asyncio.Queue, loop: asyncio.AbstractEventLoop):
+    """Events arrive on the replica's thread; they are handed to the reader's event loop."""
+
+    def put(item) -> None:
+        try:
+            loop.call_soon_threadsafe(items.put_nowait, item)
+        except RuntimeError:  # the reader's loop is closed: nobody is left to read
+            pass
+
+    return put

@@ -1,0 +1,47 @@
+"""One request's tokens turned into text deltas: incremental detokenization, then stop strings."""
+
+from __future__ import annotations
+
+import time
+
+from launcher.serving.detokenizer import IncrementalDetokenizer
+from launcher.serving.stop_strings import StopStringMatcher
+from launcher.serving.stream_types import StreamDelta
+from workers.serving.requests import TokenEvent
+
+
+class TextStream:
+    def __init__(self, request_id: str, tokenizer, stops: tuple[str, ...], prompt_tokens: int,
+                 submitted: float) -> None:
+        self.request_id = request_id
+        self._detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self._stops = StopStringMatcher(stops) if stops else None
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
+        self.submitted = submitted
+        self.first_token_at: float | None = None
+        self.finish_reason: str | None = None
+        self.stopped_by_string = False
+
+    def delta(self, event: TokenEvent) -> StreamDelta:
+        """The delta for one event; after a stop string, finish_reason is "stop" whatever the event says."""
+        first = None
+        if event.token_ids and self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+            first = self.first_token_at - self.submitted
+        finish = event.finish_reason
+        text = ""
+        if self._detokenizer is not None:
+            text = self._detokenizer.push(event.token_ids)
+            if finish is not None:
+                text += self._detokenizer.flush()
+        if self._stops is not None:
+            text, hit = self._stops.push(text)
+            if hit:
+                finish, self.stopped_by_string = "stop", True
+            elif finish is not None:
+                text += self._stops.flush()
+        self.completion_tokens += len(event.token_ids)
+        self.finish_reason = finish
+        return StreamDelta(self.request_id, text, list(event.token_ids), finish, self.prompt_tokens,
+                           self.completion_tokens, event.logprobs, first)
