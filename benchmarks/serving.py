@@ -1,0 +1,219 @@
+"""Serving throughput and latency over HTTP, with concurrent streaming clients; prints one JSON object.
+
+Workload: SmolLM2-135M-Instruct's tokenizer builds distinct prompts of exactly --prompt-tokens
+tokens, sent as token ids to an OpenAI-compatible /v1/completions endpoint with the official
+`openai` client: --max-tokens new tokens, temperature 0, streamed, `ignore_eos` so every request
+gets exactly --max-tokens tokens. At each concurrency level N (default 1, 4, 16, 32), N clients each
+send --requests-per-client requests one after another (level 1 sends --level1-requests), after an
+unmeasured warm-up wave at the same level (graphs for new batch shapes are built there). Per level:
+aggregate output tokens/s, TTFT / inter-token / end-to-end latency p50 and p99, each stream's
+decode tokens/s, and whether every request got exactly --max-tokens tokens.
+
+Server: without --base-url it starts `corelaunch serve` on a free loopback port (TP 1, the smallest
+buckets that hold the request, --max-num-seqs the highest level), waits for GET /health, and stops
+it at the end. With --base-url URL --model NAME it measures any OpenAI-compatible server (vLLM).
+
+--baselines: first, with no server running, the same model in this process through the driver API
+(one Ray TP 1 group, static batching): (a) --baseline-prompts prompts one after another, (b) all of
+them in one static batch. Ratios: level 16 against (a) and (b), level 1's per-stream decode speed
+against (a)'s, and TTFT p99 at 16 against the static batch's prefill plus two decode steps.
+
+    python benchmarks/serving.py [--levels 1,4,16,32] [--baselines] [--base-url URL --model NAME]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import inspect
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.serving_client import PromptSource, run_level  # noqa: E402
+from benchmarks.serving_server import corelaunch_server  # noqa: E402
+from benchmarks.serving_stats import expected_ttft_s, ratio, summarize_level  # noqa: E402
+
+DEFAULT_SERVED_NAME = "smollm2-135m-instruct"
+
+
+def machine() -> dict:
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor() or "unknown")
+    return {"cpu_model": model, "cores": os.cpu_count(), "cores_usable": len(os.sched_getaffinity(0)),
+            "python": platform.python_version()}
+
+
+def bucket_options(prompt_tokens: int, max_tokens: int) -> dict:
+    """The smallest buckets that hold one request: the context bucket and the KV-cache length."""
+    from shardlib.buckets import auto_buckets
+
+    return {"seq_len": next(b for b in auto_buckets(8192) if b >= prompt_tokens + max_tokens),
+            "max_context_length": next(b for b in auto_buckets(8192) if b >= prompt_tokens)}
+
+
+# ---- baselines: the driver API in this process ------------------------------------------------------
+def static_generate(launcher, prompts: list[list[int]], max_tokens: int) -> list:
+    """launcher.generate(..., batching="static"): one fixed batch, no requests joining mid-way. Where
+    the driver API predates the keyword, a generate() call already is exactly that, so it is left
+    out (and the report says so)."""
+    options = {"batching": "static"} if "batching" in inspect.signature(launcher.generate).parameters else {}
+    return launcher.generate(prompts, max_new_tokens=max_tokens, ignore_eos=True, **options)
+
+
+def measure_baselines(model_dir: str, prompts: list[list[int]], max_tokens: int) -> dict:
+    from launcher.api import Launcher
+
+    count = len(prompts)
+    with Launcher(model=model_dir, tp=1, max_batch_size=count, progress=False, ray_address="local",
+                  **bucket_options(len(prompts[0]), max_tokens)) as launcher:
+        static_generate(launcher, prompts[:1], max_tokens)  # warm-up: builds the batch-1 graphs
+        static_generate(launcher, prompts, max_tokens)  # and the batch-16 ones
+        start = time.perf_counter()
+        singles = [static_generate(launcher, [p], max_tokens)[0] for p in prompts]
+        one_at_a_time_s = time.perf_counter() - start
+        start = time.perf_counter()
+        batch = static_generate(launcher, prompts, max_tokens)
+        static_s = time.perf_counter() - start
+        keyword = "batching" in inspect.signature(launcher.generate).parameters
+    for out in singles + batch:
+        assert len(out.token_ids) == max_tokens, f"a baseline request got {len(out.token_ids)} tokens, not {max_tokens}"
+    batch_ttft = max(out.time_to_first_token_s for out in batch)  # one batch: one prefill for all
+    steps = list(batch[0].decode_step_latencies_s)
+    return {
+        "prompts": count,
+        "batching_keyword_passed": keyword,
+        "one_at_a_time": {
+            "wall_s": round(one_at_a_time_s, 4),
+            "output_tokens_per_s": round(count * max_tokens / one_at_a_time_s, 2),
+            "decode_tokens_per_s_median": round(statistics.median(o.decode_tokens_per_s for o in singles), 2),
+            "ttft_s_median": round(statistics.median(o.time_to_first_token_s for o in singles), 4),
+        },
+        "static_batch": {
+            "wall_s": round(static_s, 4),
+            "output_tokens_per_s": round(count * max_tokens / static_s, 2),
+            "time_to_first_token_s": round(batch_ttft, 4),
+            "decode_step_s_median": round(statistics.median(steps), 5) if steps else None,
+            "expected_ttft_s_prefill_plus_2_steps": round(expected_ttft_s(batch_ttft, steps), 4) if steps else None,
+        },
+    }
+
+
+# ---- HTTP levels -------------------------------------------------------------------------------------
+async def measure_levels(base_url: str, model: str, prompts: PromptSource, args) -> dict:
+    from openai import AsyncOpenAI
+
+    # no retries: a failed request must show as a failure, not as a slow success
+    client = AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=args.request_timeout)
+    levels = {}
+    try:
+        for level in args.levels:
+            if args.warmup:
+                await run_level(client, model, prompts.take(level), level, args.max_tokens)
+            per_client = args.level1_requests if level == 1 else args.requests_per_client
+            records, wall = await run_level(client, model, prompts.take(level * per_client), level, args.max_tokens)
+            levels[str(level)] = {"clients": level, **summarize_level(records, wall, args.max_tokens)}
+            print(f"level {level}: {levels[str(level)]['output_tokens_per_s']} tokens/s", file=sys.stderr)
+    finally:
+        await client.close()
+    return levels
+
+
+def ratios(levels: dict, baselines: dict | None) -> dict:
+    if baselines is None or "16" not in levels:
+        return {}
+    at16, one, static = levels["16"], baselines["one_at_a_time"], baselines["static_batch"]
+    out = {
+        "level16_over_one_at_a_time": ratio(at16["output_tokens_per_s"], one["output_tokens_per_s"]),
+        "level16_over_static_batch": ratio(at16["output_tokens_per_s"], static["output_tokens_per_s"]),
+        "ttft_p99_at_16_over_prefill_16_plus_2_steps": ratio(at16["ttft_s"]["p99"],
+                                                             static["expected_ttft_s_prefill_plus_2_steps"]),
+    }
+    if "1" in levels:
+        out["level1_stream_decode_over_single_stream"] = ratio(levels["1"]["decode_tokens_per_s_per_stream_p50"],
+                                                               one["decode_tokens_per_s_median"])
+    return out
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--levels", default="1,4,16,32", help="concurrency levels, comma-separated")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--requests-per-client", type=int, default=1)
+    parser.add_argument("--level1-requests", type=int, default=4, help="requests the single client sends at level 1")
+    parser.add_argument("--no-warmup", dest="warmup", action="store_false",
+                        help="no unmeasured wave before each level")
+    parser.add_argument("--base-url", help="an OpenAI-compatible server's /v1 URL; default: start corelaunch serve")
+    parser.add_argument("--model", default=DEFAULT_SERVED_NAME, help="the model name the server serves")
+    parser.add_argument("--model-dir", help="Hugging Face folder: its tokenizer builds the prompts, and "
+                                            "corelaunch serve loads it (default: the built-in SmolLM2)")
+    parser.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                        help="one more argument for corelaunch serve (repeat for several)")
+    parser.add_argument("--server-timeout", type=float, default=900, help="seconds to wait for GET /health")
+    parser.add_argument("--request-timeout", type=float, default=600)
+    parser.add_argument("--baselines", action="store_true", help="also the in-process driver-API baselines")
+    parser.add_argument("--baseline-prompts", type=int, default=16)
+    parser.add_argument("--baselines-only", action="store_true", help="only the baselines: no server, no HTTP levels")
+    args = parser.parse_args()
+    args.baselines |= args.baselines_only
+    try:
+        args.levels = [int(x) for x in args.levels.split(",")]
+    except ValueError:
+        parser.error(f"--levels ({args.levels!r}) must be comma-separated positive integers, e.g. 1,4,16,32")
+    if not args.levels or min(args.levels) < 1:
+        parser.error(f"--levels ({args.levels}) must be positive integers")
+    for name in ("prompt_tokens", "max_tokens", "requests_per_client", "level1_requests", "baseline_prompts"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be at least 1")
+    if args.max_tokens < 2 and args.baselines:
+        parser.error("--baselines needs --max-tokens >= 2 (the decode step time comes from the static batch)")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    from transformers import AutoTokenizer
+
+    from shardlib.demo_model import ensure_demo_model
+
+    model_dir = str(args.model_dir or ensure_demo_model())
+    prompts = PromptSource(AutoTokenizer.from_pretrained(model_dir), args.prompt_tokens)
+    report = {"machine": machine(),
+              "workload": {"prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "temperature": 0,
+                           "ignore_eos": True, "levels": args.levels, "requests_per_client": args.requests_per_client,
+                           "level1_requests": args.level1_requests, "warmup": args.warmup}}
+    baselines = None
+    if args.baselines:  # before any server starts: the two would share the cores
+        baselines = measure_baselines(model_dir, prompts.take(args.baseline_prompts), args.max_tokens)
+        report["baselines"] = baselines
+    if args.baselines_only:
+        print(json.dumps(report, indent=2))
+        return
+    if args.base_url:
+        report["server"] = {"base_url": args.base_url, "model": args.model, "started_here": False}
+        levels = asyncio.run(measure_levels(args.base_url, args.model, prompts, args))
+    else:
+        serve_args = ["--model", model_dir, "--tp", "1", "--served-model-name", args.model,
+                      "--max-num-seqs", str(max(args.levels)), "--ray-address", "local",
+                      *[f"--{k.replace('_', '-')}={v}" for k, v in bucket_options(args.prompt_tokens,
+                                                                                   args.max_tokens).items()],
+                      *args.server_arg]
+        with corelaunch_server(serve_args, args.server_timeout) as (base_url, command):
+            report["server"] = {"base_url": base_url, "model": args.model, "started_here": True,
+                                "command": command}
+            levels = asyncio.run(measure_levels(base_url, args.model, prompts, args))
+    report["levels"] = levels
+    report["ratios"] = ratios(levels, baselines)
+    report["targets"] = {"level1_stream_decode_over_single_stream": ">= 0.95"}
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

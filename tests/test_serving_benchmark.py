@@ -1,0 +1,186 @@
+"""The serving benchmark's statistics and client loop, without a server: percentiles, the per-level
+summary, the expected TTFT, prompt building, and the concurrent client loop against a fake client."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sys
+import types
+
+import pytest
+
+from benchmarks.serving_client import PromptSource, build_prompt, run_level
+from benchmarks.serving_stats import RequestRecord, expected_ttft_s, percentile, ratio, summarize_level
+
+
+def test_percentile_interpolates_like_numpy_linear():
+    values = [4.0, 1.0, 3.0, 2.0]
+    assert percentile(values, 0) == 1.0 and percentile(values, 100) == 4.0
+    assert percentile(values, 50) == 2.5
+    assert percentile(values, 99) == pytest.approx(3.97)
+    assert percentile([7.0], 99) == 7.0
+    assert percentile([], 50) is None
+
+
+def test_percentile_agrees_with_numpy_on_random_samples():
+    np = pytest.importorskip("numpy")
+    rng = random.Random(0)
+    for _ in range(50):
+        values = [rng.random() for _ in range(rng.randint(1, 40))]
+        for q in (1, 50, 90, 99):
+            assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+
+
+def test_percentile_refuses_q_out_of_range():
+    with pytest.raises(ValueError, match=r"q \(101\)"):
+        percentile([1.0], 101)
+
+
+def record(sent: float, first: float, gap: float, tokens: int, usage: bool = True) -> RequestRecord:
+    times = [first + i * gap for i in range(tokens)]
+    return RequestRecord(sent_s=sent, chunk_times_s=times, finished_s=times[-1] + 0.001,
+                         completion_tokens=tokens if usage else None)
+
+
+def test_summary_of_a_level():
+    records = [record(0.0, 0.5, 0.1, 4), record(0.0, 1.0, 0.1, 4)]
+    summary = summarize_level(records, wall_s=2.0, max_tokens=4)
+    assert summary["output_tokens"] == 8 and summary["output_tokens_per_s"] == 4.0
+    assert summary["ttft_s"] == {"p50": 0.75, "p99": pytest.approx(0.995)}
+    assert summary["itl_s"]["p50"] == pytest.approx(0.1) and summary["itl_s"]["p99"] == pytest.approx(0.1)
+    assert summary["e2e_s"]["p50"] == pytest.approx(1.051)
+    assert summary["decode_tokens_per_s_per_stream_p50"] == pytest.approx(3 / 0.301, abs=0.01)
+    assert summary["all_got_max_tokens"] and summary["tokens_counted_from"] == "usage"
+
+
+def test_summary_flags_short_and_failed_requests():
+    failed = RequestRecord(sent_s=0.0, error="APIConnectionError: refused")
+    summary = summarize_level([record(0.0, 0.5, 0.1, 3), record(0.0, 0.5, 0.1, 4), failed], wall_s=1.0, max_tokens=4)
+    assert not summary["all_got_max_tokens"]
+    assert summary["errors"] == 1 and summary["output_tokens"] == 7
+    assert summary["short_or_failed"] == [{"tokens": 3, "error": None},
+                                          {"tokens": 0, "error": "APIConnectionError: refused"}]
+
+
+def test_without_usage_the_chunks_are_counted():
+    summary = summarize_level([record(0.0, 0.5, 0.1, 4, usage=False)], wall_s=1.0, max_tokens=4)
+    assert summary["output_tokens"] == 4 and summary["tokens_counted_from"] == "chunks"
+
+
+def test_expected_ttft_is_the_prefill_plus_two_median_steps():
+    assert expected_ttft_s(1.0, [0.1, 0.3, 0.2]) == pytest.approx(1.4)
+    with pytest.raises(ValueError, match="decode_step_latencies_s is empty"):
+        expected_ttft_s(1.0, [])
+
+
+def test_ratio_handles_missing_values():
+    assert ratio(3.0, 2.0) == 1.5
+    assert ratio(None, 2.0) is None and ratio(1.0, 0) is None
+
+
+# ---- prompts and the client loop -------------------------------------------------------------------
+class WordTokenizer:
+    """One token id per character: enough to check lengths and distinctness."""
+
+    def __call__(self, text):
+        return {"input_ids": [ord(c) for c in text]}
+
+
+def test_prompts_have_the_exact_length_and_differ_from_the_first_token_on():
+    source = PromptSource(WordTokenizer(), 128)
+    prompts = source.take(3) + source.take(2)
+    assert all(len(p) == 128 for p in prompts)
+    assert len({tuple(p[:8]) for p in prompts}) == 5
+    with pytest.raises(ValueError, match=r"prompt length \(0\)"):
+        build_prompt(WordTokenizer(), 0, 0)
+
+
+class FakeCompletions:
+    """Streams `max_tokens` chunks, then a usage chunk, like an OpenAI-compatible server."""
+
+    def __init__(self):
+        self.in_flight = 0
+        self.most_in_flight = 0
+        self.prompts = []
+
+    async def create(self, *, model, prompt, max_tokens, stream, stream_options, extra_body, **_):
+        assert stream and stream_options == {"include_usage": True} and extra_body == {"ignore_eos": True}
+        self.prompts.append(prompt)
+
+        async def chunks():
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+            for _ in range(max_tokens):
+                await asyncio.sleep(0.001)
+                yield types.SimpleNamespace(choices=[types.SimpleNamespace(text="x")], usage=None)
+            yield types.SimpleNamespace(choices=[], usage=types.SimpleNamespace(completion_tokens=max_tokens))
+            self.in_flight -= 1
+
+        return chunks()
+
+
+def test_run_level_keeps_n_clients_in_flight_and_records_every_request():
+    client = types.SimpleNamespace(completions=FakeCompletions())
+    prompts = [[i] for i in range(8)]
+    records, wall = asyncio.run(run_level(client, "m", prompts, clients=4, max_tokens=5))
+    assert len(records) == 8 and wall > 0
+    assert client.completions.most_in_flight == 4
+    assert sorted(client.completions.prompts) == prompts
+    assert all(r.error is None and r.tokens == 5 and len(r.chunk_times_s) == 5 for r in records)
+    assert summarize_level(records, wall, 5)["all_got_max_tokens"]
+
+
+def test_a_failing_request_is_recorded_not_raised():
+    class Broken:
+        async def create(self, **_):
+            raise ConnectionError("refused")
+
+    records, _ = asyncio.run(run_level(types.SimpleNamespace(completions=Broken()), "m", [[1], [2]], 2, 4))
+    assert [r.error for r in records] == ["ConnectionError: refused"] * 2
+
+
+def test_run_level_refuses_prompts_that_do_not_split_over_the_clients():
+    with pytest.raises(ValueError, match=r"prompts \(3\) must split evenly over the clients \(2\)"):
+        asyncio.run(run_level(None, "m", [[1], [2], [3]], 2, 4))
+
+
+# ---- the server subprocess -------------------------------------------------------------------------
+HEALTH_SERVER = """
+import http.server, sys
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+def test_server_process_waits_for_health_and_stops_the_server():
+    from benchmarks.serving_server import free_port, healthy, server_process
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/v1"
+    with server_process([sys.executable, "-c", HEALTH_SERVER, str(port)], url, timeout_s=30) as base_url:
+        assert base_url == url and healthy(url)
+    assert not healthy(url)
+
+
+def test_a_server_that_exits_early_fails_with_its_output():
+    from benchmarks.serving_server import free_port, server_process
+
+    command = [sys.executable, "-c", "import sys; print('no such subcommand: serve'); sys.exit(2)"]
+    with pytest.raises(RuntimeError, match=r"exited with code 2 before it was healthy(.|\n)*no such subcommand"):
+        with server_process(command, f"http://127.0.0.1:{free_port()}/v1", timeout_s=30):
+            pass
+
+
+def test_a_server_that_never_gets_healthy_times_out_naming_the_flag():
+    from benchmarks.serving_server import free_port, server_process
+
+    command = [sys.executable, "-c", "import time; time.sleep(60)"]
+    with pytest.raises(TimeoutError, match="not healthy after 1 s.*--server-timeout"):
+        with server_process(command, f"http://127.0.0.1:{free_port()}/v1", timeout_s=1):
+            pass
