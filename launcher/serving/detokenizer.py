@@ -21,6 +21,11 @@ the window moves forward: the emitted tokens become the next context.
 Why the concatenation equals the full decode: the window only moves to a point where its decode
 ended in a complete character, and UTF-8 decoding restarts cleanly after a complete character, so
 decoding from there gives the same characters as decoding from the start.
+
+Cost: a push decodes the context plus the held tokens, a handful for real text (an incomplete
+character spans at most 3 byte tokens). Only output that keeps ending in invalid bytes (a trailing
+U+FFFD that no later token completes) makes the held part grow, and the pushes slower, until a
+push ends in a whole character again; the text stays exact.
 """
 
 from __future__ import annotations
