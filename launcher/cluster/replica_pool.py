@@ -153,10 +153,12 @@ class Replica:
         for event in events:
             with self._streams_lock:
                 handle = self.streams.get(event.request_id)
-            if handle is not None and handle.deliver(event):
-                with self._streams_lock:
-                    if self.streams.pop(event.request_id, None) is not None:
-                        self.served += 1
+                if handle is not None and event.finish_reason is not None:
+                    # Out of the books before the reader learns it finished (load() is then exact).
+                    self.streams.pop(event.request_id)
+                    self.served += 1
+            if handle is not None:
+                handle.deliver(event)
         now = time.monotonic()
         with self._streams_lock:
             late = [h for h in self.streams.values() if now > h.deadline]

@@ -1,0 +1,89 @@
+"""Launcher.stream / astream / agenerate / load with the groups in-process (tests/in_process_cluster.py):
+streams equal generate's tokens, stop strings and stop tokens end them, closing a stream cancels it
+and frees its row, a full queue is refused, bad input fails before anything is submitted, and a
+group fault mid-stream resumes every stream without a duplicated or missing token."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from launcher.api import Launcher
+from launcher.errors import QueueFull, WorkerDied
+from tests.test_replicas import EAGER, NEW_TOKENS, PROMPTS, model_and_expected  # noqa: F401 - fixture
+
+
+def tokens_of(stream) -> tuple[list[int], str | None]:
+    tokens, finish = [], None
+    for delta in stream:
+        tokens.extend(delta.token_ids)
+        finish = delta.finish_reason
+    return tokens, finish
+
+
+def test_streams_equal_generate_and_async_streams_too(model_and_expected, in_process_cluster):
+    model_dir, expected = model_and_expected
+    with Launcher(model=model_dir, tp=2, max_num_seqs=2, progress=False, **EAGER) as llm:
+        streams = [llm.stream(p, max_new_tokens=NEW_TOKENS) for p in PROMPTS]  # more than max_num_seqs
+        assert llm.load()["running"] + llm.load()["waiting"] == len(PROMPTS)
+        assert [tokens_of(s)[0] for s in streams] == expected
+
+        async def both():
+            results = await llm.agenerate(PROMPTS, max_new_tokens=NEW_TOKENS)
+            collected = []
+            async for delta in llm.astream(PROMPTS[0], max_new_tokens=NEW_TOKENS, logprobs=2):
+                collected.append(delta)
+            return results, collected
+
+        results, deltas = asyncio.run(both())
+        assert llm.load() == {"running": 0, "waiting": 0}
+    assert [r.token_ids for r in results] == expected
+    assert [t for d in deltas for t in d.token_ids] == expected[0]
+    assert deltas[-1].finish_reason == "length" and deltas[-1].completion_tokens == NEW_TOKENS
+    assert deltas[0].time_to_first_token_s is not None
+    assert all(len(d.logprobs) == len(d.token_ids) and len(d.logprobs[0].top) == 2 for d in deltas if d.token_ids)
+
+
+def test_closing_a_stream_cancels_it_and_frees_its_row(model_and_expected, in_process_cluster):
+    model_dir, expected = model_and_expected
+    with Launcher(model=model_dir, tp=1, max_num_seqs=1, max_queued_requests=1, progress=False, **EAGER) as llm:
+        long = llm.stream(PROMPTS[0], max_new_tokens=200, ignore_eos=True)
+        next(long)
+        waiting = llm.stream(PROMPTS[1], max_new_tokens=NEW_TOKENS)
+        with pytest.raises(QueueFull, match="max_queued_requests 1") as info:
+            llm.stream(PROMPTS[2], max_new_tokens=NEW_TOKENS)
+        assert info.value.retry_after_s > 0
+        long.close()  # its row goes to the waiting request
+        assert tokens_of(waiting)[0] == expected[1]
+        assert llm.load() == {"running": 0, "waiting": 0}
+
+
+def test_stop_strings_and_stop_tokens_end_a_stream(model_and_expected, in_process_cluster):
+    model_dir, expected = model_and_expected
+    with Launcher(model=model_dir, tp=1, progress=False, **EAGER) as llm:
+        tokens, finish = tokens_of(llm.stream(PROMPTS[0], max_new_tokens=NEW_TOKENS, stop_token_ids=[expected[0][2]]))
+        assert tokens == expected[0][:3] and finish == "stop"
+        with pytest.raises(ValueError, match="logprobs"):
+            llm.stream(PROMPTS[0], logprobs=21)
+        with pytest.raises(ValueError, match="stop string"):
+            llm.stream(PROMPTS[0], stop=[""])
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            llm.stream(PROMPTS[0], max_new_tokens=0)
+        with pytest.raises(ValueError, match="prompt must be"):
+            llm.stream([])
+        assert llm.load() == {"running": 0, "waiting": 0}  # nothing bad was submitted
+
+
+def test_a_group_fault_mid_stream_resumes_every_stream(model_and_expected, in_process_cluster):
+    model_dir, expected = model_and_expected
+    with Launcher(model=model_dir, tp=2, max_num_seqs=1, progress=False, **EAGER) as llm:
+        streams = [llm.stream(p, max_new_tokens=NEW_TOKENS) for p in PROMPTS]
+        first = next(streams[0])  # one row: the first streams, the others wait
+        llm._group.fail_next(WorkerDied("rank 1 (in-process) died while serving"))
+        rest = [tokens_of(s) for s in streams]
+        status = llm.replica_status()[0]
+    got = [(first.token_ids if i == 0 else []) + r[0] for i, r in enumerate(rest)]
+    assert got == expected
+    assert status["restarts"] == 1
+    assert sum(s.handle.attempts == 2 for s in streams) >= len(PROMPTS) - 1
