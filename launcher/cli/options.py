@@ -74,3 +74,58 @@ def int_at_least(name: str, minimum: int = 1):
             raise argparse.ArgumentTypeError(f"{name} ({value}) must be at least {minimum}")
         return value
     return parse
+
+
+def add_model_and_placement_arguments(p: argparse.ArgumentParser) -> None:
+    """What model to serve and how to place and run its TP group (generate and serve): --model, --tp,
+    the backend options, restarts, CPU shares, dtype and layout, weights sources, compilation, buckets,
+    timeouts and --quiet."""
+    p.add_argument("--model", help="Hugging Face model directory (default: built-in SmolLM2-135M-Instruct)")
+    p.add_argument("--tp", default="auto", help="tensor-parallel degree, or auto (default)")
+    add_backend_arguments(p)
+    p.add_argument("--nodes", type=int, default=1,
+                   help="nodes one TP group may span when one node lacks cores (default 1)")
+    p.add_argument("--max-restarts", type=int, default=3, metavar="N",
+                   help="restarts of a failed replica within --restart-window; 0 disables them (default 3)")
+    p.add_argument("--restart-window", type=float, default=600.0, metavar="S",
+                   help="seconds over which --max-restarts is counted (default 600)")
+    p.add_argument("--cpus-per-rank", type=float, metavar="C",
+                   help="cpu backend: CPUs per rank (default: the cluster's CPUs divided over every rank)")
+    p.add_argument("--presharded-cache", action="store_true",
+                   help="write a pre-sharded copy after the first load and restart groups from it")
+    p.add_argument("--lnc", type=int, choices=[1, 2], help="logical NeuronCore config (default: per instance)")
+    p.add_argument("--kv-strategy", choices=["shard", "replicate_to_tp", "convert_to_mha"])
+    p.add_argument("--seq-len", type=int, help="maximum sequence length, the largest KV-cache (token-generation) "
+                                                "bucket (default: min(max_position_embeddings, 4096); with "
+                                                "--no-compile: longest prompt + new tokens)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's")
+    p.add_argument("--presharded", metavar="DIR", help="pre-sharded weights for this exact layout")
+    p.add_argument("--compiled", metavar="CDIR",
+                   help="start from a directory written by `corelaunch compile` (its weights, graphs, settings)")
+    add_no_compile(p)
+    add_granularity(p)
+    p.add_argument("--warm-up", action="store_true", help="build every bucket's graph while starting")
+    add_bucket_lists(p)
+    p.add_argument("--placement-timeout", type=float, default=60.0, metavar="S",
+                   help="seconds to wait for Ray to reserve the workers (default 60)")
+    p.add_argument("--startup-timeout", type=float, default=120.0, metavar="S",
+                   help="seconds for the worker processes to start (default 120)")
+    p.add_argument("--rendezvous-timeout", type=float, default=30.0, metavar="S",
+                   help="seconds for started workers to join their process group (default 30)")
+    p.add_argument("--request-timeout", type=float, default=600.0, metavar="S")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
+def model_and_placement_options(args: argparse.Namespace) -> dict:
+    """LaunchConfig keyword arguments from add_model_and_placement_arguments' options (ValueError for
+    a malformed bucket list)."""
+    return dict(
+        model=args.model, tp=args.tp, **backend_options(args), nodes=args.nodes,
+        max_restarts=args.max_restarts, restart_window_s=args.restart_window,
+        cpus_per_rank=args.cpus_per_rank, presharded_cache=args.presharded_cache,
+        startup_timeout_s=args.startup_timeout, rendezvous_timeout_s=args.rendezvous_timeout,
+        lnc=args.lnc, dtype=args.dtype, kv_strategy=args.kv_strategy, seq_len=args.seq_len,
+        presharded_dir=args.presharded, compile=args.compile, compile_granularity=args.granularity,
+        compiled_dir=args.compiled, warm_up=args.warm_up, **bucket_lists(args),
+        placement_timeout_s=args.placement_timeout, request_timeout_s=args.request_timeout,
+        progress=not args.quiet)
