@@ -1,0 +1,83 @@
+"""The HTTP server's Prometheus metrics, in a registry of their own (GET /metrics serves exactly these).
+
+A private CollectorRegistry, not prometheus_client's global one: each Serve replica (and each test)
+gets a fresh set, and nothing else registered in the process (Ray's own metrics) leaks into
+/metrics. With several Serve replicas, each request to /metrics is answered by one of them and shows
+that replica's numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 - re-exported for the app's response
+
+# Latency buckets (seconds): a CPU model's first token takes from milliseconds to tens of seconds
+# (a long prompt's prefill behind a queue); a token after the first, milliseconds to a second.
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class ServerMetrics:
+    """Every metric the server exports. `load` returns the engine's {"running", "waiting"}; it is
+    read when /metrics is scraped, so the gauges are never stale."""
+
+    def __init__(self, load: Callable[[], dict]):
+        self.registry = CollectorRegistry()
+        self._load = load
+        r = self.registry
+        self.running = Gauge("corelaunch_requests_running", "Requests in the running batch (holding a slot)",
+                             registry=r)
+        self.waiting = Gauge("corelaunch_requests_waiting", "Requests queued for a slot", registry=r)
+        self.time_to_first_token = Histogram(
+            "corelaunch_time_to_first_token_seconds",
+            "Seconds from a request's arrival at the server to its first generated token",
+            buckets=TTFT_BUCKETS, registry=r)
+        self.inter_token_latency = Histogram(
+            "corelaunch_inter_token_latency_seconds",
+            "Seconds between consecutive generated tokens of one request (a delta of several tokens counts "
+            "its gap divided evenly among them)", buckets=ITL_BUCKETS, registry=r)
+        self.generated_tokens = Counter("corelaunch_generated_tokens", "Tokens generated (all requests)",
+                                        registry=r)
+        self.prompt_tokens = Counter("corelaunch_prompt_tokens", "Prompt tokens of the requests admitted",
+                                     registry=r)
+        self.requests = Counter(
+            "corelaunch_requests", "Generation requests by outcome: finish_reason stop|length (completed), "
+            "abort (client went away), error (failed while generating), rejected (refused with the "
+            "HTTP status in `status` before generating)",
+            ["finish_reason", "status"], registry=r)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric, gauges refreshed from the engine now."""
+        load = self._load()
+        self.running.set(load.get("running", 0))
+        self.waiting.set(load.get("waiting", 0))
+        return generate_latest(self.registry)
+
+    def rejected(self, status: int) -> None:
+        self.requests.labels(finish_reason="rejected", status=str(status)).inc()
+
+    def finished(self, finish_reason: str, status: int = 200) -> None:
+        self.requests.labels(finish_reason=finish_reason, status=str(status)).inc()
+
+
+class TokenTimer:
+    """Times one request's tokens into the metrics: the first token's delay since `start`, then the
+    gap to each later delta (perf_counter seconds)."""
+
+    def __init__(self, metrics: ServerMetrics, start: float):
+        self.metrics, self.start, self.last = metrics, start, None
+
+    def tokens(self, count: int, now: float) -> None:
+        if count <= 0:
+            return
+        self.metrics.generated_tokens.inc(count)
+        if self.last is None:
+            self.metrics.time_to_first_token.observe(now - self.start)
+            count -= 1  # the first token has no gap before it
+        elif count:
+            gap = (now - self.last) / count
+            for _ in range(count):
+                self.metrics.inter_token_latency.observe(gap)
+        self.last = now

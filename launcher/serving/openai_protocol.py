@@ -1,0 +1,332 @@
+"""The OpenAI wire format, with no server in it: request models and their validation, the response
+and streaming-chunk objects, usage, server-sent events, and the error object.
+
+Everything here is pure (dicts and pydantic models in, dicts and strings out), so the whole format is
+tested without starting Ray or a model; launcher/serving/openai_app.py only wires it to the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+MAX_STOP_STRINGS = 4
+"""OpenAI's bound on `stop`."""
+MAX_LOGPROBS = 20
+"""OpenAI's bound on completions' `logprobs` and chat's `top_logprobs` (workers.serving.requests has the same)."""
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+"""OpenAI's default max_tokens for /v1/completions; chat's default is the rest of the context."""
+MAX_SEED = 2**63 - 1
+
+# What each field accepts, as the error for a bad value says it. Pydantic's own messages name its
+# types ("Input should be a valid number"), not the API's rule, so every field error is rewritten
+# from this table: "temperature (3.0) must be a number in [0, 2] (0 is greedy)".
+FIELD_RULES = {
+    "model": "the name of the served model (a string; GET /v1/models lists it)",
+    "prompt": "a string, a list of one string, or a list of token ids (several prompts per request are "
+              "not supported: send one request each)",
+    "messages": "a non-empty list of {role, content} messages",
+    "max_tokens": "an integer >= 1",
+    "max_completion_tokens": "an integer >= 1",
+    "temperature": "a number in [0, 2] (0 is greedy)",
+    "top_p": "a number in (0, 1] (1 turns top-p off)",
+    "top_k": "an integer >= 0, or -1 (0 and -1 turn top-k off)",
+    "seed": "an integer in [0, 2**63 - 1]",
+    "stop": f"a string or a list of at most {MAX_STOP_STRINGS} strings",
+    "stop_token_ids": "a list of token ids (integers >= 0)",
+    "ignore_eos": "true or false",
+    "logprobs": f"an integer in [0, {MAX_LOGPROBS}] on /v1/completions; true or false on /v1/chat/completions",
+    "top_logprobs": f"an integer in [0, {MAX_LOGPROBS}], with logprobs: true",
+    "stream": "true or false",
+    "stream_options": "an object {include_usage: bool}, only with stream: true",
+    "n": "1 (only one choice per request is supported)",
+    "presence_penalty": "0 (presence_penalty is not supported; only 0 is accepted)",
+    "frequency_penalty": "0 (frequency_penalty is not supported; only 0 is accepted)",
+    "user": "a string (it is accepted and ignored)",
+}
+
+
+class ProtocolError(ValueError):
+    """A request the API refuses; rendered as OpenAI's error object with this HTTP status."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 type: str = "invalid_request_error", code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
+        self.headers = headers
+        """Extra response headers (Retry-After on 503)."""
+
+    def body(self) -> dict:
+        return error_body(self.message, self.param, self.type, self.code)
+
+
+def error_body(message: str, param: str | None = None, type: str = "invalid_request_error",
+               code: str | None = None) -> dict:
+    """OpenAI's error object: {"error": {"message", "type", "param", "code"}}."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# ---- requests ---------------------------------------------------------------------------------
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+    """Send one more chunk before [DONE] with the request's usage and no choices."""
+
+
+class _GenerationRequest(BaseModel):
+    """Fields both endpoints share. Unknown fields are refused (a misspelt parameter would otherwise
+    be silently ignored)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    temperature: float = Field(1.0, ge=0, le=2)
+    """OpenAI's default is 1 (sampling); send 0 for greedy."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=-1)
+    """Extension (as vLLM's): sample among the k most likely tokens."""
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    stop: str | list[str] | None = Field(None)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    """Extension: generation also ends after any of these token ids."""
+    ignore_eos: bool = False
+    """Extension: keep generating past the model's end-of-sequence tokens (fixed-length benchmarks)."""
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=1)
+    presence_penalty: float = Field(0.0, ge=0, le=0)
+    frequency_penalty: float = Field(0.0, ge=0, le=0)
+    user: str | None = None
+
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[str] | list[int]
+    max_tokens: int | None = Field(None, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    """The chosen token's log-probability plus this many most likely alternatives."""
+
+    def prompt_input(self) -> str | list[int]:
+        """The prompt as the engine takes it: text, or token ids."""
+        if isinstance(self.prompt, list) and self.prompt and all(isinstance(p, str) for p in self.prompt):
+            return self.prompt[0]  # a list of exactly one string (checked in parse_request)
+        return self.prompt
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # name, tool_call_id, ...: not used by the template
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict] | None = None
+
+    def text(self) -> str:
+        """The content as one string: text parts joined; other part types are refused."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        texts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ProtocolError(f"message content part {part.get('type')!r} is not supported; only "
+                                    f"text parts ({{\"type\": \"text\", \"text\": ...}}) are", param="messages")
+            texts.append(part["text"])
+        return "".join(texts)
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    """OpenAI's newer name for max_tokens; wins when both are given."""
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def chat_messages(self) -> list[dict]:
+        """[{role, content}] with content as plain text, as chat templates take it."""
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+    def logprobs_count(self) -> int | None:
+        """The engine's logprobs argument: None (off) or the number of alternatives."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def parse_request(model: type[_GenerationRequest], body: object):
+    """`body` (the decoded JSON) as `model`; ProtocolError naming the first bad field and its rule."""
+    if not isinstance(body, dict):
+        raise ProtocolError(f"the request body must be a JSON object, not {type(body).__name__}")
+    try:
+        request = model.model_validate(body)
+    except ValidationError as err:
+        raise _field_error(err.errors()[0], model) from None
+    _check_combinations(request)
+    return request
+
+
+def _field_error(error: dict, model: type[BaseModel]) -> ProtocolError:
+    loc = [str(part) for part in error["loc"]]
+    field = loc[0] if loc else None
+    param = ".".join(loc) if loc else None
+    if error["type"] == "extra_forbidden":
+        known = ", ".join(sorted(model.model_fields))
+        return ProtocolError(f"unknown parameter {field!r}; this endpoint takes: {known}", param=field)
+    if error["type"] == "missing" and len(loc) == 1:
+        return ProtocolError(f"{field!r} is required: {FIELD_RULES.get(field, 'see the OpenAI API reference')}",
+                             param=field)
+    if field == "messages" and len(loc) > 1:  # inside one message: say which and what is wrong
+        return ProtocolError(f"{param}: {error['msg']} (a message is {{role: system|user|assistant|tool|"
+                             f"developer, content: string or text parts}})", param=param)
+    rule = FIELD_RULES.get(field)
+    if rule is None:
+        return ProtocolError(f"{param}: {error['msg']}", param=param)
+    return ProtocolError(f"{field} ({_short(error.get('input'))}) must be {rule}", param=field)
+
+
+def _short(value: object) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _check_combinations(request: _GenerationRequest) -> None:
+    """Rules that span fields, or that pydantic's per-field constraints cannot say."""
+    stops = request.stop_strings()
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ProtocolError(f"stop has {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed", param="stop")
+    if any(s == "" for s in stops):
+        raise ProtocolError("stop strings must not be empty", param="stop")
+    if any(t < 0 for t in request.stop_token_ids):
+        raise ProtocolError(f"stop_token_ids ({request.stop_token_ids}) must be {FIELD_RULES['stop_token_ids']}",
+                            param="stop_token_ids")
+    if request.stream_options is not None and not request.stream:
+        raise ProtocolError("stream_options is only allowed with stream: true", param="stream_options")
+    if isinstance(request, CompletionRequest):
+        prompt = request.prompt
+        if isinstance(prompt, list) and (not prompt or (isinstance(prompt[0], str) and len(prompt) != 1)):
+            raise ProtocolError(f"prompt (a list of {len(prompt)} strings) must be {FIELD_RULES['prompt']}",
+                                param="prompt")
+        if isinstance(prompt, list) and isinstance(prompt[0], int) and any(t < 0 for t in prompt):
+            raise ProtocolError("prompt token ids must be integers >= 0", param="prompt")
+    if isinstance(request, ChatCompletionRequest):
+        if request.top_logprobs is not None and not request.logprobs:
+            raise ProtocolError("top_logprobs needs logprobs: true", param="top_logprobs")
+        for message in request.messages:
+            message.text()  # refuses non-text parts now, before any work
+
+
+def max_new_tokens(request: _GenerationRequest, prompt_tokens: int, context_tokens: int) -> int:
+    """The tokens to generate at most: the request's limit, else OpenAI's default (16 for
+    completions; for chat the rest of the context, at least 1 so an overlong prompt is refused by the
+    engine's length check naming both lengths)."""
+    if isinstance(request, ChatCompletionRequest):
+        asked = request.max_completion_tokens or request.max_tokens
+        return asked if asked is not None else max(context_tokens - prompt_tokens, 1)
+    return request.max_tokens if request.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
+
+
+# ---- responses --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ResponseMeta:
+    """What every object of one response shares."""
+
+    id: str
+    created: int
+    model: str
+
+    @classmethod
+    def new(cls, prefix: str, model: str) -> "ResponseMeta":
+        return cls(id=f"{prefix}-{uuid.uuid4().hex}", created=int(time.time()), model=model)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_response(meta: ResponseMeta, text: str, finish_reason: str | None, usage_: dict,
+                        logprobs: dict | None = None) -> dict:
+    return {"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
+            "usage": usage_}
+
+
+def completion_chunk(meta: ResponseMeta, text: str, finish_reason: str | None = None,
+                     logprobs: dict | None = None) -> dict:
+    return {"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+
+
+def chat_response(meta: ResponseMeta, text: str, finish_reason: str | None, usage_: dict,
+                  logprobs: dict | None = None) -> dict:
+    return {"id": meta.id, "object": "chat.completion", "created": meta.created, "model": meta.model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "logprobs": logprobs, "finish_reason": finish_reason}],
+            "usage": usage_}
+
+
+def chat_chunk(meta: ResponseMeta, delta: dict, finish_reason: str | None = None,
+               logprobs: dict | None = None) -> dict:
+    """`delta`: {"role": "assistant"} on the first chunk, then {"content": text}."""
+    return {"id": meta.id, "object": "chat.completion.chunk", "created": meta.created, "model": meta.model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+
+
+def usage_chunk(meta: ResponseMeta, obj: str, usage_: dict) -> dict:
+    """The extra last chunk of stream_options.include_usage: no choices, the request's usage."""
+    return {"id": meta.id, "object": obj, "created": meta.created, "model": meta.model, "choices": [],
+            "usage": usage_}
+
+
+def models_list(name: str, created: int) -> dict:
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "corelaunch"}]}
+
+
+# ---- log-probabilities ------------------------------------------------------------------------
+TokenText = Callable[[int], str]
+"""A token id's text (the tokenizer's piece, as decoded alone)."""
+
+
+def completion_logprobs(entries: list, token_text: TokenText, text_offset: int) -> dict:
+    """Completions' logprobs object for `entries` (workers.serving.requests.TokenLogprob), the first
+    token's text starting at `text_offset` characters into the generated text."""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for entry in entries:
+        piece = token_text(entry.token_id)
+        tokens.append(piece)
+        token_logprobs.append(entry.logprob)
+        top.append({token_text(t): lp for t, lp in entry.top})
+        offsets.append(text_offset)
+        text_offset += len(piece)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def chat_logprobs(entries: list, token_text: TokenText) -> dict:
+    """Chat's logprobs object: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    def item(token_id: int, logprob: float) -> dict:
+        piece = token_text(token_id)
+        return {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}
+
+    return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+                        for e in entries]}
+
+
+def merge_completion_logprobs(parts: list[dict]) -> dict | None:
+    """One completions logprobs object from the per-delta ones (non-streaming responses)."""
+    if not parts:
+        return None
+    return {key: [v for part in parts for v in part[key]] for key in parts[0]}
+
+
+# ---- server-sent events -----------------------------------------------------------------------
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_event(obj: dict) -> str:
+    """One server-sent event carrying `obj` as JSON (compact, on one line as SSE requires)."""
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"

@@ -1,0 +1,72 @@
+"""From the engine's stream deltas to the OpenAI objects of one response: streamed chunks, or the
+whole response once the stream ends. One renderer per request; pure (a tokenizer is only asked for the
+text of single tokens, for log-probabilities)."""
+
+from __future__ import annotations
+
+from launcher.serving import openai_protocol as proto
+
+
+class CompletionRender:
+    """/v1/completions objects from the engine's deltas."""
+
+    id_prefix, chunk_object = "cmpl", "text_completion"
+
+    def __init__(self, tokenizer, logprobs: bool):
+        self.token_text = lambda t: tokenizer.decode([t])
+        self.logprobs = logprobs
+        self.text, self.offset, self.logprob_parts = [], 0, []
+
+    def _logprobs(self, delta) -> dict | None:
+        if not self.logprobs or not delta.logprobs:
+            return None
+        part = proto.completion_logprobs(delta.logprobs, self.token_text, self.offset)
+        self.offset += sum(len(t) for t in part["tokens"])
+        return part
+
+    def opening(self, meta) -> list[dict]:
+        return []
+
+    def chunk(self, meta, delta) -> dict | None:
+        logprobs = self._logprobs(delta)
+        if not delta.text and logprobs is None and delta.finish_reason is None:
+            return None  # tokens whose text is held back (a possible stop string, a partial character)
+        return proto.completion_chunk(meta, delta.text, delta.finish_reason, logprobs)
+
+    def collect(self, delta) -> None:
+        self.text.append(delta.text)
+        part = self._logprobs(delta)
+        if part is not None:
+            self.logprob_parts.append(part)
+
+    def response(self, meta, finish, usage) -> dict:
+        logprobs = proto.merge_completion_logprobs(self.logprob_parts) if self.logprobs else None
+        return proto.completion_response(meta, "".join(self.text), finish, usage, logprobs)
+
+
+class ChatRender:
+    """/v1/chat/completions objects from the engine's deltas."""
+
+    id_prefix, chunk_object = "chatcmpl", "chat.completion.chunk"
+
+    def __init__(self, tokenizer, logprobs: bool):
+        self.token_text = lambda t: tokenizer.decode([t])
+        self.logprobs = logprobs
+        self.text, self.entries = [], []
+
+    def opening(self, meta) -> list[dict]:
+        return [proto.chat_chunk(meta, {"role": "assistant", "content": ""})]
+
+    def chunk(self, meta, delta) -> dict | None:
+        logprobs = proto.chat_logprobs(delta.logprobs, self.token_text) if self.logprobs and delta.logprobs else None
+        if not delta.text and logprobs is None and delta.finish_reason is None:
+            return None
+        return proto.chat_chunk(meta, {"content": delta.text} if delta.text else {}, delta.finish_reason, logprobs)
+
+    def collect(self, delta) -> None:
+        self.text.append(delta.text)
+        self.entries.extend(delta.logprobs or [])
+
+    def response(self, meta, finish, usage) -> dict:
+        logprobs = proto.chat_logprobs(self.entries, self.token_text) if self.logprobs else None
+        return proto.chat_response(meta, "".join(self.text), finish, usage, logprobs)
