@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "check": "launcher.cli.check_command",
     "bench": "launcher.cli.bench_command",
     "compile": "launcher.cli.compile_command",
+    "serve": "launcher.cli.serve_command",
 }
 
 

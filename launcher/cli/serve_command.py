@@ -1,0 +1,191 @@
+"""`corelaunch serve`: an OpenAI-compatible HTTP server (Ray Serve) on a private local Ray.
+
+Every option is checked (and the layout planned) before Ray starts; then Serve starts its HTTP proxy
+on --host:--port, each Serve replica loads the model into its own TP group, and the command prints
+`corelaunch: serving NAME at http://HOST:PORT/v1` once GET /health answers 200. SIGINT or SIGTERM
+shuts Serve down and stops Ray.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+from launcher.cli.options import add_model_and_placement_arguments, int_at_least, model_and_placement_options
+
+APP_NAME = "corelaunch"
+"""The Serve application's name (`serve status` shows it)."""
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API (Ray Serve)",
+        description="Start a private local Ray, load the model into one TP group per Serve replica, and serve "
+                    "/v1/completions, /v1/chat/completions, /v1/models, /health and /metrics until SIGINT/SIGTERM.")
+    add_model_and_placement_arguments(p)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address the HTTP server binds (default 127.0.0.1: this machine only; 0.0.0.0: every interface)")
+    p.add_argument("--port", type=_port, default=8000, help="HTTP port (default 8000)")
+    p.add_argument("--served-model-name", metavar="NAME",
+                   help="the `model` clients send (default: the model directory's name; built-in: smollm2-135m-instruct)")
+    p.add_argument("--max-num-seqs", type=int_at_least("--max-num-seqs"), default=16, metavar="N",
+                   help="requests generating at once in one TP group (default 16)")
+    p.add_argument("--max-queued-requests", type=int_at_least("--max-queued-requests", 0), metavar="N",
+                   help="requests waiting for a slot before new ones get 503 with Retry-After (default: no limit)")
+    p.add_argument("--max-prefill-tokens", type=int_at_least("--max-prefill-tokens"), metavar="N",
+                   help="prompt tokens prefilled between two decode steps (default: the engine's, 2048)")
+    p.add_argument("--api-key", metavar="KEY", default=os.environ.get("CORELAUNCH_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on /v1/* (default: $CORELAUNCH_API_KEY; unset: open)")
+    p.add_argument("--replicas", type=int_at_least("--replicas"), metavar="N",
+                   help="Serve replicas, each its own TP group (default 1)")
+    p.add_argument("--min-replicas", type=int_at_least("--min-replicas"), metavar="N",
+                   help="autoscaling: fewest Serve replicas (default 1)")
+    p.add_argument("--max-replicas", type=int_at_least("--max-replicas"), metavar="N",
+                   help="autoscaling: most Serve replicas; each rank's CPU share is sized for this many (default: --min-replicas)")
+    p.add_argument("--target-ongoing-requests", type=float, metavar="R",
+                   help="autoscaling: requests in flight per replica Serve scales toward (default 2)")
+    p.add_argument("--ready-timeout", type=float, default=900.0, metavar="S",
+                   help="seconds for the replicas to load the model and answer /health (default 900)")
+    p.set_defaults(run=run)
+
+
+def _port(text: str) -> int:
+    port = int_at_least("--port", 1)(text)
+    if port > 65535:
+        raise argparse.ArgumentTypeError(f"--port ({port}) must be at most 65535")
+    return port
+
+
+def server_args(args: argparse.Namespace) -> dict:
+    """The application builder's arguments (launcher.serving.server_settings) the options ask for."""
+    built = {**model_and_placement_options(args), "max_num_seqs": args.max_num_seqs,
+             "served_model_name": args.served_model_name, "api_key": args.api_key or None,
+             "replicas": args.replicas, "min_replicas": args.min_replicas, "max_replicas": args.max_replicas,
+             "target_ongoing_requests": args.target_ongoing_requests}
+    if args.max_queued_requests is not None:
+        built["max_queued_requests"] = args.max_queued_requests
+    if args.max_prefill_tokens is not None:
+        built["max_prefill_tokens"] = args.max_prefill_tokens
+    return {k: v for k, v in built.items() if v is not None or k in ("model",)}
+
+
+def check_port_free(host: str, port: int) -> None:
+    """OSError naming the address when something already listens there (refused before Ray starts)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as err:
+            raise OSError(f"cannot listen on {host}:{port} ({err.strerror}); pass a free --port, or stop what "
+                          f"holds it") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    from launcher.errors import LaunchError
+
+    try:
+        from launcher.serving.server_settings import settings_from_args
+
+        settings = settings_from_args(server_args(args))
+        check_port_free(args.host, args.port)
+        _plan(settings)  # an impossible layout is refused here, not inside a Serve replica
+    except (ValueError, OSError, LaunchError) as err:  # FileNotFoundError is an OSError
+        print(f"corelaunch serve: {err}", file=sys.stderr)
+        return 2
+    return _serve(args, settings)
+
+
+def _plan(settings) -> None:
+    from launcher.api import LaunchConfig
+    from launcher.launch_plan import plan_launch
+    from launcher.progress import Progress
+
+    plan_launch(LaunchConfig(**settings.launch), Progress(False))
+
+
+def _serve(args: argparse.Namespace, settings) -> int:
+    from ray import serve
+
+    from launcher.cluster import ray_cluster
+    from launcher.serving.openai_app import application
+
+    connection = ray_cluster.connect("local", worker_logs=not args.quiet)
+    # After ray.init, which installs its own SIGTERM handler: a signal now only asks the main thread
+    # to stop, so Serve and Ray are shut down below rather than killed mid-way.
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        failure = _deploy(serve, application(settings), stop, args.ready_timeout)
+        if failure is None:
+            failure = wait_healthy(args.host, args.port, stop, args.ready_timeout)
+        if failure is not None:
+            print(f"corelaunch serve: {failure}", file=sys.stderr)
+            return 1
+        if stop.is_set():
+            return 0
+        print(f"corelaunch: serving {settings.served_model_name} at {base_url(args.host, args.port)}/v1", flush=True)
+        while not stop.wait(1.0):
+            pass
+        return 0
+    finally:
+        serve.shutdown()
+        connection.close()
+
+
+def _deploy(serve, app, stop: threading.Event, timeout_s: float) -> str | None:
+    """serve.run in a thread (it waits, without a limit, for every replica to load the model), bounded
+    by timeout_s and by a signal; None once deployed, else why not."""
+    outcome: dict = {}
+
+    def deploy() -> None:
+        try:
+            serve.run(app, blocking=False, name=APP_NAME, route_prefix="/")
+        except BaseException as err:  # noqa: BLE001 - reported by the waiting thread
+            outcome["error"] = err
+        outcome["done"] = True
+
+    thread = threading.Thread(target=deploy, name="serve-run", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while "done" not in outcome and not stop.is_set() and time.monotonic() < deadline:
+        thread.join(timeout=0.5)
+    if "error" in outcome:
+        return f"the server failed to start: {outcome['error']}"
+    if "done" not in outcome and not stop.is_set():
+        return (f"the model was not loaded within --ready-timeout {timeout_s:g} s; raise --ready-timeout, or "
+                f"check the replica's log under /tmp/ray/session_latest/logs/serve")
+    return None
+
+
+def base_url(host: str, port: int) -> str:
+    # A server bound to every interface is reached from here over loopback.
+    return f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
+
+
+def wait_healthy(host: str, port: int, stop: threading.Event, timeout_s: float) -> str | None:
+    """Poll GET /health until it answers 200; None then, else why not (the last answer or error)."""
+    url, last = f"{base_url(host, port)}/health", "no answer yet"
+    deadline = time.monotonic() + timeout_s
+    while not stop.is_set() and time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as reply:
+                if reply.status == 200:
+                    return None
+                last = f"HTTP {reply.status}"
+        except urllib.error.HTTPError as err:
+            last = f"HTTP {err.code}"
+        except (urllib.error.URLError, OSError) as err:
+            last = str(getattr(err, "reason", err))
+        stop.wait(0.5)
+    if stop.is_set():
+        return None
+    return f"{url} did not answer 200 within --ready-timeout {timeout_s:g} s (last: {last})"

@@ -1,0 +1,287 @@
+"""The OpenAI-compatible HTTP server: a FastAPI app inside a Ray Serve deployment, one Launcher (one
+TP group) per Serve replica.
+
+    serve run launcher.serving.openai_app:build_app model=/path/to/model tp=2
+    corelaunch serve --model /path/to/model --tp 2             # the same, with Ray and Serve managed
+
+Routes: POST /v1/completions, POST /v1/chat/completions (streaming as server-sent events, or one
+JSON object), GET /v1/models, GET /health, GET /metrics. The wire format lives in
+openai_protocol.py; this file only moves requests between it and the engine.
+"""
+
+# No `from __future__ import annotations`: FastAPI reads the routes' parameter annotations (Request)
+# as objects, and Serve ships this class to its replicas by value, where string annotations would be
+# resolved against a copy of this module's globals that lacks them.
+import asyncio
+import hmac
+import json
+import math
+import os
+import time
+from contextlib import aclosing
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from launcher.serving import openai_protocol as proto
+from launcher.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics, TokenTimer
+from launcher.serving.openai_protocol import ProtocolError
+from launcher.serving.openai_render import ChatRender, CompletionRender
+from launcher.serving.server_settings import ServerSettings, settings_from_args
+
+app = FastAPI(title="corelaunch OpenAI-compatible server", docs_url=None, redoc_url=None)
+
+
+def error_response(err: ProtocolError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+@app.exception_handler(ProtocolError)
+async def _protocol_error(request: Request, err: ProtocolError) -> JSONResponse:
+    return error_response(err)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+    # Unknown routes and wrong methods get the OpenAI error shape too, so clients can read them.
+    message = f"{request.method} {request.url.path}: {err.detail}"
+    return JSONResponse(proto.error_body(message), status_code=err.status_code, headers=err.headers)
+
+
+def queue_full_type() -> type[BaseException] | tuple:
+    """launcher.errors.QueueFull, or () (an except clause that catches nothing) on an engine that
+    has no admission queue."""
+    import launcher.errors
+
+    return getattr(launcher.errors, "QueueFull", ())
+
+
+def _cpus_per_rank(launch: dict, serve_replicas: int) -> float:
+    """An even share of the cluster's CPUs for each rank of every Serve replica there can be, so
+    that all of their TP groups fit at once (the Serve replica actors themselves take no CPU)."""
+    import ray
+
+    from launcher.api import LaunchConfig
+    from launcher.launch_plan import plan_launch
+    from launcher.progress import Progress
+
+    tp = plan_launch(LaunchConfig(**launch), Progress(False)).plan.tp_degree
+    return ray.cluster_resources().get("CPU", 1.0) / (serve_replicas * tp)
+
+
+class _ClosingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that always closes its body generator. Starlette leaves a generator
+    suspended at `yield` open when the client disconnects (or Serve cancels the request), and its
+    `finally` (which cancels the engine request and frees the slot) would wait for garbage collection."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await asyncio.shield(self.body_iterator.aclose())
+
+
+async def _json_body(request: Request):
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ProtocolError(f"the request body is not valid JSON ({err}); send a JSON object with "
+                            f"Content-Type: application/json") from None
+
+
+def _context_tokens(launcher) -> int:
+    """Prompt + generated tokens one request may hold: seq_len when set below the model's maximum."""
+    limit = launcher.model_config.max_position_embeddings
+    seq_len = launcher.config.seq_len
+    return min(limit, seq_len) if seq_len else limit
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_constructor_retry_count=1)
+@serve.ingress(app)
+class OpenAIServer:
+    """One Serve replica: starts its Launcher in the constructor (so Serve routes to it only once the
+    model is loaded) and serves the routes below."""
+
+    def __init__(self, settings: ServerSettings):
+        from launcher.api import LaunchConfig, Launcher, load_tokenizer
+
+        launch = dict(settings.launch)
+        if launch.get("cpus_per_rank") is None:
+            launch["cpus_per_rank"] = _cpus_per_rank(launch, settings.most_replicas)
+        self.launcher = Launcher(LaunchConfig(**launch)).start()
+        self.name = settings.served_model_name
+        self.api_key = settings.api_key or os.environ.get("CORELAUNCH_API_KEY") or None
+        # This replica's own tokenizer (the same files): the chat template and logprob token texts run
+        # on the request loop, never concurrently with the engine's detokenizing of the Launcher's copy.
+        self.tokenizer = load_tokenizer(self.launcher.model_dir)
+        self.context_tokens = _context_tokens(self.launcher)
+        self.metrics = ServerMetrics(self.launcher.load)
+        self.created = int(time.time())
+
+    def __del__(self):  # Serve calls it when the replica is stopped
+        launcher = getattr(self, "launcher", None)
+        if launcher is not None:
+            launcher.shutdown()
+
+    def check_health(self) -> None:
+        """Serve's periodic health check: a replica whose TP group is gone for good is replaced."""
+        if not self._serving():
+            raise RuntimeError("every TP group of this replica has failed; Serve will replace the replica")
+
+    def _serving(self) -> bool:
+        return any(r.get("state") in ("serving", "restarting") for r in self.launcher.replica_status())
+
+    # ---- routes -------------------------------------------------------------------------------
+    @app.get("/health")
+    def health(self) -> Response:
+        if self._serving():
+            return JSONResponse({"status": "ok", "model": self.name})
+        return JSONResponse({"status": "failed", "model": self.name}, status_code=503)
+
+    @app.get("/metrics")
+    def metrics(self) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    def models(self, request: Request) -> dict:
+        self._authorize(request)
+        return proto.models_list(self.name, self.created)
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        arrived = time.perf_counter()
+        self._authorize(request)
+        req = self._parse(proto.CompletionRequest, await _json_body(request))
+        prompt = req.prompt_input()
+        stream = self._start(req, prompt, proto.max_new_tokens(req, 0, self.context_tokens), req.logprobs, "prompt")
+        return await self._respond(req, stream, CompletionRender(self.tokenizer, req.logprobs is not None), arrived)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        arrived = time.perf_counter()
+        self._authorize(request)
+        req = self._parse(proto.ChatCompletionRequest, await _json_body(request))
+        try:
+            prompt = list(self.tokenizer.apply_chat_template(req.chat_messages(), add_generation_prompt=True,
+                                                             tokenize=True, return_dict=False))
+        except Exception as err:  # noqa: BLE001 - a template's refusal (e.g. roles out of order) is the client's
+            raise ProtocolError(f"messages: the model's chat template refused them: {err}", param="messages") from None
+        stream = self._start(req, prompt, proto.max_new_tokens(req, len(prompt), self.context_tokens),
+                             req.logprobs_count(), "messages")
+        return await self._respond(req, stream, ChatRender(self.tokenizer, req.logprobs), arrived)
+
+    # ---- request plumbing ---------------------------------------------------------------------
+    def _authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise ProtocolError("missing or wrong API key: send the header `Authorization: Bearer <key>` with the "
+                                "key the server was started with (--api-key or CORELAUNCH_API_KEY)",
+                                status=401, code="invalid_api_key")
+
+    def _parse(self, model, body):
+        try:
+            req = proto.parse_request(model, body)
+        except ProtocolError:
+            self.metrics.rejected(400)
+            raise
+        if req.model != self.name:
+            self.metrics.rejected(404)
+            raise ProtocolError(f"model {req.model!r} does not exist; this server serves {self.name!r} "
+                                f"(GET /v1/models lists it)", param="model", status=404, code="model_not_found")
+        return req
+
+    def _start(self, req, prompt, max_tokens: int, logprobs: int | None, prompt_param: str):
+        """The engine's stream for this request; ProtocolError 400 for input the engine refuses
+        (its message names the lengths or values; nearly always the prompt's, so `prompt_param` is
+        the error's param), 503 with Retry-After when its queue is full."""
+        from workers.sampling import SamplingParams
+
+        sampling = SamplingParams(temperature=req.temperature, top_k=max(req.top_k, 0), top_p=req.top_p,
+                                  seed=req.seed)
+        try:
+            return self.launcher.astream(prompt, sampling, max_new_tokens=max_tokens,
+                                         stop_token_ids=tuple(req.stop_token_ids), stop=tuple(req.stop_strings()),
+                                         ignore_eos=req.ignore_eos, logprobs=logprobs)
+        except ValueError as err:
+            self.metrics.rejected(400)
+            raise ProtocolError(str(err), param=prompt_param) from None
+        except queue_full_type() as err:
+            self.metrics.rejected(503)
+            retry = max(1, math.ceil(getattr(err, "retry_after_s", 1.0)))
+            raise ProtocolError(f"the server is at capacity ({err}); retry after {retry} s", status=503,
+                                type="server_error", code="queue_full", headers={"Retry-After": str(retry)}) from None
+
+    async def _respond(self, req, stream, render, arrived: float) -> Response:
+        meta = proto.ResponseMeta.new(render.id_prefix, self.name)
+        timer = TokenTimer(self.metrics, arrived)
+        if req.stream:
+            events = self._events(stream, render, meta, timer, req.include_usage())
+            return _ClosingStreamingResponse(events, media_type="text/event-stream",
+                                             headers={"Cache-Control": "no-cache"})
+        finish, prompt_tokens, completion_tokens = None, 0, 0
+        try:
+            async with aclosing(stream):
+                async for delta in stream:
+                    timer.tokens(len(delta.token_ids), time.perf_counter())
+                    render.collect(delta)
+                    finish = delta.finish_reason or finish
+                    prompt_tokens, completion_tokens = delta.prompt_tokens, delta.completion_tokens
+        except asyncio.CancelledError:  # the client went away: aclosing has cancelled the request
+            self.metrics.finished("abort", 499)
+            raise
+        except Exception as err:  # noqa: BLE001 - reported to the client in the OpenAI shape
+            self.metrics.finished("error", 500)
+            return JSONResponse(proto.error_body(f"generation failed: {err}", type="server_error"), status_code=500)
+        self.metrics.finished(finish or "stop")
+        self.metrics.prompt_tokens.inc(prompt_tokens)
+        return JSONResponse(render.response(meta, finish, proto.usage(prompt_tokens, completion_tokens)))
+
+    async def _events(self, stream, render, meta, timer: TokenTimer, include_usage: bool):
+        """The server-sent events of one streamed request, ending with [DONE]."""
+        outcome, counts = "abort", (0, 0)
+        try:
+            async with aclosing(stream):
+                for chunk in render.opening(meta):
+                    yield proto.sse_event(chunk)
+                async for delta in stream:
+                    timer.tokens(len(delta.token_ids), time.perf_counter())
+                    counts = (delta.prompt_tokens, delta.completion_tokens)
+                    chunk = render.chunk(meta, delta)
+                    if chunk is not None:
+                        yield proto.sse_event(chunk)
+                    if delta.finish_reason:
+                        outcome = delta.finish_reason
+            if include_usage:
+                yield proto.sse_event(proto.usage_chunk(meta, render.chunk_object, proto.usage(*counts)))
+            yield proto.SSE_DONE
+        except Exception as err:  # noqa: BLE001 - headers are sent: the error can only be an event
+            outcome = "error"
+            yield proto.sse_event(proto.error_body(f"generation failed: {err}", type="server_error"))
+            yield proto.SSE_DONE
+        finally:  # also on GeneratorExit/CancelledError: a client that left is an abort
+            self.metrics.finished(outcome, {"abort": 499, "error": 500}.get(outcome, 200))
+            self.metrics.prompt_tokens.inc(counts[0])
+
+
+def build_app(args: dict) -> serve.Application:
+    """Serve's application builder: `serve run launcher.serving.openai_app:build_app model=DIR tp=2`,
+    or `import_path: launcher.serving.openai_app:build_app` with `args:` in a `serve deploy` config.
+    The arguments are the server's (served_model_name, api_key, replicas, min_replicas, max_replicas,
+    target_ongoing_requests) and LaunchConfig's fields (model, tp, dtype, seq_len, max_num_seqs,
+    max_queued_requests, ...); see launcher/serving/server_settings.py."""
+    return application(settings_from_args(args))
+
+
+def application(settings: ServerSettings) -> serve.Application:
+    options = {"max_ongoing_requests": settings.max_ongoing_requests}
+    if settings.autoscaling is not None:
+        options["autoscaling_config"] = settings.autoscaling
+    else:
+        options["num_replicas"] = settings.num_replicas
+    return OpenAIServer.options(**options).bind(settings)

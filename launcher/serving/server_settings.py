@@ -1,0 +1,141 @@
+"""What one OpenAI-compatible server runs, from the arguments of `corelaunch serve`, `serve run
+launcher.serving.openai_app:build_app key=value ...` or a `serve deploy` config's `args:`.
+
+Pure: no Ray and no model is touched, so every refusal comes before anything starts. The values are
+checked by building the LaunchConfig they describe (its own checks, with its own messages) plus the
+server's rules for names, keys and Serve replica counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+SERVER_ARGS = ("served_model_name", "api_key", "replicas", "min_replicas", "max_replicas",
+               "target_ongoing_requests")
+"""Builder arguments that configure the server and Serve; every other argument is a LaunchConfig
+field (model, tp, dtype, seq_len, max_num_seqs, max_queued_requests, compiled_dir, ...)."""
+
+TEXT_ARGS = ("model", "served_model_name", "api_key", "compiled_dir", "presharded_dir", "backend", "instance",
+             "dtype", "kv_strategy", "compile_granularity", "ray_address")
+"""Arguments kept as the text given (`serve run` passes every value as text; the others are read as
+YAML scalars, so "2" is 2, "true" is True and "null" is None)."""
+
+ROUTE_HEADROOM = 8
+"""Serve's per-replica cap on ongoing requests is set this far above what the engine admits
+(running + queued), so /health, /metrics and /v1/models still get through to a busy replica and a
+request beyond the engine's queue reaches it and gets its 503, instead of waiting in Serve's queue."""
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    launch: dict
+    """LaunchConfig keyword arguments for the one Launcher of each Serve replica (replicas=1)."""
+    served_model_name: str
+    """The `model` requests must name, and what GET /v1/models lists."""
+    api_key: str | None
+    """Required as `Authorization: Bearer <key>` on /v1/*; None: the replica reads CORELAUNCH_API_KEY
+    from its own environment (unset: no key)."""
+    num_replicas: int | None
+    """Serve replicas (each its own Launcher and TP group); None when autoscaling decides."""
+    autoscaling: dict | None
+    """Serve's autoscaling_config (min_replicas, max_replicas, target_ongoing_requests), or None."""
+    max_ongoing_requests: int
+    """Serve's cap on requests in flight at one replica."""
+
+    @property
+    def most_replicas(self) -> int:
+        """Serve replicas there can be at once (each rank's CPU share is sized for this many)."""
+        return self.num_replicas if self.autoscaling is None else self.autoscaling["max_replicas"]
+
+
+def launch_fields() -> tuple[str, ...]:
+    from launcher.api import LaunchConfig
+
+    return tuple(f.name for f in dataclasses.fields(LaunchConfig))
+
+
+def settings_from_args(args: dict) -> ServerSettings:
+    """ServerSettings from builder arguments (text or typed); ValueError (or FileNotFoundError for a
+    missing model) naming the bad argument and the fix."""
+    from launcher.api import LaunchConfig
+
+    fields = launch_fields()
+    typed = {key: _typed(key, value) for key, value in args.items()}
+    unknown = sorted(set(typed) - set(SERVER_ARGS) - set(fields))
+    if unknown:
+        raise ValueError(f"unknown argument(s) {', '.join(unknown)}; the server takes {', '.join(SERVER_ARGS)} "
+                         f"and LaunchConfig's fields: {', '.join(f for f in fields if f != 'replicas')}")
+    launch = {key: value for key, value in typed.items() if key in fields and key != "replicas"}
+    # One Launcher (one TP group) per Serve replica: Serve, not the Launcher, adds replicas.
+    launch.update(replicas=1, progress=launch.get("progress", False))
+    LaunchConfig(**launch)  # its checks, with its messages, now rather than inside a Serve replica
+    num_replicas, autoscaling = _replica_counts(typed)
+    queued = launch.get("max_queued_requests")
+    admitted = launch.get("max_num_seqs", 16) + (queued if queued is not None else 4 * launch.get("max_num_seqs", 16))
+    return ServerSettings(
+        launch=launch, served_model_name=_served_name(typed, launch), api_key=_api_key(typed.get("api_key")),
+        num_replicas=num_replicas, autoscaling=autoscaling, max_ongoing_requests=admitted + ROUTE_HEADROOM)
+
+
+def _typed(key: str, value):
+    if isinstance(value, str) and key not in TEXT_ARGS:
+        try:
+            return yaml.safe_load(value)
+        except yaml.YAMLError:
+            return value
+    return value
+
+
+def _served_name(args: dict, launch: dict) -> str:
+    name = args.get("served_model_name")
+    if name is not None:
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"served_model_name ({name!r}) must be a non-empty string (the `model` clients send)")
+        return name
+    if launch.get("model"):
+        return Path(launch["model"]).resolve().name
+    if launch.get("compiled_dir"):
+        return Path(launch["compiled_dir"]).resolve().name
+    from shardlib.demo_model import DEMO_MODEL_NAME
+
+    return DEMO_MODEL_NAME
+
+
+def _api_key(key) -> str | None:
+    if key is None:
+        return None
+    if not isinstance(key, str) or not key or any(c.isspace() for c in key):
+        raise ValueError("api_key must be a non-empty string without spaces (clients send it as "
+                         "`Authorization: Bearer <key>`)")
+    return key
+
+
+def _replica_counts(args: dict) -> tuple[int | None, dict | None]:
+    """(fixed Serve replica count, None) or (None, autoscaling_config)."""
+    scaling = {k: args[k] for k in ("min_replicas", "max_replicas", "target_ongoing_requests")
+               if args.get(k) is not None}
+    if not scaling:
+        replicas = args.get("replicas", 1)
+        _check_int("replicas", replicas, 1)
+        return replicas, None
+    if args.get("replicas") is not None:
+        raise ValueError(f"replicas ({args['replicas']}) fixes the Serve replica count, while "
+                         f"{', '.join(sorted(scaling))} ask Serve to scale it: give one or the other")
+    low = scaling.get("min_replicas", 1)
+    _check_int("min_replicas", low, 1, why=" (every replica loads the model, so none may start from zero)")
+    high = scaling.get("max_replicas", max(low, 1))
+    _check_int("max_replicas", high, low, why=f" (min_replicas is {low})")
+    target = scaling.get("target_ongoing_requests", 2.0)
+    if isinstance(target, bool) or not isinstance(target, (int, float)) or not target > 0:
+        raise ValueError(f"target_ongoing_requests ({target!r}) must be a positive number (requests in flight "
+                         f"per replica that Serve scales toward)")
+    return None, {"min_replicas": low, "max_replicas": high, "target_ongoing_requests": float(target)}
+
+
+def _check_int(name: str, value, minimum: int, why: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} ({value!r}) must be an integer >= {minimum}{why}")
