@@ -71,7 +71,8 @@ def measure_baselines(model_dir: str, prompts: list[list[int]], max_tokens: int)
     from launcher.api import Launcher
 
     count = len(prompts)
-    with Launcher(model=model_dir, tp=1, max_batch_size=count, progress=False, ray_address="local",
+    with Launcher(model=model_dir, tp=1, max_batch_size=count, max_num_seqs=count, progress=False,
+                  ray_address="local",
                   **bucket_options(len(prompts[0]), max_tokens)) as launcher:
         static_generate(launcher, prompts[:1], max_tokens)  # warm-up: builds the batch-1 graphs
         static_generate(launcher, prompts, max_tokens)  # and the batch-16 ones
@@ -82,6 +83,7 @@ def measure_baselines(model_dir: str, prompts: list[list[int]], max_tokens: int)
         batch = static_generate(launcher, prompts, max_tokens)
         static_s = time.perf_counter() - start
         keyword = "batching" in inspect.signature(launcher.generate).parameters
+        continuous = measure_continuous(launcher, prompts, max_tokens) if keyword else None
     for out in singles + batch:
         assert len(out.token_ids) == max_tokens, f"a baseline request got {len(out.token_ids)} tokens, not {max_tokens}"
     batch_ttft = max(out.time_to_first_token_s for out in batch)  # one batch: one prefill for all
@@ -102,6 +104,37 @@ def measure_baselines(model_dir: str, prompts: list[list[int]], max_tokens: int)
             "decode_step_s_median": round(statistics.median(steps), 5) if steps else None,
             "expected_ttft_s_prefill_plus_2_steps": round(expected_ttft_s(batch_ttft, steps), 4) if steps else None,
         },
+        "continuous_in_process": continuous,
+    }
+
+
+def measure_continuous(launcher, prompts: list[list[int]], max_tokens: int) -> dict:
+    """The same prompts through continuous batching in this process (driver API, no HTTP): all at
+    once, and one at a time; plus the leader's own split of its loop time between the forwards and
+    everything else (scheduling, the plan's broadcast, sampling, posting tokens)."""
+    replica = launcher._pool.replicas[0]
+
+    def counters() -> dict:
+        time.sleep(0.3)  # the replica's next poll brings the leader's counters
+        return dict(replica.loop_counters)
+
+    launcher.generate(prompts, max_new_tokens=max_tokens, ignore_eos=True)  # warm-up: this load's graphs
+    launcher.generate(prompts[:1], max_new_tokens=max_tokens, ignore_eos=True)
+    before = counters()
+    start = time.perf_counter()
+    together = launcher.generate(prompts, max_new_tokens=max_tokens, ignore_eos=True)
+    together_s = time.perf_counter() - start
+    after = counters()
+    singles = [launcher.generate([p], max_new_tokens=max_tokens, ignore_eos=True)[0] for p in prompts[:4]]
+    for out in together + singles:
+        assert len(out.token_ids) == max_tokens, f"a continuous request got {len(out.token_ids)} tokens"
+    step_s, plan_s = (after["step_s"] - before["step_s"]), (after["plan_s"] - before["plan_s"])
+    return {
+        "all_at_once": {"wall_s": round(together_s, 4),
+                        "output_tokens_per_s": round(len(prompts) * max_tokens / together_s, 2),
+                        "steps": after["steps"] - before["steps"],
+                        "leader_overhead_fraction": round(plan_s / (plan_s + step_s), 4) if step_s else None},
+        "one_at_a_time_decode_tokens_per_s_median": round(statistics.median(o.decode_tokens_per_s for o in singles), 2),
     }
 
 
