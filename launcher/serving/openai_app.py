@@ -72,15 +72,21 @@ def _cpus_per_rank(launch: dict, serve_replicas: int) -> float:
 
 
 class _ClosingStreamingResponse(StreamingResponse):
-    """A StreamingResponse that always closes its body generator. Starlette leaves a generator
-    suspended at `yield` open when the client disconnects (or Serve cancels the request), and its
-    `finally` (which cancels the engine request and frees the slot) would wait for garbage collection."""
+    """A StreamingResponse that always closes its body generator and the engine stream under it.
+    Starlette leaves a generator suspended at `yield` open when the client disconnects (or Serve
+    cancels the request), and one never started is not run at all by aclose(); either way the engine
+    request would keep its slot until garbage collection."""
+
+    def __init__(self, content, engine_stream, **kwargs):
+        super().__init__(content, **kwargs)
+        self.engine_stream = engine_stream
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             await asyncio.shield(self.body_iterator.aclose())
+            await asyncio.shield(self.engine_stream.aclose())  # closing twice is harmless
 
 
 async def _json_body(request: Request):
@@ -222,7 +228,7 @@ class OpenAIServer:
         timer = TokenTimer(self.metrics, arrived)
         if req.stream:
             events = self._events(stream, render, meta, timer, req.include_usage())
-            return _ClosingStreamingResponse(events, media_type="text/event-stream",
+            return _ClosingStreamingResponse(events, stream, media_type="text/event-stream",
                                              headers={"Cache-Control": "no-cache"})
         finish, prompt_tokens, completion_tokens = None, 0, 0
         try:
