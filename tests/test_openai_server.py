@@ -1,0 +1,462 @@
+"""The OpenAI-compatible server: its wire format in-process (fast), then the official `openai` client
+against a real `corelaunch serve` on loopback with the built-in SmolLM2 model (slow).
+
+One server serves every slow test: --max-num-seqs 4 --max-queued-requests 12 (16 requests fit; the
+503 test sends more), --api-key set (the 401 test; every client sends the key).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from launcher.serving import openai_protocol as proto
+from launcher.serving.openai_protocol import ChatCompletionRequest, CompletionRequest, ProtocolError, parse_request
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = "smollm2-135m-instruct"
+API_KEY = "test-key-123"
+
+
+# ---- fast: the protocol, no server -----------------------------------------------------------
+def completion(**fields):
+    return parse_request(CompletionRequest, {"model": MODEL, "prompt": "hi", **fields})
+
+
+def chat(**fields):
+    return parse_request(ChatCompletionRequest,
+                         {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **fields})
+
+
+def refusal(parse, **fields) -> ProtocolError:
+    with pytest.raises(ProtocolError) as caught:
+        parse(**fields)
+    assert caught.value.status == 400
+    body = caught.value.body()["error"]
+    assert body["type"] == "invalid_request_error" and body["code"] is None and body["message"]
+    return caught.value
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("temperature", 3.0, ["temperature (3.0)", "[0, 2]"]),
+    ("temperature", -1, ["temperature (-1)", "[0, 2]"]),
+    ("temperature", "hot", ["temperature ('hot')", "[0, 2]"]),
+    ("top_p", 0, ["top_p (0)", "(0, 1]"]),
+    ("top_k", -2, ["top_k (-2)", ">= 0"]),
+    ("seed", -1, ["seed (-1)", "2**63 - 1"]),
+    ("max_tokens", 0, ["max_tokens (0)", ">= 1"]),
+    ("logprobs", 21, ["logprobs (21)", "[0, 20]"]),
+    ("n", 2, ["n (2)", "only one choice"]),
+    ("presence_penalty", 0.5, ["presence_penalty (0.5)", "not supported", "only 0"]),
+    ("frequency_penalty", -1.0, ["frequency_penalty (-1.0)", "not supported"]),
+    ("stop", ["a", "b", "c", "d", "e"], ["stop has 5 strings", "at most 4"]),
+    ("stop", [""], ["stop strings must not be empty"]),
+    ("prompt", ["one", "two"], ["a list of 2 strings", "send one request each"]),
+    ("prompt", [], ["prompt"]),
+    ("prompt", [1, -5], ["token ids must be integers >= 0"]),
+    ("stream_options", {"include_usage": True}, ["only allowed with stream: true"]),
+    ("stop_token_ids", [-3], ["stop_token_ids", "integers >= 0"]),
+])
+def test_completion_refusals_name_the_field_and_its_range(field, value, words):
+    err = refusal(completion, **{field: value})
+    assert err.param == field
+    for word in words:
+        assert word in err.message, err.message
+
+
+def test_unknown_and_missing_fields_are_refused_by_name():
+    err = refusal(completion, best_of=3)
+    assert err.param == "best_of" and "unknown parameter 'best_of'" in err.message and "max_tokens" in err.message
+    with pytest.raises(ProtocolError) as caught:
+        parse_request(CompletionRequest, {"prompt": "hi"})
+    assert caught.value.param == "model" and "'model' is required" in caught.value.message
+    with pytest.raises(ProtocolError, match="must be a JSON object, not list"):
+        parse_request(CompletionRequest, [1, 2])
+
+
+def test_chat_refusals():
+    assert refusal(chat, logprobs=True, top_logprobs=21).param == "top_logprobs"
+    assert "needs logprobs: true" in refusal(chat, top_logprobs=2).message
+    with pytest.raises(ProtocolError) as caught:
+        parse_request(ChatCompletionRequest, {"model": MODEL, "messages": []})
+    assert caught.value.param == "messages"
+    with pytest.raises(ProtocolError) as caught:
+        parse_request(ChatCompletionRequest, {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]})
+    assert caught.value.param == "messages.0.role" and "system|user|assistant" in caught.value.message
+    with pytest.raises(ProtocolError, match="'image_url' is not supported"):
+        parse_request(ChatCompletionRequest, {"model": MODEL, "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
+
+
+def test_accepted_requests_and_their_engine_arguments():
+    req = completion(prompt=["only one"], temperature=0, top_k=-1, stop="\n", stop_token_ids=[7], ignore_eos=True,
+                     stream=True, stream_options={"include_usage": True}, seed=3, logprobs=2, user="u")
+    assert req.prompt_input() == "only one" and req.stop_strings() == ["\n"] and req.include_usage()
+    assert completion(prompt=[1, 2, 3]).prompt_input() == [1, 2, 3]
+    assert completion(stop=None).stop_strings() == [] and completion().temperature == 1.0
+    req = chat(messages=[{"role": "system", "content": "be brief"},
+                         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+               logprobs=True, top_logprobs=3, max_completion_tokens=5, max_tokens=9)
+    assert req.chat_messages() == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"}]
+    assert req.logprobs_count() == 3 and chat(logprobs=True).logprobs_count() == 0 and chat().logprobs_count() is None
+    assert proto.max_new_tokens(req, prompt_tokens=10, context_tokens=100) == 5  # max_completion_tokens wins
+    assert proto.max_new_tokens(chat(), prompt_tokens=10, context_tokens=100) == 90  # the rest of the context
+    assert proto.max_new_tokens(chat(), prompt_tokens=150, context_tokens=100) == 1  # the engine refuses it
+    assert proto.max_new_tokens(completion(), 10, 100) == proto.DEFAULT_COMPLETION_MAX_TOKENS
+    assert proto.max_new_tokens(completion(max_tokens=7), 10, 100) == 7
+
+
+def test_response_objects_and_server_sent_events():
+    meta = proto.ResponseMeta(id="cmpl-1", created=5, model=MODEL)
+    usage = proto.usage(3, 4)
+    assert usage == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    body = proto.completion_response(meta, " Paris", "length", usage)
+    assert body["object"] == "text_completion" and body["choices"][0]["text"] == " Paris" and body["usage"] == usage
+    body = proto.chat_response(meta, "Hi", "stop", usage)
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "Hi"}
+    chunk = proto.chat_chunk(meta, {"content": "Hi"})
+    assert chunk["object"] == "chat.completion.chunk" and chunk["choices"][0]["finish_reason"] is None
+    assert proto.usage_chunk(meta, "chat.completion.chunk", usage)["choices"] == []
+    assert proto.sse_event({"a": "x\ny"}) == 'data: {"a":"x\\ny"}\n\n'  # one line per event
+    assert proto.SSE_DONE == "data: [DONE]\n\n"
+    assert proto.error_body("bad", "temperature") == {
+        "error": {"message": "bad", "type": "invalid_request_error", "param": "temperature", "code": None}}
+    assert proto.models_list(MODEL, 5)["data"][0]["id"] == MODEL
+
+
+def test_renderers_turn_deltas_into_chunks_and_responses():
+    from launcher.serving.openai_render import ChatRender, CompletionRender
+    from launcher.serving.stream_types import StreamDelta
+    from workers.serving.requests import TokenLogprob
+
+    tokenizer = SimpleNamespace(decode=lambda ids: {1: "Hel", 2: "lo", 3: "!"}[ids[0]])
+    deltas = [StreamDelta("r", "Hel", [1], None, 2, 1, [TokenLogprob(1, -0.1, [(1, -0.1), (2, -2.0)])]),
+              StreamDelta("r", "", [2], None, 2, 2, [TokenLogprob(2, -0.2, [])]),  # text held back
+              StreamDelta("r", "lo!", [3], "stop", 2, 3, [TokenLogprob(3, -0.3, [])])]
+    meta = proto.ResponseMeta("x", 1, MODEL)
+    render = CompletionRender(tokenizer, logprobs=True)
+    chunks = [render.chunk(meta, d) for d in deltas]
+    assert [c["choices"][0]["text"] for c in chunks] == ["Hel", "", "lo!"]
+    assert [c["choices"][0]["logprobs"]["text_offset"] for c in chunks] == [[0], [3], [5]]
+    assert chunks[0]["choices"][0]["logprobs"]["top_logprobs"] == [{"Hel": -0.1, "lo": -2.0}]
+    render = CompletionRender(tokenizer, logprobs=False)
+    assert render.chunk(meta, deltas[1]) is None  # nothing to say yet
+    for d in deltas:
+        render.collect(d)
+    body = render.response(meta, "stop", proto.usage(2, 3))
+    assert body["choices"][0]["text"] == "Hello!" and body["choices"][0]["logprobs"] is None
+    render = ChatRender(tokenizer, logprobs=True)
+    assert render.opening(meta)[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    last = render.chunk(meta, deltas[2])
+    assert last["choices"][0]["delta"] == {"content": "lo!"} and last["choices"][0]["finish_reason"] == "stop"
+    for d in deltas:
+        render.collect(d)
+    body = render.response(meta, "stop", proto.usage(2, 3))
+    content = body["choices"][0]["logprobs"]["content"]
+    assert body["choices"][0]["message"]["content"] == "Hello!" and [c["token"] for c in content] == ["Hel", "lo", "!"]
+    assert content[0]["top_logprobs"][1] == {"token": "lo", "logprob": -2.0, "bytes": [108, 111]}
+
+
+def test_metrics_render_every_name_from_a_private_registry():
+    from launcher.serving.metrics import ServerMetrics, TokenTimer
+
+    metrics = ServerMetrics(lambda: {"running": 2, "waiting": 5})
+    timer = TokenTimer(metrics, start=0.0)
+    timer.tokens(1, now=0.5)
+    timer.tokens(2, now=0.7)
+    metrics.finished("length")
+    metrics.rejected(503)
+    text = metrics.render().decode()
+    assert "corelaunch_requests_running 2.0" in text and "corelaunch_requests_waiting 5.0" in text
+    assert "corelaunch_time_to_first_token_seconds_count 1.0" in text
+    assert "corelaunch_inter_token_latency_seconds_count 2.0" in text
+    assert "corelaunch_generated_tokens_total 3.0" in text
+    assert 'corelaunch_requests_total{finish_reason="rejected",status="503"} 1.0' in text
+    assert "python_gc" not in text  # the process-wide collectors are not in the private registry
+
+
+def test_server_settings_from_builder_arguments():
+    from launcher.serving.server_settings import settings_from_args
+
+    settings = settings_from_args({"tp": "1", "dtype": "float32", "replicas": "2"})  # `serve run` passes text
+    assert settings.launch["tp"] == 1 and settings.launch["replicas"] == 1 and settings.launch["progress"] is False
+    assert settings.num_replicas == 2 and settings.autoscaling is None and settings.served_model_name == MODEL
+    settings = settings_from_args({"min_replicas": 1, "max_replicas": 3, "served_model_name": "m", "api_key": "k"})
+    assert settings.autoscaling == {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 2.0}
+    assert settings.most_replicas == 3 and settings.api_key == "k" and settings.served_model_name == "m"
+    with pytest.raises(ValueError, match="give one or the other"):
+        settings_from_args({"replicas": 2, "max_replicas": 3})
+    with pytest.raises(ValueError, match=r"max_replicas \(1\) must be an integer >= 2"):
+        settings_from_args({"min_replicas": 2, "max_replicas": 1})
+    with pytest.raises(ValueError, match="unknown argument.*modle"):
+        settings_from_args({"modle": "x"})
+    with pytest.raises(ValueError, match=r"tp \('two'\)"):
+        settings_from_args({"tp": "two"})
+    with pytest.raises(ValueError, match="api_key must be a non-empty string"):
+        settings_from_args({"api_key": "a b"})
+
+
+def test_serve_cli_refuses_bad_options_before_starting_ray(capsys, tmp_path):
+    import socket
+
+    from launcher.cli import main
+
+    assert main(["serve", "--replicas", "2", "--min-replicas", "1"]) == 2
+    assert "give one or the other" in capsys.readouterr().err
+    assert main(["serve", "--model", str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        assert main(["serve", "--port", str(busy.getsockname()[1])]) == 2
+    assert "pass a free --port" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--port", "70000"])
+    assert "--port (70000) must be at most 65535" in capsys.readouterr().err
+
+
+def test_serve_config_example_is_a_valid_serve_config():
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    config = ServeDeploySchema.model_validate(yaml.safe_load((REPO / "cluster_configs/serve_smollm2.yaml").read_text()))
+    [app] = config.applications
+    assert app.import_path == "launcher.serving.openai_app:build_app" and app.route_prefix == "/"
+    assert config.http_options.host == "127.0.0.1" and config.http_options.port == 8000
+    from launcher.serving.server_settings import settings_from_args
+
+    settings_from_args(app.args)  # the example's arguments are ones the builder takes
+
+
+# ---- slow: a real server ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """`corelaunch serve` in a subprocess on a free loopback port; yields its base URL."""
+    import requests
+
+    from workers.net import free_port
+
+    port = free_port()
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "launcher", "serve", "--tp", "1", "--port", str(port), "--max-num-seqs", "4",
+             "--max-queued-requests", "12", "--api-key", API_KEY, "--ready-timeout", "500"],
+            cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "CORELAUNCH_API_KEY": ""})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 540
+        while True:
+            assert proc.poll() is None, f"corelaunch serve exited ({proc.returncode}):\n{log.read_text()[-4000:]}"
+            assert time.monotonic() < deadline, f"no /health within 540 s:\n{log.read_text()[-4000:]}"
+            try:
+                if requests.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except requests.RequestException:  # not listening yet, or the proxy holds it until a replica is up
+                pass
+            time.sleep(1)
+        yield SimpleNamespace(url=url, log=log)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert proc.returncode == 0, log.read_text()[-4000:]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, timeout=300, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def hf():
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from shardlib.demo_model import ensure_demo_model
+
+    model_dir = ensure_demo_model()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def greedy(ids: list[int], max_new_tokens: int) -> str:
+        ids_t = torch.tensor([ids])
+        with torch.no_grad():
+            out = model.generate(ids_t, attention_mask=torch.ones_like(ids_t), max_new_tokens=max_new_tokens,
+                                 do_sample=False)
+        return tok.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
+
+    return SimpleNamespace(tok=tok, greedy=greedy, config=model.config)
+
+
+PROMPT = "The capital of France is"
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.mark.slow
+def test_completion_greedy_matches_transformers(client, hf):
+    expected = hf.greedy(hf.tok(PROMPT)["input_ids"], 8)
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+    assert out.choices[0].text == expected and "Paris" in expected
+    assert out.usage.prompt_tokens == len(hf.tok(PROMPT)["input_ids"]) and out.usage.completion_tokens == 8
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 8 and out.choices[0].finish_reason == "length"
+    by_ids = client.completions.create(model=MODEL, prompt=hf.tok(PROMPT)["input_ids"], max_tokens=8, temperature=0)
+    assert by_ids.choices[0].text == expected
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+
+
+@pytest.mark.slow
+def test_chat_greedy_matches_transformers(client, hf):
+    ids = hf.tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=False)
+    expected = hf.greedy(list(ids), 12)
+    out = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0)
+    assert out.choices[0].message.content == expected and out.choices[0].message.role == "assistant"
+    assert out.usage.prompt_tokens == len(ids)
+    stream = client.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=12, temperature=0,
+                                            stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.slow
+def test_models_health_and_metrics(client, server):
+    import requests
+
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert requests.get(f"{server.url}/health", timeout=10).status_code == 200  # open without the key
+    text = requests.get(f"{server.url}/metrics", timeout=10).text
+    for name in ("corelaunch_requests_running", "corelaunch_requests_waiting",
+                 "corelaunch_time_to_first_token_seconds_bucket", "corelaunch_inter_token_latency_seconds_bucket",
+                 "corelaunch_generated_tokens_total", "corelaunch_requests_total"):
+        assert name in text, name
+
+
+@pytest.mark.slow
+def test_http_errors(client, server, hf):
+    import openai
+    import requests
+
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt=PROMPT, temperature=5)
+    assert caught.value.body["param"] == "temperature" and "[0, 2]" in caught.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=CHAT, n=2)
+    assert caught.value.body["param"] == "n"
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.completions.create(model="gpt-4", prompt=PROMPT)
+    assert caught.value.body["param"] == "model" and MODEL in caught.value.body["message"]
+    long_prompt = "hello " * 9000
+    prompt_tokens = len(hf.tok(long_prompt)["input_ids"])
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=4)
+    message = caught.value.body["message"]
+    assert str(prompt_tokens) in message and any(str(n) in message for n in (hf.config.max_position_embeddings, 4096))
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        reply = requests.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "x"},
+                              headers=headers, timeout=10)
+        assert reply.status_code == 401 and reply.json()["error"]["code"] == "invalid_api_key"
+    assert requests.get(f"{server.url}/v1/models", timeout=10).status_code == 401
+
+
+def _metric(server, name: str) -> float:
+    import requests
+
+    for line in requests.get(f"{server.url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def _wait_idle(server, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _metric(server, "corelaunch_requests_running") or _metric(server, "corelaunch_requests_waiting"):
+        assert time.monotonic() < deadline, "requests still running or waiting after the clients finished"
+        time.sleep(0.5)
+
+
+@pytest.mark.slow
+def test_full_queue_answers_503_with_retry_after(client, server):
+    import openai
+
+    outcomes, lock = [], threading.Lock()
+
+    def long_request():
+        try:
+            client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=64, temperature=0,
+                                      extra_body={"ignore_eos": True})
+            result = 200
+        except openai.APIStatusError as err:
+            result = (err.status_code, err.response.headers.get("retry-after"), err.body.get("code"))
+        with lock:
+            outcomes.append(result)
+
+    threads = [threading.Thread(target=long_request) for _ in range(20)]  # 4 running + 12 queued fit
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    refused = [o for o in outcomes if o != 200]
+    assert len(outcomes) == 20 and refused, outcomes
+    for status, retry_after, code in refused:
+        assert status == 503 and code == "queue_full" and int(retry_after) >= 1
+    _wait_idle(server)
+
+
+@pytest.mark.slow
+def test_client_that_disconnects_frees_its_slot(client, server):
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2000, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    next(chunks)
+    next(chunks)
+    stream.close()  # the client goes away mid-generation
+    _wait_idle(server)  # the engine dropped the request rather than generating 2000 tokens
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
+    assert out.choices[0].finish_reason == "length"
+
+
+@pytest.mark.slow
+def test_concurrent_greedy_requests_equal_each_run_alone(client, server):
+    prompts = ["The capital of France is", "Once upon a time, in a small village,", "2 + 2 =",
+               "The largest planet in the solar system is"]
+    alone = {p: client.completions.create(model=MODEL, prompt=p, max_tokens=16, temperature=0).choices[0].text
+             for p in prompts}
+    results, lock = [], threading.Lock()
+    rng = random.Random(0)
+    delays = [rng.uniform(0, 1.5) for _ in range(16)]
+
+    def request(i: int):
+        time.sleep(delays[i])  # arrivals spread out: requests join a batch that is already running
+        prompt = prompts[i % len(prompts)]
+        text = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0).choices[0].text
+        with lock:
+            results.append((prompt, text))
+
+    threads = [threading.Thread(target=request, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert len(results) == 16
+    for prompt, text in results:
+        assert text == alone[prompt], (prompt, text, alone[prompt])
