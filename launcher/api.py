@@ -413,7 +413,7 @@ class Launcher:
         batching "continuous" (default): every prompt is its own request in the groups' running
         batches (see stream()), so concurrent callers share the groups step by step.
         batching "static": the prompts run as whole batches, one batch per group at a time (the
-        engine before continuous batching; what `check` and `bench` measure). What follows
+        engine before continuous batching, kept as a baseline for benchmarks/serving.py). What follows
         describes the static path; both give the same greedy tokens.
 
         Generation stops at the model's EOS tokens and at `stop_token_ids` (the stop token is kept
