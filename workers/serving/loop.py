@@ -9,8 +9,9 @@ and the model's own collectives passes between ranks.
 The KV cache is allocated once, when the loop starts: max_num_seqs rows of cache_slots slots plus
 the scratch row padding writes to (workers/kv_cache.py).
 
-Static batches (workers/engine.py, what `generate(..., batching="static")` runs) still reach every rank as one Ray call each; while the loop runs, each rank parks its batch
-here, and the leader tells all ranks when to run it (Command.STATIC), between two iterations.
+Static batches (workers/engine.py, what `generate(..., batching="static")` runs) still reach every
+rank as one Ray call each; while the loop runs, each rank parks its batch here, and the leader
+tells all ranks when to run it (Command.STATIC), between two iterations.
 """
 
 from __future__ import annotations
