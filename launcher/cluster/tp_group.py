@@ -175,8 +175,10 @@ class TPGroup:
         return prepared
 
     def submit(self, requests: list) -> None:
-        """Hand requests to rank 0's loop (not awaited: a failure shows in the next poll)."""
-        self.actors[0].submit_requests.remote(requests)
+        """Hand requests to rank 0's loop (not awaited: a failure shows in the next poll). A group
+        already stopped takes nothing; its replica resubmits its streams once restarted."""
+        if self.actors:
+            self.actors[0].submit_requests.remote(requests)
 
     def cancel(self, request_ids: list[str]) -> None:
         if self.actors:
