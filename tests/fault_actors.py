@@ -8,13 +8,17 @@ import time
 
 import ray
 
-from launcher.cluster.ray_worker import RayRankWorker
+from launcher.cluster.ray_worker import ACTOR_OPTIONS, RayRankWorker
 
 
 class _CrashOnGenerate(RayRankWorker):
-    """Starts and loads normally, then its process dies on every request: a crash loop."""
+    """Starts and loads normally, then its process dies on every request (a static batch, or
+    streaming requests handed to its serving loop): a crash loop."""
 
-    def generate(self, request):
+    def generate(self, request, static_id=None):
+        os._exit(3)
+
+    def submit_requests(self, requests):
         os._exit(3)
 
 
@@ -27,5 +31,5 @@ class _NeverJoins(RayRankWorker):
         return super().init_backend(host, port, timeout_s, node_groups)
 
 
-CrashOnGenerate = ray.remote(max_restarts=0, max_concurrency=2)(_CrashOnGenerate)
-NeverJoins = ray.remote(max_restarts=0, max_concurrency=2)(_NeverJoins)
+CrashOnGenerate = ray.remote(**ACTOR_OPTIONS)(_CrashOnGenerate)
+NeverJoins = ray.remote(**ACTOR_OPTIONS)(_NeverJoins)

@@ -77,4 +77,5 @@ class RayRankWorker(RankWorker):
 # launcher restarts the whole group instead); max_concurrency: the serving loop holds one actor
 # thread for as long as it serves, a static batch one more, and polls, submissions, cancellations
 # and health checks must still get through.
-RankWorkerActor = ray.remote(max_restarts=0, max_concurrency=8)(RayRankWorker)
+ACTOR_OPTIONS = dict(max_restarts=0, max_concurrency=8)
+RankWorkerActor = ray.remote(**ACTOR_OPTIONS)(RayRankWorker)
