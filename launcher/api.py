@@ -481,26 +481,18 @@ class Launcher:
         QueueFull when max_queued_requests are already waiting. stop: strings that end the
         generation (not included in the text); logprobs: n to get the chosen token's log-probability
         and the n most likely (0..20). Closing the iterator early cancels the request."""
-        from launcher.serving.request_streams import RequestStream, thread_sink
-
-        items: queue.Queue = queue.Queue()
-        handle, text = self._open_stream(prompt, sampling, max_new_tokens, stop_token_ids, stop, ignore_eos,
-                                         logprobs, request_id, thread_sink(items))
-        return RequestStream(self._cancel_stream, handle, text, items)
+        token_ids, params, stops = self._check_stream(prompt, sampling, max_new_tokens, stop, logprobs)
+        return self._submit_stream(token_ids, params, max_new_tokens, stop_token_ids, stops, ignore_eos, logprobs,
+                                   request_id, asynchronous=False)
 
     def astream(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None, max_new_tokens: int = 64,
                 stop_token_ids: Sequence[int] = (), stop: Sequence[str] = (), ignore_eos: bool = False,
                 logprobs: int | None = None, request_id: str | None = None):
         """stream() for asyncio: call it inside a running event loop; it returns an async iterator
         (`async for delta in llm.astream(...)`); `aclose()` or cancelling the reading task cancels."""
-        import asyncio
-
-        from launcher.serving.request_streams import AsyncRequestStream, loop_sink
-
-        items: asyncio.Queue = asyncio.Queue()
-        handle, text = self._open_stream(prompt, sampling, max_new_tokens, stop_token_ids, stop, ignore_eos,
-                                         logprobs, request_id, loop_sink(items, asyncio.get_running_loop()))
-        return AsyncRequestStream(self._cancel_stream, handle, text, items)
+        token_ids, params, stops = self._check_stream(prompt, sampling, max_new_tokens, stop, logprobs)
+        return self._submit_stream(token_ids, params, max_new_tokens, stop_token_ids, stops, ignore_eos, logprobs,
+                                   request_id, asynchronous=True)
 
     async def agenerate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                         sampling: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -534,16 +526,11 @@ class Launcher:
             raise LaunchError("the launcher is not running: call start() or use it as a context manager")
         return self._pool
 
-    def _open_stream(self, prompt, sampling, max_new_tokens, stop_token_ids, stop, ignore_eos, logprobs,
-                     request_id, sink, return_logits: bool = False):
-        """Check one request, submit it, and return its (StreamHandle, TextStream)."""
-        from launcher.cluster.stream_handle import StreamHandle
-        from launcher.errors import QueueFull
+    def _check_stream(self, prompt, sampling, max_new_tokens, stop, logprobs):
+        """One streaming request's (token ids, SamplingParams, stop strings); ValueError naming a bad value."""
         from launcher.serving.stop_strings import validate_stops
-        from launcher.serving.text_stream import TextStream
-        from workers.serving.requests import MAX_LOGPROBS, StreamRequest
+        from workers.serving.requests import MAX_LOGPROBS
 
-        pool = self._running_pool()
         if isinstance(prompt, str):
             prompt = [prompt]
         elif prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -557,22 +544,43 @@ class Launcher:
             raise ValueError(f"sampling ({params!r}) must be a SamplingParams")
         check_request([token_ids], [params], max_new_tokens, self.model_config.vocab_size)
         self._check_lengths([token_ids], max_new_tokens)
-        stops = validate_stops(stop)
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
                                      or not 0 <= logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs ({logprobs!r}) must be an integer from 0 to {MAX_LOGPROBS}, or None")
+        return token_ids, params, validate_stops(stop)
+
+    def _submit_stream(self, token_ids, params, max_new_tokens, stop_token_ids, stops, ignore_eos, logprobs,
+                       request_id, asynchronous: bool, return_logits: bool = False):
+        """Submit one checked request (QueueFull when too many wait) and return the stream reading it:
+        a RequestStream, or an AsyncRequestStream fed on the running event loop."""
+        import asyncio
+
+        from launcher.cluster.stream_handle import StreamHandle
+        from launcher.errors import QueueFull
+        from launcher.serving.request_streams import AsyncRequestStream, RequestStream, loop_sink, thread_sink
+        from launcher.serving.text_stream import TextStream
+        from workers.serving.requests import StreamRequest
+
+        pool = self._running_pool()
         limit = self.config.max_queued_requests
-        if limit is not None and self.load()["waiting"] >= limit:
-            raise QueueFull(f"{self.load()['waiting']} requests already wait for a free sequence slot "
+        waiting = self.load()["waiting"] if limit is not None else 0
+        if limit is not None and waiting >= limit:
+            raise QueueFull(f"{waiting} requests already wait for a free sequence slot "
                             f"(max_queued_requests {limit}, max_num_seqs {self.config.max_num_seqs} per replica); "
                             f"retry later, or raise --max-queued-requests / --max-num-seqs", retry_after_s=1.0)
+        if asynchronous:
+            items = asyncio.Queue()
+            sink, kind = loop_sink(items, asyncio.get_running_loop()), AsyncRequestStream
+        else:
+            items = queue.Queue()
+            sink, kind = thread_sink(items), RequestStream
         eos = () if ignore_eos else self._eos_ids()
         request = StreamRequest(request_id or uuid.uuid4().hex, tuple(token_ids), params, max_new_tokens,
                                 tuple(sorted(set(stop_token_ids) | set(eos))), logprobs, return_logits)
         handle = StreamHandle(request, sink, self.config.request_timeout_s)
         text = TextStream(request.request_id, self.tokenizer, stops, len(token_ids), handle.submitted)
         pool.submit_stream(handle)
-        return handle, text
+        return kind(self._cancel_stream, handle, text, items)
 
     def _cancel_stream(self, handle) -> None:
         if self._pool is not None:
@@ -581,23 +589,13 @@ class Launcher:
     def _open_generation(self, prompts, sampling, max_new_tokens, stop_token_ids, ignore_eos, return_logits,
                          asynchronous: bool):
         """Check every prompt first (nothing is submitted if one is bad), then submit them all."""
-        import asyncio
-
-        from launcher.serving.request_streams import AsyncRequestStream, RequestStream, loop_sink, thread_sink
-
         with self._lock:
             texts, token_lists = self._tokenize(prompts)
         params = self._sampling_per_prompt(sampling, len(token_lists))
         check_request(token_lists, params, max_new_tokens, self.model_config.vocab_size)
         self._check_lengths(token_lists, max_new_tokens)
-        streams = []
-        for ids, p in zip(token_lists, params):
-            items = asyncio.Queue() if asynchronous else queue.Queue()
-            sink = loop_sink(items, asyncio.get_running_loop()) if asynchronous else thread_sink(items)
-            handle, text = self._open_stream(ids, p, max_new_tokens, stop_token_ids, (), ignore_eos, None, None,
-                                             sink, return_logits)
-            kind = AsyncRequestStream if asynchronous else RequestStream
-            streams.append(kind(self._cancel_stream, handle, text, items))
+        streams = [self._submit_stream(ids, p, max_new_tokens, stop_token_ids, (), ignore_eos, None, None,
+                                       asynchronous, return_logits) for ids, p in zip(token_lists, params)]
         return streams, texts, token_lists
 
     def _generate_streams(self, prompts, sampling, max_new_tokens, stop_token_ids, ignore_eos,

@@ -120,17 +120,23 @@ class ThreadTPGroup:
         if self.actors:
             self.actors[0].cancel_requests(request_ids)
 
-    def poll(self, wait_s: float):
-        from launcher.errors import RankFailed, WorkerDied
+    def _raise_injected_fault(self, step: str) -> None:
+        """Stop the group and raise what kill_rank / fail_next injected, as a broken group does."""
+        from launcher.errors import WorkerDied
 
         if self._dead:
             self.kill()
-            raise WorkerDied(f"rank {self._dead[0]} (in-process, pid {os.getpid()}) died while serving; the "
-                             f"group was stopped")
+            raise WorkerDied(f"rank {self._dead[0]} (in-process, pid {os.getpid()}) died while trying to "
+                             f"{step}; the group was stopped")
         if self._fault is not None:
             fault, self._fault = self._fault, None
             self.kill()
             raise fault
+
+    def poll(self, wait_s: float):
+        from launcher.errors import RankFailed
+
+        self._raise_injected_fault("serve")
         if self._serve_errors or not self.actors:
             errors = dict(self._serve_errors)
             self.kill()
@@ -146,17 +152,8 @@ class ThreadTPGroup:
             t.join(grace_s)
 
     def generate(self, request):
-        from launcher.errors import WorkerDied
-
         self.calls += 1
-        if self._dead:
-            self.kill()
-            raise WorkerDied(f"rank {self._dead[0]} (in-process, pid {os.getpid()}) died while trying to "
-                             f"finish the request; the group was stopped")
-        if self._fault is not None:
-            fault, self._fault = self._fault, None
-            self.kill()
-            raise fault
+        self._raise_injected_fault("finish the request")
         static_id = None
         if self.serving:
             self._static_ids += 1
@@ -164,7 +161,7 @@ class ThreadTPGroup:
         return self._on_every_rank("finish the request", lambda w: w.generate(request, static_id))[0]
 
     def fail_next(self, fault: BaseException) -> None:
-        """The next generate call raises `fault` (a GroupFault) and stops the group, as a broken one does."""
+        """The next generate or poll raises `fault` (a GroupFault) and stops the group, as a broken one does."""
         self._fault = fault
 
     def kill_rank(self, rank: int) -> None:

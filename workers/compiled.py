@@ -39,6 +39,7 @@ torch.compile with its cache persisted was measured against AOTInductor packages
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
 import platform
@@ -181,32 +182,22 @@ class CompiledCausalLM:
         self._check_shape(phase, batch, length, cache)
         if attention_mask is None:
             attention_mask = torch.ones(batch, slots, dtype=torch.bool, device=input_ids.device)
-        key = (phase, batch, length)
-        new_graph = key not in self._seen
-        if new_graph and not self._warming_up:
-            self._announce(f"corelaunch: building the graph for {phase} bucket batch {batch} x {length} "
-                           f"(first use; cached for later runs)")
-        start = time.perf_counter()
         parts, step = self._runners[phase]
         if phase == "context":
             if logit_index is None:
                 logit_index = torch.tensor([seq - 1], device=input_ids.device)
             if int(cache_positions[0]) != 0:
                 raise ValueError("a compiled prefill starts at cache slot 0 (the prompt is the whole history)")
-            logits, ks, vs = step(self.model, parts, input_ids, position_ids, attention_mask[:, :seq],
-                                        cache_positions, None, logit_index)
-            for k_cache, v_cache, k, v in zip(cache.k, cache.v, ks, vs):
-                k_cache[:, :, :seq].copy_(k)
-                v_cache[:, :, :seq].copy_(v)
+            with self._graph(phase, batch, length, f"{phase} bucket"):
+                logits, ks, vs = step(self.model, parts, input_ids, position_ids, attention_mask[:, :seq],
+                                      cache_positions, None, logit_index)
+                for k_cache, v_cache, k, v in zip(cache.k, cache.v, ks, vs):
+                    k_cache[:, :, :seq].copy_(k)
+                    v_cache[:, :, :seq].copy_(v)
         else:
-            logits, _, _ = step(self.model, parts, input_ids, position_ids, attention_mask,
-                                      cache_positions, (cache.k, cache.v), None)
-        if new_graph:
-            seconds = time.perf_counter() - start
-            self._seen.add(key)
-            self._stats.graphs.append(GraphStats(phase, batch, length, seconds))
-            if not self._warming_up:
-                self._announce(f"corelaunch: built the {phase} graph for batch {batch} x {length} in {seconds:.1f} s")
+            with self._graph(phase, batch, length, f"{phase} bucket"):
+                logits, _, _ = step(self.model, parts, input_ids, position_ids, attention_mask,
+                                    cache_positions, (cache.k, cache.v), None)
         return logits
 
     forward = __call__
@@ -220,27 +211,40 @@ class CompiledCausalLM:
         (workers/serving/step_inputs.py)."""
         batch, seq = input_ids.shape
         phase, length = ("serve-prefill", seq) if seq > 1 else ("serve-decode", read_slots)
-        key = (phase, batch, length)
-        new_graph = key not in self._seen
-        if new_graph and not self._warming_up:
-            self._announce(f"corelaunch: building the graph for {phase} batch {batch} x {length} "
-                           f"(first use; cached for later runs)")
-        start = time.perf_counter()
         parts, step = self._runners["context" if seq > 1 else "token"]
         mask = torch.ones(batch, read_slots, dtype=torch.bool, device=input_ids.device)
-        logits, _, _ = step(self.model, parts, input_ids, position_ids, mask, cache_positions,
-                            (cache.k, cache.v), logit_index, rows)
-        if new_graph:
-            seconds = time.perf_counter() - start
-            self._seen.add(key)
-            self._stats.graphs.append(GraphStats(phase, batch, length, seconds))
-            if not self._warming_up:
-                self._announce(f"corelaunch: built the {phase} graph for batch {batch} x {length} in {seconds:.1f} s")
+        with self._graph(phase, batch, length, phase):
+            logits, _, _ = step(self.model, parts, input_ids, position_ids, mask, cache_positions,
+                                (cache.k, cache.v), logit_index, rows)
         return logits
 
+    @contextlib.contextmanager
+    def _graph(self, phase: str, batch: int, length: int, label: str):
+        """Around one call at shape (phase, batch, length): the first time, announce the graph being
+        built (unless warming up) and record how long its first call took."""
+        key = (phase, batch, length)
+        if key in self._seen:
+            yield
+            return
+        if not self._warming_up:
+            self._announce(f"corelaunch: building the graph for {label} batch {batch} x {length} "
+                           f"(first use; cached for later runs)")
+        start = time.perf_counter()
+        yield
+        seconds = time.perf_counter() - start
+        self._seen.add(key)
+        self._stats.graphs.append(GraphStats(phase, batch, length, seconds))
+        if not self._warming_up:
+            self._announce(f"corelaunch: built the {phase} graph for batch {batch} x {length} in {seconds:.1f} s")
+
+    @contextlib.contextmanager
     def warming_up(self):
-        """Context manager: graphs built inside are not announced (the caller shows its own progress)."""
-        return _WarmingUp(self)
+        """Graphs built inside are not announced (the caller shows its own progress)."""
+        self._warming_up = True
+        try:
+            yield
+        finally:
+            self._warming_up = False
 
     def _check_shape(self, phase: str, batch: int, length: int, cache: KVCache) -> None:
         lengths = self.buckets.context if phase == "context" else self.buckets.token
@@ -261,42 +265,27 @@ class CompiledCausalLM:
         running each once on a scratch cache; progress(done, total, shape, seconds) after each."""
         shapes = self.buckets.shapes() if shapes is None else shapes
         device = self.device
-        self._warming_up = True
-        try:
-            with torch.inference_mode():
-                for i, (phase, batch, length) in enumerate(shapes):
-                    start = time.perf_counter()
-                    if phase == "context":
-                        cache = self.new_cache(batch, self.buckets.token_bucket(length))
-                        ids = torch.zeros(batch, length, dtype=torch.int64, device=device)
-                        positions = torch.arange(length, device=device).repeat(batch, 1)  # contiguous, as the engine's
-                        self(ids, positions, cache, torch.arange(length, device=device), None,
-                             torch.tensor([length - 1], device=device))
-                    else:
-                        cache = self.new_cache(batch, length)
-                        ids = torch.zeros(batch, 1, dtype=torch.int64, device=device)
-                        self(ids, torch.zeros(batch, 1, dtype=torch.int64, device=device), cache,
-                             torch.tensor([0], device=device), None)
-                    if progress is not None:
-                        progress(i + 1, len(shapes), (phase, batch, length), time.perf_counter() - start)
-        finally:
-            self._warming_up = False
+        with self.warming_up(), torch.inference_mode():
+            for i, (phase, batch, length) in enumerate(shapes):
+                start = time.perf_counter()
+                if phase == "context":
+                    cache = self.new_cache(batch, self.buckets.token_bucket(length))
+                    ids = torch.zeros(batch, length, dtype=torch.int64, device=device)
+                    positions = torch.arange(length, device=device).repeat(batch, 1)  # contiguous, as the engine's
+                    self(ids, positions, cache, torch.arange(length, device=device), None,
+                         torch.tensor([length - 1], device=device))
+                else:
+                    cache = self.new_cache(batch, length)
+                    ids = torch.zeros(batch, 1, dtype=torch.int64, device=device)
+                    self(ids, torch.zeros(batch, 1, dtype=torch.int64, device=device), cache,
+                         torch.tensor([0], device=device), None)
+                if progress is not None:
+                    progress(i + 1, len(shapes), (phase, batch, length), time.perf_counter() - start)
 
     def stats(self) -> CompileStats:
         now = _cache_counters()
         self._stats.counters = {k: now.get(k, 0) - self._counters_at_start.get(k, 0) for k in now}
         return self._stats
-
-
-class _WarmingUp:
-    def __init__(self, model: "CompiledCausalLM") -> None:
-        self.model = model
-
-    def __enter__(self):
-        self.model._warming_up = True
-
-    def __exit__(self, *exc) -> None:
-        self.model._warming_up = False
 
 
 def _print_stderr(line: str) -> None:

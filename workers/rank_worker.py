@@ -212,25 +212,28 @@ class RankWorker:
     def generate(self, request: GenerateRequest, static_id: int | None = None):
         """Run one batch; rank 0 returns the outputs, other ranks return None. While the serving loop
         runs, the batch waits there for its turn (static_id: the same number on every rank)."""
-        from workers.engine import generate
-
         assert self._model is not None, "load must run before generate"
         loop = self._loop
         if loop is not None:
             if static_id is None:
                 raise ValueError("this group is serving: a static batch needs the static_id every rank shares")
             outputs = loop.static(static_id, request).result()
-            return outputs if self.spec.rank == 0 else None
-        outputs = generate(self._model, request.prompts, request.params, request.max_new_tokens,
-                           request.stop_token_ids, max_seq_len=request.max_seq_len,
-                           return_logits=request.return_logits, buckets=self._buckets)
+        else:
+            outputs = self._run_batch(request)
         return outputs if self.spec.rank == 0 else None
+
+    def _run_batch(self, request: GenerateRequest):
+        """One static batch through workers/engine.py, on this rank."""
+        from workers.engine import generate
+
+        return generate(self._model, request.prompts, request.params, request.max_new_tokens,
+                        request.stop_token_ids, max_seq_len=request.max_seq_len,
+                        return_logits=request.return_logits, buckets=self._buckets)
 
     # ---- serving ---------------------------------------------------------------------------------
     def prepare_serving(self, spec: ServeSpec) -> dict:
         """Allocate the serving cache (and build graphs, when asked); every rank, before serve()."""
         from shardlib.serving_shapes import ServingShapes
-        from workers.engine import generate
         from workers.serving.loop import ServingConfig, ServingLoop
 
         assert self._model is not None, "load must run before prepare_serving"
@@ -240,14 +243,9 @@ class RankWorker:
         if slots is None:
             raise ValueError("serving without buckets needs ServeSpec.cache_slots")
         model = self._model
-
-        def run_static(request: GenerateRequest):
-            return generate(model, request.prompts, request.params, request.max_new_tokens, request.stop_token_ids,
-                            max_seq_len=request.max_seq_len, return_logits=request.return_logits,
-                            buckets=self._buckets)
-
         start = time.perf_counter()
-        loop = ServingLoop(model, ServingConfig(spec.max_num_seqs, spec.max_prefill_tokens, slots, shapes), run_static)
+        loop = ServingLoop(model, ServingConfig(spec.max_num_seqs, spec.max_prefill_tokens, slots, shapes),
+                           self._run_batch)
         if shapes is not None and spec.warm_up_max_length is not None and hasattr(model, "warming_up"):
             with model.warming_up():
                 loop.warm_up(shapes.shapes(spec.warm_up_max_length or None))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from workers.serving.requests import TokenLogprob
 
@@ -24,4 +24,3 @@ class StreamDelta:
     """One entry per token of token_ids, when the request asked for logprobs."""
     time_to_first_token_s: float | None = None
     """On the delta that carries the first token: seconds since the request was submitted."""
-    extra: dict = field(default_factory=dict)

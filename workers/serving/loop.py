@@ -139,11 +139,9 @@ class ServingLoop:
                 self._forwards(plan)
 
     def _lead(self) -> None:
-        stopping = False
         while True:
             started = time.perf_counter()
-            stopping = self._drain_inbox(block=self.scheduler.idle) or stopping
-            if stopping:
+            if self._drain_inbox(block=self.scheduler.idle):
                 self._fail_all("the group is stopping")
                 self._broadcast(StepPlan(Command.STOP))
                 return

@@ -13,9 +13,8 @@ a waiting request there.
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from workers.serving.requests import StreamRequest
 from workers.serving.step_plan import Command, DecodeRow, PrefillChunk, StepPlan
@@ -24,7 +23,6 @@ from workers.serving.step_plan import Command, DecodeRow, PrefillChunk, StepPlan
 @dataclass
 class Sequence:
     request: StreamRequest
-    arrived: float = field(default_factory=time.monotonic)
     row: int | None = None
     prefilled: int = 0
     """Prompt tokens already in the cache."""

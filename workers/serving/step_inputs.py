@@ -50,9 +50,9 @@ def decode_inputs(decode: tuple[DecodeRow, ...], shapes: ServingShapes | None, s
     n = len(decode)
     longest = max(r.position for r in decode) + 1
     batch, read = shapes.decode_shape(n, longest) if shapes is not None else (n, longest)
-    ids = torch.zeros(batch, 1, dtype=torch.int64)
-    positions = torch.zeros(batch, 1, dtype=torch.int64)
-    rows = torch.full((batch, 1), scratch_row, dtype=torch.int64)
-    for i, r in enumerate(decode):
-        ids[i, 0], positions[i, 0], rows[i, 0] = r.token_id, r.position, r.row
-    return StepInputs(ids, positions, positions.clone(), rows, read)
+    filler = batch - n  # rows reading and writing only the scratch row, at slot 0
+    # One tensor per column from Python lists: this runs every decode step (no per-element writes).
+    ids = torch.tensor([r.token_id for r in decode] + [0] * filler, dtype=torch.int64)[:, None]
+    positions = torch.tensor([r.position for r in decode] + [0] * filler, dtype=torch.int64)[:, None]
+    rows = torch.tensor([r.row for r in decode] + [scratch_row] * filler, dtype=torch.int64)[:, None]
+    return StepInputs(ids, positions, positions, rows, read)
