@@ -75,7 +75,7 @@ def test_killed_rank_mid_request_restarts_its_group_and_reruns(model_and_expecte
         callers = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
         for t in callers:
             t.start()
-        wait_for(lambda: launcher.replica_status()[0]["streams"] > 0, 30, "replica 0 taking a request")
+        wait_for(lambda: launcher.replica_status()[0]["busy"], 30, "replica 0 taking a request")
         time.sleep(0.1)
         victim = before[0]["workers"][1]
         os.kill(victim["pid"], signal.SIGKILL)

@@ -284,7 +284,9 @@ class Replica:
     def status(self) -> dict:
         group = self.started.group if self.started is not None else None
         workers = list(getattr(group, "workers", []) or []) if self.state in ("serving", "starting") else []
-        return {"index": self.index, "state": self.state, "busy": self.busy, "restarts": self.restarts,
+        # busy: a static batch running, or streams in flight (running or waiting for a row)
+        return {"index": self.index, "state": self.state, "busy": self.busy or bool(self.streams),
+                "restarts": self.restarts,
                 "streams": len(self.streams),
                 "served": self.served, "last_recovery_s": self.last_recovery_s,
                 "failure": str(self.failure) if self.failure else None,
