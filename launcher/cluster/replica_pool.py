@@ -279,7 +279,8 @@ class Replica:
         if self.started is not None:
             self.started.group.kill()
         self.pool._replica_failed(self)
-        self.pool._reroute(self._take_streams(), error)
+        for handle in self._take_streams():  # as its static requests: they fail, naming what is missing
+            handle.fail(error)
 
     def status(self) -> dict:
         group = self.started.group if self.started is not None else None
@@ -368,20 +369,6 @@ class ReplicaPool:
     def in_flight(self) -> list[int]:
         """Streaming requests in flight on each replica."""
         return [len(r.streams) for r in self.replicas]
-
-    def _reroute(self, handles: list[StreamHandle], error: BaseException) -> None:
-        """Streams of a replica given up: resumed on another replica, or failed when none is left."""
-        for handle in handles:
-            if handle.cancelled:
-                handle.deliver(TokenEvent(handle.request_id, [], "abort"))
-                continue
-            # The resumed request becomes the request: its history already holds what was delivered.
-            handle.request, handle.delivered = handle.resumed(), []
-            try:
-                handle.attempts += 1
-                self.submit_stream(handle)
-            except LaunchError:
-                handle.fail(error)
 
     def serving(self) -> int:
         """Replicas that are serving or will be again (restarting)."""

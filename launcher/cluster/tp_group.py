@@ -202,6 +202,11 @@ class TPGroup:
         except ray.exceptions.RayActorError as err:
             self.kill()
             raise self._death(0, "serve", err) from None
+        except ray.exceptions.RayTaskError as err:  # rank 0 is alive but its loop is gone
+            self._check_loops()  # raises the loop's own failure when it has ended with one
+            self.kill()
+            raise RankFailed(f"{self._where(0)} could not answer a poll: {getattr(err, 'cause', err)}; the group "
+                             f"was stopped") from None
 
     def _check_loops(self) -> None:
         """Raise (after stopping the group) when any rank's serving loop has ended."""
