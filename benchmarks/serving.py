@@ -58,6 +58,15 @@ def bucket_options(prompt_tokens: int, max_tokens: int) -> dict:
             "max_context_length": next(b for b in auto_buckets(8192) if b >= prompt_tokens)}
 
 
+def serve_arguments(model_dir: str, args: argparse.Namespace) -> list[str]:
+    """`corelaunch serve` arguments for the HTTP levels: TP 1, room for the highest level's clients,
+    the smallest buckets that hold one request, then any --server-arg."""
+    buckets = bucket_options(args.prompt_tokens, args.max_tokens)
+    return ["--model", model_dir, "--tp", "1", "--served-model-name", args.model,
+            "--max-num-seqs", str(max(args.levels)),
+            *[f"--{k.replace('_', '-')}={v}" for k, v in buckets.items()], *args.server_arg]
+
+
 # ---- baselines: the driver API in this process ------------------------------------------------------
 def static_generate(launcher, prompts: list[list[int]], max_tokens: int) -> list:
     """launcher.generate(..., batching="static"): one fixed batch, no requests joining mid-way. Where
@@ -174,7 +183,7 @@ def ratios(levels: dict, baselines: dict | None) -> dict:
     return out
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--levels", default="1,4,16,32", help="concurrency levels, comma-separated")
     parser.add_argument("--prompt-tokens", type=int, default=128)
@@ -188,13 +197,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model-dir", help="Hugging Face folder: its tokenizer builds the prompts, and "
                                             "corelaunch serve loads it (default: the built-in SmolLM2)")
     parser.add_argument("--server-arg", action="append", default=[], metavar="ARG",
-                        help="one more argument for corelaunch serve (repeat for several)")
+                        help="one more argument for corelaunch serve, written --server-arg=--flag (repeat for several)")
     parser.add_argument("--server-timeout", type=float, default=900, help="seconds to wait for GET /health")
     parser.add_argument("--request-timeout", type=float, default=600)
     parser.add_argument("--baselines", action="store_true", help="also the in-process driver-API baselines")
     parser.add_argument("--baseline-prompts", type=int, default=16)
     parser.add_argument("--baselines-only", action="store_true", help="only the baselines: no server, no HTTP levels")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.baselines |= args.baselines_only
     try:
         args.levels = [int(x) for x in args.levels.split(",")]
@@ -226,6 +235,8 @@ def main() -> None:
     if args.baselines:  # before any server starts: the two would share the cores
         baselines = measure_baselines(model_dir, prompts.take(args.baseline_prompts), args.max_tokens)
         report["baselines"] = baselines
+        # On stderr at once, so that a server that then fails to start does not lose minutes of figures.
+        print(json.dumps({"baselines": baselines}), file=sys.stderr, flush=True)
     if args.baselines_only:
         print(json.dumps(report, indent=2))
         return
@@ -233,12 +244,7 @@ def main() -> None:
         report["server"] = {"base_url": args.base_url, "model": args.model, "started_here": False}
         levels = asyncio.run(measure_levels(args.base_url, args.model, prompts, args))
     else:
-        serve_args = ["--model", model_dir, "--tp", "1", "--served-model-name", args.model,
-                      "--max-num-seqs", str(max(args.levels)), "--ray-address", "local",
-                      *[f"--{k.replace('_', '-')}={v}" for k, v in bucket_options(args.prompt_tokens,
-                                                                                   args.max_tokens).items()],
-                      *args.server_arg]
-        with corelaunch_server(serve_args, args.server_timeout) as (base_url, command):
+        with corelaunch_server(serve_arguments(model_dir, args), args.server_timeout) as (base_url, command):
             report["server"] = {"base_url": base_url, "model": args.model, "started_here": True,
                                 "command": command}
             levels = asyncio.run(measure_levels(base_url, args.model, prompts, args))

@@ -184,3 +184,14 @@ def test_a_server_that_never_gets_healthy_times_out_naming_the_flag():
     with pytest.raises(TimeoutError, match="not healthy after 1 s.*--server-timeout"):
         with server_process(command, f"http://127.0.0.1:{free_port()}/v1", timeout_s=1):
             pass
+
+
+def test_the_server_command_parses_with_corelaunch_serve():
+    from benchmarks.serving import parse_args, serve_arguments
+    from launcher.cli import build_parser
+
+    args = parse_args(["--levels", "1,16", "--prompt-tokens", "128", "--max-tokens", "64",
+                       "--server-arg=--warm-up"])
+    served = build_parser().parse_args(["serve", *serve_arguments("/models/m", args)])
+    assert served.model == "/models/m" and served.tp == "1" and served.max_num_seqs == 16
+    assert served.seq_len == 256 and served.warm_up
