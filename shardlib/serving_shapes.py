@@ -1,7 +1,9 @@
 """The static shapes the serving engine runs at (compiled graphs exist per shape).
 
-- prefill chunks: batch 1 x a chunk bucket (the context-encoding buckets up to max_prefill_tokens),
-  attending over the sequence's whole cache row;
+- prefill chunks: a prefill batch bucket x a chunk bucket (the context-encoding buckets up to
+  max_prefill_tokens); each batch row is one sequence's chunk and attends over that sequence's
+  whole cache row. Chunks of one bucket are prefilled together (powers of two up to as many as
+  max_prefill_tokens holds, and max_num_seqs): one batched product per weight, not one per prompt;
 - decode steps: a batch bucket of running rows (powers of two up to max_num_seqs, and
   max_num_seqs) x a token bucket of slots read (the smallest holding every row's history).
 
@@ -54,6 +56,16 @@ class ServingShapes:
     def chunk_bucket(self, length: int) -> int:
         return select_bucket(length, self.chunk_buckets, "prefill chunk", "chunk")
 
+    def prefill_batch_buckets(self, chunk: int) -> tuple[int, ...]:
+        """Batch buckets for chunks of bucket `chunk`: as many as one iteration's prefill budget holds."""
+        return powers_of_two_up_to(min(self.max_num_seqs, max(1, self.max_prefill_tokens // chunk)))
+
+    def prefill_shape(self, chunks: int, longest: int) -> tuple[int, int]:
+        """(batch bucket, chunk bucket) for `chunks` chunks of at most `longest` tokens; at most
+        prefill_batch_buckets(chunk)[-1] chunks."""
+        chunk = self.chunk_bucket(longest)
+        return select_bucket(chunks, self.prefill_batch_buckets(chunk), "prefill chunks", "prefill batch"), chunk
+
     def decode_shape(self, rows: int, longest: int) -> tuple[int, int]:
         """(batch bucket, slots read) for `rows` running sequences whose longest history, the new
         token included, is `longest` tokens."""
@@ -66,5 +78,5 @@ class ServingShapes:
         tokens = self.token_buckets
         if max_length is not None:
             tokens = tokens[: tokens.index(select_bucket(max_length, tokens, "sequence length")) + 1]
-        return ([("serve-prefill", 1, c) for c in self.chunk_buckets]
+        return ([("serve-prefill", b, c) for c in self.chunk_buckets for b in self.prefill_batch_buckets(c)]
                 + [("serve-decode", b, t) for b in self.batch_buckets for t in tokens])

@@ -174,3 +174,23 @@ def test_compiled_loop_builds_no_graph_after_warm_up():
     assert counters["stats"]["unique_graphs"] == graphs
     for i, prompt in enumerate(MORE_PROMPTS):
         assert got.tokens[f"r{i}"] == alone(tuple(prompt))
+
+
+def test_prefill_chunks_of_one_bucket_share_a_call_up_to_the_budget():
+    from workers.serving.step_inputs import prefill_batches, prefill_inputs
+
+    buckets = Buckets.build(max_seq_len=64, context=(4, 8), token=(32, 64))
+    shapes = ServingShapes.build(buckets, max_num_seqs=8, max_prefill_tokens=16)
+    assert shapes.prefill_batch_buckets(4) == (1, 2, 4) and shapes.prefill_batch_buckets(8) == (1, 2)
+    assert ("serve-prefill", 4, 4) in shapes.shapes() and ("serve-prefill", 4, 8) not in shapes.shapes()
+    chunks = (PrefillChunk(0, 0, (1, 2, 3)), PrefillChunk(1, 0, (1,) * 8), PrefillChunk(2, 4, (5,)),
+              PrefillChunk(3, 0, (7, 7)), PrefillChunk(4, 0, (9,)), PrefillChunk(5, 0, (6,) * 5),
+              PrefillChunk(6, 0, (2,) * 4))
+    assert prefill_batches(chunks, shapes) == [[0, 2, 3, 4], [6], [1, 5]]
+    assert prefill_batches(chunks, None) == [list(range(7))]
+    inputs = prefill_inputs([chunks[i] for i in (0, 2, 3)], shapes, scratch_row=8, cache_slots=64)
+    assert inputs.input_ids.shape == (4, 4) and inputs.read_slots == 64  # 3 chunks -> batch bucket 4
+    assert inputs.rows.tolist() == [[0, 0, 0, 8], [2, 8, 8, 8], [3, 3, 8, 8], [8, 8, 8, 8]]
+    assert inputs.cache_positions.tolist() == [[0, 1, 2, 0], [4, 0, 0, 0], [0, 1, 0, 0], [0, 0, 0, 0]]
+    assert inputs.position_ids[1].tolist() == [4, 5, 6, 7]
+    assert inputs.logit_index.tolist() == [2, 0, 1, 0]

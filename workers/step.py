@@ -64,8 +64,14 @@ def layer(block: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Te
 
 
 def epilogue(model, x: torch.Tensor, logit_index: torch.Tensor | None) -> torch.Tensor:
-    """Logits (batch, vocab_size) float32 at one column of x: logit_index (1,), or the last."""
-    last = x[:, -1, :] if logit_index is None else x.index_select(1, logit_index).squeeze(1)
+    """Logits (batch, vocab_size) float32 at one column of each row of x: logit_index (1,) shared by
+    the rows, (batch,) one per row, or None for the last."""
+    if logit_index is None:
+        last = x[:, -1, :]
+    elif logit_index.numel() == 1:
+        last = x.index_select(1, logit_index).squeeze(1)
+    else:
+        last = x[torch.arange(x.shape[0], device=x.device), logit_index]
     local = model.lm_head(model.norm(last))  # (batch, vocab_per_rank)
     return model.collectives.all_gather(local)[:, : model.config.vocab_size].float()
 

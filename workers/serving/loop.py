@@ -28,7 +28,7 @@ from shardlib.serving_shapes import ServingShapes
 from workers.serving.outbox import Outbox
 from workers.serving.requests import StreamRequest, TokenEvent
 from workers.serving.scheduler import Scheduler, Sequence
-from workers.serving.step_inputs import decode_inputs, prefill_inputs
+from workers.serving.step_inputs import decode_inputs, prefill_batches, prefill_inputs
 from workers.serving.step_plan import Command, DecodeRow, PlanCodec, PrefillChunk, StepPlan
 from workers.serving.token_choice import choose, request_generator
 
@@ -104,7 +104,7 @@ class ServingLoop:
         with torch.inference_mode():
             for phase, batch, length in shapes:
                 if phase == "serve-prefill":
-                    self._step(prefill_inputs(PrefillChunk(scratch, 0, (0,) * length), self.config.shapes,
+                    self._step(prefill_inputs([PrefillChunk(scratch, 0, (0,) * length)] * batch, self.config.shapes,
                                               scratch, self.config.cache_slots))
                 else:
                     rows = tuple(DecodeRow(scratch, length - 1, 0) for _ in range(batch))
@@ -203,10 +203,13 @@ class ServingLoop:
 
     # ---- forwards, the same on every rank ----------------------------------------------------------
     def _forwards(self, plan: StepPlan) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-        prefill_logits = []
-        for chunk in plan.prefills:
-            inputs = prefill_inputs(chunk, self.config.shapes, self.scratch_row, self.config.cache_slots)
-            prefill_logits.append(self._step(inputs))
+        prefill_logits: list[torch.Tensor | None] = [None] * len(plan.prefills)
+        for call in prefill_batches(plan.prefills, self.config.shapes):
+            inputs = prefill_inputs([plan.prefills[i] for i in call], self.config.shapes, self.scratch_row,
+                                    self.config.cache_slots)
+            logits = self._step(inputs)
+            for j, i in enumerate(call):
+                prefill_logits[i] = logits[j]
         decode_logits = None
         if plan.decode:
             inputs = decode_inputs(plan.decode, self.config.shapes, self.scratch_row)
@@ -227,7 +230,7 @@ class ServingLoop:
             seq = by_row[chunk.row]
             seq.prefilled += len(chunk.token_ids)
             if seq.prefilled == len(seq.prompt):  # the prompt's last chunk: its logits give the first token
-                chosen.append((seq, logits[0]))
+                chosen.append((seq, logits))
         if decode_logits is not None:
             chosen.extend((by_row[r.row], decode_logits[i]) for i, r in enumerate(plan.decode))
         if not chosen:

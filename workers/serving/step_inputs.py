@@ -30,18 +30,42 @@ class StepInputs:
                           move(self.rows), self.read_slots, move(self.logit_index))
 
 
-def prefill_inputs(chunk: PrefillChunk, shapes: ServingShapes | None, scratch_row: int,
+def prefill_batches(chunks: tuple[PrefillChunk, ...], shapes: ServingShapes | None) -> list[list[int]]:
+    """The plan's chunks (by index) grouped into prefill calls: chunks of one chunk bucket together,
+    at most the largest prefill batch bucket per call, in plan order (every rank groups alike).
+    Without shapes (eager), one call for all of them."""
+    if shapes is None:
+        return [list(range(len(chunks)))] if chunks else []
+    groups: dict[int, list[int]] = {}
+    for i, chunk in enumerate(chunks):
+        groups.setdefault(shapes.chunk_bucket(len(chunk.token_ids)), []).append(i)
+    calls = []
+    for bucket, members in groups.items():
+        most = shapes.prefill_batch_buckets(bucket)[-1]
+        calls.extend(members[k:k + most] for k in range(0, len(members), most))
+    return calls
+
+
+def prefill_inputs(chunks: list[PrefillChunk], shapes: ServingShapes | None, scratch_row: int,
                    cache_slots: int) -> StepInputs:
-    """Batch 1 x the chunk's bucket; it attends over its sequence's whole cache row."""
-    n = len(chunk.token_ids)
-    width = shapes.chunk_bucket(n) if shapes is not None else n
-    ids = torch.zeros(1, width, dtype=torch.int64)
-    ids[0, :n] = torch.tensor(chunk.token_ids, dtype=torch.int64)
-    positions = (torch.arange(width, dtype=torch.int64) + chunk.start).clamp(max=cache_slots - 1)[None]
-    real = torch.arange(width)[None] < n
-    rows = torch.where(real, chunk.row, scratch_row)
+    """One batch row per chunk (a batch bucket x the chunk bucket; exact without shapes); each row
+    attends over its sequence's whole cache row, and its logits are taken at its last real token.
+    Filler rows and padding tokens write only the scratch row, at slot 0."""
+    longest = max(len(c.token_ids) for c in chunks)
+    batch, width = shapes.prefill_shape(len(chunks), longest) if shapes is not None else (len(chunks), longest)
+    ids = torch.zeros(batch, width, dtype=torch.int64)
+    starts = torch.zeros(batch, 1, dtype=torch.int64)
+    lengths = torch.zeros(batch, 1, dtype=torch.int64)
+    rows = torch.full((batch, 1), scratch_row, dtype=torch.int64)
+    for i, chunk in enumerate(chunks):
+        ids[i, :len(chunk.token_ids)] = torch.tensor(chunk.token_ids, dtype=torch.int64)
+        starts[i, 0], lengths[i, 0], rows[i, 0] = chunk.start, len(chunk.token_ids), chunk.row
+    column = torch.arange(width, dtype=torch.int64)[None]
+    positions = (column + starts).clamp(max=cache_slots - 1)
+    real = column < lengths
+    token_rows = torch.where(real, rows, scratch_row)  # column 0 is real: it names the row a batch row reads
     cache_positions = torch.where(real, positions, 0)
-    return StepInputs(ids, positions, cache_positions, rows, cache_slots, torch.tensor([n - 1]))
+    return StepInputs(ids, positions, cache_positions, token_rows, cache_slots, (lengths[:, 0] - 1).clamp(min=0))
 
 
 def decode_inputs(decode: tuple[DecodeRow, ...], shapes: ServingShapes | None, scratch_row: int) -> StepInputs:
