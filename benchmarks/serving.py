@@ -60,10 +60,11 @@ def bucket_options(prompt_tokens: int, max_tokens: int) -> dict:
 
 def serve_arguments(model_dir: str, args: argparse.Namespace) -> list[str]:
     """`corelaunch serve` arguments for the HTTP levels: TP 1, room for the highest level's clients,
-    the smallest buckets that hold one request, then any --server-arg."""
+    the smallest buckets that hold one request, every graph built before the first request (which
+    shapes a level meets depends on when its requests arrive), then any --server-arg."""
     buckets = bucket_options(args.prompt_tokens, args.max_tokens)
     return ["--model", model_dir, "--tp", "1", "--served-model-name", args.model,
-            "--max-num-seqs", str(max(args.levels)),
+            "--max-num-seqs", str(max(args.levels)), "--warm-up",
             *[f"--{k.replace('_', '-')}={v}" for k, v in buckets.items()], *args.server_arg]
 
 
@@ -80,8 +81,10 @@ def measure_baselines(model_dir: str, prompts: list[list[int]], max_tokens: int)
     from launcher.api import Launcher
 
     count = len(prompts)
+    # warm_up: every graph is built before anything is timed (continuous batching meets whichever
+    # prefill and decode batch shapes the arrival times make).
     with Launcher(model=model_dir, tp=1, max_batch_size=count, max_num_seqs=count, progress=False,
-                  ray_address="local",
+                  ray_address="local", warm_up=True,
                   **bucket_options(len(prompts[0]), max_tokens)) as launcher:
         static_generate(launcher, prompts[:1], max_tokens)  # warm-up: builds the batch-1 graphs
         static_generate(launcher, prompts, max_tokens)  # and the batch-16 ones

@@ -191,7 +191,7 @@ def test_the_server_command_parses_with_corelaunch_serve():
     from launcher.cli import build_parser
 
     args = parse_args(["--levels", "1,16", "--prompt-tokens", "128", "--max-tokens", "64",
-                       "--server-arg=--warm-up"])
+                       "--server-arg=--max-queued-requests=64"])
     served = build_parser().parse_args(["serve", *serve_arguments("/models/m", args)])
     assert served.model == "/models/m" and served.tp == "1" and served.max_num_seqs == 16
-    assert served.seq_len == 256 and served.warm_up
+    assert served.seq_len == 256 and served.warm_up and served.max_queued_requests == 64

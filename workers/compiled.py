@@ -164,6 +164,11 @@ class CompiledCausalLM:
         self._stats = CompileStats()
         self._counters_at_start = _cache_counters()
 
+    def reserve_graphs(self, extra: int) -> None:
+        """Room for `extra` more graphs per compiled function than the static buckets need (the
+        serving engine's shapes, shardlib/serving_shapes.py, run through the same functions)."""
+        configure_dynamo(len(self.buckets.shapes()) + extra)
+
     # ---- what engine.generate uses -------------------------------------------------------------
     def new_cache(self, batch: int, max_seq_len: int) -> KVCache:
         return self.model.new_cache(batch, max_seq_len)

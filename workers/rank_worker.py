@@ -243,6 +243,8 @@ class RankWorker:
         if slots is None:
             raise ValueError("serving without buckets needs ServeSpec.cache_slots")
         model = self._model
+        if shapes is not None and hasattr(model, "reserve_graphs"):
+            model.reserve_graphs(len(shapes.shapes()))
         start = time.perf_counter()
         loop = ServingLoop(model, ServingConfig(spec.max_num_seqs, spec.max_prefill_tokens, slots, shapes),
                            self._run_batch)
