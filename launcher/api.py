@@ -99,7 +99,8 @@ class LaunchConfig:
     """Build every bucket's graph while starting (predictable first requests); otherwise each graph
     is built the first time a request needs it."""
     ray_address: str | None = None
-    """None: a running cluster if any, else a local one; "auto", "local" or "host:port"."""
+    """None: RAY_ADDRESS, else the cluster `ray start` recorded on this host, else a private local
+    one; "local" (always a private one) or "host:port". "auto" is refused (launcher/cluster/ray_cluster.py)."""
     cpus_per_rank: float | None = None
     """CPU backend: CPUs per rank bundle; None divides the cluster's CPUs evenly."""
     placement_timeout_s: float = 60.0
@@ -128,8 +129,7 @@ class LaunchConfig:
         positive_int("nodes", self.nodes)
         self.replicas = _positive_or_auto("replicas", self.replicas)
         RestartPolicy(self.max_restarts, self.restart_window_s)  # checks both, as every replica will
-        if self.health_check_interval_s <= 0:
-            raise ValueError(f"health_check_interval_s ({self.health_check_interval_s}) must be positive")
+        _positive_seconds("health_check_interval_s", self.health_check_interval_s)
         positive_int("max_batch_size", self.max_batch_size)
         positive_int("max_num_seqs", self.max_num_seqs)
         positive_int("max_prefill_tokens", self.max_prefill_tokens)
@@ -143,8 +143,14 @@ class LaunchConfig:
             self.dtype = normalize_dtype(self.dtype)
         for name in ("placement_timeout_s", "startup_timeout_s", "rendezvous_timeout_s", "load_timeout_s",
                      "request_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} ({getattr(self, name)}) must be positive")
+            _positive_seconds(name, getattr(self, name))
+        if self.ray_address == "auto":
+            raise ValueError("ray_address 'auto' joins any Ray found running on this host, another user's private "
+                             "cluster included; pass host:port (or set RAY_ADDRESS), start one with `ray start "
+                             "--head` and omit the address, or pass 'local' for a private one")
+        if self.presharded_dir is not None and not Path(self.presharded_dir).is_dir():
+            raise FileNotFoundError(f"pre-sharded directory {self.presharded_dir} does not exist; write it with "
+                                    f"`corelaunch generate --presharded-cache`, or drop --presharded")
         for name in ("context_buckets", "token_buckets"):
             if getattr(self, name) is not None:
                 from shardlib.buckets import normalize_buckets
@@ -158,6 +164,16 @@ class LaunchConfig:
                 f"model path {self.model} does not exist; pass a Hugging Face model directory, or "
                 f"omit --model for the built-in SmolLM2-135M-Instruct"
             )
+
+
+INTERRUPT_GRACE_S = 1.0
+"""After Ctrl-C, how long the groups get to stop cleanly before they are killed."""
+
+
+def _positive_seconds(name: str, value) -> None:
+    """ValueError unless value is a finite positive number (nan would switch a deadline off)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} ({value!r}) must be a finite positive number of seconds")
 
 
 def _positive_or_auto(name: str, value: int | str) -> int | str:
@@ -228,21 +244,14 @@ class Launcher:
         self.start()
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.shutdown()
+    def __exit__(self, exc_type, *exc) -> None:
+        # Ctrl-C: the user is waiting; whatever still runs is killed after a short grace.
+        self.shutdown(grace_s=INTERRUPT_GRACE_S if exc_type is KeyboardInterrupt else 10.0)
 
     def start(self) -> "Launcher":
         """Plan (refusing impossible layouts before any process), place, rendezvous, load."""
-        from launcher.launch_plan import plan_launch
-
-        if self.config.compiled_dir is not None:
-            from launcher.artifacts.compiled_dir import apply_compiled_dir
-
-            self.config = apply_compiled_dir(self.config)  # its weights, graphs and settings
         start = time.perf_counter()
-        planned = plan_launch(self.config, self._progress)
-        self.model_dir, self.model_config = planned.model_dir, planned.model_config
-        self.backend, self.plan = planned.backend, planned.plan
+        self.prepare()
         try:
             self._start_group(self.backend)
         except BaseException:
@@ -250,6 +259,41 @@ class Launcher:
             raise
         self.timings["startup_s"] = time.perf_counter() - start
         return self
+
+    def prepare(self) -> "Launcher":
+        """Everything before Ray: the plan (refusing impossible layouts), the shapes the workers
+        will run at, and the driver's tokenizer; start() calls it, once. Call it first to check
+        requests with check_prompts() before anything is started."""
+        if self.plan is not None:
+            return self
+        from launcher.artifacts.compiled_dir import load_spec_fields
+        from launcher.launch_plan import plan_launch
+
+        if self.config.compiled_dir is not None:
+            from launcher.artifacts.compiled_dir import apply_compiled_dir
+
+            self.config = apply_compiled_dir(self.config)  # its weights, graphs and settings
+        planned = plan_launch(self.config, self._progress)
+        self.model_dir, self.model_config = planned.model_dir, planned.model_config
+        self.backend = planned.backend
+        self.buckets = load_spec_fields(self.config, planned.plan, self.model_config)["buckets"]
+        with self._progress.step("loading tokenizer"):
+            self.tokenizer = load_tokenizer(self.model_dir)
+        self.plan = planned.plan
+        return self
+
+    def check_prompts(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
+                      sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+                      max_new_tokens: int = 64) -> None:
+        """What generate() checks before any worker call, without starting anything (prepare()
+        runs first): prompts tokenized with the driver's tokenizer, none empty or past the context
+        and buckets, the sampling parameters and max_new_tokens. ValueError naming the value."""
+        self.prepare()
+        with self._lock:
+            _, token_lists = self._tokenize(prompts)
+        params = self._sampling_per_prompt(sampling, len(token_lists))
+        check_request(token_lists, params, max_new_tokens, self.model_config.vocab_size)
+        self._check_lengths(token_lists, max_new_tokens)
 
     def _start_group(self, backend: str) -> None:
         """Connect to Ray, size each rank's bundle and the replica count, start every replica."""
@@ -284,8 +328,6 @@ class Launcher:
             self._pool.start()
         self.load_stats = self._pool.replicas[0].started.load_stats
         self._start_presharded_cache()
-        with self._progress.step("loading tokenizer"):
-            self.tokenizer = load_tokenizer(self.model_dir)
 
     def _make_load_spec(self):
         """What every rank loads (and loads again after a restart)."""
@@ -390,10 +432,11 @@ class Launcher:
         replica = self._pool.replicas[0] if self._pool is not None else None
         return replica.started.group if replica is not None and replica.started is not None else None
 
-    def shutdown(self) -> None:
-        """Stop the workers and, if corelaunch started Ray, Ray itself. Safe to call twice."""
+    def shutdown(self, grace_s: float = 10.0) -> None:
+        """Stop the workers (each group gets grace_s to leave cleanly, then is killed) and, if
+        corelaunch started Ray, Ray itself. Safe to call twice."""
         if self._pool is not None:
-            self._pool.shutdown()
+            self._pool.shutdown(grace_s)
             self._pool = None
         if self._cache_writer is not None:
             self._cache_writer.join(timeout_s=30)  # a daemon thread: a long write is abandoned at exit
@@ -448,12 +491,18 @@ class Launcher:
             parts.append((first, pool.submit(request)))
         results: list[GenerationResult | None] = [None] * len(token_lists)
         errors = []
-        for first, future in parts:  # every part finishes (or fails) before this call returns
-            try:
-                answer = future.result()
-            except BaseException as err:  # noqa: BLE001 - raised below once all parts are done
-                errors.append(err)
-                continue
+        answers = []
+        try:
+            for first, future in parts:  # every part finishes (or fails) before this call returns
+                try:
+                    answers.append((first, future.result()))
+                except Exception as err:  # noqa: BLE001 - raised below once all parts are done
+                    errors.append(err)
+        except KeyboardInterrupt:  # parts not started yet never run; running ones end with shutdown
+            for _, future in parts:
+                future.cancel()
+            raise
+        for first, answer in answers:
             for j, out in enumerate(answer.outputs):
                 i = first + j
                 with self._lock:
@@ -603,12 +652,17 @@ class Launcher:
         streams, texts, token_lists = self._open_generation(prompts, sampling, max_new_tokens, stop_token_ids,
                                                             ignore_eos, return_logits, asynchronous=False)
         errors = []
-        for stream in streams:  # they run concurrently; reading them in turn waits for the slowest
-            try:
-                for _ in stream:
-                    pass
-            except BaseException as err:  # noqa: BLE001 - raised below once every request has ended
-                errors.append(err)
+        try:
+            for stream in streams:  # they run concurrently; reading them in turn waits for the slowest
+                try:
+                    for _ in stream:
+                        pass
+                except Exception as err:  # noqa: BLE001 - raised below once every request has ended
+                    errors.append(err)
+        except KeyboardInterrupt:
+            for stream in streams:
+                stream.close()  # cancels the request where it still runs
+            raise
         if errors:
             raise errors[0]
         return [self._result(s, texts[i], token_lists[i]) for i, s in enumerate(streams)]
@@ -641,6 +695,12 @@ class Launcher:
         if prompts and all(isinstance(p, str) for p in prompts):
             if self.tokenizer is None:
                 raise ValueError(f"{self.model_dir} has no tokenizer files; pass prompts as token ids")
+            for i, p in enumerate(prompts):
+                try:
+                    p.encode("utf-8")
+                except UnicodeEncodeError as err:  # a command-line argument that was not UTF-8
+                    raise ValueError(f"prompt {i} is not valid UTF-8 text ({p!r}: {err.reason} at position "
+                                     f"{err.start}); pass UTF-8 text") from None
             token_lists = [list(self.tokenizer(p)["input_ids"]) for p in prompts]
             texts: list[str | None] = list(prompts)
         elif all(isinstance(p, (list, tuple)) and all(isinstance(t, int) for t in p) for p in prompts):

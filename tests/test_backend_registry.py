@@ -151,7 +151,11 @@ def test_cuda_without_a_gpu_exits_2_from_the_cli(small_model, capsys):
 
 
 def test_cuda_on_a_cluster_without_gpus_is_refused_before_placement(small_model, ray_session):
-    launcher = Launcher(model=small_model, backend="cuda", device_memory_gib=80, ray_address="auto", progress=False)
+    import ray
+
+    # The test session's cluster, named explicitly: a cluster elsewhere as far as planning knows.
+    launcher = Launcher(model=small_model, backend="cuda", device_memory_gib=80, progress=False,
+                        ray_address=ray.get_runtime_context().gcs_address)
     with pytest.raises(NoDeviceResource, match="the cuda backend's ranks need GPU, but no alive node .* declares GPU"):
         launcher.start()
     assert launcher._pool is None

@@ -310,16 +310,66 @@ def test_an_error_that_took_the_group_down_restarts_it(make_pool):
     assert pool.submit("b").result(TIMEOUT_S).outputs == "r0.1:b"
 
 
-def test_an_idle_replica_with_a_dead_rank_is_restarted_by_the_health_check(make_pool):
+def broken_health_check(timeout_s: float = 5.0):
+    raise RuntimeError("the GCS did not answer")
+
+
+@pytest.mark.parametrize("breakage", ["a dead rank", "a check that raises"])
+def test_an_idle_replica_whose_health_check_fails_is_restarted(make_pool, breakage):
     factory = Factory()
     pool = make_pool(1, factory, interval_s=0.02)
     pool.start()
     [first] = factory.groups[0]
-    first.dead = ["rank 1 (node n2, pid 8)"]
+    if breakage == "a dead rank":
+        first.dead = ["rank 1 (node n2, pid 8)"]
+    else:  # never a silent end of the replica's thread
+        first.dead_ranks = broken_health_check
     wait_for(lambda: len(factory.groups[0]) == 2 and pool.status()[0]["state"] == "serving",
              "the health check's restart")
     assert first.killed and pool.status()[0]["restarts"] == 1
     assert pool.submit("x").result(TIMEOUT_S).outputs == "r0.1:x"
+
+
+def test_a_timed_out_request_is_reported_before_its_group_restarts(make_pool):
+    gate = threading.Event()
+    factory = Factory({0: [lambda: always(RequestTimeout("rank 0 did not finish the request within 5 s")),
+                           None]})
+    real_call = factory.__call__
+
+    def restarting(index, restart):
+        if restart:
+            assert gate.wait(TIMEOUT_S), "the test never let the restart finish"
+        return real_call(index, restart)
+
+    pool = make_pool(1, restarting)
+    pool.start()
+    with pytest.raises(RequestTimeout):
+        pool.submit("long").result(TIMEOUT_S)  # answered while the restart is still held
+    assert pool.status()[0]["state"] == "restarting"
+    gate.set()
+    assert pool.submit("next").result(TIMEOUT_S).outputs == "r0.1:next"
+
+
+def one_request_held(make_pool, request: str):
+    """A one-replica pool whose group holds every request until the returned gate opens, with
+    `request` already running: (gate, factory, pool, that request's future)."""
+    gate = threading.Event()
+    factory = Factory(gate=gate)
+    pool = make_pool(1, factory)
+    pool.start()
+    running = pool.submit(request)
+    wait_for(lambda: factory.groups[0][0].running == 1, "the first request to start")
+    return gate, factory, pool, running
+
+
+def test_a_queued_request_cancelled_by_its_caller_never_runs(make_pool):
+    gate, factory, pool, running = one_request_held(make_pool, "first")
+    queued = pool.submit("second")
+    assert queued.cancel()  # what generate() does on Ctrl-C
+    gate.set()
+    assert running.result(TIMEOUT_S).outputs == "r0.0:first"
+    assert pool.submit("third").result(TIMEOUT_S).outputs == "r0.0:third"
+    assert factory.groups[0][0].seen == ["first", "third"]
 
 
 # ---- start, status, shutdown ---------------------------------------------------------------------
@@ -347,12 +397,7 @@ def test_status_reports_workers_nodes_and_counters(make_pool):
 
 
 def test_shutdown_fails_what_is_queued_and_stops_every_group(make_pool):
-    gate = threading.Event()
-    factory = Factory(gate=gate)
-    pool = make_pool(1, factory)
-    pool.start()
-    running = pool.submit("running")
-    wait_for(lambda: pool.status()[0]["busy"], "the first request running")
+    gate, factory, pool, running = one_request_held(make_pool, "running")
     queued = [pool.submit(i) for i in range(3)]
     stopper = threading.Thread(target=pool.shutdown, kwargs={"grace_s": 1})
     stopper.start()

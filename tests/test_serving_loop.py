@@ -196,7 +196,7 @@ def test_prefill_chunks_of_one_bucket_share_a_call_up_to_the_budget():
     assert inputs.logit_index.tolist() == [2, 0, 1, 0]
 
 
-def test_a_compiled_model_makes_room_for_the_serving_shapes(monkeypatch):
+def test_a_compiled_model_makes_room_for_the_serving_shapes():
     """Static and serving shapes run through the same compiled functions; dynamo's per-function
     limit must hold both (workers/rank_worker.py reserves the serving ones before warming up)."""
     import torch._dynamo.config as dynamo_config
@@ -204,11 +204,17 @@ def test_a_compiled_model_makes_room_for_the_serving_shapes(monkeypatch):
     from workers.compiled import CompiledCausalLM
 
     buckets = Buckets.build(max_seq_len=64, context=(4, 8), token=(32, 64))
-    monkeypatch.setattr(dynamo_config, "recompile_limit", 1)  # limits only grow: start low
-    monkeypatch.setattr(dynamo_config, "accumulated_recompile_limit", 1)
-    model = CompiledCausalLM(fresh_model(), buckets, announce=lambda line: None)
-    assert dynamo_config.recompile_limit == len(buckets.shapes()) + 8
-    shapes = ServingShapes.build(buckets, max_num_seqs=64, max_prefill_tokens=8)
-    model.reserve_graphs(len(shapes.shapes()))
-    assert dynamo_config.recompile_limit >= len(buckets.shapes()) + len(shapes.shapes())
-    assert dynamo_config.fail_on_recompile_limit_hit
+    # Limits only grow: start low. (Dynamo's config module is saved and restored by hand, as
+    # monkeypatch's undo deletes its keys.)
+    saved = dynamo_config.recompile_limit, dynamo_config.accumulated_recompile_limit
+    dynamo_config.recompile_limit = dynamo_config.accumulated_recompile_limit = 1
+    try:
+        model = CompiledCausalLM(fresh_model(), buckets, announce=lambda line: None)
+        assert dynamo_config.recompile_limit == len(buckets.shapes()) + 8
+        shapes = ServingShapes.build(buckets, max_num_seqs=64, max_prefill_tokens=8)
+        model.reserve_graphs(len(shapes.shapes()))
+        assert dynamo_config.recompile_limit >= len(buckets.shapes()) + len(shapes.shapes())
+        assert dynamo_config.fail_on_recompile_limit_hit
+    finally:
+        dynamo_config.recompile_limit = max(saved[0], dynamo_config.recompile_limit)
+        dynamo_config.accumulated_recompile_limit = max(saved[1], dynamo_config.accumulated_recompile_limit)

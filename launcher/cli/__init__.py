@@ -38,7 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    return int(args.run(args) or 0)
+    try:
+        return int(args.run(args) or 0)
+    except KeyboardInterrupt:  # the launcher has already stopped its workers (Launcher.__exit__)
+        print("corelaunch: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

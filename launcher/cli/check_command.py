@@ -70,7 +70,7 @@ def add_parser(subparsers) -> None:
                    help=f"top-k groups and their rtol; K an integer or 'all' (default {DEFAULT_TOL_SPEC})")
     p.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance of every top-k group (default 1e-5)")
     add_no_compile(p)
-    p.add_argument("--ray-address", help="Ray cluster address (default: a running cluster, else local)")
+    p.add_argument("--ray-address", help="Ray cluster host:port, or local for a private one (default: RAY_ADDRESS, else the cluster `ray start` recorded on this host, else a private one)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.set_defaults(run=run)

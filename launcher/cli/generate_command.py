@@ -27,7 +27,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--top-k", type=int, help="sample among the k most likely tokens (0 = off)")
     p.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1]")
     p.add_argument("--seed", type=int, help="seed for reproducible sampling")
-    p.add_argument("--ray-address", help="Ray cluster address (default: a running cluster, else local)")
+    p.add_argument("--ray-address", help="Ray cluster host:port, or local for a private one (default: RAY_ADDRESS, else the cluster `ray start` recorded on this host, else a private one)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(run=run)
 
@@ -61,7 +61,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         sampling = _sampling(args)
-        with Launcher(launch_config(args)) as launcher:
+        launcher = Launcher(launch_config(args))
+        launcher.check_prompts(prompts, sampling, max_new_tokens=args.max_new_tokens)  # before Ray starts
+        with launcher:
             results = launcher.generate(prompts, sampling, max_new_tokens=args.max_new_tokens)
             compiled = launcher.compile_stats()  # graphs built inside the requests show up here
             report = {

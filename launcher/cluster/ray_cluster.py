@@ -1,5 +1,13 @@
-"""Connecting to Ray: join a running cluster when there is one, else start a local one.
+"""Connecting to Ray: which cluster a launch joins, and the private one it otherwise starts.
 
+Ray's own rule for `ray.init()` without an address, kept here: join the cluster named by
+--ray-address or RAY_ADDRESS, else the one `ray start` last recorded on this machine, else start a
+private one. Never `address="auto"`, which joins whatever Ray processes a scan of this host finds,
+another program's private cluster included (its prompts would go there, and its shutdown would
+kill this launch's workers).
+
+A private cluster advertises the loopback address, so its processes talk over 127.0.0.1; Ray
+2.60's servers still listen on every interface (the README's Security section lists the ports).
 Only a cluster this module started is shut down by it; a cluster the user runs, or a Ray session
 the calling program already opened, is left as it was.
 """
@@ -8,6 +16,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+
+LOOPBACK = "127.0.0.1"
 
 
 @dataclass
@@ -29,8 +39,17 @@ def on_this_host(address: str | None) -> bool:
     return address == "local" or (address is None and not os.environ.get("RAY_ADDRESS"))
 
 
+def recorded_cluster() -> str | None:
+    """The address `ray start` recorded on this machine (Ray's /tmp/ray/ray_current_cluster; `ray
+    stop` removes it), or None."""
+    from ray._private.utils import read_ray_address  # what ray.init() itself reads
+
+    return read_ray_address() or None
+
+
 def connect(address: str | None = None, num_cpus: int | None = None, worker_logs: bool = False) -> RayConnection:
-    """`address`: None (a running cluster if any, else local), "auto", "local", or "host:port".
+    """`address`: None (RAY_ADDRESS, else a cluster `ray start` recorded here, else a private
+    local one), "local" (always a private one), or "host:port"; "auto" is refused.
 
     worker_logs: print the workers' output in this process (Ray's log_to_driver: their stderr on
     stderr, their stdout on stdout, each line prefixed with the actor and its pid; the rank actors
@@ -38,25 +57,27 @@ def connect(address: str | None = None, num_cpus: int | None = None, worker_logs
     calling program opened keeps its own setting."""
     import ray
 
+    if address == "auto":
+        raise ValueError("ray_address 'auto' joins any Ray found running on this host, another user's "
+                         "private cluster included; pass the cluster's host:port (or set RAY_ADDRESS), "
+                         "start one with `ray start --head` and omit the address, or pass 'local'")
     quiet = dict(log_to_driver=worker_logs, logging_level="ERROR")
     if ray.is_initialized():
         return RayConnection(started_here=False, address="existing session")
-    if address is None and os.environ.get("RAY_ADDRESS"):
-        address = os.environ["RAY_ADDRESS"]
+    if address is None:
+        address = os.environ.get("RAY_ADDRESS") or recorded_cluster()
+        how = "RAY_ADDRESS" if os.environ.get("RAY_ADDRESS") else "the cluster `ray start` recorded on this machine"
+    else:
+        how = "--ray-address"
     if address not in (None, "local"):
         try:
             ray.init(address=address, **quiet)
         except ConnectionError as err:
             raise ConnectionError(
-                f"no Ray cluster answered at address={address!r} ({err}); start one with `ray start "
-                f"--head`, pass the right --ray-address, or omit it to run a local Ray instance"
+                f"no Ray cluster answered at {address!r} ({how}; {err}); start one with `ray start --head`, "
+                f"pass the right --ray-address, run `ray stop` to forget a cluster that is gone, or pass "
+                f"--ray-address local for a private one"
             ) from None
         return RayConnection(started_here=False, address=address)
-    if address is None:
-        try:  # a cluster started on this machine with `ray start --head`
-            ray.init(address="auto", **quiet)
-            return RayConnection(started_here=False, address="auto")
-        except ConnectionError:
-            pass
-    ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, **quiet)
+    ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, _node_ip_address=LOOPBACK, **quiet)
     return RayConnection(started_here=True, address="local")

@@ -105,6 +105,13 @@ class Replica:
         self._thread.start()
 
     def _loop(self) -> None:
+        try:
+            self._serve_queue()
+        except Exception as err:  # noqa: BLE001 - never a silent end of this thread: its requests would hang
+            self._give_up(ReplicaFailed(f"replica {self.index} stopped on an unexpected error "
+                                        f"({_first_line(err)}); its requests failed"), err)
+
+    def _serve_queue(self) -> None:
         pool = self.pool
         while not pool.stopping and self.state != "failed":
             streaming = getattr(self.started.group, "serving", False)
@@ -188,6 +195,8 @@ class Replica:
         return handles
 
     def _serve(self, item: _Item) -> None:
+        if not item.future.set_running_or_notify_cancel():
+            return  # the caller gave up on it (Ctrl-C) before it started
         while True:
             item.attempts += 1
             group = self.started.group
@@ -198,11 +207,12 @@ class Replica:
                 if self.pool.stopping:
                     _fail(item, LaunchError("the launcher was shut down while this request was running"))
                     return
+                if isinstance(fault, RequestTimeout):
+                    _fail(item, fault)  # reported first (it would time out again); then the group is replaced
+                    self._restart(fault)
+                    return
                 if not self._restart(fault):
                     _fail(item, self.failure)
-                    return
-                if isinstance(fault, RequestTimeout):
-                    _fail(item, fault)  # it would time out again; the group was restarted for the next ones
                     return
                 continue  # re-run on the restarted group
             except BaseException as err:  # noqa: BLE001 - the caller's error (a bad request) goes to its future
@@ -219,7 +229,10 @@ class Replica:
     def _health_check(self) -> None:
         if self.state != "serving" or self.pool.stopping:
             return
-        dead = self.started.group.dead_ranks(timeout_s=min(5.0, self.pool.health_check_interval_s * 2))
+        try:
+            dead = self.started.group.dead_ranks(timeout_s=min(5.0, self.pool.health_check_interval_s * 2))
+        except Exception as err:  # noqa: BLE001 - a check that cannot answer counts as a failed group
+            dead = [f"the health check ({_first_line(err)}); the group"]
         if dead and not self.pool.stopping:
             self._restart(WorkerDied(f"{', '.join(dead)} died while replica {self.index} was idle"))
 
@@ -436,13 +449,15 @@ class ReplicaPool:
 
 
 # Each item is held by exactly one replica thread (or drained from the queue once), so its future is
-# set exactly once; a second answer would raise InvalidStateError instead of passing silently.
+# set exactly once; a second answer would raise InvalidStateError instead of passing silently. A
+# future the caller cancelled while it was queued needs no answer.
 def _succeed(item: _Item, value) -> None:
     item.future.set_result(value)
 
 
 def _fail(item: _Item, error: BaseException) -> None:
-    item.future.set_exception(error)
+    if not item.future.cancelled():
+        item.future.set_exception(error)
 
 
 def _first_line(err: BaseException) -> str:

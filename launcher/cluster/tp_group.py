@@ -100,11 +100,13 @@ class TPGroup:
         rank0 = self.workers[0]
         port = self._wait_all([self.actors[0].rendezvous_port.remote()], self.timeouts.rendezvous_s,
                               "choose a rendezvous port", ranks=[0])[0]
-        self._rendezvous = f"{rank0['node_ip']}:{port}"
+        # Rank 0's store listens on this address alone: loopback when every rank shares its node.
+        host = "127.0.0.1" if len(self.node_groups()) == 1 else rank0["node_ip"]
+        self._rendezvous = f"{host}:{port}"
         # Ranks wait a little longer than the driver does, so a missing rank is reported by the
         # driver (naming every rank still waiting) rather than by rank 0's own rendezvous timeout.
         rank_timeout_s = self.timeouts.rendezvous_s + _RANK_TIMEOUT_MARGIN_S
-        self._wait_all([a.init_backend.remote(rank0["node_ip"], port, rank_timeout_s, self.node_groups())
+        self._wait_all([a.init_backend.remote(host, port, rank_timeout_s, self.node_groups())
                         for a in self.actors], self.timeouts.rendezvous_s, "join the process group")
 
     def node_groups(self) -> list[list[int]]:

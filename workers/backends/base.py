@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import datetime
+import socket
 from dataclasses import dataclass
 from typing import Callable
 
@@ -44,13 +45,29 @@ class CompileOptions:
 
 def join_torch_distributed(process_group_backend: str, rendezvous: RendezvousInfo, rank: int, world_size: int,
                            timeout_s: float, **options) -> None:
-    """Join torch.distributed's default group at the launcher's rendezvous (rank 0's tcp://host:port);
-    `options` go to init_process_group."""
+    """Join torch.distributed's default group at the launcher's rendezvous (rank 0's host:port);
+    `options` go to init_process_group.
+
+    Rank 0's store listens on rendezvous.host only (loopback when every rank shares its node), not
+    on every interface as a store given a tcp:// address does: it takes a socket rank 0 bound
+    itself. The store has no authentication, so it must be reachable by the group's ranks alone."""
     import torch.distributed as dist
 
-    dist.init_process_group(backend=process_group_backend, init_method=f"tcp://{rendezvous.host}:{rendezvous.port}",
-                            rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s),
-                            **options)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    listener = None
+    if rank == 0:
+        listener = socket.create_server((rendezvous.host, rendezvous.port), backlog=max(128, world_size))
+    try:
+        store = dist.TCPStore(rendezvous.host, rendezvous.port, world_size, rank == 0, timeout=timeout,
+                              master_listen_fd=listener.fileno() if listener is not None else None)
+    except BaseException:
+        if listener is not None:
+            listener.close()
+        raise
+    if listener is not None:
+        listener.detach()  # the store owns the descriptor now
+    dist.init_process_group(backend=process_group_backend, store=store, rank=rank, world_size=world_size,
+                            timeout=timeout, **options)
 
 
 def leave_torch_distributed() -> None:

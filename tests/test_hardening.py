@@ -1,0 +1,94 @@
+"""What a launch joins, binds and refuses before anything starts (issue 12's launcher side): the Ray
+join rule, the rendezvous store's listening address, and bad requests and options refused before
+Ray, the workers or the load have started."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from launcher.api import LaunchConfig, Launcher
+from tests.model_factory import save_random_model
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory):
+    return str(save_random_model(tmp_path_factory.mktemp("m"), "llama", num_heads=4, num_kv_heads=2))
+
+
+@pytest.mark.parametrize("field, value", [("request_timeout_s", float("nan")), ("placement_timeout_s", float("inf")),
+                                          ("health_check_interval_s", float("nan")), ("load_timeout_s", True)])
+def test_timeouts_must_be_finite_positive_seconds(field, value):
+    with pytest.raises(ValueError, match=rf"{field} \({value!r}\) must be a finite positive number"):
+        LaunchConfig(**{field: value})
+
+
+def test_ray_address_auto_is_refused_naming_the_alternatives():
+    from launcher.cluster import ray_cluster
+
+    with pytest.raises(ValueError, match="ray_address 'auto'.*RAY_ADDRESS.*ray start --head.*'local'"):
+        LaunchConfig(ray_address="auto")
+    with pytest.raises(ValueError, match="'auto'"):
+        ray_cluster.connect("auto")
+
+
+def test_a_missing_presharded_directory_is_refused_at_once(tmp_path):
+    with pytest.raises(FileNotFoundError, match=f"pre-sharded directory {tmp_path / 'nope'} does not exist"):
+        LaunchConfig(presharded_dir=str(tmp_path / "nope"))
+
+
+def test_requests_are_checked_before_ray_starts(small_model):
+    import ray
+
+    was_running = ray.is_initialized()
+    launcher = Launcher(model=small_model, tp=1, progress=False, seq_len=64)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        launcher.check_prompts([[1, 2, 3]], max_new_tokens=0)
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        launcher.check_prompts([[]])
+    with pytest.raises(ValueError, match="seq_len"):
+        launcher.check_prompts([[1] * 60], max_new_tokens=10)
+    launcher.check_prompts([[1] * 50], max_new_tokens=10)  # fits: no error
+    assert ray.is_initialized() == was_running and launcher._pool is None
+
+
+def test_a_prompt_that_is_not_utf8_is_named_before_ray_starts():
+    import ray
+
+    from shardlib.demo_model import ensure_demo_model
+
+    was_running = ray.is_initialized()
+    launcher = Launcher(model=str(ensure_demo_model()), progress=False)
+    with pytest.raises(ValueError, match="prompt 1 is not valid UTF-8 text"):
+        launcher.check_prompts(["fine", "bad \udcff byte"])  # what Python makes of a non-UTF-8 argv byte
+    assert ray.is_initialized() == was_running
+
+
+def test_the_cli_refuses_a_bad_request_without_starting_ray(capsys):
+    import ray
+
+    from launcher.cli import main
+
+    was_running = ray.is_initialized()
+    assert main(["generate", "--max-new-tokens", "0", "--quiet", "hello"]) == 2
+    assert "max_new_tokens" in capsys.readouterr().err
+    assert ray.is_initialized() == was_running
+
+
+STORE_PROBE = textwrap.dedent("""
+    import psutil, sys
+    from workers.backends.base import RendezvousInfo, join_torch_distributed
+    from workers.net import free_port
+    join_torch_distributed("gloo", RendezvousInfo("127.0.0.1", free_port()), 0, 1, 30)
+    listening = {c.laddr.ip for c in psutil.Process().net_connections(kind="tcp") if c.status == "LISTEN"}
+    print(sorted(listening))
+""")
+
+
+def test_the_rendezvous_store_listens_on_the_rendezvous_address_only():
+    out = subprocess.run([sys.executable, "-c", STORE_PROBE], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "['127.0.0.1']"

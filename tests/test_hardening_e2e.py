@@ -1,0 +1,114 @@
+"""Issue 12's launcher behaviours with real processes (slow): a launch never joins another
+program's private Ray, two launches on one host both succeed, and Ctrl-C during a generate
+returns within seconds leaving no workers and no shared-memory segments behind."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.slow
+
+OTHER_PROGRAM = textwrap.dedent("""
+    import sys, time, ray
+    ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR")
+    print(ray.get_runtime_context().gcs_address, flush=True)
+    sys.stdin.read()  # until the test closes stdin
+""")
+
+CONNECT = textwrap.dedent("""
+    import ray
+    from launcher.cluster import ray_cluster
+    connection = ray_cluster.connect(None)
+    print(connection.started_here, ray.get_runtime_context().gcs_address, flush=True)
+    connection.close()
+""")
+
+
+def clean_env() -> dict:
+    env = dict(os.environ)
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
+def test_a_private_ray_of_another_program_is_never_joined():
+    from launcher.cluster.ray_cluster import recorded_cluster
+
+    if recorded_cluster():
+        pytest.skip("a cluster started with `ray start` is recorded on this host; the rule joins it")
+    other = subprocess.Popen([sys.executable, "-c", OTHER_PROGRAM], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, env=clean_env())
+    try:
+        other_address = other.stdout.readline().strip()
+        assert other_address, "the other program's Ray did not start"
+        out = subprocess.run([sys.executable, "-c", CONNECT], capture_output=True, text=True, timeout=180,
+                             env=clean_env())
+        assert out.returncode == 0, out.stderr
+        started_here, address = out.stdout.split()
+        assert started_here == "True" and address != other_address
+    finally:
+        other.stdin.close()
+        other.wait(60)
+
+
+def generate_command(*prompts: str, new_tokens: int, tp: int = 1) -> list[str]:
+    return [sys.executable, "-m", "launcher", "generate", "--no-compile", "--seq-len", "512", "--tp", str(tp),
+            "--max-new-tokens", str(new_tokens), "--quiet", *prompts]
+
+
+def test_two_launches_at_once_on_one_host_both_succeed():
+    runs = [subprocess.Popen(generate_command(f"Count to {n}:", new_tokens=8), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=clean_env()) for n in (3, 5)]
+    for run in runs:
+        out, err = run.communicate(timeout=400)
+        assert run.returncode == 0, err
+        assert out.startswith("Count to ")
+
+
+def session_processes(sid: int) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if os.getsid(proc.pid) == sid:
+                found.append(proc)
+        except (ProcessLookupError, PermissionError, psutil.NoSuchProcess):
+            pass
+    return found
+
+
+def test_ctrl_c_during_generate_returns_within_seconds_and_leaves_nothing_behind():
+    segments_before = set(glob.glob("/dev/shm/corelaunch-*"))
+    # Three prompts, many tokens each: still generating when the interrupt comes. TP 2: the ranks
+    # share a shared-memory segment, which must be gone too.
+    run = subprocess.Popen(generate_command("One", "Two", "Three", new_tokens=400, tp=2),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
+                           start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not any("ray::" in " ".join(p.cmdline()) for p in session_processes(run.pid) if p.is_running()):
+            assert run.poll() is None, run.stderr.read()
+            assert time.monotonic() < deadline, "the rank workers never started"
+            time.sleep(0.5)
+        time.sleep(8)  # loading, then generating
+        assert run.poll() is None, "the generation finished before the interrupt"
+        interrupted = time.monotonic()
+        os.killpg(run.pid, signal.SIGINT)
+        run.wait(30)
+        took_s = time.monotonic() - interrupted
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    err = run.stderr.read()
+    assert run.returncode == 130 and "interrupted" in err, err
+    assert took_s < 3.0, f"Ctrl-C took {took_s:.1f} s to return"
+    time.sleep(1.0)
+    assert [p.pid for p in session_processes(run.pid) if p.is_running() and p.status() != "zombie"] == []
+    assert set(glob.glob("/dev/shm/corelaunch-*")) <= segments_before
