@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardlib.positive_int import is_positive_int
+from shardlib.config_fields import count, field_error, flag, mapping, positive_number, show, token_id, token_ids
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral")
 
@@ -29,6 +29,69 @@ _DTYPE_ALIASES = {
     "bfloat16": "bfloat16", "bf16": "bfloat16",
     "float16": "float16", "fp16": "float16", "half": "float16",
 }
+
+
+# What each count of config.json looks like (Llama-3.1-8B's values), quoted in error messages.
+_EXAMPLES = {
+    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "max_position_embeddings": 8192,
+    "sliding_window": 4096, "num_local_experts": 8, "num_experts_per_tok": 2,
+    "original_max_position_embeddings": 8192, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+}
+_SIZE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings")
+_FLAG_FIELDS = ("tie_word_embeddings", "attention_bias", "output_bias", "mlp_bias")
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+_ROPE_EXAMPLE = ('{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, '
+                 '"original_max_position_embeddings": 8192}')
+
+
+def _check_rope(name: str, params: Any, *, needs_type: bool) -> dict | None:
+    """A rope_scaling / rope_parameters object: its type a string, its numbers in range, and a
+    llama3 scaling complete (the workers read factor, low/high_freq_factor and the original context)."""
+    mapping(name, params, _ROPE_EXAMPLE)
+    if params is None:
+        return None
+    for key in ("rope_type", "type"):
+        if key in params and not isinstance(params[key], str):
+            raise field_error(f"{name}.{key}", params[key], "must be a string",
+                              'write e.g. "llama3" or "default"')
+    if needs_type and "rope_type" not in params and "type" not in params:
+        raise field_error(name, params, "names no rope_type",
+                          'add "rope_type" (e.g. "llama3"), or write null for plain rotary embeddings')
+    for key in ("factor", "low_freq_factor", "high_freq_factor"):
+        if params.get(key) is not None:
+            positive_number(f"{name}.{key}", params[key], _EXAMPLES[key])
+    if params.get("original_max_position_embeddings") is not None:
+        count(f"{name}.original_max_position_embeddings", params["original_max_position_embeddings"],
+              _EXAMPLES["original_max_position_embeddings"])
+    if params.get("rope_theta") is not None:
+        positive_number(f"{name}.rope_theta", params["rope_theta"], 500000.0)
+    if params.get("rope_type", params.get("type")) == "llama3":
+        missing = [key for key in _LLAMA3_KEYS if params.get(key) is None]
+        if missing:
+            raise field_error(name, params, f"lacks {', '.join(missing)}, which llama3 scaling needs",
+                              f"write e.g. {_ROPE_EXAMPLE}")
+        low, high = params["low_freq_factor"], params["high_freq_factor"]
+        if high <= low:
+            raise field_error(f"{name}.high_freq_factor", high, f"must exceed low_freq_factor ({show(low)})",
+                              "llama3 interpolates between the two (Llama 3.1: 1.0 and 4.0)")
+    return params
+
+
+def _dtype_field(raw: dict[str, Any]) -> str:
+    """The checkpoint dtype from torch_dtype (transformers 4) or dtype (5), float32 when neither."""
+    for key in ("torch_dtype", "dtype"):
+        value = raw.get(key)
+        if value is not None:
+            if isinstance(value, str):
+                try:
+                    return normalize_dtype(value)
+                except ValueError:
+                    pass
+            raise field_error(key, value, "must name a dtype: float32, bfloat16 or float16 "
+                              "(or fp32, bf16, fp16, float, half)", 'write e.g. "bfloat16"')
+    return "float32"
 
 
 def normalize_dtype(name: str) -> str:
@@ -80,21 +143,44 @@ class ModelConfig:
     pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
+        """Every field in type and range (a one-line ValueError naming the field, value and fix)."""
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
-                f"unsupported architecture model_type={self.model_type!r}; corelaunch supports "
+                f"unsupported architecture model_type={show(self.model_type)}; corelaunch supports "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}"
             )
-        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "vocab_size"):
-            value = getattr(self, name)
-            if not is_positive_int(value):
-                raise ValueError(f"config field {name}={value!r} must be a positive integer")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads}): not a valid GQA config"
-            )
+        for name in _SIZE_FIELDS:
+            count(name, getattr(self, name), _EXAMPLES[name])
+        heads, kv_heads = self.num_attention_heads, self.num_key_value_heads
+        if heads % kv_heads:
+            raise field_error("num_key_value_heads", kv_heads,
+                              f"does not divide num_attention_heads ({heads}): not a valid GQA config",
+                              f"use a divisor of {heads} (e.g. {heads} for no grouping, or 1)")
+        if self.head_dim % 2:
+            raise field_error("head_dim", self.head_dim, "must be even (rotary embeddings turn pairs of "
+                              "dimensions)", "set head_dim, or hidden_size / num_attention_heads, to an even size")
+        positive_number("rms_norm_eps", self.rms_norm_eps, 1e-05)
+        positive_number("rope_theta", self.rope_theta, 500000.0)
+        _check_rope("rope_scaling", self.rope_scaling, needs_type=True)
+        for name in _FLAG_FIELDS:
+            flag(name, getattr(self, name), nullable=False)
+        if self.sliding_window is not None:
+            count("sliding_window", self.sliding_window, _EXAMPLES["sliding_window"])
+        if self.torch_dtype not in ("float32", "bfloat16", "float16"):
+            raise field_error("torch_dtype", self.torch_dtype, "must be float32, bfloat16 or float16",
+                              "normalize it with normalize_dtype()")
+        experts = count("num_local_experts", self.num_local_experts, 8, minimum=0)
+        per_token = count("num_experts_per_tok", self.num_experts_per_tok, 2, minimum=0)
+        if experts and not 1 <= per_token <= experts:
+            raise field_error("num_experts_per_tok", per_token,
+                              f"must be between 1 and num_local_experts ({experts}) for a mixture-of-experts model",
+                              "write the experts each token is routed to (Mixtral: 2)")
+        token_id("bos_token_id", self.bos_token_id)
+        token_id("pad_token_id", self.pad_token_id)
+        if not isinstance(self.eos_token_id, tuple):
+            raise field_error("eos_token_id", self.eos_token_id, "must be a tuple of token ids",
+                              "build ModelConfig with from_dict, or pass a tuple")
+        token_ids("eos_token_id", self.eos_token_id)
 
     def executor_gaps(self, seq_len: int | None = None) -> list[str]:
         """Why corelaunch's workers cannot run this model (empty when they can).
@@ -163,59 +249,74 @@ class ModelConfig:
             raise ValueError(f"config.json must hold a JSON object, not {type(raw).__name__}")
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            archs = raw.get("architectures")
             raise ValueError(
-                f"unsupported architecture model_type={model_type!r} (architectures={archs}); "
-                f"corelaunch supports {', '.join(SUPPORTED_MODEL_TYPES)}"
+                f"unsupported architecture model_type={show(model_type)} (architectures="
+                f"{show(raw.get('architectures'))}); corelaunch supports {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
                                 "num_attention_heads", "vocab_size") if k not in raw]
         if missing:
             raise ValueError(f"config.json lacks required field(s) {missing} for a {model_type} model")
-        heads = raw["num_attention_heads"]
-        if not is_positive_int(heads):
-            raise ValueError(f"config field num_attention_heads={heads!r} must be a positive integer")
-        head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
+        # Fields derived from others are checked here, under their config.json names; the rest
+        # (and these again) by __post_init__. JSON null stands for an absent optional field.
+        hidden = count("hidden_size", raw["hidden_size"], _EXAMPLES["hidden_size"])
+        heads = count("num_attention_heads", raw["num_attention_heads"], _EXAMPLES["num_attention_heads"])
+        head_dim = raw.get("head_dim")
+        if head_dim is None:
+            if hidden % heads:
+                raise field_error("hidden_size", hidden, f"is not divisible by num_attention_heads ({heads}) "
+                                  f"and config.json has no head_dim", "add head_dim (the size of one attention "
+                                  "head), or correct hidden_size or num_attention_heads")
+            head_dim = hidden // heads
+        kv_heads = raw.get("num_key_value_heads")
         # transformers 5 nests rope settings in "rope_parameters"; 4.x has rope_theta + rope_scaling.
-        rope_params = raw.get("rope_parameters") or {}
-        rope_theta = rope_params.get("rope_theta", raw.get("rope_theta", 10000.0))
-        rope_scaling = raw.get("rope_scaling")
+        rope_params = _check_rope("rope_parameters", raw.get("rope_parameters"), needs_type=False) or {}
+        if rope_params.get("rope_theta") is not None:
+            rope_theta = rope_params["rope_theta"]  # checked by _check_rope
+        else:
+            rope_theta = raw.get("rope_theta")
+            rope_theta = 10000.0 if rope_theta is None else positive_number("rope_theta", rope_theta, 500000.0)
+        rope_scaling = _check_rope("rope_scaling", raw.get("rope_scaling"), needs_type=True)
         if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
             rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
         if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
             rope_scaling = None
-        eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-        dtype = raw.get("torch_dtype") or raw.get("dtype") or "float32"
         # Qwen2 always biases q/k/v and never o_proj; Llama's attention_bias biases all four.
-        attention_bias = model_type == "qwen2" or bool(raw.get("attention_bias", False))
-        output_bias = model_type != "qwen2" and bool(raw.get("attention_bias", False))
+        biased = flag("attention_bias", raw.get("attention_bias"))
         window = raw.get("sliding_window")
-        uses_window = model_type == "mistral" or (model_type == "qwen2" and raw.get("use_sliding_window"))
+        if window is not None:
+            count("sliding_window", window, _EXAMPLES["sliding_window"])
+        uses_window = model_type == "mistral" or (
+            model_type == "qwen2" and flag("use_sliding_window", raw.get("use_sliding_window")))
+        experts, per_token = raw.get("num_local_experts"), raw.get("num_experts_per_tok")
+
+        def default(key: str, value: Any) -> Any:
+            return value if raw.get(key) is None else raw[key]
+
         return cls(
             model_type=model_type,
-            hidden_size=raw["hidden_size"],
+            hidden_size=hidden,
             intermediate_size=raw["intermediate_size"],
             num_hidden_layers=raw["num_hidden_layers"],
             num_attention_heads=heads,
-            num_key_value_heads=raw.get("num_key_value_heads") or heads,
+            num_key_value_heads=heads if kv_heads is None else kv_heads,
             head_dim=head_dim,
             vocab_size=raw["vocab_size"],
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rms_norm_eps=default("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
-            max_position_embeddings=raw.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=attention_bias,
-            output_bias=output_bias,
-            mlp_bias=bool(raw.get("mlp_bias", False)),
-            sliding_window=window if uses_window and window else None,
-            torch_dtype=normalize_dtype(dtype),
-            num_local_experts=raw.get("num_local_experts", 0) or 0,
-            num_experts_per_tok=raw.get("num_experts_per_tok", 0) or 0,
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_id=eos_ids,
-            pad_token_id=raw.get("pad_token_id"),
+            max_position_embeddings=default("max_position_embeddings", 2048),
+            tie_word_embeddings=flag("tie_word_embeddings", raw.get("tie_word_embeddings")),
+            attention_bias=model_type == "qwen2" or biased,
+            output_bias=model_type != "qwen2" and biased,
+            mlp_bias=flag("mlp_bias", raw.get("mlp_bias")),
+            sliding_window=window if uses_window else None,
+            torch_dtype=_dtype_field(raw),
+            num_local_experts=0 if experts is None else experts,
+            num_experts_per_tok=0 if per_token is None else per_token,
+            bos_token_id=token_id("bos_token_id", raw.get("bos_token_id")),
+            eos_token_id=token_ids("eos_token_id", raw.get("eos_token_id")),
+            pad_token_id=token_id("pad_token_id", raw.get("pad_token_id")),
         )
 
 
@@ -230,6 +331,6 @@ def load_model_config(path: str | Path) -> ModelConfig:
         ) from None
     try:
         raw = json.loads(config_file.read_text())
-    except json.JSONDecodeError as err:
+    except (ValueError, RecursionError) as err:  # JSONDecodeError, bad UTF-8, a too-long integer, nesting
         raise ValueError(f"{config_file} is not valid JSON: {err}") from None
     return ModelConfig.from_dict(raw)
