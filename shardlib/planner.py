@@ -26,6 +26,7 @@ padded to a multiple of TP, norms and the MoE router replicated.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -321,7 +322,21 @@ def _candidates(req: _Request) -> list[int]:
     if supported is not None:
         return [d * req.nodes for d in supported]
     heads = req.config.num_attention_heads  # cpu: any degree; these are the ones heads allow
-    return [t for t in range(1, heads + 1) if req.pad or heads % t == 0]
+    # (with padding every degree up to the head count is a candidate, and each is listed)
+    return list(range(1, heads + 1)) if req.pad else list(_divisors(heads))
+
+
+@functools.lru_cache(maxsize=32)
+def _divisors(n: int) -> tuple[int, ...]:
+    """The divisors of n in increasing order, in O(sqrt(n)) steps: planning time does not grow with
+    the head count (a loop over every degree took minutes at 10**8 heads)."""
+    small, large = [], []
+    for d in range(1, math.isqrt(n) + 1):
+        if n % d == 0:
+            small.append(d)
+            if d != n // d:
+                large.append(n // d)
+    return tuple(small + large[::-1])
 
 
 def _valid_degrees(req: _Request) -> list[int]:
