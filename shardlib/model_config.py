@@ -41,7 +41,8 @@ _EXAMPLES = {
 _SIZE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings")
 _FLAG_FIELDS = ("tie_word_embeddings", "attention_bias", "output_bias", "mlp_bias")
-_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# What llama3 rope scaling needs (workers/rope.py reads them; checked here before any start-up).
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 _ROPE_EXAMPLE = ('{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, '
                  '"original_max_position_embeddings": 8192}')
 
@@ -68,7 +69,7 @@ def _check_rope(name: str, params: Any, *, needs_type: bool) -> dict | None:
     if params.get("rope_theta") is not None:
         positive_number(f"{name}.rope_theta", params["rope_theta"], 500000.0)
     if params.get("rope_type", params.get("type")) == "llama3":
-        missing = [key for key in _LLAMA3_KEYS if params.get(key) is None]
+        missing = [key for key in LLAMA3_ROPE_KEYS if params.get(key) is None]
         if missing:
             raise field_error(name, params, f"lacks {', '.join(missing)}, which llama3 scaling needs",
                               f"write e.g. {_ROPE_EXAMPLE}")

@@ -17,8 +17,9 @@ import math
 
 import torch
 
+from shardlib.model_config import LLAMA3_ROPE_KEYS
+
 ROPE_TYPES = ("default", "llama3")
-_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 def inverse_frequencies(head_dim: int, theta: float, rope_scaling: dict | None = None) -> torch.Tensor:
@@ -49,7 +50,7 @@ def _llama3_scale(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     """Llama 3.1 frequency scaling: slow waves are stretched by `factor`, fast ones are kept,
     and the band between is interpolated smoothly (wavelengths measured against the original
     training context)."""
-    missing = [key for key in _LLAMA3_KEYS if key not in scaling]
+    missing = [key for key in LLAMA3_ROPE_KEYS if key not in scaling]
     if missing:
         raise ValueError(f"llama3 rope_scaling {scaling} lacks {', '.join(missing)}")
     factor = scaling["factor"]
