@@ -5,6 +5,7 @@ does not grow with the head count."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -116,8 +117,6 @@ def test_null_optional_fields_take_their_defaults():
 
 def test_direct_construction_is_checked_too():
     base = ModelConfig.from_dict(demo())
-    import dataclasses
-
     for field, value in (("max_position_embeddings", -5), ("rms_norm_eps", "tiny"), ("tie_word_embeddings", None),
                          ("rope_scaling", "linear"), ("torch_dtype", "bf16"), ("eos_token_id", [2])):
         with pytest.raises(ValueError, match=field):
