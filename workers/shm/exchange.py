@@ -27,8 +27,10 @@ bit-identical results.
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
+import stat
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +41,40 @@ from workers.shm.native import Native
 TOKEN_PREFIX = b"corelaunch-shm:"
 _BLOCK = 128  # bytes per rank's header block; counters sit at its start
 _PAGE = 4096
+_OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+"""Every open of a /dev/shm entry: any local user can create names there, and a FIFO opened without
+O_NONBLOCK blocks until a writer appears (for ever); a symlink could point anywhere."""
+
+
+class UntrustedEntry(RuntimeError):
+    """A /dev/shm entry that is not a regular file of this user's (a FIFO, a symlink, another
+    user's file): never read, mapped or removed."""
+
+
+def open_own_entry(path: str, flags: int) -> int:
+    """A descriptor of `path` opened without blocking or following a symlink, once fstat shows a
+    regular file owned by this user that no other user can read or write; UntrustedEntry naming
+    the path otherwise (FileNotFoundError when it does not exist)."""
+    try:
+        fd = os.open(path, flags | _OPEN_FLAGS)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise UntrustedEntry(f"{path} is a symlink, not a shared-memory segment; refusing to "
+                                 f"follow it") from None
+        raise
+    st = os.fstat(fd)
+    why = None
+    if not stat.S_ISREG(st.st_mode):
+        why = "is not a regular file (a FIFO, device or directory someone placed there)"
+    elif st.st_uid != os.getuid():
+        why = f"is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
+    elif st.st_mode & 0o077:
+        why = f"is open to other users (mode {stat.S_IMODE(st.st_mode):o}; segments are created 0600)"
+    if why:
+        os.close(fd)
+        raise UntrustedEntry(f"{path} {why}; refusing to use it. If another user placed it there, "
+                             f"remove it (or have them remove it)")
+    return fd
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -72,7 +108,8 @@ class Segment:
     def __init__(self, path: str, layout: SegmentLayout, create: bool, token: bytes) -> None:
         self.path, self.layout = path, layout
         if create:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            # O_EXCL: never reuse an entry someone else made (it also refuses a symlink there).
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o600)
             try:
                 # Reserve the pages now: tmpfs would otherwise grant a sparse file and the first
                 # write past /dev/shm's capacity would kill the process with SIGBUS.
@@ -88,7 +125,7 @@ class Segment:
             pid_at = layout.counter_offset(0) + 8
             self._map[pid_at: pid_at + 4] = os.getpid().to_bytes(4, "little", signed=True)
         else:
-            fd = os.open(path, os.O_RDWR)
+            fd = open_own_entry(path, os.O_RDWR)
             try:
                 size = os.fstat(fd).st_size
                 if size != layout.total_bytes:
@@ -120,7 +157,11 @@ class Segment:
 
 def remove_orphans(shm_dir: str, prefix: str = "corelaunch-") -> list[str]:
     """Unlink segments whose creator has exited: left only if a leader was killed during set-up,
-    between creating its segment and unlinking it once all ranks had attached. Returns them."""
+    between creating its segment and unlinking it once all ranks had attached. Returns them.
+
+    Only regular files of this user's are read or removed; anything else under the prefix (another
+    user's segment, a FIFO or symlink planted to stall or redirect the sweep) is skipped, and no
+    open blocks."""
     removed = []
     try:
         names = [n for n in os.listdir(shm_dir) if n.startswith(prefix)]
@@ -129,17 +170,25 @@ def remove_orphans(shm_dir: str, prefix: str = "corelaunch-") -> list[str]:
     for name in names:
         path = os.path.join(shm_dir, name)
         try:
-            with open(path, "rb") as f:
-                head = f.read(_BLOCK * 2)
+            fd = open_own_entry(path, os.O_RDONLY)
+        except (OSError, UntrustedEntry):
+            continue  # gone, or not ours (FIFO, symlink, another user's): never touched
+        try:
+            head = os.pread(fd, _BLOCK * 2, 0)
+            own = os.fstat(fd)
         except OSError:
             continue
+        finally:
+            os.close(fd)
         if not head.startswith(TOKEN_PREFIX) or len(head) < _BLOCK + 12:
             continue
         pid = int.from_bytes(head[_BLOCK + 8: _BLOCK + 12], "little", signed=True)
         if pid > 0 and not _process_alive(pid):
             try:
-                os.unlink(path)
-                removed.append(path)
+                now = os.stat(path, follow_symlinks=False)
+                if (now.st_dev, now.st_ino) == (own.st_dev, own.st_ino):  # still the file checked
+                    os.unlink(path)
+                    removed.append(path)
             except OSError:
                 pass
     return removed
