@@ -13,6 +13,11 @@
 - A peer that never arrives raises naming it; a peer that died is noticed within a second.
 - Set-up failure on one rank: every rank falls back to gloo together (auto) or all raise (shm).
 - Nothing named corelaunch-* is left in /dev/shm, during a group's life or after.
+- Local trust: a FIFO among the segments stalls neither the orphan sweep nor set-up, and a group
+  still forms beside it; a symlink, FIFO or another user's file at a segment path is refused. The
+  helper library is built into a 0700 directory of this user's; a library that is group- or
+  world-writable, a symlink or another user's is rebuilt (a planted library that would leave a
+  marker file is never loaded), and a directory others could write to is refused naming it.
 
 Each test starts one group of processes and runs several checks in it (starting a process costs
 about a second here); those are marked slow. The fast lane runs the same exchange protocol with the
@@ -528,3 +533,274 @@ def test_orphaned_segment_of_a_dead_creator_is_removed(tmp_path):
     for seg in (live, orphan):
         seg.close()
     live.unlink()
+
+
+# ---- local trust: what other users of this host can place in /dev/shm or the cache -----------------
+# FIFOs and symlinks are planted in a test directory standing in for /dev/shm (group.SHM_DIR), never
+# in /dev/shm itself: groups of other test runs on this host would see them.
+def _sweep_on_thread(shm_dir, fifos=()) -> tuple[list, float]:
+    """remove_orphans(shm_dir) on a thread: (removed, seconds); fails instead of hanging if it blocks
+    (the FIFOs are then opened for writing, which releases a reader stuck on one)."""
+    import threading
+
+    from workers.shm.exchange import remove_orphans
+
+    out = {}
+    start = time.perf_counter()
+    thread = threading.Thread(target=lambda: out.setdefault("removed", remove_orphans(str(shm_dir))),
+                              daemon=True)
+    thread.start()
+    thread.join(5.0)
+    if thread.is_alive():
+        for fifo in fifos:
+            os.close(os.open(fifo, os.O_RDWR | os.O_NONBLOCK))
+        thread.join(5.0)
+        pytest.fail(f"remove_orphans({shm_dir}) blocked on a FIFO")
+    return out["removed"], time.perf_counter() - start
+
+
+def test_a_fifo_among_segments_stalls_nothing_and_a_group_still_forms(tmp_path):
+    from workers.shm.exchange import TOKEN_PREFIX, Segment, SegmentLayout, UntrustedEntry
+
+    fifo = tmp_path / "corelaunch-x"
+    os.mkfifo(fifo, 0o666)
+    removed, waited = _sweep_on_thread(tmp_path, [fifo])
+    assert removed == [] and waited < 2 and fifo.exists()  # skipped, not read, not removed
+
+    # A FIFO at the very name a leader creates, or attaches to: refused at once, naming it.
+    layout = SegmentLayout(local_size=2, slot_bytes=4096)
+    start = time.perf_counter()
+    with pytest.raises(FileExistsError):
+        Segment(str(fifo), layout, create=True, token=TOKEN_PREFIX + b"f")
+    with pytest.raises(UntrustedEntry, match=f"{fifo} is not a regular file"):
+        Segment(str(fifo), layout, create=False, token=TOKEN_PREFIX + b"f")
+    assert time.perf_counter() - start < 2
+
+    # With the FIFO still there, a TP 2 group forms in the same directory and reduces correctly.
+    colls = thread_ranks(tmp_path, 2)
+    try:
+        results = on_threads(_exact_results, colls)
+    finally:
+        for c in colls:
+            c.close()
+    assert results == {0: [], 1: []}, results
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corelaunch-x"]
+
+
+def test_a_symlink_at_a_segment_path_is_refused(tmp_path):
+    import subprocess
+
+    from workers.shm.exchange import TOKEN_PREFIX, Segment, SegmentLayout, UntrustedEntry
+
+    layout = SegmentLayout(local_size=2, slot_bytes=4096)
+    token = TOKEN_PREFIX + b"s"
+    real = Segment(str(tmp_path / "elsewhere"), layout, create=True, token=token)  # a valid segment
+    link = tmp_path / "corelaunch-link-node0"
+    link.symlink_to(tmp_path / "elsewhere")
+    try:
+        with pytest.raises(UntrustedEntry, match=f"{link} is a symlink"):
+            Segment(str(link), layout, create=False, token=token)
+        with pytest.raises(FileExistsError):  # O_EXCL: never created through it
+            Segment(str(link), layout, create=True, token=token)
+        dangling = tmp_path / "corelaunch-dangling-node0"
+        dangling.symlink_to(tmp_path / "target-someone-wants-created")
+        with pytest.raises(FileExistsError):
+            Segment(str(dangling), layout, create=True, token=token)
+        assert not (tmp_path / "target-someone-wants-created").exists()
+        # The sweep neither follows nor removes symlinks, even to an orphan-looking segment.
+        gone = subprocess.Popen(["true"])
+        gone.wait()
+        at = layout.counter_offset(0) + 8
+        real.bytes[at: at + 4] = torch.tensor([gone.pid], dtype=torch.int32).view(torch.uint8)
+        assert _sweep_on_thread(tmp_path)[0] == []
+        assert link.is_symlink() and (tmp_path / "elsewhere").exists()
+    finally:
+        real.close()
+        real.unlink()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_another_users_segment_is_neither_attached_nor_swept(tmp_path):
+    import subprocess
+
+    from workers.shm.exchange import TOKEN_PREFIX, Segment, SegmentLayout, UntrustedEntry
+
+    layout = SegmentLayout(local_size=2, slot_bytes=4096)
+    token = TOKEN_PREFIX + b"o"
+    path = tmp_path / "corelaunch-theirs-node0"
+    seg = Segment(str(path), layout, create=True, token=token)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    at = layout.counter_offset(0) + 8
+    seg.bytes[at: at + 4] = torch.tensor([gone.pid], dtype=torch.int32).view(torch.uint8)  # an orphan
+    seg.close()
+    os.chown(path, 65534, 65534)
+    with pytest.raises(UntrustedEntry, match=f"{path} is owned by uid 65534"):
+        Segment(str(path), layout, create=False, token=token)
+    assert _sweep_on_thread(tmp_path)[0] == [] and path.exists()
+    os.chown(path, os.getuid(), os.getgid())
+    assert _sweep_on_thread(tmp_path)[0] == [str(path)]  # the control: ours, it would be removed
+
+
+def _group_beside_a_fifo(rank, world_size, shm_dir):
+    import workers.shm.group as group
+
+    group.SHM_DIR = shm_dir  # both ranks: a directory holding a planted FIFO, as /dev/shm might
+    coll = _build(rank, world_size, mode="shm")
+    x = inputs(rank, (2, 300), 0)
+    got = coll.all_reduce_sum_(x.clone())
+    coll.close()
+    return type(coll).__name__, torch.equal(got, fixed_order_sum(world_size, (2, 300), 0))
+
+
+@pytest.mark.slow
+def test_processes_form_a_shared_memory_group_beside_a_planted_fifo(tmp_path):
+    """group.py's own set-up (the leader sweeps orphans first) between two real processes."""
+    fifo = tmp_path / "corelaunch-x"
+    os.mkfifo(fifo, 0o666)
+    try:
+        results = run_ranks(2, _group_beside_a_fifo, str(tmp_path), timeout_s=60)
+    finally:
+        if fifo.exists():  # release a sweep that would be stuck on it, if any
+            os.close(os.open(fifo, os.O_RDWR | os.O_NONBLOCK))
+    assert results == {0: ("ShmCollectives", True), 1: ("ShmCollectives", True)}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corelaunch-x"]
+
+
+# ---- the helper library: built and loaded only where no other user can write -----------------------
+def _planted_library(tmp_path, marker) -> bytes:
+    """A library that, once loaded, creates `marker`: standing in for one another user placed."""
+    import subprocess
+
+    src = tmp_path / "planted.c"
+    src.write_text('#include <stdio.h>\n__attribute__((constructor)) static void planted(void) '
+                   f'{{ FILE *f = fopen("{marker}", "w"); if (f) fclose(f); }}\n')
+    out = tmp_path / "planted.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(out), str(src)], check=True)
+    return out.read_bytes()
+
+
+@pytest.fixture
+def user_cache(tmp_path, monkeypatch):
+    """(cache, this user's library dir, library name, planted library bytes, its marker) with
+    CORELAUNCH_CACHE pointing at a fresh directory; the probe is shown to work first."""
+    import ctypes
+    import shutil
+
+    from workers.shm import native
+
+    if not (os.environ.get("CC") or shutil.which("cc")):
+        pytest.skip("no C compiler")
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("CORELAUNCH_CACHE", str(cache))
+    marker = tmp_path / "planted-library-ran"
+    planted = _planted_library(tmp_path, marker)
+    probe = tmp_path / "probe.so"
+    probe.write_bytes(planted)
+    ctypes.CDLL(str(probe))
+    assert marker.exists(), "the planted library's constructor did not run: the probe proves nothing"
+    marker.unlink()
+    directory = native.library_dir()
+    assert directory == cache / "native" / f"uid{os.getuid()}"
+    return cache, directory, native.library_path().name, planted, marker
+
+
+def test_library_is_built_into_a_0700_directory_of_this_user(user_cache):
+    import ctypes
+    import stat
+
+    from workers.shm.native import Native, library_path
+
+    cache, directory, name, _, _ = user_cache
+    old = os.umask(0o002)  # a group-writable default (user private groups) must not leak through
+    try:
+        lib = Native()
+    finally:
+        os.umask(old)
+    st_dir, st_lib = os.stat(directory), os.stat(library_path())
+    assert stat.S_IMODE(st_dir.st_mode) == 0o700 and st_dir.st_uid == os.getuid()
+    assert stat.S_IMODE(st_lib.st_mode) & 0o022 == 0 and st_lib.st_uid == os.getuid()
+    assert sorted(os.listdir(directory)) == [name]  # no temporary files left behind
+    box = ctypes.c_uint64(0)
+    lib.publish(ctypes.addressof(box), 7)  # the library loaded works
+    assert box.value == 7
+
+
+@pytest.mark.parametrize("how", ["group-writable", "world-writable", "symlink", "other owner"])
+def test_an_untrustworthy_library_file_is_rebuilt_not_loaded(user_cache, tmp_path, how):
+    from workers.shm.native import Native
+
+    if how == "other owner" and os.geteuid() != 0:
+        pytest.skip("giving a file to another user needs root")
+    _, directory, name, planted, marker = user_cache
+    Native()  # a good library exists ...
+    path = directory / name
+    path.unlink()  # ... and is replaced by the planted one
+    if how == "symlink":
+        elsewhere = tmp_path / "planted-elsewhere.so"
+        elsewhere.write_bytes(planted)
+        os.chmod(elsewhere, 0o700)
+        path.symlink_to(elsewhere)
+    else:
+        path.write_bytes(planted)
+        os.chmod(path, {"group-writable": 0o770, "world-writable": 0o777, "other owner": 0o755}[how])
+        if how == "other owner":
+            os.chown(path, 65534, 65534)
+    Native()
+    assert not marker.exists(), f"a {how} library was loaded"
+    assert not path.is_symlink() and path.read_bytes() != planted  # rebuilt in its place
+    assert os.stat(path).st_uid == os.getuid() and os.stat(path).st_mode & 0o022 == 0
+
+
+@pytest.mark.parametrize("how", ["writable by others", "symlink", "other owner"])
+def test_a_library_directory_others_could_write_is_refused_naming_it(user_cache, tmp_path, how):
+    from workers.shm.native import Native, NativeUnavailable
+
+    if how == "other owner" and os.geteuid() != 0:
+        pytest.skip("giving a directory to another user needs root")
+    _, directory, name, planted, marker = user_cache
+    if how == "symlink":
+        target = tmp_path / "their-dir"
+        target.mkdir(mode=0o700)
+        directory.parent.mkdir(parents=True)
+        directory.symlink_to(target)
+    else:
+        directory.mkdir(parents=True)
+    library = directory / name
+    library.write_bytes(planted)
+    os.chmod(library, 0o755)  # the file itself looks fine: only the directory gives it away
+    if how == "writable by others":
+        os.chmod(directory, 0o777)
+    elif how == "other owner":
+        os.chown(directory, 65534, 65534)
+        os.chown(library, 65534, 65534)
+    with pytest.raises(NativeUnavailable) as info:
+        Native()
+    message = str(info.value)
+    assert str(directory) in message and "CORELAUNCH_CACHE" in message and "Remove" in message
+    assert {"writable by others": "writable by group or others", "symlink": "symlink",
+            "other owner": "owned by uid 65534"}[how] in message
+    assert not marker.exists(), "the planted library was loaded"
+    assert library.read_bytes() == planted  # refused, not written through
+
+
+def test_concurrent_builds_leave_one_whole_library(user_cache):
+    import threading
+
+    from workers.shm.native import Native
+
+    _, directory, name, _, _ = user_cache
+    errors = []
+
+    def build() -> None:
+        try:
+            Native()
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=build) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == [] and sorted(os.listdir(directory)) == [name]

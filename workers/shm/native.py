@@ -185,7 +185,13 @@ def trusted_dir(directory: Path) -> int:
         fd = os.open(directory.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
                      dir_fd=parent)
     except OSError as err:
-        why = "it is a symlink" if err.errno == errno.ELOOP else str(err)
+        why = str(err)
+        if err.errno in (errno.ELOOP, errno.ENOTDIR):  # O_NOFOLLOW | O_DIRECTORY on a symlink
+            try:
+                if stat.S_ISLNK(os.stat(directory.name, dir_fd=parent, follow_symlinks=False).st_mode):
+                    why = "it is a symlink"
+            except OSError:
+                pass
         raise NativeUnavailable(_refusal(directory, why)) from None
     finally:
         os.close(parent)
