@@ -17,6 +17,10 @@ from then on nothing is left in /dev/shm, whatever happens to the processes (the
 when the last rank unmaps it, at close() or exit). Only a leader killed within set-up itself (a few
 milliseconds) could leave its segment behind; the next leader to create one removes such orphans
 (their creator's pid, in the header, no longer runs).
+
+Any local user can create names in /dev/shm, so every entry is opened without blocking and without
+following symlinks, and used, swept or removed only if it is a regular file of this user's (see
+exchange.open_own_entry): a FIFO planted as corelaunch-x stalls nothing, a symlink is refused.
 """
 
 from __future__ import annotations
