@@ -515,18 +515,23 @@ def test_a_peer_that_never_arrives_times_out_naming_it(tmp_path):
 
 
 # ---- orphans: a leader killed during set-up ---------------------------------------------------------
-def test_orphaned_segment_of_a_dead_creator_is_removed(tmp_path):
+def make_orphan(segment) -> None:
+    """Record as `segment`'s creator a process that has exited and been reaped (its pid no longer runs)."""
     import subprocess
 
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    at = segment.layout.counter_offset(0) + 8
+    segment.bytes[at: at + 4] = torch.tensor([gone.pid], dtype=torch.int32).view(torch.uint8)
+
+
+def test_orphaned_segment_of_a_dead_creator_is_removed(tmp_path):
     from workers.shm.exchange import TOKEN_PREFIX, Segment, SegmentLayout, remove_orphans
 
     layout = SegmentLayout(local_size=2, slot_bytes=4096)
     live = Segment(str(tmp_path / "corelaunch-live-node0"), layout, create=True, token=TOKEN_PREFIX + b"a")
     orphan = Segment(str(tmp_path / "corelaunch-orphan-node0"), layout, create=True, token=TOKEN_PREFIX + b"b")
-    gone = subprocess.Popen(["true"])
-    gone.wait()  # exited and reaped: its pid no longer runs
-    at = layout.counter_offset(0) + 8
-    orphan.bytes[at: at + 4] = torch.tensor([gone.pid], dtype=torch.int32).view(torch.uint8)
+    make_orphan(orphan)
     (tmp_path / "corelaunch-not-a-segment").write_bytes(b"x" * 512)
     assert remove_orphans(str(tmp_path)) == [str(tmp_path / "corelaunch-orphan-node0")]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corelaunch-live-node0", "corelaunch-not-a-segment"]
@@ -588,8 +593,6 @@ def test_a_fifo_among_segments_stalls_nothing_and_a_group_still_forms(tmp_path):
 
 
 def test_a_symlink_at_a_segment_path_is_refused(tmp_path):
-    import subprocess
-
     from workers.shm.exchange import TOKEN_PREFIX, Segment, SegmentLayout, UntrustedEntry
 
     layout = SegmentLayout(local_size=2, slot_bytes=4096)
@@ -608,10 +611,7 @@ def test_a_symlink_at_a_segment_path_is_refused(tmp_path):
             Segment(str(dangling), layout, create=True, token=token)
         assert not (tmp_path / "target-someone-wants-created").exists()
         # The sweep neither follows nor removes symlinks, even to an orphan-looking segment.
-        gone = subprocess.Popen(["true"])
-        gone.wait()
-        at = layout.counter_offset(0) + 8
-        real.bytes[at: at + 4] = torch.tensor([gone.pid], dtype=torch.int32).view(torch.uint8)
+        make_orphan(real)
         assert _sweep_on_thread(tmp_path)[0] == []
         assert link.is_symlink() and (tmp_path / "elsewhere").exists()
     finally:
@@ -621,18 +621,13 @@ def test_a_symlink_at_a_segment_path_is_refused(tmp_path):
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
 def test_another_users_segment_is_neither_attached_nor_swept(tmp_path):
-    import subprocess
-
     from workers.shm.exchange import TOKEN_PREFIX, Segment, SegmentLayout, UntrustedEntry
 
     layout = SegmentLayout(local_size=2, slot_bytes=4096)
     token = TOKEN_PREFIX + b"o"
     path = tmp_path / "corelaunch-theirs-node0"
     seg = Segment(str(path), layout, create=True, token=token)
-    gone = subprocess.Popen(["true"])
-    gone.wait()
-    at = layout.counter_offset(0) + 8
-    seg.bytes[at: at + 4] = torch.tensor([gone.pid], dtype=torch.int32).view(torch.uint8)  # an orphan
+    make_orphan(seg)
     seg.close()
     os.chown(path, 65534, 65534)
     with pytest.raises(UntrustedEntry, match=f"{path} is owned by uid 65534"):
