@@ -99,10 +99,12 @@ def test_compile_then_generate_from_the_directory_reuses_every_graph(model_dir, 
 
 
 def fake_compiled_dir(root: Path, model_dir: Path, **overrides) -> Path:
-    """A compiled-model directory's manifest and model files (no weights: refusals come first)."""
+    """A compiled-model directory's manifest and model files (an empty weights folder: refusals
+    come first)."""
     from shardlib.model_config import load_model_config
 
     (root / "model").mkdir(parents=True)
+    (root / "weights").mkdir()
     (root / "model" / "config.json").write_text((model_dir / "config.json").read_text())
     manifest = {"format_version": compiled_dir.FORMAT_VERSION,
                 "config_hash": load_model_config(model_dir).config_hash(), "tp_degree": 1, "kv_strategy": "shard",
