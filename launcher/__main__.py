@@ -1,7 +1,5 @@
 """`python -m launcher` runs the corelaunch CLI."""
 
-import sys
+from launcher.cli import run
 
-from launcher.cli import main
-
-sys.exit(main())
+run()
