@@ -1,16 +1,42 @@
-"""Writing a directory so that it is never seen half written: into a temporary sibling, renamed
-into place when complete. Used for pre-sharded checkpoints and compiled-model directories."""
+"""Writing a directory so that its path always names a complete one. Used for pre-sharded
+checkpoints and compiled-model directories.
+
+Layout: the output path is a symlink to a hidden versioned sibling,
+  out -> .out.v-HOST-PID-RANDOM/
+A write fills a new versioned sibling, fsyncs its files and folders, then swaps the symlink with
+one rename(2) of a new symlink over the old one, so at every instant `out` names the old complete
+directory or the new complete one. The previous version is removed after the swap.
+
+A writer killed part way leaves a versioned sibling nobody links to; the next write to the same
+path sweeps those whose writer is gone (same host and its pid is dead) or that are older than
+STALE_AFTER_S. Folders left by the earlier scheme (.out.tmp-*, .out.old-*) are swept when older
+than LEGACY_STALE_AFTER_S.
+
+An `out` written by the earlier scheme (a plain directory) is exchanged for the symlink with
+renameat2(RENAME_EXCHANGE) where the filesystem offers it; elsewhere it is renamed aside and the
+symlink put in its place, the one moment at which `out` is absent.
+"""
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
+import re
+import secrets
 import shutil
-import tempfile
+import socket
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
 from shardlib.manifest import MANIFEST
+
+STALE_AFTER_S = 24 * 3600.0
+"""An unlinked version whose writer cannot be checked (another host) is swept after this long."""
+LEGACY_STALE_AFTER_S = 3600.0
+"""Leftovers of the earlier scheme carry no pid: swept after this long."""
 
 
 def refuse_foreign_dir(out_dir: str | Path, what: str, marker: str = MANIFEST) -> None:
@@ -24,31 +50,174 @@ def refuse_foreign_dir(out_dir: str | Path, what: str, marker: str = MANIFEST) -
 
 @contextmanager
 def atomic_dir(out_dir: str | Path, what: str, marker: str = MANIFEST) -> Iterator[Path]:
-    """Yield an empty temporary sibling of out_dir to write into. When the block ends normally it
-    replaces out_dir; when it raises, it is removed and out_dir is left as it was.
+    """Yield an empty new version directory to write into. When the block ends normally, its
+    files are fsynced and `out_dir` is switched to it atomically; when it raises, it is removed and
+    out_dir is left as it was.
 
-    A non-empty out_dir without `marker` is refused first (refuse_foreign_dir). An existing
-    directory of this kind is set aside, the new one renamed into place, then the old one removed:
-    readers see the old directory or the new one, never a mix.
+    A non-empty out_dir without `marker` is refused first (refuse_foreign_dir). Stale versions left
+    by killed writers are swept before writing.
     """
     out_dir = Path(out_dir)
     refuse_foreign_dir(out_dir, what, marker)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    sweep_stale(out_dir)
+    version = out_dir.parent / f"{_prefix(out_dir, 'v')}{_owner()}-{secrets.token_hex(4)}"
+    version.mkdir()
     try:
-        yield tmp
-        tmp.chmod(0o755)  # mkdtemp makes it private
-        _move_into_place(tmp, out_dir)
+        yield version
+        version.chmod(0o755)
+        _fsync_tree(version)
+        _swap(out_dir, version)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(version, ignore_errors=True)
         raise
 
 
-def _move_into_place(tmp: Path, out_dir: Path) -> None:
-    if out_dir.exists() and any(out_dir.iterdir()):
-        old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-        os.replace(out_dir, old)  # onto an empty directory: allowed by rename(2)
-        os.replace(tmp, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
+def current_version(out_dir: str | Path) -> Path | None:
+    """The versioned sibling out_dir links to, or None (absent, a plain directory, a foreign link)."""
+    out_dir = Path(out_dir)
+    if not out_dir.is_symlink():
+        return None
+    target = Path(os.readlink(out_dir))
+    if target.parent != Path(".") or not target.name.startswith(_prefix(out_dir, "v")):
+        return None
+    return out_dir.parent / target.name
+
+
+def sweep_stale(out_dir: str | Path, now: float | None = None) -> list[Path]:
+    """Remove the versions of out_dir that nothing links to and whose writer is gone (or that are
+    older than STALE_AFTER_S), and old leftovers of the earlier scheme; returns what was removed."""
+    out_dir = Path(out_dir)
+    now = time.time() if now is None else now
+    keep = current_version(out_dir)
+    removed = []
+    for entry in out_dir.parent.iterdir() if out_dir.parent.is_dir() else ():
+        if entry == keep or not entry.name.startswith(f".{out_dir.name}."):
+            continue
+        kind, _, rest = entry.name[len(out_dir.name) + 2:].partition("-")
+        try:
+            age = now - entry.lstat().st_mtime
+        except FileNotFoundError:
+            continue
+        if kind in ("v", "lnk"):
+            stale = age > STALE_AFTER_S or not _owner_alive(rest)
+        elif kind in ("tmp", "old"):
+            stale = age > LEGACY_STALE_AFTER_S
+        else:
+            continue
+        if stale:
+            _remove(entry)
+            removed.append(entry)
+    return removed
+
+
+# ---- the swap --------------------------------------------------------------------------------
+def _swap(out_dir: Path, version: Path) -> None:
+    previous = current_version(out_dir)
+    link = out_dir.parent / f"{_prefix(out_dir, 'lnk')}{_owner()}-{secrets.token_hex(4)}"
+    os.symlink(version.name, link)  # relative: the pair can be moved or copied together
+    try:
+        if out_dir.is_dir() and not out_dir.is_symlink():
+            _replace_plain_dir(out_dir, link)
+        else:
+            os.replace(link, out_dir)  # one rename(2): out_dir names the old version or the new one
+    except BaseException:
+        _remove(link)
+        raise
+    _fsync_dir(out_dir.parent)
+    if previous is not None and previous != version:
+        shutil.rmtree(previous, ignore_errors=True)
+
+
+def _replace_plain_dir(out_dir: Path, link: Path) -> None:
+    """Put `link` at out_dir, a plain directory (empty, or written by the earlier scheme)."""
+    if not any(out_dir.iterdir()):
+        out_dir.rmdir()  # nothing complete was there to keep visible
+        os.replace(link, out_dir)
+        return
+    if _exchange(link, out_dir):
+        shutil.rmtree(link, ignore_errors=True)  # the old plain directory, now at link's name
+        return
+    aside = out_dir.parent / f"{_prefix(out_dir, 'v')}{_owner()}-{secrets.token_hex(4)}"
+    os.replace(out_dir, aside)
+    os.replace(link, out_dir)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically exchange paths a and b (Linux renameat2); False where it is not offered."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+def _prefix(out_dir: Path, kind: str) -> str:
+    return f".{out_dir.name}.{kind}-"
+
+
+def _owner() -> str:
+    host = re.sub(r"[^A-Za-z0-9]", "_", socket.gethostname())[:32] or "host"
+    return f"{host}-{os.getpid()}"
+
+
+def _owner_alive(rest: str) -> bool:
+    """Whether the writer named in "HOST-PID-RANDOM" may still run: True unless it is on this host
+    and its pid is gone."""
+    parts = rest.rsplit("-", 2)
+    if len(parts) != 3 or not parts[1].isdigit():
+        return False  # not a name this module writes: nobody owns it
+    host, pid = parts[0], int(parts[1])
+    if host != _owner().rsplit("-", 1)[0]:
+        return True  # another host: only the age tells
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove(path: Path) -> None:
+    if path.is_symlink() or not path.is_dir():
+        path.unlink(missing_ok=True)
     else:
-        os.replace(tmp, out_dir)  # absent or empty: one atomic rename
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file and folder under root (symlinks are not followed), then root itself."""
+    for folder, dirs, files in os.walk(root, topdown=False):
+        for name in files:
+            path = os.path.join(folder, name)
+            if not os.path.islink(path):
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        _fsync_dir(Path(folder))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    except OSError as err:  # some filesystems cannot fsync a directory
+        if err.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise
+    finally:
+        os.close(fd)

@@ -4,17 +4,30 @@ Layout of a pre-sharded directory:
   rank-00000-of-00003.safetensors ...  one file per rank, Hugging Face tensor names unchanged, each
                                        tensor already sliced (and padded) for that rank
   manifest.json                        what the files were cut for: the model's config hash, TP
-                                       degree, KV strategy, dtype; each file's size and sha256
+                                       degree, KV strategy, dtype; each file's size, sha256 and
+                                       tensors (dtype and shape of each)
+  .rank-...safetensors.verified        written by the first load that hashed the file: its sha256
+                                       matched while the file had this size, mtime, ctime and inode
 
 A pre-sharded directory only fits the exact settings it was written for, so loading compares the
 manifest with what is asked and refuses any difference instead of returning wrong slices.
+
+Every load also checks the rank's file against the manifest: its name stays inside the directory
+(no absolute path, no "..", no symlink out), its tensors' names, dtypes and shapes (from the
+safetensors header) and its size; the sha256 is checked when no valid `.verified` marker exists,
+so each file is hashed once, not on every load. The directory is written atomically
+(shardlib.atomic_dir).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
-from pathlib import Path
+import json
+import os
+import re
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
@@ -22,7 +35,7 @@ from safetensors.torch import save_file
 
 from shardlib.atomic_dir import atomic_dir
 from shardlib.checkpoint import Progress, SafetensorsFile, check_layout, load_rank_shard, shard_shapes
-from shardlib.manifest import MANIFEST, read_manifest_json, write_manifest_json
+from shardlib.manifest import MANIFEST, check_field, read_manifest_json, write_manifest_json
 from shardlib.model_config import ModelConfig, normalize_dtype
 from shardlib.param_shapes import expected_shapes
 from shardlib.sharding import ShardLayout, TensorSlice
@@ -30,6 +43,14 @@ from shardlib.sharding import ShardLayout, TensorSlice
 FORMAT_VERSION = 1
 KIND = "a pre-sharded checkpoint"
 """What these directories are called in messages."""
+VERIFIED = ".verified"
+"""Suffix of the marker a load writes after the file's sha256 matched: .{file}.verified"""
+_WRITE_HINT = ("write it with shardlib.presharded.save_presharded (or `corelaunch compile`), or load the original "
+               "Hugging Face checkpoint instead")
+_REQUIRED = ("format_version", "config_hash", "model_type", "tp_degree", "kv_strategy", "dtype", "files")
+_FIELDS = {"format_version": int, "config_hash": str, "model_type": str, "tp_degree": int, "kv_strategy": str,
+           "dtype": str, "files": list, "source": str, "corelaunch_version": str}
+_FILE_FIELDS = {"rank": int, "file": str, "bytes": int, "sha256": str}
 _WHOLE = TensorSlice(dim=None)
 
 
@@ -41,9 +62,10 @@ def save_presharded(out_dir: str | Path, model_dir: str | Path, config: ModelCon
                     dtype: str | None = None, progress: Progress | None = None) -> Path:
     """Write every rank's shard of the checkpoint in `model_dir` to `out_dir`; returns out_dir.
 
-    One rank's shard is in memory at a time. The files are written into a temporary sibling folder
-    that is renamed into place, so `out_dir` is never seen half written. An existing pre-sharded
-    directory at `out_dir` is replaced; any other non-empty directory there is refused.
+    One rank's shard is in memory at a time. The files are written into a new hidden sibling that
+    `out_dir` (a symlink) is switched to in one rename once complete and fsynced (shardlib.atomic_dir),
+    so `out_dir` always names a complete directory. An existing pre-sharded directory at `out_dir` is
+    replaced; any other non-empty directory there is refused.
     """
     out_dir = Path(out_dir)
     dtype_name = None if dtype is None else normalize_dtype(dtype)
@@ -56,11 +78,13 @@ def save_presharded(out_dir: str | Path, model_dir: str | Path, config: ModelCon
                 progress(f"rank {rank}: {name}", rank * per_rank + done, tp * per_rank)
 
             shard = load_rank_shard(model_dir, config, layout, rank, dtype, report if progress else None)
-            stored |= {str(t.dtype).removeprefix("torch.") for t in shard.values()}
+            tensors = {name: {"dtype": _dtype_name(t.dtype), "shape": list(t.shape)} for name, t in shard.items()}
+            stored |= {entry["dtype"] for entry in tensors.values()}
             path = tmp / rank_file_name(rank, tp)
             save_file(shard, path, metadata={"format": "pt", "rank": str(rank), "tp_degree": str(tp)})
             del shard
-            files.append({"rank": rank, "file": path.name, "bytes": path.stat().st_size, "sha256": _sha256(path)})
+            files.append({"rank": rank, "file": path.name, "bytes": path.stat().st_size, "sha256": _sha256(path),
+                          "tensors": tensors})
         manifest = {
             "format_version": FORMAT_VERSION,
             "config_hash": config.config_hash(),
@@ -76,25 +100,47 @@ def save_presharded(out_dir: str | Path, model_dir: str | Path, config: ModelCon
     return out_dir
 
 
-def read_manifest(directory: str | Path) -> dict[str, Any]:
-    """The parsed manifest.json of a pre-sharded directory."""
-    return read_manifest_json(
-        directory, what=KIND,
-        required=("format_version", "config_hash", "model_type", "tp_degree", "kv_strategy", "dtype", "files"),
-        write_hint="write it with shardlib.presharded.save_presharded (or `corelaunch compile`), or load "
-                   "the original Hugging Face checkpoint instead")
+def read_manifest(directory: str | Path, *, shown: str | Path | None = None) -> dict[str, Any]:
+    """The parsed manifest.json of a pre-sharded directory, every field of the expected type
+    (ValueError naming the field otherwise). shown: the directory as messages name it."""
+    manifest = read_manifest_json(
+        directory, what=KIND, required=_REQUIRED, write_hint=_WRITE_HINT, types=_FIELDS, shown=shown)
+    path = Path(directory if shown is None else shown) / MANIFEST
+    ranks: set[int] = set()
+    for i, entry in enumerate(manifest["files"]):
+        check_field(entry, dict, f"files[{i}]", path, _WRITE_HINT)
+        for key, kind in _FILE_FIELDS.items():
+            if key not in entry:
+                raise ValueError(f"{path}: field 'files[{i}].{key}' is missing; {_WRITE_HINT}")
+            check_field(entry[key], kind, f"files[{i}].{key}", path, _WRITE_HINT)
+        if entry["rank"] in ranks:
+            raise ValueError(f"{path}: field 'files[{i}].rank' repeats rank {entry['rank']}; {_WRITE_HINT}")
+        ranks.add(entry["rank"])
+        if not re.fullmatch(r"[0-9a-f]{64}", entry["sha256"]):
+            raise ValueError(f"{path}: field 'files[{i}].sha256' is not a sha256 hex digest; {_WRITE_HINT}")
+        for name, record in check_field(entry.get("tensors", {}), dict, f"files[{i}].tensors", path,
+                                        _WRITE_HINT).items():
+            field = f"files[{i}].tensors[{name!r}]"
+            check_field(record, dict, field, path, _WRITE_HINT)
+            check_field(record.get("dtype"), str, f"{field}.dtype", path, _WRITE_HINT)
+            for n in check_field(record.get("shape"), list, f"{field}.shape", path, _WRITE_HINT):
+                check_field(n, int, f"{field}.shape", path, _WRITE_HINT)
+    return manifest
 
 
 def load_presharded(directory: str | Path, config: ModelConfig, layout: ShardLayout, rank: int,
                     dtype: str | None = None, *, verify_sha256: bool = False) -> dict[str, torch.Tensor]:
     """This rank's shard from a pre-sharded directory: the same dict load_rank_shard returns.
 
-    ValueError when the manifest was written for other settings than (config, layout, dtype).
-    File sizes are always checked; `verify_sha256` also hashes the rank's file.
+    ValueError when the manifest was written for other settings than (config, layout, dtype), and
+    when the rank's file does not match its manifest entry: a path outside the directory, another
+    tensor name, dtype or shape, size or sha256. The sha256 is computed when no valid marker says a
+    load already verified this very file (or always, with `verify_sha256`).
     """
-    directory = Path(directory)
+    shown = Path(directory)
     check_layout(config, layout, rank)
-    manifest = read_manifest(directory)
+    root = shown.resolve()  # one version throughout, even when a writer swaps the link meanwhile
+    manifest = read_manifest(root, shown=shown)
     asked = {"format_version": FORMAT_VERSION, "config_hash": config.config_hash(),
              "model_type": config.model_type, "tp_degree": layout.tp_degree,
              "kv_strategy": layout.kv_strategy.value}
@@ -106,39 +152,116 @@ def load_presharded(directory: str | Path, config: ModelConfig, layout: ShardLay
         settings = f"tp_degree={layout.tp_degree}, kv_strategy={layout.kv_strategy.value!r}" + (
             f", dtype={asked['dtype']!r}" if "dtype" in asked else "")
         raise ValueError(
-            f"pre-sharded checkpoint {directory} was written for other settings: {'; '.join(differ)}. "
+            f"pre-sharded checkpoint {shown} was written for other settings: {'; '.join(differ)}. "
             f"Re-run save_presharded for this model with {settings}, or load the original checkpoint"
             f"{' (' + manifest['source'] + ')' if manifest.get('source') else ''} instead"
         )
-    entry = next((f for f in manifest["files"] if f.get("rank") == rank), None)
+    entry = next((f for f in manifest["files"] if f["rank"] == rank), None)
     if entry is None:
-        raise ValueError(f"{directory / MANIFEST} lists no file for rank {rank}; write the checkpoint again")
-    path = directory / entry["file"]
-    _check_file(path, entry, verify_sha256)
-    want = shard_shapes(config, layout, rank)
-    with SafetensorsFile(path) as reader:
-        found = {name: e.shape for name, e in reader.entries.items()}
-        missing = [n for n in want if n not in found]
-        extra = [n for n in found if n not in want]
-        wrong = [n for n in want if n in found and found[n] != want[n]]
-        if missing or extra or wrong:
-            detail = (f"tensor {missing[0]!r} is missing" if missing else f"tensor {extra[0]!r} is unexpected"
-                      if extra else f"tensor {wrong[0]!r} has shape {found[wrong[0]]}, expected {want[wrong[0]]}")
-            raise ValueError(f"{path} does not hold rank {rank}'s shard for this config: {detail}; "
-                             f"write the pre-sharded checkpoint again")
-        return {name: reader.read(name, _WHOLE) for name in sorted(want, key=lambda n: reader.entries[n].begin)}
-
-
-def _check_file(path: Path, entry: dict, verify_sha256: bool) -> None:
+        raise ValueError(f"{shown / MANIFEST} lists no file for rank {rank}; write the checkpoint again")
+    path = _inside(root, shown, entry["file"])
+    shown_path = shown / entry["file"]
     if not path.is_file():
-        raise FileNotFoundError(f"pre-sharded file {path} named in its {MANIFEST} is missing; copy the whole "
+        raise FileNotFoundError(f"pre-sharded file {shown_path} named in its {MANIFEST} is missing; copy the whole "
                                 f"directory again or write it again")
     size = path.stat().st_size
-    if size != entry.get("bytes"):
-        raise ValueError(f"{path} has {size} bytes but {MANIFEST} records {entry.get('bytes')}: it was truncated "
-                         f"or modified; copy it again or write the pre-sharded checkpoint again")
-    if verify_sha256 and _sha256(path) != entry.get("sha256"):
-        raise ValueError(f"{path} does not match the sha256 in {MANIFEST}: it is corrupt; copy it again")
+    size_error = ValueError(f"{shown_path} has {size} bytes but {MANIFEST} records {entry['bytes']}: it was "
+                            f"truncated or modified; copy it again or write the pre-sharded checkpoint again")
+    try:
+        reader = SafetensorsFile(path)
+    except ValueError:
+        if size != entry["bytes"]:
+            raise size_error from None
+        raise
+    _check_tensors(reader, shown_path, entry, manifest["dtype"], shard_shapes(config, layout, rank), rank)
+    if size != entry["bytes"]:
+        raise size_error
+    _check_sha256(path, shown_path, entry, force=verify_sha256)
+    with reader:
+        return {name: reader.read(name, _WHOLE) for name in sorted(reader.entries, key=lambda n: reader.entries[n].begin)}
+
+
+def verified_marker(path: str | Path) -> Path:
+    """Where a load records that the file at `path` matched its manifest's sha256."""
+    path = Path(path)
+    return path.parent / f".{path.name}{VERIFIED}"
+
+
+def _inside(root: Path, shown: Path, name: str) -> Path:
+    """root/name, refused (ValueError naming the file and the manifest) unless it stays inside root."""
+    pure = PurePosixPath(name)
+    if not name or pure.is_absolute() or Path(name).is_absolute() or ".." in pure.parts or "\\" in name:
+        raise ValueError(f"{shown / MANIFEST} names the file {name!r}, which is not a path inside {shown}: "
+                         f"refused (a manifest may only name files in its own directory); {_WRITE_HINT}")
+    path = root / name
+    real = path.resolve()
+    if not real.is_relative_to(root):
+        raise ValueError(f"{shown / MANIFEST} names the file {name!r}, a symlink to {real}, outside {shown}: "
+                         f"refused (a manifest may only name files in its own directory); {_WRITE_HINT}")
+    return path
+
+
+def _check_tensors(reader: SafetensorsFile, shown_path: Path, entry: dict, manifest_dtype: str,
+                   want: dict[str, tuple[int, ...]], rank: int) -> None:
+    """The header's tensors against the manifest's record (names, dtypes, shapes) and the config's shapes."""
+    found = {name: (_dtype_name(e.dtype), e.shape) for name, e in reader.entries.items()}
+    recorded = {name: (r["dtype"], tuple(r["shape"])) for name, r in entry.get("tensors", {}).items()}
+    fix = f"it was re-saved or modified; copy it again or write the pre-sharded checkpoint again"
+    for name, (dtype, shape) in found.items():
+        expected = recorded[name][0] if name in recorded else None if manifest_dtype == "mixed" else manifest_dtype
+        if expected is not None and dtype != expected:
+            raise ValueError(f"{shown_path}: tensor {name!r} has dtype {dtype}, expected {expected} "
+                             f"(as its {MANIFEST} records); {fix}")
+        if name in recorded and shape != recorded[name][1]:
+            raise ValueError(f"{shown_path}: tensor {name!r} has shape {shape}, expected {recorded[name][1]} "
+                             f"(as its {MANIFEST} records); {fix}")
+    if recorded and recorded.keys() != found.keys():
+        name = min(recorded.keys() - found.keys() or found.keys() - recorded.keys())
+        raise ValueError(f"{shown_path}: tensor {name!r} is {'missing' if name in recorded else 'unexpected'} "
+                         f"(its {MANIFEST} records {len(recorded)} tensors); {fix}")
+    missing = [n for n in want if n not in found]
+    extra = [n for n in found if n not in want]
+    wrong = [n for n in want if n in found and found[n][1] != want[n]]
+    if missing or extra or wrong:
+        detail = (f"tensor {missing[0]!r} is missing" if missing else f"tensor {extra[0]!r} is unexpected"
+                  if extra else f"tensor {wrong[0]!r} has shape {found[wrong[0]][1]}, expected {want[wrong[0]]}")
+        raise ValueError(f"{shown_path} does not hold rank {rank}'s shard for this config: {detail}; "
+                         f"write the pre-sharded checkpoint again")
+
+
+def _check_sha256(path: Path, shown_path: Path, entry: dict, force: bool) -> None:
+    """Hash the file unless its marker (same sha256, size, mtime, ctime, inode) says a load did;
+    record the marker after a match (where the directory is writable)."""
+    marker = verified_marker(path)
+    stamp = _stamp(path, entry["sha256"])
+    if not force:
+        try:
+            if json.loads(marker.read_text()) == stamp:
+                return
+        except (OSError, ValueError):
+            pass
+    if _sha256(path) != entry["sha256"]:
+        with contextlib.suppress(OSError):
+            marker.unlink(missing_ok=True)
+        raise ValueError(f"{shown_path} does not match the sha256 in {MANIFEST}: it is corrupt; copy it again "
+                         f"or write the pre-sharded checkpoint again")
+    tmp = marker.with_name(f"{marker.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(stamp) + "\n")
+        os.replace(tmp, marker)
+    except OSError:  # a read-only directory: every load hashes
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+
+
+def _stamp(path: Path, sha256: str) -> dict[str, Any]:
+    st = path.stat()
+    return {"sha256": sha256, "bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns,
+            "inode": st.st_ino, "device": st.st_dev}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _sha256(path: Path) -> str:

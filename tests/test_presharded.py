@@ -4,14 +4,25 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import re
 import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+from safetensors.torch import load_file, save_file
+
+from shardlib import presharded
+from shardlib.atomic_dir import current_version
 from shardlib.checkpoint import load_rank_shard
 from shardlib.model_config import load_model_config
-from shardlib.presharded import MANIFEST, load_presharded, rank_file_name, read_manifest, save_presharded
+from shardlib.presharded import (MANIFEST, load_presharded, rank_file_name, read_manifest, save_presharded,
+                                 verified_marker)
 from shardlib.sharding import ShardLayout
 from tests.model_factory import save_random_model
 
@@ -132,9 +143,8 @@ def test_corrupt_manifest_and_damaged_files(llama_tp3, tmp_path):
     data = bytearray(victim.read_bytes())
     data[-1] ^= 0xFF  # same size, different bytes: only the hash can tell
     victim.write_bytes(bytes(data))
-    assert load_presharded(out, config, layout, 1)  # size check alone passes
-    with pytest.raises(ValueError, match=f"{victim}.*sha256"):
-        load_presharded(out, config, layout, 1, verify_sha256=True)
+    with pytest.raises(ValueError, match=f"{victim}.*sha256"):  # same size: the first load's hash tells
+        load_presharded(out, config, layout, 1)
     victim.write_bytes(bytes(data[:-8]))
     with pytest.raises(ValueError, match=f"{victim}.*truncated"):
         load_presharded(out, config, layout, 1)
@@ -156,7 +166,7 @@ def test_save_replaces_a_presharded_dir_and_leaves_no_temp(sources, tmp_path):
     save_presharded(out, sources["llama"], config, ShardLayout.for_model(config, 3))
     save_presharded(out, sources["llama"], config, ShardLayout.for_model(config, 2, "shard"))
     assert read_manifest(out)["tp_degree"] == 2
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["p"]
+    assert out.is_symlink() and sorted(p.name for p in tmp_path.iterdir()) == sorted(["p", current_version(out).name])
     assert not (out / rank_file_name(2, 3)).exists()
 
 
@@ -175,3 +185,196 @@ def test_save_refuses_a_foreign_directory_and_cleans_up_on_failure(sources, tmp_
     with pytest.raises(ValueError):
         save_presharded(tmp_path / "out", broken, config, layout)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken", "mine"]
+
+
+# ---- a tampered directory is refused, naming the file --------------------------------------------
+def _copy(llama_tp3, tmp_path):
+    src, config = llama_tp3
+    out = tmp_path / "copy"
+    shutil.copytree(src, out)
+    return out, config, ShardLayout.for_model(config, 3)
+
+
+def _edit_manifest(out, edit):
+    manifest = json.loads((out / MANIFEST).read_text())
+    edit(manifest)
+    (out / MANIFEST).write_text(json.dumps(manifest))
+
+
+def _record_file(out, rank):
+    """Make the manifest's size and sha256 of rank's file match its (altered) content."""
+    path = out / rank_file_name(rank, 3)
+
+    def edit(manifest):
+        manifest["files"][rank].update(bytes=path.stat().st_size,
+                                       sha256=hashlib.sha256(path.read_bytes()).hexdigest())
+    _edit_manifest(out, edit)
+
+
+@pytest.mark.parametrize("where", ["dotdot", "absolute", "symlink"])
+def test_a_file_outside_the_directory_is_refused(llama_tp3, tmp_path, where):
+    out, config, layout = _copy(llama_tp3, tmp_path)
+    outside = tmp_path / "other" / "rank0.safetensors"
+    outside.parent.mkdir()
+    shutil.copy(out / rank_file_name(0, 3), outside)  # a valid rank file: only its place is wrong
+    name = {"dotdot": "../other/rank0.safetensors", "absolute": str(outside), "symlink": "link.safetensors"}[where]
+    if where == "symlink":
+        (out / name).symlink_to(outside)
+    _edit_manifest(out, lambda m: m["files"][0].update(file=name))
+    with pytest.raises(ValueError) as err:
+        load_presharded(out, config, layout, 0)
+    msg = str(err.value)
+    assert str(out / MANIFEST) in msg and repr(name) in msg and "refused" in msg
+    assert ("outside" if where == "symlink" else "not a path inside") in msg
+
+
+def test_flipped_bytes_are_caught_by_the_first_load_and_a_verified_file_is_not_hashed_again(
+        llama_tp3, tmp_path, monkeypatch):
+    out, config, layout = _copy(llama_tp3, tmp_path)
+    victim = out / rank_file_name(2, 3)
+    good = victim.read_bytes()
+    data = bytearray(good)
+    data[len(data) // 2] ^= 0x01  # one bit inside a tensor: size and header unchanged
+    victim.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=f"{victim} does not match the sha256"):
+        load_presharded(out, config, layout, 2)
+    assert not verified_marker(victim).exists()
+
+    victim.write_bytes(good)
+    hashed = []
+    real_sha256 = presharded._sha256
+    monkeypatch.setattr(presharded, "_sha256", lambda path: hashed.append(path) or real_sha256(path))
+    load_presharded(out, config, layout, 2)
+    assert hashed == [victim]  # the first load hashes and records it
+    marker = verified_marker(victim)
+    recorded = json.loads(marker.read_text())
+    st = victim.stat()
+    assert recorded["sha256"] == hashlib.sha256(good).hexdigest() == read_manifest(out)["files"][2]["sha256"]
+    assert (recorded["bytes"], recorded["mtime_ns"], recorded["inode"]) == (st.st_size, st.st_mtime_ns, st.st_ino)
+    before = marker.stat().st_mtime_ns, marker.read_text()
+
+    load_presharded(out, config, layout, 2)
+    assert hashed == [victim]  # the marker vouched for it: no second hash
+    assert (marker.stat().st_mtime_ns, marker.read_text()) == before
+
+    victim.write_bytes(bytes(data))  # changed after verification: the marker no longer fits
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))  # even with its mtime put back (ctime moved)
+    with pytest.raises(ValueError, match=f"{victim} does not match the sha256"):
+        load_presharded(out, config, layout, 2)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("recorded", [False, True], ids=["manifest-as-written", "manifest-rewritten"])
+def test_a_file_saved_in_another_dtype_is_refused(llama_tp3, tmp_path, recorded):
+    out, config, layout = _copy(llama_tp3, tmp_path)
+    victim = out / rank_file_name(1, 3)
+    save_file({k: v.half() for k, v in load_file(victim).items()}, victim)
+    if recorded:  # size and sha256 fit: only the dtype check can tell
+        _record_file(out, 1)
+    with pytest.raises(ValueError) as err:
+        load_presharded(out, config, layout, 1, dtype="float32")
+    msg = str(err.value)
+    assert msg.startswith(f"{victim}: ") and re.search(r"tensor '[\w.]+' has dtype float16, expected float32", msg)
+
+
+def test_a_tensor_of_another_shape_is_refused(llama_tp3, tmp_path):
+    out, config, layout = _copy(llama_tp3, tmp_path)
+    victim = out / rank_file_name(0, 3)
+    tensors = load_file(victim)
+    tensors["model.norm.weight"] = tensors["model.norm.weight"][:-1].clone()
+    save_file(tensors, victim)
+    _record_file(out, 0)
+    with pytest.raises(ValueError) as err:
+        load_presharded(out, config, layout, 0)
+    assert str(victim) in str(err.value) and "tensor 'model.norm.weight' has shape (47,), expected (48,)" in str(err.value)
+
+
+@pytest.mark.parametrize("field, edit", [
+    ("tp_degree", lambda m: m.update(tp_degree="3")),
+    ("format_version", lambda m: m.update(format_version=True)),
+    ("dtype", lambda m: m.update(dtype=None)),
+    ("files", lambda m: m.update(files={"rank": 0})),
+    ("files[1]", lambda m: m["files"].__setitem__(1, "rank-00001-of-00003.safetensors")),
+    ("files[0].file", lambda m: m["files"][0].update(file=7)),
+    ("files[0].bytes", lambda m: m["files"][0].update(bytes="83344")),
+    ("files[2].rank", lambda m: m["files"][2].pop("rank")),
+    ("files[2].rank", lambda m: m["files"][2].update(rank=1)),
+    ("files[0].sha256", lambda m: m["files"][0].update(sha256="not a digest")),
+    ("files[0].tensors", lambda m: m["files"][0].update(tensors=[])),
+    ("files[0].tensors['model.norm.weight'].shape",
+     lambda m: m["files"][0]["tensors"]["model.norm.weight"].update(shape=["48"])),
+])
+def test_a_malformed_manifest_field_is_a_value_error_naming_it(llama_tp3, tmp_path, field, edit):
+    out, config, layout = _copy(llama_tp3, tmp_path)
+    _edit_manifest(out, edit)
+    for read in (lambda: read_manifest(out), lambda: load_presharded(out, config, layout, 0)):
+        with pytest.raises(ValueError) as err:
+            read()
+        assert str(out / MANIFEST) in str(err.value) and f"field {field!r}" in str(err.value)
+
+
+# ---- the output path always names a complete directory ------------------------------------------
+KILLED_WRITER = """
+import importlib, os, signal, sys
+atomic_dir = importlib.import_module("shardlib.atomic_dir")
+presharded = importlib.import_module("shardlib.presharded")
+from shardlib.model_config import load_model_config
+from shardlib.sharding import ShardLayout
+
+out, src, when = sys.argv[1:4]
+def die(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGKILL)
+if when == "complete":  # every file written, before fsync and the swap
+    atomic_dir._fsync_tree = die
+else:  # after the first rank's file
+    real_save = presharded.save_file
+    presharded.save_file = lambda *args, **kwargs: (real_save(*args, **kwargs), die())
+config = load_model_config(src)
+presharded.save_presharded(out, src, config, ShardLayout.for_model(config, 2, "shard"))
+"""
+
+
+def _loads_completely(out, config, layout):
+    manifest = read_manifest(out)
+    assert manifest["tp_degree"] == layout.tp_degree
+    for rank in range(layout.tp_degree):
+        assert load_presharded(out, config, layout, rank, verify_sha256=True)
+
+
+def test_a_writer_killed_midway_leaves_the_old_directory_and_its_leftovers_are_swept(sources, tmp_path):
+    config = load_model_config(sources["llama"])
+    tp3 = ShardLayout.for_model(config, 3)
+    out = save_presharded(tmp_path / "p", sources["llama"], config, tp3)
+    for when, complete in (("complete", True), ("partial", False)):
+        proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(out), str(sources["llama"]), when],
+                                cwd=Path(__file__).resolve().parents[1], stderr=subprocess.PIPE, text=True)
+        _, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == -signal.SIGKILL, stderr
+        _loads_completely(out, config, tp3)  # still the complete TP-3 directory
+        # what the killed writer left (the one before it was swept by this writer: its pid was dead)
+        [left] = [p for p in tmp_path.iterdir() if p.name not in ("p", current_version(out).name)]
+        assert left.name.startswith(".p.v-") and f"-{proc.pid}-" in left.name
+        assert (left / MANIFEST).is_file() == complete
+
+    tp2 = ShardLayout.for_model(config, 2, "shard")
+    save_presharded(out, sources["llama"], config, tp2)  # the next write sweeps it
+    _loads_completely(out, config, tp2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["p", current_version(out).name])
+
+
+def test_a_write_failing_after_its_files_are_complete_changes_nothing(sources, tmp_path, monkeypatch):
+    from shardlib import atomic_dir
+
+    config = load_model_config(sources["llama"])
+    tp3 = ShardLayout.for_model(config, 3)
+    out = save_presharded(tmp_path / "p", sources["llama"], config, tp3)
+    before = sorted(p.name for p in tmp_path.iterdir())
+
+    def fail(version):
+        assert (version / MANIFEST).is_file()  # complete, not yet swapped in
+        raise OSError("disk gone")
+    monkeypatch.setattr(atomic_dir, "_fsync_tree", fail)
+    with pytest.raises(OSError, match="disk gone"):
+        save_presharded(out, sources["llama"], config, ShardLayout.for_model(config, 2, "shard"))
+    _loads_completely(out, config, tp3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
