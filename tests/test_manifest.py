@@ -44,3 +44,38 @@ def test_each_directory_kind_says_how_to_write_itself(tmp_path):
         compiled_dir.read_manifest(tmp_path)
     with pytest.raises(ValueError, match="lacks config_hash, model_type"):
         presharded.read_manifest(tmp_path)
+
+
+COMPILED = {"format_version": 1, "config_hash": "abc", "tp_degree": 2, "kv_strategy": "shard", "dtype": "float32",
+            "backend": "cpu", "buckets": {"context": [16], "token": [32], "batch": [1, 2]}, "versions": {},
+            "granularity": None, "compile_s": 3}
+
+
+@pytest.mark.parametrize("field, value", [
+    ("tp_degree", "2"), ("tp_degree", 2.0), ("format_version", False), ("dtype", 16), ("versions", ["torch"]),
+    ("buckets", [16]), ("buckets.token", 32), ("buckets.batch[1]", "2"), ("granularity", 3), ("compile_s", "3"),
+])
+def test_a_malformed_field_is_a_value_error_naming_it(tmp_path, field, value):
+    import json
+
+    manifest = json.loads(json.dumps(COMPILED))
+    if field.startswith("buckets."):
+        name, _, index = field.removeprefix("buckets.").partition("[")
+        if index:
+            manifest["buckets"][name][int(index[:-1])] = value
+        else:
+            manifest["buckets"][name] = value
+    else:
+        manifest[field] = value
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError) as info:
+        compiled_dir.read_manifest(tmp_path)
+    assert f"{tmp_path / 'manifest.json'}: field {field!r} must be" in str(info.value)
+    assert "corelaunch compile" in str(info.value)
+
+
+def test_a_well_typed_compiled_manifest_is_read(tmp_path):
+    import json
+
+    (tmp_path / "manifest.json").write_text(json.dumps(COMPILED))
+    assert compiled_dir.read_manifest(tmp_path) == COMPILED

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from shardlib.buckets import Buckets
-from shardlib.manifest import read_manifest_json
+from shardlib.manifest import MANIFEST, check_field, read_manifest_json
 
 FORMAT_VERSION = 1
 KIND = "a compiled-model directory"
@@ -46,12 +46,22 @@ def cache_dir(root: str | Path) -> Path:
     return Path(root) / CACHE
 
 
+_REQUIRED = ("format_version", "config_hash", "tp_degree", "kv_strategy", "dtype", "backend", "buckets", "versions")
+_FIELDS = {"format_version": int, "config_hash": str, "tp_degree": int, "kv_strategy": str, "dtype": str,
+           "backend": str, "buckets": dict, "versions": dict, "granularity": (str, type(None)), "source": str,
+           "model_type": str, "graphs": list, "compile_s": float}
+
+
 def read_manifest(root: str | Path) -> dict[str, Any]:
-    return read_manifest_json(
-        root, what=KIND,
-        required=("format_version", "config_hash", "tp_degree", "kv_strategy", "dtype", "backend", "buckets",
-                  "versions"),
-        write_hint=f"write it with `corelaunch compile --model MODEL --tp N --out {root}`")
+    """The parsed manifest.json of a compiled-model directory, each field read of the expected type
+    (ValueError naming the field otherwise)."""
+    hint = f"write it with `corelaunch compile --model MODEL --tp N --out {root}`"
+    manifest = read_manifest_json(root, what=KIND, required=_REQUIRED, write_hint=hint, types=_FIELDS)
+    for name in ("context", "token", "batch"):
+        for i, size in enumerate(check_field(manifest["buckets"].get(name), list, f"buckets.{name}",
+                                             Path(root) / MANIFEST, hint)):
+            check_field(size, int, f"buckets.{name}[{i}]", Path(root) / MANIFEST, hint)
+    return manifest
 
 
 def apply_compiled_dir(config):

@@ -1,0 +1,100 @@
+"""shardlib.atomic_dir: the output path names a complete directory at every instant; leftovers of
+killed writers are swept by the next write. Plain files here; tests/test_presharded.py kills real
+pre-sharded writers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from shardlib import atomic_dir as ad
+from shardlib.manifest import MANIFEST
+
+
+def write(out, text, fail=False):
+    with ad.atomic_dir(out, "a test directory") as tmp:
+        (tmp / MANIFEST).write_text("{}")
+        (tmp / "data.txt").write_text(text)
+        (tmp / "sub").mkdir()
+        (tmp / "sub" / "more.txt").write_text(text)
+        if fail:
+            raise RuntimeError("writer failed")
+    return out
+
+
+def siblings(parent):
+    return sorted(p.name for p in parent.iterdir())
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_output_is_a_link_to_a_complete_version_replaced_in_one_rename(tmp_path):
+    out = write(tmp_path / "d", "one")
+    first = ad.current_version(out)
+    assert out.is_symlink() and os.readlink(out) == first.name and (out / "data.txt").read_text() == "one"
+    write(out, "two")
+    assert (out / "sub" / "more.txt").read_text() == "two"
+    assert not first.exists() and siblings(tmp_path) == sorted(["d", ad.current_version(out).name])
+
+
+def test_a_failing_writer_leaves_the_old_version_and_no_leftover(tmp_path):
+    out = write(tmp_path / "d", "one")
+    before = siblings(tmp_path)
+    with pytest.raises(RuntimeError):
+        write(out, "two", fail=True)
+    assert (out / "data.txt").read_text() == "one" and siblings(tmp_path) == before
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "fallback"])
+def test_a_plain_directory_of_the_earlier_scheme_is_replaced_by_the_link(tmp_path, monkeypatch, exchange):
+    out = tmp_path / "d"
+    out.mkdir()
+    (out / MANIFEST).write_text("{}")
+    (out / "data.txt").write_text("old")
+    if not exchange:
+        monkeypatch.setattr(ad, "_exchange", lambda a, b: False)
+    write(out, "new")
+    assert out.is_symlink() and (out / "data.txt").read_text() == "new"
+    assert siblings(tmp_path) == sorted(["d", ad.current_version(out).name])
+
+
+def test_an_empty_directory_is_replaced_and_a_foreign_one_refused(tmp_path):
+    (tmp_path / "empty").mkdir()
+    assert (write(tmp_path / "empty", "x") / "data.txt").read_text() == "x"
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    with pytest.raises(FileExistsError, match="mine"):
+        write(tmp_path / "mine", "x")
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
+
+
+def test_stale_leftovers_are_swept_by_the_next_write_and_live_ones_kept(tmp_path):
+    out = write(tmp_path / "d", "one")
+    host = ad._owner().rsplit("-", 1)[0]
+    dead = tmp_path / f".d.v-{host}-{dead_pid()}-0000aaaa"  # a killed writer on this host
+    alive = tmp_path / f".d.v-{host}-{os.getppid()}-0000bbbb"  # a writer still running here
+    remote = tmp_path / ".d.v-otherhost-1-0000cccc"  # another host's writer: only its age tells
+    remote_old = tmp_path / ".d.v-otherhost-2-0000dddd"
+    legacy_new, legacy_old = tmp_path / ".d.tmp-abcdef12", tmp_path / ".d.old-abcdef34"
+    stale_link = tmp_path / f".d.lnk-{host}-{dead_pid()}-0000eeee"
+    unrelated = tmp_path / ".e.v-x-1-0000ffff"
+    for folder in (dead, alive, remote, remote_old, legacy_new, legacy_old, unrelated):
+        folder.mkdir()
+        (folder / "part").write_text("half written")
+    stale_link.symlink_to(dead.name)
+    day_ago = time.time() - ad.STALE_AFTER_S - 60
+    for folder in (remote_old, legacy_old):
+        os.utime(folder, (day_ago, day_ago))
+
+    write(out, "two")
+    assert (out / "data.txt").read_text() == "two"
+    assert siblings(tmp_path) == sorted(["d", ad.current_version(out).name, alive.name, remote.name,
+                                         legacy_new.name, unrelated.name])
