@@ -9,6 +9,10 @@ Layout:
   cache/          the backend's persisted compiled graphs (CPU: inductor's cache directory)
   compile.log     one line per graph built by `corelaunch compile`, with its compile time
 
+The path given to `corelaunch compile --out` is a symlink to a hidden versioned sibling, switched in
+one rename once the directory is complete (shardlib.atomic_dir). The cache/ entries are pickles that
+torch loads: a compiled-model directory must be trusted like code, never taken from an untrusted source.
+
 Starting from one re-shards nothing and recompiles nothing that was persisted; asking for anything
 else than what it was built for (another model, TP degree, dtype, backend, granularity, buckets or library
 versions) is refused with what differs, expected against found, and how to fix it.

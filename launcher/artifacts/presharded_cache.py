@@ -7,8 +7,9 @@ and dtype. A changed checkpoint therefore never loads a stale copy; shardlib.pre
 its manifest against the requested layout on every load.
 
 The copy is written by the driver in a background thread after the first load (one rank's shard in
-memory at a time, written to a temporary folder and renamed into place, so a half-written copy is
-never used). It costs the model's size again on disk. On a multi-node cluster the cache directory
+memory at a time, written to a hidden versioned folder that the cache path, a symlink, is switched to
+in one rename once complete: shardlib.atomic_dir; a half-written copy is never used, and one left by
+a killed driver is swept by the next write). It costs the model's size again on disk. On a multi-node cluster the cache directory
 must be visible at the same path on every node, like the model directory itself.
 """
 
