@@ -14,6 +14,7 @@ import queue
 import threading
 import time
 import uuid
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
@@ -166,6 +167,8 @@ class LaunchConfig:
             )
 
 
+WATCHDOG_GRACE_S = 30.0
+"""A static generate() gives up on its batches after every timeout and restart it allows, plus this."""
 INTERRUPT_GRACE_S = 1.0
 """After Ctrl-C, how long the groups get to stop cleanly before they are killed."""
 
@@ -492,10 +495,20 @@ class Launcher:
         results: list[GenerationResult | None] = [None] * len(token_lists)
         errors = []
         answers = []
+        # A watchdog, not the request timeout (the replicas enforce that, per attempt): every part
+        # could wait for all the others, and each could be re-run after every restart.
+        cfg = self.config
+        watchdog_s = (cfg.request_timeout_s + cfg.load_timeout_s) * (len(parts) + cfg.max_restarts) + WATCHDOG_GRACE_S
+        deadline = time.monotonic() + watchdog_s
         try:
             for first, future in parts:  # every part finishes (or fails) before this call returns
                 try:
-                    answers.append((first, future.result()))
+                    answers.append((first, future.result(timeout=max(0.0, deadline - time.monotonic()))))
+                except FutureTimeout:
+                    future.cancel()
+                    errors.append(TimeoutError(f"no replica answered a batch of {len(token_lists)} prompts within "
+                                               f"{watchdog_s:g} s (the request timeout, load timeout and restarts "
+                                               f"allowed); the replicas' status: {pool.status()}"))
                 except Exception as err:  # noqa: BLE001 - raised below once all parts are done
                     errors.append(err)
         except KeyboardInterrupt:  # parts not started yet never run; running ones end with shutdown

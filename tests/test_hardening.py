@@ -92,3 +92,16 @@ def test_the_rendezvous_store_listens_on_the_rendezvous_address_only():
     out = subprocess.run([sys.executable, "-c", STORE_PROBE], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "['127.0.0.1']"
+
+
+def test_a_static_generate_gives_up_when_no_replica_ever_answers(small_model, in_process_cluster, monkeypatch):
+    from concurrent.futures import Future
+
+    import launcher.api as api
+
+    monkeypatch.setattr(api, "WATCHDOG_GRACE_S", 0.0)
+    with Launcher(model=small_model, tp=1, seq_len=32, compile=False, progress=False, request_timeout_s=0.2,
+                  load_timeout_s=0.2, max_restarts=0) as launcher:
+        monkeypatch.setattr(launcher._pool, "submit", lambda request: Future())  # a replica that never answers
+        with pytest.raises(TimeoutError, match=r"no replica answered a batch of 1 prompts within 0.4 s"):
+            launcher.generate([[1, 2, 3]], max_new_tokens=2, batching="static")
