@@ -29,6 +29,8 @@ import socket
 import time
 from contextlib import contextmanager
 from pathlib import Path
+
+from shardlib.process_alive import process_alive
 from typing import Iterator
 
 from shardlib.manifest import MANIFEST
@@ -182,13 +184,7 @@ def _owner_alive(rest: str) -> bool:
     host, pid = parts[0], int(parts[1])
     if host != _owner().rsplit("-", 1)[0]:
         return True  # another host: only the age tells
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return process_alive(pid)
 
 
 def _remove(path: Path) -> None:

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shardlib.process_alive import process_alive
+
 from workers.collectives import sum_in_rank_order_
 from workers.shm.native import Native
 
@@ -183,7 +185,7 @@ def remove_orphans(shm_dir: str, prefix: str = "corelaunch-") -> list[str]:
         if not head.startswith(TOKEN_PREFIX) or len(head) < _BLOCK + 12:
             continue
         pid = int.from_bytes(head[_BLOCK + 8: _BLOCK + 12], "little", signed=True)
-        if pid > 0 and not _process_alive(pid):
+        if pid > 0 and not process_alive(pid):
             try:
                 now = os.stat(path, follow_symlinks=False)
                 if (now.st_dev, now.st_ino) == (own.st_dev, own.st_ino):  # still the file checked
@@ -230,7 +232,7 @@ class NodeExchange:
         for i in range(self.size):
             off = self.layout.counter_offset(i) + 8
             pid = int(torch.frombuffer(self.segment._map, dtype=torch.int32, count=1, offset=off)[0])
-            visible = pid > 0 and i != self.local_rank and _process_alive(pid)
+            visible = pid > 0 and i != self.local_rank and process_alive(pid)
             self._pids[i] = pid if visible else 0
 
     def close(self) -> None:
@@ -318,19 +320,3 @@ class NodeExchange:
 
 def _itemsize(dtype: torch.dtype) -> int:
     return dtype.itemsize
-
-
-def _process_alive(pid: int) -> bool:
-    """pid exists in this pid namespace and has not exited (a zombie counts as exited)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1][1:2]
-    except (OSError, IndexError):
-        return True
-    return state not in (b"Z", b"X")
