@@ -25,6 +25,7 @@ from launcher.progress import Progress
 from shardlib.model_config import ModelConfig, normalize_dtype
 from shardlib.positive_int import is_positive_int, positive_int
 from shardlib.request_checks import check_fits, check_request
+from shardlib.serving_shapes import DEFAULT_MAX_NUM_SEQS
 from workers.backends import backend_entry
 from workers.granularities import GRANULARITIES
 from workers.sampling import SamplingParams
@@ -70,7 +71,7 @@ class LaunchConfig:
     """KV-cache length per sequence; None sizes it per request (longest prompt + new tokens)."""
     max_batch_size: int = 8
     """Static batches (generate(..., batching="static")): prompts per worker call; more are split."""
-    max_num_seqs: int = 8
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     """Continuous batching: requests each TP group runs at once (its serving KV cache holds this many
     sequences of seq_len tokens, allocated at start-up; the planner counts it). More wait for a row."""
     max_prefill_tokens: int = 2048

@@ -18,6 +18,9 @@ from dataclasses import dataclass
 from shardlib.buckets import Buckets, select_bucket
 from shardlib.positive_int import positive_int
 
+DEFAULT_MAX_NUM_SEQS = 8
+"""Rows of a TP group's serving KV cache unless asked otherwise (LaunchConfig, generate, compile)."""
+
 
 def powers_of_two_up_to(limit: int) -> tuple[int, ...]:
     out, value = [], 1

@@ -20,7 +20,8 @@ import threading
 import time
 from pathlib import Path
 
-from launcher.cli.options import add_backend_arguments, add_bucket_lists, add_granularity, backend_options, bucket_lists
+from launcher.cli.options import (add_backend_arguments, add_bucket_lists, add_granularity, add_max_num_seqs,
+                                  backend_options, bucket_lists, max_num_seqs_option)
 
 
 def add_parser(subparsers) -> None:
@@ -38,6 +39,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--kv-strategy", choices=["shard", "replicate_to_tp", "convert_to_mha"])
     add_bucket_arguments(p, max_batch_default=1)
     add_granularity(p)
+    add_max_num_seqs(p)
     p.add_argument("--ray-address", help="Ray cluster host:port, or local for a private one (default: RAY_ADDRESS, else the cluster `ray start` recorded on this host, else a private one)")
     p.add_argument("--json", action="store_true", help="print the manifest as JSON on stdout")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -91,7 +93,8 @@ def compile_model(args: argparse.Namespace) -> dict:
     # Every option is checked (and the layout planned) before anything is written.
     config = LaunchConfig(model=args.model, tp=args.tp, dtype=args.dtype, **backend_options(args), lnc=args.lnc,
                           kv_strategy=args.kv_strategy, ray_address=args.ray_address, progress=not args.quiet,
-                          compile=True, compile_granularity=args.granularity, **bucket_options(args))
+                          compile=True, compile_granularity=args.granularity, **bucket_options(args),
+                          **max_num_seqs_option(args))
     planned = plan_launch(config, progress, nothing_done="nothing was written")
     model_dir, model_config, plan = planned.model_dir, planned.model_config, planned.plan
     buckets = compiled_dir.launch_buckets(config, plan, model_config)
@@ -123,7 +126,8 @@ def compile_model(args: argparse.Namespace) -> dict:
         # The planner target's options too: the directory records the backend, not what it plans against.
         launch = LaunchConfig(compiled_dir=str(tmp), compile=True, warm_up=True, ray_address=config.ray_address,
                               instance=config.instance, device_memory_gib=config.device_memory_gib, lnc=config.lnc,
-                              progress=not args.quiet, max_batch_size=buckets.max_batch_size)
+                              progress=not args.quiet, max_batch_size=buckets.max_batch_size,
+                              max_num_seqs=config.max_num_seqs)
         with _GraphProgress(tmp / compiled_dir.COMPILE_LOG, progress), Launcher(launch) as launcher:
             stats = [s.compile for s in launcher.load_stats]
         rank0 = dict(stats[0]) if stats and stats[0] else {}

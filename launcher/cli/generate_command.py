@@ -6,7 +6,8 @@ import argparse
 import json
 import sys
 
-from launcher.cli.options import add_model_and_placement_arguments, model_and_placement_options
+from launcher.cli.options import (add_max_num_seqs, add_model_and_placement_arguments, max_num_seqs_option,
+                                  model_and_placement_options)
 
 
 def add_parser(subparsers) -> None:
@@ -22,6 +23,7 @@ def add_parser(subparsers) -> None:
                    help="independent TP groups; prompts are spread over them; auto: as many as fit (default 1)")
     p.add_argument("--max-batch-size", type=int, default=8,
                    help="prompts per worker call; more prompts run as several batches (default 8)")
+    add_max_num_seqs(p)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, help="sampling temperature (0 = greedy)")
     p.add_argument("--top-k", type=int, help="sample among the k most likely tokens (0 = off)")
@@ -46,7 +48,7 @@ def launch_config(args: argparse.Namespace):
     """The LaunchConfig the options ask for (ValueError or FileNotFoundError naming a bad one)."""
     from launcher.api import LaunchConfig
 
-    return LaunchConfig(**model_and_placement_options(args), replicas=args.replicas,
+    return LaunchConfig(**model_and_placement_options(args), **max_num_seqs_option(args), replicas=args.replicas,
                         max_batch_size=args.max_batch_size, ray_address=args.ray_address)
 
 

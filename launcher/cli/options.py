@@ -76,6 +76,21 @@ def int_at_least(name: str, minimum: int = 1):
     return parse
 
 
+def add_max_num_seqs(p: argparse.ArgumentParser, default: int | None = None) -> None:
+    """--max-num-seqs (generate, compile, serve): rows of a TP group's serving KV cache, so also its
+    largest decode batch bucket: the serving graphs a warm-up builds are those up to it."""
+    from shardlib.serving_shapes import DEFAULT_MAX_NUM_SEQS
+
+    p.add_argument("--max-num-seqs", type=int_at_least("--max-num-seqs"), default=default, metavar="N",
+                   help=f"requests generating at once in one TP group; warm-up builds the serving graphs "
+                        f"of batch buckets up to it (default {default or DEFAULT_MAX_NUM_SEQS})")
+
+
+def max_num_seqs_option(args: argparse.Namespace) -> dict:
+    """LaunchConfig's max_num_seqs when --max-num-seqs was given (else LaunchConfig's default)."""
+    return {} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}
+
+
 def add_model_and_placement_arguments(p: argparse.ArgumentParser) -> None:
     """What model to serve and how to place and run its TP group (generate and serve): --model, --tp,
     the backend options, restarts, CPU shares, dtype and layout, weights sources, compilation, buckets,

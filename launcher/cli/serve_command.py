@@ -18,7 +18,8 @@ import time
 import urllib.error
 import urllib.request
 
-from launcher.cli.options import add_model_and_placement_arguments, int_at_least, model_and_placement_options
+from launcher.cli.options import (add_max_num_seqs, add_model_and_placement_arguments, int_at_least,
+                                  model_and_placement_options)
 
 APP_NAME = "corelaunch"
 """The Serve application's name (`serve status` shows it)."""
@@ -35,8 +36,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--port", type=_port, default=8000, help="HTTP port (default 8000)")
     p.add_argument("--served-model-name", metavar="NAME",
                    help="the `model` clients send (default: the model directory's name; built-in: smollm2-135m-instruct)")
-    p.add_argument("--max-num-seqs", type=int_at_least("--max-num-seqs"), default=16, metavar="N",
-                   help="requests generating at once in one TP group (default 16)")
+    add_max_num_seqs(p, default=16)
     p.add_argument("--max-queued-requests", type=int_at_least("--max-queued-requests", 0), metavar="N",
                    help="requests waiting for a slot before new ones get 503 with Retry-After (default: no limit)")
     p.add_argument("--max-prefill-tokens", type=int_at_least("--max-prefill-tokens"), metavar="N",
