@@ -30,6 +30,9 @@ LONG = 400
 LONGEST = 1000
 """For TP 1 replicas, the fastest to decode."""
 PROMPTS = [[5, 17, 42, 9], [8, 60, 21]]
+# Restarts are the subject: the groups run eagerly (compiled graphs through Ray are proven in
+# tests/test_compiled.py; compiling here would build every graph again after each restart).
+EAGER = dict(compile=False)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +64,7 @@ def wait_for(condition, timeout_s: float, what: str) -> None:
 def test_killed_rank_mid_request_restarts_its_group_and_reruns(model_and_expected, tmp_path, ray_session):
     model_dir, expected = model_and_expected
     launcher = Launcher(model=model_dir, tp=2, replicas=2, cpus_per_rank=0.5, max_restarts=2,
-                        presharded_cache=True, presharded_cache_dir=str(tmp_path / "cache"), progress=False)
+                        presharded_cache=True, presharded_cache_dir=str(tmp_path / "cache"), progress=False, **EAGER)
     launcher.start()
     try:
         wait_for(lambda: launcher.presharded_cache_ready, 30, "the pre-sharded cache copy")
@@ -106,7 +109,7 @@ def test_streams_resume_after_a_rank_is_killed_mid_stream(model_and_expected, ra
     completes, no token is delivered twice or skipped, and the greedy streams equal a fault-free run."""
     model_dir, expected = model_and_expected
     prompts = [PROMPTS[i % 2] for i in range(8)]
-    with Launcher(model=model_dir, tp=2, max_num_seqs=8, max_restarts=2, progress=False) as launcher:
+    with Launcher(model=model_dir, tp=2, max_num_seqs=8, max_restarts=2, progress=False, **EAGER) as launcher:
         streams = [launcher.stream(p, max_new_tokens=LONG, ignore_eos=True) for p in prompts]
         received: list[list[int]] = [[] for _ in prompts]
         finish: list = [None] * len(prompts)
@@ -135,7 +138,7 @@ def test_streams_resume_after_a_rank_is_killed_mid_stream(model_and_expected, ra
 def test_crash_loop_stops_at_the_restart_bound(model_and_expected, monkeypatch, ray_session):
     model_dir, _ = model_and_expected
     monkeypatch.setattr(ray_worker, "RankWorkerActor", fault_actors.CrashOnGenerate)
-    with Launcher(model=model_dir, tp=1, max_restarts=2, restart_window_s=120, progress=False) as launcher:
+    with Launcher(model=model_dir, tp=1, max_restarts=2, restart_window_s=120, progress=False, **EAGER) as launcher:
         start = time.monotonic()
         with pytest.raises(RestartLimitExceeded) as info:
             launcher.generate([[5, 6, 7]], max_new_tokens=4)
@@ -158,7 +161,7 @@ def test_rank_that_never_joins_fails_within_the_startup_timeout(model_and_expect
     monkeypatch.setattr(ray_worker, "RankWorkerActor", fault_actors.NeverJoins)
     start = time.monotonic()
     with pytest.raises(RendezvousTimeout) as info:
-        Launcher(model=model_dir, tp=2, rendezvous_timeout_s=3, progress=False).start()
+        Launcher(model=model_dir, tp=2, rendezvous_timeout_s=3, progress=False, **EAGER).start()
     elapsed = time.monotonic() - start
     message = str(info.value)
     assert "rank 1" in message and "did not join the process group at" in message, message
