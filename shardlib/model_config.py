@@ -15,11 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from shardlib.config_fields import count, field_error, flag, mapping, positive_number, show, token_id, token_ids
+from shardlib.families import ACTIVATIONS, LAYER_TYPES, SLIDING, family_fields
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "mixtral")
 
 # Rope scaling types workers/rope.py implements (None: plain rotary embeddings).
-EXECUTABLE_ROPE_TYPES = (None, "llama3")
+EXECUTABLE_ROPE_TYPES = (None, "llama3", "linear", "dynamic", "yarn", "longrope")
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3": 1, "float8_e5m2": 1, "int8": 1}
 
@@ -133,7 +134,18 @@ class ModelConfig:
     mlp_bias: bool = False
     """Bias on gate/up/down projections (Llama's mlp_bias)."""
     sliding_window: int | None = None
-    """Attention window when the model uses one (Mistral v0.1: 4096; Qwen2 with use_sliding_window)."""
+    """Attention window when the model uses one (Mistral v0.1: 4096; Qwen2 with use_sliding_window;
+    Gemma 3's local layers): a token attends to itself and the window - 1 tokens before it."""
+    layer_types: tuple[str, ...] | None = None
+    """Per layer "sliding_attention" or "full_attention" when some layer uses the window; None: none does."""
+    local_rope_theta: float | None = None
+    """Gemma 3: rope base of the sliding-window layers (rope_theta and rope_scaling are the global layers')."""
+    query_pre_attn_scalar: float | None = None
+    """Attention scores are scaled by query_pre_attn_scalar ** -0.5 (Gemma 3); None: head_dim ** -0.5."""
+    final_logit_softcapping: float | None = None
+    """Logits become cap * tanh(logits / cap)."""
+    hidden_act: str = "silu"
+    """The MLP's gate activation: silu, or gelu_pytorch_tanh (Gemma 3)."""
     torch_dtype: str = "float32"
     """The checkpoint's own dtype; the default compute dtype."""
     num_local_experts: int = 0
@@ -167,6 +179,15 @@ class ModelConfig:
             flag(name, getattr(self, name), nullable=False)
         if self.sliding_window is not None:
             count("sliding_window", self.sliding_window, _EXAMPLES["sliding_window"])
+        if self.layer_types is not None and (
+                len(self.layer_types) != self.num_hidden_layers or any(t not in LAYER_TYPES for t in self.layer_types)
+                or self.sliding_window is None):
+            raise field_error("layer_types", self.layer_types, f"must name one of {', '.join(LAYER_TYPES)} per "
+                              f"layer ({self.num_hidden_layers}), with a sliding_window set",
+                              "build ModelConfig with from_dict")
+        if self.hidden_act not in ACTIVATIONS:
+            raise field_error("hidden_act", self.hidden_act, f"is not implemented (corelaunch runs "
+                              f"{', '.join(ACTIVATIONS)})", "use a checkpoint with one of those activations")
         if self.torch_dtype not in ("float32", "bfloat16", "float16"):
             raise field_error("torch_dtype", self.torch_dtype, "must be float32, bfloat16 or float16",
                               "normalize it with normalize_dtype()")
@@ -197,14 +218,14 @@ class ModelConfig:
             "rope_type", self.rope_scaling.get("type"))
         if rope_type not in EXECUTABLE_ROPE_TYPES:
             gaps.append(f"rope scaling type {rope_type!r} is not implemented by corelaunch's workers "
-                        f"(supported: default, llama3)")
-        if self.output_bias or self.mlp_bias:
-            which = [n for n, on in (("o_proj (attention_bias)", self.output_bias), ("mlp (mlp_bias)", self.mlp_bias)) if on]
-            gaps.append(f"biases on {' and '.join(which)} are not implemented by corelaunch's workers")
-        if self.sliding_window is not None and seq_len is not None and seq_len > self.sliding_window:
-            gaps.append(f"seq_len ({seq_len}) exceeds the model's sliding_window ({self.sliding_window}), which "
-                        f"corelaunch's attention does not apply; use --seq-len {self.sliding_window} or less")
+                        f"(supported: default, {', '.join(t for t in EXECUTABLE_ROPE_TYPES if t)})")
         return gaps
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of layer `layer`, or None when it attends over the whole history."""
+        if self.layer_types is None or self.layer_types[layer] != SLIDING:
+            return None
+        return self.sliding_window
 
     # ---- derived sizes -------------------------------------------------------------------------
     @property
@@ -227,7 +248,14 @@ class ModelConfig:
         mlp = 3 * h * i
         if self.is_moe:
             mlp = self.num_local_experts * mlp + h * self.num_local_experts  # experts + router
-        return attn + mlp + 2 * h  # two RMSNorm weights
+        if self.output_bias:
+            attn += h
+        if self.mlp_bias:
+            mlp += 2 * i + h
+        norms = 2 * h + (2 * h if self.model_type == "gemma3_text" else 0)
+        if self.model_type in ("qwen3", "gemma3_text"):
+            norms += 2 * self.head_dim  # q_norm, k_norm
+        return attn + mlp + norms
 
     def param_count(self) -> int:
         embed = self.vocab_size * self.hidden_size
@@ -270,25 +298,26 @@ class ModelConfig:
                                   "head), or correct hidden_size or num_attention_heads")
             head_dim = hidden // heads
         kv_heads = raw.get("num_key_value_heads")
+        extra = family_fields(model_type, raw, count("num_hidden_layers", raw["num_hidden_layers"], 32), head_dim)
         # transformers 5 nests rope settings in "rope_parameters"; 4.x has rope_theta + rope_scaling.
-        rope_params = _check_rope("rope_parameters", raw.get("rope_parameters"), needs_type=False) or {}
+        # (Gemma 3 keeps one block per layer kind; family_fields has read it.)
+        rope_params = {} if "local_rope_theta" in extra else (
+            _check_rope("rope_parameters", raw.get("rope_parameters"), needs_type=False) or {})
         if rope_params.get("rope_theta") is not None:
             rope_theta = rope_params["rope_theta"]  # checked by _check_rope
         else:
             rope_theta = raw.get("rope_theta")
             rope_theta = 10000.0 if rope_theta is None else positive_number("rope_theta", rope_theta, 500000.0)
         rope_scaling = _check_rope("rope_scaling", raw.get("rope_scaling"), needs_type=True)
+        if "local_rope_theta" in extra:
+            rope_theta, rope_scaling = extra.pop("rope_theta"), _check_rope(
+                "rope_parameters.full_attention", extra.pop("rope_scaling"), needs_type=True)
         if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
             rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
         if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
             rope_scaling = None
         # Qwen2 always biases q/k/v and never o_proj; Llama's attention_bias biases all four.
         biased = flag("attention_bias", raw.get("attention_bias"))
-        window = raw.get("sliding_window")
-        if window is not None:
-            count("sliding_window", window, _EXAMPLES["sliding_window"])
-        uses_window = model_type == "mistral" or (
-            model_type == "qwen2" and flag("use_sliding_window", raw.get("use_sliding_window")))
         experts, per_token = raw.get("num_local_experts"), raw.get("num_experts_per_tok")
 
         def default(key: str, value: Any) -> Any:
@@ -311,7 +340,7 @@ class ModelConfig:
             attention_bias=model_type == "qwen2" or biased,
             output_bias=model_type != "qwen2" and biased,
             mlp_bias=flag("mlp_bias", raw.get("mlp_bias")),
-            sliding_window=window if uses_window else None,
+            **extra,
             torch_dtype=_dtype_field(raw),
             num_local_experts=0 if experts is None else experts,
             num_experts_per_tok=0 if per_token is None else per_token,

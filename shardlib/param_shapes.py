@@ -7,6 +7,7 @@ the planner and the pre-sharded format use it to size shards without opening a c
 
 from __future__ import annotations
 
+from shardlib.families import traits
 from shardlib.model_config import ModelConfig
 
 LM_HEAD = "lm_head.weight"
@@ -21,6 +22,7 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """
     h, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
     q, kv = config.q_size, config.kv_size
+    family = traits(config.model_type)
     shapes: dict[str, tuple[int, ...]] = {EMBED: (v, h)}
     for layer in range(config.num_hidden_layers):
         p = f"model.layers.{layer}."
@@ -32,6 +34,11 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.k_proj.bias"] = (kv,)
             shapes[p + "self_attn.v_proj.bias"] = (kv,)
         shapes[p + "self_attn.o_proj.weight"] = (h, q)
+        if config.output_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+        if family.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (config.head_dim,)
+            shapes[p + "self_attn.k_norm.weight"] = (config.head_dim,)
         if config.is_moe:
             shapes[p + "block_sparse_moe.gate.weight"] = (config.num_local_experts, h)
             for e in range(config.num_local_experts):
@@ -43,8 +50,15 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "mlp.gate_proj.weight"] = (i, h)
             shapes[p + "mlp.up_proj.weight"] = (i, h)
             shapes[p + "mlp.down_proj.weight"] = (h, i)
+            if config.mlp_bias:
+                shapes[p + "mlp.gate_proj.bias"] = (i,)
+                shapes[p + "mlp.up_proj.bias"] = (i,)
+                shapes[p + "mlp.down_proj.bias"] = (h,)
         shapes[p + "input_layernorm.weight"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
+        if family.sandwich_norms:
+            shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
+            shapes[p + "post_feedforward_layernorm.weight"] = (h,)
     shapes["model.norm.weight"] = (h,)
     if not config.tie_word_embeddings:
         shapes[LM_HEAD] = (v, h)

@@ -280,9 +280,12 @@ _DENSE_PLAN: tuple[tuple[str, Style], ...] = (
     (_LAYER + r"self_attn\.q_proj\.(weight|bias)", Style.Q_HEADS),
     (_LAYER + r"self_attn\.[kv]_proj\.(weight|bias)", Style.KV_HEADS),
     (_LAYER + r"self_attn\.o_proj\.weight", Style.ROW_HEADS),
-    (_LAYER + r"mlp\.(gate|up)_proj\.weight", Style.COLUMN),
+    (_LAYER + r"self_attn\.o_proj\.bias", Style.REPLICATE),  # added once, after the all-reduce
+    (_LAYER + r"self_attn\.[qk]_norm\.weight", Style.REPLICATE),  # per head: (head_dim,)
+    (_LAYER + r"mlp\.(gate|up)_proj\.(weight|bias)", Style.COLUMN),
     (_LAYER + r"mlp\.down_proj\.weight", Style.ROW),
-    (_LAYER + r"(input_layernorm|post_attention_layernorm)\.weight", Style.REPLICATE),
+    (_LAYER + r"mlp\.down_proj\.bias", Style.REPLICATE),  # added once, after the all-reduce
+    (_LAYER + r"(input|post_attention|pre_feedforward|post_feedforward)_layernorm\.weight", Style.REPLICATE),
     (r"model\.norm\.weight", Style.REPLICATE),
     (_LAYER + r"self_attn\.rotary_emb\.inv_freq", Style.SKIP),
 )
@@ -298,6 +301,8 @@ SHARDING_PLANS: dict[str, tuple[tuple[str, Style], ...]] = {
     "llama": _DENSE_PLAN,
     "mistral": _DENSE_PLAN,
     "qwen2": _DENSE_PLAN,  # q/k/v biases are matched by the (weight|bias) patterns
+    "qwen3": _DENSE_PLAN,
+    "gemma3_text": _DENSE_PLAN,
     "mixtral": _MOE_PLAN,
 }
 

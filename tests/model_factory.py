@@ -17,23 +17,33 @@ FORMATS = ("safetensors", "safetensors_sharded", "bin", "bin_sharded")
 def build_random_model(model_type: str = "llama", *, hidden_size: int = 64, intermediate_size: int = 96,
                        num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2, vocab_size: int = 128,
                        tie_word_embeddings: bool = False, seed: int = 0, initializer_range: float = 0.25,
-                       max_position_embeddings: int = 512, rope_scaling: dict | None = None):
-    """A transformers model (eval mode, float32) of the given shape with seeded random weights."""
+                       max_position_embeddings: int = 512, rope_scaling: dict | None = None, **extra):
+    """A transformers model (eval mode, float32) of the given shape with seeded random weights.
+
+    extra: further config fields (head_dim, sliding_window, layer_types, attention_bias, ...)."""
     import transformers
 
     config_cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-                  "qwen2": transformers.Qwen2Config}[model_type]
+                  "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+                  "gemma3_text": transformers.Gemma3TextConfig}[model_type]
     kwargs = dict(hidden_size=hidden_size, intermediate_size=intermediate_size,
                   num_hidden_layers=num_layers, num_attention_heads=num_heads,
                   num_key_value_heads=num_kv_heads, vocab_size=vocab_size,
                   tie_word_embeddings=tie_word_embeddings, initializer_range=initializer_range,
                   max_position_embeddings=max_position_embeddings, bos_token_id=1, eos_token_id=2,
-                  pad_token_id=0)
+                  pad_token_id=0, **extra)
     if rope_scaling is not None:
         kwargs["rope_scaling"] = rope_scaling
     config = config_cls(**kwargs)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        # Norms start at one (Gemma's at zero, meaning one) and biases at zero; randomise them so
+        # their sharding and the (1 + w) form are tested.
+        for name, tensor in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                tensor.normal_(1.0 if model_type != "gemma3_text" and "norm" in name else 0.0, 0.1
+                               if "norm" in name else initializer_range)
     if model_type == "qwen2":
         # Qwen2 initialises q/k/v biases to zero; make them non-zero so their sharding is tested.
         with torch.no_grad():

@@ -288,8 +288,13 @@ def test_style_for_names_and_errors():
     assert style_for("mixtral", "model.layers.3.block_sparse_moe.experts.7.w3.weight") is Style.COLUMN
     assert style_for("mixtral", "model.layers.3.block_sparse_moe.experts.7.w2.weight") is Style.ROW
     assert style_for("mixtral", "model.layers.3.block_sparse_moe.gate.weight") is Style.REPLICATE
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.gate_proj\.bias"):
-        style_for("llama", "model.layers.0.mlp.gate_proj.bias")
+    assert style_for("llama", "model.layers.0.mlp.gate_proj.bias") is Style.COLUMN  # mlp_bias
+    assert style_for("llama", "model.layers.0.mlp.down_proj.bias") is Style.REPLICATE  # added after the sum
+    assert style_for("llama", "model.layers.0.self_attn.o_proj.bias") is Style.REPLICATE
+    assert style_for("qwen3", "model.layers.0.self_attn.k_norm.weight") is Style.REPLICATE
+    assert style_for("gemma3_text", "model.layers.0.pre_feedforward_layernorm.weight") is Style.REPLICATE
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.gate_proj\.scale"):
+        style_for("llama", "model.layers.0.mlp.gate_proj.scale")
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.gate_proj\.weight"):
         style_for("mixtral", "model.layers.0.mlp.gate_proj.weight")
     with pytest.raises(ValueError, match="'gpt2'"):

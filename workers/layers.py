@@ -8,6 +8,7 @@ tensor is, and why the math is exact, is written down in shardlib/sharding.py.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -38,10 +39,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """softmax(q k^T / sqrt(head_dim) + mask) v: q (batch, q_heads, seq, head_dim), keys/values
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+              scale: float | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale + mask) v: q (batch, q_heads, seq, head_dim), keys/values
     (batch, kv_heads, slots, head_dim) shared by q_heads // kv_heads query heads each, boolean mask
-    (batch, 1, seq, slots); returns (batch, q_heads, seq, head_dim).
+    (batch, 1, seq, slots); returns (batch, q_heads, seq, head_dim). scale None: head_dim ** -0.5
+    (Gemma 3: query_pre_attn_scalar ** -0.5).
 
     Eager, and for prefills, this is F.scaled_dot_product_attention. Traced by torch.compile for a
     decode step (one query per row), it is written out as products and sums, which inductor fuses
@@ -50,11 +53,13 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: t
     """
     batch, q_heads, seq, head_dim = q.shape
     kv_heads = keys.shape[1]
+    scale = head_dim ** -0.5 if scale is None else scale
     if not (torch.compiler.is_compiling() and seq == 1):
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=q_heads != kv_heads)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=q_heads != kv_heads,
+                                              scale=scale)
     group = q_heads // kv_heads
     qg = q.view(batch, kv_heads, group, 1, head_dim)  # query heads grouped by the KV head they read
-    scores = (qg * keys.unsqueeze(2)).sum(-1) * head_dim ** -0.5  # (batch, kv_heads, group, slots)
+    scores = (qg * keys.unsqueeze(2)).sum(-1) * scale  # (batch, kv_heads, group, slots)
     scores = scores.masked_fill(~mask.view(batch, 1, 1, -1), float("-inf"))
     weights = torch.softmax(scores, dim=-1)
     out = (weights.unsqueeze(-1) * values.unsqueeze(2)).sum(-2)  # (batch, kv_heads, group, head_dim)
@@ -67,16 +72,22 @@ def as_param(tensor: torch.Tensor, dtype: torch.dtype) -> nn.Parameter:
 
 
 class RMSNorm(nn.Module):
-    """y = w * x / sqrt(mean(x^2) + eps), the statistics taken in float32."""
+    """y = w * x / sqrt(mean(x^2) + eps), the statistics taken in float32.
 
-    def __init__(self, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> None:
+    offset 1 is Gemma's norm, y = (1 + w) * x / ..., computed wholly in float32 before the cast
+    (Llama casts the normalised x first and multiplies in the activation dtype)."""
+
+    def __init__(self, weight: torch.Tensor, eps: float, dtype: torch.dtype, offset: float = 0.0) -> None:
         super().__init__()
-        self.weight = as_param(weight, dtype)
+        self.offset = offset
+        self.weight = as_param(weight, torch.float32 if offset else dtype)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (x32 * (self.offset + self.weight)).to(x.dtype)
         return self.weight * x32.to(x.dtype)
 
 
@@ -84,18 +95,21 @@ class VocabParallelEmbedding(nn.Module):
     """Rows [start, stop) of the embedding table; other ids give zeros, the all-reduce fills them."""
 
     def __init__(self, weight: torch.Tensor, vocab_range: tuple[int, int], dtype: torch.dtype,
-                 collectives: Collectives) -> None:
+                 collectives: Collectives, scale: torch.Tensor | None = None) -> None:
+        """scale: a 0-d tensor the embeddings are multiplied by (Gemma's sqrt(hidden_size)), or None."""
         super().__init__()
         self.weight = as_param(weight, dtype)  # (vocab_per_rank, hidden), zero rows past the vocab
         self.start, self.stop = vocab_range
         self.collectives = collectives
+        self.scale = scale
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """(batch, seq) ids -> (batch, seq, hidden): this rank's rows, zeros elsewhere, summed over ranks."""
         owned = (input_ids >= self.start) & (input_ids < self.stop)  # (batch, seq)
         local_ids = torch.where(owned, input_ids - self.start, 0)
         hidden = F.embedding(local_ids, self.weight)  # (batch, seq, hidden)
-        return self.collectives.all_reduce(hidden * owned.unsqueeze(-1).to(hidden.dtype))
+        hidden = self.collectives.all_reduce(hidden * owned.unsqueeze(-1).to(hidden.dtype))
+        return hidden if self.scale is None else hidden * self.scale.to(hidden.device)
 
 
 class KVSlots(NamedTuple):
@@ -118,10 +132,21 @@ class Attention(nn.Module):
     """
 
     def __init__(self, weights: dict[str, torch.Tensor], q_heads: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, collectives: Collectives) -> None:
+                 dtype: torch.dtype, collectives: Collectives, *, eps: float = 1e-6, norm_offset: float = 0.0,
+                 scale: float | None = None) -> None:
+        """weights: this rank's q/k/v/o_proj tensors (and biases), plus q_norm.weight and
+        k_norm.weight when the family normalises each head (Qwen3, Gemma 3). scale: of the scores
+        (None: head_dim ** -0.5)."""
         super().__init__()
         self.q_heads, self.kv_heads, self.head_dim = q_heads, kv_heads, head_dim
         self.collectives = collectives
+        self.scale = scale
+        # Per-head RMSNorm over head_dim, before rotary: replicated, the same on every head and rank.
+        self.q_norm, self.k_norm = (
+            RMSNorm(weights[f"{n}_norm.weight"], eps, dtype, norm_offset) if f"{n}_norm.weight" in weights else None
+            for n in "qk")
+        o_bias = weights.get("o_proj.bias")
+        self.o_bias = None if o_bias is None else as_param(o_bias, dtype)  # full (hidden,), added after the sum
         self.q_weight = as_param(weights["q_proj.weight"], dtype)  # (q_heads * head_dim, hidden)
         self.k_weight = as_param(weights["k_proj.weight"], dtype)  # (kv_heads * head_dim, hidden)
         self.v_weight = as_param(weights["v_proj.weight"], dtype)
@@ -136,6 +161,8 @@ class Attention(nn.Module):
         q = linear(x, self.q_weight, self.q_bias).view(batch, seq, self.q_heads, self.head_dim)
         k = linear(x, self.k_weight, self.k_bias).view(batch, seq, self.kv_heads, self.head_dim)
         v = linear(x, self.v_weight, self.v_bias).view(batch, seq, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seq, head_dim)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
@@ -152,38 +179,64 @@ class Attention(nn.Module):
         q, k, v = self.project(x, cos, sin)
         keys, values = (k, v) if kv is None else write_kv(kv.k_cache, kv.v_cache, kv.cache_positions, k, v,
                                                           kv.rows, mask.shape[-1])
-        out = attention(q, keys, values, mask)
+        out = attention(q, keys, values, mask, self.scale)
         out = out.transpose(1, 2).reshape(batch, seq, self.q_heads * self.head_dim)
-        return self.collectives.all_reduce(linear(out, self.o_weight)), k, v
+        out = self.collectives.all_reduce(linear(out, self.o_weight))
+        return (out if self.o_bias is None else out + self.o_bias), k, v
+
+
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}
 
 
 class MLP(nn.Module):
-    """down(silu(gate(x)) * up(x)): gate/up column-parallel, down row-parallel, one all-reduce.
+    """down(act(gate(x)) * up(x)): gate/up column-parallel, down row-parallel, one all-reduce.
 
-    Padded intermediate rows are zero in gate and up, so they contribute silu(0) * 0 = 0.
+    Padded intermediate rows are zero in gate and up (and their biases), so they contribute
+    act(0) * 0 = 0. A down_proj bias is whole on every rank and added once, after the sum.
     """
 
-    def __init__(self, weights: dict[str, torch.Tensor], dtype: torch.dtype, collectives: Collectives) -> None:
+    def __init__(self, weights: dict[str, torch.Tensor], dtype: torch.dtype, collectives: Collectives,
+                 activation: str = "silu") -> None:
         super().__init__()
         self.gate_weight = as_param(weights["gate_proj.weight"], dtype)  # (intermediate_per_rank, hidden)
         self.up_weight = as_param(weights["up_proj.weight"], dtype)
         self.down_weight = as_param(weights["down_proj.weight"], dtype)  # (hidden, intermediate_per_rank)
+        self.gate_bias, self.up_bias, self.down_bias = (
+            None if weights.get(f"{n}_proj.bias") is None else as_param(weights[f"{n}_proj.bias"], dtype)
+            for n in ("gate", "up", "down"))
+        self.act = ACTIVATIONS[activation]
         self.collectives = collectives
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.silu(linear(x, self.gate_weight)) * linear(x, self.up_weight)
-        return self.collectives.all_reduce(linear(h, self.down_weight))
+        h = self.act(linear(x, self.gate_weight, self.gate_bias)) * linear(x, self.up_weight, self.up_bias)
+        out = self.collectives.all_reduce(linear(h, self.down_weight))
+        return out if self.down_bias is None else out + self.down_bias
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, attention: Attention, mlp: MLP, input_norm: RMSNorm, post_attention_norm: RMSNorm) -> None:
+    """Pre-norm residual blocks: x + attn(norm(x)), then x + mlp(norm(x)).
+
+    With pre_/post_feedforward norms (Gemma 3's "sandwich"), post_attention_norm normalises the
+    attention output before the residual add and the MLP is wrapped in its own pair:
+    x + post_attn(attn(norm(x))), then x + post_ff(mlp(pre_ff(x))).
+
+    kind: which of the model's attention kinds (rotary table and mask, workers/step.py) the layer reads.
+    """
+
+    def __init__(self, attention: Attention, mlp: MLP, input_norm: RMSNorm, post_attention_norm: RMSNorm,
+                 pre_ff_norm: RMSNorm | None = None, post_ff_norm: RMSNorm | None = None, kind: int = 0) -> None:
         super().__init__()
         self.attention, self.mlp = attention, mlp
         self.input_norm, self.post_attention_norm = input_norm, post_attention_norm
+        self.pre_ff_norm, self.post_ff_norm = pre_ff_norm, post_ff_norm
+        self.kind = kind
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                 kv: KVSlots | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(x after the layer, the new tokens' k, v); see Attention.forward for kv and mask."""
         attended, k, v = self.attention(self.input_norm(x), cos, sin, mask, kv)
-        x = x + attended
-        return x + self.mlp(self.post_attention_norm(x)), k, v
+        if self.pre_ff_norm is None:
+            x = x + attended
+            return x + self.mlp(self.post_attention_norm(x)), k, v
+        x = x + self.post_attention_norm(attended)
+        return x + self.post_ff_norm(self.mlp(self.pre_ff_norm(x))), k, v

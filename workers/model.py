@@ -21,11 +21,13 @@ from shardlib.param_shapes import expected_shapes
 from shardlib.sharding import ShardLayout, Style, slice_for, style_for
 from workers.collectives import Collectives
 from workers.kv_cache import KVCache
-from workers.layers import MLP, Attention, DecoderLayer, RMSNorm, VocabParallelEmbedding, as_param, linear
+from shardlib.families import traits
+from workers.family_layers import build_layer, embedding_scale, layer_kinds
+from workers.layers import RMSNorm, VocabParallelEmbedding, as_param, linear
 from workers.rope import RotaryTables
 from workers.step import EAGER, run_step
 
-DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2")
+DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, config: ModelConfig) -> torch.dtype:
@@ -108,26 +110,17 @@ class ShardedCausalLM(nn.Module):
         self.dtype = resolve_dtype(dtype, config)
 
         self.embed = VocabParallelEmbedding(shard["model.embed_tokens.weight"], layout.vocab_range(rank),
-                                            self.dtype, collectives)
-        layers = []
-        for i in range(config.num_hidden_layers):
-            p = f"model.layers.{i}."
-            attn = {k[len(p + "self_attn."):]: v for k, v in shard.items() if k.startswith(p + "self_attn.")}
-            mlp = {k[len(p + "mlp."):]: v for k, v in shard.items() if k.startswith(p + "mlp.")}
-            layers.append(DecoderLayer(
-                Attention(attn, layout.q_heads_per_rank, layout.kv_heads_per_rank, config.head_dim,
-                          self.dtype, collectives),
-                MLP(mlp, self.dtype, collectives),
-                RMSNorm(shard[p + "input_layernorm.weight"], config.rms_norm_eps, self.dtype),
-                RMSNorm(shard[p + "post_attention_layernorm.weight"], config.rms_norm_eps, self.dtype),
-            ))
-        self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(shard["model.norm.weight"], config.rms_norm_eps, self.dtype)
+                                            self.dtype, collectives, embedding_scale(config, self.dtype))
+        self.attention_kinds, kind_of = layer_kinds(config)
+        self.layers = nn.ModuleList(build_layer(config, layout, shard, i, kind_of[i], self.dtype, collectives)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(shard["model.norm.weight"], config.rms_norm_eps, self.dtype,
+                            traits(config.model_type).norm_offset)
         if config.tie_word_embeddings:
             self.lm_head_weight = self.embed.weight  # same vocab slice, same storage
         else:
             self.lm_head_weight = as_param(shard["lm_head.weight"], self.dtype)  # (vocab_per_rank, hidden)
-        self.rotary: RotaryTables | None = None
+        self.rotary: tuple[RotaryTables, ...] = ()  # one per attention kind
 
     @property
     def device(self) -> torch.device:
@@ -143,9 +136,11 @@ class ShardedCausalLM(nn.Module):
 
     def _ensure_rotary(self, max_positions: int) -> None:
         # Rebuilt only when a larger cache is allocated; never inside the decode loop.
-        if self.rotary is None or self.rotary.max_positions < max_positions:
-            self.rotary = RotaryTables(self.config.head_dim, max_positions, self.config.rope_theta,
-                                       self.config.rope_scaling, device=self.device)
+        if not self.rotary or self.rotary[0].max_positions < max_positions:
+            self.rotary = tuple(RotaryTables(self.config.head_dim, max_positions, kind.rope_theta, kind.rope_scaling,
+                                             device=self.device,
+                                             max_position_embeddings=self.config.max_position_embeddings)
+                                for kind in self.attention_kinds)
 
     # ---- forward -------------------------------------------------------------------------------
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -18,19 +18,28 @@ import math
 import torch
 
 from shardlib.model_config import LLAMA3_ROPE_KEYS
+from workers.rope_scaling import (base_exponents, dynamic_frequencies, linear_frequencies, longrope_frequencies,
+                                  yarn_frequencies)
 
-ROPE_TYPES = ("default", "llama3")
+ROPE_TYPES = ("default", "llama3", "linear", "dynamic", "yarn", "longrope")
 
 
-def inverse_frequencies(head_dim: int, theta: float, rope_scaling: dict | None = None) -> torch.Tensor:
-    """(head_dim // 2,) float32 angular frequency of each rotated pair."""
+def inverse_frequencies(head_dim: int, theta: float, rope_scaling: dict | None = None,
+                        max_position_embeddings: int = 2048) -> torch.Tensor:
+    """(head_dim // 2,) float32 angular frequency of each rotated pair (for longrope, the short
+    factors' and for dynamic the original ones: those of a sequence within the original context)."""
     if head_dim % 2:
         raise ValueError(f"rotary embeddings need an even head_dim, got {head_dim}")
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
-    inv_freq = 1.0 / (theta ** exponents)
+    inv_freq = 1.0 / (theta ** base_exponents(head_dim))
     rope_type = _rope_type(rope_scaling)
     if rope_type == "llama3":
         inv_freq = _llama3_scale(inv_freq, rope_scaling)
+    elif rope_type == "linear":
+        inv_freq = linear_frequencies(inv_freq, rope_scaling)
+    elif rope_type == "yarn":
+        inv_freq = yarn_frequencies(head_dim, theta, rope_scaling, max_position_embeddings)[0]
+    elif rope_type == "longrope":
+        inv_freq = longrope_frequencies(head_dim, theta, rope_scaling, max_position_embeddings)[0]
     return inv_freq
 
 
@@ -70,22 +79,50 @@ class RotaryTables:
     """Precomputed cos/sin for positions 0 .. max_positions - 1.
 
     Built once per KV cache size (the largest position a cache can hold), never per decode step.
+    longrope keeps a second table (its long factors) and dynamic scaling computes a step's angles
+    from the step's largest position once that passes max_position_embeddings (workers/rope_scaling.py).
     """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
-                 rope_scaling: dict | None = None, device: torch.device | str | None = None) -> None:
+                 rope_scaling: dict | None = None, device: torch.device | str | None = None,
+                 max_position_embeddings: int = 2048) -> None:
         self.head_dim = head_dim
         self.max_positions = max_positions
-        inv_freq = inverse_frequencies(head_dim, theta, rope_scaling).to(device)
-        positions = torch.arange(max_positions, device=device, dtype=torch.int64).to(torch.float32)
-        angles = positions[:, None] * inv_freq[None, :]  # (max_positions, head_dim // 2)
+        self.rope_type = _rope_type(rope_scaling)
+        self.theta, self.scaling, self.max_position_embeddings = theta, rope_scaling, max_position_embeddings
+        inv_freq = inverse_frequencies(head_dim, theta, rope_scaling, max_position_embeddings).to(device)
+        attention_factor = 1.0
+        if self.rope_type == "yarn":
+            attention_factor = yarn_frequencies(head_dim, theta, rope_scaling, max_position_embeddings)[1]
+        self.positions = torch.arange(max_positions, device=device, dtype=torch.int64).to(torch.float32)
+        self.cos, self.sin = self._tables(inv_freq, attention_factor)
+        if self.rope_type == "longrope":
+            _, long, attention_factor, self.context = longrope_frequencies(head_dim, theta, rope_scaling,
+                                                                           max_position_embeddings)
+            self.cos, self.sin = self._tables(inv_freq, attention_factor)
+            self.long_cos, self.long_sin = self._tables(long.to(device), attention_factor)
+
+    def _tables(self, inv_freq: torch.Tensor, attention_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = self.positions[:, None] * inv_freq[None, :]  # (max_positions, head_dim // 2)
         angles = torch.cat((angles, angles), dim=-1)  # (max_positions, head_dim)
-        self.cos = angles.cos()  # (max_positions, head_dim) float32
-        self.sin = angles.sin()
+        return angles.cos() * attention_factor, angles.sin() * attention_factor  # float32
 
     def lookup(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape (batch, seq, head_dim) in `dtype` for position_ids (batch, seq)."""
-        return self.cos[position_ids].to(dtype), self.sin[position_ids].to(dtype)
+        cos, sin = self.cos[position_ids], self.sin[position_ids]
+        if self.rope_type == "longrope":
+            long = position_ids.max() + 1 > self.context  # the step's sequence outgrew the original context
+            cos = torch.where(long, self.long_cos[position_ids], cos)
+            sin = torch.where(long, self.long_sin[position_ids], sin)
+        elif self.rope_type == "dynamic":
+            seq_len = position_ids.max() + 1
+            inv_freq = dynamic_frequencies(self.head_dim, self.theta, self.scaling["factor"],
+                                           self.max_position_embeddings, seq_len)
+            angles = position_ids[..., None].to(torch.float32) * inv_freq
+            angles = torch.cat((angles, angles), dim=-1)
+            grown = seq_len > self.max_position_embeddings
+            cos, sin = torch.where(grown, angles.cos(), cos), torch.where(grown, angles.sin(), sin)
+        return cos.to(dtype), sin.to(dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

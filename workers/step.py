@@ -29,15 +29,21 @@ from workers.layers import DecoderLayer, KVSlots
 
 
 def attention_bias_mask(max_seq_len: int, cache_positions: torch.Tensor,
-                        attention_mask: torch.Tensor | None) -> torch.Tensor:
+                        attention_mask: torch.Tensor | None, window: int | None = None) -> torch.Tensor:
     """Boolean (batch, 1, seq, max_seq_len): query i may read slot j when j <= its own slot and
-    slot j holds a real token. A query always reads its own slot: padding queries would otherwise
-    have no slot to read, and their softmax over nothing would be NaN, poisoning the cache.
+    slot j holds a real token (and, with a sliding window, j > its slot - window). A query always
+    reads its own slot: padding queries would otherwise have no slot to read, and their softmax over
+    nothing would be NaN, poisoning the cache.
+
+    Slot distance is token distance on both cache layouts (workers/kv_cache.py): a static batch is
+    padded on the left, so a row's tokens fill consecutive slots; a serving row starts at slot 0.
 
     cache_positions: (seq,) shared by the rows, or (batch, seq), each row at its own slots."""
     slots = torch.arange(max_seq_len, device=cache_positions.device)  # (max_seq_len,)
     positions = cache_positions if cache_positions.dim() == 2 else cache_positions[None]  # (batch or 1, seq)
     causal = slots[None, None, :] <= positions[:, :, None]  # (batch or 1, seq, max_seq_len)
+    if window is not None:
+        causal = causal & (slots[None, None, :] > positions[:, :, None] - window)
     own = slots[None, None, :] == positions[:, :, None]
     if attention_mask is None:
         return causal.unsqueeze(1)
@@ -46,13 +52,15 @@ def attention_bias_mask(max_seq_len: int, cache_positions: torch.Tensor,
 
 def prologue(model, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
              cache_positions: torch.Tensor):
-    """(x (batch, seq, hidden), cos, sin (batch, seq, head_dim), mask (batch, 1, seq, slots)).
+    """(x (batch, seq, hidden), cos, sin (batch, seq, head_dim), mask (batch, 1, seq, slots)), the
+    last three a tuple with one entry per attention kind of the model (workers/family_layers.py).
 
     attention_mask (batch, slots): true where a slot holds a real token; slots is the prompt's own
     length for a prefill from slot 0, the cache length otherwise."""
-    cos, sin = model.rotary.lookup(position_ids, model.dtype)
-    mask = attention_bias_mask(attention_mask.shape[1], cache_positions, attention_mask)
-    return model.embed(input_ids), cos, sin, mask
+    rope = [tables.lookup(position_ids, model.dtype) for tables in model.rotary]
+    masks = tuple(attention_bias_mask(attention_mask.shape[1], cache_positions, attention_mask, kind.window)
+                  for kind in model.attention_kinds)
+    return model.embed(input_ids), tuple(c for c, _ in rope), tuple(s for _, s in rope), masks
 
 
 def layer(block: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
@@ -73,7 +81,9 @@ def epilogue(model, x: torch.Tensor, logit_index: torch.Tensor | None) -> torch.
     else:
         last = x[torch.arange(x.shape[0], device=x.device), logit_index]
     local = model.lm_head(model.norm(last))  # (batch, vocab_per_rank)
-    return model.collectives.all_gather(local)[:, : model.config.vocab_size].float()
+    logits = model.collectives.all_gather(local)[:, : model.config.vocab_size]
+    cap = model.config.final_logit_softcapping
+    return (logits if cap is None else torch.tanh(logits / cap) * cap).float()
 
 
 class StepParts(NamedTuple):
@@ -98,10 +108,12 @@ def run_step(model, parts: StepParts, input_ids: torch.Tensor, position_ids: tor
     x, cos, sin, mask = parts.prologue(model, input_ids, position_ids, attention_mask, cache_positions)
     ks, vs = [], []
     for i, block in enumerate(model.layers):
+        kind = block.kind
         if kv_caches is None:
-            x, k, v = parts.layer(block, x, cos, sin, mask, None, None, cache_positions)
+            x, k, v = parts.layer(block, x, cos[kind], sin[kind], mask[kind], None, None, cache_positions)
             ks.append(k)
             vs.append(v)
         else:
-            x, _, _ = parts.layer(block, x, cos, sin, mask, kv_caches[0][i], kv_caches[1][i], cache_positions, rows)
+            x, _, _ = parts.layer(block, x, cos[kind], sin[kind], mask[kind], kv_caches[0][i], kv_caches[1][i],
+                                  cache_positions, rows)
     return parts.epilogue(model, x, logit_index), ks, vs

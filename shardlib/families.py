@@ -1,0 +1,139 @@
+"""What sets each supported dense family apart from Llama, in one place.
+
+Two kinds of facts:
+- `FamilyTraits`: fixed by the model_type (which extra weights exist, how norms and embeddings
+  compute). Llama, Mistral and Qwen2 have none of them; Qwen3 adds per-head q/k RMSNorm; Gemma 3
+  adds those plus its (1 + w) norms, a norm after attention and around the MLP, and embeddings
+  scaled by sqrt(hidden_size).
+- `family_fields(model_type, raw)`: the config.json values ModelConfig needs beyond Llama's (which
+  layers use a sliding window, Gemma 3's local rope base, query scaling, final logit soft-capping,
+  activation),
+  with transformers' own defaults where config.json leaves them out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from shardlib.config_fields import count, field_error, flag, mapping, positive_number
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+LAYER_TYPES = (SLIDING, FULL)
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+GEMMA3_WINDOW_PATTERN = 6
+"""transformers' default for Gemma 3 configs without layer_types: every 6th layer is global."""
+
+
+@dataclass(frozen=True)
+class FamilyTraits:
+    qk_norm: bool = False
+    """Per-head RMSNorm of q and k before rotary (self_attn.q_norm / k_norm, weight (head_dim,))."""
+    norm_offset: float = 0.0
+    """RMSNorm scales by (norm_offset + w): Gemma stores w around 0 and multiplies by 1 + w."""
+    sandwich_norms: bool = False
+    """Gemma 3: post_attention_layernorm normalises the attention output (before the residual), and
+    pre_/post_feedforward_layernorm wrap the MLP; otherwise post_attention_layernorm is the MLP's input norm."""
+    scaled_embeddings: bool = False
+    """Embeddings multiplied by sqrt(hidden_size) (in the weight dtype), as Gemma does."""
+
+
+TRAITS = {
+    "llama": FamilyTraits(), "mistral": FamilyTraits(), "qwen2": FamilyTraits(),
+    "mixtral": FamilyTraits(),
+    "qwen3": FamilyTraits(qk_norm=True),
+    "gemma3_text": FamilyTraits(qk_norm=True, norm_offset=1.0, sandwich_norms=True, scaled_embeddings=True),
+}
+
+
+def traits(model_type: str) -> FamilyTraits:
+    return TRAITS.get(model_type, FamilyTraits())
+
+
+def _layer_types(model_type: str, raw: dict[str, Any], window: int | None, layers: int) -> tuple[str, ...] | None:
+    """Per-layer attention kind, or None when every layer attends over the whole history."""
+    given = raw.get("layer_types")
+    if given is not None:
+        if not isinstance(given, list) or len(given) != layers or any(t not in LAYER_TYPES for t in given):
+            raise field_error("layer_types", given, f"must list one of {', '.join(LAYER_TYPES)} per layer "
+                              f"({layers} layers)", "write e.g. [\"sliding_attention\", \"full_attention\"]")
+        kinds = tuple(given)
+    elif model_type == "gemma3_text":
+        pattern = raw.get("sliding_window_pattern")
+        pattern = GEMMA3_WINDOW_PATTERN if pattern is None else count("sliding_window_pattern", pattern, 6)
+        kinds = tuple(SLIDING if (i + 1) % pattern else FULL for i in range(layers))
+    elif model_type in ("mistral", "mixtral"):
+        kinds = tuple([SLIDING] * layers)
+    elif model_type in ("qwen2", "qwen3"):
+        first = raw.get("max_window_layers")
+        first = 28 if first is None else count("max_window_layers", first, 28, minimum=0)
+        kinds = tuple(SLIDING if i >= first else FULL for i in range(layers))
+    else:
+        kinds = tuple([FULL] * layers)
+    if window is None or SLIDING not in kinds:
+        return None
+    return kinds
+
+
+def sliding_window(model_type: str, raw: dict[str, Any]) -> int | None:
+    """The window when the model applies one (transformers' rule per family), else None."""
+    window = raw.get("sliding_window")
+    if window is not None:
+        count("sliding_window", window, 4096)
+    if model_type in ("qwen2", "qwen3") and not flag("use_sliding_window", raw.get("use_sliding_window")):
+        return None
+    if model_type == "llama":  # Llama's attention has no window, whatever config.json says
+        return None
+    return window
+
+
+def _gemma_rope(raw: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3 keeps one rope block per layer kind (transformers 5) or rope_theta /
+    rope_local_base_freq / rope_scaling (4.x): the global layers' theta and scaling, the local base."""
+    params = mapping("rope_parameters", raw.get("rope_parameters"), '{"full_attention": {...}, "sliding_attention": {...}}')
+    if params and (FULL in params or SLIDING in params):
+        full = mapping("rope_parameters.full_attention", params.get(FULL), '{"rope_type": "default"}') or {}
+        local = mapping("rope_parameters.sliding_attention", params.get(SLIDING), '{"rope_type": "default"}') or {}
+        if local.get("rope_type", "default") != "default":
+            raise field_error("rope_parameters.sliding_attention.rope_type", local.get("rope_type"),
+                              "is not supported for Gemma 3's local layers", "corelaunch runs default rope there")
+        theta = full.get("rope_theta", 1_000_000.0)
+        local_theta = local.get("rope_theta", 10_000.0)
+        scaling = {k: v for k, v in full.items() if k != "rope_theta"}
+    else:
+        theta = raw.get("rope_theta", 1_000_000.0)
+        local_theta = raw.get("rope_local_base_freq", 10_000.0)
+        scaling = mapping("rope_scaling", raw.get("rope_scaling"), '{"rope_type": "linear", "factor": 8.0}') or {}
+    if scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        scaling = None
+    return {"rope_theta": positive_number("rope_theta", theta, 1_000_000.0),
+            "local_rope_theta": positive_number("rope_local_base_freq", local_theta, 10_000.0),
+            "rope_scaling": scaling}
+
+
+def family_fields(model_type: str, raw: dict[str, Any], layers: int, head_dim: int) -> dict[str, Any]:
+    """ModelConfig keyword arguments particular to the family (see the module docstring)."""
+    window = sliding_window(model_type, raw)
+    fields: dict[str, Any] = {"sliding_window": window,
+                              "layer_types": _layer_types(model_type, raw, window, layers)}
+    if fields["layer_types"] is None:
+        fields["sliding_window"] = None
+    if model_type == "gemma3_text":
+        fields.update(_gemma_rope(raw))
+        act = raw.get("hidden_activation", raw.get("hidden_act")) or "gelu_pytorch_tanh"
+        scalar = raw.get("query_pre_attn_scalar")
+        # attn_logit_softcapping is not read: transformers' Gemma 3 attention never applies it
+        # (5.23 passes no softcap to its attention functions; Gemma 3's own configs set it null).
+        fields.update(
+            hidden_act=act,
+            query_pre_attn_scalar=positive_number("query_pre_attn_scalar", 256 if scalar is None else scalar, 256),
+            final_logit_softcapping=_optional_positive(raw, "final_logit_softcapping", 30.0),
+        )
+    elif raw.get("hidden_act") is not None:
+        fields["hidden_act"] = raw["hidden_act"]
+    return fields
+
+
+def _optional_positive(raw: dict[str, Any], key: str, example: float) -> float | None:
+    value = raw.get(key)
+    return None if value is None else positive_number(key, value, example)
