@@ -69,7 +69,18 @@ def _check_rope(name: str, params: Any, *, needs_type: bool) -> dict | None:
               _EXAMPLES["original_max_position_embeddings"])
     if params.get("rope_theta") is not None:
         positive_number(f"{name}.rope_theta", params["rope_theta"], 500000.0)
-    if params.get("rope_type", params.get("type")) == "llama3":
+    rope_type = params.get("rope_type", params.get("type"))
+    if rope_type in ("linear", "dynamic", "yarn") and params.get("factor") is None:
+        raise field_error(name, params, f"lacks factor, which {rope_type} scaling needs",
+                          f'write e.g. {{"rope_type": "{rope_type}", "factor": 4.0}}')
+    if rope_type == "longrope":
+        for key in ("short_factor", "long_factor"):
+            value = params.get(key)
+            if not isinstance(value, list) or not value or not all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in value):
+                raise field_error(f"{name}.{key}", value, "must be a list of positive numbers, one per rotated "
+                                  "pair (head_dim / 2)", "copy it from the checkpoint's config")
+    if rope_type == "llama3":
         missing = [key for key in LLAMA3_ROPE_KEYS if params.get(key) is None]
         if missing:
             raise field_error(name, params, f"lacks {', '.join(missing)}, which llama3 scaling needs",
@@ -175,6 +186,12 @@ class ModelConfig:
         positive_number("rms_norm_eps", self.rms_norm_eps, 1e-05)
         positive_number("rope_theta", self.rope_theta, 500000.0)
         _check_rope("rope_scaling", self.rope_scaling, needs_type=True)
+        if self.rope_scaling and self.rope_scaling.get("rope_type", self.rope_scaling.get("type")) == "longrope":
+            for key in ("short_factor", "long_factor"):
+                if len(self.rope_scaling[key]) != self.head_dim // 2:
+                    raise field_error(f"rope_scaling.{key}", f"<{len(self.rope_scaling[key])} numbers>",
+                                      f"must hold head_dim / 2 = {self.head_dim // 2} numbers",
+                                      "copy it from the checkpoint's config")
         for name in _FLAG_FIELDS:
             flag(name, getattr(self, name), nullable=False)
         if self.sliding_window is not None:
@@ -278,9 +295,11 @@ class ModelConfig:
             raise ValueError(f"config.json must hold a JSON object, not {type(raw).__name__}")
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
+            hint = ("; a Gemma 3 image-text checkpoint nests its text model in text_config: corelaunch runs "
+                    "text-only Gemma 3 checkpoints (model_type gemma3_text)" if model_type == "gemma3" else "")
             raise ValueError(
                 f"unsupported architecture model_type={show(model_type)} (architectures="
-                f"{show(raw.get('architectures'))}); corelaunch supports {', '.join(SUPPORTED_MODEL_TYPES)}"
+                f"{show(raw.get('architectures'))}); corelaunch supports {', '.join(SUPPORTED_MODEL_TYPES)}{hint}"
             )
         missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
                                 "num_attention_heads", "vocab_size") if k not in raw]

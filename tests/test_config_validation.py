@@ -90,6 +90,17 @@ def test_the_demo_config_is_valid():
     (dict(eos_token_id=[2, None]), "eos_token_id=[2, None]"),
     (dict(bos_token_id=1.0), "bos_token_id=1.0"),
     (dict(model_type=["llama"]), "model_type=['llama']"),
+    (dict(rope_scaling={"rope_type": "linear"}), "rope_scaling={'rope_type': 'linear'}"),  # no factor
+    (dict(rope_scaling={"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}),
+     "rope_scaling.short_factor='<1 numbers>'"),  # one per rotated pair
+    (dict(rope_scaling={"rope_type": "longrope", "short_factor": "x", "long_factor": [1.0]}),
+     "rope_scaling.short_factor='x'"),
+    (dict(model_type="qwen3", use_sliding_window=True, sliding_window=4, layer_types=["local"]),
+     "layer_types=['local']"),
+    (dict(model_type="gemma3_text", hidden_activation="relu"), "hidden_act='relu'"),
+    (dict(model_type="gemma3_text", query_pre_attn_scalar=0), "query_pre_attn_scalar=0"),
+    (dict(model_type="gemma3_text", rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": -1}}),
+     "rope_theta=-1"),
 ])
 def test_bad_fields_are_refused_naming_field_and_value(changes, names):
     message = refusal(demo(**changes))
