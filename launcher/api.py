@@ -67,6 +67,9 @@ class LaunchConfig:
     dtype: str | None = None
     """Compute dtype; None keeps the checkpoint's."""
     kv_strategy: str | None = None
+    pad_q_heads: bool = False
+    """Pad Q heads with zero heads to a multiple of tp (NxD Inference's layout, shardlib/sharding.py):
+    a degree that does not divide the heads runs, with outputs equal to the unpadded model's."""
     seq_len: int | None = None
     """KV-cache length per sequence; None sizes it per request (longest prompt + new tokens)."""
     max_batch_size: int = 8

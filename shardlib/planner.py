@@ -173,14 +173,10 @@ class Plan:
         if not self.valid:
             raise ValueError(f"no layout for an invalid plan (errors: {', '.join(self.error_codes)}); "
                              f"fix the errors `corelaunch plan` reports first")
-        if self.padded_q_heads is not None and self.padded_q_heads != self.config.num_attention_heads:
-            raise ValueError(
-                f"the plan pads Q heads from {self.config.num_attention_heads} to {self.padded_q_heads}; "
-                f"corelaunch's executor does not run padded layouts yet; use one of the degrees "
-                f"{_fmt_list(self.valid_tp_degrees)} without pad_q_heads")
         from shardlib.sharding import ShardLayout
 
-        return ShardLayout.for_model(self.config, self.tp_degree, self.kv_strategy)
+        return ShardLayout.for_model(self.config, self.tp_degree, self.kv_strategy,
+                                     pad_q_heads=self.padded_q_heads is not None)
 
     def to_dict(self) -> dict:
         cfg = self.config
@@ -403,8 +399,7 @@ def _describe(code: str, req: _Request, check: _Check, hint_degrees: list[int]) 
         return req.lnc_problem
     if code == "heads_not_divisible":
         return (f"num_attention_heads ({cfg.num_attention_heads}) is not divisible by tp_degree ({tp}); "
-                f"{works}; or pad Q heads with zero heads (pad_q_heads, --pad-q-heads: sizing only, the "
-                f"executor does not run padded layouts yet)")
+                f"{works}; or pad Q heads with zero heads (pad_q_heads, --pad-q-heads)")
     if code == "kv_heads_incompatible":
         from shardlib.sharding import default_kv_strategy, kv_strategy_problem
 
@@ -582,8 +577,7 @@ def _warnings(req: _Request, check: _Check) -> list[str]:
         out.append("the cpu target assumes every node has this host's cores and RAM")
     if check.q_heads_total > cfg.num_attention_heads:
         out.append(f"Q heads padded from {cfg.num_attention_heads} to {check.q_heads_total} with zero "
-                   f"heads: corelaunch's executor does not run padded layouts yet (the worker refuses "
-                   f"them), so this plan is for sizing only")
+                   f"heads: their rows of q_proj and columns of o_proj are computed and contribute nothing")
     if check.kv_strategy == "convert_to_mha" and check.kv_problem is None:
         copies = check.q_heads_total // cfg.num_key_value_heads
         out.append(f"kv strategy convert_to_mha copies each of the {cfg.num_key_value_heads} KV heads "

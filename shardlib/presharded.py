@@ -91,6 +91,7 @@ def save_presharded(out_dir: str | Path, model_dir: str | Path, config: ModelCon
             "model_type": config.model_type,
             "tp_degree": tp,
             "kv_strategy": layout.kv_strategy.value,
+            "pad_q_heads": layout.pad_q_heads,
             "dtype": dtype_name or (stored.pop() if len(stored) == 1 else "mixed"),
             "files": files,
             "corelaunch_version": _corelaunch_version(),
@@ -143,11 +144,11 @@ def load_presharded(directory: str | Path, config: ModelConfig, layout: ShardLay
     manifest = read_manifest(root, shown=shown)
     asked = {"format_version": FORMAT_VERSION, "config_hash": config.config_hash(),
              "model_type": config.model_type, "tp_degree": layout.tp_degree,
-             "kv_strategy": layout.kv_strategy.value}
+             "kv_strategy": layout.kv_strategy.value, "pad_q_heads": layout.pad_q_heads}
     if dtype is not None:
         asked["dtype"] = normalize_dtype(dtype)
     differ = [f"{key}: expected {value!r}, found {manifest[key]!r}"
-              for key, value in asked.items() if manifest[key] != value]
+              for key, value in asked.items() if manifest.get(key, False) != value]  # pad_q_heads: optional
     if differ:
         settings = f"tp_degree={layout.tp_degree}, kv_strategy={layout.kv_strategy.value!r}" + (
             f", dtype={asked['dtype']!r}" if "dtype" in asked else "")

@@ -8,7 +8,8 @@ Styles (Megatron / fairscale terms; W is stored as (out_features, in_features) l
 - COLUMN:    Y = X W^T with W split along out_features (dim 0); each rank computes a slice of Y.
              Padded with zero rows when out_features does not divide (the MLP intermediate of
              SmolLM2, 1536, at TP 9): a zero gate/up row gives silu(0) * 0 = 0, so padding is exact.
-- Q_HEADS:   COLUMN by whole attention heads (q_proj weight and bias).
+- Q_HEADS:   COLUMN by whole attention heads (q_proj weight and bias); with pad_q_heads a rank's
+             zero heads are zero rows after its real ones (ShardLayout.q_head_sources).
 - KV_HEADS:  COLUMN by the KV heads the rank's strategy assigns (k_proj / v_proj weight and bias);
              under replication or MHA conversion one original head appears on several ranks.
 - ROW:       W split along in_features (dim 1); partial outputs are summed by an all-reduce.
@@ -97,6 +98,10 @@ class ShardLayout:
     intermediate_size: int
     vocab_size: int
 
+    pad_q_heads: bool = False
+    """Pad Q heads with zero heads to a multiple of tp_degree (NxD Inference's layout, see
+    q_head_sources) instead of requiring tp_degree to divide them."""
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_strategy", KVStrategy(self.kv_strategy))
         if self.tp_degree < 1:
@@ -110,34 +115,44 @@ class ShardLayout:
                 f"num_attention_heads ({self.num_heads}) is not a multiple of num_key_value_heads "
                 f"({self.num_kv_heads}): not a valid GQA config"
             )
-        if self.num_heads % self.tp_degree:
+        if self.num_heads % self.tp_degree and not self.pad_q_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_heads}) is not divisible by tp_degree "
-                f"({self.tp_degree}); run `corelaunch plan` to list the degrees that work"
+                f"({self.tp_degree}); pad Q heads (--pad-q-heads), or run `corelaunch plan` to list the "
+                f"degrees that work"
             )
-        problem = kv_strategy_problem(self.kv_strategy, self.num_heads, self.num_kv_heads, self.tp_degree)
+        problem = kv_strategy_problem(self.kv_strategy, self.padded_heads, self.num_kv_heads, self.tp_degree)
         if problem:
             raise ValueError(problem)
 
     @classmethod
-    def for_model(cls, config: ModelConfig, tp_degree: int,
-                  kv_strategy: KVStrategy | str | None = None) -> "ShardLayout":
+    def for_model(cls, config: ModelConfig, tp_degree: int, kv_strategy: KVStrategy | str | None = None,
+                  pad_q_heads: bool = False) -> "ShardLayout":
+        heads = config.num_attention_heads
+        padded = math.ceil(heads / tp_degree) * tp_degree if pad_q_heads else heads
         if kv_strategy is None:
-            kv_strategy = default_kv_strategy(config.num_attention_heads, config.num_key_value_heads, tp_degree)
+            kv_strategy = default_kv_strategy(padded, config.num_key_value_heads, tp_degree)
             if kv_strategy is None:
                 raise ValueError(
-                    f"num_attention_heads ({config.num_attention_heads}) is not divisible by tp_degree "
-                    f"({tp_degree}); run `corelaunch plan` to list the degrees that work"
+                    f"num_attention_heads ({heads}) is not divisible by tp_degree "
+                    f"({tp_degree}); pad Q heads (--pad-q-heads), or run `corelaunch plan` to list the "
+                    f"degrees that work"
                 )
         return cls(tp_degree=tp_degree, kv_strategy=KVStrategy(kv_strategy),
-                   num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
+                   num_heads=heads, num_kv_heads=config.num_key_value_heads,
                    head_dim=config.head_dim, hidden_size=config.hidden_size,
-                   intermediate_size=config.intermediate_size, vocab_size=config.vocab_size)
+                   intermediate_size=config.intermediate_size, vocab_size=config.vocab_size,
+                   pad_q_heads=bool(pad_q_heads) and padded != heads)
 
     # ---- per-rank sizes ----------------------------------------------------------------------
     @property
+    def padded_heads(self) -> int:
+        """Q heads after padding: the next multiple of tp_degree with pad_q_heads, else num_heads."""
+        return math.ceil(self.num_heads / self.tp_degree) * self.tp_degree if self.pad_q_heads else self.num_heads
+
+    @property
     def q_heads_per_rank(self) -> int:
-        return self.num_heads // self.tp_degree
+        return self.padded_heads // self.tp_degree
 
     @property
     def kv_heads_per_rank(self) -> int:
@@ -161,12 +176,30 @@ class ShardLayout:
         return self.vocab_per_rank * self.tp_degree
 
     def q_head_ids(self, rank: int) -> range:
+        """Padded Q head slots of `rank` (the original heads' numbers when nothing is padded)."""
         self._check_rank(rank)
         n = self.q_heads_per_rank
         return range(rank * n, (rank + 1) * n)
 
-    def kv_head_ids(self, rank: int) -> list[int]:
-        """Original KV head index of each KV head slot on `rank`, in order."""
+    def q_head_sources(self, rank: int) -> list[int | None]:
+        """The original Q head in each of `rank`'s Q head slots, None for a zero (padding) head.
+
+        Padding follows NxD Inference (gqa.py): with KV heads replicated or split, the zero heads are
+        interleaved, appended to each KV head's group of Q heads, so the padded group still spans
+        whole ranks and every rank's Q heads read the one KV head it holds; with convert_to_mha
+        (every Q head its own KV copy) they are appended after the last head, KV heads likewise.
+        Either way a rank's zero heads come after its real ones."""
+        slots = self.q_head_ids(rank)
+        if self.padded_heads == self.num_heads:
+            return list(slots)
+        if self.kv_strategy is KVStrategy.CONVERT_TO_MHA:
+            return [s if s < self.num_heads else None for s in slots]
+        group, padded_group = self.num_heads // self.num_kv_heads, self.padded_heads // self.num_kv_heads
+        return [(s // padded_group) * group + s % padded_group if s % padded_group < group else None for s in slots]
+
+    def kv_head_ids(self, rank: int) -> list[int | None]:
+        """Original KV head index of each KV head slot on `rank`, in order (None: a zero head,
+        convert_to_mha's copy for a padded Q head)."""
         self._check_rank(rank)
         t, k, h = self.tp_degree, self.num_kv_heads, self.num_heads
         if self.kv_strategy is KVStrategy.SHARD:
@@ -175,7 +208,7 @@ class ShardLayout:
         if self.kv_strategy is KVStrategy.REPLICATE_TO_TP:
             return [rank // (t // k)]
         group = h // k  # Q heads per original KV head
-        return [q // group for q in self.q_head_ids(rank)]
+        return [None if q is None else q // group for q in self.q_head_sources(rank)]
 
     def vocab_range(self, rank: int) -> tuple[int, int]:
         """Real token ids [start, stop) owned by `rank` (stop - start may be < vocab_per_rank)."""
@@ -231,8 +264,12 @@ def _even(size: int, rank: int, tp: int, dim: int) -> TensorSlice:
     return TensorSlice(dim=dim, ranges=ranges, pad_to=per if per * tp != size else None)
 
 
-def _heads(head_ids: Sequence[int], head_dim: int, dim: int) -> TensorSlice:
-    return TensorSlice(dim=dim, ranges=_merge([(h * head_dim, (h + 1) * head_dim) for h in head_ids]))
+def _heads(head_ids: Sequence[int | None], head_dim: int, dim: int) -> TensorSlice:
+    """Whole heads in order; None (zero heads, which come last) become zero padding."""
+    real = [h for h in head_ids if h is not None]
+    padded = len(real) < len(head_ids)
+    return TensorSlice(dim=dim, ranges=_merge([(h * head_dim, (h + 1) * head_dim) for h in real]),
+                       pad_to=len(head_ids) * head_dim if padded else None)
 
 
 def slice_for_style(style: Style, full_shape: Sequence[int], rank: int, layout: ShardLayout) -> TensorSlice:
@@ -243,11 +280,11 @@ def slice_for_style(style: Style, full_shape: Sequence[int], rank: int, layout: 
     if style is Style.REPLICATE:
         return TensorSlice(dim=None)
     if style is Style.Q_HEADS:
-        return _heads(layout.q_head_ids(rank), d, dim=0)
+        return _heads(layout.q_head_sources(rank), d, dim=0)
     if style is Style.KV_HEADS:
         return _heads(layout.kv_head_ids(rank), d, dim=0)
     if style is Style.ROW_HEADS:
-        return _heads(layout.q_head_ids(rank), d, dim=1)
+        return _heads(layout.q_head_sources(rank), d, dim=1)
     if style is Style.COLUMN:
         return _even(full_shape[0], rank, tp, dim=0)
     if style is Style.ROW:

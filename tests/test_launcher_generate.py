@@ -60,12 +60,13 @@ def test_in_process_group_matches_transformers_greedy(case, tmp_path, in_process
     assert [group.tp_degree for group in in_process_cluster.groups] == [case[4]]
 
 
-def check_case(case, tmp_path, compile_: bool) -> None:
+def check_case(case, tmp_path, compile_: bool, **launch) -> None:
+    """launch: further Launcher options (pad_q_heads, ...)."""
     _, model_type, shape, fmt, tp, strategy, _ = case
     model = build_random_model(model_type, seed=tp, **shape)
     save_model(model, tmp_path, fmt)
     expected = [hf_greedy(model, p) for p in PROMPTS]
-    with Launcher(model=str(tmp_path), tp=tp, compile=compile_, progress=False) as launcher:
+    with Launcher(model=str(tmp_path), tp=tp, compile=compile_, progress=False, **launch) as launcher:
         assert launcher.plan.tp_degree == tp
         assert str(launcher.plan.kv_strategy) in (strategy, f"KVStrategy.{strategy.upper()}")
         batch = launcher.generate(PROMPTS, max_new_tokens=NEW_TOKENS)

@@ -204,20 +204,6 @@ def test_one_all_reduce_per_row_parallel_block_plus_embedding():
     assert collectives.all_gathers == 1
 
 
-def test_padded_q_heads_are_refused():
-    config, state_dict, _ = reference("llama_tp1")
-
-    class PaddedQLayout(ShardLayout):  # what a Q-head-padding layout would report
-        @property
-        def q_heads_per_rank(self) -> int:
-            return self.num_heads // self.tp_degree + 1
-
-    layout = PaddedQLayout(**{f: getattr(ShardLayout.for_model(config, 1), f)
-                              for f in ShardLayout.__dataclass_fields__})
-    with pytest.raises(ValueError, match="padded Q heads are not supported"):
-        ShardedCausalLM(config, layout, 0, {}, SingleRank())
-
-
 def test_layout_of_another_model_and_wrong_shapes_are_refused():
     config, state_dict, _ = reference("llama_tp1")
     other = ShardLayout.for_model(ModelConfig.from_dict({**build_config_dict(config), "num_attention_heads": 8}), 1)

@@ -56,6 +56,7 @@ class Case:
     state_dict: dict[str, torch.Tensor]
     requests: list[Request]
     kv_strategy: str | None = None
+    pad_q_heads: bool = False
 
 
 def hf_state_dict(model) -> dict[str, torch.Tensor]:
@@ -77,10 +78,10 @@ def shard_for_rank(config: ModelConfig, state_dict: dict[str, torch.Tensor], ran
 
 
 def build_rank_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], rank: int, tp_degree: int,
-                     collectives, kv_strategy: str | None = None, dtype=None):
+                     collectives, kv_strategy: str | None = None, dtype=None, pad_q_heads: bool = False):
     from workers.model import ShardedCausalLM
 
-    layout = ShardLayout.for_model(config, tp_degree, kv_strategy)
+    layout = ShardLayout.for_model(config, tp_degree, kv_strategy, pad_q_heads)
     return ShardedCausalLM(config, layout, rank, shard_for_rank(config, state_dict, rank, layout),
                            collectives, dtype)
 
@@ -89,7 +90,8 @@ def run_case(case: Case, rank: int, tp_degree: int, collectives) -> list[list]:
     """Outputs of every request of `case` on this rank (list of lists of GenerationOutput)."""
     from workers.engine import generate
 
-    model = build_rank_model(case.config, case.state_dict, rank, tp_degree, collectives, case.kv_strategy)
+    model = build_rank_model(case.config, case.state_dict, rank, tp_degree, collectives, case.kv_strategy,
+                             pad_q_heads=case.pad_q_heads)
     return [generate(model, r.prompts, r.sampling(), r.max_new_tokens, r.stop_token_ids)
             for r in case.requests]
 

@@ -54,13 +54,6 @@ def check_layout(config: ModelConfig, layout: ShardLayout, rank: int, collective
                 f"layout.{field} ({getattr(layout, field)}) differs from the model config's "
                 f"({model_value}); build the layout with ShardLayout.for_model(config, tp_degree)"
             )
-    if layout.q_heads_per_rank * layout.tp_degree != config.num_attention_heads:
-        raise ValueError(
-            f"the layout places {layout.q_heads_per_rank} Q heads on each of {layout.tp_degree} ranks "
-            f"({layout.q_heads_per_rank * layout.tp_degree} in all) but the model has "
-            f"{config.num_attention_heads}: padded Q heads are not supported by ShardedCausalLM; "
-            f"choose a tp_degree that divides num_attention_heads ({config.num_attention_heads})"
-        )
     if not 0 <= rank < layout.tp_degree:
         raise ValueError(f"rank ({rank}) must be in 0 .. tp_degree - 1 ({layout.tp_degree - 1})")
     if collectives.world_size != layout.tp_degree or collectives.rank != rank:

@@ -89,6 +89,8 @@ def apply_compiled_dir(config):
                           ("kv_strategy", config.kv_strategy), ("granularity", config.compile_granularity)):
         if wanted not in (None, "auto") and wanted != manifest.get(field):
             differ.append(f"{field}: expected {manifest.get(field)!r} (compiled), found {wanted!r} (asked)")
+    if config.pad_q_heads and not manifest.get("pad_q_heads", False):
+        differ.append("pad_q_heads: expected False (compiled), found True (asked)")
     buckets = Buckets.from_dict(manifest["buckets"])
     asked = {"token buckets": config.token_buckets, "context buckets": config.context_buckets}
     for name, wanted in asked.items():
@@ -109,6 +111,7 @@ def apply_compiled_dir(config):
     return dataclasses.replace(
         config, model=config.model or str(model_dir(root)), tp=manifest["tp_degree"], dtype=manifest["dtype"],
         backend=manifest["backend"], kv_strategy=manifest["kv_strategy"], seq_len=buckets.max_seq_len,
+        pad_q_heads=manifest.get("pad_q_heads", False),
         compile_granularity=manifest.get("granularity"),
         presharded_dir=str(weights_dir(root)), context_buckets=buckets.context, token_buckets=buckets.token,
         max_batch_size=min(config.max_batch_size, buckets.max_batch_size))

@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 
-from launcher.cli.options import add_backend_arguments, add_no_compile, backend_options, int_at_least
+from launcher.cli.options import add_backend_arguments, add_no_compile, add_pad_q_heads, backend_options, int_at_least
 
 
 def add_parser(subparsers) -> None:
@@ -40,6 +40,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids (default 0)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's")
     add_backend_arguments(p)
+    add_pad_q_heads(p)
     add_no_compile(p)
     p.add_argument("--ray-address", help="Ray cluster host:port, or local for a private one (default: RAY_ADDRESS, else the cluster `ray start` recorded on this host, else a private one)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -76,7 +77,7 @@ def _bench(args: argparse.Namespace) -> dict:
     from launcher.progress import Progress
     from shardlib.evaluation.bench_report import RunTiming, build_report
 
-    config = LaunchConfig(model=args.model, tp=args.tp, **backend_options(args),
+    config = LaunchConfig(model=args.model, tp=args.tp, **backend_options(args), pad_q_heads=args.pad_q_heads,
                           dtype=args.dtype, max_batch_size=args.batch_size, ray_address=args.ray_address,
                           compile=args.compile, progress=not args.quiet)
     timings: list[RunTiming] = []

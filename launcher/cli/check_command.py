@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from launcher.cli.options import add_backend_arguments, add_no_compile, backend_options
+from launcher.cli.options import add_backend_arguments, add_no_compile, add_pad_q_heads, backend_options
 
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
 FILE_FORMAT = "corelaunch-expected/1"
@@ -64,6 +64,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="corelaunch's compute dtype (default: the checkpoint's); the reference stays float32")
     add_backend_arguments(p)
+    add_pad_q_heads(p)
     p.add_argument("--divergence-difference-tol", type=float, default=0.001, metavar="TOL",
                    help="at a divergence, max(actual) - actual[expected token] must be below this (default 0.001)")
     p.add_argument("--tol-map", default=DEFAULT_TOL_SPEC, metavar="K:RTOL,...",
@@ -290,7 +291,7 @@ def _compare(args, model_dir, texts, prompts, expected: Expected, num_tokens, to
     from launcher.api import LaunchConfig, Launcher
     from shardlib.evaluation.accuracy import group_name, logit_matching, token_matching
 
-    config = LaunchConfig(model=str(model_dir), tp=args.tp, **backend_options(args),
+    config = LaunchConfig(model=str(model_dir), tp=args.tp, **backend_options(args), pad_q_heads=args.pad_q_heads,
                           dtype=args.dtype, max_batch_size=1, ray_address=args.ray_address,
                           compile=args.compile, progress=not args.quiet)
     results = []

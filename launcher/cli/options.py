@@ -33,6 +33,13 @@ def add_granularity(p: argparse.ArgumentParser) -> None:
                         f"collective, the layer cut at its collectives (for comparison)")
 
 
+def add_pad_q_heads(p: argparse.ArgumentParser) -> None:
+    """--pad-q-heads (plan, generate, compile, check, bench, serve)."""
+    p.add_argument("--pad-q-heads", action="store_true",
+                   help="pad Q heads to a multiple of TP with zero heads (NxD Inference's layout), so a degree "
+                        "that does not divide the heads runs; outputs equal the unpadded model's")
+
+
 def add_no_compile(p: argparse.ArgumentParser) -> None:
     """--no-compile (generate, check, bench): args.compile False runs eagerly."""
     p.add_argument("--no-compile", dest="compile", action="store_false",
@@ -110,6 +117,7 @@ def add_model_and_placement_arguments(p: argparse.ArgumentParser) -> None:
                    help="write a pre-sharded copy after the first load and restart groups from it")
     p.add_argument("--lnc", type=int, choices=[1, 2], help="logical NeuronCore config (default: per instance)")
     p.add_argument("--kv-strategy", choices=["shard", "replicate_to_tp", "convert_to_mha"])
+    add_pad_q_heads(p)
     p.add_argument("--seq-len", type=int, help="maximum sequence length, the largest KV-cache (token-generation) "
                                                 "bucket (default: min(max_position_embeddings, 4096); with "
                                                 "--no-compile: longest prompt + new tokens)")
@@ -140,6 +148,7 @@ def model_and_placement_options(args: argparse.Namespace) -> dict:
         cpus_per_rank=args.cpus_per_rank, presharded_cache=args.presharded_cache,
         startup_timeout_s=args.startup_timeout, rendezvous_timeout_s=args.rendezvous_timeout,
         lnc=args.lnc, dtype=args.dtype, kv_strategy=args.kv_strategy, seq_len=args.seq_len,
+        pad_q_heads=args.pad_q_heads,
         presharded_dir=args.presharded, compile=args.compile, compile_granularity=args.granularity,
         compiled_dir=args.compiled, warm_up=args.warm_up, **bucket_lists(args),
         placement_timeout_s=args.placement_timeout, request_timeout_s=args.request_timeout,

@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 
+from launcher.cli.options import add_pad_q_heads
 from shardlib.instances import CPU_TARGET, INSTANCE_NAMES
 from shardlib.model_config import load_model_config
 from shardlib.planner import KV_STRATEGIES, Plan, plan
@@ -48,8 +49,7 @@ def add_parser(subparsers) -> None:
                    help="weight dtype, e.g. bfloat16, float32, float8_e4m3 (default: the checkpoint's)")
     p.add_argument("--kv-strategy", choices=KV_STRATEGIES,
                    help="force a KV-head layout (default: shard, else replicate_to_tp, else convert_to_mha)")
-    p.add_argument("--pad-q-heads", action="store_true",
-                   help="pad Q heads to a multiple of TP with zero heads (sizing only: not executable yet)")
+    add_pad_q_heads(p)
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.set_defaults(run=run)
 
