@@ -36,18 +36,28 @@ class FamilyTraits:
     pre_/post_feedforward_layernorm wrap the MLP; otherwise post_attention_layernorm is the MLP's input norm."""
     scaled_embeddings: bool = False
     """Embeddings multiplied by sqrt(hidden_size) (in the weight dtype), as Gemma does."""
+    tied_by_default: bool = False
+    """tie_word_embeddings when config.json leaves it out (transformers' default for the family)."""
 
 
 TRAITS = {
     "llama": FamilyTraits(), "mistral": FamilyTraits(), "qwen2": FamilyTraits(),
     "mixtral": FamilyTraits(),
     "qwen3": FamilyTraits(qk_norm=True),
-    "gemma3_text": FamilyTraits(qk_norm=True, norm_offset=1.0, sandwich_norms=True, scaled_embeddings=True),
+    "gemma3_text": FamilyTraits(qk_norm=True, norm_offset=1.0, sandwich_norms=True, scaled_embeddings=True,
+                                tied_by_default=True),
 }
 
 
 def traits(model_type: str) -> FamilyTraits:
     return TRAITS.get(model_type, FamilyTraits())
+
+
+def layer_norm_elements(config) -> int:
+    """Norm weights of one decoder layer (a ModelConfig's), whole on every rank: two hidden-size
+    norms (Gemma 3: four), plus the per-head q/k norms of Qwen3 and Gemma 3."""
+    family = traits(config.model_type)
+    return (4 if family.sandwich_norms else 2) * config.hidden_size + (2 * config.head_dim if family.qk_norm else 0)
 
 
 def _layer_types(model_type: str, raw: dict[str, Any], window: int | None, layers: int) -> tuple[str, ...] | None:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from shardlib.config_fields import count, field_error, flag, mapping, positive_number, show, token_id, token_ids
-from shardlib.families import ACTIVATIONS, LAYER_TYPES, SLIDING, family_fields
+from shardlib.families import ACTIVATIONS, LAYER_TYPES, SLIDING, family_fields, layer_norm_elements, traits
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "mixtral")
 
@@ -269,10 +269,7 @@ class ModelConfig:
             attn += h
         if self.mlp_bias:
             mlp += 2 * i + h
-        norms = 2 * h + (2 * h if self.model_type == "gemma3_text" else 0)
-        if self.model_type in ("qwen3", "gemma3_text"):
-            norms += 2 * self.head_dim  # q_norm, k_norm
-        return attn + mlp + norms
+        return attn + mlp + layer_norm_elements(self)
 
     def param_count(self) -> int:
         embed = self.vocab_size * self.hidden_size
@@ -355,7 +352,8 @@ class ModelConfig:
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
             max_position_embeddings=default("max_position_embeddings", 2048),
-            tie_word_embeddings=flag("tie_word_embeddings", raw.get("tie_word_embeddings")),
+            tie_word_embeddings=flag("tie_word_embeddings", raw.get("tie_word_embeddings"),
+                                     traits(model_type).tied_by_default),
             attention_bias=model_type == "qwen2" or biased,
             output_bias=model_type != "qwen2" and biased,
             mlp_bias=flag("mlp_bias", raw.get("mlp_bias")),

@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass, field
 
 from shardlib.instances import CPU_TARGET, GIB, NEURON_INSTANCES, InstanceType, get_instance
+from shardlib.families import layer_norm_elements
 from shardlib.model_config import DTYPE_BYTES, ModelConfig, normalize_dtype
 from shardlib.positive_int import positive_int
 
@@ -240,10 +241,14 @@ def _weight_elements(cfg: ModelConfig, tp: int, q_per_rank: int, kv_per_rank: in
     attn = 2 * q_per_rank * d * h + 2 * kv_per_rank * d * h  # q, o + k, v
     if cfg.attention_bias:
         attn += (q_per_rank + 2 * kv_per_rank) * d
+    if cfg.output_bias:
+        attn += h  # replicated: added once after the all-reduce
     mlp = 3 * h * math.ceil(cfg.intermediate_size / tp)  # gate/up (w1/w3) columns, down (w2) rows
+    if cfg.mlp_bias:
+        mlp += 2 * math.ceil(cfg.intermediate_size / tp) + h
     if cfg.is_moe:
         mlp = cfg.num_local_experts * mlp + h * cfg.num_local_experts  # all experts + router
-    return embed + cfg.num_hidden_layers * (attn + mlp + 2 * h) + h
+    return embed + cfg.num_hidden_layers * (attn + mlp + layer_norm_elements(cfg)) + h
 
 
 def _kv_cache_dtype(dtype: str) -> str:

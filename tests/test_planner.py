@@ -350,3 +350,21 @@ def test_mixtral_is_flagged_and_a_sliding_window_is_applied_past_it():
 def test_malformed_configs_raise_value_errors(raw, match):
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_dict(raw)
+
+
+def test_qwen3_and_gemma3_configs_are_understood():
+    qwen3 = load_model_config(CONFIGS / "qwen3-0.6b.json")
+    assert qwen3.head_dim == 128 and qwen3.q_size == 2048  # head_dim given, not hidden_size / heads
+    assert qwen3.param_count() == 596_049_920 and qwen3.layer_types is None  # use_sliding_window false
+    gemma = load_model_config(CONFIGS / "gemma-3-1b-it.json")
+    assert gemma.tie_word_embeddings  # Gemma 3's default when config.json leaves it out
+    assert gemma.param_count() == 999_885_952
+    assert [i for i in range(26) if gemma.window_of(i) is None] == [5, 11, 17, 23]  # every 6th global
+    assert gemma.sliding_window == 512 and (gemma.rope_theta, gemma.local_rope_theta) == (1e6, 1e4)
+    for config, tp, strategy in ((qwen3, 8, "shard"), (gemma, 2, "replicate_to_tp")):
+        p = plan(config, instance="trn1.32xlarge", tp=tp, dtype="bfloat16")
+        assert p.valid and p.kv_strategy == strategy and config.executor_gaps() == []
+        assert p.memory.weight_bytes_per_rank * tp >= config.param_count() * 2
+    assert plan(gemma, tp=1, dtype="bfloat16").memory.weight_bytes_per_rank == gemma.param_count() * 2
+    padded = plan(gemma, instance="trn1.32xlarge", tp=8, pad_q_heads=True)
+    assert padded.valid and padded.padded_q_heads == 8 and padded.kv_strategy == "replicate_to_tp"
