@@ -152,10 +152,10 @@ def test_a_model_the_workers_cannot_run_is_refused_before_any_process(tmp_path):
 
     model_dir = save_random_model(tmp_path, "llama", num_heads=4, num_kv_heads=2)
     config = json.loads((model_dir / "config.json").read_text())
-    config["mlp_bias"] = True
+    config["rope_scaling"] = {"rope_type": "mrope", "factor": 2.0}  # a rope type the workers lack
     (model_dir / "config.json").write_text(json.dumps(config))
     was_running = ray.is_initialized()
-    with pytest.raises(PlanRejected, match=r"mlp \(mlp_bias\)") as info:
+    with pytest.raises(PlanRejected, match=r"rope scaling type 'mrope'") as info:
         Launcher(model=str(model_dir), tp=2, progress=False).start()
     assert [e["code"] for e in info.value.errors] == ["not_runnable"]
     assert ray.is_initialized() == was_running
