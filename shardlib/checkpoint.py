@@ -45,6 +45,7 @@ from safetensors import SafetensorError, safe_open
 
 from shardlib.model_config import ModelConfig, normalize_dtype
 from shardlib.param_shapes import LM_HEAD, expected_shapes
+from shardlib.quantization import keeps_dtype
 from shardlib.sharding import ShardLayout, Style, TensorSlice, apply_slice, slice_for, style_for
 
 CHECKPOINT_FILES = (
@@ -332,7 +333,8 @@ def load_rank_shard(model_dir: str | Path, config: ModelConfig, layout: ShardLay
         for done, name in enumerate(names, 1):
             reader, entry = table[name]
             tensor = reader.read(name, slice_for(config.model_type, name, entry.shape, rank, layout))
-            shard[name] = tensor if target is None or tensor.dtype == target else tensor.to(target)
+            shard[name] = tensor if target is None or tensor.dtype == target or keeps_dtype(name, tensor) \
+                else tensor.to(target)
             if progress is not None:
                 progress(name, done, len(names))
     return shard

@@ -16,6 +16,7 @@ from typing import Any
 
 from shardlib.config_fields import count, field_error, flag, mapping, positive_number, show, token_id, token_ids
 from shardlib.families import ACTIVATIONS, LAYER_TYPES, SLIDING, family_fields, layer_norm_elements, traits
+from shardlib.quantization import Quantization
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "mixtral")
 
@@ -165,6 +166,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    quantization: Quantization | None = None
+    """Quantized weights (config.json's quantization_config, shardlib/quantization.py); None: none."""
 
     def __post_init__(self) -> None:
         """Every field in type and range (a one-line ValueError naming the field, value and fix)."""
@@ -364,6 +367,7 @@ class ModelConfig:
             bos_token_id=token_id("bos_token_id", raw.get("bos_token_id")),
             eos_token_id=token_ids("eos_token_id", raw.get("eos_token_id")),
             pad_token_id=token_id("pad_token_id", raw.get("pad_token_id")),
+            quantization=Quantization.from_json(raw.get("quantization_config")),
         )
 
 

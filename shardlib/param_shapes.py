@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from shardlib.families import traits
 from shardlib.model_config import ModelConfig
+from shardlib.quantization import scale_name
 
 LM_HEAD = "lm_head.weight"
 EMBED = "model.embed_tokens.weight"
@@ -62,4 +63,9 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes["model.norm.weight"] = (h,)
     if not config.tie_word_embeddings:
         shapes[LM_HEAD] = (v, h)
+    quant = config.quantization
+    if quant is not None:  # each quantized weight's scale, named beside it
+        for name, shape in list(shapes.items()):
+            if quant.is_quantized(name, config.tie_word_embeddings):
+                shapes[scale_name(name)] = quant.scale_shape(shape)
     return shapes

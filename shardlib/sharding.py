@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Sequence
 
 
 from shardlib.model_config import ModelConfig
+from shardlib.quantization import SCALE_SUFFIX, weight_name_of
 
 if TYPE_CHECKING:  # torch is imported only where tensors are cut, so planning stays torch-free
     import torch
@@ -362,7 +363,21 @@ def style_for(model_type: str, name: str) -> Style:
 def slice_for(model_type: str, name: str, full_shape: Sequence[int], rank: int,
               layout: ShardLayout) -> TensorSlice | None:
     """The slice of checkpoint tensor `name` that `rank` holds; None for tensors to skip."""
+    if name.endswith(SCALE_SUFFIX):
+        return scale_slice(style_for(model_type, weight_name_of(name)), full_shape, rank, layout)
     style = style_for(model_type, name)
     if style is Style.SKIP:
         return None
     return slice_for_style(style, full_shape, rank, layout)
+
+
+_OUTPUT_SPLIT = (Style.COLUMN, Style.Q_HEADS, Style.KV_HEADS, Style.VOCAB)
+
+
+def scale_slice(weight_style: Style, full_shape: Sequence[int], rank: int, layout: ShardLayout) -> TensorSlice:
+    """The slice of a quantized weight's scale (shardlib/quantization.py): a per-channel scale
+    (out, 1) is cut like its weight's output dim when the weight is split along it, and kept whole
+    for a row-parallel or replicated weight; a per-tensor scale (1,) is replicated."""
+    if len(full_shape) == 2 and weight_style in _OUTPUT_SPLIT:
+        return slice_for_style(weight_style, full_shape, rank, layout)
+    return TensorSlice(dim=None)

@@ -17,6 +17,7 @@ from torch import nn
 
 from workers.collectives import Collectives
 from workers.kv_cache import write_kv
+from workers.quantized_linear import QuantizedWeight
 from workers.rope import apply_rotary
 
 
@@ -33,7 +34,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     development machine streams it at about a third of that (see workers/compiled.py for the numbers).
     Eager mode keeps F.linear: there the multiply would materialise a (rows, out, in) tensor.
     """
-    if torch.compiler.is_compiling() and x.numel() // x.shape[-1] <= GEMV_MAX_ROWS:
+    gemv = torch.compiler.is_compiling() and x.numel() // x.shape[-1] <= GEMV_MAX_ROWS
+    if isinstance(weight, QuantizedWeight):  # 8-bit weight, dequantized inside the product
+        return weight.linear(x, bias, gemv)
+    if gemv:
         y = (x.unsqueeze(-2) * weight).sum(-1)  # (..., 1, in) * (out, in) -> (..., out)
         return y if bias is None else y + bias
     return F.linear(x, weight, bias)
@@ -67,7 +71,10 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: t
 
 
 def as_param(tensor: torch.Tensor, dtype: torch.dtype) -> nn.Parameter:
-    """Wrap a shard tensor as a frozen parameter; no copy when it already has `dtype`."""
+    """Wrap a shard tensor as a frozen parameter; no copy when it already has `dtype`. A quantized
+    weight stays as it is (8-bit; `linear` dequantizes it in the compute dtype)."""
+    if isinstance(tensor, QuantizedWeight):
+        return tensor
     return nn.Parameter(tensor.to(dtype), requires_grad=False)
 
 

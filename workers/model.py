@@ -18,12 +18,13 @@ from torch import nn
 
 from shardlib.model_config import ModelConfig, normalize_dtype
 from shardlib.param_shapes import expected_shapes
+from shardlib.families import traits
 from shardlib.sharding import ShardLayout, Style, slice_for, style_for
 from workers.collectives import Collectives
 from workers.kv_cache import KVCache
-from shardlib.families import traits
 from workers.family_layers import build_layer, embedding_scale, layer_kinds
 from workers.layers import RMSNorm, VocabParallelEmbedding, as_param, linear
+from workers.quantized_linear import pack_quantized
 from workers.rope import RotaryTables
 from workers.step import EAGER, run_step
 
@@ -98,7 +99,7 @@ class ShardedCausalLM(nn.Module):
                  collectives: Collectives, dtype: torch.dtype | str | None = None) -> None:
         super().__init__()
         check_layout(config, layout, rank, collectives)
-        shard = check_shard(config, layout, rank, shard)
+        shard = pack_quantized(check_shard(config, layout, rank, shard))
         self.config, self.layout, self.rank, self.collectives = config, layout, rank, collectives
         self.dtype = resolve_dtype(dtype, config)
 

@@ -1,0 +1,158 @@
+"""Quantize a Hugging Face checkpoint directory into a new one (`corelaunch quantize`), streaming.
+
+The output is a Hugging Face-style directory: config.json with a `quantization_config` block
+(shardlib/quantization.py), one model.safetensors in which every quantized weight is stored in
+8 bits with its `<module>.scale` beside it and every other tensor unchanged, and every other file
+of the source (tokenizer, generation config) copied.
+
+Memory: tensors are read one at a time (shardlib.checkpoint's readers: a safetensors tensor is
+read with preadv, a pickle's is memory-mapped and its pages dropped after use), quantized in
+blocks of rows and written out before the next is read. The safetensors header is written first,
+since every output shape and dtype is known from the source's header, so the file is filled
+sequentially and never held whole. Peak host memory: the largest source tensor, its 8-bit
+output, and one block's float32 temporaries (QUANT_BLOCK_BYTES).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from shardlib.checkpoint import CHECKPOINT_FILES, _open_files, find_checkpoint, _validated_names
+from shardlib.model_config import ModelConfig
+from shardlib.quantization import (Quantization, absmax_scale, normalize_quant_dtype, quantize_with_scale,
+                                   scale_name, storage_dtype)
+from shardlib.sharding import TensorSlice
+
+QUANT_BLOCK_BYTES = 16 << 20
+"""float32 bytes of one block of rows quantized at a time (bounds the temporaries)."""
+
+_ST_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int8: "I8",
+             torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+_WHOLE = TensorSlice(dim=None)
+
+
+def check_quantize_request(model_dir: str | Path, dtype: str, out_dir: str | Path) -> tuple[dict, str]:
+    """(the source's parsed config.json, the normalized format); ValueError (one line) for an unknown
+    dtype, an already quantized source, or an output path that exists. Reads no weights."""
+    fmt = normalize_quant_dtype(dtype)
+    config_file = Path(model_dir) / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"--model {model_dir} has no config.json; pass a Hugging Face model directory")
+    raw = json.loads(config_file.read_text())
+    if isinstance(raw, dict) and raw.get("quantization_config") is not None:
+        method = raw["quantization_config"].get("quant_method") if isinstance(raw["quantization_config"], dict) else "?"
+        raise ValueError(f"--model {model_dir} is already quantized (quantization_config with quant_method="
+                         f"{method!r}); quantize the original unquantized checkpoint instead")
+    if Path(out_dir).exists() or Path(out_dir).is_symlink():
+        raise ValueError(f"--out {out_dir} already exists; choose a new directory (quantize never overwrites)")
+    ModelConfig.from_dict(raw)  # every field checked before any weight is read
+    return raw, fmt
+
+
+def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, dtype: str, per_channel: bool = True,
+                        lm_head: bool = False, progress: Callable[[str, int, int], None] | None = None) -> Path:
+    """Write the quantized directory at `out_dir` (see the module docstring); returns it."""
+    raw, fmt = check_quantize_request(model_dir, dtype, out_dir)
+    quant = Quantization(fmt, "per_channel_symmetric" if per_channel else "per_tensor_symmetric",
+                         "linear+lm_head" if lm_head else "linear")
+    config = ModelConfig.from_dict(raw)
+    out_dir = Path(out_dir)
+    partial = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    try:
+        _write_weights(Path(model_dir), config, quant, partial / "model.safetensors", progress)
+        _copy_other_files(Path(model_dir), partial)
+        (partial / "config.json").write_text(json.dumps({**raw, "quantization_config": quant.to_json()}, indent=2))
+        partial.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _write_weights(model_dir: Path, config: ModelConfig, quant: Quantization, path: Path,
+                   progress: Callable[[str, int, int], None] | None) -> None:
+    ckpt = find_checkpoint(model_dir)
+    with _open_files(ckpt) as files:
+        entries = {name: files[p].entries[name] for name, p in ckpt.weight_map.items()}
+        names = _validated_names(ckpt, {n: e.shape for n, e in entries.items()}, config)
+        # The output's table of contents, in write order: each weight, then its scale.
+        layout: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+        for name in names:
+            entry = entries[name]
+            if quant.is_quantized(name, config.tie_word_embeddings):
+                layout.append((name, storage_dtype(quant.dtype), entry.shape))
+                layout.append((scale_name(name), torch.float32, quant.scale_shape(entry.shape)))
+            else:
+                layout.append((name, entry.dtype, entry.shape))
+        with open(path, "wb") as out:
+            _write_header(out, layout)
+            for done, name in enumerate(names, 1):
+                tensor = files[ckpt.weight_map[name]].read(name, _WHOLE)
+                if quant.is_quantized(name, config.tie_word_embeddings):
+                    for part in _quantize_blocked(tensor, quant):
+                        _write_tensor(out, part)
+                else:
+                    _write_tensor(out, tensor)
+                del tensor  # before the next read: one source tensor at a time
+                if progress is not None:
+                    progress(name, done, len(names))
+            out.flush()
+            os.fsync(out.fileno())
+
+
+def _quantize_blocked(weight: torch.Tensor, quant: Quantization) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize(weight) computed block of rows by block, so float32 temporaries stay within
+    QUANT_BLOCK_BYTES (identical result: per-channel scales are per row; a per-tensor scale is the
+    maximum of the blocks' maxima)."""
+    rows = max(1, QUANT_BLOCK_BYTES // (4 * max(1, weight.shape[1])))
+    blocks = range(0, weight.shape[0], rows)
+    if quant.per_channel:
+        scale = torch.cat([absmax_scale(weight[i:i + rows], quant.dtype, True) for i in blocks])
+    else:
+        scale = torch.stack([absmax_scale(weight[i:i + rows], quant.dtype, False) for i in blocks]).amax(0)
+    q = torch.empty(weight.shape, dtype=storage_dtype(quant.dtype))
+    for i in blocks:
+        q[i:i + rows] = quantize_with_scale(weight[i:i + rows], scale[i:i + rows] if quant.per_channel else scale,
+                                            quant.dtype)
+    return q, scale
+
+
+def _write_header(out, layout: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
+    """A safetensors header for tensors written back to back in `layout` order."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, dtype, shape in layout:
+        if dtype not in _ST_DTYPE:
+            raise ValueError(f"tensor {name!r} has dtype {dtype}, which `corelaunch quantize` cannot write")
+        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": _ST_DTYPE[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned, as safetensors writes it
+    out.write(len(blob).to_bytes(8, "little"))
+    out.write(blob)
+
+
+def _write_tensor(out, tensor: torch.Tensor) -> None:
+    if tensor.numel():
+        out.write(memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy()))
+
+
+def _copy_other_files(source: Path, dest: Path) -> None:
+    """Every file of the source but its weights and config.json (tokenizer, generation config...)."""
+    weight_files = {name for _, name in CHECKPOINT_FILES}
+    for path in sorted(source.iterdir()):
+        if not path.is_file() or path.name == "config.json" or path.name in weight_files:
+            continue
+        if path.suffix in (".safetensors", ".bin", ".pt", ".pth") or path.name.endswith(".index.json"):
+            continue  # weight shards of a sharded checkpoint
+        shutil.copy2(path, dest / path.name)

@@ -1,0 +1,66 @@
+"""A quantized linear weight on one rank: 8-bit values plus their scale, dequantized where used.
+
+The values stay int8 / fp8 in memory for the model's whole life (buffers of a QuantizedWeight);
+a product dequantizes inside the computation (shardlib/quantization.py gives the maths):
+- traced by torch.compile for a decode step (workers.layers.linear's multiply-and-sum), the
+  8-bit weight is converted inside the fused reduction loop, and a per-channel scale multiplies
+  each output once after the sum (sum_j x_j q_ij s_i = s_i sum_j x_j q_ij), so no float copy of the
+  weight is ever written;
+- eagerly, and for prefills, the weight is dequantized to a temporary in the compute dtype and
+  F.linear runs on it: the temporary lives for one product.
+
+The layers (workers/layers.py) see a QuantizedWeight where they would see a weight Parameter:
+`as_param` passes it through and `linear` routes it here, so no layer changes with quantization.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardlib.quantization import SCALE_SUFFIX, scale_name
+
+
+class QuantizedWeight(nn.Module):
+    """One quantized (out, in) weight shard: `q` (int8 or fp8) and `scale` float32, (out, 1) per
+    channel or (1,) per tensor."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor) -> None:
+        super().__init__()
+        if q.dim() != 2 or scale.shape not in ((q.shape[0], 1), (1,)):
+            raise ValueError(f"a quantized weight needs q (out, in) and scale (out, 1) or (1,); got "
+                             f"{tuple(q.shape)} and {tuple(scale.shape)}")
+        self.register_buffer("q", q)
+        self.register_buffer("scale", scale.to(torch.float32))
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        return (self.q.to(torch.float32) * self.scale).to(dtype)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None, gemv: bool) -> torch.Tensor:
+        """x W^T + b with W = q * scale; gemv: write it as a multiply-and-sum (a compiled decode step)."""
+        if gemv:
+            y = (x.unsqueeze(-2) * self.q.to(x.dtype)).sum(-1)  # (..., out), scale not yet applied
+            y = y * self.scale.view(-1).to(x.dtype)  # (out,) per channel, (1,) per tensor
+        else:
+            y = F.linear(x, self.dequantized(x.dtype))
+        return y if bias is None else y + bias
+
+
+def pack_quantized(shard: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | QuantizedWeight]:
+    """The shard with every `<m>.weight` that has a `<m>.scale` beside it replaced by one
+    QuantizedWeight, and the scales removed (an unquantized shard comes back unchanged)."""
+    packed = {name: t for name, t in shard.items() if not name.endswith(SCALE_SUFFIX)}
+    for name, tensor in packed.items():
+        scale = shard.get(scale_name(name)) if name.endswith(".weight") else None
+        if scale is not None:
+            packed[name] = QuantizedWeight(tensor, scale)
+    return packed
