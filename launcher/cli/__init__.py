@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "bench": "launcher.cli.bench_command",
     "compile": "launcher.cli.compile_command",
     "serve": "launcher.cli.serve_command",
+    "quantize": "launcher.cli.quantize_command",
 }
 
 

@@ -1,0 +1,64 @@
+"""`corelaunch quantize`: write a quantized copy of a Hugging Face model directory.
+
+    corelaunch quantize --model DIR --dtype int8 --out QDIR      (per channel, the default)
+    corelaunch generate --model QDIR "The capital of France is"
+
+Only shardlib is used (no Ray): tensors are streamed one at a time (shardlib/quantize_checkpoint.py),
+so host memory stays near the largest tensor whatever the model's size. Bad input (an unknown
+dtype, an already quantized model, an existing --out) is refused with one line before any weight
+is read. Exit code 0 on success, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from shardlib.quantization import QUANT_DTYPES
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "quantize", help="write an int8 / fp8 quantized copy of a model directory",
+        description="Quantize every linear layer's weight to int8 or fp8 (symmetric, per output channel or per "
+                    "tensor) with its float32 scale stored beside it as <module>.scale; config.json records the "
+                    "quantization and the tokenizer files are copied. generate, check and bench accept the result.")
+    p.add_argument("--model", help="Hugging Face model directory (default: built-in SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", required=True, metavar="|".join(QUANT_DTYPES),
+                   help="int8 (scale absmax/127), f8e4m3 (absmax/240, Neuron's e4m3 range) or f8e5m2")
+    granularity = p.add_mutually_exclusive_group()
+    granularity.add_argument("--per-channel", dest="per_channel", action="store_true", default=True,
+                             help="one scale per output channel (the default)")
+    granularity.add_argument("--per-tensor", dest="per_channel", action="store_false",
+                             help="one scale per weight tensor")
+    p.add_argument("--lm-head", action="store_true",
+                   help="quantize an untied LM head too (default: embedding and LM head stay unquantized)")
+    p.add_argument("--out", required=True, metavar="QDIR", help="the directory to write (must not exist)")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from shardlib.quantize_checkpoint import check_quantize_request, quantize_checkpoint
+
+    model = args.model
+    if model is None:
+        from shardlib.demo_model import ensure_demo_model
+
+        model = str(ensure_demo_model())
+    try:
+        check_quantize_request(model, args.dtype, args.out)  # every refusal before any weight is read
+    except (ValueError, FileNotFoundError) as err:
+        print(f"corelaunch quantize: {err}", file=sys.stderr)
+        return 2
+    start = time.monotonic()
+
+    def progress(name: str, done: int, total: int) -> None:
+        if not args.quiet:
+            print(f"\rquantize: {done}/{total} tensors", end="" if done < total else "\n", file=sys.stderr)
+
+    out = quantize_checkpoint(model, args.out, args.dtype, args.per_channel, args.lm_head, progress)
+    if not args.quiet:
+        print(f"quantize: wrote {out} in {time.monotonic() - start:.1f} s", file=sys.stderr)
+    return 0
