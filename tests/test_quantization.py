@@ -1,0 +1,194 @@
+"""Quantized weights: the formats against plain torch, the quantized checkpoint, sharded against
+unsharded (every rank in this process), and one end-to-end run through Ray.
+
+The reference for a quantized model is the same model with every quantized weight dequantized
+(q * scale in float32) and loaded into transformers: it computes the same numbers in plain torch,
+so greedy tokens must be equal (the random models' logits are peaked: tests/model_factory.py).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from shardlib.model_config import ModelConfig, load_model_config
+from shardlib.quantization import (FORMAT_MAX, Quantization, dequantize, dequantize_state_dict, quantize,
+                                   quantize_state_dict, scale_name)
+from shardlib.quantize_checkpoint import quantize_checkpoint
+from tests.model_factory import build_random_model, save_model
+from tests.tp_harness import Case, Request, build_rank_model, hf_state_dict, run_tp_in_process
+from workers.collectives import SingleRank
+from workers.engine import generate
+from workers.quantized_linear import QuantizedWeight
+from workers.sampling import SamplingParams
+
+FORMATS = [(fmt, per_channel) for fmt in ("int8", "f8e4m3", "f8e5m2") for per_channel in (True, False)]
+PROMPTS = [[5, 9, 33, 17, 80, 3, 44, 12, 61], [7, 100, 21]]
+NEW_TOKENS = 8
+EOS = 2
+
+
+def plain_reference(w: torch.Tensor, fmt: str, per_channel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The formats written out independently with plain torch ops."""
+    top = {"int8": 127.0, "f8e4m3": 240.0, "f8e5m2": 57344.0}[fmt]
+    absmax = w.abs().max(dim=1, keepdim=True).values if per_channel else w.abs().max().view(1)
+    scale = absmax / top
+    x = torch.clamp(w / scale, -top, top)
+    if fmt == "int8":
+        return torch.round(x).to(torch.int8), scale
+    return x.to(torch.float8_e4m3fn if fmt == "f8e4m3" else torch.float8_e5m2), scale
+
+
+@pytest.mark.parametrize("fmt,per_channel", FORMATS)
+def test_round_trip_matches_plain_torch_and_error_bounds(fmt, per_channel):
+    torch.manual_seed(0)
+    w = torch.randn(48, 80) * torch.linspace(0.01, 3.0, 48)[:, None]  # rows of very different ranges
+    q, scale = quantize(w, fmt, per_channel)
+    ref_q, ref_scale = plain_reference(w, fmt, per_channel)
+    assert scale.shape == ((48, 1) if per_channel else (1,)) and scale.dtype == torch.float32
+    assert q.dtype == ref_q.dtype and torch.equal(scale, ref_scale)
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))  # bit-identical stored values
+    # The absmax maps onto the format's maximum (per row, or once per tensor).
+    top = q.to(torch.float32).abs().amax(dim=1 if per_channel else None)
+    assert torch.all(top == FORMAT_MAX[fmt])
+    err = (dequantize(q, scale) - w).abs()
+    if fmt == "int8":
+        assert torch.all(err <= scale / 2 + 1e-7)  # round to nearest: half a step
+    else:  # 3 (e4m3) or 2 (e5m2) mantissa bits: half an ulp relative, or the subnormal step
+        mantissa = 3 if fmt == "f8e4m3" else 2
+        tiny = scale * (2.0 ** (-9 if fmt == "f8e4m3" else -16))
+        assert torch.all(err <= w.abs() * 2.0 ** -(mantissa + 1) + tiny)
+
+
+def test_int8_rounds_half_to_even_and_zero_rows_are_safe():
+    w = torch.tensor([[127.0, 0.5, 1.5, 2.5, -0.5], [0.0, 0.0, 0.0, 0.0, 0.0]])
+    q, scale = quantize(w, "int8", per_channel=True)
+    assert q[0].tolist() == [127, 0, 2, 2, 0] and q[1].tolist() == [0] * 5
+    assert torch.isfinite(scale).all() and torch.equal(dequantize(q, scale)[1], torch.zeros(5))
+
+
+@pytest.fixture(scope="module")
+def source_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("src")
+    save_model(build_random_model(seed=3), path)
+    (path / "tokenizer.json").write_text("{}")  # copied verbatim
+    return path
+
+
+def test_quantized_checkpoint_layout_config_and_refusals(source_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    out = quantize_checkpoint(source_dir, tmp_path / "q", "f8e4m3", per_channel=False)
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["quantization_config"] == {"quant_method": "corelaunch", "quantization_dtype": "f8e4m3",
+                                          "quantization_type": "per_tensor_symmetric", "modules": "linear"}
+    assert (out / "tokenizer.json").read_text() == "{}"
+    assert load_model_config(out).quantization == Quantization("f8e4m3", "per_tensor_symmetric")
+    stored, source = load_file(out / "model.safetensors"), load_file(source_dir / "model.safetensors")
+    expected = quantize_state_dict(source, Quantization("f8e4m3", "per_tensor_symmetric"))
+    assert stored.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert stored[name].dtype == tensor.dtype and torch.equal(stored[name].view(torch.uint8),
+                                                                  tensor.view(torch.uint8)), name
+    assert stored["model.embed_tokens.weight"].dtype == torch.float32  # not quantized by default
+    with pytest.raises(ValueError, match="unknown quantization dtype 'int4'"):
+        quantize_checkpoint(source_dir, tmp_path / "x", "int4")
+    with pytest.raises(ValueError, match="already quantized"):
+        quantize_checkpoint(out, tmp_path / "y", "int8")
+    with pytest.raises(ValueError, match="already exists"):
+        quantize_checkpoint(source_dir, out, "int8")
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_blocked_quantizer_equals_whole_tensor(monkeypatch):
+    import shardlib.quantize_checkpoint as qc
+
+    monkeypatch.setattr(qc, "QUANT_BLOCK_BYTES", 4 * 80 * 7)  # 7 rows a block: a ragged last block
+    w = torch.randn(50, 80)
+    for per_channel in (True, False):
+        quant = Quantization("int8", "per_channel_symmetric" if per_channel else "per_tensor_symmetric")
+        q, scale = qc._quantize_blocked(w, quant)
+        ref_q, ref_scale = quantize(w, "int8", per_channel)
+        assert torch.equal(q, ref_q) and torch.equal(scale, ref_scale)
+
+
+# ---- sharded execution ---------------------------------------------------------------------------
+# name: (tp, model shape, format, granularity, lm head quantized too)
+SPECS = {
+    "int8_channel_tp2": (2, dict(num_heads=4, num_kv_heads=2), "int8", "per_channel_symmetric", True),
+    "f8e4m3_tensor_tp2": (2, dict(num_heads=4, num_kv_heads=1), "f8e4m3", "per_tensor_symmetric", False),
+    "f8e5m2_channel_qwen2_tp3": (3, dict(model_type="qwen2", hidden_size=48, num_heads=6, num_kv_heads=2,
+                                         vocab_size=130, intermediate_size=100), "f8e5m2",
+                                 "per_channel_symmetric", True),
+    "int8_tensor_tp3": (3, dict(hidden_size=48, num_heads=3, num_kv_heads=1, intermediate_size=100,
+                                tie_word_embeddings=True), "int8", "per_tensor_symmetric", False),
+}
+
+
+def quantized_case(name: str):
+    """(quantized ModelConfig, quantized state_dict, transformers greedy tokens of the dequantized model)."""
+    _, shape, fmt, granularity, lm_head = SPECS[name]
+    model = build_random_model(seed=5, **shape)
+    quant = Quantization(fmt, granularity, "linear+lm_head" if lm_head else "linear")
+    state = quantize_state_dict(hf_state_dict(model), quant, model.config.tie_word_embeddings)
+    model.load_state_dict(dequantize_state_dict(state, torch.float32), strict=False)
+    ids = [torch.tensor([p]) for p in PROMPTS]
+    with torch.no_grad():
+        refs = [model.generate(i, attention_mask=torch.ones_like(i), do_sample=False, max_new_tokens=NEW_TOKENS,
+                               eos_token_id=EOS, pad_token_id=0)[0, i.shape[1]:].tolist() for i in ids]
+    config = ModelConfig.from_dict({**model.config.to_dict(), "quantization_config": quant.to_json()})
+    return config, state, refs
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+def test_sharded_quantized_equals_unsharded_and_dequantized_reference(tp):
+    names = [n for n, spec in SPECS.items() if spec[0] == tp]
+    cases, refs = [], {}
+    for name in names:
+        config, state, refs[name] = quantized_case(name)
+        cases.append(Case(name, config, state, [Request([p], NEW_TOKENS, [EOS]) for p in PROMPTS]))
+        # Unsharded, the same quantized weights: 8-bit in memory, tokens equal to transformers'.
+        single = build_rank_model(config, state, 0, 1, SingleRank())
+        assert isinstance(single.layers[0].mlp.down_weight, QuantizedWeight)
+        assert single.layers[0].mlp.down_weight.q.element_size() == 1
+        alone = [generate(single, [p], [SamplingParams()], NEW_TOKENS, [EOS])[0].token_ids for p in PROMPTS]
+        assert alone == refs[name], name
+    by_rank = run_tp_in_process(tp, cases)
+    for name in names:
+        for rank in range(tp):
+            assert [out[0].token_ids for out in by_rank[rank][name]] == refs[name], (name, rank)
+
+
+def test_scale_slices_follow_the_weight(source_dir):
+    """A per-channel scale is cut with a column-parallel weight's rows and whole for a row-parallel one."""
+    from shardlib.sharding import ShardLayout, slice_for
+
+    config = load_model_config(source_dir)
+    layout = ShardLayout.for_model(config, 2)
+    up = slice_for("llama", "model.layers.0.mlp.up_proj.weight", (96, 64), 1, layout)
+    assert slice_for("llama", "model.layers.0.mlp.up_proj.scale", (96, 1), 1, layout) == up
+    assert slice_for("llama", "model.layers.0.mlp.down_proj.scale", (64, 1), 1, layout).is_whole
+    assert slice_for("llama", "model.layers.0.self_attn.k_proj.scale", (1,), 1, layout).is_whole
+    assert scale_name("model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.up_proj.scale"
+
+
+def test_ray_group_greedy_equals_unsharded_quantized_plain_torch(tmp_path, ray_session):
+    """Through Ray at TP 2 (eager: compiled equals eager is tests/test_compiled.py's), a quantized
+    checkpoint written by quantize_checkpoint gives the dequantized transformers model's tokens."""
+    from launcher.api import Launcher
+
+    model = build_random_model(seed=7, num_heads=4, num_kv_heads=2)
+    save_model(model, tmp_path / "src")
+    out = quantize_checkpoint(tmp_path / "src", tmp_path / "q", "int8")
+    from safetensors.torch import load_file
+
+    model.load_state_dict(dequantize_state_dict(load_file(out / "model.safetensors"), torch.float32), strict=False)
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS,
+                             eos_token_id=EOS, pad_token_id=0)[0, ids.shape[1]:].tolist()
+    with Launcher(model=str(out), tp=2, compile=False, progress=False) as launcher:
+        [result] = launcher.generate([PROMPTS[0]], max_new_tokens=NEW_TOKENS)
+    assert result.token_ids == ref
