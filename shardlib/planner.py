@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from shardlib.instances import CPU_TARGET, GIB, NEURON_INSTANCES, InstanceType, get_instance
 from shardlib.families import layer_norm_elements
 from shardlib.model_config import DTYPE_BYTES, ModelConfig, normalize_dtype
+from shardlib.quantized_sizes import kv_dtype_name, planned_quantization, weight_bytes
 from shardlib.positive_int import positive_int
 
 RESERVE_FRACTION = 0.10
@@ -218,6 +219,8 @@ class _Request:
     dtype: str
     kv_override: str | None
     pad: bool
+    kv_cache_dtype: str | None = None
+    """The planner's name of an fp8 KV cache (shardlib/quantized_sizes.py); None: the compute dtype."""
 
 
 @dataclass(frozen=True)
@@ -251,9 +254,10 @@ def _weight_elements(cfg: ModelConfig, tp: int, q_per_rank: int, kv_per_rank: in
     return embed + cfg.num_hidden_layers * (attn + mlp + layer_norm_elements(cfg)) + h
 
 
-def _kv_cache_dtype(dtype: str) -> str:
-    # Quantized (1-byte) weights compute in bfloat16, and so does the cache (fp8 KV is not modelled).
-    return dtype if DTYPE_BYTES[dtype] >= 2 else "bfloat16"
+def _kv_cache_dtype(config: ModelConfig, dtype: str) -> str:
+    # The cache is in the compute dtype (a quantized model's: shardlib/quantized_sizes.py) unless
+    # kv_cache_dtype asks for fp8.
+    return planned_quantization(config, dtype)[1]
 
 
 def _check(req: _Request, tp: int) -> _Check:
@@ -287,8 +291,7 @@ def _check(req: _Request, tp: int) -> _Check:
     if inst.limits_ranks_per_node and ranks_per_node > inst.logical_cores(req.lnc):
         codes.append("not_enough_cores")
 
-    nbytes = DTYPE_BYTES[req.dtype]
-    kv_dtype = _kv_cache_dtype(req.dtype)
+    kv_dtype = req.kv_cache_dtype or _kv_cache_dtype(req.config, req.dtype)
     kv_bytes = (2 * cfg.num_hidden_layers * req.batch * req.seq_len * kv_per_rank * cfg.head_dim
                 * DTYPE_BYTES[kv_dtype])
     if inst.per_rank_memory:
@@ -298,10 +301,12 @@ def _check(req: _Request, tp: int) -> _Check:
         per_core = inst.memory_bytes // inst.physical_cores
         capacity = inst.memory_bytes * req.nodes // tp
     memory = MemoryEstimate(
-        weight_bytes_per_rank=_weight_elements(cfg, tp, q_per_rank, kv_per_rank) * nbytes,
+        weight_bytes_per_rank=weight_bytes(cfg, req.dtype, _weight_elements(cfg, tp, q_per_rank, kv_per_rank),
+                                           tp, q_per_rank, kv_per_rank),
         kv_cache_bytes_per_rank=kv_bytes, capacity_bytes_per_rank=capacity,
         capacity_bytes_per_core=per_core, reserve_fraction=RESERVE_FRACTION,
-        model_weight_bytes=_weight_elements(cfg, 1, heads, kv_heads) * nbytes,
+        model_weight_bytes=weight_bytes(cfg, req.dtype, _weight_elements(cfg, 1, heads, kv_heads), 1, heads,
+                                        kv_heads),
         kv_cache_dtype=kv_dtype, tp_degree=tp)
     if inst.per_rank_memory:
         fits = memory.total_bytes_per_rank <= memory.usable_bytes_per_rank
@@ -490,7 +495,8 @@ def _lnc_problem(lnc: int, inst: InstanceType) -> str | None:
 
 def plan(config: ModelConfig, *, instance: str | InstanceType = CPU_TARGET, tp: int | str = "auto",
          nodes: int = 1, lnc: int | None = None, batch_size: int = 1, seq_len: int | None = None,
-         dtype: str | None = None, kv_strategy: str | None = None, pad_q_heads: bool = False) -> Plan:
+         dtype: str | None = None, kv_strategy: str | None = None, pad_q_heads: bool = False,
+         kv_cache_dtype: str | None = None) -> Plan:
     """Check serving `config` at TP degree `tp` ("auto": the smallest degree that passes) on `nodes`
     nodes of `instance` (a name from the instance table, or an InstanceType such as
     shardlib.instances.gpu_node's). ValueError for malformed arguments; rule failures land in
@@ -515,7 +521,8 @@ def plan(config: ModelConfig, *, instance: str | InstanceType = CPU_TARGET, tp: 
         batch=positive_int("batch_size", batch_size),
         seq_len=positive_int("seq_len", seq_len) if seq_len is not None
         else min(config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN),
-        dtype=_resolve_dtype(dtype, config), kv_override=kv_strategy, pad=bool(pad_q_heads))
+        dtype=_resolve_dtype(dtype, config), kv_override=kv_strategy, pad=bool(pad_q_heads),
+        kv_cache_dtype=kv_dtype_name(kv_cache_dtype))
 
     valid = _valid_degrees(req)
     # degrees named in messages: with a bad LNC every degree fails, so name those the default LNC allows
@@ -590,9 +597,9 @@ def _warnings(req: _Request, check: _Check) -> list[str]:
     if req.seq_len > cfg.max_position_embeddings:
         out.append(f"seq_len {req.seq_len} exceeds the model's max_position_embeddings "
                    f"({cfg.max_position_embeddings})")
-    if DTYPE_BYTES[req.dtype] == 1:
-        out.append(f"{req.dtype} plans quantized weights with a bfloat16 KV cache; the executor must "
-                   f"support that quantization")
+    if DTYPE_BYTES[req.dtype] == 1 and cfg.quantization is None:
+        out.append(f"{req.dtype} plans the weights quantized per channel (bfloat16 for the rest); run "
+                   f"`corelaunch quantize` to produce that checkpoint before launching it")
     # Sizing stays valid (NxD Inference may run these), but corelaunch's own workers cannot.
     out.extend(f"not runnable by corelaunch's workers: {gap}" for gap in cfg.executor_gaps(req.seq_len))
     return out

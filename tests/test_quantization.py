@@ -192,3 +192,44 @@ def test_ray_group_greedy_equals_unsharded_quantized_plain_torch(tmp_path, ray_s
     with Launcher(model=str(out), tp=2, compile=False, progress=False) as launcher:
         [result] = launcher.generate([PROMPTS[0]], max_new_tokens=NEW_TOKENS)
     assert result.token_ids == ref
+
+
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])
+def test_presharded_directory_carries_quantized_shards(source_dir, tmp_path, dtype):
+    """A pre-sharded (and so a compiled) directory keeps the 8-bit weights and float32 scales."""
+    from shardlib.checkpoint import load_rank_shard
+    from shardlib.presharded import load_presharded, save_presharded
+    from shardlib.sharding import ShardLayout
+
+    out = quantize_checkpoint(source_dir, tmp_path / "q", "int8")
+    config = load_model_config(out)
+    layout = ShardLayout.for_model(config, 2)
+    save_presharded(tmp_path / "pre", out, config, layout, dtype)
+    for rank in range(2):
+        direct = load_rank_shard(out, config, layout, rank, dtype)
+        loaded = load_presharded(tmp_path / "pre", config, layout, rank, dtype)
+        assert loaded.keys() == direct.keys()
+        assert all(loaded[n].dtype == t.dtype and torch.equal(loaded[n], t) for n, t in direct.items())
+        assert loaded["model.layers.0.mlp.up_proj.weight"].dtype == torch.int8
+        assert loaded["model.layers.0.mlp.up_proj.scale"].dtype == torch.float32
+        assert loaded["model.norm.weight"].dtype == (torch.bfloat16 if dtype else torch.float32)
+
+
+@pytest.mark.parametrize("tp,per_channel,lm_head", [(1, True, False), (2, True, True), (2, False, False)])
+def test_planner_counts_quantized_weights_and_scales_exactly(source_dir, tmp_path, tp, per_channel, lm_head):
+    from shardlib.checkpoint import load_rank_shard
+    from shardlib.planner import plan
+    from shardlib.sharding import ShardLayout
+
+    out = quantize_checkpoint(source_dir, tmp_path / "q", "int8", per_channel=per_channel, lm_head=lm_head)
+    config = load_model_config(out)
+    for dtype in ("float32", "bfloat16"):
+        shard = load_rank_shard(out, config, ShardLayout.for_model(config, tp), 0, dtype)
+        held = sum(t.numel() * t.element_size() for t in shard.values())
+        assert plan(config, tp=tp, dtype=dtype).memory.weight_bytes_per_rank == held
+    # Planning the unquantized model at dtype int8 counts the same checkpoint `quantize` writes
+    # (per channel, the rest in bfloat16).
+    if per_channel and not lm_head:
+        source = load_model_config(source_dir)
+        assert plan(source, tp=tp, dtype="int8").memory.weight_bytes_per_rank == \
+            plan(config, tp=tp, dtype="bfloat16").memory.weight_bytes_per_rank

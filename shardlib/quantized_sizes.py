@@ -1,0 +1,74 @@
+"""Bytes of a quantized model's weights and of an fp8 KV cache, for the planner (pure arithmetic).
+
+A quantized rank holds, per linear weight, its 8-bit slice plus float32 scales: per channel one per
+output row it holds (column-parallel q/k/v/gate/up and a vocab-parallel LM head: its own rows;
+row-parallel o/down: every output row, the scale is kept whole), per tensor one. Everything else
+(embedding, norms, biases, an unquantized LM head) stays in the compute dtype. The counts here equal
+the bytes `load_rank_shard` returns for a quantized checkpoint (tests/test_quantization.py checks it).
+"""
+
+from __future__ import annotations
+
+import math
+
+from shardlib.model_config import DTYPE_BYTES, ModelConfig
+from shardlib.quantization import PLANNER_DTYPE, Quantization
+
+SCALE_BYTES = 4  # float32
+KV_CACHE_DTYPES = {"f8e4m3": "float8_e4m3", "float8_e4m3": "float8_e4m3"}
+"""--kv-cache-dtype spellings -> the planner's name (fp8 e4m3 with a scale, workers/kv_cache.py)."""
+
+
+def planned_quantization(config: ModelConfig, dtype: str) -> tuple[Quantization | None, str]:
+    """(the quantization the plan counts, the compute dtype of the unquantized tensors).
+
+    A quantized checkpoint's own quantization wins; otherwise a 1-byte plan dtype (int8,
+    float8_e4m3, float8_e5m2) stands for `corelaunch quantize` per channel with the other
+    tensors in bfloat16, as NxD Inference runs quantized models."""
+    compute = dtype if DTYPE_BYTES[dtype] >= 2 else "bfloat16"
+    if config.quantization is not None:
+        return config.quantization, compute if DTYPE_BYTES[dtype] >= 2 else config.torch_dtype
+    if DTYPE_BYTES[dtype] == 1:
+        fmt = {v: k for k, v in PLANNER_DTYPE.items()}[dtype]
+        return Quantization(fmt), compute
+    return None, dtype
+
+
+def quantized_elements(config: ModelConfig, quant: Quantization, tp: int, q_per_rank: int,
+                       kv_per_rank: int) -> tuple[int, int]:
+    """(8-bit weight elements, float32 scale elements) one rank holds."""
+    h, d = config.hidden_size, config.head_dim
+    inter = math.ceil(config.intermediate_size / tp)
+    experts = max(1, config.num_local_experts)
+    per_channel = quant.per_channel
+    # (elements, scale count) per quantized weight of one layer
+    weights = [(q_per_rank * d * h, q_per_rank * d), (kv_per_rank * d * h, kv_per_rank * d),
+               (kv_per_rank * d * h, kv_per_rank * d), (h * q_per_rank * d, h)]
+    weights += [(inter * h, inter), (inter * h, inter), (h * inter, h)] * experts
+    elements = config.num_hidden_layers * sum(e for e, _ in weights)
+    scales = config.num_hidden_layers * sum(s if per_channel else 1 for _, s in weights)
+    if quant.modules == "linear+lm_head" and not config.tie_word_embeddings:
+        vocab_rows = math.ceil(config.vocab_size / tp)
+        elements += vocab_rows * h
+        scales += vocab_rows if per_channel else 1
+    return elements, scales
+
+
+def weight_bytes(config: ModelConfig, dtype: str, all_elements: int, tp: int, q_per_rank: int,
+                 kv_per_rank: int) -> int:
+    """Bytes of one rank's weights whose parameter count is `all_elements` (quantized or not)."""
+    quant, compute = planned_quantization(config, dtype)
+    if quant is None:
+        return all_elements * DTYPE_BYTES[dtype]
+    elements, scales = quantized_elements(config, quant, tp, q_per_rank, kv_per_rank)
+    return (all_elements - elements) * DTYPE_BYTES[compute] + elements + scales * SCALE_BYTES
+
+
+def kv_dtype_name(kv_cache_dtype: str | None) -> str | None:
+    """The planner's name of a --kv-cache-dtype, None for the default; ValueError naming the choices."""
+    if kv_cache_dtype is None:
+        return None
+    key = str(kv_cache_dtype).lower()
+    if key not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown kv cache dtype {kv_cache_dtype!r}; use f8e4m3, or omit it for the compute dtype")
+    return KV_CACHE_DTYPES[key]
