@@ -52,6 +52,7 @@ import torch
 
 from shardlib.buckets import Buckets
 from workers.kv_cache import KVCache
+from workers.kv_quant import to_cache, writable
 from workers.model import ShardedCausalLM
 from workers.granularities import DEFAULT_GRANULARITY, GRANULARITIES
 from workers.step import EAGER, StepParts, run_step
@@ -197,8 +198,8 @@ class CompiledCausalLM:
                 logits, ks, vs = step(self.model, parts, input_ids, position_ids, attention_mask[:, :seq],
                                       cache_positions, None, logit_index)
                 for k_cache, v_cache, k, v in zip(cache.k, cache.v, ks, vs):
-                    k_cache[:, :, :seq].copy_(k)
-                    v_cache[:, :, :seq].copy_(v)
+                    writable(k_cache)[:, :, :seq].copy_(to_cache(k, k_cache))
+                    writable(v_cache)[:, :, :seq].copy_(to_cache(v, v_cache))
         else:
             with self._graph(phase, batch, length, f"{phase} bucket"):
                 logits, _, _ = step(self.model, parts, input_ids, position_ids, attention_mask,

@@ -95,6 +95,9 @@ def check_shard(config: ModelConfig, layout: ShardLayout, rank: int,
 
 
 class ShardedCausalLM(nn.Module):
+    kv_cache_dtype: torch.dtype | None = None
+    """The KV cache's storage dtype (workers/kv_quant.py: fp8); None: the compute dtype."""
+
     def __init__(self, config: ModelConfig, layout: ShardLayout, rank: int, shard: dict[str, torch.Tensor],
                  collectives: Collectives, dtype: torch.dtype | str | None = None) -> None:
         super().__init__()
@@ -124,7 +127,7 @@ class ShardedCausalLM(nn.Module):
     def new_cache(self, batch: int, max_seq_len: int) -> KVCache:
         """A zeroed KV cache for `batch` sequences of up to `max_seq_len` tokens (prompt included)."""
         cache = KVCache(self.config.num_hidden_layers, batch, self.layout.kv_heads_per_rank, max_seq_len,
-                        self.config.head_dim, dtype=self.dtype, device=self.device)
+                        self.config.head_dim, dtype=self.kv_cache_dtype or self.dtype, device=self.device)
         self._ensure_rotary(max_seq_len)
         return cache
 
