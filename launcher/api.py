@@ -23,6 +23,7 @@ from launcher.cluster.restart_policy import RestartPolicy
 from launcher.errors import LaunchError, NoDeviceResource, PlacementTimeout
 from launcher.progress import Progress
 from shardlib.model_config import ModelConfig, normalize_dtype
+from shardlib.quantized_sizes import kv_dtype_name
 from shardlib.positive_int import is_positive_int, positive_int
 from shardlib.request_checks import check_fits, check_request
 from shardlib.serving_shapes import DEFAULT_MAX_NUM_SEQS
@@ -66,6 +67,8 @@ class LaunchConfig:
     lnc: int | None = None
     dtype: str | None = None
     """Compute dtype; None keeps the checkpoint's."""
+    kv_cache_dtype: str | None = None
+    """"f8e4m3": the KV cache stored in fp8 with a scale (workers/kv_quant.py); None: the compute dtype."""
     kv_strategy: str | None = None
     pad_q_heads: bool = False
     """Pad Q heads with zero heads to a multiple of tp (NxD Inference's layout, shardlib/sharding.py):
@@ -146,6 +149,7 @@ class LaunchConfig:
             raise ValueError(f"seq_len ({self.seq_len}) must be at least 2")
         if self.dtype is not None:
             self.dtype = normalize_dtype(self.dtype)
+        kv_dtype_name(self.kv_cache_dtype)  # ValueError naming the choices
         for name in ("placement_timeout_s", "startup_timeout_s", "rendezvous_timeout_s", "load_timeout_s",
                      "request_timeout_s"):
             _positive_seconds(name, getattr(self, name))
@@ -345,7 +349,7 @@ class Launcher:
 
         spec = LoadSpec(config=self.model_config, layout=plan.layout(), dtype=plan.dtype,
                         model_dir=str(self.model_dir), presharded_dir=cfg.presharded_dir,
-                        **load_spec_fields(cfg, plan, self.model_config))
+                        kv_cache_dtype=cfg.kv_cache_dtype, **load_spec_fields(cfg, plan, self.model_config))
         self.buckets = spec.buckets
         if cfg.presharded_cache and not cfg.presharded_dir:
             from launcher.artifacts import presharded_cache

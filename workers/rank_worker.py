@@ -51,6 +51,8 @@ class LoadSpec:
     layout: ShardLayout
     dtype: str
     model_dir: str
+    kv_cache_dtype: str | None = None
+    """"f8e4m3": an fp8 KV cache (workers/kv_quant.py); None: the compute dtype."""
     """Hugging Face checkpoint directory (read through per-rank lazy slices)."""
     presharded_dir: str | None = None
     """A pre-sharded directory for this exact layout; preferred over model_dir when set."""
@@ -177,6 +179,10 @@ class RankWorker:
         shard_bytes = sum(t.numel() * t.element_size() for t in shard.values())
         model = ShardedCausalLM(load_spec.config, load_spec.layout, self.spec.rank, shard,
                                 self._collectives, load_spec.dtype)
+        if load_spec.kv_cache_dtype is not None:
+            from workers.kv_quant import kv_storage_dtype
+
+            model.kv_cache_dtype = kv_storage_dtype(load_spec.kv_cache_dtype, model.dtype)
         self._model = self._backend.prepare_model(model, self._compile_options(load_spec))
         self._buckets = load_spec.buckets
         return LoadStats(load_time_s=time.perf_counter() - start, shard_bytes=shard_bytes,

@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 
-from launcher.cli.options import add_backend_arguments, add_no_compile, add_pad_q_heads, backend_options, int_at_least
+from launcher.cli.options import add_backend_arguments, add_kv_cache_dtype, add_no_compile, add_pad_q_heads, backend_options, int_at_least
 
 
 def add_parser(subparsers) -> None:
@@ -39,6 +39,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--runs", type=int_at_least("--runs"), default=10, metavar="N", help="measured calls (default 10)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids (default 0)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's")
+    add_kv_cache_dtype(p)
     add_backend_arguments(p)
     add_pad_q_heads(p)
     add_no_compile(p)
@@ -78,7 +79,8 @@ def _bench(args: argparse.Namespace) -> dict:
     from shardlib.evaluation.bench_report import RunTiming, build_report
 
     config = LaunchConfig(model=args.model, tp=args.tp, **backend_options(args), pad_q_heads=args.pad_q_heads,
-                          dtype=args.dtype, max_batch_size=args.batch_size, ray_address=args.ray_address,
+                          dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_batch_size=args.batch_size,
+                          ray_address=args.ray_address,
                           compile=args.compile, progress=not args.quiet)
     timings: list[RunTiming] = []
     with Launcher(config) as launcher:

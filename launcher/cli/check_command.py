@@ -26,13 +26,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from launcher.cli.options import add_backend_arguments, add_no_compile, add_pad_q_heads, backend_options
+from launcher.cli.options import add_backend_arguments, add_kv_cache_dtype, add_no_compile, add_pad_q_heads, backend_options
+from shardlib.evaluation.quantized_tolerances import DEFAULT_TOL_SPEC
 
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
 FILE_FORMAT = "corelaunch-expected/1"
 DEFAULT_PROMPT = "I believe the meaning of life is"
 DEFAULT_NUM_TOKENS = 16
-DEFAULT_TOL_SPEC = "5:0.01,50:0.02,1000:0.03,all:0.05"
 
 
 def add_parser(subparsers) -> None:
@@ -63,12 +63,15 @@ def add_parser(subparsers) -> None:
     p.add_argument("--tp", default="auto", help="tensor-parallel degree, or auto (default)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="corelaunch's compute dtype (default: the checkpoint's); the reference stays float32")
+    add_kv_cache_dtype(p)
     add_backend_arguments(p)
     add_pad_q_heads(p)
-    p.add_argument("--divergence-difference-tol", type=float, default=0.001, metavar="TOL",
-                   help="at a divergence, max(actual) - actual[expected token] must be below this (default 0.001)")
-    p.add_argument("--tol-map", default=DEFAULT_TOL_SPEC, metavar="K:RTOL,...",
-                   help=f"top-k groups and their rtol; K an integer or 'all' (default {DEFAULT_TOL_SPEC})")
+    p.add_argument("--divergence-difference-tol", type=float, metavar="TOL",
+                   help="at a divergence, max(actual) - actual[expected token] must be below this (default 0.001; "
+                        "a quantized model's or fp8 cache's in shardlib/evaluation/quantized_tolerances.py)")
+    p.add_argument("--tol-map", metavar="K:RTOL,...",
+                   help=f"top-k groups and their rtol; K an integer or 'all' (default {DEFAULT_TOL_SPEC}; a "
+                        f"quantized model's or fp8 cache's in shardlib/evaluation/quantized_tolerances.py)")
     p.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance of every top-k group (default 1e-5)")
     add_no_compile(p)
     p.add_argument("--ray-address", help="Ray cluster host:port, or local for a private one (default: RAY_ADDRESS, else the cluster `ray start` recorded on this host, else a private one)")
@@ -219,6 +222,27 @@ def _check_prompts(prompts: list[list[int]], num_tokens: int, model_dir: Path) -
                new_tokens_name="--num-tokens")
 
 
+def _unquantized(model_dir: Path) -> Path:
+    """The reference directory when --reference is not given: the model itself, unless it is quantized."""
+    from shardlib.model_config import load_model_config
+
+    quant = load_model_config(model_dir).quantization
+    if quant is not None:
+        raise ValueError(f"{model_dir} is quantized ({quant.dtype}, {quant.granularity}): transformers cannot load it "
+                         f"as the reference; pass the unquantized checkpoint it was made from with --reference DIR")
+    return model_dir
+
+
+def _tolerances(args, model_dir: Path) -> tuple[str, float]:
+    """(--tol-map, --divergence-difference-tol): as given, else the defaults for the model's format
+    (shardlib/evaluation/quantized_tolerances.py)."""
+    from shardlib.evaluation.quantized_tolerances import default_tolerances
+    from shardlib.model_config import load_model_config
+
+    tol_map, divergence = default_tolerances(load_model_config(model_dir).quantization, args.kv_cache_dtype)
+    return (args.tol_map or tol_map, args.divergence_difference_tol or divergence)
+
+
 # ---- run ---------------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
     from launcher.errors import LaunchError
@@ -235,6 +259,7 @@ def _run(args: argparse.Namespace) -> int:
     from shardlib.evaluation.accuracy import parse_tol_map
 
     progress = Progress(not args.quiet)
+    args.tol_map, args.divergence_difference_tol = _tolerances(args, _model_dir(args.model))
     tol_map = parse_tol_map(args.tol_map, args.atol)
     if not args.divergence_difference_tol > 0:
         raise ValueError(f"--divergence-difference-tol ({args.divergence_difference_tol}) must be positive")
@@ -267,7 +292,7 @@ def _run(args: argparse.Namespace) -> int:
         num_tokens = DEFAULT_NUM_TOKENS if args.num_tokens is None else args.num_tokens
         texts, prompts, tokenizer = _prompts(args, model_dir)
         _check_prompts(prompts, num_tokens, model_dir)
-        reference_dir = _model_dir(args.reference) if args.reference else model_dir
+        reference_dir = _model_dir(args.reference) if args.reference else _unquantized(model_dir)
         with progress.step("running the transformers reference (float32, CPU)"):
             expected = reference_outputs(reference_dir, prompts, num_tokens, quiet=args.quiet)
         if args.save_expected:
@@ -292,7 +317,8 @@ def _compare(args, model_dir, texts, prompts, expected: Expected, num_tokens, to
     from shardlib.evaluation.accuracy import group_name, logit_matching, token_matching
 
     config = LaunchConfig(model=str(model_dir), tp=args.tp, **backend_options(args), pad_q_heads=args.pad_q_heads,
-                          dtype=args.dtype, max_batch_size=1, ray_address=args.ray_address,
+                          dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_batch_size=1,
+                          ray_address=args.ray_address,
                           compile=args.compile, progress=not args.quiet)
     results = []
     with Launcher(config) as launcher:
@@ -322,6 +348,8 @@ def _compare(args, model_dir, texts, prompts, expected: Expected, num_tokens, to
             "kv_strategy": str(plan.kv_strategy),
             "backend": launcher.backend,
             "dtype": str(plan.dtype),
+            "quantization": None if plan.config.quantization is None else plan.config.quantization.to_json(),
+            "kv_cache_dtype": args.kv_cache_dtype,
             "compile": launcher.config.compile,
             "num_tokens": num_tokens,
             "prompts": results,

@@ -122,6 +122,7 @@ def add_model_and_placement_arguments(p: argparse.ArgumentParser) -> None:
                                                 "bucket (default: min(max_position_embeddings, 4096); with "
                                                 "--no-compile: longest prompt + new tokens)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's")
+    add_kv_cache_dtype(p)
     p.add_argument("--presharded", metavar="DIR", help="pre-sharded weights for this exact layout")
     p.add_argument("--compiled", metavar="CDIR",
                    help="start from a directory written by `corelaunch compile` (its weights, graphs, settings)")
@@ -147,9 +148,16 @@ def model_and_placement_options(args: argparse.Namespace) -> dict:
         max_restarts=args.max_restarts, restart_window_s=args.restart_window,
         cpus_per_rank=args.cpus_per_rank, presharded_cache=args.presharded_cache,
         startup_timeout_s=args.startup_timeout, rendezvous_timeout_s=args.rendezvous_timeout,
-        lnc=args.lnc, dtype=args.dtype, kv_strategy=args.kv_strategy, seq_len=args.seq_len,
-        pad_q_heads=args.pad_q_heads,
+        lnc=args.lnc, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, kv_strategy=args.kv_strategy,
+        seq_len=args.seq_len, pad_q_heads=args.pad_q_heads,
         presharded_dir=args.presharded, compile=args.compile, compile_granularity=args.granularity,
         compiled_dir=args.compiled, warm_up=args.warm_up, **bucket_lists(args),
         placement_timeout_s=args.placement_timeout, request_timeout_s=args.request_timeout,
         progress=not args.quiet)
+
+
+def add_kv_cache_dtype(p: argparse.ArgumentParser) -> None:
+    """--kv-cache-dtype (generate, serve, check, bench, plan): an fp8 KV cache."""
+    p.add_argument("--kv-cache-dtype", choices=["f8e4m3"],
+                   help="store the KV cache in fp8 e4m3 with a scale, dequantized on read (a quarter of float32's "
+                        "bytes per token; default: the compute dtype)")

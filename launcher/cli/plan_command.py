@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from launcher.cli.options import add_pad_q_heads
+from launcher.cli.options import add_kv_cache_dtype, add_pad_q_heads
 from shardlib.instances import CPU_TARGET, INSTANCE_NAMES
 from shardlib.model_config import load_model_config
 from shardlib.planner import KV_STRATEGIES, Plan, plan
@@ -47,6 +47,7 @@ def add_parser(subparsers) -> None:
                    help="KV-cache length (default: min(max_position_embeddings, 4096))")
     p.add_argument("--dtype",
                    help="weight dtype, e.g. bfloat16, float32, float8_e4m3 (default: the checkpoint's)")
+    add_kv_cache_dtype(p)
     p.add_argument("--kv-strategy", choices=KV_STRATEGIES,
                    help="force a KV-head layout (default: shard, else replicate_to_tp, else convert_to_mha)")
     add_pad_q_heads(p)
@@ -65,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
         config = load_model_config(model)
         result = plan(config, instance=args.instance, tp=args.tp, nodes=args.nodes, lnc=args.lnc,
                       batch_size=args.batch_size, seq_len=args.seq_len, dtype=args.dtype,
+                      kv_cache_dtype=args.kv_cache_dtype,
                       kv_strategy=args.kv_strategy, pad_q_heads=args.pad_q_heads)
     except (OSError, ValueError) as err:
         # a missing path or demo package, an unknown architecture, a malformed argument

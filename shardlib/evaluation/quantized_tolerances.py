@@ -1,0 +1,53 @@
+"""Default logit-matching tolerances of `corelaunch check` for quantized weights and an fp8 KV cache.
+
+Quantization changes logits by design, so NxD Inference's float defaults (top 5: rtol 0.01 ...)
+would fail every quantized model. The values below are the largest relative errors measured on
+SmolLM2-135M-Instruct (2 prompts x 16 tokens, eager, TP 1, against transformers float32, with
+teacher forcing at divergences) with about 1.5x headroom, rounded up. They state what each format
+costs that model, not a guarantee for others: pass --tol-map to hold a model to other bounds.
+
+Measured max relative error per group (top5 / top50 / top1000 / all) and largest divergence
+difference (logit units; "-" where the greedy tokens never diverged):
+  int8 per channel     0.026 / 0.034 / 0.040 / 0.056   -      (16 of 16 tokens equal on both prompts)
+  int8 per tensor      0.169 / 0.172 / 0.216 / 0.254   0.86
+  f8e4m3 per channel   0.097 / 0.126 / 0.143 / 0.161   0.06
+  f8e5m2 per channel   0.192 / 0.192 / 0.253 / 0.315   0.47
+  float32 + fp8 KV     0.055 / 0.059 / 0.078 / 0.090   0.20
+  int8 + fp8 KV        0.061 / 0.069 / 0.089 / 0.106   0.76
+The weight and the KV-cache tolerances add up when both are quantized (errors of the two roughly add).
+"""
+
+from __future__ import annotations
+
+from shardlib.quantization import Quantization
+
+DEFAULT_TOL_SPEC = "5:0.01,50:0.02,1000:0.03,all:0.05"
+"""NxD Inference's float defaults (unquantized models), as --tol-map text."""
+
+GROUPS = ("5", "50", "1000", "all")
+# (format, per channel) -> (rtol per group in GROUPS order, divergence difference tolerance)
+WEIGHT_TOLERANCES = {
+    ("int8", True): ((0.04, 0.05, 0.06, 0.08), 0.1),
+    ("int8", False): ((0.25, 0.26, 0.32, 0.38), 1.3),
+    ("f8e4m3", True): ((0.15, 0.19, 0.21, 0.24), 0.15),
+    ("f8e4m3", False): ((0.15, 0.19, 0.21, 0.24), 0.15),  # fp8 is floating point: the granularity barely matters
+    ("f8e5m2", True): ((0.29, 0.29, 0.38, 0.47), 0.7),
+    ("f8e5m2", False): ((0.29, 0.29, 0.38, 0.47), 0.7),
+}
+KV_TOLERANCES = {"f8e4m3": ((0.08, 0.09, 0.12, 0.14), 1.0)}
+
+
+def default_tolerances(quant: Quantization | None, kv_cache_dtype: str | None) -> tuple[str, float]:
+    """(--tol-map spec, divergence difference tolerance) for a model's weights and KV cache."""
+    from shardlib.evaluation.accuracy import DEFAULT_DIVERGENCE_DIFFERENCE_TOL  # torch: not at import time
+
+    parts = []
+    if quant is not None:
+        parts.append(WEIGHT_TOLERANCES[(quant.dtype, quant.per_channel)])
+    if kv_cache_dtype is not None:
+        parts.append(KV_TOLERANCES[kv_cache_dtype])
+    if not parts:
+        return DEFAULT_TOL_SPEC, DEFAULT_DIVERGENCE_DIFFERENCE_TOL
+    rtols = [round(sum(p[0][i] for p in parts), 4) for i in range(len(GROUPS))]
+    spec = ",".join(f"{group}:{rtol:g}" for group, rtol in zip(GROUPS, rtols))
+    return spec, sum(p[1] for p in parts)
