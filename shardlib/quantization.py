@@ -19,8 +19,9 @@ Granularity (NxD's `quantization_type`):
 Checkpoint layout (NxD's quantized state dicts: `<module>.weight` holds the 8-bit values, and
 `<module>.scale` the float32 scale beside it): `model.layers.0.mlp.up_proj.weight` (int8 or fp8)
 and `model.layers.0.mlp.up_proj.scale` (float32). Every linear layer of a decoder layer is quantized
-(q/k/v/o, gate/up/down); embedding, LM head, norms and biases stay in the source dtype unless
-`lm_head` is asked for. config.json records it as:
+(q/k/v/o, gate/up/down); embedding, LM head, norms and biases stay in the source dtype unless the
+embedding (`+embed`: one scale per token row; a tied LM head is the same tensor) or an untied LM
+head (`+lm_head`) is asked for. config.json records it as:
 
     "quantization_config": {"quant_method": "corelaunch", "quantization_dtype": "int8",
                             "quantization_type": "per_channel_symmetric", "modules": "linear"}
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
 
 QUANT_DTYPES = ("int8", "f8e4m3", "f8e5m2")
 QUANT_TYPES = ("per_channel_symmetric", "per_tensor_symmetric")
-QUANT_MODULES = ("linear", "linear+lm_head")
+QUANT_MODULES = ("linear", "linear+lm_head", "linear+embed", "linear+embed+lm_head")
 QUANT_METHOD = "corelaunch"
 
 FORMAT_MAX = {"int8": 127.0, "f8e4m3": 240.0, "f8e5m2": 57344.0}
@@ -62,6 +63,7 @@ division by zero happens)."""
 _LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj|"
                      r"block_sparse_moe\.experts\.\d+\.w[123])\.weight")
 _LM_HEAD = "lm_head.weight"
+_EMBED = "model.embed_tokens.weight"
 
 
 def normalize_quant_dtype(name: str) -> str:
@@ -81,7 +83,8 @@ class Quantization:
     granularity: str = "per_channel_symmetric"
     """One of QUANT_TYPES."""
     modules: str = "linear"
-    """"linear" (every decoder linear layer) or "linear+lm_head" (the untied LM head too)."""
+    """"linear" (every decoder linear layer), plus "+embed" (the embedding table, one scale per
+    token row; with tied embeddings that is the LM head too) and/or "+lm_head" (an untied LM head)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in QUANT_DTYPES:
@@ -102,7 +105,9 @@ class Quantization:
         """Whether checkpoint tensor `name` is stored quantized (with a scale beside it)."""
         if _LINEAR.fullmatch(name):
             return True
-        return name == _LM_HEAD and self.modules == "linear+lm_head" and not tie_word_embeddings
+        if name == _EMBED:
+            return "+embed" in self.modules
+        return name == _LM_HEAD and "+lm_head" in self.modules and not tie_word_embeddings
 
     def scale_shape(self, weight_shape: Sequence[int]) -> tuple[int, ...]:
         return (weight_shape[0], 1) if self.per_channel else (1,)
@@ -190,9 +195,12 @@ def keeps_dtype(name: str, tensor: "torch.Tensor") -> bool:
 
 def quantize_state_dict(state_dict: dict[str, "torch.Tensor"], quant: Quantization,
                         tie_word_embeddings: bool = False) -> dict[str, "torch.Tensor"]:
-    """A whole in-memory state_dict quantized as `corelaunch quantize` stores it (tests, checks)."""
+    """A whole in-memory state_dict quantized as `corelaunch quantize` stores it (tests, checks).
+    A tied LM head's copy is dropped: the embedding (quantized or not) is the LM head."""
     out = {}
     for name, tensor in state_dict.items():
+        if name == _LM_HEAD and tie_word_embeddings:
+            continue
         if quant.is_quantized(name, tie_word_embeddings):
             out[name], out[scale_name(name)] = quantize(tensor, quant.dtype, quant.per_channel)
         else:

@@ -57,11 +57,11 @@ def check_quantize_request(model_dir: str | Path, dtype: str, out_dir: str | Pat
 
 
 def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, dtype: str, per_channel: bool = True,
-                        lm_head: bool = False, progress: Callable[[str, int, int], None] | None = None) -> Path:
+                        lm_head: bool = False, embed: bool = False, progress: Callable[[str, int, int], None] | None = None) -> Path:
     """Write the quantized directory at `out_dir` (see the module docstring); returns it."""
     raw, fmt = check_quantize_request(model_dir, dtype, out_dir)
     quant = Quantization(fmt, "per_channel_symmetric" if per_channel else "per_tensor_symmetric",
-                         "linear+lm_head" if lm_head else "linear")
+                         "linear" + ("+embed" if embed else "") + ("+lm_head" if lm_head else ""))
     config = ModelConfig.from_dict(raw)
     out_dir = Path(out_dir)
     partial = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")

@@ -47,10 +47,10 @@ def quantized_elements(config: ModelConfig, quant: Quantization, tp: int, q_per_
     weights += [(inter * h, inter), (inter * h, inter), (h * inter, h)] * experts
     elements = config.num_hidden_layers * sum(e for e, _ in weights)
     scales = config.num_hidden_layers * sum(s if per_channel else 1 for _, s in weights)
-    if quant.modules == "linear+lm_head" and not config.tie_word_embeddings:
-        vocab_rows = math.ceil(config.vocab_size / tp)
-        elements += vocab_rows * h
-        scales += vocab_rows if per_channel else 1
+    vocab_rows = math.ceil(config.vocab_size / tp)
+    tables = ("+embed" in quant.modules) + ("+lm_head" in quant.modules and not config.tie_word_embeddings)
+    elements += tables * vocab_rows * h
+    scales += tables * (vocab_rows if per_channel else 1)
     return elements, scales
 
 

@@ -115,23 +115,26 @@ def test_blocked_quantizer_equals_whole_tensor(monkeypatch):
 
 
 # ---- sharded execution ---------------------------------------------------------------------------
-# name: (tp, model shape, format, granularity, lm head quantized too)
+# name: (tp, model shape, format, granularity, quantized modules)
 SPECS = {
-    "int8_channel_tp2": (2, dict(num_heads=4, num_kv_heads=2), "int8", "per_channel_symmetric", True),
-    "f8e4m3_tensor_tp2": (2, dict(num_heads=4, num_kv_heads=1), "f8e4m3", "per_tensor_symmetric", False),
+    "int8_channel_tp2": (2, dict(num_heads=4, num_kv_heads=2), "int8", "per_channel_symmetric", "linear+lm_head"),
+    "f8e4m3_tensor_tp2": (2, dict(num_heads=4, num_kv_heads=1), "f8e4m3", "per_tensor_symmetric", "linear+embed"),
     "f8e5m2_channel_qwen2_tp3": (3, dict(model_type="qwen2", hidden_size=48, num_heads=6, num_kv_heads=2,
                                          vocab_size=130, intermediate_size=100), "f8e5m2",
-                                 "per_channel_symmetric", True),
+                                 "per_channel_symmetric", "linear+embed+lm_head"),
+    "int8_channel_tied_tp3": (3, dict(hidden_size=48, num_heads=3, num_kv_heads=1, intermediate_size=100,
+                                      vocab_size=130, tie_word_embeddings=True), "int8", "per_channel_symmetric",
+                              "linear+embed"),  # the tied LM head is the quantized embedding
     "int8_tensor_tp3": (3, dict(hidden_size=48, num_heads=3, num_kv_heads=1, intermediate_size=100,
-                                tie_word_embeddings=True), "int8", "per_tensor_symmetric", False),
+                                tie_word_embeddings=True), "int8", "per_tensor_symmetric", "linear"),
 }
 
 
 def quantized_case(name: str):
     """(quantized ModelConfig, quantized state_dict, transformers greedy tokens of the dequantized model)."""
-    _, shape, fmt, granularity, lm_head = SPECS[name]
+    _, shape, fmt, granularity, modules = SPECS[name]
     model = build_random_model(seed=5, **shape)
-    quant = Quantization(fmt, granularity, "linear+lm_head" if lm_head else "linear")
+    quant = Quantization(fmt, granularity, modules)
     state = quantize_state_dict(hf_state_dict(model), quant, model.config.tie_word_embeddings)
     model.load_state_dict(dequantize_state_dict(state, torch.float32), strict=False)
     ids = [torch.tensor([p]) for p in PROMPTS]
@@ -215,13 +218,18 @@ def test_presharded_directory_carries_quantized_shards(source_dir, tmp_path, dty
         assert loaded["model.norm.weight"].dtype == (torch.bfloat16 if dtype else torch.float32)
 
 
-@pytest.mark.parametrize("tp,per_channel,lm_head", [(1, True, False), (2, True, True), (2, False, False)])
-def test_planner_counts_quantized_weights_and_scales_exactly(source_dir, tmp_path, tp, per_channel, lm_head):
+@pytest.mark.parametrize("tp,per_channel,lm_head,embed", [(1, True, False, False), (2, True, True, True),
+                                                         (2, False, False, True), (3, True, False, False)])
+def test_planner_counts_quantized_weights_and_scales_exactly(source_dir, tmp_path, tp, per_channel, lm_head, embed):
     from shardlib.checkpoint import load_rank_shard
     from shardlib.planner import plan
     from shardlib.sharding import ShardLayout
 
-    out = quantize_checkpoint(source_dir, tmp_path / "q", "int8", per_channel=per_channel, lm_head=lm_head)
+    if tp == 3:  # 4 heads do not split in 3: a model of its own
+        source_dir = save_model(build_random_model(hidden_size=48, num_heads=3, num_kv_heads=1, vocab_size=130,
+                                                   intermediate_size=100), tmp_path / "src3")
+    out = quantize_checkpoint(source_dir, tmp_path / "q", "int8", per_channel=per_channel, lm_head=lm_head,
+                              embed=embed)
     config = load_model_config(out)
     for dtype in ("float32", "bfloat16"):
         shard = load_rank_shard(out, config, ShardLayout.for_model(config, tp), 0, dtype)
@@ -229,7 +237,7 @@ def test_planner_counts_quantized_weights_and_scales_exactly(source_dir, tmp_pat
         assert plan(config, tp=tp, dtype=dtype).memory.weight_bytes_per_rank == held
     # Planning the unquantized model at dtype int8 counts the same checkpoint `quantize` writes
     # (per channel, the rest in bfloat16).
-    if per_channel and not lm_head:
+    if per_channel and not lm_head and not embed:
         source = load_model_config(source_dir)
         assert plan(source, tp=tp, dtype="int8").memory.weight_bytes_per_rank == \
             plan(config, tp=tp, dtype="bfloat16").memory.weight_bytes_per_rank

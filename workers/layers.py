@@ -74,6 +74,7 @@ def as_param(tensor: torch.Tensor, dtype: torch.dtype) -> nn.Parameter:
     """Wrap a shard tensor as a frozen parameter; no copy when it already has `dtype`. A quantized
     weight stays as it is (8-bit; `linear` dequantizes it in the compute dtype)."""
     if isinstance(tensor, QuantizedWeight):
+        tensor.compute_dtype = dtype
         return tensor
     return nn.Parameter(tensor.to(dtype), requires_grad=False)
 
@@ -114,7 +115,8 @@ class VocabParallelEmbedding(nn.Module):
         """(batch, seq) ids -> (batch, seq, hidden): this rank's rows, zeros elsewhere, summed over ranks."""
         owned = (input_ids >= self.start) & (input_ids < self.stop)  # (batch, seq)
         local_ids = torch.where(owned, input_ids - self.start, 0)
-        hidden = F.embedding(local_ids, self.weight)  # (batch, seq, hidden)
+        hidden = self.weight.rows(local_ids) if isinstance(self.weight, QuantizedWeight) else F.embedding(
+            local_ids, self.weight)  # (batch, seq, hidden)
         hidden = self.collectives.all_reduce(hidden * owned.unsqueeze(-1).to(hidden.dtype))
         return hidden if self.scale is None else hidden * self.scale.to(hidden.device)
 

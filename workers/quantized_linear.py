@@ -33,6 +33,8 @@ class QuantizedWeight(nn.Module):
                              f"{tuple(q.shape)} and {tuple(scale.shape)}")
         self.register_buffer("q", q)
         self.register_buffer("scale", scale.to(torch.float32))
+        self.compute_dtype = torch.float32
+        """Set by workers.layers.as_param: the dtype embedding rows come out in."""
 
     @property
     def shape(self) -> torch.Size:
@@ -44,6 +46,11 @@ class QuantizedWeight(nn.Module):
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         return (self.q.to(torch.float32) * self.scale).to(dtype)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embedding lookup: the dequantized rows `ids` (..., in), in the compute dtype."""
+        scale = self.scale[ids] if self.scale.dim() == 2 else self.scale  # (..., 1) per row, or (1,)
+        return (F.embedding(ids, self.q).to(torch.float32) * scale).to(self.compute_dtype)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None, gemv: bool) -> torch.Tensor:
         """x W^T + b with W = q * scale; gemv: write it as a multiply-and-sum (a compiled decode step)."""

@@ -32,8 +32,10 @@ def add_parser(subparsers) -> None:
                              help="one scale per output channel (the default)")
     granularity.add_argument("--per-tensor", dest="per_channel", action="store_false",
                              help="one scale per weight tensor")
-    p.add_argument("--lm-head", action="store_true",
-                   help="quantize an untied LM head too (default: embedding and LM head stay unquantized)")
+    p.add_argument("--embedding", action="store_true",
+                   help="quantize the embedding table too, one scale per token row (with tied embeddings, the LM "
+                        "head is that same table); default: embedding and LM head stay unquantized")
+    p.add_argument("--lm-head", action="store_true", help="quantize an untied LM head too")
     p.add_argument("--out", required=True, metavar="QDIR", help="the directory to write (must not exist)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.set_defaults(run=run)
@@ -58,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(f"\rquantize: {done}/{total} tensors", end="" if done < total else "\n", file=sys.stderr)
 
-    out = quantize_checkpoint(model, args.out, args.dtype, args.per_channel, args.lm_head, progress)
+    out = quantize_checkpoint(model, args.out, args.dtype, args.per_channel, args.lm_head, args.embedding,
+                              progress=progress)
     if not args.quiet:
         print(f"quantize: wrote {out} in {time.monotonic() - start:.1f} s", file=sys.stderr)
     return 0
