@@ -30,7 +30,7 @@ from shardlib.quantization import (Quantization, absmax_scale, normalize_quant_d
                                    scale_name, storage_dtype)
 from shardlib.sharding import TensorSlice
 
-QUANT_BLOCK_BYTES = 16 << 20
+QUANT_BLOCK_BYTES = 4 << 20
 """float32 bytes of one block of rows quantized at a time (bounds the temporaries)."""
 
 _ST_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int8: "I8",

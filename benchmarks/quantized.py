@@ -1,0 +1,190 @@
+"""Quantized weights and the fp8 KV cache against float32, side by side in one run; one JSON object.
+
+SmolLM2-135M-Instruct (float32) and its copies written by `corelaunch quantize` (per channel, the
+embedding quantized too, `--embedding`) into a temporary directory. Sections:
+
+- quantize: peak host memory each `quantize` run adds over its imports (VmHWM in a fresh process)
+  against the largest tensor of the checkpoint (target <= 1.5x), and its time;
+- weights: bytes of one rank's loaded shard, TP 1 and TP 3 rank 0, each format over float32
+  (target <= 0.27), with the peak memory each load added (benchmarks/load_memory.py's fresh-process
+  measurement);
+- kv_cache: bytes per token of the KV cache, fp8 e4m3 over float32 (target <= 0.26);
+- accuracy: the first 16 greedy tokens of the README's demo prompts, each format against float32
+  (eager, in this process);
+- decode: decode tokens/s of the worker code in this process (benchmarks/decode.py's runner), eager
+  and compiled, float32 and each format, runs interleaved so machine noise hits all alike; each
+  format's median over float32's.
+
+    python benchmarks/quantized.py [--formats int8,f8e4m3] [--repeats 3] [--new-tokens 64]
+                                   [--prompt-tokens 128] [--threads 2] [--skip-decode] [--skip-compiled]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.decode import prompt_ids, worker_runner  # noqa: E402
+from benchmarks.load_memory import _proc_field, _run_child  # noqa: E402
+
+DEMO_PROMPTS = ["The capital of France is", "2 + 2 =", "Once upon a time"]
+TARGETS = {"weights_over_fp32": 0.27, "quantize_peak_over_largest_tensor": 1.5, "kv_fp8_over_fp32": 0.26}
+
+
+def _quantize_child(spec: dict) -> dict:
+    """Runs in a fresh process: import, take the baseline, quantize, measure."""
+    from shardlib.quantize_checkpoint import quantize_checkpoint
+
+    before = _proc_field("/proc/self/status", "VmHWM:") * 1024
+    start = time.perf_counter()
+    quantize_checkpoint(spec["model_dir"], spec["out"], spec["dtype"], embed=True)
+    return {"added_peak_bytes": _proc_field("/proc/self/status", "VmHWM:") * 1024 - before,
+            "time_s": round(time.perf_counter() - start, 2)}
+
+
+def quantize_in_child(model_dir: Path, out: Path, fmt: str) -> dict:
+    spec = json.dumps({"model_dir": str(model_dir), "out": str(out), "dtype": fmt})
+    proc = subprocess.run([sys.executable, __file__, "--quantize-child", spec], capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"quantize {fmt} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def largest_tensor_bytes(model_dir: Path) -> int:
+    from shardlib.checkpoint import find_checkpoint, SafetensorsFile
+
+    ckpt = find_checkpoint(model_dir)
+    return max(math.prod(e.shape) * e.dtype.itemsize for f in ckpt.files for e in SafetensorsFile(f).entries.values())
+
+
+def weights_section(dirs: dict[str, Path]) -> dict:
+    out = {}
+    for tp in (1, 3):
+        rows = {name: _run_child({"model_dir": str(d), "tp": tp, "rank": 0, "source": "checkpoint",
+                                  "presharded_dir": None}) for name, d in dirs.items()}
+        base = rows["float32"]["shard_bytes"]
+        out[f"tp{tp}_rank0"] = {name: {"shard_bytes": r["shard_bytes"], "over_fp32": round(r["shard_bytes"] / base, 4),
+                                       "added_peak_bytes": r["added_peak_bytes"]} for name, r in rows.items()}
+    return out
+
+
+def kv_section(model_dir: Path) -> dict:
+    import torch
+
+    from shardlib.model_config import load_model_config
+    from workers.kv_cache import KVCache
+    from workers.kv_quant import KV_FP8
+
+    config = load_model_config(model_dir)
+    per_token = {}
+    for name, dtype in (("float32", torch.float32), ("f8e4m3", KV_FP8)):
+        cache = KVCache(config.num_hidden_layers, 1, config.num_key_value_heads, 64, config.head_dim, dtype=dtype)
+        per_token[name] = cache.nbytes() // 64
+    return {"bytes_per_token": per_token, "fp8_over_fp32": per_token["f8e4m3"] / per_token["float32"]}
+
+
+def accuracy_section(dirs: dict[str, Path]) -> dict:
+    from launcher.api import load_tokenizer
+    from shardlib.checkpoint import load_rank_shard
+    from shardlib.model_config import load_model_config
+    from shardlib.sharding import ShardLayout
+    from workers.collectives import SingleRank
+    from workers.engine import generate
+    from workers.model import ShardedCausalLM
+    from workers.sampling import SamplingParams
+
+    tokenizer = load_tokenizer(dirs["float32"])
+    prompts = [list(tokenizer(p)["input_ids"]) for p in DEMO_PROMPTS]
+    tokens = {}
+    for name, d in dirs.items():
+        config = load_model_config(d)
+        layout = ShardLayout.for_model(config, 1)
+        model = ShardedCausalLM(config, layout, 0, load_rank_shard(d, config, layout, 0), SingleRank())
+        tokens[name] = [generate(model, [p], [SamplingParams()], 16, [])[0].token_ids for p in prompts]
+    return {name: {"first_16_equal_fp32": [t == f for t, f in zip(toks, tokens["float32"])],
+                   "texts": [tokenizer.decode(t) for t in toks]} for name, toks in tokens.items()}
+
+
+def decode_section(dirs: dict[str, Path], args) -> dict:
+    from transformers import AutoTokenizer
+
+    ids = prompt_ids(AutoTokenizer.from_pretrained(dirs["float32"]), args.prompt_tokens)
+    modes = ["eager"] + ([] if args.skip_compiled else ["compiled"])
+    runners, workers = {}, []
+    for mode in modes:
+        for name, d in dirs.items():
+            start = time.perf_counter()
+            run, worker = worker_runner(d, ids, args.new_tokens, args.threads, compile_=mode == "compiled")
+            run()  # warm-up (compiled: builds the graphs)
+            print(f"{mode} {name}: ready in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+            runners[(mode, name)] = run
+            workers.append(worker)
+    runs = {key: [] for key in runners}
+    for _ in range(args.repeats):
+        for key, run in runners.items():
+            runs[key].append(run()["decode_tokens_per_s"])
+    out = {}
+    for mode in modes:
+        base = statistics.median(runs[(mode, "float32")])
+        out[mode] = {name: {"median_tokens_per_s": round(statistics.median(runs[(mode, name)]), 2),
+                            "best_tokens_per_s": round(max(runs[(mode, name)]), 2),
+                            "over_fp32": round(statistics.median(runs[(mode, name)]) / base, 3)}
+                     for name in dirs}
+    for worker in workers:
+        worker.shutdown()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--formats", default="int8,f8e4m3", help="comma-separated formats (default int8,f8e4m3)")
+    parser.add_argument("--model-dir", help="a float32 Hugging Face checkpoint (default: the SmolLM2 demo model)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--skip-decode", action="store_true")
+    parser.add_argument("--skip-compiled", action="store_true", help="decode eagerly only (no graph builds)")
+    parser.add_argument("--quantize-child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.quantize_child:
+        print(json.dumps(_quantize_child(json.loads(args.quantize_child))))
+        return
+
+    import torch
+
+    from shardlib.demo_model import ensure_demo_model
+
+    torch.set_num_threads(args.threads)
+    model_dir = Path(args.model_dir) if args.model_dir else ensure_demo_model()
+    report: dict = {"model": str(model_dir), "targets": TARGETS, "threads": args.threads,
+                    "note": "timings depend on the machine's load: compare the ratios, taken in one run"}
+    with tempfile.TemporaryDirectory(prefix="corelaunch-quant-") as tmp:
+        dirs = {"float32": model_dir}
+        largest = largest_tensor_bytes(model_dir)
+        report["quantize"] = {"largest_tensor_bytes": largest}
+        for fmt in args.formats.split(","):
+            dirs[fmt] = Path(tmp) / fmt
+            result = quantize_in_child(model_dir, dirs[fmt], fmt)
+            result["peak_over_largest_tensor"] = round(result["added_peak_bytes"] / largest, 3)
+            report["quantize"][fmt] = result
+        report["weights"] = weights_section(dirs)
+        report["kv_cache"] = kv_section(model_dir)
+        report["accuracy"] = accuracy_section(dirs)
+        if not args.skip_decode:
+            report["decode"] = decode_section(dirs, args)
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
