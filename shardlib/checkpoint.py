@@ -351,7 +351,7 @@ def check_layout(config: ModelConfig, layout: ShardLayout, rank: int) -> None:
     """ValueError unless `layout` was built for `config` and `rank` is one of its ranks."""
     if not 0 <= rank < layout.tp_degree:
         raise ValueError(f"rank {rank} is outside tp_degree {layout.tp_degree}: ranks are 0..{layout.tp_degree - 1}")
-    own = ShardLayout.for_model(config, layout.tp_degree, layout.kv_strategy, layout.pad_q_heads)
+    own = ShardLayout.for_model(config, layout.tp_degree, layout.kv_strategy, layout.pad_q_heads, layout.moe_sharding)
     if own != layout:
         diff = ", ".join(f"{f.name}={getattr(layout, f.name)} (config: {getattr(own, f.name)})"
                          for f in dataclasses.fields(layout) if getattr(layout, f.name) != getattr(own, f.name))

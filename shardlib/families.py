@@ -1,10 +1,11 @@
-"""What sets each supported dense family apart from Llama, in one place.
+"""What sets each supported family apart from Llama, in one place (the mixture-of-experts families'
+config dialects and expert facts: shardlib/moe_configs.py).
 
 Two kinds of facts:
 - `FamilyTraits`: fixed by the model_type (which extra weights exist, how norms and embeddings
   compute). Llama, Mistral and Qwen2 have none of them; Qwen3 adds per-head q/k RMSNorm; Gemma 3
   adds those plus its (1 + w) norms, a norm after attention and around the MLP, and embeddings
-  scaled by sqrt(hidden_size).
+  scaled by sqrt(hidden_size); Qwen3-MoE has Qwen3's q/k norms; DBRX normalises with LayerNorm.
 - `family_fields(model_type, raw)`: the config.json values ModelConfig needs beyond Llama's (which
   layers use a sliding window, Gemma 3's local rope base, query scaling, final logit soft-capping,
   activation),
@@ -38,12 +39,14 @@ class FamilyTraits:
     """Embeddings multiplied by sqrt(hidden_size) (in the weight dtype), as Gemma does."""
     tied_by_default: bool = False
     """tie_word_embeddings when config.json leaves it out (transformers' default for the family)."""
+    layer_norm: bool = False
+    """Norms are LayerNorm without bias instead of RMSNorm (DBRX's norm_1, norm_2 and norm_f)."""
 
 
 TRAITS = {
     "llama": FamilyTraits(), "mistral": FamilyTraits(), "qwen2": FamilyTraits(),
-    "mixtral": FamilyTraits(),
-    "qwen3": FamilyTraits(qk_norm=True),
+    "mixtral": FamilyTraits(), "qwen3": FamilyTraits(qk_norm=True), "qwen3_moe": FamilyTraits(qk_norm=True),
+    "dbrx": FamilyTraits(layer_norm=True),
     "gemma3_text": FamilyTraits(qk_norm=True, norm_offset=1.0, sandwich_norms=True, scaled_embeddings=True,
                                 tied_by_default=True),
 }
@@ -72,7 +75,7 @@ def _layer_types(model_type: str, raw: dict[str, Any], window: int | None, layer
         pattern = raw.get("sliding_window_pattern")
         pattern = GEMMA3_WINDOW_PATTERN if pattern is None else count("sliding_window_pattern", pattern, 6)
         kinds = tuple(SLIDING if (i + 1) % pattern else FULL for i in range(layers))
-    elif model_type in ("mistral", "mixtral"):
+    elif model_type in ("mistral", "mixtral", "qwen3_moe"):  # Qwen3-MoE: every layer, no max_window_layers
         kinds = tuple([SLIDING] * layers)
     elif model_type in ("qwen2", "qwen3"):
         first = raw.get("max_window_layers")
@@ -90,7 +93,7 @@ def sliding_window(model_type: str, raw: dict[str, Any]) -> int | None:
     window = raw.get("sliding_window")
     if window is not None:
         count("sliding_window", window, 4096)
-    if model_type in ("qwen2", "qwen3") and not flag("use_sliding_window", raw.get("use_sliding_window")):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe") and not flag("use_sliding_window", raw.get("use_sliding_window")):
         return None
     if model_type == "llama":  # Llama's attention has no window, whatever config.json says
         return None

@@ -1,6 +1,8 @@
 """The model facts corelaunch needs, read from a Hugging Face config.json.
 
-One frozen dataclass for every architecture of the Llama family (Llama, Mistral, Qwen2, Mixtral):
+One frozen dataclass for every architecture of the Llama family (Llama, Mistral, Qwen2, Qwen3,
+Gemma 3 text; what sets each apart: shardlib/families.py) and its mixture-of-experts relatives
+(Mixtral, Qwen3-MoE, DBRX; their config dialects: shardlib/moe_configs.py):
 the planner, the sharding math, the checkpoint reader and the workers all read the same object, so
 a field is derived (head_dim, KV heads) in exactly one place.
 """
@@ -16,9 +18,10 @@ from typing import Any
 
 from shardlib.config_fields import count, field_error, flag, mapping, positive_number, show, token_id, token_ids
 from shardlib.families import ACTIVATIONS, LAYER_TYPES, SLIDING, family_fields, layer_norm_elements, traits
+from shardlib.moe_configs import MOE_MODEL_TYPES, flatten_moe_config
 from shardlib.quantization import Quantization
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "mixtral")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text") + MOE_MODEL_TYPES
 
 # Rope scaling types workers/rope.py implements (None: plain rotary embeddings).
 EXECUTABLE_ROPE_TYPES = (None, "llama3", "linear", "dynamic", "yarn", "longrope")
@@ -161,8 +164,14 @@ class ModelConfig:
     torch_dtype: str = "float32"
     """The checkpoint's own dtype; the default compute dtype."""
     num_local_experts: int = 0
-    """Mixtral: experts per layer (0 for dense models)."""
+    """Experts per layer (0 for dense models)."""
     num_experts_per_tok: int = 0
+    moe_topk_norm: float | None = None
+    """The top-k routing weights are divided by their L-p norm for this p (1.0: by their sum, as
+    Mixtral, Qwen3-MoE with norm_topk_prob and DBRX's moe_normalize_expert_weights do); None: used
+    as the softmax gave them."""
+    clip_qkv: float | None = None
+    """DBRX: q, k and v are clamped to [-clip_qkv, clip_qkv] after the projection."""
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
     pad_token_id: int | None = None
@@ -213,6 +222,9 @@ class ModelConfig:
                               "normalize it with normalize_dtype()")
         experts = count("num_local_experts", self.num_local_experts, 8, minimum=0)
         per_token = count("num_experts_per_tok", self.num_experts_per_tok, 2, minimum=0)
+        for name in ("moe_topk_norm", "clip_qkv"):
+            if getattr(self, name) is not None:
+                positive_number(name, getattr(self, name), 1.0)
         if experts and not 1 <= per_token <= experts:
             raise field_error("num_experts_per_tok", per_token,
                               f"must be between 1 and num_local_experts ({experts}) for a mixture-of-experts model",
@@ -231,9 +243,6 @@ class ModelConfig:
         refuses these before starting any process, instead of failing after every rank has loaded.
         """
         gaps = []
-        if self.is_moe:
-            gaps.append(f"{self.model_type} is a mixture-of-experts model ({self.num_local_experts} experts); "
-                        f"corelaunch plans it but its workers run dense models only")
         rope_type = None if self.rope_scaling is None else self.rope_scaling.get(
             "rope_type", self.rope_scaling.get("type"))
         if rope_type not in EXECUTABLE_ROPE_TYPES:
@@ -284,6 +293,9 @@ class ModelConfig:
         fields = dataclasses.asdict(self)
         for ignored in ("bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype"):
             fields.pop(ignored)
+        for name in _HASHED_WHEN_SET:  # fields added later: absent at their default, so older hashes hold
+            if fields[name] == _DEFAULTS[name]:
+                fields.pop(name)
         blob = json.dumps(fields, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -301,6 +313,7 @@ class ModelConfig:
                 f"unsupported architecture model_type={show(model_type)} (architectures="
                 f"{show(raw.get('architectures'))}); corelaunch supports {', '.join(SUPPORTED_MODEL_TYPES)}{hint}"
             )
+        raw, moe_fields = flatten_moe_config(raw)
         missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
                                 "num_attention_heads", "vocab_size") if k not in raw]
         if missing:
@@ -368,7 +381,12 @@ class ModelConfig:
             eos_token_id=token_ids("eos_token_id", raw.get("eos_token_id")),
             pad_token_id=token_id("pad_token_id", raw.get("pad_token_id")),
             quantization=Quantization.from_json(raw.get("quantization_config")),
+            **moe_fields,
         )
+
+
+_HASHED_WHEN_SET = ("moe_topk_norm", "clip_qkv")
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
 
 
 def load_model_config(path: str | Path) -> ModelConfig:

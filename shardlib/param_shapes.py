@@ -21,6 +21,10 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     With tie_word_embeddings the LM head is the embedding matrix, so LM_HEAD is not listed (a
     checkpoint may still carry a copy of it; readers ignore it).
     """
+    if config.is_moe:
+        from shardlib.moe_params import moe_expected_shapes
+
+        return moe_expected_shapes(config)
     h, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
     q, kv = config.q_size, config.kv_size
     family = traits(config.model_type)
@@ -40,21 +44,13 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if family.qk_norm:
             shapes[p + "self_attn.q_norm.weight"] = (config.head_dim,)
             shapes[p + "self_attn.k_norm.weight"] = (config.head_dim,)
-        if config.is_moe:
-            shapes[p + "block_sparse_moe.gate.weight"] = (config.num_local_experts, h)
-            for e in range(config.num_local_experts):
-                x = f"{p}block_sparse_moe.experts.{e}."
-                shapes[x + "w1.weight"] = (i, h)  # gate
-                shapes[x + "w3.weight"] = (i, h)  # up
-                shapes[x + "w2.weight"] = (h, i)  # down
-        else:
-            shapes[p + "mlp.gate_proj.weight"] = (i, h)
-            shapes[p + "mlp.up_proj.weight"] = (i, h)
-            shapes[p + "mlp.down_proj.weight"] = (h, i)
-            if config.mlp_bias:
-                shapes[p + "mlp.gate_proj.bias"] = (i,)
-                shapes[p + "mlp.up_proj.bias"] = (i,)
-                shapes[p + "mlp.down_proj.bias"] = (h,)
+        shapes[p + "mlp.gate_proj.weight"] = (i, h)
+        shapes[p + "mlp.up_proj.weight"] = (i, h)
+        shapes[p + "mlp.down_proj.weight"] = (h, i)
+        if config.mlp_bias:
+            shapes[p + "mlp.gate_proj.bias"] = (i,)
+            shapes[p + "mlp.up_proj.bias"] = (i,)
+            shapes[p + "mlp.down_proj.bias"] = (h,)
         shapes[p + "input_layernorm.weight"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
         if family.sandwich_norms:

@@ -57,6 +57,12 @@ class Style(str, enum.Enum):
     VOCAB = "vocab"
     REPLICATE = "replicate"
     SKIP = "skip"
+    QKV_FUSED = "qkv_fused"
+    """One [Q | K | V] matrix: the rank's Q heads, then its K heads, then its V heads."""
+    EXPERT_COLUMN = "expert_column"
+    EXPERT_ROW = "expert_row"
+    EXPERTS_FUSED = "experts_fused"
+    """The three expert styles are cut by shardlib/expert_sharding.py."""
 
 
 def default_kv_strategy(num_heads: int, num_kv_heads: int, tp: int) -> KVStrategy | None:
@@ -98,6 +104,10 @@ class ShardLayout:
     hidden_size: int
     intermediate_size: int
     vocab_size: int
+    num_experts: int = 0
+    """Experts per MoE layer (0: dense); intermediate_size is then each expert's."""
+    moe_sharding: str | None = None
+    """How the experts are split: shardlib.expert_sharding's MOE_SHARDINGS; None for dense models."""
 
     pad_q_heads: bool = False
     """Pad Q heads with zero heads to a multiple of tp_degree (NxD Inference's layout, see
@@ -105,6 +115,9 @@ class ShardLayout:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_strategy", KVStrategy(self.kv_strategy))
+        if (self.moe_sharding is None) != (self.num_experts == 0):
+            raise ValueError(f"moe_sharding ({self.moe_sharding!r}) must be given exactly when the model has "
+                             f"experts (num_experts {self.num_experts}); build it with ShardLayout.for_model")
         if self.tp_degree < 1:
             raise ValueError(f"tp_degree ({self.tp_degree}) must be at least 1")
         if self.num_heads < 1 or self.num_kv_heads < 1:
@@ -128,9 +141,15 @@ class ShardLayout:
 
     @classmethod
     def for_model(cls, config: ModelConfig, tp_degree: int, kv_strategy: KVStrategy | str | None = None,
-                  pad_q_heads: bool = False) -> "ShardLayout":
+                  pad_q_heads: bool = False, moe_sharding: str | None = None) -> "ShardLayout":
+        """moe_sharding: for MoE models, one of expert_sharding.MOE_SHARDINGS, or None for the
+        planner's choice (ValueError when the chosen one, or every one, breaks its rule)."""
         heads = config.num_attention_heads
         padded = math.ceil(heads / tp_degree) * tp_degree if pad_q_heads else heads
+        if padded != heads and config.model_type in FUSED_QKV_MODEL_TYPES:
+            raise ValueError(f"--pad-q-heads is not supported for {config.model_type}: its fused Wqkv keeps Q, K "
+                             f"and V in one matrix, which zero Q heads cannot be inserted into; use a tp_degree "
+                             f"that divides num_attention_heads ({heads})")
         if kv_strategy is None:
             kv_strategy = default_kv_strategy(padded, config.num_key_value_heads, tp_degree)
             if kv_strategy is None:
@@ -139,11 +158,15 @@ class ShardLayout:
                     f"({tp_degree}); pad Q heads (--pad-q-heads), or run `corelaunch plan` to list the "
                     f"degrees that work"
                 )
+        from shardlib.expert_sharding import resolve_moe_sharding
+
         return cls(tp_degree=tp_degree, kv_strategy=KVStrategy(kv_strategy),
                    num_heads=heads, num_kv_heads=config.num_key_value_heads,
                    head_dim=config.head_dim, hidden_size=config.hidden_size,
                    intermediate_size=config.intermediate_size, vocab_size=config.vocab_size,
-                   pad_q_heads=bool(pad_q_heads) and padded != heads)
+                   pad_q_heads=bool(pad_q_heads) and padded != heads,
+                   num_experts=config.num_local_experts,
+                   moe_sharding=resolve_moe_sharding(config, tp_degree, moe_sharding))
 
     # ---- per-rank sizes ----------------------------------------------------------------------
     @property
@@ -286,6 +309,11 @@ def slice_for_style(style: Style, full_shape: Sequence[int], rank: int, layout: 
         return _heads(layout.kv_head_ids(rank), d, dim=0)
     if style is Style.ROW_HEADS:
         return _heads(layout.q_head_sources(rank), d, dim=1)
+    if style is Style.QKV_FUSED:
+        q, kv = layout.num_heads * d, layout.num_kv_heads * d
+        offsets = ((0, layout.q_head_ids(rank)), (q, layout.kv_head_ids(rank)), (q + kv, layout.kv_head_ids(rank)))
+        return TensorSlice(dim=0, ranges=_merge([(base + h * d, base + (h + 1) * d)
+                                                 for base, heads in offsets for h in heads]))
     if style is Style.COLUMN:
         return _even(full_shape[0], rank, tp, dim=0)
     if style is Style.ROW:
@@ -327,12 +355,27 @@ _DENSE_PLAN: tuple[tuple[str, Style], ...] = (
     (r"model\.norm\.weight", Style.REPLICATE),
     (_LAYER + r"self_attn\.rotary_emb\.inv_freq", Style.SKIP),
 )
-_MOE_PLAN: tuple[tuple[str, Style], ...] = tuple(
-    p for p in _DENSE_PLAN if "mlp" not in p[0]
-) + (
+_ATTENTION_PLAN = tuple(p for p in _DENSE_PLAN if "mlp" not in p[0])
+_MOE_PLAN: tuple[tuple[str, Style], ...] = _ATTENTION_PLAN + (
     (_LAYER + r"block_sparse_moe\.gate\.weight", Style.REPLICATE),
-    (_LAYER + r"block_sparse_moe\.experts\.\d+\.w[13]\.weight", Style.COLUMN),
-    (_LAYER + r"block_sparse_moe\.experts\.\d+\.w2\.weight", Style.ROW),
+    (_LAYER + r"block_sparse_moe\.experts\.\d+\.w[13]\.weight", Style.EXPERT_COLUMN),
+    (_LAYER + r"block_sparse_moe\.experts\.\d+\.w2\.weight", Style.EXPERT_ROW),
+)
+_QWEN3_MOE_PLAN: tuple[tuple[str, Style], ...] = _ATTENTION_PLAN + (  # q/k norms: in _ATTENTION_PLAN
+    (_LAYER + r"mlp\.gate\.weight", Style.REPLICATE),
+    (_LAYER + r"mlp\.experts\.\d+\.(gate|up)_proj\.weight", Style.EXPERT_COLUMN),
+    (_LAYER + r"mlp\.experts\.\d+\.down_proj\.weight", Style.EXPERT_ROW),
+)
+_BLOCK = r"transformer\.blocks\.\d+\."
+_DBRX_PLAN: tuple[tuple[str, Style], ...] = (
+    (r"transformer\.wte\.weight", Style.VOCAB),
+    (r"lm_head\.weight", Style.VOCAB),
+    (_BLOCK + r"norm_attn_norm\.attn\.Wqkv\.weight", Style.QKV_FUSED),
+    (_BLOCK + r"norm_attn_norm\.attn\.out_proj\.weight", Style.ROW_HEADS),
+    (_BLOCK + r"norm_attn_norm\.norm_[12]\.weight", Style.REPLICATE),
+    (_BLOCK + r"ffn\.router\.layer\.weight", Style.REPLICATE),
+    (_BLOCK + r"ffn\.experts\.mlp\.(w1|v1|w2)", Style.EXPERTS_FUSED),  # w2 too: stored (experts x ffn, hidden)
+    (r"transformer\.norm_f\.weight", Style.REPLICATE),
 )
 
 SHARDING_PLANS: dict[str, tuple[tuple[str, Style], ...]] = {
@@ -342,7 +385,12 @@ SHARDING_PLANS: dict[str, tuple[tuple[str, Style], ...]] = {
     "qwen3": _DENSE_PLAN,
     "gemma3_text": _DENSE_PLAN,
     "mixtral": _MOE_PLAN,
+    "qwen3_moe": _QWEN3_MOE_PLAN,
+    "dbrx": _DBRX_PLAN,
 }
+
+FUSED_QKV_MODEL_TYPES = tuple(arch for arch, plan in SHARDING_PLANS.items() if any(s is Style.QKV_FUSED for _, s in plan))
+"""Families with one [Q | K | V] matrix, which padded Q heads cannot be cut from (DBRX)."""
 
 _COMPILED = {arch: tuple((re.compile(p), s) for p, s in plan) for arch, plan in SHARDING_PLANS.items()}
 
@@ -368,6 +416,10 @@ def slice_for(model_type: str, name: str, full_shape: Sequence[int], rank: int,
     style = style_for(model_type, name)
     if style is Style.SKIP:
         return None
+    if style in (Style.EXPERT_COLUMN, Style.EXPERT_ROW, Style.EXPERTS_FUSED):
+        from shardlib.expert_sharding import expert_slice
+
+        return expert_slice(style, name, full_shape, rank, layout)
     return slice_for_style(style, full_shape, rank, layout)
 
 

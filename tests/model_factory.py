@@ -1,4 +1,5 @@
-"""Random Llama-family checkpoints for tests, built with transformers from a fixed seed.
+"""Random Llama-family and mixture-of-experts checkpoints for tests, built with transformers from a
+fixed seed.
 
 The initializer range is raised well above the 0.02 default so logits are peaked: greedy choices
 then never tie, and cannot flip with the summation order of a sharded computation.
@@ -17,12 +18,22 @@ FORMATS = ("safetensors", "safetensors_sharded", "bin", "bin_sharded")
 def build_random_model(model_type: str = "llama", *, hidden_size: int = 64, intermediate_size: int = 96,
                        num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2, vocab_size: int = 128,
                        tie_word_embeddings: bool = False, seed: int = 0, initializer_range: float = 0.25,
-                       max_position_embeddings: int = 512, rope_scaling: dict | None = None, **extra):
+                       max_position_embeddings: int = 512, rope_scaling: dict | None = None,
+                       num_experts: int = 4, experts_per_token: int = 2, moe_options: dict | None = None, **extra):
     """A transformers model (eval mode, float32) of the given shape with seeded random weights.
 
-    extra: further config fields (head_dim, sliding_window, layer_types, attention_bias, ...)."""
+    extra: further config fields (head_dim, sliding_window, layer_types, attention_bias, ...).
+    Mixture-of-experts types (mixtral, qwen3_moe, dbrx) have num_experts experts of width
+    intermediate_size, experts_per_token routed per token; moe_options adds family settings
+    (e.g. norm_topk_prob, clip_qkv), extra the fields their config class shares (sliding_window, ...)."""
     import transformers
 
+    if model_type in MOE_CONFIGS:
+        config = MOE_CONFIGS[model_type](hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads,
+                                         vocab_size, num_experts, experts_per_token, initializer_range,
+                                         max_position_embeddings, {**extra, **(moe_options or {})})
+        torch.manual_seed(seed)
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     config_cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
                   "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
                   "gemma3_text": transformers.Gemma3TextConfig}[model_type]
@@ -51,6 +62,42 @@ def build_random_model(model_type: str = "llama", *, hidden_size: int = 64, inte
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, initializer_range)
     return model.eval()
+
+
+def _mixtral(h, i, layers, heads, kv_heads, vocab, experts, top_k, init, positions, options):
+    import transformers
+
+    return transformers.MixtralConfig(
+        hidden_size=h, intermediate_size=i, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, vocab_size=vocab, num_local_experts=experts, num_experts_per_tok=top_k,
+        initializer_range=init, max_position_embeddings=positions, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0, **options)
+
+
+def _qwen3_moe(h, i, layers, heads, kv_heads, vocab, experts, top_k, init, positions, options):
+    import transformers
+
+    return transformers.Qwen3MoeConfig(
+        hidden_size=h, intermediate_size=2 * i, moe_intermediate_size=i, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=h // heads, vocab_size=vocab,
+        num_experts=experts, num_experts_per_tok=top_k, initializer_range=init,
+        max_position_embeddings=positions, bos_token_id=1, eos_token_id=2, pad_token_id=0, **options)
+
+
+def _dbrx(h, i, layers, heads, kv_heads, vocab, experts, top_k, init, positions, options):
+    import transformers
+
+    options = dict(options)
+    # transformers 5.23's DbrxAttention reads attn_config.rope_theta, which the sub-config lacks unless given.
+    attn = dict(kv_n_heads=kv_heads, rope_theta=10000.0, clip_qkv=options.pop("clip_qkv", None))
+    ffn = dict(ffn_hidden_size=i, moe_num_experts=experts, moe_top_k=top_k,
+               moe_normalize_expert_weights=options.pop("moe_normalize_expert_weights", 1.0))
+    return transformers.DbrxConfig(
+        d_model=h, n_heads=heads, n_layers=layers, vocab_size=vocab, max_seq_len=positions, attn_config=attn,
+        ffn_config=ffn, initializer_range=init, bos_token_id=1, eos_token_id=2, pad_token_id=0, **options)
+
+
+MOE_CONFIGS = {"mixtral": _mixtral, "qwen3_moe": _qwen3_moe, "dbrx": _dbrx}
 
 
 def save_model(model, path: Path, fmt: str = "safetensors") -> Path:
@@ -85,3 +132,17 @@ def save_model(model, path: Path, fmt: str = "safetensors") -> Path:
 def save_random_model(path: Path, model_type: str = "llama", fmt: str = "safetensors", **shape) -> Path:
     """Build a seeded random model and save it; returns the model directory."""
     return save_model(build_random_model(model_type, **shape), path, fmt)
+
+
+def checkpoint_state_dict(model) -> dict[str, torch.Tensor]:
+    """The tensors save_pretrained writes for `model`, by their checkpoint names.
+
+    transformers 5 holds Mixtral's and Qwen3-MoE's experts as fused 3-D tensors in memory but saves
+    them per expert (experts.{e}.w1...), the names corelaunch reads; this is what a checkpoint holds."""
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    with tempfile.TemporaryDirectory() as directory:
+        model.save_pretrained(directory)
+        return load_file(f"{directory}/model.safetensors")

@@ -57,6 +57,8 @@ class Case:
     requests: list[Request]
     kv_strategy: str | None = None
     pad_q_heads: bool = False
+    moe_sharding: str | None = None
+    """Mixture-of-experts models: tensor_parallel or expert_parallel; None: the planner's choice."""
 
 
 def hf_state_dict(model) -> dict[str, torch.Tensor]:
@@ -78,10 +80,11 @@ def shard_for_rank(config: ModelConfig, state_dict: dict[str, torch.Tensor], ran
 
 
 def build_rank_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], rank: int, tp_degree: int,
-                     collectives, kv_strategy: str | None = None, dtype=None, pad_q_heads: bool = False):
+                     collectives, kv_strategy: str | None = None, dtype=None, pad_q_heads: bool = False,
+                     moe_sharding: str | None = None):
     from workers.model import ShardedCausalLM
 
-    layout = ShardLayout.for_model(config, tp_degree, kv_strategy, pad_q_heads)
+    layout = ShardLayout.for_model(config, tp_degree, kv_strategy, pad_q_heads, moe_sharding)
     return ShardedCausalLM(config, layout, rank, shard_for_rank(config, state_dict, rank, layout),
                            collectives, dtype)
 
@@ -91,7 +94,7 @@ def run_case(case: Case, rank: int, tp_degree: int, collectives) -> list[list]:
     from workers.engine import generate
 
     model = build_rank_model(case.config, case.state_dict, rank, tp_degree, collectives, case.kv_strategy,
-                             pad_q_heads=case.pad_q_heads)
+                             pad_q_heads=case.pad_q_heads, moe_sharding=case.moe_sharding)
     return [generate(model, r.prompts, r.sampling(), r.max_new_tokens, r.stop_token_ids)
             for r in case.requests]
 

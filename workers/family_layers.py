@@ -12,12 +12,13 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+from torch import nn
 
 from shardlib.families import traits
 from shardlib.model_config import ModelConfig
 from shardlib.sharding import ShardLayout
 from workers.collectives import Collectives
-from workers.layers import MLP, Attention, DecoderLayer, RMSNorm
+from workers.layers import MLP, Attention, DecoderLayer, LayerNorm, RMSNorm
 
 
 class AttentionKind(NamedTuple):
@@ -43,23 +44,37 @@ def layer_kinds(config: ModelConfig) -> tuple[tuple[AttentionKind, ...], list[in
     return tuple(kinds), index
 
 
+def family_norm(config: ModelConfig, weight: torch.Tensor, dtype: torch.dtype) -> nn.Module:
+    """One of the model's norms: RMSNorm ((1 + w) for Gemma), or DBRX's LayerNorm without bias."""
+    if traits(config.model_type).layer_norm:
+        return LayerNorm(weight, config.rms_norm_eps, dtype)
+    return RMSNorm(weight, config.rms_norm_eps, dtype, traits(config.model_type).norm_offset)
+
+
+def family_attention(config: ModelConfig, layout: ShardLayout, shard: dict[str, torch.Tensor], layer: int,
+                     dtype: torch.dtype, collectives: Collectives) -> Attention:
+    """Layer `layer`'s self_attn.* (q/k/v/o_proj, biases, q/k norms) from this rank's shard; the
+    mixture-of-experts families with Llama's attention names (Mixtral, Qwen3-MoE) build theirs here too."""
+    p = f"model.layers.{layer}.self_attn."
+    attn = {k[len(p):]: v for k, v in shard.items() if k.startswith(p)}
+    scale = None if config.query_pre_attn_scalar is None else config.query_pre_attn_scalar ** -0.5
+    return Attention(attn, layout.q_heads_per_rank, layout.kv_heads_per_rank, config.head_dim, dtype, collectives,
+                     eps=config.rms_norm_eps, norm_offset=traits(config.model_type).norm_offset, scale=scale)
+
+
 def build_layer(config: ModelConfig, layout: ShardLayout, shard: dict[str, torch.Tensor], layer: int,
                 kind: int, dtype: torch.dtype, collectives: Collectives) -> DecoderLayer:
     """Decoder layer `layer` from this rank's shard (names as in the checkpoint)."""
-    family = traits(config.model_type)
     p = f"model.layers.{layer}."
-    eps, offset = config.rms_norm_eps, family.norm_offset
-    attn = {k[len(p + "self_attn."):]: v for k, v in shard.items() if k.startswith(p + "self_attn.")}
     mlp = {k[len(p + "mlp."):]: v for k, v in shard.items() if k.startswith(p + "mlp.")}
-    scale = None if config.query_pre_attn_scalar is None else config.query_pre_attn_scalar ** -0.5
 
-    def norm(name: str) -> RMSNorm:
-        return RMSNorm(shard[p + name + ".weight"], eps, dtype, offset)
+    def norm(name: str) -> nn.Module:
+        return family_norm(config, shard[p + name + ".weight"], dtype)
 
-    sandwich = (norm("pre_feedforward_layernorm"), norm("post_feedforward_layernorm")) if family.sandwich_norms else ()
+    sandwich = ((norm("pre_feedforward_layernorm"), norm("post_feedforward_layernorm"))
+                if traits(config.model_type).sandwich_norms else ())
     return DecoderLayer(
-        Attention(attn, layout.q_heads_per_rank, layout.kv_heads_per_rank, config.head_dim, dtype, collectives,
-                  eps=eps, norm_offset=offset, scale=scale),
+        family_attention(config, layout, shard, layer, dtype, collectives),
         MLP(mlp, dtype, collectives, config.hidden_act),
         norm("input_layernorm"), norm("post_attention_layernorm"), *sandwich, kind=kind)
 

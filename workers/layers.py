@@ -99,6 +99,18 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+class LayerNorm(nn.Module):
+    """LayerNorm with a weight and no bias (DBRX's norm_1, norm_2 and norm_f)."""
+
+    def __init__(self, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = as_param(weight, dtype)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, None, self.eps)
+
+
 class VocabParallelEmbedding(nn.Module):
     """Rows [start, stop) of the embedding table; other ids give zeros, the all-reduce fills them."""
 

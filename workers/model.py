@@ -1,4 +1,6 @@
-"""`ShardedCausalLM`: one rank's slice of a Llama-family causal LM (Llama, Mistral, Qwen2).
+"""`ShardedCausalLM`: one rank's slice of a Llama-family causal LM (Llama, Mistral, Qwen2, Qwen3,
+Gemma 3 text: workers/family_layers.py) or of a mixture-of-experts one (Mixtral, Qwen3-MoE, DBRX:
+workers/moe_layers.py).
 
 Built from a ModelConfig, a ShardLayout, the rank, and that rank's shard: a dict of Hugging Face
 parameter names to tensors cut exactly as `apply_slice(full, slice_for(model_type, name, shape,
@@ -17,18 +19,21 @@ import torch
 from torch import nn
 
 from shardlib.model_config import ModelConfig, normalize_dtype
+from shardlib.moe_configs import MOE_MODEL_TYPES
+from shardlib.moe_params import model_names
 from shardlib.param_shapes import expected_shapes
-from shardlib.families import traits
 from shardlib.sharding import ShardLayout, Style, slice_for, style_for
 from workers.collectives import Collectives
 from workers.kv_cache import KVCache
-from workers.family_layers import build_layer, embedding_scale, layer_kinds
-from workers.layers import RMSNorm, VocabParallelEmbedding, as_param, linear
+from workers.family_layers import build_layer, embedding_scale, family_norm, layer_kinds
+from workers.layers import VocabParallelEmbedding, as_param, linear
+from workers.moe_layers import moe_decoder_layer
 from workers.quantized_linear import pack_quantized
 from workers.rope import RotaryTables
 from workers.step import EAGER, run_step
 
 DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+RUNNABLE_MODEL_TYPES = DENSE_MODEL_TYPES + MOE_MODEL_TYPES
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, config: ModelConfig) -> torch.dtype:
@@ -40,16 +45,15 @@ def resolve_dtype(dtype: torch.dtype | str | None, config: ModelConfig) -> torch
 
 def check_layout(config: ModelConfig, layout: ShardLayout, rank: int, collectives: Collectives) -> None:
     """ValueError when the layout, rank or collectives do not describe this model's TP group."""
-    if config.model_type not in DENSE_MODEL_TYPES:
+    if config.model_type not in RUNNABLE_MODEL_TYPES:
         raise ValueError(
-            f"ShardedCausalLM supports model_type {', '.join(DENSE_MODEL_TYPES)}; "
-            f"got {config.model_type!r} (mixture-of-experts models are not implemented yet)"
+            f"ShardedCausalLM supports model_type {', '.join(RUNNABLE_MODEL_TYPES)}; got {config.model_type!r}"
         )
     for field, model_value in (("num_heads", config.num_attention_heads),
                                ("num_kv_heads", config.num_key_value_heads), ("head_dim", config.head_dim),
                                ("hidden_size", config.hidden_size),
                                ("intermediate_size", config.intermediate_size),
-                               ("vocab_size", config.vocab_size)):
+                               ("vocab_size", config.vocab_size), ("num_experts", config.num_local_experts)):
         if getattr(layout, field) != model_value:
             raise ValueError(
                 f"layout.{field} ({getattr(layout, field)}) differs from the model config's "
@@ -106,13 +110,15 @@ class ShardedCausalLM(nn.Module):
         self.config, self.layout, self.rank, self.collectives = config, layout, rank, collectives
         self.dtype = resolve_dtype(dtype, config)
 
-        self.embed = VocabParallelEmbedding(shard["model.embed_tokens.weight"], layout.vocab_range(rank),
-                                            self.dtype, collectives, embedding_scale(config, self.dtype))
+        names = model_names(config)
+        self.embed = VocabParallelEmbedding(shard[names.embed], layout.vocab_range(rank), self.dtype, collectives,
+                                            embedding_scale(config, self.dtype))
         self.attention_kinds, kind_of = layer_kinds(config)
-        self.layers = nn.ModuleList(build_layer(config, layout, shard, i, kind_of[i], self.dtype, collectives)
-                                    for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(shard["model.norm.weight"], config.rms_norm_eps, self.dtype,
-                            traits(config.model_type).norm_offset)
+        self.layers = nn.ModuleList(
+            moe_decoder_layer(config, layout, rank, shard, i, kind_of[i], self.dtype, collectives) if config.is_moe
+            else build_layer(config, layout, shard, i, kind_of[i], self.dtype, collectives)
+            for i in range(config.num_hidden_layers))
+        self.norm = family_norm(config, shard[names.final_norm], self.dtype)
         if config.tie_word_embeddings:
             self.lm_head_weight = self.embed.weight  # same vocab slice, same storage
         else:

@@ -1,0 +1,91 @@
+"""The config.json dialects of the mixture-of-experts families, read into Llama-style fields.
+
+ModelConfig.from_dict reads Llama's field names (hidden_size, num_attention_heads, ...). Mixtral
+uses them already; Qwen3-MoE keeps its experts' width in moe_intermediate_size; DBRX names
+everything its own way and nests attention and FFN settings (d_model, n_heads, n_layers,
+max_seq_len, attn_config.kv_n_heads / clip_qkv / rope_theta, ffn_config.ffn_hidden_size /
+moe_num_experts / moe_top_k / moe_normalize_expert_weights). `flatten_moe_config` returns the
+Llama-named dict plus the ModelConfig fields only these families set.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardlib.config_fields import field_error, mapping, positive_number, show
+
+MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "dbrx")
+_ACTIVATIONS = ("silu",)  # what workers/moe.py's experts compute
+
+
+def _check_activation(name: str, value: Any) -> None:
+    if value is not None and value not in _ACTIVATIONS:
+        raise field_error(name, value, f"is not implemented by corelaunch's experts (they run {', '.join(_ACTIVATIONS)})",
+                          "only checkpoints with SiLU-gated experts run")
+
+
+def _sub_config(raw: dict, name: str) -> dict:
+    return mapping(name, raw.get(name), '{"kv_n_heads": 8}') or {}
+
+
+def flatten_moe_config(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(raw with Llama field names, extra ModelConfig fields) for a MoE family's config.json; other
+    families pass through unchanged with no extras."""
+    model_type = raw.get("model_type")
+    if model_type == "mixtral":
+        _check_activation("hidden_act", raw.get("hidden_act"))
+        return raw, {"moe_topk_norm": 1.0}  # Mixtral always renormalises its top-k
+    if model_type == "qwen3_moe":
+        return _qwen3_moe(raw)
+    if model_type == "dbrx":
+        return _dbrx(raw)
+    return raw, {}
+
+
+def _qwen3_moe(raw: dict) -> tuple[dict, dict]:
+    _check_activation("hidden_act", raw.get("hidden_act"))
+    out = dict(raw)
+    experts = raw.get("num_local_experts", raw.get("num_experts"))  # transformers 5 / 4 spelling
+    out["num_local_experts"] = experts
+    if raw.get("moe_intermediate_size") is not None:
+        out["intermediate_size"] = raw["moe_intermediate_size"]  # the experts' width; no dense layer uses the other
+    dense_layers = raw.get("mlp_only_layers") or []
+    step = raw.get("decoder_sparse_step", 1)
+    if dense_layers or step not in (1, None):
+        raise field_error("mlp_only_layers" if dense_layers else "decoder_sparse_step",
+                          dense_layers or step, "puts dense MLP layers between the MoE layers, which corelaunch "
+                          "does not run", "only Qwen3-MoE checkpoints whose every layer is MoE "
+                          "(mlp_only_layers [] and decoder_sparse_step 1) are supported")
+    norm = raw.get("norm_topk_prob", False)
+    if not isinstance(norm, bool):
+        raise field_error("norm_topk_prob", norm, "must be true or false", "write a bare JSON true or false")
+    return out, {"moe_topk_norm": 1.0 if norm else None}  # q/k norms: families.TRAITS
+
+
+def _dbrx(raw: dict) -> tuple[dict, dict]:
+    attn, ffn = _sub_config(raw, "attn_config"), _sub_config(raw, "ffn_config")
+    act = ffn.get("ffn_act_fn") or {"name": "silu"}
+    _check_activation("ffn_config.ffn_act_fn.name", act.get("name", "silu") if isinstance(act, dict) else act)
+    out = {k: v for k, v in raw.items() if k not in ("attn_config", "ffn_config")}
+    renamed = {"hidden_size": raw.get("d_model"), "num_attention_heads": raw.get("n_heads"),
+               "num_hidden_layers": raw.get("n_layers"), "max_position_embeddings": raw.get("max_seq_len"),
+               "num_key_value_heads": attn.get("kv_n_heads", 1), "intermediate_size": ffn.get("ffn_hidden_size", 3584),
+               "num_local_experts": ffn.get("moe_num_experts", 4), "num_experts_per_tok": ffn.get("moe_top_k", 1),
+               "rms_norm_eps": 1e-5}  # nn.LayerNorm's default eps, which DBRX's norms use
+    missing = [dbrx for dbrx, ours in (("d_model", "hidden_size"), ("n_heads", "num_attention_heads"),
+                                       ("n_layers", "num_hidden_layers")) if renamed[ours] is None]
+    if missing:
+        raise ValueError(f"config.json lacks required field(s) {missing} for a dbrx model")
+    out.update({k: v for k, v in renamed.items() if v is not None})
+    if raw.get("rope_parameters") is None and attn.get("rope_theta") is not None:
+        out["rope_theta"] = attn["rope_theta"]
+    clip = attn.get("clip_qkv")
+    if clip is not None:
+        clip = positive_number("attn_config.clip_qkv", clip, 8.0)
+    norm_p = ffn.get("moe_normalize_expert_weights", 1.0)
+    if norm_p is not None:
+        norm_p = positive_number("ffn_config.moe_normalize_expert_weights", norm_p, 1.0)
+    if raw.get("tie_word_embeddings"):
+        raise field_error("tie_word_embeddings", raw["tie_word_embeddings"], "is not supported by DBRX",
+                          f"set it to false (got {show(raw['tie_word_embeddings'])})")
+    return out, {"clip_qkv": clip, "moe_topk_norm": norm_p}  # LayerNorm: families.TRAITS
