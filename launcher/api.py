@@ -22,6 +22,7 @@ from typing import Sequence
 from launcher.cluster.restart_policy import RestartPolicy
 from launcher.errors import LaunchError, NoDeviceResource, PlacementTimeout
 from launcher.progress import Progress
+from shardlib.expert_sharding import check_moe_sharding_name
 from shardlib.model_config import ModelConfig, normalize_dtype
 from shardlib.quantized_sizes import kv_dtype_name
 from shardlib.positive_int import is_positive_int, positive_int
@@ -73,6 +74,8 @@ class LaunchConfig:
     pad_q_heads: bool = False
     """Pad Q heads with zero heads to a multiple of tp (NxD Inference's layout, shardlib/sharding.py):
     a degree that does not divide the heads runs, with outputs equal to the unpadded model's."""
+    moe_sharding: str | None = None
+    """Mixture-of-experts models: "tensor_parallel" or "expert_parallel" experts; None: the planner's choice."""
     seq_len: int | None = None
     """KV-cache length per sequence; None sizes it per request (longest prompt + new tokens)."""
     max_batch_size: int = 8
@@ -135,6 +138,7 @@ class LaunchConfig:
                 raise ValueError(f"compile_granularity ({self.compile_granularity!r}) applies to compiled graphs "
                                  f"and compile is False (--no-compile): drop one of them")
         positive_int("nodes", self.nodes)
+        check_moe_sharding_name(self.moe_sharding)
         self.replicas = _positive_or_auto("replicas", self.replicas)
         RestartPolicy(self.max_restarts, self.restart_window_s)  # checks both, as every replica will
         _positive_seconds("health_check_interval_s", self.health_check_interval_s)

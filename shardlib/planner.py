@@ -14,13 +14,19 @@ values, the rule and the ways out. Rules and their error codes (the facts behind
 - unsupported_tp_degree: the ranks per node are not a degree NxD Inference supports on the family.
 - not_enough_cores:      TP x cores per rank exceeds the NeuronCores (or GPUs) of the nodes.
 - invalid_lnc:           LNC other than 1 or 2, or LNC 2 where the hardware has no LNC 2.
+- moe_sharding_incompatible: mixture-of-experts models: the asked moe_sharding breaks its rule at
+                         this degree (expert_parallel: experts % tp; tensor_parallel of DBRX's fused
+                         expert tensors: expert intermediate % tp), or, with none asked, both do
+                         (shardlib/expert_sharding.py; the planner otherwise picks the one with the
+                         smaller shard, tensor_parallel on a tie).
 - no_valid_tp_degree:    tp="auto" and no degree passes every rule (followed by the errors of the
                          degree that fails the fewest).
 
 Per-rank weights count each rank's real shard as shardlib.sharding cuts it: Q/O by whole heads,
 K/V by the strategy's KV heads (replication and MHA conversion hold copies, so they cost more),
-MLP (and every Mixtral expert) column/row split with padding to a multiple of TP, vocabulary split
-padded to a multiple of TP, norms and the MoE router replicated.
+MLP (and, under tensor_parallel experts, every expert) column/row split with padding to a multiple
+of TP, under expert_parallel experts / TP whole experts per rank, vocabulary split padded to a
+multiple of TP, norms and the MoE router replicated.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ import functools
 import math
 from dataclasses import dataclass, field
 
+from shardlib.expert_sharding import (MOE_SHARDINGS, check_moe_sharding_name, expert_elements_per_rank,
+                                      default_moe_sharding, moe_sharding_problem)
 from shardlib.instances import CPU_TARGET, GIB, NEURON_INSTANCES, InstanceType, get_instance
 from shardlib.families import layer_norm_elements
 from shardlib.model_config import DTYPE_BYTES, ModelConfig, normalize_dtype
@@ -160,6 +168,8 @@ class Plan:
     """With pad_q_heads: Q heads after padding to ceil(H/T)*T; None otherwise."""
     padding_waste: PaddingWaste | None
     memory: MemoryEstimate
+    moe_sharding: str | None
+    """Mixture-of-experts models: "tensor_parallel" or "expert_parallel" (None: dense, or none fits)."""
     valid_tp_degrees: tuple[int, ...]
     """Every candidate degree on this instance and node count that passes every rule."""
     errors: tuple[PlanIssue, ...]
@@ -178,7 +188,7 @@ class Plan:
         from shardlib.sharding import ShardLayout
 
         return ShardLayout.for_model(self.config, self.tp_degree, self.kv_strategy,
-                                     pad_q_heads=self.padded_q_heads is not None)
+                                     pad_q_heads=self.padded_q_heads is not None, moe_sharding=self.moe_sharding)
 
     def to_dict(self) -> dict:
         cfg = self.config
@@ -196,6 +206,7 @@ class Plan:
             "dtype": self.dtype, "batch_size": self.batch_size, "seq_len": self.seq_len,
             "kv_strategy": self.kv_strategy, "q_heads_per_rank": self.q_heads_per_rank,
             "kv_heads_per_rank": self.kv_heads_per_rank, "padded_q_heads": self.padded_q_heads,
+            "moe_sharding": self.moe_sharding,
             "padding_waste": self.padding_waste.to_dict() if self.padding_waste else None,
             "memory": self.memory.to_dict(),
             "valid_tp_degrees": list(self.valid_tp_degrees),
@@ -221,6 +232,7 @@ class _Request:
     pad: bool
     kv_cache_dtype: str | None = None
     """The planner's name of an fp8 KV cache (shardlib/quantized_sizes.py); None: the compute dtype."""
+    moe_override: str | None = None
 
 
 @dataclass(frozen=True)
@@ -234,9 +246,27 @@ class _Check:
     kv_per_rank: int
     ranks_per_node: int
     memory: MemoryEstimate
+    moe_sharding: str | None = None
+    moe_problem: str | None = None
 
 
-def _weight_elements(cfg: ModelConfig, tp: int, q_per_rank: int, kv_per_rank: int) -> int:
+def _choose_moe_sharding(req: _Request, tp: int) -> tuple[str | None, str | None]:
+    """(the experts' sharding at this degree, why it cannot be used or None)."""
+    cfg = req.config
+    if not cfg.is_moe:
+        return None, None
+    if req.moe_override:
+        return req.moe_override, moe_sharding_problem(cfg.model_type, cfg.num_local_experts,
+                                                      cfg.intermediate_size, tp, req.moe_override)
+    chosen = default_moe_sharding(cfg, tp)
+    if chosen:
+        return chosen, None
+    return MOE_SHARDINGS[0], "; ".join(moe_sharding_problem(cfg.model_type, cfg.num_local_experts,
+                                                            cfg.intermediate_size, tp, s) for s in MOE_SHARDINGS)
+
+
+def _weight_elements(cfg: ModelConfig, tp: int, q_per_rank: int, kv_per_rank: int,
+                     moe_sharding: str | None = None) -> int:
     """Parameters one rank holds (see the module docstring for the split of each tensor)."""
     h, d = cfg.hidden_size, cfg.head_dim
     vocab = math.ceil(cfg.vocab_size / tp) * h
@@ -249,8 +279,8 @@ def _weight_elements(cfg: ModelConfig, tp: int, q_per_rank: int, kv_per_rank: in
     mlp = 3 * h * math.ceil(cfg.intermediate_size / tp)  # gate/up (w1/w3) columns, down (w2) rows
     if cfg.mlp_bias:
         mlp += 2 * math.ceil(cfg.intermediate_size / tp) + h
-    if cfg.is_moe:
-        mlp = cfg.num_local_experts * mlp + h * cfg.num_local_experts  # all experts + router
+    if cfg.is_moe:  # experts + router
+        mlp = expert_elements_per_rank(cfg, tp, moe_sharding or "tensor_parallel")
     return embed + cfg.num_hidden_layers * (attn + mlp + layer_norm_elements(cfg)) + h
 
 
@@ -284,6 +314,10 @@ def _check(req: _Request, tp: int) -> _Check:
     else:
         kv_per_rank = max(1, math.ceil(kv_heads / tp))  # an estimate: the layout does not exist
 
+    moe_sharding, moe_problem = _choose_moe_sharding(req, tp)
+    if moe_problem:
+        codes.append("moe_sharding_incompatible")
+
     ranks_per_node = math.ceil(tp / req.nodes)
     supported = inst.supported_tp_degrees(req.lnc)
     if supported is not None and (tp % req.nodes or ranks_per_node not in supported):
@@ -301,7 +335,8 @@ def _check(req: _Request, tp: int) -> _Check:
         per_core = inst.memory_bytes // inst.physical_cores
         capacity = inst.memory_bytes * req.nodes // tp
     memory = MemoryEstimate(
-        weight_bytes_per_rank=weight_bytes(cfg, req.dtype, _weight_elements(cfg, tp, q_per_rank, kv_per_rank),
+        weight_bytes_per_rank=weight_bytes(cfg, req.dtype, _weight_elements(cfg, tp, q_per_rank, kv_per_rank,
+                                                                            moe_sharding),
                                            tp, q_per_rank, kv_per_rank),
         kv_cache_bytes_per_rank=kv_bytes, capacity_bytes_per_rank=capacity,
         capacity_bytes_per_core=per_core, reserve_fraction=RESERVE_FRACTION,
@@ -316,7 +351,8 @@ def _check(req: _Request, tp: int) -> _Check:
         codes.append("insufficient_memory")
     return _Check(tp=tp, codes=tuple(codes), q_heads_total=heads_total, q_per_rank=q_per_rank,
                   kv_strategy=strategy, kv_problem=kv_problem, kv_per_rank=kv_per_rank,
-                  ranks_per_node=ranks_per_node, memory=memory)
+                  ranks_per_node=ranks_per_node, memory=memory, moe_sharding=moe_sharding,
+                  moe_problem=moe_problem)
 
 
 def _value(strategy) -> str | None:
@@ -418,6 +454,10 @@ def _describe(code: str, req: _Request, check: _Check, hint_degrees: list[int]) 
         default = _value(default_kv_strategy(check.q_heads_total, cfg.num_key_value_heads, tp))
         return (f"{check.kv_problem}; strategies that work at tp_degree {tp}: {_fmt_list(ok)}"
                 + (f"; or leave kv_strategy unset for the default ({default})" if default else ""))
+    if code == "moe_sharding_incompatible":
+        ok = [s for s in MOE_SHARDINGS if not moe_sharding_problem(
+            cfg.model_type, cfg.num_local_experts, cfg.intermediate_size, tp, s)]
+        return (f"{check.moe_problem}; moe shardings that work at tp_degree {tp}: {_fmt_list(ok)}; {works}")
     if code == "unsupported_tp_degree":
         supported = inst.supported_tp_degrees(req.lnc)
         at_lnc = f" at LNC {req.lnc}" if len(inst.allowed_lncs) > 1 else ""
@@ -496,7 +536,7 @@ def _lnc_problem(lnc: int, inst: InstanceType) -> str | None:
 def plan(config: ModelConfig, *, instance: str | InstanceType = CPU_TARGET, tp: int | str = "auto",
          nodes: int = 1, lnc: int | None = None, batch_size: int = 1, seq_len: int | None = None,
          dtype: str | None = None, kv_strategy: str | None = None, pad_q_heads: bool = False,
-         kv_cache_dtype: str | None = None) -> Plan:
+         kv_cache_dtype: str | None = None, moe_sharding: str | None = None) -> Plan:
     """Check serving `config` at TP degree `tp` ("auto": the smallest degree that passes) on `nodes`
     nodes of `instance` (a name from the instance table, or an InstanceType such as
     shardlib.instances.gpu_node's). ValueError for malformed arguments; rule failures land in
@@ -522,7 +562,10 @@ def plan(config: ModelConfig, *, instance: str | InstanceType = CPU_TARGET, tp: 
         seq_len=positive_int("seq_len", seq_len) if seq_len is not None
         else min(config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN),
         dtype=_resolve_dtype(dtype, config), kv_override=kv_strategy, pad=bool(pad_q_heads),
-        kv_cache_dtype=kv_dtype_name(kv_cache_dtype))
+        kv_cache_dtype=kv_dtype_name(kv_cache_dtype), moe_override=check_moe_sharding_name(moe_sharding))
+    if moe_sharding is not None and not config.is_moe:
+        raise ValueError(f"moe_sharding ({moe_sharding!r}) applies to mixture-of-experts models; this "
+                         f"{config.model_type} model has no experts: leave it unset")
 
     valid = _valid_degrees(req)
     # degrees named in messages: with a bad LNC every degree fails, so name those the default LNC allows
@@ -572,6 +615,7 @@ def _build(req: _Request, check: _Check, tp_requested, valid: list[int], errors:
         q_heads_per_rank=check.q_per_rank if heads_ok else None,
         kv_heads_per_rank=check.kv_per_rank if kv_ok else None,
         padded_q_heads=padded, padding_waste=waste, memory=check.memory,
+        moe_sharding=None if check.moe_problem else check.moe_sharding,
         valid_tp_degrees=tuple(valid), errors=tuple(errors), warnings=tuple(_warnings(req, check)),
         config=cfg)
 

@@ -285,8 +285,8 @@ def test_style_for_names_and_errors():
     assert style_for("llama", "model.layers.12.self_attn.rotary_emb.inv_freq") is Style.SKIP
     layout = make_layout(2)
     assert slice_for("llama", "model.layers.0.self_attn.rotary_emb.inv_freq", (2,), 0, layout) is None
-    assert style_for("mixtral", "model.layers.3.block_sparse_moe.experts.7.w3.weight") is Style.COLUMN
-    assert style_for("mixtral", "model.layers.3.block_sparse_moe.experts.7.w2.weight") is Style.ROW
+    assert style_for("mixtral", "model.layers.3.block_sparse_moe.experts.7.w3.weight") is Style.EXPERT_COLUMN
+    assert style_for("mixtral", "model.layers.3.block_sparse_moe.experts.7.w2.weight") is Style.EXPERT_ROW
     assert style_for("mixtral", "model.layers.3.block_sparse_moe.gate.weight") is Style.REPLICATE
     assert style_for("llama", "model.layers.0.mlp.gate_proj.bias") is Style.COLUMN  # mlp_bias
     assert style_for("llama", "model.layers.0.mlp.down_proj.bias") is Style.REPLICATE  # added after the sum

@@ -86,7 +86,8 @@ def apply_compiled_dir(config):
             differ.append(f"model: expected config hash {manifest['config_hash']} "
                           f"({manifest.get('source', 'the compiled model')}), found {given} ({config.model})")
     for field, wanted in (("tp_degree", config.tp), ("dtype", config.dtype), ("backend", config.backend),
-                          ("kv_strategy", config.kv_strategy), ("granularity", config.compile_granularity)):
+                          ("kv_strategy", config.kv_strategy), ("moe_sharding", config.moe_sharding),
+                          ("granularity", config.compile_granularity)):
         if wanted not in (None, "auto") and wanted != manifest.get(field):
             differ.append(f"{field}: expected {manifest.get(field)!r} (compiled), found {wanted!r} (asked)")
     if config.pad_q_heads and not manifest.get("pad_q_heads", False):
@@ -111,7 +112,7 @@ def apply_compiled_dir(config):
     return dataclasses.replace(
         config, model=config.model or str(model_dir(root)), tp=manifest["tp_degree"], dtype=manifest["dtype"],
         backend=manifest["backend"], kv_strategy=manifest["kv_strategy"], seq_len=buckets.max_seq_len,
-        pad_q_heads=manifest.get("pad_q_heads", False),
+        pad_q_heads=manifest.get("pad_q_heads", False), moe_sharding=manifest.get("moe_sharding"),
         compile_granularity=manifest.get("granularity"),
         presharded_dir=str(weights_dir(root)), context_buckets=buckets.context, token_buckets=buckets.token,
         max_batch_size=min(config.max_batch_size, buckets.max_batch_size))

@@ -98,6 +98,13 @@ def max_num_seqs_option(args: argparse.Namespace) -> dict:
     return {} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}
 
 
+def add_moe_sharding(p: argparse.ArgumentParser) -> None:
+    """--moe-sharding: how a mixture-of-experts model's experts are split (plan, generate, serve, compile)."""
+    p.add_argument("--moe-sharding", choices=["tensor_parallel", "expert_parallel"],
+                   help="mixture-of-experts models: split every expert's intermediate dimension over the ranks "
+                        "(tensor_parallel) or give each rank whole experts (expert_parallel); default: the planner's choice")
+
+
 def add_model_and_placement_arguments(p: argparse.ArgumentParser) -> None:
     """What model to serve and how to place and run its TP group (generate and serve): --model, --tp,
     the backend options, restarts, CPU shares, dtype and layout, weights sources, compilation, buckets,
@@ -118,6 +125,7 @@ def add_model_and_placement_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lnc", type=int, choices=[1, 2], help="logical NeuronCore config (default: per instance)")
     p.add_argument("--kv-strategy", choices=["shard", "replicate_to_tp", "convert_to_mha"])
     add_pad_q_heads(p)
+    add_moe_sharding(p)
     p.add_argument("--seq-len", type=int, help="maximum sequence length, the largest KV-cache (token-generation) "
                                                 "bucket (default: min(max_position_embeddings, 4096); with "
                                                 "--no-compile: longest prompt + new tokens)")
@@ -149,6 +157,7 @@ def model_and_placement_options(args: argparse.Namespace) -> dict:
         cpus_per_rank=args.cpus_per_rank, presharded_cache=args.presharded_cache,
         startup_timeout_s=args.startup_timeout, rendezvous_timeout_s=args.rendezvous_timeout,
         lnc=args.lnc, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, kv_strategy=args.kv_strategy,
+        moe_sharding=args.moe_sharding,
         seq_len=args.seq_len, pad_q_heads=args.pad_q_heads,
         presharded_dir=args.presharded, compile=args.compile, compile_granularity=args.granularity,
         compiled_dir=args.compiled, warm_up=args.warm_up, **bucket_lists(args),

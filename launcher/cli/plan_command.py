@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from launcher.cli.options import add_kv_cache_dtype, add_pad_q_heads
+from launcher.cli.options import add_kv_cache_dtype, add_moe_sharding, add_pad_q_heads
 from shardlib.instances import CPU_TARGET, INSTANCE_NAMES
 from shardlib.model_config import load_model_config
 from shardlib.planner import KV_STRATEGIES, Plan, plan
@@ -51,6 +51,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--kv-strategy", choices=KV_STRATEGIES,
                    help="force a KV-head layout (default: shard, else replicate_to_tp, else convert_to_mha)")
     add_pad_q_heads(p)
+    add_moe_sharding(p)
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.set_defaults(run=run)
 
@@ -67,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
         result = plan(config, instance=args.instance, tp=args.tp, nodes=args.nodes, lnc=args.lnc,
                       batch_size=args.batch_size, seq_len=args.seq_len, dtype=args.dtype,
                       kv_cache_dtype=args.kv_cache_dtype,
-                      kv_strategy=args.kv_strategy, pad_q_heads=args.pad_q_heads)
+                      kv_strategy=args.kv_strategy, pad_q_heads=args.pad_q_heads,
+                      moe_sharding=args.moe_sharding)
     except (OSError, ValueError) as err:
         # a missing path or demo package, an unknown architecture, a malformed argument
         print(f"corelaunch plan: {err}", file=sys.stderr)
@@ -97,7 +99,8 @@ def format_report(result: Plan) -> str:
         f"{result.dtype}, batch_size {result.batch_size}, seq_len {result.seq_len}",
         f"tp_degree {result.tp_degree} ({'auto' if result.tp_requested == 'auto' else 'requested'}), "
         f"{result.ranks_per_node} rank(s) per node, kv strategy {result.kv_strategy or '-'}, "
-        f"per rank: {_or_dash(result.q_heads_per_rank)} Q heads, {_or_dash(result.kv_heads_per_rank)} KV heads",
+        f"per rank: {_or_dash(result.q_heads_per_rank)} Q heads, {_or_dash(result.kv_heads_per_rank)} KV heads"
+        + (f", {cfg.num_local_experts} experts ({result.moe_sharding or 'no sharding fits'})" if cfg.is_moe else ""),
         f"memory per rank: {_gib(mem.total_bytes_per_rank)} (weights {_gib(mem.weight_bytes_per_rank)} + "
         f"KV cache {_gib(mem.kv_cache_bytes_per_rank)}) of {_gib(mem.usable_bytes_per_rank)} usable "
         f"({_gib(mem.capacity_bytes_per_rank)} less {mem.reserve_fraction:.0%} reserve)",

@@ -20,7 +20,7 @@ SERVER_ARGS = ("served_model_name", "api_key", "replicas", "min_replicas", "max_
 field (model, tp, dtype, seq_len, max_num_seqs, max_queued_requests, compiled_dir, ...)."""
 
 TEXT_ARGS = ("model", "served_model_name", "api_key", "compiled_dir", "presharded_dir", "backend", "instance",
-             "dtype", "kv_cache_dtype", "kv_strategy", "compile_granularity", "ray_address")
+             "dtype", "kv_cache_dtype", "kv_strategy", "moe_sharding", "compile_granularity", "ray_address")
 """Arguments kept as the text given (`serve run` passes every value as text; the others are read as
 YAML scalars, so "2" is 2, "true" is True and "null" is None)."""
 

@@ -1,0 +1,160 @@
+"""Mixture-of-experts models (Mixtral, Qwen3-MoE, DBRX) against transformers: identical greedy tokens.
+
+Each family runs at TP 1, at TP 2 under both expert shardings (tensor-parallel experts and expert
+parallelism), and at TP 4, where the KV heads are replicated instead of split (replicate_to_tp);
+every case also runs both prompts as one left-padded batch. Multi-rank cases run every rank as a
+thread of this process (tests/tp_harness.py), from the tensors transformers' save_pretrained
+writes; the sharded loader is checked to cut the same shards from the safetensors files, and one
+case runs through the Launcher (in-process groups; the Ray version is marked slow).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from shardlib.checkpoint import load_rank_shard
+from shardlib.expert_sharding import EXPERT_PARALLEL, TENSOR_PARALLEL
+from shardlib.model_config import ModelConfig
+from shardlib.sharding import KVStrategy, ShardLayout
+from tests.model_factory import build_random_model, checkpoint_state_dict, save_model
+from tests.tp_harness import Case, Request, build_rank_model, run_tp_in_process, shard_for_rank, token_ids
+from workers.collectives import SingleRank
+from workers.engine import generate
+from workers.sampling import SamplingParams
+
+PROMPTS = [[5, 9, 33, 17, 80, 3, 44, 12, 61], [7, 100, 21]]
+NEW_TOKENS = 8
+EOS = 2
+
+FAMILIES = {
+    "mixtral": dict(model_type="mixtral"),
+    # norm_topk_prob false: the top-k weights are used unnormalised (the family's default)
+    "qwen3_moe": dict(model_type="qwen3_moe"),
+    # clip_qkv small enough to clamp many of q, k, v; moe_normalize_expert_weights 2: an L2 norm
+    "dbrx": dict(model_type="dbrx", moe_options=dict(clip_qkv=0.8, moe_normalize_expert_weights=2.0)),
+}
+# (tp, moe sharding, the KV strategy the layout must pick); 4 KV-head-2 models at TP 4 replicate
+DEGREES = [(2, TENSOR_PARALLEL, KVStrategy.SHARD), (2, EXPERT_PARALLEL, KVStrategy.SHARD),
+           (4, TENSOR_PARALLEL, KVStrategy.REPLICATE_TO_TP), (4, EXPERT_PARALLEL, KVStrategy.REPLICATE_TO_TP)]
+
+
+def hf_greedy(model, prompt: list[int]) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS,
+                         eos_token_id=EOS, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@functools.lru_cache(maxsize=None)
+def reference(family: str):
+    """(transformers model, ModelConfig, checkpoint tensors, greedy tokens per prompt)."""
+    model = build_random_model(**FAMILIES[family])
+    config = ModelConfig.from_dict(model.config.to_dict())
+    with torch.inference_mode():
+        refs = [hf_greedy(model, prompt) for prompt in PROMPTS]
+    return model, config, checkpoint_state_dict(model), refs
+
+
+def requests() -> list[Request]:
+    return [Request([p], NEW_TOKENS, [EOS]) for p in PROMPTS] + [Request(PROMPTS, NEW_TOKENS, [EOS])]
+
+
+@pytest.fixture(scope="module")
+def multi_rank_outputs() -> dict[tuple[str, int, str], dict[int, list[list]]]:
+    """{(family, tp, sharding): {rank: outputs per request}}, each degree's cases in one group."""
+    outputs = {}
+    for tp in sorted({tp for tp, _, _ in DEGREES}):
+        cases = [Case(f"{family}-{sharding}", reference(family)[1], reference(family)[2], requests(),
+                      moe_sharding=sharding)
+                 for family in FAMILIES for t, sharding, _ in DEGREES if t == tp]
+        by_rank = run_tp_in_process(tp, cases, timeout_s=180)
+        for case in cases:
+            family, sharding = case.name.split("-")
+            outputs[family, tp, sharding] = {rank: by_rank[rank][case.name] for rank in by_rank}
+    return outputs
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tp1_greedy_matches_transformers(family):
+    _, config, state_dict, refs = reference(family)
+    model = build_rank_model(config, state_dict, 0, 1, SingleRank())
+    for prompt, ref in zip(PROMPTS, refs):
+        [out] = generate(model, [prompt], [SamplingParams()], NEW_TOKENS, [EOS])
+        assert out.token_ids == ref
+    batch = generate(model, PROMPTS, [SamplingParams()] * 2, NEW_TOKENS, [EOS])
+    assert [out.token_ids for out in batch] == refs
+
+
+@pytest.mark.parametrize("tp,sharding,strategy", DEGREES, ids=[f"tp{t}-{s}" for t, s, _ in DEGREES])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_multi_rank_greedy_matches_transformers(family, tp, sharding, strategy, multi_rank_outputs):
+    _, config, _, refs = reference(family)
+    layout = ShardLayout.for_model(config, tp, moe_sharding=sharding)
+    assert layout.kv_strategy is strategy and layout.moe_sharding == sharding  # the case tests what it claims
+    by_rank = multi_rank_outputs[family, tp, sharding]
+    assert sorted(by_rank) == list(range(tp))
+    alone, batch = by_rank[0][:len(PROMPTS)], by_rank[0][len(PROMPTS)]
+    assert [token_ids(out) for out in alone] == [[ref] for ref in refs]
+    assert token_ids(batch) == refs  # two prompts of different lengths in one left-padded batch
+    for rank in range(1, tp):
+        assert [token_ids(r) for r in by_rank[rank]] == [token_ids(r) for r in by_rank[0]], f"rank {rank}"
+
+
+@pytest.mark.parametrize("sharding", [TENSOR_PARALLEL, EXPERT_PARALLEL])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sharded_loader_reads_the_tested_shards_from_safetensors(family, sharding, tmp_path):
+    """load_rank_shard on the saved checkpoint gives each rank exactly the tensors the cases above ran
+    on; under expert parallelism a rank holds (and reads) nothing of another rank's experts."""
+    model, config, state_dict, _ = reference(family)
+    save_model(model, tmp_path)
+    for rank in range(2):
+        layout = ShardLayout.for_model(config, 2, moe_sharding=sharding)
+        loaded = load_rank_shard(tmp_path, config, layout, rank)
+        expected = shard_for_rank(config, state_dict, rank, layout)
+        assert loaded.keys() == expected.keys()
+        assert all(torch.equal(loaded[n], expected[n]) for n in expected)
+        expert_bytes = sum(t.numel() for n, t in loaded.items() if ".experts." in n)
+        all_expert_bytes = sum(t.numel() for n, t in state_dict.items() if ".experts." in n)
+        assert expert_bytes * 2 == all_expert_bytes  # half the experts' weights, either way
+
+
+def test_launcher_runs_expert_parallel_mixtral(tmp_path, in_process_cluster):
+    """Planning, loading from disk and serving with --moe-sharding expert_parallel (no Ray)."""
+    from launcher.api import Launcher
+
+    model, _, _, refs = reference("mixtral")
+    save_model(model, tmp_path)
+    with Launcher(model=str(tmp_path), tp=2, compile=False, moe_sharding=EXPERT_PARALLEL, progress=False) as launcher:
+        assert launcher.plan.moe_sharding == EXPERT_PARALLEL
+        results = launcher.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+    # the launcher stops at the config's EOS (2) as the reference does
+    assert [r.token_ids for r in results] == refs
+
+
+@pytest.mark.slow
+def test_ray_group_runs_tensor_parallel_dbrx(tmp_path, ray_session):
+    from launcher.api import Launcher
+
+    model, _, _, refs = reference("dbrx")
+    save_model(model, tmp_path)
+    with Launcher(model=str(tmp_path), tp=2, compile=False, progress=False) as launcher:
+        assert launcher.plan.moe_sharding == TENSOR_PARALLEL
+        assert [r.token_ids for r in launcher.generate(PROMPTS, max_new_tokens=NEW_TOKENS)] == refs
+
+
+@pytest.mark.slow  # about a minute of torch.compile on two shared cores
+def test_compiled_graphs_give_the_transformers_tokens():
+    """The routing is static-shaped: one fullgraph per bucket serves every routing (TP 1, Qwen3-MoE:
+    q/k norms and unnormalised top-k; the decode graph uses the multiply-and-sum products)."""
+    from shardlib.buckets import Buckets
+    from workers.compiled import CompiledCausalLM
+
+    _, config, state_dict, refs = reference("qwen3_moe")
+    buckets = Buckets.build(context=[16], token=[32], batch=[2])
+    compiled = CompiledCausalLM(build_rank_model(config, state_dict, 0, 1, SingleRank()), buckets)
+    outputs = generate(compiled, PROMPTS, [SamplingParams()] * 2, NEW_TOKENS, [EOS])
+    assert [out.token_ids for out in outputs] == refs
+    assert {(g.phase, g.batch) for g in compiled.stats().graphs} == {("context", 2), ("token", 2)}
