@@ -92,6 +92,7 @@ def save_presharded(out_dir: str | Path, model_dir: str | Path, config: ModelCon
             "tp_degree": tp,
             "kv_strategy": layout.kv_strategy.value,
             "pad_q_heads": layout.pad_q_heads,
+            **({"moe_sharding": layout.moe_sharding} if layout.moe_sharding else {}),  # MoE models only
             "dtype": dtype_name or (stored.pop() if len(stored) == 1 else "mixed"),
             "files": files,
             "corelaunch_version": _corelaunch_version(),
@@ -145,12 +146,15 @@ def load_presharded(directory: str | Path, config: ModelConfig, layout: ShardLay
     asked = {"format_version": FORMAT_VERSION, "config_hash": config.config_hash(),
              "model_type": config.model_type, "tp_degree": layout.tp_degree,
              "kv_strategy": layout.kv_strategy.value, "pad_q_heads": layout.pad_q_heads}
+    if layout.moe_sharding:
+        asked["moe_sharding"] = layout.moe_sharding
     if dtype is not None:
         asked["dtype"] = normalize_dtype(dtype)
-    differ = [f"{key}: expected {value!r}, found {manifest[key]!r}"
+    differ = [f"{key}: expected {value!r}, found {manifest.get(key)!r}"
               for key, value in asked.items() if manifest.get(key, False) != value]  # pad_q_heads: optional
     if differ:
         settings = f"tp_degree={layout.tp_degree}, kv_strategy={layout.kv_strategy.value!r}" + (
+            f", moe_sharding={layout.moe_sharding!r}" if layout.moe_sharding else "") + (
             f", dtype={asked['dtype']!r}" if "dtype" in asked else "")
         raise ValueError(
             f"pre-sharded checkpoint {shown} was written for other settings: {'; '.join(differ)}. "

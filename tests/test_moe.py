@@ -158,3 +158,18 @@ def test_compiled_graphs_give_the_transformers_tokens():
     outputs = generate(compiled, PROMPTS, [SamplingParams()] * 2, NEW_TOKENS, [EOS])
     assert [out.token_ids for out in outputs] == refs
     assert {(g.phase, g.batch) for g in compiled.stats().graphs} == {("context", 2), ("token", 2)}
+
+
+def test_presharded_weights_record_and_check_the_moe_sharding(tmp_path):
+    from shardlib.presharded import load_presharded, save_presharded
+
+    model, config, state_dict, _ = reference("dbrx")
+    save_model(model, tmp_path / "hf")
+    ep = ShardLayout.for_model(config, 2, moe_sharding=EXPERT_PARALLEL)
+    save_presharded(tmp_path / "pre", tmp_path / "hf", config, ep)
+    shard = load_presharded(tmp_path / "pre", config, ep, 1)
+    expected = shard_for_rank(config, state_dict, 1, ep)
+    assert all(torch.equal(shard[n], expected[n]) for n in expected)
+    tp = ShardLayout.for_model(config, 2, moe_sharding=TENSOR_PARALLEL)
+    with pytest.raises(ValueError, match="moe_sharding: expected 'tensor_parallel', found 'expert_parallel'"):
+        load_presharded(tmp_path / "pre", config, tp, 1)

@@ -37,7 +37,8 @@ def cache_dir(root: Path, model_dir: str | Path, config, layout, dtype: str) -> 
     files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in model_dir.iterdir()
                    if p.is_file() and p.suffix in _WEIGHT_SUFFIXES)
     blob = json.dumps([str(model_dir), files, config.config_hash(), layout.tp_degree,
-                       layout.kv_strategy.value, dtype, layout.pad_q_heads]).encode()
+                       layout.kv_strategy.value, dtype, layout.pad_q_heads]
+                      + ([layout.moe_sharding] if layout.moe_sharding else [])).encode()
     key = hashlib.sha256(blob).hexdigest()[:16]
     return root / f"{model_dir.name}-tp{layout.tp_degree}-{layout.kv_strategy.value}-{dtype}-{key}"
 
