@@ -76,6 +76,9 @@ class LaunchConfig:
     a degree that does not divide the heads runs, with outputs equal to the unpadded model's."""
     moe_sharding: str | None = None
     """Mixture-of-experts models: "tensor_parallel" or "expert_parallel" experts; None: the planner's choice."""
+    fused_projections: bool = False
+    """Fuse each rank's q/k/v matrices into one and gate/up into one after loading (off by default:
+    workers/fused_projections.py)."""
     seq_len: int | None = None
     """KV-cache length per sequence; None sizes it per request (longest prompt + new tokens)."""
     max_batch_size: int = 8
@@ -353,7 +356,8 @@ class Launcher:
 
         spec = LoadSpec(config=self.model_config, layout=plan.layout(), dtype=plan.dtype,
                         model_dir=str(self.model_dir), presharded_dir=cfg.presharded_dir,
-                        kv_cache_dtype=cfg.kv_cache_dtype, **load_spec_fields(cfg, plan, self.model_config))
+                        kv_cache_dtype=cfg.kv_cache_dtype, fused_projections=cfg.fused_projections,
+                        **load_spec_fields(cfg, plan, self.model_config))
         self.buckets = spec.buckets
         if cfg.presharded_cache and not cfg.presharded_dir:
             from launcher.artifacts import presharded_cache

@@ -53,6 +53,9 @@ def plan_launch(config, progress: Progress, nothing_done: str = "nothing was sta
     with progress.step("resolving model"):
         model_dir = resolve_model_dir(config.model)
         model_config = load_model_config(model_dir)
+    if config.fused_projections and model_config.quantization is not None:
+        raise ValueError(f"fused_projections: {model_dir} holds quantized weights, which are not fused (each keeps "
+                         f"its own scale); drop --fused-projections")
     plan = make_plan(model_config, instance=target, tp=config.tp, nodes=config.nodes, lnc=config.lnc,
                      batch_size=config.max_batch_size + config.max_num_seqs + 1, seq_len=config.seq_len, dtype=config.dtype,
                      kv_strategy=config.kv_strategy, pad_q_heads=config.pad_q_heads,

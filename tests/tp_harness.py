@@ -59,6 +59,7 @@ class Case:
     pad_q_heads: bool = False
     moe_sharding: str | None = None
     """Mixture-of-experts models: tensor_parallel or expert_parallel; None: the planner's choice."""
+    fused_projections: bool = False
 
 
 def hf_state_dict(model) -> dict[str, torch.Tensor]:
@@ -95,6 +96,10 @@ def run_case(case: Case, rank: int, tp_degree: int, collectives) -> list[list]:
 
     model = build_rank_model(case.config, case.state_dict, rank, tp_degree, collectives, case.kv_strategy,
                              pad_q_heads=case.pad_q_heads, moe_sharding=case.moe_sharding)
+    if case.fused_projections:
+        from workers.fused_projections import fuse_projections
+
+        fuse_projections(model)
     return [generate(model, r.prompts, r.sampling(), r.max_new_tokens, r.stop_token_ids)
             for r in case.requests]
 

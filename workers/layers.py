@@ -178,10 +178,17 @@ class Attention(nn.Module):
     def project(self, x: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q (batch, q_heads, seq, head_dim) and k, v (batch, kv_heads, seq, head_dim), rotated."""
-        batch, seq, _ = x.shape
-        q = linear(x, self.q_weight, self.q_bias).view(batch, seq, self.q_heads, self.head_dim)
-        k = linear(x, self.k_weight, self.k_bias).view(batch, seq, self.kv_heads, self.head_dim)
-        v = linear(x, self.v_weight, self.v_bias).view(batch, seq, self.kv_heads, self.head_dim)
+        q, k, v = (linear(x, w, b) for w, b in ((self.q_weight, self.q_bias), (self.k_weight, self.k_bias),
+                                                 (self.v_weight, self.v_bias)))
+        return self.heads(q, k, v, cos, sin)
+
+    def heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The projections (batch, seq, heads * head_dim) split into heads, q/k normalised, rotated."""
+        batch, seq, _ = q.shape
+        q = q.reshape(batch, seq, self.q_heads, self.head_dim)
+        k = k.reshape(batch, seq, self.kv_heads, self.head_dim)
+        v = v.reshape(batch, seq, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seq, head_dim)

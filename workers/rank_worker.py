@@ -70,6 +70,8 @@ class LoadSpec:
     """Library versions the compiled artifacts were built with; load refuses other ones."""
     progress_file: str | None = None
     """Rank 0 appends one line per graph built during warm-up here (the compile command shows them)."""
+    fused_projections: bool = False
+    """Fuse each rank's q/k/v and gate/up matrices after loading (workers/fused_projections.py)."""
 
 
 @dataclass(frozen=True)
@@ -183,6 +185,11 @@ class RankWorker:
             from workers.kv_quant import kv_storage_dtype
 
             model.kv_cache_dtype = kv_storage_dtype(load_spec.kv_cache_dtype, model.dtype)
+        if load_spec.fused_projections:
+            from workers.fused_projections import fuse_projections
+
+            del shard  # the separate matrices go as each layer is fused
+            fuse_projections(model)
         self._model = self._backend.prepare_model(model, self._compile_options(load_spec))
         self._buckets = load_spec.buckets
         return LoadStats(load_time_s=time.perf_counter() - start, shard_bytes=shard_bytes,

@@ -126,6 +126,8 @@ def add_model_and_placement_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-strategy", choices=["shard", "replicate_to_tp", "convert_to_mha"])
     add_pad_q_heads(p)
     add_moe_sharding(p)
+    p.add_argument("--fused-projections", action="store_true",
+                   help="fuse each rank's q/k/v and gate/up matrices after loading (measured: see the README)")
     p.add_argument("--seq-len", type=int, help="maximum sequence length, the largest KV-cache (token-generation) "
                                                 "bucket (default: min(max_position_embeddings, 4096); with "
                                                 "--no-compile: longest prompt + new tokens)")
@@ -157,8 +159,8 @@ def model_and_placement_options(args: argparse.Namespace) -> dict:
         cpus_per_rank=args.cpus_per_rank, presharded_cache=args.presharded_cache,
         startup_timeout_s=args.startup_timeout, rendezvous_timeout_s=args.rendezvous_timeout,
         lnc=args.lnc, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, kv_strategy=args.kv_strategy,
-        moe_sharding=args.moe_sharding,
-        seq_len=args.seq_len, pad_q_heads=args.pad_q_heads,
+        moe_sharding=args.moe_sharding, fused_projections=args.fused_projections, seq_len=args.seq_len,
+        pad_q_heads=args.pad_q_heads,
         presharded_dir=args.presharded, compile=args.compile, compile_granularity=args.granularity,
         compiled_dir=args.compiled, warm_up=args.warm_up, **bucket_lists(args),
         placement_timeout_s=args.placement_timeout, request_timeout_s=args.request_timeout,

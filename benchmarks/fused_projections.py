@@ -1,0 +1,87 @@
+"""Fused projections (workers/fused_projections.py) against separate matrices: decode time per token.
+
+One random Llama-shaped model at TP 1, float32, built twice from the same weights (separate q/k/v
+and gate/up matrices; fused [Q | K | V] and [gate | up]); each generates the same greedy tokens
+(checked), eagerly and through the compiled graphs (one context and one token bucket), variants
+alternating in blocks. Time per generated token is the generate call's wall time over its new
+tokens (the prompt is short: decode dominates). Prints one JSON object; speedup is separate over
+fused time (above 1: fused is faster).
+
+    python benchmarks/fused_projections.py [--hidden 1024] [--layers 4] [--new-tokens 48] [--no-compile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from shardlib.buckets import Buckets  # noqa: E402
+from shardlib.model_config import ModelConfig  # noqa: E402
+from tests.model_factory import build_random_model  # noqa: E402
+from tests.tp_harness import build_rank_model, hf_state_dict  # noqa: E402
+from workers.collectives import SingleRank  # noqa: E402
+from workers.engine import generate  # noqa: E402
+from workers.fused_projections import fuse_projections  # noqa: E402
+from workers.sampling import SamplingParams  # noqa: E402
+
+PROMPT = [5, 9, 33, 17, 80, 3, 44, 12]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--blocks", type=int, default=3)
+    parser.add_argument("--no-compile", action="store_true")
+    args = parser.parse_args()
+    hf = build_random_model(hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4, num_layers=args.layers,
+                            num_heads=16, num_kv_heads=4, vocab_size=4096, initializer_range=0.05)
+    config, weights = ModelConfig.from_dict(hf.config.to_dict()), hf_state_dict(hf)
+    del hf
+    models = {}
+    for name in ("separate", "fused"):
+        model = build_rank_model(config, weights, 0, 1, SingleRank())
+        if name == "fused":
+            fuse_projections(model)
+        models[f"{name}_eager"] = model
+    if not args.no_compile:
+        from workers.compiled import CompiledCausalLM
+
+        buckets = Buckets.build(context=[8], token=[64], batch=[1])
+        for name in ("separate", "fused"):
+            models[f"{name}_compiled"] = CompiledCausalLM(models[f"{name}_eager"], buckets)
+
+    def run(model) -> tuple[list[int], float]:
+        start = time.perf_counter()
+        [out] = generate(model, [PROMPT], [SamplingParams()], args.new_tokens, [])
+        return out.token_ids, (time.perf_counter() - start) / args.new_tokens
+
+    compile_s, tokens = {}, {}
+    with torch.inference_mode():
+        for name, model in models.items():  # warm (and, compiled, build the graphs)
+            start = time.perf_counter()
+            tokens[name], _ = run(model)
+            compile_s[name] = round(time.perf_counter() - start, 1)
+        assert all(t == tokens["separate_eager"] for t in tokens.values()), tokens
+        samples = {name: [] for name in models}
+        for _ in range(args.blocks):
+            for name, model in models.items():
+                samples[name].append(run(model)[1])
+    ms = {name: round(statistics.median(s) * 1e3, 3) for name, s in samples.items()}
+    speedup = {mode: round(ms[f"separate_{mode}"] / ms[f"fused_{mode}"], 3)
+               for mode in ("eager", "compiled") if f"fused_{mode}" in ms}
+    print(json.dumps({"hidden": args.hidden, "layers": args.layers, "threads": torch.get_num_threads(),
+                      "ms_per_token": ms, "speedup_fused": speedup, "first_call_s": compile_s}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
