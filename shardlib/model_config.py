@@ -225,6 +225,9 @@ class ModelConfig:
         for name in ("moe_topk_norm", "clip_qkv"):
             if getattr(self, name) is not None:
                 positive_number(name, getattr(self, name), 1.0)
+        if self.model_type in MOE_MODEL_TYPES and not experts:
+            raise field_error("num_local_experts", experts, f"must be at least 1 for a {self.model_type} model "
+                              f"(a mixture of experts)", "write the experts per layer (Mixtral: 8)")
         if experts and not 1 <= per_token <= experts:
             raise field_error("num_experts_per_tok", per_token,
                               f"must be between 1 and num_local_experts ({experts}) for a mixture-of-experts model",

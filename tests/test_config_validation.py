@@ -207,10 +207,15 @@ _ROPE = st.fixed_dictionaries({}, optional={
 # small count (so that valid configs other than the demo's come up), or deleted.
 FIELDS = sorted(set(DEMO) | {"num_key_value_heads", "head_dim", "rope_scaling", "rope_parameters", "rope_theta",
                              "sliding_window", "use_sliding_window", "torch_dtype", "dtype",
-                             "num_local_experts", "num_experts_per_tok"})
+                             "num_local_experts", "num_experts_per_tok",
+                             # the mixture-of-experts dialects (shardlib/moe_configs.py)
+                             "num_experts", "moe_intermediate_size", "norm_topk_prob", "mlp_only_layers",
+                             "decoder_sparse_step", "hidden_act", "d_model", "n_heads", "n_layers", "max_seq_len",
+                             "attn_config", "ffn_config"})
 MUTATIONS = st.dictionaries(
     st.sampled_from(FIELDS) | st.text(max_size=6),
-    JSON_VALUES | _ROPE | _SMALL | st.just(...) | st.sampled_from(["llama", "mistral", "qwen2", "mixtral"]),
+    JSON_VALUES | _ROPE | _SMALL | st.just(...)
+    | st.sampled_from(["llama", "mistral", "qwen2", "mixtral", "qwen3_moe", "dbrx"]),
     min_size=1, max_size=6)
 
 
