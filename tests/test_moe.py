@@ -10,6 +10,7 @@ case runs through the Launcher (in-process groups; the Ray version is marked slo
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -36,6 +37,12 @@ FAMILIES = {
     # clip_qkv small enough to clamp many of q, k, v; moe_normalize_expert_weights 2: an L2 norm
     "dbrx": dict(model_type="dbrx", moe_options=dict(clip_qkv=0.8, moe_normalize_expert_weights=2.0)),
 }
+# Windows by the families' rule (shardlib/families.py), applied by workers/step.py's masks: the
+# prompts' 9 tokens are past a window of 4. Not in the multi-rank degrees above (time).
+WINDOWED = {
+    "mixtral_window": dict(model_type="mixtral", sliding_window=4),
+    "qwen3_moe_window": dict(model_type="qwen3_moe", sliding_window=4, use_sliding_window=True),
+}
 # (tp, moe sharding, the KV strategy the layout must pick); 4 KV-head-2 models at TP 4 replicate
 DEGREES = [(2, TENSOR_PARALLEL, KVStrategy.SHARD), (2, EXPERT_PARALLEL, KVStrategy.SHARD),
            (4, TENSOR_PARALLEL, KVStrategy.REPLICATE_TO_TP), (4, EXPERT_PARALLEL, KVStrategy.REPLICATE_TO_TP)]
@@ -51,7 +58,7 @@ def hf_greedy(model, prompt: list[int]) -> list[int]:
 @functools.lru_cache(maxsize=None)
 def reference(family: str):
     """(transformers model, ModelConfig, checkpoint tensors, greedy tokens per prompt)."""
-    model = build_random_model(**FAMILIES[family])
+    model = build_random_model(**{**FAMILIES, **WINDOWED}[family])
     config = ModelConfig.from_dict(model.config.to_dict())
     with torch.inference_mode():
         refs = [hf_greedy(model, prompt) for prompt in PROMPTS]
@@ -101,6 +108,38 @@ def test_multi_rank_greedy_matches_transformers(family, tp, sharding, strategy, 
     assert token_ids(batch) == refs  # two prompts of different lengths in one left-padded batch
     for rank in range(1, tp):
         assert [token_ids(r) for r in by_rank[rank]] == [token_ids(r) for r in by_rank[0]], f"rank {rank}"
+
+
+def tp1_tokens(config: ModelConfig, state_dict: dict) -> list[list[int]]:
+    model = build_rank_model(config, state_dict, 0, 1, SingleRank())
+    return [out.token_ids for out in generate(model, PROMPTS, [SamplingParams()] * 2, NEW_TOKENS, [EOS])]
+
+
+@pytest.mark.parametrize("family", WINDOWED)
+def test_moe_sliding_windows_match_transformers(family):
+    _, config, state_dict, refs = reference(family)
+    assert all(config.window_of(layer) == 4 for layer in range(config.num_hidden_layers))
+    assert tp1_tokens(config, state_dict) == refs
+    unwindowed = dataclasses.replace(config, sliding_window=None, layer_types=None)
+    assert tp1_tokens(unwindowed, state_dict) != refs  # the window is what makes them equal
+
+
+def test_padded_q_heads_with_windowed_tensor_parallel_experts():
+    """4 Q heads at TP 3: padded to 6 (NxD Inference's layout), experts split 32 columns per rank."""
+    _, config, state_dict, refs = reference("mixtral_window")
+    layout = ShardLayout.for_model(config, 3, pad_q_heads=True, moe_sharding=TENSOR_PARALLEL)
+    assert layout.q_heads_per_rank == 2 and layout.pad_q_heads
+    case = Case("padded", config, state_dict, requests(), pad_q_heads=True, moe_sharding=TENSOR_PARALLEL)
+    by_rank = run_tp_in_process(3, [case], timeout_s=120)
+    for rank in range(3):
+        alone, batch = by_rank[rank]["padded"][:len(PROMPTS)], by_rank[rank]["padded"][len(PROMPTS)]
+        assert [token_ids(out) for out in alone] == [[ref] for ref in refs] and token_ids(batch) == refs
+
+
+def test_fused_wqkv_refuses_padded_q_heads():
+    _, config, _, _ = reference("dbrx")
+    with pytest.raises(ValueError, match="--pad-q-heads is not supported for dbrx"):
+        ShardLayout.for_model(config, 3, pad_q_heads=True)
 
 
 @pytest.mark.parametrize("sharding", [TENSOR_PARALLEL, EXPERT_PARALLEL])
