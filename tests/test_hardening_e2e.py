@@ -33,6 +33,12 @@ CONNECT = textwrap.dedent("""
 """)
 
 
+def interactive_sigint() -> None:
+    """In the child: SIGINT as a terminal's foreground command has it. A test run started in the
+    background by a non-interactive shell inherits SIGINT ignored, and so would the command."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def clean_env() -> dict:
     env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)
@@ -104,7 +110,7 @@ def test_ctrl_c_during_generate_returns_within_seconds_and_leaves_nothing_behind
     # share a shared-memory segment, which must be gone too.
     run = subprocess.Popen(generate_command("One", "Two", "Three", new_tokens=400, tp=3),
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
-                           start_new_session=True)
+                           start_new_session=True, preexec_fn=interactive_sigint)
     try:
         deadline = time.monotonic() + 300
         while not any("ray::" in command_line(p) for p in session_processes(run.pid)):
@@ -123,6 +129,8 @@ def test_ctrl_c_during_generate_returns_within_seconds_and_leaves_nothing_behind
     err = run.stderr.read()
     assert run.returncode == 130 and "interrupted" in err, err
     assert took_s < 3.0, f"Ctrl-C took {took_s:.1f} s to return"
-    time.sleep(1.0)
+    deadline = time.monotonic() + 5.0  # helpers such as multiprocessing's tracker exit once they see EOF
+    while [p for p in session_processes(run.pid) if alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert [command_line(p) for p in session_processes(run.pid) if alive(p)] == []
     assert set(glob.glob("/dev/shm/corelaunch-*")) <= segments_before
