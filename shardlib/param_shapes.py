@@ -24,7 +24,19 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     if config.is_moe:
         from shardlib.moe_params import moe_expected_shapes
 
-        return moe_expected_shapes(config)
+        shapes = moe_expected_shapes(config)
+    else:
+        shapes = _dense_shapes(config)
+    quant = config.quantization
+    if quant is not None:  # each quantized weight's scale, named beside it (every family alike)
+        for name, shape in list(shapes.items()):
+            if quant.is_quantized(name, config.tie_word_embeddings):
+                shapes[scale_name(name)] = quant.scale_shape(shape)
+    return shapes
+
+
+def _dense_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """expected_shapes of a dense (Llama-family) checkpoint, before quantization scales."""
     h, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
     q, kv = config.q_size, config.kv_size
     family = traits(config.model_type)
@@ -59,9 +71,4 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes["model.norm.weight"] = (h,)
     if not config.tie_word_embeddings:
         shapes[LM_HEAD] = (v, h)
-    quant = config.quantization
-    if quant is not None:  # each quantized weight's scale, named beside it
-        for name, shape in list(shapes.items()):
-            if quant.is_quantized(name, config.tie_word_embeddings):
-                shapes[scale_name(name)] = quant.scale_shape(shape)
     return shapes
