@@ -79,6 +79,10 @@ class LaunchConfig:
     fused_projections: bool = False
     """Fuse each rank's q/k/v matrices into one and gate/up into one after loading (off by default:
     workers/fused_projections.py)."""
+    sequence_parallel: bool = False
+    """Prefills (every step of more than one token per row) keep the residual stream split along the
+    sequence between blocks: all-gather before attention and the MLP, reduce-scatter after
+    (workers/sequence_parallel.py). Same tokens; nothing changes at TP 1 or for decode steps."""
     seq_len: int | None = None
     """KV-cache length per sequence; None sizes it per request (longest prompt + new tokens)."""
     max_batch_size: int = 8
@@ -357,6 +361,7 @@ class Launcher:
         spec = LoadSpec(config=self.model_config, layout=plan.layout(), dtype=plan.dtype,
                         model_dir=str(self.model_dir), presharded_dir=cfg.presharded_dir,
                         kv_cache_dtype=cfg.kv_cache_dtype, fused_projections=cfg.fused_projections,
+                        sequence_parallel=cfg.sequence_parallel,
                         **load_spec_fields(cfg, plan, self.model_config))
         self.buckets = spec.buckets
         if cfg.presharded_cache and not cfg.presharded_dir:

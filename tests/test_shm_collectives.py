@@ -158,6 +158,8 @@ def _two_ranks(rank, world_size):
                 for name, coll in (("shm", shm), ("shm_chunked", small)):
                     if not torch.equal(coll.all_gather_last_dim(x), gloo.all_gather_last_dim(x)):
                         out["mismatch"].append((name + "_gather", shape, str(dtype)))
+            for name, coll in (("gloo", gloo), ("shm", shm), ("shm_chunked", small)):
+                out["mismatch"] += [(name, *bad) for bad in rows_check(rank, world_size, coll, seed, shape, dtype)]
     dist.barrier()
     for c in (shm, small):
         c.close()
@@ -228,6 +230,8 @@ def _three_ranks(rank, world_size, calls, case):
             out["fixed_order_mismatch"].append(shape)
         if not torch.equal(gloo.all_reduce_sum_(x.clone()), got):
             out["gloo_mismatch"].append(shape)
+        for name, coll in (("gloo", gloo), ("shm", shm)):  # gloo at 3 ranks: all-to-all, then the ordered sum
+            out["fixed_order_mismatch"] += [(name, *bad) for bad in rows_check(rank, world_size, coll, seed, shape)]
 
     # Stress, with slow readers and a one-page slot (chunking, both buffers, every step reused).
     small = _build(rank, world_size, slot_bytes=4096)
@@ -345,6 +349,7 @@ def _multi_node(rank, world_size):
             out["exact"][(name, shape, "gloo")] = torch.equal(got, gloo.all_reduce_sum_(x.clone()))
             gathered = coll.all_gather_last_dim(x)
             out["exact"][(name, shape, "gather")] = torch.equal(gathered, gloo.all_gather_last_dim(x))
+            out["exact"][(name, shape, "rows")] = rows_check(rank, world_size, coll, seed, shape) == []
         dist.barrier()
         coll.close()
     # One rank cannot attach (as if its /dev/shm were another machine's): all fall back together.
@@ -444,9 +449,24 @@ def on_threads(fn, colls: list, *args, timeout_s: float = 120.0) -> dict:
     return results
 
 
+def rows_check(rank, world_size, coll, seed, shape, dtype=torch.float32) -> list:
+    """Sequence parallelism's collectives against the fixed-order sum and concatenation: the failures."""
+    stacked = (world_size * shape[0], *shape[1:])  # every rank's block of rows
+    n = shape[0]
+    bad = []
+    got = coll.reduce_scatter_rows(inputs(rank, stacked, seed, dtype))
+    if not torch.equal(got, fixed_order_sum(world_size, stacked, seed, dtype)[rank * n: (rank + 1) * n]):
+        bad.append(("reduce_scatter_rows", shape, str(dtype)))
+    want = torch.cat([inputs(r, shape, seed, dtype) for r in range(world_size)])
+    if not torch.equal(coll.all_gather_rows(inputs(rank, shape, seed, dtype)), want):
+        bad.append(("all_gather_rows", shape, str(dtype)))
+    return bad
+
+
 def _exact_results(rank, world_size, coll):
     bad = []
     for seed, shape in enumerate(SHAPES):
+        bad += rows_check(rank, world_size, coll, seed, shape)
         for dtype in (torch.float32, torch.bfloat16):
             x = inputs(rank, shape, seed, dtype)
             got = x.clone()

@@ -60,6 +60,7 @@ class Case:
     moe_sharding: str | None = None
     """Mixture-of-experts models: tensor_parallel or expert_parallel; None: the planner's choice."""
     fused_projections: bool = False
+    sequence_parallel: bool = False
 
 
 def hf_state_dict(model) -> dict[str, torch.Tensor]:
@@ -100,6 +101,7 @@ def run_case(case: Case, rank: int, tp_degree: int, collectives) -> list[list]:
         from workers.fused_projections import fuse_projections
 
         fuse_projections(model)
+    model.sequence_parallel = case.sequence_parallel
     return [generate(model, r.prompts, r.sampling(), r.max_new_tokens, r.stop_token_ids)
             for r in case.requests]
 
@@ -149,6 +151,12 @@ class InProcessRank(Collectives):
     def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
         return torch.cat(self._group.exchange(self._rank, tensor), dim=-1)
 
+    def reduce_scatter_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Only this rank's rows of every rank's tensor, summed in rank order (as shared memory does)."""
+        rows = tensor.shape[0] // self.world_size
+        mine = [part[self._rank * rows: (self._rank + 1) * rows] for part in self._group.exchange(self._rank, tensor)]
+        return sum_in_rank_order_(torch.empty_like(mine[0]), mine)
+
 
 def run_tp_in_process(world_size: int, cases: list[Case],
                       timeout_s: float = 120.0) -> dict[int, dict[str, list[list]]]:
@@ -156,14 +164,21 @@ def run_tp_in_process(world_size: int, cases: list[Case],
 
     Raises RuntimeError with the rank's traceback if a rank fails (its peers are released), and
     TimeoutError if the ranks do not finish within timeout_s."""
+    return on_in_process_ranks(
+        world_size, lambda c: {case.name: run_case(case, c.rank, world_size, c) for case in cases}, timeout_s,
+        what=f"cases {[c.name for c in cases]}")
+
+
+def on_in_process_ranks(world_size: int, fn, timeout_s: float = 120.0, what: str = "") -> dict:
+    """{rank: fn(collectives)} with every rank a thread of this process over one InProcessGroup; errors
+    and time-outs as run_tp_in_process."""
     group = InProcessGroup(world_size, timeout_s)
     results: dict[int, dict] = {}
     errors: dict[int, tuple[bool, str]] = {}  # rank -> (released by a peer's failure, traceback)
 
     def rank_main(collectives: InProcessRank) -> None:
         try:
-            results[collectives.rank] = {case.name: run_case(case, collectives.rank, world_size, collectives)
-                                         for case in cases}
+            results[collectives.rank] = fn(collectives)
         except BaseException as err:  # noqa: BLE001 - reported below, on the caller's thread
             errors[collectives.rank] = (isinstance(err, threading.BrokenBarrierError), traceback.format_exc())
             group.abort()
@@ -183,7 +198,7 @@ def run_tp_in_process(world_size: int, cases: list[Case],
     if len(results) < world_size:
         group.abort()
         raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(results))} of {world_size} did not "
-                           f"finish within {timeout_s} s; cases {[c.name for c in cases]}")
+                           f"finish within {timeout_s} s; {what}")
     return results
 
 

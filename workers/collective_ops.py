@@ -72,3 +72,35 @@ def all_gather_last_dim(tensor: torch.Tensor, handle: int) -> torch.Tensor:
 def _all_gather_last_dim_shape(tensor: torch.Tensor, handle: int) -> torch.Tensor:
     ranks = _group(handle).world_size
     return tensor.new_empty((*tensor.shape[:-1], ranks * tensor.shape[-1]))
+
+
+@torch.library.custom_op("corelaunch::all_gather_dim", mutates_args=())
+def all_gather_dim(tensor: torch.Tensor, handle: int, dim: int) -> torch.Tensor:
+    """Every rank's `tensor` concatenated along `dim`, in rank order (sequence parallelism)."""
+    from workers.collectives import gather_along_dim
+
+    out = gather_along_dim(_group(handle), tensor, dim)
+    return out.clone() if out.data_ptr() == tensor.data_ptr() else out
+
+
+@all_gather_dim.register_fake
+def _all_gather_dim_shape(tensor: torch.Tensor, handle: int, dim: int) -> torch.Tensor:
+    shape = list(tensor.shape)
+    shape[dim] *= _group(handle).world_size
+    return tensor.new_empty(shape)
+
+
+@torch.library.custom_op("corelaunch::reduce_scatter_dim", mutates_args=())
+def reduce_scatter_dim(tensor: torch.Tensor, handle: int, dim: int) -> torch.Tensor:
+    """This rank's block along `dim` of the sum over ranks (summed in global rank order)."""
+    from workers.collectives import reduce_scatter_along_dim
+
+    out = reduce_scatter_along_dim(_group(handle), tensor, dim)
+    return out.clone() if out.data_ptr() == tensor.data_ptr() else out
+
+
+@reduce_scatter_dim.register_fake
+def _reduce_scatter_dim_shape(tensor: torch.Tensor, handle: int, dim: int) -> torch.Tensor:
+    shape = list(tensor.shape)
+    shape[dim] //= _group(handle).world_size
+    return tensor.new_empty(shape)

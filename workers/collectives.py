@@ -1,10 +1,15 @@
 """The communication a tensor-parallel model needs, behind one small interface.
 
-The model calls exactly two operations, so a backend only has to provide those:
+The model calls two operations, so a backend only has to provide those:
 - `all_reduce_sum_`: after each row-parallel block (o_proj, down_proj) and the vocab-parallel
   embedding, every rank holds a partial sum of the same (batch, seq, hidden) tensor.
 - `all_gather_last_dim`: the vocab-parallel LM head leaves each rank with its slice of the logits;
   every rank needs the whole row to sample the same token.
+
+Sequence-parallel prefills (workers/sequence_parallel.py) add two more, along the first dimension:
+`all_gather_rows` and `reduce_scatter_rows`. Both have exact defaults built on the first two (a
+gather through `all_gather_last_dim`, a reduce-scatter as an all-reduce of which each rank keeps
+its rows); the shared-memory and torch.distributed paths override them with the cheaper real thing.
 
 Every path sums in one fixed order, global rank order: ((x0 + x1) + x2) + ... (see
 `sum_in_rank_order_`). float32 addition is not associative, so this is what makes the results
@@ -70,6 +75,18 @@ class Collectives(abc.ABC):
             return torch.ops.corelaunch.all_gather_last_dim(tensor, self.handle)
         return _outside_graph(self.all_gather_last_dim, tensor)
 
+    def gather_along(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every rank's tensor concatenated along `dim`, in rank order (sequence parallelism)."""
+        if self.in_graph:
+            return torch.ops.corelaunch.all_gather_dim(tensor, self.handle, dim)
+        return _outside_graph(lambda t: gather_along_dim(self, t, dim), tensor)
+
+    def reduce_scatter_along(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's block of `dim` (split into world_size equal blocks) of the sum over ranks."""
+        if self.in_graph:
+            return torch.ops.corelaunch.reduce_scatter_dim(tensor, self.handle, dim)
+        return _outside_graph(lambda t: reduce_scatter_along_dim(self, t, dim), tensor)
+
     @property
     @abc.abstractmethod
     def rank(self) -> int:
@@ -95,6 +112,24 @@ class Collectives(abc.ABC):
         All ranks pass tensors of the same shape; the result's last dim is world_size times larger.
         """
 
+    def all_gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's `tensor` concatenated along the first dim in rank order (a new tensor).
+
+        Default: one all_gather_last_dim of the flattened tensor, whose rank-order concatenation is
+        the same bytes."""
+        flat = tensor.contiguous().view(1, -1)
+        return self.all_gather_last_dim(flat).view(self.world_size * tensor.shape[0], *tensor.shape[1:])
+
+    def reduce_scatter_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rows [rank * n, (rank + 1) * n) of the sum over ranks, n = tensor.shape[0] // world_size
+        (a new tensor; the first dim must divide evenly). Summed in rank order like all_reduce_sum_,
+        so every element equals the all-reduce's.
+
+        Default: the whole all-reduce, of which this rank keeps its rows."""
+        rows = _rows_per_rank(tensor, self.world_size)
+        total = self.all_reduce_sum_(tensor.clone(memory_format=torch.contiguous_format))
+        return total[self.rank * rows: (self.rank + 1) * rows].clone()
+
     def close(self) -> None:
         """Release what the collectives hold beyond the process group (shared memory); idempotent.
 
@@ -102,6 +137,24 @@ class Collectives(abc.ABC):
         if self._handle is not None:
             collective_ops.unregister(self._handle)
             self._handle = None
+
+
+def _rows_per_rank(tensor: torch.Tensor, world_size: int) -> int:
+    if tensor.shape[0] % world_size:
+        raise ValueError(f"reduce_scatter_rows: {tensor.shape[0]} rows do not split evenly over {world_size} ranks")
+    return tensor.shape[0] // world_size
+
+
+def gather_along_dim(collectives: "Collectives", tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    """collectives.all_gather_rows with `dim` moved to the front and back (contiguous result)."""
+    rows_first = tensor.movedim(dim, 0).contiguous()
+    return collectives.all_gather_rows(rows_first).movedim(0, dim).contiguous()
+
+
+def reduce_scatter_along_dim(collectives: "Collectives", tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    """collectives.reduce_scatter_rows with `dim` moved to the front and back (contiguous result)."""
+    rows_first = tensor.movedim(dim, 0).contiguous()
+    return collectives.reduce_scatter_rows(rows_first).movedim(0, dim).contiguous()
 
 
 @torch.compiler.disable
@@ -132,6 +185,12 @@ class SingleRank(Collectives):
         return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def gather_along(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        return tensor
+
+    def reduce_scatter_along(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         return tensor
 
 
@@ -185,3 +244,26 @@ class TorchDistributedCollectives(Collectives):
         parts = [torch.empty_like(tensor) for _ in range(self._world_size)]
         self._dist.all_gather(parts, tensor, group=self._group)
         return torch.cat(parts, dim=-1)
+
+    def all_gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self._world_size == 1:
+            return tensor.clone()
+        tensor = tensor.contiguous()
+        out = tensor.new_empty((self._world_size * tensor.shape[0], *tensor.shape[1:]))
+        self._dist.all_gather_into_tensor(out, tensor, group=self._group)
+        return out
+
+    def reduce_scatter_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        rows = _rows_per_rank(tensor, self._world_size)
+        tensor = tensor.contiguous()
+        if self._world_size == 1:
+            return tensor.clone()
+        out = tensor.new_empty((rows, *tensor.shape[1:]))
+        if self._world_size == 2:  # a + b == b + a: the library's own reduce-scatter is the rank-order sum
+            self._dist.reduce_scatter_tensor(out, tensor, group=self._group)
+            return out
+        # Every rank's block of this rank's rows, then the ordered sum (as all_reduce_sum_ does).
+        parts = torch.empty_like(tensor)
+        self._dist.all_to_all_single(parts, tensor, group=self._group)
+        blocks = parts.view(self._world_size, rows, *tensor.shape[1:])
+        return sum_in_rank_order_(out, list(blocks.unbind(0)))

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from workers.collectives import Collectives
-from workers.layers import MLP, Attention, as_param, linear
+from workers.layers import MLP, Attention, Reduce, as_param, linear
 from workers.moe_layers import FusedQKVAttention
 
 
@@ -38,9 +38,9 @@ class FusedMLP(nn.Module):
         self.down_weight, self.down_bias, self.act = mlp.down_weight, mlp.down_bias, mlp.act
         self.collectives = collectives
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: Reduce | None = None) -> torch.Tensor:
         gate, up = linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
-        out = self.collectives.all_reduce(linear(self.act(gate) * up, self.down_weight))
+        out = (reduce or self.collectives.all_reduce)(linear(self.act(gate) * up, self.down_weight))
         return out if self.down_bias is None else out + self.down_bias
 
 

@@ -9,7 +9,7 @@ tensor is, and why the math is exact, is written down in shardlib/sharding.py.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -111,6 +111,11 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x, self.weight.shape, self.weight, None, self.eps)
 
 
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+"""How a block's partial sums (batch, seq, hidden) are completed: the all-reduce by default, or
+under sequence parallelism a reduce-scatter to this rank's tokens (workers/sequence_parallel.py)."""
+
+
 class VocabParallelEmbedding(nn.Module):
     """Rows [start, stop) of the embedding table; other ids give zeros, the all-reduce fills them."""
 
@@ -123,13 +128,14 @@ class VocabParallelEmbedding(nn.Module):
         self.collectives = collectives
         self.scale = scale
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """(batch, seq) ids -> (batch, seq, hidden): this rank's rows, zeros elsewhere, summed over ranks."""
+    def forward(self, input_ids: torch.Tensor, reduce: Reduce | None = None) -> torch.Tensor:
+        """(batch, seq) ids -> (batch, seq, hidden): this rank's rows, zeros elsewhere, summed over
+        ranks (by `reduce`, default the all-reduce; see Reduce)."""
         owned = (input_ids >= self.start) & (input_ids < self.stop)  # (batch, seq)
         local_ids = torch.where(owned, input_ids - self.start, 0)
         hidden = self.weight.rows(local_ids) if isinstance(self.weight, QuantizedWeight) else F.embedding(
             local_ids, self.weight)  # (batch, seq, hidden)
-        hidden = self.collectives.all_reduce(hidden * owned.unsqueeze(-1).to(hidden.dtype))
+        hidden = (reduce or self.collectives.all_reduce)(hidden * owned.unsqueeze(-1).to(hidden.dtype))
         return hidden if self.scale is None else hidden * self.scale.to(hidden.device)
 
 
@@ -195,8 +201,8 @@ class Attention(nn.Module):
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-                kv: KVSlots | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(output (batch, seq, hidden) summed over ranks, k, v of the new tokens).
+                kv: KVSlots | None = None, reduce: Reduce | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(output (batch, seq, hidden) summed over ranks by `reduce`, k, v of the new tokens).
 
         kv None: the tokens are the whole history (a prefill from slot 0); they attend over their
         own keys and values under mask (batch, 1, seq, seq), and the caller stores k and v.
@@ -209,7 +215,7 @@ class Attention(nn.Module):
                                                           kv.rows, mask.shape[-1])
         out = attention(q, keys, values, mask, self.scale)
         out = out.transpose(1, 2).reshape(batch, seq, self.q_heads * self.head_dim)
-        out = self.collectives.all_reduce(linear(out, self.o_weight))
+        out = (reduce or self.collectives.all_reduce)(linear(out, self.o_weight))
         return (out if self.o_bias is None else out + self.o_bias), k, v
 
 
@@ -235,9 +241,9 @@ class MLP(nn.Module):
         self.act = ACTIVATIONS[activation]
         self.collectives = collectives
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: Reduce | None = None) -> torch.Tensor:
         h = self.act(linear(x, self.gate_weight, self.gate_bias)) * linear(x, self.up_weight, self.up_bias)
-        out = self.collectives.all_reduce(linear(h, self.down_weight))
+        out = (reduce or self.collectives.all_reduce)(linear(h, self.down_weight))
         return out if self.down_bias is None else out + self.down_bias
 
 
@@ -249,6 +255,10 @@ class DecoderLayer(nn.Module):
     x + post_attn(attn(norm(x))), then x + post_ff(mlp(pre_ff(x))).
 
     kind: which of the model's attention kinds (rotary table and mask, workers/step.py) the layer reads.
+
+    With a sequence split (workers/sequence_parallel.py) x is this rank's block of the tokens: each
+    norm runs on the block, its output is gathered to the whole sequence for the block that follows,
+    and that block's partial sums are reduce-scattered back to the rank's tokens.
     """
 
     def __init__(self, attention: Attention, mlp: MLP, input_norm: RMSNorm, post_attention_norm: RMSNorm,
@@ -260,11 +270,17 @@ class DecoderLayer(nn.Module):
         self.kind = kind
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-                kv: KVSlots | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(x after the layer, the new tokens' k, v); see Attention.forward for kv and mask."""
-        attended, k, v = self.attention(self.input_norm(x), cos, sin, mask, kv)
+                kv: KVSlots | None = None, split=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(x after the layer, the new tokens' k, v); see Attention.forward for kv and mask, and the
+        class docstring for split (a workers.sequence_parallel.SequenceSplit, or None)."""
+        gather, reduce = (_whole, None) if split is None else (split.gather, split.scatter_sum)
+        attended, k, v = self.attention(gather(self.input_norm(x)), cos, sin, mask, kv, reduce)
         if self.pre_ff_norm is None:
             x = x + attended
-            return x + self.mlp(self.post_attention_norm(x)), k, v
+            return x + self.mlp(gather(self.post_attention_norm(x)), reduce), k, v
         x = x + self.post_attention_norm(attended)
-        return x + self.post_ff_norm(self.mlp(self.pre_ff_norm(x))), k, v
+        return x + self.post_ff_norm(self.mlp(gather(self.pre_ff_norm(x)), reduce)), k, v
+
+
+def _whole(x: torch.Tensor) -> torch.Tensor:
+    return x

@@ -101,6 +101,8 @@ def check_shard(config: ModelConfig, layout: ShardLayout, rank: int,
 class ShardedCausalLM(nn.Module):
     kv_cache_dtype: torch.dtype | None = None
     """The KV cache's storage dtype (workers/kv_quant.py: fp8); None: the compute dtype."""
+    sequence_parallel: bool = False
+    """Split the residual stream of multi-token steps along the sequence (workers/sequence_parallel.py)."""
 
     def __init__(self, config: ModelConfig, layout: ShardLayout, rank: int, shard: dict[str, torch.Tensor],
                  collectives: Collectives, dtype: torch.dtype | str | None = None) -> None:

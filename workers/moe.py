@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.collectives import Collectives
-from workers.layers import as_param, linear
+from workers.layers import Reduce, as_param, linear
 
 
 def routing_weights(router_logits: torch.Tensor, top_k: int, norm_p: float | None) -> torch.Tensor:
@@ -67,7 +67,7 @@ class MoEBlock(nn.Module):
         self.down_transposed = down_transposed
         self.collectives = collectives
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: Reduce | None = None) -> torch.Tensor:
         weights = routing_weights(linear(x, self.router_weight), self.top_k, self.norm_p)  # (batch, seq, experts)
         out = torch.zeros_like(x)
         for j, (gate, up, down) in enumerate(zip(self.gates, self.ups, self.downs)):
@@ -75,4 +75,4 @@ class MoEBlock(nn.Module):
             y = down_projection(h, down, self.down_transposed)
             column = weights[..., self.first_expert + j, None]
             out = out + (y * column).to(x.dtype)  # weighted in float32, as transformers does
-        return self.collectives.all_reduce(out)
+        return (reduce or self.collectives.all_reduce)(out)

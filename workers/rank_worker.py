@@ -72,6 +72,8 @@ class LoadSpec:
     """Rank 0 appends one line per graph built during warm-up here (the compile command shows them)."""
     fused_projections: bool = False
     """Fuse each rank's q/k/v and gate/up matrices after loading (workers/fused_projections.py)."""
+    sequence_parallel: bool = False
+    """Split multi-token steps' residual stream along the sequence (workers/sequence_parallel.py)."""
 
 
 @dataclass(frozen=True)
@@ -185,6 +187,7 @@ class RankWorker:
             from workers.kv_quant import kv_storage_dtype
 
             model.kv_cache_dtype = kv_storage_dtype(load_spec.kv_cache_dtype, model.dtype)
+        model.sequence_parallel = load_spec.sequence_parallel
         if load_spec.fused_projections:
             from workers.fused_projections import fuse_projections
 

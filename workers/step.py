@@ -17,6 +17,11 @@ A step either starts a sequence or continues it (`kv_caches`):
 
 Collectives are calls of the model's Collectives object inside the layers (workers/collectives.py);
 at TP 1 they are identities, so nothing here knows the TP degree.
+
+Sequence parallelism (`model.sequence_parallel`, workers/sequence_parallel.py) changes only what a
+multi-token step keeps between the parts: the prologue hands each layer this rank's block of the
+tokens, every layer returns its block, and the whole sequence is gathered once before the epilogue.
+Each part rebuilds the split from the sequence length it sees, so the parts stay separately compilable.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from workers.layers import DecoderLayer, KVSlots
+from workers.sequence_parallel import split_for
 
 
 def attention_bias_mask(max_seq_len: int, cache_positions: torch.Tensor,
@@ -51,24 +57,28 @@ def attention_bias_mask(max_seq_len: int, cache_positions: torch.Tensor,
 
 
 def prologue(model, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
-             cache_positions: torch.Tensor):
+             cache_positions: torch.Tensor, sequence_parallel: bool = False):
     """(x (batch, seq, hidden), cos, sin (batch, seq, head_dim), mask (batch, 1, seq, slots)), the
     last three a tuple with one entry per attention kind of the model (workers/family_layers.py).
 
     attention_mask (batch, slots): true where a slot holds a real token; slots is the prompt's own
-    length for a prefill from slot 0, the cache length otherwise."""
+    length for a prefill from slot 0, the cache length otherwise. sequence_parallel: x is this rank's
+    block of the tokens (the embedding's sum reduce-scattered), for a step of more than one token."""
     rope = [tables.lookup(position_ids, model.dtype) for tables in model.rotary]
     masks = tuple(attention_bias_mask(attention_mask.shape[1], cache_positions, attention_mask, kind.window)
                   for kind in model.attention_kinds)
-    return model.embed(input_ids), tuple(c for c, _ in rope), tuple(s for _, s in rope), masks
+    split = split_for(model.collectives, sequence_parallel, input_ids.shape[1])
+    x = model.embed(input_ids, None if split is None else split.scatter_sum)
+    return x, tuple(c for c, _ in rope), tuple(s for _, s in rope), masks
 
 
 def layer(block: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
           k_cache: torch.Tensor | None, v_cache: torch.Tensor | None, cache_positions: torch.Tensor,
-          rows: torch.Tensor | None = None):
-    """(x, k, v) after one decoder layer; caches None for a prefill from slot 0."""
+          rows: torch.Tensor | None = None, sequence_parallel: bool = False):
+    """(x, k, v) after one decoder layer; caches None for a prefill from slot 0. sequence_parallel:
+    x in and out is this rank's block of the tokens (cos holds the whole sequence's positions)."""
     kv = None if k_cache is None else KVSlots(k_cache, v_cache, cache_positions, rows)
-    return block(x, cos, sin, mask, kv)
+    return block(x, cos, sin, mask, kv, split_for(block.attention.collectives, sequence_parallel, cos.shape[-2]))
 
 
 def epilogue(model, x: torch.Tensor, logit_index: torch.Tensor | None) -> torch.Tensor:
@@ -105,15 +115,19 @@ def run_step(model, parts: StepParts, input_ids: torch.Tensor, position_ids: tor
     rows (batch, seq): the cache row of every token, with cache_positions (batch, seq) its slot
     (the serving engine's indexing, workers/kv_cache.py); attention then reads each batch row's
     own cache row over attention_mask's width of slots."""
-    x, cos, sin, mask = parts.prologue(model, input_ids, position_ids, attention_mask, cache_positions)
+    split = split_for(model.collectives, model.sequence_parallel, input_ids.shape[1])
+    sp = split is not None
+    x, cos, sin, mask = parts.prologue(model, input_ids, position_ids, attention_mask, cache_positions, sp)
     ks, vs = [], []
     for i, block in enumerate(model.layers):
         kind = block.kind
         if kv_caches is None:
-            x, k, v = parts.layer(block, x, cos[kind], sin[kind], mask[kind], None, None, cache_positions)
+            x, k, v = parts.layer(block, x, cos[kind], sin[kind], mask[kind], None, None, cache_positions, None, sp)
             ks.append(k)
             vs.append(v)
         else:
             x, _, _ = parts.layer(block, x, cos[kind], sin[kind], mask[kind], kv_caches[0][i], kv_caches[1][i],
-                                  cache_positions, rows)
+                                  cache_positions, rows, sp)
+    if sp:
+        x = split.gather(x)
     return parts.epilogue(model, x, logit_index), ks, vs

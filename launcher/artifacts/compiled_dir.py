@@ -53,7 +53,7 @@ def cache_dir(root: str | Path) -> Path:
 _REQUIRED = ("format_version", "config_hash", "tp_degree", "kv_strategy", "dtype", "backend", "buckets", "versions")
 _FIELDS = {"format_version": int, "config_hash": str, "tp_degree": int, "kv_strategy": str, "dtype": str,
            "backend": str, "buckets": dict, "versions": dict, "granularity": (str, type(None)), "source": str,
-           "model_type": str, "graphs": list, "compile_s": float}
+           "model_type": str, "graphs": list, "compile_s": float, "sequence_parallel": bool}
 
 
 def read_manifest(root: str | Path) -> dict[str, Any]:
@@ -90,8 +90,9 @@ def apply_compiled_dir(config):
                           ("granularity", config.compile_granularity)):
         if wanted not in (None, "auto") and wanted != manifest.get(field):
             differ.append(f"{field}: expected {manifest.get(field)!r} (compiled), found {wanted!r} (asked)")
-    if config.pad_q_heads and not manifest.get("pad_q_heads", False):
-        differ.append("pad_q_heads: expected False (compiled), found True (asked)")
+    for flag in ("pad_q_heads", "sequence_parallel"):  # on when asked, so the directory must have it on
+        if getattr(config, flag) and not manifest.get(flag, False):
+            differ.append(f"{flag}: expected False (compiled), found True (asked)")
     buckets = Buckets.from_dict(manifest["buckets"])
     asked = {"token buckets": config.token_buckets, "context buckets": config.context_buckets}
     for name, wanted in asked.items():
@@ -112,7 +113,8 @@ def apply_compiled_dir(config):
     return dataclasses.replace(
         config, model=config.model or str(model_dir(root)), tp=manifest["tp_degree"], dtype=manifest["dtype"],
         backend=manifest["backend"], kv_strategy=manifest["kv_strategy"], seq_len=buckets.max_seq_len,
-        pad_q_heads=manifest.get("pad_q_heads", False), moe_sharding=manifest.get("moe_sharding"),
+        pad_q_heads=manifest.get("pad_q_heads", False), sequence_parallel=manifest.get("sequence_parallel", False),
+        moe_sharding=manifest.get("moe_sharding"),
         compile_granularity=manifest.get("granularity"),
         presharded_dir=str(weights_dir(root)), context_buckets=buckets.context, token_buckets=buckets.token,
         max_batch_size=min(config.max_batch_size, buckets.max_batch_size))

@@ -15,7 +15,8 @@ import argparse
 import json
 import sys
 
-from launcher.cli.options import add_backend_arguments, add_kv_cache_dtype, add_no_compile, add_pad_q_heads, backend_options, int_at_least
+from launcher.cli.options import (add_backend_arguments, add_kv_cache_dtype, add_no_compile, add_pad_q_heads,
+                                  add_sequence_parallel, backend_options, int_at_least)
 
 
 def add_parser(subparsers) -> None:
@@ -42,6 +43,7 @@ def add_parser(subparsers) -> None:
     add_kv_cache_dtype(p)
     add_backend_arguments(p)
     add_pad_q_heads(p)
+    add_sequence_parallel(p)
     add_no_compile(p)
     p.add_argument("--ray-address", help="Ray cluster host:port, or local for a private one (default: RAY_ADDRESS, else the cluster `ray start` recorded on this host, else a private one)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -79,6 +81,7 @@ def _bench(args: argparse.Namespace) -> dict:
     from shardlib.evaluation.bench_report import RunTiming, build_report
 
     config = LaunchConfig(model=args.model, tp=args.tp, **backend_options(args), pad_q_heads=args.pad_q_heads,
+                          sequence_parallel=args.sequence_parallel,
                           dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_batch_size=args.batch_size,
                           ray_address=args.ray_address,
                           compile=args.compile, progress=not args.quiet)

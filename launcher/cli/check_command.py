@@ -26,7 +26,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from launcher.cli.options import add_backend_arguments, add_kv_cache_dtype, add_no_compile, add_pad_q_heads, backend_options
+from launcher.cli.options import (add_backend_arguments, add_kv_cache_dtype, add_no_compile, add_pad_q_heads,
+                                  add_sequence_parallel, backend_options)
 from shardlib.evaluation.quantized_tolerances import DEFAULT_TOL_SPEC
 
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
@@ -66,6 +67,7 @@ def add_parser(subparsers) -> None:
     add_kv_cache_dtype(p)
     add_backend_arguments(p)
     add_pad_q_heads(p)
+    add_sequence_parallel(p)
     p.add_argument("--divergence-difference-tol", type=float, metavar="TOL",
                    help="at a divergence, max(actual) - actual[expected token] must be below this (default 0.001; "
                         "a quantized model's or fp8 cache's in shardlib/evaluation/quantized_tolerances.py)")
@@ -317,6 +319,7 @@ def _compare(args, model_dir, texts, prompts, expected: Expected, num_tokens, to
     from shardlib.evaluation.accuracy import group_name, logit_matching, token_matching
 
     config = LaunchConfig(model=str(model_dir), tp=args.tp, **backend_options(args), pad_q_heads=args.pad_q_heads,
+                          sequence_parallel=args.sequence_parallel,
                           dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_batch_size=1,
                           ray_address=args.ray_address,
                           compile=args.compile, progress=not args.quiet)

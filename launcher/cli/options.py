@@ -40,6 +40,13 @@ def add_pad_q_heads(p: argparse.ArgumentParser) -> None:
                         "that does not divide the heads runs; outputs equal the unpadded model's")
 
 
+def add_sequence_parallel(p: argparse.ArgumentParser) -> None:
+    """--sequence-parallel (generate, compile, check, bench, serve)."""
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="prefills keep the residual stream split along the sequence between blocks (all-gather "
+                        "before attention and MLP, reduce-scatter after); same tokens, measured in the README")
+
+
 def add_no_compile(p: argparse.ArgumentParser) -> None:
     """--no-compile (generate, check, bench): args.compile False runs eagerly."""
     p.add_argument("--no-compile", dest="compile", action="store_false",
@@ -128,6 +135,7 @@ def add_model_and_placement_arguments(p: argparse.ArgumentParser) -> None:
     add_moe_sharding(p)
     p.add_argument("--fused-projections", action="store_true",
                    help="fuse each rank's q/k/v and gate/up matrices after loading (measured: see the README)")
+    add_sequence_parallel(p)
     p.add_argument("--seq-len", type=int, help="maximum sequence length, the largest KV-cache (token-generation) "
                                                 "bucket (default: min(max_position_embeddings, 4096); with "
                                                 "--no-compile: longest prompt + new tokens)")
@@ -160,7 +168,7 @@ def model_and_placement_options(args: argparse.Namespace) -> dict:
         startup_timeout_s=args.startup_timeout, rendezvous_timeout_s=args.rendezvous_timeout,
         lnc=args.lnc, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, kv_strategy=args.kv_strategy,
         moe_sharding=args.moe_sharding, fused_projections=args.fused_projections, seq_len=args.seq_len,
-        pad_q_heads=args.pad_q_heads,
+        pad_q_heads=args.pad_q_heads, sequence_parallel=args.sequence_parallel,
         presharded_dir=args.presharded, compile=args.compile, compile_granularity=args.granularity,
         compiled_dir=args.compiled, warm_up=args.warm_up, **bucket_lists(args),
         placement_timeout_s=args.placement_timeout, request_timeout_s=args.request_timeout,

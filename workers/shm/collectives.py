@@ -10,6 +10,10 @@
   ((x0 + x1) + x2) + x3 in float32, and results must not depend on which ranks share a node.)
   all_gather (once per generated token, for the logits) stays on gloo.
 
+Sequence parallelism's reduce-scatter goes through the node's segment in `ShmCollectives` (each rank
+sums only its own rows of every slot); `HierarchicalCollectives` keeps the base class's exact
+defaults (a whole all-reduce, then its rows; the gather over gloo).
+
 Both keep the Collectives contract: results are bit-identical on every rank and equal the gloo
 path's (workers.collectives.sum_in_rank_order_). Tensors larger than a slot are processed in
 slot-sized chunks, so any size works; an element's sum never depends on the chunking.
@@ -65,6 +69,30 @@ class ShmCollectives(Collectives):
         width = tensor.shape[-1]
         # (ranks, rows, width) -> (rows, ranks, width) -> (..., ranks * width): rank order along the last dim
         out = staged.view(n, -1, width).transpose(0, 1).reshape(*tensor.shape[:-1], n * width)
+        return out
+
+    def all_gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        # all_gather_last_dim's staging buffer, (ranks, elements of one rank), already is the
+        # rank-order concatenation along the first dim.
+        flat = tensor.contiguous().view(-1)
+        staged = torch.empty((self._x.size, flat.numel()), dtype=flat.dtype)
+        for start, end in _chunks(flat.numel(), self._x.max_numel(flat.dtype)):
+            self._x.gather(flat[start:end], staged[:, start:end])
+        return staged.view(self._x.size * tensor.shape[0], *tensor.shape[1:])
+
+    def reduce_scatter_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        n = self._x.size
+        if tensor.shape[0] % n:
+            raise ValueError(f"reduce_scatter_rows: {tensor.shape[0]} rows do not split evenly over {n} ranks")
+        blocks = tensor.contiguous().view(n, -1)  # (ranks, elements of one rank's rows)
+        out = torch.empty((tensor.shape[0] // n, *tensor.shape[1:]), dtype=tensor.dtype)
+        flat_out = out.view(-1)
+        step = max(1, self._x.max_numel(tensor.dtype) // n)  # every rank's block of a chunk in one slot
+        if blocks.shape[1] <= step:
+            self._x.reduce_scatter(blocks, flat_out)
+        else:
+            for start, end in _chunks(blocks.shape[1], step):
+                self._x.reduce_scatter(blocks[:, start:end].contiguous(), flat_out[start:end])
         return out
 
     def close(self) -> None:

@@ -1,5 +1,7 @@
 """One node's shared-memory segment and the three exchanges built on it: reduce, broadcast, gather.
 
+Reduce-scatter is a reduce in which each rank sums only its own block of the slots.
+
 Layout of the segment of a node with n local ranks (offsets in bytes):
 
     0                     token: b"corelaunch-shm:" + the group's unique id (checked on attach)
@@ -263,6 +265,16 @@ class NodeExchange:
         self._wait(self._seq, self._only[root])
         flat.copy_(slots[root])
         self._native.publish(self._my_counter, self._seq)  # "done reading" for the root's next write
+
+    def reduce_scatter(self, blocks: torch.Tensor, out: torch.Tensor) -> None:
+        """out <- sum over local ranks of their blocks[local_rank] (local-rank order); blocks is
+        (size, m), contiguous, and fits one slot; out is (m,)."""
+        slots = self._post(blocks.view(-1))
+        self._wait(self._seq, self._others)
+        self._all_reached = self._seq
+        m = out.numel()
+        mine = [slot[self.local_rank * m: (self.local_rank + 1) * m] for slot in slots]
+        sum_in_rank_order_(out, mine)
 
     def gather(self, flat: torch.Tensor, out: torch.Tensor) -> None:
         """out[i] <- local rank i's flat; out is (size, numel)."""
