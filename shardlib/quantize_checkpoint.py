@@ -5,12 +5,14 @@ The output is a Hugging Face-style directory: config.json with a `quantization_c
 8 bits with its `<module>.scale` beside it and every other tensor unchanged, and every other file
 of the source (tokenizer, generation config) copied.
 
-Memory: tensors are read one at a time (shardlib.checkpoint's readers: a safetensors tensor is
-read with preadv, a pickle's is memory-mapped and its pages dropped after use), quantized in
-blocks of rows and written out before the next is read. The safetensors header is written first,
-since every output shape and dtype is known from the source's header, so the file is filled
-sequentially and never held whole. Peak host memory: the largest source tensor, its 8-bit
-output, and one block's float32 temporaries (QUANT_BLOCK_BYTES).
+Memory: the safetensors header is written first, since every output shape and dtype is known from
+the source's header, so the file is filled sequentially and never held whole. A weight to quantize
+is never held whole either: it is read a block of rows at a time (shardlib.checkpoint's readers: a
+safetensors slice is read with preadv, a pickle's is memory-mapped and its pages dropped after use),
+and each block's 8-bit rows are written as soon as they are computed; its scales follow. A
+per-tensor scale needs the whole tensor's maximum first, so those weights are read twice. Peak host
+memory: the largest tensor kept as it is (norms, an unquantized embedding or LM head), or a few
+blocks (QUANT_BLOCK_BYTES of float32 each) plus one weight's scales.
 """
 
 from __future__ import annotations
@@ -96,34 +98,40 @@ def _write_weights(model_dir: Path, config: ModelConfig, quant: Quantization, pa
         with open(path, "wb") as out:
             _write_header(out, layout)
             for done, name in enumerate(names, 1):
-                tensor = files[ckpt.weight_map[name]].read(name, _WHOLE)
+                reader = files[ckpt.weight_map[name]]
                 if quant.is_quantized(name, config.tie_word_embeddings):
-                    for part in _quantize_blocked(tensor, quant):
-                        _write_tensor(out, part)
+                    write_quantized(out, lambda a, b: reader.read(name, TensorSlice(dim=0, ranges=((a, b),))),
+                                    entries[name].shape, quant)
                 else:
+                    tensor = reader.read(name, _WHOLE)
                     _write_tensor(out, tensor)
-                del tensor  # before the next read: one source tensor at a time
+                    del tensor  # before the next read: one source tensor at a time
                 if progress is not None:
                     progress(name, done, len(names))
             out.flush()
             os.fsync(out.fileno())
 
 
-def _quantize_blocked(weight: torch.Tensor, quant: Quantization) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize(weight) computed block of rows by block, so float32 temporaries stay within
-    QUANT_BLOCK_BYTES (identical result: per-channel scales are per row; a per-tensor scale is the
-    maximum of the blocks' maxima)."""
-    rows = max(1, QUANT_BLOCK_BYTES // (4 * max(1, weight.shape[1])))
-    blocks = range(0, weight.shape[0], rows)
+def write_quantized(out, read_rows: Callable[[int, int], torch.Tensor], shape: tuple[int, ...],
+                    quant: Quantization) -> None:
+    """Write quantize(weight)'s 8-bit values, then its scale, reading the weight of `shape` through
+    read_rows(start, stop) one block of rows (QUANT_BLOCK_BYTES of float32) at a time. The bytes are
+    identical to quantizing it whole: per-channel scales are per row, and a per-tensor scale is the
+    maximum of the blocks' maxima (taken in a first pass)."""
+    rows = max(1, QUANT_BLOCK_BYTES // (4 * max(1, math.prod(shape[1:]))))
+    blocks = [(start, min(start + rows, shape[0])) for start in range(0, shape[0], rows)]
     if quant.per_channel:
-        scale = torch.cat([absmax_scale(weight[i:i + rows], quant.dtype, True) for i in blocks])
-    else:
-        scale = torch.stack([absmax_scale(weight[i:i + rows], quant.dtype, False) for i in blocks]).amax(0)
-    q = torch.empty(weight.shape, dtype=storage_dtype(quant.dtype))
-    for i in blocks:
-        q[i:i + rows] = quantize_with_scale(weight[i:i + rows], scale[i:i + rows] if quant.per_channel else scale,
-                                            quant.dtype)
-    return q, scale
+        scales = []
+        for start, stop in blocks:
+            weight = read_rows(start, stop)
+            scales.append(absmax_scale(weight, quant.dtype, True))
+            _write_tensor(out, quantize_with_scale(weight, scales[-1], quant.dtype))
+        _write_tensor(out, torch.cat(scales) if scales else torch.empty(0))
+        return
+    scale = torch.stack([absmax_scale(read_rows(start, stop), quant.dtype, False) for start, stop in blocks]).amax(0)
+    for start, stop in blocks:
+        _write_tensor(out, quantize_with_scale(read_rows(start, stop), scale, quant.dtype))
+    _write_tensor(out, scale)
 
 
 def _write_header(out, layout: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:

@@ -102,16 +102,23 @@ def test_quantized_checkpoint_layout_config_and_refusals(source_dir, tmp_path):
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
-def test_blocked_quantizer_equals_whole_tensor(monkeypatch):
+def test_streamed_quantizer_writes_the_whole_tensors_bytes(monkeypatch):
+    import io
+
     import shardlib.quantize_checkpoint as qc
 
     monkeypatch.setattr(qc, "QUANT_BLOCK_BYTES", 4 * 80 * 7)  # 7 rows a block: a ragged last block
-    w = torch.randn(50, 80)
-    for per_channel in (True, False):
-        quant = Quantization("int8", "per_channel_symmetric" if per_channel else "per_tensor_symmetric")
-        q, scale = qc._quantize_blocked(w, quant)
-        ref_q, ref_scale = quantize(w, "int8", per_channel)
-        assert torch.equal(q, ref_q) and torch.equal(scale, ref_scale)
+    w = torch.randn(50, 80) * torch.linspace(0.1, 3, 50)[:, None]  # rows of different ranges
+    for fmt in ("int8", "f8e4m3"):
+        for per_channel in (True, False):
+            quant = Quantization(fmt, "per_channel_symmetric" if per_channel else "per_tensor_symmetric")
+            reads = []
+            out = io.BytesIO()
+            qc.write_quantized(out, lambda a, b: (reads.append((a, b)), w[a:b].clone())[1], tuple(w.shape), quant)
+            ref_q, ref_scale = quantize(w, fmt, per_channel)
+            want = ref_q.view(torch.uint8).numpy().tobytes() + ref_scale.numpy().tobytes()
+            assert out.getvalue() == want, (fmt, per_channel)
+            assert max(b - a for a, b in reads) == 7  # never more than a block of rows at once
 
 
 # ---- sharded execution ---------------------------------------------------------------------------
