@@ -126,3 +126,22 @@ def test_compiled_decode_reads_the_fp8_cache_as_eager_does():
             graph_logits = compiled(token, position, theirs, position[0])
         torch.testing.assert_close(graph_logits, logits, rtol=1e-4, atol=1e-4)
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(ours.k + ours.v, theirs.k + theirs.v))
+
+
+def test_a_compiled_directory_records_and_holds_its_kv_cache_dtype(tmp_path):
+    """`compile --kv-cache-dtype` is recorded; a launch from the directory takes it, and asking for
+    another cache dtype than the graphs were built with is refused naming both."""
+    from launcher.api import LaunchConfig
+    from launcher.artifacts.compiled_dir import apply_compiled_dir
+    from launcher.cli import build_parser
+    from tests.model_factory import save_random_model
+    from tests.test_compile_cli import fake_compiled_dir
+
+    assert build_parser().parse_args(["compile", "--out", "x", "--kv-cache-dtype", "f8e4m3"]).kv_cache_dtype == "f8e4m3"
+    model = save_random_model(tmp_path / "m")
+    fp8 = fake_compiled_dir(tmp_path / "fp8", model, kv_cache_dtype="f8e4m3")
+    assert apply_compiled_dir(LaunchConfig(compiled_dir=str(fp8))).kv_cache_dtype == "f8e4m3"
+    plain = fake_compiled_dir(tmp_path / "plain", model)
+    assert apply_compiled_dir(LaunchConfig(compiled_dir=str(plain))).kv_cache_dtype is None
+    with pytest.raises(ValueError, match=r"kv_cache_dtype: expected None \(compiled\), found 'f8e4m3' \(asked\)"):
+        apply_compiled_dir(LaunchConfig(compiled_dir=str(plain), kv_cache_dtype="f8e4m3"))

@@ -53,7 +53,8 @@ def cache_dir(root: str | Path) -> Path:
 _REQUIRED = ("format_version", "config_hash", "tp_degree", "kv_strategy", "dtype", "backend", "buckets", "versions")
 _FIELDS = {"format_version": int, "config_hash": str, "tp_degree": int, "kv_strategy": str, "dtype": str,
            "backend": str, "buckets": dict, "versions": dict, "granularity": (str, type(None)), "source": str,
-           "model_type": str, "graphs": list, "compile_s": float, "sequence_parallel": bool}
+           "model_type": str, "graphs": list, "compile_s": float, "sequence_parallel": bool,
+           "kv_cache_dtype": (str, type(None))}
 
 
 def read_manifest(root: str | Path) -> dict[str, Any]:
@@ -87,7 +88,7 @@ def apply_compiled_dir(config):
                           f"({manifest.get('source', 'the compiled model')}), found {given} ({config.model})")
     for field, wanted in (("tp_degree", config.tp), ("dtype", config.dtype), ("backend", config.backend),
                           ("kv_strategy", config.kv_strategy), ("moe_sharding", config.moe_sharding),
-                          ("granularity", config.compile_granularity)):
+                          ("granularity", config.compile_granularity), ("kv_cache_dtype", config.kv_cache_dtype)):
         if wanted not in (None, "auto") and wanted != manifest.get(field):
             differ.append(f"{field}: expected {manifest.get(field)!r} (compiled), found {wanted!r} (asked)")
     for flag in ("pad_q_heads", "sequence_parallel"):  # on when asked, so the directory must have it on
@@ -114,6 +115,7 @@ def apply_compiled_dir(config):
         config, model=config.model or str(model_dir(root)), tp=manifest["tp_degree"], dtype=manifest["dtype"],
         backend=manifest["backend"], kv_strategy=manifest["kv_strategy"], seq_len=buckets.max_seq_len,
         pad_q_heads=manifest.get("pad_q_heads", False), sequence_parallel=manifest.get("sequence_parallel", False),
+        kv_cache_dtype=manifest.get("kv_cache_dtype"),
         moe_sharding=manifest.get("moe_sharding"),
         compile_granularity=manifest.get("granularity"),
         presharded_dir=str(weights_dir(root)), context_buckets=buckets.context, token_buckets=buckets.token,

@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 
 from launcher.cli.options import (add_backend_arguments, add_bucket_lists, add_granularity, add_max_num_seqs,
-                                  add_moe_sharding, add_pad_q_heads, add_sequence_parallel, backend_options,
+                                  add_kv_cache_dtype, add_moe_sharding, add_pad_q_heads, add_sequence_parallel,
+                                  backend_options,
                                   bucket_lists,
                                   max_num_seqs_option)
 
@@ -42,6 +43,7 @@ def add_parser(subparsers) -> None:
     add_pad_q_heads(p)
     add_moe_sharding(p)
     add_sequence_parallel(p)
+    add_kv_cache_dtype(p)
     add_bucket_arguments(p, max_batch_default=1)
     add_granularity(p)
     add_max_num_seqs(p)
@@ -98,7 +100,8 @@ def compile_model(args: argparse.Namespace) -> dict:
     # Every option is checked (and the layout planned) before anything is written.
     config = LaunchConfig(model=args.model, tp=args.tp, dtype=args.dtype, **backend_options(args), lnc=args.lnc,
                           kv_strategy=args.kv_strategy, pad_q_heads=args.pad_q_heads, moe_sharding=args.moe_sharding,
-                          sequence_parallel=args.sequence_parallel, ray_address=args.ray_address, progress=not args.quiet, compile=True,
+                          sequence_parallel=args.sequence_parallel, kv_cache_dtype=args.kv_cache_dtype,
+                          ray_address=args.ray_address, progress=not args.quiet, compile=True,
                           compile_granularity=args.granularity, **bucket_options(args), **max_num_seqs_option(args))
     planned = plan_launch(config, progress, nothing_done="nothing was written")
     model_dir, model_config, plan = planned.model_dir, planned.model_config, planned.plan
@@ -118,7 +121,8 @@ def compile_model(args: argparse.Namespace) -> dict:
             "format_version": compiled_dir.FORMAT_VERSION, "config_hash": model_config.config_hash(),
             "model_type": model_config.model_type, "source": str(model_dir.resolve()),
             "tp_degree": plan.tp_degree, "kv_strategy": str(plan.kv_strategy), "moe_sharding": plan.moe_sharding,
-            "pad_q_heads": layout.pad_q_heads, "sequence_parallel": config.sequence_parallel, "lnc": plan.lnc,
+            "pad_q_heads": layout.pad_q_heads, "sequence_parallel": config.sequence_parallel,
+            "kv_cache_dtype": config.kv_cache_dtype, "lnc": plan.lnc,
             "instance": planned.instance, "backend": planned.backend, "dtype": plan.dtype,
             "buckets": buckets.to_dict(),
             "granularity": granularity,
