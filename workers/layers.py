@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.collectives import Collectives
+from workers.kernels import small_linear as small
 from workers.kv_cache import write_kv
 from workers.quantized_linear import QuantizedWeight
 from workers.rope import apply_rotary
@@ -33,10 +34,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     the weight at memory bandwidth; F.linear there becomes a call to the BLAS GEMV, which on the
     development machine streams it at about a third of that (see workers/compiled.py for the numbers).
     Eager mode keeps F.linear: there the multiply would materialise a (rows, out, in) tensor.
+
+    Float32 products of 2 to small.MAX_ROWS rows (decode steps of several sequences), compiled or
+    eager, go to the small-batch C kernel (workers/kernels/small_linear.py), which streams the
+    weight several times faster than MKL's GEMM does at those sizes; 8-bit weights go there at any
+    row count up to that (QuantizedWeight.linear).
     """
-    gemv = torch.compiler.is_compiling() and x.numel() // x.shape[-1] <= GEMV_MAX_ROWS
+    rows = x.numel() // x.shape[-1]
+    gemv = torch.compiler.is_compiling() and rows <= GEMV_MAX_ROWS
     if isinstance(weight, QuantizedWeight):  # 8-bit weight, dequantized inside the product
         return weight.linear(x, bias, gemv)
+    if rows >= 2 and small.usable(x, weight):
+        return small.small_linear(x, weight, None, bias)
     if gemv:
         y = (x.unsqueeze(-2) * weight).sum(-1)  # (..., 1, in) * (out, in) -> (..., out)
         return y if bias is None else y + bias

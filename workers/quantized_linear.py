@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardlib.quantization import SCALE_SUFFIX, scale_name
+from workers.kernels import small_linear as small
 
 
 class QuantizedWeight(nn.Module):
@@ -53,7 +54,11 @@ class QuantizedWeight(nn.Module):
         return (F.embedding(ids, self.q).to(torch.float32) * scale).to(self.compute_dtype)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None, gemv: bool) -> torch.Tensor:
-        """x W^T + b with W = q * scale; gemv: write it as a multiply-and-sum (a compiled decode step)."""
+        """x W^T + b with W = q * scale: by the small-batch kernel for up to small.MAX_ROWS float32
+        rows (8-bit weights widened in registers); else, gemv: as a multiply-and-sum (a compiled
+        decode step), or a dequantized temporary."""
+        if small.usable(x, self.q):
+            return small.small_linear(x, self.q, self.scale, bias)
         if gemv:
             y = (x.unsqueeze(-2) * self.q.to(x.dtype)).sum(-1)  # (..., out), scale not yet applied
             y = y * self.scale.view(-1).to(x.dtype)  # (out,) per channel, (1,) per tensor

@@ -1,0 +1,214 @@
+"""Small C libraries compiled once on the host and loaded with ctypes, safely.
+
+The shared-memory collectives' synchronisation (workers/shm/native.py) and the small-batch linear
+kernel (workers/kernels/small_linear.py) are C sources compiled with the system C compiler at first
+use into this user's own directory of the corelaunch cache ($CORELAUNCH_CACHE/native/uid<uid>,
+mode 0700), one file per version of the source and flags, and loaded with ctypes (which releases
+the GIL during a call). The cache may be shared, so nothing is loaded from a directory or file
+another user owns or could write to (see `build`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import hashlib
+import os
+import secrets
+import shutil
+import stat
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class LibrarySpec:
+    """A C library to build: its source, compiler flags, file stem and what it is (for messages)."""
+
+    stem: str
+    source: str
+    flags: tuple[str, ...]
+    what: str
+    identity: str = ""
+    """Anything else the binary depends on (the host's CPU for -march=native), part of its name."""
+
+    @property
+    def name(self) -> str:
+        digest = hashlib.sha256("\0".join((self.source, *self.flags, self.identity)).encode()).hexdigest()[:16]
+        return f"{self.stem}_{digest}.so"
+
+
+class NativeUnavailable(RuntimeError):
+    """A C library could not be built or loaded (no compiler, read-only cache, untrusted cache, ...)."""
+
+
+_UNSAFE_BITS = stat.S_IWGRP | stat.S_IWOTH
+
+
+def library_dir() -> Path:
+    """This user's own directory for compiled libraries: $CORELAUNCH_CACHE/native/uid<uid>.
+
+    The cache may be shared by several users (CORELAUNCH_CACHE on a shared disk), so the library is
+    never taken from a directory another user could write to; see `trusted_dir`."""
+    from shardlib.demo_model import default_cache_dir
+
+    return default_cache_dir() / "native" / f"uid{os.getuid()}"
+
+
+def _untrusted(st: os.stat_result) -> str | None:
+    """Why a file or directory (its fstat) must not be trusted, or None."""
+    if st.st_uid != os.getuid():
+        return f"it is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
+    if st.st_mode & _UNSAFE_BITS:
+        return f"it is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def trusted_dir(directory: Path) -> int:
+    """An open descriptor of `directory`, created with mode 0700 if missing, once checked to be a
+    real directory (not a symlink) owned by this user and writable by nobody else.
+
+    Raises NativeUnavailable naming the directory and the fix otherwise: a library placed there by
+    another user would run inside every rank that loaded it."""
+    try:
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        parent = os.open(directory.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as err:
+        raise NativeUnavailable(f"could not create {directory.parent}: {err}") from None
+    try:
+        try:
+            os.mkdir(directory.name, 0o700, dir_fd=parent)
+            created = True
+        except FileExistsError:
+            created = False
+        fd = os.open(directory.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     dir_fd=parent)
+    except OSError as err:
+        why = str(err)
+        if err.errno in (errno.ELOOP, errno.ENOTDIR):  # O_NOFOLLOW | O_DIRECTORY on a symlink
+            try:
+                if stat.S_ISLNK(os.stat(directory.name, dir_fd=parent, follow_symlinks=False).st_mode):
+                    why = "it is a symlink"
+            except OSError:
+                pass
+        raise NativeUnavailable(_refusal(directory, why)) from None
+    finally:
+        os.close(parent)
+    st = os.fstat(fd)
+    if created and st.st_uid == os.getuid():
+        os.fchmod(fd, 0o700)  # whatever the umask
+        st = os.fstat(fd)
+    why = _untrusted(st)
+    if why:
+        os.close(fd)
+        raise NativeUnavailable(_refusal(directory, why))
+    return fd
+
+
+def _refusal(directory: Path, why: str) -> str:
+    return (f"refusing to use {directory} for corelaunch's compiled C libraries: {why}. Another "
+            f"user could place a library there that every rank would run. Remove {directory} (it "
+            f"is rebuilt, mode 0700, on next use) or point CORELAUNCH_CACHE at a directory only "
+            f"you can write to")
+
+
+def _open_trusted(dir_fd: int, name: str) -> int | None:
+    """A descriptor of the library `name` in the trusted directory, or None if it is missing or must
+    not be loaded (not a regular file, a symlink, another owner, writable by others): rebuild it."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return None  # missing, or a symlink (ELOOP), ...
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or _untrusted(st):
+        os.close(fd)
+        return None
+    return fd
+
+
+def _compile(dir_fd: int, directory: Path, spec: "LibrarySpec") -> None:
+    """Compile `spec` and move the library into the trusted directory as spec.name, atomically.
+
+    The compiler writes into a private temporary directory; the bytes are then written to a fresh
+    temporary name in the trusted directory (O_EXCL, mode 0700) and renamed over `name`, so
+    concurrent ranks and launches never load a half-written library and the last rename wins
+    with identical contents."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        raise NativeUnavailable(f"no C compiler found (cc, gcc or $CC); it builds {spec.what} once")
+    name, tmp_name = spec.name, None
+    try:
+        with tempfile.TemporaryDirectory(prefix="corelaunch-native-") as tmp:
+            src = Path(tmp) / "source.c"
+            src.write_text(spec.source)
+            out = Path(tmp) / name
+            proc = subprocess.run([compiler, *spec.flags, "-shared", "-fPIC", "-o", str(out), str(src)],
+                                  capture_output=True, text=True, timeout=120)
+            if proc.returncode != 0:
+                raise NativeUnavailable(f"{compiler} failed to build {spec.what}:\n{proc.stderr.strip()}")
+            data = out.read_bytes()
+        tmp_name = f".{name}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
+        fd = os.open(tmp_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o700, dir_fd=dir_fd)
+        try:
+            os.fchmod(fd, 0o700)  # whatever the umask (a group-writable library would be refused)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+        os.replace(tmp_name, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        tmp_name = None
+    except (OSError, subprocess.SubprocessError) as err:
+        raise NativeUnavailable(f"could not build {spec.what} in {directory}: {err}") from None
+    finally:
+        if tmp_name is not None:
+            try:
+                os.unlink(tmp_name, dir_fd=dir_fd)
+            except OSError:
+                pass
+
+
+def build(spec: "LibrarySpec", directory: Path | None = None) -> int:
+    """An open descriptor of the checked library of `spec` in `directory` (this user's library_dir()
+    by default), compiled there first if missing or untrustworthy; the caller closes it.
+
+    Checks before anything is loaded: the directory is a real directory owned by this user and
+    writable by nobody else (else NativeUnavailable, see `trusted_dir`); the library is a regular
+    file (not a symlink) owned by this user and writable by nobody else, or it is rebuilt and
+    renamed over. The descriptor is the checked file itself, so it cannot be swapped afterwards."""
+    directory = directory or library_dir()
+    dir_fd = trusted_dir(directory)
+    try:
+        fd = _open_trusted(dir_fd, spec.name)
+        if fd is None:
+            _compile(dir_fd, directory, spec)
+            fd = _open_trusted(dir_fd, spec.name)
+            if fd is None:
+                raise NativeUnavailable(f"{directory / spec.name} was rebuilt but does not pass the checks "
+                                        f"(regular file, owned by this user, writable by nobody else)")
+        return fd
+    finally:
+        os.close(dir_fd)
+
+
+def load(fd: int, path: Path) -> ctypes.CDLL:
+    """dlopen the file behind `fd`: through /proc/self/fd, so the file checked is the one loaded even
+    if someone renames directories above it in between.
+
+    glibc hands back a library already loaded under the same path, so the path must never name two
+    libraries: the descriptor is duplicated and the duplicate kept open for the life of the process
+    (its number is never reused), and that is the path loaded."""
+    kept = os.dup(fd)
+    _KEPT_OPEN.append(kept)
+    via_fd = f"/proc/self/fd/{kept}"
+    try:
+        return ctypes.CDLL(via_fd if os.path.exists(via_fd) else str(path))
+    except OSError as err:
+        raise NativeUnavailable(f"could not load {path}: {err}") from None
+
+
+_KEPT_OPEN: list[int] = []
+"""Descriptors of loaded libraries (see `load`)."""
