@@ -70,8 +70,8 @@ def test_a_compiled_graph_keeps_the_kernel_as_one_call():
 
 
 def test_layers_route_small_batches_to_the_kernel(monkeypatch):
-    """float32: 2-16 rows take the kernel, one row and larger products do not; 8-bit weights take
-    it up to 16 rows. Counted through the operator."""
+    """Eager: float32 products of 2-16 rows take the kernel, one row and larger products do not;
+    8-bit weights take it up to 16 rows. Counted through the operator."""
     from workers.layers import linear
     from workers.quantized_linear import QuantizedWeight
 

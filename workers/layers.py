@@ -37,8 +37,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     Float32 products of 2 to small.MAX_ROWS rows (decode steps of several sequences), compiled or
     eager, go to the small-batch C kernel (workers/kernels/small_linear.py), which streams the
-    weight several times faster than MKL's GEMM does at those sizes; 8-bit weights go there at any
-    row count up to that (QuantizedWeight.linear).
+    weight faster than MKL's GEMM does at those sizes; 8-bit weights go there too, except a
+    compiled one-row product (QuantizedWeight.linear).
     """
     rows = x.numel() // x.shape[-1]
     gemv = torch.compiler.is_compiling() and rows <= GEMV_MAX_ROWS

@@ -54,10 +54,11 @@ class QuantizedWeight(nn.Module):
         return (F.embedding(ids, self.q).to(torch.float32) * scale).to(self.compute_dtype)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None, gemv: bool) -> torch.Tensor:
-        """x W^T + b with W = q * scale: by the small-batch kernel for up to small.MAX_ROWS float32
-        rows (8-bit weights widened in registers); else, gemv: as a multiply-and-sum (a compiled
-        decode step), or a dequantized temporary."""
-        if small.usable(x, self.q):
+        """x W^T + b with W = q * scale. gemv (one row in a compiled graph): a multiply-and-sum the
+        compiler fuses, which measured faster there than the kernel's call; other products of up to
+        small.MAX_ROWS float32 rows: the small-batch kernel (8-bit weights widened in registers);
+        larger ones: F.linear on a dequantized temporary."""
+        if not gemv and small.usable(x, self.q):
             return small.small_linear(x, self.q, self.scale, bias)
         if gemv:
             y = (x.unsqueeze(-2) * self.q.to(x.dtype)).sum(-1)  # (..., out), scale not yet applied

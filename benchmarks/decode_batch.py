@@ -1,0 +1,130 @@
+"""Decode speed by batch size, with and without the small-batch linear kernel, side by side.
+
+SmolLM2-135M (float32 and, with --int8, a per-channel int8 copy quantized once with `corelaunch
+quantize`), TP 1, two threads, the worker code in-process (benchmarks/decode.py's runner,
+compiled, default granularity). For each batch size B, one static batch of B copies of a 128-token
+prompt generates `--new-tokens` greedy tokens; the figure is the batch's decode rate in tokens/s
+(B x one row's decode tokens/s) and the time of one decode step. Variants, each in its own process
+(the kernel's use is fixed when a graph is traced), alternating in `--rounds` rounds:
+
+    kernel      as corelaunch runs: products of 2-16 float32 rows, and 8-bit weights, through
+                workers/kernels/small_linear.py
+    torch       CORELAUNCH_SMALL_LINEAR=0: MKL's GEMM for 2-16 rows, the compiled multiply-and-sum
+                for one row and for 8-bit weights
+
+Prints one JSON object with medians and the kernel / torch ratios.
+
+    python benchmarks/decode_batch.py [--batches 1,2,4,8,16] [--new-tokens 32] [--rounds 2] [--int8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+VARIANTS = {"kernel": "1", "torch": "0"}
+
+
+def child(model_dir: str, batches: list[int], new_tokens: int) -> dict:
+    from transformers import AutoTokenizer
+
+    from benchmarks.decode import bucket_settings, prompt_ids
+    from shardlib.buckets import Buckets
+    from shardlib.model_config import load_model_config
+    from shardlib.sharding import ShardLayout
+    from workers.rank_worker import GenerateRequest, LoadSpec, RankWorker, WorkerSpec
+    from workers.sampling import SamplingParams
+
+    ids = prompt_ids(AutoTokenizer.from_pretrained(model_dir), 128)
+    config = load_model_config(model_dir)
+    settings = bucket_settings(len(ids), new_tokens)
+    buckets = Buckets.build(max_context_length=settings["max_context_length"], max_seq_len=settings["seq_len"],
+                            max_batch_size=max(batches))
+    worker = RankWorker(WorkerSpec(rank=0, world_size=1, backend="cpu", threads=2))
+    worker.init_backend("127.0.0.1", 0, timeout_s=60)
+    worker.load(LoadSpec(config=config, layout=ShardLayout.for_model(config, 1), dtype="float32",
+                         model_dir=model_dir, compile=True, buckets=buckets))
+    result = {}
+    for batch in batches:
+        request = GenerateRequest(prompts=[ids] * batch, params=[SamplingParams()] * batch, max_new_tokens=new_tokens)
+        worker.generate(request)  # builds this batch's graphs
+        outs = worker.generate(request)
+        rate = outs[0].decode_tokens_per_s
+        result[batch] = {"tokens_per_s": round(batch * rate, 2), "step_ms": round(1000 / rate, 2),
+                         "tokens": outs[0].token_ids[:8]}
+    return result
+
+
+def run_variant(variant: str, model_dir: str, args) -> dict:
+    env = dict(os.environ, CORELAUNCH_SMALL_LINEAR=VARIANTS[variant])
+    proc = subprocess.run([sys.executable, __file__, "--child", model_dir, "--batches", args.batches,
+                           "--new-tokens", str(args.new_tokens)], env=env, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"{variant} failed:\n{proc.stderr[-3000:]}")
+    return {int(k): v for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
+
+
+def int8_copy(model_dir: str) -> str:
+    out = Path(tempfile.gettempdir()) / "corelaunch-bench-smollm2-int8"
+    if not out.exists():
+        from shardlib.quantize_checkpoint import quantize_checkpoint
+
+        quantize_checkpoint(model_dir, out, "int8", embed=True)
+    return str(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", default="1,2,4,8,16")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--int8", action="store_true", help="also the int8 per-channel copy")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    if args.child:
+        sys.stdout, out = sys.stderr, sys.stdout  # library chatter off the result channel
+        out.write(json.dumps(child(args.child, batches, args.new_tokens)) + "\n")
+        return
+    from shardlib.demo_model import ensure_demo_model
+
+    models = {"float32": str(ensure_demo_model())}
+    if args.int8:
+        models["int8"] = int8_copy(models["float32"])
+    runs: dict = {m: {v: {b: [] for b in batches} for v in VARIANTS} for m in models}
+    tokens: dict = {}
+    for _ in range(args.rounds):
+        for model, path in models.items():
+            for variant in VARIANTS:
+                for batch, r in run_variant(variant, path, args).items():
+                    runs[model][variant][batch].append(r)
+                    tokens.setdefault(model, {}).setdefault(variant, r["tokens"])
+    report = {"model": "SmolLM2-135M", "threads": 2, "new_tokens": args.new_tokens, "rounds": args.rounds,
+              "cores": len(os.sched_getaffinity(0))}
+    for model in models:
+        section = {}
+        for batch in batches:
+            med = {v: statistics.median(r["tokens_per_s"] for r in runs[model][v][batch]) for v in VARIANTS}
+            step = {v: statistics.median(r["step_ms"] for r in runs[model][v][batch]) for v in VARIANTS}
+            section[batch] = {"tokens_per_s": med, "step_ms": step,
+                              "kernel_over_torch": round(med["kernel"] / med["torch"], 3)}
+        section["first_tokens_equal"] = tokens[model]["kernel"] == tokens[model]["torch"]
+        report[model] = section
+    if "int8" in models:
+        report["int8_kernel_over_float32_kernel"] = {
+            b: round(report["int8"][b]["tokens_per_s"]["kernel"] / report["float32"][b]["tokens_per_s"]["kernel"], 3)
+            for b in batches}
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
