@@ -92,7 +92,13 @@ class NeuronBackend(Backend):
     def prepare_model(self, model: torch.nn.Module, compile: CompileOptions | None = None):
         """Eager: the model on the XLA device, run lazily by torch-xla. Compiled: one Neuron graph per
         bucket traced and compiled with neuronx-distributed's ModelBuilder, saved into
-        compile.cache_dir and loaded from there later (workers/compiled_neuron.py; UNVERIFIED)."""
+        compile.cache_dir and loaded from there later (workers/compiled_neuron.py; UNVERIFIED).
+        A quantized checkpoint's weights first become neuronx-distributed's quantized layers
+        (workers/nxd_quantized.py; UNVERIFIED)."""
+        if getattr(model.config, "quantization", None) is not None:
+            from workers.nxd_quantized import use_nxd_quantized_layers
+
+            use_nxd_quantized_layers(model, import_neuron_module)
         if compile is None:
             return model.to(self.device)
         from workers.compiled_neuron import NeuronCompiledModel
