@@ -5,7 +5,8 @@ embedding quantized too, `--embedding`) into a temporary directory. Sections:
 
 - quantize: peak host memory each `quantize` run adds over its imports (VmHWM in a fresh process)
   against the largest tensor of the checkpoint (target <= 1.5x), and its time;
-- weights: bytes of one rank's loaded shard, TP 1 and TP 3 rank 0, each format over float32
+- weights: bytes of one rank's loaded shard, TP 1 and TP 3 (2 where heads do not divide by 3)
+  rank 0, each format over float32
   (target <= 0.27), with the peak memory each load added (benchmarks/load_memory.py's fresh-process
   measurement);
 - kv_cache: bytes per token of the KV cache, fp8 e4m3 over float32 (target <= 0.26);
@@ -17,6 +18,11 @@ embedding quantized too, `--embedding`) into a temporary directory. Sections:
 
     python benchmarks/quantized.py [--formats int8,f8e4m3] [--repeats 3] [--new-tokens 64]
                                    [--prompt-tokens 128] [--threads 2] [--skip-decode] [--skip-compiled]
+                                   [--model-dir DIR | --random-254m]
+
+--random-254m runs the 254M random Llama of benchmarks/tp_scaling.py (built once in the temporary
+directory) instead of SmolLM2. It has no tokenizer, so its prompts are fixed token ids and the
+accuracy section compares token ids only.
 """
 
 from __future__ import annotations
@@ -68,8 +74,12 @@ def largest_tensor_bytes(model_dir: Path) -> int:
 
 
 def weights_section(dirs: dict[str, Path]) -> dict:
+    from shardlib.model_config import load_model_config
+
+    heads = load_model_config(dirs["float32"]).num_attention_heads
+    second = next(tp for tp in (3, 2, 4) if heads % tp == 0)  # SmolLM2: 3; the 254M model: 2
     out = {}
-    for tp in (1, 3):
+    for tp in (1, second):
         rows = {name: _run_child({"model_dir": str(d), "tp": tp, "rank": 0, "source": "checkpoint",
                                   "presharded_dir": None}) for name, d in dirs.items()}
         base = rows["float32"]["shard_bytes"]
@@ -103,8 +113,9 @@ def accuracy_section(dirs: dict[str, Path]) -> dict:
     from workers.model import ShardedCausalLM
     from workers.sampling import SamplingParams
 
-    tokenizer = load_tokenizer(dirs["float32"])
-    prompts = [list(tokenizer(p)["input_ids"]) for p in DEMO_PROMPTS]
+    tokenizer = load_tokenizer(dirs["float32"]) if has_tokenizer(dirs["float32"]) else None
+    prompts = ([list(tokenizer(p)["input_ids"]) for p in DEMO_PROMPTS] if tokenizer
+               else [synthetic_ids(dirs["float32"], 16, offset) for offset in range(len(DEMO_PROMPTS))])
     tokens = {}
     for name, d in dirs.items():
         config = load_model_config(d)
@@ -112,13 +123,37 @@ def accuracy_section(dirs: dict[str, Path]) -> dict:
         model = ShardedCausalLM(config, layout, 0, load_rank_shard(d, config, layout, 0), SingleRank())
         tokens[name] = [generate(model, [p], [SamplingParams()], 16, [])[0].token_ids for p in prompts]
     return {name: {"first_16_equal_fp32": [t == f for t, f in zip(toks, tokens["float32"])],
-                   "texts": [tokenizer.decode(t) for t in toks]} for name, toks in tokens.items()}
+                   "texts": [tokenizer.decode(t) if tokenizer else t for t in toks]}
+            for name, toks in tokens.items()}
+
+
+def has_tokenizer(model_dir: Path) -> bool:
+    return any((Path(model_dir) / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json"))
+
+
+def synthetic_ids(model_dir: Path, length: int, offset: int = 0) -> list[int]:
+    """Fixed, spread-out token ids for a checkpoint without a tokenizer (the random 254M model)."""
+    from shardlib.model_config import load_model_config
+
+    vocab = load_model_config(model_dir).vocab_size
+    return [(offset * 131 + i * 7919) % (vocab - 1) + 1 for i in range(length)]
+
+
+def random_254m_dir(tmp: str, prompt_tokens: int, new_tokens: int) -> Path:
+    from benchmarks.tp_scaling import SHAPE
+    from tests.model_factory import save_random_model
+
+    path = Path(tmp) / "random-254m"
+    shape = dict(SHAPE, max_position_embeddings=max(SHAPE["max_position_embeddings"], 2 * (prompt_tokens + new_tokens)))
+    save_random_model(path, **shape)
+    return path
 
 
 def decode_section(dirs: dict[str, Path], args) -> dict:
     from transformers import AutoTokenizer
 
-    ids = prompt_ids(AutoTokenizer.from_pretrained(dirs["float32"]), args.prompt_tokens)
+    ids = (prompt_ids(AutoTokenizer.from_pretrained(dirs["float32"]), args.prompt_tokens)
+           if has_tokenizer(dirs["float32"]) else synthetic_ids(dirs["float32"], args.prompt_tokens))
     modes = ["eager"] + ([] if args.skip_compiled else ["compiled"])
     runners, workers = {}, []
     for mode in modes:
@@ -149,6 +184,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--formats", default="int8,f8e4m3", help="comma-separated formats (default int8,f8e4m3)")
     parser.add_argument("--model-dir", help="a float32 Hugging Face checkpoint (default: the SmolLM2 demo model)")
+    parser.add_argument("--random-254m", action="store_true",
+                        help="the 254M random Llama of benchmarks/tp_scaling.py instead of SmolLM2")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=128)
@@ -166,10 +203,14 @@ def main() -> None:
     from shardlib.demo_model import ensure_demo_model
 
     torch.set_num_threads(args.threads)
-    model_dir = Path(args.model_dir) if args.model_dir else ensure_demo_model()
-    report: dict = {"model": str(model_dir), "targets": TARGETS, "threads": args.threads,
-                    "note": "timings depend on the machine's load: compare the ratios, taken in one run"}
+    if args.model_dir and args.random_254m:
+        parser.error("--model-dir and --random-254m are exclusive: pick one model")
     with tempfile.TemporaryDirectory(prefix="corelaunch-quant-") as tmp:
+        model_dir = (random_254m_dir(tmp, args.prompt_tokens, args.new_tokens) if args.random_254m
+                     else Path(args.model_dir) if args.model_dir else ensure_demo_model())
+        report: dict = {"model": "254M random Llama fp32" if args.random_254m else str(model_dir),
+                        "targets": TARGETS, "threads": args.threads,
+                        "note": "timings depend on the machine's load: compare the ratios, taken in one run"}
         dirs = {"float32": model_dir}
         largest = largest_tensor_bytes(model_dir)
         report["quantize"] = {"largest_tensor_bytes": largest}
