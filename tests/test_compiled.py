@@ -105,20 +105,25 @@ TP_MODELS = {  # tp degree: build_random_model arguments that split at that degr
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", [2, 3])
 def test_tp_compiled_equals_eager_through_ray(ray_session, tmp_path, tp):
+    """One compiled launch per degree, against TP 1 eager at exact shapes computed in this process
+    (an eager Ray launch as well would only repeat tests/test_launcher_generate.py's eager cases)."""
     from launcher.api import Launcher
 
     hf = build_random_model("llama", **TP_MODELS[tp])
     model_dir = save_model(hf, tmp_path / "model")
     batches = [[SHORT], [SHORT, LONG]]
-    runs = {}
-    for compile_ in (False, True):
-        with Launcher(model=str(model_dir), tp=tp, compile=compile_, context_buckets=(8, 16), token_buckets=(32,),
-                      max_batch_size=2, progress=False) as launcher:
-            runs[compile_] = [[r.token_ids for r in launcher.generate(batch, max_new_tokens=NEW, ignore_eos=True)]
-                              for batch in batches]
-            stats = [s.compile for s in launcher.load_stats]
-        assert (stats == [None] * tp) != compile_  # the compiled run really compiled
-    assert runs[True] == runs[False]
-    # and both equal TP 1 eager at exact shapes
     tp1 = build_rank_model(ModelConfig.from_dict(hf.config.to_dict()), hf_state_dict(hf), 0, 1, SingleRank())
-    assert runs[False] == [tokens(tp1, batch) for batch in batches]
+    expected = [tokens(tp1, batch) for batch in batches]
+    with Launcher(model=str(model_dir), tp=tp, context_buckets=(8, 16), token_buckets=(32,), max_batch_size=2,
+                  progress=False) as launcher:
+        assert launcher.config.compile  # the default
+        compiled = [[r.token_ids for r in launcher.generate(batch, max_new_tokens=NEW, ignore_eos=True)]
+                    for batch in batches]
+        # and the static engine's graphs (context and token buckets) for the batch of two
+        static = [r.token_ids for r in launcher.generate(batches[1], max_new_tokens=NEW, ignore_eos=True,
+                                                         batching="static")]
+        stats = [s.compile for s in launcher.load_stats]
+        [(_, rank0)] = launcher.compile_stats()  # rank 0's graphs as they are after the requests
+    assert len(stats) == tp and None not in stats  # every rank runs compiled graphs
+    assert {g["phase"] for g in rank0["graphs"]} == {"serve-prefill", "serve-decode", "context", "token"}
+    assert compiled == expected and static == expected[1]
