@@ -158,10 +158,14 @@ def test_compiled_loop_builds_no_graph_after_warm_up():
     from workers.compiled import CompiledCausalLM
 
     torch._dynamo.reset()
-    buckets = Buckets.build(max_seq_len=64, context=(4, 8), token=(32, 64))
-    shapes = ServingShapes.build(buckets, max_num_seqs=3, max_prefill_tokens=8)
+    # Every sequence here fits 32 slots (15 + 10 tokens at most), so one token bucket; two chunk
+    # buckets and two rows: prefill chunks of 4 alone and two together, 8 alone, decode of 1 and 2
+    # rows (5 shapes, each a compile: the shapes a load can need, not more).
+    buckets = Buckets.build(max_seq_len=32, context=(4, 8), token=(32,))
+    shapes = ServingShapes.build(buckets, max_num_seqs=2, max_prefill_tokens=8)
+    assert len(shapes.shapes()) == 5
     model = CompiledCausalLM(fresh_model(), buckets, announce=lambda line: None)
-    loop = ServingLoop(model, ServingConfig(3, 8, 64, shapes))
+    loop = ServingLoop(model, ServingConfig(2, 8, 32, shapes))
     with model.warming_up():
         loop.warm_up(shapes.shapes())
     graphs = counters["stats"]["unique_graphs"]
