@@ -3,7 +3,8 @@
 The check runs in this process and must pass against the transformers reference of the same
 checkpoint, and fail for a copy whose weights were perturbed while the reference stays the
 original. Each check runs twice: on real Ray TP groups (sharing the session's Ray instance; slow)
-and with the Launcher's groups in-process, eagerly (tests/in_process_cluster.py; fast). The bench
+and with the Launcher's groups in-process, eagerly (tests/in_process_cluster.py; fast); token
+matching, which reads the same generate call as logit matching, runs in-process only. The bench
 runs as a subprocess with --json on Ray (slow), and in-process through main() (fast).
 """
 
@@ -87,24 +88,34 @@ def test_check_passes_token_and_logit_matching_against_transformers_at_tp2(model
     original, _ = models
     common = ["--model", str(original), "--tp", "2", "--prompt-ids", PROMPT_IDS, "--prompt-ids", "8,60,21",
               "--num-tokens", str(NUM_TOKENS), *where]
+    # token matching in-process only: both modes take corelaunch's tokens and logits from the same
+    # generate call, so on Ray the logit-matching launch below runs that path (and its first pass
+    # must give the expected tokens); a second compiled Ray launch would check nothing more
+    if "--no-compile" in where:  # in-process
+        check_token_matching_passes(capsys, common)
+
+    code, report, err = run_check(capsys, "--mode", "logit-matching", *common)
+    assert code == 0, err
+    assert report["passed"] and report["num_tokens"] == NUM_TOKENS and report["tp_degree"] == 2
+    # by default the compiled graphs users run are what is checked
+    assert report["compile"] is ("--no-compile" not in where)
+    assert report["tol_map"]["top5"] == {"atol": 1e-5, "rtol": 0.01}
+    assert [p["input_ids"] for p in report["prompts"]] == [[5, 17, 42, 9], [8, 60, 21]]
+    for p in report["prompts"]:
+        assert p["passed"] and p["runs"] == 1 and p["divergences"] == [] and p["first_failure"] is None
+        assert p["first_pass_tokens"] == p["expected_tokens"] and len(p["expected_tokens"]) == NUM_TOKENS
+        assert set(p["top_k"]) == {"top5", "top50", "top1000", "all"}
+        assert all(g["passed"] and g["max_abs_error"] < 1e-3 for g in p["top_k"].values())
+
+
+def check_token_matching_passes(capsys, common: list[str]) -> None:
     code, report, err = run_check(capsys, "--mode", "token-matching", *common)
     assert code == 0, err
     assert report["passed"] and report["tp_degree"] == 2 and report["mode"] == "token-matching"
-    # by default the compiled graphs users run are what is checked
-    assert report["compile"] is ("--no-compile" not in where)
     assert [p["input_ids"] for p in report["prompts"]] == [[5, 17, 42, 9], [8, 60, 21]]
     for p in report["prompts"]:
         assert p["passed"] and p["first_divergence"] is None
         assert p["actual_tokens"] == p["expected_tokens"] and len(p["actual_tokens"]) == NUM_TOKENS
-
-    code, report, err = run_check(capsys, "--mode", "logit-matching", *common)
-    assert code == 0, err
-    assert report["passed"] and report["num_tokens"] == NUM_TOKENS
-    assert report["tol_map"]["top5"] == {"atol": 1e-5, "rtol": 0.01}
-    for p in report["prompts"]:
-        assert p["passed"] and p["runs"] == 1 and p["divergences"] == [] and p["first_failure"] is None
-        assert set(p["top_k"]) == {"top5", "top50", "top1000", "all"}
-        assert all(g["passed"] and g["max_abs_error"] < 1e-3 for g in p["top_k"].values())
 
 
 def test_check_fails_for_perturbed_weights_and_says_where(models, capsys, where):
@@ -241,9 +252,21 @@ def test_bench_refuses_bad_arguments():
 
 @pytest.mark.slow
 def test_smollm2_logit_matching_passes_at_tp3(capsys, ray_session):
-    code, report, err = run_check(capsys, "--mode", "logit-matching", "--tp", "3", "--num-tokens", "8")
+    """The README's example (the demo model, its default prompt) and SmolLM2 saying "Paris" at TP 3:
+    one compiled TP 3 launch checks both (tests/test_smollm2_e2e.py says "Paris" at TP 1)."""
+    from transformers import AutoTokenizer
+
+    from launcher.cli.check_command import DEFAULT_PROMPT
+    from shardlib.demo_model import ensure_demo_model
+
+    code, report, err = run_check(capsys, "--mode", "logit-matching", "--tp", "3", "--num-tokens", "8",
+                                  DEFAULT_PROMPT, "The capital of France is")
     assert code == 0, err
-    [p] = report["prompts"]
-    assert report["tp_degree"] == 3 and p["prompt"] == "I believe the meaning of life is"
-    assert p["passed"] and p["first_pass_tokens"] == p["expected_tokens"]
-    assert p["top_k"]["top5"]["max_abs_error"] < 1e-3
+    meaning, france = report["prompts"]
+    assert report["tp_degree"] == 3 and report["compile"] is True
+    assert meaning["prompt"] == "I believe the meaning of life is"
+    for p in (meaning, france):
+        assert p["passed"] and p["first_pass_tokens"] == p["expected_tokens"]  # transformers' greedy tokens
+        assert p["top_k"]["top5"]["max_abs_error"] < 1e-3
+    text = AutoTokenizer.from_pretrained(ensure_demo_model()).decode(france["first_pass_tokens"])
+    assert text.lstrip().startswith("Paris"), text
