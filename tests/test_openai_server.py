@@ -2,7 +2,10 @@
 against a real `corelaunch serve` on loopback with the built-in SmolLM2 model (slow).
 
 One server serves every slow test: --max-num-seqs 4 --max-queued-requests 12 (16 requests fit; the
-503 test sends more), --api-key set (the 401 test; every client sends the key).
+503 test sends more), --api-key set (the 401 test; every client sends the key), --no-compile (the
+HTTP layer is the subject: compiling SmolLM2's prefill and decode graphs at each batch bucket the
+requests reach took most of this module's time; the serving loop's compiled graphs are
+tests/test_serving_loop.py's and, through Ray, tests/test_compiled.py's).
 """
 
 from __future__ import annotations
@@ -250,7 +253,7 @@ def server(tmp_path_factory):
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "launcher", "serve", "--tp", "1", "--port", str(port), "--max-num-seqs", "4",
-             "--max-queued-requests", "12", "--api-key", API_KEY, "--ready-timeout", "500"],
+             "--max-queued-requests", "12", "--api-key", API_KEY, "--ready-timeout", "500", "--no-compile"],
             cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "CORELAUNCH_API_KEY": ""})
     url = f"http://127.0.0.1:{port}"
     try:
