@@ -146,7 +146,11 @@ def test_run_level_refuses_prompts_that_do_not_split_over_the_clients():
 
 
 # ---- the server subprocess -------------------------------------------------------------------------
-HEALTH_SERVER = """
+# The stand-in servers take SIGINT as a real server run from a shell does, even when the suite was
+# started with SIGINT ignored (a background job hands that on to its children, and server_process
+# would then wait 30 s before its SIGKILL).
+DEFAULT_SIGINT = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+HEALTH_SERVER = DEFAULT_SIGINT + """
 import http.server, sys
 class Health(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
@@ -180,7 +184,7 @@ def test_a_server_that_exits_early_fails_with_its_output():
 def test_a_server_that_never_gets_healthy_times_out_naming_the_flag():
     from benchmarks.serving_server import free_port, server_process
 
-    command = [sys.executable, "-c", "import time; time.sleep(60)"]
+    command = [sys.executable, "-c", DEFAULT_SIGINT + "import time; time.sleep(60)"]
     with pytest.raises(TimeoutError, match="not healthy after 1 s.*--server-timeout"):
         with server_process(command, f"http://127.0.0.1:{free_port()}/v1", timeout_s=1):
             pass
