@@ -253,17 +253,20 @@ def test_bench_refuses_bad_arguments():
 @pytest.mark.slow
 def test_smollm2_logit_matching_passes_at_tp3(capsys, ray_session):
     """The README's example (the demo model, its default prompt) and SmolLM2 saying "Paris" at TP 3:
-    one compiled TP 3 launch checks both (tests/test_smollm2_e2e.py says "Paris" at TP 1)."""
+    one TP 3 launch checks both (tests/test_smollm2_e2e.py says "Paris" at TP 1, compiled). Eager
+    (--no-compile): three ranks compiling SmolLM2's graphs on two cores was most of this test's
+    time, and the compiled check path is the TP 2 Ray test's above (compiled TP 3 groups:
+    tests/test_compiled.py)."""
     from transformers import AutoTokenizer
 
     from launcher.cli.check_command import DEFAULT_PROMPT
     from shardlib.demo_model import ensure_demo_model
 
     code, report, err = run_check(capsys, "--mode", "logit-matching", "--tp", "3", "--num-tokens", "8",
-                                  DEFAULT_PROMPT, "The capital of France is")
+                                  "--no-compile", DEFAULT_PROMPT, "The capital of France is")
     assert code == 0, err
     meaning, france = report["prompts"]
-    assert report["tp_degree"] == 3 and report["compile"] is True
+    assert report["tp_degree"] == 3 and report["compile"] is False
     assert meaning["prompt"] == "I believe the meaning of life is"
     for p in (meaning, france):
         assert p["passed"] and p["first_pass_tokens"] == p["expected_tokens"]  # transformers' greedy tokens
