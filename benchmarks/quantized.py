@@ -42,6 +42,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.decode import prompt_ids, worker_runner  # noqa: E402
 from benchmarks.load_memory import _proc_field, _run_child  # noqa: E402
+from benchmarks.tp_scaling import save_random_254m  # noqa: E402
 
 DEMO_PROMPTS = ["The capital of France is", "2 + 2 =", "Once upon a time"]
 TARGETS = {"weights_over_fp32": 0.27, "quantize_peak_over_largest_tensor": 1.5, "kv_fp8_over_fp32": 0.26}
@@ -113,7 +114,7 @@ def accuracy_section(dirs: dict[str, Path]) -> dict:
     from workers.model import ShardedCausalLM
     from workers.sampling import SamplingParams
 
-    tokenizer = load_tokenizer(dirs["float32"]) if has_tokenizer(dirs["float32"]) else None
+    tokenizer = load_tokenizer(dirs["float32"])  # None for the random 254M model
     prompts = ([list(tokenizer(p)["input_ids"]) for p in DEMO_PROMPTS] if tokenizer
                else [synthetic_ids(dirs["float32"], 16, offset) for offset in range(len(DEMO_PROMPTS))])
     tokens = {}
@@ -127,10 +128,6 @@ def accuracy_section(dirs: dict[str, Path]) -> dict:
             for name, toks in tokens.items()}
 
 
-def has_tokenizer(model_dir: Path) -> bool:
-    return any((Path(model_dir) / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json"))
-
-
 def synthetic_ids(model_dir: Path, length: int, offset: int = 0) -> list[int]:
     """Fixed, spread-out token ids for a checkpoint without a tokenizer (the random 254M model)."""
     from shardlib.model_config import load_model_config
@@ -139,21 +136,11 @@ def synthetic_ids(model_dir: Path, length: int, offset: int = 0) -> list[int]:
     return [(offset * 131 + i * 7919) % (vocab - 1) + 1 for i in range(length)]
 
 
-def random_254m_dir(tmp: str, prompt_tokens: int, new_tokens: int) -> Path:
-    from benchmarks.tp_scaling import SHAPE
-    from tests.model_factory import save_random_model
-
-    path = Path(tmp) / "random-254m"
-    shape = dict(SHAPE, max_position_embeddings=max(SHAPE["max_position_embeddings"], 2 * (prompt_tokens + new_tokens)))
-    save_random_model(path, **shape)
-    return path
-
-
 def decode_section(dirs: dict[str, Path], args) -> dict:
-    from transformers import AutoTokenizer
+    from launcher.api import load_tokenizer
 
-    ids = (prompt_ids(AutoTokenizer.from_pretrained(dirs["float32"]), args.prompt_tokens)
-           if has_tokenizer(dirs["float32"]) else synthetic_ids(dirs["float32"], args.prompt_tokens))
+    tokenizer = load_tokenizer(dirs["float32"])
+    ids = prompt_ids(tokenizer, args.prompt_tokens) if tokenizer else synthetic_ids(dirs["float32"], args.prompt_tokens)
     modes = ["eager"] + ([] if args.skip_compiled else ["compiled"])
     runners, workers = {}, []
     for mode in modes:
@@ -206,7 +193,8 @@ def main() -> None:
     if args.model_dir and args.random_254m:
         parser.error("--model-dir and --random-254m are exclusive: pick one model")
     with tempfile.TemporaryDirectory(prefix="corelaunch-quant-") as tmp:
-        model_dir = (random_254m_dir(tmp, args.prompt_tokens, args.new_tokens) if args.random_254m
+        model_dir = (save_random_254m(Path(tmp) / "random-254m", 2 * (args.prompt_tokens + args.new_tokens))
+                     if args.random_254m
                      else Path(args.model_dir) if args.model_dir else ensure_demo_model())
         report: dict = {"model": "254M random Llama fp32" if args.random_254m else str(model_dir),
                         "targets": TARGETS, "threads": args.threads,

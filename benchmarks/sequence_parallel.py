@@ -40,8 +40,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-SHAPE = dict(hidden_size=1024, num_layers=16, num_heads=16, num_kv_heads=8, intermediate_size=2816,
-             vocab_size=32000)
 VARIANTS = ("plain", "sequence")
 TP = 2
 
@@ -119,11 +117,11 @@ def _rank_main(rank: int, port: int, args, queue) -> None:
 def _model_dir(args) -> str:
     if args.model_dir:
         return args.model_dir
-    from tests.model_factory import save_random_model
+    from benchmarks.tp_scaling import save_random_254m
 
     path = Path(tempfile.gettempdir()) / f"corelaunch-bench-254m-{args.prompt_len + 64}"
     if not (path / "config.json").exists():
-        save_random_model(path, **SHAPE, max_position_embeddings=args.prompt_len + 64)
+        save_random_254m(path, max_position_embeddings=args.prompt_len + 64)
     return str(path)
 
 

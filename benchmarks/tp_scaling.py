@@ -53,6 +53,17 @@ from benchmarks.bandwidth import decode_bound, measure_gbps  # noqa: E402
 
 SHAPE = dict(hidden_size=1024, num_layers=16, num_heads=16, num_kv_heads=8, intermediate_size=2816,
              vocab_size=32000, max_position_embeddings=1024)
+
+
+def save_random_254m(path: Path, max_position_embeddings: int | None = None) -> Path:
+    """The benchmarks' 254M random Llama (SHAPE), saved to path; a longer context when asked."""
+    from tests.model_factory import save_random_model
+
+    positions = max(SHAPE["max_position_embeddings"], max_position_embeddings or 0)
+    save_random_model(Path(path), **dict(SHAPE, max_position_embeddings=positions))
+    return Path(path)
+
+
 PROMPT = [1, 450, 4996, 17354, 1701, 432, 17204, 975, 278, 17366, 11203, 29889, 13, 1576, 3444, 338]
 VARIANTS = ("transformers", "tp1", "tp2", "tp2_gloo", "tp2_regions", "tp1_eager", "tp2_eager")
 DEFAULT_VARIANTS = VARIANTS[:5]
@@ -192,10 +203,8 @@ def main() -> None:
         tmp = tempfile.TemporaryDirectory(prefix="corelaunch-tp-scaling-")
         model_dir = tmp.name
     if not (Path(model_dir) / "config.json").is_file():
-        from tests.model_factory import save_random_model
-
         start = time.perf_counter()
-        save_random_model(Path(model_dir), **SHAPE)
+        save_random_254m(Path(model_dir))
         print(f"built the model in {time.perf_counter() - start:.0f} s", file=sys.stderr)
 
     variants = [v for v in args.variants.split(",") if v]

@@ -41,11 +41,10 @@ def hf_tokens(demo_dir):
 
 
 # At TP 3 SmolLM2 says "Paris" with transformers' tokens in tests/test_check_bench_cli.py's
-# logit-matching launch (a second compiled TP 3 launch here would repeat it).
+# logit-matching launch (eager there); this is the compiled SmolLM2 run through Ray.
 @pytest.mark.slow
-@pytest.mark.parametrize("tp", [1])
-def test_smollm2_greedy_says_paris_and_matches_transformers(tp, demo_dir, hf_tokens, ray_session):
-    with Launcher(model=str(demo_dir), tp=tp, progress=False) as launcher:
+def test_smollm2_greedy_says_paris_and_matches_transformers(demo_dir, hf_tokens, ray_session):
+    with Launcher(model=str(demo_dir), tp=1, progress=False) as launcher:
         [out] = launcher.generate(PROMPT, max_new_tokens=8)
         sampled_a = launcher.generate(PROMPT, SamplingParams(temperature=0.9, top_k=20, seed=7), max_new_tokens=8)
         sampled_b = launcher.generate(PROMPT, SamplingParams(temperature=0.9, top_k=20, seed=7), max_new_tokens=8)
@@ -58,8 +57,8 @@ def test_smollm2_greedy_says_paris_and_matches_transformers(tp, demo_dir, hf_tok
 def test_cli_generate_json_prints_only_json(demo_dir):
     proc = subprocess.run(
         # --ray-address local: its own Ray, not whatever cluster earlier tests left discoverable.
-        # --no-compile: the CLI's output is the subject; compiled SmolLM2 at TP 3 is the test above
-        # (a batch of two would build two more SmolLM2 graphs on every rank).
+        # --no-compile: the CLI's output is the subject (a batch of two would build two more
+        # SmolLM2 graphs on every rank); compiled SmolLM2 runs in the test above.
         [sys.executable, "-m", "launcher", "generate", "--model", str(demo_dir), "--tp", "3", "--no-compile",
          "--ray-address", "local", "--max-new-tokens", "4", "--json", PROMPT,
          "--prompt", "The capital of Italy is"],
