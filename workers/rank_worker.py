@@ -8,7 +8,8 @@ explicit call made after the launcher has placed the process (so device visibili
 
 To serve (continuous batching, workers/serving/), every rank then calls prepare_serving() and
 serve(), which runs until stop_serving() reaches rank 0; meanwhile the driver talks to rank 0 only
-(submit_requests, cancel_requests, poll), and generate() batches run between two iterations.
+(submit_requests, cancel_requests, and stream_events, which sends the tokens back over a socket of
+their own), and generate() batches run between two iterations.
 """
 
 from __future__ import annotations
@@ -278,7 +279,7 @@ class RankWorker:
             loop.run()
         finally:
             self._loop = None
-        return {"steps": loop.steps, "step_s": loop.step_seconds, "plan_s": loop.plan_seconds}
+        return loop_counters(loop)
 
     def submit_requests(self, requests: list) -> None:
         self._leader_loop().submit(requests)
@@ -287,10 +288,19 @@ class RankWorker:
         self._leader_loop().cancel(request_ids)
 
     def poll(self, wait_s: float):
-        """(new TokenEvents, {"running", "waiting"}, {"steps", "step_s", "plan_s"}) from rank 0's loop."""
+        """(new TokenEvents, {"running", "waiting"}, {"steps", "step_s", "plan_s"}) from rank 0's loop,
+        fetched directly (in-process groups; a Ray group's driver gets them from stream_events)."""
         loop = self._leader_loop()
         events, load = loop.poll(wait_s)
-        return events, load, {"steps": loop.steps, "step_s": loop.step_seconds, "plan_s": loop.plan_seconds}
+        return events, load, loop_counters(loop)
+
+    def stream_events(self, host: str, port: int, token: bytes, timeout_s: float) -> None:
+        """Connect to the driver's event port and stream the loop's events there until it ends
+        (workers/serving/event_stream.py); returns once connected."""
+        from workers.serving.event_stream import EventSender
+
+        loop = self._leader_loop()
+        EventSender(loop.outbox, lambda: loop_counters(loop)).connect(host, port, token, timeout_s)
 
     def stop_serving(self) -> None:
         if self._loop is not None:
@@ -314,3 +324,8 @@ class RankWorker:
             self._collectives = None
         if self._backend is not None:
             self._backend.shutdown()
+
+
+def loop_counters(loop) -> dict:
+    """A serving loop's step counters, for the overhead benchmark: steps, forward and planning seconds."""
+    return {"steps": loop.steps, "step_s": loop.step_seconds, "plan_s": loop.plan_seconds}

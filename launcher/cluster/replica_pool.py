@@ -3,8 +3,8 @@
 Two kinds of requests reach a replica:
 - streams (continuous batching, workers/serving/): each is routed when it arrives to the serving
   replica with the fewest requests in flight (running plus waiting for a cache row), handed to its
-  group's leader at once, and followed by the replica's thread, which polls the leader for tokens
-  and passes them on. Many streams share a group at once.
+  group's leader at once, and followed by the replica's thread, which reads the tokens the leader
+  streams back (launcher/cluster/event_channel.py) and passes them on. Many streams share a group at once.
 - static batches (the rest of this docstring): one at a time per replica, from a shared queue.
 
 Routing: requests (one batch of prompts each) wait in one shared FIFO queue; every replica has a
@@ -42,8 +42,8 @@ from workers.serving.requests import TokenEvent
 
 _STOP = object()
 POLL_WAIT_S = 0.05
-"""A streaming replica's thread asks its leader for new tokens at least this often (a poll returns
-as soon as there are tokens, so this bounds only how soon a queued static batch is noticed)."""
+"""A streaming replica's thread waits at most this long for its leader's next tokens (a poll returns
+as soon as tokens arrive, so this bounds only how soon a queued static batch is noticed)."""
 
 
 @dataclass

@@ -23,6 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from launcher.errors import (DevicesMissing, LaunchError, PlacementTimeout, RankFailed, RendezvousTimeout,
                              RequestTimeout, WorkerDied)
+from launcher.cluster.event_channel import ChannelClosed, EventChannel
 from launcher.cluster.placement import alive_nodes, bundle_nodes, placement_strategy, rank_order
 from launcher.cluster.resources import RankResources, actor_options, explain_unplaceable
 from workers.backends import BackendEntry, backend_entry
@@ -34,6 +35,9 @@ _POLL_S = 0.5
 # collectives fail because a peer vanished) before reporting the raised error itself.
 _ROOT_CAUSE_GRACE_S = 2.0
 _RANK_TIMEOUT_MARGIN_S = 5.0
+# While serving, how often the driver asks Ray whether a rank's loop has ended (a follower that dies
+# is noticed here; rank 0's own end also closes its event stream).
+_LOOP_CHECK_S = 0.25
 
 
 @dataclass
@@ -69,6 +73,12 @@ class TPGroup:
     _pg: object = field(default=None, init=False, repr=False)
     _serve_refs: list = field(default_factory=list, init=False, repr=False)
     _static_ids: int = field(default=0, init=False, repr=False)
+    _events: EventChannel | None = field(default=None, init=False, repr=False)
+    _heard_at: float = field(default=0.0, init=False, repr=False)
+    """When rank 0's last frame arrived (monotonic)."""
+    _loops_checked_at: float = field(default=0.0, init=False, repr=False)
+    _last_load: dict = field(default_factory=dict, init=False, repr=False)
+    _last_counters: dict = field(default_factory=dict, init=False, repr=False)
 
     # ---- start-up ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -174,7 +184,32 @@ class TPGroup:
         prepared = self._wait_all([a.prepare_serving.remote(spec) for a in self.actors], self.timeouts.load_s,
                                   "prepare serving")
         self._serve_refs = [a.serve.remote() for a in self.actors]
+        self._connect_events()
         return prepared
+
+    def _connect_events(self) -> None:
+        """Open the socket rank 0 streams its events over (launcher/cluster/event_channel.py)."""
+        same_node = self.workers[0]["node_id"] == ray.get_runtime_context().get_node_id()
+        channel = EventChannel("127.0.0.1" if same_node else ray.util.get_node_ip_address())
+        self._events = channel
+        host, port = channel.address
+        connected = self.actors[0].stream_events.remote(host, port, channel.token, self.timeouts.startup_s)
+
+        def connecting_failed() -> None:
+            self._check_loops()
+            done, _ = ray.wait([connected], timeout=0)
+            if done:
+                self._wait_all([connected], _POLL_S, "connect its event stream to the driver", ranks=[0])
+
+        try:
+            channel.accept(self.timeouts.startup_s, connecting_failed)
+        except TimeoutError:
+            self.kill()
+            raise RendezvousTimeout(f"{self._where(0)} did not connect its event stream to the driver's "
+                                    f"{host}:{port} within {self.timeouts.startup_s:g} s; the group was stopped. "
+                                    f"A firewall between the nodes must let rank 0 reach that port") from None
+        self._heard_at = self._loops_checked_at = time.monotonic()
+        self._last_load, self._last_counters = {"running": 0, "waiting": 0}, {}
 
     def submit(self, requests: list) -> None:
         """Hand requests to rank 0's loop (not awaited: a failure shows in the next poll). A group
@@ -187,28 +222,39 @@ class TPGroup:
             self.actors[0].cancel_requests.remote(request_ids)
 
     def poll(self, wait_s: float):
-        """(events, load, counters) from rank 0, waiting up to wait_s for the first event; raises the
-        group's fault (WorkerDied, RankFailed, RequestTimeout) when a rank's loop ended or rank 0
-        does not answer, after stopping the group."""
-        self._check_loops()
-        ref = self.actors[0].poll.remote(wait_s)
-        deadline_s = wait_s + self.timeouts.startup_s
-        done, _ = ray.wait([ref], timeout=deadline_s)
-        if not done:
+        """(events, load, counters) from rank 0's event stream, waiting up to wait_s for the first
+        event; raises the group's fault (WorkerDied, RankFailed, RequestTimeout) when a rank's loop
+        ended or rank 0 fell silent, after stopping the group."""
+        if self._events is None:
+            raise RankFailed(f"{self._where(0)} is not serving (the group was stopped)")
+        now = time.monotonic()
+        if now - self._loops_checked_at >= _LOOP_CHECK_S:  # a follower's death shows here first
+            self._loops_checked_at = now
             self._check_loops()
-            self.kill()
-            raise RequestTimeout(f"{self._where(0)} did not answer a poll within {deadline_s:g} s; the group was "
-                                 f"stopped")
         try:
-            return ray.get(ref)
-        except ray.exceptions.RayActorError as err:
-            self.kill()
-            raise self._death(0, "serve", err) from None
-        except ray.exceptions.RayTaskError as err:  # rank 0 is alive but its loop is gone
-            self._check_loops()  # raises the loop's own failure when it has ended with one
-            self.kill()
-            raise RankFailed(f"{self._where(0)} could not answer a poll: {getattr(err, 'cause', err)}; the group "
-                             f"was stopped") from None
+            messages = self._events.receive(wait_s)
+        except ChannelClosed:
+            self._stream_closed()
+        now = time.monotonic()
+        if not messages:
+            silent_s = now - self._heard_at
+            if silent_s > self.timeouts.startup_s:
+                self._check_loops()
+                self.kill()
+                raise RequestTimeout(f"{self._where(0)} sent nothing for {silent_s:.0f} s (it sends at least once "
+                                     f"a second while it serves); the group was stopped")
+            return [], dict(self._last_load), dict(self._last_counters)
+        self._heard_at = now
+        self._last_load, self._last_counters = messages[-1][1], messages[-1][2]
+        return [e for events, _, _ in messages for e in events], dict(self._last_load), dict(self._last_counters)
+
+    def _stream_closed(self) -> None:
+        """Rank 0's event stream ended while the group serves: its loop ended or its process died.
+        Raise that loop's failure (waiting a little for Ray to learn of it), after stopping the group."""
+        done, _ = ray.wait(self._serve_refs[:1], timeout=_ROOT_CAUSE_GRACE_S)
+        self._check_loops()
+        self.kill()
+        raise RankFailed(f"{self._where(0)} closed its event stream while its loop still ran; the group was stopped")
 
     def _check_loops(self) -> None:
         """Raise (after stopping the group) when any rank's serving loop has ended."""
@@ -240,6 +286,9 @@ class TPGroup:
             return []
         self.actors[0].stop_serving.remote()
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=grace_s)
+        if self._events is not None:
+            self._events.close()
+            self._events = None
         out = []
         for ref in done:
             try:
@@ -385,6 +434,9 @@ class TPGroup:
 
     def kill(self) -> None:
         self._serve_refs = []
+        if self._events is not None:
+            self._events.close()
+            self._events = None
         for actor in self.actors:
             try:
                 ray.kill(actor, no_restart=True)

@@ -2,7 +2,8 @@
 
 Rank 0 leads: it takes requests and cancellations from its inbox, plans the iteration
 (workers/serving/scheduler.py), sends the plan to the other ranks (workers/serving/step_plan.py),
-runs the plan's forwards, chooses the tokens and posts them to its outbox, which the driver polls.
+runs the plan's forwards, chooses the tokens and posts them to its outbox, which a sender thread
+streams to the driver (workers/serving/event_stream.py).
 The other ranks follow: receive a plan, run the same forwards, repeat. Nothing but the plan tensor
 and the model's own collectives passes between ranks.
 
@@ -112,12 +113,16 @@ class ServingLoop:
 
     # ---- the loop ----------------------------------------------------------------------------------
     def run(self) -> None:
-        """Serve until stopped; raises when a forward or a collective fails (the group is then broken)."""
-        with torch.inference_mode():
-            if self.is_leader:
-                self._lead()
-            else:
-                self._follow()
+        """Serve until stopped; raises when a forward or a collective fails (the group is then broken).
+        Either way the outbox closes, so whoever drains it learns the loop has ended."""
+        try:
+            with torch.inference_mode():
+                if self.is_leader:
+                    self._lead()
+                else:
+                    self._follow()
+        finally:
+            self.outbox.close()
 
     def _broadcast(self, plan: StepPlan | None) -> StepPlan:
         if self.collectives.world_size == 1:
