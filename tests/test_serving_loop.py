@@ -192,6 +192,14 @@ def test_prefill_chunks_of_one_bucket_share_a_call_up_to_the_budget():
               PrefillChunk(6, 0, (2,) * 4))
     assert prefill_batches(chunks, shapes) == [[0, 2, 3, 4], [6], [1, 5]]
     assert prefill_batches(chunks, None) == [list(range(7))]
+    # No padding rows: a group is cut into batch buckets it fills exactly, largest first.
+    fifteen = tuple(PrefillChunk(i, 0, (1, 2, 3)) for i in range(15))
+    wide = ServingShapes.build(buckets, max_num_seqs=16, max_prefill_tokens=64)
+    assert [len(c) for c in prefill_batches(fifteen, wide)] == [8, 4, 2, 1]
+    assert sum(prefill_batches(fifteen, wide), []) == list(range(15))
+    twelve = ServingShapes.build(buckets, max_num_seqs=12, max_prefill_tokens=64)
+    assert twelve.prefill_batch_buckets(4) == (1, 2, 4, 8, 12)
+    assert [len(c) for c in prefill_batches(fifteen, twelve)] == [12, 2, 1]
     inputs = prefill_inputs([chunks[i] for i in (0, 2, 3)], shapes, scratch_row=8, cache_slots=64)
     assert inputs.input_ids.shape == (4, 4) and inputs.read_slots == 64  # 3 chunks -> batch bucket 4
     assert inputs.rows.tolist() == [[0, 0, 0, 8], [2, 8, 8, 8], [3, 3, 8, 8], [8, 8, 8, 8]]

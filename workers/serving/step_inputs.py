@@ -32,7 +32,9 @@ class StepInputs:
 
 def prefill_batches(chunks: tuple[PrefillChunk, ...], shapes: ServingShapes | None) -> list[list[int]]:
     """The plan's chunks (by index) grouped into prefill calls: chunks of one chunk bucket together,
-    at most the largest prefill batch bucket per call, in plan order (every rank groups alike).
+    in plan order (every rank groups alike), each call exactly a prefill batch bucket, the largest
+    that the chunks left fill (15 chunks: 8, 4, 2, 1). A prefill is arithmetic, not memory traffic:
+    a padding row costs as much as a real one, while one more call costs little.
     Without shapes (eager), one call for all of them."""
     if shapes is None:
         return [list(range(len(chunks)))] if chunks else []
@@ -41,8 +43,12 @@ def prefill_batches(chunks: tuple[PrefillChunk, ...], shapes: ServingShapes | No
         groups.setdefault(shapes.chunk_bucket(len(chunk.token_ids)), []).append(i)
     calls = []
     for bucket, members in groups.items():
-        most = shapes.prefill_batch_buckets(bucket)[-1]
-        calls.extend(members[k:k + most] for k in range(0, len(members), most))
+        sizes = shapes.prefill_batch_buckets(bucket)
+        k = 0
+        while k < len(members):
+            take = max(size for size in sizes if size <= len(members) - k)
+            calls.append(members[k:k + take])
+            k += take
     return calls
 
 
