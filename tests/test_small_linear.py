@@ -1,6 +1,6 @@
 """The small-batch linear kernel (workers/kernels/small_linear.py) against float64 references, every
 weight type and scale granularity, ragged sizes (in not a multiple of 8, out not a multiple of a
-thread's chunk, rows across the 4/2/1 row blocks), under torch.compile as one graph, and where
+thread's chunk, rows across the 4/2/1 row blocks, both block sets), under torch.compile as one graph, and where
 the model's layers route products to it."""
 
 from __future__ import annotations
@@ -35,6 +35,25 @@ def test_products_equal_the_float64_reference(fmt, per_channel, rows):
     want = reference(x, q, scale, bias)
     assert got.dtype == torch.float32 and got.shape == (rows, 37)
     assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("fmt", [None, "int8"])
+def test_the_16_register_blocks_also_equal_the_reference(fmt):
+    """The kernel takes wider blocks where AVX-512 gives it 32 vector registers; this builds the
+    source without AVX-512, so both block sets are checked on such a host (elsewhere it is the
+    build the other tests already cover)."""
+    from dataclasses import replace
+
+    narrow = small.build_and_load(replace(small.SPEC, stem="corelaunch_small_linear_test_avx2",
+                                          flags=small.SPEC.flags + ("-mno-avx512f",)))
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(37, 83, generator=g)
+    q, scale = (w, None) if fmt is None else quantize(w, fmt, True)
+    for rows in (1, 2, 3, 5, 7, 16):
+        x, bias = torch.randn(rows, 83, generator=g), torch.randn(37, generator=g)
+        want = reference(x, q, scale, bias)
+        got = small.run_kernel(narrow, x, q, scale, bias)
+        assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item()), rows
 
 
 def test_fp8_widening_is_exact_for_every_byte():
