@@ -33,6 +33,7 @@ class EventChannel:
         self.token = secrets.token_bytes(TOKEN_BYTES)
         self._conn: socket.socket | None = None
         self._reader = FrameReader()
+        self._ended = False
 
     def accept(self, timeout_s: float, gave_up: Callable[[], None] = lambda: None) -> None:
         """Wait for rank 0's connection and token. gave_up() is called between waits and may raise
@@ -73,10 +74,12 @@ class EventChannel:
         return hmac.compare_digest(received, self.token)
 
     def receive(self, wait_s: float) -> list:
-        """The frames that arrived (waiting up to wait_s for the first bytes); raises ChannelClosed at
-        the end of the stream."""
+        """The frames that arrived (waiting up to wait_s for the first bytes); raises ChannelClosed
+        once the stream has ended and every frame before its end was returned."""
         conn = self._conn
         assert conn is not None, "accept() must succeed before receive()"
+        if self._ended:
+            raise ChannelClosed("rank 0 closed its event stream")
         ready, _, _ = select.select([conn], [], [], wait_s)
         if not ready:
             return []
@@ -87,6 +90,9 @@ class EventChannel:
             except BlockingIOError:
                 return messages
             if not data:
+                self._ended = True
+                if messages:
+                    return messages  # the last frames first; the end on the next call
                 raise ChannelClosed("rank 0 closed its event stream")
             messages.extend(self._reader.feed(data))
 
