@@ -25,7 +25,7 @@ def reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor | None, bias
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("per_channel", [True, False])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 16, 29, 32])
 def test_products_equal_the_float64_reference(fmt, per_channel, rows):
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(37, 83, generator=g)  # 83 inputs: a tail after 10 vectors of 8; 37 outputs: ragged chunks
@@ -49,6 +49,7 @@ def test_the_16_register_blocks_also_equal_the_reference(fmt):
     g = torch.Generator().manual_seed(3)
     w = torch.randn(37, 83, generator=g)
     q, scale = (w, None) if fmt is None else quantize(w, fmt, True)
+    assert narrow.cl_small_linear_wide() == 0
     for rows in (1, 2, 3, 5, 7, 16):
         x, bias = torch.randn(rows, 83, generator=g), torch.randn(37, generator=g)
         want = reference(x, q, scale, bias)
@@ -89,24 +90,26 @@ def test_a_compiled_graph_keeps_the_kernel_as_one_call():
 
 
 def test_layers_route_small_batches_to_the_kernel(monkeypatch):
-    """Eager: float32 products of 2-16 rows take the kernel, one row and larger products do not;
-    8-bit weights take it up to 16 rows. Counted through the operator."""
+    """Eager: float32 products of 2 to max_rows() rows take the kernel, one row and larger products
+    do not; 8-bit weights take it up to max_rows() rows. Counted through the operator."""
     from workers.layers import linear
     from workers.quantized_linear import QuantizedWeight
 
+    most = small.max_rows()
+    assert most == (small.WIDE_MAX_ROWS if small._library().cl_small_linear_wide() else small.MAX_ROWS)
     calls = []
     real = small.small_linear
     monkeypatch.setattr(small, "small_linear", lambda *a: (calls.append(a[0].shape), real(*a))[1])
     w = torch.randn(32, 16)
-    for rows in (1, 2, 16, 17):
+    for rows in (1, 2, most, most + 1):
         linear(torch.randn(rows, 16), w)
-    assert calls == [(2, 16), (16, 16)]
+    assert calls == [(2, 16), (most, 16)]
     calls.clear()
     qw = QuantizedWeight(*quantize(w, "int8", True))
-    for rows in (1, 16, 17):
+    for rows in (1, most, most + 1):
         y = linear(torch.randn(rows, 16), qw)
         assert y.shape == (rows, 32)
-    assert calls == [(1, 16), (16, 16)]
+    assert calls == [(1, 16), (most, 16)]
 
 
 def test_turned_off_by_the_environment(monkeypatch):

@@ -35,7 +35,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     development machine streams it at about a third of that (see workers/compiled.py for the numbers).
     Eager mode keeps F.linear: there the multiply would materialise a (rows, out, in) tensor.
 
-    Float32 products of 2 to small.MAX_ROWS rows (decode steps of several sequences), compiled or
+    Float32 products of 2 to small.max_rows() rows (decode steps of several sequences), compiled or
     eager, go to the small-batch C kernel (workers/kernels/small_linear.py), which streams the
     weight faster than MKL's GEMM does at those sizes; 8-bit weights go there too, except a
     compiled one-row product (QuantizedWeight.linear).

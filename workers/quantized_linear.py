@@ -56,7 +56,7 @@ class QuantizedWeight(nn.Module):
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None, gemv: bool) -> torch.Tensor:
         """x W^T + b with W = q * scale. gemv (one row in a compiled graph): a multiply-and-sum the
         compiler fuses, which measured faster there than the kernel's call; other products of up to
-        small.MAX_ROWS float32 rows: the small-batch kernel (8-bit weights widened in registers);
+        small.max_rows() float32 rows: the small-batch kernel (8-bit weights widened in registers);
         larger ones: F.linear on a dequantized temporary."""
         if not gemv and small.usable(x, self.q):
             return small.small_linear(x, self.q, self.scale, bias)
