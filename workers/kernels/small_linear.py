@@ -11,8 +11,8 @@ This kernel reads each weight row once per call and multiplies it into every row
 in cache: a block of 1, 2 or 4 rows of x against 8, 4 or 2 weight rows, eight float lanes per
 step (GCC vector extensions, compiled with -march=native for the host's instruction set). Hosts
 with AVX-512 have 32 vector registers, not 16, and take wider blocks (2 x 8 and 4 x 4: 16
-accumulators, each loaded vector used in more multiplies): 1.11-1.21x faster from 2 to 16 rows
-on machine D (README, Measured). 8-bit
+accumulators, each loaded vector used in more multiplies): 1.09-1.19x faster from 2 to 32 rows
+on machine D (README, Measured; benchmarks/small_linear_blocks.py). 8-bit
 weights are widened to float in registers: int8 by conversion, fp8 by moving its exponent and
 mantissa bits into a float32 and rescaling by a power of two (exact, subnormals included). A
 per-channel scale multiplies each output once after its sum. Threads (OpenMP, the same runtime
@@ -41,8 +41,8 @@ MAX_ROWS = 16
 """Products with at most this many rows of x take the kernel (decode steps of up to 16 sequences)
 where the build has 16 vector registers; max_rows() says what the host's build takes."""
 WIDE_MAX_ROWS = 32
-"""The same with AVX-512's 32 registers and wider blocks: still 1.29-1.36x MKL's GEMM at 24 and 32
-rows on machine D (the narrow blocks were about level with it at 16)."""
+"""The same with AVX-512's 32 registers and wider blocks, which still beat MKL's GEMM at 24 and 32
+rows on machine D (1.13x and 1.09x over a decode step's products; README, Measured)."""
 
 WEIGHT_TYPES = {torch.float32: 0, torch.int8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
 
