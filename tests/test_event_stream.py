@@ -124,3 +124,21 @@ def test_a_sender_that_cannot_reach_the_driver_names_the_address():
     free.close()  # nothing listens there now
     with pytest.raises(OSError, match=f"event port 127.0.0.1:{port}"):
         EventSender(Outbox(), lambda: {}).connect("127.0.0.1", port, b"t" * 32, timeout_s=2)
+
+
+def test_a_frame_that_does_not_unpickle_or_a_closed_channel_ends_the_stream():
+    channel = EventChannel("127.0.0.1")
+    raw = socket.create_connection(channel.address, timeout=5)
+    raw.sendall(channel.token)
+    channel.accept(5)
+    body = b"not a pickle"
+    raw.sendall(len(body).to_bytes(4, "big") + body)
+    with pytest.raises(ChannelClosed, match="broke"):
+        for _ in range(50):
+            channel.receive(0.1)
+    with pytest.raises(ChannelClosed):  # and it stays ended
+        channel.receive(0.1)
+    raw.close()
+    channel.close()
+    with pytest.raises(ChannelClosed):  # closed by its owner (a group stopped on another thread)
+        channel.receive(0.1)

@@ -139,6 +139,8 @@ class RankWorker:
     _model: object = field(default=None, init=False, repr=False)
     _buckets: Buckets | None = field(default=None, init=False, repr=False)
     _loop: object = field(default=None, init=False, repr=False)
+    _prepared_loop: object = field(default=None, init=False, repr=False)
+    """The loop prepare_serving made, until stream_events takes it (even when the loop has ended by then)."""
 
     def describe(self) -> dict:
         """Where this rank runs: used for error messages and rendezvous."""
@@ -268,7 +270,7 @@ class RankWorker:
         if shapes is not None and spec.warm_up_max_length is not None and hasattr(model, "warming_up"):
             with model.warming_up():
                 loop.warm_up(shapes.shapes(spec.warm_up_max_length or None))
-        self._loop = loop
+        self._loop = self._prepared_loop = loop
         return {"rank": self.spec.rank, "cache_bytes": loop.cache.nbytes(), "prepare_s": time.perf_counter() - start}
 
     def serve(self) -> dict:
@@ -299,7 +301,13 @@ class RankWorker:
         (workers/serving/event_stream.py); returns once connected."""
         from workers.serving.event_stream import EventSender
 
-        loop = self._leader_loop()
+        if self.spec.rank != 0:
+            raise ValueError(f"rank {self.spec.rank} is a follower: events come from rank 0")
+        # The loop prepare_serving made, even when it has already ended (its first step failed): its
+        # closed outbox then ends the stream at once, and the driver asks Ray for the loop's error.
+        loop, self._prepared_loop = self._prepared_loop, None  # the sender holds it from here on
+        if loop is None:
+            raise RuntimeError("prepare_serving must run before stream_events (once per loop)")
         EventSender(loop.outbox, lambda: loop_counters(loop)).connect(host, port, token, timeout_s)
 
     def stop_serving(self) -> None:
@@ -314,6 +322,7 @@ class RankWorker:
         return self._loop
 
     def shutdown(self) -> None:
+        self._prepared_loop = None
         if self._loop is not None:
             self._loop.stop()
         # The model holds the collectives; drop it first so the shared-memory views go with it,

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import hmac
 import secrets
-import select
+import pickle
+import selectors
 import socket
 import time
 from typing import Callable
@@ -18,6 +19,7 @@ from workers.serving.event_stream import FrameReader
 
 TOKEN_BYTES = 32
 _ACCEPT_SLICE_S = 0.2
+AUTH_TIMEOUT_S = 1.0
 """accept() wakes this often to ask whether the connecting side has already failed."""
 
 
@@ -33,6 +35,7 @@ class EventChannel:
         self.token = secrets.token_bytes(TOKEN_BYTES)
         self._conn: socket.socket | None = None
         self._reader = FrameReader()
+        self._selector: selectors.BaseSelector | None = None
         self._ended = False
 
     def accept(self, timeout_s: float, gave_up: Callable[[], None] = lambda: None) -> None:
@@ -59,9 +62,14 @@ class EventChannel:
         self._server = None
         conn.setblocking(False)
         self._conn = conn
+        # A selector, not select.select: a driver holding many sockets may have descriptors >= 1024.
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(conn, selectors.EVENT_READ)
 
     def _authenticated(self, conn: socket.socket, timeout_s: float) -> bool:
-        conn.settimeout(max(0.1, min(timeout_s, 5.0)))
+        # Short: connections are checked one at a time, and one that sends nothing must not keep
+        # rank 0's real connection waiting in the backlog for long.
+        conn.settimeout(max(0.1, min(timeout_s, AUTH_TIMEOUT_S)))
         received = b""
         try:
             while len(received) < TOKEN_BYTES:
@@ -76,28 +84,35 @@ class EventChannel:
     def receive(self, wait_s: float) -> list:
         """The frames that arrived (waiting up to wait_s for the first bytes); raises ChannelClosed
         once the stream has ended and every frame before its end was returned."""
-        conn = self._conn
-        assert conn is not None, "accept() must succeed before receive()"
-        if self._ended:
-            raise ChannelClosed("rank 0 closed its event stream")
-        ready, _, _ = select.select([conn], [], [], wait_s)
-        if not ready:
-            return []
+        conn, selector = self._conn, self._selector
+        if conn is None or selector is None or self._ended:
+            raise ChannelClosed("rank 0's event stream is closed")
         messages = []
-        while True:
-            try:
-                data = conn.recv(1 << 16)
-            except BlockingIOError:
-                return messages
-            if not data:
-                self._ended = True
-                if messages:
-                    return messages  # the last frames first; the end on the next call
-                raise ChannelClosed("rank 0 closed its event stream")
-            messages.extend(self._reader.feed(data))
+        try:
+            if not selector.select(wait_s):
+                return []
+            while True:
+                try:
+                    data = conn.recv(1 << 16)
+                except BlockingIOError:
+                    return messages
+                if not data:
+                    break
+                messages.extend(self._reader.feed(data))
+        except (OSError, ValueError, pickle.UnpicklingError, EOFError) as err:
+            # A reset connection, a socket closed by another thread (kill), or a frame that does not
+            # unpickle: the stream is over either way; the caller asks Ray why.
+            self._ended = True
+            raise ChannelClosed(f"rank 0's event stream broke: {err}") from None
+        self._ended = True
+        if messages:
+            return messages  # the last frames first; the end on the next call
+        raise ChannelClosed("rank 0 closed its event stream")
 
     def close(self) -> None:
+        if self._selector is not None:
+            self._selector.close()
         for sock in (self._server, self._conn):
             if sock is not None:
                 sock.close()
-        self._server = self._conn = None
+        self._server = self._conn = self._selector = None

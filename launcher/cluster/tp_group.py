@@ -225,15 +225,18 @@ class TPGroup:
         """(events, load, counters) from rank 0's event stream, waiting up to wait_s for the first
         event; raises the group's fault (WorkerDied, RankFailed, RequestTimeout) when a rank's loop
         ended or rank 0 fell silent, after stopping the group."""
-        if self._events is None:
+        events = self._events  # once: kill() on another thread (a shutdown) may drop it meanwhile
+        if events is None:
             raise RankFailed(f"{self._where(0)} is not serving (the group was stopped)")
         now = time.monotonic()
         if now - self._loops_checked_at >= _LOOP_CHECK_S:  # a follower's death shows here first
             self._loops_checked_at = now
             self._check_loops()
         try:
-            messages = self._events.receive(wait_s)
+            messages = events.receive(wait_s)
         except ChannelClosed:
+            if self._events is None:
+                raise RankFailed(f"{self._where(0)} is not serving (the group was stopped)") from None
             self._stream_closed()
         now = time.monotonic()
         if not messages:
@@ -251,7 +254,7 @@ class TPGroup:
     def _stream_closed(self) -> None:
         """Rank 0's event stream ended while the group serves: its loop ended or its process died.
         Raise that loop's failure (waiting a little for Ray to learn of it), after stopping the group."""
-        done, _ = ray.wait(self._serve_refs[:1], timeout=_ROOT_CAUSE_GRACE_S)
+        ray.wait(self._serve_refs[:1], timeout=_ROOT_CAUSE_GRACE_S)  # time for Ray to learn of the end
         self._check_loops()
         self.kill()
         raise RankFailed(f"{self._where(0)} closed its event stream while its loop still ran; the group was stopped")
@@ -286,9 +289,9 @@ class TPGroup:
             return []
         self.actors[0].stop_serving.remote()
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=grace_s)
-        if self._events is not None:
-            self._events.close()
-            self._events = None
+        events, self._events = self._events, None
+        if events is not None:
+            events.close()
         out = []
         for ref in done:
             try:
@@ -434,9 +437,9 @@ class TPGroup:
 
     def kill(self) -> None:
         self._serve_refs = []
-        if self._events is not None:
-            self._events.close()
-            self._events = None
+        events, self._events = self._events, None
+        if events is not None:
+            events.close()
         for actor in self.actors:
             try:
                 ray.kill(actor, no_restart=True)

@@ -117,8 +117,8 @@ static void block_##MB##x##NB(const float *x, long ldx, const char *w, long wrow
 }
 
 DEFINE_BLOCK(1, 8)
-#ifdef __AVX512F__
-/* 32 vector registers: blocks of 16 accumulators (each loaded vector feeds 2-4 multiplies, not 1-2). */
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+/* 32 vector registers (256-bit ones need AVX-512VL): blocks of 16 accumulators (each loaded vector feeds 2-4 multiplies, not 1-2). */
 DEFINE_BLOCK(2, 8)
 DEFINE_BLOCK(4, 4)
 #define PAIR_NB 8
@@ -137,7 +137,7 @@ DEFINE_BLOCK(4, 2)
 
 #define NCHUNK 8
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) && defined(__AVX512VL__)
 int cl_small_linear_wide(void) { return 1; }
 #else
 int cl_small_linear_wide(void) { return 0; }
@@ -238,7 +238,8 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the kernel runs x W^T: float32 x of at most max_rows() rows on the CPU, a 2-D weight
     of a supported dtype, and the library available."""
     return (x.dtype == torch.float32 and x.device.type == "cpu" and weight.dim() == 2
-            and weight.dtype in WEIGHT_TYPES and x.numel() // max(1, x.shape[-1]) <= max_rows())
+            and weight.dtype in WEIGHT_TYPES and available()
+            and x.numel() // max(1, x.shape[-1]) <= max_rows())
 
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
