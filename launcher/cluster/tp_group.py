@@ -256,7 +256,11 @@ class TPGroup:
         Raise that loop's failure (waiting a little for Ray to learn of it), after stopping the group."""
         ray.wait(self._serve_refs[:1], timeout=_ROOT_CAUSE_GRACE_S)  # time for Ray to learn of the end
         self._check_loops()
+        # No loop has ended as far as Ray knows yet: ask each rank directly whether its process lives.
+        dead = self.dead_ranks(timeout_s=_ROOT_CAUSE_GRACE_S)
         self.kill()
+        if dead:
+            raise WorkerDied(f"{dead[0]} died while serving (rank 0's event stream ended); the group was stopped")
         raise RankFailed(f"{self._where(0)} closed its event stream while its loop still ran; the group was stopped")
 
     def _check_loops(self) -> None:
