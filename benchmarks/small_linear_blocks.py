@@ -18,7 +18,6 @@ import json
 import os
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -63,8 +62,7 @@ def main() -> None:
     host = small._library()
     if host is None:
         sys.exit(f"the kernel is unavailable: {small.unavailable_reason}")
-    narrow = small.build_and_load(replace(small.SPEC, stem="corelaunch_small_linear_narrow",
-                                          flags=small.SPEC.flags + ("-mno-avx512f",)))
+    narrow = small.build_and_load(small.NARROW_SPEC)
     variants = {"host_build": lambda x, w: small.run_kernel(host, x, w, None, None),
                 "narrow_blocks": lambda x, w: small.run_kernel(narrow, x, w, None, None),
                 "f_linear": F.linear}

@@ -30,6 +30,7 @@ import torch
 
 from tests.tp_harness import InProcessGroup
 from workers.backends.cpu import CpuBackend
+from workers.rank_worker import loop_counters
 
 _GROUPS: dict[int, InProcessGroup] = {}
 """Collective groups by their stand-in rendezvous port (each ThreadTPGroup takes a fresh one)."""
@@ -142,7 +143,10 @@ class ThreadTPGroup:
             self.kill()
             rank = min(errors, default=0)
             raise RankFailed(f"rank {rank} (in-process) stopped serving: {errors.get(rank)!r}")
-        return self.actors[0].poll(wait_s)
+        # What rank 0's event stream carries to a Ray group's driver, taken from its loop directly.
+        loop = self.actors[0]._leader_loop()
+        events, load = loop.poll(wait_s)
+        return events, load, loop_counters(loop)
 
     def stop_serving(self, grace_s: float = 10.0) -> None:
         threads, self._serve_threads = getattr(self, "_serve_threads", []), []

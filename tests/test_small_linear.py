@@ -42,10 +42,7 @@ def test_the_16_register_blocks_also_equal_the_reference(fmt):
     """The kernel takes wider blocks where AVX-512 gives it 32 vector registers; this builds the
     source without AVX-512, so both block sets are checked on such a host (elsewhere it is the
     build the other tests already cover)."""
-    from dataclasses import replace
-
-    narrow = small.build_and_load(replace(small.SPEC, stem="corelaunch_small_linear_test_avx2",
-                                          flags=small.SPEC.flags + ("-mno-avx512f",)))
+    narrow = small.build_and_load(small.NARROW_SPEC)
     g = torch.Generator().manual_seed(3)
     w = torch.randn(37, 83, generator=g)
     q, scale = (w, None) if fmt is None else quantize(w, fmt, True)

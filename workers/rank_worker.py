@@ -289,13 +289,6 @@ class RankWorker:
     def cancel_requests(self, request_ids: list[str]) -> None:
         self._leader_loop().cancel(request_ids)
 
-    def poll(self, wait_s: float):
-        """(new TokenEvents, {"running", "waiting"}, {"steps", "step_s", "plan_s"}) from rank 0's loop,
-        fetched directly (in-process groups; a Ray group's driver gets them from stream_events)."""
-        loop = self._leader_loop()
-        events, load = loop.poll(wait_s)
-        return events, load, loop_counters(loop)
-
     def stream_events(self, host: str, port: int, token: bytes, timeout_s: float) -> None:
         """Connect to the driver's event port and stream the loop's events there until it ends
         (workers/serving/event_stream.py); returns once connected."""

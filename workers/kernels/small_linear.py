@@ -31,6 +31,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -184,6 +185,9 @@ def _cpu_identity() -> str:
 
 SPEC = LibrarySpec("corelaunch_small_linear", _SOURCE, ("-O3", "-march=native", "-fopenmp"),
                    "the small-batch linear kernel", _cpu_identity())
+NARROW_SPEC = replace(SPEC, stem="corelaunch_small_linear_narrow", flags=SPEC.flags + ("-mno-avx512f",))
+"""The same source without AVX-512: the 16-register blocks, on any host (a test and a benchmark
+compare it with the host's build)."""
 
 
 @functools.lru_cache(maxsize=None)
