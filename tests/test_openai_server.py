@@ -1,7 +1,8 @@
 """The OpenAI-compatible server: its wire format in-process (fast), then the official `openai` client
 against a real `corelaunch serve` on loopback with the built-in SmolLM2 model (slow).
 
-One server serves every slow test: --max-num-seqs 4 --max-queued-requests 12 (16 requests fit; the
+One server serves every slow test but the last (which starts one with --ingress proxy): direct
+ingress (the default for one replica), --max-num-seqs 4 --max-queued-requests 12 (16 requests fit; the
 503 test sends more), --api-key set (the 401 test; every client sends the key), --no-compile (the
 HTTP layer is the subject: compiling SmolLM2's prefill and decode graphs at each batch bucket the
 requests reach took most of this module's time; the serving loop's compiled graphs are
@@ -10,6 +11,7 @@ tests/test_serving_loop.py's and, through Ray, tests/test_compiled.py's).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -215,6 +217,8 @@ def test_serve_cli_refuses_bad_options_before_starting_ray(capsys, tmp_path):
 
     assert main(["serve", "--replicas", "2", "--min-replicas", "1"]) == 2
     assert "give one or the other" in capsys.readouterr().err
+    assert main(["serve", "--replicas", "2", "--ingress", "direct"]) == 2
+    assert "use --ingress proxy" in capsys.readouterr().err
     assert main(["serve", "--model", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
     with socket.socket() as busy:
@@ -241,19 +245,18 @@ def test_serve_config_example_is_a_valid_serve_config():
 
 
 # ---- slow: a real server ---------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """`corelaunch serve` in a subprocess on a free loopback port; yields its base URL."""
+@contextlib.contextmanager
+def running_server(log: Path, *options: str):
+    """`corelaunch serve --tp 1 --no-compile OPTIONS` in a subprocess on a free loopback port, until
+    GET /health answers 200; yields its base URL, then stops it with SIGTERM and checks it exits 0."""
     import requests
 
     from workers.net import free_port
 
     port = free_port()
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "launcher", "serve", "--tp", "1", "--port", str(port), "--max-num-seqs", "4",
-             "--max-queued-requests", "12", "--api-key", API_KEY, "--ready-timeout", "500", "--no-compile"],
+            [sys.executable, "-m", "launcher", "serve", "--tp", "1", "--port", str(port), "--no-compile", *options],
             cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "CORELAUNCH_API_KEY": ""})
     url = f"http://127.0.0.1:{port}"
     try:
@@ -264,10 +267,10 @@ def server(tmp_path_factory):
             try:
                 if requests.get(f"{url}/health", timeout=5).status_code == 200:
                     break
-            except requests.RequestException:  # not listening yet, or the proxy holds it until a replica is up
+            except requests.RequestException:  # not listening yet: the replica (or proxy) is still starting
                 pass
             time.sleep(1)
-        yield SimpleNamespace(url=url, log=log)
+        yield url
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -276,6 +279,14 @@ def server(tmp_path_factory):
             proc.kill()
             proc.wait(timeout=30)
     assert proc.returncode == 0, log.read_text()[-4000:]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """The module's server (direct ingress, the default for one replica); yields its URL and log."""
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    with running_server(log, "--max-num-seqs", "4", "--max-queued-requests", "12", "--api-key", API_KEY) as url:
+        yield SimpleNamespace(url=url, log=log)
 
 
 @pytest.fixture(scope="module")
@@ -465,3 +476,33 @@ def test_concurrent_greedy_requests_equal_each_run_alone(client, server):
     assert len(results) == 16
     for prompt, text in results:
         assert text == alone[prompt], (prompt, text, alone[prompt])
+
+
+@pytest.mark.slow
+def test_direct_ingress_is_the_replicas_own_server(server):
+    assert "ServeRepli" in (_listener_name(int(server.url.rsplit(":", 1)[1])) or "nothing"), server.url
+
+
+@pytest.mark.slow
+def test_proxy_ingress_serves_the_same_stream(tmp_path, hf):
+    """--ingress proxy (what several replicas use): Serve's proxy on --port streams the same greedy
+    text as transformers, and the replica's own server is not what answers."""
+    import openai
+
+    expected = hf.greedy(hf.tok(PROMPT)["input_ids"], 8)
+    with running_server(tmp_path / "serve.log", "--ingress", "proxy", "--max-num-seqs", "1") as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=300, max_retries=0)
+        stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, stream=True)
+        assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == expected
+        owner = _listener_name(int(url.rsplit(":", 1)[1]))
+    assert owner is not None and "Proxy" in owner, owner
+
+
+def _listener_name(port: int) -> str | None:
+    """The command name of the process listening on 127.0.0.1:port (psutil)."""
+    import psutil
+
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
+            return psutil.Process(conn.pid).name()
+    return None

@@ -1,7 +1,8 @@
 """`corelaunch serve`: an OpenAI-compatible HTTP server (Ray Serve) on a private local Ray.
 
-Every option is checked (and the layout planned) before Ray starts; then Serve starts its HTTP proxy
-on --host:--port, each Serve replica loads the model into its own TP group, and the command prints
+Every option is checked (and the layout planned) before Ray starts; then Serve starts, each Serve
+replica loads the model into its own TP group, and HTTP on --host:--port is answered by the one
+replica's own server or by Serve's proxy (--ingress; launcher/serving/ingress.py). The command prints
 `corelaunch: serving NAME at http://HOST:PORT/v1` once GET /health answers 200. SIGINT or SIGTERM
 shuts Serve down and stops Ray.
 """
@@ -20,6 +21,7 @@ import urllib.request
 
 from launcher.cli.options import (add_max_num_seqs, add_model_and_placement_arguments, int_at_least,
                                   model_and_placement_options)
+from launcher.serving.ingress import MODES, choose_mode, plan_ingress
 
 APP_NAME = "corelaunch"
 """The Serve application's name (`serve status` shows it)."""
@@ -51,6 +53,10 @@ def add_parser(subparsers) -> None:
                    help="autoscaling: most Serve replicas; each rank's CPU share is sized for this many (default: --min-replicas)")
     p.add_argument("--target-ongoing-requests", type=float, metavar="R",
                    help="autoscaling: requests in flight per replica Serve scales toward (default 2)")
+    p.add_argument("--ingress", choices=MODES, default="auto",
+                   help="how HTTP reaches the model: `direct`, the Serve replica's own HTTP server on --port (one "
+                        "replica); `proxy`, Serve's proxy on --port, spreading requests over replicas; `auto` (the "
+                        "default): direct with one replica, else proxy")
     p.add_argument("--ready-timeout", type=float, default=900.0, metavar="S",
                    help="seconds for the replicas to load the model and answer /health (default 900)")
     p.set_defaults(run=run)
@@ -94,12 +100,13 @@ def run(args: argparse.Namespace) -> int:
         from launcher.serving.server_settings import settings_from_args
 
         settings = settings_from_args(server_args(args))
+        mode = choose_mode(args.ingress, settings.most_replicas, settings.autoscaling is not None)
         check_port_free(args.host, args.port)
         _plan(settings)  # an impossible layout is refused here, not inside a Serve replica
     except (ValueError, OSError, LaunchError) as err:  # FileNotFoundError is an OSError
         print(f"corelaunch serve: {err}", file=sys.stderr)
         return 2
-    return _serve(args, settings)
+    return _serve(args, settings, mode)
 
 
 def _plan(settings) -> None:
@@ -110,12 +117,16 @@ def _plan(settings) -> None:
     plan_launch(LaunchConfig(**settings.launch), Progress(False))
 
 
-def _serve(args: argparse.Namespace, settings) -> int:
+def _serve(args: argparse.Namespace, settings, mode: str) -> int:
     from ray import serve
 
     from launcher.cluster import ray_cluster
     from launcher.serving.openai_app import application
+    from workers.net import free_port
 
+    ingress = plan_ingress(mode, args.port, lambda: free_port(args.host), dict(os.environ))
+    # Serve's processes read these when they start: they inherit them from the private Ray started below.
+    os.environ.update(ingress.environment)
     connection = ray_cluster.connect("local", worker_logs=not args.quiet)
     # After ray.init, which installs its own SIGTERM handler: a signal now only asks the main thread
     # to stop, so Serve and Ray are shut down below rather than killed mid-way.
@@ -123,7 +134,7 @@ def _serve(args: argparse.Namespace, settings) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.start(http_options={"host": args.host, "port": ingress.proxy_port})
         failure = _deploy(serve, application(settings), stop, args.ready_timeout)
         if failure is None:
             failure = wait_healthy(args.host, args.port, stop, args.ready_timeout)
