@@ -41,6 +41,8 @@ def test_direct_plan_gives_the_replica_exactly_the_port_and_the_proxy_another():
         "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": "8000",
         "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": "8001",
         "RAY_SERVE_PORT_QUARANTINE_S": "0",
+        "RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS": "1",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
     }
 
 
@@ -60,12 +62,14 @@ def test_the_installed_ray_serve_reads_the_plan():
              "a = n.PortAllocator(c.RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT, c.RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT, "
              "'http', 'node'); "
              "print(json.dumps([c.RAY_SERVE_ENABLE_DIRECT_INGRESS, a.allocate('r1'), c.RAY_SERVE_PORT_QUARANTINE_S, "
-             "c.CONTROL_LOOP_INTERVAL_S]))")
+             "c.CONTROL_LOOP_INTERVAL_S, c.RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS, "
+             "c.RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S]))")
     out = subprocess.run([sys.executable, "-c", probe], env={**_base_env(), **plan.environment}, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    enabled, port, quarantine, interval = json.loads(out.stdout.strip().splitlines()[-1])
+    enabled, port, quarantine, interval, force_stop, draining = json.loads(out.stdout.strip().splitlines()[-1])
     assert enabled is True and port == 18000 and quarantine == 0 and interval == float(CONTROL_LOOP_INTERVAL_S)
+    assert force_stop is True and draining == 0
 
 
 def _base_env() -> dict[str, str]:

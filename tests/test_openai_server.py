@@ -1,8 +1,9 @@
 """The OpenAI-compatible server: its wire format in-process (fast), then the official `openai` client
 against a real `corelaunch serve` on loopback with the built-in SmolLM2 model (slow).
 
-One server serves every slow test but the last (which starts one with --ingress proxy): direct
-ingress (the default for one replica), --max-num-seqs 4 --max-queued-requests 12 (16 requests fit; the
+One server serves every slow test but the proxy one (which starts its own with --ingress proxy):
+direct ingress (the default for one replica), --max-restarts 0 (the last test fails its TP group
+for good and watches Serve replace the replica), --max-num-seqs 4 --max-queued-requests 12 (16 requests fit; the
 503 test sends more), --api-key set (the 401 test; every client sends the key), --no-compile (the
 HTTP layer is the subject: compiling SmolLM2's prefill and decode graphs at each batch bucket the
 requests reach took most of this module's time; the serving loop's compiled graphs are
@@ -248,7 +249,8 @@ def test_serve_config_example_is_a_valid_serve_config():
 @contextlib.contextmanager
 def running_server(log: Path, *options: str):
     """`corelaunch serve --tp 1 --no-compile OPTIONS` in a subprocess on a free loopback port, until
-    GET /health answers 200; yields its base URL, then stops it with SIGTERM and checks it exits 0."""
+    GET /health answers 200; yields its base URL and pid, then stops it with SIGTERM and checks it
+    exits 0."""
     import requests
 
     from workers.net import free_port
@@ -270,7 +272,7 @@ def running_server(log: Path, *options: str):
             except requests.RequestException:  # not listening yet: the replica (or proxy) is still starting
                 pass
             time.sleep(1)
-        yield url
+        yield SimpleNamespace(url=url, pid=proc.pid)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -285,8 +287,10 @@ def running_server(log: Path, *options: str):
 def server(tmp_path_factory):
     """The module's server (direct ingress, the default for one replica); yields its URL and log."""
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with running_server(log, "--max-num-seqs", "4", "--max-queued-requests", "12", "--api-key", API_KEY) as url:
-        yield SimpleNamespace(url=url, log=log)
+    # --max-restarts 0: the module's last test fails the TP group for good (nothing else kills a rank)
+    with running_server(log, "--max-num-seqs", "4", "--max-queued-requests", "12", "--api-key", API_KEY,
+                        "--max-restarts", "0") as running:
+        yield SimpleNamespace(url=running.url, pid=running.pid, log=log)
 
 
 @pytest.fixture(scope="module")
@@ -480,7 +484,8 @@ def test_concurrent_greedy_requests_equal_each_run_alone(client, server):
 
 @pytest.mark.slow
 def test_direct_ingress_is_the_replicas_own_server(server):
-    assert "ServeRepli" in (_listener_name(int(server.url.rsplit(":", 1)[1])) or "nothing"), server.url
+    owner = _listener(server.url)
+    assert owner is not None and "ServeRepli" in owner.name(), (server.url, owner)
 
 
 @pytest.mark.slow
@@ -490,19 +495,52 @@ def test_proxy_ingress_serves_the_same_stream(tmp_path, hf):
     import openai
 
     expected = hf.greedy(hf.tok(PROMPT)["input_ids"], 8)
-    with running_server(tmp_path / "serve.log", "--ingress", "proxy", "--max-num-seqs", "1") as url:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=300, max_retries=0)
+    with running_server(tmp_path / "serve.log", "--ingress", "proxy", "--max-num-seqs", "1") as running:
+        client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", timeout=300, max_retries=0)
         stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, stream=True)
         assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == expected
-        owner = _listener_name(int(url.rsplit(":", 1)[1]))
-    assert owner is not None and "Proxy" in owner, owner
+        owner = _listener(running.url)
+        owner_name = owner.name() if owner is not None else "nothing"
+    assert "Proxy" in owner_name, owner_name
 
 
-def _listener_name(port: int) -> str | None:
-    """The command name of the process listening on 127.0.0.1:port (psutil)."""
+@pytest.mark.slow
+def test_a_replica_whose_group_failed_is_replaced_on_the_same_port(client, server, hf):
+    """The module's last use of its server: with --max-restarts 0 a SIGKILLed rank fails the TP
+    group for good, /health answers 503, Serve's health check replaces the replica, and the new
+    replica's own server (direct ingress) answers on the same --port."""
+    import psutil
+    import requests
+
+    before = _listener(server.url)
+    [rank] = [p for p in psutil.Process(server.pid).children(recursive=True) if "RayRankWor" in p.name()]
+    rank.kill()
+    statuses = []
+    deadline = time.monotonic() + 300
+    while not (503 in statuses and statuses[-1] == 200):
+        assert time.monotonic() < deadline, f"health answers {statuses[-5:]}:\n{server.log.read_text()[-3000:]}"
+        try:
+            statuses.append(requests.get(f"{server.url}/health", timeout=10).status_code)
+        except requests.RequestException:  # between the old replica's end and the new one's server
+            statuses.append(None)
+        time.sleep(1)
+    after = _listener(server.url)
+    assert after is not None and "ServeRepli" in after.name() and after.pid != before.pid, (before, after)
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+    assert out.choices[0].text == hf.greedy(hf.tok(PROMPT)["input_ids"], 8)
+
+
+def _listener(url: str):
+    """The process listening on the URL's port (psutil), or None."""
     import psutil
 
+    port = int(url.rsplit(":", 1)[1])
     for conn in psutil.net_connections(kind="tcp"):
         if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
-            return psutil.Process(conn.pid).name()
+            try:
+                process = psutil.Process(conn.pid)
+                process.name()  # read now: a process gone since the scan is skipped
+                return process
+            except psutil.NoSuchProcess:
+                continue
     return None

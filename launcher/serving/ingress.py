@@ -76,8 +76,15 @@ def plan_ingress(mode: str, port: int, free_port, inherited: dict[str, str]) -> 
         "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
         "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),
         # A replica Serve replaces gets the port back at once (Serve otherwise holds a released
-        # port out of the pool for minutes, for load balancers that this set-up does not have).
+        # port out of the pool for minutes, for load balancers that this set-up does not have) ...
         "RAY_SERVE_PORT_QUARANTINE_S": "0",
+        # ... and the replica it replaces (one whose TP groups failed for good) is stopped at once
+        # rather than drained for 30 s or more while it holds the port its successor must bind.
+        "RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS": "1",
+        # Serve holds a stopping direct-ingress replica open for at least 30 s so that an external
+        # load balancer can deregister it; there is none here, and it made every shutdown take 30 s.
+        # In-flight requests are still waited for, up to the deployment's graceful shutdown timeout.
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
     })
     proxy_port = free_port()
     while proxy_port == port:  # the OS never hands out a port that is bound, but --port is not bound yet
