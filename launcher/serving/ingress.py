@@ -17,9 +17,8 @@ server answers the client (README, Measured).
   replicas or autoscaling (one port cannot belong to several replica processes).
 
 Serve's controller also ticks ten times a second by default (about 1.1 CPU-s in the same run, 0.4
-at one tick a second);
-a private cluster's controller ticks once a second instead, unless RAY_SERVE_CONTROL_LOOP_INTERVAL_S
-is set. Its tick paces replica start-up, health bookkeeping and autoscaling decisions, none of
+at one tick a second); a private cluster's controller ticks once a second instead, unless
+RAY_SERVE_CONTROL_LOOP_INTERVAL_S is set. Its tick paces replica start-up, health bookkeeping and autoscaling decisions, none of
 which needs a tenth of a second here.
 
 Pure: no Ray is touched. The settings are environment variables, read by Serve's processes when
