@@ -33,10 +33,13 @@ class LibrarySpec:
     what: str
     identity: str = ""
     """Anything else the binary depends on (the host's CPU for -march=native), part of its name."""
+    language: str = "c"
+    """"c", or "c++" (built by $CXX, c++ or g++: a torch operator linked against libtorch)."""
 
     @property
     def name(self) -> str:
-        digest = hashlib.sha256("\0".join((self.source, *self.flags, self.identity)).encode()).hexdigest()[:16]
+        digest = hashlib.sha256("\0".join((self.source, *self.flags, self.identity, self.language)).encode()
+                                ).hexdigest()[:16]
         return f"{self.stem}_{digest}.so"
 
 
@@ -135,16 +138,22 @@ def _compile(dir_fd: int, directory: Path, spec: "LibrarySpec") -> None:
     temporary name in the trusted directory (O_EXCL, mode 0700) and renamed over `name`, so
     concurrent ranks and launches never load a half-written library and the last rename wins
     with identical contents."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler:
-        raise NativeUnavailable(f"no C compiler found (cc, gcc or $CC); it builds {spec.what} once")
+    if spec.language == "c++":
+        compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+        if not compiler:
+            raise NativeUnavailable(f"no C++ compiler found (c++, g++ or $CXX); it builds {spec.what} once")
+    else:
+        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        if not compiler:
+            raise NativeUnavailable(f"no C compiler found (cc, gcc or $CC); it builds {spec.what} once")
     name, tmp_name = spec.name, None
     try:
         with tempfile.TemporaryDirectory(prefix="corelaunch-native-") as tmp:
-            src = Path(tmp) / "source.c"
+            src = Path(tmp) / ("source.cpp" if spec.language == "c++" else "source.c")
             src.write_text(spec.source)
             out = Path(tmp) / name
-            proc = subprocess.run([compiler, *spec.flags, "-shared", "-fPIC", "-o", str(out), str(src)],
+            # The flags after the source: libraries named there (-l) link only when they follow it.
+            proc = subprocess.run([compiler, "-shared", "-fPIC", "-o", str(out), str(src), *spec.flags],
                                   capture_output=True, text=True, timeout=120)
             if proc.returncode != 0:
                 raise NativeUnavailable(f"{compiler} failed to build {spec.what}:\n{proc.stderr.strip()}")
@@ -208,6 +217,17 @@ def load(fd: int, path: Path) -> ctypes.CDLL:
         return ctypes.CDLL(via_fd if os.path.exists(via_fd) else str(path))
     except OSError as err:
         raise NativeUnavailable(f"could not load {path}: {err}") from None
+
+
+def build_and_load(spec: "LibrarySpec", directory: Path | None = None) -> ctypes.CDLL:
+    """`build`, then `load`: the checked library of `spec`, compiled first where needed (in this
+    user's library_dir() by default). Raises NativeUnavailable; the caller declares the argtypes."""
+    directory = directory or library_dir()
+    fd = build(spec, directory)
+    try:
+        return load(fd, Path(directory) / spec.name)
+    finally:
+        os.close(fd)
 
 
 _KEPT_OPEN: list[int] = []

@@ -32,11 +32,11 @@ import ctypes
 import functools
 import os
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
-from workers.native_build import LibrarySpec, NativeUnavailable, build, library_dir, load
+from workers import native_build
+from workers.native_build import LibrarySpec, NativeUnavailable
 
 MAX_ROWS = 16
 """Products with at most this many rows of x take the kernel (decode steps of up to 16 sequences)
@@ -207,12 +207,7 @@ def _library() -> ctypes.CDLL | None:
 
 def build_and_load(spec: LibrarySpec) -> ctypes.CDLL:
     """Build (once per source, flags and CPU) and load a kernel library; raises NativeUnavailable."""
-    directory = library_dir()
-    fd = build(spec, directory)
-    try:
-        lib = load(fd, Path(directory) / spec.name)
-    finally:
-        os.close(fd)
+    lib = native_build.build_and_load(spec)
     p, i64, i32 = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
     lib.cl_small_linear.argtypes = [p, i64, p, i32, p, i32, p, p, i64, i64, i64, i32]
     lib.cl_small_linear.restype = None

@@ -20,10 +20,10 @@ calls sched_yield, which returns at once when the core has nothing else to run, 
 from __future__ import annotations
 
 import ctypes
-import os
 from pathlib import Path
 
-from workers.native_build import LibrarySpec, NativeUnavailable, build, library_dir, load, trusted_dir  # noqa: F401
+from workers.native_build import (LibrarySpec, NativeUnavailable, build, build_and_load, library_dir, load,  # noqa: F401
+                                   trusted_dir)
 
 _SOURCE = r"""
 #include <errno.h>
@@ -135,12 +135,7 @@ class Native:
     """ctypes bindings of the helpers (one instance per process is enough)."""
 
     def __init__(self, directory: Path | None = None) -> None:
-        directory = directory or library_dir()
-        fd = build(SPEC, directory)
-        try:
-            lib = load(fd, directory / SPEC.name)
-        finally:
-            os.close(fd)
+        lib = build_and_load(SPEC, directory)
         u64p, i32p = ctypes.c_void_p, ctypes.c_void_p
         lib.cl_publish.argtypes = [u64p, ctypes.c_uint64]
         lib.cl_publish.restype = None
