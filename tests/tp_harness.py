@@ -61,6 +61,8 @@ class Case:
     """Mixture-of-experts models: tensor_parallel or expert_parallel; None: the planner's choice."""
     fused_projections: bool = False
     sequence_parallel: bool = False
+    packed_weights: bool = False
+    """Repack the float32 linear weights as the cpu backend does (workers/packed_weight.py)."""
 
 
 def hf_state_dict(model) -> dict[str, torch.Tensor]:
@@ -101,6 +103,10 @@ def run_case(case: Case, rank: int, tp_degree: int, collectives) -> list[list]:
         from workers.fused_projections import fuse_projections
 
         fuse_projections(model)
+    if case.packed_weights:
+        from workers.packed_weight import pack_linear_weights
+
+        assert pack_linear_weights(model) > 0, "no weight was packed"
     model.sequence_parallel = case.sequence_parallel
     return [generate(model, r.prompts, r.sampling(), r.max_new_tokens, r.stop_token_ids)
             for r in case.requests]

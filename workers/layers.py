@@ -18,6 +18,7 @@ from torch import nn
 from workers.collectives import Collectives
 from workers.kernels import small_linear as small
 from workers.kv_cache import write_kv
+from workers.packed_weight import PackedWeight
 from workers.quantized_linear import QuantizedWeight
 from workers.rope import apply_rotary
 
@@ -42,6 +43,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """
     rows = x.numel() // x.shape[-1]
     gemv = torch.compiler.is_compiling() and rows <= GEMV_MAX_ROWS
+    if isinstance(weight, PackedWeight):  # float32 panels (cpu backend): one kernel for every row count
+        return weight.linear(x, bias)
     if isinstance(weight, QuantizedWeight):  # 8-bit weight, dequantized inside the product
         return weight.linear(x, bias, gemv)
     if rows >= 2 and small.usable(x, weight):
@@ -142,8 +145,8 @@ class VocabParallelEmbedding(nn.Module):
         ranks (by `reduce`, default the all-reduce; see Reduce)."""
         owned = (input_ids >= self.start) & (input_ids < self.stop)  # (batch, seq)
         local_ids = torch.where(owned, input_ids - self.start, 0)
-        hidden = self.weight.rows(local_ids) if isinstance(self.weight, QuantizedWeight) else F.embedding(
-            local_ids, self.weight)  # (batch, seq, hidden)
+        hidden = self.weight.rows(local_ids) if isinstance(self.weight, (QuantizedWeight, PackedWeight)) else (
+            F.embedding(local_ids, self.weight))  # (batch, seq, hidden)
         hidden = (reduce or self.collectives.all_reduce)(hidden * owned.unsqueeze(-1).to(hidden.dtype))
         return hidden if self.scale is None else hidden * self.scale.to(hidden.device)
 

@@ -186,6 +186,9 @@ class RankWorker:
         shard_bytes = sum(t.numel() * t.element_size() for t in shard.values())
         model = ShardedCausalLM(load_spec.config, load_spec.layout, self.spec.rank, shard,
                                 self._collectives, load_spec.dtype)
+        # The model holds the shard's tensors now: without the dict, each one goes as soon as it is
+        # replaced (fused projections, the cpu backend's packed weights), not at the end of load.
+        del shard
         if load_spec.kv_cache_dtype is not None:
             from workers.kv_quant import kv_storage_dtype
 
@@ -194,7 +197,6 @@ class RankWorker:
         if load_spec.fused_projections:
             from workers.fused_projections import fuse_projections
 
-            del shard  # the separate matrices go as each layer is fused
             fuse_projections(model)
         self._model = self._backend.prepare_model(model, self._compile_options(load_spec))
         self._buckets = load_spec.buckets

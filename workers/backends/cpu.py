@@ -52,7 +52,11 @@ class CpuBackend(Backend):
         prefetch_compiler()
 
     def prepare_model(self, model: torch.nn.Module, compile: CompileOptions | None = None):
-        """Eager, or inductor graphs per bucket (workers/backends/inductor.py)."""
+        """Float32 linear weights repacked as column panels (workers/packed_weight.py), then eager,
+        or inductor graphs per bucket (workers/backends/inductor.py)."""
+        from workers.packed_weight import pack_linear_weights
+
+        pack_linear_weights(model)
         return model if compile is None else compile_per_bucket(model, compile)
 
     def shutdown(self) -> None:

@@ -1,0 +1,274 @@
+"""y = x W^T (+ bias) for float32 weights stored as column panels: one C kernel for decode products.
+
+Why: the small-batch kernel (small_linear.py) reads W in its checkpoint layout, rows of K, and
+forms dot products: each block of outputs streams several weight rows at once and sums each product
+across vector lanes at the end. MKL's GEMM packs the weight anew for every call. At the row counts
+of a decode step (1 to 32 running sequences) both stay well below the host's read bandwidth
+(README, Measured, machine E).
+
+Here each weight is repacked once, at load, into panels of NR output columns: panel p holds
+W[p*NR:(p+1)*NR, :] transposed, K rows of NR contiguous floats (the last panel is padded with
+zeros). A block of up to MR rows of x multiplies a panel as outer products: per k, two vector loads
+of weights, one broadcast of x[m][k] per row, and MR x NR lanes of multiply-add into accumulators
+that stay in registers for the whole of K. The weights are read once per block of MR rows,
+strictly in order, with a software prefetch 16 steps ahead (the hardware prefetcher alone left
+the 16-row case a third slower), and nothing is summed across lanes.
+
+Every output element is the sum over k in the same order whatever the number of rows, so a row's
+result does not depend on which other rows share its batch, below UNPACK_MIN_ROWS: products of
+that many rows (prefills) take MKL's GEMM on the weight unpacked for the call, which is faster
+there.
+
+The kernel's torch operator (corelaunch::packed_linear_kernel) is compiled as C++ against the
+installed torch, so that a call from a compiled graph costs a few microseconds rather than the
+tens a Python-bodied operator costs: a SmolLM2 decode step makes 211 of them. Threads (OpenMP,
+the runtime torch uses) split the panels; rows are taken ROW_CHUNK at a time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+from workers import native_build
+from workers.kernels.small_linear import _cpu_identity
+from workers.native_build import LibrarySpec, NativeUnavailable
+
+_SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#define VL 16   /* floats per vector: 32 registers hold 12 rows x 2 vectors of accumulators */
+#define MR 12
+#else
+#define VL 8    /* 16 registers: 6 rows x 2 vectors */
+#define MR 6
+#endif
+#define NR (2 * VL)
+#define PREFETCH_STEPS 16
+#define ROW_CHUNK 256
+
+typedef float vf __attribute__((vector_size(VL * 4)));
+static inline vf ld(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+static inline void st(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+int cl_packed_panel_width(void) { return NR; }
+
+/* W (N rows of K, row stride K) -> panels (ceil(N / NR), K, NR), zero past N. */
+void cl_pack_panels(const float *w, float *out, long N, long K, int threads) {
+    long panels = (N + NR - 1) / NR;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (long p = 0; p < panels; p++)
+        for (long k = 0; k < K; k++)
+            for (long j = 0; j < NR; j++) {
+                long n = p * NR + j;
+                out[(p * K + k) * NR + j] = n < N ? w[n * K + k] : 0.f;
+            }
+}
+
+/* `rows` (<= MR) rows of x against one panel: y[i][0..nvalid) = x W^T. */
+static inline __attribute__((always_inline)) void block(int rows, const float *x, long ldx, const float *panel,
+                                                         long K, float *y, long ldy, long nvalid) {
+    vf a0[MR], a1[MR];
+    for (int i = 0; i < MR; i++) { a0[i] = (vf){0}; a1[i] = (vf){0}; }
+    for (long k = 0; k < K; k++) {
+        __builtin_prefetch(panel + (k + PREFETCH_STEPS) * NR);
+        __builtin_prefetch(panel + (k + PREFETCH_STEPS) * NR + VL);
+        vf w0 = ld(panel + k * NR), w1 = ld(panel + k * NR + VL);
+        for (int i = 0; i < MR; i++)
+            if (i < rows) { float xv = x[i * ldx + k]; a0[i] += xv * w0; a1[i] += xv * w1; }
+    }
+    for (int i = 0; i < rows; i++) {
+        float t[NR];
+        st(t, a0[i]); st(t + VL, a1[i]);
+        for (long j = 0; j < nvalid; j++) y[i * ldy + j] = t[j];
+    }
+}
+
+#define BLOCK(R) static void block_##R(const float *x, long ldx, const float *p, long K, float *y, long ldy, \
+                                       long nv) { block(R, x, ldx, p, K, y, ldy, nv); }
+BLOCK(1) BLOCK(2) BLOCK(3) BLOCK(4) BLOCK(5) BLOCK(6)
+#if MR == 12
+BLOCK(7) BLOCK(8) BLOCK(9) BLOCK(10) BLOCK(11) BLOCK(12)
+#endif
+typedef void (*block_fn)(const float *, long, const float *, long, float *, long, long);
+static const block_fn BLOCKS[MR + 1] = {0, block_1, block_2, block_3, block_4, block_5, block_6
+#if MR == 12
+    , block_7, block_8, block_9, block_10, block_11, block_12
+#endif
+};
+
+/* y (M x N, row stride N) = x (M x K, row stride ldx) W^T (+ bias), W as cl_pack_panels left it.
+   Rows are taken ROW_CHUNK at a time so that they stay in cache while every panel passes over them. */
+void cl_packed_linear(const float *x, long ldx, const float *panels, const float *bias, float *y,
+                      long M, long N, long K, int threads) {
+    long count = (N + NR - 1) / NR;
+    for (long m0 = 0; m0 < M; m0 += ROW_CHUNK) {
+        long m1 = m0 + ROW_CHUNK < M ? m0 + ROW_CHUNK : M;
+        #pragma omp parallel for schedule(static) num_threads(threads)
+        for (long p = 0; p < count; p++) {
+            long nvalid = N - p * NR < NR ? N - p * NR : NR;
+            for (long m = m0; m < m1; m += MR) {
+                long rows = m1 - m < MR ? m1 - m : MR;
+                BLOCKS[rows](x + m * ldx, ldx, panels + p * K * NR, K, y + m * N + p * NR, N, nvalid);
+                if (bias)
+                    for (long i = m; i < m + rows; i++)
+                        for (long j = 0; j < nvalid; j++) y[i * N + p * NR + j] += bias[p * NR + j];
+            }
+        }
+    }
+}
+"""
+
+_OPERATOR_SOURCE = r"""
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+/* corelaunch::packed_linear_kernel's CPU kernel, registered with the dispatcher when the library
+   loads (a call from Python costs about 3 us here against 11 us for the same body in Python). */
+static at::Tensor packed_linear_cpu(const at::Tensor &x, const at::Tensor &panels, int64_t out_features,
+                                    const std::optional<at::Tensor> &bias) {
+    TORCH_CHECK(x.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat && panels.dim() == 3
+                && panels.is_contiguous() && x.size(-1) == panels.size(1)
+                && out_features <= panels.size(0) * panels.size(2),
+                "packed_linear takes float32 x (..., K) and panels (count, K, width) holding out_features rows");
+    int64_t k = panels.size(1);
+    at::Tensor rows = x.contiguous();
+    std::vector<int64_t> shape = x.sizes().vec();
+    shape.back() = out_features;
+    at::Tensor out = at::empty(shape, x.options());
+    at::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+    cl_packed_linear(rows.data_ptr<float>(), k, panels.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr,
+                     out.data_ptr<float>(), rows.numel() / k, out_features, k, at::get_num_threads());
+    return out;
+}
+
+TORCH_LIBRARY_IMPL(corelaunch, CPU, m) { m.impl("packed_linear_kernel", &packed_linear_cpu); }
+"""
+
+
+def _host_spec() -> LibrarySpec:
+    """The kernel with its torch operator, compiled as C++ against this torch (headers and libraries)."""
+    import torch.utils.cpp_extension as cpp
+
+    torch_lib = str(Path(torch.__file__).parent / "lib")
+    flags = ("-O3", "-march=native", "-fopenmp", "-std=c++20", "-w",
+             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+             *(f"-I{path}" for path in cpp.include_paths()), f"-L{torch_lib}", "-lc10", "-ltorch_cpu",
+             f"-Wl,-rpath,{torch_lib}")
+    source = 'extern "C" {\n' + _SOURCE + '}\n' + _OPERATOR_SOURCE
+    return LibrarySpec("corelaunch_packed_linear", source, flags, "the packed-panel linear kernel",
+                       f"{_cpu_identity()}torch {torch.__version__}", language="c++")
+
+
+NARROW_SPEC = LibrarySpec("corelaunch_packed_linear_narrow", _SOURCE,
+                          ("-O3", "-march=native", "-fopenmp", "-mno-avx512f"),
+                          "the packed-panel linear kernel without AVX-512", _cpu_identity())
+"""The kernel alone (C, no operator) without AVX-512 (8-float vectors, 6-row blocks), on any host:
+tests and the benchmark check both block sets through run_kernel."""
+
+unavailable_reason: str | None = None
+
+
+@functools.lru_cache(maxsize=None)
+def _library() -> ctypes.CDLL | None:
+    """The host's build, loaded (which registers the operator's CPU kernel), or None when it is
+    turned off or cannot be built (the reason is kept in `unavailable_reason`)."""
+    global unavailable_reason, _host_library
+    if os.environ.get("CORELAUNCH_PACKED_WEIGHTS", "1") == "0":
+        unavailable_reason = "turned off by CORELAUNCH_PACKED_WEIGHTS=0"
+        return None
+    if _host_library is None:  # loaded once per process: a second copy would register the kernel again
+        try:
+            _host_library = build_and_load(_host_spec())
+        except NativeUnavailable as err:
+            unavailable_reason = str(err)
+            return None
+    return _host_library
+
+
+_host_library: ctypes.CDLL | None = None
+
+
+def build_and_load(spec: LibrarySpec) -> ctypes.CDLL:
+    """Build (once per source, flags and CPU) and load the library; raises NativeUnavailable."""
+    lib = native_build.build_and_load(spec)
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+    lib.cl_pack_panels.argtypes, lib.cl_pack_panels.restype = [p, p, i64, i64, i32], None
+    lib.cl_packed_linear.argtypes = [p, i64, p, p, p, i64, i64, i64, i32]
+    lib.cl_packed_linear.restype = None
+    lib.cl_packed_panel_width.argtypes, lib.cl_packed_panel_width.restype = [], ctypes.c_int
+    return lib
+
+
+def available() -> bool:
+    """Whether the library is built and loaded (built now if needed)."""
+    return _library() is not None
+
+
+def pack(weight: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """A float32 (N, K) weight as panels (ceil(N / NR), K, NR) for `lib` (the host's build by default)."""
+    lib = lib or _library()
+    if lib is None:
+        raise RuntimeError(f"the packed-panel kernel is unavailable: {unavailable_reason}")
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        raise ValueError(f"packing takes a 2-D float32 CPU weight, not {weight.dtype} {tuple(weight.shape)} "
+                         f"on {weight.device}")
+    n, k = weight.shape
+    width = lib.cl_packed_panel_width()
+    weight = weight.contiguous()
+    panels = torch.empty(((n + width - 1) // width, k, width), dtype=torch.float32)
+    lib.cl_pack_panels(weight.data_ptr(), panels.data_ptr(), n, k, torch.get_num_threads())
+    return panels
+
+
+def unpack(panels: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The (out_features, K) weight back from its panels (a copy; for checks and tests)."""
+    count, k, width = panels.shape
+    return panels.permute(0, 2, 1).reshape(count * width, k)[:out_features].contiguous()
+
+
+UNPACK_MIN_ROWS = 1024
+"""Products of at least this many rows (prefills) unpack the weight into a temporary and call
+F.linear: there MKL's GEMM is faster than this kernel (machine E), and one copy of the weight costs
+a few percent of such a product."""
+
+
+def run_kernel(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, out_features: int,
+               bias: torch.Tensor | None) -> torch.Tensor:
+    """(..., K) x panels -> (..., out_features) through a given build (the op's body; tests run others)."""
+    k = panels.shape[1]
+    rows = x.reshape(-1, k).contiguous()
+    out = torch.empty((rows.shape[0], out_features), dtype=torch.float32)
+    bias = None if bias is None else bias.to(torch.float32).contiguous()
+    lib.cl_packed_linear(rows.data_ptr(), k, panels.data_ptr(), None if bias is None else bias.data_ptr(),
+                         out.data_ptr(), rows.shape[0], out_features, k, torch.get_num_threads())
+    return out.view(*x.shape[:-1], out_features)
+
+
+# The operator's schema and its shape function live here, so that torch.compile can trace it before
+# anything is built; its CPU kernel is C++, in the library (_OPERATOR_SOURCE), registered when
+# _library() loads it. A model is only packed after that (workers/packed_weight.py).
+_OPS = torch.library.Library("corelaunch", "FRAGMENT")
+_OPS.define("packed_linear_kernel(Tensor x, Tensor panels, int out_features, Tensor? bias) -> Tensor")
+
+
+@torch.library.register_fake("corelaunch::packed_linear_kernel")
+def _packed_linear_shape(x, panels, out_features, bias):
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def packed_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T (+ bias) with W packed by `pack`: one operator call in a compiled graph. Products of
+    UNPACK_MIN_ROWS rows or more (prefills) take F.linear on the weight unpacked for the call."""
+    if x.numel() // x.shape[-1] >= UNPACK_MIN_ROWS:
+        return torch.nn.functional.linear(x, unpack(panels, out_features), bias)
+    return torch.ops.corelaunch.packed_linear_kernel(x, panels, out_features, bias)
