@@ -1,4 +1,4 @@
-"""Decode speed by batch size, with and without the small-batch linear kernel, side by side.
+"""Decode speed by batch size through the linear kernels, side by side.
 
 SmolLM2-135M (float32 and, with --int8, a per-channel int8 copy quantized once with `corelaunch
 quantize`), TP 1, two threads, the worker code in-process (benchmarks/decode.py's runner,
@@ -7,12 +7,16 @@ prompt generates `--new-tokens` greedy tokens; the figure is the batch's decode 
 (B x one row's decode tokens/s) and the time of one decode step. Variants, each in its own process
 (the kernel's use is fixed when a graph is traced), alternating in `--rounds` rounds:
 
-    kernel      as corelaunch runs: products of 2-16 float32 rows, and 8-bit weights, through
-                workers/kernels/small_linear.py
-    torch       CORELAUNCH_SMALL_LINEAR=0: MKL's GEMM for 2-16 rows, the compiled multiply-and-sum
-                for one row and for 8-bit weights
+    packed      as corelaunch runs: float32 weights packed as column panels, every product through
+                workers/kernels/packed_linear.py (prefill-sized ones through F.linear); 8-bit
+                weights through workers/kernels/small_linear.py
+    kernel      CORELAUNCH_PACKED_WEIGHTS=0: float32 products of 2 to max_rows() rows, and 8-bit
+                weights, through workers/kernels/small_linear.py
+    torch       both off: MKL's GEMM for several rows, the compiled multiply-and-sum for one row
+                and for 8-bit weights
 
-Prints one JSON object with medians and the kernel / torch ratios.
+Prints one JSON object with medians, the step time, the batch's time to first token (its prefill)
+and the packed / kernel and kernel / torch ratios.
 
     python benchmarks/decode_batch.py [--batches 1,2,4,8,16] [--new-tokens 32] [--rounds 2] [--int8]
 """
@@ -31,7 +35,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-VARIANTS = {"kernel": "1", "torch": "0"}
+VARIANTS = {"packed": {"CORELAUNCH_PACKED_WEIGHTS": "1", "CORELAUNCH_SMALL_LINEAR": "1"},
+            "kernel": {"CORELAUNCH_PACKED_WEIGHTS": "0", "CORELAUNCH_SMALL_LINEAR": "1"},
+            "torch": {"CORELAUNCH_PACKED_WEIGHTS": "0", "CORELAUNCH_SMALL_LINEAR": "0"}}
 
 
 def child(model_dir: str, batches: list[int], new_tokens: int) -> dict:
@@ -60,12 +66,12 @@ def child(model_dir: str, batches: list[int], new_tokens: int) -> dict:
         outs = worker.generate(request)
         rate = outs[0].decode_tokens_per_s
         result[batch] = {"tokens_per_s": round(batch * rate, 2), "step_ms": round(1000 / rate, 2),
-                         "tokens": outs[0].token_ids[:8]}
+                         "ttft_s": round(outs[0].time_to_first_token_s, 4), "tokens": outs[0].token_ids[:8]}
     return result
 
 
 def run_variant(variant: str, model_dir: str, args) -> dict:
-    env = dict(os.environ, CORELAUNCH_SMALL_LINEAR=VARIANTS[variant])
+    env = dict(os.environ, **VARIANTS[variant])
     proc = subprocess.run([sys.executable, __file__, "--child", model_dir, "--batches", args.batches,
                            "--new-tokens", str(args.new_tokens)], env=env, capture_output=True, text=True)
     if proc.returncode:
@@ -115,13 +121,15 @@ def main() -> None:
         for batch in batches:
             med = {v: statistics.median(r["tokens_per_s"] for r in runs[model][v][batch]) for v in VARIANTS}
             step = {v: statistics.median(r["step_ms"] for r in runs[model][v][batch]) for v in VARIANTS}
-            section[batch] = {"tokens_per_s": med, "step_ms": step,
+            ttft = {v: statistics.median(r["ttft_s"] for r in runs[model][v][batch]) for v in VARIANTS}
+            section[batch] = {"tokens_per_s": med, "step_ms": step, "ttft_s": ttft,
+                              "packed_over_kernel": round(med["packed"] / med["kernel"], 3),
                               "kernel_over_torch": round(med["kernel"] / med["torch"], 3)}
-        section["first_tokens_equal"] = tokens[model]["kernel"] == tokens[model]["torch"]
+        section["first_tokens_equal"] = len({tuple(tokens[model][v]) for v in VARIANTS}) == 1
         report[model] = section
     if "int8" in models:
-        report["int8_kernel_over_float32_kernel"] = {
-            b: round(report["int8"][b]["tokens_per_s"]["kernel"] / report["float32"][b]["tokens_per_s"]["kernel"], 3)
+        report["int8_over_float32_as_run"] = {
+            b: round(report["int8"][b]["tokens_per_s"]["packed"] / report["float32"][b]["tokens_per_s"]["packed"], 3)
             for b in batches}
     print(json.dumps(report))
 

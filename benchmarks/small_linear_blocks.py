@@ -1,14 +1,19 @@
-"""The small-batch kernel's register blocks side by side, one JSON report.
+"""The linear kernels side by side on one decode step's products, one JSON report.
 
 For M rows of x (a decode step of M sequences), times the products of one SmolLM2-135M decode step
 (30 layers' q/k/v/o/gate/up/down shapes plus the 49152-row LM head, float32) through:
-- the host's build of workers/kernels/small_linear.py (the 16-accumulator blocks where AVX-512 is
-  there, else the 8-accumulator ones);
-- the same source built without AVX-512 (the 8-accumulator blocks; the same build on an AVX2 host);
-- F.linear (MKL's GEMM), which products of more than max_rows() rows take.
-Best of --repeats passes per variant, variants interleaved in one process.
+- packed: workers/kernels/packed_linear.py on weights packed as column panels (what the cpu
+  backend runs for float32 weights), the host's build;
+- packed_narrow: the same source built without AVX-512 (8-float vectors, 6-row blocks);
+- host_build: the row-layout small-batch kernel, workers/kernels/small_linear.py (the
+  16-accumulator blocks where AVX-512 is there, else the 8-accumulator ones; what float32 weights
+  take with CORELAUNCH_PACKED_WEIGHTS=0, and 8-bit weights always);
+- narrow_blocks: that source built without AVX-512;
+- f_linear: F.linear (MKL's GEMM) on the checkpoint layout.
+Best of --repeats passes per variant, variants interleaved in one process. Prefill sizes (--rows
+128,512) are allowed: packed products of UNPACK_MIN_ROWS rows or more go to F.linear anyway.
 
-    python benchmarks/small_linear_blocks.py [--rows 2,4,8,16,24,32] [--repeats 5]
+    python benchmarks/small_linear_blocks.py [--rows 1,2,4,8,16,24,32] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from workers.kernels import packed_linear as packed  # noqa: E402
 from workers.kernels import small_linear as small  # noqa: E402
 
 HIDDEN, INTERMEDIATE, KV, LAYERS, VOCAB = 576, 1536, 192, 30, 49152
@@ -38,20 +44,20 @@ def step_weights() -> list[torch.Tensor]:
     return [torch.randn(n, k, generator=g) for n, k in layer * LAYERS + [(VOCAB, HIDDEN)]]
 
 
-def best_pass_s(product, weights: list[torch.Tensor], rows: int, repeats: int) -> float:
-    inputs = {k: torch.randn(rows, k) for k in {w.shape[1] for w in weights}}
+def best_pass_s(product, weights: list, rows: int, repeats: int) -> float:
+    inputs = {k: torch.randn(rows, k) for k in {w.shape[-2 if w.dim() == 3 else 1] for w in weights}}
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         for w in weights:
-            product(inputs[w.shape[1]], w)
+            product(inputs[w.shape[-2 if w.dim() == 3 else 1]], w)
         best = min(best, time.perf_counter() - start)
     return best
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", default="2,4,8,16,24,32", help="rows of x, comma-separated")
+    parser.add_argument("--rows", default="1,2,4,8,16,24,32", help="rows of x, comma-separated")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     args = parser.parse_args()
@@ -63,20 +69,38 @@ def main() -> None:
     if host is None:
         sys.exit(f"the kernel is unavailable: {small.unavailable_reason}")
     narrow = small.build_and_load(small.NARROW_SPEC)
-    variants = {"host_build": lambda x, w: small.run_kernel(host, x, w, None, None),
-                "narrow_blocks": lambda x, w: small.run_kernel(narrow, x, w, None, None),
-                "f_linear": F.linear}
+    packed_host, packed_narrow = packed._library(), packed.build_and_load(packed.NARROW_SPEC)
+    if packed_host is None:
+        sys.exit(f"the packed kernel is unavailable: {packed.unavailable_reason}")
     weights = step_weights()
+    out_features = {}  # panels -> the weight's rows (a panel tensor's own shape is padded)
+    panels = {name: [packed.pack(w, lib) for w in weights] for name, lib in
+              (("packed", packed_host), ("packed_narrow", packed_narrow))}
+    for name in panels:
+        out_features.update({id(p): w.shape[0] for p, w in zip(panels[name], weights)})
+
+    def run_packed(lib):
+        return lambda x, p: packed.run_kernel(lib, x, p, out_features[id(p)], None)
+
+    variants = {"packed": (run_packed(packed_host), panels["packed"]),
+                "packed_narrow": (run_packed(packed_narrow), panels["packed_narrow"]),
+                "host_build": (lambda x, w: small.run_kernel(host, x, w, None, None), weights),
+                "narrow_blocks": (lambda x, w: small.run_kernel(narrow, x, w, None, None), weights),
+                "f_linear": (F.linear, weights)}
     weight_bytes = sum(w.numel() * 4 for w in weights)
     report = {"host_build_is_wide": bool(host.cl_small_linear_wide()), "max_rows": small.max_rows(),
+              "packed_panel_width": packed_host.cl_packed_panel_width(), "unpack_min_rows": packed.UNPACK_MIN_ROWS,
               "threads": args.threads, "weight_bytes": weight_bytes, "rows": {}}
     for m in rows:
-        seconds = {name: best_pass_s(fn, weights, m, args.repeats) for name, fn in variants.items()}
+        seconds = {name: best_pass_s(fn, ws, m, args.repeats) for name, (fn, ws) in variants.items()}
         report["rows"][str(m)] = {
             "ms": {name: round(s * 1e3, 2) for name, s in seconds.items()},
             "gflops": {name: round(2 * m * weight_bytes / 4 / s / 1e9, 1) for name, s in seconds.items()},
+            "weight_gb_per_s": {name: round(weight_bytes / s / 1e9, 1) for name, s in seconds.items()},
             "narrow_over_host": round(seconds["narrow_blocks"] / seconds["host_build"], 3),
             "f_linear_over_host": round(seconds["f_linear"] / seconds["host_build"], 3),
+            "host_build_over_packed": round(seconds["host_build"] / seconds["packed"], 3),
+            "f_linear_over_packed": round(seconds["f_linear"] / seconds["packed"], 3),
         }
         print(f"rows {m}: {report['rows'][str(m)]['ms']}", file=sys.stderr, flush=True)
     print(json.dumps(report, indent=2))
