@@ -10,8 +10,9 @@ For M rows of x (a decode step of M sequences), times the products of one SmolLM
   take with CORELAUNCH_PACKED_WEIGHTS=0, and 8-bit weights always);
 - narrow_blocks: that source built without AVX-512;
 - f_linear: F.linear (MKL's GEMM) on the checkpoint layout.
-Best of --repeats passes per variant, variants interleaved in one process. Prefill sizes (--rows
-128,512) are allowed: packed products of UNPACK_MIN_ROWS rows or more go to F.linear anyway.
+Best of --repeats passes per variant, variants interleaved in one process. Every row count runs
+each kernel itself, prefill sizes too (--rows 128,512); in a model, packed products of
+UNPACK_MIN_ROWS rows or more take F.linear on the unpacked weight instead.
 
     python benchmarks/small_linear_blocks.py [--rows 1,2,4,8,16,24,32] [--repeats 5]
 """

@@ -165,3 +165,36 @@ def test_packed_fused_projections_match_transformers():
                 packed_weights=True)
     by_rank = run_tp_in_process(2, [case], timeout_s=120)
     assert [token_ids(r) for r in by_rank[0]["qwen2_bias_tp2"][:len(refs)]] == [[r] for r in refs]
+
+
+def test_packed_families_moe_and_sequence_parallel_match_transformers():
+    """At TP 2, packed: Gemma 3 (scaled, tied embedding, q/k norms, windows) with sequence
+    parallelism, and Mixtral with expert parallelism (its router packed, its experts not)."""
+    from tests.test_sequence_parallel import model_source
+    from tests.tp_harness import Case, run_tp_in_process, token_ids
+    from shardlib.expert_sharding import EXPERT_PARALLEL
+
+    cases = []
+    for name, sharding in (("gemma3", None), ("mixtral", EXPERT_PARALLEL)):
+        config, state, _, requests = model_source(name)
+        cases.append(Case(name, config, state, requests, moe_sharding=sharding, sequence_parallel=True,
+                          packed_weights=True))
+    by_rank = run_tp_in_process(2, cases, timeout_s=180)
+    for case in cases:
+        refs = model_source(case.name)[2]
+        for rank in range(2):
+            assert [token_ids(o)[0] for o in by_rank[rank][case.name][:2]] == refs, (case.name, rank)
+
+
+def test_the_operator_refuses_panels_and_bias_that_do_not_fit():
+    w = torch.randn(40, 24)
+    panels = kernel.pack(w)
+    x = torch.randn(3, 24)
+    narrow = kernel.pack(w, kernel.build_and_load(kernel.NARROW_SPEC))
+    if narrow.shape[2] != panels.shape[2]:  # AVX-512 hosts: panels of the other width are refused
+        with pytest.raises(RuntimeError, match="packed by this build"):
+            torch.ops.corelaunch.packed_linear_kernel(x, narrow, 40, None)
+    with pytest.raises(RuntimeError, match="bias has 39 elements, not out_features 40"):
+        torch.ops.corelaunch.packed_linear_kernel(x, panels, 40, torch.zeros(39))
+    with pytest.raises(RuntimeError, match="out_features"):
+        torch.ops.corelaunch.packed_linear_kernel(x, panels, 40 + panels.shape[2], None)

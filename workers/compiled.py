@@ -25,10 +25,12 @@ graph covers is the same choice at every TP degree (`granularity`):
   to measure against (benchmarks/tp_scaling.py).
 The README's Measured table has the figures behind the default.
 
-Decode matmuls: with one row per step, workers.layers.linear writes the product as a
-multiply-and-sum inside compiled graphs, which inductor turns into a vectorised reduction split
-over the threads and streams the weights at more than twice the rate of the BLAS GEMV that
-F.linear calls (the README's Measured table, "where decode time goes").
+Decode matmuls: on the cpu backend float32 weights are packed as column panels and every product
+is one call of the packed-panel operator (workers/kernels/packed_linear.py), which a graph keeps as
+an extern call. Unpacked, a one-row product is written by workers.layers.linear as a
+multiply-and-sum that inductor turns into a vectorised reduction split over the threads, streaming
+the weights at more than twice the rate of the BLAS GEMV that F.linear calls (the README's
+Measured table, "where decode time goes").
 
 Persisted compilation: inductor's FX-graph and AOTAutograd caches live under TORCHINDUCTOR_CACHE_DIR
 (set per worker by the backend, pointing into a compiled-model directory); a later process that

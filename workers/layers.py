@@ -28,18 +28,20 @@ GEMV_MAX_ROWS = 1
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x W^T + b, as F.linear; but traced by torch.compile with at most GEMV_MAX_ROWS rows (a
-    decode step), the product is written as a multiply-and-sum over the input dimension.
+    """y = x W^T + b, as F.linear, by the fastest path for the weight's form and the row count.
 
-    Inductor turns that into one fused, vectorised reduction split over the threads, which streams
-    the weight at memory bandwidth; F.linear there becomes a call to the BLAS GEMV, which on the
-    development machine streams it at about a third of that (see workers/compiled.py for the numbers).
-    Eager mode keeps F.linear: there the multiply would materialise a (rows, out, in) tensor.
-
-    Float32 products of 2 to small.max_rows() rows (decode steps of several sequences), compiled or
-    eager, go to the small-batch C kernel (workers/kernels/small_linear.py), which streams the
-    weight faster than MKL's GEMM does at those sizes; 8-bit weights go there too, except a
-    compiled one-row product (QuantizedWeight.linear).
+    - A PackedWeight (the cpu backend's float32 weights, workers/packed_weight.py): the packed-panel
+      kernel for every row count, compiled or eager (prefill-sized products: MKL on the unpacked
+      weight).
+    - A QuantizedWeight (8-bit): QuantizedWeight.linear (the small-batch kernel, a compiled one-row
+      multiply-and-sum, or F.linear on a dequantized temporary).
+    - A plain float32 tensor (packing off, or another backend's weight on the CPU): products of 2
+      to small.max_rows() rows go to the small-batch C kernel (workers/kernels/small_linear.py);
+      traced by torch.compile with at most GEMV_MAX_ROWS rows (a decode step), the product is
+      written as a multiply-and-sum over the input dimension, which inductor turns into one fused,
+      vectorised reduction that streams the weight at memory bandwidth (F.linear there becomes the
+      BLAS GEMV, measured at about a third of that); eager mode and larger products keep F.linear
+      (eagerly the multiply would materialise a (rows, out, in) tensor).
     """
     rows = x.numel() // x.shape[-1]
     gemv = torch.compiler.is_compiling() and rows <= GEMV_MAX_ROWS

@@ -1,10 +1,13 @@
-"""Small C libraries compiled once on the host and loaded with ctypes, safely.
+"""Small native libraries compiled once on the host and loaded with ctypes, safely.
 
 The shared-memory collectives' synchronisation (workers/shm/native.py) and the small-batch linear
-kernel (workers/kernels/small_linear.py) are C sources compiled with the system C compiler at first
-use into this user's own directory of the corelaunch cache ($CORELAUNCH_CACHE/native/uid<uid>,
-mode 0700), one file per version of the source and flags, and loaded with ctypes (which releases
-the GIL during a call). The cache may be shared, so nothing is loaded from a directory or file
+kernel (workers/kernels/small_linear.py) are C sources compiled with the system C compiler, and
+the packed-panel kernel with its torch operator (workers/kernels/packed_linear.py) a C++ source
+compiled against the installed torch (a C++ compiler, its headers, and libtorch linked with an
+rpath into torch's own lib directory). Each is built at first use into this user's own directory
+of the corelaunch cache ($CORELAUNCH_CACHE/native/uid<uid>, mode 0700), one file per version of
+the source and flags, and loaded with ctypes (which releases the GIL during a call; loading the
+C++ one also registers its operator with torch's dispatcher). The cache may be shared, so nothing is loaded from a directory or file
 another user owns or could write to (see `build`).
 """
 
@@ -154,7 +157,7 @@ def _compile(dir_fd: int, directory: Path, spec: "LibrarySpec") -> None:
             out = Path(tmp) / name
             # The flags after the source: libraries named there (-l) link only when they follow it.
             proc = subprocess.run([compiler, "-shared", "-fPIC", "-o", str(out), str(src), *spec.flags],
-                                  capture_output=True, text=True, timeout=120)
+                                  capture_output=True, text=True, timeout=120 if spec.language == "c" else 600)
             if proc.returncode != 0:
                 raise NativeUnavailable(f"{compiler} failed to build {spec.what}:\n{proc.stderr.strip()}")
             data = out.read_bytes()

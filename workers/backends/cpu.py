@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
@@ -54,9 +55,13 @@ class CpuBackend(Backend):
     def prepare_model(self, model: torch.nn.Module, compile: CompileOptions | None = None):
         """Float32 linear weights repacked as column panels (workers/packed_weight.py), then eager,
         or inductor graphs per bucket (workers/backends/inductor.py)."""
+        from workers.kernels import packed_linear
         from workers.packed_weight import pack_linear_weights
 
-        pack_linear_weights(model)
+        if not pack_linear_weights(model) and os.environ.get("CORELAUNCH_PACKED_WEIGHTS", "1") != "0":
+            # Slower, not wrong: the layers fall back to the small-batch kernel and F.linear.
+            warnings.warn(f"corelaunch: float32 weights are not packed ({packed_linear.unavailable_reason or 'none to pack'}); "
+                          f"decode products take the slower paths", RuntimeWarning, stacklevel=2)
         return model if compile is None else compile_per_bucket(model, compile)
 
     def shutdown(self) -> None:

@@ -136,9 +136,15 @@ _OPERATOR_SOURCE = r"""
 static at::Tensor packed_linear_cpu(const at::Tensor &x, const at::Tensor &panels, int64_t out_features,
                                     const std::optional<at::Tensor> &bias) {
     TORCH_CHECK(x.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat && panels.dim() == 3
-                && panels.is_contiguous() && x.size(-1) == panels.size(1)
-                && out_features <= panels.size(0) * panels.size(2),
-                "packed_linear takes float32 x (..., K) and panels (count, K, width) holding out_features rows");
+                && panels.is_contiguous() && panels.size(1) > 0 && x.size(-1) == panels.size(1)
+                && panels.size(2) == cl_packed_panel_width() && out_features > 0
+                && out_features <= panels.size(0) * panels.size(2)
+                && out_features > (panels.size(0) - 1) * panels.size(2),
+                "packed_linear_kernel takes float32 x (..., K > 0) and panels (count, K, ", cl_packed_panel_width(),
+                ") packed by this build for out_features rows; got x ", x.sizes(), " ", x.scalar_type(), ", panels ",
+                panels.sizes(), ", out_features ", out_features);
+    TORCH_CHECK(!bias.has_value() || bias->numel() == out_features, "packed_linear_kernel: bias has ",
+                bias.has_value() ? bias->numel() : 0, " elements, not out_features ", out_features);
     int64_t k = panels.size(1);
     at::Tensor rows = x.contiguous();
     std::vector<int64_t> shape = x.sizes().vec();

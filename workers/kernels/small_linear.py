@@ -1,5 +1,9 @@
 """y = x W^T (* scale) (+ bias) for a few rows of x, by a small C kernel: fp32, int8 and fp8 weights.
 
+On the cpu backend float32 weights are packed as column panels and take packed_linear.py instead;
+this kernel serves 8-bit weights, and float32 ones only where they are not packed
+(CORELAUNCH_PACKED_WEIGHTS=0, or a weight of another backend on the CPU).
+
 Why: a decode step multiplies 1 to 16 rows (the running sequences) by every weight. That is
 memory traffic, not arithmetic, and the library paths stream the weights slowly there:
 - float32, 2-16 rows: MKL's GEMM (F.linear) reaches a fraction of the host's read bandwidth (it
