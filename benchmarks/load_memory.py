@@ -5,7 +5,10 @@ reports its added peak resident memory (VmHWM after loading minus VmHWM after it
 time, and the bytes it read through read calls (rchar of /proc/self/io; pages reached through a
 memory map are not counted there). Cases: TP 1 rank 0, TP 3 rank 0, and the TP 3 rank with the
 largest shard when that is not rank 0; each from the Hugging Face checkpoint and from a pre-sharded
-copy written once into a temporary directory.
+copy written once into a temporary directory. Then a TP 1 rank's whole load through the worker
+(workers.rank_worker.RankWorker, eager): reading the shard, building the model and the cpu
+backend's preparation, with its float32 weights packed as column panels (as it runs) and with
+CORELAUNCH_PACKED_WEIGHTS=0, to show what packing adds to the peak (the largest matrix at most).
 
     python benchmarks/load_memory.py [--repeats 5] [--model-dir DIR]
 """
@@ -36,8 +39,34 @@ def _proc_field(path: str, key: str) -> int:
     raise KeyError(key)
 
 
+def _child_worker(spec: dict) -> dict:
+    """A TP 1 rank's load through RankWorker (eager), packing as the spec says."""
+    import os
+
+    os.environ["CORELAUNCH_PACKED_WEIGHTS"] = "1" if spec["packed"] else "0"
+    from shardlib.model_config import load_model_config
+    from shardlib.sharding import ShardLayout
+    from workers.kernels import packed_linear
+    from workers.rank_worker import LoadSpec, RankWorker, WorkerSpec
+
+    config = load_model_config(spec["model_dir"])
+    worker = RankWorker(WorkerSpec(rank=0, world_size=1, backend="cpu", threads=2))
+    worker.init_backend("127.0.0.1", 0, timeout_s=60)
+    packed_linear.available()  # the kernel's build and load are not the model's memory
+    hwm_before = _proc_field("/proc/self/status", "VmHWM:") * 1024
+    read_before = _proc_field("/proc/self/io", "rchar:")
+    start = time.perf_counter()
+    stats = worker.load(LoadSpec(config=config, layout=ShardLayout.for_model(config, 1), dtype=config.torch_dtype,
+                                 model_dir=spec["model_dir"], compile=False))
+    return {"added_peak_bytes": _proc_field("/proc/self/status", "VmHWM:") * 1024 - hwm_before,
+            "load_time_s": time.perf_counter() - start,
+            "bytes_read": _proc_field("/proc/self/io", "rchar:") - read_before, "shard_bytes": stats.shard_bytes}
+
+
 def _child(spec: dict) -> dict:
     """Runs in the fresh process: import, take the baseline, load, measure."""
+    if spec["source"] == "worker":
+        return _child_worker(spec)
     from shardlib.checkpoint import load_rank_shard
     from shardlib.model_config import load_model_config
     from shardlib.presharded import load_presharded
@@ -76,6 +105,7 @@ def _summary(spec: dict, runs: list[dict]) -> dict:
     times = [r["load_time_s"] for r in runs]
     return {
         "tp": spec["tp"], "rank": spec["rank"], "source": spec["source"],
+        **({"packed": spec["packed"]} if "packed" in spec else {}),
         "shard_bytes": shard,
         "added_peak_bytes": peak,
         "added_peak_over_shard": round(peak / shard, 3),
@@ -129,6 +159,8 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"pre-sharded TP {tp} written in {time.perf_counter() - start:.1f} s", file=sys.stderr)
         specs = [{"model_dir": str(model_dir), "tp": tp, "rank": rank, "source": source,
                   "presharded_dir": pre_dirs[tp]} for tp, rank in cases for source in ("checkpoint", "presharded")]
+        specs += [{"model_dir": str(model_dir), "tp": 1, "rank": 0, "source": "worker", "packed": packed}
+                  for packed in (True, False)]
         runs: list[list[dict]] = [[] for _ in specs]
         for _ in range(args.repeats):  # interleaved, so a burst of load on the machine hits every case
             for spec, spec_runs in zip(specs, runs):
@@ -161,6 +193,8 @@ def main(argv: list[str] | None = None) -> dict:
         "tp3_over_tp1_ok": ratio <= TARGET_TP3_OVER_TP1,
         "presharded_vs_original": pre_vs_orig,
         "presharded_ok": all(v["added_peak_ratio"] <= 1.02 and v["speedup"] >= 1.0 for v in pre_vs_orig.values()),
+        "worker_load_added_peak_over_shard": {("packed" if r["packed"] else "unpacked"): r["added_peak_over_shard"]
+                                              for r in results if r["source"] == "worker"},
     }
     print(json.dumps(report, indent=1))
     return report
