@@ -113,6 +113,9 @@ class OpenAIServer:
 
     def __init__(self, settings: ServerSettings):
         from launcher.api import LaunchConfig, Launcher, load_tokenizer
+        from launcher.serving.port_rebind import allow_port_rebinding
+
+        allow_port_rebinding()  # before Serve binds this replica's own server (direct ingress)
 
         launch = dict(settings.launch)
         if launch.get("cpus_per_rank") is None:
