@@ -45,13 +45,13 @@ def step_weights() -> list[torch.Tensor]:
     return [torch.randn(n, k, generator=g) for n, k in layer * LAYERS + [(VOCAB, HIDDEN)]]
 
 
-def best_pass_s(product, weights: list, rows: int, repeats: int) -> float:
-    inputs = {k: torch.randn(rows, k) for k in {w.shape[-2 if w.dim() == 3 else 1] for w in weights}}
+def best_pass_s(product, weights: list[torch.Tensor], rows: int, repeats: int) -> float:
+    inputs = {k: torch.randn(rows, k) for k in {w.shape[1] for w in weights}}
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         for w in weights:
-            product(inputs[w.shape[-2 if w.dim() == 3 else 1]], w)
+            product(inputs[w.shape[1]], w)
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -74,26 +74,21 @@ def main() -> None:
     if packed_host is None:
         sys.exit(f"the packed kernel is unavailable: {packed.unavailable_reason}")
     weights = step_weights()
-    out_features = {}  # panels -> the weight's rows (a panel tensor's own shape is padded)
-    panels = {name: [packed.pack(w, lib) for w in weights] for name, lib in
-              (("packed", packed_host), ("packed_narrow", packed_narrow))}
-    for name in panels:
-        out_features.update({id(p): w.shape[0] for p, w in zip(panels[name], weights)})
 
-    def run_packed(lib):
-        return lambda x, p: packed.run_kernel(lib, x, p, out_features[id(p)], None)
+    def run_packed(lib):  # each weight's panels for this build, made once, looked up by the weight
+        panels = {id(w): packed.pack(w, lib) for w in weights}
+        return lambda x, w: packed.run_kernel(lib, x, panels[id(w)], w.shape[0], None)
 
-    variants = {"packed": (run_packed(packed_host), panels["packed"]),
-                "packed_narrow": (run_packed(packed_narrow), panels["packed_narrow"]),
-                "host_build": (lambda x, w: small.run_kernel(host, x, w, None, None), weights),
-                "narrow_blocks": (lambda x, w: small.run_kernel(narrow, x, w, None, None), weights),
-                "f_linear": (F.linear, weights)}
+    variants = {"packed": run_packed(packed_host), "packed_narrow": run_packed(packed_narrow),
+                "host_build": lambda x, w: small.run_kernel(host, x, w, None, None),
+                "narrow_blocks": lambda x, w: small.run_kernel(narrow, x, w, None, None),
+                "f_linear": F.linear}
     weight_bytes = sum(w.numel() * 4 for w in weights)
     report = {"host_build_is_wide": bool(host.cl_small_linear_wide()), "max_rows": small.max_rows(),
               "packed_panel_width": packed_host.cl_packed_panel_width(), "unpack_min_rows": packed.UNPACK_MIN_ROWS,
               "threads": args.threads, "weight_bytes": weight_bytes, "rows": {}}
     for m in rows:
-        seconds = {name: best_pass_s(fn, ws, m, args.repeats) for name, (fn, ws) in variants.items()}
+        seconds = {name: best_pass_s(fn, weights, m, args.repeats) for name, fn in variants.items()}
         report["rows"][str(m)] = {
             "ms": {name: round(s * 1e3, 2) for name, s in seconds.items()},
             "gflops": {name: round(2 * m * weight_bytes / 4 / s / 1e9, 1) for name, s in seconds.items()},

@@ -91,14 +91,12 @@ def test_a_compiled_graph_keeps_the_kernel_as_one_call_and_agrees_with_eager():
 def test_turned_off_by_the_environment(monkeypatch):
     from workers.packed_weight import pack_linear_weights
 
-    kernel._library.cache_clear()
     monkeypatch.setenv("CORELAUNCH_PACKED_WEIGHTS", "0")
     try:
         assert kernel._library() is None and "CORELAUNCH_PACKED_WEIGHTS=0" in kernel.unavailable_reason
         layer = torch.nn.Linear(4, 4)
         assert pack_linear_weights(layer) == 0 and isinstance(layer.weight, torch.nn.Parameter)
     finally:
-        kernel._library.cache_clear()
         monkeypatch.delenv("CORELAUNCH_PACKED_WEIGHTS")
         assert kernel._library() is not None
 

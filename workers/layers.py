@@ -43,10 +43,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
       BLAS GEMV, measured at about a third of that); eager mode and larger products keep F.linear
       (eagerly the multiply would materialise a (rows, out, in) tensor).
     """
-    rows = x.numel() // x.shape[-1]
-    gemv = torch.compiler.is_compiling() and rows <= GEMV_MAX_ROWS
     if isinstance(weight, PackedWeight):  # float32 panels (cpu backend): one kernel for every row count
         return weight.linear(x, bias)
+    rows = x.numel() // x.shape[-1]
+    gemv = torch.compiler.is_compiling() and rows <= GEMV_MAX_ROWS
     if isinstance(weight, QuantizedWeight):  # 8-bit weight, dequantized inside the product
         return weight.linear(x, bias, gemv)
     if rows >= 2 and small.usable(x, weight):

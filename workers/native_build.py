@@ -134,6 +134,11 @@ def _open_trusted(dir_fd: int, name: str) -> int | None:
     return fd
 
 
+_COMPILERS = {"c": ("CC", ("cc", "gcc"), "c", 120), "c++": ("CXX", ("c++", "g++"), "cpp", 600)}
+"""language -> (environment variable, compilers to look for, source suffix, seconds a build may take:
+a C++ source includes torch's headers)."""
+
+
 def _compile(dir_fd: int, directory: Path, spec: "LibrarySpec") -> None:
     """Compile `spec` and move the library into the trusted directory as spec.name, atomically.
 
@@ -141,23 +146,20 @@ def _compile(dir_fd: int, directory: Path, spec: "LibrarySpec") -> None:
     temporary name in the trusted directory (O_EXCL, mode 0700) and renamed over `name`, so
     concurrent ranks and launches never load a half-written library and the last rename wins
     with identical contents."""
-    if spec.language == "c++":
-        compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-        if not compiler:
-            raise NativeUnavailable(f"no C++ compiler found (c++, g++ or $CXX); it builds {spec.what} once")
-    else:
-        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-        if not compiler:
-            raise NativeUnavailable(f"no C compiler found (cc, gcc or $CC); it builds {spec.what} once")
+    variable, names, suffix, timeout_s = _COMPILERS[spec.language]
+    compiler = os.environ.get(variable) or next(filter(None, map(shutil.which, names)), None)
+    if not compiler:
+        raise NativeUnavailable(f"no {spec.language.upper()} compiler found ({', '.join(names)} or ${variable}); "
+                                f"it builds {spec.what} once")
     name, tmp_name = spec.name, None
     try:
         with tempfile.TemporaryDirectory(prefix="corelaunch-native-") as tmp:
-            src = Path(tmp) / ("source.cpp" if spec.language == "c++" else "source.c")
+            src = Path(tmp) / f"source.{suffix}"
             src.write_text(spec.source)
             out = Path(tmp) / name
             # The flags after the source: libraries named there (-l) link only when they follow it.
             proc = subprocess.run([compiler, "-shared", "-fPIC", "-o", str(out), str(src), *spec.flags],
-                                  capture_output=True, text=True, timeout=120 if spec.language == "c" else 600)
+                                  capture_output=True, text=True, timeout=timeout_s)
             if proc.returncode != 0:
                 raise NativeUnavailable(f"{compiler} failed to build {spec.what}:\n{proc.stderr.strip()}")
             data = out.read_bytes()

@@ -56,18 +56,18 @@ class PackedWeight(nn.Module):
 
 
 def _packable(name: str, value: object, module: nn.Module) -> bool:
-    from workers.layers import LayerNorm, RMSNorm, VocabParallelEmbedding
+    from workers.layers import LayerNorm, RMSNorm
 
-    if isinstance(module, (RMSNorm, LayerNorm, VocabParallelEmbedding)):
-        return False  # a norm's scale, or the embedding table (packed only when it is the LM head)
-    return (name.endswith("weight") and isinstance(value, nn.Parameter) and value.dim() == 2
-            and value.dtype == torch.float32 and value.device.type == "cpu")
+    return (not isinstance(module, (RMSNorm, LayerNorm)) and name.endswith("weight")
+            and isinstance(value, nn.Parameter) and value.dim() == 2 and value.dtype == torch.float32
+            and value.device.type == "cpu")
 
 
 def pack_linear_weights(model: nn.Module) -> int:
     """Replace the model's float32 linear weights by PackedWeights, in place; returns how many were
     packed (0 when the kernel is unavailable or turned off). One weight object shared by several
-    places (a tied LM head and embedding) becomes one PackedWeight shared the same way.
+    places (a tied LM head and embedding) becomes one PackedWeight shared the same way; an embedding
+    table held nowhere else is only ever looked up, and stays as it is.
 
     Weights are packed one at a time and each original is dropped as soon as its last place holds
     the packed copy, so loading peaks at one extra matrix, not a second copy of the model (the
@@ -76,17 +76,16 @@ def pack_linear_weights(model: nn.Module) -> int:
         return 0
     from workers.layers import VocabParallelEmbedding
 
-    places = [(module, name) for module in model.modules() for name, value in module._parameters.items()
-              if value is not None and _packable(name, value, module)]
-    packed_ids = {id(module._parameters[name]) for module, name in places}
-    places += [(module, "weight") for module in model.modules()  # a table that is also the LM head
-               if isinstance(module, VocabParallelEmbedding) and id(module._parameters.get("weight")) in packed_ids]
     groups: dict[int, list[tuple[nn.Module, str]]] = {}  # one weight object -> every place holding it
-    for module, name in places:  # grouped while every original is alive (ids are unique only then)
-        groups.setdefault(id(module._parameters[name]), []).append((module, name))
-    for group in groups.values():
-        packed = PackedWeight(group[0][0]._parameters[group[0][1]])
-        for module, name in group:
+    for module in model.modules():  # grouped while every original is alive (ids are unique only then)
+        for name, value in module._parameters.items():
+            if _packable(name, value, module):
+                groups.setdefault(id(value), []).append((module, name))
+    groups = {key: places for key, places in groups.items()
+              if not all(isinstance(module, VocabParallelEmbedding) for module, _ in places)}
+    for places in groups.values():
+        packed = PackedWeight(places[0][0]._parameters[places[0][1]])
+        for module, name in places:
             del module._parameters[name]
             setattr(module, name, packed)
     return len(groups)

@@ -58,9 +58,10 @@ class CpuBackend(Backend):
         from workers.kernels import packed_linear
         from workers.packed_weight import pack_linear_weights
 
-        if not pack_linear_weights(model) and os.environ.get("CORELAUNCH_PACKED_WEIGHTS", "1") != "0":
+        pack_linear_weights(model)
+        if not packed_linear.available() and not packed_linear.turned_off():
             # Slower, not wrong: the layers fall back to the small-batch kernel and F.linear.
-            warnings.warn(f"corelaunch: float32 weights are not packed ({packed_linear.unavailable_reason or 'none to pack'}); "
+            warnings.warn(f"corelaunch: float32 weights are not packed ({packed_linear.unavailable_reason}); "
                           f"decode products take the slower paths", RuntimeWarning, stacklevel=2)
         return model if compile is None else compile_per_bucket(model, compile)
 

@@ -160,12 +160,15 @@ TORCH_LIBRARY_IMPL(corelaunch, CPU, m) { m.impl("packed_linear_kernel", &packed_
 """
 
 
+_KERNEL_FLAGS = ("-O3", "-march=native", "-fopenmp")
+
+
 def _host_spec() -> LibrarySpec:
     """The kernel with its torch operator, compiled as C++ against this torch (headers and libraries)."""
     import torch.utils.cpp_extension as cpp
 
     torch_lib = str(Path(torch.__file__).parent / "lib")
-    flags = ("-O3", "-march=native", "-fopenmp", "-std=c++20", "-w",
+    flags = (*_KERNEL_FLAGS, "-std=c++20", "-w",
              f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
              *(f"-I{path}" for path in cpp.include_paths()), f"-L{torch_lib}", "-lc10", "-ltorch_cpu",
              f"-Wl,-rpath,{torch_lib}")
@@ -174,8 +177,7 @@ def _host_spec() -> LibrarySpec:
                        f"{_cpu_identity()}torch {torch.__version__}", language="c++")
 
 
-NARROW_SPEC = LibrarySpec("corelaunch_packed_linear_narrow", _SOURCE,
-                          ("-O3", "-march=native", "-fopenmp", "-mno-avx512f"),
+NARROW_SPEC = LibrarySpec("corelaunch_packed_linear_narrow", _SOURCE, (*_KERNEL_FLAGS, "-mno-avx512f"),
                           "the packed-panel linear kernel without AVX-512", _cpu_identity())
 """The kernel alone (C, no operator) without AVX-512 (8-float vectors, 6-row blocks), on any host:
 tests and the benchmark check both block sets through run_kernel."""
@@ -183,24 +185,31 @@ tests and the benchmark check both block sets through run_kernel."""
 unavailable_reason: str | None = None
 
 
-@functools.lru_cache(maxsize=None)
+def turned_off() -> bool:
+    """CORELAUNCH_PACKED_WEIGHTS=0 in this process's environment."""
+    return os.environ.get("CORELAUNCH_PACKED_WEIGHTS", "1") == "0"
+
+
 def _library() -> ctypes.CDLL | None:
     """The host's build, loaded (which registers the operator's CPU kernel), or None when it is
     turned off or cannot be built (the reason is kept in `unavailable_reason`)."""
-    global unavailable_reason, _host_library
-    if os.environ.get("CORELAUNCH_PACKED_WEIGHTS", "1") == "0":
+    global unavailable_reason
+    if turned_off():
         unavailable_reason = "turned off by CORELAUNCH_PACKED_WEIGHTS=0"
         return None
-    if _host_library is None:  # loaded once per process: a second copy would register the kernel again
-        try:
-            _host_library = build_and_load(_host_spec())
-        except NativeUnavailable as err:
-            unavailable_reason = str(err)
-            return None
-    return _host_library
+    built = _host_build()
+    unavailable_reason = built if isinstance(built, str) else None
+    return None if isinstance(built, str) else built
 
 
-_host_library: ctypes.CDLL | None = None
+@functools.lru_cache(maxsize=None)
+def _host_build() -> ctypes.CDLL | str:
+    """The host's library, or why it cannot be built: tried once per process (a second copy loaded
+    would register the operator's kernel again)."""
+    try:
+        return build_and_load(_host_spec())
+    except NativeUnavailable as err:
+        return str(err)
 
 
 def build_and_load(spec: LibrarySpec) -> ctypes.CDLL:
