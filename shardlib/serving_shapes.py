@@ -1,9 +1,12 @@
 """The static shapes the serving engine runs at (compiled graphs exist per shape).
 
 - prefill chunks: a prefill batch bucket x a chunk bucket (the context-encoding buckets up to
-  max_prefill_tokens); each batch row is one sequence's chunk and attends over that sequence's
-  whole cache row. Chunks of one bucket are prefilled together (powers of two up to as many as
-  max_prefill_tokens holds, and max_num_seqs): one batched product per weight, not one per prompt;
+  max_prefill_tokens). Chunks of one bucket are prefilled together (powers of two up to as many as
+  max_prefill_tokens holds, and max_num_seqs): one batched product per weight, not one per prompt.
+  Each batch row is one sequence's chunk. A call whose chunks all start their sequences
+  ("serve-prefill-start") attends over the chunk's own slots only; a call continuing longer prompts
+  ("serve-prefill") attends over each sequence's whole cache row. A whole-row read would cost the
+  first chunk of a short prompt attention over every slot the server allows (all but its own empty);
 - decode steps: a batch bucket of running rows (powers of two up to max_num_seqs, and
   max_num_seqs) x a token bucket of slots read (the smallest holding every row's history).
 
@@ -20,6 +23,11 @@ from shardlib.positive_int import positive_int
 
 DEFAULT_MAX_NUM_SEQS = 8
 """Rows of a TP group's serving KV cache unless asked otherwise (LaunchConfig, generate, compile)."""
+
+
+PREFILL_PHASES = ("serve-prefill-start", "serve-prefill")
+"""Prefill calls whose chunks all start their sequences (reading their own slots), and the others
+(reading whole cache rows)."""
 
 
 def powers_of_two_up_to(limit: int) -> tuple[int, ...]:
@@ -81,5 +89,7 @@ class ServingShapes:
         tokens = self.token_buckets
         if max_length is not None:
             tokens = tokens[: tokens.index(select_bucket(max_length, tokens, "sequence length")) + 1]
-        return ([("serve-prefill", b, c) for c in self.chunk_buckets for b in self.prefill_batch_buckets(c)]
+        # A chunk as wide as the cache row reads the whole row either way: one graph, the first kind.
+        return ([(phase, b, c) for phase in PREFILL_PHASES for c in self.chunk_buckets
+                 if phase == PREFILL_PHASES[0] or c < self.cache_slots for b in self.prefill_batch_buckets(c)]
                 + [("serve-decode", b, t) for b in self.batch_buckets for t in tokens])

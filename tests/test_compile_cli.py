@@ -96,9 +96,10 @@ def test_compile_then_generate_from_the_directory_reuses_every_graph(model_dir, 
     assert report["outputs"][0]["token_ids"] == eager_tokens(model_dir, PROMPT, 6)
     stats = report["compile"]
     # every bucket's graph was set up again, and the request needed no other: the static engine's
-    # two, and the serving loop's prefill chunk and decode step at the one batch bucket ...
+    # two, and the serving loop's prefill chunk (as wide as the cache row: one graph whether it starts
+    # a sequence or not) and decode step at the one batch bucket ...
     assert sorted((g["phase"], g["batch"], g["length"]) for g in stats["graphs"]) == sorted(
-        [("context", 1, 16), ("token", 1, 16), ("serve-prefill", 1, 16), ("serve-decode", 1, 16)])
+        [("context", 1, 16), ("token", 1, 16), ("serve-prefill-start", 1, 16), ("serve-decode", 1, 16)])
     # ... every one from the directory's cache: it compiled nothing, and found at least what the
     # first process compiled for the static graphs (the manifest counts those; the serving graphs
     # come on top)

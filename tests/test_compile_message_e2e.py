@@ -33,7 +33,7 @@ def test_a_cold_cache_says_once_how_long_compiling_took(model_dir, tmp_path):  #
 
     lines = proc.stderr.splitlines()
     # generate runs through the serving loop: its prefill chunk's graph is the first one built
-    building = [line for line in lines if "corelaunch: building the graph for serve-prefill batch 1 x 16" in line]
+    building = [line for line in lines if "corelaunch: building the graph for serve-prefill-start batch 1 x 16" in line]
     assert len(building) == 1 and "rank 0 " in building[0], proc.stderr  # rank 1 builds it too, silently
     summary = [line for line in lines if line.startswith("corelaunch: compiled 2 graph(s) in ")]
     assert len(summary) == 1, proc.stderr

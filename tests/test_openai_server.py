@@ -209,6 +209,9 @@ def test_server_settings_from_builder_arguments():
         settings_from_args({"tp": "two"})
     with pytest.raises(ValueError, match="api_key must be a non-empty string"):
         settings_from_args({"api_key": "a b"})
+    assert settings_from_args({"burst_wait_s": "0.02"}).launch["burst_wait_s"] == 0.02
+    with pytest.raises(ValueError, match=r"burst_wait_s \(-1\) must be between 0 and 1 seconds"):
+        settings_from_args({"burst_wait_s": "-1"})
 
 
 def test_serve_cli_refuses_bad_options_before_starting_ray(capsys, tmp_path):
@@ -230,6 +233,13 @@ def test_serve_cli_refuses_bad_options_before_starting_ray(capsys, tmp_path):
     with pytest.raises(SystemExit):
         main(["serve", "--port", "70000"])
     assert "--port (70000) must be at most 65535" in capsys.readouterr().err
+    from launcher.cli import build_parser
+    from launcher.cli.serve_command import server_args
+
+    assert server_args(build_parser().parse_args(["serve", "--burst-wait-ms", "25"]))["burst_wait_s"] == 0.025
+    with pytest.raises(SystemExit):
+        main(["serve", "--burst-wait-ms", "5000"])
+    assert "--burst-wait-ms (5000) must be between 0 and 1000" in capsys.readouterr().err
 
 
 def test_serve_config_example_is_a_valid_serve_config():

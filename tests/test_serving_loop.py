@@ -117,6 +117,33 @@ def test_seeded_sampling_does_not_depend_on_the_batch():
     assert runs[0] == runs[1] and len(runs[0]) == 12
 
 
+def test_an_idle_loop_gathers_a_burst_into_one_prefill():
+    """Requests arriving a little apart at an idle group are prefilled in one iteration when
+    burst_wait_s covers the gaps; one step then gives every request its only token."""
+    loop = ServingLoop(fresh_model(), ServingConfig(4, 64, 64, burst_wait_s=0.5))
+    threads = run_loops([loop])
+    loop.submit([request("a", PROMPTS[0], 1)])
+    time.sleep(0.05)
+    loop.submit([request("b", PROMPTS[1], 1)])
+    got = collect(loop, {"a", "b"})
+    stop([loop], threads)
+    assert loop.steps == 1
+    assert got.tokens["a"] == alone(tuple(PROMPTS[0]))[:1] and got.tokens["b"] == alone(tuple(PROMPTS[1]))[:1]
+
+
+def test_a_burst_is_not_waited_for_past_the_free_rows():
+    """With every row taken by what has arrived, the leader starts at once, however long the burst
+    wait: nothing more could run in this iteration."""
+    loop = ServingLoop(fresh_model(), ServingConfig(1, 64, 64, burst_wait_s=1.0))
+    threads = run_loops([loop])
+    sent = time.monotonic()
+    loop.submit([request("only", PROMPTS[0], 1)])
+    got = collect(loop, {"only"})
+    waited = time.monotonic() - sent
+    stop([loop], threads)
+    assert got.finish["only"] == "length" and waited < 1.0, f"the lone request waited {waited:.2f} s"
+
+
 def test_static_batches_run_between_iterations():
     from workers.engine import generate
 
@@ -159,11 +186,12 @@ def test_compiled_loop_builds_no_graph_after_warm_up():
 
     torch._dynamo.reset()
     # Every sequence here fits 32 slots (15 + 10 tokens at most), so one token bucket; two chunk
-    # buckets and two rows: prefill chunks of 4 alone and two together, 8 alone, decode of 1 and 2
-    # rows (5 shapes, each a compile: the shapes a load can need, not more).
+    # buckets and two rows: prefill chunks of 4 alone and two together, 8 alone, each for chunks
+    # starting their sequences and for chunks continuing them (the 15-token prompt), decode of 1 and
+    # 2 rows (8 shapes, each a compile: the shapes a load can need, not more).
     buckets = Buckets.build(max_seq_len=32, context=(4, 8), token=(32,))
     shapes = ServingShapes.build(buckets, max_num_seqs=2, max_prefill_tokens=8)
-    assert len(shapes.shapes()) == 5
+    assert len(shapes.shapes()) == 8
     model = CompiledCausalLM(fresh_model(), buckets, announce=lambda line: None)
     loop = ServingLoop(model, ServingConfig(2, 8, 32, shapes))
     with model.warming_up():
@@ -190,7 +218,9 @@ def test_prefill_chunks_of_one_bucket_share_a_call_up_to_the_budget():
     chunks = (PrefillChunk(0, 0, (1, 2, 3)), PrefillChunk(1, 0, (1,) * 8), PrefillChunk(2, 4, (5,)),
               PrefillChunk(3, 0, (7, 7)), PrefillChunk(4, 0, (9,)), PrefillChunk(5, 0, (6,) * 5),
               PrefillChunk(6, 0, (2,) * 4))
-    assert prefill_batches(chunks, shapes) == [[0, 2, 3, 4], [6], [1, 5]]
+    # chunk 2 continues its sequence: it reads the whole cache row, so it is not batched with the
+    # first chunks of its bucket (they read only their own slots)
+    assert prefill_batches(chunks, shapes) == [[0, 3, 4, 6], [1, 5], [2]]
     assert prefill_batches(chunks, None) == [list(range(7))]
     # No padding rows: a group is cut into batch buckets it fills exactly, largest first.
     fifteen = tuple(PrefillChunk(i, 0, (1, 2, 3)) for i in range(15))
@@ -206,6 +236,8 @@ def test_prefill_chunks_of_one_bucket_share_a_call_up_to_the_budget():
     assert inputs.cache_positions.tolist() == [[0, 1, 2, 0], [4, 0, 0, 0], [0, 1, 0, 0], [0, 0, 0, 0]]
     assert inputs.position_ids[1].tolist() == [4, 5, 6, 7]
     assert inputs.logit_index.tolist() == [2, 0, 1, 0]
+    first_chunks = prefill_inputs([chunks[i] for i in (0, 3, 4)], shapes, scratch_row=8, cache_slots=64)
+    assert first_chunks.read_slots == 4  # all start at slot 0: the call's width is all they can see
 
 
 def test_a_compiled_model_makes_room_for_the_serving_shapes():

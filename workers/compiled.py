@@ -213,12 +213,16 @@ class CompiledCausalLM:
     def serve_step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache,
                    cache_positions: torch.Tensor, rows: torch.Tensor, read_slots: int,
                    logit_index: torch.Tensor | None = None) -> torch.Tensor:
-        """As ShardedCausalLM.serve_step, through the graph of its shape: a prefill chunk (seq > 1,
-        one graph per chunk length, reading the whole cache row) or a decode step (one graph per
+        """As ShardedCausalLM.serve_step, through the graph of its shape: a prefill call (seq > 1,
+        one graph per batch and chunk length, and per slots read: the chunk's own width when its
+        chunks start their sequences, else the whole cache row) or a decode step (one graph per
         batch and slots read). The serving engine pads every step to these shapes
         (workers/serving/step_inputs.py)."""
         batch, seq = input_ids.shape
-        phase, length = ("serve-prefill", seq) if seq > 1 else ("serve-decode", read_slots)
+        if seq == 1:
+            phase, length = "serve-decode", read_slots
+        else:  # a call of first chunks reads only its own width of slots: a graph of its own
+            phase, length = ("serve-prefill-start" if read_slots == seq else "serve-prefill"), seq
         parts, step = self._runners["context" if seq > 1 else "token"]
         mask = torch.ones(batch, read_slots, dtype=torch.bool, device=input_ids.device)
         with self._graph(phase, batch, length, phase):

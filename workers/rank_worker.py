@@ -103,6 +103,8 @@ class ServeSpec:
     warm_up_max_length: int | None = None
     """Build the serving graphs for sequences of up to this many tokens before serving; None: none
     (each is built on first use), 0: every serving shape."""
+    burst_wait_s: float = 0.0
+    """ServingConfig.burst_wait_s: how long an idle leader waits for a burst's next request."""
 
 
 @dataclass
@@ -267,7 +269,8 @@ class RankWorker:
         if shapes is not None and hasattr(model, "reserve_graphs"):
             model.reserve_graphs(len(shapes.shapes()))
         start = time.perf_counter()
-        loop = ServingLoop(model, ServingConfig(spec.max_num_seqs, spec.max_prefill_tokens, slots, shapes),
+        loop = ServingLoop(model, ServingConfig(spec.max_num_seqs, spec.max_prefill_tokens, slots, shapes,
+                                               spec.burst_wait_s),
                            self._run_batch)
         if shapes is not None and spec.warm_up_max_length is not None and hasattr(model, "warming_up"):
             with model.warming_up():

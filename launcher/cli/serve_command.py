@@ -43,6 +43,10 @@ def add_parser(subparsers) -> None:
                    help="requests waiting for a slot before new ones get 503 with Retry-After (default: no limit)")
     p.add_argument("--max-prefill-tokens", type=int_at_least("--max-prefill-tokens"), metavar="N",
                    help="prompt tokens prefilled between two decode steps (default: the engine's, 2048)")
+    p.add_argument("--burst-wait-ms", type=_milliseconds, metavar="MS",
+                   help="an idle model waits this long for more requests after one arrives (again after each, at "
+                        "most 4x in all), so a burst's prompts are prefilled together; a lone request's first "
+                        "token comes this much later (default 10; 0: no wait)")
     p.add_argument("--api-key", metavar="KEY", default=os.environ.get("CORELAUNCH_API_KEY"),
                    help="require `Authorization: Bearer KEY` on /v1/* (default: $CORELAUNCH_API_KEY; unset: open)")
     p.add_argument("--replicas", type=int_at_least("--replicas"), metavar="N",
@@ -62,6 +66,16 @@ def add_parser(subparsers) -> None:
     p.set_defaults(run=run)
 
 
+def _milliseconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--burst-wait-ms ({text!r}) must be a number of milliseconds") from None
+    if not 0 <= value <= 1000:
+        raise argparse.ArgumentTypeError(f"--burst-wait-ms ({text}) must be between 0 and 1000")
+    return value
+
+
 def _port(text: str) -> int:
     port = int_at_least("--port", 1)(text)
     if port > 65535:
@@ -79,6 +93,8 @@ def server_args(args: argparse.Namespace) -> dict:
         built["max_queued_requests"] = args.max_queued_requests
     if args.max_prefill_tokens is not None:
         built["max_prefill_tokens"] = args.max_prefill_tokens
+    if args.burst_wait_ms is not None:
+        built["burst_wait_s"] = args.burst_wait_ms / 1000
     return {k: v for k, v in built.items() if v is not None or k in ("model",)}
 
 

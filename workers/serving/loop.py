@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardlib.serving_shapes import ServingShapes
+from shardlib.serving_shapes import PREFILL_PHASES, ServingShapes
 from workers.serving.outbox import Outbox
 from workers.serving.requests import StreamRequest, TokenEvent
 from workers.serving.scheduler import Scheduler, Sequence
@@ -38,6 +38,8 @@ HEARTBEAT_S = 0.2
 and a collective gives up after its timeout (tens of seconds)."""
 STATIC_WAIT_S = 60.0
 """How long a follower waits for its copy of a static batch the leader already announced."""
+BURST_WAIT_CAP = 4
+"""A burst is gathered for at most this many burst waits in all, however steadily requests trickle in."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,11 @@ class ServingConfig:
     """Slots per cache row: the longest prompt plus generated tokens a request may have."""
     shapes: ServingShapes | None = None
     """Pad every step to these shapes (compiled graphs); None: exact shapes (eager)."""
+    burst_wait_s: float = 0.0
+    """An idle leader that receives a request keeps taking more for as long as they arrive within this
+    long of each other (at most BURST_WAIT_CAP times it, and no more than the free rows hold), so a
+    burst's prompts are prefilled in one iteration. Otherwise the first would be prefilled alone while
+    the rest of the burst, arriving a few ms later, waited the whole of that prefill. 0: no wait."""
 
 
 class ServingLoop:
@@ -104,9 +111,10 @@ class ServingLoop:
         scratch = self.scratch_row
         with torch.inference_mode():
             for phase, batch, length in shapes:
-                if phase == "serve-prefill":
-                    self._step(prefill_inputs([PrefillChunk(scratch, 0, (0,) * length)] * batch, self.config.shapes,
-                                              scratch, self.config.cache_slots))
+                if phase in PREFILL_PHASES:  # a chunk starting at slot 0, or at 1 (a continuing one)
+                    start = 0 if phase == "serve-prefill-start" else 1
+                    self._step(prefill_inputs([PrefillChunk(scratch, start, (0,) * length)] * batch,
+                                              self.config.shapes, scratch, self.config.cache_slots))
                 else:
                     rows = tuple(DecodeRow(scratch, length - 1, 0) for _ in range(batch))
                     self._step(decode_inputs(rows, self.config.shapes, scratch))
@@ -146,7 +154,8 @@ class ServingLoop:
     def _lead(self) -> None:
         while True:
             started = time.perf_counter()
-            if self._drain_inbox(block=self.scheduler.idle):
+            idle = self.scheduler.idle
+            if self._drain_inbox(block=idle, gather_s=self.config.burst_wait_s if idle else 0.0):
                 self._fail_all("the group is stopping")
                 self._broadcast(StepPlan(Command.STOP))
                 return
@@ -169,35 +178,51 @@ class ServingLoop:
             self.step_seconds += ran - planned
             self.plan_seconds += (planned - started) + (time.perf_counter() - ran)
 
-    def _drain_inbox(self, block: bool) -> bool:
-        """Apply queued submissions and cancellations; True when asked to stop."""
+    def _drain_inbox(self, block: bool, gather_s: float = 0.0) -> bool:
+        """Apply queued submissions and cancellations; True when asked to stop. gather_s > 0: once
+        something arrived, keep waiting for more while it comes within gather_s of the last
+        (ServingConfig.burst_wait_s)."""
         stop, events = False, []
         try:
             item = self._inbox.get(timeout=HEARTBEAT_S) if block else self._inbox.get_nowait()
         except queue.Empty:
             return False
+        gather_until = time.monotonic() + BURST_WAIT_CAP * gather_s
         while True:
-            kind, payload = item
-            if kind == "submit":
-                for request in payload:
-                    seq = Sequence(request)
-                    seq.generator = request_generator(seq, self.device)
-                    try:
-                        self.scheduler.add(seq)
-                    except ValueError:
-                        events.append(TokenEvent(request.request_id, [], "abort"))
-            elif kind == "cancel":
-                for rid in payload:
-                    if self.scheduler.cancel(rid) is not None:
-                        events.append(TokenEvent(rid, [], "abort"))
-            elif kind == "stop":
-                stop = True
+            stop = self._apply(item, events) or stop
+            if item[0] != "submit":  # a stop, a static batch or a cancellation is not waited past
+                gather_s = 0.0
             try:
                 item = self._inbox.get_nowait()
+                continue
+            except queue.Empty:
+                pass
+            wait = min(gather_s, gather_until - time.monotonic())
+            if wait <= 0 or len(self.scheduler.waiting) >= len(self.scheduler.free_rows):
+                break
+            try:
+                item = self._inbox.get(timeout=wait)
             except queue.Empty:
                 break
         self.outbox.put(events, self.scheduler.load())
         return stop
+
+    def _apply(self, item: tuple, events: list[TokenEvent]) -> bool:
+        """One inbox item: submissions join the queue, cancellations leave it; True for stop."""
+        kind, payload = item
+        if kind == "submit":
+            for request in payload:
+                seq = Sequence(request)
+                seq.generator = request_generator(seq, self.device)
+                try:
+                    self.scheduler.add(seq)
+                except ValueError:
+                    events.append(TokenEvent(request.request_id, [], "abort"))
+        elif kind == "cancel":
+            for rid in payload:
+                if self.scheduler.cancel(rid) is not None:
+                    events.append(TokenEvent(rid, [], "abort"))
+        return kind == "stop"
 
     def _fail_all(self, why: str) -> None:
         events = []

@@ -38,11 +38,11 @@ def prefill_batches(chunks: tuple[PrefillChunk, ...], shapes: ServingShapes | No
     Without shapes (eager), one call for all of them."""
     if shapes is None:
         return [list(range(len(chunks)))] if chunks else []
-    groups: dict[int, list[int]] = {}
-    for i, chunk in enumerate(chunks):
-        groups.setdefault(shapes.chunk_bucket(len(chunk.token_ids)), []).append(i)
+    groups: dict[tuple[int, bool], list[int]] = {}
+    for i, chunk in enumerate(chunks):  # first chunks apart: their calls read only their own slots
+        groups.setdefault((shapes.chunk_bucket(len(chunk.token_ids)), chunk.start == 0), []).append(i)
     calls = []
-    for bucket, members in groups.items():
+    for (bucket, _), members in groups.items():
         sizes = shapes.prefill_batch_buckets(bucket)
         k = 0
         while k < len(members):
@@ -54,9 +54,10 @@ def prefill_batches(chunks: tuple[PrefillChunk, ...], shapes: ServingShapes | No
 
 def prefill_inputs(chunks: list[PrefillChunk], shapes: ServingShapes | None, scratch_row: int,
                    cache_slots: int) -> StepInputs:
-    """One batch row per chunk (a batch bucket x the chunk bucket; exact without shapes); each row
-    attends over its sequence's whole cache row, and its logits are taken at its last real token.
-    Filler rows and padding tokens write only the scratch row, at slot 0."""
+    """One batch row per chunk (a batch bucket x the chunk bucket; exact without shapes); its logits
+    are taken at its last real token. When every chunk starts its sequence, each row attends over
+    the call's width of slots (all that chunk can see); otherwise over its sequence's whole cache
+    row. Filler rows and padding tokens write only the scratch row, at slot 0."""
     longest = max(len(c.token_ids) for c in chunks)
     batch, width = shapes.prefill_shape(len(chunks), longest) if shapes is not None else (len(chunks), longest)
     ids = torch.zeros(batch, width, dtype=torch.int64)
@@ -71,7 +72,8 @@ def prefill_inputs(chunks: list[PrefillChunk], shapes: ServingShapes | None, scr
     real = column < lengths
     token_rows = torch.where(real, rows, scratch_row)  # column 0 is real: it names the row a batch row reads
     cache_positions = torch.where(real, positions, 0)
-    return StepInputs(ids, positions, cache_positions, token_rows, cache_slots, (lengths[:, 0] - 1).clamp(min=0))
+    read = width if all(c.start == 0 for c in chunks) else cache_slots
+    return StepInputs(ids, positions, cache_positions, token_rows, read, (lengths[:, 0] - 1).clamp(min=0))
 
 
 def decode_inputs(decode: tuple[DecodeRow, ...], shapes: ServingShapes | None, scratch_row: int) -> StepInputs:
