@@ -67,12 +67,15 @@ def add_parser(subparsers) -> None:
 
 
 def _milliseconds(text: str) -> float:
+    """--burst-wait-ms: LaunchConfig.burst_wait_s's range, in milliseconds."""
+    from launcher.api import MAX_BURST_WAIT_S
+
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"--burst-wait-ms ({text!r}) must be a number of milliseconds") from None
-    if not 0 <= value <= 1000:
-        raise argparse.ArgumentTypeError(f"--burst-wait-ms ({text}) must be between 0 and 1000")
+    if not 0 <= value <= MAX_BURST_WAIT_S * 1000:
+        raise argparse.ArgumentTypeError(f"--burst-wait-ms ({text}) must be between 0 and {MAX_BURST_WAIT_S * 1000:g}")
     return value
 
 

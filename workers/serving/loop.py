@@ -196,9 +196,10 @@ class ServingLoop:
                 item = self._inbox.get_nowait()
                 continue
             except queue.Empty:
-                pass
+                if not gather_s or len(self.scheduler.waiting) >= len(self.scheduler.free_rows):
+                    break
             wait = min(gather_s, gather_until - time.monotonic())
-            if wait <= 0 or len(self.scheduler.waiting) >= len(self.scheduler.free_rows):
+            if wait <= 0:
                 break
             try:
                 item = self._inbox.get(timeout=wait)

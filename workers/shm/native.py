@@ -22,8 +22,7 @@ from __future__ import annotations
 import ctypes
 from pathlib import Path
 
-from workers.native_build import (LibrarySpec, NativeUnavailable, build, build_and_load, library_dir, load,  # noqa: F401
-                                   trusted_dir)
+from workers.native_build import LibrarySpec, NativeUnavailable, build_and_load, library_dir
 
 _SOURCE = r"""
 #include <errno.h>
