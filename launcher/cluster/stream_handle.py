@@ -28,6 +28,9 @@ class StreamHandle:
         self.deadline = self.submitted + timeout_s
         self.timeout_s = timeout_s
         self.delivered: list[int] = []
+        self.first_token_at: float | None = None
+        """When the first token reached the driver (not when a reader took it: generate() reads its
+        streams in turn, and a later one's tokens may wait unread meanwhile)."""
         self.attempts = 1
         self.replica: int | None = None
         self.cancelled = False
@@ -49,6 +52,8 @@ class StreamHandle:
         with self._lock:
             if self.finished:
                 return True
+            if event.token_ids and self.first_token_at is None:
+                self.first_token_at = time.monotonic()
             self.delivered.extend(event.token_ids)
             self.finished = event.finish_reason is not None
         self.sink(event)

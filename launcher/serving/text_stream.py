@@ -23,11 +23,12 @@ class TextStream:
         self.finish_reason: str | None = None
         self.stopped_by_string = False
 
-    def delta(self, event: TokenEvent) -> StreamDelta:
-        """The delta for one event; after a stop string, finish_reason is "stop" whatever the event says."""
+    def delta(self, event: TokenEvent, arrived_at: float | None = None) -> StreamDelta:
+        """The delta for one event; after a stop string, finish_reason is "stop" whatever the event says.
+        arrived_at: when the event reached the driver (time.monotonic()), if it waited before this read."""
         first = None
         if event.token_ids and self.first_token_at is None:
-            self.first_token_at = time.monotonic()
+            self.first_token_at = arrived_at if arrived_at is not None else time.monotonic()
             first = self.first_token_at - self.submitted
         finish = event.finish_reason
         text = ""
