@@ -675,7 +675,7 @@ class Launcher:
         request = StreamRequest(request_id or uuid.uuid4().hex, tuple(token_ids), params, max_new_tokens,
                                 tuple(sorted(set(stop_token_ids) | set(eos))), logprobs, return_logits)
         handle = StreamHandle(request, sink, self.config.request_timeout_s)
-        text = TextStream(request.request_id, self.tokenizer, stops, len(token_ids), handle.submitted)
+        text = TextStream(request.request_id, self.tokenizer, stops, len(token_ids))
         pool.submit_stream(handle)
         return kind(self._cancel_stream, handle, text, items)
 
@@ -731,7 +731,7 @@ class Launcher:
         return GenerationResult(
             prompt=prompt_text, text=text, token_ids=tokens, finish_reason=stream.text.finish_reason or "length",
             prompt_tokens=len(token_ids),
-            time_to_first_token_s=(stream.text.first_token_at or stream.handle.submitted) - stream.handle.submitted,
+            time_to_first_token_s=stream.handle.time_to_first_token_s or 0.0,
             decode_tokens_per_s=len(steps) / decoded_s if steps and decoded_s > 0 else 0.0,
             decode_step_latencies_s=steps, logits=logits, replica=stream.handle.replica or 0,
             attempts=stream.handle.attempts)

@@ -25,9 +25,10 @@ DEFAULT_MAX_NUM_SEQS = 8
 """Rows of a TP group's serving KV cache unless asked otherwise (LaunchConfig, generate, compile)."""
 
 
-PREFILL_PHASES = ("serve-prefill-start", "serve-prefill")
+PREFILL_START, PREFILL_CONTINUE = "serve-prefill-start", "serve-prefill"
 """Prefill calls whose chunks all start their sequences (reading their own slots), and the others
 (reading whole cache rows)."""
+PREFILL_PHASES = (PREFILL_START, PREFILL_CONTINUE)
 
 
 def powers_of_two_up_to(limit: int) -> tuple[int, ...]:
@@ -91,5 +92,5 @@ class ServingShapes:
             tokens = tokens[: tokens.index(select_bucket(max_length, tokens, "sequence length")) + 1]
         # A chunk as wide as the cache row reads the whole row either way: one graph, the first kind.
         return ([(phase, b, c) for phase in PREFILL_PHASES for c in self.chunk_buckets
-                 if phase == PREFILL_PHASES[0] or c < self.cache_slots for b in self.prefill_batch_buckets(c)]
+                 if phase == PREFILL_START or c < self.cache_slots for b in self.prefill_batch_buckets(c)]
                 + [("serve-decode", b, t) for b in self.batch_buckets for t in tokens])

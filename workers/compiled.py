@@ -53,6 +53,7 @@ from typing import Callable
 import torch
 
 from shardlib.buckets import Buckets
+from shardlib.serving_shapes import PREFILL_CONTINUE, PREFILL_START
 from workers.kv_cache import KVCache
 from workers.kv_quant import to_cache, writable
 from workers.model import ShardedCausalLM
@@ -222,7 +223,7 @@ class CompiledCausalLM:
         if seq == 1:
             phase, length = "serve-decode", read_slots
         else:  # a call of first chunks reads only its own width of slots: a graph of its own
-            phase, length = ("serve-prefill-start" if read_slots == seq else "serve-prefill"), seq
+            phase, length = (PREFILL_START if read_slots == seq else PREFILL_CONTINUE), seq
         parts, step = self._runners["context" if seq > 1 else "token"]
         mask = torch.ones(batch, read_slots, dtype=torch.bool, device=input_ids.device)
         with self._graph(phase, batch, length, phase):

@@ -41,6 +41,10 @@ class StreamHandle:
     def request_id(self) -> str:
         return self.request.request_id
 
+    @property
+    def time_to_first_token_s(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.submitted
+
     def resumed(self) -> StreamRequest:
         """The request to submit to a restarted group: history = prompt + delivered tokens."""
         return dataclasses.replace(self.request,

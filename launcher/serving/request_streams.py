@@ -37,7 +37,7 @@ class _Stream:
             self.done = True
             raise item
         self.events.append(item)
-        delta = self.text.delta(item, self.handle.first_token_at)
+        delta = self.text.delta(item, self.handle.time_to_first_token_s)
         if delta.finish_reason is not None:
             self.done = True
             if self.text.stopped_by_string and item.finish_reason is None:

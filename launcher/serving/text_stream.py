@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 from launcher.serving.detokenizer import IncrementalDetokenizer
 from launcher.serving.stop_strings import StopStringMatcher
 from launcher.serving.stream_types import StreamDelta
@@ -11,25 +9,19 @@ from workers.serving.requests import TokenEvent
 
 
 class TextStream:
-    def __init__(self, request_id: str, tokenizer, stops: tuple[str, ...], prompt_tokens: int,
-                 submitted: float) -> None:
+    def __init__(self, request_id: str, tokenizer, stops: tuple[str, ...], prompt_tokens: int) -> None:
         self.request_id = request_id
         self._detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
         self._stops = StopStringMatcher(stops) if stops else None
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
-        self.submitted = submitted
-        self.first_token_at: float | None = None
         self.finish_reason: str | None = None
         self.stopped_by_string = False
 
-    def delta(self, event: TokenEvent, arrived_at: float | None = None) -> StreamDelta:
+    def delta(self, event: TokenEvent, time_to_first_token_s: float | None = None) -> StreamDelta:
         """The delta for one event; after a stop string, finish_reason is "stop" whatever the event says.
-        arrived_at: when the event reached the driver (time.monotonic()), if it waited before this read."""
-        first = None
-        if event.token_ids and self.first_token_at is None:
-            self.first_token_at = arrived_at if arrived_at is not None else time.monotonic()
-            first = self.first_token_at - self.submitted
+        time_to_first_token_s goes on the delta that carries the first token (StreamHandle times it)."""
+        first = time_to_first_token_s if event.token_ids and self.completion_tokens == 0 else None
         finish = event.finish_reason
         text = ""
         if self._detokenizer is not None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardlib.serving_shapes import PREFILL_PHASES, ServingShapes
+from shardlib.serving_shapes import PREFILL_PHASES, PREFILL_START, ServingShapes
 from workers.serving.outbox import Outbox
 from workers.serving.requests import StreamRequest, TokenEvent
 from workers.serving.scheduler import Scheduler, Sequence
@@ -112,7 +112,7 @@ class ServingLoop:
         with torch.inference_mode():
             for phase, batch, length in shapes:
                 if phase in PREFILL_PHASES:  # a chunk starting at slot 0, or at 1 (a continuing one)
-                    start = 0 if phase == "serve-prefill-start" else 1
+                    start = 0 if phase == PREFILL_START else 1
                     self._step(prefill_inputs([PrefillChunk(scratch, start, (0,) * length)] * batch,
                                               self.config.shapes, scratch, self.config.cache_slots))
                 else:
