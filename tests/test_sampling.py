@@ -22,6 +22,18 @@ def test_temperature_zero_is_argmax():
     assert torch.equal(sample(logits, params, [None] * 6), logits.argmax(dim=-1))
 
 
+def test_greedy_takes_the_first_of_equal_maxima_like_argmax():
+    # Greedy reads max()'s indices (faster than argmax on CPU): ties and NaN must still pick as argmax.
+    logits = torch.zeros(4, 49152)
+    logits[0, [900, 5]] = 1.0  # a tie: the lower index
+    logits[1, [40000, 3]] = float("nan")  # NaN wins, the first one
+    logits[2] = float("-inf")  # every column equal
+    logits[3, [49151, 100]] = 2.0
+    tokens = sample(logits, [SamplingParams()] * 4, [None] * 4)
+    assert tokens.tolist() == [5, 3, 0, 100]
+    assert torch.equal(tokens, logits.argmax(dim=-1))
+
+
 def test_greedy_and_sampled_rows_mix_in_one_batch():
     logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(1))
     params = [SamplingParams(temperature=1.0, seed=3), SamplingParams()]

@@ -267,7 +267,8 @@ class ServingLoop:
         if not chosen:
             return []
         sequences = [seq for seq, _ in chosen]
-        logits = torch.stack([row for _, row in chosen])
+        # A decode-only step's rows already are one tensor in order: no copy of 16 x vocab floats.
+        logits = decode_logits if len(chosen) == len(plan.decode) else torch.stack([row for _, row in chosen])
         tokens, logprobs = choose(logits, sequences)
         events = []
         for i, (seq, token) in enumerate(zip(sequences, tokens)):
