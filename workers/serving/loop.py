@@ -187,7 +187,8 @@ class ServingLoop:
             item = self._inbox.get(timeout=HEARTBEAT_S) if block else self._inbox.get_nowait()
         except queue.Empty:
             return False
-        gather_until = time.monotonic() + BURST_WAIT_CAP * gather_s
+        # Read the clock only when gathering: a running group drains arrivals between decode steps.
+        gather_until = time.monotonic() + BURST_WAIT_CAP * gather_s if gather_s else 0.0
         while True:
             stop = self._apply(item, events) or stop
             if item[0] != "submit":  # a stop, a static batch or a cancellation is not waited past
