@@ -8,7 +8,8 @@ largest shard when that is not rank 0; each from the Hugging Face checkpoint and
 copy written once into a temporary directory. Then a TP 1 rank's whole load through the worker
 (workers.rank_worker.RankWorker, eager): reading the shard, building the model and the cpu
 backend's preparation, with its float32 weights packed as column panels (as it runs) and with
-CORELAUNCH_PACKED_WEIGHTS=0, to show what packing adds to the peak (the largest matrix at most).
+CORELAUNCH_PACKED_WEIGHTS=0, to show what packing adds to the peak (the largest matrix at most),
+next to what the planner counts for that rank (its shard plus the largest matrix it packs).
 
     python benchmarks/load_memory.py [--repeats 5] [--model-dir DIR]
 """
@@ -196,6 +197,15 @@ def main(argv: list[str] | None = None) -> dict:
         "worker_load_added_peak_over_shard": {("packed" if r["packed"] else "unpacked"): r["added_peak_over_shard"]
                                               for r in results if r["source"] == "worker"},
     }
+    # What the planner counts for the same TP 1 rank: its shard plus the largest matrix it packs.
+    from shardlib.planner import plan
+
+    memory = plan(config, instance="cpu", tp=1, dtype=config.torch_dtype, batch_size=1, seq_len=1).memory
+    planned = memory.weight_bytes_per_rank + memory.packing_scratch_bytes_per_rank
+    packed = next(r for r in results if r["source"] == "worker" and r["packed"])
+    report["planner_tp1_load_bytes"] = planned
+    report["planner_tp1_load_over_shard"] = round(planned / packed["shard_bytes"], 3)
+    report["packed_load_peak_over_planner"] = round(packed["added_peak_bytes"] / planned, 3)
     print(json.dumps(report, indent=1))
     return report
 

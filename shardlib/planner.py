@@ -8,9 +8,10 @@ values, the rule and the ways out. Rules and their error codes (the facts behind
 
 - heads_not_divisible:   num_attention_heads % tp != 0 (unless pad_q_heads pads Q heads).
 - kv_heads_incompatible: an explicit kv_strategy that cannot split the KV heads at this degree.
-- insufficient_memory:   a rank's weight shard plus its KV cache exceed the memory of the cores it
-                         drives (its GPU on a gpu node), less RESERVE_FRACTION (on `cpu`: all ranks
-                         together against RAM).
+- insufficient_memory:   a rank's weight shard plus its KV cache (plus, on `cpu` with float32
+                         weights, the largest matrix it packs: MemoryEstimate) exceed the memory of
+                         the cores it drives (its GPU on a gpu node), less RESERVE_FRACTION (on
+                         `cpu`: all ranks together against RAM).
 - unsupported_tp_degree: the ranks per node are not a degree NxD Inference supports on the family.
 - not_enough_cores:      TP x cores per rank exceeds the NeuronCores (or GPUs) of the nodes.
 - invalid_lnc:           LNC other than 1 or 2, or LNC 2 where the hardware has no LNC 2.
@@ -94,10 +95,15 @@ class MemoryEstimate:
     """The unsharded checkpoint at the plan's dtype (what one TP-1 rank would hold)."""
     kv_cache_dtype: str
     tp_degree: int
+    packing_scratch_bytes_per_rank: int = 0
+    """On the cpu target with float32 weights, the largest matrix a rank repacks as column panels
+    (workers/packed_weight.py): while loading, each matrix's panels exist beside the original for a
+    moment, and a prefill of 1024 rows or more unpacks one matrix into a temporary while it runs.
+    0 elsewhere (nothing is packed)."""
 
     @property
     def total_bytes_per_rank(self) -> int:
-        return self.weight_bytes_per_rank + self.kv_cache_bytes_per_rank
+        return self.weight_bytes_per_rank + self.kv_cache_bytes_per_rank + self.packing_scratch_bytes_per_rank
 
     @property
     def usable_bytes_per_rank(self) -> int:
@@ -111,6 +117,7 @@ class MemoryEstimate:
         return {
             "weight_bytes_per_rank": self.weight_bytes_per_rank,
             "kv_cache_bytes_per_rank": self.kv_cache_bytes_per_rank,
+            "packing_scratch_bytes_per_rank": self.packing_scratch_bytes_per_rank,
             "total_bytes_per_rank": self.total_bytes_per_rank,
             "capacity_bytes_per_rank": self.capacity_bytes_per_rank,
             "capacity_bytes_per_core": self.capacity_bytes_per_core,
@@ -284,6 +291,20 @@ def _weight_elements(cfg: ModelConfig, tp: int, q_per_rank: int, kv_per_rank: in
     return embed + cfg.num_hidden_layers * (attn + mlp + layer_norm_elements(cfg)) + h
 
 
+def _packing_scratch_elements(cfg: ModelConfig, tp: int, q_per_rank: int, kv_per_rank: int) -> int:
+    """The largest matrix one rank packs: the vocabulary shard (the LM head, or the tied table that is
+    both), and for dense float32 layers the attention and MLP matrices, fused or not (the planner is
+    not told whether projections are fused, so it counts the larger). Quantized weights and
+    mixture-of-experts expert stacks are not packed."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    largest = math.ceil(cfg.vocab_size / tp) * h
+    if planned_quantization(cfg, "float32")[0] is None:
+        largest = max(largest, (q_per_rank + 2 * kv_per_rank) * d * h, h * q_per_rank * d)
+        if not cfg.is_moe:
+            largest = max(largest, 2 * math.ceil(cfg.intermediate_size / tp) * h)
+    return largest
+
+
 def _kv_cache_dtype(config: ModelConfig, dtype: str) -> str:
     # The cache is in the compute dtype (a quantized model's: shardlib/quantized_sizes.py) unless
     # kv_cache_dtype asks for fp8.
@@ -326,6 +347,8 @@ def _check(req: _Request, tp: int) -> _Check:
         codes.append("not_enough_cores")
 
     kv_dtype = req.kv_cache_dtype or _kv_cache_dtype(req.config, req.dtype)
+    # The cpu backend packs float32 matrices (workers/packed_weight.py); no other target packs.
+    packs = inst.family == "cpu" and planned_quantization(cfg, req.dtype)[1] == "float32"
     kv_bytes = (2 * cfg.num_hidden_layers * req.batch * req.seq_len * kv_per_rank * cfg.head_dim
                 * DTYPE_BYTES[kv_dtype])
     if inst.per_rank_memory:
@@ -342,7 +365,9 @@ def _check(req: _Request, tp: int) -> _Check:
         capacity_bytes_per_core=per_core, reserve_fraction=RESERVE_FRACTION,
         model_weight_bytes=weight_bytes(cfg, req.dtype, _weight_elements(cfg, 1, heads, kv_heads), 1, heads,
                                         kv_heads),
-        kv_cache_dtype=kv_dtype, tp_degree=tp)
+        kv_cache_dtype=kv_dtype, tp_degree=tp,
+        packing_scratch_bytes_per_rank=(_packing_scratch_elements(cfg, tp, q_per_rank, kv_per_rank)
+                                        * DTYPE_BYTES["float32"] if packs else 0))
     if inst.per_rank_memory:
         fits = memory.total_bytes_per_rank <= memory.usable_bytes_per_rank
     else:  # the cpu target: all ranks share the hosts' RAM
@@ -394,6 +419,14 @@ def _fmt_bytes(n: float) -> str:
     return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
 
 
+def _parts(mem: MemoryEstimate) -> str:
+    """What a rank's total is made of, for messages."""
+    parts = f"weights {_fmt_bytes(mem.weight_bytes_per_rank)} + KV cache {_fmt_bytes(mem.kv_cache_bytes_per_rank)}"
+    if mem.packing_scratch_bytes_per_rank:
+        parts += f" + packing scratch {_fmt_bytes(mem.packing_scratch_bytes_per_rank)}"
+    return parts
+
+
 def _ways_out(req: _Request, check: _Check) -> list[str]:
     """Concrete changes under which a degree passes every rule (memory-related ones first)."""
     if req.lnc_problem:
@@ -407,7 +440,7 @@ def _ways_out(req: _Request, check: _Check) -> list[str]:
         usable = mem.usable_bytes_per_rank
         if not req.inst.per_rank_memory:  # a rank's share of the usable RAM
             usable = int(req.inst.memory_bytes * req.nodes * (1 - RESERVE_FRACTION)) // check.tp
-        room = usable - mem.weight_bytes_per_rank
+        room = usable - mem.weight_bytes_per_rank - mem.packing_scratch_bytes_per_rank
         if room > 0 and per_token:
             if room // (per_token * req.batch) >= 1:
                 ways.append(f"a smaller seq_len (at most {room // (per_token * req.batch)} at batch_size "
@@ -487,16 +520,13 @@ def _describe(code: str, req: _Request, check: _Check, hint_degrees: list[int]) 
         mem = check.memory
         if inst.per_rank_memory:
             cores = f"{req.lnc} NeuronCore(s)" if inst.is_neuron else "one GPU"
-            need = (f"tp_degree ({tp}) needs {_fmt_bytes(mem.total_bytes_per_rank)} per rank (weights "
-                    f"{_fmt_bytes(mem.weight_bytes_per_rank)} + KV cache "
-                    f"{_fmt_bytes(mem.kv_cache_bytes_per_rank)}) "
+            need = (f"tp_degree ({tp}) needs {_fmt_bytes(mem.total_bytes_per_rank)} per rank ({_parts(mem)}) "
                     f"but a rank on {inst.name} has {_fmt_bytes(mem.usable_bytes_per_rank)} usable "
                     f"({_fmt_bytes(mem.capacity_bytes_per_rank)} of {cores} less the "
                     f"{RESERVE_FRACTION:.0%} reserve)")
         else:
             need = (f"tp_degree ({tp}) needs {_fmt_bytes(mem.total_bytes_all_ranks)} for all {tp} ranks "
-                    f"(per rank: weights {_fmt_bytes(mem.weight_bytes_per_rank)} + KV cache "
-                    f"{_fmt_bytes(mem.kv_cache_bytes_per_rank)}) but this host has "
+                    f"(per rank: {_parts(mem)}) but this host has "
                     f"{_fmt_bytes(inst.memory_bytes)} RAM x {req.nodes} node(s), "
                     f"{_fmt_bytes(inst.memory_bytes * req.nodes * (1 - RESERVE_FRACTION))} after the "
                     f"{RESERVE_FRACTION:.0%} reserve")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from shardlib.instances import GIB, cpu_host, get_instance
+from shardlib.instances import GIB, InstanceType, cpu_host, get_instance
 from shardlib.model_config import ModelConfig, load_model_config
 from shardlib.param_shapes import expected_shapes
 from shardlib.planner import RESERVE_FRACTION, plan
@@ -54,7 +54,9 @@ def test_tiny_model_bytes_by_hand():
     assert p.memory.weight_bytes_per_rank == (2 * 4096 + 2 * layer + 64) * 4 == 156928
     # 2 (K and V) x 2 layers x batch 1 x 128 positions x 1 KV head x 16 x 4 bytes
     assert p.memory.kv_cache_bytes_per_rank == 2 * 2 * 1 * 128 * 1 * 16 * 4 == 32768
-    assert p.memory.total_bytes_per_rank == 156928 + 32768
+    # float32 on cpu: the largest matrix a rank packs counts too, here the fused gate/up (2 x 48 x 64)
+    assert p.memory.packing_scratch_bytes_per_rank == 2 * 48 * 64 * 4 == 24576
+    assert p.memory.total_bytes_per_rank == 156928 + 32768 + 24576
     assert (p.kv_strategy, p.q_heads_per_rank, p.kv_heads_per_rank) == ("shard", 2, 1)
     assert p.memory.model_weight_bytes == TINY.param_count() * 4
 
@@ -249,6 +251,31 @@ def test_tp_above_core_count_is_a_warning_on_cpu():
         pytest.skip("this host has 9 or more cores")
     p = plan(SMOLLM2, instance="cpu", tp=9)
     assert p.valid and any("time-share" in w for w in p.warnings)
+
+
+def test_packing_scratch_is_the_largest_packed_matrix_on_cpu_float32_only():
+    # SmolLM2's tied embedding / LM head (49152 x 576) is its largest matrix; split over TP by rows.
+    for tp in (1, 3):
+        p = plan(SMOLLM2, instance="cpu", tp=tp, dtype="float32")
+        assert p.memory.packing_scratch_bytes_per_rank == math.ceil(49152 / tp) * 576 * 4
+        assert p.memory.total_bytes_per_rank == (p.memory.weight_bytes_per_rank + p.memory.kv_cache_bytes_per_rank
+                                                 + p.memory.packing_scratch_bytes_per_rank)
+    # Nothing is packed in bfloat16, on a Neuron device, or for a quantized plan.
+    assert plan(SMOLLM2, instance="cpu", tp=1, dtype="bfloat16").memory.packing_scratch_bytes_per_rank == 0
+    assert plan(SMOLLM2, instance="trn1.2xlarge", tp=1, dtype="float32").memory.packing_scratch_bytes_per_rank == 0
+    assert plan(SMOLLM2, instance="cpu", tp=1, dtype="int8").memory.packing_scratch_bytes_per_rank == 0
+
+
+def test_packing_scratch_decides_a_plan_at_the_edge_of_the_ram():
+    # A host whose RAM after the reserve holds the shard and KV cache but not the packing scratch.
+    base = plan(SMOLLM2, instance="cpu", tp=1, dtype="float32", seq_len=256)
+    without_scratch = base.memory.weight_bytes_per_rank + base.memory.kv_cache_bytes_per_rank
+    ram = math.ceil((without_scratch + base.memory.packing_scratch_bytes_per_rank // 2) / (1 - RESERVE_FRACTION))
+    host = InstanceType(name="cpu", family="cpu", physical_cores=2, memory_bytes=ram)
+    p = plan(SMOLLM2, instance=host, tp=1, dtype="float32", seq_len=256)
+    assert not p.valid and "insufficient_memory" in codes(p)
+    assert "packing scratch 108.0 MiB" in message(p, "insufficient_memory")
+    assert plan(SMOLLM2, instance=host, tp=1, dtype="bfloat16", seq_len=256).valid
 
 
 # ---- defaults, arguments, output ----------------------------------------------------------------
