@@ -208,6 +208,56 @@ def test_compiled_loop_builds_no_graph_after_warm_up():
         assert got.tokens[f"r{i}"] == alone(tuple(prompt))
 
 
+def test_decode_reads_the_smallest_read_bucket_token_buckets_and_their_midpoints():
+    from shardlib.serving_shapes import with_midpoints
+
+    assert with_midpoints((128, 256, 300)) == (128, 192, 256, 278, 300)
+    assert with_midpoints((32,)) == (32,) and with_midpoints((16, 17, 32)) == (16, 17, 25, 32)
+    shapes = ServingShapes.build(Buckets.build(max_context_length=128, max_seq_len=256), 32, 2048)
+    assert shapes.read_buckets == (128, 192, 256)
+    # 16 rows whose longest history is 150 tokens read 192 slots of their 256-slot rows, not 256
+    assert shapes.decode_shape(16, 150) == (16, 192) and shapes.decode_shape(3, 193) == (4, 256)
+    decode = [s for s in shapes.shapes() if s[0] == "serve-decode"]
+    assert decode == [("serve-decode", b, t) for b in (1, 2, 4, 8, 16, 32) for t in (128, 192, 256)]
+    # a warm-up for sequences of at most 150 tokens stops at the read bucket holding them
+    assert max(t for phase, _, t in shapes.shapes(150) if phase == "serve-decode") == 192
+
+
+def test_compiled_loop_reading_midpoint_buckets_equals_each_prompt_alone():
+    from torch._dynamo.utils import counters
+
+    from workers.compiled import CompiledCausalLM
+
+    torch._dynamo.reset()
+    # Token buckets 16 and 32, so decode steps read 16, 24 or 32 slots as histories grow past 16
+    # and 24 (the 15-token prompt's last decode step, its 12th token, reads a history of 26).
+    buckets = Buckets.build(max_seq_len=32, context=(4, 8), token=(16, 32))
+    shapes = ServingShapes.build(buckets, max_num_seqs=2, max_prefill_tokens=8)
+    assert shapes.read_buckets == (16, 24, 32)
+    model = CompiledCausalLM(fresh_model(), buckets, announce=lambda line: None)
+    loop = ServingLoop(model, ServingConfig(2, 8, 32, shapes))
+    with model.warming_up():
+        loop.warm_up(shapes.shapes())
+    graphs = counters["stats"]["unique_graphs"]
+    decode_reads = []  # slots each decode step of the load read
+    serve_step = model.serve_step
+
+    def recording(input_ids, position_ids, cache, cache_positions, rows, read_slots, logit_index=None):
+        if input_ids.shape[1] == 1:
+            decode_reads.append(read_slots)
+        return serve_step(input_ids, position_ids, cache, cache_positions, rows, read_slots, logit_index)
+
+    model.serve_step = recording
+    threads = run_loops([loop])
+    loop.submit([request(f"r{i}", p, 12) for i, p in enumerate(MORE_PROMPTS)])
+    got = collect(loop, {f"r{i}" for i in range(len(MORE_PROMPTS))})
+    stop([loop], threads)
+    assert counters["stats"]["unique_graphs"] == graphs
+    for i, prompt in enumerate(MORE_PROMPTS):
+        assert got.tokens[f"r{i}"] == alone(tuple(prompt), 12)
+    assert set(decode_reads) == {16, 24, 32}
+
+
 def test_prefill_chunks_of_one_bucket_share_a_call_up_to_the_budget():
     from workers.serving.step_inputs import prefill_batches, prefill_inputs
 
