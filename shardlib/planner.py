@@ -298,7 +298,7 @@ def _packing_scratch_elements(cfg: ModelConfig, tp: int, q_per_rank: int, kv_per
     mixture-of-experts expert stacks are not packed."""
     h, d = cfg.hidden_size, cfg.head_dim
     largest = math.ceil(cfg.vocab_size / tp) * h
-    if planned_quantization(cfg, "float32")[0] is None:
+    if cfg.quantization is None:
         largest = max(largest, (q_per_rank + 2 * kv_per_rank) * d * h, h * q_per_rank * d)
         if not cfg.is_moe:
             largest = max(largest, 2 * math.ceil(cfg.intermediate_size / tp) * h)

@@ -12,8 +12,8 @@
   buckets are the token buckets with the midpoint of each two neighbours added (128, 256 -> 128,
   192, 256): every cache row holds the largest token bucket's slots, and a decode step's attention
   streams every slot it reads from memory, so histories of 129-192 tokens read 192 slots rather than
-  256 (a 16-row SmolLM2 step 6-8% shorter on machine H) for one more decode graph per batch bucket
-  and gap. The static engine sizes its cache per request at a token bucket and reads it whole;
+  256 (shorter steps: the README's Measured table), for one more decode graph per batch bucket and
+  gap. The static engine sizes its cache per request at a token bucket and reads it whole;
   finer --token-buckets give it the same.
 
 A step's real size is rounded up to these; padding is harmless by construction
