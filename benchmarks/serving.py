@@ -18,6 +18,11 @@ it at the end. With --base-url URL --model NAME it measures any OpenAI-compatibl
 them in one static batch. Ratios: level 16 against (a) and (b), level 1's per-stream decode speed
 against (a)'s, and TTFT p99 at 16 against the static batch's prefill plus two decode steps.
 
+--baselines-after: once the server has stopped, the static batch and a few single streams are
+measured again in this process. The machine's speed can drift by 10-25% within minutes, and the
+levels run between the two measurements, so `ratios_bracketed` compares them against the mean of
+before and after; `baseline_drift` says how far the machine moved (after / before).
+
     python benchmarks/serving.py [--levels 1,4,16,32] [--baselines] [--base-url URL --model NAME]
 """
 
@@ -38,7 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.serving_client import PromptSource, run_level  # noqa: E402
 from benchmarks.serving_server import corelaunch_server  # noqa: E402
-from benchmarks.serving_stats import expected_ttft_s, ratio, summarize_level  # noqa: E402
+from benchmarks.serving_stats import (baseline_drift, bracketed_baselines, expected_ttft_s, ratio,  # noqa: E402
+                                      summarize_level)
 
 DEFAULT_SERVED_NAME = "smollm2-135m-instruct"
 
@@ -117,6 +123,33 @@ def measure_baselines(model_dir: str, prompts: list[list[int]], max_tokens: int)
             "expected_ttft_s_prefill_plus_2_steps": round(expected_ttft_s(batch_ttft, steps), 4) if steps else None,
         },
         "continuous_in_process": continuous,
+    }
+
+
+def measure_static_again(model_dir: str, prompts: list[list[int]], max_tokens: int, singles: int = 4) -> dict:
+    """The static batch of `prompts` and `singles` of them one at a time (their decode speed), in a
+    fresh in-process launcher: the figures --baselines-after measures again, in the shape of
+    measure_baselines' report."""
+    from launcher.api import Launcher
+
+    with Launcher(model=model_dir, tp=1, max_batch_size=len(prompts), max_num_seqs=len(prompts), progress=False,
+                  ray_address="local", warm_up=True, **bucket_options(len(prompts[0]), max_tokens)) as launcher:
+        static_generate(launcher, prompts[:1], max_tokens)  # warm-up, as measure_baselines does
+        static_generate(launcher, prompts, max_tokens)
+        start = time.perf_counter()
+        batch = static_generate(launcher, prompts, max_tokens)
+        static_s = time.perf_counter() - start
+        alone = [static_generate(launcher, [p], max_tokens)[0] for p in prompts[:singles]]
+    batch_ttft = max(out.time_to_first_token_s for out in batch)
+    steps = list(batch[0].decode_step_latencies_s)
+    return {
+        "static_batch": {"wall_s": round(static_s, 4),
+                         "output_tokens_per_s": round(len(prompts) * max_tokens / static_s, 2),
+                         "time_to_first_token_s": round(batch_ttft, 4),
+                         "decode_step_s_median": round(statistics.median(steps), 5),
+                         "expected_ttft_s_prefill_plus_2_steps": round(expected_ttft_s(batch_ttft, steps), 4)},
+        "one_at_a_time": {"decode_tokens_per_s_median": round(statistics.median(o.decode_tokens_per_s for o in alone), 2),
+                          "prompts": len(alone)},
     }
 
 
@@ -206,8 +239,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--baselines", action="store_true", help="also the in-process driver-API baselines")
     parser.add_argument("--baseline-prompts", type=int, default=16)
     parser.add_argument("--baselines-only", action="store_true", help="only the baselines: no server, no HTTP levels")
+    parser.add_argument("--baselines-after", action="store_true",
+                        help="with --baselines: measure the static batch and single streams again after the "
+                             "levels, and compare the levels against the mean of before and after")
     args = parser.parse_args(argv)
     args.baselines |= args.baselines_only
+    if args.baselines_after and (not args.baselines or args.baselines_only):
+        parser.error("--baselines-after measures the baselines again after the HTTP levels: it needs "
+                     "--baselines and HTTP levels (not --baselines-only)")
     try:
         args.levels = [int(x) for x in args.levels.split(",")]
     except ValueError:
@@ -235,8 +274,9 @@ def main() -> None:
                            "ignore_eos": True, "levels": args.levels, "requests_per_client": args.requests_per_client,
                            "level1_requests": args.level1_requests, "warmup": args.warmup}}
     baselines = None
+    baseline_prompts = prompts.take(args.baseline_prompts) if args.baselines else []
     if args.baselines:  # before any server starts: the two would share the cores
-        baselines = measure_baselines(model_dir, prompts.take(args.baseline_prompts), args.max_tokens)
+        baselines = measure_baselines(model_dir, baseline_prompts, args.max_tokens)
         report["baselines"] = baselines
         # On stderr at once, so that a server that then fails to start does not lose minutes of figures.
         print(json.dumps({"baselines": baselines}), file=sys.stderr, flush=True)
@@ -253,6 +293,11 @@ def main() -> None:
             levels = asyncio.run(measure_levels(base_url, args.model, prompts, args))
     report["levels"] = levels
     report["ratios"] = ratios(levels, baselines)
+    if args.baselines_after:  # the server has stopped: the same prompts, again in this process
+        after = measure_static_again(model_dir, baseline_prompts, args.max_tokens)
+        report["baselines_after"] = after
+        report["baseline_drift"] = baseline_drift(baselines, after)
+        report["ratios_bracketed"] = ratios(levels, bracketed_baselines(baselines, after))
     report["targets"] = {"level1_stream_decode_over_single_stream": ">= 0.95"}
     print(json.dumps(report, indent=2))
 

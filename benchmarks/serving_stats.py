@@ -109,3 +109,22 @@ def expected_ttft_s(static_batch_ttft_s: float, decode_step_latencies_s: list[fl
                          "(max_new_tokens must be at least 2)")
     ordered = sorted(decode_step_latencies_s)
     return static_batch_ttft_s + steps * ordered[len(ordered) // 2]
+
+
+BRACKETED = (("static_batch", "output_tokens_per_s"), ("static_batch", "expected_ttft_s_prefill_plus_2_steps"),
+             ("one_at_a_time", "decode_tokens_per_s_median"))
+"""The baseline figures measured again after the HTTP levels (benchmarks/serving.py --baselines-after)."""
+
+
+def baseline_drift(before: dict, after: dict) -> dict:
+    """after / before for each re-measured figure: how far the machine moved while the levels ran."""
+    return {f"{part}.{key}": ratio(after[part][key], before[part][key]) for part, key in BRACKETED}
+
+
+def bracketed_baselines(before: dict, after: dict) -> dict:
+    """The baselines with each re-measured figure replaced by the mean of before and after (the other
+    figures, measured once, as before): what the levels, run between the two, compare against."""
+    out = {part: dict(values) if isinstance(values, dict) else values for part, values in before.items()}
+    for part, key in BRACKETED:
+        out[part][key] = round((before[part][key] + after[part][key]) / 2, 5)
+    return out

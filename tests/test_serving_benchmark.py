@@ -11,7 +11,8 @@ import types
 import pytest
 
 from benchmarks.serving_client import PromptSource, build_prompt, run_level
-from benchmarks.serving_stats import RequestRecord, expected_ttft_s, percentile, ratio, summarize_level
+from benchmarks.serving_stats import (RequestRecord, baseline_drift, bracketed_baselines, expected_ttft_s, percentile,
+                                      ratio, summarize_level)
 
 
 def test_percentile_interpolates_like_numpy_linear():
@@ -77,6 +78,26 @@ def test_expected_ttft_is_the_prefill_plus_two_median_steps():
 def test_ratio_handles_missing_values():
     assert ratio(3.0, 2.0) == 1.5
     assert ratio(None, 2.0) is None and ratio(1.0, 0) is None
+
+
+def test_bracketed_baselines_average_what_was_measured_again_and_keep_the_rest():
+    before = {"prompts": 16,
+              "one_at_a_time": {"output_tokens_per_s": 24.0, "decode_tokens_per_s_median": 26.0},
+              "static_batch": {"output_tokens_per_s": 150.0, "expected_ttft_s_prefill_plus_2_steps": 2.0,
+                               "wall_s": 6.8},
+              "continuous_in_process": {"all_at_once": {"output_tokens_per_s": 160.0}}}
+    after = {"one_at_a_time": {"decode_tokens_per_s_median": 30.0, "prompts": 4},
+             "static_batch": {"output_tokens_per_s": 170.0, "expected_ttft_s_prefill_plus_2_steps": 1.8,
+                              "wall_s": 6.0}}
+    mean = bracketed_baselines(before, after)
+    assert mean["static_batch"] == {"output_tokens_per_s": 160.0, "expected_ttft_s_prefill_plus_2_steps": 1.9,
+                                    "wall_s": 6.8}
+    assert mean["one_at_a_time"] == {"output_tokens_per_s": 24.0, "decode_tokens_per_s_median": 28.0}
+    assert mean["continuous_in_process"] == before["continuous_in_process"] and mean["prompts"] == 16
+    assert before["static_batch"]["output_tokens_per_s"] == 150.0  # the measurement itself is not changed
+    assert baseline_drift(before, after) == {"static_batch.output_tokens_per_s": 1.1333,
+                                             "static_batch.expected_ttft_s_prefill_plus_2_steps": 0.9,
+                                             "one_at_a_time.decode_tokens_per_s_median": 1.1538}
 
 
 # ---- prompts and the client loop -------------------------------------------------------------------
