@@ -19,8 +19,8 @@ them in one static batch. Ratios: level 16 against (a) and (b), level 1's per-st
 against (a)'s, and TTFT p99 at 16 against the static batch's prefill plus two decode steps.
 
 --baselines-after: once the server has stopped, the static batch and a few single streams are
-measured again in this process. The machine's speed can drift by 10-25% within minutes, and the
-levels run between the two measurements, so `ratios_bracketed` compares them against the mean of
+measured again in this process. The machine's speed can drift by up to a quarter from one run to
+the next, and the levels run between the two measurements, so `ratios_bracketed` compares them against the mean of
 before and after; `baseline_drift` says how far the machine moved (after / before).
 
     python benchmarks/serving.py [--levels 1,4,16,32] [--baselines] [--base-url URL --model NAME]
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import inspect
 import json
 import os
@@ -83,17 +84,38 @@ def static_generate(launcher, prompts: list[list[int]], max_tokens: int) -> list
     return launcher.generate(prompts, max_new_tokens=max_tokens, ignore_eos=True, **options)
 
 
-def measure_baselines(model_dir: str, prompts: list[list[int]], max_tokens: int) -> dict:
+@contextlib.contextmanager
+def baseline_launcher(model_dir: str, prompts: list[list[int]], max_tokens: int):
+    """The in-process driver API the baselines run on (TP 1, one Ray group), with the static batch's
+    batch-1 and batch-N graphs already used once; shut down on leaving."""
     from launcher.api import Launcher
 
     count = len(prompts)
     # warm_up: every graph is built before anything is timed (continuous batching meets whichever
     # prefill and decode batch shapes the arrival times make).
     with Launcher(model=model_dir, tp=1, max_batch_size=count, max_num_seqs=count, progress=False,
-                  ray_address="local", warm_up=True,
-                  **bucket_options(len(prompts[0]), max_tokens)) as launcher:
+                  ray_address="local", warm_up=True, **bucket_options(len(prompts[0]), max_tokens)) as launcher:
         static_generate(launcher, prompts[:1], max_tokens)  # warm-up: builds the batch-1 graphs
-        static_generate(launcher, prompts, max_tokens)  # and the batch-16 ones
+        static_generate(launcher, prompts, max_tokens)  # and the batch-N ones
+        yield launcher
+
+
+def static_batch_summary(batch: list, static_s: float, max_tokens: int) -> dict:
+    """The static batch's figures: throughput, its prefill (the batch's TTFT), its median decode step."""
+    batch_ttft = max(out.time_to_first_token_s for out in batch)  # one batch: one prefill for all
+    steps = list(batch[0].decode_step_latencies_s)
+    return {
+        "wall_s": round(static_s, 4),
+        "output_tokens_per_s": round(len(batch) * max_tokens / static_s, 2),
+        "time_to_first_token_s": round(batch_ttft, 4),
+        "decode_step_s_median": round(statistics.median(steps), 5) if steps else None,
+        "expected_ttft_s_prefill_plus_2_steps": round(expected_ttft_s(batch_ttft, steps), 4) if steps else None,
+    }
+
+
+def measure_baselines(model_dir: str, prompts: list[list[int]], max_tokens: int) -> dict:
+    count = len(prompts)
+    with baseline_launcher(model_dir, prompts, max_tokens) as launcher:
         start = time.perf_counter()
         singles = [static_generate(launcher, [p], max_tokens)[0] for p in prompts]
         one_at_a_time_s = time.perf_counter() - start
@@ -104,8 +126,6 @@ def measure_baselines(model_dir: str, prompts: list[list[int]], max_tokens: int)
         continuous = measure_continuous(launcher, prompts, max_tokens) if keyword else None
     for out in singles + batch:
         assert len(out.token_ids) == max_tokens, f"a baseline request got {len(out.token_ids)} tokens, not {max_tokens}"
-    batch_ttft = max(out.time_to_first_token_s for out in batch)  # one batch: one prefill for all
-    steps = list(batch[0].decode_step_latencies_s)
     return {
         "prompts": count,
         "batching_keyword_passed": keyword,
@@ -115,13 +135,7 @@ def measure_baselines(model_dir: str, prompts: list[list[int]], max_tokens: int)
             "decode_tokens_per_s_median": round(statistics.median(o.decode_tokens_per_s for o in singles), 2),
             "ttft_s_median": round(statistics.median(o.time_to_first_token_s for o in singles), 4),
         },
-        "static_batch": {
-            "wall_s": round(static_s, 4),
-            "output_tokens_per_s": round(count * max_tokens / static_s, 2),
-            "time_to_first_token_s": round(batch_ttft, 4),
-            "decode_step_s_median": round(statistics.median(steps), 5) if steps else None,
-            "expected_ttft_s_prefill_plus_2_steps": round(expected_ttft_s(batch_ttft, steps), 4) if steps else None,
-        },
+        "static_batch": static_batch_summary(batch, static_s, max_tokens),
         "continuous_in_process": continuous,
     }
 
@@ -130,24 +144,13 @@ def measure_static_again(model_dir: str, prompts: list[list[int]], max_tokens: i
     """The static batch of `prompts` and `singles` of them one at a time (their decode speed), in a
     fresh in-process launcher: the figures --baselines-after measures again, in the shape of
     measure_baselines' report."""
-    from launcher.api import Launcher
-
-    with Launcher(model=model_dir, tp=1, max_batch_size=len(prompts), max_num_seqs=len(prompts), progress=False,
-                  ray_address="local", warm_up=True, **bucket_options(len(prompts[0]), max_tokens)) as launcher:
-        static_generate(launcher, prompts[:1], max_tokens)  # warm-up, as measure_baselines does
-        static_generate(launcher, prompts, max_tokens)
+    with baseline_launcher(model_dir, prompts, max_tokens) as launcher:
         start = time.perf_counter()
         batch = static_generate(launcher, prompts, max_tokens)
         static_s = time.perf_counter() - start
         alone = [static_generate(launcher, [p], max_tokens)[0] for p in prompts[:singles]]
-    batch_ttft = max(out.time_to_first_token_s for out in batch)
-    steps = list(batch[0].decode_step_latencies_s)
     return {
-        "static_batch": {"wall_s": round(static_s, 4),
-                         "output_tokens_per_s": round(len(prompts) * max_tokens / static_s, 2),
-                         "time_to_first_token_s": round(batch_ttft, 4),
-                         "decode_step_s_median": round(statistics.median(steps), 5),
-                         "expected_ttft_s_prefill_plus_2_steps": round(expected_ttft_s(batch_ttft, steps), 4)},
+        "static_batch": static_batch_summary(batch, static_s, max_tokens),
         "one_at_a_time": {"decode_tokens_per_s_median": round(statistics.median(o.decode_tokens_per_s for o in alone), 2),
                           "prompts": len(alone)},
     }
