@@ -102,8 +102,17 @@ class MemoryEstimate:
     0 elsewhere (nothing is packed)."""
 
     @property
+    def parts(self) -> tuple[tuple[str, int], ...]:
+        """What a rank's total is made of, named as messages name it (packing scratch only where a
+        rank packs)."""
+        parts = (("weights", self.weight_bytes_per_rank), ("KV cache", self.kv_cache_bytes_per_rank))
+        if self.packing_scratch_bytes_per_rank:
+            parts += (("packing scratch", self.packing_scratch_bytes_per_rank),)
+        return parts
+
+    @property
     def total_bytes_per_rank(self) -> int:
-        return self.weight_bytes_per_rank + self.kv_cache_bytes_per_rank + self.packing_scratch_bytes_per_rank
+        return sum(n for _, n in self.parts)
 
     @property
     def usable_bytes_per_rank(self) -> int:
@@ -420,11 +429,7 @@ def _fmt_bytes(n: float) -> str:
 
 
 def _parts(mem: MemoryEstimate) -> str:
-    """What a rank's total is made of, for messages."""
-    parts = f"weights {_fmt_bytes(mem.weight_bytes_per_rank)} + KV cache {_fmt_bytes(mem.kv_cache_bytes_per_rank)}"
-    if mem.packing_scratch_bytes_per_rank:
-        parts += f" + packing scratch {_fmt_bytes(mem.packing_scratch_bytes_per_rank)}"
-    return parts
+    return " + ".join(f"{name} {_fmt_bytes(n)}" for name, n in mem.parts)
 
 
 def _ways_out(req: _Request, check: _Check) -> list[str]:

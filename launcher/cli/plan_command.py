@@ -101,9 +101,8 @@ def format_report(result: Plan) -> str:
         f"{result.ranks_per_node} rank(s) per node, kv strategy {result.kv_strategy or '-'}, "
         f"per rank: {_or_dash(result.q_heads_per_rank)} Q heads, {_or_dash(result.kv_heads_per_rank)} KV heads"
         + (f", {cfg.num_local_experts} experts ({result.moe_sharding or 'no sharding fits'})" if cfg.is_moe else ""),
-        f"memory per rank: {_gib(mem.total_bytes_per_rank)} (weights {_gib(mem.weight_bytes_per_rank)} + "
-        f"KV cache {_gib(mem.kv_cache_bytes_per_rank)}"
-        + (f" + packing scratch {_gib(mem.packing_scratch_bytes_per_rank)}" if mem.packing_scratch_bytes_per_rank else "")
+        f"memory per rank: {_gib(mem.total_bytes_per_rank)} ("
+        + " + ".join(f"{name} {_gib(n)}" for name, n in mem.parts)
         + f") of {_gib(mem.usable_bytes_per_rank)} usable "
         f"({_gib(mem.capacity_bytes_per_rank)} less {mem.reserve_fraction:.0%} reserve)",
         f"valid tp degrees: {', '.join(map(str, result.valid_tp_degrees)) or 'none'}",
