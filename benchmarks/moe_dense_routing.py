@@ -26,6 +26,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from workers.collectives import SingleRank  # noqa: E402
+from workers.kernels import small_linear  # noqa: E402
 from workers.moe import MoEBlock  # noqa: E402
 
 
@@ -68,6 +69,8 @@ def main() -> None:
     experts = [(torch.randn(i, h) * h ** -0.5, torch.randn(i, h) * h ** -0.5, torch.randn(h, i) * i ** -0.5)
                for _ in range(e)]
     block = MoEBlock(torch.randn(e, h), experts, 0, args.top_k, 1.0, False, torch.float32, SingleRank()).eval()
+    if not args.no_compile:  # the experts' linears ask the small-batch kernel's limits while traced
+        small_linear.mark_constants_for_tracing()
     compiled = None if args.no_compile else torch.compile(block, fullgraph=True, dynamic=False)
     results = []
     with torch.inference_mode():

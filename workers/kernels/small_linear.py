@@ -222,19 +222,28 @@ def build_and_load(spec: LibrarySpec) -> ctypes.CDLL:
 unavailable_reason: str | None = None
 
 
-@torch._dynamo.assume_constant_result
 def available() -> bool:
-    """Whether the library is built and loaded (built now if needed). A constant to torch.compile:
-    evaluated once while tracing, never a graph break."""
+    """Whether the library is built and loaded (built now if needed). A constant to torch.compile
+    once mark_constants_for_tracing() has run: evaluated once while tracing, never a graph break."""
     return _library() is not None
 
 
-@torch._dynamo.assume_constant_result
 def max_rows() -> int:
     """The most rows of x the host's build takes (WIDE_MAX_ROWS with the AVX-512 blocks, else
     MAX_ROWS); 0 when the kernel is unavailable. A constant to torch.compile, as available() is."""
     lib = _library()
     return 0 if lib is None else WIDE_MAX_ROWS if lib.cl_small_linear_wide() else MAX_ROWS
+
+
+def mark_constants_for_tracing() -> None:
+    """Tells torch.compile to take available() and max_rows() as constants (usable() calls them in
+    every traced linear). Done here, by whoever is about to compile (workers/compiled.py), rather
+    than by decorators: those would import torch._dynamo with this module, about 2 s of start-up
+    on a 2-core host for every eager rank, which never compiles."""
+    import torch._dynamo
+
+    for fn in (available, max_rows):
+        torch._dynamo.assume_constant_result(fn)
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -1,0 +1,111 @@
+"""Start-up time, as a user meets it: wall seconds of a cold `corelaunch generate` (a new process, a
+private Ray, eager TP 1, four tokens) and of `corelaunch serve` until GET /health answers 200.
+Prints JSON.
+
+`--compare DIR` runs the same commands from another checkout (a `git worktree` of another commit)
+in alternating rounds, so both sides see the same machine state; ratios are taken per round.
+
+    python benchmarks/startup.py --rounds 3
+    git worktree add /tmp/base <commit> && python benchmarks/startup.py --compare /tmp/base
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def time_generate(checkout: Path, timeout_s: float) -> float:
+    """`python -m launcher` from `checkout` (its packages come first on sys.path, the driver's and the
+    Ray workers' alike)."""
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "launcher", "generate", "--tp", "1", "--no-compile",
+                           "--max-new-tokens", "4", "--ray-address", "local", "--quiet", "Hello"],
+                          cwd=checkout, capture_output=True, text=True, timeout=timeout_s)
+    elapsed = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"corelaunch generate in {checkout} exited {proc.returncode}:\n{proc.stderr[-2000:]}")
+    return elapsed
+
+
+def time_serve(checkout: Path, timeout_s: float) -> float:
+    port = free_port()
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "launcher", "serve", "--tp", "1", "--no-compile", "--port",
+                             str(port)], cwd=checkout, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "CORELAUNCH_API_KEY": ""})
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"corelaunch serve in {checkout} exited {proc.returncode}:\n"
+                                   f"{proc.stderr.read()[-2000:]}")
+            if time.perf_counter() - start > timeout_s:
+                raise TimeoutError(f"corelaunch serve in {checkout}: no 200 from /health within {timeout_s} s")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as answer:
+                    if answer.status == 200:
+                        return time.perf_counter() - start
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass  # not listening yet
+            time.sleep(0.1)
+    finally:
+        proc.send_signal(signal.SIGINT)  # the server shuts Serve and its private Ray down
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def summary(values: list[float]) -> dict:
+    return {"median_s": round(statistics.median(values), 2), "min_s": round(min(values), 2),
+            "max_s": round(max(values), 2), "runs_s": [round(v, 2) for v in values]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--compare", type=Path, default=None, help="another checkout, run in alternating rounds")
+    parser.add_argument("--no-serve", action="store_true", help="time `generate` only")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds allowed per command")
+    args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds ({args.rounds}) must be at least 1")
+    if args.compare is not None and not (args.compare / "launcher" / "__main__.py").is_file():
+        parser.error(f"--compare ({args.compare}) is not a corelaunch checkout: it has no launcher/__main__.py")
+    sides = {"this": REPO} if args.compare is None else {"this": REPO, "compare": args.compare.resolve()}
+    commands = {"generate": time_generate} if args.no_serve else {"generate": time_generate, "serve": time_serve}
+    runs: dict[str, dict[str, list[float]]] = {side: {name: [] for name in commands} for side in sides}
+    for _ in range(args.rounds):
+        for name, timer in commands.items():
+            for side, checkout in sides.items():
+                runs[side][name].append(timer(checkout, args.timeout))
+    report: dict = {"rounds": args.rounds, "cpus": os.cpu_count(),
+                    **{side: {"checkout": str(path), **{name: summary(v) for name, v in runs[side].items()}}
+                       for side, path in sides.items()}}
+    if args.compare is not None:
+        report["this_over_compare"] = {
+            name: [round(a / b, 3) for a, b in zip(runs["this"][name], runs["compare"][name])] for name in commands}
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""What a process imports at start: the CLI, the driver API and the Serve front end plan a launch,
+and an eager rank loads and decodes, without torch's compiler stack (torch._dynamo alone takes about
+2 s to import on a 2-core host, paid again by every `corelaunch` command, every Serve replica and
+every rank) and, on the driver side, without the model's code. Also the start-up benchmark's
+refusals (benchmarks/startup.py measures what this saves)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.model_factory import build_random_model, save_model
+
+REPO = Path(__file__).resolve().parents[1]
+
+DRIVER_SIDE = """
+import contextlib, io, json, sys
+import launcher.api, launcher.cli.serve_command, launcher.serving.openai_app, workers.backends.cpu
+from launcher.cli import main
+from launcher.launch_plan import plan_launch
+from launcher.progress import Progress
+with contextlib.redirect_stdout(io.StringIO()):
+    code = main(["plan", "--model", sys.argv[1], "--tp", "3", "--json"])
+plan_launch(launcher.api.LaunchConfig(model=sys.argv[1], tp=3), Progress(False))
+print(json.dumps({"code": code, "loaded": [m for m in ("torch._dynamo", "torch._inductor", "workers.model")
+                                             if m in sys.modules]}))
+"""
+
+
+def test_planning_a_launch_imports_neither_the_compiler_nor_the_model(tmp_path):
+    model_dir = save_model(build_random_model("llama", num_heads=6, num_kv_heads=3, hidden_size=96), tmp_path)
+    proc = subprocess.run([sys.executable, "-c", DRIVER_SIDE, str(model_dir)], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.splitlines()[-1])
+    assert report == {"code": 0, "loaded": []}
+
+
+EAGER_RANK = """
+import json, sys
+from shardlib.model_config import load_model_config
+from shardlib.sharding import ShardLayout
+from workers.rank_worker import GenerateRequest, LoadSpec, RankWorker, WorkerSpec
+from workers.sampling import SamplingParams
+config = load_model_config(sys.argv[1])
+worker = RankWorker(WorkerSpec(rank=0, world_size=1, backend="cpu", threads=1))
+worker.init_backend("127.0.0.1", 0, 30.0)
+worker.load(LoadSpec(config=config, layout=ShardLayout.for_model(config, 1), dtype="float32", model_dir=sys.argv[1]))
+[out] = worker.generate(GenerateRequest(prompts=[[5, 9, 33, 17]], params=[SamplingParams()], max_new_tokens=4))
+worker.shutdown()
+print(json.dumps({"tokens": len(out.token_ids), "loaded": [m for m in ("torch._dynamo", "torch._inductor")
+                                                            if m in sys.modules]}))
+"""
+
+
+def test_an_eager_rank_never_imports_the_compiler(tmp_path):
+    """An eager rank (--no-compile, and every test that is not about compiling) builds its shard and
+    decodes without loading torch's compiler stack."""
+    model_dir = save_model(build_random_model("llama", num_heads=6, num_kv_heads=3, hidden_size=96), tmp_path)
+    proc = subprocess.run([sys.executable, "-c", EAGER_RANK, str(model_dir)], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1]) == {"tokens": 4, "loaded": []}
+
+
+def test_the_startup_benchmark_refuses_what_it_cannot_run(tmp_path):
+    def startup(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "benchmarks/startup.py", *args], cwd=REPO, capture_output=True,
+                              text=True, timeout=60)
+
+    out = startup("--compare", str(tmp_path))
+    assert out.returncode == 2 and f"--compare ({tmp_path}) is not a corelaunch checkout" in out.stderr
+    out = startup("--rounds", "0")
+    assert out.returncode == 2 and "--rounds (0) must be at least 1" in out.stderr
