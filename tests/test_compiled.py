@@ -42,6 +42,8 @@ def eager_model():
 
 @pytest.fixture(scope="module")
 def compiled():
+    # Graphs another module compiled from the same step functions would be reused and not counted.
+    torch._dynamo.reset()
     return CompiledCausalLM(eager_model(), BUCKETS)
 
 

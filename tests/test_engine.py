@@ -179,3 +179,27 @@ def test_returned_logits_are_those_each_token_came_from(model):
         assert len(out.decode_step_latencies_s) == NEW - 1
         assert all(t > 0 for t in out.decode_step_latencies_s)
     assert generate(model, PROMPTS[:1], [GREEDY], 2, [])[0].logits is None
+
+
+def _resident_bytes() -> int:
+    import os
+
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/statm"), reason="reads Linux's /proc")
+def test_a_cpu_cache_is_zero_and_takes_memory_only_where_written():
+    """The serving cache is sized for max_num_seqs full-length rows; on the CPU its pages are
+    mapped, zero-filled, when first touched, so a fresh cache costs neither start-up time nor
+    resident memory, and reads as zeros."""
+    from workers.kv_cache import KVCache
+
+    before = _resident_bytes()
+    cache = KVCache(num_layers=4, batch=16, kv_heads=4, max_seq_len=4096, head_dim=64, long_lived=True)  # 512 MiB
+    assert cache.nbytes() == 512 * 2 ** 20
+    assert _resident_bytes() - before < 64 * 2 ** 20  # torch.zeros would have written all 512 MiB
+    cache.k[3][5, 1, 4000] = 2.5
+    assert cache.k[3][5, 1, 4000].eq(2.5).all() and cache.k[3].sum() == 2.5 * 64
+    assert all(t.count_nonzero() == 0 for t in cache.k[:3] + cache.v)
+    assert cache.k[0].is_contiguous() and cache.k[0].shape == (16, 4, 4096, 64)

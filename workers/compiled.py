@@ -176,8 +176,8 @@ class CompiledCausalLM:
         configure_dynamo(len(self.buckets.shapes()) + extra)
 
     # ---- what engine.generate uses -------------------------------------------------------------
-    def new_cache(self, batch: int, max_seq_len: int) -> KVCache:
-        return self.model.new_cache(batch, max_seq_len)
+    def new_cache(self, batch: int, max_seq_len: int, long_lived: bool = False) -> KVCache:
+        return self.model.new_cache(batch, max_seq_len, long_lived)
 
     @property
     def device(self) -> torch.device:

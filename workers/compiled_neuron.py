@@ -109,8 +109,8 @@ class NeuronCompiledModel:
         return (torch.zeros(batch, seq, dtype=torch.int64), torch.zeros(batch, seq, dtype=torch.int64),
                 torch.ones(batch, length, dtype=torch.bool), torch.arange(seq), torch.tensor([seq - 1]))
 
-    def new_cache(self, batch: int, max_seq_len: int) -> _DeviceCache:
-        return _DeviceCache(batch, max_seq_len)
+    def new_cache(self, batch: int, max_seq_len: int, long_lived: bool = False) -> _DeviceCache:
+        return _DeviceCache(batch, max_seq_len)  # the cache lives on the device, inside the graphs
 
     def __call__(self, input_ids, position_ids, cache, cache_positions, attention_mask=None, logit_index=None):
         batch, seq = input_ids.shape

@@ -132,10 +132,12 @@ class ShardedCausalLM(nn.Module):
         return self.lm_head_weight.device
 
     # ---- cache ---------------------------------------------------------------------------------
-    def new_cache(self, batch: int, max_seq_len: int) -> KVCache:
-        """A zeroed KV cache for `batch` sequences of up to `max_seq_len` tokens (prompt included)."""
+    def new_cache(self, batch: int, max_seq_len: int, long_lived: bool = False) -> KVCache:
+        """A zeroed KV cache for `batch` sequences of up to `max_seq_len` tokens (prompt included);
+        long_lived: the serving engine's (see KVCache)."""
         cache = KVCache(self.config.num_hidden_layers, batch, self.layout.kv_heads_per_rank, max_seq_len,
-                        self.config.head_dim, dtype=self.kv_cache_dtype or self.dtype, device=self.device)
+                        self.config.head_dim, dtype=self.kv_cache_dtype or self.dtype, device=self.device,
+                        long_lived=long_lived)
         self._ensure_rotary(max_seq_len)
         return cache
 

@@ -66,7 +66,7 @@ class ServingLoop:
         self.is_leader = self.collectives.rank == 0
         self.device = getattr(model, "device", torch.device("cpu"))
         self.scratch_row = config.max_num_seqs
-        self.cache = model.new_cache(config.max_num_seqs + 1, config.cache_slots)
+        self.cache = model.new_cache(config.max_num_seqs + 1, config.cache_slots, long_lived=True)
         self.codec = PlanCodec(config.max_num_seqs, config.max_prefill_tokens)
         max_chunk = config.shapes.max_chunk if config.shapes is not None else config.max_prefill_tokens
         self.scheduler = Scheduler(config.max_num_seqs, config.max_prefill_tokens, max_chunk)
