@@ -56,7 +56,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, cache_positions: torc
 def zeros_on_first_touch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor held in an anonymous memory map. The OS maps each page, zero-filled, when
     it is first touched, so allocating costs nothing and a page costs memory only once a sequence
-    reaches it. torch.zeros writes every byte at once instead: SmolLM2's serving cache (17 rows of
+    reaches it (a write, or a read: Linux counts a read page in the resident set too). torch.zeros writes every byte at once instead: SmolLM2's serving cache (17 rows of
     4096 slots, 3 GiB) took about a second alone and several during a `corelaunch serve` start on
     machine I, where most of it is never written.
     The tensor keeps the map alive and unmaps it when freed."""
