@@ -54,16 +54,16 @@ def corelaunch_server(serve_args: list[str], timeout_s: float):
 
 
 @contextlib.contextmanager
-def server_process(command: list[str], base_url: str, timeout_s: float):
-    """Runs `command` (from the repository root) until /health answers 200, yields base_url, and
-    stops it (SIGINT, then SIGKILL) on exit. Its output goes to a log whose tail is in the error
-    when it exits or times out before it is healthy."""
+def server_process(command: list[str], base_url: str, timeout_s: float, cwd: Path = REPO, poll_s: float = 0.5):
+    """Runs `command` (from `cwd`, the repository root unless told) until /health answers 200
+    (asked every poll_s), yields base_url, and stops it (SIGINT, then SIGKILL) on exit. Its output
+    goes to a log whose tail is in the error when it exits or times out before it is healthy."""
     name = " ".join(command)
     with tempfile.TemporaryDirectory(prefix="corelaunch-serve-bench-") as tmp:
         log = Path(tmp) / "serve.log"
         with open(log, "wb") as out:
             # its own session: stopping it reaches the Ray processes it started too
-            proc = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+            proc = subprocess.Popen(command, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)
         try:
             deadline = time.monotonic() + timeout_s
@@ -75,7 +75,7 @@ def server_process(command: list[str], base_url: str, timeout_s: float):
                     raise TimeoutError(f"the server was not healthy after {timeout_s:.0f} s (GET "
                                        f"{base_url.removesuffix('/v1')}/health); raise --server-timeout if it "
                                        f"is still compiling; command: {name}\n{_tail(log)}")
-                time.sleep(0.5)
+                time.sleep(poll_s)
             yield base_url
         finally:
             _stop(proc)

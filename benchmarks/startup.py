@@ -14,23 +14,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from benchmarks.serving_server import free_port, server_process  # noqa: E402
 
 
 def time_generate(checkout: Path, timeout_s: float) -> float:
@@ -48,31 +41,11 @@ def time_generate(checkout: Path, timeout_s: float) -> float:
 
 def time_serve(checkout: Path, timeout_s: float) -> float:
     port = free_port()
+    command = [sys.executable, "-m", "launcher", "serve", "--tp", "1", "--no-compile", "--host", "127.0.0.1",
+               "--port", str(port)]
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "launcher", "serve", "--tp", "1", "--no-compile", "--port",
-                             str(port)], cwd=checkout, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "CORELAUNCH_API_KEY": ""})
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"corelaunch serve in {checkout} exited {proc.returncode}:\n"
-                                   f"{proc.stderr.read()[-2000:]}")
-            if time.perf_counter() - start > timeout_s:
-                raise TimeoutError(f"corelaunch serve in {checkout}: no 200 from /health within {timeout_s} s")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as answer:
-                    if answer.status == 200:
-                        return time.perf_counter() - start
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass  # not listening yet
-            time.sleep(0.1)
-    finally:
-        proc.send_signal(signal.SIGINT)  # the server shuts Serve and its private Ray down
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with server_process(command, f"http://127.0.0.1:{port}/v1", timeout_s, cwd=checkout, poll_s=0.1):
+        return time.perf_counter() - start
 
 
 def summary(values: list[float]) -> dict:

@@ -11,9 +11,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.model_factory import build_random_model, save_model
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return save_model(build_random_model("llama", num_heads=6, num_kv_heads=3, hidden_size=96),
+                      tmp_path_factory.mktemp("tiny"))
 
 DRIVER_SIDE = """
 import contextlib, io, json, sys
@@ -29,8 +37,7 @@ print(json.dumps({"code": code, "loaded": [m for m in ("torch._dynamo", "torch._
 """
 
 
-def test_planning_a_launch_imports_neither_the_compiler_nor_the_model(tmp_path):
-    model_dir = save_model(build_random_model("llama", num_heads=6, num_kv_heads=3, hidden_size=96), tmp_path)
+def test_planning_a_launch_imports_neither_the_compiler_nor_the_model(model_dir):
     proc = subprocess.run([sys.executable, "-c", DRIVER_SIDE, str(model_dir)], cwd=REPO, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -55,10 +62,9 @@ print(json.dumps({"tokens": len(out.token_ids), "loaded": [m for m in ("torch._d
 """
 
 
-def test_an_eager_rank_never_imports_the_compiler(tmp_path):
+def test_an_eager_rank_never_imports_the_compiler(model_dir):
     """An eager rank (--no-compile, and every test that is not about compiling) builds its shard and
     decodes without loading torch's compiler stack."""
-    model_dir = save_model(build_random_model("llama", num_heads=6, num_kv_heads=3, hidden_size=96), tmp_path)
     proc = subprocess.run([sys.executable, "-c", EAGER_RANK, str(model_dir)], cwd=REPO, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
