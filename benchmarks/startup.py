@@ -1,11 +1,12 @@
 """Start-up time, as a user meets it: wall seconds of a cold `corelaunch generate` (a new process, a
-private Ray, eager TP 1, four tokens) and of `corelaunch serve` until GET /health answers 200.
-Prints JSON.
+private Ray, eager TP 1, four tokens), of `corelaunch serve` until GET /health answers 200, and of
+the first run's conversion of the built-in model (its GGUF to a float32 folder, in a new process
+into an empty cache). Prints JSON.
 
 `--compare DIR` runs the same commands from another checkout (a `git worktree` of another commit)
 in alternating rounds, so both sides see the same machine state; ratios are taken per round.
 
-    python benchmarks/startup.py --rounds 3
+    python benchmarks/startup.py --rounds 3 [--commands generate,serve,convert]
     git worktree add /tmp/base <commit> && python benchmarks/startup.py --compare /tmp/base
 """
 
@@ -17,6 +18,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -48,6 +50,30 @@ def time_serve(checkout: Path, timeout_s: float) -> float:
         return time.perf_counter() - start
 
 
+CONVERT = """
+import sys
+from pathlib import Path
+from shardlib.demo_model import ensure_demo_model
+ensure_demo_model(Path(sys.argv[1]))
+"""
+
+
+def time_convert(checkout: Path, timeout_s: float) -> float:
+    """A new process converts the GGUF into an empty cache directory (what the first generate on a
+    fresh machine does before anything else)."""
+    with tempfile.TemporaryDirectory(prefix="corelaunch-convert-") as cache:
+        start = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-c", CONVERT, cache], cwd=checkout, capture_output=True, text=True,
+                              timeout=timeout_s)
+        elapsed = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"converting the demo model in {checkout} exited {proc.returncode}:\n{proc.stderr[-2000:]}")
+    return elapsed
+
+
+TIMERS = {"generate": time_generate, "serve": time_serve, "convert": time_convert}
+
+
 def summary(values: list[float]) -> dict:
     return {"median_s": round(statistics.median(values), 2), "min_s": round(min(values), 2),
             "max_s": round(max(values), 2), "runs_s": [round(v, 2) for v in values]}
@@ -57,15 +83,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--compare", type=Path, default=None, help="another checkout, run in alternating rounds")
-    parser.add_argument("--no-serve", action="store_true", help="time `generate` only")
+    parser.add_argument("--commands", default=",".join(TIMERS),
+                        help=f"comma-separated, from {', '.join(TIMERS)} (default: all)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds allowed per command")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds ({args.rounds}) must be at least 1")
     if args.compare is not None and not (args.compare / "launcher" / "__main__.py").is_file():
         parser.error(f"--compare ({args.compare}) is not a corelaunch checkout: it has no launcher/__main__.py")
+    chosen = [name.strip() for name in args.commands.split(",") if name.strip()]
+    unknown = [name for name in chosen if name not in TIMERS]
+    if unknown or not chosen:
+        parser.error(f"--commands ({args.commands!r}) must name one or more of {', '.join(TIMERS)}")
     sides = {"this": REPO} if args.compare is None else {"this": REPO, "compare": args.compare.resolve()}
-    commands = {"generate": time_generate} if args.no_serve else {"generate": time_generate, "serve": time_serve}
+    commands = {name: TIMERS[name] for name in chosen}
     runs: dict[str, dict[str, list[float]]] = {side: {name: [] for name in commands} for side in sides}
     for _ in range(args.rounds):
         for name, timer in commands.items():

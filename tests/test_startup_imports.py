@@ -80,3 +80,6 @@ def test_the_startup_benchmark_refuses_what_it_cannot_run(tmp_path):
     assert out.returncode == 2 and f"--compare ({tmp_path}) is not a corelaunch checkout" in out.stderr
     out = startup("--rounds", "0")
     assert out.returncode == 2 and "--rounds (0) must be at least 1" in out.stderr
+    out = startup("--commands", "generate,boot")
+    assert out.returncode == 2 and "--commands ('generate,boot') must name one or more of generate, serve, convert" \
+        in out.stderr
