@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
+from launcher.background_load import BackgroundLoad
 from launcher.cluster.restart_policy import RestartPolicy
 from launcher.errors import LaunchError, NoDeviceResource, PlacementTimeout
 from launcher.progress import Progress
@@ -27,10 +28,10 @@ from shardlib.model_config import ModelConfig, normalize_dtype
 from shardlib.quantized_sizes import kv_dtype_name
 from shardlib.positive_int import is_positive_int, positive_int
 from shardlib.request_checks import check_fits, check_request
+from shardlib.sampling_params import SamplingParams
 from shardlib.serving_shapes import DEFAULT_MAX_NUM_SEQS
 from workers.backends import backend_entry
 from workers.granularities import GRANULARITIES
-from workers.sampling import SamplingParams
 
 DEFAULT_BURST_WAIT_S = 0.01
 """LaunchConfig.burst_wait_s unless asked otherwise: on one 2-core machine the requests of 16
@@ -261,6 +262,8 @@ class Launcher:
         self.model_config: ModelConfig | None = None
         self.model_dir: Path | None = None
         self.tokenizer = None
+        """The checkpoint's tokenizer once start() (or check_prompts()) has returned; None without one."""
+        self._tokenizer_load: BackgroundLoad | None = None
         self.load_stats: list = []
         self.timings: dict[str, float] = {}
         self.backend: str | None = None
@@ -289,6 +292,7 @@ class Launcher:
         self.prepare()
         try:
             self._start_group(self.backend)
+            self._await_tokenizer()  # it loaded while the group started (check_prompts may have taken it)
         except BaseException:
             self.shutdown()
             raise
@@ -296,9 +300,11 @@ class Launcher:
         return self
 
     def prepare(self) -> "Launcher":
-        """Everything before Ray: the plan (refusing impossible layouts), the shapes the workers
-        will run at, and the driver's tokenizer; start() calls it, once. Call it first to check
-        requests with check_prompts() before anything is started."""
+        """Everything before Ray: the plan (refusing impossible layouts) and the shapes the workers
+        will run at; the driver's tokenizer starts loading on a thread, and is waited for by
+        check_prompts() or at the end of start(), so that without prompts to check first it loads
+        while Ray starts and the ranks load. start() calls it, once. Call check_prompts() first to
+        check requests before anything is started."""
         if self.plan is not None:
             return self
         from launcher.artifacts.compiled_dir import load_spec_fields
@@ -312,10 +318,18 @@ class Launcher:
         self.model_dir, self.model_config = planned.model_dir, planned.model_config
         self.backend = planned.backend
         self.buckets = load_spec_fields(self.config, planned.plan, self.model_config)["buckets"]
-        with self._progress.step("loading tokenizer"):
-            self.tokenizer = load_tokenizer(self.model_dir)
+        self._tokenizer_load = BackgroundLoad(load_tokenizer, self.model_dir, name="corelaunch-tokenizer")
         self.plan = planned.plan
         return self
+
+    def _await_tokenizer(self) -> None:
+        """self.tokenizer from the load prepare() started (its error, if it failed), once."""
+        load, self._tokenizer_load = self._tokenizer_load, None
+        if load is None:
+            return
+        with self._progress.spinner("loading tokenizer"):
+            self.tokenizer = load.result()
+        self._progress.done("loading tokenizer", load.elapsed_s)
 
     def check_prompts(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                       sampling: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -324,6 +338,7 @@ class Launcher:
         runs first): prompts tokenized with the driver's tokenizer, none empty or past the context
         and buckets, the sampling parameters and max_new_tokens. ValueError naming the value."""
         self.prepare()
+        self._await_tokenizer()
         with self._lock:
             _, token_lists = self._tokenize(prompts)
         params = self._sampling_per_prompt(sampling, len(token_lists))
@@ -812,10 +827,23 @@ def split_prompts(count: int, max_batch_size: int, replicas: int) -> list[tuple[
     return bounds
 
 
+_TOKENIZER_LOAD_LOCK = threading.Lock()
+
+
 def load_tokenizer(model_dir: Path):
     """The checkpoint's tokenizer, or None when the directory has none (random test checkpoints)."""
     if not any((model_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
-    from transformers import AutoTokenizer
+    # One load at a time in a process: tokenizers load on threads (Launcher.prepare, the Serve
+    # replica), and transformers' lazily imported modules are not safe to import from two threads at
+    # once (seen: "cannot import name 'AutoTokenizer' from 'transformers'").
+    with _TOKENIZER_LOAD_LOCK:
+        from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_dir)
+        try:
+            return AutoTokenizer.from_pretrained(model_dir)
+        except (OSError, ValueError) as error:  # transformers' own messages rarely name the folder
+            raise ValueError(f"the tokenizer in {model_dir} cannot be loaded ({type(error).__name__}: {error}); "
+                             f"repair or replace its tokenizer files (tokenizer.json, tokenizer_config.json), "
+                             f"or remove them and pass prompts as token ids") from error
+

@@ -25,6 +25,20 @@ class Progress:
             yield
         self._console.print(f"[green]✓[/green] {what} ({time.perf_counter() - start:.1f} s)")
 
+    @contextmanager
+    def spinner(self, what: str):
+        """The spinner of a step, without its line (the caller prints one with done())."""
+        if not self.enabled:
+            yield
+            return
+        with self._console.status(f"{what} ...", spinner="dots"):
+            yield
+
+    def done(self, what: str, seconds: float) -> None:
+        """A step that ran elsewhere (on another thread), with its own duration."""
+        if self.enabled:
+            self._console.print(f"[green]✓[/green] {what} ({seconds:.1f} s)")
+
     def note(self, text: str) -> None:
         if self.enabled:
             self._console.print(text)

@@ -135,6 +135,18 @@ def test_planner_targets_per_backend():
     assert not remote.core_count_known
 
 
+def test_torch_is_asked_about_cuda_only_where_a_gpu_device_node_exists(tmp_path, monkeypatch):
+    import torch
+
+    from workers.backends import planner_targets
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU host
+    monkeypatch.setattr(planner_targets, "GPU_DEVICE_FILES", (str(tmp_path / "nvidia[0-9]*"),))
+    assert planner_targets.cuda_devices_present() is False  # no device node: torch is not asked
+    (tmp_path / "nvidia0").touch()
+    assert planner_targets.cuda_devices_present() is True
+
+
 # ---- cuda without a GPU --------------------------------------------------------------------------
 @pytest.mark.parametrize("options", [{}, {"device_memory_gib": 80}])
 def test_cuda_without_a_gpu_is_refused_before_ray_starts(small_model, options):

@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -93,6 +94,23 @@ def check_bad_requests_and_batch_split(small_model, compile_: bool) -> None:
         assert len(together) == 5
         with pytest.raises(ValueError, match="batching"):
             launcher.generate(prompts, batching="dynamic")
+
+
+def test_an_unreadable_tokenizer_is_named_and_leaves_no_group_running(small_model, in_process_cluster, tmp_path):
+    """The tokenizer loads on a thread while the group starts: its error still ends start(), and the
+    group it started is shut down; check_prompts() meets the error before any group starts."""
+    import shutil
+
+    model = Path(shutil.copytree(small_model, tmp_path / "model"))
+    (model / "tokenizer.json").write_text("{ not json")
+    named = rf"the tokenizer in {model} cannot be loaded \(JSONDecodeError: .*\); repair or replace"
+    with pytest.raises(ValueError, match=named):
+        Launcher(model=str(model), tp=2, compile=False, progress=False).check_prompts("hello")
+    assert in_process_cluster.groups == []
+    with pytest.raises(ValueError, match=named):
+        Launcher(model=str(model), tp=2, compile=False, progress=False).start()
+    [group] = in_process_cluster.groups
+    assert group.actors == []  # shut down
 
 
 def test_a_dead_rank_with_restarts_disabled_fails_the_call_naming_it(small_model, in_process_cluster):

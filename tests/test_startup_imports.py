@@ -45,6 +45,27 @@ def test_planning_a_launch_imports_neither_the_compiler_nor_the_model(model_dir)
     assert report == {"code": 0, "loaded": []}
 
 
+DRIVER_START = """
+import json, sys
+import launcher.api, launcher.cli.serve_command, launcher.serving.openai_app
+import launcher.cluster.ray_worker, launcher.cluster.replica_pool, launcher.cluster.tp_group
+from launcher.launch_plan import plan_launch
+from launcher.progress import Progress
+plan_launch(launcher.api.LaunchConfig(model=sys.argv[1], tp=3), Progress(False))
+print(json.dumps({"torch": "torch" in sys.modules}))
+"""
+
+
+def test_the_driver_plans_and_reaches_ray_without_importing_torch(model_dir):
+    """torch takes about 2 s to import here: `corelaunch serve` plans and starts Serve without it, and
+    a Launcher's own thread starts Ray and the ranks while its tokenizer thread imports it
+    (transformers does) instead of waiting for that import first."""
+    proc = subprocess.run([sys.executable, "-c", DRIVER_START, str(model_dir)], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1]) == {"torch": False}
+
+
 EAGER_RANK = """
 import json, sys
 from shardlib.model_config import load_model_config

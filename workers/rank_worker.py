@@ -26,7 +26,7 @@ from shardlib.sharding import ShardLayout
 from workers.backends import backend_entry, get_backend
 from workers.backends.base import RendezvousInfo
 from workers.net import free_port
-from workers.sampling import SamplingParams
+from shardlib.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -14,42 +14,9 @@ all ranks agree on before the first step.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 
-MAX_SEED = 2**63 - 1
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0
-    """Divides the logits before softmax; 0 means greedy (argmax), ignoring top_k and top_p."""
-    top_k: int = 0
-    """Keep only the k most likely tokens; 0 means no limit."""
-    top_p: float = 1.0
-    """Keep the smallest set of most likely tokens whose probability mass reaches top_p; 1 keeps all."""
-    seed: int | None = None
-    """Seed of this request's generator; the same seed gives the same tokens. None: unseeded."""
-
-    def __post_init__(self) -> None:
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"temperature={t!r} must be a finite number >= 0 (0 means greedy)")
-        k = self.top_k
-        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-            raise ValueError(f"top_k={k!r} must be an integer >= 0 (0 turns top-k off)")
-        p = self.top_p
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
-            raise ValueError(f"top_p={p!r} must be a number in (0, 1] (1 turns top-p off)")
-        s = self.seed
-        if s is not None and (isinstance(s, bool) or not isinstance(s, int) or not 0 <= s <= MAX_SEED):
-            raise ValueError(f"seed={s!r} must be None or an integer in [0, 2**63 - 1]")
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0
+from shardlib.sampling_params import MAX_SEED, SamplingParams  # noqa: F401 - re-exported for the ranks
 
 
 def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator | None:

@@ -35,7 +35,7 @@ def add_parser(subparsers) -> None:
 
 
 def _sampling(args):
-    from workers.sampling import SamplingParams
+    from shardlib.sampling_params import SamplingParams
 
     given = {k: v for k, v in (("temperature", args.temperature), ("top_k", args.top_k),
                                ("top_p", args.top_p), ("seed", args.seed)) if v is not None}

@@ -121,6 +121,7 @@ class OpenAIServer:
 
     def __init__(self, settings: ServerSettings):
         from launcher.api import LaunchConfig, Launcher, load_tokenizer
+        from launcher.background_load import BackgroundLoad
         from launcher.serving.port_rebind import allow_port_rebinding
 
         allow_port_rebinding()  # before Serve binds this replica's own server (direct ingress)
@@ -128,12 +129,15 @@ class OpenAIServer:
         launch = dict(settings.launch)
         if launch.get("cpus_per_rank") is None:
             launch["cpus_per_rank"] = _cpus_per_rank(launch, settings.most_replicas)
-        self.launcher = Launcher(LaunchConfig(**launch)).start()
-        self.name = settings.served_model_name
-        self.api_key = settings.api_key or os.environ.get("CORELAUNCH_API_KEY") or None
+        self.launcher = Launcher(LaunchConfig(**launch)).prepare()
         # This replica's own tokenizer (the same files): the chat template and logprob token texts run
         # on the request loop, never concurrently with the engine's detokenizing of the Launcher's copy.
-        self.tokenizer = load_tokenizer(self.launcher.model_dir)
+        # Both copies load on threads while the TP group starts.
+        own_tokenizer = BackgroundLoad(load_tokenizer, self.launcher.model_dir, name="corelaunch-serve-tokenizer")
+        self.launcher.start()
+        self.tokenizer = own_tokenizer.result()
+        self.name = settings.served_model_name
+        self.api_key = settings.api_key or os.environ.get("CORELAUNCH_API_KEY") or None
         self.context_tokens = _context_tokens(self.launcher)
         self.metrics = ServerMetrics(self.launcher.load)
         self.created = int(time.time())
@@ -217,7 +221,7 @@ class OpenAIServer:
         """The engine's stream for this request; ProtocolError 400 for input the engine refuses
         (its message names the lengths or values; nearly always the prompt's, so `prompt_param` is
         the error's param), 503 with Retry-After when its queue is full."""
-        from workers.sampling import SamplingParams
+        from shardlib.sampling_params import SamplingParams
 
         sampling = SamplingParams(temperature=req.temperature, top_k=max(req.top_k, 0), top_p=req.top_p,
                                   seed=req.seed)

@@ -8,7 +8,8 @@ granularities it honours.
 
 This module imports neither torch nor Ray: the CLI builds its parsers from it. What an entry names
 as "module:attribute" is imported only when it is used (on the driver when planning, on a rank
-when it starts).
+when it starts). The planner targets and device checks live in planner_targets.py, which imports
+no torch either, so planning a launch never waits for torch to load.
 """
 
 from __future__ import annotations
@@ -74,21 +75,21 @@ class BackendEntry:
 BACKENDS: dict[str, BackendEntry] = {entry.name: entry for entry in (
     BackendEntry(
         name="cpu", implementation="workers.backends.cpu:CpuBackend",
-        planner_target="workers.backends.cpu:planner_target",
+        planner_target="workers.backends.planner_targets:cpu_target",
         description="torch on the host CPUs (gloo between nodes, shared memory within one)",
         granularities=GRANULARITIES),
     BackendEntry(
         name="neuron", implementation="workers.backends.neuron:NeuronBackend",
-        planner_target="workers.backends.neuron:planner_target",
+        planner_target="workers.backends.planner_targets:neuron_target",
         description="AWS Trainium/Inferentia through torch-neuronx (unverified)",
         found_when="Neuron devices (/dev/neuron*) exist",
         ray_resource="neuron_cores", constructor_options=("lnc",),
         device_files="/dev/neuron[0-9]*", device_tool="neuron-ls"),
     BackendEntry(
         name="cuda", implementation="workers.backends.cuda:CudaBackend",
-        planner_target="workers.backends.cuda:planner_target",
+        planner_target="workers.backends.planner_targets:cuda_target",
         description="NVIDIA GPUs, one per rank, NCCL between them (unverified)",
-        detect="workers.backends.cuda:devices_present", found_when="torch sees a CUDA GPU",
+        detect="workers.backends.planner_targets:cuda_devices_present", found_when="torch sees a CUDA GPU",
         ray_resource="GPU", granularities=GRANULARITIES),
 )}
 

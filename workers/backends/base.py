@@ -1,4 +1,7 @@
-"""The interface every device backend implements for one rank."""
+"""The interface every device backend implements for one rank.
+
+It imports no torch at module level: the driver imports it (through workers.rank_worker's specs) to
+start ranks, and torch there would cost about 2 s of every start-up before Ray could start."""
 
 from __future__ import annotations
 
@@ -6,12 +9,14 @@ import abc
 import datetime
 import socket
 from dataclasses import dataclass
-from typing import Callable
-
-import torch
+from typing import TYPE_CHECKING, Callable
 
 from shardlib.buckets import Buckets
-from workers.collectives import Collectives
+
+if TYPE_CHECKING:
+    import torch
+
+    from workers.collectives import Collectives
 
 
 @dataclass(frozen=True)
@@ -100,6 +105,8 @@ class Backend(abc.ABC):
 
     @property
     def device(self) -> torch.device:
+        import torch
+
         return torch.device("cpu")
 
     def prefetch_compiler(self) -> None:

@@ -7,20 +7,10 @@ import warnings
 
 import torch
 
-from shardlib.instances import CPU_TARGET
 from workers.backends.base import (Backend, CompileOptions, RendezvousInfo, join_torch_distributed,
                                    leave_torch_distributed)
 from workers.backends.inductor import compile_per_bucket, prefetch_compiler
 from workers.collectives import Collectives, SingleRank
-
-
-def planner_target(request):
-    """The cpu backend plans against --instance when given (sizing for another machine), else this
-    host's cores and RAM."""
-    if request.device_memory_gib is not None:
-        raise ValueError(f"--device-memory-gib ({request.device_memory_gib}) is for device backends; the cpu "
-                         f"backend plans against this host's RAM: drop it")
-    return request.instance or CPU_TARGET
 
 
 class CpuBackend(Backend):

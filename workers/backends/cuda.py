@@ -11,7 +11,7 @@ What it does on a GPU host (written against torch's documented CUDA and NCCL API
   cpu backend does (workers/backends/inductor.py); the engine puts inputs, KV cache and sampling on
   the model's device.
 - The planner plans against the GPUs' memory: measured on this host with torch.cuda, or given with
-  --device-memory-gib for a cluster whose GPUs the driver cannot see.
+  --device-memory-gib for a cluster whose GPUs the driver cannot see (planner_targets.py).
 Nothing here is installed with corelaunch: it needs a CUDA build of torch on every node.
 """
 
@@ -22,40 +22,10 @@ import socket
 
 import torch
 
-from shardlib.instances import GIB, gpu_node
 from workers.backends.base import (Backend, CompileOptions, RendezvousInfo, join_torch_distributed,
                                    leave_torch_distributed)
 from workers.backends.inductor import compile_per_bucket, prefetch_compiler
 from workers.collectives import Collectives, SingleRank, TorchDistributedCollectives
-
-NO_GPU = ("--backend cuda: this host shows no CUDA GPU to torch (torch.cuda.is_available() is False: no "
-          "GPU or driver, or torch's CPU build, which constraints.txt installs); on a GPU host install a "
-          "CUDA build of torch, for a Ray cluster whose GPUs are on other nodes pass --ray-address and "
-          "--device-memory-gib (the memory of one GPU), or use --backend cpu")
-
-
-def devices_present() -> bool:
-    """True where torch can use a CUDA GPU (a GPU with the CPU build of torch does not count)."""
-    return torch.cuda.is_available()
-
-
-def planner_target(request):
-    """The GPUs of this host (count and memory from torch.cuda; --device-memory-gib overrides the
-    memory), or, for a remote cluster this host cannot see into, GPUs of --device-memory-gib each,
-    their number left to Ray's placement to check."""
-    if request.instance is not None:
-        raise ValueError(f"--instance {request.instance} names a Neuron instance type or the cpu host; the cuda "
-                         f"backend plans against GPU memory: drop --instance (and give --device-memory-gib "
-                         f"for GPUs this host cannot see)")
-    given = None if request.device_memory_gib is None else int(request.device_memory_gib * GIB)
-    if not torch.cuda.is_available():
-        if request.cluster_on_this_host or given is None:
-            raise ValueError(NO_GPU)
-        return gpu_node(given)
-    # This initialises CUDA in the driver process; that is safe because Ray starts ranks as new
-    # processes, never as forks of the driver.
-    props = torch.cuda.get_device_properties(0)
-    return gpu_node(given or props.total_memory, torch.cuda.device_count(), props.name)
 
 
 class CudaBackend(Backend):

@@ -38,16 +38,6 @@ def import_neuron_module(name: str):
         ) from None
 
 
-def planner_target(request):
-    """A Neuron launch plans against the instance type it names (shardlib/instances.py's table)."""
-    if request.instance is None:
-        raise ValueError("the neuron backend needs --instance (e.g. trn1.32xlarge) for planning")
-    if request.device_memory_gib is not None:
-        raise ValueError(f"--device-memory-gib ({request.device_memory_gib}) does not apply to the neuron "
-                         f"backend: the memory per NeuronCore comes from --instance {request.instance}; drop it")
-    return request.instance
-
-
 class NeuronBackend(Backend):
     name = "neuron"
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from workers.sampling import SamplingParams
+from shardlib.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20
 """Most alternatives per token a request may ask for (the OpenAI API's own bound)."""
