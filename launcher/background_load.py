@@ -11,38 +11,36 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import Future, wait
 from typing import Any, Callable
 
 
 class BackgroundLoad:
     def __init__(self, load: Callable[..., Any], *args: Any, name: str = "corelaunch-background-load"):
-        self._load, self._args = load, args
-        self._done = threading.Event()
-        self._value: Any = None
-        self._error: BaseException | None = None
+        self._load, self._args, self._name = load, args, name
+        self._future: Future = Future()
         self.elapsed_s = 0.0
         """How long the load itself took (valid once done)."""
         # A daemon: an interrupted start-up must not wait for a load nobody will use.
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        threading.Thread(target=self._run, name=name, daemon=True).start()
 
     def _run(self) -> None:
         start = time.perf_counter()
         try:
-            self._value = self._load(*self._args)
+            value = self._load(*self._args)
         except BaseException as error:  # handed to whoever takes the result
-            self._error = error
-        finally:
             self.elapsed_s = time.perf_counter() - start
-            self._done.set()
+            self._future.set_exception(error)
+        else:
+            self.elapsed_s = time.perf_counter() - start
+            self._future.set_result(value)
 
     def done(self) -> bool:
-        return self._done.is_set()
+        return self._future.done()
 
     def result(self, timeout_s: float | None = None) -> Any:
         """The load's value, waiting for it; its exception if it raised; TimeoutError after timeout_s."""
-        if not self._done.wait(timeout_s):
-            raise TimeoutError(f"{self._thread.name} did not finish within {timeout_s} s")
-        if self._error is not None:
-            raise self._error
-        return self._value
+        finished, _ = wait([self._future], timeout_s)
+        if not finished:  # (a TimeoutError the load itself raised is its result, and re-raised as such)
+            raise TimeoutError(f"{self._name} did not finish within {timeout_s} s")
+        return self._future.result()

@@ -17,13 +17,10 @@ class Progress:
 
     @contextmanager
     def step(self, what: str):
-        if not self.enabled:
-            yield
-            return
         start = time.perf_counter()
-        with self._console.status(f"{what} ...", spinner="dots"):
+        with self.spinner(what):
             yield
-        self._console.print(f"[green]✓[/green] {what} ({time.perf_counter() - start:.1f} s)")
+        self.done(what, time.perf_counter() - start)
 
     @contextmanager
     def spinner(self, what: str):
@@ -35,7 +32,7 @@ class Progress:
             yield
 
     def done(self, what: str, seconds: float) -> None:
-        """A step that ran elsewhere (on another thread), with its own duration."""
+        """A step's line, with its duration (measured by the caller: step(), or a load on a thread)."""
         if self.enabled:
             self._console.print(f"[green]✓[/green] {what} ({seconds:.1f} s)")
 

@@ -56,10 +56,10 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, cache_positions: torc
 def zeros_on_first_touch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor held in an anonymous memory map. The OS maps each page, zero-filled, when
     it is first touched, so allocating costs nothing and a page costs memory only once a sequence
-    reaches it (a write, or a read: Linux counts a read page in the resident set too). torch.zeros writes every byte at once instead: SmolLM2's serving cache (17 rows of
-    4096 slots, 3 GiB) took about a second alone and several during a `corelaunch serve` start on
-    machine I, where most of it is never written.
-    The tensor keeps the map alive and unmaps it when freed."""
+    reaches it (a write, or a read: Linux counts a read page in the resident set too). torch.zeros
+    writes every byte at once instead: SmolLM2's serving cache (17 rows of 4096 slots, 3 GiB) took
+    about a second alone and several during a `corelaunch serve` start on machine I, where most of
+    it is never written. The tensor keeps the map alive and unmaps it when freed."""
     return torch.frombuffer(mmap.mmap(-1, math.prod(shape) * dtype.itemsize), dtype=dtype).view(shape)
 
 
@@ -83,12 +83,15 @@ class KVCache:
         self.head_dim = head_dim
         self.dtype = dtype
         shape = (batch, kv_heads, max_seq_len, head_dim)
-        if long_lived and (device is None or torch.device(device).type == "cpu"):
-            self.k = [zeros_on_first_touch(shape, dtype) for _ in range(num_layers)]
-            self.v = [zeros_on_first_touch(shape, dtype) for _ in range(num_layers)]
-        else:
-            self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-            self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        first_touch = long_lived and (device is None or torch.device(device).type == "cpu")
+
+        def zeroed() -> torch.Tensor:
+            if first_touch:
+                return zeros_on_first_touch(shape, dtype)
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.k = [zeroed() for _ in range(num_layers)]
+        self.v = [zeroed() for _ in range(num_layers)]
 
     @property
     def num_layers(self) -> int:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from shardlib.sampling_params import MAX_SEED, SamplingParams  # noqa: F401 - re-exported for the ranks
+from shardlib.sampling_params import SamplingParams  # re-exported: the ranks' code imports it from here
 
 
 def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator | None:

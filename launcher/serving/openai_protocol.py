@@ -15,13 +15,14 @@ from typing import Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from shardlib.sampling_params import MAX_SEED
+
 MAX_STOP_STRINGS = 4
 """OpenAI's bound on `stop`."""
 MAX_LOGPROBS = 20
 """OpenAI's bound on completions' `logprobs` and chat's `top_logprobs` (workers.serving.requests has the same)."""
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 """OpenAI's default max_tokens for /v1/completions; chat's default is the rest of the context."""
-MAX_SEED = 2**63 - 1
 
 # What each field accepts, as the error for a bad value says it. Pydantic's own messages name its
 # types ("Input should be a valid number"), not the API's rule, so every field error is rewritten
