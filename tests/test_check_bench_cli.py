@@ -2,9 +2,11 @@
 
 The check runs in this process and must pass against the transformers reference of the same
 checkpoint, and fail for a copy whose weights were perturbed while the reference stays the
-original. Each check runs twice: on real Ray TP groups (sharing the session's Ray instance; slow)
-and with the Launcher's groups in-process, eagerly (tests/in_process_cluster.py; fast); token
-matching, which reads the same generate call as logit matching, runs in-process only. The bench
+original. The passing check runs twice: on real Ray TP groups with compiled graphs (sharing the
+session's Ray instance; slow) and with the Launcher's groups in-process, eagerly
+(tests/in_process_cluster.py; fast). Token matching, which reads the same generate call as logit
+matching, the failing check and the saved reference run in-process only: their subject is the
+report, which is the same whichever way the group runs. The bench
 runs as a subprocess with --json on Ray (slow), and in-process through main() (fast).
 """
 
@@ -118,9 +120,10 @@ def check_token_matching_passes(capsys, common: list[str]) -> None:
         assert p["actual_tokens"] == p["expected_tokens"] and len(p["actual_tokens"]) == NUM_TOKENS
 
 
-def test_check_fails_for_perturbed_weights_and_says_where(models, capsys, where):
+def test_check_fails_for_perturbed_weights_and_says_where(models, capsys, in_process_cluster):
     original, perturbed = models
-    # the report logic is the subject: eager (--no-compile) is enough and spares compiling graphs
+    # the report logic is the subject, in-process and eager: check's way through Ray and compiled
+    # graphs is the passing test's above (tokens and logits come from the same generate call)
     common = ["--model", str(perturbed), "--reference", str(original), "--tp", "2",
               "--prompt-ids", PROMPT_IDS, "--num-tokens", str(NUM_TOKENS), "--no-compile"]
     code, report, _ = run_check(capsys, "--mode", "logit-matching", *common)
@@ -151,7 +154,8 @@ def test_check_fails_for_perturbed_weights_and_says_where(models, capsys, where)
         assert d["actual_token"] == t["actual_tokens"][first] and d["divergence_difference"] > 0
 
 
-def test_saved_expected_outputs_are_a_reference_too(models, capsys, tmp_path, where):
+def test_saved_expected_outputs_are_a_reference_too(models, capsys, tmp_path, in_process_cluster):
+    """Saving and reading the reference file is the subject: in-process, eager."""
     original, perturbed = models
     path = tmp_path / "expected.pt"
     code, summary, err = run_check(capsys, "--model", str(original), "--prompt-ids", PROMPT_IDS,

@@ -1,9 +1,9 @@
 """End to end: greedy tokens of a TP group equal Hugging Face transformers' greedy tokens.
 
-Real checkpoints written to disk in each format. Each case runs twice: through real Ray actors and
-real process groups (slow, but for one eager TP 2 case kept in the fast lane as its Ray smoke
-test), and through the same Launcher with its groups' ranks as threads of this process
-(tests/in_process_cluster.py: planning, loading, the replica pool and the engine are the real ones).
+Real checkpoints written to disk in each format. Each case runs through the Launcher with its
+groups' ranks as threads of this process (tests/in_process_cluster.py: planning, loading, the
+replica pool and the engine are the real ones); TP 1 and one eager TP 2 case (the fast lane's Ray
+smoke test) also run through real Ray actors and real process groups (RAY_CASES).
 """
 
 from __future__ import annotations
@@ -27,48 +27,52 @@ def hf_greedy(model, prompt: list[int], new_tokens: int = NEW_TOKENS) -> list[in
     return out[0, len(prompt):].tolist()
 
 
-# The TP 2 case runs the default path (compiled graphs); the others cover TP 1, KV strategies,
-# checkpoint formats and TP 3 eagerly: compiled equals eager per bucket at TP 1, 2 and 3 in
+# Every case runs eagerly: compiled equals eager per bucket at TP 1, 2 and 3 in
 # tests/test_compiled.py, compiled TP 1 through Ray gives transformers' tokens for SmolLM2 in
 # tests/test_smollm2_e2e.py and eager's from a compiled directory in tests/test_compile_cli.py, and
 # compiling every shape here would add minutes to the suite.
 CASES = [
-    # (id, model_type, shape, format, tp, expected kv strategy, compile)
-    ("llama-tp1", "llama", dict(num_heads=4, num_kv_heads=2), "safetensors", 1, "shard", False),
-    ("llama-tp2-shard-sharded-st", "llama", dict(num_heads=4, num_kv_heads=2), "safetensors_sharded", 2, "shard",
-     True),
-    ("llama-tp2-replicate-bin", "llama", dict(num_heads=4, num_kv_heads=1), "bin", 2, "replicate_to_tp", False),
+    # (id, model_type, shape, format, tp, expected kv strategy)
+    ("llama-tp1", "llama", dict(num_heads=4, num_kv_heads=2), "safetensors", 1, "shard"),
+    ("llama-tp2-shard-sharded-st", "llama", dict(num_heads=4, num_kv_heads=2), "safetensors_sharded", 2, "shard"),
+    ("llama-tp2-replicate-bin", "llama", dict(num_heads=4, num_kv_heads=1), "bin", 2, "replicate_to_tp"),
     ("qwen2-tp3-mha-bin-sharded", "qwen2", dict(hidden_size=96, num_heads=6, num_kv_heads=2, vocab_size=130),
-     "bin_sharded", 3, "convert_to_mha", False),
+     "bin_sharded", 3, "convert_to_mha"),
     ("llama-tp3-tied-replicate", "llama", dict(hidden_size=48, num_heads=3, num_kv_heads=1,
-                                                tie_word_embeddings=True), "safetensors", 3, "replicate_to_tp", False),
+                                                tie_word_embeddings=True), "safetensors", 3, "replicate_to_tp"),
 ]
 
 
 RAY_SMOKE = "llama-tp2-replicate-bin"
 """The one case run through Ray in the fast lane (eager TP 2: worker start, gloo and shared memory)."""
+RAY_CASES = ("llama-tp1", RAY_SMOKE)
+"""The cases also run through Ray. Checkpoint formats and KV strategies are read and applied by
+each rank the same way whether it is a thread or a Ray process, so the other cases run in-process
+only; TP 3 through Ray is proven with compiled graphs (tests/test_compiled.py), with SmolLM2's logits
+(tests/test_check_bench_cli.py) and by the Ctrl-C test (tests/test_hardening_e2e.py), compiled TP 2
+through Ray in tests/test_compiled.py and tests/test_compile_message_e2e.py."""
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=c[0], marks=() if c[0] == RAY_SMOKE else pytest.mark.slow)
-                                  for c in CASES])
+                                  for c in CASES if c[0] in RAY_CASES])
 def test_tp_group_matches_transformers_greedy(case, tmp_path, ray_session):
-    check_case(case, tmp_path, compile_=case[6])
+    check_case(case, tmp_path)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_in_process_group_matches_transformers_greedy(case, tmp_path, in_process_cluster):
     """The same cases with no Ray: eager (compiled equals eager is tests/test_compiled.py's)."""
-    check_case(case, tmp_path, compile_=False)
+    check_case(case, tmp_path)
     assert [group.tp_degree for group in in_process_cluster.groups] == [case[4]]
 
 
-def check_case(case, tmp_path, compile_: bool, **launch) -> None:
+def check_case(case, tmp_path, **launch) -> None:
     """launch: further Launcher options (pad_q_heads, ...)."""
-    _, model_type, shape, fmt, tp, strategy, _ = case
+    _, model_type, shape, fmt, tp, strategy = case
     model = build_random_model(model_type, seed=tp, **shape)
     save_model(model, tmp_path, fmt)
     expected = [hf_greedy(model, p) for p in PROMPTS]
-    with Launcher(model=str(tmp_path), tp=tp, compile=compile_, progress=False, **launch) as launcher:
+    with Launcher(model=str(tmp_path), tp=tp, compile=False, progress=False, **launch) as launcher:
         assert launcher.plan.tp_degree == tp
         assert str(launcher.plan.kv_strategy) in (strategy, f"KVStrategy.{strategy.upper()}")
         batch = launcher.generate(PROMPTS, max_new_tokens=NEW_TOKENS)

@@ -97,12 +97,10 @@ def model_and_expected(tmp_path_factory):
     return str(path), [greedy_ignoring_eos(model, p, LONG) for p in PROMPTS]
 
 
-def test_tp_groups_over_two_nodes_give_the_tokens_of_tp1(cluster, model_and_expected):
+def test_tp_groups_over_two_nodes_give_the_transformers_tokens(cluster, model_and_expected):
     model_dir, expected = model_and_expected
     set_worker_nodes(cluster, 3)
     short = [e[:12] for e in expected]
-    with Launcher(model=model_dir, tp=1, progress=False, **EAGER) as tp1:
-        out1 = tp1.generate(PROMPTS, max_new_tokens=12, ignore_eos=True)
     # TP 2 on 1-CPU nodes: one rank per node, so the group must span two nodes
     with Launcher(model=model_dir, tp=2, nodes=2, progress=False, **EAGER) as tp2:
         [status] = tp2.replica_status()
@@ -117,7 +115,6 @@ def test_tp_groups_over_two_nodes_give_the_tokens_of_tp1(cluster, model_and_expe
         out4 = tp4.generate(PROMPTS, max_new_tokens=12, ignore_eos=True)
     assert sorted(map(sorted, groups)) == [[0, 1], [2, 3]], groups
     assert len({w["node_id"] for w in workers}) == 2
-    assert [r.token_ids for r in out1] == short
     assert [r.token_ids for r in out2] == short
     assert [r.token_ids for r in out4] == short
 
