@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -68,11 +69,12 @@ def test_a_private_ray_of_another_program_is_never_joined():
         other.wait(60)
 
 
-def generate_command(*prompts: str, new_tokens: int, tp: int = 1, model: Path | None = None) -> list[str]:
+def generate_command(*prompts: str, new_tokens: int, tp: int = 1, model: Path | None = None,
+                     quiet: bool = True) -> list[str]:
     """model: None for the built-in SmolLM2."""
     chosen = [] if model is None else ["--model", str(model)]
     return [sys.executable, "-m", "launcher", "generate", *chosen, "--no-compile", "--seq-len", "512", "--tp", str(tp),
-            "--max-new-tokens", str(new_tokens), "--quiet", *prompts]
+            "--max-new-tokens", str(new_tokens), *(["--quiet"] if quiet else []), *prompts]
 
 
 def test_two_launches_at_once_on_one_host_both_succeed(model_dir):  # noqa: F811
@@ -116,16 +118,27 @@ def test_ctrl_c_during_generate_returns_within_seconds_and_leaves_nothing_behind
     segments_before = set(glob.glob("/dev/shm/corelaunch-*"))
     # Three prompts, many tokens each: still generating when the interrupt comes. TP 3: the ranks
     # share a shared-memory segment, which must be gone too.
-    run = subprocess.Popen(generate_command("One", "Two", "Three", new_tokens=400, tp=3),
+    # Not --quiet: the progress line that ends start-up says when the generation begins.
+    run = subprocess.Popen(generate_command("One", "Two", "Three", new_tokens=400, tp=3, quiet=False),
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
                            start_new_session=True, preexec_fn=interactive_sigint)
+    stderr_lines: list[str] = []
+    started = threading.Event()
+
+    def read_stderr() -> None:
+        for line in run.stderr:
+            stderr_lines.append(line)
+            if line.startswith("✓ starting"):  # the ranks have loaded: the generation comes next
+                started.set()
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
     try:
         deadline = time.monotonic() + 300
-        while not any("ray::" in command_line(p) for p in session_processes(run.pid)):
-            assert run.poll() is None, run.stderr.read()
-            assert time.monotonic() < deadline, "the rank workers never started"
-            time.sleep(0.5)
-        time.sleep(8)  # loading, then generating
+        while not started.wait(0.5):
+            assert run.poll() is None, "".join(stderr_lines)
+            assert time.monotonic() < deadline, "the ranks never finished loading:\n" + "".join(stderr_lines)
+        time.sleep(1.5)  # well into the generation (three prompts of 400 tokens take far longer)
         assert run.poll() is None, "the generation finished before the interrupt"
         interrupted = time.monotonic()
         os.killpg(run.pid, signal.SIGINT)
@@ -134,7 +147,8 @@ def test_ctrl_c_during_generate_returns_within_seconds_and_leaves_nothing_behind
     finally:
         if run.poll() is None:
             os.killpg(run.pid, signal.SIGKILL)
-    err = run.stderr.read()
+    reader.join(30)
+    err = "".join(stderr_lines)
     assert run.returncode == 130 and "interrupted" in err, err
     assert took_s < 3.0, f"Ctrl-C took {took_s:.1f} s to return"
     # Helpers such as multiprocessing's resource tracker exit once they see EOF on their pipe; on a

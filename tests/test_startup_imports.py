@@ -92,6 +92,41 @@ def test_an_eager_rank_never_imports_the_compiler(model_dir):
     assert json.loads(proc.stdout.splitlines()[-1]) == {"tokens": 4, "loaded": []}
 
 
+EAGER_TP2 = """
+import json, sys, threading
+from shardlib.checkpoint import load_rank_shard
+from shardlib.model_config import load_model_config
+from shardlib.sharding import ShardLayout
+from tests.tp_harness import InProcessGroup
+from workers.engine import generate
+from workers.model import ShardedCausalLM
+from workers.sampling import SamplingParams
+config = load_model_config(sys.argv[1])
+layout = ShardLayout.for_model(config, 2)
+tokens = {}
+def run_rank(rank, collectives):
+    shard = load_rank_shard(sys.argv[1], config, layout, rank, dtype="float32")
+    model = ShardedCausalLM(config, layout, rank, shard, collectives, "float32")
+    tokens[rank] = generate(model, [[5, 9, 33, 17]], [SamplingParams()], 4, [])[0].token_ids
+threads = [threading.Thread(target=run_rank, args=(rank, c)) for rank, c in enumerate(InProcessGroup(2).ranks())]
+for t in threads: t.start()
+for t in threads: t.join(60)
+print(json.dumps({"tokens": [len(tokens.get(r, [])) for r in (0, 1)], "agree": tokens.get(0) == tokens.get(1),
+                  "loaded": [m for m in ("torch._dynamo", "torch._inductor") if m in sys.modules]}))
+"""
+
+
+def test_eager_tp2_ranks_never_import_the_compiler(model_dir):
+    """Eager TP 2 ranks (threads here, their collectives the same base-class calls as a Ray group's;
+    weights unpacked, so the small-batch kernel runs too): collectives and kernels are plain calls.
+    Through the custom operators, or torch's lazy graph-break wrapper, the first call imported
+    torch._dynamo: 2-3 s per rank, inside the first request."""
+    proc = subprocess.run([sys.executable, "-c", EAGER_TP2, str(model_dir)], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1]) == {"tokens": [4, 4], "agree": True, "loaded": []}
+
+
 def test_the_startup_benchmark_refuses_what_it_cannot_run(tmp_path):
     def startup(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "benchmarks/startup.py", *args], cwd=REPO, capture_output=True,

@@ -43,8 +43,9 @@ def graphs_and_breaks(fn, *args):
 def test_collectives_are_operators_inside_one_graph():
     torch._dynamo.reset()
     twin, x = SummingTwin(), torch.randn(2, 5)
+    twin.handle  # registered before tracing, as CompiledCausalLM does (an eager call never registers it)
     expected = block(twin, x)
-    assert expected.shape == (2, 10)
+    assert expected.shape == (2, 10) and (twin.reduces, twin.gathers) == (2, 1)  # eager: plain calls
     assert graphs_and_breaks(block, twin, x) == (1, 0)
     compiled = torch.compile(block, fullgraph=True, dynamic=False)
     twin.reduces = twin.gathers = 0
@@ -56,8 +57,8 @@ def test_collectives_outside_the_graph_cut_it_at_each_call():
     torch._dynamo.reset()
     twin, x = SummingTwin(), torch.randn(2, 5)
     twin.in_graph = False
-    graphs, breaks = graphs_and_breaks(block, twin, x)
-    assert breaks == 3 and graphs >= 2
+    graphs, _ = graphs_and_breaks(block, twin, x)
+    assert graphs == 3  # one graph before each of the three calls: none is traced through
     compiled = torch.compile(block, dynamic=False)
     twin.in_graph = True
     expected = block(twin, x)

@@ -28,7 +28,11 @@ the functional `all_reduce` and `all_gather`, which go through the custom operat
 workers/collective_ops.py so that a compiled step keeps them inside its graph; with
 `in_graph = False` they are called as plain Python instead, which makes torch.compile cut its graph
 at every collective (the former per-region compilation, kept for comparison in
-benchmarks/tp_scaling.py).
+benchmarks/tp_scaling.py). Outside torch.compile (an eager model, or a compiled model's eager
+fallbacks) they are plain calls: an operator's kernel, and the graph-break wrapper, import the
+whole of torch._dynamo on their first call (2-3 s of CPU per rank on a 2-core host, which made the
+first request of an eager SmolLM2 TP 3 group take 3.6 s on machine I against 0.5 s for the next)
+to compute what the plain call computes.
 """
 
 from __future__ import annotations
@@ -65,27 +69,38 @@ class Collectives(abc.ABC):
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """The sum over all ranks as a new tensor (what the model calls; see the module docstring)."""
-        if self.in_graph:
-            return torch.ops.corelaunch.all_reduce_sum(tensor, self.handle)
-        return _outside_graph(self.all_reduce_sum_, tensor.clone(memory_format=torch.contiguous_format))
+        if torch.compiler.is_compiling():
+            if self.in_graph:
+                return torch.ops.corelaunch.all_reduce_sum(tensor, self.handle)
+            return _outside_graph(self._summed_copy, tensor)
+        return self._summed_copy(tensor)
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's tensor concatenated along the last dim, in rank order (what the model calls)."""
-        if self.in_graph:
-            return torch.ops.corelaunch.all_gather_last_dim(tensor, self.handle)
-        return _outside_graph(self.all_gather_last_dim, tensor)
+        if torch.compiler.is_compiling():
+            if self.in_graph:
+                return torch.ops.corelaunch.all_gather_last_dim(tensor, self.handle)
+            return _outside_graph(self.all_gather_last_dim, tensor)
+        return self.all_gather_last_dim(tensor)
 
     def gather_along(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         """Every rank's tensor concatenated along `dim`, in rank order (sequence parallelism)."""
-        if self.in_graph:
-            return torch.ops.corelaunch.all_gather_dim(tensor, self.handle, dim)
-        return _outside_graph(lambda t: gather_along_dim(self, t, dim), tensor)
+        if torch.compiler.is_compiling():
+            if self.in_graph:
+                return torch.ops.corelaunch.all_gather_dim(tensor, self.handle, dim)
+            return _outside_graph(lambda t: gather_along_dim(self, t, dim), tensor)
+        return gather_along_dim(self, tensor, dim)
 
     def reduce_scatter_along(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's block of `dim` (split into world_size equal blocks) of the sum over ranks."""
-        if self.in_graph:
-            return torch.ops.corelaunch.reduce_scatter_dim(tensor, self.handle, dim)
-        return _outside_graph(lambda t: reduce_scatter_along_dim(self, t, dim), tensor)
+        if torch.compiler.is_compiling():
+            if self.in_graph:
+                return torch.ops.corelaunch.reduce_scatter_dim(tensor, self.handle, dim)
+            return _outside_graph(lambda t: reduce_scatter_along_dim(self, t, dim), tensor)
+        return reduce_scatter_along_dim(self, tensor, dim)
+
+    def _summed_copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.all_reduce_sum_(tensor.clone(memory_format=torch.contiguous_format))
 
     @property
     @abc.abstractmethod

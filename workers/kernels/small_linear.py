@@ -256,13 +256,24 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
-    """(..., in) x (out, in) -> (..., out), times scale ((out, 1) or (1,)) and plus bias (out,)."""
-    return torch.ops.corelaunch.small_linear(x, weight, scale, bias)
+    """(..., in) x (out, in) -> (..., out), times scale ((out, 1) or (1,)) and plus bias (out,).
+
+    The operator only while torch.compile traces: run eagerly, torch wraps a Python operator's
+    kernel so that its first call imports the whole of torch._dynamo (2-3 s of CPU on a 2-core
+    host), which an eager rank never needs."""
+    if torch.compiler.is_compiling():
+        return torch.ops.corelaunch.small_linear(x, weight, scale, bias)
+    return _run_library_kernel(x, weight, scale, bias)
 
 
 @torch.library.custom_op("corelaunch::small_linear", mutates_args=())
 def _small_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
                   bias: torch.Tensor | None) -> torch.Tensor:
+    return _run_library_kernel(x, weight, scale, bias)
+
+
+def _run_library_kernel(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
+                        bias: torch.Tensor | None) -> torch.Tensor:
     lib = _library()
     if lib is None:
         raise RuntimeError(f"the small-batch linear kernel is unavailable: {unavailable_reason}")
