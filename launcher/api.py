@@ -846,4 +846,3 @@ def load_tokenizer(model_dir: Path):
             raise ValueError(f"the tokenizer in {model_dir} cannot be loaded ({type(error).__name__}: {error}); "
                              f"repair or replace its tokenizer files (tokenizer.json, tokenizer_config.json), "
                              f"or remove them and pass prompts as token ids") from error
-

@@ -26,13 +26,15 @@ class BackgroundLoad:
 
     def _run(self) -> None:
         start = time.perf_counter()
+        value, error = None, None
         try:
             value = self._load(*self._args)
-        except BaseException as error:  # handed to whoever takes the result
-            self.elapsed_s = time.perf_counter() - start
+        except BaseException as caught:  # handed to whoever takes the result
+            error = caught
+        self.elapsed_s = time.perf_counter() - start  # set before the future wakes the waiter
+        if error is not None:
             self._future.set_exception(error)
         else:
-            self.elapsed_s = time.perf_counter() - start
             self._future.set_result(value)
 
     def done(self) -> bool:

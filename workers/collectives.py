@@ -69,35 +69,29 @@ class Collectives(abc.ABC):
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """The sum over all ranks as a new tensor (what the model calls; see the module docstring)."""
-        if torch.compiler.is_compiling():
-            if self.in_graph:
-                return torch.ops.corelaunch.all_reduce_sum(tensor, self.handle)
-            return _outside_graph(self._summed_copy, tensor)
-        return self._summed_copy(tensor)
+        return self._call(torch.ops.corelaunch.all_reduce_sum, self._summed_copy, tensor)
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's tensor concatenated along the last dim, in rank order (what the model calls)."""
-        if torch.compiler.is_compiling():
-            if self.in_graph:
-                return torch.ops.corelaunch.all_gather_last_dim(tensor, self.handle)
-            return _outside_graph(self.all_gather_last_dim, tensor)
-        return self.all_gather_last_dim(tensor)
+        return self._call(torch.ops.corelaunch.all_gather_last_dim, self.all_gather_last_dim, tensor)
 
     def gather_along(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         """Every rank's tensor concatenated along `dim`, in rank order (sequence parallelism)."""
-        if torch.compiler.is_compiling():
-            if self.in_graph:
-                return torch.ops.corelaunch.all_gather_dim(tensor, self.handle, dim)
-            return _outside_graph(lambda t: gather_along_dim(self, t, dim), tensor)
-        return gather_along_dim(self, tensor, dim)
+        return self._call(torch.ops.corelaunch.all_gather_dim, lambda t: gather_along_dim(self, t, dim), tensor, dim)
 
     def reduce_scatter_along(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's block of `dim` (split into world_size equal blocks) of the sum over ranks."""
+        return self._call(torch.ops.corelaunch.reduce_scatter_dim, lambda t: reduce_scatter_along_dim(self, t, dim),
+                          tensor, dim)
+
+    def _call(self, operator, plain, tensor: torch.Tensor, *args) -> torch.Tensor:
+        """plain(tensor), or, while torch.compile traces, the operator (in_graph) or plain behind a
+        graph break (see the module docstring for why eager calls skip both)."""
         if torch.compiler.is_compiling():
             if self.in_graph:
-                return torch.ops.corelaunch.reduce_scatter_dim(tensor, self.handle, dim)
-            return _outside_graph(lambda t: reduce_scatter_along_dim(self, t, dim), tensor)
-        return reduce_scatter_along_dim(self, tensor, dim)
+                return operator(tensor, self.handle, *args)
+            return _outside_graph(plain, tensor)
+        return plain(tensor)
 
     def _summed_copy(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.all_reduce_sum_(tensor.clone(memory_format=torch.contiguous_format))

@@ -22,11 +22,11 @@ from pathlib import Path
 
 from shardlib.buckets import Buckets
 from shardlib.model_config import ModelConfig
+from shardlib.sampling_params import SamplingParams
 from shardlib.sharding import ShardLayout
 from workers.backends import backend_entry, get_backend
 from workers.backends.base import RendezvousInfo
 from workers.net import free_port
-from shardlib.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
