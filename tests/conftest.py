@@ -21,6 +21,15 @@ def ray_session():
 
 
 @pytest.fixture
+def ray_address(ray_session) -> str:
+    """The session Ray's address, for a `corelaunch` subprocess to join with --ray-address: the
+    command's output is those tests' subject, and a private Ray of its own cost each one 6-7 s to
+    start and stop (a private Ray is tests/test_hardening_e2e.py's subject). The workers of a
+    joined cluster inherit the pytest process's environment, not the subprocess's."""
+    return ray_session.get_runtime_context().gcs_address
+
+
+@pytest.fixture
 def in_process_cluster(monkeypatch):
     """Launchers started in this test run every TP group as threads of this process (no Ray):
     see tests/in_process_cluster.py. Yields its record of the groups started."""

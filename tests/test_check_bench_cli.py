@@ -7,7 +7,7 @@ session's Ray instance; slow) and with the Launcher's groups in-process, eagerly
 (tests/in_process_cluster.py; fast). Token matching, which reads the same generate call as logit
 matching, the failing check and the saved reference run in-process only: their subject is the
 report, which is the same whichever way the group runs. The bench
-runs as a subprocess with --json on Ray (slow), and in-process through main() (fast).
+runs as a subprocess with --json on the session's Ray (slow), and in-process through main() (fast).
 """
 
 from __future__ import annotations
@@ -206,13 +206,13 @@ BENCH_RUNS = 3
 
 
 @pytest.mark.slow
-def test_bench_json_report_via_cli(models):
+def test_bench_json_report_via_cli(models, ray_address):
     # --no-compile: the command's report through Ray and its stdout are the subject; bench passes
     # the flag on to the same Launcher as generate, whose compiled graphs other tests check
     original, _ = models
     proc = subprocess.run(
         [sys.executable, "-m", "launcher", "bench", "--model", str(original), *BENCH_ARGS, "--runs", str(BENCH_RUNS),
-         "--ray-address", "local", "--no-compile"],
+         "--ray-address", ray_address, "--no-compile"],
         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)  # the whole stdout is one JSON object

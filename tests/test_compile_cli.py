@@ -68,13 +68,14 @@ def eager_tokens(model_dir: Path, prompt: str, new_tokens: int) -> list[int]:
 
 
 @pytest.mark.slow
-def test_compile_then_generate_from_the_directory_reuses_every_graph(model_dir, tmp_path):
+def test_compile_then_generate_from_the_directory_reuses_every_graph(model_dir, tmp_path, ray_address):
     """Two fresh processes, as a restarted deployment would be: the first compiles every graph into
-    the directory's empty inductor cache, the second finds them all there and compiles nothing."""
+    the directory's empty inductor cache, the second finds them all there and compiles nothing.
+    Both join the session's Ray: each rank points its inductor cache into the directory itself."""
     out = tmp_path / "compiled"
     # --max-num-seqs 1: serving graphs for batch bucket 1 only (each bucket costs a compile)
     built = corelaunch("compile", "--model", str(model_dir), "--tp", "1", "--buckets", "16", "--max-num-seqs", "1",
-                       "--ray-address", "local", "--json", "--out", str(out))
+                       "--ray-address", ray_address, "--json", "--out", str(out))
     assert built.returncode == 0, built.stderr
     manifest = json.loads(built.stdout)
     assert manifest == json.loads((out / "manifest.json").read_text())
@@ -90,7 +91,7 @@ def test_compile_then_generate_from_the_directory_reuses_every_graph(model_dir, 
     assert cold["fxgraph_cache_miss"] > 0 and cold["autograd_cache_miss"] > 0  # it really compiled
 
     warm = corelaunch("generate", "--compiled", str(out), "--warm-up", "--max-num-seqs", "1", "--max-new-tokens",
-                      "6", "--ray-address", "local", "--json", "--quiet", PROMPT)
+                      "6", "--ray-address", ray_address, "--json", "--quiet", PROMPT)
     assert warm.returncode == 0, warm.stderr
     report = json.loads(warm.stdout)
     assert report["outputs"][0]["token_ids"] == eager_tokens(model_dir, PROMPT, 6)

@@ -102,11 +102,12 @@ TP_MODELS = {  # tp degree: build_random_model arguments that split at that degr
     3: dict(seed=3, hidden_size=48, num_heads=6, num_kv_heads=3, vocab_size=130, intermediate_size=100,
             tie_word_embeddings=True),
 }
-# What each degree runs: (continuous batches, static batch or None). Every shape is compiled on
-# every rank, three ranks on two cores at TP 3, so TP 3 runs one batch of both prompts (prefill
-# chunks of both context buckets, a decode of two rows); TP 2 also a prompt alone and the static
-# engine's graphs (the same code at every degree).
-TP_RUNS = {2: ([[SHORT], [SHORT, LONG]], [SHORT, LONG]), 3: ([[SHORT, LONG]], None)}
+# What each degree runs: (context buckets, continuous batches, static batch or None). Every shape
+# is compiled on every rank, three ranks on two cores at TP 3, so TP 3 runs one batch of both
+# prompts with one context bucket (both first chunks in one prefill call, a decode of two rows);
+# TP 2 two context buckets, a prompt alone as well, and the static engine's graphs (the same code
+# at every degree).
+TP_RUNS = {2: ((8, 16), [[SHORT], [SHORT, LONG]], [SHORT, LONG]), 3: ((16,), [[SHORT, LONG]], None)}
 
 
 @pytest.mark.slow
@@ -118,9 +119,9 @@ def test_tp_compiled_equals_eager_through_ray(ray_session, tmp_path, tp):
 
     hf = build_random_model("llama", **TP_MODELS[tp])
     model_dir = save_model(hf, tmp_path / "model")
-    batches, static_batch = TP_RUNS[tp]
+    context_buckets, batches, static_batch = TP_RUNS[tp]
     tp1 = build_rank_model(ModelConfig.from_dict(hf.config.to_dict()), hf_state_dict(hf), 0, 1, SingleRank())
-    with Launcher(model=str(model_dir), tp=tp, context_buckets=(8, 16), token_buckets=(32,), max_batch_size=2,
+    with Launcher(model=str(model_dir), tp=tp, context_buckets=context_buckets, token_buckets=(32,), max_batch_size=2,
                   progress=False) as launcher:
         assert launcher.config.compile  # the default
         compiled = [[r.token_ids for r in launcher.generate(batch, max_new_tokens=NEW, ignore_eos=True)]

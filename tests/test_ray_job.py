@@ -27,7 +27,7 @@ BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[1]
 
 
-def stop_processes_of(temp_dir: str, grace_s: float = 5.0) -> int:
+def stop_processes_of(temp_dir: str, grace_s: float = 1.0) -> int:
     """Terminate every process whose command line names `temp_dir`, with its children; kill what is
     left after `grace_s` (gcs_server and the monitor can ignore SIGTERM for longer than that)."""
     import psutil

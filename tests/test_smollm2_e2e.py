@@ -1,4 +1,5 @@
-"""The real model end to end: SmolLM2-135M-Instruct through Ray at TP 1, and the CLI at TP 3 (slow).
+"""The real model end to end: SmolLM2-135M-Instruct through Ray at TP 1, compiled, and through the CLI
+(slow). SmolLM2 at TP 3 through Ray is tests/test_check_bench_cli.py's logit-matching launch.
 
 The generate command's refusals are checked in-process too (fast), with the demo model's packaged
 config standing in for the converted model (planning needs only the config).
@@ -54,18 +55,19 @@ def test_smollm2_greedy_says_paris_and_matches_transformers(demo_dir, hf_tokens,
 
 
 @pytest.mark.slow
-def test_cli_generate_json_prints_only_json(demo_dir):
+def test_cli_generate_json_prints_only_json(demo_dir, ray_address):
     proc = subprocess.run(
-        # --ray-address local: its own Ray, not whatever cluster earlier tests left discoverable.
-        # --no-compile: the CLI's output is the subject (a batch of two would build two more
-        # SmolLM2 graphs on every rank); compiled SmolLM2 runs in the test above.
-        [sys.executable, "-m", "launcher", "generate", "--model", str(demo_dir), "--tp", "3", "--no-compile",
-         "--ray-address", "local", "--max-new-tokens", "4", "--json", PROMPT,
+        # --ray-address: the session's Ray (tests/conftest.py), not whatever cluster earlier tests
+        # left discoverable.
+        # --no-compile and TP 1: the CLI's output is the subject (a batch of two would build two
+        # more SmolLM2 graphs; three ranks on two cores took twice as long), not the group.
+        [sys.executable, "-m", "launcher", "generate", "--model", str(demo_dir), "--tp", "1", "--no-compile",
+         "--ray-address", ray_address, "--max-new-tokens", "4", "--json", PROMPT,
          "--prompt", "The capital of Italy is"],
         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)  # the whole stdout is one JSON object
-    assert report["tp_degree"] == 3 and report["kv_strategy"] == "shard" and report["compile"] is None
+    assert report["tp_degree"] == 1 and report["kv_strategy"] == "shard" and report["compile"] is None
     first, second = report["outputs"]
     assert first["prompt"] == PROMPT and "Paris" in first["text"]
     assert second["prompt"] == "The capital of Italy is" and "Rome" in second["text"]
