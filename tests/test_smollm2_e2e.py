@@ -57,10 +57,9 @@ def test_smollm2_greedy_says_paris_and_matches_transformers(demo_dir, hf_tokens,
 @pytest.mark.slow
 def test_cli_generate_json_prints_only_json(demo_dir, ray_address):
     proc = subprocess.run(
-        # --ray-address: the session's Ray (tests/conftest.py), not whatever cluster earlier tests
-        # left discoverable.
-        # --no-compile and TP 1: the CLI's output is the subject (a batch of two would build two
-        # more SmolLM2 graphs; three ranks on two cores took twice as long), not the group.
+        # The CLI's output is the subject, not the group: the session's Ray (not whatever cluster
+        # earlier tests left discoverable), TP 1 (three ranks on two cores took twice as long) and
+        # --no-compile (a batch of two would build two more SmolLM2 graphs).
         [sys.executable, "-m", "launcher", "generate", "--model", str(demo_dir), "--tp", "1", "--no-compile",
          "--ray-address", ray_address, "--max-new-tokens", "4", "--json", PROMPT,
          "--prompt", "The capital of Italy is"],
