@@ -14,7 +14,10 @@ def ray_session():
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
+        # address="local": always a Ray of this session's own. Without an address ray.init joins
+        # the newest `ray start` cluster on the machine, and with the slow lane two at a time the
+        # other worker's Ray-job or private-Ray test may have one running.
+        ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
                  logging_level="ERROR")
     yield ray
     ray.shutdown()

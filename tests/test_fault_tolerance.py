@@ -61,6 +61,7 @@ def wait_for(condition, timeout_s: float, what: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.exclusive  # times the noticing of a death to under 5 s
 def test_killed_rank_mid_request_restarts_its_group_and_reruns(model_and_expected, tmp_path, ray_session):
     model_dir, expected = model_and_expected
     launcher = Launcher(model=model_dir, tp=2, replicas=2, cpus_per_rank=0.5, max_restarts=2,

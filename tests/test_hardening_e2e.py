@@ -19,7 +19,8 @@ import pytest
 
 from tests.test_compile_cli import model_dir  # noqa: F401 - a fixture: the tiny model with a tokenizer
 
-pytestmark = pytest.mark.slow
+# exclusive: these watch the host's processes and /dev/shm, and time Ctrl-C to under 3 s
+pytestmark = [pytest.mark.slow, pytest.mark.exclusive]
 
 OTHER_PROGRAM = textwrap.dedent("""
     import sys, time, ray

@@ -73,7 +73,8 @@ def cluster():
         cluster.shutdown()
         _restore(address_file, previous)
         if session_was_open:
-            ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+            ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
+                     logging_level="ERROR")
 
 
 def set_worker_nodes(cluster, count: int) -> None:

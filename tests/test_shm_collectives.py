@@ -167,6 +167,7 @@ def _two_ranks(rank, world_size):
 
 
 @pytest.mark.slow
+@pytest.mark.exclusive  # no_shm_leaks watches the host's /dev/shm
 def test_two_ranks_bitwise_equal_to_gloo_and_selection():
     results = run_ranks(2, _two_ranks)
     for rank, out in results.items():
@@ -273,6 +274,7 @@ def three_ranks() -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.exclusive  # no_shm_leaks watches the host's /dev/shm
 def test_three_ranks_fixed_order_agreement_and_race_free_reuse(three_ranks):
     results = three_ranks
     for rank, out in results.items():
@@ -317,6 +319,7 @@ def _absent_peers(rank, world_size):
 
 
 @pytest.mark.slow
+@pytest.mark.exclusive  # no_shm_leaks watches the host's /dev/shm
 def test_absent_peer_times_out_and_dead_peer_is_noticed():
     out = run_ranks(2, _absent_peers, expect=1)[0]
     message, waited = out["timeout"]
@@ -366,6 +369,7 @@ def _multi_node(rank, world_size):
 
 
 @pytest.mark.slow
+@pytest.mark.exclusive  # no_shm_leaks watches the host's /dev/shm
 def test_hierarchical_across_node_groups_and_collective_fallback():
     results = run_ranks(4, _multi_node)
     for rank, out in results.items():
@@ -379,6 +383,7 @@ def test_hierarchical_across_node_groups_and_collective_fallback():
 
 
 @pytest.mark.slow
+@pytest.mark.exclusive  # no_shm_leaks watches the host's /dev/shm
 def test_tp3_greedy_tokens_identical_with_gloo_and_shared_memory(three_ranks):
     for rank, out in three_ranks.items():
         tokens = out["tokens"]
@@ -389,6 +394,7 @@ def test_tp3_greedy_tokens_identical_with_gloo_and_shared_memory(three_ranks):
 
 # ---- through the launcher: the CPU backend picks shared memory by default ----------------------------
 @pytest.mark.slow
+@pytest.mark.exclusive  # no_shm_leaks watches the host's /dev/shm
 def test_launcher_tp2_uses_shared_memory_and_leaves_nothing(tmp_path, ray_session):
     import ray
 
@@ -669,6 +675,7 @@ def _group_beside_a_fifo(rank, world_size, shm_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.exclusive  # no_shm_leaks watches the host's /dev/shm
 def test_processes_form_a_shared_memory_group_beside_a_planted_fifo(tmp_path):
     """group.py's own set-up (the leader sweeps orphans first) between two real processes."""
     fifo = tmp_path / "corelaunch-x"
