@@ -8,17 +8,25 @@ import os
 import pytest
 
 
+def start_session_ray() -> None:
+    """ray.init for the session's Ray (tests/test_multinode.py re-opens it with this too).
+
+    address="local": always a Ray of this session's own. Without an address ray.init joins the
+    newest cluster recorded on the machine as the `ray start` one, and with the slow tests two at a
+    time the other worker's multi-node tests record theirs while they build it."""
+    import ray
+
+    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
+             logging_level="ERROR")
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """A local Ray with this machine's CPU count, shared by every test that needs Ray."""
     import ray
 
     if not ray.is_initialized():
-        # address="local": always a Ray of this session's own. Without an address ray.init joins
-        # the newest `ray start` cluster on the machine, and with the slow lane two at a time the
-        # other worker's Ray-job or private-Ray test may have one running.
-        ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
-                 logging_level="ERROR")
+        start_session_ray()
     yield ray
     ray.shutdown()
 

@@ -17,6 +17,7 @@ import pytest
 
 from launcher.api import Launcher
 from launcher.errors import NeuronDevicesMissing, PlacementTimeout, ReplicaFailed
+from tests.conftest import start_session_ray
 from tests.model_factory import build_random_model, save_model
 from tests.test_fault_tolerance import LONG, LONGEST, MODEL_SHAPE, greedy_ignoring_eos, wait_for
 
@@ -73,8 +74,7 @@ def cluster():
         cluster.shutdown()
         _restore(address_file, previous)
         if session_was_open:
-            ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
-                     logging_level="ERROR")
+            start_session_ray()
 
 
 def set_worker_nodes(cluster, count: int) -> None:
