@@ -27,8 +27,9 @@ def close(got: torch.Tensor, want: torch.Tensor) -> bool:
 @pytest.mark.parametrize("build", ["host", "narrow"])
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 12, 13, 29, 300])
 def test_products_equal_the_float64_reference(build, rows):
-    """37 outputs: a partial last panel in both widths (32 and 16); 83 inputs; rows across the
-    block sizes (12 and 6) and past one row chunk (256)."""
+    """37 outputs: a partial last panel in both widths (32 and 16); 83 inputs (a chunk of K and a
+    part of one, where a few blocks of rows take K in chunks); rows across the block sizes (12 and
+    6) and past one row chunk (256)."""
     lib = kernel._library() if build == "host" else kernel.build_and_load(kernel.NARROW_SPEC)
     g = torch.Generator().manual_seed(rows)
     w, bias = torch.randn(37, 83, generator=g), torch.randn(37, generator=g)
@@ -49,16 +50,23 @@ def test_pack_and_unpack_round_trip_and_padding_is_zero():
     assert width * panels.shape[0] >= 37 > width * (panels.shape[0] - 1)
 
 
-def test_a_rows_result_does_not_depend_on_its_batch():
+@pytest.mark.parametrize("build", ["host", "narrow"])
+def test_a_rows_result_does_not_depend_on_its_batch(build):
     """Every output is summed in the same order whatever the number of rows: a request's logits are
-    bit-identical alone and batched (below the prefill size that goes to F.linear)."""
+    bit-identical alone and batched (below the prefill size that goes to F.linear). 200 inputs span
+    several chunks of K; a few blocks of rows take K in chunks and a full row chunk (256) takes it
+    whole, and the two agree to the bit."""
+    lib = kernel._library() if build == "host" else kernel.build_and_load(kernel.NARROW_SPEC)
     g = torch.Generator().manual_seed(0)
-    w, x = torch.randn(100, 64, generator=g), torch.randn(40, 64, generator=g)
-    panels = kernel.pack(w)
-    together = kernel.packed_linear(x, panels, 100, None)
-    for i in (0, 13, 39):
-        assert torch.equal(kernel.packed_linear(x[i:i + 1], panels, 100, None)[0], together[i])
-    assert torch.equal(kernel.packed_linear(x[5:17], panels, 100, None), together[5:17])
+    w, x = torch.randn(100, 200, generator=g), torch.randn(300, 200, generator=g)
+    panels = kernel.pack(w, lib)
+    together = kernel.run_kernel(lib, x, panels, 100, None)
+    for i in (0, 13, 299):
+        assert torch.equal(kernel.run_kernel(lib, x[i:i + 1], panels, 100, None)[0], together[i])
+    for start, stop in ((5, 17), (5, 53), (250, 262), (256, 300)):
+        assert torch.equal(kernel.run_kernel(lib, x[start:stop], panels, 100, None), together[start:stop]), (start, stop)
+    assert torch.equal(kernel.packed_linear(x[5:17], kernel.pack(w), 100, None),
+                       kernel.packed_linear(x, kernel.pack(w), 100, None)[5:17])
 
 
 def test_prefill_sized_products_go_through_f_linear_on_the_unpacked_weight():
