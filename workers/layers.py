@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.collectives import Collectives
+from workers.kernels import decode_attention
 from workers.kernels import small_linear as small
 from workers.kv_cache import write_kv
 from workers.packed_weight import PackedWeight
@@ -67,7 +68,9 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: t
     Eager, and for prefills, this is F.scaled_dot_product_attention. Traced by torch.compile for a
     decode step (one query per row), it is written out as products and sums, which inductor fuses
     into the graph's own loops: the CPU flash-attention kernel it would otherwise call is a
-    separate, un-fused call that spends most of its time on set-up for a single query.
+    separate, un-fused call that spends most of its time on set-up for a single query. On the cpu
+    backend with a float32 cache, Attention.forward takes the decode attention kernel
+    (workers/kernels/decode_attention.py) instead of this.
     """
     batch, q_heads, seq, head_dim = q.shape
     kv_heads = keys.shape[1]
@@ -227,7 +230,15 @@ class Attention(nn.Module):
         q, k, v = self.project(x, cos, sin)
         keys, values = (k, v) if kv is None else write_kv(kv.k_cache, kv.v_cache, kv.cache_positions, k, v,
                                                           kv.rows, mask.shape[-1])
-        out = attention(q, keys, values, mask, self.scale)
+        if kv is not None and torch.compiler.is_compiling() and decode_attention.usable(q, kv.k_cache):
+            # A traced decode step on the CPU: the C kernel reads the cache rows itself (the
+            # gathered keys and values above are then unused, and the graph drops them).
+            scale = self.head_dim ** -0.5 if self.scale is None else self.scale
+            out = decode_attention.decode_attention(q, kv.k_cache, kv.v_cache,
+                                                    None if kv.rows is None else kv.rows[:, 0], mask,
+                                                    mask.shape[-1], scale)
+        else:
+            out = attention(q, keys, values, mask, self.scale)
         out = out.transpose(1, 2).reshape(batch, seq, self.q_heads * self.head_dim)
         out = (reduce or self.collectives.all_reduce)(linear(out, self.o_weight))
         return (out if self.o_bias is None else out + self.o_bias), k, v

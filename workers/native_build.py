@@ -237,3 +237,28 @@ def build_and_load(spec: "LibrarySpec", directory: Path | None = None) -> ctypes
 
 _KEPT_OPEN: list[int] = []
 """Descriptors of loaded libraries (see `load`)."""
+
+
+def torch_operator_spec(stem: str, c_source: str, operator_source: str, flags: tuple[str, ...],
+                        what: str, identity: str) -> LibrarySpec:
+    """A C kernel with the C++ body of its torch operator, built as C++ against the installed torch
+    (headers and libraries), so that the operator's kernel registers itself when the library loads.
+    `identity` names what the binary depends on besides the torch version (the host's CPU)."""
+    import torch
+    import torch.utils.cpp_extension as cpp
+
+    torch_lib = str(Path(torch.__file__).parent / "lib")
+    cxx_flags = (*flags, "-std=c++20", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+                 *(f"-I{path}" for path in cpp.include_paths()), f"-L{torch_lib}", "-lc10", "-ltorch_cpu",
+                 f"-Wl,-rpath,{torch_lib}")
+    source = 'extern "C" {\n' + c_source + '}\n' + operator_source
+    return LibrarySpec(stem, source, cxx_flags, what, f"{identity}torch {torch.__version__}", language="c++")
+
+
+def load_unless_turned_off(env_var: str, build) -> tuple[ctypes.CDLL | None, str | None]:
+    """(library, None), or (None, why not): `env_var`=0 turns the library off, else `build()` gives
+    the loaded library or the reason it could not be built."""
+    if os.environ.get(env_var, "1") == "0":
+        return None, f"turned off by {env_var}=0"
+    built = build()
+    return (None, built) if isinstance(built, str) else (built, None)

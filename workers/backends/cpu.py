@@ -53,7 +53,15 @@ class CpuBackend(Backend):
             # Slower, not wrong: the layers fall back to the small-batch kernel and F.linear.
             warnings.warn(f"corelaunch: float32 weights are not packed ({packed_linear.unavailable_reason}); "
                           f"decode products take the slower paths", RuntimeWarning, stacklevel=2)
-        return model if compile is None else compile_per_bucket(model, compile)
+        if compile is None:
+            return model
+        from workers.kernels import decode_attention
+
+        # Built now (first use on this host), not while the first decode graph is traced.
+        if not decode_attention.available() and os.environ.get("CORELAUNCH_DECODE_ATTENTION", "1") != "0":
+            warnings.warn(f"corelaunch: decode attention stays on the traced products and sums "
+                          f"({decode_attention.unavailable_reason})", RuntimeWarning, stacklevel=2)
+        return compile_per_bucket(model, compile)
 
     def shutdown(self) -> None:
         leave_torch_distributed()

@@ -34,7 +34,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-from pathlib import Path
 
 import torch
 
@@ -203,17 +202,9 @@ _KERNEL_FLAGS = ("-O3", "-march=native", "-fopenmp")
 
 
 def _host_spec() -> LibrarySpec:
-    """The kernel with its torch operator, compiled as C++ against this torch (headers and libraries)."""
-    import torch.utils.cpp_extension as cpp
-
-    torch_lib = str(Path(torch.__file__).parent / "lib")
-    flags = (*_KERNEL_FLAGS, "-std=c++20", "-w",
-             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-             *(f"-I{path}" for path in cpp.include_paths()), f"-L{torch_lib}", "-lc10", "-ltorch_cpu",
-             f"-Wl,-rpath,{torch_lib}")
-    source = 'extern "C" {\n' + _SOURCE + '}\n' + _OPERATOR_SOURCE
-    return LibrarySpec("corelaunch_packed_linear", source, flags, "the packed-panel linear kernel",
-                       f"{_cpu_identity()}torch {torch.__version__}", language="c++")
+    """The kernel with its torch operator, compiled as C++ against this torch."""
+    return native_build.torch_operator_spec("corelaunch_packed_linear", _SOURCE, _OPERATOR_SOURCE, _KERNEL_FLAGS,
+                                            "the packed-panel linear kernel", _cpu_identity())
 
 
 NARROW_SPEC = LibrarySpec("corelaunch_packed_linear_narrow", _SOURCE, (*_KERNEL_FLAGS, "-mno-avx512f"),
@@ -233,12 +224,8 @@ def _library() -> ctypes.CDLL | None:
     """The host's build, loaded (which registers the operator's CPU kernel), or None when it is
     turned off or cannot be built (the reason is kept in `unavailable_reason`)."""
     global unavailable_reason
-    if turned_off():
-        unavailable_reason = "turned off by CORELAUNCH_PACKED_WEIGHTS=0"
-        return None
-    built = _host_build()
-    unavailable_reason = built if isinstance(built, str) else None
-    return None if isinstance(built, str) else built
+    lib, unavailable_reason = native_build.load_unless_turned_off("CORELAUNCH_PACKED_WEIGHTS", _host_build)
+    return lib
 
 
 @functools.lru_cache(maxsize=None)

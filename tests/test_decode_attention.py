@@ -1,0 +1,144 @@
+"""The decode attention kernel (workers/kernels/decode_attention.py): one query per row over a
+float32 cache against a float64 reference (GQA groups, holes in the mask, rows of a serving cache,
+fewer slots read than the cache holds), a row's result independent of its batch, the operator kept
+as one call in a compiled graph that agrees with the eager model, and the paths that stay on the
+traced products and sums."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workers.kernels import decode_attention as kernel
+
+pytestmark = pytest.mark.skipif(not kernel.available(), reason=f"kernel unavailable: {kernel.unavailable_reason}")
+
+
+def reference(q, k_cache, v_cache, rows, mask, read_slots, scale):
+    """softmax over the allowed slots in float64, each batch row against its own cache row."""
+    batch, q_heads, _, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    rows = torch.arange(batch) if rows is None else rows
+    keys = k_cache[rows, :, :read_slots].double().repeat_interleave(q_heads // kv_heads, dim=1)
+    values = v_cache[rows, :, :read_slots].double().repeat_interleave(q_heads // kv_heads, dim=1)
+    scores = (q.double() @ keys.transpose(-1, -2)) * scale  # (batch, q_heads, 1, read_slots)
+    scores = scores.masked_fill(~mask.reshape(batch, 1, 1, read_slots), float("-inf"))
+    return torch.softmax(scores, dim=-1) @ values
+
+
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 80)])
+@pytest.mark.parametrize("serving", [False, True])
+def test_matches_the_float64_reference(q_heads, kv_heads, head_dim, serving):
+    g = torch.Generator().manual_seed(q_heads * head_dim)
+    batch, slots, read_slots = 5, 40, 40 if not serving else 24
+    cache_rows = batch if not serving else 7
+    q = torch.randn(batch, q_heads, 1, head_dim, generator=g)
+    k_cache = torch.randn(cache_rows, kv_heads, slots, head_dim, generator=g)
+    v_cache = torch.randn(cache_rows, kv_heads, slots, head_dim, generator=g)
+    rows = torch.tensor([6, 0, 3, 2, 5]) if serving else None
+    mask = torch.rand(batch, 1, 1, read_slots, generator=g) > 0.3  # holes, as left padding leaves
+    mask[:, ..., 0] = True
+    scale = head_dim ** -0.5
+    got = kernel.decode_attention(q, k_cache, v_cache, rows, mask, read_slots, scale)
+    want = reference(q, k_cache, v_cache, rows, mask, read_slots, scale)
+    assert got.shape == q.shape
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_rows_result_does_not_depend_on_its_batch_and_masked_slots_are_never_read():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(6, 9, 1, 64, generator=g)
+    k_cache, v_cache = torch.randn(6, 3, 32, 64, generator=g), torch.randn(6, 3, 32, 64, generator=g)
+    mask = torch.ones(6, 1, 1, 32, dtype=torch.bool)
+    mask[:, ..., 20:] = False
+    together = kernel.decode_attention(q, k_cache, v_cache, None, mask, 32, 0.125)
+    rows = torch.tensor([4])
+    alone = kernel.decode_attention(q[4:5], k_cache, v_cache, rows, mask[4:5], 32, 0.125)
+    assert torch.equal(alone, together[4:5])
+    poisoned_k, poisoned_v = k_cache.clone(), v_cache.clone()
+    poisoned_k[:, :, 20:], poisoned_v[:, :, 20:] = float("nan"), float("nan")
+    assert torch.equal(kernel.decode_attention(q, poisoned_k, poisoned_v, None, mask, 32, 0.125), together)
+
+
+def test_a_row_with_no_allowed_slot_gets_zeros_not_nan():
+    q, cache = torch.randn(2, 2, 1, 16), torch.randn(2, 1, 8, 16)
+    mask = torch.ones(2, 1, 1, 8, dtype=torch.bool)
+    mask[1] = False
+    out = kernel.decode_attention(q, cache, cache, None, mask, 8, 0.25)
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and not out[0].eq(0).all()
+
+
+def test_the_operator_refuses_what_it_cannot_hold():
+    q, cache = torch.randn(2, 4, 1, 16), torch.randn(2, 2, 8, 16)
+    mask = torch.ones(2, 8, dtype=torch.bool)
+    with pytest.raises(RuntimeError, match="read_slots within"):
+        kernel.decode_attention(q, cache, cache, None, mask, 9, 0.25)
+    with pytest.raises(RuntimeError, match="float32"):
+        kernel.decode_attention(q.double(), cache, cache, None, mask, 8, 0.25)
+    with pytest.raises(RuntimeError, match="outside the cache's 2 rows"):
+        kernel.decode_attention(q, cache, cache, torch.tensor([0, 2]), mask, 8, 0.25)
+
+
+def test_only_float32_caches_on_the_cpu_take_it():
+    q = torch.randn(1, 4, 1, 16)
+    assert kernel.usable(q, torch.randn(1, 2, 8, 16))
+    assert not kernel.usable(q, torch.zeros(1, 2, 8, 16, dtype=torch.float8_e4m3fn))  # fp8: dequantized in the graph
+    assert not kernel.usable(torch.randn(1, 4, 2, 16), torch.randn(1, 2, 8, 16))  # two queries: a prefill
+
+
+def test_turned_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv("CORELAUNCH_DECODE_ATTENTION", "0")
+    assert not kernel.available() and "CORELAUNCH_DECODE_ATTENTION=0" in kernel.unavailable_reason
+    monkeypatch.delenv("CORELAUNCH_DECODE_ATTENTION")
+    assert kernel.available()
+
+
+def tiny_attention():
+    """An Attention of 4 query heads over 2 KV heads of 16 lanes (hidden 64), random weights."""
+    from workers.collectives import SingleRank
+    from workers.layers import Attention
+
+    g = torch.Generator().manual_seed(7)
+    weights = {"q_proj.weight": torch.randn(64, 64, generator=g) * 0.1,
+               "k_proj.weight": torch.randn(32, 64, generator=g) * 0.1,
+               "v_proj.weight": torch.randn(32, 64, generator=g) * 0.1,
+               "o_proj.weight": torch.randn(64, 64, generator=g) * 0.1}
+    return Attention(weights, 4, 2, 16, torch.float32, SingleRank())
+
+
+def test_a_compiled_decode_step_calls_the_operator_once_and_agrees_with_eager():
+    """Attention over a cache, traced for one token per row: the attention is one operator call in
+    the graph, and the output matches the eager module (SDPA), for a static batch's cache (rows
+    None) and a serving cache (each batch row its own cache row, fewer slots read than held)."""
+    import torch._dynamo
+
+    from workers.compiled import _compile
+    from workers.layers import KVSlots
+
+    from workers.kernels import small_linear
+
+    kernel.mark_constants_for_tracing()  # as _compile does, for explain's own trace
+    small_linear.mark_constants_for_tracing()
+    attention = tiny_attention()
+    g = torch.Generator().manual_seed(3)
+    cos, sin = torch.ones(2, 1, 16), torch.zeros(2, 1, 16)  # rotary at angle 0: the identity
+
+    def step(x, mask, k_cache, v_cache, positions, rows):
+        return attention(x, cos, sin, mask, KVSlots(k_cache, v_cache, positions, rows))[0]
+
+    for rows, cache_rows, read_slots in ((None, 2, 16), (torch.tensor([[2], [0]]), 3, 12)):
+        k_cache, v_cache = (torch.randn(cache_rows, 2, 16, 16, generator=g) for _ in range(2))
+        x = torch.randn(2, 1, 64, generator=g)
+        positions = torch.tensor([5]) if rows is None else torch.tensor([[5], [9]])
+        mask = torch.arange(read_slots).view(1, 1, 1, read_slots) <= positions.view(-1, 1, 1, 1)
+        eager_caches, compiled_caches = (k_cache.clone(), v_cache.clone()), (k_cache.clone(), v_cache.clone())
+        with torch.inference_mode():
+            eager = step(x, mask, *eager_caches, positions, rows)
+            torch._dynamo.reset()
+            explained = torch._dynamo.explain(step)(x, mask, *compiled_caches, positions, rows)
+            compiled = _compile(step)(x, mask, *compiled_caches, positions, rows)
+        targets = [str(n.target) for gm in explained.graphs for n in gm.graph.nodes if n.op == "call_function"]
+        assert explained.graph_break_count == 0
+        assert sum("decode_attention" in t for t in targets) == 1, targets
+        torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
+        assert torch.equal(compiled_caches[0], eager_caches[0]) and torch.equal(compiled_caches[1], eager_caches[1])
