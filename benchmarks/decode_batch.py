@@ -14,11 +14,15 @@ prompt generates `--new-tokens` greedy tokens; the figure is the batch's decode 
                 weights, through workers/kernels/small_linear.py
     torch       both off: MKL's GEMM for several rows, the compiled multiply-and-sum for one row
                 and for 8-bit weights
+    traced_attention
+                as packed, with CORELAUNCH_DECODE_ATTENTION=0: decode attention as the traced
+                products and sums instead of workers/kernels/decode_attention.py
 
 Prints one JSON object with medians, the step time, the batch's time to first token (its prefill)
-and the packed / kernel and kernel / torch ratios.
+and the packed / kernel, kernel / torch and packed / traced_attention ratios.
 
     python benchmarks/decode_batch.py [--batches 1,2,4,8,16] [--new-tokens 32] [--rounds 2] [--int8]
+                                      [--variants packed,traced_attention]
 """
 
 from __future__ import annotations
@@ -37,7 +41,12 @@ sys.path.insert(0, str(ROOT))
 
 VARIANTS = {"packed": {"CORELAUNCH_PACKED_WEIGHTS": "1", "CORELAUNCH_SMALL_LINEAR": "1"},
             "kernel": {"CORELAUNCH_PACKED_WEIGHTS": "0", "CORELAUNCH_SMALL_LINEAR": "1"},
-            "torch": {"CORELAUNCH_PACKED_WEIGHTS": "0", "CORELAUNCH_SMALL_LINEAR": "0"}}
+            "torch": {"CORELAUNCH_PACKED_WEIGHTS": "0", "CORELAUNCH_SMALL_LINEAR": "0"},
+            "traced_attention": {"CORELAUNCH_PACKED_WEIGHTS": "1", "CORELAUNCH_SMALL_LINEAR": "1",
+                                 "CORELAUNCH_DECODE_ATTENTION": "0"}}
+
+RATIOS = {"packed_over_kernel": ("packed", "kernel"), "kernel_over_torch": ("kernel", "torch"),
+          "attention_kernel_over_traced": ("packed", "traced_attention")}
 
 
 def child(model_dir: str, batches: list[int], new_tokens: int) -> dict:
@@ -94,9 +103,13 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--int8", action="store_true", help="also the int8 per-channel copy")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of " + ", ".join(VARIANTS))
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
+    variants = args.variants.split(",")
+    if not set(variants) <= set(VARIANTS):
+        parser.error(f"--variants {args.variants!r}: each must be one of {', '.join(VARIANTS)}")
     if args.child:
         sys.stdout, out = sys.stderr, sys.stdout  # library chatter off the result channel
         out.write(json.dumps(child(args.child, batches, args.new_tokens)) + "\n")
@@ -106,11 +119,11 @@ def main() -> None:
     models = {"float32": str(ensure_demo_model())}
     if args.int8:
         models["int8"] = int8_copy(models["float32"])
-    runs: dict = {m: {v: {b: [] for b in batches} for v in VARIANTS} for m in models}
+    runs: dict = {m: {v: {b: [] for b in batches} for v in variants} for m in models}
     tokens: dict = {}
     for _ in range(args.rounds):
         for model, path in models.items():
-            for variant in VARIANTS:
+            for variant in variants:
                 for batch, r in run_variant(variant, path, args).items():
                     runs[model][variant][batch].append(r)
                     tokens.setdefault(model, {}).setdefault(variant, r["tokens"])
@@ -119,15 +132,16 @@ def main() -> None:
     for model in models:
         section = {}
         for batch in batches:
-            med = {v: statistics.median(r["tokens_per_s"] for r in runs[model][v][batch]) for v in VARIANTS}
-            step = {v: statistics.median(r["step_ms"] for r in runs[model][v][batch]) for v in VARIANTS}
-            ttft = {v: statistics.median(r["ttft_s"] for r in runs[model][v][batch]) for v in VARIANTS}
-            section[batch] = {"tokens_per_s": med, "step_ms": step, "ttft_s": ttft,
-                              "packed_over_kernel": round(med["packed"] / med["kernel"], 3),
-                              "kernel_over_torch": round(med["kernel"] / med["torch"], 3)}
-        section["first_tokens_equal"] = len({tuple(tokens[model][v]) for v in VARIANTS}) == 1
+            med = {v: statistics.median(r["tokens_per_s"] for r in runs[model][v][batch]) for v in variants}
+            step = {v: statistics.median(r["step_ms"] for r in runs[model][v][batch]) for v in variants}
+            ttft = {v: statistics.median(r["ttft_s"] for r in runs[model][v][batch]) for v in variants}
+            section[batch] = {"tokens_per_s": med, "step_ms": step, "ttft_s": ttft}
+            for name, (a, b) in RATIOS.items():
+                if a in med and b in med:
+                    section[batch][name] = round(med[a] / med[b], 3)
+        section["first_tokens_equal"] = len({tuple(tokens[model][v]) for v in variants}) == 1
         report[model] = section
-    if "int8" in models:
+    if "int8" in models and "packed" in variants:
         report["int8_over_float32_as_run"] = {
             b: round(report["int8"][b]["tokens_per_s"]["packed"] / report["float32"][b]["tokens_per_s"]["packed"], 3)
             for b in batches}

@@ -9,12 +9,15 @@ For M rows of x (a decode step of M sequences), times the products of one SmolLM
   16-accumulator blocks where AVX-512 is there, else the 8-accumulator ones; what float32 weights
   take with CORELAUNCH_PACKED_WEIGHTS=0, and 8-bit weights always);
 - narrow_blocks: that source built without AVX-512;
-- f_linear: F.linear (MKL's GEMM) on the checkpoint layout.
+- f_linear: F.linear (MKL's GEMM) on the checkpoint layout;
+- packed_from: with --packed-from DIR, the packed kernel's C source as another checkout has it
+  (a `git worktree` of an earlier commit), built for this host: the same products before and after
+  a change to the kernel, interleaved in one process.
 Best of --repeats passes per variant, variants interleaved in one process. Every row count runs
 each kernel itself, prefill sizes too (--rows 128,512); in a model, packed products of
 UNPACK_MIN_ROWS rows or more take F.linear on the unpacked weight instead.
 
-    python benchmarks/small_linear_blocks.py [--rows 1,2,4,8,16,24,32] [--repeats 5]
+    python benchmarks/small_linear_blocks.py [--rows 1,2,4,8,16,24,32] [--repeats 5] [--packed-from DIR]
 """
 
 from __future__ import annotations
@@ -45,6 +48,18 @@ def step_weights() -> list[torch.Tensor]:
     return [torch.randn(n, k, generator=g) for n, k in layer * LAYERS + [(VOCAB, HIDDEN)]]
 
 
+def other_packed_spec(checkout: str):
+    """The packed kernel's C source (no operator) from another checkout, built for this host."""
+    from workers.kernels.small_linear import _cpu_identity
+    from workers.native_build import LibrarySpec
+
+    text = (Path(checkout) / "workers" / "kernels" / "packed_linear.py").read_text()
+    start = text.index('_SOURCE = r"""') + len('_SOURCE = r"""')
+    source = text[start:text.index('"""', start)]
+    return LibrarySpec("corelaunch_packed_linear_from", source, ("-O3", "-march=native", "-fopenmp"),
+                       f"the packed kernel of {checkout}", _cpu_identity())
+
+
 def best_pass_s(product, weights: list[torch.Tensor], rows: int, repeats: int) -> float:
     inputs = {k: torch.randn(rows, k) for k in {w.shape[1] for w in weights}}
     best = float("inf")
@@ -61,6 +76,7 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2,4,8,16,24,32", help="rows of x, comma-separated")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--packed-from", help="another checkout whose packed kernel source to time beside this one's")
     args = parser.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     if min(rows) < 1 or args.repeats < 1:
@@ -83,6 +99,8 @@ def main() -> None:
                 "host_build": lambda x, w: small.run_kernel(host, x, w, None, None),
                 "narrow_blocks": lambda x, w: small.run_kernel(narrow, x, w, None, None),
                 "f_linear": F.linear}
+    if args.packed_from:
+        variants["packed_from"] = run_packed(packed.build_and_load(other_packed_spec(args.packed_from)))
     weight_bytes = sum(w.numel() * 4 for w in weights)
     report = {"host_build_is_wide": bool(host.cl_small_linear_wide()), "max_rows": small.max_rows(),
               "packed_panel_width": packed_host.cl_packed_panel_width(), "unpack_min_rows": packed.UNPACK_MIN_ROWS,
@@ -98,6 +116,8 @@ def main() -> None:
             "host_build_over_packed": round(seconds["host_build"] / seconds["packed"], 3),
             "f_linear_over_packed": round(seconds["f_linear"] / seconds["packed"], 3),
         }
+        if "packed_from" in seconds:
+            report["rows"][str(m)]["packed_from_over_packed"] = round(seconds["packed_from"] / seconds["packed"], 3)
         print(f"rows {m}: {report['rows'][str(m)]['ms']}", file=sys.stderr, flush=True)
     print(json.dumps(report, indent=2))
 
