@@ -15,8 +15,8 @@ held in registers. The weights are read strictly in order, with a software prefe
 lanes. With 2 to 8 blocks of rows (decode steps of 7 to 48 sequences, 13 to 96 with AVX-512) a
 panel goes by in chunks of 64 steps of K: every block multiplies a chunk while it sits in L1, its
 accumulators parked in memory between chunks, and the second block prefetches the next chunk, so
-that memory reads overlap arithmetic (5-13% faster at 8 to 32 rows on an AVX2 host, README
-Measured, machine J). More blocks (prefills) take K whole.
+that memory reads overlap arithmetic (1.13-1.14x at 16 rows on an AVX2 host, less elsewhere;
+README, Measured, machine J). More blocks (prefills) take K whole.
 
 Every output element is the sum over k in the same order whatever the number of rows, so a row's
 result does not depend on which other rows share its batch, below UNPACK_MIN_ROWS: products of
