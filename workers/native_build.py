@@ -255,10 +255,15 @@ def torch_operator_spec(stem: str, c_source: str, operator_source: str, flags: t
     return LibrarySpec(stem, source, cxx_flags, what, f"{identity}torch {torch.__version__}", language="c++")
 
 
+def turned_off(env_var: str) -> bool:
+    """`env_var`=0 in this process's environment: the switch that turns a native kernel off."""
+    return os.environ.get(env_var, "1") == "0"
+
+
 def load_unless_turned_off(env_var: str, build) -> tuple[ctypes.CDLL | None, str | None]:
     """(library, None), or (None, why not): `env_var`=0 turns the library off, else `build()` gives
     the loaded library or the reason it could not be built."""
-    if os.environ.get(env_var, "1") == "0":
+    if turned_off(env_var):
         return None, f"turned off by {env_var}=0"
     built = build()
     return (None, built) if isinstance(built, str) else (built, None)

@@ -55,10 +55,11 @@ class CpuBackend(Backend):
                           f"decode products take the slower paths", RuntimeWarning, stacklevel=2)
         if compile is None:
             return model
+        from workers import native_build
         from workers.kernels import decode_attention
 
         # Built now (first use on this host), not while the first decode graph is traced.
-        if not decode_attention.available() and os.environ.get("CORELAUNCH_DECODE_ATTENTION", "1") != "0":
+        if not decode_attention.available() and not native_build.turned_off("CORELAUNCH_DECODE_ATTENTION"):
             warnings.warn(f"corelaunch: decode attention stays on the traced products and sums "
                           f"({decode_attention.unavailable_reason})", RuntimeWarning, stacklevel=2)
         return compile_per_bucket(model, compile)

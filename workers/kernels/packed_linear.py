@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 import torch
 
@@ -217,7 +216,7 @@ unavailable_reason: str | None = None
 
 def turned_off() -> bool:
     """CORELAUNCH_PACKED_WEIGHTS=0 in this process's environment."""
-    return os.environ.get("CORELAUNCH_PACKED_WEIGHTS", "1") == "0"
+    return native_build.turned_off("CORELAUNCH_PACKED_WEIGHTS")
 
 
 def _library() -> ctypes.CDLL | None:
