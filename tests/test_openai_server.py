@@ -430,7 +430,8 @@ def test_full_queue_answers_503_with_retry_after(client, server):
 
     def long_request():
         try:
-            client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=32, temperature=0,
+            # 12 tokens: each running request outlasts the 20 arrivals many times over on eager ranks
+            client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
                                       extra_body={"ignore_eos": True})
             result = 200
         except openai.APIStatusError as err:
@@ -469,7 +470,7 @@ def test_client_that_disconnects_frees_its_slot(client, server):
 def test_concurrent_greedy_requests_equal_each_run_alone(client, server):
     prompts = ["The capital of France is", "Once upon a time, in a small village,", "2 + 2 =",
                "The largest planet in the solar system is"]
-    alone = {p: client.completions.create(model=MODEL, prompt=p, max_tokens=16, temperature=0).choices[0].text
+    alone = {p: client.completions.create(model=MODEL, prompt=p, max_tokens=10, temperature=0).choices[0].text
              for p in prompts}
     results, lock = [], threading.Lock()
     rng = random.Random(0)
@@ -478,7 +479,7 @@ def test_concurrent_greedy_requests_equal_each_run_alone(client, server):
     def request(i: int):
         time.sleep(delays[i])  # arrivals spread out: requests join a batch that is already running
         prompt = prompts[i % len(prompts)]
-        text = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0).choices[0].text
+        text = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0).choices[0].text
         with lock:
             results.append((prompt, text))
 
