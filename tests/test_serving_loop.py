@@ -5,6 +5,7 @@ built after warm-up."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -148,12 +149,10 @@ def test_a_steady_trickle_is_not_waited_for_past_the_cap():
     """Requests arriving closer together than burst_wait_s, for longer than BURST_WAIT_CAP waits:
     the leader stops gathering at the cap, so the first request's token comes long before the
     trickle ends (and every request is still served)."""
-    import threading
-
     from workers.serving.loop import BURST_WAIT_CAP
 
-    wait_s, gap_s, count = 0.06, 0.04, 40
-    assert BURST_WAIT_CAP * wait_s < 0.7 < count * gap_s  # the cap ends the gathering, not the trickle
+    wait_s, gap_s, count, gathered_by = 0.06, 0.04, 40, 0.7
+    assert BURST_WAIT_CAP * wait_s < gathered_by < count * gap_s  # the cap ends the gathering, not the trickle
     loop = ServingLoop(fresh_model(), ServingConfig(48, 256, 64, burst_wait_s=wait_s))
     threads = run_loops([loop])
     sent = time.monotonic()
@@ -171,7 +170,7 @@ def test_a_steady_trickle_is_not_waited_for_past_the_cap():
     sender.join()
     stop([loop], threads)
     assert len(got.finish) == count and all(len(got.tokens[f"t{i}"]) == 1 for i in range(count))
-    assert first_token_at[0] < 0.7 + 0.6, f"the first request's token came {first_token_at[0]:.2f} s after it was sent"
+    assert first_token_at[0] < gathered_by + 0.6, f"the first request's token came {first_token_at[0]:.2f} s after it was sent"
 
 
 def test_static_batches_run_between_iterations():

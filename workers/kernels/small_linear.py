@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from dataclasses import replace
 
 import torch
@@ -199,7 +198,7 @@ def _library() -> ctypes.CDLL | None:
     """The loaded kernel, or None when it is turned off or cannot be built (the reason is kept in
     `unavailable_reason`)."""
     global unavailable_reason
-    if os.environ.get("CORELAUNCH_SMALL_LINEAR", "1") == "0":
+    if native_build.turned_off("CORELAUNCH_SMALL_LINEAR"):
         unavailable_reason = "turned off by CORELAUNCH_SMALL_LINEAR=0"
         return None
     try:
