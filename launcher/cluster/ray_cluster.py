@@ -79,5 +79,8 @@ def connect(address: str | None = None, num_cpus: int | None = None, worker_logs
                 f"--ray-address local for a private one"
             ) from None
         return RayConnection(started_here=False, address=address)
-    ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, _node_ip_address=LOOPBACK, **quiet)
+    # address="local" said outright: without it ray.init joins a cluster that `ray start` recorded on
+    # this host after the lookup above (another program's), and then refuses num_cpus.
+    ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
+             _node_ip_address=LOOPBACK, **quiet)
     return RayConnection(started_here=True, address="local")
