@@ -45,6 +45,47 @@ def test_matches_the_float64_reference(q_heads, kv_heads, head_dim, serving):
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.fixture(scope="module", params=["host", "portable"])
+def kernel_build(request):
+    """The kernel alone (C) as this host builds it (the vector path where AVX2 and FMA are there) and
+    its portable path, called through ctypes."""
+    return kernel.build_kernel(kernel.kernel_spec(portable=request.param == "portable"))
+
+
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim,read_slots", [
+    (9, 3, 64, 300),    # SmolLM2's heads; several value tiles (64 slots each at 64 lanes), a short last block of keys
+    (8, 2, 80, 150),    # a group of 4 (passes of 3 and 1 query heads), lanes in passes of 32, 32 and 16
+    (16, 2, 128, 70),   # a group of 8
+    (6, 6, 12, 40),     # 12 lanes: the portable path in every build
+])
+def test_each_build_matches_the_float64_reference(kernel_build, q_heads, kv_heads, head_dim, read_slots):
+    g = torch.Generator().manual_seed(read_slots + head_dim)
+    batch, cache_rows, slots = 4, 6, read_slots + 20
+    q = torch.randn(batch, q_heads, 1, head_dim, generator=g) * 2  # peaked softmaxes as well as flat ones
+    k_cache = torch.randn(cache_rows, kv_heads, slots, head_dim, generator=g)
+    v_cache = torch.randn(cache_rows, kv_heads, slots, head_dim, generator=g)
+    k_cache[:, :, read_slots:] = float("nan")  # past read_slots: never read
+    rows = torch.tensor([5, 0, 3, 1])
+    mask = torch.rand(batch, 1, 1, read_slots, generator=g) > 0.2
+    mask[0] = torch.arange(read_slots) < read_slots - 3  # a prefix, as a running sequence has
+    mask[1, ..., 1:] = False  # a single slot
+    scale = head_dim ** -0.5
+    got = kernel.run_kernel(kernel_build, q, k_cache, v_cache, rows, mask, read_slots, scale)
+    want = reference(q, k_cache, v_cache, rows, mask, read_slots, scale)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=2e-6)
+
+
+def test_the_host_build_and_the_operator_agree():
+    """run_kernel (what tests and the benchmark time) computes what the registered operator does."""
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(3, 9, 1, 64, generator=g)
+    k_cache, v_cache = torch.randn(3, 3, 100, 64, generator=g), torch.randn(3, 3, 100, 64, generator=g)
+    mask = torch.rand(3, 1, 1, 90, generator=g) > 0.1
+    lib = kernel.build_kernel(kernel.kernel_spec())
+    assert torch.equal(kernel.run_kernel(lib, q, k_cache, v_cache, None, mask, 90, 0.125),
+                       kernel.decode_attention(q, k_cache, v_cache, None, mask, 90, 0.125))
+
+
 def test_a_rows_result_does_not_depend_on_its_batch_and_masked_slots_are_never_read():
     g = torch.Generator().manual_seed(0)
     q = torch.randn(6, 9, 1, 64, generator=g)
