@@ -1,0 +1,43 @@
+"""`--ray-address local` with a cluster recorded on the host (slow: starts a private Ray in a fresh
+process). The record lives in a Ray temp dir of the test's own (RAY_TMPDIR), so no other test, and
+no cluster of the host's, sees it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+
+CONNECT_LOCAL = textwrap.dedent("""
+    import ray
+    from launcher.cluster import ray_cluster
+    connection = ray_cluster.connect("local", num_cpus=1)
+    print(connection.started_here, ray.cluster_resources().get("CPU"), flush=True)
+    connection.close()
+""")
+
+
+def test_local_starts_a_private_ray_even_with_a_cluster_recorded_on_the_host():
+    """Before the fix, ray.init(num_cpus=...) without an address read the record `ray start` leaves
+    (ray_current_cluster), tried to join that cluster and refused num_cpus: `corelaunch serve`
+    failed at start while another program's `ray start` cluster ran on the host. The recorded
+    address here answers nothing, so joining it could not succeed either."""
+    # a short directory: Ray's Unix socket paths live under it, and they have a length limit
+    with tempfile.TemporaryDirectory(prefix="clray", dir="/tmp") as tmp:
+        (Path(tmp) / "ray").mkdir()
+        (Path(tmp) / "ray" / "ray_current_cluster").write_text("127.0.0.1:9\n")
+        env = {**os.environ, "RAY_TMPDIR": tmp}
+        env.pop("RAY_ADDRESS", None)
+        out = subprocess.run([sys.executable, "-c", CONNECT_LOCAL], capture_output=True, text=True, timeout=180,
+                             env=env, cwd=REPO)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert out.stdout.split() == ["True", "1.0"]
