@@ -6,6 +6,8 @@ traced products and sums."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -52,27 +54,62 @@ def kernel_build(request):
     return kernel.build_kernel(kernel.kernel_spec(portable=request.param == "portable"))
 
 
+def test_the_host_build_takes_the_vector_path_where_the_cpu_has_avx2_and_fma():
+    flags = set()
+    if os.path.exists("/proc/cpuinfo"):
+        flags = {f for line in open("/proc/cpuinfo") if line.startswith("flags") for f in line.split()}
+    if not {"avx2", "fma"} <= flags:
+        pytest.skip("no AVX2 and FMA here: the host build is the portable path")
+    assert kernel.build_kernel(kernel.kernel_spec()).cl_decode_attention_vector_path() == 1
+    assert kernel.build_kernel(kernel.kernel_spec(portable=True)).cl_decode_attention_vector_path() == 0
+
+
 @pytest.mark.parametrize("q_heads,kv_heads,head_dim,read_slots", [
     (9, 3, 64, 300),    # SmolLM2's heads; several value tiles (64 slots each at 64 lanes), a short last block of keys
     (8, 2, 80, 150),    # a group of 4 (passes of 3 and 1 query heads), lanes in passes of 32, 32 and 16
     (16, 2, 128, 70),   # a group of 8
+    (4, 2, 40, 96),     # lanes in passes of 32 and 8
+    (6, 3, 24, 200),    # one pass of 24 lanes
     (6, 6, 12, 40),     # 12 lanes: the portable path in every build
 ])
 def test_each_build_matches_the_float64_reference(kernel_build, q_heads, kv_heads, head_dim, read_slots):
     g = torch.Generator().manual_seed(read_slots + head_dim)
-    batch, cache_rows, slots = 4, 6, read_slots + 20
+    batch, cache_rows, slots = 5, 7, read_slots + 20
     q = torch.randn(batch, q_heads, 1, head_dim, generator=g) * 2  # peaked softmaxes as well as flat ones
     k_cache = torch.randn(cache_rows, kv_heads, slots, head_dim, generator=g)
     v_cache = torch.randn(cache_rows, kv_heads, slots, head_dim, generator=g)
-    k_cache[:, :, read_slots:] = float("nan")  # past read_slots: never read
-    rows = torch.tensor([5, 0, 3, 1])
+    rows = torch.tensor([5, 0, 3, 1, 6])
     mask = torch.rand(batch, 1, 1, read_slots, generator=g) > 0.2
     mask[0] = torch.arange(read_slots) < read_slots - 3  # a prefix, as a running sequence has
-    mask[1, ..., 1:] = False  # a single slot
-    scale = head_dim ** -0.5
-    got = kernel.run_kernel(kernel_build, q, k_cache, v_cache, rows, mask, read_slots, scale)
-    want = reference(q, k_cache, v_cache, rows, mask, read_slots, scale)
+    mask[1, ..., 0], mask[1, ..., 1:] = True, False  # a single slot
+    mask[2] = torch.arange(read_slots) < 64  # exactly a tile at 64 lanes, a whole number of blocks of 8
+    mask[3] = torch.arange(read_slots) < 16
+    want = reference(q, k_cache, v_cache, rows, mask, read_slots, head_dim ** -0.5)
+    for b, row in enumerate(rows.tolist()):  # what the mask excludes, and what lies past read_slots, is never read
+        k_cache[row, :, :read_slots][..., ~mask[b, 0, 0], :] = float("nan")
+        v_cache[row, :, :read_slots][..., ~mask[b, 0, 0], :] = float("nan")
+    k_cache[:, :, read_slots:], v_cache[:, :, read_slots:] = float("nan"), float("nan")
+    got = kernel.run_kernel(kernel_build, q, k_cache, v_cache, rows, mask, read_slots, head_dim ** -0.5)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=2e-6)
+
+
+def test_each_build_takes_scores_far_below_zero_and_keeps_a_nan(kernel_build):
+    """Every score of a row near -128, where exp underflows unless the maximum is taken off first,
+    and a NaN query head: NaN comes out where the reference has it, on both paths, instead of a
+    plausible-looking average."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 1, 64, generator=g)
+    k_cache, v_cache = torch.randn(2, 2, 50, 64, generator=g), torch.randn(2, 2, 50, 64, generator=g)
+    # row 0's scores exactly -128 + slot / 32: every product and sum is exact in float32
+    q[0] = 0.0
+    q[0, :, :, 0], q[0, :, :, 1] = -1024.0, 1.0
+    k_cache[0, :, :, 0], k_cache[0, :, :, 1] = 1.0, torch.arange(50) * 0.25
+    q[1, 3] = float("nan")
+    mask = torch.ones(2, 1, 1, 50, dtype=torch.bool)
+    got = kernel.run_kernel(kernel_build, q, k_cache, v_cache, None, mask, 50, 0.125)
+    want = reference(q, k_cache, v_cache, None, mask, 50, 0.125)
+    assert torch.isnan(got[1, 3]).all() and not torch.isnan(got[1, :3]).any()
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=2e-6, equal_nan=True)
 
 
 def test_the_host_build_and_the_operator_agree():

@@ -67,11 +67,12 @@ int cl_decode_attention_vector_path(void) { return CL_VECTOR_PATH; }
 #if CL_VECTOR_PATH
 /* exp(x) for 8 lanes, x <= 0 (scores minus their maximum): 2^n exp(r), n = round(x log2 e),
    r = x - n ln 2 (ln 2 in two parts), exp(r) by a degree-6 polynomial on [-ln2/2, ln2/2] (relative
-   error about 2e-7, a float's rounding). Below -87.3 the result is 0, as expf's underflow gives. */
+   error about 2e-7, a float's rounding). Below -87.3 the result is flushed to 0 (expf gives
+   subnormals down to about -104: weights that small change no float sum). A NaN stays NaN. */
 static inline __m256 exp8(__m256 x) {
     const __m256 lo = _mm256_set1_ps(-87.33654f);
     __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_max_ps(x, lo);
+    x = _mm256_max_ps(lo, x);  /* operands in this order: a NaN in x comes through */
     __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
@@ -187,7 +188,7 @@ static void task_vector(const float *qg, const float *keys, const float *values,
    softmax takes the C library's expf, and each allowed slot's value row is read once for the group. */
 static void task_portable(const float *qg, const float *keys, const float *values, const int32_t *idx, long count,
                           long group, long dim, float scale, float *scores, float *o) {
-    float best[64];  /* per query head of the group; groups are small (asserted by the caller) */
+    float best[64];  /* per query head of the group: at most 64 (the operator checks it) */
     for (long g = 0; g < group; g++) best[g] = -INFINITY;
     for (long s = 0; s < count; s++) {
         const float *key = keys + (long)idx[s] * dim;
@@ -344,6 +345,8 @@ def run_kernel(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cache
     """What the operator computes, through a given build (its arguments unchecked: tests and benchmarks)."""
     batch, q_heads, _, head_dim = q.shape
     kv_heads, slots = k_cache.shape[1], k_cache.shape[2]
+    if q_heads // kv_heads > 64:  # the portable path keeps a maximum per query head on the stack
+        raise ValueError(f"{q_heads // kv_heads} query heads per KV head; the kernel takes at most 64")
     threads = torch.get_num_threads()
     q, mask = q.contiguous(), mask.expand(batch, *mask.shape[1:]).contiguous()
     rows = None if rows is None else rows.to(torch.int64).contiguous()
