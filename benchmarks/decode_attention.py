@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from benchmarks.kernel_sources import c_source_in  # noqa: E402
 from workers.kernels import decode_attention as kernel  # noqa: E402
 
 CASES = {  # batch, q_heads, kv_heads, head_dim, slots, read_slots, allowed, layers
@@ -43,12 +44,6 @@ CASES = {  # batch, q_heads, kv_heads, head_dim, slots, read_slots, allowed, lay
     "smollm2_1_long": (1, 9, 3, 64, 2048, 2048, 1900, 30),
     "llama8b_4_long": (4, 8, 2, 128, 2048, 2048, 1800, 8),
 }
-
-
-def other_source(checkout: str) -> str:
-    text = (Path(checkout) / "workers" / "kernels" / "decode_attention.py").read_text()
-    start = text.index('_SOURCE = r"""') + len('_SOURCE = r"""')
-    return text[start:text.index('"""', start)]
 
 
 def case_inputs(batch, q_heads, kv_heads, head_dim, slots, read_slots, allowed, layers):
@@ -78,7 +73,7 @@ def main() -> None:
               "portable": kernel.build_kernel(kernel.kernel_spec(portable=True))}
     if args.other:
         builds["from"] = kernel.build_kernel(kernel.kernel_spec(
-            other_source(args.other), stem="corelaunch_decode_attention_from", what=f"the kernel of {args.other}"))
+            c_source_in(args.other, "workers/kernels/decode_attention.py"), stem="corelaunch_decode_attention_from", what=f"the kernel of {args.other}"))
     report = {"threads": args.threads, "repeats": args.repeats,
               "host_takes_vector_path": bool(builds["host"].cl_decode_attention_vector_path()), "cases": {}}
     for name in cases:

@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from benchmarks.kernel_sources import c_source_in  # noqa: E402
 from workers.kernels import packed_linear as packed  # noqa: E402
 from workers.kernels import small_linear as small  # noqa: E402
 
@@ -53,9 +54,7 @@ def other_packed_spec(checkout: str):
     from workers.kernels.small_linear import _cpu_identity
     from workers.native_build import LibrarySpec
 
-    text = (Path(checkout) / "workers" / "kernels" / "packed_linear.py").read_text()
-    start = text.index('_SOURCE = r"""') + len('_SOURCE = r"""')
-    source = text[start:text.index('"""', start)]
+    source = c_source_in(checkout, "workers/kernels/packed_linear.py")
     return LibrarySpec("corelaunch_packed_linear_from", source, ("-O3", "-march=native", "-fopenmp"),
                        f"the packed kernel of {checkout}", _cpu_identity())
 

@@ -100,8 +100,9 @@ class LaunchConfig:
     """Prompt tokens a group prefills per iteration (in chunks), between two decode steps."""
     burst_wait_s: float = DEFAULT_BURST_WAIT_S
     """Continuous batching: an idle group that receives a request waits this long for the next one
-    (again after each, at most workers.serving.loop.BURST_WAIT_CAP times this in all) so that a burst of requests is prefilled together
-    (workers/serving/loop.py). A lone request's first token comes this much later. 0: no wait."""
+    (again after each, at most workers.serving.loop.BURST_WAIT_CAP times this in all) so that a
+    burst of requests is prefilled together. A lone request's first token comes this much later.
+    0: no wait."""
     max_queued_requests: int | None = None
     """Streaming requests allowed to wait for a row over all replicas; more are refused with QueueFull.
     None: no limit."""

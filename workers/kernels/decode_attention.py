@@ -64,6 +64,12 @@ _SOURCE = r"""
 
 int cl_decode_attention_vector_path(void) { return CL_VECTOR_PATH; }
 
+/* Floats of scratch cl_decode_attention needs: per thread, a group's scores over read_slots and the
+   allowed slots' indices (int32, one float each). */
+long cl_decode_attention_scratch_floats(long group, long read_slots, int threads) {
+    return (long)threads * (group + 1) * read_slots;
+}
+
 #if CL_VECTOR_PATH
 /* exp(x) for 8 lanes, x <= 0 (scores minus their maximum): 2^n exp(r), n = round(x log2 e),
    r = x - n ln 2 (ln 2 in two parts), exp(r) by a degree-6 polynomial on [-ln2/2, ln2/2] (relative
@@ -222,8 +228,7 @@ static void task_portable(const float *qg, const float *keys, const float *value
 /* out (batch, q_heads, head_dim) = softmax(q k^T * scale | mask) v for one query per batch row.
    q (batch, q_heads, head_dim); caches (cache_rows, kv_heads, slots, head_dim), all contiguous;
    rows (batch) the cache row of each batch row, or NULL for row b; mask (batch, read_slots), true
-   where a slot counts. scratch: threads x (group + 1) x read_slots floats (scores, then the
-   allowed slots' indices). */
+   where a slot counts. scratch: cl_decode_attention_scratch_floats(group, read_slots, threads). */
 void cl_decode_attention(const float *q, const float *k_cache, const float *v_cache, const int64_t *rows,
                          const uint8_t *mask, float *out, float *scratch, long batch, long q_heads, long kv_heads,
                          long slots, long head_dim, long read_slots, float scale, int threads) {
@@ -300,7 +305,8 @@ static at::Tensor decode_attention_cpu(const at::Tensor &q, const at::Tensor &k_
     at::Tensor out = at::empty(q.sizes(), q.options());
     int threads = at::get_num_threads();
     int64_t group = q.size(1) / k_cache.size(1);
-    at::Tensor scratch = at::empty({(int64_t)threads * (group + 1) * read_slots}, q.options());
+    at::Tensor scratch = at::empty({(int64_t)cl_decode_attention_scratch_floats(group, read_slots, threads)},
+                                   q.options());
     cl_decode_attention(qc.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
                         r.defined() ? r.data_ptr<int64_t>() : nullptr, (const uint8_t *)m.data_ptr<bool>(),
                         out.data_ptr<float>(), scratch.data_ptr<float>(), batch, q.size(1), k_cache.size(1),
@@ -337,6 +343,8 @@ def build_kernel(spec: LibrarySpec) -> ctypes.CDLL:
     lib.cl_decode_attention.argtypes = [p, p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_float,
                                         ctypes.c_int]
     lib.cl_decode_attention.restype = None
+    lib.cl_decode_attention_scratch_floats.argtypes = [i64, i64, ctypes.c_int]
+    lib.cl_decode_attention_scratch_floats.restype = i64
     return lib
 
 
@@ -351,7 +359,7 @@ def run_kernel(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cache
     q, mask = q.contiguous(), mask.expand(batch, *mask.shape[1:]).contiguous()
     rows = None if rows is None else rows.to(torch.int64).contiguous()
     out = torch.empty_like(q)
-    scratch = torch.empty(threads * (q_heads // kv_heads + 1) * read_slots)
+    scratch = torch.empty(lib.cl_decode_attention_scratch_floats(q_heads // kv_heads, read_slots, threads))
     lib.cl_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                             None if rows is None else rows.data_ptr(), mask.data_ptr(), out.data_ptr(),
                             scratch.data_ptr(), batch, q_heads, kv_heads, slots, head_dim, read_slots, scale, threads)
