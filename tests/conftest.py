@@ -7,6 +7,14 @@ import os
 
 import pytest
 
+# With pytest-xdist, two test workers share the host's cores while each TP rank runs one OpenMP
+# thread per core: a thread at a barrier spins (libgomp's default, tuned for a machine of one's own)
+# while the partner it waits for is off its core, running the other worker's test. Waiting
+# passively took a sixth off a mixed slow-lane sample (README, Tests). Set before torch loads
+# libgomp here, and inherited by the Ray workers and subprocesses the tests start.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 
 def start_session_ray() -> None:
     """ray.init for the session's Ray (tests/test_multinode.py re-opens it with this too).
