@@ -7,13 +7,16 @@ import os
 
 import pytest
 
-# With pytest-xdist, two test workers share the host's cores while each TP rank runs one OpenMP
-# thread per core: a thread at a barrier spins (libgomp's default, tuned for a machine of one's own)
-# while the partner it waits for is off its core, running the other worker's test. Waiting
-# passively took a sixth off a mixed slow-lane sample (README, Tests). Set before torch loads
-# libgomp here, and inherited by the Ray workers and subprocesses the tests start.
+# With pytest-xdist two test workers share the host's cores, which the suite keeps busy, so two
+# defaults tuned for a machine of one's own cost time (README, Tests). Each TP rank runs one OpenMP
+# thread per core, and a thread at a barrier spins (libgomp's default) while the partner it waits
+# for is off its core running the other worker's test: wait passively. Inductor compiles through a
+# pool of processes that each import torch first: with no idle core to gain, compile in the
+# compiling process. Set before torch is imported here, and inherited by the Ray workers and
+# subprocesses the tests start.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
 def start_session_ray() -> None:
