@@ -72,8 +72,9 @@ def main() -> None:
     builds = {"host": kernel.build_kernel(kernel.kernel_spec()),
               "portable": kernel.build_kernel(kernel.kernel_spec(portable=True))}
     if args.other:
+        source = c_source_in(args.other, "workers/kernels/decode_attention.py")
         builds["from"] = kernel.build_kernel(kernel.kernel_spec(
-            c_source_in(args.other, "workers/kernels/decode_attention.py"), stem="corelaunch_decode_attention_from", what=f"the kernel of {args.other}"))
+            source, stem="corelaunch_decode_attention_from", what=f"the kernel of {args.other}"))
     report = {"threads": args.threads, "repeats": args.repeats,
               "host_takes_vector_path": bool(builds["host"].cl_decode_attention_vector_path()), "cases": {}}
     for name in cases:

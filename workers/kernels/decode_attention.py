@@ -47,6 +47,10 @@ from workers import native_build
 from workers.kernels.small_linear import _cpu_identity
 from workers.native_build import LibrarySpec, NativeUnavailable
 
+MAX_GROUP = 64
+"""Query heads per KV head the kernel takes (CL_MAX_GROUP in its source: the portable path keeps a
+maximum per query head on the stack)."""
+
 _SOURCE = r"""
 #include <math.h>
 #include <omp.h>
@@ -61,6 +65,7 @@ _SOURCE = r"""
 
 #define KEY_AHEAD 4                 /* blocks of 8 slots: keys are prefetched 32 slots ahead */
 #define VALUE_TILE_BYTES 16384      /* value rows of one tile: they stay in L1 for every pass */
+#define CL_MAX_GROUP 64             /* query heads per KV head: MAX_GROUP on the Python side */
 
 int cl_decode_attention_vector_path(void) { return CL_VECTOR_PATH; }
 
@@ -194,7 +199,7 @@ static void task_vector(const float *qg, const float *keys, const float *values,
    softmax takes the C library's expf, and each allowed slot's value row is read once for the group. */
 static void task_portable(const float *qg, const float *keys, const float *values, const int32_t *idx, long count,
                           long group, long dim, float scale, float *scores, float *o) {
-    float best[64];  /* per query head of the group: at most 64 (the operator checks it) */
+    float best[CL_MAX_GROUP];  /* per query head of the group (the operator checks the bound) */
     for (long g = 0; g < group; g++) best[g] = -INFINITY;
     for (long s = 0; s < count; s++) {
         const float *key = keys + (long)idx[s] * dim;
@@ -282,11 +287,11 @@ static at::Tensor decode_attention_cpu(const at::Tensor &q, const at::Tensor &k_
                 && q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat
                 && v_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() && v_cache.is_contiguous()
                 && q.size(3) == k_cache.size(3) && q.size(1) % k_cache.size(1) == 0
-                && q.size(1) / k_cache.size(1) <= 64 && read_slots > 0 && read_slots <= k_cache.size(2)
+                && q.size(1) / k_cache.size(1) <= CL_MAX_GROUP && read_slots > 0 && read_slots <= k_cache.size(2)
                 && mask.scalar_type() == at::kBool && mask.numel() == q.size(0) * read_slots,
                 "decode_attention takes float32 q (batch, q_heads, 1, head_dim), contiguous float32 caches "
-                "(rows, kv_heads, slots, head_dim) with at most 64 query heads per KV head, read_slots within "
-                "the slots and a bool mask of batch x read_slots; got q ", q.sizes(), " ", q.scalar_type(),
+                "(rows, kv_heads, slots, head_dim) with at most ", CL_MAX_GROUP, " query heads per KV head, "
+                "read_slots within the slots and a bool mask of batch x read_slots; got q ", q.sizes(), " ", q.scalar_type(),
                 ", caches ", k_cache.sizes(), " ", k_cache.scalar_type(), ", mask ", mask.sizes(), " ",
                 mask.scalar_type(), ", read_slots ", read_slots);
     int64_t batch = q.size(0);
@@ -353,8 +358,8 @@ def run_kernel(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cache
     """What the operator computes, through a given build (its arguments unchecked: tests and benchmarks)."""
     batch, q_heads, _, head_dim = q.shape
     kv_heads, slots = k_cache.shape[1], k_cache.shape[2]
-    if q_heads // kv_heads > 64:  # the portable path keeps a maximum per query head on the stack
-        raise ValueError(f"{q_heads // kv_heads} query heads per KV head; the kernel takes at most 64")
+    if q_heads // kv_heads > MAX_GROUP:  # the portable path keeps a maximum per query head on the stack
+        raise ValueError(f"{q_heads // kv_heads} query heads per KV head; the kernel takes at most {MAX_GROUP}")
     threads = torch.get_num_threads()
     q, mask = q.contiguous(), mask.expand(batch, *mask.shape[1:]).contiguous()
     rows = None if rows is None else rows.to(torch.int64).contiguous()
@@ -391,7 +396,7 @@ def usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether a traced decode step's attention takes the kernel: one float32 query per row on the
     CPU against a float32 cache (an fp8 cache keeps the traced path, which dequantizes it)."""
     return (q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype == torch.float32
-            and q.shape[2] == 1 and q.shape[1] // k_cache.shape[1] <= 64 and available())
+            and q.shape[2] == 1 and q.shape[1] // k_cache.shape[1] <= MAX_GROUP and available())
 
 
 # Schema and shape function here, so that torch.compile can trace the operator before anything is
