@@ -138,6 +138,49 @@ def test_a_rows_result_does_not_depend_on_its_batch_and_masked_slots_are_never_r
     assert torch.equal(kernel.decode_attention(q, poisoned_k, poisoned_v, None, mask, 32, 0.125), together)
 
 
+def test_each_build_combines_the_parts_of_long_rows(kernel_build):
+    """Rows longer than PART_SLOTS are cut into parts at fixed slots, each part a task, and the parts'
+    results combined: rows over three parts, one whose middle part the mask leaves empty, one wholly
+    inside the last part, one whose scores are NaN in one part only (NaN comes out, not an average
+    of the other parts), and peaked scores whose maximum lies in a later part than most weight."""
+    part = kernel.PART_SLOTS
+    read_slots, head_dim = 2 * part + 100, 64
+    g = torch.Generator().manual_seed(21)
+    q = torch.randn(5, 9, 1, head_dim, generator=g) * 2
+    k_cache = torch.randn(6, 3, read_slots + 8, head_dim, generator=g)
+    v_cache = torch.randn(6, 3, read_slots + 8, head_dim, generator=g)
+    rows = torch.tensor([5, 1, 0, 3, 2])
+    mask = torch.rand(5, 1, 1, read_slots, generator=g) > 0.1
+    mask[1, ..., part:2 * part] = False  # an empty middle part
+    mask[2, ..., :2 * part] = False  # only the last part
+    k_cache[rows[4], 1, part + 7] = float("nan")  # row 4, KV head 1: a NaN score in its second part
+    k_cache[rows[3], :, 2 * part + 5] = q[3, ::3, 0] * 8  # row 3: one slot of the last part dominates
+    want = reference(q, k_cache, v_cache, rows, mask, read_slots, head_dim ** -0.5)
+    got = kernel.run_kernel(kernel_build, q, k_cache, v_cache, rows, mask, read_slots, head_dim ** -0.5)
+    assert torch.isnan(got[4, 3:6]).all() and not torch.isnan(got[4, :3]).any() and not torch.isnan(got[:4]).any()
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=2e-6, equal_nan=True)
+
+
+def test_a_long_rows_result_does_not_depend_on_its_batch_or_the_slots_read():
+    """Parts are cut at fixed slots: a row gives the same bits alone, in a batch, and when the step
+    reads more slots (a longer neighbour's read bucket), whether it spans one part or several."""
+    part = kernel.PART_SLOTS
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(3, 9, 1, 64, generator=g)
+    k_cache, v_cache = torch.randn(3, 3, 3 * part, 64, generator=g), torch.randn(3, 3, 3 * part, 64, generator=g)
+    mask = torch.zeros(3, 1, 1, 3 * part, dtype=torch.bool)
+    lengths = (part - 10, part + 300, 3 * part - 1)  # one part, two, three
+    for b, length in enumerate(lengths):
+        mask[b, ..., :length] = True
+    together = kernel.decode_attention(q, k_cache, v_cache, None, mask, 3 * part, 0.125)
+    for b, length in enumerate(lengths):
+        rows = torch.tensor([b])
+        for read_slots in {length, -(-length // part) * part, 3 * part}:
+            alone = kernel.decode_attention(q[b:b + 1], k_cache, v_cache, rows,
+                                            mask[b:b + 1, ..., :read_slots].contiguous(), read_slots, 0.125)
+            assert torch.equal(alone, together[b:b + 1]), (length, read_slots)
+
+
 def test_a_row_with_no_allowed_slot_gets_zeros_not_nan():
     q, cache = torch.randn(2, 2, 1, 16), torch.randn(2, 1, 8, 16)
     mask = torch.ones(2, 1, 1, 8, dtype=torch.bool)

@@ -7,9 +7,15 @@ horizontal sum, the query's rotary embedding is recomputed for every slot it mee
 of the cache is read whether the mask lets it count or not. At 16 running sequences attention took
 a quarter of a SmolLM2 decode step on machine J (README, Measured).
 
-Here one task is one (batch row, KV head), the query heads that share the KV head (GQA's group)
-against the slots the mask allows, listed once per batch row; slots it excludes are never read.
-Threads (OpenMP, the runtime torch uses) split the tasks. Two paths compute a task:
+Here one task is one part of one (batch row, KV head): the query heads that share the KV head (GQA's
+group) against the slots the mask allows in one stretch of PART_SLOTS slots, listed once per batch
+row; slots it excludes are never read. Threads (OpenMP, the runtime torch uses) split the tasks.
+Without parts, one long row gave as many tasks as KV heads: SmolLM2's 3 on 2 threads left a thread
+idle for a third of the step's attention, and a rank holding one KV head attended on one thread.
+Each part's softmax is normalized over its own slots, and the parts of a (row, KV head) are then
+combined, weighted by exp(part maximum - maximum) x part sum. Parts are cut at fixed slots, so a
+row that fits one part is computed exactly as before, and no row's result depends on the batch or
+on how many slots the step reads. Two paths compute a task:
 - Vector (AVX2 and FMA, head_dim a multiple of 8). Scores 8 slots at a time: every query head of
   the group passes over the block's 8 keys while they sit in L1, one accumulator per slot, and one
   transposing sum turns the 8 accumulators into 8 scores (instead of a horizontal sum closing every
@@ -50,6 +56,9 @@ from workers.native_build import LibrarySpec, NativeUnavailable
 MAX_GROUP = 64
 """Query heads per KV head the kernel takes (CL_MAX_GROUP in its source: the portable path keeps a
 maximum per query head on the stack)."""
+PART_SLOTS = 512
+"""A task covers at most this many slots of a row (CL_PART_SLOTS in the source): longer rows are
+cut into parts at fixed slots, and the parts' results combined (see the module docstring)."""
 
 _SOURCE = r"""
 #include <math.h>
@@ -66,13 +75,21 @@ _SOURCE = r"""
 #define KEY_AHEAD 4                 /* blocks of 8 slots: keys are prefetched 32 slots ahead */
 #define VALUE_TILE_BYTES 16384      /* value rows of one tile: they stay in L1 for every pass */
 #define CL_MAX_GROUP 64             /* query heads per KV head: MAX_GROUP on the Python side */
+#define CL_PART_SLOTS 512           /* a task covers at most this many slots of a row: PART_SLOTS in Python */
 
 int cl_decode_attention_vector_path(void) { return CL_VECTOR_PATH; }
 
-/* Floats of scratch cl_decode_attention needs: per thread, a group's scores over read_slots and the
-   allowed slots' indices (int32, one float each). */
-long cl_decode_attention_scratch_floats(long group, long read_slots, int threads) {
-    return (long)threads * (group + 1) * read_slots;
+static long parts_of(long read_slots) { return (read_slots + CL_PART_SLOTS - 1) / CL_PART_SLOTS; }
+
+/* Floats of workspace cl_decode_attention needs: per thread, a group's scores over read_slots and
+   the allowed slots' indices (int32, one float each); then, when read_slots spans more than one
+   part, every part's result of every (batch row, KV head): the group's outputs and, per query head,
+   the part's maximum score and sum of exponentials. */
+long cl_decode_attention_workspace_floats(long batch, long kv_heads, long group, long head_dim, long read_slots,
+                                          int threads) {
+    long parts = parts_of(read_slots);
+    return (long)threads * (group + 1) * read_slots
+           + (parts > 1 ? batch * kv_heads * parts * group * (head_dim + 2) : 0);
 }
 
 #if CL_VECTOR_PATH
@@ -111,7 +128,7 @@ static inline __m256 sums8(const __m256 *a) {
 /* One (batch row, KV head) task, dim % 8 == 0: the group's queries qg (group x dim) over the
    `count` slots listed in idx of keys and values (slots x dim); scores: group x count floats. */
 static void task_vector(const float *qg, const float *keys, const float *values, const int32_t *idx, long count,
-                        long group, long dim, float scale, float *scores, float *o) {
+                        long group, long dim, float scale, float *scores, float *o, float *stats) {
     const __m256 vscale = _mm256_set1_ps(scale);
     long tile = VALUE_TILE_BYTES / (dim * 4) < 8 ? 8 : VALUE_TILE_BYTES / (dim * 4);
     /* Scores, 8 slots at a time: each query head of the group passes over the block's 8 keys while
@@ -160,6 +177,7 @@ static void task_vector(const float *qg, const float *keys, const float *values,
         }
         float inv = 1.f / total;
         for (s = 0; s < count; s++) sg[s] *= inv;
+        if (stats) { stats[2 * g] = best; stats[2 * g + 1] = total; }
     }
     /* Values, in tiles of slots whose rows (VALUE_TILE_BYTES) stay in L1 while every pass goes over
        them: a pass takes 32 lanes of the head for up to 3 query heads (12 accumulators, parked in
@@ -198,7 +216,7 @@ static void task_vector(const float *qg, const float *keys, const float *values,
    whole group and scored against each query head (a dot product closed by a horizontal sum), the
    softmax takes the C library's expf, and each allowed slot's value row is read once for the group. */
 static void task_portable(const float *qg, const float *keys, const float *values, const int32_t *idx, long count,
-                          long group, long dim, float scale, float *scores, float *o) {
+                          long group, long dim, float scale, float *scores, float *o, float *stats) {
     float best[CL_MAX_GROUP];  /* per query head of the group (the operator checks the bound) */
     for (long g = 0; g < group; g++) best[g] = -INFINITY;
     for (long s = 0; s < count; s++) {
@@ -219,6 +237,7 @@ static void task_portable(const float *qg, const float *keys, const float *value
         float inv = 1.f / total;
         for (long s = 0; s < count; s++) sg[s] *= inv;
         for (long d = 0; d < dim; d++) og[d] = 0.f;
+        if (stats) { stats[2 * g] = best[g]; stats[2 * g + 1] = total; }
     }
     for (long s = 0; s < count; s++) {
         const float *value = values + (long)idx[s] * dim;
@@ -230,44 +249,107 @@ static void task_portable(const float *qg, const float *keys, const float *value
     }
 }
 
+/* First index i in idx[0..count) with idx[i] >= slot (idx ascending). */
+static long first_at_or_after(const int32_t *idx, long count, long slot) {
+    long lo = 0, hi = count;
+    while (lo < hi) {
+        long mid = (lo + hi) / 2;
+        if (idx[mid] < slot) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+}
+
+/* The parts of one (batch row, KV head) into its group's outputs o (group x dim). Each part's
+   outputs are normalized by its own sum; weighted by exp(part max - max) x part sum, over the total.
+   Parts with no allowed slot (sum 0) are left out; a single part is copied as it is, so a row whose
+   slots all lie in one part gets the same bits as if read_slots had been one part. A NaN in any
+   part's scores reaches the output through its maximum or sum. */
+static void combine_parts(const float *part, long parts, long group, long dim, float *o) {
+    long stride = group * (dim + 2);
+    for (long g = 0; g < group; g++) {
+        float best = -INFINITY, total = 0.f, *og = o + g * dim;
+        long used = 0, last = 0;
+        for (long p = 0; p < parts; p++) {
+            const float *st = part + p * stride + group * dim + 2 * g;
+            if (st[1] != 0.f) {  /* a NaN sum counts as used */
+                used++, last = p;
+                best = st[0] > best ? st[0] : best;
+            }
+        }
+        if (used <= 1) {
+            if (used == 0) memset(og, 0, dim * sizeof(float));
+            else memcpy(og, part + last * stride + g * dim, dim * sizeof(float));
+            continue;
+        }
+        for (long p = 0; p < parts; p++) {
+            const float *st = part + p * stride + group * dim + 2 * g;
+            if (st[1] != 0.f) total += expf(st[0] - best) * st[1];
+        }
+        for (long d = 0; d < dim; d++) og[d] = 0.f;
+        for (long p = 0; p < parts; p++) {
+            const float *st = part + p * stride + group * dim + 2 * g, *op = part + p * stride + g * dim;
+            if (st[1] == 0.f) continue;
+            float w = expf(st[0] - best) * st[1] / total;
+            for (long d = 0; d < dim; d++) og[d] += w * op[d];
+        }
+    }
+}
+
 /* out (batch, q_heads, head_dim) = softmax(q k^T * scale | mask) v for one query per batch row.
    q (batch, q_heads, head_dim); caches (cache_rows, kv_heads, slots, head_dim), all contiguous;
    rows (batch) the cache row of each batch row, or NULL for row b; mask (batch, read_slots), true
-   where a slot counts. scratch: cl_decode_attention_scratch_floats(group, read_slots, threads). */
+   where a slot counts. workspace: cl_decode_attention_workspace_floats(batch, kv_heads, group,
+   head_dim, read_slots, threads) floats.
+
+   One task is one part of one (batch row, KV head): the row's slots cut at every CL_PART_SLOTS, so
+   that one long row's few KV heads still give every thread work (SmolLM2's 3 KV heads on 2 threads
+   left one thread idle a third of the time). Parts are cut at fixed slots, whatever the batch and
+   read_slots: a row's result depends on its own query, cache row and mask only. */
 void cl_decode_attention(const float *q, const float *k_cache, const float *v_cache, const int64_t *rows,
-                         const uint8_t *mask, float *out, float *scratch, long batch, long q_heads, long kv_heads,
+                         const uint8_t *mask, float *out, float *workspace, long batch, long q_heads, long kv_heads,
                          long slots, long head_dim, long read_slots, float scale, int threads) {
-    long group = q_heads / kv_heads, tasks = batch * kv_heads;
+    long group = q_heads / kv_heads, parts = parts_of(read_slots), tasks = batch * kv_heads * parts;
+    long part_stride = group * (head_dim + 2);
+    float *partials = workspace + (long)threads * (group + 1) * read_slots;  /* used when parts > 1 */
     #pragma omp parallel num_threads(threads)
     {
-        float *scores = scratch + (long)omp_get_thread_num() * (group + 1) * read_slots;
+        float *scores = workspace + (long)omp_get_thread_num() * (group + 1) * read_slots;
         int32_t *idx = (int32_t *)(scores + group * read_slots);
         long listed = -1, count = 0;
         #pragma omp for schedule(static)
         for (long t = 0; t < tasks; t++) {
-            long b = t / kv_heads, h = t % kv_heads, row = rows ? rows[b] : b;
-            if (b != listed) {  /* batch row b's allowed slots, listed once for all its KV heads */
+            long b = t / (kv_heads * parts), h = t / parts % kv_heads, p = t % parts, row = rows ? rows[b] : b;
+            if (b != listed) {  /* batch row b's allowed slots, listed once for all its tasks */
                 const uint8_t *m = mask + b * read_slots;
                 count = 0;
                 for (long s = 0; s < read_slots; s++)
                     if (m[s]) idx[count++] = (int32_t)s;
                 listed = b;
             }
+            long lo = parts > 1 ? first_at_or_after(idx, count, p * CL_PART_SLOTS) : 0;
+            long hi = parts > 1 ? first_at_or_after(idx, count, (p + 1) * CL_PART_SLOTS) : count;
             const float *keys = k_cache + (row * kv_heads + h) * slots * head_dim;
             const float *values = v_cache + (row * kv_heads + h) * slots * head_dim;
             const float *qg = q + (b * q_heads + h * group) * head_dim;
-            float *o = out + (b * q_heads + h * group) * head_dim;
-            if (count == 0) {  /* nothing to attend to: zeros (never for a real token) */
-                memset(o, 0, group * head_dim * sizeof(float));
+            float *o = parts > 1 ? partials + ((b * kv_heads + h) * parts + p) * part_stride
+                                 : out + (b * q_heads + h * group) * head_dim;
+            float *stats = parts > 1 ? o + group * head_dim : NULL;
+            if (hi == lo) {  /* nothing to attend to: zeros (never for a real token), or an empty part */
+                memset(o, 0, (parts > 1 ? part_stride : group * head_dim) * sizeof(float));
                 continue;
             }
 #if CL_VECTOR_PATH
             if (head_dim % 8 == 0) {
-                task_vector(qg, keys, values, idx, count, group, head_dim, scale, scores, o);
+                task_vector(qg, keys, values, idx + lo, hi - lo, group, head_dim, scale, scores, o, stats);
                 continue;
             }
 #endif
-            task_portable(qg, keys, values, idx, count, group, head_dim, scale, scores, o);
+            task_portable(qg, keys, values, idx + lo, hi - lo, group, head_dim, scale, scores, o, stats);
+        }
+        if (parts > 1) {
+            #pragma omp for schedule(static)
+            for (long bh = 0; bh < batch * kv_heads; bh++)
+                combine_parts(partials + bh * parts * part_stride, parts, group, head_dim, out + bh * group * head_dim);
         }
     }
 }
@@ -310,11 +392,11 @@ static at::Tensor decode_attention_cpu(const at::Tensor &q, const at::Tensor &k_
     at::Tensor out = at::empty(q.sizes(), q.options());
     int threads = at::get_num_threads();
     int64_t group = q.size(1) / k_cache.size(1);
-    at::Tensor scratch = at::empty({(int64_t)cl_decode_attention_scratch_floats(group, read_slots, threads)},
-                                   q.options());
+    at::Tensor workspace = at::empty({(int64_t)cl_decode_attention_workspace_floats(
+        batch, k_cache.size(1), group, q.size(3), read_slots, threads)}, q.options());
     cl_decode_attention(qc.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
                         r.defined() ? r.data_ptr<int64_t>() : nullptr, (const uint8_t *)m.data_ptr<bool>(),
-                        out.data_ptr<float>(), scratch.data_ptr<float>(), batch, q.size(1), k_cache.size(1),
+                        out.data_ptr<float>(), workspace.data_ptr<float>(), batch, q.size(1), k_cache.size(1),
                         k_cache.size(2), q.size(3), read_slots, (float)scale, threads);
     return out;
 }
@@ -348,8 +430,12 @@ def build_kernel(spec: LibrarySpec) -> ctypes.CDLL:
     lib.cl_decode_attention.argtypes = [p, p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_float,
                                         ctypes.c_int]
     lib.cl_decode_attention.restype = None
-    lib.cl_decode_attention_scratch_floats.argtypes = [i64, i64, ctypes.c_int]
-    lib.cl_decode_attention_scratch_floats.restype = i64
+    if hasattr(lib, "cl_decode_attention_workspace_floats"):
+        lib.cl_decode_attention_workspace_floats.argtypes = [i64, i64, i64, i64, i64, ctypes.c_int]
+        lib.cl_decode_attention_workspace_floats.restype = i64
+    else:  # an older source (benchmarks/decode_attention.py --from): per-thread scratch only
+        lib.cl_decode_attention_scratch_floats.argtypes = [i64, i64, ctypes.c_int]
+        lib.cl_decode_attention_scratch_floats.restype = i64
     return lib
 
 
@@ -364,7 +450,11 @@ def run_kernel(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cache
     q, mask = q.contiguous(), mask.expand(batch, *mask.shape[1:]).contiguous()
     rows = None if rows is None else rows.to(torch.int64).contiguous()
     out = torch.empty_like(q)
-    scratch = torch.empty(lib.cl_decode_attention_scratch_floats(q_heads // kv_heads, read_slots, threads))
+    group = q_heads // kv_heads
+    scratch = torch.empty(
+        lib.cl_decode_attention_workspace_floats(batch, kv_heads, group, head_dim, read_slots, threads)
+        if hasattr(lib, "cl_decode_attention_workspace_floats")
+        else lib.cl_decode_attention_scratch_floats(group, read_slots, threads))
     lib.cl_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                             None if rows is None else rows.data_ptr(), mask.data_ptr(), out.data_ptr(),
                             scratch.data_ptr(), batch, q_heads, kv_heads, slots, head_dim, read_slots, scale, threads)
