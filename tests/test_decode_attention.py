@@ -141,23 +141,31 @@ def test_a_rows_result_does_not_depend_on_its_batch_and_masked_slots_are_never_r
 def test_each_build_combines_the_parts_of_long_rows(kernel_build):
     """Rows longer than PART_SLOTS are cut into parts at fixed slots, each part a task, and the parts'
     results combined: rows over three parts, one whose middle part the mask leaves empty, one wholly
-    inside the last part, one whose scores are NaN in one part only (NaN comes out, not an average
-    of the other parts), and peaked scores whose maximum lies in a later part than most weight."""
+    inside the last part, one where a slot of the last part dominates, one whose scores are NaN in
+    one part only (NaN comes out, not an average of the other parts), one whose scores are -inf over
+    a whole part (the other parts decide, as over the row) and one whose scores are all -inf (NaN,
+    as the softmax of nothing finite)."""
     part = kernel.PART_SLOTS
     read_slots, head_dim = 2 * part + 100, 64
     g = torch.Generator().manual_seed(21)
-    q = torch.randn(5, 9, 1, head_dim, generator=g) * 2
-    k_cache = torch.randn(6, 3, read_slots + 8, head_dim, generator=g)
-    v_cache = torch.randn(6, 3, read_slots + 8, head_dim, generator=g)
-    rows = torch.tensor([5, 1, 0, 3, 2])
-    mask = torch.rand(5, 1, 1, read_slots, generator=g) > 0.1
+    q = torch.randn(7, 9, 1, head_dim, generator=g) * 2
+    k_cache = torch.randn(8, 3, read_slots + 8, head_dim, generator=g)
+    v_cache = torch.randn(8, 3, read_slots + 8, head_dim, generator=g)
+    rows = torch.tensor([5, 1, 0, 3, 2, 6, 7])
+    mask = torch.rand(7, 1, 1, read_slots, generator=g) > 0.1
     mask[1, ..., part:2 * part] = False  # an empty middle part
     mask[2, ..., :2 * part] = False  # only the last part
-    k_cache[rows[4], 1, part + 7] = float("nan")  # row 4, KV head 1: a NaN score in its second part
+    mask[3, ..., 2 * part + 5] = mask[4, ..., part + 7] = True
     k_cache[rows[3], :, 2 * part + 5] = q[3, ::3, 0] * 8  # row 3: one slot of the last part dominates
+    k_cache[rows[4], 1, part + 7] = float("nan")  # row 4, KV head 1: a NaN score in its second part
+    q[5:, :, :, 0] = q[5:, :, :, 0].abs() + 0.5  # rows 5 and 6: a key of -inf in lane 0 scores -inf
+    k_cache[rows[5], 0, part:2 * part, 0] = float("-inf")  # row 5, KV head 0: its whole second part
+    k_cache[rows[6], 2, :, 0] = float("-inf")  # row 6, KV head 2: every slot
     want = reference(q, k_cache, v_cache, rows, mask, read_slots, head_dim ** -0.5)
     got = kernel.run_kernel(kernel_build, q, k_cache, v_cache, rows, mask, read_slots, head_dim ** -0.5)
-    assert torch.isnan(got[4, 3:6]).all() and not torch.isnan(got[4, :3]).any() and not torch.isnan(got[:4]).any()
+    nan = torch.zeros(7, 9, dtype=torch.bool)
+    nan[4, 3:6] = nan[6, 6:9] = True
+    assert torch.equal(torch.isnan(got).all(-1).squeeze(-1), nan) and torch.equal(torch.isnan(got).any(-1).squeeze(-1), nan)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=2e-6, equal_nan=True)
 
 

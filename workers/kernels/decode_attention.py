@@ -9,7 +9,7 @@ a quarter of a SmolLM2 decode step on machine J (README, Measured).
 
 Here one task is one part of one (batch row, KV head): the query heads that share the KV head (GQA's
 group) against the slots the mask allows in one stretch of PART_SLOTS slots, listed once per batch
-row; slots it excludes are never read. Threads (OpenMP, the runtime torch uses) split the tasks.
+row by each thread that takes its tasks; slots it excludes are never read. Threads (OpenMP, the runtime torch uses) split the tasks.
 Without parts, one long row gave as many tasks as KV heads: SmolLM2's 3 on 2 threads left a thread
 idle for a third of the step's attention, and a rank holding one KV head attended on one thread.
 Each part's softmax is normalized over its own slots, and the parts of a (row, KV head) are then
@@ -76,10 +76,23 @@ _SOURCE = r"""
 #define VALUE_TILE_BYTES 16384      /* value rows of one tile: they stay in L1 for every pass */
 #define CL_MAX_GROUP 64             /* query heads per KV head: MAX_GROUP on the Python side */
 #define CL_PART_SLOTS 512           /* a task covers at most this many slots of a row: PART_SLOTS in Python */
+#define CL_ALL_NEG_INF -1.f         /* a part's "sum" when all its scores are -inf (see all_neg_inf) */
 
 int cl_decode_attention_vector_path(void) { return CL_VECTOR_PATH; }
 
 static long parts_of(long read_slots) { return (read_slots + CL_PART_SLOTS - 1) / CL_PART_SLOTS; }
+
+/* Whether a part's scores for one query head (largest: best) are all -inf, from an infinity in a
+   key or the query. Such a part has no true sum (its exponentials are exp(-inf + inf), NaN): it
+   reports CL_ALL_NEG_INF instead, and the combination leaves it out, as one task over the whole
+   row gives those slots no weight. A part with a NaN score keeps its NaN sum, which reaches the
+   output. Real sums are at least 1 (the maximum's own exponential) or NaN. */
+static int all_neg_inf(const float *scores, long count, float best) {
+    if (best != -INFINITY) return 0;
+    for (long s = 0; s < count; s++)
+        if (scores[s] != scores[s]) return 0;
+    return 1;
+}
 
 /* Floats of workspace cl_decode_attention needs: per thread, a group's scores over read_slots and
    the allowed slots' indices (int32, one float each); then, when read_slots spans more than one
@@ -125,8 +138,10 @@ static inline __m256 sums8(const __m256 *a) {
     return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
-/* One (batch row, KV head) task, dim % 8 == 0: the group's queries qg (group x dim) over the
-   `count` slots listed in idx of keys and values (slots x dim); scores: group x count floats. */
+/* One task (a part of one (batch row, KV head)), dim % 8 == 0: the group's queries qg (group x dim)
+   over the `count` slots listed in idx of keys and values (slots x dim); scores: group x count
+   floats. o gets the group's outputs; stats, unless NULL (a row in one part), each query head's
+   largest score and sum of exponentials (see all_neg_inf), for combine_parts. */
 static void task_vector(const float *qg, const float *keys, const float *values, const int32_t *idx, long count,
                         long group, long dim, float scale, float *scores, float *o, float *stats) {
     const __m256 vscale = _mm256_set1_ps(scale);
@@ -161,6 +176,7 @@ static void task_vector(const float *qg, const float *keys, const float *values,
     for (long g = 0; g < group; g++) {
         float *sg = scores + g * count, best = -INFINITY, total = 0.f, lanes[8];
         for (long s = 0; s < count; s++) best = sg[s] > best ? sg[s] : best;
+        int infinite = stats && all_neg_inf(sg, count, best);  /* before sg holds exponentials */
         __m256 vbest = _mm256_set1_ps(best), vtotal = _mm256_setzero_ps();
         long s = 0;
         for (; s + 8 <= count; s += 8) {
@@ -177,7 +193,7 @@ static void task_vector(const float *qg, const float *keys, const float *values,
         }
         float inv = 1.f / total;
         for (s = 0; s < count; s++) sg[s] *= inv;
-        if (stats) { stats[2 * g] = best; stats[2 * g + 1] = total; }
+        if (stats) { stats[2 * g] = best; stats[2 * g + 1] = infinite ? CL_ALL_NEG_INF : total; }
     }
     /* Values, in tiles of slots whose rows (VALUE_TILE_BYTES) stay in L1 while every pass goes over
        them: a pass takes 32 lanes of the head for up to 3 query heads (12 accumulators, parked in
@@ -233,11 +249,12 @@ static void task_portable(const float *qg, const float *keys, const float *value
     }
     for (long g = 0; g < group; g++) {
         float *sg = scores + g * count, *og = o + g * dim, total = 0.f;
+        int infinite = stats && all_neg_inf(sg, count, best[g]);  /* before sg holds exponentials */
         for (long s = 0; s < count; s++) { sg[s] = expf(sg[s] - best[g]); total += sg[s]; }
         float inv = 1.f / total;
         for (long s = 0; s < count; s++) sg[s] *= inv;
         for (long d = 0; d < dim; d++) og[d] = 0.f;
-        if (stats) { stats[2 * g] = best[g]; stats[2 * g + 1] = total; }
+        if (stats) { stats[2 * g] = best[g]; stats[2 * g + 1] = infinite ? CL_ALL_NEG_INF : total; }
     }
     for (long s = 0; s < count; s++) {
         const float *value = values + (long)idx[s] * dim;
@@ -261,34 +278,39 @@ static long first_at_or_after(const int32_t *idx, long count, long slot) {
 
 /* The parts of one (batch row, KV head) into its group's outputs o (group x dim). Each part's
    outputs are normalized by its own sum; weighted by exp(part max - max) x part sum, over the total.
-   Parts with no allowed slot (sum 0) are left out; a single part is copied as it is, so a row whose
-   slots all lie in one part gets the same bits as if read_slots had been one part. A NaN in any
-   part's scores reaches the output through its maximum or sum. */
+   Parts with no allowed slot (sum 0) and parts whose scores are all -inf (CL_ALL_NEG_INF) are left
+   out; a single part left is copied as it is, so a row whose slots all lie in one part gets the
+   same bits as if read_slots had been one part. A NaN score reaches the output through its part's
+   sum (NaN: the maximum passes NaN by). With no part left, zeros for a row with nothing allowed
+   (as one task gives) and NaN for one whose scores are all -inf (softmax over nothing finite). */
+static int used_part(float sum) { return sum != 0.f && sum != CL_ALL_NEG_INF; }  /* true for NaN */
+
 static void combine_parts(const float *part, long parts, long group, long dim, float *o) {
     long stride = group * (dim + 2);
     for (long g = 0; g < group; g++) {
         float best = -INFINITY, total = 0.f, *og = o + g * dim;
-        long used = 0, last = 0;
+        long used = 0, last = 0, infinite = 0;
         for (long p = 0; p < parts; p++) {
             const float *st = part + p * stride + group * dim + 2 * g;
-            if (st[1] != 0.f) {  /* a NaN sum counts as used */
+            infinite |= st[1] == CL_ALL_NEG_INF;
+            if (used_part(st[1])) {
                 used++, last = p;
                 best = st[0] > best ? st[0] : best;
             }
         }
         if (used <= 1) {
-            if (used == 0) memset(og, 0, dim * sizeof(float));
-            else memcpy(og, part + last * stride + g * dim, dim * sizeof(float));
+            if (used == 1) memcpy(og, part + last * stride + g * dim, dim * sizeof(float));
+            else for (long d = 0; d < dim; d++) og[d] = infinite ? NAN : 0.f;
             continue;
         }
         for (long p = 0; p < parts; p++) {
             const float *st = part + p * stride + group * dim + 2 * g;
-            if (st[1] != 0.f) total += expf(st[0] - best) * st[1];
+            if (used_part(st[1])) total += expf(st[0] - best) * st[1];
         }
         for (long d = 0; d < dim; d++) og[d] = 0.f;
         for (long p = 0; p < parts; p++) {
             const float *st = part + p * stride + group * dim + 2 * g, *op = part + p * stride + g * dim;
-            if (st[1] == 0.f) continue;
+            if (!used_part(st[1])) continue;
             float w = expf(st[0] - best) * st[1] / total;
             for (long d = 0; d < dim; d++) og[d] += w * op[d];
         }
