@@ -165,7 +165,8 @@ def test_each_build_combines_the_parts_of_long_rows(kernel_build):
     got = kernel.run_kernel(kernel_build, q, k_cache, v_cache, rows, mask, read_slots, head_dim ** -0.5)
     nan = torch.zeros(7, 9, dtype=torch.bool)
     nan[4, 3:6] = nan[6, 6:9] = True
-    assert torch.equal(torch.isnan(got).all(-1).squeeze(-1), nan) and torch.equal(torch.isnan(got).any(-1).squeeze(-1), nan)
+    nan_lanes = torch.isnan(got).squeeze(2)  # (rows, query heads, lanes)
+    assert torch.equal(nan_lanes.all(-1), nan) and torch.equal(nan_lanes.any(-1), nan)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=2e-6, equal_nan=True)
 
 

@@ -9,7 +9,8 @@ a quarter of a SmolLM2 decode step on machine J (README, Measured).
 
 Here one task is one part of one (batch row, KV head): the query heads that share the KV head (GQA's
 group) against the slots the mask allows in one stretch of PART_SLOTS slots, listed once per batch
-row by each thread that takes its tasks; slots it excludes are never read. Threads (OpenMP, the runtime torch uses) split the tasks.
+row by each thread that takes its tasks; slots it excludes are never read. Threads (OpenMP, the
+runtime torch uses) split the tasks.
 Without parts, one long row gave as many tasks as KV heads: SmolLM2's 3 on 2 threads left a thread
 idle for a third of the step's attention, and a rank holding one KV head attended on one thread.
 Each part's softmax is normalized over its own slots, and the parts of a (row, KV head) are then
@@ -276,6 +277,9 @@ static long first_at_or_after(const int32_t *idx, long count, long slot) {
     return lo;
 }
 
+/* Whether a part's reported sum puts it in the combination: not empty (0), not all -inf; NaN is. */
+static int used_part(float sum) { return sum != 0.f && sum != CL_ALL_NEG_INF; }
+
 /* The parts of one (batch row, KV head) into its group's outputs o (group x dim). Each part's
    outputs are normalized by its own sum; weighted by exp(part max - max) x part sum, over the total.
    Parts with no allowed slot (sum 0) and parts whose scores are all -inf (CL_ALL_NEG_INF) are left
@@ -283,8 +287,6 @@ static long first_at_or_after(const int32_t *idx, long count, long slot) {
    same bits as if read_slots had been one part. A NaN score reaches the output through its part's
    sum (NaN: the maximum passes NaN by). With no part left, zeros for a row with nothing allowed
    (as one task gives) and NaN for one whose scores are all -inf (softmax over nothing finite). */
-static int used_part(float sum) { return sum != 0.f && sum != CL_ALL_NEG_INF; }  /* true for NaN */
-
 static void combine_parts(const float *part, long parts, long group, long dim, float *o) {
     long stride = group * (dim + 2);
     for (long g = 0; g < group; g++) {
@@ -446,7 +448,9 @@ def kernel_spec(source: str = _SOURCE, portable: bool = False, stem: str = "core
 
 
 def build_kernel(spec: LibrarySpec) -> ctypes.CDLL:
-    """Build (once per source, flags and CPU) and load a kernel_spec library; raises NativeUnavailable."""
+    """Build (once per source, flags and CPU) and load a kernel_spec library; raises NativeUnavailable.
+    Its `workspace_floats(batch, kv_heads, group, head_dim, read_slots, threads)` sizes the workspace,
+    for this source or an older one that exported only cl_decode_attention_scratch_floats."""
     lib = native_build.build_and_load(spec)
     p, i64 = ctypes.c_void_p, ctypes.c_long
     lib.cl_decode_attention.argtypes = [p, p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_float,
@@ -455,9 +459,12 @@ def build_kernel(spec: LibrarySpec) -> ctypes.CDLL:
     if hasattr(lib, "cl_decode_attention_workspace_floats"):
         lib.cl_decode_attention_workspace_floats.argtypes = [i64, i64, i64, i64, i64, ctypes.c_int]
         lib.cl_decode_attention_workspace_floats.restype = i64
+        lib.workspace_floats = lib.cl_decode_attention_workspace_floats
     else:  # an older source (benchmarks/decode_attention.py --from): per-thread scratch only
         lib.cl_decode_attention_scratch_floats.argtypes = [i64, i64, ctypes.c_int]
         lib.cl_decode_attention_scratch_floats.restype = i64
+        lib.workspace_floats = lambda batch, kv_heads, group, head_dim, read_slots, threads: (
+            lib.cl_decode_attention_scratch_floats(group, read_slots, threads))
     return lib
 
 
@@ -472,11 +479,7 @@ def run_kernel(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cache
     q, mask = q.contiguous(), mask.expand(batch, *mask.shape[1:]).contiguous()
     rows = None if rows is None else rows.to(torch.int64).contiguous()
     out = torch.empty_like(q)
-    group = q_heads // kv_heads
-    scratch = torch.empty(
-        lib.cl_decode_attention_workspace_floats(batch, kv_heads, group, head_dim, read_slots, threads)
-        if hasattr(lib, "cl_decode_attention_workspace_floats")
-        else lib.cl_decode_attention_scratch_floats(group, read_slots, threads))
+    scratch = torch.empty(lib.workspace_floats(batch, kv_heads, q_heads // kv_heads, head_dim, read_slots, threads))
     lib.cl_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                             None if rows is None else rows.data_ptr(), mask.data_ptr(), out.data_ptr(),
                             scratch.data_ptr(), batch, q_heads, kv_heads, slots, head_dim, read_slots, scale, threads)
