@@ -58,6 +58,7 @@ from workers.kv_cache import KVCache
 from workers.kv_quant import to_cache, writable
 from workers.model import ShardedCausalLM
 from workers.granularities import DEFAULT_GRANULARITY, GRANULARITIES
+from workers.host_compile import inductor_once_per_host
 from workers.kernels import decode_attention, small_linear
 from workers.step import EAGER, StepParts, run_step
 
@@ -108,7 +109,8 @@ def _compile(fn, fullgraph: bool = True):
     small_linear.mark_constants_for_tracing()
     decode_attention.mark_constants_for_tracing()
     # dynamic=False: a static graph per shape, never a shape-generic one (bucketing's whole point).
-    return torch.compile(fn, fullgraph=fullgraph, dynamic=False)
+    # The backend is inductor, compiling each graph once per host (workers/host_compile.py).
+    return torch.compile(fn, fullgraph=fullgraph, dynamic=False, backend=inductor_once_per_host)
 
 
 def configure_dynamo(graphs: int) -> None:
