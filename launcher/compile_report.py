@@ -2,8 +2,8 @@
 
 Without --warm-up, each bucket's graph is built the first time a request needs it, inside that
 request: on a cold compile cache that is most of the first request's time. Afterwards the driver
-compares the group's compile stats with those it reported at load (Launcher.compile_stats) and
-says once what was built and how long it took. Pure functions on the stats dicts
+compares rank 0's compile stats with those it reported at load (Launcher.compile_stats) and says
+once what was built and how long it took. Pure functions on the stats dicts
 (workers.compiled.CompileStats.to_dict), so they are tested without Ray.
 """
 
@@ -13,23 +13,6 @@ from dataclasses import dataclass
 
 CACHE_MISSES = ("fxgraph_cache_miss", "autograd_cache_miss")
 """Counters that grow when inductor really compiles (a graph found in the cache counts a hit)."""
-CACHE_COUNTERS = ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass", "autograd_cache_hit",
-                  "autograd_cache_miss")
-
-
-def group_compile_stats(per_rank: list[dict | None]) -> dict | None:
-    """A TP group's compile stats from its ranks' (in rank order): rank 0's graphs and times, which
-    every rank shares, with the cache counters summed over the ranks. Ranks on one host compile
-    each graph once between them (workers/host_compile.py): whichever gets there first counts the
-    miss and the others a hit, so no single rank's counters say whether the group compiled."""
-    first = per_rank[0] if per_rank else None
-    if not first:
-        return first
-    group = dict(first)
-    for name in CACHE_COUNTERS:
-        if name in first:
-            group[name] = sum((stats or {}).get(name, 0) for stats in per_rank)
-    return group
 
 
 @dataclass(frozen=True)
@@ -42,7 +25,7 @@ class BuiltSinceLoad:
 
 
 def built_since_load(at_load: dict | None, now: dict | None) -> BuiltSinceLoad | None:
-    """What the group built after load, from its stats then and now; None when nothing (or eager)."""
+    """What rank 0 built after load, from its stats then and now; None when nothing (or eager)."""
     if not now:
         return None
     before = len(at_load["graphs"]) if at_load else 0
@@ -59,7 +42,7 @@ def built_since_load(at_load: dict | None, now: dict | None) -> BuiltSinceLoad |
 def compile_message(per_replica: list[tuple[dict | None, dict | None]]) -> str | None:
     """One line about the graphs built during the requests, or None when none was.
 
-    per_replica: (stats at load, stats now) of each replica's group. Replicas build their graphs
+    per_replica: (stats at load, stats now) of each replica's rank 0. Replicas build their graphs
     in parallel, so the one that spent longest is what the requests waited for."""
     built = [b for b in (built_since_load(at_load, now) for at_load, now in per_replica) if b is not None]
     if not built:

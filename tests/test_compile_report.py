@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from launcher.compile_report import built_since_load, compile_message, group_compile_stats
+from launcher.compile_report import built_since_load, compile_message
 
 
 def stats(*seconds: float, misses: int = 0, hits: int = 0) -> dict:
@@ -17,18 +17,6 @@ def test_graphs_built_after_load_on_a_cold_cache():
     assert (built.graphs, round(built.seconds, 1), built.compiled) == (2, 41.2, True)
     assert compile_message([(stats(), stats(30.0, 11.2, misses=6))]) == (
         "compiled 2 graph(s) in 41.2 s during the requests; later runs take them from the cache")
-
-
-def test_a_group_compiled_when_any_rank_missed_the_cache():
-    # ranks on one host compile each graph once: here rank 1 got there first and rank 0 only fetched
-    rank0, rank1 = stats(30.0, 11.2, hits=6), stats(29.0, 11.0, misses=6)
-    group = group_compile_stats([rank0, rank1])
-    assert group["graphs"] == rank0["graphs"] and group["compile_s"] == rank0["compile_s"]
-    assert (group["fxgraph_cache_miss"], group["fxgraph_cache_hit"], group["autograd_cache_miss"]) == (6, 6, 0)
-    assert compile_message([(group_compile_stats([stats(), stats()]), group)]) == (
-        "compiled 2 graph(s) in 41.2 s during the requests; later runs take them from the cache")
-    assert compile_message([(stats(), rank0)]).startswith("set up 2 graph(s) from the compile cache")  # rank 0 alone
-    assert group_compile_stats([None, None]) is None and group_compile_stats([]) is None
 
 
 def test_graphs_taken_from_a_warm_cache():

@@ -58,7 +58,6 @@ from workers.kv_cache import KVCache
 from workers.kv_quant import to_cache, writable
 from workers.model import ShardedCausalLM
 from workers.granularities import DEFAULT_GRANULARITY, GRANULARITIES
-from workers.host_compile import inductor_once_per_host
 from workers.kernels import decode_attention, small_linear
 from workers.step import EAGER, StepParts, run_step
 
@@ -109,8 +108,7 @@ def _compile(fn, fullgraph: bool = True):
     small_linear.mark_constants_for_tracing()
     decode_attention.mark_constants_for_tracing()
     # dynamic=False: a static graph per shape, never a shape-generic one (bucketing's whole point).
-    # The backend is inductor, compiling each graph once per host (workers/host_compile.py).
-    return torch.compile(fn, fullgraph=fullgraph, dynamic=False, backend=inductor_once_per_host)
+    return torch.compile(fn, fullgraph=fullgraph, dynamic=False)
 
 
 def configure_dynamo(graphs: int) -> None:

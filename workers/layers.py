@@ -142,19 +142,14 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.weight = as_param(weight, dtype)  # (vocab_per_rank, hidden), zero rows past the vocab
         self.start, self.stop = vocab_range
-        # The same bounds as buffers for forward: graph inputs, not constants in the graph's code,
-        # so every rank traces the same graph and ranks on one host compile it once
-        # (workers/host_compile.py).
-        self.register_buffer("bounds", torch.tensor(vocab_range, dtype=torch.int64), persistent=False)
         self.collectives = collectives
         self.scale = scale
 
     def forward(self, input_ids: torch.Tensor, reduce: Reduce | None = None) -> torch.Tensor:
         """(batch, seq) ids -> (batch, seq, hidden): this rank's rows, zeros elsewhere, summed over
         ranks (by `reduce`, default the all-reduce; see Reduce)."""
-        start, stop = self.bounds
-        owned = (input_ids >= start) & (input_ids < stop)  # (batch, seq)
-        local_ids = torch.where(owned, input_ids - start, 0)
+        owned = (input_ids >= self.start) & (input_ids < self.stop)  # (batch, seq)
+        local_ids = torch.where(owned, input_ids - self.start, 0)
         hidden = self.weight.rows(local_ids) if isinstance(self.weight, (QuantizedWeight, PackedWeight)) else (
             F.embedding(local_ids, self.weight))  # (batch, seq, hidden)
         hidden = (reduce or self.collectives.all_reduce)(hidden * owned.unsqueeze(-1).to(hidden.dtype))

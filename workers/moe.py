@@ -64,19 +64,15 @@ class MoEBlock(nn.Module):
         self.ups = nn.ParameterList([as_param(u, dtype) for _, u, _ in experts])
         self.downs = nn.ParameterList([as_param(d, dtype) for _, _, d in experts])
         self.first_expert, self.top_k, self.norm_p = first_expert, top_k, norm_p
-        # The routing columns of the local experts as a buffer, a graph input rather than constants
-        # in the graph's code: ranks holding as many experts trace the same graph (workers/host_compile.py).
-        self.register_buffer("expert_ids", torch.arange(first_expert, first_expert + len(experts)), persistent=False)
         self.down_transposed = down_transposed
         self.collectives = collectives
 
     def forward(self, x: torch.Tensor, reduce: Reduce | None = None) -> torch.Tensor:
         weights = routing_weights(linear(x, self.router_weight), self.top_k, self.norm_p)  # (batch, seq, experts)
-        local = weights.index_select(-1, self.expert_ids)  # (batch, seq, local experts)
         out = torch.zeros_like(x)
         for j, (gate, up, down) in enumerate(zip(self.gates, self.ups, self.downs)):
             h = F.silu(linear(x, gate)) * linear(x, up)
             y = down_projection(h, down, self.down_transposed)
-            column = local[..., j, None]
+            column = weights[..., self.first_expert + j, None]
             out = out + (y * column).to(x.dtype)  # weighted in float32, as transformers does
         return (reduce or self.collectives.all_reduce)(out)

@@ -85,7 +85,6 @@ def compile_model(args: argparse.Namespace) -> dict:
     """Write the compiled-model directory args.out; returns its manifest."""
     from launcher.api import LaunchConfig, Launcher
     from launcher.artifacts import compiled_dir
-    from launcher.compile_report import group_compile_stats
     from launcher.launch_plan import plan_launch
     from launcher.progress import Progress
     from shardlib.atomic_dir import atomic_dir, refuse_foreign_dir
@@ -140,10 +139,10 @@ def compile_model(args: argparse.Namespace) -> dict:
                               progress=not args.quiet, max_batch_size=buckets.max_batch_size,
                               max_num_seqs=config.max_num_seqs)
         with _GraphProgress(tmp / compiled_dir.COMPILE_LOG, progress), Launcher(launch) as launcher:
-            stats = group_compile_stats([s.compile for s in launcher.load_stats])
-        group = dict(stats) if stats else {}
-        manifest["graphs"] = group.pop("graphs", [])
-        manifest["compile_stats"] = group  # rank 0's compile time, the ranks' inductor cache counters summed
+            stats = [s.compile for s in launcher.load_stats]
+        rank0 = dict(stats[0]) if stats and stats[0] else {}
+        manifest["graphs"] = rank0.pop("graphs", [])
+        manifest["compile_stats"] = rank0  # rank 0's compile time and inductor cache counters
         manifest["compile_s"] = round(time.perf_counter() - started, 3)
         write_manifest_json(tmp, manifest)
     progress.note(f"compiled-model directory written: {out} (start from it with `corelaunch generate "

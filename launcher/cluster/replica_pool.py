@@ -36,7 +36,6 @@ from typing import Callable
 
 from launcher.errors import (DevicesMissing, GroupFault, LaunchError, NoReplicaAvailable, PlacementTimeout,
                              RendezvousTimeout, ReplicaFailed, RequestTimeout, RestartLimitExceeded, WorkerDied)
-from launcher.compile_report import group_compile_stats
 from launcher.cluster.restart_policy import RestartPolicy
 from launcher.cluster.stream_handle import StreamHandle
 from workers.serving.requests import TokenEvent
@@ -392,14 +391,13 @@ class ReplicaPool:
         return [r.status() for r in self.replicas]
 
     def compile_stats(self) -> list[tuple[dict | None, dict | None]]:
-        """Per serving replica: its group's compile stats when the group was loaded, and now
-        (launcher.compile_report.group_compile_stats)."""
+        """Per serving replica: rank 0's compile stats when its current group was loaded, and now."""
         out = []
         for replica in self.replicas:
             started = replica.started
             if replica.state != "serving" or started is None:
                 continue
-            at_load = group_compile_stats([stats.compile for stats in started.load_stats])
+            at_load = started.load_stats[0].compile if started.load_stats else None
             out.append((at_load, started.group.compile_stats()))
         return out
 

@@ -21,7 +21,6 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from launcher.compile_report import group_compile_stats
 from launcher.errors import (DevicesMissing, LaunchError, PlacementTimeout, RankFailed, RendezvousTimeout,
                              RequestTimeout, WorkerDied)
 from launcher.cluster.event_channel import ChannelClosed, EventChannel
@@ -306,18 +305,16 @@ class TPGroup:
         return out
 
     def compile_stats(self, timeout_s: float = 30.0) -> dict | None:
-        """The graphs built so far and the compile-cache counters (RankWorker.compile_stats): every
-        rank builds the same graphs, so rank 0's list speaks for all, and the counters are summed
-        over the ranks (launcher.compile_report.group_compile_stats). None when the group runs
-        eagerly, or does not answer: these are only informational, and a broken group is for the
-        health check and the next request to find (this neither waits long nor stops the group)."""
+        """Rank 0's graphs built so far and its compile-cache counters (RankWorker.compile_stats);
+        every rank builds the same graphs, so rank 0 speaks for all. None when it runs eagerly, or
+        does not answer: these are only informational, and a broken group is for the health check
+        and the next request to find (this neither waits long nor stops the group)."""
         if not self.actors:
             return None
         try:
-            per_rank = ray.get([actor.compile_stats.remote() for actor in self.actors], timeout=timeout_s)
+            return ray.get(self.actors[0].compile_stats.remote(), timeout=timeout_s)
         except ray.exceptions.RayError:
             return None
-        return group_compile_stats(per_rank)
 
     def dead_ranks(self, timeout_s: float = 5.0) -> list[str]:
         """Ranks whose process is gone (an idle group's health check); [] when all answer or are busy."""
