@@ -25,6 +25,7 @@ the median, and the other variants' median over the host's.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import statistics
@@ -37,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from benchmarks.kernel_sources import c_source_in  # noqa: E402
+from workers import native_build  # noqa: E402
 from workers.kernels import decode_attention as kernel  # noqa: E402
 
 CASES = {  # batch, q_heads, kv_heads, head_dim, slots, read_slots, allowed, layers
@@ -57,6 +59,19 @@ def case_inputs(batch, q_heads, kv_heads, head_dim, slots, read_slots, allowed, 
     return caches, q, rows, mask, cache_bytes
 
 
+def build_other(spec) -> ctypes.CDLL:
+    """Another checkout's kernel. Sources from before the parts (5b770ea and older) export only
+    cl_decode_attention_scratch_floats(group, read_slots, threads), the per-thread scratch: sized
+    through it here, the library is called as this checkout's is."""
+    lib = native_build.build_and_load(spec)
+    if not hasattr(lib, "cl_decode_attention_workspace_floats"):
+        scratch = lib.cl_decode_attention_scratch_floats
+        scratch.argtypes, scratch.restype = [ctypes.c_long, ctypes.c_long, ctypes.c_int], ctypes.c_long
+        lib.cl_decode_attention_workspace_floats = lambda batch, kv_heads, group, head_dim, read_slots, threads: (
+            scratch(group, read_slots, threads))
+    return kernel.declare(lib)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=30)
@@ -73,7 +88,7 @@ def main() -> None:
               "portable": kernel.build_kernel(kernel.kernel_spec(portable=True))}
     if args.other:
         source = c_source_in(args.other, "workers/kernels/decode_attention.py")
-        builds["from"] = kernel.build_kernel(kernel.kernel_spec(
+        builds["from"] = build_other(kernel.kernel_spec(
             source, stem="corelaunch_decode_attention_from", what=f"the kernel of {args.other}"))
     report = {"threads": args.threads, "repeats": args.repeats,
               "host_takes_vector_path": bool(builds["host"].cl_decode_attention_vector_path()), "cases": {}}

@@ -448,23 +448,18 @@ def kernel_spec(source: str = _SOURCE, portable: bool = False, stem: str = "core
 
 
 def build_kernel(spec: LibrarySpec) -> ctypes.CDLL:
-    """Build (once per source, flags and CPU) and load a kernel_spec library; raises NativeUnavailable.
-    Its `workspace_floats(batch, kv_heads, group, head_dim, read_slots, threads)` sizes the workspace,
-    for this source or an older one that exported only cl_decode_attention_scratch_floats."""
-    lib = native_build.build_and_load(spec)
+    """Build (once per source, flags and CPU) and load a kernel_spec library; raises NativeUnavailable."""
+    return declare(native_build.build_and_load(spec))
+
+
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Give ctypes the library's C signatures (run_kernel's calls)."""
     p, i64 = ctypes.c_void_p, ctypes.c_long
     lib.cl_decode_attention.argtypes = [p, p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_float,
                                         ctypes.c_int]
     lib.cl_decode_attention.restype = None
-    if hasattr(lib, "cl_decode_attention_workspace_floats"):
-        lib.cl_decode_attention_workspace_floats.argtypes = [i64, i64, i64, i64, i64, ctypes.c_int]
-        lib.cl_decode_attention_workspace_floats.restype = i64
-        lib.workspace_floats = lib.cl_decode_attention_workspace_floats
-    else:  # an older source (benchmarks/decode_attention.py --from): per-thread scratch only
-        lib.cl_decode_attention_scratch_floats.argtypes = [i64, i64, ctypes.c_int]
-        lib.cl_decode_attention_scratch_floats.restype = i64
-        lib.workspace_floats = lambda batch, kv_heads, group, head_dim, read_slots, threads: (
-            lib.cl_decode_attention_scratch_floats(group, read_slots, threads))
+    lib.cl_decode_attention_workspace_floats.argtypes = [i64, i64, i64, i64, i64, ctypes.c_int]
+    lib.cl_decode_attention_workspace_floats.restype = i64
     return lib
 
 
@@ -479,7 +474,8 @@ def run_kernel(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cache
     q, mask = q.contiguous(), mask.expand(batch, *mask.shape[1:]).contiguous()
     rows = None if rows is None else rows.to(torch.int64).contiguous()
     out = torch.empty_like(q)
-    scratch = torch.empty(lib.workspace_floats(batch, kv_heads, q_heads // kv_heads, head_dim, read_slots, threads))
+    scratch = torch.empty(lib.cl_decode_attention_workspace_floats(batch, kv_heads, q_heads // kv_heads, head_dim,
+                                                                   read_slots, threads))
     lib.cl_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                             None if rows is None else rows.data_ptr(), mask.data_ptr(), out.data_ptr(),
                             scratch.data_ptr(), batch, q_heads, kv_heads, slots, head_dim, read_slots, scale, threads)
