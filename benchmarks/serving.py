@@ -18,6 +18,11 @@ it at the end. With --base-url URL --model NAME it measures any OpenAI-compatibl
 them in one static batch. Ratios: level 16 against (a) and (b), level 1's per-stream decode speed
 against (a)'s, and TTFT p99 at 16 against the static batch's prefill plus two decode steps.
 
+--cpus-per-rank C: the rank (and the baselines' rank) claims C CPUs and runs that many threads. On
+a 2-core host, 1 leaves one core to the HTTP path (the client, Serve's processes, Ray's daemons),
+as a serving host with more cores than its ranks use would: the ratios then show what the HTTP path
+costs when it does not take the rank's cores.
+
 --baselines-after: once the server has stopped, the static batch and a few single streams are
 measured again in this process. The machine's speed can drift by up to a quarter from one run to
 the next, and the levels run between the two measurements, so `ratios_bracketed` compares them against the mean of
@@ -68,8 +73,11 @@ def bucket_options(prompt_tokens: int, max_tokens: int) -> dict:
 def serve_arguments(model_dir: str, args: argparse.Namespace) -> list[str]:
     """`corelaunch serve` arguments for the HTTP levels: TP 1, room for the highest level's clients,
     the smallest buckets that hold one request, every graph built before the first request (which
-    shapes a level meets depends on when its requests arrive), then any --server-arg."""
+    shapes a level meets depends on when its requests arrive), --cpus-per-rank if given, then any
+    --server-arg."""
     buckets = bucket_options(args.prompt_tokens, args.max_tokens)
+    if args.cpus_per_rank is not None:
+        buckets["cpus_per_rank"] = args.cpus_per_rank
     return ["--model", model_dir, "--tp", "1", "--served-model-name", args.model,
             "--max-num-seqs", str(max(args.levels)), "--warm-up",
             *[f"--{k.replace('_', '-')}={v}" for k, v in buckets.items()], *args.server_arg]
@@ -85,16 +93,17 @@ def static_generate(launcher, prompts: list[list[int]], max_tokens: int) -> list
 
 
 @contextlib.contextmanager
-def baseline_launcher(model_dir: str, prompts: list[list[int]], max_tokens: int):
-    """The in-process driver API the baselines run on (TP 1, one Ray group), with the static batch's
-    batch-1 and batch-N graphs already used once; shut down on leaving."""
+def baseline_launcher(model_dir: str, prompts: list[list[int]], max_tokens: int, cpus_per_rank: float | None = None):
+    """The in-process driver API the baselines run on (TP 1, one Ray group; cpus_per_rank as
+    --cpus-per-rank), with the static batch's batch-1 and batch-N graphs already used once; shut
+    down on leaving."""
     from launcher.api import Launcher
 
     count = len(prompts)
     # warm_up: every graph is built before anything is timed (continuous batching meets whichever
     # prefill and decode batch shapes the arrival times make).
     with Launcher(model=model_dir, tp=1, max_batch_size=count, max_num_seqs=count, progress=False,
-                  ray_address="local", warm_up=True, **bucket_options(len(prompts[0]), max_tokens)) as launcher:
+                  ray_address="local", warm_up=True, cpus_per_rank=cpus_per_rank, **bucket_options(len(prompts[0]), max_tokens)) as launcher:
         static_generate(launcher, prompts[:1], max_tokens)  # warm-up: builds the batch-1 graphs
         static_generate(launcher, prompts, max_tokens)  # and the batch-N ones
         yield launcher
@@ -113,9 +122,10 @@ def static_batch_summary(batch: list, static_s: float, max_tokens: int) -> dict:
     }
 
 
-def measure_baselines(model_dir: str, prompts: list[list[int]], max_tokens: int) -> dict:
+def measure_baselines(model_dir: str, prompts: list[list[int]], max_tokens: int,
+                      cpus_per_rank: float | None = None) -> dict:
     count = len(prompts)
-    with baseline_launcher(model_dir, prompts, max_tokens) as launcher:
+    with baseline_launcher(model_dir, prompts, max_tokens, cpus_per_rank) as launcher:
         start = time.perf_counter()
         singles = [static_generate(launcher, [p], max_tokens)[0] for p in prompts]
         one_at_a_time_s = time.perf_counter() - start
@@ -140,11 +150,12 @@ def measure_baselines(model_dir: str, prompts: list[list[int]], max_tokens: int)
     }
 
 
-def measure_static_again(model_dir: str, prompts: list[list[int]], max_tokens: int, singles: int = 4) -> dict:
+def measure_static_again(model_dir: str, prompts: list[list[int]], max_tokens: int, singles: int = 4,
+                         cpus_per_rank: float | None = None) -> dict:
     """The static batch of `prompts` and `singles` of them one at a time (their decode speed), in a
     fresh in-process launcher: the figures --baselines-after measures again, in the shape of
     measure_baselines' report."""
-    with baseline_launcher(model_dir, prompts, max_tokens) as launcher:
+    with baseline_launcher(model_dir, prompts, max_tokens, cpus_per_rank) as launcher:
         start = time.perf_counter()
         batch = static_generate(launcher, prompts, max_tokens)
         static_s = time.perf_counter() - start
@@ -237,6 +248,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                             "corelaunch serve loads it (default: the built-in SmolLM2)")
     parser.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                         help="one more argument for corelaunch serve, written --server-arg=--flag (repeat for several)")
+    parser.add_argument("--cpus-per-rank", type=float, metavar="C",
+                        help="CPUs (and threads) the rank claims, in the server and the baselines alike "
+                             "(default: all of them); see the module docstring")
     parser.add_argument("--server-timeout", type=float, default=900, help="seconds to wait for GET /health")
     parser.add_argument("--request-timeout", type=float, default=600)
     parser.add_argument("--baselines", action="store_true", help="also the in-process driver-API baselines")
@@ -259,6 +273,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("prompt_tokens", "max_tokens", "requests_per_client", "level1_requests", "baseline_prompts"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be at least 1")
+    if args.cpus_per_rank is not None and args.base_url:
+        parser.error("--cpus-per-rank sets the rank's CPUs of the corelaunch server this benchmark starts; "
+                     "with --base-url the server is someone else's")
+    if args.cpus_per_rank is not None and args.cpus_per_rank <= 0:
+        parser.error(f"--cpus-per-rank ({args.cpus_per_rank}) must be positive")
     if args.max_tokens < 2 and args.baselines:
         parser.error("--baselines needs --max-tokens >= 2 (the decode step time comes from the static batch)")
     return args
@@ -275,11 +294,12 @@ def main() -> None:
     report = {"machine": machine(),
               "workload": {"prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "temperature": 0,
                            "ignore_eos": True, "levels": args.levels, "requests_per_client": args.requests_per_client,
-                           "level1_requests": args.level1_requests, "warmup": args.warmup}}
+                           "level1_requests": args.level1_requests, "warmup": args.warmup,
+                           "cpus_per_rank": args.cpus_per_rank}}
     baselines = None
     baseline_prompts = prompts.take(args.baseline_prompts) if args.baselines else []
     if args.baselines:  # before any server starts: the two would share the cores
-        baselines = measure_baselines(model_dir, baseline_prompts, args.max_tokens)
+        baselines = measure_baselines(model_dir, baseline_prompts, args.max_tokens, args.cpus_per_rank)
         report["baselines"] = baselines
         # On stderr at once, so that a server that then fails to start does not lose minutes of figures.
         print(json.dumps({"baselines": baselines}), file=sys.stderr, flush=True)
@@ -297,7 +317,7 @@ def main() -> None:
     report["levels"] = levels
     report["ratios"] = ratios(levels, baselines)
     if args.baselines_after:  # the server has stopped: the same prompts, again in this process
-        after = measure_static_again(model_dir, baseline_prompts, args.max_tokens)
+        after = measure_static_again(model_dir, baseline_prompts, args.max_tokens, cpus_per_rank=args.cpus_per_rank)
         report["baselines_after"] = after
         report["baseline_drift"] = baseline_drift(baselines, after)
         report["ratios_bracketed"] = ratios(levels, bracketed_baselines(baselines, after))

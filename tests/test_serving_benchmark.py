@@ -220,3 +220,18 @@ def test_the_server_command_parses_with_corelaunch_serve():
     served = build_parser().parse_args(["serve", *serve_arguments("/models/m", args)])
     assert served.model == "/models/m" and served.tp == "1" and served.max_num_seqs == 16
     assert served.seq_len == 256 and served.warm_up and served.max_queued_requests == 64
+
+
+def test_cpus_per_rank_reaches_the_server_and_is_refused_for_someone_elses_server(capsys):
+    from benchmarks.serving import parse_args, serve_arguments
+    from launcher.cli import build_parser
+
+    args = parse_args(["--levels", "1,16", "--cpus-per-rank", "1"])
+    served = build_parser().parse_args(["serve", *serve_arguments("/models/m", args)])
+    assert served.cpus_per_rank == 1.0
+    assert build_parser().parse_args(["serve", *serve_arguments("/models/m", parse_args([]))]).cpus_per_rank is None
+    for argv, named in ((["--cpus-per-rank", "1", "--base-url", "http://h:1/v1"], "--base-url"),
+                        (["--cpus-per-rank", "0"], "must be positive")):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert named in capsys.readouterr().err
