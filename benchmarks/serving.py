@@ -75,12 +75,12 @@ def serve_arguments(model_dir: str, args: argparse.Namespace) -> list[str]:
     the smallest buckets that hold one request, every graph built before the first request (which
     shapes a level meets depends on when its requests arrive), --cpus-per-rank if given, then any
     --server-arg."""
-    buckets = bucket_options(args.prompt_tokens, args.max_tokens)
+    options = bucket_options(args.prompt_tokens, args.max_tokens)
     if args.cpus_per_rank is not None:
-        buckets["cpus_per_rank"] = args.cpus_per_rank
+        options["cpus_per_rank"] = args.cpus_per_rank
     return ["--model", model_dir, "--tp", "1", "--served-model-name", args.model,
             "--max-num-seqs", str(max(args.levels)), "--warm-up",
-            *[f"--{k.replace('_', '-')}={v}" for k, v in buckets.items()], *args.server_arg]
+            *[f"--{k.replace('_', '-')}={v}" for k, v in options.items()], *args.server_arg]
 
 
 # ---- baselines: the driver API in this process ------------------------------------------------------
@@ -93,7 +93,8 @@ def static_generate(launcher, prompts: list[list[int]], max_tokens: int) -> list
 
 
 @contextlib.contextmanager
-def baseline_launcher(model_dir: str, prompts: list[list[int]], max_tokens: int, cpus_per_rank: float | None = None):
+def baseline_launcher(model_dir: str, prompts: list[list[int]], max_tokens: int,
+                      cpus_per_rank: float | None = None):
     """The in-process driver API the baselines run on (TP 1, one Ray group; cpus_per_rank as
     --cpus-per-rank), with the static batch's batch-1 and batch-N graphs already used once; shut
     down on leaving."""
@@ -103,7 +104,8 @@ def baseline_launcher(model_dir: str, prompts: list[list[int]], max_tokens: int,
     # warm_up: every graph is built before anything is timed (continuous batching meets whichever
     # prefill and decode batch shapes the arrival times make).
     with Launcher(model=model_dir, tp=1, max_batch_size=count, max_num_seqs=count, progress=False,
-                  ray_address="local", warm_up=True, cpus_per_rank=cpus_per_rank, **bucket_options(len(prompts[0]), max_tokens)) as launcher:
+                  ray_address="local", warm_up=True, cpus_per_rank=cpus_per_rank,
+                  **bucket_options(len(prompts[0]), max_tokens)) as launcher:
         static_generate(launcher, prompts[:1], max_tokens)  # warm-up: builds the batch-1 graphs
         static_generate(launcher, prompts, max_tokens)  # and the batch-N ones
         yield launcher
