@@ -214,6 +214,52 @@ def test_server_settings_from_builder_arguments():
         settings_from_args({"burst_wait_s": "-1"})
 
 
+def test_a_replicas_in_flight_cap_follows_the_engines_own_defaults():
+    from launcher.api import LaunchConfig
+    from launcher.serving.server_settings import ROUTE_HEADROOM, settings_from_args
+
+    engine = LaunchConfig()  # what `serve run` / `serve deploy` get for arguments left out
+    assert engine.max_queued_requests is None
+    assert settings_from_args({"tp": "1"}).max_ongoing_requests == 5 * engine.max_num_seqs + ROUTE_HEADROOM
+    assert settings_from_args({"max_num_seqs": 4, "max_queued_requests": 3}).max_ongoing_requests == 7 + ROUTE_HEADROOM
+
+
+def test_the_burst_wait_help_names_the_loops_cap():
+    from launcher.cli import build_parser
+    from workers.serving.loop import BURST_WAIT_CAP
+
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    help_text = " ".join(serve.format_help().split())
+    assert f"at most {BURST_WAIT_CAP}x in all" in help_text
+
+
+def test_wait_healthy_asks_at_least_once_and_names_the_ready_timeout():
+    import http.server
+    import socket
+
+    from launcher.cli.serve_command import wait_healthy
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the stdlib's name
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:  # no time left of --ready-timeout, but a server that is up is still found up
+        assert wait_healthy("127.0.0.1", server.server_address[1], threading.Event(), 0.0, 900.0) is None
+    finally:
+        server.shutdown()
+        server.server_close()
+    with socket.socket() as nobody:  # bound, not listening: connections are refused
+        nobody.bind(("127.0.0.1", 0))
+        message = wait_healthy("127.0.0.1", nobody.getsockname()[1], threading.Event(), 0.0, 900.0)
+    assert "within --ready-timeout 900 s" in message and "raise --ready-timeout" in message
+
+
 def test_serve_cli_refuses_bad_options_before_starting_ray(capsys, tmp_path):
     import socket
 

@@ -45,7 +45,7 @@ def add_parser(subparsers) -> None:
                    help="prompt tokens prefilled between two decode steps (default: the engine's, 2048)")
     p.add_argument("--burst-wait-ms", type=_milliseconds, metavar="MS",
                    help="an idle model waits this long for more requests after one arrives (again after each, at "
-                        "most 4x in all), so a burst's prompts are prefilled together; a lone request's first "
+                        "most 10x in all), so a burst's prompts are prefilled together; a lone request's first "
                         "token comes this much later (default 10; 0: no wait)")
     p.add_argument("--api-key", metavar="KEY", default=os.environ.get("CORELAUNCH_API_KEY"),
                    help="require `Authorization: Bearer KEY` on /v1/* (default: $CORELAUNCH_API_KEY; unset: open)")
@@ -154,9 +154,12 @@ def _serve(args: argparse.Namespace, settings, mode: str) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": args.host, "port": ingress.proxy_port})
+        # One --ready-timeout for both waits: the replicas loading, then their HTTP server answering.
+        ready_by = time.monotonic() + args.ready_timeout
         failure = _deploy(serve, application(settings), stop, args.ready_timeout)
         if failure is None:
-            failure = wait_healthy(args.host, args.port, stop, args.ready_timeout)
+            failure = wait_healthy(args.host, args.port, stop, max(0.0, ready_by - time.monotonic()),
+                                   args.ready_timeout)
         if failure is not None:
             print(f"corelaunch serve: {failure}", file=sys.stderr)
             return 1
@@ -201,11 +204,16 @@ def base_url(host: str, port: int) -> str:
     return f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
 
 
-def wait_healthy(host: str, port: int, stop: threading.Event, timeout_s: float) -> str | None:
-    """Poll GET /health until it answers 200; None then, else why not (the last answer or error)."""
+def wait_healthy(host: str, port: int, stop: threading.Event, timeout_s: float,
+                 ready_timeout_s: float | None = None) -> str | None:
+    """Poll GET /health until it answers 200 (at least once, then until timeout_s has passed); None
+    then, else why not (the last answer or error). ready_timeout_s: the --ready-timeout the message
+    names (default timeout_s), of which timeout_s may be what is left."""
     url, last = f"{base_url(host, port)}/health", "no answer yet"
     deadline = time.monotonic() + timeout_s
-    while not stop.is_set() and time.monotonic() < deadline:
+    first = True
+    while not stop.is_set() and (first or time.monotonic() < deadline):
+        first = False
         try:
             with urllib.request.urlopen(url, timeout=5) as reply:
                 if reply.status == 200:
@@ -218,4 +226,5 @@ def wait_healthy(host: str, port: int, stop: threading.Event, timeout_s: float) 
         stop.wait(0.5)
     if stop.is_set():
         return None
-    return f"{url} did not answer 200 within --ready-timeout {timeout_s:g} s (last: {last})"
+    return (f"{url} did not answer 200 within --ready-timeout {ready_timeout_s or timeout_s:g} s (last: {last}); "
+            f"raise --ready-timeout, or check the replica's log under /tmp/ray/session_latest/logs/serve")

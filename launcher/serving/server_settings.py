@@ -72,10 +72,11 @@ def settings_from_args(args: dict) -> ServerSettings:
     launch = {key: value for key, value in typed.items() if key in fields and key != "replicas"}
     # One Launcher (one TP group) per Serve replica: Serve, not the Launcher, adds replicas.
     launch.update(replicas=1, progress=launch.get("progress", False))
-    LaunchConfig(**launch)  # its checks, with its messages, now rather than inside a Serve replica
+    config = LaunchConfig(**launch)  # its checks, with its messages, now rather than inside a Serve replica
     num_replicas, autoscaling = _replica_counts(typed)
-    queued = launch.get("max_queued_requests")
-    admitted = launch.get("max_num_seqs", 16) + (queued if queued is not None else 4 * launch.get("max_num_seqs", 16))
+    # The engine's own values, its defaults included: what one replica runs at once and queues.
+    queued = config.max_queued_requests
+    admitted = config.max_num_seqs + (queued if queued is not None else 4 * config.max_num_seqs)
     return ServerSettings(
         launch=launch, served_model_name=_served_name(typed, launch), api_key=_api_key(typed.get("api_key")),
         num_replicas=num_replicas, autoscaling=autoscaling, max_ongoing_requests=admitted + ROUTE_HEADROOM)
