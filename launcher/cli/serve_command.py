@@ -156,10 +156,9 @@ def _serve(args: argparse.Namespace, settings, mode: str) -> int:
         serve.start(http_options={"host": args.host, "port": ingress.proxy_port})
         # One --ready-timeout for both waits: the replicas loading, then their HTTP server answering.
         ready_by = time.monotonic() + args.ready_timeout
-        failure = _deploy(serve, application(settings), stop, args.ready_timeout)
+        failure = _deploy(serve, application(settings), stop, ready_by, args.ready_timeout)
         if failure is None:
-            failure = wait_healthy(args.host, args.port, stop, max(0.0, ready_by - time.monotonic()),
-                                   args.ready_timeout)
+            failure = wait_healthy(args.host, args.port, stop, ready_by, args.ready_timeout)
         if failure is not None:
             print(f"corelaunch serve: {failure}", file=sys.stderr)
             return 1
@@ -174,9 +173,10 @@ def _serve(args: argparse.Namespace, settings, mode: str) -> int:
         connection.close()
 
 
-def _deploy(serve, app, stop: threading.Event, timeout_s: float) -> str | None:
+def _deploy(serve, app, stop: threading.Event, deadline: float, timeout_s: float) -> str | None:
     """serve.run in a thread (it waits, without a limit, for every replica to load the model), bounded
-    by timeout_s and by a signal; None once deployed, else why not."""
+    by `deadline` (time.monotonic(); the end of --ready-timeout, timeout_s) and by a signal; None once
+    deployed, else why not."""
     outcome: dict = {}
 
     def deploy() -> None:
@@ -188,7 +188,6 @@ def _deploy(serve, app, stop: threading.Event, timeout_s: float) -> str | None:
 
     thread = threading.Thread(target=deploy, name="serve-run", daemon=True)
     thread.start()
-    deadline = time.monotonic() + timeout_s
     while "done" not in outcome and not stop.is_set() and time.monotonic() < deadline:
         thread.join(timeout=0.5)
     if "error" in outcome:
@@ -204,16 +203,12 @@ def base_url(host: str, port: int) -> str:
     return f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
 
 
-def wait_healthy(host: str, port: int, stop: threading.Event, timeout_s: float,
-                 ready_timeout_s: float | None = None) -> str | None:
-    """Poll GET /health until it answers 200 (at least once, then until timeout_s has passed); None
-    then, else why not (the last answer or error). ready_timeout_s: the --ready-timeout the message
-    names (default timeout_s), of which timeout_s may be what is left."""
+def wait_healthy(host: str, port: int, stop: threading.Event, deadline: float, ready_timeout_s: float) -> str | None:
+    """Poll GET /health until it answers 200: at least once, then until `deadline` (time.monotonic())
+    ends --ready-timeout (ready_timeout_s, which the message names). None then, else why not (the
+    last answer or error)."""
     url, last = f"{base_url(host, port)}/health", "no answer yet"
-    deadline = time.monotonic() + timeout_s
-    first = True
-    while not stop.is_set() and (first or time.monotonic() < deadline):
-        first = False
+    while not stop.is_set():
         try:
             with urllib.request.urlopen(url, timeout=5) as reply:
                 if reply.status == 200:
@@ -223,8 +218,10 @@ def wait_healthy(host: str, port: int, stop: threading.Event, timeout_s: float,
             last = f"HTTP {err.code}"
         except (urllib.error.URLError, OSError) as err:
             last = str(getattr(err, "reason", err))
+        if time.monotonic() >= deadline:
+            break
         stop.wait(0.5)
     if stop.is_set():
         return None
-    return (f"{url} did not answer 200 within --ready-timeout {ready_timeout_s or timeout_s:g} s (last: {last}); "
+    return (f"{url} did not answer 200 within --ready-timeout {ready_timeout_s:g} s (last: {last}); "
             f"raise --ready-timeout, or check the replica's log under /tmp/ray/session_latest/logs/serve")
