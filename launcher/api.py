@@ -670,7 +670,8 @@ class Launcher:
 
         from launcher.cluster.stream_handle import StreamHandle
         from launcher.errors import QueueFull
-        from launcher.serving.request_streams import AsyncRequestStream, RequestStream, loop_sink, thread_sink
+        from launcher.serving.loop_hand_over import loop_sink
+        from launcher.serving.request_streams import AsyncRequestStream, RequestStream, thread_sink
         from launcher.serving.text_stream import TextStream
         from workers.serving.requests import StreamRequest
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import sys
 
 from launcher.cluster.stream_handle import StreamHandle
 from launcher.serving.stream_types import StreamDelta
@@ -97,13 +98,16 @@ class AsyncRequestStream(_Stream):
         if self.done:
             raise StopAsyncIteration
         try:
-            item = await asyncio.wait_for(self._items.get(), self.handle.timeout_s + _GRACE_S)
-        except asyncio.TimeoutError:
-            self.cancel()
-            raise self._overdue() from None
-        except asyncio.CancelledError:
-            self.cancel()  # the task reading this stream was cancelled (a client went away)
-            raise
+            item = self._items.get_nowait()
+        except asyncio.QueueEmpty:
+            try:
+                item = await _get_within(self._items, self.handle.timeout_s + _GRACE_S)
+            except asyncio.TimeoutError:
+                self.cancel()
+                raise self._overdue() from None
+            except asyncio.CancelledError:
+                self.cancel()  # the task reading this stream was cancelled (a client went away)
+                raise
         return self._delta(item)
 
     async def aclose(self) -> None:
@@ -114,13 +118,11 @@ def thread_sink(items: queue.Queue):
     return items.put
 
 
-def loop_sink(items: asyncio.Queue, loop: asyncio.AbstractEventLoop):
-    """Events arrive on the replica's thread; they are handed to the reader's event loop."""
-
-    def put(item) -> None:
-        try:
-            loop.call_soon_threadsafe(items.put_nowait, item)
-        except RuntimeError:  # the reader's loop is closed: nobody is left to read
-            pass
-
-    return put
+async def _get_within(items: asyncio.Queue, timeout_s: float):
+    """items.get() bounded by timeout_s (asyncio.TimeoutError past it). A server awaits this once
+    per streamed token: asyncio.timeout arms one timer, where wait_for (all Python 3.10 has) wraps
+    the get in a task of its own."""
+    if sys.version_info >= (3, 11):
+        async with asyncio.timeout(timeout_s):
+            return await items.get()
+    return await asyncio.wait_for(items.get(), timeout_s)

@@ -1,0 +1,59 @@
+"""Handing items from other threads to an event loop's asyncio queues, a batch at a time.
+
+A Serve replica's thread delivers each decode step's tokens for every stream it serves one after
+another; each stream's reader is a task on the replica's event loop. Scheduling one call on the loop
+per token (call_soon_threadsafe) wakes the loop, through its self-pipe, once per stream per step;
+here the first item of a batch schedules one call, which empties the batch, and the items put
+before that call runs join it: one wake-up per step. Order is kept, per queue and across them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import weakref
+
+
+class LoopHandOver:
+    """Items for one event loop's queues, put from other threads (see the module's docstring)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = weakref.ref(loop)  # weakly: the loop is this object's key in _hand_overs
+        self._lock = threading.Lock()
+        self._batch: list[tuple[asyncio.Queue, object]] = []
+
+    def put(self, items: asyncio.Queue, item) -> None:
+        with self._lock:
+            self._batch.append((items, item))
+            if len(self._batch) > 1:
+                return  # the batch's hand-over is scheduled already
+        loop = self._loop()
+        try:
+            if loop is not None:
+                loop.call_soon_threadsafe(self._hand_over)
+        except RuntimeError:  # the loop is closed: nobody is left to read
+            pass
+
+    def _hand_over(self) -> None:
+        with self._lock:
+            batch, self._batch = self._batch, []
+        for items, item in batch:
+            items.put_nowait(item)
+
+
+_hand_overs: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopHandOver]" = weakref.WeakKeyDictionary()
+_hand_overs_lock = threading.Lock()
+
+
+def loop_sink(items: asyncio.Queue, loop: asyncio.AbstractEventLoop):
+    """Events arrive on the replica's thread; they are handed to the reader's event loop, in order,
+    together with those of the loop's other streams that arrive meanwhile."""
+    with _hand_overs_lock:
+        hand_over = _hand_overs.get(loop)
+        if hand_over is None:
+            hand_over = _hand_overs[loop] = LoopHandOver(loop)
+
+    def put(item) -> None:
+        hand_over.put(items, item)
+
+    return put
