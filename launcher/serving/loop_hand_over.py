@@ -23,16 +23,23 @@ class LoopHandOver:
         self._batch: list[tuple[asyncio.Queue, object]] = []
 
     def put(self, items: asyncio.Queue, item) -> None:
+        loop = self._loop()
+        if loop is None or loop.is_closed():
+            self._drop()  # nobody is left to read; a call scheduled before the close never runs
+            return
         with self._lock:
             self._batch.append((items, item))
             if len(self._batch) > 1:
                 return  # the batch's hand-over is scheduled already
-        loop = self._loop()
         try:
-            if loop is not None:
-                loop.call_soon_threadsafe(self._hand_over)
-        except RuntimeError:  # the loop is closed: nobody is left to read
-            pass
+            loop.call_soon_threadsafe(self._hand_over)
+        except RuntimeError:  # the loop closed meanwhile
+            self._drop()
+
+    def _drop(self) -> None:
+        # The batch's queues hold their loop: kept, they would keep a closed loop alive.
+        with self._lock:
+            self._batch.clear()
 
     def _hand_over(self) -> None:
         with self._lock:
@@ -41,7 +48,10 @@ class LoopHandOver:
             items.put_nowait(item)
 
 
-_hand_overs: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopHandOver]" = weakref.WeakKeyDictionary()
+_hand_overs: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, weakref.ref[LoopHandOver]]" = \
+    weakref.WeakKeyDictionary()
+"""Each loop's hand-over, weakly both ways: only the sinks (and a scheduled call) keep one alive, so a
+batch's queues, which hold their loop, never keep a loop that is done with in this table."""
 _hand_overs_lock = threading.Lock()
 
 
@@ -49,9 +59,11 @@ def loop_sink(items: asyncio.Queue, loop: asyncio.AbstractEventLoop):
     """Events arrive on the replica's thread; they are handed to the reader's event loop, in order,
     together with those of the loop's other streams that arrive meanwhile."""
     with _hand_overs_lock:
-        hand_over = _hand_overs.get(loop)
+        known = _hand_overs.get(loop)
+        hand_over = known() if known is not None else None
         if hand_over is None:
-            hand_over = _hand_overs[loop] = LoopHandOver(loop)
+            hand_over = LoopHandOver(loop)
+            _hand_overs[loop] = weakref.ref(hand_over)
 
     def put(item) -> None:
         hand_over.put(items, item)
