@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from launcher.serving.loop_hand_over import loop_sink  # noqa: E402
-from launcher.serving.request_streams import _get_within  # noqa: E402
+from launcher.serving.request_streams import next_item  # noqa: E402
 
 
 def per_item_sink(items: asyncio.Queue, loop: asyncio.AbstractEventLoop):
@@ -33,10 +33,7 @@ def per_item_sink(items: asyncio.Queue, loop: asyncio.AbstractEventLoop):
 
 
 async def batched_get(items: asyncio.Queue):
-    try:
-        return items.get_nowait()
-    except asyncio.QueueEmpty:
-        return await _get_within(items, 60.0)
+    return await next_item(items, 60.0)
 
 
 async def per_item_get(items: asyncio.Queue):

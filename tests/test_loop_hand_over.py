@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from launcher.serving.loop_hand_over import loop_sink
-from launcher.serving.request_streams import _get_within
+from launcher.serving.request_streams import next_item
 
 
 class CountingLoop(asyncio.SelectorEventLoop):
@@ -111,9 +111,9 @@ def test_waiting_for_an_item_is_bounded():
     async def scenario():
         items = asyncio.Queue()
         with pytest.raises(asyncio.TimeoutError):
-            await _get_within(items, 0.05)
+            await next_item(items, 0.05)
         items.put_nowait("x")
-        return await _get_within(items, 1.0)
+        return await next_item(items, 1.0)
 
     assert run_on(loop, scenario()) == "x"
 

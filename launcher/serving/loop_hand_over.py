@@ -18,13 +18,13 @@ class LoopHandOver:
     """Items for one event loop's queues, put from other threads (see the module's docstring)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = weakref.ref(loop)  # weakly: the loop is this object's key in _hand_overs
+        self._loop = loop
         self._lock = threading.Lock()
         self._batch: list[tuple[asyncio.Queue, object]] = []
 
     def put(self, items: asyncio.Queue, item) -> None:
-        loop = self._loop()
-        if loop is None or loop.is_closed():
+        loop = self._loop
+        if loop.is_closed():
             self._drop()  # nobody is left to read; a call scheduled before the close never runs
             return
         with self._lock:
@@ -50,8 +50,8 @@ class LoopHandOver:
 
 _hand_overs: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, weakref.ref[LoopHandOver]]" = \
     weakref.WeakKeyDictionary()
-"""Each loop's hand-over, weakly both ways: only the sinks (and a scheduled call) keep one alive, so a
-batch's queues, which hold their loop, never keep a loop that is done with in this table."""
+"""Each loop's hand-over, weakly both ways: only the sinks (and a scheduled call) keep one, and with
+it its loop, alive; this table never does."""
 _hand_overs_lock = threading.Lock()
 
 

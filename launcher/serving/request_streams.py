@@ -98,16 +98,13 @@ class AsyncRequestStream(_Stream):
         if self.done:
             raise StopAsyncIteration
         try:
-            item = self._items.get_nowait()
-        except asyncio.QueueEmpty:
-            try:
-                item = await _get_within(self._items, self.handle.timeout_s + _GRACE_S)
-            except asyncio.TimeoutError:
-                self.cancel()
-                raise self._overdue() from None
-            except asyncio.CancelledError:
-                self.cancel()  # the task reading this stream was cancelled (a client went away)
-                raise
+            item = await next_item(self._items, self.handle.timeout_s + _GRACE_S)
+        except asyncio.TimeoutError:
+            self.cancel()
+            raise self._overdue() from None
+        except asyncio.CancelledError:
+            self.cancel()  # the task reading this stream was cancelled (a client went away)
+            raise
         return self._delta(item)
 
     async def aclose(self) -> None:
@@ -118,11 +115,20 @@ def thread_sink(items: queue.Queue):
     return items.put
 
 
-async def _get_within(items: asyncio.Queue, timeout_s: float):
-    """items.get() bounded by timeout_s (asyncio.TimeoutError past it). A server awaits this once
-    per streamed token: asyncio.timeout arms one timer, where wait_for (all Python 3.10 has) wraps
-    the get in a task of its own."""
-    if sys.version_info >= (3, 11):
-        async with asyncio.timeout(timeout_s):
+if sys.version_info >= (3, 11):
+    async def _get_within(items: asyncio.Queue, timeout_s: float):
+        async with asyncio.timeout(timeout_s):  # one timer armed
             return await items.get()
-    return await asyncio.wait_for(items.get(), timeout_s)
+else:
+    async def _get_within(items: asyncio.Queue, timeout_s: float):
+        return await asyncio.wait_for(items.get(), timeout_s)  # all 3.10 has: a task of its own
+
+
+async def next_item(items: asyncio.Queue, timeout_s: float):
+    """The queue's next item, at once when one is there, else awaited for at most timeout_s
+    (asyncio.TimeoutError past it). A server awaits this once per streamed token, so neither way
+    wraps the get in a task where Python lets it avoid one."""
+    try:
+        return items.get_nowait()
+    except asyncio.QueueEmpty:
+        return await _get_within(items, timeout_s)
