@@ -52,6 +52,25 @@ def ray_address(ray_session) -> str:
 
 
 @pytest.fixture
+def ray_tripwire(monkeypatch):
+    """Fails the test if the code under test reaches for Ray: `ray_cluster.connect` is the driver's
+    one way in (Launcher.start, `corelaunch serve`). For refusals that must come before any start-up.
+    Comparing ray.is_initialized() before and after cannot fail once the session's Ray is up (an
+    earlier test on the same pytest worker started it). Yields the calls it refused."""
+    from launcher.cluster import ray_cluster
+
+    calls: list[tuple] = []
+
+    def refuse(*args, **kwargs):
+        calls.append((args, kwargs))
+        raise AssertionError(f"the code under test connected to Ray (connect{args}) before refusing")
+
+    monkeypatch.setattr(ray_cluster, "connect", refuse)
+    yield calls
+    assert calls == [], "the code under test connected to Ray before refusing"
+
+
+@pytest.fixture
 def in_process_cluster(monkeypatch):
     """Launchers started in this test run every TP group as threads of this process (no Ray):
     see tests/in_process_cluster.py. Yields its record of the groups started."""

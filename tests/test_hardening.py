@@ -40,10 +40,7 @@ def test_a_missing_presharded_directory_is_refused_at_once(tmp_path):
         LaunchConfig(presharded_dir=str(tmp_path / "nope"))
 
 
-def test_requests_are_checked_before_ray_starts(small_model):
-    import ray
-
-    was_running = ray.is_initialized()
+def test_requests_are_checked_before_ray_starts(small_model, ray_tripwire):
     launcher = Launcher(model=small_model, tp=1, progress=False, seq_len=64)
     with pytest.raises(ValueError, match="max_new_tokens"):
         launcher.check_prompts([[1, 2, 3]], max_new_tokens=0)
@@ -52,30 +49,23 @@ def test_requests_are_checked_before_ray_starts(small_model):
     with pytest.raises(ValueError, match="seq_len"):
         launcher.check_prompts([[1] * 60], max_new_tokens=10)
     launcher.check_prompts([[1] * 50], max_new_tokens=10)  # fits: no error
-    assert ray.is_initialized() == was_running and launcher._pool is None
+    assert launcher._ray is None and launcher._pool is None
 
 
-def test_a_prompt_that_is_not_utf8_is_named_before_ray_starts():
-    import ray
-
+def test_a_prompt_that_is_not_utf8_is_named_before_ray_starts(ray_tripwire):
     from shardlib.demo_model import ensure_demo_model
 
-    was_running = ray.is_initialized()
     launcher = Launcher(model=str(ensure_demo_model()), progress=False)
     with pytest.raises(ValueError, match="prompt 1 is not valid UTF-8 text"):
         launcher.check_prompts(["fine", "bad \udcff byte"])  # what Python makes of a non-UTF-8 argv byte
-    assert ray.is_initialized() == was_running
+    assert launcher._ray is None
 
 
-def test_the_cli_refuses_a_bad_request_without_starting_ray(capsys):
-    import ray
-
+def test_the_cli_refuses_a_bad_request_without_starting_ray(capsys, ray_tripwire):
     from launcher.cli import main
 
-    was_running = ray.is_initialized()
     assert main(["generate", "--max-new-tokens", "0", "--quiet", "hello"]) == 2
     assert "max_new_tokens" in capsys.readouterr().err
-    assert ray.is_initialized() == was_running
 
 
 STORE_PROBE = textwrap.dedent("""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import re
 import threading
 import time
 from pathlib import Path
@@ -25,16 +26,12 @@ def small_model(tmp_path_factory):
     return str(save_random_model(tmp_path_factory.mktemp("m"), "llama", num_heads=4, num_kv_heads=2))
 
 
-def test_impossible_layout_is_refused_before_any_process(small_model):
-    import ray
-
-    was_running = ray.is_initialized()
+def test_impossible_layout_is_refused_before_any_process(small_model, ray_tripwire):
     with pytest.raises(PlanRejected) as info:
         Launcher(model=small_model, tp=3, progress=False).start()
     assert "heads_not_divisible" in [e["code"] for e in info.value.errors]
     assert "num_attention_heads (4)" in str(info.value)
-    # nothing was started: no Ray session was opened by the refused launch
-    assert ray.is_initialized() == was_running
+    # nothing was started: the refused launch never reached for Ray (ray_tripwire)
 
 
 def test_missing_model_path_is_named():
@@ -46,7 +43,8 @@ def test_missing_model_path_is_named():
                                           ("request_timeout_s", -1), ("backend", "tpu"), ("replicas", 0),
                                           ("replicas", "many"), ("max_restarts", -1), ("restart_window_s", 0)])
 def test_bad_launch_options_name_the_value(field, value):
-    with pytest.raises(ValueError, match=field.removesuffix("_s")):
+    named = f"unknown backend {value!r}" if field == "backend" else f"{field} ({value!r}) must be"
+    with pytest.raises(ValueError, match=re.escape(named)):
         LaunchConfig(**{field: value})
 
 
@@ -165,17 +163,13 @@ def test_worker_killed_mid_request_is_reported_within_seconds(tmp_path, ray_sess
         launcher.shutdown()
 
 
-def test_a_model_the_workers_cannot_run_is_refused_before_any_process(tmp_path):
+def test_a_model_the_workers_cannot_run_is_refused_before_any_process(tmp_path, ray_tripwire):
     import json
-
-    import ray
 
     model_dir = save_random_model(tmp_path, "llama", num_heads=4, num_kv_heads=2)
     config = json.loads((model_dir / "config.json").read_text())
     config["rope_scaling"] = {"rope_type": "mrope", "factor": 2.0}  # a rope type the workers lack
     (model_dir / "config.json").write_text(json.dumps(config))
-    was_running = ray.is_initialized()
     with pytest.raises(PlanRejected, match=r"rope scaling type 'mrope'") as info:
         Launcher(model=str(model_dir), tp=2, progress=False).start()
-    assert [e["code"] for e in info.value.errors] == ["not_runnable"]
-    assert ray.is_initialized() == was_running
+    assert [e["code"] for e in info.value.errors] == ["not_runnable"]  # and Ray was never reached (ray_tripwire)
