@@ -1,6 +1,7 @@
 """Property-based checks (hypothesis) of what a load reads from disk: a mutated safetensors header
 in a checkpoint, and a mutated pre-sharded manifest, give a clean ValueError or FileNotFoundError
-(or a correct load), never another exception and never a hang. A few examples run in the fast lane;
+or a correct load (every tensor equal to the unmutated load's), never another exception, never
+wrong weights, and never a hang. A few examples run in the fast lane;
 the slow lane runs 500 of each."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import shutil
 import struct
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -33,6 +35,21 @@ def presharded_dir(model_dir, tmp_path_factory):
     config = load_model_config(model_dir)
     return save_presharded(tmp_path_factory.mktemp("fuzz-pre") / "p", model_dir, config,
                            ShardLayout.for_model(config, 2))
+
+
+@pytest.fixture(scope="module")
+def reference_shards(model_dir, presharded_dir):
+    """The unmutated loads: rank 0 at TP 1 from the checkpoint, and at TP 2 from the pre-sharded copy."""
+    config = load_model_config(model_dir)
+    return (load_rank_shard(model_dir, config, ShardLayout.for_model(config, 1), 0),
+            load_presharded(presharded_dir, config, ShardLayout.for_model(config, 2), 0))
+
+
+def assert_same_shard(loaded: dict, reference: dict, what: str) -> None:
+    """A mutation the loader accepted must not have changed what it returns."""
+    assert sorted(loaded) == sorted(reference), f"{what}: loaded {sorted(loaded)}"
+    for name, tensor in reference.items():
+        assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), f"{what}: {name} differs"
 
 
 def only_weights(model_dir):
@@ -75,7 +92,7 @@ def mutate_header(raw: bytes, how: str, argument) -> bytes:
     return struct.pack("<Q", len(data)) + data + body
 
 
-def check_header_mutation(model_dir, tmp_path_factory, how, argument):
+def check_header_mutation(model_dir, reference, tmp_path_factory, how, argument):
     copy = tmp_path_factory.mktemp("hdr")
     for item in model_dir.iterdir():
         shutil.copy(item, copy / item.name)
@@ -83,23 +100,26 @@ def check_header_mutation(model_dir, tmp_path_factory, how, argument):
     weights.write_bytes(mutate_header(weights.read_bytes(), how, argument))
     config = load_model_config(copy)
     try:
-        load_rank_shard(copy, config, ShardLayout.for_model(config, 1), 0)
+        loaded = load_rank_shard(copy, config, ShardLayout.for_model(config, 1), 0)
     except CLEAN_ERRORS:
         pass
+    else:
+        assert_same_shard(loaded, reference, f"header mutation {how} {argument!r}")
     shutil.rmtree(copy)
 
 
 @settings(max_examples=FAST, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(mutation=header_mutation())
-def test_a_mutated_safetensors_header_is_refused_cleanly(model_dir, tmp_path_factory, mutation):
-    check_header_mutation(model_dir, tmp_path_factory, *mutation)
+def test_a_mutated_safetensors_header_is_refused_cleanly(model_dir, reference_shards, tmp_path_factory, mutation):
+    check_header_mutation(model_dir, reference_shards[0], tmp_path_factory, *mutation)
 
 
 @pytest.mark.slow
 @settings(max_examples=SLOW, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(mutation=header_mutation())
-def test_many_mutated_safetensors_headers_are_refused_cleanly(model_dir, tmp_path_factory, mutation):
-    check_header_mutation(model_dir, tmp_path_factory, *mutation)
+def test_many_mutated_safetensors_headers_are_refused_cleanly(model_dir, reference_shards, tmp_path_factory,
+                                                             mutation):
+    check_header_mutation(model_dir, reference_shards[0], tmp_path_factory, *mutation)
 
 
 # ---- pre-sharded manifests -----------------------------------------------------------------------
@@ -115,7 +135,7 @@ def manifest_mutation():
     )
 
 
-def check_manifest_mutation(model_dir, presharded_dir, tmp_path_factory, path, value):
+def check_manifest_mutation(model_dir, presharded_dir, reference, tmp_path_factory, path, value):
     copy = tmp_path_factory.mktemp("man") / "p"
     shutil.copytree(presharded_dir, copy, symlinks=False)
     manifest = json.loads((copy / MANIFEST).read_text())
@@ -127,20 +147,24 @@ def check_manifest_mutation(model_dir, presharded_dir, tmp_path_factory, path, v
     (copy / MANIFEST).write_text(json.dumps(manifest))
     config = load_model_config(model_dir)
     try:
-        load_presharded(copy, config, ShardLayout.for_model(config, 2), 0)
+        loaded = load_presharded(copy, config, ShardLayout.for_model(config, 2), 0)
     except CLEAN_ERRORS:
         pass
+    else:
+        assert_same_shard(loaded, reference, f"manifest mutation {path} = {value!r}")
     shutil.rmtree(copy.parent)
 
 
 @settings(max_examples=FAST, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(mutation=manifest_mutation())
-def test_a_mutated_manifest_is_refused_cleanly(model_dir, presharded_dir, tmp_path_factory, mutation):
-    check_manifest_mutation(model_dir, presharded_dir, tmp_path_factory, *mutation)
+def test_a_mutated_manifest_is_refused_cleanly(model_dir, presharded_dir, reference_shards, tmp_path_factory,
+                                               mutation):
+    check_manifest_mutation(model_dir, presharded_dir, reference_shards[1], tmp_path_factory, *mutation)
 
 
 @pytest.mark.slow
 @settings(max_examples=SLOW, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(mutation=manifest_mutation())
-def test_many_mutated_manifests_are_refused_cleanly(model_dir, presharded_dir, tmp_path_factory, mutation):
-    check_manifest_mutation(model_dir, presharded_dir, tmp_path_factory, *mutation)
+def test_many_mutated_manifests_are_refused_cleanly(model_dir, presharded_dir, reference_shards, tmp_path_factory,
+                                                   mutation):
+    check_manifest_mutation(model_dir, presharded_dir, reference_shards[1], tmp_path_factory, *mutation)

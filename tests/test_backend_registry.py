@@ -89,6 +89,20 @@ def test_a_registered_backend_gets_its_bundle(fake_backend):
 
 
 # ---- default, planner target, constructor options ---------------------------------------------------
+def accelerator_here() -> bool:
+    """A CUDA GPU torch can use, or a Neuron device: where the tests of a plain host do not apply."""
+    import glob
+
+    from workers.backends import planner_targets
+
+    return planner_targets.cuda_devices_present() or bool(glob.glob("/dev/neuron*"))
+
+
+plain_host_only = pytest.mark.skipif(accelerator_here(), reason="the subject is a host with no GPU and no Neuron "
+                                                                 "device, and this one has one")
+
+
+@plain_host_only
 def test_default_backend_is_the_first_device_found():
     assert default_backend_name() == "cpu"  # this host has neither Neuron devices nor a CUDA GPU
 
@@ -148,6 +162,7 @@ def test_torch_is_asked_about_cuda_only_where_a_gpu_device_node_exists(tmp_path,
 
 
 # ---- cuda without a GPU --------------------------------------------------------------------------
+@plain_host_only
 @pytest.mark.parametrize("options", [{}, {"device_memory_gib": 80}])
 def test_cuda_without_a_gpu_is_refused_before_ray_starts(small_model, options):
     launcher = Launcher(model=small_model, backend="cuda", progress=False, **options)
@@ -157,12 +172,14 @@ def test_cuda_without_a_gpu_is_refused_before_ray_starts(small_model, options):
     assert launcher._ray is None and launcher._pool is None  # Ray was never connected to
 
 
+@plain_host_only
 def test_cuda_without_a_gpu_exits_2_from_the_cli(small_model, capsys):
     assert main(["generate", "--backend", "cuda", "--model", small_model, "--quiet", "hello"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("corelaunch generate: --backend cuda: this host shows no CUDA GPU") and err.count("\n") == 1
 
 
+@plain_host_only  # the session's Ray declares the host's GPUs
 def test_cuda_on_a_cluster_without_gpus_is_refused_before_placement(small_model, ray_session):
     import ray
 

@@ -33,19 +33,24 @@ NUM_TOKENS = 8
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """(original, perturbed): a random Llama (4 heads, 2 KV heads) and a copy with noise added to one
-    layer's MLP down projection."""
-    from safetensors.torch import load_file, save_file
-
+    layer's MLP down projection: enough to move the logits past logit matching's tolerances, too
+    little to change a greedy token."""
     root = tmp_path_factory.mktemp("check_models")
     original = save_random_model(root / "original", num_heads=4, num_kv_heads=2, seed=3)
-    perturbed = root / "perturbed"
-    shutil.copytree(original, perturbed)
-    state = load_file(perturbed / "model.safetensors")
+    return original, perturbed_copy(original, root / "perturbed", 0.05)
+
+
+def perturbed_copy(original: Path, to: Path, scale: float) -> Path:
+    """A copy of the model with `scale` times Gaussian noise added to layer 1's MLP down projection."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(original, to)
+    state = load_file(to / "model.safetensors")
     name = "model.layers.1.mlp.down_proj.weight"
     noise = torch.randn(state[name].shape, generator=torch.Generator().manual_seed(0))
-    state[name] = state[name] + 0.05 * noise
-    save_file(state, perturbed / "model.safetensors", metadata={"format": "pt"})
-    return original, perturbed
+    state[name] = state[name] + scale * noise
+    save_file(state, to / "model.safetensors", metadata={"format": "pt"})
+    return to
 
 
 def run_check(capsys, *args: str) -> tuple[int, dict | None, str]:
@@ -135,23 +140,33 @@ def test_check_fails_for_perturbed_weights_and_says_where(models, capsys, in_pro
     assert any("top5 rel error" in line for line in p["first_failure"]["failures"])
     text = format_report(report)
     assert text.startswith("logit-matching FAILED") and "first failure at position 0:" in text
-    first_pass, expected = p["first_pass_tokens"], p["expected_tokens"]
-    if first_pass != expected:  # the greedy tokens part too: the divergence is reported there
-        first = next(i for i, (a, b) in enumerate(zip(first_pass, expected)) if a != b)
-        assert p["divergences"][0]["position"] == first
-        assert p["divergences"][0]["expected_token"] == expected[first]
+    expected = p["expected_tokens"]
+    assert p["first_pass_tokens"] == expected and p["divergences"] == []  # the noise moves no greedy token
 
+    # so token matching passes this model: only logit matching sees the noise
     code, report, _ = run_check(capsys, "--mode", "token-matching", *common)
     [t] = report["prompts"]
-    assert t["expected_tokens"] == expected  # the same reference
-    if t["actual_tokens"] == expected:
-        assert code == 0
-    else:
-        assert code == 1
-        d = t["first_divergence"]
-        first = next(i for i, (a, b) in enumerate(zip(t["actual_tokens"], expected)) if a != b)
-        assert d["position"] == first and d["expected_token"] == expected[first]
-        assert d["actual_token"] == t["actual_tokens"][first] and d["divergence_difference"] > 0
+    assert code == 0 and t["expected_tokens"] == expected and t["actual_tokens"] == expected
+
+
+def test_token_matching_fails_where_the_greedy_tokens_part(models, capsys, tmp_path, in_process_cluster):
+    original, _ = models
+    diverging = perturbed_copy(original, tmp_path / "diverging", 2.0)  # enough noise to change tokens
+    common = ["--model", str(diverging), "--reference", str(original), "--tp", "2",
+              "--prompt-ids", PROMPT_IDS, "--num-tokens", str(NUM_TOKENS), "--no-compile"]
+    code, report, _ = run_check(capsys, "--mode", "token-matching", *common)
+    [t] = report["prompts"]
+    actual, expected = t["actual_tokens"], t["expected_tokens"]
+    assert code == 1 and not report["passed"] and actual != expected
+    first = next(i for i, (a, b) in enumerate(zip(actual, expected)) if a != b)
+    d = t["first_divergence"]
+    assert d["position"] == first and d["expected_token"] == expected[first] and d["actual_token"] == actual[first]
+    assert d["divergence_difference"] > 0
+
+    code, report, _ = run_check(capsys, "--mode", "logit-matching", *common)
+    [p] = report["prompts"]
+    assert code == 1 and p["divergences"][0]["position"] == first and p["divergences"][0]["expected_token"] == \
+        expected[first]
 
 
 def test_saved_expected_outputs_are_a_reference_too(models, capsys, tmp_path, in_process_cluster):

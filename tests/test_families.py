@@ -1,7 +1,8 @@
 """Qwen3, Gemma 3 and sliding windows (Mistral, Qwen2) against transformers: identical greedy tokens.
 
-Each family runs at TP 1, TP 2 and TP 4 (KV heads replicated rather than split), every rank a
-thread of this process (tests/tp_harness.py), one group per degree. Every case runs each prompt
+Every case runs at TP 1. Qwen3 and Gemma 3 also run at TP 2 and TP 4 (KV heads replicated rather
+than split), Mistral's window at TP 2 and Qwen2's at TP 4; the soft-capped Gemma 3 runs at TP 1 only.
+Every rank is a thread of this process (tests/tp_harness.py), one group per degree. Every case runs each prompt
 alone and both as one left-padded batch; the first prompt alone is more than twice
 the sliding window, so a window applied wrongly (or not at all) changes the tokens, which
 test_the_window_changes_the_tokens checks. The serving engine (chunked prefill, one cache row per

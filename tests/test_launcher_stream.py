@@ -1,5 +1,5 @@
 """Launcher.stream / astream / agenerate / load with the groups in-process (tests/in_process_cluster.py):
-streams equal generate's tokens, stop strings and stop tokens end them, closing a stream cancels it
+streams equal generate's tokens, stop strings (cutting the text) and stop tokens end them, closing a stream cancels it
 and frees its row, a full queue is refused, bad input fails before anything is submitted, and a
 group fault mid-stream resumes every stream without a duplicated or missing token."""
 
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import pytest
 
@@ -70,7 +71,28 @@ def test_closing_a_stream_cancels_it_and_frees_its_row(model_and_expected, in_pr
         assert llm.load() == {"running": 0, "waiting": 0}
 
 
-def test_stop_strings_and_stop_tokens_end_a_stream(model_and_expected, in_process_cluster):
+def test_a_stop_string_cuts_the_text_and_frees_the_row(model_and_expected, in_process_cluster, tmp_path):
+    import shutil
+
+    from tests.test_compile_cli import save_word_tokenizer
+
+    model_dir, expected = model_and_expected
+    with_words = Path(shutil.copytree(model_dir, tmp_path / "with-words"))
+    save_word_tokenizer(with_words)  # "t0" .. "t127": the model's 128 ids
+    words = " ".join(f"t{t}" for t in expected[0])
+    stop = f" t{expected[0][2]} "  # the third token, surrounded: no other word contains it
+    cut = words[:(words + " ").find(stop)]
+    assert 0 < len(cut) < len(words)
+    with Launcher(model=str(with_words), tp=1, max_num_seqs=1, progress=False, **EAGER) as llm:
+        deltas = list(llm.stream(PROMPTS[0], max_new_tokens=NEW_TOKENS, stop=[stop], ignore_eos=True))
+        # the one row is free again: the next request is answered in full
+        after = tokens_of(llm.stream(PROMPTS[1], max_new_tokens=NEW_TOKENS))
+        assert llm.load() == {"running": 0, "waiting": 0}
+    assert "".join(d.text for d in deltas) == cut and deltas[-1].finish_reason == "stop"
+    assert after == (expected[1], "length")
+
+
+def test_stop_tokens_end_a_stream_and_bad_options_are_refused(model_and_expected, in_process_cluster):
     model_dir, expected = model_and_expected
     with Launcher(model=model_dir, tp=1, progress=False, **EAGER) as llm:
         tokens, finish = tokens_of(llm.stream(PROMPTS[0], max_new_tokens=NEW_TOKENS, stop_token_ids=[expected[0][2]]))

@@ -414,6 +414,21 @@ def test_chat_greedy_matches_transformers(client, hf):
 
 
 @pytest.mark.slow
+def test_a_stop_string_ends_the_text_before_it(client, hf):
+    full = hf.greedy(hf.tok(PROMPT)["input_ids"], 16)
+    stop = full[len(full) // 2:][:4]  # four characters from the middle of the greedy text
+    cut = full[:full.find(stop)]
+    assert stop.strip() and len(cut) < len(full) // 2 + 1
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop, "@@@"])
+    assert out.choices[0].text == cut and out.choices[0].finish_reason == "stop"
+    assert out.usage.completion_tokens < 16  # generation ended at the stop, not at max_tokens
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=stop,
+                                       stream=True)
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == cut and chunks[-1].choices[0].finish_reason == "stop"
+
+
+@pytest.mark.slow
 def test_models_health_and_metrics(client, server):
     import requests
 

@@ -39,6 +39,9 @@ def test_greedy_and_sampled_rows_mix_in_one_batch():
     params = [SamplingParams(temperature=1.0, seed=3), SamplingParams()]
     tokens = sample(logits, params, [make_generator(p) for p in params])
     assert tokens[1] == logits[1].argmax()
+    # the sampled row draws what its seed draws alone: the greedy row beside it takes nothing from it
+    alone = sample(logits[:1], params[:1], [make_generator(params[0])])
+    assert tokens[0] == alone[0]
 
 
 def test_same_seed_same_tokens_different_seeds_differ():

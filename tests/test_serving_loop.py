@@ -223,9 +223,13 @@ def test_compiled_loop_builds_no_graph_after_warm_up():
     assert len(shapes.shapes()) == 8
     model = CompiledCausalLM(fresh_model(), buckets, announce=lambda line: None)
     loop = ServingLoop(model, ServingConfig(2, 8, 32, shapes))
+    before = counters["stats"]["unique_graphs"]
     with model.warming_up():
         loop.warm_up(shapes.shapes())
     graphs = counters["stats"]["unique_graphs"]
+    # warm-up built a graph for every shape (a model that fell back to eager would build none)
+    assert {(g.phase, g.batch, g.length) for g in model.stats().graphs} == set(shapes.shapes())
+    assert graphs - before >= len(shapes.shapes())
     threads = run_loops([loop])
     pending = [request(f"r{i}", p, 10) for i, p in enumerate(MORE_PROMPTS)]
     loop.submit([pending.pop(0)])
@@ -265,9 +269,12 @@ def test_compiled_loop_reading_midpoint_buckets_equals_each_prompt_alone():
     assert shapes.read_buckets == (16, 24, 32)
     model = CompiledCausalLM(fresh_model(), buckets, announce=lambda line: None)
     loop = ServingLoop(model, ServingConfig(2, 8, 32, shapes))
+    before = counters["stats"]["unique_graphs"]
     with model.warming_up():
         loop.warm_up(shapes.shapes())
     graphs = counters["stats"]["unique_graphs"]
+    assert {(g.phase, g.batch, g.length) for g in model.stats().graphs} == set(shapes.shapes())
+    assert graphs - before >= len(shapes.shapes())
     decode_reads = []  # slots each decode step of the load read
     serve_step = model.serve_step
 

@@ -51,7 +51,10 @@ import launcher.api, launcher.cli.serve_command, launcher.serving.openai_app
 import launcher.cluster.ray_worker, launcher.cluster.replica_pool, launcher.cluster.tp_group
 from launcher.launch_plan import plan_launch
 from launcher.progress import Progress
+from launcher.cluster import ray_cluster
 plan_launch(launcher.api.LaunchConfig(model=sys.argv[1], tp=3), Progress(False))
+connection = ray_cluster.connect("local")  # a private Ray, as `corelaunch serve` opens
+connection.close()
 print(json.dumps({"torch": "torch" in sys.modules}))
 """
 
@@ -59,7 +62,8 @@ print(json.dumps({"torch": "torch" in sys.modules}))
 def test_the_driver_plans_and_reaches_ray_without_importing_torch(model_dir):
     """torch takes about 2 s to import here: `corelaunch serve` plans and starts Serve without it, and
     a Launcher's own thread starts Ray and the ranks while its tokenizer thread imports it
-    (transformers does) instead of waiting for that import first."""
+    (transformers does) instead of waiting for that import first. The script imports the driver's
+    launch and serving modules, plans, and starts (and stops) a private Ray of its own."""
     proc = subprocess.run([sys.executable, "-c", DRIVER_START, str(model_dir)], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
