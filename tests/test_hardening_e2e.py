@@ -5,6 +5,7 @@ returns within seconds leaving no workers and no shared-memory segments behind."
 from __future__ import annotations
 
 import glob
+import json
 import os
 import signal
 import subprocess
@@ -17,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.test_compile_cli import model_dir  # noqa: F401 - a fixture: the tiny model with a tokenizer
+from tests.test_compile_cli import eager_tokens, model_dir  # noqa: F401 - model_dir: the tiny model with a tokenizer
 
 # exclusive: these watch the host's processes and /dev/shm, and time Ctrl-C to under 3 s
 pytestmark = [pytest.mark.slow, pytest.mark.exclusive]
@@ -82,12 +83,14 @@ def test_two_launches_at_once_on_one_host_both_succeed(model_dir):  # noqa: F811
     # Two private Rays and their groups side by side are the subject, not the model: the tiny one
     # (a word-level tokenizer) loads in a fraction of SmolLM2's time.
     prompts = ["t3 t9 t33", "t5 t9 t33"]
-    runs = [subprocess.Popen(generate_command(prompt, new_tokens=8, model=model_dir), stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env=clean_env()) for prompt in prompts]
+    runs = [subprocess.Popen([*generate_command(prompt, new_tokens=8, model=model_dir), "--json"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env())
+            for prompt in prompts]
     for prompt, run in zip(prompts, runs):
         out, err = run.communicate(timeout=400)
         assert run.returncode == 0, err
-        assert out.startswith(prompt)
+        [output] = json.loads(out)["outputs"]
+        assert output["token_ids"] == eager_tokens(model_dir, prompt, 8), prompt  # each its own answer
 
 
 def session_processes(sid: int) -> list[psutil.Process]:
