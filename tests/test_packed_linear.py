@@ -69,9 +69,16 @@ def test_a_rows_result_does_not_depend_on_its_batch(build):
                        kernel.packed_linear(x, kernel.pack(w), 100, None)[5:17])
 
 
-def test_prefill_sized_products_go_through_f_linear_on_the_unpacked_weight():
-    w, bias = torch.randn(50, 16), torch.randn(50)
-    x = torch.randn(kernel.UNPACK_MIN_ROWS, 16)
+def test_prefill_sized_products_go_through_the_prefill_gemm_on_the_unpacked_weight(monkeypatch):
+    from workers.kernels.prefill_gemm import prefill_linear
+
+    g = torch.Generator().manual_seed(4)
+    w, bias = torch.randn(50, 96, generator=g), torch.randn(50, generator=g)
+    x = torch.randn(kernel.UNPACK_MIN_ROWS, 96, generator=g)
+    got = kernel.packed_linear(x, kernel.pack(w), 50, bias)
+    assert torch.equal(got, prefill_linear(x, w, bias))
+    torch.testing.assert_close(got, F.linear(x, w, bias), rtol=1e-5, atol=1e-5)
+    monkeypatch.setenv("CORELAUNCH_PREFILL_GEMM", "mkl")
     assert torch.equal(kernel.packed_linear(x, kernel.pack(w), 50, bias), F.linear(x, w, bias))
 
 

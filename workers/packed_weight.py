@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from workers.kernels import packed_linear as kernel
+from workers.kernels.prefill_gemm import chosen_gemm
 
 
 class PackedWeight(nn.Module):
@@ -74,6 +75,7 @@ def pack_linear_weights(model: nn.Module) -> int:
     caller must not hold the shard's tensors itself)."""
     if not kernel.available():
         return 0
+    chosen_gemm()  # a bad CORELAUNCH_PREFILL_GEMM is named at load, not at the first long prefill
     from workers.layers import VocabParallelEmbedding
 
     groups: dict[int, list[tuple[nn.Module, str]]] = {}  # one weight object -> every place holding it

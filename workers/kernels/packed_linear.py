@@ -37,6 +37,7 @@ import functools
 import torch
 
 from workers import native_build
+from workers.kernels.prefill_gemm import prefill_linear
 from workers.kernels.small_linear import _cpu_identity
 from workers.native_build import LibrarySpec, NativeUnavailable
 
@@ -310,5 +311,5 @@ def packed_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
     """x W^T (+ bias) with W packed by `pack`: one operator call in a compiled graph. Products of
     UNPACK_MIN_ROWS rows or more (prefills) take F.linear on the weight unpacked for the call."""
     if x.numel() // x.shape[-1] >= UNPACK_MIN_ROWS:
-        return torch.nn.functional.linear(x, unpack(panels, out_features), bias)
+        return prefill_linear(x, unpack(panels, out_features), bias)
     return torch.ops.corelaunch.packed_linear_kernel(x, panels, out_features, bias)

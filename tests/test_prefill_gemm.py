@@ -1,0 +1,57 @@
+"""The GEMM behind prefill-sized products (workers/kernels/prefill_gemm.py): oneDNN's by default,
+MKL's (F.linear) when CORELAUNCH_PREFILL_GEMM=mkl; one opaque call in a compiled graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from workers.kernels.prefill_gemm import chosen_gemm, prefill_linear
+
+
+def operands(rows: int = 1024, k: int = 192, n: int = 80):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(2, rows // 2, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+
+
+def test_onednn_is_the_default_and_agrees_with_f_linear(monkeypatch):
+    monkeypatch.delenv("CORELAUNCH_PREFILL_GEMM", raising=False)
+    assert torch.backends.mkldnn.is_available() and chosen_gemm() == "onednn"
+    x, w, b = operands()
+    got = prefill_linear(x, w, b)
+    assert got.shape == (2, 512, 80)
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    # a non-contiguous x (a slice of the hidden states) gives the same product
+    wide = torch.cat([x, x], dim=-1)[..., :192]
+    assert torch.equal(prefill_linear(wide, w, None), prefill_linear(x, w, None))
+
+
+def test_mkl_is_f_linear_exactly(monkeypatch):
+    monkeypatch.setenv("CORELAUNCH_PREFILL_GEMM", "mkl")
+    assert chosen_gemm() == "mkl"
+    x, w, b = operands()
+    assert torch.equal(prefill_linear(x, w, b), F.linear(x, w, b))
+
+
+def test_an_unknown_choice_is_named(monkeypatch):
+    from tests.model_factory import build_random_model
+    from workers.packed_weight import pack_linear_weights
+
+    monkeypatch.setenv("CORELAUNCH_PREFILL_GEMM", "blas")
+    with pytest.raises(ValueError, match="CORELAUNCH_PREFILL_GEMM='blas' is not one of onednn, mkl"):
+        chosen_gemm()
+    with pytest.raises(ValueError, match="CORELAUNCH_PREFILL_GEMM='blas'"):  # named when a model is packed
+        pack_linear_weights(build_random_model("llama"))
+
+
+def test_a_compiled_graph_calls_it_once_and_agrees_with_eager():
+    import torch._dynamo
+
+    x, w, b = operands()
+    fn = lambda x: prefill_linear(x, w * 1.0, b).relu()  # noqa: E731 - the weight an intermediate, as unpacked
+    torch._dynamo.reset()
+    explain = torch._dynamo.explain(fn)(x)
+    assert explain.graph_break_count == 0 and explain.graph_count == 1
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False)
+    assert torch.equal(compiled(x), fn(x))

@@ -1,0 +1,42 @@
+"""The GEMM behind prefill-sized products (x of UNPACK_MIN_ROWS rows or more, float32): oneDNN's.
+
+torch's F.linear on CPU calls MKL's sgemm. oneDNN (also inside every torch CPU build) was 0.71-0.90x
+its time at SmolLM2's prefill shapes on an AMD EPYC with AVX-512 (README, Measured, machine L),
+where MKL's kernels for a non-Intel CPU are not its best. `CORELAUNCH_PREFILL_GEMM=mkl` goes back to
+F.linear; a torch built without oneDNN uses F.linear anyway.
+
+`corelaunch::prefill_linear` is a custom operator so that a compiled graph calls it as one opaque
+step: inductor lowers oneDNN's own linear operator only for weights it has frozen and packed at
+compile time, and these weights are unpacked from their panels during the call (packed_linear.py).
+A Python-bodied operator costs tens of microseconds a call, against milliseconds for the product.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+CHOICES = ("onednn", "mkl")
+
+
+def chosen_gemm() -> str:
+    """CORELAUNCH_PREFILL_GEMM (default onednn), or mkl where torch has no oneDNN; ValueError naming
+    the value otherwise."""
+    choice = os.environ.get("CORELAUNCH_PREFILL_GEMM", "onednn")
+    if choice not in CHOICES:
+        raise ValueError(f"CORELAUNCH_PREFILL_GEMM={choice!r} is not one of {', '.join(CHOICES)}")
+    return choice if torch.backends.mkldnn.is_available() else "mkl"
+
+
+@torch.library.custom_op("corelaunch::prefill_linear", mutates_args=())
+def prefill_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T (+ bias) for float32 x (..., K) and W (N, K), through the chosen GEMM."""
+    if chosen_gemm() == "onednn":
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+@prefill_linear.register_fake
+def _prefill_linear_shape(x, weight, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
