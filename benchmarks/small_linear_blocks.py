@@ -15,7 +15,8 @@ For M rows of x (a decode step of M sequences), times the products of one SmolLM
   a change to the kernel, interleaved in one process.
 Best of --repeats passes per variant, one pass of each variant in turn, in one process. Every row count runs
 each kernel itself, prefill sizes too (--rows 128,512); in a model, packed products of
-UNPACK_MIN_ROWS rows or more take F.linear on the unpacked weight instead.
+UNPACK_MIN_ROWS rows or more take the prefill GEMM (workers/kernels/prefill_gemm.py) on the unpacked
+weight instead.
 
     python benchmarks/small_linear_blocks.py [--rows 1,2,4,8,16,24,32] [--repeats 5] [--packed-from DIR]
 """

@@ -20,8 +20,8 @@ README, Measured, machine J). More blocks (prefills) take K whole.
 
 Every output element is the sum over k in the same order whatever the number of rows, so a row's
 result does not depend on which other rows share its batch, below UNPACK_MIN_ROWS: products of
-that many rows (prefills) take MKL's GEMM on the weight unpacked for the call, which is faster
-there.
+that many rows (prefills) take a GEMM library's product on the weight unpacked for the call
+(prefill_gemm.py), which was faster there on an Intel host (README, Measured, machine E).
 
 The kernel's torch operator (corelaunch::packed_linear_kernel) is compiled as C++ against the
 installed torch, so that a call from a compiled graph costs a few microseconds rather than the
@@ -277,9 +277,9 @@ def unpack(panels: torch.Tensor, out_features: int) -> torch.Tensor:
 
 
 UNPACK_MIN_ROWS = 1024
-"""Products of at least this many rows (prefills) unpack the weight into a temporary and call
-F.linear: there MKL's GEMM is faster than this kernel (machine E), and one copy of the weight costs
-a few percent of such a product."""
+"""Products of at least this many rows (prefills) unpack the weight into a temporary for the prefill
+GEMM (prefill_gemm.py): there MKL's GEMM was faster than this kernel (machine E; on machine L this
+kernel was the faster), and one copy of the weight costs a few percent of such a product."""
 
 
 def run_kernel(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, out_features: int,
@@ -309,7 +309,8 @@ def _packed_linear_shape(x, panels, out_features, bias):
 def packed_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
                   bias: torch.Tensor | None) -> torch.Tensor:
     """x W^T (+ bias) with W packed by `pack`: one operator call in a compiled graph. Products of
-    UNPACK_MIN_ROWS rows or more (prefills) take F.linear on the weight unpacked for the call."""
+    UNPACK_MIN_ROWS rows or more (prefills) take prefill_linear (oneDNN by default) on the weight
+    unpacked for the call."""
     if x.numel() // x.shape[-1] >= UNPACK_MIN_ROWS:
         return prefill_linear(x, unpack(panels, out_features), bias)
     return torch.ops.corelaunch.packed_linear_kernel(x, panels, out_features, bias)

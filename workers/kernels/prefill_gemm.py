@@ -1,9 +1,9 @@
 """The GEMM behind prefill-sized products (x of UNPACK_MIN_ROWS rows or more, float32): oneDNN's.
 
-torch's F.linear on CPU calls MKL's sgemm. oneDNN (also inside every torch CPU build) was 0.71-0.90x
-its time at SmolLM2's prefill shapes on an AMD EPYC with AVX-512 (README, Measured, machine L),
-where MKL's kernels for a non-Intel CPU are not its best. `CORELAUNCH_PREFILL_GEMM=mkl` goes back to
-F.linear; a torch built without oneDNN uses F.linear anyway.
+torch's F.linear on CPU calls MKL's sgemm. oneDNN (also inside every torch CPU build) took 0.71-0.97
+of its time per product at SmolLM2's prefill shapes on an AMD EPYC with AVX-512 (README, Measured,
+machine L); on an Intel host the two have not been compared. `CORELAUNCH_PREFILL_GEMM=mkl` goes back
+to F.linear; a torch built without oneDNN uses F.linear anyway.
 
 `corelaunch::prefill_linear` is a custom operator so that a compiled graph calls it as one opaque
 step: inductor lowers oneDNN's own linear operator only for weights it has frozen and packed at
