@@ -1,20 +1,21 @@
 """Prefill-sized float32 products three ways, at SmolLM2's shapes, alternated round by round:
-- onednn: oneDNN's linear on the weight unpacked from its panels (the default for products of
-  UNPACK_MIN_ROWS rows or more, workers/kernels/prefill_gemm.py);
-- mkl: F.linear (MKL's sgemm) on the unpacked weight (CORELAUNCH_PREFILL_GEMM=mkl, and the code
-  before);
+- onednn: what a model runs for products of UNPACK_MIN_ROWS rows or more by default, the weight
+  unpacked from its panels and the corelaunch::prefill_linear operator called with
+  CORELAUNCH_PREFILL_GEMM=onednn (workers/kernels/prefill_gemm.py);
+- mkl: the same with CORELAUNCH_PREFILL_GEMM=mkl: F.linear, MKL's sgemm (the code before);
 - packed: the packed-panel kernel on the panels themselves (what products of fewer rows take).
-Prints JSON: per (rows, out, in) the best time of each way over --rounds rounds (ms) and each
-way's time over mkl's, then the same summed over one layer's four products (fused QKV, output,
-fused gate and up, down).
+A timing is the mean of --calls calls; each way keeps its fastest timing over --rounds rounds.
+Prints JSON: per (rows, out, in) those times (ms) and each way's over mkl's, then their sums over
+one layer's four products (fused QKV, output, fused gate and up, down).
 
-    python benchmarks/prefill_gemm.py [--rows 1024,2048] [--rounds 5] [--threads 2]
+    python benchmarks/prefill_gemm.py [--rows 1024,2048] [--rounds 5] [--calls 5] [--threads 2]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -22,16 +23,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.serving import machine  # noqa: E402
 from workers.kernels import packed_linear as kernel  # noqa: E402
+from workers.kernels.prefill_gemm import prefill_linear  # noqa: E402
 
 # SmolLM2-135M: hidden 576, 9 query heads and 3 KV heads of 64, MLP 1536. (out, in) per product.
 LAYER_SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 
 
-def best_seconds(fn, calls: int) -> float:
+def mean_seconds(fn, calls: int) -> float:
     fn()
     start = time.perf_counter()
     for _ in range(calls):
@@ -49,11 +50,14 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if not kernel.available():
         sys.exit(f"the packed-panel kernel is unavailable: {kernel.unavailable_reason}")
-    ways = {
-        "onednn": lambda x, p, n: torch.ops.mkldnn._linear_pointwise(x, kernel.unpack(p, n), None, "none", [], ""),
-        "mkl": lambda x, p, n: F.linear(x, kernel.unpack(p, n)),
-        "packed": lambda x, p, n: torch.ops.corelaunch.packed_linear_kernel(x, p, n, None),
-    }
+    def through(gemm: str):
+        def product(x, panels, n):
+            os.environ["CORELAUNCH_PREFILL_GEMM"] = gemm  # read by the operator at each call
+            return prefill_linear(x, kernel.unpack(panels, n), None)
+        return product
+
+    ways = {"onednn": through("onednn"), "mkl": through("mkl"),
+            "packed": lambda x, p, n: torch.ops.corelaunch.packed_linear_kernel(x, p, n, None)}
     results, layers = [], {}
     g = torch.Generator().manual_seed(0)
     for rows in (int(r) for r in args.rows.split(",")):
@@ -62,7 +66,7 @@ def main() -> None:
             best = {way: float("inf") for way in ways}
             for _ in range(args.rounds):  # alternated: a drift in the host's speed hits every way alike
                 for way, fn in ways.items():
-                    best[way] = min(best[way], best_seconds(lambda: fn(x, panels, n), args.calls))
+                    best[way] = min(best[way], mean_seconds(lambda: fn(x, panels, n), args.calls))
             results.append({"rows": rows, "product": name, "out": n, "in": k,
                             "ms": {w: round(s * 1e3, 3) for w, s in best.items()},
                             "over_mkl": {w: round(s / best["mkl"], 3) for w, s in best.items()}})

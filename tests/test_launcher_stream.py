@@ -71,7 +71,7 @@ def test_closing_a_stream_cancels_it_and_frees_its_row(model_and_expected, in_pr
         assert llm.load() == {"running": 0, "waiting": 0}
 
 
-def test_a_stop_string_cuts_the_text_and_frees_the_row(model_and_expected, in_process_cluster, tmp_path):
+def test_a_stop_string_cuts_the_text_and_ends_the_request(model_and_expected, in_process_cluster, tmp_path):
     import shutil
 
     from tests.test_compile_cli import save_word_tokenizer
@@ -89,6 +89,7 @@ def test_a_stop_string_cuts_the_text_and_frees_the_row(model_and_expected, in_pr
         after = tokens_of(llm.stream(PROMPTS[1], max_new_tokens=NEW_TOKENS))
         assert llm.load() == {"running": 0, "waiting": 0}
     assert "".join(d.text for d in deltas) == cut and deltas[-1].finish_reason == "stop"
+    assert deltas[-1].completion_tokens < NEW_TOKENS  # the stream ended at the stop, not at max_new_tokens
     assert after == (expected[1], "length")
 
 

@@ -1,5 +1,6 @@
 """The GEMM behind prefill-sized products (workers/kernels/prefill_gemm.py): oneDNN's by default,
-MKL's (F.linear) when CORELAUNCH_PREFILL_GEMM=mkl; one opaque call in a compiled graph."""
+MKL's (F.linear) when CORELAUNCH_PREFILL_GEMM=mkl or torch has no oneDNN; one opaque call in a
+compiled graph."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from workers.kernels import packed_linear as kernel
 from workers.kernels.prefill_gemm import chosen_gemm, prefill_linear
+
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
 
 
 def operands(rows: int = 1024, k: int = 192, n: int = 80):
@@ -15,16 +19,19 @@ def operands(rows: int = 1024, k: int = 192, n: int = 80):
     return torch.randn(2, rows // 2, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
 
 
+@needs_onednn
 def test_onednn_is_the_default_and_agrees_with_f_linear(monkeypatch):
     monkeypatch.delenv("CORELAUNCH_PREFILL_GEMM", raising=False)
-    assert torch.backends.mkldnn.is_available() and chosen_gemm() == "onednn"
+    assert chosen_gemm() == "onednn"
     x, w, b = operands()
     got = prefill_linear(x, w, b)
     assert got.shape == (2, 512, 80)
     torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
-    # a non-contiguous x (a slice of the hidden states) gives the same product
-    wide = torch.cat([x, x], dim=-1)[..., :192]
-    assert torch.equal(prefill_linear(wide, w, None), prefill_linear(x, w, None))
+    # strided operands (a slice of the hidden states, every other bias element) are read by their strides
+    wide, b2 = torch.cat([x, x], dim=-1)[..., :192], torch.stack([b, b], dim=-1).reshape(-1)[::2]
+    torch.testing.assert_close(prefill_linear(wide, w, b2), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    # other dtypes take F.linear (oneDNN's linear takes float32 here)
+    assert torch.equal(prefill_linear(x.double(), w.double(), None), F.linear(x.double(), w.double()))
 
 
 def test_mkl_is_f_linear_exactly(monkeypatch):
@@ -34,14 +41,27 @@ def test_mkl_is_f_linear_exactly(monkeypatch):
     assert torch.equal(prefill_linear(x, w, b), F.linear(x, w, b))
 
 
+def test_a_torch_without_onednn_takes_f_linear(monkeypatch):
+    monkeypatch.delenv("CORELAUNCH_PREFILL_GEMM", raising=False)
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    assert chosen_gemm() == "mkl"
+    x, w, b = operands()
+    assert torch.equal(prefill_linear(x, w, b), F.linear(x, w, b))
+
+
 def test_an_unknown_choice_is_named(monkeypatch):
+    monkeypatch.setenv("CORELAUNCH_PREFILL_GEMM", "blas")
+    with pytest.raises(ValueError, match="CORELAUNCH_PREFILL_GEMM='blas' is not one of onednn, mkl"):
+        chosen_gemm()
+
+
+@pytest.mark.skipif(not kernel.available(), reason=f"the packed-panel kernel is unavailable: {kernel.unavailable_reason}")
+def test_an_unknown_choice_is_named_when_a_model_is_packed(monkeypatch):
     from tests.model_factory import build_random_model
     from workers.packed_weight import pack_linear_weights
 
     monkeypatch.setenv("CORELAUNCH_PREFILL_GEMM", "blas")
-    with pytest.raises(ValueError, match="CORELAUNCH_PREFILL_GEMM='blas' is not one of onednn, mkl"):
-        chosen_gemm()
-    with pytest.raises(ValueError, match="CORELAUNCH_PREFILL_GEMM='blas'"):  # named when a model is packed
+    with pytest.raises(ValueError, match="CORELAUNCH_PREFILL_GEMM='blas'"):  # at load, not at the first prefill
         pack_linear_weights(build_random_model("llama"))
 
 
@@ -53,5 +73,7 @@ def test_a_compiled_graph_calls_it_once_and_agrees_with_eager():
     torch._dynamo.reset()
     explain = torch._dynamo.explain(fn)(x)
     assert explain.graph_break_count == 0 and explain.graph_count == 1
+    calls = [n for n in explain.graphs[0].graph.nodes if n.op == "call_function" and "prefill_linear" in str(n.target)]
+    assert len(calls) == 1, [str(n.target) for n in explain.graphs[0].graph.nodes]
     compiled = torch.compile(fn, fullgraph=True, dynamic=False)
     assert torch.equal(compiled(x), fn(x))

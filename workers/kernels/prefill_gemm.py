@@ -1,8 +1,8 @@
 """The GEMM behind prefill-sized products (x of UNPACK_MIN_ROWS rows or more, float32): oneDNN's.
 
-torch's F.linear on CPU calls MKL's sgemm. oneDNN (also inside every torch CPU build) took 0.71-0.97
+torch's F.linear on CPU calls MKL's sgemm. oneDNN (also inside every torch CPU build) took 0.74-0.97
 of its time per product at SmolLM2's prefill shapes on an AMD EPYC with AVX-512 (README, Measured,
-machine L); on an Intel host the two have not been compared. `CORELAUNCH_PREFILL_GEMM=mkl` goes back
+machine L; benchmarks/prefill_gemm.py); on an Intel host the two have not been compared. `CORELAUNCH_PREFILL_GEMM=mkl` goes back
 to F.linear; a torch built without oneDNN uses F.linear anyway.
 
 `corelaunch::prefill_linear` is a custom operator so that a compiled graph calls it as one opaque
@@ -31,9 +31,13 @@ def chosen_gemm() -> str:
 
 @torch.library.custom_op("corelaunch::prefill_linear", mutates_args=())
 def prefill_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x W^T (+ bias) for float32 x (..., K) and W (N, K), through the chosen GEMM."""
-    if chosen_gemm() == "onednn":
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+    """x W^T (+ bias) for x (..., K) and W (N, K), through the chosen GEMM: oneDNN's only when all
+    three are float32 (the packed weights' dtype; oneDNN's linear refuses others obscurely), else
+    F.linear."""
+    if chosen_gemm() == "onednn" and all(t is None or t.dtype == torch.float32 for t in (x, weight, bias)):
+        # oneDNN reads x and the bias as if dense, whatever their strides: hand it dense copies
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight.contiguous(),
+                                                  None if bias is None else bias.contiguous(), "none", [], "")
     return torch.nn.functional.linear(x, weight, bias)
 
 
