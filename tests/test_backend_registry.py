@@ -90,12 +90,13 @@ def test_a_registered_backend_gets_its_bundle(fake_backend):
 
 # ---- default, planner target, constructor options ---------------------------------------------------
 def accelerator_here() -> bool:
-    """A CUDA GPU torch can use, or a Neuron device: where the tests of a plain host do not apply."""
+    """A CUDA GPU torch can use, or a Neuron device (the registry's device nodes for it): where the
+    tests of a plain host do not apply."""
     import glob
 
     from workers.backends import planner_targets
 
-    return planner_targets.cuda_devices_present() or bool(glob.glob("/dev/neuron*"))
+    return planner_targets.cuda_devices_present() or bool(glob.glob(backend_entry("neuron").device_files))
 
 
 plain_host_only = pytest.mark.skipif(accelerator_here(), reason="the subject is a host with no GPU and no Neuron "

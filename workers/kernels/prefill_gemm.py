@@ -2,8 +2,9 @@
 
 torch's F.linear on CPU calls MKL's sgemm. oneDNN (also inside every torch CPU build) took 0.74-0.97
 of its time per product at SmolLM2's prefill shapes on an AMD EPYC with AVX-512 (README, Measured,
-machine L; benchmarks/prefill_gemm.py); on an Intel host the two have not been compared. `CORELAUNCH_PREFILL_GEMM=mkl` goes back
-to F.linear; a torch built without oneDNN uses F.linear anyway.
+machine L; benchmarks/prefill_gemm.py); on an Intel host the two have not been compared.
+`CORELAUNCH_PREFILL_GEMM=mkl` goes back to F.linear; a torch built without oneDNN uses F.linear
+anyway.
 
 `corelaunch::prefill_linear` is a custom operator so that a compiled graph calls it as one opaque
 step: inductor lowers oneDNN's own linear operator only for weights it has frozen and packed at
