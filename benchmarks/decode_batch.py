@@ -8,8 +8,9 @@ prompt generates `--new-tokens` greedy tokens; the figure is the batch's decode 
 (the kernel's use is fixed when a graph is traced), alternating in `--rounds` rounds:
 
     packed      as corelaunch runs: float32 weights packed as column panels, every product through
-                workers/kernels/packed_linear.py (prefill-sized ones through F.linear); 8-bit
-                weights through workers/kernels/small_linear.py
+                workers/kernels/packed_linear.py (prefill-sized ones through
+                workers/kernels/prefill_gemm.py); 8-bit weights through
+                workers/kernels/small_linear.py
     kernel      CORELAUNCH_PACKED_WEIGHTS=0: float32 products of 2 to max_rows() rows, and 8-bit
                 weights, through workers/kernels/small_linear.py
     torch       both off: MKL's GEMM for several rows, the compiled multiply-and-sum for one row

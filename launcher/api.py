@@ -112,8 +112,8 @@ class LaunchConfig:
     """Run each rank through one static-shape compiled graph per bucket (CPU: torch.compile, see
     workers/compiled.py); False runs eagerly at exact shapes (for debugging)."""
     compile_granularity: str | None = None
-    """What one compiled graph covers: "layer", "model" or "collective" (workers/granularities.py;
-    what each means is in workers/compiled.py); None: the backend's default ("layer")."""
+    """What one compiled graph covers: "layer", "model", "model-decode" or "collective"
+    (workers/granularities.py; what each means is in workers/compiled.py); None: the backend's default ("layer")."""
     compiled_dir: str | None = None
     """A directory written by `corelaunch compile`: start from its weights, graphs and settings
     (see launcher/artifacts/compiled_dir.py); options that contradict it are refused."""

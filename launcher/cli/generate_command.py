@@ -22,7 +22,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--replicas", default="1", metavar="N|auto",
                    help="independent TP groups; prompts are spread over them; auto: as many as fit (default 1)")
     p.add_argument("--max-batch-size", type=int, default=8,
-                   help="prompts per worker call; more prompts run as several batches (default 8)")
+                   help="sizes the planner's memory check (each prompt runs as its own request in the running batch; "
+                        "the driver API's static batches are split at this size) (default 8)")
     add_max_num_seqs(p)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, help="sampling temperature (0 = greedy)")
