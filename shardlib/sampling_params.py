@@ -9,14 +9,19 @@ import math
 from dataclasses import dataclass
 
 MAX_SEED = 2**63 - 1
+GREEDY_BELOW = 1e-5
+"""Temperatures below this are greedy: float32 logits divided by less overflow to infinity (or the
+temperature itself rounds to 0 in float32), and the softmax of those is not a distribution. So
+close to 0, sampling would pick the argmax anyway."""
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0
-    """Divides the logits before softmax; 0 means greedy (argmax), ignoring top_k and top_p."""
+    """Divides the logits before softmax; 0 (or anything below GREEDY_BELOW) means greedy (argmax),
+    ignoring top_k and top_p."""
     top_k: int = 0
-    """Keep only the k most likely tokens; 0 means no limit."""
+    """Keep only the k most likely tokens; 0 means no limit (as does any k at least the vocabulary)."""
     top_p: float = 1.0
     """Keep the smallest set of most likely tokens whose probability mass reaches top_p; 1 keeps all."""
     seed: int | None = None
@@ -38,4 +43,4 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW

@@ -71,12 +71,36 @@ def refusal(parse, **fields) -> ProtocolError:
     ("prompt", [1, -5], ["token ids must be integers >= 0"]),
     ("stream_options", {"include_usage": True}, ["only allowed with stream: true"]),
     ("stop_token_ids", [-3], ["stop_token_ids", "integers >= 0"]),
+    # values of the wrong JSON type are refused, not converted
+    ("max_tokens", "2", ["max_tokens ('2')", ">= 1"]),
+    ("max_tokens", 2.0, ["max_tokens (2.0)", ">= 1"]),
+    ("max_tokens", True, ["max_tokens (true)", ">= 1"]),
+    ("seed", 1.0, ["seed (1.0)", "2**63 - 1"]),
+    ("logprobs", True, ["logprobs (true)", "[0, 20]"]),
+    ("stream", "yes", ["stream ('yes')", "true or false"]),
+    ("prompt", [True, False], ["prompt ([true, false])", "token ids"]),
 ])
 def test_completion_refusals_name_the_field_and_its_range(field, value, words):
     err = refusal(completion, **{field: value})
     assert err.param == field
     for word in words:
         assert word in err.message, err.message
+
+
+def test_a_number_field_takes_an_integer():
+    assert completion(temperature=1, top_p=1).temperature == 1.0
+
+
+def test_chat_logprobs_must_be_true_or_false():
+    err = refusal(chat, logprobs=1)
+    assert err.param == "logprobs" and "true or false on /v1/chat/completions" in err.message
+
+
+def test_an_unknown_key_inside_stream_options_is_named_with_its_path():
+    err = refusal(completion, stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
+    assert err.param == "stream_options.continuous_usage_stats"
+    assert "unknown parameter 'stream_options.continuous_usage_stats'" in err.message
+    assert "{include_usage: bool}" in err.message
 
 
 def test_unknown_and_missing_fields_are_refused_by_name():
@@ -142,9 +166,10 @@ def test_response_objects_and_server_sent_events():
 def test_renderers_turn_deltas_into_chunks_and_responses():
     from launcher.serving.openai_render import ChatRender, CompletionRender
     from launcher.serving.stream_types import StreamDelta
+    from launcher.serving.token_pieces import TokenPieces
     from workers.serving.requests import TokenLogprob
 
-    tokenizer = SimpleNamespace(decode=lambda ids: {1: "Hel", 2: "lo", 3: "!"}[ids[0]])
+    tokenizer = TokenPieces(SimpleNamespace(decode=lambda ids: {1: "Hel", 2: "lo", 3: "!"}[ids[0]]))
     deltas = [StreamDelta("r", "Hel", [1], None, 2, 1, [TokenLogprob(1, -0.1, [(1, -0.1), (2, -2.0)])]),
               StreamDelta("r", "", [2], None, 2, 2, [TokenLogprob(2, -0.2, [])]),  # text held back
               StreamDelta("r", "lo!", [3], "stop", 2, 3, [TokenLogprob(3, -0.3, [])])]
@@ -466,6 +491,52 @@ def test_http_errors(client, server, hf):
                               headers=headers, timeout=10)
         assert reply.status_code == 401 and reply.json()["error"]["code"] == "invalid_api_key"
     assert requests.get(f"{server.url}/v1/models", timeout=10).status_code == 401
+
+
+@pytest.mark.slow
+def test_edge_values_neither_crash_the_group_nor_escape_as_500s(client, server, hf):
+    """Found by an adversarial run: a top_k past float32's range and a temperature of 1e-40 are in
+    range but used to fail the leader's step (its group restarted on the replayed request until the
+    replica was given up); JSON nested thousands deep or a 5000-digit number answered a plain 500;
+    too large a max_tokens was blamed on the prompt, by the engine's name for it."""
+    import openai
+    import requests
+
+    greedy = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0).choices[0].text
+    tiny = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1e-40, seed=1)
+    assert tiny.choices[0].text == greedy  # below 1e-5 a temperature is greedy
+    huge_k = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1, seed=3,
+                                       extra_body={"top_k": 10**39})
+    no_k = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1, seed=3)
+    assert huge_k.choices[0].text == no_k.choices[0].text  # a k past the vocabulary keeps every token
+    assert requests.get(f"{server.url}/health", timeout=10).status_code == 200
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    for body in ("[" * 100000 + "]" * 100000, '{"model": "%s", "prompt": "a", "max_tokens": %s}' % (MODEL, "9" * 5000)):
+        reply = requests.post(f"{server.url}/v1/completions", data=body, headers=headers, timeout=30)
+        assert reply.status_code == 400 and "not valid JSON" in reply.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt=[28] * 10, max_tokens=10**6)
+    assert caught.value.body["param"] == "max_tokens"
+    assert "max_tokens 1000000" in caught.value.body["message"] and "max_new_tokens" not in caught.value.body["message"]
+
+
+@pytest.mark.slow
+def test_logprobs_of_tokens_inside_characters(client):
+    """SmolLM2 spells an emoji as several tokens of one or two bytes: each gets a text of its own
+    (`bytes:\\xNN`), its own top_logprobs key, and offsets count the characters before it."""
+    out = client.completions.create(model=MODEL, prompt="Reply using only emojis: 😀🎉🔥 ->", max_tokens=12,
+                                    temperature=0, logprobs=5)
+    text, logprobs = out.choices[0].text, out.choices[0].logprobs
+    assert any(t.startswith("bytes:") for t in logprobs.tokens), logprobs.tokens  # the greedy text has emoji
+    assert all(len(top) == 5 for top in logprobs.top_logprobs)
+    for token, offset in zip(logprobs.tokens, logprobs.text_offset):
+        if not token.startswith("bytes:"):
+            assert text[offset:offset + len(token)] == token
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Reply with 🎉🔥"}],
+                                          max_tokens=12, temperature=0, logprobs=True)
+    content = chat.choices[0].logprobs.content
+    joined = b"".join(bytes(entry.bytes) for entry in content)
+    assert joined.decode("utf-8", errors="replace").rstrip("\ufffd") == chat.choices[0].message.content.rstrip("\ufffd")
 
 
 def _metric(server, name: str) -> float:

@@ -141,3 +141,26 @@ def test_top_k_fast_path_keeps_the_same_distribution_as_the_full_sort():
     assert torch.equal(fast_ids[0], full_ids[0, :7])
     torch.testing.assert_close(fast_probs[0], full_probs[0, :7], rtol=0, atol=1e-7)
     assert full_probs[0, 7:].sum() == 0
+
+
+def test_a_top_k_past_float32_range_keeps_every_token():
+    """top_k 10**39 is infinite in float32: the table caps it, and the row samples as with top-k off
+    (before, int(inf) raised in the leader's step and brought its group down)."""
+    logits = torch.randn(1, 300, generator=torch.Generator().manual_seed(8))
+    for k in (10**39, 2**24 + 1, 300):
+        huge = [SamplingParams(temperature=0.9, top_k=k, seed=4)]
+        plain = [SamplingParams(temperature=0.9, seed=4)]
+        assert sampling_table(huge)[0, 0].item() == min(k, 2**24)
+        assert torch.equal(sample(logits, huge, [make_generator(huge[0])]),
+                           sample(logits, plain, [make_generator(plain[0])]))
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-8, 9.9e-6])
+def test_a_temperature_below_the_greedy_threshold_is_greedy(temperature):
+    """1e-40 rounds to 0 in float32 (it sampled at temperature 1), 1e-8 overflows the scaled logits
+    (NaN probabilities: multinomial raised): both are the argmax now, as is anything below 1e-5."""
+    logits = torch.randn(3, 400, generator=torch.Generator().manual_seed(9)) * 30
+    params = [SamplingParams(temperature=temperature, top_k=0, seed=s) for s in range(3)]
+    assert all(p.is_greedy for p in params)
+    assert torch.equal(sample(logits, params, [make_generator(p) for p in params]), logits.argmax(dim=-1))
+    assert not SamplingParams(temperature=1e-5).is_greedy

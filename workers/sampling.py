@@ -26,9 +26,15 @@ def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -
     return torch.Generator(device=device).manual_seed(params.seed)
 
 
+TOP_K_CAP = 2**24
+"""top_k as the table holds it: at most this, the largest range of integers float32 holds exactly
+and more than any vocabulary (a larger k keeps every token all the same; 1e39 would be infinite)."""
+
+
 def sampling_table(params: list[SamplingParams], device: torch.device | str = "cpu") -> torch.Tensor:
-    """(batch, 3) float32 rows of (top_k, top_p, temperature)."""
-    return torch.tensor([[p.top_k, p.top_p, p.temperature] for p in params], dtype=torch.float32, device=device)
+    """(batch, 3) float32 rows of (top_k, top_p, temperature); top_k capped at TOP_K_CAP."""
+    return torch.tensor([[min(p.top_k, TOP_K_CAP), p.top_p, p.temperature] for p in params], dtype=torch.float32,
+                        device=device)
 
 
 def filtered_probs(logits: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

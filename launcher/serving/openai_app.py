@@ -17,6 +17,7 @@ import hmac
 import json
 import math
 import os
+import threading
 import time
 from contextlib import aclosing
 
@@ -30,6 +31,7 @@ from launcher.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics, TokenTi
 from launcher.serving.openai_protocol import ProtocolError
 from launcher.serving.openai_render import ChatRender, CompletionRender
 from launcher.serving.server_settings import ServerSettings, settings_from_args
+from launcher.serving.token_pieces import TokenPieces
 
 app = FastAPI(title="corelaunch OpenAI-compatible server", docs_url=None, redoc_url=None)
 
@@ -93,8 +95,10 @@ async def _json_body(request: Request):
     raw = await request.body()
     try:
         return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ProtocolError(f"the request body is not valid JSON ({err}); send a JSON object with "
+    # ValueError: JSONDecodeError, UnicodeDecodeError, and a number past Python's 4300-digit limit;
+    # RecursionError: arrays or objects nested thousands deep
+    except (ValueError, RecursionError) as err:
+        raise ProtocolError(f"the request body is not valid JSON ({str(err)[:200]}); send a JSON object with "
                             f"Content-Type: application/json") from None
 
 
@@ -136,6 +140,10 @@ class OpenAIServer:
         own_tokenizer = BackgroundLoad(load_tokenizer, self.launcher.model_dir, name="corelaunch-serve-tokenizer")
         self.launcher.start()
         self.tokenizer = own_tokenizer.result()
+        self.pieces = TokenPieces(self.tokenizer)
+        # Prompts are tokenized on threads (a long one takes seconds, which on the request loop would
+        # stall every stream and /health), one at a time: tokenizers are not safe to share.
+        self._encoding = threading.Lock()
         self.name = settings.served_model_name
         self.api_key = settings.api_key or os.environ.get("CORELAUNCH_API_KEY") or None
         self.context_tokens = _context_tokens(self.launcher)
@@ -177,24 +185,42 @@ class OpenAIServer:
         self._authorize(request)
         req = self._parse(proto.CompletionRequest, await _json_body(request))
         prompt = req.prompt_input()
-        stream = self._start(req, prompt, proto.max_new_tokens(req, 0, self.context_tokens), req.logprobs, "prompt")
-        return await self._respond(req, stream, CompletionRender(self.tokenizer, req.logprobs is not None), arrived)
+        if isinstance(prompt, str):
+            prompt = await asyncio.to_thread(self._encode, prompt)
+        stream = self._start(req, prompt, proto.max_new_tokens(req, len(prompt), self.context_tokens), req.logprobs,
+                             "prompt")
+        return await self._respond(req, stream, CompletionRender(self.pieces, req.logprobs is not None), arrived)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         arrived = time.perf_counter()
         self._authorize(request)
         req = self._parse(proto.ChatCompletionRequest, await _json_body(request))
-        try:
-            prompt = list(self.tokenizer.apply_chat_template(req.chat_messages(), add_generation_prompt=True,
-                                                             tokenize=True, return_dict=False))
-        except Exception as err:  # noqa: BLE001 - a template's refusal (e.g. roles out of order) is the client's
-            raise ProtocolError(f"messages: the model's chat template refused them: {err}", param="messages") from None
+        prompt = await asyncio.to_thread(self._apply_chat_template, req.chat_messages())
         stream = self._start(req, prompt, proto.max_new_tokens(req, len(prompt), self.context_tokens),
                              req.logprobs_count(), "messages")
-        return await self._respond(req, stream, ChatRender(self.tokenizer, req.logprobs), arrived)
+        return await self._respond(req, stream, ChatRender(self.pieces, req.logprobs), arrived)
 
     # ---- request plumbing ---------------------------------------------------------------------
+    def _encode(self, text: str) -> list[int]:
+        """A completions prompt's token ids (on a thread), as the Launcher tokenizes text."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:  # JSON can carry lone surrogates ("\ud800")
+            raise ProtocolError(f"prompt is not valid UTF-8 text ({err.reason} at position {err.start})",
+                                param="prompt") from None
+        with self._encoding:
+            return list(self.tokenizer(text)["input_ids"])
+
+    def _apply_chat_template(self, messages: list[dict]) -> list[int]:
+        """A chat request's prompt token ids (on a thread)."""
+        try:
+            with self._encoding:
+                return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                               return_dict=False))
+        except Exception as err:  # noqa: BLE001 - a template's refusal (e.g. roles out of order) is the client's
+            raise ProtocolError(f"messages: the model's chat template refused them: {err}", param="messages") from None
+
     def _authorize(self, request: Request) -> None:
         if self.api_key is None:
             return
@@ -217,11 +243,19 @@ class OpenAIServer:
                                 f"(GET /v1/models lists it)", param="model", status=404, code="model_not_found")
         return req
 
-    def _start(self, req, prompt, max_tokens: int, logprobs: int | None, prompt_param: str):
+    def _start(self, req, prompt: list[int], max_tokens: int, logprobs: int | None, prompt_param: str):
         """The engine's stream for this request; ProtocolError 400 for input the engine refuses
         (its message names the lengths or values; nearly always the prompt's, so `prompt_param` is
         the error's param), 503 with Retry-After when its queue is full."""
         from shardlib.sampling_params import SamplingParams
+
+        needed = len(prompt) + max_tokens
+        if needed > self.context_tokens:  # said in the API's words: max_tokens, not the engine's name
+            self.metrics.rejected(400)
+            raise ProtocolError(
+                f"the prompt has {len(prompt)} tokens; with max_tokens {max_tokens} that needs {needed} positions "
+                f"but the context holds {self.context_tokens}: shorten the prompt or lower max_tokens",
+                param="max_tokens" if len(prompt) < self.context_tokens else prompt_param)
 
         sampling = SamplingParams(temperature=req.temperature, top_k=max(req.top_k, 0), top_p=req.top_p,
                                   seed=req.seed)

@@ -73,8 +73,10 @@ def error_body(message: str, param: str | None = None, type: str = "invalid_requ
 
 
 # ---- requests ---------------------------------------------------------------------------------
+# strict: a value of the wrong JSON type is refused, not converted ("2" or 2.0 for max_tokens, true
+# for a token id, 1 for chat's logprobs), as OpenAI refuses it; an integer still passes for a number.
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
     """Send one more chunk before [DONE] with the request's usage and no choices."""
 
@@ -83,7 +85,7 @@ class _GenerationRequest(BaseModel):
     """Fields both endpoints share. Unknown fields are refused (a misspelt parameter would otherwise
     be silently ignored)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
     temperature: float = Field(1.0, ge=0, le=2)
@@ -125,7 +127,7 @@ class CompletionRequest(_GenerationRequest):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # name, tool_call_id, ...: not used by the template
+    model_config = ConfigDict(extra="ignore", strict=True)  # name, tool_call_id, ...: not used by the template
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict] | None = None
 
@@ -175,6 +177,9 @@ def _field_error(error: dict, model: type[BaseModel]) -> ProtocolError:
     loc = [str(part) for part in error["loc"]]
     field = loc[0] if loc else None
     param = ".".join(loc) if loc else None
+    if error["type"] == "extra_forbidden" and len(loc) > 1:  # inside an object field (stream_options)
+        return ProtocolError(f"unknown parameter {param!r}; {field} must be "
+                             f"{FIELD_RULES.get(field, 'as the OpenAI API reference says')}", param=param)
     if error["type"] == "extra_forbidden":
         known = ", ".join(sorted(model.model_fields))
         return ProtocolError(f"unknown parameter {field!r}; this endpoint takes: {known}", param=field)
@@ -289,29 +294,26 @@ def models_list(name: str, created: int) -> dict:
 
 
 # ---- log-probabilities ------------------------------------------------------------------------
-TokenText = Callable[[int], str]
-"""A token id's text (the tokenizer's piece, as decoded alone)."""
+# `pieces` is a launcher.serving.token_pieces.TokenPieces: each token's text and bytes (a token that
+# is part of a character has its own bytes and a `bytes:\xNN` text; see that module).
 
 
-def completion_logprobs(entries: list, token_text: TokenText, text_offset: int) -> dict:
-    """Completions' logprobs object for `entries` (workers.serving.requests.TokenLogprob), the first
-    token's text starting at `text_offset` characters into the generated text."""
+def completion_logprobs(entries: list, pieces, next_offset: Callable[[int], int]) -> dict:
+    """Completions' logprobs object for `entries` (workers.serving.requests.TokenLogprob);
+    `next_offset(token_id)` gives each chosen token's offset into the generated text, in order."""
     tokens, token_logprobs, top, offsets = [], [], [], []
     for entry in entries:
-        piece = token_text(entry.token_id)
-        tokens.append(piece)
+        tokens.append(pieces.text(entry.token_id))
         token_logprobs.append(entry.logprob)
-        top.append({token_text(t): lp for t, lp in entry.top})
-        offsets.append(text_offset)
-        text_offset += len(piece)
+        top.append({pieces.text(t): lp for t, lp in entry.top})
+        offsets.append(next_offset(entry.token_id))
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
-def chat_logprobs(entries: list, token_text: TokenText) -> dict:
+def chat_logprobs(entries: list, pieces) -> dict:
     """Chat's logprobs object: {"content": [{token, logprob, bytes, top_logprobs}]}."""
     def item(token_id: int, logprob: float) -> dict:
-        piece = token_text(token_id)
-        return {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}
+        return {"token": pieces.text(token_id), "logprob": logprob, "bytes": list(pieces.bytes(token_id))}
 
     return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
                         for e in entries]}

@@ -1,10 +1,11 @@
 """From the engine's stream deltas to the OpenAI objects of one response: streamed chunks, or the
 whole response once the stream ends. One renderer per request; pure (a tokenizer is only asked for the
-text of single tokens, for log-probabilities)."""
+text and bytes of single tokens, for log-probabilities: launcher/serving/token_pieces.py)."""
 
 from __future__ import annotations
 
 from launcher.serving import openai_protocol as proto
+from launcher.serving.token_pieces import TextOffsets, TokenPieces
 
 
 class CompletionRender:
@@ -12,17 +13,15 @@ class CompletionRender:
 
     id_prefix, chunk_object = "cmpl", "text_completion"
 
-    def __init__(self, tokenizer, logprobs: bool):
-        self.token_text = lambda t: tokenizer.decode([t])
+    def __init__(self, pieces: TokenPieces, logprobs: bool):
+        self.pieces, self.offsets = pieces, TextOffsets(pieces)
         self.logprobs = logprobs
-        self.text, self.offset, self.logprob_parts = [], 0, []
+        self.text, self.logprob_parts = [], []
 
     def _logprobs(self, delta) -> dict | None:
         if not self.logprobs or not delta.logprobs:
             return None
-        part = proto.completion_logprobs(delta.logprobs, self.token_text, self.offset)
-        self.offset += sum(len(t) for t in part["tokens"])
-        return part
+        return proto.completion_logprobs(delta.logprobs, self.pieces, self.offsets.next)
 
     def opening(self, meta) -> list[dict]:
         return []
@@ -49,8 +48,8 @@ class ChatRender:
 
     id_prefix, chunk_object = "chatcmpl", "chat.completion.chunk"
 
-    def __init__(self, tokenizer, logprobs: bool):
-        self.token_text = lambda t: tokenizer.decode([t])
+    def __init__(self, pieces: TokenPieces, logprobs: bool):
+        self.pieces = pieces
         self.logprobs = logprobs
         self.text, self.entries = [], []
 
@@ -58,7 +57,7 @@ class ChatRender:
         return [proto.chat_chunk(meta, {"role": "assistant", "content": ""})]
 
     def chunk(self, meta, delta) -> dict | None:
-        logprobs = proto.chat_logprobs(delta.logprobs, self.token_text) if self.logprobs and delta.logprobs else None
+        logprobs = proto.chat_logprobs(delta.logprobs, self.pieces) if self.logprobs and delta.logprobs else None
         if not delta.text and logprobs is None and delta.finish_reason is None:
             return None
         return proto.chat_chunk(meta, {"content": delta.text} if delta.text else {}, delta.finish_reason, logprobs)
@@ -68,5 +67,5 @@ class ChatRender:
         self.entries.extend(delta.logprobs or [])
 
     def response(self, meta, finish, usage) -> dict:
-        logprobs = proto.chat_logprobs(self.entries, self.token_text) if self.logprobs else None
+        logprobs = proto.chat_logprobs(self.entries, self.pieces) if self.logprobs else None
         return proto.chat_response(meta, "".join(self.text), finish, usage, logprobs)

@@ -1,0 +1,100 @@
+"""What the log-probabilities of a response say about one token: its text, its bytes, and where it
+starts in the generated text.
+
+A token can be part of a character: SmolLM2's byte-level BPE spells an emoji as three or four
+tokens of one or two bytes each. Decoded alone, such a token is U+FFFD, so its text cannot be
+its `bytes` (clients join the bytes of consecutive tokens to rebuild the character), several
+alternatives would share one key in completions' `top_logprobs`, and summing the lengths of those
+texts misplaces every later `text_offset`. So:
+- `bytes` are the token's own bytes: from the byte-level alphabet (the byte each character of the
+  tokenizer's piece stands for), or a SentencePiece byte-fallback piece (`<0xE2>`); otherwise the
+  UTF-8 of its text;
+- its text is the decoded text when that is whole characters, else `bytes:` and the bytes as
+  `\\xNN` escapes (the spelling OpenAI's API uses for such tokens);
+- `text_offset` counts the characters completed before the token, through an incremental UTF-8
+  decoder fed each token's bytes; special tokens, which the text leaves out, count none.
+"""
+
+from __future__ import annotations
+
+import codecs
+import re
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte: printable Latin-1 bytes stand for
+    themselves, the other 68 are moved to code points from 256 up, in byte order."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    moved = [b for b in range(256) if b not in kept]
+    table = {chr(b): b for b in kept}
+    table.update({chr(256 + i): b for i, b in enumerate(moved)})
+    return table
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+
+
+def _is_byte_level(tokenizer) -> bool:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return backend is not None and "ByteLevel" in repr(backend.decoder)
+
+
+class TokenPieces:
+    """A tokenizer's per-token text and bytes, cached by id (a response asks for the same few often)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.byte_level = _is_byte_level(tokenizer)
+        self.special = frozenset(getattr(tokenizer, "all_special_ids", ()) or ())
+        self._cache: dict[int, tuple[str, bytes]] = {}
+
+    def _piece(self, token_id: int) -> tuple[str, bytes]:
+        cached = self._cache.get(token_id)
+        if cached is not None:
+            return cached
+        text = self.tokenizer.decode([token_id])
+        raw = text.encode()
+        if "\ufffd" in text:  # part of a character, or a character the tokenizer could not decode
+            raw = self._raw_bytes(token_id) or raw
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        self._cache[token_id] = (text, raw)
+        return text, raw
+
+    def _raw_bytes(self, token_id: int) -> bytes | None:
+        convert = getattr(self.tokenizer, "convert_ids_to_tokens", None)
+        piece = convert(token_id) if convert is not None else None
+        if not isinstance(piece, str):
+            return None
+        fallback = _BYTE_FALLBACK.fullmatch(piece)
+        if fallback:
+            return bytes([int(fallback.group(1), 16)])
+        if self.byte_level and piece and all(c in _BYTE_LEVEL for c in piece):
+            return bytes(_BYTE_LEVEL[c] for c in piece)
+        return None
+
+    def text(self, token_id: int) -> str:
+        return self._piece(token_id)[0]
+
+    def bytes(self, token_id: int) -> bytes:
+        return self._piece(token_id)[1]
+
+
+class TextOffsets:
+    """Each generated token's offset, in characters, into the response's text."""
+
+    def __init__(self, pieces: TokenPieces) -> None:
+        self.pieces = pieces
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.chars = 0
+
+    def next(self, token_id: int) -> int:
+        """The offset of this token (the characters completed before it), then account for it."""
+        offset = self.chars
+        if token_id not in self.pieces.special:
+            self.chars += len(self._decoder.decode(self.pieces.bytes(token_id)))
+        return offset
