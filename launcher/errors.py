@@ -59,6 +59,11 @@ class RestartLimitExceeded(ReplicaFailed):
     """A replica failed more often than max_restarts within restart_window_s (a crash loop)."""
 
 
+class RequestFailed(LaunchError):
+    """One request failed by itself (say, choosing its next token raised); its TP group and every
+    other request in it carry on."""
+
+
 class NoReplicaAvailable(LaunchError):
     """Every replica has failed for good: nothing is left to serve requests."""
 

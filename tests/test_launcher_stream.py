@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from launcher.api import Launcher
-from launcher.errors import QueueFull, WorkerDied
+from launcher.errors import QueueFull, RequestFailed, WorkerDied
 from tests.test_replicas import EAGER, NEW_TOKENS, PROMPTS, model_and_expected  # noqa: F401 - fixture
 
 
@@ -121,3 +121,31 @@ def test_a_group_fault_mid_stream_resumes_every_stream(model_and_expected, in_pr
     assert got == expected
     assert status["restarts"] == 1
     assert sum(s.handle.attempts == 2 for s in streams) >= len(PROMPTS) - 1
+
+
+def test_a_request_whose_token_choice_fails_is_failed_alone(model_and_expected, in_process_cluster, monkeypatch):
+    """The leader's token choice raises for one request (seed 13): the caller gets RequestFailed
+    naming why, the greedy streams beside it finish with their tokens, and the group is not
+    restarted (a restart would replay the request and fail again, until the replica was given up)."""
+    import workers.serving.loop as loop_module
+    from workers.sampling import SamplingParams
+
+    real_choose = loop_module.choose
+
+    def choose(logits, sequences):
+        if any(s.request.sampling.seed == 13 for s in sequences):
+            raise OverflowError("cannot convert float infinity to integer")
+        return real_choose(logits, sequences)
+
+    monkeypatch.setattr(loop_module, "choose", choose)
+    model_dir, expected = model_and_expected
+    with Launcher(model=model_dir, tp=2, max_num_seqs=3, progress=False, **EAGER) as llm:
+        streams = [llm.stream(p, max_new_tokens=NEW_TOKENS) for p in PROMPTS[:2]]
+        poisoned = llm.stream(PROMPTS[2], SamplingParams(temperature=0.7, seed=13), max_new_tokens=NEW_TOKENS)
+        with pytest.raises(RequestFailed, match="OverflowError: cannot convert float infinity to integer"):
+            tokens_of(poisoned)
+        assert [tokens_of(s)[0] for s in streams] == expected[:2]
+        assert llm.generate([PROMPTS[2]], max_new_tokens=NEW_TOKENS)[0].token_ids == expected[2]
+        status = llm.replica_status()[0]
+        assert llm.load() == {"running": 0, "waiting": 0}
+    assert status["restarts"] == 0

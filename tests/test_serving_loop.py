@@ -348,3 +348,32 @@ def test_a_compiled_model_makes_room_for_the_serving_shapes():
     finally:
         dynamo_config.recompile_limit = max(saved[0], dynamo_config.recompile_limit)
         dynamo_config.accumulated_recompile_limit = max(saved[1], dynamo_config.accumulated_recompile_limit)
+
+
+def test_a_request_whose_token_choice_fails_fails_alone(monkeypatch):
+    """Choosing one request's token raises (a stand-in for any such fault): that request ends with an
+    "error" event and frees its row, its neighbours finish with their own tokens, and the loop serves
+    on. Failing the group instead would replay the request on the restarted group until the replica
+    was given up (the adversarial run's top_k of 1e39 did that)."""
+    import workers.serving.loop as loop_module
+
+    real_choose = loop_module.choose
+
+    def choose(logits, sequences):
+        if any(s.request.request_id == "poisoned" for s in sequences):
+            raise OverflowError("cannot convert float infinity to integer")
+        return real_choose(logits, sequences)
+
+    monkeypatch.setattr(loop_module, "choose", choose)
+    loop = eager_loop(max_num_seqs=3, max_prefill_tokens=32)
+    threads = run_loops([loop])
+    loop.submit([request("a", PROMPTS[0], 6), request("poisoned", PROMPTS[1], 6), request("b", PROMPTS[2], 6)])
+    got = collect(loop, {"a", "poisoned", "b"})
+    assert got.finish["poisoned"] == "error" and got.tokens["poisoned"] == []
+    [failed] = [e for e in got.events if e.request_id == "poisoned"]
+    assert "OverflowError: cannot convert float infinity to integer" in failed.error
+    assert got.tokens["a"] == alone(tuple(PROMPTS[0]))[:6] and got.tokens["b"] == alone(tuple(PROMPTS[2]))[:6]
+    loop.submit([request("after", PROMPTS[1], 3)])  # the loop still serves, in the freed row
+    assert collect(loop, {"after"}).tokens["after"] == alone(tuple(PROMPTS[1]))[:3]
+    stop([loop], threads)
+    assert sorted(loop.scheduler.free_rows) == [0, 1, 2]

@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from launcher.errors import (DevicesMissing, GroupFault, LaunchError, NoReplicaAvailable, PlacementTimeout,
-                             RendezvousTimeout, ReplicaFailed, RequestTimeout, RestartLimitExceeded, WorkerDied)
+                             RendezvousTimeout, ReplicaFailed, RequestFailed, RequestTimeout, RestartLimitExceeded,
+                             WorkerDied)
 from launcher.cluster.restart_policy import RestartPolicy
 from launcher.cluster.stream_handle import StreamHandle
 from workers.serving.requests import TokenEvent
@@ -164,7 +165,9 @@ class Replica:
                     # Out of the books before the reader learns it finished (load() is then exact).
                     self.streams.pop(event.request_id)
                     self.served += 1
-            if handle is not None:
+            if handle is not None and event.finish_reason == "error":
+                handle.fail(RequestFailed(f"request {handle.request_id} failed: {event.error}"))
+            elif handle is not None:
                 handle.deliver(event)
         now = time.monotonic()
         with self._streams_lock:

@@ -273,8 +273,11 @@ class ServingLoop:
         sequences = [seq for seq, _ in chosen]
         # A decode-only step's rows already are one tensor in order: no copy of 16 x vocab floats.
         logits = decode_logits if len(chosen) == len(plan.decode) else torch.stack([row for _, row in chosen])
-        tokens, logprobs = choose(logits, sequences)
         events = []
+        try:
+            tokens, logprobs = choose(logits, sequences)
+        except Exception:  # noqa: BLE001 - one request's choice failed: find it, fail it alone
+            sequences, logits, tokens, logprobs, events = self._choose_alone(sequences, logits)
         for i, (seq, token) in enumerate(zip(sequences, tokens)):
             seq.generated += 1
             request = seq.request
@@ -288,6 +291,27 @@ class ServingLoop:
             else:
                 self.scheduler.finish(seq)
         return events
+
+    def _choose_alone(self, sequences: list[Sequence], logits: torch.Tensor):
+        """Each row's token chosen by itself, after choosing them together raised: a row that raises
+        again fails its request alone ("error" event, its row freed). The forwards ran on every rank
+        and only the leader chooses tokens, so the group stays in step and serves on; failing the
+        group instead would replay the same request on the restarted group until it was given up.
+        Returns the rows that succeeded (sequences, logits, tokens, logprobs) and the error events."""
+        kept, rows, tokens, logprobs, events = [], [], [], [], []
+        for i, seq in enumerate(sequences):
+            try:
+                [token], [logprob] = choose(logits[i:i + 1], [seq])
+            except Exception as err:  # noqa: BLE001 - reported to this request's caller
+                events.append(TokenEvent(seq.request.request_id, [], "error",
+                                         error=f"choosing its next token failed: {type(err).__name__}: {err}"))
+                self.scheduler.finish(seq)
+                continue
+            kept.append(seq)
+            rows.append(i)
+            tokens.append(token)
+            logprobs.append(logprob)
+        return kept, logits[rows], tokens, logprobs, events
 
     # ---- static batches ------------------------------------------------------------------------------
     def _next_static(self) -> int | None:

@@ -45,9 +45,12 @@ class TokenEvent:
     request_id: str
     token_ids: list[int]
     finish_reason: str | None = None
-    """None while running; "stop" (a stop token), "length" (max_tokens), "abort" (cancelled)."""
+    """None while running; "stop" (a stop token), "length" (max_tokens), "abort" (cancelled), "error"
+    (this request alone failed: `error` says why; the group serves on)."""
     logprobs: list[TokenLogprob] | None = None
     logits: list | None = None
     """With return_logits: one (vocab,) float32 tensor per token."""
     step_s: float = 0.0
     """Wall time of the step that produced the last of these tokens (rank 0)."""
+    error: str | None = None
+    """With finish_reason "error": what failed."""
