@@ -334,17 +334,18 @@ class Launcher:
 
     def check_prompts(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                       sampling: SamplingParams | Sequence[SamplingParams] | None = None,
-                      max_new_tokens: int = 64) -> None:
+                      max_new_tokens: int = 64, batching: str = "continuous") -> None:
         """What generate() checks before any worker call, without starting anything (prepare()
         runs first): prompts tokenized with the driver's tokenizer, none empty or past the context
-        and buckets, the sampling parameters and max_new_tokens. ValueError naming the value."""
+        (for `batching` "continuous", the serving cache's serving_seq_len) and buckets, the sampling
+        parameters and max_new_tokens. ValueError naming the value."""
         self.prepare()
         self._await_tokenizer()
         with self._lock:
             _, token_lists = self._tokenize(prompts)
         params = self._sampling_per_prompt(sampling, len(token_lists))
         check_request(token_lists, params, max_new_tokens, self.model_config.vocab_size)
-        self._check_lengths(token_lists, max_new_tokens)
+        self._check_lengths(token_lists, max_new_tokens, serving=batching == "continuous")
 
     def _start_group(self, backend: str) -> None:
         """Connect to Ray, size each rank's bundle and the replica count, start every replica."""
@@ -534,7 +535,7 @@ class Launcher:
             texts, token_lists = self._tokenize(prompts)
         params = self._sampling_per_prompt(sampling, len(token_lists))
         check_request(token_lists, params, max_new_tokens, self.model_config.vocab_size)
-        self._check_lengths(token_lists, max_new_tokens)
+        self._check_lengths(token_lists, max_new_tokens, serving=False)
         eos = () if ignore_eos else self._eos_ids()
         stops = tuple(sorted(set(stop_token_ids) | set(eos)))
         parts = []
@@ -656,7 +657,7 @@ class Launcher:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling ({params!r}) must be a SamplingParams")
         check_request([token_ids], [params], max_new_tokens, self.model_config.vocab_size)
-        self._check_lengths([token_ids], max_new_tokens)
+        self._check_lengths([token_ids], max_new_tokens, serving=True)
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
                                      or not 0 <= logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs ({logprobs!r}) must be an integer from 0 to {MAX_LOGPROBS}, or None")
@@ -707,7 +708,7 @@ class Launcher:
             texts, token_lists = self._tokenize(prompts)
         params = self._sampling_per_prompt(sampling, len(token_lists))
         check_request(token_lists, params, max_new_tokens, self.model_config.vocab_size)
-        self._check_lengths(token_lists, max_new_tokens)
+        self._check_lengths(token_lists, max_new_tokens, serving=True)
         streams = [self._submit_stream(ids, p, max_new_tokens, stop_token_ids, (), ignore_eos, None, None,
                                        asynchronous, return_logits) for ids, p in zip(token_lists, params)]
         return streams, texts, token_lists
@@ -782,10 +783,20 @@ class Launcher:
             return [sampling] * count
         return list(sampling)  # one per prompt, checked by check_request
 
-    def _check_lengths(self, token_lists: list[list[int]], max_new_tokens: int) -> None:
+    @property
+    def serving_seq_len(self) -> int:
+        """Positions (prompt plus new tokens) one streamed request may hold: the serving engine's KV
+        cache rows have this many slots (seq_len, else the plan's: min(max_position_embeddings, 4096))."""
+        self.prepare()
+        return self.config.seq_len or self.plan.seq_len
+
+    def _check_lengths(self, token_lists: list[list[int]], max_new_tokens: int, serving: bool) -> None:
+        """serving: the requests run in the serving engine (continuous batching), whose cache rows
+        hold serving_seq_len positions; a static batch sizes its cache per request."""
         limit = self.model_config.max_position_embeddings
-        if self.config.seq_len is not None and self.config.seq_len < limit:
-            check_fits(token_lists, max_new_tokens, self.config.seq_len, "seq_len",
+        seq_len = self.serving_seq_len if serving else self.config.seq_len
+        if seq_len is not None and seq_len < limit:
+            check_fits(token_lists, max_new_tokens, seq_len, "seq_len",
                        fix="shorten the prompt, lower max_new_tokens, or raise seq_len (--seq-len)")
         else:
             check_fits(token_lists, max_new_tokens, limit, "the model's max_position_embeddings")

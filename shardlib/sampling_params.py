@@ -10,9 +10,10 @@ from dataclasses import dataclass
 
 MAX_SEED = 2**63 - 1
 GREEDY_BELOW = 1e-5
-"""Temperatures below this are greedy: float32 logits divided by less overflow to infinity (or the
-temperature itself rounds to 0 in float32), and the softmax of those is not a distribution. So
-close to 0, sampling would pick the argmax anyway."""
+"""Temperatures below this are greedy. The sampling table holds temperatures in float32, where the
+tiniest round to 0 (the row sampled at temperature 1) or stay as denormals that divide the logits
+into infinities (NaN probabilities: the draw raised); this close to 0, sampling picks the argmax
+anyway."""
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,21 @@ def test_requests_are_checked_before_ray_starts(small_model, ray_tripwire):
     assert launcher._ray is None and launcher._pool is None
 
 
+def test_streamed_requests_are_held_to_the_serving_cache_not_the_model_maximum(ray_tripwire):
+    """SmolLM2 allows 8192 positions, but without --seq-len the serving engine's cache rows hold the
+    plan's 4096: a longer request was let through and overran its row in the leader's step (the
+    group failed, and failed again on the replayed request). A static batch sizes its own cache."""
+    from shardlib.demo_model import ensure_demo_model
+
+    launcher = Launcher(model=str(ensure_demo_model()), progress=False, compile=False)
+    assert launcher.serving_seq_len == 4096 < launcher.model_config.max_position_embeddings
+    with pytest.raises(ValueError, match=r"needs 5010 positions but seq_len is 4096.*raise seq_len \(--seq-len\)"):
+        launcher.check_prompts([[1] * 10], max_new_tokens=5000)
+    launcher.check_prompts([[1] * 10], max_new_tokens=4086)
+    launcher.check_prompts([[1] * 10], max_new_tokens=5000, batching="static")
+    assert Launcher(model=str(ensure_demo_model()), progress=False, seq_len=512).serving_seq_len == 512
+
+
 def test_a_prompt_that_is_not_utf8_is_named_before_ray_starts(ray_tripwire):
     from shardlib.demo_model import ensure_demo_model
 

@@ -169,7 +169,8 @@ def test_renderers_turn_deltas_into_chunks_and_responses():
     from launcher.serving.token_pieces import TokenPieces
     from workers.serving.requests import TokenLogprob
 
-    tokenizer = TokenPieces(SimpleNamespace(decode=lambda ids: {1: "Hel", 2: "lo", 3: "!"}[ids[0]]))
+    words = {1: "Hel", 2: "lo", 3: "!"}
+    tokenizer = TokenPieces(SimpleNamespace(decode=lambda ids, skip_special_tokens=False: "".join(words[i] for i in ids)))
     deltas = [StreamDelta("r", "Hel", [1], None, 2, 1, [TokenLogprob(1, -0.1, [(1, -0.1), (2, -2.0)])]),
               StreamDelta("r", "", [2], None, 2, 2, [TokenLogprob(2, -0.2, [])]),  # text held back
               StreamDelta("r", "lo!", [3], "stop", 2, 3, [TokenLogprob(3, -0.3, [])])]
@@ -518,6 +519,12 @@ def test_edge_values_neither_crash_the_group_nor_escape_as_500s(client, server, 
         client.completions.create(model=MODEL, prompt=[28] * 10, max_tokens=10**6)
     assert caught.value.body["param"] == "max_tokens"
     assert "max_tokens 1000000" in caught.value.body["message"] and "max_new_tokens" not in caught.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=10**6)
+    assert caught.value.body["param"] == "max_completion_tokens"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt="")
+    assert caught.value.body["param"] == "prompt" and "prompt is empty" in caught.value.body["message"]
 
 
 @pytest.mark.slow

@@ -155,10 +155,11 @@ def test_a_top_k_past_float32_range_keeps_every_token():
                            sample(logits, plain, [make_generator(plain[0])]))
 
 
-@pytest.mark.parametrize("temperature", [1e-40, 1e-8, 9.9e-6])
+@pytest.mark.parametrize("temperature", [1e-50, 1e-40, 1e-8, 9.9e-6])
 def test_a_temperature_below_the_greedy_threshold_is_greedy(temperature):
-    """1e-40 rounds to 0 in float32 (it sampled at temperature 1), 1e-8 overflows the scaled logits
-    (NaN probabilities: multinomial raised): both are the argmax now, as is anything below 1e-5."""
+    """1e-40 is a float32 denormal that divided the logits into infinities (NaN probabilities:
+    multinomial raised), and 1e-50 rounds to 0 (it sampled at temperature 1): both are the argmax
+    now, as is anything below 1e-5."""
     logits = torch.randn(3, 400, generator=torch.Generator().manual_seed(9)) * 30
     params = [SamplingParams(temperature=temperature, top_k=0, seed=s) for s in range(3)]
     assert all(p.is_greedy for p in params)

@@ -351,29 +351,57 @@ def test_a_compiled_model_makes_room_for_the_serving_shapes():
 
 
 def test_a_request_whose_token_choice_fails_fails_alone(monkeypatch):
-    """Choosing one request's token raises (a stand-in for any such fault): that request ends with an
-    "error" event and frees its row, its neighbours finish with their own tokens, and the loop serves
-    on. Failing the group instead would replay the request on the restarted group until the replica
-    was given up (the adversarial run's top_k of 1e39 did that)."""
+    """Choosing one request's token raises after its neighbour drew (a stand-in for any such fault,
+    e.g. NaN probabilities): that request ends with an "error" event and frees its row, the seeded
+    neighbour keeps its own draws (its generator is put back) and the greedy one its tokens, and the
+    loop serves on. Failing the group instead would replay the request on the restarted group until
+    the replica was given up (the adversarial run's top_k of 1e39 did that)."""
     import workers.serving.loop as loop_module
+
+    sampled = SamplingParams(temperature=0.9, seed=77)
+    loop = eager_loop(max_num_seqs=3, max_prefill_tokens=32)
+    threads = run_loops([loop])
+    loop.submit([request("a", PROMPTS[0], 6, sampling=sampled)])
+    own_draws = collect(loop, {"a"}).tokens["a"]
+    stop([loop], threads)
 
     real_choose = loop_module.choose
 
     def choose(logits, sequences):
-        if any(s.request.request_id == "poisoned" for s in sequences):
+        ids = [s.request.request_id for s in sequences]
+        if "poisoned" in ids:
+            before = ids.index("poisoned")
+            real_choose(logits[:before], sequences[:before])  # the rows before it draw, then it fails
             raise OverflowError("cannot convert float infinity to integer")
         return real_choose(logits, sequences)
 
     monkeypatch.setattr(loop_module, "choose", choose)
     loop = eager_loop(max_num_seqs=3, max_prefill_tokens=32)
     threads = run_loops([loop])
-    loop.submit([request("a", PROMPTS[0], 6), request("poisoned", PROMPTS[1], 6), request("b", PROMPTS[2], 6)])
+    loop.submit([request("a", PROMPTS[0], 6, sampling=sampled), request("poisoned", PROMPTS[1], 6),
+                 request("b", PROMPTS[2], 6)])
     got = collect(loop, {"a", "poisoned", "b"})
     assert got.finish["poisoned"] == "error" and got.tokens["poisoned"] == []
     [failed] = [e for e in got.events if e.request_id == "poisoned"]
     assert "OverflowError: cannot convert float infinity to integer" in failed.error
-    assert got.tokens["a"] == alone(tuple(PROMPTS[0]))[:6] and got.tokens["b"] == alone(tuple(PROMPTS[2]))[:6]
+    assert got.tokens["a"] == own_draws and got.tokens["b"] == alone(tuple(PROMPTS[2]))[:6]
     loop.submit([request("after", PROMPTS[1], 3)])  # the loop still serves, in the freed row
     assert collect(loop, {"after"}).tokens["after"] == alone(tuple(PROMPTS[1]))[:3]
     stop([loop], threads)
     assert sorted(loop.scheduler.free_rows) == [0, 1, 2]
+
+
+def test_a_choice_that_fails_for_every_row_fails_the_group(monkeypatch):
+    """Every row of a step failing is no one request's fault: the loop raises, as for any fault of
+    the group (which restarts and resumes its streams), rather than failing every request."""
+    import workers.serving.loop as loop_module
+
+    def choose(logits, sequences):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(loop_module, "choose", choose)
+    loop = eager_loop(max_num_seqs=2, max_prefill_tokens=32)
+    threads = run_loops([loop])
+    loop.submit([request("a", PROMPTS[0], 4), request("b", PROMPTS[1], 4)])
+    threads[0].join(60)
+    assert not threads[0].is_alive() and isinstance(loop.error, RuntimeError) and "device lost" in str(loop.error)

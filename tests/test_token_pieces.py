@@ -30,19 +30,15 @@ def test_the_byte_level_alphabet_is_gpt2s():
 def test_tokens_inside_emoji_carry_their_own_bytes_and_offsets(smollm2_tokenizer):
     text = " 🎉🔥\n\nThis"
     ids = smollm2_tokenizer(text)["input_ids"]
-    pieces, offsets = TokenPieces(smollm2_tokenizer), TextOffsets(TokenPieces(smollm2_tokenizer))
+    pieces, offsets = TokenPieces(smollm2_tokenizer), TextOffsets(smollm2_tokenizer)
     partial = [i for i in ids if "\ufffd" in smollm2_tokenizer.decode([i])]
     assert len(partial) >= 4  # the two emoji are split into tokens of one to three bytes
     assert b"".join(pieces.bytes(i) for i in ids) == text.encode()
     assert all(pieces.text(i).startswith("bytes:\\x") for i in partial)
     assert len({pieces.text(i) for i in partial}) == len(set(partial))  # distinct keys for top_logprobs
-    got = [offsets.next(i) for i in ids]
-    # each token starts at the character it is (part of): the text's own index of that character
-    starts, at = [], 0
-    for i in ids:
-        starts.append(len(text.encode()[:at].decode("utf-8", errors="ignore")))
-        at += len(pieces.bytes(i))
-    assert got == starts and got[-3:] == [3, 4, 5]
+    # an offset is the length of the text emitted before the token: the tokens of " 🎉" are held
+    # back until the emoji is whole, so all three sit at 0; those of "🔥" at 2, after " 🎉"
+    assert [offsets.next(i) for i in ids] == [0, 0, 0, 2, 2, 2, 3, 4, 5]
     assert pieces.text(ids[-1]) == "This" and pieces.bytes(ids[-1]) == b"This"
 
 
@@ -54,7 +50,7 @@ def test_a_whole_word_token_is_its_decoded_text(smollm2_tokenizer):
 
 def test_special_tokens_take_no_characters_of_the_text(smollm2_tokenizer):
     eos = smollm2_tokenizer.eos_token_id
-    offsets = TextOffsets(TokenPieces(smollm2_tokenizer))
+    offsets = TextOffsets(smollm2_tokenizer)
     [hi] = smollm2_tokenizer("Hi")["input_ids"]
     assert [offsets.next(t) for t in (hi, eos, hi)] == [0, 2, 2]
 
@@ -63,3 +59,39 @@ def test_a_sentencepiece_byte_fallback_piece_is_its_byte():
     tokenizer = SimpleNamespace(decode=lambda ids: "\ufffd", convert_ids_to_tokens=lambda i: "<0xE2>")
     pieces = TokenPieces(tokenizer)
     assert pieces.bytes(7) == b"\xe2" and pieces.text(7) == "bytes:\\xe2"
+
+
+def llama_style_tokenizer():
+    """A SentencePiece-style tokenizer as Llama 2 and Mistral ship it: ▁ for spaces, byte fallback,
+    and a decoder that strips the first space of a text."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for word in ["\u2581Paris", "\u2581is", "\u2581nice", "\u2581", "."]:
+        vocab[word] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"), vocab
+
+
+def test_sentencepiece_word_pieces_keep_their_space_and_offsets_follow_the_text():
+    from launcher.serving.detokenizer import IncrementalDetokenizer
+
+    tokenizer, vocab = llama_style_tokenizer()
+    ids = [vocab[w] for w in ("\u2581Paris", "\u2581is", "\u2581nice", ".")]
+    ids += [vocab[f"<0x{b:02X}>"] for b in "🎉".encode()] + [vocab["\u2581is"]]
+    text = IncrementalDetokenizer(tokenizer)
+    for i in ids:
+        text.push([i])
+    text.flush()
+    assert text.text == "Paris is nice.🎉 is"  # what the response says
+    pieces, offsets = TokenPieces(tokenizer), TextOffsets(tokenizer)
+    assert tokenizer.decode([vocab["\u2581is"]]) == "is"  # alone, the decoder strips the space
+    assert pieces.text(vocab["\u2581is"]) == " is" and pieces.bytes(vocab["\u2581is"]) == b" is"
+    assert [pieces.text(i) for i in ids[4:8]] == ["bytes:\\xf0", "bytes:\\x9f", "bytes:\\x8e", "bytes:\\x89"]
+    assert b"".join(pieces.bytes(i) for i in ids[1:]) == " is nice.🎉 is".encode()
+    # the first token's space is the one the text strips; the others start where the text has them
+    assert [offsets.next(i) for i in ids] == [0, 5, 8, 13, 14, 14, 14, 14, 15]

@@ -103,10 +103,9 @@ async def _json_body(request: Request):
 
 
 def _context_tokens(launcher) -> int:
-    """Prompt + generated tokens one request may hold: seq_len when set below the model's maximum."""
-    limit = launcher.model_config.max_position_embeddings
-    seq_len = launcher.config.seq_len
-    return min(limit, seq_len) if seq_len else limit
+    """Prompt + generated tokens one request may hold: the serving cache's row (seq_len, else the
+    plan's), never past the model's maximum."""
+    return min(launcher.model_config.max_position_embeddings, launcher.serving_seq_len)
 
 
 HEALTH_CHECK_PERIOD_S = 2.0
@@ -134,15 +133,17 @@ class OpenAIServer:
         if launch.get("cpus_per_rank") is None:
             launch["cpus_per_rank"] = _cpus_per_rank(launch, settings.most_replicas)
         self.launcher = Launcher(LaunchConfig(**launch)).prepare()
-        # This replica's own tokenizer (the same files): the chat template and logprob token texts run
-        # on the request loop, never concurrently with the engine's detokenizing of the Launcher's copy.
-        # Both copies load on threads while the TP group starts.
+        # This replica's own tokenizer (the same files), never used by the engine's detokenizing of
+        # the Launcher's copy: prompts and chat templates (on threads, one at a time) and the
+        # logprobs' token texts and offsets (on the request loop). Both copies load on threads while
+        # the TP group starts.
         own_tokenizer = BackgroundLoad(load_tokenizer, self.launcher.model_dir, name="corelaunch-serve-tokenizer")
         self.launcher.start()
         self.tokenizer = own_tokenizer.result()
         self.pieces = TokenPieces(self.tokenizer)
         # Prompts are tokenized on threads (a long one takes seconds, which on the request loop would
-        # stall every stream and /health), one at a time: tokenizers are not safe to share.
+        # stall every stream and /health), one at a time: a tokenizer's settings are not safe to
+        # change from two threads at once, and encoding may set them.
         self._encoding = threading.Lock()
         self.name = settings.served_model_name
         self.api_key = settings.api_key or os.environ.get("CORELAUNCH_API_KEY") or None
@@ -186,7 +187,7 @@ class OpenAIServer:
         req = self._parse(proto.CompletionRequest, await _json_body(request))
         prompt = req.prompt_input()
         if isinstance(prompt, str):
-            prompt = await asyncio.to_thread(self._encode, prompt)
+            prompt = await self._tokenized(self._encode, prompt)
         stream = self._start(req, prompt, proto.max_new_tokens(req, len(prompt), self.context_tokens), req.logprobs,
                              "prompt")
         return await self._respond(req, stream, CompletionRender(self.pieces, req.logprobs is not None), arrived)
@@ -196,12 +197,20 @@ class OpenAIServer:
         arrived = time.perf_counter()
         self._authorize(request)
         req = self._parse(proto.ChatCompletionRequest, await _json_body(request))
-        prompt = await asyncio.to_thread(self._apply_chat_template, req.chat_messages())
+        prompt = await self._tokenized(self._apply_chat_template, req.chat_messages())
         stream = self._start(req, prompt, proto.max_new_tokens(req, len(prompt), self.context_tokens),
                              req.logprobs_count(), "messages")
         return await self._respond(req, stream, ChatRender(self.pieces, req.logprobs), arrived)
 
     # ---- request plumbing ---------------------------------------------------------------------
+    async def _tokenized(self, tokenize, *args) -> list[int]:
+        """tokenize(*args) on a thread; its refusal counted as a rejected request."""
+        try:
+            return await asyncio.to_thread(tokenize, *args)
+        except ProtocolError:
+            self.metrics.rejected(400)
+            raise
+
     def _encode(self, text: str) -> list[int]:
         """A completions prompt's token ids (on a thread), as the Launcher tokenizes text."""
         try:
@@ -210,7 +219,10 @@ class OpenAIServer:
             raise ProtocolError(f"prompt is not valid UTF-8 text ({err.reason} at position {err.start})",
                                 param="prompt") from None
         with self._encoding:
-            return list(self.tokenizer(text)["input_ids"])
+            ids = list(self.tokenizer(text)["input_ids"])
+        if not ids:
+            raise ProtocolError("prompt is empty (it has no tokens); send at least one character", param="prompt")
+        return ids
 
     def _apply_chat_template(self, messages: list[dict]) -> list[int]:
         """A chat request's prompt token ids (on a thread)."""
@@ -250,12 +262,13 @@ class OpenAIServer:
         from shardlib.sampling_params import SamplingParams
 
         needed = len(prompt) + max_tokens
-        if needed > self.context_tokens:  # said in the API's words: max_tokens, not the engine's name
+        if needed > self.context_tokens:  # said in the API's words (max_tokens), not the engine's
             self.metrics.rejected(400)
+            limit = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
             raise ProtocolError(
-                f"the prompt has {len(prompt)} tokens; with max_tokens {max_tokens} that needs {needed} positions "
-                f"but the context holds {self.context_tokens}: shorten the prompt or lower max_tokens",
-                param="max_tokens" if len(prompt) < self.context_tokens else prompt_param)
+                f"the prompt has {len(prompt)} tokens; with {limit} {max_tokens} that needs {needed} positions "
+                f"but the context holds {self.context_tokens}: shorten the prompt or lower {limit}",
+                param=limit if len(prompt) < self.context_tokens else prompt_param)
 
         sampling = SamplingParams(temperature=req.temperature, top_k=max(req.top_k, 0), top_p=req.top_p,
                                   seed=req.seed)

@@ -14,7 +14,7 @@ class CompletionRender:
     id_prefix, chunk_object = "cmpl", "text_completion"
 
     def __init__(self, pieces: TokenPieces, logprobs: bool):
-        self.pieces, self.offsets = pieces, TextOffsets(pieces)
+        self.pieces, self.offsets = pieces, TextOffsets(pieces.tokenizer)
         self.logprobs = logprobs
         self.text, self.logprob_parts = [], []
 

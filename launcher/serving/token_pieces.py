@@ -10,15 +10,22 @@ texts misplaces every later `text_offset`. So:
   tokenizer's piece stands for), or a SentencePiece byte-fallback piece (`<0xE2>`); otherwise the
   UTF-8 of its text;
 - its text is the decoded text when that is whole characters, else `bytes:` and the bytes as
-  `\\xNN` escapes (the spelling OpenAI's API uses for such tokens);
-- `text_offset` counts the characters completed before the token, through an incremental UTF-8
-  decoder fed each token's bytes; special tokens, which the text leaves out, count none.
+  `\\xNN` escapes (the spelling OpenAI's API uses for such tokens). A SentencePiece word piece
+  (`▁is`) keeps its space, which decoding it alone strips (Llama's and Mistral's decoders drop the
+  first character of a text when it is a space);
+- `text_offset` is the length of the text emitted before the token by the same incremental
+  detokenizer that writes the response's text (launcher/serving/detokenizer.py), so it counts what
+  the text holds whatever the tokenizer: no space a decoder strips, no special token it skips. The
+  detokenizer holds back text until its last character is whole, so the tokens of a character split
+  over several (and of whatever their first one carries before it) share the offset of the text
+  before them.
 """
 
 from __future__ import annotations
 
-import codecs
 import re
+
+from launcher.serving.detokenizer import IncrementalDetokenizer
 
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -47,7 +54,6 @@ class TokenPieces:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.byte_level = _is_byte_level(tokenizer)
-        self.special = frozenset(getattr(tokenizer, "all_special_ids", ()) or ())
         self._cache: dict[int, tuple[str, bytes]] = {}
 
     def _piece(self, token_id: int) -> tuple[str, bytes]:
@@ -55,6 +61,9 @@ class TokenPieces:
         if cached is not None:
             return cached
         text = self.tokenizer.decode([token_id])
+        piece = self._piece_name(token_id)
+        if not self.byte_level and piece.startswith("\u2581") and not text.startswith(" "):
+            text = " " + text  # a word piece decoded alone lost its leading space
         raw = text.encode()
         if "\ufffd" in text:  # part of a character, or a character the tokenizer could not decode
             raw = self._raw_bytes(token_id) or raw
@@ -65,11 +74,14 @@ class TokenPieces:
         self._cache[token_id] = (text, raw)
         return text, raw
 
-    def _raw_bytes(self, token_id: int) -> bytes | None:
+    def _piece_name(self, token_id: int) -> str:
+        """The vocabulary's own spelling of the token ("" when the tokenizer cannot say)."""
         convert = getattr(self.tokenizer, "convert_ids_to_tokens", None)
         piece = convert(token_id) if convert is not None else None
-        if not isinstance(piece, str):
-            return None
+        return piece if isinstance(piece, str) else ""
+
+    def _raw_bytes(self, token_id: int) -> bytes | None:
+        piece = self._piece_name(token_id)
         fallback = _BYTE_FALLBACK.fullmatch(piece)
         if fallback:
             return bytes([int(fallback.group(1), 16)])
@@ -87,14 +99,12 @@ class TokenPieces:
 class TextOffsets:
     """Each generated token's offset, in characters, into the response's text."""
 
-    def __init__(self, pieces: TokenPieces) -> None:
-        self.pieces = pieces
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    def __init__(self, tokenizer) -> None:
+        self._text = IncrementalDetokenizer(tokenizer)
         self.chars = 0
 
     def next(self, token_id: int) -> int:
-        """The offset of this token (the characters completed before it), then account for it."""
+        """The offset of this token (the characters emitted before it), then account for it."""
         offset = self.chars
-        if token_id not in self.pieces.special:
-            self.chars += len(self._decoder.decode(self.pieces.bytes(token_id)))
+        self.chars += len(self._text.push([token_id]))
         return offset

@@ -274,10 +274,16 @@ class ServingLoop:
         # A decode-only step's rows already are one tensor in order: no copy of 16 x vocab floats.
         logits = decode_logits if len(chosen) == len(plan.decode) else torch.stack([row for _, row in chosen])
         events = []
+        # Draws are row by row: if a later row raises, the earlier ones have drawn already. Their
+        # generators are put back before each row is chosen again, so their tokens stay their own.
+        states = [None if s.generator is None else s.generator.get_state() for s in sequences]
         try:
             tokens, logprobs = choose(logits, sequences)
-        except Exception:  # noqa: BLE001 - one request's choice failed: find it, fail it alone
-            sequences, logits, tokens, logprobs, events = self._choose_alone(sequences, logits)
+        except Exception as err:  # noqa: BLE001 - one request's choice failed: find it, fail it alone
+            for seq, state in zip(sequences, states):
+                if state is not None:
+                    seq.generator.set_state(state)
+            sequences, logits, tokens, logprobs, events = self._choose_alone(sequences, logits, err)
         for i, (seq, token) in enumerate(zip(sequences, tokens)):
             seq.generated += 1
             request = seq.request
@@ -292,25 +298,32 @@ class ServingLoop:
                 self.scheduler.finish(seq)
         return events
 
-    def _choose_alone(self, sequences: list[Sequence], logits: torch.Tensor):
+    def _choose_alone(self, sequences: list[Sequence], logits: torch.Tensor, batch_error: Exception):
         """Each row's token chosen by itself, after choosing them together raised: a row that raises
         again fails its request alone ("error" event, its row freed). The forwards ran on every rank
         and only the leader chooses tokens, so the group stays in step and serves on; failing the
         group instead would replay the same request on the restarted group until it was given up.
+        When every one of several rows fails, the fault is not a request's: `batch_error` is raised
+        and the group restarts as for any fault, its streams resuming.
         Returns the rows that succeeded (sequences, logits, tokens, logprobs) and the error events."""
-        kept, rows, tokens, logprobs, events = [], [], [], [], []
+        kept, rows, tokens, logprobs, failed = [], [], [], [], []
         for i, seq in enumerate(sequences):
             try:
                 [token], [logprob] = choose(logits[i:i + 1], [seq])
             except Exception as err:  # noqa: BLE001 - reported to this request's caller
-                events.append(TokenEvent(seq.request.request_id, [], "error",
-                                         error=f"choosing its next token failed: {type(err).__name__}: {err}"))
-                self.scheduler.finish(seq)
+                failed.append((seq, err))
                 continue
             kept.append(seq)
             rows.append(i)
             tokens.append(token)
             logprobs.append(logprob)
+        if len(sequences) > 1 and not kept:
+            raise batch_error
+        events = []
+        for seq, err in failed:
+            events.append(TokenEvent(seq.request.request_id, [], "error",
+                                     error=f"choosing its next token failed: {type(err).__name__}: {err}"))
+            self.scheduler.finish(seq)
         return kept, logits[rows], tokens, logprobs, events
 
     # ---- static batches ------------------------------------------------------------------------------
