@@ -87,6 +87,15 @@ def test_completion_refusals_name_the_field_and_its_range(field, value, words):
         assert word in err.message, err.message
 
 
+def test_null_parameters_take_their_defaults():
+    req = completion(temperature=None, top_p=None, top_k=None, n=None, stream=None, ignore_eos=None, seed=None,
+                     stop=None, stop_token_ids=None, presence_penalty=None, frequency_penalty=None, max_tokens=None)
+    assert (req.temperature, req.top_p, req.top_k, req.n, req.stream, req.ignore_eos) == (1.0, 1.0, 0, 1, False, False)
+    assert req.stop_token_ids == [] and req.seed is None and req.max_tokens is None
+    assert chat(logprobs=None, top_logprobs=None).logprobs is False
+    assert refusal(completion, model=None).param == "model"  # a required field stays required
+
+
 def test_a_number_field_takes_an_integer():
     assert completion(temperature=1, top_p=1).temperature == 1.0
 

@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from shardlib.sampling_params import MAX_SEED
 
@@ -86,6 +86,13 @@ class _GenerationRequest(BaseModel):
     be silently ignored)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, body):
+        """OpenAI's API takes null for any optional parameter, meaning its default (clients that
+        serialise every field send them): a null field is as if it were left out."""
+        return {k: v for k, v in body.items() if v is not None} if isinstance(body, dict) else body
 
     model: str
     temperature: float = Field(1.0, ge=0, le=2)
