@@ -27,7 +27,7 @@ from shardlib.expert_sharding import check_moe_sharding_name
 from shardlib.model_config import ModelConfig, normalize_dtype
 from shardlib.quantized_sizes import kv_dtype_name
 from shardlib.positive_int import is_positive_int, positive_int
-from shardlib.request_checks import check_fits, check_request
+from shardlib.request_checks import check_fits, check_request, check_stop_token_ids
 from shardlib.sampling_params import SamplingParams
 from shardlib.serving_shapes import DEFAULT_MAX_NUM_SEQS
 from workers.backends import backend_entry
@@ -171,8 +171,16 @@ class LaunchConfig:
                 self.max_queued_requests, int) or self.max_queued_requests < 0):
             raise ValueError(f"max_queued_requests ({self.max_queued_requests!r}) must be an integer >= 0, or None "
                              f"for no limit")
-        if self.seq_len is not None and self.seq_len < 2:
-            raise ValueError(f"seq_len ({self.seq_len}) must be at least 2")
+        if self.seq_len is not None and (isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int)
+                                         or self.seq_len < 2):
+            raise ValueError(f"seq_len ({self.seq_len!r}) must be an integer of at least 2 (positions per sequence)")
+        if self.max_context_length is not None:
+            positive_int("max_context_length", self.max_context_length)
+        c = self.cpus_per_rank
+        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c)
+                              or c < MIN_CPUS_PER_RANK):
+            raise ValueError(f"cpus_per_rank ({c!r}) must be a finite number of CPUs of at least {MIN_CPUS_PER_RANK:g} "
+                             f"(Ray's resource precision), or None to share the node's CPUs among the ranks")
         if self.dtype is not None:
             self.dtype = normalize_dtype(self.dtype)
         kv_dtype_name(self.kv_cache_dtype)  # ValueError naming the choices
@@ -205,6 +213,10 @@ WATCHDOG_GRACE_S = 30.0
 """A static generate() gives up on its batches after every timeout and restart it allows, plus this."""
 INTERRUPT_GRACE_S = 1.0
 """After Ctrl-C, how long the groups get to stop cleanly before they are killed."""
+
+
+MIN_CPUS_PER_RANK = 0.0001
+"""Ray counts resources in units of 1e-4: a smaller share cannot be asked for."""
 
 
 def _positive_seconds(name: str, value) -> None:
@@ -535,6 +547,7 @@ class Launcher:
             texts, token_lists = self._tokenize(prompts)
         params = self._sampling_per_prompt(sampling, len(token_lists))
         check_request(token_lists, params, max_new_tokens, self.model_config.vocab_size)
+        check_stop_token_ids(stop_token_ids, self.model_config.vocab_size)
         self._check_lengths(token_lists, max_new_tokens, serving=False)
         eos = () if ignore_eos else self._eos_ids()
         stops = tuple(sorted(set(stop_token_ids) | set(eos)))
@@ -645,6 +658,7 @@ class Launcher:
         from launcher.serving.stop_strings import validate_stops
         from workers.serving.requests import MAX_LOGPROBS
 
+        self._running_pool()  # not started: say so, before anything that needs the model
         if isinstance(prompt, str):
             prompt = [prompt]
         elif prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -677,6 +691,7 @@ class Launcher:
         from workers.serving.requests import StreamRequest
 
         pool = self._running_pool()
+        check_stop_token_ids(stop_token_ids, self.model_config.vocab_size)
         limit = self.config.max_queued_requests
         waiting = self.load()["waiting"] if limit is not None else 0
         if limit is not None and waiting >= limit:
@@ -704,6 +719,8 @@ class Launcher:
     def _open_generation(self, prompts, sampling, max_new_tokens, stop_token_ids, ignore_eos, return_logits,
                          asynchronous: bool):
         """Check every prompt first (nothing is submitted if one is bad), then submit them all."""
+        self._running_pool()  # not started: say so, before anything that needs the model
+        check_stop_token_ids(stop_token_ids, self.model_config.vocab_size)
         with self._lock:
             texts, token_lists = self._tokenize(prompts)
         params = self._sampling_per_prompt(sampling, len(token_lists))
@@ -781,7 +798,13 @@ class Launcher:
             return [SamplingParams()] * count
         if isinstance(sampling, SamplingParams):
             return [sampling] * count
-        return list(sampling)  # one per prompt, checked by check_request
+        if isinstance(sampling, (str, bytes, dict)) or not hasattr(sampling, "__iter__"):
+            raise ValueError(f"sampling ({sampling!r}) must be a SamplingParams, a list of one per prompt, or None")
+        params = list(sampling)  # their count is checked by check_request
+        for i, p in enumerate(params):
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"sampling[{i}] ({p!r}) must be a SamplingParams")
+        return params
 
     @property
     def serving_seq_len(self) -> int:

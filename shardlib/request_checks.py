@@ -36,6 +36,16 @@ def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> None:
                              f"were they tokenized for another model?")
 
 
+def check_stop_token_ids(stop_token_ids: Sequence[int], vocab_size: int) -> None:
+    """ValueError unless every stop token id is an integer in [0, vocab_size) (one outside could
+    never be generated: the request would silently run to its length)."""
+    if isinstance(stop_token_ids, (str, bytes)) or not hasattr(stop_token_ids, "__iter__"):
+        raise ValueError(f"stop_token_ids ({stop_token_ids!r}) must be a list of token ids")
+    bad = [t for t in stop_token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"stop_token_ids {bad[:5]!r} must be integers in [0, {vocab_size}) (the vocabulary)")
+
+
 def check_fits(prompts: Sequence[Sequence[int]], max_new_tokens: int, limit: int, limit_name: str, *,
                new_tokens_name: str = "max_new_tokens", fix: str | None = None) -> None:
     """ValueError naming the first prompt whose tokens plus max_new_tokens exceed `limit` positions.

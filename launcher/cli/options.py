@@ -136,9 +136,9 @@ def add_model_and_placement_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fused-projections", action="store_true",
                    help="fuse each rank's q/k/v and gate/up matrices after loading (measured: see the README)")
     add_sequence_parallel(p)
-    p.add_argument("--seq-len", type=int, help="maximum sequence length, the largest KV-cache (token-generation) "
-                                                "bucket (default: min(max_position_embeddings, 4096); with "
-                                                "--no-compile: longest prompt + new tokens)")
+    p.add_argument("--seq-len", type=int, help="maximum sequence length: the serving engine's KV-cache rows and "
+                                                "the largest KV-cache (token-generation) bucket (default: "
+                                                "min(max_position_embeddings, 4096))")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's")
     add_kv_cache_dtype(p)
     p.add_argument("--presharded", metavar="DIR", help="pre-sharded weights for this exact layout")

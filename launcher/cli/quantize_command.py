@@ -60,8 +60,16 @@ def run(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(f"\rquantize: {done}/{total} tensors", end="" if done < total else "\n", file=sys.stderr)
 
-    out = quantize_checkpoint(model, args.out, args.dtype, args.per_channel, args.lm_head, args.embedding,
-                              progress=progress)
+    try:
+        out = quantize_checkpoint(model, args.out, args.dtype, args.per_channel, args.lm_head, args.embedding,
+                                  progress=progress)
+    except ValueError as err:  # a checkpoint that fails to read (the message names the file)
+        print(f"corelaunch quantize: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        print(f"corelaunch quantize: could not write --out {args.out} ({err}); pass a new path in a directory "
+              f"you can write to", file=sys.stderr)
+        return 2
     if not args.quiet:
         print(f"quantize: wrote {out} in {time.monotonic() - start:.1f} s", file=sys.stderr)
     return 0

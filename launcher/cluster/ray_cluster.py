@@ -15,7 +15,10 @@ the calling program already opened, is left as it was.
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
+
+from launcher.errors import LaunchError
 
 LOOPBACK = "127.0.0.1"
 
@@ -47,6 +50,23 @@ def recorded_cluster() -> str | None:
     return read_ray_address() or None
 
 
+GCS_PROBE_S = 10.0
+"""How long a host:port address gets to accept a TCP connection before Ray is asked to join it."""
+
+
+def _unreachable(address: str, timeout_s: float = GCS_PROBE_S) -> str | None:
+    """Why nothing accepts connections at a "host:port" address (None when something does, or for
+    another form, such as ray://, which ray.init checks itself)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or "://" in address or not port.isascii() or not port.isdigit():
+        return None
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return None
+    except OSError as err:
+        return f"nothing accepts connections there within {timeout_s:g} s: {err}"
+
+
 def connect(address: str | None = None, num_cpus: int | None = None, worker_logs: bool = False) -> RayConnection:
     """`address`: None (RAY_ADDRESS, else a cluster `ray start` recorded here, else a private
     local one), "local" (always a private one), or "host:port"; "auto" is refused.
@@ -70,14 +90,15 @@ def connect(address: str | None = None, num_cpus: int | None = None, worker_logs
     else:
         how = "--ray-address"
     if address not in (None, "local"):
+        fix = ("start one with `ray start --head`, pass the right --ray-address, run `ray stop` to forget a "
+               "cluster that is gone, or pass --ray-address local for a private one")
+        unreachable = _unreachable(address)
+        if unreachable is not None:  # ray.init would retry a port nobody listens on for ever
+            raise LaunchError(f"no Ray cluster answered at {address!r} ({how}; {unreachable}); {fix}")
         try:
             ray.init(address=address, **quiet)
         except ConnectionError as err:
-            raise ConnectionError(
-                f"no Ray cluster answered at {address!r} ({how}; {err}); start one with `ray start --head`, "
-                f"pass the right --ray-address, run `ray stop` to forget a cluster that is gone, or pass "
-                f"--ray-address local for a private one"
-            ) from None
+            raise LaunchError(f"no Ray cluster answered at {address!r} ({how}; {err}); {fix}") from None
         return RayConnection(started_here=False, address=address)
     # address="local" said outright: without it ray.init joins a cluster that `ray start` recorded on
     # this host after the lookup above (another program's), and then refuses num_cpus.

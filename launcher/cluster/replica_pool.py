@@ -374,6 +374,10 @@ class ReplicaPool:
                 raise LaunchError("the launcher is shut down; start a new one")
             if self._no_replica is not None:
                 raise NoReplicaAvailable(str(self._no_replica))
+            # Events find their stream by request id: a second one in flight would take the first's.
+            if any(handle.request_id in r.streams for r in self.replicas):
+                raise ValueError(f"request_id {handle.request_id!r} is already in flight; give each request its own "
+                                 f"id (or none: one is generated)")
             candidates = ([r for r in self.replicas if r.state == "serving"]
                           or [r for r in self.replicas if r.state in ("restarting", "starting")])
             min(candidates, key=lambda r: len(r.streams)).submit_stream(handle)

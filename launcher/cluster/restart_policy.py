@@ -6,6 +6,7 @@ the bound the replica is given up and its requests fail with an error saying so 
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -22,8 +23,10 @@ class RestartPolicy:
     def __post_init__(self) -> None:
         if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ValueError(f"max_restarts ({self.max_restarts!r}) must be an integer >= 0 (0 disables restarts)")
-        if self.window_s <= 0:
-            raise ValueError(f"restart_window_s ({self.window_s}) must be positive")
+        w = self.window_s
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0:
+            # nan would never let a restart leave the window: every later fault would count
+            raise ValueError(f"restart_window_s ({w!r}) must be a finite positive number of seconds")
 
     def allow(self, now: float | None = None) -> bool:
         """Record a restart at `now` and return True, or return False when the bound is reached."""

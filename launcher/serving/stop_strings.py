@@ -17,7 +17,9 @@ MAX_STOP_STRINGS = 4
 
 def validate_stops(stops: Sequence[str]) -> tuple[str, ...]:
     """The stops as a tuple; ValueError naming the value for anything else than up to 4 non-empty
-    strings. A lone string is refused (it would be read as one stop per character)."""
+    strings (None: none). A lone string is refused (it would be read as one stop per character)."""
+    if stops is None:
+        return ()
     if isinstance(stops, str):
         raise ValueError(f"stop strings must be a list of strings, got the single string {stops!r}; "
                          f"wrap it in a list: [{stops!r}]")

@@ -1,0 +1,90 @@
+"""Bad input found by an adversarial run of the CLI and the driver API, each refused with its value
+named, before anything starts where it can be (no Ray: the tripwire fails a test that connects)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from launcher.api import LaunchConfig, Launcher
+from launcher.errors import LaunchError
+from tests.test_replicas import EAGER, NEW_TOKENS, PROMPTS, model_and_expected  # noqa: F401 - fixture
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("cpus_per_rank", math.inf, "cpus_per_rank (inf) must be a finite number of CPUs of at least 0.0001"),
+    ("cpus_per_rank", 0, "cpus_per_rank (0) must be"),
+    ("cpus_per_rank", "2", "cpus_per_rank ('2') must be"),
+    ("restart_window_s", math.nan, "restart_window_s (nan) must be a finite positive number"),
+    ("max_context_length", 0, "max_context_length (0) must be a positive integer"),
+    ("seq_len", "100", "seq_len ('100') must be an integer of at least 2"),
+    ("seq_len", 100.5, "seq_len (100.5) must be an integer"),
+])
+def test_launch_options_are_checked_when_the_config_is_built(field, value, words):
+    with pytest.raises(ValueError) as caught:
+        LaunchConfig(**{field: value})
+    assert words in str(caught.value)
+
+
+def test_a_ray_address_nobody_listens_on_is_refused_at_once():
+    """ray.init retried such an address for ever; a TCP probe says so within seconds."""
+    import socket
+
+    from launcher.cluster import ray_cluster
+
+    with socket.socket() as s:  # a port that was free a moment ago
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert "Connection refused" in ray_cluster._unreachable(f"127.0.0.1:{port}", timeout_s=5)
+    assert ray_cluster._unreachable("ray://127.0.0.1:1") is None  # ray.init checks that form itself
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        assert ray_cluster._unreachable(f"127.0.0.1:{listening.getsockname()[1]}") is None
+
+
+def test_an_unstarted_launcher_says_so_for_streams_too(ray_tripwire):
+    launcher = Launcher(tp=1, compile=False, progress=False)
+    for call in (lambda: launcher.stream("hi"), lambda: launcher.stream([1, 2, 3])):
+        with pytest.raises(LaunchError, match="the launcher is not running"):
+            call()
+
+
+def test_sampling_entries_and_stop_values_are_checked(model_and_expected, in_process_cluster):
+    """A None among the per-prompt SamplingParams reached the leader's step and failed the group on
+    every replay until the replica was given up; a stop token id outside the vocabulary could never
+    end a request; two requests with one id took each other's events."""
+    from workers.sampling import SamplingParams
+
+    model_dir, expected = model_and_expected
+    with Launcher(model=model_dir, tp=1, progress=False, **EAGER) as llm:
+        with pytest.raises(ValueError, match=r"sampling\[0\] \(None\) must be a SamplingParams"):
+            llm.generate([PROMPTS[0]], sampling=[None])
+        with pytest.raises(ValueError, match=r"sampling \(\{'temperature': 0.5\}\) must be a SamplingParams"):
+            llm.generate([PROMPTS[0]], sampling={"temperature": 0.5})
+        with pytest.raises(ValueError, match=r"stop_token_ids \['a'\] must be integers in \[0, "):
+            llm.generate([PROMPTS[0]], stop_token_ids=["a"])
+        with pytest.raises(ValueError, match=r"stop_token_ids \[-5\] must be integers"):
+            llm.stream(PROMPTS[0], stop_token_ids=[-5])
+        first = llm.stream(PROMPTS[0], max_new_tokens=4, request_id="dup")
+        with pytest.raises(ValueError, match="request_id 'dup' is already in flight"):
+            llm.stream(PROMPTS[1], max_new_tokens=4, request_id="dup")
+        assert [t for d in first for t in d.token_ids] == expected[0][:4]
+        assert [t for d in llm.stream(PROMPTS[0], stop=None, max_new_tokens=2) for t in d.token_ids] == expected[0][:2]
+        assert llm.generate([PROMPTS[0]], sampling=[SamplingParams()], max_new_tokens=NEW_TOKENS)[0].token_ids \
+            == expected[0]
+        assert llm.replica_status()[0]["restarts"] == 0
+
+
+def test_quantize_names_an_out_it_cannot_write(tmp_path, capsys):
+    """It ended in a NotADirectoryError traceback."""
+    from launcher.cli import main
+    from tests.model_factory import build_random_model, save_model
+
+    save_model(build_random_model(seed=3), tmp_path / "src")
+    (tmp_path / "afile").write_text("")
+    assert main(["quantize", "--model", str(tmp_path / "src"), "--dtype", "int8", "--out",
+                 str(tmp_path / "afile" / "q"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert f"could not write --out {tmp_path / 'afile' / 'q'}" in err and "Traceback" not in err
