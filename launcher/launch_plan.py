@@ -69,4 +69,25 @@ def plan_launch(config, progress: Progress, nothing_done: str = "nothing was sta
         errors = [{"code": "not_runnable", "message": gap} for gap in gaps]
         lines = "\n".join(f"  [not_runnable] {gap}" for gap in gaps)
         raise PlanRejected(f"{model_dir} cannot run on corelaunch's workers; {nothing_done}:\n{lines}", errors)
+    check_replicas_fit_this_host(config, plan, backend)
     return PlannedLaunch(model_dir, model_config, backend, plan.instance, plan)
+
+
+def check_replicas_fit_this_host(config, plan, backend: str) -> None:
+    """cpu replicas on a private cluster (this host alone) share its RAM, which the plan checked for
+    one TP group: ValueError when `replicas` groups cannot all fit, before they start and exhaust it."""
+    from launcher.cluster.ray_cluster import private_cluster
+
+    replicas = config.replicas
+    if backend != "cpu" or not isinstance(replicas, int) or replicas < 2 or not private_cluster(config.ray_address):
+        return
+    def gib(n: int) -> str:
+        return f"{n / 2**30:.1f} GiB"
+
+    per_group = plan.memory.total_bytes_all_ranks
+    usable = plan.memory.usable_bytes_per_rank * plan.tp_degree  # this host's RAM less the reserve
+    if replicas * per_group > usable:
+        raise ValueError(f"replicas ({replicas}): {replicas} TP groups of {plan.tp_degree} rank(s) need "
+                         f"{gib(replicas * per_group)} ({gib(per_group)} each) but this host has "
+                         f"{gib(usable)} usable; nothing was started. Ask for at most "
+                         f"{max(1, usable // per_group)}, or shrink each group's KV cache (--max-num-seqs, --seq-len)")

@@ -88,3 +88,19 @@ def test_quantize_names_an_out_it_cannot_write(tmp_path, capsys):
                  str(tmp_path / "afile" / "q"), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert f"could not write --out {tmp_path / 'afile' / 'q'}" in err and "Traceback" not in err
+
+
+def test_more_cpu_replicas_than_this_hosts_memory_holds_are_refused(ray_tripwire, monkeypatch):
+    """The plan checked one TP group's memory; 50 SmolLM2 replicas would have started ~180 GiB of
+    ranks on a private cluster of this host."""
+    from launcher.cluster import ray_cluster
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray_cluster, "recorded_cluster", lambda: None)
+    launcher = Launcher(tp=1, compile=False, progress=False, replicas=50)
+    with pytest.raises(ValueError, match=r"replicas \(50\): 50 TP groups of 1 rank\(s\) need .* GiB .* usable; "
+                                         r"nothing was started. Ask for at most \d+"):
+        launcher.prepare()
+    Launcher(tp=1, compile=False, progress=False, replicas=2).prepare()  # two fit
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # another cluster's nodes: Ray places them
+    Launcher(tp=1, compile=False, progress=False, replicas=50).prepare()

@@ -36,6 +36,13 @@ class RayConnection:
             ray.shutdown()
 
 
+def private_cluster(address: str | None) -> bool:
+    """True when connect(address) starts a private cluster of this host alone."""
+    if address == "local":
+        return True
+    return address is None and not os.environ.get("RAY_ADDRESS") and recorded_cluster() is None
+
+
 def on_this_host(address: str | None) -> bool:
     """True when connect(address) reaches a cluster on this machine: a private local one, or one
     started here with `ray start --head` (no --ray-address and no RAY_ADDRESS)."""

@@ -278,7 +278,8 @@ class OpenAIServer:
                                          ignore_eos=req.ignore_eos, logprobs=logprobs)
         except ValueError as err:
             self.metrics.rejected(400)
-            raise ProtocolError(str(err), param=prompt_param) from None
+            param = "stop_token_ids" if str(err).startswith("stop_token_ids") else prompt_param
+            raise ProtocolError(str(err), param=param) from None
         except queue_full_type() as err:
             self.metrics.rejected(503)
             retry = max(1, math.ceil(getattr(err, "retry_after_s", 1.0)))
