@@ -227,7 +227,7 @@ def _positive_seconds(name: str, value) -> None:
 
 def _positive_or_auto(name: str, value: int | str) -> int | str:
     """A positive int (digits accepted: the CLI passes text) or "auto"; ValueError naming the value."""
-    if isinstance(value, str) and value.isdigit():
+    if isinstance(value, str) and value.isascii() and value.isdigit():
         value = int(value)
     if value != "auto" and not is_positive_int(value):
         raise ValueError(f"{name} ({value!r}) must be a positive integer or 'auto'")

@@ -578,7 +578,7 @@ def plan(config: ModelConfig, *, instance: str | InstanceType = CPU_TARGET, tp: 
     Plan.errors."""
     inst = instance if isinstance(instance, InstanceType) else get_instance(instance)
     if isinstance(tp, str) and tp != "auto":
-        if not tp.isdigit():
+        if not (tp.isascii() and tp.isdigit()):
             raise ValueError(f"tp ({tp!r}) must be a positive integer or 'auto'")
         tp = int(tp)
     if tp != "auto":

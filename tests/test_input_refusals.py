@@ -104,3 +104,10 @@ def test_more_cpu_replicas_than_this_hosts_memory_holds_are_refused(ray_tripwire
     Launcher(tp=1, compile=False, progress=False, replicas=2).prepare()  # two fit
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # another cluster's nodes: Ray places them
     Launcher(tp=1, compile=False, progress=False, replicas=50).prepare()
+
+
+@pytest.mark.parametrize("tp", ["²", "٣"])
+def test_a_tp_of_other_digits_is_refused_by_name(tp):
+    """str.isdigit() is true for superscripts and other scripts' digits, which int() refuses."""
+    with pytest.raises(ValueError, match=f"tp \\('{tp}'\\) must be a positive integer"):
+        LaunchConfig(tp=tp)

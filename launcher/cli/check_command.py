@@ -188,14 +188,14 @@ def save_expected(expected: Expected, path: str) -> None:
                 "expected_logits": expected.logits, "reference": expected.source}, path)
 
 
-def _model_dir(model: str | None) -> Path:
+def _model_dir(model: str | None, option: str = "--model") -> Path:
     if model is None:
         from shardlib.demo_model import ensure_demo_model
 
         return Path(ensure_demo_model())
     if not Path(model).exists():
-        raise FileNotFoundError(f"model path {model} does not exist; pass a Hugging Face model directory, or "
-                                f"omit --model for the built-in SmolLM2-135M-Instruct")
+        fix = " or omit --model for the built-in SmolLM2-135M-Instruct" if option == "--model" else ""
+        raise FileNotFoundError(f"{option} path {model} does not exist; pass a Hugging Face model directory{fix}")
     return Path(model)
 
 
@@ -294,7 +294,7 @@ def _run(args: argparse.Namespace) -> int:
         num_tokens = DEFAULT_NUM_TOKENS if args.num_tokens is None else args.num_tokens
         texts, prompts, tokenizer = _prompts(args, model_dir)
         _check_prompts(prompts, num_tokens, model_dir)
-        reference_dir = _model_dir(args.reference) if args.reference else _unquantized(model_dir)
+        reference_dir = _model_dir(args.reference, "--reference") if args.reference else _unquantized(model_dir)
         with progress.step("running the transformers reference (float32, CPU)"):
             expected = reference_outputs(reference_dir, prompts, num_tokens, quiet=args.quiet)
         if args.save_expected:

@@ -22,7 +22,7 @@ EXIT_VALID, EXIT_INVALID = 0, 2
 def _tp_value(text: str) -> int | str:
     if text == "auto":
         return text
-    if not text.isdigit() or int(text) < 1:
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
         raise argparse.ArgumentTypeError(f"--tp must be a positive integer or 'auto', not {text!r}")
     return int(text)
 
