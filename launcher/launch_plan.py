@@ -70,6 +70,11 @@ def plan_launch(config, progress: Progress, nothing_done: str = "nothing was sta
         lines = "\n".join(f"  [not_runnable] {gap}" for gap in gaps)
         raise PlanRejected(f"{model_dir} cannot run on corelaunch's workers; {nothing_done}:\n{lines}", errors)
     check_replicas_fit_this_host(config, plan, backend)
+    if config.presharded_dir is None:  # the ranks will read this checkpoint: its headers are checked now
+        from shardlib.checkpoint_files import check_checkpoint
+
+        with progress.step("checking checkpoint"):
+            check_checkpoint(model_dir, model_config)
     return PlannedLaunch(model_dir, model_config, backend, plan.instance, plan)
 
 

@@ -29,105 +29,29 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
-import json
 import math
 import mmap
 import os
 import pickle
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
-from safetensors import SafetensorError, safe_open
 
+# Locating the files and checking names and shapes needs no torch (the driver does it before any
+# worker starts); the names are re-exported here, where the loaders have always found them.
+from shardlib.checkpoint_files import (CHECKPOINT_FILES, CheckpointFiles,  # noqa: F401
+                                       checked_names, find_checkpoint, safetensors_header, validated_names)
 from shardlib.model_config import ModelConfig, normalize_dtype
-from shardlib.param_shapes import LM_HEAD, expected_shapes
+from shardlib.param_shapes import expected_shapes
 from shardlib.quantization import keeps_dtype
-from shardlib.sharding import ShardLayout, Style, TensorSlice, apply_slice, slice_for, style_for
-
-CHECKPOINT_FILES = (
-    ("safetensors", "model.safetensors"),
-    ("safetensors_sharded", "model.safetensors.index.json"),
-    ("bin", "pytorch_model.bin"),
-    ("bin_sharded", "pytorch_model.bin.index.json"),
-)
+from shardlib.sharding import ShardLayout, TensorSlice, apply_slice, slice_for
 
 Progress = Callable[[str, int, int], None]
 """progress(tensor_name, tensors_done, tensors_total), called after each tensor is read."""
-
-
-# ---- locating the files -----------------------------------------------------------------------
-@dataclass(frozen=True)
-class CheckpointFiles:
-    """The files of one checkpoint and where each tensor lives."""
-
-    directory: Path
-    format: str
-    """One of the first elements of CHECKPOINT_FILES."""
-    files: tuple[Path, ...]
-    """Weight files, sorted by name (one file for the unsharded formats)."""
-    weight_map: dict[str, Path] = field(compare=False)
-    """Tensor name -> the file holding it."""
-    index_file: Path | None = None
-
-    def describe(self) -> str:
-        """The file set, for error messages."""
-        names = ", ".join(f.name for f in self.files)
-        if self.index_file is None:
-            return str(self.files[0])
-        return f"{self.index_file} (files: {names})"
-
-
-def find_checkpoint(model_dir: str | Path) -> CheckpointFiles:
-    """Find the checkpoint in `model_dir`, preferring formats in CHECKPOINT_FILES order."""
-    directory = Path(model_dir)
-    if not directory.is_dir():
-        raise FileNotFoundError(f"model directory {directory} does not exist or is not a directory")
-    for fmt, name in CHECKPOINT_FILES:
-        path = directory / name
-        if not path.is_file():
-            continue
-        if name.endswith(".index.json"):
-            return _from_index(directory, fmt, path)
-        names = SafetensorsFile(path).entries if fmt == "safetensors" else _PickleFile(path).tensors
-        return CheckpointFiles(directory, fmt, (path,), {n: path for n in names})
-    present = sorted(p.name for p in directory.iterdir())
-    shown = ", ".join(present[:12]) + (f" and {len(present) - 12} more" if len(present) > 12 else "")
-    raise FileNotFoundError(
-        f"no Hugging Face checkpoint in {directory}: looked for "
-        f"{', '.join(n for _, n in CHECKPOINT_FILES)}; the directory holds: {shown or 'nothing'}"
-    )
-
-
-def _from_index(directory: Path, fmt: str, index: Path) -> CheckpointFiles:
-    try:
-        raw = json.loads(index.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"checkpoint index {index} is not valid JSON ({err}); re-download or re-save it") from None
-    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
-    if not isinstance(weight_map, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
-        raise ValueError(
-            f"checkpoint index {index} has no \"weight_map\" object of tensor name -> file name; "
-            f"re-download or re-save it"
-        )
-    files: dict[str, Path] = {}
-    for file_name in weight_map.values():
-        if file_name not in files:
-            if Path(file_name).is_absolute() or ".." in Path(file_name).parts:
-                raise ValueError(f"checkpoint index {index} names {file_name!r}, outside {directory}")
-            files[file_name] = directory / file_name
-    missing = [name for name, path in files.items() if not path.is_file()]
-    if missing:
-        raise FileNotFoundError(
-            f"checkpoint index {index} names shard file(s) missing from {directory}: {', '.join(missing)}; "
-            f"the download is incomplete: fetch the missing files again"
-        )
-    return CheckpointFiles(directory, fmt, tuple(sorted(files.values())),
-                           {name: files[f] for name, f in weight_map.items()}, index)
 
 
 # ---- safetensors: header from safetensors, bytes by preadv ------------------------------------
@@ -155,28 +79,13 @@ class SafetensorsFile:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        try:
-            # safetensors validates the header: JSON, dtypes, offsets contiguous and inside the file.
-            with safe_open(path, framework="pt"):
-                pass
-        except SafetensorError as err:
-            raise ValueError(
-                f"{path} is not a valid safetensors file ({err}); it is probably truncated or "
-                f"corrupt: download or save it again"
-            ) from None
-        with open(path, "rb") as fh:
-            header_len = int.from_bytes(fh.read(8), "little")
-            header = json.loads(fh.read(header_len))
-        data_start = 8 + header_len
         self.entries: dict[str, _Entry] = {}
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+        for name, entry in safetensors_header(path).items():  # validated by safetensors itself
+            dtype = _SAFETENSORS_DTYPES.get(entry.dtype)
             if dtype is None:
-                raise ValueError(f"tensor {name!r} in {path} has dtype {info['dtype']}, which corelaunch "
+                raise ValueError(f"tensor {name!r} in {path} has dtype {entry.dtype}, which corelaunch "
                                  f"cannot read; supported: {', '.join(_SAFETENSORS_DTYPES)}")
-            self.entries[name] = _Entry(tuple(info["shape"]), dtype, data_start + info["data_offsets"][0])
+            self.entries[name] = _Entry(entry.shape, dtype, entry.begin)
         self._fd: int | None = None
 
     def __enter__(self) -> "SafetensorsFile":
@@ -319,14 +228,9 @@ def load_rank_shard(model_dir: str | Path, config: ModelConfig, layout: ShardLay
     target = None if dtype is None else getattr(torch, normalize_dtype(dtype))
     ckpt = find_checkpoint(model_dir)
     with _open_files(ckpt) as files:
-        table = {name: (files[path], files[path].entries.get(name)) for name, path in ckpt.weight_map.items()}
-        absent = [n for n, (_, e) in table.items() if e is None]
-        if absent:
-            raise ValueError(f"checkpoint index {ckpt.index_file} maps tensor {absent[0]!r} to "
-                             f"{ckpt.weight_map[absent[0]].name}, which does not contain it"
-                             f"{f' (and {len(absent) - 1} more like it)' if len(absent) > 1 else ''}; "
-                             f"the index and the files disagree: re-download or re-save the checkpoint")
-        names = _validated_names(ckpt, {n: e.shape for n, (_, e) in table.items()}, config)
+        names = checked_names(ckpt, {path: {n: e.shape for n, e in f.entries.items()} for path, f in files.items()},
+                              config)
+        table = {name: (files[ckpt.weight_map[name]], files[ckpt.weight_map[name]].entries[name]) for name in names}
         order = {path: i for i, path in enumerate(ckpt.files)}  # file by file, in offset order
         names.sort(key=lambda n: (order[ckpt.weight_map[n]], table[n][1].begin))
         shard: dict[str, torch.Tensor] = {}
@@ -364,45 +268,3 @@ def _open_files(ckpt: CheckpointFiles) -> Iterator[dict[Path, SafetensorsFile | 
     kind = SafetensorsFile if ckpt.format.startswith("safetensors") else _PickleFile
     with contextlib.ExitStack() as stack:
         yield {path: stack.enter_context(kind(path)) for path in ckpt.files}
-
-
-def _validated_names(ckpt: CheckpointFiles, shapes: dict[str, tuple[int, ...]], config: ModelConfig) -> list[str]:
-    """The names to read; ValueError for unknown, missing or misshapen tensors."""
-    expected = expected_shapes(config)
-    unknown = [n for n in shapes if n not in expected and not _ignorable(n, config)]
-    if unknown:
-        listed = ", ".join(f"{n!r} (in {ckpt.weight_map[n].name})" for n in unknown[:6])
-        raise ValueError(
-            f"{ckpt.describe()} holds {len(unknown)} tensor(s) that the {config.model_type} config does not "
-            f"describe: {listed}{' ...' if len(unknown) > 6 else ''}; check that config.json belongs to these "
-            f"weights (num_hidden_layers={config.num_hidden_layers}, attention_bias={config.attention_bias}, "
-            f"tie_word_embeddings={config.tie_word_embeddings})"
-        )
-    missing = [n for n in expected if n not in shapes]
-    if missing:
-        hint = (f"; config.json has tie_word_embeddings=false, so {LM_HEAD} must be stored: if this model ties "
-                f"its LM head to the embedding, set tie_word_embeddings to true" if LM_HEAD in missing else
-                "; the checkpoint is incomplete or was saved for another config")
-        raise ValueError(
-            f"{ckpt.describe()} is missing {len(missing)} tensor(s) the config needs: "
-            f"{', '.join(repr(n) for n in missing[:6])}{' ...' if len(missing) > 6 else ''}{hint}"
-        )
-    wrong = [n for n in expected if shapes[n] != expected[n]]
-    if wrong:
-        listed = "; ".join(f"{n!r} in {ckpt.weight_map[n].name}: config.json gives {expected[n]}, "
-                           f"found {shapes[n]}" for n in wrong[:4])
-        raise ValueError(
-            f"{len(wrong)} tensor(s) of {ckpt.describe()} have the wrong shape: {listed}"
-            f"{' ...' if len(wrong) > 4 else ''}; config.json does not match these weights"
-        )
-    return list(expected)
-
-
-def _ignorable(name: str, config: ModelConfig) -> bool:
-    """A stored tensor the model does not use: a tied LM head's copy, rotary buffers."""
-    if name == LM_HEAD and config.tie_word_embeddings:
-        return True
-    try:
-        return style_for(config.model_type, name) is Style.SKIP
-    except ValueError:
-        return False

@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from shardlib.checkpoint import CHECKPOINT_FILES, _open_files, find_checkpoint, _validated_names
+from shardlib.checkpoint import CHECKPOINT_FILES, _open_files, find_checkpoint, validated_names
 from shardlib.model_config import ModelConfig
 from shardlib.quantization import (Quantization, absmax_scale, normalize_quant_dtype, quantize_with_scale,
                                    scale_name, storage_dtype)
@@ -85,7 +85,7 @@ def _write_weights(model_dir: Path, config: ModelConfig, quant: Quantization, pa
     ckpt = find_checkpoint(model_dir)
     with _open_files(ckpt) as files:
         entries = {name: files[p].entries[name] for name, p in ckpt.weight_map.items()}
-        names = _validated_names(ckpt, {n: e.shape for n, e in entries.items()}, config)
+        names = validated_names(ckpt, {n: e.shape for n, e in entries.items()}, config)
         # The output's table of contents, in write order: each weight, then its scale.
         layout: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
         for name in names:

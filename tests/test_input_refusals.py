@@ -111,3 +111,35 @@ def test_a_tp_of_other_digits_is_refused_by_name(tp):
     """str.isdigit() is true for superscripts and other scripts' digits, which int() refuses."""
     with pytest.raises(ValueError, match=f"tp \\('{tp}'\\) must be a positive integer"):
         LaunchConfig(tp=tp)
+
+
+def test_a_broken_checkpoint_is_named_before_ray_starts(tmp_path, ray_tripwire):
+    """Its headers are read in the driver (no torch, no weight bytes): a truncated file, a missing or
+    misshapen tensor were found only after Ray and every rank had started (11-18 s)."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.model_factory import build_random_model, save_model
+
+    source = save_model(build_random_model(seed=5), tmp_path / "ok")
+    weights = source / "model.safetensors"
+    Launcher(model=str(source), tp=1, compile=False, progress=False).prepare()  # whole: accepted
+    tensors = load_file(weights)
+
+    def broken(name: str, change) -> str:
+        model = tmp_path / name
+        model.mkdir()
+        (model / "config.json").write_text((source / "config.json").read_text())
+        change(model / "model.safetensors")
+        return str(model)
+
+    cases = {
+        "truncated": (lambda p: p.write_bytes(weights.read_bytes()[:-1000]), "is not a valid safetensors file"),
+        "missing": (lambda p: save_file({k: v for k, v in tensors.items() if "layers.0.mlp.up_proj" not in k}, str(p)),
+                    "is missing 1 tensor"),
+        "misshapen": (lambda p: save_file({k: (v[:-1] if "layers.0.mlp.up_proj" in k else v)
+                                           for k, v in tensors.items()}, str(p)), "have the wrong shape"),
+    }
+    for name, (change, words) in cases.items():
+        launcher = Launcher(model=broken(name, change), tp=1, compile=False, progress=False)
+        with pytest.raises(ValueError, match=words):
+            launcher.prepare()

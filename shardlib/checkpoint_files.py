@@ -1,0 +1,199 @@
+"""Where a Hugging Face checkpoint's tensors are and whether they are the ones its config needs,
+from file names and headers alone: no torch, no weight bytes (shardlib/checkpoint.py reads them).
+
+The driver checks a checkpoint with `check_checkpoint` before any worker starts: a missing file, a
+truncated or corrupt safetensors header, an unknown, missing or misshapen tensor is named in a
+fraction of a second instead of after Ray and every rank have started. Each rank's loader runs
+the same checks again on what it opens.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from safetensors import SafetensorError, safe_open
+
+from shardlib.model_config import ModelConfig
+from shardlib.param_shapes import LM_HEAD, expected_shapes
+from shardlib.sharding import Style, style_for
+
+CHECKPOINT_FILES = (
+    ("safetensors", "model.safetensors"),
+    ("safetensors_sharded", "model.safetensors.index.json"),
+    ("bin", "pytorch_model.bin"),
+    ("bin_sharded", "pytorch_model.bin.index.json"),
+)
+
+# ---- locating the files -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class CheckpointFiles:
+    """The files of one checkpoint and where each tensor lives."""
+
+    directory: Path
+    format: str
+    """One of the first elements of CHECKPOINT_FILES."""
+    files: tuple[Path, ...]
+    """Weight files, sorted by name (one file for the unsharded formats)."""
+    weight_map: dict[str, Path] = field(compare=False)
+    """Tensor name -> the file holding it."""
+    index_file: Path | None = None
+
+    def describe(self) -> str:
+        """The file set, for error messages."""
+        names = ", ".join(f.name for f in self.files)
+        if self.index_file is None:
+            return str(self.files[0])
+        return f"{self.index_file} (files: {names})"
+
+
+def find_checkpoint(model_dir: str | Path) -> CheckpointFiles:
+    """Find the checkpoint in `model_dir`, preferring formats in CHECKPOINT_FILES order."""
+    directory = Path(model_dir)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"model directory {directory} does not exist or is not a directory")
+    for fmt, name in CHECKPOINT_FILES:
+        path = directory / name
+        if not path.is_file():
+            continue
+        if name.endswith(".index.json"):
+            return _from_index(directory, fmt, path)
+        if fmt == "safetensors":
+            names = safetensors_header(path)
+        else:  # a pickle's table of contents is the whole file: torch reads it
+            from shardlib.checkpoint import _PickleFile
+
+            names = _PickleFile(path).tensors
+        return CheckpointFiles(directory, fmt, (path,), {n: path for n in names})
+    present = sorted(p.name for p in directory.iterdir())
+    shown = ", ".join(present[:12]) + (f" and {len(present) - 12} more" if len(present) > 12 else "")
+    raise FileNotFoundError(
+        f"no Hugging Face checkpoint in {directory}: looked for "
+        f"{', '.join(n for _, n in CHECKPOINT_FILES)}; the directory holds: {shown or 'nothing'}"
+    )
+
+
+def _from_index(directory: Path, fmt: str, index: Path) -> CheckpointFiles:
+    try:
+        raw = json.loads(index.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"checkpoint index {index} is not valid JSON ({err}); re-download or re-save it") from None
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise ValueError(
+            f"checkpoint index {index} has no \"weight_map\" object of tensor name -> file name; "
+            f"re-download or re-save it"
+        )
+    files: dict[str, Path] = {}
+    for file_name in weight_map.values():
+        if file_name not in files:
+            if Path(file_name).is_absolute() or ".." in Path(file_name).parts:
+                raise ValueError(f"checkpoint index {index} names {file_name!r}, outside {directory}")
+            files[file_name] = directory / file_name
+    missing = [name for name, path in files.items() if not path.is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"checkpoint index {index} names shard file(s) missing from {directory}: {', '.join(missing)}; "
+            f"the download is incomplete: fetch the missing files again"
+        )
+    return CheckpointFiles(directory, fmt, tuple(sorted(files.values())),
+                           {name: files[f] for name, f in weight_map.items()}, index)
+
+
+# ---- safetensors headers ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class HeaderEntry:
+    shape: tuple[int, ...]
+    dtype: str
+    """safetensors' name for it: F32, BF16, ..."""
+    begin: int
+    """Absolute file offset of the first byte."""
+
+
+def safetensors_header(path: Path) -> dict[str, HeaderEntry]:
+    """A safetensors file's tensors, from its header, after safetensors itself has validated it
+    (JSON, dtypes, offsets contiguous and inside the file); ValueError naming the file otherwise."""
+    try:
+        with safe_open(path, framework="numpy"):  # numpy: the check needs no torch
+            pass
+    except SafetensorError as err:
+        raise ValueError(
+            f"{path} is not a valid safetensors file ({err}); it is probably truncated or "
+            f"corrupt: download or save it again"
+        ) from None
+    with open(path, "rb") as fh:
+        header_len = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(header_len))
+    data_start = 8 + header_len
+    return {name: HeaderEntry(tuple(info["shape"]), info["dtype"], data_start + info["data_offsets"][0])
+            for name, info in header.items() if name != "__metadata__"}
+
+
+# ---- the config's tensors ----------------------------------------------------------------------
+def check_checkpoint(model_dir: str | Path, config: ModelConfig) -> None:
+    """What a rank's loader checks before it reads a weight byte (ValueError or FileNotFoundError
+    naming the problem), from headers alone. Pickled (.bin) checkpoints, whose table of contents is
+    the whole file, are left to the ranks."""
+    ckpt = find_checkpoint(model_dir)
+    if not ckpt.format.startswith("safetensors"):
+        return
+    headers = {path: safetensors_header(path) for path in ckpt.files}
+    checked_names(ckpt, {path: {n: e.shape for n, e in entries.items()} for path, entries in headers.items()},
+                  config)
+
+
+def checked_names(ckpt: CheckpointFiles, shapes_by_file: dict[Path, dict[str, tuple[int, ...]]],
+                  config: ModelConfig) -> list[str]:
+    """The names to read, given each file's tensor shapes; ValueError when the index names a tensor
+    its file lacks, or a tensor is unknown, missing or misshapen."""
+    absent = [n for n, path in ckpt.weight_map.items() if n not in shapes_by_file[path]]
+    if absent:
+        raise ValueError(f"checkpoint index {ckpt.index_file} maps tensor {absent[0]!r} to "
+                         f"{ckpt.weight_map[absent[0]].name}, which does not contain it"
+                         f"{f' (and {len(absent) - 1} more like it)' if len(absent) > 1 else ''}; "
+                         f"the index and the files disagree: re-download or re-save the checkpoint")
+    return validated_names(ckpt, {n: shapes_by_file[path][n] for n, path in ckpt.weight_map.items()}, config)
+
+
+def validated_names(ckpt: CheckpointFiles, shapes: dict[str, tuple[int, ...]], config: ModelConfig) -> list[str]:
+    """The names to read; ValueError for unknown, missing or misshapen tensors."""
+    expected = expected_shapes(config)
+    unknown = [n for n in shapes if n not in expected and not _ignorable(n, config)]
+    if unknown:
+        listed = ", ".join(f"{n!r} (in {ckpt.weight_map[n].name})" for n in unknown[:6])
+        raise ValueError(
+            f"{ckpt.describe()} holds {len(unknown)} tensor(s) that the {config.model_type} config does not "
+            f"describe: {listed}{' ...' if len(unknown) > 6 else ''}; check that config.json belongs to these "
+            f"weights (num_hidden_layers={config.num_hidden_layers}, attention_bias={config.attention_bias}, "
+            f"tie_word_embeddings={config.tie_word_embeddings})"
+        )
+    missing = [n for n in expected if n not in shapes]
+    if missing:
+        hint = (f"; config.json has tie_word_embeddings=false, so {LM_HEAD} must be stored: if this model ties "
+                f"its LM head to the embedding, set tie_word_embeddings to true" if LM_HEAD in missing else
+                "; the checkpoint is incomplete or was saved for another config")
+        raise ValueError(
+            f"{ckpt.describe()} is missing {len(missing)} tensor(s) the config needs: "
+            f"{', '.join(repr(n) for n in missing[:6])}{' ...' if len(missing) > 6 else ''}{hint}"
+        )
+    wrong = [n for n in expected if shapes[n] != expected[n]]
+    if wrong:
+        listed = "; ".join(f"{n!r} in {ckpt.weight_map[n].name}: config.json gives {expected[n]}, "
+                           f"found {shapes[n]}" for n in wrong[:4])
+        raise ValueError(
+            f"{len(wrong)} tensor(s) of {ckpt.describe()} have the wrong shape: {listed}"
+            f"{' ...' if len(wrong) > 4 else ''}; config.json does not match these weights"
+        )
+    return list(expected)
+
+
+def _ignorable(name: str, config: ModelConfig) -> bool:
+    """A stored tensor the model does not use: a tied LM head's copy, rotary buffers."""
+    if name == LM_HEAD and config.tie_word_embeddings:
+        return True
+    try:
+        return style_for(config.model_type, name) is Style.SKIP
+    except ValueError:
+        return False
