@@ -547,7 +547,7 @@ class Launcher:
             texts, token_lists = self._tokenize(prompts)
         params = self._sampling_per_prompt(sampling, len(token_lists))
         check_request(token_lists, params, max_new_tokens, self.model_config.vocab_size)
-        check_stop_token_ids(stop_token_ids, self.model_config.vocab_size)
+        stop_token_ids = check_stop_token_ids(stop_token_ids, self.model_config.vocab_size)
         self._check_lengths(token_lists, max_new_tokens, serving=False)
         eos = () if ignore_eos else self._eos_ids()
         stops = tuple(sorted(set(stop_token_ids) | set(eos)))
@@ -691,7 +691,7 @@ class Launcher:
         from workers.serving.requests import StreamRequest
 
         pool = self._running_pool()
-        check_stop_token_ids(stop_token_ids, self.model_config.vocab_size)
+        stop_token_ids = check_stop_token_ids(stop_token_ids, self.model_config.vocab_size)
         limit = self.config.max_queued_requests
         waiting = self.load()["waiting"] if limit is not None else 0
         if limit is not None and waiting >= limit:
@@ -720,7 +720,7 @@ class Launcher:
                          asynchronous: bool):
         """Check every prompt first (nothing is submitted if one is bad), then submit them all."""
         self._running_pool()  # not started: say so, before anything that needs the model
-        check_stop_token_ids(stop_token_ids, self.model_config.vocab_size)
+        stop_token_ids = check_stop_token_ids(stop_token_ids, self.model_config.vocab_size)
         with self._lock:
             texts, token_lists = self._tokenize(prompts)
         params = self._sampling_per_prompt(sampling, len(token_lists))

@@ -84,7 +84,9 @@ def check_replicas_fit_this_host(config, plan, backend: str) -> None:
     from launcher.cluster.ray_cluster import private_cluster
 
     replicas = config.replicas
-    if backend != "cpu" or not isinstance(replicas, int) or replicas < 2 or not private_cluster(config.ray_address):
+    # nodes 1 and no --instance: the plan's memory is this host's (else another machine's, or several)
+    if (backend != "cpu" or not isinstance(replicas, int) or replicas < 2 or config.instance is not None
+            or config.nodes != 1 or not private_cluster(config.ray_address)):
         return
     def gib(n: int) -> str:
         return f"{n / 2**30:.1f} GiB"

@@ -7,6 +7,7 @@ check their own fields when built).
 
 from __future__ import annotations
 
+import operator
 from typing import Sequence
 
 from shardlib.positive_int import positive_int
@@ -36,14 +37,22 @@ def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> None:
                              f"were they tokenized for another model?")
 
 
-def check_stop_token_ids(stop_token_ids: Sequence[int], vocab_size: int) -> None:
-    """ValueError unless every stop token id is an integer in [0, vocab_size) (one outside could
-    never be generated: the request would silently run to its length)."""
+def check_stop_token_ids(stop_token_ids: Sequence[int], vocab_size: int) -> tuple[int, ...]:
+    """The stop token ids as a tuple of ints; ValueError unless each is an integer (numpy's and
+    torch's included) in [0, vocab_size): one outside could never be generated, and the request
+    would silently run to its length."""
     if isinstance(stop_token_ids, (str, bytes)) or not hasattr(stop_token_ids, "__iter__"):
         raise ValueError(f"stop_token_ids ({stop_token_ids!r}) must be a list of token ids")
-    bad = [t for t in stop_token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
+    given, ids, bad = list(stop_token_ids), [], []
+    for t in given:
+        try:
+            value = None if isinstance(t, bool) else operator.index(t)
+        except TypeError:
+            value = None
+        (ids if value is not None and 0 <= value < vocab_size else bad).append(t if value is None else value)
     if bad:
         raise ValueError(f"stop_token_ids {bad[:5]!r} must be integers in [0, {vocab_size}) (the vocabulary)")
+    return tuple(ids)
 
 
 def check_fits(prompts: Sequence[Sequence[int]], max_new_tokens: int, limit: int, limit_name: str, *,

@@ -95,14 +95,20 @@ def test_more_cpu_replicas_than_this_hosts_memory_holds_are_refused(ray_tripwire
     ranks on a private cluster of this host."""
     from launcher.cluster import ray_cluster
 
+    import ray
+
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(ray_cluster, "recorded_cluster", lambda: None)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # as in a fresh process (not the suite's session)
     launcher = Launcher(tp=1, compile=False, progress=False, replicas=50)
     with pytest.raises(ValueError, match=r"replicas \(50\): 50 TP groups of 1 rank\(s\) need .* GiB .* usable; "
                                          r"nothing was started. Ask for at most \d+"):
         launcher.prepare()
     Launcher(tp=1, compile=False, progress=False, replicas=2).prepare()  # two fit
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # another cluster's nodes: Ray places them
+    Launcher(tp=1, compile=False, progress=False, replicas=50).prepare()
+    monkeypatch.delenv("RAY_ADDRESS")
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)  # the calling program's own session: not checked
     Launcher(tp=1, compile=False, progress=False, replicas=50).prepare()
 
 
@@ -143,3 +149,38 @@ def test_a_broken_checkpoint_is_named_before_ray_starts(tmp_path, ray_tripwire):
         launcher = Launcher(model=broken(name, change), tp=1, compile=False, progress=False)
         with pytest.raises(ValueError, match=words):
             launcher.prepare()
+
+
+def test_stop_token_ids_of_numpy_ints_and_generators_are_kept():
+    import numpy as np
+
+    from shardlib.request_checks import check_stop_token_ids
+
+    assert check_stop_token_ids([np.int64(2), 5], 100) == (2, 5)
+    assert check_stop_token_ids((t for t in [7]), 100) == (7,)  # consumed once, returned whole
+
+
+def test_a_timed_out_request_id_serves_again_once_its_cancel_is_answered(model_and_expected, in_process_cluster):
+    """A timed-out request leaves the books at once, but the leader answers its cancel later: until
+    then its id is refused, and a request under it afterwards gets its own tokens (before, it could
+    take the old request's "abort" and end empty)."""
+    import time
+
+    from launcher.errors import RequestTimeout
+
+    model_dir, expected = model_and_expected
+    with Launcher(model=model_dir, tp=1, progress=False, request_timeout_s=0.3, **EAGER) as llm:
+        with pytest.raises(RequestTimeout):
+            for _ in llm.stream(PROMPTS[0], max_new_tokens=500 - len(PROMPTS[0]), request_id="r"):
+                pass
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                again = llm.stream(PROMPTS[1], max_new_tokens=2, request_id="r")
+                break
+            except ValueError as err:
+                assert "request_id 'r' is already in flight" in str(err)
+                assert time.monotonic() < deadline, "the timed-out request's cancel was never answered"
+                time.sleep(0.05)
+        assert [t for d in again for t in d.token_ids] == expected[1][:2]
+        assert llm._pool.replicas[0].cancelling == set()

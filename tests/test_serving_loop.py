@@ -391,17 +391,24 @@ def test_a_request_whose_token_choice_fails_fails_alone(monkeypatch):
     assert sorted(loop.scheduler.free_rows) == [0, 1, 2]
 
 
-def test_a_choice_that_fails_for_every_row_fails_the_group(monkeypatch):
-    """Every row of a step failing is no one request's fault: the loop raises, as for any fault of
-    the group (which restarts and resumes its streams), rather than failing every request."""
+def test_a_choice_that_fails_for_every_row_fails_each_request_alone(monkeypatch):
+    """Every row failing (prompts that share one bad setting) fails each request with its error; the
+    loop itself serves on (failing the group would replay them until the replica was given up)."""
     import workers.serving.loop as loop_module
 
+    real_choose = loop_module.choose
+
     def choose(logits, sequences):
-        raise RuntimeError("device lost")
+        if any(s.request.request_id in ("a", "b") for s in sequences):
+            raise RuntimeError("shared bad setting")
+        return real_choose(logits, sequences)
 
     monkeypatch.setattr(loop_module, "choose", choose)
     loop = eager_loop(max_num_seqs=2, max_prefill_tokens=32)
     threads = run_loops([loop])
     loop.submit([request("a", PROMPTS[0], 4), request("b", PROMPTS[1], 4)])
-    threads[0].join(60)
-    assert not threads[0].is_alive() and isinstance(loop.error, RuntimeError) and "device lost" in str(loop.error)
+    got = collect(loop, {"a", "b"})
+    assert got.finish == {"a": "error", "b": "error"}
+    loop.submit([request("after", PROMPTS[1], 3)])
+    assert collect(loop, {"after"}).tokens["after"] == alone(tuple(PROMPTS[1]))[:3]
+    stop([loop], threads)

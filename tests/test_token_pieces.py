@@ -95,3 +95,17 @@ def test_sentencepiece_word_pieces_keep_their_space_and_offsets_follow_the_text(
     assert b"".join(pieces.bytes(i) for i in ids[1:]) == " is nice.🎉 is".encode()
     # the first token's space is the one the text strips; the others start where the text has them
     assert [offsets.next(i) for i in ids] == [0, 5, 8, 13, 14, 14, 14, 14, 15]
+
+
+def test_a_run_of_sentencepiece_spaces_keeps_every_space():
+    """Llama's decoder strips one leading space, so "▁▁▁▁" decodes alone to three."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "\u2581\u2581\u2581\u2581": 1, "\u2581\u2581": 2}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.Strip(" ", 1, 0)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+    assert tokenizer.decode([1]) == "   "
+    pieces = TokenPieces(tokenizer)
+    assert pieces.text(1) == "    " and pieces.bytes(2) == b"  "

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from shardlib.quantization import QUANT_DTYPES
 
@@ -67,8 +68,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"corelaunch quantize: {err}", file=sys.stderr)
         return 2
     except OSError as err:
-        print(f"corelaunch quantize: could not write --out {args.out} ({err}); pass a new path in a directory "
-              f"you can write to", file=sys.stderr)
+        out = Path(args.out).absolute()
+        failed = Path(err.filename).absolute() if err.filename else None
+        # --out itself, inside it, or the partial directory written beside it (shardlib/atomic_dir.py)
+        if failed is not None and (failed == out or out in failed.parents or (
+                failed.parent == out.parent and failed.name.startswith(f".{out.name}."))):
+            print(f"corelaunch quantize: could not write --out {args.out} ({err}); pass a new path in a "
+                  f"directory you can write to", file=sys.stderr)
+        else:  # reading the checkpoint failed
+            print(f"corelaunch quantize: {err}", file=sys.stderr)
         return 2
     if not args.quiet:
         print(f"quantize: wrote {out} in {time.monotonic() - start:.1f} s", file=sys.stderr)

@@ -38,9 +38,13 @@ class RayConnection:
 
 def private_cluster(address: str | None) -> bool:
     """True when connect(address) starts a private cluster of this host alone."""
-    if address == "local":
-        return True
-    return address is None and not os.environ.get("RAY_ADDRESS") and recorded_cluster() is None
+    if address not in ("local", None) or (address is None and os.environ.get("RAY_ADDRESS")):
+        return False
+    import ray
+
+    if ray.is_initialized():  # the calling program's own session: connect() joins it, wherever it is
+        return False
+    return address == "local" or recorded_cluster() is None
 
 
 def on_this_host(address: str | None) -> bool:
@@ -70,6 +74,8 @@ def _unreachable(address: str, timeout_s: float = GCS_PROBE_S) -> str | None:
     try:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
             return None
+    except socket.gaierror as err:
+        return f"its host name does not resolve: {err}"
     except OSError as err:
         return f"nothing accepts connections there within {timeout_s:g} s: {err}"
 

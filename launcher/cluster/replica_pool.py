@@ -96,6 +96,9 @@ class Replica:
         self._thread: threading.Thread | None = None
         self.streams: dict[str, StreamHandle] = {}
         """Streaming requests in flight here, by request id."""
+        self.cancelling: set[str] = set()
+        """Ids of timed-out requests whose cancel the leader has not answered yet: their late events
+        are dropped, and the id is not free for a new request until the answer comes."""
         self._streams_lock = threading.Lock()
         self.loop_counters: dict = {}
         """The leader's serving-loop counters at the last poll (steps, step_s, plan_s)."""
@@ -160,6 +163,10 @@ class Replica:
         self.loop_counters = counters
         for event in events:
             with self._streams_lock:
+                if event.request_id in self.cancelling:  # a timed-out request's last events
+                    if event.finish_reason is not None:
+                        self.cancelling.discard(event.request_id)
+                    continue
                 handle = self.streams.get(event.request_id)
                 if handle is not None and event.finish_reason is not None:
                     # Out of the books before the reader learns it finished (load() is then exact).
@@ -174,6 +181,7 @@ class Replica:
             late = [h for h in self.streams.values() if now > h.deadline]
             for handle in late:
                 self.streams.pop(handle.request_id)
+                self.cancelling.add(handle.request_id)
         for handle in late:
             group.cancel([handle.request_id])
             handle.fail(RequestTimeout(
@@ -281,6 +289,7 @@ class Replica:
             with self._streams_lock:
                 self.started = started
                 self.state = "serving"
+                self.cancelling.clear()  # the old group, and whatever it still owed, is gone
                 if getattr(started.group, "serving", False):
                     self._resume_streams()
             self.last_recovery_s = time.monotonic() - noticed
@@ -375,7 +384,7 @@ class ReplicaPool:
             if self._no_replica is not None:
                 raise NoReplicaAvailable(str(self._no_replica))
             # Events find their stream by request id: a second one in flight would take the first's.
-            if any(handle.request_id in r.streams for r in self.replicas):
+            if any(handle.request_id in r.streams or handle.request_id in r.cancelling for r in self.replicas):
                 raise ValueError(f"request_id {handle.request_id!r} is already in flight; give each request its own "
                                  f"id (or none: one is generated)")
             candidates = ([r for r in self.replicas if r.state == "serving"]

@@ -62,8 +62,9 @@ class TokenPieces:
             return cached
         text = self.tokenizer.decode([token_id])
         piece = self._piece_name(token_id)
-        if not self.byte_level and piece.startswith("\u2581") and not text.startswith(" "):
-            text = " " + text  # a word piece decoded alone lost its leading space
+        if not self.byte_level:  # a word piece decoded alone lost one leading space
+            lead, have = len(piece) - len(piece.lstrip("\u2581")), len(text) - len(text.lstrip(" "))
+            text = " " * max(lead - have, 0) + text
         raw = text.encode()
         if "\ufffd" in text:  # part of a character, or a character the tokenizer could not decode
             raw = self._raw_bytes(token_id) or raw

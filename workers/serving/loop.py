@@ -279,11 +279,11 @@ class ServingLoop:
         states = [None if s.generator is None else s.generator.get_state() for s in sequences]
         try:
             tokens, logprobs = choose(logits, sequences)
-        except Exception as err:  # noqa: BLE001 - one request's choice failed: find it, fail it alone
+        except Exception:  # noqa: BLE001 - one request's choice failed: find it, fail it alone
             for seq, state in zip(sequences, states):
                 if state is not None:
                     seq.generator.set_state(state)
-            sequences, logits, tokens, logprobs, events = self._choose_alone(sequences, logits, err)
+            sequences, logits, tokens, logprobs, events = self._choose_alone(sequences, logits)
         for i, (seq, token) in enumerate(zip(sequences, tokens)):
             seq.generated += 1
             request = seq.request
@@ -298,13 +298,13 @@ class ServingLoop:
                 self.scheduler.finish(seq)
         return events
 
-    def _choose_alone(self, sequences: list[Sequence], logits: torch.Tensor, batch_error: Exception):
+    def _choose_alone(self, sequences: list[Sequence], logits: torch.Tensor):
         """Each row's token chosen by itself, after choosing them together raised: a row that raises
-        again fails its request alone ("error" event, its row freed). The forwards ran on every rank
-        and only the leader chooses tokens, so the group stays in step and serves on; failing the
-        group instead would replay the same request on the restarted group until it was given up.
-        When every one of several rows fails, the fault is not a request's: `batch_error` is raised
-        and the group restarts as for any fault, its streams resuming.
+        again fails its request alone ("error" event, its row freed), even when every row does (say,
+        prompts that share one bad SamplingParams). The forwards ran on every rank and only the
+        leader chooses tokens, so the group stays in step and serves on; failing the group instead
+        would replay the same requests on the restarted group until it was given up. (A broken
+        device fails the next forward, which fails the group as before.)
         Returns the rows that succeeded (sequences, logits, tokens, logprobs) and the error events."""
         kept, rows, tokens, logprobs, failed = [], [], [], [], []
         for i, seq in enumerate(sequences):
@@ -317,8 +317,6 @@ class ServingLoop:
             rows.append(i)
             tokens.append(token)
             logprobs.append(logprob)
-        if len(sequences) > 1 and not kept:
-            raise batch_error
         events = []
         for seq, err in failed:
             events.append(TokenEvent(seq.request.request_id, [], "error",
