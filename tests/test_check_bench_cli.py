@@ -271,6 +271,15 @@ def test_bench_refuses_bad_arguments():
     assert proc.returncode == 2 and "--max-new-tokens (1) must be at least 2" in proc.stderr
 
 
+def test_bench_refuses_a_prompt_longer_than_the_context_before_ray_starts(models, capsys, ray_tripwire):
+    """It was refused only after Ray had started and every rank had loaded its shard."""
+    original, _ = models
+    capsys.readouterr()
+    code = main(["bench", "--model", str(original), "--tp", "2", "--prompt-len", "100000", "--no-compile", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and "prompt 0 has 100000 tokens" in err and "max_position_embeddings" in err
+
+
 @pytest.mark.slow
 def test_smollm2_logit_matching_passes_at_tp3(capsys, ray_session):
     """The README's example (the demo model, its default prompt) and SmolLM2 saying "Paris" at TP 3:

@@ -86,8 +86,10 @@ def _bench(args: argparse.Namespace) -> dict:
                           ray_address=args.ray_address,
                           compile=args.compile, progress=not args.quiet)
     timings: list[RunTiming] = []
-    with Launcher(config) as launcher:
-        prompts = random_prompts(args.batch_size, args.prompt_len, launcher.model_config.vocab_size, args.seed)
+    launcher = Launcher(config).prepare()
+    prompts = random_prompts(args.batch_size, args.prompt_len, launcher.model_config.vocab_size, args.seed)
+    launcher.check_prompts(prompts, max_new_tokens=args.max_new_tokens)  # a prompt too long: before Ray starts
+    with launcher:
         progress = Progress(not args.quiet)
         for phase, count in (("warm-up", args.warmup), ("measured", args.runs)):
             if count == 0:
