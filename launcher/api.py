@@ -608,7 +608,8 @@ class Launcher:
         QueueFull when max_queued_requests are already waiting. stop: strings that end the
         generation (not included in the text); logprobs: n to get the chosen token's log-probability
         and the n most likely (0..20). Closing the iterator early cancels the request."""
-        token_ids, params, stops = self._check_stream(prompt, sampling, max_new_tokens, stop, logprobs)
+        token_ids, params, stops, stop_token_ids = self._check_stream(prompt, sampling, max_new_tokens, stop, logprobs,
+                                                                      stop_token_ids)
         return self._submit_stream(token_ids, params, max_new_tokens, stop_token_ids, stops, ignore_eos, logprobs,
                                    request_id, asynchronous=False)
 
@@ -617,7 +618,8 @@ class Launcher:
                 logprobs: int | None = None, request_id: str | None = None):
         """stream() for asyncio: call it inside a running event loop; it returns an async iterator
         (`async for delta in llm.astream(...)`); `aclose()` or cancelling the reading task cancels."""
-        token_ids, params, stops = self._check_stream(prompt, sampling, max_new_tokens, stop, logprobs)
+        token_ids, params, stops, stop_token_ids = self._check_stream(prompt, sampling, max_new_tokens, stop, logprobs,
+                                                                      stop_token_ids)
         return self._submit_stream(token_ids, params, max_new_tokens, stop_token_ids, stops, ignore_eos, logprobs,
                                    request_id, asynchronous=True)
 
@@ -653,8 +655,9 @@ class Launcher:
             raise LaunchError("the launcher is not running: call start() or use it as a context manager")
         return self._pool
 
-    def _check_stream(self, prompt, sampling, max_new_tokens, stop, logprobs):
-        """One streaming request's (token ids, SamplingParams, stop strings); ValueError naming a bad value."""
+    def _check_stream(self, prompt, sampling, max_new_tokens, stop, logprobs, stop_token_ids):
+        """One streaming request's (token ids, SamplingParams, stop strings, stop token ids); ValueError
+        naming a bad value."""
         from launcher.serving.stop_strings import validate_stops
         from workers.serving.requests import MAX_LOGPROBS
 
@@ -675,11 +678,12 @@ class Launcher:
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
                                      or not 0 <= logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs ({logprobs!r}) must be an integer from 0 to {MAX_LOGPROBS}, or None")
-        return token_ids, params, validate_stops(stop)
+        return (token_ids, params, validate_stops(stop),
+                check_stop_token_ids(stop_token_ids, self.model_config.vocab_size))
 
     def _submit_stream(self, token_ids, params, max_new_tokens, stop_token_ids, stops, ignore_eos, logprobs,
                        request_id, asynchronous: bool, return_logits: bool = False):
-        """Submit one checked request (QueueFull when too many wait) and return the stream reading it:
+        """Submit one checked request (its stop token ids checked too; QueueFull when too many wait) and return the stream reading it:
         a RequestStream, or an AsyncRequestStream fed on the running event loop."""
         import asyncio
 
@@ -691,7 +695,6 @@ class Launcher:
         from workers.serving.requests import StreamRequest
 
         pool = self._running_pool()
-        stop_token_ids = check_stop_token_ids(stop_token_ids, self.model_config.vocab_size)
         limit = self.config.max_queued_requests
         waiting = self.load()["waiting"] if limit is not None else 0
         if limit is not None and waiting >= limit:

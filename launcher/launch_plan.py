@@ -82,19 +82,17 @@ def check_replicas_fit_this_host(config, plan, backend: str) -> None:
     """cpu replicas on a private cluster (this host alone) share its RAM, which the plan checked for
     one TP group: ValueError when `replicas` groups cannot all fit, before they start and exhaust it."""
     from launcher.cluster.ray_cluster import private_cluster
+    from shardlib.planner import format_bytes
 
     replicas = config.replicas
     # nodes 1 and no --instance: the plan's memory is this host's (else another machine's, or several)
     if (backend != "cpu" or not isinstance(replicas, int) or replicas < 2 or config.instance is not None
             or config.nodes != 1 or not private_cluster(config.ray_address)):
         return
-    def gib(n: int) -> str:
-        return f"{n / 2**30:.1f} GiB"
-
     per_group = plan.memory.total_bytes_all_ranks
     usable = plan.memory.usable_bytes_per_rank * plan.tp_degree  # this host's RAM less the reserve
     if replicas * per_group > usable:
         raise ValueError(f"replicas ({replicas}): {replicas} TP groups of {plan.tp_degree} rank(s) need "
-                         f"{gib(replicas * per_group)} ({gib(per_group)} each) but this host has "
-                         f"{gib(usable)} usable; nothing was started. Ask for at most "
+                         f"{format_bytes(replicas * per_group)} ({format_bytes(per_group)} each) but this host has "
+                         f"{format_bytes(usable)} usable; nothing was started. Ask for at most "
                          f"{max(1, usable // per_group)}, or shrink each group's KV cache (--max-num-seqs, --seq-len)")

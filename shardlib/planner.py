@@ -424,12 +424,12 @@ def _fmt_list(values) -> str:
     return ", ".join(str(v) for v in values) if values else "none"
 
 
-def _fmt_bytes(n: float) -> str:
+def format_bytes(n: float) -> str:
     return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
 
 
 def _parts(mem: MemoryEstimate) -> str:
-    return " + ".join(f"{name} {_fmt_bytes(n)}" for name, n in mem.parts)
+    return " + ".join(f"{name} {format_bytes(n)}" for name, n in mem.parts)
 
 
 def _ways_out(req: _Request, check: _Check) -> list[str]:
@@ -519,21 +519,21 @@ def _describe(code: str, req: _Request, check: _Check, hint_degrees: list[int]) 
         for lnc in inst.allowed_lncs:
             if lnc < req.lnc and tp <= inst.logical_cores(lnc) * req.nodes:
                 msg += (f", or --lnc {lnc} ({inst.logical_cores(lnc)} cores per node of "
-                        f"{_fmt_bytes(inst.memory_per_logical_core(lnc))} each)")
+                        f"{format_bytes(inst.memory_per_logical_core(lnc))} each)")
         return f"{msg}; {works}"
     if code == "insufficient_memory":
         mem = check.memory
         if inst.per_rank_memory:
             cores = f"{req.lnc} NeuronCore(s)" if inst.is_neuron else "one GPU"
-            need = (f"tp_degree ({tp}) needs {_fmt_bytes(mem.total_bytes_per_rank)} per rank ({_parts(mem)}) "
-                    f"but a rank on {inst.name} has {_fmt_bytes(mem.usable_bytes_per_rank)} usable "
-                    f"({_fmt_bytes(mem.capacity_bytes_per_rank)} of {cores} less the "
+            need = (f"tp_degree ({tp}) needs {format_bytes(mem.total_bytes_per_rank)} per rank ({_parts(mem)}) "
+                    f"but a rank on {inst.name} has {format_bytes(mem.usable_bytes_per_rank)} usable "
+                    f"({format_bytes(mem.capacity_bytes_per_rank)} of {cores} less the "
                     f"{RESERVE_FRACTION:.0%} reserve)")
         else:
-            need = (f"tp_degree ({tp}) needs {_fmt_bytes(mem.total_bytes_all_ranks)} for all {tp} ranks "
+            need = (f"tp_degree ({tp}) needs {format_bytes(mem.total_bytes_all_ranks)} for all {tp} ranks "
                     f"(per rank: {_parts(mem)}) but this host has "
-                    f"{_fmt_bytes(inst.memory_bytes)} RAM x {req.nodes} node(s), "
-                    f"{_fmt_bytes(inst.memory_bytes * req.nodes * (1 - RESERVE_FRACTION))} after the "
+                    f"{format_bytes(inst.memory_bytes)} RAM x {req.nodes} node(s), "
+                    f"{format_bytes(inst.memory_bytes * req.nodes * (1 - RESERVE_FRACTION))} after the "
                     f"{RESERVE_FRACTION:.0%} reserve")
         ways = [f"a degree that fits: {_fmt_list(hint_degrees)}"] if hint_degrees else []
         ways += _ways_out(req, check)

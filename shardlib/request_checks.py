@@ -43,16 +43,20 @@ def check_stop_token_ids(stop_token_ids: Sequence[int], vocab_size: int) -> tupl
     would silently run to its length."""
     if isinstance(stop_token_ids, (str, bytes)) or not hasattr(stop_token_ids, "__iter__"):
         raise ValueError(f"stop_token_ids ({stop_token_ids!r}) must be a list of token ids")
-    given, ids, bad = list(stop_token_ids), [], []
-    for t in given:
-        try:
-            value = None if isinstance(t, bool) else operator.index(t)
-        except TypeError:
-            value = None
-        (ids if value is not None and 0 <= value < vocab_size else bad).append(t if value is None else value)
+    ids = tuple(stop_token_ids)
+    bad = [t for t in ids if not _is_index(t) or not 0 <= operator.index(t) < vocab_size]
     if bad:
         raise ValueError(f"stop_token_ids {bad[:5]!r} must be integers in [0, {vocab_size}) (the vocabulary)")
-    return tuple(ids)
+    return tuple(operator.index(t) for t in ids)
+
+
+def _is_index(value) -> bool:
+    """An integer of any kind (numpy's and torch's included), but not a bool."""
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return not isinstance(value, bool)
 
 
 def check_fits(prompts: Sequence[Sequence[int]], max_new_tokens: int, limit: int, limit_name: str, *,

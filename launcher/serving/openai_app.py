@@ -259,16 +259,16 @@ class OpenAIServer:
         """The engine's stream for this request; ProtocolError 400 for input the engine refuses
         (its message names the lengths or values; nearly always the prompt's, so `prompt_param` is
         the error's param), 503 with Retry-After when its queue is full."""
+        from shardlib.request_checks import check_fits
         from shardlib.sampling_params import SamplingParams
 
-        needed = len(prompt) + max_tokens
-        if needed > self.context_tokens:  # said in the API's words (max_tokens), not the engine's
+        # The engine checks this too, in its own words (max_new_tokens): here it is said in the API's.
+        limit = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
+        try:
+            check_fits([prompt], max_tokens, self.context_tokens, "the context", new_tokens_name=limit)
+        except ValueError as err:
             self.metrics.rejected(400)
-            limit = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
-            raise ProtocolError(
-                f"the prompt has {len(prompt)} tokens; with {limit} {max_tokens} that needs {needed} positions "
-                f"but the context holds {self.context_tokens}: shorten the prompt or lower {limit}",
-                param=limit if len(prompt) < self.context_tokens else prompt_param)
+            raise ProtocolError(str(err), param=limit if len(prompt) < self.context_tokens else prompt_param) from None
 
         sampling = SamplingParams(temperature=req.temperature, top_k=max(req.top_k, 0), top_p=req.top_p,
                                   seed=req.seed)
