@@ -568,6 +568,15 @@ def _lnc_problem(lnc: int, inst: InstanceType) -> str | None:
             f"({inst.name} is {inst.family}); use --lnc 1 or omit --lnc")
 
 
+def _checked_seq_len(seq_len) -> int:
+    """seq_len, or ValueError: a sequence needs a position for its prompt and one for a new token,
+    which is what the launcher asks of its own seq_len too."""
+    if positive_int("seq_len", seq_len) < 2:
+        raise ValueError(f"seq_len ({seq_len!r}) must be at least 2: one position for a prompt token "
+                         f"and one for a generated token")
+    return seq_len
+
+
 def plan(config: ModelConfig, *, instance: str | InstanceType = CPU_TARGET, tp: int | str = "auto",
          nodes: int = 1, lnc: int | None = None, batch_size: int = 1, seq_len: int | None = None,
          dtype: str | None = None, kv_strategy: str | None = None, pad_q_heads: bool = False,
@@ -594,7 +603,7 @@ def plan(config: ModelConfig, *, instance: str | InstanceType = CPU_TARGET, tp: 
         lnc=inst.default_lnc if lnc is None or lnc_problem else lnc,
         lnc_requested=inst.default_lnc if lnc is None else lnc, lnc_problem=lnc_problem,
         batch=positive_int("batch_size", batch_size),
-        seq_len=positive_int("seq_len", seq_len) if seq_len is not None
+        seq_len=_checked_seq_len(seq_len) if seq_len is not None
         else min(config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN),
         dtype=_resolve_dtype(dtype, config), kv_override=kv_strategy, pad=bool(pad_q_heads),
         kv_cache_dtype=kv_dtype_name(kv_cache_dtype), moe_override=check_moe_sharding_name(moe_sharding))

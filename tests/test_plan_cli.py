@@ -93,6 +93,22 @@ def test_unknown_architecture_exits_2(tmp_path, capsys):
     assert "model_type='gpt2'" in out.stderr and len(out.stderr.strip().splitlines()) == 1
 
 
+def test_unplannable_input_with_json_still_prints_one_json_object(tmp_path, capsys):
+    missing = tmp_path / "no-such-model"
+    out = plan_in_process(capsys, "--model", str(missing), "--json")
+    assert out.returncode == 2 and str(missing) in out.stderr
+    result = json.loads(out.stdout)
+    assert result["valid"] is False and [e["code"] for e in result["errors"]] == ["unplannable"]
+    assert str(missing) in result["errors"][0]["message"]
+
+
+def test_seq_len_below_two_is_refused_as_generate_refuses_it(capsys):
+    out = plan_in_process(capsys, "--model", SMOLLM2, "--seq-len", "1", "--json")
+    assert out.returncode == 2
+    assert "seq_len (1) must be at least 2" in json.loads(out.stdout)["errors"][0]["message"]
+    assert plan_in_process(capsys, "--model", SMOLLM2, "--seq-len", "2").returncode == 0
+
+
 def test_bad_tp_value_is_a_usage_error(capsys):
     out = plan_in_process(capsys, "--model", SMOLLM2, "--tp", "three")
     assert out.returncode == 2 and "--tp must be a positive integer or 'auto'" in out.stderr

@@ -296,6 +296,8 @@ def test_defaults_seq_len_and_dtype():
     (dict(tp=0), r"tp \(0\) must be a positive integer"),
     (dict(tp="eight"), "positive integer or 'auto'"),
     (dict(nodes=0), r"nodes \(0\)"),
+    (dict(seq_len=1), r"seq_len \(1\) must be at least 2"),
+    (dict(seq_len=0), r"seq_len \(0\) must be a positive integer"),
     (dict(dtype="int4"), "unknown dtype 'int4'"),
     (dict(kv_strategy="split"), "kv_strategy"),
 ])

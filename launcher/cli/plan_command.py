@@ -72,17 +72,24 @@ def run(args: argparse.Namespace) -> int:
                       moe_sharding=args.moe_sharding)
     except (OSError, ValueError) as err:
         # a missing path or demo package, an unknown architecture, a malformed argument
-        print(f"corelaunch plan: {err}", file=sys.stderr)
-        return EXIT_INVALID
+        return _refuse(args, str(err))
     except KeyError as err:
-        print(f"corelaunch plan: the model's config.json has no {err} field; is it a Hugging Face "
-              f"causal-LM config?", file=sys.stderr)
-        return EXIT_INVALID
+        return _refuse(args, f"the model's config.json has no {err} field; is it a Hugging Face "
+                             f"causal-LM config?")
     if args.json:
         print(json.dumps(result.to_dict()))
     else:
         print(format_report(result))
     return EXIT_VALID if result.valid else EXIT_INVALID
+
+
+def _refuse(args: argparse.Namespace, message: str) -> int:
+    """No plan could be made: the reason on stderr, and with --json also as one JSON object on
+    stdout (code "unplannable"), so a script reading stdout is never left with nothing to parse."""
+    print(f"corelaunch plan: {message}", file=sys.stderr)
+    if args.json:
+        print(json.dumps({"valid": False, "errors": [{"code": "unplannable", "message": message}]}))
+    return EXIT_INVALID
 
 
 def _gib(n: int) -> str:
