@@ -112,6 +112,12 @@ def test_an_unknown_key_inside_stream_options_is_named_with_its_path():
     assert "{include_usage: bool}" in err.message
 
 
+def test_null_inside_stream_options_means_its_default():
+    request = completion(stream=True, stream_options={"include_usage": None})
+    assert request.stream_options is not None and request.include_usage() is False
+    assert completion(stream=True, stream_options={"include_usage": True}).include_usage() is True
+
+
 def test_unknown_and_missing_fields_are_refused_by_name():
     err = refusal(completion, best_of=3)
     assert err.param == "best_of" and "unknown parameter 'best_of'" in err.message and "max_tokens" in err.message

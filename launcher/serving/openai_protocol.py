@@ -75,24 +75,27 @@ def error_body(message: str, param: str | None = None, type: str = "invalid_requ
 # ---- requests ---------------------------------------------------------------------------------
 # strict: a value of the wrong JSON type is refused, not converted ("2" or 2.0 for max_tokens, true
 # for a token id, 1 for chat's logprobs), as OpenAI refuses it; an integer still passes for a number.
-class StreamOptions(BaseModel):
+class _NullMeansDefault(BaseModel):
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, body):
+        """OpenAI's API takes null for any optional parameter, meaning its default (clients that
+        serialise every field send them), inside stream_options too: a null field is as if it were
+        left out."""
+        return {k: v for k, v in body.items() if v is not None} if isinstance(body, dict) else body
+
+
+class StreamOptions(_NullMeansDefault):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
     """Send one more chunk before [DONE] with the request's usage and no choices."""
 
 
-class _GenerationRequest(BaseModel):
+class _GenerationRequest(_NullMeansDefault):
     """Fields both endpoints share. Unknown fields are refused (a misspelt parameter would otherwise
     be silently ignored)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_means_default(cls, body):
-        """OpenAI's API takes null for any optional parameter, meaning its default (clients that
-        serialise every field send them): a null field is as if it were left out."""
-        return {k: v for k, v in body.items() if v is not None} if isinstance(body, dict) else body
 
     model: str
     temperature: float = Field(1.0, ge=0, le=2)
