@@ -426,6 +426,7 @@ class Launcher:
     def _size_replicas(self, backend: str, nodes: list):
         """(each rank's resources, replica count) for the alive `nodes` (launcher.cluster.placement.NodeInfo)."""
         from launcher.cluster.resources import explain_unplaceable, groups_that_fit, rank_resources
+        from launcher.launch_plan import groups_this_host_holds
 
         cfg, tp = self.config, self.plan.tp_degree
         device = backend_entry(backend).ray_resource
@@ -436,6 +437,9 @@ class Launcher:
         # auto: as many groups as the free resources hold now (CPU shares: one CPU per rank by default)
         resources = rank_resources(**share, cpus_per_rank=cfg.cpus_per_rank or 1)
         count = groups_that_fit([n.free for n in nodes], resources.bundle, tp, cfg.nodes)
+        holds = groups_this_host_holds(cfg, self.plan, backend)  # cpu groups on a private cluster share its RAM
+        if holds is not None and count > max(holds, 1):
+            count = max(holds, 1)
         if count == 0 and device is None and cfg.cpus_per_rank is None:
             return rank_resources(**share), 1  # fractional CPUs: one group
         if count == 0:

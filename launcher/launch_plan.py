@@ -78,21 +78,33 @@ def plan_launch(config, progress: Progress, nothing_done: str = "nothing was sta
     return PlannedLaunch(model_dir, model_config, backend, plan.instance, plan)
 
 
+def groups_this_host_holds(config, plan, backend: str) -> int | None:
+    """How many TP groups of `plan` this host's RAM holds at once, where every group would share it
+    (cpu replicas on a private cluster: nodes 1 and no --instance, so the plan's memory is this
+    host's); None elsewhere (another machine's memory, or several)."""
+    from launcher.cluster.ray_cluster import private_cluster
+
+    if backend != "cpu" or config.instance is not None or config.nodes != 1 or not private_cluster(config.ray_address):
+        return None
+    usable = plan.memory.usable_bytes_per_rank * plan.tp_degree  # this host's RAM less the reserve
+    return usable // plan.memory.total_bytes_all_ranks
+
+
 def check_replicas_fit_this_host(config, plan, backend: str) -> None:
     """cpu replicas on a private cluster (this host alone) share its RAM, which the plan checked for
-    one TP group: ValueError when `replicas` groups cannot all fit, before they start and exhaust it."""
-    from launcher.cluster.ray_cluster import private_cluster
+    one TP group: ValueError when `replicas` groups cannot all fit, before they start and exhaust it.
+    replicas="auto" is capped by the same count when it is resolved (Launcher._size_replicas)."""
     from shardlib.planner import format_bytes
 
     replicas = config.replicas
-    # nodes 1 and no --instance: the plan's memory is this host's (else another machine's, or several)
-    if (backend != "cpu" or not isinstance(replicas, int) or replicas < 2 or config.instance is not None
-            or config.nodes != 1 or not private_cluster(config.ray_address)):
+    if not isinstance(replicas, int) or replicas < 2:
+        return
+    holds = groups_this_host_holds(config, plan, backend)
+    if holds is None or replicas <= holds:
         return
     per_group = plan.memory.total_bytes_all_ranks
-    usable = plan.memory.usable_bytes_per_rank * plan.tp_degree  # this host's RAM less the reserve
-    if replicas * per_group > usable:
-        raise ValueError(f"replicas ({replicas}): {replicas} TP groups of {plan.tp_degree} rank(s) need "
-                         f"{format_bytes(replicas * per_group)} ({format_bytes(per_group)} each) but this host has "
-                         f"{format_bytes(usable)} usable; nothing was started. Ask for at most "
-                         f"{max(1, usable // per_group)}, or shrink each group's KV cache (--max-num-seqs, --seq-len)")
+    usable = plan.memory.usable_bytes_per_rank * plan.tp_degree
+    raise ValueError(f"replicas ({replicas}): {replicas} TP groups of {plan.tp_degree} rank(s) need "
+                     f"{format_bytes(replicas * per_group)} ({format_bytes(per_group)} each) but this host has "
+                     f"{format_bytes(usable)} usable; nothing was started. Ask for at most "
+                     f"{max(1, holds)}, or shrink each group's KV cache (--max-num-seqs, --seq-len)")
