@@ -1,6 +1,6 @@
-"""The GEMM behind prefill-sized products (workers/kernels/prefill_gemm.py): oneDNN's by default,
-MKL's (F.linear) when CORELAUNCH_PREFILL_GEMM=mkl or torch has no oneDNN; one opaque call in a
-compiled graph."""
+"""The GEMM behind prefill-sized products (workers/kernels/prefill_gemm.py): by default MKL's
+(F.linear) on Intel CPUs and oneDNN's on the others, CORELAUNCH_PREFILL_GEMM choosing either, MKL's
+where torch has no oneDNN; one opaque call in a compiled graph."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from workers.kernels import packed_linear as kernel
-from workers.kernels.prefill_gemm import chosen_gemm, prefill_linear
+from workers.kernels import prefill_gemm
+from workers.kernels.prefill_gemm import CHOICES, chosen_gemm, prefill_linear
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
 
@@ -19,9 +20,30 @@ def operands(rows: int = 1024, k: int = 192, n: int = 80):
     return torch.randn(2, rows // 2, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
 
 
+@pytest.mark.parametrize("vendor, default", [("GenuineIntel", "mkl"), ("AuthenticAMD", "onednn"), (None, "onednn")])
+def test_the_default_follows_the_cpus_maker(monkeypatch, vendor, default):
+    monkeypatch.setattr(prefill_gemm, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: True)
+    for unset in (None, ""):
+        if unset is None:
+            monkeypatch.delenv("CORELAUNCH_PREFILL_GEMM", raising=False)
+        else:
+            monkeypatch.setenv("CORELAUNCH_PREFILL_GEMM", unset)
+        assert chosen_gemm() == default
+    for choice in CHOICES:  # the variable overrides the default either way
+        monkeypatch.setenv("CORELAUNCH_PREFILL_GEMM", choice)
+        assert chosen_gemm() == choice
+
+
+def test_this_hosts_maker_is_read():
+    with open("/proc/cpuinfo") as f:
+        vendors = {line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")}
+    assert prefill_gemm.cpu_vendor() in (vendors or {None})
+
+
 @needs_onednn
-def test_onednn_is_the_default_and_agrees_with_f_linear(monkeypatch):
-    monkeypatch.delenv("CORELAUNCH_PREFILL_GEMM", raising=False)
+def test_onednn_agrees_with_f_linear(monkeypatch):
+    monkeypatch.setenv("CORELAUNCH_PREFILL_GEMM", "onednn")
     assert chosen_gemm() == "onednn"
     x, w, b = operands()
     got = prefill_linear(x, w, b)
@@ -42,7 +64,7 @@ def test_mkl_is_f_linear_exactly(monkeypatch):
 
 
 def test_a_torch_without_onednn_takes_f_linear(monkeypatch):
-    monkeypatch.delenv("CORELAUNCH_PREFILL_GEMM", raising=False)
+    monkeypatch.setenv("CORELAUNCH_PREFILL_GEMM", "onednn")
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
     assert chosen_gemm() == "mkl"
     x, w, b = operands()

@@ -1,10 +1,12 @@
-"""The GEMM behind prefill-sized products (x of UNPACK_MIN_ROWS rows or more, float32): oneDNN's.
+"""The GEMM behind prefill-sized products (x of UNPACK_MIN_ROWS rows or more, float32): oneDNN's
+or MKL's, chosen by the CPU's maker.
 
-torch's F.linear on CPU calls MKL's sgemm. oneDNN (also inside every torch CPU build) took 0.74-0.97
-of its time per product at SmolLM2's prefill shapes on an AMD EPYC with AVX-512 (README, Measured,
-machine L; benchmarks/prefill_gemm.py); on an Intel host the two have not been compared.
-`CORELAUNCH_PREFILL_GEMM=mkl` goes back to F.linear; a torch built without oneDNN uses F.linear
-anyway.
+torch's F.linear on CPU calls MKL's sgemm. At SmolLM2's prefill shapes (README, Measured;
+benchmarks/prefill_gemm.py) oneDNN (also inside every torch CPU build) took 0.74-0.97 of MKL's time
+per product on an AMD EPYC with AVX-512 (machine L), while on an Intel Xeon with AVX-512 (machine M)
+MKL was the faster, oneDNN taking 0.99-1.16 of its time a layer. So the default is MKL's on Intel
+CPUs and oneDNN's on every other. `CORELAUNCH_PREFILL_GEMM=onednn` or `=mkl` overrides it; a torch
+built without oneDNN uses F.linear anyway.
 
 `corelaunch::prefill_linear` is a custom operator so that a compiled graph calls it as one opaque
 step: inductor lowers oneDNN's own linear operator only for weights it has frozen and packed at
@@ -14,6 +16,7 @@ A Python-bodied operator costs tens of microseconds a call, against milliseconds
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -21,10 +24,28 @@ import torch
 CHOICES = ("onednn", "mkl")
 
 
+@functools.cache
+def cpu_vendor() -> str | None:
+    """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD", ...), or None where there is none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def default_gemm() -> str:
+    """mkl on Intel CPUs, onednn on the others (see the module's docstring for the measurements)."""
+    return "mkl" if cpu_vendor() == "GenuineIntel" else "onednn"
+
+
 def chosen_gemm() -> str:
-    """CORELAUNCH_PREFILL_GEMM (default onednn), or mkl where torch has no oneDNN; ValueError naming
-    the value otherwise."""
-    choice = os.environ.get("CORELAUNCH_PREFILL_GEMM", "onednn")
+    """CORELAUNCH_PREFILL_GEMM (default: default_gemm()), or mkl where torch has no oneDNN;
+    ValueError naming the value otherwise."""
+    choice = os.environ.get("CORELAUNCH_PREFILL_GEMM") or default_gemm()
     if choice not in CHOICES:
         raise ValueError(f"CORELAUNCH_PREFILL_GEMM={choice!r} is not one of {', '.join(CHOICES)}")
     return choice if torch.backends.mkldnn.is_available() else "mkl"
