@@ -162,6 +162,8 @@ class ServingLoop:
                 self._fail_all("the group is stopping")
                 self._broadcast(StepPlan(Command.STOP))
                 return
+            if idle:  # waiting for work and gathering a burst are not the loop's own time
+                started = time.perf_counter()
             static_id = self._next_static()
             if static_id is not None:
                 self._broadcast(StepPlan(Command.STATIC, static_id=static_id))
