@@ -53,6 +53,9 @@ class ScriptedGroup:
     def dead_ranks(self, timeout_s: float = 5.0) -> list[str]:
         return list(self.dead)
 
+    def submit(self, requests) -> None:  # a stream handed to rank 0 (its events are not scripted)
+        self.seen.extend(requests)
+
     def kill(self) -> None:
         self.killed = True
         self.actors = []
@@ -370,6 +373,71 @@ def test_a_queued_request_cancelled_by_its_caller_never_runs(make_pool):
     assert running.result(TIMEOUT_S).outputs == "r0.0:first"
     assert pool.submit("third").result(TIMEOUT_S).outputs == "r0.0:third"
     assert factory.groups[0][0].seen == ["first", "third"]
+
+
+def test_a_request_whose_restart_is_cut_short_by_shutdown_fails_with_a_launch_error(make_pool):
+    """The group died, its restart was under way when the launcher was shut down: the request fails
+    naming the shutdown (it was answered with no error at all, and generate() then broke on it)."""
+    release, started_again = threading.Event(), threading.Event()
+
+    class SlowRestart(Factory):
+        def __call__(self, index, restart):
+            if restart:
+                started_again.set()
+                assert release.wait(TIMEOUT_S), "the test never released the restart"
+            return super().__call__(index, restart)
+
+    factory = SlowRestart({0: [dies_once()]})
+    pool = make_pool(1, factory)
+    pool.start()
+    running = pool.submit("a")
+    assert started_again.wait(TIMEOUT_S)
+    stopper = threading.Thread(target=pool.shutdown, kwargs={"grace_s": 1})
+    stopper.start()
+    wait_for(lambda: pool.stopping, "the shutdown")
+    release.set()
+    with pytest.raises(LaunchError, match="shut down while this request was running"):
+        running.result(TIMEOUT_S)
+    stopper.join(TIMEOUT_S)
+    assert factory.groups[0][1].killed  # the group started for nothing is stopped
+
+
+def stream_handle(request_id: str):
+    from launcher.cluster.stream_handle import StreamHandle
+    from tests.serving_driver import request
+
+    return StreamHandle(request(request_id, [1, 2], 4), lambda event: None, TIMEOUT_S)
+
+
+def test_ids_awaiting_a_cancel_on_a_replica_given_up_are_free_again(make_pool):
+    """A timed-out id waits for its leader's answer; once its replica is given up no answer will
+    come, and the id must serve on another replica (it was refused for good)."""
+    pool = make_pool(2)
+    pool.start()
+    failing = pool.replicas[0]
+    failing.cancelling.add("r")  # as a stream that timed out there leaves it
+    with pytest.raises(ValueError, match="request_id 'r' is already in flight"):
+        pool.submit_stream(stream_handle("r"))
+    failing._give_up(ReplicaFailed("replica 0 is gone"), WorkerDied("rank 0 died"))
+    handle = stream_handle("r")
+    pool.submit_stream(handle)
+    assert handle.replica == 1 and handle.attempts == 1
+    assert [r.request_id for r in factory_seen(pool, 1)] == ["r"]
+
+
+def factory_seen(pool, index):
+    return pool.replicas[index].started.group.seen
+
+
+def test_a_stream_arriving_as_the_last_replica_is_given_up_is_told_no_replica_is_left(make_pool):
+    """Between a replica's state turning failed and the pool noting that none is left, a stream
+    found no candidate: min() of nothing raised a ValueError, which the server sent as a 400 about
+    the prompt."""
+    pool = make_pool(1)
+    pool.start()
+    pool.replicas[0].state = "failed"  # the window inside _give_up, before _replica_failed
+    with pytest.raises(NoReplicaAvailable, match="no replica is left to serve requests"):
+        pool.submit_stream(stream_handle("s"))
 
 
 # ---- start, status, shutdown ---------------------------------------------------------------------

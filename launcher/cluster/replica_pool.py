@@ -139,6 +139,7 @@ class Replica:
             self.streams[handle.request_id] = handle
             handle.replica = self.index
             if self.state == "serving":
+                handle.attempts += 1
                 self.started.group.submit([handle.request])
             # else the restart in progress submits it with the others (_resume_streams)
 
@@ -223,7 +224,9 @@ class Replica:
                     self._restart(fault)
                     return
                 if not self._restart(fault):
-                    _fail(item, self.failure)
+                    # given up (self.failure), or the launcher is shutting down (no failure to name)
+                    _fail(item, self.failure or LaunchError("the launcher was shut down while this request "
+                                                            "was running"))
                     return
                 continue  # re-run on the restarted group
             except BaseException as err:  # noqa: BLE001 - the caller's error (a bad request) goes to its future
@@ -301,6 +304,7 @@ class Replica:
         self.failure = error
         with self._streams_lock:
             self.state = "failed"
+            self.cancelling.clear()  # no group will answer these cancels: the ids are free again
         if self.started is not None:
             self.started.group.kill()
         self.pool._replica_failed(self)
@@ -389,6 +393,9 @@ class ReplicaPool:
                                  f"id (or none: one is generated)")
             candidates = ([r for r in self.replicas if r.state == "serving"]
                           or [r for r in self.replicas if r.state in ("restarting", "starting")])
+            if not candidates:  # the last replica was just given up; _replica_failed is on its way
+                reasons = "; ".join(f"replica {r.index}: {r.failure}" for r in self.replicas if r.failure)
+                raise NoReplicaAvailable(f"no replica is left to serve requests ({reasons or 'none serving'})")
             min(candidates, key=lambda r: len(r.streams)).submit_stream(handle)
 
     def cancel_stream(self, handle: StreamHandle) -> None:

@@ -31,7 +31,9 @@ class StreamHandle:
         self.first_token_at: float | None = None
         """When the first token reached the driver (not when a reader took it: generate() reads its
         streams in turn, and a later one's tokens may wait unread meanwhile)."""
-        self.attempts = 1
+        self.attempts = 0
+        """Times it was handed to a TP group (its replica counts them): 1 unless a fault made a
+        restarted group take it again."""
         self.replica: int | None = None
         self.cancelled = False
         self.finished = False
