@@ -673,23 +673,30 @@ def test_proxy_ingress_serves_the_same_stream(tmp_path, hf):
 @pytest.mark.slow
 def test_a_replica_whose_group_failed_is_replaced_on_the_same_port(client, server, hf):
     """The module's last use of its server: with --max-restarts 0 a SIGKILLed rank fails the TP
-    group for good, /health answers 503, Serve's health check replaces the replica, and the new
-    replica's own server (direct ingress) answers on the same --port."""
+    group for good, /health answers 503 and so does a completion (OpenAI's error object, not a
+    plain-text 500), Serve's health check replaces the replica, and the new replica's own server
+    (direct ingress) answers on the same --port."""
     import psutil
     import requests
 
     before = _listener(server.url)
     [rank] = [p for p in psutil.Process(server.pid).children(recursive=True) if "RayRankWor" in p.name()]
     rank.kill()
-    statuses = []
+    statuses, refused = [], None
     deadline = time.monotonic() + 300
     while not (503 in statuses and statuses[-1] == 200):
         assert time.monotonic() < deadline, f"health answers {statuses[-5:]}:\n{server.log.read_text()[-3000:]}"
         try:
             statuses.append(requests.get(f"{server.url}/health", timeout=10).status_code)
+            if statuses[-1] == 503 and refused is None:  # the failed replica, before Serve replaces it
+                refused = requests.post(f"{server.url}/v1/completions", timeout=30,
+                                        json={"model": MODEL, "prompt": PROMPT, "max_tokens": 4})
         except requests.RequestException:  # between the old replica's end and the new one's server
             statuses.append(None)
         time.sleep(1)
+    assert refused is not None and refused.status_code == 503, (refused, refused and refused.text)
+    error = refused.json()["error"]
+    assert error["code"] == "model_unavailable" and "cannot take requests now" in error["message"], error
     after = _listener(server.url)
     assert after is not None and "ServeRepli" in after.name() and after.pid != before.pid, (before, after)
     out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)

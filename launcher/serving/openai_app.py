@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from launcher.errors import LaunchError
 from launcher.serving import openai_protocol as proto
 from launcher.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics, TokenTimer
 from launcher.serving.openai_protocol import ProtocolError
@@ -285,6 +286,10 @@ class OpenAIServer:
             retry = max(1, math.ceil(getattr(err, "retry_after_s", 1.0)))
             raise ProtocolError(f"the server is at capacity ({err}); retry after {retry} s", status=503,
                                 type="server_error", code="queue_full", headers={"Retry-After": str(retry)}) from None
+        except LaunchError as err:  # no replica left serving (Serve replaces this one), or shutting down
+            self.metrics.rejected(503)
+            raise ProtocolError(f"the model cannot take requests now: {err}", status=503, type="server_error",
+                                code="model_unavailable") from None
 
     async def _respond(self, req, stream, render, arrived: float) -> Response:
         meta = proto.ResponseMeta.new(render.id_prefix, self.name)
