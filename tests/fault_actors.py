@@ -18,7 +18,7 @@ class _CrashOnGenerate(RayRankWorker):
     def generate(self, request, static_id=None):
         os._exit(3)
 
-    def submit_requests(self, requests):
+    def submit_requests(self, requests, number=None):
         os._exit(3)
 
 

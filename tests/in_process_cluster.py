@@ -69,6 +69,8 @@ class ThreadTPGroup:
     """generate calls received."""
     _dead: list[int] = field(default_factory=list, init=False)
     _fault: BaseException | None = field(default=None, init=False)
+    _call_numbers: object = field(default_factory=itertools.count, init=False)
+    """Submissions and cancellations numbered as TPGroup numbers them (rank 0 runs them in order)."""
 
     def start(self) -> None:
         from workers.rank_worker import RankWorker, WorkerSpec
@@ -115,11 +117,11 @@ class ThreadTPGroup:
 
     def submit(self, requests) -> None:
         if self.actors:
-            self.actors[0].submit_requests(requests)
+            self.actors[0].submit_requests(requests, next(self._call_numbers))
 
     def cancel(self, request_ids) -> None:
         if self.actors:
-            self.actors[0].cancel_requests(request_ids)
+            self.actors[0].cancel_requests(request_ids, next(self._call_numbers))
 
     def _raise_injected_fault(self, step: str) -> None:
         """Stop the group and raise what kill_rank / fail_next injected, as a broken group does."""

@@ -27,6 +27,7 @@ from shardlib.sharding import ShardLayout
 from workers.backends import backend_entry, get_backend
 from workers.backends.base import RendezvousInfo
 from workers.net import free_port
+from workers.serving.numbered_calls import NumberedCalls
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,8 @@ class RankWorker:
     _loop: object = field(default=None, init=False, repr=False)
     _prepared_loop: object = field(default=None, init=False, repr=False)
     """The loop prepare_serving made, until stream_events takes it (even when the loop has ended by then)."""
+    _numbered: NumberedCalls = field(default_factory=NumberedCalls, init=False, repr=False)
+    """Rank 0: the driver's numbered submissions and cancellations, handed to the loop in order."""
 
     def describe(self) -> dict:
         """Where this rank runs: used for error messages and rendezvous."""
@@ -288,11 +291,19 @@ class RankWorker:
             self._loop = None
         return loop_counters(loop)
 
-    def submit_requests(self, requests: list) -> None:
-        self._leader_loop().submit(requests)
+    def submit_requests(self, requests: list, number: int | None = None) -> None:
+        """Hand requests to the serving loop; `number`: this call's place among the driver's
+        submissions and cancellations to this group (workers/serving/numbered_calls.py)."""
+        self._in_order(number, lambda: self._leader_loop().submit(requests))
 
-    def cancel_requests(self, request_ids: list[str]) -> None:
-        self._leader_loop().cancel(request_ids)
+    def cancel_requests(self, request_ids: list[str], number: int | None = None) -> None:
+        self._in_order(number, lambda: self._leader_loop().cancel(request_ids))
+
+    def _in_order(self, number: int | None, call) -> None:
+        if number is None:  # a caller that does not number its calls
+            call()
+        else:
+            self._numbered.run(number, call)
 
     def stream_events(self, host: str, port: int, token: bytes, timeout_s: float) -> None:
         """Connect to the driver's event port and stream the loop's events there until it ends

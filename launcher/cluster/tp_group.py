@@ -13,8 +13,11 @@ is told which ranks share its node (node_groups) so co-located ranks can use a f
 
 from __future__ import annotations
 
+import itertools
+import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import ray
@@ -79,6 +82,8 @@ class TPGroup:
     _loops_checked_at: float = field(default=0.0, init=False, repr=False)
     _last_load: dict = field(default_factory=dict, init=False, repr=False)
     _last_counters: dict = field(default_factory=dict, init=False, repr=False)
+    _call_numbers: Iterator[int] = field(default_factory=itertools.count, init=False, repr=False)
+    _call_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     # ---- start-up ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -213,13 +218,17 @@ class TPGroup:
 
     def submit(self, requests: list) -> None:
         """Hand requests to rank 0's loop (not awaited: a failure shows in the next poll). A group
-        already stopped takes nothing; its replica resubmits its streams once restarted."""
-        if self.actors:
-            self.actors[0].submit_requests.remote(requests)
+        already stopped takes nothing; its replica resubmits its streams once restarted. Submissions
+        and cancellations are numbered: rank 0 runs them in the order they were sent here
+        (workers/serving/numbered_calls.py)."""
+        with self._call_lock:
+            if self.actors:
+                self.actors[0].submit_requests.remote(requests, next(self._call_numbers))
 
     def cancel(self, request_ids: list[str]) -> None:
-        if self.actors:
-            self.actors[0].cancel_requests.remote(request_ids)
+        with self._call_lock:
+            if self.actors:
+                self.actors[0].cancel_requests.remote(request_ids, next(self._call_numbers))
 
     def poll(self, wait_s: float):
         """(events, load, counters) from rank 0's event stream, waiting up to wait_s for the first
