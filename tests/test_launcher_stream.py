@@ -123,6 +123,25 @@ def test_a_group_fault_mid_stream_resumes_every_stream(model_and_expected, in_pr
     assert sum(s.handle.attempts == 2 for s in streams) >= len(PROMPTS) - 1
 
 
+def test_a_seeded_sampled_stream_resumed_after_a_fault_draws_what_it_would_have(model_and_expected,
+                                                                                 in_process_cluster):
+    """Each draw is seeded from the request's seed and the draw's number, so the restarted group's
+    draws go on where the stream stopped (it restarted the request's generator, drawing token 6
+    with token 1's randomness)."""
+    from workers.sampling import SamplingParams
+
+    model_dir, _ = model_and_expected
+    sampled = SamplingParams(temperature=1.0, seed=5)
+    with Launcher(model=model_dir, tp=2, progress=False, **EAGER) as llm:
+        clean = tokens_of(llm.stream(PROMPTS[0], sampled, max_new_tokens=NEW_TOKENS))[0]
+        stream = llm.stream(PROMPTS[0], sampled, max_new_tokens=NEW_TOKENS)
+        first = next(stream)
+        llm._group.fail_next(WorkerDied("rank 1 (in-process) died while serving"))
+        rest = tokens_of(stream)[0]
+        assert llm.replica_status()[0]["restarts"] == 1 and stream.handle.attempts == 2
+    assert first.token_ids + rest == clean and len(clean) == NEW_TOKENS
+
+
 def test_a_request_whose_token_choice_fails_is_failed_alone(model_and_expected, in_process_cluster, monkeypatch):
     """The leader's token choice raises for one request (seed 13): the caller gets RequestFailed
     naming why, the greedy streams beside it finish with their tokens, and the group is not

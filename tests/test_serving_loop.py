@@ -118,6 +118,20 @@ def test_seeded_sampling_does_not_depend_on_the_batch():
     assert runs[0] == runs[1] and len(runs[0]) == 12
 
 
+def test_a_seeded_request_resubmitted_with_its_first_tokens_draws_the_rest_alike():
+    """What a resume after a fault submits: the prompt plus the tokens delivered, and the draws
+    already made; the rest of a seeded stream is then the same as without the fault."""
+    sampled = SamplingParams(temperature=1.0, seed=99)
+    loop = eager_loop(max_num_seqs=2, max_prefill_tokens=32)
+    threads = run_loops([loop])
+    loop.submit([request("s", PROMPTS[0], 8, sampling=sampled)])
+    whole = collect(loop, {"s"}).tokens["s"]
+    loop.submit([request("t", tuple(PROMPTS[0]) + tuple(whole[:3]), 5, sampling=sampled, draws_before=3)])
+    rest = collect(loop, {"t"}).tokens["t"]
+    stop([loop], threads)
+    assert rest == whole[3:] and len(whole) == 8
+
+
 def test_an_idle_loop_gathers_a_burst_into_one_prefill():
     """Requests arriving a little apart at an idle group are prefilled in one iteration when
     burst_wait_s covers the gaps; one step then gives every request its only token."""

@@ -51,7 +51,8 @@ class StreamHandle:
         """The request to submit to a restarted group: history = prompt + delivered tokens."""
         return dataclasses.replace(self.request,
                                    prompt_token_ids=self.request.prompt_token_ids + tuple(self.delivered),
-                                   max_tokens=self.request.max_tokens - len(self.delivered))
+                                   max_tokens=self.request.max_tokens - len(self.delivered),
+                                   draws_before=self.request.draws_before + len(self.delivered))
 
     def deliver(self, event: TokenEvent) -> bool:
         """Pass an event on (once finished, nothing more); True when it finished the request."""

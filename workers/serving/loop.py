@@ -276,15 +276,11 @@ class ServingLoop:
         # A decode-only step's rows already are one tensor in order: no copy of 16 x vocab floats.
         logits = decode_logits if len(chosen) == len(plan.decode) else torch.stack([row for _, row in chosen])
         events = []
-        # Draws are row by row: if a later row raises, the earlier ones have drawn already. Their
-        # generators are put back before each row is chosen again, so their tokens stay their own.
-        states = [None if s.generator is None else s.generator.get_state() for s in sequences]
         try:
             tokens, logprobs = choose(logits, sequences)
         except Exception:  # noqa: BLE001 - one request's choice failed: find it, fail it alone
-            for seq, state in zip(sequences, states):
-                if state is not None:
-                    seq.generator.set_state(state)
+            # Rows that drew before the failing one draw the same again: each draw is seeded anew
+            # from its request's seed and the draw's number (token_choice.seed_draws).
             sequences, logits, tokens, logprobs, events = self._choose_alone(sequences, logits)
         for i, (seq, token) in enumerate(zip(sequences, tokens)):
             seq.generated += 1

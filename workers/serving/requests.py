@@ -28,6 +28,10 @@ class StreamRequest:
     """None: no log-probabilities; n >= 0: the chosen token's plus the n most likely (n <= MAX_LOGPROBS)."""
     return_logits: bool = False
     """Send the full logits each token was chosen from (accuracy checks)."""
+    draws_before: int = 0
+    """Tokens this request chose before this submission (a resumed request's delivered tokens):
+    its draws are numbered on from there, so a seeded stream resumed after a fault goes on drawing
+    what it would have drawn (workers/serving/token_choice.py)."""
 
 
 @dataclass

@@ -31,6 +31,8 @@ class Sequence:
     generated: int = 0
     generator: object = None
     """The leader's torch.Generator for this request (None: greedy)."""
+    seed: int | None = None
+    """A sampled request's base seed (workers/serving/token_choice.py reseeds per draw from it)."""
 
     @property
     def prompt(self) -> tuple[int, ...]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import random
 
 import torch
@@ -12,18 +13,34 @@ from workers.serving.scheduler import Sequence
 
 
 def request_generator(sequence: Sequence, device: torch.device) -> torch.Generator | None:
-    """A generator of the request's own (its seed, or a fresh random one): a sampled request's tokens
-    then do not depend on which other requests share its batch."""
+    """A generator of the request's own (None: greedy), reseeded before each of its draws by
+    seed_draws(): a sampled request's tokens then depend neither on which other requests share its
+    batch nor on whether its stream was resumed after a fault. Its base seed is the request's seed,
+    or a random one (kept in sequence.seed)."""
     params = sequence.request.sampling
     if params.is_greedy:
         return None
-    if params.seed is not None:
-        return make_generator(params, device)
-    return torch.Generator(device=device).manual_seed(random.randrange(2**62))
+    sequence.seed = params.seed if params.seed is not None else random.randrange(2**62)
+    return torch.Generator(device=device)
+
+
+def draw_seed(seed: int, draw: int) -> int:
+    """The generator's seed for a request's draw number `draw` (0 for its first token): a hash of
+    both, so neighbouring draws and neighbouring seeds give unrelated streams."""
+    digest = hashlib.blake2b(f"{seed}:{draw}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # torch takes seeds below 2**63
+
+
+def seed_draws(sequences: list[Sequence]) -> None:
+    """Seed each sampled sequence's generator for the draw it is about to make."""
+    for s in sequences:
+        if s.generator is not None:
+            s.generator.manual_seed(draw_seed(s.seed, s.request.draws_before + s.generated))
 
 
 def choose(logits: torch.Tensor, sequences: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
     """Token per row of logits (rows, vocab) for sequences[i], and logprobs where asked for."""
+    seed_draws(sequences)  # again for a choice redone (the leader's row by row retry): the same draw
     tokens = sample(logits, [s.request.sampling for s in sequences], [s.generator for s in sequences]).tolist()
     logprobs: list[TokenLogprob | None] = [None] * len(sequences)
     wanted = [i for i, s in enumerate(sequences) if s.request.logprobs is not None]
