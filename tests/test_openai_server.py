@@ -690,6 +690,7 @@ def test_a_replica_whose_group_failed_is_replaced_on_the_same_port(client, serve
             statuses.append(requests.get(f"{server.url}/health", timeout=10).status_code)
             if statuses[-1] == 503 and refused is None:  # the failed replica, before Serve replaces it
                 refused = requests.post(f"{server.url}/v1/completions", timeout=30,
+                                        headers={"Authorization": f"Bearer {API_KEY}"},
                                         json={"model": MODEL, "prompt": PROMPT, "max_tokens": 4})
         except requests.RequestException:  # between the old replica's end and the new one's server
             statuses.append(None)
