@@ -277,6 +277,7 @@ class Launcher:
         self.tokenizer = None
         """The checkpoint's tokenizer once start() (or check_prompts()) has returned; None without one."""
         self._tokenizer_load: BackgroundLoad | None = None
+        self._host_holds: int | None = None
         self.load_stats: list = []
         self.timings: dict[str, float] = {}
         self.backend: str | None = None
@@ -330,6 +331,7 @@ class Launcher:
         planned = plan_launch(self.config, self._progress)
         self.model_dir, self.model_config = planned.model_dir, planned.model_config
         self.backend = planned.backend
+        self._host_holds = planned.host_holds
         self.buckets = load_spec_fields(self.config, planned.plan, self.model_config)["buckets"]
         self._tokenizer_load = BackgroundLoad(load_tokenizer, self.model_dir, name="corelaunch-tokenizer")
         self.plan = planned.plan
@@ -426,7 +428,6 @@ class Launcher:
     def _size_replicas(self, backend: str, nodes: list):
         """(each rank's resources, replica count) for the alive `nodes` (launcher.cluster.placement.NodeInfo)."""
         from launcher.cluster.resources import explain_unplaceable, groups_that_fit, rank_resources
-        from launcher.launch_plan import groups_this_host_holds
 
         cfg, tp = self.config, self.plan.tp_degree
         device = backend_entry(backend).ray_resource
@@ -437,7 +438,7 @@ class Launcher:
         # auto: as many groups as the free resources hold now (CPU shares: one CPU per rank by default)
         resources = rank_resources(**share, cpus_per_rank=cfg.cpus_per_rank or 1)
         count = groups_that_fit([n.free for n in nodes], resources.bundle, tp, cfg.nodes)
-        holds = groups_this_host_holds(cfg, self.plan, backend)  # cpu groups on a private cluster share its RAM
+        holds = self._host_holds  # cpu groups on a private cluster share its RAM (counted before Ray started)
         if holds is not None and count > max(holds, 1):
             count = max(holds, 1)
         if count == 0 and device is None and cfg.cpus_per_rank is None:

@@ -24,6 +24,9 @@ class PlannedLaunch:
     """The planner target's name (an instance type, "cpu", or a description of the GPUs)."""
     plan: object
     """shardlib.planner's plan, valid."""
+    host_holds: int | None = None
+    """groups_this_host_holds() as it was before Ray started (it asks whether the cluster will be
+    private, which a Ray session of our own would hide): replicas="auto" is capped by it."""
 
 
 def resolve_model_dir(model: str | None) -> Path:
@@ -70,12 +73,13 @@ def plan_launch(config, progress: Progress, nothing_done: str = "nothing was sta
         lines = "\n".join(f"  [not_runnable] {gap}" for gap in gaps)
         raise PlanRejected(f"{model_dir} cannot run on corelaunch's workers; {nothing_done}:\n{lines}", errors)
     check_replicas_fit_this_host(config, plan, backend)
+    host_holds = groups_this_host_holds(config, plan, backend)
     if config.presharded_dir is None:  # the ranks will read this checkpoint: its headers are checked now
         from shardlib.checkpoint_files import check_checkpoint
 
         with progress.step("checking checkpoint"):
             check_checkpoint(model_dir, model_config)
-    return PlannedLaunch(model_dir, model_config, backend, plan.instance, plan)
+    return PlannedLaunch(model_dir, model_config, backend, plan.instance, plan, host_holds)
 
 
 def groups_this_host_holds(config, plan, backend: str) -> int | None:
@@ -93,7 +97,7 @@ def groups_this_host_holds(config, plan, backend: str) -> int | None:
 def check_replicas_fit_this_host(config, plan, backend: str) -> None:
     """cpu replicas on a private cluster (this host alone) share its RAM, which the plan checked for
     one TP group: ValueError when `replicas` groups cannot all fit, before they start and exhaust it.
-    replicas="auto" is capped by the same count when it is resolved (Launcher._size_replicas)."""
+    replicas="auto" is capped by the same count (PlannedLaunch.host_holds, Launcher._size_replicas)."""
     from shardlib.planner import format_bytes
 
     replicas = config.replicas

@@ -114,25 +114,27 @@ def test_more_cpu_replicas_than_this_hosts_memory_holds_are_refused(ray_tripwire
 
 def test_auto_replicas_are_capped_by_this_hosts_memory(ray_tripwire, monkeypatch):
     """replicas="auto" counts the groups the free CPUs hold; on a private cluster every group also
-    takes this host's RAM, so a host of 512 CPUs still gets only the groups its memory holds."""
+    takes this host's RAM, so a host of 512 CPUs still gets only the groups its memory holds. The
+    count is taken before Ray starts: once the launcher's own private Ray runs, the cluster no
+    longer looks private (the cap then never applied)."""
     from launcher.cluster import ray_cluster
     from launcher.cluster.placement import NodeInfo
-    from launcher.launch_plan import groups_this_host_holds
 
     import ray
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(ray_cluster, "recorded_cluster", lambda: None)
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
-    launcher = Launcher(tp=1, compile=False, progress=False, replicas="auto", max_num_seqs=64).prepare()
-    holds = groups_this_host_holds(launcher.config, launcher.plan, "cpu")
+    launcher = Launcher(tp=1, compile=False, progress=False, replicas="auto", seq_len=256, max_num_seqs=2).prepare()
     memory = launcher.plan.memory
-    assert holds == memory.usable_bytes_per_rank // memory.total_bytes_all_ranks and 1 <= holds < 512
+    holds = memory.usable_bytes_per_rank // memory.total_bytes_all_ranks
+    assert launcher._host_holds == holds and holds < 512
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)  # as once start() has connected its private Ray
     many_cpus = NodeInfo(node_id="n" * 16, address="127.0.0.1", total={"CPU": 512.0}, free={"CPU": 512.0})
-    _, count = launcher._size_replicas("cpu", [many_cpus])
-    assert count == holds
-    few_cpus = NodeInfo(node_id="n" * 16, address="127.0.0.1", total={"CPU": 1.0}, free={"CPU": 1.0})
-    assert launcher._size_replicas("cpu", [few_cpus])[1] == 1  # the CPUs are the tighter bound
+    assert launcher._size_replicas("cpu", [many_cpus])[1] == max(holds, 1)
+    if holds > 1:
+        three_cpus = NodeInfo(node_id="n" * 16, address="127.0.0.1", total={"CPU": 3.0}, free={"CPU": 3.0})
+        assert launcher._size_replicas("cpu", [three_cpus])[1] == min(3, holds)  # the CPUs the tighter bound
 
 
 @pytest.mark.parametrize("tp", ["²", "٣"])
