@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> dict:
     # What the planner counts for the same TP 1 rank: its shard plus the largest matrix it packs.
     from shardlib.planner import plan
 
-    memory = plan(config, instance="cpu", tp=1, dtype=config.torch_dtype, batch_size=1, seq_len=1).memory
+    memory = plan(config, instance="cpu", tp=1, dtype=config.torch_dtype, batch_size=1, seq_len=2).memory
     planned = memory.weight_bytes_per_rank + memory.packing_scratch_bytes_per_rank
     packed = next(r for r in results if r["source"] == "worker" and r["packed"])
     report["planner_tp1_load_bytes"] = planned
