@@ -13,11 +13,9 @@ is told which ranks share its node (node_groups) so co-located ranks can use a f
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import ray
@@ -82,7 +80,7 @@ class TPGroup:
     _loops_checked_at: float = field(default=0.0, init=False, repr=False)
     _last_load: dict = field(default_factory=dict, init=False, repr=False)
     _last_counters: dict = field(default_factory=dict, init=False, repr=False)
-    _call_numbers: Iterator[int] = field(default_factory=itertools.count, init=False, repr=False)
+    _next_call: int = field(default=0, init=False, repr=False)
     _call_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     # ---- start-up ----------------------------------------------------------------------------
@@ -223,12 +221,14 @@ class TPGroup:
         (workers/serving/numbered_calls.py)."""
         with self._call_lock:
             if self.actors:
-                self.actors[0].submit_requests.remote(requests, next(self._call_numbers))
+                self.actors[0].submit_requests.remote(requests, self._next_call)
+                self._next_call += 1  # only once sent: a number rank 0 never gets would hold every later call
 
     def cancel(self, request_ids: list[str]) -> None:
         with self._call_lock:
             if self.actors:
-                self.actors[0].cancel_requests.remote(request_ids, next(self._call_numbers))
+                self.actors[0].cancel_requests.remote(request_ids, self._next_call)
+                self._next_call += 1
 
     def poll(self, wait_s: float):
         """(events, load, counters) from rank 0's event stream, waiting up to wait_s for the first

@@ -22,7 +22,9 @@ class NumberedCalls:
     def run(self, number: int, call: Callable[[], None]) -> None:
         """Run `call` once every call numbered below it has run, and then any held call it frees.
         Calls run under the lock, one at a time, so they must be quick (the loop's own inbox puts
-        are); an error in one is raised to its sender's caller and never blocks the calls after it."""
+        are). An error never blocks the calls after it; it is raised to the sender when the call
+        ran at once, and dropped when it was held (its sender has returned by then; the driver
+        sends these calls without waiting for their answers)."""
         with self._lock:
             if number < self._next or number in self._held:
                 raise ValueError(f"call number {number} was already given (next expected: {self._next})")
