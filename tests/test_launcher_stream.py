@@ -132,14 +132,15 @@ def test_a_seeded_sampled_stream_resumed_after_a_fault_draws_what_it_would_have(
 
     model_dir, _ = model_and_expected
     sampled = SamplingParams(temperature=1.0, seed=5)
+    new_tokens = 64  # many more than arrive between the first token and the fault
     with Launcher(model=model_dir, tp=2, progress=False, **EAGER) as llm:
-        clean = tokens_of(llm.stream(PROMPTS[0], sampled, max_new_tokens=NEW_TOKENS))[0]
-        stream = llm.stream(PROMPTS[0], sampled, max_new_tokens=NEW_TOKENS)
+        clean = tokens_of(llm.stream(PROMPTS[0], sampled, max_new_tokens=new_tokens, ignore_eos=True))[0]
+        stream = llm.stream(PROMPTS[0], sampled, max_new_tokens=new_tokens, ignore_eos=True)
         first = next(stream)
         llm._group.fail_next(WorkerDied("rank 1 (in-process) died while serving"))
         rest = tokens_of(stream)[0]
         assert llm.replica_status()[0]["restarts"] == 1 and stream.handle.attempts == 2
-    assert first.token_ids + rest == clean and len(clean) == NEW_TOKENS
+    assert first.token_ids + rest == clean and len(clean) == new_tokens
 
 
 def test_a_request_whose_token_choice_fails_is_failed_alone(model_and_expected, in_process_cluster, monkeypatch):

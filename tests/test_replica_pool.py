@@ -425,6 +425,21 @@ def test_ids_awaiting_a_cancel_on_a_replica_given_up_are_free_again(make_pool):
     assert [r.request_id for r in factory_seen(pool, 1)] == ["r"]
 
 
+def test_a_stream_submitted_while_its_replica_restarts_counts_one_attempt(make_pool):
+    """It waits for the restarted group, which takes it first: one hand-over, not a re-run."""
+    pool = make_pool(1)
+    pool.start()
+    replica = pool.replicas[0]
+    replica.state = "restarting"  # as inside _restart, before the new group serves
+    handle = stream_handle("w")
+    pool.submit_stream(handle)
+    assert handle.attempts == 0 and factory_seen(pool, 0) == []
+    with replica._streams_lock:
+        replica.state = "serving"
+        replica._resume_streams()
+    assert handle.attempts == 1 and [r.request_id for r in factory_seen(pool, 0)] == ["w"]
+
+
 def factory_seen(pool, index):
     return pool.replicas[index].started.group.seen
 

@@ -144,8 +144,9 @@ def test_an_idle_loop_gathers_a_burst_into_one_prefill():
     stop([loop], threads)
     assert loop.steps == 1
     assert got.tokens["a"] == alone(tuple(PROMPTS[0]))[:1] and got.tokens["b"] == alone(tuple(PROMPTS[1]))[:1]
-    # the overhead counter leaves out the wait for work and the 50 ms gathered (it counted both)
-    assert loop.plan_seconds < 0.05, loop.plan_seconds
+    # the overhead counter leaves out the wait for work and the burst gathered (it counted both:
+    # at least the 0.5 s burst wait here)
+    assert loop.plan_seconds < 0.3, loop.plan_seconds
 
 
 def test_a_burst_is_not_waited_for_past_the_free_rows():
@@ -369,7 +370,7 @@ def test_a_compiled_model_makes_room_for_the_serving_shapes():
 def test_a_request_whose_token_choice_fails_fails_alone(monkeypatch):
     """Choosing one request's token raises after its neighbour drew (a stand-in for any such fault,
     e.g. NaN probabilities): that request ends with an "error" event and frees its row, the seeded
-    neighbour keeps its own draws (its generator is put back) and the greedy one its tokens, and the
+    neighbour keeps its own draws (each draw is seeded anew) and the greedy one its tokens, and the
     loop serves on. Failing the group instead would replay the request on the restarted group until
     the replica was given up (the adversarial run's top_k of 1e39 did that)."""
     import workers.serving.loop as loop_module

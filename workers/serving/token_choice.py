@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from workers.sampling import make_generator, sample
+from workers.sampling import sample
 from workers.serving.requests import TokenLogprob
 from workers.serving.scheduler import Sequence
 
