@@ -101,14 +101,20 @@ def check_replicas_fit_this_host(config, plan, backend: str) -> None:
     from shardlib.planner import format_bytes
 
     replicas = config.replicas
-    if not isinstance(replicas, int) or replicas < 2:
-        return
-    holds = groups_this_host_holds(config, plan, backend)
-    if holds is None or replicas <= holds:
+    if isinstance(replicas, int) and replicas >= 2:
+        check_groups_fit(replicas, "replicas", plan, groups_this_host_holds(config, plan, backend))
+
+
+def check_groups_fit(count: int, name: str, plan, holds: int | None) -> None:
+    """ValueError naming `name` (the option that asked for `count` TP groups of `plan`) when this
+    host's RAM holds fewer (`holds`, from groups_this_host_holds; None: not this host's to check)."""
+    from shardlib.planner import format_bytes
+
+    if holds is None or count <= holds:
         return
     per_group = plan.memory.total_bytes_all_ranks
     usable = plan.memory.usable_bytes_per_rank * plan.tp_degree
-    raise ValueError(f"replicas ({replicas}): {replicas} TP groups of {plan.tp_degree} rank(s) need "
-                     f"{format_bytes(replicas * per_group)} ({format_bytes(per_group)} each) but this host has "
+    raise ValueError(f"{name} ({count}): {count} TP groups of {plan.tp_degree} rank(s) need "
+                     f"{format_bytes(count * per_group)} ({format_bytes(per_group)} each) but this host has "
                      f"{format_bytes(usable)} usable; nothing was started. Ask for at most "
                      f"{max(1, holds)}, or shrink each group's KV cache (--max-num-seqs, --seq-len)")

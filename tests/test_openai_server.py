@@ -313,6 +313,11 @@ def test_serve_cli_refuses_bad_options_before_starting_ray(capsys, tmp_path):
     assert "use --ingress proxy" in capsys.readouterr().err
     assert main(["serve", "--model", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
+    # every Serve replica is a TP group in this host's RAM (the Ray serve starts is private)
+    assert main(["serve", "--replicas", "500", "--ingress", "proxy"]) == 2
+    assert "--replicas (500): 500 TP groups of 1 rank(s) need" in capsys.readouterr().err
+    assert main(["serve", "--min-replicas", "1", "--max-replicas", "500"]) == 2
+    assert "--max-replicas (500): 500 TP groups" in capsys.readouterr().err
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()

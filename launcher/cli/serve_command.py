@@ -129,11 +129,20 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _plan(settings) -> None:
+    """The layout planned as each Serve replica will plan it; and every Serve replica there can be
+    at once (each one TP group) must fit this host's RAM, which they share on the cpu backend: the
+    Ray that `serve` starts is private, this host alone."""
+    import dataclasses
+
     from launcher.api import LaunchConfig
-    from launcher.launch_plan import plan_launch
+    from launcher.launch_plan import check_groups_fit, groups_this_host_holds, plan_launch
     from launcher.progress import Progress
 
-    plan_launch(LaunchConfig(**settings.launch), Progress(False))
+    config = LaunchConfig(**settings.launch)
+    planned = plan_launch(config, Progress(False))
+    holds = groups_this_host_holds(dataclasses.replace(config, ray_address="local"), planned.plan, planned.backend)
+    name = "--replicas" if settings.autoscaling is None else "--max-replicas"
+    check_groups_fit(settings.most_replicas, name, planned.plan, holds)
 
 
 def _serve(args: argparse.Namespace, settings, mode: str) -> int:
