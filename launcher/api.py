@@ -720,9 +720,9 @@ class Launcher:
         pool.submit_stream(handle)
         return kind(self._cancel_stream, handle, text, items)
 
-    def _cancel_stream(self, handle) -> None:
+    def _cancel_stream(self, handle, deferred: bool = False) -> None:
         if self._pool is not None:
-            self._pool.cancel_stream(handle)
+            self._pool.cancel_stream(handle, deferred)
 
     def _open_generation(self, prompts, sampling, max_new_tokens, stop_token_ids, ignore_eos, return_logits,
                          asynchronous: bool):

@@ -71,6 +71,38 @@ def test_closing_a_stream_cancels_it_and_frees_its_row(model_and_expected, in_pr
         assert llm.load() == {"running": 0, "waiting": 0}
 
 
+def test_a_stream_garbage_collected_unread_is_cancelled_without_taking_a_lock(model_and_expected,
+                                                                              in_process_cluster):
+    """The collector may finalize a dropped stream on a thread holding the replica's lock (its
+    thread, mid-poll): the finalizer must not take that lock again (a deadlock), yet the request
+    is still cancelled and its row freed."""
+    import gc
+    import threading
+
+    model_dir, expected = model_and_expected
+    with Launcher(model=model_dir, tp=1, max_num_seqs=1, progress=False, **EAGER) as llm:
+        long = llm.stream(PROMPTS[0], max_new_tokens=200, ignore_eos=True)
+        next(long)
+        waiting = llm.stream(PROMPTS[1], max_new_tokens=NEW_TOKENS)
+        lock = llm._pool.replicas[0]._streams_lock
+        streams = [long]
+        del long
+
+        def drop_while_locked():
+            with lock:
+                streams.clear()
+                gc.collect()
+
+        dropper = threading.Thread(target=drop_while_locked, daemon=True)
+        dropper.start()
+        dropper.join(timeout=10)
+        if dropper.is_alive():  # deadlocked on the lock it holds: free the replica so the test can end
+            lock.release()
+            pytest.fail("the dropped stream's finalizer took the replica's lock it was called under")
+        assert tokens_of(waiting)[0] == expected[1]  # the long request's row went to it
+        assert llm.load() == {"running": 0, "waiting": 0}
+
+
 def test_a_stop_string_cuts_the_text_and_ends_the_request(model_and_expected, in_process_cluster, tmp_path):
     import shutil
 

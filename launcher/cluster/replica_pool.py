@@ -100,6 +100,8 @@ class Replica:
         """Ids of timed-out requests whose cancel the leader has not answered yet: their late events
         are dropped, and the id is not free for a new request until the answer comes."""
         self._streams_lock = threading.Lock()
+        self.dropped: queue.SimpleQueue[str] = queue.SimpleQueue()
+        """Ids of streams their reader dropped unread (garbage-collected): cancelled at the next poll."""
         self.loop_counters: dict = {}
         """The leader's serving-loop counters at the last poll (steps, step_s, plan_s)."""
 
@@ -153,6 +155,8 @@ class Replica:
                 self.started.group.cancel([request_id])  # the leader answers with an "abort" event
 
     def _poll_streams(self) -> None:
+        while not self.dropped.empty():
+            self.cancel_stream(self.dropped.get_nowait())  # only this thread takes from it
         group = self.started.group
         try:
             events, load, counters = group.poll(POLL_WAIT_S)
@@ -398,9 +402,16 @@ class ReplicaPool:
                 raise NoReplicaAvailable(f"no replica is left to serve requests ({reasons or 'none serving'})")
             min(candidates, key=lambda r: len(r.streams)).submit_stream(handle)
 
-    def cancel_stream(self, handle: StreamHandle) -> None:
-        if handle.replica is not None:
-            self.replicas[handle.replica].cancel_stream(handle.request_id)
+    def cancel_stream(self, handle: StreamHandle, deferred: bool = False) -> None:
+        """deferred: from a finalizer, which takes no lock (the thread it runs in may hold one);
+        the replica's thread cancels the request at its next poll."""
+        if handle.replica is None:
+            return
+        replica = self.replicas[handle.replica]
+        if deferred:
+            replica.dropped.put(handle.request_id)  # SimpleQueue.put is safe to call from __del__
+        else:
+            replica.cancel_stream(handle.request_id)
 
     def in_flight(self) -> list[int]:
         """Streaming requests in flight on each replica."""

@@ -54,8 +54,13 @@ class _Stream:
             self._cancel(self.handle)
 
     def __del__(self) -> None:
+        # A finalizer runs in whichever thread the garbage collector happens to run in, possibly
+        # one holding the replica's locks: it only leaves the cancel for the replica's thread.
+        if self.done:
+            return
+        self.done = True
         try:
-            self.cancel()
+            self._cancel(self.handle, deferred=True)
         except Exception:  # noqa: BLE001 - at interpreter exit the launcher may be gone already
             pass
 
