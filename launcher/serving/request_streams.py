@@ -48,19 +48,16 @@ class _Stream:
     def _overdue(self) -> TimeoutError:
         return TimeoutError(f"request {self.request_id} got no answer within {self.handle.timeout_s + _GRACE_S:g} s")
 
-    def cancel(self) -> None:
+    def cancel(self, deferred: bool = False) -> None:
         if not self.done:
             self.done = True
-            self._cancel(self.handle)
+            self._cancel(self.handle, deferred)
 
     def __del__(self) -> None:
         # A finalizer runs in whichever thread the garbage collector happens to run in, possibly
         # one holding the replica's locks: it only leaves the cancel for the replica's thread.
-        if self.done:
-            return
-        self.done = True
         try:
-            self._cancel(self.handle, deferred=True)
+            self.cancel(deferred=True)
         except Exception:  # noqa: BLE001 - at interpreter exit the launcher may be gone already
             pass
 
