@@ -205,6 +205,39 @@ def test_static_batches_run_between_iterations():
     assert got.tokens["streamed"] == alone(tuple(PROMPTS[2]))
 
 
+def test_a_static_batch_parked_when_the_loop_stops_fails_rather_than_waiting_for_ever():
+    ran = []
+    loop = ServingLoop(fresh_model(), ServingConfig(2, 8, 64), run_static=ran.append)
+    # In the inbox before the loop starts, as when the driver shuts down during a static generate().
+    loop.submit([request("streamed", PROMPTS[0], 5)])
+    parked = loop.static(1, PROMPTS[:1])
+    loop.stop()
+    [thread] = run_loops([loop])
+    thread.join(30)
+    assert not thread.is_alive()
+    with pytest.raises(RuntimeError, match="static batch 1 never ran"):
+        parked.result(timeout=5)
+    with pytest.raises(RuntimeError, match="static batch 2 never ran"):  # parked after the end
+        loop.static(2, PROMPTS[:1]).result(timeout=5)
+    assert ran == []
+
+
+def test_returned_logits_are_one_row_each_not_a_view_of_the_steps_rows():
+    import pickle
+
+    loop = eager_loop(max_num_seqs=3)
+    threads = run_loops([loop])
+    loop.submit([request(f"r{i}", PROMPTS[i], 3, return_logits=True) for i in range(3)])
+    got = collect(loop, {"r0", "r1", "r2"})
+    stop([loop], threads)
+    rows = [row for event in got.events if event.logits for row in event.logits]
+    assert len(rows) == 9
+    vocab_bytes = rows[0].numel() * rows[0].element_size()
+    for row in rows:  # a view's pickle carries its whole storage: every row of the step
+        assert row.untyped_storage().nbytes() == vocab_bytes
+        assert len(pickle.dumps(row)) < vocab_bytes + 1024  # plus pickle's own framing
+
+
 def tp2_loops(max_num_seqs=2, max_prefill_tokens=5):
     hf = hf_model()
     config, state = ModelConfig.from_dict(hf.config.to_dict()), hf_state_dict(hf)

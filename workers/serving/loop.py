@@ -60,6 +60,12 @@ class ServingConfig:
     the rest of the burst, arriving a few ms later, waited the whole of that prefill. 0: no wait."""
 
 
+def _own_copy(row: torch.Tensor) -> torch.Tensor:
+    """One row of a step's logits in storage of its own: a view would pickle (to the driver) the
+    whole step's rows x vocab storage with every token."""
+    return row.to("cpu", copy=True)
+
+
 class ServingLoop:
     def __init__(self, model, config: ServingConfig, run_static=None) -> None:
         """model: a ShardedCausalLM or CompiledCausalLM (anything with serve_step, new_cache,
@@ -78,6 +84,8 @@ class ServingLoop:
         self._run_static = run_static
         self._statics: dict[int, tuple[object, Future]] = {}
         self._statics_changed = threading.Condition()
+        self._ended = False
+        """Set once run() returns: a static batch parked after that would wait for ever."""
         self.steps = 0
         self.step_seconds = 0.0
         """Forward time (prefill and decode) summed over steps, for the overhead benchmark."""
@@ -101,6 +109,9 @@ class ServingLoop:
         """Park a static batch until the leader runs it (every rank parks the same one)."""
         future: Future = Future()
         with self._statics_changed:
+            if self._ended:
+                future.set_exception(self._never_ran(static_id))
+                return future
             self._statics[static_id] = (request, future)
             self._statics_changed.notify_all()
         if self.is_leader:
@@ -133,7 +144,22 @@ class ServingLoop:
                 else:
                     self._follow()
         finally:
+            self._fail_statics()
             self.outbox.close()
+
+    def _fail_statics(self) -> None:
+        """The loop has ended: every static batch still parked fails now (its caller, blocked on
+        the future, would otherwise wait for ever), and later ones fail as they are parked."""
+        with self._statics_changed:
+            self._ended = True
+            parked, self._statics = self._statics, {}
+        for static_id, (_, future) in parked.items():
+            if not future.done():
+                future.set_exception(self._never_ran(static_id))
+
+    def _never_ran(self, static_id: int) -> RuntimeError:
+        return RuntimeError(f"static batch {static_id} never ran: the serving loop on rank "
+                            f"{self.collectives.rank} had stopped (the group is stopping or broke)")
 
     def _broadcast(self, plan: StepPlan | None) -> StepPlan:
         if self.collectives.world_size == 1:
@@ -289,7 +315,7 @@ class ServingLoop:
                       else "length" if seq.generated >= request.max_tokens else None)
             events.append(TokenEvent(request.request_id, [token], reason,
                                      None if logprobs[i] is None else [logprobs[i]],
-                                     [logits[i].cpu()] if request.return_logits else None, step_s))
+                                     [_own_copy(logits[i])] if request.return_logits else None, step_s))
             if reason is None:
                 seq.pending = token
             else:
