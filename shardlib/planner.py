@@ -191,6 +191,8 @@ class Plan:
     errors: tuple[PlanIssue, ...]
     warnings: tuple[str, ...]
     config: ModelConfig = field(repr=False, compare=False)
+    serving_rows: int = 0
+    """KV cache rows a serving loop holds besides batch_size (plan()'s serving_rows)."""
 
     @property
     def error_codes(self) -> tuple[str, ...]:
@@ -219,7 +221,7 @@ class Plan:
             "instance": self.instance, "family": self.family, "nodes": self.nodes, "lnc": self.lnc,
             "cores_per_rank": self.cores_per_rank, "ranks_per_node": self.ranks_per_node,
             "logical_cores_per_node": self.logical_cores_per_node,
-            "dtype": self.dtype, "batch_size": self.batch_size, "seq_len": self.seq_len,
+            "dtype": self.dtype, "batch_size": self.batch_size, "serving_rows": self.serving_rows, "seq_len": self.seq_len,
             "kv_strategy": self.kv_strategy, "q_heads_per_rank": self.q_heads_per_rank,
             "kv_heads_per_rank": self.kv_heads_per_rank, "padded_q_heads": self.padded_q_heads,
             "moe_sharding": self.moe_sharding,
@@ -249,6 +251,17 @@ class _Request:
     kv_cache_dtype: str | None = None
     """The planner's name of an fp8 KV cache (shardlib/quantized_sizes.py); None: the compute dtype."""
     moe_override: str | None = None
+    serving_rows: int = 0
+    """KV cache rows held besides the batch's (a serving loop's sequence slots and scratch row)."""
+
+    @property
+    def cache_rows(self) -> int:
+        return self.batch + self.serving_rows
+
+    def rows_text(self) -> str:
+        """The batch as the user gave it, and the serving rows on top when there are any."""
+        extra = f" + {self.serving_rows} serving rows" if self.serving_rows else ""
+        return f"batch_size {self.batch}{extra}"
 
 
 @dataclass(frozen=True)
@@ -358,7 +371,7 @@ def _check(req: _Request, tp: int) -> _Check:
     kv_dtype = req.kv_cache_dtype or _kv_cache_dtype(req.config, req.dtype)
     # The cpu backend packs float32 matrices (workers/packed_weight.py); no other target packs.
     packs = inst.family == "cpu" and planned_quantization(cfg, req.dtype)[1] == "float32"
-    kv_bytes = (2 * cfg.num_hidden_layers * req.batch * req.seq_len * kv_per_rank * cfg.head_dim
+    kv_bytes = (2 * cfg.num_hidden_layers * req.cache_rows * req.seq_len * kv_per_rank * cfg.head_dim
                 * DTYPE_BYTES[kv_dtype])
     if inst.per_rank_memory:
         per_core = inst.memory_per_physical_core
@@ -440,18 +453,20 @@ def _ways_out(req: _Request, check: _Check) -> list[str]:
                 f"{_fmt_list(fixed)}"]
     ways = []
     mem = check.memory
-    per_token = mem.kv_cache_bytes_per_rank // (req.batch * req.seq_len)  # KV bytes per position of one sequence
+    per_token = mem.kv_cache_bytes_per_rank // (req.cache_rows * req.seq_len)  # KV bytes per position of one sequence
     if "insufficient_memory" in check.codes:
         usable = mem.usable_bytes_per_rank
         if not req.inst.per_rank_memory:  # a rank's share of the usable RAM
             usable = int(req.inst.memory_bytes * req.nodes * (1 - RESERVE_FRACTION)) // check.tp
         room = usable - mem.weight_bytes_per_rank - mem.packing_scratch_bytes_per_rank
         if room > 0 and per_token:
-            if room // (per_token * req.batch) >= 1:
-                ways.append(f"a smaller seq_len (at most {room // (per_token * req.batch)} at batch_size "
-                            f"{req.batch})")
-            if req.batch > 1 and room // (per_token * req.seq_len) >= 1:
-                ways.append(f"a smaller batch_size (at most {room // (per_token * req.seq_len)})")
+            if room // (per_token * req.cache_rows) >= 1:
+                ways.append(f"a smaller seq_len (at most {room // (per_token * req.cache_rows)} at "
+                            f"{req.rows_text()})")
+            batch_fits = room // (per_token * req.seq_len) - req.serving_rows
+            if req.batch > 1 and batch_fits >= 1:
+                ways.append(f"a smaller batch_size (at most {batch_fits}"
+                            + (f" besides the {req.serving_rows} serving rows)" if req.serving_rows else ")"))
     for dtype in _LOWER_DTYPES:
         if DTYPE_BYTES[dtype] < DTYPE_BYTES[req.dtype]:
             fits = _valid_degrees(dataclasses.replace(req, dtype=dtype))
@@ -537,12 +552,18 @@ def _describe(code: str, req: _Request, check: _Check, hint_degrees: list[int]) 
                     f"{RESERVE_FRACTION:.0%} reserve")
         ways = [f"a degree that fits: {_fmt_list(hint_degrees)}"] if hint_degrees else []
         ways += _ways_out(req, check)
-        return f"{need} (batch_size {req.batch}, seq_len {req.seq_len}, {req.dtype}); ways out: " + (
+        return f"{need} ({req.rows_text()}, seq_len {req.seq_len}, {req.dtype}); ways out: " + (
             "; ".join(ways) if ways else _NOTHING_FITS.format(nodes=_MAX_SUGGESTED_NODES))
     raise AssertionError(f"no message for rule {code}")
 
 
 # ---- the public entry point ---------------------------------------------------------------------
+def _non_negative_rows(rows) -> int:
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+        raise ValueError(f"serving_rows ({rows!r}) must be a whole number >= 0 (0: no serving loop)")
+    return rows
+
+
 def _resolve_dtype(name: str | None, config: ModelConfig) -> str:
     if name is None:
         return config.torch_dtype
@@ -580,11 +601,12 @@ def _checked_seq_len(seq_len) -> int:
 def plan(config: ModelConfig, *, instance: str | InstanceType = CPU_TARGET, tp: int | str = "auto",
          nodes: int = 1, lnc: int | None = None, batch_size: int = 1, seq_len: int | None = None,
          dtype: str | None = None, kv_strategy: str | None = None, pad_q_heads: bool = False,
-         kv_cache_dtype: str | None = None, moe_sharding: str | None = None) -> Plan:
+         kv_cache_dtype: str | None = None, moe_sharding: str | None = None, serving_rows: int = 0) -> Plan:
     """Check serving `config` at TP degree `tp` ("auto": the smallest degree that passes) on `nodes`
     nodes of `instance` (a name from the instance table, or an InstanceType such as
-    shardlib.instances.gpu_node's). ValueError for malformed arguments; rule failures land in
-    Plan.errors."""
+    shardlib.instances.gpu_node's). serving_rows: KV cache rows a serving loop holds besides the
+    batch_size a static batch may use (counted in memory, named apart in messages). ValueError for
+    malformed arguments; rule failures land in Plan.errors."""
     inst = instance if isinstance(instance, InstanceType) else get_instance(instance)
     if isinstance(tp, str) and tp != "auto":
         if not (tp.isascii() and tp.isdigit()):
@@ -602,7 +624,7 @@ def plan(config: ModelConfig, *, instance: str | InstanceType = CPU_TARGET, tp: 
         config=config, inst=inst, nodes=positive_int("nodes", nodes),
         lnc=inst.default_lnc if lnc is None or lnc_problem else lnc,
         lnc_requested=inst.default_lnc if lnc is None else lnc, lnc_problem=lnc_problem,
-        batch=positive_int("batch_size", batch_size),
+        batch=positive_int("batch_size", batch_size), serving_rows=_non_negative_rows(serving_rows),
         seq_len=_checked_seq_len(seq_len) if seq_len is not None
         else min(config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN),
         dtype=_resolve_dtype(dtype, config), kv_override=kv_strategy, pad=bool(pad_q_heads),
@@ -624,7 +646,7 @@ def plan(config: ModelConfig, *, instance: str | InstanceType = CPU_TARGET, tp: 
         sign = -1 if inst.per_rank_memory else 1
         check = min((_check(req, t) for t in _candidates(req)), key=lambda c: (len(c.codes), sign * c.tp))
         summary = (f"no tp_degree passes every rule for this {config.model_type} model on {req.nodes} x "
-                   f"{inst.name} ({req.dtype}, batch_size {req.batch}, seq_len {req.seq_len}); the errors "
+                   f"{inst.name} ({req.dtype}, {req.rows_text()}, seq_len {req.seq_len}); the errors "
                    f"below are those of tp_degree {check.tp}, which fails the fewest")
         if "insufficient_memory" not in check.codes:  # that message lists the ways out itself
             ways = _ways_out(req, check)
@@ -655,6 +677,7 @@ def _build(req: _Request, check: _Check, tp_requested, valid: list[int], errors:
         family=inst.family, nodes=req.nodes, lnc=req.lnc_requested,
         cores_per_rank=req.lnc if inst.is_neuron else 1, ranks_per_node=check.ranks_per_node,
         logical_cores_per_node=inst.logical_cores(req.lnc) if inst.core_count_known else None, dtype=req.dtype, batch_size=req.batch,
+        serving_rows=req.serving_rows,
         seq_len=req.seq_len, kv_strategy=check.kv_strategy if kv_ok else None,
         q_heads_per_rank=check.q_per_rank if heads_ok else None,
         kv_heads_per_rank=check.kv_per_rank if kv_ok else None,

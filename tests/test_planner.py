@@ -246,6 +246,25 @@ def test_cpu_memory_is_checked_against_host_ram_times_nodes():
     assert p3.memory.capacity_bytes_per_rank == host.memory_bytes * 2 // 3
 
 
+def test_serving_rows_count_in_memory_and_the_advised_batch_size_leaves_room_for_them():
+    import re
+
+    host = InstanceType(name="cpu", family="cpu", physical_cores=2, memory_bytes=24 * GIB)
+    refused = plan(SMOLLM2, instance=host, tp=1, dtype="float32", batch_size=1000, serving_rows=9)
+    assert refused.serving_rows == 9 and refused.to_dict()["serving_rows"] == 9
+    text = message(refused, "insufficient_memory")
+    assert "batch_size 1000 + 9 serving rows" in text
+    advised = int(re.search(r"a smaller batch_size \(at most (\d+) besides the 9 serving rows\)", text).group(1))
+    # The advice is the largest batch that fits with the serving rows on top: taking it fits, one more does not.
+    assert plan(SMOLLM2, instance=host, tp=1, dtype="float32", batch_size=advised, serving_rows=9).valid
+    assert not plan(SMOLLM2, instance=host, tp=1, dtype="float32", batch_size=advised + 1, serving_rows=9).valid
+    alone = plan(SMOLLM2, instance=host, tp=1, dtype="float32", batch_size=advised + 9)
+    assert alone.memory.kv_cache_bytes_per_rank == plan(
+        SMOLLM2, instance=host, tp=1, dtype="float32", batch_size=advised, serving_rows=9).memory.kv_cache_bytes_per_rank
+    with pytest.raises(ValueError, match=r"serving_rows \(-1\)"):
+        plan(SMOLLM2, instance=host, serving_rows=-1)
+
+
 def test_tp_above_core_count_is_a_warning_on_cpu():
     if get_instance("cpu").physical_cores >= 9:
         pytest.skip("this host has 9 or more cores")
