@@ -125,6 +125,24 @@ def check_token_matching_passes(capsys, common: list[str]) -> None:
         assert p["actual_tokens"] == p["expected_tokens"] and len(p["actual_tokens"]) == NUM_TOKENS
 
 
+def test_a_quantized_reference_is_refused_before_anything_runs(models, capsys, tmp_path, monkeypatch):
+    from launcher.cli import check_command
+    from shardlib.quantize_checkpoint import quantize_checkpoint
+
+    original, _ = models
+    quantized = quantize_checkpoint(original, tmp_path / "q8", "int8")
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the transformers reference ran on a quantized checkpoint")
+
+    monkeypatch.setattr(check_command, "reference_outputs", must_not_run)
+    for args, named in ((["--model", str(quantized)], str(quantized)),
+                        (["--model", str(original), "--reference", str(quantized)], f"--reference {quantized}")):
+        code, report, err = run_check(capsys, *args, "--prompt-ids", PROMPT_IDS, "--no-compile")
+        assert code == 2 and report is None
+        assert f"{named} is quantized (int8" in err and "the unquantized checkpoint" in err, err
+
+
 def test_check_fails_for_perturbed_weights_and_says_where(models, capsys, in_process_cluster):
     original, perturbed = models
     # the report logic is the subject, in-process and eager: check's way through Ray and compiled

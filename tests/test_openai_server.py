@@ -326,6 +326,15 @@ def test_serve_cli_refuses_bad_options_before_starting_ray(capsys, tmp_path):
     with pytest.raises(SystemExit):
         main(["serve", "--port", "70000"])
     assert "--port (70000) must be at most 65535" in capsys.readouterr().err
+    for host in ("192.0.2.1", "no-such-host.invalid"):  # TEST-NET-1: no machine's own address
+        assert main(["serve", "--host", host]) == 2
+        err = capsys.readouterr().err
+        assert f"cannot listen on {host}:" in err and "pass a --host this machine has" in err and "--port" not in err
+    for timeout in ("0", "-5", "nan", "inf", "soon"):
+        with pytest.raises(SystemExit):
+            main(["serve", "--ready-timeout", timeout])
+        err = capsys.readouterr().err
+        assert f"--ready-timeout ({timeout}" in err or f"--ready-timeout ('{timeout}'" in err, err
     from launcher.cli import build_parser
     from launcher.cli.serve_command import server_args
 

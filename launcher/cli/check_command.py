@@ -224,15 +224,19 @@ def _check_prompts(prompts: list[list[int]], num_tokens: int, model_dir: Path) -
                new_tokens_name="--num-tokens")
 
 
-def _unquantized(model_dir: Path) -> Path:
-    """The reference directory when --reference is not given: the model itself, unless it is quantized."""
+def _reference_dir(args, model_dir: Path) -> Path:
+    """The checkpoint transformers loads as the reference: --reference DIR, else the model itself;
+    refused when it is quantized (transformers would read corelaunch's int8 tensors and scales as
+    some other model, and every comparison would fail for no fault of the model under test)."""
     from shardlib.model_config import load_model_config
 
-    quant = load_model_config(model_dir).quantization
+    reference_dir = _model_dir(args.reference, "--reference") if args.reference else model_dir
+    quant = load_model_config(reference_dir).quantization
     if quant is not None:
-        raise ValueError(f"{model_dir} is quantized ({quant.dtype}, {quant.granularity}): transformers cannot load it "
+        named = f"--reference {reference_dir}" if args.reference else str(reference_dir)
+        raise ValueError(f"{named} is quantized ({quant.dtype}, {quant.granularity}): transformers cannot load it "
                          f"as the reference; pass the unquantized checkpoint it was made from with --reference DIR")
-    return model_dir
+    return reference_dir
 
 
 def _tolerances(args, model_dir: Path) -> tuple[str, float]:
@@ -294,7 +298,7 @@ def _run(args: argparse.Namespace) -> int:
         num_tokens = DEFAULT_NUM_TOKENS if args.num_tokens is None else args.num_tokens
         texts, prompts, tokenizer = _prompts(args, model_dir)
         _check_prompts(prompts, num_tokens, model_dir)
-        reference_dir = _model_dir(args.reference, "--reference") if args.reference else _unquantized(model_dir)
+        reference_dir = _reference_dir(args, model_dir)
         with progress.step("running the transformers reference (float32, CPU)"):
             expected = reference_outputs(reference_dir, prompts, num_tokens, quiet=args.quiet)
         if args.save_expected:

@@ -10,6 +10,8 @@ shuts Serve down and stops Ray.
 from __future__ import annotations
 
 import argparse
+import errno
+import math
 import os
 import signal
 import socket
@@ -61,7 +63,7 @@ def add_parser(subparsers) -> None:
                    help="how HTTP reaches the model: `direct`, the Serve replica's own HTTP server on --port (one "
                         "replica); `proxy`, Serve's proxy on --port, spreading requests over replicas; `auto` (the "
                         "default): direct with one replica, else proxy")
-    p.add_argument("--ready-timeout", type=float, default=900.0, metavar="S",
+    p.add_argument("--ready-timeout", type=_seconds, default=900.0, metavar="S",
                    help="seconds for the replicas to load the model and answer /health (default 900)")
     p.set_defaults(run=run)
 
@@ -76,6 +78,18 @@ def _milliseconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"--burst-wait-ms ({text!r}) must be a number of milliseconds") from None
     if not 0 <= value <= MAX_BURST_WAIT_S * 1000:
         raise argparse.ArgumentTypeError(f"--burst-wait-ms ({text}) must be between 0 and {MAX_BURST_WAIT_S * 1000:g}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """--ready-timeout: a finite number of seconds above 0 (0 or nan would give up at once, inf never)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--ready-timeout ({text!r}) must be a number of seconds") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"--ready-timeout ({text}) must be a finite number of seconds above 0 "
+                                         f"(default 900)")
     return value
 
 
@@ -108,8 +122,11 @@ def check_port_free(host: str, port: int) -> None:
         try:
             sock.bind((host, port))
         except OSError as err:
-            raise OSError(f"cannot listen on {host}:{port} ({err.strerror}); pass a free --port, or stop what "
-                          f"holds it") from None
+            if err.errno == errno.EADDRINUSE:
+                fix = "pass a free --port, or stop what holds it"
+            else:  # not this host's address, or not an address at all
+                fix = "pass a --host this machine has (127.0.0.1, or 0.0.0.0 for every interface)"
+            raise OSError(f"cannot listen on {host}:{port} ({err.strerror}); {fix}") from None
 
 
 def run(args: argparse.Namespace) -> int:
