@@ -257,11 +257,11 @@ def test_bench_json_report_in_process(models, capsys, in_process_cluster):
     original, _ = models
     capsys.readouterr()
     code = main(["bench", "--model", str(original), *BENCH_ARGS, "--runs", str(BENCH_RUNS), "--no-compile",
-                 "--quiet"])
+                 "--seq-len", "64", "--quiet"])
     out = capsys.readouterr()
     assert code == 0, out.err
     report = json.loads(out.out)  # the whole stdout is one JSON object
-    assert report["config"]["compile"] is False
+    assert report["config"]["compile"] is False and report["config"]["seq_len"] == 64
     check_bench_report(report)
 
 
@@ -296,6 +296,11 @@ def test_bench_refuses_a_prompt_longer_than_the_context_before_ray_starts(models
     code = main(["bench", "--model", str(original), "--tp", "2", "--prompt-len", "100000", "--no-compile", "--quiet"])
     err = capsys.readouterr().err
     assert code == 2 and "prompt 0 has 100000 tokens" in err and "max_position_embeddings" in err
+    # under --seq-len the advice names bench's own flag
+    code = main(["bench", "--model", str(original), "--tp", "2", "--prompt-len", "60", "--seq-len", "64",
+                 "--no-compile", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and "needs 124 positions but seq_len is 64" in err and "(--seq-len)" in err, err
 
 
 @pytest.mark.slow

@@ -35,6 +35,9 @@ def add_parser(subparsers) -> None:
                    help="tokens per prompt (default 128)")
     p.add_argument("--max-new-tokens", type=int_at_least("--max-new-tokens", 2), default=64, metavar="N",
                    help="tokens generated per prompt, EOS ignored (default 64; at least 2)")
+    p.add_argument("--seq-len", type=int_at_least("--seq-len", 2), metavar="N",
+                   help="positions per sequence: the KV cache's slots, prompt plus new tokens at most "
+                        "(default: min(max_position_embeddings, 4096))")
     p.add_argument("--warmup", type=int_at_least("--warmup", 0), default=1, metavar="N",
                    help="unrecorded calls before measuring (default 1)")
     p.add_argument("--runs", type=int_at_least("--runs"), default=10, metavar="N", help="measured calls (default 10)")
@@ -83,7 +86,7 @@ def _bench(args: argparse.Namespace) -> dict:
     config = LaunchConfig(model=args.model, tp=args.tp, **backend_options(args), pad_q_heads=args.pad_q_heads,
                           sequence_parallel=args.sequence_parallel,
                           dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_batch_size=args.batch_size,
-                          ray_address=args.ray_address,
+                          seq_len=args.seq_len, ray_address=args.ray_address,
                           compile=args.compile, progress=not args.quiet)
     timings: list[RunTiming] = []
     launcher = Launcher(config).prepare()
@@ -110,7 +113,7 @@ def _bench(args: argparse.Namespace) -> dict:
             "model": str(launcher.model_dir), "tp_degree": launcher.plan.tp_degree,
             "kv_strategy": str(launcher.plan.kv_strategy), "backend": launcher.backend,
             "dtype": str(launcher.plan.dtype), "compile": launcher.config.compile, "batch_size": args.batch_size, "prompt_len": args.prompt_len,
-            "max_new_tokens": args.max_new_tokens, "warmup": args.warmup, "runs": args.runs,
+            "seq_len": launcher.serving_seq_len, "max_new_tokens": args.max_new_tokens, "warmup": args.warmup, "runs": args.runs,
         }
     return report
 
