@@ -313,24 +313,24 @@ def _weight_elements(cfg: ModelConfig, tp: int, q_per_rank: int, kv_per_rank: in
     return embed + cfg.num_hidden_layers * (attn + mlp + layer_norm_elements(cfg)) + h
 
 
-def _packing_scratch_elements(cfg: ModelConfig, tp: int, q_per_rank: int, kv_per_rank: int) -> int:
+def _packing_scratch_elements(cfg: ModelConfig, tp: int, q_per_rank: int, kv_per_rank: int, quantized: bool) -> int:
     """The largest matrix one rank packs: the vocabulary shard (the LM head, or the tied table that is
     both), and for dense float32 layers the attention and MLP matrices, fused or not (the planner is
     not told whether projections are fused, so it counts the larger). Quantized weights and
     mixture-of-experts expert stacks are not packed."""
     h, d = cfg.hidden_size, cfg.head_dim
     largest = math.ceil(cfg.vocab_size / tp) * h
-    if cfg.quantization is None:
+    if not quantized:
         largest = max(largest, (q_per_rank + 2 * kv_per_rank) * d * h, h * q_per_rank * d)
         if not cfg.is_moe:
             largest = max(largest, 2 * math.ceil(cfg.intermediate_size / tp) * h)
     return largest
 
 
-def _kv_cache_dtype(config: ModelConfig, dtype: str) -> str:
+def _kv_cache_dtype(config: ModelConfig, dtype: str, on_neuron: bool) -> str:
     # The cache is in the compute dtype (a quantized model's: shardlib/quantized_sizes.py) unless
     # kv_cache_dtype asks for fp8.
-    return planned_quantization(config, dtype)[1]
+    return planned_quantization(config, dtype, on_neuron)[1]
 
 
 def _check(req: _Request, tp: int) -> _Check:
@@ -368,9 +368,10 @@ def _check(req: _Request, tp: int) -> _Check:
     if inst.limits_ranks_per_node and ranks_per_node > inst.logical_cores(req.lnc):
         codes.append("not_enough_cores")
 
-    kv_dtype = req.kv_cache_dtype or _kv_cache_dtype(req.config, req.dtype)
+    kv_dtype = req.kv_cache_dtype or _kv_cache_dtype(req.config, req.dtype, inst.is_neuron)
     # The cpu backend packs float32 matrices (workers/packed_weight.py); no other target packs.
-    packs = inst.family == "cpu" and planned_quantization(cfg, req.dtype)[1] == "float32"
+    quantization, compute = planned_quantization(cfg, req.dtype, inst.is_neuron)
+    packs = inst.family == "cpu" and compute == "float32"
     kv_bytes = (2 * cfg.num_hidden_layers * req.cache_rows * req.seq_len * kv_per_rank * cfg.head_dim
                 * DTYPE_BYTES[kv_dtype])
     if inst.per_rank_memory:
@@ -382,13 +383,13 @@ def _check(req: _Request, tp: int) -> _Check:
     memory = MemoryEstimate(
         weight_bytes_per_rank=weight_bytes(cfg, req.dtype, _weight_elements(cfg, tp, q_per_rank, kv_per_rank,
                                                                             moe_sharding),
-                                           tp, q_per_rank, kv_per_rank),
+                                           tp, q_per_rank, kv_per_rank, inst.is_neuron),
         kv_cache_bytes_per_rank=kv_bytes, capacity_bytes_per_rank=capacity,
         capacity_bytes_per_core=per_core, reserve_fraction=RESERVE_FRACTION,
         model_weight_bytes=weight_bytes(cfg, req.dtype, _weight_elements(cfg, 1, heads, kv_heads), 1, heads,
-                                        kv_heads),
+                                        kv_heads, inst.is_neuron),
         kv_cache_dtype=kv_dtype, tp_degree=tp,
-        packing_scratch_bytes_per_rank=(_packing_scratch_elements(cfg, tp, q_per_rank, kv_per_rank)
+        packing_scratch_bytes_per_rank=(_packing_scratch_elements(cfg, tp, q_per_rank, kv_per_rank, quantization is not None)
                                         * DTYPE_BYTES["float32"] if packs else 0))
     if inst.per_rank_memory:
         fits = memory.total_bytes_per_rank <= memory.usable_bytes_per_rank
@@ -709,8 +710,9 @@ def _warnings(req: _Request, check: _Check) -> list[str]:
         out.append(f"seq_len {req.seq_len} exceeds the model's max_position_embeddings "
                    f"({cfg.max_position_embeddings})")
     if DTYPE_BYTES[req.dtype] == 1 and cfg.quantization is None:
-        out.append(f"{req.dtype} plans the weights quantized per channel (bfloat16 for the rest); run "
-                   f"`corelaunch quantize` to produce that checkpoint before launching it")
+        rest = planned_quantization(cfg, req.dtype, req.inst.is_neuron)[1]
+        out.append(f"{req.dtype} plans the weights quantized per channel ({rest} for the rest and the KV "
+                   f"cache); run `corelaunch quantize` to produce that checkpoint before launching it")
     # Sizing stays valid (NxD Inference may run these), but corelaunch's own workers cannot.
     out.extend(f"not runnable by corelaunch's workers: {gap}" for gap in cfg.executor_gaps(req.seq_len))
     return out

@@ -19,13 +19,15 @@ KV_CACHE_DTYPES = {"f8e4m3": "float8_e4m3", "float8_e4m3": "float8_e4m3"}
 """--kv-cache-dtype spellings -> the planner's name (fp8 e4m3 with a scale, workers/kv_cache.py)."""
 
 
-def planned_quantization(config: ModelConfig, dtype: str) -> tuple[Quantization | None, str]:
+def planned_quantization(config: ModelConfig, dtype: str, on_neuron: bool) -> tuple[Quantization | None, str]:
     """(the quantization the plan counts, the compute dtype of the unquantized tensors).
 
     A quantized checkpoint's own quantization wins; otherwise a 1-byte plan dtype (int8,
-    float8_e4m3, float8_e5m2) stands for `corelaunch quantize` per channel with the other
-    tensors in bfloat16, as NxD Inference runs quantized models."""
-    compute = dtype if DTYPE_BYTES[dtype] >= 2 else "bfloat16"
+    float8_e4m3, float8_e5m2) stands for `corelaunch quantize` per channel, with the other tensors
+    (and the KV cache) in bfloat16 on Neuron, as NxD Inference runs quantized models, and elsewhere
+    in the checkpoint's dtype, which the quantized checkpoint keeps and the cpu backend runs by
+    default (SmolLM2: float32, twice bfloat16's bytes)."""
+    compute = dtype if DTYPE_BYTES[dtype] >= 2 else "bfloat16" if on_neuron else config.torch_dtype
     if config.quantization is not None:
         return config.quantization, compute if DTYPE_BYTES[dtype] >= 2 else config.torch_dtype
     if DTYPE_BYTES[dtype] == 1:
@@ -55,9 +57,9 @@ def quantized_elements(config: ModelConfig, quant: Quantization, tp: int, q_per_
 
 
 def weight_bytes(config: ModelConfig, dtype: str, all_elements: int, tp: int, q_per_rank: int,
-                 kv_per_rank: int) -> int:
+                 kv_per_rank: int, on_neuron: bool) -> int:
     """Bytes of one rank's weights whose parameter count is `all_elements` (quantized or not)."""
-    quant, compute = planned_quantization(config, dtype)
+    quant, compute = planned_quantization(config, dtype, on_neuron)
     if quant is None:
         return all_elements * DTYPE_BYTES[dtype]
     elements, scales = quantized_elements(config, quant, tp, q_per_rank, kv_per_rank)

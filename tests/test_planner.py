@@ -3,6 +3,7 @@ sharding plan, and planning speed (pure arithmetic, no Ray)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -279,10 +280,14 @@ def test_packing_scratch_is_the_largest_packed_matrix_on_cpu_float32_only():
         assert p.memory.packing_scratch_bytes_per_rank == math.ceil(49152 / tp) * 576 * 4
         assert p.memory.total_bytes_per_rank == (p.memory.weight_bytes_per_rank + p.memory.kv_cache_bytes_per_rank
                                                  + p.memory.packing_scratch_bytes_per_rank)
-    # Nothing is packed in bfloat16, on a Neuron device, or for a quantized plan.
+    # Nothing is packed in bfloat16, on a Neuron device, or for a plan quantized on Neuron; on cpu a
+    # quantized model's float32 LM head still is (here the tied embedding, left unquantized).
     assert plan(SMOLLM2, instance="cpu", tp=1, dtype="bfloat16").memory.packing_scratch_bytes_per_rank == 0
     assert plan(SMOLLM2, instance="trn1.2xlarge", tp=1, dtype="float32").memory.packing_scratch_bytes_per_rank == 0
-    assert plan(SMOLLM2, instance="cpu", tp=1, dtype="int8").memory.packing_scratch_bytes_per_rank == 0
+    assert plan(SMOLLM2, instance="trn1.2xlarge", tp=1, dtype="int8").memory.packing_scratch_bytes_per_rank == 0
+    assert plan(SMOLLM2, instance="cpu", tp=1, dtype="int8").memory.packing_scratch_bytes_per_rank == 0  # bf16 config
+    fp32 = dataclasses.replace(SMOLLM2, torch_dtype="float32")
+    assert plan(fp32, instance="cpu", tp=1, dtype="int8").memory.packing_scratch_bytes_per_rank == 49152 * 576 * 4
 
 
 def test_packing_scratch_decides_a_plan_at_the_edge_of_the_ram():

@@ -242,12 +242,16 @@ def test_planner_counts_quantized_weights_and_scales_exactly(source_dir, tmp_pat
         shard = load_rank_shard(out, config, ShardLayout.for_model(config, tp), 0, dtype)
         held = sum(t.numel() * t.element_size() for t in shard.values())
         assert plan(config, tp=tp, dtype=dtype).memory.weight_bytes_per_rank == held
-    # Planning the unquantized model at dtype int8 counts the same checkpoint `quantize` writes
-    # (per channel, the rest in bfloat16).
+    # Planning the unquantized model at dtype int8 counts the same checkpoint `quantize` writes (per
+    # channel), as it runs: on cpu in the checkpoint's dtype, which it keeps (weights, KV cache and
+    # packing scratch alike); on Neuron the rest in bfloat16, as NxD Inference runs it.
     if per_channel and not lm_head and not embed:
         source = load_model_config(source_dir)
-        assert plan(source, tp=tp, dtype="int8").memory.weight_bytes_per_rank == \
-            plan(config, tp=tp, dtype="bfloat16").memory.weight_bytes_per_rank
+        assert plan(source, tp=tp, dtype="int8").memory == plan(config, tp=tp).memory
+        neuron = "trn1.32xlarge"
+        assert plan(source, instance=neuron, tp=tp, dtype="int8").memory.weight_bytes_per_rank == \
+            plan(config, instance=neuron, tp=tp, dtype="bfloat16").memory.weight_bytes_per_rank
+        assert plan(source, instance=neuron, tp=tp, dtype="int8").memory.kv_cache_dtype == "bfloat16"
 
 
 @pytest.mark.slow
