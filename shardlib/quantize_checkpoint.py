@@ -40,11 +40,16 @@ _ST_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
 _WHOLE = TensorSlice(dim=None)
 
 
-def check_quantize_request(model_dir: str | Path, dtype: str, out_dir: str | Path) -> tuple[dict, str]:
+def check_quantize_request(model_dir: str | Path, dtype: str, out_dir: str | Path,
+                           lm_head: bool = False) -> tuple[dict, str]:
     """(the source's parsed config.json, the normalized format); ValueError (one line) for an unknown
-    dtype, an already quantized source, or an output path that exists. Reads no weights."""
+    dtype, an already quantized source, an output path that exists, or an LM head asked for where
+    the model has none of its own. Reads no weights."""
     fmt = normalize_quant_dtype(dtype)
     config_file = Path(model_dir) / "config.json"
+    if Path(model_dir).is_file():
+        raise ValueError(f"--model {model_dir} is a file; pass the model directory that holds it "
+                         f"({Path(model_dir).parent})")
     if not config_file.is_file():
         raise ValueError(f"--model {model_dir} has no config.json; pass a Hugging Face model directory")
     raw = json.loads(config_file.read_text())
@@ -54,14 +59,18 @@ def check_quantize_request(model_dir: str | Path, dtype: str, out_dir: str | Pat
                          f"{method!r}); quantize the original unquantized checkpoint instead")
     if Path(out_dir).exists() or Path(out_dir).is_symlink():
         raise ValueError(f"--out {out_dir} already exists; choose a new directory (quantize never overwrites)")
-    ModelConfig.from_dict(raw)  # every field checked before any weight is read
+    config = ModelConfig.from_dict(raw)  # every field checked before any weight is read
+    if lm_head and config.tie_word_embeddings:
+        raise ValueError(f"--lm-head: {model_dir} ties its LM head to the embedding table "
+                         f"(tie_word_embeddings), so it has no LM head of its own; pass --embedding to quantize "
+                         f"the shared table, or drop --lm-head")
     return raw, fmt
 
 
 def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, dtype: str, per_channel: bool = True,
                         lm_head: bool = False, embed: bool = False, progress: Callable[[str, int, int], None] | None = None) -> Path:
     """Write the quantized directory at `out_dir` (see the module docstring); returns it."""
-    raw, fmt = check_quantize_request(model_dir, dtype, out_dir)
+    raw, fmt = check_quantize_request(model_dir, dtype, out_dir, lm_head)
     quant = Quantization(fmt, "per_channel_symmetric" if per_channel else "per_tensor_symmetric",
                          "linear" + ("+embed" if embed else "") + ("+lm_head" if lm_head else ""))
     config = ModelConfig.from_dict(raw)

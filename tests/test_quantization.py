@@ -99,7 +99,23 @@ def test_quantized_checkpoint_layout_config_and_refusals(source_dir, tmp_path):
         quantize_checkpoint(out, tmp_path / "y", "int8")
     with pytest.raises(ValueError, match="already exists"):
         quantize_checkpoint(source_dir, out, "int8")
-    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+    with pytest.raises(ValueError, match=r"config.json is a file; pass the model directory that holds it"):
+        quantize_checkpoint(source_dir / "config.json", tmp_path / "z", "int8")
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists() and not (tmp_path / "z").exists()
+
+
+def test_lm_head_on_a_tied_model_is_refused_rather_than_recorded_and_skipped(tmp_path):
+    from launcher.cli import main
+
+    tied = save_model(build_random_model(tie_word_embeddings=True), tmp_path / "tied")
+    with pytest.raises(ValueError, match=r"--lm-head: .* ties its LM head to the embedding table"):
+        quantize_checkpoint(tied, tmp_path / "q", "int8", lm_head=True)
+    assert main(["quantize", "--model", str(tied), "--dtype", "int8", "--lm-head", "--out", str(tmp_path / "q"),
+                 "--quiet"]) == 2
+    assert not (tmp_path / "q").exists()
+    # --embedding is the way to quantize the shared table, and is recorded as what it did
+    out = quantize_checkpoint(tied, tmp_path / "e", "int8", embed=True)
+    assert load_model_config(out).quantization.modules == "linear+embed"
 
 
 def test_streamed_quantizer_writes_the_whole_tensors_bytes(monkeypatch):

@@ -36,7 +36,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--embedding", action="store_true",
                    help="quantize the embedding table too, one scale per token row (with tied embeddings, the LM "
                         "head is that same table); default: embedding and LM head stay unquantized")
-    p.add_argument("--lm-head", action="store_true", help="quantize an untied LM head too")
+    p.add_argument("--lm-head", action="store_true", help="quantize an untied LM head too (refused with tied embeddings: use --embedding)")
     p.add_argument("--out", required=True, metavar="QDIR", help="the directory to write (must not exist)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.set_defaults(run=run)
@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
 
         model = str(ensure_demo_model())
     try:
-        check_quantize_request(model, args.dtype, args.out)  # every refusal before any weight is read
+        check_quantize_request(model, args.dtype, args.out, args.lm_head)  # every refusal before any weight is read
     except (ValueError, FileNotFoundError) as err:
         print(f"corelaunch quantize: {err}", file=sys.stderr)
         return 2
