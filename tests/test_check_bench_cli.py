@@ -231,6 +231,14 @@ def test_check_bad_input_exits_2_before_starting_workers(models, capsys, tmp_pat
         assert message in err and err.startswith("corelaunch check: "), (args, err)
     code, _, err = run_check(capsys, "--model", str(tmp_path / "nope"), "--prompt-ids", "5")
     assert code == 2 and "does not exist" in err
+    import pickle
+
+    (tmp_path / "text.pt").write_text("not a torch file")
+    (tmp_path / "object.pt").write_bytes(pickle.dumps({"input_ids": object()}))
+    for bad in ("text.pt", "object.pt"):
+        code, _, err = run_check(capsys, "--model", str(original), "--expected", str(tmp_path / bad))
+        assert code == 2 and f"{tmp_path / bad} is not a readable expected-outputs file" in err, err
+        assert "--save-expected" in err and "weights_only` set to `False`" not in err, err
 
 
 BENCH_ARGS = ["--tp", "2", "--batch-size", "2", "--prompt-len", "8", "--max-new-tokens", "5", "--warmup", "1",

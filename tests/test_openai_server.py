@@ -520,6 +520,8 @@ def test_http_errors(client, server, hf):
         reply = requests.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "x"},
                               headers=headers, timeout=10)
         assert reply.status_code == 401 and reply.json()["error"]["code"] == "invalid_api_key"
+        # names the key's every source: the CLI's flag, the Serve app's argument, the environment
+        assert all(source in reply.json()["error"]["message"] for source in ("--api-key", "`api_key`", "CORELAUNCH_API_KEY"))
     assert requests.get(f"{server.url}/v1/models", timeout=10).status_code == 401
 
 

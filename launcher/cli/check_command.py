@@ -111,7 +111,11 @@ def load_expected(path: str) -> Expected:
     try:
         data = torch.load(path, weights_only=True, map_location="cpu")
     except Exception as err:  # a pickle of anything but tensors and plain containers, or a corrupt file
-        raise ValueError(f"{path} is not a readable expected-outputs file ({type(err).__name__}: {err})") from None
+        # torch's own text advises weights_only=False, which would run the file's code: not quoted.
+        raise ValueError(f"{path} is not a readable expected-outputs file: torch.load(weights_only=True) "
+                         f"failed ({type(err).__name__}), so it is not a torch file, is damaged, or holds "
+                         f"more than tensors, numbers, strings, lists and dicts; write one with "
+                         f"`corelaunch check --save-expected PATH`") from None
     if not isinstance(data, dict) or "input_ids" not in data or not (
             "expected_tokens" in data or "expected_logits" in data):
         raise ValueError(f"{path} must hold a dict with 'input_ids' and 'expected_tokens' and/or "

@@ -241,7 +241,8 @@ class OpenAIServer:
         scheme, _, token = given.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
             raise ProtocolError("missing or wrong API key: send the header `Authorization: Bearer <key>` with the "
-                                "key the server was started with (--api-key or CORELAUNCH_API_KEY)",
+                                "key the server was started with (`corelaunch serve --api-key`, the app's `api_key` "
+                                "argument, or CORELAUNCH_API_KEY)",
                                 status=401, code="invalid_api_key")
 
     def _parse(self, model, body):
