@@ -103,6 +103,26 @@ def test_a_stream_garbage_collected_unread_is_cancelled_without_taking_a_lock(mo
         assert llm.load() == {"running": 0, "waiting": 0}
 
 
+def test_a_dropped_streams_late_cancel_spares_a_new_request_with_its_id(model_and_expected, in_process_cluster):
+    """A stream dropped unread leaves its cancel for the replica's next poll. If its request has
+    finished by then and a new one took its id, the cancel is the old request's: the new one runs on."""
+    import gc
+
+    model_dir, _ = model_and_expected
+    with Launcher(model=model_dir, tp=1, max_num_seqs=2, progress=False, **EAGER) as llm:
+        old = llm.stream(PROMPTS[0], max_new_tokens=3, ignore_eos=True, request_id="reused")
+        deadline = time.monotonic() + 30
+        while llm.load()["running"] and time.monotonic() < deadline:  # finished, its last delta unread
+            time.sleep(0.01)
+        assert llm.load() == {"running": 0, "waiting": 0}
+        new = llm.stream(PROMPTS[1], max_new_tokens=100, ignore_eos=True, request_id="reused")
+        first = next(new)
+        del old  # its finalizer leaves a cancel of "reused" for the replica's next poll
+        gc.collect()
+        tokens, finish = tokens_of(new)
+        assert finish == "length" and len(first.token_ids) + len(tokens) == 100
+
+
 def test_a_stop_string_cuts_the_text_and_ends_the_request(model_and_expected, in_process_cluster, tmp_path):
     import shutil
 

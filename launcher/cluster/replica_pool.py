@@ -100,8 +100,9 @@ class Replica:
         """Ids of timed-out requests whose cancel the leader has not answered yet: their late events
         are dropped, and the id is not free for a new request until the answer comes."""
         self._streams_lock = threading.Lock()
-        self.dropped: queue.SimpleQueue[str] = queue.SimpleQueue()
-        """Ids of streams their reader dropped unread (garbage-collected): cancelled at the next poll."""
+        self.dropped: queue.SimpleQueue[StreamHandle] = queue.SimpleQueue()
+        """Streams their reader dropped unread (garbage-collected): cancelled at the next poll, by
+        handle, since by then the request may have finished and a new one taken its id."""
         self.loop_counters: dict = {}
         """The leader's serving-loop counters at the last poll (steps, step_s, plan_s)."""
 
@@ -145,10 +146,11 @@ class Replica:
                 self.started.group.submit([handle.request])
             # else the restart in progress submits it with the others (_resume_streams)
 
-    def cancel_stream(self, request_id: str) -> None:
+    def cancel_stream(self, request_id: str, only: StreamHandle | None = None) -> None:
+        """only: cancel the request only while it is still that handle's (not a later one's with its id)."""
         with self._streams_lock:
             handle = self.streams.get(request_id)
-            if handle is None:
+            if handle is None or (only is not None and handle is not only):
                 return
             handle.cancelled = True
             if self.state == "serving":
@@ -156,7 +158,8 @@ class Replica:
 
     def _poll_streams(self) -> None:
         while not self.dropped.empty():
-            self.cancel_stream(self.dropped.get_nowait())  # only this thread takes from it
+            dropped = self.dropped.get_nowait()  # only this thread takes from it
+            self.cancel_stream(dropped.request_id, only=dropped)
         group = self.started.group
         try:
             events, load, counters = group.poll(POLL_WAIT_S)
@@ -409,7 +412,7 @@ class ReplicaPool:
             return
         replica = self.replicas[handle.replica]
         if deferred:
-            replica.dropped.put(handle.request_id)  # SimpleQueue.put is safe to call from __del__
+            replica.dropped.put(handle)  # SimpleQueue.put is safe to call from __del__
         else:
             replica.cancel_stream(handle.request_id)
 
