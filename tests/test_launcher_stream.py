@@ -175,6 +175,34 @@ def test_a_group_fault_mid_stream_resumes_every_stream(model_and_expected, in_pr
     assert sum(s.handle.attempts == 2 for s in streams) >= len(PROMPTS) - 1
 
 
+def test_a_stream_past_its_deadline_when_its_group_restarts_times_out_rather_than_resuming(
+        model_and_expected, in_process_cluster):
+    """Resuming it would prefill its prompt and tokens again, only for it to time out at the next poll."""
+    from launcher.errors import RequestTimeout
+
+    model_dir, expected = model_and_expected
+    with Launcher(model=model_dir, tp=2, max_num_seqs=2, progress=False, **EAGER) as llm:
+        overdue = llm.stream(PROMPTS[0], max_new_tokens=500, ignore_eos=True)
+        on_time = llm.stream(PROMPTS[1], max_new_tokens=200, ignore_eos=True)
+        next(overdue)
+        pool = llm._pool
+        make_group = pool._make_group
+
+        def make_group_later(index, restart):  # the restart took longer than the request had left
+            overdue.handle.deadline = time.monotonic() - 1
+            return make_group(index, restart)
+
+        pool._make_group = make_group_later
+        llm._group.fail_next(WorkerDied("rank 1 (in-process) died while serving"))
+        with pytest.raises(RequestTimeout, match="its group failed and it was not resumed"):
+            tokens_of(overdue)
+        tokens, finish = tokens_of(on_time)  # the other stream resumed, and ended whole
+        assert finish == "length" and len(tokens) == 200 and tokens[:len(expected[1])] == expected[1]
+        assert llm.replica_status()[0]["restarts"] == 1
+        assert overdue.handle.attempts == 1 and on_time.handle.attempts == 2
+        assert llm.load() == {"running": 0, "waiting": 0}
+
+
 def test_a_seeded_sampled_stream_resumed_after_a_fault_draws_what_it_would_have(model_and_expected,
                                                                                  in_process_cluster):
     """Each draw is seeded from the request's seed and the draw's number, so the restarted group's

@@ -192,18 +192,20 @@ class Replica:
                 self.cancelling.add(handle.request_id)
         for handle in late:
             group.cancel([handle.request_id])
-            handle.fail(RequestTimeout(
-                f"request {handle.request_id} did not finish within {handle.timeout_s:g} s (it had "
-                f"{len(handle.delivered)} of {handle.request.max_tokens} tokens); it was cancelled. Raise "
-                f"request_timeout_s (--request-timeout) for long generations"))
+            handle.fail(_overdue(handle, "it was cancelled"))
 
     def _resume_streams(self) -> None:
         """On a freshly (re)started group: every stream in flight continues where it stopped.
         Called with _streams_lock held."""
+        now = time.monotonic()
         for handle in list(self.streams.values()):
             if handle.cancelled:
                 self.streams.pop(handle.request_id)
                 handle.deliver(TokenEvent(handle.request_id, [], "abort"))
+                continue
+            if now > handle.deadline:  # its prompt would be prefilled again only to time out
+                self.streams.pop(handle.request_id)
+                handle.fail(_overdue(handle, "its group failed and it was not resumed"))
                 continue
             handle.attempts += 1
             self.started.group.submit([handle.resumed()])
@@ -331,6 +333,13 @@ class Replica:
                 "node_groups": group.node_groups() if workers and hasattr(group, "node_groups") else [],
                 "load_source": sorted({getattr(s, "source", "?") for s in self.started.load_stats})
                 if self.started is not None else []}
+
+
+def _overdue(handle: StreamHandle, what_then: str) -> RequestTimeout:
+    return RequestTimeout(
+        f"request {handle.request_id} did not finish within {handle.timeout_s:g} s (it had "
+        f"{len(handle.delivered)} of {handle.request.max_tokens} tokens); {what_then}. Raise "
+        f"request_timeout_s (--request-timeout) for long generations")
 
 
 class ReplicaPool:
