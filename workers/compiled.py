@@ -113,7 +113,10 @@ def _compile(fn, fullgraph: bool = True):
 
 def configure_dynamo(graphs: int) -> None:
     """Room for every bucket's graph per compiled function, and an error instead of a silent fall
-    back to eager if that is ever exceeded."""
+    back to eager if that is ever exceeded. torch keeps these settings per thread (a user override
+    of its config does not reach other threads): they hold where graphs are built because every
+    step runs on the one thread that loaded the model (launcher/cluster/ray_worker.py's compute
+    thread; the serving loop and the static batches it runs too)."""
     import torch._dynamo.config as dynamo_config
 
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, graphs + 8)
