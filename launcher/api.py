@@ -104,7 +104,8 @@ class LaunchConfig:
     burst of requests is prefilled together. A lone request's first token comes this much later.
     0: no wait."""
     max_queued_requests: int | None = None
-    """Streaming requests allowed to wait for a row over all replicas; more are refused with QueueFull.
+    """Streaming requests allowed to wait for a row over all replicas: a request that would wait
+    while this many already do is refused with QueueFull (0: only requests that get a row at once).
     None: no limit."""
     presharded_dir: str | None = None
     """A directory written by shardlib.presharded.save_presharded for this exact layout."""
@@ -610,11 +611,11 @@ class Launcher:
         character. The request joins a group's running batch at the next iteration.
 
         Raises at once (before anything runs) on bad input: ValueError naming the value, and
-        QueueFull when max_queued_requests are already waiting. stop: strings that end the
+        QueueFull when it would wait for a row while max_queued_requests requests already wait. stop: strings that end the
         generation (not included in the text); logprobs: n to get the chosen token's log-probability
         and the n most likely (0..20). Closing the iterator early cancels the request."""
         token_ids, params, stops, stop_token_ids = self._check_stream(prompt, sampling, max_new_tokens, stop, logprobs,
-                                                                      stop_token_ids)
+                                                                      stop_token_ids, request_id)
         return self._submit_stream(token_ids, params, max_new_tokens, stop_token_ids, stops, ignore_eos, logprobs,
                                    request_id, asynchronous=False)
 
@@ -624,7 +625,7 @@ class Launcher:
         """stream() for asyncio: call it inside a running event loop; it returns an async iterator
         (`async for delta in llm.astream(...)`); `aclose()` or cancelling the reading task cancels."""
         token_ids, params, stops, stop_token_ids = self._check_stream(prompt, sampling, max_new_tokens, stop, logprobs,
-                                                                      stop_token_ids)
+                                                                      stop_token_ids, request_id)
         return self._submit_stream(token_ids, params, max_new_tokens, stop_token_ids, stops, ignore_eos, logprobs,
                                    request_id, asynchronous=True)
 
@@ -660,13 +661,18 @@ class Launcher:
             raise LaunchError("the launcher is not running: call start() or use it as a context manager")
         return self._pool
 
-    def _check_stream(self, prompt, sampling, max_new_tokens, stop, logprobs, stop_token_ids):
+    def _check_stream(self, prompt, sampling, max_new_tokens, stop, logprobs, stop_token_ids, request_id):
         """One streaming request's (token ids, SamplingParams, stop strings, stop token ids); ValueError
         naming a bad value."""
         from launcher.serving.stop_strings import validate_stops
         from workers.serving.requests import MAX_LOGPROBS
 
         self._running_pool()  # not started: say so, before anything that needs the model
+        if request_id is not None and (not isinstance(request_id, str) or not request_id):
+            raise ValueError(f"request_id ({request_id!r}) must be a non-empty string, or None for a generated one")
+        if isinstance(prompt, (bytes, bytearray)):
+            raise ValueError(f"prompt ({bytes(prompt[:20])!r}...) is bytes; decode it to a str first "
+                             f"(or pass a list of token ids)")
         if isinstance(prompt, str):
             prompt = [prompt]
         elif prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -683,32 +689,47 @@ class Launcher:
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
                                      or not 0 <= logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs ({logprobs!r}) must be an integer from 0 to {MAX_LOGPROBS}, or None")
-        return (token_ids, params, validate_stops(stop),
-                check_stop_token_ids(stop_token_ids, self.model_config.vocab_size))
+        stops = validate_stops(stop)
+        if stops and self.tokenizer is None:  # there is no text to find them in
+            raise ValueError(f"stop strings ({list(stops)!r}) need a tokenizer and {self.model_dir} has none; "
+                             f"pass stop_token_ids instead")
+        return token_ids, params, stops, check_stop_token_ids(stop_token_ids, self.model_config.vocab_size)
 
     def _submit_stream(self, token_ids, params, max_new_tokens, stop_token_ids, stops, ignore_eos, logprobs,
-                       request_id, asynchronous: bool, return_logits: bool = False):
-        """Submit one checked request (its stop token ids checked too; QueueFull when too many wait) and return the stream reading it:
-        a RequestStream, or an AsyncRequestStream fed on the running event loop."""
+                       request_id, asynchronous: bool):
+        """Submit one checked request (QueueFull when it would wait while max_queued_requests already
+        do) and return the stream reading it."""
+        stream = self._new_stream(token_ids, params, max_new_tokens, stop_token_ids, stops, ignore_eos, logprobs,
+                                  request_id, asynchronous)
+        self._submit_together([stream])
+        return stream
+
+    def _submit_together(self, streams) -> None:
+        """Admit the streams' requests as one: all submitted, or none (QueueFull when the first would
+        wait while max_queued_requests requests already do)."""
+        self._running_pool().submit_streams([s.handle for s in streams], self.config.max_queued_requests,
+                                             self.config.max_num_seqs)
+
+    def _new_stream(self, token_ids, params, max_new_tokens, stop_token_ids, stops, ignore_eos, logprobs,
+                    request_id, asynchronous: bool, return_logits: bool = False):
+        """A checked request's stream, not yet submitted: a RequestStream, or an AsyncRequestStream
+        fed on the running event loop."""
         import asyncio
 
         from launcher.cluster.stream_handle import StreamHandle
-        from launcher.errors import QueueFull
         from launcher.serving.loop_hand_over import loop_sink
         from launcher.serving.request_streams import AsyncRequestStream, RequestStream, thread_sink
         from launcher.serving.text_stream import TextStream
         from workers.serving.requests import StreamRequest
 
-        pool = self._running_pool()
-        limit = self.config.max_queued_requests
-        waiting = self.load()["waiting"] if limit is not None else 0
-        if limit is not None and waiting >= limit:
-            raise QueueFull(f"{waiting} requests already wait for a free sequence slot "
-                            f"(max_queued_requests {limit}, max_num_seqs {self.config.max_num_seqs} per replica); "
-                            f"retry later, or raise --max-queued-requests / --max-num-seqs", retry_after_s=1.0)
         if asynchronous:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                raise RuntimeError("astream() and agenerate() run on an asyncio event loop: call them inside "
+                                   "an `async def` (or use stream() / generate() from plain code)") from None
             items = asyncio.Queue()
-            sink, kind = loop_sink(items, asyncio.get_running_loop()), AsyncRequestStream
+            sink, kind = loop_sink(items, loop), AsyncRequestStream
         else:
             items = queue.Queue()
             sink, kind = thread_sink(items), RequestStream
@@ -717,7 +738,6 @@ class Launcher:
                                 tuple(sorted(set(stop_token_ids) | set(eos))), logprobs, return_logits)
         handle = StreamHandle(request, sink, self.config.request_timeout_s)
         text = TextStream(request.request_id, self.tokenizer, stops, len(token_ids))
-        pool.submit_stream(handle)
         return kind(self._cancel_stream, handle, text, items)
 
     def _cancel_stream(self, handle, deferred: bool = False) -> None:
@@ -734,8 +754,9 @@ class Launcher:
         params = self._sampling_per_prompt(sampling, len(token_lists))
         check_request(token_lists, params, max_new_tokens, self.model_config.vocab_size)
         self._check_lengths(token_lists, max_new_tokens, serving=True)
-        streams = [self._submit_stream(ids, p, max_new_tokens, stop_token_ids, (), ignore_eos, None, None,
-                                       asynchronous, return_logits) for ids, p in zip(token_lists, params)]
+        streams = [self._new_stream(ids, p, max_new_tokens, stop_token_ids, (), ignore_eos, None, None,
+                                    asynchronous, return_logits) for ids, p in zip(token_lists, params)]
+        self._submit_together(streams)  # one call, admitted as one: none of its prompts is left running alone
         return streams, texts, token_lists
 
     def _generate_streams(self, prompts, sampling, max_new_tokens, stop_token_ids, ignore_eos,
@@ -794,7 +815,8 @@ class Launcher:
                                      f"{err.start}); pass UTF-8 text") from None
             token_lists = [list(self.tokenizer(p)["input_ids"]) for p in prompts]
             texts: list[str | None] = list(prompts)
-        elif all(isinstance(p, (list, tuple)) and all(isinstance(t, int) for t in p) for p in prompts):
+        elif all(isinstance(p, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+                 for p in prompts):
             token_lists, texts = [list(p) for p in prompts], [None] * len(prompts)
         else:
             raise ValueError("prompts must be all strings or all lists of token ids")

@@ -31,7 +31,11 @@ def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> None:
     for i, prompt in enumerate(prompts):
         if len(prompt) == 0:
             raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-        bad = [t for t in prompt if not 0 <= int(t) < vocab_size]
+        not_ids = [t for t in prompt if not _is_index(t)]
+        if not_ids:
+            raise ValueError(f"prompt {i} holds {not_ids[:5]!r}, which are not token ids; pass integers "
+                             f"(not bools or floats)")
+        bad = [t for t in prompt if not 0 <= operator.index(t) < vocab_size]
         if bad:
             raise ValueError(f"prompt {i} holds token ids {bad[:5]} outside the vocabulary [0, {vocab_size}); "
                              f"were they tokenized for another model?")

@@ -140,6 +140,8 @@ def test_request_longer_than_max_position_embeddings_names_both_numbers(model):
     ([[1, 2]], [GREEDY, GREEDY], 4, "got 1 prompts but 2 SamplingParams"),
     ([[1, 2], []], [GREEDY, GREEDY], 4, "prompt 1 is empty"),
     ([[1, 128]], [GREEDY], 4, r"prompt 0 holds token ids \[128\] outside the vocabulary \[0, 128\)"),
+    ([[1, True]], [GREEDY], 4, r"prompt 0 holds \[True\], which are not token ids"),  # was taken as 1
+    ([[1, 2.7]], [GREEDY], 4, r"prompt 0 holds \[2.7\], which are not token ids"),  # was taken as 2
     ([[1, 2]], [GREEDY], 0, r"max_new_tokens \(0\) must be a positive integer"),
     ([], [], 4, "at least one prompt"),
 ])

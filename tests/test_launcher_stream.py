@@ -103,9 +103,12 @@ def test_a_stream_garbage_collected_unread_is_cancelled_without_taking_a_lock(mo
         assert llm.load() == {"running": 0, "waiting": 0}
 
 
-def test_a_dropped_streams_late_cancel_spares_a_new_request_with_its_id(model_and_expected, in_process_cluster):
-    """A stream dropped unread leaves its cancel for the replica's next poll. If its request has
-    finished by then and a new one took its id, the cancel is the old request's: the new one runs on."""
+@pytest.mark.parametrize("how", ["dropped", "closed"])
+def test_a_dropped_or_closed_streams_late_cancel_spares_a_new_request_with_its_id(model_and_expected,
+                                                                                 in_process_cluster, how):
+    """A stream dropped unread leaves its cancel for the replica's next poll; one closed (or ended by
+    a stop string) cancels at once. If its request has finished by then and a new one took its id,
+    the cancel is the old request's: the new one runs on (closing cancelled it, 'abort')."""
     import gc
 
     model_dir, _ = model_and_expected
@@ -117,8 +120,11 @@ def test_a_dropped_streams_late_cancel_spares_a_new_request_with_its_id(model_an
         assert llm.load() == {"running": 0, "waiting": 0}
         new = llm.stream(PROMPTS[1], max_new_tokens=100, ignore_eos=True, request_id="reused")
         first = next(new)
-        del old  # its finalizer leaves a cancel of "reused" for the replica's next poll
-        gc.collect()
+        if how == "closed":
+            old.close()
+        else:
+            del old  # its finalizer leaves a cancel of "reused" for the replica's next poll
+            gc.collect()
         tokens, finish = tokens_of(new)
         assert finish == "length" and len(first.token_ids) + len(tokens) == 100
 
@@ -158,7 +164,33 @@ def test_stop_tokens_end_a_stream_and_bad_options_are_refused(model_and_expected
             llm.stream(PROMPTS[0], max_new_tokens=0)
         with pytest.raises(ValueError, match="prompt must be"):
             llm.stream([])
+        with pytest.raises(ValueError, match=r"prompt \(b'ab'\.\.\.\) is bytes; decode it"):
+            llm.stream(b"ab")  # was taken as token ids 97, 98
+        with pytest.raises(ValueError, match="prompts must be all strings or all lists of token ids"):
+            llm.generate([[5, True]])  # was taken as [5, 1]
+        with pytest.raises(ValueError, match=r"stop strings \(\['t1'\]\) need a tokenizer .* pass stop_token_ids"):
+            llm.stream(PROMPTS[0], stop=["t1"])  # no tokenizer here: it was never matched
+        with pytest.raises(ValueError, match=r"request_id \(\['x'\]\) must be a non-empty string"):
+            llm.stream(PROMPTS[0], request_id=["x"])
+        with pytest.raises(RuntimeError, match="inside an `async def`"):
+            llm.astream(PROMPTS[0])
         assert llm.load() == {"running": 0, "waiting": 0}  # nothing bad was submitted
+
+
+def test_the_queue_limit_admits_what_gets_a_row_and_a_generate_call_whole(model_and_expected, in_process_cluster):
+    """max_queued_requests=0 refused every request, free rows or not; a generate() call with more
+    prompts than rows was refused by its own prompts, leaving the ones submitted before running."""
+    model_dir, expected = model_and_expected
+    with Launcher(model=model_dir, tp=1, max_num_seqs=1, max_queued_requests=0, progress=False, **EAGER) as llm:
+        assert tokens_of(llm.stream(PROMPTS[0], max_new_tokens=NEW_TOKENS)) == (expected[0], "length")
+        results = llm.generate(PROMPTS[:3], max_new_tokens=NEW_TOKENS)  # one row: two of them wait
+        assert [r.token_ids for r in results] == expected[:3]
+        long = llm.stream(PROMPTS[0], max_new_tokens=200, ignore_eos=True)
+        next(long)
+        with pytest.raises(QueueFull, match="max_queued_requests 0"):
+            llm.generate(PROMPTS[1:3], max_new_tokens=NEW_TOKENS)
+        assert llm.load() == {"running": 1, "waiting": 0}  # none of the refused call's prompts was submitted
+        long.close()
 
 
 def test_a_group_fault_mid_stream_resumes_every_stream(model_and_expected, in_process_cluster):

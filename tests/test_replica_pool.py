@@ -16,7 +16,8 @@ import pytest
 
 from launcher.cluster.replica_pool import ReplicaPool, StartedGroup
 from launcher.cluster.restart_policy import RestartPolicy
-from launcher.errors import (LaunchError, NoReplicaAvailable, PlacementTimeout, RendezvousTimeout, ReplicaFailed,
+from launcher.errors import (LaunchError, NoReplicaAvailable, PlacementTimeout, QueueFull, RendezvousTimeout,
+                             ReplicaFailed,
                              RequestTimeout, RestartLimitExceeded, WorkerDied)
 
 TIMEOUT_S = 10
@@ -442,6 +443,31 @@ def test_a_stream_submitted_while_its_replica_restarts_counts_one_attempt(make_p
 
 def factory_seen(pool, index):
     return pool.replicas[index].started.group.seen
+
+
+def test_the_queue_limit_refuses_only_a_request_that_would_wait_and_admits_a_batch_whole(make_pool):
+    """max_queued_requests counts requests waiting for a row. It refused every request at 0, and a
+    request routed to a replica with a free row whenever requests waited elsewhere."""
+    pool = make_pool(2)
+    pool.start()
+    pool.submit_stream(stream_handle("a"), queue_limit=0, rows=1)  # a row each: nothing waits
+    pool.submit_stream(stream_handle("b"), queue_limit=0, rows=1)
+    assert pool.in_flight() == [1, 1]
+    with pytest.raises(QueueFull, match=r"0 requests already wait .*max_queued_requests 0, max_num_seqs 1"):
+        pool.submit_stream(stream_handle("c"), queue_limit=0, rows=1)
+    pool.submit_stream(stream_handle("c"), queue_limit=1, rows=1)  # waits on replica 0
+    assert pool.in_flight() == [2, 1]
+    pool.replicas[1].streams.pop("b")  # finished: replica 1 has a free row while "c" still waits
+    pool.submit_stream(stream_handle("d"), queue_limit=1, rows=1)
+    assert pool.in_flight() == [2, 1]  # it went to the free row
+    with pytest.raises(QueueFull, match="1 requests already wait"):  # the first would wait: none submitted
+        pool.submit_streams([stream_handle("e"), stream_handle("f")], queue_limit=1, rows=1)
+    assert pool.in_flight() == [2, 1]
+    pool.submit_streams([stream_handle("e"), stream_handle("f")], queue_limit=2, rows=1)  # both, past the limit
+    assert sorted(pool.in_flight()) == [2, 3]
+    with pytest.raises(ValueError, match="request_id 'g' is already in flight"):
+        pool.submit_streams([stream_handle("g"), stream_handle("g")])
+    assert sum(pool.in_flight()) == 5
 
 
 def test_a_stream_arriving_as_the_last_replica_is_given_up_is_told_no_replica_is_left(make_pool):

@@ -34,7 +34,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
 
-from launcher.errors import (DevicesMissing, GroupFault, LaunchError, NoReplicaAvailable, PlacementTimeout,
+from launcher.errors import (DevicesMissing, GroupFault, LaunchError, NoReplicaAvailable, PlacementTimeout, QueueFull,
                              RendezvousTimeout, ReplicaFailed, RequestFailed, RequestTimeout, RestartLimitExceeded,
                              WorkerDied)
 from launcher.cluster.restart_policy import RestartPolicy
@@ -396,23 +396,41 @@ class ReplicaPool:
             self._queue.put(item)
         return item.future
 
-    def submit_stream(self, handle: StreamHandle) -> None:
+    def submit_stream(self, handle: StreamHandle, queue_limit: int | None = None, rows: int = 1) -> None:
         """Route a streaming request to the replica with the fewest in flight (see the module docstring)."""
+        self.submit_streams([handle], queue_limit, rows)
+
+    def submit_streams(self, handles: list[StreamHandle], queue_limit: int | None = None, rows: int = 1) -> None:
+        """Route each request to the replica with the fewest in flight, all admitted together or none.
+
+        queue_limit: QueueFull (nothing submitted) when the first request would wait for one of the
+        `rows` cache rows of its replica while queue_limit requests already wait. Decided under the
+        pool's lock, so callers on several threads cannot all slip under the limit."""
         with self._lock:
             if self.stopping:
                 raise LaunchError("the launcher is shut down; start a new one")
             if self._no_replica is not None:
                 raise NoReplicaAvailable(str(self._no_replica))
             # Events find their stream by request id: a second one in flight would take the first's.
-            if any(handle.request_id in r.streams or handle.request_id in r.cancelling for r in self.replicas):
-                raise ValueError(f"request_id {handle.request_id!r} is already in flight; give each request its own "
-                                 f"id (or none: one is generated)")
+            ids = [h.request_id for h in handles]
+            for request_id in ids:
+                if ids.count(request_id) > 1 or any(request_id in r.streams or request_id in r.cancelling
+                                                    for r in self.replicas):
+                    raise ValueError(f"request_id {request_id!r} is already in flight; give each request its "
+                                     f"own id (or none: one is generated)")
             candidates = ([r for r in self.replicas if r.state == "serving"]
                           or [r for r in self.replicas if r.state in ("restarting", "starting")])
             if not candidates:  # the last replica was just given up; _replica_failed is on its way
                 reasons = "; ".join(f"replica {r.index}: {r.failure}" for r in self.replicas if r.failure)
                 raise NoReplicaAvailable(f"no replica is left to serve requests ({reasons or 'none serving'})")
-            min(candidates, key=lambda r: len(r.streams)).submit_stream(handle)
+            least = min(len(r.streams) for r in candidates)
+            waiting = sum(max(len(r.streams) - rows, 0) for r in self.replicas)
+            if queue_limit is not None and least >= rows and waiting >= queue_limit:
+                raise QueueFull(f"{waiting} requests already wait for a free sequence slot "
+                                f"(max_queued_requests {queue_limit}, max_num_seqs {rows} per replica); "
+                                f"retry later, or raise --max-queued-requests / --max-num-seqs", retry_after_s=1.0)
+            for handle in handles:
+                min(candidates, key=lambda r: len(r.streams)).submit_stream(handle)
 
     def cancel_stream(self, handle: StreamHandle, deferred: bool = False) -> None:
         """deferred: from a finalizer, which takes no lock (the thread it runs in may hold one);
@@ -423,7 +441,7 @@ class ReplicaPool:
         if deferred:
             replica.dropped.put(handle)  # SimpleQueue.put is safe to call from __del__
         else:
-            replica.cancel_stream(handle.request_id)
+            replica.cancel_stream(handle.request_id, only=handle)  # not a later request's with its id
 
     def in_flight(self) -> list[int]:
         """Streaming requests in flight on each replica."""
