@@ -12,6 +12,9 @@ import math
 from typing import Any
 
 MAX_CONFIG_INT = 2**31 - 1
+MAX_LAYERS = 100_000
+"""Far above any published model (Llama 3.1 405B has 126 layers): the config is read into per-layer
+tuples, and 2**31 layers would take the machine's memory before any other check could answer."""
 """Largest count or size accepted: every real checkpoint's dimensions fit in an int32 (tensor
 shapes and indices), and bounding them keeps the planner's byte arithmetic finite."""
 
@@ -38,11 +41,11 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def count(name: str, value: Any, example: int, *, minimum: int = 1) -> int:
-    """An integer in [minimum, MAX_CONFIG_INT] (bool, float and string refused)."""
-    if not _is_int(value) or not minimum <= value <= MAX_CONFIG_INT:
+def count(name: str, value: Any, example: int, *, minimum: int = 1, maximum: int = MAX_CONFIG_INT) -> int:
+    """An integer in [minimum, maximum] (bool, float and string refused)."""
+    if not _is_int(value) or not minimum <= value <= maximum:
         what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        raise field_error(name, value, f"must be {what} (at most {MAX_CONFIG_INT})",
+        raise field_error(name, value, f"must be {what} (at most {maximum})",
                           f"write a bare JSON integer such as {example}, not a string, float or bool")
     return value
 

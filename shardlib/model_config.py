@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardlib.config_fields import count, field_error, flag, mapping, positive_number, show, token_id, token_ids
+from shardlib.config_fields import (MAX_CONFIG_INT, MAX_LAYERS, count, field_error, flag, mapping, positive_number, show,
+                                    token_id, token_ids)
 from shardlib.families import ACTIVATIONS, LAYER_TYPES, SLIDING, family_fields, layer_norm_elements, traits
 from shardlib.moe_configs import MOE_MODEL_TYPES, flatten_moe_config
 from shardlib.quantization import Quantization
@@ -186,7 +187,8 @@ class ModelConfig:
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         for name in _SIZE_FIELDS:
-            count(name, getattr(self, name), _EXAMPLES[name])
+            count(name, getattr(self, name), _EXAMPLES[name],
+                  maximum=MAX_LAYERS if name == "num_hidden_layers" else MAX_CONFIG_INT)
         heads, kv_heads = self.num_attention_heads, self.num_key_value_heads
         if heads % kv_heads:
             raise field_error("num_key_value_heads", kv_heads,
@@ -333,7 +335,8 @@ class ModelConfig:
                                   "head), or correct hidden_size or num_attention_heads")
             head_dim = hidden // heads
         kv_heads = raw.get("num_key_value_heads")
-        extra = family_fields(model_type, raw, count("num_hidden_layers", raw["num_hidden_layers"], 32), head_dim)
+        extra = family_fields(model_type, raw, count("num_hidden_layers", raw["num_hidden_layers"], 32,
+                                                           maximum=MAX_LAYERS), head_dim)
         # transformers 5 nests rope settings in "rope_parameters"; 4.x has rope_theta + rope_scaling.
         # (Gemma 3 keeps one block per layer kind; family_fields has read it.)
         rope_params = {} if "local_rope_theta" in extra else (
@@ -401,8 +404,16 @@ def load_model_config(path: str | Path) -> ModelConfig:
             f"no Hugging Face config at {config_file}; pass a model directory containing "
             f"config.json, or the config.json file itself"
         ) from None
+    return ModelConfig.from_dict(read_config_json(config_file))
+
+
+def read_config_json(config_file: Path) -> Any:
+    """The parsed JSON of an existing config.json; ValueError naming the file when it cannot be."""
+    if not config_file.is_file():  # a directory fails to read; a FIFO would block the read forever
+        raise ValueError(f"{config_file} is not a regular file; the model directory needs its config.json as a file")
     try:
-        raw = json.loads(config_file.read_text())
+        return json.loads(config_file.read_text())
     except (ValueError, RecursionError) as err:  # JSONDecodeError, bad UTF-8, a too-long integer, nesting
         raise ValueError(f"{config_file} is not valid JSON: {err}") from None
-    return ModelConfig.from_dict(raw)
+    except OSError as err:  # unreadable (permissions)
+        raise ValueError(f"cannot read {config_file}: {err.strerror or err}; make it readable") from None

@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from shardlib.checkpoint import CHECKPOINT_FILES, _open_files, find_checkpoint, validated_names
-from shardlib.model_config import ModelConfig
+from shardlib.model_config import ModelConfig, read_config_json
 from shardlib.quantization import (Quantization, absmax_scale, normalize_quant_dtype, quantize_with_scale,
                                    scale_name, storage_dtype)
 from shardlib.sharding import TensorSlice
@@ -50,9 +50,9 @@ def check_quantize_request(model_dir: str | Path, dtype: str, out_dir: str | Pat
     if Path(model_dir).is_file():
         raise ValueError(f"--model {model_dir} is a file; pass the model directory that holds it "
                          f"({Path(model_dir).parent})")
-    if not config_file.is_file():
+    if not config_file.exists():
         raise ValueError(f"--model {model_dir} has no config.json; pass a Hugging Face model directory")
-    raw = json.loads(config_file.read_text())
+    raw = read_config_json(config_file)
     if isinstance(raw, dict) and raw.get("quantization_config") is not None:
         method = raw["quantization_config"].get("quant_method") if isinstance(raw["quantization_config"], dict) else "?"
         raise ValueError(f"--model {model_dir} is already quantized (quantization_config with quant_method="

@@ -56,6 +56,8 @@ def test_the_demo_config_is_valid():
     (dict(hidden_size=[576]), "hidden_size=[576]"),
     (dict(intermediate_size=-1), "intermediate_size=-1"),
     (dict(num_hidden_layers=0), "num_hidden_layers=0"),
+    # 2**31 - 1 layers filled 24 GiB building per-layer tuples before any check answered
+    (dict(num_hidden_layers=2**31 - 1), f"num_hidden_layers={2**31 - 1} must be a positive integer (at most 100000)"),
     (dict(vocab_size=None), "vocab_size=None"),
     (dict(head_dim=0), "head_dim=0"),
     (dict(head_dim=63), "head_dim=63"),  # rotary embeddings need an even head_dim
@@ -142,6 +144,24 @@ def test_unreadable_json_is_a_value_error(tmp_path):
     path.write_text('{"model_type": "llama", "hidden_size": ' + "9" * 5000 + "}")
     with pytest.raises(ValueError, match="is not valid JSON"):
         load_model_config(path)
+
+
+def test_a_config_json_that_is_not_a_file_is_refused_by_name(tmp_path, capsys):
+    """A directory gave IsADirectoryError tracebacks in generate/check/bench/compile; a FIFO blocked
+    `plan` forever on its read."""
+    import os
+
+    for name, make in (("dir", lambda p: p.mkdir()), ("fifo", os.mkfifo)):
+        model = tmp_path / name
+        model.mkdir()
+        make(model / "config.json")
+        with pytest.raises(ValueError, match=f"{model}/config.json is not a regular file"):
+            load_model_config(model)
+        for command in (["plan", "--model", str(model)], ["quantize", "--model", str(model), "--dtype", "int8",
+                                                          "--out", str(tmp_path / f"q-{name}")]):
+            capsys.readouterr()
+            assert main(command) == 2
+            assert "config.json is not a regular file" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("changes, names", [
