@@ -37,6 +37,8 @@ DEFAULT_BURST_WAIT_S = 0.01
 """LaunchConfig.burst_wait_s unless asked otherwise: on one 2-core machine the requests of 16
 concurrent HTTP clients reached the group up to 6 ms apart."""
 MAX_BURST_WAIT_S = 1.0
+MAX_QUEUED_REQUESTS = 1_000_000
+"""A queue limit beyond any real server; also keeps Serve's per-replica request cap within its 32-bit field."""
 
 
 @dataclass
@@ -169,9 +171,10 @@ class LaunchConfig:
             raise ValueError(f"burst_wait_s ({self.burst_wait_s!r}) must be between 0 and {MAX_BURST_WAIT_S:g} "
                              f"seconds (0: prefill a request the moment it arrives)")
         if self.max_queued_requests is not None and (isinstance(self.max_queued_requests, bool) or not isinstance(
-                self.max_queued_requests, int) or self.max_queued_requests < 0):
-            raise ValueError(f"max_queued_requests ({self.max_queued_requests!r}) must be an integer >= 0, or None "
-                             f"for no limit")
+                self.max_queued_requests, int) or not 0 <= self.max_queued_requests <= MAX_QUEUED_REQUESTS):
+            # the bound: Ray Serve refuses a replica's max_ongoing_requests past a 32-bit integer, after it started
+            raise ValueError(f"max_queued_requests ({self.max_queued_requests!r}) must be an integer from 0 to "
+                             f"{MAX_QUEUED_REQUESTS}, or None for no limit")
         if self.seq_len is not None and (isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int)
                                          or self.seq_len < 2):
             raise ValueError(f"seq_len ({self.seq_len!r}) must be an integer of at least 2 (positions per sequence)")
@@ -188,6 +191,12 @@ class LaunchConfig:
         for name in ("placement_timeout_s", "startup_timeout_s", "rendezvous_timeout_s", "load_timeout_s",
                      "request_timeout_s"):
             _positive_seconds(name, getattr(self, name))
+        if self.ray_address is not None:
+            from launcher.cluster.ray_cluster import malformed_address
+
+            if not isinstance(self.ray_address, str) or malformed_address(self.ray_address):
+                raise ValueError(malformed_address(str(self.ray_address)) or
+                                 f"ray_address ({self.ray_address!r}) must be a string")
         if self.ray_address == "auto":
             raise ValueError("ray_address 'auto' joins any Ray found running on this host, another user's private "
                              "cluster included; pass host:port (or set RAY_ADDRESS), start one with `ray start "

@@ -11,6 +11,7 @@ import textwrap
 import pytest
 
 from launcher.api import LaunchConfig, Launcher
+from launcher.errors import LaunchError
 from tests.model_factory import save_random_model
 
 
@@ -33,6 +34,28 @@ def test_ray_address_auto_is_refused_naming_the_alternatives():
         LaunchConfig(ray_address="auto")
     with pytest.raises(ValueError, match="'auto'"):
         ray_cluster.connect("auto")
+
+
+@pytest.mark.parametrize("address", ["garbage", ":6379", "head:", "head:70000", "head:port"])
+def test_a_malformed_ray_address_is_refused_naming_the_forms(address, monkeypatch):
+    """Ray answered these with a logged traceback and "Malformed host" / "Invalid address format"."""
+    from launcher.cluster import ray_cluster
+
+    with pytest.raises(ValueError, match=rf"ray_address \('{address}'\) must be the head's host:port .*'local'"):
+        LaunchConfig(ray_address=address)
+    monkeypatch.setenv("RAY_ADDRESS", address)  # the environment's address, checked where it is read
+    monkeypatch.setattr("ray.is_initialized", lambda: False)  # as in a fresh process (this one may hold a session)
+    with pytest.raises(LaunchError, match=rf"ray_address \('{address}'\) .*\(from RAY_ADDRESS\)"):
+        ray_cluster.connect(None)
+    for good in ("10.0.0.5:6379", "[::1]:6379", "ray://head:10001", "local"):
+        assert ray_cluster.malformed_address(good) is None
+
+
+def test_a_queue_limit_beyond_serves_field_is_refused_before_start():
+    """10**12 passed, and Serve refused the replica's in-flight cap only after Ray and Serve started."""
+    LaunchConfig(max_queued_requests=1_000_000)
+    with pytest.raises(ValueError, match=r"max_queued_requests \(1000000000000\) must be an integer from 0 to 1000000"):
+        LaunchConfig(max_queued_requests=10**12)
 
 
 def test_a_missing_presharded_directory_is_refused_at_once(tmp_path):

@@ -244,6 +244,8 @@ def test_server_settings_from_builder_arguments():
         settings_from_args({"replicas": 2, "max_replicas": 3})
     with pytest.raises(ValueError, match=r"max_replicas \(1\) must be an integer >= 2"):
         settings_from_args({"min_replicas": 2, "max_replicas": 1})
+    with pytest.raises(ValueError, match=r"target_ongoing_requests \(inf\) must be a finite positive number"):
+        settings_from_args({"min_replicas": 1, "target_ongoing_requests": float("inf")})  # was taken
     with pytest.raises(ValueError, match="unknown argument.*modle"):
         settings_from_args({"modle": "x"})
     with pytest.raises(ValueError, match=r"tp \('two'\)"):

@@ -65,6 +65,18 @@ GCS_PROBE_S = 10.0
 """How long a host:port address gets to accept a TCP connection before Ray is asked to join it."""
 
 
+def malformed_address(address: str) -> str | None:
+    """Why `address` is none of the forms connect() takes ("local", "host:port", "ray://..."), or
+    None. Ray's own answer to a malformed one is a logged traceback and "Malformed host"."""
+    if address in ("local", "auto") or address.startswith("ray://"):
+        return None
+    host, sep, port = address.rpartition(":")
+    if sep and host.strip("[]") and port.isascii() and port.isdigit() and 0 < int(port) < 65536:
+        return None
+    return (f"ray_address ({address!r}) must be the head's host:port (e.g. 10.0.0.5:6379), ray://host:port "
+            f"for Ray Client, or 'local' for a private cluster")
+
+
 def _unreachable(address: str, timeout_s: float = GCS_PROBE_S) -> str | None:
     """Why nothing accepts connections at a "host:port" address (None when something does, or for
     another form, such as ray://, which ray.init checks itself)."""
@@ -103,6 +115,8 @@ def connect(address: str | None = None, num_cpus: int | None = None, worker_logs
     else:
         how = "--ray-address"
     if address not in (None, "local"):
+        if (malformed := malformed_address(address)) is not None:  # RAY_ADDRESS, unchecked until now
+            raise LaunchError(f"{malformed} (from {how})")
         fix = ("start one with `ray start --head`, pass the right --ray-address, run `ray stop` to forget a "
                "cluster that is gone, or pass --ray-address local for a private one")
         unreachable = _unreachable(address)

@@ -9,6 +9,7 @@ server's rules for names, keys and Serve replica counts.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -131,9 +132,9 @@ def _replica_counts(args: dict) -> tuple[int | None, dict | None]:
     high = scaling.get("max_replicas", max(low, 1))
     _check_int("max_replicas", high, low, why=f" (min_replicas is {low})")
     target = scaling.get("target_ongoing_requests", 2.0)
-    if isinstance(target, bool) or not isinstance(target, (int, float)) or not target > 0:
-        raise ValueError(f"target_ongoing_requests ({target!r}) must be a positive number (requests in flight "
-                         f"per replica that Serve scales toward)")
+    if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 < target < math.inf:
+        raise ValueError(f"target_ongoing_requests ({target!r}) must be a finite positive number (requests in "
+                         f"flight per replica that Serve scales toward)")
     return None, {"min_replicas": low, "max_replicas": high, "target_ongoing_requests": float(target)}
 
 
