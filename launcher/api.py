@@ -389,6 +389,8 @@ class Launcher:
         if missing:  # refused now rather than after the placement timeout
             raise NoDeviceResource(f"the {backend} backend's ranks need {resource}, but {missing}")
         self._rank_resources, self.replicas = self._size_replicas(backend, nodes)
+        if self._ray.started_here:  # no autoscaler grows a private cluster: what it cannot hold now, it never will
+            self._refuse_unplaceable(nodes)
         self._timeouts = GroupTimeouts(placement_s=cfg.placement_timeout_s, startup_s=cfg.startup_timeout_s,
                                        rendezvous_s=cfg.rendezvous_timeout_s,
                                        load_s=cfg.load_timeout_s, request_s=cfg.request_timeout_s)
@@ -458,6 +460,17 @@ class Launcher:
                                       [n.free for n in nodes], [n.name for n in nodes])
             raise PlacementTimeout(f"replicas=auto found room for no TP group: {why}")
         return resources, count
+
+    def _refuse_unplaceable(self, nodes: list) -> None:
+        """PlacementTimeout at once, rather than after --placement-timeout, when the alive nodes
+        together could never hold one group."""
+        from launcher.cluster.resources import explain_unplaceable, place_group
+
+        bundle, totals = self._rank_resources.bundle, [n.total for n in nodes]
+        if place_group([dict(t) for t in totals], bundle, self.plan.tp_degree, self.config.nodes) is None:
+            why = explain_unplaceable(bundle, self.plan.tp_degree, self.config.nodes, totals, None,
+                                      [n.name for n in nodes])
+            raise PlacementTimeout(f"the private Ray cluster started here cannot place a TP group: {why}")
 
     def _new_group(self, index: int, restart: bool):
         """Place, join and load one replica's TP group (also used to restart it)."""

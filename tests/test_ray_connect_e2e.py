@@ -41,3 +41,18 @@ def test_local_starts_a_private_ray_even_with_a_cluster_recorded_on_the_host():
                              env=env, cwd=REPO)
         assert out.returncode == 0, out.stderr[-3000:]
         assert out.stdout.split() == ["True", "1.0"]
+
+
+def test_a_private_cluster_too_small_for_a_group_is_refused_without_waiting_for_placement():
+    """A private Ray has no autoscaler: a group its one node cannot hold never will be placed. The
+    launch waited out --placement-timeout first, then advised only a lower --tp."""
+    with tempfile.TemporaryDirectory(prefix="clray", dir="/tmp") as tmp:
+        env = {**os.environ, "RAY_TMPDIR": tmp}
+        env.pop("RAY_ADDRESS", None)
+        out = subprocess.run([sys.executable, "-m", "launcher", "generate", "--ray-address", "local",
+                              "--cpus-per-rank", "64", "--placement-timeout", "3600", "--no-compile",
+                              "--max-new-tokens", "2", "Hello"],
+                             capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "the private Ray cluster started here cannot place a TP group" in out.stderr
+    assert "lower --tp or --cpus-per-rank" in out.stderr

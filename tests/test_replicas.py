@@ -70,6 +70,7 @@ def test_groups_that_fit_counts_like_pack_within_the_node_limit():
 def test_unplaceable_explanations_name_what_is_missing():
     never = explain_unplaceable({"CPU": 1}, 2, 1, [{"CPU": 1.0}, {"CPU": 1.0}], node_names=["n1", "n2"])
     assert "can never hold" in never and "--nodes" in never and "n1 has {CPU: 1}" in never
+    assert never.endswith("lower --tp or --cpus-per-rank (each rank's CPUs)")
     lacking = explain_unplaceable({"neuron_cores": 1, "CPU": 1}, 2, 2, [{"CPU": 4.0}])
     assert "lacks neuron_cores (2 in all)" in lacking
     busy = explain_unplaceable({"CPU": 1}, 1, 1, [{"CPU": 1.0}], [{"CPU": 0.0}], ["n1"])

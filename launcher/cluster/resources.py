@@ -134,8 +134,9 @@ def explain_unplaceable(bundle: Mapping[str, float], tp: int, max_nodes: int,
                  if sum(t.get(name, 0.0) for t in node_total) + _EPS < amount * tp]
         missing = (f"the cluster lacks {', '.join(short)}" if short else
                    f"its {min(max_nodes, len(node_total))} roomiest node(s) hold only {sum(best)} such bundle(s)")
+        cpus = " or --cpus-per-rank (each rank's CPUs)" if bundle.get("CPU", 0.0) > 0 else ""
         return (f"it needs {need} and the cluster can never hold that: {missing} (alive nodes: {held}). "
-                f"Add nodes with these resources, allow more nodes per group (--nodes), or lower --tp")
+                f"Add nodes with these resources, allow more nodes per group (--nodes), or lower --tp{cpus}")
     free_txt = ""
     if node_free is not None:
         free_txt = "; free now: " + "; ".join(f"{n} {_resources(f)}" for n, f in zip(names, node_free))
