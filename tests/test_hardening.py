@@ -102,8 +102,11 @@ def test_a_prompt_that_is_not_utf8_is_named_before_ray_starts(ray_tripwire):
 def test_the_cli_refuses_a_bad_request_without_starting_ray(capsys, ray_tripwire):
     from launcher.cli import main
 
-    assert main(["generate", "--max-new-tokens", "0", "--quiet", "hello"]) == 2
-    assert "max_new_tokens" in capsys.readouterr().err
+    assert main(["generate", "--quiet", ""]) == 2  # tokenized and checked by the driver, before Ray
+    assert "prompt 0 is empty" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:  # refused by the parser, before the tokenizer loads
+        main(["generate", "--max-new-tokens", "0", "--quiet", "hello"])
+    assert exit_.value.code == 2 and "--max-new-tokens (0) must be at least 1" in capsys.readouterr().err
 
 
 STORE_PROBE = textwrap.dedent("""

@@ -332,6 +332,8 @@ def test_serve_cli_refuses_bad_options_before_starting_ray(capsys, tmp_path):
         assert main(["serve", "--host", host]) == 2
         err = capsys.readouterr().err
         assert f"cannot listen on {host}:" in err and "pass a --host this machine has" in err and "--port" not in err
+    assert main(["serve", "--host", "::1"]) == 2  # was "not this machine's", though it is
+    assert "--host ::1 is an IPv6 address, which corelaunch serve does not bind" in capsys.readouterr().err
     for timeout in ("0", "-5", "nan", "inf", "soon"):
         with pytest.raises(SystemExit):
             main(["serve", "--ready-timeout", timeout])

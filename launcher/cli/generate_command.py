@@ -6,8 +6,8 @@ import argparse
 import json
 import sys
 
-from launcher.cli.options import (add_max_num_seqs, add_model_and_placement_arguments, max_num_seqs_option,
-                                  model_and_placement_options)
+from launcher.cli.options import (add_max_num_seqs, add_model_and_placement_arguments, int_at_least,
+                                  max_num_seqs_option, model_and_placement_options)
 
 
 def add_parser(subparsers) -> None:
@@ -25,7 +25,8 @@ def add_parser(subparsers) -> None:
                    help="sizes the planner's memory check (each prompt runs as its own request in the running batch; "
                         "the driver API's static batches are split at this size) (default 8)")
     add_max_num_seqs(p)
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int_at_least("--max-new-tokens"), default=32, metavar="N",
+                   help="tokens to generate per prompt (default 32)")
     p.add_argument("--temperature", type=float, help="sampling temperature (0 = greedy)")
     p.add_argument("--top-k", type=int, help="sample among the k most likely tokens (0 = off)")
     p.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1]")

@@ -117,6 +117,9 @@ def server_args(args: argparse.Namespace) -> dict:
 
 def check_port_free(host: str, port: int) -> None:
     """OSError naming the address when something already listens there (refused before Ray starts)."""
+    if ":" in host:  # the server's addresses, its readiness probe and Serve's proxy port are IPv4 here
+        raise OSError(f"--host {host} is an IPv6 address, which corelaunch serve does not bind; pass an IPv4 "
+                      f"address (127.0.0.1, or 0.0.0.0 for every interface)")
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
