@@ -42,12 +42,46 @@ LEGACY_STALE_AFTER_S = 3600.0
 
 
 def refuse_foreign_dir(out_dir: str | Path, what: str, marker: str = MANIFEST) -> None:
-    """FileExistsError when out_dir holds files but no `marker`: it is not a directory of the kind
-    being written (`what`, e.g. "a pre-sharded checkpoint"), so replacing it would delete someone's data."""
+    """FileExistsError when out_dir is a file, or holds files but no `marker`: it is not a directory
+    of the kind being written (`what`, e.g. "a pre-sharded checkpoint"), so replacing it would delete
+    someone's data."""
     out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():  # a file (or a link to one): iterdir would raise
+        raise FileExistsError(f"{out_dir} exists and is not a directory; choose a new or empty directory, or "
+                              f"remove the file")
     if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / marker).is_file():
         raise FileExistsError(f"{out_dir} exists and is not {what} (it has no {marker}); choose a new or empty "
                               f"directory, or remove it")
+
+
+def unwritable_reason(path: str | Path) -> str | None:
+    """Why this process cannot create `path` (a directory written by atomic_dir, or a file), from a
+    cheap look that writes nothing; None when nothing is seen against it. Its missing parents are
+    created by the writer, so the nearest ancestor that exists must be a directory this process may
+    create entries in. Callers refuse with it before expensive work and still catch OSError around
+    the write: permissions can say yes where the filesystem says no (/proc, /sys, read-only mounts)."""
+    parent = Path(path).parent  # as given (relative stays relative): the message quotes it
+    try:
+        while not parent.exists() and parent != parent.parent:  # exists() is False below a file, too
+            parent = parent.parent
+    except OSError as err:  # a folder on the way that this user may not search
+        return f"{parent} cannot be reached ({err.strerror})"
+    if not parent.is_dir():
+        return f"{parent} is {'a file, ' if parent.is_file() else ''}not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{parent} is not writable by this user"
+    return None
+
+
+def names_out_dir(out_dir: str | Path, path: str | Path | None) -> bool:
+    """Whether `path` (an OSError's filename) is out_dir, inside it, or one of the siblings
+    atomic_dir writes beside it (.NAME.v-*, .NAME.lnk-*): a failed write of out_dir, as against a
+    failed read of some input."""
+    if not isinstance(path, (str, bytes, os.PathLike)):  # None, or a file descriptor
+        return False
+    out, failed = Path(out_dir).absolute(), Path(os.fsdecode(path)).absolute()
+    return any(p == out or (p.parent == out.parent and p.name.startswith(f".{out.name}."))
+               for p in (failed, *failed.parents))
 
 
 @contextmanager

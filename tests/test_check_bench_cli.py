@@ -241,6 +241,88 @@ def test_check_bad_input_exits_2_before_starting_workers(models, capsys, tmp_pat
         assert "--save-expected" in err and "weights_only` set to `False`" not in err, err
 
 
+def reference_must_not_run(monkeypatch):
+    """Make the transformers reference (seconds to minutes of CPU) fail the test if it runs."""
+    from launcher.cli import check_command
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the transformers reference ran before the refusal")
+
+    monkeypatch.setattr(check_command, "reference_outputs", must_not_run)
+
+
+def test_check_refuses_launch_options_before_the_reference_runs(models, capsys, monkeypatch, ray_tripwire):
+    """They were checked only when corelaunch's side started, after the reference had run."""
+    original, _ = models
+    reference_must_not_run(monkeypatch)
+    for tp, message in (("0", "tp (0) must be a positive integer or 'auto'"),
+                        ("3", "num_attention_heads (4) is not divisible by tp_degree (3)")):
+        code, report, err = run_check(capsys, "--model", str(original), "--prompt-ids", PROMPT_IDS, "--tp", tp,
+                                      "--no-compile")
+        assert code == 2 and report is None and message in err, err
+
+
+def test_check_refuses_an_unwritable_save_expected_path_naming_the_option(models, capsys, tmp_path, monkeypatch,
+                                                                          ray_tripwire):
+    """A parent that is a file, or a directory as the path, was a traceback after the reference had run."""
+    from launcher.cli import check_command
+
+    original, _ = models
+    (tmp_path / "afile").write_text("")
+    reference_must_not_run(monkeypatch)
+    for path, message in ((tmp_path / "afile" / "x.pt", f"cannot be written: {tmp_path / 'afile'} is a file"),
+                          (tmp_path, "is a directory; pass a file path")):
+        code, _, err = run_check(capsys, "--model", str(original), "--prompt-ids", PROMPT_IDS,
+                                 "--save-expected", str(path))
+        assert code == 2 and f"--save-expected {path} " in err and message in err, err
+
+    # where the look passes but the filesystem refuses (/sys, /proc: even root): torch.save's
+    # RuntimeError, once the reference has run, names the option too
+    def stand_in(_dir, prompts, n, quiet=False):
+        return check_command.Expected(prompts, [[1] * n for _ in prompts], torch.zeros(len(prompts), n, 128),
+                                      "a stand-in reference")
+
+    monkeypatch.setattr(check_command, "reference_outputs", stand_in)
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:747] . open file failed with strerror: "
+                           "Permission denied")
+
+    monkeypatch.setattr(torch, "save", refused)
+    code, _, err = run_check(capsys, "--model", str(original), "--prompt-ids", PROMPT_IDS, "--num-tokens", "2",
+                             "--save-expected", str(tmp_path / "x.pt"))
+    assert code == 2 and f"could not write --save-expected {tmp_path / 'x.pt'} (Permission denied)" in err, err
+
+
+def test_check_tolerances_are_honoured_or_refused_by_name(models, capsys, tmp_path, monkeypatch, ray_tripwire):
+    """--divergence-difference-tol 0 was replaced by the default and inf (every divergence passes)
+    was taken; --tol-map '' was replaced by the default."""
+    from launcher.cli import check_command
+
+    original, _ = models
+    path = tmp_path / "expected.pt"
+    torch.save({"input_ids": [[5, 17]], "expected_logits": torch.zeros(1, 2, 128)}, path)
+    seen = []
+
+    def compare(args, *rest):  # the launch itself is other tests' subject: the tolerance it gets is this one's
+        seen.append(args.divergence_difference_tol)
+        return {"passed": True}
+
+    monkeypatch.setattr(check_command, "_compare", compare)
+    common = ["--model", str(original), "--expected", str(path), "--no-compile"]
+    code, _, err = run_check(capsys, *common, "--divergence-difference-tol", "0")
+    assert code == 0 and seen == [0.0], err  # 0: every divergence fails (the rule is difference < tol)
+    for args, message in ((["--divergence-difference-tol", "inf"], "(inf) must be a finite number >= 0"),
+                          (["--divergence-difference-tol", "nan"], "(nan) must be a finite number >= 0"),
+                          (["--divergence-difference-tol", "-1"], "(-1.0) must be a finite number >= 0"),
+                          (["--atol", "inf"], "(inf) must be a finite number >= 0"),
+                          (["--tol-map", ""], "has no entries")):
+        code, report, err = run_check(capsys, *common, *args)
+        message = message if args[0] == "--tol-map" else f"{args[0]} {message}"
+        assert code == 2 and report is None and message in err, (args, err)
+    assert seen == [0.0]
+
+
 BENCH_ARGS = ["--tp", "2", "--batch-size", "2", "--prompt-len", "8", "--max-new-tokens", "5", "--warmup", "1",
               "--json"]
 BENCH_RUNS = 3
@@ -303,12 +385,30 @@ def test_bench_refuses_a_prompt_longer_than_the_context_before_ray_starts(models
     capsys.readouterr()
     code = main(["bench", "--model", str(original), "--tp", "2", "--prompt-len", "100000", "--no-compile", "--quiet"])
     err = capsys.readouterr().err
-    assert code == 2 and "prompt 0 has 100000 tokens" in err and "max_position_embeddings" in err
+    assert code == 2 and "--prompt-len 100000 with --max-new-tokens 64 needs 100064 positions" in err
+    assert "max_position_embeddings is 512" in err, err
     # under --seq-len the advice names bench's own flag
     code = main(["bench", "--model", str(original), "--tp", "2", "--prompt-len", "60", "--seq-len", "64",
                  "--no-compile", "--quiet"])
     err = capsys.readouterr().err
     assert code == 2 and "needs 124 positions but seq_len is 64" in err and "(--seq-len)" in err, err
+
+
+def test_bench_refuses_a_long_prompt_len_before_building_the_prompts(models, capsys, monkeypatch, ray_tripwire):
+    """--prompt-len 10**9 built a billion random ids (memory exhausted) before the length was checked."""
+    from launcher.cli import bench_command
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("bench built the random prompts before checking --prompt-len")
+
+    monkeypatch.setattr(bench_command, "random_prompts", must_not_run)
+    original, _ = models
+    capsys.readouterr()
+    code = main(["bench", "--model", str(original), "--tp", "2", "--prompt-len", str(10**9), "--max-new-tokens", "4",
+                 "--no-compile", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--prompt-len 1000000000 with --max-new-tokens 4 needs 1000000004 positions but the " \
+        "model's max_position_embeddings is 512: lower --prompt-len" in err, err
 
 
 @pytest.mark.slow

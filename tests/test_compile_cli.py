@@ -183,6 +183,38 @@ def test_cli_refusals_exit_2_before_starting_anything(model_dir, tmp_path, capsy
     assert in_process_cluster.groups == []  # and before any group was started
 
 
+def test_compile_refuses_an_out_it_cannot_write_naming_it(model_dir, tmp_path, capsys, monkeypatch, ray_tripwire):
+    """A file as --out, or below one, was a traceback or a bare errno text; checked now before the
+    plan, and a write the filesystem refuses names --out too."""
+    from launcher import launch_plan
+
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    plan_launch = launch_plan.plan_launch
+
+    def no_plan(*args, **kwargs):
+        raise AssertionError("compile planned the launch before refusing --out")
+
+    monkeypatch.setattr(launch_plan, "plan_launch", no_plan)
+    for out, message in ((afile, f"--out {afile} exists and is not a directory"),
+                         (afile / "sub", f"--out {afile / 'sub'} cannot be written: {afile} is a file, not a "
+                                         f"directory"),
+                         (afile / "a" / "b", f"cannot be written: {afile} is a file")):
+        code, err = corelaunch_in_process(capsys, "compile", "--model", str(model_dir), "--buckets", "16", "--out",
+                                          str(out))
+        assert code == 2 and message in err and "Traceback" not in err, err
+    assert afile.read_text() == ""
+
+    # /proc takes no new entry even from root, whose permissions let the look pass: the refused
+    # write (after the plan, before Ray) names --out and the fix
+    if not Path("/proc/self").is_dir():
+        pytest.skip("no /proc here")
+    monkeypatch.setattr(launch_plan, "plan_launch", plan_launch)
+    code, err = corelaunch_in_process(capsys, "compile", "--model", str(model_dir), "--buckets", "16", "--quiet",
+                                      "--out", "/proc/corelaunch-test-cdir")
+    assert code == 2 and "--out /proc/corelaunch-test-cdir" in err and "a directory you can write to" in err, err
+
+
 @pytest.mark.slow
 def test_the_console_script_exits_2_on_a_refusal(model_dir, tmp_path):
     """The same exit through `python -m launcher` (one subprocess: the exit code reaches the shell)."""

@@ -61,6 +61,20 @@ def random_prompts(batch_size: int, prompt_len: int, vocab_size: int, seed: int)
     return [[rng.randrange(vocab_size) for _ in range(prompt_len)] for _ in range(batch_size)]
 
 
+def check_prompt_len(args: argparse.Namespace, launcher) -> None:
+    """ValueError naming --prompt-len when a prompt plus --max-new-tokens exceeds the positions a
+    sequence may hold (the limit Launcher.check_prompts applies, from the lengths alone)."""
+    needed = args.prompt_len + args.max_new_tokens
+    limit, seq_len = launcher.model_config.max_position_embeddings, launcher.serving_seq_len
+    if seq_len < limit:
+        limit, name, fix = seq_len, "seq_len", "lower --prompt-len or --max-new-tokens, or raise seq_len (--seq-len)"
+    else:
+        name, fix = "the model's max_position_embeddings", "lower --prompt-len or --max-new-tokens"
+    if needed > limit:
+        raise ValueError(f"--prompt-len {args.prompt_len} with --max-new-tokens {args.max_new_tokens} needs {needed} "
+                         f"positions but {name} is {limit}: {fix}")
+
+
 def run(args: argparse.Namespace) -> int:
     from launcher.errors import LaunchError
 
@@ -90,6 +104,7 @@ def _bench(args: argparse.Namespace) -> dict:
                           compile=args.compile, progress=not args.quiet)
     timings: list[RunTiming] = []
     launcher = Launcher(config).prepare()
+    check_prompt_len(args, launcher)  # before the prompts are built: 10**9 random ids would fill host memory
     prompts = random_prompts(args.batch_size, args.prompt_len, launcher.model_config.vocab_size, args.seed)
     launcher.check_prompts(prompts, max_new_tokens=args.max_new_tokens)  # a prompt too long: before Ray starts
     with launcher:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,8 +70,9 @@ def add_parser(subparsers) -> None:
     add_pad_q_heads(p)
     add_sequence_parallel(p)
     p.add_argument("--divergence-difference-tol", type=float, metavar="TOL",
-                   help="at a divergence, max(actual) - actual[expected token] must be below this (default 0.001; "
-                        "a quantized model's or fp8 cache's in shardlib/evaluation/quantized_tolerances.py)")
+                   help="at a divergence, max(actual) - actual[expected token] must be below this, so 0 fails "
+                        "every divergence (default 0.001; a quantized model's or fp8 cache's in "
+                        "shardlib/evaluation/quantized_tolerances.py)")
     p.add_argument("--tol-map", metavar="K:RTOL,...",
                    help=f"top-k groups and their rtol; K an integer or 'all' (default {DEFAULT_TOL_SPEC}; a "
                         f"quantized model's or fp8 cache's in shardlib/evaluation/quantized_tolerances.py)")
@@ -183,13 +185,33 @@ def reference_outputs(reference_dir: Path, prompts: list[list[int]], num_tokens:
     return Expected(prompts, tokens, torch.stack(logits), source)
 
 
+def check_save_expected_path(path: str) -> None:
+    """ValueError naming --save-expected when a look (no write) shows PATH cannot be written: run
+    before the reference, whose minutes of CPU would otherwise end in a traceback."""
+    from shardlib.atomic_dir import unwritable_reason
+
+    if Path(path).is_dir():
+        raise ValueError(f"--save-expected {path} is a directory; pass a file path, e.g. {Path(path) / 'expected.pt'}")
+    reason = unwritable_reason(path)
+    if reason is not None:
+        raise ValueError(f"--save-expected {path} cannot be written: {reason}; pass a path in a directory you "
+                         f"can write to")
+
+
 def save_expected(expected: Expected, path: str) -> None:
     import torch
 
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"format": FILE_FORMAT, "input_ids": expected.input_ids,
-                "expected_tokens": torch.tensor(expected.tokens, dtype=torch.int64),
-                "expected_logits": expected.logits, "reference": expected.source}, path)
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"format": FILE_FORMAT, "input_ids": expected.input_ids,
+                    "expected_tokens": torch.tensor(expected.tokens, dtype=torch.int64),
+                    "expected_logits": expected.logits, "reference": expected.source}, path)
+    # torch.save reports an unopenable file as RuntimeError; the look beforehand passed, so the
+    # filesystem refused (/proc, /sys, a read-only mount, a full disk)
+    except (OSError, RuntimeError) as err:
+        detail = str(err).split("strerror: ")[-1].strip()  # torch's text ends "... open file failed with strerror: X"
+        raise ValueError(f"could not write --save-expected {path} ({detail}); pass a path in a directory you can "
+                         f"write to") from None
 
 
 def _model_dir(model: str | None, option: str = "--model") -> Path:
@@ -250,7 +272,9 @@ def _tolerances(args, model_dir: Path) -> tuple[str, float]:
     from shardlib.model_config import load_model_config
 
     tol_map, divergence = default_tolerances(load_model_config(model_dir).quantization, args.kv_cache_dtype)
-    return (args.tol_map or tol_map, args.divergence_difference_tol or divergence)
+    # `is None`, not `or`: a given 0 (or an empty --tol-map, refused by parse_tol_map) is the user's
+    return (tol_map if args.tol_map is None else args.tol_map,
+            divergence if args.divergence_difference_tol is None else args.divergence_difference_tol)
 
 
 # ---- run ---------------------------------------------------------------------------------------
@@ -269,10 +293,15 @@ def _run(args: argparse.Namespace) -> int:
     from shardlib.evaluation.accuracy import parse_tol_map
 
     progress = Progress(not args.quiet)
+    # A divergence passes when max(actual) - actual[expected] < TOL: 0 is honoured (every divergence
+    # fails); inf would pass every one and nan none, silently, so both are refused with negatives.
+    for option, value in (("--divergence-difference-tol", args.divergence_difference_tol), ("--atol", args.atol)):
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{option} ({value}) must be a finite number >= 0")
+    if args.save_expected:
+        check_save_expected_path(args.save_expected)
     args.tol_map, args.divergence_difference_tol = _tolerances(args, _model_dir(args.model))
     tol_map = parse_tol_map(args.tol_map, args.atol)
-    if not args.divergence_difference_tol > 0:
-        raise ValueError(f"--divergence-difference-tol ({args.divergence_difference_tol}) must be positive")
     if args.num_tokens is not None and args.num_tokens < 1:
         raise ValueError(f"--num-tokens ({args.num_tokens}) must be at least 1")
     if args.expected and args.save_expected:
@@ -298,11 +327,15 @@ def _run(args: argparse.Namespace) -> int:
 
         texts, prompts, tokenizer = [None] * len(expected.input_ids), expected.input_ids, load_tokenizer(model_dir)
         _check_prompts(prompts, num_tokens, model_dir)
+        launcher = _launcher(args, model_dir)
     else:
         num_tokens = DEFAULT_NUM_TOKENS if args.num_tokens is None else args.num_tokens
         texts, prompts, tokenizer = _prompts(args, model_dir)
         _check_prompts(prompts, num_tokens, model_dir)
         reference_dir = _reference_dir(args, model_dir)
+        # --save-expected starts no workers, so its launch options are not planned (the file may be
+        # meant for another machine); otherwise they are refused before the reference runs, not after
+        launcher = None if args.save_expected else _launcher(args, model_dir)
         with progress.step("running the transformers reference (float32, CPU)"):
             expected = reference_outputs(reference_dir, prompts, num_tokens, quiet=args.quiet)
         if args.save_expected:
@@ -314,7 +347,7 @@ def _run(args: argparse.Namespace) -> int:
                   f"{args.save_expected} ({expected.source})")
             return EXIT_PASS
 
-    report = _compare(args, model_dir, texts, prompts, expected, num_tokens, tol_map, progress)
+    report = _compare(args, launcher, model_dir, texts, prompts, expected, num_tokens, tol_map, progress)
     if args.json:
         print(json.dumps(report))
     else:
@@ -322,17 +355,24 @@ def _run(args: argparse.Namespace) -> int:
     return EXIT_PASS if report["passed"] else EXIT_FAIL
 
 
-def _compare(args, model_dir, texts, prompts, expected: Expected, num_tokens, tol_map, progress) -> dict:
+def _launcher(args, model_dir: Path):
+    """The Launcher of corelaunch's side, its options checked and its layout planned (PlanRejected,
+    ValueError naming them); nothing is started."""
     from launcher.api import LaunchConfig, Launcher
-    from shardlib.evaluation.accuracy import group_name, logit_matching, token_matching
 
     config = LaunchConfig(model=str(model_dir), tp=args.tp, **backend_options(args), pad_q_heads=args.pad_q_heads,
                           sequence_parallel=args.sequence_parallel,
                           dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_batch_size=1,
                           ray_address=args.ray_address,
                           compile=args.compile, progress=not args.quiet)
+    return Launcher(config).prepare()
+
+
+def _compare(args, launcher, model_dir, texts, prompts, expected: Expected, num_tokens, tol_map, progress) -> dict:
+    from shardlib.evaluation.accuracy import group_name, logit_matching, token_matching
+
     results = []
-    with Launcher(config) as launcher:
+    with launcher:
 
         def run_corelaunch(ids: list[int], count: int):
             [out] = launcher.generate([ids], max_new_tokens=count, ignore_eos=True, return_logits=True)

@@ -70,10 +70,22 @@ def bucket_options(args: argparse.Namespace) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     from launcher.errors import LaunchError
+    from shardlib.atomic_dir import names_out_dir
 
     try:
         manifest = compile_model(args)
-    except (ValueError, FileNotFoundError, FileExistsError, LaunchError) as err:
+    except OSError as err:
+        # --out itself, inside it, or the version written beside it (shardlib/atomic_dir.py): a place
+        # the up-front look passed but the filesystem refused (/proc, /sys, read-only mounts)
+        if names_out_dir(args.out, err.filename):
+            print(f"corelaunch compile: could not write --out {args.out} ({err}); pass a new path in a "
+                  f"directory you can write to", file=sys.stderr)
+            return 2
+        if not isinstance(err, (FileNotFoundError, FileExistsError)):
+            raise
+        print(f"corelaunch compile: {err}", file=sys.stderr)
+        return 2
+    except (ValueError, LaunchError) as err:
         print(f"corelaunch compile: {err}", file=sys.stderr)
         return 2
     if args.json:
@@ -87,7 +99,7 @@ def compile_model(args: argparse.Namespace) -> dict:
     from launcher.artifacts import compiled_dir
     from launcher.launch_plan import plan_launch
     from launcher.progress import Progress
-    from shardlib.atomic_dir import atomic_dir, refuse_foreign_dir
+    from shardlib.atomic_dir import atomic_dir
     from shardlib.manifest import write_manifest_json
     from shardlib.presharded import save_presharded
     from workers.backends import backend_entry
@@ -96,7 +108,7 @@ def compile_model(args: argparse.Namespace) -> dict:
 
     progress = Progress(not args.quiet)
     out = Path(args.out)
-    refuse_foreign_dir(out, compiled_dir.KIND)
+    check_out(out)
     # Every option is checked (and the layout planned) before anything is written.
     config = LaunchConfig(model=args.model, tp=args.tp, dtype=args.dtype, **backend_options(args), lnc=args.lnc,
                           kv_strategy=args.kv_strategy, pad_q_heads=args.pad_q_heads, moe_sharding=args.moe_sharding,
@@ -148,6 +160,25 @@ def compile_model(args: argparse.Namespace) -> dict:
     progress.note(f"compiled-model directory written: {out} (start from it with `corelaunch generate "
                   f"--compiled {out}`)")
     return manifest
+
+
+def check_out(out: Path) -> None:
+    """ValueError naming --out and the fix when a look (no write) shows it cannot be written: run
+    before the plan, the model's files and Ray, so a typo costs nothing."""
+    from launcher.artifacts import compiled_dir
+    from shardlib.atomic_dir import refuse_foreign_dir, unwritable_reason
+
+    try:
+        refuse_foreign_dir(out, compiled_dir.KIND)  # a file, or someone's non-empty directory
+    except FileExistsError as err:
+        raise ValueError(f"--out {err}") from None
+    except OSError as err:  # e.g. a directory this user may not list
+        raise ValueError(f"--out {out} cannot be read ({err.strerror}); pass a new path in a directory you can "
+                         f"write to") from None
+    reason = unwritable_reason(out)
+    if reason is not None:
+        raise ValueError(f"--out {out} cannot be written: {reason}; pass a new path in a directory you can "
+                         f"write to")
 
 
 def _copy_model_files(model_dir: Path, dest: Path) -> None:
