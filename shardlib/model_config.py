@@ -187,7 +187,8 @@ class ModelConfig:
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         for name in _SIZE_FIELDS:
-            count(name, getattr(self, name), _EXAMPLES[name],
+            # one position holds a prompt token but leaves none for a generated one
+            count(name, getattr(self, name), _EXAMPLES[name], minimum=2 if name == "max_position_embeddings" else 1,
                   maximum=MAX_LAYERS if name == "num_hidden_layers" else MAX_CONFIG_INT)
         heads, kv_heads = self.num_attention_heads, self.num_key_value_heads
         if heads % kv_heads:

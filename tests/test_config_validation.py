@@ -46,6 +46,7 @@ def test_the_demo_config_is_valid():
 @pytest.mark.parametrize("changes, names", [
     (dict(max_position_embeddings="4096"), "max_position_embeddings='4096'"),
     (dict(max_position_embeddings=0), "max_position_embeddings=0"),
+    (dict(max_position_embeddings=1), "max_position_embeddings=1 must be an integer >= 2"),  # planned as valid
     (dict(max_position_embeddings=-5), "max_position_embeddings=-5"),
     (dict(max_position_embeddings=4096.0), "max_position_embeddings=4096.0"),
     (dict(max_position_embeddings=2**40), f"max_position_embeddings={2**40}"),
