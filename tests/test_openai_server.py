@@ -126,6 +126,9 @@ def test_unknown_and_missing_fields_are_refused_by_name():
     assert caught.value.param == "model" and "'model' is required" in caught.value.message
     with pytest.raises(ProtocolError, match="must be a JSON object, not list"):
         parse_request(CompletionRequest, [1, 2])
+    with pytest.raises(ProtocolError, match="^the request body: ") as caught:  # a key that is not valid text
+        parse_request(CompletionRequest, {"model": MODEL, "prompt": "hi", "\ud800": 1})
+    assert caught.value.param is None and not caught.value.message.startswith("None")  # was "None: Input ..."
 
 
 def test_chat_refusals():
@@ -137,6 +140,9 @@ def test_chat_refusals():
     with pytest.raises(ProtocolError) as caught:
         parse_request(ChatCompletionRequest, {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]})
     assert caught.value.param == "messages.0.role" and "system|user|assistant" in caught.value.message
+    with pytest.raises(ProtocolError) as caught:  # pydantic's union branch leaked: "messages.0.content.str"
+        parse_request(ChatCompletionRequest, {"model": MODEL, "messages": [{"role": "user", "content": {"a": 1}}]})
+    assert caught.value.param == "messages.0.content" and caught.value.message.startswith("messages.0.content: ")
     with pytest.raises(ProtocolError, match="'image_url' is not supported"):
         parse_request(ChatCompletionRequest, {"model": MODEL, "messages": [
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
@@ -491,8 +497,14 @@ def test_a_stop_string_ends_the_text_before_it(client, hf):
 def test_models_health_and_metrics(client, server):
     import requests
 
+    import openai
+
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL  # GET /v1/models/{id} was a 404
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
     assert requests.get(f"{server.url}/health", timeout=10).status_code == 200  # open without the key
+    assert requests.head(f"{server.url}/health", timeout=10).status_code == 200  # probes by HEAD got 405
     text = requests.get(f"{server.url}/metrics", timeout=10).text
     for name in ("corelaunch_requests_running", "corelaunch_requests_waiting",
                  "corelaunch_time_to_first_token_seconds_bucket", "corelaunch_inter_token_latency_seconds_bucket",
@@ -520,6 +532,20 @@ def test_http_errors(client, server, hf):
         client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=4)
     message = caught.value.body["message"]
     assert str(prompt_tokens) in message and any(str(n) in message for n in (hf.config.max_position_embeddings, 4096))
+    with pytest.raises(openai.BadRequestError) as caught:  # no max_tokens sent: named as "max_tokens 1"
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": long_prompt}])
+    message = caught.value.body["message"]
+    assert "leaving no room for a generated token" in message and "max_tokens" not in message
+    assert caught.value.body["param"] == "messages"
+    auth = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    reply = requests.post(f"{server.url}/v1/chat/completions", headers=auth, timeout=30,
+                          data=f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "hi \\ud800"}}]}}')
+    assert reply.status_code == 400, reply.text  # the chat template's internal TypeError was the message
+    assert reply.json()["error"]["param"] == "messages.0.content" and "not valid UTF-8" in reply.json()["error"]["message"]
+    rejected = 'corelaunch_requests_total{finish_reason="rejected",status="400"}'
+    before = _metric(server, rejected)
+    assert requests.post(f"{server.url}/v1/completions", headers=auth, data="{bad", timeout=10).status_code == 400
+    assert _metric(server, rejected) == before + 1  # a body that is not JSON was not counted
     for headers in ({}, {"Authorization": "Bearer wrong"}):
         reply = requests.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "x"},
                               headers=headers, timeout=10)

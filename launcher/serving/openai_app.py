@@ -103,6 +103,20 @@ async def _json_body(request: Request):
                             f"Content-Type: application/json") from None
 
 
+def _clip(text: str, limit: int = 200) -> str:
+    """A client's string as an error message quotes it: a 100 kB model name is not sent back whole."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def _check_utf8(text: str, param: str) -> None:
+    """ProtocolError 400 for text that is not valid Unicode: JSON can carry lone surrogates ("\ud800")."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ProtocolError(f"{param} is not valid UTF-8 text ({err.reason} at position {err.start})",
+                            param=param) from None
+
+
 def _context_tokens(launcher) -> int:
     """Prompt + generated tokens one request may hold: the serving cache's row (seq_len, else the
     plan's), never past the model's maximum."""
@@ -166,7 +180,7 @@ class OpenAIServer:
         return any(r.get("state") in ("serving", "restarting") for r in self.launcher.replica_status())
 
     # ---- routes -------------------------------------------------------------------------------
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' probes
     def health(self) -> Response:
         if self._serving():
             return JSONResponse({"status": "ok", "model": self.name})
@@ -181,11 +195,19 @@ class OpenAIServer:
         self._authorize(request)
         return proto.models_list(self.name, self.created)
 
+    @app.get("/v1/models/{model_id:path}")
+    def model(self, model_id: str, request: Request) -> dict:
+        self._authorize(request)
+        if model_id != self.name:
+            raise ProtocolError(f"model {_clip(model_id)!r} does not exist; this server serves {self.name!r}",
+                                param="model", status=404, code="model_not_found")
+        return proto.models_list(self.name, self.created)["data"][0]
+
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
         arrived = time.perf_counter()
         self._authorize(request)
-        req = self._parse(proto.CompletionRequest, await _json_body(request))
+        req = self._parse(proto.CompletionRequest, await self._body(request))
         prompt = req.prompt_input()
         if isinstance(prompt, str):
             prompt = await self._tokenized(self._encode, prompt)
@@ -197,7 +219,7 @@ class OpenAIServer:
     async def chat_completions(self, request: Request) -> Response:
         arrived = time.perf_counter()
         self._authorize(request)
-        req = self._parse(proto.ChatCompletionRequest, await _json_body(request))
+        req = self._parse(proto.ChatCompletionRequest, await self._body(request))
         prompt = await self._tokenized(self._apply_chat_template, req.chat_messages())
         stream = self._start(req, prompt, proto.max_new_tokens(req, len(prompt), self.context_tokens),
                              req.logprobs_count(), "messages")
@@ -214,11 +236,7 @@ class OpenAIServer:
 
     def _encode(self, text: str) -> list[int]:
         """A completions prompt's token ids (on a thread), as the Launcher tokenizes text."""
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as err:  # JSON can carry lone surrogates ("\ud800")
-            raise ProtocolError(f"prompt is not valid UTF-8 text ({err.reason} at position {err.start})",
-                                param="prompt") from None
+        _check_utf8(text, "prompt")
         with self._encoding:
             ids = list(self.tokenizer(text)["input_ids"])
         if not ids:
@@ -227,6 +245,8 @@ class OpenAIServer:
 
     def _apply_chat_template(self, messages: list[dict]) -> list[int]:
         """A chat request's prompt token ids (on a thread)."""
+        for i, message in enumerate(messages):
+            _check_utf8(message["content"] or "", f"messages.{i}.content")
         try:
             with self._encoding:
                 return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
@@ -245,6 +265,13 @@ class OpenAIServer:
                                 "argument, or CORELAUNCH_API_KEY)",
                                 status=401, code="invalid_api_key")
 
+    async def _body(self, request: Request):
+        try:
+            return await _json_body(request)
+        except ProtocolError:
+            self.metrics.rejected(400)
+            raise
+
     def _parse(self, model, body):
         try:
             req = proto.parse_request(model, body)
@@ -253,7 +280,7 @@ class OpenAIServer:
             raise
         if req.model != self.name:
             self.metrics.rejected(404)
-            raise ProtocolError(f"model {req.model!r} does not exist; this server serves {self.name!r} "
+            raise ProtocolError(f"model {_clip(req.model)!r} does not exist; this server serves {self.name!r} "
                                 f"(GET /v1/models lists it)", param="model", status=404, code="model_not_found")
         return req
 
@@ -266,6 +293,10 @@ class OpenAIServer:
 
         # The engine checks this too, in its own words (max_new_tokens): here it is said in the API's.
         limit = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
+        if len(prompt) >= self.context_tokens:  # no room left whatever the limit (which may not have been sent)
+            self.metrics.rejected(400)
+            raise ProtocolError(f"the prompt has {len(prompt)} tokens and the context holds {self.context_tokens}, "
+                                f"leaving no room for a generated token; shorten the prompt", param=prompt_param)
         try:
             check_fits([prompt], max_tokens, self.context_tokens, "the context", new_tokens_name=limit)
         except ValueError as err:

@@ -183,10 +183,16 @@ def parse_request(model: type[_GenerationRequest], body: object):
     return request
 
 
+_UNION_BRANCH_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
 def _field_error(error: dict, model: type[BaseModel]) -> ProtocolError:
-    loc = [str(part) for part in error["loc"]]
+    # pydantic names the union branch it tried ("messages.0.content.str"): not a field of the request
+    loc = [str(part) for part in error["loc"] if str(part) not in _UNION_BRANCH_TAGS and "[" not in str(part)]
     field = loc[0] if loc else None
     param = ".".join(loc) if loc else None
+    if not loc:  # about the body as a whole (e.g. a key that is not valid text)
+        return ProtocolError(f"the request body: {error['msg']}")
     if error["type"] == "extra_forbidden" and len(loc) > 1:  # inside an object field (stream_options)
         return ProtocolError(f"unknown parameter {param!r}; {field} must be "
                              f"{FIELD_RULES.get(field, 'as the OpenAI API reference says')}", param=param)
