@@ -194,9 +194,10 @@ class LaunchConfig:
         if self.ray_address is not None:
             from launcher.cluster.ray_cluster import malformed_address
 
-            if not isinstance(self.ray_address, str) or malformed_address(self.ray_address):
-                raise ValueError(malformed_address(str(self.ray_address)) or
-                                 f"ray_address ({self.ray_address!r}) must be a string")
+            if not isinstance(self.ray_address, str):
+                raise ValueError(f"ray_address ({self.ray_address!r}) must be a string")
+            if (malformed := malformed_address(self.ray_address)) is not None:
+                raise ValueError(malformed)
         if self.ray_address == "auto":
             raise ValueError("ray_address 'auto' joins any Ray found running on this host, another user's private "
                              "cluster included; pass host:port (or set RAY_ADDRESS), start one with `ray start "
@@ -464,10 +465,10 @@ class Launcher:
     def _refuse_unplaceable(self, nodes: list) -> None:
         """PlacementTimeout at once, rather than after --placement-timeout, when the alive nodes
         together could never hold one group."""
-        from launcher.cluster.resources import explain_unplaceable, place_group
+        from launcher.cluster.resources import explain_unplaceable, never_placeable
 
         bundle, totals = self._rank_resources.bundle, [n.total for n in nodes]
-        if place_group([dict(t) for t in totals], bundle, self.plan.tp_degree, self.config.nodes) is None:
+        if never_placeable(bundle, self.plan.tp_degree, self.config.nodes, totals):
             why = explain_unplaceable(bundle, self.plan.tp_degree, self.config.nodes, totals, None,
                                       [n.name for n in nodes])
             raise PlacementTimeout(f"the private Ray cluster started here cannot place a TP group: {why}")
@@ -673,10 +674,7 @@ class Launcher:
 
     def load(self) -> dict[str, int]:
         """Streaming requests running (holding a cache row) and waiting for one, over all replicas."""
-        pool = self._running_pool()
-        rows = self.config.max_num_seqs
-        flights = pool.in_flight()
-        return {"running": sum(min(n, rows) for n in flights), "waiting": sum(max(n - rows, 0) for n in flights)}
+        return self._running_pool().load(self.config.max_num_seqs)
 
     def _running_pool(self):
         if self._pool is None:

@@ -46,6 +46,18 @@ _EXAMPLES = {
 }
 _SIZE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings")
+_SIZE_RANGES = {
+    "max_position_embeddings": (2, MAX_CONFIG_INT),  # one position holds a prompt token but no generated one
+    "num_hidden_layers": (1, MAX_LAYERS),
+}
+"""Sizes whose range is not [1, MAX_CONFIG_INT]."""
+
+
+def _size(name: str, value: Any) -> int:
+    low, high = _SIZE_RANGES.get(name, (1, MAX_CONFIG_INT))
+    return count(name, value, _EXAMPLES[name], minimum=low, maximum=high)
+
+
 _FLAG_FIELDS = ("tie_word_embeddings", "attention_bias", "output_bias", "mlp_bias")
 # What llama3 rope scaling needs (workers/rope.py reads them; checked here before any start-up).
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -187,9 +199,7 @@ class ModelConfig:
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         for name in _SIZE_FIELDS:
-            # one position holds a prompt token but leaves none for a generated one
-            count(name, getattr(self, name), _EXAMPLES[name], minimum=2 if name == "max_position_embeddings" else 1,
-                  maximum=MAX_LAYERS if name == "num_hidden_layers" else MAX_CONFIG_INT)
+            _size(name, getattr(self, name))
         heads, kv_heads = self.num_attention_heads, self.num_key_value_heads
         if heads % kv_heads:
             raise field_error("num_key_value_heads", kv_heads,
@@ -336,8 +346,7 @@ class ModelConfig:
                                   "head), or correct hidden_size or num_attention_heads")
             head_dim = hidden // heads
         kv_heads = raw.get("num_key_value_heads")
-        extra = family_fields(model_type, raw, count("num_hidden_layers", raw["num_hidden_layers"], 32,
-                                                           maximum=MAX_LAYERS), head_dim)
+        extra = family_fields(model_type, raw, _size("num_hidden_layers", raw["num_hidden_layers"]), head_dim)
         # transformers 5 nests rope settings in "rope_parameters"; 4.x has rope_theta + rope_scaling.
         # (Gemma 3 keeps one block per layer kind; family_fields has read it.)
         rope_params = {} if "local_rope_theta" in extra else (

@@ -424,7 +424,7 @@ class ReplicaPool:
                 reasons = "; ".join(f"replica {r.index}: {r.failure}" for r in self.replicas if r.failure)
                 raise NoReplicaAvailable(f"no replica is left to serve requests ({reasons or 'none serving'})")
             least = min(len(r.streams) for r in candidates)
-            waiting = sum(max(len(r.streams) - rows, 0) for r in self.replicas)
+            waiting = self.load(rows)["waiting"]
             if queue_limit is not None and least >= rows and waiting >= queue_limit:
                 raise QueueFull(f"{waiting} requests already wait for a free sequence slot "
                                 f"(max_queued_requests {queue_limit}, max_num_seqs {rows} per replica); "
@@ -442,6 +442,11 @@ class ReplicaPool:
             replica.dropped.put(handle)  # SimpleQueue.put is safe to call from __del__
         else:
             replica.cancel_stream(handle.request_id, only=handle)  # not a later request's with its id
+
+    def load(self, rows: int) -> dict[str, int]:
+        """Streaming requests running (holding one of a replica's `rows` cache rows) and waiting for one."""
+        flights = self.in_flight()
+        return {"running": sum(min(n, rows) for n in flights), "waiting": sum(max(n - rows, 0) for n in flights)}
 
     def in_flight(self) -> list[int]:
         """Streaming requests in flight on each replica."""

@@ -116,6 +116,12 @@ def groups_that_fit(free: Sequence[Mapping[str, float]], bundle: Mapping[str, fl
     return count
 
 
+def never_placeable(bundle: Mapping[str, float], tp: int, max_nodes: int,
+                    node_total: Sequence[Mapping[str, float]]) -> bool:
+    """Whether the nodes, even with nothing else on them, could not hold one group."""
+    return place_group([dict(t) for t in node_total], bundle, tp, max_nodes) is None
+
+
 def explain_unplaceable(bundle: Mapping[str, float], tp: int, max_nodes: int,
                         node_total: Sequence[Mapping[str, float]],
                         node_free: Sequence[Mapping[str, float]] | None = None,
@@ -128,7 +134,7 @@ def explain_unplaceable(bundle: Mapping[str, float], tp: int, max_nodes: int,
     if not node_total:
         return f"it needs {need}, and the cluster has no alive node"
     held = "; ".join(f"{n} has {_resources(t)}" for n, t in zip(names, node_total))
-    if place_group([dict(t) for t in node_total], bundle, tp, max_nodes) is None:
+    if never_placeable(bundle, tp, max_nodes, node_total):
         best = sorted((bundles_that_fit(t, bundle) for t in node_total), reverse=True)[:max_nodes]
         short = [f"{name} ({_fmt(amount * tp)} in all)" for name, amount in bundle.items()
                  if sum(t.get(name, 0.0) for t in node_total) + _EPS < amount * tp]
