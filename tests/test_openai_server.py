@@ -537,6 +537,13 @@ def test_http_errors(client, server, hf):
     message = caught.value.body["message"]
     assert "leaving no room for a generated token" in message and "max_tokens" not in message
     assert caught.value.body["param"] == "messages"
+    huge = "The quick brown fox jumps over the lazy dog. " * 50_000  # 2.2 MB: refused from its head alone
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt=huge, max_tokens=4)
+    assert caught.value.body["param"] == "prompt" and "characters alone have" in caught.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": huge}])
+    assert caught.value.body["param"] == "messages" and "messages' text cannot fit" in caught.value.body["message"]
     auth = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
     reply = requests.post(f"{server.url}/v1/chat/completions", headers=auth, timeout=30,
                           data=f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "hi \\ud800"}}]}}')

@@ -31,6 +31,7 @@ from launcher.serving import openai_protocol as proto
 from launcher.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics, TokenTimer
 from launcher.serving.openai_protocol import ProtocolError
 from launcher.serving.openai_render import ChatRender, CompletionRender
+from launcher.serving.prompt_probe import head_overfills, too_long_message
 from launcher.serving.server_settings import ServerSettings, settings_from_args
 from launcher.serving.token_pieces import TokenPieces
 
@@ -238,15 +239,29 @@ class OpenAIServer:
         """A completions prompt's token ids (on a thread), as the Launcher tokenizes text."""
         _check_utf8(text, "prompt")
         with self._encoding:
+            head = head_overfills(self._count_tokens, text, self.context_tokens)
+            if head is not None:
+                raise ProtocolError(too_long_message("the prompt", head, self.context_tokens), param="prompt")
             ids = list(self.tokenizer(text)["input_ids"])
         if not ids:
             raise ProtocolError("prompt is empty (it has no tokens); send at least one character", param="prompt")
         return ids
 
+    def _count_tokens(self, text: str) -> int:
+        """Tokens of text as a prompt (under self._encoding)."""
+        return len(self.tokenizer(text)["input_ids"])
+
     def _apply_chat_template(self, messages: list[dict]) -> list[int]:
         """A chat request's prompt token ids (on a thread)."""
         for i, message in enumerate(messages):
             _check_utf8(message["content"] or "", f"messages.{i}.content")
+        # the template writes every message's text into the prompt: their text alone, joined, is a
+        # head of the prompt's tokens (less the template's own)
+        text = "\n".join(message["content"] or "" for message in messages)
+        with self._encoding:
+            head = head_overfills(self._count_tokens, text, self.context_tokens)
+        if head is not None:
+            raise ProtocolError(too_long_message("the messages' text", head, self.context_tokens), param="messages")
         try:
             with self._encoding:
                 return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,

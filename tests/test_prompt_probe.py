@@ -1,0 +1,60 @@
+"""A text prompt refused from its head alone (launcher/serving/prompt_probe.py), with SmolLM2's real
+tokenizer: a huge prompt costs the tokenizing of its head, never its whole, and a prompt that fits,
+or one too sparse in tokens for its head to tell, is left to the full tokenizing."""
+
+from __future__ import annotations
+
+import pytest
+
+from launcher.serving.prompt_probe import PROBE_CHARS_PER_TOKEN, head_overfills, too_long_message
+
+
+@pytest.fixture(scope="module")
+def count_tokens():
+    from transformers import AutoTokenizer
+
+    from shardlib.demo_model import ensure_demo_model
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_demo_model())
+    seen: list[int] = []
+
+    def count(text: str) -> int:
+        seen.append(len(text))
+        return len(tokenizer(text)["input_ids"])
+
+    count.seen = seen
+    return count
+
+
+def test_a_huge_prompt_is_refused_from_its_head(count_tokens):
+    context = 2048
+    text = "The quick brown fox jumps over the lazy dog. " * 200_000  # 9 MB, about 2 million tokens
+    count_tokens.seen.clear()
+    head = head_overfills(count_tokens, text, context)
+    assert head is not None
+    head_chars, head_tokens = head
+    assert count_tokens.seen == [PROBE_CHARS_PER_TOKEN * context] == [head_chars]  # only the head was tokenized
+    assert head_tokens > 2 * context
+    message = too_long_message("the prompt", head, context)
+    assert f"first {head_chars} characters alone have {head_tokens} tokens" in message and "holds 2048" in message
+
+
+def test_a_prompt_that_fits_or_a_short_one_is_left_to_the_full_count(count_tokens):
+    context = 2048
+    count_tokens.seen.clear()
+    assert head_overfills(count_tokens, "hello " * 100, context) is None
+    assert count_tokens.seen == []  # shorter than the head: nothing tokenized here
+    # a long text whose tokens fit: 40000 spaces are few tokens (SmolLM2 joins runs of spaces)
+    sparse = " " * (PROBE_CHARS_PER_TOKEN * context + 7000)
+    assert count_tokens(sparse) <= context
+    assert head_overfills(count_tokens, sparse, context) is None
+
+
+@pytest.mark.parametrize("text", ["word " * 20_000, "x" * 40_000, "🎉" * 40_000, "ab1 " * 10_000])
+def test_the_head_never_refuses_a_text_that_would_fit_twice_over(count_tokens, text):
+    """Whatever the text, a head holding more than twice the context means the whole overfills it."""
+    whole = count_tokens(text)
+    for context in (64, 256, 1024):
+        head = head_overfills(count_tokens, text, context)
+        if head is not None:
+            assert whole > context, (context, head, whole)
