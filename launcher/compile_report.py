@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-CACHE_MISSES = ("fxgraph_cache_miss", "autograd_cache_miss")
-"""Counters that grow when inductor really compiles (a graph found in the cache counts a hit)."""
+CACHE_MISSES = ("fxgraph_cache_miss", "autograd_cache_miss", "compiled_by_peer")
+"""Counters that grow when inductor really compiles (a graph found in the cache counts a hit), here
+or, for compiled_by_peer, in another rank of the host while this one waited for it."""
 
 
 @dataclass(frozen=True)

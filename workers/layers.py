@@ -142,14 +142,19 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.weight = as_param(weight, dtype)  # (vocab_per_rank, hidden), zero rows past the vocab
         self.start, self.stop = vocab_range
+        # The range as a tensor, so compiled graphs take it as an input: every rank's graph is then
+        # the same graph, compiled once per host (workers/compile_once.py); as Python ints they were
+        # constants, and each rank compiled a graph of its own.
+        self.register_buffer("vocab_range", torch.tensor(vocab_range, dtype=torch.int64), persistent=False)
         self.collectives = collectives
         self.scale = scale
 
     def forward(self, input_ids: torch.Tensor, reduce: Reduce | None = None) -> torch.Tensor:
         """(batch, seq) ids -> (batch, seq, hidden): this rank's rows, zeros elsewhere, summed over
         ranks (by `reduce`, default the all-reduce; see Reduce)."""
-        owned = (input_ids >= self.start) & (input_ids < self.stop)  # (batch, seq)
-        local_ids = torch.where(owned, input_ids - self.start, 0)
+        start, stop = self.vocab_range.to(input_ids.device)
+        owned = (input_ids >= start) & (input_ids < stop)  # (batch, seq)
+        local_ids = torch.where(owned, input_ids - start, 0)
         hidden = self.weight.rows(local_ids) if isinstance(self.weight, (QuantizedWeight, PackedWeight)) else (
             F.embedding(local_ids, self.weight))  # (batch, seq, hidden)
         hidden = (reduce or self.collectives.all_reduce)(hidden * owned.unsqueeze(-1).to(hidden.dtype))

@@ -1,0 +1,124 @@
+"""One compile per graph on a host (workers/compile_once.py): a process that reaches a graph another
+is compiling waits for it and takes it from inductor's cache; the ranks of a group trace the same
+graphs, the vocabulary-parallel embedding included, so only one of them compiles each."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from workers.compile_once import LOCK_FOLDER, CompileOnce, graph_key
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def scaled_sum(x: torch.Tensor) -> torch.Tensor:
+    return (x * 3 + 1).sum(dim=-1)
+
+
+def keys_of(fn, *args) -> list[str]:
+    """graph_key of every graph torch.compile traces from fn(*args) (the graphs run eagerly)."""
+    keys = []
+
+    def record(gm, example_inputs):
+        keys.append(graph_key(gm, example_inputs))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=record, dynamic=False)(*args)
+    return keys
+
+
+CHILD = """
+import json, sys, torch
+sys.path.insert(0, {repo!r})
+from tests.test_compile_once import scaled_sum
+from workers.compile_once import CompileOnce
+from torch._dynamo.utils import counters
+backend = CompileOnce()
+out = torch.compile(scaled_sum, backend=backend, dynamic=False)(torch.ones(4, 8))
+print(json.dumps({{"out": out.tolist(), "compiled_by_peer": backend.compiled_by_peer,
+                  "miss": counters["inductor"]["fxgraph_cache_miss"], "hit": counters["inductor"]["fxgraph_cache_hit"]}}))
+"""
+
+
+def run_child(cache: Path) -> subprocess.Popen:
+    """A process that compiles scaled_sum with CompileOnce on `cache`; prints its counters as JSON."""
+    return subprocess.Popen([sys.executable, "-c", CHILD.format(repo=str(REPO))], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache)})
+
+
+def test_a_process_that_finds_the_graph_being_compiled_waits_and_takes_it_from_the_cache(tmp_path, monkeypatch):
+    from torch._dynamo.utils import counters
+
+    cache = tmp_path / "inductor"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
+    [key] = keys_of(scaled_sum, torch.ones(4, 8))
+    torch._dynamo.reset()
+    misses, backend = counters["inductor"]["fxgraph_cache_miss"], CompileOnce()
+    out = torch.compile(scaled_sum, backend=backend, dynamic=False)(torch.ones(4, 8))  # nobody holds its lock
+    assert counters["inductor"]["fxgraph_cache_miss"] > misses and backend.compiled_by_peer == 0
+    assert out.tolist() == [32.0] * 4
+    lock = cache / LOCK_FOLDER / f"{key}.lock"
+    assert lock.is_file()  # named by the graph's key
+
+    # Now the lock is held, as by a rank still compiling: the next process waits for it ...
+    fd = os.open(lock, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        second = run_child(cache)
+        deadline = time.monotonic() + 60
+        while not _waiting_on_lock(second.pid) and time.monotonic() < deadline:
+            assert second.poll() is None, "the second process finished while the graph's lock was held"
+            time.sleep(0.2)
+        assert _waiting_on_lock(second.pid), "the second process never waited for the lock"
+    finally:
+        os.close(fd)  # the "compile" is done
+    # ... and then finds the graph in the cache (the same key in another process): a hit, counted
+    # as compiled by a peer
+    waited = json.loads(second.communicate(timeout=300)[0])
+    assert waited["miss"] == 0 and waited["hit"] > 0 and waited["compiled_by_peer"] == 1
+    assert waited["out"] == [32.0] * 4
+
+
+def _waiting_on_lock(pid: int) -> bool:
+    """Whether the process is blocked on a file lock (/proc/locks lists its pending request)."""
+    return any(line.split()[1:2] == ["->"] and str(pid) in line.split() for line in
+               Path("/proc/locks").read_text().splitlines())
+
+
+def test_a_graph_nobody_else_holds_is_compiled_at_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    backend = CompileOnce()
+    torch._dynamo.reset()
+    out = torch.compile(lambda x: x.cos() * 2, backend=backend, dynamic=False)(torch.zeros(3))
+    assert out.tolist() == [2.0, 2.0, 2.0] and backend.compiled_by_peer == 0
+    assert len(list((tmp_path / "inductor" / LOCK_FOLDER).glob("*.lock"))) == 1
+
+
+def test_every_rank_traces_the_same_embedding_graph():
+    """The vocabulary range is an input of the graph, not a constant: ranks 0 and 1 trace one graph
+    (with the range as Python ints, each rank's graph was its own and each rank compiled it)."""
+    from workers.collectives import SingleRank
+    from workers.layers import VocabParallelEmbedding
+
+    ids = torch.tensor([[3, 70, 127, 5]])
+    tables = torch.randn(2, 64, 8)
+    embeddings = [VocabParallelEmbedding(tables[r], (64 * r, 64 * (r + 1)), torch.float32, SingleRank()) for r in (0, 1)]
+    keys = [keys_of(embedding.forward, ids) for embedding in embeddings]
+    assert keys[0] == keys[1] and len(keys[0]) == 1
+    # and each rank still keeps only its own rows
+    assert torch.equal(embeddings[0](ids)[0, 1], torch.zeros(8)) and torch.equal(embeddings[1](ids)[0, 1], tables[1][6])
+
+
+@pytest.mark.parametrize("shape", [(4, 8), (5, 8)])
+def test_another_shape_is_another_lock(shape):
+    assert keys_of(scaled_sum, torch.ones(*shape)) != keys_of(scaled_sum, torch.ones(4, 9))
