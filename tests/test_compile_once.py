@@ -76,10 +76,13 @@ def test_a_process_that_finds_the_graph_being_compiled_waits_and_takes_it_from_t
     try:
         second = run_child(cache)
         deadline = time.monotonic() + 60
-        while not _waiting_on_lock(second.pid) and time.monotonic() < deadline:
+        while not _holds_open(second.pid, lock) and time.monotonic() < deadline:
             assert second.poll() is None, "the second process finished while the graph's lock was held"
             time.sleep(0.2)
-        assert _waiting_on_lock(second.pid), "the second process never waited for the lock"
+        assert _holds_open(second.pid, lock), "the second process never reached the graph's lock"
+        time.sleep(1.0)
+        assert second.poll() is None, "the second process did not wait for the lock"
+        os.pwrite(fd, b"compiled", 0)  # as the compiling rank stamps the lock file when it is done
     finally:
         os.close(fd)  # the "compile" is done
     # ... and then finds the graph in the cache (the same key in another process): a hit, counted
@@ -89,10 +92,14 @@ def test_a_process_that_finds_the_graph_being_compiled_waits_and_takes_it_from_t
     assert waited["out"] == [32.0] * 4
 
 
-def _waiting_on_lock(pid: int) -> bool:
-    """Whether the process is blocked on a file lock (/proc/locks lists its pending request)."""
-    return any(line.split()[1:2] == ["->"] and str(pid) in line.split() for line in
-               Path("/proc/locks").read_text().splitlines())
+def _holds_open(pid: int, path: Path) -> bool:
+    """Whether the process has `path` open (the backend keeps a graph's lock file open while it
+    waits for the lock and while it compiles)."""
+    fds = Path(f"/proc/{pid}/fd")
+    try:
+        return any(os.readlink(fd) == str(path) for fd in fds.iterdir())
+    except OSError:  # a descriptor closed while listing
+        return False
 
 
 def test_a_graph_nobody_else_holds_is_compiled_at_once(tmp_path, monkeypatch):
@@ -122,3 +129,41 @@ def test_every_rank_traces_the_same_embedding_graph():
 @pytest.mark.parametrize("shape", [(4, 8), (5, 8)])
 def test_another_shape_is_another_lock(shape):
     assert keys_of(scaled_sum, torch.ones(*shape)) != keys_of(scaled_sum, torch.ones(4, 9))
+
+
+def _compile_again(cache_fn, monkeypatch, process_start: float) -> CompileOnce:
+    """scaled_sum compiled by a fresh backend (as in another process started at process_start)."""
+    import workers.compile_once as compile_once
+
+    monkeypatch.setattr(compile_once, "_PROCESS_START", process_start)
+    torch._dynamo.reset()
+    backend = CompileOnce()
+    assert torch.compile(scaled_sum, backend=backend, dynamic=False)(torch.ones(4, 8)).tolist() == [32.0] * 4
+    return backend
+
+
+def test_a_cache_hit_counts_as_compiled_by_a_peer_only_when_compiled_since_the_process_started(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    first = _compile_again(scaled_sum, monkeypatch, 0.0)  # a miss: compiled here, the lock file stamped
+    assert first.compiled_by_peer == 0
+    assert _compile_again(scaled_sum, monkeypatch, 0.0).compiled_by_peer == 1  # started before that compile
+    assert _compile_again(scaled_sum, monkeypatch, time.time() + 1).compiled_by_peer == 0  # an earlier run's
+
+
+def test_a_stuck_holder_is_waited_for_at_most_the_limit(tmp_path, monkeypatch, capfd):
+    import workers.compile_once as compile_once
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(compile_once, "WAIT_LIMIT_S", 0.5)
+    [key] = keys_of(scaled_sum, torch.ones(4, 8))
+    folder = tmp_path / "inductor" / LOCK_FOLDER
+    folder.mkdir(parents=True)
+    fd = os.open(folder / f"{key}.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # held, never released while the backend runs
+    try:
+        torch._dynamo.reset()
+        out = torch.compile(scaled_sum, backend=CompileOnce(), dynamic=False)(torch.ones(4, 8))
+    finally:
+        os.close(fd)
+    assert out.tolist() == [32.0] * 4
+    assert "waited 0 s for another process's compile of a graph; compiling it here" in capfd.readouterr().err

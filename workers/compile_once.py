@@ -1,19 +1,22 @@
 """One compile per graph on a host: ranks that trace the same graph at once compile it once, the
 others wait and take it from inductor's cache.
 
-Why: the ranks of a TP group trace the same graphs (the same shapes, weights and rank-dependent
-values as inputs, the same collective handles), and ranks on one host share inductor's cache
-directory. Compiled side by side, each rank spent the same seconds of inductor's single-threaded
-Python on each graph: at TP 2 on two cores both cores compiled, at TP 3 three compiles shared two
-cores, and replicas on one host compiled everything once each. Here the compile of a traced graph
-(dynamo's backend call) runs under a lock file named after the graph, in the cache directory: the
-first rank to reach it takes it exclusively and compiles; a rank that finds it taken waits until
-it is released, then finds the graph in the cache. Measured in the README (Compiled graphs and
-buckets).
+Why: the ranks of a TP group trace the same graphs (the same shapes, weights and the embedding's
+vocabulary range as inputs, the same collective handles), and ranks on one host share inductor's
+cache directory. Compiled side by side, each rank spent the same seconds of inductor's
+single-threaded Python on each graph: at TP 2 on two cores both cores compiled, at TP 3 three
+compiles shared two cores, and replicas on one host compiled everything once each. Here the compile
+of a traced graph (dynamo's backend call) runs under a lock file named after the graph, in the cache
+directory: the first rank to reach it takes it exclusively and compiles; a rank that finds it taken
+waits until it is released, then finds the graph in the cache. Graphs that differ between ranks
+(expert-parallel MoE layers hold their first expert as a constant) have different locks and compile
+side by side, as before. Measured in the README (Compiled graphs and buckets).
 
 Never a deadlock: the lock covers inductor's compile only, never running a graph, so no collective
-runs under it and no rank waits on a rank that waits on it. A rank that dies releases its lock
-(flock). Graphs that differ between ranks have different locks and compile side by side, as before.
+runs under it and no rank waits on a rank that waits on it; dynamo compiles one graph at a time per
+process, so a process never holds two. The lock is released explicitly (a process forked while it
+was held, such as a compile worker, would otherwise keep it), a process that dies releases it, and
+a rank waits at most WAIT_LIMIT_S before it compiles on its own.
 """
 
 from __future__ import annotations
@@ -21,9 +24,19 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import sys
+import time
 from pathlib import Path
 
 LOCK_FOLDER = "corelaunch-compile-locks"
+
+WAIT_LIMIT_S = 900.0
+"""How long a rank waits for another's compile of a graph before compiling it itself (with a line on
+stderr): far past any single graph's compile, so only a stuck process is waited out."""
+
+POLL_S = 0.05
+
+_PROCESS_START = time.time()
 
 
 def graph_key(gm, example_inputs) -> str:
@@ -44,42 +57,82 @@ def _lock_folder() -> Path:
     return Path(cache_dir()) / LOCK_FOLDER
 
 
-def _misses() -> int:
+def _counter(name: str) -> int:
     from torch._dynamo.utils import counters
 
-    return counters["inductor"]["fxgraph_cache_miss"]
+    return counters["inductor"][name]
+
+
+def _fx_cache_on() -> bool:
+    from torch._inductor import config
+
+    return bool(config.fx_graph_cache)
 
 
 class CompileOnce:
-    """A torch.compile backend: inductor's compile_fx, under the graph's host-wide lock."""
+    """A torch.compile backend: inductor's compile_fx, under the graph's host-wide lock. One per
+    process (BACKEND): dynamo reuses a compiled graph only under the same backend object, so every
+    model of a process must share it, as they shared torch.compile's own inductor backend."""
 
-    compiler_name = "inductor"  # what dynamo treats it as (registry lookups, logs)
+    __name__ = "compile_once"  # what dynamo calls it in logs
 
     def __init__(self) -> None:
         self.compiled_by_peer = 0
-        """Graphs this process waited for another to compile (then found in the cache): its own
-        cache counters count them as hits, though they were compiled just now."""
+        """Graphs this process found in the cache that another process compiled while this one
+        ran (its own cache counters count them as hits, though they were compiled just now)."""
+        self._compiled_here: set[str] = set()
 
     def __call__(self, gm, example_inputs):
         from torch._inductor.compile_fx import compile_fx
 
+        if not _fx_cache_on():  # nothing to share: a waiting rank would compile anyway
+            return compile_fx(gm, example_inputs)
         try:
             folder = _lock_folder()
             folder.mkdir(parents=True, exist_ok=True)
-            fd = os.open(folder / f"{graph_key(gm, example_inputs)}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+            key = graph_key(gm, example_inputs)
+            fd = os.open(folder / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o600)
         except OSError:  # no writable cache directory: compile as if alone
             return compile_fx(gm, example_inputs)
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:  # another process is compiling this graph: wait for it (shared,
-                fcntl.flock(fd, fcntl.LOCK_SH)  # so that all who waited take it from the cache at once)
-                misses = _misses()
-                compiled = compile_fx(gm, example_inputs)
-                self.compiled_by_peer += _misses() == misses
-                return compiled
-            except OSError:  # a file system without locks (some network mounts): compile as if alone
-                pass
-            return compile_fx(gm, example_inputs)
+            self._lock(fd)
+            hits, misses = _counter("fxgraph_cache_hit"), _counter("fxgraph_cache_miss")
+            compiled = compile_fx(gm, example_inputs)
+            if _counter("fxgraph_cache_miss") > misses:
+                os.pwrite(fd, b"compiled", 0)  # the file's mtime: when this graph was last compiled
+                self._compiled_here.add(key)
+            elif (_counter("fxgraph_cache_hit") > hits and os.fstat(fd).st_mtime >= _PROCESS_START
+                  and key not in self._compiled_here):
+                self.compiled_by_peer += 1  # compiled by another process since this one started
+            return compiled
         finally:
-            os.close(fd)  # releases the lock
+            try:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            except OSError:
+                pass
+            os.close(fd)
+
+    @staticmethod
+    def _lock(fd: int) -> None:
+        """Exclusive at once when free; else shared once the holder is done (so that all who waited
+        read the cache at once), or nothing after WAIT_LIMIT_S; nothing on a file system without
+        locks (some network mounts)."""
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        except OSError:
+            return
+        deadline = time.monotonic() + WAIT_LIMIT_S
+        while time.monotonic() < deadline:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                time.sleep(POLL_S)
+        print(f"corelaunch: waited {WAIT_LIMIT_S:.0f} s for another process's compile of a graph; "
+              f"compiling it here", file=sys.stderr, flush=True)
+
+
+BACKEND = CompileOnce()

@@ -57,7 +57,7 @@ from shardlib.serving_shapes import PREFILL_CONTINUE, PREFILL_START
 from workers.kv_cache import KVCache
 from workers.kv_quant import to_cache, writable
 from workers.model import ShardedCausalLM
-from workers.compile_once import CompileOnce
+from workers.compile_once import BACKEND
 from workers.granularities import DEFAULT_GRANULARITY, GRANULARITIES
 from workers.kernels import decode_attention, small_linear
 from workers.step import EAGER, StepParts, run_step
@@ -105,12 +105,12 @@ def use_cache_dir(path: str) -> None:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
 
 
-def _compile(fn, backend: CompileOnce, fullgraph: bool = True):
+def _compile(fn, fullgraph: bool = True):
     small_linear.mark_constants_for_tracing()
     decode_attention.mark_constants_for_tracing()
     # dynamic=False: a static graph per shape, never a shape-generic one (bucketing's whole point).
     # The backend is inductor's, one compile per graph on the host (workers/compile_once.py).
-    return torch.compile(fn, fullgraph=fullgraph, dynamic=False, backend=backend)
+    return torch.compile(fn, fullgraph=fullgraph, dynamic=False, backend=BACKEND)
 
 
 def configure_dynamo(graphs: int) -> None:
@@ -165,9 +165,9 @@ class CompiledCausalLM:
         configure_dynamo(len(buckets.shapes()))
         model.collectives.in_graph = self.granularity != "collective"
         model.collectives.handle  # registered now, not while a graph is being traced
-        self._backend = backend = CompileOnce()
-        per_layer = StepParts(*(_compile(part, backend, self.granularity != "collective") for part in EAGER))
-        whole = (EAGER, _compile(run_step, backend))  # parts inlined into one graph
+        self._peer_compiles_at_start = BACKEND.compiled_by_peer
+        per_layer = StepParts(*(_compile(part, self.granularity != "collective") for part in EAGER))
+        whole = (EAGER, _compile(run_step))  # parts inlined into one graph
         self._runners = {  # phase -> (parts, step function)
             "context": whole if self.granularity == "model" else (per_layer, run_step),
             "token": whole if self.granularity in ("model", "model-decode") else (per_layer, run_step),
@@ -309,7 +309,7 @@ class CompiledCausalLM:
         now = _cache_counters()
         self._stats.counters = {k: now.get(k, 0) - self._counters_at_start.get(k, 0) for k in now}
         # compiled by another rank while this one waited (workers/compile_once.py): a cache hit here
-        self._stats.counters["compiled_by_peer"] = self._backend.compiled_by_peer
+        self._stats.counters["compiled_by_peer"] = BACKEND.compiled_by_peer - self._peer_compiles_at_start
         return self._stats
 
 

@@ -144,8 +144,9 @@ class VocabParallelEmbedding(nn.Module):
         self.start, self.stop = vocab_range
         # The range as a tensor, so compiled graphs take it as an input: every rank's graph is then
         # the same graph, compiled once per host (workers/compile_once.py); as Python ints they were
-        # constants, and each rank compiled a graph of its own.
-        self.register_buffer("vocab_range", torch.tensor(vocab_range, dtype=torch.int64), persistent=False)
+        # constants, and each rank compiled a graph of its own. Persistent: the Neuron path hands
+        # the module's state_dict to the device as its weights (workers/compiled_neuron.py).
+        self.register_buffer("vocab_range", torch.tensor(vocab_range, dtype=torch.int64))
         self.collectives = collectives
         self.scale = scale
 
