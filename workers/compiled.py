@@ -54,10 +54,10 @@ import torch
 
 from shardlib.buckets import Buckets
 from shardlib.serving_shapes import PREFILL_CONTINUE, PREFILL_START
+from workers.compile_once import BACKEND
 from workers.kv_cache import KVCache
 from workers.kv_quant import to_cache, writable
 from workers.model import ShardedCausalLM
-from workers.compile_once import BACKEND
 from workers.granularities import DEFAULT_GRANULARITY, GRANULARITIES
 from workers.kernels import decode_attention, small_linear
 from workers.step import EAGER, StepParts, run_step

@@ -141,11 +141,11 @@ class VocabParallelEmbedding(nn.Module):
         """scale: a 0-d tensor the embeddings are multiplied by (Gemma's sqrt(hidden_size)), or None."""
         super().__init__()
         self.weight = as_param(weight, dtype)  # (vocab_per_rank, hidden), zero rows past the vocab
-        self.start, self.stop = vocab_range
-        # The range as a tensor, so compiled graphs take it as an input: every rank's graph is then
-        # the same graph, compiled once per host (workers/compile_once.py); as Python ints they were
-        # constants, and each rank compiled a graph of its own. Persistent: the Neuron path hands
-        # the module's state_dict to the device as its weights (workers/compiled_neuron.py).
+        # [start, stop) as a tensor, so compiled graphs take it as an input: every rank's graph is
+        # then the same graph, compiled once per host (workers/compile_once.py); as Python ints
+        # they were constants, and each rank compiled a graph of its own. A buffer, so it moves with
+        # the module; persistent: the Neuron path hands the module's state_dict to the device as
+        # its weights (workers/compiled_neuron.py).
         self.register_buffer("vocab_range", torch.tensor(vocab_range, dtype=torch.int64))
         self.collectives = collectives
         self.scale = scale
@@ -153,7 +153,7 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor, reduce: Reduce | None = None) -> torch.Tensor:
         """(batch, seq) ids -> (batch, seq, hidden): this rank's rows, zeros elsewhere, summed over
         ranks (by `reduce`, default the all-reduce; see Reduce)."""
-        start, stop = self.vocab_range.to(input_ids.device)
+        start, stop = self.vocab_range
         owned = (input_ids >= start) & (input_ids < stop)  # (batch, seq)
         local_ids = torch.where(owned, input_ids - start, 0)
         hidden = self.weight.rows(local_ids) if isinstance(self.weight, (QuantizedWeight, PackedWeight)) else (
