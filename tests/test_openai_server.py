@@ -198,8 +198,9 @@ def test_renderers_turn_deltas_into_chunks_and_responses():
     meta = proto.ResponseMeta("x", 1, MODEL)
     render = CompletionRender(tokenizer, logprobs=True)
     chunks = [render.chunk(meta, d) for d in deltas]
-    assert [c["choices"][0]["text"] for c in chunks] == ["Hel", "", "lo!"]
-    assert [c["choices"][0]["logprobs"]["text_offset"] for c in chunks] == [[0], [3], [5]]
+    assert chunks[1] is None  # "lo"'s log-probability waits for its text (tests/test_logprob_alignment.py)
+    assert [c["choices"][0]["text"] for c in (chunks[0], chunks[2])] == ["Hel", "lo!"]
+    assert [c["choices"][0]["logprobs"]["text_offset"] for c in (chunks[0], chunks[2])] == [[0], [3, 5]]
     assert chunks[0]["choices"][0]["logprobs"]["top_logprobs"] == [{"Hel": -0.1, "lo": -2.0}]
     render = CompletionRender(tokenizer, logprobs=False)
     assert render.chunk(meta, deltas[1]) is None  # nothing to say yet
@@ -484,9 +485,15 @@ def test_a_stop_string_ends_the_text_before_it(client, hf):
     stop = full[len(full) // 2:][:4]  # four characters from the middle of the greedy text
     cut = full[:full.find(stop)]
     assert stop.strip() and len(cut) < len(full) // 2 + 1
-    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop, "@@@"])
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop, "@@@"],
+                                    logprobs=1)
     assert out.choices[0].text == cut and out.choices[0].finish_reason == "stop"
     assert out.usage.completion_tokens < 16  # generation ended at the stop, not at max_tokens
+    # log-probabilities for the returned text's tokens only: the stop string's are left out (the
+    # last token may run past the cut, but starts before it), while usage counts every token
+    logprobs = out.choices[0].logprobs
+    assert "".join(logprobs.tokens).startswith(cut) and logprobs.text_offset[-1] < len(cut)
+    assert len(logprobs.tokens) <= out.usage.completion_tokens
     stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=stop,
                                        stream=True)
     chunks = list(stream)

@@ -11,7 +11,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -314,15 +314,15 @@ def models_list(name: str, created: int) -> dict:
 # is part of a character has its own bytes and a `bytes:\xNN` text; see that module).
 
 
-def completion_logprobs(entries: list, pieces, next_offset: Callable[[int], int]) -> dict:
-    """Completions' logprobs object for `entries` (workers.serving.requests.TokenLogprob);
-    `next_offset(token_id)` gives each chosen token's offset into the generated text, in order."""
+def completion_logprobs(entries: list, pieces) -> dict:
+    """Completions' logprobs object for `entries`: (workers.serving.requests.TokenLogprob, the
+    chosen token's offset into the generated text) pairs, in order."""
     tokens, token_logprobs, top, offsets = [], [], [], []
-    for entry in entries:
+    for entry, offset in entries:
         tokens.append(pieces.text(entry.token_id))
         token_logprobs.append(entry.logprob)
         top.append({pieces.text(t): lp for t, lp in entry.top})
-        offsets.append(next_offset(entry.token_id))
+        offsets.append(offset)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
@@ -335,11 +335,11 @@ def chat_logprobs(entries: list, pieces) -> dict:
                         for e in entries]}
 
 
-def merge_completion_logprobs(parts: list[dict]) -> dict | None:
-    """One completions logprobs object from the per-delta ones (non-streaming responses)."""
-    if not parts:
-        return None
-    return {key: [v for part in parts for v in part[key]] for key in parts[0]}
+def merge_completion_logprobs(parts: list[dict]) -> dict:
+    """One completions logprobs object from the per-delta ones (non-streaming responses); empty lists
+    when no token reached the text (a stop string at the very start)."""
+    keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    return {key: [v for part in parts for v in part[key]] for key in keys}
 
 
 # ---- server-sent events -----------------------------------------------------------------------

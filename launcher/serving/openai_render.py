@@ -1,11 +1,14 @@
 """From the engine's stream deltas to the OpenAI objects of one response: streamed chunks, or the
 whole response once the stream ends. One renderer per request; pure (a tokenizer is only asked for the
-text and bytes of single tokens, for log-probabilities: launcher/serving/token_pieces.py)."""
+text and bytes of single tokens, for log-probabilities: launcher/serving/token_pieces.py). A
+token's log-probability goes out with the text that holds it, never before it, and not at all for
+the tokens of a stop string (launcher/serving/logprob_alignment.py)."""
 
 from __future__ import annotations
 
 from launcher.serving import openai_protocol as proto
-from launcher.serving.token_pieces import TextOffsets, TokenPieces
+from launcher.serving.logprob_alignment import AlignedLogprobs
+from launcher.serving.token_pieces import TokenPieces
 
 
 class CompletionRender:
@@ -14,14 +17,15 @@ class CompletionRender:
     id_prefix, chunk_object = "cmpl", "text_completion"
 
     def __init__(self, pieces: TokenPieces, logprobs: bool):
-        self.pieces, self.offsets = pieces, TextOffsets(pieces.tokenizer)
+        self.pieces, self.aligned = pieces, AlignedLogprobs(pieces.tokenizer)
         self.logprobs = logprobs
         self.text, self.logprob_parts = [], []
 
     def _logprobs(self, delta) -> dict | None:
-        if not self.logprobs or not delta.logprobs:
+        if not self.logprobs:
             return None
-        return proto.completion_logprobs(delta.logprobs, self.pieces, self.offsets.next)
+        ready = self.aligned.push(delta)
+        return proto.completion_logprobs(ready, self.pieces) if ready else None
 
     def opening(self, meta) -> list[dict]:
         return []
@@ -49,22 +53,26 @@ class ChatRender:
     id_prefix, chunk_object = "chatcmpl", "chat.completion.chunk"
 
     def __init__(self, pieces: TokenPieces, logprobs: bool):
-        self.pieces = pieces
+        self.pieces, self.aligned = pieces, AlignedLogprobs(pieces.tokenizer)
         self.logprobs = logprobs
         self.text, self.entries = [], []
+
+    def _ready(self, delta) -> list:
+        return [entry for entry, _ in self.aligned.push(delta)] if self.logprobs else []
 
     def opening(self, meta) -> list[dict]:
         return [proto.chat_chunk(meta, {"role": "assistant", "content": ""})]
 
     def chunk(self, meta, delta) -> dict | None:
-        logprobs = proto.chat_logprobs(delta.logprobs, self.pieces) if self.logprobs and delta.logprobs else None
+        ready = self._ready(delta)
+        logprobs = proto.chat_logprobs(ready, self.pieces) if ready else None
         if not delta.text and logprobs is None and delta.finish_reason is None:
             return None
         return proto.chat_chunk(meta, {"content": delta.text} if delta.text else {}, delta.finish_reason, logprobs)
 
     def collect(self, delta) -> None:
         self.text.append(delta.text)
-        self.entries.extend(delta.logprobs or [])
+        self.entries.extend(self._ready(delta))
 
     def response(self, meta, finish, usage) -> dict:
         logprobs = proto.chat_logprobs(self.entries, self.pieces) if self.logprobs else None

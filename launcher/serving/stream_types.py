@@ -24,3 +24,6 @@ class StreamDelta:
     """One entry per token of token_ids, when the request asked for logprobs."""
     time_to_first_token_s: float | None = None
     """On the delta that carries the first token: seconds since the request was submitted."""
+    stopped_by_string: bool = False
+    """On the last delta when a stop string ended the text (finish_reason is then "stop"): the
+    tokens that spelled it are in token_ids and logprobs, but none of their text is."""

@@ -1,0 +1,137 @@
+"""Log-probabilities in step with the response's text (launcher/serving/logprob_alignment.py): a
+token's entry goes out with the text that holds it, and a stop string's tokens get none. With
+SmolLM2's real tokenizer, detokenizer and stop-string matcher (launcher/serving/text_stream.py)
+feeding the OpenAI renderers, streamed and whole."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from launcher.serving import openai_protocol as proto
+from launcher.serving.openai_render import ChatRender, CompletionRender
+from launcher.serving.stream_types import StreamDelta
+from launcher.serving.text_stream import TextStream
+from launcher.serving.token_pieces import TokenPieces
+from workers.serving.requests import TokenEvent, TokenLogprob
+
+META = proto.ResponseMeta("x", 1, "m")
+WORDS = {1: "Hel", 2: "lo", 3: " EN", 4: "D", 5: " more", 6: "", 7: "lo E"}
+WORD_PIECES = TokenPieces(SimpleNamespace(decode=lambda ids, skip_special_tokens=False: "".join(WORDS[i] for i in ids)))
+
+
+def entry(token_id: int) -> TokenLogprob:
+    return TokenLogprob(token_id, -0.1 * token_id, [(token_id, -0.1 * token_id)])
+
+
+def delta(text: str, ids: list[int], finish: str | None = None, stopped: bool = False) -> StreamDelta:
+    return StreamDelta("r", text, ids, finish, 1, 0, [entry(i) for i in ids], stopped_by_string=stopped)
+
+
+def streamed(render, deltas) -> list[dict]:
+    return [chunk for chunk in (render.chunk(META, d) for d in deltas) if chunk is not None]
+
+
+def test_a_token_whose_text_is_held_waits_for_it():
+    # "lo" arrives while its text is held (it may start a stop string), then goes out with it
+    deltas = [delta("Hel", [1]), delta("", [2]), delta("lo", [5], None)]
+    chunks = streamed(CompletionRender(WORD_PIECES, logprobs=True), deltas)
+    assert [c["choices"][0]["text"] for c in chunks] == ["Hel", "lo"]  # no chunk of logprobs alone
+    assert [c["choices"][0]["logprobs"]["tokens"] for c in chunks] == [["Hel"], ["lo"]]
+    assert chunks[1]["choices"][0]["logprobs"]["text_offset"] == [3]
+    # " more" (offset 5) is not in the text sent so far: it waits for the next delta or the end
+    render = CompletionRender(WORD_PIECES, logprobs=True)
+    for d in deltas + [delta("", [], "length")]:
+        render.collect(d)
+    body = render.response(META, "length", proto.usage(1, 3))
+    assert body["choices"][0]["logprobs"]["tokens"] == ["Hel", "lo", " more"]
+    assert body["choices"][0]["logprobs"]["text_offset"] == [0, 3, 5]
+
+
+def test_a_stop_strings_tokens_get_no_logprobs_and_a_straddling_token_keeps_its_own():
+    # stop string " END": " EN" and "D" spell it and are dropped; in the second response "lo E"
+    # begins before the cut ("Hello| E...") and part of it was sent, so it stays
+    for ids, text, kept in (([1, 2, 3, 4], ["Hel", "lo", "", ""], ["Hel", "lo"]),
+                            ([1, 7, 4], ["Hel", "lo", ""], ["Hel", "lo E"])):
+        deltas = [delta(t, [i], "stop" if k == len(ids) - 1 else None, stopped=k == len(ids) - 1)
+                  for k, (i, t) in enumerate(zip(ids, text))]
+        completion, chat = CompletionRender(WORD_PIECES, logprobs=True), ChatRender(WORD_PIECES, logprobs=True)
+        for d in deltas:
+            completion.collect(d)
+            chat.collect(d)
+        body = completion.response(META, "stop", proto.usage(1, len(ids)))
+        assert body["choices"][0]["text"] == "Hello"
+        assert body["choices"][0]["logprobs"]["tokens"] == kept
+        assert [c["token"] for c in chat.response(META, "stop", proto.usage(1, len(ids)))["choices"][0]["logprobs"][
+            "content"]] == kept
+        chunks = streamed(CompletionRender(WORD_PIECES, logprobs=True), deltas)
+        assert [t for c in chunks for t in (c["choices"][0]["logprobs"] or {}).get("tokens", [])] == kept
+        assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_a_stop_string_at_the_start_leaves_empty_logprobs_not_none():
+    render = CompletionRender(WORD_PIECES, logprobs=True)
+    render.collect(delta("", [3, 4], "stop", stopped=True))
+    logprobs = render.response(META, "stop", proto.usage(1, 2))["choices"][0]["logprobs"]
+    assert logprobs == {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+
+def test_an_ending_that_is_not_a_stop_string_keeps_every_token():
+    # a special token that decodes to nothing, last: the text ends where it starts, and it stays
+    render = CompletionRender(WORD_PIECES, logprobs=True)
+    for d in (delta("Hel", [1]), delta("", [6], "stop")):
+        render.collect(d)
+    assert render.response(META, "stop", proto.usage(1, 2))["choices"][0]["logprobs"]["tokens"] == ["Hel", ""]
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    from transformers import AutoTokenizer
+
+    from shardlib.demo_model import ensure_demo_model
+
+    return AutoTokenizer.from_pretrained(ensure_demo_model())
+
+
+@pytest.mark.parametrize("stop", [". It is", "al", "🔥 "], ids=["whole-tokens", "inside-a-token", "inside-emoji"])
+def test_smollm2_streams_logprobs_that_spell_the_returned_text(smollm2_tokenizer, stop):
+    """The text's tokens one event at a time through the real detokenizer and stop matcher: the
+    logprob tokens sent, joined, are the returned text (or run past it by the straddling token's
+    tail), streamed and whole, for completions and chat."""
+    generated = " Paris. It is the capital 🎉🔥 of France. It is big"
+    ids = smollm2_tokenizer(generated, add_special_tokens=False)["input_ids"]
+    pieces = TokenPieces(smollm2_tokenizer)
+    stream = TextStream("r", smollm2_tokenizer, (stop,), prompt_tokens=3)
+    deltas = []
+    for k, token in enumerate(ids):
+        deltas.append(stream.delta(TokenEvent("r", [token], "length" if k == len(ids) - 1 else None,
+                                              [TokenLogprob(token, -1.0, [])])))
+        if deltas[-1].finish_reason is not None:
+            break
+    text = "".join(d.text for d in deltas)
+    assert deltas[-1].stopped_by_string and text == generated[:generated.index(stop)]
+    completion, chat = CompletionRender(pieces, logprobs=True), ChatRender(pieces, logprobs=True)
+    chunks = streamed(CompletionRender(pieces, logprobs=True), deltas)
+    for d in deltas:
+        completion.collect(d)
+        chat.collect(d)
+    whole = completion.response(META, "stop", proto.usage(3, len(deltas)))["choices"][0]["logprobs"]
+    sent = [t for c in chunks if c["choices"][0]["logprobs"] for t in c["choices"][0]["logprobs"]["tokens"]]
+    assert sent == whole["tokens"]
+    kept = ids[:len(whole["tokens"])]
+    assert whole["tokens"] == [pieces.text(i) for i in kept]  # the first tokens, in order
+    spelled = b"".join(pieces.bytes(i) for i in kept)
+    # they spell the text, the last one at most running past the cut: it starts before it
+    assert spelled.startswith(text.encode()) and len(spelled) - len(pieces.bytes(kept[-1])) < len(text.encode())
+    assert all(text[offset:offset + len(token)] == token[:len(text) - offset]
+               for token, offset in zip(whole["tokens"], whole["text_offset"]) if not token.startswith("bytes:"))
+    content = chat.response(META, "stop", proto.usage(3, len(deltas)))["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == whole["tokens"]
+    # without the stop string every generated token is listed
+    render = CompletionRender(pieces, logprobs=True)
+    plain = TextStream("r", smollm2_tokenizer, (), prompt_tokens=3)
+    for k, token in enumerate(ids):
+        render.collect(plain.delta(TokenEvent("r", [token], "length" if k == len(ids) - 1 else None,
+                                              [TokenLogprob(token, -1.0, [])])))
+    assert len(render.response(META, "length", proto.usage(3, len(ids)))["choices"][0]["logprobs"]["tokens"]) == len(ids)
