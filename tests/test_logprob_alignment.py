@@ -135,3 +135,35 @@ def test_smollm2_streams_logprobs_that_spell_the_returned_text(smollm2_tokenizer
         render.collect(plain.delta(TokenEvent("r", [token], "length" if k == len(ids) - 1 else None,
                                               [TokenLogprob(token, -1.0, [])])))
     assert len(render.response(META, "length", proto.usage(3, len(ids)))["choices"][0]["logprobs"]["tokens"]) == len(ids)
+
+
+def stop_run(tokenizer, ids: list[int], stop: str) -> dict:
+    """The tokens one event each through TextStream with `stop`, collected: the completions body."""
+    stream, render = TextStream("r", tokenizer, (stop,), 1), CompletionRender(TokenPieces(tokenizer), True)
+    for token in ids:
+        d = stream.delta(TokenEvent("r", [token], None, [TokenLogprob(token, -1.0, [])]))
+        render.collect(d)
+        if d.finish_reason:
+            break
+    assert d.stopped_by_string
+    return render.response(META, "stop", proto.usage(1, len(ids)))["choices"][0]
+
+
+@pytest.mark.parametrize("text, stop, cut, kept", [
+    # " 🔥" is ' \xf0\x9f', '\x94', '\xa5': the first token carries the space that was sent, the
+    # other two only the stop string's bytes, though all three share the text offset of "Hi"'s end
+    ("Hi 🔥 there", "🔥", "Hi ", ["Hi", "bytes:\\x20\\xf0\\x9f"]),
+    ("Tokyo 日本 is", "日本", "Tokyo ", ["To", "kyo", "bytes:\\x20\\xe6"]),
+], ids=["emoji", "cjk"])
+def test_a_stop_string_starting_inside_a_split_character_drops_only_its_own_tokens(smollm2_tokenizer, text,
+                                                                                   stop, cut, kept):
+    body = stop_run(smollm2_tokenizer, smollm2_tokenizer(text, add_special_tokens=False)["input_ids"], stop)
+    assert body["text"] == cut and body["logprobs"]["tokens"] == kept
+
+
+def test_a_special_token_just_before_a_stop_string_is_kept(smollm2_tokenizer):
+    encode = lambda s: smollm2_tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    eos = smollm2_tokenizer.eos_token_id
+    body = stop_run(smollm2_tokenizer, encode("Hello") + [eos] + encode(" END more"), " END")
+    assert body["text"] == "Hello"
+    assert body["logprobs"]["tokens"] == ["Hello", smollm2_tokenizer.decode([eos])]

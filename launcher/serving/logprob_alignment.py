@@ -4,40 +4,75 @@ The engine sends each token's log-probability with the token, but the text can l
 that may begin a stop string, or bytes of an unfinished character, are held back (StreamDelta.text).
 A client reading a stream expects the tokens it is told about to be in the text it has, and a stop
 string's tokens never to appear, as the stop string itself never does. So each entry waits here
-until the emitted text reaches the token (its offset is before the end of the text sent so far),
-and when a stop string ends the request the entries that start at or past the cut are dropped. A
-token that straddles the cut (its text begins before the stop string) is kept: part of it was sent.
+until the text sent reaches the token's first byte, and when a stop string ends the request the
+entries that start at or past the cut are dropped. A token that straddles the cut (its bytes begin
+before the stop string) is kept: part of it was sent; so is a token that adds nothing to the text
+(a skipped special token) right at the cut.
+
+Where a token starts is counted in bytes, not by its `text_offset`: the tokens of a character split
+over several share one offset (the text before the character, launcher/serving/token_pieces.py),
+though only the first may begin before a stop string that starts with that character.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 from launcher.serving.stream_types import StreamDelta
-from launcher.serving.token_pieces import TextOffsets
+from launcher.serving.token_pieces import TextOffsets, TokenPieces
 from workers.serving.requests import TokenLogprob
+
+
+@dataclass
+class _Placed:
+    entry: TokenLogprob
+    offset: int
+    """Characters of text emitted before the token (completions' text_offset)."""
+    start_byte: int
+    """Bytes of the text before the token's own first byte."""
+    adds_bytes: bool
 
 
 class AlignedLogprobs:
     """push(delta) -> the (entry, text offset) pairs whose text has now been sent, in order."""
 
-    def __init__(self, tokenizer) -> None:
-        self._offsets = TextOffsets(tokenizer)
-        self._waiting: deque[tuple[TokenLogprob, int]] = deque()
-        self._sent_chars = 0
+    def __init__(self, pieces: TokenPieces) -> None:
+        self._pieces = pieces
+        self._offsets = TextOffsets(pieces.tokenizer)
+        self._bytes = 0  # emitted by the offsets' detokenizer so far
+        self._held_bytes = 0  # bytes of split characters' tokens not emitted yet
+        self._waiting: deque[_Placed] = deque()
+        self._sent_bytes = 0
+
+    def _place(self, entry: TokenLogprob) -> _Placed:
+        token = entry.token_id
+        start_byte = self._bytes + self._held_bytes
+        offset, new = self._offsets.place(token)
+        new_bytes = len(new.encode())
+        # A token that is part of a character brings its own bytes, emitted later with the
+        # character; any other token brings what the detokenizer emitted for it (nothing for a
+        # skipped special token).
+        own = len(self._pieces.bytes(token)) if self._pieces.part_of_a_character(token) else new_bytes
+        self._bytes += new_bytes
+        self._held_bytes = max(0, self._held_bytes + own - new_bytes)
+        return _Placed(entry, offset, start_byte, own > 0)
 
     def push(self, delta: StreamDelta) -> list[tuple[TokenLogprob, int]]:
         for entry in delta.logprobs or ():
-            self._waiting.append((entry, self._offsets.next(entry.token_id)))
-        self._sent_chars += len(delta.text)
+            self._waiting.append(self._place(entry))
+        self._sent_bytes += len(delta.text.encode())
         if delta.finish_reason is not None:
             # The end: everything the text holds is sent. Past a stop string's cut lie only the stop
             # string's tokens; otherwise what is left starts at the very end (a special token that
             # decodes to nothing, the last bytes of an unfinished character) and belongs to the text.
-            ready = [(e, o) for e, o in self._waiting if not delta.stopped_by_string or o < self._sent_chars]
+            ready = [p for p in self._waiting if not delta.stopped_by_string or self._before_the_cut(p)]
             self._waiting.clear()
-            return ready
+            return [(p.entry, p.offset) for p in ready]
         ready = []
-        while self._waiting and self._waiting[0][1] < self._sent_chars:
+        while self._waiting and self._waiting[0].start_byte < self._sent_bytes:
             ready.append(self._waiting.popleft())
-        return ready
+        return [(p.entry, p.offset) for p in ready]
+
+    def _before_the_cut(self, placed: _Placed) -> bool:
+        return placed.start_byte < self._sent_bytes or (placed.start_byte == self._sent_bytes and not placed.adds_bytes)

@@ -17,7 +17,7 @@ class CompletionRender:
     id_prefix, chunk_object = "cmpl", "text_completion"
 
     def __init__(self, pieces: TokenPieces, logprobs: bool):
-        self.pieces, self.aligned = pieces, AlignedLogprobs(pieces.tokenizer)
+        self.pieces, self.aligned = pieces, AlignedLogprobs(pieces)
         self.logprobs = logprobs
         self.text, self.logprob_parts = [], []
 
@@ -53,7 +53,7 @@ class ChatRender:
     id_prefix, chunk_object = "chatcmpl", "chat.completion.chunk"
 
     def __init__(self, pieces: TokenPieces, logprobs: bool):
-        self.pieces, self.aligned = pieces, AlignedLogprobs(pieces.tokenizer)
+        self.pieces, self.aligned = pieces, AlignedLogprobs(pieces)
         self.logprobs = logprobs
         self.text, self.entries = [], []
 

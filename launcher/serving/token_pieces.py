@@ -55,6 +55,7 @@ class TokenPieces:
         self.tokenizer = tokenizer
         self.byte_level = _is_byte_level(tokenizer)
         self._cache: dict[int, tuple[str, bytes]] = {}
+        self._partial: set[int] = set()
 
     def _piece(self, token_id: int) -> tuple[str, bytes]:
         cached = self._cache.get(token_id)
@@ -72,6 +73,7 @@ class TokenPieces:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError:
                 text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+                self._partial.add(token_id)
         self._cache[token_id] = (text, raw)
         return text, raw
 
@@ -96,6 +98,11 @@ class TokenPieces:
     def bytes(self, token_id: int) -> bytes:
         return self._piece(token_id)[1]
 
+    def part_of_a_character(self, token_id: int) -> bool:
+        """Whether the token's bytes are not whole characters: its text is `bytes:` and escapes."""
+        self._piece(token_id)
+        return token_id in self._partial
+
 
 class TextOffsets:
     """Each generated token's offset, in characters, into the response's text."""
@@ -106,6 +113,10 @@ class TextOffsets:
 
     def next(self, token_id: int) -> int:
         """The offset of this token (the characters emitted before it), then account for it."""
-        offset = self.chars
-        self.chars += len(self._text.push([token_id]))
-        return offset
+        return self.place(token_id)[0]
+
+    def place(self, token_id: int) -> tuple[int, str]:
+        """(the offset of this token, the text the detokenizer emitted on taking it)."""
+        offset, text = self.chars, self._text.push([token_id])
+        self.chars += len(text)
+        return offset, text
