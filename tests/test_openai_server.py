@@ -544,13 +544,23 @@ def test_http_errors(client, server, hf):
     message = caught.value.body["message"]
     assert "leaving no room for a generated token" in message and "max_tokens" not in message
     assert caught.value.body["param"] == "messages"
-    huge = "The quick brown fox jumps over the lazy dog. " * 50_000  # 2.2 MB: refused from its head alone
+    # 315 000 characters of dense text: refused from its head alone (under the length bound, 2 x 81
+    # characters per context token, at a context of 4096 or more); 3 MB of spaces, too sparse for
+    # its head to tell: refused by its length, untokenized (launcher/serving/prompt_probe.py)
+    huge = "The quick brown fox jumps over the lazy dog. " * 7_000
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model=MODEL, prompt=huge, max_tokens=4)
     assert caught.value.body["param"] == "prompt" and "characters alone have" in caught.value.body["message"]
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": huge}])
     assert caught.value.body["param"] == "messages" and "messages' text cannot fit" in caught.value.body["message"]
+    sparse = " " * 3_000_000
+    for call, param in ((lambda: client.completions.create(model=MODEL, prompt=sparse, max_tokens=4), "prompt"),
+                        (lambda: client.chat.completions.create(
+                            model=MODEL, messages=[{"role": "user", "content": sparse}]), "messages")):
+        with pytest.raises(openai.BadRequestError) as caught:
+            call()
+        assert caught.value.body["param"] == param and "3000000 characters" in caught.value.body["message"]
     auth = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
     reply = requests.post(f"{server.url}/v1/chat/completions", headers=auth, timeout=30,
                           data=f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "hi \\ud800"}}]}}')

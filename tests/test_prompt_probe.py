@@ -1,21 +1,27 @@
 """A text prompt refused from its head alone (launcher/serving/prompt_probe.py), with SmolLM2's real
 tokenizer: a huge prompt costs the tokenizing of its head, never its whole, and a prompt that fits,
-or one too sparse in tokens for its head to tell, is left to the full tokenizing."""
+or one too sparse in tokens for its head to tell, is left to the full tokenizing; a sparse one too
+long to fit whatever its tokens is refused by its length, without tokenizing."""
 
 from __future__ import annotations
 
 import pytest
 
-from launcher.serving.prompt_probe import PROBE_CHARS_PER_TOKEN, head_overfills, too_long_message
+from launcher.serving.prompt_probe import (LENGTH_MARGIN, PROBE_CHARS_PER_TOKEN, head_overfills, length_overfills,
+                                           longest_token_chars, too_long_message, too_many_characters_message)
 
 
 @pytest.fixture(scope="module")
-def count_tokens():
+def tokenizer():
     from transformers import AutoTokenizer
 
     from shardlib.demo_model import ensure_demo_model
 
-    tokenizer = AutoTokenizer.from_pretrained(ensure_demo_model())
+    return AutoTokenizer.from_pretrained(ensure_demo_model())
+
+
+@pytest.fixture(scope="module")
+def count_tokens(tokenizer):
     seen: list[int] = []
 
     def count(text: str) -> int:
@@ -58,3 +64,33 @@ def test_the_head_never_refuses_a_text_that_would_fit_twice_over(count_tokens, t
         head = head_overfills(count_tokens, text, context)
         if head is not None:
             assert whole > context, (context, head, whole)
+
+
+def test_no_smollm2_token_stands_for_more_characters_than_its_longest_piece(tokenizer):
+    longest = longest_token_chars(tokenizer)
+    assert longest == 81  # a newline and 80 spaces
+    vocab = tokenizer.get_vocab()
+    assert max(len(tokenizer.decode([i])) for i in vocab.values()) <= longest
+    assert longest_token_chars(object()) is None  # a tokenizer that lists no vocabulary: no bound
+
+
+def test_a_sparse_prompt_too_long_to_fit_is_refused_by_its_length(count_tokens, tokenizer):
+    context, longest = 8192, longest_token_chars(tokenizer)
+    text = " " * 10_000_000  # 10 MB of spaces: a head of sparse tokens (64 spaces a token)
+    count_tokens.seen.clear()
+    assert head_overfills(count_tokens, text, context) is None  # the head cannot tell ...
+    assert length_overfills(text, context, longest)  # ... the length can, with nothing tokenized for it
+    message = too_many_characters_message("the prompt", text, context, longest)
+    assert "10000000 characters" in message and "more than 81 of them" in message and "8192 tokens" in message
+    assert not length_overfills(text, context, None)
+
+
+@pytest.mark.parametrize("piece", ["\n" + " " * 80, "word ", "🎉"])
+def test_a_prompt_that_fits_is_never_refused_by_its_length(count_tokens, tokenizer, piece):
+    """Even a text made of the longest piece, or of one-token words, at exactly the context."""
+    longest = longest_token_chars(tokenizer)
+    text = piece * 4000
+    tokens = count_tokens(text)
+    for context in (tokens, tokens + 1, 2 * tokens):
+        assert not length_overfills(text, context, longest), (piece, context, tokens)
+    assert len(text) <= LENGTH_MARGIN * longest * tokens

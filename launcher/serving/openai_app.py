@@ -31,7 +31,8 @@ from launcher.serving import openai_protocol as proto
 from launcher.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics, TokenTimer
 from launcher.serving.openai_protocol import ProtocolError
 from launcher.serving.openai_render import ChatRender, CompletionRender
-from launcher.serving.prompt_probe import head_overfills, too_long_message
+from launcher.serving.prompt_probe import (head_overfills, length_overfills, longest_token_chars,
+                                            too_long_message, too_many_characters_message)
 from launcher.serving.server_settings import ServerSettings, settings_from_args
 from launcher.serving.token_pieces import TokenPieces
 
@@ -157,6 +158,7 @@ class OpenAIServer:
         self.launcher.start()
         self.tokenizer = own_tokenizer.result()
         self.pieces = TokenPieces(self.tokenizer)
+        self._longest_token = longest_token_chars(self.tokenizer)  # bounds a prompt by its length
         # Prompts are tokenized on threads (a long one takes seconds, which on the request loop would
         # stall every stream and /health), one at a time: a tokenizer's settings are not safe to
         # change from two threads at once, and encoding may set them.
@@ -238,6 +240,7 @@ class OpenAIServer:
     def _encode(self, text: str) -> list[int]:
         """A completions prompt's token ids (on a thread), as the Launcher tokenizes text."""
         _check_utf8(text, "prompt")
+        self._refuse_by_length(text, "the prompt", "prompt")
         with self._encoding:
             head = head_overfills(self._count_tokens, text, self.context_tokens)
             if head is not None:
@@ -246,6 +249,12 @@ class OpenAIServer:
         if not ids:
             raise ProtocolError("prompt is empty (it has no tokens); send at least one character", param="prompt")
         return ids
+
+    def _refuse_by_length(self, text: str, what: str, param: str) -> None:
+        """400 for a text too long to fit whatever its tokens (prompt_probe.py), before any tokenizing."""
+        if length_overfills(text, self.context_tokens, self._longest_token):
+            raise ProtocolError(too_many_characters_message(what, text, self.context_tokens, self._longest_token),
+                                param=param)
 
     def _count_tokens(self, text: str) -> int:
         """Tokens of text as a prompt (under self._encoding)."""
@@ -258,6 +267,7 @@ class OpenAIServer:
         # the template writes every message's text into the prompt: their text alone, joined, is a
         # head of the prompt's tokens (less the template's own)
         text = "\n".join(message["content"] or "" for message in messages)
+        self._refuse_by_length(text, "the messages' text", "messages")
         with self._encoding:
             head = head_overfills(self._count_tokens, text, self.context_tokens)
         if head is not None:
