@@ -94,3 +94,65 @@ def test_a_prompt_that_fits_is_never_refused_by_its_length(count_tokens, tokeniz
     for context in (tokens, tokens + 1, 2 * tokens):
         assert not length_overfills(text, context, longest), (piece, context, tokens)
     assert len(text) <= LENGTH_MARGIN * longest * tokens
+
+
+LLAMA2_LIKE = {"normalizer": {"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "▁"},
+                                                                  {"type": "Replace", "pattern": {"String": " "},
+                                                                   "content": "▁"}]},
+               "pre_tokenizer": None, "model": {"type": "BPE", "byte_fallback": True, "fuse_unk": True}}
+QWEN2_LIKE = {"normalizer": {"type": "NFC"},
+              "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+                  {"type": "Split", "pattern": {"Regex": "\\s+"}, "behavior": "Isolated"}, {"type": "ByteLevel"}]},
+              "model": {"type": "BPE", "byte_fallback": False}}
+
+
+@pytest.mark.parametrize("change, holds", [
+    ({}, True),
+    ({"normalizer": {"type": "Strip", "left": True, "right": True}}, False),  # "  a  " -> one token
+    ({"normalizer": {"type": "Replace", "pattern": {"String": "\u200b"}, "content": ""}}, False),
+    ({"normalizer": {"type": "NFC"}}, False),  # composing without byte-level pieces: 3 jamo -> 1 syllable
+    ({"model": {"type": "BPE", "byte_fallback": False, "fuse_unk": True}}, False),  # unknown runs fuse
+    ({"model": {"type": "WordPiece"}}, False),  # a long word is one [UNK]
+    ({"pre_tokenizer": {"type": "WhitespaceSplit"}}, False),  # spaces dropped
+], ids=["llama2-like", "strip", "delete", "nfc-without-bytes", "fused-unknowns", "wordpiece", "whitespace-split"])
+def test_the_length_bound_is_used_only_where_no_text_is_lost(change, holds):
+    from launcher.serving.prompt_probe import length_bound_holds
+
+    assert length_bound_holds({**LLAMA2_LIKE, **change}) is holds
+    assert length_bound_holds(QWEN2_LIKE)  # NFC beside byte-level pieces: at most 1.5 characters a byte
+    removed = {**QWEN2_LIKE, "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "\\s+"}, "behavior": "Removed"}}
+    assert not length_bound_holds(removed)
+
+
+def test_a_tokenizer_that_loses_text_gets_no_length_bound(tokenizer):
+    """A BERT-style tokenizer turns 100 000 characters into one token: no length may refuse there."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+
+    bert = Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1, "##a": 2, "hello": 3}, unk_token="[UNK]"))
+    bert.normalizer, bert.pre_tokenizer = normalizers.BertNormalizer(), pre_tokenizers.BertPreTokenizer()
+    assert len(bert.encode("\x01" * 50_000 + "x" * 50_000).ids) <= 1
+    assert longest_token_chars(bert) is None
+    assert longest_token_chars(tokenizer.backend_tokenizer) == longest_token_chars(tokenizer) == 81
+
+
+def test_chat_messages_are_measured_trimmed_as_templates_trim_them(tokenizer):
+    """A Llama 3-style template trims each message: a message of a short question and 1.4 MB of
+    spaces is a prompt of a few tokens, so it is templated, not refused by its untrimmed length; a
+    message that stays long once trimmed is refused by length."""
+    import copy
+    import threading
+
+    from launcher.serving.openai_app import OpenAIServer
+    from launcher.serving.openai_protocol import ProtocolError
+
+    trimming = copy.deepcopy(tokenizer)
+    trimming.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}"
+                              "<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+    server = object.__new__(OpenAIServer.func_or_class)
+    server.tokenizer, server.context_tokens, server._encoding = trimming, 8192, threading.Lock()
+    server._longest_token = longest_token_chars(trimming)
+    ids = server._apply_chat_template([{"role": "user", "content": "Summarise this:" + " " * 1_400_000}])
+    assert len(ids) < 20
+    with pytest.raises(ProtocolError, match="it has 2000000 characters, no token of this model stands for more "
+                                            "than 81 of them"):
+        server._apply_chat_template([{"role": "user", "content": "  " + "x" * 2_000_000}])

@@ -267,7 +267,10 @@ class OpenAIServer:
         # the template writes every message's text into the prompt: their text alone, joined, is a
         # head of the prompt's tokens (less the template's own)
         text = "\n".join(message["content"] or "" for message in messages)
-        self._refuse_by_length(text, "the messages' text", "messages")
+        # by length, each message trimmed: templates may trim them (Llama 3's, Gemma 3's do), and
+        # whitespace is what a length bound meets when a head is too sparse to tell
+        self._refuse_by_length("\n".join((message["content"] or "").strip() for message in messages),
+                               "the messages' text", "messages")
         with self._encoding:
             head = head_overfills(self._count_tokens, text, self.context_tokens)
         if head is not None:

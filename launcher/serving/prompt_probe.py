@@ -44,18 +44,63 @@ def too_long_message(what: str, head: tuple[int, int], context_tokens: int) -> s
 
 
 LENGTH_MARGIN = 2
-"""A text has at least len(text) / longest-piece tokens as written; a tokenizer's normalizer can
-shorten it first (composing a letter and its accent into one character, say), so the bound allows
-for text shortened to half before it refuses."""
+"""A text has at least len(text) / longest-piece tokens as written; composing a letter and its
+accent (NFC, NFKC: at most 1.5 characters of text per byte) can shorten it first, so the bound
+allows for text shortened to half before it refuses."""
+
+_KEEPS_TEXT_NORMALIZERS = {"Prepend", "Lowercase"}
+"""Normalizers that never shorten a text (Replace too, when its replacement is not empty)."""
+_COMPOSING_NORMALIZERS = {"NFC", "NFKC"}
+"""Shorten text by composing characters: within LENGTH_MARGIN only for byte-level pieces."""
+_KEEPS_TEXT_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Punctuation"}
+"""Pre-tokenizers that drop no character (Split too, unless its pattern's matches are removed);
+Whitespace, WhitespaceSplit and BERT's drop whitespace, and a text of spaces has no tokens."""
+
+
+def _parts(component: dict | None, key: str) -> list[dict]:
+    """A tokenizer.json normalizer or pre-tokenizer as its list of steps (a Sequence unrolled)."""
+    if component is None:
+        return []
+    if component.get("type") == "Sequence":
+        return [part for inner in component.get(key, []) for part in _parts(inner, key)]
+    return [component]
+
+
+def length_bound_holds(spec: dict) -> bool:
+    """Whether every token of the tokenizer described by `spec` (its tokenizer.json) stands for at
+    most its vocabulary piece's length in characters of the text as sent, up to LENGTH_MARGIN: the
+    text is not shortened before it is cut into pieces (beyond composing characters, for byte-level
+    pieces), and no run of text becomes one unknown token. Where this cannot be shown, no bound."""
+    pre = _parts(spec.get("pre_tokenizer"), "pretokenizers")
+    byte_level = any(p.get("type") == "ByteLevel" for p in pre)
+    for step in _parts(spec.get("normalizer"), "normalizers"):
+        kind = step.get("type")
+        if not (kind in _KEEPS_TEXT_NORMALIZERS or (kind == "Replace" and step.get("content"))
+                or (kind in _COMPOSING_NORMALIZERS and byte_level)):
+            return False
+    for step in pre:
+        kind = step.get("type")
+        if not (kind in _KEEPS_TEXT_PRE_TOKENIZERS or (kind == "Split" and step.get("behavior") != "Removed")):
+            return False
+    model = spec.get("model") or {}
+    # byte-level pieces spell any text; otherwise only byte fallback keeps unknown text from fusing
+    return model.get("type") in ("BPE", "Unigram") and (byte_level or bool(model.get("byte_fallback")))
 
 
 def longest_token_chars(tokenizer) -> int | None:
     """The most characters one token can stand for: its vocabulary's longest piece (a byte-level
     piece has one symbol per byte, a SentencePiece piece one per character, added tokens their
-    content). None when the tokenizer does not list its vocabulary."""
-    get_vocab = getattr(tokenizer, "get_vocab", None)
-    vocab = get_vocab() if get_vocab is not None else None
-    return max(map(len, vocab), default=None) if vocab else None
+    content). None when the tokenizer does not describe itself, or its pipeline can shorten text or
+    fold it into unknown tokens (length_bound_holds): then nothing is refused by length.
+    `tokenizer`: a transformers fast tokenizer or a tokenizers.Tokenizer."""
+    import json
+
+    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+    if not hasattr(backend, "to_str") or not hasattr(backend, "get_vocab"):
+        return None
+    if not length_bound_holds(json.loads(backend.to_str())):
+        return None
+    return max(map(len, backend.get_vocab(with_added_tokens=True)), default=None)
 
 
 def length_overfills(text: str, context_tokens: int, longest: int | None) -> bool:
