@@ -554,13 +554,13 @@ def test_http_errors(client, server, hf):
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": huge}])
     assert caught.value.body["param"] == "messages" and "messages' text cannot fit" in caught.value.body["message"]
-    sparse = " " * 3_000_000
+    sparse = "a" + " " * 3_000_000 + "b"  # spaces inside the text: a chat message is measured trimmed
     for call, param in ((lambda: client.completions.create(model=MODEL, prompt=sparse, max_tokens=4), "prompt"),
                         (lambda: client.chat.completions.create(
                             model=MODEL, messages=[{"role": "user", "content": sparse}]), "messages")):
         with pytest.raises(openai.BadRequestError) as caught:
             call()
-        assert caught.value.body["param"] == param and "3000000 characters" in caught.value.body["message"]
+        assert caught.value.body["param"] == param and "3000002 characters" in caught.value.body["message"]
     auth = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
     reply = requests.post(f"{server.url}/v1/chat/completions", headers=auth, timeout=30,
                           data=f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "hi \\ud800"}}]}}')
