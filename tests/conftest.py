@@ -77,3 +77,14 @@ def in_process_cluster(monkeypatch):
     from tests.in_process_cluster import use_in_process_groups
 
     return use_in_process_groups(monkeypatch)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """SmolLM2's real tokenizer (the built-in demo model's), loaded once per test process. Shared:
+    a test that changes it (a chat template, say) changes a copy."""
+    from transformers import AutoTokenizer
+
+    from shardlib.demo_model import ensure_demo_model
+
+    return AutoTokenizer.from_pretrained(ensure_demo_model())

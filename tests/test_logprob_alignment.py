@@ -85,15 +85,6 @@ def test_an_ending_that_is_not_a_stop_string_keeps_every_token():
     assert render.response(META, "stop", proto.usage(1, 2))["choices"][0]["logprobs"]["tokens"] == ["Hel", ""]
 
 
-@pytest.fixture(scope="module")
-def smollm2_tokenizer():
-    from transformers import AutoTokenizer
-
-    from shardlib.demo_model import ensure_demo_model
-
-    return AutoTokenizer.from_pretrained(ensure_demo_model())
-
-
 @pytest.mark.parametrize("stop", [". It is", "al", "🔥 "], ids=["whole-tokens", "inside-a-token", "inside-emoji"])
 def test_smollm2_streams_logprobs_that_spell_the_returned_text(smollm2_tokenizer, stop):
     """The text's tokens one event at a time through the real detokenizer and stop matcher: the

@@ -12,21 +12,12 @@ from launcher.serving.prompt_probe import (LENGTH_MARGIN, PROBE_CHARS_PER_TOKEN,
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    from shardlib.demo_model import ensure_demo_model
-
-    return AutoTokenizer.from_pretrained(ensure_demo_model())
-
-
-@pytest.fixture(scope="module")
-def count_tokens(tokenizer):
+def count_tokens(smollm2_tokenizer):
     seen: list[int] = []
 
     def count(text: str) -> int:
         seen.append(len(text))
-        return len(tokenizer(text)["input_ids"])
+        return len(smollm2_tokenizer(text)["input_ids"])
 
     count.seen = seen
     return count
@@ -66,16 +57,16 @@ def test_the_head_never_refuses_a_text_that_would_fit_twice_over(count_tokens, t
             assert whole > context, (context, head, whole)
 
 
-def test_no_smollm2_token_stands_for_more_characters_than_its_longest_piece(tokenizer):
-    longest = longest_token_chars(tokenizer)
+def test_no_smollm2_token_stands_for_more_characters_than_its_longest_piece(smollm2_tokenizer):
+    longest = longest_token_chars(smollm2_tokenizer)
     assert longest == 81  # a newline and 80 spaces
-    vocab = tokenizer.get_vocab()
-    assert max(len(tokenizer.decode([i])) for i in vocab.values()) <= longest
+    vocab = smollm2_tokenizer.get_vocab()
+    assert max(len(smollm2_tokenizer.decode([i])) for i in vocab.values()) <= longest
     assert longest_token_chars(object()) is None  # a tokenizer that lists no vocabulary: no bound
 
 
-def test_a_sparse_prompt_too_long_to_fit_is_refused_by_its_length(count_tokens, tokenizer):
-    context, longest = 8192, longest_token_chars(tokenizer)
+def test_a_sparse_prompt_too_long_to_fit_is_refused_by_its_length(count_tokens, smollm2_tokenizer):
+    context, longest = 8192, longest_token_chars(smollm2_tokenizer)
     text = " " * 10_000_000  # 10 MB of spaces: a head of sparse tokens (64 spaces a token)
     count_tokens.seen.clear()
     assert head_overfills(count_tokens, text, context) is None  # the head cannot tell ...
@@ -86,9 +77,9 @@ def test_a_sparse_prompt_too_long_to_fit_is_refused_by_its_length(count_tokens, 
 
 
 @pytest.mark.parametrize("piece", ["\n" + " " * 80, "word ", "🎉"])
-def test_a_prompt_that_fits_is_never_refused_by_its_length(count_tokens, tokenizer, piece):
+def test_a_prompt_that_fits_is_never_refused_by_its_length(count_tokens, smollm2_tokenizer, piece):
     """Even a text made of the longest piece, or of one-token words, at exactly the context."""
-    longest = longest_token_chars(tokenizer)
+    longest = longest_token_chars(smollm2_tokenizer)
     text = piece * 4000
     tokens = count_tokens(text)
     for context in (tokens, tokens + 1, 2 * tokens):
@@ -124,7 +115,7 @@ def test_the_length_bound_is_used_only_where_no_text_is_lost(change, holds):
     assert not length_bound_holds(removed)
 
 
-def test_a_tokenizer_that_loses_text_gets_no_length_bound(tokenizer):
+def test_a_tokenizer_that_loses_text_gets_no_length_bound(smollm2_tokenizer):
     """A BERT-style tokenizer turns 100 000 characters into one token: no length may refuse there."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
@@ -132,10 +123,10 @@ def test_a_tokenizer_that_loses_text_gets_no_length_bound(tokenizer):
     bert.normalizer, bert.pre_tokenizer = normalizers.BertNormalizer(), pre_tokenizers.BertPreTokenizer()
     assert len(bert.encode("\x01" * 50_000 + "x" * 50_000).ids) <= 1
     assert longest_token_chars(bert) is None
-    assert longest_token_chars(tokenizer.backend_tokenizer) == longest_token_chars(tokenizer) == 81
+    assert longest_token_chars(smollm2_tokenizer.backend_tokenizer) == longest_token_chars(smollm2_tokenizer) == 81
 
 
-def test_chat_messages_are_measured_trimmed_as_templates_trim_them(tokenizer):
+def test_chat_messages_are_measured_trimmed_as_templates_trim_them(smollm2_tokenizer):
     """A Llama 3-style template trims each message: a message of a short question and 1.4 MB of
     spaces is a prompt of a few tokens, so it is templated, not refused by its untrimmed length; a
     message that stays long once trimmed is refused by length."""
@@ -145,7 +136,7 @@ def test_chat_messages_are_measured_trimmed_as_templates_trim_them(tokenizer):
     from launcher.serving.openai_app import OpenAIServer
     from launcher.serving.openai_protocol import ProtocolError
 
-    trimming = copy.deepcopy(tokenizer)
+    trimming = copy.deepcopy(smollm2_tokenizer)
     trimming.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}"
                               "<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
     server = object.__new__(OpenAIServer.func_or_class)

@@ -240,21 +240,23 @@ class OpenAIServer:
     def _encode(self, text: str) -> list[int]:
         """A completions prompt's token ids (on a thread), as the Launcher tokenizes text."""
         _check_utf8(text, "prompt")
-        self._refuse_by_length(text, "the prompt", "prompt")
+        self._refuse_if_it_cannot_fit(text, "the prompt", "prompt")
         with self._encoding:
-            head = head_overfills(self._count_tokens, text, self.context_tokens)
-            if head is not None:
-                raise ProtocolError(too_long_message("the prompt", head, self.context_tokens), param="prompt")
             ids = list(self.tokenizer(text)["input_ids"])
         if not ids:
             raise ProtocolError("prompt is empty (it has no tokens); send at least one character", param="prompt")
         return ids
 
-    def _refuse_by_length(self, text: str, what: str, param: str) -> None:
-        """400 for a text too long to fit whatever its tokens (prompt_probe.py), before any tokenizing."""
+    def _refuse_if_it_cannot_fit(self, text: str, what: str, param: str) -> None:
+        """400 for a text that cannot fit the context, told without tokenizing it whole
+        (prompt_probe.py): by its length, then by its head's tokens."""
         if length_overfills(text, self.context_tokens, self._longest_token):
             raise ProtocolError(too_many_characters_message(what, text, self.context_tokens, self._longest_token),
                                 param=param)
+        with self._encoding:
+            head = head_overfills(self._count_tokens, text, self.context_tokens)
+        if head is not None:
+            raise ProtocolError(too_long_message(what, head, self.context_tokens), param=param)
 
     def _count_tokens(self, text: str) -> int:
         """Tokens of text as a prompt (under self._encoding)."""
@@ -265,16 +267,10 @@ class OpenAIServer:
         for i, message in enumerate(messages):
             _check_utf8(message["content"] or "", f"messages.{i}.content")
         # the template writes every message's text into the prompt: their text alone, joined, is a
-        # head of the prompt's tokens (less the template's own)
-        text = "\n".join(message["content"] or "" for message in messages)
-        # by length, each message trimmed: templates may trim them (Llama 3's, Gemma 3's do), and
-        # whitespace is what a length bound meets when a head is too sparse to tell
-        self._refuse_by_length("\n".join((message["content"] or "").strip() for message in messages),
-                               "the messages' text", "messages")
-        with self._encoding:
-            head = head_overfills(self._count_tokens, text, self.context_tokens)
-        if head is not None:
-            raise ProtocolError(too_long_message("the messages' text", head, self.context_tokens), param="messages")
+        # head of the prompt's tokens (less the template's own); each trimmed, as templates may trim
+        # them (Llama 3's, Gemma 3's do), and whitespace is what a length bound meets
+        text = "\n".join((message["content"] or "").strip() for message in messages)
+        self._refuse_if_it_cannot_fit(text, "the messages' text", "messages")
         try:
             with self._encoding:
                 return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,

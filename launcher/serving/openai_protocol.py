@@ -338,8 +338,7 @@ def chat_logprobs(entries: list, pieces) -> dict:
 def merge_completion_logprobs(parts: list[dict]) -> dict:
     """One completions logprobs object from the per-delta ones (non-streaming responses); empty lists
     when no token reached the text (a stop string at the very start)."""
-    keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
-    return {key: [v for part in parts for v in part[key]] for key in keys}
+    return {key: [v for part in parts for v in part[key]] for key in completion_logprobs([], None)}
 
 
 # ---- server-sent events -----------------------------------------------------------------------

@@ -111,10 +111,6 @@ class TextOffsets:
         self._text = IncrementalDetokenizer(tokenizer)
         self.chars = 0
 
-    def next(self, token_id: int) -> int:
-        """The offset of this token (the characters emitted before it), then account for it."""
-        return self.place(token_id)[0]
-
     def place(self, token_id: int) -> tuple[int, str]:
         """(the offset of this token, the text the detokenizer emitted on taking it)."""
         offset, text = self.chars, self._text.push([token_id])
