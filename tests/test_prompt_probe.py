@@ -126,24 +126,63 @@ def test_a_tokenizer_that_loses_text_gets_no_length_bound(smollm2_tokenizer):
     assert longest_token_chars(smollm2_tokenizer.backend_tokenizer) == longest_token_chars(smollm2_tokenizer) == 81
 
 
-def test_chat_messages_are_measured_trimmed_as_templates_trim_them(smollm2_tokenizer):
-    """A Llama 3-style template trims each message: a message of a short question and 1.4 MB of
-    spaces is a prompt of a few tokens, so it is templated, not refused by its untrimmed length; a
-    message that stays long once trimmed is refused by length."""
-    import copy
+def _server_with(tokenizer, context_tokens: int = 8192):
+    """An OpenAIServer instance with only what its prompt checks use (no Ray, no Serve)."""
     import threading
 
     from launcher.serving.openai_app import OpenAIServer
+
+    server = object.__new__(OpenAIServer.func_or_class)
+    server.tokenizer, server.context_tokens, server._encoding = tokenizer, context_tokens, threading.Lock()
+    server._longest_token = longest_token_chars(tokenizer)
+    return server
+
+
+def test_chat_prompts_are_measured_as_the_template_writes_them(smollm2_tokenizer):
+    """A Llama 3-style template trims each message: a message of a short question and 1.4 MB of
+    spaces is a prompt of a few tokens, so it is templated, not refused by its untrimmed length; a
+    message that stays long once trimmed is refused by length. The ids are the tokenizer's own
+    apply_chat_template's."""
+    import copy
+
     from launcher.serving.openai_protocol import ProtocolError
 
     trimming = copy.deepcopy(smollm2_tokenizer)
     trimming.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}"
                               "<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
-    server = object.__new__(OpenAIServer.func_or_class)
-    server.tokenizer, server.context_tokens, server._encoding = trimming, 8192, threading.Lock()
-    server._longest_token = longest_token_chars(trimming)
-    ids = server._apply_chat_template([{"role": "user", "content": "Summarise this:" + " " * 1_400_000}])
+    server = _server_with(trimming)
+    messages = [{"role": "user", "content": "Summarise this:" + " " * 1_400_000}]
+    ids = server._apply_chat_template(messages)
     assert len(ids) < 20
-    with pytest.raises(ProtocolError, match="it has 2000000 characters, no token of this model stands for more "
-                                            "than 81 of them"):
+    assert ids == list(trimming.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                    return_dict=False))
+    with pytest.raises(ProtocolError, match=r"the chat prompt \(the messages in the model's chat template\) cannot "
+                                            r"fit the context: it has 20000\d\d characters, no token of this model "
+                                            r"stands for more than 81 of them"):
         server._apply_chat_template([{"role": "user", "content": "  " + "x" * 2_000_000}])
+
+
+def test_text_a_template_drops_is_not_counted_against_the_context(smollm2_tokenizer):
+    """Qwen3's template removes the reasoning of earlier assistant turns from the prompt. A
+    conversation whose old reasoning alone would overfill the context (digits: one token each for
+    SmolLM2) is served, since the prompt the model reads is short; the same text kept by the
+    template is refused from its head."""
+    import copy
+
+    from launcher.serving.openai_protocol import ProtocolError
+
+    dropping = copy.deepcopy(smollm2_tokenizer)
+    dropping.chat_template = (
+        "{% for m in messages %}{% set text = m['content'] %}"
+        "{% if m['role'] == 'assistant' and '</think>' in text %}{% set text = text.split('</think>')[-1] %}{% endif %}"
+        "<|im_start|>{{ m['role'] }}\n{{ text }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+    reasoning = "<think>" + "0123456789" * 5_000 + "</think>"
+    messages = [{"role": "user", "content": "Count."}, {"role": "assistant", "content": reasoning + "Done."},
+                {"role": "user", "content": "Again?"}]
+    server = _server_with(dropping, context_tokens=1024)
+    ids = server._apply_chat_template(messages)
+    assert len(ids) < 40 and "0123" not in dropping.decode(ids)
+    with pytest.raises(ProtocolError, match=r"the chat prompt .* cannot fit the context: its first 16384 characters "
+                                            r"alone have \d+ tokens and the context holds 1024"):
+        server._apply_chat_template([*messages[:1], {"role": "assistant", "content": "0123456789" * 5_000},
+                                     *messages[2:]])

@@ -247,36 +247,43 @@ class OpenAIServer:
             raise ProtocolError("prompt is empty (it has no tokens); send at least one character", param="prompt")
         return ids
 
-    def _refuse_if_it_cannot_fit(self, text: str, what: str, param: str) -> None:
+    def _refuse_if_it_cannot_fit(self, text: str, what: str, param: str, special_tokens: bool = True) -> None:
         """400 for a text that cannot fit the context, told without tokenizing it whole
-        (prompt_probe.py): by its length, then by its head's tokens."""
+        (prompt_probe.py): by its length, then by its head's tokens. special_tokens: whether the text
+        is tokenized with the tokenizer's own additions (a BOS token), as a completions prompt is."""
         if length_overfills(text, self.context_tokens, self._longest_token):
             raise ProtocolError(too_many_characters_message(what, text, self.context_tokens, self._longest_token),
                                 param=param)
         with self._encoding:
-            head = head_overfills(self._count_tokens, text, self.context_tokens)
+            head = head_overfills(lambda head_text: self._count_tokens(head_text, special_tokens), text,
+                                  self.context_tokens)
         if head is not None:
             raise ProtocolError(too_long_message(what, head, self.context_tokens), param=param)
 
-    def _count_tokens(self, text: str) -> int:
+    def _count_tokens(self, text: str, special_tokens: bool = True) -> int:
         """Tokens of text as a prompt (under self._encoding)."""
-        return len(self.tokenizer(text)["input_ids"])
+        return len(self.tokenizer(text, add_special_tokens=special_tokens)["input_ids"])
 
     def _apply_chat_template(self, messages: list[dict]) -> list[int]:
-        """A chat request's prompt token ids (on a thread)."""
+        """A chat request's prompt token ids (on a thread).
+
+        The template is rendered to text first (fast: it only joins strings) and that text is what
+        is measured and then tokenized, as the tokenizer's apply_chat_template(tokenize=True) does
+        it (the template writes its own special tokens, so none are added). Measuring the rendered
+        text rather than the messages counts exactly what the model will read: the template's own
+        text, what it trims (Llama 3's, Gemma 3's), and nothing it drops (Qwen3's removes the
+        reasoning of earlier assistant turns)."""
         for i, message in enumerate(messages):
             _check_utf8(message["content"] or "", f"messages.{i}.content")
-        # the template writes every message's text into the prompt: their text alone, joined, is a
-        # head of the prompt's tokens (less the template's own); each trimmed, as templates may trim
-        # them (Llama 3's, Gemma 3's do), and whitespace is what a length bound meets
-        text = "\n".join((message["content"] or "").strip() for message in messages)
-        self._refuse_if_it_cannot_fit(text, "the messages' text", "messages")
         try:
             with self._encoding:
-                return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                               return_dict=False))
+                prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as err:  # noqa: BLE001 - a template's refusal (e.g. roles out of order) is the client's
             raise ProtocolError(f"messages: the model's chat template refused them: {err}", param="messages") from None
+        self._refuse_if_it_cannot_fit(prompt, "the chat prompt (the messages in the model's chat template)",
+                                      "messages", special_tokens=False)
+        with self._encoding:
+            return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
 
     def _authorize(self, request: Request) -> None:
         if self.api_key is None:
