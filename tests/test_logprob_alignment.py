@@ -158,3 +158,54 @@ def test_a_special_token_just_before_a_stop_string_is_kept(smollm2_tokenizer):
     body = stop_run(smollm2_tokenizer, encode("Hello") + [eos] + encode(" END more"), " END")
     assert body["text"] == "Hello"
     assert body["logprobs"]["tokens"] == ["Hello", smollm2_tokenizer.decode([eos])]
+
+
+def test_a_stop_string_right_after_bytes_no_token_completed_gets_no_logprobs(smollm2_tokenizer):
+    """Byte 0xE2 alone (token 173 in SmolLM2) starts a character no later token completes: the text
+    shows it as U+FFFD, three bytes for one, and the stop string's token right after it is dropped,
+    as anywhere else."""
+    encode = lambda s: smollm2_tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    broken = smollm2_tokenizer.convert_tokens_to_ids("\u00e2")  # the byte-level stand-in for 0xE2
+    body = stop_run(smollm2_tokenizer, encode("Hi") + [broken] + encode(" END more"), " END")
+    assert body["text"] == "Hi\ufffd"
+    assert body["logprobs"]["tokens"] == ["Hi", "bytes:\\xe2"]
+    # the token after such bytes starts where its own text does: a stop string one byte into it
+    # leaves it straddling the cut, so it is kept
+    body = stop_run(smollm2_tokenizer, encode("Hi") + [broken] + encode(" END more"), "END")
+    assert body["text"] == "Hi\ufffd " and body["logprobs"]["tokens"] == ["Hi", "bytes:\\xe2", " END"]
+
+
+def test_random_token_runs_keep_exactly_the_tokens_that_start_before_a_stop_string(smollm2_tokenizer):
+    """Seeded runs of text pieces and lone bytes that start characters (some never completed): for
+    every token that is whole characters, its entry is kept if and only if it starts before the cut,
+    counting where it starts in the full decode of the run."""
+    import random
+
+    encode = lambda s: smollm2_tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    pieces, rng = TokenPieces(smollm2_tokenizer), random.Random(0)
+    texts = ["Hi 🔥 there, 日本 is big. END", "naïve café — ok", "plain words here", "x😀y😀z"]
+    lone_bytes = [smollm2_tokenizer.convert_tokens_to_ids(c) for c in "\u00e2\u00f0\u0141\u0142"]
+    checked = 0
+    while checked < 150:
+        ids = []
+        for _ in range(rng.randint(2, 6)):
+            if rng.random() < 0.3:
+                ids.append(rng.choice(lone_bytes))
+            else:
+                text = rng.choice(texts)
+                start = rng.randrange(len(text))
+                ids += encode(text[start:start + rng.randint(1, 8)])
+        full = smollm2_tokenizer.decode(ids)
+        start = rng.randrange(1, max(len(full), 2))
+        stop = full[start:start + rng.randint(1, 3)]
+        if not stop or "\ufffd" in stop or full.index(stop) == 0:
+            continue
+        body = stop_run(smollm2_tokenizer, ids + encode(" tail"), stop)
+        cut = len(body["text"].encode())
+        kept = len(body["logprobs"]["tokens"])
+        for i, token in enumerate(ids):
+            if pieces.part_of_a_character(token) or not smollm2_tokenizer.decode([token]):
+                continue
+            starts_before = len(smollm2_tokenizer.decode(ids[:i]).encode()) < cut
+            assert (i < kept) == starts_before, (ids, stop, body["logprobs"]["tokens"])
+        checked += 1

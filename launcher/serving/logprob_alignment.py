@@ -47,15 +47,23 @@ class AlignedLogprobs:
 
     def _place(self, entry: TokenLogprob) -> _Placed:
         token = entry.token_id
-        start_byte = self._bytes + self._held_bytes
         offset, new = self._offsets.place(token)
         new_bytes = len(new.encode())
-        # A token that is part of a character brings its own bytes, emitted later with the
-        # character; any other token brings what the detokenizer emitted for it (nothing for a
-        # skipped special token).
-        own = len(self._pieces.bytes(token)) if self._pieces.part_of_a_character(token) else new_bytes
+        if self._pieces.part_of_a_character(token):
+            # It brings its own bytes, emitted later with the character (or as U+FFFD if no later
+            # token completes it); until then they are held.
+            own = len(self._pieces.bytes(token))
+            start_byte = self._bytes + self._held_bytes
+            self._held_bytes = max(0, self._held_bytes + own - new_bytes)
+        else:
+            # It brings what the detokenizer emitted for it (nothing for a skipped special token), after
+            # whatever was held: bytes no token completed come out first, each run of them as U+FFFD,
+            # which is 3 bytes however many it replaces, so the token starts where its own text
+            # begins at the end of what was emitted.
+            start_byte = self._bytes + max(self._held_bytes, new_bytes - len(self._pieces.bytes(token)))
+            own = new_bytes
+            self._held_bytes = 0
         self._bytes += new_bytes
-        self._held_bytes = max(0, self._held_bytes + own - new_bytes)
         return _Placed(entry, offset, start_byte, own > 0)
 
     def push(self, delta: StreamDelta) -> list[tuple[TokenLogprob, int]]:
