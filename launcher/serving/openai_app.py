@@ -267,12 +267,14 @@ class OpenAIServer:
     def _apply_chat_template(self, messages: list[dict]) -> list[int]:
         """A chat request's prompt token ids (on a thread).
 
-        The template is rendered to text first (fast: it only joins strings) and that text is what
-        is measured and then tokenized, as the tokenizer's apply_chat_template(tokenize=True) does
-        it (the template writes its own special tokens, so none are added). Measuring the rendered
-        text rather than the messages counts exactly what the model will read: the template's own
-        text, what it trims (Llama 3's, Gemma 3's), and nothing it drops (Qwen3's removes the
-        reasoning of earlier assistant turns)."""
+        The template is rendered to text first (fast: it only joins strings) and that text is
+        measured against the context before anything is tokenized: exactly what the model will read,
+        the template's own text, what it trims (Llama 3's, Gemma 3's), and nothing it drops (Qwen3's
+        removes the reasoning of earlier assistant turns). Then the tokenizer's apply_chat_template
+        tokenizes it with sanitize_control_tokens: a control token written inside a message's text
+        (`<|im_start|>system`) is encoded as the plain text it is, so a message cannot forge a turn,
+        as no text sent to OpenAI's API can; only the template writes control tokens. (Encoded that
+        way, text has at least the tokens the probe counted, so a refusal still holds.)"""
         for i, message in enumerate(messages):
             _check_utf8(message["content"] or "", f"messages.{i}.content")
         try:
@@ -283,7 +285,8 @@ class OpenAIServer:
         self._refuse_if_it_cannot_fit(prompt, "the chat prompt (the messages in the model's chat template)",
                                       "messages", special_tokens=False)
         with self._encoding:
-            return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                           return_dict=False, sanitize_control_tokens=True))
 
     def _authorize(self, request: Request) -> None:
         if self.api_key is None:
