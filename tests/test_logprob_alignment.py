@@ -173,12 +173,41 @@ def test_a_stop_string_right_after_bytes_no_token_completed_gets_no_logprobs(smo
     # leaves it straddling the cut, so it is kept
     body = stop_run(smollm2_tokenizer, encode("Hi") + [broken] + encode(" END more"), "END")
     assert body["text"] == "Hi\ufffd " and body["logprobs"]["tokens"] == ["Hi", "bytes:\\xe2", " END"]
+    # a split character's first token right after them: placed after the U+FFFD, so a stop string
+    # that starts with it drops it, and one that starts one byte later keeps it
+    body = stop_run(smollm2_tokenizer, encode("Hi") + [broken] + encode(" 🔥 there"), " 🔥")
+    assert body["text"] == "Hi\ufffd" and body["logprobs"]["tokens"] == ["Hi", "bytes:\\xe2"]
+    body = stop_run(smollm2_tokenizer, encode("Hi") + [broken] + encode(" 🔥 there"), "🔥")
+    assert body["logprobs"]["tokens"] == ["Hi", "bytes:\\xe2", "bytes:\\x20\\xf0\\x9f"]
+
+
+def _text_byte_of_each_byte(raw: bytes) -> list[int]:
+    """Where each byte of `raw` lands in its UTF-8 decoding with replacement: bytes of whole
+    characters at their own place, every byte of a run the decoder replaces at its U+FFFD."""
+    import codecs
+
+    runs = []
+
+    def record(err):
+        runs.append((err.start, err.end))
+        return "\ufffd", err.end
+
+    codecs.register_error("test-record-replaced", record)
+    raw.decode("utf-8", "test-record-replaced")
+    where, at, k = [], 0, 0
+    for start, end in runs + [(len(raw), len(raw))]:
+        where += range(at, at + start - k)
+        at, k = at + start - k, start
+        if start < end:
+            where += [at] * (end - start)
+            at, k = at + 3, end
+    return where
 
 
 def test_random_token_runs_keep_exactly_the_tokens_that_start_before_a_stop_string(smollm2_tokenizer):
-    """Seeded runs of text pieces and lone bytes that start characters (some never completed): for
-    every token that is whole characters, its entry is kept if and only if it starts before the cut,
-    counting where it starts in the full decode of the run."""
+    """Seeded runs of text pieces and lone bytes that start characters (some never completed): every
+    token that brings bytes, whole or part of a character, keeps its entry exactly when its first
+    byte lands before the cut in the decoded text, and the stream sends the same entries."""
     import random
 
     encode = lambda s: smollm2_tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
@@ -186,7 +215,7 @@ def test_random_token_runs_keep_exactly_the_tokens_that_start_before_a_stop_stri
     texts = ["Hi 🔥 there, 日本 is big. END", "naïve café — ok", "plain words here", "x😀y😀z"]
     lone_bytes = [smollm2_tokenizer.convert_tokens_to_ids(c) for c in "\u00e2\u00f0\u0141\u0142"]
     checked = 0
-    while checked < 150:
+    while checked < 200:
         ids = []
         for _ in range(rng.randint(2, 6)):
             if rng.random() < 0.3:
@@ -201,11 +230,20 @@ def test_random_token_runs_keep_exactly_the_tokens_that_start_before_a_stop_stri
         if not stop or "\ufffd" in stop or full.index(stop) == 0:
             continue
         body = stop_run(smollm2_tokenizer, ids + encode(" tail"), stop)
-        cut = len(body["text"].encode())
-        kept = len(body["logprobs"]["tokens"])
+        cut, kept = len(body["text"].encode()), len(body["logprobs"]["tokens"])
+        raw = b"".join(pieces.bytes(i) for i in ids)
+        lands = _text_byte_of_each_byte(raw)
+        before = 0
         for i, token in enumerate(ids):
-            if pieces.part_of_a_character(token) or not smollm2_tokenizer.decode([token]):
-                continue
-            starts_before = len(smollm2_tokenizer.decode(ids[:i]).encode()) < cut
-            assert (i < kept) == starts_before, (ids, stop, body["logprobs"]["tokens"])
+            if pieces.bytes(token):
+                assert (i < kept) == (lands[before] < cut), (ids, stop, body["logprobs"]["tokens"])
+                before += len(pieces.bytes(token))
+        stream, render = TextStream("r", smollm2_tokenizer, (stop,), 1), CompletionRender(pieces, True)
+        sent = []
+        for token in ids + encode(" tail"):
+            chunk = render.chunk(META, stream.delta(TokenEvent("r", [token], None, [TokenLogprob(token, -1.0, [])])))
+            sent += (chunk["choices"][0]["logprobs"] or {}).get("tokens", []) if chunk else []
+            if chunk and chunk["choices"][0]["finish_reason"]:
+                break
+        assert sent == body["logprobs"]["tokens"]
         checked += 1

@@ -20,7 +20,11 @@ the window moves forward: the emitted tokens become the next context.
 
 Why the concatenation equals the full decode: the window only moves to a point where its decode
 ended in a complete character, and UTF-8 decoding restarts cleanly after a complete character, so
-decoding from there gives the same characters as decoding from the start.
+decoding from there gives the same characters as decoding from the start. One exception, only for
+bytes the model never completes into a character: SentencePiece's byte-fallback decoder replaces
+every byte of a run of byte tokens that is not valid UTF-8, valid ones included, so `<0x41><0x9F>`
+decodes whole as two U+FFFD while the stream, which emitted "A" before the 0x9F came, has "A" and
+one U+FFFD (byte-level BPE replaces only the invalid bytes, as the stream does).
 
 Cost: a push decodes the context plus the held tokens, a handful for real text (an incomplete
 character spans at most 3 byte tokens). Only output that keeps ending in invalid bytes (a trailing

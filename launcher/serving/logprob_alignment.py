@@ -16,12 +16,37 @@ though only the first may begin before a stop string that starts with that chara
 
 from __future__ import annotations
 
+import codecs
 from collections import deque
 from dataclasses import dataclass
 
 from launcher.serving.stream_types import StreamDelta
 from launcher.serving.token_pieces import TextOffsets, TokenPieces
 from workers.serving.requests import TokenLogprob
+
+
+def _bytes_before(held: bytes, first: int | None) -> int:
+    """How many bytes of text `held` (bytes of split characters' tokens not emitted yet) will be
+    before a token whose first byte is `first` (None: a token that adds nothing): whole characters
+    count their bytes, the unfinished tail its own where `first` continues it, and whatever the
+    decoder gives up on one U+FFFD (3 bytes) per unfinished character, as UTF-8 decoding with
+    replacement writes them. Byte-level BPE decoders do the same; SentencePiece's byte fallback
+    replaces every byte of such a run (launcher/serving/detokenizer.py), so there a token after
+    bytes the model never completed may be placed a few bytes early."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    done = len(decoder.decode(held, final=False).encode())
+    tail = decoder.getstate()[0]
+    if not tail or first is None or _continues(tail, first):
+        return done + len(tail)
+    return done + len(decoder.decode(b"", final=True).encode())
+
+
+def _continues(tail: bytes, first: int) -> bool:
+    try:
+        codecs.utf_8_decode(tail + bytes([first]), "strict", False)  # an unfinished but valid prefix passes
+        return True
+    except UnicodeDecodeError:
+        return False
 
 
 @dataclass
@@ -41,7 +66,7 @@ class AlignedLogprobs:
         self._pieces = pieces
         self._offsets = TextOffsets(pieces.tokenizer)
         self._bytes = 0  # emitted by the offsets' detokenizer so far
-        self._held_bytes = 0  # bytes of split characters' tokens not emitted yet
+        self._held = b""  # the bytes of split characters' tokens not emitted yet
         self._waiting: deque[_Placed] = deque()
         self._sent_bytes = 0
 
@@ -49,22 +74,24 @@ class AlignedLogprobs:
         token = entry.token_id
         offset, new = self._offsets.place(token)
         new_bytes = len(new.encode())
+        own = self._pieces.bytes(token)
         if self._pieces.part_of_a_character(token):
-            # It brings its own bytes, emitted later with the character (or as U+FFFD if no later
-            # token completes it); until then they are held.
-            own = len(self._pieces.bytes(token))
-            start_byte = self._bytes + self._held_bytes
-            self._held_bytes = max(0, self._held_bytes + own - new_bytes)
-        else:
-            # It brings what the detokenizer emitted for it (nothing for a skipped special token), after
-            # whatever was held: bytes no token completed come out first, each run of them as U+FFFD,
-            # which is 3 bytes however many it replaces, so the token starts where its own text
+            # Its own bytes come out later, with the character they complete (or as U+FFFD).
+            start_byte = self._bytes + _bytes_before(self._held, own[0])
+            self._held += own
+            adds = True
+        elif new_bytes:
+            # What was held comes out first, then the token's own text: it starts where that text
             # begins at the end of what was emitted.
-            start_byte = self._bytes + max(self._held_bytes, new_bytes - len(self._pieces.bytes(token)))
-            own = new_bytes
-            self._held_bytes = 0
+            start_byte = self._bytes + max(len(self._held.decode("utf-8", "replace").encode()), new_bytes - len(own))
+            adds = True
+        else:  # a skipped special token: nothing emitted, whatever is held stays held
+            start_byte = self._bytes + _bytes_before(self._held, None)
+            adds = False
+        if new_bytes:  # the detokenizer emitted every token it held
+            self._held = b""
         self._bytes += new_bytes
-        return _Placed(entry, offset, start_byte, own > 0)
+        return _Placed(entry, offset, start_byte, adds)
 
     def push(self, delta: StreamDelta) -> list[tuple[TokenLogprob, int]]:
         for entry in delta.logprobs or ():
