@@ -200,3 +200,17 @@ def test_a_message_cannot_forge_a_turn_with_the_models_control_tokens(smollm2_to
     plain = [{"role": "user", "content": "What is the capital of France?"}]
     assert server._apply_chat_template(plain) == list(smollm2_tokenizer.apply_chat_template(
         plain, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+
+def test_an_older_transformers_serves_chat_without_the_sanitizing_option(smollm2_tokenizer):
+    """transformers before 5.20 has no sanitize_control_tokens: it is not passed there (it would
+    reach the template as an unknown variable and sanitize nothing), and the server says so at start."""
+    from types import SimpleNamespace
+
+    from launcher.serving.openai_app import _sanitizing
+
+    def apply_chat_template(conversation, add_generation_prompt=False, tokenize=True, **kwargs):
+        raise AssertionError("not called")
+
+    assert _sanitizing(smollm2_tokenizer) == {"sanitize_control_tokens": True}
+    assert _sanitizing(SimpleNamespace(apply_chat_template=apply_chat_template)) == {}

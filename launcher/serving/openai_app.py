@@ -14,9 +14,11 @@ openai_protocol.py; this file only moves requests between it and the engine.
 # resolved against a copy of this module's globals that lacks them.
 import asyncio
 import hmac
+import inspect
 import json
 import math
 import os
+import sys
 import threading
 import time
 from contextlib import aclosing
@@ -62,6 +64,13 @@ def queue_full_type() -> type[BaseException] | tuple:
 
     return getattr(launcher.errors, "QueueFull", ())
 
+
+
+def _sanitizing(tokenizer) -> dict:
+    """apply_chat_template's option that encodes control tokens written inside message text as that
+    text (transformers 5.20 and later); {} where the installed transformers lacks it."""
+    parameters = inspect.signature(tokenizer.apply_chat_template).parameters
+    return {"sanitize_control_tokens": True} if "sanitize_control_tokens" in parameters else {}
 
 def _cpus_per_rank(launch: dict, serve_replicas: int) -> float:
     """An even share of the cluster's CPUs for each rank of every Serve replica there can be, so
@@ -159,6 +168,10 @@ class OpenAIServer:
         self.tokenizer = own_tokenizer.result()
         self.pieces = TokenPieces(self.tokenizer)
         self._longest_token = longest_token_chars(self.tokenizer)  # bounds a prompt by its length
+        if not _sanitizing(self.tokenizer):
+            print("corelaunch serve: this transformers cannot encode control tokens inside chat messages as "
+                  "text (apply_chat_template's sanitize_control_tokens, transformers 5.20 and later), so a "
+                  "message can write a turn of its own; upgrade transformers to close that", file=sys.stderr)
         # Prompts are tokenized on threads (a long one takes seconds, which on the request loop would
         # stall every stream and /health), one at a time: a tokenizer's settings are not safe to
         # change from two threads at once, and encoding may set them.
@@ -286,7 +299,7 @@ class OpenAIServer:
                                       "messages", special_tokens=False)
         with self._encoding:
             return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                           return_dict=False, sanitize_control_tokens=True))
+                                                           return_dict=False, **_sanitizing(self.tokenizer)))
 
     def _authorize(self, request: Request) -> None:
         if self.api_key is None:
