@@ -47,6 +47,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.process_cpu import cpu_by_process, snapshot  # noqa: E402
 from benchmarks.serving_client import PromptSource, run_level  # noqa: E402
 from benchmarks.serving_server import corelaunch_server  # noqa: E402
 from benchmarks.serving_stats import (baseline_drift, bracketed_baselines, expected_ttft_s, ratio,  # noqa: E402
@@ -211,8 +212,11 @@ async def measure_levels(base_url: str, model: str, prompts: PromptSource, args)
             if args.warmup:
                 await run_level(client, model, prompts.take(level), level, args.max_tokens)
             per_client = args.level1_requests if level == 1 else args.requests_per_client
+            before = snapshot() if args.cpu_by_process else None
             records, wall = await run_level(client, model, prompts.take(level * per_client), level, args.max_tokens)
             levels[str(level)] = {"clients": level, **summarize_level(records, wall, args.max_tokens)}
+            if before is not None:
+                levels[str(level)]["cpu_by_process"] = cpu_by_process(before, snapshot())
             print(f"level {level}: {levels[str(level)]['output_tokens_per_s']} tokens/s", file=sys.stderr)
     finally:
         await client.close()
@@ -261,8 +265,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--baselines-after", action="store_true",
                         help="with --baselines: measure the static batch and single streams again after the "
                              "levels, and compare the levels against the mean of before and after")
+    parser.add_argument("--cpu-by-process", action="store_true",
+                        help="per measured level, each process's CPU seconds and the most involuntary context "
+                             "switches of any of its threads (from /proc: this host's processes only)")
     args = parser.parse_args(argv)
     args.baselines |= args.baselines_only
+    if args.cpu_by_process and not Path("/proc/self/task").is_dir():
+        parser.error("--cpu-by-process reads /proc, which this system does not have (Linux only)")
     if args.baselines_after and (not args.baselines or args.baselines_only):
         parser.error("--baselines-after measures the baselines again after the HTTP levels: it needs "
                      "--baselines and HTTP levels (not --baselines-only)")

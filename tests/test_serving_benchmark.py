@@ -235,3 +235,36 @@ def test_cpus_per_rank_reaches_the_server_and_is_refused_for_someone_elses_serve
         with pytest.raises(SystemExit):
             parse_args(argv)
         assert named in capsys.readouterr().err
+
+
+def test_cpu_by_process_finds_a_child_that_burns_cpu_and_its_switches():
+    """A child process spinning for about half a second between two snapshots: it is listed, with
+    its command line and roughly that much CPU; processes idle meanwhile are left out."""
+    import subprocess
+    import time
+
+    from benchmarks.process_cpu import cpu_by_process, snapshot
+
+    spin = "import time\nt = time.perf_counter()\nwhile time.perf_counter() - t < 60: pass"
+    child = subprocess.Popen([sys.executable, "-c", spin])
+    try:
+        time.sleep(0.3)  # past its start-up (imports)
+        before = snapshot()
+        time.sleep(0.6)
+        rows = cpu_by_process(before, snapshot(), top=50)
+    finally:
+        child.kill()
+        child.wait()
+    mine = [row for row in rows if row["pid"] == child.pid]
+    assert len(mine) == 1 and "while time.perf_counter()" in mine[0]["process"]
+    assert 0.2 <= mine[0]["cpu_s"] <= 1.0 and mine[0]["threads"] >= 1
+    assert all(row["cpu_s"] >= 0.01 for row in rows) and rows == sorted(rows, key=lambda row: -row["cpu_s"])
+
+
+def test_cpu_by_process_is_refused_where_there_is_no_proc(monkeypatch, capsys):
+    import benchmarks.serving as serving
+
+    monkeypatch.setattr(serving, "Path", lambda *_: types.SimpleNamespace(is_dir=lambda: False))
+    with pytest.raises(SystemExit):
+        serving.parse_args(["--cpu-by-process"])
+    assert "reads /proc" in capsys.readouterr().err
