@@ -7,6 +7,7 @@ import asyncio
 import random
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -259,6 +260,37 @@ def test_cpu_by_process_finds_a_child_that_burns_cpu_and_its_switches():
     assert len(mine) == 1 and "while time.perf_counter()" in mine[0]["process"]
     assert 0.2 <= mine[0]["cpu_s"] <= 1.0 and mine[0]["threads"] >= 1
     assert all(row["cpu_s"] >= 0.01 for row in rows) and rows == sorted(rows, key=lambda row: -row["cpu_s"])
+
+
+def test_cpu_by_process_keeps_the_time_of_threads_that_ended_and_names_kernel_threads():
+    """A child whose CPU is all spent in short-lived threads, each started and ended between the
+    snapshots: its CPU is still counted (the process's own counters keep it)."""
+    import subprocess
+    import time
+
+    from benchmarks.process_cpu import cpu_by_process, snapshot
+
+    churn = ("import threading, time\n"
+             "def burn():\n    t = time.perf_counter()\n    while time.perf_counter() - t < 0.05: pass\n"
+             "while True:\n    th = threading.Thread(target=burn); th.start(); th.join()")
+    child = subprocess.Popen([sys.executable, "-c", churn])
+    try:
+        time.sleep(0.3)
+        before = snapshot()
+        time.sleep(0.6)
+        rows = cpu_by_process(before, snapshot(), top=50)
+    finally:
+        child.kill()
+        child.wait()
+    mine = [row for row in rows if row["pid"] == child.pid]
+    assert len(mine) == 1 and mine[0]["cpu_s"] >= 0.2
+    for (pid, _), sample in snapshot().items():  # a process without a command line (a kernel thread)
+        try:
+            command, comm = Path(f"/proc/{pid}/cmdline").read_bytes(), Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            continue
+        if not command:
+            assert sample.name == f"[{comm}]"
 
 
 def test_cpu_by_process_is_refused_where_there_is_no_proc(monkeypatch, capsys):
