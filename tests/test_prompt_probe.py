@@ -214,3 +214,17 @@ def test_an_older_transformers_serves_chat_without_the_sanitizing_option(smollm2
 
     assert _sanitizing(smollm2_tokenizer) == {"sanitize_control_tokens": True}
     assert _sanitizing(SimpleNamespace(apply_chat_template=apply_chat_template)) == {}
+
+
+def test_text_that_sanitizing_cannot_encode_is_a_400_not_a_500(smollm2_tokenizer):
+    """A tokenizer with an ordinary word made a special token: sanitizing cannot encode that word in
+    a message as plain text (transformers refuses); the request is refused naming the messages."""
+    import copy
+
+    from launcher.serving.openai_protocol import ProtocolError
+
+    odd = copy.deepcopy(smollm2_tokenizer)
+    odd.add_special_tokens({"additional_special_tokens": ["hello"]})
+    with pytest.raises(ProtocolError, match="messages: their text cannot be encoded without control tokens") as caught:
+        _server_with(odd)._apply_chat_template([{"role": "user", "content": "hello"}])
+    assert caught.value.param == "messages" and caught.value.status == 400

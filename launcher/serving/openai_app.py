@@ -297,9 +297,13 @@ class OpenAIServer:
             raise ProtocolError(f"messages: the model's chat template refused them: {err}", param="messages") from None
         self._refuse_if_it_cannot_fit(prompt, "the chat prompt (the messages in the model's chat template)",
                                       "messages", special_tokens=False)
-        with self._encoding:
-            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                           return_dict=False, **_sanitizing(self.tokenizer)))
+        try:
+            with self._encoding:
+                return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                               return_dict=False, **_sanitizing(self.tokenizer)))
+        except ValueError as err:  # sanitizing refuses text that would encode to a control token anyway
+            raise ProtocolError(f"messages: their text cannot be encoded without control tokens: {err}",
+                                param="messages") from None
 
     def _authorize(self, request: Request) -> None:
         if self.api_key is None:
