@@ -238,25 +238,30 @@ def test_cpus_per_rank_reaches_the_server_and_is_refused_for_someone_elses_serve
         assert named in capsys.readouterr().err
 
 
-def test_cpu_by_process_finds_a_child_that_burns_cpu_and_its_switches():
-    """A child process spinning for about half a second between two snapshots: it is listed, with
-    its command line and roughly that much CPU; processes idle meanwhile are left out."""
+def _child_between_snapshots(code: str) -> tuple[int, list[dict]]:
+    """Runs `code` in a child process, snapshots /proc 0.6 s apart once it has started, and returns
+    (its pid, cpu_by_process's rows for that stretch)."""
     import subprocess
     import time
 
     from benchmarks.process_cpu import cpu_by_process, snapshot
 
-    spin = "import time\nt = time.perf_counter()\nwhile time.perf_counter() - t < 60: pass"
-    child = subprocess.Popen([sys.executable, "-c", spin])
+    child = subprocess.Popen([sys.executable, "-c", code])
     try:
         time.sleep(0.3)  # past its start-up (imports)
         before = snapshot()
         time.sleep(0.6)
-        rows = cpu_by_process(before, snapshot(), top=50)
+        return child.pid, cpu_by_process(before, snapshot(), top=50)
     finally:
         child.kill()
         child.wait()
-    mine = [row for row in rows if row["pid"] == child.pid]
+
+
+def test_cpu_by_process_finds_a_child_that_burns_cpu_and_its_switches():
+    """A child process spinning for about half a second between two snapshots: it is listed, with
+    its command line and roughly that much CPU; processes idle meanwhile are left out."""
+    pid, rows = _child_between_snapshots("import time\nt = time.perf_counter()\nwhile time.perf_counter() - t < 60: pass")
+    mine = [row for row in rows if row["pid"] == pid]
     assert len(mine) == 1 and "while time.perf_counter()" in mine[0]["process"]
     assert 0.2 <= mine[0]["cpu_s"] <= 1.0 and mine[0]["threads"] >= 1
     assert all(row["cpu_s"] >= 0.01 for row in rows) and rows == sorted(rows, key=lambda row: -row["cpu_s"])
@@ -265,24 +270,13 @@ def test_cpu_by_process_finds_a_child_that_burns_cpu_and_its_switches():
 def test_cpu_by_process_keeps_the_time_of_threads_that_ended_and_names_kernel_threads():
     """A child whose CPU is all spent in short-lived threads, each started and ended between the
     snapshots: its CPU is still counted (the process's own counters keep it)."""
-    import subprocess
-    import time
+    from benchmarks.process_cpu import snapshot
 
-    from benchmarks.process_cpu import cpu_by_process, snapshot
-
-    churn = ("import threading, time\n"
-             "def burn():\n    t = time.perf_counter()\n    while time.perf_counter() - t < 0.05: pass\n"
-             "while True:\n    th = threading.Thread(target=burn); th.start(); th.join()")
-    child = subprocess.Popen([sys.executable, "-c", churn])
-    try:
-        time.sleep(0.3)
-        before = snapshot()
-        time.sleep(0.6)
-        rows = cpu_by_process(before, snapshot(), top=50)
-    finally:
-        child.kill()
-        child.wait()
-    mine = [row for row in rows if row["pid"] == child.pid]
+    pid, rows = _child_between_snapshots(
+        "import threading, time\n"
+        "def burn():\n    t = time.perf_counter()\n    while time.perf_counter() - t < 0.05: pass\n"
+        "while True:\n    th = threading.Thread(target=burn); th.start(); th.join()")
+    mine = [row for row in rows if row["pid"] == pid]
     assert len(mine) == 1 and mine[0]["cpu_s"] >= 0.2
     for (pid, _), sample in snapshot().items():  # a process without a command line (a kernel thread)
         try:
