@@ -38,7 +38,12 @@ def _bytes_before(held: bytes, first: int | None) -> int:
     tail = decoder.getstate()[0]
     if not tail or first is None or _continues(tail, first):
         return done + len(tail)
-    return done + len(decoder.decode(b"", final=True).encode())
+    return _bytes_when_flushed(held)
+
+
+def _bytes_when_flushed(held: bytes) -> int:
+    """The bytes of text `held` comes out as once no later byte can complete it."""
+    return len(held.decode("utf-8", "replace").encode())
 
 
 def _continues(tail: bytes, first: int) -> bool:
@@ -83,7 +88,7 @@ class AlignedLogprobs:
         elif new_bytes:
             # What was held comes out first, then the token's own text: it starts where that text
             # begins at the end of what was emitted.
-            start_byte = self._bytes + max(len(self._held.decode("utf-8", "replace").encode()), new_bytes - len(own))
+            start_byte = self._bytes + max(_bytes_when_flushed(self._held), new_bytes - len(own))
             adds = True
         else:  # a skipped special token: nothing emitted, whatever is held stays held
             start_byte = self._bytes + _bytes_before(self._held, None)
