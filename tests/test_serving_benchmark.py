@@ -267,24 +267,41 @@ def test_cpu_by_process_finds_a_child_that_burns_cpu_and_its_switches():
     assert all(row["cpu_s"] >= 0.01 for row in rows) and rows == sorted(rows, key=lambda row: -row["cpu_s"])
 
 
-def test_cpu_by_process_keeps_the_time_of_threads_that_ended_and_names_kernel_threads():
+def test_cpu_by_process_keeps_the_time_of_threads_that_ended():
     """A child whose CPU is all spent in short-lived threads, each started and ended between the
     snapshots: its CPU is still counted (the process's own counters keep it)."""
-    from benchmarks.process_cpu import snapshot
-
     pid, rows = _child_between_snapshots(
         "import threading, time\n"
         "def burn():\n    t = time.perf_counter()\n    while time.perf_counter() - t < 0.05: pass\n"
         "while True:\n    th = threading.Thread(target=burn); th.start(); th.join()")
     mine = [row for row in rows if row["pid"] == pid]
     assert len(mine) == 1 and mine[0]["cpu_s"] >= 0.2
-    for (pid, _), sample in snapshot().items():  # a process without a command line (a kernel thread)
-        try:
-            command, comm = Path(f"/proc/{pid}/cmdline").read_bytes(), Path(f"/proc/{pid}/comm").read_text().strip()
-        except OSError:
-            continue
-        if not command:
-            assert sample.name == f"[{comm}]"
+
+
+def _fake_process(proc: Path, pid: int, comm: str, command: bytes, ticks: int, started: str = "777") -> None:
+    """/proc/PID as the kernel writes it: stat (comm in parentheses, then fields from state on;
+    utime and stime are fields 14 and 15, starttime 22), cmdline, and one task's status."""
+    entry = proc / str(pid)
+    (entry / "task" / str(pid)).mkdir(parents=True)
+    after_comm = ["S"] + ["0"] * 10 + [str(ticks), "0"] + ["0"] * 6 + [started] + ["0"] * 30
+    (entry / "stat").write_text(f"{pid} ({comm}) " + " ".join(after_comm) + "\n")
+    (entry / "cmdline").write_bytes(command)
+    (entry / "task" / str(pid) / "status").write_text("voluntary_ctxt_switches:\t3\nnonvoluntary_ctxt_switches:\t5\n")
+
+
+def test_cpu_by_process_names_a_process_by_its_command_line_or_a_kernel_thread_by_its_comm(tmp_path):
+    # A fixed /proc: a kernel worker's comm on a live host changes with the work it does
+    # ([kworker/1:1-events], then [kworker/1:1-mm_percpu_wq]) between two reads.
+    from benchmarks.process_cpu import _TICKS, snapshot
+
+    _fake_process(tmp_path, 40, "kworker/1:1-events", b"", ticks=_TICKS)
+    _fake_process(tmp_path, 41, "python", b"ray::RayRankWorker\0--flag\0", ticks=3 * _TICKS)
+    (tmp_path / "self").mkdir()  # not a pid: skipped
+    samples = snapshot(tmp_path)
+    assert samples[(40, "777")].name == "[kworker/1:1-events]"
+    assert samples[(41, "777")].name == "ray::RayRankWorker --flag"
+    assert samples[(41, "777")].cpu_s == 3.0 and samples[(41, "777")].switches_by_thread == {41: 5}
+    assert len(samples) == 2
 
 
 def test_cpu_by_process_is_refused_where_there_is_no_proc(monkeypatch, capsys):
