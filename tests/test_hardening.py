@@ -4,6 +4,7 @@ Ray, the workers or the load have started."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -123,6 +124,35 @@ def test_the_rendezvous_store_listens_on_the_rendezvous_address_only():
     out = subprocess.run([sys.executable, "-c", STORE_PROBE], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "['127.0.0.1']"
+
+
+def _probe_with_host_name(host_name: str, env: dict) -> subprocess.CompletedProcess:
+    """STORE_PROBE in a UTS namespace of its own whose host name is `host_name` (needs root)."""
+    return subprocess.run(["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$1" -c "$2"', host_name,
+                           sys.executable, STORE_PROBE], capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_gloo_listens_on_loopback_even_where_the_host_name_resolves_to_another_address():
+    """gloo, left to itself, listens on the address the host's name resolves to (on a cloud host,
+    the one its whole network reaches): here the name is that address itself. A GLOO_SOCKET_IFNAME
+    the user set is kept."""
+    import shutil
+
+    from workers.net import interface_addresses
+
+    outside = [(name, address) for name, address in interface_addresses().items() if not address.startswith("127.")]
+    if not outside or shutil.which("unshare") is None or os.geteuid() != 0:
+        pytest.skip("needs root, unshare and a network interface other than loopback")
+    interface, address = outside[0]
+    env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
+    out = _probe_with_host_name(address, env)
+    if out.returncode != 0 and "unshare" in out.stderr:
+        pytest.skip(f"this host refuses a UTS namespace: {out.stderr.strip()}")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "['127.0.0.1']"
+    out = _probe_with_host_name(address, {**env, "GLOO_SOCKET_IFNAME": interface})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(sorted(["127.0.0.1", address]))  # the store, then gloo where the user said
 
 
 def test_a_static_generate_gives_up_when_no_replica_ever_answers(small_model, in_process_cluster, monkeypatch):

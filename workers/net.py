@@ -1,8 +1,11 @@
-"""Free TCP ports, for process-group rendezvous and for tests and benchmarks that start servers."""
+"""This host's network, as a rank needs it: free TCP ports (for process-group rendezvous, and for
+tests and benchmarks that start servers), and the interface traffic to another node leaves by."""
 
 from __future__ import annotations
 
+import fcntl
 import socket
+import struct
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
@@ -21,3 +24,33 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 def free_port(host: str = "127.0.0.1") -> int:
     """One TCP port free on `host` now (see free_ports)."""
     return free_ports(1, host)[0]
+
+
+def address_toward(host: str) -> str:
+    """This host's IPv4 address that traffic to `host` leaves from (127.0.0.1 for a loopback host).
+    Nothing is sent: connecting a UDP socket only looks up the route."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.connect((host, 9))
+        return sock.getsockname()[0]
+
+
+_SIOCGIFADDR = 0x8915  # Linux: an interface's (primary) IPv4 address
+
+
+def interface_addresses() -> dict[str, str]:
+    """This host's network interfaces that have an IPv4 address, by name: their primary address
+    (Linux)."""
+    addresses = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            try:
+                answer = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address on this interface
+                continue
+            addresses[name] = socket.inet_ntoa(answer[20:24])
+    return addresses
+
+
+def interface_with_address(address: str) -> str | None:
+    """The name of this host's network interface whose primary IPv4 address is `address`, or None."""
+    return next((name for name, own in interface_addresses().items() if own == address), None)

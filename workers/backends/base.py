@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import abc
 import datetime
+import os
 import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
@@ -55,9 +56,16 @@ def join_torch_distributed(process_group_backend: str, rendezvous: RendezvousInf
 
     Rank 0's store listens on rendezvous.host only (loopback when every rank shares its node), not
     on every interface as a store given a tcp:// address does: it takes a socket rank 0 bound
-    itself. The store has no authentication, so it must be reachable by the group's ranks alone."""
+    itself. The store has no authentication, so it must be reachable by the group's ranks alone.
+
+    gloo's pairs between ranks listen likewise on the interface this rank reaches rendezvous.host
+    by (loopback for a group on one node): left to itself, gloo listens on the address the host's
+    name resolves to, on most cloud hosts the one every other machine of the network reaches.
+    A GLOO_SOCKET_IFNAME set by the user is kept."""
     import torch.distributed as dist
 
+    if "gloo" in process_group_backend and not os.environ.get("GLOO_SOCKET_IFNAME"):
+        _pin_gloo_to_the_route_to(rendezvous.host)
     timeout = datetime.timedelta(seconds=timeout_s)
     listener = None
     if rank == 0:
@@ -73,6 +81,15 @@ def join_torch_distributed(process_group_backend: str, rendezvous: RendezvousInf
         listener.detach()  # the store owns the descriptor now
     dist.init_process_group(backend=process_group_backend, store=store, rank=rank, world_size=world_size,
                             timeout=timeout, **options)
+
+
+def _pin_gloo_to_the_route_to(host: str) -> None:
+    """Sets GLOO_SOCKET_IFNAME, which gloo reads each time it makes a process group's device."""
+    from workers.net import address_toward, interface_with_address
+
+    interface = interface_with_address(address_toward(host))
+    if interface is not None:  # else (an alias address, say) gloo's own choice stands
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
 
 
 def leave_torch_distributed() -> None:
