@@ -33,10 +33,9 @@ def test_a_ray_address_nobody_listens_on_is_refused_at_once():
 
     from launcher.cluster import ray_cluster
 
-    with socket.socket() as s:  # a port that was free a moment ago
+    with socket.socket() as s:  # bound, not listening: connections are refused, and nothing else can take it
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    assert "Connection refused" in ray_cluster._unreachable(f"127.0.0.1:{port}", timeout_s=5)
+        assert "Connection refused" in ray_cluster._unreachable(f"127.0.0.1:{s.getsockname()[1]}", timeout_s=5)
     assert ray_cluster._unreachable("ray://127.0.0.1:1") is None  # ray.init checks that form itself
     with socket.socket() as listening:
         listening.bind(("127.0.0.1", 0))
@@ -185,14 +184,23 @@ def test_stop_token_ids_of_numpy_ints_and_generators_are_kept():
     assert check_stop_token_ids((t for t in [7]), 100) == (7,)  # consumed once, returned whole
 
 
-def test_a_timed_out_request_id_serves_again_once_its_cancel_is_answered(model_and_expected, in_process_cluster):
+def test_a_timed_out_request_id_serves_again_once_its_cancel_is_answered(model_and_expected, in_process_cluster,
+                                                                         monkeypatch):
     """A timed-out request leaves the books at once, but the leader answers its cancel later: until
     then its id is refused, and a request under it afterwards gets its own tokens (before, it could
     take the old request's "abort" and end empty)."""
     import time
 
+    import workers.serving.loop as loop_module
     from launcher.errors import RequestTimeout
 
+    real_choose = loop_module.choose
+
+    def slow_choose(logits, sequences):  # 494 steps of the tiny model can take under 0.3 s on a fast CPU
+        time.sleep(0.002)
+        return real_choose(logits, sequences)
+
+    monkeypatch.setattr(loop_module, "choose", slow_choose)  # the groups are threads of this process
     model_dir, expected = model_and_expected
     with Launcher(model=model_dir, tp=1, progress=False, request_timeout_s=0.3, **EAGER) as llm:
         with pytest.raises(RequestTimeout):

@@ -27,8 +27,12 @@ def tokens_of(stream) -> tuple[list[int], str | None]:
 def test_streams_equal_generate_and_async_streams_too(model_and_expected, in_process_cluster):
     model_dir, expected = model_and_expected
     with Launcher(model=model_dir, tp=2, max_num_seqs=2, progress=False, **EAGER) as llm:
-        streams = [llm.stream(p, max_new_tokens=NEW_TOKENS) for p in PROMPTS]  # more than max_num_seqs
-        assert llm.load()["running"] + llm.load()["waiting"] == len(PROMPTS)
+        # requests that cannot end meanwhile, more than max_num_seqs: the load is read once
+        held = [llm.stream(p, max_new_tokens=200, ignore_eos=True) for p in PROMPTS]
+        assert llm.load() == {"running": 2, "waiting": len(PROMPTS) - 2}
+        for stream in held:
+            stream.close()
+        streams = [llm.stream(p, max_new_tokens=NEW_TOKENS) for p in PROMPTS]
         assert [tokens_of(s)[0] for s in streams] == expected
         start = time.monotonic()
         together = llm.generate(PROMPTS, max_new_tokens=NEW_TOKENS)

@@ -238,9 +238,19 @@ def test_cpus_per_rank_reaches_the_server_and_is_refused_for_someone_elses_serve
         assert named in capsys.readouterr().err
 
 
-def _child_between_snapshots(code: str) -> tuple[int, list[dict]]:
-    """Runs `code` in a child process, snapshots /proc 0.6 s apart once it has started, and returns
-    (its pid, cpu_by_process's rows for that stretch)."""
+def _cpu_s_of(pid: int) -> float:
+    """The process's utime + stime from /proc, as process_cpu reads them."""
+    from benchmarks.process_cpu import _TICKS, _stat_fields
+
+    _, fields = _stat_fields(Path(f"/proc/{pid}/stat"))
+    return (int(fields[11]) + int(fields[12])) / _TICKS
+
+
+def _child_between_snapshots(code: str, burn_s: float = 0.25) -> tuple[int, list[dict], tuple[float, float]]:
+    """Runs `code` (which must burn CPU) in a child process and snapshots /proc twice, the second
+    time once the child has used `burn_s` CPU seconds since the first, however busy the host is.
+    Returns (its pid, cpu_by_process's rows for that stretch, the bounds the child's row must lie
+    in: its own CPU read just inside and just outside the two snapshots)."""
     import subprocess
     import time
 
@@ -248,34 +258,48 @@ def _child_between_snapshots(code: str) -> tuple[int, list[dict]]:
 
     child = subprocess.Popen([sys.executable, "-c", code])
     try:
-        time.sleep(0.3)  # past its start-up (imports)
+        deadline = time.monotonic() + 60
+
+        def wait_for(cpu_s: float) -> None:
+            while _cpu_s_of(child.pid) < cpu_s:
+                assert time.monotonic() < deadline, "the child never burned its CPU"
+                time.sleep(0.02)
+
+        wait_for(0.05)  # running, past its start-up
+        before_first = _cpu_s_of(child.pid)
         before = snapshot()
-        time.sleep(0.6)
-        return child.pid, cpu_by_process(before, snapshot(), top=50)
+        after_first = _cpu_s_of(child.pid)
+        wait_for(after_first + burn_s)
+        before_second = _cpu_s_of(child.pid)
+        after = snapshot()
+        after_second = _cpu_s_of(child.pid)
+        return child.pid, cpu_by_process(before, after, top=50), (before_second - after_first,
+                                                                  after_second - before_first)
     finally:
         child.kill()
         child.wait()
 
 
 def test_cpu_by_process_finds_a_child_that_burns_cpu_and_its_switches():
-    """A child process spinning for about half a second between two snapshots: it is listed, with
-    its command line and roughly that much CPU; processes idle meanwhile are left out."""
-    pid, rows = _child_between_snapshots("import time\nt = time.perf_counter()\nwhile time.perf_counter() - t < 60: pass")
+    """A child process spinning between two snapshots: it is listed, with its command line and the
+    CPU it used in between; processes idle meanwhile are left out."""
+    pid, rows, (least, most) = _child_between_snapshots(
+        "import time\nt = time.perf_counter()\nwhile time.perf_counter() - t < 60: pass")
     mine = [row for row in rows if row["pid"] == pid]
     assert len(mine) == 1 and "while time.perf_counter()" in mine[0]["process"]
-    assert 0.2 <= mine[0]["cpu_s"] <= 1.0 and mine[0]["threads"] >= 1
+    assert least >= 0.249 and least - 0.001 <= mine[0]["cpu_s"] <= most + 0.001 and mine[0]["threads"] >= 1
     assert all(row["cpu_s"] >= 0.01 for row in rows) and rows == sorted(rows, key=lambda row: -row["cpu_s"])
 
 
 def test_cpu_by_process_keeps_the_time_of_threads_that_ended():
     """A child whose CPU is all spent in short-lived threads, each started and ended between the
     snapshots: its CPU is still counted (the process's own counters keep it)."""
-    pid, rows = _child_between_snapshots(
+    pid, rows, (least, most) = _child_between_snapshots(
         "import threading, time\n"
         "def burn():\n    t = time.perf_counter()\n    while time.perf_counter() - t < 0.05: pass\n"
         "while True:\n    th = threading.Thread(target=burn); th.start(); th.join()")
     mine = [row for row in rows if row["pid"] == pid]
-    assert len(mine) == 1 and mine[0]["cpu_s"] >= 0.2
+    assert len(mine) == 1 and least >= 0.249 and least - 0.001 <= mine[0]["cpu_s"] <= most + 0.001
 
 
 def _fake_process(proc: Path, pid: int, comm: str, command: bytes, ticks: int, started: str = "777") -> None:
