@@ -258,21 +258,21 @@ def test_tp2_followers_run_the_leaders_plans():
     assert loops[1].outbox.take(0)[0] == []  # followers post nothing
 
 
-def test_compiled_loop_builds_no_graph_after_warm_up():
+def test_compiled_loop_builds_no_graph_after_warm_up_and_reads_midpoint_buckets():
     from torch._dynamo.utils import counters
 
     from workers.compiled import CompiledCausalLM
 
     torch._dynamo.reset()
-    # Every sequence here fits 32 slots (15 + 10 tokens at most), so one token bucket; one chunk
-    # bucket and two rows: a chunk of 8 starting its sequence and one continuing it (the 15-token
-    # prompt), decode of 1 and 2 rows (4 shapes, each a cold compile of ~10 s on two cores: the
-    # shapes a load can need, not more). Chunks of two rows in one call are compiled through Ray
-    # (tests/test_compiled.py).
-    buckets = Buckets.build(max_seq_len=32, context=(8,), token=(32,))
+    # Token buckets 16 and 32, so decode steps read 16, 24 or 32 slots as histories grow past 16
+    # and 24 (the 15-token prompt's last decode step, its 12th token, reads a history of 26). Chunk
+    # buckets 4 and 8 of one or two rows, starting a sequence or continuing it (the 15-token
+    # prompt), decode of one and two rows: 12 shapes, the ones this load can need and no more. One
+    # test for both properties, since each compiled shape costs seconds cold. Chunks of two rows
+    # through Ray are compiled in tests/test_compiled.py.
+    buckets = Buckets.build(max_seq_len=32, context=(4, 8), token=(16, 32))
     shapes = ServingShapes.build(buckets, max_num_seqs=2, max_prefill_tokens=8)
-    assert shapes.shapes() == [("serve-prefill-start", 1, 8), ("serve-prefill", 1, 8), ("serve-decode", 1, 32),
-                               ("serve-decode", 2, 32)]
+    assert shapes.read_buckets == (16, 24, 32) and len(shapes.shapes()) == 12
     model = CompiledCausalLM(fresh_model(), buckets, announce=lambda line: None)
     loop = ServingLoop(model, ServingConfig(2, 8, 32, shapes))
     before = counters["stats"]["unique_graphs"]
@@ -282,15 +282,26 @@ def test_compiled_loop_builds_no_graph_after_warm_up():
     # warm-up built a graph for every shape (a model that fell back to eager would build none)
     assert {(g.phase, g.batch, g.length) for g in model.stats().graphs} == set(shapes.shapes())
     assert graphs - before >= len(shapes.shapes())
+    decode_reads = []  # slots each decode step of the load read
+    serve_step = model.serve_step
+
+    def recording(input_ids, position_ids, cache, cache_positions, rows, read_slots, logit_index=None):
+        if input_ids.shape[1] == 1:
+            decode_reads.append(read_slots)
+        return serve_step(input_ids, position_ids, cache, cache_positions, rows, read_slots, logit_index)
+
+    model.serve_step = recording
     threads = run_loops([loop])
-    pending = [request(f"r{i}", p, 10) for i, p in enumerate(MORE_PROMPTS)]
+    # requests arrive one at a time as events come back: chunks and decode rows of every kind mix
+    pending = [request(f"r{i}", p, 12) for i, p in enumerate(MORE_PROMPTS)]
     loop.submit([pending.pop(0)])
     got = collect(loop, {f"r{i}" for i in range(len(MORE_PROMPTS))},
                   on_event=lambda e: pending and loop.submit([pending.pop(0)]))
     stop([loop], threads)
-    assert counters["stats"]["unique_graphs"] == graphs
+    assert counters["stats"]["unique_graphs"] == graphs  # no graph built during the load
     for i, prompt in enumerate(MORE_PROMPTS):
-        assert got.tokens[f"r{i}"] == alone(tuple(prompt))
+        assert got.tokens[f"r{i}"] == alone(tuple(prompt), 12)
+    assert set(decode_reads) == {16, 24, 32}
 
 
 def test_decode_reads_the_smallest_read_bucket_token_buckets_and_their_midpoints():
@@ -306,44 +317,6 @@ def test_decode_reads_the_smallest_read_bucket_token_buckets_and_their_midpoints
     assert decode == [("serve-decode", b, t) for b in (1, 2, 4, 8, 16, 32) for t in (128, 192, 256)]
     # a warm-up for sequences of at most 150 tokens stops at the read bucket holding them
     assert max(t for phase, _, t in shapes.shapes(150) if phase == "serve-decode") == 192
-
-
-def test_compiled_loop_reading_midpoint_buckets_equals_each_prompt_alone():
-    from torch._dynamo.utils import counters
-
-    from workers.compiled import CompiledCausalLM
-
-    torch._dynamo.reset()
-    # Token buckets 16 and 32, so decode steps read 16, 24 or 32 slots as histories grow past 16
-    # and 24 (the 15-token prompt's last decode step, its 12th token, reads a history of 26).
-    buckets = Buckets.build(max_seq_len=32, context=(4, 8), token=(16, 32))
-    shapes = ServingShapes.build(buckets, max_num_seqs=2, max_prefill_tokens=8)
-    assert shapes.read_buckets == (16, 24, 32)
-    model = CompiledCausalLM(fresh_model(), buckets, announce=lambda line: None)
-    loop = ServingLoop(model, ServingConfig(2, 8, 32, shapes))
-    before = counters["stats"]["unique_graphs"]
-    with model.warming_up():
-        loop.warm_up(shapes.shapes())
-    graphs = counters["stats"]["unique_graphs"]
-    assert {(g.phase, g.batch, g.length) for g in model.stats().graphs} == set(shapes.shapes())
-    assert graphs - before >= len(shapes.shapes())
-    decode_reads = []  # slots each decode step of the load read
-    serve_step = model.serve_step
-
-    def recording(input_ids, position_ids, cache, cache_positions, rows, read_slots, logit_index=None):
-        if input_ids.shape[1] == 1:
-            decode_reads.append(read_slots)
-        return serve_step(input_ids, position_ids, cache, cache_positions, rows, read_slots, logit_index)
-
-    model.serve_step = recording
-    threads = run_loops([loop])
-    loop.submit([request(f"r{i}", p, 12) for i, p in enumerate(MORE_PROMPTS)])
-    got = collect(loop, {f"r{i}" for i in range(len(MORE_PROMPTS))})
-    stop([loop], threads)
-    assert counters["stats"]["unique_graphs"] == graphs
-    for i, prompt in enumerate(MORE_PROMPTS):
-        assert got.tokens[f"r{i}"] == alone(tuple(prompt), 12)
-    assert set(decode_reads) == {16, 24, 32}
 
 
 def test_prefill_chunks_of_one_bucket_share_a_call_up_to_the_budget():
