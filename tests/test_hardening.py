@@ -126,6 +126,24 @@ def test_the_rendezvous_store_listens_on_the_rendezvous_address_only():
     assert out.stdout.strip() == "['127.0.0.1']"
 
 
+def test_gloo_is_pinned_to_the_interface_toward_rank_0_or_left_alone_without_a_route(monkeypatch):
+    import workers.net as net
+    from workers.backends.base import _pin_gloo_to_the_route_to
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "restored-after-the-test")
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    _pin_gloo_to_the_route_to("127.0.0.1")
+    assert os.environ["GLOO_SOCKET_IFNAME"] == net.interface_with_address("127.0.0.1") is not None
+    del os.environ["GLOO_SOCKET_IFNAME"]
+
+    def no_route(host):
+        raise OSError(101, "Network is unreachable")
+
+    monkeypatch.setattr(net, "address_toward", no_route)
+    _pin_gloo_to_the_route_to("10.255.0.1")  # joining the store then fails, naming the address
+    assert "GLOO_SOCKET_IFNAME" not in os.environ
+
+
 def _probe_with_host_name(host_name: str, env: dict) -> subprocess.CompletedProcess:
     """STORE_PROBE in a UTS namespace of its own whose host name is `host_name` (needs root)."""
     return subprocess.run(["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$1" -c "$2"', host_name,

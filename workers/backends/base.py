@@ -87,7 +87,10 @@ def _pin_gloo_to_the_route_to(host: str) -> None:
     """Sets GLOO_SOCKET_IFNAME, which gloo reads each time it makes a process group's device."""
     from workers.net import address_toward, interface_with_address
 
-    interface = interface_with_address(address_toward(host))
+    try:
+        interface = interface_with_address(address_toward(host))
+    except OSError:  # no route to rank 0: joining its store fails next, naming the address
+        return
     if interface is not None:  # else (an alias address, say) gloo's own choice stands
         os.environ["GLOO_SOCKET_IFNAME"] = interface
 
