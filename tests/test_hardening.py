@@ -37,6 +37,17 @@ def test_ray_address_auto_is_refused_naming_the_alternatives():
         ray_cluster.connect("auto")
 
 
+def test_ray_address_auto_from_the_environment_is_refused_too(monkeypatch):
+    """ray.init reads RAY_ADDRESS=auto as "join whatever runs on this host": it was passed through."""
+    from launcher.cluster import ray_cluster
+
+    monkeypatch.setenv("RAY_ADDRESS", "auto")
+    monkeypatch.setattr("ray.is_initialized", lambda: False)  # as in a fresh process (this one may hold a session)
+    monkeypatch.setattr("ray.init", lambda *a, **k: pytest.fail("ray.init was called with RAY_ADDRESS=auto"))
+    with pytest.raises(LaunchError, match="RAY_ADDRESS 'auto' joins any Ray .*host:port.*--ray-address local"):
+        ray_cluster.connect(None)
+
+
 @pytest.mark.parametrize("address", ["garbage", ":6379", "head:", "head:70000", "head:port"])
 def test_a_malformed_ray_address_is_refused_naming_the_forms(address, monkeypatch):
     """Ray answered these with a logged traceback and "Malformed host" / "Invalid address format"."""

@@ -92,6 +92,9 @@ def _unreachable(address: str, timeout_s: float = GCS_PROBE_S) -> str | None:
         return f"nothing accepts connections there within {timeout_s:g} s: {err}"
 
 
+_AUTO_JOINS_ANY = "joins any Ray found running on this host, another user's private cluster included"
+
+
 def connect(address: str | None = None, num_cpus: int | None = None, worker_logs: bool = False) -> RayConnection:
     """`address`: None (RAY_ADDRESS, else a cluster `ray start` recorded here, else a private
     local one), "local" (always a private one), or "host:port"; "auto" is refused.
@@ -103,8 +106,7 @@ def connect(address: str | None = None, num_cpus: int | None = None, worker_logs
     import ray
 
     if address == "auto":
-        raise ValueError("ray_address 'auto' joins any Ray found running on this host, another user's "
-                         "private cluster included; pass the cluster's host:port (or set RAY_ADDRESS), "
+        raise ValueError(f"ray_address 'auto' {_AUTO_JOINS_ANY}; pass the cluster's host:port (or set RAY_ADDRESS), "
                          "start one with `ray start --head` and omit the address, or pass 'local'")
     quiet = dict(log_to_driver=worker_logs, logging_level="ERROR")
     if ray.is_initialized():
@@ -112,6 +114,10 @@ def connect(address: str | None = None, num_cpus: int | None = None, worker_logs
     if address is None:
         address = os.environ.get("RAY_ADDRESS") or recorded_cluster()
         how = "RAY_ADDRESS" if os.environ.get("RAY_ADDRESS") else "the cluster `ray start` recorded on this machine"
+        if address == "auto":  # ray.init reads RAY_ADDRESS itself: refused here as the option is
+            raise LaunchError(f"RAY_ADDRESS 'auto' {_AUTO_JOINS_ANY}; set RAY_ADDRESS to the cluster's host:port, "
+                              "unset it to use the cluster `ray start` recorded on this machine, or pass "
+                              "--ray-address local for a private one")
     else:
         how = "--ray-address"
     if address not in (None, "local"):
