@@ -355,6 +355,31 @@ def test_bench_json_report_in_process(models, capsys, in_process_cluster):
     check_bench_report(report)
 
 
+def test_bench_runs_a_batch_above_the_default_row_count_as_one(models, capsys, in_process_cluster, monkeypatch):
+    """--batch-size 10 (the serving engine's default is 8 rows and a 2048-token prefill budget):
+    every prompt holds a row and is prefilled in the first step, or the first result's times (which
+    the report multiplies by the batch) would be those of a smaller batch."""
+    from launcher.api import Launcher
+
+    original, _ = models
+    configs = []
+    prepare = Launcher.prepare
+
+    def recording(self):
+        configs.append(self.config)
+        return prepare(self)
+
+    monkeypatch.setattr(Launcher, "prepare", recording)
+    capsys.readouterr()
+    code = main(["bench", "--model", str(original), "--tp", "1", "--batch-size", "10", "--prompt-len", "300",
+                 "--max-new-tokens", "2", "--warmup", "0", "--runs", "1", "--no-compile", "--seq-len", "320",
+                 "--quiet", "--json"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert configs and all(c.max_num_seqs == 10 and c.max_prefill_tokens == 3000 for c in configs), configs
+    assert json.loads(out.out)["context_encoding_model"]["count"] == 1
+
+
 def check_bench_report(report: dict) -> None:
     runs = BENCH_RUNS
     assert report["config"]["tp_degree"] == 2 and report["config"]["runs"] == runs

@@ -101,7 +101,11 @@ def _bench(args: argparse.Namespace) -> dict:
                           sequence_parallel=args.sequence_parallel,
                           dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_batch_size=args.batch_size,
                           seq_len=args.seq_len, ray_address=args.ray_address,
-                          compile=args.compile, progress=not args.quiet)
+                          compile=args.compile, progress=not args.quiet,
+                          # the whole batch runs as one: every prompt in a row of the serving engine and
+                          # prefilled in its first step, so the first result's times are the batch's
+                          max_num_seqs=args.batch_size,
+                          max_prefill_tokens=max(LaunchConfig.max_prefill_tokens, args.batch_size * args.prompt_len))
     timings: list[RunTiming] = []
     launcher = Launcher(config).prepare()
     check_prompt_len(args, launcher)  # before the prompts are built: 10**9 random ids would fill host memory
