@@ -266,12 +266,13 @@ def test_server_settings_from_builder_arguments():
 
 
 def test_a_replicas_in_flight_cap_follows_the_engines_own_defaults():
-    from launcher.api import LaunchConfig
+    from launcher.api import MAX_QUEUED_REQUESTS, LaunchConfig
     from launcher.serving.server_settings import ROUTE_HEADROOM, settings_from_args
 
     engine = LaunchConfig()  # what `serve run` / `serve deploy` get for arguments left out
-    assert engine.max_queued_requests is None
-    assert settings_from_args({"tp": "1"}).max_ongoing_requests == 5 * engine.max_num_seqs + ROUTE_HEADROOM
+    assert engine.max_queued_requests is None  # no limit: the engine queues all, so Serve holds none back
+    assert settings_from_args({"tp": "1"}).max_ongoing_requests == \
+        engine.max_num_seqs + MAX_QUEUED_REQUESTS + ROUTE_HEADROOM < 2**31
     assert settings_from_args({"max_num_seqs": 4, "max_queued_requests": 3}).max_ongoing_requests == 7 + ROUTE_HEADROOM
 
 
@@ -728,6 +729,8 @@ def test_proxy_ingress_serves_the_same_stream(tmp_path, hf):
     text as transformers, and the replica's own server is not what answers."""
     import openai
 
+    import requests
+
     expected = hf.greedy(hf.tok(PROMPT)["input_ids"], 8)
     with running_server(tmp_path / "serve.log", "--ingress", "proxy", "--max-num-seqs", "1") as running:
         client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", timeout=300, max_retries=0)
@@ -735,6 +738,33 @@ def test_proxy_ingress_serves_the_same_stream(tmp_path, hf):
         assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == expected
         owner = _listener(running.url)
         owner_name = owner.name() if owner is not None else "nothing"
+        # No queue limit (the default): 20 streams, more than 5 x --max-num-seqs + 8 (Serve's cap on
+        # this replica before), all reach the engine, and /health and /metrics still answer at once.
+        opened, release = [], threading.Event()
+
+        def hold():
+            held = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=400, temperature=0, stream=True,
+                                             extra_body={"ignore_eos": True})
+            opened.append(held)
+            release.wait(120)
+            held.close()
+
+        holders = [threading.Thread(target=hold, daemon=True) for _ in range(20)]
+        for holder in holders:
+            holder.start()
+        try:
+            deadline = time.monotonic() + 60
+            while len(opened) < 20:
+                assert time.monotonic() < deadline, f"{len(opened)} of 20 streams reached the engine"
+                time.sleep(0.2)
+            assert requests.get(f"{running.url}/health", timeout=10).status_code == 200
+            assert requests.get(f"{running.url}/metrics", timeout=10).status_code == 200
+            assert (_metric(running, "corelaunch_requests_running"), _metric(running, "corelaunch_requests_waiting")) == (1, 19)
+        finally:
+            release.set()
+            for holder in holders:
+                holder.join(30)
+        _wait_idle(running)
     assert "Proxy" in owner_name, owner_name
 
 
@@ -748,6 +778,7 @@ def test_a_replica_whose_group_failed_is_replaced_on_the_same_port(client, serve
     import requests
 
     before = _listener(server.url)
+
     def named_rank(process) -> bool:  # Ray starts and ends idle workers: one may be gone by now
         try:
             return "RayRankWor" in process.name()

@@ -62,7 +62,7 @@ def launch_fields() -> tuple[str, ...]:
 def settings_from_args(args: dict) -> ServerSettings:
     """ServerSettings from builder arguments (text or typed); ValueError (or FileNotFoundError for a
     missing model) naming the bad argument and the fix."""
-    from launcher.api import LaunchConfig
+    from launcher.api import MAX_QUEUED_REQUESTS, LaunchConfig
 
     fields = launch_fields()
     typed = {key: _typed(key, value) for key, value in args.items()}
@@ -75,9 +75,11 @@ def settings_from_args(args: dict) -> ServerSettings:
     launch.update(replicas=1, progress=launch.get("progress", False))
     config = LaunchConfig(**launch)  # its checks, with its messages, now rather than inside a Serve replica
     num_replicas, autoscaling = _replica_counts(typed)
-    # The engine's own values, its defaults included: what one replica runs at once and queues.
+    # The engine's own values, its defaults included: what one replica runs at once and queues. With
+    # no queue limit the engine queues everything, so Serve must let everything through: a request
+    # held in Serve's own queue held /health and /metrics behind it too.
     queued = config.max_queued_requests
-    admitted = config.max_num_seqs + (queued if queued is not None else 4 * config.max_num_seqs)
+    admitted = config.max_num_seqs + (queued if queued is not None else MAX_QUEUED_REQUESTS)
     return ServerSettings(
         launch=launch, served_model_name=_served_name(typed, launch), api_key=_api_key(typed.get("api_key")),
         num_replicas=num_replicas, autoscaling=autoscaling, max_ongoing_requests=admitted + ROUTE_HEADROOM)
