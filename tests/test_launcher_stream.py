@@ -145,9 +145,12 @@ def test_a_stop_string_cuts_the_text_and_ends_the_request(model_and_expected, in
     stop = f" t{expected[0][2]} "  # the third token, surrounded: no other word contains it
     cut = words[:(words + " ").find(stop)]
     assert 0 < len(cut) < len(words)
-    with Launcher(model=str(with_words), tp=1, max_num_seqs=1, progress=False, **EAGER) as llm:
+    with Launcher(model=str(with_words), tp=1, max_num_seqs=1, max_queued_requests=0, progress=False, **EAGER) as llm:
         deltas = list(llm.stream(PROMPTS[0], max_new_tokens=NEW_TOKENS, stop=[stop], ignore_eos=True))
-        # the one row is free again: the next request is answered in full
+        # Out of the books the moment its reader saw the stop, not when the leader answers the
+        # cancel: the next request is admitted at once (it was refused as a full queue meanwhile,
+        # with no queue) and answered in full.
+        assert llm.load() == {"running": 0, "waiting": 0}
         after = tokens_of(llm.stream(PROMPTS[1], max_new_tokens=NEW_TOKENS))
         assert llm.load() == {"running": 0, "waiting": 0}
     assert "".join(d.text for d in deltas) == cut and deltas[-1].finish_reason == "stop"

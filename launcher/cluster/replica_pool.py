@@ -154,6 +154,12 @@ class Replica:
                 return
             handle.cancelled = True
             if self.state == "serving":
+                # Out of the books at once, as a timed-out request: its reader is done with it (a stop
+                # string, a close, a client gone), so load() and admission stop counting it now, not
+                # when the leader's answer comes. Its id stays taken until then; its late events are dropped.
+                self.streams.pop(request_id)
+                self.cancelling.add(request_id)
+                self.served += 1
                 self.started.group.cancel([request_id])  # the leader answers with an "abort" event
 
     def _poll_streams(self) -> None:
