@@ -24,6 +24,7 @@ from launcher.cluster.restart_policy import RestartPolicy
 from launcher.errors import LaunchError, NoDeviceResource, PlacementTimeout
 from launcher.progress import Progress
 from shardlib.expert_sharding import check_moe_sharding_name
+from shardlib.generation_config import generation_eos_ids
 from shardlib.model_config import ModelConfig, normalize_dtype
 from shardlib.quantized_sizes import kv_dtype_name
 from shardlib.positive_int import is_positive_int, positive_int
@@ -287,6 +288,7 @@ class Launcher:
         self.model_dir: Path | None = None
         self.tokenizer = None
         """The checkpoint's tokenizer once start() (or check_prompts()) has returned; None without one."""
+        self._generation_eos: tuple[int, ...] = ()
         self._tokenizer_load: BackgroundLoad | None = None
         self._host_holds: int | None = None
         self.load_stats: list = []
@@ -341,6 +343,7 @@ class Launcher:
             self.config = apply_compiled_dir(self.config)  # its weights, graphs and settings
         planned = plan_launch(self.config, self._progress)
         self.model_dir, self.model_config = planned.model_dir, planned.model_config
+        self._generation_eos = generation_eos_ids(self.model_dir)  # before Ray: a bad file is named now
         self.backend = planned.backend
         self._host_holds = planned.host_holds
         self.buckets = load_spec_fields(self.config, planned.plan, self.model_config)["buckets"]
@@ -883,7 +886,9 @@ class Launcher:
                     raise ValueError(f"prompt {i}: {err}") from None
 
     def _eos_ids(self) -> list[int]:
-        ids = list(self.model_config.eos_token_id)
+        """The ids that end a request unless ignore_eos: config.json's, generation_config.json's and
+        the tokenizer's end-of-sequence token."""
+        ids = list(self.model_config.eos_token_id) + list(self._generation_eos)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.append(self.tokenizer.eos_token_id)
         return ids

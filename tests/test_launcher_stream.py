@@ -6,6 +6,7 @@ group fault mid-stream resumes every stream without a duplicated or missing toke
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from pathlib import Path
 
@@ -156,6 +157,26 @@ def test_a_stop_string_cuts_the_text_and_ends_the_request(model_and_expected, in
     assert "".join(d.text for d in deltas) == cut and deltas[-1].finish_reason == "stop"
     assert deltas[-1].completion_tokens < NEW_TOKENS  # the stream ended at the stop, not at max_new_tokens
     assert after == (expected[1], "length")
+
+
+def test_generation_config_eos_ids_end_requests_too(model_and_expected, in_process_cluster, tmp_path):
+    """An end-of-turn id named only in generation_config.json (as Llama 3 Instruct's <|eot_id|>)
+    ends a request as transformers' generate would; ignore_eos still runs past it, and a file that
+    cannot be read is named before anything starts."""
+    import json
+    import shutil
+
+    model_dir, expected = model_and_expected
+    with_eos = Path(shutil.copytree(model_dir, tmp_path / "with-eos"))
+    (with_eos / "generation_config.json").write_text(json.dumps({"eos_token_id": [expected[0][2]]}))
+    with Launcher(model=str(with_eos), tp=1, progress=False, **EAGER) as llm:
+        assert tokens_of(llm.stream(PROMPTS[0], max_new_tokens=NEW_TOKENS)) == (expected[0][:3], "stop")
+        assert llm.generate([PROMPTS[0]], max_new_tokens=NEW_TOKENS)[0].token_ids == expected[0][:3]
+        assert tokens_of(llm.stream(PROMPTS[0], max_new_tokens=NEW_TOKENS, ignore_eos=True)) == (expected[0], "length")
+    for text, words in (("{", "is not JSON"), ('{"eos_token_id": "2"}', "eos_token_id ('2') must be an integer")):
+        (with_eos / "generation_config.json").write_text(text)
+        with pytest.raises(ValueError, match=rf"generation_config.json.*{re.escape(words)}"):
+            Launcher(model=str(with_eos), tp=1, progress=False, **EAGER).prepare()
 
 
 def test_stop_tokens_end_a_stream_and_bad_options_are_refused(model_and_expected, in_process_cluster):
