@@ -131,6 +131,7 @@ def fake_compiled_dir(root: Path, model_dir: Path, **overrides) -> Path:
     (dict(dtype="bfloat16"), {}, r"dtype: expected 'float32' \(compiled\), found 'bfloat16' \(asked\)"),
     (dict(token_buckets=(16, 32)), {}, r"token buckets: expected \[16\] \(compiled\), found \[16, 32\]"),
     (dict(compile=False), {}, r"compile: expected True"),
+    (dict(lnc=1), {"lnc": 2}, r"lnc: expected 2 \(compiled\), found 1 \(asked\)"),
     ({}, {"versions": {**library_versions(), "torch": "1.0.0"}}, r"torch: expected '1.0.0', found '"),
     ({}, {"versions": {**library_versions(), "transformers": "4.0.0"}}, r"transformers: expected '4.0.0'"),
 ])
@@ -153,6 +154,8 @@ def test_a_matching_launch_takes_the_directory_settings(model_dir, tmp_path):
     config = compiled_dir.apply_compiled_dir(LaunchConfig(compiled_dir=str(root), model=str(model_dir)))
     assert (config.tp, config.dtype, config.seq_len, config.max_batch_size) == (1, "float32", 16, 1)
     assert config.presharded_dir == str(root / "weights") and config.context_buckets == (8, 16)
+    compiled_at_lnc_2 = fake_compiled_dir(tmp_path / "c2", model_dir, lnc=2)
+    assert compiled_dir.apply_compiled_dir(LaunchConfig(compiled_dir=str(compiled_at_lnc_2))).lnc == 2
 
 
 def corelaunch_in_process(capsys, *args: str) -> tuple[int, str]:

@@ -71,7 +71,7 @@ def read_manifest(root: str | Path) -> dict[str, Any]:
 
 def apply_compiled_dir(config):
     """A LaunchConfig that starts from config.compiled_dir: its model files, pre-sharded weights,
-    compile cache, TP degree, dtype, KV strategy, granularity and buckets. ValueError when config asks for
+    compile cache, TP degree, dtype, KV strategy, LNC, granularity and buckets. ValueError when config asks for
     anything the directory was not built for, naming each field with the expected and found values."""
     from shardlib.model_config import load_model_config
     from workers.compiled import version_differences
@@ -88,7 +88,8 @@ def apply_compiled_dir(config):
                           f"({manifest.get('source', 'the compiled model')}), found {given} ({config.model})")
     for field, wanted in (("tp_degree", config.tp), ("dtype", config.dtype), ("backend", config.backend),
                           ("kv_strategy", config.kv_strategy), ("moe_sharding", config.moe_sharding),
-                          ("granularity", config.compile_granularity), ("kv_cache_dtype", config.kv_cache_dtype)):
+                          ("granularity", config.compile_granularity), ("kv_cache_dtype", config.kv_cache_dtype),
+                          ("lnc", config.lnc)):  # a Neuron graph runs only at the LNC it was compiled for
         if wanted not in (None, "auto") and wanted != manifest.get(field):
             differ.append(f"{field}: expected {manifest.get(field)!r} (compiled), found {wanted!r} (asked)")
     for flag in ("pad_q_heads", "sequence_parallel"):  # on when asked, so the directory must have it on
@@ -116,7 +117,7 @@ def apply_compiled_dir(config):
         backend=manifest["backend"], kv_strategy=manifest["kv_strategy"], seq_len=buckets.max_seq_len,
         pad_q_heads=manifest.get("pad_q_heads", False), sequence_parallel=manifest.get("sequence_parallel", False),
         kv_cache_dtype=manifest.get("kv_cache_dtype"),
-        moe_sharding=manifest.get("moe_sharding"),
+        moe_sharding=manifest.get("moe_sharding"), lnc=manifest.get("lnc") or config.lnc,
         compile_granularity=manifest.get("granularity"),
         presharded_dir=str(weights_dir(root)), context_buckets=buckets.context, token_buckets=buckets.token,
         max_batch_size=min(config.max_batch_size, buckets.max_batch_size))
