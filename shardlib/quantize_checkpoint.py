@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from shardlib.checkpoint import CHECKPOINT_FILES, _open_files, find_checkpoint, validated_names
+from shardlib.checkpoint import CHECKPOINT_FILES, _open_files, checked_names, find_checkpoint
 from shardlib.model_config import ModelConfig, read_config_json
 from shardlib.quantization import (Quantization, absmax_scale, normalize_quant_dtype, quantize_with_scale,
                                    scale_name, storage_dtype)
@@ -93,8 +93,9 @@ def _write_weights(model_dir: Path, config: ModelConfig, quant: Quantization, pa
                    progress: Callable[[str, int, int], None] | None) -> None:
     ckpt = find_checkpoint(model_dir)
     with _open_files(ckpt) as files:
+        # the index may name a tensor its file lacks: checked (and named) before anything is read
+        names = checked_names(ckpt, {p: {n: e.shape for n, e in f.entries.items()} for p, f in files.items()}, config)
         entries = {name: files[p].entries[name] for name, p in ckpt.weight_map.items()}
-        names = validated_names(ckpt, {n: e.shape for n, e in entries.items()}, config)
         # The output's table of contents, in write order: each weight, then its scale.
         layout: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
         for name in names:

@@ -184,6 +184,11 @@ def test_index_and_file_disagree(models, tmp_path):
     with pytest.raises(ValueError) as err:
         _load(d)
     assert name in str(err.value) and files[1] in str(err.value)
+    from shardlib.quantize_checkpoint import quantize_checkpoint
+
+    with pytest.raises(ValueError) as err:  # was a KeyError traceback from `corelaunch quantize`
+        quantize_checkpoint(d, tmp_path / "q", "int8")
+    assert name in str(err.value) and files[1] in str(err.value) and not (tmp_path / "q").exists()
 
 
 def test_pickle_with_a_non_tensor_object_is_refused(models, tmp_path):
