@@ -498,8 +498,10 @@ def _describe(code: str, req: _Request, check: _Check, hint_degrees: list[int]) 
     if code == "invalid_lnc":
         return req.lnc_problem
     if code == "heads_not_divisible":
-        return (f"num_attention_heads ({cfg.num_attention_heads}) is not divisible by tp_degree ({tp}); "
-                f"{works}; or pad Q heads with zero heads (pad_q_heads, --pad-q-heads)")
+        from shardlib.sharding import FUSED_QKV_MODEL_TYPES
+
+        pad = "" if cfg.model_type in FUSED_QKV_MODEL_TYPES else "; or pad Q heads with zero heads (pad_q_heads, --pad-q-heads)"
+        return f"num_attention_heads ({cfg.num_attention_heads}) is not divisible by tp_degree ({tp}); {works}{pad}"
     if code == "kv_heads_incompatible":
         from shardlib.sharding import default_kv_strategy, kv_strategy_problem
 
@@ -630,6 +632,13 @@ def plan(config: ModelConfig, *, instance: str | InstanceType = CPU_TARGET, tp: 
         else min(config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN),
         dtype=_resolve_dtype(dtype, config), kv_override=kv_strategy, pad=bool(pad_q_heads),
         kv_cache_dtype=kv_dtype_name(kv_cache_dtype), moe_override=check_moe_sharding_name(moe_sharding))
+    if pad_q_heads:
+        from shardlib.sharding import FUSED_QKV_MODEL_TYPES
+
+        if config.model_type in FUSED_QKV_MODEL_TYPES:  # as the layout would refuse it, but before any start-up
+            raise ValueError(f"pad_q_heads (--pad-q-heads) is not supported for {config.model_type}: its fused Wqkv "
+                             f"keeps Q, K and V in one matrix, which zero Q heads cannot be inserted into; use a "
+                             f"tp_degree that divides num_attention_heads ({config.num_attention_heads})")
     if moe_sharding is not None and not config.is_moe:
         raise ValueError(f"moe_sharding ({moe_sharding!r}) applies to mixture-of-experts models; this "
                          f"{config.model_type} model has no experts: leave it unset")

@@ -140,6 +140,15 @@ def test_fused_wqkv_refuses_padded_q_heads():
     _, config, _, _ = reference("dbrx")
     with pytest.raises(ValueError, match="--pad-q-heads is not supported for dbrx"):
         ShardLayout.for_model(config, 3, pad_q_heads=True)
+    # the planner refuses it too, before any start-up (it planned a valid layout the loader then refused),
+    # and does not offer padding as a way out
+    from shardlib.planner import plan
+
+    with pytest.raises(ValueError, match=r"pad_q_heads \(--pad-q-heads\) is not supported for dbrx"):
+        plan(config, tp=3, pad_q_heads=True)
+    unpadded = plan(config, tp=3)
+    assert [e.code for e in unpadded.errors] == ["heads_not_divisible"]
+    assert "pad" not in unpadded.errors[0].message
 
 
 @pytest.mark.parametrize("sharding", [TENSOR_PARALLEL, EXPERT_PARALLEL])
