@@ -211,6 +211,13 @@ class LaunchConfig:
                 from shardlib.buckets import normalize_buckets
 
                 setattr(self, name, normalize_buckets(getattr(self, name), name.replace("_", " ")))
+        if self.token_buckets is not None:  # the largest token bucket is each KV cache row's length
+            if self.seq_len is None:
+                self.seq_len = self.token_buckets[-1]  # so the planner sizes the cache the buckets make
+            elif self.token_buckets[-1] > self.seq_len:
+                raise ValueError(f"token bucket {self.token_buckets[-1]} exceeds seq_len ({self.seq_len}), the "
+                                 f"positions the planner sizes each KV cache row for; lower the bucket or raise "
+                                 f"--seq-len to {self.token_buckets[-1]}")
         if self.compiled_dir is not None and not Path(self.compiled_dir).is_dir():
             raise FileNotFoundError(f"compiled-model directory {self.compiled_dir} does not exist; write it "
                                     f"with `corelaunch compile --out {self.compiled_dir}`")

@@ -27,6 +27,15 @@ def test_launch_options_are_checked_when_the_config_is_built(field, value, words
     assert words in str(caught.value)
 
 
+def test_token_buckets_set_or_stay_within_the_planned_sequence_length():
+    """The largest token bucket is each KV cache row's length: the planner sized seq_len's rows, so
+    a larger bucket would allocate rows it never counted."""
+    with pytest.raises(ValueError, match=r"token bucket 512 exceeds seq_len \(256\).*raise --seq-len to 512"):
+        LaunchConfig(seq_len=256, token_buckets=(128, 512))
+    assert LaunchConfig(token_buckets=(128, 512)).seq_len == 512  # no seq_len: planned at the largest bucket
+    assert LaunchConfig(seq_len=512, token_buckets=(128, 256)).seq_len == 512
+
+
 def test_a_ray_address_nobody_listens_on_is_refused_at_once():
     """ray.init retried such an address for ever; a TCP probe says so within seconds."""
     import socket
