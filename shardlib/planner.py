@@ -37,8 +37,8 @@ import functools
 import math
 from dataclasses import dataclass, field
 
-from shardlib.expert_sharding import (MOE_SHARDINGS, check_moe_sharding_name, expert_elements_per_rank,
-                                      default_moe_sharding, moe_sharding_problem)
+from shardlib.expert_sharding import (EXPERT_PARALLEL, MOE_SHARDINGS, check_moe_sharding_name,
+                                      default_moe_sharding, expert_elements_per_rank, moe_sharding_problem)
 from shardlib.instances import CPU_TARGET, GIB, NEURON_INSTANCES, InstanceType, get_instance
 from shardlib.families import layer_norm_elements
 from shardlib.model_config import DTYPE_BYTES, ModelConfig, normalize_dtype
@@ -383,7 +383,8 @@ def _check(req: _Request, tp: int) -> _Check:
     memory = MemoryEstimate(
         weight_bytes_per_rank=weight_bytes(cfg, req.dtype, _weight_elements(cfg, tp, q_per_rank, kv_per_rank,
                                                                             moe_sharding),
-                                           tp, q_per_rank, kv_per_rank, inst.is_neuron),
+                                           tp, q_per_rank, kv_per_rank, inst.is_neuron,
+                                           expert_parallel=moe_sharding == EXPERT_PARALLEL),
         kv_cache_bytes_per_rank=kv_bytes, capacity_bytes_per_rank=capacity,
         capacity_bytes_per_core=per_core, reserve_fraction=RESERVE_FRACTION,
         model_weight_bytes=weight_bytes(cfg, req.dtype, _weight_elements(cfg, 1, heads, kv_heads), 1, heads,

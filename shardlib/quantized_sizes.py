@@ -37,11 +37,15 @@ def planned_quantization(config: ModelConfig, dtype: str, on_neuron: bool) -> tu
 
 
 def quantized_elements(config: ModelConfig, quant: Quantization, tp: int, q_per_rank: int,
-                       kv_per_rank: int) -> tuple[int, int]:
-    """(8-bit weight elements, float32 scale elements) one rank holds."""
+                       kv_per_rank: int, expert_parallel: bool = False) -> tuple[int, int]:
+    """(8-bit weight elements, float32 scale elements) one rank holds. expert_parallel: the rank
+    holds num_local_experts / tp whole experts (each with its whole scales), not a slice of each."""
     h, d = config.hidden_size, config.head_dim
-    inter = math.ceil(config.intermediate_size / tp)
     experts = max(1, config.num_local_experts)
+    if expert_parallel:
+        inter, experts = config.intermediate_size, experts // tp  # the layout checked experts % tp == 0
+    else:
+        inter = math.ceil(config.intermediate_size / tp)
     per_channel = quant.per_channel
     # (elements, scale count) per quantized weight of one layer
     weights = [(q_per_rank * d * h, q_per_rank * d), (kv_per_rank * d * h, kv_per_rank * d),
@@ -57,12 +61,12 @@ def quantized_elements(config: ModelConfig, quant: Quantization, tp: int, q_per_
 
 
 def weight_bytes(config: ModelConfig, dtype: str, all_elements: int, tp: int, q_per_rank: int,
-                 kv_per_rank: int, on_neuron: bool) -> int:
+                 kv_per_rank: int, on_neuron: bool, expert_parallel: bool = False) -> int:
     """Bytes of one rank's weights whose parameter count is `all_elements` (quantized or not)."""
     quant, compute = planned_quantization(config, dtype, on_neuron)
     if quant is None:
         return all_elements * DTYPE_BYTES[dtype]
-    elements, scales = quantized_elements(config, quant, tp, q_per_rank, kv_per_rank)
+    elements, scales = quantized_elements(config, quant, tp, q_per_rank, kv_per_rank, expert_parallel)
     return (all_elements - elements) * DTYPE_BYTES[compute] + elements + scales * SCALE_BYTES
 
 

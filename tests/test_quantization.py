@@ -17,7 +17,7 @@ from shardlib.model_config import ModelConfig, load_model_config
 from shardlib.quantization import (FORMAT_MAX, Quantization, dequantize, dequantize_state_dict, quantize,
                                    quantize_state_dict, scale_name)
 from shardlib.quantize_checkpoint import quantize_checkpoint
-from tests.model_factory import build_random_model, save_model
+from tests.model_factory import build_random_model, checkpoint_state_dict, save_model
 from tests.tp_harness import Case, Request, build_rank_model, hf_state_dict, run_tp_in_process
 from workers.collectives import SingleRank
 from workers.engine import generate
@@ -185,6 +185,40 @@ def test_sharded_quantized_equals_unsharded_and_dequantized_reference(tp):
     for name in names:
         for rank in range(tp):
             assert [out[0].token_ids for out in by_rank[rank][name]] == refs[name], (name, rank)
+
+
+@pytest.mark.parametrize("granularity", ["per_channel_symmetric", "per_tensor_symmetric"])
+@pytest.mark.parametrize("sharding", ["tensor_parallel", "expert_parallel"])
+def test_a_quantized_mixtral_gives_its_tp1_tokens_at_tp2(sharding, granularity):
+    """An expert's per-channel scale follows its weight: cut with a gate or up projection under
+    tensor parallelism, whole or nothing with its expert under expert parallelism (a TP 2 rank
+    paired a sliced expert weight with its whole scale and refused to build)."""
+    model = build_random_model("mixtral", seed=5)
+    quant = Quantization("int8", granularity, "linear")
+    state = quantize_state_dict(checkpoint_state_dict(model), quant, model.config.tie_word_embeddings)
+    assert any(".experts." in name and name.endswith(".scale") for name in state)  # the experts are quantized
+    config = ModelConfig.from_dict({**model.config.to_dict(), "quantization_config": quant.to_json()})
+    single = build_rank_model(config, state, 0, 1, SingleRank())
+    alone = [generate(single, [p], [SamplingParams()], NEW_TOKENS, [EOS])[0].token_ids for p in PROMPTS]
+    case = Case("mixtral", config, state, [Request([p], NEW_TOKENS, [EOS]) for p in PROMPTS], moe_sharding=sharding)
+    by_rank = run_tp_in_process(2, [case])
+    for rank in range(2):
+        assert [out[0].token_ids for out in by_rank[rank]["mixtral"]] == alone, rank
+
+
+@pytest.mark.parametrize("sharding", ["tensor_parallel", "expert_parallel"])
+def test_the_planner_counts_a_quantized_mixtral_rank_as_it_loads(sharding, tmp_path):
+    from shardlib.checkpoint import load_rank_shard
+    from shardlib.planner import plan
+    from shardlib.sharding import ShardLayout
+
+    source = save_model(build_random_model("mixtral", seed=5), tmp_path / "m")
+    out = quantize_checkpoint(source, tmp_path / "q", "int8")
+    config = load_model_config(out)
+    for rank in range(2):
+        shard = load_rank_shard(out, config, ShardLayout.for_model(config, 2, moe_sharding=sharding), rank)
+        held = sum(t.numel() * t.element_size() for t in shard.values())
+        assert plan(config, tp=2, moe_sharding=sharding).memory.weight_bytes_per_rank == held, rank
 
 
 def test_scale_slices_follow_the_weight(source_dir):
