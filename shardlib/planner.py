@@ -42,6 +42,7 @@ from shardlib.expert_sharding import (EXPERT_PARALLEL, MOE_SHARDINGS, check_moe_
 from shardlib.instances import CPU_TARGET, GIB, NEURON_INSTANCES, InstanceType, get_instance
 from shardlib.families import layer_norm_elements
 from shardlib.model_config import DTYPE_BYTES, ModelConfig, normalize_dtype
+from shardlib.quantization import UNQUANTIZABLE_MODEL_TYPES
 from shardlib.quantized_sizes import kv_dtype_name, planned_quantization, weight_bytes
 from shardlib.positive_int import positive_int
 
@@ -470,7 +471,8 @@ def _ways_out(req: _Request, check: _Check) -> list[str]:
                 ways.append(f"a smaller batch_size (at most {batch_fits}"
                             + (f" besides the {req.serving_rows} serving rows)" if req.serving_rows else ")"))
     for dtype in _LOWER_DTYPES:
-        if DTYPE_BYTES[dtype] < DTYPE_BYTES[req.dtype]:
+        unquantizable = DTYPE_BYTES[dtype] == 1 and req.config.model_type in UNQUANTIZABLE_MODEL_TYPES
+        if DTYPE_BYTES[dtype] < DTYPE_BYTES[req.dtype] and not unquantizable:
             fits = _valid_degrees(dataclasses.replace(req, dtype=dtype))
             if fits:
                 ways.append(f"a lower-precision dtype: {dtype} fits at tp {_fmt_list(fits)}")
@@ -633,6 +635,10 @@ def plan(config: ModelConfig, *, instance: str | InstanceType = CPU_TARGET, tp: 
         else min(config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN),
         dtype=_resolve_dtype(dtype, config), kv_override=kv_strategy, pad=bool(pad_q_heads),
         kv_cache_dtype=kv_dtype_name(kv_cache_dtype), moe_override=check_moe_sharding_name(moe_sharding))
+    if (DTYPE_BYTES[req.dtype] == 1 and config.quantization is None
+            and config.model_type in UNQUANTIZABLE_MODEL_TYPES):  # the checkpoint `quantize` would write
+        raise ValueError(f"dtype {req.dtype}: corelaunch quantize does not quantize {config.model_type} models "
+                         f"(their fused attention and expert matrices); plan bfloat16 or float32")
     if pad_q_heads:
         from shardlib.sharding import FUSED_QKV_MODEL_TYPES
 

@@ -59,9 +59,13 @@ _MIN_SCALE = 1e-12
 """An all-zero row gets this scale instead of 0 (its values quantize to 0 either way, and no
 division by zero happens)."""
 
-# Which checkpoint tensors are quantized: every linear weight of a decoder layer.
-_LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj|"
+# Which checkpoint tensors are quantized: every linear weight of a decoder layer (dense MLPs,
+# Mixtral's experts, Qwen3-MoE's experts; the routers stay unquantized).
+_LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(experts\.\d+\.)?(gate|up|down)_proj|"
                      r"block_sparse_moe\.experts\.\d+\.w[123])\.weight")
+UNQUANTIZABLE_MODEL_TYPES = ("dbrx",)
+"""Families whose linear weights _LINEAR does not name (DBRX: fused Wqkv and fused expert matrices
+under transformer.blocks): `corelaunch quantize` and the planner's 8-bit dtypes refuse them."""
 _LM_HEAD = "lm_head.weight"
 _EMBED = "model.embed_tokens.weight"
 

@@ -28,8 +28,8 @@ import torch
 
 from shardlib.checkpoint import CHECKPOINT_FILES, _open_files, checked_names, find_checkpoint
 from shardlib.model_config import ModelConfig, read_config_json
-from shardlib.quantization import (Quantization, absmax_scale, normalize_quant_dtype, quantize_with_scale,
-                                   scale_name, storage_dtype)
+from shardlib.quantization import (UNQUANTIZABLE_MODEL_TYPES, Quantization, absmax_scale, normalize_quant_dtype,
+                                   quantize_with_scale, scale_name, storage_dtype)
 from shardlib.sharding import TensorSlice
 
 QUANT_BLOCK_BYTES = 4 << 20
@@ -60,6 +60,9 @@ def check_quantize_request(model_dir: str | Path, dtype: str, out_dir: str | Pat
     if Path(out_dir).exists() or Path(out_dir).is_symlink():
         raise ValueError(f"--out {out_dir} already exists; choose a new directory (quantize never overwrites)")
     config = ModelConfig.from_dict(raw)  # every field checked before any weight is read
+    if config.model_type in UNQUANTIZABLE_MODEL_TYPES:
+        raise ValueError(f"--model {model_dir} is a {config.model_type} model, whose fused attention and expert "
+                         f"matrices corelaunch quantize does not quantize; serve it in bfloat16 or float32")
     if lm_head and config.tie_word_embeddings:
         raise ValueError(f"--lm-head: {model_dir} ties its LM head to the embedding table "
                          f"(tie_word_embeddings), so it has no LM head of its own; pass --embedding to quantize "

@@ -119,8 +119,10 @@ def test_refusals_name_the_value_and_the_fix():
     assert nxd_quantized_layers(config_for(None), ShardLayout.for_model(config_for(None), 2), 0) == {}
 
 
-def test_qwen3_moe_maps_its_attention_and_leaves_its_unquantized_experts():
+def test_qwen3_moe_quantized_experts_are_refused_like_mixtrals():
+    """`quantize` now quantizes Qwen3-MoE's experts too (it left them in full precision), and they
+    have no neuronx-distributed mapping, as Mixtral's have none."""
     config = config_for(Quantization("int8"), "qwen3_moe", moe_intermediate_size=32, head_dim=8, num_experts=4,
                         num_experts_per_tok=2)
-    specs = nxd_quantized_layers(config, ShardLayout.for_model(config, 2), 0)
-    assert sorted({name.split(".")[-2] for name in specs}) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    with pytest.raises(ValueError, match=r"mlp\.experts\.0\.gate_proj\.weight is a quantized expert weight.*--backend cpu"):
+        nxd_quantized_layers(config, ShardLayout.for_model(config, 2), 0)

@@ -206,19 +206,38 @@ def test_a_quantized_mixtral_gives_its_tp1_tokens_at_tp2(sharding, granularity):
         assert [out[0].token_ids for out in by_rank[rank]["mixtral"]] == alone, rank
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 @pytest.mark.parametrize("sharding", ["tensor_parallel", "expert_parallel"])
-def test_the_planner_counts_a_quantized_mixtral_rank_as_it_loads(sharding, tmp_path):
+def test_the_planner_counts_a_quantized_moe_rank_as_it_loads(family, sharding, tmp_path):
+    """Every expert is quantized (Qwen3-MoE's were left in full precision while the planner counted
+    them as 8-bit) and each rank's weights and scales are planned to the byte."""
     from shardlib.checkpoint import load_rank_shard
     from shardlib.planner import plan
     from shardlib.sharding import ShardLayout
 
-    source = save_model(build_random_model("mixtral", seed=5), tmp_path / "m")
+    source = save_model(build_random_model(family, seed=5), tmp_path / "m")
     out = quantize_checkpoint(source, tmp_path / "q", "int8")
     config = load_model_config(out)
     for rank in range(2):
         shard = load_rank_shard(out, config, ShardLayout.for_model(config, 2, moe_sharding=sharding), rank)
+        experts = [name for name in shard if ".experts." in name and name.endswith(".weight")]
+        assert experts and all(shard[name].element_size() == 1 for name in experts)
         held = sum(t.numel() * t.element_size() for t in shard.values())
         assert plan(config, tp=2, moe_sharding=sharding).memory.weight_bytes_per_rank == held, rank
+
+
+def test_dbrx_is_refused_by_quantize_and_by_8_bit_plans(tmp_path):
+    """Its fused attention and expert matrices are not quantized: quantize wrote a checkpoint that
+    said int8 and held none, and the planner counted it as 8-bit."""
+    from shardlib.planner import plan
+
+    source = save_model(build_random_model("dbrx", seed=5), tmp_path / "m")
+    with pytest.raises(ValueError, match="dbrx model, whose fused attention and expert matrices"):
+        quantize_checkpoint(source, tmp_path / "q", "int8")
+    assert not (tmp_path / "q").exists()
+    config = load_model_config(source)
+    with pytest.raises(ValueError, match="does not quantize dbrx models"):
+        plan(config, dtype="int8")
 
 
 def test_scale_slices_follow_the_weight(source_dir):
