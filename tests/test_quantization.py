@@ -187,23 +187,25 @@ def test_sharded_quantized_equals_unsharded_and_dequantized_reference(tp):
             assert [out[0].token_ids for out in by_rank[rank][name]] == refs[name], (name, rank)
 
 
-@pytest.mark.parametrize("granularity", ["per_channel_symmetric", "per_tensor_symmetric"])
+@pytest.mark.parametrize("family, granularity", [("mixtral", "per_channel_symmetric"),
+                                                 ("mixtral", "per_tensor_symmetric"),
+                                                 ("qwen3_moe", "per_channel_symmetric")])
 @pytest.mark.parametrize("sharding", ["tensor_parallel", "expert_parallel"])
-def test_a_quantized_mixtral_gives_its_tp1_tokens_at_tp2(sharding, granularity):
+def test_a_quantized_moe_gives_its_tp1_tokens_at_tp2(sharding, family, granularity):
     """An expert's per-channel scale follows its weight: cut with a gate or up projection under
     tensor parallelism, whole or nothing with its expert under expert parallelism (a TP 2 rank
     paired a sliced expert weight with its whole scale and refused to build)."""
-    model = build_random_model("mixtral", seed=5)
+    model = build_random_model(family, seed=5)
     quant = Quantization("int8", granularity, "linear")
     state = quantize_state_dict(checkpoint_state_dict(model), quant, model.config.tie_word_embeddings)
     assert any(".experts." in name and name.endswith(".scale") for name in state)  # the experts are quantized
     config = ModelConfig.from_dict({**model.config.to_dict(), "quantization_config": quant.to_json()})
     single = build_rank_model(config, state, 0, 1, SingleRank())
     alone = [generate(single, [p], [SamplingParams()], NEW_TOKENS, [EOS])[0].token_ids for p in PROMPTS]
-    case = Case("mixtral", config, state, [Request([p], NEW_TOKENS, [EOS]) for p in PROMPTS], moe_sharding=sharding)
+    case = Case(family, config, state, [Request([p], NEW_TOKENS, [EOS]) for p in PROMPTS], moe_sharding=sharding)
     by_rank = run_tp_in_process(2, [case])
     for rank in range(2):
-        assert [out[0].token_ids for out in by_rank[rank]["mixtral"]] == alone, rank
+        assert [out[0].token_ids for out in by_rank[rank][family]] == alone, rank
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
