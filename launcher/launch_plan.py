@@ -13,6 +13,7 @@ from pathlib import Path
 from launcher.errors import PlanRejected
 from launcher.progress import Progress
 from shardlib.model_config import ModelConfig, load_model_config
+from shardlib.serving_shapes import serving_cache_rows
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ def plan_launch(config, progress: Progress, nothing_done: str = "nothing was sta
         raise ValueError(f"fused_projections: {model_dir} holds quantized weights, which are not fused (each keeps "
                          f"its own scale); drop --fused-projections")
     plan = make_plan(model_config, instance=target, tp=config.tp, nodes=config.nodes, lnc=config.lnc,
-                     batch_size=config.max_batch_size, serving_rows=config.max_num_seqs + 1, seq_len=config.seq_len, dtype=config.dtype,
+                     batch_size=config.max_batch_size, serving_rows=serving_cache_rows(config.max_num_seqs), seq_len=config.seq_len, dtype=config.dtype,
                      kv_strategy=config.kv_strategy, pad_q_heads=config.pad_q_heads,
                      kv_cache_dtype=config.kv_cache_dtype, moe_sharding=config.moe_sharding)
     if not plan.valid:

@@ -467,6 +467,9 @@ def _ways_out(req: _Request, check: _Check) -> list[str]:
                 ways.append(f"a smaller seq_len (at most {room // (per_token * req.cache_rows)} at "
                             f"{req.rows_text()})")
             batch_fits = room // (per_token * req.seq_len) - req.serving_rows
+            serving_fits = room // (per_token * req.seq_len) - req.batch  # rows, the scratch row included
+            if req.serving_rows and 2 <= serving_fits < req.serving_rows:
+                ways.append(f"fewer serving rows (--max-num-seqs at most {serving_fits - 1} at batch_size {req.batch})")
             if req.batch > 1 and batch_fits >= 1:
                 ways.append(f"a smaller batch_size (at most {batch_fits}"
                             + (f" besides the {req.serving_rows} serving rows)" if req.serving_rows else ")"))

@@ -130,3 +130,23 @@ def test_model_directory_works_like_its_config_file(tmp_path, capsys):
     out = plan_in_process(capsys, "--model", str(tmp_path), "--json")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["model"]["num_attention_heads"] == 9
+
+
+LLAMA3_8B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+             "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+             "max_position_embeddings": 131072, "torch_dtype": "bfloat16", "tie_word_embeddings": False}
+
+
+def test_the_serving_rows_a_launch_holds_are_planned_too(capsys, tmp_path):
+    """generate and serve hold max_num_seqs + 1 KV cache rows beside the batch; plan counted the
+    batch alone, so it said VALID for a layout a launch then refused."""
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA3_8B))
+    args = ("--model", str(tmp_path), "--instance", "inf2.xlarge", "--tp", "2", "--seq-len", "16384")
+    default = plan_in_process(capsys, *args)  # generate's 8 slots: 1 + 9 rows of 16384 positions
+    assert default.returncode == 2 and "batch_size 1 + 9 serving rows" in default.stdout
+    assert "fewer serving rows (--max-num-seqs at most 4 at batch_size 1)" in default.stdout
+    assert plan_in_process(capsys, *args, "--max-num-seqs", "4").returncode == 0
+    assert plan_in_process(capsys, *args, "--max-num-seqs", "5").returncode == 2
+    assert plan_in_process(capsys, *args, "--max-num-seqs", "0").returncode == 0  # a static batch alone
+    refused = plan_in_process(capsys, *args, "--max-num-seqs", "-1")
+    assert refused.returncode == 2 and "--max-num-seqs (-1) must be at least 0" in refused.stderr

@@ -11,10 +11,11 @@ import argparse
 import json
 import sys
 
-from launcher.cli.options import add_kv_cache_dtype, add_moe_sharding, add_pad_q_heads
+from launcher.cli.options import add_kv_cache_dtype, add_moe_sharding, add_pad_q_heads, int_at_least
 from shardlib.instances import CPU_TARGET, INSTANCE_NAMES
 from shardlib.model_config import load_model_config
 from shardlib.planner import KV_STRATEGIES, Plan, plan
+from shardlib.serving_shapes import DEFAULT_MAX_NUM_SEQS, serving_cache_rows
 
 EXIT_VALID, EXIT_INVALID = 0, 2
 
@@ -43,6 +44,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--lnc", type=int, metavar="1|2",
                    help="logical NeuronCore config (default: the instance's; 2 exists only on trn2)")
     p.add_argument("--batch-size", type=int, default=1, metavar="N", help="sequences per batch (default 1)")
+    p.add_argument("--max-num-seqs", type=int_at_least("--max-num-seqs", 0), default=DEFAULT_MAX_NUM_SEQS, metavar="N",
+                   help=f"sequence slots of the continuous-batching engine, whose KV cache rows count on top of "
+                        f"the batch as they do in a launch (default {DEFAULT_MAX_NUM_SEQS}, generate's; "
+                        f"corelaunch serve uses 16; 0: a static batch only)")
     p.add_argument("--seq-len", type=int, metavar="N",
                    help="KV-cache length (default: min(max_position_embeddings, 4096))")
     p.add_argument("--dtype",
@@ -67,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
         config = load_model_config(model)
         result = plan(config, instance=args.instance, tp=args.tp, nodes=args.nodes, lnc=args.lnc,
                       batch_size=args.batch_size, seq_len=args.seq_len, dtype=args.dtype,
+                      serving_rows=serving_cache_rows(args.max_num_seqs) if args.max_num_seqs > 0 else 0,
                       kv_cache_dtype=args.kv_cache_dtype,
                       kv_strategy=args.kv_strategy, pad_q_heads=args.pad_q_heads,
                       moe_sharding=args.moe_sharding)
