@@ -321,7 +321,11 @@ class Launcher:
         self.shutdown(grace_s=INTERRUPT_GRACE_S if exc_type is KeyboardInterrupt else 10.0)
 
     def start(self) -> "Launcher":
-        """Plan (refusing impossible layouts before any process), place, rendezvous, load."""
+        """Plan (refusing impossible layouts before any process), place, rendezvous, load. A launcher
+        already running is returned as it is (`with Launcher(...).start() as llm` starts once): a
+        second start placed a second set of groups beside the first and lost track of the first."""
+        if self._pool is not None:
+            return self
         start = time.perf_counter()
         self.prepare()
         try:

@@ -235,6 +235,41 @@ def test_a_group_fault_mid_stream_resumes_every_stream(model_and_expected, in_pr
     assert sum(s.handle.attempts == 2 for s in streams) >= len(PROMPTS) - 1
 
 
+def test_a_stream_closed_while_its_group_restarts_leaves_the_books_at_once(model_and_expected, in_process_cluster):
+    """No leader will answer its cancel: it was counted (and its id held) until the restart ended."""
+    model_dir, expected = model_and_expected
+    with Launcher(model=model_dir, tp=1, max_num_seqs=1, max_queued_requests=0, progress=False, **EAGER) as llm:
+        closed = llm.stream(PROMPTS[0], max_new_tokens=200, ignore_eos=True, request_id="closed")
+        next(closed)
+        pool = llm._pool
+        make_group, seen = pool._make_group, {}
+
+        def close_meanwhile(index, restart):
+            closed.close()
+            seen["load"] = llm.load()
+            again = llm.stream(PROMPTS[1], max_new_tokens=NEW_TOKENS, request_id="closed")  # its id is free
+            seen["again"] = again
+            return make_group(index, restart)
+
+        pool._make_group = close_meanwhile
+        llm._group.fail_next(WorkerDied("rank 0 (in-process) died while serving"))
+        deadline = time.monotonic() + 60
+        while "again" not in seen:
+            assert time.monotonic() < deadline, "the group was never restarted"
+            time.sleep(0.05)
+        assert seen["load"] == {"running": 0, "waiting": 0}
+        assert tokens_of(seen["again"]) == (expected[1], "length")
+        assert llm.load() == {"running": 0, "waiting": 0}
+
+
+def test_starting_a_running_launcher_again_starts_nothing(model_and_expected, in_process_cluster):
+    model_dir, expected = model_and_expected
+    with Launcher(model=model_dir, tp=1, progress=False, **EAGER).start() as llm:  # __enter__ starts it again
+        assert llm.start() is llm
+        assert llm.generate([PROMPTS[0]], max_new_tokens=NEW_TOKENS)[0].token_ids == expected[0]
+    assert len(in_process_cluster.groups) == 1  # placed a second group beside the first before
+
+
 def test_a_stream_past_its_deadline_when_its_group_restarts_times_out_rather_than_resuming(
         model_and_expected, in_process_cluster):
     """Resuming it would prefill its prompt and tokens again, only for it to time out at the next poll."""

@@ -153,14 +153,16 @@ class Replica:
             if handle is None or (only is not None and handle is not only):
                 return
             handle.cancelled = True
+            # Out of the books at once, as a timed-out request: its reader is done with it (a stop
+            # string, a close, a client gone), so load() and admission stop counting it now.
+            self.streams.pop(request_id)
+            self.served += 1
             if self.state == "serving":
-                # Out of the books at once, as a timed-out request: its reader is done with it (a stop
-                # string, a close, a client gone), so load() and admission stop counting it now, not
-                # when the leader's answer comes. Its id stays taken until then; its late events are dropped.
-                self.streams.pop(request_id)
+                # Its id stays taken until the leader's answer; its late events are dropped.
                 self.cancelling.add(request_id)
-                self.served += 1
                 self.started.group.cancel([request_id])  # the leader answers with an "abort" event
+            # else the group is restarting (or gone): no leader will answer, and the restart does
+            # not resubmit what is no longer in the books, so the id is free at once
 
     def _poll_streams(self) -> None:
         while not self.dropped.empty():
