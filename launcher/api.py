@@ -21,7 +21,7 @@ from typing import Sequence
 
 from launcher.background_load import BackgroundLoad
 from launcher.cluster.restart_policy import RestartPolicy
-from launcher.errors import LaunchError, NoDeviceResource, PlacementTimeout
+from launcher.errors import LaunchError, NoDeviceResource, PlacementTimeout, RequestTimeout
 from launcher.progress import Progress
 from shardlib.expert_sharding import check_moe_sharding_name
 from shardlib.generation_config import generation_eos_ids
@@ -614,9 +614,9 @@ class Launcher:
                     answers.append((first, future.result(timeout=max(0.0, deadline - time.monotonic()))))
                 except FutureTimeout:
                     future.cancel()
-                    errors.append(TimeoutError(f"no replica answered a batch of {len(token_lists)} prompts within "
-                                               f"{watchdog_s:g} s (the request timeout, load timeout and restarts "
-                                               f"allowed); the replicas' status: {pool.status()}"))
+                    errors.append(RequestTimeout(f"no replica answered a batch of {len(token_lists)} prompts within "
+                                                 f"{watchdog_s:g} s (the request timeout, load timeout and restarts "
+                                                 f"allowed); the replicas' status: {pool.status()}"))
                 except Exception as err:  # noqa: BLE001 - raised below once all parts are done
                     errors.append(err)
         except KeyboardInterrupt:  # parts not started yet never run; running ones end with shutdown

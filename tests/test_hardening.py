@@ -184,14 +184,33 @@ def test_gloo_listens_on_loopback_even_where_the_host_name_resolves_to_another_a
     assert out.stdout.strip() == str(sorted(["127.0.0.1", address]))  # the store, then gloo where the user said
 
 
+def test_a_stream_whose_replica_reports_nothing_ends_in_a_request_timeout(small_model, in_process_cluster,
+                                                                           monkeypatch):
+    """The reader's own deadline (the replica's thread silent, as while it restarts a group) raised a
+    plain TimeoutError, which `corelaunch generate` printed as a traceback; now a LaunchError."""
+    import time
+
+    import launcher.serving.request_streams as request_streams
+    from launcher.errors import RequestTimeout
+
+    monkeypatch.setattr(request_streams, "_GRACE_S", 0.2)
+    with Launcher(model=small_model, tp=1, seq_len=32, compile=False, progress=False,
+                  request_timeout_s=0.2) as launcher:
+        replica = launcher._pool.replicas[0]
+        monkeypatch.setattr(replica, "_poll_streams", lambda: time.sleep(0.05))  # reports nothing, fails nothing
+        with pytest.raises(RequestTimeout, match=r"got no answer within 0.4 s .*--request-timeout"):
+            list(launcher.stream([1, 2, 3], max_new_tokens=2))
+
+
 def test_a_static_generate_gives_up_when_no_replica_ever_answers(small_model, in_process_cluster, monkeypatch):
     from concurrent.futures import Future
 
     import launcher.api as api
+    from launcher.errors import RequestTimeout
 
     monkeypatch.setattr(api, "WATCHDOG_GRACE_S", 0.0)
     with Launcher(model=small_model, tp=1, seq_len=32, compile=False, progress=False, request_timeout_s=0.2,
                   load_timeout_s=0.2, max_restarts=0) as launcher:
         monkeypatch.setattr(launcher._pool, "submit", lambda request: Future())  # a replica that never answers
-        with pytest.raises(TimeoutError, match=r"no replica answered a batch of 1 prompts within 0.4 s"):
+        with pytest.raises(RequestTimeout, match=r"no replica answered a batch of 1 prompts within 0.4 s"):
             launcher.generate([[1, 2, 3]], max_new_tokens=2, batching="static")

@@ -13,6 +13,7 @@ import queue
 import sys
 
 from launcher.cluster.stream_handle import StreamHandle
+from launcher.errors import RequestTimeout
 from launcher.serving.stream_types import StreamDelta
 from launcher.serving.text_stream import TextStream
 from workers.serving.requests import TokenEvent
@@ -45,8 +46,13 @@ class _Stream:
                 self._cancel(self.handle)  # the group would go on generating: free its row now
         return delta
 
-    def _overdue(self) -> TimeoutError:
-        return TimeoutError(f"request {self.request_id} got no answer within {self.handle.timeout_s + _GRACE_S:g} s")
+    def _overdue(self) -> RequestTimeout:
+        """A LaunchError, as the replica's own timeout is (the CLI names it in one line, not a traceback)."""
+        return RequestTimeout(f"request {self.request_id} got no answer within {self.handle.timeout_s + _GRACE_S:g} s "
+                              f"(its request timeout plus {_GRACE_S:g} s: its replica reported nothing, not even "
+                              f"that it timed out, as while it restarts a group); see replica_status() and the "
+                              f"worker logs (ray logs), or raise request_timeout_s (--request-timeout) for long "
+                              f"generations")
 
     def cancel(self, deferred: bool = False) -> None:
         if not self.done:
