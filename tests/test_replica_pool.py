@@ -526,3 +526,65 @@ def test_shutdown_fails_what_is_queued_and_stops_every_group(make_pool):
 def test_at_least_one_replica():
     with pytest.raises(ValueError, match=r"replicas \(0\) must be at least 1"):
         ReplicaPool(0, Factory(), RestartPolicy)
+
+
+def test_a_replica_started_while_the_pool_shuts_down_is_killed_not_kept(make_pool):
+    """Ctrl-C during start(): shutdown() ran while a group was still being made, found no group to
+    stop, and the group then joined the pool as serving and outlived the launcher."""
+    release, making = threading.Event(), threading.Event()
+    factory = Factory()
+
+    def slow_factory(index, restart):
+        making.set()
+        assert release.wait(TIMEOUT_S)
+        return factory(index, restart)
+
+    pool = make_pool(factory=slow_factory)
+    errors = []
+    starter = threading.Thread(target=lambda: _record(errors, pool.start), daemon=True)
+    starter.start()
+    assert making.wait(TIMEOUT_S)
+    pool.shutdown(grace_s=0.1)  # what Launcher.start's handler does on KeyboardInterrupt
+    release.set()
+    starter.join(TIMEOUT_S)
+    assert factory.groups[0][0].killed and pool.replicas[0].started is None
+    assert errors and "shut down while this replica started" in str(errors[0])
+
+
+def test_a_restart_in_progress_when_the_pool_shuts_down_makes_no_further_group(make_pool):
+    """Each restart attempt makes a group through Ray, which starts a new local Ray when the
+    launcher has shut its own down: after shutdown no attempt may begin."""
+    attempts, first_attempt, release = [], threading.Event(), threading.Event()
+    factory = Factory({0: [dies_once()]})
+
+    def restarting_factory(index, restart):
+        if restart:
+            attempts.append(index)
+            first_attempt.set()
+            assert release.wait(TIMEOUT_S)
+            raise RendezvousTimeout("a rank did not join in time")  # would be retried
+        return factory(index, restart)
+
+    pool = make_pool(factory=restarting_factory, max_restarts=5)
+    pool.start()
+    future = pool.submit("a")
+    assert first_attempt.wait(TIMEOUT_S)
+    stopper = threading.Thread(target=pool.shutdown, kwargs={"grace_s": 2}, daemon=True)
+    stopper.start()
+    deadline = time.monotonic() + TIMEOUT_S
+    while not pool.stopping:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    release.set()
+    stopper.join(TIMEOUT_S)
+    wait([future], timeout=TIMEOUT_S)
+    assert attempts == [0]  # the failed attempt was not retried after shutdown began
+    with pytest.raises(LaunchError):
+        future.result(timeout=0)
+
+
+def _record(errors: list, fn) -> None:
+    try:
+        fn()
+    except BaseException as err:  # noqa: BLE001 - the test reads it
+        errors.append(err)

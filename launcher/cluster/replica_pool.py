@@ -275,6 +275,8 @@ class Replica:
         if self.started is not None:
             self.started.group.kill()
         while True:
+            if self.pool.stopping:  # shut down meanwhile: no new group (nor a new Ray) behind its back
+                return False
             if not self.policy.allow():
                 if self.policy.max_restarts == 0:
                     why = "restarts are disabled (max_restarts=0; raise --max-restarts to restart failed groups)"
@@ -372,10 +374,16 @@ class ReplicaPool:
 
         def start_one(replica: Replica) -> None:
             try:
-                replica.started = self._make_group(replica.index, False)
-                replica.state = "serving"
+                started = self._make_group(replica.index, False)
             except BaseException as err:  # noqa: BLE001 - re-raised below on the caller's thread
                 errors[replica.index] = err
+                return
+            with self._lock:  # shutdown() sets stopping under this lock, then looks for started groups
+                if not self.stopping:
+                    replica.started, replica.state = started, "serving"
+                    return
+            started.group.kill()  # shut down while it started (Ctrl-C): the shutdown could not see it
+            errors[replica.index] = LaunchError("the launcher was shut down while this replica started")
 
         threads = [threading.Thread(target=start_one, args=(r,), daemon=True) for r in self.replicas]
         for t in threads:

@@ -41,6 +41,15 @@ _RANK_TIMEOUT_MARGIN_S = 5.0
 _LOOP_CHECK_S = 0.25
 
 
+def _refuse_without_ray() -> None:
+    """Ray's calls start a new local Ray when none is connected (its auto-init): a group whose
+    launcher shut Ray down meanwhile (a restart racing shutdown) must not start one behind its back."""
+    import ray
+
+    if not ray.is_initialized():
+        raise LaunchError("Ray was shut down while this group was starting (the launcher is shutting down)")
+
+
 @dataclass
 class GroupTimeouts:
     placement_s: float = 60.0
@@ -91,7 +100,9 @@ class TPGroup:
         from launcher.cluster import ray_worker
 
         actor_cls = ray_worker.RankWorkerActor
+        _refuse_without_ray()
         self._place()
+        _refuse_without_ray()  # Ray shut down while placing: creating the actors would start a new Ray
         placed = bundle_nodes(self._pg)
         self.bundle_of_rank = rank_order(placed) or list(range(self.tp_degree))
         self._placed_node = [placed.get(b, "") for b in self.bundle_of_rank]
