@@ -37,7 +37,7 @@ def test_token_buckets_set_or_stay_within_the_planned_sequence_length():
 
 
 def test_a_ray_address_nobody_listens_on_is_refused_at_once():
-    """ray.init retried such an address for ever; a TCP probe says so within seconds."""
+    """ray.init retried such an address for ever; a TCP probe and a gRPC handshake say so within seconds."""
     import socket
 
     from launcher.cluster import ray_cluster
@@ -46,10 +46,23 @@ def test_a_ray_address_nobody_listens_on_is_refused_at_once():
         s.bind(("127.0.0.1", 0))
         assert "Connection refused" in ray_cluster._unreachable(f"127.0.0.1:{s.getsockname()[1]}", timeout_s=5)
     assert ray_cluster._unreachable("ray://127.0.0.1:1") is None  # ray.init checks that form itself
+    # A listener that is not a GCS (the dashboard's port, say): ray.init retried it for ever too.
     with socket.socket() as listening:
         listening.bind(("127.0.0.1", 0))
         listening.listen()
-        assert ray_cluster._unreachable(f"127.0.0.1:{listening.getsockname()[1]}") is None
+        why = ray_cluster._unreachable(f"127.0.0.1:{listening.getsockname()[1]}", timeout_s=1)
+    assert "does not answer as a Ray GCS (gRPC) within 1 s" in why and "8265 is the dashboard's" in why
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    server = grpc.server(ThreadPoolExecutor(max_workers=1))  # a gRPC server, as a GCS is
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        assert ray_cluster._unreachable(f"127.0.0.1:{port}", timeout_s=5) is None
+    finally:
+        server.stop(0)
 
 
 def test_an_unstarted_launcher_says_so_for_streams_too(ray_tripwire):

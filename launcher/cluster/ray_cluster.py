@@ -85,11 +85,32 @@ def _unreachable(address: str, timeout_s: float = GCS_PROBE_S) -> str | None:
         return None
     try:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
-            return None
+            pass
     except socket.gaierror as err:
         return f"its host name does not resolve: {err}"
     except OSError as err:
         return f"nothing accepts connections there within {timeout_s:g} s: {err}"
+    return _not_a_gcs(address, timeout_s)
+
+
+def _not_a_gcs(address: str, timeout_s: float) -> str | None:
+    """Why the listener at `address` is not a Ray GCS, which speaks gRPC (None when it answers as
+    one). ray.init retried anything else for ever, such as the dashboard's port, which `ray job
+    submit --address` takes."""
+    if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+        return None  # a TLS GCS does not answer a plaintext channel: ray.init checks it itself
+    import grpc  # Ray's own dependency
+
+    channel = grpc.insecure_channel(address)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout_s)
+        return None
+    except grpc.FutureTimeoutError:
+        return (f"something accepts connections there but does not answer as a Ray GCS (gRPC) within "
+                f"{timeout_s:g} s: the head's GCS port is 6379 by default (`ray start --head --port`); "
+                f"8265 is the dashboard's, for `ray job submit --address`")
+    finally:
+        channel.close()
 
 
 _AUTO_JOINS_ANY = "joins any Ray found running on this host, another user's private cluster included"
