@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,11 +21,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
-    """A port nobody listens on now (the OS picks it; a race with another process is possible but
-    rare, and shows as a server that fails to bind)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port nobody listens on now, for the server to bind once Ray and the model have started:
+    one outside the OS's ephemeral range, which outbound connections could take meanwhile
+    (workers/net.py)."""
+    from workers.net import free_port_for_a_late_bind
+
+    return free_port_for_a_late_bind()
 
 
 def healthy(base_url: str) -> bool:

@@ -155,6 +155,19 @@ def test_gloo_is_pinned_to_the_interface_toward_rank_0_or_left_alone_without_a_r
     assert "GLOO_SOCKET_IFNAME" not in os.environ
 
 
+def test_a_port_for_a_late_bind_is_free_and_outside_the_ephemeral_range():
+    import socket
+
+    from workers.net import free_port_for_a_late_bind
+
+    ephemeral_low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    ports = {free_port_for_a_late_bind() for _ in range(5)}
+    assert all(20000 <= port < min(30000, ephemeral_low) for port in ports), ports
+    for port in ports:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))  # free indeed
+
+
 def _probe_with_host_name(host_name: str, env: dict) -> subprocess.CompletedProcess:
     """STORE_PROBE in a UTS namespace of its own whose host name is `host_name` (needs root)."""
     return subprocess.run(["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$1" -c "$2"', host_name,

@@ -380,9 +380,9 @@ def running_server(log: Path, *options: str):
     exits 0."""
     import requests
 
-    from workers.net import free_port
+    from workers.net import free_port_for_a_late_bind
 
-    port = free_port()
+    port = free_port_for_a_late_bind()  # Serve binds it tens of seconds later
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "launcher", "serve", "--tp", "1", "--port", str(port), "--no-compile", *options],

@@ -26,6 +26,35 @@ def free_port(host: str = "127.0.0.1") -> int:
     return free_ports(1, host)[0]
 
 
+_LATE_BIND_PORTS = (20000, 30000)
+"""Where free_port_for_a_late_bind looks: below Linux's default ephemeral range (32768 and up) and
+Serve's direct-ingress ranges (30000-31000, 40000-41000), above Ray's fixed ports (6379, 8265, 10001)."""
+
+
+def free_port_for_a_late_bind(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now, for a server that binds it only seconds later (a Serve
+    replica, after Ray and the model have started). One from the OS's ephemeral range can be taken
+    meanwhile by any outbound connection's automatic bind, or by a port-0 listener; one below that
+    range only by an explicit bind. Falls back to free_port() where none below is free."""
+    import random
+
+    low, high = _LATE_BIND_PORTS
+    try:
+        ephemeral_low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux: its default range starts at 49152
+        ephemeral_low = 49152
+    candidates = list(range(low, min(high, ephemeral_low)))
+    random.shuffle(candidates)
+    for port in candidates[:200]:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    return free_port(host)
+
+
 def address_toward(host: str) -> str:
     """This host's IPv4 address that traffic to `host` leaves from (127.0.0.1 for a loopback host).
     Nothing is sent: connecting a UDP socket only looks up the route."""
