@@ -270,6 +270,39 @@ def test_starting_a_running_launcher_again_starts_nothing(model_and_expected, in
     assert len(in_process_cluster.groups) == 1  # placed a second group beside the first before
 
 
+def test_a_group_that_makes_no_step_while_a_request_times_out_is_replaced(model_and_expected, in_process_cluster,
+                                                                           monkeypatch):
+    """A leader stuck in a step (a device wait, say) while its keepalives flow: the request timed out,
+    the group stayed, and, counting no stream, looked the least loaded and got every request after."""
+    import threading
+
+    import workers.serving.loop as loop_module
+    from launcher.errors import RequestTimeout
+
+    real_choose, hang, release = loop_module.choose, threading.Event(), threading.Event()
+
+    def choose(logits, sequences):
+        if hang.is_set():
+            release.wait(120)
+        return real_choose(logits, sequences)
+
+    monkeypatch.setattr(loop_module, "choose", choose)
+    model_dir, expected = model_and_expected
+    try:
+        with Launcher(model=model_dir, tp=1, progress=False, request_timeout_s=1, **EAGER) as llm:
+            hang.set()
+            with pytest.raises(RequestTimeout):
+                tokens_of(llm.stream(PROMPTS[0], max_new_tokens=NEW_TOKENS))
+            hang.clear()  # the next group's leader steps as usual
+            deadline = time.monotonic() + 60
+            while llm.replica_status()[0]["restarts"] < 1:
+                assert time.monotonic() < deadline, "the hung group was never replaced"
+                time.sleep(0.05)
+            assert tokens_of(llm.stream(PROMPTS[1], max_new_tokens=NEW_TOKENS)) == (expected[1], "length")
+    finally:
+        release.set()
+
+
 def test_a_stream_past_its_deadline_when_its_group_restarts_times_out_rather_than_resuming(
         model_and_expected, in_process_cluster):
     """Resuming it would prefill its prompt and tokens again, only for it to time out at the next poll."""

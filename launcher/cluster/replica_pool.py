@@ -143,6 +143,7 @@ class Replica:
             handle.replica = self.index
             if self.state == "serving":
                 handle.attempts += 1
+                handle.leader_steps_at_submit = self.loop_counters.get("steps", 0)
                 self.started.group.submit([handle.request])
             # else the restart in progress submits it with the others (_resume_streams)
 
@@ -201,6 +202,15 @@ class Replica:
         for handle in late:
             group.cancel([handle.request_id])
             handle.fail(_overdue(handle, "it was cancelled"))
+        steps = self.loop_counters.get("steps", 0)
+        stalled = [h for h in late if h.leader_steps_at_submit == steps]
+        if stalled and not self.pool.stopping:
+            # The leader made no step in all the time the request had: the group is hung (a rank
+            # stuck in a forward or a device wait, its keepalives still flowing). Replace it, as a
+            # static request's timeout does; left alone, it looked the least loaded and got every request.
+            first = stalled[0]
+            self._restart(RequestTimeout(f"replica {self.index}'s group made no step in the {first.timeout_s:g} s "
+                                         f"request {first.request_id} had; it looks hung and is replaced"))
 
     def _resume_streams(self) -> None:
         """On a freshly (re)started group: every stream in flight continues where it stopped.
@@ -216,6 +226,7 @@ class Replica:
                 handle.fail(_overdue(handle, "its group failed and it was not resumed"))
                 continue
             handle.attempts += 1
+            handle.leader_steps_at_submit = 0  # the new group's leader counts from zero
             self.started.group.submit([handle.resumed()])
 
     def _take_streams(self) -> list[StreamHandle]:
@@ -311,6 +322,7 @@ class Replica:
             with self._streams_lock:
                 self.started = started
                 self.state = "serving"
+                self.loop_counters = {}  # the old leader's: the new one's come with its first poll
                 self.cancelling.clear()  # the old group, and whatever it still owed, is gone
                 if getattr(started.group, "serving", False):
                     self._resume_streams()

@@ -35,6 +35,9 @@ class StreamHandle:
         """Times it was handed to a TP group (its replica counts them): 1 unless a fault made a
         restarted group take it again."""
         self.replica: int | None = None
+        self.leader_steps_at_submit = 0
+        """The leader's step count (its loop counters) when the request was handed to the group: a
+        request that times out with no step made since says the group is hung."""
         self.cancelled = False
         self.finished = False
         self._lock = threading.Lock()
