@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import queue
 import threading
 import time
@@ -28,7 +29,7 @@ from shardlib.generation_config import generation_eos_ids
 from shardlib.model_config import ModelConfig, normalize_dtype
 from shardlib.quantized_sizes import kv_dtype_name
 from shardlib.positive_int import is_positive_int, positive_int
-from shardlib.request_checks import check_fits, check_request, check_stop_token_ids
+from shardlib.request_checks import check_fits, check_request, check_stop_token_ids, is_token_index
 from shardlib.sampling_params import SamplingParams
 from shardlib.serving_shapes import DEFAULT_MAX_NUM_SEQS
 from workers.backends import backend_entry
@@ -226,6 +227,16 @@ class LaunchConfig:
                 f"model path {self.model} does not exist; pass a Hugging Face model directory, or "
                 f"omit --model for the built-in SmolLM2-135M-Instruct"
             )
+
+
+def _check_flag(name: str, value) -> None:
+    if not isinstance(value, bool):  # "no" would read as True
+        raise ValueError(f"{name} ({value!r}) must be True or False")
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 WATCHDOG_GRACE_S = 30.0
@@ -582,6 +593,7 @@ class Launcher:
         from workers.rank_worker import GenerateRequest
 
         pool = self._running_pool()
+        _check_flag("ignore_eos", ignore_eos)
         if batching == "continuous":
             return self._generate_streams(prompts, sampling, max_new_tokens, stop_token_ids, ignore_eos, return_logits)
         if batching != "static":
@@ -709,10 +721,10 @@ class Launcher:
                              f"(or pass a list of token ids)")
         if isinstance(prompt, str):
             prompt = [prompt]
-        elif prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            prompt = [list(prompt)]
+        elif hasattr(prompt, "__len__") and len(prompt) > 0 and all(map(is_token_index, prompt)):
+            prompt = [[operator.index(t) for t in prompt]]  # numpy's and torch's integers too
         else:
-            raise ValueError("prompt must be a string or a non-empty list of token ids")
+            raise ValueError(f"prompt ({_short(prompt)}) must be a string or a non-empty list of token ids")
         with self._lock:
             _, [token_ids] = self._tokenize(prompt)
         params = sampling if sampling is not None else SamplingParams()
@@ -767,6 +779,7 @@ class Launcher:
         else:
             items = queue.Queue()
             sink, kind = thread_sink(items), RequestStream
+        _check_flag("ignore_eos", ignore_eos)
         eos = () if ignore_eos else self._eos_ids()
         request = StreamRequest(request_id or uuid.uuid4().hex, tuple(token_ids), params, max_new_tokens,
                                 tuple(sorted(set(stop_token_ids) | set(eos))), logprobs, return_logits)
@@ -837,6 +850,9 @@ class Launcher:
     def _tokenize(self, prompts) -> tuple[list[str | None], list[list[int]]]:
         if isinstance(prompts, str):
             prompts = [prompts]
+        if isinstance(prompts, (bytes, bytearray)) or not hasattr(prompts, "__iter__"):
+            raise ValueError(f"prompts ({_short(prompts)}) must be a string, a list of strings, or a list of "
+                             f"token-id lists")
         prompts = list(prompts)
         if prompts and all(isinstance(p, str) for p in prompts):
             if self.tokenizer is None:

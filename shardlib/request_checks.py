@@ -31,7 +31,7 @@ def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> None:
     for i, prompt in enumerate(prompts):
         if len(prompt) == 0:
             raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-        not_ids = [t for t in prompt if not _is_index(t)]
+        not_ids = [t for t in prompt if not is_token_index(t)]
         if not_ids:
             raise ValueError(f"prompt {i} holds {not_ids[:5]!r}, which are not token ids; pass integers "
                              f"(not bools or floats)")
@@ -48,13 +48,13 @@ def check_stop_token_ids(stop_token_ids: Sequence[int], vocab_size: int) -> tupl
     if isinstance(stop_token_ids, (str, bytes)) or not hasattr(stop_token_ids, "__iter__"):
         raise ValueError(f"stop_token_ids ({stop_token_ids!r}) must be a list of token ids")
     ids = tuple(stop_token_ids)
-    bad = [t for t in ids if not _is_index(t) or not 0 <= operator.index(t) < vocab_size]
+    bad = [t for t in ids if not is_token_index(t) or not 0 <= operator.index(t) < vocab_size]
     if bad:
         raise ValueError(f"stop_token_ids {bad[:5]!r} must be integers in [0, {vocab_size}) (the vocabulary)")
     return tuple(operator.index(t) for t in ids)
 
 
-def _is_index(value) -> bool:
+def is_token_index(value) -> bool:
     """An integer of any kind (numpy's and torch's included), but not a bool."""
     try:
         operator.index(value)

@@ -184,14 +184,27 @@ def test_stop_tokens_end_a_stream_and_bad_options_are_refused(model_and_expected
     with Launcher(model=model_dir, tp=1, progress=False, **EAGER) as llm:
         tokens, finish = tokens_of(llm.stream(PROMPTS[0], max_new_tokens=NEW_TOKENS, stop_token_ids=[expected[0][2]]))
         assert tokens == expected[0][:3] and finish == "stop"
+        import numpy as np
+
+        as_array = tokens_of(llm.stream(np.array(PROMPTS[0]), max_new_tokens=NEW_TOKENS, ignore_eos=True))
+        assert as_array == (expected[0], "length")  # numpy's integers are token ids too
         with pytest.raises(ValueError, match="logprobs"):
             llm.stream(PROMPTS[0], logprobs=21)
         with pytest.raises(ValueError, match="stop string"):
             llm.stream(PROMPTS[0], stop=[""])
         with pytest.raises(ValueError, match="max_new_tokens"):
             llm.stream(PROMPTS[0], max_new_tokens=0)
-        with pytest.raises(ValueError, match="prompt must be"):
+        with pytest.raises(ValueError, match=r"prompt \(\[\]\) must be"):
             llm.stream([])
+        # a bare TypeError, numpy's "truth value of an array is ambiguous", and "no" read as True before
+        for bad in (None, 5):
+            with pytest.raises(ValueError, match=rf"prompts \({bad}\) must be a string, a list of strings"):
+                llm.generate(bad)
+        for flag in ("no", 0):
+            with pytest.raises(ValueError, match=rf"ignore_eos \({flag!r}\) must be True or False"):
+                llm.stream(PROMPTS[0], ignore_eos=flag)
+            with pytest.raises(ValueError, match="ignore_eos"):
+                llm.generate([PROMPTS[0]], ignore_eos=flag)
         with pytest.raises(ValueError, match=r"prompt \(b'ab'\.\.\.\) is bytes; decode it"):
             llm.stream(b"ab")  # was taken as token ids 97, 98
         with pytest.raises(ValueError, match="prompts must be all strings or all lists of token ids"):
