@@ -29,13 +29,13 @@ from shardlib.buckets import Buckets, select_bucket
 from shardlib.positive_int import positive_int
 
 DEFAULT_MAX_NUM_SEQS = 8
+"""Rows of a TP group's serving KV cache unless asked otherwise (LaunchConfig, generate, compile)."""
 
 
 def serving_cache_rows(max_num_seqs: int) -> int:
     """KV cache rows a serving loop allocates: one per sequence slot, plus the scratch row that the
     padding rows of a decode bucket write into (workers/serving/loop.py)."""
     return max_num_seqs + 1
-"""Rows of a TP group's serving KV cache unless asked otherwise (LaunchConfig, generate, compile)."""
 
 
 PREFILL_START, PREFILL_CONTINUE = "serve-prefill-start", "serve-prefill"

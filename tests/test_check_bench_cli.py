@@ -376,7 +376,8 @@ def test_bench_runs_a_batch_above_the_default_row_count_as_one(models, capsys, i
                  "--quiet", "--json"])
     out = capsys.readouterr()
     assert code == 0, out.err
-    assert configs and all(c.max_num_seqs == 10 and c.max_prefill_tokens == 3000 for c in configs), configs
+    assert configs and all(c.max_num_seqs == 10 and c.max_prefill_tokens == 3000 and c.max_batch_size == 1
+                           for c in configs), configs
     assert json.loads(out.out)["context_encoding_model"]["count"] == 1
 
 

@@ -36,7 +36,7 @@ def test_token_buckets_set_or_stay_within_the_planned_sequence_length():
     assert LaunchConfig(seq_len=512, token_buckets=(128, 256)).seq_len == 512
 
 
-def test_a_ray_address_nobody_listens_on_is_refused_at_once():
+def test_a_ray_address_nobody_listens_on_is_refused_at_once(monkeypatch):
     """ray.init retried such an address for ever; a TCP probe and a gRPC handshake say so within seconds."""
     import socket
 
@@ -60,6 +60,9 @@ def test_a_ray_address_nobody_listens_on_is_refused_at_once():
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
+        assert ray_cluster._unreachable(f"127.0.0.1:{port}", timeout_s=5) is None
+        for variable in ("grpc_proxy", "https_proxy", "http_proxy"):  # a proxy Ray's own channels ignore
+            monkeypatch.setenv(variable, "http://127.0.0.1:9")
         assert ray_cluster._unreachable(f"127.0.0.1:{port}", timeout_s=5) is None
     finally:
         server.stop(0)

@@ -345,5 +345,7 @@ class RankWorker:
 
 
 def loop_counters(loop) -> dict:
-    """A serving loop's step counters, for the overhead benchmark: steps, forward and planning seconds."""
-    return {"steps": loop.steps, "step_s": loop.step_seconds, "plan_s": loop.plan_seconds}
+    """A serving loop's counters: steps, forward and planning seconds (the overhead benchmark), and
+    static batches run (with steps, the progress the driver's hung-group check looks for)."""
+    return {"steps": loop.steps, "step_s": loop.step_seconds, "plan_s": loop.plan_seconds,
+            "static_batches": loop.static_batches}

@@ -75,6 +75,11 @@ def check_prompt_len(args: argparse.Namespace, launcher) -> None:
                          f"positions but {name} is {limit}: {fix}")
 
 
+PREFILL_BUDGET_CAP = 16384
+"""The most prompt tokens bench prefills in one step: a larger batch x prompt length is encoded over
+several steps (one call's activations grow with its tokens, and the planner does not count them)."""
+
+
 def run(args: argparse.Namespace) -> int:
     from launcher.errors import LaunchError
 
@@ -99,13 +104,15 @@ def _bench(args: argparse.Namespace) -> dict:
 
     config = LaunchConfig(model=args.model, tp=args.tp, **backend_options(args), pad_q_heads=args.pad_q_heads,
                           sequence_parallel=args.sequence_parallel,
-                          dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_batch_size=args.batch_size,
+                          dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
                           seq_len=args.seq_len, ray_address=args.ray_address,
                           compile=args.compile, progress=not args.quiet,
-                          # the whole batch runs as one: every prompt in a row of the serving engine and
-                          # prefilled in its first step, so the first result's times are the batch's
-                          max_num_seqs=args.batch_size,
-                          max_prefill_tokens=max(LaunchConfig.max_prefill_tokens, args.batch_size * args.prompt_len))
+                          # The whole batch runs at once in the serving engine (generate's default path;
+                          # no static batch, so one static row, not a second batch of rows, is planned)
+                          # and is prefilled in one step where its prompts fit PREFILL_BUDGET_CAP tokens.
+                          max_batch_size=1, max_num_seqs=args.batch_size,
+                          max_prefill_tokens=max(LaunchConfig.max_prefill_tokens,
+                                                 min(args.batch_size * args.prompt_len, PREFILL_BUDGET_CAP)))
     timings: list[RunTiming] = []
     launcher = Launcher(config).prepare()
     check_prompt_len(args, launcher)  # before the prompts are built: 10**9 random ids would fill host memory
@@ -124,7 +131,8 @@ def _bench(args: argparse.Namespace) -> dict:
                     e2e = time.perf_counter() - start
                     if phase == "measured":
                         timings.append(RunTiming(
-                            e2e_s=e2e, time_to_first_token_s=results[0].time_to_first_token_s,
+                            # every prompt encoded: the last first token (several steps past the cap)
+                            e2e_s=e2e, time_to_first_token_s=max(r.time_to_first_token_s for r in results),
                             decode_step_latencies_s=list(results[0].decode_step_latencies_s),
                             generated_tokens=sum(len(r.token_ids) for r in results)))
         report = build_report(timings, args.batch_size, args.prompt_len)

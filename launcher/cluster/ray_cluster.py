@@ -101,7 +101,9 @@ def _not_a_gcs(address: str, timeout_s: float) -> str | None:
         return None  # a TLS GCS does not answer a plaintext channel: ray.init checks it itself
     import grpc  # Ray's own dependency
 
-    channel = grpc.insecure_channel(address)
+    # Not through an HTTP proxy the environment names: Ray's own channels never are (its
+    # GLOBAL_GRPC_OPTIONS), and a proxy that cannot reach the head would fail a healthy GCS here.
+    channel = grpc.insecure_channel(address, options=[("grpc.enable_http_proxy", 0)])
     try:
         grpc.channel_ready_future(channel).result(timeout=timeout_s)
         return None

@@ -143,7 +143,8 @@ class Replica:
             handle.replica = self.index
             if self.state == "serving":
                 handle.attempts += 1
-                handle.leader_steps_at_submit = self.loop_counters.get("steps", 0)
+                handle.leader_progress_at_submit = self._leader_progress()
+                handle.handed_to_group_at = time.monotonic()
                 self.started.group.submit([handle.request])
             # else the restart in progress submits it with the others (_resume_streams)
 
@@ -202,15 +203,22 @@ class Replica:
         for handle in late:
             group.cancel([handle.request_id])
             handle.fail(_overdue(handle, "it was cancelled"))
-        steps = self.loop_counters.get("steps", 0)
-        stalled = [h for h in late if h.leader_steps_at_submit == steps]
+        progress = self._leader_progress()
+        stalled = [h for h in late if h.leader_progress_at_submit == progress
+                   and now - h.handed_to_group_at >= h.timeout_s]
         if stalled and not self.pool.stopping:
-            # The leader made no step in all the time the request had: the group is hung (a rank
-            # stuck in a forward or a device wait, its keepalives still flowing). Replace it, as a
-            # static request's timeout does; left alone, it looked the least loaded and got every request.
+            # The leader made no step and ran no static batch in a whole request timeout since the
+            # request reached this group: the group is hung (a rank stuck in a forward or a device
+            # wait, its keepalives still flowing). Replace it, as a static request's timeout does;
+            # left alone, it looked the least loaded and got every request. (A stream resumed after
+            # a fault with little of its time left is not judged on that remainder.)
             first = stalled[0]
             self._restart(RequestTimeout(f"replica {self.index}'s group made no step in the {first.timeout_s:g} s "
                                          f"request {first.request_id} had; it looks hung and is replaced"))
+
+    def _leader_progress(self) -> tuple[int, int]:
+        """The leader's (steps, static batches) at the last poll."""
+        return self.loop_counters.get("steps", 0), self.loop_counters.get("static_batches", 0)
 
     def _resume_streams(self) -> None:
         """On a freshly (re)started group: every stream in flight continues where it stopped.
@@ -226,7 +234,8 @@ class Replica:
                 handle.fail(_overdue(handle, "its group failed and it was not resumed"))
                 continue
             handle.attempts += 1
-            handle.leader_steps_at_submit = 0  # the new group's leader counts from zero
+            handle.leader_progress_at_submit = (0, 0)  # the new group's leader counts from zero
+            handle.handed_to_group_at = now
             self.started.group.submit([handle.resumed()])
 
     def _take_streams(self) -> list[StreamHandle]:

@@ -87,6 +87,8 @@ class ServingLoop:
         self._ended = False
         """Set once run() returns: a static batch parked after that would wait for ever."""
         self.steps = 0
+        self.static_batches = 0
+        """Static batches run (between steps: the driver's hung-group check counts them as progress)."""
         self.step_seconds = 0.0
         """Forward time (prefill and decode) summed over steps, for the overhead benchmark."""
         self.plan_seconds = 0.0
@@ -361,6 +363,7 @@ class ServingLoop:
                                    f"that rank 0 announced (waited {STATIC_WAIT_S:g} s)")
             request, future = self._statics.pop(static_id)
         try:
+            self.static_batches += 1
             future.set_result(self._run_static(request))
         except BaseException as err:  # noqa: BLE001 - the caller's error goes back to the caller
             future.set_exception(err)
