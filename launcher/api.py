@@ -24,6 +24,7 @@ from launcher.background_load import BackgroundLoad
 from launcher.cluster.restart_policy import RestartPolicy
 from launcher.errors import LaunchError, NoDeviceResource, PlacementTimeout, RequestTimeout
 from launcher.progress import Progress
+from shardlib.config_fields import show
 from shardlib.expert_sharding import check_moe_sharding_name
 from shardlib.generation_config import generation_eos_ids
 from shardlib.model_config import ModelConfig, normalize_dtype
@@ -232,11 +233,6 @@ class LaunchConfig:
 def _check_flag(name: str, value) -> None:
     if not isinstance(value, bool):  # "no" would read as True
         raise ValueError(f"{name} ({value!r}) must be True or False")
-
-
-def _short(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 WATCHDOG_GRACE_S = 30.0
@@ -593,8 +589,7 @@ class Launcher:
         from workers.rank_worker import GenerateRequest
 
         pool = self._running_pool()
-        _check_flag("ignore_eos", ignore_eos)
-        if batching == "continuous":
+        if batching == "continuous":  # each stream checks its options, ignore_eos included
             return self._generate_streams(prompts, sampling, max_new_tokens, stop_token_ids, ignore_eos, return_logits)
         if batching != "static":
             raise ValueError(f"batching ({batching!r}) must be 'continuous' or 'static'")
@@ -604,6 +599,7 @@ class Launcher:
         check_request(token_lists, params, max_new_tokens, self.model_config.vocab_size)
         stop_token_ids = check_stop_token_ids(stop_token_ids, self.model_config.vocab_size)
         self._check_lengths(token_lists, max_new_tokens, serving=False)
+        _check_flag("ignore_eos", ignore_eos)
         eos = () if ignore_eos else self._eos_ids()
         stops = tuple(sorted(set(stop_token_ids) | set(eos)))
         parts = []
@@ -724,7 +720,7 @@ class Launcher:
         elif hasattr(prompt, "__len__") and len(prompt) > 0 and all(map(is_token_index, prompt)):
             prompt = [[operator.index(t) for t in prompt]]  # numpy's and torch's integers too
         else:
-            raise ValueError(f"prompt ({_short(prompt)}) must be a string or a non-empty list of token ids")
+            raise ValueError(f"prompt ({show(prompt)}) must be a string or a non-empty list of token ids")
         with self._lock:
             _, [token_ids] = self._tokenize(prompt)
         params = sampling if sampling is not None else SamplingParams()
@@ -851,7 +847,7 @@ class Launcher:
         if isinstance(prompts, str):
             prompts = [prompts]
         if isinstance(prompts, (bytes, bytearray)) or not hasattr(prompts, "__iter__"):
-            raise ValueError(f"prompts ({_short(prompts)}) must be a string, a list of strings, or a list of "
+            raise ValueError(f"prompts ({show(prompts)}) must be a string, a list of strings, or a list of "
                              f"token-id lists")
         prompts = list(prompts)
         if prompts and all(isinstance(p, str) for p in prompts):

@@ -43,6 +43,7 @@ from shardlib.instances import CPU_TARGET, GIB, NEURON_INSTANCES, InstanceType, 
 from shardlib.families import layer_norm_elements
 from shardlib.model_config import DTYPE_BYTES, ModelConfig, normalize_dtype
 from shardlib.quantization import UNQUANTIZABLE_MODEL_TYPES
+from shardlib.sharding import FUSED_QKV_MODEL_TYPES
 from shardlib.quantized_sizes import kv_dtype_name, planned_quantization, weight_bytes
 from shardlib.positive_int import positive_int
 
@@ -504,8 +505,6 @@ def _describe(code: str, req: _Request, check: _Check, hint_degrees: list[int]) 
     if code == "invalid_lnc":
         return req.lnc_problem
     if code == "heads_not_divisible":
-        from shardlib.sharding import FUSED_QKV_MODEL_TYPES
-
         pad = "" if cfg.model_type in FUSED_QKV_MODEL_TYPES else "; or pad Q heads with zero heads (pad_q_heads, --pad-q-heads)"
         return f"num_attention_heads ({cfg.num_attention_heads}) is not divisible by tp_degree ({tp}); {works}{pad}"
     if code == "kv_heads_incompatible":
@@ -643,8 +642,6 @@ def plan(config: ModelConfig, *, instance: str | InstanceType = CPU_TARGET, tp: 
         raise ValueError(f"dtype {req.dtype}: corelaunch quantize does not quantize {config.model_type} models "
                          f"(their fused attention and expert matrices); plan bfloat16 or float32")
     if pad_q_heads:
-        from shardlib.sharding import FUSED_QKV_MODEL_TYPES
-
         if config.model_type in FUSED_QKV_MODEL_TYPES:  # as the layout would refuse it, but before any start-up
             raise ValueError(f"pad_q_heads (--pad-q-heads) is not supported for {config.model_type}: its fused Wqkv "
                              f"keeps Q, K and V in one matrix, which zero Q heads cannot be inserted into; use a "

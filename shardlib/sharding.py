@@ -428,7 +428,7 @@ _OUTPUT_SPLIT = (Style.COLUMN, Style.Q_HEADS, Style.KV_HEADS, Style.VOCAB)
 
 
 def scale_slice(weight_style: Style, full_shape: Sequence[int], rank: int, layout: ShardLayout,
-                weight_name: str = "") -> TensorSlice:
+                weight_name: str) -> TensorSlice:
     """The slice of a quantized weight's scale (shardlib/quantization.py): a per-channel scale
     (out, 1) is cut like its weight's output dim when the weight is split along it, and kept whole
     for a row-parallel or replicated weight; a per-tensor scale (1,) is replicated. An expert's

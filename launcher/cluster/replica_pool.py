@@ -142,10 +142,7 @@ class Replica:
             self.streams[handle.request_id] = handle
             handle.replica = self.index
             if self.state == "serving":
-                handle.attempts += 1
-                handle.leader_progress_at_submit = self._leader_progress()
-                handle.handed_to_group_at = time.monotonic()
-                self.started.group.submit([handle.request])
+                self._hand_over(handle, handle.request, self._leader_progress(), time.monotonic())
             # else the restart in progress submits it with the others (_resume_streams)
 
     def cancel_stream(self, request_id: str, only: StreamHandle | None = None) -> None:
@@ -216,6 +213,13 @@ class Replica:
             self._restart(RequestTimeout(f"replica {self.index}'s group made no step in the {first.timeout_s:g} s "
                                          f"request {first.request_id} had; it looks hung and is replaced"))
 
+    def _hand_over(self, handle: StreamHandle, request, progress: tuple[int, int], now: float) -> None:
+        """Submit a stream's request to the group, noting when and at what leader progress (the
+        hung-group check in _poll_streams judges it from there)."""
+        handle.attempts += 1
+        handle.leader_progress_at_submit, handle.handed_to_group_at = progress, now
+        self.started.group.submit([request])
+
     def _leader_progress(self) -> tuple[int, int]:
         """The leader's (steps, static batches) at the last poll."""
         return self.loop_counters.get("steps", 0), self.loop_counters.get("static_batches", 0)
@@ -233,10 +237,7 @@ class Replica:
                 self.streams.pop(handle.request_id)
                 handle.fail(_overdue(handle, "its group failed and it was not resumed"))
                 continue
-            handle.attempts += 1
-            handle.leader_progress_at_submit = (0, 0)  # the new group's leader counts from zero
-            handle.handed_to_group_at = now
-            self.started.group.submit([handle.resumed()])
+            self._hand_over(handle, handle.resumed(), (0, 0), now)  # the new leader counts from zero
 
     def _take_streams(self) -> list[StreamHandle]:
         with self._streams_lock:
