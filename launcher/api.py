@@ -235,6 +235,23 @@ def _check_flag(name: str, value) -> None:
         raise ValueError(f"{name} ({value!r}) must be True or False")
 
 
+def _check_batching(batching) -> None:
+    if batching not in ("continuous", "static"):
+        raise ValueError(f"batching ({batching!r}) must be 'continuous' or 'static'")
+
+
+def _token_id_list(prompt) -> list[int] | None:
+    """A prompt given as token ids, as a list of ints: a list, a tuple, a range, or a 1-D numpy
+    array or torch tensor of integers (not bools); None for anything else."""
+    if not (isinstance(prompt, (list, tuple, range)) or (hasattr(prompt, "__array__") and getattr(prompt, "ndim", 0) == 1)):
+        return None
+    if str(getattr(prompt, "dtype", "")) in ("bool", "torch.bool"):  # a torch bool's elements index as 0 and 1
+        return None
+    if not all(map(is_token_index, prompt)):
+        return None
+    return [operator.index(t) for t in prompt]
+
+
 WATCHDOG_GRACE_S = 30.0
 """A static generate() gives up on its batches after every timeout and restart it allows, plus this."""
 INTERRUPT_GRACE_S = 1.0
@@ -385,6 +402,7 @@ class Launcher:
         runs first): prompts tokenized with the driver's tokenizer, none empty or past the context
         (for `batching` "continuous", the serving cache's serving_seq_len) and buckets, the sampling
         parameters and max_new_tokens. ValueError naming the value."""
+        _check_batching(batching)
         self.prepare()
         self._await_tokenizer()
         with self._lock:
@@ -589,10 +607,10 @@ class Launcher:
         from workers.rank_worker import GenerateRequest
 
         pool = self._running_pool()
+        _check_flag("return_logits", return_logits)  # "no" would copy a vocabulary-wide row per token
         if batching == "continuous":  # each stream checks its options, ignore_eos included
             return self._generate_streams(prompts, sampling, max_new_tokens, stop_token_ids, ignore_eos, return_logits)
-        if batching != "static":
-            raise ValueError(f"batching ({batching!r}) must be 'continuous' or 'static'")
+        _check_batching(batching)
         with self._lock:
             texts, token_lists = self._tokenize(prompts)
         params = self._sampling_per_prompt(sampling, len(token_lists))
@@ -717,8 +735,8 @@ class Launcher:
                              f"(or pass a list of token ids)")
         if isinstance(prompt, str):
             prompt = [prompt]
-        elif hasattr(prompt, "__len__") and len(prompt) > 0 and all(map(is_token_index, prompt)):
-            prompt = [[operator.index(t) for t in prompt]]  # numpy's and torch's integers too
+        elif token_ids := _token_id_list(prompt):  # numpy's and torch's integers too
+            prompt = [token_ids]
         else:
             raise ValueError(f"prompt ({show(prompt)}) must be a string or a non-empty list of token ids")
         with self._lock:
@@ -791,6 +809,7 @@ class Launcher:
                          asynchronous: bool):
         """Check every prompt first (nothing is submitted if one is bad), then submit them all."""
         self._running_pool()  # not started: say so, before anything that needs the model
+        _check_flag("return_logits", return_logits)
         stop_token_ids = check_stop_token_ids(stop_token_ids, self.model_config.vocab_size)
         with self._lock:
             texts, token_lists = self._tokenize(prompts)
@@ -861,9 +880,8 @@ class Launcher:
                                      f"{err.start}); pass UTF-8 text") from None
             token_lists = [list(self.tokenizer(p)["input_ids"]) for p in prompts]
             texts: list[str | None] = list(prompts)
-        elif all(isinstance(p, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
-                 for p in prompts):
-            token_lists, texts = [list(p) for p in prompts], [None] * len(prompts)
+        elif None not in (token_lists := [_token_id_list(p) for p in prompts]):
+            texts = [None] * len(prompts)
         else:
             raise ValueError("prompts must be all strings or all lists of token ids")
         return texts, token_lists  # checked by check_request

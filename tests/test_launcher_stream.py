@@ -44,6 +44,8 @@ def test_streams_equal_generate_and_async_streams_too(model_and_expected, in_pro
             collected = []
             async for delta in llm.astream(PROMPTS[0], max_new_tokens=NEW_TOKENS, logprobs=2):
                 collected.append(delta)
+            with pytest.raises(ValueError, match=r"return_logits \('no'\) must be True or False"):
+                await llm.agenerate(PROMPTS, return_logits="no")
             return results, collected
 
         results, deltas = asyncio.run(both())
@@ -185,9 +187,18 @@ def test_stop_tokens_end_a_stream_and_bad_options_are_refused(model_and_expected
         tokens, finish = tokens_of(llm.stream(PROMPTS[0], max_new_tokens=NEW_TOKENS, stop_token_ids=[expected[0][2]]))
         assert tokens == expected[0][:3] and finish == "stop"
         import numpy as np
+        import torch
 
         as_array = tokens_of(llm.stream(np.array(PROMPTS[0]), max_new_tokens=NEW_TOKENS, ignore_eos=True))
         assert as_array == (expected[0], "length")  # numpy's integers are token ids too
+        # ... in generate() as well (refused there before), and torch's; not a tensor of bools
+        arrays = [np.array(PROMPTS[0]), torch.tensor(PROMPTS[1]), list(np.array(PROMPTS[2], dtype=np.int32))]
+        assert [r.token_ids for r in llm.generate(arrays, max_new_tokens=NEW_TOKENS)] == expected[:3]
+        llm.check_prompts(arrays, max_new_tokens=NEW_TOKENS)
+        with pytest.raises(ValueError, match=r"prompt \(tensor\(\[ True, False\]\)\) must be"):
+            llm.stream(torch.tensor([True, False]))  # was taken as token ids 1, 0
+        with pytest.raises(ValueError, match="prompts must be all strings or all lists of token ids"):
+            llm.generate([torch.tensor([True, False])])
         with pytest.raises(ValueError, match="logprobs"):
             llm.stream(PROMPTS[0], logprobs=21)
         with pytest.raises(ValueError, match="stop string"):
@@ -205,6 +216,11 @@ def test_stop_tokens_end_a_stream_and_bad_options_are_refused(model_and_expected
                 llm.stream(PROMPTS[0], ignore_eos=flag)
             with pytest.raises(ValueError, match="ignore_eos"):
                 llm.generate([PROMPTS[0]], ignore_eos=flag)
+            for batching in ("continuous", "static"):  # "no" returned every token's logits
+                with pytest.raises(ValueError, match=rf"return_logits \({flag!r}\) must be True or False"):
+                    llm.generate([PROMPTS[0]], return_logits=flag, batching=batching)
+        with pytest.raises(ValueError, match=r"batching \('bogus'\) must be 'continuous' or 'static'"):
+            llm.check_prompts([PROMPTS[0]], batching="bogus")  # was checked as if static
         with pytest.raises(ValueError, match=r"prompt \(b'ab'\.\.\.\) is bytes; decode it"):
             llm.stream(b"ab")  # was taken as token ids 97, 98
         with pytest.raises(ValueError, match="prompts must be all strings or all lists of token ids"):
