@@ -77,6 +77,19 @@ def test_closing_a_stream_cancels_it_and_frees_its_row(model_and_expected, in_pr
         assert tokens_of(waiting)[0] == expected[1]
         assert llm.load() == {"running": 0, "waiting": 0}
 
+        # Ctrl-C while a reader waits for a token cancels the request too (it kept its row until
+        # it ended or the stream was collected); the interrupt raised where the wait is
+        interrupted = llm.stream(PROMPTS[0], max_new_tokens=200, ignore_eos=True)
+        next(interrupted)
+
+        def ctrl_c(*args, **kwargs):
+            raise KeyboardInterrupt
+
+        interrupted._items.get = ctrl_c
+        with pytest.raises(KeyboardInterrupt):
+            next(interrupted)
+        assert interrupted.handle.cancelled and llm.load() == {"running": 0, "waiting": 0}
+
 
 def test_a_stream_garbage_collected_unread_is_cancelled_without_taking_a_lock(model_and_expected,
                                                                               in_process_cluster):

@@ -86,6 +86,9 @@ class RequestStream(_Stream):
         except queue.Empty:
             self.cancel()
             raise self._overdue() from None
+        except KeyboardInterrupt:  # Ctrl-C while waiting for a token: the request goes too, as in generate()
+            self.cancel()
+            raise
         return self._delta(item)
 
     def close(self) -> None:
