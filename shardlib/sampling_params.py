@@ -8,7 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-MAX_SEED = 2**63 - 1
+MIN_SEED, MAX_SEED = -2**63, 2**63 - 1
+"""A seed is any signed 64-bit integer, as OpenAI's API takes it (torch reads a negative one modulo 2**64)."""
 GREEDY_BELOW = 1e-5
 """Temperatures below this are greedy. The sampling table holds temperatures in float32, where the
 tiniest round to 0 (the row sampled at temperature 1) or stay as denormals that divide the logits
@@ -39,8 +40,8 @@ class SamplingParams:
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
             raise ValueError(f"top_p={p!r} must be a number in (0, 1] (1 turns top-p off)")
         s = self.seed
-        if s is not None and (isinstance(s, bool) or not isinstance(s, int) or not 0 <= s <= MAX_SEED):
-            raise ValueError(f"seed={s!r} must be None or an integer in [0, 2**63 - 1]")
+        if s is not None and (isinstance(s, bool) or not isinstance(s, int) or not MIN_SEED <= s <= MAX_SEED):
+            raise ValueError(f"seed={s!r} must be None or an integer in [-2**63, 2**63 - 1]")
 
     @property
     def is_greedy(self) -> bool:

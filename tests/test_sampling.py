@@ -54,6 +54,12 @@ def test_same_seed_same_tokens_different_seeds_differ():
 
     assert run(params) == run(params)
     assert run(params) != run(SamplingParams(temperature=1.0, seed=8))
+    # a negative seed (OpenAI's API takes any signed 64-bit one) is a seed of its own
+    negative = SamplingParams(temperature=1.0, seed=-7)
+    assert run(negative) == run(negative) and run(negative) != run(params)
+    # torch's CPU generator reads only a seed's low 32 bits: these drew the same tokens before
+    for a, b in ((-2**63, 0), (1, 2**32 + 1), (2**63 - 1, 2**32 - 1)):
+        assert run(SamplingParams(temperature=1.0, seed=a)) != run(SamplingParams(temperature=1.0, seed=b))
 
 
 def test_top_k_never_draws_outside_the_top_k():
@@ -108,7 +114,8 @@ def test_row_count_mismatch_is_refused():
     (dict(top_k=2.5), r"top_k=2\.5 must be an integer"),
     (dict(top_p=0.0), r"top_p=0\.0 must be a number in \(0, 1\]"),
     (dict(top_p=1.5), r"top_p=1\.5 must be a number in \(0, 1\]"),
-    (dict(seed=-3), r"seed=-3 must be None or an integer in \[0, 2\*\*63 - 1\]"),
+    (dict(seed=-2**63 - 1), r"seed=-9223372036854775809 must be None or an integer in \[-2\*\*63, 2\*\*63 - 1\]"),
+    (dict(seed=2**63), r"seed=9223372036854775808 must be None or an integer in \[-2\*\*63, 2\*\*63 - 1\]"),
     (dict(seed="42"), r"seed='42' must be None or an integer"),
 ])
 def test_invalid_params_name_the_value_and_range(kwargs, message):
