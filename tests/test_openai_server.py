@@ -59,7 +59,7 @@ def refusal(parse, **fields) -> ProtocolError:
     ("temperature", "hot", ["temperature ('hot')", "[0, 2]"]),
     ("top_p", 0, ["top_p (0)", "(0, 1]"]),
     ("top_k", -2, ["top_k (-2)", ">= 0"]),
-    ("seed", -1, ["seed (-1)", "2**63 - 1"]),
+    ("seed", -2**63 - 1, ["seed (-9223372036854775809)", "[-2**63, 2**63 - 1]"]),
     ("max_tokens", 0, ["max_tokens (0)", ">= 1"]),
     ("logprobs", 21, ["logprobs (21)", "[0, 20]"]),
     ("n", 2, ["n (2)", "only one choice"]),
@@ -111,6 +111,9 @@ def test_an_unknown_key_inside_stream_options_is_named_with_its_path():
     assert err.param == "stream_options.continuous_usage_stats"
     assert "unknown parameter 'stream_options.continuous_usage_stats'" in err.message
     assert "{include_usage: bool}" in err.message
+    err = refusal(completion, stream=True, stream_options={"include_usage": "yes"})  # named the object before
+    assert err.param == "stream_options.include_usage"
+    assert err.message == "stream_options.include_usage ('yes') must be true or false"
 
 
 def test_null_inside_stream_options_means_its_default():
@@ -120,8 +123,8 @@ def test_null_inside_stream_options_means_its_default():
 
 
 def test_unknown_and_missing_fields_are_refused_by_name():
-    err = refusal(completion, best_of=3)
-    assert err.param == "best_of" and "unknown parameter 'best_of'" in err.message and "max_tokens" in err.message
+    err = refusal(completion, guided_json={})
+    assert err.param == "guided_json" and "unknown parameter 'guided_json'" in err.message and "max_tokens" in err.message
     with pytest.raises(ProtocolError) as caught:
         parse_request(CompletionRequest, {"prompt": "hi"})
     assert caught.value.param == "model" and "'model' is required" in caught.value.message
@@ -130,6 +133,21 @@ def test_unknown_and_missing_fields_are_refused_by_name():
     with pytest.raises(ProtocolError, match="^the request body: ") as caught:  # a key that is not valid text
         parse_request(CompletionRequest, {"model": MODEL, "prompt": "hi", "\ud800": 1})
     assert caught.value.param is None and not caught.value.message.startswith("None")  # was "None: Input ..."
+
+
+def test_unsupported_parameters_are_taken_at_the_value_that_asks_for_nothing():
+    """Clients that send every parameter send these at their defaults: each was an unknown parameter."""
+    completion(best_of=1, echo=False, suffix="", logit_bias={})
+    completion(best_of=None, echo=None, suffix=None, logit_bias=None)
+    chat(logit_bias={}, response_format={"type": "text"})
+    for parse, field, value, words in (
+            (completion, "best_of", 2, "best_of (2) must be 1 (best_of is not supported"),
+            (completion, "echo", True, "echo (true) must be false (echo is not supported)"),
+            (completion, "suffix", "end", "suffix ('end') must be an empty string (suffix is not supported)"),
+            (completion, "logit_bias", {"50256": -100}, "logit_bias ({\"50256\": -100}) must be an empty object"),
+            (chat, "response_format", {"type": "json_object"}, "structured output is not supported")):
+        err = refusal(parse, **{field: value})
+        assert err.param == field and words in err.message, err.message
 
 
 def test_chat_refusals():
@@ -144,14 +162,29 @@ def test_chat_refusals():
     with pytest.raises(ProtocolError) as caught:  # pydantic's union branch leaked: "messages.0.content.str"
         parse_request(ChatCompletionRequest, {"model": MODEL, "messages": [{"role": "user", "content": {"a": 1}}]})
     assert caught.value.param == "messages.0.content" and caught.value.message.startswith("messages.0.content: ")
-    with pytest.raises(ProtocolError, match="'image_url' is not supported"):
+    with pytest.raises(ProtocolError, match="'image_url' is not supported") as caught:
         parse_request(ChatCompletionRequest, {"model": MODEL, "messages": [
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
+    assert caught.value.param == "messages.0.content.0"
+    # each was taken before: a text part without text ("is not supported", param "messages"), a
+    # user message without content (answered as an empty one), an assistant's tool calls (dropped)
+    for messages, param, words in (
+            ([{"role": "user", "content": [{"type": "text", "text": 5}]}], "messages.0.content.0.text",
+             "messages.0.content.0.text (5) must be a string"),
+            ([{"role": "system", "content": "x"}, {"role": "user"}], "messages.1.content",
+             "messages.1.content is required in a user message"),
+            ([{"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]},
+              {"role": "user", "content": "x"}], "messages.0.tool_calls", "tool calls are not supported")):
+        with pytest.raises(ProtocolError) as caught:
+            parse_request(ChatCompletionRequest, {"model": MODEL, "messages": messages})
+        assert caught.value.param == param and words in caught.value.message
+    assert chat(messages=[{"role": "assistant"}, {"role": "user", "content": "x"}]).chat_messages()[0] == \
+        {"role": "assistant", "content": ""}  # an assistant's content may be left out
 
 
 def test_accepted_requests_and_their_engine_arguments():
     req = completion(prompt=["only one"], temperature=0, top_k=-1, stop="\n", stop_token_ids=[7], ignore_eos=True,
-                     stream=True, stream_options={"include_usage": True}, seed=3, logprobs=2, user="u")
+                     stream=True, stream_options={"include_usage": True}, seed=-3, logprobs=2, user="u")
     assert req.prompt_input() == "only one" and req.stop_strings() == ["\n"] and req.include_usage()
     assert completion(prompt=[1, 2, 3]).prompt_input() == [1, 2, 3]
     assert completion(stop=None).stop_strings() == [] and completion().temperature == 1.0
@@ -466,6 +499,8 @@ def test_completion_greedy_matches_transformers(client, hf):
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    # with include_usage, OpenAI's other chunks carry "usage": null (the key was missing)
+    assert all("usage" in c.model_fields_set and c.usage is None for c in chunks[:-1])
 
 
 @pytest.mark.slow
@@ -543,11 +578,12 @@ def test_http_errors(client, server, hf):
         client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=4)
     message = caught.value.body["message"]
     assert str(prompt_tokens) in message and any(str(n) in message for n in (hf.config.max_position_embeddings, 4096))
+    assert caught.value.body["code"] == "context_length_exceeded"  # OpenAI's: clients trim and retry on it
     with pytest.raises(openai.BadRequestError) as caught:  # no max_tokens sent: named as "max_tokens 1"
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": long_prompt}])
     message = caught.value.body["message"]
     assert "leaving no room for a generated token" in message and "max_tokens" not in message
-    assert caught.value.body["param"] == "messages"
+    assert caught.value.body["param"] == "messages" and caught.value.body["code"] == "context_length_exceeded"
     # 315 000 characters of dense text: refused from its head alone (under the length bound, 2 x 81
     # characters per context token, at a context of 4096 or more); 3 MB of spaces, too sparse for
     # its head to tell: refused by its length, untokenized (launcher/serving/prompt_probe.py)
@@ -555,6 +591,7 @@ def test_http_errors(client, server, hf):
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model=MODEL, prompt=huge, max_tokens=4)
     assert caught.value.body["param"] == "prompt" and "characters alone have" in caught.value.body["message"]
+    assert caught.value.body["code"] == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": huge}])
     assert caught.value.body["param"] == "messages" and "chat prompt (the messages in the model's chat template) " \
@@ -567,6 +604,7 @@ def test_http_errors(client, server, hf):
             call()
         assert caught.value.body["param"] == param
         assert re.search(r"it has 300\d{4} characters, no token", caught.value.body["message"])
+        assert caught.value.body["code"] == "context_length_exceeded"
     auth = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
     reply = requests.post(f"{server.url}/v1/chat/completions", headers=auth, timeout=30,
                           data=f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "hi \\ud800"}}]}}')
@@ -601,6 +639,10 @@ def test_edge_values_neither_crash_the_group_nor_escape_as_500s(client, server, 
                                        extra_body={"top_k": 10**39})
     no_k = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1, seed=3)
     assert huge_k.choices[0].text == no_k.choices[0].text  # a k past the vocabulary keeps every token
+    # OpenAI's seeds are signed 64-bit: a negative one is accepted and is a seed of its own
+    negative = [client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1, seed=-2**63)
+                .choices[0].text for _ in range(2)]
+    assert negative[0] == negative[1]
     assert requests.get(f"{server.url}/health", timeout=10).status_code == 200
     headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
     for body in ("[" * 100000 + "]" * 100000, '{"model": "%s", "prompt": "a", "max_tokens": %s}' % (MODEL, "9" * 5000)):
@@ -608,7 +650,7 @@ def test_edge_values_neither_crash_the_group_nor_escape_as_500s(client, server, 
         assert reply.status_code == 400 and "not valid JSON" in reply.json()["error"]["message"]
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model=MODEL, prompt=[28] * 10, max_tokens=10**6)
-    assert caught.value.body["param"] == "max_tokens"
+    assert caught.value.body["param"] == "max_tokens" and caught.value.body["code"] == "context_length_exceeded"
     assert "max_tokens 1000000" in caught.value.body["message"] and "max_new_tokens" not in caught.value.body["message"]
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=10**6)

@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from launcher.errors import LaunchError
 from launcher.serving import openai_protocol as proto
 from launcher.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics, TokenTimer
-from launcher.serving.openai_protocol import ProtocolError
+from launcher.serving.openai_protocol import CONTEXT_LENGTH_EXCEEDED, ProtocolError
 from launcher.serving.openai_render import ChatRender, CompletionRender
 from launcher.serving.prompt_probe import (head_overfills, length_overfills, longest_token_chars,
                                             too_long_message, too_many_characters_message)
@@ -267,12 +267,13 @@ class OpenAIServer:
         is tokenized with the tokenizer's own additions (a BOS token), as a completions prompt is."""
         if length_overfills(text, self.context_tokens, self._longest_token):
             raise ProtocolError(too_many_characters_message(what, text, self.context_tokens, self._longest_token),
-                                param=param)
+                                param=param, code=CONTEXT_LENGTH_EXCEEDED)
         with self._encoding:
             head = head_overfills(lambda head_text: self._count_tokens(head_text, special_tokens), text,
                                   self.context_tokens)
         if head is not None:
-            raise ProtocolError(too_long_message(what, head, self.context_tokens), param=param)
+            raise ProtocolError(too_long_message(what, head, self.context_tokens), param=param,
+                                code=CONTEXT_LENGTH_EXCEEDED)
 
     def _count_tokens(self, text: str, special_tokens: bool = True) -> int:
         """Tokens of text as a prompt (under self._encoding)."""
@@ -350,12 +351,13 @@ class OpenAIServer:
         if len(prompt) >= self.context_tokens:  # no room left whatever the limit (which may not have been sent)
             self.metrics.rejected(400)
             raise ProtocolError(f"the prompt has {len(prompt)} tokens and the context holds {self.context_tokens}, "
-                                f"leaving no room for a generated token; shorten the prompt", param=prompt_param)
+                                f"leaving no room for a generated token; shorten the prompt", param=prompt_param,
+                                code=CONTEXT_LENGTH_EXCEEDED)
         try:
             check_fits([prompt], max_tokens, self.context_tokens, "the context", new_tokens_name=limit)
         except ValueError as err:
             self.metrics.rejected(400)
-            raise ProtocolError(str(err), param=limit if len(prompt) < self.context_tokens else prompt_param) from None
+            raise ProtocolError(str(err), param=limit, code=CONTEXT_LENGTH_EXCEEDED) from None
 
         sampling = SamplingParams(temperature=req.temperature, top_k=max(req.top_k, 0), top_p=req.top_p,
                                   seed=req.seed)
@@ -406,15 +408,17 @@ class OpenAIServer:
         """The server-sent events of one streamed request, ending with [DONE]."""
         outcome, counts = "abort", (0, 0)
         try:
+            # with include_usage every chunk carries "usage": null but the last, which has the counts
+            usage_field = {"usage": None} if include_usage else {}
             async with aclosing(stream):
                 for chunk in render.opening(meta):
-                    yield proto.sse_event(chunk)
+                    yield proto.sse_event({**chunk, **usage_field})
                 async for delta in stream:
                     timer.tokens(len(delta.token_ids), time.perf_counter())
                     counts = (delta.prompt_tokens, delta.completion_tokens)
                     chunk = render.chunk(meta, delta)
                     if chunk is not None:
-                        yield proto.sse_event(chunk)
+                        yield proto.sse_event({**chunk, **usage_field})
                     if delta.finish_reason:
                         outcome = delta.finish_reason
             if include_usage:

@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from shardlib.sampling_params import MAX_SEED
+from shardlib.sampling_params import MAX_SEED, MIN_SEED
 
 MAX_STOP_STRINGS = 4
 """OpenAI's bound on `stop`."""
@@ -37,7 +37,7 @@ FIELD_RULES = {
     "temperature": "a number in [0, 2] (0 is greedy)",
     "top_p": "a number in (0, 1] (1 turns top-p off)",
     "top_k": "an integer >= 0, or -1 (0 and -1 turn top-k off)",
-    "seed": "an integer in [0, 2**63 - 1]",
+    "seed": "an integer in [-2**63, 2**63 - 1]",
     "stop": f"a string or a list of at most {MAX_STOP_STRINGS} strings",
     "stop_token_ids": "a list of token ids (integers >= 0)",
     "ignore_eos": "true or false",
@@ -45,11 +45,24 @@ FIELD_RULES = {
     "top_logprobs": f"an integer in [0, {MAX_LOGPROBS}], with logprobs: true",
     "stream": "true or false",
     "stream_options": "an object {include_usage: bool}, only with stream: true",
+    "stream_options.include_usage": "true or false",
     "n": "1 (only one choice per request is supported)",
     "presence_penalty": "0 (presence_penalty is not supported; only 0 is accepted)",
     "frequency_penalty": "0 (frequency_penalty is not supported; only 0 is accepted)",
     "user": "a string (it is accepted and ignored)",
+    # Parameters this server does not implement, accepted at the value that asks for nothing (clients
+    # that send every parameter send these), refused otherwise
+    "best_of": "1 (best_of is not supported; only 1 is accepted)",
+    "echo": "false (echo is not supported)",
+    "suffix": "an empty string (suffix is not supported)",
+    "logit_bias": "an empty object (logit_bias is not supported)",
+    "response_format": "{\"type\": \"text\"} (structured output is not supported)",
 }
+
+
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+"""The error code of a prompt (or prompt plus max_tokens) that does not fit the context, as OpenAI's
+API says it: clients check it to shorten a conversation and retry."""
 
 
 class ProtocolError(ValueError):
@@ -91,6 +104,11 @@ class StreamOptions(_NullMeansDefault):
     """Send one more chunk before [DONE] with the request's usage and no choices."""
 
 
+class TextResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text"]
+
+
 class _GenerationRequest(_NullMeansDefault):
     """Fields both endpoints share. Unknown fields are refused (a misspelt parameter would otherwise
     be silently ignored)."""
@@ -103,7 +121,7 @@ class _GenerationRequest(_NullMeansDefault):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=-1)
     """Extension (as vLLM's): sample among the k most likely tokens."""
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
     stop: str | list[str] | None = Field(None)
     stop_token_ids: list[int] = Field(default_factory=list)
     """Extension: generation also ends after any of these token ids."""
@@ -115,6 +133,7 @@ class _GenerationRequest(_NullMeansDefault):
     presence_penalty: float = Field(0.0, ge=0, le=0)
     frequency_penalty: float = Field(0.0, ge=0, le=0)
     user: str | None = None
+    logit_bias: dict = Field(default_factory=dict, max_length=0)
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -126,6 +145,9 @@ class _GenerationRequest(_NullMeansDefault):
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[str] | list[int]
     max_tokens: int | None = Field(None, ge=1)
+    best_of: int = Field(1, ge=1, le=1)
+    echo: Literal[False] = False
+    suffix: Literal[""] = ""
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     """The chosen token's log-probability plus this many most likely alternatives."""
 
@@ -140,16 +162,32 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)  # name, tool_call_id, ...: not used by the template
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict] | None = None
+    """Required but for an assistant's message (OpenAI's rule: one that made tool calls may have none)."""
+    tool_calls: list | None = None
+    """Refused when not empty: `tools` is not supported, and the template would drop the calls silently."""
 
-    def text(self) -> str:
+    def check(self, index: int) -> None:
+        """ProtocolError for a message the API refuses; `index` is its place in `messages`."""
+        if self.content is None and self.role != "assistant":
+            raise ProtocolError(f"messages.{index}.content is required in a {self.role} message (a string or a "
+                                f"list of text parts)", param=f"messages.{index}.content")
+        if self.tool_calls:
+            raise ProtocolError(f"messages.{index}.tool_calls: tool calls are not supported (nor is `tools`); "
+                                f"send the conversation as text messages", param=f"messages.{index}.tool_calls")
+        self.text(index)
+
+    def text(self, index: int = 0) -> str:
         """The content as one string: text parts joined; other part types are refused."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         texts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ProtocolError(f"message content part {part.get('type')!r} is not supported; only "
-                                    f"text parts ({{\"type\": \"text\", \"text\": ...}}) are", param="messages")
+        for j, part in enumerate(self.content):
+            param = f"messages.{index}.content.{j}"
+            if part.get("type") != "text":
+                raise ProtocolError(f"{param}: content part type {part.get('type')!r} is not supported; only text "
+                                    f"parts ({{\"type\": \"text\", \"text\": ...}}) are", param=param)
+            if not isinstance(part.get("text"), str):
+                raise ProtocolError(f"{param}.text ({_short(part.get('text'))}) must be a string", param=f"{param}.text")
             texts.append(part["text"])
         return "".join(texts)
 
@@ -161,10 +199,11 @@ class ChatCompletionRequest(_GenerationRequest):
     """OpenAI's newer name for max_tokens; wins when both are given."""
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: TextResponseFormat | None = None
 
     def chat_messages(self) -> list[dict]:
         """[{role, content}] with content as plain text, as chat templates take it."""
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
 
     def logprobs_count(self) -> int | None:
         """The engine's logprobs argument: None (off) or the number of alternatives."""
@@ -193,6 +232,8 @@ def _field_error(error: dict, model: type[BaseModel]) -> ProtocolError:
     param = ".".join(loc) if loc else None
     if not loc:  # about the body as a whole (e.g. a key that is not valid text)
         return ProtocolError(f"the request body: {error['msg']}")
+    if param in FIELD_RULES and len(loc) > 1:  # a bad value inside an object field: name it, not the object
+        return ProtocolError(f"{param} ({_short(error.get('input'))}) must be {FIELD_RULES[param]}", param=param)
     if error["type"] == "extra_forbidden" and len(loc) > 1:  # inside an object field (stream_options)
         return ProtocolError(f"unknown parameter {param!r}; {field} must be "
                              f"{FIELD_RULES.get(field, 'as the OpenAI API reference says')}", param=param)
@@ -238,8 +279,8 @@ def _check_combinations(request: _GenerationRequest) -> None:
     if isinstance(request, ChatCompletionRequest):
         if request.top_logprobs is not None and not request.logprobs:
             raise ProtocolError("top_logprobs needs logprobs: true", param="top_logprobs")
-        for message in request.messages:
-            message.text()  # refuses non-text parts now, before any work
+        for i, message in enumerate(request.messages):
+            message.check(i)  # refuses missing content, tool calls and non-text parts now, before any work
 
 
 def max_new_tokens(request: _GenerationRequest, prompt_tokens: int, context_tokens: int) -> int:
