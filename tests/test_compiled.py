@@ -122,8 +122,10 @@ def test_tp_compiled_equals_eager_through_ray(ray_session, tmp_path, tp):
     model_dir = save_model(hf, tmp_path / "model")
     context_buckets, batches, static_batch = TP_RUNS[tp]
     tp1 = build_rank_model(ModelConfig.from_dict(hf.config.to_dict()), hf_state_dict(hf), 0, 1, SingleRank())
+    # rendezvous_timeout_s: the ranks' join is not this test's subject, and beside another test's
+    # start-up (two at a time on two cores) a third rank importing torch missed the default 30 s once
     with Launcher(model=str(model_dir), tp=tp, context_buckets=context_buckets, token_buckets=(32,), max_batch_size=2,
-                  progress=False) as launcher:
+                  rendezvous_timeout_s=120, progress=False) as launcher:
         assert launcher.config.compile  # the default
         compiled = [[r.token_ids for r in launcher.generate(batch, max_new_tokens=NEW, ignore_eos=True)]
                     for batch in batches]
