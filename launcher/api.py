@@ -15,6 +15,7 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import Mapping, Set as AbstractSet
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -241,11 +242,12 @@ def _check_batching(batching) -> None:
 
 
 def _token_id_list(prompt) -> list[int] | None:
-    """A prompt given as token ids, as a list of ints: a list, a tuple, a range, or a 1-D numpy
-    array or torch tensor of integers (not bools); None for anything else."""
-    if not (isinstance(prompt, (list, tuple, range)) or (hasattr(prompt, "__array__") and getattr(prompt, "ndim", 0) == 1)):
+    """A prompt given as token ids, as a list of ints: any sized sequence of integers (a list, a
+    tuple, a range, a 1-D numpy array or torch tensor, an array.array, ...), not of bools; None for
+    anything else (text, bytes, a mapping or a set, whose order is not the prompt's)."""
+    if isinstance(prompt, (str, bytes, bytearray, Mapping, AbstractSet)) or not hasattr(prompt, "__len__"):
         return None
-    if str(getattr(prompt, "dtype", "")) in ("bool", "torch.bool"):  # a torch bool's elements index as 0 and 1
+    if getattr(prompt, "ndim", 1) != 1:
         return None
     if not all(map(is_token_index, prompt)):
         return None

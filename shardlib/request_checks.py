@@ -55,12 +55,13 @@ def check_stop_token_ids(stop_token_ids: Sequence[int], vocab_size: int) -> tupl
 
 
 def is_token_index(value) -> bool:
-    """An integer of any kind (numpy's and torch's included), but not a bool."""
+    """An integer of any kind (numpy's and torch's included), but not a bool (a 0-d torch bool
+    tensor indexes as 0 or 1)."""
     try:
         operator.index(value)
     except TypeError:
         return False
-    return not isinstance(value, bool)
+    return not isinstance(value, bool) and str(getattr(value, "dtype", "")) != "torch.bool"
 
 
 def check_fits(prompts: Sequence[Sequence[int]], max_new_tokens: int, limit: int, limit_name: str, *,

@@ -212,6 +212,13 @@ def test_stop_tokens_end_a_stream_and_bad_options_are_refused(model_and_expected
             llm.stream(torch.tensor([True, False]))  # was taken as token ids 1, 0
         with pytest.raises(ValueError, match="prompts must be all strings or all lists of token ids"):
             llm.generate([torch.tensor([True, False])])
+        with pytest.raises(ValueError, match="prompts must be all strings or all lists of token ids"):
+            llm.generate([list(torch.tensor([True, False]))])  # 0-d bool tensors, one by one
+        import array
+        import collections
+
+        for sized in (array.array("q", PROMPTS[0]), collections.deque(PROMPTS[0])):  # any sized sequence of ints
+            assert tokens_of(llm.stream(sized, max_new_tokens=NEW_TOKENS, ignore_eos=True)) == (expected[0], "length")
         with pytest.raises(ValueError, match="logprobs"):
             llm.stream(PROMPTS[0], logprobs=21)
         with pytest.raises(ValueError, match="stop string"):
