@@ -145,8 +145,10 @@ def test_unsupported_parameters_are_taken_at_the_value_that_asks_for_nothing():
             (completion, "echo", True, "echo (true) must be false (echo is not supported)"),
             (completion, "suffix", "end", "suffix ('end') must be an empty string (suffix is not supported)"),
             (completion, "logit_bias", {"50256": -100}, "logit_bias ({\"50256\": -100}) must be an empty object"),
-            (chat, "response_format", {"type": "json_object"}, "structured output is not supported")):
-        err = refusal(parse, **{field: value})
+            (completion, "echo", 0, "echo (0) must be false"),  # a number is not false (was taken)
+            (chat, "response_format.type", {"type": "json_object"},
+             "response_format.type ('json_object') must be \"text\" (structured output is not supported)")):
+        err = refusal(parse, **{field.split(".")[0]: value})
         assert err.param == field and words in err.message, err.message
 
 
@@ -174,7 +176,9 @@ def test_chat_refusals():
             ([{"role": "system", "content": "x"}, {"role": "user"}], "messages.1.content",
              "messages.1.content is required in a user message"),
             ([{"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]},
-              {"role": "user", "content": "x"}], "messages.0.tool_calls", "tool calls are not supported")):
+              {"role": "user", "content": "x"}], "messages.0.tool_calls", "tool calls are not supported"),
+            ([{"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}},
+              {"role": "user", "content": "x"}], "messages.0.function_call", "tool calls are not supported")):
         with pytest.raises(ProtocolError) as caught:
             parse_request(ChatCompletionRequest, {"model": MODEL, "messages": messages})
         assert caught.value.param == param and words in caught.value.message

@@ -57,6 +57,7 @@ FIELD_RULES = {
     "suffix": "an empty string (suffix is not supported)",
     "logit_bias": "an empty object (logit_bias is not supported)",
     "response_format": "{\"type\": \"text\"} (structured output is not supported)",
+    "response_format.type": "\"text\" (structured output is not supported)",
 }
 
 
@@ -146,7 +147,8 @@ class CompletionRequest(_GenerationRequest):
     prompt: str | list[str] | list[int]
     max_tokens: int | None = Field(None, ge=1)
     best_of: int = Field(1, ge=1, le=1)
-    echo: Literal[False] = False
+    echo: bool = False
+    """Refused when true (_check_combinations): a Literal[False] would take the number 0 too."""
     suffix: Literal[""] = ""
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     """The chosen token's log-probability plus this many most likely alternatives."""
@@ -165,15 +167,18 @@ class ChatMessage(BaseModel):
     """Required but for an assistant's message (OpenAI's rule: one that made tool calls may have none)."""
     tool_calls: list | None = None
     """Refused when not empty: `tools` is not supported, and the template would drop the calls silently."""
+    function_call: dict | None = None
+    """tool_calls' older form: refused likewise."""
 
     def check(self, index: int) -> None:
         """ProtocolError for a message the API refuses; `index` is its place in `messages`."""
         if self.content is None and self.role != "assistant":
             raise ProtocolError(f"messages.{index}.content is required in a {self.role} message (a string or a "
                                 f"list of text parts)", param=f"messages.{index}.content")
-        if self.tool_calls:
-            raise ProtocolError(f"messages.{index}.tool_calls: tool calls are not supported (nor is `tools`); "
-                                f"send the conversation as text messages", param=f"messages.{index}.tool_calls")
+        for calls in ("tool_calls", "function_call"):
+            if getattr(self, calls):
+                raise ProtocolError(f"messages.{index}.{calls}: tool calls are not supported (nor is `tools`); "
+                                    f"send the conversation as text messages", param=f"messages.{index}.{calls}")
         self.text(index)
 
     def text(self, index: int = 0) -> str:
@@ -270,6 +275,8 @@ def _check_combinations(request: _GenerationRequest) -> None:
     if request.stream_options is not None and not request.stream:
         raise ProtocolError("stream_options is only allowed with stream: true", param="stream_options")
     if isinstance(request, CompletionRequest):
+        if request.echo:
+            raise ProtocolError(f"echo (true) must be {FIELD_RULES['echo']}", param="echo")
         prompt = request.prompt
         if isinstance(prompt, list) and (not prompt or (isinstance(prompt[0], str) and len(prompt) != 1)):
             raise ProtocolError(f"prompt (a list of {len(prompt)} strings) must be {FIELD_RULES['prompt']}",
