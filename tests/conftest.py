@@ -19,6 +19,31 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
+# The files that take a minute or more on 2 cores with an empty inductor cache, longest first
+# (`--durations=0` on machine N; README, Tests). Under `-n 2 --dist loadfile` xdist hands the
+# workers whole files from one queue, in its order (each holds up to two and is sent the next when
+# nearly done), so a long file handed out last keeps one worker busy after the other has run out:
+# queued first, the many short files after them even out the two workers' ends. Only the order
+# changes; a file missing here runs after them, in collection order.
+LONGEST_FILES = ("test_compiled.py", "test_openai_server.py", "test_serving_loop.py", "test_compile_cli.py",
+                 "test_multinode.py", "test_compile_message_e2e.py", "test_check_bench_cli.py",
+                 "test_smollm2_e2e.py")
+
+
+def pytest_configure(config):
+    # xdist's default queues files by their number of tests, most first; keep this file's order
+    if getattr(config.option, "loadscopereorder", None):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item) -> int:
+        name = item.path.name
+        return LONGEST_FILES.index(name) if name in LONGEST_FILES else len(LONGEST_FILES)
+
+    items.sort(key=rank)  # stable: each file's tests, and the other files, keep their order
+
+
 def start_session_ray() -> None:
     """ray.init for the session's Ray (tests/test_multinode.py re-opens it with this too).
 
