@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
+import os
 import queue
 import threading
 import time
@@ -30,6 +31,7 @@ from shardlib.expert_sharding import check_moe_sharding_name
 from shardlib.generation_config import generation_eos_ids
 from shardlib.model_config import ModelConfig, normalize_dtype
 from shardlib.quantized_sizes import kv_dtype_name
+from shardlib.planner import KV_STRATEGIES
 from shardlib.positive_int import is_positive_int, positive_int
 from shardlib.request_checks import check_fits, check_request, check_stop_token_ids, is_token_index
 from shardlib.sampling_params import SamplingParams
@@ -150,11 +152,24 @@ class LaunchConfig:
     """Print start-up steps on stderr."""
 
     def __post_init__(self) -> None:
+        # flags first: "nope" from a `serve run key=value` argument would read as True
+        for name in ("presharded_cache", "pad_q_heads", "fused_projections", "sequence_parallel", "compile",
+                     "warm_up", "progress"):
+            _check_flag(name, getattr(self, name))
+        for name in ("model", "compiled_dir", "presharded_dir", "presharded_cache_dir"):
+            _check_path(name, getattr(self, name))
         self.tp = _positive_or_auto("tp", self.tp)
         if self.backend is not None:
             backend_entry(self.backend)  # ValueError naming the known backends
-        if self.device_memory_gib is not None and not self.device_memory_gib > 0:
-            raise ValueError(f"device_memory_gib ({self.device_memory_gib}) must be positive (GiB of one device)")
+        g = self.device_memory_gib
+        if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) or g <= 0):
+            raise ValueError(f"device_memory_gib ({g!r}) must be a positive number (GiB of one device)")
+        if self.kv_strategy is not None and self.kv_strategy not in KV_STRATEGIES:
+            raise ValueError(f"kv_strategy ({self.kv_strategy!r}) must be one of {', '.join(KV_STRATEGIES)}, or "
+                             f"None for the planner's choice")
+        if self.lnc is not None and (isinstance(self.lnc, bool) or self.lnc not in (1, 2)):
+            raise ValueError(f"lnc ({self.lnc!r}) must be 1 or 2 (logical NeuronCore config), or None for the "
+                             f"instance's default")
         if self.compile_granularity is not None:
             if self.compile_granularity not in GRANULARITIES:
                 raise ValueError(f"compile_granularity ({self.compile_granularity!r}) must be one of "
@@ -213,7 +228,8 @@ class LaunchConfig:
             if getattr(self, name) is not None:
                 from shardlib.buckets import normalize_buckets
 
-                setattr(self, name, normalize_buckets(getattr(self, name), name.replace("_", " ")))
+                what = {"context_buckets": "context-encoding", "token_buckets": "token-generation"}[name]
+                setattr(self, name, normalize_buckets(getattr(self, name), what))  # "token-generation bucket 0 ..."
         if self.token_buckets is not None:  # the largest token bucket is each KV cache row's length
             if self.seq_len is None:
                 self.seq_len = self.token_buckets[-1]  # so the planner sizes the cache the buckets make
@@ -234,6 +250,14 @@ class LaunchConfig:
 def _check_flag(name: str, value) -> None:
     if not isinstance(value, bool):  # "no" would read as True
         raise ValueError(f"{name} ({value!r}) must be True or False")
+
+
+def _check_path(name: str, value) -> None:
+    """None, or a non-empty path (an empty one is the current directory, which passed every check)."""
+    if value is None:
+        return
+    if not isinstance(value, (str, os.PathLike)) or not str(value):
+        raise ValueError(f"{name} ({value!r}) must be a non-empty path, or None (left out)")
 
 
 def _check_batching(batching) -> None:

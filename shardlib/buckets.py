@@ -48,6 +48,8 @@ def normalize_buckets(buckets: Iterable[int], what: str, limit: int | None = Non
     """A custom bucket list sorted and de-duplicated; ValueError naming any bad value.
 
     limit: the largest value allowed (for example the model's max_position_embeddings)."""
+    if isinstance(buckets, (str, bytes)) or not hasattr(buckets, "__iter__"):  # "128" gave buckets 1, 2, 8
+        raise ValueError(f"{what} buckets ({buckets!r}) must be a list of lengths, e.g. [128, 256]")
     values = list(buckets)
     if not values:
         raise ValueError(f"{what} buckets are empty; give at least one length, or none for the automatic ones")

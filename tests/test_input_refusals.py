@@ -20,6 +20,17 @@ from tests.test_replicas import EAGER, NEW_TOKENS, PROMPTS, model_and_expected  
     ("max_context_length", 0, "max_context_length (0) must be a positive integer"),
     ("seq_len", "100", "seq_len ('100') must be an integer of at least 2"),
     ("seq_len", 100.5, "seq_len (100.5) must be an integer"),
+    # each was taken before: a flag given as text read as True, an empty path was the current
+    # directory, and these three failed only when planned (or with a bare TypeError)
+    ("compile", "nope", "compile ('nope') must be True or False"),
+    ("warm_up", 1, "warm_up (1) must be True or False"),
+    ("model", "", "model ('') must be a non-empty path"),
+    ("compiled_dir", "", "compiled_dir ('') must be a non-empty path"),
+    ("presharded_cache_dir", 2024, "presharded_cache_dir (2024) must be a non-empty path"),
+    ("device_memory_gib", "abc", "device_memory_gib ('abc') must be a positive number"),
+    ("kv_strategy", "bogus", "kv_strategy ('bogus') must be one of shard, replicate_to_tp, convert_to_mha"),
+    ("lnc", 3, "lnc (3) must be 1 or 2"),
+    ("token_buckets", "128", "token-generation buckets ('128') must be a list of lengths, e.g. [128, 256]"),
 ])
 def test_launch_options_are_checked_when_the_config_is_built(field, value, words):
     with pytest.raises(ValueError) as caught:
