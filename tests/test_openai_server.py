@@ -300,6 +300,38 @@ def test_server_settings_from_builder_arguments():
     assert settings_from_args({"burst_wait_s": "0.02"}).launch["burst_wait_s"] == 0.02
     with pytest.raises(ValueError, match=r"burst_wait_s \(-1\) must be between 0 and 1 seconds"):
         settings_from_args({"burst_wait_s": "-1"})
+    # `serve run` text as `corelaunch serve` writes it: "128" was iterated as buckets 1, 2 and 8
+    for text, buckets in (("128", (128,)), ("128,256", (128, 256)), ("[64, 128]", (64, 128))):
+        assert settings_from_args({"token_buckets": text}).launch["token_buckets"] == list(buckets)
+    with pytest.raises(ValueError, match=r"token_buckets: bucket list 'a,b' must be comma-separated integers"):
+        settings_from_args({"token_buckets": "a,b"})
+    with pytest.raises(ValueError, match=r"compile \('nope'\) must be True or False"):  # was compile on
+        settings_from_args({"compile": "nope"})
+    assert settings_from_args({"presharded_cache_dir": "2024"}).launch["presharded_cache_dir"] == "2024"  # was int
+    with pytest.raises(ValueError, match=r"ray_address \('10.0.0.1:6379'\) does not apply to a server"):
+        settings_from_args({"ray_address": "10.0.0.1:6379"})  # was ignored: a replica is inside Serve's Ray
+    with pytest.raises(ValueError, match="printable ASCII"):  # a header cannot carry it: every request got 401
+        settings_from_args({"api_key": "clé"})
+    with pytest.raises(ValueError, match=r"replicas \('None'\) fixes"):  # the text, quoted
+        settings_from_args({"replicas": "None", "max_replicas": "2"})
+
+
+def test_the_api_key_from_the_environment_is_checked_and_an_empty_flag_refused(monkeypatch, capsys):
+    from launcher.cli import build_parser, main
+    from launcher.cli.serve_command import server_args
+    from launcher.serving.server_settings import api_key_from_environment
+
+    monkeypatch.setenv("CORELAUNCH_API_KEY", "")
+    assert api_key_from_environment() is None  # empty: no key
+    assert "api_key" not in server_args(build_parser().parse_args(["serve"]))
+    monkeypatch.setenv("CORELAUNCH_API_KEY", "env-key")
+    assert server_args(build_parser().parse_args(["serve"]))["api_key"] == "env-key"
+    assert server_args(build_parser().parse_args(["serve", "--api-key", "flag-key"]))["api_key"] == "flag-key"
+    assert main(["serve", "--api-key", ""]) == 2  # "--api-key $KEY" with KEY unset served with no key
+    assert "api_key must be a non-empty string" in capsys.readouterr().err
+    monkeypatch.setenv("CORELAUNCH_API_KEY", "a b")  # read by each Serve replica of `serve run`, unchecked
+    with pytest.raises(ValueError, match="CORELAUNCH_API_KEY: api_key must be a non-empty string"):
+        api_key_from_environment()
 
 
 def test_a_replicas_in_flight_cap_follows_the_engines_own_defaults():

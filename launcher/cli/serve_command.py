@@ -24,6 +24,7 @@ import urllib.request
 from launcher.cli.options import (add_max_num_seqs, add_model_and_placement_arguments, int_at_least,
                                   model_and_placement_options)
 from launcher.serving.ingress import MODES, choose_mode, plan_ingress
+from launcher.serving.server_settings import api_key_from_environment
 
 APP_NAME = "corelaunch"
 """The Serve application's name (`serve status` shows it)."""
@@ -49,7 +50,7 @@ def add_parser(subparsers) -> None:
                    help="an idle model waits this long for more requests after one arrives (again after each, at "
                         "most 10x in all), so a burst's prompts are prefilled together; a lone request's first "
                         "token comes this much later (default 10; 0: no wait)")
-    p.add_argument("--api-key", metavar="KEY", default=os.environ.get("CORELAUNCH_API_KEY"),
+    p.add_argument("--api-key", metavar="KEY",
                    help="require `Authorization: Bearer KEY` on /v1/* (default: $CORELAUNCH_API_KEY; unset: open)")
     p.add_argument("--replicas", type=int_at_least("--replicas"), metavar="N",
                    help="Serve replicas, each its own TP group (default 1)")
@@ -103,7 +104,9 @@ def _port(text: str) -> int:
 def server_args(args: argparse.Namespace) -> dict:
     """The application builder's arguments (launcher.serving.server_settings) the options ask for."""
     built = {**model_and_placement_options(args), "max_num_seqs": args.max_num_seqs,
-             "served_model_name": args.served_model_name, "api_key": args.api_key or None,
+             "served_model_name": args.served_model_name,
+             # an explicit --api-key "" is refused (checked as the argument), not read as "no key"
+             "api_key": args.api_key if args.api_key is not None else api_key_from_environment(),
              "replicas": args.replicas, "min_replicas": args.min_replicas, "max_replicas": args.max_replicas,
              "target_ongoing_requests": args.target_ongoing_requests}
     if args.max_queued_requests is not None:

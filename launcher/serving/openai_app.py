@@ -17,7 +17,6 @@ import hmac
 import inspect
 import json
 import math
-import os
 import sys
 import threading
 import time
@@ -35,7 +34,7 @@ from launcher.serving.openai_protocol import CONTEXT_LENGTH_EXCEEDED, ProtocolEr
 from launcher.serving.openai_render import ChatRender, CompletionRender
 from launcher.serving.prompt_probe import (head_overfills, length_overfills, longest_token_chars,
                                             too_long_message, too_many_characters_message)
-from launcher.serving.server_settings import ServerSettings, settings_from_args
+from launcher.serving.server_settings import ServerSettings, api_key_from_environment, settings_from_args
 from launcher.serving.token_pieces import TokenPieces
 
 app = FastAPI(title="corelaunch OpenAI-compatible server", docs_url=None, redoc_url=None)
@@ -178,7 +177,8 @@ class OpenAIServer:
         # change from two threads at once, and encoding may set them.
         self._encoding = threading.Lock()
         self.name = settings.served_model_name
-        self.api_key = settings.api_key or os.environ.get("CORELAUNCH_API_KEY") or None
+        # checked here too: `serve run` and `serve deploy` read the environment only in the replica
+        self.api_key = settings.api_key or api_key_from_environment()
         self.context_tokens = _context_tokens(self.launcher)
         self.metrics = ServerMetrics(self.launcher.load)
         self.created = int(time.time())

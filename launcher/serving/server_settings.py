@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,10 +21,17 @@ SERVER_ARGS = ("served_model_name", "api_key", "replicas", "min_replicas", "max_
 """Builder arguments that configure the server and Serve; every other argument is a LaunchConfig
 field (model, tp, dtype, seq_len, max_num_seqs, max_queued_requests, compiled_dir, ...)."""
 
-TEXT_ARGS = ("model", "served_model_name", "api_key", "compiled_dir", "presharded_dir", "backend", "instance",
-             "dtype", "kv_cache_dtype", "kv_strategy", "moe_sharding", "compile_granularity", "ray_address")
+TEXT_ARGS = ("model", "served_model_name", "api_key", "compiled_dir", "presharded_dir", "presharded_cache_dir",
+             "backend", "instance", "dtype", "kv_cache_dtype", "kv_strategy", "moe_sharding", "compile_granularity")
 """Arguments kept as the text given (`serve run` passes every value as text; the others are read as
 YAML scalars, so "2" is 2, "true" is True and "null" is None)."""
+
+BUCKET_ARGS = ("context_buckets", "token_buckets")
+"""Lists of lengths: also taken as `corelaunch serve` writes them, "128,256" (or one length, 128)."""
+
+NOT_UNDER_SERVE = {"ray_address": "a Serve replica runs in the Ray cluster Serve runs in; start Serve there "
+                                  "(`serve run --address` or RAY_ADDRESS)"}
+"""LaunchConfig fields that mean nothing inside a Serve replica: refused rather than ignored."""
 
 ROUTE_HEADROOM = 8
 """Serve's per-replica cap on ongoing requests is set this far above what the engine admits
@@ -66,10 +74,14 @@ def settings_from_args(args: dict) -> ServerSettings:
 
     fields = launch_fields()
     typed = {key: _typed(key, value) for key, value in args.items()}
+    for key, why in NOT_UNDER_SERVE.items():
+        if typed.get(key) is not None:
+            raise ValueError(f"{key} ({typed[key]!r}) does not apply to a server: {why}")
+    taken = [f for f in fields if f != "replicas" and f not in NOT_UNDER_SERVE]
     unknown = sorted(set(typed) - set(SERVER_ARGS) - set(fields))
     if unknown:
         raise ValueError(f"unknown argument(s) {', '.join(unknown)}; the server takes {', '.join(SERVER_ARGS)} "
-                         f"and LaunchConfig's fields: {', '.join(f for f in fields if f != 'replicas')}")
+                         f"and LaunchConfig's fields: {', '.join(taken)}")
     launch = {key: value for key, value in typed.items() if key in fields and key != "replicas"}
     # One Launcher (one TP group) per Serve replica: Serve, not the Launcher, adds replicas.
     launch.update(replicas=1, progress=launch.get("progress", False))
@@ -86,6 +98,15 @@ def settings_from_args(args: dict) -> ServerSettings:
 
 
 def _typed(key: str, value):
+    if key in BUCKET_ARGS and isinstance(value, int) and not isinstance(value, bool):
+        return [value]
+    if key in BUCKET_ARGS and isinstance(value, str) and not value.lstrip().startswith("["):
+        from shardlib.buckets import parse_buckets
+
+        try:
+            return list(parse_buckets(value))
+        except ValueError as err:
+            raise ValueError(f"{key}: {err}") from None
     if isinstance(value, str) and key not in TEXT_ARGS:
         try:
             return yaml.safe_load(value)
@@ -112,10 +133,19 @@ def _served_name(args: dict, launch: dict) -> str:
 def _api_key(key) -> str | None:
     if key is None:
         return None
-    if not isinstance(key, str) or not key or any(c.isspace() for c in key):
-        raise ValueError("api_key must be a non-empty string without spaces (clients send it as "
-                         "`Authorization: Bearer <key>`)")
+    if not isinstance(key, str) or not key or not (key.isascii() and key.isprintable()) or " " in key:
+        # an HTTP header carries ASCII: a key with other characters (or spaces) could never be sent
+        raise ValueError("api_key must be a non-empty string of printable ASCII without spaces (clients send it "
+                         "as `Authorization: Bearer <key>`)")
     return key
+
+
+def api_key_from_environment() -> str | None:
+    """CORELAUNCH_API_KEY, checked as the api_key argument is; unset or empty: None (no key)."""
+    try:
+        return _api_key(os.environ.get("CORELAUNCH_API_KEY") or None)
+    except ValueError as err:
+        raise ValueError(f"CORELAUNCH_API_KEY: {err}") from None
 
 
 def _replica_counts(args: dict) -> tuple[int | None, dict | None]:
@@ -127,7 +157,7 @@ def _replica_counts(args: dict) -> tuple[int | None, dict | None]:
         _check_int("replicas", replicas, 1)
         return replicas, None
     if args.get("replicas") is not None:
-        raise ValueError(f"replicas ({args['replicas']}) fixes the Serve replica count, while "
+        raise ValueError(f"replicas ({args['replicas']!r}) fixes the Serve replica count, while "
                          f"{', '.join(sorted(scaling))} ask Serve to scale it: give one or the other")
     low = scaling.get("min_replicas", 1)
     _check_int("min_replicas", low, 1, why=" (every replica loads the model, so none may start from zero)")
