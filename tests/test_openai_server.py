@@ -328,9 +328,9 @@ def test_the_api_key_from_the_environment_is_checked_and_an_empty_flag_refused(m
     assert server_args(build_parser().parse_args(["serve"]))["api_key"] == "env-key"
     assert server_args(build_parser().parse_args(["serve", "--api-key", "flag-key"]))["api_key"] == "flag-key"
     assert main(["serve", "--api-key", ""]) == 2  # "--api-key $KEY" with KEY unset served with no key
-    assert "api_key must be a non-empty string" in capsys.readouterr().err
+    assert "--api-key must be a non-empty string" in capsys.readouterr().err
     monkeypatch.setenv("CORELAUNCH_API_KEY", "a b")  # read by each Serve replica of `serve run`, unchecked
-    with pytest.raises(ValueError, match="CORELAUNCH_API_KEY: api_key must be a non-empty string"):
+    with pytest.raises(ValueError, match="CORELAUNCH_API_KEY must be a non-empty string"):
         api_key_from_environment()
 
 
@@ -390,7 +390,12 @@ def test_serve_cli_refuses_bad_options_before_starting_ray(capsys, tmp_path):
 
     free = ["--port", str(free_port())]  # refusals after the port check: not the default 8000, which may be taken
     assert main(["serve", "--replicas", "2", "--min-replicas", "1"]) == 2
-    assert "give one or the other" in capsys.readouterr().err
+    assert "--replicas (2) fixes the Serve replica count, while --min-replicas ask" in capsys.readouterr().err
+    assert main(["serve", "--min-replicas", "3", "--max-replicas", "2"]) == 2  # named as the builder's keys
+    assert "--max-replicas (2) must be an integer >= 3 (--min-replicas is 3)" in capsys.readouterr().err
+    assert main(["serve", "--ingress", "direct", "--target-ongoing-requests", "2"]) == 2  # said "may run 1"
+    assert "but this server autoscales (--min-replicas, --max-replicas or --target-ongoing-requests" in \
+        capsys.readouterr().err
     assert main(["serve", "--replicas", "2", "--ingress", "direct"]) == 2
     assert "use --ingress proxy" in capsys.readouterr().err
     assert main(["serve", *free, "--model", str(tmp_path / "missing")]) == 2
@@ -408,6 +413,9 @@ def test_serve_cli_refuses_bad_options_before_starting_ray(capsys, tmp_path):
     with pytest.raises(SystemExit):
         main(["serve", "--port", "70000"])
     assert "--port (70000) must be at most 65535" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # bound every interface, as 0.0.0.0 does, without saying so
+        main(["serve", "--host", ""])
+    assert "--host ('') is empty; pass 127.0.0.1" in capsys.readouterr().err
     for host in ("192.0.2.1", "no-such-host.invalid"):  # TEST-NET-1: no machine's own address
         assert main(["serve", "--host", host]) == 2
         err = capsys.readouterr().err

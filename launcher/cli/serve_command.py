@@ -13,6 +13,7 @@ import argparse
 import errno
 import math
 import os
+import re
 import signal
 import socket
 import sys
@@ -36,7 +37,7 @@ def add_parser(subparsers) -> None:
         description="Start a private local Ray, load the model into one TP group per Serve replica, and serve "
                     "/v1/completions, /v1/chat/completions, /v1/models, /health and /metrics until SIGINT/SIGTERM.")
     add_model_and_placement_arguments(p)
-    p.add_argument("--host", default="127.0.0.1",
+    p.add_argument("--host", type=_host, default="127.0.0.1",
                    help="address the HTTP server binds (default 127.0.0.1: this machine only; 0.0.0.0: every interface)")
     p.add_argument("--port", type=_port, default=8000, help="HTTP port (default 8000)")
     p.add_argument("--served-model-name", metavar="NAME",
@@ -94,6 +95,22 @@ def _seconds(text: str) -> float:
     return value
 
 
+FLAG_NAMES = ("min_replicas", "max_replicas", "target_ongoing_requests", "replicas", "api_key")
+"""Builder arguments whose messages (launcher/serving/server_settings.py) the command says as its flags."""
+
+
+def _as_flags(message: str) -> str:
+    """A builder argument's name in `message` as the flag that set it: max_replicas -> --max-replicas."""
+    return re.sub(rf"(?<![-\w])({'|'.join(FLAG_NAMES)})\b", lambda m: "--" + m.group(1).replace("_", "-"), message)
+
+
+def _host(text: str) -> str:
+    if not text.strip():  # "" binds every interface, as 0.0.0.0 does: say so rather than do it quietly
+        raise argparse.ArgumentTypeError(f"--host ({text!r}) is empty; pass 127.0.0.1 (this machine only) or "
+                                         f"0.0.0.0 (every interface)")
+    return text
+
+
 def _port(text: str) -> int:
     port = int_at_least("--port", 1)(text)
     if port > 65535:
@@ -146,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
         check_port_free(args.host, args.port)
         _plan(settings)  # an impossible layout is refused here, not inside a Serve replica
     except (ValueError, OSError, LaunchError) as err:  # FileNotFoundError is an OSError
-        print(f"corelaunch serve: {err}", file=sys.stderr)
+        print(f"corelaunch serve: {_as_flags(str(err))}", file=sys.stderr)
         return 2
     return _serve(args, settings, mode)
 

@@ -54,8 +54,10 @@ def choose_mode(requested: str, most_replicas: int, autoscaling: bool) -> str:
         raise ValueError(f"--ingress ({requested!r}) must be one of {', '.join(MODES)}")
     several = most_replicas > 1 or autoscaling
     if requested == "direct" and several:
-        raise ValueError(f"--ingress direct serves one Serve replica on --port, but this server may run "
-                         f"{most_replicas} (--replicas or autoscaling); use --ingress proxy (or auto), or one replica")
+        may_run = (f"autoscales (--min-replicas, --max-replicas or --target-ongoing-requests, even 1 to 1)"
+                   if autoscaling else f"may run {most_replicas} (--replicas)")
+        raise ValueError(f"--ingress direct serves one Serve replica on --port, but this server {may_run}; use "
+                         f"--ingress proxy (or auto), or one fixed replica")
     if requested == "auto":
         return "proxy" if several else "direct"
     return requested

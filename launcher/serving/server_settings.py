@@ -130,22 +130,20 @@ def _served_name(args: dict, launch: dict) -> str:
     return DEMO_MODEL_NAME
 
 
-def _api_key(key) -> str | None:
+def _api_key(key, name: str = "api_key") -> str | None:
+    """The key (its value is never shown: it is a secret), or None."""
     if key is None:
         return None
     if not isinstance(key, str) or not key or not (key.isascii() and key.isprintable()) or " " in key:
         # an HTTP header carries ASCII: a key with other characters (or spaces) could never be sent
-        raise ValueError("api_key must be a non-empty string of printable ASCII without spaces (clients send it "
-                         "as `Authorization: Bearer <key>`)")
+        raise ValueError(f"{name} must be a non-empty string of printable ASCII without spaces (clients send it "
+                         f"as `Authorization: Bearer <key>`)")
     return key
 
 
 def api_key_from_environment() -> str | None:
     """CORELAUNCH_API_KEY, checked as the api_key argument is; unset or empty: None (no key)."""
-    try:
-        return _api_key(os.environ.get("CORELAUNCH_API_KEY") or None)
-    except ValueError as err:
-        raise ValueError(f"CORELAUNCH_API_KEY: {err}") from None
+    return _api_key(os.environ.get("CORELAUNCH_API_KEY") or None, "CORELAUNCH_API_KEY")
 
 
 def _replica_counts(args: dict) -> tuple[int | None, dict | None]:
