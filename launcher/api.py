@@ -112,9 +112,10 @@ class LaunchConfig:
     burst of requests is prefilled together. A lone request's first token comes this much later.
     0: no wait."""
     max_queued_requests: int | None = None
-    """Streaming requests allowed to wait for a row over all replicas: a request that would wait
-    while this many already do is refused with QueueFull (0: only requests that get a row at once).
-    None: no limit."""
+    """Streaming requests allowed to wait for a row over all this Launcher's replicas (under
+    `corelaunch serve`, each Serve replica is a Launcher of its own, so the limit is per Serve
+    replica): a request that would wait while this many already do is refused with QueueFull
+    (0: only requests that get a row at once). None: no limit."""
     presharded_dir: str | None = None
     """A directory written by shardlib.presharded.save_presharded for this exact layout."""
     compile: bool = True
