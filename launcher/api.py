@@ -31,6 +31,7 @@ from shardlib.expert_sharding import check_moe_sharding_name
 from shardlib.generation_config import generation_eos_ids
 from shardlib.model_config import ModelConfig, normalize_dtype
 from shardlib.quantized_sizes import kv_dtype_name
+from shardlib.instances import INSTANCE_NAMES
 from shardlib.planner import KV_STRATEGIES
 from shardlib.positive_int import is_positive_int, positive_int
 from shardlib.request_checks import check_fits, check_request, check_stop_token_ids, is_token_index
@@ -162,6 +163,9 @@ class LaunchConfig:
         self.tp = _positive_or_auto("tp", self.tp)
         if self.backend is not None:
             backend_entry(self.backend)  # ValueError naming the known backends
+        if self.instance is not None and (not isinstance(self.instance, str) or self.instance not in INSTANCE_NAMES):
+            raise ValueError(f"instance ({self.instance!r}) must be one of {', '.join(INSTANCE_NAMES)}, or None "
+                             f"for this host")
         g = self.device_memory_gib
         if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) or g <= 0):
             raise ValueError(f"device_memory_gib ({g!r}) must be a positive number (GiB of one device)")

@@ -303,6 +303,8 @@ def test_server_settings_from_builder_arguments():
     # `serve run` text as `corelaunch serve` writes it: "128" was iterated as buckets 1, 2 and 8
     for text, buckets in (("128", (128,)), ("128,256", (128, 256)), ("[64, 128]", (64, 128))):
         assert settings_from_args({"token_buckets": text}).launch["token_buckets"] == list(buckets)
+    for null in ("null", "~", ""):  # still the automatic buckets
+        assert settings_from_args({"context_buckets": null}).launch["context_buckets"] is None
     with pytest.raises(ValueError, match=r"token_buckets: bucket list 'a,b' must be comma-separated integers"):
         settings_from_args({"token_buckets": "a,b"})
     with pytest.raises(ValueError, match=r"compile \('nope'\) must be True or False"):  # was compile on
@@ -332,6 +334,23 @@ def test_the_api_key_from_the_environment_is_checked_and_an_empty_flag_refused(m
     monkeypatch.setenv("CORELAUNCH_API_KEY", "a b")  # read by each Serve replica of `serve run`, unchecked
     with pytest.raises(ValueError, match="CORELAUNCH_API_KEY must be a non-empty string"):
         api_key_from_environment()
+
+
+def test_a_replica_checks_its_environments_api_key_before_loading_the_model(monkeypatch, ray_tripwire):
+    """A `serve run` replica reads CORELAUNCH_API_KEY itself: a bad one fails it before its TP group
+    starts (it was checked, a first time, after the whole model load)."""
+    from launcher.serving import port_rebind
+    from launcher.serving.openai_app import OpenAIServer
+    from launcher.serving.server_settings import settings_from_args
+
+    monkeypatch.setattr(port_rebind, "allow_port_rebinding", lambda: True)  # Serve's sockets: not this test's
+    monkeypatch.setenv("CORELAUNCH_API_KEY", "a b")
+    wrapper = OpenAIServer.func_or_class  # Serve's ingress subclass, whose __init__ is a coroutine
+    ours = next(c for c in wrapper.__mro__[1:] if c.__module__ == "launcher.serving.openai_app")
+    server = object.__new__(wrapper)
+    with pytest.raises(ValueError, match="CORELAUNCH_API_KEY must be a non-empty string"):
+        ours.__init__(server, settings_from_args({}))
+    assert getattr(server, "launcher", None) is None
 
 
 def test_a_replicas_in_flight_cap_follows_the_engines_own_defaults():
@@ -400,6 +419,8 @@ def test_serve_cli_refuses_bad_options_before_starting_ray(capsys, tmp_path):
     assert "use --ingress proxy" in capsys.readouterr().err
     assert main(["serve", *free, "--model", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
+    assert main(["serve", *free, "--model", str(tmp_path / "replicas" / "api_key")]) == 2  # a path is not a flag
+    assert f"model path {tmp_path / 'replicas' / 'api_key'} does not exist" in capsys.readouterr().err
     # every Serve replica is a TP group in this host's RAM (the Ray serve starts is private)
     assert main(["serve", *free, "--replicas", "500", "--ingress", "proxy"]) == 2
     assert "--replicas (500): 500 TP groups of 1 rank(s) need" in capsys.readouterr().err

@@ -13,7 +13,6 @@ import argparse
 import errno
 import math
 import os
-import re
 import signal
 import socket
 import sys
@@ -95,15 +94,6 @@ def _seconds(text: str) -> float:
     return value
 
 
-FLAG_NAMES = ("min_replicas", "max_replicas", "target_ongoing_requests", "replicas", "api_key")
-"""Builder arguments whose messages (launcher/serving/server_settings.py) the command says as its flags."""
-
-
-def _as_flags(message: str) -> str:
-    """A builder argument's name in `message` as the flag that set it: max_replicas -> --max-replicas."""
-    return re.sub(rf"(?<![-\w])({'|'.join(FLAG_NAMES)})\b", lambda m: "--" + m.group(1).replace("_", "-"), message)
-
-
 def _host(text: str) -> str:
     if not text.strip():  # "" binds every interface, as 0.0.0.0 does: say so rather than do it quietly
         raise argparse.ArgumentTypeError(f"--host ({text!r}) is empty; pass 127.0.0.1 (this machine only) or "
@@ -158,12 +148,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         from launcher.serving.server_settings import settings_from_args
 
-        settings = settings_from_args(server_args(args))
+        from launcher.serving.server_settings import SERVER_ARGS
+
+        # the server's own arguments named as this command's flags (max_replicas -> --max-replicas)
+        settings = settings_from_args(server_args(args), {k: "--" + k.replace("_", "-") for k in SERVER_ARGS})
         mode = choose_mode(args.ingress, settings.most_replicas, settings.autoscaling is not None)
         check_port_free(args.host, args.port)
         _plan(settings)  # an impossible layout is refused here, not inside a Serve replica
     except (ValueError, OSError, LaunchError) as err:  # FileNotFoundError is an OSError
-        print(f"corelaunch serve: {_as_flags(str(err))}", file=sys.stderr)
+        print(f"corelaunch serve: {err}", file=sys.stderr)
         return 2
     return _serve(args, settings, mode)
 

@@ -153,6 +153,9 @@ class OpenAIServer:
         from launcher.serving.port_rebind import allow_port_rebinding
 
         allow_port_rebinding()  # before Serve binds this replica's own server (direct ingress)
+        # Checked first, before the model loads: `serve run` and `serve deploy` read the environment
+        # only here, in the replica.
+        self.api_key = settings.api_key or api_key_from_environment()
 
         launch = dict(settings.launch)
         if launch.get("cpus_per_rank") is None:
@@ -177,8 +180,6 @@ class OpenAIServer:
         # change from two threads at once, and encoding may set them.
         self._encoding = threading.Lock()
         self.name = settings.served_model_name
-        # checked here too: `serve run` and `serve deploy` read the environment only in the replica
-        self.api_key = settings.api_key or api_key_from_environment()
         self.context_tokens = _context_tokens(self.launcher)
         self.metrics = ServerMetrics(self.launcher.load)
         self.created = int(time.time())

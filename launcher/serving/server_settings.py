@@ -67,9 +67,11 @@ def launch_fields() -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(LaunchConfig))
 
 
-def settings_from_args(args: dict) -> ServerSettings:
+def settings_from_args(args: dict, names: dict | None = None) -> ServerSettings:
     """ServerSettings from builder arguments (text or typed); ValueError (or FileNotFoundError for a
-    missing model) naming the bad argument and the fix."""
+    missing model) naming the bad argument and the fix. names: how the messages name the server's
+    own arguments (`corelaunch serve` passes its flags: {"max_replicas": "--max-replicas", ...})."""
+    name = (names or {}).get
     from launcher.api import MAX_QUEUED_REQUESTS, LaunchConfig
 
     fields = launch_fields()
@@ -86,21 +88,23 @@ def settings_from_args(args: dict) -> ServerSettings:
     # One Launcher (one TP group) per Serve replica: Serve, not the Launcher, adds replicas.
     launch.update(replicas=1, progress=launch.get("progress", False))
     config = LaunchConfig(**launch)  # its checks, with its messages, now rather than inside a Serve replica
-    num_replicas, autoscaling = _replica_counts(typed)
+    num_replicas, autoscaling = _replica_counts(typed, lambda key: name(key, key))
     # The engine's own values, its defaults included: what one replica runs at once and queues. With
     # no queue limit the engine queues everything, so Serve must let everything through: a request
     # held in Serve's own queue held /health and /metrics behind it too.
     queued = config.max_queued_requests
     admitted = config.max_num_seqs + (queued if queued is not None else MAX_QUEUED_REQUESTS)
     return ServerSettings(
-        launch=launch, served_model_name=_served_name(typed, launch), api_key=_api_key(typed.get("api_key")),
+        launch=launch, served_model_name=_served_name(typed, launch, name("served_model_name", "served_model_name")),
+        api_key=_api_key(typed.get("api_key"), name("api_key", "api_key")),
         num_replicas=num_replicas, autoscaling=autoscaling, max_ongoing_requests=admitted + ROUTE_HEADROOM)
 
 
 def _typed(key: str, value):
     if key in BUCKET_ARGS and isinstance(value, int) and not isinstance(value, bool):
         return [value]
-    if key in BUCKET_ARGS and isinstance(value, str) and not value.lstrip().startswith("["):
+    if key in BUCKET_ARGS and isinstance(value, str) and not value.lstrip().startswith("[") and \
+            yaml.safe_load(value or "null") is not None:  # null, ~ or nothing: the automatic buckets
         from shardlib.buckets import parse_buckets
 
         try:
@@ -115,11 +119,11 @@ def _typed(key: str, value):
     return value
 
 
-def _served_name(args: dict, launch: dict) -> str:
+def _served_name(args: dict, launch: dict, shown: str = "served_model_name") -> str:
     name = args.get("served_model_name")
     if name is not None:
         if not isinstance(name, str) or not name.strip():
-            raise ValueError(f"served_model_name ({name!r}) must be a non-empty string (the `model` clients send)")
+            raise ValueError(f"{shown} ({name!r}) must be a non-empty string (the `model` clients send)")
         return name
     if launch.get("model"):
         return Path(launch["model"]).resolve().name
@@ -146,25 +150,25 @@ def api_key_from_environment() -> str | None:
     return _api_key(os.environ.get("CORELAUNCH_API_KEY") or None, "CORELAUNCH_API_KEY")
 
 
-def _replica_counts(args: dict) -> tuple[int | None, dict | None]:
-    """(fixed Serve replica count, None) or (None, autoscaling_config)."""
+def _replica_counts(args: dict, name=lambda key: key) -> tuple[int | None, dict | None]:
+    """(fixed Serve replica count, None) or (None, autoscaling_config). name: how messages name an argument."""
     scaling = {k: args[k] for k in ("min_replicas", "max_replicas", "target_ongoing_requests")
                if args.get(k) is not None}
     if not scaling:
         replicas = args.get("replicas", 1)
-        _check_int("replicas", replicas, 1)
+        _check_int(name("replicas"), replicas, 1)
         return replicas, None
     if args.get("replicas") is not None:
-        raise ValueError(f"replicas ({args['replicas']!r}) fixes the Serve replica count, while "
-                         f"{', '.join(sorted(scaling))} ask Serve to scale it: give one or the other")
+        raise ValueError(f"{name('replicas')} ({args['replicas']!r}) fixes the Serve replica count, while "
+                         f"{', '.join(name(k) for k in sorted(scaling))} ask Serve to scale it: give one or the other")
     low = scaling.get("min_replicas", 1)
-    _check_int("min_replicas", low, 1, why=" (every replica loads the model, so none may start from zero)")
+    _check_int(name("min_replicas"), low, 1, why=" (every replica loads the model, so none may start from zero)")
     high = scaling.get("max_replicas", max(low, 1))
-    _check_int("max_replicas", high, low, why=f" (min_replicas is {low})")
+    _check_int(name("max_replicas"), high, low, why=f" ({name('min_replicas')} is {low})")
     target = scaling.get("target_ongoing_requests", 2.0)
     if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 < target < math.inf:
-        raise ValueError(f"target_ongoing_requests ({target!r}) must be a finite positive number (requests in "
-                         f"flight per replica that Serve scales toward)")
+        raise ValueError(f"{name('target_ongoing_requests')} ({target!r}) must be a finite positive number (requests "
+                         f"in flight per replica that Serve scales toward)")
     return None, {"min_replicas": low, "max_replicas": high, "target_ongoing_requests": float(target)}
 
 
