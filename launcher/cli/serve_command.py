@@ -146,9 +146,7 @@ def run(args: argparse.Namespace) -> int:
     from launcher.errors import LaunchError
 
     try:
-        from launcher.serving.server_settings import settings_from_args
-
-        from launcher.serving.server_settings import SERVER_ARGS
+        from launcher.serving.server_settings import SERVER_ARGS, settings_from_args
 
         # the server's own arguments named as this command's flags (max_replicas -> --max-replicas)
         settings = settings_from_args(server_args(args), {k: "--" + k.replace("_", "-") for k in SERVER_ARGS})
