@@ -69,6 +69,9 @@ def refusal(parse, **fields) -> ProtocolError:
     ("stop", [""], ["stop strings must not be empty"]),
     ("prompt", ["one", "two"], ["a list of 2 strings", "send one request each"]),
     ("prompt", [], ["prompt"]),
+    ("prompt", [[1, 2], [3]], ["a list of 2 token-id lists", "send one request each"]),
+    ("prompt", [[]], ["its token-id list is empty"]),
+    ("prompt", [[4, -1]], ["token ids must be integers >= 0"]),
     ("prompt", [1, -5], ["token ids must be integers >= 0"]),
     ("stream_options", {"include_usage": True}, ["only allowed with stream: true"]),
     ("stop_token_ids", [-3], ["stop_token_ids", "integers >= 0"]),
@@ -191,6 +194,7 @@ def test_accepted_requests_and_their_engine_arguments():
                      stream=True, stream_options={"include_usage": True}, seed=-3, logprobs=2, user="u")
     assert req.prompt_input() == "only one" and req.stop_strings() == ["\n"] and req.include_usage()
     assert completion(prompt=[1, 2, 3]).prompt_input() == [1, 2, 3]
+    assert completion(prompt=[[1, 2, 3]]).prompt_input() == [1, 2, 3]  # one prompt, as ["text"] is (was a 400)
     assert completion(stop=None).stop_strings() == [] and completion().temperature == 1.0
     req = chat(messages=[{"role": "system", "content": "be brief"},
                          {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
@@ -559,6 +563,8 @@ def test_completion_greedy_matches_transformers(client, hf):
     assert out.usage.total_tokens == out.usage.prompt_tokens + 8 and out.choices[0].finish_reason == "length"
     by_ids = client.completions.create(model=MODEL, prompt=hf.tok(PROMPT)["input_ids"], max_tokens=8, temperature=0)
     assert by_ids.choices[0].text == expected
+    nested = client.completions.create(model=MODEL, prompt=[hf.tok(PROMPT)["input_ids"]], max_tokens=8, temperature=0)
+    assert nested.choices[0].text == expected  # one token-id list in a list: one prompt
     stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, stream=True,
                                        stream_options={"include_usage": True})
     chunks = list(stream)

@@ -29,8 +29,8 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 # from this table: "temperature (3.0) must be a number in [0, 2] (0 is greedy)".
 FIELD_RULES = {
     "model": "the name of the served model (a string; GET /v1/models lists it)",
-    "prompt": "a string, a list of one string, or a list of token ids (several prompts per request are "
-              "not supported: send one request each)",
+    "prompt": "a string, a list of one string, a list of token ids, or a list of one such list (several "
+              "prompts per request are not supported: send one request each)",
     "messages": "a non-empty list of {role, content} messages",
     "max_tokens": "an integer >= 1",
     "max_completion_tokens": "an integer >= 1",
@@ -144,7 +144,7 @@ class _GenerationRequest(_NullMeansDefault):
 
 
 class CompletionRequest(_GenerationRequest):
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(None, ge=1)
     best_of: int = Field(1, ge=1, le=1)
     echo: bool = False
@@ -155,8 +155,8 @@ class CompletionRequest(_GenerationRequest):
 
     def prompt_input(self) -> str | list[int]:
         """The prompt as the engine takes it: text, or token ids."""
-        if isinstance(self.prompt, list) and self.prompt and all(isinstance(p, str) for p in self.prompt):
-            return self.prompt[0]  # a list of exactly one string (checked in parse_request)
+        if isinstance(self.prompt, list) and self.prompt and all(isinstance(p, (str, list)) for p in self.prompt):
+            return self.prompt[0]  # a list of exactly one string or token-id list (checked in parse_request)
         return self.prompt
 
 
@@ -278,10 +278,14 @@ def _check_combinations(request: _GenerationRequest) -> None:
         if request.echo:
             raise ProtocolError(f"echo (true) must be {FIELD_RULES['echo']}", param="echo")
         prompt = request.prompt
-        if isinstance(prompt, list) and (not prompt or (isinstance(prompt[0], str) and len(prompt) != 1)):
-            raise ProtocolError(f"prompt (a list of {len(prompt)} strings) must be {FIELD_RULES['prompt']}",
+        if isinstance(prompt, list) and (not prompt or (isinstance(prompt[0], (str, list)) and len(prompt) != 1)):
+            kind = "token-id lists" if prompt and isinstance(prompt[0], list) else "strings"
+            raise ProtocolError(f"prompt (a list of {len(prompt)} {kind}) must be {FIELD_RULES['prompt']}",
                                 param="prompt")
-        if isinstance(prompt, list) and isinstance(prompt[0], int) and any(t < 0 for t in prompt):
+        prompt = request.prompt_input()
+        if isinstance(prompt, list) and not prompt:
+            raise ProtocolError(f"prompt must be {FIELD_RULES['prompt']}: its token-id list is empty", param="prompt")
+        if isinstance(prompt, list) and any(t < 0 for t in prompt):
             raise ProtocolError("prompt token ids must be integers >= 0", param="prompt")
     if isinstance(request, ChatCompletionRequest):
         if request.top_logprobs is not None and not request.logprobs:
