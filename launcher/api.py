@@ -638,8 +638,7 @@ class Launcher:
         from workers.rank_worker import GenerateRequest
 
         pool = self._running_pool()
-        _check_flag("return_logits", return_logits)  # "no" would copy a vocabulary-wide row per token
-        if batching == "continuous":  # each stream checks its options, ignore_eos included
+        if batching == "continuous":  # each stream checks its options, ignore_eos and return_logits included
             return self._generate_streams(prompts, sampling, max_new_tokens, stop_token_ids, ignore_eos, return_logits)
         _check_batching(batching)
         with self._lock:
@@ -649,6 +648,7 @@ class Launcher:
         stop_token_ids = check_stop_token_ids(stop_token_ids, self.model_config.vocab_size)
         self._check_lengths(token_lists, max_new_tokens, serving=False)
         _check_flag("ignore_eos", ignore_eos)
+        _check_flag("return_logits", return_logits)  # "no" would copy a vocabulary-wide row per token
         eos = () if ignore_eos else self._eos_ids()
         stops = tuple(sorted(set(stop_token_ids) | set(eos)))
         parts = []

@@ -25,14 +25,15 @@ def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -
     """A generator seeded from params.seed, or None (draw from torch's global generator)."""
     if params.seed is None:
         return None
-    return torch.Generator(device=device).manual_seed(generator_seed(params.seed))
+    # a hash of the whole seed: torch's CPU generator (mt19937) keeps only a seed's low 32 bits, so
+    # seeds 1 and 2**32 + 1 drew the same tokens, as did -2**63 and 0 (read modulo 2**64)
+    return torch.Generator(device=device).manual_seed(hashed_seed(str(params.seed)))
 
 
-def generator_seed(seed: int) -> int:
-    """What a request's seed seeds a generator with: a hash of the whole seed. torch's CPU generator
-    (mt19937) keeps only a seed's low 32 bits, so seeds 1 and 2**32 + 1 drew the same tokens, as
-    did -2**63 and 0 (a negative seed is read modulo 2**64)."""
-    digest = hashlib.blake2b(str(seed).encode(), digest_size=8).digest()
+def hashed_seed(key: str) -> int:
+    """A generator seed from `key` (a request's seed, or its seed and draw number): a hash, so
+    neighbouring keys give unrelated streams and every bit of the key counts."""
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1  # torch takes seeds below 2**63
 
 

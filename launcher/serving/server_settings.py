@@ -101,21 +101,20 @@ def settings_from_args(args: dict, names: dict | None = None) -> ServerSettings:
 
 
 def _typed(key: str, value):
+    if isinstance(value, str) and key not in TEXT_ARGS:
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError:
+            pass
     if key in BUCKET_ARGS and isinstance(value, int) and not isinstance(value, bool):
         return [value]
-    if key in BUCKET_ARGS and isinstance(value, str) and not value.lstrip().startswith("[") and \
-            yaml.safe_load(value or "null") is not None:  # null, ~ or nothing: the automatic buckets
+    if key in BUCKET_ARGS and isinstance(value, str):  # YAML left "128,256" as text
         from shardlib.buckets import parse_buckets
 
         try:
             return list(parse_buckets(value))
         except ValueError as err:
             raise ValueError(f"{key}: {err}") from None
-    if isinstance(value, str) and key not in TEXT_ARGS:
-        try:
-            return yaml.safe_load(value)
-        except yaml.YAMLError:
-            return value
     return value
 
 

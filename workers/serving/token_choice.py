@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
 import random
 
 import torch
 
-from workers.sampling import sample
+from workers.sampling import hashed_seed, sample
 from workers.serving.requests import TokenLogprob
 from workers.serving.scheduler import Sequence
 
@@ -27,8 +26,7 @@ def request_generator(sequence: Sequence, device: torch.device) -> torch.Generat
 def draw_seed(seed: int, draw: int) -> int:
     """The generator's seed for a request's draw number `draw` (0 for its first token): a hash of
     both, so neighbouring draws and neighbouring seeds give unrelated streams."""
-    digest = hashlib.blake2b(f"{seed}:{draw}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1  # torch takes seeds below 2**63
+    return hashed_seed(f"{seed}:{draw}")
 
 
 def seed_draws(sequences: list[Sequence]) -> None:
