@@ -80,7 +80,35 @@ def plan_launch(config, progress: Progress, nothing_done: str = "nothing was sta
 
         with progress.step("checking checkpoint"):
             check_checkpoint(model_dir, model_config)
+    else:
+        with progress.step("checking the pre-sharded weights' source"):
+            check_presharded_source(config, model_dir)
     return PlannedLaunch(model_dir, model_config, backend, plan.instance, plan, host_holds)
+
+
+def check_presharded_source(config, model_dir: Path) -> None:
+    """ValueError when config's pre-sharded weights (its own, or its compiled directory's) were cut
+    from other weights than `model_dir` holds; the manifest's other fields are checked by each
+    rank's load (shardlib.presharded), this is the one a rank cannot see."""
+    import json
+
+    from shardlib.manifest import MANIFEST
+    from shardlib.weights_fingerprint import FIELD, check_same_weights
+
+    path = Path(config.presharded_dir) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return  # no manifest or a broken one: the ranks' load refuses it with the full story
+    recorded = manifest.get(FIELD) if isinstance(manifest, dict) else None
+    if config.compiled_dir is not None:
+        copy, fix = (f"compiled-model directory {config.compiled_dir}",
+                     f"Run `corelaunch compile --model {model_dir} --out DIR` for this model")
+    else:
+        copy, fix = (f"pre-sharded checkpoint {config.presharded_dir}",
+                     f"Write it again from {model_dir} (shardlib.presharded.save_presharded)")
+    check_same_weights(recorded if isinstance(recorded, str) else None, model_dir, copy=copy,
+                       source=manifest.get("source") if isinstance(manifest.get("source"), str) else None, fix=fix)
 
 
 def groups_this_host_holds(config, plan, backend: str) -> int | None:

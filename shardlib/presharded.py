@@ -4,7 +4,8 @@ Layout of a pre-sharded directory:
   rank-00000-of-00003.safetensors ...  one file per rank, Hugging Face tensor names unchanged, each
                                        tensor already sliced (and padded) for that rank
   manifest.json                        what the files were cut for: the model's config hash, TP
-                                       degree, KV strategy, dtype; each file's size, sha256 and
+                                       degree, KV strategy, dtype, the source weights' fingerprint
+                                       (shardlib.weights_fingerprint); each file's size, sha256 and
                                        tensors (dtype and shape of each)
   .rank-...safetensors.verified        written by the first load that hashed the file: its sha256
                                        matched while the file had this size, mtime, ctime and inode
@@ -39,6 +40,7 @@ from shardlib.manifest import MANIFEST, check_field, read_manifest_json, write_m
 from shardlib.model_config import ModelConfig, normalize_dtype
 from shardlib.param_shapes import expected_shapes
 from shardlib.sharding import ShardLayout, TensorSlice
+from shardlib.weights_fingerprint import FIELD as FINGERPRINT, weights_fingerprint
 
 FORMAT_VERSION = 1
 KIND = "a pre-sharded checkpoint"
@@ -49,7 +51,7 @@ _WRITE_HINT = ("write it with shardlib.presharded.save_presharded (or `corelaunc
                "Hugging Face checkpoint instead")
 _REQUIRED = ("format_version", "config_hash", "model_type", "tp_degree", "kv_strategy", "dtype", "files")
 _FIELDS = {"format_version": int, "config_hash": str, "model_type": str, "tp_degree": int, "kv_strategy": str,
-           "dtype": str, "files": list, "source": str, "corelaunch_version": str}
+           "dtype": str, "files": list, "source": str, "corelaunch_version": str, FINGERPRINT: str}
 _FILE_FIELDS = {"rank": int, "file": str, "bytes": int, "sha256": str}
 _WHOLE = TensorSlice(dim=None)
 
@@ -97,6 +99,7 @@ def save_presharded(out_dir: str | Path, model_dir: str | Path, config: ModelCon
             "files": files,
             "corelaunch_version": _corelaunch_version(),
             "source": str(Path(model_dir).resolve()),
+            FINGERPRINT: weights_fingerprint(model_dir),
         }
         write_manifest_json(tmp, manifest)
     return out_dir

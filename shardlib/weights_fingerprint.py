@@ -1,0 +1,106 @@
+"""A cheap fingerprint of a checkpoint's weights, so pre-sharded and compiled copies are used only
+with the weights they were cut from.
+
+A pre-sharded directory's manifest already names the model config it fits (its hash), but a
+fine-tune shares its base model's config.json exactly: without looking at the weights, a compiled
+directory built from the base model would serve the base model's weights to anyone who starts it
+with `--model FINETUNE`, and a checkpoint replaced in place (a new revision downloaded into the same
+folder) would keep serving the old one. Hashing every byte would cost minutes for a large model, on
+every start. The fingerprint instead hashes each tensor's name, dtype, shape and three samples of
+its bytes (the first, middle and last SAMPLE_BYTES): a few reads per tensor. Any retraining or
+merged adapter changes the samples of every tensor it touches; an edit confined to bytes outside the
+samples goes unnoticed (what the sha256 of each pre-sharded file does not cover either: that hash
+guards the copy, not its source).
+
+For safetensors checkpoints the fingerprint follows the tensors, not the files: the same weights
+saved in other shards give the same fingerprint. A pickled (.bin) checkpoint has no table of
+contents to read without unpickling it, so its fingerprint samples each file whole (name, size and
+sixteen evenly spaced samples): re-saving it in other files changes it.
+
+No torch here: the driver checks this before Ray or any rank starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from shardlib.checkpoint_files import find_checkpoint, safetensors_header
+
+SAMPLE_BYTES = 4096
+FILE_SAMPLES = 16
+FIELD = "weights_fingerprint"
+"""The manifest field (of a pre-sharded directory) that records it."""
+
+
+def weights_fingerprint(model_dir: str | Path) -> str | None:
+    """sha256 hex digest of the sampled weights in `model_dir`, or None when it holds no checkpoint
+    (a compiled-model directory's model/ folder keeps only the config and tokenizer)."""
+    try:
+        ckpt = find_checkpoint(model_dir)
+    except FileNotFoundError:
+        return None
+    digest = hashlib.sha256(f"{ckpt.format.split('_')[0]}\n".encode())
+    if ckpt.format.startswith("safetensors"):
+        _hash_tensors(digest, ckpt.files)
+    else:
+        for path in ckpt.files:
+            _hash_file(digest, path)
+    return digest.hexdigest()
+
+
+def check_same_weights(recorded: str | None, model_dir: str | Path, *, copy: str, source: str | None,
+                       fix: str) -> None:
+    """ValueError when `model_dir`'s weights are not the ones a copy was cut from (its manifest
+    `recorded` them). Nothing is compared when the copy recorded nothing (written before
+    fingerprints existed) or `model_dir` holds no weights to compare.
+
+    copy: the copy, for the message ("pre-sharded checkpoint /x"); source: the checkpoint it was
+    written from, as its manifest says; fix: how to make a matching copy.
+    """
+    if recorded is None:
+        return
+    found = weights_fingerprint(model_dir)
+    if found is None or found == recorded:
+        return
+    raise ValueError(
+        f"{copy} was cut from other weights than {model_dir} holds"
+        f"{f' (it was written from {source})' if source else ''}: the model config matches but sampled "
+        f"tensor bytes differ (a fine-tune of the same model, or a checkpoint replaced since). {fix}, or "
+        f"pass the model it was written from"
+    )
+
+
+def _hash_tensors(digest, files: tuple[Path, ...]) -> None:
+    spans = []
+    for path in files:
+        header = safetensors_header(path)
+        ends = sorted(entry.begin for entry in header.values()) + [path.stat().st_size]
+        next_begin = dict(zip(ends, ends[1:]))  # offsets are contiguous (checked by safetensors)
+        spans += [(name, entry, path, next_begin[entry.begin]) for name, entry in header.items()]
+    for name, entry, path, end in sorted(spans, key=lambda span: span[0]):
+        digest.update(f"{name}\n{entry.dtype}\n{list(entry.shape)}\n".encode())
+        _hash_samples(digest, path, entry.begin, end, 3)
+
+
+def _hash_file(digest, path: Path) -> None:
+    size = path.stat().st_size
+    digest.update(f"{path.name}\n{size}\n".encode())
+    _hash_samples(digest, path, 0, size, FILE_SAMPLES)
+
+
+def _hash_samples(digest, path: Path, begin: int, end: int, count: int) -> None:
+    """`count` samples of SAMPLE_BYTES spread evenly over [begin, end) (the whole span when it is
+    shorter than their total)."""
+    length = end - begin
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if length <= count * SAMPLE_BYTES:
+            digest.update(os.pread(fd, length, begin))
+            return
+        step = (length - SAMPLE_BYTES) / (count - 1)
+        for i in range(count):
+            digest.update(os.pread(fd, SAMPLE_BYTES, begin + round(i * step)))
+    finally:
+        os.close(fd)

@@ -1,0 +1,118 @@
+"""shardlib.weights_fingerprint: pre-sharded and compiled copies are refused with other weights of the
+same config (a fine-tune, a checkpoint replaced in place), before anything starts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from launcher.api import LaunchConfig
+from launcher.artifacts import compiled_dir
+from launcher.launch_plan import plan_launch
+from launcher.progress import Progress
+from shardlib.model_config import load_model_config
+from shardlib.presharded import read_manifest, save_presharded
+from shardlib.sharding import ShardLayout
+from shardlib.weights_fingerprint import SAMPLE_BYTES, check_same_weights, weights_fingerprint
+from tests.model_factory import build_random_model, save_model
+
+SHAPE = dict(num_heads=4, num_kv_heads=2, hidden_size=64, intermediate_size=128, vocab_size=96, num_layers=2)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    """Two llamas of one config.json and different weights (base and "fine-tune"), the base again
+    in two safetensors shards, and the base as a pickle."""
+    root = tmp_path_factory.mktemp("fp")
+    base = build_random_model("llama", seed=1, **SHAPE)
+    tuned = build_random_model("llama", seed=2, **SHAPE)
+    return {"base": save_model(base, root / "base"), "tuned": save_model(tuned, root / "tuned"),
+            "sharded": save_model(base, root / "sharded", "safetensors_sharded"),
+            "bin": save_model(base, root / "bin", "bin")}
+
+
+def test_same_tensors_in_other_shards_match_and_other_weights_do_not(models):
+    base = weights_fingerprint(models["base"])
+    assert base is not None and len(base) == 64
+    assert weights_fingerprint(models["sharded"]) == base
+    assert weights_fingerprint(models["tuned"]) != base
+    assert load_model_config(models["tuned"]).config_hash() == load_model_config(models["base"]).config_hash()
+    assert weights_fingerprint(models["bin"]) not in (None, base)
+
+
+def test_a_change_inside_a_sampled_span_changes_it(models, tmp_path):
+    """One value in the middle of the largest tensor (an edit as small as a retrained row)."""
+    tensors = load_file(models["base"] / "model.safetensors")
+    name = max(tensors, key=lambda n: tensors[n].numel())
+    assert tensors[name].numel() * tensors[name].element_size() > 3 * SAMPLE_BYTES  # sampled, not read whole
+    flat = tensors[name].view(-1)
+    flat[flat.numel() // 2] += 1.0
+    edited = tmp_path / "edited"
+    edited.mkdir()
+    (edited / "config.json").write_text((models["base"] / "config.json").read_text())
+    save_file(tensors, edited / "model.safetensors")
+    assert weights_fingerprint(edited) != weights_fingerprint(models["base"])
+
+
+def test_a_directory_without_weights_has_none(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    assert weights_fingerprint(tmp_path) is None
+    check_same_weights("0" * 64, tmp_path, copy="c", source=None, fix="f")  # nothing to compare: no error
+
+
+def test_a_copy_that_recorded_nothing_is_not_compared(models):
+    check_same_weights(None, models["tuned"], copy="c", source=None, fix="f")
+
+
+@pytest.fixture(scope="module")
+def base_presharded(models, tmp_path_factory) -> Path:
+    config = load_model_config(models["base"])
+    return save_presharded(tmp_path_factory.mktemp("pre") / "base-tp1", models["base"], config,
+                           ShardLayout.for_model(config, 1))
+
+
+def test_the_manifest_records_the_source_fingerprint(models, base_presharded):
+    assert read_manifest(base_presharded)["weights_fingerprint"] == weights_fingerprint(models["base"])
+
+
+def test_a_presharded_dir_with_another_models_weights_is_refused_at_planning(models, base_presharded):
+    config = LaunchConfig(model=str(models["tuned"]), tp=1, presharded_dir=str(base_presharded))
+    with pytest.raises(ValueError) as err:
+        plan_launch(config, Progress(False))
+    message = str(err.value)
+    assert f"pre-sharded checkpoint {base_presharded} was cut from other weights than {models['tuned']}" in message
+    assert f"written from {models['base'].resolve()}" in message and "save_presharded" in message
+    for same in ("base", "sharded"):  # the weights it was cut from, in any shards
+        plan_launch(LaunchConfig(model=str(models[same]), tp=1, presharded_dir=str(base_presharded)), Progress(False))
+
+
+def test_a_compiled_dir_started_with_a_fine_tune_is_refused(models, base_presharded, tmp_path, capsys,
+                                                            in_process_cluster):
+    from tests.test_compile_cli import corelaunch_in_process, fake_compiled_dir
+
+    root = fake_compiled_dir(tmp_path / "c", models["base"])
+    (root / "weights").rmdir()
+    (root / "weights").symlink_to(base_presharded)
+    config = compiled_dir.apply_compiled_dir(LaunchConfig(compiled_dir=str(root), model=str(models["tuned"])))
+    with pytest.raises(ValueError, match=rf"compiled-model directory {root} was cut from other weights .*"
+                                         rf"`corelaunch compile --model {models['tuned']} --out DIR`"):
+        plan_launch(config, Progress(False))
+    plan_launch(compiled_dir.apply_compiled_dir(LaunchConfig(compiled_dir=str(root))), Progress(False))  # its own model/
+    code, err = corelaunch_in_process(capsys, "generate", "--compiled", str(root), "--model", str(models["tuned"]),
+                                      "--quiet", "t1")
+    assert code == 2 and "was cut from other weights" in err
+
+
+def test_a_manifest_fingerprint_of_the_wrong_type_is_named(base_presharded, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(base_presharded.resolve(), copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["weights_fingerprint"] = 7
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="field 'weights_fingerprint' must be a string"):
+        read_manifest(copy)
