@@ -278,6 +278,12 @@ def test_metrics_render_every_name_from_a_private_registry():
     assert "corelaunch_generated_tokens_total 3.0" in text
     assert 'corelaunch_requests_total{finish_reason="rejected",status="503"} 1.0' in text
     assert "python_gc" not in text  # the process-wide collectors are not in the private registry
+    burst = TokenTimer(metrics, start=1.0)  # a first delta carrying three tokens, then one more
+    burst.tokens(3, now=1.5)
+    burst.tokens(1, now=1.6)
+    text = metrics.render().decode()
+    assert "corelaunch_inter_token_latency_seconds_count 5.0" in text  # 2 + (3 + 1 - 1): one gap a token
+    assert re.search(r"corelaunch_inter_token_latency_seconds_sum 0\.3000", text)  # 0.2 + 0 + 0 + 0.1
 
 
 def test_server_settings_from_builder_arguments():

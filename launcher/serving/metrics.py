@@ -37,7 +37,7 @@ class ServerMetrics:
         self.inter_token_latency = Histogram(
             "corelaunch_inter_token_latency_seconds",
             "Seconds between consecutive generated tokens of one request (a delta of several tokens counts "
-            "its gap divided evenly among them)", buckets=ITL_BUCKETS, registry=r)
+            "its gap divided evenly among them; tokens arriving with the first count 0)", buckets=ITL_BUCKETS, registry=r)
         self.generated_tokens = Counter("corelaunch_generated_tokens", "Tokens generated (all requests)",
                                         registry=r)
         self.prompt_tokens = Counter("corelaunch_prompt_tokens", "Prompt tokens of the requests admitted",
@@ -63,8 +63,11 @@ class ServerMetrics:
 
 
 class TokenTimer:
-    """Times one request's tokens into the metrics: the first token's delay since `start`, then the
-    gap to each later delta (perf_counter seconds)."""
+    """Times one request's tokens into the metrics: the first token's delay since `start`, then one
+    inter-token gap for every later token (perf_counter seconds), so a request of n tokens counts
+    n - 1 gaps summing to the time from its first token to its last. A delta of several tokens
+    shares the wait before it evenly among them; tokens arriving with the first waited for nothing
+    after it (gap 0)."""
 
     def __init__(self, metrics: ServerMetrics, start: float):
         self.metrics, self.start, self.last = metrics, start, None
@@ -75,9 +78,9 @@ class TokenTimer:
         self.metrics.generated_tokens.inc(count)
         if self.last is None:
             self.metrics.time_to_first_token.observe(now - self.start)
-            count -= 1  # the first token has no gap before it
-        elif count:
+            gap, count = 0.0, count - 1  # the first token has no gap before it; those with it none after it
+        else:
             gap = (now - self.last) / count
-            for _ in range(count):
-                self.metrics.inter_token_latency.observe(gap)
+        for _ in range(count):
+            self.metrics.inter_token_latency.observe(gap)
         self.last = now
