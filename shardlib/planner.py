@@ -89,7 +89,8 @@ class MemoryEstimate:
     kv_cache_bytes_per_rank: int
     """2 x layers x batch x seq_len x kv_heads_per_rank x head_dim x bytes(kv_cache_dtype)."""
     capacity_bytes_per_rank: int
-    """Memory of the cores a rank drives (cpu: host RAM x nodes / tp, its share of the RAM)."""
+    """Memory of the cores a rank drives (cpu: its share of one node's RAM, which holds up to
+    ceil(tp / nodes) ranks)."""
     capacity_bytes_per_core: int
     """Per physical NeuronCore (cpu: host RAM / CPU cores)."""
     reserve_fraction: float
@@ -381,7 +382,7 @@ def _check(req: _Request, tp: int) -> _Check:
         capacity = per_core * req.lnc
     else:
         per_core = inst.memory_bytes // inst.physical_cores
-        capacity = inst.memory_bytes * req.nodes // tp
+        capacity = inst.memory_bytes // ranks_per_node  # each node's RAM is its own: never pooled
     memory = MemoryEstimate(
         weight_bytes_per_rank=weight_bytes(cfg, req.dtype, _weight_elements(cfg, tp, q_per_rank, kv_per_rank,
                                                                             moe_sharding),
@@ -396,8 +397,8 @@ def _check(req: _Request, tp: int) -> _Check:
                                         * DTYPE_BYTES["float32"] if packs else 0))
     if inst.per_rank_memory:
         fits = memory.total_bytes_per_rank <= memory.usable_bytes_per_rank
-    else:  # the cpu target: all ranks share the hosts' RAM
-        fits = memory.total_bytes_all_ranks <= inst.memory_bytes * req.nodes * (1 - RESERVE_FRACTION)
+    else:  # the cpu target: the ranks on one node share its RAM (the fullest node decides)
+        fits = memory.total_bytes_per_rank * ranks_per_node <= inst.memory_bytes * (1 - RESERVE_FRACTION)
     if not fits:
         codes.append("insufficient_memory")
     return _Check(tp=tp, codes=tuple(codes), q_heads_total=heads_total, q_per_rank=q_per_rank,
@@ -460,8 +461,8 @@ def _ways_out(req: _Request, check: _Check) -> list[str]:
     per_token = mem.kv_cache_bytes_per_rank // (req.cache_rows * req.seq_len)  # KV bytes per position of one sequence
     if "insufficient_memory" in check.codes:
         usable = mem.usable_bytes_per_rank
-        if not req.inst.per_rank_memory:  # a rank's share of the usable RAM
-            usable = int(req.inst.memory_bytes * req.nodes * (1 - RESERVE_FRACTION)) // check.tp
+        if not req.inst.per_rank_memory:  # a rank's share of its node's usable RAM
+            usable = int(req.inst.memory_bytes * (1 - RESERVE_FRACTION)) // check.ranks_per_node
         room = usable - mem.weight_bytes_per_rank - mem.packing_scratch_bytes_per_rank
         if room > 0 and per_token:
             if room // (per_token * req.cache_rows) >= 1:
@@ -553,10 +554,13 @@ def _describe(code: str, req: _Request, check: _Check, hint_degrees: list[int]) 
                     f"({format_bytes(mem.capacity_bytes_per_rank)} of {cores} less the "
                     f"{RESERVE_FRACTION:.0%} reserve)")
         else:
-            need = (f"tp_degree ({tp}) needs {format_bytes(mem.total_bytes_all_ranks)} for all {tp} ranks "
-                    f"(per rank: {_parts(mem)}) but this host has "
-                    f"{format_bytes(inst.memory_bytes)} RAM x {req.nodes} node(s), "
-                    f"{format_bytes(inst.memory_bytes * req.nodes * (1 - RESERVE_FRACTION))} after the "
+            on_one = check.ranks_per_node
+            whose = (f"for all {tp} ranks" if req.nodes == 1 else
+                     f"for the {on_one} ranks of one node ({tp} over {req.nodes} nodes)")
+            need = (f"tp_degree ({tp}) needs {format_bytes(mem.total_bytes_per_rank * on_one)} {whose} "
+                    f"(per rank: {_parts(mem)}) but {'this host' if req.nodes == 1 else 'a node'} has "
+                    f"{format_bytes(inst.memory_bytes)} RAM, "
+                    f"{format_bytes(inst.memory_bytes * (1 - RESERVE_FRACTION))} after the "
                     f"{RESERVE_FRACTION:.0%} reserve")
         ways = [f"a degree that fits: {_fmt_list(hint_degrees)}"] if hint_degrees else []
         ways += _ways_out(req, check)

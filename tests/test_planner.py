@@ -236,15 +236,29 @@ def test_mixtral_counts_every_expert():
 
 
 # ---- the cpu target -----------------------------------------------------------------------------
-def test_cpu_memory_is_checked_against_host_ram_times_nodes():
+def test_cpu_memory_is_checked_against_one_nodes_ram():
     host = cpu_host()
     p = plan(LLAMA_405B, instance="cpu", tp=1)
     assert p.memory.capacity_bytes_per_rank == host.memory_bytes
     if p.memory.total_bytes_all_ranks <= host.memory_bytes * (1 - RESERVE_FRACTION):
         pytest.skip("this host has enough RAM for Llama-3.1-405B")
     assert "insufficient_memory" in codes(p) and "RAM" in message(p, "insufficient_memory")
-    p3 = plan(SMOLLM2, instance="cpu", tp=3, nodes=2)
-    assert p3.memory.capacity_bytes_per_rank == host.memory_bytes * 2 // 3
+    p3 = plan(SMOLLM2, instance="cpu", tp=3, nodes=2)  # 2 ranks on the fuller node share its RAM
+    assert p3.memory.capacity_bytes_per_rank == host.memory_bytes // 2
+
+
+def test_cpu_nodes_never_pool_their_ram_for_one_rank():
+    """Llama-3-8B in float32 (~33 GB a rank at TP 1) does not fit a 24 GiB node, however many nodes
+    there are; at TP 2 over 2 nodes each node holds one rank of half the size and it fits."""
+    host = InstanceType(name="cpu", family="cpu", physical_cores=2, memory_bytes=24 * GIB)
+    for nodes in (1, 2, 3):
+        p = plan(LLAMA_8B, instance=host, tp=1, nodes=nodes, dtype="float32", seq_len=1024)
+        assert not p.valid and "insufficient_memory" in codes(p), nodes
+        assert p.memory.capacity_bytes_per_rank == 24 * GIB
+    text = message(plan(LLAMA_8B, instance=host, tp=1, nodes=2, dtype="float32", seq_len=1024), "insufficient_memory")
+    assert "for the 1 ranks of one node (1 over 2 nodes)" in text and "but a node has 24.0 GiB RAM" in text
+    assert plan(LLAMA_8B, instance=host, tp=2, nodes=2, dtype="float32", seq_len=1024).valid
+    assert not plan(LLAMA_8B, instance=host, tp=2, nodes=1, dtype="float32", seq_len=1024).valid
 
 
 def test_serving_rows_count_in_memory_and_the_advised_batch_size_leaves_room_for_them():
