@@ -731,8 +731,10 @@ def _warnings(req: _Request, check: _Check) -> list[str]:
                    f"({cfg.max_position_embeddings})")
     if DTYPE_BYTES[req.dtype] == 1 and cfg.quantization is None:
         rest = planned_quantization(cfg, req.dtype, req.inst.is_neuron)[1]
+        launch = (f", and launch it with --dtype {rest} (it keeps {cfg.torch_dtype})"
+                  if rest != cfg.torch_dtype else "")
         out.append(f"{req.dtype} plans the weights quantized per channel ({rest} for the rest and the KV "
-                   f"cache); run `corelaunch quantize` to produce that checkpoint before launching it")
+                   f"cache); run `corelaunch quantize` to produce that checkpoint before launching it{launch}")
     # Sizing stays valid (NxD Inference may run these), but corelaunch's own workers cannot.
     out.extend(f"not runnable by corelaunch's workers: {gap}" for gap in cfg.executor_gaps(req.seq_len))
     return out

@@ -23,13 +23,21 @@ def planned_quantization(config: ModelConfig, dtype: str, on_neuron: bool) -> tu
     """(the quantization the plan counts, the compute dtype of the unquantized tensors).
 
     A quantized checkpoint's own quantization wins; otherwise a 1-byte plan dtype (int8,
-    float8_e4m3, float8_e5m2) stands for `corelaunch quantize` per channel, with the other tensors
-    (and the KV cache) in bfloat16 on Neuron, as NxD Inference runs quantized models, and elsewhere
-    in the checkpoint's dtype, which the quantized checkpoint keeps and the cpu backend runs by
-    default (SmolLM2: float32, twice bfloat16's bytes)."""
+    float8_e4m3, float8_e5m2) stands for `corelaunch quantize` per channel. A 1-byte dtype puts the
+    other tensors (and the KV cache) in bfloat16 on Neuron, as NxD Inference runs quantized models,
+    and elsewhere in the checkpoint's dtype, which the quantized checkpoint keeps and the cpu backend
+    runs by default (SmolLM2: float32, twice bfloat16's bytes); the same rule before and after
+    quantizing, so `plan --dtype int8` counts the same bytes for a checkpoint and for what
+    `corelaunch quantize` makes of it. A float dtype is the compute dtype as given (a launch's
+    `--dtype`). ValueError for a 1-byte dtype other than a quantized checkpoint's own."""
     compute = dtype if DTYPE_BYTES[dtype] >= 2 else "bfloat16" if on_neuron else config.torch_dtype
     if config.quantization is not None:
-        return config.quantization, compute if DTYPE_BYTES[dtype] >= 2 else config.torch_dtype
+        own = PLANNER_DTYPE[config.quantization.dtype]
+        if DTYPE_BYTES[dtype] == 1 and dtype != own:
+            raise ValueError(f"dtype {dtype}: this checkpoint is quantized as {own}; plan --dtype {own} "
+                             f"(or a float dtype for the other tensors), or quantize the original checkpoint "
+                             f"as {dtype} with `corelaunch quantize`")
+        return config.quantization, compute
     if DTYPE_BYTES[dtype] == 1:
         fmt = {v: k for k, v in PLANNER_DTYPE.items()}[dtype]
         return Quantization(fmt), compute

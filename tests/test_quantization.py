@@ -323,6 +323,16 @@ def test_planner_counts_quantized_weights_and_scales_exactly(source_dir, tmp_pat
         assert plan(source, instance=neuron, tp=tp, dtype="int8").memory.weight_bytes_per_rank == \
             plan(config, instance=neuron, tp=tp, dtype="bfloat16").memory.weight_bytes_per_rank
         assert plan(source, instance=neuron, tp=tp, dtype="int8").memory.kv_cache_dtype == "bfloat16"
+        # ... and `plan --dtype int8` of the quantized checkpoint counts what it promised (the rest
+        # and the cache were counted in the checkpoint's float32 there), and the warning names the
+        # --dtype that launch needs
+        assert plan(config, instance=neuron, tp=tp, dtype="int8").memory == \
+            plan(source, instance=neuron, tp=tp, dtype="int8").memory
+        before = plan(source, instance=neuron, tp=tp, dtype="int8").warnings
+        assert any("launch it with --dtype bfloat16 (it keeps float32)" in w for w in before)
+    for other in ("float8_e4m3", "float8_e5m2"):  # the checkpoint's own 8-bit format or a float dtype
+        with pytest.raises(ValueError, match=rf"dtype {other}: this checkpoint is quantized as int8; plan --dtype int8"):
+            plan(config, tp=tp, dtype=other)
 
 
 @pytest.mark.slow
