@@ -153,6 +153,12 @@ class PaddingWaste:
     """extra_qo_weight_bytes over the real Q/O weight bytes."""
     extra_model_fraction: float
     """extra_qo_weight_bytes over the whole checkpoint."""
+    extra_kv_heads: int = 0
+    """Zero KV heads beside the zero Q heads (convert_to_mha only: one KV head per Q head)."""
+    extra_kv_weight_bytes: int = 0
+    """Their k_proj and v_proj rows (and biases), all layers, all ranks."""
+    extra_kv_cache_bytes: int = 0
+    """Their KV cache, all layers, all ranks, at the plan's rows and seq_len."""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -536,10 +542,14 @@ def _describe(code: str, req: _Request, check: _Check, hint_degrees: list[int]) 
                 f"has {inst.physical_cores} GPU(s) per node; use --nodes {math.ceil(tp / inst.physical_cores)}; {works}")
     if code == "not_enough_cores":
         logical = inst.logical_cores(req.lnc)
-        needed_nodes = math.ceil(tp / logical)
+        supported = inst.supported_tp_degrees(req.lnc)
+        # the fewest nodes that hold the ranks evenly, at a degree per node NxD Inference supports
+        # (one rank per node always is one)
+        nodes = next((n for n in range(math.ceil(tp / logical), tp + 1) if tp % n == 0 and tp // n <= logical
+                      and (supported is None or tp // n in supported)), tp)
         msg = (f"tp_degree ({tp}) needs {tp} logical NeuronCores ({req.lnc} physical per rank at LNC "
                f"{req.lnc}) but {inst.name} has {logical} per node x {req.nodes} node(s) = "
-               f"{logical * req.nodes}; use --nodes {needed_nodes}")
+               f"{logical * req.nodes}; use --nodes {nodes} ({tp // nodes} ranks per node)")
         for lnc in inst.allowed_lncs:
             if lnc < req.lnc and tp <= inst.logical_cores(lnc) * req.nodes:
                 msg += (f", or --lnc {lnc} ({inst.logical_cores(lnc)} cores per node of "
@@ -690,9 +700,15 @@ def _build(req: _Request, check: _Check, tp_requested, valid: list[int], errors:
         extra = padded - cfg.num_attention_heads
         per_head = (2 * cfg.hidden_size + (1 if cfg.attention_bias else 0)) * cfg.head_dim
         extra_bytes = extra * per_head * cfg.num_hidden_layers * DTYPE_BYTES[req.dtype]
+        zero_kv = extra if check.kv_strategy == "convert_to_mha" and kv_ok else 0
+        kv_per_head = 2 * (cfg.hidden_size + (1 if cfg.attention_bias else 0)) * cfg.head_dim
         waste = PaddingWaste(extra_q_heads=extra, extra_qo_weight_bytes=extra_bytes,
                              extra_qo_fraction=extra / cfg.num_attention_heads,
-                             extra_model_fraction=extra_bytes / check.memory.model_weight_bytes)
+                             extra_model_fraction=extra_bytes / check.memory.model_weight_bytes,
+                             extra_kv_heads=zero_kv,
+                             extra_kv_weight_bytes=zero_kv * kv_per_head * cfg.num_hidden_layers * DTYPE_BYTES[req.dtype],
+                             extra_kv_cache_bytes=(zero_kv * 2 * cfg.num_hidden_layers * req.cache_rows * req.seq_len
+                                                   * cfg.head_dim * DTYPE_BYTES[check.memory.kv_cache_dtype]))
     return Plan(
         valid=not errors, tp_degree=check.tp, tp_requested=tp_requested, instance=inst.name,
         family=inst.family, nodes=req.nodes, lnc=req.lnc_requested,
@@ -723,9 +739,12 @@ def _warnings(req: _Request, check: _Check) -> list[str]:
         out.append(f"Q heads padded from {cfg.num_attention_heads} to {check.q_heads_total} with zero "
                    f"heads: their rows of q_proj and columns of o_proj are computed and contribute nothing")
     if check.kv_strategy == "convert_to_mha" and check.kv_problem is None:
-        copies = check.q_heads_total // cfg.num_key_value_heads
-        out.append(f"kv strategy convert_to_mha copies each of the {cfg.num_key_value_heads} KV heads "
-                   f"{copies} times: KV weights and KV cache cost {copies}x the checkpoint's layout")
+        kv, held = cfg.num_key_value_heads, check.q_heads_total  # one KV head per Q head, padded ones too
+        zero = held - cfg.num_attention_heads
+        out.append(f"kv strategy convert_to_mha copies each of the {kv} KV heads "
+                   f"{cfg.num_attention_heads // kv} times" + (f", plus {zero} zero KV head(s) beside the padded Q "
+                                                             f"heads" if zero else "")
+                   + f": KV weights and KV cache cost {held / kv:.3g}x the checkpoint's layout")
     if req.seq_len > cfg.max_position_embeddings:
         out.append(f"seq_len {req.seq_len} exceeds the model's max_position_embeddings "
                    f"({cfg.max_position_embeddings})")

@@ -184,6 +184,17 @@ def test_pad_q_heads_reports_the_waste():
     assert any("padded from 9 to 10" in w for w in p.warnings)
     layout = p.layout()  # executed: tests/test_padded_heads.py
     assert layout.pad_q_heads and layout.q_heads_per_rank == 5
+    # 3 KV heads over 2 ranks: convert_to_mha, one KV head per Q head, 10 for the checkpoint's 3, one zero
+    mha = p
+    assert mha.kv_strategy == "convert_to_mha"
+    assert sum(head is None for rank in range(2) for head in mha.layout().kv_head_ids(rank)) == 1
+    assert mha.padding_waste.extra_kv_heads == 1
+    assert mha.padding_waste.extra_kv_weight_bytes == 2 * 576 * 64 * 30 * 2  # k and v rows, 30 layers, bf16
+    assert mha.padding_waste.extra_kv_cache_bytes * 10 == mha.memory.kv_cache_bytes_per_rank * 2  # 1 of 10 heads
+    assert any("plus 1 zero KV head(s) beside the padded Q heads: KV weights and KV cache cost 3.33x" in w
+               for w in mha.warnings)
+    replicated = plan(SMOLLM2, instance="cpu", tp=6, dtype="bfloat16", pad_q_heads=True)
+    assert replicated.kv_strategy == "replicate_to_tp" and replicated.padding_waste.extra_kv_heads == 0
 
 
 # ---- cores, LNC, nodes --------------------------------------------------------------------------
@@ -217,6 +228,16 @@ def test_not_enough_cores_on_inf2_xlarge_and_more_nodes():
     assert plan(MISTRAL_7B, instance="inf2.xlarge", tp=4, nodes=2).valid
     uneven = plan(MISTRAL_7B, instance="trn1.32xlarge", tp=8, nodes=2)  # 4 per node: not a trn1 degree
     assert codes(uneven) == {"unsupported_tp_degree"}
+
+
+def test_the_node_count_named_for_more_cores_passes_the_per_node_degrees():
+    """inf2.24xlarge has 12 cores and supports 1, 2, 4, 8 or 24 ranks per node: 24 ranks need 3
+    nodes of 8 (2 nodes of 12 was named, which fails unsupported_tp_degree)."""
+    heads48 = dataclasses.replace(MISTRAL_7B, num_attention_heads=48, num_key_value_heads=8)
+    for tp, nodes in ((24, 3), (48, 6)):
+        text = message(plan(heads48, instance="inf2.24xlarge", tp=tp), "not_enough_cores")
+        assert f"use --nodes {nodes} (8 ranks per node);" in text
+        assert plan(heads48, instance="inf2.24xlarge", tp=tp, nodes=nodes).valid
 
 
 def test_auto_picks_the_smallest_valid_degree():

@@ -123,7 +123,9 @@ def format_report(result: Plan) -> str:
     if result.padding_waste is not None:
         waste = result.padding_waste
         lines.append(f"padding: {result.padded_q_heads} Q heads ({waste.extra_q_heads} zero heads, "
-                     f"{_gib(waste.extra_qo_weight_bytes)} extra, {waste.extra_qo_fraction:.1%} of Q/O)")
+                     f"{_gib(waste.extra_qo_weight_bytes)} extra, {waste.extra_qo_fraction:.1%} of Q/O)"
+                     + (f"; {waste.extra_kv_heads} zero KV heads ({_gib(waste.extra_kv_weight_bytes)} of weights, "
+                        f"{_gib(waste.extra_kv_cache_bytes)} of KV cache)" if waste.extra_kv_heads else ""))
     lines += [f"error [{issue.code}]: {issue.message}" for issue in result.errors]
     lines += [f"warning: {text}" for text in result.warnings]
     return "\n".join(lines)
