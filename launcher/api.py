@@ -172,7 +172,7 @@ class LaunchConfig:
         if self.kv_strategy is not None and self.kv_strategy not in KV_STRATEGIES:
             raise ValueError(f"kv_strategy ({self.kv_strategy!r}) must be one of {', '.join(KV_STRATEGIES)}, or "
                              f"None for the planner's choice")
-        if self.lnc is not None and (isinstance(self.lnc, bool) or self.lnc not in (1, 2)):
+        if self.lnc is not None and (isinstance(self.lnc, bool) or not isinstance(self.lnc, int) or self.lnc not in (1, 2)):
             raise ValueError(f"lnc ({self.lnc!r}) must be 1 or 2 (logical NeuronCore config), or None for the "
                              f"instance's default")
         if self.compile_granularity is not None:

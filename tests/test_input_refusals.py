@@ -30,6 +30,7 @@ from tests.test_replicas import EAGER, NEW_TOKENS, PROMPTS, model_and_expected  
     ("device_memory_gib", "abc", "device_memory_gib ('abc') must be a positive number"),
     ("kv_strategy", "bogus", "kv_strategy ('bogus') must be one of shard, replicate_to_tp, convert_to_mha"),
     ("lnc", 3, "lnc (3) must be 1 or 2"),
+    ("lnc", 2.0, "lnc (2.0) must be 1 or 2"),  # taken, and planned with float core counts
     ("instance", "trn9.huge", "instance ('trn9.huge') must be one of inf2.xlarge"),
     ("token_buckets", "128", "token-generation buckets ('128') must be a list of lengths, e.g. [128, 256]"),
 ])

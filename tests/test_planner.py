@@ -359,6 +359,9 @@ def test_defaults_seq_len_and_dtype():
     (dict(seq_len=0), r"seq_len \(0\) must be a positive integer"),
     (dict(dtype="int4"), "unknown dtype 'int4'"),
     (dict(kv_strategy="split"), "kv_strategy"),
+    (dict(instance="trn2.48xlarge", lnc="2"), r"lnc \('2'\) must be a positive integer"),
+    (dict(instance="trn2.48xlarge", lnc=2.0), r"lnc \(2.0\) must be a positive integer"),
+    (dict(instance="trn2.48xlarge", lnc=True), r"lnc \(True\) must be a positive integer"),
 ])
 def test_malformed_arguments_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
