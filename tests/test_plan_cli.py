@@ -112,6 +112,33 @@ def test_seq_len_below_two_is_refused_as_generate_refuses_it(capsys):
 def test_bad_tp_value_is_a_usage_error(capsys):
     out = plan_in_process(capsys, "--model", SMOLLM2, "--tp", "three")
     assert out.returncode == 2 and "--tp must be a positive integer or 'auto'" in out.stderr
+    assert out.stdout == ""  # no --json: stdout stays empty
+
+
+def test_usage_errors_with_json_print_one_json_object_too(capsys):
+    for args, words in ((("--tp", "0"), "--tp must be a positive integer or 'auto', not '0'"),
+                        (("--seq-len", "abc"), "argument --seq-len: invalid int value: 'abc'"),
+                        (("--instance", "trn9"), "argument --instance: invalid choice: 'trn9'"),
+                        (("--max-num-seqs", "-1"), "--max-num-seqs (-1) must be at least 0")):
+        out = plan_in_process(capsys, "--model", SMOLLM2, "--json", *args)
+        assert out.returncode == 2 and words in out.stderr, args
+        result = json.loads(out.stdout)  # was empty: argparse exited before run()
+        assert result["valid"] is False and result["errors"][0]["code"] == "unplannable"
+        assert words in result["errors"][0]["message"], args
+
+
+def test_a_reader_that_left_is_not_a_traceback():
+    """`corelaunch plan | head -1`: the pipe's reader gone before the report is written."""
+    import os
+
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.run([sys.executable, "-c", "from launcher.cli import run; run()", "plan", "--model", SMOLLM2],
+                              cwd=REPO, stdout=write, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert proc.returncode == 141 and proc.stderr == "", proc.stderr
 
 
 def test_default_model_is_the_demo_model(tmp_path, monkeypatch, capsys):

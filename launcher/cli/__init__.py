@@ -49,13 +49,20 @@ def main(argv: list[str] | None = None) -> int:
 
 INTERRUPTED = 130
 """The exit code after Ctrl-C (128 + SIGINT), as shells report it."""
+BROKEN_PIPE = 141
+"""The exit code when stdout's reader has gone (128 + SIGPIPE, what a shell reports for a command
+killed by it)."""
 
 
 def run() -> None:
     """The `corelaunch` command: main(), then exit with its code. After Ctrl-C the workers and Ray
     are already stopped, and the interpreter's own teardown (about 1.7 s measured on the
     development machine, mostly library exit hooks) is skipped, so the command returns at once."""
-    code = main()
+    try:
+        code = main()
+    except BrokenPipeError:  # stdout's reader went away (`corelaunch plan | head -1`): not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
+        sys.exit(BROKEN_PIPE)
     if code == INTERRUPTED:
         sys.stdout.flush()
         sys.stderr.flush()

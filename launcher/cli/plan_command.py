@@ -59,6 +59,26 @@ def add_parser(subparsers) -> None:
     add_moe_sharding(p)
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.set_defaults(run=run)
+    _json_refusals_from_argparse(p)
+
+
+def _json_refusals_from_argparse(parser: argparse.ArgumentParser) -> None:
+    """argparse's own refusals of this command's options (`--tp 0`, `--seq-len abc`, an unknown
+    `--instance`) print the "unplannable" object on stdout too when --json was asked for, as run()'s
+    refusals do. argparse gives a sub-parser its own arguments through parse_known_args, and
+    reports through error(), which exits."""
+    parse = parser.parse_known_args
+
+    def parse_known_args(args=None, namespace=None):
+        parser.json_requested = "--json" in (sys.argv[1:] if args is None else args)
+        return parse(args, namespace)
+
+    def error(message: str):
+        if getattr(parser, "json_requested", False):
+            print(json.dumps(_unplannable(message)))
+        argparse.ArgumentParser.error(parser, message)
+
+    parser.parse_known_args, parser.error = parse_known_args, error
 
 
 def run(args: argparse.Namespace) -> int:
@@ -94,8 +114,12 @@ def _refuse(args: argparse.Namespace, message: str) -> int:
     stdout (code "unplannable"), so a script reading stdout is never left with nothing to parse."""
     print(f"corelaunch plan: {message}", file=sys.stderr)
     if args.json:
-        print(json.dumps({"valid": False, "errors": [{"code": "unplannable", "message": message}]}))
+        print(json.dumps(_unplannable(message)))
     return EXIT_INVALID
+
+
+def _unplannable(message: str) -> dict:
+    return {"valid": False, "errors": [{"code": "unplannable", "message": message}]}
 
 
 def _gib(n: int) -> str:
