@@ -293,10 +293,18 @@ MIN_CPUS_PER_RANK = 0.0001
 """Ray counts resources in units of 1e-4: a smaller share cannot be asked for."""
 
 
+MAX_TIMEOUT_S = 1_000_000
+"""The longest timeout taken (about 11.6 days). Waits take their timeout as a platform time: Python's
+own lock and queue waits refuse or overflow from about 1e10 s, and only after the model has loaded."""
+
+
 def _positive_seconds(name: str, value) -> None:
-    """ValueError unless value is a finite positive number (nan would switch a deadline off)."""
+    """ValueError unless value is a positive number of seconds up to MAX_TIMEOUT_S (nan would switch
+    a deadline off, a huge value overflow the first wait that uses it)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} ({value!r}) must be a finite positive number of seconds")
+    if value > MAX_TIMEOUT_S:
+        raise ValueError(f"{name} ({value!r}) must be at most {MAX_TIMEOUT_S} seconds (about 11.6 days)")
 
 
 def _positive_or_auto(name: str, value: int | str) -> int | str:

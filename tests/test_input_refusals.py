@@ -31,6 +31,9 @@ from tests.test_replicas import EAGER, NEW_TOKENS, PROMPTS, model_and_expected  
     ("kv_strategy", "bogus", "kv_strategy ('bogus') must be one of shard, replicate_to_tp, convert_to_mha"),
     ("lnc", 3, "lnc (3) must be 1 or 2"),
     ("lnc", 2.0, "lnc (2.0) must be 1 or 2"),  # taken, and planned with float core counts
+    # taken, then the first wait on it overflowed (OverflowError) once the model had loaded
+    ("request_timeout_s", 1e300, "request_timeout_s (1e+300) must be at most 1000000 seconds"),
+    ("startup_timeout_s", 1e10, "startup_timeout_s (10000000000.0) must be at most 1000000 seconds"),
     ("instance", "trn9.huge", "instance ('trn9.huge') must be one of inf2.xlarge"),
     ("token_buckets", "128", "token-generation buckets ('128') must be a list of lengths, e.g. [128, 256]"),
 ])
