@@ -910,7 +910,9 @@ class Launcher:
         prompts = list(prompts)
         if prompts and all(isinstance(p, str) for p in prompts):
             if self.tokenizer is None:
-                raise ValueError(f"{self.model_dir} has no tokenizer files; pass prompts as token ids")
+                raise ValueError(f"{self.model_dir} has no tokenizer files (tokenizer.json, tokenizer_config.json "
+                                 f"or tokenizer.model): copy the model's tokenizer into it, or pass prompts as "
+                                 f"token-id lists through the Python API (`corelaunch generate` takes text only)")
             for i, p in enumerate(prompts):
                 try:
                     p.encode("utf-8")
@@ -1016,4 +1018,5 @@ def load_tokenizer(model_dir: Path):
         except (OSError, ValueError) as error:  # transformers' own messages rarely name the folder
             raise ValueError(f"the tokenizer in {model_dir} cannot be loaded ({type(error).__name__}: {error}); "
                              f"repair or replace its tokenizer files (tokenizer.json, tokenizer_config.json), "
-                             f"or remove them and pass prompts as token ids") from error
+                             f"or remove them and pass prompts as token-id lists through the Python API "
+                             f"(`corelaunch generate` takes text only)") from error

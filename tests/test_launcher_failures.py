@@ -77,7 +77,11 @@ def check_bad_requests_and_batch_split(small_model, compile_: bool) -> None:
             launcher.generate([list(range(3, 33))], max_new_tokens=4)
         with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 128\)"):
             launcher.generate([[1, 500]], max_new_tokens=2)
-        with pytest.raises(ValueError, match="no tokenizer"):
+        # the fix named is one the caller can take (it said "pass prompts as token ids", which
+        # `corelaunch generate` cannot)
+        with pytest.raises(ValueError, match=r"no tokenizer files .*: copy the model's tokenizer into it, or pass "
+                                             r"prompts as token-id lists through the Python API \(`corelaunch "
+                                             r"generate` takes text only\)"):
             launcher.generate("hello", max_new_tokens=2)
         with pytest.raises(ValueError, match="max_new_tokens"):
             launcher.generate([[1, 2]], max_new_tokens=0)
