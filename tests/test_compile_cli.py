@@ -132,6 +132,11 @@ def fake_compiled_dir(root: Path, model_dir: Path, **overrides) -> Path:
     (dict(token_buckets=(16, 32)), {}, r"token buckets: expected \[16\] \(compiled\), found \[16, 32\]"),
     (dict(compile=False), {}, r"compile: expected True"),
     (dict(lnc=1), {"lnc": 2}, r"lnc: expected 2 \(compiled\), found 1 \(asked\)"),
+    # each was dropped silently: the directory's own weights and buckets were used
+    (dict(max_context_length=64), {}, r"max_context_length: expected 16 \(compiled: the largest context bucket\), "
+                                      r"found 64 \(asked\)"),
+    (dict(presharded_dir="/"), {}, r"presharded_dir: expected none \(the directory's own weights, "
+                                   r".*weights\), found / \(asked\)"),
     ({}, {"versions": {**library_versions(), "torch": "1.0.0"}}, r"torch: expected '1.0.0', found '"),
     ({}, {"versions": {**library_versions(), "transformers": "4.0.0"}}, r"transformers: expected '4.0.0'"),
 ])

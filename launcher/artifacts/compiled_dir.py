@@ -101,6 +101,12 @@ def apply_compiled_dir(config):
         have = buckets.token if name.startswith("token") else buckets.context
         if wanted is not None and tuple(sorted(set(wanted))) != have:
             differ.append(f"{name}: expected {list(have)} (compiled), found {sorted(set(wanted))} (asked)")
+    if config.max_context_length is not None and config.max_context_length != buckets.context[-1]:
+        differ.append(f"max_context_length: expected {buckets.context[-1]} (compiled: the largest context "
+                      f"bucket), found {config.max_context_length} (asked)")
+    if config.presharded_dir is not None:
+        differ.append(f"presharded_dir: expected none (the directory's own weights, {weights_dir(root)}), found "
+                      f"{config.presharded_dir} (asked)")
     if config.seq_len is not None and config.seq_len != buckets.max_seq_len:
         differ.append(f"seq_len: expected {buckets.max_seq_len} (compiled), found {config.seq_len} (asked)")
     if not config.compile:
