@@ -213,7 +213,18 @@ def test_check_bad_input_exits_2_before_starting_workers(models, capsys, tmp_pat
     original, _ = models
     tokens_only = tmp_path / "tokens.pt"
     torch.save({"input_ids": [[5, 17]], "expected_tokens": torch.tensor([[1, 2, 3]])}, tokens_only)
+    # files of another model: each reached the workers (a negative token indexed the logits from the end)
+    other_model = {}
+    for name, content in (("big", {"expected_tokens": torch.tensor([[5, 999]])}),
+                          ("negative", {"expected_tokens": torch.tensor([[5, -6]])}),
+                          ("narrow", {"expected_logits": torch.zeros(1, 2, 10)})):
+        other_model[name] = tmp_path / f"{name}.pt"
+        torch.save({"input_ids": [[5, 17]], **content}, other_model[name])
     cases = [
+        (["--expected", str(other_model["big"]), "--mode", "token-matching"], "expected_tokens of prompt 0 holds 999, "
+                                                                              "outside"),
+        (["--expected", str(other_model["negative"]), "--mode", "token-matching"], "holds -6, outside"),
+        (["--expected", str(other_model["narrow"])], "expected_logits are 10 wide but"),
         (["--expected", str(tmp_path / "missing.pt")], "does not exist"),
         (["--expected", str(tokens_only)], "no expected_logits"),
         (["--expected", str(tokens_only), "--mode", "token-matching", "--num-tokens", "5"], "only 3"),

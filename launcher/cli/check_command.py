@@ -250,6 +250,24 @@ def _check_prompts(prompts: list[list[int]], num_tokens: int, model_dir: Path) -
                new_tokens_name="--num-tokens")
 
 
+def _check_expected_fits(expected: Expected, path: str, model_dir: Path) -> None:
+    """ValueError when an expected-outputs file cannot belong to this model: a token outside its
+    vocabulary (a negative one would index the logits from the end) or logits of another width.
+    Checked before anything starts; the comparison would otherwise fail only after the load."""
+    from shardlib.model_config import load_model_config
+
+    vocab = load_model_config(model_dir).vocab_size
+    fix = f"it was saved for another model: save it again with `corelaunch check --save-expected {path}`"
+    for i, row in enumerate(expected.tokens):
+        bad = next((t for t in row if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"{path}: expected_tokens of prompt {i} holds {bad}, outside {model_dir}'s vocabulary "
+                             f"[0, {vocab}); {fix}")
+    if expected.logits is not None and expected.logits.shape[-1] != vocab:
+        raise ValueError(f"{path}: expected_logits are {expected.logits.shape[-1]} wide but {model_dir}'s "
+                         f"vocabulary has {vocab} tokens; {fix}")
+
+
 def _reference_dir(args, model_dir: Path) -> Path:
     """The checkpoint transformers loads as the reference: --reference DIR, else the model itself;
     refused when it is quantized (transformers would read corelaunch's int8 tensors and scales as
@@ -327,6 +345,7 @@ def _run(args: argparse.Namespace) -> int:
 
         texts, prompts, tokenizer = [None] * len(expected.input_ids), expected.input_ids, load_tokenizer(model_dir)
         _check_prompts(prompts, num_tokens, model_dir)
+        _check_expected_fits(expected, args.expected, model_dir)
         launcher = _launcher(args, model_dir)
     else:
         num_tokens = DEFAULT_NUM_TOKENS if args.num_tokens is None else args.num_tokens
