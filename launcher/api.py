@@ -235,8 +235,17 @@ class LaunchConfig:
 
                 what = {"context_buckets": "context-encoding", "token_buckets": "token-generation"}[name]
                 setattr(self, name, normalize_buckets(getattr(self, name), what))  # "token-generation bucket 0 ..."
+        if (self.context_buckets is not None and self.max_context_length is not None
+                and self.context_buckets[-1] > self.max_context_length):  # the list won, silently
+            raise ValueError(f"context-encoding bucket {self.context_buckets[-1]} exceeds max_context_length "
+                             f"({self.max_context_length}), the longest prompt taken; lower the bucket or raise "
+                             f"--max-context-length, or give only one of them")
         if self.token_buckets is not None:  # the largest token bucket is each KV cache row's length
             if self.seq_len is None:
+                if self.token_buckets[-1] < 2:  # named here: the seq_len it becomes was never given
+                    raise ValueError(f"token-generation buckets {list(self.token_buckets)}: the largest is each "
+                                     f"sequence's positions (seq_len) and must be at least 2, a prompt token and "
+                                     f"a new one")
                 self.seq_len = self.token_buckets[-1]  # so the planner sizes the cache the buckets make
             elif self.token_buckets[-1] > self.seq_len:
                 raise ValueError(f"token bucket {self.token_buckets[-1]} exceeds seq_len ({self.seq_len}), the "
@@ -954,8 +963,11 @@ class Launcher:
         limit = self.model_config.max_position_embeddings
         seq_len = self.serving_seq_len if serving else self.config.seq_len
         if seq_len is not None and seq_len < limit:
+            longer = ("raise the largest token-generation bucket (--token-buckets or --buckets; a --seq-len must "
+                      "be at least that bucket)" if self.buckets is not None and self.config.token_buckets is not None
+                      else "raise seq_len (--seq-len)")
             check_fits(token_lists, max_new_tokens, seq_len, "seq_len",
-                       fix="shorten the prompt, lower max_new_tokens, or raise seq_len (--seq-len)")
+                       fix=f"shorten the prompt, lower max_new_tokens, or {longer}")
         else:
             check_fits(token_lists, max_new_tokens, limit, "the model's max_position_embeddings")
         if self.buckets is not None:  # the largest buckets, checked here before any worker call

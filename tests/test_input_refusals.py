@@ -52,6 +52,24 @@ def test_token_buckets_set_or_stay_within_the_planned_sequence_length():
     assert LaunchConfig(seq_len=512, token_buckets=(128, 256)).seq_len == 512
 
 
+def test_bucket_errors_name_the_buckets_when_they_set_the_sequence_length(model_and_expected, in_process_cluster):
+    """Without --seq-len the largest token bucket is seq_len: errors name the buckets, not the
+    --seq-len the user never gave (raising it alone only met the bucket refusal next)."""
+    with pytest.raises(ValueError, match=r"token-generation buckets \[1\]: the largest is each sequence's "
+                                         r"positions \(seq_len\) and must be at least 2"):
+        LaunchConfig(token_buckets=(1,))  # said "seq_len (1) must be at least 2"
+    with pytest.raises(ValueError, match=r"context-encoding bucket 512 exceeds max_context_length \(256\)"):
+        LaunchConfig(context_buckets=(128, 512), max_context_length=256)  # the buckets won, silently
+    assert LaunchConfig(context_buckets=(128, 256), max_context_length=300).context_buckets == (128, 256)
+    model_dir, _ = model_and_expected
+    with Launcher(model=model_dir, tp=1, progress=False, context_buckets=(8, 16), token_buckets=(16,),
+                  **EAGER) as llm:
+        with pytest.raises(ValueError, match=r"needs 22 positions but seq_len is 16: shorten the prompt, lower "
+                                             r"max_new_tokens, or raise the largest token-generation bucket "
+                                             r"\(--token-buckets or --buckets"):
+            llm.generate([list(range(1, 21))], max_new_tokens=2)
+
+
 def test_a_ray_address_nobody_listens_on_is_refused_at_once(monkeypatch):
     """ray.init retried such an address for ever; a TCP probe and a gRPC handshake say so within seconds."""
     import socket
