@@ -227,8 +227,8 @@ class LaunchConfig:
                              "cluster included; pass host:port (or set RAY_ADDRESS), start one with `ray start "
                              "--head` and omit the address, or pass 'local' for a private one")
         if self.presharded_dir is not None and not Path(self.presharded_dir).is_dir():
-            raise FileNotFoundError(f"pre-sharded directory {self.presharded_dir} does not exist; write it with "
-                                    f"`corelaunch generate --presharded-cache`, or drop --presharded")
+            _not_a_directory(self.presharded_dir, "pre-sharded directory",
+                             "write it with `corelaunch generate --presharded-cache`, or drop --presharded")
         for name in ("context_buckets", "token_buckets"):
             if getattr(self, name) is not None:
                 from shardlib.buckets import normalize_buckets
@@ -252,8 +252,8 @@ class LaunchConfig:
                                  f"positions the planner sizes each KV cache row for; lower the bucket or raise "
                                  f"--seq-len to {self.token_buckets[-1]}")
         if self.compiled_dir is not None and not Path(self.compiled_dir).is_dir():
-            raise FileNotFoundError(f"compiled-model directory {self.compiled_dir} does not exist; write it "
-                                    f"with `corelaunch compile --out {self.compiled_dir}`")
+            _not_a_directory(self.compiled_dir, "compiled-model directory",
+                             "write one with `corelaunch compile --out DIR`")
         if self.model is not None and not Path(self.model).exists():
             raise FileNotFoundError(
                 f"model path {self.model} does not exist; pass a Hugging Face model directory, or "
@@ -264,6 +264,14 @@ class LaunchConfig:
 def _check_flag(name: str, value) -> None:
     if not isinstance(value, bool):  # "no" would read as True
         raise ValueError(f"{name} ({value!r}) must be True or False")
+
+
+def _not_a_directory(path: str, what: str, fix: str):
+    """Raise for a directory option naming something else: FileNotFoundError when nothing is there,
+    ValueError when it is a file (the "does not exist" message was wrong for one)."""
+    if Path(path).exists():
+        raise ValueError(f"{what} {path} is a file, not a directory; pass the directory itself, or {fix}")
+    raise FileNotFoundError(f"{what} {path} does not exist; {fix}")
 
 
 def _check_path(name: str, value) -> None:

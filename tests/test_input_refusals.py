@@ -276,3 +276,27 @@ def test_a_timed_out_request_id_serves_again_once_its_cancel_is_answered(model_a
                 time.sleep(0.05)
         assert [t for d in again for t in d.token_ids] == expected[1][:2]
         assert llm._pool.replicas[0].cancelling == set()
+
+
+@pytest.mark.parametrize("field, what", [("presharded_dir", "pre-sharded directory"),
+                                         ("compiled_dir", "compiled-model directory")])
+def test_a_directory_option_naming_a_file_says_so(tmp_path, field, what):
+    """It said the file "does not exist", and named `corelaunch compile --out FILE`, itself refused."""
+    a_file = tmp_path / "weights.bin"
+    a_file.write_bytes(b"x")
+    with pytest.raises(ValueError, match=f"{what} {a_file} is a file, not a directory; pass the directory itself"):
+        LaunchConfig(**{field: str(a_file)})
+    with pytest.raises(FileNotFoundError, match=f"{what} {tmp_path / 'none'} does not exist"):
+        LaunchConfig(**{field: str(tmp_path / "none")})
+
+
+@pytest.mark.parametrize("argv", [["quantize", "--dtype", "int8", "--out", ""], ["compile", "--out", ""],
+                                  ["plan", "--model", ""]])
+def test_an_empty_path_option_is_a_usage_error(argv, capsys):
+    """"" is the current directory: `--out ""` was reported as "--out . exists" or "--out  already exists"."""
+    from launcher.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert f"{argv[-2]} must be a path, not an empty string" in capsys.readouterr().err

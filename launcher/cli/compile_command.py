@@ -23,7 +23,7 @@ from pathlib import Path
 from launcher.cli.options import (add_backend_arguments, add_bucket_lists, add_granularity, add_max_num_seqs,
                                   add_kv_cache_dtype, add_moe_sharding, add_pad_q_heads, add_sequence_parallel,
                                   backend_options,
-                                  bucket_lists,
+                                  bucket_lists, non_empty_path,
                                   max_num_seqs_option)
 
 
@@ -33,7 +33,7 @@ def add_parser(subparsers) -> None:
         description="Write a compiled-model directory: each rank's pre-sharded weights, the compiled graph "
                     "of every bucket shape, and a manifest; `corelaunch generate --compiled DIR` starts from it "
                     "without re-sharding or recompiling.")
-    p.add_argument("--out", required=True, metavar="CDIR", help="the directory to write (replaced if it is one)")
+    p.add_argument("--out", required=True, type=non_empty_path("--out"), metavar="CDIR", help="the directory to write (replaced if it is one)")
     p.add_argument("--model", help="Hugging Face model directory (default: built-in SmolLM2-135M-Instruct)")
     p.add_argument("--tp", default="auto", help="tensor-parallel degree, or auto (default)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's")

@@ -77,6 +77,16 @@ def bucket_lists(args: argparse.Namespace) -> dict:
     return {"max_context_length": args.max_context_length, "context_buckets": context, "token_buckets": token}
 
 
+def non_empty_path(name: str):
+    """An argparse type: a path that is not empty ("" is the current directory, which the command
+    then wrote into or read from under a confusing name)."""
+    def parse(text: str) -> str:
+        if not text:
+            raise argparse.ArgumentTypeError(f"{name} must be a path, not an empty string")
+        return text
+    return parse
+
+
 def int_at_least(name: str, minimum: int = 1):
     """An argparse type: an integer >= minimum, refused with a message naming the option."""
     def parse(text: str) -> int:

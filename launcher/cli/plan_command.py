@@ -11,7 +11,8 @@ import argparse
 import json
 import sys
 
-from launcher.cli.options import add_kv_cache_dtype, add_moe_sharding, add_pad_q_heads, int_at_least
+from launcher.cli.options import (add_kv_cache_dtype, add_moe_sharding, add_pad_q_heads, int_at_least,
+                                  non_empty_path)
 from shardlib.instances import CPU_TARGET, INSTANCE_NAMES
 from shardlib.model_config import load_model_config
 from shardlib.planner import KV_STRATEGIES, Plan, plan
@@ -34,7 +35,7 @@ def add_parser(subparsers) -> None:
         description="Check whether a model can be served at a TP degree on an instance type: every "
                     "failed rule is reported with the values involved and the ways out. Pure "
                     "arithmetic on config.json; nothing is started.")
-    p.add_argument("--model", metavar="PATH",
+    p.add_argument("--model", type=non_empty_path("--model"), metavar="PATH",
                    help="model directory or config.json (default: the built-in SmolLM2-135M-Instruct)")
     p.add_argument("--instance", choices=INSTANCE_NAMES, default=CPU_TARGET, metavar="NAME",
                    help=f"target instance type: {', '.join(INSTANCE_NAMES)} (cpu: this host; the default)")

@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from launcher.cli.options import non_empty_path
 from shardlib.quantization import QUANT_DTYPES
 
 
@@ -37,7 +38,7 @@ def add_parser(subparsers) -> None:
                    help="quantize the embedding table too, one scale per token row (with tied embeddings, the LM "
                         "head is that same table); default: embedding and LM head stay unquantized")
     p.add_argument("--lm-head", action="store_true", help="quantize an untied LM head too (refused with tied embeddings: use --embedding)")
-    p.add_argument("--out", required=True, metavar="QDIR", help="the directory to write (must not exist)")
+    p.add_argument("--out", required=True, type=non_empty_path("--out"), metavar="QDIR", help="the directory to write (must not exist)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.set_defaults(run=run)
 
