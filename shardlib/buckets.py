@@ -128,7 +128,7 @@ class Buckets:
                 raise ValueError("give max_seq_len or a list of token-generation buckets")
             positive_int("max_seq_len", max_seq_len)
             if max_positions is not None and max_seq_len > max_positions:
-                raise ValueError(f"max_seq_len ({max_seq_len}) exceeds {limit_name} ({max_positions}); lower it")
+                raise ValueError(f"seq_len ({max_seq_len}) exceeds {limit_name} ({max_positions}); lower it")
             token = auto_buckets(max_seq_len)
         if context is not None:
             context = normalize_buckets(context, "context-encoding", token[-1],

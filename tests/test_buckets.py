@@ -67,7 +67,7 @@ def test_custom_lists_override_and_are_sorted_and_deduplicated():
      r"context-encoding bucket 1024 exceeds the largest token-generation bucket \(512\)"),
     (dict(token=[600], max_positions=512),
      r"token-generation bucket 600 exceeds the model's max_position_embeddings \(512\)"),
-    (dict(max_seq_len=1024, max_positions=512), r"max_seq_len \(1024\) exceeds the model's max_position_embeddings"),
+    (dict(max_seq_len=1024, max_positions=512), r"seq_len \(1024\) exceeds the model's max_position_embeddings"),
     (dict(), "give max_seq_len or a list of token-generation buckets"),
     (dict(max_seq_len=0), r"max_seq_len \(0\) must be a positive integer"),
 ])
