@@ -512,7 +512,9 @@ def _describe(code: str, req: _Request, check: _Check, hint_degrees: list[int]) 
     if code == "invalid_lnc":
         return req.lnc_problem
     if code == "heads_not_divisible":
-        pad = "" if cfg.model_type in FUSED_QKV_MODEL_TYPES else "; or pad Q heads with zero heads (pad_q_heads, --pad-q-heads)"
+        padded = None if cfg.model_type in FUSED_QKV_MODEL_TYPES else _check(dataclasses.replace(req, pad=True), tp)
+        # offered only where it would pass: padding fixes the heads, not an unsupported degree or the memory
+        pad = "; or pad Q heads with zero heads (pad_q_heads, --pad-q-heads)" if padded and not padded.codes else ""
         return f"num_attention_heads ({cfg.num_attention_heads}) is not divisible by tp_degree ({tp}); {works}{pad}"
     if code == "kv_heads_incompatible":
         from shardlib.sharding import default_kv_strategy, kv_strategy_problem

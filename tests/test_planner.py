@@ -138,6 +138,10 @@ def test_qwen_72b_tp6_reports_every_failed_rule():
         "on trn1.32xlarge: 16, 32")
     assert "1, 2, 8, 16, 32" in message(p, "unsupported_tp_degree")
     assert p.kv_strategy is None and p.q_heads_per_rank is None
+    # padding would fix the heads but not the degree (nor the memory): it is not offered here
+    assert "--pad-q-heads" not in message(p, "heads_not_divisible")
+    assert "or pad Q heads with zero heads (pad_q_heads, --pad-q-heads)" in message(
+        plan(SMOLLM2, instance="cpu", tp=2), "heads_not_divisible")  # where padding passes, it is
 
 
 @pytest.mark.parametrize("tp, strategy", [(8, "shard"), (16, "replicate_to_tp"), (32, "replicate_to_tp")])
