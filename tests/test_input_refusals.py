@@ -300,3 +300,29 @@ def test_an_empty_path_option_is_a_usage_error(argv, capsys):
         main(argv)
     assert exit_.value.code == 2
     assert f"{argv[-2]} must be a path, not an empty string" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["generate", "--restart-window", "0", "x"], "--restart-window (0.0) must be a finite positive number"),
+    (["generate", "--placement-timeout", "nan", "x"], "--placement-timeout (nan) must be"),
+    (["generate", "--request-timeout", "1e300", "x"], "--request-timeout (1e+300) must be at most 1000000 seconds"),
+    (["serve", "--seq-len", "1"], "--seq-len (1) must be an integer of at least 2"),
+    (["compile", "--max-context-length", "0", "--out", "unused"], "--max-context-length (0) must be a positive integer"),
+])
+def test_launch_option_errors_name_the_flag_not_the_field(argv, words, capsys):
+    """LaunchConfig's messages start with its field (restart_window_s, placement_timeout_s): the
+    commands name the option that set it."""
+    from launcher.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"corelaunch {argv[0]}: {words}" in err, err
+
+
+def test_only_a_leading_field_name_becomes_a_flag():
+    from launcher.cli.options import with_flag_name
+
+    assert with_flag_name(ValueError("seq_len (1) must be at least 2")) == "--seq-len (1) must be at least 2"
+    kept = "token bucket 512 exceeds seq_len (256), the positions ...; raise --seq-len to 512"
+    assert with_flag_name(ValueError(kept)) == kept  # a field named later, or a path, is left alone
+    assert with_flag_name(ValueError("/x/seq_len (copy) is missing")) == "/x/seq_len (copy) is missing"

@@ -16,7 +16,7 @@ import json
 import sys
 
 from launcher.cli.options import (add_backend_arguments, add_kv_cache_dtype, add_no_compile, add_pad_q_heads,
-                                  add_sequence_parallel, backend_options, int_at_least)
+                                  add_sequence_parallel, backend_options, int_at_least, with_flag_name)
 
 
 def add_parser(subparsers) -> None:
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         report = _bench(args)
     except (ValueError, FileNotFoundError, LaunchError) as err:
-        print(f"corelaunch bench: {err}", file=sys.stderr)
+        print(f"corelaunch bench: {with_flag_name(err)}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(report))

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from launcher.cli.options import (add_backend_arguments, add_kv_cache_dtype, add_no_compile, add_pad_q_heads,
-                                  add_sequence_parallel, backend_options)
+                                  add_sequence_parallel, backend_options, with_flag_name)
 from shardlib.evaluation.quantized_tolerances import DEFAULT_TOL_SPEC
 
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
@@ -302,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
     except (ValueError, FileNotFoundError, LaunchError) as err:
-        print(f"corelaunch check: {err}", file=sys.stderr)
+        print(f"corelaunch check: {with_flag_name(err)}", file=sys.stderr)
         return EXIT_BAD_INPUT
 
 

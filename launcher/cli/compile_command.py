@@ -24,7 +24,7 @@ from launcher.cli.options import (add_backend_arguments, add_bucket_lists, add_g
                                   add_kv_cache_dtype, add_moe_sharding, add_pad_q_heads, add_sequence_parallel,
                                   backend_options,
                                   bucket_lists, non_empty_path,
-                                  max_num_seqs_option)
+                                  max_num_seqs_option, with_flag_name)
 
 
 def add_parser(subparsers) -> None:
@@ -83,10 +83,10 @@ def run(args: argparse.Namespace) -> int:
             return 2
         if not isinstance(err, (FileNotFoundError, FileExistsError)):
             raise
-        print(f"corelaunch compile: {err}", file=sys.stderr)
+        print(f"corelaunch compile: {with_flag_name(err)}", file=sys.stderr)
         return 2
     except (ValueError, LaunchError) as err:
-        print(f"corelaunch compile: {err}", file=sys.stderr)
+        print(f"corelaunch compile: {with_flag_name(err)}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(manifest))

@@ -7,7 +7,7 @@ import json
 import sys
 
 from launcher.cli.options import (add_max_num_seqs, add_model_and_placement_arguments, int_at_least,
-                                  max_num_seqs_option, model_and_placement_options)
+                                  max_num_seqs_option, model_and_placement_options, with_flag_name)
 
 
 def add_parser(subparsers) -> None:
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
                 "compile": compiled[0][1] if compiled else None,
             }
     except (ValueError, FileNotFoundError, LaunchError) as err:
-        print(f"corelaunch generate: {err}", file=sys.stderr)
+        print(f"corelaunch generate: {with_flag_name(err)}", file=sys.stderr)
         return 2
     message = compile_message(compiled)
     if message and not args.quiet:

@@ -77,6 +77,30 @@ def bucket_lists(args: argparse.Namespace) -> dict:
     return {"max_context_length": args.max_context_length, "context_buckets": context, "token_buckets": token}
 
 
+FLAG_OF_FIELD = {
+    "model": "--model", "tp": "--tp", "nodes": "--nodes", "replicas": "--replicas", "backend": "--backend",
+    "instance": "--instance", "device_memory_gib": "--device-memory-gib", "max_restarts": "--max-restarts",
+    "restart_window_s": "--restart-window", "cpus_per_rank": "--cpus-per-rank", "lnc": "--lnc",
+    "startup_timeout_s": "--startup-timeout", "rendezvous_timeout_s": "--rendezvous-timeout",
+    "placement_timeout_s": "--placement-timeout", "request_timeout_s": "--request-timeout", "dtype": "--dtype",
+    "kv_cache_dtype": "--kv-cache-dtype", "kv_strategy": "--kv-strategy", "moe_sharding": "--moe-sharding",
+    "seq_len": "--seq-len", "max_context_length": "--max-context-length", "max_batch_size": "--max-batch-size",
+    "max_num_seqs": "--max-num-seqs", "max_queued_requests": "--max-queued-requests",
+    "presharded_dir": "--presharded", "compiled_dir": "--compiled",
+    "compile_granularity": "--granularity",
+}
+"""LaunchConfig's fields and the command-line options that set them."""
+
+
+def with_flag_name(error: BaseException) -> str:
+    """The message of a LaunchConfig error that starts with a field's name ("restart_window_s (0.0)
+    must be ...") starting with the option that set it instead ("--restart-window (0.0) must be ...").
+    Only that leading name is replaced: the rest (paths, other names) is left as it is."""
+    message = str(error)
+    field, sep, rest = message.partition(" (")
+    return FLAG_OF_FIELD[field] + sep + rest if sep and field in FLAG_OF_FIELD else message
+
+
 def non_empty_path(name: str):
     """An argparse type: a path that is not empty ("" is the current directory, which the command
     then wrote into or read from under a confusing name)."""

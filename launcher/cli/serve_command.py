@@ -22,7 +22,7 @@ import urllib.error
 import urllib.request
 
 from launcher.cli.options import (add_max_num_seqs, add_model_and_placement_arguments, int_at_least,
-                                  model_and_placement_options)
+                                  model_and_placement_options, with_flag_name)
 from launcher.serving.ingress import MODES, choose_mode, plan_ingress
 from launcher.serving.server_settings import api_key_from_environment
 
@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
         check_port_free(args.host, args.port)
         _plan(settings)  # an impossible layout is refused here, not inside a Serve replica
     except (ValueError, OSError, LaunchError) as err:  # FileNotFoundError is an OSError
-        print(f"corelaunch serve: {err}", file=sys.stderr)
+        print(f"corelaunch serve: {with_flag_name(err)}", file=sys.stderr)
         return 2
     return _serve(args, settings, mode)
 
