@@ -57,7 +57,8 @@ def refusal(parse, **fields) -> ProtocolError:
     ("temperature", 3.0, ["temperature (3.0)", "[0, 2]"]),
     ("temperature", -1, ["temperature (-1)", "[0, 2]"]),
     ("temperature", "hot", ["temperature ('hot')", "[0, 2]"]),
-    ("top_p", 0, ["top_p (0)", "(0, 1]"]),
+    ("top_p", -0.1, ["top_p (-0.1)", "[0, 1]"]),
+    ("top_p", 1.5, ["top_p (1.5)", "[0, 1]"]),
     ("top_k", -2, ["top_k (-2)", ">= 0"]),
     ("seed", -2**63 - 1, ["seed (-9223372036854775809)", "[-2**63, 2**63 - 1]"]),
     ("max_tokens", 0, ["max_tokens (0)", ">= 1"]),
@@ -102,6 +103,14 @@ def test_null_parameters_take_their_defaults():
 
 def test_a_number_field_takes_an_integer():
     assert completion(temperature=1, top_p=1).temperature == 1.0
+
+
+def test_top_p_zero_keeps_only_the_most_likely_token():
+    """OpenAI allows top_p 0 (it was refused): the limit of a shrinking nucleus, the top token alone."""
+    sampling = completion(temperature=0.8, top_p=0, seed=5).sampling()
+    assert (sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed) == (0.8, 1, 1.0, 5)
+    plain = chat(temperature=0.8, top_p=0.9, top_k=-1).sampling()
+    assert (plain.top_k, plain.top_p) == (0, 0.9)  # -1 is vLLM's "off"
 
 
 def test_chat_logprobs_must_be_true_or_false():

@@ -345,7 +345,6 @@ class OpenAIServer:
         (its message names the lengths or values; nearly always the prompt's, so `prompt_param` is
         the error's param), 503 with Retry-After when its queue is full."""
         from shardlib.request_checks import check_fits
-        from shardlib.sampling_params import SamplingParams
 
         # The engine checks this too, in its own words (max_new_tokens): here it is said in the API's.
         limit = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
@@ -360,10 +359,8 @@ class OpenAIServer:
             self.metrics.rejected(400)
             raise ProtocolError(str(err), param=limit, code=CONTEXT_LENGTH_EXCEEDED) from None
 
-        sampling = SamplingParams(temperature=req.temperature, top_k=max(req.top_k, 0), top_p=req.top_p,
-                                  seed=req.seed)
         try:
-            return self.launcher.astream(prompt, sampling, max_new_tokens=max_tokens,
+            return self.launcher.astream(prompt, req.sampling(), max_new_tokens=max_tokens,
                                          stop_token_ids=tuple(req.stop_token_ids), stop=tuple(req.stop_strings()),
                                          ignore_eos=req.ignore_eos, logprobs=logprobs)
         except ValueError as err:

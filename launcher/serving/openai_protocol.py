@@ -35,7 +35,7 @@ FIELD_RULES = {
     "max_tokens": "an integer >= 1",
     "max_completion_tokens": "an integer >= 1",
     "temperature": "a number in [0, 2] (0 is greedy)",
-    "top_p": "a number in (0, 1] (1 turns top-p off)",
+    "top_p": "a number in [0, 1] (1 turns top-p off; 0 keeps only the most likely token)",
     "top_k": "an integer >= 0, or -1 (0 and -1 turn top-k off)",
     "seed": "an integer in [-2**63, 2**63 - 1]",
     "stop": f"a string or a list of at most {MAX_STOP_STRINGS} strings",
@@ -119,7 +119,8 @@ class _GenerationRequest(_NullMeansDefault):
     model: str
     temperature: float = Field(1.0, ge=0, le=2)
     """OpenAI's default is 1 (sampling); send 0 for greedy."""
-    top_p: float = Field(1.0, gt=0, le=1)
+    top_p: float = Field(1.0, ge=0, le=1)
+    """0 (OpenAI allows it) keeps only the most likely token, the limit of a shrinking nucleus."""
     top_k: int = Field(0, ge=-1)
     """Extension (as vLLM's): sample among the k most likely tokens."""
     seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
@@ -135,6 +136,16 @@ class _GenerationRequest(_NullMeansDefault):
     frequency_penalty: float = Field(0.0, ge=0, le=0)
     user: str | None = None
     logit_bias: dict = Field(default_factory=dict, max_length=0)
+
+    def sampling(self):
+        """The engine's SamplingParams: top_k -1 is 0 (off), as vLLM spells it; top_p 0 is top_k 1
+        (the engine's top_p must be above 0)."""
+        from shardlib.sampling_params import SamplingParams
+
+        if self.top_p == 0:
+            return SamplingParams(temperature=self.temperature, top_k=1, top_p=1.0, seed=self.seed)
+        return SamplingParams(temperature=self.temperature, top_k=max(self.top_k, 0), top_p=self.top_p,
+                              seed=self.seed)
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
