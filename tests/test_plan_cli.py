@@ -128,17 +128,24 @@ def test_usage_errors_with_json_print_one_json_object_too(capsys):
 
 
 def test_a_reader_that_left_is_not_a_traceback():
-    """`corelaunch plan | head -1`: the pipe's reader gone before the report is written."""
+    """`corelaunch plan | head -1`: the pipe's reader gone before the report is written. Python
+    buffers stdout into a pipe (unless PYTHONUNBUFFERED is set, as it may be here: both ways are
+    run), so the failing write can come at the end, not at the print."""
     import os
 
-    read, write = os.pipe()
-    os.close(read)
-    try:
-        proc = subprocess.run([sys.executable, "-c", "from launcher.cli import run; run()", "plan", "--model", SMOLLM2],
-                              cwd=REPO, stdout=write, stderr=subprocess.PIPE, text=True, timeout=120)
-    finally:
-        os.close(write)
-    assert proc.returncode == 141 and proc.stderr == "", proc.stderr
+    for unbuffered in (False, True):
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+        if unbuffered:
+            env["PYTHONUNBUFFERED"] = "1"
+        read, write = os.pipe()
+        os.close(read)
+        try:
+            proc = subprocess.run([sys.executable, "-c", "from launcher.cli import run; run()", "plan", "--model",
+                                   SMOLLM2], cwd=REPO, stdout=write, stderr=subprocess.PIPE, text=True, timeout=120,
+                                  env=env)
+        finally:
+            os.close(write)
+        assert proc.returncode == 141 and proc.stderr == "", (unbuffered, proc.returncode, proc.stderr)
 
 
 def test_default_model_is_the_demo_model(tmp_path, monkeypatch, capsys):

@@ -60,7 +60,11 @@ def run() -> None:
     development machine, mostly library exit hooks) is skipped, so the command returns at once."""
     try:
         code = main()
-    except BrokenPipeError:  # stdout's reader went away (`corelaunch plan | head -1`): not an error of ours
+        sys.stdout.flush()  # into a pipe stdout is block-buffered: a reader that left shows here, not at exit
+    except BrokenPipeError:
+        if not _stdout_reader_gone():
+            raise  # a socket or pipe of the command's own: a real failure
+        # `corelaunch plan | head -1`: not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
         sys.exit(BROKEN_PIPE)
     if code == INTERRUPTED:
@@ -68,6 +72,19 @@ def run() -> None:
         sys.stderr.flush()
         os._exit(code)
     sys.exit(code)
+
+
+def _stdout_reader_gone() -> bool:
+    """True when stdout is a pipe or socket whose reading end has closed (poll reports an error on
+    the writing end)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no file descriptor (a replaced sys.stdout)
+        return False
 
 
 if __name__ == "__main__":
