@@ -82,14 +82,15 @@ def plan_launch(config, progress: Progress, nothing_done: str = "nothing was sta
             check_checkpoint(model_dir, model_config)
     else:
         with progress.step("checking the pre-sharded weights' source"):
-            check_presharded_source(config, model_dir)
+            check_presharded_source(config, model_dir, model_config)
     return PlannedLaunch(model_dir, model_config, backend, plan.instance, plan, host_holds)
 
 
-def check_presharded_source(config, model_dir: Path) -> None:
+def check_presharded_source(config, model_dir: Path, model_config: ModelConfig) -> None:
     """ValueError when config's pre-sharded weights (its own, or its compiled directory's) were cut
-    from other weights than `model_dir` holds; the manifest's other fields are checked by each
-    rank's load (shardlib.presharded), this is the one a rank cannot see."""
+    from other weights of the same model config than `model_dir` holds. The manifest's other
+    fields (config hash, layout, dtype) are checked by each rank's load (shardlib.presharded), with
+    every difference listed; this is the one a rank cannot see."""
     import json
 
     from shardlib.manifest import MANIFEST
@@ -100,7 +101,9 @@ def check_presharded_source(config, model_dir: Path) -> None:
         manifest = json.loads(path.read_text())
     except (OSError, ValueError):
         return  # no manifest or a broken one: the ranks' load refuses it with the full story
-    recorded = manifest.get(FIELD) if isinstance(manifest, dict) else None
+    if not isinstance(manifest, dict) or manifest.get("config_hash") != model_config.config_hash():
+        return  # not even the same config: the ranks' load says so, naming every field that differs
+    recorded = manifest.get(FIELD)
     if config.compiled_dir is not None:
         copy, fix = (f"compiled-model directory {config.compiled_dir}",
                      f"Run `corelaunch compile --model {model_dir} --out DIR` for this model")

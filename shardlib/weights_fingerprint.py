@@ -36,17 +36,19 @@ FIELD = "weights_fingerprint"
 
 def weights_fingerprint(model_dir: str | Path) -> str | None:
     """sha256 hex digest of the sampled weights in `model_dir`, or None when it holds no checkpoint
-    (a compiled-model directory's model/ folder keeps only the config and tokenizer)."""
+    to read (a compiled-model directory's model/ folder keeps only the config and tokenizer; a
+    download left as LFS pointers or truncated files: a launch from a pre-sharded copy never reads
+    them)."""
     try:
         ckpt = find_checkpoint(model_dir)
-    except FileNotFoundError:
+        digest = hashlib.sha256(f"{ckpt.format.split('_')[0]}\n".encode())
+        if ckpt.format.startswith("safetensors"):
+            _hash_tensors(digest, ckpt.files)
+        else:
+            for path in ckpt.files:
+                _hash_file(digest, path)
+    except (OSError, ValueError):
         return None
-    digest = hashlib.sha256(f"{ckpt.format.split('_')[0]}\n".encode())
-    if ckpt.format.startswith("safetensors"):
-        _hash_tensors(digest, ckpt.files)
-    else:
-        for path in ckpt.files:
-            _hash_file(digest, path)
     return digest.hexdigest()
 
 
@@ -76,9 +78,11 @@ def _hash_tensors(digest, files: tuple[Path, ...]) -> None:
     spans = []
     for path in files:
         header = safetensors_header(path)
-        ends = sorted(entry.begin for entry in header.values()) + [path.stat().st_size]
-        next_begin = dict(zip(ends, ends[1:]))  # offsets are contiguous (checked by safetensors)
-        spans += [(name, entry, path, next_begin[entry.begin]) for name, entry in header.items()]
+        starts = sorted({entry.begin for entry in header.values()}) + [path.stat().st_size]
+        next_begin = dict(zip(starts, starts[1:]))  # offsets are contiguous (checked by safetensors)
+        # a tensor with no elements shares its offset with the next one and owns no bytes
+        spans += [(name, entry, path, entry.begin if 0 in entry.shape else next_begin[entry.begin])
+                  for name, entry in header.items()]
     for name, entry, path, end in sorted(spans, key=lambda span: span[0]):
         digest.update(f"{name}\n{entry.dtype}\n{list(entry.shape)}\n".encode())
         _hash_samples(digest, path, entry.begin, end, 3)

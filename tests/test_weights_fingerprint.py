@@ -116,3 +116,42 @@ def test_a_manifest_fingerprint_of_the_wrong_type_is_named(base_presharded, tmp_
     (copy / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ValueError, match="field 'weights_fingerprint' must be a string"):
         read_manifest(copy)
+
+
+def test_a_tensor_without_elements_owns_no_bytes(tmp_path):
+    """An empty tensor shares its offset with the next one: it was hashed with that one's bytes,
+    so the same tensors saved in other shards fingerprinted differently."""
+    import torch
+
+    tensors = {"a.empty": torch.zeros(0), "b.weight": torch.randn(5000), "c.weight": torch.randn(3000)}
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    whole.mkdir(), split.mkdir()
+    save_file(tensors, whole / "model.safetensors")
+    save_file({"a.empty": tensors["a.empty"], "c.weight": tensors["c.weight"]}, split / "part-1.safetensors")
+    save_file({"b.weight": tensors["b.weight"]}, split / "part-2.safetensors")
+    (split / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a.empty": "part-1.safetensors", "c.weight": "part-1.safetensors",
+                        "b.weight": "part-2.safetensors"}}))
+    assert weights_fingerprint(whole) == weights_fingerprint(split)
+
+
+def test_unreadable_weights_are_not_compared(models, base_presharded, tmp_path):
+    """A --model whose weights cannot be read (LFS pointers, a truncated download) with a pre-sharded
+    copy, which is all the ranks read: nothing to compare, no refusal (it was a new one)."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((models["base"] / "config.json").read_text())
+    (broken / "model.safetensors").write_text("version https://git-lfs.github.com/spec/v1\n")
+    assert weights_fingerprint(broken) is None
+    plan_launch(LaunchConfig(model=str(broken), tp=1, presharded_dir=str(base_presharded)), Progress(False))
+
+
+def test_a_copy_of_another_config_is_left_to_the_ranks_refusal(base_presharded, tmp_path):
+    """Not "a fine-tune of the same model": the config differs, and each rank's load lists every
+    field that does; a manifest that is not an object is the ranks' to refuse too (it crashed)."""
+    other = save_model(build_random_model("llama", seed=1, **{**SHAPE, "num_layers": 3}), tmp_path / "other")
+    plan_launch(LaunchConfig(model=str(other), tp=1, presharded_dir=str(base_presharded)), Progress(False))
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    (odd / "manifest.json").write_text("[]")
+    plan_launch(LaunchConfig(model=str(other), tp=1, presharded_dir=str(odd)), Progress(False))
