@@ -971,9 +971,13 @@ class Launcher:
         limit = self.model_config.max_position_embeddings
         seq_len = self.serving_seq_len if serving else self.config.seq_len
         if seq_len is not None and seq_len < limit:
-            longer = ("raise the largest token-generation bucket (--token-buckets or --buckets; a --seq-len must "
-                      "be at least that bucket)" if self.buckets is not None and self.config.token_buckets is not None
-                      else "raise seq_len (--seq-len)")
+            if self.config.compiled_dir is not None:  # its buckets are fixed: only a new directory holds more
+                longer = "compile the directory again with a larger --seq-len"
+            elif self.buckets is not None and self.config.token_buckets is not None:
+                longer = ("raise the largest token-generation bucket (--token-buckets or --buckets), and --seq-len "
+                          "with it if given")
+            else:
+                longer = "raise seq_len (--seq-len)"
             check_fits(token_lists, max_new_tokens, seq_len, "seq_len",
                        fix=f"shorten the prompt, lower max_new_tokens, or {longer}")
         else:

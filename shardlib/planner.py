@@ -643,7 +643,9 @@ def plan(config: ModelConfig, *, instance: str | InstanceType = CPU_TARGET, tp: 
         if kv_strategy not in KV_STRATEGIES:
             raise ValueError(f"kv_strategy ({kv_strategy!r}) must be one of {', '.join(KV_STRATEGIES)}, "
                              f"or None for the default")
-    lnc_problem = None if lnc is None else _lnc_problem(positive_int("lnc", lnc), inst)  # "2", 2.0, True: refused
+    if lnc is not None and (isinstance(lnc, bool) or not isinstance(lnc, int)):  # "2", 2.0, True: not an LNC
+        raise ValueError(f"lnc ({lnc!r}) must be an integer, 1 or 2")
+    lnc_problem = None if lnc is None else _lnc_problem(lnc, inst)  # 0 or 3: the invalid_lnc rule
     req = _Request(
         config=config, inst=inst, nodes=positive_int("nodes", nodes),
         lnc=inst.default_lnc if lnc is None or lnc_problem else lnc,

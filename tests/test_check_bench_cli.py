@@ -221,9 +221,9 @@ def test_check_bad_input_exits_2_before_starting_workers(models, capsys, tmp_pat
         other_model[name] = tmp_path / f"{name}.pt"
         torch.save({"input_ids": [[5, 17]], **content}, other_model[name])
     cases = [
-        (["--expected", str(other_model["big"]), "--mode", "token-matching"], "expected_tokens of prompt 0 holds 999, "
-                                                                              "outside"),
-        (["--expected", str(other_model["negative"]), "--mode", "token-matching"], "holds -6, outside"),
+        (["--expected", str(other_model["big"]), "--mode", "token-matching"],
+         "expected_tokens: prompt 0 holds token ids [999] outside the vocabulary [0, 128) of"),
+        (["--expected", str(other_model["negative"]), "--mode", "token-matching"], "holds token ids [-6] outside"),
         (["--expected", str(other_model["narrow"])], "expected_logits are 10 wide but"),
         (["--expected", str(tmp_path / "missing.pt")], "does not exist"),
         (["--expected", str(tokens_only)], "no expected_logits"),

@@ -133,8 +133,8 @@ def fake_compiled_dir(root: Path, model_dir: Path, **overrides) -> Path:
     (dict(compile=False), {}, r"compile: expected True"),
     (dict(lnc=1), {"lnc": 2}, r"lnc: expected 2 \(compiled\), found 1 \(asked\)"),
     # each was dropped silently: the directory's own weights and buckets were used
-    (dict(max_context_length=64), {}, r"max_context_length: expected 16 \(compiled: the largest context bucket\), "
-                                      r"found 64 \(asked\)"),
+    (dict(max_context_length=8), {}, r"max_context_length: expected 16 \(compiled: the largest context bucket\), "
+                                     r"found 8 \(asked\)"),
     (dict(presharded_dir="/"), {}, r"presharded_dir: expected none \(the directory's own weights, "
                                    r".*weights\), found / \(asked\)"),
     ({}, {"versions": {**library_versions(), "torch": "1.0.0"}}, r"torch: expected '1.0.0', found '"),
@@ -156,6 +156,11 @@ def test_another_model_is_refused(model_dir, tmp_path):
 
 def test_a_matching_launch_takes_the_directory_settings(model_dir, tmp_path):
     root = fake_compiled_dir(tmp_path / "c", model_dir)
+    # the flags it was compiled with are taken again: a --max-context-length past the sequence
+    # length (16) was capped to it, and one beside --buckets stopped the list there
+    compiled_dir.apply_compiled_dir(LaunchConfig(compiled_dir=str(root), max_context_length=1024))
+    compiled_dir.apply_compiled_dir(LaunchConfig(compiled_dir=str(root), context_buckets=(8, 16),
+                                                 max_context_length=20))
     config = compiled_dir.apply_compiled_dir(LaunchConfig(compiled_dir=str(root), model=str(model_dir)))
     assert (config.tp, config.dtype, config.seq_len, config.max_batch_size) == (1, "float32", 16, 1)
     assert config.presharded_dir == str(root / "weights") and config.context_buckets == (8, 16)

@@ -205,6 +205,7 @@ def test_pad_q_heads_reports_the_waste():
 def test_lnc2_only_on_trn2():
     p = plan(SMOLLM2, instance="trn1.32xlarge", tp=1, lnc=2)
     assert codes(p) == {"invalid_lnc"} and p.lnc == 2
+    assert codes(plan(SMOLLM2, instance="trn2.48xlarge", tp=1, lnc=0)) == {"invalid_lnc"}  # an int: the rule's
     assert "only on trn2" in p.errors[0].message
     assert "invalid_lnc" in codes(plan(SMOLLM2, instance="trn2.48xlarge", tp=1, lnc=3))
     assert "invalid_lnc" in codes(plan(SMOLLM2, instance="cpu", tp=1, lnc=2))
@@ -363,9 +364,9 @@ def test_defaults_seq_len_and_dtype():
     (dict(seq_len=0), r"seq_len \(0\) must be a positive integer"),
     (dict(dtype="int4"), "unknown dtype 'int4'"),
     (dict(kv_strategy="split"), "kv_strategy"),
-    (dict(instance="trn2.48xlarge", lnc="2"), r"lnc \('2'\) must be a positive integer"),
-    (dict(instance="trn2.48xlarge", lnc=2.0), r"lnc \(2.0\) must be a positive integer"),
-    (dict(instance="trn2.48xlarge", lnc=True), r"lnc \(True\) must be a positive integer"),
+    (dict(instance="trn2.48xlarge", lnc="2"), r"lnc \('2'\) must be an integer, 1 or 2"),
+    (dict(instance="trn2.48xlarge", lnc=2.0), r"lnc \(2.0\) must be an integer, 1 or 2"),
+    (dict(instance="trn2.48xlarge", lnc=True), r"lnc \(True\) must be an integer, 1 or 2"),
 ])
 def test_malformed_arguments_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -101,9 +101,13 @@ def apply_compiled_dir(config):
         have = buckets.token if name.startswith("token") else buckets.context
         if wanted is not None and tuple(sorted(set(wanted))) != have:
             differ.append(f"{name}: expected {list(have)} (compiled), found {sorted(set(wanted))} (asked)")
-    if config.max_context_length is not None and config.max_context_length != buckets.context[-1]:
-        differ.append(f"max_context_length: expected {buckets.context[-1]} (compiled: the largest context "
-                      f"bucket), found {config.max_context_length} (asked)")
+    if config.max_context_length is not None and config.context_buckets is None:  # a list is compared above
+        # capped at the sequence length as building the buckets caps it, so the flags the directory
+        # was compiled with are taken again
+        effective = min(config.max_context_length, config.seq_len or buckets.max_seq_len)
+        if effective != buckets.context[-1]:
+            differ.append(f"max_context_length: expected {buckets.context[-1]} (compiled: the largest context "
+                          f"bucket), found {config.max_context_length} (asked)")
     if config.presharded_dir is not None:
         differ.append(f"presharded_dir: expected none (the directory's own weights, {weights_dir(root)}), found "
                       f"{config.presharded_dir} (asked)")

@@ -240,7 +240,8 @@ def _prompts(args, model_dir: Path):
     return texts + [None] * len(args.prompt_ids), ids, tokenizer
 
 
-def _check_prompts(prompts: list[list[int]], num_tokens: int, model_dir: Path) -> None:
+def _check_prompts(prompts: list[list[int]], num_tokens: int, model_dir: Path) -> int:
+    """ValueError for prompts the model cannot take; returns its vocabulary size."""
     from shardlib.model_config import load_model_config
     from shardlib.request_checks import check_fits, check_prompts
 
@@ -248,21 +249,20 @@ def _check_prompts(prompts: list[list[int]], num_tokens: int, model_dir: Path) -
     check_prompts(prompts, config.vocab_size)
     check_fits(prompts, num_tokens, config.max_position_embeddings, "the model's max_position_embeddings",
                new_tokens_name="--num-tokens")
+    return config.vocab_size
 
 
-def _check_expected_fits(expected: Expected, path: str, model_dir: Path) -> None:
+def _check_expected_fits(expected: Expected, path: str, model_dir: Path, vocab: int) -> None:
     """ValueError when an expected-outputs file cannot belong to this model: a token outside its
     vocabulary (a negative one would index the logits from the end) or logits of another width.
     Checked before anything starts; the comparison would otherwise fail only after the load."""
-    from shardlib.model_config import load_model_config
+    from shardlib.request_checks import check_prompts
 
-    vocab = load_model_config(model_dir).vocab_size
     fix = f"it was saved for another model: save it again with `corelaunch check --save-expected {path}`"
-    for i, row in enumerate(expected.tokens):
-        bad = next((t for t in row if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"{path}: expected_tokens of prompt {i} holds {bad}, outside {model_dir}'s vocabulary "
-                             f"[0, {vocab}); {fix}")
+    try:
+        check_prompts(expected.tokens, vocab)  # "prompt 0 holds token ids [999] outside the vocabulary [0, 128)"
+    except ValueError as err:
+        raise ValueError(f"{path}: expected_tokens: {str(err).split('; ')[0]} of {model_dir}; {fix}") from None
     if expected.logits is not None and expected.logits.shape[-1] != vocab:
         raise ValueError(f"{path}: expected_logits are {expected.logits.shape[-1]} wide but {model_dir}'s "
                          f"vocabulary has {vocab} tokens; {fix}")
@@ -344,8 +344,8 @@ def _run(args: argparse.Namespace) -> int:
         from launcher.api import load_tokenizer
 
         texts, prompts, tokenizer = [None] * len(expected.input_ids), expected.input_ids, load_tokenizer(model_dir)
-        _check_prompts(prompts, num_tokens, model_dir)
-        _check_expected_fits(expected, args.expected, model_dir)
+        vocab_size = _check_prompts(prompts, num_tokens, model_dir)
+        _check_expected_fits(expected, args.expected, model_dir, vocab_size)
         launcher = _launcher(args, model_dir)
     else:
         num_tokens = DEFAULT_NUM_TOKENS if args.num_tokens is None else args.num_tokens
