@@ -46,6 +46,20 @@ def test_direct_plan_gives_the_replica_exactly_the_port_and_the_proxy_another():
     }
 
 
+def test_serve_picks_the_idle_proxy_port_below_the_ephemeral_range():
+    """The proxy binds it after the private Ray has started: a port from the ephemeral range may be
+    taken meanwhile by any of Ray's start-up connections (a benchmark run failed so)."""
+    import argparse
+
+    from launcher.cli.serve_command import ingress_plan
+
+    ephemeral_low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    if ephemeral_low <= 20000:
+        pytest.skip(f"this host's ephemeral ports start at {ephemeral_low}: no late-bind range below them")
+    ports = {ingress_plan(argparse.Namespace(host="127.0.0.1", port=18000), "direct").proxy_port for _ in range(5)}
+    assert all(20000 <= port < ephemeral_low for port in ports), ports
+
+
 def test_proxy_plan_keeps_the_port_and_turns_direct_ingress_off():
     plan = plan_ingress("proxy", 8000, lambda: pytest.fail("proxy mode needs no second port"),
                         {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1"})

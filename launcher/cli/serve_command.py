@@ -23,7 +23,7 @@ import urllib.request
 
 from launcher.cli.options import (add_max_num_seqs, add_model_and_placement_arguments, int_at_least,
                                   model_and_placement_options, with_flag_name)
-from launcher.serving.ingress import MODES, choose_mode, plan_ingress
+from launcher.serving.ingress import MODES, IngressPlan, choose_mode, plan_ingress
 from launcher.serving.server_settings import api_key_from_environment
 
 APP_NAME = "corelaunch"
@@ -181,9 +181,8 @@ def _serve(args: argparse.Namespace, settings, mode: str) -> int:
 
     from launcher.cluster import ray_cluster
     from launcher.serving.openai_app import application
-    from workers.net import free_port
 
-    ingress = plan_ingress(mode, args.port, lambda: free_port(args.host), dict(os.environ))
+    ingress = ingress_plan(args, mode)
     # Serve's processes read these when they start: they inherit them from the private Ray started below.
     os.environ.update(ingress.environment)
     connection = ray_cluster.connect("local", worker_logs=not args.quiet)
@@ -211,6 +210,16 @@ def _serve(args: argparse.Namespace, settings, mode: str) -> int:
     finally:
         serve.shutdown()
         connection.close()
+
+
+def ingress_plan(args: argparse.Namespace, mode: str) -> IngressPlan:
+    """The ingress plan for --host, --port and `mode`. In direct mode the idle proxy's port is
+    picked now and bound only after the private Ray has started, seconds later: a port from below
+    the OS's ephemeral range, which Ray's start-up connections cannot take meanwhile (one from that
+    range once failed Serve's start with "Failed to bind to address 127.0.0.1:40525")."""
+    from workers.net import free_port_for_a_late_bind
+
+    return plan_ingress(mode, args.port, lambda: free_port_for_a_late_bind(args.host), dict(os.environ))
 
 
 def _deploy(serve, app, stop: threading.Event, deadline: float, timeout_s: float) -> str | None:
