@@ -420,6 +420,33 @@ def test_wait_healthy_asks_at_least_once_and_names_the_ready_timeout():
     assert "within --ready-timeout 900 s" in message and "raise --ready-timeout" in message
 
 
+_PROXY_PORT_TAKEN = """
+import dataclasses, socket, sys
+from launcher.cli import main, serve_command
+held = socket.socket()
+held.bind(("127.0.0.1", 0))
+held.listen()
+planned = serve_command.ingress_plan
+serve_command.ingress_plan = lambda args, mode: dataclasses.replace(planned(args, mode),
+                                                                    proxy_port=held.getsockname()[1])
+sys.exit(main(["serve", "--port", sys.argv[1], "--quiet"]))
+"""
+
+
+@pytest.mark.slow
+def test_serve_that_cannot_start_its_proxy_says_so_in_one_line():
+    """The idle proxy's port taken between its choice and Serve's start (a race with Ray's start-up):
+    one line naming the address and the bind failure, exit code 1, not the proxy actor's traceback."""
+    from workers.net import free_port_for_a_late_bind
+
+    run = subprocess.run([sys.executable, "-c", _PROXY_PORT_TAKEN, str(free_port_for_a_late_bind())],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert re.search(r"corelaunch serve: Ray Serve did not start \(its proxy on 127\.0\.0\.1:\d+\): RuntimeError: "
+                     r"Failed to bind to address", run.stderr), run.stderr[-3000:]
+    assert "Traceback" not in run.stderr
+
+
 def test_serve_cli_refuses_bad_options_before_starting_ray(capsys, tmp_path):
     import socket
 

@@ -192,7 +192,10 @@ def _serve(args: argparse.Namespace, settings, mode: str) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        serve.start(http_options={"host": args.host, "port": ingress.proxy_port})
+        failure = _start_serve(serve, args.host, ingress.proxy_port)
+        if failure is not None:
+            print(f"corelaunch serve: {failure}", file=sys.stderr)
+            return 1
         # One --ready-timeout for both waits: the replicas loading, then their HTTP server answering.
         ready_by = time.monotonic() + args.ready_timeout
         failure = _deploy(serve, application(settings), stop, ready_by, args.ready_timeout)
@@ -220,6 +223,17 @@ def ingress_plan(args: argparse.Namespace, mode: str) -> IngressPlan:
     from workers.net import free_port_for_a_late_bind
 
     return plan_ingress(mode, args.port, lambda: free_port_for_a_late_bind(args.host), dict(os.environ))
+
+
+def _start_serve(serve, host: str, proxy_port: int) -> str | None:
+    """serve.start with its proxy on host:proxy_port; None once started, else why not in one line
+    (Serve raises a task error whose text is the proxy actor's whole traceback)."""
+    try:
+        serve.start(http_options={"host": host, "port": proxy_port})
+    except Exception as err:  # noqa: BLE001 - reported, and the command exits 1
+        cause = getattr(err, "cause", None) or err  # a RayTaskError carries the actor's own exception
+        return f"Ray Serve did not start (its proxy on {host}:{proxy_port}): {type(cause).__name__}: {cause}"
+    return None
 
 
 def _deploy(serve, app, stop: threading.Event, deadline: float, timeout_s: float) -> str | None:
