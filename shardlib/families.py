@@ -41,14 +41,30 @@ class FamilyTraits:
     """tie_word_embeddings when config.json leaves it out (transformers' default for the family)."""
     layer_norm: bool = False
     """Norms are LayerNorm without bias instead of RMSNorm (DBRX's norm_1, norm_2 and norm_f)."""
+    # transformers' config class defaults for fields config.json may leave out (tests/test_families.py
+    # compares them with the installed transformers' classes)
+    rope_theta: float = 10_000.0
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 2048
+    sliding_window: int | None = None
+    """The window when config.json has no sliding_window key at all (JSON null: no window)."""
+    # Which of config.json's bias flags the family's modules read: transformers' Mistral, Mixtral and
+    # Qwen2 build their projections with fixed biases (Qwen2: q, k and v always, o never) and ignore both flags.
+    reads_attention_bias: bool = False
+    reads_mlp_bias: bool = False
 
 
 TRAITS = {
-    "llama": FamilyTraits(), "mistral": FamilyTraits(), "qwen2": FamilyTraits(),
-    "mixtral": FamilyTraits(), "qwen3": FamilyTraits(qk_norm=True), "qwen3_moe": FamilyTraits(qk_norm=True),
-    "dbrx": FamilyTraits(layer_norm=True),
+    "llama": FamilyTraits(reads_attention_bias=True, reads_mlp_bias=True),
+    "mistral": FamilyTraits(max_position_embeddings=131_072, sliding_window=4096),
+    "qwen2": FamilyTraits(max_position_embeddings=32_768),
+    "mixtral": FamilyTraits(rope_theta=1_000_000.0, rms_norm_eps=1e-5, max_position_embeddings=131_072),
+    "qwen3": FamilyTraits(qk_norm=True, max_position_embeddings=32_768, reads_attention_bias=True),
+    "qwen3_moe": FamilyTraits(qk_norm=True, max_position_embeddings=32_768, reads_attention_bias=True),
+    "dbrx": FamilyTraits(layer_norm=True),  # its nested config: shardlib/moe_configs.py
     "gemma3_text": FamilyTraits(qk_norm=True, norm_offset=1.0, sandwich_norms=True, scaled_embeddings=True,
-                                tied_by_default=True),
+                                tied_by_default=True, max_position_embeddings=131_072, sliding_window=4096,
+                                reads_attention_bias=True),
 }
 
 
@@ -90,7 +106,7 @@ def _layer_types(model_type: str, raw: dict[str, Any], window: int | None, layer
 
 def sliding_window(model_type: str, raw: dict[str, Any]) -> int | None:
     """The window when the model applies one (transformers' rule per family), else None."""
-    window = raw.get("sliding_window")
+    window = raw.get("sliding_window") if "sliding_window" in raw else traits(model_type).sliding_window
     if window is not None:
         count("sliding_window", window, 4096)
     if model_type in ("qwen2", "qwen3", "qwen3_moe") and not flag("use_sliding_window", raw.get("use_sliding_window")):

@@ -355,7 +355,8 @@ class ModelConfig:
             rope_theta = rope_params["rope_theta"]  # checked by _check_rope
         else:
             rope_theta = raw.get("rope_theta")
-            rope_theta = 10000.0 if rope_theta is None else positive_number("rope_theta", rope_theta, 500000.0)
+            rope_theta = (traits(model_type).rope_theta if rope_theta is None
+                          else positive_number("rope_theta", rope_theta, 500000.0))
         rope_scaling = _check_rope("rope_scaling", raw.get("rope_scaling"), needs_type=True)
         if "local_rope_theta" in extra:
             rope_theta, rope_scaling = extra.pop("rope_theta"), _check_rope(
@@ -364,8 +365,12 @@ class ModelConfig:
             rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
         if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
             rope_scaling = None
-        # Qwen2 always biases q/k/v and never o_proj; Llama's attention_bias biases all four.
-        biased = flag("attention_bias", raw.get("attention_bias"))
+        rope_scaling = _original_context(raw, rope_scaling, "local_rope_theta" in extra)
+        family = traits(model_type)
+        # Qwen2 always biases q/k/v and never o_proj; Llama's attention_bias biases all four. A flag
+        # the family's modules do not read is checked, then ignored, as transformers ignores it.
+        biased = flag("attention_bias", raw.get("attention_bias")) and family.reads_attention_bias
+        mlp_biased = flag("mlp_bias", raw.get("mlp_bias")) and family.reads_mlp_bias
         experts, per_token = raw.get("num_local_experts"), raw.get("num_experts_per_tok")
 
         def default(key: str, value: Any) -> Any:
@@ -380,15 +385,14 @@ class ModelConfig:
             num_key_value_heads=heads if kv_heads is None else kv_heads,
             head_dim=head_dim,
             vocab_size=raw["vocab_size"],
-            rms_norm_eps=default("rms_norm_eps", 1e-6),
+            rms_norm_eps=default("rms_norm_eps", family.rms_norm_eps),
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
-            max_position_embeddings=default("max_position_embeddings", 2048),
-            tie_word_embeddings=flag("tie_word_embeddings", raw.get("tie_word_embeddings"),
-                                     traits(model_type).tied_by_default),
+            max_position_embeddings=default("max_position_embeddings", family.max_position_embeddings),
+            tie_word_embeddings=flag("tie_word_embeddings", raw.get("tie_word_embeddings"), family.tied_by_default),
             attention_bias=model_type == "qwen2" or biased,
-            output_bias=model_type != "qwen2" and biased,
-            mlp_bias=flag("mlp_bias", raw.get("mlp_bias")),
+            output_bias=biased,
+            mlp_bias=mlp_biased,
             **extra,
             torch_dtype=_dtype_field(raw),
             num_local_experts=0 if experts is None else experts,
@@ -399,6 +403,18 @@ class ModelConfig:
             quantization=Quantization.from_json(raw.get("quantization_config")),
             **moe_fields,
         )
+
+
+def _original_context(raw: dict[str, Any], scaling: dict | None, per_layer_kind: bool) -> dict | None:
+    """transformers' rule for llama3, yarn and longrope scaling given as one block: a top-level
+    original_max_position_embeddings (Phi-3's layout) takes precedence over the block's own (not
+    for Gemma 3's blocks per layer kind). Without either, yarn and longrope take
+    max_position_embeddings when they compute (workers/rope_scaling.py); llama3 is refused earlier."""
+    rope_type = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
+    top = raw.get("original_max_position_embeddings")
+    if rope_type not in ("llama3", "yarn", "longrope") or top is None or per_layer_kind:
+        return scaling
+    return {**scaling, "original_max_position_embeddings": count("original_max_position_embeddings", top, 8192)}
 
 
 _HASHED_WHEN_SET = ("moe_topk_norm", "clip_qkv")

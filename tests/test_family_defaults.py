@@ -1,0 +1,107 @@
+"""What a config.json leaves out, or sets where the family's modules never read it, means what it
+means to transformers: each family's defaults (shardlib/families.py) against the installed
+transformers' config classes, the bias flags against the modules transformers builds, and rope
+fields transformers moves around (Phi-3's top-level original_max_position_embeddings). Config
+reading only: the tokens these configs give are compared with transformers in test_families.py
+and test_llama_variants.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardlib.families import traits
+from shardlib.model_config import SUPPORTED_MODEL_TYPES, ModelConfig
+
+# DBRX's config nests its fields (attn_config, ffn_config): shardlib/moe_configs.py reads them.
+FLAT_FAMILIES = [t for t in SUPPORTED_MODEL_TYPES if t != "dbrx"]
+TINY = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=16, vocab_size=64)
+
+
+EXPERTS = {"mixtral": dict(num_local_experts=2, num_experts_per_tok=1),
+           "qwen3_moe": dict(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=48)}
+
+
+def tiny(model_type: str, **fields) -> dict:
+    """A tiny config.json of the family, with `fields` on top."""
+    return {"model_type": model_type, **TINY, **EXPERTS.get(model_type, {}), **fields}
+
+
+def reference_config(model_type: str, **fields):
+    """transformers' own config class for the family, with `fields` set."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(model_type, **fields)
+
+
+@pytest.mark.parametrize("model_type", FLAT_FAMILIES)
+def test_each_family_defaults_as_transformers_config_class_does(model_type):
+    reference = reference_config(model_type)
+    family = traits(model_type)
+    if model_type != "gemma3_text":  # Gemma 3's thetas per layer kind: families._gemma_rope
+        assert family.rope_theta == reference.rope_parameters["rope_theta"]
+    assert family.rms_norm_eps == reference.rms_norm_eps
+    assert family.max_position_embeddings == reference.max_position_embeddings
+    assert family.sliding_window == getattr(reference, "sliding_window", None)
+    assert family.tied_by_default == reference.tie_word_embeddings
+
+
+@pytest.mark.parametrize("model_type", FLAT_FAMILIES)
+def test_a_config_without_those_fields_gets_the_family_defaults(model_type):
+    raw = tiny(model_type)
+    if model_type == "gemma3_text":
+        raw["layer_types"] = ["sliding_attention"]
+    config = ModelConfig.from_dict(raw)
+    reference = reference_config(**raw)
+    if model_type != "gemma3_text":
+        assert config.rope_theta == reference.rope_parameters["rope_theta"]  # Mixtral: 1e6, not 1e4
+    assert config.rms_norm_eps == reference.rms_norm_eps  # Mixtral: 1e-5
+    assert config.max_position_embeddings == reference.max_position_embeddings
+    # Mistral and Gemma 3 apply a 4096 window when the key is missing altogether
+    assert config.sliding_window == getattr(reference, "sliding_window", None)
+    assert ModelConfig.from_dict({**raw, "sliding_window": None}).sliding_window is None  # null: no window
+
+
+@pytest.mark.parametrize("model_type", FLAT_FAMILIES)
+def test_bias_flags_count_only_where_the_familys_modules_read_them(model_type):
+    """transformers' Mistral, Mixtral and Qwen2 ignore attention_bias and mlp_bias (their
+    projections' biases are fixed); corelaunch expected bias tensors there and called such a
+    checkpoint incomplete."""
+    from transformers import AutoModelForCausalLM
+
+    fields = tiny(model_type, attention_bias=True, mlp_bias=True)
+    if model_type == "gemma3_text":
+        fields["layer_types"] = ["full_attention"]
+    reference = reference_config(**fields)
+    names = {name for name, _ in AutoModelForCausalLM.from_config(reference).named_parameters()}
+    layer = "model.layers.0."
+    config = ModelConfig.from_dict(fields)
+    assert config.attention_bias == (layer + "self_attn.q_proj.bias" in names)
+    assert config.output_bias == (layer + "self_attn.o_proj.bias" in names)
+    if not config.num_local_experts:  # experts: never biased
+        assert config.mlp_bias == (layer + "mlp.gate_proj.bias" in names)
+
+
+@pytest.mark.parametrize("rope_type, block", [
+    ("yarn", {"factor": 4.0}),
+    ("yarn", {"factor": 4.0, "original_max_position_embeddings": 16}),
+    ("longrope", {"short_factor": [1.0] * 8, "long_factor": [2.0] * 8}),
+    ("llama3", {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+])
+def test_a_top_level_original_context_takes_precedence_as_in_transformers(tmp_path, rope_type, block):
+    """Phi-3's layout: original_max_position_embeddings beside the rope block. transformers' model
+    loading uses it over the block's own (its AutoConfig alone, in 5.24, does not); corelaunch fell
+    back to the block's, or to max_position_embeddings."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    fields = {**TINY, "max_position_embeddings": 64, "rope_scaling": {"rope_type": rope_type, **block}}
+    AutoModelForCausalLM.from_config(reference_config("llama", **fields)).save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    written["original_max_position_embeddings"] = 8
+    (tmp_path / "config.json").write_text(json.dumps(written))
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).config
+    assert reference.rope_parameters["original_max_position_embeddings"] == 8
+    assert ModelConfig.from_dict(written).rope_scaling["original_max_position_embeddings"] == 8
