@@ -148,6 +148,10 @@ def family_fields(model_type: str, raw: dict[str, Any], layers: int, head_dim: i
     if fields["layer_types"] is None:
         fields["sliding_window"] = None
     if model_type == "gemma3_text":
+        if flag("use_bidirectional_attention", raw.get("use_bidirectional_attention")):
+            raise field_error("use_bidirectional_attention", True, "makes a bidirectional encoder (EmbeddingGemma's "
+                              "setting), not a causal language model", "corelaunch generates with causal attention "
+                              "only: serve a Gemma 3 text model without it")
         fields.update(_gemma_rope(raw))
         act = raw.get("hidden_activation", raw.get("hidden_act")) or "gelu_pytorch_tanh"
         scalar = raw.get("query_pre_attn_scalar")

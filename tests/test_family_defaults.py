@@ -105,3 +105,13 @@ def test_a_top_level_original_context_takes_precedence_as_in_transformers(tmp_pa
     reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).config
     assert reference.rope_parameters["original_max_position_embeddings"] == 8
     assert ModelConfig.from_dict(written).rope_scaling["original_max_position_embeddings"] == 8
+
+
+def test_a_bidirectional_gemma3_is_refused():
+    """EmbeddingGemma's setting: transformers attends both ways (and halves the window); corelaunch
+    ran it as causal attention, its logits off by up to 1.2."""
+    raw = tiny("gemma3_text", layer_types=["sliding_attention"], use_bidirectional_attention=True)
+    with pytest.raises(ValueError, match=r"config.json field use_bidirectional_attention=True makes a bidirectional "
+                                         r"encoder .* causal attention only"):
+        ModelConfig.from_dict(raw)
+    assert ModelConfig.from_dict({**raw, "use_bidirectional_attention": False}).model_type == "gemma3_text"
