@@ -10,12 +10,14 @@ the same checks again on what it opens.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 
 from shardlib.model_config import ModelConfig
+from shardlib.moe_params import model_names
 from shardlib.param_shapes import LM_HEAD, expected_shapes
 from shardlib.sharding import Style, style_for
 
@@ -110,6 +112,8 @@ class HeaderEntry:
     """safetensors' name for it: F32, BF16, ..."""
     begin: int
     """Absolute file offset of the first byte."""
+    end: int
+    """Absolute file offset just past the last byte."""
 
 
 def safetensors_header(path: Path) -> dict[str, HeaderEntry]:
@@ -127,8 +131,23 @@ def safetensors_header(path: Path) -> dict[str, HeaderEntry]:
         header_len = int.from_bytes(fh.read(8), "little")
         header = json.loads(fh.read(header_len))
     data_start = 8 + header_len
-    return {name: HeaderEntry(tuple(info["shape"]), info["dtype"], data_start + info["data_offsets"][0])
+    return {name: HeaderEntry(tuple(info["shape"]), info["dtype"], data_start + info["data_offsets"][0],
+                              data_start + info["data_offsets"][1])
             for name, info in header.items() if name != "__metadata__"}
+
+
+def sampled_bytes(path: Path, begin: int, end: int, count: int, size: int) -> bytes:
+    """`count` samples of `size` bytes spread evenly over the file's [begin, end) (the whole span when
+    it is shorter than their total)."""
+    length = end - begin
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if length <= count * size:
+            return os.pread(fd, length, begin)
+        step = (length - size) / (count - 1)
+        return b"".join(os.pread(fd, size, begin + round(i * step)) for i in range(count))
+    finally:
+        os.close(fd)
 
 
 # ---- the config's tensors ----------------------------------------------------------------------
@@ -142,6 +161,30 @@ def check_checkpoint(model_dir: str | Path, config: ModelConfig) -> None:
     headers = {path: safetensors_header(path) for path in ckpt.files}
     checked_names(ckpt, {path: {n: e.shape for n, e in entries.items()} for path, entries in headers.items()},
                   config)
+    _check_tied_head(ckpt, headers, config)
+
+
+TIED_HEAD_SAMPLE_BYTES = 4096
+
+
+def _check_tied_head(ckpt: CheckpointFiles, headers: dict[Path, dict[str, HeaderEntry]], config: ModelConfig) -> None:
+    """With tie_word_embeddings the LM head is the embedding and a stored lm_head.weight is ignored:
+    fine for a saved copy of it, not for another matrix, which transformers 5 would use where 4.x
+    ties. The two are compared by three samples of their bytes (a copy matches them exactly)."""
+    embed = model_names(config).embed
+    where = ckpt.weight_map
+    if not config.tie_word_embeddings or LM_HEAD not in where or embed not in where:
+        return
+    head, table = headers[where[LM_HEAD]][LM_HEAD], headers[where[embed]][embed]
+    if (head.shape, head.dtype) == (table.shape, table.dtype) and (
+            sampled_bytes(where[LM_HEAD], head.begin, head.end, 3, TIED_HEAD_SAMPLE_BYTES)
+            == sampled_bytes(where[embed], table.begin, table.end, 3, TIED_HEAD_SAMPLE_BYTES)):
+        return
+    raise ValueError(
+        f"config.json has tie_word_embeddings=true, but {ckpt.describe()} stores a {LM_HEAD} ({head.dtype} "
+        f"{list(head.shape)}) that is not a copy of {embed} ({table.dtype} {list(table.shape)}): tied, it would "
+        f"be ignored (transformers 4 ties them; transformers 5 uses the stored head). Set tie_word_embeddings "
+        f"to false to use the stored head, or remove {LM_HEAD} from the checkpoint to tie")
 
 
 def checked_names(ckpt: CheckpointFiles, shapes_by_file: dict[Path, dict[str, tuple[int, ...]]],

@@ -23,10 +23,9 @@ No torch here: the driver checks this before Ray or any rank starts.
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 
-from shardlib.checkpoint_files import find_checkpoint, safetensors_header
+from shardlib.checkpoint_files import find_checkpoint, safetensors_header, sampled_bytes
 
 SAMPLE_BYTES = 4096
 FILE_SAMPLES = 16
@@ -95,16 +94,4 @@ def _hash_file(digest, path: Path) -> None:
 
 
 def _hash_samples(digest, path: Path, begin: int, end: int, count: int) -> None:
-    """`count` samples of SAMPLE_BYTES spread evenly over [begin, end) (the whole span when it is
-    shorter than their total)."""
-    length = end - begin
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if length <= count * SAMPLE_BYTES:
-            digest.update(os.pread(fd, length, begin))
-            return
-        step = (length - SAMPLE_BYTES) / (count - 1)
-        for i in range(count):
-            digest.update(os.pread(fd, SAMPLE_BYTES, begin + round(i * step)))
-    finally:
-        os.close(fd)
+    digest.update(sampled_bytes(path, begin, end, count, SAMPLE_BYTES))

@@ -92,6 +92,24 @@ def test_tied_lm_head_copy_in_the_checkpoint_is_ignored(models, tmp_path):
     assert "lm_head.weight" not in load_rank_shard(d, config, ShardLayout.for_model(config, 1), 0)
 
 
+def test_tied_config_with_another_stored_lm_head_is_refused_before_any_rank(models, tmp_path):
+    """transformers 5 would use the stored head, 4.x the embedding; corelaunch used the embedding
+    silently (logits off by up to 8 against transformers 5). A copy stays fine (the test above)."""
+    from shardlib.checkpoint_files import check_checkpoint
+
+    state, dirs = models["llama_tied"]
+    d = _copy_config(dirs["safetensors"], tmp_path)
+    other = state["model.embed_tokens.weight"].clone()
+    other[-1, -1] += 1.0  # one element apart, in the last sample
+    save_file({**state, "lm_head.weight": other}, d / "model.safetensors")
+    with pytest.raises(ValueError, match=r"tie_word_embeddings=true, but .* stores a lm_head.weight \(F32 \[\d+, \d+\]\) "
+                                         r"that is not a copy of model.embed_tokens.weight .* Set tie_word_embeddings to "
+                                         r"false to use the stored head"):
+        check_checkpoint(d, load_model_config(d))
+    save_file({**state, "lm_head.weight": state["model.embed_tokens.weight"].clone()}, d / "model.safetensors")
+    check_checkpoint(d, load_model_config(d))
+
+
 def test_dtype_cast_and_progress(models):
     state, dirs = models["qwen2_bias"]
     config = load_model_config(dirs["safetensors_sharded"])
