@@ -23,6 +23,8 @@ from tests.test_model_tp import hf_greedy
 from tests.tp_harness import Case, Request, build_rank_model, hf_state_dict, run_tp_in_process, token_ids
 from workers.collectives import SingleRank
 from workers.engine import generate
+from workers.rope import RotaryTables
+from workers.sampling import SamplingParams
 
 PROMPTS = [[5, 9, 33, 17, 80, 3], [7, 100, 21, 4, 66, 8, 120, 3, 44, 12]]
 NEW_TOKENS, EOS, CONTEXT = 10, 2, 8
@@ -42,8 +44,13 @@ SPECS = {
 
 
 @functools.lru_cache(maxsize=None)
+def hf_model(name: str):
+    return build_random_model(hidden_size=64, num_heads=4, num_kv_heads=2, **SPECS[name])
+
+
+@functools.lru_cache(maxsize=None)
 def reference(name: str):
-    model = build_random_model(hidden_size=64, num_heads=4, num_kv_heads=2, **SPECS[name])
+    model = hf_model(name)
     config = ModelConfig.from_dict(model.config.to_dict())
     with torch.inference_mode():
         refs = [hf_greedy(model, prompt, NEW_TOKENS) for prompt in PROMPTS]
@@ -74,6 +81,35 @@ def test_tp2_equals_transformers():
     results = run_tp_in_process(2, cases)
     for name in SPECS:
         assert [token_ids(out)[0] for out in results[0][name]] == reference(name)[2], name
+
+
+def longrope_model():
+    config, state, refs = reference("longrope")
+    return build_rank_model(config, state, 0, 1, SingleRank()), refs
+
+
+@pytest.mark.parametrize("name", ["longrope", "dynamic"])
+def test_each_row_of_a_lookup_scales_by_its_own_largest_position(name):
+    """A row's cos/sin do not depend on the other rows of its step, even past the original context
+    (longrope) or max_position_embeddings (dynamic, 32 here)."""
+    config = reference(name)[0]
+    tables = RotaryTables(config.head_dim, 64, config.rope_theta, config.rope_scaling,
+                          max_position_embeddings=config.max_position_embeddings)
+    short, long = torch.tensor([[0, 0, 1, 2, 3, 3]]), torch.tensor([[38, 39, 40, 41, 42, 43]])
+    cos, sin = tables.lookup(torch.cat((short, long)), torch.float32)
+    for i, row in enumerate((short, long)):
+        alone = tables.lookup(row, torch.float32)
+        assert torch.equal(cos[i], alone[0][0]) and torch.equal(sin[i], alone[1][0])
+    assert not torch.equal(cos[1], tables.cos[long[0]])  # the long row's scaling mattered
+
+
+def test_longrope_rows_of_one_static_batch_choose_their_own_factors():
+    """The 6-token prompt (within the original context of 8 for its prefill and first two decode
+    steps) and the 10-token one (past it) in one left-padded batch: each gets transformers' tokens
+    for it alone."""
+    model, refs = longrope_model()
+    outs = generate(model, PROMPTS, [SamplingParams()] * len(PROMPTS), NEW_TOKENS, [EOS])
+    assert [out.token_ids for out in outs] == refs
 
 
 def greedy_past_the_context(model, prompt: list[int], new_tokens: int) -> list[int]:

@@ -79,8 +79,9 @@ class RotaryTables:
     """Precomputed cos/sin for positions 0 .. max_positions - 1.
 
     Built once per KV cache size (the largest position a cache can hold), never per decode step.
-    longrope keeps a second table (its long factors) and dynamic scaling computes a step's angles
-    from the step's largest position once that passes max_position_embeddings (workers/rope_scaling.py).
+    longrope keeps a second table (its long factors) and dynamic scaling computes a row's angles
+    from the row's largest position once that passes max_position_embeddings (workers/rope_scaling.py);
+    each row of a step chooses by its own largest position.
     """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
@@ -110,14 +111,17 @@ class RotaryTables:
     def lookup(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape (batch, seq, head_dim) in `dtype` for position_ids (batch, seq)."""
         cos, sin = self.cos[position_ids], self.sin[position_ids]
+        # Each row's sequence length is its own largest position plus one (batch, 1, 1): rows of one
+        # step never change each other's frequencies, and a row's padding columns carry positions no
+        # greater than its last real one (workers/engine.py, workers/serving/step_inputs.py).
+        seq_len = position_ids.amax(dim=-1, keepdim=True)[..., None] + 1
         if self.rope_type == "longrope":
-            long = position_ids.max() + 1 > self.context  # the step's sequence outgrew the original context
+            long = seq_len > self.context  # the row's sequence outgrew the original context
             cos = torch.where(long, self.long_cos[position_ids], cos)
             sin = torch.where(long, self.long_sin[position_ids], sin)
         elif self.rope_type == "dynamic":
-            seq_len = position_ids.max() + 1
             inv_freq = dynamic_frequencies(self.head_dim, self.theta, self.scaling["factor"],
-                                           self.max_position_embeddings, seq_len)
+                                           self.max_position_embeddings, seq_len)  # (batch, 1, head_dim // 2)
             angles = position_ids[..., None].to(torch.float32) * inv_freq
             angles = torch.cat((angles, angles), dim=-1)
             grown = seq_len > self.max_position_embeddings
