@@ -17,6 +17,7 @@ import functools
 import pytest
 import torch
 
+from shardlib.buckets import Buckets
 from shardlib.model_config import ModelConfig
 from tests.model_factory import build_random_model
 from tests.test_model_tp import hf_greedy
@@ -110,6 +111,20 @@ def test_longrope_rows_of_one_static_batch_choose_their_own_factors():
     model, refs = longrope_model()
     outs = generate(model, PROMPTS, [SamplingParams()] * len(PROMPTS), NEW_TOKENS, [EOS])
     assert [out.token_ids for out in outs] == refs
+
+
+def test_longrope_context_bucket_padding_keeps_the_short_factors():
+    """A 6-token prompt prefilled in a context bucket of 16 columns: the padding columns must not
+    carry positions past the prompt, which would pass the original context (8) and switch the prompt
+    to the long factors that transformers does not use for it."""
+    model, refs = longrope_model()
+    buckets = Buckets.build(context=(16, 32), token=(32,))
+    [out] = generate(model, [PROMPTS[0]], [SamplingParams()], NEW_TOKENS, [EOS], buckets=buckets,
+                     return_logits=True)
+    with torch.inference_mode():
+        expected = hf_model("longrope")(torch.tensor([PROMPTS[0]])).logits[0, -1]
+    torch.testing.assert_close(out.logits[0], expected, atol=1e-4, rtol=1e-4)
+    assert out.token_ids == refs[0]
 
 
 def greedy_past_the_context(model, prompt: list[int], new_tokens: int) -> list[int]:

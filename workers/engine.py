@@ -156,13 +156,16 @@ def generate(model, prompts: list[list[int]], params: list[SamplingParams], max_
         # bucket padding) hold no real token: pad = longest. Columns longest .. width - 1 (context
         # bucket padding) are filler too: they write cache slots that decode overwrites before any
         # query may read them (a query reads only slots <= its own), and their logits are not used.
+        # Every padding column takes a position between 0 and its row's last real one, so a row's
+        # largest position is its real one (longrope chooses its factors by it: workers/rope.py).
         pad = torch.tensor([longest - n for n in lengths] + [longest] * (rows - batch))  # (rows,)
+        last = torch.tensor([n - 1 for n in lengths] + [0] * (rows - batch))  # (rows,) last real position
         input_ids = torch.full((rows, width), pad_token_id, dtype=torch.int64)
         for i, prompt in enumerate(prompts):
             input_ids[i, pad[i]:longest] = torch.tensor(prompt, dtype=torch.int64)
         slot_ids = torch.arange(slots)
         attention_mask = slot_ids[None, :] >= pad[:, None]  # (rows, slots): false on left padding
-        position_ids = (torch.arange(width)[None, :] - pad[:, None]).clamp(min=0)  # (rows, width)
+        position_ids = torch.minimum(torch.arange(width)[None, :] - pad[:, None], last[:, None]).clamp(min=0)
         # The last real column's logits; bucketed runs always pass it, so one graph serves a bucket.
         logit_index = None if buckets is None else torch.tensor([longest - 1], device=device)
         # Everything the model reads lives on its device (built on the host once per request).
