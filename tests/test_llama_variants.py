@@ -19,13 +19,16 @@ import torch
 
 from shardlib.buckets import Buckets
 from shardlib.model_config import ModelConfig
+from shardlib.serving_shapes import ServingShapes
 from tests.model_factory import build_random_model
+from tests.serving_driver import collect, request, run_loops, stop
 from tests.test_model_tp import hf_greedy
 from tests.tp_harness import Case, Request, build_rank_model, hf_state_dict, run_tp_in_process, token_ids
 from workers.collectives import SingleRank
 from workers.engine import generate
 from workers.rope import RotaryTables
 from workers.sampling import SamplingParams
+from workers.serving.loop import ServingConfig, ServingLoop
 
 PROMPTS = [[5, 9, 33, 17, 80, 3], [7, 100, 21, 4, 66, 8, 120, 3, 44, 12]]
 NEW_TOKENS, EOS, CONTEXT = 10, 2, 8
@@ -125,6 +128,31 @@ def test_longrope_context_bucket_padding_keeps_the_short_factors():
         expected = hf_model("longrope")(torch.tensor([PROMPTS[0]])).logits[0, -1]
     torch.testing.assert_close(out.logits[0], expected, atol=1e-4, rtol=1e-4)
     assert out.token_ids == refs[0]
+
+
+def serve(model, prompts: list[list[int]], config: ServingConfig) -> list[list[int]]:
+    loop = ServingLoop(model, config)
+    threads = run_loops([loop])
+    loop.submit([request(f"r{i}", prompt, NEW_TOKENS, stop_token_ids=(EOS,)) for i, prompt in enumerate(prompts)])
+    got = collect(loop, {f"r{i}" for i in range(len(prompts))})
+    stop([loop], threads)
+    return [got.tokens[f"r{i}"] for i in range(len(prompts))]
+
+
+def test_longrope_serving_chunk_padding_keeps_the_short_factors():
+    """Serving shapes pad each prompt's single prefill chunk to 16 columns; one request at a time."""
+    model, refs = longrope_model()
+    shapes = ServingShapes.build(Buckets.build(max_seq_len=32, context=(16,), token=(32,)), max_num_seqs=1,
+                                 max_prefill_tokens=16)
+    assert shapes.chunk_buckets == (16,)
+    assert serve(model, PROMPTS, ServingConfig(1, 16, 32, shapes)) == refs
+
+
+def test_longrope_requests_served_in_one_step_choose_their_own_factors():
+    """The 6-token and the 10-token request prefilled in one call (the short one padded to 10
+    columns) and decoded in the same steps: the short one's tokens do not depend on the long one."""
+    model, refs = longrope_model()
+    assert serve(model, PROMPTS, ServingConfig(2, 64, 32)) == refs
 
 
 def greedy_past_the_context(model, prompt: list[int], new_tokens: int) -> list[int]:

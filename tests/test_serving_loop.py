@@ -345,7 +345,8 @@ def test_prefill_chunks_of_one_bucket_share_a_call_up_to_the_budget():
     assert inputs.input_ids.shape == (4, 4) and inputs.read_slots == 64  # 3 chunks -> batch bucket 4
     assert inputs.rows.tolist() == [[0, 0, 0, 8], [2, 8, 8, 8], [3, 3, 8, 8], [8, 8, 8, 8]]
     assert inputs.cache_positions.tolist() == [[0, 1, 2, 0], [4, 0, 0, 0], [0, 1, 0, 0], [0, 0, 0, 0]]
-    assert inputs.position_ids[1].tolist() == [4, 5, 6, 7]
+    # padding columns repeat their row's last real position (filler rows: 0); cache writes unchanged
+    assert inputs.position_ids.tolist() == [[0, 1, 2, 2], [4, 4, 4, 4], [0, 1, 1, 1], [0, 0, 0, 0]]
     assert inputs.logit_index.tolist() == [2, 0, 1, 0]
     first_chunks = prefill_inputs([chunks[i] for i in (0, 3, 4)], shapes, scratch_row=8, cache_slots=64)
     assert first_chunks.read_slots == 4  # all start at slot 0: the call's width is all they can see

@@ -68,7 +68,10 @@ def prefill_inputs(chunks: list[PrefillChunk], shapes: ServingShapes | None, scr
         ids[i, :len(chunk.token_ids)] = torch.tensor(chunk.token_ids, dtype=torch.int64)
         starts[i, 0], lengths[i, 0], rows[i, 0] = chunk.start, len(chunk.token_ids), chunk.row
     column = torch.arange(width, dtype=torch.int64)[None]
-    positions = (column + starts).clamp(max=cache_slots - 1)
+    # Padding columns repeat their row's last real position (filler rows: 0), so a row's largest
+    # position is its real one (longrope chooses its factors by it: workers/rope.py) and stays
+    # within the cache. Their tokens write only the scratch row and their logits are not used.
+    positions = torch.minimum(column + starts, (starts + lengths - 1).clamp(min=0))
     real = column < lengths
     token_rows = torch.where(real, rows, scratch_row)  # column 0 is real: it names the row a batch row reads
     cache_positions = torch.where(real, positions, 0)
