@@ -111,6 +111,8 @@ class RotaryTables:
     def lookup(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape (batch, seq, head_dim) in `dtype` for position_ids (batch, seq)."""
         cos, sin = self.cos[position_ids], self.sin[position_ids]
+        if self.rope_type not in ("longrope", "dynamic"):
+            return cos.to(dtype), sin.to(dtype)
         # Each row's sequence length is its own largest position plus one (batch, 1, 1): rows of one
         # step never change each other's frequencies, and a row's padding columns carry positions no
         # greater than its last real one (workers/engine.py, workers/serving/step_inputs.py).
