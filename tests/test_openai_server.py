@@ -190,12 +190,31 @@ def test_chat_refusals():
             ([{"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]},
               {"role": "user", "content": "x"}], "messages.0.tool_calls", "tool calls are not supported"),
             ([{"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}},
-              {"role": "user", "content": "x"}], "messages.0.function_call", "tool calls are not supported")):
+              {"role": "user", "content": "x"}], "messages.0.function_call", "tool calls are not supported"),
+            # a tool message answers a tool call, which is refused (it was rendered as a "tool" turn)
+            ([{"role": "user", "content": "x"}, {"role": "tool", "content": "42", "tool_call_id": "c1"}],
+             "messages.1.role", "messages.1.role 'tool': tool messages are not supported"),
+            ([{"role": "user", "content": []}], "messages.0.content", "messages.0.content is an empty list")):
         with pytest.raises(ProtocolError) as caught:
             parse_request(ChatCompletionRequest, {"model": MODEL, "messages": messages})
         assert caught.value.param == param and words in caught.value.message
     assert chat(messages=[{"role": "assistant"}, {"role": "user", "content": "x"}]).chat_messages()[0] == \
         {"role": "assistant", "content": ""}  # an assistant's content may be left out
+
+
+def test_developer_messages_are_system_messages_unless_the_template_knows_the_role():
+    """OpenAI: developer messages replace system messages. Passed on as "developer", SmolLM2's
+    template added its own default system turn, then a developer turn the model never saw."""
+    req = chat(messages=[{"role": "developer", "content": "be a pirate"}, {"role": "user", "content": "hi"}])
+    smollm2_like = "{% for m in messages %}<|im_start|>{{ m['role'] }}{% endfor %}{% if messages[0]['role'] != 'system' %}"
+    assert req.chat_messages(smollm2_like)[0] == {"role": "system", "content": "be a pirate"}
+    assert req.chat_messages("{% if m['role'] == 'developer' %}")[0]["role"] == "developer"  # the template's own role
+
+
+def test_a_participant_name_reaches_the_template():
+    req = chat(messages=[{"role": "user", "content": "hi", "name": "alice"}, {"role": "user", "content": "yo"}])
+    assert req.chat_messages() == [{"role": "user", "content": "hi", "name": "alice"}, {"role": "user", "content": "yo"}]
+    refusal(chat, messages=[{"role": "user", "content": "hi", "name": 5}])
 
 
 def test_accepted_requests_and_their_engine_arguments():

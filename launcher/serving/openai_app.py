@@ -238,7 +238,7 @@ class OpenAIServer:
         arrived = time.perf_counter()
         self._authorize(request)
         req = self._parse(proto.ChatCompletionRequest, await self._body(request))
-        prompt = await self._tokenized(self._apply_chat_template, req.chat_messages())
+        prompt = await self._tokenized(self._apply_chat_template, req.chat_messages(self.tokenizer.chat_template))
         stream = self._start(req, prompt, proto.max_new_tokens(req, len(prompt), self.context_tokens),
                              req.logprobs_count(), "messages")
         return await self._respond(req, stream, ChatRender(self.pieces, req.logprobs), arrived)

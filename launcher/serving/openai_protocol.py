@@ -172,9 +172,12 @@ class CompletionRequest(_GenerationRequest):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)  # name, tool_call_id, ...: not used by the template
+    model_config = ConfigDict(extra="ignore", strict=True)  # tool_call_id (of a tool message, refused), ...
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict] | None = None
+    name: str | None = None
+    """The participant's name: handed to the chat template, which renders it or not (as a model's
+    own format says)."""
     """Required but for an assistant's message (OpenAI's rule: one that made tool calls may have none)."""
     tool_calls: list | None = None
     """Refused when not empty: `tools` is not supported, and the template would drop the calls silently."""
@@ -183,9 +186,16 @@ class ChatMessage(BaseModel):
 
     def check(self, index: int) -> None:
         """ProtocolError for a message the API refuses; `index` is its place in `messages`."""
+        if self.role == "tool":  # it answers an assistant's tool call, which is refused
+            raise ProtocolError(f"messages.{index}.role 'tool': tool messages are not supported (nor are `tools` "
+                                f"and tool calls); use system, developer, user or assistant messages",
+                                param=f"messages.{index}.role")
         if self.content is None and self.role != "assistant":
             raise ProtocolError(f"messages.{index}.content is required in a {self.role} message (a string or a "
                                 f"list of text parts)", param=f"messages.{index}.content")
+        if isinstance(self.content, list) and not self.content:
+            raise ProtocolError(f"messages.{index}.content is an empty list; send a string or at least one text "
+                                f"part", param=f"messages.{index}.content")
         for calls in ("tool_calls", "function_call"):
             if getattr(self, calls):
                 raise ProtocolError(f"messages.{index}.{calls}: tool calls are not supported (nor is `tools`); "
@@ -217,9 +227,14 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: TextResponseFormat | None = None
 
-    def chat_messages(self) -> list[dict]:
-        """[{role, content}] with content as plain text, as chat templates take it."""
-        return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
+    def chat_messages(self, template: object = None) -> list[dict]:
+        """[{role, content[, name]}] with content as plain text, as chat templates take it. A developer
+        message is OpenAI's newer system message: it goes to a `template` that never mentions the
+        developer role as a system message (SmolLM2's, say, would otherwise add its default system
+        turn and then a turn of a role the model never saw)."""
+        developer = "system" if "developer" not in str(template or "") else "developer"
+        return [{"role": developer if m.role == "developer" else m.role, "content": m.text(i),
+                 **({"name": m.name} if m.name is not None else {})} for i, m in enumerate(self.messages)]
 
     def logprobs_count(self) -> int | None:
         """The engine's logprobs argument: None (off) or the number of alternatives."""
