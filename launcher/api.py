@@ -367,6 +367,9 @@ class Launcher:
     are split over the replicas and its parts run in parallel (see launcher/cluster/replica_pool.py)."""
 
     def __init__(self, config: LaunchConfig | None = None, **options):
+        if config is not None and not isinstance(config, LaunchConfig):  # Launcher("/models/x"): the model path
+            raise ValueError(f"config ({show(config)}) must be a LaunchConfig or None; pass options as keywords, "
+                             f"e.g. Launcher(model=...)")
         self.config = config if config is not None else LaunchConfig(**options)
         if config is not None and options:
             raise ValueError("pass either a LaunchConfig or keyword options, not both")
@@ -827,9 +830,10 @@ class Launcher:
                                              self.config.max_num_seqs)
 
     def _new_stream(self, token_ids, params, max_new_tokens, stop_token_ids, stops, ignore_eos, logprobs,
-                    request_id, asynchronous: bool, return_logits: bool = False):
+                    request_id, asynchronous: bool, return_logits: bool = False, timeout_s: float | None = None):
         """A checked request's stream, not yet submitted: a RequestStream, or an AsyncRequestStream
-        fed on the running event loop."""
+        fed on the running event loop. timeout_s: its deadline from submission (default: the
+        request timeout)."""
         import asyncio
 
         from launcher.cluster.stream_handle import StreamHandle
@@ -853,7 +857,7 @@ class Launcher:
         eos = () if ignore_eos else self._eos_ids()
         request = StreamRequest(request_id or uuid.uuid4().hex, tuple(token_ids), params, max_new_tokens,
                                 tuple(sorted(set(stop_token_ids) | set(eos))), logprobs, return_logits)
-        handle = StreamHandle(request, sink, self.config.request_timeout_s)
+        handle = StreamHandle(request, sink, self.config.request_timeout_s if timeout_s is None else timeout_s)
         text = TextStream(request.request_id, self.tokenizer, stops, len(token_ids))
         return kind(self._cancel_stream, handle, text, items)
 
@@ -872,8 +876,12 @@ class Launcher:
         params = self._sampling_per_prompt(sampling, len(token_lists))
         check_request(token_lists, params, max_new_tokens, self.model_config.vocab_size)
         self._check_lengths(token_lists, max_new_tokens, serving=True)
+        # Submitted together, the prompts beyond the replicas' rows wait for rows to free up: one
+        # request timeout per wave of rows they make, as a static generate's watchdog allows one per part.
+        waves = math.ceil(len(token_lists) / (self.config.max_num_seqs * len(self._running_pool().replicas)))
         streams = [self._new_stream(ids, p, max_new_tokens, stop_token_ids, (), ignore_eos, None, None,
-                                    asynchronous, return_logits) for ids, p in zip(token_lists, params)]
+                                    asynchronous, return_logits, self.config.request_timeout_s * waves)
+                   for ids, p in zip(token_lists, params)]
         self._submit_together(streams)  # one call, admitted as one: none of its prompts is left running alone
         return streams, texts, token_lists
 
@@ -940,8 +948,15 @@ class Launcher:
             texts: list[str | None] = list(prompts)
         elif None not in (token_lists := [_token_id_list(p) for p in prompts]):
             texts = [None] * len(prompts)
+        elif prompts and _token_id_list(prompts) is not None:  # generate([1, 504, 3458])
+            raise ValueError(f"prompts ({show(prompts)}) is one token-id list; pass a list of prompts: "
+                             f"[{show(prompts)}]")
         else:
-            raise ValueError("prompts must be all strings or all lists of token ids")
+            kinds = ["a string" if isinstance(p, str) else "a token-id list" if _token_id_list(p) is not None
+                     else f"neither ({show(p)})" for p in prompts]
+            odd = next((i for i, kind in enumerate(kinds) if kind != kinds[0]), 0)
+            raise ValueError(f"prompts must be all strings or all lists of token ids; prompt 0 is {kinds[0]} "
+                             f"but prompt {odd} is {kinds[odd]}")
         return texts, token_lists  # checked by check_request
 
     @staticmethod

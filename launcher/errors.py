@@ -64,6 +64,11 @@ class RequestFailed(LaunchError):
     other request in it carry on."""
 
 
+class RequestCancelled(LaunchError):
+    """A stream was cancelled by someone other than the reader that now reads it: closed from another
+    thread or task, or cancelled when the task reading it was; its row is already free."""
+
+
 class NoReplicaAvailable(LaunchError):
     """Every replica has failed for good: nothing is left to serve requests."""
 

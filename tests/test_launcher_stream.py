@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from launcher.api import Launcher
-from launcher.errors import QueueFull, RequestFailed, WorkerDied
+from launcher.errors import QueueFull, RequestCancelled, RequestFailed, RequestTimeout, WorkerDied
 from tests.test_replicas import EAGER, NEW_TOKENS, PROMPTS, model_and_expected  # noqa: F401 - fixture
 
 
@@ -89,6 +89,78 @@ def test_closing_a_stream_cancels_it_and_frees_its_row(model_and_expected, in_pr
         with pytest.raises(KeyboardInterrupt):
             next(interrupted)
         assert interrupted.handle.cancelled and llm.load() == {"running": 0, "waiting": 0}
+
+
+def test_a_stream_closed_by_another_reader_says_so_at_once(model_and_expected, in_process_cluster):
+    """A reader blocked in next() while another thread closes the stream (or in anext() while
+    another task acloses it) waited its whole request timeout plus 30 s, then blamed the replica; a
+    read after a cancel it did not ask for ended quietly, as a finished stream does."""
+    import threading
+
+    model_dir, _ = model_and_expected
+    with Launcher(model=model_dir, tp=1, max_num_seqs=1, progress=False, **EAGER) as llm:
+        # a request waiting behind one that holds the only row: its reader blocks in next()
+        holder = llm.stream(PROMPTS[0], max_new_tokens=200, ignore_eos=True)
+        next(holder)
+        blocked = llm.stream(PROMPTS[1], max_new_tokens=NEW_TOKENS)
+        outcome = {}
+
+        def read():
+            try:
+                next(blocked)
+            except Exception as err:  # noqa: BLE001 - what the reader got is the test's subject
+                outcome["error"] = err
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        time.sleep(0.2)
+        blocked.close()
+        reader.join(timeout=10)
+        assert not reader.is_alive(), "the reader stayed blocked after another thread closed its stream"
+        assert isinstance(outcome.get("error"), RequestCancelled)
+        assert "was closed (close()) by another reader" in str(outcome["error"])
+        with pytest.raises(StopIteration):  # the closing thread itself reads a quiet end
+            next(blocked)
+
+        async def readers():
+            waiting = llm.astream(PROMPTS[2], max_new_tokens=NEW_TOKENS)
+            task = asyncio.create_task(waiting.__anext__())
+            await asyncio.sleep(0.2)
+            await waiting.aclose()
+            with pytest.raises(RequestCancelled, match=r"was closed \(aclose\(\)\) by another reader"):
+                await asyncio.wait_for(task, 10)
+            # a read cut short by asyncio.wait_for cancels the request: later reads say so
+            timed = llm.astream(PROMPTS[3], max_new_tokens=NEW_TOKENS)
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(timed.__anext__(), 0.05)
+            with pytest.raises(RequestCancelled, match="when the task reading its stream was cancelled"):
+                await timed.__anext__()
+            async with llm.astream(PROMPTS[4], max_new_tokens=200, ignore_eos=True) as scoped:
+                await scoped.__anext__()
+            assert scoped.handle.cancelled
+
+        asyncio.run(readers())
+        holder.close()
+        with llm.stream(PROMPTS[0], max_new_tokens=200, ignore_eos=True) as scoped:  # leaving the block closes it
+            next(scoped)
+        assert scoped.handle.cancelled
+        assert llm.load() == {"running": 0, "waiting": 0}
+
+
+def test_a_generate_call_gets_a_request_timeout_per_wave_of_rows(model_and_expected, in_process_cluster):
+    """Its prompts beyond the rows wait for one: each had only request_timeout_s from submission, so
+    a call of more prompts than rows timed out on a healthy group where the static path answered."""
+    model_dir, _ = model_and_expected
+    with Launcher(model=model_dir, tp=1, max_num_seqs=2, request_timeout_s=0.05, progress=False, **EAGER) as llm:
+        with pytest.raises(RequestTimeout, match=r"did not finish within 0\.15 s"):  # 6 prompts, 2 rows: 3 waves
+            llm.generate(PROMPTS, max_new_tokens=200, ignore_eos=True)
+
+
+def test_a_launcher_given_something_else_than_a_launch_config_says_so(model_and_expected):
+    model_dir, _ = model_and_expected
+    with pytest.raises(ValueError, match=r"config \('/.*'\) must be a LaunchConfig or None; pass options as "
+                                         r"keywords, e\.g\. Launcher\(model=\.\.\.\)"):
+        Launcher(str(model_dir))
 
 
 def test_a_stream_garbage_collected_unread_is_cancelled_without_taking_a_lock(model_and_expected,
@@ -243,8 +315,14 @@ def test_stop_tokens_end_a_stream_and_bad_options_are_refused(model_and_expected
             llm.check_prompts([PROMPTS[0]], batching="bogus")  # was checked as if static
         with pytest.raises(ValueError, match=r"prompt \(b'ab'\.\.\.\) is bytes; decode it"):
             llm.stream(b"ab")  # was taken as token ids 97, 98
-        with pytest.raises(ValueError, match="prompts must be all strings or all lists of token ids"):
+        with pytest.raises(ValueError, match=r"prompts must be all strings or all lists of token ids; prompt 0 is "
+                                             r"neither \(\[5, True\]\)"):
             llm.generate([[5, True]])  # was taken as [5, 1]
+        with pytest.raises(ValueError, match=r"prompts \(\[5, 17, 42\]\) is one token-id list; pass a list of "
+                                             r"prompts: \[\[5, 17, 42\]\]"):
+            llm.generate([5, 17, 42])
+        with pytest.raises(ValueError, match=r"prompt 0 is a string but prompt 1 is a token-id list"):
+            llm.generate(["a", [5, 17]])
         with pytest.raises(ValueError, match=r"stop strings \(\['t1'\]\) need a tokenizer .* pass stop_token_ids"):
             llm.stream(PROMPTS[0], stop=["t1"])  # no tokenizer here: it was never matched
         with pytest.raises(ValueError, match=r"request_id \(\['x'\]\) must be a non-empty string"):

@@ -1,9 +1,14 @@
 """The iterators Launcher.stream and Launcher.astream return.
 
 A request is validated and submitted when the iterator is made, not when it is first read, so bad
-input and a full queue raise at the call. Closing the iterator early (close / aclose, a `break`
-followed by garbage collection, an asyncio task cancelled while it waits) cancels the request,
-which frees its cache row at the group's next iteration.
+input and a full queue raise at the call. Closing the iterator early (close / aclose, leaving a
+`with` / `async with` block, a `break` followed by garbage collection, an asyncio task cancelled
+while it waits) cancels the request, which frees its cache row at the group's next iteration.
+
+After a cancel, the reader that closed the stream reads its end quietly (StopIteration), as after a
+generator's close(); any other reader, one blocked in a read at the time included, gets the reason
+(RequestCancelled, or the RequestTimeout that cancelled it), never a quiet end it would take for a
+finished stream.
 """
 
 from __future__ import annotations
@@ -11,9 +16,10 @@ from __future__ import annotations
 import asyncio
 import queue
 import sys
+import threading
 
 from launcher.cluster.stream_handle import StreamHandle
-from launcher.errors import RequestTimeout
+from launcher.errors import RequestCancelled, RequestTimeout
 from launcher.serving.stream_types import StreamDelta
 from launcher.serving.text_stream import TextStream
 from workers.serving.requests import TokenEvent
@@ -27,6 +33,10 @@ class _Stream:
     def __init__(self, cancel, handle: StreamHandle, text: TextStream) -> None:
         self._cancel, self.handle, self.text = cancel, handle, text
         self.done = False
+        self._closer = None
+        """The thread or task that closed the stream: its later reads end quietly."""
+        self._cancelled: BaseException | None = None
+        """Why the stream was cancelled, for every other later read."""
         self.events: list[TokenEvent] = []
         """Every event read (generate() keeps their logits and step times)."""
 
@@ -54,10 +64,27 @@ class _Stream:
                               f"worker logs (ray logs), or raise request_timeout_s (--request-timeout) for long "
                               f"generations")
 
-    def cancel(self, deferred: bool = False) -> None:
+    def cancel(self, deferred: bool = False, reason: BaseException | None = None) -> None:
         if not self.done:
             self.done = True
+            self._cancelled = reason
             self._cancel(self.handle, deferred)
+
+    def _close(self, closer, by: str) -> None:
+        """Cancel for `closer` (the calling thread or task), and wake a reader blocked meanwhile in
+        another (the request's sink takes the reason like any event, from any thread)."""
+        if self.done:
+            return
+        self._closer = closer
+        reason = RequestCancelled(f"request {self.request_id} was closed ({by}) by another reader of its stream, "
+                                  f"after {len(self.handle.delivered)} token(s)")
+        self.cancel(reason=reason)
+        self.handle.fail(reason)
+
+    def _ended(self, reader) -> None:
+        """A read after the end: raise the reason unless `reader` closed the stream itself."""
+        if self._cancelled is not None and reader != self._closer:
+            raise self._cancelled
 
     def __del__(self) -> None:
         # A finalizer runs in whichever thread the garbage collector happens to run in, possibly
@@ -80,19 +107,26 @@ class RequestStream(_Stream):
 
     def __next__(self) -> StreamDelta:
         if self.done:
+            self._ended(threading.get_ident())
             raise StopIteration
         try:
             item = self._items.get(timeout=self.handle.timeout_s + _GRACE_S)
         except queue.Empty:
-            self.cancel()
+            self.cancel(reason=self._overdue())
             raise self._overdue() from None
         except KeyboardInterrupt:  # Ctrl-C while waiting for a token: the request goes too, as in generate()
-            self.cancel()
+            self.cancel(reason=RequestCancelled(f"request {self.request_id} was cancelled by Ctrl-C"))
             raise
         return self._delta(item)
 
     def close(self) -> None:
-        self.cancel()
+        self._close(threading.get_ident(), "close()")
+
+    def __enter__(self) -> "RequestStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class AsyncRequestStream(_Stream):
@@ -107,19 +141,28 @@ class AsyncRequestStream(_Stream):
 
     async def __anext__(self) -> StreamDelta:
         if self.done:
+            self._ended(asyncio.current_task())
             raise StopAsyncIteration
         try:
             item = await next_item(self._items, self.handle.timeout_s + _GRACE_S)
         except asyncio.TimeoutError:
-            self.cancel()
+            self.cancel(reason=self._overdue())
             raise self._overdue() from None
         except asyncio.CancelledError:
-            self.cancel()  # the task reading this stream was cancelled (a client went away)
+            # the task reading this stream was cancelled (a client went away, asyncio.wait_for's timeout)
+            self.cancel(reason=RequestCancelled(f"request {self.request_id} was cancelled when the task reading "
+                                                f"its stream was cancelled (asyncio.wait_for's timeout cancels it)"))
             raise
         return self._delta(item)
 
     async def aclose(self) -> None:
-        self.cancel()
+        self._close(asyncio.current_task(), "aclose()")
+
+    async def __aenter__(self) -> "AsyncRequestStream":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
 
 
 def thread_sink(items: queue.Queue):
