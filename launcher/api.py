@@ -287,6 +287,14 @@ def _check_batching(batching) -> None:
         raise ValueError(f"batching ({batching!r}) must be 'continuous' or 'static'")
 
 
+def wave_timeouts(count: int, rows: int, timeout_s: float) -> list[float]:
+    """Each of a generate call's `count` prompts' timeouts, submitted together to groups with `rows`
+    rows in all: the prompts beyond the rows wait for rows to free up, so the one in the k-th wave of
+    rows (k from 1) gets k request timeouts, as a static generate's watchdog allows one per part. The
+    first wave keeps one, so a hung group is still noticed after it."""
+    return [timeout_s * (i // rows + 1) for i in range(count)]
+
+
 def _token_id_list(prompt) -> list[int] | None:
     """A prompt given as token ids, as a list of ints: any sized sequence of integers (a list, a
     tuple, a range, a 1-D numpy array or torch tensor, an array.array, ...), not of bools; None for
@@ -876,12 +884,11 @@ class Launcher:
         params = self._sampling_per_prompt(sampling, len(token_lists))
         check_request(token_lists, params, max_new_tokens, self.model_config.vocab_size)
         self._check_lengths(token_lists, max_new_tokens, serving=True)
-        # Submitted together, the prompts beyond the replicas' rows wait for rows to free up: one
-        # request timeout per wave of rows they make, as a static generate's watchdog allows one per part.
-        waves = math.ceil(len(token_lists) / (self.config.max_num_seqs * len(self._running_pool().replicas)))
+        timeouts = wave_timeouts(len(token_lists), self.config.max_num_seqs * max(self._running_pool().serving(), 1),
+                                 self.config.request_timeout_s)
         streams = [self._new_stream(ids, p, max_new_tokens, stop_token_ids, (), ignore_eos, None, None,
-                                    asynchronous, return_logits, self.config.request_timeout_s * waves)
-                   for ids, p in zip(token_lists, params)]
+                                    asynchronous, return_logits, timeout_s)
+                   for ids, p, timeout_s in zip(token_lists, params, timeouts)]
         self._submit_together(streams)  # one call, admitted as one: none of its prompts is left running alone
         return streams, texts, token_lists
 
@@ -952,9 +959,13 @@ class Launcher:
             raise ValueError(f"prompts ({show(prompts)}) is one token-id list; pass a list of prompts: "
                              f"[{show(prompts)}]")
         else:
-            kinds = ["a string" if isinstance(p, str) else "a token-id list" if _token_id_list(p) is not None
-                     else f"neither ({show(p)})" for p in prompts]
-            odd = next((i for i, kind in enumerate(kinds) if kind != kinds[0]), 0)
+            kinds = ["a string" if isinstance(p, str) else None if token_ids is None else "a token-id list"
+                     for p, token_ids in zip(prompts, token_lists)]
+            if None in kinds:
+                bad = kinds.index(None)
+                raise ValueError(f"prompts must be all strings or all lists of token ids; prompt {bad} "
+                                 f"({show(prompts[bad])}) is neither")
+            odd = next(i for i, kind in enumerate(kinds) if kind != kinds[0])
             raise ValueError(f"prompts must be all strings or all lists of token ids; prompt 0 is {kinds[0]} "
                              f"but prompt {odd} is {kinds[odd]}")
         return texts, token_lists  # checked by check_request

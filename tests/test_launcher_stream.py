@@ -97,11 +97,16 @@ def test_a_stream_closed_by_another_reader_says_so_at_once(model_and_expected, i
     read after a cancel it did not ask for ended quietly, as a finished stream does."""
     import threading
 
-    model_dir, _ = model_and_expected
+    model_dir, expected = model_and_expected
     with Launcher(model=model_dir, tp=1, max_num_seqs=1, progress=False, **EAGER) as llm:
+        def hold():
+            """A request holding the only row for a while (the model's whole context), its first token read."""
+            holder = llm.stream(PROMPTS[0], max_new_tokens=480, ignore_eos=True)
+            next(holder)
+            return holder
+
         # a request waiting behind one that holds the only row: its reader blocks in next()
-        holder = llm.stream(PROMPTS[0], max_new_tokens=200, ignore_eos=True)
-        next(holder)
+        holder = hold()
         blocked = llm.stream(PROMPTS[1], max_new_tokens=NEW_TOKENS)
         outcome = {}
 
@@ -121,8 +126,10 @@ def test_a_stream_closed_by_another_reader_says_so_at_once(model_and_expected, i
         assert "was closed (close()) by another reader" in str(outcome["error"])
         with pytest.raises(StopIteration):  # the closing thread itself reads a quiet end
             next(blocked)
+        holder.close()
 
         async def readers():
+            holder = hold()
             waiting = llm.astream(PROMPTS[2], max_new_tokens=NEW_TOKENS)
             task = asyncio.create_task(waiting.__anext__())
             await asyncio.sleep(0.2)
@@ -139,25 +146,35 @@ def test_a_stream_closed_by_another_reader_says_so_at_once(model_and_expected, i
                 await cut
             with pytest.raises(RequestCancelled, match="when the task reading its stream was cancelled"):
                 await timed.__anext__()
+            holder.close()
             async with llm.astream(PROMPTS[4], max_new_tokens=200, ignore_eos=True) as scoped:
                 await scoped.__anext__()
             assert scoped.handle.cancelled
 
         asyncio.run(readers())
-        holder.close()
         with llm.stream(PROMPTS[0], max_new_tokens=200, ignore_eos=True) as scoped:  # leaving the block closes it
             next(scoped)
         assert scoped.handle.cancelled
+        # closing a stream whose request has finished changes nothing: its last events stay readable
+        done = llm.stream(PROMPTS[1], max_new_tokens=NEW_TOKENS)
+        while not done.handle.finished:
+            time.sleep(0.01)
+        done.close()
+        assert tokens_of(done) == (expected[1], "length")
         assert llm.load() == {"running": 0, "waiting": 0}
 
 
 def test_a_generate_call_gets_a_request_timeout_per_wave_of_rows(model_and_expected, in_process_cluster):
     """Its prompts beyond the rows wait for one: each had only request_timeout_s from submission, so
     a call of more prompts than rows timed out on a healthy group where the static path answered."""
-    model_dir, _ = model_and_expected
-    with Launcher(model=model_dir, tp=1, max_num_seqs=2, request_timeout_s=0.05, progress=False, **EAGER) as llm:
-        with pytest.raises(RequestTimeout, match=r"did not finish within 0\.15 s"):  # 6 prompts, 2 rows: 3 waves
-            llm.generate(PROMPTS, max_new_tokens=200, ignore_eos=True)
+    from launcher.api import wave_timeouts
+
+    assert wave_timeouts(5, 2, 10.0) == [10.0, 10.0, 20.0, 20.0, 30.0]
+    model_dir, expected = model_and_expected
+    with Launcher(model=model_dir, tp=1, max_num_seqs=2, request_timeout_s=7, progress=False, **EAGER) as llm:
+        streams, _, _ = llm._open_generation(PROMPTS, None, NEW_TOKENS, (), False, False, asynchronous=False)
+        assert [s.handle.timeout_s for s in streams] == [7, 7, 14, 14, 21, 21]
+        assert [tokens_of(s)[0] for s in streams] == expected
 
 
 def test_a_launcher_given_something_else_than_a_launch_config_says_so(model_and_expected):
@@ -319,13 +336,13 @@ def test_stop_tokens_end_a_stream_and_bad_options_are_refused(model_and_expected
             llm.check_prompts([PROMPTS[0]], batching="bogus")  # was checked as if static
         with pytest.raises(ValueError, match=r"prompt \(b'ab'\.\.\.\) is bytes; decode it"):
             llm.stream(b"ab")  # was taken as token ids 97, 98
-        with pytest.raises(ValueError, match=r"prompts must be all strings or all lists of token ids; prompt 0 is "
-                                             r"neither \(\[5, True\]\)"):
-            llm.generate([[5, True]])  # was taken as [5, 1]
+        with pytest.raises(ValueError, match=r"prompts must be all strings or all lists of token ids; prompt 1 "
+                                             r"\(\[5, True\]\) is neither$"):
+            llm.generate([[5], [5, True]])  # was taken as [5, 1]
         with pytest.raises(ValueError, match=r"prompts \(\[5, 17, 42\]\) is one token-id list; pass a list of "
                                              r"prompts: \[\[5, 17, 42\]\]"):
             llm.generate([5, 17, 42])
-        with pytest.raises(ValueError, match=r"prompt 0 is a string but prompt 1 is a token-id list"):
+        with pytest.raises(ValueError, match=r"prompt 0 is a string but prompt 1 is a token-id list$"):
             llm.generate(["a", [5, 17]])
         with pytest.raises(ValueError, match=r"stop strings \(\['t1'\]\) need a tokenizer .* pass stop_token_ids"):
             llm.stream(PROMPTS[0], stop=["t1"])  # no tokenizer here: it was never matched

@@ -71,9 +71,11 @@ class StreamHandle:
         self.sink(event)
         return self.finished
 
-    def fail(self, error: BaseException) -> None:
+    def fail(self, error: BaseException) -> bool:
+        """Pass `error` on as the request's end; False when it had finished already (nothing passed)."""
         with self._lock:
             if self.finished:
-                return
+                return False
             self.finished = True
         self.sink(error)
+        return True

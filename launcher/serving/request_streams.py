@@ -64,27 +64,30 @@ class _Stream:
                               f"worker logs (ray logs), or raise request_timeout_s (--request-timeout) for long "
                               f"generations")
 
-    def cancel(self, deferred: bool = False, reason: BaseException | None = None) -> None:
-        if not self.done:
-            self.done = True
-            self._cancelled = reason
-            self._cancel(self.handle, deferred)
+    def cancel(self, deferred: bool = False, reason: BaseException | None = None) -> bool:
+        """Cancel the request. With a `reason`, it first ends the request's events, waking a reader
+        blocked meanwhile in another thread or task (the sink takes it like any event, from any
+        thread); a request that had finished is left alone (False), its last events still to read."""
+        if self.done:
+            return False
+        if reason is not None and not self.handle.fail(reason):
+            return False
+        self.done = True
+        self._cancelled = reason
+        self._cancel(self.handle, deferred)
+        return True
 
     def _close(self, closer, by: str) -> None:
-        """Cancel for `closer` (the calling thread or task), and wake a reader blocked meanwhile in
-        another (the request's sink takes the reason like any event, from any thread)."""
-        if self.done:
-            return
-        self._closer = closer
+        """Cancel for `closer` (the calling thread or task), whose later reads then end quietly."""
         reason = RequestCancelled(f"request {self.request_id} was closed ({by}) by another reader of its stream, "
                                   f"after {len(self.handle.delivered)} token(s)")
-        self.cancel(reason=reason)
-        self.handle.fail(reason)
+        if self.cancel(reason=reason):
+            self._closer = closer
 
     def _ended(self, reader) -> None:
         """A read after the end: raise the reason unless `reader` closed the stream itself."""
         if self._cancelled is not None and reader != self._closer:
-            raise self._cancelled
+            raise self._cancelled.with_traceback(None)  # raised again per read: no traceback piling up
 
     def __del__(self) -> None:
         # A finalizer runs in whichever thread the garbage collector happens to run in, possibly
@@ -112,8 +115,9 @@ class RequestStream(_Stream):
         try:
             item = self._items.get(timeout=self.handle.timeout_s + _GRACE_S)
         except queue.Empty:
-            self.cancel(reason=self._overdue())
-            raise self._overdue() from None
+            overdue = self._overdue()
+            self.cancel(reason=overdue)
+            raise overdue from None
         except KeyboardInterrupt:  # Ctrl-C while waiting for a token: the request goes too, as in generate()
             self.cancel(reason=RequestCancelled(f"request {self.request_id} was cancelled by Ctrl-C"))
             raise
@@ -146,8 +150,9 @@ class AsyncRequestStream(_Stream):
         try:
             item = await next_item(self._items, self.handle.timeout_s + _GRACE_S)
         except asyncio.TimeoutError:
-            self.cancel(reason=self._overdue())
-            raise self._overdue() from None
+            overdue = self._overdue()
+            self.cancel(reason=overdue)
+            raise overdue from None
         except asyncio.CancelledError:
             # the task reading this stream was cancelled (a client went away, asyncio.wait_for's timeout)
             self.cancel(reason=RequestCancelled(f"request {self.request_id} was cancelled when the task reading "
