@@ -41,13 +41,14 @@ class FamilyTraits:
     """tie_word_embeddings when config.json leaves it out (transformers' default for the family)."""
     layer_norm: bool = False
     """Norms are LayerNorm without bias instead of RMSNorm (DBRX's norm_1, norm_2 and norm_f)."""
-    # transformers' config class defaults for fields config.json may leave out (tests/test_families.py
-    # compares them with the installed transformers' classes)
+    # transformers' config class defaults for fields config.json may leave out
+    # (tests/test_family_defaults.py compares them with the installed transformers' classes)
     rope_theta: float = 10_000.0
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 2048
     sliding_window: int | None = None
-    """The window when config.json has no sliding_window key at all (JSON null: no window)."""
+    """The window when config.json has no sliding_window key at all (JSON null: no window); the Qwen
+    families apply it only with use_sliding_window."""
     # Which of config.json's bias flags the family's modules read: transformers' Mistral, Mixtral and
     # Qwen2 build their projections with fixed biases (Qwen2: q, k and v always, o never) and ignore both flags.
     reads_attention_bias: bool = False
@@ -57,10 +58,12 @@ class FamilyTraits:
 TRAITS = {
     "llama": FamilyTraits(reads_attention_bias=True, reads_mlp_bias=True),
     "mistral": FamilyTraits(max_position_embeddings=131_072, sliding_window=4096),
-    "qwen2": FamilyTraits(max_position_embeddings=32_768),
+    "qwen2": FamilyTraits(max_position_embeddings=32_768, sliding_window=4096),
     "mixtral": FamilyTraits(rope_theta=1_000_000.0, rms_norm_eps=1e-5, max_position_embeddings=131_072),
-    "qwen3": FamilyTraits(qk_norm=True, max_position_embeddings=32_768, reads_attention_bias=True),
-    "qwen3_moe": FamilyTraits(qk_norm=True, max_position_embeddings=32_768, reads_attention_bias=True),
+    "qwen3": FamilyTraits(qk_norm=True, max_position_embeddings=32_768, sliding_window=4096,
+                          reads_attention_bias=True),
+    "qwen3_moe": FamilyTraits(qk_norm=True, max_position_embeddings=32_768, sliding_window=4096,
+                              reads_attention_bias=True),
     "dbrx": FamilyTraits(layer_norm=True),  # its nested config: shardlib/moe_configs.py
     "gemma3_text": FamilyTraits(qk_norm=True, norm_offset=1.0, sandwich_norms=True, scaled_embeddings=True,
                                 tied_by_default=True, max_position_embeddings=131_072, sliding_window=4096,
@@ -106,7 +109,7 @@ def _layer_types(model_type: str, raw: dict[str, Any], window: int | None, layer
 
 def sliding_window(model_type: str, raw: dict[str, Any]) -> int | None:
     """The window when the model applies one (transformers' rule per family), else None."""
-    window = raw.get("sliding_window") if "sliding_window" in raw else traits(model_type).sliding_window
+    window = raw.get("sliding_window", traits(model_type).sliding_window)
     if window is not None:
         count("sliding_window", window, 4096)
     if model_type in ("qwen2", "qwen3", "qwen3_moe") and not flag("use_sliding_window", raw.get("use_sliding_window")):
@@ -130,8 +133,10 @@ def _gemma_rope(raw: dict[str, Any]) -> dict[str, Any]:
         local_theta = local.get("rope_theta", 10_000.0)
         scaling = {k: v for k, v in full.items() if k != "rope_theta"}
     else:
-        theta = raw.get("rope_theta", 1_000_000.0)
-        local_theta = raw.get("rope_local_base_freq", 10_000.0)
+        theta = raw.get("rope_theta")  # null: the default, as for every family
+        theta = 1_000_000.0 if theta is None else theta
+        local_theta = raw.get("rope_local_base_freq")
+        local_theta = 10_000.0 if local_theta is None else local_theta
         scaling = mapping("rope_scaling", raw.get("rope_scaling"), '{"rope_type": "linear", "factor": 8.0}') or {}
     if scaling.get("rope_type", scaling.get("type", "default")) == "default":
         scaling = None
