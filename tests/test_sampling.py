@@ -23,15 +23,26 @@ def test_temperature_zero_is_argmax():
 
 
 def test_greedy_takes_the_first_of_equal_maxima_like_argmax():
-    # Greedy reads max()'s indices (faster than argmax on CPU): ties and NaN must still pick as argmax.
-    logits = torch.zeros(4, 49152)
+    # Greedy reads max()'s indices (faster than argmax on CPU): ties must still pick as argmax.
+    logits = torch.zeros(3, 49152)
     logits[0, [900, 5]] = 1.0  # a tie: the lower index
-    logits[1, [40000, 3]] = float("nan")  # NaN wins, the first one
-    logits[2] = float("-inf")  # every column equal
-    logits[3, [49151, 100]] = 2.0
-    tokens = sample(logits, [SamplingParams()] * 4, [None] * 4)
-    assert tokens.tolist() == [5, 3, 0, 100]
+    logits[1, [49151, 100]] = 2.0
+    logits[2, 7] = -float("inf")  # -inf beside finite values is a token masked off
+    tokens = sample(logits, [SamplingParams()] * 3, [None] * 3)
+    assert tokens.tolist() == [5, 100, 0]
     assert torch.equal(tokens, logits.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_logits_with_nan_or_nothing_finite_are_refused_greedy_or_not(greedy):
+    """A broken forward: greedy took token 0 (or the NaN's column) silently while a sampled row
+    raised multinomial's error; both now name the rows."""
+    logits = torch.zeros(4, 300)
+    logits[1, [40, 3]] = float("nan")
+    logits[3] = float("-inf")
+    params = [SamplingParams() if greedy else SamplingParams(temperature=0.8, seed=1)] * 4
+    with pytest.raises(ValueError, match=r"logits in row\(s\) \[1, 3\] hold NaN or only infinite values"):
+        sample(logits, params, [make_generator(p) for p in params])
 
 
 def test_greedy_and_sampled_rows_mix_in_one_batch():
@@ -172,3 +183,80 @@ def test_a_temperature_below_the_greedy_threshold_is_greedy(temperature):
     assert all(p.is_greedy for p in params)
     assert torch.equal(sample(logits, params, [make_generator(p) for p in params]), logits.argmax(dim=-1))
     assert not SamplingParams(temperature=1e-5).is_greedy
+
+
+def _reference_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """transformers' warpers (temperature, top-k, top-p, in its generate() order) on one row: (vocab,)."""
+    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper)
+
+    scores = TemperatureLogitsWarper(params.temperature)(None, logits[None].float())
+    if params.top_k > 0:
+        scores = TopKLogitsWarper(params.top_k)(None, scores)
+    if params.top_p < 1.0:
+        scores = TopPLogitsWarper(params.top_p)(None, scores)
+    return scores.softmax(dim=-1)[0]
+
+
+def _by_token(probs: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    return torch.zeros(vocab).scatter(0, ids, probs)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0, top_k=2),
+    SamplingParams(temperature=0.8, top_k=50, top_p=0.95),
+    SamplingParams(temperature=0.7, top_p=0.9),
+    SamplingParams(temperature=1.0),
+])
+def test_kept_tokens_and_their_probabilities_are_transformers(params):
+    """Ties at the top-k cut all stay (kept were the first k columns: 4 tokens tied at the 2nd logit
+    left 1 drawable, and the top token's probability went from 0.40 to 0.72); bfloat16-valued logits
+    tie often."""
+    from workers.sampling import filtered_probs
+
+    ties = torch.full((1000,), -4.0)
+    ties[3], ties[[10, 200, 500, 900]] = 5.0, 4.0
+    bf16 = (torch.randn(49152, generator=torch.Generator().manual_seed(11)) * 3).bfloat16().float()
+    for row in (ties, bf16):
+        probs, ids = filtered_probs(row[None], sampling_table([params]))
+        ours, reference = _by_token(probs[0], ids[0], row.numel()), _reference_probs(row, params)
+        assert torch.equal(ours > 0, reference > 0)
+        torch.testing.assert_close(ours, reference, rtol=0, atol=1e-6)
+
+
+def test_top_p_one_keeps_the_whole_tail():
+    """float32 cumulative sums of a 128k vocabulary reach 1.0 early: the tail's mass before reads
+    1.0, which is not below top_p 1.0, and 73772 tokens could never be drawn."""
+    from workers.sampling import filtered_probs
+
+    logits = torch.randn(1, 128256, generator=torch.Generator().manual_seed(12)) * 3
+    probs, _ = filtered_probs(logits, sampling_table([SamplingParams(temperature=0.7)]))
+    assert int((probs > 0).sum()) == int((logits / 0.7).softmax(-1).gt(0).sum())
+
+
+@pytest.mark.parametrize("neighbour", [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=100),
+                                       SamplingParams()])
+def test_a_seeded_rows_tokens_do_not_depend_on_its_neighbours(neighbour):
+    """The columns' width (topk of the largest top_k, or the full sort) came from the other rows, and
+    with it the order of tied logits and the token a drawn column names: beside a top_k 0 request a
+    seeded top_k 50 request drew other tokens in 91 of 300 draws. Both draw-seeded (the serving
+    engine) and one generator through the draws (the static engine)."""
+    from workers.serving.token_choice import draw_seed
+
+    own = SamplingParams(temperature=1.0, top_k=50, seed=7)
+    logits = (torch.randn(60, 2, 49152, generator=torch.Generator().manual_seed(13)) * 3).bfloat16().float()
+
+    def draws(with_neighbour: bool, reseed: bool) -> list[int]:
+        generator = make_generator(own)
+        out = []
+        for step, rows in enumerate(logits):
+            if reseed:
+                generator.manual_seed(draw_seed(7, step))
+            if with_neighbour:
+                out.append(sample(rows, [own, neighbour], [generator, make_generator(neighbour)])[0].item())
+            else:
+                out.append(sample(rows[:1], [own], [generator])[0].item())
+        return out
+
+    for reseed in (True, False):
+        assert draws(True, reseed) == draws(False, reseed)

@@ -51,55 +51,96 @@ def sampling_table(params: list[SamplingParams], device: torch.device | str = "c
 def filtered_probs(logits: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Probabilities after temperature, top-k and top-p, in descending-logit order.
 
-    logits (batch, vocab), table (batch, 3). Returns probs (batch, width) sorted by logit and the
-    token id of each sorted column (batch, width); width is the largest top_k when every row has
-    one, else the vocabulary. Rows with temperature 0 are returned unscaled
-    (the caller takes their argmax).
+    logits (batch, vocab), table (batch, 3). Returns probs (batch, width) sorted by logit, equal
+    logits by token id, and the token id of each sorted column (batch, width); a row's kept tokens
+    are a prefix of its columns, the same tokens in the same order whatever the other rows ask for.
+    width is the vocabulary, or fewer columns when every row has a top_k (at least each row's kept
+    ones). As in transformers and vLLM, top-k keeps every token whose logit equals the k-th
+    largest (ties at the cut included), and top_p 1 keeps every token. Rows with temperature 0
+    are returned unscaled (the caller takes their argmax).
     """
     top_k, top_p, temperature = table[:, 0:1], table[:, 1:2], table[:, 2:3]  # (batch, 1) each
     vocab = logits.shape[-1]
     scaled = logits.float() / torch.where(temperature > 0, temperature, 1.0)
-    # When every row limits itself to its top k, only the max-k best columns can ever be kept:
-    # topk over them is ~40x cheaper than sorting a 49k-128k vocabulary every decode step, and the
-    # kept set and its probabilities are the same as with the full sort.
-    width = vocab if bool((top_k <= 0).any()) else min(vocab, int(top_k.max()))
-    if width < vocab:
-        sorted_logits, sorted_ids = scaled.topk(width, dim=-1)  # (batch, width), descending
-    else:
-        sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)  # (batch, vocab)
+    sorted_logits, sorted_ids = _sorted(scaled, top_k)
+    width = sorted_logits.shape[-1]
     rank = torch.arange(width, device=logits.device)[None, :]  # (1, width)
-    keep = rank < torch.where(top_k > 0, top_k, width)
+    # the k-th largest logit of each row with a top_k: every column at or above it stays
+    kth = sorted_logits.gather(-1, (top_k.clamp(min=1, max=width) - 1).long())
+    keep = (top_k <= 0) | (sorted_logits >= kth)
     sorted_logits = sorted_logits.masked_fill(~keep, float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
     # A token stays when the mass strictly before it is below top_p; the most likely always stays.
+    # top_p 1 keeps all: float32 sums of a long tail reach 1.0 before its end, and cut it off.
     mass_before = probs.cumsum(dim=-1) - probs
-    keep &= (mass_before < top_p) | (rank == 0)
+    keep &= (mass_before < top_p) | (rank == 0) | (top_p >= 1)
     probs = sorted_logits.masked_fill(~keep, float("-inf")).softmax(dim=-1)
     return probs, sorted_ids
 
 
+def _sorted(scaled: torch.Tensor, top_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(batch, width) logits in descending order, equal ones by ascending token id, and their ids.
+
+    When every row limits itself to its top k, only the max-k best columns can be kept, plus any
+    tied with a row's k-th: topk over them is ~40x cheaper than sorting a 49k-128k vocabulary every
+    decode step. topk orders equal values as it pleases, so they are put back in id order; a tie
+    crossing the cut (bfloat16 logits tie often) takes the full sort."""
+    vocab = scaled.shape[-1]
+    if not bool((top_k <= 0).any()):
+        width = min(vocab, int(top_k.max()))
+        if width < vocab:
+            # one column more than any row keeps: below every row's k-th, no tie crosses a cut
+            values, ids = scaled.topk(width + 1, dim=-1)
+            kth = values.gather(-1, (top_k.clamp(max=width) - 1).long())  # (batch, 1)
+            if bool((values[:, width:] < kth).all()):
+                values, ids = values[:, :width], ids[:, :width]
+                by_id = ids.argsort(dim=-1)
+                values, ids = values.gather(-1, by_id), ids.gather(-1, by_id)
+                order = values.sort(dim=-1, descending=True, stable=True).indices
+                return values.gather(-1, order), ids.gather(-1, order)
+    return scaled.sort(dim=-1, descending=True, stable=True)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One token id per row (batch,) int64 from logits (batch, vocab), each row by its own params."""
+    """One token id per row (batch,) int64 from logits (batch, vocab), each row by its own params.
+    ValueError for a row whose logits hold a NaN or whose largest is infinite (a broken forward:
+    greedy and sampled rows alike, rather than token 0 for one and a multinomial error for the other)."""
     batch = logits.shape[0]
     if len(params) != batch or len(generators) != batch:
         raise ValueError(
             f"logits have {batch} rows but {len(params)} SamplingParams and {len(generators)} "
             f"generators were given; pass one of each per row"
         )
-    # (batch,) greedy answer for every row. max's indices are argmax's (the first of equal maxima,
-    # a NaN where there is one), but on CPU it runs about 3x faster, every decode step (README,
-    # Measured: the leader's token choice).
-    tokens = logits.max(dim=-1).indices
-    sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
-    if not sampled_rows:
-        return tokens
-    rows = torch.tensor(sampled_rows, device=logits.device)
-    probs, sorted_ids = filtered_probs(logits[rows], sampling_table([params[i] for i in sampled_rows],
-                                                                     logits.device))
-    for j, i in enumerate(sampled_rows):
-        # Row by row: each request draws from its own generator, so its tokens do not depend on
-        # which other requests share the batch.
-        choice = torch.multinomial(probs[j], 1, generator=generators[i])
-        tokens[i] = sorted_ids[j, choice[0]]
+    # (batch,) greedy answer for every row. max's indices are argmax's (the first of equal maxima),
+    # but on CPU it runs about 3x faster, every decode step (README, Measured: the leader's token
+    # choice). Its values carry any NaN of the row, and say whether the row has a finite maximum.
+    best = logits.max(dim=-1)
+    if not bool(best.values.isfinite().all()):
+        rows = (~best.values.isfinite()).nonzero().flatten().tolist()
+        raise ValueError(f"the model's logits in row(s) {rows} hold NaN or only infinite values, so no token can "
+                         f"be chosen: the forward overflowed or the weights are broken (float16 overflows where "
+                         f"bfloat16 does not; check the checkpoint and --dtype)")
+    tokens = best.indices
+    # Rows that keep every token (OpenAI's defaults: top_p 1, no top_k) draw from the softmax in
+    # token-id order, with no sort of the vocabulary; the others from their filtered, sorted columns.
+    vocab = logits.shape[-1]
+    whole = [i for i, p in enumerate(params)
+             if not p.is_greedy and (p.top_k <= 0 or p.top_k >= vocab) and p.top_p >= 1]
+    filtered = [i for i, p in enumerate(params) if not p.is_greedy and i not in whole]
+    # Row by row: each request draws from its own generator and takes as many of its numbers as it
+    # keeps tokens, so its tokens do not depend on which other requests share the batch (nor on how
+    # wide the others' filters made the columns).
+    if whole:
+        temperatures = torch.tensor([[params[i].temperature] for i in whole], device=logits.device)
+        probs = (logits[torch.tensor(whole, device=logits.device)].float() / temperatures).softmax(dim=-1)
+        for j, i in enumerate(whole):
+            tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
+    if filtered:
+        rows = torch.tensor(filtered, device=logits.device)
+        probs, sorted_ids = filtered_probs(logits[rows], sampling_table([params[i] for i in filtered], logits.device))
+        kept = (probs > 0).sum(dim=-1).tolist()  # a prefix of each row's columns
+        for j, i in enumerate(filtered):
+            choice = torch.multinomial(probs[j, :kept[j]], 1, generator=generators[i])
+            tokens[i] = sorted_ids[j, choice[0]]
     return tokens

@@ -1,0 +1,65 @@
+"""The leader's token choice (workers/sampling.sample) for one decode step's logits, per sampling setting.
+
+Random logits of --rows x --vocab (SmolLM2's vocabulary by default); every row with the same
+SamplingParams and a seeded generator of its own, as the serving engine draws. Each case's
+median wall time over --repeats calls, on one torch thread (what a rank's leader gives it is
+what it has; one thread makes runs comparable). Prints JSON.
+
+To compare two versions of the code side by side, run it from each checkout in one session
+(e.g. a `git worktree` of the older commit): `python benchmarks/token_choice.py` in each.
+
+    python benchmarks/token_choice.py [--rows 16] [--vocab 49152] [--repeats 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from workers.sampling import SamplingParams, make_generator, sample  # noqa: E402
+
+CASES = {
+    "greedy": SamplingParams(),
+    "temperature_only": SamplingParams(temperature=1.0, seed=1),  # OpenAI's defaults: top_p 1, no top_k
+    "top_k_50_top_p_0.95": SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=1),
+    "top_p_0.9": SamplingParams(temperature=0.7, top_p=0.9, seed=1),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=16)
+    parser.add_argument("--vocab", type=int, default=49152)
+    parser.add_argument("--repeats", type=int, default=30)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    logits = torch.randn(args.rows, args.vocab, generator=torch.Generator().manual_seed(0)) * 3
+    results = {}
+    for name, params in CASES.items():
+        batch = [params] * args.rows
+        generators = [make_generator(params) for _ in range(args.rows)]
+        sample(logits, batch, generators)  # warm
+        times = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            sample(logits, batch, generators)
+            times.append(time.perf_counter() - start)
+        results[name] = {"median_ms": round(1000 * statistics.median(times), 3),
+                         "min_ms": round(1000 * min(times), 3)}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    print(json.dumps({"commit": commit or None, "rows": args.rows, "vocab": args.vocab, "threads": 1,
+                      "repeats": args.repeats, "cases": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
