@@ -164,21 +164,24 @@ def check_checkpoint(model_dir: str | Path, config: ModelConfig) -> None:
     _check_tied_head(ckpt, headers, config)
 
 
+TIED_HEAD_SAMPLES = 16
 TIED_HEAD_SAMPLE_BYTES = 4096
 
 
 def _check_tied_head(ckpt: CheckpointFiles, headers: dict[Path, dict[str, HeaderEntry]], config: ModelConfig) -> None:
     """With tie_word_embeddings the LM head is the embedding and a stored lm_head.weight is ignored:
     fine for a saved copy of it, not for another matrix, which transformers 5 would use where 4.x
-    ties. The two are compared by three samples of their bytes (a copy matches them exactly)."""
+    ties. The two are compared by sixteen samples of their bytes, spread over them (a copy matches
+    them exactly; a head that differs only between the samples passes), and a head of another dtype
+    or shape is refused (a copy in another dtype too: the bytes cannot say)."""
     embed = model_names(config).embed
     where = ckpt.weight_map
     if not config.tie_word_embeddings or LM_HEAD not in where or embed not in where:
         return
     head, table = headers[where[LM_HEAD]][LM_HEAD], headers[where[embed]][embed]
     if (head.shape, head.dtype) == (table.shape, table.dtype) and (
-            sampled_bytes(where[LM_HEAD], head.begin, head.end, 3, TIED_HEAD_SAMPLE_BYTES)
-            == sampled_bytes(where[embed], table.begin, table.end, 3, TIED_HEAD_SAMPLE_BYTES)):
+            sampled_bytes(where[LM_HEAD], head.begin, head.end, TIED_HEAD_SAMPLES, TIED_HEAD_SAMPLE_BYTES)
+            == sampled_bytes(where[embed], table.begin, table.end, TIED_HEAD_SAMPLES, TIED_HEAD_SAMPLE_BYTES)):
         return
     raise ValueError(
         f"config.json has tie_word_embeddings=true, but {ckpt.describe()} stores a {LM_HEAD} ({head.dtype} "

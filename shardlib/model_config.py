@@ -330,6 +330,7 @@ class ModelConfig:
                 f"{show(raw.get('architectures'))}); corelaunch supports {', '.join(SUPPORTED_MODEL_TYPES)}{hint}"
             )
         raw, moe_fields = flatten_moe_config(raw)
+        raw = _with_top_level_original_context(raw)
         missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
                                 "num_attention_heads", "vocab_size") if k not in raw]
         if missing:
@@ -365,7 +366,6 @@ class ModelConfig:
             rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
         if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
             rope_scaling = None
-        rope_scaling = _original_context(raw, rope_scaling, "local_rope_theta" in extra)
         family = traits(model_type)
         # Qwen2 always biases q/k/v and never o_proj; Llama's attention_bias biases all four. A flag
         # the family's modules do not read is checked, then ignored, as transformers ignores it.
@@ -405,16 +405,22 @@ class ModelConfig:
         )
 
 
-def _original_context(raw: dict[str, Any], scaling: dict | None, per_layer_kind: bool) -> dict | None:
+def _with_top_level_original_context(raw: dict[str, Any]) -> dict[str, Any]:
     """transformers' rule for llama3, yarn and longrope scaling given as one block: a top-level
-    original_max_position_embeddings (Phi-3's layout) takes precedence over the block's own (not
-    for Gemma 3's blocks per layer kind). Without either, yarn and longrope take
-    max_position_embeddings when they compute (workers/rope_scaling.py); llama3 is refused earlier."""
-    rope_type = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
+    original_max_position_embeddings (Phi-3's layout) takes precedence over the block's own (Gemma
+    3's blocks per layer kind are left alone). Applied before the blocks are checked, so a llama3
+    block completed by it is complete. Without either, yarn and longrope take max_position_embeddings
+    when they compute (workers/rope_scaling.py)."""
     top = raw.get("original_max_position_embeddings")
-    if rope_type not in ("llama3", "yarn", "longrope") or top is None or per_layer_kind:
-        return scaling
-    return {**scaling, "original_max_position_embeddings": count("original_max_position_embeddings", top, 8192)}
+    if top is None:
+        return raw
+    moved = {}
+    for key in ("rope_scaling", "rope_parameters"):
+        block = raw.get(key)
+        if isinstance(block, dict) and block.get("rope_type", block.get("type")) in ("llama3", "yarn", "longrope"):
+            moved[key] = {**block, "original_max_position_embeddings": count("original_max_position_embeddings",
+                                                                             top, 8192)}
+    return {**raw, **moved}
 
 
 _HASHED_WHEN_SET = ("moe_topk_norm", "clip_qkv")

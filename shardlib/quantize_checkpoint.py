@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 
 from shardlib.checkpoint import CHECKPOINT_FILES, _open_files, checked_names, find_checkpoint
+from shardlib.checkpoint_files import check_checkpoint
 from shardlib.model_config import ModelConfig, read_config_json
 from shardlib.quantization import (UNQUANTIZABLE_MODEL_TYPES, Quantization, absmax_scale, normalize_quant_dtype,
                                    quantize_with_scale, scale_name, storage_dtype)
@@ -74,6 +75,7 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, dtype: str, 
                         lm_head: bool = False, embed: bool = False, progress: Callable[[str, int, int], None] | None = None) -> Path:
     """Write the quantized directory at `out_dir` (see the module docstring); returns it."""
     raw, fmt = check_quantize_request(model_dir, dtype, out_dir, lm_head)
+    check_checkpoint(model_dir, ModelConfig.from_dict(raw))  # a tied config's stored head too, which is dropped
     quant = Quantization(fmt, "per_channel_symmetric" if per_channel else "per_tensor_symmetric",
                          "linear" + ("+embed" if embed else "") + ("+lm_head" if lm_head else ""))
     config = ModelConfig.from_dict(raw)

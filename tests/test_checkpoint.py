@@ -106,6 +106,10 @@ def test_tied_config_with_another_stored_lm_head_is_refused_before_any_rank(mode
                                          r"that is not a copy of model.embed_tokens.weight .* Set tie_word_embeddings to "
                                          r"false to use the stored head"):
         check_checkpoint(d, load_model_config(d))
+    from shardlib.quantize_checkpoint import quantize_checkpoint
+
+    with pytest.raises(ValueError, match=r"tie_word_embeddings=true, but .* is not a copy"):  # it dropped the head
+        quantize_checkpoint(d, tmp_path / "quantized", "int8")
     save_file({**state, "lm_head.weight": state["model.embed_tokens.weight"].clone()}, d / "model.safetensors")
     check_checkpoint(d, load_model_config(d))
 

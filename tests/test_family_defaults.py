@@ -88,6 +88,7 @@ def test_bias_flags_count_only_where_the_familys_modules_read_them(model_type):
     ("yarn", {"factor": 4.0, "original_max_position_embeddings": 16}),
     ("longrope", {"short_factor": [1.0] * 8, "long_factor": [2.0] * 8}),
     ("llama3", {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+    ("llama3", {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}),  # completed by the top-level one
 ])
 def test_a_top_level_original_context_takes_precedence_as_in_transformers(tmp_path, rope_type, block):
     """Phi-3's layout: original_max_position_embeddings beside the rope block. transformers' model

@@ -57,7 +57,7 @@ def test_serve_picks_the_idle_proxy_port_below_the_ephemeral_range():
     if ephemeral_low <= 20000:
         pytest.skip(f"this host's ephemeral ports start at {ephemeral_low}: no late-bind range below them")
     ports = {ingress_plan(argparse.Namespace(host="127.0.0.1", port=18000), "direct").proxy_port for _ in range(5)}
-    assert all(20000 <= port < ephemeral_low for port in ports), ports
+    assert all(20000 <= port < min(30000, ephemeral_low) for port in ports), ports  # not Serve's 30000-31000 either
 
 
 def test_proxy_plan_keeps_the_port_and_turns_direct_ingress_off():

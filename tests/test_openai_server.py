@@ -742,6 +742,10 @@ def test_http_errors(client, server, hf):
                           data=f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "hi \\ud800"}}]}}')
     assert reply.status_code == 400, reply.text  # the chat template's internal TypeError was the message
     assert reply.json()["error"]["param"] == "messages.0.content" and "not valid UTF-8" in reply.json()["error"]["message"]
+    reply = requests.post(f"{server.url}/v1/chat/completions", headers=auth, timeout=30,  # a name reaches the template
+                          data=f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "hi", "name": "\\ud800"}}]}}')
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == "messages.0.name" and "not valid UTF-8" in reply.json()["error"]["message"]
     rejected = 'corelaunch_requests_total{finish_reason="rejected",status="400"}'
     before = _metric(server, rejected)
     assert requests.post(f"{server.url}/v1/completions", headers=auth, data="{bad", timeout=10).status_code == 400

@@ -81,9 +81,10 @@ def longrope_frequencies(head_dim: int, theta: float, scaling: dict,
 
 def dynamic_frequencies(head_dim: int, theta: float, factor: float, max_position_embeddings: int,
                         seq_len: torch.Tensor) -> torch.Tensor:
-    """inv_freq (seq_len's shape + (head_dim // 2,)) for sequences seq_len (an int64 tensor: 0-d, or
-    one length per row) long, once they exceed max_position_embeddings (the caller keeps the original
-    frequencies below that)."""
+    """inv_freq for sequences seq_len long, once they exceed max_position_embeddings (the caller
+    keeps the original frequencies below that). seq_len: an int64 tensor, 0-d (gives (head_dim // 2,))
+    or with a last dimension of 1 (one length per row: (batch, 1, 1) gives (batch, 1, head_dim // 2)),
+    so the frequencies broadcast along that last dimension."""
     seq_len = torch.maximum(seq_len, torch.tensor(max_position_embeddings, dtype=seq_len.dtype, device=seq_len.device))
     base = theta * ((factor * seq_len / max_position_embeddings) - (factor - 1)) ** (head_dim / (head_dim - 2))
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=seq_len.device).to(torch.float32) / head_dim

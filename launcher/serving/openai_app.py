@@ -293,6 +293,8 @@ class OpenAIServer:
         way, text has at least the tokens the probe counted, so a refusal still holds.)"""
         for i, message in enumerate(messages):
             _check_utf8(message["content"] or "", f"messages.{i}.content")
+            if message.get("name") is not None:
+                _check_utf8(message["name"], f"messages.{i}.name")
         try:
             with self._encoding:
                 prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

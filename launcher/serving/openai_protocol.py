@@ -175,10 +175,10 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)  # tool_call_id (of a tool message, refused), ...
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict] | None = None
+    """Required but for an assistant's message (OpenAI's rule: one that made tool calls may have none)."""
     name: str | None = None
     """The participant's name: handed to the chat template, which renders it or not (as a model's
     own format says)."""
-    """Required but for an assistant's message (OpenAI's rule: one that made tool calls may have none)."""
     tool_calls: list | None = None
     """Refused when not empty: `tools` is not supported, and the template would drop the calls silently."""
     function_call: dict | None = None
@@ -232,7 +232,9 @@ class ChatCompletionRequest(_GenerationRequest):
         message is OpenAI's newer system message: it goes to a `template` that never mentions the
         developer role as a system message (SmolLM2's, say, would otherwise add its default system
         turn and then a turn of a role the model never saw)."""
-        developer = "system" if "developer" not in str(template or "") else "developer"
+        template = str(template or "")
+        # a template that compares roles with 'developer' or "developer" knows the role
+        developer = "developer" if "'developer'" in template or '"developer"' in template else "system"
         return [{"role": developer if m.role == "developer" else m.role, "content": m.text(i),
                  **({"name": m.name} if m.name is not None else {})} for i, m in enumerate(self.messages)]
 
