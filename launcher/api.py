@@ -876,7 +876,7 @@ class Launcher:
     def _open_generation(self, prompts, sampling, max_new_tokens, stop_token_ids, ignore_eos, return_logits,
                          asynchronous: bool):
         """Check every prompt first (nothing is submitted if one is bad), then submit them all."""
-        self._running_pool()  # not started: say so, before anything that needs the model
+        pool = self._running_pool()  # not started: say so, before anything that needs the model
         _check_flag("return_logits", return_logits)
         stop_token_ids = check_stop_token_ids(stop_token_ids, self.model_config.vocab_size)
         with self._lock:
@@ -884,7 +884,7 @@ class Launcher:
         params = self._sampling_per_prompt(sampling, len(token_lists))
         check_request(token_lists, params, max_new_tokens, self.model_config.vocab_size)
         self._check_lengths(token_lists, max_new_tokens, serving=True)
-        timeouts = wave_timeouts(len(token_lists), self.config.max_num_seqs * max(self._running_pool().serving(), 1),
+        timeouts = wave_timeouts(len(token_lists), self.config.max_num_seqs * max(pool.serving(), 1),
                                  self.config.request_timeout_s)
         streams = [self._new_stream(ids, p, max_new_tokens, stop_token_ids, (), ignore_eos, None, None,
                                     asynchronous, return_logits, timeout_s)

@@ -84,14 +84,10 @@ def _hash_tensors(digest, files: tuple[Path, ...]) -> None:
                   for name, entry in header.items()]
     for name, entry, path, end in sorted(spans, key=lambda span: span[0]):
         digest.update(f"{name}\n{entry.dtype}\n{list(entry.shape)}\n".encode())
-        _hash_samples(digest, path, entry.begin, end, 3)
+        digest.update(sampled_bytes(path, entry.begin, end, 3, SAMPLE_BYTES))
 
 
 def _hash_file(digest, path: Path) -> None:
     size = path.stat().st_size
     digest.update(f"{path.name}\n{size}\n".encode())
-    _hash_samples(digest, path, 0, size, FILE_SAMPLES)
-
-
-def _hash_samples(digest, path: Path, begin: int, end: int, count: int) -> None:
-    digest.update(sampled_bytes(path, begin, end, count, SAMPLE_BYTES))
+    digest.update(sampled_bytes(path, 0, size, FILE_SAMPLES, SAMPLE_BYTES))
