@@ -363,3 +363,23 @@ def test_the_demo_model_quantized_to_int8_still_answers_paris(tmp_path):
         tokens[name] = generate(model, [ids], [SamplingParams()], 8, [])[0].token_ids
     assert tokenizer.decode(tokens["int8"]).lstrip().startswith("Paris"), tokenizer.decode(tokens["int8"])
     assert tokens["int8"] == tokens["float32"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_the_one_row_compiled_product_sums_in_float32(dtype):
+    """The compiled one-row product (gemv) summed x * q in the compute dtype before the scale: the
+    output over the scale, 127 / absmax times larger, overflowed float16 (inf for outputs near 30,
+    then NaN logits on the first compiled decode step of a quantized float16 checkpoint)."""
+    from shardlib.quantization import quantize
+    from workers.quantized_linear import QuantizedWeight
+
+    w = (torch.randn(8, 4096, generator=torch.Generator().manual_seed(0)) * 0.02).clamp(-0.05, 0.05)
+    w[:, 0] = 0.05  # absmax 0.05: scale 3.9e-4
+    x = torch.randn(1, 1, 4096, generator=torch.Generator().manual_seed(1))
+    x[..., 0] = 600.0  # one large activation, as LLM hidden states have
+    q, scale = quantize(w, "int8", True)
+    weight = QuantizedWeight(q, scale)
+    exact = (x.double() @ (q.double() * scale.double()).T).float()
+    got = weight.linear(x.to(dtype), None, gemv=True)
+    assert got.dtype == dtype and bool(got.isfinite().all())
+    torch.testing.assert_close(got.float(), exact, rtol=1e-2, atol=0.1)

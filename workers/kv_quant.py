@@ -6,8 +6,9 @@ compute dtype. The scale is one static number (1.0: a direct cast, as NxD Infere
 does without calibration); 240 is the largest e4m3 value on Neuron, so the stored bytes mean the
 same there. Keys and values of the Llama-family models stay well inside +-240 (their magnitudes are
 set by RMSNorm-ed activations times projection weights), so the clamp only guards outliers; the
-relative rounding error is at most 2^-4 (3 mantissa bits), and the check command's logit-matching
-mode measures what that costs a model.
+relative rounding error is at most 2^-4 (3 mantissa bits) for magnitudes of 2^-6 and more; below
+that e4m3's subnormals keep less (the smallest stored value is 2^-9, and magnitudes under half of it
+are stored as 0). The check command's logit-matching mode measures what that costs a model.
 
 Which steps read quantized values: every step that attends over the cache (decode, a serving
 step, an eager prefill, which writes the prompt into the cache first) reads the dequantized bytes,

@@ -74,5 +74,5 @@ class MoEBlock(nn.Module):
             h = F.silu(linear(x, gate)) * linear(x, up)
             y = down_projection(h, down, self.down_transposed)
             column = weights[..., self.first_expert + j, None]
-            out = out + (y * column).to(x.dtype)  # weighted in float32, as transformers does
+            out = out + (y * column).to(x.dtype)  # weighted in float32 (transformers' Mixtral too; its Qwen3-MoE and DBRX in the model dtype)
         return (reduce or self.collectives.all_reduce)(out)

@@ -61,8 +61,11 @@ class QuantizedWeight(nn.Module):
         if not gemv and small.usable(x, self.q):
             return small.small_linear(x, self.q, self.scale, bias)
         if gemv:
-            y = (x.unsqueeze(-2) * self.q.to(x.dtype)).sum(-1)  # (..., out), scale not yet applied
-            y = y * self.scale.view(-1).to(x.dtype)  # (out,) per channel, (1,) per tensor
+            # Summed and scaled in float32, as the dequantized product is: the sum before its scale
+            # is the output over the scale, about 127 / absmax times larger, and overflowed float16
+            # (inf where the output was a few hundred).
+            y = (x.float().unsqueeze(-2) * self.q.float()).sum(-1)  # (..., out), scale not yet applied
+            y = (y * self.scale.view(-1)).to(x.dtype)  # (out,) per channel, (1,) per tensor
         else:
             y = F.linear(x, self.dequantized(x.dtype))
         return y if bias is None else y + bias
