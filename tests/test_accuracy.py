@@ -171,13 +171,32 @@ def test_atol_absorbs_small_errors_and_is_settable():
 def test_groups_larger_than_the_vocabulary_cover_it_and_minus_inf_is_ignored():
     expected = peaked_logits(1, vocab=40)[0]
     actual = expected.clone()
-    expected[7] = actual[9] = -math.inf  # forbidden tokens on either side are left out
+    expected[7] = actual[7] = -math.inf  # a token both sides forbid is left out
     actual[3] = expected[3] + 0.001
     check = check_position(expected, actual)
     assert check.passed
     groups = {g.top_k: g for g in check.groups}
     assert groups[1000].max_abs_error == groups[None].max_abs_error == pytest.approx(0.001, rel=1e-3)
     assert groups[1000].token_id == 3 and math.isfinite(groups[None].max_rel_error)
+
+
+@pytest.mark.parametrize("where, value", [("actual", math.nan), ("expected", math.nan), ("actual", math.inf),
+                                          ("actual", -math.inf), ("expected", -math.inf)])
+def test_a_logit_nan_or_infinite_on_one_side_fails_its_position(where, value):
+    """Such entries were left out of every group: NaN logits everywhere but the chosen token passed,
+    as did a token one side forbade (-inf) while the other ranked it second."""
+    expected = peaked_logits(1, vocab=40)[0]
+    actual = expected.clone()
+    second = int(expected.topk(2).indices[1])
+    (actual if where == "actual" else expected)[second] = value
+    check = check_position(expected, actual, position=2)
+    assert not check.passed and check.non_finite_tokens == [second] and check.non_finite_count == 1
+    assert f"position 2: 1 logit(s) NaN or infinite on one side (at tokens [{second}])" in check.failures()[0]
+    clean = peaked_logits(1, vocab=40)[0]
+    everywhere = torch.full_like(clean, math.nan)
+    everywhere[int(clean.argmax())] = clean.max()
+    assert check_position(clean, everywhere).non_finite_count == 39  # and no crash with one entry left
+    assert not check_position(clean, torch.full_like(clean, math.nan)).passed  # nothing left to compare
 
 
 def test_mismatched_vocabularies_and_short_runs_are_refused():

@@ -13,6 +13,7 @@ runs as a subprocess with --json on the session's Ray (slow), and in-process thr
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -217,7 +218,9 @@ def test_check_bad_input_exits_2_before_starting_workers(models, capsys, tmp_pat
     other_model = {}
     for name, content in (("big", {"expected_tokens": torch.tensor([[5, 999]])}),
                           ("negative", {"expected_tokens": torch.tensor([[5, -6]])}),
-                          ("narrow", {"expected_logits": torch.zeros(1, 2, 10)})):
+                          ("narrow", {"expected_logits": torch.zeros(1, 2, 10)}),
+                          ("nan", {"expected_logits": torch.full((1, 2, 128), math.nan)}),
+                          ("format", {"expected_tokens": torch.tensor([[5, 6]]), "format": "someone-else/7"})):
         other_model[name] = tmp_path / f"{name}.pt"
         torch.save({"input_ids": [[5, 17]], **content}, other_model[name])
     cases = [
@@ -225,6 +228,9 @@ def test_check_bad_input_exits_2_before_starting_workers(models, capsys, tmp_pat
          "expected_tokens: prompt 0 holds token ids [999] outside the vocabulary [0, 128) of"),
         (["--expected", str(other_model["negative"]), "--mode", "token-matching"], "holds token ids [-6] outside"),
         (["--expected", str(other_model["narrow"])], "expected_logits are 10 wide but"),
+        (["--expected", str(other_model["nan"])], "expected_logits hold NaN or +inf values"),  # it passed
+        (["--expected", str(other_model["format"]), "--mode", "token-matching"],
+         "says format 'someone-else/7', not 'corelaunch-expected/1'"),
         (["--expected", str(tmp_path / "missing.pt")], "does not exist"),
         (["--expected", str(tokens_only)], "no expected_logits"),
         (["--expected", str(tokens_only), "--mode", "token-matching", "--num-tokens", "5"], "only 3"),

@@ -122,6 +122,9 @@ def load_expected(path: str) -> Expected:
             "expected_tokens" in data or "expected_logits" in data):
         raise ValueError(f"{path} must hold a dict with 'input_ids' and 'expected_tokens' and/or "
                          f"'expected_logits'; see `corelaunch check --help`")
+    if data.get("format", FILE_FORMAT) != FILE_FORMAT:  # files written by hand may leave it out
+        raise ValueError(f"{path} says format {data.get('format')!r}, not {FILE_FORMAT!r}, the one corelaunch "
+                         f"check reads; write it again with `corelaunch check --save-expected PATH`")
     ids = data["input_ids"]
     if isinstance(ids, torch.Tensor):
         ids = ids.tolist()
@@ -137,6 +140,9 @@ def load_expected(path: str) -> Expected:
         if not isinstance(logits, torch.Tensor) or logits.dim() not in (2, 3):
             raise ValueError(f"{path}: expected_logits must be a (batch, n, vocab) or (n, vocab) tensor")
         logits = logits.float()
+        if bool((logits.isnan() | (logits == math.inf)).any()):
+            raise ValueError(f"{path}: expected_logits hold NaN or +inf values, which no comparison can pass; "
+                             f"save the reference again with `corelaunch check --save-expected PATH`")
         if logits.dim() == 2:
             logits = logits.unsqueeze(0)
         if logits.shape[0] != batch:

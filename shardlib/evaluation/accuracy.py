@@ -21,7 +21,9 @@ Logit matching, at every generated position, with expected logits e and actual l
 
 Unlike NxD Inference, no constant shift is fitted and removed from the actual logits before the
 comparison, and errors are not rounded to the tolerance's decimals: the errors reported are raw.
-Entries that are -inf in either tensor (forbidden tokens) are left out of the groups.
+Entries that are -inf in both tensors (forbidden tokens) are left out of the groups. An entry that
+is NaN or +inf in either, or -inf in one only, fails its position: a token one side forbids or an
+overflow is a difference no tolerance measures.
 """
 
 from __future__ import annotations
@@ -113,6 +115,9 @@ class PositionCheck:
     """max(actual) - actual[expected token] where the tokens differ; None where they agree."""
     divergence_difference_tol: float
     groups: list[GroupCheck]
+    non_finite_tokens: list[int] = field(default_factory=list)
+    """Vocabulary indices where either side is NaN or +inf, or one side only is -inf (the first 8)."""
+    non_finite_count: int = 0
 
     @property
     def diverged(self) -> bool:
@@ -124,10 +129,13 @@ class PositionCheck:
 
     @property
     def passed(self) -> bool:
-        return self.divergence_passed and all(g.passed for g in self.groups)
+        return self.divergence_passed and not self.non_finite_count and all(g.passed for g in self.groups)
 
     def failures(self) -> list[str]:
         out = []
+        if self.non_finite_count:
+            out.append(f"position {self.position}: {self.non_finite_count} logit(s) NaN or infinite on one side "
+                       f"(at tokens {self.non_finite_tokens}{' ...' if self.non_finite_count > 8 else ''})")
         if not self.divergence_passed:
             out.append(f"position {self.position}: greedy token {self.actual_token} instead of expected "
                        f"{self.expected_token}; max(actual) - actual[expected] = "
@@ -157,10 +165,12 @@ def check_position(expected_logits: torch.Tensor, actual_logits: torch.Tensor, *
     actual_token = int(a.argmax()) if actual_token is None else int(actual_token)
 
     finite = torch.isfinite(e) & torch.isfinite(a)
+    forbidden = (e == -math.inf) & (a == -math.inf)  # a token both sides forbid
+    bad = torch.nonzero(~finite & ~forbidden).flatten()
     kept = torch.nonzero(finite).flatten()  # vocabulary indices compared
     e_kept, a_kept = e[kept], a[kept]
     groups = []
-    for k in _sorted_groups(tol_map):
+    for k in _sorted_groups(tol_map) if len(kept) else ():
         atol, rtol = tol_map[k]
         if k is None or k >= len(kept):
             idx = torch.arange(len(kept))
@@ -180,7 +190,7 @@ def check_position(expected_logits: torch.Tensor, actual_logits: torch.Tensor, *
         difference = float(a.max() - a[expected_token])
     return PositionCheck(position=position, expected_token=expected_token, actual_token=actual_token,
                          divergence_difference=difference, divergence_difference_tol=divergence_difference_tol,
-                         groups=groups)
+                         groups=groups, non_finite_tokens=bad[:8].tolist(), non_finite_count=len(bad))
 
 
 # ---- token matching ----------------------------------------------------------------------------
