@@ -435,6 +435,11 @@ def test_bench_refuses_a_prompt_longer_than_the_context_before_ray_starts(models
                  "--no-compile", "--quiet"])
     err = capsys.readouterr().err
     assert code == 2 and "needs 124 positions but seq_len is 64" in err and "(--seq-len)" in err, err
+    # a batch too large for the host: its rows are bench's --batch-size (it has no --max-num-seqs)
+    code = main(["bench", "--model", str(original), "--tp", "1", "--batch-size", "100000000", "--prompt-len", "8",
+                 "--max-new-tokens", "4", "--no-compile", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--batch-size at most" in err and "--max-num-seqs" not in err, err
 
 
 def test_bench_refuses_a_long_prompt_len_before_building_the_prompts(models, capsys, monkeypatch, ray_tripwire):

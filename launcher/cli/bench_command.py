@@ -86,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         report = _bench(args)
     except (ValueError, FileNotFoundError, LaunchError) as err:
-        print(f"corelaunch bench: {with_flag_name(err)}", file=sys.stderr)
+        # bench's batch is the serving rows (max_num_seqs), which it sets from --batch-size
+        print(f"corelaunch bench: {with_flag_name(err).replace('--max-num-seqs', '--batch-size')}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(report))
