@@ -279,6 +279,22 @@ def test_check_refuses_launch_options_before_the_reference_runs(models, capsys, 
         assert code == 2 and report is None and message in err, err
 
 
+def test_check_refuses_a_prompt_the_serving_rows_cannot_hold_before_the_reference_runs(capsys, monkeypatch,
+                                                                                       ray_tripwire, tmp_path):
+    """The prompt was checked against max_position_embeddings (8192 here) only: the reference ran
+    and the workers started before the serving engine's 4096-position rows refused it, naming
+    max_new_tokens and a --seq-len that check does not have."""
+    from tests.model_factory import save_random_model
+
+    long_context = save_random_model(tmp_path / "long", max_position_embeddings=8192, seed=3)
+    reference_must_not_run(monkeypatch)
+    code, report, err = run_check(capsys, "--model", str(long_context), "--prompt-ids", ",".join(["5"] * 4090),
+                                  "--num-tokens", "10", "--no-compile")
+    assert code == 2 and report is None, err
+    assert ("prompt 0 has 4090 tokens; with --num-tokens 10 that needs 4100 positions but the serving cache's row "
+            "(min(max_position_embeddings, 4096) positions) is 4096") in err, err
+
+
 def test_check_refuses_an_unwritable_save_expected_path_naming_the_option(models, capsys, tmp_path, monkeypatch,
                                                                           ray_tripwire):
     """A parent that is a file, or a directory as the path, was a traceback after the reference had run."""

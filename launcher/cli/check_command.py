@@ -258,6 +258,16 @@ def _check_prompts(prompts: list[list[int]], num_tokens: int, model_dir: Path) -
     return config.vocab_size
 
 
+def _check_serving_fits(prompts: list[list[int]], num_tokens: int, launcher) -> None:
+    """ValueError, before the reference runs, for a prompt the serving cache's rows cannot hold
+    with --num-tokens more (check runs through the serving engine, whose rows hold
+    min(max_position_embeddings, 4096) positions)."""
+    from shardlib.request_checks import check_fits
+
+    check_fits(prompts, num_tokens, launcher.serving_seq_len, "the serving cache's row (min(max_position_embeddings, "
+               "4096) positions)", new_tokens_name="--num-tokens")
+
+
 def _check_expected_fits(expected: Expected, path: str, model_dir: Path, vocab: int) -> None:
     """ValueError when an expected-outputs file cannot belong to this model: a token outside its
     vocabulary (a negative one would index the logits from the end) or logits of another width.
@@ -353,6 +363,7 @@ def _run(args: argparse.Namespace) -> int:
         vocab_size = _check_prompts(prompts, num_tokens, model_dir)
         _check_expected_fits(expected, args.expected, model_dir, vocab_size)
         launcher = _launcher(args, model_dir)
+        _check_serving_fits(prompts, num_tokens, launcher)
     else:
         num_tokens = DEFAULT_NUM_TOKENS if args.num_tokens is None else args.num_tokens
         texts, prompts, tokenizer = _prompts(args, model_dir)
@@ -361,6 +372,8 @@ def _run(args: argparse.Namespace) -> int:
         # --save-expected starts no workers, so its launch options are not planned (the file may be
         # meant for another machine); otherwise they are refused before the reference runs, not after
         launcher = None if args.save_expected else _launcher(args, model_dir)
+        if launcher is not None:
+            _check_serving_fits(prompts, num_tokens, launcher)
         with progress.step("running the transformers reference (float32, CPU)"):
             expected = reference_outputs(reference_dir, prompts, num_tokens, quiet=args.quiet)
         if args.save_expected:
