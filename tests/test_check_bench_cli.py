@@ -432,6 +432,22 @@ def check_bench_report(report: dict) -> None:
     assert tkg["throughput"] == pytest.approx(2 / (tkg["latency_ms_avg"] / 1000), rel=1e-6)
 
 
+def test_bench_counts_only_the_decode_steps_of_the_whole_batch():
+    """Past the prefill budget the batch is prefilled over several steps: the first row's steps that
+    prefilled the others (seconds each) were reported as decode steps of the whole batch."""
+    from types import SimpleNamespace
+
+    from launcher.cli.bench_command import full_batch_decode_steps
+
+    staggered = [SimpleNamespace(time_to_first_token_s=1.0, decode_step_latencies_s=[2.0, 2.0, 0.1, 0.1, 0.1]),
+                 SimpleNamespace(time_to_first_token_s=3.0, decode_step_latencies_s=[2.0, 0.1, 0.1, 0.1, 0.1]),
+                 SimpleNamespace(time_to_first_token_s=5.0, decode_step_latencies_s=[0.1] * 5)]
+    assert full_batch_decode_steps(staggered) == [0.1, 0.1, 0.1]
+    together = [SimpleNamespace(time_to_first_token_s=1.0 + i * 1e-4, decode_step_latencies_s=[0.2, 0.1, 0.1])
+                for i in range(3)]
+    assert full_batch_decode_steps(together) == [0.2, 0.1, 0.1]
+
+
 def test_bench_refuses_bad_arguments():
     proc = subprocess.run([sys.executable, "-m", "launcher", "bench", "--max-new-tokens", "1"],
                           cwd=REPO, capture_output=True, text=True, timeout=60)

@@ -12,6 +12,7 @@ The sections and their throughput definitions are in shardlib/evaluation/bench_r
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 
@@ -52,6 +53,21 @@ def add_parser(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.set_defaults(run=run)
+
+
+def full_batch_decode_steps(results) -> list[float]:
+    """The decode steps (seconds) in which every row of the batch decoded: those of the first row to
+    get its first token that ended after the last row's first token. Where the batch is prefilled in
+    one step (its prompts within the prefill budget), that is every decode step of the run; past the
+    budget, the steps that prefilled later rows (and decoded the earlier ones) are left out, and so
+    are the last row's steps after the first row has finished."""
+    first = min(results, key=lambda r: r.time_to_first_token_s)
+    last_first_token = max(r.time_to_first_token_s for r in results)
+    steps = list(first.decode_step_latencies_s)
+    margin = 0.5 * min(steps, default=0.0)  # token arrival times at the driver jitter by far less than a step
+    ends = itertools.accumulate(steps, initial=first.time_to_first_token_s)
+    next(ends)  # the first token's own time
+    return [step for step, end in zip(steps, ends) if end > last_first_token + margin]
 
 
 def random_prompts(batch_size: int, prompt_len: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -134,7 +150,7 @@ def _bench(args: argparse.Namespace) -> dict:
                         timings.append(RunTiming(
                             # every prompt encoded: the last first token (several steps past the cap)
                             e2e_s=e2e, time_to_first_token_s=max(r.time_to_first_token_s for r in results),
-                            decode_step_latencies_s=list(results[0].decode_step_latencies_s),
+                            decode_step_latencies_s=full_batch_decode_steps(results),
                             generated_tokens=sum(len(r.token_ids) for r in results)))
         report = build_report(timings, args.batch_size, args.prompt_len)
         report["config"] = {

@@ -78,7 +78,9 @@ def build_report(runs: Sequence[RunTiming], batch_size: int, prompt_len: int) ->
         raise ValueError("no measured runs; --runs must be at least 1")
     steps = [s for r in runs for s in r.decode_step_latencies_s]
     if not steps:
-        raise ValueError("no decode steps were measured; generate at least 2 new tokens per run")
+        raise ValueError("no decode step of the whole batch was measured; generate more new tokens per run (at "
+                         "least 2; more where the batch's prompts exceed the prefill budget and take several "
+                         "steps to prefill)")
     return {
         "e2e_model": summarize([r.e2e_s for r in runs], sum(r.generated_tokens for r in runs)),
         "context_encoding_model": summarize([r.time_to_first_token_s for r in runs],
