@@ -1,6 +1,7 @@
 """The leader's token choice (workers/sampling.sample) for one decode step's logits, per sampling setting.
 
-Random logits of --rows x --vocab (SmolLM2's vocabulary by default); every row with the same
+Random logits of --rows x --vocab (SmolLM2's vocabulary by default), as float32 values and as
+bfloat16 values (a bfloat16 model's logits, where equal values are common); every row with the same
 SamplingParams and a seeded generator of its own, as the serving engine draws. Each case's
 median wall time over --repeats calls, on one torch thread (what a rank's leader gives it is
 what it has; one thread makes runs comparable). Prints JSON.
@@ -43,19 +44,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    logits = torch.randn(args.rows, args.vocab, generator=torch.Generator().manual_seed(0)) * 3
+    float32 = torch.randn(args.rows, args.vocab, generator=torch.Generator().manual_seed(0)) * 3
     results = {}
-    for name, params in CASES.items():
-        batch = [params] * args.rows
-        generators = [make_generator(params) for _ in range(args.rows)]
-        sample(logits, batch, generators)  # warm
-        times = []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            sample(logits, batch, generators)
-            times.append(time.perf_counter() - start)
-        results[name] = {"median_ms": round(1000 * statistics.median(times), 3),
-                         "min_ms": round(1000 * min(times), 3)}
+    for values, logits in (("float32", float32), ("bfloat16", float32.bfloat16().float())):
+        for name, params in CASES.items():
+            batch = [params] * args.rows
+            generators = [make_generator(params) for _ in range(args.rows)]
+            sample(logits, batch, generators)  # warm
+            times = []
+            for _ in range(args.repeats):
+                start = time.perf_counter()
+                sample(logits, batch, generators)
+                times.append(time.perf_counter() - start)
+            results[f"{name} ({values})"] = {"median_ms": round(1000 * statistics.median(times), 3),
+                                             "min_ms": round(1000 * min(times), 3)}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     print(json.dumps({"commit": commit or None, "rows": args.rows, "vocab": args.vocab, "threads": 1,
                       "repeats": args.repeats, "cases": results}, indent=1))

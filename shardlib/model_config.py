@@ -330,7 +330,8 @@ class ModelConfig:
                 f"{show(raw.get('architectures'))}); corelaunch supports {', '.join(SUPPORTED_MODEL_TYPES)}{hint}"
             )
         raw, moe_fields = flatten_moe_config(raw)
-        raw = _with_top_level_original_context(raw)
+        if model_type != "gemma3_text":  # transformers merges Gemma 3's rope_scaling into its per-kind blocks
+            raw = _with_top_level_original_context(raw)
         missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
                                 "num_attention_heads", "vocab_size") if k not in raw]
         if missing:
@@ -407,8 +408,8 @@ class ModelConfig:
 
 def _with_top_level_original_context(raw: dict[str, Any]) -> dict[str, Any]:
     """transformers' rule for llama3, yarn and longrope scaling given as one block: a top-level
-    original_max_position_embeddings (Phi-3's layout) takes precedence over the block's own (Gemma
-    3's blocks per layer kind are left alone). Applied before the blocks are checked, so a llama3
+    original_max_position_embeddings (Phi-3's layout) takes precedence over the block's own (not for
+    Gemma 3, whose blocks are per layer kind). Applied before the blocks are checked, so a llama3
     block completed by it is complete. Without either, yarn and longrope take max_position_embeddings
     when they compute (workers/rope_scaling.py)."""
     top = raw.get("original_max_position_embeddings")

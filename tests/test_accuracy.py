@@ -234,3 +234,24 @@ def test_parse_tol_map():
             parse_tol_map(bad)
     with pytest.raises(ValueError, match="atol"):
         parse_tol_map("5:0.1", atol=-1)
+
+
+def test_the_json_report_names_non_finite_positions_and_stays_strict_json():
+    """A position failing only for a non-finite logit appeared only as a first failure, and a divergence
+    at a token corelaunch gave -inf was written as Infinity, which strict JSON readers refuse."""
+    import json
+
+    expected = peaked_logits(3, vocab=40)
+    tokens = [int(t) for t in expected.argmax(dim=-1)]
+
+    def generate(ids, m):
+        actual = expected[len(ids) - 2:][:m].clone()
+        actual[:, 5] = math.nan  # every position
+        if len(ids) == 2:
+            actual[0, tokens[0]] = -math.inf  # a divergence at position 0, at the expected token
+        return [int(t) for t in torch.nan_to_num(actual, nan=-1e9).argmax(dim=-1)], actual
+
+    report = logit_matching([1, 2], expected, generate).to_dict()
+    assert report["non_finite_positions"] == [0, 1, 2]
+    assert report["divergences"][0]["divergence_difference"] is None and report["max_divergence_difference"] is None
+    json.dumps(report, allow_nan=False)

@@ -103,6 +103,9 @@ def test_a_top_level_original_context_takes_precedence_as_in_transformers(tmp_pa
     AutoModelForCausalLM.from_config(reference_config("llama", **fields)).save_pretrained(tmp_path)
     written = json.loads((tmp_path / "config.json").read_text())
     written["original_max_position_embeddings"] = 8
+    for key in ("rope_scaling", "rope_parameters"):  # save_pretrained fills the block's own in: as given
+        if isinstance(written.get(key), dict):
+            written[key] = {"rope_type": rope_type, **block}
     (tmp_path / "config.json").write_text(json.dumps(written))
     reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).config
     assert reference.rope_parameters["original_max_position_embeddings"] == 8
@@ -117,3 +120,14 @@ def test_a_bidirectional_gemma3_is_refused():
                                          r"encoder .* causal attention only"):
         ModelConfig.from_dict(raw)
     assert ModelConfig.from_dict({**raw, "use_bidirectional_attention": False}).model_type == "gemma3_text"
+
+
+def test_gemma3_keeps_its_own_rope_blocks_original_context():
+    """transformers merges Gemma 3's rope_scaling into its per-layer-kind blocks and never applies a
+    top-level original_max_position_embeddings there."""
+    fields = dict(layer_types=["full_attention"], max_position_embeddings=64, original_max_position_embeddings=8,
+                  rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16})
+    config = ModelConfig.from_dict(tiny("gemma3_text", **fields))
+    reference = reference_config("gemma3_text", **{**TINY, **fields})
+    assert config.rope_scaling["original_max_position_embeddings"] == 16
+    assert reference.rope_parameters["full_attention"]["original_max_position_embeddings"] == 16

@@ -41,7 +41,7 @@ def test_logits_with_nan_or_nothing_finite_are_refused_greedy_or_not(greedy):
     logits[1, [40, 3]] = float("nan")
     logits[3] = float("-inf")
     params = [SamplingParams() if greedy else SamplingParams(temperature=0.8, seed=1)] * 4
-    with pytest.raises(ValueError, match=r"logits in row\(s\) \[1, 3\] hold NaN or only infinite values"):
+    with pytest.raises(ValueError, match=r"logits in row\(s\) \[1, 3\] hold NaN or \+inf, or no finite value"):
         sample(logits, params, [make_generator(p) for p in params])
 
 

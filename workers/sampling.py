@@ -94,6 +94,10 @@ def _sorted(scaled: torch.Tensor, top_k: torch.Tensor) -> tuple[torch.Tensor, to
             kth = values.gather(-1, (top_k.clamp(max=width) - 1).long())  # (batch, 1)
             if bool((values[:, width:] < kth).all()):
                 values, ids = values[:, :width], ids[:, :width]
+            else:  # a tie at some row's cut: as many columns as the row keeping the most needs
+                width = int((scaled >= kth).sum(dim=-1).max())
+                values, ids = scaled.topk(width, dim=-1) if width < vocab else (None, None)
+            if values is not None:
                 by_id = ids.argsort(dim=-1)
                 values, ids = values.gather(-1, by_id), ids.gather(-1, by_id)
                 order = values.sort(dim=-1, descending=True, stable=True).indices
@@ -118,8 +122,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     best = logits.max(dim=-1)
     if not bool(best.values.isfinite().all()):
         rows = (~best.values.isfinite()).nonzero().flatten().tolist()
-        raise ValueError(f"the model's logits in row(s) {rows} hold NaN or only infinite values, so no token can "
-                         f"be chosen: the forward overflowed or the weights are broken (float16 overflows where "
+        raise ValueError(f"the model's logits in row(s) {rows} hold NaN or +inf, or no finite value, so no token "
+                         f"can be chosen: the forward overflowed or the weights are broken (float16 overflows where "
                          f"bfloat16 does not; check the checkpoint and --dtype)")
     tokens = best.indices
     # Rows that keep every token (OpenAI's defaults: top_p 1, no top_k) draw from the softmax in

@@ -313,10 +313,13 @@ def _tolerances(args, model_dir: Path) -> tuple[str, float]:
 
 # ---- run ---------------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
-    from launcher.errors import LaunchError
+    from launcher.errors import LaunchError, RequestFailed
 
     try:
         return _run(args)
+    except RequestFailed as err:  # corelaunch's side ran and could not choose a token (NaN logits, say): a failure
+        print(f"corelaunch check: FAILED: {err}", file=sys.stderr)
+        return EXIT_FAIL
     except (ValueError, FileNotFoundError, LaunchError) as err:
         print(f"corelaunch check: {with_flag_name(err)}", file=sys.stderr)
         return EXIT_BAD_INPUT

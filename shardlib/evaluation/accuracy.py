@@ -312,12 +312,20 @@ class LogitMatchResult:
             "runs": self.runs,
             "divergence_difference_tol": self.divergence_difference_tol,
             "divergences": [{"position": p.position, "expected_token": p.expected_token,
-                             "actual_token": p.actual_token, "divergence_difference": p.divergence_difference,
+                             "actual_token": p.actual_token,
+                             "divergence_difference": _json_number(p.divergence_difference),
                              "passed": p.divergence_passed} for p in self.divergences],
-            "max_divergence_difference": max((p.divergence_difference for p in self.divergences), default=None),
+            "max_divergence_difference": _json_number(max((p.divergence_difference for p in self.divergences),
+                                                          default=None)),
+            "non_finite_positions": [p.position for p in self.positions if p.non_finite_count],
             "top_k": {group_name(g.top_k): g.to_dict() for g in self.groups},
             "first_failure": None if first is None else {"position": first.position, "failures": first.failures()},
         }
+
+
+def _json_number(value: float | None) -> float | None:
+    """None for a value JSON cannot carry (a divergence at a token corelaunch gave -inf: inf)."""
+    return value if value is None or math.isfinite(value) else None
 
 
 def logit_matching(input_ids: Sequence[int], expected_logits: torch.Tensor, generate_fn: GenerateFn, *,
