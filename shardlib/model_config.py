@@ -433,6 +433,11 @@ def load_model_config(path: str | Path) -> ModelConfig:
     path = Path(path)
     config_file = path / "config.json" if path.is_dir() else path
     if not config_file.exists():
+        if (path / "manifest.json").is_file():  # what corelaunch compile or preshard wrote
+            raise FileNotFoundError(
+                f"{path} is a corelaunch compiled or pre-sharded directory (it holds manifest.json), not a Hugging "
+                f"Face model: pass the model it was made from as --model (generate and serve take the directory "
+                f"itself as --compiled or --presharded)") from None
         raise FileNotFoundError(
             f"no Hugging Face config at {config_file}; pass a model directory containing "
             f"config.json, or the config.json file itself"

@@ -269,3 +269,16 @@ def test_mutated_configs_plan_or_raise_value_error(mutation):
 @given(MUTATIONS)
 def test_mutated_configs_plan_or_raise_value_error_500_examples(mutation):
     _plan_or_refuse(mutation)
+
+
+def test_a_compiled_or_presharded_directory_given_as_the_model_is_named_as_such(tmp_path):
+    """It said only that config.json was missing, which the directory's model/ folder does hold."""
+    from shardlib.model_config import load_model_config
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "manifest.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match=r"is a corelaunch compiled or pre-sharded directory \(it holds "
+                                                r"manifest\.json\), not a Hugging Face model: pass the model it was "
+                                                r"made from as --model"):
+        load_model_config(tmp_path)

@@ -20,7 +20,8 @@ from shardlib.sampling_params import MAX_SEED, MIN_SEED
 MAX_STOP_STRINGS = 4
 """OpenAI's bound on `stop`."""
 MAX_LOGPROBS = 20
-"""OpenAI's bound on completions' `logprobs` and chat's `top_logprobs` (workers.serving.requests has the same)."""
+"""OpenAI's bound on chat's `top_logprobs`, taken for completions' `logprobs` too, where OpenAI's
+legacy API stopped at 5 (workers.serving.requests has the same)."""
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 """OpenAI's default max_tokens for /v1/completions; chat's default is the rest of the context."""
 
