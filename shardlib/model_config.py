@@ -330,6 +330,7 @@ class ModelConfig:
                 f"{show(raw.get('architectures'))}); corelaunch supports {', '.join(SUPPORTED_MODEL_TYPES)}{hint}"
             )
         raw, moe_fields = flatten_moe_config(raw)
+        family = traits(model_type)
         if model_type != "gemma3_text":  # transformers merges Gemma 3's rope_scaling into its per-kind blocks
             raw = _with_top_level_original_context(raw)
         missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
@@ -357,7 +358,7 @@ class ModelConfig:
             rope_theta = rope_params["rope_theta"]  # checked by _check_rope
         else:
             rope_theta = raw.get("rope_theta")
-            rope_theta = (traits(model_type).rope_theta if rope_theta is None
+            rope_theta = (family.rope_theta if rope_theta is None
                           else positive_number("rope_theta", rope_theta, 500000.0))
         rope_scaling = _check_rope("rope_scaling", raw.get("rope_scaling"), needs_type=True)
         if "local_rope_theta" in extra:
@@ -367,7 +368,6 @@ class ModelConfig:
             rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
         if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
             rope_scaling = None
-        family = traits(model_type)
         # Qwen2 always biases q/k/v and never o_proj; Llama's attention_bias biases all four. A flag
         # the family's modules do not read is checked, then ignored, as transformers ignores it.
         biased = flag("attention_bias", raw.get("attention_bias")) and family.reads_attention_bias

@@ -60,9 +60,7 @@ def filtered_probs(logits: torch.Tensor, table: torch.Tensor) -> tuple[torch.Ten
     are returned unscaled (the caller takes their argmax).
     """
     top_k, top_p, temperature = table[:, 0:1], table[:, 1:2], table[:, 2:3]  # (batch, 1) each
-    vocab = logits.shape[-1]
-    scaled = logits.float() / torch.where(temperature > 0, temperature, 1.0)
-    sorted_logits, sorted_ids = _sorted(scaled, top_k)
+    sorted_logits, sorted_ids = _sorted(_scaled(logits, temperature), top_k)
     width = sorted_logits.shape[-1]
     rank = torch.arange(width, device=logits.device)[None, :]  # (1, width)
     # the k-th largest logit of each row with a top_k: every column at or above it stays
@@ -78,31 +76,37 @@ def filtered_probs(logits: torch.Tensor, table: torch.Tensor) -> tuple[torch.Ten
     return probs, sorted_ids
 
 
+def _scaled(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """logits (batch, vocab) in float32 over each row's temperature (batch, 1); temperature 0 leaves
+    a row as it is (greedy: its argmax is taken)."""
+    return logits.float() / torch.where(temperature > 0, temperature, 1.0)
+
+
 def _sorted(scaled: torch.Tensor, top_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(batch, width) logits in descending order, equal ones by ascending token id, and their ids.
 
     When every row limits itself to its top k, only the max-k best columns can be kept, plus any
     tied with a row's k-th: topk over them is ~40x cheaper than sorting a 49k-128k vocabulary every
-    decode step. topk orders equal values as it pleases, so they are put back in id order; a tie
-    crossing the cut (bfloat16 logits tie often) takes the full sort."""
+    decode step. A tie crossing some row's cut (bfloat16 logits tie often) widens the topk to the
+    columns that row keeps. topk orders equal values as it pleases, so they are put back in id order."""
     vocab = scaled.shape[-1]
-    if not bool((top_k <= 0).any()):
-        width = min(vocab, int(top_k.max()))
-        if width < vocab:
-            # one column more than any row keeps: below every row's k-th, no tie crosses a cut
-            values, ids = scaled.topk(width + 1, dim=-1)
-            kth = values.gather(-1, (top_k.clamp(max=width) - 1).long())  # (batch, 1)
-            if bool((values[:, width:] < kth).all()):
-                values, ids = values[:, :width], ids[:, :width]
-            else:  # a tie at some row's cut: as many columns as the row keeping the most needs
-                width = int((scaled >= kth).sum(dim=-1).max())
-                values, ids = scaled.topk(width, dim=-1) if width < vocab else (None, None)
-            if values is not None:
-                by_id = ids.argsort(dim=-1)
-                values, ids = values.gather(-1, by_id), ids.gather(-1, by_id)
-                order = values.sort(dim=-1, descending=True, stable=True).indices
-                return values.gather(-1, order), ids.gather(-1, order)
-    return scaled.sort(dim=-1, descending=True, stable=True)
+    width = vocab if bool((top_k <= 0).any()) else min(vocab, int(top_k.max()))
+    if width < vocab:
+        # one column more than any row keeps: below every row's k-th, no tie crosses a cut
+        values, ids = scaled.topk(width + 1, dim=-1)
+        kth = values.gather(-1, (top_k.clamp(max=width) - 1).long())  # (batch, 1)
+        if bool((values[:, width:] < kth).all()):
+            values, ids = values[:, :width], ids[:, :width]
+        else:  # a tie at some row's cut: as many columns as the row keeping the most needs
+            width = int((scaled >= kth).sum(dim=-1).max())
+            if width < vocab:
+                values, ids = scaled.topk(width, dim=-1)
+    if width >= vocab:
+        return scaled.sort(dim=-1, descending=True, stable=True)
+    by_id = ids.argsort(dim=-1)
+    values, ids = values.gather(-1, by_id), ids.gather(-1, by_id)
+    order = values.sort(dim=-1, descending=True, stable=True).indices
+    return values.gather(-1, order), ids.gather(-1, order)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
@@ -120,8 +124,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     # but on CPU it runs about 3x faster, every decode step (README, Measured: the leader's token
     # choice). Its values carry any NaN of the row, and say whether the row has a finite maximum.
     best = logits.max(dim=-1)
-    if not bool(best.values.isfinite().all()):
-        rows = (~best.values.isfinite()).nonzero().flatten().tolist()
+    finite = best.values.isfinite()
+    if not bool(finite.all()):
+        rows = (~finite).nonzero().flatten().tolist()
         raise ValueError(f"the model's logits in row(s) {rows} hold NaN or +inf, or no finite value, so no token "
                          f"can be chosen: the forward overflowed or the weights are broken (float16 overflows where "
                          f"bfloat16 does not; check the checkpoint and --dtype)")
@@ -129,15 +134,16 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     # Rows that keep every token (OpenAI's defaults: top_p 1, no top_k) draw from the softmax in
     # token-id order, with no sort of the vocabulary; the others from their filtered, sorted columns.
     vocab = logits.shape[-1]
-    whole = [i for i, p in enumerate(params)
-             if not p.is_greedy and (p.top_k <= 0 or p.top_k >= vocab) and p.top_p >= 1]
-    filtered = [i for i, p in enumerate(params) if not p.is_greedy and i not in whole]
+    whole, filtered = [], []
+    for i, p in enumerate(params):
+        if not p.is_greedy:
+            (whole if (p.top_k <= 0 or p.top_k >= vocab) and p.top_p >= 1 else filtered).append(i)
     # Row by row: each request draws from its own generator and takes as many of its numbers as it
     # keeps tokens, so its tokens do not depend on which other requests share the batch (nor on how
     # wide the others' filters made the columns).
     if whole:
         temperatures = torch.tensor([[params[i].temperature] for i in whole], device=logits.device)
-        probs = (logits[torch.tensor(whole, device=logits.device)].float() / temperatures).softmax(dim=-1)
+        probs = _scaled(logits[torch.tensor(whole, device=logits.device)], temperatures).softmax(dim=-1)
         for j, i in enumerate(whole):
             tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
     if filtered:
