@@ -211,6 +211,7 @@ def test_a_stream_whose_replica_reports_nothing_ends_in_a_request_timeout(small_
                   request_timeout_s=0.2) as launcher:
         replica = launcher._pool.replicas[0]
         monkeypatch.setattr(replica, "_poll_streams", lambda: time.sleep(0.05))  # reports nothing, fails nothing
+        time.sleep(0.3)  # a poll already under way (up to POLL_WAIT_S) would still deliver the stream's tokens
         with pytest.raises(RequestTimeout, match=r"got no answer within 0.4 s .*--request-timeout"):
             list(launcher.stream([1, 2, 3], max_new_tokens=2))
 
