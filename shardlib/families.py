@@ -53,17 +53,24 @@ class FamilyTraits:
     # Qwen2 build their projections with fixed biases (Qwen2: q, k and v always, o never) and ignore both flags.
     reads_attention_bias: bool = False
     reads_mlp_bias: bool = False
+    # The mixture-of-experts families' expert counts and width (Qwen3-MoE's moe_intermediate_size)
+    # when config.json leaves them out; 0 for the dense families.
+    num_local_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int | None = None
 
 
 TRAITS = {
     "llama": FamilyTraits(reads_attention_bias=True, reads_mlp_bias=True),
     "mistral": FamilyTraits(max_position_embeddings=131_072, sliding_window=4096),
     "qwen2": FamilyTraits(max_position_embeddings=32_768, sliding_window=4096),
-    "mixtral": FamilyTraits(rope_theta=1_000_000.0, rms_norm_eps=1e-5, max_position_embeddings=131_072),
+    "mixtral": FamilyTraits(rope_theta=1_000_000.0, rms_norm_eps=1e-5, max_position_embeddings=131_072,
+                            num_local_experts=8, num_experts_per_tok=2),
     "qwen3": FamilyTraits(qk_norm=True, max_position_embeddings=32_768, sliding_window=4096,
                           reads_attention_bias=True),
     "qwen3_moe": FamilyTraits(qk_norm=True, max_position_embeddings=32_768, sliding_window=4096,
-                              reads_attention_bias=True),
+                              reads_attention_bias=True, num_local_experts=128, num_experts_per_tok=8,
+                              moe_intermediate_size=768),
     "dbrx": FamilyTraits(layer_norm=True),  # its nested config: shardlib/moe_configs.py
     "gemma3_text": FamilyTraits(qk_norm=True, norm_offset=1.0, sandwich_norms=True, scaled_embeddings=True,
                                 tied_by_default=True, max_position_embeddings=131_072, sliding_window=4096,

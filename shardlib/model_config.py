@@ -372,7 +372,6 @@ class ModelConfig:
         # the family's modules do not read is checked, then ignored, as transformers ignores it.
         biased = flag("attention_bias", raw.get("attention_bias")) and family.reads_attention_bias
         mlp_biased = flag("mlp_bias", raw.get("mlp_bias")) and family.reads_mlp_bias
-        experts, per_token = raw.get("num_local_experts"), raw.get("num_experts_per_tok")
 
         def default(key: str, value: Any) -> Any:
             return value if raw.get(key) is None else raw[key]
@@ -396,8 +395,8 @@ class ModelConfig:
             mlp_bias=mlp_biased,
             **extra,
             torch_dtype=_dtype_field(raw),
-            num_local_experts=0 if experts is None else experts,
-            num_experts_per_tok=0 if per_token is None else per_token,
+            num_local_experts=default("num_local_experts", family.num_local_experts),
+            num_experts_per_tok=default("num_experts_per_tok", family.num_experts_per_tok),
             bos_token_id=token_id("bos_token_id", raw.get("bos_token_id")),
             eos_token_id=token_ids("eos_token_id", raw.get("eos_token_id")),
             pad_token_id=token_id("pad_token_id", raw.get("pad_token_id")),

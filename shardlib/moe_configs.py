@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from shardlib.config_fields import field_error, mapping, positive_number, show
+from shardlib.families import traits
 
 MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "dbrx")
 _ACTIVATIONS = ("silu",)  # what workers/moe.py's experts compute
@@ -47,8 +48,9 @@ def _qwen3_moe(raw: dict) -> tuple[dict, dict]:
     out = dict(raw)
     experts = raw.get("num_local_experts", raw.get("num_experts"))  # transformers 5 / 4 spelling
     out["num_local_experts"] = experts
-    if raw.get("moe_intermediate_size") is not None:
-        out["intermediate_size"] = raw["moe_intermediate_size"]  # the experts' width; no dense layer uses the other
+    # The experts' width (transformers' default where it is missing); no dense layer uses the other.
+    width = raw.get("moe_intermediate_size")
+    out["intermediate_size"] = traits("qwen3_moe").moe_intermediate_size if width is None else width
     dense_layers = raw.get("mlp_only_layers") or []
     step = raw.get("decoder_sparse_step", 1)
     if dense_layers or step not in (1, None):

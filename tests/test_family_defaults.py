@@ -131,3 +131,35 @@ def test_gemma3_keeps_its_own_rope_blocks_original_context():
     reference = reference_config("gemma3_text", **{**TINY, **fields})
     assert config.rope_scaling["original_max_position_embeddings"] == 16
     assert reference.rope_parameters["full_attention"]["original_max_position_embeddings"] == 16
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_expert_counts_and_width_left_out_take_transformers_defaults(model_type):
+    """A Mixtral or Qwen3-MoE config.json without its expert counts (or Qwen3-MoE's expert width)
+    was refused (num_local_experts 0), and Qwen3-MoE's experts took the dense intermediate_size,
+    where transformers builds 8 of 2 (Mixtral) and 128 of 8, 768 wide (Qwen3-MoE)."""
+    raw = {"model_type": model_type, **TINY, "intermediate_size": 4096}
+    config = ModelConfig.from_dict(raw)
+    reference = reference_config(**raw)
+    experts = reference.num_local_experts if model_type == "mixtral" else reference.num_experts
+    assert config.num_local_experts == experts
+    assert config.num_experts_per_tok == reference.num_experts_per_tok
+    width = getattr(reference, "moe_intermediate_size", reference.intermediate_size)
+    assert config.intermediate_size == width
+    family = traits(model_type)
+    assert (family.num_local_experts, family.num_experts_per_tok) == (config.num_local_experts,
+                                                                       config.num_experts_per_tok)
+    if model_type == "qwen3_moe":
+        assert ModelConfig.from_dict({**raw, "moe_intermediate_size": 48}).intermediate_size == 48
+
+
+def test_dbrx_nested_defaults_are_transformers():
+    from transformers import DbrxConfig
+
+    reference = DbrxConfig()
+    config = ModelConfig.from_dict({"model_type": "dbrx", "d_model": 32, "n_heads": 2, "n_layers": 1,
+                                    "vocab_size": 64, "max_seq_len": 128})
+    assert config.num_local_experts == reference.ffn_config.moe_num_experts
+    assert config.num_experts_per_tok == reference.ffn_config.moe_top_k
+    assert config.intermediate_size == reference.ffn_config.ffn_hidden_size
+    assert config.num_key_value_heads == reference.attn_config.kv_n_heads
