@@ -550,7 +550,7 @@ class Launcher:
 
         cfg, tp = self.config, self.plan.tp_degree
         device = backend_entry(backend).ray_resource
-        share = dict(ray_resource=device, cores_per_rank=self.plan.cores_per_rank, tp=tp,
+        share = dict(ray_resource=device, tp=tp,
                      node_cpus=[n.total.get("CPU", 0.0) for n in nodes], nodes=cfg.nodes)
         if cfg.replicas != "auto":
             return rank_resources(**share, replicas=cfg.replicas, cpus_per_rank=cfg.cpus_per_rank), cfg.replicas

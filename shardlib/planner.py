@@ -178,7 +178,7 @@ class Plan:
     lnc: int
     """The LNC asked for (or the instance default); an invalid one is reported, checks use the default."""
     cores_per_rank: int
-    """Physical NeuronCores a rank drives (= LNC; Ray's `neuron_cores` per rank); 1 on cpu."""
+    """Physical NeuronCores a rank drives (= LNC; one logical core, one of Ray's `neuron_cores`); 1 on cpu."""
     ranks_per_node: int
     logical_cores_per_node: int | None
     """None when the node's core count is unknown (see InstanceType.core_count_known)."""

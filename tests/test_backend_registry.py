@@ -64,24 +64,41 @@ def test_a_registered_backend_is_offered_and_accepted(fake_backend, capsys):
 
 # ---- Ray bundles --------------------------------------------------------------------------------
 def test_bundles_come_from_the_registry():
-    def bundle(name: str, cores_per_rank: int = 1) -> dict:
-        resources = rank_resources(backend_entry(name).ray_resource, cores_per_rank, tp=2, node_cpus=[4.0])
-        return resources.bundle
+    def bundle(name: str) -> dict:
+        return rank_resources(backend_entry(name).ray_resource, tp=2, node_cpus=[4.0]).bundle
 
     assert bundle("cpu") == {"CPU": 2}
-    assert bundle("neuron", cores_per_rank=2) == {"neuron_cores": 2, "CPU": 1}  # the LNC
+    assert bundle("neuron") == {"neuron_cores": 1, "CPU": 1}  # one logical core, whatever the LNC
     assert bundle("cuda") == {"GPU": 1, "CPU": 1}
 
 
+def test_a_trn2_node_holds_tp_64_at_lnc_2_as_ray_counts_its_cores():
+    """Ray's neuron_cores are the cores the Neuron runtime shows (neuron-ls): 64 logical ones on a
+    trn2.48xlarge at LNC 2, whose IDs Ray writes into NEURON_RT_VISIBLE_CORES. A rank asked for
+    LNC (2) of them: TP 64 needed 128 and named cores 64-127, which the runtime does not have."""
+    from launcher.cluster.resources import groups_that_fit
+    from shardlib.instances import get_instance
+    from shardlib.planner import plan
+    from tests.test_planner import LLAMA_405B
+
+    trn2_plan = plan(LLAMA_405B, instance="trn2.48xlarge", tp=64, lnc=2)
+    assert trn2_plan.valid and trn2_plan.cores_per_rank == 2  # physical cores driven: reported, not asked of Ray
+    trn2 = get_instance("trn2.48xlarge")
+    node = {"CPU": 192.0, "neuron_cores": float(trn2.logical_cores(trn2.default_lnc))}
+    assert node["neuron_cores"] == 64
+    bundle = rank_resources("neuron_cores", tp=64, node_cpus=[192.0]).bundle
+    assert groups_that_fit([node], bundle, tp=64, max_nodes=1) == 1
+
+
 def test_actor_options_claim_gpus_the_way_ray_takes_them():
-    gpu = rank_resources("GPU", 1, tp=2, node_cpus=[4.0])
+    gpu = rank_resources("GPU", tp=2, node_cpus=[4.0])
     assert actor_options(gpu) == {"num_cpus": 1, "num_gpus": 1, "resources": {}}
-    neuron = rank_resources("neuron_cores", 2, tp=2, node_cpus=[4.0])
-    assert actor_options(neuron) == {"num_cpus": 1, "num_gpus": 0, "resources": {"neuron_cores": 2}}
+    neuron = rank_resources("neuron_cores", tp=2, node_cpus=[4.0])
+    assert actor_options(neuron) == {"num_cpus": 1, "num_gpus": 0, "resources": {"neuron_cores": 1}}
 
 
 def test_a_registered_backend_gets_its_bundle(fake_backend):
-    resources = rank_resources(backend_entry("fake").ray_resource, 1, tp=2, node_cpus=[4.0])
+    resources = rank_resources(backend_entry("fake").ray_resource, tp=2, node_cpus=[4.0])
     assert resources.bundle == {"fake_accelerator": 1, "CPU": 1}
     why = missing_resource("fake_accelerator", [{"CPU": 2.0}], ["node a"])
     assert "no alive node of the Ray cluster declares fake_accelerator (node a has {CPU: 2})" in why

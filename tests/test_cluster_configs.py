@@ -65,8 +65,9 @@ def test_aws_configs_declare_neuron_cores_and_set_up_neuron(name):
     assert config["head_node_type"] in node_types and len(node_types) >= 2  # a head and workers
     for node_type in node_types.values():
         assert node_type["node_config"]["InstanceType"] == instance.name
-        # the planner's core count for the instance is what Ray is told the node has
-        assert node_type["resources"]["neuron_cores"] == instance.physical_cores
+        # the cores the Neuron runtime shows at the instance's default LNC (trn2: 64 logical of 128
+        # physical) are what Ray is told the node has, one per rank
+        assert node_type["resources"]["neuron_cores"] == instance.logical_cores(instance.default_lnc)
     setup = "\n".join(config["setup_commands"])
     assert "https://pip.repos.neuron.amazonaws.com" in setup
     assert "corelaunch[neuron]" in setup

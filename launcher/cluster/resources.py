@@ -47,18 +47,22 @@ def cpu_rank_resources(tp: int, node_cpus: Sequence[float] | float, nodes: int =
     return RankResources(bundle={"CPU": cpus_per_rank}, num_cpus=cpus_per_rank, threads=threads)
 
 
-def device_rank_resources(resource: str, cores_per_rank: int) -> RankResources:
-    """A device rank's bundle: cores_per_rank of `resource` plus one CPU, one torch thread."""
-    return RankResources(bundle={resource: cores_per_rank, "CPU": 1}, num_cpus=1, threads=1)
+def device_rank_resources(resource: str) -> RankResources:
+    """A device rank's bundle: one of `resource` plus one CPU, one torch thread. One GPU; or one
+    NeuronCore as the Neuron runtime counts them, a logical core at the node's LNC (Ray's
+    `neuron_cores` come from neuron-ls, and the IDs Ray writes into NEURON_RT_VISIBLE_CORES are
+    read by the runtime as logical cores: two per rank at LNC 2 would claim four physical cores,
+    and TP 64 would name cores 64-127, which do not exist)."""
+    return RankResources(bundle={resource: 1, "CPU": 1}, num_cpus=1, threads=1)
 
 
-def rank_resources(ray_resource: str | None, cores_per_rank: int, tp: int, node_cpus: Sequence[float] | float,
+def rank_resources(ray_resource: str | None, tp: int, node_cpus: Sequence[float] | float,
                    nodes: int = 1, replicas: int = 1, cpus_per_rank: float | None = None) -> RankResources:
     """One rank's resources for a backend whose registry entry asks for `ray_resource`
     (workers.backends.BackendEntry): device_rank_resources, or for None a CPU share
     (cpu_rank_resources, which the remaining arguments are for)."""
     if ray_resource is not None:
-        return device_rank_resources(ray_resource, cores_per_rank)
+        return device_rank_resources(ray_resource)
     return cpu_rank_resources(tp, node_cpus, nodes=nodes, replicas=replicas, cpus_per_rank=cpus_per_rank)
 
 

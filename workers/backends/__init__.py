@@ -59,8 +59,9 @@ class BackendEntry:
     found_when: str = ""
     """When detect finds the device, in words (for --help)."""
     ray_resource: str | None = None
-    """The Ray resource one rank's bundle asks for: plan.cores_per_rank of it (the LNC on Neuron,
-    else 1) plus one CPU. None: the rank takes a share of the cluster's CPUs instead."""
+    """The Ray resource one rank's bundle asks for: one of it (one GPU; one logical NeuronCore,
+    as Ray and the Neuron runtime count them at the node's LNC) plus one CPU. None: the rank
+    takes a share of the cluster's CPUs instead."""
     constructor_options: tuple[str, ...] = ()
     """WorkerSpec fields passed to the Backend's constructor as keyword arguments."""
     granularities: tuple[str, ...] = ()
