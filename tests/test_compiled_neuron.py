@@ -2,9 +2,10 @@
 
 No Neuron device or SDK exists here, so this checks only corelaunch's side: one trace per bucket
 shape with inputs of that shape, the graphs saved into the compile cache and loaded back as this
-rank alone, a second start loading instead of tracing, and the traced step's math (run on CPU by
-the stand-in: device-resident cache prefixes, prefill over the prompt itself) giving the eager
-model's greedy tokens. Whether the real SDK accepts it is unverified.
+rank alone, a second start loading instead of tracing, the graphs compiled for the plan's LNC, no
+buffer written in place (ModelBuilder supports only assigning a buffer a new tensor), and the
+traced step's math (run on CPU by the stand-in: device-resident cache prefixes, prefill over the
+prompt itself) giving the eager model's greedy tokens. Whether the real SDK accepts it is unverified.
 """
 
 from __future__ import annotations
@@ -53,8 +54,16 @@ class FakeNxD:
             def __call__(self, *args):
                 key = tuple(tuple(a.shape) for a in args)
                 assert key in fake.shapes, f"no graph traced for input shapes {key}"
+                # ModelBuilder keeps a buffer's update only when forward assigns the buffer a new
+                # tensor of its shape and dtype; in-place writes into a buffer are not supported.
+                before = {name: (buf, buf.clone()) for name, buf in self.module.named_buffers()}
                 with torch.inference_mode():
-                    return self.module(*args)
+                    out = self.module(*args)
+                for name, buf in self.module.named_buffers():
+                    old, contents = before[name]
+                    assert torch.equal(old, contents), f"buffer {name} written in place"
+                    assert (buf.shape, buf.dtype) == (old.shape, old.dtype), f"buffer {name} changed shape or dtype"
+                return out
 
         class ModelBuilder:
             def __init__(self, module):
@@ -65,7 +74,8 @@ class FakeNxD:
                 fake.shapes.add(tuple(tuple(a.shape) for a in args))
                 return self
 
-            def compile(self, compiler_workdir=None):
+            def compile(self, compiler_workdir=None, compiler_args=None):
+                fake.compiler_args = compiler_args
                 return NxDModel(fake.module)
 
         self.shapes: set = set()
@@ -87,6 +97,8 @@ def test_one_trace_per_bucket_saved_then_loaded_as_this_rank_and_tokens_match_ea
     model = NeuronCompiledModel(eager_model(), buckets, rank=0, world_size=1, cache_dir=str(tmp_path),
                                 import_module=fake.import_module)
     assert fake.traced == [f"{p}-b{b}-l{n}" for p, b, n in buckets.shapes()]
+    # built for the plan's LNC (neuronx-cc's own default on trn2 is 2), the documented defaults kept
+    assert fake.compiler_args.split()[-1] == "--lnc=1" and "--model-type=transformer" in fake.compiler_args
     assert fake.saved == [str(tmp_path / "neuron-rank-0.pt")]
     assert fake.loaded == [(str(tmp_path / "neuron-rank-0.pt"), 0, 1)]
     assert not any("_cache_" in name for name in fake.weights[0])  # weights only; the cache is device state
@@ -101,3 +113,10 @@ def test_one_trace_per_bucket_saved_then_loaded_as_this_rank_and_tokens_match_ea
     NeuronCompiledModel(eager_model(), buckets, rank=0, world_size=1, cache_dir=str(tmp_path),
                         import_module=again.import_module)
     assert again.traced == [] and again.loaded == [(str(tmp_path / "neuron-rank-0.pt"), 0, 1)]
+
+
+def test_graphs_are_compiled_for_the_plans_lnc(tmp_path):
+    fake = FakeNxD()
+    NeuronCompiledModel(eager_model(), Buckets.build(context=[8], token=[16], batch=[1]), rank=0, world_size=1,
+                        cache_dir=str(tmp_path), import_module=fake.import_module, lnc=2)
+    assert "--lnc=2" in fake.compiler_args.split()

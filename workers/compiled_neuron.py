@@ -10,7 +10,12 @@ The design differs from the CPU path (workers/compiled.py) where the device forc
 - the KV cache lives on the device as the traced module's buffers, which neuronx-distributed keeps
   as state between calls: one cache of (largest batch bucket, kv_heads, largest token bucket,
   head_dim) per layer. Graphs for smaller buckets use its leading rows and slots (NxD Inference
-  does the same), so every graph shares one set of state tensors;
+  does the same), so every graph shares one set of state tensors. ModelBuilder keeps a buffer's
+  update only when forward assigns the buffer a new tensor of the same shape and dtype (it aliases
+  that output to the buffer); an in-place write into the buffer is not supported. So each step
+  writes into a copy of every cache and assigns the copy back;
+- the graphs are compiled for the plan's LNC (`--lnc`: neuronx-cc otherwise builds for trn2's
+  default, 2, and a graph runs only at the LNC it was built for);
 - a context-encoding graph writes slots [0, context) and attends over the prompt itself; a
   token-generation graph for bucket t writes one slot and attends over slots [0, t);
 - each Ray actor drives one rank: the NxDModel is built with start_rank=rank, local_ranks_size=1,
@@ -31,6 +36,14 @@ from shardlib.buckets import Buckets
 from workers.kv_cache import write_kv
 from workers.model import ShardedCausalLM
 from workers.step import EAGER, run_step
+
+COMPILER_ARGS = "--enable-saturate-infinity --auto-cast=none --model-type=transformer -O1"
+"""ModelBuilder.compile's documented defaults, which apply only when no compiler_args are given:
+kept, with --lnc added (compiler_args)."""
+
+
+def compiler_args(lnc: int) -> str:
+    return f"{COMPILER_ARGS} --lnc={lnc}"
 
 
 class NeuronStep(nn.Module):
@@ -55,17 +68,21 @@ class NeuronStep(nn.Module):
         the cache's first attention_mask.shape[1] slots."""
         batch, seq = input_ids.shape
         slots = attention_mask.shape[1]
-        count = self.model.config.num_hidden_layers
-        ks = [getattr(self, f"k_cache_{i}")[:batch, :, :slots] for i in range(count)]
-        vs = [getattr(self, f"v_cache_{i}")[:batch, :, :slots] for i in range(count)]
+        names = [f"{kind}_cache_{i}" for kind in "kv" for i in range(self.model.config.num_hidden_layers)]
+        # Out of place (see the module docstring): the step writes into copies, assigned back below.
+        caches = [getattr(self, name).clone() for name in names]
+        views = [cache[:batch, :, :slots] for cache in caches]
+        ks, vs = views[:len(views) // 2], views[len(views) // 2:]
         if seq > 1:
             logits, new_k, new_v = run_step(self.model, EAGER, input_ids, position_ids, attention_mask,
                                             cache_positions, None, logit_index)
             for k_cache, v_cache, k, v in zip(ks, vs, new_k, new_v):
                 write_kv(k_cache, v_cache, cache_positions, k, v)
-            return logits
-        logits, _, _ = run_step(self.model, EAGER, input_ids, position_ids, attention_mask, cache_positions,
-                                (ks, vs), logit_index)
+        else:
+            logits, _, _ = run_step(self.model, EAGER, input_ids, position_ids, attention_mask, cache_positions,
+                                    (ks, vs), logit_index)
+        for name, cache in zip(names, caches):
+            setattr(self, name, cache)  # same shape and dtype: ModelBuilder aliases it to the buffer
         return logits
 
 
@@ -83,7 +100,7 @@ class NeuronCompiledModel:
     """Drop-in for ShardedCausalLM in workers.engine.generate on a Neuron device (UNVERIFIED)."""
 
     def __init__(self, model: ShardedCausalLM, buckets: Buckets, rank: int, world_size: int,
-                 cache_dir: str | None, import_module) -> None:
+                 cache_dir: str | None, import_module, lnc: int = 1) -> None:
         self.model, self.buckets = model, buckets
         self.config, self.collectives, self.dtype = model.config, model.collectives, model.dtype
         self._graphs: list[tuple[str, int, int]] = []
@@ -96,7 +113,8 @@ class NeuronCompiledModel:
             for phase, batch, length in buckets.shapes():
                 builder.trace(args=self._example(phase, batch, length), tag=f"{phase}-b{batch}-l{length}")
                 self._graphs.append((phase, batch, length))
-            builder.compile(compiler_workdir=str(workdir / "neuronx-cc")).save(str(saved))
+            builder.compile(compiler_workdir=str(workdir / "neuronx-cc"),
+                            compiler_args=compiler_args(lnc)).save(str(saved))
         # Loaded back as this rank alone: one process drives one rank (and holds its weights only).
         self._nxd = nxd.NxDModel.load(str(saved), start_rank=rank, local_ranks_size=1)
         weights = {name: tensor for name, tensor in step.state_dict().items() if "_cache_" not in name}

@@ -94,7 +94,7 @@ class NeuronBackend(Backend):
         from workers.compiled_neuron import NeuronCompiledModel
 
         return NeuronCompiledModel(model, compile.buckets, model.rank, model.layout.tp_degree,
-                                   compile.cache_dir, import_neuron_module)
+                                   compile.cache_dir, import_neuron_module, lnc=self.lnc)
 
     def shutdown(self) -> None:
         leave_torch_distributed()
