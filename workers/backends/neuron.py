@@ -2,24 +2,33 @@
 neuronx-distributed APIs; UNVERIFIED: no Neuron device exists where corelaunch is developed and tested.
 
 What it does on a Neuron host:
-- `setup_process` checks that the real Neuron libraries are importable (the PyPI packages of the same
-  names are placeholders raising ImportError) and that the runtime LNC matches the plan's LNC
-  (`NEURON_LOGICAL_NC_CONFIG`; a graph compiled for one LNC cannot run at another). Ray itself sets
-  `NEURON_RT_VISIBLE_CORES` for each actor from its `neuron_cores` bundle.
-- `init_process_group` joins torch.distributed over the XLA backend and initialises
-  neuronx-distributed's tensor-parallel state with the group's TP degree.
+- `setup_process` checks that the runtime LNC matches the plan's LNC (`NEURON_LOGICAL_NC_CONFIG`;
+  a graph compiled for one LNC cannot run at another), sets it, then checks that the real Neuron
+  libraries are importable (the PyPI packages of the same names are placeholders raising
+  ImportError). Ray itself sets `NEURON_RT_VISIBLE_CORES` for each actor from its `neuron_cores`
+  bundle (one logical core).
+- `init_process_group` describes the group to torch-neuronx the way torchrun does (RANK,
+  WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR/PORT, TORCHELASTIC_RUN_ID: what
+  its multi-process set-up reads, and what Ray Train's XLA backend sets; without them every rank
+  takes itself for the only process and a collective reduces over one), gives the group its own
+  root communicator address (NEURON_RT_ROOT_COMM_ID: a port rank 0 picks, shared through the
+  process group's store, where the default is one fixed port per host for every group), joins
+  torch.distributed over the XLA backend and initialises neuronx-distributed's tensor-parallel
+  state with the group's TP degree and the LNC.
 """
 
 from __future__ import annotations
 
 import datetime
 import importlib
+import inspect
 import os
 
 import torch
 
 from workers.backends.base import Backend, CompileOptions, RendezvousInfo, leave_torch_distributed
 from workers.collectives import Collectives, TorchDistributedCollectives
+from workers.net import free_port
 
 _INSTALL_HINT = (
     "install the AWS Neuron SDK packages from the AWS Neuron pip repository on a Trainium/Inferentia "
@@ -45,33 +54,37 @@ class NeuronBackend(Backend):
         self.lnc = lnc
 
     def setup_process(self, rank: int, world_size: int, threads: int) -> None:
-        import_neuron_module("torch_neuronx")
-        import_neuron_module("neuronx_distributed")
         runtime_lnc = os.environ.get("NEURON_LOGICAL_NC_CONFIG")
-        if runtime_lnc is not None and int(runtime_lnc) != self.lnc:
+        if runtime_lnc is not None and runtime_lnc.strip() != str(self.lnc):
             raise RuntimeError(
                 f"NEURON_LOGICAL_NC_CONFIG={runtime_lnc} on this host but the plan was made for LNC "
                 f"{self.lnc}; compile-time and runtime LNC must be equal: pass --lnc {runtime_lnc} or "
                 f"unset the variable"
             )
-        os.environ["NEURON_LOGICAL_NC_CONFIG"] = str(self.lnc)
+        os.environ["NEURON_LOGICAL_NC_CONFIG"] = str(self.lnc)  # before the runtime is loaded
+        import_neuron_module("torch_neuronx")
+        import_neuron_module("neuronx_distributed")
         torch.set_num_threads(max(1, int(threads)))
 
     def init_process_group(self, rendezvous: RendezvousInfo, rank: int, world_size: int,
                            timeout_s: float, node_groups: list[list[int]] | None = None) -> Collectives:
         import torch.distributed as dist
 
+        # The launcher's rendezvous wins over anything inherited from the environment: a stale
+        # MASTER_ADDR would send the ranks to different places and they would wait until the timeout.
+        os.environ.update(torchrun_environment(rank, world_size, node_groups or [list(range(world_size))],
+                                               rendezvous))
         import_neuron_module("torch_xla")
         parallel_state = import_neuron_module("neuronx_distributed.parallel_layers.parallel_state")
         # Registers the "xla" process-group backend with torch.distributed.
         import_neuron_module("torch_xla.distributed.xla_backend")
-        # The launcher's rendezvous wins over anything inherited from the environment: a stale
-        # MASTER_ADDR would send the ranks to different places and they would wait until the timeout.
-        os.environ["MASTER_ADDR"] = rendezvous.host
-        os.environ["MASTER_PORT"] = str(rendezvous.port)
         dist.init_process_group(backend="xla", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
+        # Before the first collective (initialize_model_parallel runs one), which sets the runtime's
+        # communicator up at this address.
+        os.environ["NEURON_RT_ROOT_COMM_ID"] = shared_root_comm_id(default_store(), rank, rendezvous.host)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size,
+                                                 **lnc_options(parallel_state.initialize_model_parallel, self.lnc))
         return TorchDistributedCollectives()
 
     @property
@@ -98,3 +111,48 @@ class NeuronBackend(Backend):
 
     def shutdown(self) -> None:
         leave_torch_distributed()
+
+
+def torchrun_environment(rank: int, world_size: int, node_groups: list[list[int]],
+                         rendezvous: RendezvousInfo) -> dict[str, str]:
+    """The variables torchrun gives each process, for this rank of the group: torch-neuronx's
+    multi-process set-up reads them (the run id is what makes it treat the world as several
+    processes). node_groups: the group's ranks on each node, in rank order."""
+    node = next(i for i, ranks in enumerate(node_groups) if rank in ranks)
+    local = node_groups[node]
+    return {"RANK": str(rank), "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(local.index(rank)), "LOCAL_WORLD_SIZE": str(len(local)),
+            "GROUP_RANK": str(node), "GROUP_WORLD_SIZE": str(len(node_groups)),
+            "MASTER_ADDR": rendezvous.host, "MASTER_PORT": str(rendezvous.port),
+            "TORCHELASTIC_RUN_ID": f"corelaunch-{rendezvous.host}-{rendezvous.port}"}  # the same on every rank
+
+
+_ROOT_COMM_KEY = "corelaunch/neuron_root_comm_id"
+
+
+def default_store():
+    """The store of torch.distributed's default group (what init_process_group rendezvoused through)."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+def shared_root_comm_id(store, rank: int, host: str) -> str:
+    """host:port of the group's root communicator: rank 0 picks a port free on its host and every
+    rank reads it from the store (which waits for rank 0). Without it the runtime uses one fixed
+    port on each host, which two groups there (replicas) would both take."""
+    if rank == 0:
+        store.set(_ROOT_COMM_KEY, f"{host}:{free_port(host='')}")
+    return store.get(_ROOT_COMM_KEY).decode()
+
+
+def lnc_options(initialize_model_parallel, lnc: int) -> dict:
+    """initialize_model_parallel's lnc_size where the installed neuronx-distributed takes it (its
+    replica groups on trn2 depend on it); older releases lack it, and run only LNC 1."""
+    if "lnc_size" in inspect.signature(initialize_model_parallel).parameters:
+        return {"lnc_size": lnc}
+    if lnc != 1:
+        raise RuntimeError(f"the installed neuronx-distributed's initialize_model_parallel takes no lnc_size, so "
+                           f"it cannot build LNC {lnc} groups; install a release that does (the Neuron SDK for "
+                           f"trn2) or pass --lnc 1")
+    return {}
