@@ -525,3 +525,22 @@ def test_a_request_whose_token_choice_fails_is_failed_alone(model_and_expected, 
         status = llm.replica_status()[0]
         assert llm.load() == {"running": 0, "waiting": 0}
     assert status["restarts"] == 0
+
+
+def test_a_request_its_group_drops_unasked_fails_rather_than_ending(model_and_expected, in_process_cluster,
+                                                                    monkeypatch):
+    """The group answers "abort" for a request it drops without being asked (here its scheduler
+    refuses the submission). The reader got a last delta with finish_reason "abort", no reason a
+    delta documents, which the HTTP server passed on to OpenAI clients; it now gets RequestCancelled."""
+    from workers.serving.scheduler import Scheduler
+
+    def refuse(self, sequence):
+        raise ValueError("refused for the test")
+
+    model_dir, _ = model_and_expected
+    with Launcher(model=model_dir, tp=1, max_num_seqs=2, progress=False, **EAGER) as llm:
+        monkeypatch.setattr(Scheduler, "add", refuse)
+        stream = llm.stream(PROMPTS[0], max_new_tokens=NEW_TOKENS)
+        with pytest.raises(RequestCancelled, match="aborted by its TP group"):
+            tokens_of(stream)
+        assert llm.load() == {"running": 0, "waiting": 0}

@@ -48,6 +48,13 @@ class _Stream:
         if isinstance(item, BaseException):
             self.done = True
             raise item
+        if item.finish_reason == "abort" and not self.handle.cancelled:
+            # The group dropped a request its reader never cancelled (it is stopping): an error for
+            # the reader, not an ending it would take for a finished answer ("abort" is no reason
+            # a delta documents, nor one OpenAI's API knows).
+            self.done = True
+            raise RequestCancelled(f"request {self.request_id} was aborted by its TP group, which is stopping "
+                                   f"(the launcher is shutting down), after {len(self.handle.delivered)} token(s)")
         self.events.append(item)
         delta = self.text.delta(item, self.handle.time_to_first_token_s)
         if delta.finish_reason is not None:
