@@ -75,7 +75,8 @@ def check_fits(prompts: Sequence[Sequence[int]], max_new_tokens: int, limit: int
     for i, ids in enumerate(prompts):
         needed = len(ids) + max_new_tokens
         if needed > limit:
+            which = "the prompt" if len(prompts) == 1 else f"prompt {i}"
             raise ValueError(
-                f"prompt {i} has {len(ids)} tokens; with {new_tokens_name} {max_new_tokens} that needs {needed} "
+                f"{which} has {len(ids)} tokens; with {new_tokens_name} {max_new_tokens} that needs {needed} "
                 f"positions but {limit_name} is {limit}: "
                 f"{fix or f'shorten the prompt or lower {new_tokens_name}'}")

@@ -291,7 +291,7 @@ def test_check_refuses_a_prompt_the_serving_rows_cannot_hold_before_the_referenc
     code, report, err = run_check(capsys, "--model", str(long_context), "--prompt-ids", ",".join(["5"] * 4090),
                                   "--num-tokens", "10", "--no-compile")
     assert code == 2 and report is None, err
-    assert ("prompt 0 has 4090 tokens; with --num-tokens 10 that needs 4100 positions but the serving cache's row "
+    assert ("the prompt has 4090 tokens; with --num-tokens 10 that needs 4100 positions but the serving cache's row "
             "(min(max_position_embeddings, 4096) positions) is 4096") in err, err
 
 

@@ -754,9 +754,21 @@ def test_http_errors(client, server, hf):
         reply = requests.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "x"},
                               headers=headers, timeout=10)
         assert reply.status_code == 401 and reply.json()["error"]["code"] == "invalid_api_key"
+        assert reply.headers["www-authenticate"] == "Bearer"
         # names the key's every source: the CLI's flag, the Serve app's argument, the environment
         assert all(source in reply.json()["error"]["message"] for source in ("--api-key", "`api_key`", "CORELAUNCH_API_KEY"))
     assert requests.get(f"{server.url}/v1/models", timeout=10).status_code == 401
+    assert requests.get(f"{server.url}/openapi.json", timeout=10).status_code == 404  # answered without the key
+    # Bodies past the server's limit: 413 by the declared length, or as a chunked body arrives
+    # (both were read whole and parsed first); counted as rejected
+    too_large = 'corelaunch_requests_total{finish_reason="rejected",status="413"}'
+    limit = 2 ** 20 + 12 * 4096 * 81  # 1 MiB + 12 bytes x the context (4096) x SmolLM2's longest piece
+    body = b'{"model": "%s", "prompt": "%s"}' % (MODEL.encode(), b"a" * 2 * limit)
+    before = _metric(server, too_large) if too_large in requests.get(f"{server.url}/metrics", timeout=10).text else 0
+    for data in (body, iter([body[i:i + 2 ** 20] for i in range(0, len(body), 2 ** 20)])):
+        reply = requests.post(f"{server.url}/v1/completions", headers=auth, data=data, timeout=60)
+        assert reply.status_code == 413 and reply.json()["error"]["code"] == "request_too_large", reply.text
+    assert _metric(server, too_large) == before + 2
 
 
 @pytest.mark.slow
@@ -866,6 +878,23 @@ def test_client_that_disconnects_frees_its_slot(client, server):
     _wait_idle(server)  # the engine dropped the request rather than generating 2000 tokens
     out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
     assert out.choices[0].finish_reason == "length"
+
+    # A client that leaves a request it did not stream: an abort, and its prompt's tokens counted
+    # (they were counted only for requests that finished)
+    import requests
+
+    prompt_tokens, aborts = "corelaunch_prompt_tokens_total", 'corelaunch_requests_total{finish_reason="abort",status="499"}'
+    before = _metric(server, prompt_tokens), _metric(server, aborts)
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        requests.post(f"{server.url}/v1/completions", timeout=(10, 1.0),
+                      headers={"Authorization": f"Bearer {API_KEY}"},
+                      json={"model": MODEL, "prompt": [28] * 5, "max_tokens": 2000, "ignore_eos": True})
+    _wait_idle(server)
+    deadline = time.monotonic() + 30
+    while _metric(server, aborts) != before[1] + 1:  # counted once the replica saw the disconnect
+        assert time.monotonic() < deadline, "the abort was never counted"
+        time.sleep(0.2)
+    assert _metric(server, prompt_tokens) == before[0] + 5
 
 
 @pytest.mark.slow

@@ -40,12 +40,14 @@ class ServerMetrics:
             "its gap divided evenly among them; tokens arriving with the first count 0)", buckets=ITL_BUCKETS, registry=r)
         self.generated_tokens = Counter("corelaunch_generated_tokens", "Tokens generated (all requests)",
                                         registry=r)
-        self.prompt_tokens = Counter("corelaunch_prompt_tokens", "Prompt tokens of the requests admitted",
+        self.prompt_tokens = Counter("corelaunch_prompt_tokens", "Prompt tokens of the requests admitted "
+                                     "(counted at admission, however they end)",
                                      registry=r)
         self.requests = Counter(
             "corelaunch_requests", "Generation requests by outcome: finish_reason stop|length (completed), "
             "abort (client went away), error (failed while generating), rejected (refused with the "
-            "HTTP status in `status` before generating)",
+            "HTTP status in `status` before generating: 400 bad input, 404, 413, 503 queue full), "
+            "unavailable (503: no TP group can take requests)",
             ["finish_reason", "status"], registry=r)
 
     def render(self) -> bytes:
@@ -55,8 +57,8 @@ class ServerMetrics:
         self.waiting.set(load.get("waiting", 0))
         return generate_latest(self.registry)
 
-    def rejected(self, status: int) -> None:
-        self.requests.labels(finish_reason="rejected", status=str(status)).inc()
+    def rejected(self, status: int, reason: str = "rejected") -> None:
+        self.requests.labels(finish_reason=reason, status=str(status)).inc()
 
     def finished(self, finish_reason: str, status: int = 200) -> None:
         self.requests.labels(finish_reason=finish_reason, status=str(status)).inc()

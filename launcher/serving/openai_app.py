@@ -37,7 +37,8 @@ from launcher.serving.prompt_probe import (head_overfills, length_overfills, lon
 from launcher.serving.server_settings import ServerSettings, api_key_from_environment, settings_from_args
 from launcher.serving.token_pieces import TokenPieces
 
-app = FastAPI(title="corelaunch OpenAI-compatible server", docs_url=None, redoc_url=None)
+# No documentation routes: /openapi.json, /docs and /redoc would answer without the API key.
+app = FastAPI(title="corelaunch OpenAI-compatible server", docs_url=None, redoc_url=None, openapi_url=None)
 
 
 def error_response(err: ProtocolError) -> JSONResponse:
@@ -88,22 +89,55 @@ class _ClosingStreamingResponse(StreamingResponse):
     """A StreamingResponse that always closes its body generator and the engine stream under it.
     Starlette leaves a generator suspended at `yield` open when the client disconnects (or Serve
     cancels the request), and one never started is not run at all by aclose(); either way the engine
-    request would keep its slot until garbage collection."""
+    request would keep its slot until garbage collection. `on_close` runs last, once, even when the
+    body never started (the request's outcome is counted there)."""
 
-    def __init__(self, content, engine_stream, **kwargs):
+    def __init__(self, content, engine_stream, on_close, **kwargs):
         super().__init__(content, **kwargs)
-        self.engine_stream = engine_stream
+        self.engine_stream, self.on_close = engine_stream, on_close
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await asyncio.shield(self.body_iterator.aclose())
-            await asyncio.shield(self.engine_stream.aclose())  # closing twice is harmless
+            try:
+                await asyncio.shield(self.body_iterator.aclose())
+                await asyncio.shield(self.engine_stream.aclose())  # closing twice is harmless
+            finally:
+                self.on_close()
 
 
-async def _json_body(request: Request):
-    raw = await request.body()
+REQUEST_BYTES_FLOOR = 1 << 20
+"""The least a request body may hold (1 MiB), whatever the context (see request_bytes_limit)."""
+
+
+def request_bytes_limit(context_tokens: int, longest_token_chars: int) -> int:
+    """The largest request body read: a prompt longer than context x the vocabulary's longest piece
+    is refused anyway (prompt_probe.py), and JSON spells a character in at most 12 bytes (a
+    surrogate pair's escapes); 1 MiB for the rest of the body. Above it, 413 before the body is
+    parsed: it was read whole and parsed first (200 MB took over a second and its memory twice over)."""
+    return REQUEST_BYTES_FLOOR + 12 * context_tokens * longest_token_chars
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request's body, refused (413) past `limit` bytes: by its Content-Length before reading,
+    else as soon as what arrives passes it."""
+    declared = request.headers.get("content-length", "")
+    too_large = ProtocolError(f"the request body is larger than this server reads ({limit} bytes, from its context "
+                              f"of tokens); send a shorter prompt", status=413, code="request_too_large")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _json_body(request: Request, limit: int):
+    raw = await _read_body(request, limit)
     try:
         return json.loads(raw)
     # ValueError: JSONDecodeError, UnicodeDecodeError, and a number past Python's 4300-digit limit;
@@ -182,6 +216,7 @@ class OpenAIServer:
         self.name = settings.served_model_name
         self.context_tokens = _context_tokens(self.launcher)
         self.metrics = ServerMetrics(self.launcher.load)
+        self.body_limit = request_bytes_limit(self.context_tokens, self._longest_token)
         self.created = int(time.time())
 
     def __del__(self):  # Serve calls it when the replica is stopped
@@ -245,11 +280,15 @@ class OpenAIServer:
 
     # ---- request plumbing ---------------------------------------------------------------------
     async def _tokenized(self, tokenize, *args) -> list[int]:
-        """tokenize(*args) on a thread; its refusal counted as a rejected request."""
+        """tokenize(*args) on a thread; its refusal counted as a rejected request, a client that
+        left meanwhile as an abort."""
         try:
             return await asyncio.to_thread(tokenize, *args)
         except ProtocolError:
             self.metrics.rejected(400)
+            raise
+        except asyncio.CancelledError:
+            self.metrics.finished("abort", 499)
             raise
 
     def _encode(self, text: str) -> list[int]:
@@ -321,13 +360,13 @@ class OpenAIServer:
             raise ProtocolError("missing or wrong API key: send the header `Authorization: Bearer <key>` with the "
                                 "key the server was started with (`corelaunch serve --api-key`, the app's `api_key` "
                                 "argument, or CORELAUNCH_API_KEY)",
-                                status=401, code="invalid_api_key")
+                                status=401, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     async def _body(self, request: Request):
         try:
-            return await _json_body(request)
-        except ProtocolError:
-            self.metrics.rejected(400)
+            return await _json_body(request, self.body_limit)
+        except ProtocolError as err:
+            self.metrics.rejected(err.status)
             raise
 
     def _parse(self, model, body):
@@ -362,9 +401,11 @@ class OpenAIServer:
             raise ProtocolError(str(err), param=limit, code=CONTEXT_LENGTH_EXCEEDED) from None
 
         try:
-            return self.launcher.astream(prompt, req.sampling(), max_new_tokens=max_tokens,
-                                         stop_token_ids=tuple(req.stop_token_ids), stop=tuple(req.stop_strings()),
-                                         ignore_eos=req.ignore_eos, logprobs=logprobs)
+            stream = self.launcher.astream(prompt, req.sampling(), max_new_tokens=max_tokens,
+                                           stop_token_ids=tuple(req.stop_token_ids), stop=tuple(req.stop_strings()),
+                                           ignore_eos=req.ignore_eos, logprobs=logprobs)
+            self.metrics.prompt_tokens.inc(len(prompt))  # admitted: counted whatever happens next
+            return stream
         except ValueError as err:
             self.metrics.rejected(400)
             param = "stop_token_ids" if str(err).startswith("stop_token_ids") else prompt_param
@@ -375,7 +416,7 @@ class OpenAIServer:
             raise ProtocolError(f"the server is at capacity ({err}); retry after {retry} s", status=503,
                                 type="server_error", code="queue_full", headers={"Retry-After": str(retry)}) from None
         except LaunchError as err:  # no replica left serving (Serve replaces this one), or shutting down
-            self.metrics.rejected(503)
+            self.metrics.rejected(503, reason="unavailable")
             raise ProtocolError(f"the model cannot take requests now: {err}", status=503, type="server_error",
                                 code="model_unavailable") from None
 
@@ -383,9 +424,10 @@ class OpenAIServer:
         meta = proto.ResponseMeta.new(render.id_prefix, self.name)
         timer = TokenTimer(self.metrics, arrived)
         if req.stream:
-            events = self._events(stream, render, meta, timer, req.include_usage())
-            return _ClosingStreamingResponse(events, stream, media_type="text/event-stream",
-                                             headers={"Cache-Control": "no-cache"})
+            outcome = {"finish_reason": "abort"}  # a client that leaves before the end, even before the first event
+            events = self._events(stream, render, meta, timer, req.include_usage(), outcome)
+            return _ClosingStreamingResponse(events, stream, lambda: self._count_stream(outcome),
+                                             media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         finish, prompt_tokens, completion_tokens = None, 0, 0
         try:
             async with aclosing(stream):
@@ -401,12 +443,16 @@ class OpenAIServer:
             self.metrics.finished("error", 500)
             return JSONResponse(proto.error_body(f"generation failed: {err}", type="server_error"), status_code=500)
         self.metrics.finished(finish or "stop")
-        self.metrics.prompt_tokens.inc(prompt_tokens)
         return JSONResponse(render.response(meta, finish, proto.usage(prompt_tokens, completion_tokens)))
 
-    async def _events(self, stream, render, meta, timer: TokenTimer, include_usage: bool):
-        """The server-sent events of one streamed request, ending with [DONE]."""
-        outcome, counts = "abort", (0, 0)
+    def _count_stream(self, outcome: dict) -> None:
+        reason = outcome["finish_reason"]
+        self.metrics.finished(reason, {"abort": 499, "error": 500}.get(reason, 200))
+
+    async def _events(self, stream, render, meta, timer: TokenTimer, include_usage: bool, outcome: dict):
+        """The server-sent events of one streamed request, ending with [DONE]; outcome["finish_reason"]
+        is set to how it ended (the response counts it once closed)."""
+        counts = (0, 0)
         try:
             # with include_usage every chunk carries "usage": null but the last, which has the counts
             usage_field = {"usage": None} if include_usage else {}
@@ -420,17 +466,14 @@ class OpenAIServer:
                     if chunk is not None:
                         yield proto.sse_event({**chunk, **usage_field})
                     if delta.finish_reason:
-                        outcome = delta.finish_reason
+                        outcome["finish_reason"] = delta.finish_reason
             if include_usage:
                 yield proto.sse_event(proto.usage_chunk(meta, render.chunk_object, proto.usage(*counts)))
             yield proto.SSE_DONE
         except Exception as err:  # noqa: BLE001 - headers are sent: the error can only be an event
-            outcome = "error"
+            outcome["finish_reason"] = "error"
             yield proto.sse_event(proto.error_body(f"generation failed: {err}", type="server_error"))
             yield proto.SSE_DONE
-        finally:  # also on GeneratorExit/CancelledError: a client that left is an abort
-            self.metrics.finished(outcome, {"abort": 499, "error": 500}.get(outcome, 200))
-            self.metrics.prompt_tokens.inc(counts[0])
 
 
 def build_app(args: dict) -> serve.Application:
