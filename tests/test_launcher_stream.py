@@ -451,6 +451,74 @@ def test_a_group_that_makes_no_step_while_a_request_times_out_is_replaced(model_
         release.set()
 
 
+def test_a_hung_group_is_replaced_even_when_every_client_gives_up_before_its_timeout(
+        model_and_expected, in_process_cluster, monkeypatch):
+    """Clients that close their streams before request_timeout_s (an HTTP client's own timeout)
+    left no late request to judge the group by: a leader stuck in a step was never replaced, kept
+    taking every request, and their cancels stayed unanswered. The group is judged by whether its
+    leader steps while it has work."""
+    import threading
+
+    import workers.serving.loop as loop_module
+
+    real_choose, hang, release = loop_module.choose, threading.Event(), threading.Event()
+
+    def choose(logits, sequences):
+        if hang.is_set():
+            release.wait(120)
+        return real_choose(logits, sequences)
+
+    monkeypatch.setattr(loop_module, "choose", choose)
+    model_dir, expected = model_and_expected
+    try:
+        with Launcher(model=model_dir, tp=1, progress=False, request_timeout_s=2, **EAGER) as llm:
+            first = llm.stream(PROMPTS[0], max_new_tokens=200, ignore_eos=True)
+            next(first)
+            hang.set()
+            hung_at = time.monotonic()
+            first.close()  # each client gives up well before its 2 s
+            while llm.replica_status()[0]["restarts"] < 1:
+                assert time.monotonic() - hung_at < 30, "the hung group was never replaced"
+                stream = llm.stream(PROMPTS[1], max_new_tokens=4)
+                time.sleep(0.5)
+                stream.close()
+            hang.clear()
+            assert time.monotonic() - hung_at < 2 + 10  # about one request timeout, not never
+            assert tokens_of(llm.stream(PROMPTS[1], max_new_tokens=NEW_TOKENS)) == (expected[1], "length")
+    finally:
+        release.set()
+
+
+def test_streams_are_read_between_queued_static_batches(model_and_expected, in_process_cluster, monkeypatch):
+    """A serving group's replica ran every queued static batch before it read its streams again: a
+    stream's tokens (and its deadline, and cancels) waited for the whole backlog (13 s on a busy
+    machine). Now it reads them after each one, the rest still queued."""
+    from launcher.cluster.replica_pool import Replica
+
+    timeline = []
+    real_serve, real_poll = Replica._serve, Replica._poll_streams
+
+    def serve(self, item):
+        timeline.append("static")
+        return real_serve(self, item)
+
+    def poll(self, *args, **kwargs):
+        timeline.append(("poll", self.pool._queue.qsize()))
+        return real_poll(self, *args, **kwargs)
+
+    monkeypatch.setattr(Replica, "_serve", serve)
+    monkeypatch.setattr(Replica, "_poll_streams", poll)
+    model_dir, _ = model_and_expected
+    with Launcher(model=model_dir, tp=1, max_num_seqs=2, max_batch_size=1, progress=False, **EAGER) as llm:
+        stream = llm.stream(PROMPTS[0], max_new_tokens=200, ignore_eos=True)
+        next(stream)
+        llm.generate([PROMPTS[i % len(PROMPTS)] for i in range(6)], max_new_tokens=4, batching="static")
+        stream.close()
+    first, last = timeline.index("static"), len(timeline) - timeline[::-1].index("static") - 1
+    between = [entry for entry in timeline[first:last] if entry != "static"]
+    assert any(queued > 0 for _, queued in between), timeline  # read with static batches still waiting
+
+
 def test_a_stream_past_its_deadline_when_its_group_restarts_times_out_rather_than_resuming(
         model_and_expected, in_process_cluster):
     """Resuming it would prefill its prompt and tokens again, only for it to time out at the next poll."""

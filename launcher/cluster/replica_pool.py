@@ -105,6 +105,12 @@ class Replica:
         handle, since by then the request may have finished and a new one taken its id."""
         self.loop_counters: dict = {}
         """The leader's serving-loop counters at the last poll (steps, step_s, plan_s)."""
+        self._watched_progress: tuple[int, int] | None = None
+        self._quiet_since = 0.0
+        """When the leader's progress last changed while this group had work (see _check_hung)."""
+        self._stall_limit_s: float | None = None
+        """The request timeout of the last stream handed over: how long the group may go without a
+        step while it has work."""
 
     # ---- the serving loop --------------------------------------------------------------------
     def run(self) -> None:
@@ -133,6 +139,10 @@ class Replica:
             if item is _STOP:
                 break
             self._serve(item)
+            if streaming and self.state == "serving":
+                # Between queued static batches too: their backlog held every stream's tokens (and
+                # deadlines, and dropped streams' cancels) until the last had run.
+                self._poll_streams(wait_s=0.0)
         if self.state != "failed":
             self.state = "stopped"
 
@@ -142,7 +152,7 @@ class Replica:
             self.streams[handle.request_id] = handle
             handle.replica = self.index
             if self.state == "serving":
-                self._hand_over(handle, handle.request, self._leader_progress(), time.monotonic())
+                self._hand_over(handle, handle.request)
             # else the restart in progress submits it with the others (_resume_streams)
 
     def cancel_stream(self, request_id: str, only: StreamHandle | None = None) -> None:
@@ -163,13 +173,13 @@ class Replica:
             # else the group is restarting (or gone): no leader will answer, and the restart does
             # not resubmit what is no longer in the books, so the id is free at once
 
-    def _poll_streams(self) -> None:
+    def _poll_streams(self, wait_s: float = POLL_WAIT_S) -> None:
         while not self.dropped.empty():
             dropped = self.dropped.get_nowait()  # only this thread takes from it
             self.cancel_stream(dropped.request_id, only=dropped)
         group = self.started.group
         try:
-            events, load, counters = group.poll(POLL_WAIT_S)
+            events, load, counters = group.poll(wait_s)
         except GroupFault as fault:
             if self.pool.stopping:
                 return
@@ -200,24 +210,32 @@ class Replica:
         for handle in late:
             group.cancel([handle.request_id])
             handle.fail(_overdue(handle, "it was cancelled"))
-        progress = self._leader_progress()
-        stalled = [h for h in late if h.leader_progress_at_submit == progress
-                   and now - h.handed_to_group_at >= h.timeout_s]
-        if stalled and not self.pool.stopping:
-            # The leader made no step and ran no static batch in a whole request timeout since the
-            # request reached this group: the group is hung (a rank stuck in a forward or a device
-            # wait, its keepalives still flowing). Replace it, as a static request's timeout does;
-            # left alone, it looked the least loaded and got every request. (A stream resumed after
-            # a fault with little of its time left is not judged on that remainder.)
-            first = stalled[0]
-            self._restart(RequestTimeout(f"replica {self.index}'s group made no step in the {first.timeout_s:g} s "
-                                         f"request {first.request_id} had; it looks hung and is replaced"))
+        self._check_hung(now)
 
-    def _hand_over(self, handle: StreamHandle, request, progress: tuple[int, int], now: float) -> None:
-        """Submit a stream's request to the group, noting when and at what leader progress (the
-        hung-group check in _poll_streams judges it from there)."""
+    def _check_hung(self, now: float) -> None:
+        """Replace the group when its leader made no step and ran no static batch for a whole request
+        timeout while it had work: streams in flight, or cancels it has not answered. The group is
+        hung (a rank stuck in a forward or a device wait, its keepalives still flowing); left alone,
+        it looked the least loaded and got every request. Judged on the group, not on any one
+        request: clients that give up before their own deadline (an HTTP client's timeout) left no
+        late request to judge it by, and a hang that began after a request's last step cost the next
+        request its whole timeout too. (A stream resumed after a fault with little of its time left
+        is not judged on that remainder.)"""
+        progress = self._leader_progress()
+        with self._streams_lock:
+            busy = bool(self.streams or self.cancelling)
+        if not busy or progress != self._watched_progress:
+            self._watched_progress, self._quiet_since = progress, now
+            return
+        limit = self._stall_limit_s
+        if limit is not None and now - self._quiet_since >= limit and not self.pool.stopping:
+            self._restart(RequestTimeout(f"replica {self.index}'s group made no step in {limit:g} s (the request "
+                                         f"timeout) with requests in flight; it looks hung and is replaced"))
+
+    def _hand_over(self, handle: StreamHandle, request) -> None:
+        """Submit a stream's request to the group (its timeout is what the hung-group check allows)."""
         handle.attempts += 1
-        handle.leader_progress_at_submit, handle.handed_to_group_at = progress, now
+        self._stall_limit_s = handle.timeout_s
         self.started.group.submit([request])
 
     def _leader_progress(self) -> tuple[int, int]:
@@ -237,7 +255,7 @@ class Replica:
                 self.streams.pop(handle.request_id)
                 handle.fail(_overdue(handle, "its group failed and it was not resumed"))
                 continue
-            self._hand_over(handle, handle.resumed(), (0, 0), now)  # the new leader counts from zero
+            self._hand_over(handle, handle.resumed())
 
     def _take_streams(self) -> list[StreamHandle]:
         with self._streams_lock:
@@ -333,6 +351,7 @@ class Replica:
                 self.started = started
                 self.state = "serving"
                 self.loop_counters = {}  # the old leader's: the new one's come with its first poll
+                self._watched_progress = None  # the new group is judged from its start
                 self.cancelling.clear()  # the old group, and whatever it still owed, is gone
                 if getattr(started.group, "serving", False):
                     self._resume_streams()

@@ -35,11 +35,6 @@ class StreamHandle:
         """Times it was handed to a TP group (its replica counts them): 1 unless a fault made a
         restarted group take it again."""
         self.replica: int | None = None
-        self.leader_progress_at_submit: tuple[int, int] = (0, 0)
-        """The leader's (steps, static batches) when the request was last handed to a group, and
-        when (monotonic seconds): a request whose whole timeout passed since with neither moving
-        says the group is hung."""
-        self.handed_to_group_at = self.submitted
         self.cancelled = False
         self.finished = False
         self._lock = threading.Lock()
