@@ -418,14 +418,12 @@ def test_starting_a_running_launcher_again_starts_nothing(model_and_expected, in
     assert len(in_process_cluster.groups) == 1  # placed a second group beside the first before
 
 
-def test_a_group_that_makes_no_step_while_a_request_times_out_is_replaced(model_and_expected, in_process_cluster,
-                                                                           monkeypatch):
-    """A leader stuck in a step (a device wait, say) while its keepalives flow: the request timed out,
-    the group stayed, and, counting no stream, looked the least loaded and got every request after."""
+def leader_that_can_hang(monkeypatch):
+    """(hang, release): while hang is set, the serving leader blocks in its token choice (a rank
+    stuck in a step, its keepalives still flowing) until release is set."""
     import threading
 
     import workers.serving.loop as loop_module
-    from launcher.errors import RequestTimeout
 
     real_choose, hang, release = loop_module.choose, threading.Event(), threading.Event()
 
@@ -435,6 +433,16 @@ def test_a_group_that_makes_no_step_while_a_request_times_out_is_replaced(model_
         return real_choose(logits, sequences)
 
     monkeypatch.setattr(loop_module, "choose", choose)
+    return hang, release
+
+
+def test_a_group_that_makes_no_step_while_a_request_times_out_is_replaced(model_and_expected, in_process_cluster,
+                                                                           monkeypatch):
+    """A leader stuck in a step (a device wait, say) while its keepalives flow: the request timed out,
+    the group stayed, and, counting no stream, looked the least loaded and got every request after."""
+    from launcher.errors import RequestTimeout
+
+    hang, release = leader_that_can_hang(monkeypatch)
     model_dir, expected = model_and_expected
     try:
         with Launcher(model=model_dir, tp=1, progress=False, request_timeout_s=1, **EAGER) as llm:
@@ -457,18 +465,7 @@ def test_a_hung_group_is_replaced_even_when_every_client_gives_up_before_its_tim
     left no late request to judge the group by: a leader stuck in a step was never replaced, kept
     taking every request, and their cancels stayed unanswered. The group is judged by whether its
     leader steps while it has work."""
-    import threading
-
-    import workers.serving.loop as loop_module
-
-    real_choose, hang, release = loop_module.choose, threading.Event(), threading.Event()
-
-    def choose(logits, sequences):
-        if hang.is_set():
-            release.wait(120)
-        return real_choose(logits, sequences)
-
-    monkeypatch.setattr(loop_module, "choose", choose)
+    hang, release = leader_that_can_hang(monkeypatch)
     model_dir, expected = model_and_expected
     try:
         with Launcher(model=model_dir, tp=1, progress=False, request_timeout_s=2, **EAGER) as llm:
