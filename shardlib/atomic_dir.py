@@ -29,29 +29,44 @@ import socket
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, Callable, Iterator
 
 from shardlib.process_alive import process_alive
-from typing import Iterator
 
 from shardlib.manifest import MANIFEST
 
+_OWNED = re.compile(r"[A-Za-z0-9_]{1,32}-[0-9]+-[0-9a-f]{8}")
+"""HOST-PID-RANDOM, as _owner() and secrets.token_hex(4) write it after `.NAME.v-` / `.NAME.lnk-`."""
+_LEGACY = re.compile(r"[a-z0-9_]{8}")
+"""tempfile.mkdtemp's random part, after the earlier scheme's `.NAME.tmp-` / `.NAME.old-`."""
 STALE_AFTER_S = 24 * 3600.0
 """An unlinked version whose writer cannot be checked (another host) is swept after this long."""
 LEGACY_STALE_AFTER_S = 3600.0
 """Leftovers of the earlier scheme carry no pid: swept after this long."""
 
 
-def refuse_foreign_dir(out_dir: str | Path, what: str, marker: str = MANIFEST) -> None:
-    """FileExistsError when out_dir is a file, or holds files but no `marker`: it is not a directory
-    of the kind being written (`what`, e.g. "a pre-sharded checkpoint"), so replacing it would delete
-    someone's data."""
+def refuse_foreign_dir(out_dir: str | Path, what: str, marker: str = MANIFEST,
+                       read_kind: Callable[[Path], Any] | None = None) -> None:
+    """FileExistsError when out_dir is a file, or holds files but is not a directory of the kind
+    being written (`what`, e.g. "a pre-sharded checkpoint"), so replacing it would delete someone's
+    data: it has no `marker`, or `read_kind` (that kind's manifest reader, raising ValueError or
+    OSError for anything else) refuses it. A marker alone is a file any project may have (a web
+    app's manifest.json was replaced whole), and the other kind of corelaunch directory has one too."""
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():  # a file (or a link to one): iterdir would raise
         raise FileExistsError(f"{out_dir} exists and is not a directory; choose a new or empty directory, or "
                               f"remove the file")
-    if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / marker).is_file():
+    if not (out_dir.exists() and any(out_dir.iterdir())):
+        return
+    if not (out_dir / marker).is_file():
         raise FileExistsError(f"{out_dir} exists and is not {what} (it has no {marker}); choose a new or empty "
                               f"directory, or remove it")
+    if read_kind is not None:
+        try:
+            read_kind(out_dir)
+        except (ValueError, OSError) as err:
+            raise FileExistsError(f"{out_dir} exists and is not {what} (its {marker} is not one: "
+                                  f"{str(err).split('; ')[0]}); choose a new or empty directory, or remove it") from None
 
 
 def unwritable_reason(path: str | Path) -> str | None:
@@ -85,16 +100,17 @@ def names_out_dir(out_dir: str | Path, path: str | Path | None) -> bool:
 
 
 @contextmanager
-def atomic_dir(out_dir: str | Path, what: str, marker: str = MANIFEST) -> Iterator[Path]:
+def atomic_dir(out_dir: str | Path, what: str, marker: str = MANIFEST,
+               read_kind: Callable[[Path], Any] | None = None) -> Iterator[Path]:
     """Yield an empty new version directory to write into. When the block ends normally, its
     files are fsynced and `out_dir` is switched to it atomically; when it raises, it is removed and
     out_dir is left as it was.
 
-    A non-empty out_dir without `marker` is refused first (refuse_foreign_dir). Stale versions left
-    by killed writers are swept before writing.
+    A non-empty out_dir that is not of this kind is refused first (refuse_foreign_dir). Stale
+    versions left by killed writers are swept before writing.
     """
     out_dir = Path(out_dir)
-    refuse_foreign_dir(out_dir, what, marker)
+    refuse_foreign_dir(out_dir, what, marker, read_kind)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     sweep_stale(out_dir)
     version = out_dir.parent / f"{_prefix(out_dir, 'v')}{_owner()}-{secrets.token_hex(4)}"
@@ -135,11 +151,11 @@ def sweep_stale(out_dir: str | Path, now: float | None = None) -> list[Path]:
             age = now - entry.lstat().st_mtime
         except FileNotFoundError:
             continue
-        if kind in ("v", "lnk"):
+        if kind in ("v", "lnk") and _OWNED.fullmatch(rest):
             stale = age > STALE_AFTER_S or not _owner_alive(rest)
-        elif kind in ("tmp", "old"):
+        elif kind in ("tmp", "old") and _LEGACY.fullmatch(rest):
             stale = age > LEGACY_STALE_AFTER_S
-        else:
+        else:  # a name this module never writes (someone's .NAME.v-important): not ours to remove
             continue
         if stale:
             _remove(entry)

@@ -73,7 +73,7 @@ def save_presharded(out_dir: str | Path, model_dir: str | Path, config: ModelCon
     dtype_name = None if dtype is None else normalize_dtype(dtype)
     tp = layout.tp_degree
     per_rank = len(expected_shapes(config))
-    with atomic_dir(out_dir, KIND) as tmp:
+    with atomic_dir(out_dir, KIND, read_kind=read_manifest) as tmp:
         files, stored = [], set()
         for rank in range(tp):
             def report(name: str, done: int, total: int, rank: int = rank) -> None:

@@ -98,3 +98,31 @@ def test_stale_leftovers_are_swept_by_the_next_write_and_live_ones_kept(tmp_path
     assert (out / "data.txt").read_text() == "two"
     assert siblings(tmp_path) == sorted(["d", ad.current_version(out).name, alive.name, remote.name,
                                          legacy_new.name, unrelated.name])
+
+
+def test_the_sweep_leaves_names_it_never_writes(tmp_path):
+    """A user's own .d.v-important or .d.old-2024-backup beside the output was removed by the next
+    write (the first at once: an owner it could not parse counted as gone)."""
+    out = write(tmp_path / "d", "one")
+    theirs = [tmp_path / ".d.v-important", tmp_path / ".d.old-2024-backup", tmp_path / ".d.lnk-notes"]
+    day_ago = time.time() - ad.STALE_AFTER_S - 60
+    for folder in theirs:
+        folder.mkdir()
+        (folder / "keep").write_text("mine")
+        os.utime(folder, (day_ago, day_ago))
+    write(out, "two")
+    assert all((folder / "keep").read_text() == "mine" for folder in theirs)
+
+
+def test_a_directory_with_a_manifest_of_another_kind_is_refused(tmp_path):
+    """A manifest.json alone is a file any project may have: the kind's own reader decides."""
+    webapp = tmp_path / "webapp"
+    webapp.mkdir()
+    (webapp / "manifest.json").write_text('{"name": "my app"}')
+
+    def read_kind(path):
+        raise ValueError(f"{path}/manifest.json lacks buckets; write it with ...")
+
+    with pytest.raises(FileExistsError, match=r"is not a thing \(its manifest.json is not one: .*lacks buckets\)"):
+        ad.refuse_foreign_dir(webapp, "a thing", read_kind=read_kind)
+    ad.refuse_foreign_dir(webapp, "a thing", read_kind=lambda path: {})  # its own kind: replaced

@@ -168,6 +168,49 @@ def test_a_matching_launch_takes_the_directory_settings(model_dir, tmp_path):
     assert compiled_dir.apply_compiled_dir(LaunchConfig(compiled_dir=str(compiled_at_lnc_2))).lnc == 2
 
 
+def test_a_launch_keeps_to_the_version_it_checked(model_dir, tmp_path):
+    """The directory's link was followed again by every rank and every restart: a `corelaunch
+    compile` into the same --out under a running server made a restarted group load the new
+    version's weights with the old settings, unchecked."""
+    first = fake_compiled_dir(tmp_path / ".c.v-host-1-aaaaaaaa", model_dir)
+    (tmp_path / "c").symlink_to(first.name)
+    config = compiled_dir.apply_compiled_dir(LaunchConfig(compiled_dir=str(tmp_path / "c")))
+    other = fake_compiled_dir(tmp_path / ".c.v-host-2-bbbbbbbb", model_dir)
+    (tmp_path / "c").unlink()
+    (tmp_path / "c").symlink_to(other.name)  # what the next compile's swap does
+    assert config.compiled_dir == str(first) and config.presharded_dir == str(first / "weights")
+    assert config.model == str(first / "model")
+    from launcher.artifacts.compiled_dir import load_spec_fields
+    from shardlib.model_config import load_model_config
+    from shardlib.planner import plan
+
+    spec = load_spec_fields(config, plan(load_model_config(config.model), tp=1, seq_len=16),
+                            load_model_config(config.model))
+    assert spec["compile_cache_dir"] == str(first / "cache")
+
+
+def test_serve_plans_a_compiled_directory_as_its_replicas_run_it(model_dir, tmp_path, monkeypatch):
+    """`serve --compiled DIR` planned the built-in SmolLM2 before Serve started (no --model), so its
+    memory check and its refusals (TP against SmolLM2's heads) were another model's."""
+    from launcher import launch_plan
+    from launcher.cli import serve_command
+    from launcher.serving.server_settings import settings_from_args
+
+    root = fake_compiled_dir(tmp_path / "c", model_dir)
+    planned = []
+    real = launch_plan.plan_launch
+
+    def spy(config, progress):
+        planned.append(config)
+        return real(config, progress)
+
+    monkeypatch.setattr(launch_plan, "plan_launch", spy)
+    serve_command._plan(settings_from_args({"compiled_dir": str(root), "backend": "cpu"}))
+    assert planned[0].model == str(root / "model") and planned[0].seq_len == 16
+    with pytest.raises(ValueError, match=r"tp_degree: expected 1 \(compiled\), found 2 \(asked\)"):
+        serve_command._plan(settings_from_args({"compiled_dir": str(root), "backend": "cpu", "tp": 2}))
+
+
 def corelaunch_in_process(capsys, *args: str) -> tuple[int, str]:
     """`corelaunch ARGS` through launcher.cli.main in this process: (exit code, stderr)."""
     from launcher.cli import main
@@ -217,6 +260,28 @@ def test_compile_refuses_an_out_it_cannot_write_naming_it(model_dir, tmp_path, c
                                           str(out))
         assert code == 2 and message in err and "Traceback" not in err, err
     assert afile.read_text() == ""
+
+    # A directory with a manifest.json of its own (a web app's), and a compiled directory's weights
+    # (a pre-sharded checkpoint), were replaced whole: a manifest.json is not enough
+    webapp = tmp_path / "webapp"
+    (webapp / "src").mkdir(parents=True)
+    (webapp / "manifest.json").write_text('{"name": "my app", "start_url": "/"}')
+    (webapp / "src" / "app.js").write_text("keep me")
+    presharded = fake_compiled_dir(tmp_path / "c", model_dir) / "weights"
+    (presharded / "manifest.json").write_text('{"format_version": 1, "config_hash": "x", "model_type": "llama", '
+                                              '"tp_degree": 1, "kv_strategy": "shard", "dtype": "float32", "files": []}')
+    for out in (webapp, presharded):
+        code, err = corelaunch_in_process(capsys, "compile", "--model", str(model_dir), "--buckets", "16", "--out",
+                                          str(out))
+        assert code == 2 and f"--out {out} exists and is not a compiled-model directory (its manifest.json is " \
+            f"not one:" in err, err
+    assert (webapp / "src" / "app.js").read_text() == "keep me"
+    # names that the final swap cannot replace, and whitespace the C++ compiler's command splits on,
+    # failed only after the whole compile
+    for out, message in ((".", "names no directory of its own"), (str(tmp_path / "x" / ".."), "names no directory"),
+                         (str(tmp_path / "sp ace" / "c1"), "has whitespace in its path")):
+        code, err = corelaunch_in_process(capsys, "compile", "--model", str(model_dir), "--buckets", "16", "--out", out)
+        assert code == 2 and message in err, err
 
     # /proc takes no new entry even from root, whose permissions let the look pass: the refused
     # write (after the plan, before Ray) names --out and the fix

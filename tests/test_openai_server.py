@@ -314,6 +314,18 @@ def test_metrics_render_every_name_from_a_private_registry():
     assert re.search(r"corelaunch_inter_token_latency_seconds_sum 0\.3000", text)  # 0.2 + 0 + 0 + 0.1
 
 
+def test_a_compiled_directory_is_served_under_its_own_name(tmp_path):
+    """Not under the hidden version folder its link points to (.c1.v-HOST-PID-RANDOM), which
+    clients would have had to send, and which changes at every compile."""
+    from launcher.serving.server_settings import settings_from_args
+
+    version = tmp_path / ".c1.v-host-1-abcd1234"
+    version.mkdir()
+    (tmp_path / "c1").symlink_to(version.name)
+    assert settings_from_args({"compiled_dir": str(tmp_path / "c1")}).served_model_name == "c1"
+    assert settings_from_args({"compiled_dir": f"{tmp_path}/c1/"}).served_model_name == "c1"
+
+
 def test_server_settings_from_builder_arguments():
     from launcher.serving.server_settings import settings_from_args
 

@@ -77,7 +77,11 @@ def apply_compiled_dir(config):
     from workers.compiled import version_differences
 
     root = Path(config.compiled_dir)
-    manifest = read_manifest(root)
+    # The version the link names now, for the whole launch: every rank, and every restart, reads
+    # the files checked here, not whatever a later `corelaunch compile --out` switched the link to
+    # (a restarted group silently loaded another model's weights). Messages name the link.
+    pinned = root.resolve() if root.is_symlink() else root
+    manifest = read_manifest(pinned)
     differ: list[str] = []
     if manifest["format_version"] != FORMAT_VERSION:
         differ.append(f"format_version: expected {FORMAT_VERSION}, found {manifest['format_version']}")
@@ -123,13 +127,14 @@ def apply_compiled_dir(config):
             f"options that differ so the compiled ones are used"
         )
     return dataclasses.replace(
-        config, model=config.model or str(model_dir(root)), tp=manifest["tp_degree"], dtype=manifest["dtype"],
+        config, compiled_dir=str(pinned),
+        model=config.model or str(model_dir(pinned)), tp=manifest["tp_degree"], dtype=manifest["dtype"],
         backend=manifest["backend"], kv_strategy=manifest["kv_strategy"], seq_len=buckets.max_seq_len,
         pad_q_heads=manifest.get("pad_q_heads", False), sequence_parallel=manifest.get("sequence_parallel", False),
         kv_cache_dtype=manifest.get("kv_cache_dtype"),
         moe_sharding=manifest.get("moe_sharding"), lnc=manifest.get("lnc") or config.lnc,
         compile_granularity=manifest.get("granularity"),
-        presharded_dir=str(weights_dir(root)), context_buckets=buckets.context, token_buckets=buckets.token,
+        presharded_dir=str(weights_dir(pinned)), context_buckets=buckets.context, token_buckets=buckets.token,
         max_batch_size=min(config.max_batch_size, buckets.max_batch_size))
 
 

@@ -123,7 +123,7 @@ def compile_model(args: argparse.Namespace) -> dict:
     offered = backend_entry(planned.backend).granularities
     granularity = args.granularity or (DEFAULT_GRANULARITY if offered else None)
 
-    with atomic_dir(out, compiled_dir.KIND) as tmp:
+    with atomic_dir(out, compiled_dir.KIND, read_kind=compiled_dir.read_manifest) as tmp:
         started = time.perf_counter()
         layout = plan.layout()
         with progress.step(f"writing {plan.tp_degree} rank(s)' pre-sharded weights ({plan.dtype})"):
@@ -168,8 +168,14 @@ def check_out(out: Path) -> None:
     from launcher.artifacts import compiled_dir
     from shardlib.atomic_dir import refuse_foreign_dir, unwritable_reason
 
+    if out.name in ("", ".", ".."):  # the swap renames a link over it: a name is needed (found after the compile)
+        raise ValueError(f"--out {out} names no directory of its own; pass a new path such as {out / 'compiled'}")
+    if any(ch.isspace() for ch in str(out.absolute())):
+        # the compile cache lives inside it, and inductor's C++ compiler command splits on whitespace
+        raise ValueError(f"--out {out} has whitespace in its path ({out.absolute()}), which the C++ compiler's "
+                         f"command line cannot take; pass a path without spaces")
     try:
-        refuse_foreign_dir(out, compiled_dir.KIND)  # a file, or someone's non-empty directory
+        refuse_foreign_dir(out, compiled_dir.KIND, read_kind=compiled_dir.read_manifest)  # a file, someone's directory
     except FileExistsError as err:
         raise ValueError(f"--out {err}") from None
     except OSError as err:  # e.g. a directory this user may not list

@@ -166,10 +166,13 @@ def _plan(settings) -> None:
     import dataclasses
 
     from launcher.api import LaunchConfig
+    from launcher.artifacts.compiled_dir import apply_compiled_dir
     from launcher.launch_plan import check_groups_fit, groups_this_host_holds, plan_launch
     from launcher.progress import Progress
 
     config = LaunchConfig(**settings.launch)
+    if config.compiled_dir is not None:  # its model and settings, as each replica's Launcher takes them
+        config = apply_compiled_dir(config)
     planned = plan_launch(config, Progress(False))
     holds = groups_this_host_holds(dataclasses.replace(config, ray_address="local"), planned.plan, planned.backend)
     name = "--replicas" if settings.autoscaling is None else "--max-replicas"

@@ -127,7 +127,9 @@ def _served_name(args: dict, launch: dict, shown: str = "served_model_name") -> 
     if launch.get("model"):
         return Path(launch["model"]).resolve().name
     if launch.get("compiled_dir"):
-        return Path(launch["compiled_dir"]).resolve().name
+        # the path's own name: resolved, it is the hidden version the link points to
+        # (.c1.v-HOST-PID-RANDOM), which changes at every compile
+        return os.path.basename(os.path.abspath(launch["compiled_dir"]))
     from shardlib.demo_model import DEMO_MODEL_NAME
 
     return DEMO_MODEL_NAME
