@@ -101,6 +101,11 @@ def check_presharded_source(config, model_dir: Path, model_config: ModelConfig) 
         manifest = json.loads(path.read_text())
     except (OSError, ValueError):
         return  # no manifest or a broken one: the ranks' load refuses it with the full story
+    if config.compiled_dir is None and isinstance(manifest, dict) and "buckets" in manifest and "files" not in manifest:
+        # a compiled-model directory (its weights are in weights/): it failed only at the ranks' load
+        raise ValueError(f"--presharded {config.presharded_dir} is a compiled-model directory, not a pre-sharded "
+                         f"checkpoint; start from it with --compiled {config.presharded_dir} (its pre-sharded "
+                         f"weights are its weights/ folder)")
     if not isinstance(manifest, dict) or manifest.get("config_hash") != model_config.config_hash():
         return  # not even the same config: the ranks' load says so, naming every field that differs
     recorded = manifest.get(FIELD)

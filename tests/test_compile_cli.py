@@ -299,3 +299,31 @@ def test_the_console_script_exits_2_on_a_refusal(model_dir, tmp_path):
     root = fake_compiled_dir(tmp_path / "c", model_dir)
     wrong_tp = corelaunch("generate", "--compiled", str(root), "--tp", "2", "--quiet", "t1 t2", timeout=60)
     assert wrong_tp.returncode == 2 and "tp_degree: expected 1 (compiled), found 2 (asked)" in wrong_tp.stderr
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("tp_degree", -1, "field 'tp_degree' must be a positive integer, found -1"),
+    ("lnc", 3, "field 'lnc' must be one of 1, 2, found 3"),
+    ("granularity", "huge", "field 'granularity' must be one of model, layer, model-decode, collective, None, "
+                            "found 'huge'"),
+    ("kv_strategy", "bogus", "field 'kv_strategy' must be one of shard, replicate_to_tp, convert_to_mha"),
+    ("buckets", {"context": [8], "token": [-16], "batch": [1]}, "field 'buckets' is not a valid set of buckets"),
+])
+def test_a_manifest_value_no_compile_writes_is_named_as_the_manifests(model_dir, tmp_path, field, value, message):
+    """Such values were refused by the launch's own checks, naming a flag nobody passed
+    (`--tp (-1) must be a positive integer`), and not the file."""
+    root = fake_compiled_dir(tmp_path / "c", model_dir, **{field: value})
+    with pytest.raises(ValueError) as refused:
+        compiled_dir.apply_compiled_dir(LaunchConfig(compiled_dir=str(root)))
+    assert str(root / "manifest.json") in str(refused.value) and message in str(refused.value), refused.value
+    assert "corelaunch compile" in str(refused.value)
+
+
+def test_a_compiled_directory_given_as_presharded_weights_is_refused_before_the_ranks(model_dir, tmp_path):
+    """It passed every check before Ray and failed only at the ranks' load ("lacks files")."""
+    from launcher.launch_plan import plan_launch
+    from launcher.progress import Progress
+
+    root = fake_compiled_dir(tmp_path / "c", model_dir)
+    with pytest.raises(ValueError, match=rf"--presharded {root} is a compiled-model directory.*--compiled {root}"):
+        plan_launch(LaunchConfig(model=str(model_dir), tp=1, presharded_dir=str(root)), Progress(False))

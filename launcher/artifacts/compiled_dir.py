@@ -54,7 +54,18 @@ _REQUIRED = ("format_version", "config_hash", "tp_degree", "kv_strategy", "dtype
 _FIELDS = {"format_version": int, "config_hash": str, "tp_degree": int, "kv_strategy": str, "dtype": str,
            "backend": str, "buckets": dict, "versions": dict, "granularity": (str, type(None)), "source": str,
            "model_type": str, "graphs": list, "compile_s": float, "sequence_parallel": bool,
-           "kv_cache_dtype": (str, type(None))}
+           "kv_cache_dtype": (str, type(None)), "lnc": int, "pad_q_heads": bool, "moe_sharding": (str, type(None))}
+
+
+def _choices() -> dict[str, tuple]:
+    """The values `corelaunch compile` writes for the manifest's settings."""
+    from shardlib.expert_sharding import MOE_SHARDINGS
+    from shardlib.planner import KV_STRATEGIES
+    from workers.backends import backend_names
+    from workers.granularities import GRANULARITIES
+
+    return {"kv_strategy": KV_STRATEGIES, "dtype": ("float32", "bfloat16", "float16"), "backend": backend_names(),
+            "granularity": (*GRANULARITIES, None), "moe_sharding": (*MOE_SHARDINGS, None), "lnc": (1, 2)}
 
 
 def read_manifest(root: str | Path) -> dict[str, Any]:
@@ -62,10 +73,22 @@ def read_manifest(root: str | Path) -> dict[str, Any]:
     (ValueError naming the field otherwise)."""
     hint = f"write it with `corelaunch compile --model MODEL --tp N --out {root}`"
     manifest = read_manifest_json(root, what=KIND, required=_REQUIRED, write_hint=hint, types=_FIELDS)
+    path = Path(root) / MANIFEST
     for name in ("context", "token", "batch"):
-        for i, size in enumerate(check_field(manifest["buckets"].get(name), list, f"buckets.{name}",
-                                             Path(root) / MANIFEST, hint)):
-            check_field(size, int, f"buckets.{name}[{i}]", Path(root) / MANIFEST, hint)
+        for i, size in enumerate(check_field(manifest["buckets"].get(name), list, f"buckets.{name}", path, hint)):
+            check_field(size, int, f"buckets.{name}[{i}]", path, hint)
+    # Values no compile writes were refused later by the launch's own checks, in the words of a
+    # flag nobody passed (--tp (-1) must be a positive integer).
+    if manifest["tp_degree"] < 1:
+        raise ValueError(f"{path}: field 'tp_degree' must be a positive integer, found {manifest['tp_degree']}; {hint}")
+    for field, allowed in _choices().items():
+        if field in manifest and manifest[field] not in allowed:
+            raise ValueError(f"{path}: field {field!r} must be one of {', '.join(map(str, allowed))}, found "
+                             f"{manifest[field]!r}; {hint}")
+    try:
+        Buckets.from_dict(manifest["buckets"])
+    except ValueError as err:
+        raise ValueError(f"{path}: field 'buckets' is not a valid set of buckets ({err}); {hint}") from None
     return manifest
 
 
