@@ -81,3 +81,20 @@ def test_local_config_names_its_hosts():
     assert config["provider"]["head_ip"] and config["provider"]["worker_ips"]
     assert "available_node_types" not in config  # Ray refuses node types for on-premise clusters
     assert "ray start --address=$RAY_HEAD_IP:6379" in "\n".join(config["worker_start_ray_commands"])
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_nodes_get_a_python_corelaunch_runs_on(name):
+    """The venv came from `python3`, 3.10 on Ubuntu 22.04 (the Neuron DLAMI's), where corelaunch
+    fails on its first asyncio.timeout or exception note: the config makes it with the Python
+    pyproject.toml requires."""
+    import re
+    import tomllib
+
+    pyproject = tomllib.loads((CONFIG_DIR.parent / "pyproject.toml").read_text())
+    required = tuple(int(n) for n in re.fullmatch(r">=(\d+)\.(\d+)", pyproject["project"]["requires-python"]).groups())
+    assert required >= (3, 11)
+    setup = "\n".join(load(name)["setup_commands"])
+    made = re.search(r"python(\d+)\.(\d+) -m venv \$HOME/corelaunch-venv", setup)
+    assert made and tuple(int(n) for n in made.groups()) >= required, setup
+    assert f"python{made.group(1)}.{made.group(2)}-venv" in setup  # Ubuntu ships venv apart

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import queue
-import sys
 import threading
 
 from launcher.cluster.stream_handle import StreamHandle
@@ -181,13 +180,9 @@ def thread_sink(items: queue.Queue):
     return items.put
 
 
-if sys.version_info >= (3, 11):
-    async def _get_within(items: asyncio.Queue, timeout_s: float):
-        async with asyncio.timeout(timeout_s):  # one timer armed
-            return await items.get()
-else:
-    async def _get_within(items: asyncio.Queue, timeout_s: float):
-        return await asyncio.wait_for(items.get(), timeout_s)  # all 3.10 has: a task of its own
+async def _get_within(items: asyncio.Queue, timeout_s: float):
+    async with asyncio.timeout(timeout_s):  # one timer armed, no task of its own (as wait_for makes)
+        return await items.get()
 
 
 async def next_item(items: asyncio.Queue, timeout_s: float):
