@@ -132,6 +132,16 @@ def test_a_group_held_to_one_node_fails_placement_within_its_timeout(cluster, mo
     assert elapsed < 20, f"took {elapsed:.1f} s"
 
 
+def test_a_group_spread_over_more_nodes_than_asked_is_refused(cluster, model_and_expected):
+    """--nodes N is an upper bound: Ray's PACK put a TP 4 group asked to span 2 nodes on 4 (one
+    CPU each), where the plan counted cores and memory over 2."""
+    model_dir, _ = model_and_expected
+    set_worker_nodes(cluster, 4)
+    with pytest.raises(PlacementTimeout, match=r"on 4 nodes, more than the 2 --nodes allows.*--nodes 4"):
+        Launcher(model=model_dir, tp=4, nodes=2, cpus_per_rank=1, placement_timeout_s=20, progress=False,
+                 **EAGER).start()
+
+
 def test_a_node_without_neuron_devices_is_refused_before_the_rendezvous(cluster, model_and_expected):
     model_dir, _ = model_and_expected
     start = time.monotonic()

@@ -104,6 +104,16 @@ class TPGroup:
         self._place()
         _refuse_without_ray()  # Ray shut down while placing: creating the actors would start a new Ray
         placed = bundle_nodes(self._pg)
+        used = len(set(placed.values()))
+        if used > self.nodes:
+            # PACK is Ray's best effort, not a bound: it spreads the bundles over as many nodes as
+            # their free resources dictate; the plan counted cores and memory over --nodes nodes.
+            remove_placement_group(self._pg)
+            self._pg = None
+            raise PlacementTimeout(
+                f"Ray placed the {self.tp_degree} ranks' bundles of {self.resources.bundle} on {used} nodes, more "
+                f"than the {self.nodes} --nodes allows (Ray's PACK spreads them as the nodes' free resources "
+                f"dictate): free resources on fewer nodes, or pass --nodes {used}")
         self.bundle_of_rank = rank_order(placed) or list(range(self.tp_degree))
         self._placed_node = [placed.get(b, "") for b in self.bundle_of_rank]
         for rank, bundle in enumerate(self.bundle_of_rank):
