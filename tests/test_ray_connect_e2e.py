@@ -56,3 +56,62 @@ def test_a_private_cluster_too_small_for_a_group_is_refused_without_waiting_for_
     assert out.returncode == 2, out.stderr[-3000:]
     assert "the private Ray cluster started here cannot place a TP group" in out.stderr
     assert "lower --tp or --cpus-per-rank" in out.stderr
+
+
+CONNECT_FOUND = textwrap.dedent("""
+    import ray
+    from launcher.cluster import ray_cluster
+    connection = ray_cluster.connect(None)
+    print(connection.started_here, ray.cluster_resources().get("CPU"), flush=True)
+""")
+
+
+def test_the_recorded_cluster_is_joined_with_token_authentication_as_ray_joins_it():
+    """Every ray.init() of a private cluster writes ~/.ray/auth_token, and a later `ray start --head`
+    then runs with token authentication. corelaunch joined the cluster it found recorded by its
+    address, for which Ray never turns authentication on, and failed with "no Ray cluster answered
+    ... run `ray stop`", where a plain ray.init() joined."""
+    import secrets
+    import signal
+    import time
+
+    with tempfile.TemporaryDirectory(prefix="clray", dir="/tmp") as tmp:
+        home = Path(tmp) / "home"
+        (home / ".ray").mkdir(parents=True)
+        (home / ".ray" / "auth_token").write_text(secrets.token_hex(32))
+        env = {**os.environ, "RAY_TMPDIR": tmp, "HOME": str(home)}
+        for name in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
+            env.pop(name, None)
+        from workers.net import free_ports
+
+        gcs, client = free_ports(2)
+        head = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--head", "--block",
+                                 f"--port={gcs}", f"--ray-client-server-port={client}", "--num-cpus=1",
+                                 "--include-dashboard=false", "--disable-usage-stats"],
+                                env=env, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        try:
+            record = Path(tmp) / "ray" / "ray_current_cluster"
+            deadline = time.monotonic() + 120
+            while not record.is_file():
+                assert head.poll() is None and time.monotonic() < deadline, "ray start --head did not come up"
+                time.sleep(0.5)
+            out = subprocess.run([sys.executable, "-c", CONNECT_FOUND], capture_output=True, text=True,
+                                 timeout=180, env=env, cwd=REPO)
+            assert out.returncode == 0, out.stderr[-3000:]
+            assert out.stdout.split() == ["False", "1.0"]
+            # given outright, its address gets no authentication (Ray's rule): the refusal says what to set
+            explicit = CONNECT_FOUND.replace("connect(None)", f"connect('127.0.0.1:{gcs}')")
+            out = subprocess.run([sys.executable, "-c", explicit], capture_output=True, text=True, timeout=180,
+                                 env=env, cwd=REPO)
+            assert out.returncode != 0 and "set RAY_AUTH_MODE=token" in out.stderr, out.stderr[-3000:]
+        finally:
+            os.killpg(head.pid, signal.SIGTERM)  # --block: ending it stops the cluster it started
+            try:
+                head.wait(60)
+            except subprocess.TimeoutExpired:
+                pass
+            try:  # and whatever of it is left in its session
+                os.killpg(head.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

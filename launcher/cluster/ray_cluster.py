@@ -151,9 +151,19 @@ def connect(address: str | None = None, num_cpus: int | None = None, worker_logs
         unreachable = _unreachable(address)
         if unreachable is not None:  # ray.init would retry a port nobody listens on for ever
             raise LaunchError(f"no Ray cluster answered at {address!r} ({how}; {unreachable}); {fix}")
+        if how.startswith("the cluster"):
+            # The cluster ray.init() itself would find: Ray turns token authentication on for it when
+            # a token is at hand (a `ray start` after any ray.init() on this machine, which writes
+            # ~/.ray/auth_token, has it on), and never for an address given outright.
+            _token_auth_as_ray_does_for_a_found_cluster()
         try:
             ray.init(address=address, **quiet)
         except ConnectionError as err:
+            if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
+                # Ray's refusal of a missing token reads as any failed connection
+                fix += ("; if the cluster runs with token authentication (`ray start` turns it on where "
+                        "~/.ray/auth_token exists), set RAY_AUTH_MODE=token, with its token in ~/.ray/auth_token "
+                        "or RAY_AUTH_TOKEN")
             raise LaunchError(f"no Ray cluster answered at {address!r} ({how}; {err}); {fix}") from None
         return RayConnection(started_here=False, address=address)
     # address="local" said outright: without it ray.init joins a cluster that `ray start` recorded on
@@ -161,3 +171,15 @@ def connect(address: str | None = None, num_cpus: int | None = None, worker_logs
     ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
              _node_ip_address=LOOPBACK, **quiet)
     return RayConnection(started_here=True, address="local")
+
+
+def _token_auth_as_ray_does_for_a_found_cluster() -> None:
+    """Ray's own step when ray.init() finds a local cluster without being given its address: token
+    authentication on if RAY_AUTH_MODE is unset and a token is at hand (ray._private: absent in
+    another Ray, nothing is done and a refused connection says what to set)."""
+    try:
+        from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
+    except ImportError:
+        return
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
