@@ -352,6 +352,18 @@ def test_prefill_chunks_of_one_bucket_share_a_call_up_to_the_budget():
     assert first_chunks.read_slots == 4  # all start at slot 0: the call's width is all they can see
 
 
+def test_the_plan_moves_no_more_prefill_tokens_than_a_step_can_hold():
+    """The plan tensor every step (and idle heartbeat) all-reduces at TP > 1 had room for
+    max_prefill_tokens tokens, which no step can fill when the chunks are smaller: 16384 (what
+    `corelaunch bench` sets) with 512-token chunks and 4 rows moved 128 KB a step for 16 KB of use."""
+    buckets = Buckets.build(max_seq_len=64, context=(4, 8), token=(32, 64))
+    shapes = ServingShapes.build(buckets, max_num_seqs=4, max_prefill_tokens=16384)
+    loop = ServingLoop(fresh_model(), ServingConfig(4, 16384, 64, shapes=shapes))
+    assert shapes.max_chunk == 8
+    assert loop.codec.empty().numel() == 4 + 6 * 4 + 4 * 8
+    assert eager_loop(max_num_seqs=2, max_prefill_tokens=4).codec.empty().numel() == 4 + 6 * 2 + 4  # the budget
+
+
 def test_a_compiled_model_makes_room_for_the_serving_shapes():
     """Static and serving shapes run through the same compiled functions; dynamo's per-function
     limit must hold both (workers/rank_worker.py reserves the serving ones before warming up)."""

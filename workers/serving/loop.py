@@ -76,8 +76,11 @@ class ServingLoop:
         self.device = getattr(model, "device", torch.device("cpu"))
         self.scratch_row = config.max_num_seqs
         self.cache = model.new_cache(config.max_num_seqs + 1, config.cache_slots, long_lived=True)
-        self.codec = PlanCodec(config.max_num_seqs, config.max_prefill_tokens)
         max_chunk = config.shapes.max_chunk if config.shapes is not None else config.max_prefill_tokens
+        # The plan's token area is all-reduced every step, prefill or not (and every idle heartbeat):
+        # sized by the prefill tokens one step can hold, never by a budget no step can fill
+        # (max_prefill_tokens 16384 with chunks of 512 and 8 rows moved 128 KB a step, not 32).
+        self.codec = PlanCodec(config.max_num_seqs, min(config.max_prefill_tokens, config.max_num_seqs * max_chunk))
         self.scheduler = Scheduler(config.max_num_seqs, config.max_prefill_tokens, max_chunk)
         self.outbox = Outbox()
         self._inbox: queue.Queue = queue.Queue()
