@@ -109,7 +109,7 @@ class LaunchConfig:
     """Prompt tokens a group prefills per iteration (in chunks), between two decode steps."""
     burst_wait_s: float = DEFAULT_BURST_WAIT_S
     """Continuous batching: an idle group that receives a request waits this long for the next one
-    (again after each, at most workers.serving.loop.BURST_WAIT_CAP times this in all) so that a
+    (again after each, at most workers.serving.burst.BURST_WAIT_CAP times this in all) so that a
     burst of requests is prefilled together. A lone request's first token comes this much later.
     0: no wait."""
     max_queued_requests: int | None = None
@@ -215,6 +215,16 @@ class LaunchConfig:
         for name in ("placement_timeout_s", "startup_timeout_s", "rendezvous_timeout_s", "load_timeout_s",
                      "request_timeout_s"):
             _positive_seconds(name, getattr(self, name))
+        from workers.serving.burst import BURST_WAIT_CAP
+
+        gather_s = BURST_WAIT_CAP * self.burst_wait_s
+        if gather_s >= self.rendezvous_timeout_s:
+            # An idle leader gathering a burst keeps its followers waiting in a collective that
+            # long, and a follower's collectives give up after the rendezvous timeout (and a margin).
+            raise ValueError(f"burst_wait_s ({self.burst_wait_s:g}) gathers a burst for up to {gather_s:g} s "
+                             f"({BURST_WAIT_CAP} waits), which reaches rendezvous_timeout_s "
+                             f"({self.rendezvous_timeout_s:g}), the time a follower rank's collective waits for "
+                             f"the leader's next plan; lower burst_wait_s or raise rendezvous_timeout_s")
         if self.ray_address is not None:
             from launcher.cluster.ray_cluster import malformed_address
 

@@ -177,3 +177,13 @@ def test_a_model_the_workers_cannot_run_is_refused_before_any_process(tmp_path, 
     with pytest.raises(PlanRejected, match=r"rope scaling type 'mrope'") as info:
         Launcher(model=str(model_dir), tp=2, progress=False).start()
     assert [e["code"] for e in info.value.errors] == ["not_runnable"]  # and Ray was never reached (ray_tripwire)
+
+
+def test_a_burst_wait_past_the_followers_collective_timeout_is_refused():
+    """An idle leader gathering a burst holds its followers in a collective up to BURST_WAIT_CAP
+    waits; past the rendezvous timeout they gave up and the group broke (then restarted, again)."""
+    from launcher.api import LaunchConfig
+
+    with pytest.raises(ValueError, match=r"burst_wait_s \(1\) gathers a burst for up to 10 s .*rendezvous_timeout_s \(3\)"):
+        LaunchConfig(burst_wait_s=1.0, rendezvous_timeout_s=3)
+    LaunchConfig(burst_wait_s=1.0, rendezvous_timeout_s=30)  # the defaults' room

@@ -416,7 +416,7 @@ def test_a_replicas_in_flight_cap_follows_the_engines_own_defaults():
 
 def test_the_burst_wait_help_names_the_loops_cap(capsys):
     from launcher.cli import main
-    from workers.serving.loop import BURST_WAIT_CAP
+    from workers.serving.burst import BURST_WAIT_CAP
 
     with pytest.raises(SystemExit):
         main(["serve", "--help"])

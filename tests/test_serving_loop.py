@@ -166,7 +166,7 @@ def test_a_steady_trickle_is_not_waited_for_past_the_cap():
     """Requests arriving closer together than burst_wait_s, for longer than BURST_WAIT_CAP waits:
     the leader stops gathering at the cap, so the first request's token comes long before the
     trickle ends (and every request is still served)."""
-    from workers.serving.loop import BURST_WAIT_CAP
+    from workers.serving.burst import BURST_WAIT_CAP
 
     wait_s, gap_s, count, gathered_by = 0.06, 0.04, 40, 0.7
     assert BURST_WAIT_CAP * wait_s < gathered_by < count * gap_s  # the cap ends the gathering, not the trickle

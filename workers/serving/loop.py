@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from shardlib.serving_shapes import PREFILL_PHASES, PREFILL_START, ServingShapes
+from workers.serving.burst import BURST_WAIT_CAP
 from workers.serving.outbox import Outbox
 from workers.serving.requests import StreamRequest, TokenEvent
 from workers.serving.scheduler import Scheduler, Sequence
@@ -38,11 +39,6 @@ HEARTBEAT_S = 0.2
 and a collective gives up after its timeout (tens of seconds)."""
 STATIC_WAIT_S = 60.0
 """How long a follower waits for its copy of a static batch the leader already announced."""
-BURST_WAIT_CAP = 10
-"""A burst is gathered for at most this many burst waits in all, however steadily requests trickle in.
-The 16 requests of 16 HTTP clients sending at once reached the leader over 24-47 ms on a 2-core host
-(README, Measured, machine K): a cap of 4 waits (40 ms) cut some bursts, and the requests left
-outside waited out the whole prefill of the others (about 4 s) before their own began."""
 
 
 @dataclass(frozen=True)
