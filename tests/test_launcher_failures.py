@@ -187,3 +187,20 @@ def test_a_burst_wait_past_the_followers_collective_timeout_is_refused():
     with pytest.raises(ValueError, match=r"burst_wait_s \(1\) gathers a burst for up to 10 s .*rendezvous_timeout_s \(3\)"):
         LaunchConfig(burst_wait_s=1.0, rendezvous_timeout_s=3)
     LaunchConfig(burst_wait_s=1.0, rendezvous_timeout_s=30)  # the defaults' room
+
+
+def test_ray_client_to_another_machine_is_refused_before_ray_is_asked(monkeypatch):
+    """Through Ray Client the driver runs here and rank 0 streams tokens to a socket it opens here,
+    which a cluster elsewhere cannot reach: every launch failed after its start-up timeout."""
+    import ray
+
+    from launcher.cluster import ray_cluster
+    from launcher.errors import LaunchError
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("ray.init was called"))
+    with pytest.raises(LaunchError, match=r"'ray://192.0.2.55:10001' \(--ray-address\) is Ray Client to another "
+                                          r"machine \(192.0.2.55\).*ray job submit"):
+        ray_cluster.connect("ray://192.0.2.55:10001")
+    assert ray_cluster.remote_ray_client("ray://127.0.0.1:10001") is None  # this machine: it works
+    assert ray_cluster.remote_ray_client("10.0.0.5:6379") is None  # not Ray Client

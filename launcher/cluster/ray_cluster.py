@@ -77,6 +77,26 @@ def malformed_address(address: str) -> str | None:
             f"for Ray Client, or 'local' for a private cluster")
 
 
+def remote_ray_client(address: str) -> str | None:
+    """The host of a ray://host:port address when it is another machine (None for this one, or for
+    another form). Ray Client runs the driver here and its workers there: rank 0 streams a group's
+    tokens to a socket the driver opens on its own machine, which a cluster elsewhere cannot reach
+    (every launch failed after its start-up timeout)."""
+    if not address.startswith("ray://"):
+        return None
+    host = address[len("ray://"):].rpartition(":")[0].strip("[]") or address[len("ray://"):]
+    try:
+        ip = socket.gethostbyname(host)
+    except OSError:
+        return host  # ray.init says it cannot resolve; not this machine either way
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((ip, 0))  # binds only to an address of one of this machine's interfaces
+        except OSError:
+            return host
+    return None
+
+
 def _unreachable(address: str, timeout_s: float = GCS_PROBE_S) -> str | None:
     """Why nothing accepts connections at a "host:port" address (None when something does, or for
     another form, such as ray://, which ray.init checks itself)."""
@@ -146,6 +166,11 @@ def connect(address: str | None = None, num_cpus: int | None = None, worker_logs
     if address not in (None, "local"):
         if (malformed := malformed_address(address)) is not None:  # RAY_ADDRESS, unchecked until now
             raise LaunchError(f"{malformed} (from {how})")
+        if (elsewhere := remote_ray_client(address)) is not None:
+            raise LaunchError(f"{address!r} ({how}) is Ray Client to another machine ({elsewhere}): the ranks stream "
+                              f"tokens to a socket the driver opens here, which the cluster cannot reach through Ray "
+                              f"Client; run the command on the cluster instead (`ray job submit -- corelaunch ...`, "
+                              f"or on a node with --ray-address HEAD:6379)")
         fix = ("start one with `ray start --head`, pass the right --ray-address, run `ray stop` to forget a "
                "cluster that is gone, or pass --ray-address local for a private one")
         unreachable = _unreachable(address)
