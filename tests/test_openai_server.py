@@ -848,6 +848,23 @@ def _metric(server, name: str) -> float:
     raise AssertionError(f"{name} not in /metrics")
 
 
+def _metric_sum(server, name: str) -> float:
+    """The sum of a metric's samples over every label set (every replica's)."""
+    import requests
+
+    lines = requests.get(f"{server.url}/metrics", timeout=10).text.splitlines()
+    return sum(float(line.split()[-1]) for line in lines if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def _replicas_in(server, name: str) -> set[str]:
+    import re
+
+    import requests
+
+    text = requests.get(f"{server.url}/metrics", timeout=10).text
+    return set(re.findall(rf'^{name}{{[^}}]*replica="([^"]+)"', text, flags=re.M))
+
+
 def _wait_idle(server, timeout_s: float = 60) -> None:
     deadline = time.monotonic() + timeout_s
     while _metric(server, "corelaunch_requests_running") or _metric(server, "corelaunch_requests_waiting"):
@@ -944,21 +961,22 @@ def test_direct_ingress_is_the_replicas_own_server(server):
 
 @pytest.mark.slow
 def test_proxy_ingress_serves_the_same_stream(tmp_path, hf):
-    """--ingress proxy (what several replicas use): Serve's proxy on --port streams the same greedy
-    text as transformers, and the replica's own server is not what answers."""
+    """--ingress proxy (what several replicas use), with two replicas: Serve's proxy on --port streams
+    the same greedy text as transformers, the replicas' own servers are not what answers, and
+    /metrics shows both replicas' series, whichever replica answers it."""
     import openai
 
     import requests
 
     expected = hf.greedy(hf.tok(PROMPT)["input_ids"], 8)
-    with running_server(tmp_path / "serve.log", "--ingress", "proxy", "--max-num-seqs", "1") as running:
+    with running_server(tmp_path / "serve.log", "--ingress", "proxy", "--max-num-seqs", "1", "--replicas", "2") as running:
         client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", timeout=300, max_retries=0)
         stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, stream=True)
         assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == expected
         owner = _listener(running.url)
         owner_name = owner.name() if owner is not None else "nothing"
         # No queue limit (the default): 20 streams, more than 5 x --max-num-seqs + 8 (Serve's cap on
-        # this replica before), all reach the engine, and /health and /metrics still answer at once.
+        # a replica before), all reach the engines, and /health and /metrics still answer at once.
         opened, release = [], threading.Event()
 
         def hold():
@@ -978,12 +996,21 @@ def test_proxy_ingress_serves_the_same_stream(tmp_path, hf):
                 time.sleep(0.2)
             assert requests.get(f"{running.url}/health", timeout=10).status_code == 200
             assert requests.get(f"{running.url}/metrics", timeout=10).status_code == 200
-            assert (_metric(running, "corelaunch_requests_running"), _metric(running, "corelaunch_requests_waiting")) == (1, 19)
+            deadline = time.monotonic() + 30  # another replica's gauges are up to 2 s old
+            while (_metric_sum(running, "corelaunch_requests_running"),
+                   _metric_sum(running, "corelaunch_requests_waiting")) != (2, 18):
+                assert time.monotonic() < deadline, requests.get(f"{running.url}/metrics", timeout=10).text[-3000:]
+                time.sleep(0.5)
+            for _ in range(4):  # whichever replica answers, both replicas' series are there
+                assert len(_replicas_in(running, "corelaunch_requests_running")) == 2
         finally:
             release.set()
             for holder in holders:
                 holder.join(30)
-        _wait_idle(running)
+        deadline = time.monotonic() + 60
+        while _metric_sum(running, "corelaunch_requests_running") + _metric_sum(running, "corelaunch_requests_waiting"):
+            assert time.monotonic() < deadline, "the closed streams were never dropped"
+            time.sleep(0.5)
     assert "Proxy" in owner_name, owner_name
 
 
@@ -1042,3 +1069,33 @@ def _listener(url: str):
             except psutil.NoSuchProcess:
                 continue
     return None
+
+
+def test_metrics_of_every_replica_merge_into_one_exposition_labelled_by_replica():
+    """With several Serve replicas each scrape showed one replica's counters, the next another's:
+    Prometheus read every switch as a counter reset."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from launcher.serving.metrics import ServerMetrics
+    from launcher.serving.metrics_board import STALE_AFTER_S, MetricsBoard, merged_exposition
+
+    replicas = {"a1": ServerMetrics(lambda: {"running": 1, "waiting": 0}),
+                "b2": ServerMetrics(lambda: {"running": 3, "waiting": 2})}
+    replicas["a1"].finished("length")
+    replicas["b2"].finished("stop")
+    replicas["b2"].finished("stop")
+    board = MetricsBoard()
+    board.put("a1", replicas["a1"].render())
+    texts = board.gather("b2", replicas["b2"].render())
+    assert sorted(texts) == ["a1", "b2"]
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(merged_exposition(texts).decode())
+               for s in family.samples}
+    assert samples[("corelaunch_requests_running", (("replica", "a1"),))] == 1
+    assert samples[("corelaunch_requests_waiting", (("replica", "b2"),))] == 2
+    assert samples[("corelaunch_requests_total", (("finish_reason", "stop"), ("replica", "b2"), ("status", "200")))] == 2
+    assert samples[("corelaunch_requests_total", (("finish_reason", "length"), ("replica", "a1"), ("status", "200")))] == 1
+    assert ("corelaunch_time_to_first_token_seconds_count", (("replica", "a1"),)) in samples  # histograms too
+    # a replica that stopped posting drops out
+    board._texts["a1"] = (board._texts["a1"][0] - STALE_AFTER_S - 1, board._texts["a1"][1])
+    assert sorted(board.gather("b2", replicas["b2"].render())) == ["b2"]

@@ -2,8 +2,8 @@
 
 A private CollectorRegistry, not prometheus_client's global one: each Serve replica (and each test)
 gets a fresh set, and nothing else registered in the process (Ray's own metrics) leaks into
-/metrics. With several Serve replicas, each request to /metrics is answered by one of them and shows
-that replica's numbers.
+/metrics. Where a deployment may run several Serve replicas, /metrics shows every replica's series,
+labelled `replica` (metrics_board.py).
 """
 
 from __future__ import annotations

@@ -216,10 +216,18 @@ class OpenAIServer:
         self.name = settings.served_model_name
         self.context_tokens = _context_tokens(self.launcher)
         self.metrics = ServerMetrics(self.launcher.load)
+        self.board = None
+        if settings.most_replicas > 1:  # each scrape shows every replica's series (metrics_board.py)
+            from launcher.serving.metrics_board import BoardPoster, board_for
+
+            context = serve.get_replica_context()
+            self.board = BoardPoster(board_for(context.app_name), context.replica_tag, self.metrics.render)
         self.body_limit = request_bytes_limit(self.context_tokens, self._longest_token)
         self.created = int(time.time())
 
     def __del__(self):  # Serve calls it when the replica is stopped
+        if getattr(self, "board", None) is not None:
+            self.board.close()
         launcher = getattr(self, "launcher", None)
         if launcher is not None:
             launcher.shutdown()
@@ -241,7 +249,8 @@ class OpenAIServer:
 
     @app.get("/metrics")
     def metrics(self) -> Response:
-        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        text = self.board.exposition() if self.board is not None else self.metrics.render()
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     def models(self, request: Request) -> dict:
