@@ -332,7 +332,13 @@ def test_prefill_chunks_of_one_bucket_share_a_call_up_to_the_budget():
     # chunk 2 continues its sequence: it reads the whole cache row, so it is not batched with the
     # first chunks of its bucket (they read only their own slots)
     assert prefill_batches(chunks, shapes) == [[0, 3, 4, 6], [1, 5], [2]]
-    assert prefill_batches(chunks, None) == [list(range(7))]
+    # Eager: calls of similar lengths, longest first, none padded past the plan's real tokens (one
+    # call for all padded every chunk to the longest: up to max_num_seqs x the budget)
+    assert prefill_batches(chunks, None) == [[1, 5, 6], [0, 3, 2, 4]]
+    uneven = (PrefillChunk(0, 0, (1,) * 2033),) + tuple(PrefillChunk(i, 0, (1,)) for i in range(1, 16))
+    calls = prefill_batches(uneven, None)
+    assert sorted(sum(calls, [])) == list(range(16))
+    assert all(len(call) * max(len(uneven[i].token_ids) for i in call) <= 2048 for call in calls), calls
     # No padding rows: a group is cut into batch buckets it fills exactly, largest first.
     fifteen = tuple(PrefillChunk(i, 0, (1, 2, 3)) for i in range(15))
     wide = ServingShapes.build(buckets, max_num_seqs=16, max_prefill_tokens=64)

@@ -35,9 +35,20 @@ def prefill_batches(chunks: tuple[PrefillChunk, ...], shapes: ServingShapes | No
     in plan order (every rank groups alike), each call exactly a prefill batch bucket, the largest
     that the chunks left fill (15 chunks: 8, 4, 2, 1). A prefill is arithmetic, not memory traffic:
     a padding row costs as much as a real one, while one more call costs little.
-    Without shapes (eager), one call for all of them."""
+    Without shapes (eager), calls of similar lengths, longest first, each at most as many padded
+    tokens as the plan's real ones (or its longest chunk): one call for all padded every chunk to the
+    longest, up to max_num_seqs x the budget (16 x 2033 tokens for 2048 real ones, 2.2 GiB of
+    attention scores a layer for SmolLM2)."""
     if shapes is None:
-        return [list(range(len(chunks)))] if chunks else []
+        order = sorted(range(len(chunks)), key=lambda i: -len(chunks[i].token_ids))
+        bound = max(sum(len(c.token_ids) for c in chunks), 1)
+        calls: list[list[int]] = []
+        for i in order:  # each call's width is its first (longest) chunk's
+            if calls and (len(calls[-1]) + 1) * len(chunks[calls[-1][0]].token_ids) <= bound:
+                calls[-1].append(i)
+            else:
+                calls.append([i])
+        return calls
     groups: dict[tuple[int, bool], list[int]] = {}
     for i, chunk in enumerate(chunks):  # first chunks apart: their calls read only their own slots
         groups.setdefault((shapes.chunk_bucket(len(chunk.token_ids)), chunk.start == 0), []).append(i)
