@@ -729,7 +729,7 @@ def user_cache(tmp_path, monkeypatch):
     assert marker.exists(), "the planted library's constructor did not run: the probe proves nothing"
     marker.unlink()
     directory = native.library_dir()
-    assert directory == cache / "native" / f"uid{os.getuid()}"
+    assert directory == cache / f"native-uid{os.getuid()}"
     return cache, directory, native.library_path().name, planted, marker
 
 
@@ -832,3 +832,28 @@ def test_concurrent_builds_leave_one_whole_library(user_cache):
     for t in threads:
         t.join(60)
     assert errors == [] and sorted(os.listdir(directory)) == [name]
+
+
+def test_a_cached_library_cut_short_is_built_again_not_refused_for_good(user_cache):
+    """A crash or a full disk could leave a short library in the cache (written without an fsync):
+    every later launch failed to load it ("file too short") and fell back for good."""
+    import ctypes
+
+    from workers import native_build
+    from workers.shm.native import SPEC
+
+    _, directory, name, _, _ = user_cache
+    native_build.build_and_load(SPEC, directory)
+    (directory / name).write_bytes(b"")  # what a crash before writeback leaves
+    lib = native_build.build_and_load(SPEC, directory)
+    box = ctypes.c_uint64(0)
+    lib.cl_publish.argtypes = [ctypes.c_void_p, ctypes.c_uint64]
+    lib.cl_publish(ctypes.addressof(box), 9)
+    assert box.value == 9 and (directory / name).stat().st_size > 0
+
+
+def test_each_users_libraries_sit_straight_under_the_cache(user_cache):
+    """Under a `native/` of their own, the first user to create it (mode 0755) locked every other
+    user of a shared cache out: their own uid folder could not be created there."""
+    cache, directory, _, _, _ = user_cache
+    assert directory.parent == cache and directory.name == f"native-uid{os.getuid()}"

@@ -5,7 +5,7 @@ kernel (workers/kernels/small_linear.py) are C sources compiled with the system 
 the packed-panel kernel with its torch operator (workers/kernels/packed_linear.py) a C++ source
 compiled against the installed torch (a C++ compiler, its headers, and libtorch linked with an
 rpath into torch's own lib directory). Each is built at first use into this user's own directory
-of the corelaunch cache ($CORELAUNCH_CACHE/native/uid<uid>, mode 0700), one file per version of
+of the corelaunch cache ($CORELAUNCH_CACHE/native-uid<uid>, mode 0700), one file per version of
 the source and flags, and loaded with ctypes (which releases the GIL during a call; loading the
 C++ one also registers its operator with torch's dispatcher). The cache may be shared, so nothing is loaded from a directory or file
 another user owns or could write to (see `build`).
@@ -54,13 +54,15 @@ _UNSAFE_BITS = stat.S_IWGRP | stat.S_IWOTH
 
 
 def library_dir() -> Path:
-    """This user's own directory for compiled libraries: $CORELAUNCH_CACHE/native/uid<uid>.
+    """This user's own directory for compiled libraries: $CORELAUNCH_CACHE/native-uid<uid>.
 
     The cache may be shared by several users (CORELAUNCH_CACHE on a shared disk), so the library is
-    never taken from a directory another user could write to; see `trusted_dir`."""
+    never taken from a directory another user could write to; see `trusted_dir`. Straight under the
+    cache, not in a `native/` of its own: the first user to create one (mode 0755) locked every
+    other user out of it."""
     from shardlib.demo_model import default_cache_dir
 
-    return default_cache_dir() / "native" / f"uid{os.getuid()}"
+    return default_cache_dir() / f"native-uid{os.getuid()}"
 
 
 def _untrusted(st: os.stat_result) -> str | None:
@@ -171,6 +173,7 @@ def _compile(dir_fd: int, directory: Path, spec: "LibrarySpec") -> None:
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
+            os.fsync(fd)  # on disk before the rename: a crash must not leave a short library in place
         finally:
             os.close(fd)
         os.replace(tmp_name, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
@@ -208,6 +211,20 @@ def build(spec: "LibrarySpec", directory: Path | None = None) -> int:
         os.close(dir_fd)
 
 
+def rebuild(spec: "LibrarySpec", directory: Path) -> int:
+    """`build`, compiling even where a checked library is in place (renamed over it)."""
+    dir_fd = trusted_dir(directory)
+    try:
+        _compile(dir_fd, directory, spec)
+        fd = _open_trusted(dir_fd, spec.name)
+        if fd is None:
+            raise NativeUnavailable(f"{directory / spec.name} was rebuilt but does not pass the checks "
+                                    f"(regular file, owned by this user, writable by nobody else)")
+        return fd
+    finally:
+        os.close(dir_fd)
+
+
 def load(fd: int, path: Path) -> ctypes.CDLL:
     """dlopen the file behind `fd`: through /proc/self/fd, so the file checked is the one loaded even
     if someone renames directories above it in between.
@@ -229,6 +246,15 @@ def build_and_load(spec: "LibrarySpec", directory: Path | None = None) -> ctypes
     user's library_dir() by default). Raises NativeUnavailable; the caller declares the argtypes."""
     directory = directory or library_dir()
     fd = build(spec, directory)
+    try:
+        return load(fd, Path(directory) / spec.name)
+    except NativeUnavailable:
+        pass  # a cached library that does not load: see below
+    finally:
+        os.close(fd)
+    # Cut short by a crash or a full disk (before builds fsynced), it was refused for good: built
+    # again once, renamed over it.
+    fd = rebuild(spec, directory)
     try:
         return load(fd, Path(directory) / spec.name)
     finally:
