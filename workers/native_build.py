@@ -188,38 +188,25 @@ def _compile(dir_fd: int, directory: Path, spec: "LibrarySpec") -> None:
                 pass
 
 
-def build(spec: "LibrarySpec", directory: Path | None = None) -> int:
+def build(spec: "LibrarySpec", directory: Path | None = None, again: bool = False) -> int:
     """An open descriptor of the checked library of `spec` in `directory` (this user's library_dir()
     by default), compiled there first if missing or untrustworthy; the caller closes it.
 
     Checks before anything is loaded: the directory is a real directory owned by this user and
     writable by nobody else (else NativeUnavailable, see `trusted_dir`); the library is a regular
     file (not a symlink) owned by this user and writable by nobody else, or it is rebuilt and
-    renamed over. The descriptor is the checked file itself, so it cannot be swapped afterwards."""
+    renamed over. The descriptor is the checked file itself, so it cannot be swapped afterwards.
+    again: compile even where a checked library is in place (one that would not load)."""
     directory = directory or library_dir()
     dir_fd = trusted_dir(directory)
     try:
-        fd = _open_trusted(dir_fd, spec.name)
+        fd = None if again else _open_trusted(dir_fd, spec.name)
         if fd is None:
             _compile(dir_fd, directory, spec)
             fd = _open_trusted(dir_fd, spec.name)
             if fd is None:
                 raise NativeUnavailable(f"{directory / spec.name} was rebuilt but does not pass the checks "
                                         f"(regular file, owned by this user, writable by nobody else)")
-        return fd
-    finally:
-        os.close(dir_fd)
-
-
-def rebuild(spec: "LibrarySpec", directory: Path) -> int:
-    """`build`, compiling even where a checked library is in place (renamed over it)."""
-    dir_fd = trusted_dir(directory)
-    try:
-        _compile(dir_fd, directory, spec)
-        fd = _open_trusted(dir_fd, spec.name)
-        if fd is None:
-            raise NativeUnavailable(f"{directory / spec.name} was rebuilt but does not pass the checks "
-                                    f"(regular file, owned by this user, writable by nobody else)")
         return fd
     finally:
         os.close(dir_fd)
@@ -254,7 +241,7 @@ def build_and_load(spec: "LibrarySpec", directory: Path | None = None) -> ctypes
         os.close(fd)
     # Cut short by a crash or a full disk (before builds fsynced), it was refused for good: built
     # again once, renamed over it.
-    fd = rebuild(spec, directory)
+    fd = build(spec, directory, again=True)
     try:
         return load(fd, Path(directory) / spec.name)
     finally:
