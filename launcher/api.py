@@ -542,7 +542,10 @@ class Launcher:
 
             self._cache_path = presharded_cache.cache_dir(presharded_cache.cache_root(cfg.presharded_cache_dir),
                                                           self.model_dir, self.model_config, spec.layout, plan.dtype)
-            if presharded_cache.is_ready(self._cache_path):
+            why = presharded_cache.untrusted(self._cache_path)
+            if why is not None:  # another user's copy under this name could be any weights
+                self._progress.note(f"not using the pre-sharded cache ({why}); loading from {self.model_dir}")
+            elif presharded_cache.is_ready(self._cache_path):
                 spec = dataclasses.replace(spec, presharded_dir=str(self._cache_path))
         return spec
 

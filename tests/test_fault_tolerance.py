@@ -189,6 +189,39 @@ def test_presharded_cache_key_follows_the_checkpoint_and_the_layout(tmp_path):
     assert not is_ready(first)
 
 
+def test_a_cached_copy_others_could_have_written_is_neither_used_nor_written(tmp_path):
+    """The cache key is made of things any user can read: in a shared cache, another user's copy
+    under the right name was loaded as this model's weights."""
+    from launcher.artifacts.presharded_cache import CacheWriter, cache_dir, cache_root, untrusted
+    from shardlib.model_config import load_model_config
+    from shardlib.presharded import save_presharded
+    from shardlib.sharding import ShardLayout
+
+    assert cache_root(None).name == f"presharded-uid{os.getuid()}"  # each user's own by default
+    model_dir = save_model(build_random_model("llama", num_heads=4, num_kv_heads=2), tmp_path / "m")
+    config = load_model_config(model_dir)
+    layout = ShardLayout.for_model(config, 1)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    copy = cache_dir(shared, model_dir, config, layout, "float32")
+    save_presharded(copy, model_dir, config, layout, dtype="float32")
+    assert untrusted(copy) is None
+    shared.chmod(0o777)  # a cache folder anyone may write to: the copy could be anyone's
+    assert "the cache folder" in untrusted(copy) and "writable by group or others" in untrusted(copy)
+    writer = CacheWriter(cache_dir(shared, model_dir, config, ShardLayout.for_model(config, 1), "bfloat16"),
+                         model_dir, config, layout, "bfloat16").start()
+    writer.join(60)
+    assert not writer.ready and "not writing the pre-sharded cache" in str(writer.error)
+    shared.chmod(0o755)
+    version = copy.resolve()
+    version.chmod(0o777)
+    assert "the version the cached copy links to" in untrusted(copy)
+    if os.getuid() == 0:  # root can hand the copy to another user
+        version.chmod(0o755)
+        os.lchown(copy, 65533, 65533)
+        assert "the cached copy" in untrusted(copy) and "owned by uid 65533" in untrusted(copy)
+
+
 def test_a_restarted_group_reruns_the_request_from_the_presharded_cache_in_process(tmp_path, in_process_cluster):
     """A group that breaks mid-request is restarted from the pre-sharded copy written after the
     first load, and the re-run gives transformers' tokens."""

@@ -11,12 +11,19 @@ memory at a time, written to a hidden versioned folder that the cache path, a sy
 in one rename once complete: shardlib.atomic_dir; a half-written copy is never used, and one left by
 a killed driver is swept by the next write). It costs the model's size again on disk. On a multi-node cluster the cache directory
 must be visible at the same path on every node, like the model directory itself.
+
+The key is made of things any user can read, so in a cache other users can write to, a copy with
+the right name could be anyone's weights. A copy is used, and written, only where the folder that
+holds it, the copy's link and what it links to are this user's and writable by nobody else
+(`untrusted`); the default folder is this user's own, $CORELAUNCH_CACHE/presharded-uid<uid>.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 import threading
 from pathlib import Path
 
@@ -28,7 +35,25 @@ def cache_root(directory: str | None) -> Path:
         return Path(directory)
     from shardlib.demo_model import default_cache_dir
 
-    return Path(default_cache_dir()) / "presharded"
+    return Path(default_cache_dir()) / f"presharded-uid{os.getuid()}"
+
+
+def untrusted(path: Path) -> str | None:
+    """Why the cached copy at `path` must not be used or written (None: nothing against it): the
+    folder holding it, the copy's link and the version it links to must each be this user's and
+    writable by nobody else. A part that does not exist yet is nothing against it."""
+    checks = ((path.parent, True, "the cache folder"), (path, False, "the cached copy"),
+              (path, True, "the version the cached copy links to"))
+    for where, follow, what in checks:
+        try:
+            st = os.stat(where, follow_symlinks=follow)
+        except FileNotFoundError:
+            continue
+        if st.st_uid != os.getuid():
+            return f"{what} ({where}) is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
+        if not stat.S_ISLNK(st.st_mode) and st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            return f"{what} ({where}) is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
 
 
 def cache_dir(root: Path, model_dir: str | Path, config, layout, dtype: str) -> Path:
@@ -76,7 +101,10 @@ class CacheWriter:
 
         model_dir, config, layout, dtype = self._args
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            why = untrusted(self.path)
+            if why is not None:
+                raise PermissionError(f"not writing the pre-sharded cache: {why}")
             with FileLock(str(self.path) + ".lock"):  # one writer per copy, even across launchers
                 if not is_ready(self.path):
                     save_presharded(self.path, model_dir, config, layout, dtype=dtype)
