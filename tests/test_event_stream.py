@@ -98,6 +98,36 @@ def test_a_connection_without_the_token_is_dropped_and_the_real_one_is_still_acc
     intruder.close()
 
 
+def test_a_connection_that_sends_its_bytes_slowly_does_not_hold_the_real_one_back():
+    """Connections were read one at a time, with a timeout per read: one sending a byte every
+    0.9 s kept rank 0's real connection in the backlog past the whole start-up timeout."""
+    outbox = Outbox()
+    channel = EventChannel("127.0.0.1")
+    slow = socket.create_connection(channel.address, timeout=5)
+    stop = threading.Event()
+
+    def trickle():
+        while not stop.wait(0.3):
+            try:
+                slow.send(b"x")
+            except OSError:
+                return
+
+    threading.Thread(target=trickle, daemon=True).start()
+    sender = EventSender(outbox, lambda: {})
+    threading.Timer(0.3, sender.connect, (*channel.address, channel.token, 5)).start()
+    start = time.monotonic()
+    channel.accept(10)
+    assert time.monotonic() - start < 3, "the slow connection held rank 0's back"
+    outbox.put([TokenEvent("r", [1], None)], {"running": 1, "waiting": 0})
+    assert [e.request_id for events, _, _ in _receive_until(channel, 1) for e in events] == ["r"]
+    stop.set()
+    outbox.close()
+    sender.join(5)
+    channel.close()
+    slow.close()
+
+
 def test_accept_gives_up_after_its_timeout_naming_the_address():
     channel = EventChannel("127.0.0.1")
     start = time.monotonic()

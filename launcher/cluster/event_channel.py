@@ -19,8 +19,11 @@ from workers.serving.event_stream import FrameReader
 
 TOKEN_BYTES = 32
 _ACCEPT_SLICE_S = 0.2
-AUTH_TIMEOUT_S = 1.0
 """accept() wakes this often to ask whether the connecting side has already failed."""
+AUTH_TIMEOUT_S = 1.0
+"""How long one connection has to send the whole token, from its accept."""
+MAX_PENDING = 64
+"""Connections read at once while waiting for rank 0's; past this the oldest is dropped."""
 
 
 class ChannelClosed(Exception):
@@ -41,45 +44,89 @@ class EventChannel:
     def accept(self, timeout_s: float, gave_up: Callable[[], None] = lambda: None) -> None:
         """Wait for rank 0's connection and token. gave_up() is called between waits and may raise
         (the connecting side failed); TimeoutError when nothing valid arrived within timeout_s.
-        Connections with a wrong token are dropped and waited past."""
+
+        Every connection that arrives is read at the same time, each given AUTH_TIMEOUT_S for the
+        whole token: connections were checked one at a time, with a timeout per read, so one that
+        sent a byte a second held rank 0's real connection in the backlog for the whole start-up
+        timeout (anyone who can reach the port could stop a group from starting)."""
         deadline = time.monotonic() + timeout_s
         server = self._server
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"no connection from rank 0 on {self.address[0]}:{self.address[1]} "
-                                   f"within {timeout_s:g} s")
-            gave_up()
-            server.settimeout(min(_ACCEPT_SLICE_S, remaining))
-            try:
-                conn, _ = server.accept()
-            except TimeoutError:
-                continue
-            if self._authenticated(conn, deadline - time.monotonic()):
-                break
-            conn.close()
+        server.setblocking(False)
+        waiting = selectors.DefaultSelector()
+        waiting.register(server, selectors.EVENT_READ)
+        pending: dict[socket.socket, list] = {}  # connection -> [token bytes so far, its deadline]
+        winner = None
+        try:
+            while winner is None:
+                now = time.monotonic()
+                if now >= deadline:
+                    raise TimeoutError(f"no connection from rank 0 on {self.address[0]}:{self.address[1]} "
+                                       f"within {timeout_s:g} s")
+                gave_up()
+                for key, _ in waiting.select(min(_ACCEPT_SLICE_S, deadline - now)):
+                    if key.fileobj is server:
+                        self._take(server, waiting, pending)
+                    elif self._read_token(key.fileobj, waiting, pending):
+                        winner = key.fileobj
+                        break
+                now = time.monotonic()
+                for conn in [c for c, (_, until) in pending.items() if until <= now and c is not winner]:
+                    self._drop(conn, waiting, pending)
+        finally:
+            for conn in list(pending):
+                if conn is not winner:
+                    self._drop(conn, waiting, pending)
+            waiting.close()
         server.close()
         self._server = None
-        conn.setblocking(False)
-        self._conn = conn
+        self._conn = winner
         # A selector, not select.select: a driver holding many sockets may have descriptors >= 1024.
         self._selector = selectors.DefaultSelector()
-        self._selector.register(conn, selectors.EVENT_READ)
+        self._selector.register(winner, selectors.EVENT_READ)
 
-    def _authenticated(self, conn: socket.socket, timeout_s: float) -> bool:
-        # Short: connections are checked one at a time, and one that sends nothing must not keep
-        # rank 0's real connection waiting in the backlog for long.
-        conn.settimeout(max(0.1, min(timeout_s, AUTH_TIMEOUT_S)))
-        received = b""
+    @staticmethod
+    def _take(server: socket.socket, waiting, pending: dict) -> None:
         try:
-            while len(received) < TOKEN_BYTES:
-                piece = conn.recv(TOKEN_BYTES - len(received))
-                if not piece:
-                    return False
-                received += piece
-        except OSError:
+            conn, _ = server.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        conn.setblocking(False)
+        if len(pending) >= MAX_PENDING:
+            EventChannel._drop(next(iter(pending)), waiting, pending)
+        pending[conn] = [b"", time.monotonic() + AUTH_TIMEOUT_S]
+        waiting.register(conn, selectors.EVENT_READ)
+
+    def _read_token(self, conn: socket.socket, waiting, pending: dict) -> bool:
+        """Read what `conn` has of its token; True once it has sent the right one whole."""
+        received = pending[conn][0]
+        try:
+            piece = conn.recv(TOKEN_BYTES - len(received))
+        except (BlockingIOError, InterruptedError):
             return False
-        return hmac.compare_digest(received, self.token)
+        except OSError:
+            piece = b""
+        if not piece:
+            self._drop(conn, waiting, pending)
+            return False
+        received += piece
+        pending[conn][0] = received
+        if len(received) < TOKEN_BYTES:
+            return False
+        if hmac.compare_digest(received, self.token):
+            waiting.unregister(conn)
+            del pending[conn]
+            return True
+        self._drop(conn, waiting, pending)
+        return False
+
+    @staticmethod
+    def _drop(conn: socket.socket, waiting, pending: dict) -> None:
+        pending.pop(conn, None)
+        try:
+            waiting.unregister(conn)
+        except (KeyError, ValueError):
+            pass
+        conn.close()
 
     def receive(self, wait_s: float) -> list:
         """The frames that arrived (waiting up to wait_s for the first bytes); raises ChannelClosed
