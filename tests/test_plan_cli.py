@@ -148,6 +148,35 @@ def test_a_reader_that_left_is_not_a_traceback():
         assert proc.returncode == 141 and proc.stderr == "", (unbuffered, proc.returncode, proc.stderr)
 
 
+BENCH_TABLE_TO_A_GONE_READER = """
+import sys
+import launcher.cli.bench_command as bench
+from shardlib.evaluation.bench_report import PERCENTILES, SECTIONS
+section = {**{f"latency_ms_p{p}": 1.0 for p in PERCENTILES}, "latency_ms_avg": 1.0, "throughput": 1.0,
+           "throughput_unit": "tokens/s", "count": 1}
+config = {"tp_degree": 1, "backend": "cpu", "dtype": "float32", "batch_size": 1, "prompt_len": 8,
+          "max_new_tokens": 2, "runs": 1, "warmup": 0}
+bench._bench = lambda args: {**{name: section for name in SECTIONS}, "config": config}
+sys.argv = ["corelaunch", "bench"]
+from launcher.cli import run
+run()
+"""
+
+
+def test_benchs_table_to_a_reader_that_left_exits_as_every_command_does():
+    """bench prints its table through rich, which caught the broken pipe itself and exited 1."""
+    import os
+
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.run([sys.executable, "-c", BENCH_TABLE_TO_A_GONE_READER], cwd=REPO, stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert proc.returncode == 141 and proc.stderr == "", (proc.returncode, proc.stderr)
+
+
 def test_default_model_is_the_demo_model(tmp_path, monkeypatch, capsys):
     """Without --model the command plans shardlib.demo_model's folder (stubbed: no conversion here)."""
     import shardlib.demo_model

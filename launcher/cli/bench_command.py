@@ -187,7 +187,11 @@ def _print_table(report: dict) -> None:
         s = report[name]
         table.add_row(name, *(f"{s[f'latency_ms_p{p}']:.2f}" for p in PERCENTILES), f"{s['latency_ms_avg']:.2f}",
                       f"{s['throughput']:.1f} {s['throughput_unit']}", str(s["count"]))
-    console = Console(width=max(Console().width, 140), highlight=False)
+    class _PipeAwareConsole(Console):
+        def on_broken_pipe(self) -> None:  # rich exits 1 itself; the command exits 141 as every other does
+            raise BrokenPipeError
+
+    console = _PipeAwareConsole(width=max(Console().width, 140), highlight=False)
     console.print(table)
     console.print("throughput: e2e = generated tokens / call time; context encoding = prompt tokens x batch / "
                   "time to first token; token generation = batch / decode step latency", soft_wrap=True)

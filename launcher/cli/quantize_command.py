@@ -44,14 +44,15 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from shardlib.quantize_checkpoint import check_quantize_request, quantize_checkpoint
+    from shardlib.quantize_checkpoint import check_quantize_options, check_quantize_request, quantize_checkpoint
 
     model = args.model
-    if model is None:
-        from shardlib.demo_model import ensure_demo_model
-
-        model = str(ensure_demo_model())
     try:
+        if model is None:  # the built-in model, converted on first use: the options are refused first
+            from shardlib.demo_model import ensure_demo_model
+
+            check_quantize_options(args.dtype, args.out)
+            model = str(ensure_demo_model())
         check_quantize_request(model, args.dtype, args.out, args.lm_head)  # every refusal before any weight is read
     except (ValueError, FileNotFoundError) as err:
         print(f"corelaunch quantize: {err}", file=sys.stderr)
