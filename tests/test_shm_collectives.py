@@ -548,13 +548,15 @@ def test_a_peer_that_never_arrives_times_out_naming_it(tmp_path):
 
 # ---- orphans: a leader killed during set-up ---------------------------------------------------------
 def make_orphan(segment) -> None:
-    """Record as `segment`'s creator a process that has exited and been reaped (its pid no longer runs)."""
+    """Make `segment` what a killed creator leaves: its lock released (the process is gone) and a
+    recorded pid that no longer runs."""
     import subprocess
 
     gone = subprocess.Popen(["true"])
     gone.wait()
     at = segment.layout.counter_offset(0) + 8
     segment.bytes[at: at + 4] = torch.tensor([gone.pid], dtype=torch.int32).view(torch.uint8)
+    segment._release()
 
 
 def test_orphaned_segment_of_a_dead_creator_is_removed(tmp_path):
@@ -570,6 +572,28 @@ def test_orphaned_segment_of_a_dead_creator_is_removed(tmp_path):
     for seg in (live, orphan):
         seg.close()
     live.unlink()
+
+
+def test_the_sweep_goes_by_the_creators_lock_not_its_pid(tmp_path):
+    """From another pid namespace sharing /dev/shm a live creator's pid does not run (its segment
+    was removed during its set-up); a dead creator's pid may run again, reused (never removed)."""
+    import subprocess
+
+    from workers.shm.exchange import TOKEN_PREFIX, Segment, SegmentLayout, remove_orphans
+
+    layout = SegmentLayout(local_size=2, slot_bytes=4096)
+    held = Segment(str(tmp_path / "corelaunch-held-node0"), layout, create=True, token=TOKEN_PREFIX + b"a")
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    at = layout.counter_offset(0) + 8
+    held.bytes[at: at + 4] = torch.tensor([gone.pid], dtype=torch.int32).view(torch.uint8)  # "not visible"
+    reused = Segment(str(tmp_path / "corelaunch-reused-node0"), layout, create=True, token=TOKEN_PREFIX + b"b")
+    reused._release()  # its creator died; the pid recorded (this process's) runs
+    assert remove_orphans(str(tmp_path)) == [str(tmp_path / "corelaunch-reused-node0")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corelaunch-held-node0"]
+    for seg in (held, reused):
+        seg.close()
+    held.unlink()
 
 
 # ---- local trust: what other users of this host can place in /dev/shm or the cache -----------------

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import mmap
 import os
 import stat
@@ -111,9 +112,20 @@ class Segment:
 
     def __init__(self, path: str, layout: SegmentLayout, create: bool, token: bytes) -> None:
         self.path, self.layout = path, layout
+        self._held: int | None = None
         if create:
             # O_EXCL: never reuse an entry someone else made (it also refuses a symlink there).
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o600)
+            # Held (shared) until the name is unlinked: a sweep removes only a segment no process
+            # holds (remove_orphans), which a bare pid could not tell across pid namespaces
+            # sharing /dev/shm, nor after the pid was reused. On an open file of its own (the same
+            # file reopened through /proc): the map's duplicate of `fd` would hold a lock taken
+            # on `fd` until the map is closed.
+            try:
+                self._held = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                self._held = os.dup(fd)  # no /proc: the lock then lasts as long as the mapping
+            fcntl.flock(self._held, fcntl.LOCK_SH)
             try:
                 # Reserve the pages now: tmpfs would otherwise grant a sparse file and the first
                 # write past /dev/shm's capacity would kill the process with SIGBUS.
@@ -124,7 +136,7 @@ class Segment:
                 self.unlink()
                 raise
             os.close(fd)
-            self._map[: len(token)] = token
+            self._map[: len(token)] = token  # after the lock: a sweep passes over a segment without one
             # The creator's pid, so a later group can tell a segment orphaned by a killed leader.
             pid_at = layout.counter_offset(0) + 8
             self._map[pid_at: pid_at + 4] = os.getpid().to_bytes(4, "little", signed=True)
@@ -149,9 +161,16 @@ class Segment:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+        self._release()
+
+    def _release(self) -> None:
+        if self._held is not None:
+            os.close(self._held)  # the lock goes with it
+            self._held = None
 
     def close(self) -> None:
         """Unmap (views into the segment must be dropped first)."""
+        self._release()
         self.bytes = None
         try:
             self._map.close()
@@ -162,6 +181,11 @@ class Segment:
 def remove_orphans(shm_dir: str, prefix: str = "corelaunch-") -> list[str]:
     """Unlink segments whose creator has exited: left only if a leader was killed during set-up,
     between creating its segment and unlinking it once all ranks had attached. Returns them.
+
+    A creator holds a shared flock on its segment until it unlinks it; a segment is removed only
+    when an exclusive one can be taken (no process holds it), whatever its recorded pid says: from
+    another pid namespace sharing /dev/shm a live creator's pid is not visible (its segment was
+    removed during its set-up), and a dead creator's pid may have been reused (never removed).
 
     Only regular files of this user's are read or removed; anything else under the prefix (another
     user's segment, a FIFO or symlink planted to stall or redirect the sweep) is skipped, and no
@@ -180,21 +204,20 @@ def remove_orphans(shm_dir: str, prefix: str = "corelaunch-") -> list[str]:
         try:
             head = os.pread(fd, _BLOCK * 2, 0)
             own = os.fstat(fd)
+            if not head.startswith(TOKEN_PREFIX) or len(head) < _BLOCK + 12:
+                continue  # still being set up (the token comes after the creator's lock), or not a segment
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # its creator holds it: in use
+            now = os.stat(path, follow_symlinks=False)
+            if (now.st_dev, now.st_ino) == (own.st_dev, own.st_ino):  # still the file checked
+                os.unlink(path)
+                removed.append(path)
         except OSError:
             continue
         finally:
             os.close(fd)
-        if not head.startswith(TOKEN_PREFIX) or len(head) < _BLOCK + 12:
-            continue
-        pid = int.from_bytes(head[_BLOCK + 8: _BLOCK + 12], "little", signed=True)
-        if pid > 0 and not process_alive(pid):
-            try:
-                now = os.stat(path, follow_symlinks=False)
-                if (now.st_dev, now.st_ino) == (own.st_dev, own.st_ino):  # still the file checked
-                    os.unlink(path)
-                    removed.append(path)
-            except OSError:
-                pass
     return removed
 
 
