@@ -482,8 +482,11 @@ def _ways_out(req: _Request, check: _Check) -> list[str]:
                 ways.append(f"a smaller batch_size (at most {batch_fits}"
                             + (f" besides the {req.serving_rows} serving rows)" if req.serving_rows else ")"))
     for dtype in _LOWER_DTYPES:
-        unquantizable = DTYPE_BYTES[dtype] == 1 and req.config.model_type in UNQUANTIZABLE_MODEL_TYPES
-        if DTYPE_BYTES[dtype] < DTYPE_BYTES[req.dtype] and not unquantizable:
+        # A 1-byte dtype quantizes the weights: not for DBRX, and already done for a quantized
+        # checkpoint (whose planning refuses any 1-byte dtype but its own: a crash here before).
+        one_byte_out = DTYPE_BYTES[dtype] == 1 and (req.config.model_type in UNQUANTIZABLE_MODEL_TYPES
+                                                     or req.config.quantization is not None)
+        if DTYPE_BYTES[dtype] < DTYPE_BYTES[req.dtype] and not one_byte_out:
             fits = _valid_degrees(dataclasses.replace(req, dtype=dtype))
             if fits:
                 ways.append(f"a lower-precision dtype: {dtype} fits at tp {_fmt_list(fits)}")
@@ -703,14 +706,16 @@ def _build(req: _Request, check: _Check, tp_requested, valid: list[int], errors:
     if padded is not None:
         extra = padded - cfg.num_attention_heads
         per_head = (2 * cfg.hidden_size + (1 if cfg.attention_bias else 0)) * cfg.head_dim
-        extra_bytes = extra * per_head * cfg.num_hidden_layers * DTYPE_BYTES[req.dtype]
+        # a quantized checkpoint's projections are 1 byte whatever the compute dtype (scales not counted)
+        weight_bytes = 1 if cfg.quantization is not None else DTYPE_BYTES[req.dtype]
+        extra_bytes = extra * per_head * cfg.num_hidden_layers * weight_bytes
         zero_kv = extra if check.kv_strategy == "convert_to_mha" and kv_ok else 0
         kv_per_head = 2 * (cfg.hidden_size + (1 if cfg.attention_bias else 0)) * cfg.head_dim
         waste = PaddingWaste(extra_q_heads=extra, extra_qo_weight_bytes=extra_bytes,
                              extra_qo_fraction=extra / cfg.num_attention_heads,
                              extra_model_fraction=extra_bytes / check.memory.model_weight_bytes,
                              extra_kv_heads=zero_kv,
-                             extra_kv_weight_bytes=zero_kv * kv_per_head * cfg.num_hidden_layers * DTYPE_BYTES[req.dtype],
+                             extra_kv_weight_bytes=zero_kv * kv_per_head * cfg.num_hidden_layers * weight_bytes,
                              extra_kv_cache_bytes=(zero_kv * 2 * cfg.num_hidden_layers * req.cache_rows * req.seq_len
                                                    * cfg.head_dim * DTYPE_BYTES[check.memory.kv_cache_dtype]))
     return Plan(

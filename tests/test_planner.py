@@ -467,3 +467,31 @@ def test_qwen3_and_gemma3_configs_are_understood():
     assert plan(gemma, tp=1, dtype="bfloat16").memory.weight_bytes_per_rank == gemma.param_count() * 2
     padded = plan(gemma, instance="trn1.32xlarge", tp=8, pad_q_heads=True)
     assert padded.valid and padded.padded_q_heads == 8 and padded.kv_strategy == "replicate_to_tp"
+
+
+def test_a_quantized_checkpoint_that_does_not_fit_gets_its_ways_out():
+    """The ways out re-planned it at float8_e4m3, which a checkpoint quantized as int8 refuses: the
+    whole plan failed as unplannable, naming a dtype nobody asked for."""
+    import dataclasses
+
+    from shardlib.quantization import Quantization
+
+    q70 = dataclasses.replace(LLAMA_70B, quantization=Quantization("int8"))
+    p = plan(q70, instance="trn1.32xlarge", tp=2)
+    assert codes(p) == {"insufficient_memory"}
+    text = message(p, "insufficient_memory")
+    assert "a degree that fits: 8, 16, 32" in text and "float8" not in text
+
+
+def test_padding_waste_of_a_quantized_checkpoint_counts_its_one_byte_weights():
+    """It counted the padded heads' projections at the compute dtype (2 bytes for bfloat16): twice
+    what an int8 checkpoint's zero heads weigh."""
+    import dataclasses
+
+    from shardlib.quantization import Quantization
+
+    q70 = dataclasses.replace(LLAMA_70B, quantization=Quantization("int8"))
+    waste = plan(q70, instance="inf2.48xlarge", tp=24, pad_q_heads=True).padding_waste
+    assert waste.extra_qo_weight_bytes == 8 * 2 * 128 * 8192 * 80  # 8 zero heads, q and o, 1 byte each
+    assert waste.extra_qo_weight_bytes == plan(LLAMA_70B, instance="inf2.48xlarge", tp=24, pad_q_heads=True,
+                                               dtype="int8").padding_waste.extra_qo_weight_bytes
