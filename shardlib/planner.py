@@ -496,6 +496,13 @@ def _ways_out(req: _Request, check: _Check) -> list[str]:
         if fits:
             ways.append(f"more nodes: --nodes {nodes} fits at tp {_fmt_list(fits)}")
             break
+    # Fewer nodes can fit where this count cannot: no supported degree splits evenly over it
+    # (3 trn1 nodes for a 64-head model), which more nodes would not cure either.
+    for nodes in range(req.nodes - 1, 0, -1):
+        fits = _valid_degrees(dataclasses.replace(req, nodes=nodes))
+        if fits:
+            ways.append(f"fewer nodes: --nodes {nodes} fits at tp {_fmt_list(fits)}")
+            break
     if req.inst.is_neuron:
         bigger = []
         for other in sorted(NEURON_INSTANCES.values(), key=lambda i: i.memory_bytes):
@@ -511,7 +518,8 @@ def _ways_out(req: _Request, check: _Check) -> list[str]:
 
 def _describe(code: str, req: _Request, check: _Check, hint_degrees: list[int]) -> str:
     cfg, inst, tp = req.config, req.inst, check.tp
-    works = f"degrees that work for this model on {inst.name}: {_fmt_list(hint_degrees)}"
+    where = inst.name if req.nodes == 1 else f"{req.nodes} x {inst.name}"  # the degrees are for this many nodes
+    works = f"degrees that work for this model on {where}: {_fmt_list(hint_degrees)}"
     if code == "invalid_lnc":
         return req.lnc_problem
     if code == "heads_not_divisible":

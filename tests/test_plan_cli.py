@@ -208,6 +208,8 @@ def test_the_serving_rows_a_launch_holds_are_planned_too(capsys, tmp_path):
     default = plan_in_process(capsys, *args)  # generate's 8 slots: 1 + 9 rows of 16384 positions
     assert default.returncode == 2 and "batch_size 1 + 9 serving rows" in default.stdout
     assert "fewer serving rows (--max-num-seqs at most 4 at batch_size 1)" in default.stdout
+    # the header names the rows its memory figures count (it said "batch_size 1" above 10 rows' KV cache)
+    assert default.stdout.splitlines()[0].endswith("bfloat16, batch_size 1 + 9 serving rows, seq_len 16384")
     assert plan_in_process(capsys, *args, "--max-num-seqs", "4").returncode == 0
     assert plan_in_process(capsys, *args, "--max-num-seqs", "5").returncode == 2
     assert plan_in_process(capsys, *args, "--max-num-seqs", "0").returncode == 0  # a static batch alone

@@ -495,3 +495,12 @@ def test_padding_waste_of_a_quantized_checkpoint_counts_its_one_byte_weights():
     assert waste.extra_qo_weight_bytes == 8 * 2 * 128 * 8192 * 80  # 8 zero heads, q and o, 1 byte each
     assert waste.extra_qo_weight_bytes == plan(LLAMA_70B, instance="inf2.48xlarge", tp=24, pad_q_heads=True,
                                                dtype="int8").padding_waste.extra_qo_weight_bytes
+
+
+def test_ways_out_name_fewer_nodes_where_the_node_count_is_the_problem():
+    """On 3 trn1 nodes no supported degree splits a 64-head model evenly: the ways out offered only
+    --nodes 4, and the degrees "that work" were said to be for one node while computed for three."""
+    p = plan(LLAMA_70B, instance="trn1.32xlarge", nodes=3)
+    text = message(p, "no_valid_tp_degree")
+    assert "fewer nodes: --nodes 2 fits at tp 16, 32, 64" in text and "more nodes: --nodes 4" in text
+    assert "degrees that work for this model on 3 x trn1.32xlarge: none" in message(p, "heads_not_divisible")

@@ -134,7 +134,8 @@ def format_report(result: Plan) -> str:
     lines = [
         f"{verdict}: {cfg.model_type} ({cfg.num_attention_heads} heads, {cfg.num_key_value_heads} KV heads, "
         f"{cfg.param_count() / 1e9:.2f} B params) on {result.nodes} x {result.instance} (LNC {result.lnc}), "
-        f"{result.dtype}, batch_size {result.batch_size}, seq_len {result.seq_len}",
+        f"{result.dtype}, batch_size {result.batch_size}"
+        + (f" + {result.serving_rows} serving rows" if result.serving_rows else "") + f", seq_len {result.seq_len}",
         f"tp_degree {result.tp_degree} ({'auto' if result.tp_requested == 'auto' else 'requested'}), "
         f"{result.ranks_per_node} rank(s) per node, kv strategy {result.kv_strategy or '-'}, "
         f"per rank: {_or_dash(result.q_heads_per_rank)} Q heads, {_or_dash(result.kv_heads_per_rank)} KV heads"
