@@ -142,6 +142,29 @@ def test_a_group_spread_over_more_nodes_than_asked_is_refused(cluster, model_and
                  **EAGER).start()
 
 
+def test_a_device_group_over_several_nodes_gets_its_planned_share_on_each(cluster):
+    """The planner checks each node's share of a device group's ranks (TP / nodes, a degree NxD
+    Inference supports on one node); Ray's PACK put all four ranks of a 2 x 2 plan on one node when
+    it held them (4 ranks on one trn1 node: a degree trn1 does not support)."""
+    from ray.util.placement_group import remove_placement_group
+
+    from launcher.cluster.placement import bundle_nodes
+    from launcher.cluster.resources import RankResources
+    from launcher.cluster.tp_group import GroupTimeouts, TPGroup
+
+    set_worker_nodes(cluster, 3)
+    # each node could hold all four (8 neuron_cores, 1 CPU): only the split keeps them apart
+    group = TPGroup(tp_degree=4, backend="neuron", nodes=2, timeouts=GroupTimeouts(placement_s=20),
+                    resources=RankResources(bundle={"neuron_cores": 1, "CPU": 0.25}, num_cpus=0.25, threads=1))
+    group._place()
+    try:
+        placed = bundle_nodes(group._pg)
+        assert len(placed) == 2 and len(set(placed.values())) == 2, placed  # one bundle per node
+        assert all(bundle == {"neuron_cores": 2.0, "CPU": 0.5} for bundle in group._pg.bundle_specs)
+    finally:
+        remove_placement_group(group._pg)
+
+
 def test_a_node_without_neuron_devices_is_refused_before_the_rendezvous(cluster, model_and_expected):
     model_dir, _ = model_and_expected
     start = time.monotonic()

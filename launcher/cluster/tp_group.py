@@ -25,7 +25,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from launcher.errors import (DevicesMissing, LaunchError, PlacementTimeout, RankFailed, RendezvousTimeout,
                              RequestTimeout, WorkerDied)
 from launcher.cluster.event_channel import ChannelClosed, EventChannel
-from launcher.cluster.placement import alive_nodes, bundle_nodes, placement_strategy, rank_order
+from launcher.cluster.placement import alive_nodes, bundle_nodes, even_split, placement_strategy, rank_order
 from launcher.cluster.resources import RankResources, actor_options, explain_unplaceable
 from workers.backends import BackendEntry, backend_entry
 from workers.rank_worker import GenerateRequest, LoadSpec, LoadStats, ServeSpec, WorkerSpec
@@ -114,7 +114,11 @@ class TPGroup:
                 f"Ray placed the {self.tp_degree} ranks' bundles of {self.resources.bundle} on {used} nodes, more "
                 f"than the {self.nodes} --nodes allows (Ray's PACK spreads them as the nodes' free resources "
                 f"dictate): free resources on fewer nodes, or pass --nodes {used}")
-        self.bundle_of_rank = rank_order(placed) or list(range(self.tp_degree))
+        per_node = even_split(self.resources.bundle, self.tp_degree, self.nodes)
+        if per_node is not None:  # one bundle per node holding its ranks: rank r in bundle r // per_node
+            self.bundle_of_rank = [rank // per_node for rank in range(self.tp_degree)]
+        else:
+            self.bundle_of_rank = rank_order(placed) or list(range(self.tp_degree))
         self._placed_node = [placed.get(b, "") for b in self.bundle_of_rank]
         for rank, bundle in enumerate(self.bundle_of_rank):
             spec = WorkerSpec(rank=rank, world_size=self.tp_degree, backend=self.backend,
@@ -151,8 +155,14 @@ class TPGroup:
         return list(groups.values())
 
     def _place(self) -> None:
-        bundles = [dict(self.resources.bundle) for _ in range(self.tp_degree)]
-        strategy = placement_strategy(self.nodes)
+        per_node = even_split(self.resources.bundle, self.tp_degree, self.nodes)
+        if per_node is not None:  # exactly --nodes nodes, TP / nodes ranks on each
+            bundles = [{name: amount * per_node for name, amount in self.resources.bundle.items()}
+                       for _ in range(self.nodes)]
+            strategy = "STRICT_SPREAD"
+        else:
+            bundles = [dict(self.resources.bundle) for _ in range(self.tp_degree)]
+            strategy = placement_strategy(self.nodes)
         # Names are unique in a Ray namespace: several launchers (or a restart racing the removal of
         # the old group) must not collide, so each group gets a random suffix.
         self._pg = placement_group(bundles, strategy=strategy,
