@@ -3,18 +3,19 @@ neuronx-distributed APIs; UNVERIFIED: no Neuron device exists where corelaunch i
 
 What it does on a Neuron host:
 - `setup_process` checks that the runtime LNC matches the plan's LNC (`NEURON_LOGICAL_NC_CONFIG`;
-  a graph compiled for one LNC cannot run at another), sets it, then checks that the real Neuron
-  libraries are importable (the PyPI packages of the same names are placeholders raising
-  ImportError). Ray itself sets `NEURON_RT_VISIBLE_CORES` for each actor from its `neuron_cores`
-  bundle (one logical core).
-- `init_process_group` describes the group to torch-neuronx the way torchrun does (RANK,
-  WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR/PORT, TORCHELASTIC_RUN_ID: what
-  its multi-process set-up reads, and what Ray Train's XLA backend sets; without them every rank
-  takes itself for the only process and a collective reduces over one), gives the group its own
-  root communicator address (NEURON_RT_ROOT_COMM_ID: a port rank 0 picks, shared through the
-  process group's store, where the default is one fixed port per host for every group), joins
-  torch.distributed over the XLA backend and initialises neuronx-distributed's tensor-parallel
-  state with the group's TP degree and the LNC.
+  a graph compiled for one LNC cannot run at another) and sets it. Ray itself sets
+  `NEURON_RT_VISIBLE_CORES` for each actor from its `neuron_cores` bundle (one logical core).
+- `init_process_group` opens the group's TCPStore at the rendezvous and, before importing anything
+  of the SDK (importing torch-neuronx sets the process up from the environment), describes the
+  group the way torchrun does: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK,
+  MASTER_ADDR/PORT and TORCHELASTIC_RUN_ID (what its multi-process set-up reads, and what Ray
+  Train's XLA backend sets; without them every rank takes itself for the only process and a
+  collective reduces over one), NEURON_RT_VISIBLE_CORES as every core of the rank's node in
+  local-rank order (torch-neuronx keeps the LOCAL_RANK-th, and refuses a list of another length),
+  and a root communicator address of the group's own (NEURON_RT_ROOT_COMM_ID: a port rank 0 picks;
+  the default is one fixed port per host for every group). Then it imports the SDK (a clear error
+  where it is missing or the PyPI placeholder), joins torch.distributed over XLA through that
+  store and initialises neuronx-distributed's tensor-parallel state with the TP degree and the LNC.
 """
 
 from __future__ import annotations
@@ -62,27 +63,35 @@ class NeuronBackend(Backend):
                 f"unset the variable"
             )
         os.environ["NEURON_LOGICAL_NC_CONFIG"] = str(self.lnc)  # before the runtime is loaded
-        import_neuron_module("torch_neuronx")
-        import_neuron_module("neuronx_distributed")
         torch.set_num_threads(max(1, int(threads)))
+        # The SDK is imported by init_process_group, once the group is described in the environment:
+        # importing torch-neuronx (torch_xla with it) sets the process up from that environment.
 
     def init_process_group(self, rendezvous: RendezvousInfo, rank: int, world_size: int,
                            timeout_s: float, node_groups: list[list[int]] | None = None) -> Collectives:
         import torch.distributed as dist
 
+        groups = node_groups or [list(range(world_size))]
+        # The group's own store, before any SDK import: through it the ranks learn the root
+        # communicator's address and their node peers' cores, which the environment must hold
+        # when torch-neuronx sets the process up. The XLA process group then joins through it.
+        store = dist.TCPStore(rendezvous.host, rendezvous.port, world_size, is_master=rank == 0,
+                              timeout=datetime.timedelta(seconds=timeout_s))
         # The launcher's rendezvous wins over anything inherited from the environment: a stale
         # MASTER_ADDR would send the ranks to different places and they would wait until the timeout.
-        os.environ.update(torchrun_environment(rank, world_size, node_groups or [list(range(world_size))],
-                                               rendezvous))
+        os.environ.update(torchrun_environment(rank, world_size, groups, rendezvous))
+        os.environ["NEURON_RT_ROOT_COMM_ID"] = shared_root_comm_id(store, rank, rendezvous.host)
+        node_cores = shared_node_cores(store, rank, groups)
+        if node_cores is not None:
+            os.environ["NEURON_RT_VISIBLE_CORES"] = node_cores
+        import_neuron_module("torch_neuronx")
+        import_neuron_module("neuronx_distributed")
         import_neuron_module("torch_xla")
         parallel_state = import_neuron_module("neuronx_distributed.parallel_layers.parallel_state")
         # Registers the "xla" process-group backend with torch.distributed.
         import_neuron_module("torch_xla.distributed.xla_backend")
-        dist.init_process_group(backend="xla", rank=rank, world_size=world_size,
+        dist.init_process_group(backend="xla", store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
-        # Before the first collective (initialize_model_parallel runs one), which sets the runtime's
-        # communicator up at this address.
-        os.environ["NEURON_RT_ROOT_COMM_ID"] = shared_root_comm_id(default_store(), rank, rendezvous.host)
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size,
                                                  **lnc_options(parallel_state.initialize_model_parallel, self.lnc))
         return TorchDistributedCollectives()
@@ -130,13 +139,6 @@ def torchrun_environment(rank: int, world_size: int, node_groups: list[list[int]
 _ROOT_COMM_KEY = "corelaunch/neuron_root_comm_id"
 
 
-def default_store():
-    """The store of torch.distributed's default group (what init_process_group rendezvoused through)."""
-    from torch.distributed.distributed_c10d import _get_default_store
-
-    return _get_default_store()
-
-
 def shared_root_comm_id(store, rank: int, host: str) -> str:
     """host:port of the group's root communicator: rank 0 picks a port free on its host and every
     rank reads it from the store (which waits for rank 0). Without it the runtime uses one fixed
@@ -144,6 +146,23 @@ def shared_root_comm_id(store, rank: int, host: str) -> str:
     if rank == 0:
         store.set(_ROOT_COMM_KEY, f"{host}:{free_port(host='')}")
     return store.get(_ROOT_COMM_KEY).decode()
+
+
+def shared_node_cores(store, rank: int, node_groups: list[list[int]]) -> str | None:
+    """NEURON_RT_VISIBLE_CORES for this rank as torchrun would give it: every core of the ranks on
+    its node, in local-rank order (torch-neuronx keeps the LOCAL_RANK-th of them, and refuses a
+    list of another length than LOCAL_WORLD_SIZE). Ray gives each rank's actor its own core only;
+    the ranks swap theirs through the store. None when Ray set none (nothing to remap)."""
+    own = os.environ.get("NEURON_RT_VISIBLE_CORES", "")
+    store.set(f"{_CORES_KEY}/{rank}", own)
+    local = next(ranks for ranks in node_groups if rank in ranks)
+    cores = [store.get(f"{_CORES_KEY}/{r}").decode() for r in local]
+    if not all(cores):
+        return None
+    return ",".join(cores)
+
+
+_CORES_KEY = "corelaunch/neuron_visible_cores"
 
 
 def lnc_options(initialize_model_parallel, lnc: int) -> dict:
