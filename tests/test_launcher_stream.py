@@ -486,6 +486,29 @@ def test_a_hung_group_is_replaced_even_when_every_client_gives_up_before_its_tim
         release.set()
 
 
+def test_a_hung_group_is_noticed_within_the_first_waves_timeout(model_and_expected, in_process_cluster,
+                                                                 monkeypatch):
+    """generate() gives its later waves of rows longer timeouts; the hung-group check took the last
+    stream's, so with four waves a hung group was replaced after four timeouts, not one."""
+    import threading
+
+    hang, release = leader_that_can_hang(monkeypatch)
+    model_dir, _ = model_and_expected
+    try:
+        with Launcher(model=model_dir, tp=1, max_num_seqs=1, progress=False, request_timeout_s=2, **EAGER) as llm:
+            hang.set()
+            start = time.monotonic()
+            threading.Thread(target=lambda: pytest.raises(Exception, llm.generate, PROMPTS[:4], max_new_tokens=4),
+                             daemon=True).start()
+            while llm.replica_status()[0]["restarts"] < 1:
+                assert time.monotonic() - start < 30, "the hung group was never replaced"
+                time.sleep(0.05)
+            assert time.monotonic() - start < 2 * 2 + 1.5  # one timeout (and a poll or two), not four
+            hang.clear()
+    finally:
+        release.set()
+
+
 def test_streams_are_read_between_queued_static_batches(model_and_expected, in_process_cluster, monkeypatch):
     """A serving group's replica ran every queued static batch before it read its streams again: a
     stream's tokens (and its deadline, and cancels) waited for the whole backlog (13 s on a busy

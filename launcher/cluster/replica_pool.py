@@ -108,9 +108,11 @@ class Replica:
         self._watched_progress: tuple[int, int] | None = None
         self._quiet_since = 0.0
         """When the leader's progress last changed while this group had work (see _check_hung)."""
+        self._quiet_limit: float | None = None
+        """The shortest request timeout in flight since then."""
         self._stall_limit_s: float | None = None
         """The request timeout of the last stream handed over: how long the group may go without a
-        step while it has work."""
+        step while it has only cancels left to answer (with streams, their shortest timeout)."""
 
     # ---- the serving loop --------------------------------------------------------------------
     def run(self) -> None:
@@ -224,10 +226,18 @@ class Replica:
         progress = self._leader_progress()
         with self._streams_lock:
             busy = bool(self.streams or self.cancelling)
+            # the shortest timeout in flight: generate() gives its later waves of rows longer ones,
+            # and its first wave's is the one a hung group must be noticed within
+            limits = [h.timeout_s for h in self.streams.values()]
         if not busy or progress != self._watched_progress:
-            self._watched_progress, self._quiet_since = progress, now
+            self._watched_progress, self._quiet_since, self._quiet_limit = progress, now, None
             return
-        limit = self._stall_limit_s
+        # the shortest seen since the quiet began: a timed-out stream leaves the books, and the
+        # next wave's longer timeout must not restart the count
+        current = min(limits) if limits else self._stall_limit_s
+        if current is not None:
+            self._quiet_limit = current if self._quiet_limit is None else min(self._quiet_limit, current)
+        limit = self._quiet_limit
         if limit is not None and now - self._quiet_since >= limit and not self.pool.stopping:
             self._restart(RequestTimeout(f"replica {self.index}'s group made no step in {limit:g} s (the request "
                                          f"timeout) with requests in flight; it looks hung and is replaced"))
