@@ -868,7 +868,8 @@ def test_a_cached_library_cut_short_is_built_again_not_refused_for_good(user_cac
 
     _, directory, name, _, _ = user_cache
     native_build.build_and_load(SPEC, directory)
-    (directory / name).write_bytes(b"")  # what a crash before writeback leaves
+    whole = (directory / name).read_bytes()
+    (directory / name).write_bytes(whole[: len(whole) // 2])  # what a crash before writeback leaves
     lib = native_build.build_and_load(SPEC, directory)
     box = ctypes.c_uint64(0)
     lib.cl_publish.argtypes = [ctypes.c_void_p, ctypes.c_uint64]
@@ -881,3 +882,30 @@ def test_each_users_libraries_sit_straight_under_the_cache(user_cache):
     user of a shared cache out: their own uid folder could not be created there."""
     cache, directory, _, _, _ = user_cache
     assert directory.parent == cache and directory.name == f"native-uid{os.getuid()}"
+
+
+def test_a_library_that_does_not_load_right_after_its_build_is_not_built_again(user_cache, monkeypatch):
+    """The rebuild is for a cached library cut short: one that fails to load straight from the
+    compiler (a noexec cache, a missing runtime library) was compiled again at every call."""
+    from workers import native_build
+    from workers.shm.native import SPEC
+
+    _, directory, _, _, _ = user_cache
+    compiles = []
+    real_compile = native_build._compile
+
+    def counted(*args, **kwargs):
+        compiles.append(1)
+        return real_compile(*args, **kwargs)
+
+    def refuse(fd, path):
+        raise native_build.NativeUnavailable(f"could not load {path}: cannot map (noexec)")
+
+    monkeypatch.setattr(native_build, "_compile", counted)
+    monkeypatch.setattr(native_build, "load", refuse)
+    with pytest.raises(native_build.NativeUnavailable):
+        native_build.build_and_load(SPEC, directory)
+    assert len(compiles) == 1
+    with pytest.raises(native_build.NativeUnavailable):  # from the cache now: whole, so not built again
+        native_build.build_and_load(SPEC, directory)
+    assert len(compiles) == 1

@@ -189,6 +189,10 @@ def _compile(dir_fd: int, directory: Path, spec: "LibrarySpec") -> None:
 
 
 def build(spec: "LibrarySpec", directory: Path | None = None, again: bool = False) -> int:
+    return _build(spec, directory, again)[0]
+
+
+def _build(spec: "LibrarySpec", directory: Path | None, again: bool) -> tuple[int, bool]:
     """An open descriptor of the checked library of `spec` in `directory` (this user's library_dir()
     by default), compiled there first if missing or untrustworthy; the caller closes it.
 
@@ -196,20 +200,39 @@ def build(spec: "LibrarySpec", directory: Path | None = None, again: bool = Fals
     writable by nobody else (else NativeUnavailable, see `trusted_dir`); the library is a regular
     file (not a symlink) owned by this user and writable by nobody else, or it is rebuilt and
     renamed over. The descriptor is the checked file itself, so it cannot be swapped afterwards.
-    again: compile even where a checked library is in place (one that would not load)."""
+    again: compile even where a checked library is in place (one that would not load).
+    (_build also says whether it compiled.)"""
     directory = directory or library_dir()
     dir_fd = trusted_dir(directory)
     try:
         fd = None if again else _open_trusted(dir_fd, spec.name)
-        if fd is None:
+        compiled = fd is None
+        if compiled:
             _compile(dir_fd, directory, spec)
             fd = _open_trusted(dir_fd, spec.name)
             if fd is None:
                 raise NativeUnavailable(f"{directory / spec.name} was rebuilt but does not pass the checks "
                                         f"(regular file, owned by this user, writable by nobody else)")
-        return fd
+        return fd, compiled
     finally:
         os.close(dir_fd)
+
+
+def _cut_short(fd: int) -> bool:
+    """Whether the library behind `fd` is shorter than its own ELF header says (or has none): what a
+    crash or a full disk leaves of a write that was not fsynced."""
+    import struct
+
+    try:
+        header = os.pread(fd, 64, 0)
+        size = os.fstat(fd).st_size
+    except OSError:
+        return False
+    if len(header) < 64 or header[:4] != b"\x7fELF" or header[4] != 2:  # not a whole 64-bit ELF header
+        return True
+    (section_headers,) = struct.unpack_from("<Q", header, 0x28)
+    entry_size, entries = struct.unpack_from("<HH", header, 0x3A)
+    return size < section_headers + entry_size * entries
 
 
 def load(fd: int, path: Path) -> ctypes.CDLL:
@@ -220,27 +243,30 @@ def load(fd: int, path: Path) -> ctypes.CDLL:
     libraries: the descriptor is duplicated and the duplicate kept open for the life of the process
     (its number is never reused), and that is the path loaded."""
     kept = os.dup(fd)
-    _KEPT_OPEN.append(kept)
     via_fd = f"/proc/self/fd/{kept}"
     try:
-        return ctypes.CDLL(via_fd if os.path.exists(via_fd) else str(path))
+        library = ctypes.CDLL(via_fd if os.path.exists(via_fd) else str(path))
     except OSError as err:
+        os.close(kept)  # nothing was loaded through it
         raise NativeUnavailable(f"could not load {path}: {err}") from None
+    _KEPT_OPEN.append(kept)
+    return library
 
 
 def build_and_load(spec: "LibrarySpec", directory: Path | None = None) -> ctypes.CDLL:
     """`build`, then `load`: the checked library of `spec`, compiled first where needed (in this
     user's library_dir() by default). Raises NativeUnavailable; the caller declares the argtypes."""
     directory = directory or library_dir()
-    fd = build(spec, directory)
+    fd, compiled = _build(spec, directory, again=False)
     try:
         return load(fd, Path(directory) / spec.name)
     except NativeUnavailable:
-        pass  # a cached library that does not load: see below
+        if compiled or not _cut_short(fd):
+            raise  # just built, or whole: building again would change nothing (a noexec cache, say)
     finally:
         os.close(fd)
-    # Cut short by a crash or a full disk (before builds fsynced), it was refused for good: built
-    # again once, renamed over it.
+    # A cached library that does not load, cut short by a crash or a full disk (before builds
+    # fsynced), was refused for good: built again once, renamed over it.
     fd = build(spec, directory, again=True)
     try:
         return load(fd, Path(directory) / spec.name)
