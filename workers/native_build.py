@@ -188,11 +188,7 @@ def _compile(dir_fd: int, directory: Path, spec: "LibrarySpec") -> None:
                 pass
 
 
-def build(spec: "LibrarySpec", directory: Path | None = None, again: bool = False) -> int:
-    return _build(spec, directory, again)[0]
-
-
-def _build(spec: "LibrarySpec", directory: Path | None, again: bool) -> tuple[int, bool]:
+def build(spec: "LibrarySpec", directory: Path | None = None) -> int:
     """An open descriptor of the checked library of `spec` in `directory` (this user's library_dir()
     by default), compiled there first if missing or untrustworthy; the caller closes it.
 
@@ -200,20 +196,22 @@ def _build(spec: "LibrarySpec", directory: Path | None, again: bool) -> tuple[in
     writable by nobody else (else NativeUnavailable, see `trusted_dir`); the library is a regular
     file (not a symlink) owned by this user and writable by nobody else, or it is rebuilt and
     renamed over. The descriptor is the checked file itself, so it cannot be swapped afterwards.
-    again: compile even where a checked library is in place (one that would not load).
-    (_build also says whether it compiled.)"""
+    A cached library shorter than its ELF header says (a crash or a full disk before builds
+    fsynced) is rebuilt too: it failed to load for good, or faulted the process (SIGBUS) in dlopen."""
     directory = directory or library_dir()
     dir_fd = trusted_dir(directory)
     try:
-        fd = None if again else _open_trusted(dir_fd, spec.name)
-        compiled = fd is None
-        if compiled:
+        fd = _open_trusted(dir_fd, spec.name)
+        if fd is not None and _cut_short(fd):
+            os.close(fd)
+            fd = None
+        if fd is None:
             _compile(dir_fd, directory, spec)
             fd = _open_trusted(dir_fd, spec.name)
             if fd is None:
                 raise NativeUnavailable(f"{directory / spec.name} was rebuilt but does not pass the checks "
                                         f"(regular file, owned by this user, writable by nobody else)")
-        return fd, compiled
+        return fd
     finally:
         os.close(dir_fd)
 
@@ -257,17 +255,7 @@ def build_and_load(spec: "LibrarySpec", directory: Path | None = None) -> ctypes
     """`build`, then `load`: the checked library of `spec`, compiled first where needed (in this
     user's library_dir() by default). Raises NativeUnavailable; the caller declares the argtypes."""
     directory = directory or library_dir()
-    fd, compiled = _build(spec, directory, again=False)
-    try:
-        return load(fd, Path(directory) / spec.name)
-    except NativeUnavailable:
-        if compiled or not _cut_short(fd):
-            raise  # just built, or whole: building again would change nothing (a noexec cache, say)
-    finally:
-        os.close(fd)
-    # A cached library that does not load, cut short by a crash or a full disk (before builds
-    # fsynced), was refused for good: built again once, renamed over it.
-    fd = build(spec, directory, again=True)
+    fd = build(spec, directory)
     try:
         return load(fd, Path(directory) / spec.name)
     finally:
