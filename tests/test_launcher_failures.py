@@ -203,4 +203,5 @@ def test_ray_client_to_another_machine_is_refused_before_ray_is_asked(monkeypatc
                                           r"machine \(192.0.2.55\).*ray job submit"):
         ray_cluster.connect("ray://192.0.2.55:10001")
     assert ray_cluster.remote_ray_client("ray://127.0.0.1:10001") is None  # this machine: it works
+    assert ray_cluster.remote_ray_client("ray://[::1]:10001") is None  # IPv6 loopback too
     assert ray_cluster.remote_ray_client("10.0.0.5:6379") is None  # not Ray Client

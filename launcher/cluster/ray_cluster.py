@@ -86,15 +86,17 @@ def remote_ray_client(address: str) -> str | None:
         return None
     host = address[len("ray://"):].rpartition(":")[0].strip("[]") or address[len("ray://"):]
     try:
-        ip = socket.gethostbyname(host)
+        found = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)  # IPv4 and IPv6
     except OSError:
         return host  # ray.init says it cannot resolve; not this machine either way
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        try:
-            probe.bind((ip, 0))  # binds only to an address of one of this machine's interfaces
-        except OSError:
-            return host
-    return None
+    for family, _, _, _, sockaddr in found:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((sockaddr[0], 0))  # binds only to an address of one of this machine's interfaces
+                return None
+            except OSError:
+                continue
+    return host
 
 
 def _unreachable(address: str, timeout_s: float = GCS_PROBE_S) -> str | None:
