@@ -322,8 +322,11 @@ def test_a_compiled_directory_is_served_under_its_own_name(tmp_path):
     version = tmp_path / ".c1.v-host-1-abcd1234"
     version.mkdir()
     (tmp_path / "c1").symlink_to(version.name)
-    assert settings_from_args({"compiled_dir": str(tmp_path / "c1")}).served_model_name == "c1"
+    settings = settings_from_args({"compiled_dir": str(tmp_path / "c1")})
+    assert settings.served_model_name == "c1"
     assert settings_from_args({"compiled_dir": f"{tmp_path}/c1/"}).served_model_name == "c1"
+    # and every replica, those Serve starts later included, loads the version the link named then
+    assert settings.launch["compiled_dir"] == str(version)
 
 
 def test_server_settings_from_builder_arguments():

@@ -94,8 +94,13 @@ def settings_from_args(args: dict, names: dict | None = None) -> ServerSettings:
     # held in Serve's own queue held /health and /metrics behind it too.
     queued = config.max_queued_requests
     admitted = config.max_num_seqs + (queued if queued is not None else MAX_QUEUED_REQUESTS)
+    served = _served_name(typed, launch, name("served_model_name", "served_model_name"))
+    if launch.get("compiled_dir") and Path(launch["compiled_dir"]).is_symlink():
+        # Every replica on the version the link names now, as one Launcher keeps to it: replicas
+        # Serve starts later (autoscaling, a replacement) loaded whatever a later compile linked.
+        launch["compiled_dir"] = str(Path(launch["compiled_dir"]).resolve())
     return ServerSettings(
-        launch=launch, served_model_name=_served_name(typed, launch, name("served_model_name", "served_model_name")),
+        launch=launch, served_model_name=served,
         api_key=_api_key(typed.get("api_key"), name("api_key", "api_key")),
         num_replicas=num_replicas, autoscaling=autoscaling, max_ongoing_requests=admitted + ROUTE_HEADROOM)
 
