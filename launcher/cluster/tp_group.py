@@ -22,8 +22,8 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from launcher.errors import (DevicesMissing, LaunchError, PlacementTimeout, RankFailed, RendezvousTimeout,
-                             RequestTimeout, WorkerDied)
+from launcher.errors import (DevicesMissing, LaunchError, PlacementSpread, PlacementTimeout, RankFailed,
+                             RendezvousTimeout, RequestTimeout, WorkerDied)
 from launcher.cluster.event_channel import ChannelClosed, EventChannel
 from launcher.cluster.placement import alive_nodes, bundle_nodes, even_split, placement_strategy, rank_order
 from launcher.cluster.resources import RankResources, actor_options, explain_unplaceable
@@ -110,7 +110,7 @@ class TPGroup:
             # their free resources dictate; the plan counted cores and memory over --nodes nodes.
             remove_placement_group(self._pg)
             self._pg = None
-            raise PlacementTimeout(
+            raise PlacementSpread(
                 f"Ray placed the {self.tp_degree} ranks' bundles of {self.resources.bundle} on {used} nodes, more "
                 f"than the {self.nodes} --nodes allows (Ray's PACK spreads them as the nodes' free resources "
                 f"dictate): free resources on fewer nodes, or pass --nodes {used}")

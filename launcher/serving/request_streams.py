@@ -52,8 +52,9 @@ class _Stream:
             # the reader, not an ending it would take for a finished answer ("abort" is no reason
             # a delta documents, nor one OpenAI's API knows).
             self.done = True
-            raise RequestCancelled(f"request {self.request_id} was aborted by its TP group, which is stopping "
-                                   f"(the launcher is shutting down), after {len(self.handle.delivered)} token(s)")
+            raise RequestCancelled(f"request {self.request_id} was aborted by its TP group without being cancelled "
+                                   f"(the group is stopping, or its leader refused the request), after "
+                                   f"{len(self.handle.delivered)} token(s)")
         self.events.append(item)
         delta = self.text.delta(item, self.handle.time_to_first_token_s)
         if delta.finish_reason is not None:
