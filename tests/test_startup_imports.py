@@ -143,3 +143,22 @@ def test_the_startup_benchmark_refuses_what_it_cannot_run(tmp_path):
     out = startup("--commands", "generate,boot")
     assert out.returncode == 2 and "--commands ('generate,boot') must name one or more of generate, serve, convert" \
         in out.stderr
+
+
+EAGER_PREFILL_PRODUCT = """
+import json, sys
+import torch
+from workers.kernels.prefill_gemm import prefill_linear
+x, w = torch.randn(1100, 64), torch.randn(32, 64)
+ok = torch.allclose(prefill_linear(x, w, None), x @ w.T, atol=1e-4)
+print(json.dumps({"ok": ok, "loaded": [m for m in ("torch._dynamo", "torch._inductor") if m in sys.modules]}))
+"""
+
+
+def test_an_eager_prefill_product_does_not_import_the_compiler():
+    """A prefill of 1024 rows or more through packed weights called the prefill GEMM's Python custom
+    operator even eagerly, whose first call imported torch._dynamo (1.2 s per rank)."""
+    proc = subprocess.run([sys.executable, "-c", EAGER_PREFILL_PRODUCT], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1]) == {"ok": True, "loaded": []}

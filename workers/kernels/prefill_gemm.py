@@ -51,11 +51,19 @@ def chosen_gemm() -> str:
     return choice if torch.backends.mkldnn.is_available() else "mkl"
 
 
-@torch.library.custom_op("corelaunch::prefill_linear", mutates_args=())
 def prefill_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x W^T (+ bias) for x (..., K) and W (N, K), through the chosen GEMM: oneDNN's only when all
-    three are float32 (the packed weights' dtype; oneDNN's linear refuses others obscurely), else
-    F.linear."""
+    """x W^T (+ bias) for x (..., K) and W (N, K), through the chosen GEMM (_prefill_linear). The
+    operator only while torch.compile traces: run eagerly, torch wraps a Python operator's kernel so
+    that its first call imports the whole of torch._dynamo (1.2 s measured on the first eager
+    prefill of 1024 rows), which an eager rank never needs."""
+    if torch.compiler.is_compiling():
+        return torch.ops.corelaunch.prefill_linear(x, weight, bias)
+    return _prefill_linear(x, weight, bias)
+
+
+def _prefill_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's GEMM only when all three are float32 (the packed weights' dtype; oneDNN's linear
+    refuses others obscurely), else F.linear."""
     if chosen_gemm() == "onednn" and all(t is None or t.dtype == torch.float32 for t in (x, weight, bias)):
         # oneDNN reads x and the bias as if dense, whatever their strides: hand it dense copies
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight.contiguous(),
@@ -63,6 +71,9 @@ def prefill_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return torch.nn.functional.linear(x, weight, bias)
 
 
-@prefill_linear.register_fake
+_prefill_linear_op = torch.library.custom_op("corelaunch::prefill_linear", _prefill_linear, mutates_args=())
+
+
+@_prefill_linear_op.register_fake
 def _prefill_linear_shape(x, weight, bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
