@@ -272,3 +272,14 @@ def test_a_compiled_decode_step_calls_the_operator_once_and_agrees_with_eager():
         assert sum("decode_attention" in t for t in targets) == 1, targets
         torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
         assert torch.equal(compiled_caches[0], eager_caches[0]) and torch.equal(compiled_caches[1], eager_caches[1])
+
+
+def test_zero_kv_heads_or_head_dim_are_refused_not_a_process_crash():
+    """The check divided by the KV head count before anything had checked it, and a head_dim of 0
+    passed every check and divided by zero later: the process died of SIGFPE."""
+    q = torch.zeros(1, 2, 1, 8)
+    for kv_heads, head_dim in ((0, 8), (2, 0)):
+        cache = torch.zeros(1, kv_heads, 4, head_dim)
+        query = q if head_dim else torch.zeros(1, 2, 1, 0)
+        with pytest.raises(RuntimeError, match="decode_attention takes"):
+            kernel.decode_attention(query, cache, cache.clone(), None, torch.ones(1, 4, dtype=torch.bool), 4, 1.0)

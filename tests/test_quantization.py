@@ -383,3 +383,17 @@ def test_the_one_row_compiled_product_sums_in_float32(dtype):
     got = weight.linear(x.to(dtype), None, gemv=True)
     assert got.dtype == dtype and bool(got.isfinite().all())
     torch.testing.assert_close(got.float(), exact, rtol=1e-2, atol=0.1)
+
+
+@pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_an_fp8_weight_with_nan_or_infinite_codes_is_refused_at_load(fmt):
+    """The small-batch kernel widened such codes to finite numbers (e4m3fn's NaN to 480, e5m2's
+    infinities to 65536), where F.linear above its row limit gives NaN: one weight, two answers."""
+    from workers.quantized_linear import QuantizedWeight
+
+    every_code = torch.arange(256, dtype=torch.uint8).view(fmt).reshape(16, 16)
+    expected = int((~torch.isfinite(every_code.float())).sum())
+    with pytest.raises(ValueError, match=rf"holds {expected} NaN or infinite fp8 code"):
+        QuantizedWeight(every_code, torch.ones(16, 1))
+    finite = every_code.float().nan_to_num(0.0, 0.0, 0.0).to(fmt)
+    QuantizedWeight(finite, torch.ones(16, 1))

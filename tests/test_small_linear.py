@@ -120,3 +120,41 @@ def test_turned_off_by_the_environment(monkeypatch):
         small._library.cache_clear()
         monkeypatch.delenv("CORELAUNCH_SMALL_LINEAR")
         assert small._library() is not None
+
+
+def test_the_operator_refuses_what_its_c_code_would_misread():
+    """The public operator passed raw pointers on unchecked: a bfloat16 x was read as float32 (twice
+    its bytes: garbage, or a fault at a page's end), and a scale or bias of the wrong length read
+    past its end."""
+    weight = torch.randn(8, 16)
+    with pytest.raises(ValueError, match="small_linear takes float32 x"):
+        small.small_linear(torch.randn(2, 16, dtype=torch.bfloat16), weight)
+    with pytest.raises(ValueError, match="small_linear takes float32 x"):
+        small.small_linear(torch.randn(2, 15), weight)
+    with pytest.raises(ValueError, match=r"scale has 3 elements; it takes 1 or out \(8\)"):
+        small.small_linear(torch.randn(2, 16), weight.to(torch.int8), torch.ones(3))
+    with pytest.raises(ValueError, match=r"bias has 7 elements; it takes out \(8\)"):
+        small.small_linear(torch.randn(2, 16), weight, None, torch.ones(7))
+
+
+def test_two_threads_asking_first_build_the_library_once(monkeypatch):
+    """lru_cache alone let two threads that asked first both build it (two compiles into an empty cache)."""
+    import threading
+    import time
+
+    from workers.native_build import once_per_process
+
+    calls = []
+
+    def slow_build():
+        calls.append(1)
+        time.sleep(0.2)
+        return "library"
+
+    build = once_per_process(slow_build)
+    threads = [threading.Thread(target=build) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert calls == [1] and build() == "library"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import hashlib
 import os
 import secrets
@@ -22,6 +23,7 @@ import shutil
 import stat
 import subprocess
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -294,3 +296,17 @@ def load_unless_turned_off(env_var: str, build) -> tuple[ctypes.CDLL | None, str
         return None, f"turned off by {env_var}=0"
     built = build()
     return (None, built) if isinstance(built, str) else (built, None)
+
+
+def once_per_process(fn):
+    """fn() cached for the process and run by one thread at a time: lru_cache alone lets two threads
+    that ask first both run it (two compiles into an empty cache). cache_clear() as lru_cache's."""
+    cached, lock = functools.lru_cache(maxsize=None)(fn), threading.Lock()
+
+    @functools.wraps(fn)
+    def wrapper():
+        with lock:
+            return cached()
+
+    wrapper.cache_clear = cached.cache_clear
+    return wrapper

@@ -23,6 +23,16 @@ from shardlib.quantization import SCALE_SUFFIX, scale_name
 from workers.kernels import small_linear as small
 
 
+def _non_finite_fp8_codes(q: torch.Tensor) -> int:
+    """How many of an fp8 weight's bytes code NaN or an infinity (0 for other dtypes), read as bytes:
+    e4m3fn has only NaN there (S.1111.111), e5m2 its whole top exponent (S.11111.xx)."""
+    if q.dtype == torch.float8_e4m3fn:
+        return int(((q.view(torch.uint8) & 0x7F) == 0x7F).sum())
+    if q.dtype == torch.float8_e5m2:
+        return int(((q.view(torch.uint8) & 0x7C) == 0x7C).sum())
+    return 0
+
+
 class QuantizedWeight(nn.Module):
     """One quantized (out, in) weight shard: `q` (int8 or fp8) and `scale` float32, (out, 1) per
     channel or (1,) per tensor."""
@@ -32,6 +42,13 @@ class QuantizedWeight(nn.Module):
         if q.dim() != 2 or scale.shape not in ((q.shape[0], 1), (1,)):
             raise ValueError(f"a quantized weight needs q (out, in) and scale (out, 1) or (1,); got "
                              f"{tuple(q.shape)} and {tuple(scale.shape)}")
+        bad = _non_finite_fp8_codes(q)
+        if bad:
+            # The small-batch kernel widens such codes to finite numbers (e4m3fn's NaN to 480), where
+            # every other path gives NaN: one weight would answer differently with the batch size.
+            raise ValueError(f"a quantized weight ({tuple(q.shape)}, {q.dtype}) holds {bad} NaN or infinite fp8 "
+                             f"code(s); quantize the checkpoint again from finite weights (`corelaunch quantize` "
+                             f"clamps every value it writes)")
         self.register_buffer("q", q)
         self.register_buffer("scale", scale.to(torch.float32))
         self.compute_dtype = torch.float32

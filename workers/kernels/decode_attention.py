@@ -46,7 +46,6 @@ CORELAUNCH_DECODE_ATTENTION=0) means the traced products and sums run as before.
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
@@ -392,6 +391,7 @@ static at::Tensor decode_attention_cpu(const at::Tensor &q, const at::Tensor &k_
     TORCH_CHECK(q.dim() == 4 && q.size(2) == 1 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes()
                 && q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat
                 && v_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() && v_cache.is_contiguous()
+                && k_cache.size(1) > 0 && q.size(3) > 0  /* before the division below, and the tiling's by head_dim */
                 && q.size(3) == k_cache.size(3) && q.size(1) % k_cache.size(1) == 0
                 && q.size(1) / k_cache.size(1) <= CL_MAX_GROUP && read_slots > 0 && read_slots <= k_cache.size(2)
                 && mask.scalar_type() == at::kBool && mask.numel() == q.size(0) * read_slots,
@@ -485,7 +485,7 @@ def run_kernel(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cache
 unavailable_reason: str | None = None
 
 
-@functools.lru_cache(maxsize=None)
+@native_build.once_per_process
 def _host_build():
     """The host's library, or why it cannot be built: tried once per process (a second copy loaded
     would register the operator's kernel again)."""
@@ -529,6 +529,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     is true."""
     if mask.shape[0] == 1 and q.shape[0] > 1:  # one mask shared by the batch
         mask = mask.expand(q.shape[0], *mask.shape[1:])
+    if not torch.compiler.is_compiling() and not available():  # loading the library registers the kernel
+        raise RuntimeError(f"the decode attention kernel is unavailable: {unavailable_reason}")
     return torch.ops.corelaunch.decode_attention(q, k_cache, v_cache, rows, mask, read_slots, scale)
 
 

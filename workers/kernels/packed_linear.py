@@ -32,7 +32,6 @@ the runtime torch uses) split the panels; rows are taken ROW_CHUNK at a time.
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
@@ -228,7 +227,7 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
-@functools.lru_cache(maxsize=None)
+@native_build.once_per_process
 def _host_build() -> ctypes.CDLL | str:
     """The host's library, or why it cannot be built: tried once per process (a second copy loaded
     would register the operator's kernel again)."""

@@ -33,7 +33,6 @@ compiler it is off and the library paths run.
 from __future__ import annotations
 
 import ctypes
-import functools
 from dataclasses import replace
 
 import torch
@@ -193,7 +192,7 @@ NARROW_SPEC = replace(SPEC, stem="corelaunch_small_linear_narrow", flags=SPEC.fl
 compare it with the host's build)."""
 
 
-@functools.lru_cache(maxsize=None)
+@native_build.once_per_process
 def _library() -> ctypes.CDLL | None:
     """The loaded kernel, or None when it is turned off or cannot be built (the reason is kept in
     `unavailable_reason`)."""
@@ -281,8 +280,19 @@ def _run_library_kernel(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tens
 
 def run_kernel(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
                bias: torch.Tensor | None) -> torch.Tensor:
-    """small_linear through a given build of the library (the op's body; tests run other builds)."""
+    """small_linear through a given build of the library (the op's body; tests run other builds).
+    The C code reads raw pointers: anything but what it reads is refused here (a bfloat16 x was read
+    as float32, twice its bytes, and faulted at the end of a page)."""
+    if not (x.dtype == torch.float32 and x.device.type == "cpu" and weight.dim() == 2
+            and weight.dtype in WEIGHT_TYPES and weight.device.type == "cpu" and x.shape[-1] == weight.shape[1]):
+        raise ValueError(f"small_linear takes float32 x (..., in) on the CPU and a 2-D CPU weight (out, in) of "
+                         f"{', '.join(map(str, WEIGHT_TYPES))}; got x {tuple(x.shape)} {x.dtype} on {x.device}, "
+                         f"weight {tuple(weight.shape)} {weight.dtype} on {weight.device}")
     n, k = weight.shape
+    if scale is not None and scale.numel() not in (1, n):
+        raise ValueError(f"small_linear's scale has {scale.numel()} elements; it takes 1 or out ({n})")
+    if bias is not None and bias.numel() != n:
+        raise ValueError(f"small_linear's bias has {bias.numel()} elements; it takes out ({n})")
     rows = x.reshape(-1, k).contiguous()
     weight = weight.contiguous()
     scale = None if scale is None else scale.reshape(-1).to(torch.float32).contiguous()
