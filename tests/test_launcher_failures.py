@@ -205,3 +205,26 @@ def test_ray_client_to_another_machine_is_refused_before_ray_is_asked(monkeypatc
     assert ray_cluster.remote_ray_client("ray://127.0.0.1:10001") is None  # this machine: it works
     assert ray_cluster.remote_ray_client("ray://[::1]:10001") is None  # IPv6 loopback too
     assert ray_cluster.remote_ray_client("10.0.0.5:6379") is None  # not Ray Client
+
+
+def test_a_refused_connection_names_token_authentication(monkeypatch):
+    """Ray reports a missing token as a failed connection: the refusal said only "no Ray cluster
+    answered ... run `ray stop`", for a cluster that was there and wanted a token."""
+    import ray
+
+    from launcher.cluster import ray_cluster
+    from launcher.errors import LaunchError
+
+    def refused(*args, **kwargs):
+        raise ConnectionError("Failed to connect to Ray cluster at 10.0.0.5:6379")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray_cluster, "_unreachable", lambda address: None)
+    monkeypatch.setattr(ray, "init", refused)
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    with pytest.raises(LaunchError, match="token authentication.*set RAY_AUTH_MODE=token"):
+        ray_cluster.connect("10.0.0.5:6379")
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")  # set already: not the advice
+    with pytest.raises(LaunchError) as refused_with_token:
+        ray_cluster.connect("10.0.0.5:6379")
+    assert "RAY_AUTH_MODE" not in str(refused_with_token.value)
