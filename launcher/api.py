@@ -65,8 +65,9 @@ class LaunchConfig:
     device_memory_gib: float | None = None
     """cuda backend: the memory of one GPU, for planning; None measures this host's GPUs."""
     nodes: int = 1
-    """Nodes one TP group may span: 1 keeps a group on one node; more let its ranks spill over to
-    other nodes when one node lacks cores (the planner counts cores over this many nodes)."""
+    """Nodes one TP group may span: 1 keeps a group on one node; more let a cpu group's ranks spill
+    over to at most that many, and put a device group's on exactly that many, TP / nodes on each,
+    where nodes divides TP (the planner counts cores and memory over this many nodes)."""
     replicas: int | str = 1
     """Independent TP groups serving the model; "auto": as many as the cluster's free resources hold."""
     max_restarts: int = 3

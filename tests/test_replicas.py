@@ -189,3 +189,17 @@ def test_a_part_whose_group_breaks_is_rerun_and_the_call_still_gives_every_token
     assert sorted({(r.replica, r.attempts) for r in out}) == [(0, 2), (1, 1)]
     assert [s["restarts"] for s in status] == [1, 0] and first.actors == []
     assert in_process_cluster.names() == ["corelaunch-r0", "corelaunch-r0", "corelaunch-r1"]  # r0 restarted
+
+
+def test_the_sizing_of_a_device_group_over_several_nodes_follows_its_even_placement():
+    """A device group over N nodes is placed with TP / N ranks on each of N nodes (STRICT_SPREAD);
+    the sizing and the messages still modelled PACK: two groups counted where one fits, and one
+    32-core node taken to hold a 16-rank group over 2 nodes."""
+    from launcher.cluster.resources import explain_unplaceable, groups_that_fit, never_placeable
+
+    bundle = {"neuron_cores": 1, "CPU": 1}
+    assert groups_that_fit([{"neuron_cores": 32, "CPU": 128}, {"neuron_cores": 8, "CPU": 128}], bundle, 16, 2) == 1
+    assert never_placeable(bundle, 16, 2, [{"neuron_cores": 32, "CPU": 128}])
+    why = explain_unplaceable(bundle, 16, 2, [{"neuron_cores": 32, "CPU": 128}])
+    assert "8 bundle(s) of {neuron_cores: 1, CPU: 1} on each of 2 nodes" in why and "only 1 node(s)" in why
+    assert groups_that_fit([{"CPU": 4}] * 2, {"CPU": 1}, 3, 2) == 2  # a cpu group keeps PACK's count

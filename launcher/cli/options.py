@@ -154,7 +154,8 @@ def add_model_and_placement_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", default="auto", help="tensor-parallel degree, or auto (default)")
     add_backend_arguments(p)
     p.add_argument("--nodes", type=int, default=1,
-                   help="nodes one TP group may span when one node lacks cores (default 1)")
+                   help="nodes one TP group spans when one node lacks cores: at most this many for cpu, exactly "
+                        "this many (TP / N ranks each) for a device backend (default 1)")
     p.add_argument("--max-restarts", type=int, default=3, metavar="N",
                    help="restarts of a failed replica within --restart-window; 0 disables them (default 3)")
     p.add_argument("--restart-window", type=float, default=600.0, metavar="S",

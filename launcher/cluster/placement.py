@@ -29,16 +29,6 @@ def placement_strategy(nodes: int) -> str:
     return "STRICT_PACK" if nodes == 1 else "PACK"
 
 
-def even_split(bundle: dict, tp: int, nodes: int) -> int | None:
-    """Ranks per node when a device group over several nodes must be split evenly (None: it need
-    not). The planner checks each node's share of the ranks (TP / nodes, a degree NxD Inference
-    supports on one node, within its cores); PACK would put them on as few nodes as hold them, 4
-    ranks on one trn1 node for a plan of 2 x 2, a degree trn1 does not support."""
-    device = any(name != "CPU" for name in bundle)
-    if nodes > 1 and device and tp % nodes == 0:
-        return tp // nodes
-    return None
-
 
 def rank_order(bundle_nodes: dict[int, str]) -> list[int]:
     """The bundle index of each rank: ranks grouped by node, nodes holding more bundles first (ties:

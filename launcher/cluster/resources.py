@@ -85,6 +85,17 @@ def missing_resource(resource: str, node_total: Sequence[Mapping[str, float]],
             f"connect to such a cluster with --ray-address, or choose another --backend")
 
 
+def even_split(bundle: Mapping[str, float], tp: int, nodes: int) -> int | None:
+    """Ranks per node when a device group over several nodes must be split evenly (None: it need
+    not). The planner checks each node's share of the ranks (TP / nodes, a degree NxD Inference
+    supports on one node, within its cores); PACK would put them on as few nodes as hold them, 4
+    ranks on one trn1 node for a plan of 2 x 2, a degree trn1 does not support."""
+    device = any(name != "CPU" for name in bundle)
+    if nodes > 1 and device and tp % nodes == 0:
+        return tp // nodes
+    return None
+
+
 def bundles_that_fit(free: Mapping[str, float], bundle: Mapping[str, float]) -> int:
     """How many copies of `bundle` fit in one node's `free` resources."""
     counts = [math.floor((free.get(name, 0.0) + _EPS) / amount) for name, amount in bundle.items() if amount > 0]
@@ -94,8 +105,16 @@ def bundles_that_fit(free: Mapping[str, float], bundle: Mapping[str, float]) -> 
 def place_group(free: list[dict[str, float]], bundle: Mapping[str, float], tp: int,
                 max_nodes: int) -> list[int] | None:
     """Ranks per node (indexes into `free`) for one group of `tp` bundles over at most `max_nodes`
-    nodes, filling the roomiest nodes first (like Ray's PACK); None when it does not fit."""
+    nodes, filling the roomiest nodes first (like Ray's PACK); a device group split evenly
+    (even_split) takes exactly its share on each of max_nodes nodes (STRICT_SPREAD). None when it
+    does not fit."""
     room = sorted(range(len(free)), key=lambda i: -bundles_that_fit(free[i], bundle))
+    per_node = even_split(bundle, tp, max_nodes)
+    if per_node is not None:
+        holding = [i for i in room if bundles_that_fit(free[i], bundle) >= per_node][:max_nodes]
+        if len(holding) < max_nodes:
+            return None
+        return [per_node if i in holding else 0 for i in range(len(free))]
     chosen, left = [0] * len(free), tp
     for i in room[:max_nodes]:
         take = min(left, bundles_that_fit(free[i], bundle))
@@ -134,7 +153,9 @@ def explain_unplaceable(bundle: Mapping[str, float], tp: int, max_nodes: int,
     cluster could never hold it (and what is missing), or whether its resources are held by others."""
     names = list(node_names) if node_names else [f"node {i}" for i in range(len(node_total))]
     want = ", ".join(f"{name}: {_fmt(amount)}" for name, amount in bundle.items())
-    need = f"{tp} bundle(s) of {{{want}}} on at most {max_nodes} node(s)"
+    per_node = even_split(bundle, tp, max_nodes)
+    need = (f"{per_node} bundle(s) of {{{want}}} on each of {max_nodes} nodes" if per_node is not None
+            else f"{tp} bundle(s) of {{{want}}} on at most {max_nodes} node(s)")
     if not node_total:
         return f"it needs {need}, and the cluster has no alive node"
     held = "; ".join(f"{n} has {_resources(t)}" for n, t in zip(names, node_total))
@@ -142,7 +163,10 @@ def explain_unplaceable(bundle: Mapping[str, float], tp: int, max_nodes: int,
         best = sorted((bundles_that_fit(t, bundle) for t in node_total), reverse=True)[:max_nodes]
         short = [f"{name} ({_fmt(amount * tp)} in all)" for name, amount in bundle.items()
                  if sum(t.get(name, 0.0) for t in node_total) + _EPS < amount * tp]
+        holding = sum(bundles_that_fit(t, bundle) >= (per_node or 0) for t in node_total)
         missing = (f"the cluster lacks {', '.join(short)}" if short else
+                   f"only {holding} node(s) can hold {per_node} such bundles, where it needs {max_nodes} (a device "
+                   f"group over several nodes takes the same share of its ranks on each)" if per_node is not None else
                    f"its {min(max_nodes, len(node_total))} roomiest node(s) hold only {sum(best)} such bundle(s)")
         cpus = " or --cpus-per-rank (each rank's CPUs)" if bundle.get("CPU", 0.0) > 0 else ""
         return (f"it needs {need} and the cluster can never hold that: {missing} (alive nodes: {held}). "

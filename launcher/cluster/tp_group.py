@@ -25,8 +25,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from launcher.errors import (DevicesMissing, LaunchError, PlacementSpread, PlacementTimeout, RankFailed,
                              RendezvousTimeout, RequestTimeout, WorkerDied)
 from launcher.cluster.event_channel import ChannelClosed, EventChannel
-from launcher.cluster.placement import alive_nodes, bundle_nodes, even_split, placement_strategy, rank_order
-from launcher.cluster.resources import RankResources, actor_options, explain_unplaceable
+from launcher.cluster.placement import alive_nodes, bundle_nodes, placement_strategy, rank_order
+from launcher.cluster.resources import RankResources, actor_options, even_split, explain_unplaceable
 from workers.backends import BackendEntry, backend_entry
 from workers.rank_worker import GenerateRequest, LoadSpec, LoadStats, ServeSpec, WorkerSpec
 
@@ -72,7 +72,9 @@ class TPGroup:
     timeouts: GroupTimeouts = field(default_factory=GroupTimeouts)
     lnc: int = 1
     nodes: int = 1
-    """Nodes the group may span: 1 keeps it on one node, more lets Ray spill ranks over (PACK)."""
+    """Nodes the group may span: 1 keeps it on one node; more lets Ray spill a cpu group's ranks
+    over at most that many (PACK), and puts a device group's on exactly that many, TP / nodes on
+    each, where nodes divides TP (STRICT_SPREAD: the split the planner checked)."""
     name: str = "corelaunch"
     """Placement-group name prefix (the replica pool names each replica's group)."""
     actors: list = field(default_factory=list, init=False)
@@ -174,7 +176,7 @@ class TPGroup:
             why = explain_unplaceable(self.resources.bundle, self.tp_degree, self.nodes,
                                       [n.total for n in nodes], [n.free for n in nodes], [n.name for n in nodes])
             raise PlacementTimeout(
-                f"Ray could not reserve {self.tp_degree} bundles of {self.resources.bundle} ({strategy}) "
+                f"Ray could not reserve {len(bundles)} bundles of {bundles[0]} ({strategy}) "
                 f"within {self.timeouts.placement_s:g} s: {why}. Reduce --tp, add nodes, or free the "
                 f"resources held by other jobs"
             )
