@@ -883,3 +883,18 @@ def test_each_users_libraries_sit_straight_under_the_cache(user_cache):
     user of a shared cache out: their own uid folder could not be created there."""
     cache, directory, _, _, _ = user_cache
     assert directory.parent == cache and directory.name == f"native-uid{os.getuid()}"
+
+
+def test_a_cached_library_of_full_length_that_does_not_load_names_the_file_to_delete(user_cache):
+    """Zeroed blocks at full length (a crash before writeback on some file systems) pass the length
+    check and fail to load; the error named no remedy."""
+    from workers import native_build
+    from workers.shm.native import SPEC
+
+    _, directory, name, _, _ = user_cache
+    os.close(native_build.build(SPEC, directory))
+    whole = bytearray((directory / name).read_bytes())
+    whole[64: len(whole) // 2] = bytes(len(whole) // 2 - 64)
+    (directory / name).write_bytes(bytes(whole))
+    with pytest.raises(native_build.NativeUnavailable, match=f"if {directory / name} is damaged, delete it"):
+        native_build.build_and_load(SPEC, directory)

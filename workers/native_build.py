@@ -191,6 +191,10 @@ def _compile(dir_fd: int, directory: Path, spec: "LibrarySpec") -> None:
 
 
 def build(spec: "LibrarySpec", directory: Path | None = None) -> int:
+    return _build(spec, directory)[0]
+
+
+def _build(spec: "LibrarySpec", directory: Path | None) -> tuple[int, bool]:
     """An open descriptor of the checked library of `spec` in `directory` (this user's library_dir()
     by default), compiled there first if missing or untrustworthy; the caller closes it.
 
@@ -199,7 +203,8 @@ def build(spec: "LibrarySpec", directory: Path | None = None) -> int:
     file (not a symlink) owned by this user and writable by nobody else, or it is rebuilt and
     renamed over. The descriptor is the checked file itself, so it cannot be swapped afterwards.
     A cached library shorter than its ELF header says (a crash or a full disk before builds
-    fsynced) is rebuilt too: it failed to load for good, or faulted the process (SIGBUS) in dlopen."""
+    fsynced) is rebuilt too: it failed to load for good, or faulted the process (SIGBUS) in dlopen.
+    (_build also says whether it compiled.)"""
     directory = directory or library_dir()
     dir_fd = trusted_dir(directory)
     try:
@@ -207,13 +212,14 @@ def build(spec: "LibrarySpec", directory: Path | None = None) -> int:
         if fd is not None and _cut_short(fd):
             os.close(fd)
             fd = None
-        if fd is None:
+        compiled = fd is None
+        if compiled:
             _compile(dir_fd, directory, spec)
             fd = _open_trusted(dir_fd, spec.name)
             if fd is None:
                 raise NativeUnavailable(f"{directory / spec.name} was rebuilt but does not pass the checks "
                                         f"(regular file, owned by this user, writable by nobody else)")
-        return fd
+        return fd, compiled
     finally:
         os.close(dir_fd)
 
@@ -257,9 +263,16 @@ def build_and_load(spec: "LibrarySpec", directory: Path | None = None) -> ctypes
     """`build`, then `load`: the checked library of `spec`, compiled first where needed (in this
     user's library_dir() by default). Raises NativeUnavailable; the caller declares the argtypes."""
     directory = directory or library_dir()
-    fd = build(spec, directory)
+    fd, compiled = _build(spec, directory)
     try:
         return load(fd, Path(directory) / spec.name)
+    except NativeUnavailable as err:
+        if compiled:
+            raise
+        # A cached file of full length that does not load (damaged on disk, say): not rebuilt at
+        # every start of every rank, which a cache that can never load (noexec) would cost.
+        raise NativeUnavailable(f"{err}; if {Path(directory) / spec.name} is damaged, delete it and it is "
+                                f"built again at the next start") from None
     finally:
         os.close(fd)
 

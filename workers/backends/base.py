@@ -66,12 +66,22 @@ def join_torch_distributed(process_group_backend: str, rendezvous: RendezvousInf
 
     if "gloo" in process_group_backend and not os.environ.get("GLOO_SOCKET_IFNAME"):
         _pin_gloo_to_the_route_to(rendezvous.host)
-    timeout = datetime.timedelta(seconds=timeout_s)
+    store = rendezvous_store(rendezvous, rank, world_size, timeout_s)
+    dist.init_process_group(backend=process_group_backend, store=store, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s), **options)
+
+
+def rendezvous_store(rendezvous: RendezvousInfo, rank: int, world_size: int, timeout_s: float):
+    """The group's TCPStore at the launcher's rendezvous; rank 0's listens on rendezvous.host only
+    (see join_torch_distributed), on a socket it binds itself."""
+    import torch.distributed as dist
+
     listener = None
     if rank == 0:
         listener = socket.create_server((rendezvous.host, rendezvous.port), backlog=max(128, world_size))
     try:
-        store = dist.TCPStore(rendezvous.host, rendezvous.port, world_size, rank == 0, timeout=timeout,
+        store = dist.TCPStore(rendezvous.host, rendezvous.port, world_size, rank == 0,
+                              timeout=datetime.timedelta(seconds=timeout_s),
                               master_listen_fd=listener.fileno() if listener is not None else None)
     except BaseException:
         if listener is not None:
@@ -79,8 +89,7 @@ def join_torch_distributed(process_group_backend: str, rendezvous: RendezvousInf
         raise
     if listener is not None:
         listener.detach()  # the store owns the descriptor now
-    dist.init_process_group(backend=process_group_backend, store=store, rank=rank, world_size=world_size,
-                            timeout=timeout, **options)
+    return store
 
 
 def _pin_gloo_to_the_route_to(host: str) -> None:

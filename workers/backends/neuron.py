@@ -27,7 +27,8 @@ import os
 
 import torch
 
-from workers.backends.base import Backend, CompileOptions, RendezvousInfo, leave_torch_distributed
+from workers.backends.base import (Backend, CompileOptions, RendezvousInfo, leave_torch_distributed,
+                                   rendezvous_store)
 from workers.collectives import Collectives, TorchDistributedCollectives
 from workers.net import free_port
 
@@ -75,8 +76,7 @@ class NeuronBackend(Backend):
         # The group's own store, before any SDK import: through it the ranks learn the root
         # communicator's address and their node peers' cores, which the environment must hold
         # when torch-neuronx sets the process up. The XLA process group then joins through it.
-        store = dist.TCPStore(rendezvous.host, rendezvous.port, world_size, is_master=rank == 0,
-                              timeout=datetime.timedelta(seconds=timeout_s))
+        store = rendezvous_store(rendezvous, rank, world_size, timeout_s)  # on rendezvous.host only
         # The launcher's rendezvous wins over anything inherited from the environment: a stale
         # MASTER_ADDR would send the ranks to different places and they would wait until the timeout.
         os.environ.update(torchrun_environment(rank, world_size, groups, rendezvous))
