@@ -33,11 +33,6 @@ class RequestTimeout(GroupFault):
     """A request did not finish within the request timeout."""
 
 
-class PlacementSpread(GroupFault):
-    """Ray placed the group over more nodes than --nodes allows (its PACK goes by the free resources
-    of the moment): a restart places it again rather than giving the replica up."""
-
-
 class RankFailed(GroupFault):
     """A rank raised an unexpected error (not the user's input) while serving; the group was stopped."""
 

@@ -498,7 +498,7 @@ def _ways_out(req: _Request, check: _Check) -> list[str]:
             break
     # Fewer nodes can fit where this count cannot: no supported degree splits evenly over it
     # (3 trn1 nodes for a 64-head model), which more nodes would not cure either.
-    for nodes in range(req.nodes - 1, 0, -1):
+    for nodes in range(req.nodes - 1, 0, -1) if not _valid_degrees(req) else ():
         fits = _valid_degrees(dataclasses.replace(req, nodes=nodes))
         if fits:
             ways.append(f"fewer nodes: --nodes {nodes} fits at tp {_fmt_list(fits)}")

@@ -498,13 +498,23 @@ def test_a_hung_group_is_noticed_within_the_first_waves_timeout(model_and_expect
         with Launcher(model=model_dir, tp=1, max_num_seqs=1, progress=False, request_timeout_s=2, **EAGER) as llm:
             hang.set()
             start = time.monotonic()
-            threading.Thread(target=lambda: pytest.raises(Exception, llm.generate, PROMPTS[:4], max_new_tokens=4),
-                             daemon=True).start()
+            failed = []
+
+            def run():
+                try:
+                    llm.generate(PROMPTS[:4], max_new_tokens=4)
+                except Exception as err:  # noqa: BLE001 - checked below
+                    failed.append(err)
+
+            caller = threading.Thread(target=run, daemon=True)
+            caller.start()
             while llm.replica_status()[0]["restarts"] < 1:
                 assert time.monotonic() - start < 30, "the hung group was never replaced"
                 time.sleep(0.05)
             assert time.monotonic() - start < 2 * 2 + 1.5  # one timeout (and a poll or two), not four
             hang.clear()
+            caller.join(60)
+            assert failed, "generate() should have failed: its first wave timed out in the hung group"
     finally:
         release.set()
 

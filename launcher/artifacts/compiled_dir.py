@@ -102,7 +102,8 @@ def apply_compiled_dir(config):
     root = Path(config.compiled_dir)
     # The version the link names now, for the whole launch: every rank, and every restart, reads
     # the files checked here, not whatever a later `corelaunch compile --out` switched the link to
-    # (a restarted group silently loaded another model's weights). Messages name the link.
+    # (a restarted group silently loaded another model's weights). Messages name the path given
+    # (a Serve replica is given the version `corelaunch serve` pinned).
     pinned = root.resolve() if root.is_symlink() else root
     manifest = read_manifest(pinned)
     differ: list[str] = []

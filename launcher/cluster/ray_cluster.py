@@ -90,12 +90,12 @@ def remote_ray_client(address: str) -> str | None:
     except OSError:
         return host  # ray.init says it cannot resolve; not this machine either way
     for family, _, _, _, sockaddr in found:
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
-            try:
-                probe.bind((sockaddr[0], 0))  # binds only to an address of one of this machine's interfaces
+        try:  # a family the host has turned off raises here too
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.bind((sockaddr[0], 0, *sockaddr[2:]))  # only an address of this machine's interfaces binds
                 return None
-            except OSError:
-                continue
+        except OSError:
+            continue
     return host
 
 

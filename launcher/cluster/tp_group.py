@@ -22,7 +22,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from launcher.errors import (DevicesMissing, LaunchError, PlacementSpread, PlacementTimeout, RankFailed,
+from launcher.errors import (DevicesMissing, LaunchError, PlacementTimeout, RankFailed,
                              RendezvousTimeout, RequestTimeout, WorkerDied)
 from launcher.cluster.event_channel import ChannelClosed, EventChannel
 from launcher.cluster.placement import alive_nodes, bundle_nodes, placement_strategy, rank_order
@@ -103,19 +103,8 @@ class TPGroup:
 
         actor_cls = ray_worker.RankWorkerActor
         _refuse_without_ray()
-        self._place()
+        placed = self._place_within_nodes()
         _refuse_without_ray()  # Ray shut down while placing: creating the actors would start a new Ray
-        placed = bundle_nodes(self._pg)
-        used = len(set(placed.values()))
-        if used > self.nodes:
-            # PACK is Ray's best effort, not a bound: it spreads the bundles over as many nodes as
-            # their free resources dictate; the plan counted cores and memory over --nodes nodes.
-            remove_placement_group(self._pg)
-            self._pg = None
-            raise PlacementSpread(
-                f"Ray placed the {self.tp_degree} ranks' bundles of {self.resources.bundle} on {used} nodes, more "
-                f"than the {self.nodes} --nodes allows (Ray's PACK spreads them as the nodes' free resources "
-                f"dictate): free resources on fewer nodes, or pass --nodes {used}")
         per_node = even_split(self.resources.bundle, self.tp_degree, self.nodes)
         if per_node is not None:  # one bundle per node holding its ranks: rank r in bundle r // per_node
             self.bundle_of_rank = [rank // per_node for rank in range(self.tp_degree)]
@@ -155,6 +144,28 @@ class TPGroup:
         for info in self.workers:
             groups.setdefault(info["node_id"], []).append(info["rank"])
         return list(groups.values())
+
+    def _place_within_nodes(self) -> dict[int, str]:
+        """_place until Ray's placement spans no more than --nodes nodes (each bundle's node). PACK is
+        Ray's best effort, not a bound: it spreads the bundles over as many nodes as their free
+        resources dictate at that moment, where the plan counted cores and memory over --nodes. Tried
+        again each second (resources held by others may free up) within the placement timeout."""
+        deadline = time.monotonic() + self.timeouts.placement_s
+        while True:
+            self._place()
+            placed = bundle_nodes(self._pg)
+            used = len(set(placed.values()))
+            if used <= self.nodes:
+                return placed
+            remove_placement_group(self._pg)
+            self._pg = None
+            if time.monotonic() + 1.0 >= deadline:
+                raise PlacementTimeout(
+                    f"Ray placed the {self.tp_degree} ranks' bundles of {self.resources.bundle} on {used} nodes, "
+                    f"more than the {self.nodes} --nodes allows, for {self.timeouts.placement_s:g} s (Ray's PACK "
+                    f"spreads them as the nodes' free resources dictate): free resources on fewer nodes, or pass "
+                    f"--nodes {used}")
+            time.sleep(1.0)
 
     def _place(self) -> None:
         per_node = even_split(self.resources.bundle, self.tp_degree, self.nodes)
