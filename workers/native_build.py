@@ -67,7 +67,7 @@ def library_dir() -> Path:
     return default_cache_dir() / f"native-uid{os.getuid()}"
 
 
-def _untrusted(st: os.stat_result) -> str | None:
+def untrusted(st: os.stat_result) -> str | None:
     """Why a file or directory (its fstat) must not be trusted, or None."""
     if st.st_uid != os.getuid():
         return f"it is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
@@ -110,7 +110,7 @@ def trusted_dir(directory: Path) -> int:
     if created and st.st_uid == os.getuid():
         os.fchmod(fd, 0o700)  # whatever the umask
         st = os.fstat(fd)
-    why = _untrusted(st)
+    why = untrusted(st)
     if why:
         os.close(fd)
         raise NativeUnavailable(_refusal(directory, why))
@@ -132,7 +132,7 @@ def _open_trusted(dir_fd: int, name: str) -> int | None:
     except OSError:
         return None  # missing, or a symlink (ELOOP), ...
     st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or _untrusted(st):
+    if not stat.S_ISREG(st.st_mode) or untrusted(st):
         os.close(fd)
         return None
     return fd

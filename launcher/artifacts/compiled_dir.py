@@ -92,6 +92,15 @@ def read_manifest(root: str | Path) -> dict[str, Any]:
     return manifest
 
 
+def pinned_version(root: str | Path) -> Path:
+    """The version a compiled directory's link names now (the directory itself when it is no link),
+    for a whole launch: every rank and every restart read the files checked at start, not whatever a
+    later `corelaunch compile --out` switched the link to (a restarted group silently loaded another
+    model's weights)."""
+    root = Path(root)
+    return root.resolve() if root.is_symlink() else root
+
+
 def apply_compiled_dir(config):
     """A LaunchConfig that starts from config.compiled_dir: its model files, pre-sharded weights,
     compile cache, TP degree, dtype, KV strategy, LNC, granularity and buckets. ValueError when config asks for
@@ -100,11 +109,7 @@ def apply_compiled_dir(config):
     from workers.compiled import version_differences
 
     root = Path(config.compiled_dir)
-    # The version the link names now, for the whole launch: every rank, and every restart, reads
-    # the files checked here, not whatever a later `corelaunch compile --out` switched the link to
-    # (a restarted group silently loaded another model's weights). Messages name the path given
-    # (a Serve replica is given the version `corelaunch serve` pinned).
-    pinned = root.resolve() if root.is_symlink() else root
+    pinned = pinned_version(root)  # messages name the path given (a Serve replica's is pinned already)
     manifest = read_manifest(pinned)
     differ: list[str] = []
     if manifest["format_version"] != FORMAT_VERSION:

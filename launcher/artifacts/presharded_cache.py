@@ -42,6 +42,8 @@ def untrusted(path: Path) -> str | None:
     """Why the cached copy at `path` must not be used or written (None: nothing against it): the
     folder holding it, the copy's link and the version it links to must each be this user's and
     writable by nobody else. A part that does not exist yet is nothing against it."""
+    from workers.native_build import untrusted as untrusted_stat  # the native libraries' own rule
+
     checks = ((path.parent, True, "the cache folder"), (path, False, "the cached copy"),
               (path, True, "the version the cached copy links to"))
     for where, follow, what in checks:
@@ -49,10 +51,11 @@ def untrusted(path: Path) -> str | None:
             st = os.stat(where, follow_symlinks=follow)
         except FileNotFoundError:
             continue
-        if st.st_uid != os.getuid():
-            return f"{what} ({where}) is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
-        if not stat.S_ISLNK(st.st_mode) and st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            return f"{what} ({where}) is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+        if stat.S_ISLNK(st.st_mode) and st.st_uid == os.getuid():
+            continue  # a link's own mode is always 0777: only its owner counts
+        why = untrusted_stat(st)
+        if why is not None:
+            return f"{what} ({where}): {why}"
     return None
 
 

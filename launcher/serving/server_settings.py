@@ -95,10 +95,12 @@ def settings_from_args(args: dict, names: dict | None = None) -> ServerSettings:
     queued = config.max_queued_requests
     admitted = config.max_num_seqs + (queued if queued is not None else MAX_QUEUED_REQUESTS)
     served = _served_name(typed, launch, name("served_model_name", "served_model_name"))
-    if launch.get("compiled_dir") and Path(launch["compiled_dir"]).is_symlink():
+    if launch.get("compiled_dir"):
+        from launcher.artifacts.compiled_dir import pinned_version
+
         # Every replica on the version the link names now, as one Launcher keeps to it: replicas
         # Serve starts later (autoscaling, a replacement) loaded whatever a later compile linked.
-        launch["compiled_dir"] = str(Path(launch["compiled_dir"]).resolve())
+        launch["compiled_dir"] = str(pinned_version(launch["compiled_dir"]))
     return ServerSettings(
         launch=launch, served_model_name=served,
         api_key=_api_key(typed.get("api_key"), name("api_key", "api_key")),
