@@ -1075,6 +1075,7 @@ def test_a_replica_whose_group_failed_is_replaced_on_the_same_port(client, serve
     assert refused is not None and refused.status_code == 503, (refused, refused and refused.text)
     error = refused.json()["error"]
     assert error["code"] == "model_unavailable" and "cannot take requests now" in error["message"], error
+    assert refused.headers["Retry-After"] == "10", refused.headers
     after = _listener(server.url)
     assert after is not None and "ServeRepli" in after.name() and after.pid != before.pid, (before, after)
     out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)

@@ -174,6 +174,15 @@ so its default period (10 s) kept a replica whose TP group failed for good answe
 pool's state (no Ray call), and a private cluster's controller ticks once a second (ingress.py)."""
 
 
+UNAVAILABLE_RETRY_S = 10
+"""Retry-After (seconds) on a 503 model_unavailable: a little past the time Serve takes to mark a
+replica whose TP group failed for good unhealthy and stop routing to it (7-9 s after the fault on
+machine I with HEALTH_CHECK_PERIOD_S; its replacement answered after 25 s, README). A client that
+honours the header (the openai client does on its retries) then reaches another replica, or its
+request waits in Serve's proxy for the replacement, instead of spending its retries on the failed
+replica; on its own port (direct ingress) it may find nothing listening until the replacement binds."""
+
+
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_constructor_retry_count=1,
                   health_check_period_s=HEALTH_CHECK_PERIOD_S)
 @serve.ingress(app)
@@ -426,8 +435,9 @@ class OpenAIServer:
                                 type="server_error", code="queue_full", headers={"Retry-After": str(retry)}) from None
         except LaunchError as err:  # no replica left serving (Serve replaces this one), or shutting down
             self.metrics.rejected(503, reason="unavailable")
-            raise ProtocolError(f"the model cannot take requests now: {err}", status=503, type="server_error",
-                                code="model_unavailable") from None
+            raise ProtocolError(f"the model cannot take requests now: {err}; retry after {UNAVAILABLE_RETRY_S} s",
+                                status=503, type="server_error", code="model_unavailable",
+                                headers={"Retry-After": str(UNAVAILABLE_RETRY_S)}) from None
 
     async def _respond(self, req, stream, render, arrived: float) -> Response:
         meta = proto.ResponseMeta.new(render.id_prefix, self.name)
