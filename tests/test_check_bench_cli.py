@@ -514,3 +514,42 @@ def test_smollm2_logit_matching_passes_at_tp3(capsys, ray_session):
         assert p["top_k"]["top5"]["max_abs_error"] < 1e-3
     text = AutoTokenizer.from_pretrained(ensure_demo_model()).decode(france["first_pass_tokens"])
     assert text.lstrip().startswith("Paris"), text
+
+
+@pytest.mark.parametrize("command", ["generate", "check", "bench", "compile"])
+def test_a_valid_run_whose_ranks_fail_exits_3_not_2(models, capsys, monkeypatch, in_process_cluster, command,
+                                                    tmp_path):
+    """A rank that dies while the run works is the cluster's failure, not bad input (2) and, for
+    check, not an accuracy failure (1): every group the run starts (restarts too) loses a rank."""
+    from launcher.cluster import tp_group
+    from launcher.errors import WorkerDied
+
+    build = tp_group.TPGroup  # in_process_cluster's ThreadTPGroup factory
+
+    def failing_group(*args, **kwargs):
+        group = build(*args, **kwargs)
+        group.fail_next(WorkerDied("rank 1 (in-process) died while working"))
+        if command == "compile":  # compile's ranks fail while they load and build the graphs
+
+            def load(spec):
+                raise WorkerDied("rank 1 (in-process) died while working")
+
+            group.load = load
+        return group
+
+    monkeypatch.setattr(tp_group, "TPGroup", failing_group)
+    from tests.test_compile_cli import save_word_tokenizer
+
+    original = shutil.copytree(models[0], tmp_path / "model")
+    save_word_tokenizer(original)  # generate takes text
+    model = ["--model", str(original), "--tp", "2", "--no-compile", "--quiet"]
+    argv = {"generate": ["generate", *model, "--max-new-tokens", "4", "--prompt", "hello"],
+            "check": ["check", *model, "--prompt-ids", PROMPT_IDS, "--num-tokens", "4"],
+            "bench": ["bench", *model, "--batch-size", "2", "--prompt-len", "8", "--max-new-tokens", "4",
+                      "--warmup", "0", "--runs", "1", "--seq-len", "64"],
+            "compile": ["compile", "--model", str(original), "--tp", "2", "--quiet", "--out", str(tmp_path / "out"),
+                        "--seq-len", "64"]}[command]
+    capsys.readouterr()
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 3 and "died while working" in err, (code, err)

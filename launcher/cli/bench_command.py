@@ -99,6 +99,7 @@ several steps (one call's activations grow with its tokens, and the planner does
 
 
 def run(args: argparse.Namespace) -> int:
+    from launcher.cli.exit_codes import exit_code_for
     from launcher.errors import LaunchError
 
     try:
@@ -106,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, LaunchError) as err:
         # bench's batch is the serving rows (max_num_seqs), which it sets from --batch-size
         print(f"corelaunch bench: {with_flag_name(err).replace('--max-num-seqs', '--batch-size')}", file=sys.stderr)
-        return 2
+        return exit_code_for(err)
     if args.json:
         print(json.dumps(report))
     else:

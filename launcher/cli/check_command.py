@@ -31,7 +31,7 @@ from launcher.cli.options import (add_backend_arguments, add_kv_cache_dtype, add
                                   add_sequence_parallel, backend_options, with_flag_name)
 from shardlib.evaluation.quantized_tolerances import DEFAULT_TOL_SPEC
 
-EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_PASS, EXIT_FAIL = 0, 1  # 2 (bad input) and 3 (the run failed): launcher/cli/exit_codes.py
 FILE_FORMAT = "corelaunch-expected/1"
 DEFAULT_PROMPT = "I believe the meaning of life is"
 DEFAULT_NUM_TOKENS = 16
@@ -313,6 +313,7 @@ def _tolerances(args, model_dir: Path) -> tuple[str, float]:
 
 # ---- run ---------------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
+    from launcher.cli.exit_codes import exit_code_for
     from launcher.errors import LaunchError, RequestFailed
 
     try:
@@ -322,7 +323,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_FAIL
     except (ValueError, FileNotFoundError, LaunchError) as err:
         print(f"corelaunch check: {with_flag_name(err)}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return exit_code_for(err)
 
 
 def _run(args: argparse.Namespace) -> int:

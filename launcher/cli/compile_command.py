@@ -69,6 +69,7 @@ def bucket_options(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    from launcher.cli.exit_codes import exit_code_for
     from launcher.errors import LaunchError
     from shardlib.atomic_dir import names_out_dir
 
@@ -87,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     except (ValueError, LaunchError) as err:
         print(f"corelaunch compile: {with_flag_name(err)}", file=sys.stderr)
-        return 2
+        return exit_code_for(err)
     if args.json:
         print(json.dumps(manifest))
     return 0

@@ -57,6 +57,7 @@ def launch_config(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     from launcher.api import Launcher
     from launcher.compile_report import compile_message
+    from launcher.cli.exit_codes import exit_code_for
     from launcher.errors import LaunchError
 
     prompts = list(args.prompts) + list(args.prompt)
@@ -85,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
             }
     except (ValueError, FileNotFoundError, LaunchError) as err:
         print(f"corelaunch generate: {with_flag_name(err)}", file=sys.stderr)
-        return 2
+        return exit_code_for(err)
     message = compile_message(compiled)
     if message and not args.quiet:
         print(f"corelaunch: {message}", file=sys.stderr)
