@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import Mapping, Set as AbstractSet
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
 
@@ -366,13 +366,19 @@ class GenerationResult:
     time_to_first_token_s: float
     decode_tokens_per_s: float
     decode_step_latencies_s: list[float]
-    """Wall time of each decode step after the first token, measured inside rank 0."""
+    """Wall time between consecutive generated tokens, measured inside rank 0: in a static batch each
+    decode step (forward and sampling); with continuous batching the gap between this request's
+    tokens (a whole serving step: planning, the forwards of every row and prefill chunk it held, and
+    token choice)."""
     logits: object = None
     """With return_logits: a (len(token_ids), vocab) float32 tensor of the logits each token came from."""
     replica: int = 0
     """Index of the replica that answered."""
     attempts: int = 1
     """1, or more when the request was re-run after its TP group failed and was restarted."""
+    token_times_s: list[float] = field(default_factory=list)
+    """Rank 0's time.perf_counter() when each generated token was chosen: comparable between the
+    results one replica answered (bench picks the steps in which a whole batch decoded by them)."""
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -741,7 +747,7 @@ class Launcher:
                     time_to_first_token_s=out.time_to_first_token_s,
                     decode_tokens_per_s=out.decode_tokens_per_s,
                     decode_step_latencies_s=list(out.decode_step_latencies_s), logits=out.logits,
-                    replica=answer.replica, attempts=answer.attempts)
+                    replica=answer.replica, attempts=answer.attempts, token_times_s=list(out.token_times_s))
         if errors:
             raise errors[0]
         return results
@@ -931,9 +937,10 @@ class Launcher:
         tokens = [t for e in events for t in e.token_ids]
         with self._lock:
             text = self._decode(tokens)
-        token_events = [e for e in events if e.token_ids]
-        steps = [e.step_s for e in token_events[1:]]
-        decoded_s = sum(steps)
+        # One token an event; rates and gaps on the leader's clock, as the static engine measures its own.
+        times = [e.at_s for e in events if e.token_ids]
+        steps = [after - before for before, after in zip(times, times[1:])]
+        decoded_s = times[-1] - times[0] if times else 0.0
         logits = None
         if any(e.logits for e in events):
             import torch
@@ -945,7 +952,7 @@ class Launcher:
             time_to_first_token_s=stream.handle.time_to_first_token_s or 0.0,
             decode_tokens_per_s=len(steps) / decoded_s if steps and decoded_s > 0 else 0.0,
             decode_step_latencies_s=steps, logits=logits, replica=stream.handle.replica or 0,
-            attempts=stream.handle.attempts)
+            attempts=stream.handle.attempts, token_times_s=times)
 
     def _tokenize(self, prompts) -> tuple[list[str | None], list[list[int]]]:
         if isinstance(prompts, str):

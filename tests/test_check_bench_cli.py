@@ -439,13 +439,13 @@ def test_bench_counts_only_the_decode_steps_of_the_whole_batch():
 
     from launcher.cli.bench_command import full_batch_decode_steps
 
-    staggered = [SimpleNamespace(time_to_first_token_s=1.0, decode_step_latencies_s=[2.0, 2.0, 0.1, 0.1, 0.1]),
-                 SimpleNamespace(time_to_first_token_s=3.0, decode_step_latencies_s=[2.0, 0.1, 0.1, 0.1, 0.1]),
-                 SimpleNamespace(time_to_first_token_s=5.0, decode_step_latencies_s=[0.1] * 5)]
-    assert full_batch_decode_steps(staggered) == [0.1, 0.1, 0.1]
-    together = [SimpleNamespace(time_to_first_token_s=1.0 + i * 1e-4, decode_step_latencies_s=[0.2, 0.1, 0.1])
-                for i in range(3)]
-    assert full_batch_decode_steps(together) == [0.2, 0.1, 0.1]
+    # the leader's token times: rows 1 and 2 are prefilled by the 2-second steps that row 0 decodes in
+    staggered = [SimpleNamespace(token_times_s=[1.0, 3.0, 5.0, 5.1, 5.2, 5.3]),
+                 SimpleNamespace(token_times_s=[3.0, 5.0, 5.1, 5.2, 5.3, 5.4]),
+                 SimpleNamespace(token_times_s=[5.0, 5.1, 5.2, 5.3, 5.4, 5.5])]
+    assert full_batch_decode_steps(staggered) == pytest.approx([0.1, 0.1, 0.1])
+    together = [SimpleNamespace(token_times_s=[1.0, 1.2, 1.3, 1.4]) for _ in range(3)]  # one step chose every row's
+    assert full_batch_decode_steps(together) == pytest.approx([0.2, 0.1, 0.1])
 
 
 def test_bench_refuses_bad_arguments():

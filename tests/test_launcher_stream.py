@@ -642,3 +642,29 @@ def test_a_request_its_group_drops_unasked_fails_rather_than_ending(model_and_ex
         with pytest.raises(RequestCancelled, match="aborted by its TP group"):
             tokens_of(stream)
         assert llm.load() == {"running": 0, "waiting": 0}
+
+
+def test_decode_rate_and_step_times_count_the_whole_step_not_the_forward_alone(model_and_expected, in_process_cluster,
+                                                                                monkeypatch):
+    """A request's decode rate and step latencies are the time between its tokens (planning, forward
+    and token choice), as the static engine's are: with token choice slowed to 50 ms a step, no
+    step can be shorter and the rate cannot pass 20 tokens/s (they were the forward's time alone)."""
+    import workers.serving.loop as serving_loop
+
+    choose = serving_loop.choose
+
+    def slow_choose(*args, **kwargs):
+        time.sleep(0.05)
+        return choose(*args, **kwargs)
+
+    monkeypatch.setattr(serving_loop, "choose", slow_choose)
+    model_dir, expected = model_and_expected
+    with Launcher(model=model_dir, tp=2, max_num_seqs=2, progress=False, **EAGER) as llm:
+        [result] = llm.generate(PROMPTS[:1], max_new_tokens=NEW_TOKENS)
+    assert result.token_ids == expected[0]
+    times = result.token_times_s
+    assert len(times) == NEW_TOKENS and len(result.decode_step_latencies_s) == NEW_TOKENS - 1
+    assert min(result.decode_step_latencies_s) >= 0.05, result.decode_step_latencies_s
+    assert result.decode_step_latencies_s == pytest.approx([b - a for a, b in zip(times, times[1:])])
+    assert result.decode_tokens_per_s == pytest.approx((NEW_TOKENS - 1) / (times[-1] - times[0]))
+    assert result.decode_tokens_per_s <= 20.0

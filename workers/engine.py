@@ -53,6 +53,8 @@ class GenerationOutput:
     """Wall time of each decode step that produced one of this row's tokens after the first."""
     logits: torch.Tensor | None = None
     """With return_logits: (len(token_ids), vocab) float32, the logits each token was chosen from."""
+    token_times_s: list[float] = field(default_factory=list)
+    """time.perf_counter() of this process when each of the row's tokens was taken."""
 
 
 def cache_length(prompt_lengths: list[int], max_new_tokens: int, max_position_embeddings: int,
@@ -190,6 +192,7 @@ def generate(model, prompts: list[list[int]], params: list[SamplingParams], max_
                 if done[i]:
                     continue
                 outputs[i].token_ids.append(token)
+                outputs[i].token_times_s.append(now)
                 if return_logits:
                     row_logits[i].append(logits[i].float().cpu())
                 if len(outputs[i].token_ids) > 1:

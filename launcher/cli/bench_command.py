@@ -4,15 +4,16 @@ Starts one TP group, runs `--warmup` generate calls that are not recorded, then 
 calls of `--batch-size` random prompts of `--prompt-len` tokens, each generating exactly
 `--max-new-tokens` tokens greedily (EOS ignored). Per measured call:
 - e2e_model: the driver-side wall time of Launcher.generate (Ray round trip included);
-- context_encoding_model: the call's time to first token, measured inside rank 0;
-- token_generation_model: each decode step's latency, measured inside rank 0.
+- context_encoding_model: the time from the call's submission at the driver until every prompt had
+  its first token;
+- token_generation_model: each decode step's latency, the time between two consecutive tokens on
+  rank 0's clock (planning, the forward and token choice).
 The sections and their throughput definitions are in shardlib/evaluation/bench_report.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
 
@@ -57,19 +58,13 @@ def add_parser(subparsers) -> None:
 
 def full_batch_decode_steps(results) -> list[float]:
     """The decode steps (seconds) in which every row of a batch prefilled over several steps (its
-    prompts past the prefill budget) decoded: those of the first row to get its first token that
-    ended after the last row's first token; the steps that prefilled later rows (and decoded the
-    earlier ones) are left out, and so are the last row's steps after the first row has finished.
-    The step ends are the first token's arrival plus the leader's forward times, which leave out a
-    few milliseconds a step of planning and hand-off: against steps that prefill whole prompts that
-    is small, and it can only leave out a full-batch step, never count a prefilling one."""
-    first = min(results, key=lambda r: r.time_to_first_token_s)
-    last_first_token = max(r.time_to_first_token_s for r in results)
-    steps = list(first.decode_step_latencies_s)
-    margin = 0.5 * min(steps, default=0.0)  # token arrival times at the driver jitter by far less than a step
-    ends = itertools.accumulate(steps, initial=first.time_to_first_token_s)
-    next(ends)  # the first token's own time
-    return [step for step, end in zip(steps, ends) if end > last_first_token + margin]
+    prompts past the prefill budget) decoded: the gaps between the first row's tokens that began
+    once the last row had its first token, on the leader's clock (each result's token_times_s, all
+    from the one replica bench starts). The steps that prefilled later rows (and decoded the earlier
+    ones) are left out, and so are the last row's steps after the first row has finished."""
+    last_first_token = max(r.token_times_s[0] for r in results)
+    times = min(results, key=lambda r: r.token_times_s[0]).token_times_s
+    return [after - before for before, after in zip(times, times[1:]) if before >= last_first_token]
 
 
 def random_prompts(batch_size: int, prompt_len: int, vocab_size: int, seed: int) -> list[list[int]]:

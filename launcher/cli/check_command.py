@@ -15,7 +15,8 @@ Expected-outputs file (torch.save of a dict; read with torch.load(weights_only=T
                        needed for logit matching (tokens default to its argmax when absent)
     "reference":       free text naming what produced it (optional)
 
-Exit codes: 0 passed, 1 failed, 2 bad input (nothing compared).
+Exit codes: 0 passed, 1 failed (a request of corelaunch's that fails by itself included), 2 bad input
+(nothing compared), 3 the run did not reach its end (a rank died or hung; launcher/cli/exit_codes.py).
 """
 
 from __future__ import annotations

@@ -204,8 +204,7 @@ class ServingLoop:
             planned = time.perf_counter()
             prefill_logits, decode_logits = self._forwards(plan)
             ran = time.perf_counter()
-            self.outbox.put(self._choose(plan, prefill_logits, decode_logits, ran - planned),
-                            self.scheduler.load())
+            self.outbox.put(self._choose(plan, prefill_logits, decode_logits), self.scheduler.load())
             self.steps += 1
             self.step_seconds += ran - planned
             self.plan_seconds += (planned - started) + (time.perf_counter() - ran)
@@ -286,8 +285,8 @@ class ServingLoop:
                                      i.read_slots, i.logit_index)
 
     # ---- the leader's token choice --------------------------------------------------------------
-    def _choose(self, plan: StepPlan, prefill_logits: list[torch.Tensor], decode_logits: torch.Tensor | None,
-                step_s: float) -> list[TokenEvent]:
+    def _choose(self, plan: StepPlan, prefill_logits: list[torch.Tensor],
+                decode_logits: torch.Tensor | None) -> list[TokenEvent]:
         by_row = self.scheduler.by_row()
         chosen: list[tuple[Sequence, torch.Tensor]] = []
         for chunk, logits in zip(plan.prefills, prefill_logits):
@@ -309,6 +308,7 @@ class ServingLoop:
             # Rows that drew before the failing one draw the same again: each draw is seeded anew
             # from its request's seed and the draw's number (token_choice.seed_draws).
             sequences, logits, tokens, logprobs, events = self._choose_alone(sequences, logits)
+        chosen_at = time.perf_counter()
         for i, (seq, token) in enumerate(zip(sequences, tokens)):
             seq.generated += 1
             request = seq.request
@@ -316,7 +316,7 @@ class ServingLoop:
                       else "length" if seq.generated >= request.max_tokens else None)
             events.append(TokenEvent(request.request_id, [token], reason,
                                      None if logprobs[i] is None else [logprobs[i]],
-                                     [_own_copy(logits[i])] if request.return_logits else None, step_s))
+                                     [_own_copy(logits[i])] if request.return_logits else None, chosen_at))
             if reason is None:
                 seq.pending = token
             else:

@@ -54,7 +54,9 @@ class TokenEvent:
     logprobs: list[TokenLogprob] | None = None
     logits: list | None = None
     """With return_logits: one (vocab,) float32 tensor per token."""
-    step_s: float = 0.0
-    """Wall time of the step that produced the last of these tokens (rank 0)."""
+    at_s: float = 0.0
+    """Rank 0's time.perf_counter() once the step that produced these tokens had chosen them: the gaps
+    between one request's events are its inter-token times on the leader's clock (planning, the
+    step's every forward and token choice included), comparable between the requests of one group."""
     error: str | None = None
     """With finish_reason "error": what failed."""
