@@ -31,5 +31,22 @@ class _NeverJoins(RayRankWorker):
         return super().init_backend(host, port, timeout_s, node_groups)
 
 
+class _SlowBackendImport(RayRankWorker):
+    """Its backend takes 5 s to import (tests/slow_import_backend.py), as torch's import can on a
+    busy host; otherwise a normal rank."""
+
+    def __init__(self, spec):
+        import dataclasses
+
+        import workers.backends
+
+        entry = workers.backends.BACKENDS["cpu"]
+        slow = "tests.slow_import_backend:CpuBackend"
+        workers.backends.BACKENDS["cpu"] = (slow if isinstance(entry, str)
+                                            else dataclasses.replace(entry, implementation=slow))
+        super().__init__(spec)
+
+
 CrashOnGenerate = ray.remote(**ACTOR_OPTIONS)(_CrashOnGenerate)
 NeverJoins = ray.remote(**ACTOR_OPTIONS)(_NeverJoins)
+SlowBackendImport = ray.remote(**ACTOR_OPTIONS)(_SlowBackendImport)

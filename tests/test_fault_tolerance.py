@@ -170,6 +170,18 @@ def test_rank_that_never_joins_fails_within_the_startup_timeout(model_and_expect
     assert elapsed < 40, f"took {elapsed:.0f} s"  # worker start (a busy machine's share) + 3 s
 
 
+@pytest.mark.slow
+def test_a_slow_backend_import_counts_against_the_startup_timeout_not_the_rendezvous(model_and_expected,
+                                                                                     monkeypatch, ray_session):
+    """Every rank's backend takes 5 s to import (torch's import on a busy host): that is start-up, under
+    the start-up timeout, so a 3 s rendezvous timeout still holds the joining (it failed the group)."""
+    model_dir, expected = model_and_expected
+    monkeypatch.setattr(ray_worker, "RankWorkerActor", fault_actors.SlowBackendImport)
+    with Launcher(model=model_dir, tp=2, rendezvous_timeout_s=3, progress=False, **EAGER) as launcher:
+        [out] = launcher.generate([PROMPTS[0]], max_new_tokens=LONG, ignore_eos=True)
+    assert out.token_ids == expected[0]
+
+
 def test_presharded_cache_key_follows_the_checkpoint_and_the_layout(tmp_path):
     from launcher.artifacts.presharded_cache import cache_dir, is_ready
     from shardlib.model_config import load_model_config

@@ -4,7 +4,7 @@ The class knows nothing of Ray: the launcher wraps it as an actor (launcher/clus
 in-process benchmark drives the same class directly. The constructor is cheap; each heavy step is an
 explicit call made after the launcher has placed the process (so device visibility is already set):
 
-    describe() -> init_backend() -> load() -> generate()* -> shutdown()
+    describe() -> prepare_backend() -> init_backend() -> load() -> generate()* -> shutdown()
 
 To serve (continuous batching, workers/serving/), every rank then calls prepare_serving() and
 serve(), which runs until stop_serving() reaches rank 0; meanwhile the driver talks to rank 0 only
@@ -155,15 +155,32 @@ class RankWorker:
         """Called on rank 0 only: a port free on rank 0's host for the process group."""
         return free_port(host="")  # "": free on every interface, as the process group listens on all
 
+    def prepare_backend(self) -> dict:
+        """Import the backend (torch with it) and set the process up, once. The driver waits for it
+        under the start-up timeout, before the rendezvous, whose timeout then counts the joining
+        alone (torch's import takes seconds a rank, more when several ranks import it at once on a
+        busy host)."""
+        start = time.perf_counter()
+        self._set_up_backend()
+        return {"rank": self.spec.rank, "prepare_s": time.perf_counter() - start}
+
+    def _set_up_backend(self) -> None:
+        # Not prepare_backend itself: an actor's override hands that to its compute thread, which
+        # init_backend (running on that thread) would then wait for forever.
+        if self._backend is None:
+            options = {name: getattr(self.spec, name) for name in backend_entry(self.spec.backend).constructor_options}
+            backend = get_backend(self.spec.backend, **options)
+            backend.setup_process(self.spec.rank, self.spec.world_size, self.spec.threads)
+            self._backend = backend
+
     def init_backend(self, host: str, port: int, timeout_s: float,
                      node_groups: list[list[int]] | None = None) -> dict:
-        """Set up the process and join the process group (all ranks call this concurrently).
+        """Join the process group (all ranks call this concurrently), after prepare_backend (run here
+        when it was not called).
 
         node_groups: the ranks on each node (see Backend.init_process_group)."""
         start = time.perf_counter()
-        options = {name: getattr(self.spec, name) for name in backend_entry(self.spec.backend).constructor_options}
-        self._backend = get_backend(self.spec.backend, **options)
-        self._backend.setup_process(self.spec.rank, self.spec.world_size, self.spec.threads)
+        self._set_up_backend()
         self._collectives = self._backend.init_process_group(
             RendezvousInfo(host, port), self.spec.rank, self.spec.world_size, timeout_s, node_groups)
         return {"rank": self.spec.rank, "init_time_s": time.perf_counter() - start}

@@ -36,6 +36,9 @@ class RayRankWorker(RankWorker):
         # Ray names the actor by this in forwarded log lines: "(rank 0 pid=...) corelaunch: ..."
         return f"rank {self.spec.rank}"
 
+    def prepare_backend(self):  # on the compute thread: torch's thread settings are made where it computes
+        return self._compute.submit(super().prepare_backend).result()
+
     def init_backend(self, *args, **kwargs):
         return self._compute.submit(super().init_backend, *args, **kwargs).result()
 

@@ -121,11 +121,17 @@ class TPGroup:
                 name=None,
             ).remote(spec)
             self.actors.append(actor)
+        started_by = time.monotonic() + self.timeouts.startup_s
         self.workers = self._wait_all([a.describe.remote() for a in self.actors],
                                       self.timeouts.startup_s, "start")
         entry = backend_entry(self.backend)
         if entry.device_files:
             self._check_devices(entry)
+        # Importing the backend (torch: seconds a rank, more when several ranks import it at once
+        # on a busy host) is part of the start, under its timeout: the rendezvous timeout below
+        # then counts the joining alone.
+        self._wait_all([a.prepare_backend.remote() for a in self.actors], started_by - time.monotonic(), "start",
+                       named_timeout_s=self.timeouts.startup_s)
         rank0 = self.workers[0]
         port = self._wait_all([self.actors[0].rendezvous_port.remote()], self.timeouts.rendezvous_s,
                               "choose a rendezvous port", ranks=[0])[0]
@@ -393,8 +399,10 @@ class TPGroup:
             return f"rank {rank} (placed on node {node}, not started)"
         return f"rank {rank} (node {info.get('node_ip', '?')}, pid {info.get('pid', '?')})"
 
-    def _wait_all(self, refs: list, timeout_s: float, step: str, ranks: list[int] | None = None) -> list:
-        """Results of `refs` in order; raises naming the rank that died or did not finish `step`."""
+    def _wait_all(self, refs: list, timeout_s: float, step: str, ranks: list[int] | None = None,
+                  named_timeout_s: float | None = None) -> list:
+        """Results of `refs` in order; raises naming the rank that died or did not finish `step`
+        (within `named_timeout_s`, the timeout the message names, when the wait is what is left of it)."""
         ranks = ranks if ranks is not None else list(range(len(refs)))
         rank_of = {ref: rank for ref, rank in zip(refs, ranks)}
         results: dict = {}
@@ -405,7 +413,7 @@ class TPGroup:
             if remaining <= 0:
                 missing = sorted(rank_of[r] for r in pending)
                 self.kill()
-                raise self._timeout_error(missing, step, timeout_s)
+                raise self._timeout_error(missing, step, timeout_s if named_timeout_s is None else named_timeout_s)
             done, pending = ray.wait(pending, num_returns=1, timeout=min(_POLL_S, remaining))
             for ref in done:
                 try:
@@ -475,8 +483,8 @@ class TPGroup:
                 f"ranks' worker logs (ray logs), or raise rendezvous_timeout_s (--rendezvous-timeout)")
         if step == "start":
             return RendezvousTimeout(
-                f"{who} did not start within {timeout_s:g} s (starting a worker process and importing torch "
-                f"there); the group was stopped. On a busy machine raise startup_timeout_s "
+                f"{who} did not start within {timeout_s:g} s (starting a worker process and importing the "
+                f"backend, torch with it, there); the group was stopped. On a busy machine raise startup_timeout_s "
                 f"(--startup-timeout); otherwise check that node (ray status, its worker logs: ray logs)")
         return RendezvousTimeout(
             f"{who} did not {step} within {timeout_s:g} s; the group was stopped. Check that rank's node "
