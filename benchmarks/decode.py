@@ -98,9 +98,9 @@ def worker_runner(model_dir: Path, ids: list[int], new_tokens: int, threads: int
     buckets = Buckets.build(max_context_length=settings["max_context_length"], max_seq_len=settings["seq_len"])
     worker = RankWorker(WorkerSpec(rank=0, world_size=1, backend="cpu", threads=threads))
     worker.init_backend("127.0.0.1", 0, timeout_s=60)
-    worker.load(LoadSpec(config=config, layout=ShardLayout.for_model(config, 1), dtype="float32",
-                         model_dir=str(model_dir), compile=compile_ and granularity is None,
-                         buckets=buckets if compile_ else None))
+    worker.load_stats = worker.load(LoadSpec(
+        config=config, layout=ShardLayout.for_model(config, 1), dtype="float32", model_dir=str(model_dir),
+        compile=compile_ and granularity is None, buckets=buckets if compile_ else None))
     if granularity is not None:  # another granularity than the backend's default: wrap the eager model
         from workers.compiled import CompiledCausalLM
 
@@ -261,8 +261,9 @@ def main() -> None:
             continue
         runners[name], worker = worker_runner(model_dir, ids, args.new_tokens, args.threads, compile_, granularity)
         workers.append(worker)
-    # every weight is read once per decoded token (the tied embedding once, as the LM head)
-    weight_bytes = sum(p.numel() * p.element_size() for p in workers[0]._model.parameters())
+    # every weight is read once per decoded token (the tied embedding once, as the LM head); the
+    # load's count of them, since the CPU backend keeps packed weights as buffers, not parameters
+    weight_bytes = workers[0].load_stats.decode_read_bytes
     runners["corelaunch_ray_tp1_compiled"], launcher = ray_runner(model_dir, ids, args.new_tokens)
     launchers = [launcher]
     if args.tp3:  # the TP 1 group holds every CPU; the TP 3 groups replace it

@@ -289,6 +289,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      "with --base-url the server is someone else's")
     if args.cpus_per_rank is not None and args.cpus_per_rank <= 0:
         parser.error(f"--cpus-per-rank ({args.cpus_per_rank}) must be positive")
+    if args.baselines and not args.baselines_only and 16 in args.levels and args.baseline_prompts != 16:
+        parser.error(f"--baseline-prompts {args.baseline_prompts} with level 16: the report's ratios set 16 "
+                     f"clients against a static batch of the baseline prompts, so it must be 16 too (or leave "
+                     f"16 out of --levels)")
     if args.max_tokens < 2 and args.baselines:
         parser.error("--baselines needs --max-tokens >= 2 (the decode step time comes from the static batch)")
     return args

@@ -18,8 +18,10 @@ PROMPT_TEXT = ("The history of the harbour begins with a few fishing boats shelt
 
 
 def build_prompt(tokenizer, index: int, length: int) -> list[int]:
-    """Exactly `length` token ids, different for every index from the first token on (so no server
-    can reuse a cached prefix of another request's prompt)."""
+    """Exactly `length` token ids that differ between indices within their first few tokens (the
+    index is spelled after the first word, so with SmolLM2's tokenizer prompts share up to 3 leading
+    tokens): no server can reuse a cached prefix of another request's prompt longer than that, and
+    block-wise prefix caches (vLLM's 16-token blocks) none at all."""
     if length < 1:
         raise ValueError(f"prompt length ({length}) must be at least 1 token")
     text = f"Story {index}. "

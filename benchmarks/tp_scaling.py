@@ -130,7 +130,8 @@ def _corelaunch(variant: str, model_dir: str, new_tokens: int):
     group = launcher._group
     kinds = ray.get([a.__ray_call__.remote(lambda self: type(self._collectives).__name__) for a in group.actors])
     info = {"ranks": tp, "threads": group.resources.threads, "collectives": kinds[0],
-            "weight_bytes_per_rank": max(s.shard_bytes for s in launcher.load_stats),
+            # what a decode step reads: an untied input embedding's lookup reads one row, not the table
+            "weight_bytes_per_rank": max(s.decode_read_bytes for s in launcher.load_stats),
             "compile": launcher.config.compile, "granularity": granularity or "default"}
 
     def run() -> dict:
@@ -176,7 +177,8 @@ class Server:
 
 
 def bounds(weight_bytes_per_rank: int, ranks: int, tokens_per_s: float, gbps: float) -> dict:
-    """Every rank reads all of its weights once per decoded token."""
+    """Every rank reads all of its weights once per decoded token (the input embedding's lookup one
+    row: left out of weight_bytes_per_rank unless it is also the LM head)."""
     total = weight_bytes_per_rank * ranks
     bound = decode_bound(total, gbps)
     return {"bound_tokens_per_s": round(bound, 1), "fraction_of_bound": round(tokens_per_s / bound, 3),

@@ -339,3 +339,21 @@ def _save(state, d: Path, fmt: str) -> Path:
         path = d / "pytorch_model.bin"
         torch.save(state, path)
     return path
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_rank_counts_the_bytes_a_decode_step_reads(tmp_path, tied):
+    """decode_read_bytes (the bandwidth bound's numerator in the benchmarks): the whole shard, but an
+    untied input embedding, whose lookup reads one row a token, left out; tied, it is the LM head."""
+    from workers.rank_worker import LoadSpec, RankWorker, WorkerSpec
+
+    path = save_model(build_random_model("llama", vocab_size=128, hidden_size=64, tie_word_embeddings=tied),
+                      tmp_path / "m")
+    config = load_model_config(path)
+    worker = RankWorker(WorkerSpec(rank=0, world_size=1, backend="cpu", threads=1))
+    worker.init_backend("127.0.0.1", 0, 10.0)
+    stats = worker.load(LoadSpec(config=config, layout=ShardLayout.for_model(config, 1), dtype="float32",
+                                 model_dir=str(path)))
+    embedding = 128 * 64 * 4
+    assert stats.decode_read_bytes == stats.shard_bytes - (0 if tied else embedding)
+    assert stats.shard_bytes > embedding * (1 if tied else 2)  # the table (and an untied head) were read

@@ -109,7 +109,7 @@ class WordTokenizer:
         return {"input_ids": [ord(c) for c in text]}
 
 
-def test_prompts_have_the_exact_length_and_differ_from_the_first_token_on():
+def test_prompts_have_the_exact_length_and_differ_within_their_first_tokens():
     source = PromptSource(WordTokenizer(), 128)
     prompts = source.take(3) + source.take(2)
     assert all(len(p) == 128 for p in prompts)
@@ -236,6 +236,17 @@ def test_cpus_per_rank_reaches_the_server_and_is_refused_for_someone_elses_serve
         with pytest.raises(SystemExit):
             parse_args(argv)
         assert named in capsys.readouterr().err
+
+
+def test_the_baselines_must_be_a_batch_of_16_when_level_16_is_compared_with_them(capsys):
+    """The report sets 16 clients against the static batch of --baseline-prompts: other sizes are refused."""
+    from benchmarks.serving import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--baselines", "--baseline-prompts", "8", "--levels", "1,16"])
+    assert "--baseline-prompts 8 with level 16" in capsys.readouterr().err
+    assert parse_args(["--baselines", "--baseline-prompts", "8", "--levels", "1,4"]).baseline_prompts == 8
+    assert parse_args(["--baselines-only", "--baseline-prompts", "8"]).baseline_prompts == 8
 
 
 def _cpu_s_of(pid: int) -> float:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from shardlib.buckets import Buckets
 from shardlib.model_config import ModelConfig
+from shardlib.param_shapes import EMBED
 from shardlib.sampling_params import SamplingParams
 from shardlib.sharding import ShardLayout
 from workers.backends import backend_entry, get_backend
@@ -117,6 +118,9 @@ class LoadStats:
     """"checkpoint" or "presharded"."""
     compile: dict | None = None
     """Compiled runs: the graphs built so far with their times, and the compile cache's hit/miss counts."""
+    decode_read_bytes: int = 0
+    """The shard's bytes a decode step reads: all of them but an input embedding that is not also the
+    LM head (its lookup reads one row a token). What a memory-bandwidth bound divides."""
 
 
 def _silent(line: str) -> None:
@@ -206,6 +210,8 @@ class RankWorker:
                                     self.spec.rank, dtype=load_spec.dtype)
             source = "checkpoint"
         shard_bytes = sum(t.numel() * t.element_size() for t in shard.values())
+        looked_up = shard.get(EMBED) if not load_spec.config.tie_word_embeddings else None
+        decode_read_bytes = shard_bytes - (0 if looked_up is None else looked_up.numel() * looked_up.element_size())
         model = ShardedCausalLM(load_spec.config, load_spec.layout, self.spec.rank, shard,
                                 self._collectives, load_spec.dtype)
         # The model holds the shard's tensors now: without the dict, each one goes as soon as it is
@@ -223,7 +229,8 @@ class RankWorker:
         self._model = self._backend.prepare_model(model, self._compile_options(load_spec))
         self._buckets = load_spec.buckets
         return LoadStats(load_time_s=time.perf_counter() - start, shard_bytes=shard_bytes,
-                         peak_rss_bytes=peak_rss_bytes(), source=source, compile=self.compile_stats())
+                         peak_rss_bytes=peak_rss_bytes(), source=source, compile=self.compile_stats(),
+                         decode_read_bytes=decode_read_bytes)
 
     def _compile_options(self, load_spec: LoadSpec):
         if not load_spec.compile:
