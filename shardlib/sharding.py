@@ -184,8 +184,9 @@ class ShardLayout:
 
     @property
     def kv_replication(self) -> int:
-        """How many ranks hold a copy of each original KV head."""
-        return self.tp_degree * self.kv_heads_per_rank // self.num_kv_heads
+        """Copies of each original KV head over all ranks (a padded Q head's KV slot is none)."""
+        held = sum(1 for rank in range(self.tp_degree) for kv in self.kv_head_ids(rank) if kv is not None)
+        return held // self.num_kv_heads
 
     @property
     def intermediate_per_rank(self) -> int:

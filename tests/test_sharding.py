@@ -60,6 +60,16 @@ def test_default_kv_strategy(h, k, t, expected):
     assert default_kv_strategy(h, k, t) == expected
 
 
+def test_kv_replication_leaves_out_the_slots_of_padded_q_heads():
+    """H 9, K 3 at T 4 as multi-head attention with padded Q heads: 12 KV slots, 3 of them for the
+    padding heads; each original KV head has 3 copies (its 3 Q heads), not 12 / 3."""
+    layout = ShardLayout(tp_degree=4, kv_strategy=MHA, num_heads=9, num_kv_heads=3, head_dim=4, hidden_size=36,
+                         intermediate_size=8, vocab_size=11, pad_q_heads=True)
+    ids = [kv for r in range(4) for kv in layout.kv_head_ids(r)]
+    assert len(ids) == 12 and ids.count(None) == 3
+    assert layout.kv_replication == 3 == ids.count(0) == ids.count(1) == ids.count(2)
+
+
 @pytest.mark.parametrize("h,k,t,strategy,ids", KV_CASES, ids=KV_IDS)
 def test_kv_head_ids(h, k, t, strategy, ids):
     layout = make_layout(t, h, k)
