@@ -102,6 +102,8 @@ def test_the_demo_config_is_valid():
      "layer_types=['local']"),
     (dict(model_type="gemma3_text", hidden_activation="relu"), "hidden_act='relu'"),
     (dict(model_type="gemma3_text", query_pre_attn_scalar=0), "query_pre_attn_scalar=0"),
+    # its sliding layers take the local rope base even without a window: not global layers
+    (dict(model_type="gemma3_text", sliding_window=None), "sliding_window=None leaves Gemma 3's sliding_attention"),
     (dict(model_type="gemma3_text", rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": -1}}),
      "rope_theta=-1"),
 ])
