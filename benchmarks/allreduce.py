@@ -30,6 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from launcher.cli.options import int_at_least  # noqa: E402 - bad values refused before any work
+
 SHAPES = ((1, 576), (1, 1024), (4, 1024))
 GATHER_SHAPE = (1, 16000)  # one rank's logits of a 32000-token vocabulary at TP 2, gathered once per token
 
@@ -128,9 +130,9 @@ def run(world_size: int, args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--calls", type=int, default=2000, help="timed calls per variant, shape and block")
-    parser.add_argument("--warmup", type=int, default=100)
-    parser.add_argument("--blocks", type=int, default=3)
+    parser.add_argument("--calls", type=int_at_least("--calls", 1), default=2000, help="timed calls per variant, shape and block")
+    parser.add_argument("--warmup", type=int_at_least("--warmup", 0), default=100)
+    parser.add_argument("--blocks", type=int_at_least("--blocks", 1), default=3)
     parser.add_argument("--world-sizes", default="2,3")
     parser.add_argument("--timeout-s", type=float, default=600)
     args = parser.parse_args()

@@ -37,6 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.bandwidth import decode_bound, measure_gbps  # noqa: E402
+from launcher.cli.options import int_at_least  # noqa: E402
 from workers.granularities import DEFAULT_GRANULARITY  # noqa: E402
 
 TEXT = ("The history of the city begins with a small settlement on the river, where traders met to exchange "
@@ -118,13 +119,14 @@ def worker_runner(model_dir: Path, ids: list[int], new_tokens: int, threads: int
     return run, worker
 
 
-def ray_runner(model_dir: Path, ids: list[int], new_tokens: int, tp: int = 1, compile_: bool = True):
+def ray_runner(model_dir: Path, ids: list[int], new_tokens: int, threads: int, tp: int = 1, compile_: bool = True):
     from launcher.api import Launcher
 
     # TP 3 on a small machine: a third of a CPU per rank's bundle, so two groups (eager and compiled)
-    # can stay up side by side; one thread per rank either way.
+    # can stay up side by side; one thread per rank either way. TP 1: a bundle of --threads CPUs, so
+    # --threads compute threads (they follow the bundle), as the in-process variants and transformers get.
     launcher = Launcher(model=str(model_dir), tp=tp, compile=compile_, progress=False, ray_address="local",
-                        cpus_per_rank=0.3 if tp > 1 else None, **bucket_settings(len(ids), new_tokens)).start()
+                        cpus_per_rank=0.3 if tp > 1 else threads, **bucket_settings(len(ids), new_tokens)).start()
 
     def run() -> dict:
         start = time.perf_counter()
@@ -215,11 +217,11 @@ def start_times(ids: list[int], new_tokens: int, model_dir: Path, repeats: int) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--start-repeats", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--new-tokens", type=int_at_least("--new-tokens", 2), default=128)
+    parser.add_argument("--prompt-tokens", type=int_at_least("--prompt-tokens", 1), default=128)
+    parser.add_argument("--repeats", type=int_at_least("--repeats", 1), default=3)
+    parser.add_argument("--start-repeats", type=int_at_least("--start-repeats", 1), default=2)
+    parser.add_argument("--threads", type=int_at_least("--threads", 1), default=os.cpu_count())
     parser.add_argument("--skip-start", action="store_true", help="no cold/warm start-up measurement")
     parser.add_argument("--start-only", action="store_true", help="only the cold/warm start-up measurement")
     parser.add_argument("--tp3", action="store_true",
@@ -264,7 +266,7 @@ def main() -> None:
     # every weight is read once per decoded token (the tied embedding once, as the LM head); the
     # load's count of them, since the CPU backend keeps packed weights as buffers, not parameters
     weight_bytes = workers[0].load_stats.decode_read_bytes
-    runners["corelaunch_ray_tp1_compiled"], launcher = ray_runner(model_dir, ids, args.new_tokens)
+    runners["corelaunch_ray_tp1_compiled"], launcher = ray_runner(model_dir, ids, args.new_tokens, args.threads)
     launchers = [launcher]
     if args.tp3:  # the TP 1 group holds every CPU; the TP 3 groups replace it
         launcher.shutdown()
@@ -272,7 +274,7 @@ def main() -> None:
         del runners["corelaunch_ray_tp1_compiled"]
         for compile_ in (False, True):
             name = f"corelaunch_ray_tp3_{'compiled' if compile_ else 'eager'}"
-            runners[name], tp3 = ray_runner(model_dir, ids, args.new_tokens, tp=3, compile_=compile_)
+            runners[name], tp3 = ray_runner(model_dir, ids, args.new_tokens, args.threads, tp=3, compile_=compile_)
             launchers.append(tp3)
     try:
         for run in runners.values():  # warm-up: compiles graphs, first-call allocations, lazy inits

@@ -40,6 +40,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from launcher.cli.options import int_at_least  # noqa: E402 - bad values refused before any work
+
 VARIANTS = {"packed": {"CORELAUNCH_PACKED_WEIGHTS": "1", "CORELAUNCH_SMALL_LINEAR": "1"},
             "kernel": {"CORELAUNCH_PACKED_WEIGHTS": "0", "CORELAUNCH_SMALL_LINEAR": "1"},
             "torch": {"CORELAUNCH_PACKED_WEIGHTS": "0", "CORELAUNCH_SMALL_LINEAR": "0"},
@@ -101,8 +103,8 @@ def int8_copy(model_dir: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="1,2,4,8,16")
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--new-tokens", type=int_at_least("--new-tokens", 2), default=32)
+    parser.add_argument("--rounds", type=int_at_least("--rounds", 1), default=2)
     parser.add_argument("--int8", action="store_true", help="also the int8 per-channel copy")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of " + ", ".join(VARIANTS))
     parser.add_argument("--child", help=argparse.SUPPRESS)

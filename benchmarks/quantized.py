@@ -43,6 +43,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.decode import prompt_ids, worker_runner  # noqa: E402
 from benchmarks.load_memory import _proc_field, _run_child  # noqa: E402
 from benchmarks.tp_scaling import save_random_254m  # noqa: E402
+from launcher.cli.options import int_at_least  # noqa: E402
 
 DEMO_PROMPTS = ["The capital of France is", "2 + 2 =", "Once upon a time"]
 TARGETS = {"weights_over_fp32": 0.27, "quantize_peak_over_largest_tensor": 1.5, "kv_fp8_over_fp32": 0.26}
@@ -173,10 +174,10 @@ def main() -> None:
     parser.add_argument("--model-dir", help="a float32 Hugging Face checkpoint (default: the SmolLM2 demo model)")
     parser.add_argument("--random-254m", action="store_true",
                         help="the 254M random Llama of benchmarks/tp_scaling.py instead of SmolLM2")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int_at_least("--repeats", 1), default=3)
+    parser.add_argument("--new-tokens", type=int_at_least("--new-tokens", 2), default=64)
+    parser.add_argument("--prompt-tokens", type=int_at_least("--prompt-tokens", 1), default=128)
+    parser.add_argument("--threads", type=int_at_least("--threads", 1), default=2)
     parser.add_argument("--skip-decode", action="store_true")
     parser.add_argument("--skip-compiled", action="store_true", help="decode eagerly only (no graph builds)")
     parser.add_argument("--quantize-child", help=argparse.SUPPRESS)

@@ -33,6 +33,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from launcher.cli.options import int_at_least  # noqa: E402 - bad values refused before any work
+
 PROMPTS = ["The capital of France is", "Once upon a time", "The best way to learn", "In the year 2050,",
            "My favourite food is", "The ocean is", "A good friend", "Water boils at"]
 
@@ -103,11 +105,11 @@ def measure_recovery(launcher, prompts: list[str], new_tokens: int, expected: li
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=16)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds per configuration")
-    parser.add_argument("--replicas", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="torch threads in all")
+    parser.add_argument("--requests", type=int_at_least("--requests", 1), default=16)
+    parser.add_argument("--new-tokens", type=int_at_least("--new-tokens", 2), default=64)
+    parser.add_argument("--rounds", type=int_at_least("--rounds", 1), default=2, help="alternating rounds per configuration")
+    parser.add_argument("--replicas", type=int_at_least("--replicas", 1), default=2)
+    parser.add_argument("--threads", type=int_at_least("--threads", 1), default=os.cpu_count() or 2, help="torch threads in all")
     args = parser.parse_args()
 
     import ray

@@ -50,6 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bandwidth import decode_bound, measure_gbps  # noqa: E402
+from launcher.cli.options import int_at_least  # noqa: E402
 
 SHAPE = dict(hidden_size=1024, num_layers=16, num_heads=16, num_kv_heads=8, intermediate_size=2816,
              vocab_size=32000, max_position_embeddings=1024)
@@ -187,9 +188,9 @@ def bounds(weight_bytes_per_rank: int, ranks: int, tokens_per_s: float, gbps: fl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--runs", type=int, default=2, help="timed requests per variant per round")
+    parser.add_argument("--new-tokens", type=int_at_least("--new-tokens", 2), default=128)
+    parser.add_argument("--rounds", type=int_at_least("--rounds", 1), default=3)
+    parser.add_argument("--runs", type=int_at_least("--runs", 1), default=2, help="timed requests per variant per round")
     parser.add_argument("--model-dir", help="reuse (or create) the model here instead of a temporary folder")
     parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                         help=f"comma-separated, from {', '.join(VARIANTS)}")
