@@ -167,7 +167,8 @@ def test_rank_that_never_joins_fails_within_the_startup_timeout(model_and_expect
     message = str(info.value)
     assert "rank 1" in message and "did not join the process group at" in message, message
     assert "--rendezvous-timeout" in message, message
-    assert elapsed < 40, f"took {elapsed:.0f} s"  # worker start (a busy machine's share) + 3 s
+    # worker start (a busy machine's share: 40 s did not always do) + 3 s; the bug is never failing
+    assert elapsed < 90, f"took {elapsed:.0f} s"
 
 
 @pytest.mark.slow

@@ -83,7 +83,7 @@ RANK = textwrap.dedent("""
 
 
 def test_two_ranks_are_described_to_the_sdk_before_it_loads(tmp_path):
-    from workers.net import free_port
+    from workers.net import free_port_for_a_late_bind
 
     sdk, record = tmp_path / "sdk", tmp_path / "record"
     record.mkdir()
@@ -93,7 +93,7 @@ def test_two_ranks_are_described_to_the_sdk_before_it_loads(tmp_path):
     env = {**os.environ, "PYTHONPATH": f"{sdk}{os.pathsep}{REPO}", "STAND_IN_RECORD": str(record)}
     for name in ("NEURON_LOGICAL_NC_CONFIG", "NEURON_RT_ROOT_COMM_ID", "TORCHELASTIC_RUN_ID", "RANK", "LOCAL_RANK"):
         env.pop(name, None)
-    port = free_port()
+    port = free_port_for_a_late_bind()  # rank 0 binds it once its interpreter has started
     ranks = [subprocess.Popen([sys.executable, "-c", RANK, str(r), str(port)], cwd=REPO, env=env,
                               stderr=subprocess.PIPE, text=True) for r in (0, 1)]
     for proc in ranks:

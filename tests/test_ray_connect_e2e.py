@@ -82,9 +82,12 @@ def test_the_recorded_cluster_is_joined_with_token_authentication_as_ray_joins_i
         env = {**os.environ, "RAY_TMPDIR": tmp, "HOME": str(home)}
         for name in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
             env.pop(name, None)
-        from workers.net import free_ports
+        from workers.net import free_port_for_a_late_bind
 
-        gcs, client = free_ports(2)
+        gcs = free_port_for_a_late_bind()  # Ray binds them seconds later: none from the ephemeral range
+        client = free_port_for_a_late_bind()
+        while client == gcs:
+            client = free_port_for_a_late_bind()
         head = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--head", "--block",
                                  f"--port={gcs}", f"--ray-client-server-port={client}", "--num-cpus=1",
                                  "--include-dashboard=false", "--disable-usage-stats"],

@@ -19,12 +19,23 @@ from pathlib import Path
 
 import pytest
 
-from workers.net import free_ports
+from workers.net import free_port_for_a_late_bind
 
 pytestmark = pytest.mark.slow
 
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[1]
+
+
+def late_bind_ports(count: int) -> list[int]:
+    """`count` distinct ports below the ephemeral range: Ray's processes bind theirs seconds after
+    `ray start` begins, meanwhile any outbound connection could take one from that range."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = free_port_for_a_late_bind()
+        if port not in ports:
+            ports.append(port)
+    return ports
 
 
 def stop_processes_of(temp_dir: str, grace_s: float = 1.0) -> int:
@@ -65,7 +76,7 @@ def stop_processes_of(temp_dir: str, grace_s: float = 1.0) -> int:
 @pytest.fixture(scope="module")
 def ray_head():
     temp_dir = tempfile.mkdtemp(prefix="clrj", dir="/tmp")  # short: Ray's socket paths must stay short
-    gcs, dashboard, client, agent, agent_grpc, env_agent, metrics, manager, objects = free_ports(9)
+    gcs, dashboard, client, agent, agent_grpc, env_agent, metrics, manager, objects = late_bind_ports(9)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}", RAY_AUTH_MODE="token",
                RAY_AUTH_TOKEN=secrets.token_hex(32))

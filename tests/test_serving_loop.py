@@ -135,7 +135,9 @@ def test_a_seeded_request_resubmitted_with_its_first_tokens_draws_the_rest_alike
 def test_an_idle_loop_gathers_a_burst_into_one_prefill():
     """Requests arriving a little apart at an idle group are prefilled in one iteration when
     burst_wait_s covers the gaps; one step then gives every request its only token."""
-    loop = ServingLoop(fresh_model(), ServingConfig(4, 64, 64, burst_wait_s=0.5))
+    # 2 s, not 0.5: a loaded machine may hold this thread between the two submits; and the counter's
+    # bound below stays far under the 2 s of gathering the bug counted
+    loop = ServingLoop(fresh_model(), ServingConfig(4, 64, 64, burst_wait_s=2.0))
     threads = run_loops([loop])
     loop.submit([request("a", PROMPTS[0], 1)])
     time.sleep(0.05)
@@ -145,21 +147,22 @@ def test_an_idle_loop_gathers_a_burst_into_one_prefill():
     assert loop.steps == 1
     assert got.tokens["a"] == alone(tuple(PROMPTS[0]))[:1] and got.tokens["b"] == alone(tuple(PROMPTS[1]))[:1]
     # the overhead counter leaves out the wait for work and the burst gathered (it counted both:
-    # at least the 0.5 s burst wait here)
-    assert loop.plan_seconds < 0.3, loop.plan_seconds
+    # at least the 2 s burst wait here)
+    assert loop.plan_seconds < 1.0, loop.plan_seconds
 
 
 def test_a_burst_is_not_waited_for_past_the_free_rows():
     """With every row taken by what has arrived, the leader starts at once, however long the burst
     wait: nothing more could run in this iteration."""
-    loop = ServingLoop(fresh_model(), ServingConfig(1, 64, 64, burst_wait_s=1.0))
+    # a long wait (5 s), so the bound leaves a loaded machine room for the prefill itself
+    loop = ServingLoop(fresh_model(), ServingConfig(1, 64, 64, burst_wait_s=5.0))
     threads = run_loops([loop])
     sent = time.monotonic()
     loop.submit([request("only", PROMPTS[0], 1)])
     got = collect(loop, {"only"})
     waited = time.monotonic() - sent
     stop([loop], threads)
-    assert got.finish["only"] == "length" and waited < 1.0, f"the lone request waited {waited:.2f} s"
+    assert got.finish["only"] == "length" and waited < 5.0, f"the lone request waited {waited:.2f} s"
 
 
 def test_a_steady_trickle_is_not_waited_for_past_the_cap():
@@ -168,12 +171,23 @@ def test_a_steady_trickle_is_not_waited_for_past_the_cap():
     trickle ends (and every request is still served)."""
     from workers.serving.burst import BURST_WAIT_CAP
 
-    wait_s, gap_s, count, gathered_by = 0.06, 0.04, 40, 0.7
-    assert BURST_WAIT_CAP * wait_s < gathered_by < count * gap_s  # the cap ends the gathering, not the trickle
+    wait_s, gap_s, count = 0.06, 0.04, 40
+    assert BURST_WAIT_CAP * wait_s < count * gap_s  # the cap ends the gathering, not the trickle
+    # every prompt fits one step's budget and rows (sum of lengths <= 256, 40 <= 48): uncapped, a
+    # steady trickle is prefilled all in one step, after its end
+    assert sum(len(PROMPTS[i % len(PROMPTS)]) for i in range(count)) <= 256
     loop = ServingLoop(fresh_model(), ServingConfig(48, 256, 64, burst_wait_s=wait_s))
+    prefills_per_step: list[int] = []
+    real_schedule = loop.scheduler.schedule
+
+    def schedule():
+        plan = real_schedule()
+        if plan is not None and plan.prefills:
+            prefills_per_step.append(len(plan.prefills))
+        return plan
+
+    loop.scheduler.schedule = schedule
     threads = run_loops([loop])
-    sent = time.monotonic()
-    first_token_at: list[float] = []
 
     def trickle():
         for i in range(count):
@@ -182,12 +196,13 @@ def test_a_steady_trickle_is_not_waited_for_past_the_cap():
 
     sender = threading.Thread(target=trickle)
     sender.start()
-    got = collect(loop, {f"t{i}" for i in range(count)},
-                  on_event=lambda e: first_token_at.append(time.monotonic() - sent) if e.request_id == "t0" else None)
+    got = collect(loop, {f"t{i}" for i in range(count)})
     sender.join()
     stop([loop], threads)
     assert len(got.finish) == count and all(len(got.tokens[f"t{i}"]) == 1 for i in range(count))
-    assert first_token_at[0] < gathered_by + 0.6, f"the first request's token came {first_token_at[0]:.2f} s after it was sent"
+    # the first step (t0's token) ran once the cap ended the gathering, long before the trickle's
+    # end: counted, not timed (a wall-clock bound on its token was at the mercy of a loaded machine)
+    assert prefills_per_step[0] < count and sum(prefills_per_step) == count, prefills_per_step
 
 
 def test_static_batches_run_between_iterations():

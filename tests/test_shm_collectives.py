@@ -40,7 +40,7 @@ from queue import Empty
 import pytest
 import torch
 
-from workers.net import free_port
+from workers.net import free_port_for_a_late_bind
 
 SHM_GLOB = "/dev/shm/corelaunch-*"
 
@@ -84,7 +84,7 @@ def run_ranks(world_size: int, fn, *args, timeout_s: float = 90.0, expect: int |
     `expect`: how many ranks report (a rank that exits on purpose reports nothing)."""
     ctx = torch.multiprocessing.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
+    port = free_port_for_a_late_bind()  # rank 0 binds it once spawned and torch is imported
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, queue, fn, args), daemon=True)
              for r in range(world_size)]
     for p in procs:

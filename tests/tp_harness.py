@@ -29,7 +29,7 @@ import torch
 from shardlib.model_config import ModelConfig
 from shardlib.sharding import ShardLayout, apply_slice, slice_for
 from workers.collectives import Collectives, sum_in_rank_order_
-from workers.net import free_port
+from workers.net import free_port_for_a_late_bind
 from workers.sampling import SamplingParams
 
 
@@ -235,7 +235,7 @@ def run_tp(world_size: int, cases: list[Case], timeout_s: float = 120.0) -> dict
     """
     ctx = torch.multiprocessing.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
+    port = free_port_for_a_late_bind()  # rank 0 binds it once spawned and torch is imported
     procs = [ctx.Process(target=_rank_main, args=(rank, world_size, port, cases, queue), daemon=True)
              for rank in range(world_size)]
     for proc in procs:
