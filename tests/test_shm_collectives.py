@@ -189,8 +189,8 @@ def test_two_ranks_bitwise_equal_to_gloo_and_selection():
 class _SlowReads:
     """Mixed into an exchange: random delays after each wait, i.e. while peers may run ahead."""
 
-    def _wait(self, target, wanted):
-        super()._wait(target, wanted)
+    def _wait(self, target, wanted, sig=0):
+        super()._wait(target, wanted, sig)
         if random.random() < 0.2:
             time.sleep(random.random() * 2e-4)
 
@@ -546,6 +546,41 @@ def test_a_peer_that_never_arrives_times_out_naming_it(tmp_path):
         second.close()
 
 
+@pytest.mark.parametrize("step", ["all_reduce", "all_reduce_dtype", "broadcast", "gather"])
+def test_ranks_whose_calls_differ_in_size_or_dtype_fail_the_step_naming_both(tmp_path, step):
+    """Rank 0 moves 4 float32 elements, rank 1 six (or bf16): the step fails on both, naming what
+    each sent, where the longer rank summed stale slot bytes into its tail and nobody noticed."""
+    from workers.shm.exchange import CollectiveTimeout
+
+    colls = thread_ranks(tmp_path, 2, timeout_s=10.0)
+
+    def call(rank, world, coll):
+        other = step == "all_reduce_dtype"
+        x = torch.ones(4 if rank == 0 or other else 6, dtype=torch.bfloat16 if rank == 1 and other else torch.float32)
+        try:
+            if step == "broadcast":
+                coll._x.broadcast_(x, 0)  # the exchange's own (the plan's broadcast goes through gloo)
+            elif step == "gather":
+                coll.all_gather_rows(x)
+            else:
+                coll.all_reduce_sum_(x)
+        except CollectiveTimeout as err:
+            return str(err)
+        return None
+
+    try:
+        messages = on_threads(call, colls, timeout_s=60)
+    finally:
+        for coll in colls:
+            coll.close()
+    if step == "broadcast":  # the root waits for nobody; the receiver names what the root sent
+        assert "moves 6 elements of torch.float32 here but 4 elements of torch.float32 from rank 0" in messages[1]
+        return
+    theirs = "4 elements of torch.bfloat16" if step == "all_reduce_dtype" else "6 elements of torch.float32"
+    assert f"here but {theirs} from rank 1" in messages[0], messages
+    assert "the ranks called different collectives" in messages[1], messages
+
+
 # ---- orphans: a leader killed during set-up ---------------------------------------------------------
 def make_orphan(segment) -> None:
     """Make `segment` what a killed creator leaves: its lock released (the process is gone) and a
@@ -774,7 +809,7 @@ def test_library_is_built_into_a_0700_directory_of_this_user(user_cache):
     assert stat.S_IMODE(st_lib.st_mode) & 0o022 == 0 and st_lib.st_uid == os.getuid()
     assert sorted(os.listdir(directory)) == [name]  # no temporary files left behind
     box = ctypes.c_uint64(0)
-    lib.publish(ctypes.addressof(box), 7)  # the library loaded works
+    lib.publish(ctypes.addressof(box), 7, 0)  # the library loaded works (no signature: one word)
     assert box.value == 7
 
 
@@ -873,8 +908,8 @@ def test_a_cached_library_cut_short_is_built_again_not_refused_for_good(user_cac
     (directory / name).write_bytes(whole[: len(whole) // 2])  # what a crash before writeback leaves
     lib = native_build.build_and_load(SPEC, directory)
     box = ctypes.c_uint64(0)
-    lib.cl_publish.argtypes = [ctypes.c_void_p, ctypes.c_uint64]
-    lib.cl_publish(ctypes.addressof(box), 9)
+    lib.cl_publish.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64]
+    lib.cl_publish(ctypes.addressof(box), 9, 0)  # no signature: the one word
     assert box.value == 9 and (directory / name).stat().st_size > 0
 
 

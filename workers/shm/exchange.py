@@ -5,8 +5,10 @@ Reduce-scatter is a reduce in which each rank sums only its own block of the slo
 Layout of the segment of a node with n local ranks (offsets in bytes):
 
     0                     token: b"corelaunch-shm:" + the group's unique id (checked on attach)
-    128 + 128 * i         local rank i's block: uint64 sequence counter, int32 pid (one cache
-                          line pair each, so counters written by different ranks never share one)
+    128 + 128 * i         local rank i's block: uint64 sequence counter, int32 pid, then at byte
+                          16 + 8 * b the signature (element count, dtype) of its last step in
+                          buffer b (one cache line pair each, so counters written by different
+                          ranks never share one)
     header                data: buffer 0 slots for local ranks 0 .. n-1, then buffer 1 slots
                           (each slot `slot_bytes`, a multiple of 4096)
 
@@ -24,6 +26,12 @@ root waits for nobody, is it a real wait.
 
 Sums are taken in local-rank order on every rank (slot 0 + slot 1 + ...), so all ranks get
 bit-identical results.
+
+Agreement. With its slot each rank publishes the step's signature (element count and dtype) in its
+block's word for that buffer, and a rank that waits for peers' data compares theirs with its own:
+ranks whose calls differ fail the step at once (gloo refuses them too) rather than summing stale
+slot bytes into a longer tensor. The word for step k's buffer stays until step k + 2, which no peer
+can post before this rank has published k + 1.
 """
 
 from __future__ import annotations
@@ -244,6 +252,7 @@ class NodeExchange:
         self._others = (ctypes.c_int32 * n)(*[int(i != local_rank) for i in range(n)])
         self._only = [(ctypes.c_int32 * n)(*[int(i == j) for i in range(n)]) for j in range(n)]
         self._seq = 0
+        self._step_sig = 0  # signature() of the step last posted
         self._all_reached = 0  # every peer is known to have published at least this step
         self._broken: str | None = None
         self._views: dict = {}
@@ -272,7 +281,7 @@ class NodeExchange:
     def reduce_(self, flat: torch.Tensor) -> None:
         """flat <- sum over local ranks of their `flat` (local-rank order); fits one slot."""
         slots = self._post(flat)
-        self._wait(self._seq, self._others)
+        self._wait(self._seq, self._others, self._step_sig)
         self._all_reached = self._seq
         sum_in_rank_order_(flat, slots)
 
@@ -285,15 +294,15 @@ class NodeExchange:
             raise CollectiveTimeout(self._broken)
         self._seq += 1
         slots = self._slots(self._seq & 1, flat.dtype, flat.numel())
-        self._wait(self._seq, self._only[root])
+        self._wait(self._seq, self._only[root], signature(flat))
         flat.copy_(slots[root])
-        self._native.publish(self._my_counter, self._seq)  # "done reading" for the root's next write
+        self._native.publish(self._my_counter, self._seq, 0)  # "done reading" for the root's next write
 
     def reduce_scatter(self, blocks: torch.Tensor, out: torch.Tensor) -> None:
         """out <- sum over local ranks of their blocks[local_rank] (local-rank order); blocks is
         (size, m), contiguous, and fits one slot; out is (m,)."""
         slots = self._post(blocks.view(-1))
-        self._wait(self._seq, self._others)
+        self._wait(self._seq, self._others, self._step_sig)
         self._all_reached = self._seq
         m = out.numel()
         mine = [slot[self.local_rank * m: (self.local_rank + 1) * m] for slot in slots]
@@ -302,12 +311,17 @@ class NodeExchange:
     def gather(self, flat: torch.Tensor, out: torch.Tensor) -> None:
         """out[i] <- local rank i's flat; out is (size, numel)."""
         slots = self._post(flat)
-        self._wait(self._seq, self._others)
+        self._wait(self._seq, self._others, self._step_sig)
         self._all_reached = self._seq
         for i, slot in enumerate(slots):
             out[i].copy_(slot)
 
     # ---- internals -------------------------------------------------------------------------
+    def _peer_sig(self, local_rank: int, step: int) -> int:
+        """The signature local rank `local_rank` published for `step` (cl_publish's word for its buffer)."""
+        offset = self.layout.counter_offset(local_rank) + 8 * (2 + (step & 1))
+        return int(torch.frombuffer(self.segment._map, dtype=torch.int64, count=1, offset=offset)[0])
+
     def _post(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Start step seq + 1: write this rank's slot and publish it; returns the step's slots."""
         if self._broken:
@@ -319,7 +333,8 @@ class NodeExchange:
         self._seq = seq
         slots = self._slots(seq & 1, flat.dtype, flat.numel())
         slots[self.local_rank].copy_(flat)
-        self._native.publish(self._my_counter, seq)
+        self._step_sig = signature(flat)
+        self._native.publish(self._my_counter, seq, self._step_sig)
         return slots
 
     def _slots(self, buffer: int, dtype: torch.dtype, numel: int) -> list[torch.Tensor]:
@@ -334,13 +349,23 @@ class NodeExchange:
             self._views[key] = views
         return views
 
-    def _wait(self, target: int, wanted) -> None:
+    def _wait(self, target: int, wanted, sig: int = 0) -> None:
+        """Until every wanted peer has published step `target`; with `sig` (the step's signature()),
+        also that each posted the same size and dtype."""
         status = self._native.wait(self._counters, self._stride, self.size, wanted, target, self.spin_s,
-                                   self.yield_s, self.timeout_s, self._pids, self._missing)
+                                   self.yield_s, self.timeout_s, self._pids, self._missing, sig)
         if status == 0:
             return
         late = [i for i in range(self.size) if self._missing[i]]
         who = ", ".join(f"rank {self.global_ranks[i]} (pid {self._pids[i] or '?'})" for i in late)
+        if status == 3:  # not a timeout: a bug in whoever called the collective, but the group is out of step
+            theirs = ", ".join(f"{describe_signature(self._peer_sig(i, target))} from rank {self.global_ranks[i]}"
+                               for i in late)
+            self._broken = (
+                f"shared-memory collective on rank {self.global_ranks[self.local_rank]}: step {target} moves "
+                f"{describe_signature(sig)} here but {theirs}; the ranks called different collectives and the "
+                f"group cannot continue. Restart the group, and report this as a corelaunch bug")
+            raise CollectiveTimeout(self._broken)
         if status == 1:
             reason = f"waited {self.timeout_s:.0f} s for {who} to reach step {target}"
         else:
@@ -355,3 +380,20 @@ class NodeExchange:
 
 def _itemsize(dtype: torch.dtype) -> int:
     return dtype.itemsize
+
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int16,
+           torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2)
+_DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES, start=1)}
+_OTHER_DTYPE = 255
+
+
+def signature(flat: torch.Tensor) -> int:
+    """What one step moves, as a nonzero word every rank computes alike: element count and dtype."""
+    return flat.numel() << 8 | _DTYPE_CODES.get(flat.dtype, _OTHER_DTYPE)
+
+
+def describe_signature(sig: int) -> str:
+    code = sig & 0xFF
+    dtype = _DTYPES[code - 1] if 1 <= code <= len(_DTYPES) else "another dtype"
+    return f"{sig >> 8} elements of {dtype}"

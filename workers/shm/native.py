@@ -63,18 +63,34 @@ static inline void cpu_relax(void) {
 }
 
 /* Make every store this thread (and threads it joined) made before the call visible to a peer
-   that reads `value` from `counter` with acquire order. */
-void cl_publish(uint64_t *counter, uint64_t value) {
+   that reads `value` from `counter` with acquire order. A nonzero `sig` (what the step moves: its
+   element count and dtype) is stored first in the word of the step's buffer, counter[2 + value % 2]:
+   a peer may post step value + 1 while this one is still read, never value + 2. */
+void cl_publish(uint64_t *counter, uint64_t value, uint64_t sig) {
+    if (sig) __atomic_store_n(&counter[2 + (value & 1)], sig, __ATOMIC_RELAXED);
     __atomic_store_n(counter, value, __ATOMIC_RELEASE);
 }
 
 /* Wait until counters[i * stride] >= target for each i in 0 .. n-1 where wanted[i] != 0.
    Returns 0 when all have arrived, 1 on timeout, 2 when a peer's process has exited (pids[i] > 0;
-   checked every 0.2 s once past the spin phase). missing[i] is set to 1 for each wanted
-   counter that had not arrived when the call gave up, 0 otherwise. */
+   checked every 0.2 s once past the spin phase), 3 when `sig` is nonzero and an arrived peer
+   published another one for step `target` (the ranks' calls differ in size or dtype). missing[i]
+   is set to 1 for each wanted counter that had not arrived (status 3: whose sig differs) when the
+   call gave up, 0 otherwise. */
+static int sigs_differ(uint64_t *counters, int stride, int n, const int32_t *wanted, uint64_t target,
+                       uint64_t sig, int32_t *missing) {
+    int differ = 0;
+    for (int i = 0; i < n; i++) {
+        missing[i] = wanted[i] &&
+            __atomic_load_n(&counters[(long)i * stride + 2 + (target & 1)], __ATOMIC_RELAXED) != sig;
+        differ |= missing[i];
+    }
+    return differ;
+}
+
 int cl_wait(uint64_t *counters, int stride, int n, const int32_t *wanted, uint64_t target,
             double spin_s, double yield_s, double timeout_s, const int32_t *pids,
-            int32_t *missing) {
+            int32_t *missing, uint64_t sig) {
     double start = 0.0, next_liveness = 0.0;
     long spins = 0;
     struct timespec nap = {0, 50000};  /* 50 us */
@@ -86,7 +102,7 @@ int cl_wait(uint64_t *counters, int stride, int n, const int32_t *wanted, uint64
                 break;
             }
         }
-        if (all) return 0;
+        if (all) return sig && sigs_differ(counters, stride, n, wanted, target, sig, missing) ? 3 : 0;
         if (spins++ < 64) {  /* the first few checks without even reading the clock */
             cpu_relax();
             continue;
@@ -136,10 +152,10 @@ class Native:
     def __init__(self, directory: Path | None = None) -> None:
         lib = build_and_load(SPEC, directory)
         u64p, i32p = ctypes.c_void_p, ctypes.c_void_p
-        lib.cl_publish.argtypes = [u64p, ctypes.c_uint64]
+        lib.cl_publish.argtypes = [u64p, ctypes.c_uint64, ctypes.c_uint64]
         lib.cl_publish.restype = None
         lib.cl_wait.argtypes = [u64p, ctypes.c_int, ctypes.c_int, i32p, ctypes.c_uint64, ctypes.c_double,
-                                ctypes.c_double, ctypes.c_double, i32p, i32p]
+                                ctypes.c_double, ctypes.c_double, i32p, i32p, ctypes.c_uint64]
         lib.cl_wait.restype = ctypes.c_int
         self.publish = lib.cl_publish
         self.wait = lib.cl_wait
