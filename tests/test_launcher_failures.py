@@ -244,3 +244,74 @@ def _ipv6_loopback() -> bool:
         return True
     except OSError:
         return False
+
+
+def test_a_rank_error_whose_type_takes_more_arguments_still_names_the_rank():
+    """A rank's ValueError subclass is rebuilt with the rank in its message; one whose constructor
+    takes more than a message (JSONDecodeError) raised TypeError, losing the rank and the error."""
+    import json
+
+    from launcher.cluster.tp_group import _rank_failure
+
+    failure = _rank_failure("rank 1 (node n1, pid 7)", "load its shard", json.JSONDecodeError("Expecting value", "", 0))
+    assert type(failure) is ValueError
+    assert str(failure).startswith("rank 1 (node n1, pid 7) failed to load its shard: Expecting value")
+
+
+NO_NEW_RAY_SCRIPT = """
+import threading, time
+import ray
+from launcher.cluster import ray_cluster
+from launcher.cluster.tp_group import TPGroup
+
+connection = ray_cluster.connect("local", num_cpus=1)
+
+
+@ray.remote(num_cpus=0)
+class SlowLoad:
+    def load(self):
+        time.sleep(60)
+
+
+group = TPGroup.__new__(TPGroup)  # the fields waiting and killing use: a group whose ranks still load
+group.actors, group.workers = [SlowLoad.remote()], [{"rank": 0, "node_ip": "127.0.0.1", "pid": 0}]
+group._pg, group._serve_refs, group._events = None, [], None
+outcome = []
+
+
+def restart():  # Launcher._new_group: on any error the group is killed, then the error raised
+    try:
+        try:
+            group._wait_all([a.load.remote() for a in group.actors], 30, "load its shard")
+        except BaseException:
+            group.kill()
+            raise
+    except BaseException as err:
+        outcome.append(type(err).__name__ + ": " + str(err))
+
+
+waiting = threading.Thread(target=restart)
+waiting.start()
+time.sleep(2)
+connection.close()  # Launcher.shutdown, once the pool's join gave up on this restart
+waiting.join(30)
+print("OUTCOME", outcome)
+print("RAY_UP", ray.is_initialized())
+"""
+
+
+@pytest.mark.slow
+def test_a_restart_still_waiting_when_the_launcher_closes_ray_starts_no_new_ray(tmp_path):
+    """Ray's calls start a local Ray when none is connected: a restart whose ranks were still loading
+    past the shutdown's grace called ray.wait, then ray.kill, after the launcher closed its private
+    Ray, and so started a new one (with a dashboard) that nothing stopped."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([sys.executable, "-c", NO_NEW_RAY_SCRIPT], cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "RAY_UP False" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    assert "LaunchError: Ray was shut down while this group was working" in proc.stdout, proc.stdout
+    assert "Started a local Ray instance" not in proc.stderr, proc.stderr[-3000:]

@@ -588,3 +588,41 @@ def _record(errors: list, fn) -> None:
         fn()
     except BaseException as err:  # noqa: BLE001 - the test reads it
         errors.append(err)
+
+
+def test_a_restart_that_installs_its_group_as_the_pool_shuts_down_has_that_group_killed(make_pool):
+    """A shutdown that lands after the restart's check of `stopping` but before it installs the new
+    group killed the old group only: the new one answered, then outlived the launcher. The restart
+    takes the replica's lock a little late here (as when a caller's submit or cancel holds it)."""
+    made = threading.Event()
+    factory = Factory({0: [dies_once()]})
+
+    def marking_factory(index, restart):
+        group = factory(index, restart)
+        if restart:
+            made.set()
+        return group
+
+    pool = make_pool(factory=marking_factory)
+    pool.start()
+    replica = pool.replicas[0]
+    real, stoppers = replica._streams_lock, []
+
+    class TakenLate:
+        def __enter__(self):
+            if made.is_set() and not stoppers and threading.current_thread() is replica._thread:
+                stoppers.append(threading.Thread(target=pool.shutdown, kwargs={"grace_s": 1.0}, daemon=True))
+                stoppers[0].start()
+                time.sleep(0.3)  # the shutdown runs meanwhile
+            return real.__enter__()
+
+        def __exit__(self, *exc):
+            return real.__exit__(*exc)
+
+    replica._streams_lock = TakenLate()
+    future = pool.submit("a")
+    wait([future], timeout=TIMEOUT_S)
+    assert made.wait(TIMEOUT_S) and stoppers
+    stoppers[0].join(TIMEOUT_S)
+    old, new = factory.groups[0]
+    assert old.killed and new.killed, (old.killed, new.killed)

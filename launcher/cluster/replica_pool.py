@@ -358,6 +358,9 @@ class Replica:
                 started.group.kill()
                 return False
             with self._streams_lock:
+                if self.pool.stopping:  # a shutdown since the check above killed the old group, not this one
+                    started.group.kill()
+                    return False
                 self.started = started
                 self.state = "serving"
                 self.loop_counters = {}  # the old leader's: the new one's come with its first poll
@@ -580,6 +583,8 @@ class ReplicaPool:
                 replica.started.group.kill()
             if replica._thread is not None:
                 replica._thread.join(grace_s)
+            if replica.started is not None:  # a restart that finished meanwhile installed a new group
+                replica.started.group.kill()
             if replica.state != "failed":
                 replica.state = "stopped"
 

@@ -43,11 +43,12 @@ _LOOP_CHECK_S = 0.25
 
 def _refuse_without_ray() -> None:
     """Ray's calls start a new local Ray when none is connected (its auto-init): a group whose
-    launcher shut Ray down meanwhile (a restart racing shutdown) must not start one behind its back."""
+    launcher shut Ray down meanwhile (a restart racing shutdown, still waiting for its ranks past the
+    shutdown's grace) must not start one behind its back."""
     import ray
 
     if not ray.is_initialized():
-        raise LaunchError("Ray was shut down while this group was starting (the launcher is shutting down)")
+        raise LaunchError("Ray was shut down while this group was working (the launcher is shutting down)")
 
 
 @dataclass
@@ -270,13 +271,13 @@ class TPGroup:
         and cancellations are numbered: rank 0 runs them in the order they were sent here
         (workers/serving/numbered_calls.py)."""
         with self._call_lock:
-            if self.actors:
+            if self.actors and not self._ray_gone():
                 self.actors[0].submit_requests.remote(requests, self._next_call)
                 self._next_call += 1  # only once sent: a number rank 0 never gets would hold every later call
 
     def cancel(self, request_ids: list[str]) -> None:
         with self._call_lock:
-            if self.actors:
+            if self.actors and not self._ray_gone():
                 self.actors[0].cancel_requests.remote(request_ids, self._next_call)
                 self._next_call += 1
 
@@ -290,6 +291,7 @@ class TPGroup:
         now = time.monotonic()
         if now - self._loops_checked_at >= _LOOP_CHECK_S:  # a follower's death shows here first
             self._loops_checked_at = now
+            _refuse_without_ray()
             self._check_loops()
         try:
             messages = events.receive(wait_s)
@@ -348,7 +350,7 @@ class TPGroup:
     def stop_serving(self, grace_s: float = 10.0) -> list[dict]:
         """End every rank's loop; the loops' counters (steps, forward and planning seconds)."""
         refs, self._serve_refs = self._serve_refs, []
-        if not refs or not self.actors:
+        if not refs or not self.actors or self._ray_gone():
             return []
         self.actors[0].stop_serving.remote()
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=grace_s)
@@ -368,7 +370,7 @@ class TPGroup:
         every rank builds the same graphs, so rank 0 speaks for all. None when it runs eagerly, or
         does not answer: these are only informational, and a broken group is for the health check
         and the next request to find (this neither waits long nor stops the group)."""
-        if not self.actors:
+        if not self.actors or self._ray_gone():
             return None
         try:
             return ray.get(self.actors[0].compile_stats.remote(), timeout=timeout_s)
@@ -377,7 +379,7 @@ class TPGroup:
 
     def dead_ranks(self, timeout_s: float = 5.0) -> list[str]:
         """Ranks whose process is gone (an idle group's health check); [] when all answer or are busy."""
-        if not self.actors:
+        if not self.actors or self._ray_gone():
             return ["the group (stopped)"]
         refs = [a.describe.remote() for a in self.actors]
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
@@ -409,12 +411,17 @@ class TPGroup:
         pending = list(refs)
         deadline = time.monotonic() + timeout_s
         while pending:
+            _refuse_without_ray()  # each pass: the launcher may close Ray while this waits (a late restart)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = sorted(rank_of[r] for r in pending)
                 self.kill()
                 raise self._timeout_error(missing, step, timeout_s if named_timeout_s is None else named_timeout_s)
-            done, pending = ray.wait(pending, num_returns=1, timeout=min(_POLL_S, remaining))
+            try:
+                done, pending = ray.wait(pending, num_returns=1, timeout=min(_POLL_S, remaining))
+            except SystemExit:  # what a wait in flight raises when the driver's Ray shuts down under it
+                _refuse_without_ray()
+                raise
             for ref in done:
                 try:
                     results[ref] = ray.get(ref)
@@ -495,16 +502,26 @@ class TPGroup:
         """Ask every rank to leave its process group, wait a little, then kill what is left."""
         if self._serve_refs:
             self.stop_serving(grace_s)
-        if self.actors:
+        if self.actors and not self._ray_gone():
             refs = [a.shutdown.remote() for a in self.actors]
             ray.wait(refs, num_returns=len(refs), timeout=grace_s)
         self.kill()
+
+    def _ray_gone(self) -> bool:
+        """True (the group forgotten, as killed) when Ray is no longer connected: its actors and
+        placement group went with the driver's session, and any Ray call now would start a new Ray."""
+        if ray.is_initialized():
+            return False
+        self._serve_refs, self.actors, self._pg = [], [], None
+        return True
 
     def kill(self) -> None:
         self._serve_refs = []
         events, self._events = self._events, None
         if events is not None:
             events.close()
+        if self._ray_gone():
+            return
         for actor in self.actors:
             try:
                 ray.kill(actor, no_restart=True)
@@ -529,5 +546,8 @@ def _rank_failure(where: str, step: str, err: Exception) -> Exception:
     cause = getattr(err, "cause", None) or err
     message = f"{where} failed to {step}: {cause}"
     if isinstance(cause, (ValueError, FileNotFoundError)):
-        return type(cause)(message)
+        try:
+            return type(cause)(message)
+        except Exception:  # noqa: BLE001 - a subclass whose constructor takes more (JSONDecodeError, UnicodeDecodeError)
+            return (FileNotFoundError if isinstance(cause, FileNotFoundError) else ValueError)(message)
     return RankFailed(message + "; the group was stopped")
