@@ -657,15 +657,18 @@ class Launcher:
     def shutdown(self, grace_s: float = 10.0) -> None:
         """Stop the workers (each group gets grace_s to leave cleanly, then is killed) and, if
         corelaunch started Ray, Ray itself. Safe to call twice."""
-        if self._pool is not None:
-            self._pool.shutdown(grace_s)
+        # Each read once: a second thread shutting down at the same time finds None or the same
+        # object (the pool's shutdown is safe twice), never None between the check and the call.
+        pool = self._pool  # kept visible while it stops: a stream closed meanwhile still reaches it
+        if pool is not None:
+            pool.shutdown(grace_s)
             self._pool = None
-        if self._cache_writer is not None:
-            self._cache_writer.join(timeout_s=30)  # a daemon thread: a long write is abandoned at exit
-            self._cache_writer = None
-        if self._ray is not None:
-            self._ray.close()
-            self._ray = None
+        writer, self._cache_writer = self._cache_writer, None
+        if writer is not None:
+            writer.join(timeout_s=30)  # a daemon thread: a long write is abandoned at exit
+        connection, self._ray = self._ray, None
+        if connection is not None:
+            connection.close()
 
     # ---- requests ----------------------------------------------------------------------------
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
