@@ -111,7 +111,7 @@ def _layer_types(model_type: str, raw: dict[str, Any], window: int | None, layer
         kinds = tuple([FULL] * layers)
     if window is None and SLIDING in kinds and model_type == "gemma3_text":
         # Gemma 3's sliding layers differ in their rope too (the local base), so reading them as
-        # global layers would be wrong even without a window; transformers refuses the config.
+        # global layers would be wrong even without a window; transformers' model cannot be built from it.
         raise field_error("sliding_window", None, "leaves Gemma 3's sliding_attention layers without a window",
                           "write the model's window (Gemma 3's configs use 512 or 1024)")
     if window is None or SLIDING not in kinds:

@@ -60,7 +60,11 @@ def test_a_config_without_those_fields_gets_the_family_defaults(model_type):
     assert config.max_position_embeddings == reference.max_position_embeddings
     # Mistral and Gemma 3 apply a 4096 window when the key is missing altogether
     assert config.sliding_window == getattr(reference, "sliding_window", None)
-    assert ModelConfig.from_dict({**raw, "sliding_window": None}).sliding_window is None  # null: no window
+    if model_type == "gemma3_text":  # its sliding layers need a window (and take the local rope base)
+        with pytest.raises(ValueError, match="sliding_window=None leaves Gemma 3's sliding_attention layers"):
+            ModelConfig.from_dict({**raw, "sliding_window": None})
+    else:
+        assert ModelConfig.from_dict({**raw, "sliding_window": None}).sliding_window is None  # null: no window
 
 
 @pytest.mark.parametrize("model_type", FLAT_FAMILIES)
