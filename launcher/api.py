@@ -24,7 +24,7 @@ from typing import Sequence
 
 from launcher.background_load import BackgroundLoad
 from launcher.cluster.restart_policy import RestartPolicy
-from launcher.errors import LaunchError, NoDeviceResource, PlacementTimeout, RequestTimeout
+from launcher.errors import LaunchError, NoDeviceResource, PlacementImpossible, PlacementTimeout, RequestTimeout
 from launcher.progress import Progress
 from shardlib.config_fields import show
 from shardlib.expert_sharding import check_moe_sharding_name
@@ -589,7 +589,7 @@ class Launcher:
         return resources, count
 
     def _refuse_unplaceable(self, nodes: list) -> None:
-        """PlacementTimeout at once, rather than after --placement-timeout, when the alive nodes
+        """PlacementImpossible at once, rather than after --placement-timeout, when the alive nodes
         together could never hold one group."""
         from launcher.cluster.resources import explain_unplaceable, never_placeable
 
@@ -597,7 +597,7 @@ class Launcher:
         if never_placeable(bundle, self.plan.tp_degree, self.config.nodes, totals):
             why = explain_unplaceable(bundle, self.plan.tp_degree, self.config.nodes, totals, None,
                                       [n.name for n in nodes])
-            raise PlacementTimeout(f"the private Ray cluster started here cannot place a TP group: {why}")
+            raise PlacementImpossible(f"the private Ray cluster started here cannot place a TP group: {why}")
 
     def _new_group(self, index: int, restart: bool):
         """Place, join and load one replica's TP group (also used to restart it)."""

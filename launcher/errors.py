@@ -17,6 +17,11 @@ class PlacementTimeout(LaunchError):
     """Ray could not reserve the workers' resources in time."""
 
 
+class PlacementImpossible(PlacementTimeout):
+    """The cluster's nodes together could never hold one group (a private cluster has no
+    autoscaler): refused at once, as bad input, rather than after the placement timeout."""
+
+
 class RendezvousTimeout(LaunchError):
     """A rank did not join the process group (or finish a set-up step) in time."""
 
