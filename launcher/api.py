@@ -378,7 +378,9 @@ class GenerationResult:
     """1, or more when the request was re-run after its TP group failed and was restarted."""
     token_times_s: list[float] = field(default_factory=list)
     """Rank 0's time.perf_counter() when each generated token was chosen: comparable between the
-    results one replica answered (bench picks the steps in which a whole batch decoded by them)."""
+    results one replica answered within one attempt (bench picks the steps in which a whole batch
+    decoded by them); a request resumed after a restart continues on the new rank 0's clock, and its
+    decode rate and step latencies leave the gap across the restart out."""
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -940,10 +942,12 @@ class Launcher:
         tokens = [t for e in events for t in e.token_ids]
         with self._lock:
             text = self._decode(tokens)
-        # One token an event; rates and gaps on the leader's clock, as the static engine measures its own.
+        # One token an event; rates and gaps on the leader's clock, as the static engine measures its
+        # own. A gap into a resumed attempt's first token is the restart, across two leaders' clocks.
         times = [e.at_s for e in events if e.token_ids]
-        steps = [after - before for before, after in zip(times, times[1:])]
-        decoded_s = times[-1] - times[0] if times else 0.0
+        restarts = set(stream.handle.resumed_at)
+        steps = [times[i] - times[i - 1] for i in range(1, len(times)) if i not in restarts]
+        decoded_s = sum(steps)
         logits = None
         if any(e.logits for e in events):
             import torch

@@ -699,3 +699,31 @@ def test_decode_rate_and_step_times_count_the_whole_step_not_the_forward_alone(m
     assert result.decode_step_latencies_s == pytest.approx([b - a for a, b in zip(times, times[1:])])
     assert result.decode_tokens_per_s == pytest.approx((NEW_TOKENS - 1) / (times[-1] - times[0]))
     assert result.decode_tokens_per_s <= 20.0
+
+
+def test_a_resumed_requests_decode_rate_leaves_the_restart_out(model_and_expected, in_process_cluster):
+    """A stream resumed on a restarted group: the gap into its first resumed token is the restart
+    (here 2 s), timed across two leaders' clocks; it counted as a decode step (2.1 s of 5)."""
+    from launcher.errors import WorkerDied
+
+    model_dir, expected = model_and_expected
+    with Launcher(model=model_dir, tp=2, max_num_seqs=1, progress=False, **EAGER) as llm:
+        make = llm._pool._make_group
+
+        def slow_make(*args, **kwargs):
+            time.sleep(2.0)
+            return make(*args, **kwargs)
+
+        llm._pool._make_group = slow_make
+        stream = llm.stream(PROMPTS[0], max_new_tokens=NEW_TOKENS)
+        next(stream)
+        next(stream)
+        llm._group.fail_next(WorkerDied("rank 1 (in-process) died while serving"))
+        tokens = [t for delta in stream for t in delta.token_ids]
+        result = llm._result(stream, None, list(PROMPTS[0]))
+    assert result.attempts == 2 and result.token_ids == expected[0], (result.attempts, result.token_ids, tokens)
+    resumed = stream.handle.resumed_at
+    assert resumed and 0 < resumed[0] < NEW_TOKENS
+    assert len(result.decode_step_latencies_s) == NEW_TOKENS - 2  # every gap but the one into the resumed token
+    assert max(result.decode_step_latencies_s) < 1.0, result.decode_step_latencies_s
+    assert result.decode_tokens_per_s > 1 / 1.0

@@ -34,6 +34,9 @@ class StreamHandle:
         self.attempts = 0
         """Times it was handed to a TP group (its replica counts them): 1 unless a fault made a
         restarted group take it again."""
+        self.resumed_at: list[int] = []
+        """The index of the first token each resumed attempt produced (len(delivered) at each
+        resume): the gap before it is the restart, and its time comes from another rank 0's clock."""
         self.replica: int | None = None
         self.cancelled = False
         self.finished = False
@@ -49,6 +52,7 @@ class StreamHandle:
 
     def resumed(self) -> StreamRequest:
         """The request to submit to a restarted group: history = prompt + delivered tokens."""
+        self.resumed_at.append(len(self.delivered))
         return dataclasses.replace(self.request,
                                    prompt_token_ids=self.request.prompt_token_ids + tuple(self.delivered),
                                    max_tokens=self.request.max_tokens - len(self.delivered),
