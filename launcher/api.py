@@ -146,7 +146,7 @@ class LaunchConfig:
     """CPU backend: CPUs per rank bundle; None divides the cluster's CPUs evenly."""
     placement_timeout_s: float = 60.0
     startup_timeout_s: float = 120.0
-    """Starting the rank processes (a Python worker each, importing torch) until each answers."""
+    """Starting the rank processes (a Python worker each) and importing their backend, torch with it."""
     rendezvous_timeout_s: float = 30.0
     """Once every rank runs: joining the process group (a rank that never arrives fails here)."""
     load_timeout_s: float = 900.0
@@ -610,8 +610,9 @@ class Launcher:
                         timeouts=self._timeouts, lnc=self.plan.lnc, nodes=self.config.nodes,
                         name=f"corelaunch-r{index}")
         spec = self._load_spec
-        if restart and self._cache_writer is not None and self._cache_writer.ready:
-            spec = dataclasses.replace(spec, presharded_dir=str(self._cache_writer.path))
+        writer = self._cache_writer  # once: a shutdown on another thread clears it
+        if restart and writer is not None and writer.ready:
+            spec = dataclasses.replace(spec, presharded_dir=str(writer.path))
         try:
             group.start()
             stats = group.load(spec)
@@ -633,8 +634,9 @@ class Launcher:
     @property
     def presharded_cache_ready(self) -> bool:
         """True once the presharded_cache copy is complete (restarts then load from it)."""
-        if self._cache_writer is not None:
-            return self._cache_writer.ready
+        writer = self._cache_writer  # once: a shutdown on another thread clears it
+        if writer is not None:
+            return writer.ready
         return bool(self.config.presharded_cache and self._pool is not None and self._load_spec.presharded_dir
                     and not self.config.presharded_dir)
 

@@ -186,7 +186,7 @@ def add_model_and_placement_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--placement-timeout", type=float, default=60.0, metavar="S",
                    help="seconds to wait for Ray to reserve the workers (default 60)")
     p.add_argument("--startup-timeout", type=float, default=120.0, metavar="S",
-                   help="seconds for the worker processes to start (default 120)")
+                   help="seconds for the worker processes to start and import their backend (default 120)")
     p.add_argument("--rendezvous-timeout", type=float, default=30.0, metavar="S",
                    help="seconds for started workers to join their process group (default 30)")
     p.add_argument("--request-timeout", type=float, default=600.0, metavar="S")

@@ -56,7 +56,8 @@ class GroupTimeouts:
     placement_s: float = 60.0
     """Waiting for Ray to reserve every rank's bundle."""
     startup_s: float = 120.0
-    """Actor start: a worker process per rank, importing torch, until each answers describe()."""
+    """Actor start: a worker process per rank, then its backend (torch with it) imported
+    (describe() and prepare_backend() answered)."""
     rendezvous_s: float = 30.0
     """Joining the process group once every rank runs (seconds when all is well)."""
     load_s: float = 900.0
@@ -237,6 +238,7 @@ class TPGroup:
         """Allocate every rank's serving cache (building graphs if asked), then start the loops."""
         prepared = self._wait_all([a.prepare_serving.remote(spec) for a in self.actors], self.timeouts.load_s,
                                   "prepare serving")
+        _refuse_without_ray()  # the ranks prepared while the launcher may have closed Ray
         self._serve_refs = [a.serve.remote() for a in self.actors]
         self._connect_events()
         return prepared
@@ -249,7 +251,7 @@ class TPGroup:
         host, port = channel.address
         connected = self.actors[0].stream_events.remote(host, port, channel.token, self.timeouts.startup_s)
 
-        def connecting_failed() -> None:
+        def connecting_failed() -> None:  # polled while rank 0 connects (up to the start-up timeout)
             self._check_loops()
             done, _ = ray.wait([connected], timeout=0)
             if done:
@@ -291,7 +293,6 @@ class TPGroup:
         now = time.monotonic()
         if now - self._loops_checked_at >= _LOOP_CHECK_S:  # a follower's death shows here first
             self._loops_checked_at = now
-            _refuse_without_ray()
             self._check_loops()
         try:
             messages = events.receive(wait_s)
@@ -315,6 +316,7 @@ class TPGroup:
     def _stream_closed(self) -> None:
         """Rank 0's event stream ended while the group serves: its loop ended or its process died.
         Raise that loop's failure (waiting a little for Ray to learn of it), after stopping the group."""
+        _refuse_without_ray()
         ray.wait(self._serve_refs[:1], timeout=_ROOT_CAUSE_GRACE_S)  # time for Ray to learn of the end
         self._check_loops()
         # No loop has ended as far as Ray knows yet: ask each rank directly whether its process lives.
@@ -326,6 +328,7 @@ class TPGroup:
 
     def _check_loops(self) -> None:
         """Raise (after stopping the group) when any rank's serving loop has ended."""
+        _refuse_without_ray()
         done, _ = ray.wait(self._serve_refs, num_returns=len(self._serve_refs), timeout=0)
         if not done:
             return

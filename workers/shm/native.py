@@ -71,12 +71,8 @@ void cl_publish(uint64_t *counter, uint64_t value, uint64_t sig) {
     __atomic_store_n(counter, value, __ATOMIC_RELEASE);
 }
 
-/* Wait until counters[i * stride] >= target for each i in 0 .. n-1 where wanted[i] != 0.
-   Returns 0 when all have arrived, 1 on timeout, 2 when a peer's process has exited (pids[i] > 0;
-   checked every 0.2 s once past the spin phase), 3 when `sig` is nonzero and an arrived peer
-   published another one for step `target` (the ranks' calls differ in size or dtype). missing[i]
-   is set to 1 for each wanted counter that had not arrived (status 3: whose sig differs) when the
-   call gave up, 0 otherwise. */
+/* 1 when a wanted peer published another signature than `sig` for step `target` (read after its
+   counter reached target with acquire order); missing[i] marks each such peer. */
 static int sigs_differ(uint64_t *counters, int stride, int n, const int32_t *wanted, uint64_t target,
                        uint64_t sig, int32_t *missing) {
     int differ = 0;
@@ -88,6 +84,12 @@ static int sigs_differ(uint64_t *counters, int stride, int n, const int32_t *wan
     return differ;
 }
 
+/* Wait until counters[i * stride] >= target for each i in 0 .. n-1 where wanted[i] != 0.
+   Returns 0 when all have arrived, 1 on timeout, 2 when a peer's process has exited (pids[i] > 0;
+   checked every 0.2 s once past the spin phase), 3 when `sig` is nonzero and an arrived peer
+   published another one for step `target` (the ranks' calls differ in size or dtype). missing[i]
+   is set to 1 for each wanted counter that had not arrived (status 3: whose sig differs) when the
+   call gave up, 0 otherwise. */
 int cl_wait(uint64_t *counters, int stride, int n, const int32_t *wanted, uint64_t target,
             double spin_s, double yield_s, double timeout_s, const int32_t *pids,
             int32_t *missing, uint64_t sig) {
