@@ -17,10 +17,11 @@ from shardlib.serving_shapes import ServingShapes
 from tests.serving_driver import collect, request, run_loops, stop
 from tests.test_engine import PROMPTS, alone, fresh_model, hf_model
 from tests.tp_harness import InProcessGroup, build_rank_model, hf_state_dict
+from workers.collectives import SingleRank
 from workers.sampling import SamplingParams
 from workers.serving.loop import ServingConfig, ServingLoop
 from workers.serving.scheduler import Scheduler, Sequence
-from workers.serving.step_plan import Command, DecodeRow, PlanCodec, PrefillChunk, StepPlan
+from workers.serving.step_plan import ClearRow, Command, DecodeRow, PlanCodec, PrefillChunk, StepPlan
 
 MORE_PROMPTS = PROMPTS + [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9], [11], [64, 32, 16, 8]]
 
@@ -32,7 +33,7 @@ def eager_loop(max_num_seqs=2, max_prefill_tokens=4, slots=64, model=None) -> Se
 def test_plan_round_trips_through_its_tensor():
     codec = PlanCodec(max_num_seqs=3, max_prefill_tokens=8)
     plan = StepPlan(Command.WORK, (PrefillChunk(2, 5, (7, 8, 9)), PrefillChunk(0, 0, (1,))),
-                    (DecodeRow(1, 40, 99),))
+                    (DecodeRow(1, 40, 99),), clears=(ClearRow(2, 17),))
     assert codec.decode(codec.encode(plan)) == plan
     with pytest.raises(ValueError, match="max_prefill_tokens 8"):
         codec.encode(StepPlan(Command.WORK, (PrefillChunk(0, 0, tuple(range(9))),)))
@@ -381,8 +382,9 @@ def test_the_plan_moves_no_more_prefill_tokens_than_a_step_can_hold():
     shapes = ServingShapes.build(buckets, max_num_seqs=4, max_prefill_tokens=16384)
     loop = ServingLoop(fresh_model(), ServingConfig(4, 16384, 64, shapes=shapes))
     assert shapes.max_chunk == 8
-    assert loop.codec.empty().numel() == 4 + 6 * 4 + 4 * 8
-    assert eager_loop(max_num_seqs=2, max_prefill_tokens=4).codec.empty().numel() == 4 + 6 * 2 + 4  # the budget
+    # header 5, then (row, start, length), (row, position, token) and (row, slots) per row, then tokens
+    assert loop.codec.empty().numel() == 5 + 8 * 4 + 4 * 8
+    assert eager_loop(max_num_seqs=2, max_prefill_tokens=4).codec.empty().numel() == 5 + 8 * 2 + 4  # the budget
 
 
 def test_a_compiled_model_makes_room_for_the_serving_shapes():
@@ -471,3 +473,26 @@ def test_a_choice_that_fails_for_every_row_fails_each_request_alone(monkeypatch)
     loop.submit([request("after", PROMPTS[1], 3)])
     assert collect(loop, {"after"}).tokens["after"] == alone(tuple(PROMPTS[1]))[:3]
     stop([loop], threads)
+
+
+def test_a_request_that_failed_on_nan_leaves_its_row_usable_for_the_next():
+    """A forward that writes NaN keys and values (here a token whose embedding row is NaN) fails its
+    request alone; its row's slots, reused without zeroing, poisoned every later request that read
+    them through its mask (0 x NaN is NaN): with one row, every later short request failed."""
+    hf = hf_model()
+    state = hf_state_dict(hf)
+    name = next(k for k in state if "embed_tokens" in k)
+    state[name] = state[name].clone()
+    state[name][127] = float("nan")
+    model = build_rank_model(ModelConfig.from_dict(hf.config.to_dict()), state, 0, 1, SingleRank())
+    shapes = ServingShapes.build(Buckets.build(max_seq_len=32, context=(4, 8), token=(16, 32)), max_num_seqs=1,
+                                 max_prefill_tokens=8)
+    loop = ServingLoop(model, ServingConfig(1, 8, 32, shapes))
+    threads = run_loops([loop])
+    loop.submit([request("broken", [90, 14, 2, 127] + [8] * 12, 4)])
+    failed = collect(loop, {"broken"})
+    loop.submit([request("next", PROMPTS[1], 6)])
+    got = collect(loop, {"next"})
+    stop([loop], threads)
+    assert failed.finish["broken"] == "error"
+    assert got.finish["next"] == "length" and got.tokens["next"] == alone(tuple(PROMPTS[1]))[:6], got.events

@@ -100,6 +100,13 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
+    def clear_row(self, row: int, slots: int) -> None:
+        """Zero row `row`'s first `slots` slots in every layer: a request that failed on NaN or inf
+        may have written them, and a later request's masked read of them would give NaN (0 x NaN)."""
+        with torch.inference_mode():
+            for tensor in self.k + self.v:
+                tensor[row, :, :slots].zero_()
+
     def reset(self) -> None:
         """Zero every slot (stale values are masked anyway; zeroing keeps them finite)."""
         with torch.inference_mode():

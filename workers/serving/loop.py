@@ -266,6 +266,8 @@ class ServingLoop:
 
     # ---- forwards, the same on every rank ----------------------------------------------------------
     def _forwards(self, plan: StepPlan) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        for clear in plan.clears:  # before anything a new request in that row writes or reads
+            self.cache.clear_row(clear.row, clear.slots)
         prefill_logits: list[torch.Tensor | None] = [None] * len(plan.prefills)
         for call in prefill_batches(plan.prefills, self.config.shapes):
             inputs = prefill_inputs([plan.prefills[i] for i in call], self.config.shapes, self.scratch_row,
@@ -346,7 +348,7 @@ class ServingLoop:
         for seq, err in failed:
             events.append(TokenEvent(seq.request.request_id, [], "error",
                                      error=f"choosing its next token failed: {type(err).__name__}: {err}"))
-            self.scheduler.finish(seq)
+            self.scheduler.finish(seq, clear=True)  # its forward may have cached NaN or inf
         return kept, logits[rows], tokens, logprobs, events
 
     # ---- static batches ------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from workers.serving.requests import StreamRequest
-from workers.serving.step_plan import Command, DecodeRow, PrefillChunk, StepPlan
+from workers.serving.step_plan import ClearRow, Command, DecodeRow, PrefillChunk, StepPlan
 
 
 @dataclass
@@ -48,6 +48,8 @@ class Scheduler:
     def __init__(self, max_num_seqs: int, max_prefill_tokens: int, max_chunk: int) -> None:
         self.max_num_seqs, self.max_prefill_tokens, self.max_chunk = max_num_seqs, max_prefill_tokens, max_chunk
         self.free_rows = list(range(max_num_seqs))
+        self.rows_to_clear: list[ClearRow] = []
+        """Rows a failed request held: free again once a plan has carried their clearing."""
         self.waiting: deque[Sequence] = deque()
         self.running: OrderedDict[str, Sequence] = OrderedDict()
         """By admission order: the order chunks and decode rows are planned in."""
@@ -69,11 +71,17 @@ class Scheduler:
                 return seq
         return None
 
-    def finish(self, sequence: Sequence) -> Sequence:
+    def finish(self, sequence: Sequence, clear: bool = False) -> Sequence:
+        """Free the sequence's row; `clear`: only once a plan has zeroed what it wrote (a request that
+        failed by itself may have written NaN or inf there)."""
         self.running.pop(sequence.request.request_id, None)
         if sequence.row is not None:
-            self.free_rows.append(sequence.row)
-            self.free_rows.sort()
+            if clear:  # its prompt so far and its tokens, one more slot for a decode in flight
+                written = sequence.prefilled + sequence.generated + 1
+                self.rows_to_clear.append(ClearRow(sequence.row, written))
+            else:
+                self.free_rows.append(sequence.row)
+                self.free_rows.sort()
             sequence.row = None
         sequence.pending = None
         return sequence
@@ -88,6 +96,10 @@ class Scheduler:
     # ---- planning ------------------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
         """The next iteration's plan (see the module docstring), or None when there is nothing to run."""
+        # Rows to clear are free from this plan on: it clears them before any of its forwards.
+        clears, self.rows_to_clear = tuple(self.rows_to_clear), []
+        if clears:
+            self.free_rows = sorted(self.free_rows + [c.row for c in clears])
         while self.waiting and self.free_rows:
             seq = self.waiting.popleft()
             seq.row = self.free_rows.pop(0)
@@ -102,9 +114,9 @@ class Scheduler:
                     budget -= size
             elif seq.pending is not None:
                 decode.append(DecodeRow(seq.row, seq.length, seq.pending))
-        if not prefills and not decode:
+        if not prefills and not decode and not clears:
             return None
-        return StepPlan(Command.WORK, tuple(prefills), tuple(decode))
+        return StepPlan(Command.WORK, tuple(prefills), tuple(decode), clears=clears)
 
     def by_row(self) -> dict[int, Sequence]:
         return {seq.row: seq for seq in self.running.values()}

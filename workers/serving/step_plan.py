@@ -16,6 +16,10 @@ from enum import IntEnum
 import torch
 
 
+_HEADER = 5
+"""command, prefills, decodes, static id, clears."""
+
+
 class Command(IntEnum):
     IDLE = 1
     """Nothing to run: a heartbeat, so followers never wait in a collective past its timeout."""
@@ -43,12 +47,22 @@ class DecodeRow:
 
 
 @dataclass(frozen=True)
+class ClearRow:
+    row: int
+    slots: int
+    """Zero the row's first `slots` cache slots (what its last request may have written)."""
+
+
+@dataclass(frozen=True)
 class StepPlan:
     command: Command
     prefills: tuple[PrefillChunk, ...] = ()
     """Run one after another, before the decode step."""
     decode: tuple[DecodeRow, ...] = ()
     static_id: int = 0
+    clears: tuple[ClearRow, ...] = ()
+    """Rows whose last request failed on its own (non-finite logits, say): every rank zeroes what it
+    wrote before this step's forwards, since a masked read of NaN or inf still gives NaN."""
 
     @property
     def prefill_tokens(self) -> int:
@@ -57,47 +71,54 @@ class StepPlan:
 
 @dataclass
 class PlanCodec:
-    """Fixed layout: [command, prefills, decodes, static id, (row, start, length) x max_num_seqs,
-    (row, position, token) x max_num_seqs, prefill tokens x max_prefill_tokens]."""
+    """Fixed layout: [command, prefills, decodes, static id, clears, (row, start, length) x
+    max_num_seqs, (row, position, token) x max_num_seqs, (row, slots) x max_num_seqs, prefill tokens
+    x max_prefill_tokens]."""
 
     max_num_seqs: int
     max_prefill_tokens: int
     _size: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self._size = 4 + 6 * self.max_num_seqs + self.max_prefill_tokens
+        self._size = _HEADER + 8 * self.max_num_seqs + self.max_prefill_tokens
 
     def empty(self) -> torch.Tensor:
         return torch.zeros(self._size, dtype=torch.int64)
 
     def encode(self, plan: StepPlan) -> torch.Tensor:
         m = self.max_num_seqs
-        if len(plan.prefills) > m or len(plan.decode) > m or plan.prefill_tokens > self.max_prefill_tokens:
-            raise ValueError(f"a step plan of {len(plan.prefills)} chunks ({plan.prefill_tokens} tokens) and "
-                             f"{len(plan.decode)} decode rows exceeds max_num_seqs {m} / max_prefill_tokens "
-                             f"{self.max_prefill_tokens}")
+        if (len(plan.prefills) > m or len(plan.decode) > m or len(plan.clears) > m
+                or plan.prefill_tokens > self.max_prefill_tokens):
+            raise ValueError(f"a step plan of {len(plan.prefills)} chunks ({plan.prefill_tokens} tokens), "
+                             f"{len(plan.decode)} decode rows and {len(plan.clears)} rows to clear exceeds "
+                             f"max_num_seqs {m} / max_prefill_tokens {self.max_prefill_tokens}")
         out = [0] * self._size
-        out[0:4] = [int(plan.command), len(plan.prefills), len(plan.decode), plan.static_id]
+        out[0:_HEADER] = [int(plan.command), len(plan.prefills), len(plan.decode), plan.static_id, len(plan.clears)]
         tokens: list[int] = []
         for i, chunk in enumerate(plan.prefills):
-            out[4 + 3 * i: 7 + 3 * i] = [chunk.row, chunk.start, len(chunk.token_ids)]
+            out[_HEADER + 3 * i: _HEADER + 3 * i + 3] = [chunk.row, chunk.start, len(chunk.token_ids)]
             tokens.extend(chunk.token_ids)
-        base = 4 + 3 * m
+        base = _HEADER + 3 * m
         for i, row in enumerate(plan.decode):
             out[base + 3 * i: base + 3 * i + 3] = [row.row, row.position, row.token_id]
         base += 3 * m
+        for i, clear in enumerate(plan.clears):
+            out[base + 2 * i: base + 2 * i + 2] = [clear.row, clear.slots]
+        base += 2 * m
         out[base: base + len(tokens)] = tokens
         return torch.tensor(out, dtype=torch.int64)
 
     def decode(self, tensor: torch.Tensor) -> StepPlan:
         values = tensor.tolist()
         m = self.max_num_seqs
-        command, n_prefill, n_decode, static_id = values[0:4]
-        token_base, prefills = 4 + 6 * m, []
+        command, n_prefill, n_decode, static_id, n_clear = values[0:_HEADER]
+        token_base, prefills = _HEADER + 8 * m, []
         for i in range(n_prefill):
-            row, start, length = values[4 + 3 * i: 7 + 3 * i]
+            row, start, length = values[_HEADER + 3 * i: _HEADER + 3 * i + 3]
             prefills.append(PrefillChunk(row, start, tuple(values[token_base: token_base + length])))
             token_base += length
-        base = 4 + 3 * m
+        base = _HEADER + 3 * m
         decode = tuple(DecodeRow(*values[base + 3 * i: base + 3 * i + 3]) for i in range(n_decode))
-        return StepPlan(Command(command), tuple(prefills), decode, static_id)
+        base += 3 * m
+        clears = tuple(ClearRow(*values[base + 2 * i: base + 2 * i + 2]) for i in range(n_clear))
+        return StepPlan(Command(command), tuple(prefills), decode, static_id, clears)
