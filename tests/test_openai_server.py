@@ -272,6 +272,8 @@ def test_renderers_turn_deltas_into_chunks_and_responses():
     assert [c["choices"][0]["text"] for c in (chunks[0], chunks[2])] == ["Hel", "lo!"]
     assert [c["choices"][0]["logprobs"]["text_offset"] for c in (chunks[0], chunks[2])] == [[0], [3, 5]]
     assert chunks[0]["choices"][0]["logprobs"]["top_logprobs"] == [{"Hel": -0.1, "lo": -2.0}]
+    # OpenAI's completions always list the chosen token as well (logprobs 0 included): it was left out
+    assert chunks[2]["choices"][0]["logprobs"]["top_logprobs"] == [{"lo": -0.2}, {"!": -0.3}]
     render = CompletionRender(tokenizer, logprobs=False)
     assert render.chunk(meta, deltas[1]) is None  # nothing to say yet
     for d in deltas:

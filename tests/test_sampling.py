@@ -260,3 +260,21 @@ def test_a_seeded_rows_tokens_do_not_depend_on_its_neighbours(neighbour):
 
     for reseed in (True, False):
         assert draws(True, reseed) == draws(False, reseed)
+
+
+def test_top_logprobs_list_equal_logits_by_id_with_the_greedy_token_first():
+    """topk orders equal values as it likes: a greedy token (the lowest id among equal maxima) was
+    often listed after its equals, and ties at the cut kept any of them."""
+    from tests.serving_driver import request
+    from workers.serving.scheduler import Sequence
+    from workers.serving.token_choice import choose
+
+    logits = torch.full((1, 64), -5.0)
+    logits[0, [40, 31, 9, 60, 12]] = 2.0  # five equal maxima
+    logits[0, 3] = 1.0
+    seq = Sequence(request("r", [1, 2], 4, logprobs=3))
+    [token], [entry] = choose(logits, [seq])
+    assert token == 9 and [t for t, _ in entry.top] == [9, 12, 31]  # the cut falls inside the tie
+    seq = Sequence(request("r", [1, 2], 4, logprobs=6))
+    [token], [entry] = choose(logits, [seq])
+    assert [t for t, _ in entry.top] == [9, 12, 31, 40, 60, 3]

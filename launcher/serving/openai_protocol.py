@@ -402,7 +402,10 @@ def completion_logprobs(entries: list, pieces) -> dict:
     for entry, offset in entries:
         tokens.append(pieces.text(entry.token_id))
         token_logprobs.append(entry.logprob)
-        top.append({pieces.text(t): lp for t, lp in entry.top})
+        # OpenAI's completions always list the chosen token too: up to logprobs + 1 entries
+        listed = {pieces.text(t): lp for t, lp in entry.top}
+        listed.setdefault(pieces.text(entry.token_id), entry.logprob)
+        top.append(listed)
         offsets.append(offset)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 

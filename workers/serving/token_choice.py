@@ -48,6 +48,16 @@ def choose(logits: torch.Tensor, sequences: list[Sequence]) -> tuple[list[int], 
         top_values, top_ids = table.topk(widest, dim=-1) if widest else (None, None)
         for j, i in enumerate(wanted):
             n = sequences[i].request.logprobs
-            top = list(zip(top_ids[j, :n].tolist(), top_values[j, :n].tolist())) if n else []
+            top = _ranked(table[j], top_ids[j, :n], top_values[j, :n]) if n else []
             logprobs[i] = TokenLogprob(tokens[i], float(table[j, tokens[i]]), top)
     return tokens, logprobs
+
+
+def _ranked(row: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> list[tuple[int, float]]:
+    """The row's n most likely (id, logprob), equal ones by id as greedy choice takes them (the
+    lowest first): topk orders ties as it likes, so a greedy token could be listed after its equals,
+    and with ties at the cut it could keep any of them."""
+    n = len(ids)
+    if int((row >= values[-1]).sum()) > n:  # ties at the cut: a stable sort keeps the lowest ids
+        values, ids = torch.sort(row, descending=True, stable=True)
+    return sorted(zip(ids[:n].tolist(), values[:n].tolist()), key=lambda pair: (-pair[1], pair[0]))
