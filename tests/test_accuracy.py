@@ -102,7 +102,8 @@ def test_real_divergence_fails_at_its_position_with_its_magnitude_and_checking_g
     assert [p.passed for p in result.positions] == [True] * 4 + [False] + [True] * 3
     report = result.to_dict()
     assert report["divergences"] == [{"position": 4, "expected_token": tokens[4], "actual_token": runner_up,
-                                      "divergence_difference": failure.divergence_difference, "passed": False}]
+                                      "divergence_difference": failure.divergence_difference,
+                                      "actual_token_gap": 0.0, "passed": False}]  # its own greedy token
     assert report["first_failure"]["position"] == 4
 
 
@@ -254,4 +255,37 @@ def test_the_json_report_names_non_finite_positions_and_stays_strict_json():
     report = logit_matching([1, 2], expected, generate).to_dict()
     assert report["non_finite_positions"] == [0, 1, 2]
     assert report["divergences"][0]["divergence_difference"] is None and report["max_divergence_difference"] is None
+    json.dumps(report, allow_nan=False)
+
+
+def test_a_divergence_at_a_token_that_is_not_corelaunchs_own_greedy_choice_fails():
+    """The divergence rule looked only at max(actual) - actual[expected]: corelaunch emitting any token
+    (one outside the vocabulary too) beside logits equal to the reference's passed."""
+    expected = peaked_logits(3, vocab=40)
+    tokens = [int(t) for t in expected.argmax(dim=-1)]
+    for emitted in (7 if tokens[0] != 7 else 8, 40):  # a wrong token, then one past the vocabulary
+
+        def generate(ids, m, emitted=emitted):
+            return [emitted] * m, expected[len(ids) - 2:][:m].clone()
+
+        result = logit_matching([1, 2], expected, generate)
+        assert not result.passed
+        failure = result.first_failure
+        assert failure.position == 0 and failure.divergence_difference == 0.0 and not failure.divergence_passed
+        assert "which is not its own greedy choice" in failure.failures()[0]
+        report = result.to_dict()
+        assert report["divergences"][0]["actual_token_gap"] == (None if emitted == 40 else pytest.approx(
+            float(expected[0].max() - expected[0, emitted])))
+
+
+def test_token_matching_json_stays_strict_at_a_minus_inf_logit():
+    import json
+
+    logits = peaked_logits(3, vocab=40)
+    actual = logits.argmax(dim=1).tolist()
+    expected = list(actual)
+    expected[1] = (actual[1] + 1) % 40
+    logits[1, expected[1]] = -math.inf
+    report = token_matching(expected, actual, logits).to_dict()
+    assert report["first_divergence"]["divergence_difference"] is None
     json.dumps(report, allow_nan=False)

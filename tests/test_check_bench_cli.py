@@ -220,7 +220,10 @@ def test_check_bad_input_exits_2_before_starting_workers(models, capsys, tmp_pat
                           ("negative", {"expected_tokens": torch.tensor([[5, -6]])}),
                           ("narrow", {"expected_logits": torch.zeros(1, 2, 10)}),
                           ("nan", {"expected_logits": torch.full((1, 2, 128), math.nan)}),
-                          ("format", {"expected_tokens": torch.tensor([[5, 6]]), "format": "someone-else/7"})):
+                          ("format", {"expected_tokens": torch.tensor([[5, 6]]), "format": "someone-else/7"}),
+                          # crashed with AttributeError (exit 1: "failed"); bools read as token ids 1 and 0
+                          ("neither", {"expected_logits": None}),
+                          ("bools", {"expected_tokens": torch.tensor([[True, False]])})):
         other_model[name] = tmp_path / f"{name}.pt"
         torch.save({"input_ids": [[5, 17]], **content}, other_model[name])
     cases = [
@@ -232,6 +235,10 @@ def test_check_bad_input_exits_2_before_starting_workers(models, capsys, tmp_pat
         (["--expected", str(other_model["format"]), "--mode", "token-matching"],
          "says format 'someone-else/7', not 'corelaunch-expected/1'"),
         (["--expected", str(tmp_path / "missing.pt")], "does not exist"),
+        (["--expected", str(other_model["neither"]), "--mode", "token-matching"],
+         "neither expected_tokens nor expected_logits is given"),
+        (["--expected", str(other_model["bools"]), "--mode", "token-matching"],
+         "expected_tokens must be an integer (batch, n) or (n,) tensor"),
         (["--expected", str(tokens_only)], "no expected_logits"),
         (["--expected", str(tokens_only), "--mode", "token-matching", "--num-tokens", "5"], "only 3"),
         (["--expected", str(tokens_only), "--prompt-ids", "1,2"], "carries its own input_ids"),
@@ -553,3 +560,25 @@ def test_a_valid_run_whose_ranks_fail_exits_3_not_2(models, capsys, monkeypatch,
     code = main(argv)
     err = capsys.readouterr().err
     assert code == 3 and "died while working" in err, (code, err)
+
+
+def test_the_text_report_shows_an_infinite_divergence_as_inf():
+    """A divergence at a token corelaunch gave -inf is null in the JSON (strict JSON has no
+    infinity); the text report formatted that null as a number and crashed (exit 1, "failed")."""
+    from shardlib.evaluation.accuracy import logit_matching
+
+    expected = torch.zeros(2, 8)
+    expected[:, 3] = 5.0
+
+    def generate(ids, m):
+        actual = expected[len(ids) - 1:][:m].clone()
+        actual[0, 3] = -math.inf  # corelaunch forbids the expected token
+        return [int(t) for t in actual.argmax(dim=-1)], actual
+
+    result = logit_matching([1], expected, generate).to_dict()
+    report = {"mode": "logit-matching", "passed": False, "tp_degree": 1, "kv_strategy": "shard", "backend": "cpu",
+              "dtype": "float32", "model": "m", "reference": "r", "num_tokens": 2,
+              "tol_map": {"top5": {"atol": 1e-5, "rtol": 0.01}}, "divergence_difference_tol": 0.001,
+              "prompts": [{**result, "prompt": None, "input_ids": [1]}]}
+    text = format_report(report)
+    assert "max(actual) - actual[expected] = inf (FAILS)" in text, text

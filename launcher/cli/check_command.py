@@ -129,9 +129,9 @@ def load_expected(path: str) -> Expected:
     ids = data["input_ids"]
     if isinstance(ids, torch.Tensor):
         ids = ids.tolist()
-    if isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids):
+    if isinstance(ids, list) and ids and all(_token_id(t) for t in ids):
         ids = [ids]
-    if not (isinstance(ids, list) and ids and all(isinstance(p, list) and p and all(isinstance(t, int) for t in p)
+    if not (isinstance(ids, list) and ids and all(isinstance(p, list) and p and all(_token_id(t) for t in p)
                                                    for p in ids)):
         raise ValueError(f"{path}: input_ids must be a non-empty list of non-empty token-id lists")
     batch = len(ids)
@@ -149,11 +149,15 @@ def load_expected(path: str) -> Expected:
         if logits.shape[0] != batch:
             raise ValueError(f"{path}: expected_logits has {logits.shape[0]} rows for {batch} prompts")
     tokens = data.get("expected_tokens")
+    if tokens is None and logits is None:
+        raise ValueError(f"{path}: neither expected_tokens nor expected_logits is given: save the reference with "
+                         f"`corelaunch check --save-expected PATH`, or give at least the expected tokens")
     if tokens is None:
         tokens = logits.argmax(dim=-1)
     if isinstance(tokens, list):
         tokens = torch.tensor(tokens)
-    if not isinstance(tokens, torch.Tensor) or tokens.dim() not in (1, 2) or tokens.is_floating_point():
+    if (not isinstance(tokens, torch.Tensor) or tokens.dim() not in (1, 2) or tokens.is_floating_point()
+            or tokens.dtype == torch.bool):
         raise ValueError(f"{path}: expected_tokens must be an integer (batch, n) or (n,) tensor")
     if tokens.dim() == 1:
         tokens = tokens.unsqueeze(0)
@@ -322,7 +326,7 @@ def run(args: argparse.Namespace) -> int:
     except RequestFailed as err:  # corelaunch's side ran and could not choose a token (NaN logits, say): a failure
         print(f"corelaunch check: FAILED: {err}", file=sys.stderr)
         return EXIT_FAIL
-    except (ValueError, FileNotFoundError, LaunchError) as err:
+    except (ValueError, OSError, LaunchError) as err:  # OSError: a file or directory it could not use
         print(f"corelaunch check: {with_flag_name(err)}", file=sys.stderr)
         return exit_code_for(err)
 
@@ -461,6 +465,16 @@ def _text(tokenizer, tokens) -> str:
     return json.dumps(tokenizer.decode(tokens, skip_special_tokens=False), ensure_ascii=False)
 
 
+def _token_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # True is an int to Python, not a token
+
+
+def _number(value: float | None) -> str:
+    """A divergence difference of the JSON report: null there stands for infinity (a token
+    corelaunch gave -inf), which JSON cannot carry."""
+    return "inf" if value is None else f"{value:.6g}"
+
+
 def format_report(report: dict, tokenizer=None) -> str:
     verdict = "PASSED" if report["passed"] else "FAILED"
     lines = [f"{report['mode']} {verdict}: corelaunch tp {report['tp_degree']} ({report['kv_strategy']} KV heads, "
@@ -483,7 +497,7 @@ def format_report(report: dict, tokenizer=None) -> str:
                 lines.append(f"  all {r['num_tokens']} tokens equal")
             else:
                 by = ("" if d["divergence_difference"] is None else
-                      f"; max(actual) - actual[expected] = {d['divergence_difference']:.6g}")
+                      f"; max(actual) - actual[expected] = {_number(d['divergence_difference'])}")
                 lines.append(f"  first divergence at position {d['position']}: expected token "
                              f"{d['expected_token']}, corelaunch chose {d['actual_token']}{by}")
             continue
@@ -495,7 +509,7 @@ def format_report(report: dict, tokenizer=None) -> str:
             rerun = "; re-run from the expected prefix" if d["position"] < r["num_tokens"] - 1 else ""
             lines.append(f"  divergence at position {d['position']}: expected token {d['expected_token']}, "
                          f"corelaunch chose {d['actual_token']}; max(actual) - actual[expected] = "
-                         f"{d['divergence_difference']:.6g} ({ok}){rerun}")
+                         f"{_number(d['divergence_difference'])} ({ok}){rerun}")
         lines.append(f"  {'group':<8}{'atol':>8}{'rtol':>7}{'max abs err':>14}{'max rel err':>14}  worst at")
         for gname, g in r["top_k"].items():
             where = f"position {g['position']}, token {g['token_id']}"

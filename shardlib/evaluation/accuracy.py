@@ -15,7 +15,9 @@ Logit matching, at every generated position, with expected logits e and actual l
   rtol 0.01 (top 5), 0.02 (top 50), 0.03 (top 1000), 0.05 (all).
 - divergence: where the greedy tokens differ, the position passes when
       max(a) - a[expected token] < divergence_difference_tol      (default 0.001)
-  i.e. the expected token was a near-tie in corelaunch's own logits. Either way the actual run has
+  i.e. the expected token was a near-tie in corelaunch's own logits, and when the token corelaunch
+  emitted is its own greedy choice too (max(a) - a[actual token] below the same tolerance; a token
+  outside the vocabulary fails): otherwise any token would pass beside near-tied logits. Either way the actual run has
   left the expected path, so it is re-run from the prompt plus the expected tokens up to and
   including this position (teacher forcing) and checking continues from the next position.
 
@@ -118,6 +120,9 @@ class PositionCheck:
     non_finite_tokens: list[int] = field(default_factory=list)
     """Vocabulary indices where either side is NaN or +inf, or one side only is -inf (the first 8)."""
     non_finite_count: int = 0
+    actual_token_gap: float | None = None
+    """max(actual) - actual[actual token] where the tokens differ (inf for a token outside the
+    vocabulary): how far the emitted token is from corelaunch's own greedy choice."""
 
     @property
     def diverged(self) -> bool:
@@ -125,7 +130,8 @@ class PositionCheck:
 
     @property
     def divergence_passed(self) -> bool:
-        return self.divergence_difference is None or self.divergence_difference < self.divergence_difference_tol
+        return ((self.divergence_difference is None or self.divergence_difference < self.divergence_difference_tol)
+                and (self.actual_token_gap is None or self.actual_token_gap < self.divergence_difference_tol))
 
     @property
     def passed(self) -> bool:
@@ -136,7 +142,11 @@ class PositionCheck:
         if self.non_finite_count:
             out.append(f"position {self.position}: {self.non_finite_count} logit(s) NaN or infinite on one side "
                        f"(at tokens {self.non_finite_tokens}{' ...' if self.non_finite_count > 8 else ''})")
-        if not self.divergence_passed:
+        if self.actual_token_gap is not None and not self.actual_token_gap < self.divergence_difference_tol:
+            out.append(f"position {self.position}: corelaunch emitted token {self.actual_token}, which is not "
+                       f"its own greedy choice: max(actual) - actual[emitted] = {self.actual_token_gap:.6g} >= "
+                       f"divergence_difference_tol {self.divergence_difference_tol:g}")
+        elif not self.divergence_passed:
             out.append(f"position {self.position}: greedy token {self.actual_token} instead of expected "
                        f"{self.expected_token}; max(actual) - actual[expected] = "
                        f"{self.divergence_difference:.6g} >= divergence_difference_tol "
@@ -185,12 +195,14 @@ def check_position(expected_logits: torch.Tensor, actual_logits: torch.Tensor, *
         groups.append(GroupCheck(top_k=k, atol=atol, rtol=rtol, max_abs_error=float(abs_err.max()),
                                  max_rel_error=float(rel.max()), token_id=int(kept[idx[worst]]),
                                  expected_logit=float(eg[worst]), actual_logit=float(ag[worst])))
-    difference = None
+    difference = gap = None
     if actual_token != expected_token:
         difference = float(a.max() - a[expected_token])
+        gap = float(a.max() - a[actual_token]) if 0 <= actual_token < len(a) else math.inf
     return PositionCheck(position=position, expected_token=expected_token, actual_token=actual_token,
                          divergence_difference=difference, divergence_difference_tol=divergence_difference_tol,
-                         groups=groups, non_finite_tokens=bad[:8].tolist(), non_finite_count=len(bad))
+                         groups=groups, non_finite_tokens=bad[:8].tolist(), non_finite_count=len(bad),
+                         actual_token_gap=gap)
 
 
 # ---- token matching ----------------------------------------------------------------------------
@@ -205,7 +217,7 @@ class Divergence:
 
     def to_dict(self) -> dict:
         return {"position": self.position, "expected_token": self.expected_token,
-                "actual_token": self.actual_token, "divergence_difference": self.divergence_difference}
+                "actual_token": self.actual_token, "divergence_difference": _json_number(self.divergence_difference)}
 
 
 @dataclass
@@ -314,6 +326,7 @@ class LogitMatchResult:
             "divergences": [{"position": p.position, "expected_token": p.expected_token,
                              "actual_token": p.actual_token,
                              "divergence_difference": _json_number(p.divergence_difference),
+                             "actual_token_gap": _json_number(p.actual_token_gap),
                              "passed": p.divergence_passed} for p in self.divergences],
             "max_divergence_difference": _json_number(max((p.divergence_difference for p in self.divergences),
                                                           default=None)),
