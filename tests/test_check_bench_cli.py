@@ -581,4 +581,32 @@ def test_the_text_report_shows_an_infinite_divergence_as_inf():
               "tol_map": {"top5": {"atol": 1e-5, "rtol": 0.01}}, "divergence_difference_tol": 0.001,
               "prompts": [{**result, "prompt": None, "input_ids": [1]}]}
     text = format_report(report)
-    assert "max(actual) - actual[expected] = inf (FAILS)" in text, text
+    assert "max(actual) - actual[expected] = not finite (FAILS)" in text, text
+
+
+def test_exit_codes_tell_bad_input_from_a_failed_run():
+    from launcher.cli.exit_codes import exit_code_for
+    from launcher.errors import PlacementImpossible, PlacementTimeout, WorkerDied
+
+    assert exit_code_for(PlacementImpossible("never fits")) == 2  # the same command fails the same way
+    assert exit_code_for(PlacementTimeout("busy cluster")) == 3
+    assert exit_code_for(WorkerDied("rank 1 died")) == 3
+    assert exit_code_for(ConnectionResetError("peer gone")) == 3  # an OSError, but not a file it cannot use
+    assert exit_code_for(TimeoutError("a lock held too long")) == 3
+    assert exit_code_for(PermissionError(13, "denied", "/x")) == 2
+    assert exit_code_for(ValueError("bad value")) == 2
+
+
+def test_check_whose_report_reader_goes_away_exits_141_like_every_command(models, capsys, monkeypatch):
+    """BrokenPipeError is an OSError: check's catch of OSError (files it cannot use) turned a closed
+    pipe into a bad-input message and exit 2; it must reach launcher.cli.run, which exits 141 when
+    stdout's reader is gone."""
+    import launcher.cli.check_command as check_command
+
+    def closed_pipe(args):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(check_command, "_run", closed_pipe)
+    original, _ = models
+    with pytest.raises(BrokenPipeError):
+        main(["check", "--model", str(original), "--prompt-ids", PROMPT_IDS])

@@ -47,10 +47,11 @@ def test_scheduler_budgets_chunks_and_reuses_rows():
     # a takes row 0 and a 4-token chunk (the largest chunk), b row 1 and what is left of the budget
     assert [(c.row, c.start, len(c.token_ids)) for c in plan.prefills] == [(0, 0, 4), (1, 0, 1)]
     assert sched.load() == {"running": 2, "waiting": 1}
-    sched.cancel("a")
-    assert sched.free_rows == [0]
+    sched.cancel("a")  # mid-prefill: its row comes back through the next plan, which clears it first
+    assert sched.free_rows == [] and [c.row for c in sched.rows_to_clear] == [0]
     plan = sched.schedule()  # c is seated in a's row at once
     assert sched.running["c"].row == 0 and sched.load() == {"running": 2, "waiting": 0}
+    assert [c.row for c in plan.clears] == [0]
     with pytest.raises(ValueError, match="already queued"):
         sched.add(Sequence(request("c", [1], 1)))
 
@@ -496,3 +497,20 @@ def test_a_request_that_failed_on_nan_leaves_its_row_usable_for_the_next():
     stop([loop], threads)
     assert failed.finish["broken"] == "error"
     assert got.finish["next"] == "length" and got.tokens["next"] == alone(tuple(PROMPTS[1]))[:6], got.events
+
+
+def test_a_request_cancelled_mid_prefill_has_its_row_cleared_before_reuse():
+    """Chunks before a prompt's last are never checked (no logits of theirs are read): a request
+    cancelled between them may leave NaN behind, so its row comes back through a clearing plan."""
+    sched = Scheduler(max_num_seqs=1, max_prefill_tokens=4, max_chunk=4)
+    sched.add(Sequence(request("long", range(10), 4)))
+    first = sched.schedule()
+    assert [c.start for c in first.prefills] == [0] and first.clears == ()
+    sched.running["long"].prefilled = 4  # what the loop records once the chunk ran (ServingLoop._choose)
+    sched.cancel("long")  # after one chunk of three
+    sched.add(Sequence(request("next", range(3), 4)))
+    plan = sched.schedule()
+    assert plan.clears == (ClearRow(0, 4 + 0 + 1),) and plan.prefills[0].row == 0
+    sched.running["next"].prefilled = 3
+    sched.cancel("next")  # prefilled whole (3 of 3): its logits were read, nothing left unchecked
+    assert sched.rows_to_clear == [] and sched.free_rows == [0]

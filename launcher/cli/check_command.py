@@ -326,6 +326,8 @@ def run(args: argparse.Namespace) -> int:
     except RequestFailed as err:  # corelaunch's side ran and could not choose a token (NaN logits, say): a failure
         print(f"corelaunch check: FAILED: {err}", file=sys.stderr)
         return EXIT_FAIL
+    except BrokenPipeError:
+        raise  # the report's reader went away: 141, as for every command (launcher/cli/__init__.py)
     except (ValueError, OSError, LaunchError) as err:  # OSError: a file or directory it could not use
         print(f"corelaunch check: {with_flag_name(err)}", file=sys.stderr)
         return exit_code_for(err)
@@ -470,9 +472,9 @@ def _token_id(value) -> bool:
 
 
 def _number(value: float | None) -> str:
-    """A divergence difference of the JSON report: null there stands for infinity (a token
-    corelaunch gave -inf), which JSON cannot carry."""
-    return "inf" if value is None else f"{value:.6g}"
+    """A divergence difference of the JSON report: null there stands for a value JSON cannot carry
+    (inf where corelaunch gave the token -inf; NaN)."""
+    return "not finite" if value is None else f"{value:.6g}"
 
 
 def format_report(report: dict, tokenizer=None) -> str:

@@ -21,6 +21,8 @@ def exit_code_for(err: BaseException) -> int:
 
     if isinstance(err, PlacementImpossible):
         return EXIT_BAD_INPUT
+    if isinstance(err, (ConnectionError, TimeoutError)):  # a connection dropped, a lock or wait timed out
+        return EXIT_RUN_FAILED
     run_failures = (GroupFault, ReplicaFailed, NoReplicaAvailable, PlacementTimeout, RendezvousTimeout,
                     DevicesMissing, NoDeviceResource, RequestFailed)
     return EXIT_RUN_FAILED if isinstance(err, run_failures) else EXIT_BAD_INPUT

@@ -146,7 +146,7 @@ class PositionCheck:
             out.append(f"position {self.position}: corelaunch emitted token {self.actual_token}, which is not "
                        f"its own greedy choice: max(actual) - actual[emitted] = {self.actual_token_gap:.6g} >= "
                        f"divergence_difference_tol {self.divergence_difference_tol:g}")
-        elif not self.divergence_passed:
+        if self.divergence_difference is not None and not self.divergence_difference < self.divergence_difference_tol:
             out.append(f"position {self.position}: greedy token {self.actual_token} instead of expected "
                        f"{self.expected_token}; max(actual) - actual[expected] = "
                        f"{self.divergence_difference:.6g} >= divergence_difference_tol "

@@ -8,7 +8,9 @@ Each iteration (`schedule`):
    long prompt delays running streams by one chunk per iteration, never by its whole prefill;
 3. every sequence holding a token to feed back runs one decode step.
 A sequence that finishes or is cancelled gives its row back at once; the next iteration can seat
-a waiting request there.
+a waiting request there. A row that may hold NaN or inf (its request failed by itself, or was
+cancelled while prefilling, before its last chunk's logits could show them) comes back with the
+next plan, which zeroes what it wrote on every rank first.
 """
 
 from __future__ import annotations
@@ -64,7 +66,9 @@ class Scheduler:
     def cancel(self, request_id: str) -> Sequence | None:
         """Remove a waiting or running request (freeing its row); None when it is not here."""
         if request_id in self.running:
-            return self.finish(self.running[request_id])
+            seq = self.running[request_id]
+            # mid-prefill, what its chunks wrote was never checked: no logits of theirs were read
+            return self.finish(seq, clear=seq.prefilled < len(seq.prompt))
         for seq in self.waiting:
             if seq.request.request_id == request_id:
                 self.waiting.remove(seq)
