@@ -433,15 +433,17 @@ def scale_slice(weight_style: Style, full_shape: Sequence[int], rank: int, layou
     """The slice of a quantized weight's scale (shardlib/quantization.py): a per-channel scale
     (out, 1) is cut like its weight's output dim when the weight is split along it, and kept whole
     for a row-parallel or replicated weight; a per-tensor scale (1,) is replicated. An expert's
-    per-channel scale follows its weight (`weight_name`, which names the expert): under expert
-    parallelism whole on the rank that owns the expert and empty on the others, under tensor
-    parallelism cut with a gate or up projection's rows."""
-    if len(full_shape) == 2 and weight_style in (Style.EXPERT_COLUMN, Style.EXPERT_ROW):
+    per-channel scale follows its weight (`weight_name`, which names the expert): under tensor
+    parallelism cut with a gate or up projection's rows. Under expert parallelism an expert's scale,
+    per channel or per tensor, is whole on the rank that owns the expert and empty on the others
+    (the planner counts it there only)."""
+    if weight_style in (Style.EXPERT_COLUMN, Style.EXPERT_ROW):
         from shardlib.expert_sharding import EXPERT_PARALLEL, expert_slice
 
         if layout.moe_sharding == EXPERT_PARALLEL:
             return expert_slice(weight_style, weight_name, full_shape, rank, layout)
-        weight_style = Style.COLUMN if weight_style is Style.EXPERT_COLUMN else Style.ROW
+        if len(full_shape) == 2:
+            weight_style = Style.COLUMN if weight_style is Style.EXPERT_COLUMN else Style.ROW
     if len(full_shape) == 2 and weight_style in _OUTPUT_SPLIT:
         return slice_for_style(weight_style, full_shape, rank, layout)
     return TensorSlice(dim=None)

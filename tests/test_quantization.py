@@ -208,17 +208,18 @@ def test_a_quantized_moe_gives_its_tp1_tokens_at_tp2(sharding, family, granulari
         assert [out[0].token_ids for out in by_rank[rank][family]] == alone, rank
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("family, per_channel", [("mixtral", True), ("qwen3_moe", True), ("mixtral", False)])
 @pytest.mark.parametrize("sharding", ["tensor_parallel", "expert_parallel"])
-def test_the_planner_counts_a_quantized_moe_rank_as_it_loads(family, sharding, tmp_path):
+def test_the_planner_counts_a_quantized_moe_rank_as_it_loads(family, per_channel, sharding, tmp_path):
     """Every expert is quantized (Qwen3-MoE's were left in full precision while the planner counted
-    them as 8-bit) and each rank's weights and scales are planned to the byte."""
+    them as 8-bit) and each rank's weights and scales are planned to the byte (per-tensor scales of
+    other ranks' experts were loaded whole under expert parallelism)."""
     from shardlib.checkpoint import load_rank_shard
     from shardlib.planner import plan
     from shardlib.sharding import ShardLayout
 
     source = save_model(build_random_model(family, seed=5), tmp_path / "m")
-    out = quantize_checkpoint(source, tmp_path / "q", "int8")
+    out = quantize_checkpoint(source, tmp_path / "q", "int8", per_channel=per_channel)
     config = load_model_config(out)
     for rank in range(2):
         shard = load_rank_shard(out, config, ShardLayout.for_model(config, 2, moe_sharding=sharding), rank)

@@ -39,7 +39,8 @@ class QuantizedWeight(nn.Module):
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor) -> None:
         super().__init__()
-        if q.dim() != 2 or scale.shape not in ((q.shape[0], 1), (1,)):
+        # (0,): the per-tensor scale of another rank's expert (expert parallelism), as empty as its weight
+        if q.dim() != 2 or scale.shape not in ((q.shape[0], 1), (1,), *(((0,),) if q.shape[0] == 0 else ())):
             raise ValueError(f"a quantized weight needs q (out, in) and scale (out, 1) or (1,); got "
                              f"{tuple(q.shape)} and {tuple(scale.shape)}")
         bad = _non_finite_fp8_codes(q)
