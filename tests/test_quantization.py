@@ -398,3 +398,26 @@ def test_an_fp8_weight_with_nan_or_infinite_codes_is_refused_at_load(fmt):
         QuantizedWeight(every_code, torch.ones(16, 1))
     finite = every_code.float().nan_to_num(0.0, 0.0, 0.0).to(fmt)
     QuantizedWeight(finite, torch.ones(16, 1))
+
+
+def test_a_quantized_checkpoints_weight_not_stored_as_8_bit_codes_is_refused(tmp_path):
+    """A weight beside its scale but stored in full precision (a hand-made or half-converted
+    checkpoint) was cast and multiplied by its scale as if it held codes: shrunk, without a word."""
+    from safetensors.torch import load_file, save_file
+
+    from shardlib.checkpoint import load_rank_shard
+    from shardlib.quantization import dequantize
+    from shardlib.sharding import ShardLayout
+    from workers.model import ShardedCausalLM
+
+    source = save_model(build_random_model("mixtral", seed=5), tmp_path / "m")
+    out = quantize_checkpoint(source, tmp_path / "q", "int8")
+    state = load_file(out / "model.safetensors")
+    name = "model.layers.0.block_sparse_moe.experts.0.w1.weight"
+    state[name] = dequantize(state[name], state[name[: -len(".weight")] + ".scale"])
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    config = load_model_config(out)
+    layout = ShardLayout.for_model(config, 1)
+    shard = load_rank_shard(out, config, layout, 0)
+    with pytest.raises(ValueError, match=rf"{name} has a scale .* but is stored as torch.float32, not as 8-bit codes"):
+        ShardedCausalLM(config, layout, 0, shard, SingleRank())

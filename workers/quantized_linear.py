@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardlib.quantization import SCALE_SUFFIX, scale_name
+from shardlib.quantization import SCALE_SUFFIX, is_quantized_storage, scale_name
 from workers.kernels import small_linear as small
 
 
@@ -96,5 +96,11 @@ def pack_quantized(shard: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | Q
     for name, tensor in packed.items():
         scale = shard.get(scale_name(name)) if name.endswith(".weight") else None
         if scale is not None:
+            if not is_quantized_storage(tensor.dtype):
+                # Multiplied by its scale as if it held codes, a full-precision weight would shrink
+                # by absmax / 127 without a word.
+                raise ValueError(f"{name} has a scale ({scale_name(name)}) but is stored as {tensor.dtype}, not "
+                                 f"as 8-bit codes; the checkpoint is not one `corelaunch quantize` writes: quantize "
+                                 f"the original checkpoint again")
             packed[name] = QuantizedWeight(tensor, scale)
     return packed
