@@ -51,7 +51,8 @@ class Scheduler:
         self.max_num_seqs, self.max_prefill_tokens, self.max_chunk = max_num_seqs, max_prefill_tokens, max_chunk
         self.free_rows = list(range(max_num_seqs))
         self.rows_to_clear: list[ClearRow] = []
-        """Rows a failed request held: free again once a plan has carried their clearing."""
+        """Rows a failed (or mid-prefill cancelled) request held: free again once a plan has carried
+        their clearing."""
         self.waiting: deque[Sequence] = deque()
         self.running: OrderedDict[str, Sequence] = OrderedDict()
         """By admission order: the order chunks and decode rows are planned in."""
