@@ -101,8 +101,9 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
     def clear_row(self, row: int, slots: int) -> None:
-        """Zero row `row`'s first `slots` slots in every layer: a request that failed on NaN or inf
-        may have written them, and a later request's masked read of them would give NaN (0 x NaN)."""
+        """Zero row `row`'s first `slots` slots in every layer: a request that failed on NaN or inf (or
+        was cancelled before its logits were read) may have written them, and a later request's
+        masked read of them would give NaN (0 x NaN)."""
         with torch.inference_mode():
             for tensor in self.k + self.v:
                 tensor[row, :, :slots].zero_()

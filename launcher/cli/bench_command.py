@@ -99,7 +99,9 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         report = _bench(args)
-    except (ValueError, FileNotFoundError, LaunchError) as err:
+    except BrokenPipeError:
+        raise  # stdout's reader went away: 141 (launcher/cli/__init__.py)
+    except (ValueError, OSError, LaunchError) as err:  # OSError: a file or directory it could not use, a lock
         # bench's batch is the serving rows (max_num_seqs), which it sets from --batch-size
         print(f"corelaunch bench: {with_flag_name(err).replace('--max-num-seqs', '--batch-size')}", file=sys.stderr)
         return exit_code_for(err)

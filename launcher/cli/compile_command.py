@@ -82,10 +82,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"corelaunch compile: could not write --out {args.out} ({err}); pass a new path in a "
                   f"directory you can write to", file=sys.stderr)
             return 2
-        if not isinstance(err, (FileNotFoundError, FileExistsError)):
-            raise
+        if isinstance(err, BrokenPipeError):
+            raise  # stdout's reader went away: 141 (launcher/cli/__init__.py)
         print(f"corelaunch compile: {with_flag_name(err)}", file=sys.stderr)
-        return 2
+        return exit_code_for(err)
     except (ValueError, LaunchError) as err:
         print(f"corelaunch compile: {with_flag_name(err)}", file=sys.stderr)
         return exit_code_for(err)

@@ -84,7 +84,9 @@ def run(args: argparse.Namespace) -> int:
                 "startup_s": round(launcher.timings["startup_s"], 3),
                 "compile": compiled[0][1] if compiled else None,
             }
-    except (ValueError, FileNotFoundError, LaunchError) as err:
+    except BrokenPipeError:
+        raise  # stdout's reader went away: 141 (launcher/cli/__init__.py)
+    except (ValueError, OSError, LaunchError) as err:  # OSError: a file or directory it could not use, a lock
         print(f"corelaunch generate: {with_flag_name(err)}", file=sys.stderr)
         return exit_code_for(err)
     message = compile_message(compiled)

@@ -144,12 +144,12 @@ class PositionCheck:
                        f"(at tokens {self.non_finite_tokens}{' ...' if self.non_finite_count > 8 else ''})")
         if self.actual_token_gap is not None and not self.actual_token_gap < self.divergence_difference_tol:
             out.append(f"position {self.position}: corelaunch emitted token {self.actual_token}, which is not "
-                       f"its own greedy choice: max(actual) - actual[emitted] = {self.actual_token_gap:.6g} >= "
+                       f"its own greedy choice: max(actual) - actual[emitted] = {_shown(self.actual_token_gap)} >= "
                        f"divergence_difference_tol {self.divergence_difference_tol:g}")
         if self.divergence_difference is not None and not self.divergence_difference < self.divergence_difference_tol:
             out.append(f"position {self.position}: greedy token {self.actual_token} instead of expected "
                        f"{self.expected_token}; max(actual) - actual[expected] = "
-                       f"{self.divergence_difference:.6g} >= divergence_difference_tol "
+                       f"{_shown(self.divergence_difference)} >= divergence_difference_tol "
                        f"{self.divergence_difference_tol:g}")
         for g in self.groups:
             if not g.passed:
@@ -334,6 +334,11 @@ class LogitMatchResult:
             "top_k": {group_name(g.top_k): g.to_dict() for g in self.groups},
             "first_failure": None if first is None else {"position": first.position, "failures": first.failures()},
         }
+
+
+def _shown(value: float) -> str:
+    """A difference in a failure line: "not finite" as the text report says it (inf, NaN)."""
+    return f"{value:.6g}" if math.isfinite(value) else "not finite"
 
 
 def _json_number(value: float | None) -> float | None:

@@ -3,7 +3,7 @@
 Quantization changes logits by design, so NxD Inference's float defaults (top 5: rtol 0.01 ...)
 would fail every quantized model. The values below are the largest relative errors measured on
 SmolLM2-135M-Instruct (2 prompts x 16 tokens, eager, TP 1, against transformers float32, with
-teacher forcing at divergences) with about 1.5x headroom, rounded up: the relative errors all, the
+teacher forcing at divergences) with about 1.5x headroom, rounded to two figures: the relative errors all, the
 divergence differences of int8 per tensor and f8e5m2. Three divergence tolerances have more: int8
 per channel 0.1 (no divergence measured: chosen, 100x the float default of 0.001), f8e4m3 0.15 against 0.06 measured
 (2.5x), and the fp8 KV cache 1.0 against 0.20 alone (5x), sized so that int8 weights plus the KV

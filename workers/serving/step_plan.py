@@ -61,8 +61,9 @@ class StepPlan:
     decode: tuple[DecodeRow, ...] = ()
     static_id: int = 0
     clears: tuple[ClearRow, ...] = ()
-    """Rows whose last request failed on its own (non-finite logits, say): every rank zeroes what it
-    wrote before this step's forwards, since a masked read of NaN or inf still gives NaN."""
+    """Rows whose last request failed on its own (non-finite logits, say) or was cancelled before its
+    last prefill chunk: every rank zeroes what it wrote before this step's forwards, since a masked
+    read of NaN or inf still gives NaN."""
 
     @property
     def prefill_tokens(self) -> int:
