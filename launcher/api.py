@@ -26,7 +26,7 @@ from launcher.background_load import BackgroundLoad
 from launcher.cluster.restart_policy import RestartPolicy
 from launcher.errors import LaunchError, NoDeviceResource, PlacementImpossible, PlacementTimeout, RequestTimeout
 from launcher.progress import Progress
-from shardlib.config_fields import show
+from shardlib.config_fields import finite, show
 from shardlib.expert_sharding import check_moe_sharding_name
 from shardlib.generation_config import generation_eos_ids
 from shardlib.model_config import ModelConfig, normalize_dtype
@@ -168,7 +168,7 @@ class LaunchConfig:
             raise ValueError(f"instance ({self.instance!r}) must be one of {', '.join(INSTANCE_NAMES)}, or None "
                              f"for this host")
         g = self.device_memory_gib
-        if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) or g <= 0):
+        if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float)) or not finite(g) or g <= 0):
             raise ValueError(f"device_memory_gib ({g!r}) must be a positive number (GiB of one device)")
         if self.kv_strategy is not None and self.kv_strategy not in KV_STRATEGIES:
             raise ValueError(f"kv_strategy ({self.kv_strategy!r}) must be one of {', '.join(KV_STRATEGIES)}, or "
@@ -206,7 +206,7 @@ class LaunchConfig:
         if self.max_context_length is not None:
             positive_int("max_context_length", self.max_context_length)
         c = self.cpus_per_rank
-        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c)
+        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not finite(c)
                               or c < MIN_CPUS_PER_RANK):
             raise ValueError(f"cpus_per_rank ({c!r}) must be a finite number of CPUs of at least {MIN_CPUS_PER_RANK:g} "
                              f"(Ray's resource precision), or None to share the node's CPUs among the ranks")
@@ -337,7 +337,7 @@ own lock and queue waits refuse or overflow from about 1e10 s, and only after th
 def _positive_seconds(name: str, value) -> None:
     """ValueError unless value is a positive number of seconds up to MAX_TIMEOUT_S (nan would switch
     a deadline off, a huge value overflow the first wait that uses it)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not finite(value) or value <= 0:
         raise ValueError(f"{name} ({value!r}) must be a finite positive number of seconds")
     if value > MAX_TIMEOUT_S:
         raise ValueError(f"{name} ({value!r}) must be at most {MAX_TIMEOUT_S} seconds (about 11.6 days)")
@@ -416,6 +416,7 @@ class Launcher:
         self._pool = None
         self._cache_writer = None
         self._lock = threading.Lock()  # tokenizers are not safe to share between threads
+        self._starting = threading.Lock()
         self._ray = None
         self._progress = Progress(self.config.progress)
         self.buckets = None
@@ -434,18 +435,19 @@ class Launcher:
         """Plan (refusing impossible layouts before any process), place, rendezvous, load. A launcher
         already running is returned as it is (`with Launcher(...).start() as llm` starts once): a
         second start placed a second set of groups beside the first and lost track of the first."""
-        if self._pool is not None:
+        with self._starting:  # two threads starting at once would each place a set of groups
+            if self._pool is not None:
+                return self
+            start = time.perf_counter()
+            self.prepare()
+            try:
+                self._start_group(self.backend)
+                self._await_tokenizer()  # it loaded while the group started (check_prompts may have taken it)
+            except BaseException:
+                self.shutdown()
+                raise
+            self.timings["startup_s"] = time.perf_counter() - start
             return self
-        start = time.perf_counter()
-        self.prepare()
-        try:
-            self._start_group(self.backend)
-            self._await_tokenizer()  # it loaded while the group started (check_prompts may have taken it)
-        except BaseException:
-            self.shutdown()
-            raise
-        self.timings["startup_s"] = time.perf_counter() - start
-        return self
 
     def prepare(self) -> "Launcher":
         """Everything before Ray: the plan (refusing impossible layouts) and the shapes the workers
@@ -731,7 +733,8 @@ class Launcher:
         try:
             for first, future in parts:  # every part finishes (or fails) before this call returns
                 try:
-                    answers.append((first, future.result(timeout=max(0.0, deadline - time.monotonic()))))
+                    wait_s = min(max(0.0, deadline - time.monotonic()), threading.TIMEOUT_MAX)
+                    answers.append((first, future.result(timeout=wait_s)))
                 except FutureTimeout:
                     future.cancel()
                     errors.append(RequestTimeout(f"no replica answered a batch of {len(token_lists)} prompts within "
@@ -969,6 +972,9 @@ class Launcher:
         if isinstance(prompts, (bytes, bytearray)) or not hasattr(prompts, "__iter__"):
             raise ValueError(f"prompts ({show(prompts)}) must be a string, a list of strings, or a list of "
                              f"token-id lists")
+        if isinstance(prompts, (Mapping, AbstractSet)):  # results come back in prompt order: these have none
+            raise ValueError(f"prompts ({show(prompts)}) must be a list (or tuple) of prompts: a "
+                             f"{type(prompts).__name__} has no order to return the results in")
         prompts = list(prompts)
         if prompts and all(isinstance(p, str) for p in prompts):
             if self.tokenizer is None:

@@ -37,6 +37,14 @@ def field_error(name: str, value: Any, rule: str, fix: str) -> ValueError:
     return ValueError(f"config.json field {name}={show(value)} {rule}; {fix}")
 
 
+def finite(value: int | float) -> bool:
+    """math.isfinite, False rather than OverflowError for an int too large for a float (10**400)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 

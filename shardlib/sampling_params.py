@@ -5,8 +5,9 @@ sampling itself is workers/sampling.py."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+
+from shardlib.config_fields import finite
 
 MIN_SEED, MAX_SEED = -2**63, 2**63 - 1
 """A seed is any signed 64-bit integer, as OpenAI's API takes it (torch reads a negative one modulo 2**64)."""
@@ -31,7 +32,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not finite(t) or t < 0:
             raise ValueError(f"temperature={t!r} must be a finite number >= 0 (0 means greedy)")
         k = self.top_k
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:

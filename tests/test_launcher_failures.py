@@ -315,3 +315,47 @@ def test_a_restart_still_waiting_when_the_launcher_closes_ray_starts_no_new_ray(
     assert "RAY_UP False" in proc.stdout, proc.stdout + proc.stderr[-3000:]
     assert "LaunchError: Ray was shut down while this group was working" in proc.stdout, proc.stdout
     assert "Started a local Ray instance" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_prompts_without_an_order_and_values_past_float_range_are_refused_by_name(small_model, in_process_cluster):
+    """A set or dict of prompts came back in its own iteration order (a dict's keys taken as the
+    prompts); numbers past float range raised OverflowError naming nothing; stop=5 a bare TypeError."""
+    from launcher.cluster.restart_policy import MAX_RESTARTS
+    from launcher.serving.stop_strings import validate_stops
+
+    launcher = Launcher(model=small_model, tp=1, compile=False, progress=False)
+    for prompts in ({(5, 6), (7, 8)}, {"a": 1}):
+        with pytest.raises(ValueError, match=f"a {type(prompts).__name__} has no order"):
+            launcher.check_prompts(prompts)
+    with pytest.raises(ValueError, match="temperature=.* must be a finite number"):
+        SamplingParams(temperature=10**400)
+    with pytest.raises(ValueError, match="request_timeout_s .* must be a finite positive number"):
+        LaunchConfig(model=small_model, request_timeout_s=10**400)
+    with pytest.raises(ValueError, match=f"max_restarts .* must be at most {MAX_RESTARTS}"):
+        LaunchConfig(model=small_model, max_restarts=10**30)
+    with pytest.raises(ValueError, match="stop strings must be a list of strings, got 5"):
+        validate_stops(5)
+
+
+def test_two_threads_starting_one_launcher_start_one_set_of_groups(small_model, in_process_cluster):
+    """start() checked for a running pool without a lock: two threads each placed a replica's group,
+    and shutdown() stopped only the one it kept."""
+    launcher = Launcher(model=small_model, tp=1, compile=False, progress=False)
+    errors = []
+    starters = [threading.Thread(target=lambda: _record(errors, launcher.start)) for _ in range(2)]
+    for starter in starters:
+        starter.start()
+    for starter in starters:
+        starter.join(120)
+    try:
+        assert not errors, errors
+        assert len(in_process_cluster.groups) == 1, in_process_cluster.groups
+    finally:
+        launcher.shutdown()
+
+
+def _record(errors: list, fn) -> None:
+    try:
+        fn()
+    except BaseException as err:  # noqa: BLE001 - collected for the assertion
+        errors.append(err)

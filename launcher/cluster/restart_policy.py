@@ -6,10 +6,15 @@ the bound the replica is given up and its requests fail with an error saying so 
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
+
+from shardlib.config_fields import finite
+
+
+MAX_RESTARTS = 10_000
+"""The most restarts a window may allow; waits scale with it (a static generate's watchdog)."""
 
 
 @dataclass
@@ -23,8 +28,11 @@ class RestartPolicy:
     def __post_init__(self) -> None:
         if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ValueError(f"max_restarts ({self.max_restarts!r}) must be an integer >= 0 (0 disables restarts)")
+        if self.max_restarts > MAX_RESTARTS:
+            raise ValueError(f"max_restarts ({self.max_restarts!r}) must be at most {MAX_RESTARTS} (a replica that "
+                             f"restarts that often is in a crash loop)")
         w = self.window_s
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0:
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not finite(w) or w <= 0:
             # nan would never let a restart leave the window: every later fault would count
             raise ValueError(f"restart_window_s ({w!r}) must be a finite positive number of seconds")
 

@@ -23,6 +23,8 @@ def validate_stops(stops: Sequence[str]) -> tuple[str, ...]:
     if isinstance(stops, str):
         raise ValueError(f"stop strings must be a list of strings, got the single string {stops!r}; "
                          f"wrap it in a list: [{stops!r}]")
+    if isinstance(stops, (bytes, bytearray)) or not hasattr(stops, "__iter__"):
+        raise ValueError(f"stop strings must be a list of strings, got {stops!r}")
     stops = tuple(stops)
     if len(stops) > MAX_STOP_STRINGS:
         raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed (OpenAI's limit), got "
