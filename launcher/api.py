@@ -897,6 +897,8 @@ class Launcher:
                                 tuple(sorted(set(stop_token_ids) | set(eos))), logprobs, return_logits)
         handle = StreamHandle(request, sink, self.config.request_timeout_s if timeout_s is None else timeout_s)
         text = TextStream(request.request_id, self.tokenizer, stops, len(token_ids))
+        if asynchronous:
+            return kind(self._cancel_stream, handle, text, items, loop)
         return kind(self._cancel_stream, handle, text, items)
 
     def _cancel_stream(self, handle, deferred: bool = False) -> None:

@@ -727,3 +727,25 @@ def test_a_resumed_requests_decode_rate_leaves_the_restart_out(model_and_expecte
     assert len(result.decode_step_latencies_s) == NEW_TOKENS - 2  # every gap but the one into the resumed token
     assert max(result.decode_step_latencies_s) < 1.0, result.decode_step_latencies_s
     assert result.decode_tokens_per_s > 1 / 1.0
+
+
+def test_an_async_stream_read_on_another_event_loop_is_refused_at_once(model_and_expected, in_process_cluster):
+    """Its events go to the loop astream() was called on: read on another, the reader waited out the
+    request timeout plus 30 s and then blamed the replica."""
+    model_dir, _ = model_and_expected
+    with Launcher(model=model_dir, tp=1, max_num_seqs=1, progress=False, request_timeout_s=3, **EAGER) as llm:
+        async def make():
+            return llm.astream(PROMPTS[0], max_new_tokens=4)
+
+        async def read(stream):
+            return [delta async for delta in stream]
+
+        stream = asyncio.run(make())
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="call astream\\(\\) in the loop that reads the stream"):
+            asyncio.run(read(stream))
+        assert time.monotonic() - start < 2
+        deadline = time.monotonic() + 10  # the refused request was cancelled, its row freed
+        while llm.load() != {"running": 0, "waiting": 0}:
+            assert time.monotonic() < deadline, llm.load()
+            time.sleep(0.05)

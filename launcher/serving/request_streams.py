@@ -143,14 +143,23 @@ class RequestStream(_Stream):
 class AsyncRequestStream(_Stream):
     """Async iterator of StreamDelta; the last has finish_reason set."""
 
-    def __init__(self, cancel, handle: StreamHandle, text: TextStream, items: asyncio.Queue) -> None:
+    def __init__(self, cancel, handle: StreamHandle, text: TextStream, items: asyncio.Queue,
+                 loop: asyncio.AbstractEventLoop | None = None) -> None:
         super().__init__(cancel, handle, text)
         self._items = items
+        self._loop = loop
+        """The event loop its events are handed to (the one astream() was called on)."""
 
     def __aiter__(self) -> "AsyncRequestStream":
         return self
 
     async def __anext__(self) -> StreamDelta:
+        if self._loop is not None and asyncio.get_running_loop() is not self._loop and not self.done:
+            # Its events go to the other loop's queue: this read would wait out the request timeout.
+            wrong = RuntimeError(f"request {self.request_id}'s stream is fed on the event loop astream() was called "
+                                 f"on, not on this one; call astream() in the loop that reads the stream")
+            self.cancel(reason=wrong)
+            raise wrong
         if self.done:
             self._ended(asyncio.current_task())
             raise StopAsyncIteration
