@@ -118,7 +118,7 @@ def atomic_dir(out_dir: str | Path, what: str, marker: str = MANIFEST,
     try:
         yield version
         version.chmod(0o755)
-        _fsync_tree(version)
+        fsync_tree(version)
         _swap(out_dir, version)
     except BaseException:
         shutil.rmtree(version, ignore_errors=True)
@@ -158,7 +158,7 @@ def sweep_stale(out_dir: str | Path, now: float | None = None) -> list[Path]:
         else:  # a name this module never writes (someone's .NAME.v-important): not ours to remove
             continue
         if stale:
-            _remove(entry)
+            remove_path(entry)
             removed.append(entry)
     return removed
 
@@ -174,9 +174,9 @@ def _swap(out_dir: Path, version: Path) -> None:
         else:
             os.replace(link, out_dir)  # one rename(2): out_dir names the old version or the new one
     except BaseException:
-        _remove(link)
+        remove_path(link)
         raise
-    _fsync_dir(out_dir.parent)
+    fsync_dir(out_dir.parent)
     if previous is not None and previous != version:
         shutil.rmtree(previous, ignore_errors=True)
 
@@ -237,14 +237,14 @@ def _owner_alive(rest: str) -> bool:
     return process_alive(pid)
 
 
-def _remove(path: Path) -> None:
+def remove_path(path: Path) -> None:
     if path.is_symlink() or not path.is_dir():
         path.unlink(missing_ok=True)
     else:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _fsync_tree(root: Path) -> None:
+def fsync_tree(root: Path) -> None:
     """fsync every file and folder under root (symlinks are not followed), then root itself."""
     for folder, dirs, files in os.walk(root, topdown=False):
         for name in files:
@@ -255,10 +255,10 @@ def _fsync_tree(root: Path) -> None:
                     os.fsync(fd)
                 finally:
                     os.close(fd)
-        _fsync_dir(Path(folder))
+        fsync_dir(Path(folder))
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
         os.fsync(fd)

@@ -60,13 +60,8 @@ def count(name: str, value: Any, example: int, *, minimum: int = 1, maximum: int
 
 def positive_number(name: str, value: Any, example: float) -> float:
     """A finite number > 0 (int or float; bool, string, nan and inf refused), as a float."""
-    number = None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        try:
-            number = float(value)
-        except OverflowError:
-            number = None
-    if number is None or not math.isfinite(number) or number <= 0:
+    number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and finite(value) else None
+    if number is None or number <= 0:
         raise field_error(name, value, "must be a finite number > 0",
                           f"write a bare JSON number such as {example}")
     return number

@@ -19,9 +19,10 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import shutil
 import tempfile
 from pathlib import Path
+
+from shardlib.atomic_dir import fsync_dir, fsync_tree, remove_path
 
 DEMO_MODEL_NAME = "smollm2-135m-instruct"
 """Folder name of the converted model inside the cache directory."""
@@ -216,7 +217,7 @@ def _build(gguf_path: Path, sha256: str, root: Path, target: Path) -> None:
     what is there. Called with the lock held."""
     # Leftovers of conversions that were killed (each up to ~540 MB): none is running, we hold the lock.
     for leftover in root.glob(f".{DEMO_MODEL_NAME}-*"):
-        _remove(leftover)
+        remove_path(leftover)
     umask = _umask()
     tmp = Path(tempfile.mkdtemp(prefix=f".{DEMO_MODEL_NAME}-", dir=root))
     try:
@@ -230,12 +231,12 @@ def _build(gguf_path: Path, sha256: str, root: Path, target: Path) -> None:
             aside = tmp.with_name(tmp.name + "-replaced")
             os.rename(target, aside)
             os.rename(tmp, target)
-            _remove(aside)
+            remove_path(aside)
         else:
             os.rename(tmp, target)
-        _fsync(root)
+        fsync_dir(root)
     except BaseException:
-        _remove(tmp)
+        remove_path(tmp)
         raise
 
 
@@ -251,38 +252,10 @@ def _seal(folder: Path, provenance: dict, umask: int) -> None:
         for name in filenames:
             path = os.path.join(dirpath, name)
             os.chmod(path, 0o666 & ~umask)
-            _fsync(path)
             files[Path(path).relative_to(folder).as_posix()] = os.stat(path).st_size
-    with open(marker, "w") as out:
-        json.dump({**provenance, "files": dict(sorted(files.items()))}, out, indent=1)
-        out.flush()
-        os.fsync(out.fileno())
+    marker.write_text(json.dumps({**provenance, "files": dict(sorted(files.items()))}, indent=1))
     os.chmod(marker, 0o666 & ~umask)
-    for dirpath, _, _ in os.walk(folder):
-        _fsync(dirpath)
-
-
-def _fsync(path) -> None:
-    """Flush a file, or a folder's entries, to disk. Folders at best effort: not every filesystem
-    can sync one."""
-    is_dir = os.path.isdir(path)
-    try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        if not is_dir:
-            raise
-
-
-def _remove(path: Path) -> None:
-    if os.path.islink(path) or os.path.isfile(path):
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-    else:
-        shutil.rmtree(path, ignore_errors=True)
+    fsync_tree(folder)
 
 
 def _umask() -> int:

@@ -325,7 +325,7 @@ out, src, when = sys.argv[1:4]
 def die(*args, **kwargs):
     os.kill(os.getpid(), signal.SIGKILL)
 if when == "complete":  # every file written, before fsync and the swap
-    atomic_dir._fsync_tree = die
+    atomic_dir.fsync_tree = die
 else:  # after the first rank's file
     real_save = presharded.save_file
     presharded.save_file = lambda *args, **kwargs: (real_save(*args, **kwargs), die())
@@ -373,7 +373,7 @@ def test_a_write_failing_after_its_files_are_complete_changes_nothing(sources, t
     def fail(version):
         assert (version / MANIFEST).is_file()  # complete, not yet swapped in
         raise OSError("disk gone")
-    monkeypatch.setattr(atomic_dir, "_fsync_tree", fail)
+    monkeypatch.setattr(atomic_dir, "fsync_tree", fail)
     with pytest.raises(OSError, match="disk gone"):
         save_presharded(out, sources["llama"], config, ShardLayout.for_model(config, 2, "shard"))
     _loads_completely(out, config, tp3)

@@ -471,13 +471,9 @@ def _token_id(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)  # True is an int to Python, not a token
 
 
-def _number(value: float | None) -> str:
-    """A divergence difference of the JSON report: null there stands for a value JSON cannot carry
-    (inf where corelaunch gave the token -inf; NaN)."""
-    return "not finite" if value is None else f"{value:.6g}"
-
-
 def format_report(report: dict, tokenizer=None) -> str:
+    from shardlib.evaluation.accuracy import shown_difference  # torch: not at the command's import
+
     verdict = "PASSED" if report["passed"] else "FAILED"
     lines = [f"{report['mode']} {verdict}: corelaunch tp {report['tp_degree']} ({report['kv_strategy']} KV heads, "
              f"{report['backend']}, {report['dtype']}) on {report['model']}",
@@ -499,7 +495,7 @@ def format_report(report: dict, tokenizer=None) -> str:
                 lines.append(f"  all {r['num_tokens']} tokens equal")
             else:
                 by = ("" if d["divergence_difference"] is None else
-                      f"; max(actual) - actual[expected] = {_number(d['divergence_difference'])}")
+                      f"; max(actual) - actual[expected] = {shown_difference(d['divergence_difference'])}")
                 lines.append(f"  first divergence at position {d['position']}: expected token "
                              f"{d['expected_token']}, corelaunch chose {d['actual_token']}{by}")
             continue
@@ -511,7 +507,7 @@ def format_report(report: dict, tokenizer=None) -> str:
             rerun = "; re-run from the expected prefix" if d["position"] < r["num_tokens"] - 1 else ""
             lines.append(f"  divergence at position {d['position']}: expected token {d['expected_token']}, "
                          f"corelaunch chose {d['actual_token']}; max(actual) - actual[expected] = "
-                         f"{_number(d['divergence_difference'])} ({ok}){rerun}")
+                         f"{shown_difference(d['divergence_difference'])} ({ok}){rerun}")
         lines.append(f"  {'group':<8}{'atol':>8}{'rtol':>7}{'max abs err':>14}{'max rel err':>14}  worst at")
         for gname, g in r["top_k"].items():
             where = f"position {g['position']}, token {g['token_id']}"

@@ -144,12 +144,12 @@ class PositionCheck:
                        f"(at tokens {self.non_finite_tokens}{' ...' if self.non_finite_count > 8 else ''})")
         if self.actual_token_gap is not None and not self.actual_token_gap < self.divergence_difference_tol:
             out.append(f"position {self.position}: corelaunch emitted token {self.actual_token}, which is not "
-                       f"its own greedy choice: max(actual) - actual[emitted] = {_shown(self.actual_token_gap)} >= "
+                       f"its own greedy choice: max(actual) - actual[emitted] = {shown_difference(self.actual_token_gap)} >= "
                        f"divergence_difference_tol {self.divergence_difference_tol:g}")
         if self.divergence_difference is not None and not self.divergence_difference < self.divergence_difference_tol:
             out.append(f"position {self.position}: greedy token {self.actual_token} instead of expected "
                        f"{self.expected_token}; max(actual) - actual[expected] = "
-                       f"{_shown(self.divergence_difference)} >= divergence_difference_tol "
+                       f"{shown_difference(self.divergence_difference)} >= divergence_difference_tol "
                        f"{self.divergence_difference_tol:g}")
         for g in self.groups:
             if not g.passed:
@@ -336,9 +336,10 @@ class LogitMatchResult:
         }
 
 
-def _shown(value: float) -> str:
-    """A difference in a failure line: "not finite" as the text report says it (inf, NaN)."""
-    return f"{value:.6g}" if math.isfinite(value) else "not finite"
+def shown_difference(value: float | None) -> str:
+    """A divergence difference as the failure lines and the text report print it: None (how the JSON
+    report carries a value it cannot: inf, NaN) and non-finite values as "not finite"."""
+    return f"{value:.6g}" if value is not None and math.isfinite(value) else "not finite"
 
 
 def _json_number(value: float | None) -> float | None:
