@@ -33,7 +33,20 @@ class RayConnection:
         import ray
 
         if self.started_here and ray.is_initialized():
+            # Ray's calls start a new local Ray when none is connected (its auto-init): a thread of
+            # this launcher still waiting on its ranks (a late restart) would start one behind its
+            # back, between any check of ray.is_initialized() and its call. Off until the next
+            # connect(), which says explicitly what to join.
+            _auto_init(False)
             ray.shutdown()
+
+
+def _auto_init(enabled: bool) -> None:
+    """Ray's implicit ray.init() on its first call without a connection (RAY_ENABLE_AUTO_CONNECT,
+    read once at import; this is the flag its calls read each time), on or off."""
+    from ray._private import auto_init_hook
+
+    auto_init_hook.enable_auto_connect = enabled and os.environ.get("RAY_ENABLE_AUTO_CONNECT", "") != "0"
 
 
 def private_cluster(address: str | None) -> bool:
@@ -154,6 +167,7 @@ def connect(address: str | None = None, num_cpus: int | None = None, worker_logs
         raise ValueError(f"ray_address 'auto' {_AUTO_JOINS_ANY}; pass the cluster's host:port (or set RAY_ADDRESS), "
                          "start one with `ray start --head` and omit the address, or pass 'local'")
     quiet = dict(log_to_driver=worker_logs, logging_level="ERROR")
+    _auto_init(True)  # as Ray has it, once a launch connects on purpose again (close() turned it off)
     if ray.is_initialized():
         return RayConnection(started_here=False, address="existing session")
     if address is None:

@@ -45,10 +45,15 @@ def _refuse_without_ray() -> None:
     """Ray's calls start a new local Ray when none is connected (its auto-init): a group whose
     launcher shut Ray down meanwhile (a restart racing shutdown, still waiting for its ranks past the
     shutdown's grace) must not start one behind its back."""
-    import ray
-
     if not ray.is_initialized():
         raise LaunchError("Ray was shut down while this group was working (the launcher is shutting down)")
+
+
+def _ray_gone_under(err: BaseException) -> LaunchError:
+    """What a wait raises as, or just after, the driver's Ray shuts down under it (SystemExit, or
+    RaySystemError once its implicit start is off: ray_cluster.RayConnection.close)."""
+    return LaunchError(f"Ray was shut down while this group was working (the launcher is shutting down): "
+                       f"{type(err).__name__}")
 
 
 @dataclass
@@ -422,12 +427,13 @@ class TPGroup:
                 raise self._timeout_error(missing, step, timeout_s if named_timeout_s is None else named_timeout_s)
             try:
                 done, pending = ray.wait(pending, num_returns=1, timeout=min(_POLL_S, remaining))
-            except SystemExit:  # what a wait in flight raises when the driver's Ray shuts down under it
-                _refuse_without_ray()
-                raise
+            except (SystemExit, ray.exceptions.RaySystemError) as err:
+                raise _ray_gone_under(err) from None
             for ref in done:
                 try:
                     results[ref] = ray.get(ref)
+                except ray.exceptions.RaySystemError as err:
+                    raise _ray_gone_under(err) from None
                 except ray.exceptions.RayActorError as err:
                     self.kill()
                     raise self._death(rank_of[ref], step, err) from None
