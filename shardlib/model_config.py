@@ -110,7 +110,8 @@ def _check_rope(name: str, params: Any, *, needs_type: bool) -> dict | None:
 
 
 def _dtype_field(raw: dict[str, Any]) -> str:
-    """The checkpoint dtype from torch_dtype (transformers 4) or dtype (5), float32 when neither."""
+    """The checkpoint dtype from torch_dtype (transformers 4) or dtype (5), float32 when neither
+    (load_model_config then reads it from the weights, as transformers does)."""
     for key in ("torch_dtype", "dtype"):
         value = raw.get(key)
         if value is not None:
@@ -441,7 +442,15 @@ def load_model_config(path: str | Path) -> ModelConfig:
             f"no Hugging Face config at {config_file}; pass a model directory containing "
             f"config.json, or the config.json file itself"
         ) from None
-    return ModelConfig.from_dict(read_config_json(config_file))
+    raw = read_config_json(config_file)
+    config = ModelConfig.from_dict(raw)
+    if path.is_dir() and raw.get("torch_dtype") is None and raw.get("dtype") is None:
+        from shardlib.weights_dtype import stored_weights_dtype
+
+        stored = stored_weights_dtype(path)  # transformers' rule when config.json names no dtype
+        if stored is not None and stored != config.torch_dtype:
+            config = dataclasses.replace(config, torch_dtype=stored)
+    return config
 
 
 def read_config_json(config_file: Path) -> Any:

@@ -1,0 +1,61 @@
+"""A config.json that names no dtype: the checkpoint's dtype comes from its weights, as transformers'
+dtype "auto" takes it, so the plan sizes the ranks for what they load (a bf16 checkpoint planned as
+float32 needed twice the memory per rank in the plan and on every rank)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from launcher.cli import main
+from shardlib.model_config import load_model_config
+from tests.model_factory import build_random_model, save_model
+
+
+def _without_dtype(model_dir):
+    config_file = model_dir / "config.json"
+    raw = json.loads(config_file.read_text())
+    raw.pop("dtype", None)
+    raw.pop("torch_dtype", None)
+    config_file.write_text(json.dumps(raw))
+    return model_dir
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("fmt", ["safetensors", "safetensors_sharded"])
+def test_a_config_without_dtype_takes_the_dtype_transformers_loads(tmp_path, dtype, fmt):
+    import transformers
+
+    model_dir = _without_dtype(save_model(build_random_model().to(dtype), tmp_path / "m", fmt))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir)  # dtype "auto", transformers 5's default
+    assert reference.dtype == dtype
+    assert load_model_config(model_dir).torch_dtype == str(dtype).removeprefix("torch.")
+
+
+def test_the_dtype_config_json_names_wins_over_the_weights(tmp_path):
+    model_dir = save_model(build_random_model().to(torch.bfloat16), tmp_path / "m")
+    raw = json.loads((model_dir / "config.json").read_text())
+    raw.pop("dtype", None)
+    (model_dir / "config.json").write_text(json.dumps({**raw, "torch_dtype": "float16"}))
+    assert load_model_config(model_dir).torch_dtype == "float16"
+
+
+def test_float8_tensors_are_skipped_and_a_config_alone_is_float32(tmp_path):
+    from safetensors.torch import save_file
+
+    from tests.model_factory import checkpoint_state_dict
+
+    model_dir = _without_dtype(save_model(build_random_model(), tmp_path / "m"))
+    state = {name: t.to(torch.bfloat16) for name, t in checkpoint_state_dict(build_random_model()).items()}
+    state["model.embed_tokens.weight"] = state["model.embed_tokens.weight"].to(torch.float8_e4m3fn)  # sorts first
+    save_file(state, model_dir / "model.safetensors")
+    assert load_model_config(model_dir).torch_dtype == "bfloat16"
+    assert load_model_config(model_dir / "config.json").torch_dtype == "float32"  # no weights to read it from
+
+
+def test_plan_sizes_a_bf16_checkpoint_without_dtype_as_bf16(tmp_path, capsys):
+    model_dir = _without_dtype(save_model(build_random_model().to(torch.bfloat16), tmp_path / "m"))
+    assert main(["plan", "--model", str(model_dir), "--tp", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["dtype"] == "bfloat16"
