@@ -45,6 +45,12 @@ class FamilyTraits:
     # (tests/test_family_defaults.py compares them with the installed transformers' classes)
     rope_theta: float = 10_000.0
     rms_norm_eps: float = 1e-6
+    head_dim: int | None = None
+    """head_dim when config.json has no head_dim key (None: hidden_size / num_attention_heads; JSON
+    null also means that)."""
+    num_key_value_heads: int | None = None
+    """num_key_value_heads when config.json has no such key (None: the head count; JSON null also
+    means the head count, as transformers' Llama and Qwen config classes read null)."""
     max_position_embeddings: int = 2048
     sliding_window: int | None = None
     """The window when config.json has no sliding_window key at all (JSON null: no window); the Qwen
@@ -62,19 +68,19 @@ class FamilyTraits:
 
 TRAITS = {
     "llama": FamilyTraits(reads_attention_bias=True, reads_mlp_bias=True),
-    "mistral": FamilyTraits(max_position_embeddings=131_072, sliding_window=4096),
-    "qwen2": FamilyTraits(max_position_embeddings=32_768, sliding_window=4096),
+    "mistral": FamilyTraits(max_position_embeddings=131_072, sliding_window=4096, num_key_value_heads=8),
+    "qwen2": FamilyTraits(max_position_embeddings=32_768, sliding_window=4096, num_key_value_heads=32),
     "mixtral": FamilyTraits(rope_theta=1_000_000.0, rms_norm_eps=1e-5, max_position_embeddings=131_072,
-                            num_local_experts=8, num_experts_per_tok=2),
+                            num_local_experts=8, num_experts_per_tok=2, num_key_value_heads=8),
     "qwen3": FamilyTraits(qk_norm=True, max_position_embeddings=32_768, sliding_window=4096,
-                          reads_attention_bias=True),
+                          reads_attention_bias=True, head_dim=128, num_key_value_heads=32),
     "qwen3_moe": FamilyTraits(qk_norm=True, max_position_embeddings=32_768, sliding_window=4096,
                               reads_attention_bias=True, num_local_experts=128, num_experts_per_tok=8,
-                              moe_intermediate_size=768),
+                              moe_intermediate_size=768, num_key_value_heads=4),
     "dbrx": FamilyTraits(layer_norm=True),  # its nested config: shardlib/moe_configs.py
     "gemma3_text": FamilyTraits(qk_norm=True, norm_offset=1.0, sandwich_norms=True, scaled_embeddings=True,
                                 tied_by_default=True, max_position_embeddings=131_072, sliding_window=4096,
-                                reads_attention_bias=True),
+                                reads_attention_bias=True, head_dim=256, num_key_value_heads=4),
 }
 
 

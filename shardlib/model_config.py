@@ -342,14 +342,21 @@ class ModelConfig:
         # (and these again) by __post_init__. JSON null stands for an absent optional field.
         hidden = count("hidden_size", raw["hidden_size"], _EXAMPLES["hidden_size"])
         heads = count("num_attention_heads", raw["num_attention_heads"], _EXAMPLES["num_attention_heads"])
-        head_dim = raw.get("head_dim")
+        # A missing key takes the family's default (Qwen3: head_dim 128; Mistral: 8 KV heads), as
+        # transformers' config classes fill it in; JSON null takes the derived value.
+        head_dim = raw.get("head_dim", family.head_dim)
         if head_dim is None:
             if hidden % heads:
                 raise field_error("hidden_size", hidden, f"is not divisible by num_attention_heads ({heads}) "
                                   f"and config.json has no head_dim", "add head_dim (the size of one attention "
                                   "head), or correct hidden_size or num_attention_heads")
             head_dim = hidden // heads
-        kv_heads = raw.get("num_key_value_heads")
+        kv_heads = raw.get("num_key_value_heads", family.num_key_value_heads)
+        if "num_key_value_heads" not in raw and kv_heads is not None and heads % kv_heads:
+            raise field_error("num_attention_heads", heads, f"is not a multiple of {kv_heads}, the "
+                              f"num_key_value_heads a {model_type} config has when it leaves that key out "
+                              f"(as transformers reads it)", "add num_key_value_heads to config.json (the "
+                              "checkpoint's k_proj rows / head_dim)")
         extra = family_fields(model_type, raw, _size("num_hidden_layers", raw["num_hidden_layers"]), head_dim)
         # transformers 5 nests rope settings in "rope_parameters"; 4.x has rope_theta + rope_scaling.
         # (Gemma 3 keeps one block per layer kind; family_fields has read it.)

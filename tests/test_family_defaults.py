@@ -68,6 +68,34 @@ def test_a_config_without_those_fields_gets_the_family_defaults(model_type):
 
 
 @pytest.mark.parametrize("model_type", FLAT_FAMILIES)
+def test_head_dim_and_kv_heads_left_out_take_the_shapes_transformers_builds(model_type):
+    """A config.json without head_dim or num_key_value_heads: transformers' config class fills in
+    its family's (Qwen3: head_dim 128; Gemma 3: 256; Mistral and Mixtral 8 KV heads, the Qwen
+    families 32, Gemma 3 and Qwen3-MoE 4); corelaunch derived hidden_size / heads and the head
+    count, so its plan sized other weights than the checkpoint holds."""
+    from transformers import AutoModelForCausalLM
+
+    raw = {k: v for k, v in tiny(model_type, hidden_size=256, num_attention_heads=32).items()
+           if k not in ("head_dim", "num_key_value_heads")}
+    if model_type == "gemma3_text":
+        raw["layer_types"] = ["full_attention"]
+    config = ModelConfig.from_dict(raw)
+    attention = AutoModelForCausalLM.from_config(reference_config(**raw)).model.layers[0].self_attn
+    assert config.head_dim == attention.head_dim
+    assert config.num_key_value_heads * config.head_dim == attention.k_proj.out_features
+    nulls = ModelConfig.from_dict({**raw, "head_dim": None, "num_key_value_heads": None})  # null: derived
+    assert (nulls.head_dim, nulls.num_key_value_heads) == (256 // 32, 32)
+
+
+def test_a_default_kv_head_count_that_cannot_divide_the_heads_names_the_missing_key():
+    raw = {k: v for k, v in tiny("qwen2", hidden_size=56, num_attention_heads=14).items()
+           if k != "num_key_value_heads"}
+    with pytest.raises(ValueError, match=r"num_attention_heads=14 is not a multiple of 32, the num_key_value_heads "
+                                         r"a qwen2 config has when it leaves that key out .* add num_key_value_heads"):
+        ModelConfig.from_dict(raw)
+
+
+@pytest.mark.parametrize("model_type", FLAT_FAMILIES)
 def test_bias_flags_count_only_where_the_familys_modules_read_them(model_type):
     """transformers' Mistral, Mixtral and Qwen2 ignore attention_bias and mlp_bias (their
     projections' biases are fixed); corelaunch expected bias tensors there and called such a
