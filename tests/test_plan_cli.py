@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from launcher.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -105,7 +107,7 @@ def test_unplannable_input_with_json_still_prints_one_json_object(tmp_path, caps
 def test_seq_len_below_two_is_refused_as_generate_refuses_it(capsys):
     out = plan_in_process(capsys, "--model", SMOLLM2, "--seq-len", "1", "--json")
     assert out.returncode == 2
-    assert "seq_len (1) must be at least 2" in json.loads(out.stdout)["errors"][0]["message"]
+    assert "--seq-len (1) must be at least 2" in json.loads(out.stdout)["errors"][0]["message"]
     assert plan_in_process(capsys, "--model", SMOLLM2, "--seq-len", "2").returncode == 0
 
 
@@ -215,3 +217,13 @@ def test_the_serving_rows_a_launch_holds_are_planned_too(capsys, tmp_path):
     assert plan_in_process(capsys, *args, "--max-num-seqs", "0").returncode == 0  # a static batch alone
     refused = plan_in_process(capsys, *args, "--max-num-seqs", "-1")
     assert refused.returncode == 2 and "--max-num-seqs (-1) must be at least 0" in refused.stderr
+
+
+@pytest.mark.parametrize("flag, field", [("--batch-size", "batch_size"), ("--nodes", "nodes"),
+                                         ("--seq-len", "seq_len")])
+def test_a_refused_option_is_named_by_its_flag(capsys, flag, field):
+    """plan's refusals named the planner's parameter (`batch_size (0) must be ...`) where every
+    other command names the option."""
+    out = plan_in_process(capsys, "--model", SMOLLM2, flag, "0")
+    assert out.returncode == 2
+    assert out.stderr.strip() == f"corelaunch plan: {flag} (0) must be a positive integer"

@@ -12,7 +12,7 @@ import json
 import sys
 
 from launcher.cli.options import (add_kv_cache_dtype, add_moe_sharding, add_pad_q_heads, int_at_least,
-                                  non_empty_path)
+                                  non_empty_path, with_flag_name)
 from shardlib.instances import CPU_TARGET, INSTANCE_NAMES
 from shardlib.model_config import load_model_config
 from shardlib.planner import KV_STRATEGIES, Plan, plan
@@ -98,8 +98,9 @@ def run(args: argparse.Namespace) -> int:
                       kv_strategy=args.kv_strategy, pad_q_heads=args.pad_q_heads,
                       moe_sharding=args.moe_sharding)
     except (OSError, ValueError) as err:
-        # a missing path or demo package, an unknown architecture, a malformed argument
-        return _refuse(args, str(err))
+        # a missing path or demo package, an unknown architecture, a malformed argument (named by
+        # its option, as the other commands name theirs)
+        return _refuse(args, _named_by_flag(err))
     except KeyError as err:
         return _refuse(args, f"the model's config.json has no {err} field; is it a Hugging Face "
                              f"causal-LM config?")
@@ -108,6 +109,15 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(format_report(result))
     return EXIT_VALID if result.valid else EXIT_INVALID
+
+
+def _named_by_flag(error: BaseException) -> str:
+    """The planner's message with the option in place of its parameter's name ("--batch-size (0)
+    must be ..." rather than "batch_size (0) ..."); plan's --batch-size is its own option."""
+    field, sep, rest = str(error).partition(" (")
+    if sep and field == "batch_size":
+        return "--batch-size" + sep + rest
+    return with_flag_name(error)
 
 
 def _refuse(args: argparse.Namespace, message: str) -> int:
