@@ -663,6 +663,12 @@ class Launcher:
     def shutdown(self, grace_s: float = 10.0) -> None:
         """Stop the workers (each group gets grace_s to leave cleanly, then is killed) and, if
         corelaunch started Ray, Ray itself. Safe to call twice."""
+        # Checked before anything stops: a bad value met halfway (the pool's joins) left the
+        # streams failed, the groups running and the launcher neither usable nor restartable.
+        if (isinstance(grace_s, bool) or not isinstance(grace_s, (int, float)) or not finite(grace_s)
+                or not 0 <= grace_s <= MAX_TIMEOUT_S):
+            raise ValueError(f"grace_s ({grace_s!r}) must be a number of seconds from 0 to {MAX_TIMEOUT_S}; "
+                             f"nothing was shut down")
         # Each read once: a second thread shutting down at the same time finds None or the same
         # object (the pool's shutdown is safe twice), never None between the check and the call.
         pool = self._pool  # kept visible while it stops: a stream closed meanwhile still reaches it

@@ -109,6 +109,17 @@ def test_an_unstarted_launcher_says_so_for_streams_too(ray_tripwire):
             call()
 
 
+@pytest.mark.parametrize("grace_s", [None, float("nan"), -1, True, "5", float("inf")])
+def test_a_bad_shutdown_grace_is_refused_before_anything_stops(ray_tripwire, grace_s):
+    """shutdown(grace_s=None) failed halfway (at the pool's joins): every stream failed, the groups
+    kept running, and the launcher could neither serve nor start again."""
+    launcher = Launcher(tp=1, compile=False, progress=False)
+    with pytest.raises(ValueError, match=r"grace_s \(.*\) must be a number of seconds from 0 to .*nothing was "
+                                         r"shut down"):
+        launcher.shutdown(grace_s=grace_s)
+    launcher.shutdown(grace_s=0)  # 0: kill at once
+
+
 def test_sampling_entries_and_stop_values_are_checked(model_and_expected, in_process_cluster):
     """A None among the per-prompt SamplingParams reached the leader's step and failed the group on
     every replay until the replica was given up; a stop token id outside the vocabulary could never
