@@ -33,7 +33,7 @@ from shardlib.model_config import ModelConfig, normalize_dtype
 from shardlib.quantized_sizes import kv_dtype_name
 from shardlib.instances import INSTANCE_NAMES
 from shardlib.planner import KV_STRATEGIES
-from shardlib.positive_int import is_positive_int, positive_int
+from shardlib.positive_int import integer_of_any_kind, is_positive_int, positive_int
 from shardlib.request_checks import check_fits, check_request, check_stop_token_ids, is_token_index
 from shardlib.sampling_params import SamplingParams
 from shardlib.serving_shapes import DEFAULT_MAX_NUM_SEQS
@@ -334,6 +334,13 @@ MAX_TIMEOUT_S = 1_000_000
 own lock and queue waits refuse or overflow from about 1e10 s, and only after the model has loaded."""
 
 
+def _plain_integer(value):
+    """An integer of any kind (np.int64, a 0-d torch integer) as a Python int, as prompts take them;
+    anything else as it is, for the checks to name."""
+    number = integer_of_any_kind(value)
+    return value if number is None else number
+
+
 def _positive_seconds(name: str, value) -> None:
     """ValueError unless value is a positive number of seconds up to MAX_TIMEOUT_S (nan would switch
     a deadline off, a huge value overflow the first wait that uses it)."""
@@ -490,6 +497,7 @@ class Launcher:
         runs first): prompts tokenized with the driver's tokenizer, none empty or past the context
         (for `batching` "continuous", the serving cache's serving_seq_len) and buckets, the sampling
         parameters and max_new_tokens. ValueError naming the value."""
+        max_new_tokens = _plain_integer(max_new_tokens)
         _check_batching(batching)
         self.prepare()
         self._await_tokenizer()
@@ -709,6 +717,7 @@ class Launcher:
         from workers.rank_worker import GenerateRequest
 
         pool = self._running_pool()
+        max_new_tokens = _plain_integer(max_new_tokens)
         if batching == "continuous":  # each stream checks its options, ignore_eos and return_logits included
             return self._generate_streams(prompts, sampling, max_new_tokens, stop_token_ids, ignore_eos, return_logits)
         _check_batching(batching)
@@ -780,6 +789,7 @@ class Launcher:
         QueueFull when it would wait for a row while max_queued_requests requests already wait. stop: strings that end the
         generation (not included in the text); logprobs: n to get the chosen token's log-probability
         and the n most likely (0..20). Closing the iterator early cancels the request."""
+        max_new_tokens, logprobs = _plain_integer(max_new_tokens), _plain_integer(logprobs)
         token_ids, params, stops, stop_token_ids = self._check_stream(prompt, sampling, max_new_tokens, stop, logprobs,
                                                                       stop_token_ids, request_id)
         return self._submit_stream(token_ids, params, max_new_tokens, stop_token_ids, stops, ignore_eos, logprobs,
@@ -790,6 +800,7 @@ class Launcher:
                 logprobs: int | None = None, request_id: str | None = None):
         """stream() for asyncio: call it inside a running event loop; it returns an async iterator
         (`async for delta in llm.astream(...)`); `aclose()` or cancelling the reading task cancels."""
+        max_new_tokens, logprobs = _plain_integer(max_new_tokens), _plain_integer(logprobs)
         token_ids, params, stops, stop_token_ids = self._check_stream(prompt, sampling, max_new_tokens, stop, logprobs,
                                                                       stop_token_ids, request_id)
         return self._submit_stream(token_ids, params, max_new_tokens, stop_token_ids, stops, ignore_eos, logprobs,
@@ -802,6 +813,7 @@ class Launcher:
         """generate() for asyncio (continuous batching): every prompt streams concurrently."""
         import asyncio
 
+        max_new_tokens = _plain_integer(max_new_tokens)
         streams, texts, token_lists = self._open_generation(prompts, sampling, max_new_tokens, stop_token_ids,
                                                             ignore_eos, return_logits, asynchronous=True)
 

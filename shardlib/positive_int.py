@@ -3,6 +3,8 @@ positive integer. bool is refused although it is an int in Python: True is never
 
 from __future__ import annotations
 
+import operator
+
 
 def is_positive_int(value) -> bool:
     """True for an int >= 1 that is not a bool (for checks whose message says more, e.g. "or 'auto'")."""
@@ -14,3 +16,14 @@ def positive_int(name: str, value) -> int:
     if not is_positive_int(value):
         raise ValueError(f"{name} ({value!r}) must be a positive integer")
     return value
+
+
+def integer_of_any_kind(value) -> int | None:
+    """`value` as a Python int when it is an integer of any kind (numpy's and torch's 0-d ones
+    included, as prompts take them), else None; bools (Python's, numpy's, torch's) are not integers."""
+    if isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool"):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None

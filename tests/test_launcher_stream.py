@@ -308,6 +308,13 @@ def test_stop_tokens_end_a_stream_and_bad_options_are_refused(model_and_expected
 
         as_array = tokens_of(llm.stream(np.array(PROMPTS[0]), max_new_tokens=NEW_TOKENS, ignore_eos=True))
         assert as_array == (expected[0], "length")  # numpy's integers are token ids too
+        # ... and counts (max_new_tokens and logprobs were refused "must be a positive integer")
+        counted = llm.stream(PROMPTS[0], max_new_tokens=np.int64(NEW_TOKENS), ignore_eos=True, logprobs=np.int32(1))
+        assert tokens_of(counted) == (expected[0], "length")
+        for batching in ("continuous", "static"):
+            [result] = llm.generate([PROMPTS[0]], max_new_tokens=np.int64(NEW_TOKENS), ignore_eos=True,
+                                    batching=batching)
+            assert result.token_ids == expected[0]
         # ... in generate() as well (refused there before), and torch's; not a tensor of bools
         arrays = [np.array(PROMPTS[0]), torch.tensor(PROMPTS[1]), list(np.array(PROMPTS[2], dtype=np.int32))]
         assert [r.token_ids for r in llm.generate(arrays, max_new_tokens=NEW_TOKENS)] == expected[:3]

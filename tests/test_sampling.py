@@ -278,3 +278,19 @@ def test_top_logprobs_list_equal_logits_by_id_with_the_greedy_token_first():
     seq = Sequence(request("r", [1, 2], 4, logprobs=6))
     [token], [entry] = choose(logits, [seq])
     assert [t for t, _ in entry.top] == [9, 12, 31, 40, 60, 3]
+
+
+def test_numpy_and_torch_scalars_are_taken_as_plain_numbers():
+    """SamplingParams(top_k=np.int64(50)) was refused "must be an integer >= 0", a rule the value
+    met, while prompts took numpy's integers; they are now read as Python's, bools still refused."""
+    import numpy as np
+
+    params = SamplingParams(temperature=np.float32(0.5), top_k=np.int64(50), top_p=np.float64(0.9),
+                            seed=torch.tensor(7))
+    assert (params.temperature, params.top_k, params.top_p, params.seed) == (0.5, 50, 0.9, 7)
+    assert [type(v) for v in (params.temperature, params.top_k, params.top_p, params.seed)] == [float, int, float, int]
+    for bad, words in ((dict(top_k=np.True_), "top_k"), (dict(top_k=torch.tensor(True)), "top_k"),
+                       (dict(temperature="0.7"), "temperature"), (dict(top_k=np.float64(3.0)), "top_k"),
+                       (dict(top_p=np.float32("nan")), "top_p")):
+        with pytest.raises(ValueError, match=words):
+            SamplingParams(**bad)
