@@ -50,8 +50,27 @@ async def _protocol_error(request: Request, err: ProtocolError) -> JSONResponse:
     return error_response(err)
 
 
+_key_check = None
+"""The replica's API-key check, for _http_error (one replica per process)."""
+
+
+def install_key_check(check) -> None:
+    """Set _key_check. A function of this module, called by the replica's constructor: Ray pickles
+    the deployment class by value, with its own copies of the module globals it reads (`app`
+    included), so the constructor cannot set them directly; this function is pickled by reference."""
+    global _key_check
+    _key_check = check
+
+
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+    # Under /v1/ the key is checked first: without it, a 404 or 405 told which routes and methods
+    # exist.
+    if _key_check is not None and request.url.path.startswith("/v1/"):
+        try:
+            _key_check(request)
+        except ProtocolError as refused:
+            return error_response(refused)
     # Unknown routes and wrong methods get the OpenAI error shape too, so clients can read them.
     message = f"{request.method} {request.url.path}: {err.detail}"
     return JSONResponse(proto.error_body(message), status_code=err.status_code, headers=err.headers)
@@ -199,6 +218,7 @@ class OpenAIServer:
         # Checked first, before the model loads: `serve run` and `serve deploy` read the environment
         # only here, in the replica.
         self.api_key = settings.api_key or api_key_from_environment()
+        install_key_check(self._authorize)  # for the routes that do not exist (_http_error)
 
         launch = dict(settings.launch)
         if launch.get("cpus_per_rank") is None:
