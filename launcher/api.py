@@ -80,7 +80,7 @@ class LaunchConfig:
     load restarted groups (and later launches) from it. The directory must be visible at the same
     path on every node (as the model directory must)."""
     presharded_cache_dir: str | None = None
-    """Default: $CORELAUNCH_CACHE/presharded (~/.cache/corelaunch/presharded)."""
+    """Default: $CORELAUNCH_CACHE/presharded-uid<uid> (~/.cache/corelaunch/presharded-uid<uid>), this user's own."""
     lnc: int | None = None
     dtype: str | None = None
     """Compute dtype; None keeps the checkpoint's."""

@@ -319,6 +319,19 @@ def test_an_empty_path_option_is_a_usage_error(argv, capsys):
     (["generate", "--request-timeout", "1e300", "x"], "--request-timeout (1e+300) must be at most 1000000 seconds"),
     (["serve", "--seq-len", "1"], "--seq-len (1) must be an integer of at least 2"),
     (["compile", "--max-context-length", "0", "--out", "unused"], "--max-context-length (0) must be a positive integer"),
+    # every option the message names, in the option's unit (named burst_wait_s (1) and
+    # rendezvous_timeout_s, in seconds); "None" is the option left out
+    (["serve", "--burst-wait-ms", "1000", "--rendezvous-timeout", "10"],
+     "--burst-wait-ms (1000) gathers a burst for up to 10 s (10 waits), which reaches --rendezvous-timeout (10), "
+     "the time a follower rank's collective waits for the leader's next plan; lower --burst-wait-ms or raise "
+     "--rendezvous-timeout"),
+    # check, bench and compile take the timeouts too (they always ran with the defaults)
+    (["check", "--placement-timeout", "nan"], "--placement-timeout (nan) must be a finite positive number"),
+    (["bench", "--startup-timeout", "0"], "--startup-timeout (0.0) must be a finite positive number"),
+    (["compile", "--rendezvous-timeout", "0", "--out", "unused"], "--rendezvous-timeout (0.0) must be a finite"),
+    (["bench", "--request-timeout", "1e300"], "--request-timeout (1e+300) must be at most 1000000 seconds"),
+    (["generate", "--cpus-per-rank", "0.00001", "x"], "--cpus-per-rank (1e-05) must be a finite number of CPUs of at least 0.0001 (Ray's resource precision), "
+                                                         "or left out to share the node's CPUs"),
 ])
 def test_launch_option_errors_name_the_flag_not_the_field(argv, words, capsys):
     """LaunchConfig's messages start with its field (restart_window_s, placement_timeout_s): the
@@ -330,13 +343,16 @@ def test_launch_option_errors_name_the_flag_not_the_field(argv, words, capsys):
     assert f"corelaunch {argv[0]}: {words}" in err, err
 
 
-def test_only_a_leading_field_name_becomes_a_flag():
+def test_only_a_message_led_by_a_field_has_its_fields_named_by_flag():
     from launcher.cli.options import with_flag_name
 
     assert with_flag_name(ValueError("seq_len (1) must be at least 2")) == "--seq-len (1) must be at least 2"
     kept = "token bucket 512 exceeds seq_len (256), the positions ...; raise --seq-len to 512"
     assert with_flag_name(ValueError(kept)) == kept  # a field named later, or a path, is left alone
     assert with_flag_name(ValueError("/x/seq_len (copy) is missing")) == "/x/seq_len (copy) is missing"
+    assert (with_flag_name(ValueError("presharded_dir ('') must be a non-empty path, or None (left out)"))
+            == "--presharded ('') must be a non-empty path, or left out")
+    assert with_flag_name(ValueError("tp (3) leaves the model's heads")) == "--tp (3) leaves the model's heads"
 
 
 def test_quantize_of_the_built_in_model_refuses_its_options_before_converting_it(tmp_path, capsys, monkeypatch):

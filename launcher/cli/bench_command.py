@@ -18,7 +18,8 @@ import json
 import sys
 
 from launcher.cli.options import (add_backend_arguments, add_kv_cache_dtype, add_no_compile, add_pad_q_heads,
-                                  add_sequence_parallel, backend_options, int_at_least, with_flag_name)
+                                  add_sequence_parallel, add_timeout_arguments, backend_options, int_at_least,
+                                  timeout_options, with_flag_name)
 
 
 def add_parser(subparsers) -> None:
@@ -47,6 +48,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's")
     add_kv_cache_dtype(p)
     add_backend_arguments(p)
+    add_timeout_arguments(p)
     add_pad_q_heads(p)
     add_sequence_parallel(p)
     add_no_compile(p)
@@ -119,7 +121,7 @@ def _bench(args: argparse.Namespace) -> dict:
     from launcher.progress import Progress
     from shardlib.evaluation.bench_report import RunTiming, build_report
 
-    config = LaunchConfig(model=args.model, tp=args.tp, **backend_options(args), pad_q_heads=args.pad_q_heads,
+    config = LaunchConfig(model=args.model, tp=args.tp, **backend_options(args), **timeout_options(args), pad_q_heads=args.pad_q_heads,
                           sequence_parallel=args.sequence_parallel,
                           dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
                           seq_len=args.seq_len, ray_address=args.ray_address,

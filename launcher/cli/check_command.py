@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from launcher.cli.options import (add_backend_arguments, add_kv_cache_dtype, add_no_compile, add_pad_q_heads,
-                                  add_sequence_parallel, backend_options, with_flag_name)
+                                  add_sequence_parallel, add_timeout_arguments, backend_options, timeout_options,
+                                  with_flag_name)
 from shardlib.evaluation.quantized_tolerances import DEFAULT_TOL_SPEC
 
 EXIT_PASS, EXIT_FAIL = 0, 1  # 2 (bad input) and 3 (the run failed): launcher/cli/exit_codes.py
@@ -68,6 +69,7 @@ def add_parser(subparsers) -> None:
                    help="corelaunch's compute dtype (default: the checkpoint's); the reference stays float32")
     add_kv_cache_dtype(p)
     add_backend_arguments(p)
+    add_timeout_arguments(p)
     add_pad_q_heads(p)
     add_sequence_parallel(p)
     p.add_argument("--divergence-difference-tol", type=float, metavar="TOL",
@@ -409,7 +411,7 @@ def _launcher(args, model_dir: Path):
     ValueError naming them); nothing is started."""
     from launcher.api import LaunchConfig, Launcher
 
-    config = LaunchConfig(model=str(model_dir), tp=args.tp, **backend_options(args), pad_q_heads=args.pad_q_heads,
+    config = LaunchConfig(model=str(model_dir), tp=args.tp, **backend_options(args), **timeout_options(args), pad_q_heads=args.pad_q_heads,
                           sequence_parallel=args.sequence_parallel,
                           dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_batch_size=1,
                           ray_address=args.ray_address,

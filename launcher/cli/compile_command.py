@@ -20,11 +20,10 @@ import threading
 import time
 from pathlib import Path
 
-from launcher.cli.options import (add_backend_arguments, add_bucket_lists, add_granularity, add_max_num_seqs,
-                                  add_kv_cache_dtype, add_moe_sharding, add_pad_q_heads, add_sequence_parallel,
-                                  backend_options,
-                                  bucket_lists, non_empty_path,
-                                  max_num_seqs_option, with_flag_name)
+from launcher.cli.options import (add_backend_arguments, add_bucket_lists, add_granularity, add_kv_cache_dtype,
+                                  add_max_num_seqs, add_moe_sharding, add_pad_q_heads, add_sequence_parallel,
+                                  add_timeout_arguments, backend_options, bucket_lists, max_num_seqs_option,
+                                  non_empty_path, timeout_options, with_flag_name)
 
 
 def add_parser(subparsers) -> None:
@@ -38,6 +37,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--tp", default="auto", help="tensor-parallel degree, or auto (default)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's")
     add_backend_arguments(p)
+    add_timeout_arguments(p)
     p.add_argument("--lnc", type=int, choices=[1, 2])
     p.add_argument("--kv-strategy", choices=["shard", "replicate_to_tp", "convert_to_mha"])
     add_pad_q_heads(p)
@@ -111,7 +111,7 @@ def compile_model(args: argparse.Namespace) -> dict:
     out = Path(args.out)
     check_out(out)
     # Every option is checked (and the layout planned) before anything is written.
-    config = LaunchConfig(model=args.model, tp=args.tp, dtype=args.dtype, **backend_options(args), lnc=args.lnc,
+    config = LaunchConfig(model=args.model, tp=args.tp, dtype=args.dtype, **backend_options(args), **timeout_options(args), lnc=args.lnc,
                           kv_strategy=args.kv_strategy, pad_q_heads=args.pad_q_heads, moe_sharding=args.moe_sharding,
                           sequence_parallel=args.sequence_parallel, kv_cache_dtype=args.kv_cache_dtype,
                           ray_address=args.ray_address, progress=not args.quiet, compile=True,
@@ -148,6 +148,7 @@ def compile_model(args: argparse.Namespace) -> dict:
                       f"batch buckets {list(buckets.batch)}")
         # The planner target's options too: the directory records the backend, not what it plans against.
         launch = LaunchConfig(compiled_dir=str(tmp), compile=True, warm_up=True, ray_address=config.ray_address,
+                              **timeout_options(args),
                               instance=config.instance, device_memory_gib=config.device_memory_gib, lnc=config.lnc,
                               progress=not args.quiet, max_batch_size=buckets.max_batch_size,
                               max_num_seqs=config.max_num_seqs)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 
 def add_backend_arguments(p: argparse.ArgumentParser) -> None:
@@ -87,18 +88,48 @@ FLAG_OF_FIELD = {
     "seq_len": "--seq-len", "max_context_length": "--max-context-length", "max_batch_size": "--max-batch-size",
     "max_num_seqs": "--max-num-seqs", "max_queued_requests": "--max-queued-requests",
     "presharded_dir": "--presharded", "compiled_dir": "--compiled",
-    "compile_granularity": "--granularity",
+    "compile_granularity": "--granularity", "max_prefill_tokens": "--max-prefill-tokens",
+    "ray_address": "--ray-address", "context_buckets": "--context-buckets", "token_buckets": "--token-buckets",
 }
 """LaunchConfig's fields and the command-line options that set them."""
+FLAG_IN_OTHER_UNITS = {"burst_wait_s": ("--burst-wait-ms", 1000)}
+"""Fields whose option takes another unit: (the option, its units per the field's unit)."""
 
 
 def with_flag_name(error: BaseException) -> str:
     """The message of a LaunchConfig error that starts with a field's name ("restart_window_s (0.0)
-    must be ...") starting with the option that set it instead ("--restart-window (0.0) must be ...").
-    Only that leading name is replaced: the rest (paths, other names) is left as it is."""
+    must be ...") with the options that set them instead ("--restart-window (0.0) must be ...").
+    A message that does not start with a field is left as it is."""
     message = str(error)
     field, sep, rest = message.partition(" (")
-    return FLAG_OF_FIELD[field] + sep + rest if sep and field in FLAG_OF_FIELD else message
+    if not sep or (field not in FLAG_OF_FIELD and field not in FLAG_IN_OTHER_UNITS):
+        return message
+    # A launch option's message: the other options it names (the burst check names two) by their
+    # options too, values in the option's unit, and Python's None as the option left out. Plain
+    # words ("tp", "model") only where they lead: elsewhere they are words of the message.
+    if "_" not in field:
+        message = FLAG_OF_FIELD[field] + sep + rest
+    message = _NAMED_FIELD.sub(_as_flag, message)
+    return message.replace("or None (left out)", "or left out").replace("or None", "or left out")
+
+
+_NAMED_FIELD = re.compile(r"(?<![\w/.-])(" + "|".join(sorted(
+    (f for f in (*FLAG_OF_FIELD, *FLAG_IN_OTHER_UNITS) if "_" in f), key=len, reverse=True)) + r")\b( \(([^)]*)\))?")
+"""A field with an underscore named in a message, with its value in parentheses if given."""
+
+
+def _as_flag(match: re.Match) -> str:
+    """A field named in a message (with its value in parentheses, if given) as its option."""
+    field, shown, value = match.group(1), match.group(2), match.group(3)
+    if field not in FLAG_IN_OTHER_UNITS:
+        return FLAG_OF_FIELD[field] + (shown or "")
+    flag, scale = FLAG_IN_OTHER_UNITS[field]
+    if shown is None:
+        return flag
+    try:
+        return f"{flag} ({float(value) * scale:g})"
+    except ValueError:
+        return f"{flag}{shown}"
 
 
 def non_empty_path(name: str):
@@ -183,14 +214,28 @@ def add_model_and_placement_arguments(p: argparse.ArgumentParser) -> None:
     add_granularity(p)
     p.add_argument("--warm-up", action="store_true", help="build every bucket's graph while starting")
     add_bucket_lists(p)
+    add_timeout_arguments(p)
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
+def add_timeout_arguments(p: argparse.ArgumentParser) -> None:
+    """--placement-timeout, --startup-timeout, --rendezvous-timeout and --request-timeout: every
+    command that starts a TP group (generate, serve, compile, check, bench), so each can wait for a
+    cluster that autoscales."""
     p.add_argument("--placement-timeout", type=float, default=60.0, metavar="S",
                    help="seconds to wait for Ray to reserve the workers (default 60)")
     p.add_argument("--startup-timeout", type=float, default=120.0, metavar="S",
                    help="seconds for the worker processes to start and import their backend (default 120)")
     p.add_argument("--rendezvous-timeout", type=float, default=30.0, metavar="S",
                    help="seconds for started workers to join their process group (default 30)")
-    p.add_argument("--request-timeout", type=float, default=600.0, metavar="S")
-    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    p.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
+                   help="seconds one request may take from submission to its last token (default 600)")
+
+
+def timeout_options(args: argparse.Namespace) -> dict:
+    """LaunchConfig's timeouts from add_timeout_arguments' options."""
+    return {"placement_timeout_s": args.placement_timeout, "startup_timeout_s": args.startup_timeout,
+            "rendezvous_timeout_s": args.rendezvous_timeout, "request_timeout_s": args.request_timeout}
 
 
 def model_and_placement_options(args: argparse.Namespace) -> dict:
@@ -199,15 +244,12 @@ def model_and_placement_options(args: argparse.Namespace) -> dict:
     return dict(
         model=args.model, tp=args.tp, **backend_options(args), nodes=args.nodes,
         max_restarts=args.max_restarts, restart_window_s=args.restart_window,
-        cpus_per_rank=args.cpus_per_rank, presharded_cache=args.presharded_cache,
-        startup_timeout_s=args.startup_timeout, rendezvous_timeout_s=args.rendezvous_timeout,
+        cpus_per_rank=args.cpus_per_rank, presharded_cache=args.presharded_cache, **timeout_options(args),
         lnc=args.lnc, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, kv_strategy=args.kv_strategy,
         moe_sharding=args.moe_sharding, fused_projections=args.fused_projections, seq_len=args.seq_len,
         pad_q_heads=args.pad_q_heads, sequence_parallel=args.sequence_parallel,
         presharded_dir=args.presharded, compile=args.compile, compile_granularity=args.granularity,
-        compiled_dir=args.compiled, warm_up=args.warm_up, **bucket_lists(args),
-        placement_timeout_s=args.placement_timeout, request_timeout_s=args.request_timeout,
-        progress=not args.quiet)
+        compiled_dir=args.compiled, warm_up=args.warm_up, **bucket_lists(args), progress=not args.quiet)
 
 
 def add_kv_cache_dtype(p: argparse.ArgumentParser) -> None:
