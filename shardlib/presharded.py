@@ -172,6 +172,7 @@ def load_presharded(directory: str | Path, config: ModelConfig, layout: ShardLay
     if not path.is_file():
         raise FileNotFoundError(f"pre-sharded file {shown_path} named in its {MANIFEST} is missing; copy the whole "
                                 f"directory again or write it again")
+    _check_rank_of_file(path, shown_path, rank, layout.tp_degree)
     size = path.stat().st_size
     size_error = ValueError(f"{shown_path} has {size} bytes but {MANIFEST} records {entry['bytes']}: it was "
                             f"truncated or modified; copy it again or write the pre-sharded checkpoint again")
@@ -187,6 +188,26 @@ def load_presharded(directory: str | Path, config: ModelConfig, layout: ShardLay
     _check_sha256(path, shown_path, entry, force=verify_sha256)
     with reader:
         return {name: reader.read(name, _WHOLE) for name in sorted(reader.entries, key=lambda n: reader.entries[n].begin)}
+
+
+def _check_rank_of_file(path: Path, shown_path: Path, rank: int, tp_degree: int) -> None:
+    """ValueError unless the file is this rank's by its name and by the rank its header records:
+    the ranks' shards all have one shape, so a manifest pointing rank 0 at rank 1's file (its
+    size and sha256 moved along) passed every other check and each rank ran the other's weights."""
+    from safetensors import SafetensorError, safe_open
+
+    named = rank_file_name(rank, tp_degree)
+    try:
+        with safe_open(path, framework="numpy") as reader:
+            recorded = reader.metadata() or {}
+    except SafetensorError:
+        return  # not a safetensors file: the header checks that follow name it
+    found = {k: recorded[k] for k in ("rank", "tp_degree") if k in recorded}
+    if path.name != named or found not in ({}, {"rank": str(rank), "tp_degree": str(tp_degree)}):
+        shown_header = f"rank {found.get('rank', '-')} of {found.get('tp_degree', '-')}"
+        raise ValueError(f"{shown_path} is listed in its {MANIFEST} for rank {rank} of {tp_degree}, but it is not "
+                         f"that rank's file (its name {path.name}, its header {shown_header}; that rank's is "
+                         f"{named}): the manifest or the files were changed; {_WRITE_HINT}")
 
 
 def verified_marker(path: str | Path) -> Path:

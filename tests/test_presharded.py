@@ -211,6 +211,32 @@ def _record_file(out, rank):
     _edit_manifest(out, edit)
 
 
+def test_a_rank_pointed_at_another_ranks_file_is_refused(llama_tp3, tmp_path):
+    """The ranks' shards share one shape: a manifest whose entries for ranks 0 and 1 were swapped
+    (or whose files were renamed into each other's places, sizes and hashes recorded) passed every
+    check, and each rank loaded the other's weights: wrong tokens, exit 0."""
+    out, config, layout = _copy(llama_tp3, tmp_path)
+
+    def swap_ranks(manifest):
+        manifest["files"][0]["rank"], manifest["files"][1]["rank"] = 1, 0
+    _edit_manifest(out, swap_ranks)
+    with pytest.raises(ValueError, match=rf"{re.escape(str(out / rank_file_name(1, 3)))} is listed in its manifest.json "
+                                         rf"for rank 0 of 3, but it is not that rank's file \(its name "
+                                         rf"{rank_file_name(1, 3)}, its header rank 1 of 3"):
+        load_presharded(out, config, layout, 0)
+
+    out, config, layout = _copy(llama_tp3, tmp_path / "renamed")
+    first, second = out / rank_file_name(0, 3), out / rank_file_name(1, 3)
+    first.rename(out / "moved")
+    second.rename(first)
+    (out / "moved").rename(second)
+    _record_file(out, 0)
+    _record_file(out, 1)
+    with pytest.raises(ValueError, match=r"for rank 0 of 3, but it is not that rank's file .*its header rank 1 of 3"):
+        load_presharded(out, config, layout, 0)
+    assert load_presharded(llama_tp3[0], config, layout, 0)  # the written directory itself loads
+
+
 @pytest.mark.parametrize("where", ["dotdot", "absolute", "symlink"])
 def test_a_file_outside_the_directory_is_refused(llama_tp3, tmp_path, where):
     out, config, layout = _copy(llama_tp3, tmp_path)
