@@ -310,11 +310,17 @@ def test_check_refuses_an_unwritable_save_expected_path_naming_the_option(models
     original, _ = models
     (tmp_path / "afile").write_text("")
     reference_must_not_run(monkeypatch)
+    weights = original / "model.safetensors"
+    kept = weights.read_bytes()
     for path, message in ((tmp_path / "afile" / "x.pt", f"cannot be written: {tmp_path / 'afile'} is a file"),
-                          (tmp_path, "is a directory; pass a file path")):
+                          (tmp_path, "is a directory; pass a file path"),
+                          # the model's own weights were replaced without a word
+                          (weights, "exists and is not an expected-outputs file; corelaunch check replaces only "
+                                    "its own: pass a new path, or delete that file first")):
         code, _, err = run_check(capsys, "--model", str(original), "--prompt-ids", PROMPT_IDS,
                                  "--save-expected", str(path))
         assert code == 2 and f"--save-expected {path} " in err and message in err, err
+    assert weights.read_bytes() == kept
 
     # where the look passes but the filesystem refuses (/sys, /proc: even root): torch.save's
     # RuntimeError, once the reference has run, names the option too
@@ -328,10 +334,18 @@ def test_check_refuses_an_unwritable_save_expected_path_naming_the_option(models
         raise RuntimeError("[enforce fail at inline_container.cc:747] . open file failed with strerror: "
                            "Permission denied")
 
+    # an expected-outputs file is replaced whole, through a sibling: none is left when the write fails
+    saved = tmp_path / "saved.pt"
+    assert run_check(capsys, "--model", str(original), "--prompt-ids", PROMPT_IDS, "--num-tokens", "2",
+                     "--save-expected", str(saved))[0] == 0
+    assert run_check(capsys, "--model", str(original), "--prompt-ids", PROMPT_IDS, "--num-tokens", "3",
+                     "--save-expected", str(saved))[0] == 0
+    assert torch.load(saved, weights_only=True)["expected_tokens"].shape == (1, 3)
     monkeypatch.setattr(torch, "save", refused)
     code, _, err = run_check(capsys, "--model", str(original), "--prompt-ids", PROMPT_IDS, "--num-tokens", "2",
                              "--save-expected", str(tmp_path / "x.pt"))
     assert code == 2 and f"could not write --save-expected {tmp_path / 'x.pt'} (Permission denied)" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "saved.pt"]
 
 
 def test_check_tolerances_are_honoured_or_refused_by_name(models, capsys, tmp_path, monkeypatch, ray_tripwire):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -205,23 +206,45 @@ def check_save_expected_path(path: str) -> None:
 
     if Path(path).is_dir():
         raise ValueError(f"--save-expected {path} is a directory; pass a file path, e.g. {Path(path) / 'expected.pt'}")
+    if Path(path).exists() and not _holds_expected_outputs(Path(path)):
+        # e.g. the model's own model.safetensors, replaced without a word
+        raise ValueError(f"--save-expected {path} exists and is not an expected-outputs file; corelaunch check "
+                         f"replaces only its own: pass a new path, or delete that file first")
     reason = unwritable_reason(path)
     if reason is not None:
         raise ValueError(f"--save-expected {path} cannot be written: {reason}; pass a path in a directory you "
                          f"can write to")
 
 
-def save_expected(expected: Expected, path: str) -> None:
+def _holds_expected_outputs(path: Path) -> bool:
+    """Whether an existing file is one `--save-expected` may replace: a torch file of the expected
+    outputs' keys. Read with weights_only and mmap (a multi-GB pytorch_model.bin is not read in)."""
     import torch
 
     try:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        data = torch.load(path, weights_only=True, mmap=True, map_location="cpu")
+    except Exception:  # noqa: BLE001 - not a torch zip file at all (safetensors, text, a legacy pickle)
+        return False
+    return isinstance(data, dict) and "input_ids" in data and ("expected_tokens" in data or "expected_logits" in data)
+
+
+def save_expected(expected: Expected, path: str) -> None:
+    """Write the file beside its place and move it there: a run that fails or is killed midway
+    leaves the previous file whole."""
+    import torch
+
+    final = Path(path)
+    partial = final.with_name(f".{final.name}.partial-{os.getpid()}")
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"format": FILE_FORMAT, "input_ids": expected.input_ids,
                     "expected_tokens": torch.tensor(expected.tokens, dtype=torch.int64),
-                    "expected_logits": expected.logits, "reference": expected.source}, path)
+                    "expected_logits": expected.logits, "reference": expected.source}, partial)
+        os.replace(partial, final)
     # torch.save reports an unopenable file as RuntimeError; the look beforehand passed, so the
     # filesystem refused (/proc, /sys, a read-only mount, a full disk)
     except (OSError, RuntimeError) as err:
+        partial.unlink(missing_ok=True)
         detail = str(err).split("strerror: ")[-1].strip()  # torch's text ends "... open file failed with strerror: X"
         raise ValueError(f"could not write --save-expected {path} ({detail}); pass a path in a directory you can "
                          f"write to") from None
