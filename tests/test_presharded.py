@@ -404,3 +404,21 @@ def test_a_write_failing_after_its_files_are_complete_changes_nothing(sources, t
         save_presharded(out, sources["llama"], config, ShardLayout.for_model(config, 2, "shard"))
     _loads_completely(out, config, tp3)
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_a_launch_takes_the_layout_its_presharded_weights_were_cut_for(llama_tp3, sources, ray_tripwire):
+    """With --tp auto the planner's own degree was refused only after Ray and every rank had
+    started, advising to write the directory again; as --compiled does, the launch takes the
+    directory's layout, and a contradicting option is refused before anything starts."""
+    from launcher.api import Launcher
+
+    directory, _ = llama_tp3
+    common = dict(model=str(sources["llama"]), presharded_dir=str(directory), progress=False)
+    launcher = Launcher(**common).prepare()
+    assert (launcher.plan.tp_degree, launcher.config.kv_strategy) == (3, "convert_to_mha")
+    with pytest.raises(ValueError, match=rf"pre-sharded checkpoint {re.escape(str(directory))} was cut for another "
+                                         rf"layout than this launch asks: --tp 2 \(it was written for 3\); "
+                                         rf"--dtype bfloat16 \(it was written for float32\); drop those options"):
+        Launcher(**common, tp=2, dtype="bfloat16").prepare()
+    with pytest.raises(ValueError, match=r"--kv-strategy replicate_to_tp \(it was written for convert_to_mha\)"):
+        Launcher(**common, tp=3, kv_strategy="replicate_to_tp").prepare()

@@ -173,6 +173,10 @@ def _plan(settings) -> None:
     config = LaunchConfig(**settings.launch)
     if config.compiled_dir is not None:  # its model and settings, as each replica's Launcher takes them
         config = apply_compiled_dir(config)
+    elif config.presharded_dir is not None:
+        from launcher.artifacts.presharded_dir import apply_presharded_dir
+
+        config = apply_presharded_dir(config)
     planned = plan_launch(config, Progress(False))
     holds = groups_this_host_holds(dataclasses.replace(config, ray_address="local"), planned.plan, planned.backend)
     name = "--replicas" if settings.autoscaling is None else "--max-replicas"
