@@ -569,7 +569,12 @@ class Launcher:
             if why is not None:  # another user's copy under this name could be any weights
                 self._progress.note(f"not using the pre-sharded cache ({why}); loading from {self.model_dir}")
             elif presharded_cache.is_ready(self._cache_path):
-                spec = dataclasses.replace(spec, presharded_dir=str(self._cache_path))
+                why = presharded_cache.unusable(self._cache_path, self.model_dir)
+                if why is None:
+                    spec = dataclasses.replace(spec, presharded_dir=str(self._cache_path))
+                else:  # loaded around, and written again once this load is done
+                    self._progress.note(f"not using the pre-sharded cache {self._cache_path} ({why}); loading "
+                                        f"from {self.model_dir} and writing the copy again")
         return spec
 
     def _start_presharded_cache(self) -> None:

@@ -235,6 +235,51 @@ def test_a_cached_copy_others_could_have_written_is_neither_used_nor_written(tmp
         assert "the cached copy" in untrusted(copy) and "owned by uid 65533" in untrusted(copy)
 
 
+def test_a_damaged_or_stale_cached_copy_is_loaded_around_and_written_again(tmp_path, ray_tripwire):
+    """A truncated cached copy was refused at every launch, advising to write again a copy the user
+    never wrote; a checkpoint replaced in place with the same sizes and times kept loading the old
+    copy's weights (the key sees only names, sizes and times)."""
+    import shutil
+
+    from launcher.artifacts.presharded_cache import CacheWriter, cache_dir, unusable
+    from shardlib.model_config import load_model_config
+    from shardlib.presharded import rank_file_name
+    from shardlib.sharding import ShardLayout
+
+    model_dir = save_model(build_random_model("llama", num_heads=4, num_kv_heads=2), tmp_path / "m")
+    config = load_model_config(model_dir)
+    layout = ShardLayout.for_model(config, 2)
+    copy = cache_dir(tmp_path / "cache", model_dir, config, layout, "float32")
+
+    def write():
+        writer = CacheWriter(copy, model_dir, config, layout, "float32").start()
+        writer.join(60)
+        assert writer.ready, writer.error
+
+    write()
+    assert unusable(copy, model_dir) is None
+    launcher = Launcher(model=str(model_dir), tp=2, presharded_cache=True, progress=False, compile=False,
+                        presharded_cache_dir=str(tmp_path / "cache")).prepare()
+    assert launcher._make_load_spec().presharded_dir == str(copy)
+    victim = copy / rank_file_name(1, 2)
+    victim.write_bytes(victim.read_bytes()[:-8])
+    assert "is not the size its manifest records" in unusable(copy, model_dir)
+    assert launcher._make_load_spec().presharded_dir is None  # the checkpoint, not the damaged copy
+    write()  # the writer replaces it
+    assert unusable(copy, model_dir) is None
+
+    weights = model_dir / "model.safetensors"
+    stamp = weights.stat()
+    other = save_model(build_random_model("llama", num_heads=4, num_kv_heads=2, seed=9), tmp_path / "other")
+    shutil.copyfile(other / "model.safetensors", weights)
+    os.utime(weights, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    assert cache_dir(tmp_path / "cache", model_dir, config, layout, "float32") == copy  # the key cannot tell
+    assert f"it was cut from other weights than {model_dir} holds now" in unusable(copy, model_dir)
+    assert launcher._make_load_spec().presharded_dir is None
+    write()
+    assert unusable(copy, model_dir) is None
+
+
 def test_a_restarted_group_reruns_the_request_from_the_presharded_cache_in_process(tmp_path, in_process_cluster):
     """A group that breaks mid-request is restarted from the pre-sharded copy written after the
     first load, and the re-run gives transformers' tokens."""

@@ -77,6 +77,29 @@ def is_ready(path: Path) -> bool:
     return (path / MANIFEST).is_file()
 
 
+def unusable(path: Path, model_dir: str | Path) -> str | None:
+    """Why a ready copy must not be loaded (None: nothing against it), told from its manifest and
+    file sizes and a sample of the checkpoint's bytes: a file missing or of another size than its
+    manifest records (a truncated copy was refused at every launch, with advice to write again a
+    copy the user never wrote), or weights that are not those the copy was cut from (a checkpoint
+    replaced in place with the same sizes and times, which the key cannot see). Such a copy is
+    loaded around and written again."""
+    from shardlib.presharded import MANIFEST
+    from shardlib.weights_fingerprint import FIELD, weights_fingerprint
+
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        for entry in manifest["files"]:
+            if (path / entry["file"]).stat().st_size != entry["bytes"]:
+                return f"{path / entry['file']} is not the size its manifest records"
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"its manifest or files cannot be read ({type(err).__name__}: {err})"
+    recorded = manifest.get(FIELD)
+    if isinstance(recorded, str) and weights_fingerprint(model_dir) not in (None, recorded):
+        return f"it was cut from other weights than {model_dir} holds now"
+    return None
+
+
 class CacheWriter:
     """Writes the pre-sharded copy once, in a background thread; `ready` says when it can be used."""
 
@@ -109,7 +132,7 @@ class CacheWriter:
             if why is not None:
                 raise PermissionError(f"not writing the pre-sharded cache: {why}")
             with FileLock(str(self.path) + ".lock"):  # one writer per copy, even across launchers
-                if not is_ready(self.path):
+                if not is_ready(self.path) or unusable(self.path, model_dir) is not None:
                     save_presharded(self.path, model_dir, config, layout, dtype=dtype)
         except BaseException as err:  # noqa: BLE001 - a cache that cannot be written is only slower
             self.error = err
