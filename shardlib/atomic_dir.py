@@ -10,7 +10,8 @@ directory or the new complete one. The previous version is removed after the swa
 A writer killed part way leaves a versioned sibling nobody links to; the next write to the same
 path sweeps those whose writer is gone (same host and its pid is dead) or that are older than
 STALE_AFTER_S. Folders left by the earlier scheme (.out.tmp-*, .out.old-*) are swept when older
-than LEGACY_STALE_AFTER_S.
+than LEGACY_STALE_AFTER_S. `corelaunch quantize`, which renames a finished folder into place
+itself, writes it as .out.partial-HOST-PID-RANDOM, swept by the same rule.
 
 An `out` written by the earlier scheme (a plain directory) is exchanged for the symlink with
 renameat2(RENAME_EXCHANGE) where the filesystem offers it; elsewhere it is renamed aside and the
@@ -151,9 +152,10 @@ def sweep_stale(out_dir: str | Path, now: float | None = None) -> list[Path]:
             age = now - entry.lstat().st_mtime
         except FileNotFoundError:
             continue
-        if kind in ("v", "lnk") and _OWNED.fullmatch(rest):
+        if kind in ("v", "lnk", "partial") and _OWNED.fullmatch(rest):
             stale = age > STALE_AFTER_S or not _owner_alive(rest)
-        elif kind in ("tmp", "old") and _LEGACY.fullmatch(rest):
+        elif (kind in ("tmp", "old") and _LEGACY.fullmatch(rest)) or (kind == "partial" and rest.isdigit()):
+            # (quantize's earlier `.NAME.partial-PID`, which names no host)
             stale = age > LEGACY_STALE_AFTER_S
         else:  # a name this module never writes (someone's .NAME.v-important): not ours to remove
             continue
@@ -161,6 +163,13 @@ def sweep_stale(out_dir: str | Path, now: float | None = None) -> list[Path]:
             remove_path(entry)
             removed.append(entry)
     return removed
+
+
+def owned_sibling(out_dir: str | Path, kind: str) -> Path:
+    """A new hidden sibling `.NAME.KIND-HOST-PID-RANDOM` of out_dir for a writer that renames it into
+    place itself (`corelaunch quantize`'s "partial"): sweep_stale removes it once its writer is gone."""
+    out_dir = Path(out_dir)
+    return out_dir.parent / f"{_prefix(out_dir, kind)}{_owner()}-{secrets.token_hex(4)}"
 
 
 # ---- the swap --------------------------------------------------------------------------------

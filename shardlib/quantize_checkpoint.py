@@ -26,6 +26,7 @@ from typing import Callable
 
 import torch
 
+from shardlib.atomic_dir import owned_sibling, sweep_stale
 from shardlib.checkpoint import CHECKPOINT_FILES, _open_files, checked_names, find_checkpoint
 from shardlib.checkpoint_files import check_checkpoint
 from shardlib.model_config import ModelConfig, read_config_json
@@ -87,9 +88,10 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, dtype: str, 
                          "linear" + ("+embed" if embed else "") + ("+lm_head" if lm_head else ""))
     config = ModelConfig.from_dict(raw)
     out_dir = Path(out_dir)
-    partial = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    sweep_stale(out_dir)  # what a quantize killed part way (SIGTERM, SIGKILL) left, the model's size
+    partial = owned_sibling(out_dir, "partial")
+    partial.mkdir()
     try:
         _write_weights(Path(model_dir), config, quant, partial / "model.safetensors", progress)
         _copy_other_files(Path(model_dir), partial)

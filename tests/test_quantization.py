@@ -77,6 +77,28 @@ def source_dir(tmp_path_factory):
     return path
 
 
+def test_a_killed_quantizes_leftovers_are_swept_by_the_next(source_dir, tmp_path):
+    """A quantize killed part way (SIGTERM, SIGKILL: no cleanup runs) left `.OUT.partial-PID`, up to
+    the model's size, that no later quantize removed."""
+    import os
+    import subprocess
+    import sys
+
+    from shardlib.atomic_dir import _owner, owned_sibling
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host = _owner().rsplit("-", 1)[0]
+    leftovers = [tmp_path / f".q.partial-{host}-{dead.stdout.strip()}-0123abcd",  # its writer is gone
+                 tmp_path / ".q.partial-4242"]  # the earlier name, which names no host: by its age
+    running = owned_sibling(tmp_path / "q", "partial")  # this process's own: a writer still at work
+    for folder in (*leftovers, running):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"\0" * 1024)
+    os.utime(leftovers[1], (0, 0))
+    quantize_checkpoint(source_dir, tmp_path / "q", "int8")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["q", running.name])
+
+
 def test_quantized_checkpoint_layout_config_and_refusals(source_dir, tmp_path):
     from safetensors.torch import load_file
 
