@@ -62,6 +62,9 @@ def check_quantize_request(model_dir: str | Path, dtype: str, out_dir: str | Pat
         raise ValueError(f"--model {model_dir} is a file; pass the model directory that holds it "
                          f"({Path(model_dir).parent})")
     if not config_file.exists():
+        if (Path(model_dir) / "manifest.json").is_file():  # what corelaunch compile or save_presharded wrote
+            raise ValueError(f"--model {model_dir} is a corelaunch compiled or pre-sharded directory, not a Hugging "
+                             f"Face model: quantize the model it was made from, then compile that")
         raise ValueError(f"--model {model_dir} has no config.json; pass a Hugging Face model directory")
     raw = read_config_json(config_file)
     if isinstance(raw, dict) and raw.get("quantization_config") is not None:

@@ -308,6 +308,7 @@ def test_the_console_script_exits_2_on_a_refusal(model_dir, tmp_path):
                             "found 'huge'"),
     ("kv_strategy", "bogus", "field 'kv_strategy' must be one of shard, replicate_to_tp, convert_to_mha"),
     ("buckets", {"context": [8], "token": [-16], "batch": [1]}, "field 'buckets' is not a valid set of buckets"),
+    ("kv_cache_dtype", "bogus", "field 'kv_cache_dtype' must be one of f8e4m3, None, found 'bogus'"),  # named a flag
 ])
 def test_a_manifest_value_no_compile_writes_is_named_as_the_manifests(model_dir, tmp_path, field, value, message):
     """Such values were refused by the launch's own checks, naming a flag nobody passed

@@ -117,6 +117,10 @@ def test_quantized_checkpoint_layout_config_and_refusals(source_dir, tmp_path):
     assert stored["model.embed_tokens.weight"].dtype == torch.float32  # not quantized by default
     with pytest.raises(ValueError, match="unknown quantization dtype 'int4'"):
         quantize_checkpoint(source_dir, tmp_path / "x", "int4")
+    (tmp_path / "compiled").mkdir()
+    (tmp_path / "compiled" / "manifest.json").write_text("{}")  # a compiled directory: named as one
+    with pytest.raises(ValueError, match="is a corelaunch compiled or pre-sharded directory, not a Hugging Face"):
+        quantize_checkpoint(tmp_path / "compiled", tmp_path / "x", "int8")
     with pytest.raises(ValueError, match="already quantized"):
         quantize_checkpoint(out, tmp_path / "y", "int8")
     with pytest.raises(ValueError, match="already exists"):

@@ -65,7 +65,8 @@ def _choices() -> dict[str, tuple]:
     from workers.granularities import GRANULARITIES
 
     return {"kv_strategy": KV_STRATEGIES, "dtype": ("float32", "bfloat16", "float16"), "backend": backend_names(),
-            "granularity": (*GRANULARITIES, None), "moe_sharding": (*MOE_SHARDINGS, None), "lnc": (1, 2)}
+            "granularity": (*GRANULARITIES, None), "moe_sharding": (*MOE_SHARDINGS, None), "lnc": (1, 2),
+            "kv_cache_dtype": ("f8e4m3", None)}
 
 
 def read_manifest(root: str | Path) -> dict[str, Any]:
