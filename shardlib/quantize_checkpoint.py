@@ -91,10 +91,9 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, dtype: str, 
                          "linear" + ("+embed" if embed else "") + ("+lm_head" if lm_head else ""))
     config = ModelConfig.from_dict(raw)
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
     sweep_stale(out_dir)  # what a quantize killed part way (SIGTERM, SIGKILL) left, the model's size
     partial = owned_sibling(out_dir, "partial")
-    partial.mkdir()
+    partial.mkdir(parents=True)
     try:
         _write_weights(Path(model_dir), config, quant, partial / "model.safetensors", progress)
         _copy_other_files(Path(model_dir), partial)
