@@ -63,10 +63,15 @@ CONNECT_FOUND = textwrap.dedent("""
     from launcher.cluster import ray_cluster
     connection = ray_cluster.connect(None)
     print(connection.started_here, ray.cluster_resources().get("CPU"), flush=True)
+    connection.close()  # disconnects this process: a later launch goes where it is told
+    print(ray.is_initialized(), flush=True)
+    private = ray_cluster.connect("local", num_cpus=2)
+    print(private.started_here, ray.cluster_resources().get("CPU"), flush=True)
+    private.close()
 """)
 
 
-def test_the_recorded_cluster_is_joined_with_token_authentication_as_ray_joins_it():
+def test_the_recorded_cluster_is_joined_with_token_authentication_as_ray_joins_it_and_left_on_close():
     """Every ray.init() of a private cluster writes ~/.ray/auth_token, and a later `ray start --head`
     then runs with token authentication. corelaunch joined the cluster it found recorded by its
     address, for which Ray never turns authentication on, and failed with "no Ray cluster answered
@@ -102,7 +107,10 @@ def test_the_recorded_cluster_is_joined_with_token_authentication_as_ray_joins_i
             out = subprocess.run([sys.executable, "-c", CONNECT_FOUND], capture_output=True, text=True,
                                  timeout=180, env=env, cwd=REPO)
             assert out.returncode == 0, out.stderr[-3000:]
-            assert out.stdout.split() == ["False", "1.0"]
+            # joined (not started), then, once closed, a private cluster where "local" asked for one
+            # (the first session stayed open and "local" ran on the joined cluster)
+            assert out.stdout.split() == ["False", "1.0", "False", "True", "2.0"]
+            assert head.poll() is None  # the joined cluster was left running
         finally:
             os.killpg(head.pid, signal.SIGTERM)  # --block: ending it stops the cluster it started
             try:

@@ -20,19 +20,22 @@ from dataclasses import dataclass
 
 from launcher.errors import LaunchError
 
-LOOPBACK = "127.0.0.1"
-
 
 @dataclass
 class RayConnection:
     started_here: bool
     """True when corelaunch started this Ray instance (and so must shut it down)."""
     address: str
+    joined_here: bool = False
+    """True when corelaunch joined a running cluster itself (ray.init with its address): closing
+    disconnects this process and leaves the cluster running. A later launch in the same process
+    then connects where it is told: the session left open took any later ray_address, "local"
+    included, to the first launch's cluster."""
 
     def close(self) -> None:
         import ray
 
-        if self.started_here and ray.is_initialized():
+        if (self.started_here or self.joined_here) and ray.is_initialized():
             # Ray's calls start a new local Ray when none is connected (its auto-init): a thread of
             # this launcher still waiting on its ranks (a late restart) would start one behind its
             # back, between any check of ray.is_initialized() and its call. Off until the next
@@ -206,11 +209,11 @@ def connect(address: str | None = None, num_cpus: int | None = None, worker_logs
                         "~/.ray/auth_token exists), set RAY_AUTH_MODE=token, with its token in ~/.ray/auth_token "
                         "or RAY_AUTH_TOKEN")
             raise LaunchError(f"no Ray cluster answered at {address!r} ({how}; {err}); {fix}") from None
-        return RayConnection(started_here=False, address=address)
+        return RayConnection(started_here=False, address=address, joined_here=True)
     # address="local" said outright: without it ray.init joins a cluster that `ray start` recorded on
     # this host after the lookup above (another program's), and then refuses num_cpus.
-    ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
-             _node_ip_address=LOOPBACK, **quiet)
+    # (No node address: Ray 2.60 replaces 127.0.0.1 given as one with the host's own address.)
+    ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, **quiet)
     return RayConnection(started_here=True, address="local")
 
 
