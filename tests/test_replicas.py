@@ -53,6 +53,13 @@ def test_cpu_shares_divide_over_replicas_and_respect_one_node():
     # never more than one node can give the ranks it hosts (2 nodes x 1 CPU, TP 1: 1 CPU, not 2)
     assert cpu_rank_resources(1, [1.0, 1.0]).bundle == {"CPU": 1}
     assert cpu_rank_resources(2, [2.0], cpus_per_rank=0.5).bundle == {"CPU": 0.5}
+    # the share packs: TP 3 x 3 replicas on two 2-CPU nodes split evenly (0.4444) held one group a
+    # node and never placed the third; 0.3333 puts two groups on one node
+    packed = cpu_rank_resources(3, [2.0, 2.0], replicas=3).bundle
+    assert packed == {"CPU": 0.3333} and groups_that_fit([{"CPU": 2.0}] * 2, packed, tp=3, max_nodes=1) >= 3
+    for tp, nodes_cpus, replicas in ((1, [2.0, 2.0], 4), (2, [3.0, 3.0], 3), (4, [2.0, 2.0, 2.0], 2), (2, [8.0], 3)):
+        share = cpu_rank_resources(tp, nodes_cpus, replicas=replicas).bundle
+        assert groups_that_fit([{"CPU": c} for c in nodes_cpus], share, tp=tp, max_nodes=1) >= replicas, (tp, share)
 
 
 def test_groups_that_fit_counts_like_pack_within_the_node_limit():

@@ -39,12 +39,35 @@ def cpu_rank_resources(tp: int, node_cpus: Sequence[float] | float, nodes: int =
         per_node = [c for c in per_node if c > 0] or [1.0]
         ranks_per_node = math.ceil(tp / max(nodes, 1))
         share = min(sum(per_node) / (tp * max(replicas, 1)), max(per_node) / ranks_per_node)
-        # whole CPUs when there are enough, else a fraction rounded down to Ray's 1e-4 granularity
-        cpus_per_rank = math.floor(share + _EPS) if share >= 1 else math.floor(share * 1e4 + _EPS) / 1e4
+        cpus_per_rank = _packed(_ray_granular(share), per_node, tp, nodes, replicas)
     if cpus_per_rank <= 0:
         raise ValueError(f"cpus_per_rank ({cpus_per_rank}) must be positive")
     threads = max(1, math.floor(cpus_per_rank + _EPS))
     return RankResources(bundle={"CPU": cpus_per_rank}, num_cpus=cpus_per_rank, threads=threads)
+
+
+def _ray_granular(share: float) -> float:
+    """Whole CPUs when there are enough, else a fraction rounded down to Ray's 1e-4 granularity."""
+    return math.floor(share + _EPS) if share >= 1 else math.floor(share * 1e4 + _EPS) / 1e4
+
+
+def _packed(share: float, per_node: list[float], tp: int, nodes: int, replicas: int) -> float:
+    """The largest CPU share up to `share` at which `replicas` groups fit the nodes at once as Ray
+    places them (each group on as few nodes as hold it): the even split alone left a node's
+    remainder too small for another group (TP 3 x 3 replicas on two 2-CPU nodes: 0.4444 each, one
+    group a node, the third never placed). `share` itself where none fits (the placement says why)."""
+    totals = [{"CPU": c} for c in per_node]
+
+    def fits(s: float) -> bool:
+        return s > 0 and groups_that_fit(totals, {"CPU": s}, tp, max(nodes, 1), limit=max(replicas, 1)) >= replicas
+
+    if fits(share):
+        return share
+    low, high = 0, int(math.floor(share * 1e4 + _EPS))  # in Ray's 1e-4 steps: low fits (or is 0), high does not
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle / 1e4) else (low, middle)
+    return _ray_granular(low / 1e4) if low else share
 
 
 def device_rank_resources(resource: str) -> RankResources:

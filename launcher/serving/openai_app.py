@@ -93,15 +93,18 @@ def _sanitizing(tokenizer) -> dict:
 
 def _cpus_per_rank(launch: dict, serve_replicas: int) -> float:
     """An even share of the cluster's CPUs for each rank of every Serve replica there can be, so
-    that all of their TP groups fit at once (the Serve replica actors themselves take no CPU)."""
-    import ray
-
+    that all of their TP groups fit at once, as the nodes hold them (the Serve replica actors
+    themselves take no CPU); the driver API's own rule for its replicas (cpu_rank_resources)."""
     from launcher.api import LaunchConfig
+    from launcher.cluster.placement import alive_nodes
+    from launcher.cluster.resources import cpu_rank_resources
     from launcher.launch_plan import plan_launch
     from launcher.progress import Progress
 
-    tp = plan_launch(LaunchConfig(**launch), Progress(False)).plan.tp_degree
-    return ray.cluster_resources().get("CPU", 1.0) / (serve_replicas * tp)
+    config = LaunchConfig(**launch)
+    tp = plan_launch(config, Progress(False)).plan.tp_degree
+    node_cpus = [n.total.get("CPU", 0.0) for n in alive_nodes()]
+    return cpu_rank_resources(tp, node_cpus, nodes=config.nodes, replicas=serve_replicas).num_cpus
 
 
 class _ClosingStreamingResponse(StreamingResponse):
