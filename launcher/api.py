@@ -611,14 +611,20 @@ class Launcher:
 
     def _refuse_unplaceable(self, nodes: list) -> None:
         """PlacementImpossible at once, rather than after --placement-timeout, when the alive nodes
-        together could never hold one group."""
-        from launcher.cluster.resources import explain_unplaceable, never_placeable
+        together could never hold one group, or not every replica's group at once."""
+        from launcher.cluster.resources import explain_unplaceable, groups_that_fit, never_placeable
 
-        bundle, totals = self._rank_resources.bundle, [n.total for n in nodes]
-        if never_placeable(bundle, self.plan.tp_degree, self.config.nodes, totals):
-            why = explain_unplaceable(bundle, self.plan.tp_degree, self.config.nodes, totals, None,
-                                      [n.name for n in nodes])
+        bundle, totals, tp = self._rank_resources.bundle, [n.total for n in nodes], self.plan.tp_degree
+        if never_placeable(bundle, tp, self.config.nodes, totals):
+            why = explain_unplaceable(bundle, tp, self.config.nodes, totals, None, [n.name for n in nodes])
             raise PlacementImpossible(f"the private Ray cluster started here cannot place a TP group: {why}")
+        holds = groups_that_fit(totals, bundle, tp, self.config.nodes, limit=self.replicas)
+        if holds < self.replicas:  # the first groups started and the rest waited out the placement timeout
+            share = f"{bundle.get('CPU', 0):g} CPU a rank" + (" (--cpus-per-rank)" if self.config.cpus_per_rank else "")
+            raise PlacementImpossible(
+                f"the private Ray cluster started here holds {holds} TP group(s) of {tp} rank(s) at {share}, "
+                f"not the {self.replicas} replicas asked (--replicas); lower --replicas to {holds}"
+                + (" or --cpus-per-rank" if self.config.cpus_per_rank else "") + ", or use --replicas auto")
 
     def _new_group(self, index: int, restart: bool):
         """Place, join and load one replica's TP group (also used to restart it)."""

@@ -43,19 +43,26 @@ def test_local_starts_a_private_ray_even_with_a_cluster_recorded_on_the_host():
         assert out.stdout.split() == ["True", "1.0"]
 
 
-def test_a_private_cluster_too_small_for_a_group_is_refused_without_waiting_for_placement():
+@pytest.mark.parametrize("options, words", [
+    (["--cpus-per-rank", "64"], ["the private Ray cluster started here cannot place a TP group",
+                                 "lower --tp or --cpus-per-rank"]),
+    # one group fits, two never will: the first started and the second waited the timeout out (exit 3)
+    (["--cpus-per-rank", str(os.cpu_count()), "--replicas", "2"],
+     [f"holds 1 TP group(s) of 1 rank(s) at {os.cpu_count()} CPU a rank (--cpus-per-rank), not the 2 replicas "
+      f"asked (--replicas); lower --replicas to 1 or --cpus-per-rank, or use --replicas auto"]),
+])
+def test_a_private_cluster_too_small_for_the_groups_is_refused_without_waiting_for_placement(options, words):
     """A private Ray has no autoscaler: a group its one node cannot hold never will be placed. The
     launch waited out --placement-timeout first, then advised only a lower --tp."""
     with tempfile.TemporaryDirectory(prefix="clray", dir="/tmp") as tmp:
         env = {**os.environ, "RAY_TMPDIR": tmp}
         env.pop("RAY_ADDRESS", None)
-        out = subprocess.run([sys.executable, "-m", "launcher", "generate", "--ray-address", "local",
-                              "--cpus-per-rank", "64", "--placement-timeout", "3600", "--no-compile",
+        out = subprocess.run([sys.executable, "-m", "launcher", "generate", "--ray-address", "local", "--tp", "1",
+                              *options, "--placement-timeout", "3600", "--no-compile",
                               "--max-new-tokens", "2", "Hello"],
                              capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
     assert out.returncode == 2, out.stderr[-3000:]
-    assert "the private Ray cluster started here cannot place a TP group" in out.stderr
-    assert "lower --tp or --cpus-per-rank" in out.stderr
+    assert all(w in out.stderr for w in words), out.stderr[-3000:]
 
 
 CONNECT_FOUND = textwrap.dedent("""

@@ -82,6 +82,10 @@ def test_unplaceable_explanations_name_what_is_missing():
     assert "lacks neuron_cores (2 in all)" in lacking
     busy = explain_unplaceable({"CPU": 1}, 1, 1, [{"CPU": 1.0}], [{"CPU": 0.0}], ["n1"])
     assert "other groups or jobs hold" in busy and "free now: n1 {CPU: 0}" in busy
+    # Ray's free resources leave out a CPU at 0 and list placement groups' own bookkeeping
+    held = explain_unplaceable({"CPU": 2}, 1, 1, [{"CPU": 2.0}],
+                               [{"bundle_group_0_3c2b": 999.999, "bundle_group_3c2b": 999.999}], ["n1"])
+    assert "free now: n1 {CPU: 0}" in held and "bundle_group" not in held
 
 
 def test_restart_policy_bounds_restarts_in_a_sliding_window():

@@ -206,7 +206,8 @@ def _fmt(amount: float) -> str:
 
 
 def _resources(res: Mapping[str, float]) -> str:
-    # Ray's bookkeeping resources say nothing about what a rank can use.
+    # Ray's bookkeeping resources say nothing about what a rank can use (bundle_group_*: a placement
+    # group's own); CPU is shown even at 0, which Ray's free resources leave out.
     shown = {k: v for k, v in res.items() if not (
-        k.startswith("node:") or k in ("memory", "object_store_memory") or k.startswith("accelerator_type"))}
-    return "{" + ", ".join(f"{k}: {_fmt(v)}" for k, v in sorted(shown.items())) + "}"
+        k.startswith(("node:", "accelerator_type", "bundle_group_")) or k in ("memory", "object_store_memory"))}
+    return "{" + ", ".join(f"{k}: {_fmt(v)}" for k, v in sorted({"CPU": 0.0, **shown}.items())) + "}"

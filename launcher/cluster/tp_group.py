@@ -201,8 +201,7 @@ class TPGroup:
                                       [n.total for n in nodes], [n.free for n in nodes], [n.name for n in nodes])
             raise PlacementTimeout(
                 f"Ray could not reserve {len(bundles)} bundles of {bundles[0]} ({strategy}) "
-                f"within {self.timeouts.placement_s:g} s: {why}. Reduce --tp, add nodes, or free the "
-                f"resources held by other jobs"
+                f"within {self.timeouts.placement_s:g} s: {why}"  # which names the way out
             )
 
     def _check_devices(self, entry: BackendEntry) -> None:
