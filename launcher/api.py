@@ -829,8 +829,18 @@ class Launcher:
         import asyncio
 
         max_new_tokens = _plain_integer(max_new_tokens)
+        self._running_pool()  # not started: said before any tokenizing
+
+        def tokenize():
+            with self._lock:
+                return self._tokenize(prompts)
+
+        # On a thread: long prompts take the tokenizer seconds, which on the loop would stall every
+        # other coroutine (and the streams this loop reads).
+        tokenized = await asyncio.to_thread(tokenize)
         streams, texts, token_lists = self._open_generation(prompts, sampling, max_new_tokens, stop_token_ids,
-                                                            ignore_eos, return_logits, asynchronous=True)
+                                                            ignore_eos, return_logits, asynchronous=True,
+                                                            tokenized=tokenized)
 
         async def drain(stream):
             async for _ in stream:
@@ -939,13 +949,16 @@ class Launcher:
             self._pool.cancel_stream(handle, deferred)
 
     def _open_generation(self, prompts, sampling, max_new_tokens, stop_token_ids, ignore_eos, return_logits,
-                         asynchronous: bool):
-        """Check every prompt first (nothing is submitted if one is bad), then submit them all."""
+                         asynchronous: bool, tokenized: tuple | None = None):
+        """Check every prompt first (nothing is submitted if one is bad), then submit them all.
+        tokenized: _tokenize(prompts)'s result when the caller has it already."""
         pool = self._running_pool()  # not started: say so, before anything that needs the model
         _check_flag("return_logits", return_logits)
         stop_token_ids = check_stop_token_ids(stop_token_ids, self.model_config.vocab_size)
-        with self._lock:
-            texts, token_lists = self._tokenize(prompts)
+        if tokenized is None:
+            with self._lock:
+                tokenized = self._tokenize(prompts)
+        texts, token_lists = tokenized
         params = self._sampling_per_prompt(sampling, len(token_lists))
         check_request(token_lists, params, max_new_tokens, self.model_config.vocab_size)
         self._check_lengths(token_lists, max_new_tokens, serving=True)

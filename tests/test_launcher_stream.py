@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -40,7 +41,15 @@ def test_streams_equal_generate_and_async_streams_too(model_and_expected, in_pro
         wall = time.monotonic() - start
 
         async def both():
+            tokenized_on, tokenize = [], llm._tokenize
+
+            def recording(prompts):  # agenerate tokenized on the loop, stalling its other coroutines
+                tokenized_on.append(threading.get_ident())
+                return tokenize(prompts)
+            llm._tokenize = recording
             results = await llm.agenerate(PROMPTS, max_new_tokens=NEW_TOKENS)
+            del llm._tokenize
+            assert tokenized_on and threading.get_ident() not in tokenized_on
             collected = []
             async for delta in llm.astream(PROMPTS[0], max_new_tokens=NEW_TOKENS, logprobs=2):
                 collected.append(delta)
