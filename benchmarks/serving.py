@@ -224,17 +224,27 @@ async def measure_levels(base_url: str, model: str, prompts: PromptSource, args)
 
 
 def ratios(levels: dict, baselines: dict | None) -> dict:
-    if baselines is None or "16" not in levels:
+    """The issue's ratios, each where its own level ran (the lone stream's with level 1 alone too);
+    None for a level that is not valid (a request failed or came back short): its figures measure
+    the failures, not the server."""
+    if baselines is None:
         return {}
-    at16, one, static = levels["16"], baselines["one_at_a_time"], baselines["static_batch"]
-    out = {
-        "level16_over_one_at_a_time": ratio(at16["output_tokens_per_s"], one["output_tokens_per_s"]),
-        "level16_over_static_batch": ratio(at16["output_tokens_per_s"], static["output_tokens_per_s"]),
-        "ttft_p99_at_16_over_prefill_16_plus_2_steps": ratio(at16["ttft_s"]["p99"],
-                                                             static["expected_ttft_s_prefill_plus_2_steps"]),
-    }
+    one, static = baselines["one_at_a_time"], baselines["static_batch"]
+
+    def figure(level: str, *keys: str):
+        value = levels[level] if levels[level].get("valid", True) else None
+        for key in keys:
+            value = None if value is None else value[key]
+        return value
+
+    out = {}
+    if "16" in levels:
+        out["level16_over_one_at_a_time"] = ratio(figure("16", "output_tokens_per_s"), one["output_tokens_per_s"])
+        out["level16_over_static_batch"] = ratio(figure("16", "output_tokens_per_s"), static["output_tokens_per_s"])
+        out["ttft_p99_at_16_over_prefill_16_plus_2_steps"] = ratio(figure("16", "ttft_s", "p99"),
+                                                                   static["expected_ttft_s_prefill_plus_2_steps"])
     if "1" in levels:
-        out["level1_stream_decode_over_single_stream"] = ratio(levels["1"]["decode_tokens_per_s_per_stream_p50"],
+        out["level1_stream_decode_over_single_stream"] = ratio(figure("1", "decode_tokens_per_s_per_stream_p50"),
                                                                one["decode_tokens_per_s_median"])
     return out
 
@@ -257,7 +267,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cpus-per-rank", type=float, metavar="C",
                         help="CPUs (and threads) the rank claims, in the server and the baselines alike "
                              "(default: all of them); see the module docstring")
-    parser.add_argument("--server-timeout", type=float, default=900, help="seconds to wait for GET /health")
+    parser.add_argument("--server-timeout", type=float, help="seconds to wait for GET /health (default 900)")
     parser.add_argument("--request-timeout", type=float, default=600)
     parser.add_argument("--baselines", action="store_true", help="also the in-process driver-API baselines")
     parser.add_argument("--baseline-prompts", type=int, default=16)
@@ -287,6 +297,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.cpus_per_rank is not None and args.base_url:
         parser.error("--cpus-per-rank sets the rank's CPUs of the corelaunch server this benchmark starts; "
                      "with --base-url the server is someone else's")
+    if args.base_url and (args.baselines_after or args.server_arg or args.server_timeout is not None):
+        given = [f for f, on in (("--baselines-after", args.baselines_after), ("--server-arg", args.server_arg),
+                                 ("--server-timeout", args.server_timeout is not None)) if on]
+        parser.error(f"{', '.join(given)} concern the corelaunch server this benchmark starts and stops; with "
+                     f"--base-url the server is someone else's, running throughout (drop them)")
+    if args.server_timeout is None:
+        args.server_timeout = 900.0
     if args.cpus_per_rank is not None and args.cpus_per_rank <= 0:
         parser.error(f"--cpus-per-rank ({args.cpus_per_rank}) must be positive")
     if args.baselines and not args.baselines_only and 16 in args.levels and args.baseline_prompts != 16:
@@ -298,8 +315,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _exit_on_termination() -> None:
+    """SIGTERM and SIGHUP (`timeout`, a cancelled CI job, a closed terminal) as SystemExit, so the
+    server this benchmark started, in a session of its own, is stopped by the same clean-up as
+    after Ctrl-C; it was left running, with its Ray and the model loaded."""
+    import signal
+
+    def stop(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, stop)
+
+
 def main() -> None:
     args = parse_args()
+    _exit_on_termination()
     from transformers import AutoTokenizer
 
     from shardlib.demo_model import ensure_demo_model
@@ -323,6 +354,8 @@ def main() -> None:
         return
     if args.base_url:
         report["server"] = {"base_url": args.base_url, "model": args.model, "started_here": False}
+        if args.baselines:  # measured while that server ran (idle or not): they shared the cores
+            report["baselines"]["measured_beside_the_server"] = args.base_url
         levels = asyncio.run(measure_levels(args.base_url, args.model, prompts, args))
     else:
         with corelaunch_server(serve_arguments(model_dir, args), args.server_timeout) as (base_url, command):
@@ -338,6 +371,11 @@ def main() -> None:
         report["ratios_bracketed"] = ratios(levels, bracketed_baselines(baselines, after))
     report["targets"] = {"level1_stream_decode_over_single_stream": ">= 0.95"}
     print(json.dumps(report, indent=2))
+    invalid = [level for level, figures in levels.items() if not figures["valid"]]
+    if invalid:  # the report stands, but these levels' figures measure failures
+        print(f"levels {', '.join(invalid)}: a request failed or came back short (see short_or_failed); their "
+              f"ratios are null", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ async def stream_one(client, model: str, prompt: list[int], max_tokens: int) -> 
             model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
             stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
         async for chunk in stream:
-            if chunk.choices:
+            if chunk.choices and not _closing(chunk.choices[0]):
                 record.chunk_times_s.append(time.perf_counter())
             if chunk.usage is not None:
                 record.completion_tokens = chunk.usage.completion_tokens
@@ -63,6 +63,13 @@ async def stream_one(client, model: str, prompt: list[int], max_tokens: int) -> 
     except Exception as err:  # noqa: BLE001 - reported in the level's figures
         record.error = f"{type(err).__name__}: {err}"[:300]
     return record
+
+
+def _closing(choice) -> bool:
+    """A chunk that only ends the stream (no text, a finish_reason), which some servers send after
+    the last token's: neither a token nor a gap between tokens (it was counted as a token when the
+    server sent no usage)."""
+    return not getattr(choice, "text", None) and getattr(choice, "finish_reason", None) is not None
 
 
 async def run_level(client, model: str, prompts: list[list[int]], clients: int,

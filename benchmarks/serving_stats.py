@@ -88,7 +88,9 @@ def summarize_level(records: list[RequestRecord], wall_s: float, max_tokens: int
         "decode_tokens_per_s_per_stream_p50": _round(percentile(single_stream, 50), 2),
         "all_got_max_tokens": not short,
         "short_or_failed": short[:8],
-        "tokens_counted_from": "usage" if all(r.completion_tokens is not None for r in done) else "chunks",
+        "tokens_counted_from": ("none" if not done else "usage" if all(r.completion_tokens is not None for r in done)
+                                else "chunks"),
+        "valid": bool(done) and not short,
     }
 
 

@@ -346,3 +346,66 @@ def test_cpu_by_process_is_refused_where_there_is_no_proc(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         serving.parse_args(["--cpu-by-process"])
     assert "reads /proc" in capsys.readouterr().err
+
+
+def test_a_closing_chunk_without_text_is_not_a_token():
+    """A server that ends its stream with an empty chunk carrying finish_reason, and sends no usage:
+    that chunk was counted as a 17th token of 16, and every request listed as short."""
+    class Closing(FakeCompletions):
+        async def create(self, *, max_tokens, **_):
+            async def chunks():
+                for _ in range(max_tokens):
+                    yield types.SimpleNamespace(choices=[types.SimpleNamespace(text="x", finish_reason=None)],
+                                                usage=None)
+                yield types.SimpleNamespace(choices=[types.SimpleNamespace(text="", finish_reason="length")],
+                                            usage=None)
+            return chunks()
+
+    records, wall = asyncio.run(run_level(types.SimpleNamespace(completions=Closing()), "m", [[1], [2]], 2, 16))
+    summary = summarize_level(records, wall, 16)
+    assert [r.tokens for r in records] == [16, 16] and summary["all_got_max_tokens"] and summary["valid"]
+    assert summary["tokens_counted_from"] == "chunks"
+
+
+def test_ratios_come_from_the_levels_that_ran_and_not_from_failed_ones():
+    """--levels 1 lost the lone-stream ratio (ratios needed level 16); a level whose requests failed
+    gave ratios of its failures (0.0 when all failed) with nothing to say so."""
+    from benchmarks.serving import ratios
+
+    baselines = {"one_at_a_time": {"output_tokens_per_s": 20.0, "decode_tokens_per_s_median": 25.0},
+                 "static_batch": {"output_tokens_per_s": 100.0, "expected_ttft_s_prefill_plus_2_steps": 4.0}}
+    ok = summarize_level([record(0.0, 0.5, 0.1, 4)], wall_s=1.0, max_tokens=4)
+    assert set(ratios({"1": ok}, baselines)) == {"level1_stream_decode_over_single_stream"}
+    failed = summarize_level([RequestRecord(sent_s=0.0, error="APIConnectionError: refused")], 1.0, 4)
+    assert not failed["valid"] and failed["tokens_counted_from"] == "none"
+    got = ratios({"1": ok, "16": failed}, baselines)
+    assert got["level16_over_static_batch"] is None and got["level16_over_one_at_a_time"] is None
+    assert got["level1_stream_decode_over_single_stream"] is not None
+
+
+def test_options_for_a_server_of_its_own_are_refused_with_someone_elses(capsys):
+    from benchmarks.serving import parse_args
+
+    for extra in (["--baselines", "--baselines-after"], ["--server-arg=--max-num-seqs=4"], ["--server-timeout", "5"]):
+        with pytest.raises(SystemExit):
+            parse_args(["--base-url", "http://h:1/v1", "--levels", "1", *extra])
+        assert "with --base-url the server is someone else's" in capsys.readouterr().err
+    assert parse_args(["--levels", "1"]).server_timeout == 900.0
+
+
+def test_sigterm_runs_the_clean_up_that_stops_the_server():
+    """`timeout` or a cancelled job sends SIGTERM: the server the benchmark started (its own
+    session) and its Ray were left running, the model loaded."""
+    import subprocess
+
+    script = ("import os, signal, time\n"
+              "from benchmarks.serving import _exit_on_termination\n"
+              "_exit_on_termination()\n"
+              "try:\n"
+              "    os.kill(os.getpid(), signal.SIGTERM)\n"
+              "    time.sleep(30)\n"
+              "finally:\n"
+              "    print('stopped the server', flush=True)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 128 + 15 and out.stdout.strip() == "stopped the server", out.stderr
