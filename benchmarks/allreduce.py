@@ -103,6 +103,36 @@ def _rank_main(rank: int, world_size: int, port: int, args, queue) -> None:
         queue.put({shape: {name: _stats(t) for name, t in per.items()} for shape, per in samples.items()})
 
 
+def _result(queue, procs, timeout_s: float) -> dict:
+    """Rank 0's report; RuntimeError as soon as a rank has exited without it (a crash or a failed
+    collective), rather than after the whole timeout."""
+    import queue as queues
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return queue.get(timeout=1.0)
+        except queues.Empty:
+            dead = [p for p in procs if not p.is_alive() and p.exitcode != 0]
+            if dead or not any(p.is_alive() for p in procs):
+                codes = ", ".join(f"rank {procs.index(p)} exit code {p.exitcode}" for p in procs if not p.is_alive())
+                raise RuntimeError(f"the ranks ended without a report ({codes}); see their output above") from None
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no report within --timeout-s {timeout_s:g} s") from None
+
+
+def _world_sizes(text: str) -> list[int]:
+    """--world-sizes: comma-separated integers of at least 2 (an all-reduce needs two ranks)."""
+    try:
+        sizes = [int(w) for w in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 2:
+        raise argparse.ArgumentTypeError(f"--world-sizes ({text!r}) must be comma-separated integers of at least 2, "
+                                         f"e.g. 2,3")
+    return sizes
+
+
 def run(world_size: int, args) -> dict:
     import torch.multiprocessing as mp
 
@@ -115,7 +145,7 @@ def run(world_size: int, args) -> dict:
     for p in procs:
         p.start()
     try:
-        result = queue.get(timeout=args.timeout_s)
+        result = _result(queue, procs, args.timeout_s)
     finally:
         for p in procs:
             p.join(timeout=30)
@@ -133,13 +163,13 @@ def main() -> None:
     parser.add_argument("--calls", type=int_at_least("--calls", 1), default=2000, help="timed calls per variant, shape and block")
     parser.add_argument("--warmup", type=int_at_least("--warmup", 0), default=100)
     parser.add_argument("--blocks", type=int_at_least("--blocks", 1), default=3)
-    parser.add_argument("--world-sizes", default="2,3")
+    parser.add_argument("--world-sizes", type=_world_sizes, default="2,3")
     parser.add_argument("--timeout-s", type=float, default=600)
     args = parser.parse_args()
     load_before = os.getloadavg()
     report = {"dtype": "float32", "threads_per_rank": 1, "cores": len(os.sched_getaffinity(0)),
               "calls": args.calls, "blocks": args.blocks, "loadavg_before": [round(x, 2) for x in load_before]}
-    for ws in (int(w) for w in args.world_sizes.split(",")):
+    for ws in args.world_sizes:
         report[f"{ws}_ranks"] = run(ws, args)
     report["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     print(json.dumps(report, indent=2))

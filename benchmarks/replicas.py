@@ -120,8 +120,10 @@ def main() -> None:
     model = str(ensure_demo_model())
     prompts = [PROMPTS[i % len(PROMPTS)] + ("" if i < len(PROMPTS) else " really") for i in range(args.requests)]
     per_rank = max(1, args.threads // args.replicas)
-    ray.init(num_cpus=args.threads + per_rank * args.replicas, include_dashboard=False, log_to_driver=False,
-             logging_level="ERROR")
+    # address="local": a private Ray of this host, never one `ray start` recorded (ray.init would join
+    # it and then refuse num_cpus)
+    ray.init(address="local", num_cpus=args.threads + per_rank * args.replicas, include_dashboard=False,
+             log_to_driver=False, logging_level="ERROR")
     cache = tempfile.mkdtemp(prefix="corelaunch-bench-cache-")
     common = dict(model=model, tp=1, dtype="float32", progress=False, max_batch_size=8)
     try:
