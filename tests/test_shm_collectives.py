@@ -546,13 +546,16 @@ def test_a_peer_that_never_arrives_times_out_naming_it(tmp_path):
         second.close()
 
 
-@pytest.mark.parametrize("step", ["all_reduce", "all_reduce_dtype", "broadcast", "gather"])
+@pytest.mark.parametrize("step", ["all_reduce", "all_reduce_dtype", "broadcast", "gather", "whole_slots",
+                                  "reduce_beside_gather"])
 def test_ranks_whose_calls_differ_in_size_or_dtype_fail_the_step_naming_both(tmp_path, step):
     """Rank 0 moves 4 float32 elements, rank 1 six (or bf16): the step fails on both, naming what
-    each sent, where the longer rank summed stale slot bytes into its tail and nobody noticed."""
+    each sent, where the longer rank summed stale slot bytes into its tail and nobody noticed.
+    whole_slots: rank 0's call is two slots long, rank 1's one slot, then another: chunk for chunk
+    they matched, and rank 1's second call was summed into rank 0's second half, silently."""
     from workers.shm.exchange import CollectiveTimeout
 
-    colls = thread_ranks(tmp_path, 2, timeout_s=10.0)
+    colls = thread_ranks(tmp_path, 2, timeout_s=10.0)  # 4096-byte slots: 1024 float32 elements
 
     def call(rank, world, coll):
         other = step == "all_reduce_dtype"
@@ -562,6 +565,11 @@ def test_ranks_whose_calls_differ_in_size_or_dtype_fail_the_step_naming_both(tmp
                 coll._x.broadcast_(x, 0)  # the exchange's own (the plan's broadcast goes through gloo)
             elif step == "gather":
                 coll.all_gather_rows(x)
+            elif step == "whole_slots":
+                for part in ([torch.ones(2048)] if rank == 0 else [torch.ones(1024), torch.ones(1024)]):
+                    coll.all_reduce_sum_(part)
+            elif step == "reduce_beside_gather":
+                coll.all_reduce_sum_(torch.ones(4)) if rank == 0 else coll.all_gather_rows(torch.ones(4))
             else:
                 coll.all_reduce_sum_(x)
         except CollectiveTimeout as err:
@@ -574,9 +582,13 @@ def test_ranks_whose_calls_differ_in_size_or_dtype_fail_the_step_naming_both(tmp
         for coll in colls:
             coll.close()
     if step == "broadcast":  # the root waits for nobody; the receiver names what the root sent
-        assert "moves 6 elements of torch.float32 here but 4 elements of torch.float32 from rank 0" in messages[1]
+        assert ("moves a broadcast of 6 elements of torch.float32 here but a broadcast of 4 elements of "
+                "torch.float32 from rank 0") in messages[1]
         return
-    theirs = "4 elements of torch.bfloat16" if step == "all_reduce_dtype" else "6 elements of torch.float32"
+    theirs = {"all_reduce_dtype": "a reduce of 4 elements of torch.bfloat16",
+              "whole_slots": "a reduce of 1024 elements of torch.float32",
+              "reduce_beside_gather": "a gather of 4 elements of torch.float32"}.get(
+        step, f"a {'gather' if step == 'gather' else 'reduce'} of 6 elements of torch.float32")
     assert f"here but {theirs} from rank 1" in messages[0], messages
     assert "the ranks called different collectives" in messages[1], messages
 

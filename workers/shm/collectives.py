@@ -53,9 +53,9 @@ class ShmCollectives(Collectives):
         step = self._x.max_numel(flat.dtype)
         if flat.numel() <= step:
             self._x.reduce_(flat)
-        else:
+        else:  # each chunk signed with the call's whole count: a call of other length fails at once
             for start, end in _chunks(flat.numel(), step):
-                self._x.reduce_(flat[start:end])
+                self._x.reduce_(flat[start:end], total=flat.numel())
         return tensor
 
     def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -65,7 +65,7 @@ class ShmCollectives(Collectives):
             return tensor.new_empty((*tensor.shape[:-1], n * tensor.shape[-1]))
         staged = torch.empty((n, numel), dtype=flat.dtype)  # (ranks, elements of one rank)
         for start, end in _chunks(numel, self._x.max_numel(flat.dtype)):
-            self._x.gather(flat[start:end], staged[:, start:end])
+            self._x.gather(flat[start:end], staged[:, start:end], total=numel)
         width = tensor.shape[-1]
         # (ranks, rows, width) -> (rows, ranks, width) -> (..., ranks * width): rank order along the last dim
         out = staged.view(n, -1, width).transpose(0, 1).reshape(*tensor.shape[:-1], n * width)
@@ -77,7 +77,7 @@ class ShmCollectives(Collectives):
         flat = tensor.contiguous().view(-1)
         staged = torch.empty((self._x.size, flat.numel()), dtype=flat.dtype)
         for start, end in _chunks(flat.numel(), self._x.max_numel(flat.dtype)):
-            self._x.gather(flat[start:end], staged[:, start:end])
+            self._x.gather(flat[start:end], staged[:, start:end], total=flat.numel())
         return staged.view(self._x.size * tensor.shape[0], *tensor.shape[1:])
 
     def reduce_scatter_rows(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -92,7 +92,7 @@ class ShmCollectives(Collectives):
             self._x.reduce_scatter(blocks, flat_out)
         else:
             for start, end in _chunks(blocks.shape[1], step):
-                self._x.reduce_scatter(blocks[:, start:end].contiguous(), flat_out[start:end])
+                self._x.reduce_scatter(blocks[:, start:end].contiguous(), flat_out[start:end], total=blocks.numel())
         return out
 
     def close(self) -> None:
@@ -136,18 +136,18 @@ class HierarchicalCollectives(Collectives):
         flat = tensor.view(-1)
         for start, end in _chunks(flat.numel(), self._chunk_bytes // flat.element_size()):
             part = flat[start:end]
-            local = self._gather_node(part)  # (ranks on this node, n): every rank takes part
+            local = self._gather_node(part, flat.numel())  # (ranks on this node, n): every rank takes part
             if self._leaders is not None:
                 self._sum_over_nodes_(part, local)
             if self._x is not None:
-                self._x.broadcast_(part, root=0)  # the leader's total to the rest of the node
+                self._x.broadcast_(part, root=0, total=flat.numel())  # the leader's total to the rest of the node
         return tensor
 
-    def _gather_node(self, part: torch.Tensor) -> torch.Tensor:
+    def _gather_node(self, part: torch.Tensor, total: int) -> torch.Tensor:
         if self._x is None:
             return part.unsqueeze(0)
         out = torch.empty((self._x.size, part.numel()), dtype=part.dtype)
-        self._x.gather(part, out)
+        self._x.gather(part, out, total=total)
         return out
 
     def _sum_over_nodes_(self, part: torch.Tensor, local: torch.Tensor) -> None:

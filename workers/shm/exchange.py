@@ -6,7 +6,7 @@ Layout of the segment of a node with n local ranks (offsets in bytes):
 
     0                     token: b"corelaunch-shm:" + the group's unique id (checked on attach)
     128 + 128 * i         local rank i's block: uint64 sequence counter, int32 pid, then at byte
-                          16 + 8 * b the signature (element count, dtype) of its last step in
+                          16 + 8 * b the signature (operation, the call's element count, dtype) of its last step in
                           buffer b (one cache line pair each, so counters written by different
                           ranks never share one)
     header                data: buffer 0 slots for local ranks 0 .. n-1, then buffer 1 slots
@@ -27,10 +27,13 @@ root waits for nobody, is it a real wait.
 Sums are taken in local-rank order on every rank (slot 0 + slot 1 + ...), so all ranks get
 bit-identical results.
 
-Agreement. With its slot each rank publishes the step's signature (element count and dtype) in its
-block's word for that buffer, and a rank that waits for peers' data compares theirs with its own:
-ranks whose calls differ fail the step at once (gloo refuses them too) rather than summing stale
-slot bytes into a longer tensor. The word for step k's buffer stays until step k + 2, which no peer
+Agreement. With its slot each rank publishes the step's signature in its block's word for that
+buffer: the operation, the dtype and the element count of the whole call the step is a chunk of
+(every rank cuts the same call into the same slot-sized chunks), and a rank that waits for peers'
+data compares theirs with its own: ranks whose calls differ fail the step at once rather than
+summing stale slot bytes into a longer tensor. The count is the call's, not the chunk's: a call
+one slot long beside one two slots long matched chunk for chunk, and the shorter rank's next call
+was summed into the longer one's second half, silently. The word for step k's buffer stays until step k + 2, which no peer
 can post before this rank has published k + 1.
 """
 
@@ -278,39 +281,40 @@ class NodeExchange:
         """Elements of `dtype` one step moves per rank."""
         return self.layout.slot_bytes // _itemsize(dtype)
 
-    def reduce_(self, flat: torch.Tensor) -> None:
-        """flat <- sum over local ranks of their `flat` (local-rank order); fits one slot."""
-        slots = self._post(flat)
+    def reduce_(self, flat: torch.Tensor, total: int | None = None) -> None:
+        """flat <- sum over local ranks of their `flat` (local-rank order); fits one slot. total:
+        the element count of the call `flat` is a chunk of (default: flat's own)."""
+        slots = self._post(flat, signature(flat, REDUCE, total))
         self._wait(self._seq, self._others, self._step_sig)
         self._all_reached = self._seq
         sum_in_rank_order_(flat, slots)
 
-    def broadcast_(self, flat: torch.Tensor, root: int = 0) -> None:
+    def broadcast_(self, flat: torch.Tensor, root: int = 0, total: int | None = None) -> None:
         """flat <- local rank `root`'s flat."""
         if self.local_rank == root:
-            self._post(flat)
+            self._post(flat, signature(flat, BROADCAST, total))
             return
         if self._broken:
             raise CollectiveTimeout(self._broken)
         self._seq += 1
         slots = self._slots(self._seq & 1, flat.dtype, flat.numel())
-        self._wait(self._seq, self._only[root], signature(flat))
+        self._wait(self._seq, self._only[root], signature(flat, BROADCAST, total))
         flat.copy_(slots[root])
         self._native.publish(self._my_counter, self._seq, 0)  # "done reading" for the root's next write
 
-    def reduce_scatter(self, blocks: torch.Tensor, out: torch.Tensor) -> None:
+    def reduce_scatter(self, blocks: torch.Tensor, out: torch.Tensor, total: int | None = None) -> None:
         """out <- sum over local ranks of their blocks[local_rank] (local-rank order); blocks is
         (size, m), contiguous, and fits one slot; out is (m,)."""
-        slots = self._post(blocks.view(-1))
+        slots = self._post(blocks.view(-1), signature(blocks, REDUCE_SCATTER, total))
         self._wait(self._seq, self._others, self._step_sig)
         self._all_reached = self._seq
         m = out.numel()
         mine = [slot[self.local_rank * m: (self.local_rank + 1) * m] for slot in slots]
         sum_in_rank_order_(out, mine)
 
-    def gather(self, flat: torch.Tensor, out: torch.Tensor) -> None:
+    def gather(self, flat: torch.Tensor, out: torch.Tensor, total: int | None = None) -> None:
         """out[i] <- local rank i's flat; out is (size, numel)."""
-        slots = self._post(flat)
+        slots = self._post(flat, signature(flat, GATHER, total))
         self._wait(self._seq, self._others, self._step_sig)
         self._all_reached = self._seq
         for i, slot in enumerate(slots):
@@ -322,8 +326,9 @@ class NodeExchange:
         offset = self.layout.counter_offset(local_rank) + 8 * (2 + (step & 1))
         return int(torch.frombuffer(self.segment._map, dtype=torch.int64, count=1, offset=offset)[0])
 
-    def _post(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Start step seq + 1: write this rank's slot and publish it; returns the step's slots."""
+    def _post(self, flat: torch.Tensor, sig: int) -> list[torch.Tensor]:
+        """Start step seq + 1: write this rank's slot and publish it with `sig` (signature());
+        returns the step's slots."""
         if self._broken:
             raise CollectiveTimeout(self._broken)
         seq = self._seq + 1
@@ -333,7 +338,7 @@ class NodeExchange:
         self._seq = seq
         slots = self._slots(seq & 1, flat.dtype, flat.numel())
         slots[self.local_rank].copy_(flat)
-        self._step_sig = signature(flat)
+        self._step_sig = sig
         self._native.publish(self._my_counter, seq, self._step_sig)
         return slots
 
@@ -388,12 +393,19 @@ _DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES, start=1)}
 _OTHER_DTYPE = 255
 
 
-def signature(flat: torch.Tensor) -> int:
-    """What one step moves, as a nonzero word every rank computes alike: element count and dtype."""
-    return flat.numel() << 8 | _DTYPE_CODES.get(flat.dtype, _OTHER_DTYPE)
+REDUCE, BROADCAST, GATHER, REDUCE_SCATTER = 1, 2, 3, 4
+_OPERATIONS = {REDUCE: "reduce", BROADCAST: "broadcast", GATHER: "gather", REDUCE_SCATTER: "reduce-scatter"}
+_MAX_TOTAL = (1 << 51) - 1  # the word is a signed 64-bit integer: 51 bits of count, 4 of operation, 8 of dtype
+
+
+def signature(part: torch.Tensor, operation: int, total: int | None = None) -> int:
+    """What one step is part of, as a nonzero word every rank computes alike: the operation, the
+    element count of the whole call (`total`; default: `part`'s own) and the dtype."""
+    total = part.numel() if total is None else total
+    return min(total, _MAX_TOTAL) << 12 | operation << 8 | _DTYPE_CODES.get(part.dtype, _OTHER_DTYPE)
 
 
 def describe_signature(sig: int) -> str:
     code = sig & 0xFF
     dtype = _DTYPES[code - 1] if 1 <= code <= len(_DTYPES) else "another dtype"
-    return f"{sig >> 8} elements of {dtype}"
+    return f"a {_OPERATIONS.get(sig >> 8 & 0xF, 'collective')} of {sig >> 12} elements of {dtype}"
