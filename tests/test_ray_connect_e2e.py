@@ -22,7 +22,11 @@ CONNECT_LOCAL = textwrap.dedent("""
     from launcher.cluster import ray_cluster
     connection = ray_cluster.connect("local", num_cpus=1)
     print(connection.started_here, ray.cluster_resources().get("CPU"), flush=True)
-    connection.close()
+    second = ray_cluster.connect("local", num_cpus=1)  # another launch of this process: it shares the session
+    connection.close()  # which must not end it under the second (its workers lost their driver)
+    print(second.started_here, ray.is_initialized(), flush=True)
+    second.close()
+    print(ray.is_initialized(), flush=True)
 """)
 
 
@@ -40,7 +44,7 @@ def test_local_starts_a_private_ray_even_with_a_cluster_recorded_on_the_host():
         out = subprocess.run([sys.executable, "-c", CONNECT_LOCAL], capture_output=True, text=True, timeout=180,
                              env=env, cwd=REPO)
         assert out.returncode == 0, out.stderr[-3000:]
-        assert out.stdout.split() == ["True", "1.0"]
+        assert out.stdout.split() == ["True", "1.0", "True", "True", "False"]
 
 
 @pytest.mark.parametrize("options, words", [
@@ -70,7 +74,10 @@ CONNECT_FOUND = textwrap.dedent("""
     from launcher.cluster import ray_cluster
     connection = ray_cluster.connect(None)
     print(connection.started_here, ray.cluster_resources().get("CPU"), flush=True)
-    connection.close()  # disconnects this process: a later launch goes where it is told
+    second = ray_cluster.connect(None)  # another launch of this process, sharing the session
+    connection.close()
+    print(ray.is_initialized(), flush=True)
+    second.close()  # the last one disconnects this process: a later launch goes where it is told
     print(ray.is_initialized(), flush=True)
     private = ray_cluster.connect("local", num_cpus=2)
     print(private.started_here, ray.cluster_resources().get("CPU"), flush=True)
@@ -116,7 +123,7 @@ def test_the_recorded_cluster_is_joined_with_token_authentication_as_ray_joins_i
             assert out.returncode == 0, out.stderr[-3000:]
             # joined (not started), then, once closed, a private cluster where "local" asked for one
             # (the first session stayed open and "local" ran on the joined cluster)
-            assert out.stdout.split() == ["False", "1.0", "False", "True", "2.0"]
+            assert out.stdout.split() == ["False", "1.0", "True", "False", "True", "2.0"]
             assert head.poll() is None  # the joined cluster was left running
         finally:
             os.killpg(head.pid, signal.SIGTERM)  # --block: ending it stops the cluster it started

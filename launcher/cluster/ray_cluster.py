@@ -6,19 +6,27 @@ private one. Never `address="auto"`, which joins whatever Ray processes a scan o
 another program's private cluster included (its prompts would go there, and its shutdown would
 kill this launch's workers).
 
-A private cluster advertises the loopback address, so its processes talk over 127.0.0.1; Ray
-2.60's servers still listen on every interface (the README's Security section lists the ports).
-Only a cluster this module started is shut down by it; a cluster the user runs, or a Ray session
-the calling program already opened, is left as it was.
+Ray 2.60's servers listen on every interface, and a private cluster advertises the host's own
+address (the README's Security section lists the ports). A session this module opened (a private
+cluster it started, or a running cluster it joined) is closed when the last launch of the process
+using it shuts down: a private cluster is stopped, a joined one only disconnected from. A cluster
+the user runs is left running, and a Ray session the calling program opened itself stays open.
 """
 
 from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
 from launcher.errors import LaunchError
+
+_OWN_SESSION = {"users": 0, "started_here": False, "address": ""}
+"""The Ray session this module opened in this process, and how many of its connections are open:
+the last one to close ends it, so one launch's shutdown no longer disconnected another launch of
+the same process from its workers."""
+_SESSION_LOCK = threading.Lock()
 
 
 @dataclass
@@ -27,15 +35,25 @@ class RayConnection:
     """True when corelaunch started this Ray instance (and so must shut it down)."""
     address: str
     joined_here: bool = False
-    """True when corelaunch joined a running cluster itself (ray.init with its address): closing
-    disconnects this process and leaves the cluster running. A later launch in the same process
-    then connects where it is told: the session left open took any later ray_address, "local"
-    included, to the first launch's cluster."""
+    """True when corelaunch joined a running cluster itself (ray.init with its address): the last
+    connection to close disconnects this process and leaves the cluster running. A later launch in
+    the same process then connects where it is told: the session left open took any later
+    ray_address, "local" included, to the first launch's cluster."""
+    closed: bool = field(default=False, repr=False)
 
     def close(self) -> None:
         import ray
 
-        if (self.started_here or self.joined_here) and ray.is_initialized():
+        if not (self.started_here or self.joined_here):
+            return  # the calling program's own session
+        with _SESSION_LOCK:
+            if self.closed:
+                return
+            self.closed = True
+            _OWN_SESSION["users"] -= 1
+            if _OWN_SESSION["users"] > 0:
+                return  # another launch of this process still uses it
+        if ray.is_initialized():
             # Ray's calls start a new local Ray when none is connected (its auto-init): a thread of
             # this launcher still waiting on its ranks (a late restart) would start one behind its
             # back, between any check of ray.is_initialized() and its call. Off until the next
@@ -172,6 +190,11 @@ def connect(address: str | None = None, num_cpus: int | None = None, worker_logs
     quiet = dict(log_to_driver=worker_logs, logging_level="ERROR")
     _auto_init(True)  # as Ray has it, once a launch connects on purpose again (close() turned it off)
     if ray.is_initialized():
+        with _SESSION_LOCK:
+            if _OWN_SESSION["users"] > 0:  # opened here for an earlier launch still running: shared
+                _OWN_SESSION["users"] += 1
+                started = _OWN_SESSION["started_here"]
+                return RayConnection(started_here=started, address=_OWN_SESSION["address"], joined_here=not started)
         return RayConnection(started_here=False, address="existing session")
     if address is None:
         address = os.environ.get("RAY_ADDRESS") or recorded_cluster()
@@ -209,12 +232,19 @@ def connect(address: str | None = None, num_cpus: int | None = None, worker_logs
                         "~/.ray/auth_token exists), set RAY_AUTH_MODE=token, with its token in ~/.ray/auth_token "
                         "or RAY_AUTH_TOKEN")
             raise LaunchError(f"no Ray cluster answered at {address!r} ({how}; {err}); {fix}") from None
+        _opened(started_here=False, address=address)
         return RayConnection(started_here=False, address=address, joined_here=True)
     # address="local" said outright: without it ray.init joins a cluster that `ray start` recorded on
     # this host after the lookup above (another program's), and then refuses num_cpus.
     # (No node address: Ray 2.60 replaces 127.0.0.1 given as one with the host's own address.)
     ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, **quiet)
+    _opened(started_here=True, address="local")
     return RayConnection(started_here=True, address="local")
+
+
+def _opened(started_here: bool, address: str) -> None:
+    with _SESSION_LOCK:
+        _OWN_SESSION.update(users=1, started_here=started_here, address=address)
 
 
 def _token_auth_as_ray_does_for_a_found_cluster() -> None:
