@@ -465,16 +465,9 @@ class Launcher:
         if self.plan is not None:
             return self
         from launcher.artifacts.compiled_dir import load_spec_fields
-        from launcher.launch_plan import plan_launch
+        from launcher.launch_plan import plan_launch, with_artifact_settings
 
-        if self.config.compiled_dir is not None:
-            from launcher.artifacts.compiled_dir import apply_compiled_dir
-
-            self.config = apply_compiled_dir(self.config)  # its weights, graphs and settings
-        elif self.config.presharded_dir is not None:
-            from launcher.artifacts.presharded_dir import apply_presharded_dir
-
-            self.config = apply_presharded_dir(self.config)  # the layout its weights were cut for
+        self.config = with_artifact_settings(self.config)  # a compiled directory's or pre-sharded copy's
         planned = plan_launch(self.config, self._progress)
         self.model_dir, self.model_config = planned.model_dir, planned.model_config
         self._generation_eos = generation_eos_ids(self.model_dir)  # before Ray: a bad file is named now

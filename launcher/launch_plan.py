@@ -39,6 +39,22 @@ def resolve_model_dir(model: str | None) -> Path:
     return Path(ensure_demo_model())
 
 
+def with_artifact_settings(config):
+    """config with what its --compiled directory (its model, layout, settings and buckets) or its
+    --presharded copy (the layout it was cut for) brings; ValueError naming an option that
+    contradicts it. Every planner of a launch (the Launcher, `corelaunch serve`, a Serve replica's
+    CPU share) plans from this, so all of them plan the same TP degree."""
+    if config.compiled_dir is not None:
+        from launcher.artifacts.compiled_dir import apply_compiled_dir
+
+        return apply_compiled_dir(config)
+    if config.presharded_dir is not None:
+        from launcher.artifacts.presharded_dir import apply_presharded_dir
+
+        return apply_presharded_dir(config)
+    return config
+
+
 def plan_launch(config, progress: Progress, nothing_done: str = "nothing was started") -> PlannedLaunch:
     """Plan config (a LaunchConfig); PlanRejected naming every failed rule (or every part of the
     checkpoint the workers cannot run), ending with `nothing_done`."""

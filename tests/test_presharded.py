@@ -422,3 +422,16 @@ def test_a_launch_takes_the_layout_its_presharded_weights_were_cut_for(llama_tp3
         Launcher(**common, tp=2, dtype="bfloat16").prepare()
     with pytest.raises(ValueError, match=r"--kv-strategy replicate_to_tp \(it was written for convert_to_mha\)"):
         Launcher(**common, tp=3, kv_strategy="replicate_to_tp").prepare()
+
+
+def test_a_serve_replicas_cpu_share_is_sized_for_the_copys_tp_degree(llama_tp3, sources, monkeypatch, ray_tripwire):
+    """The share was planned from the raw settings (--tp auto: the planner's own degree), while the
+    replica's Launcher ran the copy's TP 3: 3 ranks at the share of fewer never fit."""
+    from launcher.cluster import placement
+    from launcher.cluster.resources import cpu_rank_resources
+    from launcher.serving import openai_app
+
+    node = placement.NodeInfo(node_id="n", address="127.0.0.1", total={"CPU": 4.0}, free={"CPU": 4.0})
+    monkeypatch.setattr(placement, "alive_nodes", lambda: [node])
+    launch = dict(model=str(sources["llama"]), presharded_dir=str(llama_tp3[0]), progress=False)
+    assert openai_app._cpus_per_rank(launch, 1) == cpu_rank_resources(3, [4.0]).num_cpus == 1

@@ -166,17 +166,11 @@ def _plan(settings) -> None:
     import dataclasses
 
     from launcher.api import LaunchConfig
-    from launcher.artifacts.compiled_dir import apply_compiled_dir
-    from launcher.launch_plan import check_groups_fit, groups_this_host_holds, plan_launch
+    from launcher.launch_plan import check_groups_fit, groups_this_host_holds, plan_launch, with_artifact_settings
     from launcher.progress import Progress
 
     config = LaunchConfig(**settings.launch)
-    if config.compiled_dir is not None:  # its model and settings, as each replica's Launcher takes them
-        config = apply_compiled_dir(config)
-    elif config.presharded_dir is not None:
-        from launcher.artifacts.presharded_dir import apply_presharded_dir
-
-        config = apply_presharded_dir(config)
+    config = with_artifact_settings(config)  # as each replica's Launcher takes them
     planned = plan_launch(config, Progress(False))
     holds = groups_this_host_holds(dataclasses.replace(config, ray_address="local"), planned.plan, planned.backend)
     name = "--replicas" if settings.autoscaling is None else "--max-replicas"

@@ -98,10 +98,10 @@ def _cpus_per_rank(launch: dict, serve_replicas: int) -> float:
     from launcher.api import LaunchConfig
     from launcher.cluster.placement import alive_nodes
     from launcher.cluster.resources import cpu_rank_resources
-    from launcher.launch_plan import plan_launch
+    from launcher.launch_plan import plan_launch, with_artifact_settings
     from launcher.progress import Progress
 
-    config = LaunchConfig(**launch)
+    config = with_artifact_settings(LaunchConfig(**launch))  # the TP degree the replica's Launcher runs
     tp = plan_launch(config, Progress(False)).plan.tp_degree
     node_cpus = [n.total.get("CPU", 0.0) for n in alive_nodes()]
     return cpu_rank_resources(tp, node_cpus, nodes=config.nodes, replicas=serve_replicas).num_cpus
