@@ -10,7 +10,7 @@ from __future__ import annotations
 import operator
 from typing import Sequence
 
-from shardlib.positive_int import positive_int
+from shardlib.positive_int import integer_of_any_kind, positive_int
 
 
 def check_request(prompts: Sequence[Sequence[int]], params: Sequence, max_new_tokens: int,
@@ -57,11 +57,7 @@ def check_stop_token_ids(stop_token_ids: Sequence[int], vocab_size: int) -> tupl
 def is_token_index(value) -> bool:
     """An integer of any kind (numpy's and torch's included), but not a bool (a 0-d torch bool
     tensor indexes as 0 or 1)."""
-    try:
-        operator.index(value)
-    except TypeError:
-        return False
-    return not isinstance(value, bool) and str(getattr(value, "dtype", "")) != "torch.bool"
+    return integer_of_any_kind(value) is not None
 
 
 def check_fits(prompts: Sequence[Sequence[int]], max_new_tokens: int, limit: int, limit_name: str, *,
