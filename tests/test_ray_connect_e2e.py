@@ -135,3 +135,46 @@ def test_the_recorded_cluster_is_joined_with_token_authentication_as_ray_joins_i
                 os.killpg(head.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+INTERRUPTED_CONNECT = textwrap.dedent("""
+    import os, signal, sys, threading
+    from launcher.cluster import ray_cluster
+    threading.Timer(float(sys.argv[1]), lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    try:
+        ray_cluster.connect("local", num_cpus=1)
+        print("connected", flush=True)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+""")
+
+
+def test_ctrl_c_while_a_private_cluster_starts_leaves_nothing_running():
+    """Ctrl-C inside ray.init left a node no ray.shutdown() could reach, and no connection to close:
+    Ray's dashboard and runtime-env agents outlived the command by a minute or more."""
+    import time
+
+    with tempfile.TemporaryDirectory(prefix="clray", dir="/tmp") as tmp:
+        env = {**os.environ, "RAY_TMPDIR": tmp}
+        env.pop("RAY_ADDRESS", None)
+        for delay in ("1.0", "2.0"):  # inside ray.init's start of the node's processes, on 2 cores
+            out = subprocess.run([sys.executable, "-c", INTERRUPTED_CONNECT, delay], capture_output=True, text=True,
+                                 timeout=180, env=env, cwd=REPO)
+            assert out.returncode == 0 and out.stdout.split() in (["interrupted"], ["connected"]), out.stderr[-2000:]
+            time.sleep(3)  # what a shutdown stops is gone within it
+            left = _processes_with(f"RAY_TMPDIR={tmp}")
+            assert not left, f"processes of the interrupted start still running: {left}"
+
+
+def _processes_with(variable: str) -> list[str]:
+    """The processes whose environment holds `variable` (NAME=VALUE): Ray's agents rename
+    themselves (ray::DashboardAgent), so their command lines name no path of the test's."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and variable.encode() in (proc / "environ").read_bytes().split(b"\0"):
+                command = (proc / "cmdline").read_bytes().replace(b"\0", b" ")[:80].decode(errors="replace")
+                found.append(f"{proc.name} {command}")
+        except OSError:  # gone meanwhile, or another user's
+            continue
+    return found

@@ -58,6 +58,10 @@ def run() -> None:
     """The `corelaunch` command: main(), then exit with its code. After Ctrl-C the workers and Ray
     are already stopped, and the interpreter's own teardown (about 1.7 s measured on the
     development machine, mostly library exit hooks) is skipped, so the command returns at once."""
+    if sys.stdout is None:  # started with fd 1 closed (`>&-`): the whole run's output would be lost
+        print("corelaunch: stdout is closed; run it with stdout open (`> /dev/null` to discard the output)",
+              file=sys.stderr)
+        sys.exit(2)
     try:
         code = main()
         sys.stdout.flush()  # into a pipe stdout is block-buffered: a reader that left shows here, not at exit

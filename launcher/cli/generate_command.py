@@ -57,6 +57,7 @@ def launch_config(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     from launcher.api import Launcher
     from launcher.compile_report import compile_message
+    from launcher.cli.command_stdout import ray_output_on_stderr
     from launcher.cli.exit_codes import exit_code_for
     from launcher.errors import LaunchError
 
@@ -68,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         sampling = _sampling(args)
         launcher = Launcher(launch_config(args))
         launcher.check_prompts(prompts, sampling, max_new_tokens=args.max_new_tokens)  # before Ray starts
-        with launcher:
+        with ray_output_on_stderr(), launcher:  # the result goes to stdout once Ray has stopped
             results = launcher.generate(prompts, sampling, max_new_tokens=args.max_new_tokens)
             compiled = launcher.compile_stats()  # graphs built inside the requests show up here
             report = {

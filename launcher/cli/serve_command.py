@@ -178,6 +178,13 @@ def _plan(settings) -> None:
 
 
 def _serve(args: argparse.Namespace, settings, mode: str) -> int:
+    from launcher.cli.command_stdout import ray_output_on_stderr
+
+    with ray_output_on_stderr() as stdout:  # the ready line is stdout's, and Ray's messages are not
+        return _serve_on(args, settings, mode, stdout)
+
+
+def _serve_on(args: argparse.Namespace, settings, mode: str, stdout) -> int:
     from ray import serve
 
     from launcher.cluster import ray_cluster
@@ -207,7 +214,8 @@ def _serve(args: argparse.Namespace, settings, mode: str) -> int:
             return 1
         if stop.is_set():
             return 0
-        print(f"corelaunch: serving {settings.served_model_name} at {base_url(args.host, args.port)}/v1", flush=True)
+        print(f"corelaunch: serving {settings.served_model_name} at {base_url(args.host, args.port)}/v1", flush=True,
+              file=stdout)
         while not stop.wait(1.0):
             pass
         return 0

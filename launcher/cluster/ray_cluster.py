@@ -224,7 +224,7 @@ def connect(address: str | None = None, num_cpus: int | None = None, worker_logs
             # ~/.ray/auth_token, has it on), and never for an address given outright.
             _token_auth_as_ray_does_for_a_found_cluster()
         try:
-            ray.init(address=address, **quiet)
+            _init(address=address, **quiet)
         except ConnectionError as err:
             if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
                 # Ray's refusal of a missing token reads as any failed connection
@@ -237,9 +237,33 @@ def connect(address: str | None = None, num_cpus: int | None = None, worker_logs
     # address="local" said outright: without it ray.init joins a cluster that `ray start` recorded on
     # this host after the lookup above (another program's), and then refuses num_cpus.
     # (No node address: Ray 2.60 replaces 127.0.0.1 given as one with the host's own address.)
-    ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, **quiet)
+    _init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, **quiet)
     _opened(started_here=True, address="local")
     return RayConnection(started_here=True, address="local")
+
+
+def _init(**options) -> None:
+    """ray.init, with Ctrl-C held until it has returned and then shutting down what it started. A
+    KeyboardInterrupt inside it (while a private cluster starts its processes) left a node no
+    ray.shutdown() can reach (not yet Ray's global one) and the caller no connection to close:
+    Ray's dashboard and runtime-env agents outlived the command by a minute or more."""
+    import signal
+    import threading
+
+    import ray
+
+    if threading.current_thread() is not threading.main_thread():
+        ray.init(**options)  # signals reach the main thread only
+        return
+    interrupted = []
+    previous = signal.signal(signal.SIGINT, lambda *_: interrupted.append(True))
+    try:
+        ray.init(**options)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if interrupted:
+        ray.shutdown()
+        raise KeyboardInterrupt
 
 
 def _opened(started_here: bool, address: str) -> None:
