@@ -84,15 +84,15 @@ def unusable(path: Path, model_dir: str | Path) -> str | None:
     copy the user never wrote), or weights that are not those the copy was cut from (a checkpoint
     replaced in place with the same sizes and times, which the key cannot see). Such a copy is
     loaded around and written again."""
-    from shardlib.presharded import MANIFEST
+    from shardlib.presharded import read_manifest
     from shardlib.weights_fingerprint import FIELD, weights_fingerprint
 
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
+        manifest = read_manifest(path)  # every field of its type, or ValueError
         for entry in manifest["files"]:
             if (path / entry["file"]).stat().st_size != entry["bytes"]:
                 return f"{path / entry['file']} is not the size its manifest records"
-    except (OSError, ValueError, KeyError, TypeError) as err:
+    except (OSError, ValueError) as err:
         return f"its manifest or files cannot be read ({type(err).__name__}: {err})"
     recorded = manifest.get(FIELD)
     if isinstance(recorded, str) and weights_fingerprint(model_dir) not in (None, recorded):
