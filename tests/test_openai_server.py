@@ -554,10 +554,11 @@ def test_serve_config_example_is_a_valid_serve_config():
 
 # ---- slow: a real server ---------------------------------------------------------------------
 @contextlib.contextmanager
-def running_server(log: Path, *options: str):
+def running_server(log: Path, *options: str, stop_group: bool = False):
     """`corelaunch serve --tp 1 --no-compile OPTIONS` in a subprocess on a free loopback port, until
     GET /health answers 200; yields its base URL and pid, then stops it with SIGTERM and checks it
-    exits 0."""
+    exits 0. stop_group: the SIGTERM goes to its whole process group (as systemd stopping a unit, or
+    `kill -- -PGID`, sends it), its private Ray's processes included."""
     import requests
 
     from workers.net import free_port_for_a_late_bind
@@ -566,7 +567,8 @@ def running_server(log: Path, *options: str):
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "launcher", "serve", "--tp", "1", "--port", str(port), "--no-compile", *options],
-            cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "CORELAUNCH_API_KEY": ""})
+            cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "CORELAUNCH_API_KEY": ""},
+            start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 540
@@ -581,13 +583,17 @@ def running_server(log: Path, *options: str):
             time.sleep(1)
         yield SimpleNamespace(url=url, pid=proc.pid)
     finally:
-        proc.send_signal(signal.SIGTERM)
+        stopping = time.monotonic()
+        (os.killpg if stop_group else os.kill)(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=90)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
+        stopped_in = time.monotonic() - stopping
     assert proc.returncode == 0, log.read_text()[-4000:]
+    # Serve's graceful shutdown waited 30 s for a controller the group's signal had taken.
+    assert not stop_group or stopped_in < 28, f"stopped {stopped_in:.0f} s after the group's SIGTERM"
 
 
 @pytest.fixture(scope="module")
@@ -993,13 +999,15 @@ def test_direct_ingress_is_the_replicas_own_server(server):
 def test_proxy_ingress_serves_the_same_stream(tmp_path, hf):
     """--ingress proxy (what several replicas use), with two replicas: Serve's proxy on --port streams
     the same greedy text as transformers, the replicas' own servers are not what answers, and
-    /metrics shows both replicas' series, whichever replica answers it."""
+    /metrics shows both replicas' series, whichever replica answers it. A SIGTERM to the command's
+    whole process group then stops it, exit 0, in well under Serve's 30 s shutdown wait."""
     import openai
 
     import requests
 
     expected = hf.greedy(hf.tok(PROMPT)["input_ids"], 8)
-    with running_server(tmp_path / "serve.log", "--ingress", "proxy", "--max-num-seqs", "1", "--replicas", "2") as running:
+    with running_server(tmp_path / "serve.log", "--ingress", "proxy", "--max-num-seqs", "1", "--replicas", "2",
+                        stop_group=True) as running:
         client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", timeout=300, max_retries=0)
         stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, stream=True)
         assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == expected

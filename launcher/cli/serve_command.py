@@ -4,7 +4,7 @@ Every option is checked (and the layout planned) before Ray starts; then Serve s
 replica loads the model into its own TP group, and HTTP on --host:--port is answered by the one
 replica's own server or by Serve's proxy (--ingress; launcher/serving/ingress.py). The command prints
 `corelaunch: serving NAME at http://HOST:PORT/v1` once GET /health answers 200. SIGINT or SIGTERM
-shuts Serve down and stops Ray.
+shuts Serve down and stops Ray; a second signal stops waiting for Serve's graceful shutdown.
 """
 
 from __future__ import annotations
@@ -177,6 +177,26 @@ def _plan(settings) -> None:
     check_groups_fit(settings.most_replicas, name, planned.plan, holds)
 
 
+class StopSignals:
+    """SIGINT and SIGTERM as requests to stop. The first sets `requested` (by_sigterm says which came);
+    a second raises KeyboardInterrupt wherever the main thread is, cutting short the graceful
+    shutdown the first began (exit 130)."""
+
+    def __init__(self) -> None:
+        self.requested = threading.Event()
+        self.by_sigterm = False
+
+    def install(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        if self.requested.is_set():
+            raise KeyboardInterrupt
+        self.by_sigterm = signum == signal.SIGTERM
+        self.requested.set()
+
+
 def _serve(args: argparse.Namespace, settings, mode: str) -> int:
     from launcher.cli.command_stdout import ray_output_on_stderr
 
@@ -196,9 +216,9 @@ def _serve_on(args: argparse.Namespace, settings, mode: str, stdout) -> int:
     connection = ray_cluster.connect("local", worker_logs=not args.quiet)
     # After ray.init, which installs its own SIGTERM handler: a signal now only asks the main thread
     # to stop, so Serve and Ray are shut down below rather than killed mid-way.
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    signals = StopSignals()
+    signals.install()
+    stop = signals.requested
     try:
         failure = _start_serve(serve, args.host, ingress.proxy_port)
         if failure is not None:
@@ -220,8 +240,13 @@ def _serve_on(args: argparse.Namespace, settings, mode: str, stdout) -> int:
             pass
         return 0
     finally:
-        serve.shutdown()
-        connection.close()
+        try:
+            # A SIGTERM sent to the whole group took Ray's processes too: nothing is left to shut
+            # down gracefully. (SIGINT, Ctrl-C's, is blocked in Ray's processes.)
+            if not (signals.by_sigterm and ray_cluster.private_cluster_dying(within_s=0.5)):
+                serve.shutdown()
+        finally:
+            connection.close()
 
 
 def ingress_plan(args: argparse.Namespace, mode: str) -> IngressPlan:

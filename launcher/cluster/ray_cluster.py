@@ -242,6 +242,30 @@ def connect(address: str | None = None, num_cpus: int | None = None, worker_logs
     return RayConnection(started_here=True, address="local")
 
 
+def private_cluster_dying(within_s: float) -> bool:
+    """True when a process of the private Ray this process started (its GCS, raylet, dashboard or
+    log monitor) has exited, waiting up to within_s for one to. A SIGTERM sent to the whole process
+    group (`kill -- -PGID`, systemd stopping a unit, `timeout`) reaches Ray's processes as well as
+    this one (Ray blocks only SIGINT in them), and then the cluster is going down under a graceful
+    shutdown: Serve's waited 30 s for a controller that could no longer answer. False for a cluster
+    this process did not start, or a Ray without the node record read here."""
+    import time
+
+    import ray
+
+    node = getattr(getattr(ray, "_private", None), "worker", None)
+    node = getattr(node, "_global_node", None)
+    if node is None or not _OWN_SESSION["started_here"] or not hasattr(node, "dead_processes"):
+        return False
+    deadline = time.monotonic() + within_s
+    while True:
+        if node.dead_processes():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
 def _init(**options) -> None:
     """ray.init, with Ctrl-C held until it has returned and then shutting down what it started. A
     KeyboardInterrupt inside it (while a private cluster starts its processes) left a node no
