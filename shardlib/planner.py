@@ -12,7 +12,8 @@ values, the rule and the ways out. Rules and their error codes (the facts behind
                          weights, the largest matrix it packs: MemoryEstimate) exceed the memory of
                          the cores it drives (its GPU on a gpu node), less RESERVE_FRACTION (on
                          `cpu`: all ranks together against RAM).
-- unsupported_tp_degree: the ranks per node are not a degree NxD Inference supports on the family.
+- unsupported_tp_degree: the ranks per node are not a degree NxD Inference supports on the family,
+                         or a neuron TP 4 group spans nodes (NXD_LOCAL_TP_DEGREE).
 - not_enough_cores:      TP x cores per rank exceeds the NeuronCores (or GPUs) of the nodes.
 - invalid_lnc:           LNC other than 1 or 2, or LNC 2 where the hardware has no LNC 2.
 - moe_sharding_incompatible: mixture-of-experts models: the asked moe_sharding breaks its rule at
@@ -67,6 +68,10 @@ _MAX_SUGGESTED_NODES = 8
 _NOTHING_FITS = ("none found with up to {nodes} nodes, the known instances and the lower-precision "
                  "dtypes; a smaller seq_len or batch_size only shrinks the KV cache")
 
+
+NXD_LOCAL_TP_DEGREE = 4
+"""neuronx-distributed's parallel_state lays out TP 4 as a special case (trn1's ring of four cores
+within a node): its group mesh divides LOCAL_WORLD_SIZE by 4, so the four ranks must be on one node."""
 
 @dataclass(frozen=True)
 class PlanIssue:
@@ -374,6 +379,8 @@ def _check(req: _Request, tp: int) -> _Check:
     supported = inst.supported_tp_degrees(req.lnc)
     if supported is not None and (tp % req.nodes or ranks_per_node not in supported):
         codes.append("unsupported_tp_degree")
+    elif inst.is_neuron and tp == NXD_LOCAL_TP_DEGREE and req.nodes > 1:
+        codes.append("unsupported_tp_degree")
     if inst.limits_ranks_per_node and ranks_per_node > inst.logical_cores(req.lnc):
         codes.append("not_enough_cores")
 
@@ -544,6 +551,11 @@ def _describe(code: str, req: _Request, check: _Check, hint_degrees: list[int]) 
         at_lnc = f" at LNC {req.lnc}" if len(inst.allowed_lncs) > 1 else ""
         if tp % req.nodes:
             what = f"tp_degree ({tp}) does not split evenly over {req.nodes} nodes"
+        elif inst.is_neuron and tp == NXD_LOCAL_TP_DEGREE and req.nodes > 1:
+            return (f"tp_degree ({tp}) over {req.nodes} nodes: neuronx-distributed builds a TP {tp} group from "
+                    f"{tp} ranks of one node (its process groups divide the node's ranks by {tp}), so a group "
+                    f"split over nodes fails as it starts; use --nodes 1 on an instance with {tp} or more "
+                    f"NeuronCores, or another degree; {works}")
         elif req.nodes > 1:
             what = (f"tp_degree ({tp}) over {req.nodes} nodes puts {check.ranks_per_node} ranks on each "
                     f"node, which is not a supported degree on {inst.family}")
@@ -560,6 +572,10 @@ def _describe(code: str, req: _Request, check: _Check, hint_degrees: list[int]) 
         # (one rank per node always is one)
         nodes = next((n for n in range(math.ceil(tp / logical), tp + 1) if tp % n == 0 and tp // n <= logical
                       and (supported is None or tp // n in supported)), tp)
+        if tp == NXD_LOCAL_TP_DEGREE:  # never split over nodes: the way out is a larger instance
+            return (f"tp_degree ({tp}) needs {tp} logical NeuronCores on one node (neuronx-distributed builds a "
+                    f"TP {tp} group from one node's ranks) but {inst.name} has {logical} at LNC {req.lnc}; use "
+                    f"an instance with {tp * req.lnc} or more NeuronCores, or another degree; {works}")
         msg = (f"tp_degree ({tp}) needs {tp} logical NeuronCores ({req.lnc} physical per rank at LNC "
                f"{req.lnc}) but {inst.name} has {logical} per node x {req.nodes} node(s) = "
                f"{logical * req.nodes}; use --nodes {nodes} ({tp // nodes} ranks per node)")

@@ -227,12 +227,27 @@ def test_trn2_defaults_to_lnc2_with_64_logical_cores():
 
 
 def test_not_enough_cores_on_inf2_xlarge_and_more_nodes():
-    p = plan(MISTRAL_7B, instance="inf2.xlarge", tp=4)
+    p = plan(MISTRAL_7B, instance="inf2.xlarge", tp=8)
     assert codes(p) == {"not_enough_cores"}
-    assert "--nodes 2" in p.errors[0].message
-    assert plan(MISTRAL_7B, instance="inf2.xlarge", tp=4, nodes=2).valid
+    assert "--nodes 4" in p.errors[0].message
+    assert plan(MISTRAL_7B, instance="inf2.xlarge", tp=8, nodes=4).valid
     uneven = plan(MISTRAL_7B, instance="trn1.32xlarge", tp=8, nodes=2)  # 4 per node: not a trn1 degree
     assert codes(uneven) == {"unsupported_tp_degree"}
+
+
+def test_neuron_tp_4_keeps_its_four_ranks_on_one_node():
+    """neuronx-distributed's parallel_state builds TP 4 groups from one node's ranks (it divides
+    LOCAL_WORLD_SIZE by 4): TP 4 as 2 + 2 over two nodes passed the plan and would fail as the
+    ranks start. Refused, with the way out a larger instance rather than more nodes."""
+    for instance in ("inf2.xlarge", "trn1.2xlarge"):
+        split = plan(MISTRAL_7B, instance=instance, tp=4, nodes=2)
+        assert codes(split) == {"unsupported_tp_degree"}
+        assert "one node" in split.errors[0].message and "--nodes 1" in split.errors[0].message
+        alone = message(plan(MISTRAL_7B, instance=instance, tp=4), "not_enough_cores")
+        assert "--nodes" not in alone and "an instance with 4 or more NeuronCores" in alone
+    assert plan(MISTRAL_7B, instance="inf2.24xlarge", tp=4).valid  # four cores of one node
+    assert plan(MISTRAL_7B, instance="trn1.32xlarge", tp=16, nodes=2).valid  # other degrees still split
+    assert plan(MISTRAL_7B, instance="cpu", tp=4, nodes=2).valid  # no NxD on the cpu backend
 
 
 def test_the_node_count_named_for_more_cores_passes_the_per_node_degrees():
