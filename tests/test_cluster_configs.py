@@ -98,3 +98,20 @@ def test_nodes_get_a_python_corelaunch_runs_on(name):
     made = re.search(r"python(\d+)\.(\d+) -m venv \$HOME/corelaunch-venv", setup)
     assert made and tuple(int(n) for n in made.groups()) >= required, setup
     assert f"python{made.group(1)}.{made.group(2)}-venv" in setup  # Ubuntu ships venv apart
+
+
+def test_the_neuron_extra_lists_what_the_backend_imports_and_the_compiler():
+    """The `[neuron]` extra listed NxD Inference, which nothing imports and whose releases have
+    pinned transformers below corelaunch's own requirement, so the install could not resolve; and
+    it left out the compiler, which Neuron's install guide names beside torch-neuronx."""
+    import re
+    import tomllib
+
+    repo = Path(__file__).resolve().parents[1]
+    extra = tomllib.loads((repo / "pyproject.toml").read_text())["project"]["optional-dependencies"]["neuron"]
+    listed = {re.split(r"[=<>!~ \[]", requirement, maxsplit=1)[0] for requirement in extra}
+    sources = "\n".join(p.read_text() for folder in ("workers", "launcher") for p in (repo / folder).rglob("*.py"))
+    imported = {name.split(".")[0].replace("_", "-") for name in re.findall(r'import_neuron_module\("([\w.]+)"', sources)}
+    assert {"torch-neuronx", "neuronx-distributed"} <= imported  # what the backend reaches for
+    assert listed - {"neuronx-cc"} <= imported, listed - imported  # nothing listed that is never imported
+    assert {"neuronx-cc", "torch-neuronx", "neuronx-distributed"} <= listed
