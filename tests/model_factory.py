@@ -29,9 +29,12 @@ def build_random_model(model_type: str = "llama", *, hidden_size: int = 64, inte
     import transformers
 
     if model_type in MOE_CONFIGS:
+        if rope_scaling is not None and model_type == "dbrx":
+            raise ValueError("the factory's dbrx takes no rope_scaling (its rope sits in attn_config)")
+        scaling = {} if rope_scaling is None else {"rope_scaling": rope_scaling}  # it was dropped, unseen
         config = MOE_CONFIGS[model_type](hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads,
                                          vocab_size, num_experts, experts_per_token, initializer_range,
-                                         max_position_embeddings, {**extra, **(moe_options or {})})
+                                         max_position_embeddings, {**extra, **scaling, **(moe_options or {})})
         torch.manual_seed(seed)
         return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     config_cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,

@@ -43,6 +43,15 @@ WINDOWED = {
     "mixtral_window": dict(model_type="mixtral", sliding_window=4),
     "qwen3_moe_window": dict(model_type="qwen3_moe", sliding_window=4, use_sliding_window=True),
 }
+# Rope scaling on the families that take it: the prompts' 9 tokens and 8 new ones run past the
+# original context of 8. (Mixtral's config has no head_dim of its own to scale by: given here.)
+ROPE_SCALED = {
+    "mixtral_yarn": dict(model_type="mixtral", head_dim=16, max_position_embeddings=64,
+                         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}),
+    "qwen3_moe_llama3": dict(model_type="qwen3_moe", max_position_embeddings=64,
+                             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 8}),
+}
 # (tp, moe sharding, the KV strategy the layout must pick); 4 KV-head-2 models at TP 4 replicate
 DEGREES = [(2, TENSOR_PARALLEL, KVStrategy.SHARD), (2, EXPERT_PARALLEL, KVStrategy.SHARD),
            (4, TENSOR_PARALLEL, KVStrategy.REPLICATE_TO_TP), (4, EXPERT_PARALLEL, KVStrategy.REPLICATE_TO_TP)]
@@ -58,7 +67,7 @@ def hf_greedy(model, prompt: list[int]) -> list[int]:
 @functools.lru_cache(maxsize=None)
 def reference(family: str):
     """(transformers model, ModelConfig, checkpoint tensors, greedy tokens per prompt)."""
-    model = build_random_model(**{**FAMILIES, **WINDOWED}[family])
+    model = build_random_model(**{**FAMILIES, **WINDOWED, **ROPE_SCALED}[family])
     config = ModelConfig.from_dict(model.config.to_dict())
     with torch.inference_mode():
         refs = [hf_greedy(model, prompt) for prompt in PROMPTS]
@@ -122,6 +131,16 @@ def test_moe_sliding_windows_match_transformers(family):
     assert tp1_tokens(config, state_dict) == refs
     unwindowed = dataclasses.replace(config, sliding_window=None, layer_types=None)
     assert tp1_tokens(unwindowed, state_dict) != refs  # the window is what makes them equal
+
+
+@pytest.mark.parametrize("family", ROPE_SCALED)
+def test_moe_rope_scaling_matches_transformers(family):
+    """The test factory dropped rope_scaling for these families, so no test had scaled their rope."""
+    model, config, state_dict, refs = reference(family)
+    wanted = ROPE_SCALED[family]["rope_scaling"]["rope_type"]
+    assert model.config.rope_parameters["rope_type"] == wanted and config.rope_scaling["rope_type"] == wanted
+    assert tp1_tokens(config, state_dict) == refs
+    assert tp1_tokens(dataclasses.replace(config, rope_scaling=None), state_dict) != refs  # the scaling mattered
 
 
 def test_padded_q_heads_with_windowed_tensor_parallel_experts():
