@@ -1000,14 +1000,15 @@ def test_proxy_ingress_serves_the_same_stream(tmp_path, hf):
     """--ingress proxy (what several replicas use), with two replicas: Serve's proxy on --port streams
     the same greedy text as transformers, the replicas' own servers are not what answers, and
     /metrics shows both replicas' series, whichever replica answers it. A SIGTERM to the command's
-    whole process group then stops it, exit 0, in well under Serve's 30 s shutdown wait."""
+    whole process group then stops it, exit 0, in well under Serve's 30 s shutdown wait; --quiet
+    kept Serve's INFO lines out of its output."""
     import openai
 
     import requests
 
     expected = hf.greedy(hf.tok(PROMPT)["input_ids"], 8)
     with running_server(tmp_path / "serve.log", "--ingress", "proxy", "--max-num-seqs", "1", "--replicas", "2",
-                        stop_group=True) as running:
+                        "--quiet", stop_group=True) as running:
         client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", timeout=300, max_retries=0)
         stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, stream=True)
         assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == expected
@@ -1060,6 +1061,9 @@ def test_proxy_ingress_serves_the_same_stream(tmp_path, hf):
             assert time.monotonic() < deadline, "the closed streams were never dropped"
             time.sleep(0.5)
     assert "Proxy" in owner_name, owner_name
+    # --quiet: no progress, Serve's own INFO lines included ("Started Serve", "Application ... is ready")
+    log = (tmp_path / "serve.log").read_text()
+    assert not re.search(r"^INFO ", log, re.MULTILINE) and "Started Serve" not in log, log[-3000:]
 
 
 @pytest.mark.slow

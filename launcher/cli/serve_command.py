@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import logging
 import math
 import os
 import signal
@@ -214,6 +215,8 @@ def _serve_on(args: argparse.Namespace, settings, mode: str, stdout) -> int:
     # Serve's processes read these when they start: they inherit them from the private Ray started below.
     os.environ.update(ingress.environment)
     connection = ray_cluster.connect("local", worker_logs=not args.quiet)
+    if args.quiet:  # Serve's own INFO lines in this process (started, deployed, ready) are progress too
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)
     # After ray.init, which installs its own SIGTERM handler: a signal now only asks the main thread
     # to stop, so Serve and Ray are shut down below rather than killed mid-way.
     signals = StopSignals()
