@@ -167,3 +167,23 @@ def test_a_stuck_holder_is_waited_for_at_most_the_limit(tmp_path, monkeypatch, c
         os.close(fd)
     assert out.tolist() == [32.0] * 4
     assert "waited 0 s for another process's compile of a graph; compiling it here" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("planted", ["symlink", "fifo"])
+def test_a_lock_name_someone_planted_is_neither_followed_nor_waited_on(tmp_path, monkeypatch, planted):
+    """The lock's name is the graph's, which anyone can work out: a symlink planted there had the
+    compile's mtime stamp ("compiled") written into its target, another user's file."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    [key] = keys_of(scaled_sum, torch.ones(4, 8))
+    folder = tmp_path / "inductor" / LOCK_FOLDER
+    folder.mkdir(parents=True)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    if planted == "symlink":
+        (folder / f"{key}.lock").symlink_to(victim)
+    else:
+        os.mkfifo(folder / f"{key}.lock")
+    torch._dynamo.reset()
+    out = torch.compile(scaled_sum, backend=CompileOnce(), dynamic=False)(torch.ones(4, 8))
+    assert out.tolist() == [32.0] * 4  # compiled as if alone
+    assert victim.read_text() == "keep me"

@@ -24,6 +24,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import stat
 import sys
 import time
 from pathlib import Path
@@ -55,6 +56,17 @@ def _lock_folder() -> Path:
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     return Path(cache_dir()) / LOCK_FOLDER
+
+
+def _open_lock(path: Path) -> int | None:
+    """The lock file's descriptor, or None where the name is not a regular file of this user's: a
+    symlink is not followed (the mtime write below would land in its target) and a FIFO not waited on."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+        os.close(fd)
+        return None
+    return fd
 
 
 def _counter(name: str) -> int:
@@ -91,8 +103,10 @@ class CompileOnce:
             folder = _lock_folder()
             folder.mkdir(parents=True, exist_ok=True)
             key = graph_key(gm, example_inputs)
-            fd = os.open(folder / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+            fd = _open_lock(folder / f"{key}.lock")
         except OSError:  # no writable cache directory: compile as if alone
+            return compile_fx(gm, example_inputs)
+        if fd is None:  # not a lock file of this user's: never written to, compiled as if alone
             return compile_fx(gm, example_inputs)
         try:
             self._lock(fd)

@@ -59,6 +59,7 @@ from workers.kv_cache import KVCache
 from workers.kv_quant import to_cache, writable
 from workers.model import ShardedCausalLM
 from workers.granularities import DEFAULT_GRANULARITY, GRANULARITIES
+from workers.inductor_cache import ensure_private_inductor_cache
 from workers.kernels import decode_attention, small_linear
 from workers.step import EAGER, StepParts, run_step
 
@@ -106,6 +107,7 @@ def use_cache_dir(path: str) -> None:
 
 
 def _compile(fn, fullgraph: bool = True):
+    ensure_private_inductor_cache()  # not torch's default under /tmp, which any user can take first
     small_linear.mark_constants_for_tracing()
     decode_attention.mark_constants_for_tracing()
     # dynamic=False: a static graph per shape, never a shape-generic one (bucketing's whole point).

@@ -76,12 +76,12 @@ def untrusted(st: os.stat_result) -> str | None:
     return None
 
 
-def trusted_dir(directory: Path) -> int:
+def trusted_dir(directory: Path, holding: str = "corelaunch's compiled C libraries") -> int:
     """An open descriptor of `directory`, created with mode 0700 if missing, once checked to be a
     real directory (not a symlink) owned by this user and writable by nobody else.
 
-    Raises NativeUnavailable naming the directory and the fix otherwise: a library placed there by
-    another user would run inside every rank that loaded it."""
+    Raises NativeUnavailable naming the directory, what it holds (`holding`) and the fix otherwise:
+    a library placed there by another user would run inside every rank that loaded it."""
     try:
         directory.parent.mkdir(parents=True, exist_ok=True)
         parent = os.open(directory.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -103,7 +103,7 @@ def trusted_dir(directory: Path) -> int:
                     why = "it is a symlink"
             except OSError:
                 pass
-        raise NativeUnavailable(_refusal(directory, why)) from None
+        raise NativeUnavailable(_refusal(directory, why, holding)) from None
     finally:
         os.close(parent)
     st = os.fstat(fd)
@@ -113,13 +113,13 @@ def trusted_dir(directory: Path) -> int:
     why = untrusted(st)
     if why:
         os.close(fd)
-        raise NativeUnavailable(_refusal(directory, why))
+        raise NativeUnavailable(_refusal(directory, why, holding))
     return fd
 
 
-def _refusal(directory: Path, why: str) -> str:
-    return (f"refusing to use {directory} for corelaunch's compiled C libraries: {why}. Another "
-            f"user could place a library there that every rank would run. Remove {directory} (it "
+def _refusal(directory: Path, why: str, holding: str) -> str:
+    return (f"refusing to use {directory} for {holding}: {why}. Another "
+            f"user could place code there that every rank would run. Remove {directory} (it "
             f"is rebuilt, mode 0700, on next use) or point CORELAUNCH_CACHE at a directory only "
             f"you can write to")
 

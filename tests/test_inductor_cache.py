@@ -1,0 +1,97 @@
+"""Where corelaunch's compiles cache their graphs when TORCHINDUCTOR_CACHE_DIR names no directory:
+this user's own checked folder, not torch's default under /tmp that any user can take first."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from workers.inductor_cache import default_inductor_cache, ensure_private_inductor_cache
+from workers.native_build import NativeUnavailable
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def own_cache(tmp_path, monkeypatch):
+    """A fresh check in this process, and this process's header folder put back afterwards."""
+    import workers.inductor_cache as inductor_cache
+    from torch._inductor import codecache
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("CORELAUNCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(inductor_cache, "_checked", [])
+    monkeypatch.setattr(codecache, "_HEADER_DIR", codecache._HEADER_DIR)
+    monkeypatch.setattr(codecache, "_HEADER_LOCK_DIR", codecache._HEADER_LOCK_DIR)
+    return tmp_path / "cache" / f"inductor-uid{os.getuid()}"
+
+
+def test_unset_points_at_this_users_folder_created_0700(own_cache):
+    from torch._inductor import codecache
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    old = os.umask(0)
+    try:
+        ensure_private_inductor_cache()
+    finally:
+        os.umask(old)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(own_cache) == str(default_inductor_cache())
+    assert stat.S_IMODE(own_cache.stat().st_mode) == 0o700
+    assert cache_dir() == str(own_cache)
+    assert codecache._HEADER_DIR == str(own_cache / "precompiled_headers")  # torch's stays under /tmp
+    assert codecache._HEADER_LOCK_DIR == str(own_cache / "precompiled_headers" / "locks")
+
+
+def test_a_directory_the_user_names_is_kept_and_the_headers_still_move(own_cache, tmp_path, monkeypatch):
+    from torch._inductor import codecache
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    ensure_private_inductor_cache()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
+    assert codecache._HEADER_DIR == str(own_cache / "precompiled_headers")
+
+
+def test_a_folder_others_can_write_is_refused_naming_it(own_cache):
+    own_cache.mkdir(parents=True)
+    own_cache.chmod(0o777)
+    with pytest.raises(NativeUnavailable, match="inductor's compiled graphs: it is writable by group or others"):
+        ensure_private_inductor_cache()
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+
+
+def test_a_symlinked_folder_is_refused(own_cache, tmp_path):
+    (tmp_path / "elsewhere").mkdir(mode=0o700)
+    own_cache.parent.mkdir(parents=True)
+    own_cache.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(NativeUnavailable, match="it is a symlink"):
+        ensure_private_inductor_cache()
+
+
+COMPILE = """
+import sys
+import torch
+if sys.argv[1:] == ["looked-up-first"]:  # as a compiler import on another thread may do
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    cache_dir()  # writes torch's default into TORCHINDUCTOR_CACHE_DIR
+from workers.compiled import _compile
+assert _compile(lambda x: x.sin() + 1)(torch.zeros(3)).tolist() == [1.0, 1.0, 1.0]
+"""
+
+
+@pytest.mark.slow  # a compile of its own, precompiled headers included (~20 s on 2 cores)
+def test_a_compile_without_the_variable_caches_in_the_users_folder(tmp_path):
+    """torch's own default was $TMPDIR/torchinductor_<user>, its precompiled headers included: here
+    TMPDIR is a folder of the test's, which must hold none of it, also where inductor had already
+    written its default into the variable."""
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env.update(CORELAUNCH_CACHE=str(tmp_path / "cache"), TMPDIR=str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    subprocess.run([sys.executable, "-c", COMPILE, "looked-up-first"], cwd=REPO, env=env, check=True, timeout=300)
+    own = tmp_path / "cache" / f"inductor-uid{os.getuid()}"
+    assert any(own.rglob("*.py")) and any((own / "precompiled_headers").glob("*.gch"))
+    assert not [p for p in (tmp_path / "tmp").rglob("*") if p.is_file()]

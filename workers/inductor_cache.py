@@ -1,0 +1,69 @@
+"""This user's own inductor cache, where TORCHINDUCTOR_CACHE_DIR does not name one, and this user's
+own folder for inductor's precompiled C++ headers always.
+
+torch's default is $TMPDIR/torchinductor_<user>: a fixed name in a directory every user of the host
+can write. Another user who creates it first owns it, and can replace the generated Python and C++
+modules cached there, which the next compile of the same graph imports and runs in every rank (and
+plant symlinks where corelaunch's compile locks are opened). Inductor's precompiled headers stay
+under that default even when TORCHINDUCTOR_CACHE_DIR is set, and the C++ compiler takes a planted
+.gch in place of the header it stands for. So before the first compile a process points both at
+$CORELAUNCH_CACHE/inductor-uid<uid>, created mode 0700 and checked as the native libraries'
+directory is (workers/native_build.trusted_dir): a real directory of this user's that nobody else
+can write. A TORCHINDUCTOR_CACHE_DIR the user names (other than torch's default) is theirs to
+trust and is kept; so is a compiled-model directory's cache (workers/compiled.use_cache_dir).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
+HEADERS = "precompiled_headers"
+
+_checked: list[Path] = []
+"""This process's checked folder, once checked (each compile asks)."""
+
+
+def default_inductor_cache() -> Path:
+    from shardlib.demo_model import default_cache_dir
+
+    return default_cache_dir() / f"inductor-uid{os.getuid()}"
+
+
+def ensure_private_inductor_cache() -> None:
+    """TORCHINDUCTOR_CACHE_DIR set to this user's checked folder unless it names one already, and
+    inductor's precompiled headers moved into that folder. Inductor reads both at each use, so this
+    holds for every later compile of the process. NativeUnavailable (a RuntimeError) naming the
+    folder and the fix where it cannot be trusted."""
+    if not _checked:
+        from workers.native_build import trusted_dir
+
+        directory = default_inductor_cache()
+        os.close(trusted_dir(directory, holding="inductor's compiled graphs"))
+        _checked.append(directory)
+    if not _named_by_user():
+        # Before inductor's codecache is imported below: some of its paths are fixed at import.
+        os.environ[VARIABLE] = str(_checked[0])
+    _move_precompiled_headers(_checked[0] / HEADERS)
+
+
+def _named_by_user() -> bool:
+    """Whether TORCHINDUCTOR_CACHE_DIR names a folder other than torch's default. Inductor's own
+    first lookup writes its default into the variable (a compiler import on another thread, or any
+    cache lookup before the first compile, may have made it), so a variable holding the default is
+    torch's, not the user's."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    value = os.environ.get(VARIABLE)
+    return bool(value) and os.path.abspath(value) != os.path.abspath(default_cache_dir())
+
+
+def _move_precompiled_headers(folder: Path) -> None:
+    """torch 2.13 keeps the headers' folder in two module globals of inductor's codecache, read when
+    a header is precompiled (after this, before the first compile)."""
+    from torch._inductor import codecache
+
+    if hasattr(codecache, "_HEADER_DIR") and hasattr(codecache, "_HEADER_LOCK_DIR"):
+        codecache._HEADER_DIR = str(folder)
+        codecache._HEADER_LOCK_DIR = str(folder / "locks")
