@@ -178,3 +178,28 @@ def _processes_with(variable: str) -> list[str]:
         except OSError:  # gone meanwhile, or another user's
             continue
     return found
+
+
+FROM_A_THREAD_THAT_ENDS = textwrap.dedent("""
+    import threading, time
+    import ray
+    from launcher.cluster import ray_cluster
+    connections = []
+    starter = threading.Thread(target=lambda: connections.append(ray_cluster.connect("local", num_cpus=1)))
+    starter.start()
+    starter.join()
+    time.sleep(1)  # the starter thread is gone
+    assert not ray_cluster.private_cluster_dying(within_s=4.0), ray._private.worker._global_node.dead_processes()
+    assert ray.get(ray.remote(lambda: 41 + 1).remote(), timeout=120) == 42
+    connections[0].close()
+    print("alive after its starter ended", flush=True)
+""")
+
+
+def test_a_private_cluster_started_from_a_thread_outlives_that_thread():
+    """Ray starts a private cluster's processes with PR_SET_PDEATHSIG, sent when the parent thread
+    exits: a Launcher started on a worker thread lost its GCS and raylet within seconds of that
+    thread ending, and Ray then killed the whole process, unable to reach its GCS."""
+    out = subprocess.run([sys.executable, "-c", FROM_A_THREAD_THAT_ENDS], cwd=REPO, capture_output=True, text=True,
+                         timeout=300, env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
+    assert out.returncode == 0 and "alive after its starter ended" in out.stdout, out.stderr[-3000:]

@@ -60,6 +60,7 @@ class RayConnection:
             # connect(), which says explicitly what to join.
             _auto_init(False)
             ray.shutdown()
+        _release_keepers()
 
 
 def _auto_init(enabled: bool) -> None:
@@ -277,7 +278,7 @@ def _init(**options) -> None:
     import ray
 
     if threading.current_thread() is not threading.main_thread():
-        ray.init(**options)  # signals reach the main thread only
+        _init_on_a_keeper_thread(options)  # signals reach the main thread only
         return
     interrupted = []
     previous = signal.signal(signal.SIGINT, lambda *_: interrupted.append(True))
@@ -288,6 +289,43 @@ def _init(**options) -> None:
     if interrupted:
         ray.shutdown()
         raise KeyboardInterrupt
+
+
+_KEEPER_RELEASE: list[threading.Event] = []
+"""The event the thread that ran ray.init waits on, set once the session is shut down."""
+
+
+def _init_on_a_keeper_thread(options: dict) -> None:
+    """ray.init on a thread that lives until the session is shut down. Ray starts a private
+    cluster's processes with PR_SET_PDEATHSIG, which Linux sends when the parent *thread* exits:
+    started from a thread that then ended (a Launcher started on a worker thread), its GCS and
+    raylet died within seconds, and Ray killed the whole process a minute later, unable to reach
+    its GCS."""
+    import ray
+
+    release, started, failure = threading.Event(), threading.Event(), []
+
+    def keep() -> None:
+        try:
+            ray.init(**options)
+        except BaseException as err:  # noqa: BLE001 - raised again on the caller's thread
+            failure.append(err)
+            return
+        finally:
+            started.set()
+        release.wait()
+
+    _KEEPER_RELEASE.append(release)
+    threading.Thread(target=keep, name="corelaunch-ray-session", daemon=True).start()
+    started.wait()
+    if failure:
+        _KEEPER_RELEASE.remove(release)
+        raise failure[0]
+
+
+def _release_keepers() -> None:
+    while _KEEPER_RELEASE:
+        _KEEPER_RELEASE.pop().set()
 
 
 def _opened(started_here: bool, address: str) -> None:
