@@ -424,6 +424,9 @@ class Launcher:
         self._cache_writer = None
         self._lock = threading.Lock()  # tokenizers are not safe to share between threads
         self._starting = threading.Lock()
+        self._stop_asked = False
+        """shutdown() was called since the last start() began: a start still connecting to Ray (no
+        pool for shutdown() to stop yet) stops there instead of bringing the groups up."""
         self._ray = None
         self._progress = Progress(self.config.progress)
         self.buckets = None
@@ -445,13 +448,18 @@ class Launcher:
         with self._starting:  # two threads starting at once would each place a set of groups
             if self._pool is not None:
                 return self
+            self._stop_asked = False
             start = time.perf_counter()
             self.prepare()
             try:
                 self._start_group(self.backend)
                 self._await_tokenizer()  # it loaded while the group started (check_prompts may have taken it)
-            except BaseException:
+                self._unless_stop_asked()
+            except BaseException as err:
+                stop_asked = self._stop_asked
                 self.shutdown()
+                if stop_asked and not isinstance(err, (LaunchError, KeyboardInterrupt)):
+                    raise LaunchError("the launcher was shut down while it started; nothing is left running") from err
                 raise
             self.timings["startup_s"] = time.perf_counter() - start
             return self
@@ -516,6 +524,7 @@ class Launcher:
         with self._progress.step("connecting to Ray"):
             # Forwarded worker output carries rank 0's lines about graphs built during a request.
             self._ray = ray_cluster.connect(cfg.ray_address, worker_logs=cfg.progress)
+        self._unless_stop_asked()
         nodes = alive_nodes()
         resource = backend_entry(backend).ray_resource
         missing = resource and missing_resource(resource, [n.total for n in nodes], [n.name for n in nodes])
@@ -528,9 +537,11 @@ class Launcher:
                                        rendezvous_s=cfg.rendezvous_timeout_s,
                                        load_s=cfg.load_timeout_s, request_s=cfg.request_timeout_s)
         self._load_spec = self._make_load_spec()
+        self._unless_stop_asked()
         self._pool = ReplicaPool(self.replicas, self._new_group,
                                  lambda: RestartPolicy(cfg.max_restarts, cfg.restart_window_s),
                                  cfg.health_check_interval_s, note=self._progress.note)
+        self._unless_stop_asked()  # shut down as the pool was set: it may have missed the pool
         where = f" over up to {cfg.nodes} nodes" if cfg.nodes > 1 else ""
         with self._progress.step(
                 f"starting {self.replicas} replica(s) of {plan.tp_degree} {backend} worker(s){where}, "
@@ -539,6 +550,10 @@ class Launcher:
             self._pool.start()
         self.load_stats = self._pool.replicas[0].started.load_stats
         self._start_presharded_cache()
+
+    def _unless_stop_asked(self) -> None:
+        if self._stop_asked:
+            raise LaunchError("the launcher was shut down while it started; nothing is left running")
 
     def _make_load_spec(self):
         """What every rank loads (and loads again after a restart)."""
@@ -685,6 +700,7 @@ class Launcher:
                 or not 0 <= grace_s <= MAX_TIMEOUT_S):
             raise ValueError(f"grace_s ({grace_s!r}) must be a number of seconds from 0 to {MAX_TIMEOUT_S}; "
                              f"nothing was shut down")
+        self._stop_asked = True  # a start() still connecting stops at its next step
         # Each read once: a second thread shutting down at the same time finds None or the same
         # object (the pool's shutdown is safe twice), never None between the check and the call.
         pool = self._pool  # kept visible while it stops: a stream closed meanwhile still reaches it

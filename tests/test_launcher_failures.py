@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from launcher.api import LaunchConfig, Launcher
-from launcher.errors import NoReplicaAvailable, PlacementTimeout, PlanRejected, ReplicaFailed, WorkerDied
+from launcher.errors import LaunchError, NoReplicaAvailable, PlacementTimeout, PlanRejected, ReplicaFailed, WorkerDied
 from tests.model_factory import save_random_model
 from workers.sampling import SamplingParams
 
@@ -359,3 +359,28 @@ def _record(errors: list, fn) -> None:
         fn()
     except BaseException as err:  # noqa: BLE001 - collected for the assertion
         errors.append(err)
+
+
+def test_a_shutdown_while_start_connects_to_ray_stops_the_start(small_model, in_process_cluster, monkeypatch):
+    """shutdown() found no pool and no connection yet and returned at once; start() then brought
+    the groups up anyway, serving after the shutdown until a second one."""
+    from launcher.cluster import ray_cluster
+
+    launcher = Launcher(model=small_model, tp=1, compile=False, progress=False)
+    connect = ray_cluster.connect  # the in-process cluster's (no Ray session)
+
+    def connect_while_shut_down(*args, **kwargs):
+        stopper = threading.Thread(target=launcher.shutdown)  # another thread, as Ctrl-C handling or a server's
+        stopper.start()
+        stopper.join(60)
+        return connect(*args, **kwargs)
+
+    monkeypatch.setattr(ray_cluster, "connect", connect_while_shut_down)
+    with pytest.raises(LaunchError, match="shut down while it started"):
+        launcher.start()
+    assert in_process_cluster.groups == [] and launcher._pool is None and launcher._ray is None
+    monkeypatch.setattr(ray_cluster, "connect", connect)
+    try:  # and the launcher starts afresh afterwards
+        assert launcher.start().generate([[5, 6, 7]], max_new_tokens=2)[0].finish_reason == "length"
+    finally:
+        launcher.shutdown()
