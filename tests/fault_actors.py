@@ -47,6 +47,33 @@ class _SlowBackendImport(RayRankWorker):
         super().__init__(spec)
 
 
+class _SlowLoad(RayRankWorker):
+    """Rank 1 takes an hour to load its shard."""
+
+    def load(self, load_spec):
+        if self.spec.rank == 1:
+            time.sleep(3600)
+        return super().load(load_spec)
+
+
+class _SlowToLeave(RayRankWorker):
+    """Rank 1's serving loop takes 3 s more to return once stopped, and its shutdown never returns:
+    both of a group shutdown's waits meet it."""
+
+    def serve(self):
+        out = super().serve()
+        if self.spec.rank == 1:
+            time.sleep(3)
+        return out
+
+    def shutdown(self) -> None:
+        if self.spec.rank == 1:
+            time.sleep(3600)
+        super().shutdown()
+
+
 CrashOnGenerate = ray.remote(**ACTOR_OPTIONS)(_CrashOnGenerate)
+SlowLoad = ray.remote(**ACTOR_OPTIONS)(_SlowLoad)
+SlowToLeave = ray.remote(**ACTOR_OPTIONS)(_SlowToLeave)
 NeverJoins = ray.remote(**ACTOR_OPTIONS)(_NeverJoins)
 SlowBackendImport = ray.remote(**ACTOR_OPTIONS)(_SlowBackendImport)

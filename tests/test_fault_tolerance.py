@@ -172,6 +172,35 @@ def test_rank_that_never_joins_fails_within_the_startup_timeout(model_and_expect
 
 
 @pytest.mark.slow
+def test_a_rank_that_does_not_load_names_the_load_timeout_and_its_flag(model_and_expected, monkeypatch, ray_session):
+    """The refusal said only "raise the timeout", and no command had a flag for it."""
+    model_dir, _ = model_and_expected
+    monkeypatch.setattr(ray_worker, "RankWorkerActor", fault_actors.SlowLoad)
+    with pytest.raises(RendezvousTimeout) as info:
+        Launcher(model=model_dir, tp=2, load_timeout_s=3, progress=False, **EAGER).start()
+    message = str(info.value)
+    assert "rank 1" in message and "did not load its shard within 3 s" in message, message
+    assert "load_timeout_s (--load-timeout)" in message, message
+
+
+@pytest.mark.slow
+@pytest.mark.exclusive  # times the shutdown
+def test_a_group_shutdown_keeps_to_its_grace_in_all(model_and_expected, monkeypatch, ray_session):
+    """stop_serving and the ranks' shutdown each waited grace_s of their own: a rank slow to leave
+    held shutdown(grace_s=G) for up to 2 G before it was killed."""
+    model_dir, _ = model_and_expected
+    monkeypatch.setattr(ray_worker, "RankWorkerActor", fault_actors.SlowToLeave)
+    launcher = Launcher(model=model_dir, tp=2, progress=False, **EAGER).start()
+    try:
+        assert launcher.generate([PROMPTS[0]], max_new_tokens=2)[0].finish_reason == "length"
+    finally:
+        stopping = time.monotonic()
+        launcher.shutdown(grace_s=4)
+        took = time.monotonic() - stopping
+    assert took < 6.5, f"shutdown(grace_s=4) took {took:.1f} s"  # 3 s + 4 s and more before
+
+
+@pytest.mark.slow
 def test_a_slow_backend_import_counts_against_the_startup_timeout_not_the_rendezvous(model_and_expected,
                                                                                      monkeypatch, ray_session):
     """Every rank's backend takes 5 s to import (torch's import on a busy host): that is start-up, under

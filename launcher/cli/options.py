@@ -84,6 +84,7 @@ FLAG_OF_FIELD = {
     "restart_window_s": "--restart-window", "cpus_per_rank": "--cpus-per-rank", "lnc": "--lnc",
     "startup_timeout_s": "--startup-timeout", "rendezvous_timeout_s": "--rendezvous-timeout",
     "placement_timeout_s": "--placement-timeout", "request_timeout_s": "--request-timeout", "dtype": "--dtype",
+    "load_timeout_s": "--load-timeout",
     "kv_cache_dtype": "--kv-cache-dtype", "kv_strategy": "--kv-strategy", "moe_sharding": "--moe-sharding",
     "seq_len": "--seq-len", "max_context_length": "--max-context-length", "max_batch_size": "--max-batch-size",
     "max_num_seqs": "--max-num-seqs", "max_queued_requests": "--max-queued-requests",
@@ -219,15 +220,18 @@ def add_model_and_placement_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_timeout_arguments(p: argparse.ArgumentParser) -> None:
-    """--placement-timeout, --startup-timeout, --rendezvous-timeout and --request-timeout: every
-    command that starts a TP group (generate, serve, compile, check, bench), so each can wait for a
-    cluster that autoscales."""
+    """--placement-timeout, --startup-timeout, --rendezvous-timeout, --load-timeout and
+    --request-timeout: every command that starts a TP group (generate, serve, compile, check,
+    bench), so each can wait for a cluster that autoscales (or a large model's load)."""
     p.add_argument("--placement-timeout", type=float, default=60.0, metavar="S",
                    help="seconds to wait for Ray to reserve the workers (default 60)")
     p.add_argument("--startup-timeout", type=float, default=120.0, metavar="S",
                    help="seconds for the worker processes to start and import their backend (default 120)")
     p.add_argument("--rendezvous-timeout", type=float, default=30.0, metavar="S",
                    help="seconds for started workers to join their process group (default 30)")
+    p.add_argument("--load-timeout", type=float, default=900.0, metavar="S",
+                   help="seconds for every rank to load its shard, and to build its serving cache and, with "
+                        "--warm-up, its graphs (default 900)")
     p.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
                    help="seconds one request may take from submission to its last token (default 600)")
 
@@ -235,7 +239,8 @@ def add_timeout_arguments(p: argparse.ArgumentParser) -> None:
 def timeout_options(args: argparse.Namespace) -> dict:
     """LaunchConfig's timeouts from add_timeout_arguments' options."""
     return {"placement_timeout_s": args.placement_timeout, "startup_timeout_s": args.startup_timeout,
-            "rendezvous_timeout_s": args.rendezvous_timeout, "request_timeout_s": args.request_timeout}
+            "rendezvous_timeout_s": args.rendezvous_timeout, "load_timeout_s": args.load_timeout,
+            "request_timeout_s": args.request_timeout}
 
 
 def model_and_placement_options(args: argparse.Namespace) -> dict:

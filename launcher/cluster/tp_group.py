@@ -501,18 +501,23 @@ class TPGroup:
                 f"{who} did not start within {timeout_s:g} s (starting a worker process and importing the "
                 f"backend, torch with it, there); the group was stopped. On a busy machine raise startup_timeout_s "
                 f"(--startup-timeout); otherwise check that node (ray status, its worker logs: ray logs)")
+        raise_it = {"load its shard": "load_timeout_s (--load-timeout)",
+                    "prepare serving": "load_timeout_s (--load-timeout)"}.get(step, "the timeout")
         return RendezvousTimeout(
             f"{who} did not {step} within {timeout_s:g} s; the group was stopped. Check that rank's node "
-            f"(ray status, its worker log) or raise the timeout")
+            f"(ray status, its worker log) or raise {raise_it}")
 
     # ---- teardown ----------------------------------------------------------------------------
     def shutdown(self, grace_s: float = 10.0) -> None:
-        """Ask every rank to leave its process group, wait a little, then kill what is left."""
+        """Ask every rank to end its loop and leave its process group within grace_s in all, then
+        kill what is left. (Each wait had grace_s of its own: a hung rank held the shutdown twice
+        as long as asked.)"""
+        deadline = time.monotonic() + grace_s
         if self._serve_refs:
             self.stop_serving(grace_s)
         if self.actors and not self._ray_gone():
             refs = [a.shutdown.remote() for a in self.actors]
-            ray.wait(refs, num_returns=len(refs), timeout=grace_s)
+            ray.wait(refs, num_returns=len(refs), timeout=max(0.0, deadline - time.monotonic()))
         self.kill()
 
     def _ray_gone(self) -> bool:
