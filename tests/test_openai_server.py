@@ -781,10 +781,12 @@ def test_http_errors(client, server, hf):
         # names the key's every source: the CLI's flag, the Serve app's argument, the environment
         assert all(source in reply.json()["error"]["message"] for source in ("--api-key", "`api_key`", "CORELAUNCH_API_KEY"))
     assert requests.get(f"{server.url}/v1/models", timeout=10).status_code == 401
-    for send, route in ((requests.post, "/v1/embeddings"), (requests.get, "/v1/completions")):
-        # a route or method that does not exist: 401 without the key (404 and 405 told what exists)
-        assert send(f"{server.url}{route}", timeout=10).status_code == 401
-        assert send(f"{server.url}{route}", headers=auth, timeout=10).status_code in (404, 405)
+    for send, route in ((requests.post, "/v1/embeddings"), (requests.get, "/v1/completions"),
+                        (requests.post, "/v1/completions/"), (requests.get, "/v1/chat/completions/")):
+        # a route or method that does not exist: 401 without the key (404 and 405 told what exists,
+        # and so did a 307 from a route with a trailing slash to the route without)
+        assert send(f"{server.url}{route}", timeout=10, allow_redirects=False).status_code == 401
+        assert send(f"{server.url}{route}", headers=auth, timeout=10, allow_redirects=False).status_code in (404, 405)
     assert requests.get(f"{server.url}/openapi.json", timeout=10).status_code == 404  # answered without the key
     # Bodies past the server's limit: 413 by the declared length, or as a chunked body arrives
     # (both were read whole and parsed first); counted as rejected

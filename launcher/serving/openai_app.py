@@ -37,8 +37,10 @@ from launcher.serving.prompt_probe import (head_overfills, length_overfills, lon
 from launcher.serving.server_settings import ServerSettings, api_key_from_environment, settings_from_args
 from launcher.serving.token_pieces import TokenPieces
 
-# No documentation routes: /openapi.json, /docs and /redoc would answer without the API key.
-app = FastAPI(title="corelaunch OpenAI-compatible server", docs_url=None, redoc_url=None, openapi_url=None)
+# No documentation routes: /openapi.json, /docs and /redoc would answer without the API key. No
+# redirects from a path with a trailing slash either: their 307 told anyone which routes exist.
+app = FastAPI(title="corelaunch OpenAI-compatible server", docs_url=None, redoc_url=None, openapi_url=None,
+              redirect_slashes=False)
 
 
 def error_response(err: ProtocolError) -> JSONResponse:
