@@ -28,6 +28,8 @@ import importlib.metadata
 import json
 import os
 import re
+import secrets
+import stat
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -265,7 +267,7 @@ def _check_sha256(path: Path, shown_path: Path, entry: dict, force: bool) -> Non
     stamp = _stamp(path, entry["sha256"])
     if not force:
         try:
-            if json.loads(marker.read_text()) == stamp:
+            if json.loads(_read_marker(marker)) == stamp:
                 return
         except (OSError, ValueError):
             pass
@@ -274,13 +276,27 @@ def _check_sha256(path: Path, shown_path: Path, entry: dict, force: bool) -> Non
             marker.unlink(missing_ok=True)
         raise ValueError(f"{shown_path} does not match the sha256 in {MANIFEST}: it is corrupt; copy it again "
                          f"or write the pre-sharded checkpoint again")
-    tmp = marker.with_name(f"{marker.name}.{os.getpid()}.tmp")
+    # A fresh name, created here (O_EXCL) and never through a symlink: a fixed name planted as a
+    # symlink had the marker written into its target, any file the loading user could write.
+    tmp = marker.with_name(f"{marker.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
     try:
-        tmp.write_text(json.dumps(stamp) + "\n")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        with os.fdopen(fd, "w") as out:
+            out.write(json.dumps(stamp) + "\n")
         os.replace(tmp, marker)
     except OSError:  # a read-only directory: every load hashes
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
+
+
+def _read_marker(marker: Path) -> str:
+    """The marker's text, read only from a regular file (not through a symlink; a FIFO planted under
+    its name, which a plain open waits on for ever, is not waited on). OSError otherwise."""
+    fd = os.open(marker, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as source:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{marker} is not a regular file")
+        return source.read(1 << 16).decode()
 
 
 def _stamp(path: Path, sha256: str) -> dict[str, Any]:

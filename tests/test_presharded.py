@@ -290,6 +290,37 @@ def test_flipped_bytes_are_caught_by_the_first_load_and_a_verified_file_is_not_h
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("planted", ["symlink-at-the-old-temporary-name", "fifo-as-marker", "symlink-as-marker"])
+def test_a_planted_marker_name_is_neither_written_through_nor_waited_on(llama_tp3, tmp_path, planted):
+    """The marker was written through a fixed temporary name (a symlink planted there had the
+    marker's JSON written into its target) and read with a plain open (a FIFO planted as the marker
+    held the load for ever). Whoever can write the directory can rewrite the manifest anyway, but
+    not other files of the loading user's, nor hang the load."""
+    import multiprocessing
+
+    out, config, layout = _copy(llama_tp3, tmp_path)
+    marker = verified_marker(out / rank_file_name(0, 3))
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    if planted == "symlink-at-the-old-temporary-name":  # the pid is the loading process's: this one's
+        marker.with_name(f"{marker.name}.{os.getpid()}.tmp").symlink_to(victim)
+    elif planted == "fifo-as-marker":
+        os.mkfifo(marker)
+    else:
+        marker.symlink_to(victim)
+    loading = multiprocessing.get_context("fork").Process(target=load_presharded, args=(out, config, layout, 0))
+    if planted == "symlink-at-the-old-temporary-name":
+        load_presharded(out, config, layout, 0)  # in this process: the pid in the planted name is ours
+    else:
+        loading.start()
+        loading.join(60)
+        hung = loading.is_alive()
+        if hung:
+            loading.kill()
+        assert not hung and loading.exitcode == 0, "the load waited on the planted marker"
+    assert victim.read_text() == "keep me"
+
+
 @pytest.mark.parametrize("recorded", [False, True], ids=["manifest-as-written", "manifest-rewritten"])
 def test_a_file_saved_in_another_dtype_is_refused(llama_tp3, tmp_path, recorded):
     out, config, layout = _copy(llama_tp3, tmp_path)
