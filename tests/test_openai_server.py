@@ -76,6 +76,9 @@ def refusal(parse, **fields) -> ProtocolError:
     ("prompt", [1, -5], ["token ids must be integers >= 0"]),
     ("stream_options", {"include_usage": True}, ["only allowed with stream: true"]),
     ("stop_token_ids", [-3], ["stop_token_ids", "integers >= 0"]),
+    # millions of ids took seconds of the event loop to check, and the refusal quoted them all
+    ("stop_token_ids", [7] * 1025, ["stop_token_ids has 1025 ids; at most 1024"]),
+    ("stop_token_ids", [-1] * 1000, ["stop_token_ids ([-1, -1, -1", "...) must be"]),
     # values of the wrong JSON type are refused, not converted
     ("max_tokens", "2", ["max_tokens ('2')", ">= 1"]),
     ("max_tokens", 2.0, ["max_tokens (2.0)", ">= 1"]),

@@ -160,8 +160,11 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _json_body(request: Request, limit: int):
-    raw = await _read_body(request, limit)
+PARSED_ON_A_THREAD = 64 * 1024
+"""Bodies larger than this are parsed off the event loop."""
+
+
+def parse_json_body(raw: bytes):
     try:
         return json.loads(raw)
     # ValueError: JSONDecodeError, UnicodeDecodeError, and a number past Python's 4300-digit limit;
@@ -303,7 +306,7 @@ class OpenAIServer:
     async def completions(self, request: Request) -> Response:
         arrived = time.perf_counter()
         self._authorize(request)
-        req = self._parse(proto.CompletionRequest, await self._body(request))
+        req = await self._request(proto.CompletionRequest, request)
         prompt = req.prompt_input()
         if isinstance(prompt, str):
             prompt = await self._tokenized(self._encode, prompt)
@@ -315,7 +318,7 @@ class OpenAIServer:
     async def chat_completions(self, request: Request) -> Response:
         arrived = time.perf_counter()
         self._authorize(request)
-        req = self._parse(proto.ChatCompletionRequest, await self._body(request))
+        req = await self._request(proto.ChatCompletionRequest, request)
         prompt = await self._tokenized(self._apply_chat_template, req.chat_messages(self.tokenizer.chat_template))
         stream = self._start(req, prompt, proto.max_new_tokens(req, len(prompt), self.context_tokens),
                              req.logprobs_count(), "messages")
@@ -405,9 +408,22 @@ class OpenAIServer:
                                 "argument, or CORELAUNCH_API_KEY)",
                                 status=401, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
-    async def _body(self, request: Request):
+    async def _request(self, model, request: Request):
+        """The request's body read, parsed as JSON and checked as `model`; a body of more than
+        PARSED_ON_A_THREAD bytes is parsed and checked on a thread (a 5 MB one held the event loop,
+        and with it every stream and /health, for seconds)."""
         try:
-            return await _json_body(request, self.body_limit)
+            raw = await _read_body(request, self.body_limit)
+        except ProtocolError as err:
+            self.metrics.rejected(err.status)
+            raise
+        if len(raw) <= PARSED_ON_A_THREAD:
+            return self._parse(model, self._json(raw))
+        return await asyncio.to_thread(lambda: self._parse(model, self._json(raw)))
+
+    def _json(self, raw: bytes):
+        try:
+            return parse_json_body(raw)
         except ProtocolError as err:
             self.metrics.rejected(err.status)
             raise

@@ -19,6 +19,9 @@ from shardlib.sampling_params import MAX_SEED, MIN_SEED
 
 MAX_STOP_STRINGS = 4
 """OpenAI's bound on `stop`."""
+MAX_STOP_TOKEN_IDS = 1024
+"""corelaunch's bound on `stop_token_ids` (a vLLM extension, unbounded there): far past any model's
+special tokens; millions of ids took seconds of the replica's event loop to check."""
 MAX_LOGPROBS = 20
 """OpenAI's bound on chat's `top_logprobs`, taken for completions' `logprobs` too, where OpenAI's
 legacy API stopped at 5 (workers.serving.requests has the same)."""
@@ -298,9 +301,12 @@ def _check_combinations(request: _GenerationRequest) -> None:
         raise ProtocolError(f"stop has {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed", param="stop")
     if any(s == "" for s in stops):
         raise ProtocolError("stop strings must not be empty", param="stop")
+    if len(request.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise ProtocolError(f"stop_token_ids has {len(request.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} "
+                            f"are allowed", param="stop_token_ids")
     if any(t < 0 for t in request.stop_token_ids):
-        raise ProtocolError(f"stop_token_ids ({request.stop_token_ids}) must be {FIELD_RULES['stop_token_ids']}",
-                            param="stop_token_ids")
+        raise ProtocolError(f"stop_token_ids ({_short(request.stop_token_ids)}) must be "
+                            f"{FIELD_RULES['stop_token_ids']}", param="stop_token_ids")
     if request.stream_options is not None and not request.stream:
         raise ProtocolError("stream_options is only allowed with stream: true", param="stream_options")
     if isinstance(request, CompletionRequest):
