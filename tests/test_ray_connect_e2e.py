@@ -203,3 +203,15 @@ def test_a_private_cluster_started_from_a_thread_outlives_that_thread():
     out = subprocess.run([sys.executable, "-c", FROM_A_THREAD_THAT_ENDS], cwd=REPO, capture_output=True, text=True,
                          timeout=300, env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
     assert out.returncode == 0 and "alive after its starter ended" in out.stdout, out.stderr[-3000:]
+
+
+def test_a_private_start_leaves_rays_token_readable_by_its_owner_alone(tmp_path):
+    """Ray writes ~/.ray/auth_token with the umask's mode (0644): any local user who could enter the
+    home directory could read it and call the private cluster's servers with it."""
+    home = tmp_path / "home"
+    home.mkdir()
+    code = "from launcher.cluster import ray_cluster; ray_cluster.connect('local', num_cpus=1).close()"
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**env, "HOME": str(home)}, check=True, timeout=300)
+    token = home / ".ray" / "auth_token"
+    assert token.exists() and oct(token.stat().st_mode & 0o777) == oct(0o600)

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import os
 import socket
+import stat
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from launcher.errors import LaunchError
 
@@ -238,7 +240,9 @@ def connect(address: str | None = None, num_cpus: int | None = None, worker_logs
     # address="local" said outright: without it ray.init joins a cluster that `ray start` recorded on
     # this host after the lookup above (another program's), and then refuses num_cpus.
     # (No node address: Ray 2.60 replaces 127.0.0.1 given as one with the host's own address.)
+    _token_for_this_user_only()
     _init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, **quiet)
+    _token_for_this_user_only()  # the start writes it where none existed, readable by all (umask 022)
     _opened(started_here=True, address="local")
     return RayConnection(started_here=True, address="local")
 
@@ -331,6 +335,29 @@ def _release_keepers() -> None:
 def _opened(started_here: bool, address: str) -> None:
     with _SESSION_LOCK:
         _OWN_SESSION.update(users=1, started_here=started_here, address=address)
+
+
+RAY_TOKEN = Path.home() / ".ray" / "auth_token"
+"""Where Ray keeps the token of its token authentication (a private cluster's start writes it)."""
+
+
+def _token_for_this_user_only() -> None:
+    """Ray's token file readable by its owner alone. Ray writes it with the umask's mode (0644 in a
+    0755 ~/.ray): on a host whose home directories others can enter, any local user could read it,
+    and with it call the private cluster's servers (Serve's gRPC port unpickles what it is sent).
+    A file of another user's, or a symlink, is left alone."""
+    try:
+        fd = os.open(RAY_TOKEN, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:  # none yet, or a symlink
+        return
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and st.st_mode & 0o077:
+            os.fchmod(fd, 0o600)
+    except OSError:  # a file system without modes
+        pass
+    finally:
+        os.close(fd)
 
 
 def _token_auth_as_ray_does_for_a_found_cluster() -> None:
