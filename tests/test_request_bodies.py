@@ -1,0 +1,86 @@
+"""How the OpenAI server reads request bodies (launcher/serving/openai_app._read_body): a budget for
+the large bodies read at once, and a deadline for a body's arrival. Driven through Starlette's own
+Request over an ASGI receive channel that hands the body over in chunks."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from launcher.serving import openai_app
+from launcher.serving.openai_app import PARSED_ON_A_THREAD, BodyBudget, _read_body
+from launcher.serving.openai_protocol import ProtocolError
+
+LARGE = 3 * PARSED_ON_A_THREAD
+
+
+def request_of(chunks: list[bytes], declared: bool = True, hold: asyncio.Event | None = None):
+    """A POST whose body arrives as `chunks`; with `hold`, the last chunk waits for it."""
+    from starlette.requests import Request
+
+    pending = list(chunks)
+
+    async def receive():
+        if hold is not None and len(pending) == 1:
+            await hold.wait()
+        body = pending.pop(0) if pending else b""
+        return {"type": "http.request", "body": body, "more_body": bool(pending)}
+
+    headers = [(b"content-type", b"application/json")]
+    if declared:
+        headers.append((b"content-length", str(sum(map(len, chunks))).encode()))
+    return Request({"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers,
+                    "query_string": b""}, receive)
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["content-length", "chunked"])
+def test_large_bodies_past_the_budget_get_503_and_the_budget_comes_back(declared):
+    """250 clients each holding a 5 MB body unfinished took the replica from 1.1 to 2.0 GB."""
+    async def run():
+        budget = BodyBudget(LARGE + LARGE // 2)
+        hold = asyncio.Event()
+        first = asyncio.create_task(_read_body(request_of([b"a" * LARGE, b"b"], declared, hold), 10 * LARGE, budget))
+        await asyncio.sleep(0.05)  # the first body is on its way, its last byte held back
+        with pytest.raises(ProtocolError) as refused:
+            await _read_body(request_of([b"c" * LARGE, b"d"], declared), 10 * LARGE, budget)
+        assert refused.value.status == 503 and refused.value.headers == {"Retry-After": "1"}
+        assert refused.value.body()["error"]["code"] == "server_busy"
+        hold.set()
+        assert await first == b"a" * LARGE + b"b"
+        assert budget.used == 0  # given back: the next large body is read
+        assert await _read_body(request_of([b"e" * LARGE]), 10 * LARGE, budget) == b"e" * LARGE
+        assert budget.used == 0
+
+    asyncio.run(run())
+
+
+def test_small_bodies_are_read_whatever_the_budget():
+    async def run():
+        budget = BodyBudget(0)
+        assert await _read_body(request_of([b"x" * 1000]), 10 * LARGE, budget) == b"x" * 1000
+        assert await _read_body(request_of([b"y" * 1000], declared=False), 10 * LARGE, budget) == b"y" * 1000
+
+    asyncio.run(run())
+
+
+def test_a_body_that_does_not_arrive_in_time_gets_408(monkeypatch):
+    monkeypatch.setattr(openai_app, "BODY_READ_S", 0.2)
+
+    async def run():
+        budget = BodyBudget(10 * LARGE)
+        with pytest.raises(ProtocolError) as late:
+            await _read_body(request_of([b"a" * LARGE, b"b"], hold=asyncio.Event()), 10 * LARGE, budget)
+        assert late.value.status == 408 and "did not arrive within 0.2 s" in late.value.message
+        assert budget.used == 0
+
+    asyncio.run(run())
+
+
+def test_the_size_limit_still_answers_413_first():
+    async def run():
+        with pytest.raises(ProtocolError) as big:
+            await _read_body(request_of([b"a" * LARGE]), LARGE - 1, BodyBudget(0))
+        assert big.value.status == 413
+
+    asyncio.run(run())
