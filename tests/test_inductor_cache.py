@@ -64,6 +64,13 @@ def test_a_folder_others_can_write_is_refused_naming_it(own_cache):
     assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
 
 
+def test_a_cache_that_cannot_be_made_is_refused_with_the_fixes(own_cache, tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("CORELAUNCH_CACHE", str(tmp_path / "file" / "cache"))  # under a file: never a folder
+    with pytest.raises(NativeUnavailable, match="set CORELAUNCH_CACHE to a directory of yours .* --no-compile"):
+        ensure_private_inductor_cache()
+
+
 def test_a_symlinked_folder_is_refused(own_cache, tmp_path):
     (tmp_path / "elsewhere").mkdir(mode=0o700)
     own_cache.parent.mkdir(parents=True)

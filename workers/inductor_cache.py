@@ -37,10 +37,15 @@ def ensure_private_inductor_cache() -> None:
     holds for every later compile of the process. NativeUnavailable (a RuntimeError) naming the
     folder and the fix where it cannot be trusted."""
     if not _checked:
-        from workers.native_build import trusted_dir
+        from workers.native_build import NativeUnavailable, trusted_dir
 
         directory = default_inductor_cache()
-        os.close(trusted_dir(directory, holding="inductor's compiled graphs"))
+        try:
+            os.close(trusted_dir(directory, holding="inductor's compiled graphs"))
+        except NativeUnavailable as err:
+            raise NativeUnavailable(f"{err} (inductor's precompiled headers go there too; where the cache "
+                                    f"cannot be written, set CORELAUNCH_CACHE to a directory of yours that "
+                                    f"can, or run without compiling: --no-compile)") from None
         _checked.append(directory)
     if not _named_by_user():
         # Before inductor's codecache is imported below: some of its paths are fixed at import.
