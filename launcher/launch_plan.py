@@ -67,6 +67,9 @@ def plan_launch(config, progress: Progress, nothing_done: str = "nothing was sta
     if config.compile_granularity is not None and config.compile_granularity not in entry.granularities:
         raise ValueError(f"compile_granularity ({config.compile_granularity!r}): the {backend} backend offers "
                          f"{', '.join(entry.granularities) or 'no choice of granularity'}; drop --granularity")
+    if config.cpus_per_rank is not None and entry.ray_resource is not None:  # it was ignored without a word
+        raise ValueError(f"cpus_per_rank ({config.cpus_per_rank:g}) sizes the cpu backend's ranks; a {backend} rank "
+                         f"takes one {entry.ray_resource} and one CPU. Leave it out")
     # Before the model is resolved: a backend this host cannot run is refused first, and cheaply.
     target = planner_target(backend, TargetRequest(instance=config.instance, device_memory_gib=config.device_memory_gib,
                                                    cluster_on_this_host=on_this_host(config.ray_address)))

@@ -331,6 +331,10 @@ def test_an_empty_path_option_is_a_usage_error(argv, capsys):
     (["compile", "--rendezvous-timeout", "0", "--out", "unused"], "--rendezvous-timeout (0.0) must be a finite"),
     (["bench", "--request-timeout", "1e300"], "--request-timeout (1e+300) must be at most 1000000 seconds"),
     (["generate", "--load-timeout", "0", "x"], "--load-timeout (0.0) must be a finite positive number"),
+    # taken and ignored without a word by a device backend, whose ranks take one device and one CPU
+    (["generate", "--backend", "neuron", "--instance", "trn1.32xlarge", "--cpus-per-rank", "0.5", "x"],
+     "--cpus-per-rank (0.5) sizes the cpu backend's ranks; a neuron rank takes one neuron_cores and one CPU. "
+     "Leave it out"),
     (["serve", "--load-timeout", "-5"], "--load-timeout (-5.0) must be a finite positive number"),
     (["generate", "--cpus-per-rank", "0.00001", "x"], "--cpus-per-rank (1e-05) must be a finite number of CPUs of at least 0.0001 (Ray's resource precision), "
                                                          "or left out to share the node's CPUs"),

@@ -80,6 +80,11 @@ def test_unplaceable_explanations_name_what_is_missing():
     assert never.endswith("lower --tp or --cpus-per-rank (each rank's CPUs)")
     lacking = explain_unplaceable({"neuron_cores": 1, "CPU": 1}, 2, 2, [{"CPU": 4.0}])
     assert "lacks neuron_cores (2 in all)" in lacking
+    # A device group split evenly over 3 nodes where 2 hold their share: more nodes per group, or
+    # --cpus-per-rank (which sizes only a cpu rank), would not help; fewer nodes per group would.
+    short = explain_unplaceable({"neuron_cores": 1, "CPU": 1}, 3, 3, [{"CPU": 8.0, "neuron_cores": 8.0}] * 2)
+    assert "pass fewer --nodes" in short and "allow more nodes" not in short and "--cpus-per-rank" not in short
+    assert short.endswith("or lower --tp")
     busy = explain_unplaceable({"CPU": 1}, 1, 1, [{"CPU": 1.0}], [{"CPU": 0.0}], ["n1"])
     assert "other groups or jobs hold" in busy and "free now: n1 {CPU: 0}" in busy
     # Ray's free resources leave out a CPU at 0 and list placement groups' own bookkeeping

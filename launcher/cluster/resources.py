@@ -191,7 +191,12 @@ def explain_unplaceable(bundle: Mapping[str, float], tp: int, max_nodes: int,
                    f"only {holding} node(s) can hold {per_node} such bundles, where it needs {max_nodes} (a device "
                    f"group over several nodes takes the same share of its ranks on each)" if per_node is not None else
                    f"its {min(max_nodes, len(node_total))} roomiest node(s) hold only {sum(best)} such bundle(s)")
-        cpus = " or --cpus-per-rank (each rank's CPUs)" if bundle.get("CPU", 0.0) > 0 else ""
+        # --cpus-per-rank sizes only a cpu rank's bundle (CPU alone); a device bundle is fixed
+        cpus = " or --cpus-per-rank (each rank's CPUs)" if set(bundle) == {"CPU"} else ""
+        if per_node is not None:  # the same share on each node: more nodes per group need more nodes still
+            return (f"it needs {need} and the cluster can never hold that: {missing} (alive nodes: {held}). "
+                    f"Add nodes that hold {per_node} such bundles each, pass fewer --nodes (more ranks on each "
+                    f"node), or lower --tp{cpus}")
         return (f"it needs {need} and the cluster can never hold that: {missing} (alive nodes: {held}). "
                 f"Add nodes with these resources, allow more nodes per group (--nodes), or lower --tp{cpus}")
     free_txt = ""
