@@ -8,6 +8,7 @@ fast lane covers the same restart logic with the Launcher's groups in-process
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -133,6 +134,34 @@ def test_streams_resume_after_a_rank_is_killed_mid_stream(model_and_expected, ra
     assert finish == ["length"] * len(prompts)
     assert received == [expected[i % 2] for i in range(len(prompts))]  # complete, no duplicates, unchanged
     assert all(s.handle.attempts == 2 for s in streams)
+
+
+@pytest.mark.slow
+def test_a_frozen_rank_is_named_as_the_likely_cause(model_and_expected, ray_session):
+    """A rank whose process stops (SIGSTOP: as a frozen or cut-off node looks to its peers, its
+    connections open) is found when a collective times out; the error named only the rank that
+    reported the timeout, whichever one it had waited on (across nodes, a healthy one)."""
+    model_dir, _ = model_and_expected
+    launcher = Launcher(model=model_dir, tp=2, max_restarts=0, rendezvous_timeout_s=3, progress=False, **EAGER)
+    victim = None
+    try:
+        launcher.start()
+        stream = launcher.stream(PROMPTS[0], max_new_tokens=LONGEST, ignore_eos=True)
+        tokens = iter(stream)
+        next(tokens)  # streaming
+        victim = launcher.replica_status()[0]["workers"][1]
+        os.kill(victim["pid"], signal.SIGSTOP)
+        with pytest.raises(Exception) as failed:
+            for _ in tokens:
+                pass
+        message = str(failed.value)
+        assert f"rank 1 (node {victim['node_ip']}, pid {victim['pid']}) did not answer within" in message, message
+        assert "the likely cause" in message, message
+    finally:
+        if victim is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim["pid"], signal.SIGKILL)
+        launcher.shutdown(grace_s=1)
 
 
 @pytest.mark.slow

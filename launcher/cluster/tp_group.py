@@ -350,6 +350,11 @@ class TPGroup:
                 failure = failure or _rank_failure(self._where(rank_of[ref]), "serve", err)
         if not isinstance(failure, WorkerDied):
             failure = self._find_death(pending, rank_of, "serve") or failure
+        if type(failure) is RankFailed and (silent := self.silent_ranks(_ROOT_CAUSE_GRACE_S)):
+            # A frozen or cut-off node keeps its connections open: its peers time out in a collective
+            # and the first to report names whichever rank it waited on, not the one lost.
+            failure = RankFailed(f"{failure}; {', '.join(silent)} did not answer within {_ROOT_CAUSE_GRACE_S:g} s "
+                                 f"(its process or node is stopped, or cut off from the others): the likely cause")
         self._serve_refs = []
         self.kill()
         raise failure if isinstance(failure, (RankFailed, WorkerDied)) else RankFailed(str(failure))
@@ -398,6 +403,15 @@ class TPGroup:
                 except ray.exceptions.RayActorError:
                     dead.append(self._where(rank))
         return dead
+
+    def silent_ranks(self, timeout_s: float) -> list[str]:
+        """Ranks whose actor does not answer a describe() within timeout_s: a stopped process or node
+        (a rank's actor answers on a thread of its own while its compute thread is busy)."""
+        if not self.actors or self._ray_gone():
+            return []
+        refs = [a.describe.remote() for a in self.actors]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        return [self._where(rank) for rank, ref in enumerate(refs) if ref not in done]
 
     # ---- waiting -----------------------------------------------------------------------------
     def _where(self, rank: int) -> str:
