@@ -337,18 +337,14 @@ def _opened(started_here: bool, address: str) -> None:
         _OWN_SESSION.update(users=1, started_here=started_here, address=address)
 
 
-RAY_TOKEN = Path.home() / ".ray" / "auth_token"
-"""Where Ray keeps the token of its token authentication (a private cluster's start writes it)."""
-
-
 def _token_for_this_user_only() -> None:
     """Ray's token file readable by its owner alone. Ray writes it with the umask's mode (0644 in a
     0755 ~/.ray): on a host whose home directories others can enter, any local user could read it,
     and with it call the private cluster's servers (Serve's gRPC port unpickles what it is sent).
     A file of another user's, or a symlink, is left alone."""
-    try:
-        fd = os.open(RAY_TOKEN, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:  # none yet, or a symlink
+    try:  # where Ray keeps it (read at each call: HOME may change)
+        fd = os.open(Path.home() / ".ray" / "auth_token", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except (OSError, RuntimeError):  # none yet, a symlink, or no home directory to find
         return
     try:
         st = os.fstat(fd)
