@@ -93,18 +93,23 @@ def _sanitizing(tokenizer) -> dict:
     return {"sanitize_control_tokens": True} if "sanitize_control_tokens" in parameters else {}
 
 
-def _cpus_per_rank(launch: dict, serve_replicas: int) -> float:
+def _cpus_per_rank(launch: dict, serve_replicas: int) -> float | None:
     """An even share of the cluster's CPUs for each rank of every Serve replica there can be, so
     that all of their TP groups fit at once, as the nodes hold them (the Serve replica actors
-    themselves take no CPU); the driver API's own rule for its replicas (cpu_rank_resources)."""
+    themselves take no CPU); the driver API's own rule for its replicas (cpu_rank_resources). None
+    for a device backend, whose ranks take one device and one CPU each (cpus_per_rank is refused)."""
     from launcher.api import LaunchConfig
     from launcher.cluster.placement import alive_nodes
     from launcher.cluster.resources import cpu_rank_resources
     from launcher.launch_plan import plan_launch, with_artifact_settings
     from launcher.progress import Progress
+    from workers.backends import backend_entry
 
     config = with_artifact_settings(LaunchConfig(**launch))  # the TP degree the replica's Launcher runs
-    tp = plan_launch(config, Progress(False)).plan.tp_degree
+    planned = plan_launch(config, Progress(False))
+    if backend_entry(planned.backend).ray_resource is not None:
+        return None
+    tp = planned.plan.tp_degree
     node_cpus = [n.total.get("CPU", 0.0) for n in alive_nodes()]
     return cpu_rank_resources(tp, node_cpus, nodes=config.nodes, replicas=serve_replicas).num_cpus
 
