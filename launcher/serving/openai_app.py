@@ -176,10 +176,12 @@ class BodyBudget:
         self.used -= size
 
 
-async def _read_body(request: Request, limit: int, budget: BodyBudget) -> bytes:
-    """The request's body, refused (413) past `limit` bytes: by its Content-Length before reading,
-    else as soon as what arrives passes it; 503 when the bodies being read already hold the budget,
-    408 when it has not arrived within BODY_READ_S."""
+async def _read_body(request: Request, limit: int, budget: BodyBudget) -> tuple[bytes, int]:
+    """The request's body and the bytes of `budget` it holds, which the caller gives back once the
+    body is parsed (a body read whole still waits for, and takes memory in, its parse). Refused (413)
+    past `limit` bytes: by its Content-Length before reading, else as soon as what arrives passes it;
+    503 when the large bodies already held fill the budget; 408 when it has not arrived within
+    BODY_READ_S. On a refusal the budget is given back here."""
     declared = request.headers.get("content-length", "")
     too_large = ProtocolError(f"the request body is larger than this server reads ({limit} bytes, from its context "
                               f"of tokens); send a shorter prompt", status=413, code="request_too_large")
@@ -204,11 +206,13 @@ async def _read_body(request: Request, limit: int, budget: BodyBudget) -> bytes:
                     held = size
                 chunks.append(chunk)
     except TimeoutError:
+        budget.give(held)
         raise ProtocolError(f"the request body did not arrive within {BODY_READ_S:g} s", status=408,
                             code="request_timeout") from None
-    finally:
+    except BaseException:  # refused, the client gone, or the request cancelled
         budget.give(held)
-    return b"".join(chunks)
+        raise
+    return b"".join(chunks), held
 
 
 def parse_json_body(raw: bytes):
@@ -461,13 +465,16 @@ class OpenAIServer:
         PARSED_ON_A_THREAD bytes is parsed and checked on a thread (a 5 MB one held the event loop,
         and with it every stream and /health, for seconds)."""
         try:
-            raw = await _read_body(request, self.body_limit, self.bodies)
+            raw, held = await _read_body(request, self.body_limit, self.bodies)
         except ProtocolError as err:
             self.metrics.rejected(err.status)
             raise
-        if len(raw) <= PARSED_ON_A_THREAD:
-            return self._parse(model, self._json(raw))
-        return await asyncio.to_thread(lambda: self._parse(model, self._json(raw)))
+        try:
+            if len(raw) <= PARSED_ON_A_THREAD:
+                return self._parse(model, self._json(raw))
+            return await asyncio.to_thread(lambda: self._parse(model, self._json(raw)))
+        finally:
+            self.bodies.give(held)
 
     def _json(self, raw: bytes):
         try:
