@@ -215,3 +215,5 @@ def test_a_private_start_leaves_rays_token_readable_by_its_owner_alone(tmp_path)
     subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**env, "HOME": str(home)}, check=True, timeout=300)
     token = home / ".ray" / "auth_token"
     assert token.exists() and oct(token.stat().st_mode & 0o777) == oct(0o600)
+    # and its folder, made before the start, so the token is never readable by others even while written
+    assert oct((home / ".ray").stat().st_mode & 0o777) == oct(0o700)

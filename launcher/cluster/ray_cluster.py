@@ -15,6 +15,7 @@ the user runs is left running, and a Ray session the calling program opened itse
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import stat
@@ -338,22 +339,31 @@ def _opened(started_here: bool, address: str) -> None:
 
 
 def _token_for_this_user_only() -> None:
-    """Ray's token file readable by its owner alone. Ray writes it with the umask's mode (0644 in a
-    0755 ~/.ray): on a host whose home directories others can enter, any local user could read it,
-    and with it call the private cluster's servers (Serve's gRPC port unpickles what it is sent).
-    A file of another user's, or a symlink, is left alone."""
+    """Ray's token file, and the ~/.ray folder it is written in, for their owner alone. Ray writes
+    the token with the umask's mode (0644 in a 0755 ~/.ray) early in a private start: on a host whose
+    home directories others can enter, any local user could read it (for the seconds until a chmod
+    after the start, or for good), and with it call the private cluster's servers (Serve's gRPC port
+    unpickles what it is sent). So the folder is made 0700 first, the file 0600 after. Another
+    user's file or folder, or a symlink, is left alone."""
     try:  # where Ray keeps it (read at each call: HOME may change)
-        fd = os.open(Path.home() / ".ray" / "auth_token", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except (OSError, RuntimeError):  # none yet, a symlink, or no home directory to find
+        folder = Path.home() / ".ray"
+    except RuntimeError:  # no home directory to find
         return
-    try:
-        st = os.fstat(fd)
-        if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and st.st_mode & 0o077:
-            os.fchmod(fd, 0o600)
-    except OSError:  # a file system without modes
-        pass
-    finally:
-        os.close(fd)
+    with contextlib.suppress(FileExistsError, OSError):
+        os.mkdir(folder, 0o700)
+    for path, flags, mode in ((folder, os.O_DIRECTORY, 0o700), (folder / "auth_token", 0, 0o600)):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | flags)
+        except OSError:  # none yet, or a symlink
+            continue
+        try:
+            st = os.fstat(fd)
+            if st.st_uid == os.getuid() and st.st_mode & 0o077 and (flags or stat.S_ISREG(st.st_mode)):
+                os.fchmod(fd, mode)
+        except OSError:  # a file system without modes
+            pass
+        finally:
+            os.close(fd)
 
 
 def _token_auth_as_ray_does_for_a_found_cluster() -> None:
