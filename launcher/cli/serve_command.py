@@ -10,6 +10,7 @@ shuts Serve down and stops Ray; a second signal stops waiting for Serve's gracef
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import logging
 import math
@@ -181,21 +182,39 @@ def _plan(settings) -> None:
 class StopSignals:
     """SIGINT and SIGTERM as requests to stop. The first sets `requested` (by_sigterm says which came);
     a second raises KeyboardInterrupt wherever the main thread is, cutting short the graceful
-    shutdown the first began (exit 130)."""
+    shutdown the first began (exit 130), and `cut_short` says so. `held()` keeps both off while Ray
+    itself shuts down (interrupted half-way, its processes outlived the call), and `restore()` puts
+    back the handlers found at install()."""
 
     def __init__(self) -> None:
         self.requested = threading.Event()
         self.by_sigterm = False
+        self.cut_short = False
+        self._previous: dict[int, object] = {}
 
     def install(self) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self._on_signal)
+            self._previous[sig] = signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum: int, _frame) -> None:
         if self.requested.is_set():
+            self.cut_short = True
             raise KeyboardInterrupt
         self.by_sigterm = signum == signal.SIGTERM
         self.requested.set()
+
+    @contextlib.contextmanager
+    def held(self):
+        for sig in self._previous:
+            signal.signal(sig, signal.SIG_IGN)
+        try:
+            yield
+        finally:
+            self.restore()
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 def _serve(args: argparse.Namespace, settings, mode: str) -> int:
@@ -221,6 +240,7 @@ def _serve_on(args: argparse.Namespace, settings, mode: str, stdout) -> int:
     # to stop, so Serve and Ray are shut down below rather than killed mid-way.
     signals = StopSignals()
     signals.install()
+    dead_at_start = ray_cluster.dead_private_processes()
     stop = signals.requested
     try:
         failure = _start_serve(serve, args.host, ingress.proxy_port)
@@ -245,11 +265,14 @@ def _serve_on(args: argparse.Namespace, settings, mode: str, stdout) -> int:
     finally:
         try:
             # A SIGTERM sent to the whole group took Ray's processes too: nothing is left to shut
-            # down gracefully. (SIGINT, Ctrl-C's, is blocked in Ray's processes.)
-            if not (signals.by_sigterm and ray_cluster.private_cluster_dying(within_s=0.5)):
+            # down gracefully. (SIGINT, Ctrl-C's, is blocked in Ray's processes.) A second signal
+            # asked not to wait for it.
+            if not signals.cut_short and not (signals.by_sigterm and ray_cluster.private_cluster_dying(
+                    within_s=0.5, dead_before=dead_at_start)):
                 serve.shutdown()
         finally:
-            connection.close()
+            with signals.held():
+                connection.close()
 
 
 def ingress_plan(args: argparse.Namespace, mode: str) -> IngressPlan:

@@ -248,28 +248,34 @@ def connect(address: str | None = None, num_cpus: int | None = None, worker_logs
     return RayConnection(started_here=True, address="local")
 
 
-def private_cluster_dying(within_s: float) -> bool:
+def private_cluster_dying(within_s: float, dead_before: frozenset[int] = frozenset()) -> bool:
     """True when a process of the private Ray this process started (its GCS, raylet, dashboard or
-    log monitor) has exited, waiting up to within_s for one to. A SIGTERM sent to the whole process
-    group (`kill -- -PGID`, systemd stopping a unit, `timeout`) reaches Ray's processes as well as
-    this one (Ray blocks only SIGINT in them), and then the cluster is going down under a graceful
-    shutdown: Serve's waited 30 s for a controller that could no longer answer. False for a cluster
-    this process did not start, or a Ray without the node record read here."""
+    log monitor) other than those in `dead_before` (dead_private_processes() taken earlier) has
+    exited, waiting up to within_s for one to. A SIGTERM sent to the whole process group (`kill --
+    -PGID`, systemd stopping a unit, `timeout`) reaches Ray's processes as well as this one (Ray
+    blocks only SIGINT in them), and then the cluster is going down under a graceful shutdown:
+    Serve's waited 30 s for a controller that could no longer answer. False for a cluster this
+    process did not start, or a Ray without the node record read here."""
     import time
 
+    deadline = time.monotonic() + within_s
+    while True:
+        if dead_private_processes() - dead_before:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
+def dead_private_processes() -> frozenset[int]:
+    """The pids of the private Ray's own processes (see private_cluster_dying) that have exited."""
     import ray
 
     node = getattr(getattr(ray, "_private", None), "worker", None)
     node = getattr(node, "_global_node", None)
     if node is None or not _OWN_SESSION["started_here"] or not hasattr(node, "dead_processes"):
-        return False
-    deadline = time.monotonic() + within_s
-    while True:
-        if node.dead_processes():
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.05)
+        return frozenset()
+    return frozenset(process.pid for _, process in node.dead_processes())
 
 
 def _init(**options) -> None:
