@@ -25,7 +25,8 @@ def own_cache(tmp_path, monkeypatch):
 
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.setenv("CORELAUNCH_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(inductor_cache, "_checked", [])
+    monkeypatch.setattr(inductor_cache, "_trusted", set())
+    monkeypatch.setattr(inductor_cache, "_written", [])
     monkeypatch.setattr(codecache, "_HEADER_DIR", codecache._HEADER_DIR)
     monkeypatch.setattr(codecache, "_HEADER_LOCK_DIR", codecache._HEADER_LOCK_DIR)
     return tmp_path / "cache" / f"inductor-uid{os.getuid()}"
@@ -62,6 +63,32 @@ def test_a_folder_others_can_write_is_refused_naming_it(own_cache):
     with pytest.raises(NativeUnavailable, match="inductor's compiled graphs: it is writable by group or others"):
         ensure_private_inductor_cache()
     assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+
+
+def test_a_named_cache_holds_the_headers_where_this_users_folder_cannot_be_made(own_cache, tmp_path, monkeypatch):
+    """With the cache named (TORCHINDUCTOR_CACHE_DIR, or a compiled-model directory's), an unusable
+    CORELAUNCH_CACHE failed every compiling launch: the headers go into the named cache instead."""
+    from torch._inductor import codecache
+
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("CORELAUNCH_CACHE", str(tmp_path / "file" / "cache"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "named"))
+    ensure_private_inductor_cache()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "named")
+    assert codecache._HEADER_DIR == str(tmp_path / "named" / "precompiled_headers")
+
+
+def test_a_later_corelaunch_cache_is_followed(own_cache, tmp_path, monkeypatch):
+    """The folder written into the variable was then taken for the user's own choice, and a later
+    CORELAUNCH_CACHE of the same process was ignored for graphs (its headers moved, its graphs not)."""
+    from torch._inductor import codecache
+
+    ensure_private_inductor_cache()
+    monkeypatch.setenv("CORELAUNCH_CACHE", str(tmp_path / "second"))
+    ensure_private_inductor_cache()
+    second = tmp_path / "second" / f"inductor-uid{os.getuid()}"
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(second)
+    assert codecache._HEADER_DIR == str(second / "precompiled_headers")
 
 
 def test_a_cache_that_cannot_be_made_is_refused_with_the_fixes(own_cache, tmp_path, monkeypatch):

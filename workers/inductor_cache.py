@@ -21,8 +21,10 @@ from pathlib import Path
 VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
 HEADERS = "precompiled_headers"
 
-_checked: list[Path] = []
-"""This process's checked folder, once checked (each compile asks)."""
+_trusted: set[Path] = set()
+"""Folders this process has checked (each compile asks)."""
+_written: list[str] = []
+"""The value this module last wrote into TORCHINDUCTOR_CACHE_DIR: its own, not the user's choice."""
 
 
 def default_inductor_cache() -> Path:
@@ -33,35 +35,43 @@ def default_inductor_cache() -> Path:
 
 def ensure_private_inductor_cache() -> None:
     """TORCHINDUCTOR_CACHE_DIR set to this user's checked folder unless it names one already, and
-    inductor's precompiled headers moved into that folder. Inductor reads both at each use, so this
-    holds for every later compile of the process. NativeUnavailable (a RuntimeError) naming the
-    folder and the fix where it cannot be trusted."""
-    if not _checked:
-        from workers.native_build import NativeUnavailable, trusted_dir
+    inductor's precompiled headers moved into that folder (into the named one where this user's
+    cannot be made or trusted). Inductor reads both at each use, so this holds for every later
+    compile of the process. NativeUnavailable (a RuntimeError) naming the folder and the fix where
+    nothing is named and this user's folder cannot be trusted."""
+    from workers.native_build import NativeUnavailable, trusted_dir
 
-        directory = default_inductor_cache()
+    named = _named_by_user()
+    directory: Path | None = default_inductor_cache()
+    if directory not in _trusted:
         try:
             os.close(trusted_dir(directory, holding="inductor's compiled graphs"))
+            _trusted.add(directory)
         except NativeUnavailable as err:
-            raise NativeUnavailable(f"{err} (inductor's precompiled headers go there too; where the cache "
-                                    f"cannot be written, set CORELAUNCH_CACHE to a directory of yours that "
-                                    f"can, or run without compiling: --no-compile)") from None
-        _checked.append(directory)
-    if not _named_by_user():
+            if not named:
+                raise NativeUnavailable(f"{err} (inductor's precompiled headers go there too; where the cache "
+                                        f"cannot be written, set CORELAUNCH_CACHE to a directory of yours that "
+                                        f"can, or run without compiling: --no-compile)") from None
+            directory = None  # the named cache holds the headers too
+    if not named:
         # Before inductor's codecache is imported below: some of its paths are fixed at import.
-        os.environ[VARIABLE] = str(_checked[0])
-    _move_precompiled_headers(_checked[0] / HEADERS)
+        os.environ[VARIABLE] = os.path.abspath(directory)
+        _written[:] = [os.environ[VARIABLE]]
+    _move_precompiled_headers((directory or Path(os.environ[VARIABLE])) / HEADERS)
 
 
 def _named_by_user() -> bool:
-    """Whether TORCHINDUCTOR_CACHE_DIR names a folder other than torch's default. Inductor's own
-    first lookup writes its default into the variable (a compiler import on another thread, or any
-    cache lookup before the first compile, may have made it), so a variable holding the default is
-    torch's, not the user's."""
+    """Whether TORCHINDUCTOR_CACHE_DIR names a folder other than torch's default and the one this
+    module wrote. Inductor's own first lookup writes its default into the variable (a compiler
+    import on another thread, or any cache lookup before the first compile, may have made it), so a
+    variable holding the default is torch's, not the user's."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     value = os.environ.get(VARIABLE)
-    return bool(value) and os.path.abspath(value) != os.path.abspath(default_cache_dir())
+    if not value:
+        return False
+    value = os.path.abspath(value)
+    return value != os.path.abspath(default_cache_dir()) and value not in _written
 
 
 def _move_precompiled_headers(folder: Path) -> None:
