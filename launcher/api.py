@@ -424,9 +424,11 @@ class Launcher:
         self._cache_writer = None
         self._lock = threading.Lock()  # tokenizers are not safe to share between threads
         self._starting = threading.Lock()
-        self._stop_asked = False
-        """shutdown() was called since the last start() began: a start still connecting to Ray (no
-        pool for shutdown() to stop yet) stops there instead of bringing the groups up."""
+        self._stops = 0
+        """shutdown() calls so far; a start() that sees more than when it was called (one still
+        connecting to Ray, before there is a pool for shutdown() to stop, or one waiting for another
+        start) stops there instead of bringing the groups up."""
+        self._stops_at_start = 0
         self._ray = None
         self._progress = Progress(self.config.progress)
         self.buckets = None
@@ -445,10 +447,11 @@ class Launcher:
         """Plan (refusing impossible layouts before any process), place, rendezvous, load. A launcher
         already running is returned as it is (`with Launcher(...).start() as llm` starts once): a
         second start placed a second set of groups beside the first and lost track of the first."""
+        stops_when_called = self._stops  # before the lock: a shutdown while this start waits for it counts
         with self._starting:  # two threads starting at once would each place a set of groups
             if self._pool is not None:
                 return self
-            self._stop_asked = False
+            self._stops_at_start = stops_when_called
             start = time.perf_counter()
             self.prepare()
             try:
@@ -456,7 +459,7 @@ class Launcher:
                 self._await_tokenizer()  # it loaded while the group started (check_prompts may have taken it)
                 self._unless_stop_asked()
             except BaseException as err:
-                stop_asked = self._stop_asked
+                stop_asked = self._stops != self._stops_at_start
                 self.shutdown()
                 if stop_asked and not isinstance(err, (LaunchError, KeyboardInterrupt)):
                     raise LaunchError("the launcher was shut down while it started; nothing is left running") from err
@@ -552,7 +555,7 @@ class Launcher:
         self._start_presharded_cache()
 
     def _unless_stop_asked(self) -> None:
-        if self._stop_asked:
+        if self._stops != self._stops_at_start:
             raise LaunchError("the launcher was shut down while it started; nothing is left running")
 
     def _make_load_spec(self):
@@ -700,7 +703,7 @@ class Launcher:
                 or not 0 <= grace_s <= MAX_TIMEOUT_S):
             raise ValueError(f"grace_s ({grace_s!r}) must be a number of seconds from 0 to {MAX_TIMEOUT_S}; "
                              f"nothing was shut down")
-        self._stop_asked = True  # a start() still connecting stops at its next step
+        self._stops += 1  # a start() still connecting stops at its next step
         # Each read once: a second thread shutting down at the same time finds None or the same
         # object (the pool's shutdown is safe twice), never None between the check and the call.
         pool = self._pool  # kept visible while it stops: a stream closed meanwhile still reaches it

@@ -384,3 +384,35 @@ def test_a_shutdown_while_start_connects_to_ray_stops_the_start(small_model, in_
         assert launcher.start().generate([[5, 6, 7]], max_new_tokens=2)[0].finish_reason == "length"
     finally:
         launcher.shutdown()
+
+
+def test_a_shutdown_also_stops_a_start_still_waiting_for_another(small_model, in_process_cluster, monkeypatch):
+    """A start() waiting on the lock while another connected reset the shutdown's mark once it got
+    the lock, and brought the groups up after shutdown() had returned."""
+    from launcher.cluster import ray_cluster
+
+    launcher = Launcher(model=small_model, tp=1, compile=False, progress=False)
+    connect, connecting, go_on = ray_cluster.connect, threading.Event(), threading.Event()
+
+    def slow_connect(*args, **kwargs):
+        connecting.set()
+        go_on.wait(60)
+        return connect(*args, **kwargs)
+
+    monkeypatch.setattr(ray_cluster, "connect", slow_connect)
+    errors: list = []
+    first = threading.Thread(target=lambda: _record(errors, launcher.start))
+    first.start()
+    assert connecting.wait(60)
+    second = threading.Thread(target=lambda: _record(errors, launcher.start))
+    second.start()
+    time.sleep(0.2)  # the second start waits for the first's lock
+    launcher.shutdown()
+    go_on.set()
+    first.join(60)
+    second.join(60)
+    try:
+        assert len(errors) == 2 and all("shut down while it started" in str(e) for e in errors), errors
+        assert in_process_cluster.groups == [] and launcher._pool is None
+    finally:
+        launcher.shutdown()
