@@ -126,6 +126,26 @@ def check_token_matching_passes(capsys, common: list[str]) -> None:
         assert p["actual_tokens"] == p["expected_tokens"] and len(p["actual_tokens"]) == NUM_TOKENS
 
 
+def test_a_reference_with_another_vocabulary_is_refused_before_anything_runs(models, capsys, tmp_path,
+                                                                             monkeypatch, ray_tripwire):
+    """Found only after the reference had run and the workers started, or, with a prompt id only the
+    model's vocabulary holds, as a traceback from inside transformers (exit 1, "failed")."""
+    from launcher.cli import check_command
+
+    original, _ = models
+    wider = save_random_model(tmp_path / "wider", num_heads=4, num_kv_heads=2, vocab_size=256, seed=3)
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the transformers reference ran")
+
+    monkeypatch.setattr(check_command, "reference_outputs", must_not_run)
+    for prompt_ids in (PROMPT_IDS, "5,200"):  # 200: past the reference's 128 tokens
+        code, report, err = run_check(capsys, "--model", str(wider), "--reference", str(original),
+                                      "--prompt-ids", prompt_ids, "--no-compile")
+        assert code == 2 and report is None, err
+        assert f"--reference {original} has a vocabulary of 128 tokens and --model {wider} one of 256" in err, err
+
+
 def test_a_quantized_reference_is_refused_before_anything_runs(models, capsys, tmp_path, monkeypatch):
     from launcher.cli import check_command
     from shardlib.quantize_checkpoint import quantize_checkpoint
@@ -406,7 +426,23 @@ def test_bench_json_report_in_process(models, capsys, in_process_cluster):
     assert code == 0, out.err
     report = json.loads(out.out)  # the whole stdout is one JSON object
     assert report["config"]["compile"] is False and report["config"]["seq_len"] == 64
+    assert report["config"]["kv_cache_dtype"] is None and report["config"]["quantization"] is None
     check_bench_report(report)
+
+
+def test_bench_json_records_the_kv_cache_dtype_and_the_weights_quantization(models, capsys, tmp_path,
+                                                                            in_process_cluster):
+    """Two runs differing only in these gave JSON that read alike (check's report had them)."""
+    from shardlib.quantize_checkpoint import quantize_checkpoint
+
+    quantized = quantize_checkpoint(models[0], tmp_path / "q8", "int8")
+    capsys.readouterr()
+    code = main(["bench", "--model", str(quantized), *BENCH_ARGS, "--runs", "1", "--no-compile", "--seq-len", "64",
+                 "--kv-cache-dtype", "f8e4m3", "--quiet"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    config = json.loads(out.out)["config"]
+    assert config["kv_cache_dtype"] == "f8e4m3" and config["quantization"]["quantization_dtype"] == "int8", config
 
 
 def test_bench_runs_a_batch_above_the_default_row_count_as_one(models, capsys, in_process_cluster, monkeypatch):

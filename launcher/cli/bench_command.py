@@ -162,6 +162,10 @@ def _bench(args: argparse.Namespace) -> dict:
             "kv_strategy": str(launcher.plan.kv_strategy), "backend": launcher.backend,
             "dtype": str(launcher.plan.dtype), "compile": launcher.config.compile, "batch_size": args.batch_size, "prompt_len": args.prompt_len,
             "seq_len": launcher.serving_seq_len, "max_new_tokens": args.max_new_tokens, "warmup": args.warmup, "runs": args.runs,
+            # as check's report has them: two runs differing only in these read alike without them
+            "kv_cache_dtype": args.kv_cache_dtype,
+            "quantization": (None if launcher.plan.config.quantization is None
+                             else launcher.plan.config.quantization.to_json()),
         }
     return report
 

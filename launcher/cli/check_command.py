@@ -321,11 +321,19 @@ def _reference_dir(args, model_dir: Path) -> Path:
     from shardlib.model_config import load_model_config
 
     reference_dir = _model_dir(args.reference, "--reference") if args.reference else model_dir
-    quant = load_model_config(reference_dir).quantization
+    reference = load_model_config(reference_dir)
+    quant = reference.quantization
     if quant is not None:
         named = f"--reference {reference_dir}" if args.reference else str(reference_dir)
         raise ValueError(f"{named} is quantized ({quant.dtype}, {quant.granularity}): transformers cannot load it "
                          f"as the reference; pass the unquantized checkpoint it was made from with --reference DIR")
+    model_vocab = load_model_config(model_dir).vocab_size
+    if reference_dir != model_dir and reference.vocab_size != model_vocab:
+        # Found only once the reference had run and the workers started (or, with a prompt id only
+        # the model's vocabulary holds, as a traceback from inside transformers).
+        raise ValueError(f"--reference {reference_dir} has a vocabulary of {reference.vocab_size} tokens and "
+                         f"--model {model_dir} one of {model_vocab}: it is not the same model; pass the checkpoint "
+                         f"--model was made from")
     return reference_dir
 
 
@@ -402,9 +410,9 @@ def _run(args: argparse.Namespace) -> int:
         _check_serving_fits(prompts, num_tokens, launcher)
     else:
         num_tokens = DEFAULT_NUM_TOKENS if args.num_tokens is None else args.num_tokens
+        reference_dir = _reference_dir(args, model_dir)  # before the prompts: checked against the model's vocabulary
         texts, prompts, tokenizer = _prompts(args, model_dir)
         _check_prompts(prompts, num_tokens, model_dir)
-        reference_dir = _reference_dir(args, model_dir)
         # --save-expected starts no workers, so its launch options are not planned (the file may be
         # meant for another machine); otherwise they are refused before the reference runs, not after
         launcher = None if args.save_expected else _launcher(args, model_dir)
