@@ -8,7 +8,7 @@ import re
 
 def add_backend_arguments(p: argparse.ArgumentParser) -> None:
     """--backend (every backend in the workers.backends registry), --instance and --device-memory-gib:
-    what the ranks run on and what the planner plans against (generate, compile, check, bench)."""
+    what the ranks run on and what the planner plans against (generate, serve, compile, check, bench)."""
     from workers.backends import backend_help, backend_names
 
     p.add_argument("--backend", choices=backend_names(), help=backend_help())
@@ -24,7 +24,7 @@ def backend_options(args: argparse.Namespace) -> dict:
 
 
 def add_granularity(p: argparse.ArgumentParser) -> None:
-    """--granularity (compile and generate): what one compiled graph covers."""
+    """--granularity (generate, serve, compile): what one compiled graph covers."""
     from workers.granularities import DEFAULT_GRANULARITY, GRANULARITIES
 
     p.add_argument("--granularity", choices=GRANULARITIES,
@@ -49,7 +49,7 @@ def add_sequence_parallel(p: argparse.ArgumentParser) -> None:
 
 
 def add_no_compile(p: argparse.ArgumentParser) -> None:
-    """--no-compile (generate, check, bench): args.compile False runs eagerly."""
+    """--no-compile (generate, serve, check, bench): args.compile False runs eagerly."""
     p.add_argument("--no-compile", dest="compile", action="store_false",
                    help="run eagerly at exact shapes, without compiled graphs (debugging: a check that "
                         "fails compiled but passes eager points at the compiler, not the sharding)")
@@ -230,8 +230,8 @@ def add_timeout_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rendezvous-timeout", type=float, default=30.0, metavar="S",
                    help="seconds for started workers to join their process group (default 30)")
     p.add_argument("--load-timeout", type=float, default=900.0, metavar="S",
-                   help="seconds for every rank to load its shard, and to build its serving cache and, with "
-                        "--warm-up, its graphs (default 900)")
+                   help="seconds for every rank to load its shard, and to build its serving cache and any "
+                        "graphs built at start (default 900)")
     p.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
                    help="seconds one request may take from submission to its last token (default 600)")
 
@@ -258,7 +258,7 @@ def model_and_placement_options(args: argparse.Namespace) -> dict:
 
 
 def add_kv_cache_dtype(p: argparse.ArgumentParser) -> None:
-    """--kv-cache-dtype (generate, serve, check, bench, plan): an fp8 KV cache."""
+    """--kv-cache-dtype (generate, serve, compile, check, bench, plan): an fp8 KV cache."""
     p.add_argument("--kv-cache-dtype", choices=["f8e4m3"],
                    help="store the KV cache in fp8 e4m3 with a scale, dequantized on read (a quarter of float32's "
                         "bytes per token; default: the compute dtype)")

@@ -65,7 +65,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--ingress", choices=MODES, default="auto",
                    help="how HTTP reaches the model: `direct`, the Serve replica's own HTTP server on --port (one "
                         "replica); `proxy`, Serve's proxy on --port, spreading requests over replicas; `auto` (the "
-                        "default): direct with one replica, else proxy")
+                        "default): direct with one fixed replica (no autoscaling), else proxy")
     p.add_argument("--ready-timeout", type=_seconds, default=900.0, metavar="S",
                    help="seconds for the replicas to load the model and answer /health (default 900)")
     p.set_defaults(run=run)
