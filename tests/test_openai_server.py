@@ -558,12 +558,16 @@ def test_serve_config_example_is_a_valid_serve_config():
 def test_a_device_backends_serve_replica_leaves_the_cpu_share_out(ray_tripwire):
     """A Serve replica sized every rank's CPU share whatever the backend, and a device backend
     refuses cpus_per_rank (it ignored it before): every neuron or cuda replica failed to start."""
-    from launcher.api import LaunchConfig, Launcher
+    from launcher.api import LaunchConfig
+    from launcher.launch_plan import plan_launch
+    from launcher.progress import Progress
     from launcher.serving import openai_app
 
     launch = dict(backend="neuron", instance="trn1.32xlarge", progress=False)
     assert openai_app._cpus_per_rank(launch, 2) is None  # before any Ray call: no node list needed
-    assert Launcher(LaunchConfig(**launch, cpus_per_rank=None)).prepare().backend == "neuron"
+    # the replica's launch then plans (Launcher.prepare would also start loading the tokenizer on
+    # a thread, which outlived the test and raced the next one's transformers imports)
+    assert plan_launch(LaunchConfig(**launch, cpus_per_rank=None), Progress(False)).backend == "neuron"
 
 
 # ---- slow: a real server ---------------------------------------------------------------------
