@@ -349,6 +349,21 @@ def test_launch_option_errors_name_the_flag_not_the_field(argv, words, capsys):
     assert f"corelaunch {argv[0]}: {words}" in err, err
 
 
+@pytest.mark.parametrize("argv, words", [
+    (["--seq-len", "16", "--max-new-tokens", "20"],
+     "with --max-new-tokens 20 that needs 2"),
+    (["--max-new-tokens", "9000"], "positions but --seq-len is 4096: shorten the prompt, lower --max-new-tokens, "
+                                   "or raise --seq-len"),
+])
+def test_generate_names_a_prompt_past_its_positions_by_the_flags(argv, words, capsys, ray_tripwire):
+    """The refusal spoke of the driver API's max_new_tokens and seq_len (and "seq_len (--seq-len)")."""
+    from launcher.cli import main
+
+    assert main(["generate", *argv, "The capital of France is"]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "max_new_tokens" not in err and "seq_len" not in err, err
+
+
 def test_only_a_message_led_by_a_field_has_its_fields_named_by_flag():
     from launcher.cli.options import with_flag_name
 

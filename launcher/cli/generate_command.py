@@ -7,7 +7,7 @@ import json
 import sys
 
 from launcher.cli.options import (add_max_num_seqs, add_model_and_placement_arguments, int_at_least,
-                                  max_num_seqs_option, model_and_placement_options, with_flag_name)
+                                  in_generate_flags, max_num_seqs_option, model_and_placement_options, with_flag_name)
 
 
 def add_parser(subparsers) -> None:
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     except BrokenPipeError:
         raise  # stdout's reader went away: 141 (launcher/cli/__init__.py)
     except (ValueError, OSError, LaunchError) as err:  # OSError: a file or directory it could not use, a lock
-        print(f"corelaunch generate: {with_flag_name(err)}", file=sys.stderr)
+        print(f"corelaunch generate: {in_generate_flags(with_flag_name(err))}", file=sys.stderr)
         return exit_code_for(err)
     message = compile_message(compiled)
     if message and not args.quiet:

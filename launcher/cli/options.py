@@ -119,6 +119,19 @@ _NAMED_FIELD = re.compile(r"(?<![\w/.-])(" + "|".join(sorted(
 """A field with an underscore named in a message, with its value in parentheses if given."""
 
 
+_GENERATE_WORDS = ((re.compile(r"\bseq_len \(--seq-len\)"), "--seq-len"), (re.compile(r"\bseq_len\b"), "--seq-len"),
+                   (re.compile(r"\bmax_new_tokens\b"), "--max-new-tokens"))
+
+
+def in_generate_flags(message: str) -> str:
+    """A driver-API message as `corelaunch generate` says it: the request's max_new_tokens and the
+    launch's seq_len named by their flags ("with max_new_tokens 9000 that needs 9005 positions but
+    seq_len is 4096" read as the Python API's fields to a command-line user)."""
+    for pattern, flag in _GENERATE_WORDS:
+        message = pattern.sub(flag, message)
+    return message
+
+
 def _as_flag(match: re.Match) -> str:
     """A field named in a message (with its value in parentheses, if given) as its option."""
     field, shown, value = match.group(1), match.group(2), match.group(3)
