@@ -540,7 +540,6 @@ class Launcher:
                                        rendezvous_s=cfg.rendezvous_timeout_s,
                                        load_s=cfg.load_timeout_s, request_s=cfg.request_timeout_s)
         self._load_spec = self._make_load_spec()
-        self._unless_stop_asked()
         self._pool = ReplicaPool(self.replicas, self._new_group,
                                  lambda: RestartPolicy(cfg.max_restarts, cfg.restart_window_s),
                                  cfg.health_check_interval_s, note=self._progress.note)

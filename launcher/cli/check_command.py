@@ -327,8 +327,8 @@ def _reference_dir(args, model_dir: Path) -> Path:
         named = f"--reference {reference_dir}" if args.reference else str(reference_dir)
         raise ValueError(f"{named} is quantized ({quant.dtype}, {quant.granularity}): transformers cannot load it "
                          f"as the reference; pass the unquantized checkpoint it was made from with --reference DIR")
-    model_vocab = load_model_config(model_dir).vocab_size
-    if reference_dir != model_dir and reference.vocab_size != model_vocab:
+    model_vocab = reference.vocab_size if reference_dir == model_dir else load_model_config(model_dir).vocab_size
+    if reference.vocab_size != model_vocab:
         # Found only once the reference had run and the workers started (or, with a prompt id only
         # the model's vocabulary holds, as a traceback from inside transformers).
         raise ValueError(f"--reference {reference_dir} has a vocabulary of {reference.vocab_size} tokens and "

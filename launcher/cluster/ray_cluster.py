@@ -284,7 +284,6 @@ def _init(**options) -> None:
     ray.shutdown() can reach (not yet Ray's global one) and the caller no connection to close:
     Ray's dashboard and runtime-env agents outlived the command by a minute or more."""
     import signal
-    import threading
 
     import ray
 
@@ -355,7 +354,7 @@ def _token_for_this_user_only() -> None:
         folder = Path.home() / ".ray"
     except RuntimeError:  # no home directory to find
         return
-    with contextlib.suppress(FileExistsError, OSError):
+    with contextlib.suppress(OSError):  # there already (checked below), or no home to make it in
         os.mkdir(folder, 0o700)
     for path, flags, mode in ((folder, os.O_DIRECTORY, 0o700), (folder / "auth_token", 0, 0o600)):
         try:

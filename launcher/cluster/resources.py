@@ -193,12 +193,11 @@ def explain_unplaceable(bundle: Mapping[str, float], tp: int, max_nodes: int,
                    f"its {min(max_nodes, len(node_total))} roomiest node(s) hold only {sum(best)} such bundle(s)")
         # --cpus-per-rank sizes only a cpu rank's bundle (CPU alone); a device bundle is fixed
         cpus = " or --cpus-per-rank (each rank's CPUs)" if set(bundle) == {"CPU"} else ""
-        if per_node is not None:  # the same share on each node: more nodes per group need more nodes still
-            return (f"it needs {need} and the cluster can never hold that: {missing} (alive nodes: {held}). "
-                    f"Add nodes that hold {per_node} such bundles each, pass fewer --nodes (more ranks on each "
-                    f"node), or lower --tp{cpus}")
+        # the same share on each node (per_node): more nodes per group need more nodes still
+        ways = (f"Add nodes that hold {per_node} such bundles each, pass fewer --nodes (more ranks on each node)"
+                if per_node is not None else "Add nodes with these resources, allow more nodes per group (--nodes)")
         return (f"it needs {need} and the cluster can never hold that: {missing} (alive nodes: {held}). "
-                f"Add nodes with these resources, allow more nodes per group (--nodes), or lower --tp{cpus}")
+                f"{ways}, or lower --tp{cpus}")
     free_txt = ""
     if node_free is not None:
         free_txt = "; free now: " + "; ".join(f"{n} {_resources(f)}" for n, f in zip(names, node_free))

@@ -393,25 +393,30 @@ class TPGroup:
         """Ranks whose process is gone (an idle group's health check); [] when all answer or are busy."""
         if not self.actors or self._ray_gone():
             return ["the group (stopped)"]
-        refs = [a.describe.remote() for a in self.actors]
-        done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        dead = []
-        for rank, ref in enumerate(refs):
-            if ref in done:
-                try:
-                    ray.get(ref)
-                except ray.exceptions.RayActorError:
-                    dead.append(self._where(rank))
-        return dead
+        return self._ask_every_rank(timeout_s)[0]
 
     def silent_ranks(self, timeout_s: float) -> list[str]:
         """Ranks whose actor does not answer a describe() within timeout_s: a stopped process or node
         (a rank's actor answers on a thread of its own while its compute thread is busy)."""
         if not self.actors or self._ray_gone():
             return []
+        return self._ask_every_rank(timeout_s)[1]
+
+    def _ask_every_rank(self, timeout_s: float) -> tuple[list[str], list[str]]:
+        """Every rank's describe() within timeout_s: (the ranks whose process is gone, the ranks that
+        did not answer)."""
         refs = [a.describe.remote() for a in self.actors]
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        return [self._where(rank) for rank, ref in enumerate(refs) if ref not in done]
+        dead, silent = [], []
+        for rank, ref in enumerate(refs):
+            if ref not in done:
+                silent.append(self._where(rank))
+                continue
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                dead.append(self._where(rank))
+        return dead, silent
 
     # ---- waiting -----------------------------------------------------------------------------
     def _where(self, rank: int) -> str:
@@ -515,8 +520,7 @@ class TPGroup:
                 f"{who} did not start within {timeout_s:g} s (starting a worker process and importing the "
                 f"backend, torch with it, there); the group was stopped. On a busy machine raise startup_timeout_s "
                 f"(--startup-timeout); otherwise check that node (ray status, its worker logs: ray logs)")
-        raise_it = {"load its shard": "load_timeout_s (--load-timeout)",
-                    "prepare serving": "load_timeout_s (--load-timeout)"}.get(step, "the timeout")
+        raise_it = "load_timeout_s (--load-timeout)" if step in ("load its shard", "prepare serving") else "the timeout"
         return RendezvousTimeout(
             f"{who} did not {step} within {timeout_s:g} s; the group was stopped. Check that rank's node "
             f"(ray status, its worker log) or raise {raise_it}")

@@ -205,12 +205,11 @@ async def _read_body(request: Request, limit: int, budget: BodyBudget) -> tuple[
                         raise busy
                     held = size
                 chunks.append(chunk)
-    except TimeoutError:
+    except BaseException as err:  # refused, too slow, the client gone, or the request cancelled
         budget.give(held)
-        raise ProtocolError(f"the request body did not arrive within {BODY_READ_S:g} s", status=408,
-                            code="request_timeout") from None
-    except BaseException:  # refused, the client gone, or the request cancelled
-        budget.give(held)
+        if isinstance(err, TimeoutError):
+            raise ProtocolError(f"the request body did not arrive within {BODY_READ_S:g} s", status=408,
+                                code="request_timeout") from None
         raise
     return b"".join(chunks), held
 

@@ -40,11 +40,9 @@ can post before this rank has published k + 1.
 from __future__ import annotations
 
 import ctypes
-import errno
 import fcntl
 import mmap
 import os
-import stat
 from dataclasses import dataclass
 
 import torch
@@ -52,45 +50,12 @@ import torch
 from shardlib.process_alive import process_alive
 
 from workers.collectives import sum_in_rank_order_
+from workers.own_files import OPEN_FLAGS, UntrustedEntry, open_own_entry
 from workers.shm.native import Native
 
 TOKEN_PREFIX = b"corelaunch-shm:"
 _BLOCK = 128  # bytes per rank's header block; counters sit at its start
 _PAGE = 4096
-_OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-"""Every open of a /dev/shm entry: any local user can create names there, and a FIFO opened without
-O_NONBLOCK blocks until a writer appears (for ever); a symlink could point anywhere."""
-
-
-class UntrustedEntry(RuntimeError):
-    """A /dev/shm entry that is not a regular file of this user's (a FIFO, a symlink, another
-    user's file): never read, mapped or removed."""
-
-
-def open_own_entry(path: str, flags: int) -> int:
-    """A descriptor of `path` opened without blocking or following a symlink, once fstat shows a
-    regular file owned by this user that no other user can read or write; UntrustedEntry naming
-    the path otherwise (FileNotFoundError when it does not exist)."""
-    try:
-        fd = os.open(path, flags | _OPEN_FLAGS)
-    except OSError as err:
-        if err.errno == errno.ELOOP:
-            raise UntrustedEntry(f"{path} is a symlink, not a shared-memory segment; refusing to "
-                                 f"follow it") from None
-        raise
-    st = os.fstat(fd)
-    why = None
-    if not stat.S_ISREG(st.st_mode):
-        why = "is not a regular file (a FIFO, device or directory someone placed there)"
-    elif st.st_uid != os.getuid():
-        why = f"is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
-    elif st.st_mode & 0o077:
-        why = f"is open to other users (mode {stat.S_IMODE(st.st_mode):o}; segments are created 0600)"
-    if why:
-        os.close(fd)
-        raise UntrustedEntry(f"{path} {why}; refusing to use it. If another user placed it there, "
-                             f"remove it (or have them remove it)")
-    return fd
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -126,7 +91,7 @@ class Segment:
         self._held: int | None = None
         if create:
             # O_EXCL: never reuse an entry someone else made (it also refuses a symlink there).
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o600)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | OPEN_FLAGS, 0o600)
             # Held (shared) until the name is unlinked: a sweep removes only a segment no process
             # holds (remove_orphans), which a bare pid could not tell across pid namespaces
             # sharing /dev/shm, nor after the pid was reused. On an open file of its own (the same

@@ -20,7 +20,7 @@ milliseconds) could leave its segment behind; the next leader to create one remo
 
 Any local user can create names in /dev/shm, so every entry is opened without blocking and without
 following symlinks, and used, swept or removed only if it is a regular file of this user's (see
-exchange.open_own_entry): a FIFO planted as corelaunch-x stalls nothing, a symlink is refused.
+workers/own_files.open_own_entry): a FIFO planted as corelaunch-x stalls nothing, a symlink is refused.
 """
 
 from __future__ import annotations
