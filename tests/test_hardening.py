@@ -228,3 +228,17 @@ def test_a_static_generate_gives_up_when_no_replica_ever_answers(small_model, in
         monkeypatch.setattr(launcher._pool, "submit", lambda request: Future())  # a replica that never answers
         with pytest.raises(RequestTimeout, match=r"no replica answered a batch of 1 prompts within 0.4 s"):
             launcher.generate([[1, 2, 3]], max_new_tokens=2, batching="static")
+
+
+def test_generate_quiet_prints_the_answers_alone(capsys):
+    from launcher.cli.generate_command import print_report
+
+    report = {"outputs": [{"prompt": "The capital of France is", "text": " Paris.", "token_ids": [7042, 30],
+                           "finish_reason": "length", "time_to_first_token_s": 0.25, "decode_tokens_per_s": 30.0}]}
+    print_report(report, as_json=False, quiet=True)
+    out, err = capsys.readouterr()
+    assert (out, err) == ("The capital of France is Paris.\n", "")
+    print_report(report, as_json=False, quiet=False)
+    out, err = capsys.readouterr()
+    assert out == "The capital of France is Paris.\n"
+    assert err == "  [length, 2 tokens, first token 250 ms, 30.0 tokens/s]\n"

@@ -93,12 +93,19 @@ def run(args: argparse.Namespace) -> int:
     message = compile_message(compiled)
     if message and not args.quiet:
         print(f"corelaunch: {message}", file=sys.stderr)
-    if args.json:
+    print_report(report, as_json=args.json, quiet=args.quiet)
+    return 0
+
+
+def print_report(report: dict, as_json: bool, quiet: bool) -> None:
+    """The answer on stdout: one JSON object, or each prompt followed by its text. Each prompt's
+    figures (finish reason, tokens, first token, rate) go to stderr unless quiet."""
+    if as_json:
         print(json.dumps(report))
-    else:
-        for out in report["outputs"]:
-            print(f"{out['prompt']}{out['text']}")
+        return
+    for out in report["outputs"]:
+        print(f"{out['prompt']}{out['text']}")
+        if not quiet:
             print(f"  [{out['finish_reason']}, {len(out['token_ids'])} tokens, "
                   f"first token {out['time_to_first_token_s'] * 1000:.0f} ms, "
                   f"{out['decode_tokens_per_s']:.1f} tokens/s]", file=sys.stderr)
-    return 0
