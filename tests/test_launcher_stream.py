@@ -83,6 +83,7 @@ def test_closing_a_stream_cancels_it_and_frees_its_row(model_and_expected, in_pr
             llm.stream(PROMPTS[2], max_new_tokens=NEW_TOKENS)
         assert info.value.retry_after_s > 0
         long.close()  # its row goes to the waiting request
+        assert long.handle.cancelled  # the cancel reached its replica (not only the stream's own end)
         assert tokens_of(waiting)[0] == expected[1]
         assert llm.load() == {"running": 0, "waiting": 0}
 
@@ -218,7 +219,7 @@ def test_a_stream_garbage_collected_unread_is_cancelled_without_taking_a_lock(mo
         next(long)
         waiting = llm.stream(PROMPTS[1], max_new_tokens=NEW_TOKENS)
         lock = llm._pool.replicas[0]._streams_lock
-        streams = [long]
+        handle, streams = long.handle, [long]
         del long
 
         def drop_while_locked():
@@ -233,6 +234,7 @@ def test_a_stream_garbage_collected_unread_is_cancelled_without_taking_a_lock(mo
             lock.release()
             pytest.fail("the dropped stream's finalizer took the replica's lock it was called under")
         assert tokens_of(waiting)[0] == expected[1]  # the long request's row went to it
+        assert handle.cancelled  # cancelled by its finalizer, not run to its end
         assert llm.load() == {"running": 0, "waiting": 0}
 
 
@@ -253,6 +255,14 @@ def test_a_dropped_or_closed_streams_late_cancel_spares_a_new_request_with_its_i
         assert llm.load() == {"running": 0, "waiting": 0}
         new = llm.stream(PROMPTS[1], max_new_tokens=100, ignore_eos=True, request_id="reused")
         first = next(new)
+        replica, old_handle, cancels = llm._pool.replicas[0], old.handle, []
+        real_cancel = replica.cancel_stream
+
+        def recording(request_id, only=None):
+            cancels.append((request_id, only))
+            return real_cancel(request_id, only)
+
+        replica.cancel_stream = recording
         if how == "closed":
             old.close()
         else:
@@ -260,6 +270,11 @@ def test_a_dropped_or_closed_streams_late_cancel_spares_a_new_request_with_its_i
             gc.collect()
         tokens, finish = tokens_of(new)
         assert finish == "length" and len(first.token_ids) + len(tokens) == 100
+        assert not new.handle.cancelled
+        if how == "dropped":  # the cancel was made, by id, and held to the old request's handle
+            assert cancels == [("reused", old_handle)]
+        else:  # its request had ended: closing sends no cancel at all
+            assert cancels == []
 
 
 def test_a_stop_string_cuts_the_text_and_ends_the_request(model_and_expected, in_process_cluster, tmp_path):

@@ -874,12 +874,16 @@ def test_logprobs_of_tokens_inside_characters(client):
     assert joined.decode("utf-8", errors="replace").rstrip("\ufffd") == chat.choices[0].message.content.rstrip("\ufffd")
 
 
-def _metric(server, name: str) -> float:
+def _metric(server, name: str, missing: float | None = None) -> float:
+    """missing: the value of a series not (yet) in /metrics (a labelled counter appears at its first
+    count); None: a missing series fails the test."""
     import requests
 
     for line in requests.get(f"{server.url}/metrics", timeout=10).text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])
+    if missing is not None:
+        return missing
     raise AssertionError(f"{name} not in /metrics")
 
 
@@ -954,6 +958,11 @@ def test_full_queue_answers_503_with_retry_after(client, server):
 
 @pytest.mark.slow
 def test_client_that_disconnects_frees_its_slot(client, server):
+    import requests
+
+    prompt_tokens, aborts = "corelaunch_prompt_tokens_total", 'corelaunch_requests_total{finish_reason="abort",status="499"}'
+    generated = "corelaunch_generated_tokens_total"
+    aborts_before, generated_before = _metric(server, aborts, missing=0.0), _metric(server, generated)
     stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2000, temperature=0, stream=True,
                                        extra_body={"ignore_eos": True})
     chunks = iter(stream)
@@ -961,14 +970,16 @@ def test_client_that_disconnects_frees_its_slot(client, server):
     next(chunks)
     stream.close()  # the client goes away mid-generation
     _wait_idle(server)  # the engine dropped the request rather than generating 2000 tokens
+    deadline = time.monotonic() + 30
+    while _metric(server, aborts) != aborts_before + 1:  # an abort, not a request that ran to its end
+        assert time.monotonic() < deadline, "the streamed request's abort was never counted"
+        time.sleep(0.2)
+    assert _metric(server, generated) - generated_before < 1000
     out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
     assert out.choices[0].finish_reason == "length"
 
     # A client that leaves a request it did not stream: an abort, and its prompt's tokens counted
     # (they were counted only for requests that finished)
-    import requests
-
-    prompt_tokens, aborts = "corelaunch_prompt_tokens_total", 'corelaunch_requests_total{finish_reason="abort",status="499"}'
     before = _metric(server, prompt_tokens), _metric(server, aborts)
     with pytest.raises(requests.exceptions.ReadTimeout):
         requests.post(f"{server.url}/v1/completions", timeout=(10, 1.0),

@@ -92,6 +92,24 @@ def test_padded_tokens_equal_transformers(tp):
         assert token_ids(outs[2]) == expected[name], f"{name}: batch"
 
 
+def test_the_tail_layout_with_replicated_kv_heads_changes_the_tokens(monkeypatch):
+    """The comparison above can fail: with KV heads replicated, zero heads at the tail (convert_to_mha's
+    layout) leave Q head 3 on rank 1, which holds KV head 0 where head 3's group reads KV head 1."""
+    _, kwargs, _ = SPECS["interleaved_tp4"]
+    model = build_random_model(**kwargs)
+    with torch.inference_mode():
+        expected = [hf_greedy(model, prompt, NEW_TOKENS) for prompt in PROMPTS]
+
+    def tail(layout, rank):
+        return [s if s < layout.num_heads else None for s in layout.q_head_ids(rank)]
+
+    monkeypatch.setattr(ShardLayout, "q_head_sources", tail)
+    case = Case("tail", config_of(model), hf_state_dict(model), [Request([p], NEW_TOKENS, [EOS]) for p in PROMPTS],
+                pad_q_heads=True)
+    outs = run_tp_in_process(4, [case])[0]["tail"]
+    assert [token_ids(o)[0] for o in outs] != expected
+
+
 @pytest.mark.parametrize("argv", [["plan"], ["generate", "hi"], ["compile", "--out", "x"], ["check", "hi"], ["bench"],
                                   ["serve"]], ids=lambda argv: argv[0])
 def test_every_command_takes_pad_q_heads(argv):

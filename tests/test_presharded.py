@@ -182,7 +182,7 @@ def test_save_refuses_a_foreign_directory_and_cleans_up_on_failure(sources, tmp_
     broken = tmp_path / "broken"
     shutil.copytree(sources["llama"], broken)
     next(broken.glob("model-00002-*.safetensors")).write_bytes(b"\x00" * 10)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"model-00002-.*\.safetensors"):
         save_presharded(tmp_path / "out", broken, config, layout)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken", "mine"]
 
