@@ -10,6 +10,7 @@ prompt itself) giving the eager model's greedy tokens. Whether the real SDK acce
 
 from __future__ import annotations
 
+import copy
 import types
 
 import torch
@@ -43,10 +44,26 @@ class FakeNxD:
             @classmethod
             def load(cls, path, start_rank=None, local_ranks_size=None):
                 fake.loaded.append((path, start_rank, local_ranks_size))
-                return cls(fake.module)
+                if fake.module is None:  # nothing traced in this process: a load that is only recorded
+                    return cls(None)
+                # A loaded model holds no weights until set_weights: the stand-in runs a copy of the
+                # traced module with every weight zeroed, so only the weights handed over count.
+                blank = copy.deepcopy(fake.module)
+                with torch.no_grad():
+                    for name, tensor in blank.state_dict().items():
+                        if "_cache_" not in name:
+                            tensor.zero_()
+                return cls(blank)
 
             def set_weights(self, per_rank):
                 fake.weights = per_rank
+                if self.module is None:
+                    return
+                [weights] = per_rank  # one rank per process
+                wanted = {name for name in self.module.state_dict() if "_cache_" not in name}
+                assert set(weights) == wanted, set(weights) ^ wanted
+                result = self.module.load_state_dict(weights, strict=False)
+                assert not result.unexpected_keys and all("_cache_" in k for k in result.missing_keys), result
 
             def to_neuron(self):
                 pass

@@ -168,7 +168,8 @@ def test_smollm2_head_valid_degrees():
 def test_smollm2_kv_strategy_override_at_tp9():
     mha = plan(SMOLLM2, instance="cpu", tp=9, kv_strategy="convert_to_mha")
     assert mha.valid and (mha.kv_strategy, mha.q_heads_per_rank, mha.kv_heads_per_rank) == ("convert_to_mha", 1, 1)
-    assert any("time-share" in w for w in mha.warnings)  # 9 ranks on this small host
+    if get_instance("cpu").physical_cores < 9:
+        assert any("time-share" in w for w in mha.warnings)  # 9 ranks on a host with fewer cores
     shard = plan(SMOLLM2, instance="cpu", tp=9, kv_strategy="shard")
     assert codes(shard) == {"kv_heads_incompatible"}
     assert "num_key_value_heads (3) divisible by tp_degree (9)" in shard.errors[0].message
@@ -281,11 +282,11 @@ def test_cpu_memory_is_checked_against_one_nodes_ram():
     host = cpu_host()
     p = plan(LLAMA_405B, instance="cpu", tp=1)
     assert p.memory.capacity_bytes_per_rank == host.memory_bytes
+    p3 = plan(SMOLLM2, instance="cpu", tp=3, nodes=2)  # 2 ranks on the fuller node share its RAM
+    assert p3.memory.capacity_bytes_per_rank == host.memory_bytes // 2
     if p.memory.total_bytes_all_ranks <= host.memory_bytes * (1 - RESERVE_FRACTION):
         pytest.skip("this host has enough RAM for Llama-3.1-405B")
     assert "insufficient_memory" in codes(p) and "RAM" in message(p, "insufficient_memory")
-    p3 = plan(SMOLLM2, instance="cpu", tp=3, nodes=2)  # 2 ranks on the fuller node share its RAM
-    assert p3.memory.capacity_bytes_per_rank == host.memory_bytes // 2
 
 
 def test_cpu_nodes_never_pool_their_ram_for_one_rank():

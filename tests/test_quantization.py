@@ -213,6 +213,29 @@ def test_sharded_quantized_equals_unsharded_and_dequantized_reference(tp):
             assert [out[0].token_ids for out in by_rank[rank][name]] == refs[name], (name, rank)
 
 
+def dequantized_moe_tokens(model, state: dict) -> list[list[int]]:
+    """transformers' greedy tokens for PROMPTS with `state`'s weights dequantized, read back through
+    from_pretrained: a checkpoint names experts one by one where transformers fuses them in memory."""
+    import tempfile
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    weights = dequantize_state_dict(state, torch.float32)
+    with tempfile.TemporaryDirectory() as directory:
+        model.config.save_pretrained(directory)
+        save_file({k: v.contiguous() for k, v in weights.items()}, f"{directory}/model.safetensors",
+                  metadata={"format": "pt"})
+        reference, info = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
+                                                               output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    ids = [torch.tensor([p]) for p in PROMPTS]
+    with torch.no_grad():
+        return [reference.eval().generate(i, attention_mask=torch.ones_like(i), do_sample=False,
+                                          max_new_tokens=NEW_TOKENS, eos_token_id=EOS,
+                                          pad_token_id=0)[0, i.shape[1]:].tolist() for i in ids]
+
+
 @pytest.mark.parametrize("family, granularity", [("mixtral", "per_channel_symmetric"),
                                                  ("mixtral", "per_tensor_symmetric"),
                                                  ("qwen3_moe", "per_channel_symmetric")])
@@ -228,6 +251,7 @@ def test_a_quantized_moe_gives_its_tp1_tokens_at_tp2(sharding, family, granulari
     config = ModelConfig.from_dict({**model.config.to_dict(), "quantization_config": quant.to_json()})
     single = build_rank_model(config, state, 0, 1, SingleRank())
     alone = [generate(single, [p], [SamplingParams()], NEW_TOKENS, [EOS])[0].token_ids for p in PROMPTS]
+    assert alone == dequantized_moe_tokens(model, state)  # TP 1 itself against an independent reference
     case = Case(family, config, state, [Request([p], NEW_TOKENS, [EOS]) for p in PROMPTS], moe_sharding=sharding)
     by_rank = run_tp_in_process(2, [case])
     for rank in range(2):
