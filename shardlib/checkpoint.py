@@ -44,7 +44,8 @@ import torch
 # Locating the files and checking names and shapes needs no torch (the driver does it before any
 # worker starts); the names are re-exported here, where the loaders have always found them.
 from shardlib.checkpoint_files import (CHECKPOINT_FILES, CheckpointFiles,  # noqa: F401
-                                       checked_names, find_checkpoint, safetensors_header, validated_names)
+                                       check_dtypes, checked_names, find_checkpoint, safetensors_header,
+                                       validated_names)
 from shardlib.model_config import ModelConfig, normalize_dtype
 from shardlib.param_shapes import expected_shapes
 from shardlib.quantization import keeps_dtype
@@ -228,8 +229,7 @@ def load_rank_shard(model_dir: str | Path, config: ModelConfig, layout: ShardLay
     target = None if dtype is None else getattr(torch, normalize_dtype(dtype))
     ckpt = find_checkpoint(model_dir)
     with _open_files(ckpt) as files:
-        names = checked_names(ckpt, {path: {n: e.shape for n, e in f.entries.items()} for path, f in files.items()},
-                              config)
+        names = _checked(ckpt, files, config)
         table = {name: (files[ckpt.weight_map[name]], files[ckpt.weight_map[name]].entries[name]) for name in names}
         order = {path: i for i, path in enumerate(ckpt.files)}  # file by file, in offset order
         names.sort(key=lambda n: (order[ckpt.weight_map[n]], table[n][1].begin))
@@ -261,6 +261,24 @@ def check_layout(config: ModelConfig, layout: ShardLayout, rank: int) -> None:
                          for f in dataclasses.fields(layout) if getattr(layout, f.name) != getattr(own, f.name))
         raise ValueError(f"the shard layout was built for another model than this config: {diff}; "
                          f"build it with ShardLayout.for_model(config, tp_degree, kv_strategy)")
+
+
+_DTYPE_NAMES = {dtype: name for name, dtype in _SAFETENSORS_DTYPES.items()}
+
+
+def _checked(ckpt: CheckpointFiles, files: dict[Path, SafetensorsFile | _PickleFile], config: ModelConfig) -> list[str]:
+    """The names to read from the opened files, their names, shapes and dtypes checked."""
+    names = checked_names(ckpt, {path: {n: e.shape for n, e in f.entries.items()} for path, f in files.items()},
+                          config)
+    entries = {name: files[ckpt.weight_map[name]].entries[name] for name in names}
+    check_dtypes(ckpt, {name: _DTYPE_NAMES.get(e.dtype, str(e.dtype)) for name, e in entries.items()}, config)
+    return names
+
+
+def check_opened_checkpoint(ckpt: CheckpointFiles, config: ModelConfig) -> None:
+    """The checks a rank's load makes before reading a weight byte (a pickle's are mapped, not read)."""
+    with _open_files(ckpt) as files:
+        _checked(ckpt, files, config)
 
 
 @contextlib.contextmanager

@@ -153,15 +153,48 @@ def sampled_bytes(path: Path, begin: int, end: int, count: int, size: int) -> by
 # ---- the config's tensors ----------------------------------------------------------------------
 def check_checkpoint(model_dir: str | Path, config: ModelConfig) -> None:
     """What a rank's loader checks before it reads a weight byte (ValueError or FileNotFoundError
-    naming the problem), from headers alone. Pickled (.bin) checkpoints, whose table of contents is
-    the whole file, are left to the ranks."""
+    naming the problem): names, shapes and dtypes. From safetensors headers alone; a pickled (.bin)
+    checkpoint's table of contents is the whole file, which only torch can read: it is mapped, not
+    read, as the ranks map it."""
     ckpt = find_checkpoint(model_dir)
     if not ckpt.format.startswith("safetensors"):
+        from shardlib.checkpoint import check_opened_checkpoint
+
+        check_opened_checkpoint(ckpt, config)
         return
     headers = {path: safetensors_header(path) for path in ckpt.files}
-    checked_names(ckpt, {path: {n: e.shape for n, e in entries.items()} for path, entries in headers.items()},
-                  config)
+    names = checked_names(ckpt, {path: {n: e.shape for n, e in entries.items()} for path, entries in headers.items()},
+                          config)
+    check_dtypes(ckpt, {n: headers[ckpt.weight_map[n]][n].dtype for n in names}, config)
     _check_tied_head(ckpt, headers, config)
+
+
+FLOAT_DTYPES = ("F32", "BF16", "F16", "F64", "F8_E4M3", "F8_E5M2")
+"""safetensors' names of the dtypes a weight, norm, bias or scale may be stored in (cast on load)."""
+CODE_DTYPES = ("I8", "F8_E4M3", "F8_E5M2")
+"""Those of a quantized config's 8-bit codes (shardlib/quantization.py)."""
+
+
+def check_dtypes(ckpt: CheckpointFiles, dtypes: dict[str, str], config: ModelConfig) -> None:
+    """ValueError for a tensor the model reads whose dtype cannot hold it. `dtypes`: name -> safetensors'
+    dtype name. Integer or boolean weights were cast to floating point and ran, giving garbage;
+    only a quantized config's codes are integers."""
+    quant = config.quantization
+    wrong = []
+    for name, dtype in dtypes.items():
+        codes = quant is not None and quant.is_quantized(name, config.tie_word_embeddings)
+        allowed = CODE_DTYPES if codes else FLOAT_DTYPES
+        if dtype not in allowed:
+            wrong.append(f"{name!r} in {ckpt.weight_map[name].name} is {dtype} (expected one of "
+                         f"{', '.join(allowed)})")
+    if wrong:
+        raise ValueError(
+            f"{len(wrong)} tensor(s) of {ckpt.describe()} have a dtype the model cannot use: {'; '.join(wrong[:4])}"
+            f"{' ...' if len(wrong) > 4 else ''}; "
+            + ("the checkpoint is not one `corelaunch quantize` writes: quantize the original checkpoint again"
+               if quant is not None else
+               "config.json has no quantization_config, so its weights must be floating point: this checkpoint "
+               "was saved quantized by another tool or is corrupt; use the original floating-point checkpoint"))
 
 
 TIED_HEAD_SAMPLES = 16

@@ -298,6 +298,49 @@ def test_wrong_shape_names_tensor_expected_and_found(models, tmp_path, fmt):
     assert "model.layers.0.self_attn.k_proj.weight" in msg and "(16, 48)" in msg and "(24, 48)" in msg
 
 
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int8, torch.bool])
+def test_integer_weights_are_refused_by_the_driver_and_the_ranks(models, tmp_path, fmt, dtype):
+    """Cast to floating point, integer or boolean weights ran and gave garbage; only a quantized
+    config's codes are integers. Refused by the driver's check (before any worker) and by a rank."""
+    from shardlib.checkpoint_files import check_checkpoint
+
+    d = _copy_config(models["llama"][1][fmt], tmp_path)
+    name = "model.layers.0.mlp.up_proj.weight"
+    state = models["llama"][0]
+    _save({**state, name: (state[name] * 10).to(dtype)}, d, fmt)
+    config = load_model_config(d)
+    for check in (lambda: check_checkpoint(d, config), lambda: _load(d)):
+        with pytest.raises(ValueError) as err:
+            check()
+        msg = str(err.value)
+        found = {torch.int32: "I32", torch.int8: "I8", torch.bool: "BOOL"}[dtype]
+        assert f"{name!r}" in msg and f"is {found} (expected one of F32, BF16" in msg, msg
+        assert "no quantization_config" in msg and "floating-point checkpoint" in msg, msg
+
+
+@pytest.mark.parametrize("fmt", ["bin", "bin_sharded"])
+def test_a_pickles_wrong_shape_is_refused_before_any_worker(models, tmp_path, fmt):
+    """The driver's check read safetensors headers only: a pickled checkpoint's wrong shape waited for
+    the ranks (after Ray had started), and `check` built its reference on it first (a traceback)."""
+    from shardlib.checkpoint_files import check_checkpoint
+
+    d = _copy_config(models["llama"][1][fmt], tmp_path)
+    state = {**models["llama"][0], "model.layers.0.self_attn.k_proj.weight": torch.zeros(24, 48)}
+    if fmt == "bin":
+        _save(state, d, fmt)
+    else:  # two pickles and their index
+        names = sorted(state)
+        halves = {"pytorch_model-00001-of-00002.bin": names[::2], "pytorch_model-00002-of-00002.bin": names[1::2]}
+        for file, part in halves.items():
+            torch.save({n: state[n] for n in part}, d / file)
+        (d / "pytorch_model.bin.index.json").write_text(json.dumps(
+            {"weight_map": {n: file for file, part in halves.items() for n in part}}))
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.k_proj\.weight' in pytorch_model.*"
+                                         r"\(16, 48\), found \(24, 48\)"):
+        check_checkpoint(d, load_model_config(d))
+
+
 def test_rank_and_layout_must_fit(models):
     d = models["llama"][1]["safetensors"]
     config = load_model_config(d)

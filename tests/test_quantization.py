@@ -462,12 +462,20 @@ def test_a_quantized_checkpoints_weight_not_stored_as_8_bit_codes_is_refused(tmp
 
     source = save_model(build_random_model("mixtral", seed=5), tmp_path / "m")
     out = quantize_checkpoint(source, tmp_path / "q", "int8")
-    state = load_file(out / "model.safetensors")
-    name = "model.layers.0.block_sparse_moe.experts.0.w1.weight"
-    state[name] = dequantize(state[name], state[name[: -len(".weight")] + ".scale"])
-    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
     config = load_model_config(out)
     layout = ShardLayout.for_model(config, 1)
     shard = load_rank_shard(out, config, layout, 0)
+    name = "model.layers.0.block_sparse_moe.experts.0.w1.weight"
+    shard[name] = dequantize(shard[name], shard[name[: -len(".weight")] + ".scale"])
     with pytest.raises(ValueError, match=rf"{name} has a scale .* but is stored as torch.float32, not as 8-bit codes"):
         ShardedCausalLM(config, layout, 0, shard, SingleRank())
+    # Stored so, the checkpoint itself is refused, by the driver's check and by a rank's load
+    from shardlib.checkpoint_files import check_checkpoint
+
+    state = load_file(out / "model.safetensors")
+    state[name] = dequantize(state[name], state[name[: -len(".weight")] + ".scale"])
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    for check in (lambda: check_checkpoint(out, config), lambda: load_rank_shard(out, config, layout, 0)):
+        with pytest.raises(ValueError, match=rf"'{name}' in model.safetensors is F32 \(expected one of I8, .*not one "
+                                             r"`corelaunch quantize` writes"):
+            check()

@@ -59,3 +59,18 @@ def test_plan_sizes_a_bf16_checkpoint_without_dtype_as_bf16(tmp_path, capsys):
     model_dir = _without_dtype(save_model(build_random_model().to(torch.bfloat16), tmp_path / "m"))
     assert main(["plan", "--model", str(model_dir), "--tp", "2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["dtype"] == "bfloat16"
+
+
+def test_a_pickled_checkpoint_is_not_opened_to_plan(tmp_path):
+    """Pickled weights are planned as float32 (the documented rule); listing their tensors took a
+    torch import and a load of the pickle that decided nothing, in `corelaunch plan` too."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    model_dir = _without_dtype(save_model(build_random_model().to(torch.bfloat16), tmp_path / "m", "bin"))
+    code = ("import sys\nfrom shardlib.model_config import load_model_config\n"
+            f"print(load_model_config({str(model_dir)!r}).torch_dtype, 'torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["float32", "False"], out.stderr
