@@ -1160,7 +1160,12 @@ def load_tokenizer(model_dir: Path):
 
         try:
             return AutoTokenizer.from_pretrained(model_dir)
-        except (OSError, ValueError) as error:  # transformers' own messages rarely name the folder
+        except ImportError as error:  # a tokenizer type whose library is not installed (sentencepiece, tiktoken)
+            raise ValueError(f"the tokenizer in {model_dir} needs a package that is not installed ({error}); "
+                             f"install it into this environment, or give the model a tokenizer.json (which "
+                             f"needs none)") from error
+        except Exception as error:  # noqa: BLE001 - tokenizers raises plain Exception; KeyError from a bad file
+            # transformers' and tokenizers' own messages rarely name the folder
             raise ValueError(f"the tokenizer in {model_dir} cannot be loaded ({type(error).__name__}: {error}); "
                              f"repair or replace its tokenizer files (tokenizer.json, tokenizer_config.json), "
                              f"or remove them and pass prompts as token-id lists through the Python API "

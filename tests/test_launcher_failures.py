@@ -121,6 +121,28 @@ def test_an_unreadable_tokenizer_is_named_and_leaves_no_group_running(small_mode
     assert group.actors == []  # shut down
 
 
+@pytest.mark.parametrize("edit, raised", [(lambda tokenizer: {}, "KeyError"),  # JSON, but not a tokenizer's
+                                           (lambda tokenizer: {**tokenizer, "model": {"type": tokenizer["model"]["type"]}},
+                                            "Exception")])  # its model's vocabulary gone: tokenizers' own plain Exception
+def test_a_tokenizer_file_that_is_json_but_not_a_tokenizer_is_named(small_model, tmp_path, edit, raised):
+    """A tokenizer.json of the wrong shape raised KeyError, or tokenizers' plain Exception, through
+    every caller: a traceback and exit 1 from `corelaunch generate`."""
+    import json
+    import shutil
+
+    from launcher.api import load_tokenizer
+
+    from tests.test_compile_cli import save_word_tokenizer
+
+    model = Path(shutil.copytree(small_model, tmp_path / "model"))
+    save_word_tokenizer(model)  # a real tokenizer.json, then spoiled
+    load_tokenizer(model)
+    tokenizer = json.loads((model / "tokenizer.json").read_text())
+    (model / "tokenizer.json").write_text(json.dumps(edit(tokenizer)))
+    with pytest.raises(ValueError, match=rf"the tokenizer in {model} cannot be loaded \({raised}: .*\); repair or replace"):
+        load_tokenizer(model)
+
+
 def test_a_dead_rank_with_restarts_disabled_fails_the_call_naming_it(small_model, in_process_cluster):
     # No health check comes between the death and the request (it would give the replica up first).
     with Launcher(model=small_model, tp=2, max_restarts=0, compile=False, health_check_interval_s=600,

@@ -411,6 +411,20 @@ def test_a_replica_checks_its_environments_api_key_before_loading_the_model(monk
     assert getattr(server, "launcher", None) is None
 
 
+def test_chat_with_a_model_without_a_chat_template_says_so():
+    """Its refusal blamed the client's messages ("the model's chat template refused them: Cannot use
+    chat template functions because tokenizer.chat_template is not set")."""
+    from launcher.serving.openai_app import OpenAIServer
+
+    wrapper = OpenAIServer.func_or_class
+    ours = next(c for c in wrapper.__mro__[1:] if c.__module__ == "launcher.serving.openai_app")
+    server = SimpleNamespace(tokenizer=SimpleNamespace(chat_template=None), name="plain")
+    with pytest.raises(ProtocolError) as caught:
+        ours._apply_chat_template(server, [{"role": "user", "content": "hi"}])
+    assert caught.value.status == 400 and caught.value.param == "messages"
+    assert caught.value.message.startswith("model 'plain' has no chat template") and "/v1/completions" in caught.value.message
+
+
 def test_a_replicas_in_flight_cap_follows_the_engines_own_defaults():
     from launcher.api import MAX_QUEUED_REQUESTS, LaunchConfig
     from launcher.serving.server_settings import ROUTE_HEADROOM, settings_from_args

@@ -292,6 +292,11 @@ class OpenAIServer:
         self.pieces = TokenPieces(self.tokenizer)
         self._longest_token = longest_token_chars(self.tokenizer)  # bounds a prompt by its length
         self._chat_options = _sanitizing(self.tokenizer)  # the installed transformers' own, once
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            print(f"corelaunch serve: the tokenizer of {self.launcher.model_dir} has no chat template: "
+                  f"/v1/chat/completions refuses every request (400), /v1/completions serves prompts; to serve "
+                  f"chat, add one to the model (chat_template.jinja, or chat_template in "
+                  f"tokenizer_config.json)", file=sys.stderr)
         if not self._chat_options:
             print("corelaunch serve: this transformers cannot encode control tokens inside chat messages as "
                   "text (apply_chat_template's sanitize_control_tokens, transformers 5.20 and later), so a "
@@ -427,6 +432,9 @@ class OpenAIServer:
         (`<|im_start|>system`) is encoded as the plain text it is, so a message cannot forge a turn,
         as no text sent to OpenAI's API can; only the template writes control tokens. (Encoded that
         way, text has at least the tokens the probe counted, so a refusal still holds.)"""
+        if getattr(self.tokenizer, "chat_template", None) is None:  # not the client's doing: say so
+            raise ProtocolError(f"model {self.name!r} has no chat template (its tokenizer files define none), so "
+                                f"it cannot take messages: send a prompt to /v1/completions instead", param="messages")
         for i, message in enumerate(messages):
             _check_utf8(message["content"] or "", f"messages.{i}.content")
             if message.get("name") is not None:
