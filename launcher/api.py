@@ -266,10 +266,16 @@ class LaunchConfig:
             _not_a_directory(self.compiled_dir, "compiled-model directory",
                              "write one with `corelaunch compile --out DIR`")
         if self.model is not None and not Path(self.model).exists():
+            from shardlib.model_path_hints import hub_id_hint
+
             raise FileNotFoundError(
                 f"model path {self.model} does not exist; pass a Hugging Face model directory, or "
-                f"omit --model for the built-in SmolLM2-135M-Instruct"
+                f"omit --model for the built-in SmolLM2-135M-Instruct{hub_id_hint(self.model)}"
             )
+        if self.model is not None and not Path(self.model).is_dir():
+            from shardlib.model_path_hints import file_given_for_directory
+
+            raise ValueError(file_given_for_directory(self.model))
 
 
 def _check_flag(name: str, value) -> None:

@@ -53,6 +53,10 @@ class CheckpointFiles:
 def find_checkpoint(model_dir: str | Path) -> CheckpointFiles:
     """Find the checkpoint in `model_dir`, preferring formats in CHECKPOINT_FILES order."""
     directory = Path(model_dir)
+    if directory.is_file():
+        from shardlib.model_path_hints import file_given_for_directory
+
+        raise ValueError(file_given_for_directory(directory))
     if not directory.is_dir():
         raise FileNotFoundError(f"model directory {directory} does not exist or is not a directory")
     for fmt, name in CHECKPOINT_FILES:

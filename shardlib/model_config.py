@@ -445,9 +445,11 @@ def load_model_config(path: str | Path) -> ModelConfig:
                 f"{path} is a corelaunch compiled or pre-sharded directory (it holds manifest.json), not a Hugging "
                 f"Face model: pass the model it was made from as --model (generate and serve take the directory "
                 f"itself as --compiled or --presharded)") from None
+        from shardlib.model_path_hints import hub_id_hint
+
         raise FileNotFoundError(
             f"no Hugging Face config at {config_file}; pass a model directory containing "
-            f"config.json, or the config.json file itself"
+            f"config.json, or the config.json file itself{hub_id_hint(path)}"
         ) from None
     raw = read_config_json(config_file)
     config = ModelConfig.from_dict(raw)

@@ -301,6 +301,35 @@ def test_a_directory_option_naming_a_file_says_so(tmp_path, field, what):
         LaunchConfig(**{field: str(tmp_path / "none")})
 
 
+def test_a_model_file_or_hub_id_given_for_the_model_directory_says_what_to_pass(tmp_path, monkeypatch):
+    """A file inside the model directory was "does not exist or is not a directory" after the plan; a
+    Hub id did not say that nothing is downloaded."""
+    from shardlib.checkpoint_files import find_checkpoint
+    from shardlib.model_config import load_model_config
+
+    config_file = tmp_path / "model" / "config.json"
+    config_file.parent.mkdir()
+    config_file.write_text("{}")
+    directory_please = (f"model path {config_file} is a file, not a model directory; pass the directory that holds "
+                        f"config.json and the weights ({config_file.parent})")
+    for refuse in (lambda: LaunchConfig(model=str(config_file)), lambda: find_checkpoint(config_file)):
+        with pytest.raises(ValueError) as err:
+            refuse()
+        assert str(err.value) == directory_please
+    monkeypatch.chdir(tmp_path)  # where no folder is called HuggingFaceTB
+    hub = ("'HuggingFaceTB/SmolLM2-135M-Instruct' looks like a Hugging Face Hub id: corelaunch reads local "
+           "directories only and downloads nothing, so fetch it first (`hf download HuggingFaceTB/SmolLM2-135M-Instruct "
+           "--local-dir DIR`) and pass --model DIR")
+    for refuse in (lambda: LaunchConfig(model="HuggingFaceTB/SmolLM2-135M-Instruct"),
+                   lambda: load_model_config("HuggingFaceTB/SmolLM2-135M-Instruct")):
+        with pytest.raises(FileNotFoundError) as err:
+            refuse()
+        assert str(err.value).endswith(hub), str(err.value)
+    with pytest.raises(FileNotFoundError) as err:  # a path that is not an id: no such sentence
+        LaunchConfig(model=str(tmp_path / "gone"))
+    assert "Hub id" not in str(err.value)
+
+
 @pytest.mark.parametrize("argv", [["quantize", "--dtype", "int8", "--out", ""], ["compile", "--out", ""],
                                   ["plan", "--model", ""]])
 def test_an_empty_path_option_is_a_usage_error(argv, capsys):
