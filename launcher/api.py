@@ -420,6 +420,8 @@ class Launcher:
         """The checkpoint's tokenizer once start() (or check_prompts()) has returned; None without one."""
         self._generation_eos: tuple[int, ...] = ()
         self._tokenizer_load: BackgroundLoad | None = None
+        self._tokenizer_retry = False
+        """The last load failed: the next prepare() starts another."""
         self._host_holds: int | None = None
         self.load_stats: list = []
         self.timings: dict[str, float] = {}
@@ -480,6 +482,9 @@ class Launcher:
         while Ray starts and the ranks load. start() calls it, once. Call check_prompts() first to
         check requests before anything is started."""
         if self.plan is not None:
+            if self._tokenizer_retry:
+                self._tokenizer_retry = False
+                self._tokenizer_load = BackgroundLoad(load_tokenizer, self.model_dir, name="corelaunch-tokenizer")
             return self
         from launcher.artifacts.compiled_dir import load_spec_fields
         from launcher.launch_plan import plan_launch, with_artifact_settings
@@ -500,8 +505,15 @@ class Launcher:
         load, self._tokenizer_load = self._tokenizer_load, None
         if load is None:
             return
-        with self._progress.spinner("loading tokenizer"):
-            self.tokenizer = load.result()
+        try:
+            with self._progress.spinner("loading tokenizer"):
+                self.tokenizer = load.result()
+        except BaseException:
+            # Loaded again by the next prepare() (start(), check_prompts()): the files may have been
+            # repaired meanwhile. A launcher started again without it ran on token ids alone, and
+            # said the model had no tokenizer files.
+            self._tokenizer_retry = True
+            raise
         self._progress.done("loading tokenizer", load.elapsed_s)
 
     def check_prompts(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
@@ -534,6 +546,7 @@ class Launcher:
             # Forwarded worker output carries rank 0's lines about graphs built during a request.
             self._ray = ray_cluster.connect(cfg.ray_address, worker_logs=cfg.progress)
         self._unless_stop_asked()
+        self._unless_tokenizer_failed()
         nodes = alive_nodes()
         resource = backend_entry(backend).ray_resource
         missing = resource and missing_resource(resource, [n.total for n in nodes], [n.name for n in nodes])
@@ -550,6 +563,7 @@ class Launcher:
                                  lambda: RestartPolicy(cfg.max_restarts, cfg.restart_window_s),
                                  cfg.health_check_interval_s, note=self._progress.note)
         self._unless_stop_asked()  # shut down as the pool was set: it may have missed the pool
+        self._unless_tokenizer_failed()
         where = f" over up to {cfg.nodes} nodes" if cfg.nodes > 1 else ""
         with self._progress.step(
                 f"starting {self.replicas} replica(s) of {plan.tp_degree} {backend} worker(s){where}, "
@@ -562,6 +576,13 @@ class Launcher:
     def _unless_stop_asked(self) -> None:
         if self._stops != self._stops_at_start:
             raise LaunchError("the launcher was shut down while it started; nothing is left running")
+
+    def _unless_tokenizer_failed(self) -> None:
+        """Its error now if the tokenizer's load has already failed (it takes seconds, connecting to
+        Ray longer): a broken tokenizer was named only once every rank had placed and loaded."""
+        load = self._tokenizer_load
+        if load is not None and load.failed():
+            self._await_tokenizer()  # raises its error
 
     def _make_load_spec(self):
         """What every rank loads (and loads again after a restart)."""

@@ -40,6 +40,10 @@ class BackgroundLoad:
     def done(self) -> bool:
         return self._future.done()
 
+    def failed(self) -> bool:
+        """Whether it has finished by raising (without waiting)."""
+        return self._future.done() and self._future.exception() is not None
+
     def result(self, timeout_s: float | None = None) -> Any:
         """The load's value, waiting for it; its exception if it raised; TimeoutError after timeout_s."""
         finished, _ = wait([self._future], timeout_s)

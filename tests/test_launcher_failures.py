@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from launcher.api import LaunchConfig, Launcher
+from tests.test_compile_cli import save_word_tokenizer
 from launcher.errors import LaunchError, NoReplicaAvailable, PlacementTimeout, PlanRejected, ReplicaFailed, WorkerDied
 from tests.model_factory import save_random_model
 from workers.sampling import SamplingParams
@@ -115,10 +116,21 @@ def test_an_unreadable_tokenizer_is_named_and_leaves_no_group_running(small_mode
     with pytest.raises(ValueError, match=named):
         Launcher(model=str(model), tp=2, compile=False, progress=False).check_prompts("hello")
     assert in_process_cluster.groups == []
+    launcher = Launcher(model=str(model), tp=2, compile=False, progress=False).prepare()
+    deadline = time.monotonic() + 60
+    while not launcher._tokenizer_load.failed():  # it fails in a moment, while Ray would be starting
+        assert time.monotonic() < deadline, "the tokenizer's load never failed"
+        time.sleep(0.05)
     with pytest.raises(ValueError, match=named):
-        Launcher(model=str(model), tp=2, compile=False, progress=False).start()
-    [group] = in_process_cluster.groups
-    assert group.actors == []  # shut down
+        launcher.start()
+    assert in_process_cluster.groups == []  # named before any group was placed, not after every rank loaded
+    with pytest.raises(ValueError, match=named):  # again: a second start() ran on token ids alone
+        launcher.start()
+    for group in in_process_cluster.groups:
+        assert group.actors == []  # any group it started is shut down
+    save_word_tokenizer(model)  # repaired: the next start() loads it
+    with launcher.start():
+        assert launcher.tokenizer is not None and launcher.generate("t3 t9", max_new_tokens=2)[0].text
 
 
 @pytest.mark.parametrize("edit, raised", [(lambda tokenizer: {}, "KeyError"),  # JSON, but not a tokenizer's
@@ -131,8 +143,6 @@ def test_a_tokenizer_file_that_is_json_but_not_a_tokenizer_is_named(small_model,
     import shutil
 
     from launcher.api import load_tokenizer
-
-    from tests.test_compile_cli import save_word_tokenizer
 
     model = Path(shutil.copytree(small_model, tmp_path / "model"))
     save_word_tokenizer(model)  # a real tokenizer.json, then spoiled
