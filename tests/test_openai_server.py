@@ -167,6 +167,49 @@ def test_unsupported_parameters_are_taken_at_the_value_that_asks_for_nothing():
         assert err.param == field and words in err.message, err.message
 
 
+def test_function_calling_and_stored_completion_fields_are_taken_when_they_ask_for_nothing():
+    """OpenAI's chat parameters this server does not implement were "unknown parameter" errors, even
+    at the values clients send when they want none of it."""
+    chat(tools=[], functions=[], tool_choice="none", function_call="auto", parallel_tool_calls=False, store=False,
+         metadata={})
+    chat(tools=None, tool_choice=None, store=None, metadata=None)
+    for field, value, words in (
+            ("tools", [{"type": "function", "function": {"name": "f"}}], "must be an empty list (tools and function calling are not supported)"),
+            ("functions", [{"name": "f"}], "must be an empty list (function calling is not supported)"),
+            ("tool_choice", "required", "must be \"none\" or \"auto\""),
+            ("tool_choice", {"type": "function", "function": {"name": "f"}}, "must be \"none\" or \"auto\""),
+            ("function_call", {"name": "f"}, "function calling is not supported"),
+            ("parallel_tool_calls", "no", "must be true or false"),
+            ("store", True, "store (true) must be false (stored completions are not supported)"),
+            ("metadata", {"k": "v"}, "must be an empty object (metadata tags stored completions")):
+        err = refusal(chat, **{field: value})
+        assert err.param == field and words in err.message, (field, err.message)
+
+
+def test_a_stop_string_that_is_not_valid_text_is_refused():
+    """A lone surrogate can never match the generated text: it was accepted and never stopped anything."""
+    for stop in ("\ud800", ["fine", "x\udfff"]):
+        err = refusal(completion, stop=stop)
+        assert err.param == "stop" and "stop is not valid UTF-8 text" in err.message
+
+
+def test_a_request_past_the_request_timeout_is_a_504_naming_both_ways_out():
+    """A chat request without max_tokens may generate the rest of the context, which on a slow host
+    outlasts the default --request-timeout: it was a 500, "generation failed", naming the timeout only."""
+    from launcher.cluster.replica_pool import _overdue
+    from launcher.serving.openai_app import _generation_failure
+
+    handle = SimpleNamespace(request_id="chatcmpl-1", timeout_s=600, delivered=[1] * 3067,
+                             request=SimpleNamespace(max_tokens=4064))
+    status, body = _generation_failure(_overdue(handle, "it was cancelled"))
+    error = body["error"]
+    assert status == 504 and (error["type"], error["code"]) == ("server_error", "generation_timeout")
+    assert "did not finish within 600 s (it had 3067 of 4064 tokens)" in error["message"]
+    assert "--request-timeout" in error["message"] and "max_tokens (max_completion_tokens)" in error["message"]
+    status, body = _generation_failure(RuntimeError("boom"))
+    assert status == 500 and body["error"]["message"] == "generation failed: boom"
+
+
 def test_chat_refusals():
     assert refusal(chat, logprobs=True, top_logprobs=21).param == "top_logprobs"
     assert "needs logprobs: true" in refusal(chat, top_logprobs=2).message

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from launcher.errors import LaunchError
+from launcher.errors import LaunchError, RequestTimeout
 from launcher.serving import openai_protocol as proto
 from launcher.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics, TokenTimer
 from launcher.serving.openai_protocol import CONTEXT_LENGTH_EXCEEDED, ProtocolError
@@ -229,15 +229,6 @@ def _clip(text: str, limit: int = 200) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
-def _check_utf8(text: str, param: str) -> None:
-    """ProtocolError 400 for text that is not valid Unicode: JSON can carry lone surrogates ("\ud800")."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as err:
-        raise ProtocolError(f"{param} is not valid UTF-8 text ({err.reason} at position {err.start})",
-                            param=param) from None
-
-
 def _context_tokens(launcher) -> int:
     """Prompt + generated tokens one request may hold: the serving cache's row (seq_len, else the
     plan's), never past the model's maximum."""
@@ -395,7 +386,7 @@ class OpenAIServer:
 
     def _encode(self, text: str) -> list[int]:
         """A completions prompt's token ids (on a thread), as the Launcher tokenizes text."""
-        _check_utf8(text, "prompt")
+        proto.check_utf8(text, "prompt")
         self._refuse_if_it_cannot_fit(text, "the prompt", "prompt")
         with self._encoding:
             ids = list(self.tokenizer(text)["input_ids"])
@@ -436,9 +427,9 @@ class OpenAIServer:
             raise ProtocolError(f"model {self.name!r} has no chat template (its tokenizer files define none), so "
                                 f"it cannot take messages: send a prompt to /v1/completions instead", param="messages")
         for i, message in enumerate(messages):
-            _check_utf8(message["content"] or "", f"messages.{i}.content")
+            proto.check_utf8(message["content"] or "", f"messages.{i}.content")
             if message.get("name") is not None:
-                _check_utf8(message["name"], f"messages.{i}.name")
+                proto.check_utf8(message["name"], f"messages.{i}.name")
         try:
             with self._encoding:
                 prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -562,14 +553,15 @@ class OpenAIServer:
             self.metrics.finished("abort", 499)
             raise
         except Exception as err:  # noqa: BLE001 - reported to the client in the OpenAI shape
-            self.metrics.finished("error", 500)
-            return JSONResponse(proto.error_body(f"generation failed: {err}", type="server_error"), status_code=500)
+            status, body = _generation_failure(err)
+            self.metrics.finished("error", status)
+            return JSONResponse(body, status_code=status)
         self.metrics.finished(finish or "stop")
         return JSONResponse(render.response(meta, finish, proto.usage(prompt_tokens, completion_tokens)))
 
     def _count_stream(self, outcome: dict) -> None:
         reason = outcome["finish_reason"]
-        self.metrics.finished(reason, {"abort": 499, "error": 500}.get(reason, 200))
+        self.metrics.finished(reason, outcome.get("status") or {"abort": 499, "error": 500}.get(reason, 200))
 
     async def _events(self, stream, render, meta, timer: TokenTimer, include_usage: bool, outcome: dict):
         """The server-sent events of one streamed request, ending with [DONE]; outcome["finish_reason"]
@@ -594,8 +586,21 @@ class OpenAIServer:
             yield proto.SSE_DONE
         except Exception as err:  # noqa: BLE001 - headers are sent: the error can only be an event
             outcome["finish_reason"] = "error"
-            yield proto.sse_event(proto.error_body(f"generation failed: {err}", type="server_error"))
+            outcome["status"], body = _generation_failure(err)
+            yield proto.sse_event(body)
             yield proto.SSE_DONE
+
+
+def _generation_failure(err: Exception) -> tuple[int, dict]:
+    """(HTTP status, OpenAI error body) for a request that failed while generating. A request past
+    the request timeout is a 504 naming both ways out: a chat request without max_tokens may
+    generate up to the rest of the context, which on a slow host outlasts the default timeout (it
+    was a 500, "generation failed")."""
+    if isinstance(err, RequestTimeout):
+        return 504, proto.error_body(
+            f"{err}; or ask for fewer tokens with max_tokens (max_completion_tokens): a chat request without it "
+            f"may generate up to the rest of the model's context", type="server_error", code="generation_timeout")
+    return 500, proto.error_body(f"generation failed: {err}", type="server_error")
 
 
 def build_app(args: dict) -> serve.Application:

@@ -62,6 +62,13 @@ FIELD_RULES = {
     "logit_bias": "an empty object (logit_bias is not supported)",
     "response_format": "{\"type\": \"text\"} (structured output is not supported)",
     "response_format.type": "\"text\" (structured output is not supported)",
+    "tools": "an empty list (tools and function calling are not supported)",
+    "functions": "an empty list (function calling is not supported)",
+    "tool_choice": "\"none\" or \"auto\" (with no tools either means no tool calls; tools are not supported)",
+    "function_call": "\"none\" or \"auto\" (function calling is not supported)",
+    "parallel_tool_calls": "true or false (no tools are called either way)",
+    "store": "false (stored completions are not supported)",
+    "metadata": "an empty object (metadata tags stored completions, which are not supported)",
 }
 
 
@@ -230,6 +237,16 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: TextResponseFormat | None = None
+    # Function calling and stored completions are not supported: accepted at the values that ask for
+    # neither (clients that send every parameter send these), refused by name otherwise.
+    tools: list = Field(default_factory=list, max_length=0)
+    functions: list = Field(default_factory=list, max_length=0)
+    tool_choice: Literal["none", "auto"] = "none"
+    function_call: Literal["none", "auto"] = "none"
+    parallel_tool_calls: bool = True
+    store: bool = False
+    """Refused when true (_check_combinations), as echo is."""
+    metadata: dict = Field(default_factory=dict, max_length=0)
 
     def chat_messages(self, template: object = None) -> list[dict]:
         """[{role, content[, name]}] with content as plain text, as chat templates take it. A developer
@@ -294,6 +311,15 @@ def _short(value: object) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def check_utf8(text: str, param: str) -> None:
+    """ProtocolError 400 for text that is not valid Unicode: JSON can carry lone surrogates ("\ud800")."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ProtocolError(f"{param} is not valid UTF-8 text ({err.reason} at position {err.start})",
+                            param=param) from None
+
+
 def _check_combinations(request: _GenerationRequest) -> None:
     """Rules that span fields, or that pydantic's per-field constraints cannot say."""
     stops = request.stop_strings()
@@ -301,6 +327,8 @@ def _check_combinations(request: _GenerationRequest) -> None:
         raise ProtocolError(f"stop has {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed", param="stop")
     if any(s == "" for s in stops):
         raise ProtocolError("stop strings must not be empty", param="stop")
+    for stop in stops:  # a lone surrogate could never match the text (it was accepted, and never stopped)
+        check_utf8(stop, "stop")
     if len(request.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise ProtocolError(f"stop_token_ids has {len(request.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} "
                             f"are allowed", param="stop_token_ids")
@@ -323,6 +351,8 @@ def _check_combinations(request: _GenerationRequest) -> None:
         if isinstance(prompt, list) and any(t < 0 for t in prompt):
             raise ProtocolError("prompt token ids must be integers >= 0", param="prompt")
     if isinstance(request, ChatCompletionRequest):
+        if request.store:
+            raise ProtocolError(f"store (true) must be {FIELD_RULES['store']}", param="store")
         if request.top_logprobs is not None and not request.logprobs:
             raise ProtocolError("top_logprobs needs logprobs: true", param="top_logprobs")
         for i, message in enumerate(request.messages):
