@@ -45,7 +45,7 @@ class ServerMetrics:
                                      registry=r)
         self.requests = Counter(
             "corelaunch_requests", "Generation requests by outcome: finish_reason stop|length (completed), "
-            "abort (client went away), error (failed while generating), rejected (refused with the "
+            "abort (client went away), error (failed while generating: 500, or 504 past the request timeout), rejected (refused with the "
             "HTTP status in `status` before generating: 400 bad input, 404, 413, 503 queue full), "
             "unavailable (503: no TP group can take requests)",
             ["finish_reason", "status"], registry=r)
