@@ -4,6 +4,7 @@ no cluster of the host's, sees it."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -217,3 +218,32 @@ def test_a_private_start_leaves_rays_token_readable_by_its_owner_alone(tmp_path)
     assert token.exists() and oct(token.stat().st_mode & 0o777) == oct(0o600)
     # and its folder, made before the start, so the token is never readable by others even while written
     assert oct((home / ".ray").stat().st_mode & 0o777) == oct(0o700)
+
+
+AGENT_PORTS = textwrap.dedent("""
+    import time
+    import psutil
+    import ray
+    from launcher.cluster import ray_cluster
+    connection = ray_cluster.connect("local", num_cpus=1)
+    raylet = psutil.Process(ray._private.worker._global_node.all_processes["raylet"][0].process.pid)
+    deadline, ports = time.monotonic() + 60, None
+    while time.monotonic() < deadline:  # the agent binds its HTTP port a few seconds after the start
+        agents = [p for p in raylet.children(recursive=True) if p.cmdline()[:1] == ["ray::DashboardAgent"]]
+        ports = sorted({c.laddr.port for a in agents for c in a.net_connections("tcp") if c.status == "LISTEN"})
+        if len(ports) >= 2:  # its gRPC and HTTP servers
+            break
+        time.sleep(0.5)
+    print(ports, flush=True)
+    connection.close()
+""")
+
+
+def test_a_private_clusters_dashboard_agent_leaves_rays_default_port_free():
+    """It took Ray's fixed 52365: a cluster the user then started on this host (`ray start --head`)
+    found the port taken, disabled its agent's HTTP service, and refused every `ray job submit`."""
+    out = subprocess.run([sys.executable, "-c", AGENT_PORTS], cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    ports = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(ports) >= 2 and 52365 not in ports, ports

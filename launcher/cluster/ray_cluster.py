@@ -242,7 +242,8 @@ def connect(address: str | None = None, num_cpus: int | None = None, worker_logs
     # this host after the lookup above (another program's), and then refuses num_cpus.
     # (No node address: Ray 2.60 replaces 127.0.0.1 given as one with the host's own address.)
     _token_for_this_user_only()
-    _init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, **quiet)
+    with _agent_port_left_to_the_os():
+        _init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, **quiet)
     _token_for_this_user_only()  # the start writes it where none existed, readable by all (umask 022)
     _opened(started_here=True, address="local")
     return RayConnection(started_here=True, address="local")
@@ -276,6 +277,32 @@ def dead_private_processes() -> frozenset[int]:
     if node is None or not _OWN_SESSION["started_here"] or not hasattr(node, "dead_processes"):
         return frozenset()
     return frozenset(process.pid for _, process in node.dead_processes())
+
+
+@contextlib.contextmanager
+def _agent_port_left_to_the_os():
+    """A private cluster's dashboard agent on a port the OS picks, not Ray's fixed default (52365).
+    With it on 52365, a cluster the user then started on this host (`ray start --head`) found the port
+    taken, disabled its agent's HTTP service, and refused every `ray job submit` ("No available agent
+    to submit job"). ray.init takes no option for this port, so the default of the parameter ray.init
+    leaves out is set to 0 (any free port, as Ray's own multi-node test clusters use) while the
+    private cluster starts; a Ray without that parameter is left as it is."""
+    import inspect
+
+    from ray._private.parameter import RayParams
+
+    init = RayParams.__init__
+    defaults = init.__defaults__ or ()
+    optional = [p.name for p in inspect.signature(init).parameters.values() if p.default is not inspect.Parameter.empty]
+    if "dashboard_agent_listen_port" not in optional or len(optional) != len(defaults):
+        yield
+        return
+    index = optional.index("dashboard_agent_listen_port")
+    init.__defaults__ = defaults[:index] + (0,) + defaults[index + 1:]
+    try:
+        yield
+    finally:
+        init.__defaults__ = defaults
 
 
 def _init(**options) -> None:
