@@ -612,6 +612,21 @@ def test_serve_config_example_is_a_valid_serve_config():
     settings_from_args(app.args)  # the example's arguments are ones the builder takes
 
 
+def test_serve_run_takes_the_api_key_from_the_shell_that_builds_the_app(monkeypatch):
+    """`CORELAUNCH_API_KEY=... serve run launcher.serving.openai_app:build_app` was silently ignored:
+    only the replicas' environments (inherited from `ray start`) were read, and the server ran open."""
+    from launcher.serving.openai_app import builder_settings
+
+    monkeypatch.setenv("CORELAUNCH_API_KEY", "from-the-shell")
+    assert builder_settings({"tp": 1}).api_key == "from-the-shell"
+    assert builder_settings({"tp": 1, "api_key": "in-args"}).api_key == "in-args"  # args win
+    monkeypatch.delenv("CORELAUNCH_API_KEY")
+    assert builder_settings({"tp": 1}).api_key is None  # each replica then reads its own environment
+    monkeypatch.setenv("CORELAUNCH_API_KEY", "a b")
+    with pytest.raises(ValueError, match="CORELAUNCH_API_KEY must be a non-empty string"):
+        builder_settings({"tp": 1})
+
+
 def test_a_device_backends_serve_replica_leaves_the_cpu_share_out(ray_tripwire):
     """A Serve replica sized every rank's CPU share whatever the backend, and a device backend
     refuses cpus_per_rank (it ignored it before): every neuron or cuda replica failed to start."""

@@ -13,6 +13,7 @@ openai_protocol.py; this file only moves requests between it and the engine.
 # as objects, and Serve ships this class to its replicas by value, where string annotations would be
 # resolved against a copy of this module's globals that lacks them.
 import asyncio
+import dataclasses
 import hmac
 import inspect
 import json
@@ -609,7 +610,19 @@ def build_app(args: dict) -> serve.Application:
     The arguments are the server's (served_model_name, api_key, replicas, min_replicas, max_replicas,
     target_ongoing_requests) and LaunchConfig's fields (model, tp, dtype, seq_len, max_num_seqs,
     max_queued_requests, ...); see launcher/serving/server_settings.py."""
-    return application(settings_from_args(args))
+    return application(builder_settings(args))
+
+
+def builder_settings(args: dict) -> ServerSettings:
+    """The settings build_app deploys. Without api_key in args, CORELAUNCH_API_KEY is read here, where the app is built (the shell of
+    `serve run`; for `serve deploy`, the cluster), as `corelaunch serve` reads it: the replicas'
+    own environments, inherited from `ray start`, rarely hold it, and a key exported for `serve run`
+    was silently ignored, leaving the server open. Each replica still reads its own environment
+    (a runtime_env's env_vars) when neither holds one."""
+    settings = settings_from_args(args)
+    if settings.api_key is None:
+        settings = dataclasses.replace(settings, api_key=api_key_from_environment())
+    return settings
 
 
 def application(settings: ServerSettings) -> serve.Application:
