@@ -616,10 +616,10 @@ def build_app(args: dict) -> serve.Application:
 def builder_settings(args: dict) -> ServerSettings:
     """The settings build_app deploys. Without api_key in args, CORELAUNCH_API_KEY is read here,
     where the app is built (the shell of `serve run IMPORT_PATH`; for a config file, the cluster),
-    as `corelaunch serve` reads it: the replicas'
-    own environments, inherited from `ray start`, rarely hold it, and a key exported for `serve run`
-    was silently ignored, leaving the server open. Each replica still reads its own environment
-    (a runtime_env's env_vars) when neither holds one."""
+    as `corelaunch serve` reads it: the replicas' own environments, inherited from `ray start`,
+    rarely hold it, and a key exported for `serve run` was silently ignored, leaving the server
+    open. Each replica still reads its own environment (a runtime_env's env_vars) when neither
+    holds one."""
     settings = settings_from_args(args)
     if settings.api_key is None:
         settings = dataclasses.replace(settings, api_key=api_key_from_environment())
