@@ -10,8 +10,8 @@ decode step; variants alternate in blocks so machine noise hits them alike. Late
 Variants: `gloo` (corelaunch's gloo path: gloo's all-reduce at 2 ranks, an all-gather and a
 rank-order sum from 3), `shm` (workers/shm, as the CPU backend builds it), from 3 ranks also
 `gloo_ring` (gloo's own all-reduce, whose summation order is not fixed: what the rank-order sum
-costs), and with more ranks than cores `shm_busy_wait` (the same code never yielding its core: why
-it yields).
+costs; all-reduce only, its all-gather being gloo's), and with more ranks than cores
+`shm_busy_wait` (the same code never yielding its core: why it yields).
 Prints one JSON object.
 
     python benchmarks/allreduce.py [--calls 2000] [--blocks 3] [--world-sizes 2,3]
@@ -30,10 +30,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from launcher.cli.options import int_at_least  # noqa: E402 - bad values refused before any work
+from benchmarks.arguments import int_list, positive_seconds  # noqa: E402 - bad values refused before any work
+from launcher.cli.options import int_at_least  # noqa: E402
 
 SHAPES = ((1, 576), (1, 1024), (4, 1024))
 GATHER_SHAPE = (1, 16000)  # one rank's logits of a 32000-token vocabulary at TP 2, gathered once per token
+ALL_REDUCE_ONLY = ("gloo_ring",)
+"""Variants that change only the all-reduce: their all-gather is gloo's code again, so not reported."""
 
 
 def _stats(samples_s: list[float]) -> dict:
@@ -46,6 +49,11 @@ def _stats(samples_s: list[float]) -> dict:
             "mean_us": round(statistics.fmean(ordered) * 1e6, 1),
             "p90_us": round(pct(0.90), 1), "p99_us": round(pct(0.99), 1),
             "max_us": round(ordered[-1] * 1e6, 1), "calls": len(ordered)}
+
+
+def _timed_variants(op: str, names) -> list[str]:
+    """The variants timed for `op`: each one whose code for it differs from the others'."""
+    return [name for name in names if op == "all_reduce" or name not in ALL_REDUCE_ONLY]
 
 
 def _label(op: str, shape) -> str:
@@ -78,11 +86,12 @@ def _rank_main(rank: int, world_size: int, port: int, args, queue) -> None:
         busy._x.spin_s = busy._x.yield_s = 1e9  # spin for ever: never yield the core
         variants["shm_busy_wait"] = busy
     cases = [("all_reduce", shape) for shape in SHAPES] + [("all_gather_last_dim", GATHER_SHAPE)]
-    samples = {_label(op, shape): {name: [] for name in variants} for op, shape in cases}
+    samples = {_label(op, shape): {name: [] for name in _timed_variants(op, variants)} for op, shape in cases}
     for op, shape in cases:
         tensor = torch.randn(shape, generator=torch.Generator().manual_seed(rank))
         for block in range(args.blocks):
-            for name, coll in variants.items():
+            for name in _timed_variants(op, variants):
+                coll = variants[name]
                 # the busy-wait variant can take a scheduler time slice per call: fewer calls
                 calls = args.calls if name != "shm_busy_wait" else max(20, args.calls // 20)
                 call = coll.all_reduce_sum_ if op == "all_reduce" else coll.all_gather_last_dim
@@ -103,34 +112,30 @@ def _rank_main(rank: int, world_size: int, port: int, args, queue) -> None:
         queue.put({shape: {name: _stats(t) for name, t in per.items()} for shape, per in samples.items()})
 
 
-def _result(queue, procs, timeout_s: float) -> dict:
-    """Rank 0's report; RuntimeError as soon as a rank has exited without it (a crash or a failed
-    collective), rather than after the whole timeout."""
+def rank_reports(queue, procs, timeout_s: float, count: int = 1) -> list:
+    """The first `count` reports the ranks put on `queue`; RuntimeError as soon as a rank has exited
+    without its report (a crash or a failed collective), rather than after the whole timeout. Also
+    used by benchmarks/sequence_parallel.py."""
     import queue as queues
 
     deadline = time.monotonic() + timeout_s
-    while True:
+    reports = []
+    while len(reports) < count:
         try:
-            return queue.get(timeout=1.0)
+            reports.append(queue.get(timeout=1.0))
         except queues.Empty:
             dead = [p for p in procs if not p.is_alive() and p.exitcode != 0]
             if dead or not any(p.is_alive() for p in procs):
                 codes = ", ".join(f"rank {procs.index(p)} exit code {p.exitcode}" for p in procs if not p.is_alive())
                 raise RuntimeError(f"the ranks ended without a report ({codes}); see their output above") from None
             if time.monotonic() > deadline:
-                raise RuntimeError(f"no report within --timeout-s {timeout_s:g} s") from None
+                raise RuntimeError(f"no report within --timeout-s {timeout_s:g} s; raise it for a slower "
+                                   f"machine") from None
+    return reports
 
 
-def _world_sizes(text: str) -> list[int]:
-    """--world-sizes: comma-separated integers of at least 2 (an all-reduce needs two ranks)."""
-    try:
-        sizes = [int(w) for w in text.split(",")]
-    except ValueError:
-        sizes = []
-    if not sizes or min(sizes) < 2:
-        raise argparse.ArgumentTypeError(f"--world-sizes ({text!r}) must be comma-separated integers of at least 2, "
-                                         f"e.g. 2,3")
-    return sizes
+# an all-reduce needs two ranks
+_world_sizes = int_list("--world-sizes", "2,3", minimum=2)
 
 
 def run(world_size: int, args) -> dict:
@@ -145,7 +150,7 @@ def run(world_size: int, args) -> dict:
     for p in procs:
         p.start()
     try:
-        result = _result(queue, procs, args.timeout_s)
+        [result] = rank_reports(queue, procs, args.timeout_s)
     finally:
         for p in procs:
             p.join(timeout=30)
@@ -164,7 +169,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int_at_least("--warmup", 0), default=100)
     parser.add_argument("--blocks", type=int_at_least("--blocks", 1), default=3)
     parser.add_argument("--world-sizes", type=_world_sizes, default="2,3")
-    parser.add_argument("--timeout-s", type=float, default=600)
+    parser.add_argument("--timeout-s", type=positive_seconds("--timeout-s"), default=600)
     args = parser.parse_args()
     load_before = os.getloadavg()
     report = {"dtype": "float32", "threads_per_rank": 1, "cores": len(os.sched_getaffinity(0)),

@@ -15,7 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from launcher.cli.options import int_at_least  # noqa: E402 - bad values refused before any work
 
 BUFFER_BYTES = 1 << 30
 
@@ -24,6 +30,8 @@ def measure_gbps(threads: int, repeats: int = 5) -> float:
     """Best-of-`repeats` read bandwidth in GB/s (1e9 bytes) of a 1 GiB sum on `threads` threads."""
     import torch
 
+    if repeats < 1:  # no pass: the best time stays infinite and the bandwidth 0, a denominator elsewhere
+        raise ValueError(f"repeats ({repeats}) must be at least 1")
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -46,8 +54,8 @@ def decode_bound(weight_bytes: int, gbps: float) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int_at_least("--threads", 1), default=2)
+    parser.add_argument("--repeats", type=int_at_least("--repeats", 1), default=5)
     args = parser.parse_args()
     print(json.dumps({"threads": args.threads, "read_GBps": round(measure_gbps(args.threads, args.repeats), 2)}))
 

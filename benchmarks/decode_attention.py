@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from benchmarks.kernel_sources import c_source_in  # noqa: E402
+from launcher.cli.options import int_at_least  # noqa: E402 - bad values refused before any work
 from workers import native_build  # noqa: E402
 from workers.kernels import decode_attention as kernel  # noqa: E402
 
@@ -74,15 +75,15 @@ def build_other(spec) -> ctypes.CDLL:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--repeats", type=int_at_least("--repeats", 1), default=30)
+    parser.add_argument("--threads", type=int_at_least("--threads", 1), default=os.cpu_count())
     parser.add_argument("--from", dest="other", help="another checkout whose kernel source to time beside this one's")
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated, of " + ", ".join(CASES))
     args = parser.parse_args()
     cases = args.cases.split(",")
     unknown = [c for c in cases if c not in CASES]
-    if unknown or args.repeats < 1:
-        parser.error(f"unknown --cases {unknown} (known: {', '.join(CASES)}) or --repeats {args.repeats} below 1")
+    if unknown:
+        parser.error(f"unknown --cases {unknown} (known: {', '.join(CASES)})")
     torch.set_num_threads(args.threads)
     builds = {"host": kernel.build_kernel(kernel.kernel_spec()),
               "portable": kernel.build_kernel(kernel.kernel_spec(portable=True))}

@@ -40,7 +40,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from launcher.cli.options import int_at_least  # noqa: E402 - bad values refused before any work
+from benchmarks.arguments import int_list  # noqa: E402 - bad values refused before any work
+from launcher.cli.options import int_at_least  # noqa: E402
 
 VARIANTS = {"packed": {"CORELAUNCH_PACKED_WEIGHTS": "1", "CORELAUNCH_SMALL_LINEAR": "1"},
             "kernel": {"CORELAUNCH_PACKED_WEIGHTS": "0", "CORELAUNCH_SMALL_LINEAR": "1"},
@@ -84,7 +85,8 @@ def child(model_dir: str, batches: list[int], new_tokens: int) -> dict:
 
 def run_variant(variant: str, model_dir: str, args) -> dict:
     env = dict(os.environ, **VARIANTS[variant])
-    proc = subprocess.run([sys.executable, __file__, "--child", model_dir, "--batches", args.batches,
+    batches = ",".join(map(str, args.batches))
+    proc = subprocess.run([sys.executable, __file__, "--child", model_dir, "--batches", batches,
                            "--new-tokens", str(args.new_tokens)], env=env, capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"{variant} failed:\n{proc.stderr[-3000:]}")
@@ -92,24 +94,40 @@ def run_variant(variant: str, model_dir: str, args) -> dict:
 
 
 def int8_copy(model_dir: str) -> str:
+    """The int8 copy, quantized once and kept for later runs. quantize_checkpoint writes a hidden
+    sibling and renames it into place when complete; a folder at this path that lacks what it
+    writes (a copy from elsewhere, an empty folder) is refused rather than reused."""
     out = Path(tempfile.gettempdir()) / "corelaunch-bench-smollm2-int8"
     if not out.exists():
         from shardlib.quantize_checkpoint import quantize_checkpoint
 
         quantize_checkpoint(model_dir, out, "int8", embed=True)
+    try:  # config.json, with its quantization_config, is the last file written before the rename
+        complete = bool(json.loads((out / "config.json").read_text()).get("quantization_config"))
+    except (OSError, ValueError, AttributeError):
+        complete = False
+    if not complete or not (out / "model.safetensors").is_file():
+        raise RuntimeError(f"{out} is not a complete int8 copy (no model.safetensors, or no config.json with a "
+                           f"quantization_config): remove it and run again to quantize it anew")
     return str(out)
+
+
+def first_tokens_equal(tokens: dict[str, dict[int, list[int]]]) -> dict[int, bool]:
+    """Per batch size, whether every variant generated the same first tokens (variant -> batch -> ids)."""
+    batches = next(iter(tokens.values()))
+    return {b: len({tuple(by_batch[b]) for by_batch in tokens.values()}) == 1 for b in batches}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batches", default="1,2,4,8,16")
+    parser.add_argument("--batches", type=int_list("--batches", "1,2,4,8,16"), default="1,2,4,8,16")
     parser.add_argument("--new-tokens", type=int_at_least("--new-tokens", 2), default=32)
     parser.add_argument("--rounds", type=int_at_least("--rounds", 1), default=2)
     parser.add_argument("--int8", action="store_true", help="also the int8 per-channel copy")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of " + ", ".join(VARIANTS))
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = args.batches
     variants = args.variants.split(",")
     if not set(variants) <= set(VARIANTS):
         parser.error(f"--variants {args.variants!r}: each must be one of {', '.join(VARIANTS)}")
@@ -129,20 +147,21 @@ def main() -> None:
             for variant in variants:
                 for batch, r in run_variant(variant, path, args).items():
                     runs[model][variant][batch].append(r)
-                    tokens.setdefault(model, {}).setdefault(variant, r["tokens"])
+                    tokens.setdefault(model, {}).setdefault(variant, {}).setdefault(batch, r["tokens"])
     report = {"model": "SmolLM2-135M", "threads": 2, "new_tokens": args.new_tokens, "rounds": args.rounds,
               "cores": len(os.sched_getaffinity(0))}
     for model in models:
         section = {}
+        equal = first_tokens_equal(tokens[model])
         for batch in batches:
             med = {v: statistics.median(r["tokens_per_s"] for r in runs[model][v][batch]) for v in variants}
             step = {v: statistics.median(r["step_ms"] for r in runs[model][v][batch]) for v in variants}
             ttft = {v: statistics.median(r["ttft_s"] for r in runs[model][v][batch]) for v in variants}
-            section[batch] = {"tokens_per_s": med, "step_ms": step, "ttft_s": ttft}
+            section[batch] = {"tokens_per_s": med, "step_ms": step, "ttft_s": ttft, "first_tokens_equal": equal[batch]}
             for name, (a, b) in RATIOS.items():
                 if a in med and b in med:
                     section[batch][name] = round(med[a] / med[b], 3)
-        section["first_tokens_equal"] = len({tuple(tokens[model][v]) for v in variants}) == 1
+        section["first_tokens_equal"] = all(equal.values())  # at every batch size
         report[model] = section
     if "int8" in models and "packed" in variants:
         report["int8_over_float32_as_run"] = {

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from launcher.cli.options import int_at_least  # noqa: E402 - bad values refused before any work
 from shardlib.buckets import Buckets  # noqa: E402
 from shardlib.model_config import ModelConfig  # noqa: E402
 from tests.model_factory import build_random_model  # noqa: E402
@@ -33,18 +34,21 @@ from workers.fused_projections import fuse_projections  # noqa: E402
 from workers.sampling import SamplingParams  # noqa: E402
 
 PROMPT = [5, 9, 33, 17, 80, 3, 44, 12]
+HEADS = 16
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--new-tokens", type=int, default=48)
-    parser.add_argument("--blocks", type=int, default=3)
+    parser.add_argument("--hidden", type=int_at_least("--hidden", 2 * HEADS), default=1024)
+    parser.add_argument("--layers", type=int_at_least("--layers", 1), default=4)
+    parser.add_argument("--new-tokens", type=int_at_least("--new-tokens", 1), default=48)
+    parser.add_argument("--blocks", type=int_at_least("--blocks", 1), default=3)
     parser.add_argument("--no-compile", action="store_true")
     args = parser.parse_args()
+    if args.hidden % (2 * HEADS):  # HEADS heads of hidden / HEADS, an even size (rotary embeddings turn pairs)
+        parser.error(f"--hidden ({args.hidden}) must be a multiple of {2 * HEADS}, e.g. 1024")
     hf = build_random_model(hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4, num_layers=args.layers,
-                            num_heads=16, num_kv_heads=4, vocab_size=4096, initializer_range=0.05)
+                            num_heads=HEADS, num_kv_heads=4, vocab_size=4096, initializer_range=0.05)
     config, weights = ModelConfig.from_dict(hf.config.to_dict()), hf_state_dict(hf)
     del hf
     models = {}

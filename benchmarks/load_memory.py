@@ -5,7 +5,9 @@ reports its added peak resident memory (VmHWM after loading minus VmHWM after it
 time, and the bytes it read through read calls (rchar of /proc/self/io; pages reached through a
 memory map are not counted there). Cases: TP 1 rank 0, TP 3 rank 0, and the TP 3 rank with the
 largest shard when that is not rank 0; each from the Hugging Face checkpoint and from a pre-sharded
-copy written once into a temporary directory. Then a TP 1 rank's whole load through the worker
+copy written once into a temporary directory (whose first load, which also checks each file's sha256
+and leaves a marker later loads trust, runs once untimed before the timed runs and is reported apart
+as verifying_load_*). Then a TP 1 rank's whole load through the worker
 (workers.rank_worker.RankWorker, eager): reading the shard, building the model and the cpu
 backend's preparation, with its float32 weights packed as column panels (as it runs) and with
 CORELAUNCH_PACKED_WEIGHTS=0, to show what packing adds to the peak (the largest matrix at most),
@@ -28,6 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from launcher.cli.options import int_at_least  # noqa: E402 - bad values refused before any work
 
 TARGET_TP3_OVER_TP1 = 0.45
 
@@ -99,7 +103,9 @@ def _run_child(spec: dict) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _summary(spec: dict, runs: list[dict]) -> dict:
+def _summary(spec: dict, runs: list[dict], verifying: dict | None = None) -> dict:
+    """One case over its timed runs; `verifying`, a pre-sharded case's first load (the one that
+    hashes the files), is reported apart under verifying_load_*."""
     shard = runs[0]["shard_bytes"]
     peak = max(r["added_peak_bytes"] for r in runs)  # the worst run: memory is a limit, not an average
     read = runs[0]["bytes_read"]
@@ -116,6 +122,9 @@ def _summary(spec: dict, runs: list[dict]) -> dict:
         "bytes_read": read,
         "bytes_read_over_shard": round(read / shard, 3),
         "repeats": len(runs),
+        **({"verifying_load_time_s": round(verifying["load_time_s"], 3),
+            "verifying_load_bytes_read": verifying["bytes_read"],
+            "verifying_load_bytes_read_over_shard": round(verifying["bytes_read"] / shard, 3)} if verifying else {}),
     }
 
 
@@ -133,7 +142,8 @@ def _shard_bytes_by_rank(config, tp: int) -> list[int]:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=5, help="fresh processes per case (default 5)")
+    parser.add_argument("--repeats", type=int_at_least("--repeats", 1), default=5,
+                        help="fresh processes per case (default 5)")
     parser.add_argument("--model-dir", help="a Hugging Face checkpoint (default: the SmolLM2 demo model)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -162,11 +172,15 @@ def main(argv: list[str] | None = None) -> dict:
                   "presharded_dir": pre_dirs[tp]} for tp, rank in cases for source in ("checkpoint", "presharded")]
         specs += [{"model_dir": str(model_dir), "tp": 1, "rank": 0, "source": "worker", "packed": packed}
                   for packed in (True, False)]
+        # A pre-sharded file's first load also hashes it against its manifest (and leaves a marker that
+        # later loads trust): run once, untimed, so the timed runs are all the load a restart does and
+        # bytes_read_over_shard is the load's own; its figures are reported as verifying_load_*.
+        verifying = [_run_child(spec) if spec["source"] == "presharded" else None for spec in specs]
         runs: list[list[dict]] = [[] for _ in specs]
         for _ in range(args.repeats):  # interleaved, so a burst of load on the machine hits every case
             for spec, spec_runs in zip(specs, runs):
                 spec_runs.append(_run_child(spec))
-        results = [_summary(spec, spec_runs) for spec, spec_runs in zip(specs, runs)]
+        results = [_summary(*case) for case in zip(specs, runs, verifying)]
 
     def pick(tp, source, rank=None):
         rows = [r for r in results if r["tp"] == tp and r["source"] == source and rank in (None, r["rank"])]

@@ -25,6 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from benchmarks.arguments import int_list  # noqa: E402 - bad values refused before any work
+from launcher.cli.options import int_at_least  # noqa: E402
 from workers.collectives import SingleRank  # noqa: E402
 from workers.kernels import small_linear  # noqa: E402
 from workers.moe import MoEBlock  # noqa: E402
@@ -55,15 +57,18 @@ def timed(fn, x, calls: int) -> list[float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--intermediate", type=int, default=1408)
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--top-k", type=int, default=2)
-    parser.add_argument("--tokens", default="1,8,128", help="tokens per call (batch x seq)")
-    parser.add_argument("--calls", type=int, default=10)
-    parser.add_argument("--blocks", type=int, default=3)
+    parser.add_argument("--hidden", type=int_at_least("--hidden", 1), default=512)
+    parser.add_argument("--intermediate", type=int_at_least("--intermediate", 1), default=1408)
+    parser.add_argument("--experts", type=int_at_least("--experts", 1), default=8)
+    parser.add_argument("--top-k", type=int_at_least("--top-k", 1), default=2)
+    parser.add_argument("--tokens", type=int_list("--tokens", "1,8,128"), default="1,8,128",
+                        help="tokens per call (batch x seq)")
+    parser.add_argument("--calls", type=int_at_least("--calls", 1), default=10)
+    parser.add_argument("--blocks", type=int_at_least("--blocks", 1), default=3)
     parser.add_argument("--no-compile", action="store_true")
     args = parser.parse_args()
+    if args.top_k > args.experts:  # each token picks top-k distinct experts
+        parser.error(f"--top-k ({args.top_k}) must be at most --experts ({args.experts})")
     torch.manual_seed(0)
     h, i, e = args.hidden, args.intermediate, args.experts
     experts = [(torch.randn(i, h) * h ** -0.5, torch.randn(i, h) * h ** -0.5, torch.randn(h, i) * i ** -0.5)
@@ -74,7 +79,7 @@ def main() -> None:
     compiled = None if args.no_compile else torch.compile(block, fullgraph=True, dynamic=False)
     results = []
     with torch.inference_mode():
-        for tokens in (int(t) for t in args.tokens.split(",")):
+        for tokens in args.tokens:
             x = torch.randn(1, tokens, h)
             torch.testing.assert_close(block(x), sparse_moe(block, x), rtol=1e-4, atol=1e-4)
             variants = {"dense": block, "sparse": lambda t: sparse_moe(block, t)}

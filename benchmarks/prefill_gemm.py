@@ -24,7 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from benchmarks.arguments import int_list  # noqa: E402
 from benchmarks.serving import machine  # noqa: E402
+from launcher.cli.options import int_at_least  # noqa: E402
 from workers.kernels import packed_linear as kernel  # noqa: E402
 from workers.kernels.prefill_gemm import prefill_linear  # noqa: E402
 
@@ -42,10 +44,10 @@ def mean_seconds(fn, calls: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", default="1024,2048")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--calls", type=int, default=5, help="calls per timing")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rows", type=int_list("--rows", "1024,2048"), default="1024,2048")
+    parser.add_argument("--rounds", type=int_at_least("--rounds", 1), default=5)
+    parser.add_argument("--calls", type=int_at_least("--calls", 1), default=5, help="calls per timing")
+    parser.add_argument("--threads", type=int_at_least("--threads", 1), default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not kernel.available():
@@ -60,7 +62,7 @@ def main() -> None:
             "packed": lambda x, p, n: torch.ops.corelaunch.packed_linear_kernel(x, p, n, None)}
     results, layers = [], {}
     g = torch.Generator().manual_seed(0)
-    for rows in (int(r) for r in args.rows.split(",")):
+    for rows in args.rows:
         for name, (n, k) in LAYER_SHAPES.items():
             x, panels = torch.randn(rows, k, generator=g), kernel.pack(torch.randn(n, k, generator=g))
             best = {way: float("inf") for way in ways}

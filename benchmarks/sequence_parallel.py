@@ -40,6 +40,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.allreduce import rank_reports  # noqa: E402 - stops waiting once a rank has died
+from benchmarks.arguments import positive_seconds  # noqa: E402 - bad values refused before any work
+from launcher.cli.options import int_at_least  # noqa: E402
+
 VARIANTS = ("plain", "sequence")
 TP = 2
 
@@ -131,11 +135,12 @@ def main() -> None:
     from workers.net import free_port
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompt-len", type=int, default=2048)
-    parser.add_argument("--rounds", type=int, default=3)
+    # a single-token step has nothing to split over the ranks (workers/sequence_parallel.split_for)
+    parser.add_argument("--prompt-len", type=int_at_least("--prompt-len", 2), default=2048)
+    parser.add_argument("--rounds", type=int_at_least("--rounds", 1), default=3)
     parser.add_argument("--no-compile", dest="compile", action="store_false")
     parser.add_argument("--model-dir", help="a saved model (default: the 254M random Llama, built once)")
-    parser.add_argument("--timeout-s", type=float, default=1800)
+    parser.add_argument("--timeout-s", type=positive_seconds("--timeout-s"), default=1800)
     args = parser.parse_args()
     args.model_dir = _model_dir(args)
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)  # read by the spawned ranks' C library at start
@@ -145,7 +150,11 @@ def main() -> None:
     for p in procs:
         p.start()
     try:
-        results = dict(queue.get(timeout=args.timeout_s) for _ in procs)
+        results = dict(rank_reports(queue, procs, args.timeout_s, count=TP))
+    except BaseException:
+        for p in procs:  # the survivor would wait out its collectives' timeout (600 s) for the dead rank
+            p.kill()
+        raise
     finally:
         for p in procs:
             p.join(timeout=60)

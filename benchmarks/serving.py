@@ -47,6 +47,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.arguments import positive_seconds  # noqa: E402 - bad values refused before any work
 from benchmarks.process_cpu import cpu_by_process, snapshot  # noqa: E402
 from benchmarks.serving_client import PromptSource, run_level  # noqa: E402
 from benchmarks.serving_server import corelaunch_server  # noqa: E402
@@ -267,8 +268,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cpus-per-rank", type=float, metavar="C",
                         help="CPUs (and threads) the rank claims, in the server and the baselines alike "
                              "(default: all of them); see the module docstring")
-    parser.add_argument("--server-timeout", type=float, help="seconds to wait for GET /health (default 900)")
-    parser.add_argument("--request-timeout", type=float, default=600)
+    parser.add_argument("--server-timeout", type=positive_seconds("--server-timeout"),
+                        help="seconds to wait for GET /health (default 900)")
+    parser.add_argument("--request-timeout", type=positive_seconds("--request-timeout"), default=600)
     parser.add_argument("--baselines", action="store_true", help="also the in-process driver-API baselines")
     parser.add_argument("--baseline-prompts", type=int, default=16)
     parser.add_argument("--baselines-only", action="store_true", help="only the baselines: no server, no HTTP levels")

@@ -35,7 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from benchmarks.arguments import int_list  # noqa: E402 - bad values refused before any work
 from benchmarks.kernel_sources import c_source_in  # noqa: E402
+from launcher.cli.options import int_at_least  # noqa: E402
 from workers.kernels import packed_linear as packed  # noqa: E402
 from workers.kernels import small_linear as small  # noqa: E402
 
@@ -73,14 +75,13 @@ def best_pass_s(product, weights: list[torch.Tensor], rows: int, repeats: int) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", default="1,2,4,8,16,24,32", help="rows of x, comma-separated")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--rows", type=int_list("--rows", "1,2,4,8,16,24,32"), default="1,2,4,8,16,24,32",
+                        help="rows of x, comma-separated")
+    parser.add_argument("--repeats", type=int_at_least("--repeats", 1), default=5)
+    parser.add_argument("--threads", type=int_at_least("--threads", 1), default=os.cpu_count())
     parser.add_argument("--packed-from", help="another checkout whose packed kernel source to time beside this one's")
     args = parser.parse_args()
-    rows = [int(r) for r in args.rows.split(",")]
-    if min(rows) < 1 or args.repeats < 1:
-        parser.error(f"--rows ({args.rows}) and --repeats ({args.repeats}) must be positive")
+    rows = args.rows
     torch.set_num_threads(args.threads)
     host = small._library()
     if host is None:

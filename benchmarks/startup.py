@@ -25,6 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.arguments import positive_seconds  # noqa: E402 - bad values refused before any work
 from benchmarks.serving_server import free_port, server_process  # noqa: E402
 
 
@@ -85,7 +86,8 @@ def main() -> None:
     parser.add_argument("--compare", type=Path, default=None, help="another checkout, run in alternating rounds")
     parser.add_argument("--commands", default=",".join(TIMERS),
                         help=f"comma-separated, from {', '.join(TIMERS)} (default: all)")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds allowed per command")
+    parser.add_argument("--timeout", type=positive_seconds("--timeout"), default=300.0,
+                        help="seconds allowed per command")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds ({args.rounds}) must be at least 1")

@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from launcher.cli.options import int_at_least  # noqa: E402 - bad values refused before any work
 from workers.sampling import SamplingParams, make_generator, sample  # noqa: E402
 
 CASES = {
@@ -39,9 +40,9 @@ CASES = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=16)
-    parser.add_argument("--vocab", type=int, default=49152)
-    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--rows", type=int_at_least("--rows", 1), default=16)
+    parser.add_argument("--vocab", type=int_at_least("--vocab", 1), default=49152)
+    parser.add_argument("--repeats", type=int_at_least("--repeats", 1), default=30)
     args = parser.parse_args()
     torch.set_num_threads(1)
     float32 = torch.randn(args.rows, args.vocab, generator=torch.Generator().manual_seed(0)) * 3

@@ -189,6 +189,15 @@ def bounds(weight_bytes_per_rank: int, ranks: int, tokens_per_s: float, gbps: fl
             "weight_stream_achieved_GBps": round(tokens_per_s * total / 1e9, 1)}
 
 
+def compare_tokens(tokens: dict[str, list[int]]) -> dict:
+    """Whether each variant generated the same tokens as the reference, which is named: tp1 when it
+    ran, else the first variant that ran (without tp1, nothing used to be compared)."""
+    reference = "tp1" if "tp1" in tokens else next(iter(tokens))
+    return {"tokens_reference": reference,
+            "tokens_identical": {f"{v}_vs_{reference}": t == tokens[reference] for v, t in tokens.items()
+                                 if v != reference}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--new-tokens", type=int_at_least("--new-tokens", 2), default=128)
@@ -205,8 +214,9 @@ def main() -> None:
 
     variants = [v for v in args.variants.split(",") if v]
     unknown = sorted(set(variants) - set(VARIANTS))
-    if unknown:  # before the 1 GB model is built
-        parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    if unknown or not variants:  # before the 1 GB model is built
+        parser.error(f"--variants ({args.variants!r}): unknown variants {unknown} or none; choose one or more "
+                     f"from {', '.join(VARIANTS)}")
     tmp = None
     model_dir = args.model_dir
     if model_dir is None:
@@ -261,7 +271,7 @@ def main() -> None:
         "results": results, "ratios": ratios,
         "read_GBps_each_round": [round(b, 2) for b in bandwidths],
         "targets": {"tp2_over_tp2_regions": ">= 1.15", "tp2_over_tp1": ">= 1.3", "tp2_over_transformers": ">= 2"},
-        "tokens_identical": {f"{v}_vs_tp1": tokens[v] == tokens["tp1"] for v in tokens if "tp1" in tokens and v != "tp1"},
+        **compare_tokens(tokens),
         "loadavg_before": [round(x, 2) for x in load_before], "loadavg_after": [round(x, 2) for x in os.getloadavg()],
         "note": "noisy shared machine: re-run on a quiet one for figures to quote",
     }

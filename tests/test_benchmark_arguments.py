@@ -4,7 +4,9 @@ dies ends the wait at once."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import multiprocessing
+import sys
 import time
 
 import pytest
@@ -21,7 +23,7 @@ def test_allreduce_world_sizes_are_checked_before_any_rank_starts():
 
 def test_allreduce_stops_waiting_when_a_rank_has_died():
     """A dead rank left the driver waiting the whole --timeout-s (600 s by default)."""
-    from benchmarks.allreduce import _result
+    from benchmarks.allreduce import rank_reports
 
     ctx = multiprocessing.get_context("spawn")
     dead = ctx.Process(target=exit, args=(3,))
@@ -29,6 +31,61 @@ def test_allreduce_stops_waiting_when_a_rank_has_died():
     dead.join()
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="the ranks ended without a report \\(rank 0 exit code 3\\)"):
-        _result(ctx.Queue(), [dead], timeout_s=600)
+        rank_reports(ctx.Queue(), [dead], timeout_s=600)
     assert time.monotonic() - start < 10
 
+
+
+# Each argv also carries values that make the unfixed script fail fast after accepting the bad one
+# (a tiny size, a missing folder), so that this list could be checked against it.
+REFUSED = [
+    ("prefill_gemm", ["--rounds", "0", "--rows", "1"], "--rounds (0) must be at least 1"),  # printed Infinity
+    ("prefill_gemm", ["--calls", "0", "--rows", "1", "--rounds", "1"], "--calls (0) must be at least 1"),
+    ("prefill_gemm", ["--rows", "1,x"], "--rows ('1,x') must be comma-separated integers of at least 1"),
+    ("bandwidth", ["--repeats", "0"], "--repeats (0) must be at least 1"),  # reported 0.0 GB/s
+    ("bandwidth", ["--threads", "0"], "--threads (0) must be at least 1"),
+    ("token_choice", ["--repeats", "0", "--rows", "1", "--vocab", "64"], "--repeats (0) must be at least 1"),
+    ("moe_dense_routing", ["--calls", "0", "--no-compile", "--tokens", "1", "--hidden", "8", "--intermediate", "8"],
+     "--calls (0) must be at least 1"),
+    ("moe_dense_routing", ["--top-k", "9", "--no-compile", "--tokens", "1", "--hidden", "8", "--intermediate", "8"],
+     "--top-k (9) must be at most --experts (8)"),
+    ("moe_dense_routing", ["--tokens", "1,x", "--no-compile", "--hidden", "8", "--intermediate", "8"],
+     "--tokens ('1,x') must be comma-separated integers of at least 1"),
+    ("load_memory", ["--repeats", "0", "--model-dir", "/proc/no-such-model"], "--repeats (0) must be at least 1"),
+    ("allreduce", ["--timeout-s", "-5", "--world-sizes", "2", "--calls", "1", "--blocks", "1", "--warmup", "0"],
+     "--timeout-s (-5) must be a finite number of seconds above 0"),
+    ("sequence_parallel", ["--rounds", "0", "--model-dir", "/proc/no-such-model", "--timeout-s", "5"],
+     "--rounds (0) must be at least 1"),
+    ("sequence_parallel", ["--prompt-len", "1", "--model-dir", "/proc/no-such-model", "--timeout-s", "5"],
+     "--prompt-len (1) must be at least 2"),
+    ("sequence_parallel", ["--timeout-s", "0", "--model-dir", "/proc/no-such-model"],
+     "--timeout-s (0) must be a finite number of seconds above 0"),
+    ("fused_projections", ["--new-tokens", "0", "--hidden", "32", "--layers", "1", "--blocks", "1", "--no-compile"],
+     "--new-tokens (0) must be at least 1"),
+    ("fused_projections", ["--hidden", "48", "--layers", "1", "--new-tokens", "1", "--blocks", "1", "--no-compile"],
+     "--hidden (48) must be a multiple of 32"),
+    ("decode_attention", ["--threads", "0"], "--threads (0) must be at least 1"),
+    ("small_linear_blocks", ["--threads", "0"], "--threads (0) must be at least 1"),
+    ("small_linear_blocks", ["--rows", "1,x"], "--rows ('1,x') must be comma-separated integers of at least 1"),
+    ("startup", ["--timeout", "0", "--compare", "/proc/no-such-checkout"],
+     "--timeout (0) must be a finite number of seconds above 0"),
+    ("serving", ["--request-timeout", "0"], "--request-timeout (0) must be a finite number of seconds above 0"),
+    ("decode_batch", ["--batches", "0", "--variants", "no-such-variant"],
+     "--batches ('0') must be comma-separated integers of at least 1"),
+    ("tp_scaling", ["--variants", ",", "--model-dir", "/proc/no-such-model"],
+     "--variants (','): unknown variants [] or none"),
+    ("loop_hand_over", ["--streams", "0"], "--streams (0) must be >= 1"),  # refused already, kept as a check
+]
+
+
+@pytest.mark.parametrize("script, argv, message", REFUSED, ids=[f"{s} {' '.join(a[:2])}" for s, a, _ in REFUSED])
+def test_bad_values_are_refused_by_the_parser_naming_them(script, argv, message, monkeypatch, capsys):
+    """Counts of 0 and the like ended in Infinity in the JSON, a ZeroDivisionError, an empty median,
+    a torch error or a run that waited on nothing, instead of an argument error."""
+    module = importlib.import_module(f"benchmarks.{script}")
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *argv])
+    entry = module.parse_args if script == "serving" else module.main  # serving's main starts a server after
+    with pytest.raises(SystemExit) as exit_:
+        entry()
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err

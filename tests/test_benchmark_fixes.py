@@ -1,0 +1,122 @@
+"""Benchmark scripts whose reports said something other than their names: each case here failed
+before its fix. Light: no real model is loaded and no benchmark is timed."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_sequence_parallel_stops_as_soon_as_a_rank_has_died(tmp_path):
+    """A rank that crashed (here: no model in --model-dir) left the driver waiting the whole
+    --timeout-s (1800 s by default), then a bare queue.Empty."""
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/sequence_parallel.py"), "--model-dir", str(tmp_path),
+                           "--rounds", "1", "--no-compile", "--timeout-s", "40"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "the ranks ended without a report (rank 0 exit code 1, rank 1 exit code 1)" in proc.stderr
+    assert time.monotonic() - start < 40
+
+
+def test_rank_reports_wait_for_every_rank_and_name_the_timeout_flag():
+    import multiprocessing
+
+    from benchmarks.allreduce import rank_reports
+
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    queue.put("rank 0's report")
+    alive = ctx.Process(target=time.sleep, args=(30,))
+    alive.start()
+    try:
+        with pytest.raises(RuntimeError, match="no report within --timeout-s 0.5 s"):
+            rank_reports(queue, [alive], timeout_s=0.5, count=2)
+    finally:
+        alive.kill()
+        alive.join()
+
+
+def test_load_memory_reports_the_presharded_load_apart_from_its_first_verifying_load(tmp_path, monkeypatch, capsys):
+    """The first load of a pre-sharded file also hashes it (2x the shard read): it was the run
+    bytes_read came from (and, with --repeats 1, the time too)."""
+    from benchmarks import load_memory
+    from tests.model_factory import save_random_model
+
+    model = save_random_model(tmp_path / "model", num_heads=6, num_kv_heads=3, hidden_size=48, num_layers=1)
+    verified: set[str] = set()
+
+    def fake_child(spec: dict) -> dict:  # what a fresh process measures, as the sha256 marker makes it
+        shard = 1000
+        first = spec["source"] == "presharded" and spec["presharded_dir"] not in verified
+        if spec["source"] == "presharded":
+            verified.add(spec["presharded_dir"])
+        return {"added_peak_bytes": shard, "load_time_s": 2.0 if first else 1.0,
+                "bytes_read": 2 * shard if first else shard, "shard_bytes": shard}
+
+    monkeypatch.setattr(load_memory, "_run_child", fake_child)
+    report = load_memory.main(["--repeats", "1", "--model-dir", str(model)])
+    presharded = [r for r in report["results"] if r["source"] == "presharded"]
+    assert presharded and all(r["bytes_read_over_shard"] == 1.0 and r["load_time_s_min"] == 1.0 for r in presharded)
+    assert all(r["verifying_load_bytes_read_over_shard"] == 2.0 for r in presharded)
+    assert all("verifying_load_bytes_read" not in r for r in report["results"] if r["source"] != "presharded")
+    json.loads(capsys.readouterr().out)
+
+
+def test_tp_scaling_compares_the_tokens_of_every_variant_that_ran():
+    """Without tp1 among --variants, tokens_identical was {}: nothing compared."""
+    from benchmarks.tp_scaling import compare_tokens
+
+    ran = {"tp2": [1, 2, 3], "tp2_gloo": [1, 2, 3], "transformers": [1, 2, 4]}
+    assert compare_tokens(ran) == {"tokens_reference": "tp2",
+                                   "tokens_identical": {"tp2_gloo_vs_tp2": True, "transformers_vs_tp2": False}}
+    # tp1, when it ran, stays the reference (the keys the reports have always had)
+    assert compare_tokens({"tp2": [1], "tp1": [1]}) == {"tokens_reference": "tp1",
+                                                         "tokens_identical": {"tp2_vs_tp1": True}}
+
+
+def test_decode_batch_compares_the_first_tokens_at_every_batch_size():
+    """Only the first batch size's tokens were compared across variants."""
+    from benchmarks.decode_batch import first_tokens_equal
+
+    same_at_1 = {"packed": {1: [5, 6], 2: [5, 6]}, "torch": {1: [5, 6], 2: [5, 7]}}
+    assert first_tokens_equal(same_at_1) == {1: True, 2: False}
+
+
+def test_decode_batch_reuses_only_a_complete_int8_copy(tmp_path, monkeypatch):
+    """A folder at the int8 copy's path was reused whatever it held (an empty one, a partial one)."""
+    from benchmarks import decode_batch
+
+    monkeypatch.setattr(decode_batch.tempfile, "gettempdir", lambda: str(tmp_path))
+    copy = tmp_path / "corelaunch-bench-smollm2-int8"
+    copy.mkdir()
+    with pytest.raises(RuntimeError, match=f"{copy} .*not a complete int8 copy.*remove it"):
+        decode_batch.int8_copy("unused")
+    (copy / "model.safetensors").write_bytes(b"")
+    (copy / "config.json").write_text(json.dumps({"quantization_config": {"format": "int8"}}))
+    assert decode_batch.int8_copy("unused") == str(copy)
+
+
+def test_allreduce_reports_gloo_ring_only_for_the_all_reduce():
+    """gloo_ring's all-gather is gloo's code: it was timed and reported as if it were another way."""
+    from benchmarks.allreduce import _timed_variants
+
+    names = ["gloo", "shm", "gloo_ring", "shm_busy_wait"]
+    assert _timed_variants("all_reduce", names) == names
+    assert _timed_variants("all_gather_last_dim", names) == ["gloo", "shm", "shm_busy_wait"]
+
+
+def test_expected_ttft_uses_the_same_median_step_as_the_report():
+    """With an even number of steps it took the upper middle one, not statistics.median."""
+    from benchmarks.serving_stats import expected_ttft_s
+
+    steps = [0.1, 0.2, 0.3, 0.4]
+    assert expected_ttft_s(1.0, steps) == pytest.approx(1.0 + 2 * statistics.median(steps))
