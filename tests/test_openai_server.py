@@ -388,6 +388,10 @@ def test_server_settings_from_builder_arguments():
     assert settings.most_replicas == 3 and settings.api_key == "k" and settings.served_model_name == "m"
     with pytest.raises(ValueError, match="give one or the other"):
         settings_from_args({"replicas": 2, "max_replicas": 3})
+    # null is the argument's default for every argument (tp=null was refused, seq_len=null taken)
+    defaults = settings_from_args({})
+    for nulled in ({"tp": "null", "seq_len": "null", "replicas": "null"}, {"tp": None, "max_num_seqs": None}):
+        assert settings_from_args(nulled) == defaults, nulled
     with pytest.raises(ValueError, match=r"max_replicas \(1\) must be an integer >= 2"):
         settings_from_args({"min_replicas": 2, "max_replicas": 1})
     with pytest.raises(ValueError, match=r"target_ongoing_requests \(inf\) must be a finite positive number"):
@@ -405,7 +409,7 @@ def test_server_settings_from_builder_arguments():
     for text, buckets in (("128", (128,)), ("128,256", (128, 256)), ("[64, 128]", (64, 128))):
         assert settings_from_args({"token_buckets": text}).launch["token_buckets"] == list(buckets)
     for null in ("null", "~", ""):  # still the automatic buckets
-        assert settings_from_args({"context_buckets": null}).launch["context_buckets"] is None
+        assert settings_from_args({"context_buckets": null}).launch.get("context_buckets") is None
     with pytest.raises(ValueError, match=r"token_buckets: bucket list 'a,b' must be comma-separated integers"):
         settings_from_args({"token_buckets": "a,b"})
     with pytest.raises(ValueError, match=r"compile \('nope'\) must be True or False"):  # was compile on

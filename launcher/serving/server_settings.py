@@ -75,7 +75,9 @@ def settings_from_args(args: dict, names: dict | None = None) -> ServerSettings:
     from launcher.api import MAX_QUEUED_REQUESTS, LaunchConfig
 
     fields = launch_fields()
-    typed = {key: _typed(key, value) for key, value in args.items()}
+    # null (YAML's, or None) means the argument's default, for every argument: tp=null was refused
+    # ("tp (None) must be ...") where seq_len=null was taken (None is those fields' default)
+    typed = {key: typed for key, typed in ((k, _typed(k, v)) for k, v in args.items()) if typed is not None}
     for key, why in NOT_UNDER_SERVE.items():
         if typed.get(key) is not None:
             raise ValueError(f"{key} ({typed[key]!r}) does not apply to a server: {why}")
