@@ -67,6 +67,10 @@ def plan_launch(config, progress: Progress, nothing_done: str = "nothing was sta
     if config.compile_granularity is not None and config.compile_granularity not in entry.granularities:
         raise ValueError(f"compile_granularity ({config.compile_granularity!r}): the {backend} backend offers "
                          f"{', '.join(entry.granularities) or 'no choice of granularity'}; drop --granularity")
+    if config.kv_cache_dtype is not None and config.compile and not entry.compiled_fp8_kv_cache:
+        raise ValueError(f"kv_cache_dtype ({config.kv_cache_dtype!r}): the {backend} backend's compiled graphs keep "
+                         f"the KV cache in the compute dtype, so the plan would count an fp8 cache the device never "
+                         f"holds; drop --kv-cache-dtype, or run eager (--no-compile)")
     if config.cpus_per_rank is not None and entry.ray_resource is not None:  # it was ignored without a word
         raise ValueError(f"cpus_per_rank ({config.cpus_per_rank:g}) sizes the cpu backend's ranks; a {backend} rank "
                          f"takes one {entry.ray_resource} and one CPU. Leave it out")

@@ -63,3 +63,13 @@ def test_a_compiled_directory_keeps_its_granularity(small_model, tmp_path):
     assert apply_compiled_dir(LaunchConfig(compiled_dir=str(root))).compile_granularity == "model"
     with pytest.raises(ValueError, match=r"granularity: expected 'model' \(compiled\), found 'layer' \(asked\)"):
         apply_compiled_dir(LaunchConfig(compiled_dir=str(root), compile_granularity="layer"))
+
+
+def test_a_backend_whose_graphs_hold_no_fp8_cache_refuses_one_when_compiling(small_model):
+    """The Neuron graphs keep the KV cache in the compute dtype while the planner counted an fp8 one:
+    a quarter of a float32 cache planned, the whole allocated on the device."""
+    options = dict(model=str(small_model), backend="neuron", instance="trn1.32xlarge", kv_cache_dtype="f8e4m3")
+    with pytest.raises(ValueError, match=r"kv_cache_dtype \('f8e4m3'\): the neuron backend's compiled graphs keep the "
+                                         r"KV cache in the compute dtype.*drop --kv-cache-dtype, or run eager"):
+        plan_launch(LaunchConfig(**options), Progress(False))
+    plan_launch(LaunchConfig(**options, compile=False), Progress(False))  # eager: the cache is fp8 there

@@ -71,6 +71,10 @@ class BackendEntry:
     ray_resource without them is refused before the rendezvous. None: not checked."""
     device_tool: str | None = None
     """The command that lists those devices, named in that refusal."""
+    compiled_fp8_kv_cache: bool = True
+    """Whether its compiled graphs keep an fp8 KV cache (--kv-cache-dtype) as the eager path does;
+    False: the graphs hold the cache in the compute dtype, so the flag is refused with compiling on
+    (the planner would count an fp8 cache the device never holds)."""
 
 
 BACKENDS: dict[str, BackendEntry] = {entry.name: entry for entry in (
@@ -85,7 +89,8 @@ BACKENDS: dict[str, BackendEntry] = {entry.name: entry for entry in (
         description="AWS Trainium/Inferentia through torch-neuronx (unverified)",
         found_when="Neuron devices (/dev/neuron*) exist",
         ray_resource="neuron_cores", constructor_options=("lnc",),
-        device_files="/dev/neuron[0-9]*", device_tool="neuron-ls"),
+        device_files="/dev/neuron[0-9]*", device_tool="neuron-ls",
+        compiled_fp8_kv_cache=False),  # workers/compiled_neuron.py: the cache is a buffer of the model's dtype
     BackendEntry(
         name="cuda", implementation="workers.backends.cuda:CudaBackend",
         planner_target="workers.backends.planner_targets:cuda_target",
