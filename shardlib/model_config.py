@@ -469,6 +469,8 @@ def read_config_json(config_file: Path) -> Any:
     try:
         return json.loads(config_file.read_text())
     except (ValueError, RecursionError) as err:  # JSONDecodeError, bad UTF-8, a too-long integer, nesting
-        raise ValueError(f"{config_file} is not valid JSON: {err}") from None
+        hint = ("" if config_file.name.endswith(".json") else
+                f"; pass the model directory ({config_file.parent}) or its config.json, not another file in it")
+        raise ValueError(f"{config_file} is not valid JSON: {err}{hint}") from None
     except OSError as err:  # unreadable (permissions)
         raise ValueError(f"cannot read {config_file}: {err.strerror or err}; make it readable") from None

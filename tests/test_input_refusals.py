@@ -328,6 +328,11 @@ def test_a_model_file_or_hub_id_given_for_the_model_directory_says_what_to_pass(
     with pytest.raises(FileNotFoundError) as err:  # a path that is not an id: no such sentence
         LaunchConfig(model=str(tmp_path / "gone"))
     assert "Hub id" not in str(err.value)
+    weights = config_file.parent / "model.safetensors"  # `corelaunch plan --model` takes a file: the weights?
+    weights.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}")
+    with pytest.raises(ValueError, match=rf"is not valid JSON: .*; pass the model directory \({config_file.parent}\) "
+                                         r"or its config\.json, not another file in it"):
+        load_model_config(weights)
 
 
 @pytest.mark.parametrize("argv", [["quantize", "--dtype", "int8", "--out", ""], ["compile", "--out", ""],
