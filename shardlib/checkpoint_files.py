@@ -246,11 +246,16 @@ def validated_names(ckpt: CheckpointFiles, shapes: dict[str, tuple[int, ...]], c
     unknown = [n for n in shapes if n not in expected and not _ignorable(n, config)]
     if unknown:
         listed = ", ".join(f"{n!r} (in {ckpt.weight_map[n].name})" for n in unknown[:6])
+        prefixed = sum(f"model.{n}" in expected for n in unknown)
+        fix = (f"the names lack the 'model.' prefix of a causal LM's checkpoint ({prefixed} of them are "
+               f"expected as model.NAME): the weights were saved from the base model, not the "
+               f"ForCausalLM one; save them from the ForCausalLM model, or add the prefix"
+               if prefixed * 2 > len(unknown) else
+               f"check that config.json belongs to these weights (num_hidden_layers={config.num_hidden_layers}, "
+               f"attention_bias={config.attention_bias}, tie_word_embeddings={config.tie_word_embeddings})")
         raise ValueError(
             f"{ckpt.describe()} holds {len(unknown)} tensor(s) that the {config.model_type} config does not "
-            f"describe: {listed}{' ...' if len(unknown) > 6 else ''}; check that config.json belongs to these "
-            f"weights (num_hidden_layers={config.num_hidden_layers}, attention_bias={config.attention_bias}, "
-            f"tie_word_embeddings={config.tie_word_embeddings})"
+            f"describe: {listed}{' ...' if len(unknown) > 6 else ''}; {fix}"
         )
     missing = [n for n in expected if n not in shapes]
     if missing:

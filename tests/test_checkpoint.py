@@ -341,6 +341,17 @@ def test_a_pickles_wrong_shape_is_refused_before_any_worker(models, tmp_path, fm
         check_checkpoint(d, load_model_config(d))
 
 
+def test_weights_saved_without_the_model_prefix_are_named_so(models, tmp_path):
+    """A base model's state_dict (no 'model.' prefix) was refused as tensors the config does not
+    describe, with advice to check num_hidden_layers."""
+    d = _copy_config(models["llama"][1]["safetensors"], tmp_path)
+    state = models["llama"][0]
+    _save({n.removeprefix("model."): t for n, t in state.items() if n != "lm_head.weight"}, d, "safetensors")
+    with pytest.raises(ValueError, match=r"the names lack the 'model\.' prefix of a causal LM's checkpoint .*save them "
+                                         r"from the ForCausalLM model, or add the prefix"):
+        _load(d)
+
+
 def test_rank_and_layout_must_fit(models):
     d = models["llama"][1]["safetensors"]
     config = load_model_config(d)
