@@ -210,6 +210,30 @@ def test_a_request_past_the_request_timeout_is_a_504_naming_both_ways_out():
     assert status == 500 and body["error"]["message"] == "generation failed: boom"
 
 
+def test_the_server_class_uses_no_module_name_defined_after_it():
+    """Serve's ingress pickles the class's methods when the class is decorated, with the module's
+    globals as they are then: a helper defined below the class was missing in every replica
+    (NameError on each failed generation: a cut stream, a plain-text 500), while importing it
+    here worked."""
+    import ast
+
+    from launcher.serving import openai_app
+
+    tree = ast.parse(Path(openai_app.__file__).read_text())
+    [server] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "OpenAIServer"]
+    later = set()
+    for node in tree.body[tree.body.index(server) + 1:]:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            later.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            later |= {t.id for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                      if isinstance(t, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            later |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    used = {n.id for n in ast.walk(server) if isinstance(n, ast.Name)}
+    assert later and not (used & later), sorted(used & later)
+
+
 def test_chat_refusals():
     assert refusal(chat, logprobs=True, top_logprobs=21).param == "top_logprobs"
     assert "needs logprobs: true" in refusal(chat, top_logprobs=2).message

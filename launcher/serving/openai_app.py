@@ -252,6 +252,18 @@ request waits in Serve's proxy for the replacement, instead of spending its retr
 replica; on its own port (direct ingress) it may find nothing listening until the replacement binds."""
 
 
+def _generation_failure(err: Exception) -> tuple[int, dict]:
+    """(HTTP status, OpenAI error body) for a request that failed while generating. A request past
+    the request timeout is a 504 naming both ways out: a chat request without max_tokens may
+    generate up to the rest of the context, which on a slow host outlasts the default timeout (it
+    was a 500, "generation failed")."""
+    if isinstance(err, RequestTimeout):
+        return 504, proto.error_body(
+            f"{err}; or ask for fewer tokens with max_tokens (max_completion_tokens): a chat request without it "
+            f"may generate up to the rest of the model's context", type="server_error", code="generation_timeout")
+    return 500, proto.error_body(f"generation failed: {err}", type="server_error")
+
+
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_constructor_retry_count=1,
                   health_check_period_s=HEALTH_CHECK_PERIOD_S)
 @serve.ingress(app)
@@ -590,18 +602,6 @@ class OpenAIServer:
             outcome["status"], body = _generation_failure(err)
             yield proto.sse_event(body)
             yield proto.SSE_DONE
-
-
-def _generation_failure(err: Exception) -> tuple[int, dict]:
-    """(HTTP status, OpenAI error body) for a request that failed while generating. A request past
-    the request timeout is a 504 naming both ways out: a chat request without max_tokens may
-    generate up to the rest of the context, which on a slow host outlasts the default timeout (it
-    was a 500, "generation failed")."""
-    if isinstance(err, RequestTimeout):
-        return 504, proto.error_body(
-            f"{err}; or ask for fewer tokens with max_tokens (max_completion_tokens): a chat request without it "
-            f"may generate up to the rest of the model's context", type="server_error", code="generation_timeout")
-    return 500, proto.error_body(f"generation failed: {err}", type="server_error")
 
 
 def build_app(args: dict) -> serve.Application:
