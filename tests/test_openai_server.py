@@ -234,6 +234,22 @@ def test_the_server_class_uses_no_module_name_defined_after_it():
     assert later and not (used & later), sorted(used & later)
 
 
+def test_a_failed_replicas_health_check_names_the_failure():
+    """Serve's log showed only "every TP group of this replica has failed": the cause reached the
+    HTTP clients' 503 bodies alone."""
+    from launcher.serving.openai_app import OpenAIServer
+
+    ours = next(c for c in OpenAIServer.func_or_class.__mro__[1:] if c.__module__ == "launcher.serving.openai_app")
+    status = [{"index": 0, "state": "failed", "failure": "restart limit: rank 1 (pid 7) died 4 times in 600 s"}]
+    server = SimpleNamespace(launcher=SimpleNamespace(replica_status=lambda: status))
+    server._serving = lambda: ours._serving(server)
+    with pytest.raises(RuntimeError, match=r"every TP group of this replica has failed \(group 0: restart limit: "
+                                           r"rank 1 \(pid 7\) died 4 times in 600 s\); Serve will replace"):
+        ours.check_health(server)
+    status[0]["state"] = "restarting"
+    ours.check_health(server)  # a group still restarting is healthy
+
+
 def test_chat_refusals():
     assert refusal(chat, logprobs=True, top_logprobs=21).param == "top_logprobs"
     assert "needs logprobs: true" in refusal(chat, top_logprobs=2).message

@@ -547,7 +547,7 @@ class ReplicaPool:
             reasons = "; ".join(f"replica {r.index}: {r.failure}" for r in self.replicas if r.failure)
             self._no_replica = NoReplicaAvailable(
                 f"no replica is left to serve requests ({reasons}). Fix the cluster (ray status) and start "
-                f"a new Launcher")
+                f"again (a new Launcher; under Ray Serve the server's replica is replaced)")
             self._drain(self._no_replica)
 
     def _drain(self, error: BaseException) -> None:

@@ -332,7 +332,11 @@ class OpenAIServer:
     def check_health(self) -> None:
         """Serve's periodic health check: a replica whose TP group is gone for good is replaced."""
         if not self._serving():
-            raise RuntimeError("every TP group of this replica has failed; Serve will replace the replica")
+            # the failure named here, in Serve's log: it reached only the HTTP clients' 503 bodies
+            failures = "; ".join(f"group {r['index']}: {r['failure']}" for r in self.launcher.replica_status()
+                                 if r.get("failure"))
+            raise RuntimeError(f"every TP group of this replica has failed ({failures or 'no failure recorded'}); "
+                               f"Serve will replace the replica")
 
     def _serving(self) -> bool:
         return any(r.get("state") in ("serving", "restarting") for r in self.launcher.replica_status())
