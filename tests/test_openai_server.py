@@ -250,6 +250,20 @@ def test_a_failed_replicas_health_check_names_the_failure():
     ours.check_health(server)  # a group still restarting is healthy
 
 
+def test_a_tokenizer_without_a_length_bound_still_gets_a_body_limit():
+    """longest_token_chars is None for a tokenizer that can fold text into unknown tokens: the body
+    limit multiplied it, and every replica of such a model failed to start (TypeError)."""
+    from launcher.serving.openai_app import REQUEST_BYTES_FLOOR, UNBOUNDED_TOKEN_CHARS, request_bytes_limit
+    from launcher.serving.prompt_probe import longest_token_chars
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    assert longest_token_chars(words) is None
+    assert request_bytes_limit(4096, None) == REQUEST_BYTES_FLOOR + 12 * 4096 * UNBOUNDED_TOKEN_CHARS
+    assert request_bytes_limit(4096, 81) == REQUEST_BYTES_FLOOR + 12 * 4096 * 81
+
+
 def test_chat_refusals():
     assert refusal(chat, logprobs=True, top_logprobs=21).param == "top_logprobs"
     assert "needs logprobs: true" in refusal(chat, top_logprobs=2).message

@@ -141,12 +141,19 @@ REQUEST_BYTES_FLOOR = 1 << 20
 """The least a request body may hold (1 MiB), whatever the context (see request_bytes_limit)."""
 
 
-def request_bytes_limit(context_tokens: int, longest_token_chars: int) -> int:
+UNBOUNDED_TOKEN_CHARS = 64
+"""Characters a token is taken to stand for, for the body limit alone, where the tokenizer gives no
+bound (longest_token_chars is None: a word-level vocabulary with an unknown token, say)."""
+
+
+def request_bytes_limit(context_tokens: int, longest_token_chars: int | None) -> int:
     """The largest request body read: a prompt longer than context x the vocabulary's longest piece
     is refused anyway (prompt_probe.py), and JSON spells a character in at most 12 bytes (a
     surrogate pair's escapes); 1 MiB for the rest of the body. Above it, 413 before the body is
-    parsed: it was read whole and parsed first (200 MB took over a second and its memory twice over)."""
-    return REQUEST_BYTES_FLOOR + 12 * context_tokens * longest_token_chars
+    parsed: it was read whole and parsed first (200 MB took over a second and its memory twice over).
+    A tokenizer with no bound counts UNBOUNDED_TOKEN_CHARS a token (its None crashed every replica)."""
+    chars = UNBOUNDED_TOKEN_CHARS if longest_token_chars is None else longest_token_chars
+    return REQUEST_BYTES_FLOOR + 12 * context_tokens * chars
 
 
 PARSED_ON_A_THREAD = 64 * 1024
