@@ -265,6 +265,15 @@ class LaunchConfig:
         if self.compiled_dir is not None and not Path(self.compiled_dir).is_dir():
             _not_a_directory(self.compiled_dir, "compiled-model directory",
                              "write one with `corelaunch compile --out DIR`")
+        if self.compiled_dir is not None:
+            from launcher.artifacts.compiled_dir import compiler_unsafe_path
+
+            resolved = Path(self.compiled_dir).resolve()  # where its compile cache is
+            if compiler_unsafe_path(resolved):
+                raise ValueError(f"compiled-model directory {self.compiled_dir} lies at a path with whitespace, a "
+                                 f"quote or a backslash ({resolved}): a graph it lacks is compiled into its cache, "
+                                 f"which the C++ compiler's command line cannot take; copy it (cp -rL) to a path "
+                                 f"without them")
         if self.model is not None and not Path(self.model).exists():
             from shardlib.model_path_hints import hub_id_hint
 

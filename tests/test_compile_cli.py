@@ -279,7 +279,8 @@ def test_compile_refuses_an_out_it_cannot_write_naming_it(model_dir, tmp_path, c
     # names that the final swap cannot replace, and whitespace the C++ compiler's command splits on,
     # failed only after the whole compile
     for out, message in ((".", "names no directory of its own"), (str(tmp_path / "x" / ".."), "names no directory"),
-                         (str(tmp_path / "sp ace" / "c1"), "has whitespace in its path")):
+                         (str(tmp_path / "sp ace" / "c1"), "has whitespace, a quote or a backslash in its path"),
+                         (str(tmp_path / "q'x"), "has whitespace, a quote or a backslash in its path")):
         code, err = corelaunch_in_process(capsys, "compile", "--model", str(model_dir), "--buckets", "16", "--out", out)
         assert code == 2 and message in err, err
 
@@ -291,6 +292,20 @@ def test_compile_refuses_an_out_it_cannot_write_naming_it(model_dir, tmp_path, c
     code, err = corelaunch_in_process(capsys, "compile", "--model", str(model_dir), "--buckets", "16", "--quiet",
                                       "--out", "/proc/corelaunch-test-cdir")
     assert code == 2 and "--out /proc/corelaunch-test-cdir" in err and "a directory you can write to" in err, err
+
+
+def test_a_compiled_directory_at_a_path_the_compiler_cannot_take_is_refused_before_start(model_dir, tmp_path):
+    """Copied to a path with a space (or a quote), its first graph not in the cache crashed the group
+    (a raw g++ error) three times over, then the launch: refused now, naming the fix."""
+    import shutil
+
+    root = fake_compiled_dir(tmp_path / "c", model_dir)
+    for name in ("sp ace", "q'x"):
+        moved = Path(shutil.copytree(root, tmp_path / name / "c1", symlinks=False))
+        with pytest.raises(ValueError, match=r"lies at a path with whitespace, a quote or a backslash .*copy it "
+                                             r"\(cp -rL\) to a path without them"):
+            LaunchConfig(compiled_dir=str(moved))
+    LaunchConfig(compiled_dir=str(root))  # a plain path is taken
 
 
 @pytest.mark.slow

@@ -46,6 +46,14 @@ def weights_dir(root: str | Path) -> Path:
     return Path(root) / WEIGHTS
 
 
+def compiler_unsafe_path(path: str | Path) -> bool:
+    """Whether `path` holds whitespace, a quote or a backslash: inductor's C++ compiler command line,
+    which names files in the compile cache inside a compiled-model directory, is split shell-style,
+    so such a path broke every compile into it (a raw g++ error after Ray had started, and for a
+    directory copied there a crash loop at its first new graph)."""
+    return any(ch.isspace() or ch in "'\"\\" for ch in str(Path(path).absolute()))
+
+
 def cache_dir(root: str | Path) -> Path:
     return Path(root) / CACHE
 

@@ -172,10 +172,9 @@ def check_out(out: Path) -> None:
 
     if out.name in ("", ".", ".."):  # the swap renames a link over it: a name is needed (found after the compile)
         raise ValueError(f"--out {out} names no directory of its own; pass a new path such as {out / 'compiled'}")
-    if any(ch.isspace() for ch in str(out.absolute())):
-        # the compile cache lives inside it, and inductor's C++ compiler command splits on whitespace
-        raise ValueError(f"--out {out} has whitespace in its path ({out.absolute()}), which the C++ compiler's "
-                         f"command line cannot take; pass a path without spaces")
+    if compiled_dir.compiler_unsafe_path(out):  # the compile cache lives inside it
+        raise ValueError(f"--out {out} has whitespace, a quote or a backslash in its path ({out.absolute()}), which "
+                         f"the C++ compiler's command line cannot take; pass a path without them")
     try:
         refuse_foreign_dir(out, compiled_dir.KIND, read_kind=compiled_dir.read_manifest)  # a file, someone's directory
     except FileExistsError as err:
