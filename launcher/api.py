@@ -266,7 +266,7 @@ class LaunchConfig:
             _not_a_directory(self.compiled_dir, "compiled-model directory",
                              "write one with `corelaunch compile --out DIR`")
         if self.compiled_dir is not None:
-            from launcher.artifacts.compiled_dir import compiler_unsafe_path
+            from launcher.artifacts.compiled_dir import cache_dir, compiler_unsafe_path
 
             resolved = Path(self.compiled_dir).resolve()  # where its compile cache is
             if compiler_unsafe_path(resolved):
@@ -274,6 +274,12 @@ class LaunchConfig:
                                  f"quote or a backslash ({resolved}): a graph it lacks is compiled into its cache, "
                                  f"which the C++ compiler's command line cannot take; copy it (cp -rL) to a path "
                                  f"without them")
+            cache = cache_dir(resolved)
+            if cache.is_dir() and not os.access(cache, os.W_OK):  # access() sees a read-only mount, root too
+                raise ValueError(f"compiled-model directory {self.compiled_dir} cannot be written ({cache}): inductor "
+                                 f"writes lock files into its cache even when every graph is there, and each rank "
+                                 f"failed at load, restarted to the restart limit; copy it (cp -rL) to a writable "
+                                 f"path")
         if self.model is not None and not Path(self.model).exists():
             from shardlib.model_path_hints import hub_id_hint
 

@@ -308,6 +308,23 @@ def test_a_compiled_directory_at_a_path_the_compiler_cannot_take_is_refused_befo
     LaunchConfig(compiled_dir=str(root))  # a plain path is taken
 
 
+def test_a_compiled_directory_that_cannot_be_written_is_refused_before_start(model_dir, tmp_path, monkeypatch):
+    """On a read-only volume each rank failed at load (inductor's lock files), restarted to the
+    restart limit. The tests may run as root, whom permission bits do not stop, so the look the
+    check makes (os.access, which a read-only mount fails for root too) answers as it would there."""
+    import os
+
+    root = fake_compiled_dir(tmp_path / "c", model_dir)
+    cache = compiled_dir.cache_dir(Path(root).resolve())
+    cache.mkdir(parents=True, exist_ok=True)
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: False if Path(path) == cache and mode & os.W_OK
+                        else real_access(path, mode, **kw))
+    with pytest.raises(ValueError, match=r"cannot be written .*inductor writes lock files into its cache.*copy it "
+                                         r"\(cp -rL\) to a writable path"):
+        LaunchConfig(compiled_dir=str(root))
+
+
 @pytest.mark.slow
 def test_the_console_script_exits_2_on_a_refusal(model_dir, tmp_path):
     """The same exit through `python -m launcher` (one subprocess: the exit code reaches the shell)."""
