@@ -209,6 +209,13 @@ def test_serve_plans_a_compiled_directory_as_its_replicas_run_it(model_dir, tmp_
     assert planned[0].model == str(root / "model") and planned[0].seq_len == 16
     with pytest.raises(ValueError, match=r"tp_degree: expected 1 \(compiled\), found 2 \(asked\)"):
         serve_command._plan(settings_from_args({"compiled_dir": str(root), "backend": "cpu", "tp": 2}))
+    # as `corelaunch compile` leaves it, a link to a hidden version: the refusal names the link
+    # given (it named the pinned .c1.v-... version)
+    version = root.rename(tmp_path / ".c1.v-host-1-abc")
+    link = tmp_path / "c1"
+    link.symlink_to(version.name)
+    with pytest.raises(ValueError, match=rf"compiled-model directory {link} does not match this launch: tp_degree"):
+        settings_from_args({"compiled_dir": str(link), "backend": "cpu", "tp": 2})
 
 
 def corelaunch_in_process(capsys, *args: str) -> tuple[int, str]:

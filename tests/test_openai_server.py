@@ -420,9 +420,11 @@ def test_a_compiled_directory_is_served_under_its_own_name(tmp_path):
     """Not under the hidden version folder its link points to (.c1.v-HOST-PID-RANDOM), which
     clients would have had to send, and which changes at every compile."""
     from launcher.serving.server_settings import settings_from_args
+    from tests.model_factory import save_random_model
+    from tests.test_compile_cli import fake_compiled_dir
 
-    version = tmp_path / ".c1.v-host-1-abcd1234"
-    version.mkdir()
+    model = Path(save_random_model(tmp_path / "model"))
+    version = fake_compiled_dir(tmp_path / ".c1.v-host-1-abcd1234", model)
     (tmp_path / "c1").symlink_to(version.name)
     settings = settings_from_args({"compiled_dir": str(tmp_path / "c1")})
     assert settings.served_model_name == "c1"

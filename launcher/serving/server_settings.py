@@ -98,8 +98,11 @@ def settings_from_args(args: dict, names: dict | None = None) -> ServerSettings:
     admitted = config.max_num_seqs + (queued if queued is not None else MAX_QUEUED_REQUESTS)
     served = _served_name(typed, launch, name("served_model_name", "served_model_name"))
     if launch.get("compiled_dir"):
-        from launcher.artifacts.compiled_dir import pinned_version
+        from launcher.artifacts.compiled_dir import apply_compiled_dir, pinned_version
 
+        # A launch the directory was not built for is refused now, naming the path given: once
+        # pinned, the refusal named the hidden version (.NAME.v-HOST-PID-RANDOM) instead.
+        apply_compiled_dir(config)
         # Every replica on the version the link names now, as one Launcher keeps to it: replicas
         # Serve starts later (autoscaling, a replacement) loaded whatever a later compile linked.
         launch["compiled_dir"] = str(pinned_version(launch["compiled_dir"]))
