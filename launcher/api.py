@@ -303,6 +303,9 @@ def _not_a_directory(path: str, what: str, fix: str):
     ValueError when it is a file (the "does not exist" message was wrong for one)."""
     if Path(path).exists():
         raise ValueError(f"{what} {path} is a file, not a directory; pass the directory itself, or {fix}")
+    if Path(path).is_symlink():  # `corelaunch compile` leaves a link to a hidden version beside it
+        raise FileNotFoundError(f"{what} {path} is a link to {os.readlink(path)}, which does not exist (copied "
+                                f"without what it points to: copy with `cp -rL`); {fix}")
     raise FileNotFoundError(f"{what} {path} does not exist; {fix}")
 
 

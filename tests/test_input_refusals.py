@@ -299,6 +299,11 @@ def test_a_directory_option_naming_a_file_says_so(tmp_path, field, what):
         LaunchConfig(**{field: str(a_file)})
     with pytest.raises(FileNotFoundError, match=f"{what} {tmp_path / 'none'} does not exist"):
         LaunchConfig(**{field: str(tmp_path / "none")})
+    link = tmp_path / "copied-link"  # `cp -P` of what `corelaunch compile` leaves: the link alone
+    link.symlink_to(".c1.v-host-1-abc")
+    with pytest.raises(FileNotFoundError, match=rf"{what} {link} is a link to \.c1\.v-host-1-abc, which does not "
+                                                r"exist \(copied without what it points to: copy with `cp -rL`\)"):
+        LaunchConfig(**{field: str(link)})
 
 
 def test_a_model_file_or_hub_id_given_for_the_model_directory_says_what_to_pass(tmp_path, monkeypatch):
