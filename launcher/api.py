@@ -266,20 +266,9 @@ class LaunchConfig:
             _not_a_directory(self.compiled_dir, "compiled-model directory",
                              "write one with `corelaunch compile --out DIR`")
         if self.compiled_dir is not None:
-            from launcher.artifacts.compiled_dir import cache_dir, compiler_unsafe_path
+            from launcher.artifacts.compiled_dir import refuse_unusable_cache
 
-            resolved = Path(self.compiled_dir).resolve()  # where its compile cache is
-            if compiler_unsafe_path(resolved):
-                raise ValueError(f"compiled-model directory {self.compiled_dir} lies at a path with whitespace, a "
-                                 f"quote or a backslash ({resolved}): a graph it lacks is compiled into its cache, "
-                                 f"which the C++ compiler's command line cannot take; copy it (cp -rL) to a path "
-                                 f"without them")
-            cache = cache_dir(resolved)
-            if cache.is_dir() and not os.access(cache, os.W_OK):  # access() sees a read-only mount, root too
-                raise ValueError(f"compiled-model directory {self.compiled_dir} cannot be written ({cache}): inductor "
-                                 f"writes lock files into its cache even when every graph is there, and each rank "
-                                 f"failed at load, restarted to the restart limit; copy it (cp -rL) to a writable "
-                                 f"path")
+            refuse_unusable_cache(self.compiled_dir)
         if self.model is not None and not Path(self.model).exists():
             from shardlib.model_path_hints import hub_id_hint
 
@@ -439,7 +428,7 @@ class Launcher:
         self._generation_eos: tuple[int, ...] = ()
         self._tokenizer_load: BackgroundLoad | None = None
         self._tokenizer_retry = False
-        """The last load failed: the next prepare() starts another."""
+        """The last load failed, and its error was raised: the next prepare() starts another."""
         self._host_holds: int | None = None
         self.load_stats: list = []
         self.timings: dict[str, float] = {}
@@ -501,8 +490,7 @@ class Launcher:
         check requests before anything is started."""
         if self.plan is not None:
             if self._tokenizer_retry:
-                self._tokenizer_retry = False
-                self._tokenizer_load = BackgroundLoad(load_tokenizer, self.model_dir, name="corelaunch-tokenizer")
+                self._load_tokenizer()
             return self
         from launcher.artifacts.compiled_dir import load_spec_fields
         from launcher.launch_plan import plan_launch, with_artifact_settings
@@ -514,9 +502,13 @@ class Launcher:
         self.backend = planned.backend
         self._host_holds = planned.host_holds
         self.buckets = load_spec_fields(self.config, planned.plan, self.model_config)["buckets"]
-        self._tokenizer_load = BackgroundLoad(load_tokenizer, self.model_dir, name="corelaunch-tokenizer")
+        self._load_tokenizer()
         self.plan = planned.plan
         return self
+
+    def _load_tokenizer(self) -> None:
+        self._tokenizer_retry = False
+        self._tokenizer_load = BackgroundLoad(load_tokenizer, self.model_dir, name="corelaunch-tokenizer")
 
     def _await_tokenizer(self) -> None:
         """self.tokenizer from the load prepare() started (its error, if it failed), once."""

@@ -50,6 +50,16 @@ class CheckpointFiles:
         return f"{self.index_file} (files: {names})"
 
 
+def preferred_file(model_dir: str | Path) -> tuple[str, Path] | None:
+    """(format, file) of the checkpoint find_checkpoint takes from `model_dir`, from file names alone
+    (nothing opened: listing a pickle's tensors takes torch); None when it holds none."""
+    for fmt, name in CHECKPOINT_FILES:
+        path = Path(model_dir) / name
+        if path.is_file():
+            return fmt, path
+    return None
+
+
 def find_checkpoint(model_dir: str | Path) -> CheckpointFiles:
     """Find the checkpoint in `model_dir`, preferring formats in CHECKPOINT_FILES order."""
     directory = Path(model_dir)
@@ -59,11 +69,10 @@ def find_checkpoint(model_dir: str | Path) -> CheckpointFiles:
         raise ValueError(file_given_for_directory(directory))
     if not directory.is_dir():
         raise FileNotFoundError(f"model directory {directory} does not exist or is not a directory")
-    for fmt, name in CHECKPOINT_FILES:
-        path = directory / name
-        if not path.is_file():
-            continue
-        if name.endswith(".index.json"):
+    found = preferred_file(directory)
+    if found is not None:
+        fmt, path = found
+        if path.name.endswith(".index.json"):
             return _from_index(directory, fmt, path)
         if fmt == "safetensors":
             names = safetensors_header(path)

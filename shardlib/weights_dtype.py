@@ -20,16 +20,13 @@ def stored_weights_dtype(model_dir: Path) -> str | None:
     """float32, bfloat16 or float16 as transformers would pick it from the weights of `model_dir`;
     None when there are no safetensors weights to read it from, or they cannot be read (the
     checkpoint checks before start-up name what is wrong with them)."""
-    from shardlib.checkpoint_files import CHECKPOINT_FILES, find_checkpoint, safetensors_header
+    from shardlib.checkpoint_files import find_checkpoint, preferred_file, safetensors_header
 
-    # Which format find_checkpoint would pick, without it: it lists a pickle's tensors with torch.
-    preferred = next((fmt for fmt, name in CHECKPOINT_FILES if (Path(model_dir) / name).is_file()), None)
-    if preferred is None or not preferred.startswith("safetensors"):
+    preferred = preferred_file(model_dir)  # a pickle is not opened: listing its tensors takes torch
+    if preferred is None or not preferred[0].startswith("safetensors"):
         return None
     try:
         checkpoint = find_checkpoint(model_dir)
-        if not checkpoint.format.startswith("safetensors"):
-            return None
         header = safetensors_header(checkpoint.files[0])  # files are sorted by name, as transformers sorts shards
     except (OSError, ValueError):
         return None

@@ -21,6 +21,7 @@ versions) is refused with what differs, expected against found, and how to fix i
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,22 @@ def compiler_unsafe_path(path: str | Path) -> bool:
 
 def cache_dir(root: str | Path) -> Path:
     return Path(root) / CACHE
+
+
+def refuse_unusable_cache(root: str | Path) -> None:
+    """ValueError when the compile cache of the directory `root` names (resolved: the version its
+    link points to) cannot be used: at a path the C++ compiler's command line cannot take, or not
+    writable (inductor writes lock files into it even when every graph is there)."""
+    resolved = Path(root).resolve()
+    if compiler_unsafe_path(resolved):
+        raise ValueError(f"compiled-model directory {root} lies at a path with whitespace, a quote or a backslash "
+                         f"({resolved}): a graph it lacks is compiled into its cache, which the C++ compiler's "
+                         f"command line cannot take; copy it (cp -rL) to a path without them")
+    cache = cache_dir(resolved)
+    if cache.is_dir() and not os.access(cache, os.W_OK):  # access() sees a read-only mount, root too
+        raise ValueError(f"compiled-model directory {root} cannot be written ({cache}): inductor writes lock files "
+                         f"into its cache even when every graph is there, and each rank failed at load, restarted "
+                         f"to the restart limit; copy it (cp -rL) to a writable path")
 
 
 _REQUIRED = ("format_version", "config_hash", "tp_degree", "kv_strategy", "dtype", "backend", "buckets", "versions")

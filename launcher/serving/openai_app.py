@@ -584,8 +584,8 @@ class OpenAIServer:
         return JSONResponse(render.response(meta, finish, proto.usage(prompt_tokens, completion_tokens)))
 
     def _count_stream(self, outcome: dict) -> None:
-        reason = outcome["finish_reason"]
-        self.metrics.finished(reason, outcome.get("status") or {"abort": 499, "error": 500}.get(reason, 200))
+        reason = outcome["finish_reason"]  # an error's status is set with it (_generation_failure)
+        self.metrics.finished(reason, outcome.get("status") or (499 if reason == "abort" else 200))
 
     async def _events(self, stream, render, meta, timer: TokenTimer, include_usage: bool, outcome: dict):
         """The server-sent events of one streamed request, ending with [DONE]; outcome["finish_reason"]
