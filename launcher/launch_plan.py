@@ -132,8 +132,11 @@ def check_presharded_source(config, model_dir: Path, model_config: ModelConfig) 
     if not isinstance(manifest, dict) or manifest.get("config_hash") != model_config.config_hash():
         return  # not even the same config: the ranks' load says so, naming every field that differs
     recorded = manifest.get(FIELD)
-    if config.compiled_dir is not None:
-        copy, fix = (f"compiled-model directory {config.compiled_dir}",
+    if config.compiled_dir is not None:  # pinned to its version by now: named by the link given, if any
+        from shardlib.atomic_dir import linking_out_dir
+
+        given = linking_out_dir(config.compiled_dir) or config.compiled_dir
+        copy, fix = (f"compiled-model directory {given}",
                      f"Run `corelaunch compile --model {model_dir} --out DIR` for this model")
     else:
         copy, fix = (f"pre-sharded checkpoint {config.presharded_dir}",

@@ -137,6 +137,17 @@ def current_version(out_dir: str | Path) -> Path | None:
     return out_dir.parent / target.name
 
 
+def linking_out_dir(version: str | Path) -> Path | None:
+    """The out_dir that links to `version` now (a `.NAME.v-HOST-PID-RANDOM` sibling this module
+    wrote), or None: messages about a version a launch pinned name the path the user gave."""
+    version = Path(version)
+    name, sep, rest = version.name[1:].rpartition(".v-")
+    if not version.name.startswith(".") or not sep or not _OWNED.fullmatch(rest):
+        return None
+    out_dir = version.parent / name
+    return out_dir if current_version(out_dir) == version else None
+
+
 def sweep_stale(out_dir: str | Path, now: float | None = None) -> list[Path]:
     """Remove the versions of out_dir that nothing links to and whose writer is gone (or that are
     older than STALE_AFTER_S), and old leftovers of the earlier scheme; returns what was removed."""

@@ -36,6 +36,16 @@ def dead_pid() -> int:
     return proc.pid
 
 
+def test_a_version_is_named_by_the_link_to_it_while_it_is_linked(tmp_path):
+    out = write(tmp_path / "d.x", "one")  # a dot in the name: the version's is `.d.x.v-...`
+    first = ad.current_version(out)
+    assert ad.linking_out_dir(first) == out
+    write(out, "two")  # the link moves on; the first version (this process's) stays until swept
+    second = ad.current_version(out)
+    assert ad.linking_out_dir(second) == out and ad.linking_out_dir(tmp_path / ".d.x.v-host-1-aaaaaaaa") is None
+    assert ad.linking_out_dir(out) is None and ad.linking_out_dir(tmp_path / "plain") is None
+
+
 def test_output_is_a_link_to_a_complete_version_replaced_in_one_rename(tmp_path):
     out = write(tmp_path / "d", "one")
     first = ad.current_version(out)

@@ -106,6 +106,23 @@ def test_a_compiled_dir_started_with_a_fine_tune_is_refused(models, base_preshar
     assert code == 2 and "was cut from other weights" in err
 
 
+def test_the_refusal_names_the_compiled_link_given_not_its_hidden_version(models, base_presharded, tmp_path):
+    """A launch pins the version the link names (compiled_dir.pinned_version); the refusal named
+    that `.c.v-HOST-PID-RANDOM` folder, which the user never typed."""
+    from shardlib.atomic_dir import current_version
+    from tests.test_compile_cli import fake_compiled_dir
+
+    version = fake_compiled_dir(tmp_path / ".c.v-host-1-aaaaaaaa", models["base"])
+    (version / "weights").rmdir()
+    (version / "weights").symlink_to(base_presharded)
+    (tmp_path / "c").symlink_to(version.name)
+    assert current_version(tmp_path / "c") == version
+    config = compiled_dir.apply_compiled_dir(LaunchConfig(compiled_dir=str(tmp_path / "c"), model=str(models["tuned"])))
+    assert config.compiled_dir == str(version)
+    with pytest.raises(ValueError, match=rf"^compiled-model directory {tmp_path / 'c'} was cut from other weights"):
+        plan_launch(config, Progress(False))
+
+
 def test_a_manifest_fingerprint_of_the_wrong_type_is_named(base_presharded, tmp_path):
     import shutil
 
