@@ -127,15 +127,15 @@ def fake_compiled_dir(root: Path, model_dir: Path, **overrides) -> Path:
 
 
 @pytest.mark.parametrize("asked, overrides, expected", [
-    (dict(tp=2), {}, r"tp_degree: expected 1 \(compiled\), found 2 \(asked\)"),
-    (dict(dtype="bfloat16"), {}, r"dtype: expected 'float32' \(compiled\), found 'bfloat16' \(asked\)"),
-    (dict(token_buckets=(16, 32)), {}, r"token buckets: expected \[16\] \(compiled\), found \[16, 32\]"),
-    (dict(compile=False), {}, r"compile: expected True"),
-    (dict(lnc=1), {"lnc": 2}, r"lnc: expected 2 \(compiled\), found 1 \(asked\)"),
+    (dict(tp=2), {}, r"--tp: expected 1 \(compiled\), found 2 \(asked\)"),
+    (dict(dtype="bfloat16"), {}, r"--dtype: expected 'float32' \(compiled\), found 'bfloat16' \(asked\)"),
+    (dict(token_buckets=(16, 32)), {}, r"--token-buckets: expected \[16\] \(compiled\), found \[16, 32\]"),
+    (dict(compile=False), {}, r"--no-compile: a compiled directory runs compiled"),
+    (dict(lnc=1), {"lnc": 2}, r"--lnc: expected 2 \(compiled\), found 1 \(asked\)"),
     # each was dropped silently: the directory's own weights and buckets were used
-    (dict(max_context_length=8), {}, r"max_context_length: expected 16 \(compiled: the largest context bucket\), "
+    (dict(max_context_length=8), {}, r"--max-context-length: expected 16 \(compiled: the largest context bucket\), "
                                      r"found 8 \(asked\)"),
-    (dict(presharded_dir="/"), {}, r"presharded_dir: expected none \(the directory's own weights, "
+    (dict(presharded_dir="/"), {}, r"--presharded: expected none \(the directory's own weights, "
                                    r".*weights\), found / \(asked\)"),
     ({}, {"versions": {**library_versions(), "torch": "1.0.0"}}, r"torch: expected '1.0.0', found '"),
     ({}, {"versions": {**library_versions(), "transformers": "4.0.0"}}, r"transformers: expected '4.0.0'"),
@@ -150,7 +150,7 @@ def test_a_mismatch_is_refused_naming_the_field_and_the_fix(model_dir, tmp_path,
 def test_another_model_is_refused(model_dir, tmp_path):
     other = save_model(build_random_model("llama", seed=3, vocab_size=VOCAB, num_layers=3), tmp_path / "other")
     root = fake_compiled_dir(tmp_path / "c", model_dir)
-    with pytest.raises(ValueError, match=r"model: expected config hash \w+ .*found \w+ \(" + str(other)):
+    with pytest.raises(ValueError, match=r"--model: expected config hash \w+ .*found \w+ \(" + str(other)):
         compiled_dir.apply_compiled_dir(LaunchConfig(compiled_dir=str(root), model=str(other)))
 
 
@@ -207,14 +207,14 @@ def test_serve_plans_a_compiled_directory_as_its_replicas_run_it(model_dir, tmp_
     monkeypatch.setattr(launch_plan, "plan_launch", spy)
     serve_command._plan(settings_from_args({"compiled_dir": str(root), "backend": "cpu"}))
     assert planned[0].model == str(root / "model") and planned[0].seq_len == 16
-    with pytest.raises(ValueError, match=r"tp_degree: expected 1 \(compiled\), found 2 \(asked\)"):
+    with pytest.raises(ValueError, match=r"--tp: expected 1 \(compiled\), found 2 \(asked\)"):
         serve_command._plan(settings_from_args({"compiled_dir": str(root), "backend": "cpu", "tp": 2}))
     # as `corelaunch compile` leaves it, a link to a hidden version: the refusal names the link
     # given (it named the pinned .c1.v-... version)
     version = root.rename(tmp_path / ".c1.v-host-1-abc")
     link = tmp_path / "c1"
     link.symlink_to(version.name)
-    with pytest.raises(ValueError, match=rf"compiled-model directory {link} does not match this launch: tp_degree"):
+    with pytest.raises(ValueError, match=rf"compiled-model directory {link} does not match this launch: --tp: expected"):
         settings_from_args({"compiled_dir": str(link), "backend": "cpu", "tp": 2})
 
 
@@ -230,7 +230,7 @@ def corelaunch_in_process(capsys, *args: str) -> tuple[int, str]:
 def test_cli_refusals_exit_2_before_starting_anything(model_dir, tmp_path, capsys, in_process_cluster):
     root = fake_compiled_dir(tmp_path / "c", model_dir)
     code, err = corelaunch_in_process(capsys, "generate", "--compiled", str(root), "--tp", "2", "--quiet", "t1 t2")
-    assert code == 2 and "tp_degree: expected 1 (compiled), found 2 (asked)" in err
+    assert code == 2 and "--tp: expected 1 (compiled), found 2 (asked)" in err
     code, err = corelaunch_in_process(capsys, "generate", "--compiled", str(tmp_path / "nope"), "t1")
     assert code == 2 and "does not exist" in err
     code, err = corelaunch_in_process(capsys, "compile", "--model", str(model_dir), "--out", str(model_dir))
@@ -337,7 +337,7 @@ def test_the_console_script_exits_2_on_a_refusal(model_dir, tmp_path):
     """The same exit through `python -m launcher` (one subprocess: the exit code reaches the shell)."""
     root = fake_compiled_dir(tmp_path / "c", model_dir)
     wrong_tp = corelaunch("generate", "--compiled", str(root), "--tp", "2", "--quiet", "t1 t2", timeout=60)
-    assert wrong_tp.returncode == 2 and "tp_degree: expected 1 (compiled), found 2 (asked)" in wrong_tp.stderr
+    assert wrong_tp.returncode == 2 and "--tp: expected 1 (compiled), found 2 (asked)" in wrong_tp.stderr
 
 
 @pytest.mark.parametrize("field, value, message", [

@@ -131,6 +131,7 @@ def apply_compiled_dir(config):
     """A LaunchConfig that starts from config.compiled_dir: its model files, pre-sharded weights,
     compile cache, TP degree, dtype, KV strategy, LNC, granularity and buckets. ValueError when config asks for
     anything the directory was not built for, naming each field with the expected and found values."""
+    from launcher.cli.options import FLAG_OF_FIELD
     from shardlib.model_config import load_model_config
     from workers.compiled import version_differences
 
@@ -143,43 +144,48 @@ def apply_compiled_dir(config):
     if config.model is not None:
         given = load_model_config(config.model).config_hash()
         if given != manifest["config_hash"]:
-            differ.append(f"model: expected config hash {manifest['config_hash']} "
+            differ.append(f"--model: expected config hash {manifest['config_hash']} "
                           f"({manifest.get('source', 'the compiled model')}), found {given} ({config.model})")
-    for field, wanted in (("tp_degree", config.tp), ("dtype", config.dtype), ("backend", config.backend),
-                          ("kv_strategy", config.kv_strategy), ("moe_sharding", config.moe_sharding),
-                          ("granularity", config.compile_granularity), ("kv_cache_dtype", config.kv_cache_dtype),
-                          ("lnc", config.lnc)):  # a Neuron graph runs only at the LNC it was compiled for
+    # each difference is named by the option that asks for it (LaunchConfig's field of the same name
+    # in the driver API), not by the manifest's field: `tp_degree` is nothing a user typed
+    for attr, field in (("tp", "tp_degree"), ("dtype", "dtype"), ("backend", "backend"),
+                        ("kv_strategy", "kv_strategy"), ("moe_sharding", "moe_sharding"),
+                        ("compile_granularity", "granularity"), ("kv_cache_dtype", "kv_cache_dtype"),
+                        ("lnc", "lnc")):  # a Neuron graph runs only at the LNC it was compiled for
+        wanted = getattr(config, attr)
         if wanted not in (None, "auto") and wanted != manifest.get(field):
-            differ.append(f"{field}: expected {manifest.get(field)!r} (compiled), found {wanted!r} (asked)")
+            differ.append(f"{FLAG_OF_FIELD[attr]}: expected {manifest.get(field)!r} (compiled), found {wanted!r} "
+                          f"(asked)")
     for flag in ("pad_q_heads", "sequence_parallel"):  # on when asked, so the directory must have it on
         if getattr(config, flag) and not manifest.get(flag, False):
-            differ.append(f"{flag}: expected False (compiled), found True (asked)")
+            differ.append(f"--{flag.replace('_', '-')}: compiled without it, asked for")
     buckets = Buckets.from_dict(manifest["buckets"])
-    asked = {"token buckets": config.token_buckets, "context buckets": config.context_buckets}
-    for name, wanted in asked.items():
-        have = buckets.token if name.startswith("token") else buckets.context
+    for attr, have in (("token_buckets", buckets.token), ("context_buckets", buckets.context)):
+        wanted = getattr(config, attr)
         if wanted is not None and tuple(sorted(set(wanted))) != have:
-            differ.append(f"{name}: expected {list(have)} (compiled), found {sorted(set(wanted))} (asked)")
+            differ.append(f"{FLAG_OF_FIELD[attr]}: expected {list(have)} (compiled), found {sorted(set(wanted))} "
+                          f"(asked)")
     if config.max_context_length is not None and config.context_buckets is None:  # a list is compared above
         # capped at the sequence length as building the buckets caps it, so the flags the directory
         # was compiled with are taken again
         effective = min(config.max_context_length, config.seq_len or buckets.max_seq_len)
         if effective != buckets.context[-1]:
-            differ.append(f"max_context_length: expected {buckets.context[-1]} (compiled: the largest context "
+            differ.append(f"--max-context-length: expected {buckets.context[-1]} (compiled: the largest context "
                           f"bucket), found {config.max_context_length} (asked)")
     if config.presharded_dir is not None:
-        differ.append(f"presharded_dir: expected none (the directory's own weights, {weights_dir(root)}), found "
+        differ.append(f"--presharded: expected none (the directory's own weights, {weights_dir(root)}), found "
                       f"{config.presharded_dir} (asked)")
     if config.seq_len is not None and config.seq_len != buckets.max_seq_len:
-        differ.append(f"seq_len: expected {buckets.max_seq_len} (compiled), found {config.seq_len} (asked)")
+        differ.append(f"--seq-len: expected {buckets.max_seq_len} (compiled), found {config.seq_len} (asked)")
     if not config.compile:
-        differ.append("compile: expected True (a compiled directory), found False (--no-compile)")
+        differ.append("--no-compile: a compiled directory runs compiled")
     differ += version_differences(manifest["versions"])
     if differ:
         raise ValueError(
             f"compiled-model directory {root} does not match this launch: {'; '.join(differ)}. Re-run "
             f"`corelaunch compile` with the settings (and libraries) you want to serve with, or drop the "
-            f"options that differ so the compiled ones are used"
+            f"options that differ (in the driver API, LaunchConfig's fields of those names) so the compiled "
+            f"ones are used"
         )
     return dataclasses.replace(
         config, compiled_dir=str(pinned),
