@@ -470,6 +470,12 @@ def _ways_out(req: _Request, check: _Check) -> list[str]:
         return [f"omit lnc (the default is {req.inst.default_lnc}); degrees that work then: "
                 f"{_fmt_list(fixed)}"]
     ways = []
+    for lnc in req.inst.allowed_lncs:  # trn2 at LNC 1 has half the memory per rank of its default LNC 2
+        fits = _valid_degrees(dataclasses.replace(req, lnc=lnc, lnc_requested=lnc)) if lnc != req.lnc else []
+        if check.tp in fits:  # named where it keeps the degree asked (other degrees have their own way out)
+            default = "the default, " if lnc == req.inst.default_lnc else ""
+            ways.append(f"--lnc {lnc} ({default}{format_bytes(req.inst.memory_per_logical_core(lnc))} per logical "
+                        f"core) fits at tp {_fmt_list(fits)}")
     mem = check.memory
     per_token = mem.kv_cache_bytes_per_rank // (req.cache_rows * req.seq_len)  # KV bytes per position of one sequence
     if "insufficient_memory" in check.codes:
@@ -523,6 +529,21 @@ def _ways_out(req: _Request, check: _Check) -> list[str]:
     return ways
 
 
+def _one_node_way_out(tp: int, req: _Request) -> str:
+    """The way out for a neuron TP group that must sit on one node: a larger instance of the same
+    family only where the family supports that degree at all (trn1 has no TP 4: its larger instance
+    was named, then refused), else the families that do."""
+    family = req.inst.family
+    if tp in (req.inst.supported_tp_degrees(req.lnc) or (tp,)):
+        one_node = "--nodes 1 on " if req.nodes > 1 else ""
+        return f"use {one_node}an instance with {tp * req.lnc} or more NeuronCores, or another degree"
+    others = sorted({i.name for i in NEURON_INSTANCES.values() if i.family != family
+                     and tp in (i.supported_tp_degrees(i.default_lnc) or ())
+                     and tp <= i.logical_cores(i.default_lnc)})
+    elsewhere = f" (instances that run tp {tp}: {_fmt_list(others)})" if others else ""
+    return f"{family} supports no tp {tp} on any instance: use another degree{elsewhere}"
+
+
 def _describe(code: str, req: _Request, check: _Check, hint_degrees: list[int]) -> str:
     cfg, inst, tp = req.config, req.inst, check.tp
     where = inst.name if req.nodes == 1 else f"{req.nodes} x {inst.name}"  # the degrees are for this many nodes
@@ -554,8 +575,7 @@ def _describe(code: str, req: _Request, check: _Check, hint_degrees: list[int]) 
         elif inst.is_neuron and tp == NXD_LOCAL_TP_DEGREE and req.nodes > 1:
             return (f"tp_degree ({tp}) over {req.nodes} nodes: neuronx-distributed builds a TP {tp} group from "
                     f"{tp} ranks of one node (its process groups divide the node's ranks by {tp}), so a group "
-                    f"split over nodes fails as it starts; use --nodes 1 on an instance with {tp} or more "
-                    f"NeuronCores, or another degree; {works}")
+                    f"split over nodes fails as it starts; {_one_node_way_out(tp, req)}; {works}")
         elif req.nodes > 1:
             what = (f"tp_degree ({tp}) over {req.nodes} nodes puts {check.ranks_per_node} ranks on each "
                     f"node, which is not a supported degree on {inst.family}")
@@ -574,8 +594,8 @@ def _describe(code: str, req: _Request, check: _Check, hint_degrees: list[int]) 
                       and (supported is None or tp // n in supported)), tp)
         if tp == NXD_LOCAL_TP_DEGREE:  # never split over nodes: the way out is a larger instance
             return (f"tp_degree ({tp}) needs {tp} logical NeuronCores on one node (neuronx-distributed builds a "
-                    f"TP {tp} group from one node's ranks) but {inst.name} has {logical} at LNC {req.lnc}; use "
-                    f"an instance with {tp * req.lnc} or more NeuronCores, or another degree; {works}")
+                    f"TP {tp} group from one node's ranks) but {inst.name} has {logical} at LNC {req.lnc}; "
+                    f"{_one_node_way_out(tp, req)}; {works}")
         msg = (f"tp_degree ({tp}) needs {tp} logical NeuronCores ({req.lnc} physical per rank at LNC "
                f"{req.lnc}) but {inst.name} has {logical} per node x {req.nodes} node(s) = "
                f"{logical * req.nodes}; use --nodes {nodes} ({tp // nodes} ranks per node)")

@@ -227,6 +227,16 @@ def test_trn2_defaults_to_lnc2_with_64_logical_cores():
     assert lnc1.valid and lnc1.logical_cores_per_node == 128 and lnc1.memory.capacity_bytes_per_rank == 12 * GIB
 
 
+def test_memory_short_at_lnc_1_names_the_default_lnc_2_as_a_way_out():
+    """trn2 at LNC 1 gives each rank one core's 12 GiB; the default LNC 2 gives 24 GiB at the same
+    degree, but the ways out named other degrees, dtypes, nodes and instances and never the LNC."""
+    short = plan(LLAMA_70B, instance="trn2.48xlarge", tp=8, lnc=1)
+    assert codes(short) == {"insufficient_memory"}
+    assert "--lnc 2 (the default, 24.0 GiB per logical core) fits at tp 8," in message(short, "insufficient_memory")
+    assert plan(LLAMA_70B, instance="trn2.48xlarge", tp=8).valid
+    assert "--lnc" not in message(plan(LLAMA_70B, instance="trn2.48xlarge", tp=2), "insufficient_memory")
+
+
 def test_not_enough_cores_on_inf2_xlarge_and_more_nodes():
     p = plan(MISTRAL_7B, instance="inf2.xlarge", tp=8)
     assert codes(p) == {"not_enough_cores"}
@@ -239,13 +249,20 @@ def test_not_enough_cores_on_inf2_xlarge_and_more_nodes():
 def test_neuron_tp_4_keeps_its_four_ranks_on_one_node():
     """neuronx-distributed's parallel_state builds TP 4 groups from one node's ranks (it divides
     LOCAL_WORLD_SIZE by 4): TP 4 as 2 + 2 over two nodes passed the plan and would fail as the
-    ranks start. Refused, with the way out a larger instance rather than more nodes."""
-    for instance in ("inf2.xlarge", "trn1.2xlarge"):
-        split = plan(MISTRAL_7B, instance=instance, tp=4, nodes=2)
-        assert codes(split) == {"unsupported_tp_degree"}
-        assert "one node" in split.errors[0].message and "--nodes 1" in split.errors[0].message
-        alone = message(plan(MISTRAL_7B, instance=instance, tp=4), "not_enough_cores")
-        assert "--nodes" not in alone and "an instance with 4 or more NeuronCores" in alone
+    ranks start. Refused, with the way out a larger instance rather than more nodes, where the
+    family runs TP 4 at all: trn1 does not, and its larger instance was named, then refused."""
+    split = plan(MISTRAL_7B, instance="inf2.xlarge", tp=4, nodes=2)
+    assert codes(split) == {"unsupported_tp_degree"}
+    assert "one node" in split.errors[0].message and "use --nodes 1 on an instance with 4" in split.errors[0].message
+    alone = message(plan(MISTRAL_7B, instance="inf2.xlarge", tp=4), "not_enough_cores")
+    assert "--nodes" not in alone and "use an instance with 4 or more NeuronCores" in alone
+    elsewhere = "trn1 supports no tp 4 on any instance: use another degree (instances that run tp 4: inf2.24xlarge, "
+    for nodes, code in ((2, "unsupported_tp_degree"), (1, "not_enough_cores")):
+        text = message(plan(MISTRAL_7B, instance="trn1.2xlarge", tp=4, nodes=nodes), code)
+        assert elsewhere in text and "or more NeuronCores" not in text
+    assert codes(plan(MISTRAL_7B, instance="trn1.32xlarge", tp=4)) == {"unsupported_tp_degree"}
+    for named in ("inf2.24xlarge", "inf2.48xlarge", "trn2.48xlarge"):
+        assert plan(MISTRAL_7B, instance=named, tp=4).valid
     assert plan(MISTRAL_7B, instance="inf2.24xlarge", tp=4).valid  # four cores of one node
     assert plan(MISTRAL_7B, instance="trn1.32xlarge", tp=16, nodes=2).valid  # other degrees still split
     assert plan(MISTRAL_7B, instance="cpu", tp=4, nodes=2).valid  # no NxD on the cpu backend

@@ -6,8 +6,9 @@ than one node can give the ranks it hosts. With more ranks than cores (a develop
 each rank's bundle gets a fraction of a CPU (Ray accepts fractional CPU bundles) and one thread, so
 the group still fits; such a run is slower, not wrong.
 Device backends (those whose workers.backends entry names a ray_resource: `neuron_cores`, `GPU`):
-a bundle of whole units of that resource (Ray knows no fractions of them) sized by the plan's cores
-per rank (the LNC on Neuron, 1 GPU on cuda), plus one CPU for the driving process.
+a bundle of one unit of that resource (Ray knows no fractions of them): one GPU, or one NeuronCore as
+the Neuron runtime counts them, a logical core whatever the LNC (device_rank_resources says why),
+plus one CPU for the driving process.
 """
 
 from __future__ import annotations
