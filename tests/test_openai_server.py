@@ -201,13 +201,45 @@ def test_a_request_past_the_request_timeout_is_a_504_naming_both_ways_out():
 
     handle = SimpleNamespace(request_id="chatcmpl-1", timeout_s=600, delivered=[1] * 3067,
                              request=SimpleNamespace(max_tokens=4064))
-    status, body = _generation_failure(_overdue(handle, "it was cancelled"))
+    status, body, _ = _generation_failure(_overdue(handle, "it was cancelled"))
     error = body["error"]
     assert status == 504 and (error["type"], error["code"]) == ("server_error", "generation_timeout")
     assert "did not finish within 600 s (it had 3067 of 4064 tokens)" in error["message"]
     assert "--request-timeout" in error["message"] and "max_tokens (max_completion_tokens)" in error["message"]
-    status, body = _generation_failure(RuntimeError("boom"))
-    assert status == 500 and body["error"]["message"] == "generation failed: boom"
+    status, body, headers = _generation_failure(RuntimeError("boom"))
+    assert status == 500 and body["error"]["message"] == "generation failed: boom" and headers == {}
+
+
+def test_a_request_whose_replica_failed_for_good_is_a_503_that_names_no_node_or_process():
+    """The error's own message, written for the driver API's user, reached any HTTP client: the
+    Launcher's replica index (0 in every Serve replica), `max_restarts=0`, and the failed rank's
+    node address and pid. Now a 503 like a new request there gets; the cause goes to Serve's log."""
+    import logging
+
+    from launcher.errors import LaunchError, NoReplicaAvailable, RestartLimitExceeded
+    from launcher.serving.openai_app import SERVER_LOG, UNAVAILABLE_RETRY_S, _generation_failure
+
+    logged = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = lambda record: logged.append(record.getMessage())
+    SERVER_LOG.addHandler(handler)  # Serve's logger does not propagate to pytest's capture
+    cause = ("replica 0 failed and is given up: restarts are disabled (max_restarts=0; raise --max-restarts to "
+             "restart failed groups). Last failure: rank 0 (node 192.0.2.2, pid 3434) died")
+    try:
+        failures = [_generation_failure(err) for err in (RestartLimitExceeded(cause), NoReplicaAvailable(cause),
+                                                         RestartLimitExceeded(cause + " again"))]
+    finally:
+        SERVER_LOG.removeHandler(handler)
+    for status, body, headers in failures:
+        error = body["error"]
+        assert (status, error["code"], headers) == (503, "model_unavailable", {"Retry-After": str(UNAVAILABLE_RETRY_S)})
+        assert "failed and could not be restarted" in error["message"]
+        assert not any(word in error["message"] for word in ("192.0.2.2", "pid", "max_restarts", "replica 0")), error
+    # each cause logged once: another request failed by the same error adds nothing
+    assert logged == [f"corelaunch: the model is not serving: {cause}",
+                      f"corelaunch: the model is not serving: {cause} again"]
+    status, body, _ = _generation_failure(LaunchError("the launcher was shut down while this request was streaming"))
+    assert status == 503 and "is not serving (it is stopping)" in body["error"]["message"]
 
 
 def test_the_server_class_uses_no_module_name_defined_after_it():
@@ -1264,6 +1296,7 @@ def test_a_replica_whose_group_failed_is_replaced_on_the_same_port(client, serve
     assert refused is not None and refused.status_code == 503, (refused, refused and refused.text)
     error = refused.json()["error"]
     assert error["code"] == "model_unavailable" and "cannot take requests now" in error["message"], error
+    assert "pid" not in error["message"] and "max_restarts" not in error["message"], error  # the log's, not a client's
     assert refused.headers["Retry-After"] == "10", refused.headers
     after = _listener(server.url)
     assert after is not None and "ServeRepli" in after.name() and after.pid != before.pid, (before, after)

@@ -17,6 +17,7 @@ import dataclasses
 import hmac
 import inspect
 import json
+import logging
 import math
 import sys
 import threading
@@ -28,7 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from launcher.errors import LaunchError, RequestTimeout
+from launcher.errors import LaunchError, NoReplicaAvailable, ReplicaFailed, RequestTimeout
 from launcher.serving import openai_protocol as proto
 from launcher.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics, TokenTimer
 from launcher.serving.openai_protocol import CONTEXT_LENGTH_EXCEEDED, ProtocolError
@@ -259,16 +260,45 @@ request waits in Serve's proxy for the replacement, instead of spending its retr
 replica; on its own port (direct ingress) it may find nothing listening until the replacement binds."""
 
 
-def _generation_failure(err: Exception) -> tuple[int, dict]:
-    """(HTTP status, OpenAI error body) for a request that failed while generating. A request past
-    the request timeout is a 504 naming both ways out: a chat request without max_tokens may
-    generate up to the rest of the context, which on a slow host outlasts the default timeout (it
-    was a 500, "generation failed")."""
+_RETRY_UNAVAILABLE = {"Retry-After": str(UNAVAILABLE_RETRY_S)}
+
+SERVER_LOG = logging.getLogger("ray.serve")
+"""Serve's logger: in a replica its records go to the replica's log file (`ray logs`, the Serve log
+directory), where the causes that clients are not told end up."""
+
+
+_last_logged = [""]
+
+
+def _unavailable(err: LaunchError) -> str:
+    """What a client is told when the replica's model cannot take or finish its request. The
+    errors' own messages are for the operator: they name the driver API's settings
+    (max_restarts=...), the Launcher's own replica index (0 in every Serve replica) and each
+    failed rank's node address and pid, which went to any client of the API before."""
+    if str(err) != _last_logged[0]:  # once, not for each request refused behind it
+        _last_logged[0] = str(err)
+        SERVER_LOG.error("corelaunch: the model is not serving: %s", err)
+    if isinstance(err, (ReplicaFailed, NoReplicaAvailable)):
+        return ("this server replica's model failed and could not be restarted (Serve replaces the replica; "
+                "the cause is in the server's log)")
+    return "this server replica's model is not serving (it is stopping)"
+
+
+def _generation_failure(err: Exception) -> tuple[int, dict, dict]:
+    """(HTTP status, OpenAI error body, headers) for a request that failed while generating. A
+    request past the request timeout is a 504 naming both ways out: a chat request without
+    max_tokens may generate up to the rest of the model's context, which on a slow host outlasts
+    the default timeout (it was a 500, "generation failed"). A request whose replica's model
+    failed for good is a 503 as a new request there would be, told nothing of nodes or processes."""
     if isinstance(err, RequestTimeout):
         return 504, proto.error_body(
             f"{err}; or ask for fewer tokens with max_tokens (max_completion_tokens): a chat request without it "
-            f"may generate up to the rest of the model's context", type="server_error", code="generation_timeout")
-    return 500, proto.error_body(f"generation failed: {err}", type="server_error")
+            f"may generate up to the rest of the model's context", type="server_error", code="generation_timeout"), {}
+    if isinstance(err, (ReplicaFailed, NoReplicaAvailable)) or type(err) is LaunchError:  # failed for good, stopped
+        return 503, proto.error_body(
+            f"generation failed: {_unavailable(err)}; the request was not finished: retry it after "
+            f"{UNAVAILABLE_RETRY_S} s", type="server_error", code="model_unavailable"), _RETRY_UNAVAILABLE
+    return 500, proto.error_body(f"generation failed: {err}", type="server_error"), {}
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_constructor_retry_count=1,
@@ -553,9 +583,9 @@ class OpenAIServer:
                                 type="server_error", code="queue_full", headers={"Retry-After": str(retry)}) from None
         except LaunchError as err:  # no replica left serving (Serve replaces this one), or shutting down
             self.metrics.rejected(503, reason="unavailable")
-            raise ProtocolError(f"the model cannot take requests now: {err}; retry after {UNAVAILABLE_RETRY_S} s",
-                                status=503, type="server_error", code="model_unavailable",
-                                headers={"Retry-After": str(UNAVAILABLE_RETRY_S)}) from None
+            raise ProtocolError(f"the model cannot take requests now: {_unavailable(err)}; retry after "
+                                f"{UNAVAILABLE_RETRY_S} s", status=503, type="server_error", code="model_unavailable",
+                                headers=_RETRY_UNAVAILABLE) from None
 
     async def _respond(self, req, stream, render, arrived: float) -> Response:
         meta = proto.ResponseMeta.new(render.id_prefix, self.name)
@@ -577,9 +607,9 @@ class OpenAIServer:
             self.metrics.finished("abort", 499)
             raise
         except Exception as err:  # noqa: BLE001 - reported to the client in the OpenAI shape
-            status, body = _generation_failure(err)
+            status, body, headers = _generation_failure(err)
             self.metrics.finished("error", status)
-            return JSONResponse(body, status_code=status)
+            return JSONResponse(body, status_code=status, headers=headers)
         self.metrics.finished(finish or "stop")
         return JSONResponse(render.response(meta, finish, proto.usage(prompt_tokens, completion_tokens)))
 
@@ -610,7 +640,7 @@ class OpenAIServer:
             yield proto.SSE_DONE
         except Exception as err:  # noqa: BLE001 - headers are sent: the error can only be an event
             outcome["finish_reason"] = "error"
-            outcome["status"], body = _generation_failure(err)
+            outcome["status"], body, _ = _generation_failure(err)  # headers are sent already
             yield proto.sse_event(body)
             yield proto.SSE_DONE
 
