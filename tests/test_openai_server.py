@@ -484,6 +484,14 @@ def test_server_settings_from_builder_arguments():
         settings_from_args({"min_replicas": 2, "max_replicas": 1})
     with pytest.raises(ValueError, match=r"target_ongoing_requests \(inf\) must be a finite positive number"):
         settings_from_args({"min_replicas": 1, "target_ongoing_requests": float("inf")})  # was taken
+    # a target alone (or a minimum alone) autoscaled from 1 to 1, or from 3 to 3: nothing ever scaled
+    for alone, given, low in (({"target_ongoing_requests": 3}, "target_ongoing_requests", 1),
+                              ({"min_replicas": 3}, "min_replicas", 3),
+                              ({"min_replicas": 2, "max_replicas": 2}, "max_replicas, min_replicas", 2)):
+        with pytest.raises(ValueError, match=rf"autoscaling from min_replicas {low} to max_replicas {low} \(given: "
+                                             rf"{given}\) has nothing to scale between: give max_replicas above "
+                                             rf"{low} to autoscale, or replicas {low} for a fixed count"):
+            settings_from_args(alone)
     with pytest.raises(ValueError, match="unknown argument.*modle"):
         settings_from_args({"modle": "x"})
     with pytest.raises(ValueError, match=r"tp \('two'\)"):
@@ -646,7 +654,10 @@ def test_serve_cli_refuses_bad_options_before_starting_ray(capsys, tmp_path):
     assert "--replicas (2) fixes the Serve replica count, while --min-replicas ask" in capsys.readouterr().err
     assert main(["serve", "--min-replicas", "3", "--max-replicas", "2"]) == 2  # named as the builder's keys
     assert "--max-replicas (2) must be an integer >= 3 (--min-replicas is 3)" in capsys.readouterr().err
-    assert main(["serve", "--ingress", "direct", "--target-ongoing-requests", "2"]) == 2  # said "may run 1"
+    assert main(["serve", "--target-ongoing-requests", "2"]) == 2  # autoscaled from 1 to 1, through the proxy
+    assert "from --min-replicas 1 to --max-replicas 1 (given: --target-ongoing-requests) has nothing to scale " \
+           "between: give --max-replicas above 1" in capsys.readouterr().err
+    assert main(["serve", "--ingress", "direct", "--max-replicas", "2"]) == 2  # said "may run 1"
     assert "but this server autoscales (--min-replicas, --max-replicas or --target-ongoing-requests" in \
         capsys.readouterr().err
     assert main(["serve", "--replicas", "2", "--ingress", "direct"]) == 2
@@ -1334,8 +1345,8 @@ def test_metrics_of_every_replica_merge_into_one_exposition_labelled_by_replica(
     replicas["b2"].finished("stop")
     replicas["b2"].finished("stop")
     board = MetricsBoard()
-    board.put("a1", replicas["a1"].render())
-    texts = board.gather("b2", replicas["b2"].render())
+    board.put("a1", replicas["a1"].render(), 0)
+    texts = board.gather("b2", replicas["b2"].render(), 0)
     assert sorted(texts) == ["a1", "b2"]
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for family in text_string_to_metric_families(merged_exposition(texts).decode())
@@ -1346,5 +1357,30 @@ def test_metrics_of_every_replica_merge_into_one_exposition_labelled_by_replica(
     assert samples[("corelaunch_requests_total", (("finish_reason", "length"), ("replica", "a1"), ("status", "200")))] == 1
     assert ("corelaunch_time_to_first_token_seconds_count", (("replica", "a1"),)) in samples  # histograms too
     # a replica that stopped posting drops out
-    board._texts["a1"] = (board._texts["a1"][0] - STALE_AFTER_S - 1, board._texts["a1"][1])
-    assert sorted(board.gather("b2", replicas["b2"].render())) == ["b2"]
+    board._texts["a1"] = (board._texts["a1"][0] - STALE_AFTER_S - 1, *board._texts["a1"][1:])
+    assert sorted(board.gather("b2", replicas["b2"].render(), 1)) == ["b2"]
+
+
+def test_a_render_arriving_after_a_later_one_leaves_the_later_on_the_board():
+    """A replica's periodic post, rendered before a scrape's render but reaching the board after
+    it, replaced the newer text: the next scrape showed the replica's counter lower than the one
+    before, a counter reset to Prometheus."""
+    from launcher.serving.metrics import ServerMetrics
+    from launcher.serving.metrics_board import BoardPoster, MetricsBoard
+
+    metrics = ServerMetrics(lambda: {"running": 0, "waiting": 0})
+    poster = BoardPoster(None, "a1", metrics.render)  # no board to post to: its renders alone
+    try:
+        periodic, periodic_number = poster.render()
+        metrics.finished("stop")
+        scraped, scraped_number = poster.render()
+    finally:
+        poster.close()
+    assert periodic_number < scraped_number and periodic != scraped
+    board = MetricsBoard()
+    assert board.gather("a1", scraped, scraped_number) == {"a1": scraped}
+    board.put("a1", periodic, periodic_number)  # the periodic post arrives last
+    assert board.gather("b2", b"", 0)["a1"] == scraped
+    board.put("a1", scraped + b"# later\n", scraped_number + 1)
+    assert board.gather("b2", b"", 1)["a1"] == scraped + b"# later\n"
+

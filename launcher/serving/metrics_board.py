@@ -11,6 +11,7 @@ Prometheus expects); another replica's gauges may be up to PUSH_PERIOD_S old.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -29,17 +30,26 @@ class MetricsBoard:
     """The latest exposition text of each replica (a Ray actor, one per application)."""
 
     def __init__(self) -> None:
-        self._texts: dict[str, tuple[float, bytes]] = {}
+        self._texts: dict[str, tuple[float, int, bytes]] = {}  # replica: (arrived, its render's number, text)
 
-    def put(self, replica: str, text: bytes) -> None:
-        self._texts[replica] = (time.monotonic(), text)
-
-    def gather(self, replica: str, text: bytes) -> dict[str, bytes]:
-        """Post `replica`'s text and return every live replica's."""
-        self.put(replica, text)
+    def put(self, replica: str, text: bytes, rendered: int) -> None:
+        """Keep `text` unless the replica's board already holds a later render of its (`rendered`
+        counts its renders): a periodic post rendered before a scrape's but arriving after it
+        replaced the newer text, and the next scrape showed a counter going back, a reset to
+        Prometheus."""
+        held = self._texts.get(replica)
         now = time.monotonic()
-        self._texts = {r: (at, t) for r, (at, t) in self._texts.items() if now - at < STALE_AFTER_S}
-        return {r: t for r, (_, t) in self._texts.items()}
+        if held is not None and held[1] > rendered:
+            self._texts[replica] = (now, held[1], held[2])  # still alive, its newer text kept
+        else:
+            self._texts[replica] = (now, rendered, text)
+
+    def gather(self, replica: str, text: bytes, rendered: int) -> dict[str, bytes]:
+        """Post `replica`'s text and return every live replica's."""
+        self.put(replica, text, rendered)
+        now = time.monotonic()
+        self._texts = {r: held for r, held in self._texts.items() if now - held[0] < STALE_AFTER_S}
+        return {r: held[2] for r, held in self._texts.items()}
 
     def drop(self, replica: str) -> None:
         self._texts.pop(replica, None)
@@ -84,7 +94,9 @@ class BoardPoster:
     replica's own series (labelled, so they never mix with the others')."""
 
     def __init__(self, board, replica: str, render) -> None:
-        self.board, self.replica, self.render = board, replica, render
+        self.board, self.replica, self._render = board, replica, render
+        self._renders = itertools.count()
+        self._render_lock = threading.Lock()  # a render's number orders its values: taken together
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._post_periodically, name="corelaunch-metrics-board", daemon=True)
         self._thread.start()
@@ -94,19 +106,24 @@ class BoardPoster:
 
         while not self._stop.wait(PUSH_PERIOD_S):
             try:
-                ray.get(self.board.put.remote(self.replica, self.render()), timeout=GATHER_TIMEOUT_S)
+                ray.get(self.board.put.remote(self.replica, *self.render()), timeout=GATHER_TIMEOUT_S)
             except Exception:  # noqa: BLE001 - the next period tries again; a scrape falls back to its own
                 pass
 
     def exposition(self) -> bytes:
         import ray
 
-        own = self.render()
+        own, rendered = self.render()
         try:
-            texts = ray.get(self.board.gather.remote(self.replica, own), timeout=GATHER_TIMEOUT_S)
+            texts = ray.get(self.board.gather.remote(self.replica, own, rendered), timeout=GATHER_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - see the class docstring
             texts = {self.replica: own}
         return merged_exposition(texts)
+
+    def render(self) -> tuple[bytes, int]:
+        """This replica's exposition text and the number of its render (later renders, higher)."""
+        with self._render_lock:
+            return self._render(), next(self._renders)
 
     def close(self) -> None:
         self._stop.set()

@@ -182,6 +182,11 @@ def _replica_counts(args: dict, name=lambda key: key) -> tuple[int | None, dict 
     if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 < target < math.inf:
         raise ValueError(f"{name('target_ongoing_requests')} ({target!r}) must be a finite positive number (requests "
                          f"in flight per replica that Serve scales toward)")
+    if high == low:  # --target-ongoing-requests alone was 1 to 1: no scaling, and proxy ingress forced for it
+        given = ", ".join(name(k) for k in sorted(scaling))
+        raise ValueError(f"autoscaling from {name('min_replicas')} {low} to {name('max_replicas')} {high} (given: "
+                         f"{given}) has nothing to scale between: give {name('max_replicas')} above {low} to "
+                         f"autoscale, or {name('replicas')} {low} for a fixed count")
     return None, {"min_replicas": low, "max_replicas": high, "target_ongoing_requests": float(target)}
 
 
