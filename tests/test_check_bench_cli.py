@@ -612,6 +612,56 @@ def test_a_valid_run_whose_ranks_fail_exits_3_not_2(models, capsys, monkeypatch,
     assert code == 3 and "died while working" in err, (code, err)
 
 
+@pytest.mark.parametrize("command", ["check", "bench", pytest.param("compile", marks=pytest.mark.slow)])
+def test_rays_messages_during_a_json_run_stay_off_stdout(models, capsys, monkeypatch, in_process_cluster, command,
+                                                        tmp_path):
+    """A rank killed during `check --json` or `bench --json` made Ray's driver print "(raylet) A worker
+    died ..." on stdout before the JSON object (generate and serve had the guard; these did not).
+    Here the first group started prints such a message, as Ray's listener thread does, and fails
+    with its first requests: bench's report counts the restart during its measured runs and warns of it."""
+    from ray._private.worker import print_to_stdstream
+
+    from launcher.cluster import tp_group
+    from launcher.errors import WorkerDied
+
+    build, started = tp_group.TPGroup, []
+
+    def noisy_group(*args, **kwargs):
+        group = build(*args, **kwargs)
+        # a text of its own per command and group: Ray's driver drops a line it has printed before
+        print_to_stdstream({"lines": [f"A worker died or was killed while executing a {command} task, "
+                                      f"{'first' if not started else 'then another'}"],
+                            "pid": "raylet", "is_err": False}, ignore_prefix=False)
+        if not started and command != "compile":  # fails once its first requests run (bench: measured ones)
+            submit = group.submit
+
+            def submit_then_fail(requests):
+                submit(requests)
+                group.fail_next(WorkerDied("rank 0 (in-process) died while working"))
+
+            group.submit = submit_then_fail
+        started.append(group)
+        return group
+
+    monkeypatch.setattr(tp_group, "TPGroup", noisy_group)
+    model = ["--model", str(models[0]), "--tp", "1", "--no-compile", "--quiet", "--json"]
+    argv = {"check": ["check", *model, "--prompt-ids", PROMPT_IDS, "--num-tokens", "4"],
+            "bench": ["bench", *model, "--batch-size", "2", "--prompt-len", "8", "--max-new-tokens", "4",
+                      "--warmup", "0", "--runs", "1", "--seq-len", "64"],
+            "compile": ["compile", "--model", str(models[0]), "--tp", "1", "--quiet", "--json", "--out",
+                        str(tmp_path / "out"), "--buckets", "16", "--seq-len", "16"]}[command]
+    capsys.readouterr()
+    code = main(argv)
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    report = json.loads(out.out)  # the whole stdout is one JSON object
+    assert "A worker died or was killed" in out.err
+    assert len(started) == (1 if command == "compile" else 2)  # the first group failed and was replaced
+    if command == "bench":
+        assert report["group_restarts"] == 1
+        assert "the TP group failed and was restarted 1 time(s) during the measured runs" in out.err
+
+
 def test_the_text_report_shows_an_infinite_divergence_as_inf():
     """A divergence at a token corelaunch gave -inf is null in the JSON (strict JSON has no
     infinity); the text report formatted that null as a number and crashed (exit 1, "failed")."""

@@ -118,6 +118,7 @@ def _bench(args: argparse.Namespace) -> dict:
     import time
 
     from launcher.api import LaunchConfig, Launcher
+    from launcher.cli.command_stdout import ray_output_on_stderr
     from launcher.progress import Progress
     from shardlib.evaluation.bench_report import RunTiming, build_report
 
@@ -137,11 +138,12 @@ def _bench(args: argparse.Namespace) -> dict:
     check_prompt_len(args, launcher)  # before the prompts are built: 10**9 random ids would fill host memory
     prompts = random_prompts(args.batch_size, args.prompt_len, launcher.model_config.vocab_size, args.seed)
     launcher.check_prompts(prompts, max_new_tokens=args.max_new_tokens)  # a prompt too long: before Ray starts
-    with launcher:
+    with ray_output_on_stderr(), launcher:  # the report goes to stdout once Ray has stopped
         progress = Progress(not args.quiet)
         for phase, count in (("warm-up", args.warmup), ("measured", args.runs)):
             if count == 0:
                 continue
+            restarts_before = _group_restarts(launcher)
             with progress.step(f"{count} {phase} run(s): batch {args.batch_size} x {args.prompt_len} prompt "
                                f"tokens, {args.max_new_tokens} new tokens"):
                 for _ in range(count):
@@ -157,6 +159,13 @@ def _bench(args: argparse.Namespace) -> dict:
                                                      else full_batch_decode_steps(results)),
                             generated_tokens=sum(len(r.token_ids) for r in results)))
         report = build_report(timings, args.batch_size, args.prompt_len)
+        # a group that failed and was restarted during the measured runs: its requests waited for the
+        # restart, and the latencies carry it without a word (a p100 25 times the p50)
+        report["group_restarts"] = _group_restarts(launcher) - restarts_before if args.runs else 0
+        if report["group_restarts"]:
+            print(f"corelaunch bench: warning: the TP group failed and was restarted {report['group_restarts']} "
+                  f"time(s) during the measured runs, so the latencies include the restart; run the benchmark "
+                  f"again", file=sys.stderr)
         report["config"] = {
             "model": str(launcher.model_dir), "tp_degree": launcher.plan.tp_degree,
             "kv_strategy": str(launcher.plan.kv_strategy), "backend": launcher.backend,
@@ -168,6 +177,10 @@ def _bench(args: argparse.Namespace) -> dict:
                              else launcher.plan.config.quantization.to_json()),
         }
     return report
+
+
+def _group_restarts(launcher) -> int:
+    return sum(replica["restarts"] for replica in launcher.replica_status())
 
 
 def _print_table(report: dict) -> None:

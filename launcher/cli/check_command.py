@@ -453,8 +453,10 @@ def _launcher(args, model_dir: Path):
 def _compare(args, launcher, model_dir, texts, prompts, expected: Expected, num_tokens, tol_map, progress) -> dict:
     from shardlib.evaluation.accuracy import group_name, logit_matching, token_matching
 
+    from launcher.cli.command_stdout import ray_output_on_stderr
+
     results = []
-    with launcher:
+    with ray_output_on_stderr(), launcher:  # the report goes to stdout once Ray has stopped
 
         def run_corelaunch(ids: list[int], count: int):
             [out] = launcher.generate([ids], max_new_tokens=count, ignore_eos=True, return_logits=True)

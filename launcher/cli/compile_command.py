@@ -98,6 +98,7 @@ def compile_model(args: argparse.Namespace) -> dict:
     """Write the compiled-model directory args.out; returns its manifest."""
     from launcher.api import LaunchConfig, Launcher
     from launcher.artifacts import compiled_dir
+    from launcher.cli.command_stdout import ray_output_on_stderr
     from launcher.launch_plan import plan_launch
     from launcher.progress import Progress
     from shardlib.atomic_dir import atomic_dir
@@ -152,7 +153,9 @@ def compile_model(args: argparse.Namespace) -> dict:
                               instance=config.instance, device_memory_gib=config.device_memory_gib, lnc=config.lnc,
                               progress=not args.quiet, max_batch_size=buckets.max_batch_size,
                               max_num_seqs=config.max_num_seqs)
-        with _GraphProgress(tmp / compiled_dir.COMPILE_LOG, progress), Launcher(launch) as launcher:
+        # the manifest goes to stdout once Ray has stopped (--json)
+        with ray_output_on_stderr(), _GraphProgress(tmp / compiled_dir.COMPILE_LOG, progress), \
+                Launcher(launch) as launcher:
             stats = [s.compile for s in launcher.load_stats]
         rank0 = dict(stats[0]) if stats and stats[0] else {}
         manifest["graphs"] = rank0.pop("graphs", [])
