@@ -246,6 +246,8 @@ def test_check_bad_input_exits_2_before_starting_workers(models, capsys, tmp_pat
                           ("bools", {"expected_tokens": torch.tensor([[True, False]])})):
         other_model[name] = tmp_path / f"{name}.pt"
         torch.save({"input_ids": [[5, 17]], **content}, other_model[name])
+    other_prompt = tmp_path / "other_prompt.pt"  # its input_ids were another model's: the file went unnamed
+    torch.save({"input_ids": [[5, 999]], "expected_tokens": torch.tensor([[1, 2]])}, other_prompt)
     cases = [
         (["--expected", str(other_model["big"]), "--mode", "token-matching"],
          "expected_tokens: prompt 0 holds token ids [999] outside the vocabulary [0, 128) of"),
@@ -255,6 +257,9 @@ def test_check_bad_input_exits_2_before_starting_workers(models, capsys, tmp_pat
         (["--expected", str(other_model["format"]), "--mode", "token-matching"],
          "says format 'someone-else/7', not 'corelaunch-expected/1'"),
         (["--expected", str(tmp_path / "missing.pt")], "does not exist"),
+        (["--expected", str(other_prompt), "--mode", "token-matching"],
+         f"{other_prompt} does not fit {original}: its prompt 0 holds token ids [999] outside the vocabulary [0, 128); "
+         f"were they tokenized for another model?; save a reference for this model with --save-expected"),
         (["--expected", str(other_model["neither"]), "--mode", "token-matching"],
          "neither expected_tokens nor expected_logits is given"),
         (["--expected", str(other_model["bools"]), "--mode", "token-matching"],
@@ -275,6 +280,13 @@ def test_check_bad_input_exits_2_before_starting_workers(models, capsys, tmp_pat
         assert message in err and err.startswith("corelaunch check: "), (args, err)
     code, _, err = run_check(capsys, "--model", str(tmp_path / "nope"), "--prompt-ids", "5")
     assert code == 2 and "does not exist" in err
+    # an empty path read as none given: --save-expected "" ran the whole check and saved nothing,
+    # --reference "" compared the model with itself and passed
+    for option in ("--model", "--reference", "--expected", "--save-expected"):
+        with pytest.raises(SystemExit) as exited:
+            run_check(capsys, *(["--model", str(original)] if option != "--model" else []), option, "",
+                      "--prompt-ids", "5")
+        assert exited.value.code == 2 and f"{option} must be a path, not an empty string" in capsys.readouterr().err
     import pickle
 
     (tmp_path / "text.pt").write_text("not a torch file")
@@ -523,12 +535,21 @@ def test_bench_refuses_a_prompt_longer_than_the_context_before_ray_starts(models
     code = main(["bench", "--model", str(original), "--tp", "2", "--prompt-len", "60", "--seq-len", "64",
                  "--no-compile", "--quiet"])
     err = capsys.readouterr().err
-    assert code == 2 and "needs 124 positions but seq_len is 64" in err and "(--seq-len)" in err, err
+    assert code == 2 and "needs 124 positions but seq_len is 64" in err, err
+    assert "raise seq_len (--seq-len 124, at most 512 for this model)" in err, err
+    # past the model's own limit no --seq-len holds it: that advice was refused when followed
+    code = main(["bench", "--model", str(original), "--tp", "2", "--prompt-len", "500", "--seq-len", "64",
+                 "--no-compile", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and "needs 564 positions but the model's max_position_embeddings is 512" in err, err
+    assert "--seq-len" not in err, err
     # a batch too large for the host: its rows are bench's --batch-size (it has no --max-num-seqs)
     code = main(["bench", "--model", str(original), "--tp", "1", "--batch-size", "100000000", "--prompt-len", "8",
                  "--max-new-tokens", "4", "--no-compile", "--quiet"])
     err = capsys.readouterr().err
-    assert code == 2 and "--batch-size at most" in err and "--max-num-seqs" not in err, err
+    assert code == 2 and "a smaller --batch-size (at most " in err and "--max-num-seqs" not in err, err
+    assert "(--batch-size 100000000: 100000001 serving rows with the scratch row" in err, err
+    assert "batch_size 1" not in err, err  # the static row bench plans, which no bench option sets
 
 
 def test_bench_refuses_a_long_prompt_len_before_building_the_prompts(models, capsys, monkeypatch, ray_tripwire):

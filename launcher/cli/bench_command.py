@@ -81,8 +81,9 @@ def check_prompt_len(args: argparse.Namespace, launcher) -> None:
     sequence may hold (the limit Launcher.check_prompts applies, from the lengths alone)."""
     needed = args.prompt_len + args.max_new_tokens
     limit, seq_len = launcher.model_config.max_position_embeddings, launcher.serving_seq_len
-    if seq_len < limit:
-        limit, name, fix = seq_len, "seq_len", "lower --prompt-len or --max-new-tokens, or raise seq_len (--seq-len)"
+    if seq_len < limit and needed <= limit:  # a longer --seq-len holds it; past the model's limit, none does
+        limit, name, fix = seq_len, "seq_len", (f"lower --prompt-len or --max-new-tokens, or raise seq_len "
+                                                f"(--seq-len {needed}, at most {limit} for this model)")
     else:
         name, fix = "the model's max_position_embeddings", "lower --prompt-len or --max-new-tokens"
     if needed > limit:
@@ -104,14 +105,27 @@ def run(args: argparse.Namespace) -> int:
     except BrokenPipeError:
         raise  # stdout's reader went away: 141 (launcher/cli/__init__.py)
     except (ValueError, OSError, LaunchError) as err:  # OSError: a file or directory it could not use, a lock
-        # bench's batch is the serving rows (max_num_seqs), which it sets from --batch-size
-        print(f"corelaunch bench: {with_flag_name(err).replace('--max-num-seqs', '--batch-size')}", file=sys.stderr)
+        print(f"corelaunch bench: {in_bench_terms(with_flag_name(err))}", file=sys.stderr)
         return exit_code_for(err)
     if args.json:
         print(json.dumps(report))
     else:
         _print_table(report)
     return 0
+
+
+def in_bench_terms(message: str) -> str:
+    """A launch refusal in bench's own options: its batch is the serving rows (max_num_seqs, plus
+    the scratch row), which it sets from --batch-size beside the one static row every launch plans;
+    the planner's "batch_size 1" named a batch size bench users never set."""
+    import re
+
+    message = re.sub(r"fewer serving rows \(--max-num-seqs at most (\d+) at batch_size 1\)",
+                     r"a smaller --batch-size (at most \1)", message)
+    message = re.sub(r"batch_size 1 \+ (\d+) serving rows",
+                     lambda rows: f"--batch-size {int(rows[1]) - 1}: {rows[1]} serving rows with the scratch row",
+                     message)
+    return message.replace("--max-num-seqs", "--batch-size")
 
 
 def _bench(args: argparse.Namespace) -> dict:

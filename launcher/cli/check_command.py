@@ -31,7 +31,7 @@ from pathlib import Path
 
 from launcher.cli.options import (add_backend_arguments, add_kv_cache_dtype, add_no_compile, add_pad_q_heads,
                                   add_sequence_parallel, add_timeout_arguments, backend_options, timeout_options,
-                                  with_flag_name)
+                                  non_empty_path, with_flag_name)
 from shardlib.evaluation.quantized_tolerances import DEFAULT_TOL_SPEC
 
 EXIT_PASS, EXIT_FAIL = 0, 1  # 2 (bad input) and 3 (the run failed): launcher/cli/exit_codes.py
@@ -57,12 +57,16 @@ def add_parser(subparsers) -> None:
     p.add_argument("--num-tokens", "--num-tokens-to-check", dest="num_tokens", type=int, metavar="N",
                    help=f"tokens to generate and compare per prompt (default {DEFAULT_NUM_TOKENS}, or all "
                         f"of an --expected file's)")
-    p.add_argument("--model", help="Hugging Face model directory (default: built-in SmolLM2-135M-Instruct)")
-    p.add_argument("--reference", metavar="DIR",
+    # an empty path was taken as none given: `--save-expected ""` ran a whole check and saved nothing,
+    # `--reference ""` compared the model with itself
+    p.add_argument("--model", type=non_empty_path("--model"),
+                   help="Hugging Face model directory (default: built-in SmolLM2-135M-Instruct)")
+    p.add_argument("--reference", metavar="DIR", type=non_empty_path("--reference"),
                    help="checkpoint the transformers reference loads (default: the --model directory)")
     p.add_argument("--expected", "--expected-outputs-path", dest="expected", metavar="PATH",
+                   type=non_empty_path("--expected"),
                    help="compare with outputs saved by --save-expected instead of running transformers")
-    p.add_argument("--save-expected", metavar="PATH",
+    p.add_argument("--save-expected", metavar="PATH", type=non_empty_path("--save-expected"),
                    help="only run the transformers reference and save its tokens and logits to PATH "
                         "(no workers are started)")
     p.add_argument("--tp", default="auto", help="tensor-parallel degree, or auto (default)")
@@ -404,7 +408,11 @@ def _run(args: argparse.Namespace) -> int:
         from launcher.api import load_tokenizer
 
         texts, prompts, tokenizer = [None] * len(expected.input_ids), expected.input_ids, load_tokenizer(model_dir)
-        vocab_size = _check_prompts(prompts, num_tokens, model_dir)
+        try:
+            vocab_size = _check_prompts(prompts, num_tokens, model_dir)
+        except ValueError as err:  # its prompts are the file's: it was saved for another model
+            raise ValueError(f"{args.expected} does not fit {model_dir}: its {err}; save a reference for this "
+                             f"model with --save-expected") from None
         _check_expected_fits(expected, args.expected, model_dir, vocab_size)
         launcher = _launcher(args, model_dir)
         _check_serving_fits(prompts, num_tokens, launcher)

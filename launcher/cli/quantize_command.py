@@ -35,7 +35,8 @@ def add_parser(subparsers) -> None:
     granularity.add_argument("--per-tensor", dest="per_channel", action="store_false",
                              help="one scale per weight tensor")
     p.add_argument("--embedding", action="store_true",
-                   help="quantize the embedding table too, one scale per token row (with tied embeddings, the LM "
+                   help="quantize the embedding table too, one scale per token row (one for the table with "
+                        "--per-tensor; with tied embeddings, the LM "
                         "head is that same table); default: embedding and LM head stay unquantized")
     p.add_argument("--lm-head", action="store_true", help="quantize an untied LM head too (refused with tied embeddings: use --embedding)")
     p.add_argument("--out", required=True, type=non_empty_path("--out"), metavar="QDIR", help="the directory to write (must not exist)")
