@@ -109,9 +109,18 @@ def test_a_number_field_takes_an_integer():
 
 
 def test_top_p_zero_keeps_only_the_most_likely_token():
-    """OpenAI allows top_p 0 (it was refused): the limit of a shrinking nucleus, the top token alone."""
+    """OpenAI allows top_p 0 (it was refused): the limit of a shrinking nucleus, the top token alone.
+    It was top_k 1, which keeps every token tied at the top and drew among them (bfloat16 logits
+    tie often); now greedy, which takes the first of them as greedy requests do."""
+    import torch
+
+    from workers.sampling import sample
+
     sampling = completion(temperature=0.8, top_p=0, seed=5).sampling()
-    assert (sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed) == (0.8, 1, 1.0, 5)
+    assert sampling.temperature == 0.0 and sampling.seed == 5
+    tied = torch.tensor([[3.0, 3.0, 1.0, 0.0]])
+    drawn = {int(sample(tied, [sampling], [torch.Generator().manual_seed(seed)])[0]) for seed in range(12)}
+    assert drawn == {0}
     plain = chat(temperature=0.8, top_p=0.9, top_k=-1).sampling()
     assert (plain.top_k, plain.top_p) == (0, 0.9)  # -1 is vLLM's "off"
 

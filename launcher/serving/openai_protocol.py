@@ -149,12 +149,13 @@ class _GenerationRequest(_NullMeansDefault):
     logit_bias: dict = Field(default_factory=dict, max_length=0)
 
     def sampling(self):
-        """The engine's SamplingParams: top_k -1 is 0 (off), as vLLM spells it; top_p 0 is top_k 1
-        (the engine's top_p must be above 0)."""
+        """The engine's SamplingParams: top_k -1 is 0 (off), as vLLM spells it; top_p 0 keeps the one
+        most likely token, which is greedy (the engine's top_p must be above 0; top_k 1 kept every
+        token tied at the top and drew among them)."""
         from shardlib.sampling_params import SamplingParams
 
         if self.top_p == 0:
-            return SamplingParams(temperature=self.temperature, top_k=1, top_p=1.0, seed=self.seed)
+            return SamplingParams(temperature=0.0, seed=self.seed)
         return SamplingParams(temperature=self.temperature, top_k=max(self.top_k, 0), top_p=self.top_p,
                               seed=self.seed)
 
