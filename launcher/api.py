@@ -528,19 +528,23 @@ class Launcher:
 
     def check_prompts(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                       sampling: SamplingParams | Sequence[SamplingParams] | None = None,
-                      max_new_tokens: int = 64, batching: str = "continuous") -> None:
+                      max_new_tokens: int = 64, batching: str = "continuous", stop_token_ids: Sequence[int] = (),
+                      ignore_eos: bool = False, return_logits: bool = False) -> None:
         """What generate() checks before any worker call, without starting anything (prepare()
         runs first): prompts tokenized with the driver's tokenizer, none empty or past the context
         (for `batching` "continuous", the serving cache's serving_seq_len) and buckets, the sampling
-        parameters and max_new_tokens. ValueError naming the value."""
+        parameters, max_new_tokens, stop_token_ids and the two flags. ValueError naming the value."""
         max_new_tokens = _plain_integer(max_new_tokens)
         _check_batching(batching)
+        _check_flag("ignore_eos", ignore_eos)
+        _check_flag("return_logits", return_logits)
         self.prepare()
         self._await_tokenizer()
         with self._lock:
             _, token_lists = self._tokenize(prompts)
         params = self._sampling_per_prompt(sampling, len(token_lists))
         check_request(token_lists, params, max_new_tokens, self.model_config.vocab_size)
+        check_stop_token_ids(stop_token_ids, self.model_config.vocab_size)
         self._check_lengths(token_lists, max_new_tokens, serving=batching == "continuous")
 
     def _start_group(self, backend: str) -> None:
@@ -1110,6 +1114,9 @@ class Launcher:
             return [sampling] * count
         if isinstance(sampling, (str, bytes, dict)) or not hasattr(sampling, "__iter__"):
             raise ValueError(f"sampling ({sampling!r}) must be a SamplingParams, a list of one per prompt, or None")
+        if isinstance(sampling, AbstractSet):  # handed out in hash order (and equal ones merged): silently wrong
+            raise ValueError(f"sampling ({sampling!r}) must be a list (or tuple) of one SamplingParams per prompt: a "
+                             f"{type(sampling).__name__} has no order to match them to the prompts")
         params = list(sampling)  # their count is checked by check_request
         for i, p in enumerate(params):
             if not isinstance(p, SamplingParams):

@@ -351,7 +351,7 @@ def test_a_restart_still_waiting_when_the_launcher_closes_ray_starts_no_new_ray(
 
 def test_prompts_without_an_order_and_values_past_float_range_are_refused_by_name(small_model, in_process_cluster):
     """A set or dict of prompts came back in its own iteration order (a dict's keys taken as the
-    prompts); numbers past float range raised OverflowError naming nothing; stop=5 a bare TypeError."""
+    prompts), and a set of sampling settings went to them in hash order; numbers past float range raised OverflowError naming nothing; stop=5 a bare TypeError."""
     from launcher.cluster.restart_policy import MAX_RESTARTS
     from launcher.serving.stop_strings import validate_stops
 
@@ -359,6 +359,11 @@ def test_prompts_without_an_order_and_values_past_float_range_are_refused_by_nam
     for prompts in ({(5, 6), (7, 8)}, {"a": 1}):
         with pytest.raises(ValueError, match=f"a {type(prompts).__name__} has no order"):
             launcher.check_prompts(prompts)
+    # a set of per-prompt sampling settings went to the prompts in hash order (equal ones merged)
+    cold, hot = SamplingParams(temperature=0.1, seed=1), SamplingParams(temperature=1.5, seed=2)
+    for sets in ({cold, hot}, frozenset({cold, hot})):
+        with pytest.raises(ValueError, match=f"a {type(sets).__name__} has no order to match them to the prompts"):
+            launcher.check_prompts([[5, 6], [7, 8]], sets)
     with pytest.raises(ValueError, match="temperature=.* must be a finite number"):
         SamplingParams(temperature=10**400)
     with pytest.raises(ValueError, match="request_timeout_s .* must be a finite positive number"):
@@ -448,3 +453,17 @@ def test_a_shutdown_also_stops_a_start_still_waiting_for_another(small_model, in
         assert in_process_cluster.groups == [] and launcher._pool is None
     finally:
         launcher.shutdown()
+
+
+def test_check_prompts_refuses_what_generate_refuses_of_stop_ids_and_flags(small_model, ray_tripwire):
+    """check_prompts was said to run every check generate makes, but took no stop_token_ids,
+    ignore_eos or return_logits: an id outside the vocabulary was refused only by generate."""
+    launcher = Launcher(model=small_model, tp=1, compile=False, progress=False)
+    prompts = [[5, 6]]
+    for options, words in (({"stop_token_ids": [10**6]}, "stop_token_ids"), ({"ignore_eos": "no"}, "ignore_eos"),
+                            ({"return_logits": 1}, "return_logits")):
+        with pytest.raises(ValueError, match=words):
+            launcher.check_prompts(prompts, **options)
+        with pytest.raises(ValueError, match=words):  # the static path's own checks, the same values
+            launcher.check_prompts(prompts, batching="static", **options)
+    launcher.check_prompts(prompts, stop_token_ids=[3], ignore_eos=True, return_logits=True)

@@ -780,3 +780,38 @@ def test_an_async_stream_read_on_another_event_loop_is_refused_at_once(model_and
         while llm.load() != {"running": 0, "waiting": 0}:
             assert time.monotonic() < deadline, llm.load()
             time.sleep(0.05)
+
+
+def test_a_failed_stream_gives_its_error_to_every_later_reader_not_a_quiet_end():
+    """A request its replica failed (a timeout, a replica given up) raised the error for the read
+    that met it; another thread's read after that ended quietly, as a finished answer does."""
+    import queue
+    import threading
+
+    from launcher.cluster.stream_handle import StreamHandle
+    from launcher.errors import RequestTimeout
+    from launcher.serving.request_streams import RequestStream, thread_sink
+    from launcher.serving.text_stream import TextStream
+    from shardlib.sampling_params import SamplingParams
+    from workers.serving.requests import StreamRequest, TokenEvent
+
+    items = queue.Queue()
+    handle = StreamHandle(StreamRequest("r1", (1, 2), SamplingParams(), 10), thread_sink(items), 5.0)
+    stream = RequestStream(lambda *args, **kwargs: None, handle, TextStream("r1", None, (), 2), items)
+    handle.deliver(TokenEvent("r1", [5]))
+    assert next(stream).token_ids == [5]
+    handle.fail(RequestTimeout("request r1 did not finish within 5 s; it was cancelled"))
+    seen = []
+
+    def read() -> None:
+        try:
+            seen.append(next(stream))
+        except BaseException as err:  # noqa: BLE001 - what the reader got is the test
+            seen.append(err)
+
+    for _ in range(2):  # the first reader meets the error, the second comes after it
+        reader = threading.Thread(target=read)
+        reader.start()
+        reader.join(5)
+    assert [type(e) for e in seen] == [RequestTimeout, RequestTimeout], seen
+    assert "did not finish within 5 s" in str(seen[1])

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+from typing import NoReturn
 
 from launcher.cluster.stream_handle import StreamHandle
 from launcher.errors import RequestCancelled, RequestTimeout
@@ -45,16 +46,14 @@ class _Stream:
 
     def _delta(self, item) -> StreamDelta:
         if isinstance(item, BaseException):
-            self.done = True
-            raise item
+            self._fail(item)
         if item.finish_reason == "abort" and not self.handle.cancelled:
             # The group dropped a request its reader never cancelled (it is stopping): an error for
             # the reader, not an ending it would take for a finished answer ("abort" is no reason
             # a delta documents, nor one OpenAI's API knows).
-            self.done = True
-            raise RequestCancelled(f"request {self.request_id} was aborted by its TP group without being cancelled "
-                                   f"(the group is stopping, or its leader refused the request), after "
-                                   f"{len(self.handle.delivered)} token(s)")
+            self._fail(RequestCancelled(f"request {self.request_id} was aborted by its TP group without being "
+                                        f"cancelled (the group is stopping, or its leader refused the request), "
+                                        f"after {len(self.handle.delivered)} token(s)"))
         self.events.append(item)
         delta = self.text.delta(item, self.handle.time_to_first_token_s)
         if delta.finish_reason is not None:
@@ -62,6 +61,14 @@ class _Stream:
             if self.text.stopped_by_string and item.finish_reason is None:
                 self._cancel(self.handle)  # the group would go on generating: free its row now
         return delta
+
+    def _fail(self, error: BaseException) -> NoReturn:
+        """End the stream with `error`, for this read and every later one, whichever reader makes it
+        (another thread's reader took the end for a finished answer)."""
+        self.done = True
+        if self._cancelled is None:
+            self._cancelled = error
+        raise error
 
     def _overdue(self) -> RequestTimeout:
         """A LaunchError, as the replica's own timeout is (the CLI names it in one line, not a traceback)."""
