@@ -13,6 +13,11 @@ class PlanRejected(LaunchError):
         self.errors = errors
 
 
+class RayStartFailed(LaunchError):
+    """The private Ray cluster a launch starts did not come up (Ray's own start-up wait ran out):
+    the machine's state, not the command's input; the same command may work on a retry."""
+
+
 class PlacementTimeout(LaunchError):
     """Ray could not reserve the workers' resources in time."""
 

@@ -242,3 +242,29 @@ def test_generate_quiet_prints_the_answers_alone(capsys):
     out, err = capsys.readouterr()
     assert out == "The capital of France is Paris.\n"
     assert err == "  [length, 2 tokens, first token 250 ms, 30.0 tokens/s]\n"
+
+
+def test_a_private_ray_that_does_not_start_is_a_launch_error_naming_the_fix(monkeypatch):
+    """Ray's own start-up timeout (its raylet not registered within 30 s, on a host too busy) came
+    out of Launcher.start() as a bare Exception and a traceback."""
+    import ray
+
+    from launcher.cluster import ray_cluster
+
+    shut = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "shutdown", lambda: shut.append(True))
+
+    def late_raylet(**options):
+        raise Exception("The current node timed out during startup. This could happen because some of the raylet "
+                        "failed to startup or the GCS has become overloaded.")
+
+    monkeypatch.setattr(ray, "init", late_raylet)
+    with pytest.raises(LaunchError, match=r"the private Ray cluster did not start: The current node timed out .* "
+                                          r"Ray waits 30 s for it, .* retry when the host is quieter"):
+        ray_cluster.connect("local")
+    assert shut == [True]  # whatever the failed start left is shut down
+    from launcher.cli.exit_codes import EXIT_RUN_FAILED, exit_code_for
+    from launcher.errors import RayStartFailed
+
+    assert exit_code_for(RayStartFailed("x")) == EXIT_RUN_FAILED  # the machine's state: a retry may work

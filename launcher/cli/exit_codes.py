@@ -17,12 +17,12 @@ def exit_code_for(err: BaseException) -> int:
     """EXIT_RUN_FAILED for a failure of the cluster or of the ranks, else EXIT_BAD_INPUT (a group the
     cluster could never hold included: the same command fails the same way)."""
     from launcher.errors import (DevicesMissing, GroupFault, NoDeviceResource, NoReplicaAvailable, PlacementImpossible,
-                                 PlacementTimeout, RendezvousTimeout, ReplicaFailed, RequestFailed)
+                                 PlacementTimeout, RayStartFailed, RendezvousTimeout, ReplicaFailed, RequestFailed)
 
     if isinstance(err, PlacementImpossible):
         return EXIT_BAD_INPUT
     if isinstance(err, (ConnectionError, TimeoutError)):  # a connection dropped, a lock or wait timed out
         return EXIT_RUN_FAILED
     run_failures = (GroupFault, ReplicaFailed, NoReplicaAvailable, PlacementTimeout, RendezvousTimeout,
-                    DevicesMissing, NoDeviceResource, RequestFailed)
+                    DevicesMissing, NoDeviceResource, RequestFailed, RayStartFailed)
     return EXIT_RUN_FAILED if isinstance(err, run_failures) else EXIT_BAD_INPUT

@@ -23,7 +23,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from launcher.errors import LaunchError
+from launcher.errors import LaunchError, RayStartFailed
 
 _OWN_SESSION = {"users": 0, "started_here": False, "address": ""}
 """The Ray session this module opened in this process, and how many of its connections are open:
@@ -242,8 +242,14 @@ def connect(address: str | None = None, num_cpus: int | None = None, worker_logs
     # this host after the lookup above (another program's), and then refuses num_cpus.
     # (No node address: Ray 2.60 replaces 127.0.0.1 given as one with the host's own address.)
     _token_for_this_user_only()
-    with _agent_port_left_to_the_os():
-        _init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, **quiet)
+    try:
+        with _agent_port_left_to_the_os():
+            _init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, **quiet)
+    except Exception as err:  # Ray raises a bare Exception when its raylet has not registered in 30 s
+        ray.shutdown()  # whatever it did start
+        raise RayStartFailed(f"the private Ray cluster did not start: {err} Ray waits 30 s for it, which a host too "
+                          f"busy to start its processes misses (look at `uptime`): retry when the host is "
+                          f"quieter; Ray's own logs are in /tmp/ray/session_latest/logs") from err
     _token_for_this_user_only()  # the start writes it where none existed, readable by all (umask 022)
     _opened(started_here=True, address="local")
     return RayConnection(started_here=True, address="local")
