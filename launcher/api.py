@@ -161,6 +161,12 @@ class LaunchConfig:
             _check_flag(name, getattr(self, name))
         for name in ("model", "compiled_dir", "presharded_dir", "presharded_cache_dir"):
             _check_path(name, getattr(self, name))
+        # numpy's and torch's scalars as Python's, as the request counts take them (tp=np.int64(2)
+        # was refused with a rule the value met)
+        for entry in dataclasses.fields(self):
+            value = getattr(self, entry.name)
+            if not isinstance(value, (str, bool, list, tuple)):
+                setattr(self, entry.name, _plain_number(value))
         self.tp = _positive_or_auto("tp", self.tp)
         if self.backend is not None:
             backend_entry(self.backend)  # ValueError naming the known backends
@@ -352,6 +358,22 @@ def _plain_integer(value):
     anything else as it is, for the checks to name."""
     number = integer_of_any_kind(value)
     return value if number is None else number
+
+
+def _plain_number(value):
+    """An integer or a real number of any kind (np.int64, np.float32, a 0-d torch tensor) as Python's
+    int or float; anything else (None, strings, bools of any kind) as it is, for the checks to name."""
+    number = integer_of_any_kind(value)
+    if number is not None:
+        return number
+    if isinstance(value, (int, float)) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool"):
+        return value
+    if getattr(value, "shape", None) == () or type(value).__module__ == "numpy":  # a 0-d tensor or array, numpy's float
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            return value
+    return value
 
 
 def _positive_seconds(name: str, value) -> None:

@@ -284,3 +284,23 @@ def test_a_compiled_or_presharded_directory_given_as_the_model_is_named_as_such(
                                                 r"manifest\.json\), not a Hugging Face model: pass the model it was "
                                                 r"made from as --model"):
         load_model_config(tmp_path)
+
+
+def test_launch_config_numbers_of_numpy_and_torch_are_read_as_pythons():
+    """tp=np.int64(2) was refused with "must be a positive integer or 'auto'", a rule the value met
+    (the request counts took them); so was request_timeout_s=np.float32(5)."""
+    import numpy as np
+    import torch
+
+    from launcher.api import LaunchConfig
+
+    config = LaunchConfig(tp=np.int64(2), seq_len=np.int32(64), max_num_seqs=torch.tensor(3),
+                          request_timeout_s=np.float32(5), device_memory_gib=torch.tensor(2.5))
+    assert (config.tp, config.seq_len, config.max_num_seqs, config.request_timeout_s, config.device_memory_gib) == \
+        (2, 64, 3, 5.0, 2.5)
+    assert all(type(v) in (int, float) for v in (config.tp, config.seq_len, config.max_num_seqs,
+                                                 config.request_timeout_s, config.device_memory_gib))
+    for bad, words in ((dict(tp=np.bool_(True)), "tp"), (dict(seq_len=np.float32(2.5)), "seq_len"),
+                       (dict(max_num_seqs=torch.tensor([1, 2])), "max_num_seqs")):
+        with pytest.raises(ValueError, match=words):
+            LaunchConfig(**bad)
