@@ -247,9 +247,9 @@ def connect(address: str | None = None, num_cpus: int | None = None, worker_logs
             _init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, **quiet)
     except Exception as err:  # Ray raises a bare Exception when its raylet has not registered in 30 s
         ray.shutdown()  # whatever it did start
-        raise RayStartFailed(f"the private Ray cluster did not start: {err} Ray waits 30 s for it, which a host too "
-                          f"busy to start its processes misses (look at `uptime`): retry when the host is "
-                          f"quieter; Ray's own logs are in /tmp/ray/session_latest/logs") from err
+        raise RayStartFailed(f"the private Ray cluster did not start: {err} Ray waits 30 s for it, which a host "
+                             f"too busy to start its processes misses (look at `uptime`): retry when the host is "
+                             f"quieter; Ray's own logs are in /tmp/ray/session_latest/logs") from err
     _token_for_this_user_only()  # the start writes it where none existed, readable by all (umask 022)
     _opened(started_here=True, address="local")
     return RayConnection(started_here=True, address="local")
