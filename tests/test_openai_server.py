@@ -1393,3 +1393,22 @@ def test_a_render_arriving_after_a_later_one_leaves_the_later_on_the_board():
     board.put("a1", scraped + b"# later\n", scraped_number + 1)
     assert board.gather("b2", b"", 1)["a1"] == scraped + b"# later\n"
 
+
+
+def test_a_value_nested_just_under_the_parsers_depth_limit_is_a_400():
+    """A body the JSON parser just took (nested a frame short of its limit) failed a field's check,
+    and quoting the value in the message encoded it again, one frame deeper: RecursionError, a
+    plain-text 500, where one level more or less got the 400."""
+    import sys
+
+    from launcher.serving.openai_app import parse_json_body
+    from launcher.serving.openai_protocol import CompletionRequest, ProtocolError, parse_request
+
+    limit = sys.getrecursionlimit()
+    statuses = set()
+    for depth in range(limit - 200, limit + 20):
+        raw = ('{"model": "m", "prompt": "hi", "user": ' + "[" * depth + "]" * depth + "}").encode()
+        with pytest.raises(ProtocolError) as refused:
+            parse_request(CompletionRequest, parse_json_body(raw))
+        statuses.add(refused.value.status)
+    assert statuses == {400}

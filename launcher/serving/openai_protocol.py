@@ -308,7 +308,12 @@ def _field_error(error: dict, model: type[BaseModel]) -> ProtocolError:
 
 
 def _short(value: object) -> str:
-    text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    try:
+        text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    except (RecursionError, ValueError, TypeError):
+        # nested just under the parser's depth limit: encoding it again went one frame deeper (a
+        # plain-text 500 where a shallower or deeper value got the 400)
+        text = f"a nested {type(value).__name__}"
     return text if len(text) <= 80 else text[:77] + "..."
 
 
