@@ -312,8 +312,10 @@ class OpenAIServer:
         from launcher.api import LaunchConfig, Launcher, load_tokenizer
         from launcher.background_load import BackgroundLoad
         from launcher.serving.port_rebind import allow_port_rebinding
+        from launcher.serving.request_heads import bound_request_heads
 
         allow_port_rebinding()  # before Serve binds this replica's own server (direct ingress)
+        bound_request_heads()  # its connections' heads bounded in size and time
         # Checked first, before the model loads: `serve run` and `serve deploy` read the environment
         # only here, in the replica.
         self.api_key = settings.api_key or api_key_from_environment()

@@ -1,0 +1,130 @@
+"""Bounds on a request's head (request line and headers) for the replica's own HTTP server.
+
+With direct ingress (launcher/serving/ingress.py) the one Serve replica's uvicorn server answers
+--port. Ray Serve 2.60 builds its uvicorn.Config with no protocol settings, so uvicorn takes
+httptools, which bounds neither the size of a head nor the time it may take to arrive; and a
+connection that never sends a request is never closed. Before the API key is checked (it is a
+header), any client could then grow the replica's memory without limit with one unfinished
+header (200 MB on each of three connections: 0.5 to 1.3 GB), or hold every file descriptor with
+idle connections (the replica stopped answering /health, while Serve's own health check, which
+does not use HTTP, kept it in place).
+
+Each connection of the replica's server is therefore an httptools protocol that answers 431 and
+closes once a head passes MAX_HEAD_BYTES before it is complete, and closes a connection whose next
+head has not arrived whole within HEAD_TIMEOUT_S (408 where part of it came). Bodies have their own
+budget and deadline (openai_app.py). Serve offers no setting for these, so the replica's process
+gives the uvicorn module Serve's HTTP helper uses a Config that names this protocol; it does
+nothing if the helper is missing or changed shape. Serve's proxy (proxy ingress) runs in Serve's own
+process and keeps Serve's settings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import types
+
+MAX_HEAD_BYTES = 64 * 1024
+"""The most bytes a request line and headers may take (h11, uvicorn's other parser, stops at 16 KiB;
+OpenAI's clients send well under 2 KiB)."""
+HEAD_TIMEOUT_S = 30.0
+"""How long a connection may take to send a whole head: from its opening for the first request,
+and from the first byte of each later one (the time between requests is uvicorn's keep-alive)."""
+
+
+def bounded_protocol_class():
+    """uvicorn's httptools protocol with the two bounds (a class made on first use: uvicorn and
+    httptools are imported only in a process that serves)."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class BoundedHeadProtocol(HttpToolsProtocol):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self._head_bytes = 0
+            self._in_head = True  # waiting for (the rest of) a request's head
+            self._head_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._start_head_timer()
+
+        def data_received(self, data: bytes) -> None:
+            if self._in_head:
+                self._head_bytes += len(data)  # a chunk may carry the body's start too: counted, harmless
+            super().data_received(data)
+            if self._in_head and self._head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
+                self._refuse(b"431 Request Header Fields Too Large",
+                             f"the request line and headers passed {MAX_HEAD_BYTES} bytes")
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._in_head = True
+            self._start_head_timer()
+
+        def on_headers_complete(self) -> None:
+            self._in_head, self._head_bytes = False, 0
+            self._stop_head_timer()
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            self._in_head = True  # the next request's head; its time starts with its first byte
+
+        def connection_lost(self, exc) -> None:
+            self._stop_head_timer()
+            super().connection_lost(exc)
+
+        def _start_head_timer(self) -> None:
+            if self._head_timer is None:
+                self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_overdue)
+
+        def _stop_head_timer(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_overdue(self) -> None:
+            self._head_timer = None
+            if not self._in_head or self.transport.is_closing():
+                return
+            if self._head_bytes:
+                self._refuse(b"408 Request Timeout", f"the request's headers did not arrive within "
+                                                     f"{HEAD_TIMEOUT_S:g} s")
+            else:
+                self.transport.close()  # never asked anything
+
+        def _refuse(self, status: bytes, message: str) -> None:
+            body = message.encode()
+            self.transport.write(b"HTTP/1.1 " + status + b"\r\ncontent-type: text/plain; charset=utf-8\r\n"
+                                 b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n"
+                                 + body)
+            self.transport.close()
+
+    return BoundedHeadProtocol
+
+
+def bound_request_heads() -> bool:
+    """Give Serve's HTTP helper (ray.serve._private.http_util) in this process a uvicorn whose
+    Config uses the bounded protocol; True if patched now or before, False where the helper is
+    missing or not as expected."""
+    try:
+        from ray.serve._private import http_util
+        import uvicorn
+    except ImportError:
+        return False
+    current = getattr(http_util, "uvicorn", None)
+    if getattr(current, "bounded_request_heads", False):
+        return True
+    if current is not uvicorn or not hasattr(http_util, "start_asgi_http_server"):
+        return False
+    protocol = bounded_protocol_class()
+
+    def config(*args, **kwargs):
+        kwargs.setdefault("http", protocol)
+        return uvicorn.Config(*args, **kwargs)
+
+    shim = types.ModuleType("uvicorn")
+    shim.__dict__.update(uvicorn.__dict__)
+    shim.Config = config
+    shim.bounded_request_heads = True
+    http_util.uvicorn = shim
+    return True

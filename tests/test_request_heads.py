@@ -1,0 +1,99 @@
+"""launcher/serving/request_heads.py: the replica's own HTTP server bounds a request's head in size
+and time, on a real uvicorn server (the protocol Serve's helper is given) and real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import pytest
+
+
+async def _app(scope, receive, send):
+    """A plain ASGI app: 200 "ok" (its body, if any, read first), or a slow streamed answer."""
+    if scope["type"] != "http":
+        return
+    while (await receive()).get("more_body"):
+        pass
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+    if scope["path"] == "/slow":  # a response that outlasts the head timeout: never cut by it
+        for _ in range(3):
+            await send({"type": "http.response.body", "body": b"tick\n", "more_body": True})
+            await asyncio.sleep(0.4)
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+@pytest.fixture
+def server(monkeypatch):
+    """A uvicorn server on a loopback port built as Serve's helper builds it once patched; yields its port."""
+    from ray.serve._private import http_util
+
+    from launcher.serving import request_heads
+
+    monkeypatch.setattr(request_heads, "HEAD_TIMEOUT_S", 0.6)
+    monkeypatch.setattr(http_util, "uvicorn", http_util.uvicorn)  # the patch undone after the test
+    assert request_heads.bound_request_heads() and request_heads.bound_request_heads()  # idempotent
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    loop = asyncio.new_event_loop()
+    config = http_util.uvicorn.Config(_app, loop="none", lifespan="off", log_level="critical", access_log=False)
+    served = http_util.uvicorn.Server(config)
+    thread = threading.Thread(target=loop.run_until_complete, args=(served.serve(sockets=[sock]),), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not served.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    yield sock.getsockname()[1]
+    served.should_exit = True
+    thread.join(10)
+    sock.close()
+
+
+def _exchange(port: int, data: bytes, wait_s: float = 5.0) -> bytes:
+    """Send `data`, then read until the server closes the connection (or wait_s passes)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=wait_s) as conn:
+        conn.sendall(data)
+        received = b""
+        try:
+            while chunk := conn.recv(65536):
+                received += chunk
+        except (socket.timeout, ConnectionResetError):
+            pass
+        return received
+
+
+def test_a_head_past_the_limit_is_refused_before_it_ends(server):
+    from launcher.serving.request_heads import MAX_HEAD_BYTES
+
+    unfinished = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * (4 * MAX_HEAD_BYTES)  # never ends
+    answer = _exchange(server, unfinished)
+    assert answer.startswith(b"HTTP/1.1 431 Request Header Fields Too Large"), answer[:200]
+    many = b"GET / HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: v\r\n" % i for i in range(20000))
+    assert _exchange(server, many).startswith(b"HTTP/1.1 431"), "20 000 headers were taken"
+    body = b"x" * (4 * MAX_HEAD_BYTES)  # a large body is not a large head
+    answer = _exchange(server, b"POST / HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: %d\r\n\r\n"
+                       % len(body) + body)
+    assert answer.startswith(b"HTTP/1.1 200") and b"ok" in answer.split(b"\r\n\r\n", 1)[1], answer[:200]
+
+
+def test_a_connection_that_sends_no_whole_head_in_time_is_closed(server):
+    started = time.monotonic()
+    assert _exchange(server, b"") == b""  # it never asked: closed without an answer
+    assert time.monotonic() - started < 3
+    answer = _exchange(server, b"GET / HTTP/1.1\r\nHost: x\r\n")  # a head never finished
+    assert answer.startswith(b"HTTP/1.1 408 Request Timeout"), answer[:200]
+
+
+def test_requests_and_long_answers_on_a_kept_connection_are_not_cut(server):
+    with socket.create_connection(("127.0.0.1", server), timeout=5) as conn:
+        for path in (b"/slow", b"/"):  # the slow answer takes 1.2 s, twice the head timeout
+            conn.sendall(b"GET " + path + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+            received = b""
+            while not received.endswith(b"ok") and not received.endswith(b"0\r\n\r\n"):
+                chunk = conn.recv(65536)
+                assert chunk, f"closed after {received[:300]!r}"
+                received += chunk
+            assert received.startswith(b"HTTP/1.1 200") and b"ok" in received, received[:300]
