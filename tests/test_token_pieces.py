@@ -100,3 +100,28 @@ def test_a_run_of_sentencepiece_spaces_keeps_every_space():
     assert tokenizer.decode([1]) == "   "
     pieces = TokenPieces(tokenizer)
     assert pieces.text(1) == "    " and pieces.bytes(2) == b"  "
+
+
+def test_a_whole_token_after_bytes_no_token_completes_is_placed_after_their_replacement(smollm2_tokenizer):
+    """Bytes that no later token completes come out as U+FFFD together with the next token; that
+    token's text_offset was the U+FFFD's, so text[offset:] read the U+FFFD and not the token."""
+    from launcher.serving.detokenizer import IncrementalDetokenizer
+    from launcher.serving.logprob_alignment import AlignedLogprobs
+    from workers.serving.requests import TokenLogprob
+
+    pieces = TokenPieces(smollm2_tokenizer)
+    dead, word, more = 37992, 30949, smollm2_tokenizer(" more")["input_ids"][0]  # b"\xe5\x89", " Hale"
+    assert pieces.part_of_a_character(dead) and pieces.text(word) == " Hale"
+    ids = [word, dead, word, more]
+    text = smollm2_tokenizer.decode(ids)
+    assert text == " Hale\ufffd Hale more"
+    detokenizer, aligned, placed = IncrementalDetokenizer(smollm2_tokenizer), AlignedLogprobs(pieces), []
+    for token in ids:
+        delta = detokenizer.push([token])
+        placed += aligned.push(SimpleNamespace(logprobs=[TokenLogprob(token, -1.0)], text=delta, finish_reason=None,
+                                               stopped_by_string=False))
+    offsets = [offset for _, offset in placed]
+    assert offsets == [0, 5, 6, 11]  # the dead bytes at their U+FFFD, each word at its own start
+    for token, offset in zip(ids, offsets):
+        if token != dead:
+            assert text[offset:].startswith(pieces.text(token)), (token, offset, text)

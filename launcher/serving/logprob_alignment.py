@@ -87,8 +87,11 @@ class AlignedLogprobs:
             adds = True
         elif new_bytes:
             # What was held comes out first, then the token's own text: it starts where that text
-            # begins at the end of what was emitted.
-            start_byte = self._bytes + max(_bytes_when_flushed(self._held), new_bytes - len(own))
+            # begins at the end of what was emitted, and so does its offset (it was the start of
+            # the held bytes' U+FFFD, where the token's text was read at that offset)
+            within = max(_bytes_when_flushed(self._held), new_bytes - len(own))
+            start_byte = self._bytes + within
+            offset += len(new.encode()[:within].decode("utf-8", "replace"))
             adds = True
         else:  # a skipped special token: nothing emitted, whatever is held stays held
             start_byte = self._bytes + _bytes_before(self._held, None)
