@@ -8,11 +8,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import operator
 import os
 import queue
+import signal
 import threading
 import time
 import uuid
@@ -344,6 +346,21 @@ INTERRUPT_GRACE_S = 1.0
 """After Ctrl-C, how long the groups get to stop cleanly before they are killed."""
 
 
+@contextlib.contextmanager
+def _second_interrupt_held():
+    """SIGINT ignored inside the block (where the calling thread can set handlers: the main thread),
+    then the handler before it restored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        if previous is not None:  # None: a handler not set from Python, which cannot be put back
+            signal.signal(signal.SIGINT, previous)
+
+
 MIN_CPUS_PER_RANK = 0.0001
 """Ray counts resources in units of 1e-4: a smaller share cannot be asked for."""
 
@@ -477,8 +494,14 @@ class Launcher:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
-        # Ctrl-C: the user is waiting; whatever still runs is killed after a short grace.
-        self.shutdown(grace_s=INTERRUPT_GRACE_S if exc_type is KeyboardInterrupt else 10.0)
+        if exc_type is KeyboardInterrupt:
+            # Ctrl-C: the user is waiting; whatever still runs is killed after a short grace. A
+            # second Ctrl-C then cut the shutdown short, and Ray's agents (and once a rank) outlived
+            # the command by minutes: it waits for the shutdown's few seconds instead.
+            with _second_interrupt_held():
+                self.shutdown(grace_s=INTERRUPT_GRACE_S)
+        else:
+            self.shutdown(grace_s=10.0)
 
     def start(self) -> "Launcher":
         """Plan (refusing impossible layouts before any process), place, rendezvous, load. A launcher

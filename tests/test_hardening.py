@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -268,3 +269,30 @@ def test_a_private_ray_that_does_not_start_is_a_launch_error_naming_the_fix(monk
     from launcher.errors import RayStartFailed
 
     assert exit_code_for(RayStartFailed("x")) == EXIT_RUN_FAILED  # the machine's state: a retry may work
+
+
+def test_a_second_ctrl_c_during_the_shutdown_after_the_first_does_not_cut_it_short(monkeypatch):
+    """The shutdown after Ctrl-C (the groups' second of grace, then Ray's) was itself interrupted by
+    a second Ctrl-C: the command exited, and Ray's agents (once a rank) outlived it by minutes."""
+    import signal
+
+    launcher = Launcher(LaunchConfig(progress=False))
+    done = []
+
+    def shutdown(grace_s):
+        os.kill(os.getpid(), signal.SIGINT)  # the second Ctrl-C, in the middle of it
+        time.sleep(0.1)  # where Python would run the handler
+        done.append(grace_s)
+
+    monkeypatch.setattr(launcher, "shutdown", shutdown)
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        launcher.__exit__(KeyboardInterrupt, KeyboardInterrupt(), None)
+    except KeyboardInterrupt:
+        pytest.fail("the second Ctrl-C cut the shutdown short")
+    from launcher.api import INTERRUPT_GRACE_S
+
+    assert done == [INTERRUPT_GRACE_S] and signal.getsignal(signal.SIGINT) is before
+    with pytest.raises(KeyboardInterrupt):  # outside the shutdown, Ctrl-C works as before
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.1)
