@@ -484,9 +484,11 @@ def _ways_out(req: _Request, check: _Check) -> list[str]:
             usable = int(req.inst.memory_bytes * (1 - RESERVE_FRACTION)) // check.ranks_per_node
         room = usable - mem.weight_bytes_per_rank - mem.packing_scratch_bytes_per_rank
         if room > 0 and per_token:
-            if room // (per_token * req.cache_rows) >= 1:
-                ways.append(f"a smaller seq_len (at most {room // (per_token * req.cache_rows)} at "
-                            f"{req.rows_text()})")
+            longest = room // (per_token * req.cache_rows)
+            limit = req.config.max_position_embeddings  # a longer one fits the memory but not the model
+            if longest >= 1:
+                ways.append(f"a smaller seq_len (at most {min(longest, limit)} at {req.rows_text()}"
+                            + (", the model's max_position_embeddings)" if longest >= limit else ")"))
             batch_fits = room // (per_token * req.seq_len) - req.serving_rows
             serving_fits = room // (per_token * req.seq_len) - req.batch  # rows, the scratch row included
             if req.serving_rows and 2 <= serving_fits < req.serving_rows:

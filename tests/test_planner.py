@@ -537,3 +537,11 @@ def test_ways_out_name_fewer_nodes_where_the_node_count_is_the_problem():
     text = message(p, "no_valid_tp_degree")
     assert "fewer nodes: --nodes 2 fits at tp 16, 32, 64" in text and "more nodes: --nodes 4" in text
     assert "degrees that work for this model on 3 x trn1.32xlarge: none" in message(p, "heads_not_divisible")
+
+
+def test_a_smaller_seq_len_named_as_a_way_out_never_passes_the_models_own_limit():
+    """A seq_len past max_position_embeddings short of memory was told "at most 28208", which the
+    model's own limit (8192) then refused."""
+    text = message(plan(SMOLLM2, instance="trn1.2xlarge", tp=1, seq_len=100_000, batch_size=8),
+                   "insufficient_memory")
+    assert "a smaller seq_len (at most 8192 at batch_size 8, the model's max_position_embeddings)" in text, text

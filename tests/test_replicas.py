@@ -79,7 +79,12 @@ def test_unplaceable_explanations_name_what_is_missing():
     assert "can never hold" in never and "--nodes" in never and "n1 has {CPU: 1}" in never
     assert never.endswith("lower --tp or --cpus-per-rank (each rank's CPUs)")
     lacking = explain_unplaceable({"neuron_cores": 1, "CPU": 1}, 2, 2, [{"CPU": 4.0}])
-    assert "lacks neuron_cores (2 in all)" in lacking
+    assert "lacks neuron_cores (2 in all)" in lacking and lacking.endswith("Add a node with {neuron_cores: 1, CPU: 1}")
+    # not one rank's bundle fits any node: more nodes per group or a lower --tp cannot help (both were offered)
+    huge = explain_unplaceable({"CPU": 100}, 1, 1, [{"CPU": 2.0}], node_names=["n1"])
+    assert "no node holds even one rank's bundle (alive nodes: n1 has {CPU: 2})" in huge, huge
+    assert huge.endswith("Lower --cpus-per-rank (at most 2, the most CPUs a node has), or add a node with {CPU: 100}")
+    assert "--tp" not in huge and "--nodes" not in huge
     # A device group split evenly over 3 nodes where 2 hold their share: more nodes per group, or
     # --cpus-per-rank (which sizes only a cpu rank), would not help; fewer nodes per group would.
     short = explain_unplaceable({"neuron_cores": 1, "CPU": 1}, 3, 3, [{"CPU": 8.0, "neuron_cores": 8.0}] * 2)

@@ -194,6 +194,13 @@ def explain_unplaceable(bundle: Mapping[str, float], tp: int, max_nodes: int,
                    f"its {min(max_nodes, len(node_total))} roomiest node(s) hold only {sum(best)} such bundle(s)")
         # --cpus-per-rank sizes only a cpu rank's bundle (CPU alone); a device bundle is fixed
         cpus = " or --cpus-per-rank (each rank's CPUs)" if set(bundle) == {"CPU"} else ""
+        if not any(bundles_that_fit(t, bundle) for t in node_total):
+            # not one rank fits anywhere: more nodes per group, or fewer ranks, cannot help
+            most = max(t.get("CPU", 0.0) for t in node_total)
+            way = (f"Lower --cpus-per-rank (at most {_fmt(most)}, the most CPUs a node has), or add a node with "
+                   f"{{{want}}}" if set(bundle) == {"CPU"} else f"Add a node with {{{want}}}")
+            return (f"it needs {need} and the cluster can never hold that: {missing}; no node holds even one "
+                    f"rank's bundle (alive nodes: {held}). {way}")
         # the same share on each node (per_node): more nodes per group need more nodes still
         ways = (f"Add nodes that hold {per_node} such bundles each, pass fewer --nodes (more ranks on each node)"
                 if per_node is not None else "Add nodes with these resources, allow more nodes per group (--nodes)")
