@@ -353,6 +353,39 @@ def test_an_empty_path_option_is_a_usage_error(argv, capsys):
 
 
 @pytest.mark.parametrize("argv, words", [
+    (["generate", "--json", "--max-num-seqs", "0", "hi"],
+     "corelaunch generate: error: argument --max-num-seqs: --max-num-seqs (0) must be at least 1 (see "
+     "`corelaunch generate --help`)"),
+    (["generate", "--dtype", "float64", "hi"], "corelaunch generate: error: argument --dtype: invalid choice"),
+    (["generate", "A", "--max-new-tokens", "4", "B"],
+     "corelaunch: error: unrecognized arguments: B; prompts go together (all options before or after them), or "
+     "each with --prompt"),
+    (["plan", "--bogus"], "corelaunch: error: unrecognized arguments: --bogus (see `corelaunch --help`)"),
+])
+def test_argparse_refusals_are_one_line_naming_the_fix(argv, words, capsys, ray_tripwire):
+    """argparse printed its whole usage block (28 lines for generate) above the line that says what
+    is wrong, where every other refusal is one line; prompts split by an option were "unrecognized
+    arguments" with no hint of why."""
+    from launcher.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and words in err and err.count("\n") == 1, err
+
+
+def test_a_seed_without_sampling_is_refused_not_dropped(capsys, ray_tripwire):
+    """`generate --seed 3` ran greedy, which takes no seed, without a word."""
+    from launcher.cli import main
+
+    assert main(["generate", "--seed", "3", "hi"]) == 2
+    assert "--seed (3) seeds sampling, and no sampling flag is given" in capsys.readouterr().err
+    assert main(["generate", "--seed", "3", "--temperature", "0", "--max-batch-size", "0", "hi"]) == 2  # taken:
+    err = capsys.readouterr().err  # greedy asked for outright; refused for the batch size, after the sampling
+    assert "--seed" not in err and "--max-batch-size (0)" in err, err
+
+
+@pytest.mark.parametrize("argv, words", [
     (["generate", "--restart-window", "0", "x"], "--restart-window (0.0) must be a finite positive number"),
     (["generate", "--placement-timeout", "nan", "x"], "--placement-timeout (nan) must be"),
     (["generate", "--request-timeout", "1e300", "x"], "--request-timeout (1e+300) must be at most 1000000 seconds"),

@@ -24,8 +24,16 @@ SUBCOMMANDS = {
 }
 
 
+class _OneLineErrors(argparse.ArgumentParser):
+    """argparse's refusals in one line, as the commands' own are: argparse printed the whole usage
+    block (28 lines for `generate`) above the line that says what is wrong."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _OneLineErrors(
         prog="corelaunch",
         description="Ray-based launcher for tensor-parallel LLM inference (Neuron, CPU).",
     )
@@ -39,7 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        # `generate "A" --max-new-tokens 4 "B"`: argparse takes one run of positional prompts
+        hint = ("; prompts go together (all options before or after them), or each with --prompt"
+                if args.command == "generate" else "")
+        parser.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
     try:
         return int(args.run(args) or 0)
     except KeyboardInterrupt:  # the launcher has already stopped its workers (Launcher.__exit__)

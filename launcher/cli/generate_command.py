@@ -43,6 +43,10 @@ def _sampling(args):
                                ("top_p", args.top_p), ("seed", args.seed)) if v is not None}
     if given and "temperature" not in given and ("top_k" in given or "top_p" in given):
         given["temperature"] = 1.0  # top-k/top-p alone means: sample at temperature 1
+    if set(given) == {"seed"}:  # greedy, which draws nothing: the seed was dropped without a word
+        raise ValueError(f"--seed ({args.seed}) seeds sampling, and no sampling flag is given (the default is "
+                         f"greedy, which takes no seed): add --temperature T, or --top-k / --top-p (which sample at "
+                         f"temperature 1)")
     return SamplingParams(**given)
 
 
