@@ -737,11 +737,12 @@ class Launcher:
         try:
             group.start()
             stats = group.load(spec)
-            group.start_serving(self._serve_spec())
+            prepared = group.start_serving(self._serve_spec())
         except BaseException:
             group.kill()
             raise
-        return StartedGroup(group=group, load_stats=stats)
+        serving_compile = prepared[0].get("compile") if prepared and isinstance(prepared[0], dict) else None
+        return StartedGroup(group=group, load_stats=stats, serving_compile=serving_compile)
 
     def _serve_spec(self):
         from workers.rank_worker import ServeSpec

@@ -40,3 +40,27 @@ def test_nothing_to_say_when_eager_or_nothing_was_built():
 def test_several_replicas_report_the_slowest():
     per_replica = [(stats(), stats(10.0, misses=3)), (stats(), stats(12.0, 3.0, misses=6)), (None, None)]
     assert compile_message(per_replica).startswith("compiled 2 graph(s) in 15.0 s")
+
+
+def test_graphs_a_warm_up_built_while_serving_was_prepared_are_not_the_requests():
+    """--warm-up builds the serving loop's graphs after the load's stats were taken: `generate
+    --warm-up` said "compiled 12 graph(s) ... during the requests" of graphs built at start."""
+    from types import SimpleNamespace
+
+    from launcher.cluster.replica_pool import ReplicaPool, StartedGroup
+
+    at_load, warmed = stats(20.0, misses=3), stats(20.0, 4.0, 3.0, misses=9)
+
+    def replica(now: dict, serving_compile: dict | None):
+        group = SimpleNamespace(compile_stats=lambda: now)
+        started = StartedGroup(group=group, load_stats=[SimpleNamespace(compile=at_load)],
+                               serving_compile=serving_compile)
+        return SimpleNamespace(state="serving", started=started)
+
+    pool = SimpleNamespace(replicas=[replica(warmed, warmed)])
+    assert compile_message(ReplicaPool.compile_stats(pool)) is None
+    pool = SimpleNamespace(replicas=[replica(stats(20.0, 4.0, 3.0, 6.0, misses=10), warmed)])
+    assert compile_message(ReplicaPool.compile_stats(pool)) == (
+        "compiled 1 graph(s) in 6.0 s during the requests; later runs take them from the cache")
+    pool = SimpleNamespace(replicas=[replica(warmed, None)])  # eager serving, or a group that reported none
+    assert compile_message(ReplicaPool.compile_stats(pool)).startswith("compiled 2 graph(s) in 7.0 s")

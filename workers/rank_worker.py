@@ -303,7 +303,8 @@ class RankWorker:
             with model.warming_up():
                 loop.warm_up(shapes.shapes(spec.warm_up_max_length or None))
         self._loop = self._prepared_loop = loop
-        return {"rank": self.spec.rank, "cache_bytes": loop.cache.nbytes(), "prepare_s": time.perf_counter() - start}
+        return {"rank": self.spec.rank, "cache_bytes": loop.cache.nbytes(), "prepare_s": time.perf_counter() - start,
+                "compile": self.compile_stats()}  # the warm-up's graphs: built at start, not in a request
 
     def serve(self) -> dict:
         """Run the serving loop until stop_serving(); the loop's step counters when it ends."""

@@ -54,6 +54,9 @@ class StartedGroup:
     group: object
     """launcher.cluster.tp_group.TPGroup (or anything with generate/kill/shutdown/dead_ranks/workers)."""
     load_stats: list = field(default_factory=list)
+    serving_compile: dict | None = None
+    """Rank 0's compile stats once its serving loop was prepared (after a --warm-up's graphs): the
+    graphs built after it were built during the requests."""
 
 
 GroupFactory = Callable[[int, bool], StartedGroup]
@@ -537,7 +540,8 @@ class ReplicaPool:
             if replica.state != "serving" or started is None:
                 continue
             at_load = started.load_stats[0].compile if started.load_stats else None
-            out.append((at_load, started.group.compile_stats()))
+            # graphs a warm-up built while the serving loop was prepared are the start's, not the requests'
+            out.append((started.serving_compile or at_load, started.group.compile_stats()))
         return out
 
     def _replica_failed(self, replica: Replica) -> None:
