@@ -357,8 +357,8 @@ def _second_interrupt_held():
     try:
         yield
     finally:
-        if previous is not None:  # None: a handler not set from Python, which cannot be put back
-            signal.signal(signal.SIGINT, previous)
+        # None: a handler not set from Python, which cannot be put back; Python's own then
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
 
 
 MIN_CPUS_PER_RANK = 0.0001

@@ -265,6 +265,14 @@ def test_a_private_ray_that_does_not_start_is_a_launch_error_naming_the_fix(monk
                                           r"Ray waits 30 s for it, .* retry when the host is quieter"):
         ray_cluster.connect("local")
     assert shut == [True]  # whatever the failed start left is shut down
+
+    def no_permission(**options):
+        raise PermissionError(13, "Permission denied", "/tmp/ray/session_x")
+
+    monkeypatch.setattr(ray, "init", no_permission)  # not Ray's wait: said as it is (a retry cannot help)
+    with pytest.raises(PermissionError):
+        ray_cluster.connect("local")
+    assert shut == [True, True]
     from launcher.cli.exit_codes import EXIT_RUN_FAILED, exit_code_for
     from launcher.errors import RayStartFailed
 

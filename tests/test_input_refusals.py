@@ -358,9 +358,12 @@ def test_an_empty_path_option_is_a_usage_error(argv, capsys):
      "`corelaunch generate --help`)"),
     (["generate", "--dtype", "float64", "hi"], "corelaunch generate: error: argument --dtype: invalid choice"),
     (["generate", "A", "--max-new-tokens", "4", "B"],
-     "corelaunch: error: unrecognized arguments: B; prompts go together (all options before or after them), or "
-     "each with --prompt"),
-    (["plan", "--bogus"], "corelaunch: error: unrecognized arguments: --bogus (see `corelaunch --help`)"),
+     "corelaunch generate: error: unrecognized arguments: B; prompts go together (all options before or after "
+     "them), or each with --prompt (see `corelaunch generate --help`)"),
+    # a misspelt option is no split prompt
+    (["generate", "--tempreature", "0.5", "hi"],
+     "corelaunch generate: error: unrecognized arguments: --tempreature (see `corelaunch generate --help`)"),
+    (["plan", "--bogus"], "corelaunch plan: error: unrecognized arguments: --bogus (see `corelaunch plan --help`)"),
 ])
 def test_argparse_refusals_are_one_line_naming_the_fix(argv, words, capsys, ray_tripwire):
     """argparse printed its whole usage block (28 lines for generate) above the line that says what

@@ -466,6 +466,6 @@ def test_check_prompts_refuses_what_generate_refuses_of_stop_ids_and_flags(small
                             ({"return_logits": 1}, "return_logits")):
         with pytest.raises(ValueError, match=words):
             launcher.check_prompts(prompts, **options)
-        with pytest.raises(ValueError, match=words):  # the static path's own checks, the same values
+        with pytest.raises(ValueError, match=words):  # with batching="static" too
             launcher.check_prompts(prompts, batching="static", **options)
     launcher.check_prompts(prompts, stop_token_ids=[3], ignore_eos=True, return_logits=True)

@@ -50,9 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:
         # `generate "A" --max-new-tokens 4 "B"`: argparse takes one run of positional prompts
-        hint = ("; prompts go together (all options before or after them), or each with --prompt"
-                if args.command == "generate" else "")
-        parser.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
+        split_prompts = args.command == "generate" and not any(word.startswith("-") for word in extra)
+        hint = "; prompts go together (all options before or after them), or each with --prompt" if split_prompts else ""
+        parser.exit(2, f"corelaunch {args.command}: error: unrecognized arguments: {' '.join(extra)}{hint} "
+                       f"(see `corelaunch {args.command} --help`)\n")
     try:
         return int(args.run(args) or 0)
     except KeyboardInterrupt:  # the launcher has already stopped its workers (Launcher.__exit__)

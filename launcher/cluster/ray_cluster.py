@@ -245,8 +245,14 @@ def connect(address: str | None = None, num_cpus: int | None = None, worker_logs
     try:
         with _agent_port_left_to_the_os():
             _init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, **quiet)
-    except Exception as err:  # Ray raises a bare Exception when its raylet has not registered in 30 s
-        ray.shutdown()  # whatever it did start
+    except Exception as err:
+        try:
+            ray.shutdown()  # whatever it did start
+        except Exception:  # noqa: BLE001 - the start's own error is the one to report
+            pass
+        if type(err) is not Exception:  # a permission, a path, a bad option: said as it is (exit 2)
+            raise
+        # Ray raises a bare Exception when its raylet has not registered within 30 s
         raise RayStartFailed(f"the private Ray cluster did not start: {err} Ray waits 30 s for it, which a host "
                              f"too busy to start its processes misses (look at `uptime`): retry when the host is "
                              f"quieter; Ray's own logs are in /tmp/ray/session_latest/logs") from err

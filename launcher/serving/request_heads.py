@@ -116,7 +116,10 @@ def bound_request_heads() -> bool:
         return True
     if current is not uvicorn or not hasattr(http_util, "start_asgi_http_server"):
         return False
-    protocol = bounded_protocol_class()
+    try:
+        protocol = bounded_protocol_class()
+    except ImportError:  # uvicorn without httptools parses with h11, which bounds a head's size itself
+        return False
 
     def config(*args, **kwargs):
         kwargs.setdefault("http", protocol)

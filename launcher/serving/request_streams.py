@@ -65,9 +65,9 @@ class _Stream:
     def _fail(self, error: BaseException) -> NoReturn:
         """End the stream with `error`, for this read and every later one, whichever reader makes it
         (another thread's reader took the end for a finished answer)."""
-        self.done = True
-        if self._cancelled is None:
+        if self._cancelled is None:  # before `done`: a reader that sees it done finds the reason
             self._cancelled = error
+        self.done = True
         raise error
 
     def _overdue(self) -> RequestTimeout:
