@@ -381,16 +381,15 @@ def _plain_number(value):
     """An integer or a real number of any kind (np.int64, np.float32, a 0-d torch tensor) as Python's
     int or float; anything else (None, strings, bools of any kind) as it is, for the checks to name."""
     number = integer_of_any_kind(value)
-    if number is not None:
-        return number
-    if isinstance(value, (int, float)) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool"):
+    if number is not None or isinstance(value, float):
+        return value if number is None else number
+    # a scalar of numpy's or a 0-d tensor (both have shape ()); bools of any kind stay as they are
+    if getattr(value, "shape", None) != () or str(getattr(value, "dtype", "")) in ("bool", "torch.bool"):
         return value
-    if getattr(value, "shape", None) == () or type(value).__module__ == "numpy":  # a 0-d tensor or array, numpy's float
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            return value
-    return value
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return value
 
 
 def _positive_seconds(name: str, value) -> None:
@@ -741,8 +740,7 @@ class Launcher:
         except BaseException:
             group.kill()
             raise
-        serving_compile = prepared[0].get("compile") if prepared and isinstance(prepared[0], dict) else None
-        return StartedGroup(group=group, load_stats=stats, serving_compile=serving_compile)
+        return StartedGroup(group=group, load_stats=stats, serving_compile=prepared[0].get("compile"))
 
     def _serve_spec(self):
         from workers.rank_worker import ServeSpec

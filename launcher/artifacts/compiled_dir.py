@@ -170,13 +170,14 @@ def apply_compiled_dir(config):
         # was compiled with are taken again
         effective = min(config.max_context_length, config.seq_len or buckets.max_seq_len)
         if effective != buckets.context[-1]:
-            differ.append(f"--max-context-length: expected {buckets.context[-1]} (compiled: the largest context "
-                          f"bucket), found {config.max_context_length} (asked)")
+            differ.append(f"{FLAG_OF_FIELD['max_context_length']}: expected {buckets.context[-1]} (compiled: the "
+                          f"largest context bucket), found {config.max_context_length} (asked)")
     if config.presharded_dir is not None:
-        differ.append(f"--presharded: expected none (the directory's own weights, {weights_dir(root)}), found "
-                      f"{config.presharded_dir} (asked)")
+        differ.append(f"{FLAG_OF_FIELD['presharded_dir']}: expected none (the directory's own weights, "
+                      f"{weights_dir(root)}), found {config.presharded_dir} (asked)")
     if config.seq_len is not None and config.seq_len != buckets.max_seq_len:
-        differ.append(f"--seq-len: expected {buckets.max_seq_len} (compiled), found {config.seq_len} (asked)")
+        differ.append(f"{FLAG_OF_FIELD['seq_len']}: expected {buckets.max_seq_len} (compiled), found "
+                      f"{config.seq_len} (asked)")
     if not config.compile:
         differ.append("--no-compile: a compiled directory runs compiled")
     differ += version_differences(manifest["versions"])

@@ -29,7 +29,12 @@ class _OneLineErrors(argparse.ArgumentParser):
     block (28 lines for `generate`) above the line that says what is wrong."""
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+        _usage_error(self.prog, message)
+
+
+def _usage_error(prog: str, message: str):
+    sys.stderr.write(f"{prog}: error: {message} (see `{prog} --help`)\n")
+    sys.exit(2)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,8 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         # `generate "A" --max-new-tokens 4 "B"`: argparse takes one run of positional prompts
         split_prompts = args.command == "generate" and not any(word.startswith("-") for word in extra)
         hint = "; prompts go together (all options before or after them), or each with --prompt" if split_prompts else ""
-        parser.exit(2, f"corelaunch {args.command}: error: unrecognized arguments: {' '.join(extra)}{hint} "
-                       f"(see `corelaunch {args.command} --help`)\n")
+        _usage_error(f"corelaunch {args.command}", f"unrecognized arguments: {' '.join(extra)}{hint}")
     try:
         return int(args.run(args) or 0)
     except KeyboardInterrupt:  # the launcher has already stopped its workers (Launcher.__exit__)

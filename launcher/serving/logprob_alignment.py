@@ -78,7 +78,8 @@ class AlignedLogprobs:
     def _place(self, entry: TokenLogprob) -> _Placed:
         token = entry.token_id
         offset, new = self._offsets.place(token)
-        new_bytes = len(new.encode())
+        emitted = new.encode()
+        new_bytes = len(emitted)
         own = self._pieces.bytes(token)
         if self._pieces.part_of_a_character(token):
             # Its own bytes come out later, with the character they complete (or as U+FFFD).
@@ -91,7 +92,7 @@ class AlignedLogprobs:
             # the held bytes' U+FFFD, where the token's text was read at that offset)
             within = max(_bytes_when_flushed(self._held), new_bytes - len(own))
             start_byte = self._bytes + within
-            offset += len(new.encode()[:within].decode("utf-8", "replace"))
+            offset += len(emitted[:within].decode("utf-8", "replace"))
             adds = True
         else:  # a skipped special token: nothing emitted, whatever is held stays held
             start_byte = self._bytes + _bytes_before(self._held, None)

@@ -267,6 +267,9 @@ SERVER_LOG = logging.getLogger("ray.serve")
 directory), where the causes that clients are not told end up."""
 
 
+_FAILED_FOR_GOOD = (ReplicaFailed, NoReplicaAvailable)
+"""A replica's model that failed and could not be restarted: Serve replaces the replica."""
+
 _last_logged = [""]
 
 
@@ -278,7 +281,7 @@ def _unavailable(err: LaunchError) -> str:
     if str(err) != _last_logged[0]:  # once, not for each request refused behind it
         _last_logged[0] = str(err)
         SERVER_LOG.error("corelaunch: the model is not serving: %s", err)
-    if isinstance(err, (ReplicaFailed, NoReplicaAvailable)):
+    if isinstance(err, _FAILED_FOR_GOOD):
         return ("this server replica's model failed and could not be restarted (Serve replaces the replica; "
                 "the cause is in the server's log)")
     return "this server replica's model is not serving (it is stopping)"
@@ -294,7 +297,7 @@ def _generation_failure(err: Exception) -> tuple[int, dict, dict]:
         return 504, proto.error_body(
             f"{err}; or ask for fewer tokens with max_tokens (max_completion_tokens): a chat request without it "
             f"may generate up to the rest of the model's context", type="server_error", code="generation_timeout"), {}
-    if isinstance(err, (ReplicaFailed, NoReplicaAvailable)) or type(err) is LaunchError:  # failed for good, stopped
+    if isinstance(err, _FAILED_FOR_GOOD) or type(err) is LaunchError:  # failed for good, or stopping
         return 503, proto.error_body(
             f"generation failed: {_unavailable(err)}; the request was not finished: retry it after "
             f"{UNAVAILABLE_RETRY_S} s", type="server_error", code="model_unavailable"), _RETRY_UNAVAILABLE
