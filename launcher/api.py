@@ -35,7 +35,7 @@ from shardlib.model_config import ModelConfig, normalize_dtype
 from shardlib.quantized_sizes import kv_dtype_name
 from shardlib.instances import INSTANCE_NAMES
 from shardlib.planner import KV_STRATEGIES
-from shardlib.positive_int import integer_of_any_kind, is_positive_int, positive_int
+from shardlib.positive_int import integer_of_any_kind, is_positive_int, positive_int, real_of_any_kind
 from shardlib.request_checks import check_fits, check_request, check_stop_token_ids, is_token_index
 from shardlib.sampling_params import SamplingParams
 from shardlib.serving_shapes import DEFAULT_MAX_NUM_SEQS
@@ -380,16 +380,8 @@ def _plain_integer(value):
 def _plain_number(value):
     """An integer or a real number of any kind (np.int64, np.float32, a 0-d torch tensor) as Python's
     int or float; anything else (None, strings, bools of any kind) as it is, for the checks to name."""
-    number = integer_of_any_kind(value)
-    if number is not None or isinstance(value, float):
-        return value if number is None else number
-    # a scalar of numpy's or a 0-d tensor (both have shape ()); bools of any kind stay as they are
-    if getattr(value, "shape", None) != () or str(getattr(value, "dtype", "")) in ("bool", "torch.bool"):
-        return value
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return value
+    number = real_of_any_kind(value)
+    return value if number is None else number
 
 
 def _positive_seconds(name: str, value) -> None:

@@ -27,3 +27,20 @@ def integer_of_any_kind(value) -> int | None:
         return operator.index(value)
     except TypeError:
         return None
+
+
+def real_of_any_kind(value) -> int | float | None:
+    """`value` as a Python int or float when it is a number of any kind (numpy's scalars, 0-d torch
+    tensors of any dtype but bool), else None: checked like any other value, and plain on the ranks."""
+    number = integer_of_any_kind(value)
+    if number is not None:
+        return number
+    if type(value) is float:
+        return value
+    # a scalar (np.float64 too, a float's subclass) of numpy's or a 0-d tensor (both have shape ()); bools of any kind are not numbers
+    if getattr(value, "shape", None) != () or str(getattr(value, "dtype", "")) in ("bool", "torch.bool"):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None

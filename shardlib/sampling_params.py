@@ -5,11 +5,10 @@ sampling itself is workers/sampling.py."""
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 
 from shardlib.config_fields import finite
-from shardlib.positive_int import integer_of_any_kind
+from shardlib.positive_int import integer_of_any_kind, real_of_any_kind
 
 MIN_SEED, MAX_SEED = -2**63, 2**63 - 1
 """A seed is any signed 64-bit integer, as OpenAI's API takes it (torch reads a negative one modulo 2**64)."""
@@ -53,14 +52,12 @@ class SamplingParams:
 
 
 def _plain_numbers(params: SamplingParams) -> None:
-    """numpy's scalars (np.int64 top_k, np.float32 temperature) and torch's 0-d integers as Python's
+    """numpy's scalars (np.int64 top_k, np.float32 temperature) and torch's 0-d tensors as Python's
     int and float, as prompts take them: checked like any other value, and plain on the ranks."""
     for name in ("top_k", "seed", "temperature", "top_p"):
         value = getattr(params, name)
         if type(value) in (int, float, bool) or value is None:
             continue
-        number = integer_of_any_kind(value)
-        if number is None and name in ("temperature", "top_p") and isinstance(value, numbers.Real):
-            number = float(value)  # np.float32, np.float64
+        number = integer_of_any_kind(value) if name in ("top_k", "seed") else real_of_any_kind(value)
         if number is not None:
             object.__setattr__(params, name, number)

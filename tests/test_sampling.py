@@ -294,3 +294,18 @@ def test_numpy_and_torch_scalars_are_taken_as_plain_numbers():
                        (dict(top_p=np.float32("nan")), "top_p")):
         with pytest.raises(ValueError, match=words):
             SamplingParams(**bad)
+
+
+def test_zero_dim_float_tensors_are_taken_as_plain_numbers():
+    """SamplingParams(temperature=torch.tensor(0.5)) was refused "must be a finite number >= 0", a
+    rule the value met, while LaunchConfig took the same tensor; 0-d float tensors are read as float,
+    tensors of other shapes and bool tensors still refused."""
+    params = SamplingParams(temperature=torch.tensor(0.5), top_p=torch.tensor(0.9, dtype=torch.float64),
+                            top_k=torch.tensor(3))
+    assert (params.temperature, params.top_k, params.top_p) == (0.5, 3, 0.9)
+    assert [type(v) for v in (params.temperature, params.top_k, params.top_p)] == [float, int, float]
+    for bad, words in ((dict(temperature=torch.tensor([0.5])), "temperature"),
+                       (dict(temperature=torch.tensor(True)), "temperature"),
+                       (dict(top_k=torch.tensor(2.0)), "top_k")):
+        with pytest.raises(ValueError, match=words):
+            SamplingParams(**bad)
