@@ -33,3 +33,55 @@ def positive_seconds(name: str):
             raise argparse.ArgumentTypeError(f"{name} ({text}) must be a finite number of seconds above 0")
         return value
     return parse
+
+
+def finite_number(name: str, minimum: float, *, above: bool = False):
+    """A finite number >= minimum (> minimum with above=True): nan passed every `< minimum` check
+    and inf overflowed the first sleep or thread count that used it, after the work had started."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, not {text!r}") from None
+        if not math.isfinite(value) or value < minimum or (above and value == minimum):
+            raise argparse.ArgumentTypeError(
+                f"{name} ({text}) must be a finite number {'above' if above else 'of at least'} {minimum:g}")
+        return value
+    return parse
+
+
+def model_folder(name: str):
+    """A Hugging Face model folder (one with a config.json), checked before any work: a missing one
+    was a traceback after the start-up, or transformers' message about Hub repository ids."""
+    def parse(text: str) -> str:
+        from pathlib import Path
+
+        if not (Path(text) / "config.json").is_file():
+            what = "does not exist" if not Path(text).exists() else "has no config.json"
+            raise argparse.ArgumentTypeError(f"{name} ({text}) {what}: pass a Hugging Face model folder "
+                                             f"(config.json, tokenizer and safetensors weights)")
+        return text
+    return parse
+
+
+BENCH_CONTEXT = 8192
+"""The longest prompt plus new tokens the benchmarks' buckets (auto_buckets up to this) hold."""
+
+
+def smallest_buckets(prompt_tokens: int, new_tokens: int) -> dict:
+    """The smallest buckets that hold one request: the KV-cache length and the context bucket."""
+    from shardlib.buckets import auto_buckets
+
+    buckets = auto_buckets(BENCH_CONTEXT)
+    return {"seq_len": next(b for b in buckets if b >= prompt_tokens + new_tokens),
+            "max_context_length": next(b for b in buckets if b >= prompt_tokens)}
+
+
+def check_context(parser: argparse.ArgumentParser, prompt_tokens: int, new_tokens: int,
+                  prompt_flag: str, new_flag: str) -> None:
+    """parser.error unless the prompt and the new tokens fit BENCH_CONTEXT (a bare StopIteration
+    after the tokenizer or the model had loaded)."""
+    if prompt_tokens + new_tokens > BENCH_CONTEXT:
+        parser.error(f"{prompt_flag} ({prompt_tokens}) plus {new_flag} ({new_tokens}) is "
+                     f"{prompt_tokens + new_tokens}: the benchmark's buckets hold at most {BENCH_CONTEXT} "
+                     f"tokens; lower one of them")

@@ -36,6 +36,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.arguments import check_context, smallest_buckets  # noqa: E402
 from benchmarks.bandwidth import decode_bound, measure_gbps  # noqa: E402
 from launcher.cli.options import int_at_least  # noqa: E402
 from workers.granularities import DEFAULT_GRANULARITY  # noqa: E402
@@ -54,11 +55,7 @@ def prompt_ids(tokenizer, length: int) -> list[int]:
 
 def bucket_settings(prompt_tokens: int, new_tokens: int) -> dict:
     """The smallest buckets that hold the benchmark request: one context bucket, one cache bucket."""
-    from shardlib.buckets import auto_buckets
-
-    seq = next(b for b in auto_buckets(8192) if b >= prompt_tokens + new_tokens)
-    return {"seq_len": seq, "max_context_length": next(b for b in auto_buckets(8192) if b >= prompt_tokens),
-            "max_batch_size": 1}
+    return {**smallest_buckets(prompt_tokens, new_tokens), "max_batch_size": 1}
 
 
 def hf_runner(model_dir: Path, ids: list[int], new_tokens: int):
@@ -233,6 +230,7 @@ def main() -> None:
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--compiled-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    check_context(parser, args.prompt_tokens, args.new_tokens, "--prompt-tokens", "--new-tokens")
     if args.start_probe:
         start_probe(args)
         return

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks.kernel_sources import c_source_in  # noqa: E402
+from benchmarks.kernel_sources import c_source_in, checkout_with  # noqa: E402
 from launcher.cli.options import int_at_least  # noqa: E402 - bad values refused before any work
 from workers import native_build  # noqa: E402
 from workers.kernels import decode_attention as kernel  # noqa: E402
@@ -77,7 +77,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int_at_least("--repeats", 1), default=30)
     parser.add_argument("--threads", type=int_at_least("--threads", 1), default=os.cpu_count())
-    parser.add_argument("--from", dest="other", help="another checkout whose kernel source to time beside this one's")
+    parser.add_argument("--from", dest="other", type=checkout_with("--from", "workers/kernels/decode_attention.py"),
+                        help="another checkout whose kernel source to time beside this one's")
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated, of " + ", ".join(CASES))
     args = parser.parse_args()
     cases = args.cases.split(",")

@@ -31,7 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from launcher.cli.options import int_at_least  # noqa: E402 - bad values refused before any work
+from benchmarks.arguments import model_folder  # noqa: E402 - bad values refused before any work
+from launcher.cli.options import int_at_least  # noqa: E402
 
 TARGET_TP3_OVER_TP1 = 0.45
 
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int_at_least("--repeats", 1), default=5,
                         help="fresh processes per case (default 5)")
-    parser.add_argument("--model-dir", help="a Hugging Face checkpoint (default: the SmolLM2 demo model)")
+    parser.add_argument("--model-dir", type=model_folder("--model-dir"), help="a Hugging Face checkpoint (default: the SmolLM2 demo model)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.arguments import finite_number  # noqa: E402
 from launcher.serving.loop_hand_over import loop_sink  # noqa: E402
 from launcher.serving.request_streams import next_item  # noqa: E402
 
@@ -68,14 +69,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--step-ms", type=float, default=2.0)
+    parser.add_argument("--step-ms", type=finite_number("--step-ms", 0), default=2.0)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args(argv)
     for name in ("streams", "steps", "rounds"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be >= 1")
-    if args.step_ms < 0:
-        parser.error(f"--step-ms ({args.step_ms}) must be >= 0")
     cpu_us: dict[str, list[float]] = {"batched": [], "per_item": []}
     for _ in range(args.rounds):
         for way in cpu_us:

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -15,6 +16,8 @@ sys.path.insert(0, str(REPO))
 
 
 def main() -> None:
+    # no options: --help says so, and a typo is refused instead of running the benchmark
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     start = time.perf_counter()
     from shardlib.model_config import load_model_config
     from shardlib.planner import plan

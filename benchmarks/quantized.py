@@ -43,6 +43,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.decode import prompt_ids, worker_runner  # noqa: E402
 from benchmarks.load_memory import _proc_field, _run_child  # noqa: E402
 from benchmarks.tp_scaling import save_random_254m  # noqa: E402
+from benchmarks.arguments import check_context, model_folder  # noqa: E402
 from launcher.cli.options import int_at_least  # noqa: E402
 
 DEMO_PROMPTS = ["The capital of France is", "2 + 2 =", "Once upon a time"]
@@ -168,10 +169,25 @@ def decode_section(dirs: dict[str, Path], args) -> dict:
     return out
 
 
+def quant_formats(text: str) -> list[str]:
+    """--formats as quantization dtypes, checked before any work (an unknown one failed in the child
+    after the model was read, and after every format before it had been quantized)."""
+    from shardlib.quantization import QUANT_DTYPES, normalize_quant_dtype
+
+    try:
+        formats = [normalize_quant_dtype(name) for name in text.split(",")]
+    except ValueError:
+        formats = []
+    if not formats or len(set(formats)) != len(formats):
+        raise argparse.ArgumentTypeError(f"--formats ({text!r}) must be distinct comma-separated formats of "
+                                         f"{', '.join(QUANT_DTYPES)}, e.g. int8,f8e4m3")
+    return formats
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--formats", default="int8,f8e4m3", help="comma-separated formats (default int8,f8e4m3)")
-    parser.add_argument("--model-dir", help="a float32 Hugging Face checkpoint (default: the SmolLM2 demo model)")
+    parser.add_argument("--formats", type=quant_formats, default="int8,f8e4m3", help="comma-separated formats (default int8,f8e4m3)")
+    parser.add_argument("--model-dir", type=model_folder("--model-dir"), help="a float32 Hugging Face checkpoint (default: the SmolLM2 demo model)")
     parser.add_argument("--random-254m", action="store_true",
                         help="the 254M random Llama of benchmarks/tp_scaling.py instead of SmolLM2")
     parser.add_argument("--repeats", type=int_at_least("--repeats", 1), default=3)
@@ -182,6 +198,7 @@ def main() -> None:
     parser.add_argument("--skip-compiled", action="store_true", help="decode eagerly only (no graph builds)")
     parser.add_argument("--quantize-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    check_context(parser, args.prompt_tokens, args.new_tokens, "--prompt-tokens", "--new-tokens")
     if args.quantize_child:
         print(json.dumps(_quantize_child(json.loads(args.quantize_child))))
         return
@@ -203,7 +220,7 @@ def main() -> None:
         dirs = {"float32": model_dir}
         largest = largest_tensor_bytes(model_dir)
         report["quantize"] = {"largest_tensor_bytes": largest}
-        for fmt in args.formats.split(","):
+        for fmt in args.formats:
             dirs[fmt] = Path(tmp) / fmt
             result = quantize_in_child(model_dir, dirs[fmt], fmt)
             result["peak_over_largest_tensor"] = round(result["added_peak_bytes"] / largest, 3)

@@ -111,6 +111,10 @@ def main() -> None:
     parser.add_argument("--replicas", type=int_at_least("--replicas", 1), default=2)
     parser.add_argument("--threads", type=int_at_least("--threads", 1), default=os.cpu_count() or 2, help="torch threads in all")
     args = parser.parse_args()
+    if args.replicas > args.threads:
+        parser.error(f"--replicas ({args.replicas}) above --threads ({args.threads}): each replica's rank needs "
+                     f"a thread of its own, or the split runs more threads than the single replica and the "
+                     f"ratio compares different cores; raise --threads or lower --replicas")
 
     import ray
 

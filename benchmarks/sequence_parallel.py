@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.allreduce import rank_reports  # noqa: E402 - stops waiting once a rank has died
-from benchmarks.arguments import positive_seconds  # noqa: E402 - bad values refused before any work
+from benchmarks.arguments import model_folder, positive_seconds  # noqa: E402 - bad values refused before any work
 from launcher.cli.options import int_at_least  # noqa: E402
 
 VARIANTS = ("plain", "sequence")
@@ -139,7 +139,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int_at_least("--prompt-len", 2), default=2048)
     parser.add_argument("--rounds", type=int_at_least("--rounds", 1), default=3)
     parser.add_argument("--no-compile", dest="compile", action="store_false")
-    parser.add_argument("--model-dir", help="a saved model (default: the 254M random Llama, built once)")
+    parser.add_argument("--model-dir", type=model_folder("--model-dir"), help="a saved model (default: the 254M random Llama, built once)")
     parser.add_argument("--timeout-s", type=positive_seconds("--timeout-s"), default=1800)
     args = parser.parse_args()
     args.model_dir = _model_dir(args)

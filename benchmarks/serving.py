@@ -47,7 +47,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.arguments import positive_seconds  # noqa: E402 - bad values refused before any work
+from benchmarks.arguments import check_context, finite_number, model_folder, positive_seconds, smallest_buckets  # noqa: E402 - bad values refused before any work
 from benchmarks.process_cpu import cpu_by_process, snapshot  # noqa: E402
 from benchmarks.serving_client import PromptSource, run_level  # noqa: E402
 from benchmarks.serving_server import corelaunch_server  # noqa: E402
@@ -64,20 +64,12 @@ def machine() -> dict:
             "python": platform.python_version()}
 
 
-def bucket_options(prompt_tokens: int, max_tokens: int) -> dict:
-    """The smallest buckets that hold one request: the context bucket and the KV-cache length."""
-    from shardlib.buckets import auto_buckets
-
-    return {"seq_len": next(b for b in auto_buckets(8192) if b >= prompt_tokens + max_tokens),
-            "max_context_length": next(b for b in auto_buckets(8192) if b >= prompt_tokens)}
-
-
 def serve_arguments(model_dir: str, args: argparse.Namespace) -> list[str]:
     """`corelaunch serve` arguments for the HTTP levels: TP 1, room for the highest level's clients,
     the smallest buckets that hold one request, every graph built before the first request (which
     shapes a level meets depends on when its requests arrive), --cpus-per-rank if given, then any
     --server-arg."""
-    options = bucket_options(args.prompt_tokens, args.max_tokens)
+    options = smallest_buckets(args.prompt_tokens, args.max_tokens)
     if args.cpus_per_rank is not None:
         options["cpus_per_rank"] = args.cpus_per_rank
     return ["--model", model_dir, "--tp", "1", "--served-model-name", args.model,
@@ -107,7 +99,7 @@ def baseline_launcher(model_dir: str, prompts: list[list[int]], max_tokens: int,
     # prefill and decode batch shapes the arrival times make).
     with Launcher(model=model_dir, tp=1, max_batch_size=count, max_num_seqs=count, progress=False,
                   ray_address="local", warm_up=True, cpus_per_rank=cpus_per_rank,
-                  **bucket_options(len(prompts[0]), max_tokens)) as launcher:
+                  **smallest_buckets(len(prompts[0]), max_tokens)) as launcher:
         static_generate(launcher, prompts[:1], max_tokens)  # warm-up: builds the batch-1 graphs
         static_generate(launcher, prompts, max_tokens)  # and the batch-N ones
         yield launcher
@@ -261,11 +253,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="no unmeasured wave before each level")
     parser.add_argument("--base-url", help="an OpenAI-compatible server's /v1 URL; default: start corelaunch serve")
     parser.add_argument("--model", default=DEFAULT_SERVED_NAME, help="the model name the server serves")
-    parser.add_argument("--model-dir", help="Hugging Face folder: its tokenizer builds the prompts, and "
+    parser.add_argument("--model-dir", type=model_folder("--model-dir"), help="Hugging Face folder: its tokenizer builds the prompts, and "
                                             "corelaunch serve loads it (default: the built-in SmolLM2)")
     parser.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                         help="one more argument for corelaunch serve, written --server-arg=--flag (repeat for several)")
-    parser.add_argument("--cpus-per-rank", type=float, metavar="C",
+    parser.add_argument("--cpus-per-rank", type=finite_number("--cpus-per-rank", 0, above=True), metavar="C",
                         help="CPUs (and threads) the rank claims, in the server and the baselines alike "
                              "(default: all of them); see the module docstring")
     parser.add_argument("--server-timeout", type=positive_seconds("--server-timeout"),
@@ -306,8 +298,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      f"--base-url the server is someone else's, running throughout (drop them)")
     if args.server_timeout is None:
         args.server_timeout = 900.0
-    if args.cpus_per_rank is not None and args.cpus_per_rank <= 0:
-        parser.error(f"--cpus-per-rank ({args.cpus_per_rank}) must be positive")
+    check_context(parser, args.prompt_tokens, args.max_tokens, "--prompt-tokens", "--max-tokens")
     if args.baselines and not args.baselines_only and 16 in args.levels and args.baseline_prompts != 16:
         parser.error(f"--baseline-prompts {args.baseline_prompts} with level 16: the report's ratios set 16 "
                      f"clients against a static batch of the baseline prompts, so it must be 16 too (or leave "

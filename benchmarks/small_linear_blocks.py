@@ -36,7 +36,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.arguments import int_list  # noqa: E402 - bad values refused before any work
-from benchmarks.kernel_sources import c_source_in  # noqa: E402
+from benchmarks.kernel_sources import c_source_in, checkout_with  # noqa: E402
 from launcher.cli.options import int_at_least  # noqa: E402
 from workers.kernels import packed_linear as packed  # noqa: E402
 from workers.kernels import small_linear as small  # noqa: E402
@@ -79,7 +79,8 @@ def main() -> None:
                         help="rows of x, comma-separated")
     parser.add_argument("--repeats", type=int_at_least("--repeats", 1), default=5)
     parser.add_argument("--threads", type=int_at_least("--threads", 1), default=os.cpu_count())
-    parser.add_argument("--packed-from", help="another checkout whose packed kernel source to time beside this one's")
+    parser.add_argument("--packed-from", type=checkout_with("--packed-from", "workers/kernels/packed_linear.py"),
+                        help="another checkout whose packed kernel source to time beside this one's")
     args = parser.parse_args()
     rows = args.rows
     torch.set_num_threads(args.threads)

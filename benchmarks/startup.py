@@ -80,6 +80,12 @@ def summary(values: list[float]) -> dict:
             "max_s": round(max(values), 2), "runs_s": [round(v, 2) for v in values]}
 
 
+def sides_in_round(sides: dict, round_: int) -> list:
+    """The checkouts in the order round `round_` runs them: alternating from round to round, so an
+    order effect (a warm page cache, a warm interpreter) falls on each side alike."""
+    return list(sides.items()) if round_ % 2 == 0 else list(sides.items())[::-1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -100,9 +106,9 @@ def main() -> None:
     sides = {"this": REPO} if args.compare is None else {"this": REPO, "compare": args.compare.resolve()}
     commands = {name: TIMERS[name] for name in chosen}
     runs: dict[str, dict[str, list[float]]] = {side: {name: [] for name in commands} for side in sides}
-    for _ in range(args.rounds):
+    for round_ in range(args.rounds):
         for name, timer in commands.items():
-            for side, checkout in sides.items():
+            for side, checkout in sides_in_round(sides, round_):
                 runs[side][name].append(timer(checkout, args.timeout))
     report: dict = {"rounds": args.rounds, "cpus": os.cpu_count(),
                     **{side: {"checkout": str(path), **{name: summary(v) for name, v in runs[side].items()}}

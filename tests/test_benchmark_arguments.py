@@ -75,6 +75,36 @@ REFUSED = [
     ("tp_scaling", ["--variants", ",", "--model-dir", "/proc/no-such-model"],
      "--variants (','): unknown variants [] or none"),
     ("loop_hand_over", ["--streams", "0"], "--streams (0) must be >= 1"),  # refused already, kept as a check
+    # a bare StopIteration once the tokenizer or the model had loaded
+    ("serving", ["--prompt-tokens", "9000", "--levels", "1"],
+     "--prompt-tokens (9000) plus --max-tokens (64) is 9064: the benchmark's buckets hold at most 8192"),
+    ("decode", ["--start-only", "--prompt-tokens", "9000"], "--prompt-tokens (9000) plus --new-tokens (128)"),
+    ("quantized", ["--prompt-tokens", "8190", "--random-254m", "--skip-decode"],
+     "--prompt-tokens (8190) plus --new-tokens (64)"),
+    # the producer thread died and the readers waited 60 s with no report
+    ("loop_hand_over", ["--step-ms", "nan", "--streams", "1", "--steps", "1", "--rounds", "1"],
+     "--step-ms (nan) must be a finite number of at least 0"),
+    ("loop_hand_over", ["--step-ms", "inf", "--streams", "1", "--steps", "1", "--rounds", "1"],
+     "--step-ms (inf) must be a finite number of at least 0"),
+    # refused in the quantizing child, after the model had been read and earlier formats quantized
+    ("quantized", ["--formats", "int8,junk", "--model-dir", "/proc/no-such-model"],
+     "--formats ('int8,junk') must be distinct comma-separated formats of int8, f8e4m3, f8e5m2"),
+    # a missing model folder: tracebacks, one of them transformers' wording about Hub repository ids
+    ("serving", ["--model-dir", "/proc/no-such-model"], "--model-dir (/proc/no-such-model) does not exist: pass a"),
+    ("load_memory", ["--model-dir", "/proc/no-such-model"], "--model-dir (/proc/no-such-model) does not exist"),
+    ("quantized", ["--model-dir", "/proc", "--skip-decode"], "--model-dir (/proc) has no config.json"),
+    ("sequence_parallel", ["--model-dir", "/proc/no-such-model", "--rounds", "1", "--timeout-s", "30"],
+     "--model-dir (/proc/no-such-model) does not exist"),
+    # a FileNotFoundError after this host's kernels were built
+    ("decode_attention", ["--from", "/proc/no-such-checkout", "--repeats", "1", "--cases", "smollm2_16"],
+     "--from (/proc/no-such-checkout) is not a corelaunch checkout with a kernel source"),
+    ("small_linear_blocks", ["--packed-from", "/proc", "--rows", "1", "--repeats", "1"],
+     "--packed-from (/proc) is not a corelaunch checkout with a kernel source"),
+    # nan passed `<= 0` and failed in the server it had started
+    ("serving", ["--cpus-per-rank", "nan"], "--cpus-per-rank (nan) must be a finite number above 0"),
+    ("plan_speed", ["--bogus"], "unrecognized arguments: --bogus"),  # ran the benchmark
+    # three one-thread ranks on two threads, reported as the same cores split
+    ("replicas", ["--replicas", "3", "--threads", "2"], "--replicas (3) above --threads (2)"),
 ]
 
 
@@ -89,3 +119,13 @@ def test_bad_values_are_refused_by_the_parser_naming_them(script, argv, message,
         entry()
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_startup_comparison_alternates_the_sides_order_by_round():
+    """`startup.py --compare` ran this checkout first in every round: an order effect (a warm page
+    cache) fell on one side only, while the README says the rounds alternate."""
+    from benchmarks.startup import sides_in_round
+
+    sides = {"this": "/a", "compare": "/b"}
+    assert [[side for side, _ in sides_in_round(sides, r)] for r in range(3)] == [
+        ["this", "compare"], ["compare", "this"], ["this", "compare"]]
