@@ -6,10 +6,14 @@ import time
 from contextlib import contextmanager
 
 from rich.console import Console
+from rich.markup import escape
 
 
 class Progress:
-    """Prints one line per start-up step with its duration; silent when disabled."""
+    """Prints one line per start-up step with its duration; silent when disabled. Every text given is
+    printed as it is, never read as rich markup: an error quoted in a note (gloo's start with
+    "[/path/unbound_buffer.cc:78]") raised MarkupError, and the replica whose restart it announced
+    was given up."""
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
@@ -28,14 +32,14 @@ class Progress:
         if not self.enabled:
             yield
             return
-        with self._console.status(f"{what} ...", spinner="dots"):
+        with self._console.status(f"{escape(what)} ...", spinner="dots"):
             yield
 
     def done(self, what: str, seconds: float) -> None:
         """A step's line, with its duration (measured by the caller: step(), or a load on a thread)."""
         if self.enabled:
-            self._console.print(f"[green]✓[/green] {what} ({seconds:.1f} s)")
+            self._console.print(f"[green]✓[/green] {escape(what)} ({seconds:.1f} s)")
 
     def note(self, text: str) -> None:
         if self.enabled:
-            self._console.print(text)
+            self._console.print(text, markup=False)

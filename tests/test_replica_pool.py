@@ -202,6 +202,55 @@ def test_a_dead_rank_restarts_the_group_and_reruns_the_request(make_pool):
     assert pool.submit("b").result(TIMEOUT_S).attempts == 1
 
 
+GLOO_TIMEOUT = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
+                "waiting 2000ms for recv operation to complete")
+
+
+def test_a_restart_note_quoting_bracketed_text_is_printed_as_is_and_the_group_restarts(capsys):
+    """A frozen node's gloo timeout begins "[/__w/...]": the restart note printed it as rich markup,
+    raised MarkupError, and the replica was given up ("stopped on an unexpected error") instead of
+    restarted, whenever progress output was on (corelaunch generate's default)."""
+    from launcher.progress import Progress
+
+    factory = Factory({0: [dies_once(GLOO_TIMEOUT)]})
+    pool = ReplicaPool(1, factory, lambda: RestartPolicy(2, 600.0), health_check_interval_s=30.0,
+                       note=Progress(True).note)
+    try:
+        pool.start()
+        answer = pool.submit("a").result(TIMEOUT_S)
+    finally:
+        pool.shutdown(grace_s=1)
+    assert answer.attempts == 2
+    assert "[/__w/pytorch/pytorch/third_party/gloo" in capsys.readouterr().err
+
+
+def test_a_note_that_fails_to_print_never_ends_the_replica(make_pool):
+    """A note's printer raising (a closed stderr) ended the replica thread's loop: the replica was
+    given up with its requests failed; the note is dropped instead."""
+    def broken(text: str) -> None:
+        raise BrokenPipeError("stderr closed")
+
+    factory = Factory({0: [dies_once()]})
+    pool = ReplicaPool(1, factory, lambda: RestartPolicy(2, 600.0), health_check_interval_s=30.0, note=broken)
+    try:
+        pool.start()
+        assert pool.submit("a").result(TIMEOUT_S).attempts == 2
+    finally:
+        pool.shutdown(grace_s=1)
+
+
+def test_progress_prints_every_text_as_it_is(capsys):
+    """Step names and notes hold paths and quoted errors: "[/x]" or "[bold]" in them is text."""
+    from launcher.progress import Progress
+
+    progress = Progress(True)
+    with progress.step("loading /models/[v2]/m"):
+        pass
+    progress.note("[/x] ended [bold]here[/bold]")
+    err = capsys.readouterr().err
+    assert "loading /models/[v2]/m" in err and "[/x] ended [bold]here[/bold]" in err
+
+
 def test_a_crash_loop_stops_at_the_restart_bound_and_then_nothing_is_served(make_pool):
     crash = lambda: always(WorkerDied("rank 0 (node n1, pid 9) died while trying to finish the request"))  # noqa: E731
     factory = Factory({0: [crash] * 5})

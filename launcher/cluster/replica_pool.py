@@ -418,12 +418,20 @@ class ReplicaPool:
             raise ValueError(f"replicas ({count}) must be at least 1")
         self._make_group = make_group
         self.health_check_interval_s = health_check_interval_s
-        self._note = note or (lambda text: None)
+        self._given_note = note or (lambda text: None)
         self.replicas = [Replica(i, self, policy()) for i in range(count)]
         self._queue: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self.stopping = False
         self._no_replica: NoReplicaAvailable | None = None
+
+    def _note(self, text: str) -> None:
+        """A note to the driver's user (restarts, recoveries). A note that fails to print (a closed
+        stderr, a printer's error) is dropped: it must never end the replica it was about."""
+        try:
+            self._given_note(text)
+        except Exception:  # noqa: BLE001 - only a message is lost
+            pass
 
     def start(self) -> None:
         """Start every replica's group at once; on any failure stop them all and raise the first."""
