@@ -105,9 +105,11 @@ class LaunchConfig:
     """KV-cache length per sequence; None sizes it per request (longest prompt + new tokens)."""
     max_batch_size: int = 8
     """Static batches (generate(..., batching="static")): prompts per worker call; more are split."""
-    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_seqs: int | None = None
     """Continuous batching: requests each TP group runs at once (its serving KV cache holds this many
-    sequences of seq_len tokens, allocated at start-up; the planner counts it). More wait for a row."""
+    sequences of seq_len tokens, allocated at start-up; the planner counts it). More wait for a row.
+    None: the value compiled_dir was compiled with (its serving graphs are shaped by it: any other
+    value builds them all again), else DEFAULT_MAX_NUM_SEQS."""
     max_prefill_tokens: int = 2048
     """Prompt tokens a group prefills per iteration (in chunks), between two decode steps."""
     burst_wait_s: float = DEFAULT_BURST_WAIT_S
@@ -197,6 +199,10 @@ class LaunchConfig:
         RestartPolicy(self.max_restarts, self.restart_window_s)  # checks both, as every replica will
         _positive_seconds("health_check_interval_s", self.health_check_interval_s)
         positive_int("max_batch_size", self.max_batch_size)
+        if self.max_num_seqs is None:
+            from launcher.artifacts.compiled_dir import recorded_max_num_seqs
+
+            self.max_num_seqs = recorded_max_num_seqs(self.compiled_dir) or DEFAULT_MAX_NUM_SEQS
         positive_int("max_num_seqs", self.max_num_seqs)
         positive_int("max_prefill_tokens", self.max_prefill_tokens)
         if (isinstance(self.burst_wait_s, bool) or not isinstance(self.burst_wait_s, (int, float))

@@ -81,6 +81,7 @@ def test_compile_then_generate_from_the_directory_reuses_every_graph(model_dir, 
     assert manifest == json.loads((out / "manifest.json").read_text())
     assert manifest["buckets"] == {"context": [16], "token": [16], "batch": [1]}
     assert manifest["tp_degree"] == 1 and manifest["dtype"] == "float32" and manifest["backend"] == "cpu"
+    assert manifest["max_num_seqs"] == 1
     assert {k: manifest["versions"][k] for k in ("torch", "transformers", "corelaunch")} == \
         {k: library_versions()[k] for k in ("torch", "transformers", "corelaunch")}
     assert [(g["phase"], g["batch"], g["length"]) for g in manifest["graphs"]] == [("context", 1, 16),
@@ -90,8 +91,8 @@ def test_compile_then_generate_from_the_directory_reuses_every_graph(model_dir, 
     cold = manifest["compile_stats"]
     assert cold["fxgraph_cache_miss"] > 0 and cold["autograd_cache_miss"] > 0  # it really compiled
 
-    warm = corelaunch("generate", "--compiled", str(out), "--warm-up", "--max-num-seqs", "1", "--max-new-tokens",
-                      "6", "--ray-address", ray_address, "--json", "--quiet", PROMPT)
+    # no --max-num-seqs: the directory's 1 (generate's own 8 rebuilt every serving graph)
+    warm = corelaunch("generate", "--compiled", str(out), "--warm-up", "--max-new-tokens", "6", "--ray-address", ray_address, "--json", "--quiet", PROMPT)
     assert warm.returncode == 0, warm.stderr
     report = json.loads(warm.stdout)
     assert report["outputs"][0]["token_ids"] == eager_tokens(model_dir, PROMPT, 6)
@@ -348,6 +349,7 @@ def test_the_console_script_exits_2_on_a_refusal(model_dir, tmp_path):
     ("kv_strategy", "bogus", "field 'kv_strategy' must be one of shard, replicate_to_tp, convert_to_mha"),
     ("buckets", {"context": [8], "token": [-16], "batch": [1]}, "field 'buckets' is not a valid set of buckets"),
     ("kv_cache_dtype", "bogus", "field 'kv_cache_dtype' must be one of f8e4m3, None, found 'bogus'"),  # named a flag
+    ("max_num_seqs", 0, "field 'max_num_seqs' must be a positive integer, found 0"),
 ])
 def test_a_manifest_value_no_compile_writes_is_named_as_the_manifests(model_dir, tmp_path, field, value, message):
     """Such values were refused by the launch's own checks, naming a flag nobody passed
@@ -357,6 +359,31 @@ def test_a_manifest_value_no_compile_writes_is_named_as_the_manifests(model_dir,
         compiled_dir.apply_compiled_dir(LaunchConfig(compiled_dir=str(root)))
     assert str(root / "manifest.json") in str(refused.value) and message in str(refused.value), refused.value
     assert "corelaunch compile" in str(refused.value)
+
+
+def test_max_num_seqs_left_out_is_the_compiled_directorys(model_dir, tmp_path):
+    """The serving graphs' shapes hold the KV cache's rows (max_num_seqs + 1): a directory compiled
+    with --max-num-seqs 2 started by `generate` (8) or `serve` (16) without the flag rebuilt every
+    serving graph, while the README said only larger values compiled anything."""
+    import argparse
+
+    from launcher.cli import serve_command
+    from launcher.serving.server_settings import settings_from_args
+    from shardlib.serving_shapes import DEFAULT_MAX_NUM_SEQS
+
+    root = fake_compiled_dir(tmp_path / "c", model_dir, max_num_seqs=2)
+    assert LaunchConfig(compiled_dir=str(root)).max_num_seqs == 2
+    assert LaunchConfig(compiled_dir=str(root), max_num_seqs=4).max_num_seqs == 4  # asked: taken
+    assert LaunchConfig(**settings_from_args({"compiled_dir": str(root), "backend": "cpu"}).launch).max_num_seqs == 2
+    parser = argparse.ArgumentParser()
+    serve_command.add_parser(parser.add_subparsers())
+    served = lambda *argv: serve_command.server_args(parser.parse_args(["serve", *argv]))["max_num_seqs"]
+    assert served("--compiled", str(root)) == 2 and served() == serve_command.SERVE_MAX_NUM_SEQS
+    assert served("--compiled", str(root), "--max-num-seqs", "3") == 3
+    # a directory compiled before the value was recorded: the defaults, as before
+    old = fake_compiled_dir(tmp_path / "old", model_dir)
+    assert LaunchConfig(compiled_dir=str(old)).max_num_seqs == DEFAULT_MAX_NUM_SEQS
+    assert served("--compiled", str(old)) == serve_command.SERVE_MAX_NUM_SEQS
 
 
 def test_a_compiled_directory_given_as_presharded_weights_is_refused_before_the_ranks(model_dir, tmp_path):

@@ -79,7 +79,8 @@ _REQUIRED = ("format_version", "config_hash", "tp_degree", "kv_strategy", "dtype
 _FIELDS = {"format_version": int, "config_hash": str, "tp_degree": int, "kv_strategy": str, "dtype": str,
            "backend": str, "buckets": dict, "versions": dict, "granularity": (str, type(None)), "source": str,
            "model_type": str, "graphs": list, "compile_s": float, "sequence_parallel": bool,
-           "kv_cache_dtype": (str, type(None)), "lnc": int, "pad_q_heads": bool, "moe_sharding": (str, type(None))}
+           "kv_cache_dtype": (str, type(None)), "lnc": int, "pad_q_heads": bool, "moe_sharding": (str, type(None)),
+           "max_num_seqs": int}
 
 
 def _choices() -> dict[str, tuple]:
@@ -105,8 +106,9 @@ def read_manifest(root: str | Path) -> dict[str, Any]:
             check_field(size, int, f"buckets.{name}[{i}]", path, hint)
     # Values no compile writes were refused later by the launch's own checks, in the words of a
     # flag nobody passed (--tp (-1) must be a positive integer).
-    if manifest["tp_degree"] < 1:
-        raise ValueError(f"{path}: field 'tp_degree' must be a positive integer, found {manifest['tp_degree']}; {hint}")
+    for field in ("tp_degree", "max_num_seqs"):
+        if manifest.get(field, 1) < 1:
+            raise ValueError(f"{path}: field {field!r} must be a positive integer, found {manifest[field]}; {hint}")
     for field, allowed in _choices().items():
         if field in manifest and manifest[field] not in allowed:
             raise ValueError(f"{path}: field {field!r} must be one of {', '.join(map(str, allowed))}, found "
@@ -116,6 +118,18 @@ def read_manifest(root: str | Path) -> dict[str, Any]:
     except ValueError as err:
         raise ValueError(f"{path}: field 'buckets' is not a valid set of buckets ({err}); {hint}") from None
     return manifest
+
+
+def recorded_max_num_seqs(root: str | Path | None) -> int | None:
+    """The --max-num-seqs a compiled-model directory's serving graphs were built for (their KV cache's
+    rows are part of every serving graph's shape), or None: no directory, one compiled before it was
+    recorded, or one the launch's own checks will refuse."""
+    if root is None:
+        return None
+    try:
+        return read_manifest(pinned_version(root)).get("max_num_seqs")
+    except (OSError, ValueError):
+        return None
 
 
 def pinned_version(root: str | Path) -> Path:

@@ -46,7 +46,7 @@ def add_parser(subparsers) -> None:
     add_kv_cache_dtype(p)
     add_bucket_arguments(p, max_batch_default=1)
     add_granularity(p)
-    add_max_num_seqs(p)
+    add_max_num_seqs(p, compiled=False)
     p.add_argument("--ray-address", help="Ray cluster host:port, or local for a private one (default: RAY_ADDRESS, else the cluster `ray start` recorded on this host, else a private one)")
     p.add_argument("--json", action="store_true", help="print the manifest as JSON on stdout")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -140,7 +140,7 @@ def compile_model(args: argparse.Namespace) -> dict:
             "instance": planned.instance, "backend": planned.backend, "dtype": plan.dtype,
             "buckets": buckets.to_dict(),
             "granularity": granularity,
-            "versions": library_versions(), "graphs": [],
+            "versions": library_versions(), "graphs": [], "max_num_seqs": config.max_num_seqs,
         }
         write_manifest_json(tmp, manifest)
         shapes = buckets.shapes()

@@ -169,19 +169,28 @@ def int_at_least(name: str, minimum: int = 1):
     return parse
 
 
-def add_max_num_seqs(p: argparse.ArgumentParser, default: int | None = None) -> None:
+def add_max_num_seqs(p: argparse.ArgumentParser, default: int | None = None, compiled: bool = True) -> None:
     """--max-num-seqs (generate, compile, serve): rows of a TP group's serving KV cache, so also its
-    largest decode batch bucket: the serving graphs a warm-up builds are those up to it."""
+    largest decode batch bucket: the serving graphs a warm-up builds are those up to it. Left out,
+    it is None (see max_num_seqs_option): a --compiled directory's own value, else `default`."""
     from shardlib.serving_shapes import DEFAULT_MAX_NUM_SEQS
 
-    p.add_argument("--max-num-seqs", type=int_at_least("--max-num-seqs"), default=default, metavar="N",
+    from_compiled = ", or the --compiled directory's" if compiled else ""
+    p.add_argument("--max-num-seqs", type=int_at_least("--max-num-seqs"), metavar="N",
                    help=f"requests generating at once in one TP group; warm-up builds the serving graphs "
-                        f"of batch buckets up to it (default {default or DEFAULT_MAX_NUM_SEQS})")
+                        f"of batch buckets up to it (default {default or DEFAULT_MAX_NUM_SEQS}{from_compiled})")
 
 
-def max_num_seqs_option(args: argparse.Namespace) -> dict:
-    """LaunchConfig's max_num_seqs when --max-num-seqs was given (else LaunchConfig's default)."""
-    return {} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}
+def max_num_seqs_option(args: argparse.Namespace, default: int | None = None) -> dict:
+    """LaunchConfig's max_num_seqs: --max-num-seqs when given; else the value a --compiled directory
+    was compiled with (its serving graphs are shaped by it: any other value builds them all again),
+    else `default` (None: LaunchConfig's)."""
+    from launcher.artifacts.compiled_dir import recorded_max_num_seqs
+
+    value = args.max_num_seqs
+    if value is None:
+        value = recorded_max_num_seqs(getattr(args, "compiled", None)) or default
+    return {} if value is None else {"max_num_seqs": value}
 
 
 def add_moe_sharding(p: argparse.ArgumentParser) -> None:

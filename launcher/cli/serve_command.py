@@ -24,10 +24,13 @@ import urllib.error
 import urllib.request
 
 from launcher.cli.options import (add_max_num_seqs, add_model_and_placement_arguments, int_at_least,
-                                  model_and_placement_options, with_flag_name)
+                                  max_num_seqs_option, model_and_placement_options, with_flag_name)
 from launcher.serving.ingress import MODES, IngressPlan, choose_mode, plan_ingress
 from launcher.serving.server_settings import api_key_from_environment
 
+SERVE_MAX_NUM_SEQS = 16
+"""serve's --max-num-seqs when neither it nor a --compiled directory gives one (generate's is 8: a
+server meets more requests at once)."""
 APP_NAME = "corelaunch"
 """The Serve application's name (`serve status` shows it)."""
 
@@ -43,7 +46,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--port", type=_port, default=8000, help="HTTP port (default 8000)")
     p.add_argument("--served-model-name", metavar="NAME",
                    help="the `model` clients send (default: the model directory's name; built-in: smollm2-135m-instruct)")
-    add_max_num_seqs(p, default=16)
+    add_max_num_seqs(p, default=SERVE_MAX_NUM_SEQS)
     p.add_argument("--max-queued-requests", type=int_at_least("--max-queued-requests", 0), metavar="N",
                    help="requests waiting for a slot before new ones get 503 with Retry-After (default: no limit)")
     p.add_argument("--max-prefill-tokens", type=int_at_least("--max-prefill-tokens"), metavar="N",
@@ -112,7 +115,7 @@ def _port(text: str) -> int:
 
 def server_args(args: argparse.Namespace) -> dict:
     """The application builder's arguments (launcher.serving.server_settings) the options ask for."""
-    built = {**model_and_placement_options(args), "max_num_seqs": args.max_num_seqs,
+    built = {**model_and_placement_options(args), **max_num_seqs_option(args, default=SERVE_MAX_NUM_SEQS),
              "served_model_name": args.served_model_name,
              # an explicit --api-key "" is refused (checked as the argument), not read as "no key"
              "api_key": args.api_key if args.api_key is not None else api_key_from_environment(),
