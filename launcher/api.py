@@ -276,6 +276,12 @@ class LaunchConfig:
                 raise ValueError(f"token bucket {self.token_buckets[-1]} exceeds seq_len ({self.seq_len}), the "
                                  f"positions the planner sizes each KV cache row for; lower the bucket or raise "
                                  f"--seq-len to {self.token_buckets[-1]}")
+            elif self.token_buckets[-1] < self.seq_len:  # the rows were the bucket's: seq_len was dropped
+                raise ValueError(f"seq_len ({self.seq_len}) is above the largest token bucket "
+                                 f"({self.token_buckets[-1]}), which is each KV cache row's length: positions past "
+                                 f"it are never used, and a compiled directory records the bucket; raise the "
+                                 f"largest token bucket to {self.seq_len}, lower --seq-len to "
+                                 f"{self.token_buckets[-1]}, or give only one of them")
         if self.compiled_dir is not None and not Path(self.compiled_dir).is_dir():
             _not_a_directory(self.compiled_dir, "compiled-model directory",
                              "write one with `corelaunch compile --out DIR`")

@@ -49,7 +49,17 @@ def test_token_buckets_set_or_stay_within_the_planned_sequence_length():
     with pytest.raises(ValueError, match=r"token bucket 512 exceeds seq_len \(256\).*raise --seq-len to 512"):
         LaunchConfig(seq_len=256, token_buckets=(128, 512))
     assert LaunchConfig(token_buckets=(128, 512)).seq_len == 512  # no seq_len: planned at the largest bucket
-    assert LaunchConfig(seq_len=512, token_buckets=(128, 256)).seq_len == 512
+    assert LaunchConfig(seq_len=512, token_buckets=(128, 512)).seq_len == 512
+
+
+def test_a_seq_len_above_the_largest_token_bucket_is_refused_naming_both():
+    """The rows were the bucket's length, seq_len silently dropped (the planner still counted it):
+    `compile --seq-len 256 --buckets 128,200` wrote a directory of 200-slot rows, which the same
+    flags given to `generate --compiled` then refused ("--seq-len: expected 200, found 256")."""
+    with pytest.raises(ValueError, match=r"seq_len \(512\) is above the largest token bucket \(256\), which is "
+                                         r"each KV cache row's length.*raise the largest token bucket to 512, "
+                                         r"lower --seq-len to 256"):
+        LaunchConfig(seq_len=512, token_buckets=(128, 256))
 
 
 def test_bucket_errors_name_the_buckets_when_they_set_the_sequence_length(model_and_expected, in_process_cluster):
