@@ -1198,7 +1198,13 @@ class Launcher:
         if self.buckets is not None:  # the largest buckets, checked here before any worker call
             from shardlib.buckets import request_shape
 
+            longest = self.buckets.context[-1]
             for i, ids in enumerate(token_lists):
+                if len(ids) > longest and self.config.compiled_dir is not None:  # its buckets are fixed
+                    raise ValueError(f"prompt {i}: prompt length ({len(ids)}) is longer than the largest "
+                                     f"context-encoding bucket ({longest}) of the compiled directory; shorten the "
+                                     f"prompt, or compile the directory again with a larger --max-context-length "
+                                     f"(or --context-buckets)")
                 try:
                     request_shape(self.buckets, [len(ids)], max_new_tokens)
                 except ValueError as err:

@@ -394,3 +394,24 @@ def test_a_compiled_directory_given_as_presharded_weights_is_refused_before_the_
     root = fake_compiled_dir(tmp_path / "c", model_dir)
     with pytest.raises(ValueError, match=rf"--presharded {root} is a compiled-model directory.*--compiled {root}"):
         plan_launch(LaunchConfig(model=str(model_dir), tp=1, presharded_dir=str(root)), Progress(False))
+
+
+def test_a_prompt_past_a_compiled_directorys_context_buckets_names_a_fix_that_works():
+    """"use larger context-encoding buckets" was the fix, while --compiled refuses other buckets."""
+    from types import SimpleNamespace
+
+    from launcher.api import Launcher
+    from shardlib.buckets import Buckets
+
+    def check(compiled):
+        launcher = SimpleNamespace(model_config=SimpleNamespace(max_position_embeddings=8192), serving_seq_len=256,
+                                   config=SimpleNamespace(seq_len=256, compiled_dir=compiled, token_buckets=None),
+                                   buckets=Buckets.build(max_context_length=128, max_seq_len=256, max_batch_size=1))
+        with pytest.raises(ValueError) as refused:
+            Launcher._check_lengths(launcher, [list(range(129))], 8, serving=True)
+        return str(refused.value)
+
+    assert check("/c3") == ("prompt 0: prompt length (129) is longer than the largest context-encoding bucket (128) "
+                            "of the compiled directory; shorten the prompt, or compile the directory again with a "
+                            "larger --max-context-length (or --context-buckets)")
+    assert "use larger context-encoding buckets" in check(None)  # a launch of its own: its own buckets

@@ -275,6 +275,51 @@ def test_the_server_class_uses_no_module_name_defined_after_it():
     assert later and not (used & later), sorted(used & later)
 
 
+def _starting_server(longest_prompt, refusal: str | None = None):
+    """The server's _start over a stub launcher whose astream refuses with `refusal` (or streams)."""
+    from launcher.serving.openai_app import OpenAIServer
+
+    ours = next(c for c in OpenAIServer.func_or_class.__mro__[1:] if c.__module__ == "launcher.serving.openai_app")
+
+    def astream(*args, **kwargs):
+        if refusal is not None:
+            raise ValueError(refusal)
+        return "a stream"
+
+    rejected = []
+    server = SimpleNamespace(context_tokens=256, longest_prompt=longest_prompt,
+                             launcher=SimpleNamespace(astream=astream),
+                             metrics=SimpleNamespace(rejected=lambda status, **kw: rejected.append(status),
+                                                     prompt_tokens=SimpleNamespace(inc=lambda n: None)))
+    return (lambda req, prompt, max_tokens: ours._start(server, req, prompt, max_tokens, None, "prompt")), rejected
+
+
+def test_a_prompt_past_the_longest_prefill_shape_is_context_length_exceeded():
+    """A compiled directory's largest context bucket (128) below its context (256): a 129-token
+    prompt got a 400 without a code, numbered "prompt 0:", whose fix was an operator's ("use larger
+    context-encoding buckets"); a client learnt neither the limit's kind nor that trimming helps."""
+    start, rejected = _starting_server(longest_prompt=128)
+    with pytest.raises(ProtocolError) as caught:
+        start(completion(), list(range(129)), 8)
+    error = caught.value.body()["error"]
+    assert (caught.value.status, error["code"], error["param"]) == (400, "context_length_exceeded", "prompt")
+    assert error["message"] == ("the prompt has 129 tokens and this server takes prompts of at most 128 (its "
+                                "longest prefill shape; the context holds 256); shorten the prompt")
+    assert rejected == [400]
+    assert start(completion(), list(range(128)), 8) == "a stream"  # at the bucket: taken
+
+
+def test_an_engine_refusal_speaks_of_the_one_prompt_a_request_has():
+    """The driver API numbers its prompts: "prompt 0 holds token ids [999999] outside the vocabulary"
+    reached HTTP clients, who sent one prompt."""
+    start, _ = _starting_server(None, "prompt 0 holds token ids [999999] outside the vocabulary [0, 49152); "
+                                      "were they tokenized for another model?")
+    with pytest.raises(ProtocolError) as caught:
+        start(completion(), [999999], 8)
+    assert caught.value.message.startswith("the prompt holds token ids [999999] outside the vocabulary")
+    assert caught.value.param == "prompt"
+
+
 def test_a_failed_replicas_health_check_names_the_failure():
     """Serve's log showed only "every TP group of this replica has failed": the cause reached the
     HTTP clients' 503 bodies alone."""

@@ -244,6 +244,21 @@ def _context_tokens(launcher) -> int:
     return min(launcher.model_config.max_position_embeddings, launcher.serving_seq_len)
 
 
+def _longest_prompt(launcher) -> int | None:
+    """The longest prompt the launch's prefill shapes take (its largest context-encoding bucket), or
+    None where prompts are bounded only by the context (eager)."""
+    return launcher.buckets.context[-1] if launcher.buckets is not None else None
+
+
+def _as_one_prompt(message: str) -> str:
+    """An engine refusal in the words of a request that has one prompt: the driver API numbers its
+    prompts ("prompt 0 holds token ids ..."), which an HTTP client never sent."""
+    for numbered, single in (("prompt 0: ", ""), ("prompt 0 ", "the prompt ")):
+        if message.startswith(numbered):
+            return single + message[len(numbered):]
+    return message
+
+
 HEALTH_CHECK_PERIOD_S = 2.0
 """How often Serve calls check_health. Serve marks a replica unhealthy after three failures in a row,
 so its default period (10 s) kept a replica whose TP group failed for good answering 503 for about
@@ -353,6 +368,7 @@ class OpenAIServer:
         self._encoding = threading.Lock()
         self.name = settings.served_model_name
         self.context_tokens = _context_tokens(self.launcher)
+        self.longest_prompt = _longest_prompt(self.launcher)
         self.metrics = ServerMetrics(self.launcher.load)
         self.board = None
         if settings.most_replicas > 1:  # each scrape shows every replica's series (metrics_board.py)
@@ -565,6 +581,14 @@ class OpenAIServer:
             raise ProtocolError(f"the prompt has {len(prompt)} tokens and the context holds {self.context_tokens}, "
                                 f"leaving no room for a generated token; shorten the prompt", param=prompt_param,
                                 code=CONTEXT_LENGTH_EXCEEDED)
+        if self.longest_prompt is not None and len(prompt) > self.longest_prompt:
+            # the engine refused it too, as a 400 without a code, and with an operator's fix
+            # (compile again with larger buckets) that no API client can apply
+            self.metrics.rejected(400)
+            raise ProtocolError(f"the prompt has {len(prompt)} tokens and this server takes prompts of at most "
+                                f"{self.longest_prompt} (its longest prefill shape; the context holds "
+                                f"{self.context_tokens}); shorten the prompt", param=prompt_param,
+                                code=CONTEXT_LENGTH_EXCEEDED)
         try:
             check_fits([prompt], max_tokens, self.context_tokens, "the context", new_tokens_name=limit)
         except ValueError as err:
@@ -580,7 +604,7 @@ class OpenAIServer:
         except ValueError as err:
             self.metrics.rejected(400)
             param = "stop_token_ids" if str(err).startswith("stop_token_ids") else prompt_param
-            raise ProtocolError(str(err), param=param) from None
+            raise ProtocolError(_as_one_prompt(str(err)), param=param) from None
         except queue_full_type() as err:
             self.metrics.rejected(503)
             retry = max(1, math.ceil(getattr(err, "retry_after_s", 1.0)))
