@@ -152,9 +152,9 @@ def test_unknown_and_missing_fields_are_refused_by_name():
     with pytest.raises(ProtocolError) as caught:
         parse_request(CompletionRequest, {"prompt": "hi"})
     assert caught.value.param == "model" and "'model' is required" in caught.value.message
-    with pytest.raises(ProtocolError, match="must be a JSON object, not list"):
+    with pytest.raises(ProtocolError, match="must be a JSON object, not an array"):
         parse_request(CompletionRequest, [1, 2])
-    with pytest.raises(ProtocolError, match="^the request body: ") as caught:  # a key that is not valid text
+    with pytest.raises(ProtocolError, match="^a key of the request body is not valid UTF-8 text") as caught:  # a key that is not valid text
         parse_request(CompletionRequest, {"model": MODEL, "prompt": "hi", "\ud800": 1})
     assert caught.value.param is None and not caught.value.message.startswith("None")  # was "None: Input ..."
 
@@ -318,6 +318,37 @@ def test_an_engine_refusal_speaks_of_the_one_prompt_a_request_has():
         start(completion(), [999999], 8)
     assert caught.value.message.startswith("the prompt holds token ids [999999] outside the vocabulary")
     assert caught.value.param == "prompt"
+
+
+def test_malformed_bodies_are_named_in_json_terms_with_a_fix_a_client_can_apply():
+    """Each message was about Python rather than the request: "not NoneType", "use
+    sys.set_int_max_str_digits()", a list of parts blamed for not being a string, "content part type
+    None", and a lone surrogate in a key as "Input should be a valid string"."""
+    import json
+
+    from launcher.serving.openai_app import parse_json_body
+
+    def refused(raw: bytes) -> ProtocolError:
+        with pytest.raises(ProtocolError) as caught:
+            parse_request(ChatCompletionRequest, parse_json_body(raw))
+        return caught.value
+
+    def message_with(content) -> bytes:
+        return json.dumps({"model": MODEL, "messages": [{"role": "user", "content": content}]}).encode()
+
+    for raw, kind in ((b"null", "null"), (b"[]", "an array"), (b"5", "a number"), (b'"x"', "a string"),
+                      (b"true", "a boolean")):
+        assert refused(raw).message == f"the request body must be a JSON object, not {kind}"
+    err = refused(b'{"seed": ' + b"9" * 5000 + b"}")
+    assert "an integer of more than 4300 digits" in err.message and "sys." not in err.message
+    err = refused(message_with([{"type": "text", "text": "a"}, "b"]))
+    assert (err.param, err.message) == ("messages.0.content.1", """messages.0.content.1 ('b') must be a content """
+                                        """part, {"type": "text", "text": ...}""")
+    err = refused(message_with([{"text": "a"}]))
+    assert err.param == "messages.0.content.0.type" and 'has no "type"' in err.message and "None" not in err.message
+    err = refused(b'{"model": "m", "\\ud800": 1, "messages": [{"role": "user", "content": "x"}]}')
+    assert err.message.startswith("a key of the request body is not valid UTF-8 text")
+    assert refused(message_with(5)).param == "messages.0.content"  # not a list: the string's rule, as before
 
 
 def test_a_failed_replicas_health_check_names_the_failure():

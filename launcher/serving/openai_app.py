@@ -229,6 +229,10 @@ def parse_json_body(raw: bytes):
     # ValueError: JSONDecodeError, UnicodeDecodeError, and a number past Python's 4300-digit limit;
     # RecursionError: arrays or objects nested thousands deep
     except (ValueError, RecursionError) as err:
+        if "integer string conversion" in str(err):  # Python's text advises a setting of the server's
+            raise ProtocolError(f"the request body holds an integer of more than {sys.get_int_max_str_digits()} "
+                                f"digits, longer than any field takes; send numbers in their fields' "
+                                f"ranges") from None
         raise ProtocolError(f"the request body is not valid JSON ({str(err)[:200]}); send a JSON object with "
                             f"Content-Type: application/json") from None
 

@@ -221,6 +221,9 @@ class ChatMessage(BaseModel):
         texts = []
         for j, part in enumerate(self.content):
             param = f"messages.{index}.content.{j}"
+            if "type" not in part:
+                raise ProtocolError(f"{param} has no \"type\"; send text parts as {{\"type\": \"text\", "
+                                    f"\"text\": ...}}", param=f"{param}.type")
             if part.get("type") != "text":
                 raise ProtocolError(f"{param}: content part type {part.get('type')!r} is not supported; only text "
                                     f"parts ({{\"type\": \"text\", \"text\": ...}}) are", param=param)
@@ -268,7 +271,7 @@ class ChatCompletionRequest(_GenerationRequest):
 def parse_request(model: type[_GenerationRequest], body: object):
     """`body` (the decoded JSON) as `model`; ProtocolError naming the first bad field and its rule."""
     if not isinstance(body, dict):
-        raise ProtocolError(f"the request body must be a JSON object, not {type(body).__name__}")
+        raise ProtocolError(f"the request body must be a JSON object, not {_json_kind(body)}")
     try:
         request = model.model_validate(body)
     except ValidationError as err:
@@ -285,7 +288,10 @@ def _field_error(error: dict, model: type[BaseModel]) -> ProtocolError:
     loc = [str(part) for part in error["loc"] if str(part) not in _UNION_BRANCH_TAGS and "[" not in str(part)]
     field = loc[0] if loc else None
     param = ".".join(loc) if loc else None
-    if not loc:  # about the body as a whole (e.g. a key that is not valid text)
+    if not loc and error["type"] == "string_unicode":  # a key JSON can carry but no text holds ("\ud800")
+        return ProtocolError("a key of the request body is not valid UTF-8 text (a lone surrogate); send the "
+                             "fields by their names")
+    if not loc:  # about the body as a whole
         return ProtocolError(f"the request body: {error['msg']}")
     if param in FIELD_RULES and len(loc) > 1:  # a bad value inside an object field: name it, not the object
         return ProtocolError(f"{param} ({_short(error.get('input'))}) must be {FIELD_RULES[param]}", param=param)
@@ -298,6 +304,13 @@ def _field_error(error: dict, model: type[BaseModel]) -> ProtocolError:
     if error["type"] == "missing" and len(loc) == 1:
         return ProtocolError(f"{field!r} is required: {FIELD_RULES.get(field, 'see the OpenAI API reference')}",
                              param=field)
+    value = error.get("input")
+    if field == "messages" and loc[-1] == "content" and isinstance(value, list):
+        # pydantic reports the union's string branch first; a list is the parts branch's business
+        j = next((j for j, part in enumerate(value) if not isinstance(part, dict)), None)
+        if j is not None:
+            return ProtocolError(f"{param}.{j} ({_short(value[j])}) must be a content part, "
+                                 f"{{\"type\": \"text\", \"text\": ...}}", param=f"{param}.{j}")
     if field == "messages" and len(loc) > 1:  # inside one message: say which and what is wrong
         return ProtocolError(f"{param}: {error['msg']} (a message is {{role: system|user|assistant|tool|"
                              f"developer, content: string or text parts}})", param=param)
@@ -305,6 +318,16 @@ def _field_error(error: dict, model: type[BaseModel]) -> ProtocolError:
     if rule is None:
         return ProtocolError(f"{param}: {error['msg']}", param=param)
     return ProtocolError(f"{field} ({_short(error.get('input'))}) must be {rule}", param=field)
+
+
+def _json_kind(value: object) -> str:
+    """What a decoded JSON value is, in JSON's words (not Python's NoneType, list, int)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    kinds = {list: "an array", str: "a string", int: "a number", float: "a number"}
+    return next((kind for cls, kind in kinds.items() if isinstance(value, cls)), type(value).__name__)
 
 
 def _short(value: object) -> str:
