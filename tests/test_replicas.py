@@ -79,7 +79,7 @@ def test_unplaceable_explanations_name_what_is_missing():
     assert "can never hold" in never and "--nodes" in never and "n1 has {CPU: 1}" in never
     assert never.endswith("lower --tp or --cpus-per-rank (each rank's CPUs)")
     lacking = explain_unplaceable({"neuron_cores": 1, "CPU": 1}, 2, 2, [{"CPU": 4.0}])
-    assert "lacks neuron_cores (2 in all)" in lacking and lacking.endswith("Add a node with {neuron_cores: 1, CPU: 1}")
+    assert "lacks neuron_cores (it needs 2 in all, the alive nodes have 0)" in lacking and lacking.endswith("Add a node with {neuron_cores: 1, CPU: 1}")
     # not one rank's bundle fits any node: more nodes per group or a lower --tp cannot help (both were offered)
     huge = explain_unplaceable({"CPU": 100}, 1, 1, [{"CPU": 2.0}], node_names=["n1"])
     assert "no node holds even one rank's bundle (alive nodes: n1 has {CPU: 2})" in huge, huge
@@ -90,6 +90,12 @@ def test_unplaceable_explanations_name_what_is_missing():
     short = explain_unplaceable({"neuron_cores": 1, "CPU": 1}, 3, 3, [{"CPU": 8.0, "neuron_cores": 8.0}] * 2)
     assert "pass fewer --nodes" in short and "allow more nodes" not in short and "--cpus-per-rank" not in short
     assert short.endswith("or lower --tp")
+    # the whole cluster short of CPUs (a node lost): "(2 in all)" read as what the cluster had, and
+    # more nodes per group (--nodes) was offered, which cannot add a CPU
+    lost = explain_unplaceable({"CPU": 1}, 2, 2, [{"CPU": 1.0}], node_names=["head"])
+    assert "the cluster lacks CPU (it needs 2 in all, the alive nodes have 1)" in lost, lost
+    assert "--nodes" not in lost and lost.endswith("Add nodes with these resources, or lower --tp or --cpus-per-rank "
+                                                   "(each rank's CPUs)")
     busy = explain_unplaceable({"CPU": 1}, 1, 1, [{"CPU": 1.0}], [{"CPU": 0.0}], ["n1"])
     assert "other groups or jobs hold" in busy and "free now: n1 {CPU: 0}" in busy
     # Ray's free resources leave out a CPU at 0 and list placement groups' own bookkeeping

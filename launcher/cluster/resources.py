@@ -185,7 +185,8 @@ def explain_unplaceable(bundle: Mapping[str, float], tp: int, max_nodes: int,
     held = "; ".join(f"{n} has {_resources(t)}" for n, t in zip(names, node_total))
     if never_placeable(bundle, tp, max_nodes, node_total):
         best = sorted((bundles_that_fit(t, bundle) for t in node_total), reverse=True)[:max_nodes]
-        short = [f"{name} ({_fmt(amount * tp)} in all)" for name, amount in bundle.items()
+        short = [f"{name} (it needs {_fmt(amount * tp)} in all, the alive nodes have "
+                 f"{_fmt(sum(t.get(name, 0.0) for t in node_total))})" for name, amount in bundle.items()
                  if sum(t.get(name, 0.0) for t in node_total) + _EPS < amount * tp]
         holding = sum(bundles_that_fit(t, bundle) >= (per_node or 0) for t in node_total)
         missing = (f"the cluster lacks {', '.join(short)}" if short else
@@ -203,7 +204,10 @@ def explain_unplaceable(bundle: Mapping[str, float], tp: int, max_nodes: int,
                     f"rank's bundle (alive nodes: {held}). {way}")
         # the same share on each node (per_node): more nodes per group need more nodes still
         ways = (f"Add nodes that hold {per_node} such bundles each, pass fewer --nodes (more ranks on each node)"
-                if per_node is not None else "Add nodes with these resources, allow more nodes per group (--nodes)")
+                if per_node is not None else
+                # the whole cluster is short: spreading the group over more nodes cannot help
+                "Add nodes with these resources" if short else
+                "Add nodes with these resources, allow more nodes per group (--nodes)")
         return (f"it needs {need} and the cluster can never hold that: {missing} (alive nodes: {held}). "
                 f"{ways}, or lower --tp{cpus}")
     free_txt = ""
