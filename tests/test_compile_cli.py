@@ -132,6 +132,11 @@ def fake_compiled_dir(root: Path, model_dir: Path, **overrides) -> Path:
     (dict(dtype="bfloat16"), {}, r"--dtype: expected 'float32' \(compiled\), found 'bfloat16' \(asked\)"),
     (dict(token_buckets=(16, 32)), {}, r"--token-buckets: expected \[16\] \(compiled\), found \[16, 32\]"),
     (dict(compile=False), {}, r"--no-compile: a compiled directory runs compiled"),
+    # was "expected None": a Python value, where the directory simply has no 8-bit cache
+    (dict(kv_cache_dtype="f8e4m3"), {}, r"--kv-cache-dtype: expected none \(compiled\), found 'f8e4m3' \(asked\)"),
+    # the buckets set seq_len (16 -> 8): named once, as the buckets, not as a --seq-len nobody gave
+    (dict(token_buckets=(8,)), {},
+     r"--token-buckets: expected \[16\] \(compiled\), found \[8\] \(asked\)\. Re-run"),
     (dict(lnc=1), {"lnc": 2}, r"--lnc: expected 2 \(compiled\), found 1 \(asked\)"),
     # each was dropped silently: the directory's own weights and buckets were used
     (dict(max_context_length=8), {}, r"--max-context-length: expected 16 \(compiled: the largest context bucket\), "

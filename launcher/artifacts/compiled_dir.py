@@ -168,8 +168,9 @@ def apply_compiled_dir(config):
                         ("lnc", "lnc")):  # a Neuron graph runs only at the LNC it was compiled for
         wanted = getattr(config, attr)
         if wanted not in (None, "auto") and wanted != manifest.get(field):
-            differ.append(f"{FLAG_OF_FIELD[attr]}: expected {manifest.get(field)!r} (compiled), found {wanted!r} "
-                          f"(asked)")
+            have = manifest.get(field)
+            differ.append(f"{FLAG_OF_FIELD[attr]}: expected {'none' if have is None else repr(have)} (compiled), "
+                          f"found {wanted!r} (asked)")
     for flag in ("pad_q_heads", "sequence_parallel"):  # on when asked, so the directory must have it on
         if getattr(config, flag) and not manifest.get(flag, False):
             differ.append(f"--{flag.replace('_', '-')}: compiled without it, asked for")
@@ -189,7 +190,10 @@ def apply_compiled_dir(config):
     if config.presharded_dir is not None:
         differ.append(f"{FLAG_OF_FIELD['presharded_dir']}: expected none (the directory's own weights, "
                       f"{weights_dir(root)}), found {config.presharded_dir} (asked)")
-    if config.seq_len is not None and config.seq_len != buckets.max_seq_len:
+    # a seq_len that the token buckets set (LaunchConfig takes the largest) was never asked for: the
+    # buckets' own difference says it
+    set_by_buckets = config.token_buckets is not None and config.seq_len == config.token_buckets[-1]
+    if config.seq_len is not None and config.seq_len != buckets.max_seq_len and not set_by_buckets:
         differ.append(f"{FLAG_OF_FIELD['seq_len']}: expected {buckets.max_seq_len} (compiled), found "
                       f"{config.seq_len} (asked)")
     if not config.compile:
