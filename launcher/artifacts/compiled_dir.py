@@ -7,7 +7,8 @@ Layout:
   model/          config.json, generation config and tokenizer files: the directory is self-contained
   weights/        every rank's pre-sharded weights (shardlib.presharded's format, its own manifest)
   cache/          the backend's persisted compiled graphs (CPU: inductor's cache directory)
-  compile.log     one line per graph built by `corelaunch compile`, with its compile time
+  compile.log     one line per static-batch graph built by `corelaunch compile`, with its compile
+                  time (the manifest's `graphs` lists the serving graphs too)
 
 The path given to `corelaunch compile --out` is a symlink to a hidden versioned sibling, switched in
 one rename once the directory is complete (shardlib.atomic_dir). The cache/ entries are pickles that

@@ -99,11 +99,13 @@ def compile_model(args: argparse.Namespace) -> dict:
     from launcher.api import LaunchConfig, Launcher
     from launcher.artifacts import compiled_dir
     from launcher.cli.command_stdout import ray_output_on_stderr
+    from launcher.compile_report import built_since_load
     from launcher.launch_plan import plan_launch
     from launcher.progress import Progress
     from shardlib.atomic_dir import atomic_dir
     from shardlib.manifest import write_manifest_json
     from shardlib.presharded import save_presharded
+    from shardlib.serving_shapes import ServingShapes
     from workers.backends import backend_entry
     from workers.compiled import library_versions
     from workers.granularities import DEFAULT_GRANULARITY
@@ -144,9 +146,11 @@ def compile_model(args: argparse.Namespace) -> dict:
         }
         write_manifest_json(tmp, manifest)
         shapes = buckets.shapes()
+        serving = ServingShapes.build(buckets, config.max_num_seqs, config.max_prefill_tokens).shapes()
         progress.note(f"building {len(shapes)} graph(s) per rank: context-encoding buckets "
                       f"{list(buckets.context)}, token-generation buckets {list(buckets.token)}, "
-                      f"batch buckets {list(buckets.batch)}")
+                      f"batch buckets {list(buckets.batch)}; then {len(serving)} serving graph(s) "
+                      f"(continuous batching, batch buckets up to --max-num-seqs {config.max_num_seqs})")
         # The planner target's options too: the directory records the backend, not what it plans against.
         launch = LaunchConfig(compiled_dir=str(tmp), compile=True, warm_up=True, ray_address=config.ray_address,
                               **timeout_options(args),
@@ -156,8 +160,13 @@ def compile_model(args: argparse.Namespace) -> dict:
         # the manifest goes to stdout once Ray has stopped (--json)
         with ray_output_on_stderr(), _GraphProgress(tmp / compiled_dir.COMPILE_LOG, progress), \
                 Launcher(launch) as launcher:
-            stats = [s.compile for s in launcher.load_stats]
-        rank0 = dict(stats[0]) if stats and stats[0] else {}
+            at_load = launcher.load_stats[0].compile if launcher.load_stats else None
+            # rank 0's stats once the serving warm-up has built its graphs too (most of the work)
+            at_start = next((start for start, _ in launcher.compile_stats()), None) or at_load
+        serving_built = built_since_load(at_load, at_start)
+        if serving_built is not None:
+            progress.note(f"  {serving_built.graphs} serving graph(s) ({serving_built.seconds:.1f} s)")
+        rank0 = dict(at_start) if at_start else {}
         manifest["graphs"] = rank0.pop("graphs", [])
         manifest["compile_stats"] = rank0  # rank 0's compile time and inductor cache counters
         manifest["compile_s"] = round(time.perf_counter() - started, 3)
