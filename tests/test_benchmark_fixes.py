@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -17,8 +18,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_sequence_parallel_stops_as_soon_as_a_rank_has_died(tmp_path):
-    """A rank that crashed (here: no model in --model-dir) left the driver waiting the whole
-    --timeout-s (1800 s by default), then a bare queue.Empty."""
+    """A rank that crashed (here: a model folder with a config and no weights) left the driver
+    waiting the whole --timeout-s (1800 s by default), then a bare queue.Empty."""
+    shutil.copy(ROOT / "tests/data/configs/smollm2-135m-instruct.json", tmp_path / "config.json")
     start = time.monotonic()
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/sequence_parallel.py"), "--model-dir", str(tmp_path),
                            "--rounds", "1", "--no-compile", "--timeout-s", "40"],
