@@ -232,7 +232,7 @@ def test_cpus_per_rank_reaches_the_server_and_is_refused_for_someone_elses_serve
     assert served.cpus_per_rank == 1.0
     assert build_parser().parse_args(["serve", *serve_arguments("/models/m", parse_args([]))]).cpus_per_rank is None
     for argv, named in ((["--cpus-per-rank", "1", "--base-url", "http://h:1/v1"], "--base-url"),
-                        (["--cpus-per-rank", "0"], "must be positive")):
+                        (["--cpus-per-rank", "0"], "--cpus-per-rank (0) must be a finite number above 0")):
         with pytest.raises(SystemExit):
             parse_args(argv)
         assert named in capsys.readouterr().err
