@@ -499,6 +499,7 @@ def test_a_group_that_makes_no_step_while_a_request_times_out_is_replaced(model_
     from launcher.errors import RequestTimeout
 
     hang, release = leader_that_can_hang(monkeypatch)
+    monkeypatch.setattr("launcher.cluster.replica_pool.HUNG_AFTER_AT_LEAST_S", 0.0)  # judged at the timeout
     model_dir, expected = model_and_expected
     try:
         with Launcher(model=model_dir, tp=1, progress=False, request_timeout_s=1, **EAGER) as llm:
@@ -522,6 +523,7 @@ def test_a_hung_group_is_replaced_even_when_every_client_gives_up_before_its_tim
     taking every request, and their cancels stayed unanswered. The group is judged by whether its
     leader steps while it has work."""
     hang, release = leader_that_can_hang(monkeypatch)
+    monkeypatch.setattr("launcher.cluster.replica_pool.HUNG_AFTER_AT_LEAST_S", 0.0)  # judged at the timeout
     causes = restart_causes(monkeypatch)
     model_dir, expected = model_and_expected
     try:
@@ -552,6 +554,7 @@ def test_a_hung_group_is_noticed_within_the_first_waves_timeout(model_and_expect
     import threading
 
     hang, release = leader_that_can_hang(monkeypatch)
+    monkeypatch.setattr("launcher.cluster.replica_pool.HUNG_AFTER_AT_LEAST_S", 0.0)  # judged at the timeout
     causes = restart_causes(monkeypatch)
     model_dir, _ = model_and_expected
     try:
@@ -579,6 +582,33 @@ def test_a_hung_group_is_noticed_within_the_first_waves_timeout(model_and_expect
             assert failed, "generate() should have failed: its first wave timed out in the hung group"
     finally:
         release.set()
+
+
+def test_a_step_slower_than_the_request_timeout_times_the_request_out_but_keeps_the_group(
+        model_and_expected, in_process_cluster, monkeypatch):
+    """A long prompt's prefill outlasting a short request timeout was judged a hung group: the group
+    was restarted (a restart counted) for each such request, and after the restart limit given up,
+    every later request refused. The request times out; the group goes on serving."""
+    import workers.serving.loop as loop_module
+    from launcher.errors import RequestTimeout
+
+    real_choose, slow = loop_module.choose, []
+
+    def choose(logits, sequences):
+        if not slow:
+            slow.append(True)
+            time.sleep(3)  # one step three times the request timeout: slow, not stuck
+        return real_choose(logits, sequences)
+
+    monkeypatch.setattr(loop_module, "choose", choose)
+    model_dir, expected = model_and_expected
+    with Launcher(model=model_dir, tp=1, progress=False, request_timeout_s=1, max_restarts=1, **EAGER) as llm:
+        for _ in range(2):  # the first slow, the second waits behind it: both time out
+            with pytest.raises(RequestTimeout):
+                tokens_of(llm.stream(PROMPTS[0], max_new_tokens=NEW_TOKENS))
+        time.sleep(2.5)  # the slow step ends; a hung-group check would have fired by now
+        assert llm.replica_status()[0]["restarts"] == 0
+        assert tokens_of(llm.stream(PROMPTS[1], max_new_tokens=NEW_TOKENS)) == (expected[1], "length")
 
 
 def test_streams_are_read_between_queued_static_batches(model_and_expected, in_process_cluster, monkeypatch):

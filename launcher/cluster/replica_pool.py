@@ -45,6 +45,11 @@ _STOP = object()
 POLL_WAIT_S = 0.05
 """A streaming replica's thread waits at most this long for its leader's next tokens (a poll returns
 as soon as tokens arrive, so this bounds only how soon a queued static batch is noticed)."""
+HUNG_AFTER_AT_LEAST_S = 30.0
+"""A group whose leader makes no step while it has work is judged hung after the shortest request
+timeout in flight, but never before this: one step (a long prompt's prefill chunk on a CPU) can
+outlast a short timeout, and with request_timeout_s=1 four long prompts restarted a working group
+four times, after which it was given up and every later request refused."""
 
 
 @dataclass
@@ -240,10 +245,17 @@ class Replica:
         current = min(limits) if limits else self._stall_limit_s
         if current is not None:
             self._quiet_limit = current if self._quiet_limit is None else min(self._quiet_limit, current)
-        limit = self._quiet_limit
-        if limit is not None and now - self._quiet_since >= limit and not self.pool.stopping:
-            self._restart(RequestTimeout(f"replica {self.index}'s group made no step in {limit:g} s (the request "
-                                         f"timeout) with requests in flight; it looks hung and is replaced"))
+        if self._quiet_limit is None:
+            return
+        # a step may take longer than a short request timeout (a long prompt's prefill on a slow
+        # host): the request times out, the group is not judged hung before HUNG_AFTER_AT_LEAST_S
+        limit = max(self._quiet_limit, HUNG_AFTER_AT_LEAST_S)
+        if now - self._quiet_since >= limit and not self.pool.stopping:
+            why = "the request timeout" if limit == self._quiet_limit else "the least a step is given"
+            self._restart(RequestTimeout(
+                f"replica {self.index}'s group made no step in {limit:g} s ({why}) with requests in flight; it "
+                f"looks hung and is replaced (if its steps are only slow, a long prompt's prefill on a slow host, "
+                f"raise --request-timeout or lower --max-prefill-tokens)"))
 
     def _hand_over(self, handle: StreamHandle, request) -> None:
         """Submit a stream's request to the group (its timeout is what the hung-group check allows)."""
@@ -495,8 +507,11 @@ class ReplicaPool:
             # Events find their stream by request id: a second one in flight would take the first's.
             ids = [h.request_id for h in handles]
             for request_id in ids:
-                if ids.count(request_id) > 1 or any(request_id in r.streams or request_id in r.cancelling
-                                                    for r in self.replicas):
+                if any(request_id in r.cancelling for r in self.replicas):  # closed, timed out or stopped
+                    raise ValueError(f"request_id {request_id!r} belongs to a request that has ended here but "
+                                     f"whose cancel its group has not answered yet; retry the id in a moment, or "
+                                     f"give each request its own id (or none: one is generated)")
+                if ids.count(request_id) > 1 or any(request_id in r.streams for r in self.replicas):
                     raise ValueError(f"request_id {request_id!r} is already in flight; give each request its "
                                      f"own id (or none: one is generated)")
             candidates = ([r for r in self.replicas if r.state == "serving"]
