@@ -148,6 +148,16 @@ def linking_out_dir(version: str | Path) -> Path | None:
     return out_dir if current_version(out_dir) == version else None
 
 
+def abandoned_version(version: str | Path) -> bool:
+    """Whether `version` is a `.NAME.v-HOST-PID-RANDOM` sibling this module wrote that nothing links
+    to and whose writer is gone from this host: a write that never finished (killed midway)."""
+    version = Path(version)
+    name, sep, rest = version.name[1:].rpartition(".v-")
+    if not version.name.startswith(".") or not sep or not _OWNED.fullmatch(rest):
+        return False
+    return current_version(version.parent / name) != version and not _owner_alive(rest)
+
+
 def sweep_stale(out_dir: str | Path, now: float | None = None) -> list[Path]:
     """Remove the versions of out_dir that nothing links to and whose writer is gone (or that are
     older than STALE_AFTER_S), and old leftovers of the earlier scheme; returns what was removed."""

@@ -26,6 +26,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from shardlib.atomic_dir import abandoned_version
 from shardlib.buckets import Buckets
 from shardlib.manifest import MANIFEST, check_field, read_manifest_json
 
@@ -153,6 +154,11 @@ def apply_compiled_dir(config):
     root = Path(config.compiled_dir)
     pinned = pinned_version(root)  # messages name the path given (a Serve replica's is pinned already)
     manifest = read_manifest(pinned)
+    if "compile_s" not in manifest and abandoned_version(pinned):
+        # named directly (the link was never switched to it): its graphs and manifest are partial
+        raise ValueError(f"compiled-model directory {root} was left half-written by a `corelaunch compile` that "
+                         f"did not finish (its writer is gone and no --out links to it); compile again, then "
+                         f"give the --out path")
     differ: list[str] = []
     if manifest["format_version"] != FORMAT_VERSION:
         differ.append(f"format_version: expected {FORMAT_VERSION}, found {manifest['format_version']}")
