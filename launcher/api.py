@@ -143,6 +143,10 @@ class LaunchConfig:
     warm_up: bool = False
     """Build every bucket's graph while starting (predictable first requests); otherwise each graph
     is built the first time a request needs it."""
+    warm_up_static: bool = True
+    """With warm_up: build the static batches' graphs too (generate(..., batching="static")), not only
+    the serving loop's. `corelaunch generate` and `corelaunch serve`, which run continuous batching
+    alone, leave them out: they were most of a default warm-up, never used."""
     ray_address: str | None = None
     """None: RAY_ADDRESS, else the cluster `ray start` recorded on this host, else a private local
     one; "local" (always a private one) or "host:port". "auto" is refused (launcher/cluster/ray_cluster.py)."""
@@ -161,7 +165,7 @@ class LaunchConfig:
     def __post_init__(self) -> None:
         # flags first: "nope" from a `serve run key=value` argument would read as True
         for name in ("presharded_cache", "pad_q_heads", "fused_projections", "sequence_parallel", "compile",
-                     "warm_up", "progress"):
+                     "warm_up", "warm_up_static", "progress"):
             _check_flag(name, getattr(self, name))
         for name in ("model", "compiled_dir", "presharded_dir", "presharded_cache_dir"):
             _check_path(name, getattr(self, name))

@@ -240,7 +240,9 @@ def load_spec_fields(config, plan, model_config) -> dict[str, Any]:
     manifest = read_manifest(config.compiled_dir) if config.compiled_dir is not None else None
     batch = Buckets.from_dict(manifest["buckets"]).batch if manifest is not None else None
     bucketed = config.compile or config.context_buckets is not None or config.token_buckets is not None
-    fields: dict[str, Any] = {"compile": bool(config.compile), "warm_up": bool(config.compile and config.warm_up),
+    # the static batches' graphs; the serving loop's are the ServeSpec's (warm_up alone)
+    fields: dict[str, Any] = {"compile": bool(config.compile),
+                              "warm_up": bool(config.compile and config.warm_up and config.warm_up_static),
                               "buckets": launch_buckets(config, plan, model_config, batch) if bucketed else None,
                               "compile_granularity": config.compile_granularity}
     if manifest is not None:

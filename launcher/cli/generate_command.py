@@ -54,8 +54,9 @@ def launch_config(args: argparse.Namespace):
     """The LaunchConfig the options ask for (ValueError or FileNotFoundError naming a bad one)."""
     from launcher.api import LaunchConfig
 
+    # it runs continuous batching alone: --warm-up builds the serving loop's graphs, not static ones
     return LaunchConfig(**model_and_placement_options(args), **max_num_seqs_option(args), replicas=args.replicas,
-                        max_batch_size=args.max_batch_size, ray_address=args.ray_address)
+                        max_batch_size=args.max_batch_size, ray_address=args.ray_address, warm_up_static=False)
 
 
 def run(args: argparse.Namespace) -> int:

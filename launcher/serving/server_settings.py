@@ -30,7 +30,9 @@ BUCKET_ARGS = ("context_buckets", "token_buckets")
 """Lists of lengths: also taken as `corelaunch serve` writes them, "128,256" (or one length, 128)."""
 
 NOT_UNDER_SERVE = {"ray_address": "a Serve replica runs in the Ray cluster Serve runs in; start Serve there "
-                                  "(`serve run --address` or RAY_ADDRESS)"}
+                                  "(`serve run --address` or RAY_ADDRESS)",
+                   "warm_up_static": "a server runs continuous batching alone: warm_up builds the serving "
+                                     "loop's graphs, and static batches' would never be used"}
 """LaunchConfig fields that mean nothing inside a Serve replica: refused rather than ignored."""
 
 ROUTE_HEADROOM = 8
@@ -88,7 +90,7 @@ def settings_from_args(args: dict, names: dict | None = None) -> ServerSettings:
                          f"and LaunchConfig's fields: {', '.join(taken)}")
     launch = {key: value for key, value in typed.items() if key in fields and key != "replicas"}
     # One Launcher (one TP group) per Serve replica: Serve, not the Launcher, adds replicas.
-    launch.update(replicas=1, progress=launch.get("progress", False))
+    launch.update(replicas=1, progress=launch.get("progress", False), warm_up_static=False)
     config = LaunchConfig(**launch)  # its checks, with its messages, now rather than inside a Serve replica
     num_replicas, autoscaling = _replica_counts(typed, lambda key: name(key, key))
     # The engine's own values, its defaults included: what one replica runs at once and queues. With
