@@ -230,9 +230,17 @@ def test_token_matching_reports_the_first_divergence_and_its_size():
 def test_parse_tol_map():
     assert parse_tol_map("5:0.01,50:0.02,1000:0.03,all:0.05") == DEFAULT_TOL_MAP
     assert parse_tol_map("10:0.1", atol=0.5) == {10: (0.5, 0.1)}
-    for bad in ("", "5", "five:0.1", "0:0.1", "5:-1", "5:0.1,5:0.2", "all:nan"):
-        with pytest.raises(ValueError):
+    # each names the entry and what it must be (a bare raises let any message pass)
+    for bad, words in (("", "tolerance map '' has no entries; e.g. 5:0.01"),
+                       ("5", "entry '5' is not K:RTOL (K a positive integer or 'all')"),
+                       ("five:0.1", "entry 'five:0.1' is not K:RTOL"),
+                       ("0:0.1", "entry '0:0.1': top-k (0) must be at least 1"),
+                       ("5:-1", "entry '5:-1': rtol (-1.0) must be a finite number >= 0"),
+                       ("5:0.1,5:0.2", "names group top5 twice"),
+                       ("all:nan", "entry 'all:nan': rtol (nan) must be a finite number >= 0")):
+        with pytest.raises(ValueError) as refused:
             parse_tol_map(bad)
+        assert words in str(refused.value), (bad, refused.value)
     with pytest.raises(ValueError, match="atol"):
         parse_tol_map("5:0.1", atol=-1)
 

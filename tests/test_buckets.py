@@ -99,6 +99,11 @@ def test_request_past_the_largest_buckets_names_the_lengths():
     with pytest.raises(ValueError, match=r"longest prompt \(200\) \+ max_new_tokens \(400\) = 600 is longer than "
                                          r"the largest token-generation bucket \(512\)"):
         request_shape(b, [200], 400)
+    # at the edge: exactly the largest bucket fits, one token past it is named as the sum
+    assert request_shape(b, [256], 256) == RequestShape(batch=1, context=256, cache=512)
+    with pytest.raises(ValueError, match=r"longest prompt \(256\) \+ max_new_tokens \(257\) = 513 is longer than "
+                                         r"the largest token-generation bucket \(512\); lower max_new_tokens"):
+        request_shape(b, [256], 257)
 
 
 def test_parse_and_round_trip():

@@ -11,9 +11,10 @@ import os
 import pytest
 import torch
 
+from tests.native_kernels import skip_unless_built
 from workers.kernels import decode_attention as kernel
 
-pytestmark = pytest.mark.skipif(not kernel.available(), reason=f"kernel unavailable: {kernel.unavailable_reason}")
+pytestmark = skip_unless_built(kernel)
 
 
 def reference(q, k_cache, v_cache, rows, mask, read_slots, scale):

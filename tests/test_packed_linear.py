@@ -10,9 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.native_kernels import skip_unless_built
 from workers.kernels import packed_linear as kernel
 
-pytestmark = pytest.mark.skipif(not kernel.available(), reason=f"kernel unavailable: {kernel.unavailable_reason}")
+pytestmark = skip_unless_built(kernel)
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.native_kernels import skip_unless_built
 from workers.kernels import packed_linear as kernel
 from workers.kernels import prefill_gemm
 from workers.kernels.prefill_gemm import CHOICES, chosen_gemm, prefill_linear
@@ -77,7 +78,7 @@ def test_an_unknown_choice_is_named(monkeypatch):
         chosen_gemm()
 
 
-@pytest.mark.skipif(not kernel.available(), reason=f"the packed-panel kernel is unavailable: {kernel.unavailable_reason}")
+@skip_unless_built(kernel, "the packed-panel kernel")
 def test_an_unknown_choice_is_named_when_a_model_is_packed(monkeypatch):
     from tests.model_factory import build_random_model
     from workers.packed_weight import pack_linear_weights

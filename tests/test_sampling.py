@@ -94,6 +94,14 @@ def test_top_p_drops_the_tail():
     assert 0.55 < drawn.count(0) / len(drawn) < 0.70  # renormalised: 0.5 / 0.8 = 0.625
 
 
+def test_top_p_drops_a_token_whose_mass_before_it_equals_top_p():
+    """The cut at the exact boundary, as transformers' (a token stays while the mass before it is
+    below top_p): powers of two make the float32 sums exact, so `<=` here would keep token 1."""
+    probs = torch.tensor([0.5, 0.25, 0.25])
+    assert set(draw(probs.log(), 300, temperature=1.0, top_p=0.5)) == {0}
+    assert set(draw(probs.log(), 300, temperature=1.0, top_p=0.5001)) == {0, 1}  # past it: the next one too
+
+
 def test_top_p_keeps_the_most_likely_token_at_least():
     logits = torch.randn(100, generator=torch.Generator().manual_seed(4))
     assert set(draw(logits, 50, temperature=1.0, top_p=1e-6)) == {logits.argmax().item()}

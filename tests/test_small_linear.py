@@ -10,9 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from shardlib.quantization import quantize
+from tests.native_kernels import skip_unless_built
 from workers.kernels import small_linear as small
 
-pytestmark = pytest.mark.skipif(not small.available(), reason=f"kernel unavailable: {small.unavailable_reason}")
+pytestmark = skip_unless_built(small)
 
 FORMATS = [None, "int8", "f8e4m3", "f8e5m2"]
 
