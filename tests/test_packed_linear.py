@@ -212,3 +212,18 @@ def test_the_operator_refuses_panels_and_bias_that_do_not_fit():
         torch.ops.corelaunch.packed_linear_kernel(x, panels, 40, torch.zeros(39))
     with pytest.raises(RuntimeError, match="out_features"):
         torch.ops.corelaunch.packed_linear_kernel(x, panels, 40 + panels.shape[2], None)
+
+
+def test_a_model_loaded_through_a_cpu_worker_runs_packed(tmp_path, in_process_cluster):
+    """The README says every test that loads a model through a cpu worker runs packed; nothing
+    checked it, so a worker that stopped packing would still pass every end-to-end test."""
+    from launcher.api import Launcher
+    from tests.model_factory import save_random_model
+    from workers.packed_weight import PackedWeight
+
+    model_dir = str(save_random_model(tmp_path / "m", "llama", num_heads=4, num_kv_heads=2))
+    with Launcher(model=model_dir, tp=2, seq_len=32, compile=False, progress=False) as llm:
+        for rank in llm._pool.replicas[0].started.group.actors:
+            packed = [m for m in rank._model.modules() if isinstance(m, PackedWeight)]
+            assert len(packed) >= 7 * len(rank._model.layers), len(packed)  # q k v o gate up down per layer
+        assert llm.generate([[1, 2, 3]], max_new_tokens=2)[0].token_ids  # and it runs
