@@ -50,16 +50,19 @@ def finite_number(name: str, minimum: float, *, above: bool = False):
     return parse
 
 
-def model_folder(name: str):
-    """A Hugging Face model folder (one with a config.json), checked before any work: a missing one
-    was a traceback after the start-up, or transformers' message about Hub repository ids."""
+def model_folder(name: str, tokenizer_only: bool = False):
+    """A Hugging Face model folder (one with a config.json; with tokenizer_only, one with a
+    tokenizer), checked before any work: a missing one was a traceback after the start-up, or
+    transformers' message about Hub repository ids."""
     def parse(text: str) -> str:
         from pathlib import Path
 
-        if not (Path(text) / "config.json").is_file():
-            what = "does not exist" if not Path(text).exists() else "has no config.json"
-            raise argparse.ArgumentTypeError(f"{name} ({text}) {what}: pass a Hugging Face model folder "
-                                             f"(config.json, tokenizer and safetensors weights)")
+        needed = ("tokenizer.json", "tokenizer_config.json") if tokenizer_only else ("config.json",)
+        if not any((Path(text) / file).is_file() for file in needed):
+            what = "does not exist" if not Path(text).exists() else f"has no {' or '.join(needed)}"
+            kind = "with the tokenizer the prompts are built with" if tokenizer_only else \
+                "(config.json, tokenizer and safetensors weights)"
+            raise argparse.ArgumentTypeError(f"{name} ({text}) {what}: pass a Hugging Face model folder {kind}")
         return text
     return parse
 

@@ -253,7 +253,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="no unmeasured wave before each level")
     parser.add_argument("--base-url", help="an OpenAI-compatible server's /v1 URL; default: start corelaunch serve")
     parser.add_argument("--model", default=DEFAULT_SERVED_NAME, help="the model name the server serves")
-    parser.add_argument("--model-dir", type=model_folder("--model-dir"), help="Hugging Face folder: its tokenizer builds the prompts, and "
+    parser.add_argument("--model-dir", help="Hugging Face folder: its tokenizer builds the prompts, and "
                                             "corelaunch serve loads it (default: the built-in SmolLM2)")
     parser.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                         help="one more argument for corelaunch serve, written --server-arg=--flag (repeat for several)")
@@ -298,7 +298,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      f"--base-url the server is someone else's, running throughout (drop them)")
     if args.server_timeout is None:
         args.server_timeout = 900.0
-    check_context(parser, args.prompt_tokens, args.max_tokens, "--prompt-tokens", "--max-tokens")
+    runs_corelaunch = not args.base_url or args.baselines  # its own server or the in-process baselines
+    if args.model_dir is not None:  # with someone else's server only its tokenizer is read
+        try:
+            model_folder("--model-dir", tokenizer_only=not runs_corelaunch)(args.model_dir)
+        except argparse.ArgumentTypeError as err:
+            parser.error(str(err))
+    if runs_corelaunch:  # the buckets of the server or baselines it starts; another server has its own
+        check_context(parser, args.prompt_tokens, args.max_tokens, "--prompt-tokens", "--max-tokens")
     if args.baselines and not args.baselines_only and 16 in args.levels and args.baseline_prompts != 16:
         parser.error(f"--baseline-prompts {args.baseline_prompts} with level 16: the report's ratios set 16 "
                      f"clients against a static batch of the baseline prompts, so it must be 16 too (or leave "

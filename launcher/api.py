@@ -146,7 +146,7 @@ class LaunchConfig:
     warm_up_static: bool = True
     """With warm_up: build the static batches' graphs too (generate(..., batching="static")), not only
     the serving loop's. `corelaunch generate` and `corelaunch serve`, which run continuous batching
-    alone, leave them out: they were most of a default warm-up, never used."""
+    alone, leave them out: with defaults 48 graphs, the larger prefills among them, never used."""
     ray_address: str | None = None
     """None: RAY_ADDRESS, else the cluster `ray start` recorded on this host, else a private local
     one; "local" (always a private one) or "host:port". "auto" is refused (launcher/cluster/ray_cluster.py)."""
@@ -339,7 +339,8 @@ def wave_timeouts(count: int, rows: int, timeout_s: float) -> list[float]:
     """Each of a generate call's `count` prompts' timeouts, submitted together to groups with `rows`
     rows in all: the prompts beyond the rows wait for rows to free up, so the one in the k-th wave of
     rows (k from 1) gets k request timeouts, as a static generate's watchdog allows one per part. The
-    first wave keeps one, so a hung group is still noticed after it."""
+    first wave keeps one, so a hung group is still noticed after it (or after the hung-group check's
+    floor, replica_pool.HUNG_AFTER_AT_LEAST_S, whichever is longer)."""
     return [timeout_s * (i // rows + 1) for i in range(count)]
 
 

@@ -121,6 +121,20 @@ def test_bad_values_are_refused_by_the_parser_naming_them(script, argv, message,
     assert message in capsys.readouterr().err
 
 
+def test_someone_elses_server_takes_prompts_past_the_benchmarks_buckets_and_a_tokenizer_folder(tmp_path):
+    """The 8192-token buckets are those of the server and baselines the benchmark starts: with
+    --base-url alone the other server's context is the limit, and --model-dir only gives the
+    tokenizer (both were refused once the checks came in)."""
+    from benchmarks.serving import parse_args
+
+    (tmp_path / "tokenizer.json").write_text("{}")
+    args = parse_args(["--base-url", "http://h:1/v1", "--prompt-tokens", "9000", "--levels", "1",
+                       "--model-dir", str(tmp_path)])
+    assert (args.prompt_tokens, args.model_dir) == (9000, str(tmp_path))
+    with pytest.raises(SystemExit):  # with --baselines the benchmark's own buckets apply again
+        parse_args(["--base-url", "http://h:1/v1", "--baselines", "--prompt-tokens", "9000", "--levels", "1"])
+
+
 def test_startup_comparison_alternates_the_sides_order_by_round():
     """`startup.py --compare` ran this checkout first in every round: an order effect (a warm page
     cache) fell on one side only, while the README says the rounds alternate."""

@@ -161,7 +161,8 @@ def compile_model(args: argparse.Namespace) -> dict:
         with ray_output_on_stderr(), _GraphProgress(tmp / compiled_dir.COMPILE_LOG, progress), \
                 Launcher(launch) as launcher:
             at_load = launcher.load_stats[0].compile if launcher.load_stats else None
-            # rank 0's stats once the serving warm-up has built its graphs too (most of the work)
+            # rank 0's stats once the serving warm-up has built its graphs too (with compile's
+            # default --max-batch-size 1, most of the graphs)
             at_start = next((start for start, _ in launcher.compile_stats()), None) or at_load
         serving_built = built_since_load(at_load, at_start)
         if serving_built is not None:

@@ -224,13 +224,13 @@ class Replica:
 
     def _check_hung(self, now: float) -> None:
         """Replace the group when its leader made no step and ran no static batch for a whole request
-        timeout while it had work: streams in flight, or cancels it has not answered. The group is
-        hung (a rank stuck in a forward or a device wait, its keepalives still flowing); left alone,
-        it looked the least loaded and got every request. Judged on the group, not on any one
-        request: clients that give up before their own deadline (an HTTP client's timeout) left no
-        late request to judge it by, and a hang that began after a request's last step cost the next
-        request its whole timeout too. (A stream resumed after a fault with little of its time left
-        is not judged on that remainder.)"""
+        timeout (and at least HUNG_AFTER_AT_LEAST_S) while it had work: streams in flight, or
+        cancels it has not answered. The group is hung (a rank stuck in a forward or a device wait,
+        its keepalives still flowing); left alone, it looked the least loaded and got every request.
+        Judged on the group, not on any one request: clients that give up before their own deadline
+        (an HTTP client's timeout) left no late request to judge it by, and a hang that began after
+        a request's last step cost the next request its whole timeout too. (A stream resumed after a
+        fault with little of its time left is not judged on that remainder.)"""
         progress = self._leader_progress()
         with self._streams_lock:
             busy = bool(self.streams or self.cancelling)
