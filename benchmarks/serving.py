@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import inspect
 import json
 import os
@@ -274,6 +275,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "switches of any of its threads (from /proc: this host's processes only)")
     args = parser.parse_args(argv)
     args.baselines |= args.baselines_only
+    if not args.baselines_only and importlib.util.find_spec("openai") is None:  # the levels' clients
+        parser.error("the HTTP levels' clients are the official `openai` package, which is not installed: "
+                     "pip install openai (or the test extra: pip install -e '.[test]'), or --baselines-only")
     if args.cpu_by_process and not Path("/proc/self/task").is_dir():
         parser.error("--cpu-by-process reads /proc, which this system does not have (Linux only)")
     if args.baselines_after and (not args.baselines or args.baselines_only):

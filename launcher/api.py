@@ -635,7 +635,8 @@ class Launcher:
         with self._progress.step(
                 f"starting {self.replicas} replica(s) of {plan.tp_degree} {backend} worker(s){where}, "
                 f"{self._rank_resources.threads} thread(s) each: joining their groups and loading each "
-                f"rank's shard ({plan.kv_strategy} KV heads)"):
+                f"rank's shard ({plan.kv_strategy} KV heads)"
+                f"{', then building every graph (--warm-up)' if cfg.compile and cfg.warm_up else ''}"):
             self._pool.start()
         self.load_stats = self._pool.replicas[0].started.load_stats
         self._start_presharded_cache()

@@ -135,6 +135,20 @@ def test_someone_elses_server_takes_prompts_past_the_benchmarks_buckets_and_a_to
         parse_args(["--base-url", "http://h:1/v1", "--baselines", "--prompt-tokens", "9000", "--levels", "1"])
 
 
+def test_the_serving_benchmark_without_the_openai_package_is_refused_before_any_server(monkeypatch, capsys):
+    """It started `corelaunch serve` (about 90 s) and then failed with an ImportError traceback."""
+    import importlib.util
+
+    from benchmarks.serving import parse_args
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "openai" else real(name, *a))
+    with pytest.raises(SystemExit):
+        parse_args(["--levels", "1"])
+    assert "pip install openai" in capsys.readouterr().err
+    assert parse_args(["--baselines-only"]).baselines_only  # the in-process baselines need no client
+
+
 def test_startup_comparison_alternates_the_sides_order_by_round():
     """`startup.py --compare` ran this checkout first in every round: an order effect (a warm page
     cache) fell on one side only, while the README says the rounds alternate."""

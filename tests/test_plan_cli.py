@@ -115,6 +115,9 @@ def test_bad_tp_value_is_a_usage_error(capsys):
     out = plan_in_process(capsys, "--model", SMOLLM2, "--tp", "three")
     assert out.returncode == 2 and "--tp must be a positive integer or 'auto'" in out.stderr
     assert out.stdout == ""  # no --json: stdout stays empty
+    # one line naming --help, as every other command's refusal (the whole usage block came first)
+    assert out.stderr.count("\n") == 1 and out.stderr.startswith("corelaunch plan: error: argument --tp")
+    assert out.stderr.rstrip().endswith("(see `corelaunch plan --help`)")
 
 
 def test_usage_errors_with_json_print_one_json_object_too(capsys):

@@ -77,7 +77,7 @@ def _json_refusals_from_argparse(parser: argparse.ArgumentParser) -> None:
     def error(message: str):
         if getattr(parser, "json_requested", False):
             print(json.dumps(_unplannable(message)))
-        argparse.ArgumentParser.error(parser, message)
+        type(parser).error(parser, message)  # the class's own (one line), under this instance override
 
     parser.parse_known_args, parser.error = parse_known_args, error
 
