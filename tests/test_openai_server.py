@@ -550,6 +550,20 @@ def test_a_compiled_directory_is_served_under_its_own_name(tmp_path):
     assert settings.launch["compiled_dir"] == str(version)
 
 
+def test_null_on_serve_run_is_the_default_for_text_arguments_too(monkeypatch):
+    """`serve run ... kv_strategy=null` was refused as 'null' "must be one of ..., or None", and
+    api_key=null made the key the text "null", while the README says null is every argument's default."""
+    from launcher.serving.openai_app import builder_settings
+
+    monkeypatch.setenv("CORELAUNCH_API_KEY", "envkey")
+    settings = builder_settings({"api_key": "null", "served_model_name": "null", "kv_strategy": "null",
+                                 "instance": "null", "backend": "~", "dtype": "NULL", "tp": "null"})
+    assert settings.api_key == "envkey" and settings.served_model_name == MODEL
+    assert all(key not in settings.launch or settings.launch[key] is None
+               for key in ("kv_strategy", "instance", "backend", "dtype"))
+    assert builder_settings({"served_model_name": "./null"}).served_model_name == "./null"  # the way to say it
+
+
 def test_server_settings_from_builder_arguments():
     from launcher.serving.server_settings import settings_from_args
 

@@ -26,6 +26,10 @@ TEXT_ARGS = ("model", "served_model_name", "api_key", "compiled_dir", "presharde
 """Arguments kept as the text given (`serve run` passes every value as text; the others are read as
 YAML scalars, so "2" is 2, "true" is True and "null" is None)."""
 
+YAML_NULLS = ("null", "Null", "NULL", "~")
+"""`serve run key=null`: the argument's default, whatever its kind (a path or name that is literally
+one of these is written ./null)."""
+
 BUCKET_ARGS = ("context_buckets", "token_buckets")
 """Lists of lengths: also taken as `corelaunch serve` writes them, "128,256" (or one length, 128)."""
 
@@ -115,6 +119,8 @@ def settings_from_args(args: dict, names: dict | None = None) -> ServerSettings:
 
 
 def _typed(key: str, value):
+    if value in YAML_NULLS:  # the default, for text arguments too (it was the text "null": kv_strategy='null'
+        return None          # refused saying "or None", api_key=null a key of "null")
     if isinstance(value, str) and key not in TEXT_ARGS:
         try:
             value = yaml.safe_load(value)
