@@ -140,22 +140,23 @@ def current_version(out_dir: str | Path) -> Path | None:
 def linking_out_dir(version: str | Path) -> Path | None:
     """The out_dir that links to `version` now (a `.NAME.v-HOST-PID-RANDOM` sibling this module
     wrote), or None: messages about a version a launch pinned name the path the user gave."""
-    version = Path(version)
+    parts = _version_parts(Path(version))
+    return parts[0] if parts is not None and current_version(parts[0]) == Path(version) else None
+
+
+def _version_parts(version: Path) -> tuple[Path, str] | None:
+    """(out_dir, "HOST-PID-RANDOM") of a `.NAME.v-HOST-PID-RANDOM` sibling this module writes, else None."""
     name, sep, rest = version.name[1:].rpartition(".v-")
     if not version.name.startswith(".") or not sep or not _OWNED.fullmatch(rest):
         return None
-    out_dir = version.parent / name
-    return out_dir if current_version(out_dir) == version else None
+    return version.parent / name, rest
 
 
 def abandoned_version(version: str | Path) -> bool:
     """Whether `version` is a `.NAME.v-HOST-PID-RANDOM` sibling this module wrote that nothing links
     to and whose writer is gone from this host: a write that never finished (killed midway)."""
-    version = Path(version)
-    name, sep, rest = version.name[1:].rpartition(".v-")
-    if not version.name.startswith(".") or not sep or not _OWNED.fullmatch(rest):
-        return False
-    return current_version(version.parent / name) != version and not _owner_alive(rest)
+    parts = _version_parts(Path(version))
+    return parts is not None and current_version(parts[0]) != Path(version) and not _owner_alive(parts[1])
 
 
 def sweep_stale(out_dir: str | Path, now: float | None = None) -> list[Path]:

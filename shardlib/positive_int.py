@@ -37,7 +37,8 @@ def real_of_any_kind(value) -> int | float | None:
         return number
     if type(value) is float:
         return value
-    # a scalar (np.float64 too, a float's subclass) of numpy's or a 0-d tensor (both have shape ()); bools of any kind are not numbers
+    # numpy's scalars (np.float64 too, a float's subclass) and 0-d tensors have shape (); bools of
+    # any kind are not numbers
     if getattr(value, "shape", None) != () or str(getattr(value, "dtype", "")) in ("bool", "torch.bool"):
         return None
     try:

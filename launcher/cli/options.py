@@ -184,13 +184,15 @@ def add_max_num_seqs(p: argparse.ArgumentParser, default: int | None = None, com
 def max_num_seqs_option(args: argparse.Namespace, default: int | None = None) -> dict:
     """LaunchConfig's max_num_seqs: --max-num-seqs when given; else the value a --compiled directory
     was compiled with (its serving graphs are shaped by it: any other value builds them all again),
-    else `default` (None: LaunchConfig's)."""
+    else `default`. Without a default of its own the command leaves it to LaunchConfig, which takes
+    the directory's value, else DEFAULT_MAX_NUM_SEQS."""
+    if args.max_num_seqs is not None:
+        return {"max_num_seqs": args.max_num_seqs}
+    if default is None:
+        return {}
     from launcher.artifacts.compiled_dir import recorded_max_num_seqs
 
-    value = args.max_num_seqs
-    if value is None:
-        value = recorded_max_num_seqs(getattr(args, "compiled", None)) or default
-    return {} if value is None else {"max_num_seqs": value}
+    return {"max_num_seqs": recorded_max_num_seqs(getattr(args, "compiled", None)) or default}
 
 
 def add_moe_sharding(p: argparse.ArgumentParser) -> None:
