@@ -251,16 +251,23 @@ class CompiledCausalLM:
         if key in self._seen:
             yield
             return
+        # Whether this call compiles or reads the compile cache is known only afterwards.
         if not self._warming_up:
-            self._announce(f"corelaunch: building the graph for {label} batch {batch} x {length} "
-                           f"(first use; cached for later runs)")
+            self._announce(f"corelaunch: setting up the graph for {label} batch {batch} x {length} "
+                           f"(first use: from the compile cache, else built and cached for later runs)")
+        compiles_before = _compiles_so_far()
         start = time.perf_counter()
         yield
         seconds = time.perf_counter() - start
         self._seen.add(key)
         self._stats.graphs.append(GraphStats(phase, batch, length, seconds))
         if not self._warming_up:
-            self._announce(f"corelaunch: built the {phase} graph for batch {batch} x {length} in {seconds:.1f} s")
+            if _compiles_so_far() > compiles_before:
+                self._announce(f"corelaunch: built the {phase} graph for batch {batch} x {length} in "
+                               f"{seconds:.1f} s (cached for later runs)")
+            else:
+                self._announce(f"corelaunch: took the {phase} graph for batch {batch} x {length} from the "
+                               f"compile cache in {seconds:.1f} s")
 
     @contextlib.contextmanager
     def warming_up(self):
@@ -317,6 +324,13 @@ class CompiledCausalLM:
 
 def _print_stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
+
+
+def _compiles_so_far() -> int:
+    """Graphs really compiled in this process so far: inductor's and AOTAutograd's cache misses,
+    plus those another rank of the host compiled while this one waited (a hit reads the cache)."""
+    counters = _cache_counters()
+    return counters["fxgraph_cache_miss"] + counters["autograd_cache_miss"] + BACKEND.compiled_by_peer
 
 
 def _cache_counters() -> dict[str, int]:
