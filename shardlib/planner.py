@@ -375,7 +375,7 @@ def _check(req: _Request, tp: int) -> _Check:
     if moe_problem:
         codes.append("moe_sharding_incompatible")
 
-    ranks_per_node = math.ceil(tp / req.nodes)
+    ranks_per_node = -(-tp // req.nodes)  # integers: a float ceil is wrong past 2**53
     supported = inst.supported_tp_degrees(req.lnc)
     if supported is not None and (tp % req.nodes or ranks_per_node not in supported):
         codes.append("unsupported_tp_degree")
@@ -538,7 +538,10 @@ def _one_node_way_out(tp: int, req: _Request) -> str:
     family = req.inst.family
     if tp in (req.inst.supported_tp_degrees(req.lnc) or (tp,)):
         one_node = "--nodes 1 on " if req.nodes > 1 else ""
-        return f"use {one_node}an instance with {tp * req.lnc} or more NeuronCores, or another degree"
+        larger = sorted((i for i in NEURON_INSTANCES.values() if i.family == family
+                         and tp <= i.logical_cores(req.lnc)), key=lambda i: i.physical_cores)
+        named = f" ({_fmt_list([i.name for i in larger])})" if larger else ""
+        return f"use {one_node}an instance with {tp * req.lnc} or more NeuronCores{named}, or another degree"
     others = sorted({i.name for i in NEURON_INSTANCES.values() if i.family != family
                      and tp in (i.supported_tp_degrees(i.default_lnc) or ())
                      and tp <= i.logical_cores(i.default_lnc)})
@@ -586,14 +589,16 @@ def _describe(code: str, req: _Request, check: _Check, hint_degrees: list[int]) 
         return f"{what} (NxD Inference supports {_fmt_list(supported)} per node{at_lnc}); {works}"
     if code == "not_enough_cores" and not inst.is_neuron:
         return (f"tp_degree ({tp}) puts {check.ranks_per_node} ranks on a node, one per GPU, but {inst.name} "
-                f"has {inst.physical_cores} GPU(s) per node; use --nodes {math.ceil(tp / inst.physical_cores)}; {works}")
+                f"has {inst.physical_cores} GPU(s) per node; use --nodes {-(-tp // inst.physical_cores)}; {works}")
     if code == "not_enough_cores":
         logical = inst.logical_cores(req.lnc)
         supported = inst.supported_tp_degrees(req.lnc)
         # the fewest nodes that hold the ranks evenly, at a degree per node NxD Inference supports
         # (one rank per node always is one)
-        nodes = next((n for n in range(math.ceil(tp / logical), tp + 1) if tp % n == 0 and tp // n <= logical
-                      and (supported is None or tp // n in supported)), tp)
+        # (one rank per node always is one). Searched over the ranks a node can take, at most its
+        # cores: a search over node counts took as many steps as the degree (a prime 1000000007 hung).
+        per_node = next(r for r in range(logical, 0, -1) if tp % r == 0 and (supported is None or r in supported or r == 1))
+        nodes = tp // per_node
         if tp == NXD_LOCAL_TP_DEGREE:  # never split over nodes: the way out is a larger instance
             return (f"tp_degree ({tp}) needs {tp} logical NeuronCores on one node (neuronx-distributed builds a "
                     f"TP {tp} group from one node's ranks) but {inst.name} has {logical} at LNC {req.lnc}; "

@@ -112,6 +112,12 @@ def test_forced_expert_parallel_needs_experts_divisible_by_tp():
     assert "moe shardings that work at tp_degree 32: tensor_parallel" in message
     with pytest.raises(ValueError, match="num_local_experts \\(8\\) divisible by tp_degree \\(32\\)"):
         ShardLayout.for_model(MIXTRAL, 32, moe_sharding=EXPERT_PARALLEL)
+    # the report's layout line pointed at no sharding at all ("no sharding fits") while the error
+    # below it named tensor_parallel as one that works
+    from launcher.cli.plan_command import format_report
+
+    layout = format_report(p).splitlines()[1]
+    assert layout.endswith("8 experts (no sharding: see moe_sharding_incompatible)") and "fits" not in layout
 
 
 def test_dbrx_fused_experts_need_their_intermediate_divisible_under_tensor_parallel():

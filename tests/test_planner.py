@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from shardlib.instances import GIB, InstanceType, cpu_host, get_instance
+from shardlib.instances import GIB, InstanceType, cpu_host, get_instance, gpu_node
 from shardlib.model_config import ModelConfig, load_model_config
 from shardlib.param_shapes import expected_shapes
 from shardlib.planner import RESERVE_FRACTION, plan
@@ -255,7 +255,8 @@ def test_neuron_tp_4_keeps_its_four_ranks_on_one_node():
     assert codes(split) == {"unsupported_tp_degree"}
     assert "one node" in split.errors[0].message and "use --nodes 1 on an instance with 4" in split.errors[0].message
     alone = message(plan(MISTRAL_7B, instance="inf2.xlarge", tp=4), "not_enough_cores")
-    assert "--nodes" not in alone and "use an instance with 4 or more NeuronCores" in alone
+    # the larger instances are named (they were only described)
+    assert "--nodes" not in alone and "use an instance with 4 or more NeuronCores (inf2.24xlarge, inf2.48xlarge)" in alone
     elsewhere = "trn1 supports no tp 4 on any instance: use another degree (instances that run tp 4: inf2.24xlarge, "
     for nodes, code in ((2, "unsupported_tp_degree"), (1, "not_enough_cores")):
         text = message(plan(MISTRAL_7B, instance="trn1.2xlarge", tp=4, nodes=nodes), code)
@@ -276,6 +277,23 @@ def test_the_node_count_named_for_more_cores_passes_the_per_node_degrees():
         text = message(plan(heads48, instance="inf2.24xlarge", tp=tp), "not_enough_cores")
         assert f"use --nodes {nodes} (8 ranks per node);" in text
         assert plan(heads48, instance="inf2.24xlarge", tp=tp, nodes=nodes).valid
+
+
+def test_a_huge_prime_degree_names_its_node_count_at_once():
+    """The node count for more cores was searched over every count up to the degree: a prime
+    --tp 1000000007 took about a minute and a larger one hung `corelaunch plan`. Now a search over
+    the ranks one node takes; and a degree past 2**53 keeps its exact ranks per node (a float
+    division printed 99999999999999991611392 for 99999999999999999999999)."""
+    prime = 10**12 + 39
+    text = message(plan(MISTRAL_7B, instance="trn1.32xlarge", tp=prime), "not_enough_cores")
+    assert f"use --nodes {prime} (1 ranks per node)" in text
+    assert "use --nodes 31250 (32 ranks per node)" in message(plan(MISTRAL_7B, instance="trn1.32xlarge",
+                                                                    tp=1_000_000), "not_enough_cores")
+    huge = 10**23 - 1
+    assert plan(MISTRAL_7B, instance="trn1.32xlarge", tp=huge).ranks_per_node == huge
+    assert plan(MISTRAL_7B, instance="cpu", tp=huge, nodes=7).ranks_per_node == 14285714285714285714286
+    assert f"use --nodes {-(-huge // 8)}" in message(plan(MISTRAL_7B, instance=gpu_node(80 * GIB, 8), tp=huge),
+                                                     "not_enough_cores")
 
 
 def test_auto_picks_the_smallest_valid_degree():

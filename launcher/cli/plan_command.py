@@ -149,7 +149,8 @@ def format_report(result: Plan) -> str:
         f"tp_degree {result.tp_degree} ({'auto' if result.tp_requested == 'auto' else 'requested'}), "
         f"{result.ranks_per_node} rank(s) per node, kv strategy {result.kv_strategy or '-'}, "
         f"per rank: {_or_dash(result.q_heads_per_rank)} Q heads, {_or_dash(result.kv_heads_per_rank)} KV heads"
-        + (f", {cfg.num_local_experts} experts ({result.moe_sharding or 'no sharding fits'})" if cfg.is_moe else ""),
+        + (f", {cfg.num_local_experts} experts ({result.moe_sharding or 'no sharding: see moe_sharding_incompatible'})"
+           if cfg.is_moe else ""),
         f"memory per rank: {_gib(mem.total_bytes_per_rank)} ("
         + " + ".join(f"{name} {_gib(n)}" for name, n in mem.parts)
         + f") of {_gib(mem.usable_bytes_per_rank)} usable "
