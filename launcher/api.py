@@ -38,7 +38,7 @@ from shardlib.planner import KV_STRATEGIES
 from shardlib.positive_int import integer_of_any_kind, is_positive_int, positive_int, real_of_any_kind
 from shardlib.request_checks import check_fits, check_request, check_stop_token_ids, is_token_index
 from shardlib.sampling_params import SamplingParams
-from shardlib.serving_shapes import DEFAULT_MAX_NUM_SEQS
+from shardlib.serving_shapes import DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_PREFILL_TOKENS
 from workers.backends import backend_entry
 from workers.granularities import GRANULARITIES
 
@@ -94,9 +94,10 @@ class LaunchConfig:
     a degree that does not divide the heads runs, with outputs equal to the unpadded model's."""
     moe_sharding: str | None = None
     """Mixture-of-experts models: "tensor_parallel" or "expert_parallel" experts; None: the planner's choice."""
-    fused_projections: bool = False
-    """Fuse each rank's q/k/v matrices into one and gate/up into one after loading (off by default:
-    workers/fused_projections.py)."""
+    fused_projections: bool | None = None
+    """Fuse each rank's q/k/v matrices into one and gate/up into one after loading
+    (workers/fused_projections.py). None: as compiled_dir was compiled (its graphs are traced
+    through the fused or the separate matrices), else off."""
     sequence_parallel: bool = False
     """Prefills (every step of more than one token per row) keep the residual stream split along the
     sequence between blocks: all-gather before attention and the MLP, reduce-scatter after
@@ -110,8 +111,10 @@ class LaunchConfig:
     sequences of seq_len tokens, allocated at start-up; the planner counts it). More wait for a row.
     None: the value compiled_dir was compiled with (its serving graphs are shaped by it: any other
     value builds them all again), else DEFAULT_MAX_NUM_SEQS."""
-    max_prefill_tokens: int = 2048
-    """Prompt tokens a group prefills per iteration (in chunks), between two decode steps."""
+    max_prefill_tokens: int | None = None
+    """Prompt tokens a group prefills per iteration (in chunks), between two decode steps. None: the
+    value compiled_dir was compiled with (it shapes the prefill chunks' graphs), else
+    DEFAULT_MAX_PREFILL_TOKENS (2048)."""
     burst_wait_s: float = DEFAULT_BURST_WAIT_S
     """Continuous batching: an idle group that receives a request waits this long for the next one
     (again after each, at most workers.serving.burst.BURST_WAIT_CAP times this in all) so that a
@@ -166,9 +169,14 @@ class LaunchConfig:
         # flags first: "nope" from a `serve run key=value` argument would read as True
         for name in ("presharded_cache", "pad_q_heads", "fused_projections", "sequence_parallel", "compile",
                      "warm_up", "warm_up_static", "progress"):
-            _check_flag(name, getattr(self, name))
+            if not (name == "fused_projections" and self.fused_projections is None):  # resolved below
+                _check_flag(name, getattr(self, name))
         for name in ("model", "compiled_dir", "presharded_dir", "presharded_cache_dir"):
             _check_path(name, getattr(self, name))
+        if self.fused_projections is None:
+            from launcher.artifacts.compiled_dir import recorded_setting
+
+            self.fused_projections = recorded_setting(self.compiled_dir, "fused_projections") is True
         # numpy's and torch's scalars as Python's, as the request counts take them (tp=np.int64(2)
         # was refused with a rule the value met)
         for entry in dataclasses.fields(self):
@@ -203,11 +211,14 @@ class LaunchConfig:
         RestartPolicy(self.max_restarts, self.restart_window_s)  # checks both, as every replica will
         _positive_seconds("health_check_interval_s", self.health_check_interval_s)
         positive_int("max_batch_size", self.max_batch_size)
-        if self.max_num_seqs is None:
-            from launcher.artifacts.compiled_dir import recorded_max_num_seqs
+        from launcher.artifacts.compiled_dir import recorded_setting
 
-            self.max_num_seqs = recorded_max_num_seqs(self.compiled_dir) or DEFAULT_MAX_NUM_SEQS
+        if self.max_num_seqs is None:
+            self.max_num_seqs = recorded_setting(self.compiled_dir, "max_num_seqs") or DEFAULT_MAX_NUM_SEQS
         positive_int("max_num_seqs", self.max_num_seqs)
+        if self.max_prefill_tokens is None:
+            self.max_prefill_tokens = (recorded_setting(self.compiled_dir, "max_prefill_tokens")
+                                       or DEFAULT_MAX_PREFILL_TOKENS)
         positive_int("max_prefill_tokens", self.max_prefill_tokens)
         if (isinstance(self.burst_wait_s, bool) or not isinstance(self.burst_wait_s, (int, float))
                 or not 0 <= self.burst_wait_s <= MAX_BURST_WAIT_S):

@@ -31,6 +31,9 @@ from shardlib.positive_int import positive_int
 DEFAULT_MAX_NUM_SEQS = 8
 """Rows of a TP group's serving KV cache unless asked otherwise (LaunchConfig, generate, compile)."""
 
+DEFAULT_MAX_PREFILL_TOKENS = 2048
+"""Prompt tokens a TP group prefills per serving iteration unless asked otherwise."""
+
 
 def serving_cache_rows(max_num_seqs: int) -> int:
     """KV cache rows a serving loop allocates: one per sequence slot, plus the scratch row that the

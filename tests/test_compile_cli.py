@@ -74,40 +74,44 @@ def test_compile_then_generate_from_the_directory_reuses_every_graph(model_dir, 
     the directory's empty inductor cache, the second finds them all there and compiles nothing.
     Both join the session's Ray: each rank points its inductor cache into the directory itself."""
     out = tmp_path / "compiled"
-    # --max-num-seqs 1: serving graphs for batch bucket 1 only (each bucket costs a compile)
+    # --max-num-seqs 1: serving graphs for batch bucket 1 only (each bucket costs a compile);
+    # --max-prefill-tokens 8: prompts prefilled in chunks of 8, starting a sequence or continuing it
     built = corelaunch("compile", "--model", str(model_dir), "--tp", "1", "--buckets", "16", "--max-num-seqs", "1",
-                       "--ray-address", ray_address, "--json", "--out", str(out))
+                       "--max-prefill-tokens", "8", "--ray-address", ray_address, "--json", "--out", str(out))
     assert built.returncode == 0, built.stderr
     manifest = json.loads(built.stdout)
     assert manifest == json.loads((out / "manifest.json").read_text())
     assert manifest["buckets"] == {"context": [16], "token": [16], "batch": [1]}
     assert manifest["tp_degree"] == 1 and manifest["dtype"] == "float32" and manifest["backend"] == "cpu"
-    assert manifest["max_num_seqs"] == 1
+    assert manifest["max_num_seqs"] == 1 and manifest["max_prefill_tokens"] == 8
+    assert manifest["fused_projections"] is False
     assert {k: manifest["versions"][k] for k in ("torch", "transformers", "corelaunch")} == \
         {k: library_versions()[k] for k in ("torch", "transformers", "corelaunch")}
     # the serving graphs too: they were left out of the manifest, its compile stats and the progress,
     # though with default settings they are most of the work
     assert [(g["phase"], g["batch"], g["length"]) for g in manifest["graphs"]] == [
-        ("context", 1, 16), ("token", 1, 16), ("serve-prefill-start", 1, 16), ("serve-decode", 1, 16)]
+        ("context", 1, 16), ("token", 1, 16), ("serve-prefill-start", 1, 8), ("serve-prefill", 1, 8),
+        ("serve-decode", 1, 16)]
     assert "graph 2/2: token-generation batch 1 x 16" in built.stderr  # progress on stderr
-    assert "then 2 serving graph(s)" in built.stderr and "  2 serving graph(s) (" in built.stderr
+    assert "then 3 serving graph(s)" in built.stderr and "  3 serving graph(s) (" in built.stderr
     assert (out / "weights" / "manifest.json").is_file() and (out / "model" / "tokenizer.json").is_file()
     cold = manifest["compile_stats"]
     assert cold["fxgraph_cache_miss"] > 0 and cold["autograd_cache_miss"] > 0  # it really compiled
 
-    # no --max-num-seqs: the directory's 1 (generate's own 8 rebuilt every serving graph)
+    # no --max-num-seqs: the directory's 1 (generate's own 8 rebuilt every serving graph); no
+    # --max-prefill-tokens (generate has none): the directory's 8 (2048 built a prefill of 16)
     warm = corelaunch("generate", "--compiled", str(out), "--warm-up", "--max-new-tokens", "6",
                       "--ray-address", ray_address, "--json", "--quiet", PROMPT)
     assert warm.returncode == 0, warm.stderr
     report = json.loads(warm.stdout)
     assert report["outputs"][0]["token_ids"] == eager_tokens(model_dir, PROMPT, 6)
     stats = report["compile"]
-    # the serving loop's graphs were set up again, and the request needed no other: its prefill
-    # chunk (as wide as the cache row: one graph whether it starts a sequence or not) and decode
-    # step at the one batch bucket; not the static engine's, which generate never runs (its
-    # --warm-up built them too, most of a default warm-up) ...
+    # --warm-up set up the serving loop's graphs again, and the request needed no other: prefill
+    # chunks of 8 (starting a sequence, continuing one) and the decode step at the one batch
+    # bucket; not the static engine's, which generate never runs (its --warm-up built them too,
+    # most of a default warm-up) ...
     assert sorted((g["phase"], g["batch"], g["length"]) for g in stats["graphs"]) == sorted(
-        [("serve-prefill-start", 1, 16), ("serve-decode", 1, 16)])
+        [("serve-prefill-start", 1, 8), ("serve-prefill", 1, 8), ("serve-decode", 1, 16)])
     # ... both from the directory's cache: it compiled nothing
     assert stats["fxgraph_cache_miss"] == 0 and stats["autograd_cache_miss"] == 0
     assert stats["fxgraph_cache_hit"] > 0 and stats["autograd_cache_hit"] > 0
@@ -358,6 +362,8 @@ def test_the_console_script_exits_2_on_a_refusal(model_dir, tmp_path):
     ("buckets", {"context": [8], "token": [-16], "batch": [1]}, "field 'buckets' is not a valid set of buckets"),
     ("kv_cache_dtype", "bogus", "field 'kv_cache_dtype' must be one of f8e4m3, None, found 'bogus'"),  # named a flag
     ("max_num_seqs", 0, "field 'max_num_seqs' must be a positive integer, found 0"),
+    ("max_prefill_tokens", 0, "field 'max_prefill_tokens' must be a positive integer, found 0"),
+    ("fused_projections", "yes", "field 'fused_projections'"),
 ])
 def test_a_manifest_value_no_compile_writes_is_named_as_the_manifests(model_dir, tmp_path, field, value, message):
     """Such values were refused by the launch's own checks, naming a flag nobody passed
@@ -461,3 +467,42 @@ def test_a_prompt_past_a_compiled_directorys_context_buckets_names_a_fix_that_wo
                             "of the compiled directory; shorten the prompt, or compile the directory again with a "
                             "larger --max-context-length (or --context-buckets)")
     assert "use larger context-encoding buckets" in check(None)  # a launch of its own: its own buckets
+
+
+def test_max_prefill_tokens_and_fused_projections_left_out_are_the_compiled_directorys(model_dir, tmp_path):
+    """Both shape graphs (the prefill chunks' widths; fused or separate matrices) and `compile` took
+    neither, so a server started from a directory with `--max-prefill-tokens 512` or
+    `--fused-projections` built its graphs on first use every time. `compile` takes and records
+    them; a launch from the directory that gives none takes the recorded ones, and one that gives
+    its own is taken (its graphs built on first use)."""
+    import argparse
+
+    from launcher.cli import compile_command, generate_command, serve_command
+    from launcher.serving.server_settings import settings_from_args
+    from shardlib.serving_shapes import DEFAULT_MAX_PREFILL_TOKENS
+
+    root = fake_compiled_dir(tmp_path / "c", model_dir, max_prefill_tokens=512, fused_projections=True)
+    config = LaunchConfig(compiled_dir=str(root))
+    assert config.max_prefill_tokens == 512 and config.fused_projections is True
+    asked = LaunchConfig(compiled_dir=str(root), max_prefill_tokens=1024, fused_projections=False)
+    assert asked.max_prefill_tokens == 1024 and asked.fused_projections is False
+    served = LaunchConfig(**settings_from_args({"compiled_dir": str(root), "backend": "cpu"}).launch)
+    assert served.max_prefill_tokens == 512 and served.fused_projections is True
+    # no directory, or one compiled before they were recorded: the defaults
+    old = fake_compiled_dir(tmp_path / "old", model_dir)
+    for config in (LaunchConfig(), LaunchConfig(compiled_dir=str(old))):
+        assert config.max_prefill_tokens == DEFAULT_MAX_PREFILL_TOKENS and config.fused_projections is False
+
+    parser = argparse.ArgumentParser()
+    commands = parser.add_subparsers()
+    for command in (compile_command, generate_command, serve_command):
+        command.add_parser(commands)
+    assert generate_command.launch_config(parser.parse_args(["generate", "--compiled", str(root), "x"])).fused_projections
+    serve_args = lambda *argv: LaunchConfig(**settings_from_args(  # noqa: E731
+        serve_command.server_args(parser.parse_args(["serve", "--backend", "cpu", *argv]))).launch)
+    assert serve_args("--compiled", str(root)).max_prefill_tokens == 512
+    assert serve_args("--compiled", str(root), "--max-prefill-tokens", "64").max_prefill_tokens == 64
+    compiling = parser.parse_args(["compile", "--out", "o", "--max-prefill-tokens", "256", "--fused-projections"])
+    assert compiling.max_prefill_tokens == 256 and compiling.fused_projections is True
+    plain = parser.parse_args(["compile", "--out", "o"])
+    assert plain.max_prefill_tokens is None and plain.fused_projections is False

@@ -82,7 +82,7 @@ _FIELDS = {"format_version": int, "config_hash": str, "tp_degree": int, "kv_stra
            "backend": str, "buckets": dict, "versions": dict, "granularity": (str, type(None)), "source": str,
            "model_type": str, "graphs": list, "compile_s": float, "sequence_parallel": bool,
            "kv_cache_dtype": (str, type(None)), "lnc": int, "pad_q_heads": bool, "moe_sharding": (str, type(None)),
-           "max_num_seqs": int}
+           "max_num_seqs": int, "max_prefill_tokens": int, "fused_projections": bool}
 
 
 def _choices() -> dict[str, tuple]:
@@ -108,7 +108,7 @@ def read_manifest(root: str | Path) -> dict[str, Any]:
             check_field(size, int, f"buckets.{name}[{i}]", path, hint)
     # Values no compile writes were refused later by the launch's own checks, in the words of a
     # flag nobody passed (--tp (-1) must be a positive integer).
-    for field in ("tp_degree", "max_num_seqs"):
+    for field in ("tp_degree", "max_num_seqs", "max_prefill_tokens"):
         if manifest.get(field, 1) < 1:
             raise ValueError(f"{path}: field {field!r} must be a positive integer, found {manifest[field]}; {hint}")
     for field, allowed in _choices().items():
@@ -122,14 +122,19 @@ def read_manifest(root: str | Path) -> dict[str, Any]:
     return manifest
 
 
-def recorded_max_num_seqs(root: str | Path | None) -> int | None:
-    """The --max-num-seqs a compiled-model directory's serving graphs were built for (their KV cache's
-    rows are part of every serving graph's shape), or None: no directory, one compiled before it was
-    recorded, or one the launch's own checks will refuse."""
+RECORDED_SETTINGS = ("max_num_seqs", "max_prefill_tokens", "fused_projections")
+"""Launch settings that shape the graphs and that a launch from the directory takes when it gives
+none: the serving KV cache's rows (part of every serving graph's shape), the prefill chunks' largest
+width, and whether the projections are fused (other matrices, other graphs)."""
+
+
+def recorded_setting(root: str | Path | None, name: str):
+    """The value of one of RECORDED_SETTINGS a compiled-model directory was compiled with, or None:
+    no directory, one compiled before it was recorded, or one the launch's own checks will refuse."""
     if root is None:
         return None
     try:
-        return read_manifest(pinned_version(root)).get("max_num_seqs")
+        return read_manifest(pinned_version(root)).get(name)
     except (OSError, ValueError):
         return None
 

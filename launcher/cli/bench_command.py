@@ -135,6 +135,7 @@ def _bench(args: argparse.Namespace) -> dict:
     from launcher.cli.command_stdout import ray_output_on_stderr
     from launcher.progress import Progress
     from shardlib.evaluation.bench_report import RunTiming, build_report
+    from shardlib.serving_shapes import DEFAULT_MAX_PREFILL_TOKENS
 
     config = LaunchConfig(model=args.model, tp=args.tp, **backend_options(args), **timeout_options(args), pad_q_heads=args.pad_q_heads,
                           sequence_parallel=args.sequence_parallel,
@@ -145,7 +146,7 @@ def _bench(args: argparse.Namespace) -> dict:
                           # no static batch, so one static row, not a second batch of rows, is planned)
                           # and is prefilled in one step where its prompts fit PREFILL_BUDGET_CAP tokens.
                           max_batch_size=1, max_num_seqs=args.batch_size,
-                          max_prefill_tokens=max(LaunchConfig.max_prefill_tokens,
+                          max_prefill_tokens=max(DEFAULT_MAX_PREFILL_TOKENS,
                                                  min(args.batch_size * args.prompt_len, PREFILL_BUDGET_CAP)))
     timings: list[RunTiming] = []
     launcher = Launcher(config).prepare()

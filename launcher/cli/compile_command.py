@@ -20,8 +20,8 @@ import threading
 import time
 from pathlib import Path
 
-from launcher.cli.options import (add_backend_arguments, add_bucket_lists, add_granularity, add_kv_cache_dtype,
-                                  add_max_num_seqs, add_moe_sharding, add_pad_q_heads, add_sequence_parallel,
+from launcher.cli.options import (add_backend_arguments, add_bucket_lists, add_fused_projections, add_granularity,
+                                  add_kv_cache_dtype, add_max_num_seqs, add_max_prefill_tokens, add_moe_sharding, add_pad_q_heads, add_sequence_parallel,
                                   add_timeout_arguments, backend_options, bucket_lists, max_num_seqs_option,
                                   non_empty_path, timeout_options, with_flag_name)
 
@@ -47,6 +47,8 @@ def add_parser(subparsers) -> None:
     add_bucket_arguments(p, max_batch_default=1)
     add_granularity(p)
     add_max_num_seqs(p, compiled=False)
+    add_max_prefill_tokens(p, compiled=False)
+    add_fused_projections(p, compiled=False)
     p.add_argument("--ray-address", help="Ray cluster host:port, or local for a private one (default: RAY_ADDRESS, else the cluster `ray start` recorded on this host, else a private one)")
     p.add_argument("--json", action="store_true", help="print the manifest as JSON on stdout")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -117,6 +119,7 @@ def compile_model(args: argparse.Namespace) -> dict:
     config = LaunchConfig(model=args.model, tp=args.tp, dtype=args.dtype, **backend_options(args), **timeout_options(args), lnc=args.lnc,
                           kv_strategy=args.kv_strategy, pad_q_heads=args.pad_q_heads, moe_sharding=args.moe_sharding,
                           sequence_parallel=args.sequence_parallel, kv_cache_dtype=args.kv_cache_dtype,
+                          fused_projections=args.fused_projections, max_prefill_tokens=args.max_prefill_tokens,
                           ray_address=args.ray_address, progress=not args.quiet, compile=True,
                           compile_granularity=args.granularity, **bucket_options(args), **max_num_seqs_option(args))
     planned = plan_launch(config, progress, nothing_done="nothing was written")
@@ -143,6 +146,7 @@ def compile_model(args: argparse.Namespace) -> dict:
             "buckets": buckets.to_dict(),
             "granularity": granularity,
             "versions": library_versions(), "graphs": [], "max_num_seqs": config.max_num_seqs,
+            "max_prefill_tokens": config.max_prefill_tokens, "fused_projections": config.fused_projections,
         }
         write_manifest_json(tmp, manifest)
         shapes = buckets.shapes()
@@ -156,7 +160,8 @@ def compile_model(args: argparse.Namespace) -> dict:
                               **timeout_options(args),
                               instance=config.instance, device_memory_gib=config.device_memory_gib, lnc=config.lnc,
                               progress=not args.quiet, max_batch_size=buckets.max_batch_size,
-                              max_num_seqs=config.max_num_seqs)
+                              max_num_seqs=config.max_num_seqs, max_prefill_tokens=config.max_prefill_tokens,
+                              fused_projections=config.fused_projections)
         # the manifest goes to stdout once Ray has stopped (--json)
         with ray_output_on_stderr(), _GraphProgress(tmp / compiled_dir.COMPILE_LOG, progress), \
                 Launcher(launch) as launcher:

@@ -190,9 +190,9 @@ def max_num_seqs_option(args: argparse.Namespace, default: int | None = None) ->
         return {"max_num_seqs": args.max_num_seqs}
     if default is None:
         return {}
-    from launcher.artifacts.compiled_dir import recorded_max_num_seqs
+    from launcher.artifacts.compiled_dir import recorded_setting
 
-    return {"max_num_seqs": recorded_max_num_seqs(getattr(args, "compiled", None)) or default}
+    return {"max_num_seqs": recorded_setting(getattr(args, "compiled", None), "max_num_seqs") or default}
 
 
 def add_moe_sharding(p: argparse.ArgumentParser) -> None:
@@ -200,6 +200,25 @@ def add_moe_sharding(p: argparse.ArgumentParser) -> None:
     p.add_argument("--moe-sharding", choices=["tensor_parallel", "expert_parallel"],
                    help="mixture-of-experts models: split every expert's intermediate dimension over the ranks "
                         "(tensor_parallel) or give each rank whole experts (expert_parallel); default: the planner's choice")
+
+
+def add_fused_projections(p: argparse.ArgumentParser, compiled: bool = True) -> None:
+    """--fused-projections (generate, serve, compile). Left out, it is None: a --compiled directory's
+    own setting, else off (LaunchConfig resolves it)."""
+    from_compiled = " (default: the --compiled directory's setting, else off)" if compiled else ""
+    p.add_argument("--fused-projections", action="store_true", default=None if compiled else False,
+                   help=f"fuse each rank's q/k/v and gate/up matrices after loading (measured: see the "
+                        f"README){from_compiled}")
+
+
+def add_max_prefill_tokens(p: argparse.ArgumentParser, compiled: bool = True) -> None:
+    """--max-prefill-tokens (serve, compile): the prefill chunks' largest width, so also their graphs'."""
+    from shardlib.serving_shapes import DEFAULT_MAX_PREFILL_TOKENS
+
+    from_compiled = ", or the --compiled directory's" if compiled else ""
+    p.add_argument("--max-prefill-tokens", type=int_at_least("--max-prefill-tokens"), metavar="N",
+                   help=f"prompt tokens prefilled between two decode steps (default {DEFAULT_MAX_PREFILL_TOKENS}"
+                        f"{from_compiled})")
 
 
 def add_model_and_placement_arguments(p: argparse.ArgumentParser) -> None:
@@ -224,8 +243,7 @@ def add_model_and_placement_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-strategy", choices=["shard", "replicate_to_tp", "convert_to_mha"])
     add_pad_q_heads(p)
     add_moe_sharding(p)
-    p.add_argument("--fused-projections", action="store_true",
-                   help="fuse each rank's q/k/v and gate/up matrices after loading (measured: see the README)")
+    add_fused_projections(p)
     add_sequence_parallel(p)
     p.add_argument("--seq-len", type=int, help="maximum sequence length: the serving engine's KV-cache rows and "
                                                 "the largest KV-cache (token-generation) bucket (default: "

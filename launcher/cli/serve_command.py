@@ -23,7 +23,8 @@ import time
 import urllib.error
 import urllib.request
 
-from launcher.cli.options import (add_max_num_seqs, add_model_and_placement_arguments, int_at_least,
+from launcher.cli.options import (add_max_num_seqs, add_max_prefill_tokens, add_model_and_placement_arguments,
+                                  int_at_least,
                                   max_num_seqs_option, model_and_placement_options, with_flag_name)
 from launcher.serving.ingress import MODES, IngressPlan, choose_mode, plan_ingress
 from launcher.serving.server_settings import api_key_from_environment
@@ -49,8 +50,7 @@ def add_parser(subparsers) -> None:
     add_max_num_seqs(p, default=SERVE_MAX_NUM_SEQS)
     p.add_argument("--max-queued-requests", type=int_at_least("--max-queued-requests", 0), metavar="N",
                    help="requests waiting for a slot before new ones get 503 with Retry-After (default: no limit)")
-    p.add_argument("--max-prefill-tokens", type=int_at_least("--max-prefill-tokens"), metavar="N",
-                   help="prompt tokens prefilled between two decode steps (default: the engine's, 2048)")
+    add_max_prefill_tokens(p)
     p.add_argument("--burst-wait-ms", type=_milliseconds, metavar="MS",
                    help="an idle model waits this long for more requests after one arrives (again after each, at "
                         "most 10x in all), so a burst's prompts are prefilled together; a lone request's first "
