@@ -94,6 +94,11 @@ def test_compile_then_generate_from_the_directory_reuses_every_graph(model_dir, 
         ("serve-decode", 1, 16)]
     assert "graph 2/2: token-generation batch 1 x 16" in built.stderr  # progress on stderr
     assert "then 3 serving graph(s)" in built.stderr and "  3 serving graph(s) (" in built.stderr
+    # each serving graph as it is built, as the static ones (only their total was shown)
+    for line in ("  serving graph 1/3: prefill chunk (starting a sequence) batch 1 x 8 (",
+                 "  serving graph 2/3: prefill chunk (continuing one) batch 1 x 8 (",
+                 "  serving graph 3/3: decode step batch 1 x 16 ("):
+        assert line in built.stderr, built.stderr
     assert (out / "weights" / "manifest.json").is_file() and (out / "model" / "tokenizer.json").is_file()
     cold = manifest["compile_stats"]
     assert cold["fxgraph_cache_miss"] > 0 and cold["autograd_cache_miss"] > 0  # it really compiled

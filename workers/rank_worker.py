@@ -145,6 +145,8 @@ class RankWorker:
     _collectives: object = field(default=None, init=False, repr=False)
     _model: object = field(default=None, init=False, repr=False)
     _buckets: Buckets | None = field(default=None, init=False, repr=False)
+    _graph_progress: object = field(default=None, init=False, repr=False)
+    """Rank 0 under `corelaunch compile`: writes each graph a warm-up builds to the compile log."""
     _loop: object = field(default=None, init=False, repr=False)
     _prepared_loop: object = field(default=None, init=False, repr=False)
     """The loop prepare_serving made, until stream_events takes it (even when the loop has ended by then)."""
@@ -249,6 +251,7 @@ class RankWorker:
             def progress(done: int, total: int, shape: tuple[str, int, int], seconds: float) -> None:
                 with path.open("a") as fh:
                     fh.write(f"{done} {total} {shape[0]} {shape[1]} {shape[2]} {seconds:.3f}\n")
+        self._graph_progress = progress  # the serving warm-up's graphs are shown too (prepare_serving)
 
         return CompileOptions(buckets=load_spec.buckets, cache_dir=load_spec.compile_cache_dir,
                               granularity=load_spec.compile_granularity, warm_up=load_spec.warm_up,
@@ -301,7 +304,7 @@ class RankWorker:
                            self._run_batch)
         if shapes is not None and spec.warm_up_max_length is not None and hasattr(model, "warming_up"):
             with model.warming_up():
-                loop.warm_up(shapes.shapes(spec.warm_up_max_length or None))
+                loop.warm_up(shapes.shapes(spec.warm_up_max_length or None), progress=self._graph_progress)
         self._loop = self._prepared_loop = loop
         return {"rank": self.spec.rank, "cache_bytes": loop.cache.nbytes(), "prepare_s": time.perf_counter() - start,
                 "compile": self.compile_stats()}  # the warm-up's graphs: built at start, not in a request

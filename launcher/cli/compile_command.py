@@ -215,6 +215,12 @@ def _copy_model_files(model_dir: Path, dest: Path) -> None:
             shutil.copy2(model_dir / name, dest / name)
 
 
+PHASE_NAMES = {"context": "context-encoding", "token": "token-generation",
+               "serve-prefill-start": "prefill chunk (starting a sequence)",
+               "serve-prefill": "prefill chunk (continuing one)", "serve-decode": "decode step"}
+"""How the progress names each kind of graph (shardlib/serving_shapes.py's phases for the serving loop's)."""
+
+
 class _GraphProgress:
     """Shows rank 0's warm-up lines (written to compile.log by the worker) on stderr as they appear."""
 
@@ -238,9 +244,9 @@ class _GraphProgress:
             lines = self.path.read_text().splitlines() if self.path.is_file() else []
             for line in lines[shown:]:
                 done, total, phase, batch, length, seconds = line.split()
-                kind = "context-encoding" if phase == "context" else "token-generation"
-                self.progress.note(f"  graph {done}/{total}: {kind} batch {batch} x {length} "
-                                   f"({float(seconds):.1f} s)")
+                kind = {"context": "graph", "token": "graph"}.get(phase, "serving graph")
+                self.progress.note(f"  {kind} {done}/{total}: {PHASE_NAMES.get(phase, phase)} batch {batch} x "
+                                   f"{length} ({float(seconds):.1f} s)")
             shown = len(lines)
             if stopping:
                 return

@@ -22,6 +22,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -119,13 +120,15 @@ class ServingLoop:
             self._inbox.put(("static", static_id))
         return future
 
-    def warm_up(self, shapes: list[tuple[str, int, int]]) -> None:
+    def warm_up(self, shapes: list[tuple[str, int, int]],
+                progress: Callable[[int, int, tuple[str, int, int], float], None] | None = None) -> None:
         """Run each (phase, batch, length) of shardlib.serving_shapes once, writing only the scratch
         row, so its graph is built now rather than during a request. Every rank calls this with the
-        same shapes (the forwards hold collectives)."""
+        same shapes (the forwards hold collectives). progress(done, total, shape, seconds) after each."""
         scratch = self.scratch_row
         with torch.inference_mode():
-            for phase, batch, length in shapes:
+            for done, (phase, batch, length) in enumerate(shapes, 1):
+                start_s = time.perf_counter()
                 if phase in PREFILL_PHASES:  # a chunk starting at slot 0, or at 1 (a continuing one)
                     start = 0 if phase == PREFILL_START else 1
                     self._step(prefill_inputs([PrefillChunk(scratch, start, (0,) * length)] * batch,
@@ -133,6 +136,8 @@ class ServingLoop:
                 else:
                     rows = tuple(DecodeRow(scratch, length - 1, 0) for _ in range(batch))
                     self._step(decode_inputs(rows, self.config.shapes, scratch))
+                if progress is not None:
+                    progress(done, len(shapes), (phase, batch, length), time.perf_counter() - start_s)
 
     # ---- the loop ----------------------------------------------------------------------------------
     def run(self) -> None:
