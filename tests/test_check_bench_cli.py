@@ -146,6 +146,43 @@ def test_a_reference_with_another_vocabulary_is_refused_before_anything_runs(mod
         assert f"--reference {original} has a vocabulary of 128 tokens and --model {wider} one of 256" in err, err
 
 
+def test_a_reference_or_model_that_transformers_cannot_load_is_refused_naming_the_option(models, capsys, tmp_path,
+                                                                                          monkeypatch, ray_tripwire):
+    """A corrupt or missing weights file, or a config.json given for its folder, was a traceback
+    from inside transformers' reference with exit 1 (a failed check's code), or transformers' own
+    words naming no option; a folder given as --expected "did not exist"."""
+    from launcher.cli import check_command
+
+    original, _ = models
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(original, corrupt)
+    (corrupt / "model.safetensors").write_bytes(b"\xff" * 1000)
+    config_only = tmp_path / "config-only"
+    config_only.mkdir()
+    shutil.copy(original / "config.json", config_only / "config.json")
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the transformers reference ran")
+
+    monkeypatch.setattr(check_command, "reference_outputs", must_not_run)
+    saving = ["--save-expected", str(tmp_path / "e.pt")]
+    for args, message in (
+            (["--reference", str(corrupt)], f"--reference {corrupt}: {corrupt / 'model.safetensors'} is not a valid "
+                                            f"safetensors file"),
+            (["--reference", str(config_only)], f"--reference {config_only}: no Hugging Face checkpoint in"),
+            (["--reference", str(original / "config.json")],
+             f"--reference {original / 'config.json'} is a file, not a model directory; pass the Hugging Face "
+             f"model directory that holds it ({original})"),
+            (["--model", str(corrupt), *saving], f"--model {corrupt}: {corrupt / 'model.safetensors'} is not a valid"),
+            (["--model", str(original / "config.json"), *saving], "is a file, not a model directory")):
+        model = [] if "--model" in args else ["--model", str(original)]
+        code, report, err = run_check(capsys, *model, *args, "--prompt-ids", PROMPT_IDS, "--no-compile")
+        assert code == 2 and report is None, err
+        assert message in err and "Traceback" not in err, err
+    code, _, err = run_check(capsys, "--model", str(original), "--expected", str(tmp_path))
+    assert code == 2 and f"expected-outputs file {tmp_path} is a directory; pass the file" in err, err
+
+
 def test_a_quantized_reference_is_refused_before_anything_runs(models, capsys, tmp_path, monkeypatch):
     from launcher.cli import check_command
     from shardlib.quantize_checkpoint import quantize_checkpoint
@@ -550,6 +587,17 @@ def test_bench_refuses_a_prompt_longer_than_the_context_before_ray_starts(models
     assert code == 2 and "a smaller --batch-size (at most " in err and "--max-num-seqs" not in err, err
     assert "(--batch-size 100000000: 100000001 serving rows with the scratch row" in err, err
     assert "batch_size 1" not in err, err  # the static row bench plans, which no bench option sets
+    # a shorter sequence length that fits the memory but not the run's 12 positions is no way out
+    # (it was offered, "a smaller seq_len (at most 1 ...)", and refused when followed)
+    assert "seq_len (at most" not in err and "--seq-len (at most" not in err, err
+    from launcher.cli.bench_command import in_bench_terms
+
+    planner_text = ("ways out: a smaller seq_len (at most 900 at batch_size 1 + 301 serving rows); a smaller "
+                    "--max-num-seqs (at most 115)")
+    assert in_bench_terms(planner_text, 192) == ("ways out: a smaller --seq-len (at most 900 at --batch-size 300: "
+                                                 "301 serving rows with the scratch row); a smaller --batch-size "
+                                                 "(at most 115)")
+    assert in_bench_terms(planner_text, 1000) == "ways out: a smaller --batch-size (at most 115)"
 
 
 def test_bench_refuses_a_long_prompt_len_before_building_the_prompts(models, capsys, monkeypatch, ray_tripwire):

@@ -105,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
     except BrokenPipeError:
         raise  # stdout's reader went away: 141 (launcher/cli/__init__.py)
     except (ValueError, OSError, LaunchError) as err:  # OSError: a file or directory it could not use, a lock
-        print(f"corelaunch bench: {in_bench_terms(with_flag_name(err))}", file=sys.stderr)
+        needed = args.prompt_len + args.max_new_tokens
+        print(f"corelaunch bench: {in_bench_terms(with_flag_name(err), needed)}", file=sys.stderr)
         return exit_code_for(err)
     if args.json:
         print(json.dumps(report))
@@ -114,12 +115,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def in_bench_terms(message: str) -> str:
+def in_bench_terms(message: str, needed: int | None = None) -> str:
     """A launch refusal in bench's own options: its batch is the serving rows (max_num_seqs, plus
     the scratch row), which it sets from --batch-size beside the one static row every launch plans;
-    the planner's "batch_size 1" named a batch size bench users never set."""
+    the planner's "batch_size 1" named a batch size bench users never set. needed: the positions a
+    run takes (--prompt-len + --max-new-tokens): a shorter sequence length offered as a way out
+    ("at most 4") would be refused when followed, so it is left out; a longer one names --seq-len."""
     import re
 
+    def seq_len_way(way: re.Match) -> str:
+        return "" if needed is not None and int(way[1]) < needed else way[0].replace("seq_len", "--seq-len", 1)
+
+    message = re.sub(r"a smaller seq_len \(at most (\d+) at [^()]*\)(; )?", seq_len_way, message)
     message = re.sub(r"fewer serving rows \(--max-num-seqs at most (\d+) at batch_size 1\)",
                      r"a smaller --batch-size (at most \1)", message)
     message = re.sub(r"batch_size 1 \+ (\d+) serving rows",

@@ -115,6 +115,9 @@ def load_expected(path: str) -> Expected:
     """Read and validate an expected-outputs file (format in the module docstring)."""
     import torch
 
+    if Path(path).is_dir():  # "does not exist" with a fix (--save-expected DIR) that is itself refused
+        raise ValueError(f"expected-outputs file {path} is a directory; pass the file `corelaunch check "
+                         f"--save-expected FILE` wrote")
     if not Path(path).is_file():
         raise FileNotFoundError(f"expected-outputs file {path} does not exist; write one with "
                                 f"`corelaunch check --save-expected {path}`")
@@ -262,6 +265,9 @@ def _model_dir(model: str | None, option: str = "--model") -> Path:
     if not Path(model).exists():
         fix = " or omit --model for the built-in SmolLM2-135M-Instruct" if option == "--model" else ""
         raise FileNotFoundError(f"{option} path {model} does not exist; pass a Hugging Face model directory{fix}")
+    if not Path(model).is_dir():  # a config.json given for its folder: transformers failed with a traceback
+        raise ValueError(f"{option} {model} is a file, not a model directory; pass the Hugging Face model "
+                         f"directory that holds it ({Path(model).parent})")
     return Path(model)
 
 
@@ -324,7 +330,10 @@ def _reference_dir(args, model_dir: Path) -> Path:
     some other model, and every comparison would fail for no fault of the model under test)."""
     from shardlib.model_config import load_model_config
 
-    reference_dir = _model_dir(args.reference, "--reference") if args.reference else model_dir
+    from shardlib.checkpoint_files import check_checkpoint
+
+    option = "--reference" if args.reference else "--model"
+    reference_dir = _model_dir(args.reference, option) if args.reference else model_dir
     reference = load_model_config(reference_dir)
     quant = reference.quantization
     if quant is not None:
@@ -338,6 +347,13 @@ def _reference_dir(args, model_dir: Path) -> Path:
         raise ValueError(f"--reference {reference_dir} has a vocabulary of {reference.vocab_size} tokens and "
                          f"--model {model_dir} one of {model_vocab}: it is not the same model; pass the checkpoint "
                          f"--model was made from")
+    # Its files as the ranks' loader checks them, before transformers reads them: a corrupt or
+    # missing weights file was a traceback from inside the reference (exit 1, a failed check's code)
+    # or transformers' own words, naming no option.
+    try:
+        check_checkpoint(reference_dir, reference)
+    except (ValueError, FileNotFoundError) as err:
+        raise type(err)(f"{option} {reference_dir}: {err}") from None
     return reference_dir
 
 
