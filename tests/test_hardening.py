@@ -304,3 +304,17 @@ def test_a_second_ctrl_c_during_the_shutdown_after_the_first_does_not_cut_it_sho
     with pytest.raises(KeyboardInterrupt):  # outside the shutdown, Ctrl-C works as before
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.1)
+
+
+def test_ctrl_c_while_the_commands_are_imported_and_parsed_ends_as_an_interrupt(monkeypatch, capsys):
+    """The first half second of every command imports each subcommand and parses the line: Ctrl-C
+    there was a traceback from inside importlib, not "corelaunch: interrupted" and 130."""
+    from launcher import cli
+    from launcher.cli import plan_command
+
+    def interrupted(subparsers):
+        raise KeyboardInterrupt  # as a Ctrl-C arriving during the imports
+
+    monkeypatch.setattr(plan_command, "add_parser", interrupted)
+    assert cli.main(["plan"]) == cli.INTERRUPTED
+    assert capsys.readouterr().err == "corelaunch: interrupted\n"

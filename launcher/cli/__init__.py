@@ -51,14 +51,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    if extra:
-        # `generate "A" --max-new-tokens 4 "B"`: argparse takes one run of positional prompts
-        split_prompts = args.command == "generate" and not any(word.startswith("-") for word in extra)
-        hint = "; prompts go together (all options before or after them), or each with --prompt" if split_prompts else ""
-        _usage_error(f"corelaunch {args.command}", f"unrecognized arguments: {' '.join(extra)}{hint}")
     try:
+        # the subcommands' imports too: Ctrl-C in the first half second was a traceback from importlib
+        parser = build_parser()
+        args, extra = parser.parse_known_args(argv)
+        if extra:
+            # `generate "A" --max-new-tokens 4 "B"`: argparse takes one run of positional prompts
+            split_prompts = args.command == "generate" and not any(word.startswith("-") for word in extra)
+            hint = ("; prompts go together (all options before or after them), or each with --prompt"
+                    if split_prompts else "")
+            _usage_error(f"corelaunch {args.command}", f"unrecognized arguments: {' '.join(extra)}{hint}")
         return int(args.run(args) or 0)
     except KeyboardInterrupt:  # the launcher has already stopped its workers (Launcher.__exit__)
         print("corelaunch: interrupted", file=sys.stderr)
