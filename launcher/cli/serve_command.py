@@ -272,6 +272,10 @@ def _serve_on(args: argparse.Namespace, settings, mode: str, stdout) -> int:
             # asked not to wait for it.
             if not signals.cut_short and not (signals.by_sigterm and ray_cluster.private_cluster_dying(
                     within_s=0.5, dead_before=dead_at_start)):
+                # The application first, while the proxy still runs: its replicas finish their
+                # requests in flight (Serve's graceful shutdown) before anything stops. serve.shutdown()
+                # alone stopped the proxy at once, cutting every stream behind it (--replicas 2).
+                serve.delete(APP_NAME)
                 serve.shutdown()
         finally:
             with signals.held():
