@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import math
@@ -15,6 +16,7 @@ import operator
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -497,6 +499,7 @@ class Launcher:
         self._cache_writer = None
         self._lock = threading.Lock()  # tokenizers are not safe to share between threads
         self._starting = threading.Lock()
+        self._shutting_down = threading.Lock()
         self._stops = 0
         """shutdown() calls so far; a start() that sees more than when it was called (one still
         connecting to Ray, before there is a pool for shutdown() to stop, or one waiting for another
@@ -544,7 +547,18 @@ class Launcher:
                     raise LaunchError("the launcher was shut down while it started; nothing is left running") from err
                 raise
             self.timings["startup_s"] = time.perf_counter() - start
+            # After ray.init registered Ray's own exit hook, so this one runs first (atexit is LIFO)
+            atexit.register(self._shutdown_at_exit)
             return self
+
+    def _shutdown_at_exit(self) -> None:
+        """A program that ends without shutdown(): its groups stop before Ray's own exit hook
+        disconnects it. Afterwards, the replicas' threads calling Ray made the program exit 1 whatever
+        its code, and Ray's agents outlived it by a minute or more."""
+        try:
+            self.shutdown(grace_s=INTERRUPT_GRACE_S)
+        except Exception as err:  # noqa: BLE001 - the program is ending: say why, do not mask its exit
+            print(f"corelaunch: shutting down at exit failed: {type(err).__name__}: {err}", file=sys.stderr)
 
     def prepare(self) -> "Launcher":
         """Everything before Ray: the plan (refusing impossible layouts) and the shapes the workers
@@ -809,18 +823,20 @@ class Launcher:
             raise ValueError(f"grace_s ({grace_s!r}) must be a number of seconds from 0 to {MAX_TIMEOUT_S}; "
                              f"nothing was shut down")
         self._stops += 1  # a start() still connecting stops at its next step
-        # Each read once: a second thread shutting down at the same time finds None or the same
-        # object (the pool's shutdown is safe twice), never None between the check and the call.
-        pool = self._pool  # kept visible while it stops: a stream closed meanwhile still reaches it
-        if pool is not None:
-            pool.shutdown(grace_s)
-            self._pool = None
-        writer, self._cache_writer = self._cache_writer, None
-        if writer is not None:
-            writer.join(timeout_s=30)  # a daemon thread: a long write is abandoned at exit
-        connection, self._ray = self._ray, None
-        if connection is not None:
-            connection.close()
+        atexit.unregister(self._shutdown_at_exit)
+        # One shutdown at a time: a second call (another thread) returned at once, finding the pool
+        # taken, while the first was still stopping the groups and Ray; it now returns once they have.
+        with self._shutting_down:
+            pool = self._pool  # kept visible while it stops: a stream closed meanwhile still reaches it
+            if pool is not None:
+                pool.shutdown(grace_s)
+                self._pool = None
+            writer, self._cache_writer = self._cache_writer, None
+            if writer is not None:
+                writer.join(timeout_s=30)  # a daemon thread: a long write is abandoned at exit
+            connection, self._ray = self._ray, None
+            if connection is not None:
+                connection.close()
 
     # ---- requests ----------------------------------------------------------------------------
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],

@@ -318,3 +318,39 @@ def test_ctrl_c_while_the_commands_are_imported_and_parsed_ends_as_an_interrupt(
     monkeypatch.setattr(plan_command, "add_parser", interrupted)
     assert cli.main(["plan"]) == cli.INTERRUPTED
     assert capsys.readouterr().err == "corelaunch: interrupted\n"
+
+
+def test_a_second_shutdown_returns_only_once_the_first_has_stopped_everything():
+    """Two threads shutting down at once: the second found the pool taken and returned at once while
+    the first was still stopping the groups (and then Ray), so a caller trusting its own return
+    went on with them still running. A stand-in pool whose shutdown takes a while shows the order."""
+    import threading
+
+    launcher = Launcher(LaunchConfig(progress=False))
+    stopped = threading.Event()
+
+    class SlowPool:  # as ReplicaPool: a second shutdown finds the groups stopping and returns at once
+        stopping = False
+
+        def shutdown(self, grace_s):
+            if self.stopping:
+                return
+            self.stopping = True
+            time.sleep(0.5)
+            stopped.set()
+
+    launcher._pool = SlowPool()
+    returned = []
+
+    def shut(grace_s):
+        launcher.shutdown(grace_s)
+        returned.append(stopped.is_set())
+
+    threads = [threading.Thread(target=shut, args=(grace,)) for grace in (10.0, 0.0)]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.1)  # the first is inside the pool's shutdown when the second calls
+    for thread in threads:
+        thread.join(10)
+    assert returned == [True, True]
+    assert launcher._pool is None

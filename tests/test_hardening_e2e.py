@@ -163,3 +163,35 @@ def test_ctrl_c_during_generate_returns_within_seconds_and_leaves_nothing_behind
     left = [command_line(p) for p in session_processes(run.pid) if alive(p)]
     assert left == [], "still running 20 s after the CLI returned:\n" + "\n".join(left)
     assert set(glob.glob("/dev/shm/corelaunch-*")) <= segments_before
+
+
+EXITS_WITHOUT_SHUTDOWN = """
+import sys
+from launcher.api import Launcher
+
+llm = Launcher(model=sys.argv[1], tp=1, compile=False, seq_len=64, progress=False).start()
+print(llm.generate("t5 t9", max_new_tokens=2)[0].token_ids, flush=True)
+sys.exit(0)  # no shutdown(): the program just ends
+"""
+
+
+def test_a_driver_program_that_exits_without_shutdown_exits_0_and_leaves_nothing(model_dir):  # noqa: F811
+    """Ray's exit hook disconnected the program while its replica threads still called Ray: the
+    program exited 1 whatever its code ("The core worker has already been shutdown"), and Ray's
+    agents outlived it by a minute or more. The launcher now shuts itself down at exit, first."""
+    run = subprocess.Popen([sys.executable, "-c", EXITS_WITHOUT_SHUTDOWN, str(model_dir)],
+                           cwd=Path(__file__).parent.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, env=clean_env(), start_new_session=True)
+    try:
+        out, err = run.communicate(timeout=300)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    assert run.returncode == 0, err[-3000:]
+    assert out.startswith("["), out  # it generated
+    assert "already been shutdown" not in err, err[-3000:]
+    deadline = time.monotonic() + 20.0
+    while [p for p in session_processes(run.pid) if alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [command_line(p) for p in session_processes(run.pid) if alive(p)]
+    assert left == [], "still running 20 s after the program exited:\n" + "\n".join(left)
