@@ -243,7 +243,10 @@ class LaunchConfig:
                              f"(Ray's resource precision), or None to share the node's CPUs among the ranks")
         if self.dtype is not None:
             self.dtype = normalize_dtype(self.dtype)
-        kv_dtype_name(self.kv_cache_dtype)  # ValueError naming the choices
+        if kv_dtype_name(self.kv_cache_dtype) is not None:  # ValueError naming the choices
+            # the one spelling the ranks and compiled directories take: "float8_e4m3" and "F8E4M3"
+            # passed this check, were planned as an fp8 cache, and failed each rank's load
+            self.kv_cache_dtype = "f8e4m3"
         for name in ("placement_timeout_s", "startup_timeout_s", "rendezvous_timeout_s", "load_timeout_s",
                      "request_timeout_s"):
             _positive_seconds(name, getattr(self, name))

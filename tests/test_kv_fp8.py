@@ -36,6 +36,21 @@ def test_fp8_cache_is_a_quarter_of_fp32_per_token():
         kv_storage_dtype("int4", torch.float32)
 
 
+def test_every_spelling_the_plan_takes_reaches_the_ranks_as_theirs():
+    """LaunchConfig(kv_cache_dtype="float8_e4m3") (or "F8E4M3") passed the config's check and the
+    plan, which counted an fp8 cache, then failed every rank's load ("unknown kv cache dtype
+    'float8_e4m3'; use f8e4m3") after Ray and the ranks had started."""
+    from launcher.api import LaunchConfig
+
+    for spelling in ("f8e4m3", "F8E4M3", "float8_e4m3", "FLOAT8_E4M3"):
+        config = LaunchConfig(kv_cache_dtype=spelling)
+        assert config.kv_cache_dtype == "f8e4m3"
+        assert kv_storage_dtype(config.kv_cache_dtype, torch.float32) == KV_FP8  # what each rank does with it
+    assert LaunchConfig().kv_cache_dtype is None
+    with pytest.raises(ValueError, match="unknown kv cache dtype 'fp8'"):
+        LaunchConfig(kv_cache_dtype="fp8")
+
+
 @pytest.mark.parametrize("served", [False, True], ids=["static-batch", "serving-rows"])
 def test_write_kv_stores_fp8_and_reads_dequantized(served):
     torch.manual_seed(0)
