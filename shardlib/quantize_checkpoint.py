@@ -120,17 +120,17 @@ def _write_weights(model_dir: Path, config: ModelConfig, quant: Quantization, pa
                 layout.append((name, storage_dtype(quant.dtype), entry.shape))
                 layout.append((scale_name(name), torch.float32, quant.scale_shape(entry.shape)))
             else:
-                layout.append((name, entry.dtype, entry.shape))
+                layout.append((name, _written_dtype(entry.dtype), entry.shape))
         with open(path, "wb") as out:
             _write_header(out, layout)
             for done, name in enumerate(names, 1):
                 reader = files[ckpt.weight_map[name]]
                 if quant.is_quantized(name, config.tie_word_embeddings):
                     write_quantized(out, lambda a, b: reader.read(name, TensorSlice(dim=0, ranges=((a, b),))),
-                                    entries[name].shape, quant)
+                                    entries[name].shape, quant, name)
                 else:
                     tensor = reader.read(name, _WHOLE)
-                    _write_tensor(out, tensor)
+                    _write_tensor(out, tensor.to(_written_dtype(tensor.dtype)))
                     del tensor  # before the next read: one source tensor at a time
                 if progress is not None:
                     progress(name, done, len(names))
@@ -138,23 +138,43 @@ def _write_weights(model_dir: Path, config: ModelConfig, quant: Quantization, pa
             os.fsync(out.fileno())
 
 
+def _written_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 tensors (norms or biases some checkpoints store so) are written as float32, which a
+    launch casts them to anyway; safetensors' F64 was refused, naming no fix."""
+    return torch.float32 if dtype == torch.float64 else dtype
+
+
+def _finite(weight: torch.Tensor, name: str, start: int, stop: int) -> torch.Tensor:
+    """weight (rows start..stop of `name`), or ValueError when it holds NaN or infinite values: their
+    scale and codes would be NaN, which no launch can use (the rank refuses them, or every request
+    fails on NaN logits)."""
+    bad = int((~torch.isfinite(weight)).sum())
+    if bad:
+        raise ValueError(f"tensor {name!r} holds {bad} NaN or infinite value(s) in rows {start}-{stop - 1}: their "
+                         f"8-bit codes and scale would be NaN; quantize a checkpoint with finite weights (the source "
+                         f"model gives NaN or infinite outputs too)")
+    return weight
+
+
 def write_quantized(out, read_rows: Callable[[int, int], torch.Tensor], shape: tuple[int, ...],
-                    quant: Quantization) -> None:
+                    quant: Quantization, name: str = "weight") -> None:
     """Write quantize(weight)'s 8-bit values, then its scale, reading the weight of `shape` through
     read_rows(start, stop) one block of rows (QUANT_BLOCK_BYTES of float32) at a time. The bytes are
     identical to quantizing it whole: per-channel scales are per row, and a per-tensor scale is the
-    maximum of the blocks' maxima (taken in a first pass)."""
+    maximum of the blocks' maxima (taken in a first pass). ValueError naming `name` when a value is
+    NaN or infinite."""
     rows = max(1, QUANT_BLOCK_BYTES // (4 * max(1, math.prod(shape[1:]))))
     blocks = [(start, min(start + rows, shape[0])) for start in range(0, shape[0], rows)]
     if quant.per_channel:
         scales = []
         for start, stop in blocks:
-            weight = read_rows(start, stop)
+            weight = _finite(read_rows(start, stop), name, start, stop)
             scales.append(absmax_scale(weight, quant.dtype, True))
             _write_tensor(out, quantize_with_scale(weight, scales[-1], quant.dtype))
         _write_tensor(out, torch.cat(scales) if scales else torch.empty(0))
         return
-    scale = torch.stack([absmax_scale(read_rows(start, stop), quant.dtype, False) for start, stop in blocks]).amax(0)
+    scale = torch.stack([absmax_scale(_finite(read_rows(start, stop), name, start, stop), quant.dtype, False)
+                         for start, stop in blocks]).amax(0)
     for start, stop in blocks:
         _write_tensor(out, quantize_with_scale(read_rows(start, stop), scale, quant.dtype))
     _write_tensor(out, scale)

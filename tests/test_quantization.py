@@ -9,6 +9,8 @@ so greedy tokens must be equal (the random models' logits are peaked: tests/mode
 from __future__ import annotations
 
 import json
+import re
+import shutil
 
 import pytest
 import torch
@@ -128,6 +130,44 @@ def test_quantized_checkpoint_layout_config_and_refusals(source_dir, tmp_path):
     with pytest.raises(ValueError, match=r"config.json is a file; pass the model directory that holds it"):
         quantize_checkpoint(source_dir / "config.json", tmp_path / "z", "int8")
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists() and not (tmp_path / "z").exists()
+
+
+@pytest.mark.parametrize("fmt,per_channel", [("int8", True), ("f8e4m3", False)])
+def test_a_weight_with_nan_or_inf_is_refused_naming_it(source_dir, tmp_path, fmt, per_channel):
+    """They were written without a word: NaN scales and codes (every code of the tensor per tensor),
+    which the rank then refused saying `corelaunch quantize` clamps every value (it leaves NaN), or
+    which loaded and failed every request on NaN logits."""
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(source_dir, broken)
+    state = load_file(broken / "model.safetensors")
+    name = "model.layers.0.mlp.up_proj.weight"
+    state[name][3, 5] = float("nan")
+    state[name][7, 0] = float("inf")
+    save_file(state, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"tensor '{re.escape(name)}' holds 2 NaN or infinite value\(s\) in rows "
+                                         rf"0-\d+: their 8-bit codes and scale would be NaN"):
+        quantize_checkpoint(broken, tmp_path / "q", fmt, per_channel=per_channel)
+    assert not (tmp_path / "q").exists() and [p.name for p in tmp_path.iterdir()] == ["broken"]  # nothing left
+
+
+def test_a_float64_tensor_is_written_as_float32(source_dir, tmp_path):
+    """A norm stored in float64 (which a launch takes, casting it) was refused by quantize: "dtype
+    torch.float64, which `corelaunch quantize` cannot write", naming no fix."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    wide = tmp_path / "wide"
+    shutil.copytree(source_dir, wide)
+    state = load_file(wide / "model.safetensors")
+    state["model.norm.weight"] = state["model.norm.weight"].double()
+    state["model.layers.0.self_attn.q_proj.weight"] = state["model.layers.0.self_attn.q_proj.weight"].double()
+    save_file(state, wide / "model.safetensors", metadata={"format": "pt"})
+    out = quantize_checkpoint(wide, tmp_path / "q", "int8")
+    with safe_open(out / "model.safetensors", framework="pt") as f:
+        assert torch.equal(f.get_tensor("model.norm.weight"), state["model.norm.weight"].float())
+        assert f.get_tensor("model.layers.0.self_attn.q_proj.weight").dtype == torch.int8
 
 
 def test_lm_head_on_a_tied_model_is_refused_rather_than_recorded_and_skipped(tmp_path):

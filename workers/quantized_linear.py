@@ -49,7 +49,7 @@ class QuantizedWeight(nn.Module):
             # every other path gives NaN: one weight would answer differently with the batch size.
             raise ValueError(f"a quantized weight ({tuple(q.shape)}, {q.dtype}) holds {bad} NaN or infinite fp8 "
                              f"code(s); quantize the checkpoint again from finite weights (`corelaunch quantize` "
-                             f"clamps every value it writes)")
+                             f"refuses NaN or infinite weights and clamps every value it writes)")
         self.register_buffer("q", q)
         self.register_buffer("scale", scale.to(torch.float32))
         self.compute_dtype = torch.float32
