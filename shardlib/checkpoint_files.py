@@ -184,8 +184,8 @@ def check_checkpoint(model_dir: str | Path, config: ModelConfig) -> None:
 
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F64", "F8_E4M3", "F8_E5M2")
 """safetensors' names of the dtypes a weight, norm, bias or scale may be stored in (cast on load)."""
-CODE_DTYPES = ("I8", "F8_E4M3", "F8_E5M2")
-"""Those of a quantized config's 8-bit codes (shardlib/quantization.py)."""
+CODE_DTYPES = {"int8": "I8", "f8e4m3": "F8_E4M3", "f8e5m2": "F8_E5M2"}
+"""The dtype of a quantized config's 8-bit codes, by its quantization_dtype (shardlib/quantization.py)."""
 
 
 def check_dtypes(ckpt: CheckpointFiles, dtypes: dict[str, str], config: ModelConfig) -> None:
@@ -196,10 +196,12 @@ def check_dtypes(ckpt: CheckpointFiles, dtypes: dict[str, str], config: ModelCon
     wrong = []
     for name, dtype in dtypes.items():
         codes = quant is not None and quant.is_quantized(name, config.tie_word_embeddings)
-        allowed = CODE_DTYPES if codes else FLOAT_DTYPES
+        # a code of another 8-bit format loaded by its stored dtype while the plan, check's
+        # tolerances and compiled directories went by config.json's
+        allowed = (CODE_DTYPES[quant.dtype],) if codes else FLOAT_DTYPES
         if dtype not in allowed:
-            wrong.append(f"{name!r} in {ckpt.weight_map[name].name} is {dtype} (expected one of "
-                         f"{', '.join(allowed)})")
+            what = f"config.json's quantization_dtype {quant.dtype!r} stores" if codes else "expected one of"
+            wrong.append(f"{name!r} in {ckpt.weight_map[name].name} is {dtype} ({what} {', '.join(allowed)})")
     if wrong:
         raise ValueError(
             f"{len(wrong)} tensor(s) of {ckpt.describe()} have a dtype the model cannot use: {'; '.join(wrong[:4])}"

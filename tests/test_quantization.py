@@ -170,6 +170,22 @@ def test_a_float64_tensor_is_written_as_float32(source_dir, tmp_path):
         assert f.get_tensor("model.layers.0.self_attn.q_proj.weight").dtype == torch.int8
 
 
+def test_codes_of_another_format_than_config_json_names_are_refused(source_dir, tmp_path):
+    """Loading goes by each code's stored dtype, and the plan, check's tolerances and compiled
+    directories by config.json's quantization_dtype: int8 codes under "f8e4m3" (or the reverse)
+    loaded and ran, while `plan --dtype int8` said the checkpoint was quantized as fp8."""
+    from shardlib.checkpoint_files import check_checkpoint
+
+    out = quantize_checkpoint(source_dir, tmp_path / "q", "int8")
+    check_checkpoint(out, load_model_config(out))  # as written: taken
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"]["quantization_dtype"] = "f8e4m3"
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.q_proj\.weight' in model\.safetensors is I8 "
+                                         r"\(config\.json's quantization_dtype 'f8e4m3' stores F8_E4M3\)"):
+        check_checkpoint(out, load_model_config(out))
+
+
 def test_lm_head_on_a_tied_model_is_refused_rather_than_recorded_and_skipped(tmp_path):
     from launcher.cli import main
 
@@ -516,6 +532,6 @@ def test_a_quantized_checkpoints_weight_not_stored_as_8_bit_codes_is_refused(tmp
     state[name] = dequantize(state[name], state[name[: -len(".weight")] + ".scale"])
     save_file(state, out / "model.safetensors", metadata={"format": "pt"})
     for check in (lambda: check_checkpoint(out, config), lambda: load_rank_shard(out, config, layout, 0)):
-        with pytest.raises(ValueError, match=rf"'{name}' in model.safetensors is F32 \(expected one of I8, .*not one "
-                                             r"`corelaunch quantize` writes"):
+        with pytest.raises(ValueError, match=rf"'{name}' in model.safetensors is F32 \(config\.json's "
+                                             r"quantization_dtype 'int8' stores I8\).*not one `corelaunch quantize` writes"):
             check()
