@@ -58,6 +58,9 @@ def check_quantize_request(model_dir: str | Path, dtype: str, out_dir: str | Pat
     the model has none of its own. Reads no weights."""
     fmt = check_quantize_options(dtype, out_dir)
     config_file = Path(model_dir) / "config.json"
+    if not Path(model_dir).exists():  # said "has no config.json" of a path that is not there at all
+        raise FileNotFoundError(f"--model {model_dir} does not exist; pass a Hugging Face model directory, or omit "
+                                f"--model for the built-in SmolLM2-135M-Instruct")
     if Path(model_dir).is_file():
         raise ValueError(f"--model {model_dir} is a file; pass the model directory that holds it "
                          f"({Path(model_dir).parent})")

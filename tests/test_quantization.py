@@ -129,6 +129,8 @@ def test_quantized_checkpoint_layout_config_and_refusals(source_dir, tmp_path):
         quantize_checkpoint(source_dir, out, "int8")
     with pytest.raises(ValueError, match=r"config.json is a file; pass the model directory that holds it"):
         quantize_checkpoint(source_dir / "config.json", tmp_path / "z", "int8")
+    with pytest.raises(FileNotFoundError, match=r"--model \S+missing does not exist; pass a Hugging Face model"):
+        quantize_checkpoint(tmp_path / "missing", tmp_path / "z", "int8")  # said "has no config.json"
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists() and not (tmp_path / "z").exists()
 
 
