@@ -1374,6 +1374,43 @@ def test_proxy_ingress_serves_the_same_stream(tmp_path, hf):
 
 
 @pytest.mark.slow
+def test_a_port_taken_while_the_server_starts_is_named(tmp_path):
+    """--port was free at the check before Ray started; another process (a second server started at
+    the same time) bound it before this server's replica could: the command exited 1 after ~20 s
+    with Serve's "Failed to update the deployments", naming no port (the bind error was only in a
+    replica's log under /tmp/ray)."""
+    import socket
+
+    from workers.net import free_port_for_a_late_bind
+
+    port = free_port_for_a_late_bind()
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "launcher", "serve", "--tp", "1", "--port", str(port),
+                                 "--no-compile", "--seq-len", "64"], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "CORELAUNCH_API_KEY": ""}, start_new_session=True)
+    other = socket.socket()
+    try:
+        deadline = time.monotonic() + 120
+        while "Started Serve" not in log.read_text():  # past the check; the replica binds much later
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        other.bind(("127.0.0.1", port))
+        other.listen()
+        proc.wait(timeout=180)
+    finally:
+        other.close()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+    text = log.read_text()
+    assert proc.returncode == 2, text[-3000:]
+    assert (f"corelaunch serve: cannot listen on 127.0.0.1:{port} (Address already in use); pass a free --port, or "
+            f"stop what holds it (it was free when this server started") in text, text[-3000:]
+
+
+@pytest.mark.slow
 def test_a_stop_lets_streams_behind_the_proxy_finish(tmp_path):
     """SIGTERM (or Ctrl-C) with streams in flight behind Serve's proxy: serve.shutdown() alone
     stopped the proxy at once, cutting every stream (a connection error 0.2-1.4 s after the

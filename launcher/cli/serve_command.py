@@ -147,6 +147,17 @@ def check_port_free(host: str, port: int) -> None:
             raise OSError(f"cannot listen on {host}:{port} ({err.strerror}); {fix}") from None
 
 
+def port_taken_meanwhile(host: str, port: int) -> str | None:
+    """After a failed deploy: why, when --port is now held (by another process: this server's
+    replica never bound it), else None."""
+    try:
+        check_port_free(host, port)
+    except OSError as err:
+        return (f"{err} (it was free when this server started, and another process took it before the "
+                f"server's replica could bind it)")
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     from launcher.errors import LaunchError
 
@@ -253,6 +264,13 @@ def _serve_on(args: argparse.Namespace, settings, mode: str, stdout) -> int:
         # One --ready-timeout for both waits: the replicas loading, then their HTTP server answering.
         ready_by = time.monotonic() + args.ready_timeout
         failure = _deploy(serve, application(settings), stop, ready_by, args.ready_timeout)
+        if failure is not None and mode == "direct" and (taken := port_taken_meanwhile(args.host, args.port)):
+            # Free at the check before Ray started, but another process (a second server started at
+            # the same time, say) bound it before this server's replica could: Serve's own message
+            # ("Failed to update the deployments") named no port; the bind error is in its logs.
+            # (Behind the proxy, Serve's start binds --port and names it when it cannot.)
+            print(f"corelaunch serve: {taken}", file=sys.stderr)
+            return 2
         if failure is None:
             failure = wait_healthy(args.host, args.port, stop, ready_by, args.ready_timeout)
         if failure is not None:
