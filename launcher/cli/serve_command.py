@@ -293,7 +293,10 @@ def _serve_on(args: argparse.Namespace, settings, mode: str, stdout) -> int:
                 # The application first, while the proxy still runs: its replicas finish their
                 # requests in flight (Serve's graceful shutdown) before anything stops. serve.shutdown()
                 # alone stopped the proxy at once, cutting every stream behind it (--replicas 2).
-                serve.delete(APP_NAME)
+                try:
+                    serve.delete(APP_NAME)
+                except Exception:  # noqa: BLE001 - no Serve to ask (its start failed), or replicas still
+                    pass           # draining after Serve's 60 s: serve.shutdown() stops them either way
                 serve.shutdown()
         finally:
             with signals.held():
