@@ -169,16 +169,13 @@ class LaunchConfig:
 
     def __post_init__(self) -> None:
         # flags first: "nope" from a `serve run key=value` argument would read as True
-        for name in ("presharded_cache", "pad_q_heads", "fused_projections", "sequence_parallel", "compile",
-                     "warm_up", "warm_up_static", "progress"):
-            if not (name == "fused_projections" and self.fused_projections is None):  # resolved below
-                _check_flag(name, getattr(self, name))
+        for name in ("presharded_cache", "pad_q_heads", "sequence_parallel", "compile", "warm_up",
+                     "warm_up_static", "progress"):
+            _check_flag(name, getattr(self, name))
+        if self.fused_projections is not None:  # None: resolved below, with the other recorded settings
+            _check_flag("fused_projections", self.fused_projections)
         for name in ("model", "compiled_dir", "presharded_dir", "presharded_cache_dir"):
             _check_path(name, getattr(self, name))
-        if self.fused_projections is None:
-            from launcher.artifacts.compiled_dir import recorded_setting
-
-            self.fused_projections = recorded_setting(self.compiled_dir, "fused_projections") is True
         # numpy's and torch's scalars as Python's, as the request counts take them (tp=np.int64(2)
         # was refused with a rule the value met)
         for entry in dataclasses.fields(self):
@@ -213,14 +210,18 @@ class LaunchConfig:
         RestartPolicy(self.max_restarts, self.restart_window_s)  # checks both, as every replica will
         _positive_seconds("health_check_interval_s", self.health_check_interval_s)
         positive_int("max_batch_size", self.max_batch_size)
-        from launcher.artifacts.compiled_dir import recorded_setting
+        # Settings that shape a compiled directory's graphs: left out, the directory's own values
+        # (any other builds those graphs again), else the defaults.
+        from launcher.artifacts.compiled_dir import recorded_settings
 
+        recorded = recorded_settings(self.compiled_dir)
+        if self.fused_projections is None:
+            self.fused_projections = recorded.get("fused_projections", False)
         if self.max_num_seqs is None:
-            self.max_num_seqs = recorded_setting(self.compiled_dir, "max_num_seqs") or DEFAULT_MAX_NUM_SEQS
+            self.max_num_seqs = recorded.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS)
         positive_int("max_num_seqs", self.max_num_seqs)
         if self.max_prefill_tokens is None:
-            self.max_prefill_tokens = (recorded_setting(self.compiled_dir, "max_prefill_tokens")
-                                       or DEFAULT_MAX_PREFILL_TOKENS)
+            self.max_prefill_tokens = recorded.get("max_prefill_tokens", DEFAULT_MAX_PREFILL_TOKENS)
         positive_int("max_prefill_tokens", self.max_prefill_tokens)
         if (isinstance(self.burst_wait_s, bool) or not isinstance(self.burst_wait_s, (int, float))
                 or not 0 <= self.burst_wait_s <= MAX_BURST_WAIT_S):

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-CACHE_MISSES = ("fxgraph_cache_miss", "autograd_cache_miss", "compiled_by_peer")
-"""Counters that grow when inductor really compiles (a graph found in the cache counts a hit), here
-or, for compiled_by_peer, in another rank of the host while this one waited for it."""
+from shardlib.compile_counters import COMPILING_COUNTERS as CACHE_MISSES
 
 
 @dataclass(frozen=True)

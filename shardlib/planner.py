@@ -594,10 +594,10 @@ def _describe(code: str, req: _Request, check: _Check, hint_degrees: list[int]) 
         logical = inst.logical_cores(req.lnc)
         supported = inst.supported_tp_degrees(req.lnc)
         # the fewest nodes that hold the ranks evenly, at a degree per node NxD Inference supports
-        # (one rank per node always is one)
         # (one rank per node always is one). Searched over the ranks a node can take, at most its
         # cores: a search over node counts took as many steps as the degree (a prime 1000000007 hung).
-        per_node = next(r for r in range(logical, 0, -1) if tp % r == 0 and (supported is None or r in supported or r == 1))
+        per_node = next(r for r in range(logical, 0, -1)
+                        if tp % r == 0 and (supported is None or r in supported or r == 1))
         nodes = tp // per_node
         if tp == NXD_LOCAL_TP_DEGREE:  # never split over nodes: the way out is a larger instance
             return (f"tp_degree ({tp}) needs {tp} logical NeuronCores on one node (neuronx-distributed builds a "

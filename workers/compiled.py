@@ -53,6 +53,7 @@ from typing import Callable
 import torch
 
 from shardlib.buckets import Buckets
+from shardlib.compile_counters import COMPILING_COUNTERS
 from shardlib.serving_shapes import PREFILL_CONTINUE, PREFILL_START
 from workers.compile_once import BACKEND
 from workers.kv_cache import KVCache
@@ -327,10 +328,9 @@ def _print_stderr(line: str) -> None:
 
 
 def _compiles_so_far() -> int:
-    """Graphs really compiled in this process so far: inductor's and AOTAutograd's cache misses,
-    plus those another rank of the host compiled while this one waited (a hit reads the cache)."""
-    counters = _cache_counters()
-    return counters["fxgraph_cache_miss"] + counters["autograd_cache_miss"] + BACKEND.compiled_by_peer
+    """Graphs really compiled in this process so far (shardlib/compile_counters.py; a hit reads the cache)."""
+    counters = {**_cache_counters(), "compiled_by_peer": BACKEND.compiled_by_peer}
+    return sum(counters[name] for name in COMPILING_COUNTERS)
 
 
 def _cache_counters() -> dict[str, int]:

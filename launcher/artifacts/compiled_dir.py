@@ -128,15 +128,16 @@ none: the serving KV cache's rows (part of every serving graph's shape), the pre
 width, and whether the projections are fused (other matrices, other graphs)."""
 
 
-def recorded_setting(root: str | Path | None, name: str):
-    """The value of one of RECORDED_SETTINGS a compiled-model directory was compiled with, or None:
-    no directory, one compiled before it was recorded, or one the launch's own checks will refuse."""
+def recorded_settings(root: str | Path | None) -> dict[str, Any]:
+    """Those of RECORDED_SETTINGS a compiled-model directory records, by name: none for no directory,
+    one compiled before they were recorded, or one the launch's own checks will refuse."""
     if root is None:
-        return None
+        return {}
     try:
-        return read_manifest(pinned_version(root)).get(name)
+        manifest = read_manifest(pinned_version(root))
     except (OSError, ValueError):
-        return None
+        return {}
+    return {name: manifest[name] for name in RECORDED_SETTINGS if name in manifest}
 
 
 def pinned_version(root: str | Path) -> Path:

@@ -328,9 +328,8 @@ def _reference_dir(args, model_dir: Path) -> Path:
     """The checkpoint transformers loads as the reference: --reference DIR, else the model itself;
     refused when it is quantized (transformers would read corelaunch's int8 tensors and scales as
     some other model, and every comparison would fail for no fault of the model under test)."""
-    from shardlib.model_config import load_model_config
-
     from shardlib.checkpoint_files import check_checkpoint
+    from shardlib.model_config import load_model_config
 
     option = "--reference" if args.reference else "--model"
     reference_dir = _model_dir(args.reference, option) if args.reference else model_dir

@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 from launcher.cli.options import (add_backend_arguments, add_bucket_lists, add_fused_projections, add_granularity,
-                                  add_kv_cache_dtype, add_max_num_seqs, add_max_prefill_tokens, add_moe_sharding, add_pad_q_heads, add_sequence_parallel,
-                                  add_timeout_arguments, backend_options, bucket_lists, max_num_seqs_option,
+                                  add_kv_cache_dtype, add_max_num_seqs, add_max_prefill_tokens, add_moe_sharding,
+                                  add_pad_q_heads, add_sequence_parallel, add_timeout_arguments, backend_options, bucket_lists, max_num_seqs_option,
                                   non_empty_path, timeout_options, with_flag_name)
 
 
@@ -244,7 +244,7 @@ class _GraphProgress:
             lines = self.path.read_text().splitlines() if self.path.is_file() else []
             for line in lines[shown:]:
                 done, total, phase, batch, length, seconds = line.split()
-                kind = {"context": "graph", "token": "graph"}.get(phase, "serving graph")
+                kind = "graph" if phase in ("context", "token") else "serving graph"
                 self.progress.note(f"  {kind} {done}/{total}: {PHASE_NAMES.get(phase, phase)} batch {batch} x "
                                    f"{length} ({float(seconds):.1f} s)")
             shown = len(lines)

@@ -190,9 +190,9 @@ def max_num_seqs_option(args: argparse.Namespace, default: int | None = None) ->
         return {"max_num_seqs": args.max_num_seqs}
     if default is None:
         return {}
-    from launcher.artifacts.compiled_dir import recorded_setting
+    from launcher.artifacts.compiled_dir import recorded_settings
 
-    return {"max_num_seqs": recorded_setting(getattr(args, "compiled", None), "max_num_seqs") or default}
+    return {"max_num_seqs": recorded_settings(getattr(args, "compiled", None)).get("max_num_seqs", default)}
 
 
 def add_moe_sharding(p: argparse.ArgumentParser) -> None:

@@ -24,8 +24,7 @@ import urllib.error
 import urllib.request
 
 from launcher.cli.options import (add_max_num_seqs, add_max_prefill_tokens, add_model_and_placement_arguments,
-                                  int_at_least,
-                                  max_num_seqs_option, model_and_placement_options, with_flag_name)
+                                  int_at_least, max_num_seqs_option, model_and_placement_options, with_flag_name)
 from launcher.serving.ingress import MODES, IngressPlan, choose_mode, plan_ingress
 from launcher.serving.server_settings import api_key_from_environment
 
