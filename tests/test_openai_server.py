@@ -636,6 +636,31 @@ def test_the_api_key_from_the_environment_is_checked_and_an_empty_flag_refused(m
         api_key_from_environment()
 
 
+def test_a_null_word_is_a_key_on_the_command_line_and_never_no_key(monkeypatch):
+    """`corelaunch serve --api-key null` (or ~, NULL, Null; or CORELAUNCH_API_KEY=null) started a server
+    with no key at all: the command line's text went through `serve run`'s YAML null rule. And
+    `serve run ... api_key=null` with no CORELAUNCH_API_KEY served without a key, silently."""
+    from launcher.cli import build_parser
+    from launcher.cli.serve_command import server_args
+    from launcher.serving.openai_app import builder_settings
+    from launcher.serving.server_settings import SERVER_ARGS, YAML_NULLS, settings_from_args
+
+    flags = {k: "--" + k.replace("_", "-") for k in SERVER_ARGS}
+    serve = lambda *argv: settings_from_args(server_args(build_parser().parse_args(["serve", *argv])), flags)
+    monkeypatch.delenv("CORELAUNCH_API_KEY", raising=False)
+    for word in YAML_NULLS:
+        assert serve("--api-key", word).api_key == word
+        assert serve("--served-model-name", word).served_model_name == word
+    monkeypatch.setenv("CORELAUNCH_API_KEY", "null")
+    assert serve().api_key == "null"
+    assert builder_settings({}).api_key == "null"  # the environment's text is a key there too
+    monkeypatch.delenv("CORELAUNCH_API_KEY")
+    for word in YAML_NULLS:
+        with pytest.raises(ValueError, match=f"api_key={word} asks for CORELAUNCH_API_KEY's key, and it is not set"):
+            builder_settings({"api_key": word})
+    assert builder_settings({}).api_key is None  # no key asked for: none
+
+
 def test_a_replica_checks_its_environments_api_key_before_loading_the_model(monkeypatch, ray_tripwire):
     """A `serve run` replica reads CORELAUNCH_API_KEY itself: a bad one fails it before its TP group
     starts (it was checked, a first time, after the whole model load)."""

@@ -76,14 +76,18 @@ def launch_fields() -> tuple[str, ...]:
 def settings_from_args(args: dict, names: dict | None = None) -> ServerSettings:
     """ServerSettings from builder arguments (text or typed); ValueError (or FileNotFoundError for a
     missing model) naming the bad argument and the fix. names: how the messages name the server's
-    own arguments (`corelaunch serve` passes its flags: {"max_replicas": "--max-replicas", ...})."""
+    own arguments (`corelaunch serve` passes its flags: {"max_replicas": "--max-replicas", ...}); given,
+    the arguments are a command line's, already typed, whose text is taken as written: YAML's null
+    words are `serve run`'s way to say "the default", and `--api-key null` (or CORELAUNCH_API_KEY=null)
+    started a server with no key at all."""
     name = (names or {}).get
     from launcher.api import MAX_QUEUED_REQUESTS, LaunchConfig
 
     fields = launch_fields()
     # null (YAML's, or None) means the argument's default, for every argument: tp=null was refused
     # ("tp (None) must be ...") where seq_len=null was taken (None is those fields' default)
-    typed = {key: typed for key, typed in ((k, _typed(k, v)) for k, v in args.items()) if typed is not None}
+    literal = names is not None
+    typed = {key: typed for key, typed in ((k, _typed(k, v, literal)) for k, v in args.items()) if typed is not None}
     for key, why in NOT_UNDER_SERVE.items():
         if typed.get(key) is not None:
             raise ValueError(f"{key} ({typed[key]!r}) does not apply to a server: {why}")
@@ -118,9 +122,10 @@ def settings_from_args(args: dict, names: dict | None = None) -> ServerSettings:
         num_replicas=num_replicas, autoscaling=autoscaling, max_ongoing_requests=admitted + ROUTE_HEADROOM)
 
 
-def _typed(key: str, value):
-    if value in YAML_NULLS:  # the default, for text arguments too (it was the text "null": kv_strategy='null'
-        return None          # refused saying "or None", api_key=null a key of "null")
+def _typed(key: str, value, literal: bool = False):
+    """literal: a command line's value, whose names, paths and keys are taken as written."""
+    if value in YAML_NULLS and not (literal and key in TEXT_ARGS):
+        return None  # the default, for text arguments too (it was the text "null": kv_strategy='null' refused)
     if isinstance(value, str) and key not in TEXT_ARGS:
         try:
             value = yaml.safe_load(value)
