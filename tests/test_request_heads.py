@@ -12,8 +12,12 @@ import pytest
 
 
 async def _app(scope, receive, send):
-    """A plain ASGI app: 200 "ok" (its body, if any, read first), or a slow streamed answer."""
+    """A plain ASGI app: 200 "ok" (its body, if any, read first), a slow streamed answer, or a refusal."""
     if scope["type"] != "http":
+        return
+    if scope["path"] == "/refuse":  # as the server answers 401 or 413: before reading the body
+        await send({"type": "http.response.start", "status": 401, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"no"})
         return
     while (await receive()).get("more_body"):
         pass
@@ -97,3 +101,40 @@ def test_requests_and_long_answers_on_a_kept_connection_are_not_cut(server):
                 assert chunk, f"closed after {received[:300]!r}"
                 received += chunk
             assert received.startswith(b"HTTP/1.1 200") and b"ok" in received, received[:300]
+
+
+def _seconds_until_closed(port: int, head: bytes, drip: bytes, every_s: float = 0.05,
+                          limit_s: float = 6.0) -> tuple[bytes, float | None]:
+    """Send `head`, then `drip` every every_s while reading; (what came back, seconds until the
+    server closed the connection, or None if it had not after limit_s)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+        conn.settimeout(every_s)
+        conn.sendall(head)
+        received, started = b"", time.monotonic()
+        while time.monotonic() - started < limit_s:
+            try:
+                conn.sendall(drip)
+                received += conn.recv(65536)
+            except socket.timeout:
+                continue
+            except OSError:  # reset, or a broken pipe: closed
+                return received, time.monotonic() - started
+        return received, None
+
+
+def test_a_request_answered_before_its_body_ended_ends_its_connection(server, monkeypatch):
+    """A request refused before its body came (401 without the key, 413) kept its connection: the
+    server read and discarded whatever the declared length promised, and each byte restarted the
+    keep-alive timer, so clients trickling a byte a minute held every file descriptor."""
+    from launcher.serving import request_heads
+
+    monkeypatch.setattr(request_heads, "LINGER_S", 0.5)
+    head = b"POST /refuse HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000000\r\n\r\n"
+    answer, closed_s = _seconds_until_closed(server, head, b"x")  # a trickle: the time bound closes it
+    assert answer.startswith(b"HTTP/1.1 401") and answer.endswith(b"no"), answer[:200]
+    assert closed_s is not None and closed_s < 3, f"still open after {closed_s} s"
+    monkeypatch.setattr(request_heads, "LINGER_S", 30.0)
+    monkeypatch.setattr(request_heads, "LINGER_BYTES", 64 * 1024)
+    answer, closed_s = _seconds_until_closed(server, head, b"x" * 16384)  # a flood: the byte bound closes it
+    assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
+    assert closed_s is not None and closed_s < 3, f"still open after {closed_s} s"

@@ -12,7 +12,12 @@ does not use HTTP, kept it in place).
 Each connection of the replica's server is therefore an httptools protocol that answers 431 and
 closes once a head passes MAX_HEAD_BYTES before it is complete, and closes a connection whose next
 head has not arrived whole within HEAD_TIMEOUT_S (408 where part of it came). Bodies have their own
-budget and deadline (openai_app.py). Serve offers no setting for these, so the replica's process
+budget and deadline (openai_app.py); a request answered before its body arrived whole (401 with no
+key, 404, 413, the body's 408) ends its connection: the replica stops sending, discards at most
+LINGER_BYTES more for at most LINGER_S, so the client can read the answer rather than a reset, and
+closes. uvicorn kept such a connection open, reading and discarding whatever the declared length
+promised (10 GB took 7.5 s of a core), and every byte restarted its keep-alive timer: unauthenticated
+clients trickling a byte a minute held every file descriptor of the replica. Serve offers no setting for these, so the replica's process
 gives the uvicorn module Serve's HTTP helper uses a Config that names this protocol; it does
 nothing if the helper is missing or changed shape. Serve's proxy (proxy ingress) runs in Serve's own
 process and keeps Serve's settings.
@@ -29,6 +34,13 @@ OpenAI's clients send well under 2 KiB)."""
 HEAD_TIMEOUT_S = 30.0
 """How long a connection may take to send a whole head: from its opening for the first request,
 and from the first byte of each later one (the time between requests is uvicorn's keep-alive)."""
+LINGER_S = 5.0
+"""How long a connection answered before its request's body ended is kept reading (and discarding)
+before it is closed: closing with the client's bytes unread resets the connection, and the reset
+destroys the answer the client had not read yet (a 413 became "connection reset")."""
+LINGER_BYTES = 64 * 1024 * 1024
+"""The most body bytes discarded in that time (counted, not parsed): a client that sends a body
+past the server's limit (a few MB) still reads its 413."""
 
 
 def bounded_protocol_class():
@@ -42,12 +54,21 @@ def bounded_protocol_class():
             self._head_bytes = 0
             self._in_head = True  # waiting for (the rest of) a request's head
             self._head_timer: asyncio.TimerHandle | None = None
+            self._message_open = False  # a request's head or body is still arriving
+            self._lingering = False  # answered, sending no more; discarding what still comes
+            self._linger_bytes = 0
+            self._linger_timer: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
             self._start_head_timer()
 
         def data_received(self, data: bytes) -> None:
+            if self._lingering:
+                self._linger_bytes += len(data)
+                if self._linger_bytes > LINGER_BYTES:
+                    self.transport.close()
+                return
             if self._in_head:
                 self._head_bytes += len(data)  # a chunk may carry the body's start too: counted, harmless
             super().data_received(data)
@@ -57,7 +78,7 @@ def bounded_protocol_class():
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
-            self._in_head = True
+            self._in_head = self._message_open = True
             self._start_head_timer()
 
         def on_headers_complete(self) -> None:
@@ -68,10 +89,27 @@ def bounded_protocol_class():
         def on_message_complete(self) -> None:
             super().on_message_complete()
             self._in_head = True  # the next request's head; its time starts with its first byte
+            self._message_open = False
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self._message_open and not self.transport.is_closing():
+                self._linger()  # answered before the body ended: the rest is never read
 
         def connection_lost(self, exc) -> None:
             self._stop_head_timer()
+            if self._linger_timer is not None:
+                self._linger_timer.cancel()
             super().connection_lost(exc)
+
+        def _linger(self) -> None:
+            self._lingering = True
+            try:
+                self.transport.write_eof()  # the answer goes out, then the end of what this side sends
+            except (NotImplementedError, OSError, RuntimeError):
+                self.transport.close()
+                return
+            self._linger_timer = self.loop.call_later(LINGER_S, self.transport.close)
 
         def _start_head_timer(self) -> None:
             if self._head_timer is None:
