@@ -317,3 +317,22 @@ def test_zero_dim_float_tensors_are_taken_as_plain_numbers():
                        (dict(top_k=torch.tensor(2.0)), "top_k")):
         with pytest.raises(ValueError, match=words):
             SamplingParams(**bad)
+
+
+def test_a_device_without_torch_generators_draws_on_the_host():
+    """Neuron's eager path keeps its model on an XLA device, which has no torch.Generator: every
+    seeded request (and every sampled one, served) failed making its generator. Such a device's
+    tokens are drawn on the host; CPU and CUDA keep drawing where their logits are."""
+    from tests.serving_driver import request
+    from workers.sampling import sampling_device
+    from workers.serving.scheduler import Sequence
+    from workers.serving.token_choice import request_generator
+
+    xla = torch.device("xla", 0)  # a device torch names without torch_xla loaded
+    assert make_generator(SamplingParams(seed=1, temperature=1.0), xla).device == torch.device("cpu")
+    sampled = Sequence(request("r", [1, 2], 4, sampling=SamplingParams(temperature=1.0)))
+    assert request_generator(sampled, xla).device == torch.device("cpu")
+    assert sampling_device("cpu") == torch.device("cpu") and sampling_device("cuda:1") == torch.device("cuda", 1)
+    logits = torch.randn(3, 50)  # and the tokens come back on the logits' own device
+    rows = [SamplingParams(seed=i, temperature=1.0) for i in range(3)]
+    assert sample(logits, rows, [make_generator(p) for p in rows]).device == logits.device

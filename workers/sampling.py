@@ -21,13 +21,24 @@ import torch
 from shardlib.sampling_params import SamplingParams  # re-exported: the ranks' code imports it from here
 
 
+GENERATOR_DEVICES = ("cpu", "cuda")
+"""Device types whose tensors are drawn from where they are: torch.Generator exists for these; an
+XLA device (Neuron's eager path) has none, so its logits are drawn from on the host."""
+
+
+def sampling_device(device: torch.device | str) -> torch.device:
+    """Where a model on `device` draws its tokens (and keeps their generators)."""
+    device = torch.device(device)
+    return device if device.type in GENERATOR_DEVICES else torch.device("cpu")
+
+
 def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator | None:
     """A generator seeded from params.seed, or None (draw from torch's global generator)."""
     if params.seed is None:
         return None
     # a hash of the whole seed: torch's CPU generator (mt19937) keeps only a seed's low 32 bits, so
     # seeds 1 and 2**32 + 1 drew the same tokens, as did -2**63 and 0 (read modulo 2**64)
-    return torch.Generator(device=device).manual_seed(hashed_seed(str(params.seed)))
+    return torch.Generator(device=sampling_device(device)).manual_seed(hashed_seed(str(params.seed)))
 
 
 def hashed_seed(key: str) -> int:
@@ -115,6 +126,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     ValueError for a row whose logits hold a NaN or whose largest is infinite (a broken forward:
     greedy and sampled rows alike, rather than token 0 for one and a multinomial error for the other)."""
     batch = logits.shape[0]
+    model_device = logits.device
+    logits = logits.to(sampling_device(model_device))  # a no-op on CPU and CUDA
     if len(params) != batch or len(generators) != batch:
         raise ValueError(
             f"logits have {batch} rows but {len(params)} SamplingParams and {len(generators)} "
@@ -153,4 +166,4 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         for j, i in enumerate(filtered):
             choice = torch.multinomial(probs[j, :kept[j]], 1, generator=generators[i])
             tokens[i] = sorted_ids[j, choice[0]]
-    return tokens
+    return tokens.to(model_device)  # the next step's input

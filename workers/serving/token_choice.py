@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from workers.sampling import hashed_seed, sample
+from workers.sampling import hashed_seed, sample, sampling_device
 from workers.serving.requests import TokenLogprob
 from workers.serving.scheduler import Sequence
 
@@ -20,7 +20,7 @@ def request_generator(sequence: Sequence, device: torch.device) -> torch.Generat
     if params.is_greedy:
         return None
     sequence.seed = params.seed if params.seed is not None else random.randrange(2**62)
-    return torch.Generator(device=device)
+    return torch.Generator(device=sampling_device(device))
 
 
 def draw_seed(seed: int, draw: int) -> int:
