@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import types
 
+import pytest
 import torch
 
 from shardlib.buckets import Buckets
@@ -137,3 +138,14 @@ def test_graphs_are_compiled_for_the_plans_lnc(tmp_path):
     NeuronCompiledModel(eager_model(), Buckets.build(context=[8], token=[16], batch=[1]), rank=0, world_size=1,
                         cache_dir=str(tmp_path), import_module=fake.import_module, lnc=2)
     assert "--lnc=2" in fake.compiler_args.split()
+
+
+def test_a_release_without_the_tracing_api_is_refused_naming_it(tmp_path):
+    """A neuronx-distributed without ModelBuilder/NxDModel at its top level failed with an
+    AttributeError inside the rank's load."""
+    fake = FakeNxD()
+    del fake.module_api.NxDModel
+    with pytest.raises(RuntimeError, match="has no NxDModel at its top level .* or run eagerly with --no-compile"):
+        NeuronCompiledModel(eager_model(), Buckets.build(context=[8], token=[16], batch=[1]), rank=0, world_size=1,
+                            cache_dir=str(tmp_path), import_module=fake.import_module)
+    assert fake.traced == []  # refused before any trace

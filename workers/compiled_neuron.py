@@ -105,6 +105,11 @@ class NeuronCompiledModel:
         self.config, self.collectives, self.dtype = model.config, model.collectives, model.dtype
         self._graphs: list[tuple[str, int, int]] = []
         nxd = import_module("neuronx_distributed")
+        missing = [name for name in ("ModelBuilder", "NxDModel") if not hasattr(nxd, name)]
+        if missing:  # releases before the V2 tracing API: an AttributeError deep in the rank's load
+            raise RuntimeError(f"the installed neuronx-distributed has no {' or '.join(missing)} at its top level "
+                               f"(the tracing API these graphs are built with); install a newer release from the "
+                               f"AWS Neuron pip repository, or run eagerly with --no-compile")
         workdir = Path(cache_dir) if cache_dir else Path(tempfile.mkdtemp(prefix="corelaunch-neuron-"))
         saved = workdir / f"neuron-rank-{rank}.pt"
         step = NeuronStep(model, buckets)
