@@ -207,3 +207,24 @@ def test_cuda_on_a_cluster_without_gpus_is_refused_before_placement(small_model,
     with pytest.raises(NoDeviceResource, match="the cuda backend's ranks need GPU, but no alive node .* declares GPU"):
         launcher.start()
     assert launcher._pool is None
+
+
+def test_a_cuda_rank_that_sees_more_than_its_own_gpu_is_refused(monkeypatch):
+    """Ray leaves each rank one visible GPU, so a rank uses cuda:0; where Ray was told not to set
+    CUDA_VISIBLE_DEVICES, every rank of a node took the first GPU."""
+    import torch
+
+    from workers.backends import get_backend
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU host
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    with pytest.raises(RuntimeError, match=r"sees 4 GPUs \(CUDA_VISIBLE_DEVICES='0,1,2,3'\) .* unset "
+                                           r"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"):
+        get_backend("cuda").setup_process(rank=1, world_size=4, threads=1)
+    assert calls == []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    get_backend("cuda").setup_process(rank=1, world_size=4, threads=torch.get_num_threads())
+    assert calls == [torch.device("cuda", 0)]

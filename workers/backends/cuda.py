@@ -38,6 +38,12 @@ class CudaBackend(Backend):
                 f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}, torch {torch.__version__}); the node declares "
                 f"GPUs to Ray but torch cannot use them: install a CUDA build of torch there, or check its "
                 f"driver with nvidia-smi")
+        visible = torch.cuda.device_count()
+        if visible != 1:  # every rank would take cuda:0, the same GPU (Ray told not to set the variable)
+            raise RuntimeError(
+                f"rank {rank} on {socket.gethostname()} sees {visible} GPUs (CUDA_VISIBLE_DEVICES="
+                f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}) where Ray should have left it its own one: every rank "
+                f"would run on the first; unset RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES where Ray starts")
         torch.cuda.set_device(self.device)
         # Host-side work (sampling bookkeeping, the Python loop) needs few threads.
         torch.set_num_threads(max(1, int(threads)))
