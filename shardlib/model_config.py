@@ -110,9 +110,11 @@ def _check_rope(name: str, params: Any, *, needs_type: bool) -> dict | None:
 
 
 def _dtype_field(raw: dict[str, Any]) -> str:
-    """The checkpoint dtype from torch_dtype (transformers 4) or dtype (5), float32 when neither
-    (load_model_config then reads it from the weights, as transformers does)."""
-    for key in ("torch_dtype", "dtype"):
+    """The checkpoint dtype from dtype (transformers 5) or torch_dtype (4), float32 when neither
+    (load_model_config then reads it from the weights, as transformers does). With both, dtype, as
+    transformers 5 takes it (torch_dtype was taken: a config saved by 5 after a cast kept the old
+    torch_dtype beside the new dtype)."""
+    for key in ("dtype", "torch_dtype"):
         value = raw.get(key)
         if value is not None:
             if isinstance(value, str):

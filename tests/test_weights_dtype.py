@@ -61,16 +61,53 @@ def test_plan_sizes_a_bf16_checkpoint_without_dtype_as_bf16(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["dtype"] == "bfloat16"
 
 
-def test_a_pickled_checkpoint_is_not_opened_to_plan(tmp_path):
-    """Pickled weights are planned as float32 (the documented rule); listing their tensors took a
-    torch import and a load of the pickle that decided nothing, in `corelaunch plan` too."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_pickled_checkpoint_gives_its_dtype_without_torch(tmp_path, dtype):
+    """Pickled weights were planned as float32 whatever they held (twice a bf16 checkpoint's memory);
+    their dtype is now read from the storage types data.pkl names, still without importing torch
+    or unpickling anything, as transformers takes it (the first floating tensor in the dict's order)."""
     import subprocess
     import sys
     from pathlib import Path
 
-    model_dir = _without_dtype(save_model(build_random_model().to(torch.bfloat16), tmp_path / "m", "bin"))
+    import transformers
+
+    model_dir = _without_dtype(save_model(build_random_model().to(dtype), tmp_path / "m", "bin"))
+    assert transformers.AutoModelForCausalLM.from_pretrained(model_dir).dtype == dtype
     code = ("import sys\nfrom shardlib.model_config import load_model_config\n"
             f"print(load_model_config({str(model_dir)!r}).torch_dtype, 'torch' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
                          text=True, timeout=120)
-    assert out.returncode == 0 and out.stdout.split() == ["float32", "False"], out.stderr
+    assert out.returncode == 0 and out.stdout.split() == [str(dtype).removeprefix("torch."), "False"], out.stderr
+
+
+def test_a_pickle_whose_first_floating_tensor_is_float64_or_unreadable_stays_float32(tmp_path):
+    from shardlib.weights_dtype import pickled_weights_dtype
+
+    path = tmp_path / "w.bin"
+    torch.save({"a.ids": torch.arange(3), "b": torch.zeros(2, dtype=torch.bfloat16)}, path)  # ints skipped
+    assert pickled_weights_dtype(path) == "bfloat16"
+    torch.save({"a": torch.zeros(2, dtype=torch.float64), "b": torch.zeros(2, dtype=torch.bfloat16)}, path)
+    assert pickled_weights_dtype(path) is None
+    torch.save({"a": torch.zeros(2, dtype=torch.float16)}, path, pickle_protocol=4)  # STACK_GLOBAL
+    assert pickled_weights_dtype(path) == "float16"
+    path.write_bytes(path.read_bytes()[:100])
+    assert pickled_weights_dtype(path) is None
+
+
+def test_with_both_dtype_keys_dtype_decides_as_in_transformers_5(tmp_path):
+    import transformers
+
+    model_dir = save_model(build_random_model().to(torch.bfloat16), tmp_path / "m")
+    raw = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**raw, "dtype": "bfloat16", "torch_dtype": "float16"}))
+    assert transformers.AutoModelForCausalLM.from_pretrained(model_dir).dtype == torch.bfloat16
+    assert load_model_config(model_dir).torch_dtype == "bfloat16"
+
+
+def test_a_pickles_float8_tensors_are_skipped_as_safetensors_are(tmp_path):
+    from shardlib.weights_dtype import pickled_weights_dtype
+
+    path = tmp_path / "w.bin"
+    torch.save({"a": torch.zeros(2).to(torch.float8_e4m3fn), "b": torch.zeros(2, dtype=torch.float16)}, path)
+    assert pickled_weights_dtype(path) == "float16"
