@@ -270,9 +270,18 @@ def validated_names(ckpt: CheckpointFiles, shapes: dict[str, tuple[int, ...]], c
         )
     missing = [n for n in expected if n not in shapes]
     if missing:
-        hint = (f"; config.json has tie_word_embeddings=false, so {LM_HEAD} must be stored: if this model ties "
-                f"its LM head to the embedding, set tie_word_embeddings to true" if LM_HEAD in missing else
-                "; the checkpoint is incomplete or was saved for another config")
+        embed = model_names(config).embed
+        if LM_HEAD in missing:
+            hint = (f"; tie_word_embeddings is false (config.json's value, or the {config.model_type} default where "
+                    f"it names none), so {LM_HEAD} must be stored: if this model ties its LM head to the "
+                    f"embedding, set tie_word_embeddings to true in config.json")
+        elif missing == [embed] and config.tie_word_embeddings and LM_HEAD in shapes:
+            # transformers loads the tied matrix from either name; corelaunch reads it by the embedding's
+            hint = (f"; the tied embedding is stored only as {LM_HEAD}, which transformers takes as the "
+                    f"embedding but corelaunch does not: re-save the checkpoint (transformers' "
+                    f"save_pretrained writes {embed}), or rename the tensor to {embed}")
+        else:
+            hint = "; the checkpoint is incomplete or was saved for another config"
         raise ValueError(
             f"{ckpt.describe()} is missing {len(missing)} tensor(s) the config needs: "
             f"{', '.join(repr(n) for n in missing[:6])}{' ...' if len(missing) > 6 else ''}{hint}"

@@ -273,6 +273,29 @@ def test_untied_model_without_lm_head_is_an_error(models, tmp_path):
         _load(d)
 
 
+def test_the_tied_head_stored_only_as_lm_head_is_refused_with_the_fix(models, tmp_path):
+    """transformers loads a tied checkpoint that stores the matrix only as lm_head.weight; the
+    refusal said "incomplete or saved for another config", and an untied config with no
+    tie_word_embeddings key was said to have tie_word_embeddings=false."""
+    import json
+
+    state, dirs = models["llama_tied"]
+    d = _copy_config(dirs["safetensors"], tmp_path)
+    head_only = {k: v for k, v in state.items() if k != "model.embed_tokens.weight"}
+    _save({**head_only, "lm_head.weight": state["model.embed_tokens.weight"]}, d, "safetensors")
+    with pytest.raises(ValueError, match=r"the tied embedding is stored only as lm_head.weight, which transformers "
+                                         r"takes as the embedding .* re-save the checkpoint"):
+        _load(d)
+    d = _copy_config(models["llama"][1]["safetensors"], tmp_path / "untied")
+    raw = json.loads((d / "config.json").read_text())
+    raw.pop("tie_word_embeddings")
+    (d / "config.json").write_text(json.dumps(raw))
+    _save({k: v for k, v in models["llama"][0].items() if k != "lm_head.weight"}, d, "safetensors")
+    with pytest.raises(ValueError, match=r"tie_word_embeddings is false \(config.json's value, or the llama default "
+                                         r"where it names none\)"):
+        _load(d)
+
+
 @pytest.mark.parametrize("extra", ["model.layers.0.mlp.extra_proj.weight", "model.layers.7.mlp.up_proj.weight"])
 def test_unknown_tensor_is_named(models, tmp_path, extra):
     d = _copy_config(models["llama"][1]["safetensors"], tmp_path)
