@@ -451,7 +451,7 @@ def load_model_config(path: str | Path) -> ModelConfig:
 
         raise FileNotFoundError(
             f"no Hugging Face config at {config_file}; pass a model directory containing "
-            f"config.json, or the config.json file itself{hub_id_hint(path)}"
+            f"config.json (`corelaunch plan` also takes the config.json file itself){hub_id_hint(path)}"
         ) from None
     raw = read_config_json(config_file)
     config = ModelConfig.from_dict(raw)

@@ -348,6 +348,11 @@ def test_a_model_file_or_hub_id_given_for_the_model_directory_says_what_to_pass(
     with pytest.raises(ValueError, match=rf"is not valid JSON: .*; pass the model directory \({config_file.parent}\) "
                                          r"or its config\.json, not another file in it"):
         load_model_config(weights)
+    # a directory without config.json: generate and serve refuse the config.json file itself, so the
+    # advice to pass it is plan's alone
+    with pytest.raises(FileNotFoundError, match=r"pass a model directory containing config.json \(`corelaunch plan` "
+                                                r"also takes the config.json file itself\)"):
+        load_model_config(tmp_path)
 
 
 @pytest.mark.parametrize("argv", [["quantize", "--dtype", "int8", "--out", ""], ["compile", "--out", ""],
