@@ -325,6 +325,11 @@ class ModelConfig:
         if not isinstance(raw, dict):
             raise ValueError(f"config.json must hold a JSON object, not {type(raw).__name__}")
         model_type = raw.get("model_type")
+        if model_type is None:  # transformers' AutoConfig needs it too
+            raise ValueError(
+                f"config.json names no model_type (architectures={show(raw.get('architectures'))}); add the one "
+                f"these weights were saved as, e.g. \"model_type\": \"llama\" (corelaunch supports "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)})")
         if model_type not in SUPPORTED_MODEL_TYPES:
             hint = ("; a Gemma 3 image-text checkpoint nests its text model in text_config: corelaunch runs "
                     "text-only Gemma 3 checkpoints (model_type gemma3_text)" if model_type == "gemma3" else "")

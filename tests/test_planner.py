@@ -496,6 +496,9 @@ def test_mixtral_runs_and_a_sliding_window_is_applied_past_it():
       "num_attention_heads": 0, "vocab_size": 10}, "num_attention_heads=0"),
     ({"model_type": "llama", "hidden_size": 64}, "lacks required field"),
     ({"model_type": "gpt2"}, "unsupported architecture model_type='gpt2'"),
+    # no model_type was "unsupported architecture model_type=None", as if None were one
+    ({"architectures": ["LlamaForCausalLM"], "hidden_size": 64}, r"config.json names no model_type \(architectures="
+                                                                  r"\['LlamaForCausalLM'\]\); add the one"),
 ])
 def test_malformed_configs_raise_value_errors(raw, match):
     with pytest.raises(ValueError, match=match):
