@@ -295,8 +295,10 @@ def _serve_on(args: argparse.Namespace, settings, mode: str, stdout) -> int:
                 try:
                     serve.delete(APP_NAME)
                 except Exception:  # noqa: BLE001 - no Serve to ask (its start failed), or replicas still
-                    pass           # draining after Serve's 60 s: serve.shutdown() stops them either way
-                serve.shutdown()
+                    serve.shutdown()  # draining after Serve's 60 s: its shutdown stops them either way
+                # Deleted, nothing of Serve's holds anything the private Ray's stop below does not end:
+                # serve.shutdown() there printed Ray's "(raylet) Task ServeController.graceful_shutdown
+                # failed ..." at every stop, --quiet included (its controller killed under its own call).
         finally:
             with signals.held():
                 connection.close()
