@@ -247,3 +247,23 @@ def test_random_token_runs_keep_exactly_the_tokens_that_start_before_a_stop_stri
                 break
         assert sent == body["logprobs"]["tokens"]
         checked += 1
+
+
+def test_a_split_character_after_bytes_no_token_completed_is_offset_past_their_u_fffd(smollm2_tokenizer):
+    """A stray byte (the last of another emoji) shows as U+FFFD; the tokens of the character after
+    it had the text offset of the text before the U+FFFD (0 where it is 1), and with two stray
+    bytes two characters too few."""
+    encode = lambda s: smollm2_tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    stray = encode("😌")[-1]  # 0x8C, a continuation byte alone
+    emoji = encode("😍")
+    assert len(emoji) > 1  # a split character: the case at hand
+    for strays, text in (([stray], "\ufffd😍 hello"), ([encode("😌")[-2], stray], "\ufffd\ufffd😍 hello")):
+        ids = strays + emoji + encode(" hello")
+        stream, render = TextStream("r", smollm2_tokenizer, (), 1), CompletionRender(TokenPieces(smollm2_tokenizer), True)
+        for k, token in enumerate(ids):
+            render.collect(stream.delta(TokenEvent("r", [token], "length" if k == len(ids) - 1 else None,
+                                                   [TokenLogprob(token, -1.0, [])])))
+        body = render.response(META, "length", proto.usage(1, len(ids)))["choices"][0]
+        assert body["text"] == text
+        before = len(strays)  # each stray byte is one U+FFFD
+        assert body["logprobs"]["text_offset"] == list(range(before)) + [before] * len(emoji) + [before + 1]

@@ -41,6 +41,18 @@ def _bytes_before(held: bytes, first: int | None) -> int:
     return _bytes_when_flushed(held)
 
 
+def _characters_before(held: bytes, first: int) -> int:
+    """As _bytes_before, in characters (completions' text_offset): those of the whole characters
+    held, or, where `first` does not continue the unfinished tail, every character `held` flushes
+    as (its U+FFFD included), which come out before the token's own character."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    whole = decoder.decode(held, final=False)
+    tail = decoder.getstate()[0]
+    if not tail or _continues(tail, first):
+        return len(whole)
+    return len(held.decode("utf-8", "replace"))
+
+
 def _bytes_when_flushed(held: bytes) -> int:
     """The bytes of text `held` comes out as once no later byte can complete it."""
     return len(held.decode("utf-8", "replace").encode())
@@ -82,8 +94,10 @@ class AlignedLogprobs:
         new_bytes = len(emitted)
         own = self._pieces.bytes(token)
         if self._pieces.part_of_a_character(token):
-            # Its own bytes come out later, with the character they complete (or as U+FFFD).
+            # Its own bytes come out later, with the character they complete (or as U+FFFD), after
+            # what is held: its offset counted the text emitted only (a stray byte's U+FFFD was missed)
             start_byte = self._bytes + _bytes_before(self._held, own[0])
+            offset += _characters_before(self._held, own[0])
             self._held += own
             adds = True
         elif new_bytes:
