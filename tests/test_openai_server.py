@@ -67,7 +67,9 @@ def refusal(parse, **fields) -> ProtocolError:
     ("presence_penalty", 0.5, ["presence_penalty (0.5)", "not supported", "only 0"]),
     ("frequency_penalty", -1.0, ["frequency_penalty (-1.0)", "not supported"]),
     ("stop", ["a", "b", "c", "d", "e"], ["stop has 5 strings", "at most 4"]),
-    ("stop", [""], ["stop strings must not be empty"]),
+    ("stop", [""], ["stop[0] is empty", "stop strings must not be empty"]),
+    ("stop", ["a", ""], ["stop[1] is empty"]),  # which one of the list (it did not say)
+    ("stop", "", ["stop is empty"]),
     ("prompt", ["one", "two"], ["a list of 2 strings", "send one request each"]),
     ("prompt", [], ["prompt"]),
     ("prompt", [[1, 2], [3]], ["a list of 2 token-id lists", "send one request each"]),

@@ -354,8 +354,9 @@ def _check_combinations(request: _GenerationRequest) -> None:
     stops = request.stop_strings()
     if len(stops) > MAX_STOP_STRINGS:
         raise ProtocolError(f"stop has {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed", param="stop")
-    if any(s == "" for s in stops):
-        raise ProtocolError("stop strings must not be empty", param="stop")
+    if "" in stops:  # which one, in a list: the other stop errors quote the value
+        where = "stop" if isinstance(request.stop, str) else f"stop[{stops.index('')}]"
+        raise ProtocolError(f"{where} is empty: stop strings must not be empty; remove it", param="stop")
     for stop in stops:  # a lone surrogate could never match the text (it was accepted, and never stopped)
         check_utf8(stop, "stop")
     if len(request.stop_token_ids) > MAX_STOP_TOKEN_IDS:
