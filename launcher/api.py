@@ -315,7 +315,7 @@ class LaunchConfig:
 
             raise FileNotFoundError(
                 f"model path {self.model} does not exist; pass a Hugging Face model directory, or "
-                f"omit --model for the built-in SmolLM2-135M-Instruct{hub_id_hint(self.model)}"
+                f"pass no model for the built-in SmolLM2-135M-Instruct{hub_id_hint(self.model)}"
             )
         if self.model is not None and not Path(self.model).is_dir():
             from shardlib.model_path_hints import file_given_for_directory

@@ -343,6 +343,8 @@ def test_a_model_file_or_hub_id_given_for_the_model_directory_says_what_to_pass(
     with pytest.raises(FileNotFoundError) as err:  # a path that is not an id: no such sentence
         LaunchConfig(model=str(tmp_path / "gone"))
     assert "Hub id" not in str(err.value)
+    # said by the driver API and `serve run`'s builder too, which have no --model to omit
+    assert str(err.value).endswith("or pass no model for the built-in SmolLM2-135M-Instruct"), str(err.value)
     weights = config_file.parent / "model.safetensors"  # `corelaunch plan --model` takes a file: the weights?
     weights.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}")
     with pytest.raises(ValueError, match=rf"is not valid JSON: .*; pass the model directory \({config_file.parent}\) "
