@@ -103,7 +103,8 @@ def measure_recovery(launcher, prompts: list[str], new_tokens: int, expected: li
                 answers[i].token_ids == expected[i] for i in answers), "state_after": status["state"]}
 
 
-def main() -> None:
+def main(out=None) -> None:
+    """out: where the JSON report goes (stdout when None)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int_at_least("--requests", 1), default=16)
     parser.add_argument("--new-tokens", type=int_at_least("--new-tokens", 2), default=64)
@@ -168,8 +169,10 @@ def main() -> None:
     }
     report["throughput_ratio"] = round(report["replicas"]["tokens_per_s"] / report["one_replica"]["tokens_per_s"], 3)
     report["throughput_target"] = 1.5
-    print(json.dumps(report, indent=1))
+    print(json.dumps(report, indent=1), file=out or sys.stdout)
 
 
 if __name__ == "__main__":
-    main()
+    from launcher.cli.command_stdout import run_reporting
+
+    run_reporting(main)

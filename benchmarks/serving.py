@@ -332,7 +332,8 @@ def _exit_on_termination() -> None:
         signal.signal(signum, stop)
 
 
-def main() -> None:
+def main(out=None) -> None:
+    """out: where the JSON report goes (stdout when None)."""
     args = parse_args()
     _exit_on_termination()
     from transformers import AutoTokenizer
@@ -354,7 +355,7 @@ def main() -> None:
         # On stderr at once, so that a server that then fails to start does not lose minutes of figures.
         print(json.dumps({"baselines": baselines}), file=sys.stderr, flush=True)
     if args.baselines_only:
-        print(json.dumps(report, indent=2))
+        print(json.dumps(report, indent=2), file=out or sys.stdout)
         return
     if args.base_url:
         report["server"] = {"base_url": args.base_url, "model": args.model, "started_here": False}
@@ -374,7 +375,7 @@ def main() -> None:
         report["baseline_drift"] = baseline_drift(baselines, after)
         report["ratios_bracketed"] = ratios(levels, bracketed_baselines(baselines, after))
     report["targets"] = {"level1_stream_decode_over_single_stream": ">= 0.95"}
-    print(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2), file=out or sys.stdout)
     invalid = [level for level, figures in levels.items() if not figures["valid"]]
     if invalid:  # the report stands, but these levels' figures measure failures
         print(f"levels {', '.join(invalid)}: a request failed or came back short (see short_or_failed); their "
@@ -383,4 +384,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from launcher.cli.command_stdout import run_reporting
+
+    run_reporting(main)

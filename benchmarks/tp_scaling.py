@@ -198,7 +198,8 @@ def compare_tokens(tokens: dict[str, list[int]]) -> dict:
                                  if v != reference}}
 
 
-def main() -> None:
+def main(out=None) -> None:
+    """out: where the JSON report goes (stdout when None)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--new-tokens", type=int_at_least("--new-tokens", 2), default=128)
     parser.add_argument("--rounds", type=int_at_least("--rounds", 1), default=3)
@@ -275,8 +276,10 @@ def main() -> None:
         "loadavg_before": [round(x, 2) for x in load_before], "loadavg_after": [round(x, 2) for x in os.getloadavg()],
         "note": "noisy shared machine: re-run on a quiet one for figures to quote",
     }
-    print(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2), file=out or sys.stdout)
 
 
 if __name__ == "__main__":
-    main()
+    from launcher.cli.command_stdout import run_reporting
+
+    run_reporting(main)

@@ -35,3 +35,29 @@ def test_a_command_started_with_stdout_closed_says_so_without_a_traceback():
                          timeout=120, cwd=REPO)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "corelaunch: stdout is closed; run it with stdout open" in out.stderr
+
+
+def test_a_benchmark_that_runs_ray_prints_its_report_alone_on_stdout(capsys):
+    """benchmarks/replicas.py kills a rank on purpose, and Ray's "(raylet) A worker died" line came
+    before its JSON report on stdout; every benchmark that runs Ray now runs its main this way."""
+    import ast
+    import json
+
+    from ray._private.worker import print_to_stdstream
+
+    from launcher.cli.command_stdout import run_reporting
+
+    def main(out):
+        print_to_stdstream({"lines": ["A worker died or was killed (a benchmark's planned kill)"], "pid": "raylet",
+                            "is_err": False}, ignore_prefix=False)
+        print(json.dumps({"ratio": 1.0}), file=out)
+
+    run_reporting(main)
+    out, err = capsys.readouterr()
+    assert json.loads(out) == {"ratio": 1.0} and "A worker died" in err
+    for script in sorted((REPO / "benchmarks").glob("*.py")):
+        source = script.read_text()
+        if "ray.init(" not in source and "Launcher(" not in source:
+            continue
+        entry = [node for node in ast.parse(source).body if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test)]
+        assert entry and "run_reporting(main)" in ast.unparse(entry[0]), f"{script.name} prints Ray's messages on stdout"

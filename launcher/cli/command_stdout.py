@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 from contextlib import contextmanager
-from typing import Iterator, TextIO
+from typing import Callable, Iterator, TextIO
 
 
 @contextmanager
@@ -23,3 +23,11 @@ def ray_output_on_stderr() -> Iterator[TextIO]:
         yield own
     finally:
         sys.stdout = own
+
+
+def run_reporting(main: Callable[[TextIO], None]) -> None:
+    """Run a script's main(out), which prints its JSON report to `out`, with Ray's cluster messages
+    on stderr: a benchmark that kills a rank on purpose printed Ray's "(raylet) A worker died"
+    line before its report, and its stdout was no longer one JSON object."""
+    with ray_output_on_stderr() as stdout:
+        main(stdout)
