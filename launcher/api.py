@@ -28,7 +28,8 @@ from typing import Sequence
 
 from launcher.background_load import BackgroundLoad
 from launcher.cluster.restart_policy import RestartPolicy
-from launcher.errors import LaunchError, NoDeviceResource, PlacementImpossible, PlacementTimeout, RequestTimeout
+from launcher.errors import (LaunchError, NoDeviceResource, NoDeviceResourceHere, PlacementImpossible, PlacementTimeout,
+                             RequestTimeout)
 from launcher.progress import Progress
 from shardlib.config_fields import finite, show
 from shardlib.expert_sharding import check_moe_sharding_name
@@ -647,7 +648,8 @@ class Launcher:
         resource = backend_entry(backend).ray_resource
         missing = resource and missing_resource(resource, [n.total for n in nodes], [n.name for n in nodes])
         if missing:  # refused now rather than after the placement timeout
-            raise NoDeviceResource(f"the {backend} backend's ranks need {resource}, but {missing}")
+            refusal = NoDeviceResourceHere if self._ray.started_here else NoDeviceResource
+            raise refusal(f"the {backend} backend's ranks need {resource}, but {missing}")
         self._rank_resources, self.replicas = self._size_replicas(backend, nodes)
         if self._ray.started_here:  # no autoscaler grows a private cluster: what it cannot hold now, it never will
             self._refuse_unplaceable(nodes)

@@ -60,6 +60,11 @@ class NoDeviceResource(LaunchError):
     """No alive node of the Ray cluster declares the resource the backend's ranks ask for."""
 
 
+class NoDeviceResourceHere(NoDeviceResource, PlacementImpossible):
+    """No node of the launch's own private cluster (this host alone) declares it: it never will, so
+    it is bad input as PlacementImpossible is (exit 2), not a run that may succeed again (exit 3)."""
+
+
 class ReplicaFailed(LaunchError):
     """A replica's TP group failed and could not be restarted (the cluster cannot host it any more);
     the requests it had in flight fail with this error, other replicas keep serving."""

@@ -209,6 +209,26 @@ def test_cuda_on_a_cluster_without_gpus_is_refused_before_placement(small_model,
     assert launcher._pool is None
 
 
+@pytest.mark.slow
+@plain_host_only  # a host whose private Ray declares no neuron_cores
+def test_a_private_cluster_without_the_backends_devices_is_bad_input_exit_2():
+    """The launch's own private Ray (this host alone) can never hold a neuron rank here: it exited 3,
+    "running it again unchanged may succeed", where a group that cluster can never hold is exit 2."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from launcher.cli.exit_codes import exit_code_for
+    from launcher.errors import NoDeviceResourceHere
+
+    assert exit_code_for(NoDeviceResourceHere("x")) == 2 and exit_code_for(NoDeviceResource("x")) == 3
+    out = subprocess.run([sys.executable, "-m", "launcher", "generate", "--backend", "neuron", "--instance",
+                          "trn1.32xlarge", "--tp", "1", "--seq-len", "64", "--quiet", "hi"],  # the built-in model
+                         capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "the neuron backend's ranks need neuron_cores, but no alive node" in out.stderr, out.stderr[-2000:]
+
+
 def test_a_cuda_rank_that_sees_more_than_its_own_gpu_is_refused(monkeypatch):
     """Ray leaves each rank one visible GPU, so a rank uses cuda:0; where Ray was told not to set
     CUDA_VISIBLE_DEVICES, every rank of a node took the first GPU."""
