@@ -133,3 +133,20 @@ def test_a_runtime_lnc_other_than_the_plans_is_refused(monkeypatch):
     monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")
     with pytest.raises(RuntimeError, match="NEURON_LOGICAL_NC_CONFIG=1 on this host but the plan was made for LNC 2"):
         neuron.NeuronBackend(lnc=2).setup_process(0, 1, threads=1)
+
+
+def test_the_root_communicator_address_brackets_an_ipv6_host():
+    """host:port with an IPv6 host ("fd00::1:5000") could not be split; torch-xla brackets it."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from workers.net import free_port
+
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=timedelta(seconds=10))
+    try:
+        assert neuron.shared_root_comm_id(store, 0, "fd00::1").startswith("[fd00::1]:")
+        store.delete_key("corelaunch/neuron_root_comm_id")
+        assert neuron.shared_root_comm_id(store, 0, "10.0.0.2").startswith("10.0.0.2:")
+    finally:
+        del store

@@ -144,7 +144,9 @@ def shared_root_comm_id(store, rank: int, host: str) -> str:
     rank reads it from the store (which waits for rank 0). Without it the runtime uses one fixed
     port on each host, which two groups there (replicas) would both take."""
     if rank == 0:
-        store.set(_ROOT_COMM_KEY, f"{host}:{free_port(host='')}")
+        # an IPv6 address in brackets, as torch-xla writes it when it sets the variable itself
+        address = f"[{host}]" if ":" in host and not host.startswith("[") else host
+        store.set(_ROOT_COMM_KEY, f"{address}:{free_port(host='')}")
     return store.get(_ROOT_COMM_KEY).decode()
 
 
