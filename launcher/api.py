@@ -651,6 +651,12 @@ class Launcher:
             refusal = NoDeviceResourceHere if self._ray.started_here else NoDeviceResource
             raise refusal(f"the {backend} backend's ranks need {resource}, but {missing}")
         self._rank_resources, self.replicas = self._size_replicas(backend, nodes)
+        if cfg.compiled_dir and cfg.compile:
+            from launcher.artifacts.compiled_dir import other_thread_count
+
+            differs = other_thread_count(cfg.compiled_dir, backend, self._rank_resources.threads)
+            if differs:
+                self._progress.note(differs)
         if self._ray.started_here:  # no autoscaler grows a private cluster: what it cannot hold now, it never will
             self._refuse_unplaceable(nodes)
         self._timeouts = GroupTimeouts(placement_s=cfg.placement_timeout_s, startup_s=cfg.startup_timeout_s,
@@ -791,6 +797,12 @@ class Launcher:
                          burst_wait_s=cfg.burst_wait_s,
                          cache_slots=cfg.seq_len or self.plan.seq_len,
                          warm_up_max_length=0 if cfg.warm_up else None)
+
+    @property
+    def threads_per_rank(self) -> int | None:
+        """Compute threads each rank runs (its CPU share, whole CPUs); None before start."""
+        resources = getattr(self, "_rank_resources", None)
+        return resources.threads if resources is not None else None
 
     @property
     def presharded_cache_ready(self) -> bool:

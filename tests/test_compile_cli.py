@@ -85,6 +85,8 @@ def test_compile_then_generate_from_the_directory_reuses_every_graph(model_dir, 
     assert manifest["tp_degree"] == 1 and manifest["dtype"] == "float32" and manifest["backend"] == "cpu"
     assert manifest["max_num_seqs"] == 1 and manifest["max_prefill_tokens"] == 8
     assert manifest["fused_projections"] is False
+    # what the CPU kernels were built for: the session cluster's CPUs over the one rank, whole
+    assert isinstance(manifest["threads_per_rank"], int) and manifest["threads_per_rank"] >= 1
     assert {k: manifest["versions"][k] for k in ("torch", "transformers", "corelaunch")} == \
         {k: library_versions()[k] for k in ("torch", "transformers", "corelaunch")}
     # the serving graphs too: they were left out of the manifest, its compile stats and the progress,
@@ -137,6 +139,22 @@ def fake_compiled_dir(root: Path, model_dir: Path, **overrides) -> Path:
     manifest.update(overrides)
     (root / "manifest.json").write_text(json.dumps(manifest))
     return root
+
+
+def test_a_launch_at_another_thread_count_is_told_its_graphs_are_built_again(model_dir, tmp_path):
+    """inductor's CPU kernels are generated for a thread count, part of their cache key: `serve
+    --replicas 2` from a directory compiled for one replica (half the threads per rank) rebuilt
+    every graph on its first requests, as if the directory held none."""
+    from launcher.artifacts.compiled_dir import other_thread_count
+
+    root = fake_compiled_dir(tmp_path / "c", model_dir, threads_per_rank=2)
+    note = other_thread_count(root, "cpu", 1)
+    assert note == (f"note: the compiled directory's graphs were compiled for 2 thread(s) per rank and this launch "
+                    f"runs 1: inductor builds CPU kernels for a thread count, so each graph is built again when "
+                    f"first used (and cached for later runs); compile with --cpus-per-rank 1 to match")
+    assert other_thread_count(root, "cpu", 2) is None and other_thread_count(root, "cuda", 1) is None
+    older = fake_compiled_dir(tmp_path / "old", model_dir)  # compiled before the count was recorded
+    assert other_thread_count(older, "cpu", 1) is None
 
 
 @pytest.mark.parametrize("asked, overrides, expected", [

@@ -140,6 +140,25 @@ def recorded_settings(root: str | Path | None) -> dict[str, Any]:
     return {name: manifest[name] for name in RECORDED_SETTINGS if name in manifest}
 
 
+def other_thread_count(root: str | Path, backend: str, threads: int) -> str | None:
+    """What to tell a cpu launch whose ranks run another thread count than the directory's graphs
+    were compiled at, or None. inductor generates its CPU kernels for a thread count, which is part
+    of their cache key: `serve --replicas 2` from a directory compiled for one replica (half the
+    threads each) built every graph again, silently, on its first requests."""
+    if backend != "cpu":
+        return None
+    try:
+        compiled = read_manifest(pinned_version(root)).get("threads_per_rank")
+    except (OSError, ValueError):
+        return None
+    if compiled is None or compiled == threads:
+        return None
+    # no path: a launch holds the pinned version (.NAME.v-HOST-PID-RANDOM), not the path given
+    return (f"note: the compiled directory's graphs were compiled for {compiled} thread(s) per rank and this "
+            f"launch runs {threads}: inductor builds CPU kernels for a thread count, so each graph is built again when "
+            f"first used (and cached for later runs); compile with --cpus-per-rank {threads} to match")
+
+
 def pinned_version(root: str | Path) -> Path:
     """The version a compiled directory's link names now (the directory itself when it is no link),
     for a whole launch: every rank and every restart read the files checked at start, not whatever a

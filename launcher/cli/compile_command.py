@@ -49,6 +49,10 @@ def add_parser(subparsers) -> None:
     add_max_num_seqs(p, compiled=False)
     add_max_prefill_tokens(p, compiled=False)
     add_fused_projections(p, compiled=False)
+    p.add_argument("--cpus-per-rank", type=float, metavar="C",
+                   help="cpu backend: CPUs per rank while compiling (default: the cluster's CPUs divided over the "
+                        "ranks); inductor builds its kernels for the ranks' thread count (C, whole), so compile "
+                        "with the share the launches from the directory give each rank")
     p.add_argument("--ray-address", help="Ray cluster host:port, or local for a private one (default: RAY_ADDRESS, else the cluster `ray start` recorded on this host, else a private one)")
     p.add_argument("--json", action="store_true", help="print the manifest as JSON on stdout")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -120,7 +124,8 @@ def compile_model(args: argparse.Namespace) -> dict:
                           kv_strategy=args.kv_strategy, pad_q_heads=args.pad_q_heads, moe_sharding=args.moe_sharding,
                           sequence_parallel=args.sequence_parallel, kv_cache_dtype=args.kv_cache_dtype,
                           fused_projections=args.fused_projections, max_prefill_tokens=args.max_prefill_tokens,
-                          ray_address=args.ray_address, progress=not args.quiet, compile=True,
+                          ray_address=args.ray_address, cpus_per_rank=args.cpus_per_rank,
+                          progress=not args.quiet, compile=True,
                           compile_granularity=args.granularity, **bucket_options(args), **max_num_seqs_option(args))
     planned = plan_launch(config, progress, nothing_done="nothing was written")
     model_dir, model_config, plan = planned.model_dir, planned.model_config, planned.plan
@@ -157,6 +162,7 @@ def compile_model(args: argparse.Namespace) -> dict:
                       f"(continuous batching, batch buckets up to --max-num-seqs {config.max_num_seqs})")
         # The planner target's options too: the directory records the backend, not what it plans against.
         launch = LaunchConfig(compiled_dir=str(tmp), compile=True, warm_up=True, ray_address=config.ray_address,
+                              cpus_per_rank=config.cpus_per_rank,
                               **timeout_options(args),
                               instance=config.instance, device_memory_gib=config.device_memory_gib, lnc=config.lnc,
                               progress=not args.quiet, max_batch_size=buckets.max_batch_size,
@@ -176,6 +182,8 @@ def compile_model(args: argparse.Namespace) -> dict:
         manifest["graphs"] = rank0.pop("graphs", [])
         manifest["compile_stats"] = rank0  # rank 0's compile time and inductor cache counters
         manifest["compile_s"] = round(time.perf_counter() - started, 3)
+        # what inductor built the CPU kernels for (part of their cache key): a launch at another count builds them again
+        manifest["threads_per_rank"] = launcher.threads_per_rank if planned.backend == "cpu" else None
         write_manifest_json(tmp, manifest)
     progress.note(f"compiled-model directory written: {out} (start from it with `corelaunch generate "
                   f"--compiled {out}`)")
