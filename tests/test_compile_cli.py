@@ -112,6 +112,7 @@ def test_compile_then_generate_from_the_directory_reuses_every_graph(model_dir, 
     assert warm.returncode == 0, warm.stderr
     report = json.loads(warm.stdout)
     assert report["outputs"][0]["token_ids"] == eager_tokens(model_dir, PROMPT, 6)
+    assert report["model"] == str(out / "model")  # not the hidden version the next compile deletes
     stats = report["compile"]
     # --warm-up set up the serving loop's graphs again, and the request needed no other: prefill
     # chunks of 8 (starting a sequence, continuing one) and the decode step at the one batch

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from launcher.cli.options import (add_max_num_seqs, add_model_and_placement_arguments, int_at_least,
                                   in_generate_flags, max_num_seqs_option, model_and_placement_options, with_flag_name)
@@ -59,6 +60,16 @@ def launch_config(args: argparse.Namespace):
                         max_batch_size=args.max_batch_size, ray_address=args.ray_address, warm_up_static=False)
 
 
+def _shown_model(args: argparse.Namespace, launcher) -> str:
+    """The model directory the report names: under --compiled the one inside the path given, not
+    the pinned version the launch ran (.NAME.v-HOST-PID-RANDOM), which the next compile deletes."""
+    if args.compiled:
+        from launcher.artifacts.compiled_dir import model_dir
+
+        return str(model_dir(Path(args.compiled)))
+    return str(launcher.model_dir)
+
+
 def run(args: argparse.Namespace) -> int:
     from launcher.api import Launcher
     from launcher.compile_report import compile_message
@@ -78,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
             results = launcher.generate(prompts, sampling, max_new_tokens=args.max_new_tokens)
             compiled = launcher.compile_stats()  # graphs built inside the requests show up here
             report = {
-                "model": str(launcher.model_dir),
+                "model": _shown_model(args, launcher),
                 "tp_degree": launcher.plan.tp_degree,
                 "kv_strategy": str(launcher.plan.kv_strategy),
                 "backend": launcher.backend,
