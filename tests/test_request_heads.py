@@ -132,9 +132,27 @@ def test_a_request_answered_before_its_body_ended_ends_its_connection(server, mo
     head = b"POST /refuse HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000000\r\n\r\n"
     answer, closed_s = _seconds_until_closed(server, head, b"x")  # a trickle: the time bound closes it
     assert answer.startswith(b"HTTP/1.1 401") and answer.endswith(b"no"), answer[:200]
+    # and it says so, or a client keeping the connection sent its next request into the discarding
+    assert b"\r\nconnection: close\r\n" in answer.lower(), answer[:300]
     assert closed_s is not None and closed_s < 3, f"still open after {closed_s} s"
     monkeypatch.setattr(request_heads, "LINGER_S", 30.0)
     monkeypatch.setattr(request_heads, "LINGER_BYTES", 64 * 1024)
     answer, closed_s = _seconds_until_closed(server, head, b"x" * 16384)  # a flood: the byte bound closes it
     assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
     assert closed_s is not None and closed_s < 3, f"still open after {closed_s} s"
+
+
+def test_pipelined_requests_are_each_answered_and_kept_alive(server):
+    """The early-answer close looked at whichever request the parser was reading: with a second
+    request pipelined behind the first, its body still arriving when the first was answered, the
+    connection was ended and the second never answered."""
+    with socket.create_connection(("127.0.0.1", server), timeout=5) as conn:
+        conn.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\nPOST / HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n")
+        time.sleep(0.3)  # the first is answered while the second's body has not come
+        conn.sendall(b"x" * 10)
+        received = b""
+        while received.count(b"ok") < 2:
+            chunk = conn.recv(65536)
+            assert chunk, f"closed after {received!r}"
+            received += chunk
+        assert received.count(b"HTTP/1.1 200") == 2 and b"connection: close" not in received.lower(), received

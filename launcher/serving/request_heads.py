@@ -13,9 +13,9 @@ Each connection of the replica's server is therefore an httptools protocol that 
 closes once a head passes MAX_HEAD_BYTES before it is complete, and closes a connection whose next
 head has not arrived whole within HEAD_TIMEOUT_S (408 where part of it came). Bodies have their own
 budget and deadline (openai_app.py); a request answered before its body arrived whole (401 with no
-key, 404, 413, the body's 408) ends its connection: the replica stops sending, discards at most
-LINGER_BYTES more for at most LINGER_S, so the client can read the answer rather than a reset, and
-closes. uvicorn kept such a connection open, reading and discarding whatever the declared length
+key, 404, 413, the body's 408) ends its connection: the answer says `connection: close`, then the
+replica stops sending, discards at most LINGER_BYTES more for at most LINGER_S, so the client can
+read the answer rather than a reset, and closes. uvicorn kept such a connection open, reading and discarding whatever the declared length
 promised (10 GB took 7.5 s of a core), and every byte restarted its keep-alive timer: unauthenticated
 clients trickling a byte a minute held every file descriptor of the replica. Serve offers no setting for these, so the replica's process
 gives the uvicorn module Serve's HTTP helper uses a Config that names this protocol; it does
@@ -54,7 +54,6 @@ def bounded_protocol_class():
             self._head_bytes = 0
             self._in_head = True  # waiting for (the rest of) a request's head
             self._head_timer: asyncio.TimerHandle | None = None
-            self._message_open = False  # a request's head or body is still arriving
             self._lingering = False  # answered, sending no more; discarding what still comes
             self._linger_bytes = 0
             self._linger_timer: asyncio.TimerHandle | None = None
@@ -78,23 +77,36 @@ def bounded_protocol_class():
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
-            self._in_head = self._message_open = True
+            self._in_head = True
             self._start_head_timer()
 
         def on_headers_complete(self) -> None:
             self._in_head, self._head_bytes = False, 0
             self._stop_head_timer()
+            before = self.cycle
             super().on_headers_complete()
+            if self.cycle is not before:  # a request's cycle (an upgrade makes none)
+                self._end_early_answers(self.cycle)
 
         def on_message_complete(self) -> None:
             super().on_message_complete()
             self._in_head = True  # the next request's head; its time starts with its first byte
-            self._message_open = False
 
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if self._message_open and not self.transport.is_closing():
-                self._linger()  # answered before the body ended: the rest is never read
+        def _end_early_answers(self, cycle) -> None:
+            """An answer that starts before its own request's body has ended (a 401 without the key,
+            a 413) says `connection: close`, so that no client sends another request on the
+            connection, and then lingers instead of closing (uvicorn closes at once where an answer
+            says it: the unread body would reset the connection and lose the answer). Per request:
+            a pipelined request's body still arriving is not the answered one's."""
+            send, lingering = cycle.send, _LingerOnClose(cycle.transport, self._linger)
+
+            async def send_ending_early(message) -> None:
+                if message["type"] == "http.response.start" and cycle.more_body and not cycle.response_started:
+                    cycle.keep_alive = False  # uvicorn writes `connection: close` and closes once answered
+                    cycle.transport = lingering
+                await send(message)
+
+            cycle.send = send_ending_early  # what the app is given (run_asgi passes self.send)
 
         def connection_lost(self, exc) -> None:
             self._stop_head_timer()
@@ -103,6 +115,8 @@ def bounded_protocol_class():
             super().connection_lost(exc)
 
         def _linger(self) -> None:
+            if self._lingering:
+                return
             self._lingering = True
             try:
                 self.transport.write_eof()  # the answer goes out, then the end of what this side sends
@@ -138,6 +152,20 @@ def bounded_protocol_class():
             self.transport.close()
 
     return BoundedHeadProtocol
+
+
+class _LingerOnClose:
+    """A request cycle's transport whose close() (uvicorn's, once an answer that says `connection:
+    close` is sent) lingers instead; everything else is the connection's own transport."""
+
+    def __init__(self, transport, linger) -> None:
+        self._transport, self._linger = transport, linger
+
+    def close(self) -> None:
+        self._linger()
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)
 
 
 def bound_request_heads() -> bool:
