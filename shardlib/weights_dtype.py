@@ -55,8 +55,8 @@ def pickled_weights_dtype(path: Path) -> str | None:
     a pickled state dict's first floating tensor, in its order), from the storage classes its
     data.pkl names, read with pickletools (nothing is unpickled); None for another format, or when
     the first floating tensor is float64 (float8 ones are skipped, as for safetensors)."""
-    import pickletools
     import zipfile
+    import zlib
 
     try:
         with zipfile.ZipFile(path) as archive:
@@ -64,23 +64,52 @@ def pickled_weights_dtype(path: Path) -> str | None:
             if len(records) != 1 or records[0].file_size > MAX_PICKLE_RECORD_BYTES:
                 return None
             record = archive.read(records[0])
-    except (OSError, zipfile.BadZipFile, RuntimeError):  # the legacy (pre-zip) format, or unreadable
+    # the legacy (pre-zip) format, or unreadable: a bad CRC, a corrupt or unknown compression
+    except (OSError, zipfile.BadZipFile, RuntimeError, zlib.error, EOFError, NotImplementedError, ValueError):
         return None
-    strings: list[str] = []
+    for module, name in _pickled_globals(record):
+        if module == "torch" and name in _PICKLED_DTYPES:
+            return _PICKLED_DTYPES[name]
+        if module == "torch" and name in _FLOAT64:
+            return None
+    return None
+
+
+_STRING_PUSHES = ("UNICODE", "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "STRING", "BINSTRING",
+                  "SHORT_BINSTRING")
+_MEMO_GETS = ("GET", "BINGET", "LONG_BINGET")
+_MEMO_PUTS = ("PUT", "BINPUT", "LONG_BINPUT")
+
+
+def _pickled_globals(record: bytes):
+    """The (module, name) of each global a pickle names, in order, read with pickletools: GLOBAL's
+    text (protocol 2), or STACK_GLOBAL's two strings, which protocol 4 pushes before it, a repeated
+    one fetched from the memo ('torch' is written once). Stops at a truncated or malformed record."""
+    import pickletools
+
+    memo: dict[int, str | None] = {}
+    recent: list[str | None] = [None, None]  # the last two values pushed (None: not a string)
     try:
         for opcode, arg, _ in pickletools.genops(record):
-            if opcode.name == "GLOBAL":  # protocol 2, torch.save's default: "module name"
-                module, _, name = str(arg).partition(" ")
-            elif opcode.name == "STACK_GLOBAL" and len(strings) >= 2:  # protocol 4: the two strings pushed before
-                module, name = strings[-2:]
-            else:
-                if isinstance(arg, str):
-                    strings.append(arg)
-                continue
-            if module == "torch" and name in _PICKLED_DTYPES:
-                return _PICKLED_DTYPES[name]
-            if module == "torch" and name in _FLOAT64:
-                return None
-    except ValueError:  # a truncated or malformed record
-        return None
-    return None
+            name = opcode.name
+            if name == "GLOBAL":
+                module, _, attr = str(arg).partition(" ")
+                yield module, attr
+                recent.append(None)
+            elif name == "STACK_GLOBAL":
+                if recent[-2] is not None and recent[-1] is not None:
+                    yield recent[-2], recent[-1]
+                recent.append(None)
+            elif name in _STRING_PUSHES:
+                recent.append(arg if isinstance(arg, str) else None)
+            elif name in _MEMO_GETS:
+                recent.append(memo.get(arg))
+            elif name in _MEMO_PUTS:
+                memo[arg] = recent[-1]
+            elif name == "MEMOIZE":
+                memo[len(memo)] = recent[-1]
+            elif name not in ("FRAME", "PROTO", "MARK"):  # these push nothing a global could take
+                recent.append(None)
+            del recent[:-2]
+    except ValueError:
+        return

@@ -91,6 +91,9 @@ def test_a_pickle_whose_first_floating_tensor_is_float64_or_unreadable_stays_flo
     assert pickled_weights_dtype(path) is None
     torch.save({"a": torch.zeros(2, dtype=torch.float16)}, path, pickle_protocol=4)  # STACK_GLOBAL
     assert pickled_weights_dtype(path) == "float16"
+    # protocol 4 writes 'torch' once and fetches it from the memo after: the bfloat16 storage was missed
+    torch.save({"ids": torch.arange(3), "w": torch.zeros(2, dtype=torch.bfloat16)}, path, pickle_protocol=4)
+    assert pickled_weights_dtype(path) == "bfloat16"
     path.write_bytes(path.read_bytes()[:100])
     assert pickled_weights_dtype(path) is None
 
@@ -111,3 +114,25 @@ def test_a_pickles_float8_tensors_are_skipped_as_safetensors_are(tmp_path):
     path = tmp_path / "w.bin"
     torch.save({"a": torch.zeros(2).to(torch.float8_e4m3fn), "b": torch.zeros(2, dtype=torch.float16)}, path)
     assert pickled_weights_dtype(path) == "float16"
+
+
+def test_a_corrupt_compressed_pickle_plans_as_float32_without_a_traceback(tmp_path):
+    """A .bin re-zipped with DEFLATE whose data.pkl is damaged raised zlib.error out of `plan`."""
+    import zipfile
+
+    from shardlib.weights_dtype import pickled_weights_dtype
+
+    plain, packed = tmp_path / "w.bin", tmp_path / "packed.bin"
+    torch.save({"w": torch.zeros(64, dtype=torch.bfloat16)}, plain)
+    with zipfile.ZipFile(plain) as source, zipfile.ZipFile(packed, "w", zipfile.ZIP_DEFLATED) as target:
+        for info in source.infolist():
+            target.writestr(info.filename, source.read(info))
+    assert pickled_weights_dtype(packed) == "bfloat16"  # intact, compressed: read
+    raw = bytearray(packed.read_bytes())
+    with zipfile.ZipFile(packed) as archive:
+        record = next(i for i in archive.infolist() if i.filename.endswith("data.pkl"))
+    start = record.header_offset + 30 + len(record.filename.encode()) + len(record.extra)
+    for k in range(start, start + min(40, record.compress_size)):
+        raw[k] ^= 0x5A
+    packed.write_bytes(bytes(raw))
+    assert pickled_weights_dtype(packed) is None
