@@ -36,7 +36,7 @@ from launcher.serving.openai_protocol import CONTEXT_LENGTH_EXCEEDED, ProtocolEr
 from launcher.serving.openai_render import ChatRender, CompletionRender
 from launcher.serving.prompt_probe import (head_overfills, length_overfills, longest_token_chars,
                                             too_long_message, too_many_characters_message)
-from launcher.serving.server_settings import YAML_NULLS, ServerSettings, api_key_from_environment, settings_from_args
+from launcher.serving.server_settings import ServerSettings, api_key_from_environment, settings_from_args
 from launcher.serving.token_pieces import TokenPieces
 
 # No documentation routes: /openapi.json, /docs and /redoc would answer without the API key. No
@@ -702,14 +702,7 @@ def builder_settings(args: dict) -> ServerSettings:
     holds one."""
     settings = settings_from_args(args)
     if settings.api_key is None:
-        key = api_key_from_environment()
-        if key is None and args.get("api_key") in YAML_NULLS:
-            # asked for the environment's key, which is not there: a server open to anyone is not
-            # what api_key=null asks for
-            raise ValueError(f"api_key={args['api_key']} asks for CORELAUNCH_API_KEY's key, and it is not set "
-                             f"where the application is built; set it, or leave api_key out to serve "
-                             f"without a key")
-        settings = dataclasses.replace(settings, api_key=key)
+        settings = dataclasses.replace(settings, api_key=api_key_from_environment())
     return settings
 
 
