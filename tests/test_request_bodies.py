@@ -84,3 +84,50 @@ def test_the_size_limit_still_answers_413_first():
         assert big.value.status == 413
 
     asyncio.run(run())
+
+
+def test_a_client_gone_while_its_body_is_read_is_an_abort_without_a_traceback():
+    """A client that closed its connection part-way through its body raised Starlette's
+    ClientDisconnect out of the route: a 65-line traceback in the replica's log per client, and no
+    count in /metrics, where every other client that leaves is an abort (499)."""
+    from starlette.requests import ClientDisconnect, Request
+
+    from launcher.serving import openai_protocol as proto
+    from launcher.serving.openai_app import OpenAIServer
+
+    sent = [{"type": "http.request", "body": b'{"model":', "more_body": True}, {"type": "http.disconnect"}]
+
+    async def receive():
+        return sent.pop(0)
+
+    wrapper = OpenAIServer.func_or_class  # Serve's ingress subclass; ours is the class it wraps
+    ours = next(c for c in wrapper.__mro__[1:] if c.__module__ == "launcher.serving.openai_app")
+    server = object.__new__(ours)
+    counted = []
+    server.metrics = type("Counts", (), {"finished": lambda _, *a: counted.append(("finished", *a)),
+                                         "rejected": lambda _, *a: counted.append(("rejected", *a))})()
+    server.body_limit, server.bodies = 10 * LARGE, BodyBudget(10 * LARGE)
+    request = Request({"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"",
+                       "headers": [(b"content-length", b"100")]}, receive)
+    with pytest.raises(ClientDisconnect):
+        asyncio.run(server._request(proto.CompletionRequest, request))
+    assert counted == [("finished", "abort", 499)] and server.bodies.used == 0
+    handled = asyncio.run(openai_app.app.exception_handlers[ClientDisconnect](request, ClientDisconnect()))
+    assert handled.status_code == 499  # answered quietly: the app's handler, not Serve's traceback
+
+    # the other way a client's leaving shows: Serve cancels the request while its body is awaited
+    async def never():
+        await asyncio.Event().wait()
+
+    async def cancelled():
+        waiting = Request({"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"",
+                           "headers": [(b"content-length", b"100")]}, never)
+        task = asyncio.create_task(server._request(proto.CompletionRequest, waiting))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    counted.clear()
+    asyncio.run(cancelled())
+    assert counted == [("finished", "abort", 499)] and server.bodies.used == 0

@@ -28,6 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from launcher.errors import LaunchError, NoReplicaAvailable, ReplicaFailed, RequestTimeout
 from launcher.serving import openai_protocol as proto
@@ -52,6 +53,13 @@ def error_response(err: ProtocolError) -> JSONResponse:
 @app.exception_handler(ProtocolError)
 async def _protocol_error(request: Request, err: ProtocolError) -> JSONResponse:
     return error_response(err)
+
+
+@app.exception_handler(ClientDisconnect)
+async def _client_gone(request: Request, err: ClientDisconnect) -> Response:
+    # The client left while its body was being read: no one reads this answer. Unhandled, each such
+    # client put a 65-line traceback in the replica's log ("Future exception was never retrieved").
+    return Response(status_code=499)
 
 
 _key_check = None
@@ -551,6 +559,11 @@ class OpenAIServer:
             raw, held = await _read_body(request, self.body_limit, self.bodies)
         except ProtocolError as err:
             self.metrics.rejected(err.status)
+            raise
+        # gone before its body came whole (Serve cancels the request, or the read sees the disconnect):
+        # counted as every client that leaves
+        except (ClientDisconnect, asyncio.CancelledError):
+            self.metrics.finished("abort", 499)
             raise
         try:
             if len(raw) <= PARSED_ON_A_THREAD:
