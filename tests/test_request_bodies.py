@@ -77,6 +77,29 @@ def test_a_body_that_does_not_arrive_in_time_gets_408(monkeypatch):
     asyncio.run(run())
 
 
+def test_a_small_body_has_a_shorter_deadline_than_a_large_one(monkeypatch):
+    """Every body had 60 s: 16 connections each sending half a small body held every place Serve lets
+    through to a replica, and /health and /metrics waited behind them for a minute. A large body
+    (declared, or a chunked one once it grows past PARSED_ON_A_THREAD) keeps the long deadline."""
+    monkeypatch.setattr(openai_app, "SMALL_BODY_READ_S", 0.2)
+    monkeypatch.setattr(openai_app, "BODY_READ_S", 0.6)
+
+    async def late(chunks, declared, wait_s):
+        hold = asyncio.Event()
+        asyncio.get_running_loop().call_later(wait_s, hold.set)
+        return await _read_body(request_of(chunks, declared, hold), 10 * LARGE, BodyBudget(10 * LARGE))
+
+    async def run():
+        with pytest.raises(ProtocolError, match="did not arrive within 0.2 s"):
+            await late([b"{", b"}"], True, 0.4)
+        assert (await late([b"a" * LARGE, b"b"], True, 0.4))[0] == b"a" * LARGE + b"b"  # large: 0.6 s
+        assert (await late([b"a" * LARGE, b"b"], False, 0.4))[0] == b"a" * LARGE + b"b"  # chunked, grown large
+        with pytest.raises(ProtocolError, match="did not arrive within 0.6 s"):
+            await late([b"a" * LARGE, b"b"], False, 0.8)
+
+    asyncio.run(run())
+
+
 def test_the_size_limit_still_answers_413_first():
     async def run():
         with pytest.raises(ProtocolError) as big:

@@ -169,7 +169,11 @@ PARSED_ON_A_THREAD = 64 * 1024
 """Bodies larger than this are parsed off the event loop."""
 
 BODY_READ_S = 60.0
-"""How long a request's body may take to arrive, whole."""
+"""How long a request's body of more than PARSED_ON_A_THREAD bytes may take to arrive, whole."""
+SMALL_BODY_READ_S = 10.0
+"""How long one of at most PARSED_ON_A_THREAD bytes may take (a client sends it at once). At 60 s,
+16 connections sending half a small body each held every place Serve lets through to a replica
+(max_num_seqs + max_queued_requests + ROUTE_HEADROOM), and /health and /metrics waited behind them."""
 BODY_BYTES_AT_ONCE = 64 * 2 ** 20
 """The bytes of bodies larger than PARSED_ON_A_THREAD that may be read at once (BodyBudget; at least
 four of the largest allowed): 250 clients each holding a body of nearly 5 MB unfinished took the
@@ -198,7 +202,8 @@ async def _read_body(request: Request, limit: int, budget: BodyBudget) -> tuple[
     body is parsed (a body read whole still waits for, and takes memory in, its parse). Refused (413)
     past `limit` bytes: by its Content-Length before reading, else as soon as what arrives passes it;
     503 when the large bodies already held fill the budget; 408 when it has not arrived within
-    BODY_READ_S. On a refusal the budget is given back here."""
+    SMALL_BODY_READ_S, or BODY_READ_S once it is (declared or found) larger than PARSED_ON_A_THREAD.
+    On a refusal the budget is given back here."""
     declared = request.headers.get("content-length", "")
     too_large = ProtocolError(f"the request body is larger than this server reads ({limit} bytes, from its context "
                               f"of tokens); send a shorter prompt", status=413, code="request_too_large")
@@ -207,12 +212,15 @@ async def _read_body(request: Request, limit: int, budget: BodyBudget) -> tuple[
     busy = ProtocolError("the server is reading as many large request bodies as it takes at once; retry after 1 s",
                          status=503, type="server_error", code="server_busy", headers={"Retry-After": "1"})
     chunks, size, held = [], 0, 0
+    large = declared.isdigit() and int(declared) > PARSED_ON_A_THREAD
+    allowed = BODY_READ_S if large else SMALL_BODY_READ_S
     try:
-        if declared.isdigit() and int(declared) > PARSED_ON_A_THREAD:
+        if large:
             if not budget.take(int(declared)):
                 raise busy
             held = int(declared)
-        async with asyncio.timeout(BODY_READ_S):
+        started = asyncio.get_running_loop().time()
+        async with asyncio.timeout(allowed) as deadline:
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > limit:
@@ -221,11 +229,14 @@ async def _read_body(request: Request, limit: int, budget: BodyBudget) -> tuple[
                     if not budget.take(size - held):
                         raise busy
                     held = size
+                if size > PARSED_ON_A_THREAD and allowed < BODY_READ_S:  # a large chunked body: its time
+                    allowed = BODY_READ_S
+                    deadline.reschedule(started + allowed)
                 chunks.append(chunk)
     except BaseException as err:  # refused, too slow, the client gone, or the request cancelled
         budget.give(held)
         if isinstance(err, TimeoutError):
-            raise ProtocolError(f"the request body did not arrive within {BODY_READ_S:g} s", status=408,
+            raise ProtocolError(f"the request body did not arrive within {allowed:g} s", status=408,
                                 code="request_timeout") from None
         raise
     return b"".join(chunks), held

@@ -39,10 +39,12 @@ NOT_UNDER_SERVE = {"ray_address": "a Serve replica runs in the Ray cluster Serve
                                      "loop's graphs, and static batches' would never be used"}
 """LaunchConfig fields that mean nothing inside a Serve replica: refused rather than ignored."""
 
-ROUTE_HEADROOM = 8
+ROUTE_HEADROOM = 32
 """Serve's per-replica cap on ongoing requests is set this far above what the engine admits
 (running + queued), so /health, /metrics and /v1/models still get through to a busy replica and a
-request beyond the engine's queue reaches it and gets its 503, instead of waiting in Serve's queue."""
+request beyond the engine's queue reaches it and gets its 503, instead of waiting in Serve's queue.
+Requests whose bodies are still arriving hold these places too (8 of them, slow small bodies, held
+/health back for a minute); each now gives its place back within 10 s (openai_app.SMALL_BODY_READ_S)."""
 
 
 @dataclass(frozen=True)
