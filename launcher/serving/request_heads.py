@@ -15,11 +15,12 @@ head has not arrived whole within HEAD_TIMEOUT_S (408 where part of it came). Bo
 budget and deadline (openai_app.py); a request answered before its body arrived whole (401 with no
 key, 404, 413, the body's 408) ends its connection: the answer says `connection: close`, then the
 replica stops sending, discards at most LINGER_BYTES more for at most LINGER_S, so the client can
-read the answer rather than a reset, and closes. uvicorn kept such a connection open, reading and discarding whatever the declared length
-promised (10 GB took 7.5 s of a core), and every byte restarted its keep-alive timer: unauthenticated
-clients trickling a byte a minute held every file descriptor of the replica. Serve offers no setting for these, so the replica's process
-gives the uvicorn module Serve's HTTP helper uses a Config that names this protocol; it does
-nothing if the helper is missing or changed shape. Serve's proxy (proxy ingress) runs in Serve's own
+read the answer rather than a reset, and closes. uvicorn kept such a connection open, reading and
+discarding whatever the declared length promised (10 GB took 7.5 s of a core), and every byte
+restarted its keep-alive timer: unauthenticated clients trickling a byte a minute held every file
+descriptor of the replica. Serve offers no setting for these, so the replica's process gives the
+uvicorn module Serve's HTTP helper uses a Config that names this protocol; it does nothing if the
+helper is missing or changed shape. Serve's proxy (proxy ingress) runs in Serve's own
 process and keeps Serve's settings.
 """
 
