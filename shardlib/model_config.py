@@ -109,6 +109,10 @@ def _check_rope(name: str, params: Any, *, needs_type: bool) -> dict | None:
     return params
 
 
+WIDER_THAN_COMPUTED = ("float64", "double", "fp64")
+"""Checkpoint dtypes no rank computes in: such a checkpoint runs in float32 unless --dtype says otherwise."""
+
+
 def _dtype_field(raw: dict[str, Any]) -> str:
     """The checkpoint dtype from dtype (transformers 5) or torch_dtype (4), float32 when neither
     (load_model_config then reads it from the weights, as transformers does). With both, dtype, as
@@ -117,6 +121,10 @@ def _dtype_field(raw: dict[str, Any]) -> str:
     for key in ("dtype", "torch_dtype"):
         value = raw.get(key)
         if value is not None:
+            if isinstance(value, str) and value.replace("torch.", "").lower() in WIDER_THAN_COMPUTED:
+                # transformers would compute in float64; corelaunch computes in float32 at most. It was
+                # refused, --dtype float32 included, though every weight casts to float32 as it loads
+                return "float32"
             if isinstance(value, str):
                 try:
                     return normalize_dtype(value)

@@ -84,7 +84,7 @@ def test_the_demo_config_is_valid():
     (dict(attention_bias="no"), "attention_bias='no'"),
     (dict(mlp_bias=0), "mlp_bias=0"),
     (dict(dtype=32), "dtype=32"),
-    (dict(dtype=..., torch_dtype="float64"), "torch_dtype='float64'"),
+    (dict(dtype=..., torch_dtype="complex64"), "torch_dtype='complex64'"),  # float64 runs in float32
     (dict(model_type="mistral", sliding_window=-4096), "sliding_window=-4096"),
     (dict(model_type="qwen2", use_sliding_window="yes"), "use_sliding_window='yes'"),
     (dict(model_type="mixtral", num_local_experts="8"), "num_local_experts='8'"),

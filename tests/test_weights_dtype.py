@@ -136,3 +136,19 @@ def test_a_corrupt_compressed_pickle_plans_as_float32_without_a_traceback(tmp_pa
         raw[k] ^= 0x5A
     packed.write_bytes(bytes(raw))
     assert pickled_weights_dtype(packed) is None
+
+
+def test_a_float64_checkpoint_runs_in_float32(tmp_path, capsys):
+    """config.json's "float64" was refused ("must name a dtype"), --dtype float32 included: no rank
+    computes in float64, but every weight casts to float32 as it loads, which the plan now says."""
+    from shardlib.checkpoint import load_rank_shard
+    from shardlib.sharding import ShardLayout
+
+    model_dir = save_model(build_random_model().to(torch.float64), tmp_path / "m")
+    assert json.loads((model_dir / "config.json").read_text()).get("dtype") == "float64"
+    config = load_model_config(model_dir)
+    assert config.torch_dtype == "float32"
+    assert main(["plan", "--model", str(model_dir), "--tp", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["dtype"] == "float32"
+    shard = load_rank_shard(model_dir, config, ShardLayout.for_model(config, 1), 0, dtype=config.torch_dtype)
+    assert {t.dtype for t in shard.values()} == {torch.float32}
