@@ -154,3 +154,25 @@ def test_a_client_gone_while_its_body_is_read_is_an_abort_without_a_traceback():
     counted.clear()
     asyncio.run(cancelled())
     assert counted == [("finished", "abort", 499)] and server.bodies.used == 0
+
+
+def test_the_marker_code_points_sanitizing_drops_are_not_measured_in_a_chat(smollm2_tokenizer):
+    """U+F0000 and U+F0001 are dropped from message text when it is tokenized, but the length check
+    measured them (several byte tokens each): 9000 of them and "Hi", a 31-token prompt, were refused as
+    'its first 8192 characters alone have 32332 tokens'."""
+    import threading
+
+    from launcher.serving.openai_app import OpenAIServer, _sanitizing
+    from launcher.serving.prompt_probe import longest_token_chars
+
+    wrapper = OpenAIServer.func_or_class
+    ours = next(c for c in wrapper.__mro__[1:] if c.__module__ == "launcher.serving.openai_app")
+    server = object.__new__(ours)
+    server.tokenizer, server.name, server._encoding = smollm2_tokenizer, "m", threading.Lock()
+    server.context_tokens, server._longest_token = 512, longest_token_chars(smollm2_tokenizer)
+    server._chat_options = _sanitizing(smollm2_tokenizer)
+    if not server._chat_options:
+        pytest.skip("this transformers does not sanitize chat messages")
+    plain = server._apply_chat_template([{"role": "user", "content": "Hi"}])
+    marked = server._apply_chat_template([{"role": "user", "content": "\U000f0000" * 9000 + "Hi"}])
+    assert marked == plain and len(plain) < 64

@@ -539,6 +539,8 @@ class OpenAIServer:
                 prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as err:  # noqa: BLE001 - a template's refusal (e.g. roles out of order) is the client's
             raise ProtocolError(f"messages: the model's chat template refused them: {err}", param="messages") from None
+        if self._chat_options:  # sanitizing drops the two marker code points from message text: so
+            prompt = prompt.translate({0xF0000: None, 0xF0001: None})  # does the measure (9000 refused a short chat)
         self._refuse_if_it_cannot_fit(prompt, "the chat prompt (the messages in the model's chat template)",
                                       "messages", special_tokens=False)
         # Rendered again to tokenize: sanitizing needs apply_chat_template to tokenize itself, and
