@@ -143,7 +143,7 @@ def summarize(runs: list[dict]) -> dict:
 
 
 # ---- start-up, in fresh processes ---------------------------------------------------------------
-def start_probe(args, report_to=None) -> None:
+def start_probe(args, report_to) -> None:
     """Child process: start a Launcher (cold: from the checkpoint; warm: from a compiled directory)
     with every bucket's graph built at start (warm_up), run one request of 2 new tokens (its
     prefill and one decode step), print timings and the compile-cache counters as JSON."""
@@ -163,7 +163,7 @@ def start_probe(args, report_to=None) -> None:
                       "ready_s": done - t0, "ttft_s": out.time_to_first_token_s,
                       "graphs_built": len(stats["graphs"]), "compile_s": stats["compile_s"],
                       "fxgraph_cache_hit": stats["fxgraph_cache_hit"],
-                      "fxgraph_cache_miss": stats["fxgraph_cache_miss"]}), file=report_to or sys.stdout)
+                      "fxgraph_cache_miss": stats["fxgraph_cache_miss"]}), file=report_to)
 
 
 def run_start_probe(ids: list[int], new_tokens: int, model_dir: Path, compiled_dir: Path | None,
@@ -214,6 +214,7 @@ def start_times(ids: list[int], new_tokens: int, model_dir: Path, repeats: int) 
 
 def main(out=None) -> None:
     """out: where the JSON report goes (stdout when None)."""
+    out = out or sys.stdout
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--new-tokens", type=int_at_least("--new-tokens", 2), default=128)
     parser.add_argument("--prompt-tokens", type=int_at_least("--prompt-tokens", 1), default=128)
@@ -233,7 +234,7 @@ def main(out=None) -> None:
     args = parser.parse_args()
     check_context(parser, args.prompt_tokens, args.new_tokens, "--prompt-tokens", "--new-tokens")
     if args.start_probe:
-        start_probe(args, out or sys.stdout)
+        start_probe(args, out)
         return
 
     import torch
@@ -247,7 +248,7 @@ def main(out=None) -> None:
     if args.start_only:
         print(json.dumps({"prompt_tokens": len(ids), "new_tokens": args.new_tokens,
                           "start": start_times(ids, args.new_tokens, model_dir, args.start_repeats)}, indent=2),
-              file=out or sys.stdout)
+              file=out)
         return
 
     runners = {"transformers_generate": hf_runner(model_dir, ids, args.new_tokens)}
@@ -328,7 +329,7 @@ def main(out=None) -> None:
     report["default_granularity"] = DEFAULT_GRANULARITY
     if not args.skip_start:
         report["start"] = start_times(ids, args.new_tokens, model_dir, args.start_repeats)
-    print(json.dumps(report, indent=2), file=out or sys.stdout)
+    print(json.dumps(report, indent=2), file=out)
 
 
 if __name__ == "__main__":

@@ -105,6 +105,7 @@ def measure_recovery(launcher, prompts: list[str], new_tokens: int, expected: li
 
 def main(out=None) -> None:
     """out: where the JSON report goes (stdout when None)."""
+    out = out or sys.stdout
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int_at_least("--requests", 1), default=16)
     parser.add_argument("--new-tokens", type=int_at_least("--new-tokens", 2), default=64)
@@ -169,7 +170,7 @@ def main(out=None) -> None:
     }
     report["throughput_ratio"] = round(report["replicas"]["tokens_per_s"] / report["one_replica"]["tokens_per_s"], 3)
     report["throughput_target"] = 1.5
-    print(json.dumps(report, indent=1), file=out or sys.stdout)
+    print(json.dumps(report, indent=1), file=out)
 
 
 if __name__ == "__main__":

@@ -334,6 +334,7 @@ def _exit_on_termination() -> None:
 
 def main(out=None) -> None:
     """out: where the JSON report goes (stdout when None)."""
+    out = out or sys.stdout
     args = parse_args()
     _exit_on_termination()
     from transformers import AutoTokenizer
@@ -355,7 +356,7 @@ def main(out=None) -> None:
         # On stderr at once, so that a server that then fails to start does not lose minutes of figures.
         print(json.dumps({"baselines": baselines}), file=sys.stderr, flush=True)
     if args.baselines_only:
-        print(json.dumps(report, indent=2), file=out or sys.stdout)
+        print(json.dumps(report, indent=2), file=out)
         return
     if args.base_url:
         report["server"] = {"base_url": args.base_url, "model": args.model, "started_here": False}
@@ -375,7 +376,7 @@ def main(out=None) -> None:
         report["baseline_drift"] = baseline_drift(baselines, after)
         report["ratios_bracketed"] = ratios(levels, bracketed_baselines(baselines, after))
     report["targets"] = {"level1_stream_decode_over_single_stream": ">= 0.95"}
-    print(json.dumps(report, indent=2), file=out or sys.stdout)
+    print(json.dumps(report, indent=2), file=out)
     invalid = [level for level, figures in levels.items() if not figures["valid"]]
     if invalid:  # the report stands, but these levels' figures measure failures
         print(f"levels {', '.join(invalid)}: a request failed or came back short (see short_or_failed); their "

@@ -200,6 +200,7 @@ def compare_tokens(tokens: dict[str, list[int]]) -> dict:
 
 def main(out=None) -> None:
     """out: where the JSON report goes (stdout when None)."""
+    out = out or sys.stdout
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--new-tokens", type=int_at_least("--new-tokens", 2), default=128)
     parser.add_argument("--rounds", type=int_at_least("--rounds", 1), default=3)
@@ -276,7 +277,7 @@ def main(out=None) -> None:
         "loadavg_before": [round(x, 2) for x in load_before], "loadavg_after": [round(x, 2) for x in os.getloadavg()],
         "note": "noisy shared machine: re-run on a quiet one for figures to quote",
     }
-    print(json.dumps(report, indent=2), file=out or sys.stdout)
+    print(json.dumps(report, indent=2), file=out)
 
 
 if __name__ == "__main__":

@@ -500,6 +500,8 @@ class Launcher:
         self.backend: str | None = None
         self.replicas = 0
         """Number of replicas started (replicas="auto" resolves to the count that fit)."""
+        self.thread_count_note: str | None = None
+        """Set at start when the compiled directory's graphs were built for another thread count per rank."""
         self._pool = None
         self._cache_writer = None
         self._lock = threading.Lock()  # tokenizers are not safe to share between threads
@@ -654,9 +656,9 @@ class Launcher:
         if cfg.compiled_dir and cfg.compile:
             from launcher.artifacts.compiled_dir import other_thread_count
 
-            differs = other_thread_count(cfg.compiled_dir, backend, self._rank_resources.threads)
-            if differs:
-                self._progress.note(differs)
+            self.thread_count_note = other_thread_count(cfg.compiled_dir, backend, self._rank_resources.threads)
+            if self.thread_count_note:
+                self._progress.note(self.thread_count_note)
         if self._ray.started_here:  # no autoscaler grows a private cluster: what it cannot hold now, it never will
             self._refuse_unplaceable(nodes)
         self._timeouts = GroupTimeouts(placement_s=cfg.placement_timeout_s, startup_s=cfg.startup_timeout_s,

@@ -127,7 +127,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     greedy and sampled rows alike, rather than token 0 for one and a multinomial error for the other)."""
     batch = logits.shape[0]
     model_device = logits.device
-    logits = logits.to(sampling_device(model_device))  # a no-op on CPU and CUDA
+    on_host = model_device.type not in GENERATOR_DEVICES  # checked, not moved, every decode step
+    if on_host:
+        logits = logits.cpu()
     if len(params) != batch or len(generators) != batch:
         raise ValueError(
             f"logits have {batch} rows but {len(params)} SamplingParams and {len(generators)} "
@@ -166,4 +168,4 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         for j, i in enumerate(filtered):
             choice = torch.multinomial(probs[j, :kept[j]], 1, generator=generators[i])
             tokens[i] = sorted_ids[j, choice[0]]
-    return tokens.to(model_device)  # the next step's input
+    return tokens.to(model_device) if on_host else tokens  # the next step's input

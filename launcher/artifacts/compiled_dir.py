@@ -131,13 +131,19 @@ width, and whether the projections are fused (other matrices, other graphs)."""
 def recorded_settings(root: str | Path | None) -> dict[str, Any]:
     """Those of RECORDED_SETTINGS a compiled-model directory records, by name: none for no directory,
     one compiled before they were recorded, or one the launch's own checks will refuse."""
+    manifest = _readable_manifest(root)
+    return {name: manifest[name] for name in RECORDED_SETTINGS if name in manifest}
+
+
+def _readable_manifest(root: str | Path | None) -> dict[str, Any]:
+    """The manifest of the version `root` names, or {} for no directory or one the launch's own
+    checks will refuse (they say why)."""
     if root is None:
         return {}
     try:
-        manifest = read_manifest(pinned_version(root))
+        return read_manifest(pinned_version(root))
     except (OSError, ValueError):
         return {}
-    return {name: manifest[name] for name in RECORDED_SETTINGS if name in manifest}
 
 
 def other_thread_count(root: str | Path, backend: str, threads: int) -> str | None:
@@ -147,10 +153,7 @@ def other_thread_count(root: str | Path, backend: str, threads: int) -> str | No
     threads each) built every graph again, silently, on its first requests."""
     if backend != "cpu":
         return None
-    try:
-        compiled = read_manifest(pinned_version(root)).get("threads_per_rank")
-    except (OSError, ValueError):
-        return None
+    compiled = _readable_manifest(root).get("threads_per_rank")
     if compiled is None or compiled == threads:
         return None
     # no path: a launch holds the pinned version (.NAME.v-HOST-PID-RANDOM), not the path given

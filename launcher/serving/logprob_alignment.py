@@ -25,32 +25,28 @@ from launcher.serving.token_pieces import TextOffsets, TokenPieces
 from workers.serving.requests import TokenLogprob
 
 
-def _bytes_before(held: bytes, first: int | None) -> int:
-    """How many bytes of text `held` (bytes of split characters' tokens not emitted yet) will be
-    before a token whose first byte is `first` (None: a token that adds nothing): whole characters
-    count their bytes, the unfinished tail its own where `first` continues it, and whatever the
-    decoder gives up on one U+FFFD (3 bytes) per unfinished character, as UTF-8 decoding with
-    replacement writes them. Byte-level BPE decoders do the same; SentencePiece's byte fallback
-    replaces every byte of such a run (launcher/serving/detokenizer.py), so there a token after
-    bytes the model never completed may be placed a few bytes early."""
-    decoder = codecs.getincrementaldecoder("utf-8")("replace")
-    done = len(decoder.decode(held, final=False).encode())
-    tail = decoder.getstate()[0]
-    if not tail or first is None or _continues(tail, first):
-        return done + len(tail)
-    return _bytes_when_flushed(held)
-
-
-def _characters_before(held: bytes, first: int) -> int:
-    """As _bytes_before, in characters (completions' text_offset): those of the whole characters
-    held, or, where `first` does not continue the unfinished tail, every character `held` flushes
-    as (its U+FFFD included), which come out before the token's own character."""
+def _held_before(held: bytes, first: int | None) -> tuple[str, bytes]:
+    """What of `held` (bytes of split characters' tokens not emitted yet) comes before a token whose
+    first byte is `first` (None: a token that adds nothing): (the text it comes out as, the
+    unfinished tail that token continues, b"" if none). Whole characters come as themselves, and
+    where `first` does not continue the tail, whatever the decoder gives up comes as one U+FFFD per
+    unfinished character, as UTF-8 decoding with replacement writes them. Byte-level BPE decoders do
+    the same; SentencePiece's byte fallback replaces every byte of such a run
+    (launcher/serving/detokenizer.py), so there a token after bytes the model never completed may be
+    placed a few bytes early."""
     decoder = codecs.getincrementaldecoder("utf-8")("replace")
     whole = decoder.decode(held, final=False)
     tail = decoder.getstate()[0]
-    if not tail or _continues(tail, first):
-        return len(whole)
-    return len(held.decode("utf-8", "replace"))
+    if not tail or first is None or _continues(tail, first):
+        return whole, tail
+    return held.decode("utf-8", "replace"), b""
+
+
+def _bytes_before(held: bytes, first: int | None) -> int:
+    """How many bytes of text `held` will be before a token whose first byte is `first`: those of
+    its text before the token's character, and the tail of that character it continues."""
+    text, tail = _held_before(held, first)
+    return len(text.encode()) + len(tail)
 
 
 def _bytes_when_flushed(held: bytes) -> int:
@@ -97,7 +93,7 @@ class AlignedLogprobs:
             # Its own bytes come out later, with the character they complete (or as U+FFFD), after
             # what is held: its offset counted the text emitted only (a stray byte's U+FFFD was missed)
             start_byte = self._bytes + _bytes_before(self._held, own[0])
-            offset += _characters_before(self._held, own[0])
+            offset += len(_held_before(self._held, own[0])[0])
             self._held += own
             adds = True
         elif new_bytes:

@@ -372,12 +372,8 @@ class OpenAIServer:
         # the TP group starts.
         own_tokenizer = BackgroundLoad(load_tokenizer, self.launcher.model_dir, name="corelaunch-serve-tokenizer")
         self.launcher.start()
-        if launch.get("compiled_dir") and self.launcher.config.compile:  # its progress notes are off here
-            from launcher.artifacts.compiled_dir import other_thread_count
-
-            differs = other_thread_count(launch["compiled_dir"], self.launcher.backend, self.launcher.threads_per_rank)
-            if differs:
-                print(f"corelaunch serve: {differs}", file=sys.stderr)
+        if self.launcher.thread_count_note:  # the Launcher's progress notes are off here
+            print(f"corelaunch serve: {self.launcher.thread_count_note}", file=sys.stderr)
         self.tokenizer = own_tokenizer.result()
         self.pieces = TokenPieces(self.tokenizer)
         self._longest_token = longest_token_chars(self.tokenizer)  # bounds a prompt by its length
