@@ -289,7 +289,7 @@ def test_a_second_ctrl_c_during_the_shutdown_after_the_first_does_not_cut_it_sho
 
     def shutdown(grace_s):
         os.kill(os.getpid(), signal.SIGINT)  # the second Ctrl-C, in the middle of it
-        time.sleep(0.1)  # where Python would run the handler
+        _run_bytecode_for(0.1)  # where Python would run the handler
         done.append(grace_s)
 
     monkeypatch.setattr(launcher, "shutdown", shutdown)
@@ -303,7 +303,16 @@ def test_a_second_ctrl_c_during_the_shutdown_after_the_first_does_not_cut_it_sho
     assert done == [INTERRUPT_GRACE_S] and signal.getsignal(signal.SIGINT) is before
     with pytest.raises(KeyboardInterrupt):  # outside the shutdown, Ctrl-C works as before
         os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(0.1)
+        _run_bytecode_for(0.1)
+
+
+def _run_bytecode_for(seconds: float) -> None:
+    """Short sleeps for `seconds`: a signal that another thread of the process took (a test worker
+    has threads left by earlier tests) runs its Python handler at the main thread's next bytecode,
+    which one long sleep left until after the `with` block (seen twice under xdist)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        time.sleep(0.001)
 
 
 def test_ctrl_c_while_the_commands_are_imported_and_parsed_ends_as_an_interrupt(monkeypatch, capsys):
