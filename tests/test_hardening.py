@@ -279,7 +279,18 @@ def test_a_private_ray_that_does_not_start_is_a_launch_error_naming_the_fix(monk
     assert exit_code_for(RayStartFailed("x")) == EXIT_RUN_FAILED  # the machine's state: a retry may work
 
 
-def test_a_second_ctrl_c_during_the_shutdown_after_the_first_does_not_cut_it_short(monkeypatch):
+@pytest.fixture
+def default_sigint():
+    """Ctrl-C as a program starts with it, whatever an earlier test of this worker process left (the
+    test below failed three times under xdist, its KeyboardInterrupt never raised)."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_a_second_ctrl_c_during_the_shutdown_after_the_first_does_not_cut_it_short(monkeypatch, default_sigint):
     """The shutdown after Ctrl-C (the groups' second of grace, then Ray's) was itself interrupted by
     a second Ctrl-C: the command exited, and Ray's agents (once a rank) outlived it by minutes."""
     import signal
