@@ -379,6 +379,9 @@ WATCHDOG_GRACE_S = 30.0
 """A static generate() gives up on its batches after every timeout and restart it allows, plus this."""
 INTERRUPT_GRACE_S = 1.0
 """After Ctrl-C, how long the groups get to stop cleanly before they are killed."""
+START_STOP_WAIT_S = 120.0
+"""How long shutdown() from another thread waits for a start() in progress to stop (it stops at its
+next step: planning, connecting to Ray and loading are not cut short)."""
 
 
 @contextlib.contextmanager
@@ -506,6 +509,9 @@ class Launcher:
         self._cache_writer = None
         self._lock = threading.Lock()  # tokenizers are not safe to share between threads
         self._starting = threading.Lock()
+        self._start_thread: threading.Thread | None = None
+        """The thread inside start() now (None when none is): a shutdown from another thread leaves
+        it Ray's connection to close once it has stopped."""
         self._shutting_down = threading.Lock()
         self._stops = 0
         """shutdown() calls so far; a start() that sees more than when it was called (one still
@@ -541,22 +547,29 @@ class Launcher:
             if self._pool is not None:
                 return self
             self._stops_at_start = stops_when_called
-            start = time.perf_counter()
-            self.prepare()
+            self._start_thread = threading.current_thread()
             try:
-                self._start_group(self.backend)
-                self._await_tokenizer()  # it loaded while the group started (check_prompts may have taken it)
-                self._unless_stop_asked()
-            except BaseException as err:
-                stop_asked = self._stops != self._stops_at_start
-                self.shutdown()
-                if stop_asked and not isinstance(err, (LaunchError, KeyboardInterrupt)):
-                    raise LaunchError("the launcher was shut down while it started; nothing is left running") from err
-                raise
-            self.timings["startup_s"] = time.perf_counter() - start
-            # After ray.init registered Ray's own exit hook, so this one runs first (atexit is LIFO)
-            atexit.register(self._shutdown_at_exit)
+                self._start_under_lock()
+            finally:
+                self._start_thread = None
             return self
+
+    def _start_under_lock(self) -> None:
+        start = time.perf_counter()
+        self.prepare()
+        try:
+            self._start_group(self.backend)
+            self._await_tokenizer()  # it loaded while the group started (check_prompts may have taken it)
+            self._unless_stop_asked()
+        except BaseException as err:
+            stop_asked = self._stops != self._stops_at_start
+            self.shutdown()
+            if stop_asked and not isinstance(err, (LaunchError, KeyboardInterrupt)):
+                raise LaunchError("the launcher was shut down while it started; nothing is left running") from err
+            raise
+        self.timings["startup_s"] = time.perf_counter() - start
+        # After ray.init registered Ray's own exit hook, so this one runs first (atexit is LIFO)
+        atexit.register(self._shutdown_at_exit)
 
     def _shutdown_at_exit(self) -> None:
         """A program that ends without shutdown(): its groups stop before Ray's own exit hook
@@ -641,6 +654,7 @@ class Launcher:
         from launcher.cluster.tp_group import GroupTimeouts
 
         cfg, plan = self.config, self.plan
+        self._unless_stop_asked()  # shut down while planning: no Ray started just to be stopped
         with self._progress.step("connecting to Ray"):
             # Forwarded worker output carries rank 0's lines about graphs built during a request.
             self._ray = ray_cluster.connect(cfg.ray_address, worker_logs=cfg.progress)
@@ -778,6 +792,8 @@ class Launcher:
         group = TPGroup(tp_degree=self.plan.tp_degree, backend=self.backend, resources=self._rank_resources,
                         timeouts=self._timeouts, lnc=self.plan.lnc, nodes=self.config.nodes,
                         name=f"corelaunch-r{index}")
+        stops = self._stops
+        group.stop_asked = lambda: self._stops != stops  # a shutdown stops the group's making at once
         spec = self._load_spec
         writer = self._cache_writer  # once: a shutdown on another thread clears it
         if restart and writer is not None and writer.ready:
@@ -789,6 +805,7 @@ class Launcher:
         except BaseException:
             group.kill()
             raise
+        group.stop_asked = None  # serving and its shutdown wait as they always have
         return StartedGroup(group=group, load_stats=stats, serving_compile=prepared[0].get("compile"))
 
     def _serve_spec(self):
@@ -854,9 +871,26 @@ class Launcher:
             writer, self._cache_writer = self._cache_writer, None
             if writer is not None:
                 writer.join(timeout_s=30)  # a daemon thread: a long write is abandoned at exit
-            connection, self._ray = self._ray, None
-            if connection is not None:
-                connection.close()
+            starter = self._start_thread
+            start_elsewhere = starter is not None and starter is not threading.current_thread()
+            if not start_elsewhere:
+                self._close_ray()
+        if start_elsewhere:
+            # Ray stopped under a start() still calling it (connecting, sizing the replicas, placing
+            # them) crashed the process inside Ray, at times with a segfault. The start stops at its
+            # next step and shuts down itself, Ray included; this call returns once it has.
+            if self._starting.acquire(timeout=START_STOP_WAIT_S):
+                self._starting.release()
+                with self._shutting_down:
+                    self._close_ray()
+            else:
+                print(f"corelaunch: start() had not stopped {START_STOP_WAIT_S:g} s after shutdown() was called; "
+                      f"it shuts down Ray itself when it does", file=sys.stderr)
+
+    def _close_ray(self) -> None:
+        connection, self._ray = self._ray, None
+        if connection is not None:
+            connection.close()
 
     # ---- requests ----------------------------------------------------------------------------
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],

@@ -213,6 +213,34 @@ def test_a_rank_that_does_not_load_names_the_load_timeout_and_its_flag(model_and
 
 
 @pytest.mark.slow
+def test_a_shutdown_from_another_thread_stops_a_start_still_loading(model_and_expected, monkeypatch, ray_session):
+    """shutdown() from another thread (a server stopping, Ctrl-C handling) returned at once while the
+    start's group went on loading until --load-timeout (900 s by default), then served or failed
+    long after; had corelaunch started Ray, the shutdown closed it under the loading thread."""
+    model_dir, _ = model_and_expected
+    monkeypatch.setattr(ray_worker, "RankWorkerActor", fault_actors.SlowLoad)
+    launcher = Launcher(model=model_dir, tp=2, load_timeout_s=90, progress=False, **EAGER)
+    errors: list = []
+
+    def start() -> None:
+        try:
+            launcher.start()
+        except BaseException as err:  # noqa: BLE001 - asserted below
+            errors.append(err)
+
+    starter = threading.Thread(target=start)
+    starter.start()
+    wait_for(lambda: launcher._pool is not None, 60, "the start reaching its replicas")
+    time.sleep(3)  # the group placed and loading (rank 1 never finishes)
+    stopping = time.monotonic()
+    launcher.shutdown()
+    took = time.monotonic() - stopping
+    starter.join(5)
+    assert not starter.is_alive() and took < 30, f"shutdown returned after {took:.1f} s, the start still running"
+    assert len(errors) == 1 and "shut down while" in str(errors[0]), errors
+
+
+@pytest.mark.slow
 @pytest.mark.exclusive  # times the shutdown
 def test_a_group_shutdown_keeps_to_its_grace_in_all(model_and_expected, monkeypatch, ray_session):
     """stop_serving and the ranks' shutdown each waited grace_s of their own: a rank slow to leave

@@ -408,21 +408,59 @@ def test_a_shutdown_while_start_connects_to_ray_stops_the_start(small_model, in_
     launcher = Launcher(model=small_model, tp=1, compile=False, progress=False)
     connect = ray_cluster.connect  # the in-process cluster's (no Ray session)
 
+    stoppers = []
+
     def connect_while_shut_down(*args, **kwargs):
         stopper = threading.Thread(target=launcher.shutdown)  # another thread, as Ctrl-C handling or a server's
+        stoppers.append(stopper)
         stopper.start()
-        stopper.join(60)
+        deadline = time.monotonic() + 60
+        while launcher._stops == 0 and time.monotonic() < deadline:  # the shutdown has been asked
+            time.sleep(0.01)
         return connect(*args, **kwargs)
 
     monkeypatch.setattr(ray_cluster, "connect", connect_while_shut_down)
     with pytest.raises(LaunchError, match="shut down while it started"):
         launcher.start()
+    stoppers[0].join(60)
+    assert not stoppers[0].is_alive()
     assert in_process_cluster.groups == [] and launcher._pool is None and launcher._ray is None
     monkeypatch.setattr(ray_cluster, "connect", connect)
     try:  # and the launcher starts afresh afterwards
         assert launcher.start().generate([[5, 6, 7]], max_new_tokens=2)[0].finish_reason == "length"
     finally:
         launcher.shutdown()
+
+
+def test_a_shutdown_from_another_thread_leaves_ray_open_until_the_start_has_stopped(small_model, in_process_cluster,
+                                                                                    monkeypatch):
+    """shutdown() closed Ray while start() was still calling it (sizing the replicas, placing them):
+    a loop of such shutdowns on a private Ray crashed the process inside Ray, twice with a segfault."""
+    from launcher.cluster import placement
+
+    launcher = Launcher(model=small_model, tp=1, compile=False, progress=False)
+    nodes, inside, seen = placement.alive_nodes, threading.Event(), {}
+
+    def nodes_while_shut_down():
+        inside.set()
+        deadline = time.monotonic() + 60
+        while launcher._stops == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)  # what shutdown() does meanwhile, it has done
+        seen["ray_open"] = launcher._ray is not None  # this thread still makes Ray calls
+        return nodes()
+
+    monkeypatch.setattr(placement, "alive_nodes", nodes_while_shut_down)
+    errors: list = []
+    starter = threading.Thread(target=lambda: _record(errors, launcher.start))
+    starter.start()
+    assert inside.wait(60)
+    launcher.shutdown()
+    starter.join(5)  # only its last lines: shutdown() returned once the start had stopped
+    assert not starter.is_alive()
+    assert seen == {"ray_open": True}
+    assert len(errors) == 1 and "shut down while it started" in str(errors[0]), errors
+    assert in_process_cluster.groups == [] and launcher._pool is None and launcher._ray is None
 
 
 def test_a_shutdown_also_stops_a_start_still_waiting_for_another(small_model, in_process_cluster, monkeypatch):

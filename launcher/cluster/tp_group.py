@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import ray
@@ -100,6 +101,10 @@ class TPGroup:
     _last_counters: dict = field(default_factory=dict, init=False, repr=False)
     _next_call: int = field(default=0, init=False, repr=False)
     _call_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+    stop_asked: Callable[[], bool] | None = field(default=None, init=False, repr=False)
+    """Set by the launcher while it makes this group: True once it is shut down. Placement and every
+    wait of start(), load() and start_serving() then stop the group and raise, so a shutdown from
+    another thread no longer waits for a whole load (up to --load-timeout) or closes Ray under it."""
 
     # ---- start-up ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -193,7 +198,7 @@ class TPGroup:
         # the old group) must not collide, so each group gets a random suffix.
         self._pg = placement_group(bundles, strategy=strategy,
                                    name=f"{self.name}-tp{self.tp_degree}-{uuid.uuid4().hex[:8]}")
-        if not self._pg.wait(timeout_seconds=self.timeouts.placement_s):
+        if not self._placed_within(self.timeouts.placement_s):
             remove_placement_group(self._pg)
             self._pg = None
             nodes = alive_nodes()
@@ -203,6 +208,22 @@ class TPGroup:
                 f"Ray could not reserve {len(bundles)} bundles of {bundles[0]} ({strategy}) "
                 f"within {self.timeouts.placement_s:g} s: {why}"  # which names the way out
             )
+
+    def _placed_within(self, timeout_s: float) -> bool:
+        """The placement group's wait, in slices: a shutdown is seen within _POLL_S."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._unless_stop_asked()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            if self._pg.wait(timeout_seconds=min(_POLL_S, remaining)):
+                return True
+
+    def _unless_stop_asked(self) -> None:
+        if self.stop_asked is not None and self.stop_asked():
+            self.kill()
+            raise LaunchError("the launcher was shut down while this group started; the group was stopped")
 
     def _check_devices(self, entry: BackendEntry) -> None:
         lost = [w for w in self.workers if not w.get("devices")]
@@ -438,6 +459,7 @@ class TPGroup:
         deadline = time.monotonic() + timeout_s
         while pending:
             _refuse_without_ray()  # each pass: the launcher may close Ray while this waits (a late restart)
+            self._unless_stop_asked()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = sorted(rank_of[r] for r in pending)
