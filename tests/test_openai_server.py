@@ -436,6 +436,16 @@ def test_a_participant_name_reaches_the_template():
     refusal(chat, messages=[{"role": "user", "content": "hi", "name": 5}])
 
 
+def test_a_lone_surrogate_in_a_text_part_is_named_by_its_part():
+    """It was reported against the joined content (messages.0.content, at its position there)."""
+    with pytest.raises(ProtocolError) as caught:
+        chat(messages=[{"role": "user", "content": [{"type": "text", "text": "fine"},
+                                                    {"type": "text", "text": "bad \ud800"}]}]).chat_messages()
+    assert caught.value.param == "messages.0.content.1.text", caught.value.param
+    assert "messages.0.content.1.text is not valid UTF-8 text" in caught.value.message
+    assert "position 4" in caught.value.message, caught.value.message
+
+
 def test_accepted_requests_and_their_engine_arguments():
     req = completion(prompt=["only one"], temperature=0, top_k=-1, stop="\n", stop_token_ids=[7], ignore_eos=True,
                      stream=True, stream_options={"include_usage": True}, seed=-3, logprobs=2, user="u")

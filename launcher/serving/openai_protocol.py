@@ -229,6 +229,7 @@ class ChatMessage(BaseModel):
                                     f"parts ({{\"type\": \"text\", \"text\": ...}}) are", param=param)
             if not isinstance(part.get("text"), str):
                 raise ProtocolError(f"{param}.text ({_short(part.get('text'))}) must be a string", param=f"{param}.text")
+            check_utf8(part["text"], f"{param}.text")  # named by its part, not the joined content
             texts.append(part["text"])
         return "".join(texts)
 
