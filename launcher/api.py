@@ -379,6 +379,10 @@ WATCHDOG_GRACE_S = 30.0
 """A static generate() gives up on its batches after every timeout and restart it allows, plus this."""
 INTERRUPT_GRACE_S = 1.0
 """After Ctrl-C, how long the groups get to stop cleanly before they are killed."""
+CACHE_WRITE_WAIT_S = 600.0
+"""How long shutdown() waits for a --presharded-cache copy still being written."""
+HURRIED_CACHE_WAIT_S = 30.0
+"""The same after Ctrl-C or at exit: the user is waiting."""
 START_STOP_WAIT_S = 120.0
 """How long shutdown() from another thread waits for a start() in progress to stop (it stops at its
 next step: planning, connecting to Ray and loading are not cut short)."""
@@ -507,6 +511,11 @@ class Launcher:
         """Set at start when the compiled directory's graphs were built for another thread count per rank."""
         self._pool = None
         self._cache_writer = None
+        self._cache_path = None
+        """Where the --presharded-cache copy is read and written; None when it is not (off, or untrusted)."""
+        self._cache_rewrite = False
+        """The copy's load failed (damaged in place): written again even though it looks complete."""
+        self._cache_lock = threading.Lock()
         self._lock = threading.Lock()  # tokenizers are not safe to share between threads
         self._starting = threading.Lock()
         self._start_thread: threading.Thread | None = None
@@ -726,6 +735,7 @@ class Launcher:
             why = presharded_cache.untrusted(self._cache_path)
             if why is not None:  # another user's copy under this name could be any weights
                 self._progress.note(f"not using the pre-sharded cache ({why}); loading from {self.model_dir}")
+                self._cache_path = None  # nor writing it: the writer would refuse for the same reason
             elif presharded_cache.is_ready(self._cache_path):
                 why = presharded_cache.unusable(self._cache_path, self.model_dir)
                 if why is None:
@@ -736,12 +746,28 @@ class Launcher:
         return spec
 
     def _start_presharded_cache(self) -> None:
-        if self._load_spec.presharded_dir or not self.config.presharded_cache:
+        if self._load_spec.presharded_dir or not self.config.presharded_cache or self._cache_path is None:
             return
         from launcher.artifacts.presharded_cache import CacheWriter
 
         self._cache_writer = CacheWriter(self._cache_path, self.model_dir, self.model_config,
-                                         self._load_spec.layout, self.plan.dtype).start()
+                                         self._load_spec.layout, self.plan.dtype, force=self._cache_rewrite,
+                                         note=self._progress.note).start()
+
+    def _load_around_a_bad_cache_copy(self, spec, err: BaseException) -> bool:
+        """True when `spec` loaded this launcher's own --presharded-cache copy and a rank refused it
+        (a file damaged in place keeps its size, so only the rank's sha256 sees it): later groups
+        load from the checkpoint, and the copy is written again. It failed every launch, the error
+        advising to write again a copy the user never wrote."""
+        if not (isinstance(err, (ValueError, FileNotFoundError)) and spec.presharded_dir
+                and not self.config.presharded_dir and self._cache_path is not None):
+            return False
+        self._progress.note(f"not using the pre-sharded cache {spec.presharded_dir} ({err}); loading from "
+                            f"{self.model_dir} and writing the copy again")
+        with self._cache_lock:  # every replica's group may fail on it at once
+            self._load_spec = dataclasses.replace(self._load_spec, presharded_dir=None)
+            self._cache_rewrite = True
+        return True
 
     def _size_replicas(self, backend: str, nodes: list):
         """(each rank's resources, replica count) for the alive `nodes` (launcher.cluster.placement.NodeInfo)."""
@@ -784,7 +810,7 @@ class Launcher:
                 f"not the {self.replicas} replicas asked (--replicas); lower --replicas to {holds}"
                 + (" or --cpus-per-rank" if self.config.cpus_per_rank else "") + ", or use --replicas auto")
 
-    def _new_group(self, index: int, restart: bool):
+    def _new_group(self, index: int, restart: bool, around_the_cache: bool = False):
         """Place, join and load one replica's TP group (also used to restart it)."""
         from launcher.cluster.replica_pool import StartedGroup
         from launcher.cluster.tp_group import TPGroup
@@ -796,14 +822,16 @@ class Launcher:
         group.stop_asked = lambda: self._stops != stops  # a shutdown stops the group's making at once
         spec = self._load_spec
         writer = self._cache_writer  # once: a shutdown on another thread clears it
-        if restart and writer is not None and writer.ready:
+        if restart and writer is not None and writer.ready and not around_the_cache:
             spec = dataclasses.replace(spec, presharded_dir=str(writer.path))
         try:
             group.start()
             stats = group.load(spec)
             prepared = group.start_serving(self._serve_spec())
-        except BaseException:
+        except BaseException as err:
             group.kill()
+            if not around_the_cache and self._load_around_a_bad_cache_copy(spec, err):
+                return self._new_group(index, restart, around_the_cache=True)
             raise
         group.stop_asked = None  # serving and its shutdown wait as they always have
         return StartedGroup(group=group, load_stats=stats, serving_compile=prepared[0].get("compile"))
@@ -870,7 +898,7 @@ class Launcher:
                 self._pool = None
             writer, self._cache_writer = self._cache_writer, None
             if writer is not None:
-                writer.join(timeout_s=30)  # a daemon thread: a long write is abandoned at exit
+                self._finish_cache_copy(writer, hurried=grace_s <= INTERRUPT_GRACE_S)
             starter = self._start_thread
             start_elsewhere = starter is not None and starter is not threading.current_thread()
             if not start_elsewhere:
@@ -886,6 +914,22 @@ class Launcher:
             else:
                 print(f"corelaunch: start() had not stopped {START_STOP_WAIT_S:g} s after shutdown() was called; "
                       f"it shuts down Ray itself when it does", file=sys.stderr)
+
+    def _finish_cache_copy(self, writer, hurried: bool) -> None:
+        """Wait for the --presharded-cache copy still being written: up to CACHE_WRITE_WAIT_S, or
+        HURRIED_CACHE_WAIT_S after Ctrl-C or at exit (a shutdown given INTERRUPT_GRACE_S or less).
+        A daemon thread: a copy still unfinished is abandoned when the program ends. With 30 s for
+        every shutdown, `generate --presharded-cache` abandoned a large model's copy on every run,
+        saying nothing."""
+        if not writer.writing:
+            return
+        wait_s = HURRIED_CACHE_WAIT_S if hurried else CACHE_WRITE_WAIT_S
+        with self._progress.spinner(f"finishing the pre-sharded cache copy {writer.path}"):
+            writer.join(timeout_s=wait_s)
+        if writer.writing:
+            self._progress.note(f"the pre-sharded cache copy {writer.path} was still being written {wait_s:g} s "
+                                f"into the shutdown; it is abandoned if this program ends, and written by a "
+                                f"later launch")
 
     def _close_ray(self) -> None:
         connection, self._ray = self._ray, None

@@ -382,3 +382,76 @@ def test_a_restarted_group_reruns_the_request_from_the_presharded_cache_in_proce
     assert [r.token_ids for r in out] == expected and {r.attempts for r in out} == {2}
     assert after["restarts"] == 1 and after["state"] == "serving"
     assert after["load_source"] == ["presharded"], "the restarted group did not load the cached copy"
+
+
+def test_a_cached_copy_damaged_in_place_is_loaded_around_and_written_again(tmp_path, in_process_cluster):
+    """Bytes overwritten in a cached rank file, its size kept, pass the driver's look (manifest and
+    sizes); the rank's sha256 refused it, and every launch failed until the user found and deleted
+    the hidden cache folder, the error advising to write again a copy they never wrote."""
+    from launcher.artifacts.presharded_cache import cache_dir
+    from shardlib.presharded import rank_file_name, read_manifest
+
+    model = build_random_model("llama", seed=3, num_heads=4, num_kv_heads=2)
+    model_dir = save_model(model, tmp_path / "m")
+    expected = [greedy_ignoring_eos(model, PROMPTS[0], 6)]
+    options = dict(model=str(model_dir), tp=2, presharded_cache=True, compile=False, progress=False,
+                   presharded_cache_dir=str(tmp_path / "cache"))
+    with Launcher(**options) as launcher:  # the first launch writes the copy
+        wait_for(lambda: launcher.presharded_cache_ready, 30, "the pre-sharded cache copy")
+        copy = launcher._cache_path
+    victim = copy / rank_file_name(1, 2)
+    data = bytearray(victim.read_bytes())
+    data[-50:] = bytes(50)
+    victim.write_bytes(bytes(data))
+    with Launcher(**options) as launcher:
+        out = launcher.generate([PROMPTS[0]], max_new_tokens=6, ignore_eos=True)
+        assert [s["load_source"] for s in launcher.replica_status()] == [["checkpoint"]]
+        wait_for(lambda: launcher.presharded_cache_ready, 30, "the copy written again")
+    assert [r.token_ids for r in out] == expected
+    assert copy == cache_dir(tmp_path / "cache", model_dir, launcher.model_config, launcher._load_spec.layout, "float32")
+    sha = {e["file"]: e["sha256"] for e in read_manifest(copy)["files"]}[rank_file_name(1, 2)]
+    import hashlib
+    assert hashlib.sha256((copy / rank_file_name(1, 2)).read_bytes()).hexdigest() == sha
+    with Launcher(**options) as launcher:  # and the next launch loads the new copy
+        assert [s["load_source"] for s in launcher.replica_status()] == [["presharded"]]
+
+
+def test_a_cache_folder_that_is_a_file_is_named_before_any_start_and_not_written(tmp_path):
+    """`presharded-uid<uid>` as a file raised a bare "[Errno 20] Not a directory" after Ray had started."""
+    from launcher.artifacts.presharded_cache import CacheWriter, cache_dir, untrusted
+    from shardlib.model_config import load_model_config
+    from shardlib.sharding import ShardLayout
+
+    model_dir = save_model(build_random_model("llama", num_heads=4, num_kv_heads=2), tmp_path / "m")
+    config = load_model_config(model_dir)
+    in_the_way = tmp_path / "presharded-uid0"
+    in_the_way.write_text("x")
+    copy = cache_dir(in_the_way, model_dir, config, ShardLayout.for_model(config, 1), "float32")
+    assert f"the cache folder ({in_the_way}) is not a directory" in untrusted(copy)
+    assert "cannot be reached: Not a directory" in untrusted(copy / "deeper" / "copy")
+    launcher = Launcher(model=str(model_dir), tp=1, presharded_cache=True, presharded_cache_dir=str(in_the_way),
+                        compile=False, progress=False).prepare()
+    assert launcher._make_load_spec().presharded_dir is None and launcher._cache_path is None  # loaded around
+    notes: list = []
+    writer = CacheWriter(copy, model_dir, config, ShardLayout.for_model(config, 1), "float32", note=notes.append)
+    writer.start().join(60)
+    assert not writer.ready and len(notes) == 1, notes  # a write that fails says so (it was silent)
+    assert f"the pre-sharded cache copy {copy} was not written" in notes[0], notes
+
+
+def test_a_shutdown_waits_for_the_cache_copy_unless_hurried(tmp_path):
+    """30 s for every shutdown: `generate --presharded-cache` abandoned a large model's copy at every
+    run, silently, so it was never written."""
+    from launcher.api import CACHE_WRITE_WAIT_S, HURRIED_CACHE_WAIT_S
+
+    class SlowWriter:
+        path, writing, waits = tmp_path / "copy", True, []
+
+        def join(self, timeout_s):
+            self.waits.append(timeout_s)
+
+    launcher = Launcher(model=str(tmp_path), progress=False)
+    writer = SlowWriter()
+    launcher._finish_cache_copy(writer, hurried=False)
+    launcher._finish_cache_copy(writer, hurried=True)
+    assert writer.waits == [CACHE_WRITE_WAIT_S, HURRIED_CACHE_WAIT_S] and CACHE_WRITE_WAIT_S >= 600

@@ -25,6 +25,7 @@ import json
 import os
 import stat
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".json")
@@ -51,6 +52,10 @@ def untrusted(path: Path) -> str | None:
             st = os.stat(where, follow_symlinks=follow)
         except FileNotFoundError:
             continue
+        except OSError as err:  # a file where a folder on the way should be (it raised after Ray started)
+            return f"{what} ({where}) cannot be reached: {err.strerror}; remove what is in the way"
+        if what == "the cache folder" and not stat.S_ISDIR(st.st_mode):
+            return f"the cache folder ({where}) is not a directory; remove it or choose another folder"
         if stat.S_ISLNK(st.st_mode) and st.st_uid == os.getuid():
             continue  # a link's own mode is always 0777: only its owner counts
         why = untrusted_stat(st)
@@ -103,10 +108,16 @@ def unusable(path: Path, model_dir: str | Path) -> str | None:
 class CacheWriter:
     """Writes the pre-sharded copy once, in a background thread; `ready` says when it can be used."""
 
-    def __init__(self, path: Path, model_dir: str | Path, config, layout, dtype: str):
+    def __init__(self, path: Path, model_dir: str | Path, config, layout, dtype: str, force: bool = False,
+                 note: Callable[[str], None] | None = None):
+        """force: write even over a copy that looks usable (its load failed: a file damaged in place,
+        with its size kept, is found only by the rank's sha256). note: told why a write failed (it was
+        stored in `error` and never said: every later launch loaded from the checkpoint again)."""
         self.path = path
         self.error: BaseException | None = None
         self._args = (model_dir, config, layout, dtype)
+        self._force = force
+        self._note = note
         self._thread = threading.Thread(target=self._write, name="corelaunch-presharded-cache", daemon=True)
 
     def start(self) -> "CacheWriter":
@@ -116,6 +127,10 @@ class CacheWriter:
     @property
     def ready(self) -> bool:
         return not self._thread.is_alive() and self.error is None and is_ready(self.path)
+
+    @property
+    def writing(self) -> bool:
+        return self._thread.is_alive()
 
     def join(self, timeout_s: float) -> None:
         self._thread.join(timeout_s)
@@ -132,7 +147,10 @@ class CacheWriter:
             if why is not None:
                 raise PermissionError(f"not writing the pre-sharded cache: {why}")
             with FileLock(str(self.path) + ".lock"):  # one writer per copy, even across launchers
-                if not is_ready(self.path) or unusable(self.path, model_dir) is not None:
+                if self._force or not is_ready(self.path) or unusable(self.path, model_dir) is not None:
                     save_presharded(self.path, model_dir, config, layout, dtype=dtype)
         except BaseException as err:  # noqa: BLE001 - a cache that cannot be written is only slower
             self.error = err
+            if self._note is not None:
+                self._note(f"the pre-sharded cache copy {self.path} was not written ({type(err).__name__}: "
+                           f"{err}); launches load from the checkpoint until it is")
