@@ -106,6 +106,10 @@ def plan_launch(config, progress: Progress, nothing_done: str = "nothing was sta
     else:
         with progress.step("checking the pre-sharded weights' source"):
             check_presharded_source(config, model_dir, model_config)
+            if Path(config.presharded_dir).exists():  # else only the workers' nodes may see it: theirs to check
+                from shardlib.presharded import check_presharded_dir
+
+                check_presharded_dir(config.presharded_dir, model_config, plan.layout(), plan.dtype)
     return PlannedLaunch(model_dir, model_config, backend, plan.instance, plan, host_holds)
 
 
@@ -123,14 +127,14 @@ def check_presharded_source(config, model_dir: Path, model_config: ModelConfig) 
     try:
         manifest = json.loads(path.read_text())
     except (OSError, ValueError):
-        return  # no manifest or a broken one: the ranks' load refuses it with the full story
+        return  # no manifest or a broken one: check_presharded_dir (next) refuses it with the full story
     if config.compiled_dir is None and isinstance(manifest, dict) and "buckets" in manifest and "files" not in manifest:
         # a compiled-model directory (its weights are in weights/): it failed only at the ranks' load
         raise ValueError(f"--presharded {config.presharded_dir} is a compiled-model directory, not a pre-sharded "
                          f"checkpoint; start from it with --compiled {config.presharded_dir} (its pre-sharded "
                          f"weights are its weights/ folder)")
     if not isinstance(manifest, dict) or manifest.get("config_hash") != model_config.config_hash():
-        return  # not even the same config: the ranks' load says so, naming every field that differs
+        return  # not even the same config: check_presharded_dir says so, naming every field that differs
     recorded = manifest.get(FIELD)
     if config.compiled_dir is not None:  # pinned to its version by now: named by the link given, if any
         from shardlib.atomic_dir import linking_out_dir

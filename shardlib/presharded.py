@@ -148,6 +148,45 @@ def load_presharded(directory: str | Path, config: ModelConfig, layout: ShardLay
     check_layout(config, layout, rank)
     root = shown.resolve()  # one version throughout, even when a writer swaps the link meanwhile
     manifest = read_manifest(root, shown=shown)
+    _check_settings(manifest, shown, config, layout, dtype)
+    path, shown_path, entry = _rank_file(manifest, root, shown, rank)
+    _check_rank_of_file(path, shown_path, rank, layout.tp_degree)
+    size = path.stat().st_size
+    size_error = _size_error(shown_path, size, entry)
+    try:
+        reader = SafetensorsFile(path)
+    except ValueError:
+        if size != entry["bytes"]:
+            raise size_error from None
+        raise
+    _check_tensors(reader, shown_path, entry, manifest["dtype"], shard_shapes(config, layout, rank), rank)
+    if size != entry["bytes"]:
+        raise size_error
+    _check_sha256(path, shown_path, entry, force=verify_sha256)
+    with reader:
+        return {name: reader.read(name, _WHOLE) for name in sorted(reader.entries, key=lambda n: reader.entries[n].begin)}
+
+
+def check_presharded_dir(directory: str | Path, config: ModelConfig, layout: ShardLayout,
+                         dtype: str | None = None) -> None:
+    """What load_presharded checks before it reads a tensor, for every rank at once and without
+    torch: the manifest, its settings against (config, layout, dtype), each rank's file present,
+    inside the directory and of the recorded size. The driver runs it before any process starts
+    (a broken manifest or a missing file was named only once Ray and every rank had started); the
+    tensors and sha256 are still the ranks' to check."""
+    shown = Path(directory)
+    root = shown.resolve()
+    manifest = read_manifest(root, shown=shown)
+    _check_settings(manifest, shown, config, layout, dtype)
+    for rank in range(layout.tp_degree):
+        path, shown_path, entry = _rank_file(manifest, root, shown, rank)
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            raise _size_error(shown_path, size, entry)
+
+
+def _check_settings(manifest: dict[str, Any], shown: Path, config: ModelConfig, layout: ShardLayout,
+                    dtype: str | None) -> None:
     asked = {"format_version": FORMAT_VERSION, "config_hash": config.config_hash(),
              "model_type": config.model_type, "tp_degree": layout.tp_degree,
              "kv_strategy": layout.kv_strategy.value, "pad_q_heads": layout.pad_q_heads}
@@ -166,6 +205,11 @@ def load_presharded(directory: str | Path, config: ModelConfig, layout: ShardLay
             f"Re-run save_presharded for this model with {settings}, or load the original checkpoint"
             f"{' (' + manifest['source'] + ')' if manifest.get('source') else ''} instead"
         )
+
+
+def _rank_file(manifest: dict[str, Any], root: Path, shown: Path, rank: int) -> tuple[Path, Path, dict]:
+    """(path, path as messages name it, manifest entry) of `rank`'s file; refused when the manifest
+    lists none, names one outside the directory, or the file is missing."""
     entry = next((f for f in manifest["files"] if f["rank"] == rank), None)
     if entry is None:
         raise ValueError(f"{shown / MANIFEST} lists no file for rank {rank}; write the checkpoint again")
@@ -174,22 +218,12 @@ def load_presharded(directory: str | Path, config: ModelConfig, layout: ShardLay
     if not path.is_file():
         raise FileNotFoundError(f"pre-sharded file {shown_path} named in its {MANIFEST} is missing; copy the whole "
                                 f"directory again or write it again")
-    _check_rank_of_file(path, shown_path, rank, layout.tp_degree)
-    size = path.stat().st_size
-    size_error = ValueError(f"{shown_path} has {size} bytes but {MANIFEST} records {entry['bytes']}: it was "
-                            f"truncated or modified; copy it again or write the pre-sharded checkpoint again")
-    try:
-        reader = SafetensorsFile(path)
-    except ValueError:
-        if size != entry["bytes"]:
-            raise size_error from None
-        raise
-    _check_tensors(reader, shown_path, entry, manifest["dtype"], shard_shapes(config, layout, rank), rank)
-    if size != entry["bytes"]:
-        raise size_error
-    _check_sha256(path, shown_path, entry, force=verify_sha256)
-    with reader:
-        return {name: reader.read(name, _WHOLE) for name in sorted(reader.entries, key=lambda n: reader.entries[n].begin)}
+    return path, shown_path, entry
+
+
+def _size_error(shown_path: Path, size: int, entry: dict) -> ValueError:
+    return ValueError(f"{shown_path} has {size} bytes but {MANIFEST} records {entry['bytes']}: it was "
+                      f"truncated or modified; copy it again or write the pre-sharded checkpoint again")
 
 
 def _check_rank_of_file(path: Path, shown_path: Path, rank: int, tp_degree: int) -> None:

@@ -233,7 +233,13 @@ def test_serve_plans_a_compiled_directory_as_its_replicas_run_it(model_dir, tmp_
     from launcher.cli import serve_command
     from launcher.serving.server_settings import settings_from_args
 
+    from shardlib.model_config import load_model_config
+    from shardlib.presharded import save_presharded
+    from shardlib.sharding import ShardLayout
+
     root = fake_compiled_dir(tmp_path / "c", model_dir)
+    config = load_model_config(model_dir)  # the weights too: planning checks them before any start
+    save_presharded(root / "weights", model_dir, config, ShardLayout.for_model(config, 1), dtype="float32")
     planned = []
     real = launch_plan.plan_launch
 

@@ -465,3 +465,26 @@ def test_a_serve_replicas_cpu_share_is_sized_for_the_copys_tp_degree(llama_tp3, 
     monkeypatch.setattr(placement, "alive_nodes", lambda: [node])
     launch = dict(model=str(sources["llama"]), presharded_dir=str(llama_tp3[0]), progress=False)
     assert openai_app._cpus_per_rank(launch, 1) == cpu_rank_resources(3, [4.0]).num_cpus == 1
+
+
+def test_a_broken_presharded_dir_is_refused_before_any_start(llama_tp3, sources, tmp_path, ray_tripwire):
+    """A manifest cut short, a rank's file missing or truncated: named only once Ray and every rank
+    had started (after "connecting to Ray"); the planning now says what the ranks' load would."""
+    import shutil
+
+    from launcher.api import Launcher
+    from shardlib.presharded import rank_file_name
+
+    directory, _ = llama_tp3
+    damages = {"manifest cut short": (lambda d: (d / "manifest.json").write_text((d / "manifest.json").read_text()[:300]),
+                                      "is not valid JSON"),
+               "a rank's file missing": (lambda d: (d / rank_file_name(2, 3)).unlink(),
+                                         f"{rank_file_name(2, 3)} named in its manifest.json is missing"),
+               "a rank's file truncated": (lambda d: (d / rank_file_name(1, 3)).write_bytes(
+                   (d / rank_file_name(1, 3)).read_bytes()[:-10]), "truncated or modified")}
+    for name, (damage, words) in damages.items():
+        broken = tmp_path / name.replace(" ", "-").replace("'", "")
+        shutil.copytree(directory.resolve(), broken)
+        damage(broken)
+        with pytest.raises((ValueError, FileNotFoundError), match=re.escape(words)):
+            Launcher(model=str(sources["llama"]), presharded_dir=str(broken), progress=False).prepare()

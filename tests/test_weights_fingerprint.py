@@ -163,21 +163,23 @@ def test_unreadable_weights_are_not_compared(models, base_presharded, tmp_path):
     plan_launch(LaunchConfig(model=str(broken), tp=1, presharded_dir=str(base_presharded)), Progress(False))
 
 
-def test_a_copy_of_another_config_is_left_to_the_ranks_refusal(base_presharded, tmp_path):
-    """Not "a fine-tune of the same model": the config differs, and each rank's load lists every
-    field that does; a manifest that is not an object is the ranks' to refuse too (it crashed)."""
+def test_a_copy_of_another_config_is_refused_before_any_start_as_the_ranks_refuse_it(base_presharded, tmp_path):
+    """Not "a fine-tune of the same model": the config differs, and the refusal lists every field
+    that does; a manifest that is not an object is refused too (it crashed). Both were left to the
+    ranks' load, after Ray and every rank had started; the driver now says what the ranks would."""
     from shardlib.presharded import load_presharded
 
     other = save_model(build_random_model("llama", seed=1, **{**SHAPE, "num_layers": 3}), tmp_path / "other")
-    plan = plan_launch(LaunchConfig(model=str(other), tp=1, presharded_dir=str(base_presharded)), Progress(False))
     config = load_model_config(other)
     layout = ShardLayout.for_model(config, 1)
+    with pytest.raises(ValueError, match=r"was written for other settings: config_hash: expected "):
+        plan_launch(LaunchConfig(model=str(other), tp=1, presharded_dir=str(base_presharded)), Progress(False))
     with pytest.raises(ValueError, match=r"was written for other settings: config_hash: expected "):
         load_presharded(base_presharded, config, layout, 0)  # what each rank's load does
     odd = tmp_path / "odd"
     odd.mkdir()
     (odd / "manifest.json").write_text("[]")
-    plan_launch(LaunchConfig(model=str(other), tp=1, presharded_dir=str(odd)), Progress(False))
+    with pytest.raises(ValueError, match=r"manifest\.json"):
+        plan_launch(LaunchConfig(model=str(other), tp=1, presharded_dir=str(odd)), Progress(False))
     with pytest.raises(ValueError, match=r"manifest\.json"):
         load_presharded(odd, config, layout, 0)
-    assert plan.plan.tp_degree == 1

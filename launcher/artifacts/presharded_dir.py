@@ -50,5 +50,6 @@ def apply_presharded_dir(config):
     if differ:
         raise ValueError(f"pre-sharded checkpoint {directory} was cut for another layout than this launch asks: "
                          f"{'; '.join(differ)}; drop those options to load it as written, or write it again for "
-                         f"this layout (`corelaunch generate --presharded-cache`, shardlib.presharded.save_presharded)")
+                         f"this layout (shardlib.presharded.save_presharded; `--presharded-cache` writes its own copy in "
+                         f"the cache, not into {directory})")
     return dataclasses.replace(config, **taken)
