@@ -64,6 +64,41 @@ def test_a_malformed_ray_address_is_refused_naming_the_forms(address, monkeypatc
         assert ray_cluster.malformed_address(good) is None
 
 
+def test_a_url_is_refused_as_a_ray_address_naming_the_dashboard(monkeypatch):
+    """http://host:8265 passed the host:port check (its host read as "http://host"), and Ray then
+    said RAY_ADDRESS was set to an HTTP address, where the user had passed --ray-address."""
+    from launcher.cluster import ray_cluster
+
+    for url in ("http://127.0.0.1:8265", "https://head:8265", "grpc://head:6379"):
+        with pytest.raises(ValueError, match=r"is a URL; corelaunch joins the head's GCS at host:port .*dashboard's"):
+            LaunchConfig(ray_address=url)
+    monkeypatch.setattr("ray.is_initialized", lambda: False)
+    with pytest.raises(LaunchError, match=r"is a URL.*\(from --ray-address\)"):
+        ray_cluster.connect("http://127.0.0.1:8265")
+
+
+def test_a_refused_address_says_nothing_listens_and_gives_no_ray_stop_advice(monkeypatch):
+    """Refused at once, it read "nothing accepts connections there within 10 s"; and `ray stop`
+    (which stops every Ray of the user on the host) was advised for an address given outright."""
+    import socket
+
+    from launcher.cluster import ray_cluster
+
+    with socket.socket() as sock:  # a port nobody listens on: bound, never listening
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        monkeypatch.setattr("ray.is_initialized", lambda: False)
+        with pytest.raises(LaunchError) as refused:
+            ray_cluster.connect(f"127.0.0.1:{port}")
+    message = str(refused.value)
+    assert "nothing listens there" in message and "within" not in message, message
+    assert "ray stop" not in message, message
+    monkeypatch.setenv("RAY_ADDRESS", "")
+    monkeypatch.setattr(ray_cluster, "recorded_cluster", lambda: f"127.0.0.1:{port}")
+    with pytest.raises(LaunchError, match=r"run `ray stop` \(it also stops every Ray process"):
+        ray_cluster.connect(None)
+
+
 def test_a_queue_limit_beyond_serves_field_is_refused_before_start():
     """10**12 passed, and Serve refused the replica's in-flight cap only after Ray and Serve started."""
     LaunchConfig(max_queued_requests=1_000_000)

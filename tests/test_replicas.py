@@ -98,6 +98,11 @@ def test_unplaceable_explanations_name_what_is_missing():
                                                    "(each rank's CPUs)")
     busy = explain_unplaceable({"CPU": 1}, 1, 1, [{"CPU": 1.0}], [{"CPU": 0.0}], ["n1"])
     assert "other groups or jobs hold" in busy and "free now: n1 {CPU: 0}" in busy
+    # a Ray job's entrypoint holding a CPU: the default share never fit, and only --replicas was named
+    assert "give each rank fewer CPUs with --cpus-per-rank" in busy and "--entrypoint-num-cpus" in busy, busy
+    device_busy = explain_unplaceable({"neuron_cores": 1, "CPU": 1}, 1, 1, [{"CPU": 1.0, "neuron_cores": 1.0}],
+                                      [{"CPU": 0.0, "neuron_cores": 0.0}], ["n1"])
+    assert "other groups or jobs hold" in device_busy and "--cpus-per-rank" not in device_busy, device_busy
     # Ray's free resources leave out a CPU at 0 and list placement groups' own bookkeeping
     held = explain_unplaceable({"CPU": 2}, 1, 1, [{"CPU": 2.0}],
                                [{"bundle_group_0_3c2b": 999.999, "bundle_group_3c2b": 999.999}], ["n1"])

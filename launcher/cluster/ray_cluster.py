@@ -108,6 +108,10 @@ def malformed_address(address: str) -> str | None:
     None. Ray's own answer to a malformed one is a logged traceback and "Malformed host"."""
     if address in ("local", "auto") or address.startswith("ray://"):
         return None
+    if "://" in address:  # http://host:8265 passed the host:port test and Ray blamed RAY_ADDRESS for it
+        return (f"ray_address ({address!r}) is a URL; corelaunch joins the head's GCS at host:port (e.g. "
+                f"10.0.0.5:6379), or ray://host:port for Ray Client, or 'local' for a private cluster "
+                f"(http://host:8265 is the dashboard's address, the one `ray job submit --address` takes)")
     host, sep, port = address.rpartition(":")
     if sep and host.strip("[]") and port.isascii() and port.isdigit() and 0 < int(port) < 65536:
         return None
@@ -148,6 +152,8 @@ def _unreachable(address: str, timeout_s: float = GCS_PROBE_S) -> str | None:
             pass
     except socket.gaierror as err:
         return f"its host name does not resolve: {err}"
+    except ConnectionRefusedError as err:  # at once: "within 10 s" read as a slow network
+        return f"nothing listens there: {err}"
     except OSError as err:
         return f"nothing accepts connections there within {timeout_s:g} s: {err}"
     return _not_a_gcs(address, timeout_s)
@@ -217,8 +223,12 @@ def connect(address: str | None = None, num_cpus: int | None = None, worker_logs
                               f"tokens to a socket the driver opens here, which the cluster cannot reach through Ray "
                               f"Client; run the command on the cluster instead (`ray job submit -- corelaunch ...`, "
                               f"or on a node with --ray-address HEAD:6379)")
-        fix = ("start one with `ray start --head`, pass the right --ray-address, run `ray stop` to forget a "
-               "cluster that is gone, or pass --ray-address local for a private one")
+        fix = "start one with `ray start --head`, pass the right --ray-address, or pass --ray-address local for a private one"
+        if how.startswith("the cluster"):  # only then is there a record to forget
+            fix += ("; to forget a recorded cluster that is gone, run `ray stop` (it also stops every Ray process "
+                    "of this user on this host, other launches' private clusters included)")
+        if address.rpartition(":")[2] == "10001":
+            fix = "10001 is Ray Client's default port: for Ray Client pass ray://" + address + "; else " + fix
         unreachable = _unreachable(address)
         if unreachable is not None:  # ray.init would retry a port nobody listens on for ever
             raise LaunchError(f"no Ray cluster answered at {address!r} ({how}; {unreachable}); {fix}")

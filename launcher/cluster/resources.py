@@ -213,8 +213,13 @@ def explain_unplaceable(bundle: Mapping[str, float], tp: int, max_nodes: int,
     free_txt = ""
     if node_free is not None:
         free_txt = "; free now: " + "; ".join(f"{n} {_resources(f)}" for n, f in zip(names, node_free))
+    # A cpu rank's default share is its node's whole CPU count / TP: a Ray job's entrypoint holding
+    # one CPU (--entrypoint-num-cpus) kept such a group from ever being placed, and the advice named
+    # only --replicas, already 1.
+    fewer = (", or give each rank fewer CPUs with --cpus-per-rank (by default a rank takes its node's CPUs / "
+             "TP; inside a Ray job, the job's own --entrypoint-num-cpus holds some)") if set(bundle) == {"CPU"} else ""
     return (f"it needs {need}; the cluster could hold it but other groups or jobs hold those resources "
-            f"(alive nodes: {held}{free_txt}). Free them, add nodes, or lower --replicas")
+            f"(alive nodes: {held}{free_txt}). Free them, add nodes, or lower --replicas{fewer}")
 
 
 def _fmt(amount: float) -> str:
