@@ -330,6 +330,17 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
         """Build from a parsed config.json of any supported architecture (transformers 4.x or 5.x)."""
+        try:
+            return cls._from_dict(raw)
+        except ValueError as err:
+            if isinstance(raw, dict) and raw.get("model_type") == "dbrx":  # its fields were renamed to Llama's
+                from shardlib.moe_configs import in_dbrx_names
+
+                raise ValueError(in_dbrx_names(str(err))) from None
+            raise
+
+    @classmethod
+    def _from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
         if not isinstance(raw, dict):
             raise ValueError(f"config.json must hold a JSON object, not {type(raw).__name__}")
         model_type = raw.get("model_type")

@@ -10,6 +10,7 @@ Llama-named dict plus the ModelConfig fields only these families set.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from shardlib.config_fields import field_error, mapping, positive_number, show
@@ -62,6 +63,20 @@ def _qwen3_moe(raw: dict) -> tuple[dict, dict]:
     if not isinstance(norm, bool):
         raise field_error("norm_topk_prob", norm, "must be true or false", "write a bare JSON true or false")
     return out, {"moe_topk_norm": 1.0 if norm else None}  # q/k norms: families.TRAITS
+
+
+# Llama's name -> DBRX's config.json path, for the fields _dbrx renames
+_DBRX_NAMES = {"hidden_size": "d_model", "num_attention_heads": "n_heads", "num_hidden_layers": "n_layers",
+               "max_position_embeddings": "max_seq_len", "num_key_value_heads": "attn_config.kv_n_heads",
+               "intermediate_size": "ffn_config.ffn_hidden_size", "num_local_experts": "ffn_config.moe_num_experts",
+               "num_experts_per_tok": "ffn_config.moe_top_k"}
+_LLAMA_NAME = re.compile(r"(?<![\w.])(" + "|".join(_DBRX_NAMES) + r")(?![\w])")
+
+
+def in_dbrx_names(message: str) -> str:
+    """A refusal of a DBRX config with the fields named as its config.json has them: checked after
+    _dbrx renamed them, it said `num_local_experts='4'` of a file that holds ffn_config.moe_num_experts."""
+    return _LLAMA_NAME.sub(lambda m: _DBRX_NAMES[m.group(1)], message)
 
 
 def _dbrx(raw: dict) -> tuple[dict, dict]:

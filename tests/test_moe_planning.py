@@ -82,6 +82,23 @@ def test_bad_dbrx_configs_are_refused(raw, message):
         ModelConfig.from_dict(base | raw)
 
 
+def test_a_bad_dbrx_field_is_named_as_its_config_json_has_it():
+    """Checked after the rename to Llama's names, they were refused as num_local_experts='4',
+    num_experts_per_tok=9, intermediate_size=-3, hidden_size='32', fields a DBRX config.json lacks."""
+    base = json.loads((CONFIGS / "dbrx-instruct.json").read_text())
+    ffn = base["ffn_config"]
+    for raw, name in (({"ffn_config": ffn | {"moe_num_experts": "4"}}, "ffn_config.moe_num_experts='4'"),
+                      ({"ffn_config": ffn | {"moe_top_k": 99}}, "ffn_config.moe_top_k=99"),
+                      ({"ffn_config": ffn | {"ffn_hidden_size": -3}}, "ffn_config.ffn_hidden_size=-3"),
+                      ({"d_model": "32"}, "d_model='32'"), ({"n_heads": 0}, "n_heads=0")):
+        with pytest.raises(ValueError) as refused:
+            ModelConfig.from_dict(base | raw)
+        message = str(refused.value)
+        assert f"config.json field {name}" in message, message
+        assert not any(f"field {llama}=" in message for llama in (
+            "num_local_experts", "num_experts_per_tok", "intermediate_size", "hidden_size", "num_attention_heads"))
+
+
 def test_supported_model_types_list_the_moe_families():
     assert {"mixtral", "qwen3_moe", "dbrx"} <= set(SUPPORTED_MODEL_TYPES)
 
