@@ -814,6 +814,12 @@ def _warnings(req: _Request, check: _Check) -> list[str]:
                   if rest != cfg.torch_dtype else "")
         out.append(f"{req.dtype} plans the weights quantized per channel ({rest} for the rest and the KV "
                    f"cache); run `corelaunch quantize` to produce that checkpoint before launching it{launch}")
+    if req.kv_cache_dtype is not None and inst.is_neuron:
+        # workers.backends: the neuron entry's compiled_fp8_kv_cache is False (its graphs hold the cache
+        # in the model's dtype); generate and serve refuse the option unless run eagerly
+        out.append(f"kv_cache_dtype {req.kv_cache_dtype}: the neuron backend's compiled graphs keep the KV cache in "
+                   f"the compute dtype, so a launch refuses --kv-cache-dtype unless it runs eagerly (--no-compile); "
+                   f"this plan counts the {req.kv_cache_dtype} cache that eager run holds")
     # Sizing stays valid (NxD Inference may run these), but corelaunch's own workers cannot.
     out.extend(f"not runnable by corelaunch's workers: {gap}" for gap in cfg.executor_gaps(req.seq_len))
     return out

@@ -51,6 +51,23 @@ def test_every_spelling_the_plan_takes_reaches_the_ranks_as_theirs():
         LaunchConfig(kv_cache_dtype="fp8")
 
 
+def test_a_neuron_plan_with_an_fp8_kv_cache_warns_that_a_compiled_launch_refuses_it():
+    """`plan --instance trn1.32xlarge --kv-cache-dtype f8e4m3` said VALID and nothing more, while a
+    default (compiled) neuron generate refuses the option."""
+    from shardlib.demo_model import ensure_demo_model
+    from shardlib.model_config import load_model_config
+    from shardlib.planner import plan
+    from workers.backends import backend_entry
+
+    config = load_model_config(ensure_demo_model())
+    warned = plan(config, instance="trn1.32xlarge", tp=1, kv_cache_dtype="f8e4m3")
+    assert warned.valid
+    assert not backend_entry("neuron").compiled_fp8_kv_cache  # the fact the warning states
+    assert any("launch refuses --kv-cache-dtype unless it runs eagerly (--no-compile)" in w for w in warned.warnings)
+    for quiet in (plan(config, instance="trn1.32xlarge", tp=1), plan(config, instance="cpu", tp=1, kv_cache_dtype="f8e4m3")):
+        assert not any("kv_cache_dtype" in w for w in quiet.warnings), quiet.warnings
+
+
 @pytest.mark.parametrize("served", [False, True], ids=["static-batch", "serving-rows"])
 def test_write_kv_stores_fp8_and_reads_dequantized(served):
     torch.manual_seed(0)
