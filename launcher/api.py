@@ -824,13 +824,16 @@ class Launcher:
         writer = self._cache_writer  # once: a shutdown on another thread clears it
         if restart and writer is not None and writer.ready and not around_the_cache:
             spec = dataclasses.replace(spec, presharded_dir=str(writer.path))
+        loading = False
         try:
             group.start()
+            loading = True
             stats = group.load(spec)
+            loading = False
             prepared = group.start_serving(self._serve_spec())
         except BaseException as err:
             group.kill()
-            if not around_the_cache and self._load_around_a_bad_cache_copy(spec, err):
+            if loading and not around_the_cache and self._load_around_a_bad_cache_copy(spec, err):
                 return self._new_group(index, restart, around_the_cache=True)
             raise
         group.stop_asked = None  # serving and its shutdown wait as they always have
