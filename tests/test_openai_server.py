@@ -1620,3 +1620,47 @@ def test_a_value_nested_just_under_the_parsers_depth_limit_is_a_400():
             parse_request(CompletionRequest, parse_json_body(raw))
         statuses.add(refused.value.status)
     assert statuses == {400}
+
+
+def test_serve_quiet_still_says_the_model_has_no_chat_template(tmp_path, smollm2_tokenizer, monkeypatch, capsys):
+    """The replica says so at start, in its output, which --quiet hides: a server refusing every
+    chat request started without a word. The driver's look at the files agrees with the tokenizer."""
+    import json
+    import shutil
+    import socket
+
+    from launcher.cli.serve_command import has_chat_template
+    from shardlib.demo_model import ensure_demo_model
+    from transformers import AutoTokenizer
+
+    demo = Path(ensure_demo_model())
+    assert has_chat_template(demo) and smollm2_tokenizer.chat_template is not None
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (demo / name).exists():
+            shutil.copy(demo / name, bare / name)
+    config = json.loads((bare / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (bare / "tokenizer_config.json").write_text(json.dumps(config))
+    for extra in ("chat_template.jinja", "chat_template.json"):
+        (bare / extra).unlink(missing_ok=True)
+    assert not has_chat_template(bare) and AutoTokenizer.from_pretrained(bare).chat_template is None
+    # `serve --quiet` of such a model (planned, then stopped before Ray) says so on its own stderr
+    from launcher.cli import main, serve_command
+    from tests.model_factory import build_random_model, save_model
+
+    model_dir = save_model(build_random_model("llama"), tmp_path / "m")
+    for name in bare.iterdir():
+        shutil.copy(name, model_dir / name.name)
+    monkeypatch.setattr(serve_command, "_serve", lambda *args: 0)
+    for quiet, said in ((["--quiet"], True), ([], False)):  # without --quiet the replica's own line shows
+        capsys.readouterr()
+        with socket.socket() as probe:  # a free port: the command checks it before planning
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        assert main(["serve", "--model", str(model_dir), "--port", str(port), *quiet]) == 0
+        err = capsys.readouterr().err
+        assert ("has no chat template: /v1/chat/completions refuses every request" in err) == said, err
+    (bare / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    assert has_chat_template(bare) and AutoTokenizer.from_pretrained(bare).chat_template is not None

@@ -22,6 +22,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 from launcher.cli.options import (add_max_num_seqs, add_max_prefill_tokens, add_model_and_placement_arguments,
                                   int_at_least, max_num_seqs_option, model_and_placement_options, with_flag_name)
@@ -167,17 +168,37 @@ def run(args: argparse.Namespace) -> int:
         settings = settings_from_args(server_args(args), {k: "--" + k.replace("_", "-") for k in SERVER_ARGS})
         mode = choose_mode(args.ingress, settings.most_replicas, settings.autoscaling is not None)
         check_port_free(args.host, args.port)
-        _plan(settings)  # an impossible layout is refused here, not inside a Serve replica
+        model_dir = _plan(settings)  # an impossible layout is refused here, not inside a Serve replica
     except (ValueError, OSError, LaunchError) as err:  # FileNotFoundError is an OSError
         print(f"corelaunch serve: {with_flag_name(err)}", file=sys.stderr)
         return 2
+    if args.quiet and not has_chat_template(model_dir):
+        # the replica says so at start, in its output, which --quiet hides: a server that refuses
+        # every chat request started without a word
+        print(f"corelaunch serve: the tokenizer of {model_dir} has no chat template: /v1/chat/completions "
+              f"refuses every request (400), /v1/completions serves prompts", file=sys.stderr)
     return _serve(args, settings, mode)
 
 
-def _plan(settings) -> None:
+def has_chat_template(model_dir: Path) -> bool:
+    """Whether the tokenizer files define a chat template, from the files alone (no tokenizer load):
+    chat_template.jinja or .json, additional_chat_templates/, or tokenizer_config.json's chat_template."""
+    import json
+
+    if any((model_dir / name).exists() for name in ("chat_template.jinja", "chat_template.json",
+                                                     "additional_chat_templates")):
+        return True
+    try:
+        config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and bool(config.get("chat_template"))
+
+
+def _plan(settings) -> Path:
     """The layout planned as each Serve replica will plan it; and every Serve replica there can be
     at once (each one TP group) must fit this host's RAM, which they share on the cpu backend: the
-    Ray that `serve` starts is private, this host alone."""
+    Ray that `serve` starts is private, this host alone. Returns the model directory."""
     import dataclasses
 
     from launcher.api import LaunchConfig
@@ -190,6 +211,7 @@ def _plan(settings) -> None:
     holds = groups_this_host_holds(dataclasses.replace(config, ray_address="local"), planned.plan, planned.backend)
     name = "--replicas" if settings.autoscaling is None else "--max-replicas"
     check_groups_fit(settings.most_replicas, name, planned.plan, holds)
+    return Path(planned.model_dir)
 
 
 class StopSignals:
