@@ -227,7 +227,7 @@ def test_a_request_whose_replica_failed_for_good_is_a_503_that_names_no_node_or_
     node address and pid. Now a 503 like a new request there gets; the cause goes to Serve's log."""
     import logging
 
-    from launcher.errors import LaunchError, NoReplicaAvailable, RestartLimitExceeded
+    from launcher.errors import LaunchError, NoReplicaAvailable, RequestTimeout, RestartLimitExceeded
     from launcher.serving.openai_app import SERVER_LOG, UNAVAILABLE_RETRY_S, _generation_failure
 
     logged = []
@@ -251,6 +251,12 @@ def test_a_request_whose_replica_failed_for_good_is_a_503_that_names_no_node_or_
                       f"corelaunch: the model is not serving: {cause} again"]
     status, body, _ = _generation_failure(LaunchError("the launcher was shut down while this request was streaming"))
     assert status == 503 and "is not serving (it is stopping)" in body["error"]["message"]
+    # counted as `unavailable` (503), as at admission: they were `error`, which the metric keeps for 500 and 504
+    from launcher.serving.openai_app import failure_reason
+
+    assert {failure_reason(s) for s, _, _ in failures} == {"unavailable"} and failure_reason(status) == "unavailable"
+    assert failure_reason(_generation_failure(RequestTimeout("slow"))[0]) == "error"
+    assert failure_reason(_generation_failure(RuntimeError("bug"))[0]) == "error"
 
 
 def test_the_server_class_uses_no_module_name_defined_after_it():

@@ -5,6 +5,7 @@ Request over an ASGI receive channel that hands the body over in chunks."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -153,6 +154,48 @@ def test_a_client_gone_while_its_body_is_read_is_an_abort_without_a_traceback():
 
     counted.clear()
     asyncio.run(cancelled())
+    assert counted == [("finished", "abort", 499)] and server.bodies.used == 0
+
+    # behind Serve's proxy (--replicas 2): the proxy cancels the request and its receive raises Ray's
+    # TaskCancelledError, which was neither counted nor handled (the traceback again)
+    from ray.exceptions import TaskCancelledError
+
+    async def proxy_cancels():
+        raise TaskCancelledError()
+
+    counted.clear()
+    behind_proxy = Request({"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"",
+                            "headers": [(b"content-length", b"100")]}, proxy_cancels)
+    with pytest.raises(TaskCancelledError):
+        asyncio.run(server._request(proto.CompletionRequest, behind_proxy))
+    assert counted == [("finished", "abort", 499)] and server.bodies.used == 0
+    handled = asyncio.run(openai_app.app.exception_handlers[TaskCancelledError](behind_proxy, TaskCancelledError()))
+    assert handled.status_code == 499
+
+    # gone while a large body is parsed on a thread: outside the counted read, it went uncounted
+    body = b'{"model": "m", "prompt": [' + b"1, " * (LARGE // 3) + b'1]}'
+    arrived = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def whole():
+        return arrived.pop(0)
+
+    def slow_parse(model, parsed):
+        time.sleep(0.3)
+        return parsed
+
+    server._parse = slow_parse
+
+    async def cancelled_while_parsing():
+        large = Request({"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"",
+                         "headers": [(b"content-length", str(len(body)).encode())]}, whole)
+        task = asyncio.create_task(server._request(proto.CompletionRequest, large))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    counted.clear()
+    asyncio.run(cancelled_while_parsing())
     assert counted == [("finished", "abort", 499)] and server.bodies.used == 0
 
 

@@ -27,6 +27,7 @@ from contextlib import aclosing
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
+from ray.exceptions import TaskCancelledError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -55,11 +56,25 @@ async def _protocol_error(request: Request, err: ProtocolError) -> JSONResponse:
     return error_response(err)
 
 
+# A client gone while its body is read: Starlette's ClientDisconnect (direct ingress), Ray's
+# TaskCancelledError (Serve's proxy cancels the request and its receive raises it), or the task
+# cancelled.
+CLIENT_GONE = (ClientDisconnect, TaskCancelledError, asyncio.CancelledError)
+
+
 @app.exception_handler(ClientDisconnect)
-async def _client_gone(request: Request, err: ClientDisconnect) -> Response:
+@app.exception_handler(TaskCancelledError)
+async def _client_gone(request: Request, err: Exception) -> Response:
     # The client left while its body was being read: no one reads this answer. Unhandled, each such
     # client put a 65-line traceback in the replica's log ("Future exception was never retrieved").
     return Response(status_code=499)
+
+
+def failure_reason(status: int) -> str:
+    """The requests counter's finish_reason for a request that failed while generating: 503 (its
+    model failed for good, or is stopping) is `unavailable` as at admission; it was `error`, which
+    the metric's help reserves for 500 and 504."""
+    return "unavailable" if status == 503 else "error"
 
 
 _key_check = None
@@ -571,13 +586,16 @@ class OpenAIServer:
             raise
         # gone before its body came whole (Serve cancels the request, or the read sees the disconnect):
         # counted as every client that leaves
-        except (ClientDisconnect, asyncio.CancelledError):
+        except CLIENT_GONE:
             self.metrics.finished("abort", 499)
             raise
         try:
             if len(raw) <= PARSED_ON_A_THREAD:
                 return self._parse(model, self._json(raw))
             return await asyncio.to_thread(lambda: self._parse(model, self._json(raw)))
+        except asyncio.CancelledError:  # gone while a large body was parsed on a thread: uncounted
+            self.metrics.finished("abort", 499)
+            raise
         finally:
             self.bodies.give(held)
 
@@ -669,7 +687,7 @@ class OpenAIServer:
             raise
         except Exception as err:  # noqa: BLE001 - reported to the client in the OpenAI shape
             status, body, headers = _generation_failure(err)
-            self.metrics.finished("error", status)
+            self.metrics.finished(failure_reason(status), status)
             return JSONResponse(body, status_code=status, headers=headers)
         self.metrics.finished(finish or "stop")
         return JSONResponse(render.response(meta, finish, proto.usage(prompt_tokens, completion_tokens)))
@@ -700,8 +718,8 @@ class OpenAIServer:
                 yield proto.sse_event(proto.usage_chunk(meta, render.chunk_object, proto.usage(*counts)))
             yield proto.SSE_DONE
         except Exception as err:  # noqa: BLE001 - headers are sent: the error can only be an event
-            outcome["finish_reason"] = "error"
             outcome["status"], body, _ = _generation_failure(err)  # headers are sent already
+            outcome["finish_reason"] = failure_reason(outcome["status"])
             yield proto.sse_event(body)
             yield proto.SSE_DONE
 
