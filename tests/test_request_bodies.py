@@ -143,17 +143,18 @@ def test_a_client_gone_while_its_body_is_read_is_an_abort_without_a_traceback():
     async def never():
         await asyncio.Event().wait()
 
-    async def cancelled():
+    async def cancelled_after(delay_s: float, length: int, receive):
+        """The request read by the server, cancelled (as Serve does when its client leaves) after delay_s."""
         waiting = Request({"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"",
-                           "headers": [(b"content-length", b"100")]}, never)
+                           "headers": [(b"content-length", str(length).encode())]}, receive)
         task = asyncio.create_task(server._request(proto.CompletionRequest, waiting))
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(delay_s)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
 
     counted.clear()
-    asyncio.run(cancelled())
+    asyncio.run(cancelled_after(0.05, 100, never))
     assert counted == [("finished", "abort", 499)] and server.bodies.used == 0
 
     # behind Serve's proxy (--replicas 2): the proxy cancels the request and its receive raises Ray's
@@ -185,17 +186,8 @@ def test_a_client_gone_while_its_body_is_read_is_an_abort_without_a_traceback():
 
     server._parse = slow_parse
 
-    async def cancelled_while_parsing():
-        large = Request({"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"",
-                         "headers": [(b"content-length", str(len(body)).encode())]}, whole)
-        task = asyncio.create_task(server._request(proto.CompletionRequest, large))
-        await asyncio.sleep(0.1)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-
     counted.clear()
-    asyncio.run(cancelled_while_parsing())
+    asyncio.run(cancelled_after(0.1, len(body), whole))
     assert counted == [("finished", "abort", 499)] and server.bodies.used == 0
 
 
