@@ -275,13 +275,19 @@ class LaunchConfig:
                              "--head` and omit the address, or pass 'local' for a private one")
         if self.presharded_dir is not None and not Path(self.presharded_dir).is_dir():
             _not_a_directory(self.presharded_dir, "pre-sharded directory",
-                             "write it with `corelaunch generate --presharded-cache`, or drop --presharded")
+                             "write it with shardlib.presharded.save_presharded (or use a compiled directory's "
+                             "weights/), or drop --presharded")
         for name in ("context_buckets", "token_buckets"):
             if getattr(self, name) is not None:
                 from shardlib.buckets import normalize_buckets
 
                 what = {"context_buckets": "context-encoding", "token_buckets": "token-generation"}[name]
-                setattr(self, name, normalize_buckets(getattr(self, name), what))  # "token-generation bucket 0 ..."
+                try:
+                    setattr(self, name, normalize_buckets(getattr(self, name), what))
+                except ValueError as err:  # "token-generation bucket 0 ..." named neither field nor option
+                    given = getattr(self, name)
+                    shown = ",".join(map(str, given)) if isinstance(given, (list, tuple)) else show(given)
+                    raise ValueError(f"{name} ({shown}): {err}") from None
         if (self.context_buckets is not None and self.max_context_length is not None
                 and self.context_buckets[-1] > self.max_context_length):  # the list won, silently
             raise ValueError(f"context-encoding bucket {self.context_buckets[-1]} exceeds max_context_length "

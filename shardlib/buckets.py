@@ -158,7 +158,8 @@ class Buckets:
 
     def context_bucket(self, prompt_length: int) -> int:
         return select_bucket(prompt_length, self.context, "prompt length", "context-encoding",
-                             "shorten the prompt or use larger context-encoding buckets")
+                             "shorten the prompt or use larger context-encoding buckets (--max-context-length or "
+                             "--context-buckets)")
 
     def token_bucket(self, total_length: int) -> int:
         return select_bucket(total_length, self.token, "sequence length", "token-generation",

@@ -405,6 +405,18 @@ def test_a_seed_without_sampling_is_refused_not_dropped(capsys, ray_tripwire):
     assert "--seed" not in err and "--max-batch-size (0)" in err, err
 
 
+def test_a_refused_layout_names_the_generate_flags(capsys, ray_tripwire):
+    """The planner's words for the layout (tp_degree, batch_size) named what a generate user cannot
+    type; --seq-len and --max-num-seqs in the same lines were already flags."""
+    from launcher.cli import main
+
+    for argv, words in ((["--tp", "5"], "is not divisible by --tp (5)"),
+                        (["--max-batch-size", "100000"], "a smaller --max-batch-size (at most")):
+        assert main(["generate", *argv, "x"]) == 2
+        err = capsys.readouterr().err
+        assert words in err and "tp_degree (" not in err and "batch_size" not in err, err
+
+
 @pytest.mark.parametrize("argv, words", [
     (["generate", "--restart-window", "0", "x"], "--restart-window (0.0) must be a finite positive number"),
     (["generate", "--placement-timeout", "nan", "x"], "--placement-timeout (nan) must be"),
@@ -430,6 +442,9 @@ def test_a_seed_without_sampling_is_refused_not_dropped(capsys, ray_tripwire):
     (["serve", "--load-timeout", "-5"], "--load-timeout (-5.0) must be a finite positive number"),
     (["generate", "--cpus-per-rank", "0.00001", "x"], "--cpus-per-rank (1e-05) must be a finite number of CPUs of at least 0.0001 (Ray's resource precision), "
                                                          "or left out to share the node's CPUs"),
+    # bucket lists named no option ("bucket list '1,a' must be ...", "context-encoding bucket 0 ...")
+    (["generate", "--buckets", "1,a", "x"], "--buckets: bucket list '1,a' must be comma-separated integers"),
+    (["generate", "--context-buckets", "0", "x"], "--context-buckets (0): context-encoding bucket 0 must be a positive"),
 ])
 def test_launch_option_errors_name_the_flag_not_the_field(argv, words, capsys):
     """LaunchConfig's messages start with its field (restart_window_s, placement_timeout_s): the

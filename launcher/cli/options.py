@@ -70,9 +70,15 @@ def bucket_lists(args: argparse.Namespace) -> dict:
     (ValueError for a malformed list)."""
     from shardlib.buckets import parse_buckets
 
-    both = parse_buckets(args.buckets) if args.buckets else None
-    context = parse_buckets(args.context_buckets) if args.context_buckets else both
-    token = parse_buckets(args.token_buckets) if args.token_buckets else both
+    def parsed(flag: str, text: str):
+        try:
+            return parse_buckets(text)
+        except ValueError as err:  # "bucket list '1,a' must be ..." named no option
+            raise ValueError(f"{flag}: {err}") from None
+
+    both = parsed("--buckets", args.buckets) if args.buckets else None
+    context = parsed("--context-buckets", args.context_buckets) if args.context_buckets else both
+    token = parsed("--token-buckets", args.token_buckets) if args.token_buckets else both
     if both is not None and args.max_context_length is not None and not args.context_buckets:
         context = tuple(b for b in both if b <= args.max_context_length) or (args.max_context_length,)
     return {"max_context_length": args.max_context_length, "context_buckets": context, "token_buckets": token}
@@ -120,7 +126,9 @@ _NAMED_FIELD = re.compile(r"(?<![\w/.-])(" + "|".join(sorted(
 
 
 _GENERATE_WORDS = ((re.compile(r"\bseq_len \(--seq-len\)"), "--seq-len"), (re.compile(r"\bseq_len\b"), "--seq-len"),
-                   (re.compile(r"\bmax_new_tokens\b"), "--max-new-tokens"))
+                   (re.compile(r"\bmax_new_tokens\b"), "--max-new-tokens"),
+                   # the planner's words for the layout (`corelaunch plan` has --tp and --batch-size)
+                   (re.compile(r"\btp_degree\b"), "--tp"), (re.compile(r"\bbatch_size\b"), "--max-batch-size"))
 
 
 def in_generate_flags(message: str) -> str:
