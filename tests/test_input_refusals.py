@@ -100,16 +100,50 @@ def test_a_ray_address_nobody_listens_on_is_refused_at_once(monkeypatch):
 
     import grpc
 
-    server = grpc.server(ThreadPoolExecutor(max_workers=1))  # a gRPC server, as a GCS is
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
+    def serving(answer):
+        """A gRPC server answering the GCS's GetClusterId with `answer` (None: no such call, as Ray
+        Client's port)."""
+        server = grpc.server(ThreadPoolExecutor(max_workers=1))
+        if answer is not None:
+            server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+                "ray.rpc.NodeInfoGcsService", {"GetClusterId": grpc.unary_unary_rpc_method_handler(answer)})])
+        return server, server.add_insecure_port("127.0.0.1:0")
+
+    def refuses_tokenless(request, context):
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, "InvalidAuthToken: Authentication token is missing")
+
+    gcs, port = serving(lambda request, context: b"")  # answers as a GCS does
+    gcs.start()
     try:
         assert ray_cluster._unreachable(f"127.0.0.1:{port}", timeout_s=5) is None
         for variable in ("grpc_proxy", "https_proxy", "http_proxy"):  # a proxy Ray's own channels ignore
             monkeypatch.setenv(variable, "http://127.0.0.1:9")
         assert ray_cluster._unreachable(f"127.0.0.1:{port}", timeout_s=5) is None
     finally:
-        server.stop(0)
+        gcs.stop(0)
+    # another gRPC server (Ray Client's port) passed the handshake; ray.init failed 25 s later
+    other, port = serving(None)
+    other.start()
+    try:
+        why = ray_cluster._unreachable(f"127.0.0.1:{port}", timeout_s=5)
+        assert "is not a Ray GCS" in why and "ray://host:port" in why, why
+    finally:
+        other.stop(0)
+    # a GCS with token authentication, joined without a token: 20 lines of Ray's warnings, 24 s, and
+    # "no Ray cluster answered"
+    guarded, port = serving(refuses_tokenless)
+    guarded.start()
+    try:
+        address = f"127.0.0.1:{port}"
+        assert ray_cluster._unreachable(address, timeout_s=5, sends_token=False) == ray_cluster.TOKEN_NEEDED
+        assert ray_cluster._unreachable(address, timeout_s=5, sends_token=True) is None  # Ray sends its token
+        monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+        monkeypatch.setattr("ray.is_initialized", lambda: False)
+        with pytest.raises(LaunchError, match=r"requires token authentication, which this launch does not use: "
+                                              r"set RAY_AUTH_MODE=token"):
+            ray_cluster.connect(address)
+    finally:
+        guarded.stop(0)
 
 
 def test_an_unstarted_launcher_says_so_for_streams_too(ray_tripwire):

@@ -141,9 +141,10 @@ def remote_ray_client(address: str) -> str | None:
     return host
 
 
-def _unreachable(address: str, timeout_s: float = GCS_PROBE_S) -> str | None:
+def _unreachable(address: str, timeout_s: float = GCS_PROBE_S, sends_token: bool = True) -> str | None:
     """Why nothing accepts connections at a "host:port" address (None when something does, or for
-    another form, such as ray://, which ray.init checks itself)."""
+    another form, such as ray://, which ray.init checks itself). sends_token: whether the launch
+    will send Ray's token (TOKEN_NEEDED when it will not and the GCS asks for one)."""
     host, sep, port = address.rpartition(":")
     if not sep or not host or "://" in address or not port.isascii() or not port.isdigit():
         return None
@@ -156,10 +157,17 @@ def _unreachable(address: str, timeout_s: float = GCS_PROBE_S) -> str | None:
         return f"nothing listens there: {err}"
     except OSError as err:
         return f"nothing accepts connections there within {timeout_s:g} s: {err}"
-    return _not_a_gcs(address, timeout_s)
+    return _not_a_gcs(address, timeout_s, sends_token)
 
 
-def _not_a_gcs(address: str, timeout_s: float) -> str | None:
+TOKEN_NEEDED = "token needed"
+"""_unreachable's answer for a GCS that refuses a launch sending no token."""
+_GCS_METHOD = "/ray.rpc.NodeInfoGcsService/GetClusterId"
+"""A call only a Ray GCS answers (its empty request is a valid message): a GCS answers it, one with
+token authentication refuses it UNAUTHENTICATED, any other gRPC server UNIMPLEMENTED."""
+
+
+def _not_a_gcs(address: str, timeout_s: float, sends_token: bool = True) -> str | None:
     """Why the listener at `address` is not a Ray GCS, which speaks gRPC (None when it answers as
     one). ray.init retried anything else for ever, such as the dashboard's port, which `ray job
     submit --address` takes."""
@@ -172,7 +180,19 @@ def _not_a_gcs(address: str, timeout_s: float) -> str | None:
     channel = grpc.insecure_channel(address, options=[("grpc.enable_http_proxy", 0)])
     try:
         grpc.channel_ready_future(channel).result(timeout=timeout_s)
-        return None
+        try:
+            channel.unary_unary(_GCS_METHOD)(b"", timeout=timeout_s)
+        except grpc.RpcError as err:
+            # Another gRPC server (Ray Client's port, 10001 by default) passed the handshake, and
+            # ray.init failed some 25 s later saying no cluster answered; a GCS wanting a token this
+            # launch does not send printed 20 lines of Ray's warnings first, with the same message.
+            if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return ("something answers gRPC there but is not a Ray GCS (it does not know the GCS's calls): "
+                        "Ray Client's port, 10001 by default, takes ray://host:port; the head's GCS port is "
+                        "6379 by default (`ray start --head --port`)")
+            if err.code() == grpc.StatusCode.UNAUTHENTICATED and not sends_token:
+                return TOKEN_NEEDED
+        return None  # a GCS, or an answer that says nothing (ray.init decides)
     except grpc.FutureTimeoutError:
         return (f"something accepts connections there but does not answer as a Ray GCS (gRPC) within "
                 f"{timeout_s:g} s: the head's GCS port is 6379 by default (`ray start --head --port`); "
@@ -227,9 +247,14 @@ def connect(address: str | None = None, num_cpus: int | None = None, worker_logs
         if how.startswith("the cluster"):  # only then is there a record to forget
             fix += ("; to forget a recorded cluster that is gone, run `ray stop` (it also stops every Ray process "
                     "of this user on this host, other launches' private clusters included)")
-        if address.rpartition(":")[2] == "10001":
-            fix = "10001 is Ray Client's default port: for Ray Client pass ray://" + address + "; else " + fix
-        unreachable = _unreachable(address)
+        # Ray sends its token to an address given outright only under RAY_AUTH_MODE=token; to the
+        # recorded cluster whenever a token is at hand (below), which ray.init sorts out itself.
+        sends_token = how.startswith("the cluster") or os.environ.get("RAY_AUTH_MODE", "").lower() == "token"
+        unreachable = _unreachable(address, sends_token=sends_token)
+        if unreachable == TOKEN_NEEDED:
+            raise LaunchError(f"the Ray cluster at {address!r} ({how}) requires token authentication, which this "
+                              f"launch does not use: set RAY_AUTH_MODE=token, with the cluster's token in "
+                              f"~/.ray/auth_token or RAY_AUTH_TOKEN")
         if unreachable is not None:  # ray.init would retry a port nobody listens on for ever
             raise LaunchError(f"no Ray cluster answered at {address!r} ({how}; {unreachable}); {fix}")
         if how.startswith("the cluster"):
