@@ -765,7 +765,9 @@ class Launcher:
         (a file damaged in place keeps its size, so only the rank's sha256 sees it): later groups
         load from the checkpoint, and the copy is written again. It failed every launch, the error
         advising to write again a copy the user never wrote."""
-        if not (isinstance(err, (ValueError, FileNotFoundError)) and spec.presharded_dir
+        # ValueError only: a file a rank cannot find (a cache folder the other nodes do not see) is
+        # no damage a rewrite here cures, and is refused as it always was
+        if not (isinstance(err, ValueError) and spec.presharded_dir
                 and not self.config.presharded_dir and self._cache_path is not None):
             return False
         self._progress.note(f"not using the pre-sharded cache {spec.presharded_dir} ({err}); loading from "
@@ -824,8 +826,9 @@ class Launcher:
         group = TPGroup(tp_degree=self.plan.tp_degree, backend=self.backend, resources=self._rank_resources,
                         timeouts=self._timeouts, lnc=self.plan.lnc, nodes=self.config.nodes,
                         name=f"corelaunch-r{index}")
-        stops = self._stops
-        group.stop_asked = lambda: self._stops != stops  # a shutdown stops the group's making at once
+        # Against the start's count, not the count now: a shutdown landing between the start's last
+        # check and this line went unseen, and waited out the whole load.
+        group.stop_asked = lambda: self._stops != self._stops_at_start
         spec = self._load_spec
         writer = self._cache_writer  # once: a shutdown on another thread clears it
         if restart and writer is not None and writer.ready and not around_the_cache:
@@ -906,8 +909,6 @@ class Launcher:
                 pool.shutdown(grace_s)
                 self._pool = None
             writer, self._cache_writer = self._cache_writer, None
-            if writer is not None:
-                self._finish_cache_copy(writer, hurried=grace_s <= INTERRUPT_GRACE_S)
             starter = self._start_thread
             start_elsewhere = starter is not None and starter is not threading.current_thread()
             if not start_elsewhere:
@@ -923,6 +924,8 @@ class Launcher:
             else:
                 print(f"corelaunch: start() had not stopped {START_STOP_WAIT_S:g} s after shutdown() was called; "
                       f"it shuts down Ray itself when it does", file=sys.stderr)
+        if writer is not None:  # after Ray: the copy needs only this process, and Ctrl-C here leaves nothing running
+            self._finish_cache_copy(writer, hurried=grace_s <= INTERRUPT_GRACE_S)
 
     def _finish_cache_copy(self, writer, hurried: bool) -> None:
         """Wait for the --presharded-cache copy still being written: up to CACHE_WRITE_WAIT_S, or

@@ -106,10 +106,9 @@ def plan_launch(config, progress: Progress, nothing_done: str = "nothing was sta
     else:
         with progress.step("checking the pre-sharded weights' source"):
             check_presharded_source(config, model_dir, model_config)
-            if Path(config.presharded_dir).exists():  # else only the workers' nodes may see it: theirs to check
-                from shardlib.presharded import check_presharded_dir
+            from shardlib.presharded import check_presharded_dir
 
-                check_presharded_dir(config.presharded_dir, model_config, plan.layout(), plan.dtype)
+            check_presharded_dir(config.presharded_dir, model_config, plan.layout(), plan.dtype)
     return PlannedLaunch(model_dir, model_config, backend, plan.instance, plan, host_holds)
 
 

@@ -69,7 +69,7 @@ def _qwen3_moe(raw: dict) -> tuple[dict, dict]:
 _DBRX_NAMES = {"hidden_size": "d_model", "num_attention_heads": "n_heads", "num_hidden_layers": "n_layers",
                "max_position_embeddings": "max_seq_len", "num_key_value_heads": "attn_config.kv_n_heads",
                "intermediate_size": "ffn_config.ffn_hidden_size", "num_local_experts": "ffn_config.moe_num_experts",
-               "num_experts_per_tok": "ffn_config.moe_top_k"}
+               "num_experts_per_tok": "ffn_config.moe_top_k", "rope_theta": "attn_config.rope_theta"}
 _LLAMA_NAME = re.compile(r"(?<![\w.])(" + "|".join(_DBRX_NAMES) + r")(?![\w])")
 
 

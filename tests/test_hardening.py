@@ -266,6 +266,26 @@ def test_a_static_generate_gives_up_when_no_replica_ever_answers(small_model, in
             launcher.generate([[1, 2, 3]], max_new_tokens=2, batching="static")
 
 
+def test_generate_prints_its_result_before_the_shutdown(in_process_cluster, capsys, monkeypatch):
+    """The result went to stdout after the shutdown, which waits for a --presharded-cache copy still
+    being written (minutes for a large model): the answer waited, and Ctrl-C during the wait lost it."""
+    from launcher.cli import main
+    from shardlib.demo_model import ensure_demo_model
+
+    printed_by_then = []
+    shutdown = Launcher.shutdown
+
+    def recording_shutdown(self, grace_s=10.0):
+        printed_by_then.append(capsys.readouterr().out)
+        shutdown(self, grace_s)
+
+    monkeypatch.setattr(Launcher, "shutdown", recording_shutdown)
+    monkeypatch.setattr(Launcher, "compile_stats", lambda self: [])  # in-process groups keep none
+    assert main(["generate", "--model", str(ensure_demo_model()), "--tp", "1", "--no-compile", "--json", "--quiet",
+                 "--max-new-tokens", "2", "--prompt", "hello"]) == 0
+    assert printed_by_then and '"outputs"' in printed_by_then[0], printed_by_then
+
+
 def test_generate_quiet_prints_the_answers_alone(capsys):
     from launcher.cli.generate_command import print_report
 

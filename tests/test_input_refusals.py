@@ -439,6 +439,18 @@ def test_a_seed_without_sampling_is_refused_not_dropped(capsys, ray_tripwire):
     assert "--seed" not in err and "--max-batch-size (0)" in err, err
 
 
+def test_the_layout_words_are_flags_only_where_they_are_the_planners_words():
+    """The rewrite took a folder named batch_size in a path for the option, and a Python call's
+    keyword (save_presharded(..., tp_degree=2)) for a flag."""
+    from launcher.cli.options import in_generate_flags
+
+    for kept in ("model path /runs/batch_size/m does not exist", "model path /tmp/tp_degree/m does not exist",
+                 "Re-run save_presharded for this model with tp_degree=2, kv_strategy='shard'"):
+        assert in_generate_flags(kept) == kept
+    assert in_generate_flags("is not divisible by tp_degree (5); no tp_degree passes; a smaller batch_size (at "
+                             "most 3") == "is not divisible by --tp (5); no --tp passes; a smaller --max-batch-size (at most 3"
+
+
 def test_a_refused_layout_names_the_generate_flags(capsys, ray_tripwire):
     """The planner's words for the layout (tp_degree, batch_size) named what a generate user cannot
     type; --seq-len and --max-num-seqs in the same lines were already flags."""

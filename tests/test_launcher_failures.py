@@ -260,7 +260,7 @@ def test_a_refused_connection_names_token_authentication(monkeypatch):
         raise ConnectionError("Failed to connect to Ray cluster at 10.0.0.5:6379")
 
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(ray_cluster, "_unreachable", lambda address: None)
+    monkeypatch.setattr(ray_cluster, "_unreachable", lambda address, **probe: None)
     monkeypatch.setattr(ray, "init", refused)
     monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
     with pytest.raises(LaunchError, match="token authentication.*set RAY_AUTH_MODE=token"):
@@ -461,6 +461,29 @@ def test_a_shutdown_from_another_thread_leaves_ray_open_until_the_start_has_stop
     assert seen == {"ray_open": True}
     assert len(errors) == 1 and "shut down while it started" in str(errors[0]), errors
     assert in_process_cluster.groups == [] and launcher._pool is None and launcher._ray is None
+
+
+def test_a_group_made_after_a_shutdown_began_sees_it(small_model, in_process_cluster, monkeypatch):
+    """Each group compared the shutdown count with the count when it was made: a shutdown from
+    another thread landing between the start's last check and the group's making went unseen, and
+    shutdown() waited out the group's whole load."""
+    from tests.in_process_cluster import ThreadTPGroup
+
+    seen = []
+    start = ThreadTPGroup.start
+
+    def start_seeing(group):
+        seen.append(group.stop_asked())
+        start(group)
+
+    with Launcher(model=small_model, tp=1, compile=False, progress=False) as launcher:
+        monkeypatch.setattr(ThreadTPGroup, "start", start_seeing)
+        launcher._stops += 1  # a shutdown begun on another thread, not yet at the pool
+        try:
+            launcher._new_group(0, restart=True).group.kill()
+        finally:
+            launcher._stops -= 1
+    assert seen == [True]
 
 
 def test_a_shutdown_also_stops_a_start_still_waiting_for_another(small_model, in_process_cluster, monkeypatch):

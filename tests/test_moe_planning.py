@@ -90,7 +90,8 @@ def test_a_bad_dbrx_field_is_named_as_its_config_json_has_it():
     for raw, name in (({"ffn_config": ffn | {"moe_num_experts": "4"}}, "ffn_config.moe_num_experts='4'"),
                       ({"ffn_config": ffn | {"moe_top_k": 99}}, "ffn_config.moe_top_k=99"),
                       ({"ffn_config": ffn | {"ffn_hidden_size": -3}}, "ffn_config.ffn_hidden_size=-3"),
-                      ({"d_model": "32"}, "d_model='32'"), ({"n_heads": 0}, "n_heads=0")):
+                      ({"d_model": "32"}, "d_model='32'"), ({"n_heads": 0}, "n_heads=0"),
+                      ({"attn_config": base["attn_config"] | {"rope_theta": -1}}, "attn_config.rope_theta=-1")):
         with pytest.raises(ValueError) as refused:
             ModelConfig.from_dict(base | raw)
         message = str(refused.value)

@@ -1668,5 +1668,12 @@ def test_serve_quiet_still_says_the_model_has_no_chat_template(tmp_path, smollm2
         assert main(["serve", "--model", str(model_dir), "--port", str(port), *quiet]) == 0
         err = capsys.readouterr().err
         assert ("has no chat template: /v1/chat/completions refuses every request" in err) == said, err
+    # a legacy chat_template.json (the tokenizer does not read it), and templates only named ones
+    # (a dict with no default: apply_chat_template refuses every conversation) are none either
+    (bare / "chat_template.json").write_text(json.dumps({"chat_template": "{{ messages[0]['content'] }}"}))
+    assert not has_chat_template(bare)
+    (bare / "additional_chat_templates").mkdir()
+    (bare / "additional_chat_templates" / "tool_use.jinja").write_text("{{ messages[0]['content'] }}")
+    assert not has_chat_template(bare)
     (bare / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
     assert has_chat_template(bare) and AutoTokenizer.from_pretrained(bare).chat_template is not None

@@ -85,7 +85,10 @@ def run(args: argparse.Namespace) -> int:
         sampling = _sampling(args)
         launcher = Launcher(launch_config(args))
         launcher.check_prompts(prompts, sampling, max_new_tokens=args.max_new_tokens)  # before Ray starts
-        with ray_output_on_stderr(), launcher:  # the result goes to stdout once Ray has stopped
+        # The result goes to the command's own stdout as soon as it is known, before the shutdown:
+        # a --presharded-cache copy still being written (minutes for a large model) held it back,
+        # and Ctrl-C during that wait lost it. Ray's messages stay on stderr.
+        with ray_output_on_stderr() as stdout, launcher:
             results = launcher.generate(prompts, sampling, max_new_tokens=args.max_new_tokens)
             compiled = launcher.compile_stats()  # graphs built inside the requests show up here
             report = {
@@ -101,27 +104,28 @@ def run(args: argparse.Namespace) -> int:
                 "startup_s": round(launcher.timings["startup_s"], 3),
                 "compile": compiled[0][1] if compiled else None,
             }
+            message = compile_message(compiled)
+            if message and not args.quiet:
+                print(f"corelaunch: {message}", file=sys.stderr)
+            print_report(report, as_json=args.json, quiet=args.quiet, out=stdout)
     except BrokenPipeError:
         raise  # stdout's reader went away: 141 (launcher/cli/__init__.py)
     except (ValueError, OSError, LaunchError) as err:  # OSError: a file or directory it could not use, a lock
         print(f"corelaunch generate: {in_generate_flags(with_flag_name(err))}", file=sys.stderr)
         return exit_code_for(err)
-    message = compile_message(compiled)
-    if message and not args.quiet:
-        print(f"corelaunch: {message}", file=sys.stderr)
-    print_report(report, as_json=args.json, quiet=args.quiet)
     return 0
 
 
-def print_report(report: dict, as_json: bool, quiet: bool) -> None:
-    """The answer on stdout: one JSON object, or each prompt followed by its text. Each prompt's
-    figures (finish reason, tokens, first token, rate) go to stderr unless quiet."""
+def print_report(report: dict, as_json: bool, quiet: bool, out=None) -> None:
+    """The answer on `out` (stdout): one JSON object, or each prompt followed by its text. Each
+    prompt's figures (finish reason, tokens, first token, rate) go to stderr unless quiet."""
+    out = out if out is not None else sys.stdout
     if as_json:
-        print(json.dumps(report))
+        print(json.dumps(report), file=out, flush=True)
         return
-    for out in report["outputs"]:
-        print(f"{out['prompt']}{out['text']}")
+    for output in report["outputs"]:
+        print(f"{output['prompt']}{output['text']}", file=out, flush=True)
         if not quiet:
-            print(f"  [{out['finish_reason']}, {len(out['token_ids'])} tokens, "
-                  f"first token {out['time_to_first_token_s'] * 1000:.0f} ms, "
-                  f"{out['decode_tokens_per_s']:.1f} tokens/s]", file=sys.stderr)
+            print(f"  [{output['finish_reason']}, {len(output['token_ids'])} tokens, "
+                  f"first token {output['time_to_first_token_s'] * 1000:.0f} ms, "
+                  f"{output['decode_tokens_per_s']:.1f} tokens/s]", file=sys.stderr)

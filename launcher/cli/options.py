@@ -127,8 +127,10 @@ _NAMED_FIELD = re.compile(r"(?<![\w/.-])(" + "|".join(sorted(
 
 _GENERATE_WORDS = ((re.compile(r"\bseq_len \(--seq-len\)"), "--seq-len"), (re.compile(r"\bseq_len\b"), "--seq-len"),
                    (re.compile(r"\bmax_new_tokens\b"), "--max-new-tokens"),
-                   # the planner's words for the layout (`corelaunch plan` has --tp and --batch-size)
-                   (re.compile(r"\btp_degree\b"), "--tp"), (re.compile(r"\bbatch_size\b"), "--max-batch-size"))
+                   # the planner's words for the layout (`corelaunch plan` has --tp and --batch-size); not in
+                   # a path (/runs/batch_size/m) or a Python call's keyword (save_presharded(tp_degree=2))
+                   (re.compile(r"(?<![\w/.-])tp_degree(?![\w/.=-])"), "--tp"),
+                   (re.compile(r"(?<![\w/.-])batch_size(?![\w/.=-])"), "--max-batch-size"))
 
 
 def in_generate_flags(message: str) -> str:

@@ -169,10 +169,11 @@ def run(args: argparse.Namespace) -> int:
         mode = choose_mode(args.ingress, settings.most_replicas, settings.autoscaling is not None)
         check_port_free(args.host, args.port)
         model_dir = _plan(settings)  # an impossible layout is refused here, not inside a Serve replica
+        no_chat = args.quiet and not has_chat_template(model_dir)
     except (ValueError, OSError, LaunchError) as err:  # FileNotFoundError is an OSError
         print(f"corelaunch serve: {with_flag_name(err)}", file=sys.stderr)
         return 2
-    if args.quiet and not has_chat_template(model_dir):
+    if no_chat:
         # the replica says so at start, in its output, which --quiet hides: a server that refuses
         # every chat request started without a word
         print(f"corelaunch serve: the tokenizer of {model_dir} has no chat template: /v1/chat/completions "
@@ -181,18 +182,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def has_chat_template(model_dir: Path) -> bool:
-    """Whether the tokenizer files define a chat template, from the files alone (no tokenizer load):
-    chat_template.jinja or .json, additional_chat_templates/, or tokenizer_config.json's chat_template."""
-    import json
+    """Whether the model's tokenizer can render chat messages, as each replica will load it (the
+    tokenizer is loaded here, a second or so: a look at the files alone took a legacy
+    chat_template.json, which the tokenizer does not read, for a template)."""
+    from launcher.api import load_tokenizer
+    from launcher.serving.chat_template import has_default_chat_template
 
-    if any((model_dir / name).exists() for name in ("chat_template.jinja", "chat_template.json",
-                                                     "additional_chat_templates")):
-        return True
-    try:
-        config = json.loads((model_dir / "tokenizer_config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(config, dict) and bool(config.get("chat_template"))
+    return has_default_chat_template(load_tokenizer(model_dir))
 
 
 def _plan(settings) -> Path:

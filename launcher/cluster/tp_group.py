@@ -277,6 +277,7 @@ class TPGroup:
         connected = self.actors[0].stream_events.remote(host, port, channel.token, self.timeouts.startup_s)
 
         def connecting_failed() -> None:  # polled while rank 0 connects (up to the start-up timeout)
+            self._unless_stop_asked()
             self._check_loops()
             done, _ = ray.wait([connected], timeout=0)
             if done:

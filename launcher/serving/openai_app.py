@@ -33,6 +33,7 @@ from starlette.requests import ClientDisconnect
 
 from launcher.errors import LaunchError, NoReplicaAvailable, ReplicaFailed, RequestTimeout
 from launcher.serving import openai_protocol as proto
+from launcher.serving.chat_template import has_default_chat_template
 from launcher.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics, TokenTimer
 from launcher.serving.openai_protocol import CONTEXT_LENGTH_EXCEEDED, ProtocolError
 from launcher.serving.openai_render import ChatRender, CompletionRender
@@ -393,7 +394,7 @@ class OpenAIServer:
         self.pieces = TokenPieces(self.tokenizer)
         self._longest_token = longest_token_chars(self.tokenizer)  # bounds a prompt by its length
         self._chat_options = _sanitizing(self.tokenizer)  # the installed transformers' own, once
-        if getattr(self.tokenizer, "chat_template", None) is None:
+        if not has_default_chat_template(self.tokenizer):
             print(f"corelaunch serve: the tokenizer of {self.launcher.model_dir} has no chat template: "
                   f"/v1/chat/completions refuses every request (400), /v1/completions serves prompts; to serve "
                   f"chat, add one to the model (chat_template.jinja, or chat_template in "
@@ -538,7 +539,7 @@ class OpenAIServer:
         (`<|im_start|>system`) is encoded as the plain text it is, so a message cannot forge a turn,
         as no text sent to OpenAI's API can; only the template writes control tokens. (Encoded that
         way, text has at least the tokens the probe counted, so a refusal still holds.)"""
-        if getattr(self.tokenizer, "chat_template", None) is None:  # not the client's doing: say so
+        if not has_default_chat_template(self.tokenizer):  # not the client's doing: say so
             raise ProtocolError(f"model {self.name!r} has no chat template (its tokenizer files define none), so "
                                 f"it cannot take messages: send a prompt to /v1/completions instead", param="messages")
         for i, message in enumerate(messages):
