@@ -174,7 +174,10 @@ def test_a_launch_at_another_thread_count_is_told_its_graphs_are_built_again(mod
                                      r"found 8 \(asked\)"),
     (dict(presharded_dir="/"), {}, r"--presharded: expected none \(the directory's own weights, "
                                    r".*weights\), found / \(asked\)"),
-    ({}, {"versions": {**library_versions(), "torch": "1.0.0"}}, r"torch: expected '1.0.0', found '"),
+    # no option asks for a library version: labelled, and the fix is to install the one compiled with
+    ({}, {"versions": {**library_versions(), "torch": "1.0.0"}},
+     r"torch: expected '1.0.0' \(compiled\), found '.*' \(installed\)\. Re-run .*or install the library versions "
+     r"it was compiled with$"),
     ({}, {"versions": {**library_versions(), "transformers": "4.0.0"}}, r"transformers: expected '4.0.0'"),
 ])
 def test_a_mismatch_is_refused_naming_the_field_and_the_fix(model_dir, tmp_path, asked, overrides, expected):
@@ -182,6 +185,31 @@ def test_a_mismatch_is_refused_naming_the_field_and_the_fix(model_dir, tmp_path,
     with pytest.raises(ValueError, match=expected) as err:
         compiled_dir.apply_compiled_dir(LaunchConfig(compiled_dir=str(root), **asked))
     assert "Re-run `corelaunch compile`" in str(err.value)
+
+
+def test_a_directory_of_another_kind_given_as_compiled_names_the_flag_that_takes_it(model_dir, tmp_path):
+    """A Hugging Face model or a pre-sharded checkpoint given as --compiled was told to `compile
+    --out` into itself, which refuses such a directory; a broken manifest behind a link named the
+    hidden version it links to, and told to compile --out into that."""
+    from shardlib.model_config import load_model_config
+    from shardlib.presharded import save_presharded
+    from shardlib.sharding import ShardLayout
+
+    with pytest.raises(ValueError, match=rf"{model_dir} is a Hugging Face model, not a compiled-model directory: "
+                                         rf"pass it as --model"):
+        compiled_dir.apply_compiled_dir(LaunchConfig(compiled_dir=str(model_dir)))
+    config = load_model_config(model_dir)
+    copy = save_presharded(tmp_path / "p", model_dir, config, ShardLayout.for_model(config, 1))
+    with pytest.raises(ValueError, match=rf"{copy} is a pre-sharded checkpoint, not a compiled-model directory: "
+                                         rf"pass it as --presharded"):
+        compiled_dir.apply_compiled_dir(LaunchConfig(compiled_dir=str(copy)))
+    version = fake_compiled_dir(tmp_path / ".c.v-host-1-aaaaaaaa", model_dir, granularity="bogus")
+    link = tmp_path / "c"
+    link.symlink_to(version.name)
+    with pytest.raises(ValueError) as broken:
+        compiled_dir.apply_compiled_dir(LaunchConfig(compiled_dir=str(link)))
+    assert f"{link}/manifest.json: field 'granularity'" in str(broken.value), broken.value
+    assert ".c.v-" not in str(broken.value) and f"--out {link}`" in str(broken.value), broken.value
 
 
 def test_another_model_is_refused(model_dir, tmp_path):

@@ -83,7 +83,7 @@ def library_versions() -> dict[str, str]:
 def version_differences(expected: dict[str, str]) -> list[str]:
     """"name: expected X, found Y" for each checked library whose version here differs."""
     found = library_versions()
-    return [f"{name}: expected {expected.get(name)!r}, found {found[name]!r}"
+    return [f"{name}: expected {expected.get(name)!r} (compiled), found {found[name]!r} (installed)"
             for name in CHECKED_LIBRARIES if expected.get(name) != found[name]]
 
 

@@ -97,12 +97,15 @@ def _choices() -> dict[str, tuple]:
             "kv_cache_dtype": ("f8e4m3", None)}
 
 
-def read_manifest(root: str | Path) -> dict[str, Any]:
+def read_manifest(root: str | Path, shown: str | Path | None = None) -> dict[str, Any]:
     """The parsed manifest.json of a compiled-model directory, each field read of the expected type
-    (ValueError naming the field otherwise)."""
-    hint = f"write it with `corelaunch compile --model MODEL --tp N --out {root}`"
-    manifest = read_manifest_json(root, what=KIND, required=_REQUIRED, write_hint=hint, types=_FIELDS)
-    path = Path(root) / MANIFEST
+    (ValueError naming the field otherwise). shown: the path the user gave (a link), which the
+    messages name: they named the hidden version it links to, and told to compile --out into it."""
+    shown = Path(root if shown is None else shown)
+    _refuse_another_kind(Path(root), shown)
+    hint = f"write it with `corelaunch compile --model MODEL --tp N --out {shown}`"
+    manifest = read_manifest_json(root, what=KIND, required=_REQUIRED, write_hint=hint, types=_FIELDS, shown=shown)
+    path = shown / MANIFEST
     for name in ("context", "token", "batch"):
         for i, size in enumerate(check_field(manifest["buckets"].get(name), list, f"buckets.{name}", path, hint)):
             check_field(size, int, f"buckets.{name}[{i}]", path, hint)
@@ -133,6 +136,24 @@ def recorded_settings(root: str | Path | None) -> dict[str, Any]:
     one compiled before they were recorded, or one the launch's own checks will refuse."""
     manifest = _readable_manifest(root)
     return {name: manifest[name] for name in RECORDED_SETTINGS if name in manifest}
+
+
+def _refuse_another_kind(root: Path, shown: Path) -> None:
+    """ValueError naming the flag that takes `root` when it is a Hugging Face model or a pre-sharded
+    checkpoint: the advice was to `compile --out` into it, which refuses such a directory."""
+    import json
+
+    manifest = root / MANIFEST
+    if not manifest.is_file() and (root / "config.json").is_file():
+        raise ValueError(f"{shown} is a Hugging Face model, not a compiled-model directory: pass it as --model, "
+                         f"or compile it first (`corelaunch compile --model {shown} --out DIR`, then --compiled DIR)")
+    try:
+        found = json.loads(manifest.read_text())
+    except (OSError, ValueError):
+        return  # none, or unreadable: read_manifest_json says so
+    if isinstance(found, dict) and "files" in found and "buckets" not in found:
+        raise ValueError(f"{shown} is a pre-sharded checkpoint, not a compiled-model directory: pass it as "
+                         f"--presharded (with --model, the model it was cut from)")
 
 
 def _readable_manifest(root: str | Path | None) -> dict[str, Any]:
@@ -181,7 +202,7 @@ def apply_compiled_dir(config):
 
     root = Path(config.compiled_dir)
     pinned = pinned_version(root)  # messages name the path given (a Serve replica's is pinned already)
-    manifest = read_manifest(pinned)
+    manifest = read_manifest(pinned, shown=root)
     if "compile_s" not in manifest and abandoned_version(pinned):
         # named directly (the link was never switched to it): its graphs and manifest are partial
         raise ValueError(f"compiled-model directory {root} was left half-written by a `corelaunch compile` that "
@@ -233,13 +254,17 @@ def apply_compiled_dir(config):
                       f"{config.seq_len} (asked)")
     if not config.compile:
         differ.append("--no-compile: a compiled directory runs compiled")
-    differ += version_differences(manifest["versions"])
-    if differ:
+    libraries = version_differences(manifest["versions"])
+    if differ or libraries:
+        ways = []
+        if differ:
+            ways.append("drop the options that differ (in the driver API, LaunchConfig's fields of those names) so "
+                        "the compiled ones are used")
+        if libraries:  # no option asks for these: the installed libraries differ
+            ways.append("install the library versions it was compiled with")
         raise ValueError(
-            f"compiled-model directory {root} does not match this launch: {'; '.join(differ)}. Re-run "
-            f"`corelaunch compile` with the settings (and libraries) you want to serve with, or drop the "
-            f"options that differ (in the driver API, LaunchConfig's fields of those names) so the compiled "
-            f"ones are used"
+            f"compiled-model directory {root} does not match this launch: {'; '.join(differ + libraries)}. Re-run "
+            f"`corelaunch compile` with the settings and libraries you want to serve with, or {' and '.join(ways)}"
         )
     return dataclasses.replace(
         config, compiled_dir=str(pinned),
