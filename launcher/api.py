@@ -522,6 +522,8 @@ class Launcher:
         self._cache_rewrite = False
         """The copy's load failed (damaged in place): written again even though it looks complete."""
         self._cache_lock = threading.Lock()
+        self._version_hold: int | None = None
+        """The lock on the compiled directory's version this launch runs (atomic_dir.hold_version)."""
         self._lock = threading.Lock()  # tokenizers are not safe to share between threads
         self._starting = threading.Lock()
         self._start_thread: threading.Thread | None = None
@@ -572,6 +574,12 @@ class Launcher:
     def _start_under_lock(self) -> None:
         start = time.perf_counter()
         self.prepare()
+        if self.config.compiled_dir and self._version_hold is None:
+            from shardlib.atomic_dir import hold_version
+
+            # the version pinned at start stays while this launch runs: a compile into the same
+            # --out leaves it (shardlib.atomic_dir.in_use) until this launch shuts down
+            self._version_hold = hold_version(self.config.compiled_dir)
         try:
             self._start_group(self.backend)
             self._await_tokenizer()  # it loaded while the group started (check_prompts may have taken it)
@@ -924,6 +932,9 @@ class Launcher:
             else:
                 print(f"corelaunch: start() had not stopped {START_STOP_WAIT_S:g} s after shutdown() was called; "
                       f"it shuts down Ray itself when it does", file=sys.stderr)
+        hold, self._version_hold = self._version_hold, None
+        if hold is not None:  # (after a start elsewhere has stopped) a compile into the same --out may remove it now
+            os.close(hold)
         if writer is not None:  # after Ray: the copy needs only this process, and Ctrl-C here leaves nothing running
             self._finish_cache_copy(writer, hurried=grace_s <= INTERRUPT_GRACE_S)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import os
 import re
 import secrets
@@ -181,17 +182,52 @@ def sweep_stale(out_dir: str | Path, now: float | None = None) -> list[Path]:
             stale = age > LEGACY_STALE_AFTER_S
         else:  # a name this module never writes (someone's .NAME.v-important): not ours to remove
             continue
-        if stale:
+        if stale and not (kind == "v" and in_use(entry)):
             remove_path(entry)
             removed.append(entry)
     return removed
 
 
-def owned_sibling(out_dir: str | Path, kind: str) -> Path:
-    """A new hidden sibling `.NAME.KIND-HOST-PID-RANDOM` of out_dir for a writer that renames it into
-    place itself (`corelaunch quantize`'s "partial"): sweep_stale removes it once its writer is gone."""
-    out_dir = Path(out_dir)
-    return out_dir.parent / f"{_prefix(out_dir, kind)}{_owner()}-{secrets.token_hex(4)}"
+# ---- versions in use -------------------------------------------------------------------------
+# A launch from a compiled directory keeps to the version its link named at start (its model files,
+# weights and compile cache). A compile into the same --out deleted that version right after the
+# swap: the running server's next graph was built from nothing into a folder inductor made again,
+# and its next restart failed for good on the missing files. A launch now holds a shared flock on
+# the version's directory while it runs; the swap and the sweep leave a version so held.
+def hold_version(version: str | Path) -> int | None:
+    """A file descriptor holding a shared lock on `version` (a directory) until closed (os.close);
+    None where the directory cannot be opened or locked (the launch goes on unprotected)."""
+    return _locked(version, fcntl.LOCK_SH)
+
+
+def in_use(version: str | Path) -> bool:
+    """Whether a launch holds `version` (hold_version), on this host."""
+    try:
+        fd = os.open(version, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # also drops the lock taken just now
+    return False
+
+
+def _locked(directory: str | Path, kind: int) -> int | None:
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, kind | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
 
 
 # ---- the swap --------------------------------------------------------------------------------
@@ -208,7 +244,7 @@ def _swap(out_dir: Path, version: Path) -> None:
         remove_path(link)
         raise
     fsync_dir(out_dir.parent)
-    if previous is not None and previous != version:
+    if previous is not None and previous != version and not in_use(previous):  # else a later sweep's
         shutil.rmtree(previous, ignore_errors=True)
 
 

@@ -136,3 +136,24 @@ def test_a_directory_with_a_manifest_of_another_kind_is_refused(tmp_path):
     with pytest.raises(FileExistsError, match=r"is not a thing \(its manifest.json is not one: .*lacks buckets\)"):
         ad.refuse_foreign_dir(webapp, "a thing", read_kind=read_kind)
     ad.refuse_foreign_dir(webapp, "a thing", read_kind=lambda path: {})  # its own kind: replaced
+
+
+def test_a_version_a_launch_holds_outlives_the_next_writes_until_it_is_released(tmp_path):
+    """A compile into the --out a running server used deleted the server's version right after the
+    swap: its next graph was built from nothing into a folder inductor made again, and its next
+    restart failed for good on the missing files."""
+    out = write(tmp_path / "d", "one")
+    first = ad.current_version(out)
+    hold = ad.hold_version(first)  # what a launch from the directory takes at start
+    assert hold is not None and ad.in_use(first)
+    try:
+        write(out, "two")
+        assert (first / "data.txt").read_text() == "one" and (out / "data.txt").read_text() == "two"
+        later = time.time() + ad.STALE_AFTER_S + 1  # old enough for any sweep
+        assert first not in ad.sweep_stale(out, now=later) and first.exists()
+    finally:
+        os.close(hold)  # the launch shut down
+    assert not ad.in_use(first)
+    assert first in ad.sweep_stale(out, now=later) and not first.exists()
+    write(out, "three")  # and a version nobody holds goes at the swap, as before
+    assert siblings(tmp_path) == sorted(["d", ad.current_version(out).name])
