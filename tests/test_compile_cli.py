@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -564,3 +565,27 @@ def test_max_prefill_tokens_and_fused_projections_left_out_are_the_compiled_dire
     assert compiling.max_prefill_tokens == 256 and compiling.fused_projections is True
     plain = parser.parse_args(["compile", "--out", "o"])
     assert plain.max_prefill_tokens is None and plain.fused_projections is False
+
+
+def test_compile_progress_waits_for_a_whole_line(tmp_path):
+    """The follower split every line it read into six fields: a line rank 0 was still writing (no
+    newline yet) raised in its thread, and the rest of the progress was lost behind a traceback."""
+    import threading
+
+    from launcher.cli.compile_command import _GraphProgress
+
+    log = tmp_path / "compile.log"
+    log.write_text("1 4 context 1 16 0.5\n2 4 tok")  # the second line half-written
+    notes = []
+    progress = SimpleNamespace(note=notes.append)
+    failures = []
+    threading.excepthook, before = (lambda args: failures.append(args.exc_value)), threading.excepthook
+    try:
+        with _GraphProgress(log, progress):
+            time.sleep(0.7)
+            log.write_text("1 4 context 1 16 0.5\n2 4 token 1 16 0.25\n")
+            time.sleep(0.7)
+    finally:
+        threading.excepthook = before
+    assert not failures, failures
+    assert len(notes) == 2 and notes[1].startswith("  graph 2/4:") and "(0.2 s)" in notes[1], notes

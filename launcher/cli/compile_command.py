@@ -249,9 +249,13 @@ class _GraphProgress:
         shown = 0
         while True:
             stopping = self._stop.wait(0.5)
-            lines = self.path.read_text().splitlines() if self.path.is_file() else []
+            text = self.path.read_text() if self.path.is_file() else ""
+            lines = text[:text.rfind("\n") + 1].splitlines()  # whole lines: the rank may be writing the last
             for line in lines[shown:]:
-                done, total, phase, batch, length, seconds = line.split()
+                fields = line.split()
+                if len(fields) != 6:
+                    continue
+                done, total, phase, batch, length, seconds = fields
                 kind = "graph" if phase in ("context", "token") else "serving graph"
                 self.progress.note(f"  {kind} {done}/{total}: {PHASE_NAMES.get(phase, phase)} batch {batch} x "
                                    f"{length} ({float(seconds):.1f} s)")
