@@ -230,6 +230,13 @@ def _locked(directory: str | Path, kind: int) -> int | None:
     return fd
 
 
+def owned_sibling(out_dir: str | Path, kind: str) -> Path:
+    """A new hidden sibling `.NAME.KIND-HOST-PID-RANDOM` of out_dir for a writer that renames it into
+    place itself (`corelaunch quantize`'s "partial"): sweep_stale removes it once its writer is gone."""
+    out_dir = Path(out_dir)
+    return out_dir.parent / f"{_prefix(out_dir, kind)}{_owner()}-{secrets.token_hex(4)}"
+
+
 # ---- the swap --------------------------------------------------------------------------------
 def _swap(out_dir: Path, version: Path) -> None:
     previous = current_version(out_dir)
