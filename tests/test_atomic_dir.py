@@ -157,3 +157,20 @@ def test_a_version_a_launch_holds_outlives_the_next_writes_until_it_is_released(
     assert first in ad.sweep_stale(out, now=later) and not first.exists()
     write(out, "three")  # and a version nobody holds goes at the swap, as before
     assert siblings(tmp_path) == sorted(["d", ad.current_version(out).name])
+
+
+def test_a_plain_directory_a_launch_holds_is_not_replaced_under_it(tmp_path):
+    """A `cp -rL` copy is a plain directory a launch reads by its path: a compile into it exchanged
+    and deleted it under the launch holding it (the hold kept only link-named versions)."""
+    plain = tmp_path / "copy"
+    plain.mkdir()
+    (plain / MANIFEST).write_text("{}")
+    hold = ad.hold_version(plain)
+    try:
+        with pytest.raises(FileExistsError, match=r"is in use by a running launch .* write to another path"):
+            write(plain, "new")
+        assert (plain / MANIFEST).is_file() and not plain.is_symlink()
+    finally:
+        os.close(hold)
+    write(plain, "new")  # once released, replaced as before
+    assert plain.is_symlink() and (plain / "data.txt").read_text() == "new"

@@ -204,6 +204,11 @@ def test_a_directory_of_another_kind_given_as_compiled_names_the_flag_that_takes
     with pytest.raises(ValueError, match=rf"{copy} is a pre-sharded checkpoint, not a compiled-model directory: "
                                          rf"pass it as --presharded"):
         compiled_dir.apply_compiled_dir(LaunchConfig(compiled_dir=str(copy)))
+    from shardlib.atomic_dir import refuse_foreign_dir  # what `compile --out` runs: it has no --presharded
+
+    with pytest.raises(FileExistsError) as as_out:
+        refuse_foreign_dir(copy, "a compiled-model directory", read_kind=compiled_dir.read_manifest)
+    assert "--presharded" not in str(as_out.value), as_out.value
     version = fake_compiled_dir(tmp_path / ".c.v-host-1-aaaaaaaa", model_dir, granularity="bogus")
     link = tmp_path / "c"
     link.symlink_to(version.name)

@@ -286,6 +286,24 @@ def test_generate_prints_its_result_before_the_shutdown(in_process_cluster, caps
     assert printed_by_then and '"outputs"' in printed_by_then[0], printed_by_then
 
 
+def test_a_shutdown_failing_after_the_answer_says_so_and_is_no_refusal(in_process_cluster, capsys, monkeypatch):
+    """With the answer printed before the shutdown, a shutdown error read as a refusal of the input
+    (exit 2, which promises an empty stdout): a script discarded a complete answer."""
+    from launcher.cli import main
+    from shardlib.demo_model import ensure_demo_model
+
+    def failing_close(self):
+        raise LaunchError("Ray could not be closed")
+
+    monkeypatch.setattr(Launcher, "_close_ray", failing_close)
+    monkeypatch.setattr(Launcher, "compile_stats", lambda self: [])  # in-process groups keep none
+    code = main(["generate", "--model", str(ensure_demo_model()), "--tp", "1", "--no-compile", "--json", "--quiet",
+                 "--max-new-tokens", "2", "--prompt", "hello"])
+    out, err = capsys.readouterr()
+    assert code == 3 and '"outputs"' in out, (code, out)
+    assert "the answer above is complete; shutting down failed: Ray could not be closed" in err, err
+
+
 def test_generate_quiet_prints_the_answers_alone(capsys):
     from launcher.cli.generate_command import print_report
 

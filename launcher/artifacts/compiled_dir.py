@@ -102,7 +102,6 @@ def read_manifest(root: str | Path, shown: str | Path | None = None) -> dict[str
     (ValueError naming the field otherwise). shown: the path the user gave (a link), which the
     messages name: they named the hidden version it links to, and told to compile --out into it."""
     shown = Path(root if shown is None else shown)
-    _refuse_another_kind(Path(root), shown)
     hint = f"write it with `corelaunch compile --model MODEL --tp N --out {shown}`"
     manifest = read_manifest_json(root, what=KIND, required=_REQUIRED, write_hint=hint, types=_FIELDS, shown=shown)
     path = shown / MANIFEST
@@ -202,6 +201,7 @@ def apply_compiled_dir(config):
 
     root = Path(config.compiled_dir)
     pinned = pinned_version(root)  # messages name the path given (a Serve replica's is pinned already)
+    _refuse_another_kind(pinned, root)  # here, not in read_manifest: `compile --out` has no --presharded
     manifest = read_manifest(pinned, shown=root)
     if "compile_s" not in manifest and abandoned_version(pinned):
         # named directly (the link was never switched to it): its graphs and manifest are partial

@@ -74,13 +74,14 @@ def run(args: argparse.Namespace) -> int:
     from launcher.api import Launcher
     from launcher.compile_report import compile_message
     from launcher.cli.command_stdout import ray_output_on_stderr
-    from launcher.cli.exit_codes import exit_code_for
+    from launcher.cli.exit_codes import EXIT_RUN_FAILED, exit_code_for
     from launcher.errors import LaunchError
 
     prompts = list(args.prompts) + list(args.prompt)
     if not prompts:
         print("corelaunch generate: give at least one PROMPT (or --prompt TEXT)", file=sys.stderr)
         return 2
+    answered = False
     try:
         sampling = _sampling(args)
         launcher = Launcher(launch_config(args))
@@ -108,9 +109,13 @@ def run(args: argparse.Namespace) -> int:
             if message and not args.quiet:
                 print(f"corelaunch: {message}", file=sys.stderr)
             print_report(report, as_json=args.json, quiet=args.quiet, out=stdout)
+            answered = True
     except BrokenPipeError:
         raise  # stdout's reader went away: 141 (launcher/cli/__init__.py)
     except (ValueError, OSError, LaunchError) as err:  # OSError: a file or directory it could not use, a lock
+        if answered:  # the shutdown failed after the answer was printed: not a refusal of the input
+            print(f"corelaunch generate: the answer above is complete; shutting down failed: {err}", file=sys.stderr)
+            return EXIT_RUN_FAILED
         print(f"corelaunch generate: {in_generate_flags(with_flag_name(err))}", file=sys.stderr)
         return exit_code_for(err)
     return 0
