@@ -932,7 +932,8 @@ class Launcher:
             else:
                 print(f"corelaunch: start() had not stopped {START_STOP_WAIT_S:g} s after shutdown() was called; "
                       f"it shuts down Ray itself when it does", file=sys.stderr)
-        hold, self._version_hold = self._version_hold, None
+        with self._cache_lock:  # two shutdowns at once: one closes it (a second close could hit a reused fd)
+            hold, self._version_hold = self._version_hold, None
         if hold is not None:  # (after a start elsewhere has stopped) a compile into the same --out may remove it now
             os.close(hold)
         if writer is not None:  # after Ray: the copy needs only this process, and Ctrl-C here leaves nothing running
