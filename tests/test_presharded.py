@@ -488,3 +488,25 @@ def test_a_broken_presharded_dir_is_refused_before_any_start(llama_tp3, sources,
         damage(broken)
         with pytest.raises((ValueError, FileNotFoundError), match=re.escape(words)):
             Launcher(model=str(sources["llama"]), presharded_dir=str(broken), progress=False).prepare()
+
+
+def test_the_flags_a_copy_was_written_with_are_taken_again_where_padding_adds_nothing(llama_tp3, sources, tmp_path,
+                                                                                      ray_tripwire):
+    """--pad-q-heads at a TP degree that divides the heads pads nothing, so the copy (and a compiled
+    directory) records it off; a launch with the very flags it was written with was refused as
+    asking for padded heads, and writing it again could not help."""
+    from launcher.api import LaunchConfig, Launcher
+    from launcher.artifacts import compiled_dir
+    from tests.test_compile_cli import fake_compiled_dir
+
+    directory, config = llama_tp3  # 6 heads at TP 3: nothing to pad
+    written = save_presharded(tmp_path / "padded-flag", sources["llama"], config,
+                              ShardLayout.for_model(config, 3, pad_q_heads=True))
+    assert read_manifest(written)["pad_q_heads"] is False
+    launcher = Launcher(model=str(sources["llama"]), presharded_dir=str(written), pad_q_heads=True, progress=False)
+    assert launcher.prepare().plan.tp_degree == 3
+    root = fake_compiled_dir(tmp_path / "c", sources["llama"], tp_degree=3, pad_q_heads=False)
+    compiled_dir.apply_compiled_dir(LaunchConfig(compiled_dir=str(root), pad_q_heads=True))  # taken too
+    padding = fake_compiled_dir(tmp_path / "c4", sources["llama"], tp_degree=4, pad_q_heads=False)
+    with pytest.raises(ValueError, match=r"--pad-q-heads: compiled without it, asked for"):  # 6 heads at 4: it pads
+        compiled_dir.apply_compiled_dir(LaunchConfig(compiled_dir=str(padding), pad_q_heads=True))

@@ -137,6 +137,19 @@ def recorded_settings(root: str | Path | None) -> dict[str, Any]:
     return {name: manifest[name] for name in RECORDED_SETTINGS if name in manifest}
 
 
+def pads_q_heads_at(model: str | Path, tp_degree: int) -> bool:
+    """Whether --pad-q-heads adds zero heads to `model` at tp_degree (True when its config cannot be
+    read: the flag is then compared as recorded). A layout records the padding it applied, so a
+    directory written with the flag at a degree that divides the heads says false, and a launch
+    with the same flags was refused."""
+    from shardlib.model_config import load_model_config
+
+    try:
+        return load_model_config(model).num_attention_heads % tp_degree != 0
+    except (OSError, ValueError):
+        return True
+
+
 def _refuse_another_kind(root: Path, shown: Path) -> None:
     """ValueError naming the flag that takes `root` when it is a Hugging Face model or a pre-sharded
     checkpoint: the advice was to `compile --out` into it, which refuses such a directory."""
@@ -229,6 +242,8 @@ def apply_compiled_dir(config):
                           f"found {wanted!r} (asked)")
     for flag in ("pad_q_heads", "sequence_parallel"):  # on when asked, so the directory must have it on
         if getattr(config, flag) and not manifest.get(flag, False):
+            if flag == "pad_q_heads" and not pads_q_heads_at(model_dir(pinned), manifest["tp_degree"]):
+                continue  # nothing to pad at that degree: compiled with the flag, it was recorded off
             differ.append(f"--{flag.replace('_', '-')}: compiled without it, asked for")
     buckets = Buckets.from_dict(manifest["buckets"])
     for attr, have in (("token_buckets", buckets.token), ("context_buckets", buckets.context)):

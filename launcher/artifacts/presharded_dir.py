@@ -19,6 +19,21 @@ _LAYOUT_FIELDS = {"tp": ("--tp", "tp_degree"), "kv_strategy": ("--kv-strategy", 
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
+def _pads_at_written_degree(config, manifest: dict) -> bool:
+    """Whether --pad-q-heads adds zero heads to config's model at the manifest's TP degree: a copy
+    written with the flag at a degree dividing the heads records false (the padding applied)."""
+    from launcher.artifacts.compiled_dir import pads_q_heads_at
+    from launcher.launch_plan import resolve_model_dir
+
+    tp = manifest.get("tp_degree")
+    if not isinstance(tp, int) or tp < 1:
+        return True
+    try:
+        return pads_q_heads_at(resolve_model_dir(config.model), tp)
+    except (OSError, ValueError):
+        return True
+
+
 def apply_presharded_dir(config):
     """config with config.presharded_dir's TP degree, KV strategy, expert sharding, query-head
     padding and dtype where it leaves them open (tp "auto", None, False); ValueError naming each
@@ -44,7 +59,8 @@ def apply_presharded_dir(config):
     written_padding = bool(manifest.get("pad_q_heads", False))
     if config.pad_q_heads != written_padding:
         if config.pad_q_heads:
-            differ.append("--pad-q-heads (it was written without padded query heads)")
+            if _pads_at_written_degree(config, manifest):  # else the flag adds nothing there, as when written
+                differ.append("--pad-q-heads (it was written without padded query heads)")
         else:
             taken["pad_q_heads"] = True
     if differ:
