@@ -131,8 +131,11 @@ def test_a_client_gone_while_its_body_is_read_is_an_abort_without_a_traceback():
     server.metrics = type("Counts", (), {"finished": lambda _, *a: counted.append(("finished", *a)),
                                          "rejected": lambda _, *a: counted.append(("rejected", *a))})()
     server.body_limit, server.bodies = 10 * LARGE, BodyBudget(10 * LARGE)
-    request = Request({"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"",
-                       "headers": [(b"content-length", b"100")]}, receive)
+    def post(length: int, receive) -> Request:
+        return Request({"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"",
+                        "headers": [(b"content-length", str(length).encode())]}, receive)
+
+    request = post(100, receive)
     with pytest.raises(ClientDisconnect):
         asyncio.run(server._request(proto.CompletionRequest, request))
     assert counted == [("finished", "abort", 499)] and server.bodies.used == 0
@@ -145,9 +148,7 @@ def test_a_client_gone_while_its_body_is_read_is_an_abort_without_a_traceback():
 
     async def cancelled_after(delay_s: float, length: int, receive):
         """The request read by the server, cancelled (as Serve does when its client leaves) after delay_s."""
-        waiting = Request({"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"",
-                           "headers": [(b"content-length", str(length).encode())]}, receive)
-        task = asyncio.create_task(server._request(proto.CompletionRequest, waiting))
+        task = asyncio.create_task(server._request(proto.CompletionRequest, post(length, receive)))
         await asyncio.sleep(delay_s)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -165,8 +166,7 @@ def test_a_client_gone_while_its_body_is_read_is_an_abort_without_a_traceback():
         raise TaskCancelledError()
 
     counted.clear()
-    behind_proxy = Request({"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"",
-                            "headers": [(b"content-length", b"100")]}, proxy_cancels)
+    behind_proxy = post(100, proxy_cancels)
     with pytest.raises(TaskCancelledError):
         asyncio.run(server._request(proto.CompletionRequest, behind_proxy))
     assert counted == [("finished", "abort", 499)] and server.bodies.used == 0

@@ -244,12 +244,13 @@ def connect(address: str | None = None, num_cpus: int | None = None, worker_logs
                               f"Client; run the command on the cluster instead (`ray job submit -- corelaunch ...`, "
                               f"or on a node with --ray-address HEAD:6379)")
         fix = "start one with `ray start --head`, pass the right --ray-address, or pass --ray-address local for a private one"
-        if how.startswith("the cluster"):  # only then is there a record to forget
+        recorded = how.startswith("the cluster")
+        if recorded:  # only then is there a record to forget
             fix += ("; to forget a recorded cluster that is gone, run `ray stop` (it also stops every Ray process "
                     "of this user on this host, other launches' private clusters included)")
         # Ray sends its token to an address given outright only under RAY_AUTH_MODE=token; to the
         # recorded cluster whenever a token is at hand (below), which ray.init sorts out itself.
-        sends_token = how.startswith("the cluster") or os.environ.get("RAY_AUTH_MODE", "").lower() == "token"
+        sends_token = recorded or os.environ.get("RAY_AUTH_MODE", "").lower() == "token"
         unreachable = _unreachable(address, sends_token=sends_token)
         if unreachable == TOKEN_NEEDED:
             raise LaunchError(f"the Ray cluster at {address!r} ({how}) requires token authentication, which this "
@@ -257,7 +258,7 @@ def connect(address: str | None = None, num_cpus: int | None = None, worker_logs
                               f"~/.ray/auth_token or RAY_AUTH_TOKEN")
         if unreachable is not None:  # ray.init would retry a port nobody listens on for ever
             raise LaunchError(f"no Ray cluster answered at {address!r} ({how}; {unreachable}); {fix}")
-        if how.startswith("the cluster"):
+        if recorded:
             # The cluster ray.init() itself would find: Ray turns token authentication on for it when
             # a token is at hand (a `ray start` after any ray.init() on this machine, which writes
             # ~/.ray/auth_token, has it on), and never for an address given outright.
