@@ -91,6 +91,8 @@ def plan_launch(config, progress: Progress, nothing_done: str = "nothing was sta
         errors = [dict(e) for e in plan.to_dict()["errors"]]
         lines = "\n".join(f"  [{e['code']}] {e['message']}" for e in errors)
         raise PlanRejected(f"the layout is impossible; {nothing_done}:\n{lines}", errors)
+    for text in layout_notes(config, plan):
+        progress.note(text)
     gaps = model_config.executor_gaps(config.seq_len)
     if gaps:  # refuse now, not after every rank has read its shard
         errors = [{"code": "not_runnable", "message": gap} for gap in gaps]
@@ -110,6 +112,20 @@ def plan_launch(config, progress: Progress, nothing_done: str = "nothing was sta
 
             check_presharded_dir(config.presharded_dir, model_config, plan.layout(), plan.dtype)
     return PlannedLaunch(model_dir, model_config, backend, plan.instance, plan, host_holds)
+
+
+def layout_notes(config, plan) -> list[str]:
+    """Layout options this launch takes that change nothing at its degree: said once at start-up, so
+    a user who asked for padding or sequence parallelism does not measure a layout they never got."""
+    from shardlib.planner import pads_nothing
+
+    notes = []
+    if config.pad_q_heads and plan.padded_q_heads == plan.config.num_attention_heads:
+        notes.append(pads_nothing(plan.config.num_attention_heads, plan.tp_degree))
+    if config.sequence_parallel and plan.tp_degree == 1:
+        notes.append("sequence_parallel (--sequence-parallel) does nothing at tp_degree 1: there is no other rank "
+                     "to split the sequence with")
+    return notes
 
 
 def check_presharded_source(config, model_dir: Path, model_config: ModelConfig) -> None:

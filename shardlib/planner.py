@@ -567,7 +567,7 @@ def _describe(code: str, req: _Request, check: _Check, hint_degrees: list[int]) 
               if not kv_strategy_problem(s, check.q_heads_total, cfg.num_key_value_heads, tp)]
         default = _value(default_kv_strategy(check.q_heads_total, cfg.num_key_value_heads, tp))
         return (f"{check.kv_problem}; strategies that work at tp_degree {tp}: {_fmt_list(ok)}"
-                + (f"; or leave kv_strategy unset for the default ({default})" if default else ""))
+                + (f"; or leave kv_strategy (--kv-strategy) unset for the default ({default})" if default else ""))
     if code == "moe_sharding_incompatible":
         ok = [s for s in MOE_SHARDINGS if not moe_sharding_problem(
             cfg.model_type, cfg.num_local_experts, cfg.intermediate_size, tp, s)]
@@ -784,6 +784,12 @@ def _build(req: _Request, check: _Check, tp_requested, valid: list[int], errors:
         config=cfg)
 
 
+def pads_nothing(heads: int, tp: int) -> str:
+    """What pad_q_heads does at a degree that divides the heads: nothing (said, not silently taken)."""
+    return (f"pad_q_heads (--pad-q-heads) pads nothing: tp_degree {tp} divides num_attention_heads ({heads}) "
+            f"evenly, so the layout is the unpadded one")
+
+
 def _warnings(req: _Request, check: _Check) -> list[str]:
     cfg, inst, tp = req.config, req.inst, check.tp
     out = []
@@ -795,6 +801,8 @@ def _warnings(req: _Request, check: _Check) -> list[str]:
                    f"{check.ranks_per_node} ranks on one node")
     if not inst.per_rank_memory and req.nodes > 1:
         out.append("the cpu target assumes every node has this host's cores and RAM")
+    if req.pad and check.q_heads_total == cfg.num_attention_heads:
+        out.append(pads_nothing(cfg.num_attention_heads, tp))
     if check.q_heads_total > cfg.num_attention_heads:
         out.append(f"Q heads padded from {cfg.num_attention_heads} to {check.q_heads_total} with zero "
                    f"heads: their rows of q_proj and columns of o_proj are computed and contribute nothing")

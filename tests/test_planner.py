@@ -174,6 +174,8 @@ def test_smollm2_kv_strategy_override_at_tp9():
     assert codes(shard) == {"kv_heads_incompatible"}
     assert "num_key_value_heads (3) divisible by tp_degree (9)" in shard.errors[0].message
     assert "replicate_to_tp, convert_to_mha" in shard.errors[0].message
+    # the way out names the option as both the API and the CLI spell it
+    assert "or leave kv_strategy (--kv-strategy) unset for the default (replicate_to_tp)" in shard.errors[0].message
     assert plan(SMOLLM2, instance="cpu", tp=9).kv_strategy == "replicate_to_tp"
 
 
@@ -200,6 +202,15 @@ def test_pad_q_heads_reports_the_waste():
                for w in mha.warnings)
     replicated = plan(SMOLLM2, instance="cpu", tp=6, dtype="bfloat16", pad_q_heads=True)
     assert replicated.kv_strategy == "replicate_to_tp" and replicated.padding_waste.extra_kv_heads == 0
+    assert not any("pads nothing" in w for w in p.warnings + replicated.warnings)
+
+
+def test_pad_q_heads_at_a_degree_that_divides_the_heads_is_said_to_pad_nothing():
+    p = plan(SMOLLM2, instance="cpu", tp=3, pad_q_heads=True)
+    assert p.valid and p.padded_q_heads == 9 and p.padding_waste.extra_q_heads == 0
+    assert ("pad_q_heads (--pad-q-heads) pads nothing: tp_degree 3 divides num_attention_heads (9) evenly, so "
+            "the layout is the unpadded one") in p.warnings
+    assert not any("pads nothing" in w for w in plan(SMOLLM2, instance="cpu", tp=3).warnings)
 
 
 # ---- cores, LNC, nodes --------------------------------------------------------------------------

@@ -219,3 +219,20 @@ def test_compiled_ray_group_with_split_prefills_gives_the_transformers_tokens(tm
                   progress=False) as llm:
         [out] = llm.generate([LAUNCH_PROMPT], max_new_tokens=6, stop_token_ids=[2])
     assert out.token_ids == want
+
+
+def test_layout_options_that_change_nothing_at_the_degree_are_said_at_start_up(tmp_path, capsys):
+    """--sequence-parallel at TP 1 and --pad-q-heads at a degree dividing the heads ran without a word:
+    a user measuring them measured the plain layout. plan_launch says so, before anything starts."""
+    from launcher.launch_plan import plan_launch
+    from launcher.progress import Progress
+
+    model = str(save_random_model(tmp_path, "llama", num_heads=4, num_kv_heads=2))
+    plan_launch(LaunchConfig(model=model, tp=1, sequence_parallel=True, pad_q_heads=True), Progress(True))
+    said = " ".join(capsys.readouterr().err.split())  # rich wraps long lines at the console's width
+    assert "sequence_parallel (--sequence-parallel) does nothing at tp_degree 1" in said
+    assert "pad_q_heads (--pad-q-heads) pads nothing: tp_degree 1 divides num_attention_heads (4)" in said
+    plan_launch(LaunchConfig(model=model, tp=2, sequence_parallel=True), Progress(True))
+    plan_launch(LaunchConfig(model=model, tp=1), Progress(True))
+    quiet = capsys.readouterr().err
+    assert "does nothing" not in quiet and "pads nothing" not in quiet
