@@ -4,6 +4,8 @@ Ray, the workers or the load have started."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -316,6 +318,22 @@ def test_generate_quiet_prints_the_answers_alone(capsys):
     out, err = capsys.readouterr()
     assert out == "The capital of France is Paris.\n"
     assert err == "  [length, 2 tokens, first token 250 ms, 30.0 tokens/s]\n"
+
+
+def test_a_one_token_answer_reports_no_decode_rate(capsys):
+    """One token has no decode step: the report said 0.0 tokens/s, a rate that was never measured."""
+    from launcher.api import GenerationResult
+    from launcher.cli.generate_command import output_entry, print_report
+
+    fields = {f.name: None for f in dataclasses.fields(GenerationResult)}
+    one = GenerationResult(**{**fields, "prompt": "Hi", "text": "!", "token_ids": [17], "finish_reason": "length",
+                              "replica": 0, "time_to_first_token_s": 0.25, "decode_tokens_per_s": 0.0})
+    entry = output_entry(one)
+    assert entry["decode_tokens_per_s"] is None and json.loads(json.dumps(entry))["decode_tokens_per_s"] is None
+    print_report({"outputs": [entry]}, as_json=False, quiet=False)
+    assert capsys.readouterr().err == "  [length, 1 tokens, first token 250 ms]\n"
+    two = dataclasses.replace(one, token_ids=[17, 18], decode_tokens_per_s=12.345)
+    assert output_entry(two)["decode_tokens_per_s"] == 12.35
 
 
 def test_a_private_ray_that_does_not_start_is_a_launch_error_naming_the_fix(monkeypatch):

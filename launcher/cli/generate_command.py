@@ -98,10 +98,7 @@ def run(args: argparse.Namespace) -> int:
                 "kv_strategy": str(launcher.plan.kv_strategy),
                 "backend": launcher.backend,
                 "replicas": launcher.replicas,
-                "outputs": [{"prompt": r.prompt, "text": r.text, "token_ids": r.token_ids,
-                             "finish_reason": r.finish_reason, "replica": r.replica,
-                             "time_to_first_token_s": round(r.time_to_first_token_s, 4),
-                             "decode_tokens_per_s": round(r.decode_tokens_per_s, 2)} for r in results],
+                "outputs": [output_entry(r) for r in results],
                 "startup_s": round(launcher.timings["startup_s"], 3),
                 "compile": compiled[0][1] if compiled else None,
             }
@@ -121,6 +118,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def output_entry(result) -> dict:
+    """One GenerationResult as the report shows it."""
+    return {"prompt": result.prompt, "text": result.text, "token_ids": result.token_ids,
+            "finish_reason": result.finish_reason, "replica": result.replica,
+            "time_to_first_token_s": round(result.time_to_first_token_s, 4),
+            # one token has no decode step to time: null, not a rate of 0
+            "decode_tokens_per_s": round(result.decode_tokens_per_s, 2) if len(result.token_ids) > 1 else None}
+
+
 def print_report(report: dict, as_json: bool, quiet: bool, out=None) -> None:
     """The answer on `out` (stdout): one JSON object, or each prompt followed by its text. Each
     prompt's figures (finish reason, tokens, first token, rate) go to stderr unless quiet."""
@@ -131,6 +137,7 @@ def print_report(report: dict, as_json: bool, quiet: bool, out=None) -> None:
     for output in report["outputs"]:
         print(f"{output['prompt']}{output['text']}", file=out, flush=True)
         if not quiet:
+            rate = output["decode_tokens_per_s"]
             print(f"  [{output['finish_reason']}, {len(output['token_ids'])} tokens, "
-                  f"first token {output['time_to_first_token_s'] * 1000:.0f} ms, "
-                  f"{output['decode_tokens_per_s']:.1f} tokens/s]", file=sys.stderr)
+                  f"first token {output['time_to_first_token_s'] * 1000:.0f} ms"
+                  + (f", {rate:.1f} tokens/s]" if rate is not None else "]"), file=sys.stderr)
