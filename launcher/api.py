@@ -574,12 +574,6 @@ class Launcher:
     def _start_under_lock(self) -> None:
         start = time.perf_counter()
         self.prepare()
-        if self.config.compiled_dir and self._version_hold is None:
-            from shardlib.atomic_dir import hold_version
-
-            # the version pinned at start stays while this launch runs: a compile into the same
-            # --out leaves it (shardlib.atomic_dir.in_use) until this launch shuts down
-            self._version_hold = hold_version(self.config.compiled_dir)
         try:
             self._start_group(self.backend)
             self._await_tokenizer()  # it loaded while the group started (check_prompts may have taken it)
@@ -617,15 +611,35 @@ class Launcher:
         from launcher.launch_plan import plan_launch, with_artifact_settings
 
         self.config = with_artifact_settings(self.config)  # a compiled directory's or pre-sharded copy's
-        planned = plan_launch(self.config, self._progress)
-        self.model_dir, self.model_config = planned.model_dir, planned.model_config
-        self._generation_eos = generation_eos_ids(self.model_dir)  # before Ray: a bad file is named now
+        self._hold_compiled_version()
+        try:
+            planned = plan_launch(self.config, self._progress)
+            self.model_dir, self.model_config = planned.model_dir, planned.model_config
+            self._generation_eos = generation_eos_ids(self.model_dir)  # before Ray: a bad file is named now
+            self.buckets = load_spec_fields(self.config, planned.plan, self.model_config)["buckets"]
+        except BaseException:  # refused: nothing will run from the version
+            self._release_version_hold()
+            raise
         self.backend = planned.backend
         self._host_holds = planned.host_holds
-        self.buckets = load_spec_fields(self.config, planned.plan, self.model_config)["buckets"]
         self._load_tokenizer()
         self.plan = planned.plan
         return self
+
+    def _hold_compiled_version(self) -> None:
+        """The compiled directory's version pinned just now stays while this launch runs: a compile into
+        the same --out leaves it (shardlib.atomic_dir.in_use) until shutdown(). Taken as it is pinned,
+        not at start(): a compile finishing while the plan and the checkpoint were checked removed it."""
+        if self.config.compiled_dir and self._version_hold is None:
+            from shardlib.atomic_dir import hold_version
+
+            self._version_hold = hold_version(self.config.compiled_dir)
+
+    def _release_version_hold(self) -> None:
+        with self._cache_lock:  # two shutdowns at once: one closes it (a second close could hit a reused fd)
+            hold, self._version_hold = self._version_hold, None
+        if hold is not None:
+            os.close(hold)
 
     def _load_tokenizer(self) -> None:
         self._tokenizer_retry = False
@@ -932,10 +946,8 @@ class Launcher:
             else:
                 print(f"corelaunch: start() had not stopped {START_STOP_WAIT_S:g} s after shutdown() was called; "
                       f"it shuts down Ray itself when it does", file=sys.stderr)
-        with self._cache_lock:  # two shutdowns at once: one closes it (a second close could hit a reused fd)
-            hold, self._version_hold = self._version_hold, None
-        if hold is not None:  # (after a start elsewhere has stopped) a compile into the same --out may remove it now
-            os.close(hold)
+        # (after a start elsewhere has stopped) a compile into the same --out may remove the version now
+        self._release_version_hold()
         if writer is not None:  # after Ray: the copy needs only this process, and Ctrl-C here leaves nothing running
             self._finish_cache_copy(writer, hurried=grace_s <= INTERRUPT_GRACE_S)
 

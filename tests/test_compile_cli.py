@@ -594,3 +594,35 @@ def test_compile_progress_waits_for_a_whole_line(tmp_path):
         threading.excepthook = before
     assert not failures, failures
     assert len(notes) == 2 and notes[1].startswith("  graph 2/4:") and "(0.2 s)" in notes[1], notes
+
+
+def test_a_launch_holds_its_compiled_version_from_the_moment_it_pins_it(model_dir, tmp_path):
+    """The hold was taken at start(), after prepare() had pinned the version and checked the plan and
+    the checkpoint: a compile into the same --out finishing in between removed the version the launch
+    was about to run. prepare() holds it now, and lets go when the launch is refused there."""
+    import shutil
+
+    from launcher.api import Launcher
+    from shardlib.atomic_dir import in_use
+    from shardlib.model_config import load_model_config
+    from shardlib.presharded import save_presharded
+    from shardlib.sharding import ShardLayout
+
+    root = fake_compiled_dir(tmp_path / "c", model_dir)
+    for item in model_dir.iterdir():
+        if item.is_file():
+            shutil.copy(item, root / "model" / item.name)
+    config = load_model_config(model_dir)
+    save_presharded(root / "weights", model_dir, config, ShardLayout.for_model(config, 1))
+    launcher = Launcher(LaunchConfig(compiled_dir=str(root), progress=False))
+    try:
+        launcher.prepare()
+        assert in_use(root)
+    finally:
+        launcher.shutdown()
+    assert not in_use(root)
+
+    refused = fake_compiled_dir(tmp_path / "refused", model_dir)  # empty weights: refused in prepare()
+    with pytest.raises(FileNotFoundError, match="is not a pre-sharded checkpoint"):
+        Launcher(LaunchConfig(compiled_dir=str(refused), progress=False)).prepare()
+    assert not in_use(refused)  # nothing runs from it: not held
