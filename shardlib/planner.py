@@ -745,6 +745,11 @@ def plan(config: ModelConfig, *, instance: str | InstanceType = CPU_TARGET, tp: 
     else:
         check = _check(req, tp)
     errors += [PlanIssue(code, _describe(code, req, check, hints)) for code in check.codes]
+    if req.seq_len > config.max_position_embeddings:  # every degree alike: one error, not a rule per degree
+        errors.append(PlanIssue("seq_len_too_long", (
+            f"seq_len ({req.seq_len}) exceeds the model's max_position_embeddings ({config.max_position_embeddings}): "
+            f"no request runs past that position, so the cache slots above it would be held and never used; "
+            f"lower seq_len (--seq-len) to {config.max_position_embeddings} or less")))
     return _build(req, check, tp, valid, errors)
 
 
@@ -813,9 +818,6 @@ def _warnings(req: _Request, check: _Check) -> list[str]:
                    f"{cfg.num_attention_heads // kv} times" + (f", plus {zero} zero KV head(s) beside the padded Q "
                                                              f"heads" if zero else "")
                    + f": KV weights and KV cache cost {held / kv:.3g}x the checkpoint's layout")
-    if req.seq_len > cfg.max_position_embeddings:
-        out.append(f"seq_len {req.seq_len} exceeds the model's max_position_embeddings "
-                   f"({cfg.max_position_embeddings})")
     if DTYPE_BYTES[req.dtype] == 1 and cfg.quantization is None:
         rest = planned_quantization(cfg, req.dtype, req.inst.is_neuron)[1]
         launch = (f", and launch it with --dtype {rest} (it keeps {cfg.torch_dtype})"

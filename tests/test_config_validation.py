@@ -304,3 +304,17 @@ def test_launch_config_numbers_of_numpy_and_torch_are_read_as_pythons():
                        (dict(max_num_seqs=torch.tensor([1, 2])), "max_num_seqs")):
         with pytest.raises(ValueError, match=words):
             LaunchConfig(**bad)
+
+
+def test_an_eager_launch_refuses_a_seq_len_past_the_models_positions(tmp_path):
+    """Only a compiled launch refused it; an eager one held cache slots no request may reach."""
+    from launcher.api import LaunchConfig
+    from launcher.errors import PlanRejected
+    from launcher.launch_plan import plan_launch
+    from launcher.progress import Progress
+    from tests.model_factory import save_random_model
+
+    model = str(save_random_model(tmp_path, "llama", num_heads=4, num_kv_heads=2))
+    limit = load_model_config(model).max_position_embeddings
+    with pytest.raises(PlanRejected, match=rf"\[seq_len_too_long\] seq_len \({limit + 1}\) exceeds"):
+        plan_launch(LaunchConfig(model=model, tp=1, compile=False, seq_len=limit + 1), Progress(False))

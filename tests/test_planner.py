@@ -577,3 +577,16 @@ def test_a_smaller_seq_len_named_as_a_way_out_never_passes_the_models_own_limit(
     text = message(plan(SMOLLM2, instance="trn1.2xlarge", tp=1, seq_len=100_000, batch_size=8),
                    "insufficient_memory")
     assert "a smaller seq_len (at most 8192 at batch_size 8, the model's max_position_embeddings)" in text, text
+
+
+def test_a_seq_len_past_the_models_positions_is_refused_as_every_launch_refuses_it():
+    """plan said VALID (a warning), a compiled launch refused the value and an eager one took it,
+    holding cache slots no request may reach. One rule now, the planner's."""
+    p = plan(SMOLLM2, instance="cpu", tp=1, seq_len=SMOLLM2.max_position_embeddings + 1)
+    assert not p.valid and codes(p) == {"seq_len_too_long"}
+    assert p.errors[0].message == (
+        f"seq_len ({SMOLLM2.max_position_embeddings + 1}) exceeds the model's max_position_embeddings "
+        f"({SMOLLM2.max_position_embeddings}): no request runs past that position, so the cache slots above it "
+        f"would be held and never used; lower seq_len (--seq-len) to {SMOLLM2.max_position_embeddings} or less")
+    assert plan(SMOLLM2, instance="cpu", tp=1, seq_len=SMOLLM2.max_position_embeddings).valid
+    assert plan(SMOLLM2, instance="cpu", seq_len=SMOLLM2.max_position_embeddings + 1).tp_degree == 1  # auto: as before
