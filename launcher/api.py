@@ -1367,15 +1367,16 @@ class Launcher:
 
             longest = self.buckets.context[-1]
             for i, ids in enumerate(token_lists):
+                which = f"prompt {i}: " if len(token_lists) > 1 else ""  # one prompt: no index to tell it by
                 if len(ids) > longest and self.config.compiled_dir is not None:  # its buckets are fixed
-                    raise ValueError(f"prompt {i}: prompt length ({len(ids)}) is longer than the largest "
+                    raise ValueError(f"{which}prompt length ({len(ids)}) is longer than the largest "
                                      f"context-encoding bucket ({longest}) of the compiled directory; shorten the "
                                      f"prompt, or compile the directory again with a larger --max-context-length "
                                      f"(or --context-buckets)")
                 try:
                     request_shape(self.buckets, [len(ids)], max_new_tokens)
                 except ValueError as err:
-                    raise ValueError(f"prompt {i}: {err}") from None
+                    raise ValueError(f"{which}{err}") from None
 
     def _eos_ids(self) -> list[int]:
         """The ids that end a request unless ignore_eos: config.json's, generation_config.json's and

@@ -519,15 +519,18 @@ def test_a_prompt_past_a_compiled_directorys_context_buckets_names_a_fix_that_wo
     from launcher.api import Launcher
     from shardlib.buckets import Buckets
 
-    def check(compiled):
+    def check(compiled, prompts=1):
         launcher = SimpleNamespace(model_config=SimpleNamespace(max_position_embeddings=8192), serving_seq_len=256,
                                    config=SimpleNamespace(seq_len=256, compiled_dir=compiled, token_buckets=None),
                                    buckets=Buckets.build(max_context_length=128, max_seq_len=256, max_batch_size=1))
         with pytest.raises(ValueError) as refused:
-            Launcher._check_lengths(launcher, [list(range(129))], 8, serving=True)
+            Launcher._check_lengths(launcher, [[5]] * (prompts - 1) + [list(range(129))], 8, serving=True)
         return str(refused.value)
 
-    assert check("/c3") == ("prompt 0: prompt length (129) is longer than the largest context-encoding bucket (128) "
+    # one prompt is not told by an index ("prompt 0: prompt length"); one of several is
+    assert check("/c3", prompts=2).startswith("prompt 1: prompt length (129) is longer")
+    assert check(None, prompts=3).startswith("prompt 2: ")
+    assert check("/c3") == ("prompt length (129) is longer than the largest context-encoding bucket (128) "
                             "of the compiled directory; shorten the prompt, or compile the directory again with a "
                             "larger --max-context-length (or --context-buckets)")
     assert "use larger context-encoding buckets" in check(None)  # a launch of its own: its own buckets

@@ -71,9 +71,9 @@ def refusal(parse, **fields) -> ProtocolError:
     ("stop", ["a", ""], ["stop[1] is empty"]),  # which one of the list (it did not say)
     ("stop", "", ["stop is empty"]),
     ("prompt", ["one", "two"], ["a list of 2 strings", "send one request each"]),
-    ("prompt", [], ["prompt"]),
     ("prompt", [[1, 2], [3]], ["a list of 2 token-id lists", "send one request each"]),
     ("prompt", [[]], ["its token-id list is empty"]),
+    ("prompt", [], ["prompt must be a string", "it is an empty list"]),  # was "a list of 0 strings"
     ("prompt", [[4, -1]], ["token ids must be integers >= 0"]),
     ("prompt", [1, -5], ["token ids must be integers >= 0"]),
     ("stream_options", {"include_usage": True}, ["only allowed with stream: true"]),

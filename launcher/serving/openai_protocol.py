@@ -372,8 +372,10 @@ def _check_combinations(request: _GenerationRequest) -> None:
         if request.echo:
             raise ProtocolError(f"echo (true) must be {FIELD_RULES['echo']}", param="echo")
         prompt = request.prompt
-        if isinstance(prompt, list) and (not prompt or (isinstance(prompt[0], (str, list)) and len(prompt) != 1)):
-            kind = "token-id lists" if prompt and isinstance(prompt[0], list) else "strings"
+        if isinstance(prompt, list) and not prompt:  # no prompt at all: not "a list of 0 strings", several
+            raise ProtocolError(f"prompt must be {FIELD_RULES['prompt']}: it is an empty list", param="prompt")
+        if isinstance(prompt, list) and isinstance(prompt[0], (str, list)) and len(prompt) != 1:
+            kind = "token-id lists" if isinstance(prompt[0], list) else "strings"
             raise ProtocolError(f"prompt (a list of {len(prompt)} {kind}) must be {FIELD_RULES['prompt']}",
                                 param="prompt")
         prompt = request.prompt_input()
