@@ -1414,9 +1414,27 @@ def split_prompts(count: int, max_batch_size: int, replicas: int) -> list[tuple[
 _TOKENIZER_LOAD_LOCK = threading.Lock()
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def has_tokenizer_files(model_dir: str | Path) -> bool:
+    return any((Path(model_dir) / f).exists() for f in TOKENIZER_FILES)
+
+
+def server_tokenizer_problem(model_dir: str | Path) -> str | None:
+    """Why the OpenAI server cannot serve `model_dir`, or None: it reads every prompt and chat message
+    as text, so a model without tokenizer files (random test checkpoints) started, then failed inside
+    each Serve replica with an AttributeError that `corelaunch serve` reported as a failed deployment."""
+    if has_tokenizer_files(model_dir):
+        return None
+    return (f"{model_dir} has no tokenizer files ({', '.join(TOKENIZER_FILES[:-1])} or {TOKENIZER_FILES[-1]}): the "
+            f"server reads prompts and chat messages as text; copy the model's tokenizer into it (token-id prompts "
+            f"without a tokenizer run through the Python API)")
+
+
 def load_tokenizer(model_dir: Path):
     """The checkpoint's tokenizer, or None when the directory has none (random test checkpoints)."""
-    if not any((model_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+    if not has_tokenizer_files(model_dir):
         return None
     # One load at a time in a process: tokenizers load on threads (Launcher.prepare, the Serve
     # replica), and transformers' lazily imported modules are not safe to import from two threads at

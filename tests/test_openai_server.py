@@ -806,6 +806,13 @@ def test_serve_cli_refuses_bad_options_before_starting_ray(capsys, tmp_path):
     assert "does not exist" in capsys.readouterr().err
     assert main(["serve", *free, "--model", str(tmp_path / "replicas" / "api_key")]) == 2  # a path is not a flag
     assert f"model path {tmp_path / 'replicas' / 'api_key'} does not exist" in capsys.readouterr().err
+    # a model without a tokenizer started Ray and its ranks, then failed in the replica (AttributeError)
+    from tests.model_factory import save_random_model
+
+    bare = save_random_model(tmp_path / "bare", "llama", num_heads=4, num_kv_heads=2)
+    assert main(["serve", *free, "--model", str(bare), "--tp", "1"]) == 2
+    assert (f"{bare} has no tokenizer files (tokenizer.json, tokenizer_config.json or tokenizer.model): the server "
+            f"reads prompts and chat messages as text; copy the model's tokenizer into it") in capsys.readouterr().err
     # every Serve replica is a TP group in this host's RAM (the Ray serve starts is private)
     assert main(["serve", *free, "--replicas", "500", "--ingress", "proxy"]) == 2
     assert "--replicas (500): 500 TP groups of 1 rank(s) need" in capsys.readouterr().err
@@ -1677,3 +1684,21 @@ def test_serve_quiet_still_says_the_model_has_no_chat_template(tmp_path, smollm2
     assert not has_chat_template(bare)
     (bare / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
     assert has_chat_template(bare) and AutoTokenizer.from_pretrained(bare).chat_template is not None
+
+
+def test_a_serve_replica_refuses_a_model_without_a_tokenizer_before_its_ranks_start(tmp_path, monkeypatch):
+    """`serve run launcher.serving.openai_app:build_app model=DIR` plans nothing in the driver: the
+    replica itself refuses, after planning and before Ray or any rank starts."""
+    from launcher.serving import openai_app
+    from launcher.serving.openai_app import OpenAIServer, builder_settings
+    from tests.model_factory import save_random_model
+
+    monkeypatch.setattr(openai_app, "_key_check", openai_app._key_check)  # the constructor installs its own
+    bare = save_random_model(tmp_path / "bare", "llama", num_heads=4, num_kv_heads=2)
+    wrapper = OpenAIServer.func_or_class
+    ours = next(c for c in wrapper.__mro__[1:] if c.__module__ == "launcher.serving.openai_app")
+    server = object.__new__(ours)
+    with pytest.raises(ValueError, match=r"has no tokenizer files .* the server reads prompts and chat messages"):
+        ours.__init__(server, builder_settings({"model": str(bare), "tp": 1, "backend": "cpu", "compile": False,
+                                                       "cpus_per_rank": 1}))
+    assert server.launcher._pool is None  # nothing was started

@@ -162,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
     from launcher.errors import LaunchError
 
     try:
+        from launcher.api import server_tokenizer_problem
         from launcher.serving.server_settings import SERVER_ARGS, settings_from_args
 
         # the server's own arguments named as this command's flags (max_replicas -> --max-replicas)
@@ -169,6 +170,9 @@ def run(args: argparse.Namespace) -> int:
         mode = choose_mode(args.ingress, settings.most_replicas, settings.autoscaling is not None)
         check_port_free(args.host, args.port)
         model_dir = _plan(settings)  # an impossible layout is refused here, not inside a Serve replica
+        no_tokenizer = server_tokenizer_problem(model_dir)
+        if no_tokenizer:  # as is a model the server cannot read text for
+            raise ValueError(no_tokenizer)
         no_chat = args.quiet and not has_chat_template(model_dir)
     except (ValueError, OSError, LaunchError) as err:  # FileNotFoundError is an OSError
         print(f"corelaunch serve: {with_flag_name(err)}", file=sys.stderr)

@@ -366,7 +366,7 @@ class OpenAIServer:
     model is loaded) and serves the routes below."""
 
     def __init__(self, settings: ServerSettings):
-        from launcher.api import LaunchConfig, Launcher, load_tokenizer
+        from launcher.api import LaunchConfig, Launcher, load_tokenizer, server_tokenizer_problem
         from launcher.background_load import BackgroundLoad
         from launcher.serving.port_rebind import allow_port_rebinding
         from launcher.serving.request_heads import bound_request_heads
@@ -382,6 +382,10 @@ class OpenAIServer:
         if launch.get("cpus_per_rank") is None:
             launch["cpus_per_rank"] = _cpus_per_rank(launch, settings.most_replicas)
         self.launcher = Launcher(LaunchConfig(**launch)).prepare()
+        no_tokenizer = server_tokenizer_problem(self.launcher.model_dir)
+        if no_tokenizer:  # `serve run` or a config file (the CLI refuses it first): before any rank starts
+            self.launcher.shutdown()
+            raise ValueError(no_tokenizer)
         # This replica's own tokenizer (the same files), never used by the engine's detokenizing of
         # the Launcher's copy: prompts and chat templates (on threads, one at a time) and the
         # logprobs' token texts and offsets (on the request loop). Both copies load on threads while
