@@ -18,6 +18,10 @@ tiniest round to 0 (the row sampled at temperature 1) or stay as denormals that 
 into infinities (NaN probabilities: the draw raised); this close to 0, sampling picks the argmax
 anyway."""
 
+MAX_TEMPERATURE = 3.4028234663852886e38
+"""float32's largest value: the sampling table holds temperatures in float32, where a larger one is
+infinity, every scaled logit 0, and top-k and top-p keep tokens by id instead of by likelihood."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -36,6 +40,9 @@ class SamplingParams:
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not finite(t) or t < 0:
             raise ValueError(f"temperature={t!r} must be a finite number >= 0 (0 means greedy)")
+        if t > MAX_TEMPERATURE:
+            raise ValueError(f"temperature={t!r} must be at most {MAX_TEMPERATURE:.7g} (float32's largest value, in "
+                             f"which the ranks scale the logits; any temperature this high samples all but uniformly)")
         k = self.top_k
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise ValueError(f"top_k={k!r} must be an integer >= 0 (0 turns top-k off)")

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from workers.sampling import SamplingParams, make_generator, sample, sampling_table
+from workers.sampling import SamplingParams, filtered_probs, make_generator, sample, sampling_table
 
 
 def draw(logits: torch.Tensor, n: int, **params) -> list[int]:
@@ -129,6 +129,8 @@ def test_row_count_mismatch_is_refused():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(temperature=-0.5), r"temperature=-0\.5 must be a finite number >= 0"),
     (dict(temperature=math.nan), r"temperature=nan must be a finite number"),
+    # float32 infinity on the ranks: top-k and top-p kept tokens by id, not by likelihood
+    (dict(temperature=1e39), r"temperature=1e\+39 must be at most 3\.402823e\+38 \(float32's largest value"),
     (dict(top_k=-1), r"top_k=-1 must be an integer >= 0"),
     (dict(top_k=2.5), r"top_k=2\.5 must be an integer"),
     (dict(top_p=0.0), r"top_p=0\.0 must be a number in \(0, 1\]"),
@@ -140,6 +142,14 @@ def test_row_count_mismatch_is_refused():
 def test_invalid_params_name_the_value_and_range(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_the_largest_temperature_taken_still_keeps_the_most_likely_tokens():
+    from shardlib.sampling_params import MAX_TEMPERATURE
+
+    logits = torch.randn(1, 1000, generator=torch.Generator().manual_seed(0)) * 3
+    probs, ids = filtered_probs(logits, sampling_table([SamplingParams(temperature=MAX_TEMPERATURE, top_k=5)]))
+    assert set(ids[0][probs[0] > 0].tolist()) == set(logits[0].topk(5).indices.tolist())
 
 
 def test_temperature_zero_ignores_top_k_and_top_p():

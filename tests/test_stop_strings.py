@@ -98,3 +98,13 @@ def test_random_splits_match_the_whole_text(stops):
 def test_bad_stops_are_refused_naming_the_value(stops, message):
     with pytest.raises(ValueError, match=message):
         StopStringMatcher(stops)
+
+
+def test_a_stop_string_no_text_can_hold_is_refused():
+    """A lone surrogate ("\\ud800") was taken by the driver API and never matched (the server refused it)."""
+    from launcher.serving.stop_strings import validate_stops
+
+    with pytest.raises(ValueError, match=r"stop string 1 is not valid UTF-8 text \('\\ud800x': surrogates not "
+                                         r"allowed at position 0\); pass UTF-8 text"):
+        validate_stops(["ok", "\ud800x"])
+    assert validate_stops(["é", "🙂", "\u0000"]) == ("é", "🙂", "\u0000")

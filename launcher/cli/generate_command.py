@@ -31,7 +31,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--temperature", type=float, help="sampling temperature (0 = greedy)")
     p.add_argument("--top-k", type=int, help="sample among the k most likely tokens (0 = off)")
     p.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1]")
-    p.add_argument("--seed", type=int, help="seed for reproducible sampling")
+    p.add_argument("--seed", type=int, help="seed for reproducible sampling (each prompt is seeded with it alike)")
     p.add_argument("--ray-address", help="Ray cluster host:port, or local for a private one (default: RAY_ADDRESS, else the cluster `ray start` recorded on this host, else a private one)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(run=run)

@@ -29,9 +29,14 @@ def validate_stops(stops: Sequence[str]) -> tuple[str, ...]:
     if len(stops) > MAX_STOP_STRINGS:
         raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed (OpenAI's limit), got "
                          f"{len(stops)}: {list(stops)!r}")
-    for stop in stops:
+    for i, stop in enumerate(stops):
         if not isinstance(stop, str) or not stop:
             raise ValueError(f"each stop string must be a non-empty str, got {stop!r} in {list(stops)!r}")
+        try:
+            stop.encode("utf-8")
+        except UnicodeEncodeError as err:  # a lone surrogate: no decoded text holds it, so it never stopped
+            raise ValueError(f"stop string {i} is not valid UTF-8 text ({stop!r}: {err.reason} at position "
+                             f"{err.start}); pass UTF-8 text") from None
     return stops
 
 
