@@ -86,6 +86,8 @@ def moe_expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             if config.attention_bias:
                 shapes.update({n.q[:-6] + "bias": (q,), n.k[:-6] + "bias": (kv,), n.v[:-6] + "bias": (kv,)})
         shapes[n.o] = (h, q)
+        if config.output_bias:  # Qwen3-MoE's attention_bias biases o_proj too (DBRX has none)
+            shapes[n.o[:-6] + "bias"] = (h,)
         if n.q_norm is not None:
             shapes.update({n.q_norm: (config.head_dim,), n.k_norm: (config.head_dim,)})
         shapes[n.router] = (e, h)

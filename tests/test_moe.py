@@ -52,6 +52,8 @@ ROPE_SCALED = {
                              rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8}),
 }
+# Qwen3-MoE's attention_bias biases q, k, v and o_proj (random here: tests/model_factory.py)
+BIASED = {"qwen3_moe_bias": dict(model_type="qwen3_moe", attention_bias=True)}
 # (tp, moe sharding, the KV strategy the layout must pick); 4 KV-head-2 models at TP 4 replicate
 DEGREES = [(2, TENSOR_PARALLEL, KVStrategy.SHARD), (2, EXPERT_PARALLEL, KVStrategy.SHARD),
            (4, TENSOR_PARALLEL, KVStrategy.REPLICATE_TO_TP), (4, EXPERT_PARALLEL, KVStrategy.REPLICATE_TO_TP)]
@@ -67,7 +69,11 @@ def hf_greedy(model, prompt: list[int]) -> list[int]:
 @functools.lru_cache(maxsize=None)
 def reference(family: str):
     """(transformers model, ModelConfig, checkpoint tensors, greedy tokens per prompt)."""
-    model = build_random_model(**{**FAMILIES, **WINDOWED, **ROPE_SCALED}[family])
+    model = build_random_model(**{**FAMILIES, **WINDOWED, **ROPE_SCALED, **BIASED}[family])
+    with torch.no_grad():  # the MoE factories leave biases at their zero start: random, so they count
+        for name, tensor in model.named_parameters():
+            if name.endswith(".bias"):
+                tensor.normal_(0.0, 0.1)
     config = ModelConfig.from_dict(model.config.to_dict())
     with torch.inference_mode():
         refs = [hf_greedy(model, prompt) for prompt in PROMPTS]
@@ -141,6 +147,28 @@ def test_moe_rope_scaling_matches_transformers(family):
     assert model.config.rope_parameters["rope_type"] == wanted and config.rope_scaling["rope_type"] == wanted
     assert tp1_tokens(config, state_dict) == refs
     assert tp1_tokens(dataclasses.replace(config, rope_scaling=None), state_dict) != refs  # the scaling mattered
+
+
+def test_qwen3_moe_attention_biases_load_and_match_transformers(tmp_path):
+    """Its checkpoints hold self_attn.o_proj.bias, which the MoE tensor list lacked: every such
+    checkpoint was refused as holding tensors its config does not describe."""
+    model, config, state_dict, refs = reference("qwen3_moe_bias")
+    assert config.attention_bias and config.output_bias
+    assert any(name.endswith("self_attn.o_proj.bias") and bool(t.any()) for name, t in state_dict.items())
+    assert tp1_tokens(config, state_dict) == refs
+    save_model(model, tmp_path)
+    cases = []
+    for sharding in (TENSOR_PARALLEL, EXPERT_PARALLEL):
+        layout = ShardLayout.for_model(config, 2, moe_sharding=sharding)
+        for rank in range(2):
+            loaded = load_rank_shard(tmp_path, config, layout, rank)  # refused before: o_proj.bias not described
+            expected = shard_for_rank(config, state_dict, rank, layout)
+            assert loaded.keys() == expected.keys() and all(torch.equal(loaded[n], expected[n]) for n in expected)
+        cases.append(Case(sharding, config, state_dict, requests(), moe_sharding=sharding))
+    by_rank = run_tp_in_process(2, cases, timeout_s=180)
+    for sharding in (TENSOR_PARALLEL, EXPERT_PARALLEL):
+        alone, batch = by_rank[0][sharding][:len(PROMPTS)], by_rank[0][sharding][len(PROMPTS)]
+        assert [token_ids(out) for out in alone] == [[ref] for ref in refs] and token_ids(batch) == refs, sharding
 
 
 def test_padded_q_heads_with_windowed_tensor_parallel_experts():
