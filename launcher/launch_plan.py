@@ -74,6 +74,7 @@ def plan_launch(config, progress: Progress, nothing_done: str = "nothing was sta
     if config.cpus_per_rank is not None and entry.ray_resource is not None:  # it was ignored without a word
         raise ValueError(f"cpus_per_rank ({config.cpus_per_rank:g}) sizes the cpu backend's ranks; a {backend} rank "
                          f"takes one {entry.ray_resource} and one CPU. Leave it out")
+    refuse_nodes_on_a_private_cluster(config)
     # Before the model is resolved: a backend this host cannot run is refused first, and cheaply.
     target = planner_target(backend, TargetRequest(instance=config.instance, device_memory_gib=config.device_memory_gib,
                                                    cluster_on_this_host=on_this_host(config.ray_address)))
@@ -162,6 +163,22 @@ def check_presharded_source(config, model_dir: Path, model_config: ModelConfig) 
                      f"Write it again from {model_dir} (shardlib.presharded.save_presharded)")
     check_same_weights(recorded if isinstance(recorded, str) else None, model_dir, copy=copy,
                        source=manifest.get("source") if isinstance(manifest.get("source"), str) else None, fix=fix)
+
+
+def refuse_nodes_on_a_private_cluster(config) -> None:
+    """ValueError for nodes > 1 where the launch starts a private Ray, this host alone: the plan
+    counted that many nodes' memory (RAM / ceil(TP / nodes) per rank) for ranks that all land here,
+    and several replicas went unchecked against this host's RAM."""
+    from launcher.cluster.ray_cluster import private_cluster
+
+    if config.nodes > 1 and private_cluster(config.ray_address):
+        raise nodes_on_one_host(config.nodes, "with no cluster to join, the launch starts", f"join a cluster of {config.nodes} or more nodes with --ray-address "
+                                              f"HOST:PORT (or RAY_ADDRESS, or `ray start` on this host), or drop --nodes")
+
+
+def nodes_on_one_host(nodes: int, starter: str, fix: str) -> ValueError:
+    return ValueError(f"nodes ({nodes}): {starter} a private Ray of this host alone, one node, whose memory the "
+                      f"plan would count {nodes} times; {fix}")
 
 
 def groups_this_host_holds(config, plan, backend: str) -> int | None:

@@ -318,3 +318,22 @@ def test_an_eager_launch_refuses_a_seq_len_past_the_models_positions(tmp_path):
     limit = load_model_config(model).max_position_embeddings
     with pytest.raises(PlanRejected, match=rf"\[seq_len_too_long\] seq_len \({limit + 1}\) exceeds"):
         plan_launch(LaunchConfig(model=model, tp=1, compile=False, seq_len=limit + 1), Progress(False))
+
+
+def test_nodes_on_a_private_cluster_are_refused_before_anything_starts(tmp_path, monkeypatch):
+    """A private Ray is this host alone: --nodes 2 planned two hosts' RAM (RAM / ceil(TP / 2) per rank)
+    for ranks that all land here, and skipped the replicas' check against this host's RAM."""
+    import ray
+
+    from launcher.api import LaunchConfig
+    from launcher.launch_plan import plan_launch
+    from launcher.progress import Progress
+    from tests.model_factory import save_random_model
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # as in a fresh `corelaunch generate`
+    model = str(save_random_model(tmp_path, "llama", num_heads=4, num_kv_heads=2))
+    with pytest.raises(ValueError, match=r"nodes \(2\): with no cluster to join, the launch starts a private Ray of "
+                                         r"this host alone, one node, whose memory the plan would count 2 times; "
+                                         r"join a cluster of 2 or more nodes with --ray-address"):
+        plan_launch(LaunchConfig(model=model, tp=2, nodes=2, ray_address="local", compile=False), Progress(False))
+    assert plan_launch(LaunchConfig(model=model, tp=2, ray_address="local", compile=False), Progress(False)).plan.valid

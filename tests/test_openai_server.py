@@ -806,6 +806,10 @@ def test_serve_cli_refuses_bad_options_before_starting_ray(capsys, tmp_path):
     assert "does not exist" in capsys.readouterr().err
     assert main(["serve", *free, "--model", str(tmp_path / "replicas" / "api_key")]) == 2  # a path is not a flag
     assert f"model path {tmp_path / 'replicas' / 'api_key'} does not exist" in capsys.readouterr().err
+    # the Ray serve starts is private, this host alone: the plan counted 2 hosts' RAM (and no replica check)
+    assert main(["serve", *free, "--nodes", "2", "--replicas", "40"]) == 2
+    assert ("--nodes (2): corelaunch serve starts a private Ray of this host alone, one node, whose memory the plan "
+            "would count 2 times; to serve over several nodes, deploy the application") in capsys.readouterr().err
     # a model without a tokenizer started Ray and its ranks, then failed in the replica (AttributeError)
     from tests.model_factory import save_random_model
 

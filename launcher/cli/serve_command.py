@@ -202,10 +202,16 @@ def _plan(settings) -> Path:
     import dataclasses
 
     from launcher.api import LaunchConfig
-    from launcher.launch_plan import check_groups_fit, groups_this_host_holds, plan_launch, with_artifact_settings
+    from launcher.launch_plan import (check_groups_fit, groups_this_host_holds, nodes_on_one_host, plan_launch,
+                                      with_artifact_settings)
     from launcher.progress import Progress
 
     config = LaunchConfig(**settings.launch)
+    if config.nodes > 1:  # the Ray this command starts is always private
+        raise nodes_on_one_host(config.nodes, "corelaunch serve starts", (
+            "to serve over several nodes, deploy the application on a multi-node cluster with `serve run "
+            "launcher.serving.openai_app:build_app` or `serve deploy` (README: On a Ray cluster of your own), or "
+            "drop --nodes"))
     config = with_artifact_settings(config)  # as each replica's Launcher takes them
     planned = plan_launch(config, Progress(False))
     holds = groups_this_host_holds(dataclasses.replace(config, ray_address="local"), planned.plan, planned.backend)
