@@ -847,7 +847,7 @@ class Launcher:
 
         group = TPGroup(tp_degree=self.plan.tp_degree, backend=self.backend, resources=self._rank_resources,
                         timeouts=self._timeouts, lnc=self.plan.lnc, nodes=self.config.nodes,
-                        name=f"corelaunch-r{index}")
+                        name=f"corelaunch-r{index}", groups=self.replicas)
         # Against the start's count, not the count now: a shutdown landing between the start's last
         # check and this line went unseen, and waited out the whole load.
         group.stop_asked = lambda: self._stops != self._stops_at_start

@@ -76,7 +76,8 @@ def test_groups_that_fit_counts_like_pack_within_the_node_limit():
 
 def test_unplaceable_explanations_name_what_is_missing():
     never = explain_unplaceable({"CPU": 1}, 2, 1, [{"CPU": 1.0}, {"CPU": 1.0}], node_names=["n1", "n2"])
-    assert "can never hold" in never and "--nodes" in never and "n1 has {CPU: 1}" in never
+    assert "can never hold" in never and "n1 has {CPU: 1}" in never
+    assert "allow more nodes per group (--nodes 2 holds it)" in never, never  # the count that fits (none was named)
     assert never.endswith("lower --tp or --cpus-per-rank (each rank's CPUs)")
     lacking = explain_unplaceable({"neuron_cores": 1, "CPU": 1}, 2, 2, [{"CPU": 4.0}])
     assert "lacks neuron_cores (it needs 2 in all, the alive nodes have 0)" in lacking and lacking.endswith("Add a node with {neuron_cores: 1, CPU: 1}")
@@ -103,6 +104,15 @@ def test_unplaceable_explanations_name_what_is_missing():
     device_busy = explain_unplaceable({"neuron_cores": 1, "CPU": 1}, 1, 1, [{"CPU": 1.0, "neuron_cores": 1.0}],
                                       [{"CPU": 0.0, "neuron_cores": 0.0}], ["n1"])
     assert "other groups or jobs hold" in device_busy and "--cpus-per-rank" not in device_busy, device_busy
+    # the launch's own earlier replicas hold the rest: "other groups or jobs" and no count, on a joined
+    # cluster (a private one is refused before placement), after the whole placement timeout
+    mine = explain_unplaceable({"CPU": 1}, 1, 1, [{"CPU": 1.0}, {"CPU": 1.0}], [{"CPU": 0.0}] * 2, ["a", "b"],
+                               groups=3)
+    assert "the alive nodes hold at most 2 such group(s) even with nothing else on them, not the 3 replicas " \
+           "asked" in mine and "Lower --replicas to 2 (or use --replicas auto)" in mine, mine
+    assert "other groups" not in mine
+    enough = explain_unplaceable({"CPU": 1}, 1, 1, [{"CPU": 1.0}] * 3, [{"CPU": 0.0}] * 3, ["a", "b", "c"], groups=3)
+    assert "other groups or jobs hold" in enough  # the cluster could hold all 3: someone else holds them
     # Ray's free resources leave out a CPU at 0 and list placement groups' own bookkeeping
     held = explain_unplaceable({"CPU": 2}, 1, 1, [{"CPU": 2.0}],
                                [{"bundle_group_0_3c2b": 999.999, "bundle_group_3c2b": 999.999}], ["n1"])

@@ -172,9 +172,10 @@ def never_placeable(bundle: Mapping[str, float], tp: int, max_nodes: int,
 def explain_unplaceable(bundle: Mapping[str, float], tp: int, max_nodes: int,
                         node_total: Sequence[Mapping[str, float]],
                         node_free: Sequence[Mapping[str, float]] | None = None,
-                        node_names: Sequence[str] | None = None) -> str:
+                        node_names: Sequence[str] | None = None, groups: int = 1) -> str:
     """Why a group of `tp` x `bundle` over at most `max_nodes` nodes cannot be placed: whether the
-    cluster could never hold it (and what is missing), or whether its resources are held by others."""
+    cluster could never hold it (and what is missing), whether it could never hold the `groups`
+    replicas asked at once, or whether its resources are held by others."""
     names = list(node_names) if node_names else [f"node {i}" for i in range(len(node_total))]
     want = ", ".join(f"{name}: {_fmt(amount)}" for name, amount in bundle.items())
     per_node = even_split(bundle, tp, max_nodes)
@@ -203,13 +204,22 @@ def explain_unplaceable(bundle: Mapping[str, float], tp: int, max_nodes: int,
             return (f"it needs {need} and the cluster can never hold that: {missing}; no node holds even one "
                     f"rank's bundle (alive nodes: {held}). {way}")
         # the same share on each node (per_node): more nodes per group need more nodes still
+        spread = next((n for n in range(max_nodes + 1, len(node_total) + 1)
+                       if place_group([dict(t) for t in node_total], bundle, tp, n) is not None), None)
         ways = (f"Add nodes that hold {per_node} such bundles each, pass fewer --nodes (more ranks on each node)"
                 if per_node is not None else
                 # the whole cluster is short: spreading the group over more nodes cannot help
                 "Add nodes with these resources" if short else
-                "Add nodes with these resources, allow more nodes per group (--nodes)")
+                f"Add nodes with these resources, allow more nodes per group (--nodes {spread} holds it)"
+                if spread is not None else "Add nodes with these resources, allow more nodes per group (--nodes)")
         return (f"it needs {need} and the cluster can never hold that: {missing} (alive nodes: {held}). "
                 f"{ways}, or lower --tp{cpus}")
+    ever = groups_that_fit(node_total, bundle, tp, max_nodes, limit=groups) if groups > 1 else groups
+    if ever < groups:  # its own earlier replicas hold the rest: waiting for "other groups" never ends
+        return (f"it needs {need}; the alive nodes hold at most {ever} such group(s) even with nothing else on "
+                f"them, not the {groups} replicas asked (alive nodes: {held}). Lower --replicas to {ever} (or use "
+                f"--replicas auto), or add nodes" + (" or give each rank fewer CPUs with --cpus-per-rank"
+                                                     if set(bundle) == {"CPU"} else ""))
     free_txt = ""
     if node_free is not None:
         free_txt = "; free now: " + "; ".join(f"{n} {_resources(f)}" for n, f in zip(names, node_free))

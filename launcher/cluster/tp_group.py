@@ -85,6 +85,9 @@ class TPGroup:
     each, where nodes divides TP (STRICT_SPREAD: the split the planner checked)."""
     name: str = "corelaunch"
     """Placement-group name prefix (the replica pool names each replica's group)."""
+    groups: int = 1
+    """Groups of this shape the launch asks for at once (its replicas): a placement that times out
+    says when the cluster could never hold that many, rather than blaming other groups."""
     actors: list = field(default_factory=list, init=False)
     workers: list[dict] = field(default_factory=list, init=False)
     """describe() of each rank: rank, pid, hostname, node_id, node_ip, devices, accelerator_ids."""
@@ -202,8 +205,8 @@ class TPGroup:
             remove_placement_group(self._pg)
             self._pg = None
             nodes = alive_nodes()
-            why = explain_unplaceable(self.resources.bundle, self.tp_degree, self.nodes,
-                                      [n.total for n in nodes], [n.free for n in nodes], [n.name for n in nodes])
+            why = explain_unplaceable(self.resources.bundle, self.tp_degree, self.nodes, [n.total for n in nodes],
+                                      [n.free for n in nodes], [n.name for n in nodes], groups=self.groups)
             raise PlacementTimeout(
                 f"Ray could not reserve {len(bundles)} bundles of {bundles[0]} ({strategy}) "
                 f"within {self.timeouts.placement_s:g} s: {why}"  # which names the way out
