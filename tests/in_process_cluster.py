@@ -62,6 +62,7 @@ class ThreadTPGroup:
     lnc: int = 1
     nodes: int = 1
     name: str = "in-process"
+    groups: int = 1
     actors: list = field(default_factory=list, init=False)
     """The RankWorkers while the group lives; [] once killed (the pool looks at this)."""
     workers: list[dict] = field(default_factory=list, init=False)

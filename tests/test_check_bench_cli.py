@@ -116,6 +116,21 @@ def test_check_passes_token_and_logit_matching_against_transformers_at_tp2(model
         assert all(g["passed"] and g["max_abs_error"] < 1e-3 for g in p["top_k"].values())
 
 
+def test_check_runs_the_layout_choices_generate_and_serve_take(capsys, tmp_path, in_process_cluster):
+    """check had no --moe-sharding, --kv-strategy or --fused-projections: an expert-parallel or fused
+    layout a server ran could not be checked."""
+    moe = save_random_model(tmp_path / "moe", "qwen3_moe", num_heads=4, num_kv_heads=2, seed=5)
+    common = ["--model", str(moe), "--tp", "2", "--prompt-ids", PROMPT_IDS, "--num-tokens", "4", "--no-compile"]
+    code, report, err = run_check(capsys, "--mode", "logit-matching", *common, "--moe-sharding", "expert_parallel",
+                                  "--kv-strategy", "convert_to_mha", "--fused-projections")
+    assert code == 0, err
+    assert report["passed"] and report["moe_sharding"] == "expert_parallel"
+    assert report["kv_strategy"] == "convert_to_mha" and report["fused_projections"] is True
+    assert "expert_parallel experts" in format_report(report)
+    code, report, err = run_check(capsys, "--mode", "token-matching", *common)
+    assert code == 0 and report["fused_projections"] is False and report["kv_strategy"] == "shard", err
+
+
 def check_token_matching_passes(capsys, common: list[str]) -> None:
     code, report, err = run_check(capsys, "--mode", "token-matching", *common)
     assert code == 0, err
@@ -476,6 +491,7 @@ def test_bench_json_report_in_process(models, capsys, in_process_cluster):
     report = json.loads(out.out)  # the whole stdout is one JSON object
     assert report["config"]["compile"] is False and report["config"]["seq_len"] == 64
     assert report["config"]["kv_cache_dtype"] is None and report["config"]["quantization"] is None
+    assert report["config"]["moe_sharding"] is None and report["config"]["fused_projections"] is False
     check_bench_report(report)
 
 

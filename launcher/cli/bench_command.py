@@ -17,9 +17,9 @@ import argparse
 import json
 import sys
 
-from launcher.cli.options import (add_backend_arguments, add_kv_cache_dtype, add_no_compile, add_pad_q_heads,
-                                  add_sequence_parallel, add_timeout_arguments, backend_options, int_at_least,
-                                  timeout_options, with_flag_name)
+from launcher.cli.options import (add_backend_arguments, add_kv_cache_dtype, add_layout_choices, add_no_compile,
+                                  add_pad_q_heads, add_sequence_parallel, add_timeout_arguments, backend_options,
+                                  int_at_least, layout_choices, timeout_options, with_flag_name)
 
 
 def add_parser(subparsers) -> None:
@@ -51,6 +51,7 @@ def add_parser(subparsers) -> None:
     add_timeout_arguments(p)
     add_pad_q_heads(p)
     add_sequence_parallel(p)
+    add_layout_choices(p)
     add_no_compile(p)
     p.add_argument("--ray-address", help="Ray cluster host:port, or local for a private one (default: RAY_ADDRESS, else the cluster `ray start` recorded on this host, else a private one)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -145,7 +146,7 @@ def _bench(args: argparse.Namespace) -> dict:
     from shardlib.serving_shapes import DEFAULT_MAX_PREFILL_TOKENS
 
     config = LaunchConfig(model=args.model, tp=args.tp, **backend_options(args), **timeout_options(args), pad_q_heads=args.pad_q_heads,
-                          sequence_parallel=args.sequence_parallel,
+                          sequence_parallel=args.sequence_parallel, **layout_choices(args),
                           dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
                           seq_len=args.seq_len, ray_address=args.ray_address,
                           compile=args.compile, progress=not args.quiet,
@@ -190,7 +191,8 @@ def _bench(args: argparse.Namespace) -> dict:
                   f"again", file=sys.stderr)
         report["config"] = {
             "model": str(launcher.model_dir), "tp_degree": launcher.plan.tp_degree,
-            "kv_strategy": str(launcher.plan.kv_strategy), "backend": launcher.backend,
+            "kv_strategy": str(launcher.plan.kv_strategy), "moe_sharding": launcher.plan.moe_sharding,
+            "fused_projections": launcher.config.fused_projections, "backend": launcher.backend,
             "dtype": str(launcher.plan.dtype), "compile": launcher.config.compile, "batch_size": args.batch_size, "prompt_len": args.prompt_len,
             "seq_len": launcher.serving_seq_len, "max_new_tokens": args.max_new_tokens, "warmup": args.warmup, "runs": args.runs,
             # as check's report has them: two runs differing only in these read alike without them

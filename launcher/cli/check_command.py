@@ -29,9 +29,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from launcher.cli.options import (add_backend_arguments, add_kv_cache_dtype, add_no_compile, add_pad_q_heads,
-                                  add_sequence_parallel, add_timeout_arguments, backend_options, timeout_options,
-                                  non_empty_path, with_flag_name)
+from launcher.cli.options import (add_backend_arguments, add_kv_cache_dtype, add_layout_choices, add_no_compile,
+                                  add_pad_q_heads, add_sequence_parallel, add_timeout_arguments, backend_options,
+                                  layout_choices, non_empty_path, timeout_options, with_flag_name)
 from shardlib.evaluation.quantized_tolerances import DEFAULT_TOL_SPEC
 
 EXIT_PASS, EXIT_FAIL = 0, 1  # 2 (bad input) and 3 (the run failed): launcher/cli/exit_codes.py
@@ -77,6 +77,7 @@ def add_parser(subparsers) -> None:
     add_timeout_arguments(p)
     add_pad_q_heads(p)
     add_sequence_parallel(p)
+    add_layout_choices(p)
     p.add_argument("--divergence-difference-tol", type=float, metavar="TOL",
                    help="at a divergence, max(actual) - actual[expected token] must be below this, so 0 fails "
                         "every divergence (default 0.001; a quantized model's or fp8 cache's in "
@@ -466,7 +467,7 @@ def _launcher(args, model_dir: Path):
     from launcher.api import LaunchConfig, Launcher
 
     config = LaunchConfig(model=str(model_dir), tp=args.tp, **backend_options(args), **timeout_options(args), pad_q_heads=args.pad_q_heads,
-                          sequence_parallel=args.sequence_parallel,
+                          sequence_parallel=args.sequence_parallel, **layout_choices(args),
                           dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_batch_size=1,
                           ray_address=args.ray_address,
                           compile=args.compile, progress=not args.quiet)
@@ -504,6 +505,8 @@ def _compare(args, launcher, model_dir, texts, prompts, expected: Expected, num_
             "reference": expected.source,
             "tp_degree": plan.tp_degree,
             "kv_strategy": str(plan.kv_strategy),
+            "moe_sharding": plan.moe_sharding,  # null for a dense model
+            "fused_projections": launcher.config.fused_projections,
             "backend": launcher.backend,
             "dtype": str(plan.dtype),
             "quantization": None if plan.config.quantization is None else plan.config.quantization.to_json(),
@@ -533,8 +536,9 @@ def format_report(report: dict, tokenizer=None) -> str:
     from shardlib.evaluation.accuracy import shown_difference  # torch: not at the command's import
 
     verdict = "PASSED" if report["passed"] else "FAILED"
+    experts = f"{report['moe_sharding']} experts, " if report.get("moe_sharding") else ""
     lines = [f"{report['mode']} {verdict}: corelaunch tp {report['tp_degree']} ({report['kv_strategy']} KV heads, "
-             f"{report['backend']}, {report['dtype']}) on {report['model']}",
+             f"{experts}{report['backend']}, {report['dtype']}) on {report['model']}",
              f"reference: {report['reference']}",
              f"{report['num_tokens']} tokens per prompt, EOS ignored on both sides"]
     if report["mode"] == "logit-matching":

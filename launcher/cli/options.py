@@ -221,6 +221,21 @@ def add_fused_projections(p: argparse.ArgumentParser, compiled: bool = True) -> 
                         f"README){from_compiled}")
 
 
+def add_layout_choices(p: argparse.ArgumentParser) -> None:
+    """--kv-strategy, --moe-sharding and --fused-projections on check and bench, so every layout
+    generate and serve can run can be checked and measured as it runs (check had none of them)."""
+    p.add_argument("--kv-strategy", choices=["shard", "replicate_to_tp", "convert_to_mha"],
+                   help="force a KV-head layout (default: the planner's)")
+    add_moe_sharding(p)
+    add_fused_projections(p, compiled=False)
+
+
+def layout_choices(args: argparse.Namespace) -> dict:
+    """LaunchConfig's fields from add_layout_choices' flags."""
+    return {"kv_strategy": args.kv_strategy, "moe_sharding": args.moe_sharding,
+            "fused_projections": args.fused_projections}
+
+
 def add_max_prefill_tokens(p: argparse.ArgumentParser, compiled: bool = True) -> None:
     """--max-prefill-tokens (serve, compile): the prefill chunks' largest width, so also their graphs'."""
     from shardlib.serving_shapes import DEFAULT_MAX_PREFILL_TOKENS
