@@ -22,6 +22,8 @@ from shardlib.config_fields import count, field_error, flag, mapping, positive_n
 SLIDING, FULL = "sliding_attention", "full_attention"
 LAYER_TYPES = (SLIDING, FULL)
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+ACTIVATION_ALIASES = {"swish": "silu"}
+"""Other names transformers gives the same function (its ACT2FN maps "swish" to SiLU)."""
 GEMMA3_WINDOW_PATTERN = 6
 """transformers' default for Gemma 3 configs without layer_types: every 6th layer is global."""
 
@@ -177,6 +179,7 @@ def family_fields(model_type: str, raw: dict[str, Any], layers: int, head_dim: i
                               "only: serve a Gemma 3 text model without it")
         fields.update(_gemma_rope(raw))
         act = raw.get("hidden_activation", raw.get("hidden_act")) or "gelu_pytorch_tanh"
+        act = ACTIVATION_ALIASES.get(act, act) if isinstance(act, str) else act
         scalar = raw.get("query_pre_attn_scalar")
         # attn_logit_softcapping is not read: transformers' Gemma 3 attention never applies it
         # (5.23 passes no softcap to its attention functions; Gemma 3's own configs set it null).
@@ -186,7 +189,8 @@ def family_fields(model_type: str, raw: dict[str, Any], layers: int, head_dim: i
             final_logit_softcapping=_optional_positive(raw, "final_logit_softcapping", 30.0),
         )
     elif raw.get("hidden_act") is not None:
-        fields["hidden_act"] = raw["hidden_act"]
+        act = raw["hidden_act"]
+        fields["hidden_act"] = ACTIVATION_ALIASES.get(act, act) if isinstance(act, str) else act
     return fields
 
 

@@ -14,14 +14,14 @@ import re
 from typing import Any
 
 from shardlib.config_fields import field_error, mapping, positive_number, show
-from shardlib.families import traits
+from shardlib.families import ACTIVATION_ALIASES, traits
 
 MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "dbrx")
 _ACTIVATIONS = ("silu",)  # what workers/moe.py's experts compute
 
 
 def _check_activation(name: str, value: Any) -> None:
-    if value is not None and value not in _ACTIVATIONS:
+    if value is not None and (not isinstance(value, str) or ACTIVATION_ALIASES.get(value, value) not in _ACTIVATIONS):
         raise field_error(name, value, f"is not implemented by corelaunch's experts (they run {', '.join(_ACTIVATIONS)})",
                           "only checkpoints with SiLU-gated experts run")
 

@@ -40,6 +40,8 @@ SPECS = {
                            seed=2),
     "mistral_window": dict(model_type="mistral", sliding_window=WINDOW, seed=1),
     "qwen2_window": dict(model_type="qwen2", sliding_window=WINDOW, use_sliding_window=True, max_window_layers=1),
+    # transformers' other name for SiLU: it was refused as not implemented
+    "llama_swish": dict(model_type="llama", hidden_act="swish"),
 }
 WINDOWED = ("gemma3", "gemma3_softcap", "mistral_window", "qwen2_window")
 
@@ -122,6 +124,13 @@ def test_soft_capped_logits_equal_transformers():
     assert got.abs().max() <= config.final_logit_softcapping
     uncapped = last_logits(dataclasses.replace(config, final_logit_softcapping=None), state, PROMPTS[0])
     assert (uncapped - expected).abs().max() > 1e-3
+
+
+def test_swish_is_read_as_silu_by_every_family_reader():
+    assert reference("llama_swish")[0].hidden_act == "silu"
+    for model_type, field in (("mixtral", "hidden_act"), ("gemma3_text", "hidden_activation")):
+        raw = build_random_model(model_type).config.to_dict()
+        assert ModelConfig.from_dict({**raw, field: "swish"}).hidden_act == "silu", model_type
 
 
 def test_config_facts_of_each_family():
