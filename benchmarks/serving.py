@@ -292,6 +292,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("prompt_tokens", "max_tokens", "requests_per_client", "level1_requests", "baseline_prompts"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be at least 1")
+    if args.base_url is not None:
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(args.base_url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            parser.error(f"--base-url ({args.base_url!r}) must be an http(s) URL of a server's API, e.g. "
+                         f"http://127.0.0.1:8000/v1")
     if args.cpus_per_rank is not None and args.base_url:
         parser.error("--cpus-per-rank sets the rank's CPUs of the corelaunch server this benchmark starts; "
                      "with --base-url the server is someone else's")
@@ -319,6 +326,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def server_unreachable(base_url: str, timeout_s: float = 10.0) -> str | None:
+    """Why nothing answers at base_url (GET base_url/models), or None when a server answers, with any
+    HTTP status (a key it wants is its own business): every level's requests failed one by one
+    with "Connection error" and the run ended with a report of nothing but failures."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(base_url.rstrip("/") + "/models", timeout=timeout_s).close()
+    except urllib.error.HTTPError:
+        return None
+    except (urllib.error.URLError, OSError, ValueError) as err:
+        return f"{type(err).__name__}: {getattr(err, 'reason', err)}"
+    return None
+
+
 def _exit_on_termination() -> None:
     """SIGTERM and SIGHUP (`timeout`, a cancelled CI job, a closed terminal) as SystemExit, so the
     server this benchmark started, in a session of its own, is stopped by the same clean-up as
@@ -336,6 +359,11 @@ def main(out=None) -> None:
     """out: where the JSON report goes (stdout when None)."""
     out = out or sys.stdout
     args = parse_args()
+    why = args.base_url and server_unreachable(args.base_url)
+    if why:  # before the baselines' minutes, and before any level
+        print(f"serving.py: --base-url {args.base_url}: nothing answers there ({why}); start the server first, or "
+              f"pass its /v1 URL", file=sys.stderr)
+        sys.exit(2)
     _exit_on_termination()
     from transformers import AutoTokenizer
 

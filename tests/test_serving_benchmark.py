@@ -409,3 +409,30 @@ def test_sigterm_runs_the_clean_up_that_stops_the_server():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
                          cwd=Path(__file__).resolve().parents[1])
     assert out.returncode == 128 + 15 and out.stdout.strip() == "stopped the server", out.stderr
+
+
+def test_a_base_url_that_is_no_url_or_where_nothing_answers_is_refused_before_any_level(capsys, monkeypatch):
+    """Every level's requests failed one by one with "Connection error", then a report of failures (exit 1)."""
+    import http.server
+    import threading
+
+    from benchmarks import serving
+    from workers.net import free_port
+
+    with pytest.raises(SystemExit):
+        serving.parse_args(["--base-url", "0"])
+    assert "--base-url ('0') must be an http(s) URL of a server's API" in capsys.readouterr().err
+    nowhere = f"http://127.0.0.1:{free_port()}/v1"
+    assert "Connection refused" in serving.server_unreachable(nowhere)
+    monkeypatch.setattr(sys, "argv", ["serving.py", "--base-url", nowhere])
+    monkeypatch.setattr(serving, "measure_levels", lambda *a: pytest.fail("a level ran"))
+    with pytest.raises(SystemExit) as exit_:
+        serving.main()
+    assert exit_.value.code == 2
+    assert f"--base-url {nowhere}: nothing answers there" in capsys.readouterr().err
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)  # answers 501
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert serving.server_unreachable(f"http://127.0.0.1:{server.server_address[1]}/v1") is None
+    finally:
+        server.shutdown()
