@@ -91,6 +91,10 @@ class NoReplicaAvailable(LaunchError):
 class QueueFull(LaunchError):
     """More requests wait for a free cache row than max_queued_requests allows; retry later."""
 
-    def __init__(self, message: str, retry_after_s: float = 1.0):
+    def __init__(self, message: str, retry_after_s: float = 1.0, slots: int | None = None,
+                 queue_limit: int | None = None):
         super().__init__(message)
         self.retry_after_s = retry_after_s
+        self.slots, self.queue_limit = slots, queue_limit
+        """Each replica's sequence slots (max_num_seqs) and the queue's size (max_queued_requests):
+        the server words its own answer from them, without the operator's fix."""

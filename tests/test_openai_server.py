@@ -1278,6 +1278,8 @@ def test_full_queue_answers_503_with_retry_after(client, server):
             error = refused.value
             assert error.status_code == 503 and error.body.get("code") == "queue_full", (stream, error.body)
             assert int(error.response.headers["retry-after"]) >= 1
+            assert error.body["message"] == ("the server is at capacity: all 4 sequence slots are busy and its queue "
+                                             "of 12 is full; retry after 1 s"), error.body
     finally:
         for stream in streams:
             stream.close()  # each client goes away: its request is cancelled
@@ -1706,3 +1708,16 @@ def test_a_serve_replica_refuses_a_model_without_a_tokenizer_before_its_ranks_st
         ours.__init__(server, builder_settings({"model": str(bare), "tp": 1, "backend": "cpu", "compile": False,
                                                        "cpus_per_rank": 1}))
     assert server.launcher._pool is None  # nothing was started
+
+
+def test_a_queue_full_answer_speaks_to_the_client_not_the_operator():
+    """It quoted the engine's message: the operator's flags to raise, "retry later" before "retry after
+    1 s", and "0 requests already wait" for a server that queues none."""
+    from launcher.errors import QueueFull
+    from launcher.serving.openai_app import _at_capacity
+
+    assert _at_capacity(QueueFull("x", slots=4, queue_limit=12), 1) == (
+        "the server is at capacity: all 4 sequence slots are busy and its queue of 12 is full; retry after 1 s")
+    assert _at_capacity(QueueFull("x", slots=2, queue_limit=0), 3) == (
+        "the server is at capacity: all 2 sequence slots are busy and it queues no requests; retry after 3 s")
+    assert _at_capacity(QueueFull("--max-num-seqs"), 1) == "the server is at capacity; retry after 1 s"

@@ -502,14 +502,18 @@ def test_the_queue_limit_refuses_only_a_request_that_would_wait_and_admits_a_bat
     pool.submit_stream(stream_handle("a"), queue_limit=0, rows=1)  # a row each: nothing waits
     pool.submit_stream(stream_handle("b"), queue_limit=0, rows=1)
     assert pool.in_flight() == [1, 1]
-    with pytest.raises(QueueFull, match=r"0 requests already wait .*max_queued_requests 0, max_num_seqs 1"):
+    # "0 requests already wait" read as if nothing waited; the fix names the fields and the flags
+    with pytest.raises(QueueFull, match=r"every sequence slot is busy \(max_num_seqs 1 per replica\) and none may "
+                                        r"wait for one \(max_queued_requests 0\); retry later, or raise "
+                                        r"max_queued_requests or max_num_seqs \(--max-queued-requests") as full:
         pool.submit_stream(stream_handle("c"), queue_limit=0, rows=1)
+    assert (full.value.slots, full.value.queue_limit) == (1, 0)
     pool.submit_stream(stream_handle("c"), queue_limit=1, rows=1)  # waits on replica 0
     assert pool.in_flight() == [2, 1]
     pool.replicas[1].streams.pop("b")  # finished: replica 1 has a free row while "c" still waits
     pool.submit_stream(stream_handle("d"), queue_limit=1, rows=1)
     assert pool.in_flight() == [2, 1]  # it went to the free row
-    with pytest.raises(QueueFull, match="1 requests already wait"):  # the first would wait: none submitted
+    with pytest.raises(QueueFull, match=r"1 requests already wait for one \(max_queued_requests 1\)"):  # the first would wait: none submitted
         pool.submit_streams([stream_handle("e"), stream_handle("f")], queue_limit=1, rows=1)
     assert pool.in_flight() == [2, 1]
     pool.submit_streams([stream_handle("e"), stream_handle("f")], queue_limit=2, rows=1)  # both, past the limit

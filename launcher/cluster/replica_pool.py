@@ -522,9 +522,11 @@ class ReplicaPool:
             least = min(len(r.streams) for r in candidates)
             waiting = self.load(rows)["waiting"]
             if queue_limit is not None and least >= rows and waiting >= queue_limit:
-                raise QueueFull(f"{waiting} requests already wait for a free sequence slot "
-                                f"(max_queued_requests {queue_limit}, max_num_seqs {rows} per replica); "
-                                f"retry later, or raise --max-queued-requests / --max-num-seqs", retry_after_s=1.0)
+                queue = (f"{waiting} requests already wait for one (max_queued_requests {queue_limit})" if queue_limit
+                         else "none may wait for one (max_queued_requests 0)")
+                raise QueueFull(f"every sequence slot is busy (max_num_seqs {rows} per replica) and {queue}; retry "
+                                f"later, or raise max_queued_requests or max_num_seqs (--max-queued-requests, "
+                                f"--max-num-seqs)", retry_after_s=1.0, slots=rows, queue_limit=queue_limit)
             for handle in handles:
                 min(candidates, key=lambda r: len(r.streams)).submit_stream(handle)
 

@@ -112,6 +112,16 @@ def queue_full_type() -> type[BaseException] | tuple:
     return getattr(launcher.errors, "QueueFull", ())
 
 
+def _at_capacity(err, retry_s: int) -> str:
+    """A queue-full answer in the API's words: the engine's names the operator's flags, which no
+    client can change, and said "retry later" before the server's own "retry after"."""
+    slots, limit = getattr(err, "slots", None), getattr(err, "queue_limit", None)
+    if slots is None or limit is None:  # an engine whose QueueFull carries no counts
+        return f"the server is at capacity; retry after {retry_s} s"
+    queue = f"its queue of {limit} is full" if limit else "it queues no requests"
+    return f"the server is at capacity: all {slots} sequence slots are busy and {queue}; retry after {retry_s} s"
+
+
 def _sanitizing(tokenizer) -> dict:
     """apply_chat_template's option that encodes control tokens written inside message text as that
     text (transformers 5.20 and later); {} where the installed transformers lacks it."""
@@ -663,7 +673,7 @@ class OpenAIServer:
         except queue_full_type() as err:
             self.metrics.rejected(503)
             retry = max(1, math.ceil(getattr(err, "retry_after_s", 1.0)))
-            raise ProtocolError(f"the server is at capacity ({err}); retry after {retry} s", status=503,
+            raise ProtocolError(_at_capacity(err, retry), status=503,
                                 type="server_error", code="queue_full", headers={"Retry-After": str(retry)}) from None
         except LaunchError as err:  # no replica left serving (Serve replaces this one), or shutting down
             self.metrics.rejected(503, reason="unavailable")
