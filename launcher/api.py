@@ -503,6 +503,8 @@ class Launcher:
         self.model_dir: Path | None = None
         self.tokenizer = None
         """The checkpoint's tokenizer once start() (or check_prompts()) has returned; None without one."""
+        self._eos_cache: tuple[object, tuple[int, ...]] | None = None
+        """(the tokenizer they were read with, the end-of-sequence ids): _eos_ids() once per tokenizer."""
         self._generation_eos: tuple[int, ...] = ()
         self._tokenizer_load: BackgroundLoad | None = None
         self._tokenizer_retry = False
@@ -574,6 +576,7 @@ class Launcher:
     def _start_under_lock(self) -> None:
         start = time.perf_counter()
         self.prepare()
+        self._hold_compiled_version()  # again after a shutdown: prepare() took it only the first time
         try:
             self._start_group(self.backend)
             self._await_tokenizer()  # it loaded while the group started (check_prompts may have taken it)
@@ -675,8 +678,7 @@ class Launcher:
         _check_flag("return_logits", return_logits)
         self.prepare()
         self._await_tokenizer()
-        with self._lock:
-            _, token_lists = self._tokenize(prompts)
+        _, token_lists = self._tokenize(prompts)
         params = self._sampling_per_prompt(sampling, len(token_lists))
         check_request(token_lists, params, max_new_tokens, self.model_config.vocab_size)
         check_stop_token_ids(stop_token_ids, self.model_config.vocab_size)
@@ -1003,8 +1005,7 @@ class Launcher:
         if batching == "continuous":  # each stream checks its options, ignore_eos and return_logits included
             return self._generate_streams(prompts, sampling, max_new_tokens, stop_token_ids, ignore_eos, return_logits)
         _check_batching(batching)
-        with self._lock:
-            texts, token_lists = self._tokenize(prompts)
+        texts, token_lists = self._tokenize(prompts)
         params = self._sampling_per_prompt(sampling, len(token_lists))
         check_request(token_lists, params, max_new_tokens, self.model_config.vocab_size)
         stop_token_ids = check_stop_token_ids(stop_token_ids, self.model_config.vocab_size)
@@ -1098,13 +1099,9 @@ class Launcher:
         max_new_tokens = _plain_integer(max_new_tokens)
         self._running_pool()  # not started: said before any tokenizing
 
-        def tokenize():
-            with self._lock:
-                return self._tokenize(prompts)
-
         # On a thread: long prompts take the tokenizer seconds, which on the loop would stall every
         # other coroutine (and the streams this loop reads).
-        tokenized = await asyncio.to_thread(tokenize)
+        tokenized = await asyncio.to_thread(self._tokenize, prompts)
         streams, texts, token_lists = self._open_generation(prompts, sampling, max_new_tokens, stop_token_ids,
                                                             ignore_eos, return_logits, asynchronous=True,
                                                             tokenized=tokenized)
@@ -1146,8 +1143,7 @@ class Launcher:
             prompt = [token_ids]
         else:
             raise ValueError(f"prompt ({show(prompt)}) must be a string or a non-empty list of token ids")
-        with self._lock:
-            _, [token_ids] = self._tokenize(prompt)
+        _, [token_ids] = self._tokenize(prompt)
         params = sampling if sampling is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling ({params!r}) must be a SamplingParams")
@@ -1223,8 +1219,7 @@ class Launcher:
         _check_flag("return_logits", return_logits)
         stop_token_ids = check_stop_token_ids(stop_token_ids, self.model_config.vocab_size)
         if tokenized is None:
-            with self._lock:
-                tokenized = self._tokenize(prompts)
+            tokenized = self._tokenize(prompts)
         texts, token_lists = tokenized
         params = self._sampling_per_prompt(sampling, len(token_lists))
         check_request(token_lists, params, max_new_tokens, self.model_config.vocab_size)
@@ -1281,7 +1276,14 @@ class Launcher:
             decode_step_latencies_s=steps, logits=logits, replica=stream.handle.replica or 0,
             attempts=stream.handle.attempts, token_times_s=times)
 
+    def _encode(self, text: str) -> list[int]:
+        # The lock per prompt, not per call: a call of 20,000 prompts held it for a second, and an
+        # astream() on the event loop waited for it there, stalling every coroutine of the loop.
+        with self._lock:
+            return list(self.tokenizer(text)["input_ids"])
+
     def _tokenize(self, prompts) -> tuple[list[str | None], list[list[int]]]:
+        """(texts, token-id lists) of the prompts; the tokenizer taken under self._lock, a prompt at a time."""
         if isinstance(prompts, str):
             prompts = [prompts]
         if isinstance(prompts, (bytes, bytearray)) or not hasattr(prompts, "__iter__"):
@@ -1302,7 +1304,7 @@ class Launcher:
                 except UnicodeEncodeError as err:  # a command-line argument that was not UTF-8
                     raise ValueError(f"prompt {i} is not valid UTF-8 text ({p!r}: {err.reason} at position "
                                      f"{err.start}); pass UTF-8 text") from None
-            token_lists = [list(self.tokenizer(p)["input_ids"]) for p in prompts]
+            token_lists = [self._encode(p) for p in prompts]
             texts: list[str | None] = list(prompts)
         elif None not in (token_lists := [_token_id_list(p) for p in prompts]):
             texts = [None] * len(prompts)
@@ -1378,13 +1380,17 @@ class Launcher:
                 except ValueError as err:
                     raise ValueError(f"{which}{err}") from None
 
-    def _eos_ids(self) -> list[int]:
+    def _eos_ids(self) -> tuple[int, ...]:
         """The ids that end a request unless ignore_eos: config.json's, generation_config.json's and
         the tokenizer's end-of-sequence token."""
+        cached = self._eos_cache
+        if cached is not None and cached[0] is self.tokenizer:  # asked once per prompt: 16,000 took a second
+            return cached[1]
         ids = list(self.model_config.eos_token_id) + list(self._generation_eos)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.append(self.tokenizer.eos_token_id)
-        return ids
+        self._eos_cache = (self.tokenizer, tuple(ids))
+        return self._eos_cache[1]
 
     def _decode(self, token_ids) -> str | None:
         if self.tokenizer is None:

@@ -506,14 +506,17 @@ class ReplicaPool:
                 raise NoReplicaAvailable(str(self._no_replica))
             # Events find their stream by request id: a second one in flight would take the first's.
             ids = [h.request_id for h in handles]
+            seen: set[str] = set()  # a set, not ids.count(): 16,000 prompts took 3 s under this lock
             for request_id in ids:
                 if any(request_id in r.cancelling for r in self.replicas):  # closed, timed out or stopped
-                    raise ValueError(f"request_id {request_id!r} belongs to a request that has ended here but "
-                                     f"whose cancel its group has not answered yet; retry the id in a moment, or "
+                    raise ValueError(f"request_id {request_id!r} belongs to a request that has ended here (closed, "
+                                     f"timed out, or finished on a stop string, which the group is told to cancel) "
+                                     f"but whose cancel its group has not answered yet; retry the id in a moment, or "
                                      f"give each request its own id (or none: one is generated)")
-                if ids.count(request_id) > 1 or any(request_id in r.streams for r in self.replicas):
+                if request_id in seen or any(request_id in r.streams for r in self.replicas):
                     raise ValueError(f"request_id {request_id!r} is already in flight; give each request its "
                                      f"own id (or none: one is generated)")
+                seen.add(request_id)
             candidates = ([r for r in self.replicas if r.state == "serving"]
                           or [r for r in self.replicas if r.state in ("restarting", "starting")])
             if not candidates:  # the last replica was just given up; _replica_failed is on its way
