@@ -576,7 +576,7 @@ class Launcher:
     def _start_under_lock(self) -> None:
         start = time.perf_counter()
         self.prepare()
-        self._hold_compiled_version()  # again after a shutdown: prepare() took it only the first time
+        self._hold_compiled_version()  # each start: after a shutdown too (prepare() plans once)
         try:
             self._start_group(self.backend)
             self._await_tokenizer()  # it loaded while the group started (check_prompts may have taken it)
@@ -614,15 +614,10 @@ class Launcher:
         from launcher.launch_plan import plan_launch, with_artifact_settings
 
         self.config = with_artifact_settings(self.config)  # a compiled directory's or pre-sharded copy's
-        self._hold_compiled_version()
-        try:
-            planned = plan_launch(self.config, self._progress)
-            self.model_dir, self.model_config = planned.model_dir, planned.model_config
-            self._generation_eos = generation_eos_ids(self.model_dir)  # before Ray: a bad file is named now
-            self.buckets = load_spec_fields(self.config, planned.plan, self.model_config)["buckets"]
-        except BaseException:  # refused: nothing will run from the version
-            self._release_version_hold()
-            raise
+        planned = plan_launch(self.config, self._progress)
+        self.model_dir, self.model_config = planned.model_dir, planned.model_config
+        self._generation_eos = generation_eos_ids(self.model_dir)  # before Ray: a bad file is named now
+        self.buckets = load_spec_fields(self.config, planned.plan, self.model_config)["buckets"]
         self.backend = planned.backend
         self._host_holds = planned.host_holds
         self._load_tokenizer()
@@ -630,13 +625,18 @@ class Launcher:
         return self
 
     def _hold_compiled_version(self) -> None:
-        """The compiled directory's version pinned just now stays while this launch runs: a compile into
-        the same --out leaves it (shardlib.atomic_dir.in_use) until shutdown(). Taken as it is pinned,
-        not at start(): a compile finishing while the plan and the checkpoint were checked removed it."""
+        """The compiled directory's version prepare() pinned stays while this launch runs: a compile into
+        the same --out leaves it (shardlib.atomic_dir.in_use) until shutdown(). Taken at start(), not at
+        prepare(): a Launcher only prepared (check_prompts refusing a prompt, then dropped) kept it for
+        the life of the process. A compile that finished between the two has removed the version: said."""
         if self.config.compiled_dir and self._version_hold is None:
             from shardlib.atomic_dir import hold_version
 
             self._version_hold = hold_version(self.config.compiled_dir)
+            if self._version_hold is None and not Path(self.config.compiled_dir).is_dir():
+                raise LaunchError(f"the compiled directory's version {self.config.compiled_dir} this launch pinned "
+                                  f"was removed before it started (a `corelaunch compile` into the same --out "
+                                  f"finished meanwhile); start the launch again")
 
     def _release_version_hold(self) -> None:
         with self._cache_lock:  # two shutdowns at once: one closes it (a second close could hit a reused fd)

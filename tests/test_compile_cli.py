@@ -599,13 +599,16 @@ def test_compile_progress_waits_for_a_whole_line(tmp_path):
     assert len(notes) == 2 and notes[1].startswith("  graph 2/4:") and "(0.2 s)" in notes[1], notes
 
 
-def test_a_launch_holds_its_compiled_version_from_the_moment_it_pins_it(model_dir, tmp_path, monkeypatch):
-    """The hold was taken at start(), after prepare() had pinned the version and checked the plan and
-    the checkpoint: a compile into the same --out finishing in between removed the version the launch
-    was about to run. prepare() holds it now, and lets go when the launch is refused there."""
+def test_each_start_holds_its_compiled_version_and_a_version_removed_meanwhile_is_named(model_dir, tmp_path,
+                                                                                        monkeypatch):
+    """start() holds the version prepare() pinned, each time: a start after shutdown() ran unheld (the
+    hold had moved into the once-only prepare(), where a Launcher only prepared, then dropped, also
+    kept it for the life of the process). A compile that removed the version between prepare() and
+    start() is named, not left to fail on missing files."""
     import shutil
 
     from launcher.api import Launcher
+    from launcher.errors import LaunchError
     from shardlib.atomic_dir import in_use
     from shardlib.model_config import load_model_config
     from shardlib.presharded import save_presharded
@@ -617,18 +620,22 @@ def test_a_launch_holds_its_compiled_version_from_the_moment_it_pins_it(model_di
             shutil.copy(item, root / "model" / item.name)
     config = load_model_config(model_dir)
     save_presharded(root / "weights", model_dir, config, ShardLayout.for_model(config, 1))
-    launcher = Launcher(LaunchConfig(compiled_dir=str(root), progress=False))
     monkeypatch.setattr(Launcher, "_start_group", lambda self, backend: None)  # the hold, not the ranks
-    # prepared, then started again after the shutdown (prepare() plans once, and took the hold only then)
-    for begin in (launcher.prepare, launcher.start):
+    launcher = Launcher(LaunchConfig(compiled_dir=str(root), progress=False))
+    launcher.prepare()
+    assert not in_use(root)  # only prepared: nothing runs from it yet
+    for _ in range(2):  # started, shut down, started again
         try:
-            begin()
-            assert in_use(root), begin
+            launcher.start()
+            assert in_use(root)
         finally:
             launcher.shutdown()
         assert not in_use(root)
 
-    refused = fake_compiled_dir(tmp_path / "refused", model_dir)  # empty weights: refused in prepare()
-    with pytest.raises(FileNotFoundError, match="is not a pre-sharded checkpoint"):
-        Launcher(LaunchConfig(compiled_dir=str(refused), progress=False)).prepare()
-    assert not in_use(refused)  # nothing runs from it: not held
+    moved = tmp_path / "moved"
+    later = Launcher(LaunchConfig(compiled_dir=str(root), progress=False)).prepare()
+    root.rename(moved)  # as the sweep after a compile into the same --out removes it
+    with pytest.raises(LaunchError, match=rf"the compiled directory's version {root} this launch pinned was "
+                                          r"removed before it started .* start the launch again"):
+        later.start()
+    later.shutdown()
