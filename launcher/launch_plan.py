@@ -84,6 +84,11 @@ def plan_launch(config, progress: Progress, nothing_done: str = "nothing was sta
     if config.fused_projections and model_config.quantization is not None:
         raise ValueError(f"fused_projections: {model_dir} holds quantized weights, which are not fused (each keeps "
                          f"its own scale); drop --fused-projections")
+    if config.token_buckets is not None:  # they set seq_len: named as given, not as a --seq-len nobody passed
+        from shardlib.buckets import normalize_buckets
+
+        normalize_buckets(config.token_buckets, "token-generation", model_config.max_position_embeddings,
+                          "the model's max_position_embeddings")
     plan = make_plan(model_config, instance=target, tp=config.tp, nodes=config.nodes, lnc=config.lnc,
                      batch_size=config.max_batch_size, serving_rows=serving_cache_rows(config.max_num_seqs), seq_len=config.seq_len, dtype=config.dtype,
                      kv_strategy=config.kv_strategy, pad_q_heads=config.pad_q_heads,
@@ -124,8 +129,9 @@ def layout_notes(config, plan) -> list[str]:
     if config.pad_q_heads and plan.padded_q_heads == plan.config.num_attention_heads:
         notes.append(pads_nothing(plan.config.num_attention_heads, plan.tp_degree))
     if config.sequence_parallel and plan.tp_degree == 1:
-        notes.append("sequence_parallel (--sequence-parallel) does nothing at tp_degree 1: there is no other rank "
-                     "to split the sequence with")
+        given = ", a compiled directory's setting" if config.compiled_dir else ""
+        notes.append(f"sequence_parallel (--sequence-parallel{given}) does nothing at tp_degree 1: there is no other "
+                     f"rank to split the sequence with")
     return notes
 
 

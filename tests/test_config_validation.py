@@ -318,6 +318,10 @@ def test_an_eager_launch_refuses_a_seq_len_past_the_models_positions(tmp_path):
     limit = load_model_config(model).max_position_embeddings
     with pytest.raises(PlanRejected, match=rf"\[seq_len_too_long\] seq_len \({limit + 1}\) exceeds"):
         plan_launch(LaunchConfig(model=model, tp=1, compile=False, seq_len=limit + 1), Progress(False))
+    # token buckets set seq_len: named as the option given (it said seq_len, which nobody passed)
+    with pytest.raises(ValueError, match=rf"token-generation bucket {limit + 1} exceeds the model's "
+                                         rf"max_position_embeddings \({limit}\); drop it or lower it to {limit}"):
+        plan_launch(LaunchConfig(model=model, tp=1, token_buckets=(64, limit + 1)), Progress(False))
 
 
 def test_nodes_on_a_private_cluster_are_refused_before_anything_starts(tmp_path, monkeypatch):

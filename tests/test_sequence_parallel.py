@@ -236,3 +236,11 @@ def test_layout_options_that_change_nothing_at_the_degree_are_said_at_start_up(t
     plan_launch(LaunchConfig(model=model, tp=1), Progress(True))
     quiet = capsys.readouterr().err
     assert "does nothing" not in quiet and "pads nothing" not in quiet
+    # from a directory compiled with it, the note names where it came from (no flag was passed)
+    from types import SimpleNamespace
+
+    from launcher.launch_plan import layout_notes
+
+    tp1 = plan_launch(LaunchConfig(model=model, tp=1), Progress(False)).plan
+    [note] = layout_notes(SimpleNamespace(pad_q_heads=False, sequence_parallel=True, compiled_dir="/c"), tp1)
+    assert note.startswith("sequence_parallel (--sequence-parallel, a compiled directory's setting) does nothing")
