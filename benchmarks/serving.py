@@ -335,7 +335,9 @@ def server_unreachable(base_url: str, timeout_s: float = 10.0) -> str | None:
 
     try:
         urllib.request.urlopen(base_url.rstrip("/") + "/models", timeout=timeout_s).close()
-    except urllib.error.HTTPError:
+    except urllib.error.HTTPError as err:
+        if err.code == 404:  # a server, but no API there: the likeliest slip is a URL without /v1
+            return f"a server answers, but {base_url.rstrip('/')}/models is not found (HTTP 404): is /v1 missing?"
         return None
     except (urllib.error.URLError, OSError, ValueError) as err:
         return f"{type(err).__name__}: {getattr(err, 'reason', err)}"
@@ -361,8 +363,8 @@ def main(out=None) -> None:
     args = parse_args()
     why = args.base_url and server_unreachable(args.base_url)
     if why:  # before the baselines' minutes, and before any level
-        print(f"serving.py: --base-url {args.base_url}: nothing answers there ({why}); start the server first, or "
-              f"pass its /v1 URL", file=sys.stderr)
+        print(f"serving.py: --base-url {args.base_url}: no OpenAI API answers there ({why}); start the server "
+              f"first, or pass its /v1 URL", file=sys.stderr)
         sys.exit(2)
     _exit_on_termination()
     from transformers import AutoTokenizer

@@ -1699,7 +1699,10 @@ def test_a_serve_replica_refuses_a_model_without_a_tokenizer_before_its_ranks_st
     from launcher.serving.openai_app import OpenAIServer, builder_settings
     from tests.model_factory import save_random_model
 
+    from launcher.api import Launcher
+
     monkeypatch.setattr(openai_app, "_key_check", openai_app._key_check)  # the constructor installs its own
+    monkeypatch.setattr(Launcher, "start", lambda self: pytest.fail("the replica started its Launcher"))
     bare = save_random_model(tmp_path / "bare", "llama", num_heads=4, num_kv_heads=2)
     wrapper = OpenAIServer.func_or_class
     ours = next(c for c in wrapper.__mro__[1:] if c.__module__ == "launcher.serving.openai_app")
@@ -1707,7 +1710,7 @@ def test_a_serve_replica_refuses_a_model_without_a_tokenizer_before_its_ranks_st
     with pytest.raises(ValueError, match=r"has no tokenizer files .* the server reads prompts and chat messages"):
         ours.__init__(server, builder_settings({"model": str(bare), "tp": 1, "backend": "cpu", "compile": False,
                                                        "cpus_per_rank": 1}))
-    assert server.launcher._pool is None  # nothing was started
+    assert server.launcher._pool is None and server.launcher.plan is not None  # planned, then refused
 
 
 def test_a_queue_full_answer_speaks_to_the_client_not_the_operator():

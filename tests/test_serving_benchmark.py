@@ -429,10 +429,21 @@ def test_a_base_url_that_is_no_url_or_where_nothing_answers_is_refused_before_an
     with pytest.raises(SystemExit) as exit_:
         serving.main()
     assert exit_.value.code == 2
-    assert f"--base-url {nowhere}: nothing answers there" in capsys.readouterr().err
-    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)  # answers 501
+    assert f"--base-url {nowhere}: no OpenAI API answers there" in capsys.readouterr().err
+
+    class NoModelsHere(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            self.send_response(404 if self.path == "/models" else 401)  # a keyed API at /v1 only
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), NoModelsHere)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        assert serving.server_unreachable(f"http://127.0.0.1:{server.server_address[1]}/v1") is None
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        assert serving.server_unreachable(base + "/v1") is None  # it answers (401: its key is its business)
+        assert "is /v1 missing?" in serving.server_unreachable(base)  # the slip the last review found
     finally:
         server.shutdown()
