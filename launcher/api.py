@@ -617,9 +617,9 @@ class Launcher:
         planned = plan_launch(self.config, self._progress)
         self.model_dir, self.model_config = planned.model_dir, planned.model_config
         self._generation_eos = generation_eos_ids(self.model_dir)  # before Ray: a bad file is named now
-        self.buckets = load_spec_fields(self.config, planned.plan, self.model_config)["buckets"]
         self.backend = planned.backend
         self._host_holds = planned.host_holds
+        self.buckets = load_spec_fields(self.config, planned.plan, self.model_config)["buckets"]
         self._load_tokenizer()
         self.plan = planned.plan
         return self

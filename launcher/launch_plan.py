@@ -178,8 +178,9 @@ def refuse_nodes_on_a_private_cluster(config) -> None:
     from launcher.cluster.ray_cluster import private_cluster
 
     if config.nodes > 1 and private_cluster(config.ray_address):
-        raise nodes_on_one_host(config.nodes, "with no cluster to join, the launch starts", f"join a cluster of {config.nodes} or more nodes with --ray-address "
-                                              f"HOST:PORT (or RAY_ADDRESS, or `ray start` on this host), or drop --nodes")
+        raise nodes_on_one_host(config.nodes, "with no cluster to join, the launch starts",
+                                f"join a cluster of {config.nodes} or more nodes with --ray-address HOST:PORT (or "
+                                f"RAY_ADDRESS, or `ray start` on this host), or drop --nodes")
 
 
 def nodes_on_one_host(nodes: int, starter: str, fix: str) -> ValueError:
