@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from launcher.cli.options import (add_backend_arguments, add_bucket_lists, add_fused_projections, add_granularity,
-                                  add_kv_cache_dtype, add_max_num_seqs, add_max_prefill_tokens, add_moe_sharding,
+                                  add_kv_cache_dtype, add_kv_strategy, add_max_num_seqs, add_max_prefill_tokens, add_moe_sharding,
                                   add_pad_q_heads, add_sequence_parallel, add_timeout_arguments, backend_options, bucket_lists, max_num_seqs_option,
                                   non_empty_path, timeout_options, with_flag_name)
 
@@ -38,8 +38,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's")
     add_backend_arguments(p)
     add_timeout_arguments(p)
-    p.add_argument("--lnc", type=int, choices=[1, 2])
-    p.add_argument("--kv-strategy", choices=["shard", "replicate_to_tp", "convert_to_mha"])
+    p.add_argument("--lnc", type=int, choices=[1, 2], help="logical NeuronCore config (default: per instance)")
+    add_kv_strategy(p)
     add_pad_q_heads(p)
     add_moe_sharding(p)
     add_sequence_parallel(p)

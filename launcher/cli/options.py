@@ -205,6 +205,11 @@ def max_num_seqs_option(args: argparse.Namespace, default: int | None = None) ->
     return {"max_num_seqs": recorded_settings(getattr(args, "compiled", None)).get("max_num_seqs", default)}
 
 
+def add_kv_strategy(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-strategy", choices=["shard", "replicate_to_tp", "convert_to_mha"],
+                   help="force a KV-head layout (default: the planner's)")
+
+
 def add_moe_sharding(p: argparse.ArgumentParser) -> None:
     """--moe-sharding: how a mixture-of-experts model's experts are split (plan, generate, serve, compile)."""
     p.add_argument("--moe-sharding", choices=["tensor_parallel", "expert_parallel"],
@@ -224,8 +229,7 @@ def add_fused_projections(p: argparse.ArgumentParser, compiled: bool = True) -> 
 def add_layout_choices(p: argparse.ArgumentParser) -> None:
     """--kv-strategy, --moe-sharding and --fused-projections on check and bench, so every layout
     generate and serve can run can be checked and measured as it runs (check had none of them)."""
-    p.add_argument("--kv-strategy", choices=["shard", "replicate_to_tp", "convert_to_mha"],
-                   help="force a KV-head layout (default: the planner's)")
+    add_kv_strategy(p)
     add_moe_sharding(p)
     add_fused_projections(p, compiled=False)
 
@@ -255,7 +259,8 @@ def add_model_and_placement_arguments(p: argparse.ArgumentParser) -> None:
     add_backend_arguments(p)
     p.add_argument("--nodes", type=int, default=1,
                    help="nodes one TP group spans when one node lacks cores: at most this many for cpu, exactly "
-                        "this many (TP / N ranks each) for a device backend (default 1)")
+                        "this many (TP / N ranks each) for a device backend; above 1 it needs a cluster to join "
+                        "(serve, whose Ray is private, takes 1 only) (default 1)")
     p.add_argument("--max-restarts", type=int, default=3, metavar="N",
                    help="restarts of a failed replica within --restart-window; 0 disables them (default 3)")
     p.add_argument("--restart-window", type=float, default=600.0, metavar="S",
@@ -265,7 +270,7 @@ def add_model_and_placement_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--presharded-cache", action="store_true",
                    help="write a pre-sharded copy after the first load and restart groups from it")
     p.add_argument("--lnc", type=int, choices=[1, 2], help="logical NeuronCore config (default: per instance)")
-    p.add_argument("--kv-strategy", choices=["shard", "replicate_to_tp", "convert_to_mha"])
+    add_kv_strategy(p)
     add_pad_q_heads(p)
     add_moe_sharding(p)
     add_fused_projections(p)
