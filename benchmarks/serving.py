@@ -199,7 +199,8 @@ async def measure_levels(base_url: str, model: str, prompts: PromptSource, args)
     from openai import AsyncOpenAI
 
     # no retries: a failed request must show as a failure, not as a slow success
-    client = AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=args.request_timeout)
+    client = AsyncOpenAI(base_url=base_url, api_key=getattr(args, "api_key", None) or "unused", max_retries=0,
+                         timeout=args.request_timeout)
     levels = {}
     try:
         for level in args.levels:
@@ -254,6 +255,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="no unmeasured wave before each level")
     parser.add_argument("--base-url", help="an OpenAI-compatible server's /v1 URL; default: start corelaunch serve")
     parser.add_argument("--model", default=DEFAULT_SERVED_NAME, help="the model name the server serves")
+    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                        help="with --base-url: the key the server wants (default: OPENAI_API_KEY)")
     parser.add_argument("--model-dir", help="Hugging Face folder: its tokenizer builds the prompts, and "
                                             "corelaunch serve loads it (default: the built-in SmolLM2)")
     parser.add_argument("--server-arg", action="append", default=[], metavar="ARG",
@@ -326,18 +329,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def server_unreachable(base_url: str, timeout_s: float = 10.0) -> str | None:
-    """Why nothing answers at base_url (GET base_url/models), or None when a server answers, with any
-    HTTP status (a key it wants is its own business): every level's requests failed one by one
-    with "Connection error" and the run ended with a report of nothing but failures."""
+def server_unreachable(base_url: str, api_key: str | None = None, timeout_s: float = 10.0) -> str | None:
+    """Why no OpenAI API answers at base_url (GET base_url/models, with the key if given), or None:
+    every level's requests failed one by one ("Connection error", a 404, a 401) and the run ended
+    with a report of nothing but failures."""
     import urllib.error
     import urllib.request
 
+    models = base_url.rstrip("/") + "/models"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        urllib.request.urlopen(base_url.rstrip("/") + "/models", timeout=timeout_s).close()
+        urllib.request.urlopen(urllib.request.Request(models, headers=headers), timeout=timeout_s).close()
     except urllib.error.HTTPError as err:
         if err.code == 404:  # a server, but no API there: the likeliest slip is a URL without /v1
-            return f"a server answers, but {base_url.rstrip('/')}/models is not found (HTTP 404): is /v1 missing?"
+            slip = "is /v1 missing?" if not base_url.rstrip("/").endswith("/v1") else "is it an OpenAI-compatible API?"
+            return f"a server answers, but {models} is not found (HTTP 404): {slip}"
+        if err.code in (401, 403):
+            return (f"the server refuses {'the key given' if api_key else 'requests without a key'} (HTTP {err.code}): "
+                    f"pass its key with --api-key (or OPENAI_API_KEY)")
         return None
     except (urllib.error.URLError, OSError, ValueError) as err:
         return f"{type(err).__name__}: {getattr(err, 'reason', err)}"
@@ -361,7 +370,7 @@ def main(out=None) -> None:
     """out: where the JSON report goes (stdout when None)."""
     out = out or sys.stdout
     args = parse_args()
-    why = args.base_url and server_unreachable(args.base_url)
+    why = args.base_url and server_unreachable(args.base_url, args.api_key)
     if why:  # before the baselines' minutes, and before any level
         print(f"serving.py: --base-url {args.base_url}: no OpenAI API answers there ({why}); start the server "
               f"first, or pass its /v1 URL", file=sys.stderr)

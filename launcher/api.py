@@ -636,7 +636,8 @@ class Launcher:
             if self._version_hold is None and not Path(self.config.compiled_dir).is_dir():
                 raise LaunchError(f"the compiled directory's version {self.config.compiled_dir} this launch pinned "
                                   f"was removed before it started (a `corelaunch compile` into the same --out "
-                                  f"finished meanwhile); start the launch again")
+                                  f"finished meanwhile); create a new Launcher (or run the command again), which "
+                                  f"pins the version there now")
 
     def _release_version_hold(self) -> None:
         with self._cache_lock:  # two shutdowns at once: one closes it (a second close could hit a reused fd)

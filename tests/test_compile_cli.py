@@ -636,6 +636,7 @@ def test_each_start_holds_its_compiled_version_and_a_version_removed_meanwhile_i
     later = Launcher(LaunchConfig(compiled_dir=str(root), progress=False)).prepare()
     root.rename(moved)  # as the sweep after a compile into the same --out removes it
     with pytest.raises(LaunchError, match=rf"the compiled directory's version {root} this launch pinned was "
-                                          r"removed before it started .* start the launch again"):
+                                          r"removed before it started .* create a new Launcher \(or run the "
+                                          r"command again\)"):
         later.start()
     later.shutdown()

@@ -433,7 +433,8 @@ def test_a_base_url_that_is_no_url_or_where_nothing_answers_is_refused_before_an
 
     class NoModelsHere(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 - http.server's name
-            self.send_response(404 if self.path == "/models" else 401)  # a keyed API at /v1 only
+            keyed = 200 if self.headers.get("Authorization") == "Bearer k" else 401
+            self.send_response(404 if self.path != "/v1/models" else keyed)  # a keyed API at /v1 only
             self.end_headers()
 
         def log_message(self, *args):
@@ -443,7 +444,12 @@ def test_a_base_url_that_is_no_url_or_where_nothing_answers_is_refused_before_an
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         base = f"http://127.0.0.1:{server.server_address[1]}"
-        assert serving.server_unreachable(base + "/v1") is None  # it answers (401: its key is its business)
+        assert serving.server_unreachable(base + "/v1", "k") is None
         assert "is /v1 missing?" in serving.server_unreachable(base)  # the slip the last review found
+        # every request would fail 401 (the client sent the key "unused"): refused, naming --api-key
+        assert "refuses requests without a key (HTTP 401): pass its key with --api-key" in \
+            serving.server_unreachable(base + "/v1")
+        assert "refuses the key given" in serving.server_unreachable(base + "/v1", "wrong")
+        assert serving.parse_args(["--base-url", base + "/v1", "--api-key", "k"]).api_key == "k"
     finally:
         server.shutdown()
