@@ -1,0 +1,85 @@
+"""The driver's shared tokenizer under load: how long a one-prompt tokenize (an astream() on the
+event loop) waits while another thread tokenizes a large call, with Launcher._encode's handover
+against a plain lock taken a prompt at a time (Python's lock is not fair: the bulk call took it
+back at once, prompt after prompt). Also the bulk call's own time, alone and beside the waiter.
+Prints JSON. No Ray: the built-in model's tokenizer in this process.
+
+    python benchmarks/tokenizer_lock.py [--prompts 5000] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.serving import machine  # noqa: E402
+
+
+def main(out=None) -> None:
+    """out: where the JSON report goes (stdout when None)."""
+    out = out or sys.stdout
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=5000, help="prompts of the bulk call (default 5000)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
+    args = parser.parse_args()
+    if args.prompts < 1 or args.rounds < 1:
+        parser.error(f"--prompts ({args.prompts}) and --rounds ({args.rounds}) must be at least 1")
+    from launcher.api import Launcher
+
+    llm = Launcher(progress=False)
+    llm.prepare()
+    llm._await_tokenizer()
+    prompts = ["The quick brown fox jumps over the lazy dog " * 20] * args.prompts
+
+    def plain_lock() -> None:  # the lock a prompt at a time, no handover
+        for prompt in prompts:
+            with llm._lock:
+                list(llm.tokenizer(prompt)["input_ids"])
+
+    def handover() -> None:
+        llm._tokenize(prompts)
+
+    def run(bulk, waiter: bool) -> dict:
+        thread = threading.Thread(target=bulk)
+        start = time.perf_counter()
+        thread.start()
+        waits = []
+        time.sleep(0.05)
+        while waiter and thread.is_alive():
+            asked = time.perf_counter()
+            llm._tokenize(["hello there"])
+            waits.append(time.perf_counter() - asked)
+            time.sleep(0.05)
+        thread.join()
+        out = {"bulk_s": time.perf_counter() - start}
+        if waits:
+            out.update(wait_ms_mean=1e3 * statistics.mean(waits), wait_ms_max=1e3 * max(waits), waits=len(waits))
+        return out
+
+    results: dict[str, list[dict]] = {}
+    for _ in range(args.rounds):  # alternated: the host's speed drifts
+        for name, bulk in (("plain_lock", plain_lock), ("handover", handover)):
+            for waiter in (False, True):
+                results.setdefault(f"{name}_{'with' if waiter else 'without'}_waiter", []).append(run(bulk, waiter))
+    summary = {key: {field: round(statistics.median(r[field] for r in runs), 3) for field in runs[0]}
+               for key, runs in results.items()}
+    print(json.dumps({"machine": machine(), "prompts": args.prompts, "rounds": args.rounds, "median": summary,
+                      "ratios": {
+                          "bulk_alone_handover_over_plain": round(summary["handover_without_waiter"]["bulk_s"]
+                                                                  / summary["plain_lock_without_waiter"]["bulk_s"], 3),
+                          "wait_mean_handover_over_plain": round(summary["handover_with_waiter"]["wait_ms_mean"]
+                                                                 / summary["plain_lock_with_waiter"]["wait_ms_mean"], 4)}},
+                     indent=2), file=out)
+
+
+if __name__ == "__main__":
+    from launcher.cli.command_stdout import run_reporting
+
+    run_reporting(main)
