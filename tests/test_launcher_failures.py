@@ -507,8 +507,10 @@ def test_a_shutdown_also_stops_a_start_still_waiting_for_another(small_model, in
     second = threading.Thread(target=lambda: _record(errors, launcher.start))
     second.start()
     time.sleep(0.2)  # the second start waits for the first's lock
+    # shutdown() returns once the start it stopped has stopped, so the connect is let go meanwhile
+    # (set after shutdown() returned, the test waited out go_on's 60 s)
+    threading.Timer(0.5, go_on.set).start()
     launcher.shutdown()
-    go_on.set()
     first.join(60)
     second.join(60)
     try:
