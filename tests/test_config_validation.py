@@ -341,3 +341,15 @@ def test_nodes_on_a_private_cluster_are_refused_before_anything_starts(tmp_path,
                                          r"join a cluster of 2 or more nodes with --ray-address"):
         plan_launch(LaunchConfig(model=model, tp=2, nodes=2, ray_address="local", compile=False), Progress(False))
     assert plan_launch(LaunchConfig(model=model, tp=2, ray_address="local", compile=False), Progress(False)).plan.valid
+    # a second launch of a program whose first runs on the private Ray it started: the same host
+    # alone (it was taken for the calling program's own session, joined wherever it is)
+    from launcher.cluster import ray_cluster
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setitem(ray_cluster._OWN_SESSION, "users", 1)
+    monkeypatch.setitem(ray_cluster._OWN_SESSION, "started_here", True)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray_cluster, "recorded_cluster", lambda: None)
+    for address in ("local", None):
+        with pytest.raises(ValueError, match=r"nodes \(2\): with no cluster to join, the launch starts a private Ray"):
+            plan_launch(LaunchConfig(model=model, tp=2, nodes=2, ray_address=address, compile=False), Progress(False))

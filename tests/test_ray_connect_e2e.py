@@ -24,6 +24,12 @@ CONNECT_LOCAL = textwrap.dedent("""
     connection = ray_cluster.connect("local", num_cpus=1)
     print(connection.started_here, ray.cluster_resources().get("CPU"), flush=True)
     second = ray_cluster.connect("local", num_cpus=1)  # another launch of this process: it shares the session
+    print(ray_cluster.private_cluster("local"), ray_cluster.private_cluster(None), flush=True)
+    for other in ("127.0.0.1:9", None):  # another cluster (None: the one recorded) was not joined but shared
+        try:
+            ray_cluster.connect(other)
+        except Exception as err:
+            print("already connected to a private Ray cluster it started" in str(err), flush=True)
     connection.close()  # which must not end it under the second (its workers lost their driver)
     print(second.started_here, ray.is_initialized(), flush=True)
     second.close()
@@ -45,7 +51,9 @@ def test_local_starts_a_private_ray_even_with_a_cluster_recorded_on_the_host():
         out = subprocess.run([sys.executable, "-c", CONNECT_LOCAL], capture_output=True, text=True, timeout=180,
                              env=env, cwd=REPO)
         assert out.returncode == 0, out.stderr[-3000:]
-        assert out.stdout.split() == ["True", "1.0", "True", "True", "False"]
+        # a second launch asking for a cluster other than the shared one is refused (it ran on the
+        # private one, and timed out placing its ranks there), and only "local" is that private one
+        assert out.stdout.split() == ["True", "1.0", "True", "False", "True", "True", "True", "True", "False"]
 
 
 @pytest.mark.parametrize("options, words", [

@@ -75,14 +75,39 @@ def _auto_init(enabled: bool) -> None:
 
 
 def private_cluster(address: str | None) -> bool:
-    """True when connect(address) starts a private cluster of this host alone."""
+    """True when connect(address) starts a private cluster of this host alone, or shares the one an
+    earlier launch of this process started and still runs on."""
     if address not in ("local", None) or (address is None and os.environ.get("RAY_ADDRESS")):
         return False
     import ray
 
-    if ray.is_initialized():  # the calling program's own session: connect() joins it, wherever it is
-        return False
+    if ray.is_initialized():
+        with _SESSION_LOCK:  # shared where it is the cluster asked for; connect() refuses another
+            if _OWN_SESSION["users"] > 0:
+                return bool(_OWN_SESSION["started_here"]) and _another_cluster_asked(address) is None
+        return False  # the calling program's own session: connect() joins it, wherever it is
     return address == "local" or recorded_cluster() is None
+
+
+def _another_cluster_asked(address: str | None) -> str | None:
+    """Why a launch asking for `address` cannot share the session an earlier launch of this process
+    opened and still runs on (one Ray session per process), or None. The session was shared
+    whatever the address: a launch given a cluster's host:port, or one nobody listened on, ran on
+    the first launch's private cluster, and timed out placing its ranks there."""
+    started, open_at = _OWN_SESSION["started_here"], _OWN_SESSION["address"]
+    if address is None:
+        wanted = os.environ.get("RAY_ADDRESS") or recorded_cluster() or "local"
+        how = "from RAY_ADDRESS" if os.environ.get("RAY_ADDRESS") else (
+            "the cluster `ray start` recorded on this machine" if wanted != "local" else "a private cluster")
+    else:
+        wanted, how = address, "--ray-address"
+    if (wanted == "local") == started and (started or wanted == open_at):
+        return None
+    here = "a private Ray cluster it started" if started else f"the Ray cluster at {open_at!r}"
+    asked = "a private one" if wanted == "local" else repr(wanted)
+    return (f"this process is already connected to {here} for another launch still running, and one process holds "
+            f"one Ray session; this launch asks for {asked} ({how}): give it the same cluster as the running "
+            f"launch, or shut that one down first (Launcher.shutdown())")
 
 
 def on_this_host(address: str | None) -> bool:
@@ -222,6 +247,8 @@ def connect(address: str | None = None, num_cpus: int | None = None, worker_logs
     if ray.is_initialized():
         with _SESSION_LOCK:
             if _OWN_SESSION["users"] > 0:  # opened here for an earlier launch still running: shared
+                if (other := _another_cluster_asked(address)) is not None:
+                    raise LaunchError(other)
                 _OWN_SESSION["users"] += 1
                 started = _OWN_SESSION["started_here"]
                 return RayConnection(started_here=started, address=_OWN_SESSION["address"], joined_here=not started)
