@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -364,7 +365,7 @@ def test_check_refuses_launch_options_before_the_reference_runs(models, capsys, 
     original, _ = models
     reference_must_not_run(monkeypatch)
     for tp, message in (("0", "tp (0) must be a positive integer or 'auto'"),
-                        ("3", "num_attention_heads (4) is not divisible by tp_degree (3)")):
+                        ("3", "num_attention_heads (4) is not divisible by --tp (3)")):
         code, report, err = run_check(capsys, "--model", str(original), "--prompt-ids", PROMPT_IDS, "--tp", tp,
                                       "--no-compile")
         assert code == 2 and report is None and message in err, err
@@ -614,6 +615,37 @@ def test_bench_refuses_a_prompt_longer_than_the_context_before_ray_starts(models
                                                  "301 serving rows with the scratch row); a smaller --batch-size "
                                                  "(at most 115)")
     assert in_bench_terms(planner_text, 1000) == "ways out: a smaller --batch-size (at most 115)"
+
+
+def test_commands_without_nodes_offer_no_nodes_and_name_tp_as_their_flag(tmp_path, capsys, ray_tripwire):
+    """bench, check and compile take no --nodes, yet their plan refusals offered "more nodes:
+    --nodes 3 fits" (followed, it met "unrecognized arguments"), and named the planner's tp_degree
+    where generate says --tp. trn1.2xlarge: its cores' memory, not this host's, decides the plan."""
+    from launcher.cli.options import without_nodes_ways
+    from shardlib.demo_model import ensure_demo_model
+
+    original = ensure_demo_model()  # SmolLM2-135M: 9 heads, 3 KV heads
+    too_big = ["--model", str(original), "--instance", "trn1.2xlarge", "--seq-len", "200", "--no-compile", "--quiet"]
+    plan_text = ("ways out: a smaller seq_len (at most 107 at batch_size 3000 + 9 serving rows); a lower-precision "
+                 "dtype: bfloat16 fits at tp 1; more nodes: --nodes 3 fits at tp 3")
+    assert main(["plan", *too_big[:-2], "--batch-size", "3000"]) == 2  # the planner offers more nodes ...
+    assert "more nodes: --nodes" in capsys.readouterr().out
+    for command in (["bench", *too_big, "--batch-size", "3000", "--prompt-len", "16", "--max-new-tokens", "8"],
+                    ["compile", *too_big[:-2], "--quiet", "--max-batch-size", "3000", "--out", str(tmp_path / "c")]):
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert "ways out: a smaller --seq-len" in err and "a lower-precision dtype: bfloat16 fits at tp 1" in err, err
+        assert "--nodes" not in err and "no --tp passes every rule" in err, err
+        assert not re.search(r"(?<!_)tp_degree", err), err  # (the error code no_valid_tp_degree stays)
+    assert main(["check", "--model", str(original), "--tp", "2", "--no-compile", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "is not divisible by --tp (2)" in err and not re.search(r"(?<!_)tp_degree", err), err
+    # ... and where more nodes were the only way, that is said
+    assert without_nodes_ways(plan_text, "bench") == ("ways out: a smaller seq_len (at most 107 at batch_size 3000 + 9 "
+                                                      "serving rows); a lower-precision dtype: bfloat16 fits at tp 1")
+    assert without_nodes_ways("needs 9 GiB; ways out: more nodes: --nodes 2 fits at tp 2, 4", "check") == (
+        "needs 9 GiB; ways out: only more nodes, which `corelaunch check` does not take (`corelaunch generate` and "
+        "`serve` do: --nodes)")
 
 
 def test_bench_refuses_a_long_prompt_len_before_building_the_prompts(models, capsys, monkeypatch, ray_tripwire):

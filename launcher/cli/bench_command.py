@@ -19,7 +19,8 @@ import sys
 
 from launcher.cli.options import (add_backend_arguments, add_kv_cache_dtype, add_layout_choices, add_no_compile,
                                   add_pad_q_heads, add_sequence_parallel, add_timeout_arguments, backend_options,
-                                  int_at_least, layout_choices, timeout_options, with_flag_name)
+                                  in_tp_flag, int_at_least, layout_choices, timeout_options, with_flag_name,
+                                  without_nodes_ways)
 
 
 def add_parser(subparsers) -> None:
@@ -107,7 +108,8 @@ def run(args: argparse.Namespace) -> int:
         raise  # stdout's reader went away: 141 (launcher/cli/__init__.py)
     except (ValueError, OSError, LaunchError) as err:  # OSError: a file or directory it could not use, a lock
         needed = args.prompt_len + args.max_new_tokens
-        print(f"corelaunch bench: {in_bench_terms(with_flag_name(err), needed)}", file=sys.stderr)
+        message = in_tp_flag(in_bench_terms(with_flag_name(err), needed))
+        print(f"corelaunch bench: {without_nodes_ways(message, 'bench')}", file=sys.stderr)
         return exit_code_for(err)
     if args.json:
         print(json.dumps(report))

@@ -31,7 +31,8 @@ from pathlib import Path
 
 from launcher.cli.options import (add_backend_arguments, add_kv_cache_dtype, add_layout_choices, add_no_compile,
                                   add_pad_q_heads, add_sequence_parallel, add_timeout_arguments, backend_options,
-                                  layout_choices, non_empty_path, timeout_options, with_flag_name)
+                                  in_tp_flag, layout_choices, non_empty_path, timeout_options, with_flag_name,
+                                  without_nodes_ways)
 from shardlib.evaluation.quantized_tolerances import DEFAULT_TOL_SPEC
 
 EXIT_PASS, EXIT_FAIL = 0, 1  # 2 (bad input) and 3 (the run failed): launcher/cli/exit_codes.py
@@ -382,7 +383,7 @@ def run(args: argparse.Namespace) -> int:
     except BrokenPipeError:
         raise  # the report's reader went away: 141, as for every command (launcher/cli/__init__.py)
     except (ValueError, OSError, LaunchError) as err:  # OSError: a file or directory it could not use
-        print(f"corelaunch check: {with_flag_name(err)}", file=sys.stderr)
+        print(f"corelaunch check: {without_nodes_ways(in_tp_flag(with_flag_name(err)), 'check')}", file=sys.stderr)
         return exit_code_for(err)
 
 

@@ -23,7 +23,8 @@ from pathlib import Path
 from launcher.cli.options import (add_backend_arguments, add_bucket_lists, add_fused_projections, add_granularity,
                                   add_kv_cache_dtype, add_kv_strategy, add_max_num_seqs, add_max_prefill_tokens, add_moe_sharding,
                                   add_pad_q_heads, add_sequence_parallel, add_timeout_arguments, backend_options, bucket_lists, max_num_seqs_option,
-                                  non_empty_path, timeout_options, with_flag_name)
+                                  in_generate_flags, non_empty_path, timeout_options, with_flag_name,
+                                  without_nodes_ways)
 
 
 def add_parser(subparsers) -> None:
@@ -92,8 +93,9 @@ def run(args: argparse.Namespace) -> int:
             raise  # stdout's reader went away: 141 (launcher/cli/__init__.py)
         print(f"corelaunch compile: {with_flag_name(err)}", file=sys.stderr)
         return exit_code_for(err)
-    except (ValueError, LaunchError) as err:
-        print(f"corelaunch compile: {with_flag_name(err)}", file=sys.stderr)
+    except (ValueError, LaunchError) as err:  # a plan refusal in compile's options, as generate says it
+        print(f"corelaunch compile: {without_nodes_ways(in_generate_flags(with_flag_name(err)), 'compile')}",
+              file=sys.stderr)
         return exit_code_for(err)
     if args.json:
         print(json.dumps(manifest))

@@ -125,11 +125,13 @@ _NAMED_FIELD = re.compile(r"(?<![\w/.-])(" + "|".join(sorted(
 """A field with an underscore named in a message, with its value in parentheses if given."""
 
 
+# The planner's word for the TP degree (`corelaunch plan` has --tp); not in a path (/runs/tp_degree/m)
+# or a Python call's keyword (save_presharded(tp_degree=2))
+_TP_DEGREE = re.compile(r"(?<![\w/.-])tp_degree(?![\w/.=-])")
 _GENERATE_WORDS = ((re.compile(r"\bseq_len \(--seq-len\)"), "--seq-len"), (re.compile(r"\bseq_len\b"), "--seq-len"),
                    (re.compile(r"\bmax_new_tokens\b"), "--max-new-tokens"),
-                   # the planner's words for the layout (`corelaunch plan` has --tp and --batch-size); not in
-                   # a path (/runs/batch_size/m) or a Python call's keyword (save_presharded(tp_degree=2))
-                   (re.compile(r"(?<![\w/.-])tp_degree(?![\w/.=-])"), "--tp"),
+                   # the planner's words for the layout (`corelaunch plan` has --tp and --batch-size), as above
+                   (_TP_DEGREE, "--tp"),
                    (re.compile(r"(?<![\w/.-])batch_size(?![\w/.=-])"), "--max-batch-size"))
 
 
@@ -140,6 +142,25 @@ def in_generate_flags(message: str) -> str:
     for pattern, flag in _GENERATE_WORDS:
         message = pattern.sub(flag, message)
     return message
+
+
+_NODES_WAY = re.compile(r"(?:; )?(?:more|fewer) nodes: --nodes \d+ fits at tp \d+(?:, \d+)*")
+
+
+def without_nodes_ways(message: str, command: str) -> str:
+    """A plan refusal as a command without --nodes (compile, check, bench) says it: the planner's
+    "more nodes: --nodes 2 fits at tp 3" is left out (following it met "unrecognized arguments"),
+    and said in words where it was the only way out."""
+    if not _NODES_WAY.search(message):
+        return message
+    message = _NODES_WAY.sub("", message).replace("ways out: ; ", "ways out: ")
+    return re.sub(r"ways out: ?(?=\n|$)", f"ways out: only more nodes, which `corelaunch {command}` does not take "
+                                           f"(`corelaunch generate` and `serve` do: --nodes)", message)
+
+
+def in_tp_flag(message: str) -> str:
+    """The planner's tp_degree named as --tp, which every command that plans a launch takes."""
+    return _TP_DEGREE.sub("--tp", message)
 
 
 def _as_flag(match: re.Match) -> str:
