@@ -509,6 +509,13 @@ def test_bench_json_records_the_kv_cache_dtype_and_the_weights_quantization(mode
     assert code == 0, out.err
     config = json.loads(out.out)["config"]
     assert config["kv_cache_dtype"] == "f8e4m3" and config["quantization"]["quantization_dtype"] == "int8", config
+    # and the table's title says them (it read as a float32 run's), and eager steps
+    from launcher.cli.bench_command import table_title
+
+    assert table_title(config).startswith("corelaunch bench: tp 2 (cpu, float32, int8 weights, f8e4m3 KV cache, eager), "
+                                          "batch 2 x "), table_title(config)
+    plain = {**config, "quantization": None, "kv_cache_dtype": None, "compile": True}
+    assert table_title(plain).startswith("corelaunch bench: tp 2 (cpu, float32), batch 2 x "), table_title(plain)
 
 
 def test_bench_runs_a_batch_above_the_default_row_count_as_one(models, capsys, in_process_cluster, monkeypatch):

@@ -209,17 +209,29 @@ def _group_restarts(launcher) -> int:
     return sum(replica["restarts"] for replica in launcher.replica_status())
 
 
+def table_title(cfg: dict) -> str:
+    """What was measured, as the JSON's config has it: the weights' quantization, the KV cache's
+    dtype and eager steps too (tables of an int8 and a float32 run, or of eager and compiled steps,
+    had the same title)."""
+    how = [cfg["backend"], cfg["dtype"]]
+    if cfg.get("quantization"):
+        how.append(f"{cfg['quantization']['quantization_dtype']} weights")
+    if cfg.get("kv_cache_dtype"):
+        how.append(f"{cfg['kv_cache_dtype']} KV cache")
+    if not cfg.get("compile", True):
+        how.append("eager")
+    return (f"corelaunch bench: tp {cfg['tp_degree']} ({', '.join(how)}), batch {cfg['batch_size']} x "
+            f"{cfg['prompt_len']} prompt tokens, {cfg['max_new_tokens']} new tokens, {cfg['runs']} runs after "
+            f"{cfg['warmup']} warm-up")
+
+
 def _print_table(report: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
     from shardlib.evaluation.bench_report import PERCENTILES, SECTIONS
 
-    cfg = report["config"]
-    table = Table(title=f"corelaunch bench: tp {cfg['tp_degree']} ({cfg['backend']}, {cfg['dtype']}), batch "
-                        f"{cfg['batch_size']} x {cfg['prompt_len']} prompt tokens, {cfg['max_new_tokens']} new "
-                        f"tokens, {cfg['runs']} runs after {cfg['warmup']} warm-up",
-                  title_justify="left")
+    table = Table(title=table_title(report["config"]), title_justify="left")
     table.add_column("model")
     for p in PERCENTILES:
         table.add_column(f"p{p} ms", justify="right")
