@@ -98,7 +98,8 @@ def _another_cluster_asked(address: str | None) -> str | None:
     if address is None:
         wanted = os.environ.get("RAY_ADDRESS") or recorded_cluster() or "local"
         how = "from RAY_ADDRESS" if os.environ.get("RAY_ADDRESS") else (
-            "the cluster `ray start` recorded on this machine" if wanted != "local" else "a private cluster")
+            "the cluster `ray start` recorded on this machine" if wanted != "local" else "no address given and no "
+            "cluster recorded on this machine")
     else:
         wanted, how = address, "--ray-address"
     if (wanted == "local") == started and (started or wanted == open_at):
