@@ -87,8 +87,11 @@ def plan_launch(config, progress: Progress, nothing_done: str = "nothing was sta
     if config.token_buckets is not None:  # they set seq_len: named as given, not as a --seq-len nobody passed
         from shardlib.buckets import normalize_buckets
 
-        normalize_buckets(config.token_buckets, "token-generation", model_config.max_position_embeddings,
-                          "the model's max_position_embeddings")
+        try:
+            normalize_buckets(config.token_buckets, "token-generation", model_config.max_position_embeddings,
+                              "the model's max_position_embeddings")
+        except ValueError as err:  # led by the field, which the commands name as their --token-buckets
+            raise ValueError(f"token_buckets ({','.join(map(str, config.token_buckets))}): {err}") from None
     plan = make_plan(model_config, instance=target, tp=config.tp, nodes=config.nodes, lnc=config.lnc,
                      batch_size=config.max_batch_size, serving_rows=serving_cache_rows(config.max_num_seqs), seq_len=config.seq_len, dtype=config.dtype,
                      kv_strategy=config.kv_strategy, pad_q_heads=config.pad_q_heads,

@@ -319,7 +319,7 @@ def test_an_eager_launch_refuses_a_seq_len_past_the_models_positions(tmp_path):
     with pytest.raises(PlanRejected, match=rf"\[seq_len_too_long\] seq_len \({limit + 1}\) exceeds"):
         plan_launch(LaunchConfig(model=model, tp=1, compile=False, seq_len=limit + 1), Progress(False))
     # token buckets set seq_len: named as the option given (it said seq_len, which nobody passed)
-    with pytest.raises(ValueError, match=rf"token-generation bucket {limit + 1} exceeds the model's "
+    with pytest.raises(ValueError, match=rf"token_buckets \(64,{limit + 1}\): token-generation bucket {limit + 1} exceeds the model's "
                                          rf"max_position_embeddings \({limit}\); drop it or lower it to {limit}"):
         plan_launch(LaunchConfig(model=model, tp=1, token_buckets=(64, limit + 1)), Progress(False))
 
