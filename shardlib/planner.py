@@ -750,6 +750,7 @@ def plan(config: ModelConfig, *, instance: str | InstanceType = CPU_TARGET, tp: 
             f"seq_len ({req.seq_len}) exceeds the model's max_position_embeddings ({config.max_position_embeddings}): "
             f"no request runs past that position, so the cache slots above it would be held and never used; "
             f"lower seq_len (--seq-len) to {config.max_position_embeddings} or less")))
+        valid = []  # no degree holds it (`plan` listed them as valid beside this error)
     return _build(req, check, tp, valid, errors)
 
 

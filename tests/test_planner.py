@@ -584,6 +584,7 @@ def test_a_seq_len_past_the_models_positions_is_refused_as_every_launch_refuses_
     holding cache slots no request may reach. One rule now, the planner's."""
     p = plan(SMOLLM2, instance="cpu", tp=1, seq_len=SMOLLM2.max_position_embeddings + 1)
     assert not p.valid and codes(p) == {"seq_len_too_long"}
+    assert p.valid_tp_degrees == ()  # every degree fails it (`plan` listed 1, 3, 9 as valid beside it)
     assert p.errors[0].message == (
         f"seq_len ({SMOLLM2.max_position_embeddings + 1}) exceeds the model's max_position_embeddings "
         f"({SMOLLM2.max_position_embeddings}): no request runs past that position, so the cache slots above it "
