@@ -651,8 +651,8 @@ def test_commands_without_nodes_offer_no_nodes_and_name_tp_as_their_flag(tmp_pat
     assert without_nodes_ways(plan_text, "bench") == ("ways out: a smaller seq_len (at most 107 at batch_size 3000 + 9 "
                                                       "serving rows); a lower-precision dtype: bfloat16 fits at tp 1")
     assert without_nodes_ways("needs 9 GiB; ways out: more nodes: --nodes 2 fits at tp 2, 4", "check") == (
-        "needs 9 GiB; ways out: only more nodes, which `corelaunch check` does not take (`corelaunch generate` and "
-        "`serve` do: --nodes)")
+        "needs 9 GiB; ways out: only more nodes, which `corelaunch check` does not take (`corelaunch generate` does: "
+        "--nodes)")
 
 
 def test_bench_refuses_a_long_prompt_len_before_building_the_prompts(models, capsys, monkeypatch, ray_tripwire):

@@ -248,6 +248,25 @@ def test_ray_client_to_another_machine_is_refused_before_ray_is_asked(monkeypatc
     assert ray_cluster.remote_ray_client("10.0.0.5:6379") is None  # not Ray Client
 
 
+def test_a_second_launch_shares_a_joined_session_only_where_it_asks_for_that_cluster(monkeypatch):
+    """The session an earlier launch of this process joined (and still runs on) is shared by a launch
+    asking for the same GCS however its address is written (the same machine's port under another
+    host name: Ray's servers listen on every interface), and refused for another cluster."""
+    import socket
+
+    from launcher.cluster import ray_cluster
+
+    monkeypatch.setitem(ray_cluster._OWN_SESSION, "users", 1)
+    monkeypatch.setitem(ray_cluster._OWN_SESSION, "started_here", False)
+    monkeypatch.setitem(ray_cluster._OWN_SESSION, "address", "127.0.0.1:6379")
+    for same in ("127.0.0.1:6379", "localhost:6379", f"{socket.gethostname()}:6379"):
+        assert ray_cluster._another_cluster_asked(same) is None, same
+    for other in ("127.0.0.1:6380", "192.0.2.55:6379", "local"):
+        said = ray_cluster._another_cluster_asked(other)
+        assert said is not None and "already connected to the Ray cluster at '127.0.0.1:6379'" in said, other
+        assert "one process holds one Ray session" in said and "shut that one down first" in said, said
+
+
 def test_a_refused_connection_names_token_authentication(monkeypatch):
     """Ray reports a missing token as a failed connection: the refusal said only "no Ray cluster
     answered ... run `ray stop`", for a cluster that was there and wanted a token."""

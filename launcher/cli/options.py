@@ -155,7 +155,7 @@ def without_nodes_ways(message: str, command: str) -> str:
         return message
     message = _NODES_WAY.sub("", message).replace("ways out: ; ", "ways out: ")
     return re.sub(r"ways out: ?(?=\n|$)", f"ways out: only more nodes, which `corelaunch {command}` does not take "
-                                           f"(`corelaunch generate` and `serve` do: --nodes)", message)
+                                           f"(`corelaunch generate` does: --nodes)", message)
 
 
 def in_tp_flag(message: str) -> str:

@@ -102,7 +102,7 @@ def _another_cluster_asked(address: str | None) -> str | None:
             "cluster recorded on this machine")
     else:
         wanted, how = address, "--ray-address"
-    if (wanted == "local") == started and (started or wanted == open_at):
+    if (wanted == "local") == started and (started or _same_cluster(wanted, open_at)):
         return None
     here = "a private Ray cluster it started" if started else f"the Ray cluster at {open_at!r}"
     asked = "a private one" if wanted == "local" else repr(wanted)
@@ -153,18 +153,42 @@ def remote_ray_client(address: str) -> str | None:
     if not address.startswith("ray://"):
         return None
     host = address[len("ray://"):].rpartition(":")[0].strip("[]") or address[len("ray://"):]
+    return None if _this_machine(host) else host  # unresolvable: ray.init says so; not this machine either way
+
+
+def _this_machine(host: str) -> bool:
+    """True when `host` resolves to an address of this machine's interfaces (loopback included)."""
     try:
         found = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)  # IPv4 and IPv6
     except OSError:
-        return host  # ray.init says it cannot resolve; not this machine either way
+        return False
     for family, _, _, _, sockaddr in found:
         try:  # a family the host has turned off raises here too
             with socket.socket(family, socket.SOCK_STREAM) as probe:
                 probe.bind((sockaddr[0], 0, *sockaddr[2:]))  # only an address of this machine's interfaces binds
-                return None
+                return True
         except OSError:
             continue
-    return host
+    return False
+
+
+def _same_cluster(asked: str, open_at: str) -> bool:
+    """Whether two host:port addresses reach the same GCS: the same text, or the same port on the
+    same machine however its host is written (localhost, 127.0.0.1, the host's own address or
+    name: Ray's servers listen on every interface), or host names resolving alike."""
+    if asked == open_at:
+        return True
+    (host_a, sep_a, port_a), (host_b, sep_b, port_b) = asked.rpartition(":"), open_at.rpartition(":")
+    if not (sep_a and sep_b) or port_a != port_b or "://" in asked or "://" in open_at:
+        return False
+    host_a, host_b = host_a.strip("[]"), host_b.strip("[]")
+    if _this_machine(host_a) and _this_machine(host_b):
+        return True
+    try:
+        return ({a[4][0] for a in socket.getaddrinfo(host_a, None, type=socket.SOCK_STREAM)}
+                == {a[4][0] for a in socket.getaddrinfo(host_b, None, type=socket.SOCK_STREAM)})
+    except OSError:
+        return False
 
 
 def _unreachable(address: str, timeout_s: float = GCS_PROBE_S, sends_token: bool = True) -> str | None:
