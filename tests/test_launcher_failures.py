@@ -259,7 +259,12 @@ def test_a_second_launch_shares_a_joined_session_only_where_it_asks_for_that_clu
     monkeypatch.setitem(ray_cluster._OWN_SESSION, "users", 1)
     monkeypatch.setitem(ray_cluster._OWN_SESSION, "started_here", False)
     monkeypatch.setitem(ray_cluster._OWN_SESSION, "address", "127.0.0.1:6379")
-    for same in ("127.0.0.1:6379", "localhost:6379", f"{socket.gethostname()}:6379"):
+    try:  # the host's own name, where it resolves (a container's /etc/hosts may lack it)
+        socket.getaddrinfo(socket.gethostname(), None)
+        names = ["localhost", socket.gethostname()]
+    except OSError:
+        names = ["localhost"]
+    for same in ("127.0.0.1:6379", *(f"{name}:6379" for name in names)):
         assert ray_cluster._another_cluster_asked(same) is None, same
     for other in ("127.0.0.1:6380", "192.0.2.55:6379", "local"):
         said = ray_cluster._another_cluster_asked(other)
