@@ -77,16 +77,30 @@ def _auto_init(enabled: bool) -> None:
 def private_cluster(address: str | None) -> bool:
     """True when connect(address) starts a private cluster of this host alone, or shares the one an
     earlier launch of this process started and still runs on."""
-    if address not in ("local", None) or (address is None and os.environ.get("RAY_ADDRESS")):
+    if asked_cluster(address)[0] is not None:
         return False
     import ray
 
     if ray.is_initialized():
         with _SESSION_LOCK:  # shared where it is the cluster asked for; connect() refuses another
             if _OWN_SESSION["users"] > 0:
-                return bool(_OWN_SESSION["started_here"]) and _another_cluster_asked(address) is None
+                return bool(_OWN_SESSION["started_here"])
         return False  # the calling program's own session: connect() joins it, wherever it is
-    return address == "local" or recorded_cluster() is None
+    return True
+
+
+def asked_cluster(address: str | None) -> tuple[str | None, str]:
+    """(the cluster address connect(address) joins, None for a private cluster; where it came from),
+    by Ray's rule: --ray-address, else RAY_ADDRESS, else the cluster `ray start` recorded here."""
+    if address == "local":
+        return None, "--ray-address local"
+    if address is not None:
+        return address, "--ray-address"
+    if os.environ.get("RAY_ADDRESS"):
+        return os.environ["RAY_ADDRESS"], "RAY_ADDRESS"
+    if (recorded := recorded_cluster()) is not None:
+        return recorded, "the cluster `ray start` recorded on this machine"
+    return None, "no address given and no cluster recorded on this machine"
 
 
 def _another_cluster_asked(address: str | None) -> str | None:
@@ -95,17 +109,11 @@ def _another_cluster_asked(address: str | None) -> str | None:
     whatever the address: a launch given a cluster's host:port, or one nobody listened on, ran on
     the first launch's private cluster, and timed out placing its ranks there."""
     started, open_at = _OWN_SESSION["started_here"], _OWN_SESSION["address"]
-    if address is None:
-        wanted = os.environ.get("RAY_ADDRESS") or recorded_cluster() or "local"
-        how = "from RAY_ADDRESS" if os.environ.get("RAY_ADDRESS") else (
-            "the cluster `ray start` recorded on this machine" if wanted != "local" else "no address given and no "
-            "cluster recorded on this machine")
-    else:
-        wanted, how = address, "--ray-address"
-    if (wanted == "local") == started and (started or _same_cluster(wanted, open_at)):
+    wanted, how = asked_cluster(address)
+    if (wanted is None) == started and (started or _same_cluster(wanted, open_at)):
         return None
     here = "a private Ray cluster it started" if started else f"the Ray cluster at {open_at!r}"
-    asked = "a private one" if wanted == "local" else repr(wanted)
+    asked = "a private one" if wanted is None else repr(wanted)
     return (f"this process is already connected to {here} for another launch still running, and one process holds "
             f"one Ray session; this launch asks for {asked} ({how}): give it the same cluster as the running "
             f"launch, or shut that one down first (Launcher.shutdown())")
@@ -278,16 +286,12 @@ def connect(address: str | None = None, num_cpus: int | None = None, worker_logs
                 started = _OWN_SESSION["started_here"]
                 return RayConnection(started_here=started, address=_OWN_SESSION["address"], joined_here=not started)
         return RayConnection(started_here=False, address="existing session")
-    if address is None:
-        address = os.environ.get("RAY_ADDRESS") or recorded_cluster()
-        how = "RAY_ADDRESS" if os.environ.get("RAY_ADDRESS") else "the cluster `ray start` recorded on this machine"
-        if address == "auto":  # ray.init reads RAY_ADDRESS itself: refused here as the option is
-            raise LaunchError(f"RAY_ADDRESS 'auto' {_AUTO_JOINS_ANY}; set RAY_ADDRESS to the cluster's host:port, "
-                              "unset it to use the cluster `ray start` recorded on this machine, or pass "
-                              "--ray-address local for a private one")
-    else:
-        how = "--ray-address"
-    if address not in (None, "local"):
+    address, how = asked_cluster(address)
+    if address == "auto":  # only from RAY_ADDRESS (the option was refused above): ray.init reads it itself
+        raise LaunchError(f"RAY_ADDRESS 'auto' {_AUTO_JOINS_ANY}; set RAY_ADDRESS to the cluster's host:port, "
+                          "unset it to use the cluster `ray start` recorded on this machine, or pass "
+                          "--ray-address local for a private one")
+    if address is not None:
         if (malformed := malformed_address(address)) is not None:  # RAY_ADDRESS, unchecked until now
             raise LaunchError(f"{malformed} (from {how})")
         if (elsewhere := remote_ray_client(address)) is not None:
