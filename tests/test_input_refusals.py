@@ -518,6 +518,24 @@ def test_generate_names_a_prompt_past_its_positions_by_the_flags(argv, words, ca
     assert words in err and "max_new_tokens" not in err and "seq_len" not in err, err
 
 
+@pytest.mark.parametrize("command", ["generate", "compile", "serve"])
+@pytest.mark.parametrize("flags, named", [
+    (["--buckets", "64,9000"], "--buckets (64,9000)"),
+    (["--token-buckets", "64,9000"], "--token-buckets (64,9000)"),
+    (["--buckets", "64,128", "--token-buckets", "64,9000"], "--token-buckets (64,9000)"),
+])
+def test_a_bucket_list_is_refused_under_the_option_that_gave_it(command, flags, named, tmp_path, capsys,
+                                                               ray_tripwire):
+    """`--buckets 64,9000` was refused as "--token-buckets (64,9000): ...", an option never typed."""
+    from launcher.cli import main
+
+    argv = {"generate": ["generate", *flags, "Hello"], "compile": ["compile", *flags, "--out", str(tmp_path / "c")],
+            "serve": ["serve", *flags]}[command]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"corelaunch {command}: {named}: token-generation bucket 9000 exceeds" in err, err
+
+
 def test_only_a_message_led_by_a_field_has_its_fields_named_by_flag():
     from launcher.cli.options import with_flag_name
 

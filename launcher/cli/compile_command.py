@@ -91,10 +91,10 @@ def run(args: argparse.Namespace) -> int:
             return 2
         if isinstance(err, BrokenPipeError):
             raise  # stdout's reader went away: 141 (launcher/cli/__init__.py)
-        print(f"corelaunch compile: {with_flag_name(err)}", file=sys.stderr)
+        print(f"corelaunch compile: {with_flag_name(err, args)}", file=sys.stderr)
         return exit_code_for(err)
     except (ValueError, LaunchError) as err:  # a plan refusal in compile's options, as generate says it
-        print(f"corelaunch compile: {without_nodes_ways(in_generate_flags(with_flag_name(err)), 'compile')}",
+        print(f"corelaunch compile: {without_nodes_ways(in_generate_flags(with_flag_name(err, args)), 'compile')}",
               file=sys.stderr)
         return exit_code_for(err)
     if args.json:

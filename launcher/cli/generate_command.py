@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
         if answered:  # the shutdown failed after the answer was printed: not a refusal of the input
             print(f"corelaunch generate: the answer above is complete; shutting down failed: {err}", file=sys.stderr)
             return EXIT_RUN_FAILED
-        print(f"corelaunch generate: {in_generate_flags(with_flag_name(err))}", file=sys.stderr)
+        print(f"corelaunch generate: {in_generate_flags(with_flag_name(err, args))}", file=sys.stderr)
         return exit_code_for(err)
     return 0
 

@@ -103,20 +103,22 @@ FLAG_IN_OTHER_UNITS = {"burst_wait_s": ("--burst-wait-ms", 1000)}
 """Fields whose option takes another unit: (the option, its units per the field's unit)."""
 
 
-def with_flag_name(error: BaseException) -> str:
+def with_flag_name(error: BaseException, args: argparse.Namespace | None = None) -> str:
     """The message of a LaunchConfig error that starts with a field's name ("restart_window_s (0.0)
     must be ...") with the options that set them instead ("--restart-window (0.0) must be ...").
-    A message that does not start with a field is left as it is."""
+    A message that does not start with a field is left as it is. With the command's parsed `args`,
+    a bucket list is named by the option the user gave (--buckets sets both phases' lists)."""
     message = str(error)
     field, sep, rest = message.partition(" (")
     if not sep or (field not in FLAG_OF_FIELD and field not in FLAG_IN_OTHER_UNITS):
         return message
+    flags = {**FLAG_OF_FIELD, **_bucket_flags_given(args)}
     # A launch option's message: the other options it names (the burst check names two) by their
     # options too, values in the option's unit, and Python's None as the option left out. Plain
     # words ("tp", "model") only where they lead: elsewhere they are words of the message.
     if "_" not in field:
-        message = FLAG_OF_FIELD[field] + sep + rest
-    message = _NAMED_FIELD.sub(_as_flag, message)
+        message = flags[field] + sep + rest
+    message = _NAMED_FIELD.sub(lambda match: _as_flag(match, flags), message)
     return message.replace("or None (left out)", "or left out").replace("or None", "or left out")
 
 
@@ -163,11 +165,19 @@ def in_tp_flag(message: str) -> str:
     return _TP_DEGREE.sub("--tp", message)
 
 
-def _as_flag(match: re.Match) -> str:
+def _bucket_flags_given(args: argparse.Namespace | None) -> dict:
+    """The bucket-list fields that --buckets set (their own option left out): a refusal of
+    `--buckets 64,9000` named --token-buckets, an option the user never typed."""
+    if args is None or not getattr(args, "buckets", None):
+        return {}
+    return {field: "--buckets" for field in ("context_buckets", "token_buckets") if not getattr(args, field)}
+
+
+def _as_flag(match: re.Match, flags: dict) -> str:
     """A field named in a message (with its value in parentheses, if given) as its option."""
     field, shown, value = match.group(1), match.group(2), match.group(3)
     if field not in FLAG_IN_OTHER_UNITS:
-        return FLAG_OF_FIELD[field] + (shown or "")
+        return flags[field] + (shown or "")
     flag, scale = FLAG_IN_OTHER_UNITS[field]
     if shown is None:
         return flag

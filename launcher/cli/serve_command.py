@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(no_tokenizer)
         no_chat = args.quiet and not has_chat_template(model_dir)
     except (ValueError, OSError, LaunchError) as err:  # FileNotFoundError is an OSError
-        print(f"corelaunch serve: {with_flag_name(err)}", file=sys.stderr)
+        print(f"corelaunch serve: {with_flag_name(err, args)}", file=sys.stderr)
         return 2
     if no_chat:
         # the replica says so at start, in its output, which --quiet hides: a server that refuses
