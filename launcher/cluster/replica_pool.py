@@ -39,7 +39,6 @@ from launcher.errors import (DevicesMissing, GroupFault, LaunchError, NoReplicaA
                              WorkerDied)
 from launcher.cluster.restart_policy import RestartPolicy
 from launcher.cluster.stream_handle import StreamHandle
-from workers.serving.requests import TokenEvent
 
 _STOP = object()
 POLL_WAIT_S = 0.05
@@ -269,13 +268,10 @@ class Replica:
 
     def _resume_streams(self) -> None:
         """On a freshly (re)started group: every stream in flight continues where it stopped.
-        Called with _streams_lock held."""
+        Called with _streams_lock held: a cancelled stream has already left the books (cancel_stream
+        takes it out under the same lock), so only live streams are resubmitted."""
         now = time.monotonic()
         for handle in list(self.streams.values()):
-            if handle.cancelled:
-                self.streams.pop(handle.request_id)
-                handle.deliver(TokenEvent(handle.request_id, [], "abort"))
-                continue
             if now > handle.deadline:  # its prompt would be prefilled again only to time out
                 self.streams.pop(handle.request_id)
                 handle.fail(_overdue(handle, "its group failed and it was not resumed"))
