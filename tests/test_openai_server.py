@@ -1724,3 +1724,7 @@ def test_a_queue_full_answer_speaks_to_the_client_not_the_operator():
     assert _at_capacity(QueueFull("x", slots=2, queue_limit=0), 3) == (
         "the server is at capacity: all 2 sequence slots are busy and it queues no requests; retry after 3 s")
     assert _at_capacity(QueueFull("--max-num-seqs"), 1) == "the server is at capacity; retry after 1 s"
+    # several Serve replicas: the counts were one replica's, read as the whole server's
+    assert _at_capacity(QueueFull("x", slots=4, queue_limit=12), 1, one_of_several=True) == (
+        "the server is at capacity: all 4 sequence slots of the replica that took this request are busy and "
+        "its queue of 12 is full; retry after 1 s")

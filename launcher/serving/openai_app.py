@@ -112,14 +112,17 @@ def queue_full_type() -> type[BaseException] | tuple:
     return getattr(launcher.errors, "QueueFull", ())
 
 
-def _at_capacity(err, retry_s: int) -> str:
+def _at_capacity(err, retry_s: int, one_of_several: bool = False) -> str:
     """A queue-full answer in the API's words: the engine's names the operator's flags, which no
-    client can change, and said "retry later" before the server's own "retry after"."""
+    client can change, and said "retry later" before the server's own "retry after". With several
+    Serve replicas the counts are the one replica's that took the request (they read as the server's)."""
     slots, limit = getattr(err, "slots", None), getattr(err, "queue_limit", None)
     if slots is None or limit is None:  # an engine whose QueueFull carries no counts
         return f"the server is at capacity; retry after {retry_s} s"
+    whose = " of the replica that took this request" if one_of_several else ""
     queue = f"its queue of {limit} is full" if limit else "it queues no requests"
-    return f"the server is at capacity: all {slots} sequence slots are busy and {queue}; retry after {retry_s} s"
+    return (f"the server is at capacity: all {slots} sequence slots{whose} are busy and {queue}; "
+            f"retry after {retry_s} s")
 
 
 def _sanitizing(tokenizer) -> dict:
@@ -425,8 +428,9 @@ class OpenAIServer:
         self.context_tokens = _context_tokens(self.launcher)
         self.longest_prompt = _longest_prompt(self.launcher)
         self.metrics = ServerMetrics(self.launcher.load)
+        self.several_replicas = settings.most_replicas > 1
         self.board = None
-        if settings.most_replicas > 1:  # each scrape shows every replica's series (metrics_board.py)
+        if self.several_replicas:  # each scrape shows every replica's series (metrics_board.py)
             from launcher.serving.metrics_board import BoardPoster, board_for
 
             context = serve.get_replica_context()
@@ -673,7 +677,7 @@ class OpenAIServer:
         except queue_full_type() as err:
             self.metrics.rejected(503)
             retry = max(1, math.ceil(getattr(err, "retry_after_s", 1.0)))
-            raise ProtocolError(_at_capacity(err, retry), status=503,
+            raise ProtocolError(_at_capacity(err, retry, self.several_replicas), status=503,
                                 type="server_error", code="queue_full", headers={"Retry-After": str(retry)}) from None
         except LaunchError as err:  # no replica left serving (Serve replaces this one), or shutting down
             self.metrics.rejected(503, reason="unavailable")
