@@ -191,7 +191,7 @@ def test_cuda_without_a_gpu_is_refused_before_ray_starts(small_model, options):
 
 
 @plain_host_only
-def test_cuda_without_a_gpu_exits_2_from_the_cli(small_model, capsys):
+def test_cuda_without_a_gpu_exits_2_from_the_cli(small_model, capsys, ray_tripwire):
     assert main(["generate", "--backend", "cuda", "--model", small_model, "--quiet", "hello"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("corelaunch generate: --backend cuda: this host shows no CUDA GPU") and err.count("\n") == 1

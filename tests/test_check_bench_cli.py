@@ -283,7 +283,7 @@ def test_saved_expected_outputs_are_a_reference_too(models, capsys, tmp_path, in
     assert code == 1 and not report["passed"] and report["num_tokens"] == 4
 
 
-def test_check_bad_input_exits_2_before_starting_workers(models, capsys, tmp_path):
+def test_check_bad_input_exits_2_before_starting_workers(models, capsys, tmp_path, ray_tripwire):
     original, _ = models
     tokens_only = tmp_path / "tokens.pt"
     torch.save({"input_ids": [[5, 17]], "expected_tokens": torch.tensor([[1, 2, 3]])}, tokens_only)

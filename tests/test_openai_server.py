@@ -636,7 +636,7 @@ def test_server_settings_from_builder_arguments():
         settings_from_args({"replicas": "None", "max_replicas": "2"})
 
 
-def test_the_api_key_from_the_environment_is_checked_and_an_empty_flag_refused(monkeypatch, capsys):
+def test_the_api_key_from_the_environment_is_checked_and_an_empty_flag_refused(monkeypatch, capsys, ray_tripwire):
     from launcher.cli import build_parser, main
     from launcher.cli.serve_command import server_args
     from launcher.serving.server_settings import api_key_from_environment
@@ -783,7 +783,7 @@ def test_serve_that_cannot_start_its_proxy_says_so_in_one_line():
     assert "Traceback" not in run.stderr
 
 
-def test_serve_cli_refuses_bad_options_before_starting_ray(capsys, tmp_path):
+def test_serve_cli_refuses_bad_options_before_starting_ray(capsys, tmp_path, ray_tripwire):
     import socket
 
     from launcher.cli import main
