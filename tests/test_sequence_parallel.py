@@ -99,16 +99,23 @@ def test_a_split_prefill_is_bit_identical_in_half_precision_with_projection_bias
     def prefill(collectives, sequence_parallel: bool):
         model = build_rank_model(config, state, collectives.rank, tp, collectives, dtype=dtype)
         model.sequence_parallel = sequence_parallel
+        scatters = []
+        reduce_scatter = collectives.reduce_scatter_rows
+        collectives.reduce_scatter_rows = lambda t: (scatters.append(tuple(t.shape)), reduce_scatter(t))[1]
         model._ensure_rotary(seq)
         with torch.inference_mode():
-            return run_step(model, EAGER, ids, torch.arange(seq).repeat(batch, 1),
-                            torch.ones(batch, seq, dtype=torch.bool), torch.arange(seq), None)
+            return (*run_step(model, EAGER, ids, torch.arange(seq).repeat(batch, 1),
+                              torch.ones(batch, seq, dtype=torch.bool), torch.arange(seq), None), scatters)
 
     plain = on_in_process_ranks(tp, lambda c: prefill(c, False))
     split = on_in_process_ranks(tp, lambda c: prefill(c, True))
     for rank in range(tp):
         assert torch.equal(plain[rank][0], split[rank][0]), (rank, (plain[rank][0] - split[rank][0]).abs().max())
         assert all(torch.equal(a, b) for a, b in zip(plain[rank][1] + plain[rank][2], split[rank][1] + split[rank][2]))
+        # The split really ran in this dtype (equal logits alone held with it silently off): one
+        # reduce-scatter per block plus the embedding's, over the length padded to 12.
+        assert plain[rank][3] == [] and len(split[rank][3]) == 2 * config.num_hidden_layers + 1, split[rank][3]
+        assert all(shape[0] == 12 for shape in split[rank][3]), split[rank][3]
 
 
 def test_the_split_pads_and_trims_the_sequence():
