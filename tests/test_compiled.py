@@ -93,8 +93,15 @@ def test_shapes_outside_the_buckets_are_refused(compiled):
 @pytest.mark.slow
 @pytest.mark.parametrize("granularity", ["model", "model-decode", "collective"])
 def test_other_granularities_equal_eager(granularity):
+    torch._dynamo.reset()  # every graph of these shapes is traced here, and counted
     model = CompiledCausalLM(eager_model(), BUCKETS, granularity=granularity)
     assert tokens(model, [SHORT, LONG]) == tokens(eager_model(), [SHORT, LONG])
+    # The granularity shaped the graphs (equal tokens alone held with it ignored): one prefill and one
+    # decode shape; a whole-model graph each, or a prologue, a layer and an epilogue graph each
+    # ("collective": per layer, with the collectives called between graphs, not inside them).
+    graphs = {"model": 1 + 1, "model-decode": 3 + 1, "collective": 3 + 3}[granularity]
+    assert model.stats().counters["dynamo_graphs"] == graphs
+    assert model.collectives.in_graph == (granularity != "collective")
 
 
 def test_unknown_granularity_is_refused():
