@@ -232,6 +232,9 @@ def test_check_fails_for_perturbed_weights_and_says_where(models, capsys, in_pro
     assert any("top5 rel error" in line for line in p["first_failure"]["failures"])
     text = format_report(report)
     assert text.startswith("logit-matching FAILED") and "first failure at position 0:" in text
+    # the verdict line says how it ran, as bench's table title does (it read like a compiled run's)
+    assert text.splitlines()[0].startswith("logit-matching FAILED: corelaunch tp 2 (shard KV heads, cpu, float32, "
+                                           "eager) on "), text.splitlines()[0]
     expected = p["expected_tokens"]
     assert p["first_pass_tokens"] == expected and p["divergences"] == []  # the noise moves no greedy token
 
@@ -516,6 +519,12 @@ def test_bench_json_records_the_kv_cache_dtype_and_the_weights_quantization(mode
                                           "batch 2 x "), table_title(config)
     plain = {**config, "quantization": None, "kv_cache_dtype": None, "compile": True}
     assert table_title(plain).startswith("corelaunch bench: tp 2 (cpu, float32), batch 2 x "), table_title(plain)
+    # check's verdict line says them the same way (it named neither the int8 weights nor the fp8 cache)
+    checked = {"mode": "token-matching", "passed": True, "tp_degree": 2, "kv_strategy": "shard", "backend": "cpu",
+               "dtype": "float32", "model": "q", "reference": "r", "num_tokens": 1, "prompts": [],
+               **{k: config[k] for k in ("quantization", "kv_cache_dtype", "compile")}}
+    assert format_report(checked).splitlines()[0] == (
+        "token-matching PASSED: corelaunch tp 2 (shard KV heads, cpu, float32, int8 weights, f8e4m3 KV cache, eager) on q")
 
 
 def test_bench_runs_a_batch_above_the_default_row_count_as_one(models, capsys, in_process_cluster, monkeypatch):

@@ -213,13 +213,9 @@ def table_title(cfg: dict) -> str:
     """What was measured, as the JSON's config has it: the weights' quantization, the KV cache's
     dtype and eager steps too (tables of an int8 and a float32 run, or of eager and compiled steps,
     had the same title)."""
-    how = [cfg["backend"], cfg["dtype"]]
-    if cfg.get("quantization"):
-        how.append(f"{cfg['quantization']['quantization_dtype']} weights")
-    if cfg.get("kv_cache_dtype"):
-        how.append(f"{cfg['kv_cache_dtype']} KV cache")
-    if not cfg.get("compile", True):
-        how.append("eager")
+    from launcher.cli.run_words import run_choices
+
+    how = [cfg["backend"], cfg["dtype"], *run_choices(cfg)]
     return (f"corelaunch bench: tp {cfg['tp_degree']} ({', '.join(how)}), batch {cfg['batch_size']} x "
             f"{cfg['prompt_len']} prompt tokens, {cfg['max_new_tokens']} new tokens, {cfg['runs']} runs after "
             f"{cfg['warmup']} warm-up")

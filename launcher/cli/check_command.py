@@ -534,12 +534,14 @@ def _token_id(value) -> bool:
 
 
 def format_report(report: dict, tokenizer=None) -> str:
+    from launcher.cli.run_words import run_choices
     from shardlib.evaluation.accuracy import shown_difference  # torch: not at the command's import
 
     verdict = "PASSED" if report["passed"] else "FAILED"
     experts = f"{report['moe_sharding']} experts, " if report.get("moe_sharding") else ""
+    how = ", ".join([report["backend"], report["dtype"], *run_choices(report)])
     lines = [f"{report['mode']} {verdict}: corelaunch tp {report['tp_degree']} ({report['kv_strategy']} KV heads, "
-             f"{experts}{report['backend']}, {report['dtype']}) on {report['model']}",
+             f"{experts}{how}) on {report['model']}",
              f"reference: {report['reference']}",
              f"{report['num_tokens']} tokens per prompt, EOS ignored on both sides"]
     if report["mode"] == "logit-matching":
