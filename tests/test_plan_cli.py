@@ -67,6 +67,21 @@ def test_readable_report_shows_each_error_with_its_code(capsys):
     assert "valid tp degrees: 16, 32" in out.stdout
 
 
+def test_the_readable_report_names_8_bit_weights_and_a_kv_cache_in_another_dtype(capsys, tmp_path):
+    """A plan of an int8 checkpoint, or with an fp8 KV cache, read as a float32 one's: the bytes
+    were counted, but the first line said only "float32"."""
+    config = json.loads(Path(SMOLLM2).read_text())
+    config["quantization_config"] = {"quant_method": "corelaunch", "quantization_dtype": "int8",
+                                     "quantization_type": "per_channel_symmetric", "modules": "linear"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    first = {args: plan_in_process(capsys, *args).stdout.splitlines()[0]
+             for args in (("--model", str(tmp_path)), ("--model", str(tmp_path), "--kv-cache-dtype", "f8e4m3"),
+                          ("--model", SMOLLM2, "--kv-cache-dtype", "f8e4m3"), ("--model", SMOLLM2, "--dtype", "float32"))}
+    said = [line.split("), ", 1)[1].split(", batch_size")[0] for line in first.values()]
+    assert said == ["bfloat16, int8 weights", "bfloat16, int8 weights, KV cache float8_e4m3",  # the config's dtype
+                    "bfloat16, KV cache float8_e4m3", "float32"], first
+
+
 def test_flags_reach_the_planner(capsys):
     out = plan_in_process(capsys, "--model", str(CONFIGS / "llama-3.1-405b.json"), "--instance", "trn2.48xlarge",
                           "--tp", "128", "--nodes", "2", "--batch-size", "2", "--seq-len", "1024", "--json")

@@ -141,10 +141,14 @@ def format_report(result: Plan) -> str:
     """A few lines for a person: verdict, layout, memory against capacity, degrees, each error."""
     cfg, mem = result.config, result.memory
     verdict = "VALID" if result.valid else "INVALID"
+    # 8-bit weights and a KV cache in another dtype than the compute's are sized here: said, not
+    # only counted (a plan of an int8 checkpoint read as a float32 one's)
+    stored = (f", {cfg.quantization.dtype} weights" if cfg.quantization is not None else "") + (
+        f", KV cache {mem.kv_cache_dtype}" if mem.kv_cache_dtype != result.dtype else "")
     lines = [
         f"{verdict}: {cfg.model_type} ({cfg.num_attention_heads} heads, {cfg.num_key_value_heads} KV heads, "
         f"{cfg.param_count() / 1e9:.2f} B params) on {result.nodes} x {result.instance} (LNC {result.lnc}), "
-        f"{result.dtype}, batch_size {result.batch_size}"
+        f"{result.dtype}{stored}, batch_size {result.batch_size}"
         + (f" + {result.serving_rows} serving rows" if result.serving_rows else "") + f", seq_len {result.seq_len}",
         f"tp_degree {result.tp_degree} ({'auto' if result.tp_requested == 'auto' else 'requested'}), "
         f"{result.ranks_per_node} rank(s) per node, kv strategy {result.kv_strategy or '-'}, "
