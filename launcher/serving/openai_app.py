@@ -383,6 +383,7 @@ class OpenAIServer:
         from launcher.background_load import BackgroundLoad
         from launcher.serving.port_rebind import allow_port_rebinding
         from launcher.serving.request_heads import bound_request_heads
+        from launcher.serving.serve_deployment import placement_wait_s, this_replicas_facts
 
         allow_port_rebinding()  # before Serve binds this replica's own server (direct ingress)
         bound_request_heads()  # its connections' heads bounded in size and time
@@ -392,8 +393,14 @@ class OpenAIServer:
         install_key_check(self._authorize)  # for the routes that do not exist (_http_error)
 
         launch = dict(settings.launch)
+        # Serve's effective options: a config file's deployments: entry may override the builder's
+        deployed = this_replicas_facts()
+        most_replicas = settings.most_replicas if deployed is None else deployed.most_replicas
         if launch.get("cpus_per_rank") is None:
-            launch["cpus_per_rank"] = _cpus_per_rank(launch, settings.most_replicas)
+            launch["cpus_per_rank"] = _cpus_per_rank(launch, most_replicas)
+        configured_wait = launch.get("placement_timeout_s")
+        launch["placement_timeout_s"] = placement_wait_s(
+            LaunchConfig.placement_timeout_s if configured_wait is None else configured_wait, deployed)
         self.launcher = Launcher(LaunchConfig(**launch)).prepare()
         no_tokenizer = server_tokenizer_problem(self.launcher.model_dir)
         if no_tokenizer:  # `serve run` or a config file (the CLI refuses it first): before any rank starts
@@ -428,7 +435,7 @@ class OpenAIServer:
         self.context_tokens = _context_tokens(self.launcher)
         self.longest_prompt = _longest_prompt(self.launcher)
         self.metrics = ServerMetrics(self.launcher.load)
-        self.several_replicas = settings.most_replicas > 1
+        self.several_replicas = most_replicas > 1
         self.board = None
         if self.several_replicas:  # each scrape shows every replica's series (metrics_board.py)
             from launcher.serving.metrics_board import BoardPoster, board_for
