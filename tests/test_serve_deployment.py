@@ -7,7 +7,8 @@ from __future__ import annotations
 from ray.serve._private.config import DeploymentConfig
 from ray.serve.config import AutoscalingConfig
 
-from launcher.serving.serve_deployment import DRAIN_MARGIN_S, DeploymentFacts, facts_of, placement_wait_s
+from launcher.serving.serve_deployment import (DRAIN_MARGIN_S, DeploymentFacts, facts_of, placement_wait_s,
+                                               this_replicas_facts)
 
 
 def test_the_replica_count_is_serves_not_the_builders():
@@ -35,3 +36,21 @@ def test_a_replica_waits_for_its_placement_through_a_replaced_replicas_drain():
 def test_an_unknown_shape_of_serves_config_gives_no_facts():
     assert facts_of(None) is None
     assert facts_of(object()) is None
+
+
+def test_a_replica_reads_the_options_of_the_replica_context_serve_gives_it(monkeypatch):
+    """Through the installed Serve's own context (a release that moved its private
+    _deployment_config would fail here rather than silently fall back to the builder's settings)."""
+    import dataclasses
+
+    from ray.serve import context
+    from ray.serve._private.common import DeploymentID, ReplicaID
+
+    assert this_replicas_facts() is None  # not in a replica
+    fields = {f.name for f in dataclasses.fields(context.ReplicaContext)}
+    given = {"replica_id": ReplicaID("r1", DeploymentID("OpenAIServer", "corelaunch")), "servable_object": None,
+             "_deployment_config": DeploymentConfig(num_replicas=2, graceful_shutdown_timeout_s=45), "rank": None,
+             "world_size": 2}
+    assert set(given) <= fields, fields
+    monkeypatch.setattr(context, "_INTERNAL_REPLICA_CONTEXT", context.ReplicaContext(**given))
+    assert this_replicas_facts() == DeploymentFacts(most_replicas=2, drain_s=45.0)
