@@ -310,6 +310,14 @@ def test_cli_refusals_exit_2_before_starting_anything(model_dir, tmp_path, capsy
     assert code == 2 and "--tp: expected 1 (compiled), found 2 (asked)" in err
     code, err = corelaunch_in_process(capsys, "generate", "--compiled", str(tmp_path / "nope"), "t1")
     assert code == 2 and "does not exist" in err
+    # lists given with --buckets are named by it (they were named --token-buckets and --context-buckets)
+    code, err = corelaunch_in_process(capsys, "generate", "--compiled", str(root), "--buckets", "8,32", "--quiet", "t1")
+    assert code == 2 and ("--buckets (its token-generation list): expected [16] (compiled), found [8, 32] (asked); "
+                          "--buckets (its context-encoding list): expected [8, 16] (compiled), found [8, 32]") in err, err
+    assert "--token-buckets" not in err and "--context-buckets" not in err, err
+    code, err = corelaunch_in_process(capsys, "generate", "--compiled", str(root), "--buckets", "8,32",
+                                      "--context-buckets", "8,16", "--quiet", "t1")
+    assert code == 2 and "--buckets (its token-generation list): expected [16]" in err, err
     code, err = corelaunch_in_process(capsys, "compile", "--model", str(model_dir), "--out", str(model_dir))
     assert code == 2 and "is not a compiled-model directory" in err
     code, err = corelaunch_in_process(capsys, "compile", "--model", str(model_dir), "--buckets", "8,x", "--out",

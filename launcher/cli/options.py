@@ -108,11 +108,14 @@ def with_flag_name(error: BaseException, args: argparse.Namespace | None = None)
     must be ...") with the options that set them instead ("--restart-window (0.0) must be ...").
     A message that does not start with a field is left as it is. With the command's parsed `args`,
     a bucket list is named by the option the user gave (--buckets sets both phases' lists)."""
+    given = _bucket_flags_given(args)
     message = str(error)
+    for field in given:  # "--token-buckets: expected [16] (compiled), ..." of a --compiled directory
+        message = message.replace(f"{FLAG_OF_FIELD[field]}:", f"--buckets ({_PHASE_OF_LIST[field]} list):")
     field, sep, rest = message.partition(" (")
     if not sep or (field not in FLAG_OF_FIELD and field not in FLAG_IN_OTHER_UNITS):
         return message
-    flags = {**FLAG_OF_FIELD, **_bucket_flags_given(args)}
+    flags = {**FLAG_OF_FIELD, **given}
     # A launch option's message: the other options it names (the burst check names two) by their
     # options too, values in the option's unit, and Python's None as the option left out. Plain
     # words ("tp", "model") only where they lead: elsewhere they are words of the message.
@@ -163,6 +166,9 @@ def without_nodes_ways(message: str, command: str) -> str:
 def in_tp_flag(message: str) -> str:
     """The planner's tp_degree named as --tp, which every command that plans a launch takes."""
     return _TP_DEGREE.sub("--tp", message)
+
+
+_PHASE_OF_LIST = {"context_buckets": "its context-encoding", "token_buckets": "its token-generation"}
 
 
 def _bucket_flags_given(args: argparse.Namespace | None) -> dict:
