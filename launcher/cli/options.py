@@ -106,8 +106,9 @@ FLAG_IN_OTHER_UNITS = {"burst_wait_s": ("--burst-wait-ms", 1000)}
 def with_flag_name(error: BaseException, args: argparse.Namespace | None = None) -> str:
     """The message of a LaunchConfig error that starts with a field's name ("restart_window_s (0.0)
     must be ...") with the options that set them instead ("--restart-window (0.0) must be ...").
-    A message that does not start with a field is left as it is. With the command's parsed `args`,
-    a bucket list is named by the option the user gave (--buckets sets both phases' lists)."""
+    A message that does not start with a field is left as it is, but for one thing: with the
+    command's parsed `args`, a bucket list is named by the option the user gave, in any message
+    (--buckets sets both phases' lists)."""
     given = _bucket_flags_given(args)
     message = str(error)
     for field in given:  # "--token-buckets: expected [16] (compiled), ..." of a --compiled directory
