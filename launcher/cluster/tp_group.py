@@ -26,6 +26,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from launcher.errors import (DevicesMissing, LaunchError, PlacementTimeout, RankFailed,
                              RendezvousTimeout, RequestTimeout, WorkerDied)
 from launcher.cluster.event_channel import ChannelClosed, EventChannel
+from launcher.cluster.ordered_sender import OrderedSender
 from launcher.cluster.placement import alive_nodes, bundle_nodes, placement_strategy, rank_order
 from launcher.cluster.resources import RankResources, actor_options, even_split, explain_unplaceable
 from workers.backends import BackendEntry, backend_entry
@@ -104,10 +105,14 @@ class TPGroup:
     _last_counters: dict = field(default_factory=dict, init=False, repr=False)
     _next_call: int = field(default=0, init=False, repr=False)
     _call_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+    _sender: OrderedSender = field(init=False, repr=False)
     stop_asked: Callable[[], bool] | None = field(default=None, init=False, repr=False)
     """Set by the launcher while it makes this group: True once it is shut down. Placement and every
     wait of start(), load() and start_serving() then stop the group and raise, so a shutdown from
     another thread no longer waits for a whole load (up to --load-timeout) or closes Ray under it."""
+
+    def __post_init__(self) -> None:
+        self._sender = OrderedSender(self._send_numbered, name=f"{self.name}-group-calls")
 
     # ---- start-up ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -300,17 +305,19 @@ class TPGroup:
         """Hand requests to rank 0's loop (not awaited: a failure shows in the next poll). A group
         already stopped takes nothing; its replica resubmits its streams once restarted. Submissions
         and cancellations are numbered: rank 0 runs them in the order they were sent here
-        (workers/serving/numbered_calls.py)."""
-        with self._call_lock:
-            if self.actors and not self._ray_gone():
-                self.actors[0].submit_requests.remote(requests, self._next_call)
-                self._next_call += 1  # only once sent: a number rank 0 never gets would hold every later call
+        (workers/serving/numbered_calls.py). Both are sent from the group's own thread, never from
+        the caller's Ray task (launcher/cluster/ordered_sender.py)."""
+        self._sender.put(("submit_requests", requests))
 
     def cancel(self, request_ids: list[str]) -> None:
+        self._sender.put(("cancel_requests", request_ids))
+
+    def _send_numbered(self, call: tuple[str, list]) -> None:
+        method, payload = call
         with self._call_lock:
             if self.actors and not self._ray_gone():
-                self.actors[0].cancel_requests.remote(request_ids, self._next_call)
-                self._next_call += 1
+                getattr(self.actors[0], method).remote(payload, self._next_call)
+                self._next_call += 1  # only once sent: a number rank 0 never gets would hold every later call
 
     def poll(self, wait_s: float):
         """(events, load, counters) from rank 0's event stream, waiting up to wait_s for the first
@@ -573,6 +580,7 @@ class TPGroup:
         return True
 
     def kill(self) -> None:
+        self._sender.close()
         self._serve_refs = []
         events, self._events = self._events, None
         if events is not None:
