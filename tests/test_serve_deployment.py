@@ -4,6 +4,7 @@ as Serve 2.60 builds them from a config file's entry; the redeploy itself was ru
 
 from __future__ import annotations
 
+import pytest
 from ray.serve._private.config import DeploymentConfig
 from ray.serve.config import AutoscalingConfig
 
@@ -54,3 +55,53 @@ def test_a_replica_reads_the_options_of_the_replica_context_serve_gives_it(monke
     assert set(given) <= fields, fields
     monkeypatch.setattr(context, "_INTERNAL_REPLICA_CONTEXT", context.ReplicaContext(**given))
     assert this_replicas_facts() == DeploymentFacts(most_replicas=2, drain_s=45.0)
+
+
+def test_ranks_are_sized_for_what_the_serve_replicas_own_cpus_leave():
+    """A config file's `ray_actor_options` (a runtime_env for the API key, say) replaces build_app's
+    whole, num_cpus 0 included, and Serve gives the replica actor 1 CPU: the ranks, sized from the
+    whole node, no longer fit beside it, and the app failed to deploy (PlacementTimeout)."""
+    from launcher.cluster.resources import cpu_rank_resources
+    from launcher.serving.openai_app import without_replica_cpus
+
+    assert without_replica_cpus([2.0], 0.0, 1) == [2.0]  # as build_app deploys it
+    assert without_replica_cpus([2.0], 1.0, 1) == [1.0]
+    assert cpu_rank_resources(1, without_replica_cpus([2.0], 1.0, 1)).num_cpus == 1.0  # 2 before: never placed
+    # several replicas: every node is taken to host them all (Serve places them where it likes)
+    assert without_replica_cpus([4.0, 8.0], 1.0, 2) == [2.0, 6.0]
+    assert without_replica_cpus([1.0], 1.0, 3) == [0.0]
+
+
+@pytest.mark.slow  # an actor on the session's Ray
+def test_a_replica_reads_the_cpus_it_holds_and_a_driver_holds_none(ray_session):
+    from launcher.serving import openai_app
+
+    ray = ray_session
+    held = ray.remote(num_cpus=1)(_OwnCpus).remote()
+    assert ray.get(held.read.remote(), timeout=60) == 1.0
+    assert ray.get(ray.remote(num_cpus=0)(_OwnCpus).remote().read.remote(), timeout=60) == 0.0
+    assert openai_app._own_cpus() == 0.0  # the driver: no actor's resources
+
+
+class _OwnCpus:
+    def read(self) -> float:
+        from launcher.serving.openai_app import _own_cpus
+
+        return _own_cpus()
+
+
+def test_reading_the_cpus_held_outside_ray_starts_no_ray(monkeypatch):
+    """ray.get_runtime_context() starts a local Ray where none is connected (14 s here)."""
+    import ray
+
+    from launcher.serving.openai_app import _own_cpus
+
+    asked = []
+
+    def tripwire():
+        asked.append(1)
+        raise AssertionError("the runtime context was asked for with no Ray connected: it starts one")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # as in a process with no Ray
+    monkeypatch.setattr(ray, "get_runtime_context", tripwire)
+    assert _own_cpus() == 0.0 and asked == []
