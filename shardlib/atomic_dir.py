@@ -61,7 +61,7 @@ def refuse_foreign_dir(out_dir: str | Path, what: str, marker: str = MANIFEST,
     if out_dir.is_dir() and not out_dir.is_symlink() and in_use(out_dir):
         # a plain directory (a `cp -rL` copy) a launch reads by its path: replaced, the launch's
         # restarts would read the new files; deleted, they fail (a link's versions stay while held)
-        raise FileExistsError(f"{out_dir} is in use by a running launch (hold_version), and is a plain directory "
+        raise FileExistsError(f"{out_dir} is in use by a running launch, and is a plain directory "
                               f"that cannot be replaced under it; write to another path, or stop that launch first")
     if not (out_dir.exists() and any(out_dir.iterdir())):
         return

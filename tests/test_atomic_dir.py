@@ -167,7 +167,7 @@ def test_a_plain_directory_a_launch_holds_is_not_replaced_under_it(tmp_path):
     (plain / MANIFEST).write_text("{}")
     hold = ad.hold_version(plain)
     try:
-        with pytest.raises(FileExistsError, match=r"is in use by a running launch .* write to another path"):
+        with pytest.raises(FileExistsError, match=r"is in use by a running launch, and is a plain directory .* write to another path"):
             write(plain, "new")
         assert (plain / MANIFEST).is_file() and not plain.is_symlink()
     finally:

@@ -10,6 +10,7 @@ which did the same with one RankWorker per process and no Ray).
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -159,32 +160,47 @@ def test_a_launch_at_another_thread_count_is_told_its_graphs_are_built_again(mod
     assert other_thread_count(older, "cpu", 1) is None
 
 
-@pytest.mark.parametrize("asked, overrides, expected", [
-    (dict(tp=2), {}, r"--tp: expected 1 \(compiled\), found 2 \(asked\)"),
-    (dict(dtype="bfloat16"), {}, r"--dtype: expected 'float32' \(compiled\), found 'bfloat16' \(asked\)"),
-    (dict(token_buckets=(16, 32)), {}, r"--token-buckets: expected \[16\] \(compiled\), found \[16, 32\]"),
-    (dict(compile=False), {}, r"--no-compile: a compiled directory runs compiled"),
+@pytest.mark.parametrize("asked, overrides, expected, in_the_api", [
+    (dict(tp=2), {}, r"--tp: expected 1 \(compiled\), found 2 \(asked\)", "tp: expected 1 (compiled), found 2"),
+    (dict(dtype="bfloat16"), {}, r"--dtype: expected 'float32' \(compiled\), found 'bfloat16' \(asked\)",
+     "dtype: expected 'float32'"),
+    (dict(token_buckets=(16, 32)), {}, r"--token-buckets: expected \[16\] \(compiled\), found \[16, 32\]",
+     "token_buckets: expected [16]"),
+    (dict(compile=False), {}, r"--no-compile: a compiled directory runs compiled",
+     "compile: False: a compiled directory runs compiled"),
     # was "expected None": a Python value, where the directory simply has no 8-bit cache
-    (dict(kv_cache_dtype="f8e4m3"), {}, r"--kv-cache-dtype: expected none \(compiled\), found 'f8e4m3' \(asked\)"),
+    (dict(kv_cache_dtype="f8e4m3"), {}, r"--kv-cache-dtype: expected none \(compiled\), found 'f8e4m3' \(asked\)",
+     "kv_cache_dtype: expected none"),
     # the buckets set seq_len (16 -> 8): named once, as the buckets, not as a --seq-len nobody gave
     (dict(token_buckets=(8,)), {},
-     r"--token-buckets: expected \[16\] \(compiled\), found \[8\] \(asked\)\. Re-run"),
-    (dict(lnc=1), {"lnc": 2}, r"--lnc: expected 2 \(compiled\), found 1 \(asked\)"),
+     r"--token-buckets: expected \[16\] \(compiled\), found \[8\] \(asked\)\. Re-run", "token_buckets: expected [16]"),
+    (dict(lnc=1), {"lnc": 2}, r"--lnc: expected 2 \(compiled\), found 1 \(asked\)", "lnc: expected 2"),
     # each was dropped silently: the directory's own weights and buckets were used
     (dict(max_context_length=8), {}, r"--max-context-length: expected 16 \(compiled: the largest context bucket\), "
-                                     r"found 8 \(asked\)"),
+                                     r"found 8 \(asked\)", "max_context_length: expected 16"),
     (dict(presharded_dir="/"), {}, r"--presharded: expected none \(the directory's own weights, "
-                                   r".*weights\), found / \(asked\)"),
+                                   r".*weights\), found / \(asked\)", "presharded_dir: expected none"),
+    (dict(compile_granularity="model"), {"granularity": "layer"},
+     r"--granularity: expected 'layer' \(compiled\), found 'model'", "compile_granularity: expected 'layer'"),
     # no option asks for a library version: labelled, and the fix is to install the one compiled with
     ({}, {"versions": {**library_versions(), "torch": "1.0.0"}},
      r"torch: expected '1.0.0' \(compiled\), found '.*' \(installed\)\. Re-run .*or install the library versions "
-     r"it was compiled with$"),
-    ({}, {"versions": {**library_versions(), "transformers": "4.0.0"}}, r"transformers: expected '4.0.0'"),
+     r"it was compiled with$", "torch: expected '1.0.0'"),
+    ({}, {"versions": {**library_versions(), "transformers": "4.0.0"}}, r"transformers: expected '4.0.0'",
+     "transformers: expected '4.0.0'"),
 ])
-def test_a_mismatch_is_refused_naming_the_field_and_the_fix(model_dir, tmp_path, asked, overrides, expected):
+def test_a_mismatch_is_refused_naming_the_field_and_the_fix(model_dir, tmp_path, asked, overrides, expected,
+                                                           in_the_api):
+    """The command line names each difference by its option; the driver API by LaunchConfig's field
+    (it named the options there too: `--granularity` for compile_granularity)."""
+    from launcher.cli.options import with_flag_name
+
     root = fake_compiled_dir(tmp_path / "c", model_dir, **overrides)
-    with pytest.raises(ValueError, match=expected) as err:
+    with pytest.raises(ValueError) as err:
         compiled_dir.apply_compiled_dir(LaunchConfig(compiled_dir=str(root), **asked))
+    assert re.search(expected, with_flag_name(err.value)), with_flag_name(err.value)
+    assert f"does not match this launch: {in_the_api}" in str(err.value), err.value
+    assert "--" not in str(err.value).split("Re-run")[0], err.value  # no option named in the driver API
     assert "Re-run `corelaunch compile`" in str(err.value)
 
 
@@ -221,7 +237,7 @@ def test_a_directory_of_another_kind_given_as_compiled_names_the_flag_that_takes
 def test_another_model_is_refused(model_dir, tmp_path):
     other = save_model(build_random_model("llama", seed=3, vocab_size=VOCAB, num_layers=3), tmp_path / "other")
     root = fake_compiled_dir(tmp_path / "c", model_dir)
-    with pytest.raises(ValueError, match=r"--model: expected config hash \w+ .*found \w+ \(" + str(other)):
+    with pytest.raises(ValueError, match=r"model: expected config hash \w+ .*found \w+ \(" + str(other)):
         compiled_dir.apply_compiled_dir(LaunchConfig(compiled_dir=str(root), model=str(other)))
 
 
@@ -284,14 +300,15 @@ def test_serve_plans_a_compiled_directory_as_its_replicas_run_it(model_dir, tmp_
     monkeypatch.setattr(launch_plan, "plan_launch", spy)
     serve_command._plan(settings_from_args({"compiled_dir": str(root), "backend": "cpu"}))
     assert planned[0].model == str(root / "model") and planned[0].seq_len == 16
-    with pytest.raises(ValueError, match=r"--tp: expected 1 \(compiled\), found 2 \(asked\)"):
+    # builder arguments are LaunchConfig's fields, and named so (`corelaunch serve` says --tp)
+    with pytest.raises(ValueError, match=r"launch: tp: expected 1 \(compiled\), found 2 \(asked\)"):
         serve_command._plan(settings_from_args({"compiled_dir": str(root), "backend": "cpu", "tp": 2}))
     # as `corelaunch compile` leaves it, a link to a hidden version: the refusal names the link
     # given (it named the pinned .c1.v-... version)
     version = root.rename(tmp_path / ".c1.v-host-1-abc")
     link = tmp_path / "c1"
     link.symlink_to(version.name)
-    with pytest.raises(ValueError, match=rf"compiled-model directory {link} does not match this launch: --tp: expected"):
+    with pytest.raises(ValueError, match=rf"compiled-model directory {link} does not match this launch: tp: expected"):
         settings_from_args({"compiled_dir": str(link), "backend": "cpu", "tp": 2})
 
 
@@ -648,3 +665,14 @@ def test_each_start_holds_its_compiled_version_and_a_version_removed_meanwhile_i
                                           r"command again\)"):
         later.start()
     later.shutdown()
+
+
+def test_a_directory_missing_its_model_config_is_named_incomplete(model_dir, tmp_path):
+    """It was told "pass a model directory containing config.json" (--model's advice), about a file
+    inside the compiled directory."""
+    root = fake_compiled_dir(tmp_path / "c", model_dir)
+    (root / "model" / "config.json").unlink()
+    with pytest.raises(ValueError) as err:
+        compiled_dir.apply_compiled_dir(LaunchConfig(compiled_dir=str(root)))
+    assert str(err.value) == (f"compiled-model directory {root} is incomplete: it has no {root}/model/config.json; "
+                              f"copy the whole directory again (cp -rL), or re-run `corelaunch compile --out {root}`")

@@ -204,11 +204,45 @@ def pinned_version(root: str | Path) -> Path:
     return root.resolve() if root.is_symlink() else root
 
 
+class CompiledDirMismatch(ValueError):
+    """A compiled-model directory asked for with settings it was not built for. Its message names
+    LaunchConfig's fields (the driver API); `flag_message` the same by the command-line options."""
+
+    def __init__(self, root: Path, differ: list[tuple[str | None, str]], libraries: list[str]) -> None:
+        self.root, self.differ, self.libraries = root, differ, libraries
+        super().__init__(self._message(flags=False))
+
+    @property
+    def flag_message(self) -> str:
+        return self._message(flags=True)
+
+    def _message(self, flags: bool) -> str:
+        from launcher.cli.options import FLAG_OF_FIELD
+
+        def named(field: str | None, text: str) -> str:
+            if field is None:
+                return text
+            if not flags:
+                return f"{field}: {text}"
+            if field == "compile":  # the option that turns it off
+                return "--no-compile: a compiled directory runs compiled"
+            return f"{FLAG_OF_FIELD.get(field, '--' + field.replace('_', '-'))}: {text}"
+
+        ways = []
+        if self.differ:
+            ways.append("drop the options that differ so the compiled ones are used" if flags else
+                        "drop the LaunchConfig fields that differ so the compiled ones are used")
+        if self.libraries:  # no option asks for these: the installed libraries differ
+            ways.append("install the library versions it was compiled with")
+        return (f"compiled-model directory {self.root} does not match this launch: "
+                f"{'; '.join([named(f, t) for f, t in self.differ] + self.libraries)}. Re-run `corelaunch compile` "
+                f"with the settings and libraries you want to serve with, or {' and '.join(ways)}")
+
+
 def apply_compiled_dir(config):
     """A LaunchConfig that starts from config.compiled_dir: its model files, pre-sharded weights,
     compile cache, TP degree, dtype, KV strategy, LNC, granularity and buckets. ValueError when config asks for
     anything the directory was not built for, naming each field with the expected and found values."""
-    from launcher.cli.options import FLAG_OF_FIELD
     from shardlib.model_config import load_model_config
     from workers.compiled import version_differences
 
@@ -221,16 +255,21 @@ def apply_compiled_dir(config):
         raise ValueError(f"compiled-model directory {root} was left half-written by a `corelaunch compile` that "
                          f"did not finish (its writer is gone and no --out links to it); compile again, then "
                          f"give the --out path")
-    differ: list[str] = []
+    if not (model_dir(pinned) / "config.json").is_file():  # told to pass a model directory as --model
+        raise ValueError(f"compiled-model directory {root} is incomplete: it has no {model_dir(root)}/config.json; "
+                         f"copy the whole directory again (cp -rL), or re-run `corelaunch compile --out {root}`")
+    differ: list[tuple[str | None, str]] = []
+    """(LaunchConfig field or None, what differs): named by the field in the driver API, by the
+    option that sets it on the command line (CompiledDirMismatch.flag_message)."""
     if manifest["format_version"] != FORMAT_VERSION:
-        differ.append(f"format_version: expected {FORMAT_VERSION}, found {manifest['format_version']}")
+        differ.append((None, f"format_version: expected {FORMAT_VERSION}, found {manifest['format_version']}"))
     if config.model is not None:
         given = load_model_config(config.model).config_hash()
         if given != manifest["config_hash"]:
-            differ.append(f"--model: expected config hash {manifest['config_hash']} "
-                          f"({manifest.get('source', 'the compiled model')}), found {given} ({config.model})")
-    # each difference is named by the option that asks for it (LaunchConfig's field of the same name
-    # in the driver API), not by the manifest's field: `tp_degree` is nothing a user typed
+            differ.append(("model", f"expected config hash {manifest['config_hash']} "
+                                    f"({manifest.get('source', 'the compiled model')}), found {given} ({config.model})"))
+    # each difference is named by what asks for it, not by the manifest's field: `tp_degree` is
+    # nothing a user typed
     for attr, field in (("tp", "tp_degree"), ("dtype", "dtype"), ("backend", "backend"),
                         ("kv_strategy", "kv_strategy"), ("moe_sharding", "moe_sharding"),
                         ("compile_granularity", "granularity"), ("kv_cache_dtype", "kv_cache_dtype"),
@@ -238,49 +277,38 @@ def apply_compiled_dir(config):
         wanted = getattr(config, attr)
         if wanted not in (None, "auto") and wanted != manifest.get(field):
             have = manifest.get(field)
-            differ.append(f"{FLAG_OF_FIELD[attr]}: expected {'none' if have is None else repr(have)} (compiled), "
-                          f"found {wanted!r} (asked)")
+            differ.append((attr, f"expected {'none' if have is None else repr(have)} (compiled), found {wanted!r} "
+                                 f"(asked)"))
     for flag in ("pad_q_heads", "sequence_parallel"):  # on when asked, so the directory must have it on
         if getattr(config, flag) and not manifest.get(flag, False):
             if flag == "pad_q_heads" and not pads_q_heads_at(model_dir(pinned), manifest["tp_degree"]):
                 continue  # nothing to pad at that degree: compiled with the flag, it was recorded off
-            differ.append(f"--{flag.replace('_', '-')}: compiled without it, asked for")
+            differ.append((flag, "compiled without it, asked for"))
     buckets = Buckets.from_dict(manifest["buckets"])
     for attr, have in (("token_buckets", buckets.token), ("context_buckets", buckets.context)):
         wanted = getattr(config, attr)
         if wanted is not None and tuple(sorted(set(wanted))) != have:
-            differ.append(f"{FLAG_OF_FIELD[attr]}: expected {list(have)} (compiled), found {sorted(set(wanted))} "
-                          f"(asked)")
+            differ.append((attr, f"expected {list(have)} (compiled), found {sorted(set(wanted))} (asked)"))
     if config.max_context_length is not None and config.context_buckets is None:  # a list is compared above
         # capped at the sequence length as building the buckets caps it, so the flags the directory
         # was compiled with are taken again
         effective = min(config.max_context_length, config.seq_len or buckets.max_seq_len)
         if effective != buckets.context[-1]:
-            differ.append(f"{FLAG_OF_FIELD['max_context_length']}: expected {buckets.context[-1]} (compiled: the "
-                          f"largest context bucket), found {config.max_context_length} (asked)")
+            differ.append(("max_context_length", f"expected {buckets.context[-1]} (compiled: the largest context "
+                                                 f"bucket), found {config.max_context_length} (asked)"))
     if config.presharded_dir is not None:
-        differ.append(f"{FLAG_OF_FIELD['presharded_dir']}: expected none (the directory's own weights, "
-                      f"{weights_dir(root)}), found {config.presharded_dir} (asked)")
+        differ.append(("presharded_dir", f"expected none (the directory's own weights, {weights_dir(root)}), found "
+                                         f"{config.presharded_dir} (asked)"))
     # a seq_len that the token buckets set (LaunchConfig takes the largest) was never asked for: the
     # buckets' own difference says it
     set_by_buckets = config.token_buckets is not None and config.seq_len == config.token_buckets[-1]
     if config.seq_len is not None and config.seq_len != buckets.max_seq_len and not set_by_buckets:
-        differ.append(f"{FLAG_OF_FIELD['seq_len']}: expected {buckets.max_seq_len} (compiled), found "
-                      f"{config.seq_len} (asked)")
+        differ.append(("seq_len", f"expected {buckets.max_seq_len} (compiled), found {config.seq_len} (asked)"))
     if not config.compile:
-        differ.append("--no-compile: a compiled directory runs compiled")
+        differ.append(("compile", "False: a compiled directory runs compiled"))
     libraries = version_differences(manifest["versions"])
     if differ or libraries:
-        ways = []
-        if differ:
-            ways.append("drop the options that differ (in the driver API, LaunchConfig's fields of those names) so "
-                        "the compiled ones are used")
-        if libraries:  # no option asks for these: the installed libraries differ
-            ways.append("install the library versions it was compiled with")
-        raise ValueError(
-            f"compiled-model directory {root} does not match this launch: {'; '.join(differ + libraries)}. Re-run "
-            f"`corelaunch compile` with the settings and libraries you want to serve with, or {' and '.join(ways)}"
-        )
+        raise CompiledDirMismatch(root, differ, libraries)
     return dataclasses.replace(
         config, compiled_dir=str(pinned),
         model=config.model or str(model_dir(pinned)), tp=manifest["tp_degree"], dtype=manifest["dtype"],

@@ -110,7 +110,9 @@ def with_flag_name(error: BaseException, args: argparse.Namespace | None = None)
     command's parsed `args`, a bucket list is named by the option the user gave, in any message
     (--buckets sets both phases' lists)."""
     given = _bucket_flags_given(args)
-    message = str(error)
+    # an error that names several fields mid-message says them by their options itself
+    # (a compiled directory's mismatch: launcher/artifacts/compiled_dir.py)
+    message = getattr(error, "flag_message", None) or str(error)
     for field in given:  # "--token-buckets: expected [16] (compiled), ..." of a --compiled directory
         message = message.replace(f"{FLAG_OF_FIELD[field]}:", f"--buckets ({_PHASE_OF_LIST[field]} list):")
     field, sep, rest = message.partition(" (")
