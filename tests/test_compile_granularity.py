@@ -61,7 +61,7 @@ def test_a_backend_without_the_choice_refuses_it(small_model):
 def test_a_compiled_directory_keeps_its_granularity(small_model, tmp_path):
     root = fake_compiled_dir(tmp_path / "c", small_model, granularity="model")
     assert apply_compiled_dir(LaunchConfig(compiled_dir=str(root))).compile_granularity == "model"
-    with pytest.raises(ValueError, match=r"--granularity: expected 'model' \(compiled\), found 'layer' \(asked\)"):
+    with pytest.raises(ValueError, match=r"launch: compile_granularity: expected 'model' \(compiled\), found 'layer' \(asked\)"):
         apply_compiled_dir(LaunchConfig(compiled_dir=str(root), compile_granularity="layer"))
 
 

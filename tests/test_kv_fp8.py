@@ -175,5 +175,5 @@ def test_a_compiled_directory_records_and_holds_its_kv_cache_dtype(tmp_path):
     assert apply_compiled_dir(LaunchConfig(compiled_dir=str(fp8))).kv_cache_dtype == "f8e4m3"
     plain = fake_compiled_dir(tmp_path / "plain", model)
     assert apply_compiled_dir(LaunchConfig(compiled_dir=str(plain))).kv_cache_dtype is None
-    with pytest.raises(ValueError, match=r"--kv-cache-dtype: expected none \(compiled\), found 'f8e4m3' \(asked\)"):
+    with pytest.raises(ValueError, match=r"launch: kv_cache_dtype: expected none \(compiled\), found 'f8e4m3' \(asked\)"):
         apply_compiled_dir(LaunchConfig(compiled_dir=str(plain), kv_cache_dtype="f8e4m3"))

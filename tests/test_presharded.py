@@ -508,5 +508,5 @@ def test_the_flags_a_copy_was_written_with_are_taken_again_where_padding_adds_no
     root = fake_compiled_dir(tmp_path / "c", sources["llama"], tp_degree=3, pad_q_heads=False)
     compiled_dir.apply_compiled_dir(LaunchConfig(compiled_dir=str(root), pad_q_heads=True))  # taken too
     padding = fake_compiled_dir(tmp_path / "c4", sources["llama"], tp_degree=4, pad_q_heads=False)
-    with pytest.raises(ValueError, match=r"--pad-q-heads: compiled without it, asked for"):  # 6 heads at 4: it pads
+    with pytest.raises(ValueError, match=r"launch: pad_q_heads: compiled without it, asked for"):  # 6 heads at 4: it pads
         compiled_dir.apply_compiled_dir(LaunchConfig(compiled_dir=str(padding), pad_q_heads=True))

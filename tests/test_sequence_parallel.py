@@ -213,7 +213,7 @@ def test_a_compiled_directory_keeps_its_choice(tmp_path):
     assert apply_compiled_dir(LaunchConfig(compiled_dir=str(with_split))).sequence_parallel
     without = fake_compiled_dir(tmp_path / "plain", model)
     assert not apply_compiled_dir(LaunchConfig(compiled_dir=str(without))).sequence_parallel
-    with pytest.raises(ValueError, match=r"--sequence-parallel: compiled without it, asked for"):
+    with pytest.raises(ValueError, match=r"launch: sequence_parallel: compiled without it, asked for"):
         apply_compiled_dir(LaunchConfig(compiled_dir=str(without), sequence_parallel=True))
 
 
