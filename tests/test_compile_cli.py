@@ -676,3 +676,18 @@ def test_a_directory_missing_its_model_config_is_named_incomplete(model_dir, tmp
         compiled_dir.apply_compiled_dir(LaunchConfig(compiled_dir=str(root)))
     assert str(err.value) == (f"compiled-model directory {root} is incomplete: it has no {root}/model/config.json; "
                               f"copy the whole directory again (cp -rL), or re-run `corelaunch compile --out {root}`")
+
+
+def test_an_edited_model_config_inside_the_directory_is_named_with_the_compile_fix(model_dir, tmp_path):
+    """It reached the ranks' load and was refused as a pre-sharded checkpoint "written for other
+    settings", told to re-run save_presharded, a Python function no command-line user had called."""
+    root = fake_compiled_dir(tmp_path / "c", model_dir)
+    edited = json.loads((root / "model" / "config.json").read_text())
+    edited["rms_norm_eps"] = edited.get("rms_norm_eps", 1e-6) * 10
+    (root / "model" / "config.json").write_text(json.dumps(edited))
+    with pytest.raises(ValueError) as err:
+        compiled_dir.apply_compiled_dir(LaunchConfig(compiled_dir=str(root)))
+    assert f"compiled-model directory {root}: {root}/model/config.json was changed after it was compiled" in str(
+        err.value) and f"re-run `corelaunch compile --out {root}`" in str(err.value), err.value
+    # with --model the original's config is compared instead (the model the user names), as before
+    compiled_dir.apply_compiled_dir(LaunchConfig(compiled_dir=str(root), model=str(model_dir)))

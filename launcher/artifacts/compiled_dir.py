@@ -258,6 +258,13 @@ def apply_compiled_dir(config):
     if not (model_dir(pinned) / "config.json").is_file():  # told to pass a model directory as --model
         raise ValueError(f"compiled-model directory {root} is incomplete: it has no {model_dir(root)}/config.json; "
                          f"copy the whole directory again (cp -rL), or re-run `corelaunch compile --out {root}`")
+    if config.model is None:  # its own copy of the model's config: an edit reached the ranks' load first
+        own = load_model_config(model_dir(pinned)).config_hash()
+        if own != manifest["config_hash"]:
+            raise ValueError(f"compiled-model directory {root}: {model_dir(root)}/config.json was changed after it "
+                             f"was compiled (config hash {own}, compiled {manifest['config_hash']}); restore it "
+                             f"(copy the directory again, cp -rL), or re-run `corelaunch compile --out {root}` for "
+                             f"the edited model")
     differ: list[tuple[str | None, str]] = []
     """(LaunchConfig field or None, what differs): named by the field in the driver API, by the
     option that sets it on the command line (CompiledDirMismatch.flag_message)."""
