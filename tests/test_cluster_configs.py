@@ -115,6 +115,9 @@ def test_the_neuron_extra_lists_what_the_backend_imports_and_the_compiler():
     assert {"torch-neuronx", "neuronx-distributed"} <= imported  # what the backend reaches for
     assert listed - {"neuronx-cc"} <= imported, listed - imported  # nothing listed that is never imported
     assert {"neuronx-cc", "torch-neuronx", "neuronx-distributed"} <= listed
+    # the backend imports torch_xla: torch-neuronx 2.9 is the last release built on it (later ones
+    # are TorchNeuron, without it), and an unpinned extra let pip take one of those
+    assert "torch-xla" in imported and "torch-neuronx==2.9.*" in extra
 
 
 @pytest.mark.parametrize("name", ALL)
