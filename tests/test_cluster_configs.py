@@ -145,3 +145,15 @@ def test_the_jobs_api_listens_on_the_heads_loopback_only(name):
 
     [head] = [c for c in load(name)["head_start_ray_commands"] if "ray start" in c]
     assert re.findall(r"--dashboard-host=(\S+)", head) == ["127.0.0.1"], head
+
+
+@pytest.mark.parametrize("name", ["aws-trn1.32xlarge.yaml", "aws-trn2.48xlarge.yaml"])
+def test_trainium_nodes_get_the_primary_volume_neuron_asks_for(name):
+    """Neuron's set-up guide asks at least 512 GB of primary EBS volume on Trn instances; the files
+    gave 500."""
+    import yaml
+
+    config = yaml.safe_load((Path(__file__).resolve().parents[1] / "cluster_configs" / name).read_text())
+    for node_type in config["available_node_types"].values():
+        volumes = node_type["node_config"]["BlockDeviceMappings"]
+        assert volumes[0]["Ebs"]["VolumeSize"] >= 512, (name, volumes)
