@@ -334,6 +334,7 @@ class SlowLoad:
 group = TPGroup.__new__(TPGroup)  # the fields waiting and killing use: a group whose ranks still load
 group.actors, group.workers = [SlowLoad.remote()], [{"rank": 0, "node_ip": "127.0.0.1", "pid": 0}]
 group._pg, group._serve_refs, group._events = None, [], None
+group.__post_init__()  # its call sender, which kill() closes
 outcome = []
 
 
