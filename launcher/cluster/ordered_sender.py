@@ -32,18 +32,21 @@ class OrderedSender:
     def put(self, item) -> None:
         with self._lock:  # started on first use: a group that never serves has no thread
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread = threading.Thread(target=self._run, args=(self._items,), name=self._name, daemon=True)
                 self._thread.start()
-        self._items.put(item)
+            self._items.put(item)
 
     def close(self) -> None:
-        """Stop the thread once the items put before have been sent."""
+        """Stop the thread once the items put before have been sent. A later put starts another,
+        on a queue of its own (one queue, one reader), so the order holds among the items put after
+        a close, not across it: a killed group's later calls go nowhere (it has no actors)."""
         with self._lock:
             if self._thread is not None:
                 self._items.put(_STOP)
+                self._items, self._thread = queue.SimpleQueue(), None
 
-    def _run(self) -> None:
-        while (item := self._items.get()) is not _STOP:
+    def _run(self, items: queue.SimpleQueue) -> None:
+        while (item := items.get()) is not _STOP:
             try:
                 self._send(item)
             except Exception as err:  # noqa: BLE001 - never end the thread: later calls would go unsent
