@@ -62,7 +62,7 @@ def test_ranks_are_sized_for_what_the_serve_replicas_own_cpus_leave():
     whole, num_cpus 0 included, and Serve gives the replica actor 1 CPU: the ranks, sized from the
     whole node, no longer fit beside it, and the app failed to deploy (PlacementTimeout)."""
     from launcher.cluster.resources import cpu_rank_resources
-    from launcher.serving.openai_app import without_replica_cpus
+    from launcher.serving.serve_deployment import without_replica_cpus
 
     assert without_replica_cpus([2.0], 0.0, 1) == [2.0]  # as build_app deploys it
     assert without_replica_cpus([2.0], 1.0, 1) == [1.0]
@@ -74,27 +74,27 @@ def test_ranks_are_sized_for_what_the_serve_replicas_own_cpus_leave():
 
 @pytest.mark.slow  # an actor on the session's Ray
 def test_a_replica_reads_the_cpus_it_holds_and_a_driver_holds_none(ray_session):
-    from launcher.serving import openai_app
+    from launcher.serving import serve_deployment
 
     ray = ray_session
     held = ray.remote(num_cpus=1)(_OwnCpus).remote()
     assert ray.get(held.read.remote(), timeout=60) == 1.0
     assert ray.get(ray.remote(num_cpus=0)(_OwnCpus).remote().read.remote(), timeout=60) == 0.0
-    assert openai_app._own_cpus() == 0.0  # the driver: no actor's resources
+    assert serve_deployment.own_cpus() == 0.0  # the driver: no actor's resources
 
 
 class _OwnCpus:
     def read(self) -> float:
-        from launcher.serving.openai_app import _own_cpus
+        from launcher.serving.serve_deployment import own_cpus
 
-        return _own_cpus()
+        return own_cpus()
 
 
 def test_reading_the_cpus_held_outside_ray_starts_no_ray(monkeypatch):
     """ray.get_runtime_context() starts a local Ray where none is connected (14 s here)."""
     import ray
 
-    from launcher.serving.openai_app import _own_cpus
+    from launcher.serving.serve_deployment import own_cpus
 
     asked = []
 
@@ -104,4 +104,4 @@ def test_reading_the_cpus_held_outside_ray_starts_no_ray(monkeypatch):
 
     monkeypatch.setattr(ray, "is_initialized", lambda: False)  # as in a process with no Ray
     monkeypatch.setattr(ray, "get_runtime_context", tripwire)
-    assert _own_cpus() == 0.0 and asked == []
+    assert own_cpus() == 0.0 and asked == []

@@ -132,15 +132,6 @@ def _sanitizing(tokenizer) -> dict:
     return {"sanitize_control_tokens": True} if "sanitize_control_tokens" in parameters else {}
 
 
-def without_replica_cpus(node_cpus: list[float], replica_cpus: float, serve_replicas: int) -> list[float]:
-    """The nodes' CPUs left to the ranks when each Serve replica actor holds `replica_cpus` itself.
-    Serve places its replicas where it likes, so every node is taken to host all of them: exact on
-    one node, on several a smaller share than could fit rather than a group that never fits (the
-    ranks were sized from the whole node, and the last group waited out its placement)."""
-    held = max(0.0, replica_cpus) * max(1, serve_replicas)
-    return [max(0.0, c - held) for c in node_cpus]
-
-
 def _cpus_per_rank(launch: dict, serve_replicas: int) -> float | None:
     """An even share of the cluster's CPUs for each rank of every Serve replica there can be, so
     that all of their TP groups fit at once, as the nodes hold them (the Serve replica actors
@@ -151,6 +142,7 @@ def _cpus_per_rank(launch: dict, serve_replicas: int) -> float | None:
     from launcher.cluster.resources import cpu_rank_resources
     from launcher.launch_plan import plan_launch, with_artifact_settings
     from launcher.progress import Progress
+    from launcher.serving.serve_deployment import own_cpus, without_replica_cpus
     from workers.backends import backend_entry
 
     config = with_artifact_settings(LaunchConfig(**launch))  # the TP degree the replica's Launcher runs
@@ -158,22 +150,8 @@ def _cpus_per_rank(launch: dict, serve_replicas: int) -> float | None:
     if backend_entry(planned.backend).ray_resource is not None:
         return None
     tp = planned.plan.tp_degree
-    node_cpus = without_replica_cpus([n.total.get("CPU", 0.0) for n in alive_nodes()], _own_cpus(), serve_replicas)
+    node_cpus = without_replica_cpus([n.total.get("CPU", 0.0) for n in alive_nodes()], own_cpus(), serve_replicas)
     return cpu_rank_resources(tp, node_cpus, nodes=config.nodes, replicas=serve_replicas).num_cpus
-
-
-def _own_cpus() -> float:
-    """The CPUs this Serve replica actor holds: none as build_app deploys it, but a config file's
-    `ray_actor_options` replaces the builder's whole, and Serve then gives the actor 1 CPU unless the
-    entry repeats `num_cpus: 0`."""
-    import ray
-
-    if not ray.is_initialized():  # the runtime context would start a Ray of its own
-        return 0.0
-    try:
-        return float(ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0))
-    except Exception:  # noqa: BLE001 - outside an actor (nothing held) or an unknown Ray: as deployed
-        return 0.0
 
 
 class _ClosingStreamingResponse(StreamingResponse):

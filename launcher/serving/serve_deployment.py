@@ -56,3 +56,26 @@ def placement_wait_s(configured_s: float, facts: DeploymentFacts | None) -> floa
     if facts is None:
         return configured_s
     return max(configured_s, facts.drain_s + DRAIN_MARGIN_S)
+
+
+def without_replica_cpus(node_cpus: list[float], replica_cpus: float, serve_replicas: int) -> list[float]:
+    """The nodes' CPUs left to the ranks when each Serve replica actor holds `replica_cpus` itself.
+    Serve places its replicas where it likes, so every node is taken to host all of them: exact on
+    one node, on several a smaller share than could fit rather than a group that never fits (the
+    ranks were sized from the whole node, and the last group waited out its placement)."""
+    held = max(0.0, replica_cpus) * max(1, serve_replicas)
+    return [max(0.0, c - held) for c in node_cpus]
+
+
+def own_cpus() -> float:
+    """The CPUs this Serve replica actor holds: none as build_app deploys it, but a config file's
+    `ray_actor_options` replaces the builder's whole, and Serve then gives the actor 1 CPU unless the
+    entry repeats `num_cpus: 0`."""
+    import ray
+
+    if not ray.is_initialized():  # the runtime context would start a Ray of its own
+        return 0.0
+    try:
+        return float(ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0))
+    except Exception:  # noqa: BLE001 - outside an actor (nothing held) or an unknown Ray: as deployed
+        return 0.0
