@@ -192,8 +192,12 @@ def _processes_with(variable: str) -> list[str]:
     return found
 
 
-FROM_A_THREAD_THAT_ENDS = textwrap.dedent("""
-    import threading, time
+# One private start serves three tests (each a Ray start-up of its own before: about 15 s apiece on
+# 2 cores): started from a thread that then ends, in a home directory of the test's own, then asked
+# for its dashboard agent's ports.
+STARTED_FROM_A_THREAD_THAT_ENDS = textwrap.dedent("""
+    import json, threading, time
+    import psutil
     import ray
     from launcher.cluster import ray_cluster
     connections = []
@@ -203,40 +207,7 @@ FROM_A_THREAD_THAT_ENDS = textwrap.dedent("""
     time.sleep(1)  # the starter thread is gone
     assert not ray_cluster.private_cluster_dying(within_s=4.0), ray._private.worker._global_node.dead_processes()
     assert ray.get(ray.remote(lambda: 41 + 1).remote(), timeout=120) == 42
-    connections[0].close()
     print("alive after its starter ended", flush=True)
-""")
-
-
-def test_a_private_cluster_started_from_a_thread_outlives_that_thread():
-    """Ray starts a private cluster's processes with PR_SET_PDEATHSIG, sent when the parent thread
-    exits: a Launcher started on a worker thread lost its GCS and raylet within seconds of that
-    thread ending, and Ray then killed the whole process, unable to reach its GCS."""
-    out = subprocess.run([sys.executable, "-c", FROM_A_THREAD_THAT_ENDS], cwd=REPO, capture_output=True, text=True,
-                         timeout=300, env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
-    assert out.returncode == 0 and "alive after its starter ended" in out.stdout, out.stderr[-3000:]
-
-
-def test_a_private_start_leaves_rays_token_readable_by_its_owner_alone(tmp_path):
-    """Ray writes ~/.ray/auth_token with the umask's mode (0644): any local user who could enter the
-    home directory could read it and call the private cluster's servers with it."""
-    home = tmp_path / "home"
-    home.mkdir()
-    code = "from launcher.cluster import ray_cluster; ray_cluster.connect('local', num_cpus=1).close()"
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
-    subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**env, "HOME": str(home)}, check=True, timeout=300)
-    token = home / ".ray" / "auth_token"
-    assert token.exists() and oct(token.stat().st_mode & 0o777) == oct(0o600)
-    # and its folder, made before the start, so the token is never readable by others even while written
-    assert oct((home / ".ray").stat().st_mode & 0o777) == oct(0o700)
-
-
-AGENT_PORTS = textwrap.dedent("""
-    import time
-    import psutil
-    import ray
-    from launcher.cluster import ray_cluster
-    connection = ray_cluster.connect("local", num_cpus=1)
     raylet = psutil.Process(ray._private.worker._global_node.all_processes["raylet"][0].process.pid)
     deadline, ports = time.monotonic() + 60, None
     while time.monotonic() < deadline:  # the agent binds its HTTP port a few seconds after the start
@@ -245,16 +216,43 @@ AGENT_PORTS = textwrap.dedent("""
         if len(ports) >= 2:  # its gRPC and HTTP servers
             break
         time.sleep(0.5)
-    print(ports, flush=True)
-    connection.close()
+    print(json.dumps(ports), flush=True)
+    connections[0].close()
 """)
 
 
-def test_a_private_clusters_dashboard_agent_leaves_rays_default_port_free():
+@pytest.fixture(scope="module")
+def started_from_a_thread(tmp_path_factory):
+    home = tmp_path_factory.mktemp("home")
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
+    out = subprocess.run([sys.executable, "-c", STARTED_FROM_A_THREAD_THAT_ENDS], cwd=REPO, capture_output=True,
+                         text=True, timeout=300, env={**env, "HOME": str(home)})
+    return out, home
+
+
+def test_a_private_cluster_started_from_a_thread_outlives_that_thread(started_from_a_thread):
+    """Ray starts a private cluster's processes with PR_SET_PDEATHSIG, sent when the parent thread
+    exits: a Launcher started on a worker thread lost its GCS and raylet within seconds of that
+    thread ending, and Ray then killed the whole process, unable to reach its GCS."""
+    out, _ = started_from_a_thread
+    assert out.returncode == 0 and "alive after its starter ended" in out.stdout, out.stderr[-3000:]
+
+
+def test_a_private_start_leaves_rays_token_readable_by_its_owner_alone(started_from_a_thread):
+    """Ray writes ~/.ray/auth_token with the umask's mode (0644): any local user who could enter the
+    home directory could read it and call the private cluster's servers with it."""
+    out, home = started_from_a_thread
+    assert out.returncode == 0, out.stderr[-3000:]
+    token = home / ".ray" / "auth_token"
+    assert token.exists() and oct(token.stat().st_mode & 0o777) == oct(0o600)
+    # and its folder, made before the start, so the token is never readable by others even while written
+    assert oct((home / ".ray").stat().st_mode & 0o777) == oct(0o700)
+
+
+def test_a_private_clusters_dashboard_agent_leaves_rays_default_port_free(started_from_a_thread):
     """It took Ray's fixed 52365: a cluster the user then started on this host (`ray start --head`)
     found the port taken, disabled its agent's HTTP service, and refused every `ray job submit`."""
-    out = subprocess.run([sys.executable, "-c", AGENT_PORTS], cwd=REPO, capture_output=True, text=True, timeout=300,
-                         env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
+    out, _ = started_from_a_thread
     assert out.returncode == 0, out.stderr[-3000:]
     ports = json.loads(out.stdout.strip().splitlines()[-1])
     assert len(ports) >= 2 and 52365 not in ports, ports
