@@ -11,6 +11,7 @@ Prometheus expects); another replica's gauges may be up to PUSH_PERIOD_S old.
 
 from __future__ import annotations
 
+import contextvars
 import itertools
 import threading
 import time
@@ -115,7 +116,14 @@ class BoardPoster:
 
         own, rendered = self.render()
         try:
-            texts = ray.get(self.board.gather.remote(self.replica, own, rendered), timeout=GATHER_TIMEOUT_S)
+            # Submitted in an empty context, so the call is no child of the scrape's request: the
+            # route runs on a thread carrying a copy of the request's context (Ray's current task
+            # among it), and Serve's proxy cancels a disconnected client's request with its children.
+            # A scrape cut short that way cancelled its gather, and from then on every call of this
+            # replica's to the board went unanswered (each scrape waited GATHER_TIMEOUT_S and showed
+            # this replica alone; the periodic posts stopped, so the others showed it no more).
+            gather = contextvars.Context().run(self.board.gather.remote, self.replica, own, rendered)
+            texts = ray.get(gather, timeout=GATHER_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - see the class docstring
             texts = {self.replica: own}
         return merged_exposition(texts)
