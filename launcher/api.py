@@ -1109,7 +1109,15 @@ class Launcher:
             async for _ in stream:
                 pass
 
-        outcomes = await asyncio.gather(*(drain(s) for s in streams), return_exceptions=True)
+        try:
+            outcomes = await asyncio.gather(*(drain(s) for s in streams), return_exceptions=True)
+        except BaseException:
+            # Cancelled: a drain cancelled before it first ran never read its stream, so nothing
+            # cancelled its request; a caller keeping the cancelled task keeps this frame and the
+            # streams with it, and the requests ran on to max_new_tokens, holding their rows.
+            for stream in streams:
+                stream.cancel()
+            raise
         errors = [o for o in outcomes if isinstance(o, BaseException)]
         if errors:
             raise errors[0]

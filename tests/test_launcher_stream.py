@@ -845,3 +845,29 @@ def test_a_failed_stream_gives_its_error_to_every_later_reader_not_a_quiet_end()
         reader.join(5)
     assert [type(e) for e in seen] == [RequestTimeout, RequestTimeout], seen
     assert "did not finish within 5 s" in str(seen[1])
+
+
+def test_agenerate_cancelled_as_it_submits_cancels_every_request(model_and_expected, in_process_cluster,
+                                                                 monkeypatch):
+    """A cancel landing in the loop turn that submitted the requests cancels agenerate's drains
+    before they first run: nothing read the streams, so nothing cancelled them, and a caller that
+    kept the cancelled task (its exception holding agenerate's frame) kept them running on."""
+    model_dir, _ = model_and_expected
+    with Launcher(model=model_dir, tp=1, max_num_seqs=2, progress=False, **EAGER) as llm:
+        opened = llm._open_generation
+
+        def then_cancelled(*args, **kwargs):  # the caller's cancel arrives as the requests go out
+            out = opened(*args, **kwargs)
+            asyncio.current_task().cancel()
+            return out
+        monkeypatch.setattr(llm, "_open_generation", then_cancelled)
+
+        async def cancelled_agenerate():
+            task = asyncio.create_task(llm.agenerate(PROMPTS[:2], max_new_tokens=120, ignore_eos=True))
+            await asyncio.wait([task])  # waited on, not awaited: the task keeps its exception
+            assert task.cancelled()
+            return task, llm.load()
+
+        task, load = asyncio.run(cancelled_agenerate())
+        assert load == {"running": 0, "waiting": 0}
+        del task
