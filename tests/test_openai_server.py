@@ -375,6 +375,23 @@ def test_a_failed_replicas_health_check_names_the_failure():
     ours.check_health(server)  # a group still restarting is healthy
 
 
+def test_a_replica_stopped_while_it_loads_passes_its_first_health_check():
+    """Ctrl-C during the model's load: Serve calls the replica's __del__ as its constructor returns,
+    then makes the first health check, which found every group shut down and logged a traceback
+    saying they had all failed."""
+    from launcher.serving.openai_app import OpenAIServer
+
+    ours = next(c for c in OpenAIServer.func_or_class.__mro__[1:] if c.__module__ == "launcher.serving.openai_app")
+    status = [{"index": 0, "state": "serving"}]
+    server = object.__new__(ours)
+    server.board = None
+    server.launcher = SimpleNamespace(replica_status=lambda: status, shutdown=status.clear)
+    ours.check_health(server)
+    ours.__del__(server)
+    assert status == []  # shut down: a health check of a replica not asked to stop would fail now
+    ours.check_health(server)
+
+
 def test_a_tokenizer_without_a_length_bound_still_gets_a_body_limit():
     """longest_token_chars is None for a tokenizer that can fold text into unknown tokens: the body
     limit multiplied it, and every replica of such a model failed to start (TypeError)."""

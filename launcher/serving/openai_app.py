@@ -453,6 +453,11 @@ class OpenAIServer:
         self.created = int(time.time())
 
     def __del__(self):  # Serve calls it when the replica is stopped
+        # Stopped while its constructor still ran (Ctrl-C during the model's load), Serve calls this
+        # as the constructor returns and then makes its first health check: the groups are gone by
+        # then because they were asked to go, which is no failure to report (it logged a traceback
+        # saying every TP group had failed).
+        self.stopping = True
         if getattr(self, "board", None) is not None:
             self.board.close()
         launcher = getattr(self, "launcher", None)
@@ -461,7 +466,7 @@ class OpenAIServer:
 
     def check_health(self) -> None:
         """Serve's periodic health check: a replica whose TP group is gone for good is replaced."""
-        if not self._serving():
+        if not getattr(self, "stopping", False) and not self._serving():
             # the failure named here, in Serve's log: it reached only the HTTP clients' 503 bodies
             failures = "; ".join(f"group {r['index']}: {r['failure']}" for r in self.launcher.replica_status()
                                  if r.get("failure"))
