@@ -667,7 +667,11 @@ def test_a_restart_that_installs_its_group_as_the_pool_shuts_down_has_that_group
             if made.is_set() and not stoppers and threading.current_thread() is replica._thread:
                 stoppers.append(threading.Thread(target=pool.shutdown, kwargs={"grace_s": 1.0}, daemon=True))
                 stoppers[0].start()
-                time.sleep(0.3)  # the shutdown runs meanwhile
+                deadline = time.monotonic() + TIMEOUT_S
+                while not factory.groups[0][0].killed:  # the shutdown is past `stopping`: the old group killed
+                    assert time.monotonic() < deadline, "the shutdown never killed the old group"
+                    time.sleep(0.01)
+                time.sleep(0.2)  # and on into its wait for this thread (a few statements on)
             return real.__enter__()
 
         def __exit__(self, *exc):
