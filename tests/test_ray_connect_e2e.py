@@ -256,3 +256,14 @@ def test_a_private_clusters_dashboard_agent_leaves_rays_default_port_free(starte
     assert out.returncode == 0, out.stderr[-3000:]
     ports = json.loads(out.stdout.strip().splitlines()[-1])
     assert len(ports) >= 2 and 52365 not in ports, ports
+
+
+def test_the_logs_folder_named_is_this_sessions_not_the_newest_on_the_host(ray_session):
+    """Messages sent users to /tmp/ray/session_latest/logs: on a host where other Ray sessions run,
+    the newest session's, not necessarily the one this process started."""
+    from launcher.cluster.ray_cluster import logs_dir
+
+    folder = Path(logs_dir())
+    session = Path(ray_session._private.worker._global_node.get_session_dir_path())
+    assert "session_latest" not in folder.parts and folder.parent == session and folder.is_dir()
+    assert any(folder.glob("raylet*"))  # the session's own raylet logs there

@@ -374,8 +374,14 @@ def _deploy(serve, app, stop: threading.Event, deadline: float, timeout_s: float
         return f"the server failed to start: {outcome['error']}"
     if "done" not in outcome and not stop.is_set():
         return (f"the model was not loaded within --ready-timeout {timeout_s:g} s; raise --ready-timeout, or "
-                f"check the replica's log under /tmp/ray/session_latest/logs/serve")
+                f"check the replica's log under {_serve_logs()}")
     return None
+
+
+def _serve_logs() -> str:
+    from launcher.cluster import ray_cluster
+
+    return f"{ray_cluster.logs_dir()}/serve"
 
 
 def base_url(host: str, port: int) -> str:
@@ -404,4 +410,4 @@ def wait_healthy(host: str, port: int, stop: threading.Event, deadline: float, r
     if stop.is_set():
         return None
     return (f"{url} did not answer 200 within --ready-timeout {ready_timeout_s:g} s (last: {last}); "
-            f"raise --ready-timeout, or check the replica's log under /tmp/ray/session_latest/logs/serve")
+            f"raise --ready-timeout, or check the replica's log under {_serve_logs()}")

@@ -372,6 +372,19 @@ def private_cluster_dying(within_s: float, dead_before: frozenset[int] = frozens
         time.sleep(0.05)
 
 
+def logs_dir() -> str:
+    """The logs folder of the Ray session this process started or joined. Ray's `session_latest`
+    link names the newest session on the host, which on a shared host may be another user's or
+    another program's; Ray's default place where this process has no session."""
+    import ray
+
+    node = getattr(getattr(getattr(ray, "_private", None), "worker", None), "_global_node", None)
+    try:
+        return str(node.get_logs_dir_path())
+    except Exception:  # noqa: BLE001 - no session here, or an unknown Ray
+        return "/tmp/ray/session_latest/logs"
+
+
 def dead_private_processes() -> frozenset[int]:
     """The pids of the private Ray's own processes (see private_cluster_dying) that have exited."""
     import ray
