@@ -90,3 +90,17 @@ def _base_env() -> dict[str, str]:
     import os
 
     return {k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_")}
+
+
+def test_in_direct_mode_serves_ready_line_naming_its_idle_proxy_is_left_out():
+    import logging
+
+    from launcher.serving.ingress import IdleProxyAddressHidden
+
+    def record(message: str) -> logging.LogRecord:
+        return logging.LogRecord("ray.serve", logging.INFO, __file__, 1, message, None, None)
+
+    hidden = IdleProxyAddressHidden()
+    assert not hidden.filter(record("Application 'corelaunch' is ready at http://127.0.0.1:26901/."))
+    assert hidden.filter(record("Started Serve in namespace 'serve'."))
+    assert hidden.filter(record("Deploying new version of Deployment(name='OpenAIServer', app='corelaunch')."))

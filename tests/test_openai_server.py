@@ -1371,6 +1371,10 @@ def test_concurrent_greedy_requests_equal_each_run_alone(client, server):
 def test_direct_ingress_is_the_replicas_own_server(server):
     owner = _listener(server.url)
     assert owner is not None and "ServeRepli" in owner.name(), (server.url, owner)
+    # Serve's "Application ... is ready at <its idle proxy>" is left out (a user took it for the
+    # server's address); its other lines are not (with the proxy on --port it is kept: below)
+    log = server.log.read_text()
+    assert "Started Serve" in log and " is ready at " not in log and f"at {server.url}/v1" in log, log[-3000:]
 
 
 @pytest.mark.slow
@@ -1523,6 +1527,7 @@ def test_a_stop_lets_streams_behind_the_proxy_finish(tmp_path):
     log = (tmp_path / "serve.log").read_text()
     # and no "(raylet) Task ServeController.graceful_shutdown failed", which serve.shutdown() printed at every stop
     assert "Traceback" not in log and "graceful_shutdown" not in log, log[-3000:]
+    assert f"is ready at {running.url}/" in log  # the proxy is on --port: Serve's line says so rightly
 
 
 @pytest.mark.slow

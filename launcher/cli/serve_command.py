@@ -26,7 +26,7 @@ from pathlib import Path
 
 from launcher.cli.options import (add_max_num_seqs, add_max_prefill_tokens, add_model_and_placement_arguments,
                                   int_at_least, max_num_seqs_option, model_and_placement_options, with_flag_name)
-from launcher.serving.ingress import MODES, IngressPlan, choose_mode, plan_ingress
+from launcher.serving.ingress import MODES, IdleProxyAddressHidden, IngressPlan, choose_mode, plan_ingress
 from launcher.serving.server_settings import api_key_from_environment
 
 SERVE_MAX_NUM_SEQS = 16
@@ -277,6 +277,8 @@ def _serve_on(args: argparse.Namespace, settings, mode: str, stdout) -> int:
     connection = ray_cluster.connect("local", worker_logs=not args.quiet)
     if args.quiet:  # Serve's own INFO lines in this process (started, deployed, ready) are progress too
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
+    if ingress.mode == "direct":
+        logging.getLogger("ray.serve").addFilter(IdleProxyAddressHidden())
     # After ray.init, which installs its own SIGTERM handler: a signal now only asks the main thread
     # to stop, so Serve and Ray are shut down below rather than killed mid-way.
     signals = StopSignals()

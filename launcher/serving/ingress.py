@@ -27,6 +27,8 @@ they start, so they are set before the private Ray cluster starts (its processes
 
 from __future__ import annotations
 
+import logging
+
 from dataclasses import dataclass
 
 MODES = ("auto", "direct", "proxy")
@@ -45,6 +47,15 @@ class IngressPlan:
     """Where Serve's proxy listens: --port in proxy mode, another free port in direct mode."""
     environment: dict[str, str]
     """Variables Serve's processes must see when they start."""
+
+
+class IdleProxyAddressHidden(logging.Filter):
+    """Direct ingress: Serve's driver logs that the application "is ready at" its proxy's address,
+    a port no client uses, just before corelaunch's own ready line names --port; a user took the
+    first for the server's address. Serve's other lines pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return " is ready at " not in record.getMessage()
 
 
 def choose_mode(requested: str, most_replicas: int, autoscaling: bool) -> str:
