@@ -28,7 +28,6 @@ they start, so they are set before the private Ray cluster starts (its processes
 from __future__ import annotations
 
 import logging
-
 from dataclasses import dataclass
 
 MODES = ("auto", "direct", "proxy")

@@ -119,9 +119,10 @@ class BoardPoster:
             # Submitted in an empty context, so the call is no child of the scrape's request: the
             # route runs on a thread carrying a copy of the request's context (Ray's current task
             # among it), and Serve's proxy cancels a disconnected client's request with its children.
-            # A scrape cut short that way cancelled its gather, and from then on every call of this
-            # replica's to the board went unanswered (each scrape waited GATHER_TIMEOUT_S and showed
-            # this replica alone; the periodic posts stopped, so the others showed it no more).
+            # Scrapes cut short that way had their gathers cancelled, and (seen through Serve) from
+            # then on every call of this replica's to the board went unanswered: each scrape waited
+            # GATHER_TIMEOUT_S and showed this replica alone, and its periodic posts stopped, so the
+            # others showed it no more.
             gather = contextvars.Context().run(self.board.gather.remote, self.replica, own, rendered)
             texts = ray.get(gather, timeout=GATHER_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - see the class docstring
