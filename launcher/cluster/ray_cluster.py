@@ -372,25 +372,27 @@ def private_cluster_dying(within_s: float, dead_before: frozenset[int] = frozens
         time.sleep(0.05)
 
 
+def _ray_node():
+    """Ray's record of the node this process started or joined (its session, its processes); None
+    without one, or on a Ray that keeps it elsewhere (a private attribute)."""
+    import ray
+
+    return getattr(getattr(getattr(ray, "_private", None), "worker", None), "_global_node", None)
+
+
 def logs_dir() -> str:
     """The logs folder of the Ray session this process started or joined. Ray's `session_latest`
     link names the newest session on the host, which on a shared host may be another user's or
     another program's; Ray's default place where this process has no session."""
-    import ray
-
-    node = getattr(getattr(getattr(ray, "_private", None), "worker", None), "_global_node", None)
     try:
-        return str(node.get_logs_dir_path())
+        return str(_ray_node().get_logs_dir_path())
     except Exception:  # noqa: BLE001 - no session here, or an unknown Ray
         return "/tmp/ray/session_latest/logs"
 
 
 def dead_private_processes() -> frozenset[int]:
     """The pids of the private Ray's own processes (see private_cluster_dying) that have exited."""
-    import ray
-
-    node = getattr(getattr(ray, "_private", None), "worker", None)
-    node = getattr(node, "_global_node", None)
+    node = _ray_node()
     if node is None or not _OWN_SESSION["started_here"] or not hasattr(node, "dead_processes"):
         return frozenset()
     return frozenset(process.pid for _, process in node.dead_processes())
