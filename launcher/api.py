@@ -823,6 +823,9 @@ class Launcher:
         if count == 0:
             why = explain_unplaceable(resources.bundle, tp, cfg.nodes, [n.total for n in nodes],
                                       [n.free for n in nodes], [n.name for n in nodes])
+            if self._ray.started_here:  # nothing else holds a private cluster: it never will (bad input, exit 2)
+                raise PlacementImpossible(f"the private Ray cluster started here cannot place a TP group "
+                                          f"(replicas=auto found room for none): {why}")
             raise PlacementTimeout(f"replicas=auto found room for no TP group: {why}")
         return resources, count
 

@@ -59,6 +59,9 @@ def test_local_starts_a_private_ray_even_with_a_cluster_recorded_on_the_host():
 @pytest.mark.parametrize("options, words", [
     (["--cpus-per-rank", "64"], ["the private Ray cluster started here cannot place a TP group",
                                  f"Lower --cpus-per-rank (at most {os.cpu_count()}, the most CPUs a node has)"]),
+    # --replicas auto sized the replicas before the refusal above: "found room for none", exit 3
+    (["--cpus-per-rank", "64", "--replicas", "auto"], ["the private Ray cluster started here cannot place a TP group",
+                                                       "Lower --cpus-per-rank (at most"]),
     # one group fits, two never will: the first started and the second waited the timeout out (exit 3)
     (["--cpus-per-rank", str(os.cpu_count()), "--replicas", "2"],
      [f"holds 1 TP group(s) of 1 rank(s) at {os.cpu_count()} CPU a rank (--cpus-per-rank), not the 2 replicas "
