@@ -232,13 +232,27 @@ class BodyBudget:
         self.used -= size
 
 
+def _check_encoding(request: Request) -> None:
+    """ProtocolError 415 for a body with a Content-Encoding other than identity: the server decodes
+    none, so a gzip body was parsed as JSON and refused as "not valid JSON", with advice that could
+    not help, and the header on a plain body was ignored."""
+    encodings = [e.strip() for value in request.headers.getlist("content-encoding") for e in value.split(",")]
+    refused = [e for e in encodings if e and e.lower() != "identity"]
+    if refused:
+        raise ProtocolError(f"the request body's Content-Encoding {proto.clip(', '.join(refused))!r} is not "
+                            f"supported; send the body uncompressed, without a Content-Encoding header",
+                            status=415, code="unsupported_content_encoding")
+
+
 async def _read_body(request: Request, limit: int, budget: BodyBudget) -> tuple[bytes, int]:
     """The request's body and the bytes of `budget` it holds, which the caller gives back once the
     body is parsed (a body read whole still waits for, and takes memory in, its parse). Refused (413)
     past `limit` bytes: by its Content-Length before reading, else as soon as what arrives passes it;
     503 when the large bodies already held fill the budget; 408 when it has not arrived within
-    SMALL_BODY_READ_S, or BODY_READ_S once it is (declared or found) larger than PARSED_ON_A_THREAD.
-    On a refusal the budget is given back here."""
+    SMALL_BODY_READ_S, or BODY_READ_S once it is (declared or found) larger than PARSED_ON_A_THREAD;
+    415 before reading for a Content-Encoding other than identity (see _check_encoding). On a refusal
+    the budget is given back here."""
+    _check_encoding(request)
     declared = request.headers.get("content-length", "")
     too_large = ProtocolError(f"the request body is larger than this server reads ({limit} bytes, from its context "
                               f"of tokens); send a shorter prompt", status=413, code="request_too_large")
@@ -289,11 +303,6 @@ def parse_json_body(raw: bytes):
                                 f"ranges") from None
         raise ProtocolError(f"the request body is not valid JSON ({str(err)[:200]}); send a JSON object with "
                             f"Content-Type: application/json") from None
-
-
-def _clip(text: str, limit: int = 200) -> str:
-    """A client's string as an error message quotes it: a 100 kB model name is not sent back whole."""
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _context_tokens(launcher) -> int:
@@ -497,7 +506,7 @@ class OpenAIServer:
     def model(self, model_id: str, request: Request) -> dict:
         self._authorize(request)
         if model_id != self.name:
-            raise ProtocolError(f"model {_clip(model_id)!r} does not exist; this server serves {self.name!r}",
+            raise ProtocolError(f"model {proto.clip(model_id)!r} does not exist; this server serves {self.name!r}",
                                 param="model", status=404, code="model_not_found")
         return proto.models_list(self.name, self.created)["data"][0]
 
@@ -651,7 +660,7 @@ class OpenAIServer:
             raise
         if req.model != self.name:
             self.metrics.rejected(404)
-            raise ProtocolError(f"model {_clip(req.model)!r} does not exist; this server serves {self.name!r} "
+            raise ProtocolError(f"model {proto.clip(req.model)!r} does not exist; this server serves {self.name!r} "
                                 f"(GET /v1/models lists it)", param="model", status=404, code="model_not_found")
         return req
 

@@ -225,8 +225,8 @@ class ChatMessage(BaseModel):
                 raise ProtocolError(f"{param} has no \"type\"; send text parts as {{\"type\": \"text\", "
                                     f"\"text\": ...}}", param=f"{param}.type")
             if part.get("type") != "text":
-                raise ProtocolError(f"{param}: content part type {part.get('type')!r} is not supported; only text "
-                                    f"parts ({{\"type\": \"text\", \"text\": ...}}) are", param=param)
+                raise ProtocolError(f"{param}: content part type {_short(part.get('type'))} is not supported; only "
+                                    f"text parts ({{\"type\": \"text\", \"text\": ...}}) are", param=param)
             if not isinstance(part.get("text"), str):
                 raise ProtocolError(f"{param}.text ({_short(part.get('text'))}) must be a string", param=f"{param}.text")
             check_utf8(part["text"], f"{param}.text")  # named by its part, not the joined content
@@ -297,11 +297,11 @@ def _field_error(error: dict, model: type[BaseModel]) -> ProtocolError:
     if param in FIELD_RULES and len(loc) > 1:  # a bad value inside an object field: name it, not the object
         return ProtocolError(f"{param} ({_short(error.get('input'))}) must be {FIELD_RULES[param]}", param=param)
     if error["type"] == "extra_forbidden" and len(loc) > 1:  # inside an object field (stream_options)
-        return ProtocolError(f"unknown parameter {param!r}; {field} must be "
-                             f"{FIELD_RULES.get(field, 'as the OpenAI API reference says')}", param=param)
+        return ProtocolError(f"unknown parameter {clip(param)!r}; {field} must be "
+                             f"{FIELD_RULES.get(field, 'as the OpenAI API reference says')}", param=clip(param))
     if error["type"] == "extra_forbidden":
         known = ", ".join(sorted(model.model_fields))
-        return ProtocolError(f"unknown parameter {field!r}; this endpoint takes: {known}", param=field)
+        return ProtocolError(f"unknown parameter {clip(field)!r}; this endpoint takes: {known}", param=clip(field))
     if error["type"] == "missing" and len(loc) == 1:
         return ProtocolError(f"{field!r} is required: {FIELD_RULES.get(field, 'see the OpenAI API reference')}",
                              param=field)
@@ -329,6 +329,12 @@ def _json_kind(value: object) -> str:
         return "a boolean"
     kinds = {list: "an array", str: "a string", int: "a number", float: "a number"}
     return next((kind for cls, kind in kinds.items() if isinstance(value, cls)), type(value).__name__)
+
+
+def clip(text: str, limit: int = 200) -> str:
+    """A client's string as an error message quotes it (a model name, an unknown parameter's name):
+    a 100 kB model name, or a 500 kB key, is not sent back whole."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _short(value: object) -> str:
