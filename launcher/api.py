@@ -359,15 +359,6 @@ def _check_batching(batching) -> None:
         raise ValueError(f"batching ({batching!r}) must be 'continuous' or 'static'")
 
 
-def wave_timeouts(count: int, rows: int, timeout_s: float) -> list[float]:
-    """Each of a generate call's `count` prompts' timeouts, submitted together to groups with `rows`
-    rows in all: the prompts beyond the rows wait for rows to free up, so the one in the k-th wave of
-    rows (k from 1) gets k request timeouts, as a static generate's watchdog allows one per part. The
-    first wave keeps one, so a hung group is still noticed after it (or after the hung-group check's
-    floor, replica_pool.HUNG_AFTER_AT_LEAST_S, whichever is longer)."""
-    return [timeout_s * (i // rows + 1) for i in range(count)]
-
-
 def _token_id_list(prompt) -> list[int] | None:
     """A prompt given as token ids, as a list of ints: any sized sequence of integers (a list, a
     tuple, a range, a 1-D numpy array or torch tensor, an array.array, ...), not of bools; None for
@@ -1177,11 +1168,11 @@ class Launcher:
         self._submit_together([stream])
         return stream
 
-    def _submit_together(self, streams) -> None:
+    def _submit_together(self, streams, timeout_per_wave: bool = False) -> None:
         """Admit the streams' requests as one: all submitted, or none (QueueFull when the first would
-        wait while max_queued_requests requests already do)."""
+        wait while max_queued_requests requests already do). timeout_per_wave: ReplicaPool.submit_streams."""
         self._running_pool().submit_streams([s.handle for s in streams], self.config.max_queued_requests,
-                                             self.config.max_num_seqs)
+                                             self.config.max_num_seqs, timeout_per_wave)
 
     def _ending_ids(self, stop_token_ids, ignore_eos) -> tuple[int, ...]:
         """The token ids that end a request: stop_token_ids, and the end-of-sequence ids unless
@@ -1230,7 +1221,7 @@ class Launcher:
                          asynchronous: bool, tokenized: tuple | None = None):
         """Check every prompt first (nothing is submitted if one is bad), then submit them all.
         tokenized: _tokenize(prompts)'s result when the caller has it already."""
-        pool = self._running_pool()  # not started: say so, before anything that needs the model
+        self._running_pool()  # not started: say so, before anything that needs the model
         _check_flag("return_logits", return_logits)
         stop_token_ids = check_stop_token_ids(stop_token_ids, self.model_config.vocab_size)
         if tokenized is None:
@@ -1239,13 +1230,12 @@ class Launcher:
         params = self._sampling_per_prompt(sampling, len(token_lists))
         check_request(token_lists, params, max_new_tokens, self.model_config.vocab_size)
         self._check_lengths(token_lists, max_new_tokens, serving=True)
-        timeouts = wave_timeouts(len(token_lists), self.config.max_num_seqs * max(pool.serving(), 1),
-                                 self.config.request_timeout_s)
         ending = self._ending_ids(stop_token_ids, ignore_eos)
-        streams = [self._new_stream(ids, p, max_new_tokens, ending, (), None, None, asynchronous, return_logits,
-                                    timeout_s)
-                   for ids, p, timeout_s in zip(token_lists, params, timeouts)]
-        self._submit_together(streams)  # one call, admitted as one: none of its prompts is left running alone
+        streams = [self._new_stream(ids, p, max_new_tokens, ending, (), None, None, asynchronous, return_logits)
+                   for ids, p in zip(token_lists, params)]
+        # one call, admitted as one (none of its prompts is left running alone); the prompts beyond
+        # their replica's rows wait for one, a request timeout per wave of rows ahead of them
+        self._submit_together(streams, timeout_per_wave=True)
         return streams, texts, token_lists
 
     def _generate_streams(self, prompts, sampling, max_new_tokens, stop_token_ids, ignore_eos,

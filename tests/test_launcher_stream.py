@@ -187,14 +187,20 @@ def test_a_stream_closed_by_another_reader_says_so_at_once(model_and_expected, i
 
 def test_a_generate_call_gets_a_request_timeout_per_wave_of_rows(model_and_expected, in_process_cluster):
     """Its prompts beyond the rows wait for one: each had only request_timeout_s from submission, so
-    a call of more prompts than rows timed out on a healthy group where the static path answered."""
-    from launcher.api import wave_timeouts
-
-    assert wave_timeouts(5, 2, 10.0) == [10.0, 10.0, 20.0, 20.0, 30.0]
+    a call of more prompts than rows timed out on a healthy group where the static path answered.
+    The waves are counted on the replica each prompt lands on, behind every request in flight there:
+    counted as if the call had the rows to itself, a prompt queued behind another caller's stream
+    (or, with replicas, all of a call's prompts on one while another restarts) timed out early."""
     model_dir, expected = model_and_expected
     with Launcher(model=model_dir, tp=1, max_num_seqs=2, request_timeout_s=7, progress=False, **EAGER) as llm:
         streams, _, _ = llm._open_generation(PROMPTS, None, NEW_TOKENS, (), False, False, asynchronous=False)
         assert [s.handle.timeout_s for s in streams] == [7, 7, 14, 14, 21, 21]
+        assert [tokens_of(s)[0] for s in streams] == expected
+        other = llm.stream(PROMPTS[0], max_new_tokens=200, ignore_eos=True)  # another caller's, still running
+        streams, _, _ = llm._open_generation(PROMPTS, None, NEW_TOKENS, (), False, False, asynchronous=False)
+        assert [s.handle.timeout_s for s in streams] == [7, 14, 14, 21, 21, 28]
+        assert other.handle.timeout_s == 7  # a stream of its own keeps one timeout
+        other.close()
         assert [tokens_of(s)[0] for s in streams] == expected
 
 

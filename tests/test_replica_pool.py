@@ -491,6 +491,23 @@ def test_a_stream_submitted_while_its_replica_restarts_counts_one_attempt(make_p
     assert handle.attempts == 1 and [r.request_id for r in factory_seen(pool, 0)] == ["w"]
 
 
+def test_a_calls_prompts_get_the_waves_they_wait_for_on_the_replica_they_go_to(make_pool):
+    """generate's prompts while one replica restarts all go to the other: their timeouts were sized
+    as if spread over both (a prompt four waves deep had two timeouts and failed on a healthy group)."""
+    pool = make_pool(2)
+    pool.start()
+    pool.replicas[1].state = "restarting"  # as inside _restart: the serving replica takes everything
+    handles = [stream_handle(f"p{i}") for i in range(5)]
+    pool.submit_streams(handles, rows=2, timeout_per_wave=True)
+    assert [h.replica for h in handles] == [0] * 5
+    assert [h.timeout_s / TIMEOUT_S for h in handles] == [1, 1, 2, 2, 3]
+    assert all(h.deadline == h.submitted + h.timeout_s for h in handles)
+    pool.replicas[1].state = "serving"
+    alone = stream_handle("s")  # a request of its own keeps one timeout wherever it waits
+    pool.submit_streams([alone], rows=2)
+    assert alone.timeout_s == TIMEOUT_S
+
+
 def factory_seen(pool, index):
     return pool.replicas[index].started.group.seen
 

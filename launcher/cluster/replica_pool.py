@@ -489,12 +489,17 @@ class ReplicaPool:
         """Route a streaming request to the replica with the fewest in flight (see the module docstring)."""
         self.submit_streams([handle], queue_limit, rows)
 
-    def submit_streams(self, handles: list[StreamHandle], queue_limit: int | None = None, rows: int = 1) -> None:
+    def submit_streams(self, handles: list[StreamHandle], queue_limit: int | None = None, rows: int = 1,
+                       timeout_per_wave: bool = False) -> None:
         """Route each request to the replica with the fewest in flight, all admitted together or none.
 
         queue_limit: QueueFull (nothing submitted) when the first request would wait for one of the
         `rows` cache rows of its replica while queue_limit requests already wait. Decided under the
-        pool's lock, so callers on several threads cannot all slip under the limit."""
+        pool's lock, so callers on several threads cannot all slip under the limit.
+        timeout_per_wave: a request with k waves of rows ahead of it on the replica it goes to (every
+        request in flight there, its own call's and others') gets k + 1 timeouts (generate's prompts).
+        Counted where it lands: spread evenly over the replicas in the count, a call whose replica
+        was restarting (or held another caller's requests) timed out prompts queued four waves deep."""
         with self._lock:
             if self.stopping:
                 raise LaunchError("the launcher is shut down; start a new one")
@@ -527,7 +532,10 @@ class ReplicaPool:
                                 f"later, or raise max_queued_requests or max_num_seqs (--max-queued-requests, "
                                 f"--max-num-seqs)", retry_after_s=1.0, slots=rows, queue_limit=queue_limit)
             for handle in handles:
-                min(candidates, key=lambda r: len(r.streams)).submit_stream(handle)
+                replica = min(candidates, key=lambda r: len(r.streams))
+                if timeout_per_wave:
+                    handle.allow_waves(len(replica.streams) // rows + 1)
+                replica.submit_stream(handle)
 
     def cancel_stream(self, handle: StreamHandle, deferred: bool = False) -> None:
         """deferred: from a finalizer, which takes no lock (the thread it runs in may hold one);

@@ -42,6 +42,12 @@ class StreamHandle:
         self.finished = False
         self._lock = threading.Lock()
 
+    def allow_waves(self, waves: int) -> None:
+        """A request queued behind `waves - 1` waves of rows on its replica: one timeout each, and its
+        own (generate's prompts beyond the rows; its first wave keeps one)."""
+        self.timeout_s *= waves
+        self.deadline = self.submitted + self.timeout_s
+
     @property
     def request_id(self) -> str:
         return self.request.request_id
