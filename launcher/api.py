@@ -286,30 +286,33 @@ class LaunchConfig:
                     setattr(self, name, normalize_buckets(getattr(self, name), what))
                 except ValueError as err:  # "token-generation bucket 0 ..." named neither field nor option
                     given = getattr(self, name)
-                    shown = ",".join(map(str, given)) if isinstance(given, (list, tuple)) else show(given)
+                    shown = _listed(given) if isinstance(given, (list, tuple)) else show(given)
                     raise ValueError(f"{name} ({shown}): {err}") from None
+        # Each refusal leads with the list (the CLI names it by the option that gave it: --buckets,
+        # --context-buckets or --token-buckets) and names the other fields as fields (their options there).
         if (self.context_buckets is not None and self.max_context_length is not None
                 and self.context_buckets[-1] > self.max_context_length):  # the list won, silently
-            raise ValueError(f"context-encoding bucket {self.context_buckets[-1]} exceeds max_context_length "
-                             f"({self.max_context_length}), the longest prompt taken; lower the bucket or raise "
-                             f"--max-context-length, or give only one of them")
+            raise ValueError(f"context_buckets ({_listed(self.context_buckets)}): the largest, "
+                             f"{self.context_buckets[-1]}, exceeds max_context_length ({self.max_context_length}), "
+                             f"the longest prompt taken; lower the bucket or raise max_context_length, or give only "
+                             f"one of them")
         if self.token_buckets is not None:  # the largest token bucket is each KV cache row's length
+            listed, largest = _listed(self.token_buckets), self.token_buckets[-1]
             if self.seq_len is None:
-                if self.token_buckets[-1] < 2:  # named here: the seq_len it becomes was never given
-                    raise ValueError(f"token-generation buckets {list(self.token_buckets)}: the largest is each "
-                                     f"sequence's positions (seq_len) and must be at least 2, a prompt token and "
-                                     f"a new one")
-                self.seq_len = self.token_buckets[-1]  # so the planner sizes the cache the buckets make
-            elif self.token_buckets[-1] > self.seq_len:
-                raise ValueError(f"token bucket {self.token_buckets[-1]} exceeds seq_len ({self.seq_len}), the "
-                                 f"positions the planner sizes each KV cache row for; lower the bucket or raise "
-                                 f"--seq-len to {self.token_buckets[-1]}")
-            elif self.token_buckets[-1] < self.seq_len:  # the rows were the bucket's: seq_len was dropped
-                raise ValueError(f"seq_len ({self.seq_len}) is above the largest token bucket "
-                                 f"({self.token_buckets[-1]}), which is each KV cache row's length: positions past "
-                                 f"it are never used, and a compiled directory records the bucket; raise the "
-                                 f"largest token bucket to {self.seq_len}, lower --seq-len to "
-                                 f"{self.token_buckets[-1]}, or give only one of them")
+                if largest < 2:  # named here: the seq_len it becomes was never given
+                    raise ValueError(f"token_buckets ({listed}): the largest is each sequence's positions "
+                                     f"(seq_len) and must be at least 2, a prompt token and a new one")
+                self.seq_len = largest  # so the planner sizes the cache the buckets make
+            elif largest > self.seq_len:
+                raise ValueError(f"token_buckets ({listed}): the largest, {largest}, exceeds seq_len "
+                                 f"({self.seq_len}), the positions the planner sizes each KV cache row for; lower "
+                                 f"the bucket or raise seq_len to {largest}")
+            elif largest < self.seq_len:  # the rows were the bucket's: seq_len was dropped
+                raise ValueError(f"token_buckets ({listed}): the largest, {largest}, is below seq_len "
+                                 f"({self.seq_len}), and it is each KV cache row's length: positions past it are "
+                                 f"never used, and a compiled directory records the bucket; raise the largest "
+                                 f"token bucket to {self.seq_len}, lower seq_len to {largest}, or give only one "
+                                 f"of them")
         if self.compiled_dir is not None and not Path(self.compiled_dir).is_dir():
             _not_a_directory(self.compiled_dir, "compiled-model directory",
                              "write one with `corelaunch compile --out DIR`")
@@ -357,6 +360,11 @@ def _check_path(name: str, value) -> None:
 def _check_batching(batching) -> None:
     if batching not in ("continuous", "static"):
         raise ValueError(f"batching ({batching!r}) must be 'continuous' or 'static'")
+
+
+def _listed(buckets) -> str:
+    """A bucket list as its option takes it (64,128)."""
+    return ",".join(map(str, buckets))
 
 
 def _token_id_list(prompt) -> list[int] | None:

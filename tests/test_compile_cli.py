@@ -234,6 +234,37 @@ def test_a_directory_of_another_kind_given_as_compiled_names_the_flag_that_takes
     assert ".c.v-" not in str(broken.value) and f"--out {link}`" in str(broken.value), broken.value
 
 
+@pytest.mark.parametrize("command", ["generate", "compile"])
+def test_a_manifest_key_is_named_as_the_file_has_it_not_as_an_option(model_dir, tmp_path, command, capsys,
+                                                                      ray_tripwire):
+    """The refusal names the file and its key: the command's words for the planner's tp_degree
+    (--tp) replaced the key too ("field '--tp' must be a positive integer", "lacks ..., --tp, ...")."""
+    from launcher.cli import main
+    from launcher.cli.options import in_generate_flags, in_tp_flag
+
+    root = fake_compiled_dir(tmp_path / "c", model_dir, tp_degree=0)
+    argv = {"generate": ["generate", "--compiled", str(root), "Hello"],
+            "compile": ["compile", "--model", str(model_dir), "--tp", "1", "--compiled", str(root)]}[command]
+    if command == "compile":  # a directory holding someone else's manifest.json, given as --out
+        (tmp_path / "web").mkdir()
+        (tmp_path / "web" / "manifest.json").write_text('{"name": "a web app"}')
+        argv = ["compile", "--model", str(model_dir), "--tp", "1", "--out", str(tmp_path / "web")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "'--tp'" not in err and "--tp," not in err, err  # (the fix's `compile --tp N` is an option)
+    named = "field 'tp_degree' must be a positive integer, found 0" if command == "generate" else "config_hash, tp_degree,"
+    assert named in err, err
+    # the planner's words are still the options' (a key in a file, a path or a call is not one)
+    assert in_tp_flag("tp_degree (3) does not split evenly") == "--tp (3) does not split evenly"
+    assert in_generate_flags("with max_new_tokens 9000 that needs 9005 positions but seq_len is 4096; lower "
+                             "max_new_tokens, or raise seq_len") == (
+        "with --max-new-tokens 9000 that needs 9005 positions but --seq-len is 4096; lower --max-new-tokens, or "
+        "raise --seq-len")
+    for kept in ("m.json lacks tp_degree; write it", "m.json lacks dtype, tp_degree; write it",
+                 "field 'seq_len' must be", 'key "batch_size" is', "/runs/tp_degree/m", "for_model(config, tp_degree, kv)"):
+        assert in_generate_flags(kept) == kept
+
+
 def test_another_model_is_refused(model_dir, tmp_path):
     other = save_model(build_random_model("llama", seed=3, vocab_size=VOCAB, num_layers=3), tmp_path / "other")
     root = fake_compiled_dir(tmp_path / "c", model_dir)

@@ -46,7 +46,8 @@ def test_launch_options_are_checked_when_the_config_is_built(field, value, words
 def test_token_buckets_set_or_stay_within_the_planned_sequence_length():
     """The largest token bucket is each KV cache row's length: the planner sized seq_len's rows, so
     a larger bucket would allocate rows it never counted."""
-    with pytest.raises(ValueError, match=r"token bucket 512 exceeds seq_len \(256\).*raise --seq-len to 512"):
+    with pytest.raises(ValueError, match=r"token_buckets \(128,512\): the largest, 512, exceeds seq_len \(256\).*"
+                                         r"raise seq_len to 512"):
         LaunchConfig(seq_len=256, token_buckets=(128, 512))
     assert LaunchConfig(token_buckets=(128, 512)).seq_len == 512  # no seq_len: planned at the largest bucket
     assert LaunchConfig(seq_len=512, token_buckets=(128, 512)).seq_len == 512
@@ -56,19 +57,20 @@ def test_a_seq_len_above_the_largest_token_bucket_is_refused_naming_both():
     """The rows were the bucket's length, seq_len silently dropped (the planner still counted it):
     `compile --seq-len 256 --buckets 128,200` wrote a directory of 200-slot rows, which the same
     flags given to `generate --compiled` then refused ("--seq-len: expected 200, found 256")."""
-    with pytest.raises(ValueError, match=r"seq_len \(512\) is above the largest token bucket \(256\), which is "
-                                         r"each KV cache row's length.*raise the largest token bucket to 512, "
-                                         r"lower --seq-len to 256"):
+    with pytest.raises(ValueError, match=r"token_buckets \(128,256\): the largest, 256, is below seq_len \(512\), "
+                                         r"and it is each KV cache row's length.*raise the largest token bucket to "
+                                         r"512, lower seq_len to 256"):
         LaunchConfig(seq_len=512, token_buckets=(128, 256))
 
 
 def test_bucket_errors_name_the_buckets_when_they_set_the_sequence_length(model_and_expected, in_process_cluster):
     """Without --seq-len the largest token bucket is seq_len: errors name the buckets, not the
     --seq-len the user never gave (raising it alone only met the bucket refusal next)."""
-    with pytest.raises(ValueError, match=r"token-generation buckets \[1\]: the largest is each sequence's "
+    with pytest.raises(ValueError, match=r"token_buckets \(1\): the largest is each sequence's "
                                          r"positions \(seq_len\) and must be at least 2"):
         LaunchConfig(token_buckets=(1,))  # said "seq_len (1) must be at least 2"
-    with pytest.raises(ValueError, match=r"context-encoding bucket 512 exceeds max_context_length \(256\)"):
+    with pytest.raises(ValueError, match=r"context_buckets \(128,512\): the largest, 512, exceeds "
+                                         r"max_context_length \(256\)"):
         LaunchConfig(context_buckets=(128, 512), max_context_length=256)  # the buckets won, silently
     assert LaunchConfig(context_buckets=(128, 256), max_context_length=300).context_buckets == (128, 256)
     model_dir, _ = model_and_expected
@@ -534,6 +536,27 @@ def test_a_bucket_list_is_refused_under_the_option_that_gave_it(command, flags, 
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert f"corelaunch {command}: {named}: token-generation bucket 9000 exceeds" in err, err
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--token-buckets", "8,32", "--seq-len", "16"], "--token-buckets (8,32): the largest, 32, exceeds --seq-len (16)"),
+    (["--buckets", "8,32", "--seq-len", "16"], "--buckets (8,32): the largest, 32, exceeds --seq-len (16)"),
+    (["--token-buckets", "8", "--seq-len", "16"], "--token-buckets (8): the largest, 8, is below --seq-len (16)"),
+    (["--buckets", "1"], "--buckets (1): the largest is each sequence's positions (--seq-len)"),
+    (["--context-buckets", "64", "--max-context-length", "32"],
+     "--context-buckets (64): the largest, 64, exceeds --max-context-length (32)"),
+])
+def test_a_bucket_list_refused_beside_another_option_is_named_by_the_option_that_gave_it(flags, said, capsys,
+                                                                                        ray_tripwire):
+    """Refusals of a list against --seq-len or --max-context-length did not lead with the list, so
+    they were not named by its option ("token bucket 32 exceeds --seq-len (16)", "token-generation
+    buckets [1]: ...", "... exceeds max_context_length (32)", a field of the Python API)."""
+    from launcher.cli import main
+
+    assert main(["generate", *flags, "Hello"]) == 2
+    err = capsys.readouterr().err
+    assert f"corelaunch generate: {said}" in err, err
+    assert "_" not in err.split("corelaunch generate: ")[1].split(";")[0], err  # no Python field named
 
 
 def test_only_a_message_led_by_a_field_has_its_fields_named_by_flag():

@@ -133,14 +133,23 @@ _NAMED_FIELD = re.compile(r"(?<![\w/.-])(" + "|".join(sorted(
 """A field with an underscore named in a message, with its value in parentheses if given."""
 
 
-# The planner's word for the TP degree (`corelaunch plan` has --tp); not in a path (/runs/tp_degree/m)
-# or a Python call's keyword (save_presharded(tp_degree=2))
-_TP_DEGREE = re.compile(r"(?<![\w/.-])tp_degree(?![\w/.=-])")
-_GENERATE_WORDS = ((re.compile(r"\bseq_len \(--seq-len\)"), "--seq-len"), (re.compile(r"\bseq_len\b"), "--seq-len"),
-                   (re.compile(r"\bmax_new_tokens\b"), "--max-new-tokens"),
+# The planner's word for the TP degree (`corelaunch plan` has --tp); not in a path (/runs/tp_degree/m),
+# a Python call (save_presharded(tp_degree=2), for_model(config, tp_degree, kv_strategy)), nor a
+# file's key: quoted ("field 'tp_degree' must be ...") or listed ("manifest.json lacks config_hash,
+# tp_degree; ..."), which a compiled directory's refusals named as '--tp', a key no file has.
+_TP_DEGREE = re.compile(r"(?<![\w/.'\"-])(?<!, )(?<!lacks )tp_degree(?![\w/.=,'\"-])")
+
+
+def _word(name: str) -> re.Pattern:
+    """A field's name as a word of a message, not a quoted key ('seq_len' of a file)."""
+    return re.compile(r"(?<![\w'\"])" + name + r"(?![\w'\"])")
+
+
+_GENERATE_WORDS = ((re.compile(r"\bseq_len \(--seq-len\)"), "--seq-len"), (_word("seq_len"), "--seq-len"),
+                   (_word("max_new_tokens"), "--max-new-tokens"),
                    # the planner's words for the layout (`corelaunch plan` has --tp and --batch-size), as above
                    (_TP_DEGREE, "--tp"),
-                   (re.compile(r"(?<![\w/.-])batch_size(?![\w/.=-])"), "--max-batch-size"))
+                   (re.compile(r"(?<![\w/.'\"-])batch_size(?![\w/.='\"-])"), "--max-batch-size"))
 
 
 def in_generate_flags(message: str) -> str:
