@@ -106,6 +106,33 @@ def names_out_dir(out_dir: str | Path, path: str | Path | None) -> bool:
                for p in (failed, *failed.parents))
 
 
+class ParentNotCreated(OSError):
+    """A missing parent folder of `out_dir` (the error's filename) that make_parents could not
+    create: a failed write of out_dir, though the path it names is not out_dir nor inside it."""
+
+    out_dir: Path
+
+
+def make_parents(out_dir: str | Path) -> None:
+    """Create out_dir's missing parent folders; ParentNotCreated when the filesystem refuses one
+    (/proc, /sys, read-only mounts, which the up-front look of unwritable_reason lets through)."""
+    try:
+        Path(out_dir).parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        failure = ParentNotCreated(err.errno, err.strerror, err.filename)
+        failure.out_dir = Path(out_dir)
+        raise failure from err
+
+
+def out_dir_failure(out_dir: str | Path, err: OSError) -> str | None:
+    """What an OSError says when it is a failed write of out_dir (names_out_dir of its filename, or
+    a parent make_parents could not create), for a "could not write --out OUT (...)" refusal; None
+    when it is some other failure (a read of an input)."""
+    if isinstance(err, ParentNotCreated) and err.out_dir.absolute() == Path(out_dir).absolute():
+        return f"its parent folder {err.filename} could not be created: {err.strerror}"
+    return str(err) if names_out_dir(out_dir, err.filename) else None
+
+
 @contextmanager
 def atomic_dir(out_dir: str | Path, what: str, marker: str = MANIFEST,
                read_kind: Callable[[Path], Any] | None = None) -> Iterator[Path]:
@@ -118,7 +145,7 @@ def atomic_dir(out_dir: str | Path, what: str, marker: str = MANIFEST,
     """
     out_dir = Path(out_dir)
     refuse_foreign_dir(out_dir, what, marker, read_kind)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    make_parents(out_dir)
     sweep_stale(out_dir)
     version = out_dir.parent / f"{_prefix(out_dir, 'v')}{_owner()}-{secrets.token_hex(4)}"
     version.mkdir()

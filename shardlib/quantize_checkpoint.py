@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from shardlib.atomic_dir import owned_sibling, sweep_stale
+from shardlib.atomic_dir import make_parents, owned_sibling, sweep_stale
 from shardlib.checkpoint import CHECKPOINT_FILES, _open_files, checked_names, find_checkpoint
 from shardlib.checkpoint_files import check_checkpoint
 from shardlib.model_config import ModelConfig, read_config_json
@@ -96,7 +96,8 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, dtype: str, 
     out_dir = Path(out_dir)
     sweep_stale(out_dir)  # what a quantize killed part way (SIGTERM, SIGKILL) left, the model's size
     partial = owned_sibling(out_dir, "partial")
-    partial.mkdir(parents=True)
+    make_parents(out_dir)  # a parent the filesystem refuses is a failed write of out_dir (ParentNotCreated)
+    partial.mkdir()
     try:
         _write_weights(Path(model_dir), config, quant, partial / "model.safetensors", progress)
         _copy_other_files(Path(model_dir), partial)

@@ -78,15 +78,17 @@ def bucket_options(args: argparse.Namespace) -> dict:
 def run(args: argparse.Namespace) -> int:
     from launcher.cli.exit_codes import exit_code_for
     from launcher.errors import LaunchError
-    from shardlib.atomic_dir import names_out_dir
+    from shardlib.atomic_dir import out_dir_failure
 
     try:
         manifest = compile_model(args)
     except OSError as err:
-        # --out itself, inside it, or the version written beside it (shardlib/atomic_dir.py): a place
-        # the up-front look passed but the filesystem refused (/proc, /sys, read-only mounts)
-        if names_out_dir(args.out, err.filename):
-            print(f"corelaunch compile: could not write --out {args.out} ({err}); pass a new path in a "
+        # --out itself, inside it, the version written beside it or a missing parent folder of it
+        # (shardlib/atomic_dir.py): a place the up-front look passed but the filesystem refused
+        # (/proc, /sys, read-only mounts)
+        failure = out_dir_failure(args.out, err)
+        if failure is not None:
+            print(f"corelaunch compile: could not write --out {args.out} ({failure}); pass a new path in a "
                   f"directory you can write to", file=sys.stderr)
             return 2
         if isinstance(err, BrokenPipeError):

@@ -71,12 +71,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"corelaunch quantize: {err}", file=sys.stderr)
         return 2
     except OSError as err:
-        out = Path(args.out).absolute()
-        failed = Path(err.filename).absolute() if err.filename else None
-        # --out itself, inside it, or the partial directory written beside it (shardlib/atomic_dir.py)
-        if failed is not None and (failed == out or out in failed.parents or (
-                failed.parent == out.parent and failed.name.startswith(f".{out.name}."))):
-            print(f"corelaunch quantize: could not write --out {args.out} ({err}); pass a new path in a "
+        from shardlib.atomic_dir import out_dir_failure
+
+        # --out itself, inside it, the partial directory written beside it, or a missing parent
+        # folder of it (shardlib/atomic_dir.py)
+        failure = out_dir_failure(args.out, err)
+        if failure is not None:
+            print(f"corelaunch quantize: could not write --out {args.out} ({failure}); pass a new path in a "
                   f"directory you can write to", file=sys.stderr)
         else:  # reading the checkpoint failed
             print(f"corelaunch quantize: {err}", file=sys.stderr)
