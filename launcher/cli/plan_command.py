@@ -13,9 +13,10 @@ import sys
 
 from launcher.cli.options import (add_kv_cache_dtype, add_moe_sharding, add_pad_q_heads, int_at_least,
                                   non_empty_path, with_flag_name)
-from shardlib.instances import CPU_TARGET, INSTANCE_NAMES
+from shardlib.instances import CPU_TARGET, INSTANCE_NAMES, NEURON_FAMILIES
 from shardlib.model_config import load_model_config
 from shardlib.planner import KV_STRATEGIES, Plan, plan
+from shardlib.quantized_sizes import planned_quantization
 from shardlib.serving_shapes import DEFAULT_MAX_NUM_SEQS, serving_cache_rows
 
 EXIT_VALID, EXIT_INVALID = 0, 2
@@ -142,13 +143,16 @@ def format_report(result: Plan) -> str:
     cfg, mem = result.config, result.memory
     verdict = "VALID" if result.valid else "INVALID"
     # 8-bit weights and a KV cache in another dtype than the compute's are sized here: said, not
-    # only counted (a plan of an int8 checkpoint read as a float32 one's)
-    stored = (f", {cfg.quantization.dtype} weights" if cfg.quantization is not None else "") + (
-        f", KV cache {mem.kv_cache_dtype}" if mem.kv_cache_dtype != result.dtype else "")
+    # only counted (a plan of an int8 checkpoint read as a float32 one's). One form for one plan: a
+    # 1-byte --dtype names the weights' format, the compute dtype is the other tensors' (an int8
+    # checkpoint and `--dtype int8` read "float32, int8 weights", not "int8, KV cache float32").
+    quantization, compute = planned_quantization(cfg, result.dtype, result.family in NEURON_FAMILIES)
+    stored = (f", {quantization.dtype} weights" if quantization is not None else "") + (
+        f", KV cache {mem.kv_cache_dtype}" if mem.kv_cache_dtype != compute else "")
     lines = [
         f"{verdict}: {cfg.model_type} ({cfg.num_attention_heads} heads, {cfg.num_key_value_heads} KV heads, "
         f"{cfg.param_count() / 1e9:.2f} B params) on {result.nodes} x {result.instance} (LNC {result.lnc}), "
-        f"{result.dtype}{stored}, batch_size {result.batch_size}"
+        f"{compute}{stored}, batch_size {result.batch_size}"
         + (f" + {result.serving_rows} serving rows" if result.serving_rows else "") + f", seq_len {result.seq_len}",
         f"tp_degree {result.tp_degree} ({'auto' if result.tp_requested == 'auto' else 'requested'}), "
         f"{result.ranks_per_node} rank(s) per node, kv strategy {result.kv_strategy or '-'}, "
