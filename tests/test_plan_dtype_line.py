@@ -67,3 +67,13 @@ def test_json_dtype_fields_are_unchanged(capsys, models):
     assert (report["dtype"], report["memory"]["kv_cache_dtype"]) == ("int8", "float32")
     report = json.loads(plan_in_process(capsys, "--model", q, "--json").stdout)
     assert (report["dtype"], report["memory"]["kv_cache_dtype"]) == ("float32", "float32")
+
+
+def test_quantizes_spellings_of_the_8_bit_formats_plan_as_the_planners(capsys, models):
+    """`plan --dtype f8e4m3` was refused as an unknown dtype, though quantize, --kv-cache-dtype and
+    the report's own first line ("f8e4m3 weights") spell it so."""
+    src, _ = models
+    for alias, name in (("f8e4m3", "float8_e4m3"), ("FP8_E5M2", "float8_e5m2")):
+        said, named = (plan_in_process(capsys, "--model", src, "--dtype", d) for d in (alias, name))
+        assert said.returncode == 0, said.stderr
+        assert said.stdout == named.stdout
