@@ -1418,7 +1418,9 @@ class Launcher:
     def _decode(self, token_ids) -> str | None:
         if self.tokenizer is None:
             return None
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+        from launcher.serving.detokenizer import decode_text
+
+        return decode_text(self.tokenizer, token_ids)  # the text a stream of the same tokens reads
 
 
 def split_prompts(count: int, max_batch_size: int, replicas: int) -> list[tuple[int, int]]:

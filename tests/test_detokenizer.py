@@ -93,7 +93,7 @@ def test_each_push_decodes_a_window_of_the_last_few_tokens_not_the_whole_text(to
     decoded_lengths: list[int] = []
 
     class CountingTokenizer:
-        def decode(self, ids, skip_special_tokens=True):
+        def decode(self, ids, skip_special_tokens=True, **options):
             decoded_lengths.append(len(ids))
             return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 

@@ -18,7 +18,7 @@ from workers.serving.requests import TokenEvent, TokenLogprob
 
 META = proto.ResponseMeta("x", 1, "m")
 WORDS = {1: "Hel", 2: "lo", 3: " EN", 4: "D", 5: " more", 6: "", 7: "lo E"}
-WORD_PIECES = TokenPieces(SimpleNamespace(decode=lambda ids, skip_special_tokens=False: "".join(WORDS[i] for i in ids)))
+WORD_PIECES = TokenPieces(SimpleNamespace(decode=lambda ids, skip_special_tokens=False, **options: "".join(WORDS[i] for i in ids)))
 
 
 def entry(token_id: int) -> TokenLogprob:

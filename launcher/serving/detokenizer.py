@@ -24,7 +24,15 @@ decoding from there gives the same characters as decoding from the start. One ex
 bytes the model never completes into a character: SentencePiece's byte-fallback decoder replaces
 every byte of a run of byte tokens that is not valid UTF-8, valid ones included, so `<0x41><0x9F>`
 decodes whole as two U+FFFD while the stream, which emitted "A" before the 0x9F came, has "A" and
-one U+FFFD (byte-level BPE replaces only the invalid bytes, as the stream does).
+one U+FFFD (byte-level BPE replaces only the invalid bytes, as the stream does). Such a run that
+crosses the window's read point is replaced whole in `new_text`, the context's complete characters
+included, so `prefix_text` is no prefix of it: the delta is then the held tokens decoded alone (one
+U+FFFD per dangling byte), not `new_text` cut at the context's length, which gave a U+FFFD for
+every byte of the context too ("中文" and two dangling bytes streamed as "中文" and four).
+
+Decoded without the tokenizer's clean-up of spaces (`clean_up_tokenization_spaces`): it joins text
+across tokens (" ' " to "'", " ." to "."), which a window cannot see whole, so a WordPiece stream
+read "ß ' w" where its full decode read "ß'w". generate()'s text is decoded the same way.
 
 Cost: a push decodes the context plus the held tokens, a handful for real text (an incomplete
 character spans at most 3 byte tokens). Only output that keeps ending in invalid bytes (a trailing
@@ -36,6 +44,12 @@ from __future__ import annotations
 
 REPLACEMENT_CHAR = "\ufffd"
 """What a decoder writes for bytes that are not (yet) a whole UTF-8 character."""
+
+
+def decode_text(tokenizer, ids, skip_special_tokens: bool = True) -> str:
+    """Generated token ids as text, as a stream's deltas add up to: no clean-up of spaces across
+    tokens (module docstring)."""
+    return tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
 
 
 class IncrementalDetokenizer:
@@ -76,7 +90,7 @@ class IncrementalDetokenizer:
         # to nothing (skipped special tokens) emit nothing and keep the window where it is.
         if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
             return ""
-        return self._emit(new_text[len(prefix_text):])
+        return self._emit(self._delta(prefix_text, new_text))
 
     def flush(self) -> str:
         """The text still held back when the request ends (may end in U+FFFD if the generation
@@ -84,7 +98,13 @@ class IncrementalDetokenizer:
         if self._read_offset == len(self._ids):
             return ""
         prefix_text, new_text = self._decode_window()
-        return self._emit(new_text[len(prefix_text):])
+        return self._emit(self._delta(prefix_text, new_text))
+
+    def _delta(self, prefix_text: str, new_text: str) -> str:
+        if new_text.startswith(prefix_text):
+            return new_text[len(prefix_text):]
+        # a byte-fallback run across the read point, replaced whole (module docstring): the held tokens alone
+        return self._decode(self._ids[self._read_offset:])
 
     def _decode_window(self) -> tuple[str, str]:
         window = self._ids[self._prefix_offset:]
@@ -93,7 +113,7 @@ class IncrementalDetokenizer:
         return prefix_text, self._decode(window)
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+        return decode_text(self._tokenizer, ids, self._skip_special_tokens)
 
     def _emit(self, delta: str) -> str:
         self._prefix_offset = self._read_offset
