@@ -513,7 +513,7 @@ def test_renderers_turn_deltas_into_chunks_and_responses():
     from workers.serving.requests import TokenLogprob
 
     words = {1: "Hel", 2: "lo", 3: "!"}
-    tokenizer = TokenPieces(SimpleNamespace(decode=lambda ids, skip_special_tokens=False: "".join(words[i] for i in ids)))
+    tokenizer = TokenPieces(SimpleNamespace(decode=lambda ids, skip_special_tokens=False, **options: "".join(words[i] for i in ids)))
     deltas = [StreamDelta("r", "Hel", [1], None, 2, 1, [TokenLogprob(1, -0.1, [(1, -0.1), (2, -2.0)])]),
               StreamDelta("r", "", [2], None, 2, 2, [TokenLogprob(2, -0.2, [])]),  # text held back
               StreamDelta("r", "lo!", [3], "stop", 2, 3, [TokenLogprob(3, -0.3, [])])]
