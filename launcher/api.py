@@ -803,7 +803,7 @@ class Launcher:
 
     def _size_replicas(self, backend: str, nodes: list):
         """(each rank's resources, replica count) for the alive `nodes` (launcher.cluster.placement.NodeInfo)."""
-        from launcher.cluster.resources import explain_unplaceable, groups_that_fit, rank_resources
+        from launcher.cluster.resources import explain_unplaceable, groups_that_fit, never_placeable, rank_resources
 
         cfg, tp = self.config, self.plan.tp_degree
         device = backend_entry(backend).ray_resource
@@ -822,7 +822,8 @@ class Launcher:
         if count == 0:
             why = explain_unplaceable(resources.bundle, tp, cfg.nodes, [n.total for n in nodes],
                                       [n.free for n in nodes], [n.name for n in nodes])
-            if self._ray.started_here:  # nothing else holds a private cluster: it never will (bad input, exit 2)
+            # a private cluster has no autoscaler: what its totals can never hold is bad input (exit 2)
+            if self._ray.started_here and never_placeable(resources.bundle, tp, cfg.nodes, [n.total for n in nodes]):
                 raise PlacementImpossible(f"the private Ray cluster started here cannot place a TP group "
                                           f"(replicas=auto found room for none): {why}")
             raise PlacementTimeout(f"replicas=auto found room for no TP group: {why}")

@@ -877,3 +877,43 @@ def test_agenerate_cancelled_as_it_submits_cancels_every_request(model_and_expec
         task, load = asyncio.run(cancelled_agenerate())
         assert load == {"running": 0, "waiting": 0}
         del task
+
+
+def test_a_hung_group_is_noticed_within_one_timeout_when_a_calls_prompts_queued_behind_others(
+        model_and_expected, in_process_cluster, monkeypatch):
+    """generate()'s prompts queued behind another caller's request get a timeout per wave ahead of
+    them, its first prompts too; the hung-group check took the shortest of those, so once the other
+    request had gone, a hang was noticed only after two timeouts. It judges each request's own."""
+    import threading
+
+    hang, release = leader_that_can_hang(monkeypatch)
+    monkeypatch.setattr("launcher.cluster.replica_pool.HUNG_AFTER_AT_LEAST_S", 0.0)  # judged at the timeout
+    causes = restart_causes(monkeypatch)
+    model_dir, _ = model_and_expected
+    try:
+        with Launcher(model=model_dir, tp=1, max_num_seqs=1, progress=False, request_timeout_s=2, **EAGER) as llm:
+            other = llm.stream(PROMPTS[0], max_new_tokens=200, ignore_eos=True)
+            failed = []
+
+            def run():
+                try:
+                    llm.generate(PROMPTS[:2], max_new_tokens=4)
+                except Exception as err:  # noqa: BLE001 - a hung group's requests fail; the cause is checked
+                    failed.append(err)
+
+            caller = threading.Thread(target=run, daemon=True)
+            caller.start()
+            start = time.monotonic()
+            while llm.load()["running"] + llm.load()["waiting"] < 3:
+                assert time.monotonic() - start < 30, "generate's prompts never arrived"
+                time.sleep(0.01)
+            other.close()  # the other caller's request goes: only the call's, with 4 s and 6 s, are left
+            hang.set()
+            while llm.replica_status()[0]["restarts"] < 1:
+                assert time.monotonic() - start < 60, "the hung group was never replaced"
+                time.sleep(0.05)
+            assert causes and "group made no step in 2 s (the request timeout)" in causes[0], causes
+            hang.clear()
+            caller.join(60)
+    finally:
+        release.set()

@@ -47,7 +47,7 @@ def test_special_tokens_take_no_characters_of_the_text(smollm2_tokenizer):
 
 
 def test_a_sentencepiece_byte_fallback_piece_is_its_byte():
-    tokenizer = SimpleNamespace(decode=lambda ids: "\ufffd", convert_ids_to_tokens=lambda i: "<0xE2>")
+    tokenizer = SimpleNamespace(decode=lambda ids, **options: "\ufffd", convert_ids_to_tokens=lambda i: "<0xE2>")
     pieces = TokenPieces(tokenizer)
     assert pieces.bytes(7) == b"\xe2" and pieces.text(7) == "bytes:\\xe2"
 

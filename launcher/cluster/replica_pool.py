@@ -233,9 +233,10 @@ class Replica:
         progress = self._leader_progress()
         with self._streams_lock:
             busy = bool(self.streams or self.cancelling)
-            # the shortest timeout in flight: generate() gives its later waves of rows longer ones,
-            # and its first wave's is the one a hung group must be noticed within
-            limits = [h.timeout_s for h in self.streams.values()]
+            # the shortest timeout in flight, each request's own: generate() gives a prompt a timeout
+            # per wave of rows ahead of it, behind other callers' requests too, which a group making
+            # no step at all must not be given
+            limits = [h.own_timeout_s for h in self.streams.values()]
         if not busy or progress != self._watched_progress:
             self._watched_progress, self._quiet_since, self._quiet_limit = progress, now, None
             return
@@ -259,7 +260,7 @@ class Replica:
     def _hand_over(self, handle: StreamHandle, request) -> None:
         """Submit a stream's request to the group (its timeout is what the hung-group check allows)."""
         handle.attempts += 1
-        self._stall_limit_s = handle.timeout_s
+        self._stall_limit_s = handle.own_timeout_s
         self.started.group.submit([request])
 
     def _leader_progress(self) -> tuple[int, int]:

@@ -27,6 +27,8 @@ class StreamHandle:
         self.submitted = time.monotonic()
         self.deadline = self.submitted + timeout_s
         self.timeout_s = timeout_s
+        self.own_timeout_s = timeout_s
+        """timeout_s before allow_waves: what the hung-group check judges a group by (replica_pool)."""
         self.delivered: list[int] = []
         self.first_token_at: float | None = None
         """When the first token reached the driver (not when a reader took it: generate() reads its

@@ -46,7 +46,7 @@ class ServerMetrics:
         self.requests = Counter(
             "corelaunch_requests", "Generation requests by outcome: finish_reason stop|length (completed), "
             "abort (client went away), error (failed while generating: 500, or 504 past the request timeout), rejected (refused with the "
-            "HTTP status in `status` before generating: 400 bad input, 404, 408 body too slow, 413, 503 queue full or "
+            "HTTP status in `status` before generating: 400 bad input, 404, 408 body too slow, 413, 415 encoded body, 503 queue full or "
             "body budget full), "
             "unavailable (503: no TP group can take requests, at admission or while the request ran)",
             ["finish_reason", "status"], registry=r)

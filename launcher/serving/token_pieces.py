@@ -61,7 +61,7 @@ class TokenPieces:
         cached = self._cache.get(token_id)
         if cached is not None:
             return cached
-        text = self.tokenizer.decode([token_id])
+        text = self.tokenizer.decode([token_id], clean_up_tokenization_spaces=False)  # as the text is (detokenizer)
         piece = self._piece_name(token_id)
         if not self.byte_level:  # a word piece decoded alone lost one leading space
             lead, have = len(piece) - len(piece.lstrip("\u2581")), len(text) - len(text.lstrip(" "))
