@@ -498,6 +498,15 @@ def restart_causes(monkeypatch) -> list[str]:
     return causes
 
 
+def replaced_as_hung_after(llm, causes: list[str], limit: str, deadline: float) -> None:
+    """Wait (until the monotonic `deadline`) for replica 0's group to be restarted, and check it was
+    judged hung after `limit` ("2 s"): the restart cause names the limit it was judged by."""
+    while llm.replica_status()[0]["restarts"] < 1:
+        assert time.monotonic() < deadline, "the hung group was never replaced"
+        time.sleep(0.05)
+    assert causes and f"group made no step in {limit} (the request timeout)" in causes[0], causes
+
+
 def test_a_group_that_makes_no_step_while_a_request_times_out_is_replaced(model_and_expected, in_process_cluster,
                                                                            monkeypatch):
     """A leader stuck in a step (a device wait, say) while its keepalives flow: the request timed out,
@@ -577,12 +586,9 @@ def test_a_hung_group_is_noticed_within_the_first_waves_timeout(model_and_expect
 
             caller = threading.Thread(target=run, daemon=True)
             caller.start()
-            while llm.replica_status()[0]["restarts"] < 1:
-                assert time.monotonic() - start < 30, "the hung group was never replaced"
-                time.sleep(0.05)
             # judged on the first wave's 2 s timeout, not the last wave's 8 s (the cause names the limit,
             # where a wall-clock bound was at the mercy of a loaded machine)
-            assert causes and "group made no step in 2 s (the request timeout)" in causes[0], causes
+            replaced_as_hung_after(llm, causes, "2 s", start + 30)
             hang.clear()
             caller.join(60)
             assert failed, "generate() should have failed: its first wave timed out in the hung group"
@@ -909,10 +915,7 @@ def test_a_hung_group_is_noticed_within_one_timeout_when_a_calls_prompts_queued_
                 time.sleep(0.01)
             other.close()  # the other caller's request goes: only the call's, with 4 s and 6 s, are left
             hang.set()
-            while llm.replica_status()[0]["restarts"] < 1:
-                assert time.monotonic() - start < 60, "the hung group was never replaced"
-                time.sleep(0.05)
-            assert causes and "group made no step in 2 s (the request timeout)" in causes[0], causes
+            replaced_as_hung_after(llm, causes, "2 s", start + 60)
             hang.clear()
             caller.join(60)
     finally:
