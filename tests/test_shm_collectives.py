@@ -350,6 +350,9 @@ def _multi_node(rank, world_size):
                          "1+3": [[0], [1, 2, 3]]}.items():
         coll = _build(rank, world_size, node_groups=groups, slot_bytes=4096)
         out["types"][name] = type(coll).__name__
+        if coll._leaders is not None:  # the leaders' group waits as long as the default group (60 s), not torch's 30 min
+            backend = coll._leaders._get_backend(torch.device("cpu"))
+            out.setdefault("leader_timeout_s", {})[name] = backend.options._timeout.total_seconds()
         for seed, shape in enumerate([(1, 1024), (2, 3000), (3, 5, 7)]):
             x = inputs(rank, shape, seed)
             got = coll.all_reduce_sum_(x.clone())
@@ -386,6 +389,9 @@ def test_hierarchical_across_node_groups_and_collective_fallback():
             assert torch.equal(value, results[0]["values"][key]), f"ranks 0 and {rank} differ for {key}"
         assert out["fallback_auto"] == "TorchDistributedCollectives"
         assert "rank 1: FileNotFoundError" in out["fallback_shm"]
+        leads = {name for name, groups in (("2x2", [[0, 1], [2, 3]]), ("interleaved", [[0, 2], [1, 3]]),
+                                           ("1+3", [[0], [1, 2, 3]])) if rank in (g[0] for g in groups)}
+        assert out.get("leader_timeout_s", {}) == {name: 60.0 for name in leads}, out.get("leader_timeout_s")
 
 
 @pytest.mark.slow

@@ -25,6 +25,7 @@ workers/own_files.open_own_entry): a FIFO planted as corelaunch-x stalls nothing
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import socket
@@ -175,7 +176,9 @@ def _build(rank: int, world_size: int, groups: list[list[int]], timeout_s: float
     if len(groups) == 1:
         return ShmCollectives(exchange)
     leaders = [g[0] for g in groups]
-    leader_group = dist.new_group(ranks=leaders)  # collective: every rank calls it
+    # collective: every rank calls it. Its own timeout: torch gives a new group 30 minutes, not the
+    # default group's, so a frozen node held the leaders' collectives (and an idle replica's health) that long
+    leader_group = dist.new_group(ranks=leaders, timeout=datetime.timedelta(seconds=timeout_s))
     return HierarchicalCollectives(exchange, leader_group if rank in leaders else None, gloo,
                                    chunk_bytes=layout.slot_bytes, node_groups=groups)
 
