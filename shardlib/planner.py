@@ -43,7 +43,7 @@ from shardlib.expert_sharding import (EXPERT_PARALLEL, MOE_SHARDINGS, check_moe_
 from shardlib.instances import CPU_TARGET, GIB, NEURON_INSTANCES, InstanceType, get_instance
 from shardlib.families import layer_norm_elements
 from shardlib.model_config import DTYPE_BYTES, ModelConfig, normalize_dtype
-from shardlib.quantization import UNQUANTIZABLE_MODEL_TYPES, normalize_quant_dtype
+from shardlib.quantization import PLANNER_DTYPE, UNQUANTIZABLE_MODEL_TYPES, normalize_quant_dtype
 from shardlib.sharding import FUSED_QKV_MODEL_TYPES
 from shardlib.quantized_sizes import kv_dtype_name, planned_quantization, weight_bytes
 from shardlib.positive_int import positive_int
@@ -653,14 +653,10 @@ def _resolve_dtype(name: str | None, config: ModelConfig) -> str:
     except ValueError:
         pass
     try:  # quantize's and --kv-cache-dtype's spellings of the 8-bit formats (f8e4m3, fp8_e5m2)
-        return _PLANNED_8_BIT[normalize_quant_dtype(name)]
+        return PLANNER_DTYPE[normalize_quant_dtype(name)]
     except ValueError:
         raise ValueError(f"unknown dtype {name!r}; use one of {', '.join(DTYPE_BYTES)} "
                          f"(or bf16, fp16, fp32, f8e4m3, f8e5m2)") from None
-
-
-_PLANNED_8_BIT = {"int8": "int8", "f8e4m3": "float8_e4m3", "f8e5m2": "float8_e5m2"}
-"""A quantization format (shardlib.quantization) as the planner's dtype."""
 
 
 def _lnc_problem(lnc: int, inst: InstanceType) -> str | None:

@@ -498,6 +498,31 @@ def restart_causes(monkeypatch) -> list[str]:
     return causes
 
 
+def judged_hung_at_the_timeout(monkeypatch):
+    """(hang, release, causes): a serving leader that can hang (leader_that_can_hang), a group judged
+    hung at the request timeout itself (no 30 s floor), and the causes of its restarts."""
+    hang, release = leader_that_can_hang(monkeypatch)
+    monkeypatch.setattr("launcher.cluster.replica_pool.HUNG_AFTER_AT_LEAST_S", 0.0)
+    return hang, release, restart_causes(monkeypatch)
+
+
+def generate_on_a_thread(llm, prompts):
+    """(the thread, the errors its generate() raised): 4 new tokens a prompt, run in the background."""
+    import threading
+
+    failed = []
+
+    def run():
+        try:
+            llm.generate(prompts, max_new_tokens=4)
+        except Exception as err:  # noqa: BLE001 - the caller checks it
+            failed.append(err)
+
+    caller = threading.Thread(target=run, daemon=True)
+    caller.start()
+    return caller, failed
+
+
 def replaced_as_hung_after(llm, causes: list[str], limit: str, deadline: float) -> None:
     """Wait (until the monotonic `deadline`) for replica 0's group to be restarted, and check it was
     judged hung after `limit` ("2 s"): the restart cause names the limit it was judged by."""
@@ -566,26 +591,13 @@ def test_a_hung_group_is_noticed_within_the_first_waves_timeout(model_and_expect
                                                                  monkeypatch):
     """generate() gives its later waves of rows longer timeouts; the hung-group check took the last
     stream's, so with four waves a hung group was replaced after four timeouts, not one."""
-    import threading
-
-    hang, release = leader_that_can_hang(monkeypatch)
-    monkeypatch.setattr("launcher.cluster.replica_pool.HUNG_AFTER_AT_LEAST_S", 0.0)  # judged at the timeout
-    causes = restart_causes(monkeypatch)
+    hang, release, causes = judged_hung_at_the_timeout(monkeypatch)
     model_dir, _ = model_and_expected
     try:
         with Launcher(model=model_dir, tp=1, max_num_seqs=1, progress=False, request_timeout_s=2, **EAGER) as llm:
             hang.set()
             start = time.monotonic()
-            failed = []
-
-            def run():
-                try:
-                    llm.generate(PROMPTS[:4], max_new_tokens=4)
-                except Exception as err:  # noqa: BLE001 - checked below
-                    failed.append(err)
-
-            caller = threading.Thread(target=run, daemon=True)
-            caller.start()
+            caller, failed = generate_on_a_thread(llm, PROMPTS[:4])
             # judged on the first wave's 2 s timeout, not the last wave's 8 s (the cause names the limit,
             # where a wall-clock bound was at the mercy of a loaded machine)
             replaced_as_hung_after(llm, causes, "2 s", start + 30)
@@ -890,25 +902,12 @@ def test_a_hung_group_is_noticed_within_one_timeout_when_a_calls_prompts_queued_
     """generate()'s prompts queued behind another caller's request get a timeout per wave ahead of
     them, its first prompts too; the hung-group check took the shortest of those, so once the other
     request had gone, a hang was noticed only after two timeouts. It judges each request's own."""
-    import threading
-
-    hang, release = leader_that_can_hang(monkeypatch)
-    monkeypatch.setattr("launcher.cluster.replica_pool.HUNG_AFTER_AT_LEAST_S", 0.0)  # judged at the timeout
-    causes = restart_causes(monkeypatch)
+    hang, release, causes = judged_hung_at_the_timeout(monkeypatch)
     model_dir, _ = model_and_expected
     try:
         with Launcher(model=model_dir, tp=1, max_num_seqs=1, progress=False, request_timeout_s=2, **EAGER) as llm:
             other = llm.stream(PROMPTS[0], max_new_tokens=200, ignore_eos=True)
-            failed = []
-
-            def run():
-                try:
-                    llm.generate(PROMPTS[:2], max_new_tokens=4)
-                except Exception as err:  # noqa: BLE001 - a hung group's requests fail; the cause is checked
-                    failed.append(err)
-
-            caller = threading.Thread(target=run, daemon=True)
-            caller.start()
+            caller, _ = generate_on_a_thread(llm, PROMPTS[:2])  # a hung group's requests fail; the cause is checked
             start = time.monotonic()
             while llm.load()["running"] + llm.load()["waiting"] < 3:
                 assert time.monotonic() - start < 30, "generate's prompts never arrived"

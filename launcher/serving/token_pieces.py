@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import re
 
-from launcher.serving.detokenizer import IncrementalDetokenizer
+from launcher.serving.detokenizer import IncrementalDetokenizer, decode_text
 
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -61,7 +61,7 @@ class TokenPieces:
         cached = self._cache.get(token_id)
         if cached is not None:
             return cached
-        text = self.tokenizer.decode([token_id], clean_up_tokenization_spaces=False)  # as the text is (detokenizer)
+        text = decode_text(self.tokenizer, [token_id], skip_special_tokens=False)  # as the text is decoded
         piece = self._piece_name(token_id)
         if not self.byte_level:  # a word piece decoded alone lost one leading space
             lead, have = len(piece) - len(piece.lstrip("\u2581")), len(text) - len(text.lstrip(" "))
