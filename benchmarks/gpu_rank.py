@@ -11,7 +11,10 @@ model shapes filled with random weights (transformers writes them; no download, 
   prompt, `--new-tokens` greedy tokens, EOS ignored) and `--batch` streams at once, for
   transformers generate(), corelaunch eager and compiled static batches, and the serving loop
   (eager and compiled). Decode tokens/s is (new tokens - 1) / (time of N tokens - time of 1), the
-  same for every variant; aggregate tokens/s is all rows' new tokens over the wall time.
+  same for every variant; aggregate tokens/s is all rows' new tokens over the wall time. Beside
+  the single stream's rates, `fraction_of_bound`: the rate over the weights-over-bandwidth bound
+  (the bytes a decode step reads over the device's read bandwidth, the best of five sums of a 4 GiB
+  buffer, measured at the start; benchmarks/bandwidth.py's measure on the host's memory).
 
 Rank 0 of a TP-1 group is built exactly as a Ray actor builds it (workers.rank_worker.RankWorker
 with backend "cuda"); Ray's placement, NCCL between ranks and the driver are not exercised.
@@ -40,6 +43,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.arguments import positive_seconds  # noqa: E402
+from benchmarks.bandwidth import decode_bound  # noqa: E402
+from launcher.cli.options import int_at_least  # noqa: E402
 
 SHAPES = {
     # name: (Llama config fields, dtype the checkpoint is written and run in)
@@ -113,6 +118,23 @@ def write_checkpoint(shape: str, folder: Path, device) -> Path:
     model.save_pretrained(target)
     del model
     return target
+
+
+def device_read_gbps(device, repeats: int = 5) -> float:
+    """Best-of-`repeats` read bandwidth in GB/s (1e9 bytes) of a 4 GiB sum on `device`."""
+    import torch
+
+    buffer = torch.ones(2**30, dtype=torch.float32, device=device)
+    buffer.sum()
+    sync(device)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buffer.sum()
+        sync(device)
+        best = min(best, time.perf_counter() - start)
+    del buffer
+    return 2**32 / 1e9 / best
 
 
 def random_prompts(vocab: int, lengths, seed: int) -> list[list[int]]:
@@ -327,7 +349,8 @@ def shape_report(shape: str, args, report: Report, where: dict, folder: Path, de
     # Buckets that hold the accuracy prompts too (one graph set serves both phases).
     longest_prompt = max(args.prompt_tokens, *ACCURACY_LENGTHS)
     seq_len = 1 << (max(args.prompt_tokens + args.new_tokens, max(ACCURACY_LENGTHS) + ACCURACY_NEW_TOKENS) - 1).bit_length()
-    buckets = Buckets.build(max_context_length=longest_prompt, max_seq_len=seq_len, max_batch_size=args.batch,
+    buckets = Buckets.build(max_context_length=longest_prompt, max_seq_len=seq_len,
+                            max_batch_size=max(args.batch, len(ACCURACY_LENGTHS)),
                             max_positions=fields["max_position_embeddings"])
     workers: dict = {}
 
@@ -356,6 +379,10 @@ def shape_report(shape: str, args, report: Report, where: dict, folder: Path, de
         hf_rate = out["transformers"]["decode_tokens_per_s"]
         out["ratios_decode_over_transformers"] = {k: round(v["decode_tokens_per_s"] / hf_rate, 3)
                                                   for k, v in out.items() if k != "transformers"}
+        bound = decode_bound(workers["eager"].load_stats.decode_read_bytes, report.data["device_read_GBps"])
+        out["bound_tokens_per_s"] = round(bound, 1)
+        out["fraction_of_bound"] = {k: round(v["decode_tokens_per_s"] / bound, 4) for k, v in out.items()
+                                    if isinstance(v, dict) and "decode_tokens_per_s" in v}
         return out
 
     report.phase(where, "single_stream", 60, single_stream)
@@ -406,10 +433,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="smollm2-135m,llama-1b",
                         help=f"comma-separated, of: {', '.join(SHAPES)}")
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int_at_least("--new-tokens", 2), default=128)
+    parser.add_argument("--prompt-tokens", type=int_at_least("--prompt-tokens", 1), default=128)
+    parser.add_argument("--batch", type=int_at_least("--batch", 1), default=16)
+    parser.add_argument("--repeats", type=int_at_least("--repeats", 1), default=3)
     parser.add_argument("--budget-s", type=positive_seconds("--budget-s"), default=420.0,
                         help="phases that would start with less than their need left are skipped")
     parser.add_argument("--backend", choices=("cuda", "cpu"), default="cuda")
@@ -419,10 +446,6 @@ def main() -> None:
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown:
         parser.error(f"--shapes: unknown {unknown}; known: {', '.join(SHAPES)}")
-    for flag, value, least in (("--new-tokens", args.new_tokens, 2), ("--prompt-tokens", args.prompt_tokens, 1),
-                               ("--batch", args.batch, 1), ("--repeats", args.repeats, 1)):
-        if value < least:
-            parser.error(f"{flag} ({value}) must be at least {least}")
 
     import torch
     import transformers
@@ -439,7 +462,9 @@ def main() -> None:
     report.data.update({"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
                         "torch": torch.__version__, "transformers": transformers.__version__,
                         "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
-                        "batch": args.batch, "repeats": args.repeats, "shapes": {}})
+                        "batch": args.batch, "repeats": args.repeats})
+    report.data["device_read_GBps"] = round(device_read_gbps(device), 1)
+    report.data["shapes"] = {}
     with tempfile.TemporaryDirectory(prefix="corelaunch-gpu-") as tmp:
         for shape in shapes:
             where = report.data["shapes"].setdefault(shape, {})
