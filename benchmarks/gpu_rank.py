@@ -4,9 +4,11 @@ What it checks and measures, side by side in one process on one GPU, for checkpo
 model shapes filled with random weights (transformers writes them; no download, no tokenizer):
 - accuracy: greedy tokens of prompts of several lengths from corelaunch's worker code (eager, the
   compiled per-bucket graphs, and the continuous-batching serving loop with 16 requests at once)
-  against transformers' generate() of each prompt alone on the same GPU; the first token's logits
-  against transformers' (largest absolute difference). Where a token differs, the report gives
-  transformers' logit gap between its choice and corelaunch's there: a near-tie, or a real error.
+  against transformers' generate() of each prompt alone on the same GPU; the logits of four tokens
+  (one prefill, three decode steps) against transformers' (largest absolute difference), and, for
+  a bfloat16 shape, both sides' against transformers' float32 run of the same weights. Where a
+  token differs, the report gives transformers' logit gap between its choice and corelaunch's
+  there: a near-tie, or a real error.
 - speed, `--repeats` interleaved rounds after a warm-up round: one stream (a `--prompt-tokens`
   prompt, `--new-tokens` greedy tokens, EOS ignored) and `--batch` streams at once, for
   transformers generate(), corelaunch eager and compiled static batches, and the serving loop
@@ -14,14 +16,14 @@ model shapes filled with random weights (transformers writes them; no download, 
   same for every variant; aggregate tokens/s is all rows' new tokens over the wall time. Beside
   the single stream's rates, `fraction_of_bound`: the rate over the weights-over-bandwidth bound
   (the bytes a decode step reads over the device's read bandwidth, the best of five sums of a 4 GiB
-  buffer, measured at the start; benchmarks/bandwidth.py's measure on the host's memory).
+  buffer, measured at the start; with --backend cpu, benchmarks/bandwidth.py's measure).
 
 Rank 0 of a TP-1 group is built exactly as a Ray actor builds it (workers.rank_worker.RankWorker
 with backend "cuda"); Ray's placement, NCCL between ranks and the driver are not exercised.
 
     python benchmarks/gpu_rank.py [--shapes smollm2-135m,llama-1b] [--new-tokens 128]
                                   [--prompt-tokens 128] [--batch 16] [--repeats 3]
-                                  [--budget-s 420] [--out FILE] [--backend cuda|cpu]
+                                  [--budget-s 420] [--out FILE] [--backend cuda|cpu] [--accuracy-only]
 
 `--backend cpu` runs the same code on the CPU (to try the script where there is no GPU); `--out`
 gets the report so far after every phase (what a run stopped at its time limit still leaves).
@@ -43,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.arguments import positive_seconds  # noqa: E402
-from benchmarks.bandwidth import decode_bound  # noqa: E402
+from benchmarks.bandwidth import decode_bound, measure_gbps  # noqa: E402
 from launcher.cli.options import int_at_least  # noqa: E402
 
 SHAPES = {
@@ -292,6 +294,11 @@ def accuracy(model_dir: Path, dtype: str, backend: str, device, hf: HfModel, wor
     ours = torch.stack([t.float().cpu() for t in one.logits]) if isinstance(one.logits, list) else one.logits.float().cpu()
     report["logits_max_abs_diff"] = float(f"{float((ours - ref).abs().max()):.3g}")
     report["logits_ref_std"] = round(float(ref.std()), 4)
+    if dtype != "float32":  # both sides' rounding error, each against the same model in float32
+        exact = HfModel(model_dir, "float32", device).logits(prompts[-1] + one.token_ids[:-1])[len(prompts[-1]) - 1:]
+        report["float32_reference"] = {"corelaunch_max_abs_diff": float(f"{float((ours - exact).abs().max()):.3g}"),
+                                       "transformers_max_abs_diff": float(f"{float((ref - exact).abs().max()):.3g}")}
+        del exact
     if "compiled" in workers:
         report["compiled_static_batch"] = compare(
             "compiled", [o.token_ids for o in static_batch(workers["compiled"], prompts, ACCURACY_NEW_TOKENS)],
@@ -385,7 +392,8 @@ def shape_report(shape: str, args, report: Report, where: dict, folder: Path, de
                                     if isinstance(v, dict) and "decode_tokens_per_s" in v}
         return out
 
-    report.phase(where, "single_stream", 60, single_stream)
+    if not args.accuracy_only:
+        report.phase(where, "single_stream", 60, single_stream)
 
     def concurrent():
         servings = {}
@@ -415,7 +423,8 @@ def shape_report(shape: str, args, report: Report, where: dict, folder: Path, de
             for s in servings.values():
                 s.close()
 
-    report.phase(where, f"batch_{args.batch}", 90, concurrent)
+    if not args.accuracy_only:
+        report.phase(where, f"batch_{args.batch}", 90, concurrent)
     if "compiled" in workers:
         stats = workers["compiled"].compile_stats() or {}
         where["compiled_graphs_built"] = len(stats.get("graphs", []))
@@ -441,6 +450,7 @@ def main() -> None:
                         help="phases that would start with less than their need left are skipped")
     parser.add_argument("--backend", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--out", help="also write the report here after every phase")
+    parser.add_argument("--accuracy-only", action="store_true", help="no speed phases")
     args = parser.parse_args()
     shapes = args.shapes.split(",")
     unknown = [s for s in shapes if s not in SHAPES]
@@ -463,7 +473,8 @@ def main() -> None:
                         "torch": torch.__version__, "transformers": transformers.__version__,
                         "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
                         "batch": args.batch, "repeats": args.repeats})
-    report.data["device_read_GBps"] = round(device_read_gbps(device), 1)
+    report.data["device_read_GBps"] = round(device_read_gbps(device) if device.type == "cuda"
+                                            else measure_gbps(torch.get_num_threads()), 1)
     report.data["shapes"] = {}
     with tempfile.TemporaryDirectory(prefix="corelaunch-gpu-") as tmp:
         for shape in shapes:

@@ -105,6 +105,9 @@ REFUSED = [
     ("plan_speed", ["--bogus"], "unrecognized arguments: --bogus"),  # ran the benchmark
     # three one-thread ranks on two threads, reported as the same cores split
     ("replicas", ["--replicas", "3", "--threads", "2"], "--replicas (3) above --threads (2)"),
+    ("gpu_rank", ["--repeats", "0", "--backend", "cpu"], "--repeats (0) must be at least 1"),
+    ("gpu_rank", ["--shapes", "tiny,llama-70b", "--backend", "cpu"],
+     "--shapes: unknown ['llama-70b']; known: tiny, smollm2-135m, llama-1b, llama-8b"),
 ]
 
 

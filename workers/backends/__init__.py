@@ -94,7 +94,7 @@ BACKENDS: dict[str, BackendEntry] = {entry.name: entry for entry in (
     BackendEntry(
         name="cuda", implementation="workers.backends.cuda:CudaBackend",
         planner_target="workers.backends.planner_targets:cuda_target",
-        description="NVIDIA GPUs, one per rank, NCCL between them (unverified)",
+        description="NVIDIA GPUs, one per rank, NCCL between them (run at TP 1 on one GPU; NCCL unverified)",
         detect="workers.backends.planner_targets:cuda_devices_present", found_when="torch sees a CUDA GPU",
         ray_resource="GPU", granularities=GRANULARITIES),
 )}
