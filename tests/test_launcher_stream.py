@@ -919,3 +919,27 @@ def test_a_hung_group_is_noticed_within_one_timeout_when_a_calls_prompts_queued_
             caller.join(60)
     finally:
         release.set()
+
+
+def test_a_request_waiting_behind_a_long_one_moves_to_the_replica_that_came_free(model_and_expected,
+                                                                                 in_process_cluster):
+    """One row per replica: the third request goes where the long one runs (both replicas had one
+    request), and waited there for its whole length while the other replica's short request ended
+    and left it idle. It now moves there, and runs, and is answered, once."""
+    model_dir, expected = model_and_expected
+    with Launcher(model=model_dir, tp=1, replicas=2, max_num_seqs=1, progress=False, **EAGER) as llm:
+        long = llm.stream(PROMPTS[0], max_new_tokens=200, ignore_eos=True)
+        short = llm.stream(PROMPTS[1], max_new_tokens=2)
+        waiting = llm.stream(PROMPTS[2], max_new_tokens=NEW_TOKENS)
+        assert [s.handle.replica for s in (long, short, waiting)] == [0, 1, 0]
+        assert tokens_of(short)[0] == expected[1][:2]
+        tokens, finish = tokens_of(waiting)  # within the long request's 200 tokens
+        assert not long.handle.finished, "the long request ended first: this test shows nothing"
+        assert tokens == expected[2] and len(waiting.handle.delivered) == len(expected[2])
+        assert waiting.handle.replica == 1 and waiting.handle.attempts == 1
+        long.close()
+        # the moved id and the closed one are answered on replica 0: nothing is owed, nothing runs
+        deadline = time.monotonic() + 10
+        while any(r.cancelling for r in llm._pool.replicas) or llm.load() != {"running": 0, "waiting": 0}:
+            assert time.monotonic() < deadline, ([r.cancelling for r in llm._pool.replicas], llm.load())
+            time.sleep(0.01)

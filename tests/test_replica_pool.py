@@ -32,6 +32,7 @@ class ScriptedGroup:
         self.actors = [f"{name}/rank0", f"{name}/rank1"]
         self.workers = [{"rank": 0, "pid": 100, "node_id": "node-a"}, {"rank": 1, "pid": 101, "node_id": "node-b"}]
         self.seen: list = []
+        self.cancelled: list[list[str]] = []
         self.running = 0
         self.max_running = 0
         self.dead: list[str] = []
@@ -56,6 +57,12 @@ class ScriptedGroup:
 
     def submit(self, requests) -> None:  # a stream handed to rank 0 (its events are not scripted)
         self.seen.extend(requests)
+
+    def cancel(self, request_ids) -> None:
+        self.cancelled.append(list(request_ids))
+
+    def poll(self, wait_s: float):  # a leader with no events to send
+        return [], {}, {}
 
     def kill(self) -> None:
         self.killed = True
@@ -701,3 +708,73 @@ def test_a_restart_that_installs_its_group_as_the_pool_shuts_down_has_that_group
     stoppers[0].join(TIMEOUT_S)
     old, new = factory.groups[0]
     assert old.killed and new.killed, (old.killed, new.killed)
+
+
+# ---- streams waiting for a row move to a free one ------------------------------------------------
+def routed_three(make_pool):
+    """Two replicas of one row each: s0 and s2 on replica 0 (s2 waiting behind s0), s1 on replica 1."""
+    pool = make_pool(2)
+    pool.start()
+    handles = [stream_handle(f"s{i}") for i in range(3)]
+    for handle in handles:
+        pool.submit_streams([handle], rows=1)
+    assert [h.replica for h in handles] == [0, 1, 0]
+    return pool, handles
+
+
+def finished_on(replica, handle) -> None:
+    """As a finish event polled there takes a stream out of the books."""
+    with replica._streams_lock:
+        replica.streams.pop(handle.request_id)
+
+
+def test_a_stream_waiting_for_a_row_moves_to_a_replica_whose_row_came_free(make_pool):
+    """Counted at arrival, requests split evenly but lengths do not: a waiting request stayed
+    behind a long one while the other replica idled (after a restart, behind everything the other
+    replica took meanwhile)."""
+    pool, (s0, s1, s2) = routed_three(make_pool)
+    r0, r1 = pool.replicas
+    r0._poll_streams(wait_s=0)  # every row busy: nothing moves
+    assert s2.replica == 0 and r0.started.group.cancelled == []
+    finished_on(r1, s1)
+    r0._poll_streams(wait_s=0)
+    assert s2.replica == 1 and set(r1.streams) == {"s2"} and set(r0.streams) == {"s0"}
+    assert r0.started.group.cancelled == [["s2"]] and r0.cancelling == {"s2"}  # its late events are dropped
+    assert [r.request_id for r in factory_seen(pool, 1)] == ["s1", "s2"]
+    assert s2.attempts == 1  # a move is not a re-run
+    assert pool.load(1) == {"running": 2, "waiting": 0}
+    pool.cancel_stream(s2)  # its reader's cancel follows it
+    assert r1.cancelling == {"s2"} and r1.started.group.cancelled == [["s2"]] and s2.cancelled
+
+
+def test_a_stream_with_tokens_delivered_stays(make_pool):
+    """Its tokens came from this group: moving it would resume it, which is a fault's business."""
+    from workers.serving.requests import TokenEvent
+
+    pool, (s0, s1, s2) = routed_three(make_pool)
+    s2.deliver(TokenEvent("s2", [7]))
+    finished_on(pool.replicas[1], s1)
+    pool.replicas[0]._poll_streams(wait_s=0)
+    assert s2.replica == 0 and pool.replicas[0].started.group.cancelled == []
+
+
+def test_a_stream_cancelled_while_it_moves_is_not_handed_over(make_pool):
+    pool, (s0, s1, s2) = routed_three(make_pool)
+    finished_on(pool.replicas[1], s1)
+    [moving] = pool.replicas[0]._give_away(1, taker=1)
+    pool.cancel_stream(moving)  # between leaving replica 0 and reaching replica 1
+    pool.replicas[1].submit_stream(moving, moved=True)
+    assert "s2" not in pool.replicas[1].streams and [r.request_id for r in factory_seen(pool, 1)] == ["s1"]
+
+
+def test_a_dropped_stream_whose_drop_reached_its_old_replica_is_cancelled_where_it_went(make_pool):
+    """A finalizer read the replica before the move: its drop is passed on, not lost."""
+    pool, (s0, s1, s2) = routed_three(make_pool)
+    r0, r1 = pool.replicas
+    finished_on(r1, s1)
+    r0._poll_streams(wait_s=0)
+    assert s2.replica == 1
+    r0.dropped.put(s2)
+    r0._poll_streams(wait_s=0)
+    r1._poll_streams(wait_s=0)
+    assert "s2" not in r1.streams and r1.started.group.cancelled == [["s2"]]

@@ -5,6 +5,11 @@ Two kinds of requests reach a replica:
   replica with the fewest requests in flight (running plus waiting for a cache row), handed to its
   group's leader at once, and followed by the replica's thread, which reads the tokens the leader
   streams back (launcher/cluster/event_channel.py) and passes them on. Many streams share a group at once.
+  A stream that still waits for a row (none of its tokens delivered) moves to another serving
+  replica as soon as that one has a free row: counts at arrival do not foresee lengths, and while
+  one replica restarts the others take every new request, then held them behind their own rows
+  while the restarted one sat idle. Its first replica is told to cancel it (whatever it produced
+  there is dropped), so it runs, and is answered, once.
 - static batches (the rest of this docstring): one at a time per replica, from a shared queue.
 
 Routing: requests (one batch of prompts each) wait in one shared FIFO queue; every replica has a
@@ -156,12 +161,15 @@ class Replica:
             self.state = "stopped"
 
     # ---- streams -----------------------------------------------------------------------------
-    def submit_stream(self, handle: StreamHandle) -> None:
+    def submit_stream(self, handle: StreamHandle, moved: bool = False) -> None:
+        """moved: taken from another replica where it waited for a row (not a new attempt)."""
         with self._streams_lock:
+            if moved and handle.cancelled:  # its reader cancelled it while it moved: it is over
+                return
             self.streams[handle.request_id] = handle
             handle.replica = self.index
             if self.state == "serving":
-                self._hand_over(handle, handle.request)
+                self._hand_over(handle, handle.request, counted=not moved)
             # else the restart in progress submits it with the others (_resume_streams)
 
     def cancel_stream(self, request_id: str, only: StreamHandle | None = None) -> None:
@@ -185,6 +193,9 @@ class Replica:
     def _poll_streams(self, wait_s: float = POLL_WAIT_S) -> None:
         while not self.dropped.empty():
             dropped = self.dropped.get_nowait()  # only this thread takes from it
+            if dropped.replica != self.index:  # moved to another replica before its reader dropped it
+                self.pool.replicas[dropped.replica].dropped.put(dropped)
+                continue
             self.cancel_stream(dropped.request_id, only=dropped)
         group = self.started.group
         try:
@@ -219,7 +230,48 @@ class Replica:
         for handle in late:
             group.cancel([handle.request_id])
             handle.fail(_overdue(handle, "it was cancelled"))
+        self._lend_waiting()
         self._check_hung(now)
+
+    def _lend_waiting(self) -> None:
+        """Move streams that wait for a row here to serving replicas with a free one (module
+        docstring). On this replica's thread, the only one that delivers its streams' events, so a
+        stream seen here with nothing delivered has nothing on its way to its reader either."""
+        pool = self.pool
+        rows = pool.rows
+        if rows is None or len(self.streams) <= rows:  # nothing waits here: no lock taken
+            return
+        if not any(r is not self and r.state == "serving" and len(r.streams) < rows for r in pool.replicas):
+            return  # no free row elsewhere (the usual case under load): no lock taken either
+        with pool._lock:  # no request routed meanwhile: the counts below stay true
+            if pool.stopping:
+                return
+            for taker in sorted((r for r in pool.replicas if r is not self and r.state == "serving"),
+                                key=lambda r: len(r.streams)):
+                free, waiting = rows - len(taker.streams), len(self.streams) - rows
+                if free <= 0 or waiting <= 0:
+                    return
+                for handle in self._give_away(min(free, waiting), taker.index):
+                    taker.submit_stream(handle, moved=True)
+
+    def _give_away(self, count: int, taker: int) -> list[StreamHandle]:
+        """Up to `count` streams that wait for a row here, newest first, out of the books and
+        cancelled here; their ids stay in `cancelling` until the leader answers, so its late events
+        for them are dropped. The leader seats requests in the order they came (the books' order),
+        so only those after the first `rows` wait; one of those with tokens delivered stays (it got
+        a row since: moving it would be a resume)."""
+        with self._streams_lock:
+            if self.state != "serving":
+                return []
+            waiting = list(self.streams.values())[self.pool.rows:]
+            moving = [h for h in reversed(waiting) if not h.delivered and not h.cancelled][:count]
+            for handle in moving:
+                self.streams.pop(handle.request_id)
+                self.cancelling.add(handle.request_id)
+                handle.replica = taker  # a cancel from its reader now goes there (ReplicaPool.cancel_stream)
+            if moving:
+                self.started.group.cancel([h.request_id for h in moving])
+        return moving
 
     def _check_hung(self, now: float) -> None:
         """Replace the group when its leader made no step and ran no static batch for a whole request
@@ -257,9 +309,10 @@ class Replica:
                 f"looks hung and is replaced (if its steps are only slow, a long prompt's prefill on a slow host, "
                 f"raise --request-timeout or lower --max-prefill-tokens)"))
 
-    def _hand_over(self, handle: StreamHandle, request) -> None:
-        """Submit a stream's request to the group (its timeout is what the hung-group check allows)."""
-        handle.attempts += 1
+    def _hand_over(self, handle: StreamHandle, request, counted: bool = True) -> None:
+        """Submit a stream's request to the group (its timeout is what the hung-group check allows).
+        counted: an attempt (a stream moved here from a replica where it only waited is not one)."""
+        handle.attempts += counted
         self._stall_limit_s = handle.own_timeout_s
         self.started.group.submit([request])
 
@@ -433,6 +486,9 @@ class ReplicaPool:
         self._lock = threading.Lock()
         self.stopping = False
         self._no_replica: NoReplicaAvailable | None = None
+        self.rows: int | None = None
+        """Cache rows per replica (max_num_seqs), from the streams submitted: what a replica's
+        streams beyond it wait for, and what a stream waiting elsewhere may move into."""
 
     def _note(self, text: str) -> None:
         """A note to the driver's user (restarts, recoveries). A note that fails to print (a closed
@@ -506,6 +562,7 @@ class ReplicaPool:
                 raise LaunchError("the launcher is shut down; start a new one")
             if self._no_replica is not None:
                 raise NoReplicaAvailable(str(self._no_replica))
+            self.rows = rows
             # Events find their stream by request id: a second one in flight would take the first's.
             ids = [h.request_id for h in handles]
             seen: set[str] = set()  # a set, not ids.count(): 16,000 prompts took 3 s under this lock
@@ -543,11 +600,18 @@ class ReplicaPool:
         the replica's thread cancels the request at its next poll."""
         if handle.replica is None:
             return
-        replica = self.replicas[handle.replica]
+        # First, so that a stream moving to another replica meanwhile is not handed over there
+        # (Replica.submit_stream), and a move does not pick it (Replica._give_away).
+        handle.cancelled = True
+        index = handle.replica
         if deferred:
-            replica.dropped.put(handle)  # SimpleQueue.put is safe to call from __del__
-        else:
-            replica.cancel_stream(handle.request_id, only=handle)  # not a later request's with its id
+            self.replicas[index].dropped.put(handle)  # SimpleQueue.put is safe to call from __del__
+            return
+        while True:
+            self.replicas[index].cancel_stream(handle.request_id, only=handle)  # not a later request's with its id
+            if handle.replica == index:
+                return
+            index = handle.replica  # it moved meanwhile: cancel it where it went
 
     def load(self, rows: int) -> dict[str, int]:
         """Streaming requests running (holding one of a replica's `rows` cache rows) and waiting for one."""
