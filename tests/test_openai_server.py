@@ -560,6 +560,7 @@ def test_metrics_render_every_name_from_a_private_registry():
     assert "corelaunch_generated_tokens_total 3.0" in text
     assert 'corelaunch_requests_total{finish_reason="rejected",status="503"} 1.0' in text
     assert "python_gc" not in text  # the process-wide collectors are not in the private registry
+    assert "_created" not in text  # one more gauge per series in Prometheus, saying only when it began
     burst = TokenTimer(metrics, start=1.0)  # a first delta carrying three tokens, then one more
     burst.tokens(3, now=1.5)
     burst.tokens(1, now=1.6)

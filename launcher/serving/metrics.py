@@ -56,7 +56,7 @@ class ServerMetrics:
         load = self._load()
         self.running.set(load.get("running", 0))
         self.waiting.set(load.get("waiting", 0))
-        return generate_latest(self.registry)
+        return generate_latest(_WithoutCreated(self.registry))
 
     def rejected(self, status: int, reason: str = "rejected") -> None:
         self.requests.labels(finish_reason=reason, status=str(status)).inc()
@@ -87,3 +87,18 @@ class TokenTimer:
         for _ in range(count):
             self.metrics.inter_token_latency.observe(gap)
         self.last = now
+
+
+class _WithoutCreated:
+    """The registry's families without prometheus_client's `<name>_created` samples (each counter's
+    and histogram's creation time). In the text format Prometheus stores each as one more gauge per
+    series, which only says when the replica started; prometheus_client's switch for them
+    (disable_created_metrics) is process-wide, so they are left out here instead."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self):
+        for family in self.registry.collect():
+            family.samples = [s for s in family.samples if not s.name.endswith("_created")]
+            yield family
