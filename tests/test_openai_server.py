@@ -1751,3 +1751,23 @@ def test_a_queue_full_answer_speaks_to_the_client_not_the_operator():
     assert _at_capacity(QueueFull("x", slots=4, queue_limit=12), 1, one_of_several=True) == (
         "the server is at capacity: all 4 sequence slots of the replica that took this request are busy and "
         "its queue of 12 is full; retry after 1 s")
+
+
+def test_builder_refusals_say_where_a_serve_option_goes_and_what_a_misspelling_meant(tmp_path):
+    """A review by hand: `port` (a `corelaunch serve` flag) was answered with forty field names and
+    no word of Serve's http_options; `max_num_seq` got the same list; and a model folder without a
+    config.json passed the builder and failed in every replica Serve placed, 13 s later."""
+    from launcher.serving.server_settings import settings_from_args
+
+    with pytest.raises(ValueError, match=r"unknown argument\(s\) port \(port: Serve's HTTP proxy listens where "
+                                         r"the Serve config's http_options say \(host, port\)\); the server takes"):
+        settings_from_args({"port": "8001"})
+    with pytest.raises(ValueError, match=r"unknown argument\(s\) max_num_seq \(max_num_seq: did you mean "
+                                         r"max_num_seqs\?\); the server takes"):
+        settings_from_args({"max_num_seq": "8"})
+    with pytest.raises(ValueError, match=r"unknown argument\(s\) zzz; the server takes"):  # no hint to give
+        settings_from_args({"zzz": "1"})
+    empty = tmp_path / "nomodel"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match=f"no Hugging Face config at {empty}/config.json"):
+        settings_from_args({"model": str(empty)})

@@ -39,6 +39,12 @@ NOT_UNDER_SERVE = {"ray_address": "a Serve replica runs in the Ray cluster Serve
                                      "loop's graphs, and static batches' would never be used"}
 """LaunchConfig fields that mean nothing inside a Serve replica: refused rather than ignored."""
 
+SERVE_OWNS = {"host": "Serve's HTTP proxy listens where the Serve config's http_options say (host, port)",
+              "port": "Serve's HTTP proxy listens where the Serve config's http_options say (host, port)",
+              "ingress": "under Serve's own tools the requests always come through Serve's HTTP proxy",
+              "ready_timeout": "Serve waits for the replicas itself (`serve status` shows them starting)"}
+"""`corelaunch serve` options that are no builder argument, and where their job is done instead."""
+
 ROUTE_HEADROOM = 32
 """Serve's per-replica cap on ongoing requests is set this far above what the engine admits
 (running + queued), so /health, /metrics and /v1/models still get through to a busy replica and a
@@ -96,12 +102,18 @@ def settings_from_args(args: dict, names: dict | None = None) -> ServerSettings:
     taken = [f for f in fields if f != "replicas" and f not in NOT_UNDER_SERVE]
     unknown = sorted(set(typed) - set(SERVER_ARGS) - set(fields))
     if unknown:
-        raise ValueError(f"unknown argument(s) {', '.join(unknown)}; the server takes {', '.join(SERVER_ARGS)} "
-                         f"and LaunchConfig's fields: {', '.join(taken)}")
+        raise ValueError(f"unknown argument(s) {', '.join(unknown)}{_unknown_hints(unknown, SERVER_ARGS + tuple(taken))}; "
+                         f"the server takes {', '.join(SERVER_ARGS)} and LaunchConfig's fields: {', '.join(taken)}")
     launch = {key: value for key, value in typed.items() if key in fields and key != "replicas"}
     # One Launcher (one TP group) per Serve replica: Serve, not the Launcher, adds replicas.
     launch.update(replicas=1, progress=launch.get("progress", False), warm_up_static=False)
     config = LaunchConfig(**launch)  # its checks, with its messages, now rather than inside a Serve replica
+    if config.model is not None and config.compiled_dir is None:
+        from shardlib.model_config import load_model_config
+
+        # A folder without a (readable) config.json: refused now, as `corelaunch serve` refuses it
+        # before Ray starts, not by every replica's start after Serve had placed it.
+        load_model_config(config.model)
     num_replicas, autoscaling = _replica_counts(typed, lambda key: name(key, key))
     # The engine's own values, its defaults included: what one replica runs at once and queues. With
     # no queue limit the engine queues everything, so Serve must let everything through: a request
@@ -122,6 +134,19 @@ def settings_from_args(args: dict, names: dict | None = None) -> ServerSettings:
         launch=launch, served_model_name=served,
         api_key=_api_key(typed.get("api_key"), name("api_key", "api_key")),
         num_replicas=num_replicas, autoscaling=autoscaling, max_ongoing_requests=admitted + ROUTE_HEADROOM)
+
+
+def _unknown_hints(unknown: list[str], known: tuple[str, ...]) -> str:
+    """Where an unknown argument's job is done instead, or the known one it is likely a misspelling of."""
+    import difflib
+
+    hints = []
+    for key in unknown:
+        if key in SERVE_OWNS:
+            hints.append(f"{key}: {SERVE_OWNS[key]}")
+        elif close := difflib.get_close_matches(key, known, n=1, cutoff=0.75):
+            hints.append(f"{key}: did you mean {close[0]}?")
+    return f" ({'; '.join(hints)})" if hints else ""
 
 
 def _typed(key: str, value, literal: bool = False):
