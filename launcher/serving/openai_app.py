@@ -22,7 +22,7 @@ import math
 import sys
 import threading
 import time
-from contextlib import aclosing
+from contextlib import aclosing, nullcontext
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -396,6 +396,7 @@ class OpenAIServer:
     def __init__(self, settings: ServerSettings):
         from launcher.api import LaunchConfig, Launcher, load_tokenizer, server_tokenizer_problem
         from launcher.background_load import BackgroundLoad
+        from launcher.serving.builder_terms import refusals_in_builder_terms
         from launcher.serving.port_rebind import allow_port_rebinding
         from launcher.serving.request_heads import bound_request_heads
         from launcher.serving.serve_deployment import placement_wait_s, this_replicas_facts
@@ -416,7 +417,11 @@ class OpenAIServer:
         configured_wait = launch.get("placement_timeout_s")
         launch["placement_timeout_s"] = placement_wait_s(
             LaunchConfig.placement_timeout_s if configured_wait is None else configured_wait, deployed)
-        self.launcher = Launcher(LaunchConfig(**launch)).prepare()
+        # Refusals in the terms the settings came in: `corelaunch serve`'s options, or the builder's
+        # arguments (`serve run` / `serve deploy`)
+        terms = nullcontext if settings.from_command_line else refusals_in_builder_terms
+        with terms():
+            self.launcher = Launcher(LaunchConfig(**launch)).prepare()
         no_tokenizer = server_tokenizer_problem(self.launcher.model_dir)
         if no_tokenizer:  # `serve run` or a config file (the CLI refuses it first): before any rank starts
             self.launcher.shutdown()
@@ -426,7 +431,8 @@ class OpenAIServer:
         # logprobs' token texts and offsets (on the request loop). Both copies load on threads while
         # the TP group starts.
         own_tokenizer = BackgroundLoad(load_tokenizer, self.launcher.model_dir, name="corelaunch-serve-tokenizer")
-        self.launcher.start()
+        with terms():
+            self.launcher.start()
         if self.launcher.thread_count_note:  # the Launcher's progress notes are off here
             print(f"corelaunch serve: {self.launcher.thread_count_note}", file=sys.stderr)
         self.tokenizer = own_tokenizer.result()

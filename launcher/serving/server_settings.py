@@ -68,6 +68,9 @@ class ServerSettings:
     """Serve's autoscaling_config (min_replicas, max_replicas, target_ongoing_requests), or None."""
     max_ongoing_requests: int
     """Serve's cap on requests in flight at one replica."""
+    from_command_line: bool = False
+    """Made by `corelaunch serve` from its options: a replica's refusals name those options, not the
+    builder's arguments (launcher/serving/builder_terms.py)."""
 
     @property
     def most_replicas(self) -> int:
@@ -133,7 +136,8 @@ def settings_from_args(args: dict, names: dict | None = None) -> ServerSettings:
     return ServerSettings(
         launch=launch, served_model_name=served,
         api_key=_api_key(typed.get("api_key"), name("api_key", "api_key")),
-        num_replicas=num_replicas, autoscaling=autoscaling, max_ongoing_requests=admitted + ROUTE_HEADROOM)
+        num_replicas=num_replicas, autoscaling=autoscaling, max_ongoing_requests=admitted + ROUTE_HEADROOM,
+        from_command_line=names is not None)
 
 
 def _unknown_hints(unknown: list[str], known: tuple[str, ...]) -> str:
