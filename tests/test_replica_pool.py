@@ -744,7 +744,7 @@ def test_a_stream_waiting_for_a_row_moves_to_a_replica_whose_row_came_free(make_
     assert s2.attempts == 1  # a move is not a re-run
     assert pool.load(1) == {"running": 2, "waiting": 0}
     pool.cancel_stream(s2)  # its reader's cancel follows it
-    assert r1.cancelling == {"s2"} and r1.started.group.cancelled == [["s2"]] and s2.cancelled
+    assert r1.cancelling == {"s2"} and r1.started.group.cancelled == [["s2"]] and s2.cancelled and s2.closing
 
 
 def test_a_stream_with_tokens_delivered_stays(make_pool):
@@ -763,6 +763,7 @@ def test_a_stream_cancelled_while_it_moves_is_not_handed_over(make_pool):
     finished_on(pool.replicas[1], s1)
     [moving] = pool.replicas[0]._give_away(1, taker=1)
     pool.cancel_stream(moving)  # between leaving replica 0 and reaching replica 1
+    assert moving.closing and not moving.cancelled  # in neither replica's books: no cancel reached one
     pool.replicas[1].submit_stream(moving, moved=True)
     assert "s2" not in pool.replicas[1].streams and [r.request_id for r in factory_seen(pool, 1)] == ["s1"]
 

@@ -164,7 +164,7 @@ class Replica:
     def submit_stream(self, handle: StreamHandle, moved: bool = False) -> None:
         """moved: taken from another replica where it waited for a row (not a new attempt)."""
         with self._streams_lock:
-            if moved and handle.cancelled:  # its reader cancelled it while it moved: it is over
+            if moved and handle.closing:  # its reader cancelled it while it moved: it is over
                 return
             self.streams[handle.request_id] = handle
             handle.replica = self.index
@@ -264,7 +264,7 @@ class Replica:
             if self.state != "serving":
                 return []
             waiting = list(self.streams.values())[self.pool.rows:]
-            moving = [h for h in reversed(waiting) if not h.delivered and not h.cancelled][:count]
+            moving = [h for h in reversed(waiting) if not h.delivered and not h.closing][:count]
             for handle in moving:
                 self.streams.pop(handle.request_id)
                 self.cancelling.add(handle.request_id)
@@ -602,7 +602,7 @@ class ReplicaPool:
             return
         # First, so that a stream moving to another replica meanwhile is not handed over there
         # (Replica.submit_stream), and a move does not pick it (Replica._give_away).
-        handle.cancelled = True
+        handle.closing = True
         index = handle.replica
         if deferred:
             self.replicas[index].dropped.put(handle)  # SimpleQueue.put is safe to call from __del__

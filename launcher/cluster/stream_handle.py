@@ -41,6 +41,10 @@ class StreamHandle:
         resume): the gap before it is the restart, and its time comes from another rank 0's clock."""
         self.replica: int | None = None
         self.cancelled = False
+        """Its cancel reached the replica that had it in flight."""
+        self.closing = False
+        """Its reader is done with it (ReplicaPool.cancel_stream, before the cancel reaches a replica):
+        a replica no longer moves it to another, nor takes it when it arrives from one."""
         self.finished = False
         self._lock = threading.Lock()
 
