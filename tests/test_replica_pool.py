@@ -779,3 +779,47 @@ def test_a_dropped_stream_whose_drop_reached_its_old_replica_is_cancelled_where_
     r0._poll_streams(wait_s=0)
     r1._poll_streams(wait_s=0)
     assert "s2" not in r1.streams and r1.started.group.cancelled == [["s2"]]
+
+
+def test_no_stream_moves_into_rows_held_by_cancels_their_leader_has_not_answered(make_pool):
+    """A review: a leader stuck in a step, whose readers had all given up, had empty books but held
+    every row; a request waiting on a healthy replica was moved there and timed out."""
+    pool, (s0, s1, s2) = routed_three(make_pool)
+    r0, r1 = pool.replicas
+    finished_on(r1, s1)
+    r1.cancelling.add("gave-up")  # its reader closed it; the stuck leader never answered the cancel
+    r0._poll_streams(wait_s=0)
+    assert s2.replica == 0 and r0.started.group.cancelled == [] and r1.free_rows() == 0
+    r1.cancelling.clear()  # the answer came
+    r0._poll_streams(wait_s=0)
+    assert s2.replica == 1
+
+
+def test_streams_waiting_on_a_restarting_replica_run_at_once_on_one_with_a_free_row(make_pool):
+    """A review: they waited for the whole restart (placement and loading) while the other replica
+    idled. Those with tokens delivered stay for the restarted group to resume; the others move,
+    counted as an attempt when their failed group had them."""
+    from workers.serving.requests import TokenEvent
+
+    pool, (s0, s1, s2) = routed_three(make_pool)
+    r0, r1 = pool.replicas
+    late = stream_handle("late")
+    pool.submit_streams([late], rows=2)  # two rows a replica from now on: r1 has one free
+    assert late.replica == 1
+    finished_on(r1, s1)
+    s0.deliver(TokenEvent("s0", [5]))
+    r0.state = "restarting"  # as _restart sets it while the new group starts
+    never = stream_handle("never")  # submitted during the restart: no group had it yet
+    r0.submit_stream(never)
+    r1._poll_streams(wait_s=0)
+    assert set(r0.streams) == {"s0", "never"} and set(r1.streams) == {"late", "s2"}  # one free row: the oldest
+    assert s2.replica == 1 and s2.attempts == 2 and s2.resumed_at == [0]
+    finished_on(r1, late)
+    r1._poll_streams(wait_s=0)
+    assert set(r1.streams) == {"s2", "never"} and never.attempts == 1 and never.resumed_at == []
+    assert set(r0.streams) == {"s0"}
+    assert r0.started.group.cancelled == [] and not r0.cancelling  # no leader to tell: nothing owed
+    with r0._streams_lock:  # the restart completes: only what stayed is resumed
+        r0.state = "serving"
+        r0._resume_streams()
+    assert s0.attempts == 2 and [r.request_id for r in factory_seen(pool, 0)][-1] == "s0"

@@ -9,7 +9,9 @@ Two kinds of requests reach a replica:
   replica as soon as that one has a free row: counts at arrival do not foresee lengths, and while
   one replica restarts the others take every new request, then held them behind their own rows
   while the restarted one sat idle. Its first replica is told to cancel it (whatever it produced
-  there is dropped), so it runs, and is answered, once.
+  there is dropped), so it runs, and is answered, once. A row is free only once its leader has
+  answered every cancel sent to it. Streams on a replica being restarted, nothing of them
+  delivered, go to a free row elsewhere at once (no leader holds them).
 - static batches (the rest of this docstring): one at a time per replica, from a shared queue.
 
 Routing: requests (one batch of prompts each) wait in one shared FIFO queue; every replica has a
@@ -161,15 +163,18 @@ class Replica:
             self.state = "stopped"
 
     # ---- streams -----------------------------------------------------------------------------
-    def submit_stream(self, handle: StreamHandle, moved: bool = False) -> None:
-        """moved: taken from another replica where it waited for a row (not a new attempt)."""
+    def submit_stream(self, handle: StreamHandle, moved: bool = False, resumed: bool = False) -> None:
+        """moved: taken from another replica where it waited for a row (not a new attempt);
+        resumed: from one whose group failed (an attempt, as a resume on the restarted group is)."""
         with self._streams_lock:
             if moved and handle.closing:  # its reader cancelled it while it moved: it is over
                 return
             self.streams[handle.request_id] = handle
             handle.replica = self.index
             if self.state == "serving":
-                self._hand_over(handle, handle.request, counted=not moved)
+                # a stream its failed group never had (submitted during the restart) is no resume
+                request = handle.resumed() if resumed and handle.attempts else handle.request
+                self._hand_over(handle, request, counted=resumed or not moved)
             # else the restart in progress submits it with the others (_resume_streams)
 
     def cancel_stream(self, request_id: str, only: StreamHandle | None = None) -> None:
@@ -231,6 +236,7 @@ class Replica:
             group.cancel([handle.request_id])
             handle.fail(_overdue(handle, "it was cancelled"))
         self._lend_waiting()
+        self._take_from_restarting()
         self._check_hung(now)
 
     def _lend_waiting(self) -> None:
@@ -241,18 +247,55 @@ class Replica:
         rows = pool.rows
         if rows is None or len(self.streams) <= rows:  # nothing waits here: no lock taken
             return
-        if not any(r is not self and r.state == "serving" and len(r.streams) < rows for r in pool.replicas):
+        if not any(r is not self and r.state == "serving" and r.free_rows() > 0 for r in pool.replicas):
             return  # no free row elsewhere (the usual case under load): no lock taken either
         with pool._lock:  # no request routed meanwhile: the counts below stay true
             if pool.stopping:
                 return
             for taker in sorted((r for r in pool.replicas if r is not self and r.state == "serving"),
-                                key=lambda r: len(r.streams)):
-                free, waiting = rows - len(taker.streams), len(self.streams) - rows
+                                key=lambda r: -r.free_rows()):
+                free, waiting = taker.free_rows(), len(self.streams) - rows
                 if free <= 0 or waiting <= 0:
                     return
                 for handle in self._give_away(min(free, waiting), taker.index):
                     taker.submit_stream(handle, moved=True)
+
+    def free_rows(self) -> int:
+        """Rows this replica's leader has free, as far as the driver knows: its `rows` less the
+        streams in flight and the cancels it has not answered (their requests hold their rows until
+        it does: a hung leader whose readers all gave up holds every row with none in its books)."""
+        return (self.pool.rows or 0) - len(self.streams) - len(self.cancelling)
+
+    def _take_from_restarting(self) -> None:
+        """Take streams that wait on a replica whose group is being restarted into this one's free
+        rows (oldest first): nothing of them was delivered, and no leader holds them (the old group
+        is gone, the new one not there yet), so they run here at once instead of after the restart.
+        A replica's restart (placement, loading) takes seconds to minutes."""
+        pool = self.pool
+        if pool.rows is None or self.free_rows() <= 0:
+            return
+        if not any(r.state == "restarting" and r.streams for r in pool.replicas):  # no lock taken
+            return
+        with pool._lock:
+            if pool.stopping or self.state != "serving":
+                return
+            for donor in pool.replicas:
+                if donor is self or self.free_rows() <= 0:
+                    continue
+                for handle in donor._hand_from_restart(self.free_rows(), self.index):
+                    self.submit_stream(handle, moved=True, resumed=True)
+
+    def _hand_from_restart(self, count: int, taker: int) -> list[StreamHandle]:
+        """Up to `count` of this restarting replica's streams with nothing delivered, oldest first,
+        out of its books (so its restart does not resume them)."""
+        with self._streams_lock:
+            if self.state != "restarting":
+                return []
+            moving = [h for h in self.streams.values() if not h.delivered and not h.closing][:count]
+            for handle in moving:
+                self.streams.pop(handle.request_id)
+                handle.replica = taker
+        return moving
 
     def _give_away(self, count: int, taker: int) -> list[StreamHandle]:
         """Up to `count` streams that wait for a row here, newest first, out of the books and
@@ -570,8 +613,9 @@ class ReplicaPool:
                 if any(request_id in r.cancelling for r in self.replicas):  # closed, timed out or stopped
                     raise ValueError(f"request_id {request_id!r} belongs to a request that has ended here (closed, "
                                      f"timed out, or finished on a stop string, which the group is told to cancel) "
-                                     f"but whose cancel its group has not answered yet; retry the id in a moment, or "
-                                     f"give each request its own id (or none: one is generated)")
+                                     f"or that moved to another replica while it waited for a row, but whose cancel "
+                                     f"its first group has not answered yet; retry the id in a moment, or give each "
+                                     f"request its own id (or none: one is generated)")
                 if request_id in seen or any(request_id in r.streams for r in self.replicas):
                     raise ValueError(f"request_id {request_id!r} is already in flight; give each request its "
                                      f"own id (or none: one is generated)")
