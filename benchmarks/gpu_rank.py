@@ -255,7 +255,7 @@ class Serving:
 
 
 # ---- accuracy -----------------------------------------------------------------------------------
-def compare(name: str, got: list[list[int]], want: list[list[int]], prompts, hf: HfModel) -> dict:
+def compare(got: list[list[int]], want: list[list[int]], prompts, hf: HfModel) -> dict:
     """Tokens equal per prompt; where not, transformers' logit gap at the first differing token."""
     out = {"equal": sum(g == w for g, w in zip(got, want)), "of": len(want)}
     gaps = []
@@ -275,7 +275,7 @@ def compare(name: str, got: list[list[int]], want: list[list[int]], prompts, hf:
     return out
 
 
-def accuracy(model_dir: Path, dtype: str, backend: str, device, hf: HfModel, workers: dict) -> dict:
+def accuracy(model_dir: Path, dtype: str, device, hf: HfModel, workers: dict) -> dict:
     import torch
 
     from shardlib.model_config import load_model_config
@@ -285,7 +285,7 @@ def accuracy(model_dir: Path, dtype: str, backend: str, device, hf: HfModel, wor
     want = [hf.generate([p], ACCURACY_NEW_TOKENS)[0] for p in prompts]
     report = {"prompt_lengths": list(ACCURACY_LENGTHS), "new_tokens": ACCURACY_NEW_TOKENS}
     eager = workers["eager"]
-    report["eager_static_batch"] = compare("eager", [o.token_ids for o in static_batch(eager, prompts, ACCURACY_NEW_TOKENS)],
+    report["eager_static_batch"] = compare([o.token_ids for o in static_batch(eager, prompts, ACCURACY_NEW_TOKENS)],
                                            want, prompts, hf)
     # The first token's logits (prefill) and the next three's (decode), against transformers' on
     # the same tokens.
@@ -301,7 +301,7 @@ def accuracy(model_dir: Path, dtype: str, backend: str, device, hf: HfModel, wor
         del exact
     if "compiled" in workers:
         report["compiled_static_batch"] = compare(
-            "compiled", [o.token_ids for o in static_batch(workers["compiled"], prompts, ACCURACY_NEW_TOKENS)],
+            [o.token_ids for o in static_batch(workers["compiled"], prompts, ACCURACY_NEW_TOKENS)],
             want, prompts, hf)
     serving = Serving(eager, max_num_seqs=16, cache_slots=256)
     try:
@@ -309,7 +309,7 @@ def accuracy(model_dir: Path, dtype: str, backend: str, device, hf: HfModel, wor
         got = serving.run(prompts + extra, ACCURACY_NEW_TOKENS)["tokens"][:len(prompts)]
     finally:
         serving.close()
-    report["serving_loop_16_requests"] = compare("serving", got, want, prompts, hf)
+    report["serving_loop_16_requests"] = compare(got, want, prompts, hf)
     sync(device)
     return report
 
@@ -371,7 +371,7 @@ def shape_report(shape: str, args, report: Report, where: dict, folder: Path, de
     report.phase(where, "load_compiled", 20, lambda: load("compiled", True))
     if "eager" not in workers:
         return
-    report.phase(where, "accuracy", 60, lambda: accuracy(model_dir, dtype, args.backend, device, hf, workers))
+    report.phase(where, "accuracy", 60, lambda: accuracy(model_dir, dtype, device, hf, workers))
 
     vocab = fields["vocab_size"]
     [one] = random_prompts(vocab, [args.prompt_tokens], seed=3)

@@ -39,8 +39,8 @@ NOT_UNDER_SERVE = {"ray_address": "a Serve replica runs in the Ray cluster Serve
                                      "loop's graphs, and static batches' would never be used"}
 """LaunchConfig fields that mean nothing inside a Serve replica: refused rather than ignored."""
 
-SERVE_OWNS = {"host": "Serve's HTTP proxy listens where the Serve config's http_options say (host, port)",
-              "port": "Serve's HTTP proxy listens where the Serve config's http_options say (host, port)",
+_SERVE_ADDRESS = "Serve's HTTP proxy listens where the Serve config's http_options say (host, port)"
+SERVE_OWNS = {"host": _SERVE_ADDRESS, "port": _SERVE_ADDRESS,
               "ingress": "under Serve's own tools the requests always come through Serve's HTTP proxy",
               "ready_timeout": "Serve waits for the replicas itself (`serve status` shows them starting)"}
 """`corelaunch serve` options that are no builder argument, and where their job is done instead."""
