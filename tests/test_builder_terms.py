@@ -39,3 +39,28 @@ def test_a_refusal_keeps_its_type_and_an_error_of_other_arguments_is_left_as_it_
 def test_settings_say_which_terms_their_replicas_speak():
     assert settings_from_args({}).from_command_line is False  # serve run / serve deploy: the builder's
     assert settings_from_args({}, {"api_key": "--api-key"}).from_command_line is True  # corelaunch serve
+
+
+def test_a_field_named_beside_its_option_is_named_once():
+    assert in_builder_terms("or pad Q heads with zero heads (pad_q_heads, --pad-q-heads)") == (
+        "or pad Q heads with zero heads (pad_q_heads)")
+
+
+def test_a_replica_refuses_the_layout_in_builder_terms_before_its_launcher_exists(tmp_path, monkeypatch):
+    """A check by hand: the replica's CPU-share plan runs before the Launcher, and its refusals (a
+    TP degree the heads do not divide, `backend: cuda` with no GPU) kept the flags under serve run."""
+    from launcher.errors import PlanRejected
+    from launcher.serving import openai_app, port_rebind, request_heads
+    from tests.model_factory import save_random_model
+
+    for module, name in ((port_rebind, "allow_port_rebinding"), (request_heads, "bound_request_heads"),
+                         (openai_app, "install_key_check")):
+        monkeypatch.setattr(module, name, lambda *args: None)  # process-wide hooks a replica installs
+    model = save_random_model(tmp_path / "m", num_heads=4, num_kv_heads=2)
+    ours = next(c for c in openai_app.OpenAIServer.func_or_class.__mro__[1:] if c.__module__ == openai_app.__name__)
+    for settings, said in ((settings_from_args({"model": str(model), "tp": 3, "compile": False}), "(pad_q_heads)"),
+                           (settings_from_args({"model": str(model), "tp": 3, "compile": False},
+                                               {"api_key": "--api-key"}), "(pad_q_heads, --pad-q-heads)")):
+        with pytest.raises(PlanRejected, match="is not divisible by tp_degree") as refused:
+            ours.__init__(object.__new__(ours), settings)
+        assert str(refused.value).endswith(said)

@@ -22,11 +22,14 @@ _ARGUMENT_OF_FLAG = {flag: field for field, flag in FLAG_OF_FIELD.items() if fie
 _FLAG = re.compile(r"(?<![\w-])(" + "|".join(sorted(map(re.escape, _ARGUMENT_OF_FLAG), key=len, reverse=True))
                    + r")(?![\w-])")
 _RAY_ADDRESS = re.compile(r"(?<![\w-])--ray-address(?![\w-])")
+_BOTH_NAMES = re.compile(r"\b(" + "|".join(sorted(map(re.escape, set(_ARGUMENT_OF_FLAG.values())), key=len, reverse=True))
+                         + r"), \1(?![\w-])")
+"""An argument named twice in a row: what "(pad_q_heads, --pad-q-heads)", the field and its option, becomes."""
 
 
 def in_builder_terms(message: str) -> str:
     """`message` with every launch option named by the builder argument that sets it."""
-    message = _FLAG.sub(lambda match: _ARGUMENT_OF_FLAG[match.group(1)], message)
+    message = _BOTH_NAMES.sub(r"\1", _FLAG.sub(lambda match: _ARGUMENT_OF_FLAG[match.group(1)], message))
     return _RAY_ADDRESS.sub("RAY_ADDRESS where `serve run`/`serve deploy` runs (the cluster Serve and its "
                             "replicas run in; the builder takes no ray_address)", message)
 

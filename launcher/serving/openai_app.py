@@ -408,18 +408,20 @@ class OpenAIServer:
         self.api_key = settings.api_key or api_key_from_environment()
         install_key_check(self._authorize)  # for the routes that do not exist (_http_error)
 
+        # Refusals in the terms the settings came in: `corelaunch serve`'s options, or the builder's
+        # arguments (`serve run` / `serve deploy`); the plan below (a CPU share) refuses a layout or
+        # a backend's missing devices first
+        terms = nullcontext if settings.from_command_line else refusals_in_builder_terms
         launch = dict(settings.launch)
         # Serve's effective options: a config file's deployments: entry may override the builder's
         deployed = this_replicas_facts()
         most_replicas = settings.most_replicas if deployed is None else deployed.most_replicas
         if launch.get("cpus_per_rank") is None:
-            launch["cpus_per_rank"] = _cpus_per_rank(launch, most_replicas)
+            with terms():
+                launch["cpus_per_rank"] = _cpus_per_rank(launch, most_replicas)
         configured_wait = launch.get("placement_timeout_s")
         launch["placement_timeout_s"] = placement_wait_s(
             LaunchConfig.placement_timeout_s if configured_wait is None else configured_wait, deployed)
-        # Refusals in the terms the settings came in: `corelaunch serve`'s options, or the builder's
-        # arguments (`serve run` / `serve deploy`)
-        terms = nullcontext if settings.from_command_line else refusals_in_builder_terms
         with terms():
             self.launcher = Launcher(LaunchConfig(**launch)).prepare()
         no_tokenizer = server_tokenizer_problem(self.launcher.model_dir)
