@@ -18,10 +18,11 @@ _OTHER_FLAGS = {"--no-compile": "compile: false", "--presharded-cache": "preshar
                 "--pad-q-heads": "pad_q_heads", "--fused-projections": "fused_projections",
                 "--sequence-parallel": "sequence_parallel", "--warm-up": "warm_up",
                 "--burst-wait-ms": "burst_wait_s (in seconds)"}
-_ARGUMENT_OF_FLAG = {flag: field for field, flag in FLAG_OF_FIELD.items() if field != "ray_address"} | _OTHER_FLAGS
+_ARGUMENT_OF_FLAG = {flag: field for field, flag in FLAG_OF_FIELD.items()} | _OTHER_FLAGS | {
+    "--ray-address": "RAY_ADDRESS where `serve run`/`serve deploy` runs (the cluster Serve and its replicas run "
+                     "in; the builder takes no ray_address)"}
 _FLAG = re.compile(r"(?<![\w-])(" + "|".join(sorted(map(re.escape, _ARGUMENT_OF_FLAG), key=len, reverse=True))
                    + r")(?![\w-])")
-_RAY_ADDRESS = re.compile(r"(?<![\w-])--ray-address(?![\w-])")
 _BOTH_NAMES = re.compile(r"\b(" + "|".join(sorted(map(re.escape, set(_ARGUMENT_OF_FLAG.values())), key=len, reverse=True))
                          + r"), \1(?![\w-])")
 """An argument named twice in a row: what "(pad_q_heads, --pad-q-heads)", the field and its option, becomes."""
@@ -29,9 +30,7 @@ _BOTH_NAMES = re.compile(r"\b(" + "|".join(sorted(map(re.escape, set(_ARGUMENT_O
 
 def in_builder_terms(message: str) -> str:
     """`message` with every launch option named by the builder argument that sets it."""
-    message = _BOTH_NAMES.sub(r"\1", _FLAG.sub(lambda match: _ARGUMENT_OF_FLAG[match.group(1)], message))
-    return _RAY_ADDRESS.sub("RAY_ADDRESS where `serve run`/`serve deploy` runs (the cluster Serve and its "
-                            "replicas run in; the builder takes no ray_address)", message)
+    return _BOTH_NAMES.sub(r"\1", _FLAG.sub(lambda match: _ARGUMENT_OF_FLAG[match.group(1)], message))
 
 
 @contextmanager
