@@ -835,6 +835,13 @@ def test_serve_cli_refuses_bad_options_before_starting_ray(capsys, tmp_path, ray
     assert main(["serve", *free, "--model", str(bare), "--tp", "1"]) == 2
     assert (f"{bare} has no tokenizer files (tokenizer.json, tokenizer_config.json or tokenizer.model): the server "
             f"reads prompts and chat messages as text; copy the model's tokenizer into it") in capsys.readouterr().err
+    # a broken tokenizer file (cut short) failed every replica's start after Ray and Serve had started,
+    # the command's last line Serve's "Failed to update the deployments ['OpenAIServer']"
+    from shardlib.demo_model import ensure_demo_model
+
+    (bare / "tokenizer.json").write_bytes((Path(ensure_demo_model()) / "tokenizer.json").read_bytes()[:1000])
+    assert main(["serve", *free, "--model", str(bare), "--tp", "1"]) == 2
+    assert f"the tokenizer in {bare} cannot be loaded (JSONDecodeError: " in capsys.readouterr().err
     # every Serve replica is a TP group in this host's RAM (the Ray serve starts is private)
     assert main(["serve", *free, "--replicas", "500", "--ingress", "proxy"]) == 2
     assert "--replicas (500): 500 TP groups of 1 rank(s) need" in capsys.readouterr().err

@@ -173,11 +173,13 @@ def run(args: argparse.Namespace) -> int:
         no_tokenizer = server_tokenizer_problem(model_dir)
         if no_tokenizer:  # as is a model the server cannot read text for
             raise ValueError(no_tokenizer)
-        no_chat = args.quiet and not has_chat_template(model_dir)
+        # Loaded here (a second or so), as each replica will load it: a broken tokenizer file failed
+        # every replica's start, after Ray and Serve had started, with only Serve's words at the end.
+        no_chat = not has_chat_template(model_dir)
     except (ValueError, OSError, LaunchError) as err:  # FileNotFoundError is an OSError
         print(f"corelaunch serve: {with_flag_name(err, args)}", file=sys.stderr)
         return 2
-    if no_chat:
+    if no_chat and args.quiet:
         # the replica says so at start, in its output, which --quiet hides: a server that refuses
         # every chat request started without a word
         print(f"corelaunch serve: the tokenizer of {model_dir} has no chat template: /v1/chat/completions "
@@ -373,7 +375,13 @@ def _deploy(serve, app, stop: threading.Event, deadline: float, timeout_s: float
     while "done" not in outcome and not stop.is_set() and time.monotonic() < deadline:
         thread.join(timeout=0.5)
     if "error" in outcome:
-        return f"the server failed to start: {outcome['error']}"
+        from launcher.cli.serve_failure import replica_failure
+
+        # Serve's own error names only the deployment; the replica's exception is in its status
+        reason = replica_failure(serve, APP_NAME)
+        if reason is None:
+            return f"the server failed to start: {outcome['error']}"
+        return f"the server failed to start: {reason} (the whole traceback: the ServeController's log under {_serve_logs()})"
     if "done" not in outcome and not stop.is_set():
         return (f"the model was not loaded within --ready-timeout {timeout_s:g} s; raise --ready-timeout, or "
                 f"check the replica's log under {_serve_logs()}")
