@@ -34,6 +34,9 @@ SERVE_MAX_NUM_SEQS = 16
 server meets more requests at once)."""
 APP_NAME = "corelaunch"
 """The Serve application's name (`serve status` shows it)."""
+ON_A_CLUSTER = ("to serve on a Ray cluster, deploy launcher.serving.openai_app:build_app there with `serve run` or "
+                "`serve deploy` (README: On a Ray cluster of your own)")
+"""Where a user who wants the server on a cluster goes: this command's Ray is always private."""
 
 
 def add_parser(subparsers) -> None:
@@ -71,7 +74,28 @@ def add_parser(subparsers) -> None:
                         "default): direct with one fixed replica (no autoscaling), else proxy")
     p.add_argument("--ready-timeout", type=_seconds, default=900.0, metavar="S",
                    help="seconds for the replicas to load the model and answer /health (default 900)")
+    # generate's --ray-address is no option here: named, it was argparse's bare "unrecognized arguments"
+    p.add_argument("--ray-address", type=_no_ray_address, help=argparse.SUPPRESS)
     p.set_defaults(run=run)
+
+
+def _no_ray_address(text: str) -> str:
+    raise argparse.ArgumentTypeError(f"({text}) is not taken: corelaunch serve always starts a private Ray of this "
+                                     f"host alone; {ON_A_CLUSTER}")
+
+
+def cluster_not_joined() -> str | None:
+    """The note for a cluster this command could be thought to join (RAY_ADDRESS, set inside a Ray
+    job too, or one `ray start` recorded here), or None. The private Ray starts beside it, its ranks
+    taking this host's CPUs unseen by that cluster's scheduler; nothing said so."""
+    from launcher.cluster.ray_cluster import asked_cluster
+
+    address, source = asked_cluster(None)
+    if address is None or address == "local":
+        return None
+    named = f"RAY_ADDRESS ({address})" if source == "RAY_ADDRESS" else f"{source} ({address})"
+    return (f"{named} is not joined: corelaunch serve always starts a private Ray of this host alone, beside that "
+            f"cluster and unseen by its scheduler; {ON_A_CLUSTER}")
 
 
 def _milliseconds(text: str) -> float:
@@ -179,6 +203,8 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError, LaunchError) as err:  # FileNotFoundError is an OSError
         print(f"corelaunch serve: {with_flag_name(err, args)}", file=sys.stderr)
         return 2
+    if (not_joined := cluster_not_joined()) is not None:  # a note, not a refusal: the private server works
+        print(f"corelaunch serve: {not_joined}", file=sys.stderr)
     if no_chat and args.quiet:
         # the replica says so at start, in its output, which --quiet hides: a server that refuses
         # every chat request started without a word
