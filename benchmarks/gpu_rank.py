@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -65,6 +66,32 @@ SHAPES = {
 }
 ACCURACY_LENGTHS = (5, 37, 100, 128)
 ACCURACY_NEW_TOKENS = 32
+
+
+def cache_length(prompt_tokens: int, new_tokens: int) -> int:
+    """The KV-cache length a shape's graphs are built for: the power of two that holds the timed
+    requests and the accuracy prompts."""
+    return 1 << (max(prompt_tokens + new_tokens, max(ACCURACY_LENGTHS) + ACCURACY_NEW_TOKENS) - 1).bit_length()
+
+
+def refusal(args) -> str | None:
+    """Why the arguments cannot run, checked before any work (the bandwidth pass, a checkpoint
+    written, transformers loaded: minutes of a GPU lease), or None."""
+    shapes = args.shapes.split(",")
+    if unknown := [s for s in shapes if s not in SHAPES]:
+        return f"--shapes: unknown {unknown}; known: {', '.join(SHAPES)}"
+    seq_len = cache_length(args.prompt_tokens, args.new_tokens)
+    if short := [s for s in shapes if SHAPES[s][0]["max_position_embeddings"] < seq_len]:
+        positions = min(SHAPES[s][0]["max_position_embeddings"] for s in short)
+        return (f"--prompt-tokens ({args.prompt_tokens}) plus --new-tokens ({args.new_tokens}) needs a cache of "
+                f"{seq_len} positions (the next power of two), past the {positions} of {', '.join(short)}; "
+                f"lower one of them")
+    if args.out:
+        out = Path(args.out)
+        if out.is_dir() or not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
+            return (f"--out ({args.out}) is not a file this run can write (a folder, or in a folder that does not "
+                    f"exist or is read-only); pass a path in a writable folder")
+    return None
 
 
 class Report:
@@ -355,7 +382,7 @@ def shape_report(shape: str, args, report: Report, where: dict, folder: Path, de
     hf = HfModel(model_dir, dtype, device)
     # Buckets that hold the accuracy prompts too (one graph set serves both phases).
     longest_prompt = max(args.prompt_tokens, *ACCURACY_LENGTHS)
-    seq_len = 1 << (max(args.prompt_tokens + args.new_tokens, max(ACCURACY_LENGTHS) + ACCURACY_NEW_TOKENS) - 1).bit_length()
+    seq_len = cache_length(args.prompt_tokens, args.new_tokens)
     buckets = Buckets.build(max_context_length=longest_prompt, max_seq_len=seq_len,
                             max_batch_size=max(args.batch, len(ACCURACY_LENGTHS)),
                             max_positions=fields["max_position_embeddings"])
@@ -452,10 +479,9 @@ def main() -> None:
     parser.add_argument("--out", help="also write the report here after every phase")
     parser.add_argument("--accuracy-only", action="store_true", help="no speed phases")
     args = parser.parse_args()
+    if (refused := refusal(args)) is not None:
+        parser.error(refused)
     shapes = args.shapes.split(",")
-    unknown = [s for s in shapes if s not in SHAPES]
-    if unknown:
-        parser.error(f"--shapes: unknown {unknown}; known: {', '.join(SHAPES)}")
 
     import torch
     import transformers

@@ -39,16 +39,33 @@ PROMPTS = ["The capital of France is", "Once upon a time", "The best way to lear
            "My favourite food is", "The ocean is", "A good friend", "Water boils at"]
 
 
+PROMPT_TOKENS_AT_MOST = 16
+"""More tokens than any prompt above has (each is under 8 tokens, " really" adds one)."""
+
+
+def serving_context(launch: dict) -> int:
+    """The KV-cache length a Launcher of these settings serves with, from its plan (no Ray)."""
+    from launcher.api import LaunchConfig
+    from launcher.launch_plan import plan_launch
+    from launcher.progress import Progress
+
+    return plan_launch(LaunchConfig(**launch), Progress(False)).plan.seq_len
+
+
 def concurrent_round(launcher, prompts: list[str], new_tokens: int) -> dict:
     """Every prompt as its own generate() call from its own thread, all at once."""
     results: dict[int, object] = {}
     latencies: dict[int, float] = {}
+    errors: list[BaseException] = []
     barrier = threading.Barrier(len(prompts) + 1)
 
     def ask(i: int) -> None:
         barrier.wait()
         start = time.perf_counter()
-        results[i] = launcher.generate([prompts[i]], max_new_tokens=new_tokens, ignore_eos=True)[0]
+        try:
+            results[i] = launcher.generate([prompts[i]], max_new_tokens=new_tokens, ignore_eos=True)[0]
+        except BaseException as err:  # noqa: BLE001 - raised again in the calling thread below
+            errors.append(err)
         latencies[i] = time.perf_counter() - start
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
@@ -59,6 +76,8 @@ def concurrent_round(launcher, prompts: list[str], new_tokens: int) -> dict:
     for t in threads:
         t.join()
     elapsed = time.perf_counter() - start
+    if errors:  # a thread's traceback alone, then a KeyError here, and no report
+        raise errors[0]
     tokens = sum(len(results[i].token_ids) for i in results)
     lat = sorted(latencies.values())
     return {"elapsed_s": elapsed, "tokens": tokens, "tokens_per_s": tokens / elapsed,
@@ -125,13 +144,18 @@ def main(out=None) -> None:
 
     model = str(ensure_demo_model())
     prompts = [PROMPTS[i % len(PROMPTS)] + ("" if i < len(PROMPTS) else " really") for i in range(args.requests)]
+    common = dict(model=model, tp=1, dtype="float32", progress=False, max_batch_size=8)
+    context = serving_context(common)
+    if PROMPT_TOKENS_AT_MOST + args.new_tokens > context:  # refused by generate() only once Ray and both ran
+        parser.error(f"--new-tokens ({args.new_tokens}) plus the prompts (at most {PROMPT_TOKENS_AT_MOST} tokens) "
+                     f"is past the {context}-token context the launchers serve; lower --new-tokens to at most "
+                     f"{context - PROMPT_TOKENS_AT_MOST}")
     per_rank = max(1, args.threads // args.replicas)
     # address="local": a private Ray of this host, never one `ray start` recorded (ray.init would join
     # it and then refuse num_cpus)
     ray.init(address="local", num_cpus=args.threads + per_rank * args.replicas, include_dashboard=False,
              log_to_driver=False, logging_level="ERROR")
     cache = tempfile.mkdtemp(prefix="corelaunch-bench-cache-")
-    common = dict(model=model, tp=1, dtype="float32", progress=False, max_batch_size=8)
     try:
         one = Launcher(replicas=1, cpus_per_rank=args.threads, **common).start()
         many = Launcher(replicas=args.replicas, cpus_per_rank=per_rank, presharded_cache=True,

@@ -59,8 +59,9 @@ def main(out=None) -> None:
             time.sleep(0.05)
         thread.join()
         out = {"bulk_s": time.perf_counter() - start}
-        if waits:
-            out.update(wait_ms_mean=1e3 * statistics.mean(waits), wait_ms_max=1e3 * max(waits), waits=len(waits))
+        if waiter:  # none when the bulk call ended before the first wait (few --prompts, a fast host)
+            out.update(waits=len(waits), wait_ms_mean=1e3 * statistics.mean(waits) if waits else None,
+                       wait_ms_max=1e3 * max(waits) if waits else None)
         return out
 
     results: dict[str, list[dict]] = {}
@@ -68,15 +69,24 @@ def main(out=None) -> None:
         for name, bulk in (("plain_lock", plain_lock), ("handover", handover)):
             for waiter in (False, True):
                 results.setdefault(f"{name}_{'with' if waiter else 'without'}_waiter", []).append(run(bulk, waiter))
-    summary = {key: {field: round(statistics.median(r[field] for r in runs), 3) for field in runs[0]}
-               for key, runs in results.items()}
-    print(json.dumps({"machine": machine(), "prompts": args.prompts, "rounds": args.rounds, "median": summary,
-                      "ratios": {
-                          "bulk_alone_handover_over_plain": round(summary["handover_without_waiter"]["bulk_s"]
-                                                                  / summary["plain_lock_without_waiter"]["bulk_s"], 3),
-                          "wait_mean_handover_over_plain": round(summary["handover_with_waiter"]["wait_ms_mean"]
-                                                                 / summary["plain_lock_with_waiter"]["wait_ms_mean"], 4)}},
-                     indent=2), file=out)
+    summary = {key: {field: median_of(r[field] for r in runs) for field in runs[0]} for key, runs in results.items()}
+    waited = summary["plain_lock_with_waiter"]["wait_ms_mean"], summary["handover_with_waiter"]["wait_ms_mean"]
+    report = {"machine": machine(), "prompts": args.prompts, "rounds": args.rounds, "median": summary,
+              "ratios": {
+                  "bulk_alone_handover_over_plain": round(summary["handover_without_waiter"]["bulk_s"]
+                                                          / summary["plain_lock_without_waiter"]["bulk_s"], 3),
+                  "wait_mean_handover_over_plain": round(waited[1] / waited[0], 4) if None not in waited else None}}
+    if None in waited:
+        report["note"] = ("a bulk call ended before the waiter's first wait in every round: no wait to compare; "
+                          "raise --prompts")
+    print(json.dumps(report, indent=2), file=out)
+
+
+def median_of(values) -> float | None:
+    """The median of the values that were measured (None: a round without a wait), rounded; None
+    when none was."""
+    measured = [v for v in values if v is not None]
+    return round(statistics.median(measured), 3) if measured else None
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import statistics
 import subprocess
 import sys
@@ -65,15 +66,24 @@ def save_random_254m(path: Path, max_position_embeddings: int | None = None) -> 
     return Path(path)
 
 
+def model_positions(model_dir: str | None) -> int:
+    """The positions of the model the run will use: --model-dir's own when it holds one, else SHAPE's."""
+    config = Path(model_dir) / "config.json" if model_dir else None
+    if config is not None and config.is_file():
+        return int(json.loads(config.read_text())["max_position_embeddings"])
+    return SHAPE["max_position_embeddings"]
+
+
 PROMPT = [1, 450, 4996, 17354, 1701, 432, 17204, 975, 278, 17366, 11203, 29889, 13, 1576, 3444, 338]
 VARIANTS = ("transformers", "tp1", "tp2", "tp2_gloo", "tp2_regions", "tp1_eager", "tp2_eager")
 DEFAULT_VARIANTS = VARIANTS[:5]
 
 
 # ---- one variant, served in its own process ---------------------------------------------------
-def serve(variant: str, model_dir: str, new_tokens: int) -> None:
-    """Load `variant`, then answer each line on stdin with one JSON line on stdout."""
-    out = sys.stdout
+def serve(variant: str, model_dir: str, new_tokens: int, out) -> None:
+    """Load `variant`, then answer each line on stdin with one JSON line on `out`: the process's
+    own stdout, which run_reporting saved (its sys.stdout is stderr: the replies went there, and
+    the driver waited for them without end)."""
     sys.stdout = sys.stderr  # keep library chatter off the protocol channel
     if variant == "transformers":
         run, info, close = _hf(model_dir, new_tokens)
@@ -151,15 +161,28 @@ def _corelaunch(variant: str, model_dir: str, new_tokens: int):
 
 
 # ---- the driver ---------------------------------------------------------------------------------
+READY_TIMEOUT_S = 1800.0
+"""A variant's start: loading, and compiling its graphs cold on 2 cores, takes minutes."""
+RUN_TIMEOUT_S = 600.0
+"""One request, the warm-up one included (it builds the graphs its buckets need)."""
+
+
 class Server:
     def __init__(self, variant: str, model_dir: str, new_tokens: int) -> None:
         self.variant = variant
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--serve", variant, "--model-dir", model_dir, "--new-tokens", str(new_tokens)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
-        self.info = self._read()["ready"]
+        self.info = self._read(READY_TIMEOUT_S, "start")["ready"]
 
-    def _read(self) -> dict:
+    def _read(self, timeout_s: float, what: str) -> dict:
+        """The variant's next reply line (one is outstanding at a time, so none waits in the
+        pipe's read buffer while select() waits on the descriptor)."""
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
+        if not ready:
+            self.proc.kill()
+            raise RuntimeError(f"variant {self.variant} did not answer its {what} within {timeout_s:g} s; "
+                               f"see its stderr above")
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError(f"variant {self.variant} exited (code {self.proc.wait()}); see its stderr above")
@@ -168,7 +191,7 @@ class Server:
     def run(self) -> dict:
         self.proc.stdin.write("run\n")
         self.proc.stdin.flush()
-        return self._read()
+        return self._read(RUN_TIMEOUT_S, "request")
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -211,7 +234,7 @@ def main(out=None) -> None:
     parser.add_argument("--serve", choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        serve(args.serve, args.model_dir, args.new_tokens)
+        serve(args.serve, args.model_dir, args.new_tokens, out)
         return
 
     variants = [v for v in args.variants.split(",") if v]
@@ -219,6 +242,11 @@ def main(out=None) -> None:
     if unknown or not variants:  # before the 1 GB model is built
         parser.error(f"--variants ({args.variants!r}): unknown variants {unknown} or none; choose one or more "
                      f"from {', '.join(VARIANTS)}")
+    positions = model_positions(args.model_dir)
+    if len(PROMPT) + args.new_tokens > positions:  # before the model is built and any variant starts
+        parser.error(f"--new-tokens ({args.new_tokens}) plus the {len(PROMPT)}-token prompt needs "
+                     f"{len(PROMPT) + args.new_tokens} positions, but the model has {positions}; lower --new-tokens "
+                     f"to at most {positions - len(PROMPT)}")
     tmp = None
     model_dir = args.model_dir
     if model_dir is None:

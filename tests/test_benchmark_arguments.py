@@ -108,6 +108,20 @@ REFUSED = [
     ("gpu_rank", ["--repeats", "0", "--backend", "cpu"], "--repeats (0) must be at least 1"),
     ("gpu_rank", ["--shapes", "tiny,llama-70b", "--backend", "cpu"],
      "--shapes: unknown ['llama-70b']; known: tiny, smollm2-135m, llama-1b, llama-8b"),
+    # a traceback naming neither flag, after the bandwidth pass, a checkpoint written and transformers loaded
+    ("gpu_rank", ["--prompt-tokens", "5000", "--shapes", "tiny", "--backend", "cpu", "--accuracy-only", "--budget-s", "1"],
+     "--prompt-tokens (5000) plus --new-tokens (128) needs a cache of 8192 positions (the next power of two), "
+     "past the 2048 of tiny; lower one of them"),
+    # a FileNotFoundError traceback at the end of the first phase
+    ("gpu_rank", ["--out", "/proc/no-such-dir/r.json", "--shapes", "tiny", "--backend", "cpu", "--budget-s", "1"],
+     "--out (/proc/no-such-dir/r.json) is not a file this run can write"),
+    # the driver built its model first (and, with the protocol broken then, waited without end)
+    ("tp_scaling", ["--new-tokens", "1009", "--model-dir", "/proc/no-such-model"],
+     "--new-tokens (1009) plus the 16-token prompt needs 1025 positions, but the model has 1024; lower --new-tokens "
+     "to at most 1008"),
+    # generate() refused it in each caller's thread, once Ray and both launchers had started: no report
+    ("replicas", ["--new-tokens", "9000"], "--new-tokens (9000) plus the prompts (at most 16 tokens) is past the "
+     "4096-token context the launchers serve; lower --new-tokens to at most 4080"),
 ]
 
 

@@ -89,6 +89,38 @@ def test_tp_scaling_compares_the_tokens_of_every_variant_that_ran():
                                                          "tokens_identical": {"tp2_vs_tp1": True}}
 
 
+def test_tp_scaling_reads_each_variants_replies_from_its_own_process(tmp_path):
+    """The variant's process wrote its replies to stderr (run_reporting made sys.stdout stderr for
+    the whole process, the --serve child included) and the driver waited for them without end."""
+    from tests.model_factory import save_random_model
+
+    model = save_random_model(tmp_path / "model", vocab_size=32000)  # the benchmark's prompt ids fit
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tp_scaling.py"), "--variants", "transformers",
+                           "--new-tokens", "2", "--rounds", "1", "--runs", "1", "--model-dir", str(model)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["results"]["transformers"]["all_runs"] and report["tokens_reference"] == "transformers"
+
+
+def test_tokenizer_lock_reports_a_run_whose_bulk_call_ended_before_any_wait(monkeypatch):
+    """One prompt is tokenized within the waiter's first 50 ms sleep: no wait was recorded and the
+    summary ended in KeyError: 'wait_ms_mean'."""
+    import io
+
+    from benchmarks import tokenizer_lock
+
+    monkeypatch.setattr(sys, "argv", ["tokenizer_lock.py", "--prompts", "1", "--rounds", "1"])
+    out = io.StringIO()
+    tokenizer_lock.main(out)
+    report = json.loads(out.getvalue())
+    assert report["median"]["handover_with_waiter"]["waits"] == 0
+    assert report["median"]["handover_with_waiter"]["wait_ms_mean"] is None
+    assert report["ratios"]["wait_mean_handover_over_plain"] is None and "raise --prompts" in report["note"]
+    assert report["ratios"]["bulk_alone_handover_over_plain"] > 0
+    assert tokenizer_lock.median_of([None, 2.0, 4.0]) == 3.0 and tokenizer_lock.median_of([None]) is None
+
+
 def test_decode_batch_compares_the_first_tokens_at_every_batch_size():
     """Only the first batch size's tokens were compared across variants."""
     from benchmarks.decode_batch import first_tokens_equal
