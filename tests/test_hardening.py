@@ -342,10 +342,12 @@ def test_a_private_ray_that_does_not_start_is_a_launch_error_naming_the_fix(monk
     import ray
 
     from launcher.cluster import ray_cluster
+    from launcher.errors import RayStartFailed
 
     shut = []
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "shutdown", lambda: shut.append(True))
+    monkeypatch.setattr(ray_cluster, "open_files_limit", lambda: 65536)  # as most hosts have it (below: a low one)
 
     def late_raylet(**options):
         raise Exception("The current node timed out during startup. This could happen because some of the raylet "
@@ -360,12 +362,34 @@ def test_a_private_ray_that_does_not_start_is_a_launch_error_naming_the_fix(monk
     def no_permission(**options):
         raise PermissionError(13, "Permission denied", "/tmp/ray/session_x")
 
-    monkeypatch.setattr(ray, "init", no_permission)  # not Ray's wait: said as it is (a retry cannot help)
-    with pytest.raises(PermissionError):
+    monkeypatch.setattr(ray, "init", no_permission)  # not Ray's wait (a retry cannot help): the settings named
+    with pytest.raises(ValueError, match=r"did not start: PermissionError: \[Errno 13\] Permission denied: "
+                                         r"'/tmp/ray/session_x'; Ray writes its session under its temporary folder "
+                                         r"\(TMPDIR, or RAY_TMPDIR; /tmp by default\) and its token under ~/.ray"):
         ray_cluster.connect("local")
     assert shut == [True, True]
+
+    def late_gcs(**options):  # Ray's other start-up wait: a traceback (exit 1)
+        raise RuntimeError("Timed out waiting for file /tmp/ray/session_x/gcs_server_port_1.")
+
+    monkeypatch.setattr(ray, "init", late_gcs)
+    with pytest.raises(RayStartFailed, match=r"did not start: Timed out waiting for file .* retry when the host"):
+        ray_cluster.connect("local")
+    # under `ulimit -n 48` Ray's raylet never registered, and the message blamed a busy host
+    monkeypatch.setattr(ray, "init", late_raylet)
+    monkeypatch.setattr(ray_cluster, "open_files_limit", lambda: 48)
+    with pytest.raises(ValueError, match=r"did not start \(Exception: The current node timed out .*\), and this "
+                                         r"process may open only 48 files \(`ulimit -n`\), below the 4096 under which Ray"):
+        ray_cluster.connect("local")
+
+    def long_socket_path(**options):
+        raise OSError("validate_socket_filename failed: AF_UNIX path length cannot exceed 107 bytes: /x/sockets/p")
+
+    monkeypatch.setattr(ray, "init", long_socket_path)
+    monkeypatch.setattr(ray_cluster, "open_files_limit", lambda: 65536)
+    with pytest.raises(ValueError, match=r"AF_UNIX path length .* \(TMPDIR, or RAY_TMPDIR\): point it at a shorter"):
+        ray_cluster.connect("local")
     from launcher.cli.exit_codes import EXIT_RUN_FAILED, exit_code_for
-    from launcher.errors import RayStartFailed
 
     assert exit_code_for(RayStartFailed("x")) == EXIT_RUN_FAILED  # the machine's state: a retry may work
 

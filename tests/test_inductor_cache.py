@@ -106,6 +106,18 @@ def test_a_symlinked_folder_is_refused(own_cache, tmp_path):
         ensure_private_inductor_cache()
 
 
+def test_a_folder_that_cannot_be_created_is_not_called_untrusted(own_cache, monkeypatch):
+    """A cache that cannot be written (a read-only mount, the offline set-up's): the folder was never
+    made, yet the message said another user could place code there and to remove it."""
+    monkeypatch.setenv("CORELAUNCH_CACHE", "/sys")  # exists, and no folder can be made in it, root included
+    with pytest.raises(NativeUnavailable) as refused:
+        ensure_private_inductor_cache()
+    message = str(refused.value)
+    assert message.startswith(f"could not create /sys/inductor-uid{os.getuid()} for inductor's compiled graphs: ")
+    assert "point CORELAUNCH_CACHE at a directory this user can write" in message and "--no-compile" in message
+    assert "Another user could place code there" not in message and "Remove" not in message
+
+
 COMPILE = """
 import sys
 import torch
@@ -129,3 +141,4 @@ def test_a_compile_without_the_variable_caches_in_the_users_folder(tmp_path):
     own = tmp_path / "cache" / f"inductor-uid{os.getuid()}"
     assert any(own.rglob("*.py")) and any((own / "precompiled_headers").glob("*.gch"))
     assert not [p for p in (tmp_path / "tmp").rglob("*") if p.is_file()]
+

@@ -93,6 +93,9 @@ def trusted_dir(directory: Path, holding: str = "corelaunch's compiled C librari
             created = True
         except FileExistsError:
             created = False
+        except OSError as err:  # nothing there to distrust: it could not be made (a read-only cache)
+            raise NativeUnavailable(f"could not create {directory} for {holding}: {err}; point CORELAUNCH_CACHE "
+                                    f"at a directory this user can write") from None
         fd = os.open(directory.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
                      dir_fd=parent)
     except OSError as err:
@@ -254,6 +257,9 @@ def load(fd: int, path: Path) -> ctypes.CDLL:
         library = ctypes.CDLL(via_fd if os.path.exists(via_fd) else str(path))
     except OSError as err:
         os.close(kept)  # nothing was loaded through it
+        if "Too many open files" in str(err):  # dlopen's text only: its OSError carries no errno
+            raise NativeUnavailable(f"could not load {path}: {err}: this process reached its open-files limit "
+                                    f"(`ulimit -n`); raise it") from None
         raise NativeUnavailable(f"could not load {path}: {err}") from None
     _KEPT_OPEN.append(kept)
     return library
@@ -267,7 +273,7 @@ def build_and_load(spec: "LibrarySpec", directory: Path | None = None) -> ctypes
     try:
         return load(fd, Path(directory) / spec.name)
     except NativeUnavailable as err:
-        if compiled:
+        if compiled or "open-files limit" in str(err):  # nothing says the file is damaged
             raise
         # A cached file of full length that does not load (damaged on disk, say): not rebuilt at
         # every start of every rank, which a cache that can never load (noexec) would cost.

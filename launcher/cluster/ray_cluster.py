@@ -16,6 +16,7 @@ the user runs is left running, and a Ray session the calling program opened itse
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import socket
 import stat
@@ -338,19 +339,59 @@ def connect(address: str | None = None, num_cpus: int | None = None, worker_logs
         with _agent_port_left_to_the_os():
             _init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, **quiet)
     except Exception as err:
+        logs = logs_dir()  # this start's own session, while Ray still knows it
         try:
             ray.shutdown()  # whatever it did start
         except Exception:  # noqa: BLE001 - the start's own error is the one to report
             pass
-        if type(err) is not Exception:  # a permission, a path, a bad option: said as it is (exit 2)
+        failure = private_start_failure(err, logs, open_files_limit())
+        if failure is err:
             raise
-        # Ray raises a bare Exception when its raylet has not registered within 30 s
-        raise RayStartFailed(f"the private Ray cluster did not start: {err} Ray waits 30 s for it, which a host "
-                             f"too busy to start its processes misses (look at `uptime`): retry when the host is "
-                             f"quieter; Ray's own logs are in /tmp/ray/session_latest/logs") from err
+        raise failure from err
     _token_for_this_user_only()  # the start writes it where none existed, readable by all (umask 022)
     _opened(started_here=True, address="local")
     return RayConnection(started_here=True, address="local")
+
+
+RAY_OPEN_FILES = 4096
+"""The open-files limit below which Ray 2.60 warns that its servers may fail to connect (a warning
+`connect` hides, with Ray's other INFO and WARNING lines)."""
+
+
+def open_files_limit() -> int:
+    """This process's soft open-files limit (ulimit -n), as ray.init left it: Ray raises it to the
+    hard limit, at most 65536."""
+    import resource
+
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def private_start_failure(err: Exception, logs: str, open_files: int) -> Exception:
+    """The error for ray.init's failure to start a private cluster, with what to change: a start that
+    timed out is RayStartFailed (exit 3: the machine's state, a retry may work), unless too few open
+    files explain it; a folder Ray cannot write or a socket path too long names the setting (exit 2).
+    Ray raised a bare Exception (its raylet not registered within 30 s) or a RuntimeError (its GCS
+    port file not written in time): the RuntimeError was a traceback, and under `ulimit -n 32` or 48
+    both were blamed on a busy host, whose retry would never help."""
+    text = str(err)
+    if open_files < RAY_OPEN_FILES and type(err) in (Exception, RuntimeError, OSError):
+        return ValueError(f"the private Ray cluster did not start ({type(err).__name__}: {text}), and this process "
+                          f"may open only {open_files} files (`ulimit -n`), below the {RAY_OPEN_FILES} under which Ray "
+                          f"warns that its servers' connections may fail: raise the limit (`ulimit -n 65536`, or as high as `ulimit -Hn` "
+                          f"allows) and run again; Ray's logs are in {logs}")
+    if "AF_UNIX path length" in text:
+        return ValueError(f"the private Ray cluster did not start: {text}; Ray's sockets live under its temporary "
+                          f"folder (TMPDIR, or RAY_TMPDIR): point it at a shorter path, such as /tmp")
+    if isinstance(err, PermissionError) or (isinstance(err, OSError) and err.errno in (errno.EACCES, errno.EPERM,
+                                                                                        errno.EROFS)):
+        return ValueError(f"the private Ray cluster did not start: {type(err).__name__}: {text}; Ray writes its "
+                          f"session under its temporary folder (TMPDIR, or RAY_TMPDIR; /tmp by default) and its "
+                          f"token under ~/.ray (HOME): point them at folders this user can write")
+    if type(err) in (Exception, RuntimeError):
+        return RayStartFailed(f"the private Ray cluster did not start: {text} Ray waits 30 s for it, which a host "
+                              f"too busy to start its processes misses (look at `uptime`): retry when the host is "
+                              f"quieter; Ray's logs are in {logs}")
+    return err  # a bad option or a path: said as it is (exit 2)
 
 
 def private_cluster_dying(within_s: float, dead_before: frozenset[int] = frozenset()) -> bool:
