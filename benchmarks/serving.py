@@ -315,7 +315,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     runs_corelaunch = not args.base_url or args.baselines  # its own server or the in-process baselines
     if args.model_dir is not None:  # with someone else's server only its tokenizer is read
         try:
-            model_folder("--model-dir", tokenizer_only=not runs_corelaunch)(args.model_dir)
+            if runs_corelaunch:
+                model_folder("--model-dir")(args.model_dir)
+            # the prompts are always built with its tokenizer (a folder without one passed, and failed
+            # in transformers once the server had started)
+            model_folder("--model-dir", tokenizer_only=True)(args.model_dir)
         except argparse.ArgumentTypeError as err:
             parser.error(str(err))
     if runs_corelaunch:  # the buckets of the server or baselines it starts; another server has its own

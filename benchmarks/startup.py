@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -29,13 +30,29 @@ from benchmarks.arguments import positive_seconds  # noqa: E402 - bad values ref
 from benchmarks.serving_server import free_port, server_process  # noqa: E402
 
 
+def run_bounded(command: list[str], what: str, checkout: Path, timeout_s: float) -> subprocess.CompletedProcess:
+    """subprocess.run in a session of its own, whose whole process group (a private Ray's processes
+    too) is killed past --timeout; RuntimeError naming the flag then (it was a TimeoutExpired
+    traceback quoting the whole command)."""
+    proc = subprocess.Popen(command, cwd=checkout, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise RuntimeError(f"{what} in {checkout} did not finish within --timeout {timeout_s:g} s; raise "
+                           f"--timeout") from None
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
 def time_generate(checkout: Path, timeout_s: float) -> float:
     """`python -m launcher` from `checkout` (its packages come first on sys.path, the driver's and the
     Ray workers' alike)."""
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "launcher", "generate", "--tp", "1", "--no-compile",
-                           "--max-new-tokens", "4", "--ray-address", "local", "--quiet", "Hello"],
-                          cwd=checkout, capture_output=True, text=True, timeout=timeout_s)
+    proc = run_bounded([sys.executable, "-m", "launcher", "generate", "--tp", "1", "--no-compile",
+                        "--max-new-tokens", "4", "--ray-address", "local", "--quiet", "Hello"],
+                       "corelaunch generate", checkout, timeout_s)
     elapsed = time.perf_counter() - start
     if proc.returncode != 0:
         raise RuntimeError(f"corelaunch generate in {checkout} exited {proc.returncode}:\n{proc.stderr[-2000:]}")
@@ -47,8 +64,12 @@ def time_serve(checkout: Path, timeout_s: float) -> float:
     command = [sys.executable, "-m", "launcher", "serve", "--tp", "1", "--no-compile", "--host", "127.0.0.1",
                "--port", str(port)]
     start = time.perf_counter()
-    with server_process(command, f"http://127.0.0.1:{port}/v1", timeout_s, cwd=checkout, poll_s=0.1):
-        return time.perf_counter() - start
+    try:
+        with server_process(command, f"http://127.0.0.1:{port}/v1", timeout_s, cwd=checkout, poll_s=0.1):
+            return time.perf_counter() - start
+    except TimeoutError:  # its message names serving.py's --server-timeout
+        raise RuntimeError(f"corelaunch serve in {checkout} was not healthy within --timeout {timeout_s:g} s; raise "
+                           f"--timeout") from None
 
 
 CONVERT = """
@@ -64,8 +85,7 @@ def time_convert(checkout: Path, timeout_s: float) -> float:
     fresh machine does before anything else)."""
     with tempfile.TemporaryDirectory(prefix="corelaunch-convert-") as cache:
         start = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-c", CONVERT, cache], cwd=checkout, capture_output=True, text=True,
-                              timeout=timeout_s)
+        proc = run_bounded([sys.executable, "-c", CONVERT, cache], "converting the demo model", checkout, timeout_s)
         elapsed = time.perf_counter() - start
     if proc.returncode != 0:
         raise RuntimeError(f"converting the demo model in {checkout} exited {proc.returncode}:\n{proc.stderr[-2000:]}")
@@ -106,17 +126,26 @@ def main() -> None:
     sides = {"this": REPO} if args.compare is None else {"this": REPO, "compare": args.compare.resolve()}
     commands = {name: TIMERS[name] for name in chosen}
     runs: dict[str, dict[str, list[float]]] = {side: {name: [] for name in commands} for side in sides}
-    for round_ in range(args.rounds):
-        for name, timer in commands.items():
-            for side, checkout in sides_in_round(sides, round_):
-                runs[side][name].append(timer(checkout, args.timeout))
+    stopped = None
+    try:
+        for round_ in range(args.rounds):
+            for name, timer in commands.items():
+                for side, checkout in sides_in_round(sides, round_):
+                    runs[side][name].append(timer(checkout, args.timeout))
+    except RuntimeError as err:  # a command failed or ran past --timeout: the runs measured are reported
+        stopped = str(err)
     report: dict = {"rounds": args.rounds, "cpus": os.cpu_count(),
-                    **{side: {"checkout": str(path), **{name: summary(v) for name, v in runs[side].items()}}
+                    **{side: {"checkout": str(path), **{name: summary(v) for name, v in runs[side].items() if v}}
                        for side, path in sides.items()}}
     if args.compare is not None:
         report["this_over_compare"] = {
             name: [round(a / b, 3) for a, b in zip(runs["this"][name], runs["compare"][name])] for name in commands}
+    if stopped is not None:
+        report["stopped"] = stopped
     print(json.dumps(report, indent=1))
+    if stopped is not None:
+        print(f"startup.py: {stopped}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

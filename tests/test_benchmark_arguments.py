@@ -120,6 +120,8 @@ REFUSED = [
      "--new-tokens (1009) plus the 16-token prompt needs 1025 positions, but the model has 1024; lower --new-tokens "
      "to at most 1008"),
     # generate() refused it in each caller's thread, once Ray and both launchers had started: no report
+    ("serving", ["--model-dir", "/proc/self"],  # a config-less folder: the first check names config.json
+     "--model-dir (/proc/self) has no config.json"),
     ("replicas", ["--new-tokens", "9000"], "--new-tokens (9000) plus the prompts (at most 16 tokens) is past the "
      "4096-token context the launchers serve; lower --new-tokens to at most 4080"),
 ]
@@ -136,6 +138,35 @@ def test_bad_values_are_refused_by_the_parser_naming_them(script, argv, message,
         entry()
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_serving_benchmark_needs_a_tokenizer_in_the_model_folder_it_serves(tmp_path, capsys):
+    """A folder with config.json and no tokenizer passed, and failed in transformers' AutoTokenizer
+    once the server had started."""
+    from benchmarks.serving import parse_args
+
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        parse_args(["--model-dir", str(tmp_path), "--levels", "1"])
+    assert f"--model-dir ({tmp_path}) has no tokenizer.json or tokenizer_config.json" in capsys.readouterr().err
+
+
+def test_startup_names_its_timeout_and_reports_the_runs_it_measured(tmp_path):
+    """A command past --timeout was a TimeoutExpired traceback quoting the whole command, and the
+    rounds already measured were lost."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    from benchmarks.startup import run_bounded
+
+    with pytest.raises(RuntimeError, match=r"sleeping in .* did not finish within --timeout 0.5 s; raise --timeout"):
+        run_bounded([sys.executable, "-c", "import time; time.sleep(30)"], "sleeping", tmp_path, 0.5)
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "startup.py"), "--commands", "convert",
+                           "--timeout", "0.01"], cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "startup.py: converting the demo model" in done.stderr, done.stderr[-2000:]
+    assert "raise --timeout" in json.loads(done.stdout)["stopped"]
 
 
 def test_someone_elses_server_takes_prompts_past_the_benchmarks_buckets_and_a_tokenizer_folder(tmp_path):
