@@ -407,7 +407,8 @@ def _deploy(serve, app, stop: threading.Event, deadline: float, timeout_s: float
         reason = replica_failure(serve, APP_NAME)
         if reason is None:
             return f"the server failed to start: {outcome['error']}"
-        return f"the server failed to start: {reason} (the whole traceback: the ServeController's log under {_serve_logs()})"
+        return (f"the server failed to start: {reason} (the whole traceback: the ServeController's log under "
+                f"{_serve_logs()})")
     if "done" not in outcome and not stop.is_set():
         return (f"the model was not loaded within --ready-timeout {timeout_s:g} s; raise --ready-timeout, or "
                 f"check the replica's log under {_serve_logs()}")

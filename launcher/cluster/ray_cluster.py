@@ -377,8 +377,8 @@ def private_start_failure(err: Exception, logs: str, open_files: int) -> Excepti
     if open_files < RAY_OPEN_FILES and type(err) in (Exception, RuntimeError, OSError):
         return ValueError(f"the private Ray cluster did not start ({type(err).__name__}: {text}), and this process "
                           f"may open only {open_files} files (`ulimit -n`), below the {RAY_OPEN_FILES} under which Ray "
-                          f"warns that its servers' connections may fail: raise the limit (`ulimit -n 65536`, or as high as `ulimit -Hn` "
-                          f"allows) and run again; Ray's logs are in {logs}")
+                          f"warns that its servers' connections may fail: raise the limit (`ulimit -n 65536`, or "
+                          f"as high as `ulimit -Hn` allows) and run again; Ray's logs are in {logs}")
     if "AF_UNIX path length" in text:
         return ValueError(f"the private Ray cluster did not start: {text}; Ray's sockets live under its temporary "
                           f"folder (TMPDIR, or RAY_TMPDIR): point it at a shorter path, such as /tmp")
