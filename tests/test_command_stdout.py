@@ -61,3 +61,11 @@ def test_a_benchmark_that_runs_ray_prints_its_report_alone_on_stdout(capsys):
             continue
         entry = [node for node in ast.parse(source).body if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test)]
         assert entry and "run_reporting(main)" in ast.unparse(entry[0]), f"{script.name} prints Ray's messages on stdout"
+
+
+def test_a_benchmarks_help_goes_to_stdout():
+    """argparse prints --help on sys.stdout, which run_reporting had made stderr: `serving.py --help |
+    less` showed nothing."""
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "tokenizer_lock.py"), "--help"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "--prompts" in done.stdout and "--prompts" not in done.stderr, done.stderr

@@ -29,5 +29,8 @@ def run_reporting(main: Callable[[TextIO], None]) -> None:
     """Run a script's main(out), which prints its JSON report to `out`, with Ray's cluster messages
     on stderr: a benchmark that kills a rank on purpose printed Ray's "(raylet) A worker died"
     line before its report, and its stdout was no longer one JSON object."""
+    if {"-h", "--help"} & set(sys.argv[1:]):  # argparse prints the help on sys.stdout and exits: no Ray
+        main(sys.stdout)  # (it went to stderr: `script.py --help | less` showed nothing)
+        return
     with ray_output_on_stderr() as stdout:
         main(stdout)
