@@ -13,6 +13,7 @@ in alternating rounds, so both sides see the same machine state; ratios are take
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -40,7 +41,8 @@ def run_bounded(command: list[str], what: str, checkout: Path, timeout_s: float)
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+        with contextlib.suppress(subprocess.TimeoutExpired):  # a process outside the group holding its pipes
+            proc.communicate(timeout=30)
         raise RuntimeError(f"{what} in {checkout} did not finish within --timeout {timeout_s:g} s; raise "
                            f"--timeout") from None
     return subprocess.CompletedProcess(command, proc.returncode, out, err)
