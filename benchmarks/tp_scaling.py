@@ -70,7 +70,7 @@ def model_positions(model_dir: str | None) -> int:
     """The positions of the model the run will use: --model-dir's own when it holds one, else SHAPE's."""
     config = Path(model_dir) / "config.json" if model_dir else None
     if config is not None and config.is_file():
-        return int(json.loads(config.read_text())["max_position_embeddings"])
+        return int(json.loads(config.read_text()).get("max_position_embeddings", SHAPE["max_position_embeddings"]))
     return SHAPE["max_position_embeddings"]
 
 
