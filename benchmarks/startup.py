@@ -69,9 +69,10 @@ def time_serve(checkout: Path, timeout_s: float) -> float:
     try:
         with server_process(command, f"http://127.0.0.1:{port}/v1", timeout_s, cwd=checkout, poll_s=0.1):
             return time.perf_counter() - start
-    except TimeoutError:  # its message names serving.py's --server-timeout
+    except TimeoutError as err:  # its first line names serving.py's --server-timeout; the rest is the log's tail
+        tail = str(err).partition("\n")[2]
         raise RuntimeError(f"corelaunch serve in {checkout} was not healthy within --timeout {timeout_s:g} s; raise "
-                           f"--timeout") from None
+                           f"--timeout\n{tail}") from None
 
 
 CONVERT = """

@@ -1467,8 +1467,10 @@ def server_tokenizer_problem(model_dir: str | Path) -> str | None:
             f"model's tokenizer into it (token-id prompts without a tokenizer run through the Python API)")
 
 
-def load_tokenizer(model_dir: Path):
-    """The checkpoint's tokenizer, or None when the directory has none (random test checkpoints)."""
+def load_tokenizer(model_dir: Path, token_ids_way_out: bool = True):
+    """The checkpoint's tokenizer, or None when the directory has none (random test checkpoints).
+    token_ids_way_out: a tokenizer that cannot be loaded may be removed, prompts then given as token
+    ids (the driver API); False where text is all there is (the OpenAI server)."""
     if not has_tokenizer_files(model_dir):
         return None
     # One load at a time in a process: tokenizers load on threads (Launcher.prepare, the Serve
@@ -1485,7 +1487,8 @@ def load_tokenizer(model_dir: Path):
                              f"needs none)") from error
         except Exception as error:  # noqa: BLE001 - tokenizers raises plain Exception; KeyError from a bad file
             # transformers' and tokenizers' own messages rarely name the folder
+            way_out = (", or remove them and pass prompts as token-id lists through the Python API (`corelaunch "
+                       "generate` takes text only)") if token_ids_way_out else " (the server reads prompts as text)"
             raise ValueError(f"the tokenizer in {model_dir} cannot be loaded ({type(error).__name__}: {error}); "
-                             f"repair or replace its tokenizer files (tokenizer.json, tokenizer_config.json), "
-                             f"or remove them and pass prompts as token-id lists through the Python API "
-                             f"(`corelaunch generate` takes text only)") from error
+                             f"repair or replace its tokenizer files (tokenizer.json, tokenizer_config.json)"
+                             f"{way_out}") from error

@@ -347,7 +347,7 @@ def test_a_private_ray_that_does_not_start_is_a_launch_error_naming_the_fix(monk
     shut = []
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "shutdown", lambda: shut.append(True))
-    monkeypatch.setattr(ray_cluster, "open_files_limit", lambda: 65536)  # as most hosts have it (below: a low one)
+    monkeypatch.setattr(ray_cluster, "open_files_limits", lambda: (65536, 65536))  # as most hosts (below: low)
 
     def late_raylet(**options):
         raise Exception("The current node timed out during startup. This could happen because some of the raylet "
@@ -377,16 +377,20 @@ def test_a_private_ray_that_does_not_start_is_a_launch_error_naming_the_fix(monk
         ray_cluster.connect("local")
     # under `ulimit -n 48` Ray's raylet never registered, and the message blamed a busy host
     monkeypatch.setattr(ray, "init", late_raylet)
-    monkeypatch.setattr(ray_cluster, "open_files_limit", lambda: 48)
+    monkeypatch.setattr(ray_cluster, "open_files_limits", lambda: (48, 48))
     with pytest.raises(ValueError, match=r"did not start \(Exception: The current node timed out .*\), and this "
-                                         r"process may open only 48 files \(`ulimit -n`\), below the 4096 under which Ray"):
+                                         r"process may open only 48 files \(`ulimit -n`\), below the 4096 under which Ray"
+                                         r".*the hard limit is 48 too \(`ulimit -Hn`\): raising it needs root"):
+        ray_cluster.connect("local")
+    monkeypatch.setattr(ray_cluster, "open_files_limits", lambda: (48, 1024))  # Ray stops at 65536, else the hard
+    with pytest.raises(ValueError, match=r"may open only 48 files .* raise the limit \(`ulimit -n 65536`\)"):
         ray_cluster.connect("local")
 
     def long_socket_path(**options):
         raise OSError("validate_socket_filename failed: AF_UNIX path length cannot exceed 107 bytes: /x/sockets/p")
 
     monkeypatch.setattr(ray, "init", long_socket_path)
-    monkeypatch.setattr(ray_cluster, "open_files_limit", lambda: 65536)
+    monkeypatch.setattr(ray_cluster, "open_files_limits", lambda: (64, 1024))  # low: the path is still named
     with pytest.raises(ValueError, match=r"AF_UNIX path length .* \(TMPDIR, or RAY_TMPDIR\): point it at a shorter"):
         ray_cluster.connect("local")
     from launcher.cli.exit_codes import EXIT_RUN_FAILED, exit_code_for

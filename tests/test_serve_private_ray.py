@@ -46,3 +46,22 @@ def test_a_cluster_the_server_does_not_join_is_named(monkeypatch, capsys, ray_tr
     assert main(["serve", "--port", _free_port(), "--no-compile", "--quiet"]) == 0
     err = capsys.readouterr().err
     assert "corelaunch serve: RAY_ADDRESS (127.0.0.1:6390) is not joined: corelaunch serve always starts" in err, err
+
+
+def test_a_private_ray_that_does_not_start_is_one_line_with_its_exit_code(monkeypatch, capsys):
+    """generate said it in one line (exit 3, or 2 naming a setting); serve let the error escape as a
+    traceback (exit 1)."""
+    from launcher.errors import RayStartFailed
+    from launcher.serving.ingress import IngressPlan
+
+    monkeypatch.setattr(ray_cluster, "recorded_cluster", lambda: None)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(serve_command, "ingress_plan", lambda args, mode: IngressPlan(mode, 1, 1, {}))  # no env
+    for err, code in ((RayStartFailed("the private Ray cluster did not start: raylet late"), 3),
+                      (ValueError("the private Ray cluster did not start (...): raise the limit"), 2)):
+        def refused(*args, error=err, **kwargs):
+            raise error
+
+        monkeypatch.setattr(ray_cluster, "connect", refused)
+        assert main(["serve", "--port", _free_port(), "--no-compile", "--quiet"]) == code
+        assert f"corelaunch serve: {err}\n" in capsys.readouterr().err

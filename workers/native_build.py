@@ -86,7 +86,8 @@ def trusted_dir(directory: Path, holding: str = "corelaunch's compiled C librari
         directory.parent.mkdir(parents=True, exist_ok=True)
         parent = os.open(directory.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as err:
-        raise NativeUnavailable(f"could not create {directory.parent}: {err}") from None
+        raise NativeUnavailable(_out_of_descriptors(directory.parent, err) or
+                                f"could not create {directory.parent}: {err}") from None
     try:
         try:
             os.mkdir(directory.name, 0o700, dir_fd=parent)
@@ -94,11 +95,14 @@ def trusted_dir(directory: Path, holding: str = "corelaunch's compiled C librari
         except FileExistsError:
             created = False
         except OSError as err:  # nothing there to distrust: it could not be made (a read-only cache)
-            raise NativeUnavailable(f"could not create {directory} for {holding}: {err}; point CORELAUNCH_CACHE "
+            raise NativeUnavailable(_out_of_descriptors(directory, err) or
+                                    f"could not create {directory} for {holding}: {err}; point CORELAUNCH_CACHE "
                                     f"at a directory this user can write") from None
         fd = os.open(directory.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
                      dir_fd=parent)
     except OSError as err:
+        if (out_of := _out_of_descriptors(directory, err)) is not None:  # nothing says the folder is unsafe
+            raise NativeUnavailable(out_of) from None
         why = str(err)
         if err.errno in (errno.ELOOP, errno.ENOTDIR):  # O_NOFOLLOW | O_DIRECTORY on a symlink
             try:
@@ -118,6 +122,15 @@ def trusted_dir(directory: Path, holding: str = "corelaunch's compiled C librari
         os.close(fd)
         raise NativeUnavailable(_refusal(directory, why, holding))
     return fd
+
+
+def _out_of_descriptors(path: Path, err: OSError) -> str | None:
+    """The message for an OSError that only says this process (EMFILE) or the host (ENFILE) has no
+    descriptor left, else None: under a low `ulimit -n` a cache folder was refused as one another
+    user could have planted code in, to be removed."""
+    if err.errno not in (errno.EMFILE, errno.ENFILE):
+        return None
+    return f"could not open {path}: {err}: the open-files limit (`ulimit -n`) was reached; raise it"
 
 
 def _refusal(directory: Path, why: str, holding: str) -> str:
@@ -251,15 +264,18 @@ def load(fd: int, path: Path) -> ctypes.CDLL:
     glibc hands back a library already loaded under the same path, so the path must never name two
     libraries: the descriptor is duplicated and the duplicate kept open for the life of the process
     (its number is never reused), and that is the path loaded."""
-    kept = os.dup(fd)
+    try:
+        kept = os.dup(fd)
+    except OSError as err:
+        raise NativeUnavailable(_out_of_descriptors(path, err) or f"could not load {path}: {err}") from None
     via_fd = f"/proc/self/fd/{kept}"
     try:
         library = ctypes.CDLL(via_fd if os.path.exists(via_fd) else str(path))
     except OSError as err:
         os.close(kept)  # nothing was loaded through it
         if "Too many open files" in str(err):  # dlopen's text only: its OSError carries no errno
-            raise NativeUnavailable(f"could not load {path}: {err}: this process reached its open-files limit "
-                                    f"(`ulimit -n`); raise it") from None
+            raise NativeUnavailable(f"could not load {path}: {err}: the open-files limit (`ulimit -n`) was "
+                                    f"reached; raise it") from None
         raise NativeUnavailable(f"could not load {path}: {err}") from None
     _KEPT_OPEN.append(kept)
     return library

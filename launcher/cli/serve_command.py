@@ -220,7 +220,7 @@ def has_chat_template(model_dir: Path) -> bool:
     from launcher.api import load_tokenizer
     from launcher.serving.chat_template import has_default_chat_template
 
-    return has_default_chat_template(load_tokenizer(model_dir))
+    return has_default_chat_template(load_tokenizer(model_dir, token_ids_way_out=False))
 
 
 def _plan(settings) -> Path:
@@ -296,13 +296,19 @@ def _serve(args: argparse.Namespace, settings, mode: str) -> int:
 def _serve_on(args: argparse.Namespace, settings, mode: str, stdout) -> int:
     from ray import serve
 
+    from launcher.cli.exit_codes import exit_code_for
     from launcher.cluster import ray_cluster
+    from launcher.errors import LaunchError
     from launcher.serving.openai_app import application
 
     ingress = ingress_plan(args, mode)
     # Serve's processes read these when they start: they inherit them from the private Ray started below.
     os.environ.update(ingress.environment)
-    connection = ray_cluster.connect("local", worker_logs=not args.quiet)
+    try:
+        connection = ray_cluster.connect("local", worker_logs=not args.quiet)
+    except (ValueError, OSError, LaunchError) as err:  # a private Ray that did not start: said as generate says it
+        print(f"corelaunch serve: {err}", file=sys.stderr)
+        return exit_code_for(err)
     if args.quiet:  # Serve's own INFO lines in this process (started, deployed, ready) are progress too
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
     if ingress.mode == "direct":

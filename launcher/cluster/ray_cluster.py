@@ -344,7 +344,7 @@ def connect(address: str | None = None, num_cpus: int | None = None, worker_logs
             ray.shutdown()  # whatever it did start
         except Exception:  # noqa: BLE001 - the start's own error is the one to report
             pass
-        failure = private_start_failure(err, logs, open_files_limit())
+        failure = private_start_failure(err, logs, open_files_limits())
         if failure is err:
             raise
         raise failure from err
@@ -358,27 +358,23 @@ RAY_OPEN_FILES = 4096
 `connect` hides, with Ray's other INFO and WARNING lines)."""
 
 
-def open_files_limit() -> int:
-    """This process's soft open-files limit (ulimit -n), as ray.init left it: Ray raises it to the
-    hard limit, at most 65536."""
+def open_files_limits() -> tuple[int, int]:
+    """This process's open-files limits (soft, hard: `ulimit -n`, `ulimit -Hn`), as ray.init left
+    them: Ray raises the soft one to the hard one, at most 65536."""
     import resource
 
-    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return resource.getrlimit(resource.RLIMIT_NOFILE)
 
 
-def private_start_failure(err: Exception, logs: str, open_files: int) -> Exception:
-    """The error for ray.init's failure to start a private cluster, with what to change: a start that
-    timed out is RayStartFailed (exit 3: the machine's state, a retry may work), unless too few open
-    files explain it; a folder Ray cannot write or a socket path too long names the setting (exit 2).
-    Ray raised a bare Exception (its raylet not registered within 30 s) or a RuntimeError (its GCS
-    port file not written in time): the RuntimeError was a traceback, and under `ulimit -n 32` or 48
-    both were blamed on a busy host, whose retry would never help."""
+def private_start_failure(err: Exception, logs: str, open_files: tuple[int, int]) -> Exception:
+    """The error for ray.init's failure to start a private cluster, with what to change: a folder Ray
+    cannot write or a socket path too long names the setting (exit 2); a start that failed or timed
+    out with fewer open files allowed than Ray wants names the limit (exit 2: a retry never helps),
+    else it is RayStartFailed (exit 3: the machine's state, a retry may work). Ray raised a bare
+    Exception (its raylet not registered within 30 s) or a RuntimeError (its GCS port file not
+    written in time): the RuntimeError was a traceback, and under `ulimit -n 32` or 48 both were
+    blamed on a busy host."""
     text = str(err)
-    if open_files < RAY_OPEN_FILES and type(err) in (Exception, RuntimeError, OSError):
-        return ValueError(f"the private Ray cluster did not start ({type(err).__name__}: {text}), and this process "
-                          f"may open only {open_files} files (`ulimit -n`), below the {RAY_OPEN_FILES} under which Ray "
-                          f"warns that its servers' connections may fail: raise the limit (`ulimit -n 65536`, or "
-                          f"as high as `ulimit -Hn` allows) and run again; Ray's logs are in {logs}")
     if "AF_UNIX path length" in text:
         return ValueError(f"the private Ray cluster did not start: {text}; Ray's sockets live under its temporary "
                           f"folder (TMPDIR, or RAY_TMPDIR): point it at a shorter path, such as /tmp")
@@ -387,6 +383,15 @@ def private_start_failure(err: Exception, logs: str, open_files: int) -> Excepti
         return ValueError(f"the private Ray cluster did not start: {type(err).__name__}: {text}; Ray writes its "
                           f"session under its temporary folder (TMPDIR, or RAY_TMPDIR; /tmp by default) and its "
                           f"token under ~/.ray (HOME): point them at folders this user can write")
+    soft, hard = open_files
+    if soft < RAY_OPEN_FILES and type(err) in (Exception, RuntimeError, OSError):
+        raise_it = ("`ulimit -n 65536`" if hard > soft else
+                    f"the hard limit is {hard} too (`ulimit -Hn`): raising it needs root or the host's limits "
+                    f"configuration")
+        return ValueError(f"the private Ray cluster did not start ({type(err).__name__}: {text}), and this process "
+                          f"may open only {soft} files (`ulimit -n`), below the {RAY_OPEN_FILES} under which Ray "
+                          f"warns that its servers' connections may fail: raise the limit ({raise_it}) and run "
+                          f"again; Ray's logs are in {logs}")
     if type(err) in (Exception, RuntimeError):
         return RayStartFailed(f"the private Ray cluster did not start: {text} Ray waits 30 s for it, which a host "
                               f"too busy to start its processes misses (look at `uptime`): retry when the host is "
