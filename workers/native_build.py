@@ -52,6 +52,10 @@ class NativeUnavailable(RuntimeError):
     """A C library could not be built or loaded (no compiler, read-only cache, untrusted cache, ...)."""
 
 
+class OutOfDescriptors(NativeUnavailable):
+    """The open-files limit was reached: nothing is wrong with the folder or the file."""
+
+
 _UNSAFE_BITS = stat.S_IWGRP | stat.S_IWOTH
 
 
@@ -86,8 +90,8 @@ def trusted_dir(directory: Path, holding: str = "corelaunch's compiled C librari
         directory.parent.mkdir(parents=True, exist_ok=True)
         parent = os.open(directory.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as err:
-        raise NativeUnavailable(_out_of_descriptors(directory.parent, err) or
-                                f"could not create {directory.parent}: {err}") from None
+        raise _out_of_descriptors(directory.parent, err) or NativeUnavailable(
+            f"could not create {directory.parent}: {err}") from None
     try:
         try:
             os.mkdir(directory.name, 0o700, dir_fd=parent)
@@ -95,14 +99,14 @@ def trusted_dir(directory: Path, holding: str = "corelaunch's compiled C librari
         except FileExistsError:
             created = False
         except OSError as err:  # nothing there to distrust: it could not be made (a read-only cache)
-            raise NativeUnavailable(_out_of_descriptors(directory, err) or
-                                    f"could not create {directory} for {holding}: {err}; point CORELAUNCH_CACHE "
-                                    f"at a directory this user can write") from None
+            raise _out_of_descriptors(directory, err) or NativeUnavailable(
+                f"could not create {directory} for {holding}: {err}; point CORELAUNCH_CACHE at a directory this "
+                f"user can write") from None
         fd = os.open(directory.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
                      dir_fd=parent)
     except OSError as err:
         if (out_of := _out_of_descriptors(directory, err)) is not None:  # nothing says the folder is unsafe
-            raise NativeUnavailable(out_of) from None
+            raise out_of from None
         why = str(err)
         if err.errno in (errno.ELOOP, errno.ENOTDIR):  # O_NOFOLLOW | O_DIRECTORY on a symlink
             try:
@@ -124,13 +128,13 @@ def trusted_dir(directory: Path, holding: str = "corelaunch's compiled C librari
     return fd
 
 
-def _out_of_descriptors(path: Path, err: OSError) -> str | None:
-    """The message for an OSError that only says this process (EMFILE) or the host (ENFILE) has no
+def _out_of_descriptors(path: Path, err: OSError) -> OutOfDescriptors | None:
+    """The error for an OSError that only says this process (EMFILE) or the host (ENFILE) has no
     descriptor left, else None: under a low `ulimit -n` a cache folder was refused as one another
     user could have planted code in, to be removed."""
     if err.errno not in (errno.EMFILE, errno.ENFILE):
         return None
-    return f"could not open {path}: {err}: the open-files limit (`ulimit -n`) was reached; raise it"
+    return OutOfDescriptors(f"could not open {path}: {err}: the open-files limit (`ulimit -n`) was reached; raise it")
 
 
 def _refusal(directory: Path, why: str, holding: str) -> str:
@@ -267,15 +271,15 @@ def load(fd: int, path: Path) -> ctypes.CDLL:
     try:
         kept = os.dup(fd)
     except OSError as err:
-        raise NativeUnavailable(_out_of_descriptors(path, err) or f"could not load {path}: {err}") from None
+        raise _out_of_descriptors(path, err) or NativeUnavailable(f"could not load {path}: {err}") from None
     via_fd = f"/proc/self/fd/{kept}"
     try:
         library = ctypes.CDLL(via_fd if os.path.exists(via_fd) else str(path))
     except OSError as err:
         os.close(kept)  # nothing was loaded through it
         if "Too many open files" in str(err):  # dlopen's text only: its OSError carries no errno
-            raise NativeUnavailable(f"could not load {path}: {err}: the open-files limit (`ulimit -n`) was "
-                                    f"reached; raise it") from None
+            raise OutOfDescriptors(f"could not load {path}: {err}: the open-files limit (`ulimit -n`) was "
+                                   f"reached; raise it") from None
         raise NativeUnavailable(f"could not load {path}: {err}") from None
     _KEPT_OPEN.append(kept)
     return library
@@ -289,7 +293,7 @@ def build_and_load(spec: "LibrarySpec", directory: Path | None = None) -> ctypes
     try:
         return load(fd, Path(directory) / spec.name)
     except NativeUnavailable as err:
-        if compiled or "open-files limit" in str(err):  # nothing says the file is damaged
+        if compiled or isinstance(err, OutOfDescriptors):  # nothing says the file is damaged
             raise
         # A cached file of full length that does not load (damaged on disk, say): not rebuilt at
         # every start of every rank, which a cache that can never load (noexec) would cost.

@@ -93,8 +93,7 @@ def cluster_not_joined() -> str | None:
     address, source = asked_cluster(None)
     if address is None or address == "local":
         return None
-    named = f"RAY_ADDRESS ({address})" if source == "RAY_ADDRESS" else f"{source} ({address})"
-    return (f"{named} is not joined: corelaunch serve always starts a private Ray of this host alone, beside that "
+    return (f"{source} ({address}) is not joined: corelaunch serve always starts a private Ray of this host alone, beside that "
             f"cluster and unseen by its scheduler; {ON_A_CLUSTER}")
 
 
