@@ -396,16 +396,24 @@ next step: planning, connecting to Ray and loading are not cut short)."""
 @contextlib.contextmanager
 def _second_interrupt_held():
     """SIGINT ignored inside the block (where the calling thread can set handlers: the main thread),
-    then the handler before it restored."""
+    then the handler before it restored; SIGTERM too where the CLI raises it as an interrupt (a
+    `timeout` or `kill` repeated while the ranks stop)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    from launcher import termination
+
+    term_too = termination.installed()
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if term_too:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         yield
     finally:
         # None: a handler not set from Python, which cannot be put back; Python's own then
         signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
+        if term_too:
+            termination.reinstall()
 
 
 MIN_CPUS_PER_RANK = 0.0001
@@ -547,8 +555,8 @@ class Launcher:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
-        if exc_type is KeyboardInterrupt:
-            # Ctrl-C: the user is waiting; whatever still runs is killed after a short grace. A
+        if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
+            # Ctrl-C (or the CLI's SIGTERM, raised as one): the user is waiting; whatever still runs is killed after a short grace. A
             # second Ctrl-C then cut the shutdown short, and Ray's agents (and once a rank) outlived
             # the command by minutes: it waits for the shutdown's few seconds instead.
             with _second_interrupt_held():

@@ -118,51 +118,66 @@ def alive(proc: psutil.Process) -> bool:
         return False
 
 
-def test_ctrl_c_during_generate_returns_within_seconds_and_leaves_nothing_behind():
-    segments_before = set(glob.glob("/dev/shm/corelaunch-*"))
-    # Three prompts, many tokens each: still generating when the interrupt comes. TP 3: the ranks
-    # share a shared-memory segment, which must be gone too.
-    # Not --quiet: the progress line that ends start-up says when the generation begins.
-    run = subprocess.Popen(generate_command("One", "Two", "Three", new_tokens=400, tp=3, quiet=False),
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
-                           start_new_session=True, preexec_fn=interactive_sigint)
+def signal_when_ready(command: list[str], marker: str, after_s: float, send,
+                      **popen) -> tuple[int, str, float, int]:
+    """Run command (in a session of its own), send(pid) once a stderr line starting with marker
+    has come and after_s more have passed; (exit code, stderr, seconds from the signal to the exit,
+    its pid: the session's id)."""
+    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
+                           start_new_session=True, **popen)
     stderr_lines: list[str] = []
-    started = threading.Event()
+    ready = threading.Event()
 
     def read_stderr() -> None:
         for line in run.stderr:
             stderr_lines.append(line)
-            if line.startswith("✓ starting"):  # the ranks have loaded: the generation comes next
-                started.set()
+            if line.startswith(marker):
+                ready.set()
 
     reader = threading.Thread(target=read_stderr, daemon=True)
     reader.start()
     try:
         deadline = time.monotonic() + 300
-        while not started.wait(0.5):
+        while not ready.wait(0.2):
             assert run.poll() is None, "".join(stderr_lines)
-            assert time.monotonic() < deadline, "the ranks never finished loading:\n" + "".join(stderr_lines)
-        time.sleep(1.5)  # well into the generation (three prompts of 400 tokens take far longer)
-        assert run.poll() is None, "the generation finished before the interrupt"
-        interrupted = time.monotonic()
-        os.killpg(run.pid, signal.SIGINT)
-        run.wait(30)
-        took_s = time.monotonic() - interrupted
+            assert time.monotonic() < deadline, f"{marker!r} never came:\n" + "".join(stderr_lines)
+        time.sleep(after_s)
+        assert run.poll() is None, "the command finished before the signal"
+        signalled = time.monotonic()
+        send(run.pid)
+        run.wait(60)
+        took_s = time.monotonic() - signalled
     finally:
         if run.poll() is None:
             os.killpg(run.pid, signal.SIGKILL)
     reader.join(30)
-    err = "".join(stderr_lines)
-    assert run.returncode == 130 and "interrupted" in err, err
-    assert took_s < 3.0, f"Ctrl-C took {took_s:.1f} s to return"
-    # Helpers such as multiprocessing's resource tracker exit once they see EOF on their pipe; on a
-    # loaded machine (the whole suite on 2 cores) that has taken more than 5 s.
+    return run.returncode, "".join(stderr_lines), took_s, run.pid
+
+
+def assert_nothing_left(sid: int, segments_before: set[str]) -> None:
+    """No process of the session alive 20 s on, and no shared-memory segment beyond those before.
+    Helpers such as multiprocessing's resource tracker exit once they see EOF on their pipe; on a
+    loaded machine (the whole suite on 2 cores) that has taken more than 5 s."""
     deadline = time.monotonic() + 20.0
-    while [p for p in session_processes(run.pid) if alive(p)] and time.monotonic() < deadline:
+    while [p for p in session_processes(sid) if alive(p)] and time.monotonic() < deadline:
         time.sleep(0.2)
-    left = [command_line(p) for p in session_processes(run.pid) if alive(p)]
-    assert left == [], "still running 20 s after the CLI returned:\n" + "\n".join(left)
+    left = [command_line(p) for p in session_processes(sid) if alive(p)]
+    assert left == [], "still running 20 s after the command returned:\n" + "\n".join(left)
     assert set(glob.glob("/dev/shm/corelaunch-*")) <= segments_before
+
+
+def test_ctrl_c_during_generate_returns_within_seconds_and_leaves_nothing_behind():
+    segments_before = set(glob.glob("/dev/shm/corelaunch-*"))
+    # Three prompts, many tokens each: still generating when the interrupt comes. TP 3: the ranks
+    # share a shared-memory segment, which must be gone too.
+    # Not --quiet: the progress line that ends start-up says when the generation begins; 1.5 s
+    # after it is well into the generation (three prompts of 400 tokens take far longer).
+    code, err, took_s, sid = signal_when_ready(
+        generate_command("One", "Two", "Three", new_tokens=400, tp=3, quiet=False), "✓ starting", 1.5,
+        lambda pid: os.killpg(pid, signal.SIGINT), preexec_fn=interactive_sigint)
+    assert code == 130 and "interrupted" in err, err
+    assert took_s < 3.0, f"Ctrl-C took {took_s:.1f} s to return"
+    assert_nothing_left(sid, segments_before)
 
 
 EXITS_WITHOUT_SHUTDOWN = """

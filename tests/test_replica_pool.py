@@ -622,11 +622,39 @@ def test_a_replica_started_while_the_pool_shuts_down_is_killed_not_kept(make_poo
     starter = threading.Thread(target=lambda: _record(errors, pool.start), daemon=True)
     starter.start()
     assert making.wait(TIMEOUT_S)
+    # The group finishes while shutdown() waits for the start's thread (it finished after the
+    # shutdown had looked for groups to stop, before that wait came in).
+    threading.Timer(0.2, release.set).start()
     pool.shutdown(grace_s=0.1)  # what Launcher.start's handler does on KeyboardInterrupt
-    release.set()
     starter.join(TIMEOUT_S)
     assert factory.groups[0][0].killed and pool.replicas[0].started is None
     assert errors and "shut down while this replica started" in str(errors[0])
+
+
+def test_shutdown_returns_only_once_a_start_cut_short_has_stopped_its_threads(make_pool):
+    """Ctrl-C or SIGTERM in start()'s joins: the launcher's shutdown (and then Ray's) ran while the
+    start's threads still placed and loaded. Their groups stop at their next poll for a stop and
+    kill their actors: Ray closed before that ended the whole process inside Ray (exit 1, no
+    message). shutdown() now returns once those threads have ended."""
+    stop_asked, making, gone = threading.Event(), threading.Event(), threading.Event()
+
+    def polling_factory(index, restart):  # a TPGroup's waits: a poll for a stop, then its actors killed
+        making.set()
+        assert stop_asked.wait(TIMEOUT_S)
+        time.sleep(0.3)  # killing the actors
+        gone.set()
+        raise LaunchError("the launcher was shut down while it started")
+
+    pool = make_pool(count=2, factory=polling_factory)
+    errors = []
+    starter = threading.Thread(target=lambda: _record(errors, pool.start), daemon=True)
+    starter.start()
+    assert making.wait(TIMEOUT_S)
+    stop_asked.set()  # Launcher.shutdown counts the stop before it stops the pool
+    pool.shutdown(grace_s=0.1)
+    assert gone.is_set(), "shutdown() returned while a start thread still used the cluster"
+    starter.join(TIMEOUT_S)
+    assert errors and "shut down while it started" in str(errors[0])
 
 
 def test_a_restart_in_progress_when_the_pool_shuts_down_makes_no_further_group(make_pool):

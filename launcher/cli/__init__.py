@@ -51,20 +51,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from launcher.termination import TERMINATED_EXIT, Terminated, sigterm_raises_terminated
+
     try:
-        # the subcommands' imports too: Ctrl-C in the first half second was a traceback from importlib
-        parser = build_parser()
-        args, extra = parser.parse_known_args(argv)
-        if extra:
-            # `generate "A" --max-new-tokens 4 "B"`: argparse takes one run of positional prompts
-            split_prompts = args.command == "generate" and not any(word.startswith("-") for word in extra)
-            hint = ("; prompts go together (all options before or after them), or each with --prompt"
-                    if split_prompts else "")
-            _usage_error(f"corelaunch {args.command}", f"unrecognized arguments: {' '.join(extra)}{hint}")
-        return int(args.run(args) or 0)
+        with sigterm_raises_terminated():  # `kill`, `timeout`, systemd, `ray job stop`: stopped as Ctrl-C stops it
+            return _parse_and_run(argv)
+    except Terminated:  # a KeyboardInterrupt: the same clean-up has run
+        print("corelaunch: terminated (SIGTERM)", file=sys.stderr)
+        return TERMINATED_EXIT
     except KeyboardInterrupt:  # the launcher has already stopped its workers (Launcher.__exit__)
         print("corelaunch: interrupted", file=sys.stderr)
         return INTERRUPTED
+
+
+def _parse_and_run(argv: list[str] | None) -> int:
+    # the subcommands' imports too: Ctrl-C in the first half second was a traceback from importlib
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        # `generate "A" --max-new-tokens 4 "B"`: argparse takes one run of positional prompts
+        split_prompts = args.command == "generate" and not any(word.startswith("-") for word in extra)
+        hint = ("; prompts go together (all options before or after them), or each with --prompt"
+                if split_prompts else "")
+        _usage_error(f"corelaunch {args.command}", f"unrecognized arguments: {' '.join(extra)}{hint}")
+    return int(args.run(args) or 0)
 
 
 INTERRUPTED = 130
@@ -77,7 +87,10 @@ killed by it)."""
 def run() -> None:
     """The `corelaunch` command: main(), then exit with its code. After Ctrl-C the workers and Ray
     are already stopped, and the interpreter's own teardown (about 1.7 s measured on the
-    development machine, mostly library exit hooks) is skipped, so the command returns at once."""
+    development machine, mostly library exit hooks) is skipped, so the command returns at once; the
+    same after SIGTERM."""
+    from launcher.termination import TERMINATED_EXIT
+
     if sys.stdout is None:  # started with fd 1 closed (`>&-`): the whole run's output would be lost
         print("corelaunch: stdout is closed; run it with stdout open (`> /dev/null` to discard the output)",
               file=sys.stderr)
@@ -91,7 +104,7 @@ def run() -> None:
         # `corelaunch plan | head -1`: not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
         sys.exit(BROKEN_PIPE)
-    if code == INTERRUPTED:
+    if code in (INTERRUPTED, TERMINATED_EXIT):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

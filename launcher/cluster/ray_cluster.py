@@ -474,23 +474,53 @@ def _init(**options) -> None:
     """ray.init, with Ctrl-C held until it has returned and then shutting down what it started. A
     KeyboardInterrupt inside it (while a private cluster starts its processes) left a node no
     ray.shutdown() can reach (not yet Ray's global one) and the caller no connection to close:
-    Ray's dashboard and runtime-env agents outlived the command by a minute or more."""
+    Ray's dashboard and runtime-env agents outlived the command by a minute or more. Where the CLI
+    raises SIGTERM as an interrupt (launcher.termination), SIGTERM is held the same way, and its
+    handler is put back over the ones ray.init installs."""
     import signal
 
     import ray
 
+    from launcher import termination
+
     if threading.current_thread() is not threading.main_thread():
         _init_on_a_keeper_thread(options)  # signals reach the main thread only
         return
-    interrupted = []
-    previous = signal.signal(signal.SIGINT, lambda *_: interrupted.append(True))
+    interrupted: list[int] = []
+    held = [signal.SIGINT] + ([signal.SIGTERM] if termination.installed() else [])
+    previous = {sig: signal.signal(sig, lambda signum, _: interrupted.append(signum)) for sig in held}
     try:
-        ray.init(**options)
+        with _sigterm_handler_kept(signal.SIGTERM in held):
+            ray.init(**options)
     finally:
-        signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGINT, previous[signal.SIGINT])
+        if signal.SIGTERM in held:
+            # over Ray's: its Python one (sys.exit(15)) and the C++ failure handler its core worker
+            # installs, which dumped a stack and aborted (exit 134)
+            termination.reinstall()
     if interrupted:
         ray.shutdown()
+        if signal.SIGTERM in interrupted:
+            termination.raise_terminated()
         raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _sigterm_handler_kept(keep: bool):
+    """ray.init's own SIGTERM handler (`sys.exit(15)`, set as it begins) not installed inside the
+    block, so a SIGTERM while a private cluster starts is held like Ctrl-C; a Ray without the
+    function it installs the handler through is left as it is."""
+    import ray._private.utils as ray_utils
+
+    install = getattr(ray_utils, "set_sigterm_handler", None)
+    if not keep or install is None:
+        yield
+        return
+    ray_utils.set_sigterm_handler = lambda handler: None
+    try:
+        yield
+    finally:
+        ray_utils.set_sigterm_handler = install
 
 
 _KEEPER_RELEASE: list[threading.Event] = []

@@ -51,6 +51,9 @@ _STOP = object()
 POLL_WAIT_S = 0.05
 """A streaming replica's thread waits at most this long for its leader's next tokens (a poll returns
 as soon as tokens arrive, so this bounds only how soon a queued static batch is noticed)."""
+START_THREAD_STOP_S = 5.0
+"""How long shutdown() waits, beyond the groups' grace, for start()'s threads to stop: a group polls
+for a stop every half second (launcher/cluster/tp_group.py), then kills its actors."""
 HUNG_AFTER_AT_LEAST_S = 30.0
 """A group whose leader makes no step while it has work is judged hung after the shortest request
 timeout in flight, but never before this: one step (a long prompt's prefill chunk on a CPU) can
@@ -528,6 +531,8 @@ class ReplicaPool:
         self._queue: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self.stopping = False
+        self._start_threads: list[threading.Thread] = []
+        """start()'s threads, one a replica: shutdown() waits for them before Ray can be closed."""
         self._no_replica: NoReplicaAvailable | None = None
         self.rows: int | None = None
         """Cache rows per replica (max_num_seqs), from the streams submitted: what a replica's
@@ -559,6 +564,7 @@ class ReplicaPool:
             errors[replica.index] = LaunchError("the launcher was shut down while this replica started")
 
         threads = [threading.Thread(target=start_one, args=(r,), daemon=True) for r in self.replicas]
+        self._start_threads = threads
         for t in threads:
             t.start()
         for t in threads:
@@ -723,6 +729,13 @@ class ReplicaPool:
                 stoppers.append(t)
         for t in stoppers:
             t.join(grace_s + 5)
+        # A start() cut short on the caller's thread (Ctrl-C or SIGTERM while the groups loaded)
+        # left its threads placing and loading: their group sees the stop at its next poll (half a
+        # second) and kills itself. Ray closed under them before that ended the whole process
+        # inside Ray (exit 1, no message, at times Ray's agents left running).
+        deadline = time.monotonic() + grace_s + START_THREAD_STOP_S
+        for t in self._start_threads:
+            t.join(max(0.0, deadline - time.monotonic()))
         for replica in self.replicas:
             if replica.started is not None:
                 replica.started.group.kill()

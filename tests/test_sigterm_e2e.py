@@ -1,0 +1,70 @@
+"""SIGTERM to the one-shot commands with real processes (slow): `kill PID`, `timeout` and
+`kill -- -PGID` (which reach Ray's own processes too) stop a generate as Ctrl-C does: exit 143
+within seconds, one line, nothing left running. Before, the command got Ray's handlers: a stack
+dump and exit 134 once Ray ran, or a 60 s wait for a GCS that the signal had ended (exit 1)."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.test_hardening_e2e import assert_nothing_left, clean_env, generate_command, signal_when_ready
+
+REPO = Path(__file__).parent.parent
+
+AFTER_RAY_INIT = textwrap.dedent("""
+    import os, signal, time
+    from launcher import termination
+    from launcher.cluster import ray_cluster
+    with termination.sigterm_raises_terminated():
+        connection = ray_cluster.connect(None)
+        print("ours after ray.init", termination.installed(), flush=True)
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)
+        except termination.Terminated:
+            print("raised", flush=True)
+        connection.close()
+    print("closed", flush=True)
+""")
+
+
+@pytest.mark.slow
+def test_after_ray_init_sigterm_still_raises_the_clis_interrupt():
+    """ray.init installed Ray's handlers over the CLI's; its core worker's C++ failure handler then
+    answered SIGTERM with a stack dump and SIGABRT (exit 134)."""
+    run = subprocess.run([sys.executable, "-c", AFTER_RAY_INIT], capture_output=True, text=True, timeout=300,
+                         cwd=REPO, env=clean_env())
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split("\n") == ["ours after ray.init True", "raised", "closed", ""], run.stderr[-3000:]
+
+
+# exclusive: these watch the session's processes and /dev/shm, and time the exit
+@pytest.mark.slow
+@pytest.mark.exclusive
+@pytest.mark.parametrize("target, when", [("pid", "generating"), ("group", "generating"), ("pid", "starting")])
+def test_sigterm_stops_a_generate_within_seconds_leaving_nothing(target, when):
+    """target pid: `kill PID` (systemd's default, `ray job stop`); group: `kill -- -PGID` or
+    `timeout`, which reach Ray's GCS and raylet at the same moment. when starting: as the ranks are
+    placed and load (the launcher's shutdown then waits for the start's threads before Ray
+    closes)."""
+    segments_before = set(glob.glob("/dev/shm/corelaunch-*"))
+    # Not --quiet: the progress lines say when Ray is up and when the generation begins; 1.5 s
+    # after the start is well into the generation (two prompts of 400 tokens take far longer).
+    send = (lambda pid: os.kill(pid, signal.SIGTERM)) if target == "pid" else (
+        lambda pid: os.killpg(pid, signal.SIGTERM))
+    marker, after_s = ("✓ starting", 1.5) if when == "generating" else ("✓ connecting to Ray", 0.0)
+    code, err, took_s, sid = signal_when_ready(generate_command("One", "Two", new_tokens=400, quiet=False), marker,
+                                               after_s, send)
+    assert code == 143, err[-3000:]
+    assert "corelaunch: terminated (SIGTERM)" in err, err[-3000:]
+    assert "Traceback" not in err and "SIGTERM received" not in err, err[-3000:]
+    assert took_s < 10.0, f"SIGTERM took {took_s:.1f} s to end the command"
+    assert_nothing_left(sid, segments_before)

@@ -1,0 +1,80 @@
+"""launcher/termination.py: SIGTERM raised as an interrupt in the CLI, with a watchdog that ends a
+clean-up that does not, and ray.init kept from installing its own SIGTERM handler while the CLI's
+is in place. Each signal goes to a child process: the watchdog ends the process it runs in."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from launcher import termination
+
+REPO = Path(__file__).parent.parent
+
+STUCK_CLEAN_UP = textwrap.dedent("""
+    import os, signal, time
+    from launcher import termination
+    termination.CLEAN_EXIT_WAIT_S = 0.5
+    with termination.sigterm_raises_terminated():
+        print("installed", termination.installed(), flush=True)
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(10)
+        except termination.Terminated as err:
+            print("raised", isinstance(err, KeyboardInterrupt), flush=True)
+    print("restored", signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, flush=True)
+    time.sleep(10)  # a clean-up that never ends
+    print("never", flush=True)
+""")
+
+
+def test_sigterm_raises_an_interrupt_and_a_clean_up_that_never_ends_is_cut_short():
+    started = time.monotonic()
+    run = subprocess.run([sys.executable, "-c", STUCK_CLEAN_UP], capture_output=True, text=True, timeout=60,
+                         cwd=REPO)
+    took_s = time.monotonic() - started
+    assert run.stdout.split("\n") == ["installed True", "raised True", "restored True", ""], run.stderr
+    assert run.returncode == termination.TERMINATED_EXIT == 143, run.stderr
+    assert "corelaunch: terminated (SIGTERM); the clean shutdown had not ended 0.5 s after it" in run.stderr
+    assert took_s < 8, f"the watchdog took {took_s:.1f} s"
+
+
+def test_the_handler_is_the_clis_only_inside_its_block():
+    before = signal.getsignal(signal.SIGTERM)
+    assert not termination.installed()
+    with termination.sigterm_raises_terminated():
+        assert termination.installed()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # what ray.init does
+        assert not termination.installed()
+        termination.reinstall()
+        assert termination.installed()
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_ray_init_installs_no_sigterm_handler_while_the_clis_is_kept():
+    """Ray's handlers (the driver's sys.exit(15), the head node's kill-and-exit-1) are installed
+    through ray._private.utils.set_sigterm_handler as ray.init begins; held, a SIGTERM while a
+    private cluster starts waits for ray.init to return, as Ctrl-C does."""
+    import ray._private.utils as ray_utils
+
+    from launcher.cluster.ray_cluster import _sigterm_handler_kept
+
+    def rays(signum, frame):  # pragma: no cover - never called
+        raise AssertionError("Ray's handler ran")
+
+    previous = signal.getsignal(signal.SIGTERM)
+    install = ray_utils.set_sigterm_handler
+    try:
+        with _sigterm_handler_kept(True):
+            ray_utils.set_sigterm_handler(rays)
+            assert signal.getsignal(signal.SIGTERM) is previous
+        assert ray_utils.set_sigterm_handler is install
+        with _sigterm_handler_kept(False):  # a driver-API program: Ray's as always
+            ray_utils.set_sigterm_handler(rays)
+            assert signal.getsignal(signal.SIGTERM) is rays
+    finally:
+        signal.signal(signal.SIGTERM, previous)
