@@ -17,6 +17,7 @@ blocks (QUANT_BLOCK_BYTES of float32 each) plus one weight's scales.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -94,7 +95,7 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, dtype: str, 
                          "linear" + ("+embed" if embed else "") + ("+lm_head" if lm_head else ""))
     config = ModelConfig.from_dict(raw)
     out_dir = Path(out_dir)
-    sweep_stale(out_dir)  # what a quantize killed part way (SIGTERM, SIGKILL) left, the model's size
+    sweep_stale(out_dir)  # what a quantize killed part way (SIGKILL: no clean-up runs) left, the model's size
     partial = owned_sibling(out_dir, "partial")
     make_parents(out_dir)  # a parent the filesystem refuses is a failed write of out_dir (ParentNotCreated)
     partial.mkdir()
@@ -102,11 +103,28 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, dtype: str, 
         _write_weights(Path(model_dir), config, quant, partial / "model.safetensors", progress)
         _copy_other_files(Path(model_dir), partial)
         (partial / "config.json").write_text(json.dumps({**raw, "quantization_config": quant.to_json()}, indent=2))
-        partial.rename(out_dir)
+        _rename_into_place(partial, out_dir)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     return out_dir
+
+
+def _rename_into_place(partial: Path, out_dir: Path) -> None:
+    """The finished folder renamed to `out_dir`, which must still not exist. Two quantizes into one
+    new --out both passed the check before any weight was read; rename(2) then replaced an empty
+    folder made meanwhile without a word, and the loser of the race was told its --out could not be
+    written ("Directory not empty"), as if the fault were a permission."""
+    taken = ValueError(f"--out {out_dir} already exists: another process wrote it while this quantize ran; "
+                       f"choose a new directory (quantize never overwrites)")
+    if out_dir.exists() or out_dir.is_symlink():
+        raise taken
+    try:
+        partial.rename(out_dir)
+    except OSError as err:
+        if err.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            raise taken from None
+        raise
 
 
 def _write_weights(model_dir: Path, config: ModelConfig, quant: Quantization, path: Path,

@@ -80,7 +80,7 @@ def source_dir(tmp_path_factory):
 
 
 def test_a_killed_quantizes_leftovers_are_swept_by_the_next(source_dir, tmp_path):
-    """A quantize killed part way (SIGTERM, SIGKILL: no cleanup runs) left `.OUT.partial-PID`, up to
+    """A quantize killed part way (SIGKILL: no cleanup runs) left `.OUT.partial-PID`, up to
     the model's size, that no later quantize removed."""
     import os
     import subprocess
@@ -99,6 +99,30 @@ def test_a_killed_quantizes_leftovers_are_swept_by_the_next(source_dir, tmp_path
     os.utime(leftovers[1], (0, 0))
     quantize_checkpoint(source_dir, tmp_path / "q", "int8")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["q", running.name])
+
+
+@pytest.mark.parametrize("meanwhile", ["written", "empty"])
+def test_an_out_written_meanwhile_by_another_process_is_refused_as_taken(source_dir, tmp_path, monkeypatch,
+                                                                         meanwhile):
+    """Two quantizes into one new --out: the loser was told its --out could not be written
+    ("Directory not empty"), and an empty folder made meanwhile was replaced without a word."""
+    from shardlib import quantize_checkpoint as module
+
+    out = tmp_path / "q"
+    copy = module._copy_other_files
+
+    def another_process_writes_out(model_dir, partial):
+        copy(model_dir, partial)
+        out.mkdir()
+        if meanwhile == "written":  # another quantize's folder
+            (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(module, "_copy_other_files", another_process_writes_out)
+    with pytest.raises(ValueError, match=r"--out .*/q already exists: another process wrote it while this "
+                                         r"quantize ran; choose a new directory"):
+        quantize_checkpoint(source_dir, out, "int8")
+    assert [p.name for p in tmp_path.iterdir()] == ["q"]  # this one's partial folder removed
+    assert sorted(p.name for p in out.iterdir()) == (["config.json"] if meanwhile == "written" else [])
 
 
 def test_quantized_checkpoint_layout_config_and_refusals(source_dir, tmp_path):
