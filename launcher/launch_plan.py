@@ -62,6 +62,9 @@ def plan_launch(config, progress: Progress, nothing_done: str = "nothing was sta
     from shardlib.planner import plan as make_plan
     from workers.backends import TargetRequest, backend_entry, default_backend_name, planner_target
 
+    from shardlib.env_settings import check_environment
+
+    check_environment()  # what the ranks will read (a private Ray passes this environment on): before any start
     backend = config.backend or default_backend_name()
     entry = backend_entry(backend)
     if config.compile_granularity is not None and config.compile_granularity not in entry.granularities:

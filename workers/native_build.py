@@ -324,8 +324,11 @@ def torch_operator_spec(stem: str, c_source: str, operator_source: str, flags: t
 
 
 def turned_off(env_var: str) -> bool:
-    """`env_var`=0 in this process's environment: the switch that turns a native kernel off."""
-    return os.environ.get(env_var, "1") == "0"
+    """`env_var`=0 in this process's environment: the switch that turns a native kernel off (1, unset
+    or empty: on; anything else is refused, naming it)."""
+    from shardlib.env_settings import switched_off
+
+    return switched_off(env_var)
 
 
 def load_unless_turned_off(env_var: str, build) -> tuple[ctypes.CDLL | None, str | None]:

@@ -17,11 +17,12 @@ A Python-bodied operator costs tens of microseconds a call, against milliseconds
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-CHOICES = ("onednn", "mkl")
+from shardlib import env_settings
+
+CHOICES = env_settings.PREFILL_GEMMS
 
 
 @functools.cache
@@ -45,9 +46,7 @@ def default_gemm() -> str:
 def chosen_gemm() -> str:
     """CORELAUNCH_PREFILL_GEMM (default: default_gemm()), or mkl where torch has no oneDNN;
     ValueError naming the value otherwise."""
-    choice = os.environ.get("CORELAUNCH_PREFILL_GEMM") or default_gemm()
-    if choice not in CHOICES:
-        raise ValueError(f"CORELAUNCH_PREFILL_GEMM={choice!r} is not one of {', '.join(CHOICES)}")
+    choice = env_settings.choice(env_settings.PREFILL_GEMM, CHOICES) or default_gemm()
     return choice if torch.backends.mkldnn.is_available() else "mkl"
 
 

@@ -33,12 +33,13 @@ import uuid
 
 import torch.distributed as dist
 
+from shardlib import env_settings
 from workers.collectives import Collectives, TorchDistributedCollectives
 
 log = logging.getLogger(__name__)
 
-MODES = ("auto", "gloo", "shm")
-ENV_VAR = "CORELAUNCH_COLLECTIVES"
+MODES = env_settings.COLLECTIVES_MODES
+ENV_VAR = env_settings.COLLECTIVES
 SHM_DIR = "/dev/shm"
 DEFAULT_SLOT_BYTES = 1 << 20
 """Bytes one rank moves per step (a decode step's hidden state is a few KiB; a prefill's larger
@@ -56,10 +57,7 @@ YIELD_S = 2e-3
 
 def mode_from_env(default: str = "auto") -> str:
     """CORELAUNCH_COLLECTIVES (auto | gloo | shm), checked."""
-    mode = os.environ.get(ENV_VAR, default).strip().lower() or default
-    if mode not in MODES:
-        raise ValueError(f"{ENV_VAR}={mode!r} is not one of {', '.join(MODES)}")
-    return mode
+    return env_settings.choice(ENV_VAR, MODES) or default
 
 
 def hostname_groups(world_size: int) -> list[list[int]]:
