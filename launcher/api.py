@@ -556,9 +556,10 @@ class Launcher:
 
     def __exit__(self, exc_type, *exc) -> None:
         if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
-            # Ctrl-C (or the CLI's SIGTERM, raised as one): the user is waiting; whatever still runs is killed after a short grace. A
-            # second Ctrl-C then cut the shutdown short, and Ray's agents (and once a rank) outlived
-            # the command by minutes: it waits for the shutdown's few seconds instead.
+            # Ctrl-C (or the CLI's SIGTERM, raised as one): the user is waiting; whatever still runs
+            # is killed after a short grace. A second Ctrl-C then cut the shutdown short, and Ray's
+            # agents (and once a rank) outlived the command by minutes: it waits for the shutdown's
+            # few seconds instead.
             with _second_interrupt_held():
                 self.shutdown(grace_s=INTERRUPT_GRACE_S)
         else:

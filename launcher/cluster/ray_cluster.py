@@ -507,9 +507,10 @@ def _init(**options) -> None:
 
 @contextlib.contextmanager
 def _sigterm_handler_kept(keep: bool):
-    """ray.init's own SIGTERM handler (`sys.exit(15)`, set as it begins) not installed inside the
-    block, so a SIGTERM while a private cluster starts is held like Ctrl-C; a Ray without the
-    function it installs the handler through is left as it is."""
+    """ray.init's own SIGTERM handlers (the driver's `sys.exit(15)`, set as it begins, and a head
+    node's kill-everything-then-exit-1) not installed inside the block, so a SIGTERM while a
+    private cluster starts is held like Ctrl-C; a Ray without the function it installs them
+    through is left as it is."""
     import ray._private.utils as ray_utils
 
     install = getattr(ray_utils, "set_sigterm_handler", None)
