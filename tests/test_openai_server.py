@@ -444,6 +444,31 @@ def test_chat_refusals():
         {"role": "assistant", "content": ""}  # an assistant's content may be left out
 
 
+@pytest.mark.parametrize("message, param, words", [
+    # a misspelt content: the assistant turn went to the template empty (51 prompt tokens, not 59)
+    ({"role": "assistant", "contnet": "Nice to meet you."}, "messages.1.contnet", "unknown key 'contnet' in messages.1"),
+    ({"role": "assistant", "content": None, "refusal": "I will not."}, "messages.1.refusal", "refusal, audio"),
+    ({"role": "assistant", "content": "x", "audio": {"id": "a1"}}, "messages.1.audio", "unknown key 'audio'"),
+    ({"role": "user", "content": "x", "tool_call_id": "c1"}, "messages.1.tool_call_id",
+     "tool_call_id belongs to a tool message, and a user message has none"),
+    ({"role": "user", "content": [{"type": "text", "text": "Hi", "image_url": {"url": "x"}}]},
+     "messages.1.content.0.image_url", "unknown key 'image_url' in text part messages.1.content.0"),
+], ids=["misspelt-content", "refusal", "audio", "tool-call-id", "text-part-extra"])
+def test_a_key_a_message_does_not_take_is_refused_by_name(message, param, words):
+    """Messages ignored unknown keys: each of these was answered as if the key were not there."""
+    with pytest.raises(ProtocolError) as caught:
+        parse_request(ChatCompletionRequest, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}, message]})
+    assert caught.value.param == param and words in caught.value.message, caught.value.message
+
+
+def test_a_message_key_sent_as_null_is_left_out():
+    """Clients that serialise every field of a message send OpenAI's optional ones as null."""
+    request = parse_request(ChatCompletionRequest, {"model": MODEL, "messages": [
+        {"role": "user", "content": "x", "name": None, "refusal": None, "audio": None, "tool_call_id": None},
+        {"role": "user", "content": [{"type": "text", "text": "y", "image_url": None}]}]})
+    assert [m.text() for m in request.messages] == ["x", "y"]
+
+
 def test_developer_messages_are_system_messages_unless_the_template_knows_the_role():
     """OpenAI: developer messages replace system messages. Passed on as "developer", SmolLM2's
     template added its own default system turn, then a developer turn the model never saw."""

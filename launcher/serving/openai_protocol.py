@@ -183,8 +183,11 @@ class CompletionRequest(_GenerationRequest):
         return self.prompt
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)  # tool_call_id (of a tool message, refused), ...
+class ChatMessage(_NullMeansDefault):
+    # Unknown keys refused, as the request's own are: ignored, a misspelt `content` made an assistant
+    # message an empty turn, and OpenAI's `refusal` and `audio` were dropped without a word. A null
+    # key is left out, as OpenAI takes it.
+    model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict] | None = None
     """Required but for an assistant's message (OpenAI's rule: one that made tool calls may have none)."""
@@ -195,6 +198,8 @@ class ChatMessage(BaseModel):
     """Refused when not empty: `tools` is not supported, and the template would drop the calls silently."""
     function_call: dict | None = None
     """tool_calls' older form: refused likewise."""
+    tool_call_id: str | None = None
+    """A tool message's (refused with its role); refused on any other message."""
 
     def check(self, index: int) -> None:
         """ProtocolError for a message the API refuses; `index` is its place in `messages`."""
@@ -208,6 +213,9 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, list) and not self.content:
             raise ProtocolError(f"messages.{index}.content is an empty list; send a string or at least one text "
                                 f"part", param=f"messages.{index}.content")
+        if self.tool_call_id is not None:
+            raise ProtocolError(f"messages.{index}.tool_call_id belongs to a tool message, and a {self.role} "
+                                f"message has none; leave it out", param=f"messages.{index}.tool_call_id")
         for calls in ("tool_calls", "function_call"):
             if getattr(self, calls):
                 raise ProtocolError(f"messages.{index}.{calls}: tool calls are not supported (nor is `tools`); "
@@ -229,6 +237,11 @@ class ChatMessage(BaseModel):
                                     f"text parts ({{\"type\": \"text\", \"text\": ...}}) are", param=param)
             if not isinstance(part.get("text"), str):
                 raise ProtocolError(f"{param}.text ({_short(part.get('text'))}) must be a string", param=f"{param}.text")
+            extra = next((key for key, value in part.items() if key not in ("type", "text") and value is not None),
+                         None)
+            if extra is not None:  # an image beside the text, say: dropped without a word before
+                raise ProtocolError(f"unknown key {clip(str(extra))!r} in text part {param}; a text part is "
+                                    f"{{\"type\": \"text\", \"text\": ...}}", param=f"{param}.{clip(str(extra))}")
             check_utf8(part["text"], f"{param}.text")  # named by its part, not the joined content
             texts.append(part["text"])
         return "".join(texts)
@@ -296,6 +309,9 @@ def _field_error(error: dict, model: type[BaseModel]) -> ProtocolError:
         return ProtocolError(f"the request body: {error['msg']}")
     if param in FIELD_RULES and len(loc) > 1:  # a bad value inside an object field: name it, not the object
         return ProtocolError(f"{param} ({_short(error.get('input'))}) must be {FIELD_RULES[param]}", param=param)
+    if error["type"] == "extra_forbidden" and field == "messages" and len(loc) == 3:
+        return ProtocolError(f"unknown key {clip(loc[2])!r} in messages.{loc[1]}; a message takes role, content and "
+                             f"name (OpenAI's refusal, audio and tool fields are not supported)", param=clip(param))
     if error["type"] == "extra_forbidden" and len(loc) > 1:  # inside an object field (stream_options)
         return ProtocolError(f"unknown parameter {clip(param)!r}; {field} must be "
                              f"{FIELD_RULES.get(field, 'as the OpenAI API reference says')}", param=clip(param))
