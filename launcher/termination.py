@@ -22,10 +22,11 @@ import time
 
 TERMINATED_EXIT = 143
 """The exit code after SIGTERM (128 + 15), as shells report a command killed by it."""
-CLEAN_EXIT_WAIT_S = 20.0
+CLEAN_EXIT_WAIT_S = 45.0
 """How long the clean shutdown after SIGTERM may take before the process exits regardless: it
 stops the ranks within a second's grace and Ray within a few more (a private cluster on a busy
-host), and whoever sent SIGTERM (systemd, Kubernetes) sends SIGKILL after its own wait."""
+host), and waits up to 30 s for a --presharded-cache copy being written (launcher/api.py,
+HURRIED_CACHE_WAIT_S); whoever sent SIGTERM (systemd, Kubernetes) sends SIGKILL after its own wait."""
 CLUSTER_DYING_WAIT_S = 1.0
 """How long after SIGTERM the process watches for a private Ray's own processes to exit: a signal
 sent to the whole process group (`timeout`, `kill -- -PGID`, a terminal's job control) reaches
