@@ -591,7 +591,11 @@ class Launcher:
             self._unless_stop_asked()
         except BaseException as err:
             stop_asked = self._stops != self._stops_at_start
-            self.shutdown()
+            if isinstance(err, KeyboardInterrupt):  # as __exit__ does, which a failed __enter__ never reaches
+                with _second_interrupt_held():
+                    self.shutdown(grace_s=INTERRUPT_GRACE_S)
+            else:
+                self.shutdown()
             if stop_asked and not isinstance(err, (LaunchError, KeyboardInterrupt)):
                 raise LaunchError("the launcher was shut down while it started; nothing is left running") from err
             raise

@@ -7,6 +7,12 @@ outlived the command by about 30 s), and after it Ray's C++ failure handler (a s
 and exit 134 through SIGABRT). Raised as a KeyboardInterrupt, SIGTERM takes every path Ctrl-C
 takes: requests cancelled, ranks and Ray stopped within a short grace, temporary folders removed.
 
+A signal sent to the whole process group (`timeout`, `kill -- -PGID`) reaches the private Ray's own
+processes too, and then no Ray call can complete (each waited 60 s for the gone GCS, then the
+process exited 1): the handler tells the two apart before any clean-up starts, by watching its
+child processes (the private Ray's GCS, raylet, dashboard) for a moment, and in that case exits at
+once, removing the directories it was writing (shardlib.atomic_dir).
+
 Only the CLI installs the handler: a program using the driver API keeps whatever SIGTERM does in it
 (Ray's handler once Ray has started).
 """
@@ -27,54 +33,52 @@ CLEAN_EXIT_WAIT_S = 45.0
 stops the ranks within a second's grace and Ray within a few more (a private cluster on a busy
 host), and waits up to 30 s for a --presharded-cache copy being written (launcher/api.py,
 HURRIED_CACHE_WAIT_S); whoever sent SIGTERM (systemd, Kubernetes) sends SIGKILL after its own wait."""
-CLUSTER_DYING_WAIT_S = 1.0
-"""How long after SIGTERM the process watches for a private Ray's own processes to exit: a signal
-sent to the whole process group (`timeout`, `kill -- -PGID`, a terminal's job control) reaches
-them as well, within milliseconds."""
+GROUP_SIGNAL_WAIT_S = 1.0
+"""How long the handler watches this process's children for one to exit before deciding the signal
+was its alone: sent to the group, it reaches them within milliseconds, and the private Ray's
+Python processes exit on it within a few hundred (more on a loaded host). Only while there are
+children: before Ray starts the handler returns at once."""
 
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM arrived: a KeyboardInterrupt, so every clean-up written for Ctrl-C runs for it too."""
 
 
-_watchdog_started = threading.Event()
+_terminating = threading.Event()
 
 
-def raise_terminated() -> None:
-    """Raise Terminated, with a watchdog that ends the process if the clean shutdown cannot run or
-    does not end: a private Ray whose processes got SIGTERM too left each Ray call of the shutdown
-    waiting 60 s for a GCS that was gone (Ray's reconnect timeout), then exit 1."""
-    if not _watchdog_started.is_set():
-        _watchdog_started.set()
-        threading.Thread(target=_exit_unless_shut_down, name="corelaunch-sigterm-watchdog", daemon=True).start()
+def on_sigterm() -> None:
+    """What SIGTERM does in the CLI: the first exits at once when it reached the private Ray's
+    processes too (see the module docstring), else raises Terminated with a watchdog that ends the
+    process should the clean-up not; later ones are ignored (the clean-up under way ends it, as a
+    second Ctrl-C is held during a shutdown)."""
+    if _terminating.is_set():
+        return
+    note_held()
+    raise_after_hold()
+
+
+def note_held() -> None:
+    """The first SIGTERM's check, for one held while ray.init runs (launcher/cluster/ray_cluster.py):
+    exits at once when the signal reached the private Ray's processes too, whose GCS ray.init would
+    wait 60 s for."""
+    if _terminating.is_set():
+        return
+    _terminating.set()
+    if _children_exit_within(GROUP_SIGNAL_WAIT_S):
+        exit_abandoning("the signal reached Ray's own processes too (sent to the whole process group), so there "
+                        "was no cluster left to stop the ranks through; they got it as well")
+
+
+def raise_after_hold() -> None:
+    """Terminated raised, with the watchdog that ends the process should the clean-up not."""
+    _terminating.set()
+    threading.Thread(target=_exit_unless_shut_down, name="corelaunch-sigterm-watchdog", daemon=True).start()
     raise Terminated
 
 
 def _raise_terminated(signum, frame) -> None:
-    raise_terminated()
-
-
-def _exit_unless_shut_down() -> None:
-    from launcher.cluster import ray_cluster
-
-    started = time.monotonic()
-    # Only where Ray is loaded: importing it here (seconds) would be a waste before Ray starts
-    if "ray" in sys.modules and ray_cluster.private_cluster_dying(CLUSTER_DYING_WAIT_S):
-        why = ("Ray's own processes got the signal too, so there was no cluster left to stop the ranks through; "
-               "they got it as well")
-    else:
-        time.sleep(max(0.0, CLEAN_EXIT_WAIT_S - (time.monotonic() - started)))
-        why = f"the clean shutdown had not ended {CLEAN_EXIT_WAIT_S:g} s after it"
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001 - a reader that left: nothing more to say to it
-            pass
-    try:
-        sys.stderr.write(f"corelaunch: terminated (SIGTERM); {why}\n")
-        sys.stderr.flush()
-    finally:
-        os._exit(TERMINATED_EXIT)
+    on_sigterm()
 
 
 def installed() -> bool:
@@ -101,3 +105,63 @@ def sigterm_raises_terminated():
         yield
     finally:
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+def exit_abandoning(why: str) -> None:
+    """Exit 143 now, saying why: the directories this process was writing are removed first (their
+    writers will never unwind), nothing else runs."""
+    from shardlib.atomic_dir import remove_unfinished
+
+    remove_unfinished()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a reader that left: nothing more to say to it
+            pass
+    try:
+        sys.stderr.write(f"corelaunch: terminated (SIGTERM); {why}\n")
+        sys.stderr.flush()
+    finally:
+        os._exit(TERMINATED_EXIT)
+
+
+def _exit_unless_shut_down() -> None:
+    time.sleep(CLEAN_EXIT_WAIT_S)
+    exit_abandoning(f"the clean shutdown had not ended {CLEAN_EXIT_WAIT_S:g} s after it")
+
+
+def _children_exit_within(within_s: float) -> bool:
+    """True when a child process of this one that was running when called exits within within_s
+    (a zombie, or gone). Linux's /proc; False elsewhere, or with no child running."""
+    running = {pid for pid, state in _children().items() if state != "Z"}
+    if not running:
+        return False
+    deadline = time.monotonic() + within_s
+    while True:
+        now = _children()
+        if any(now.get(pid, "Z") == "Z" for pid in running):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+
+
+def _children() -> dict[int, str]:
+    """{pid: state letter} of this process's children, from /proc/*/stat; {} without /proc."""
+    me, found = os.getpid(), {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return found
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        fields = stat[stat.rfind(b")") + 2:].split()  # after "pid (comm) ": the name may hold spaces
+        if len(fields) > 1 and int(fields[1]) == me:
+            found[int(entry)] = fields[0].decode()
+    return found

@@ -133,6 +133,22 @@ def out_dir_failure(out_dir: str | Path, err: OSError) -> str | None:
     return str(err) if names_out_dir(out_dir, err.filename) else None
 
 
+_UNFINISHED: dict[Path, Path] = {}
+"""Version directories this process is writing (atomic_dir), each with its out_dir, for
+remove_unfinished()."""
+
+
+def remove_unfinished() -> None:
+    """Remove the version directories this process is still writing: for a process about to exit
+    without unwinding (launcher/termination.py, when SIGTERM reached its private Ray too), whose
+    writers' own clean-up will never run. A later write to the same out_dir would sweep them, but
+    only once it came."""
+    for version, out_dir in list(_UNFINISHED.items()):
+        linked = current_version(out_dir)
+        if linked is None or linked.absolute() != version.absolute():  # not switched in (the signal came mid-swap)
+            shutil.rmtree(version, ignore_errors=True)
+
+
 @contextmanager
 def atomic_dir(out_dir: str | Path, what: str, marker: str = MANIFEST,
                read_kind: Callable[[Path], Any] | None = None) -> Iterator[Path]:
@@ -149,6 +165,7 @@ def atomic_dir(out_dir: str | Path, what: str, marker: str = MANIFEST,
     sweep_stale(out_dir)
     version = out_dir.parent / f"{_prefix(out_dir, 'v')}{_owner()}-{secrets.token_hex(4)}"
     version.mkdir()
+    _UNFINISHED[version] = out_dir
     try:
         yield version
         version.chmod(0o755)
@@ -157,6 +174,8 @@ def atomic_dir(out_dir: str | Path, what: str, marker: str = MANIFEST,
     except BaseException:
         shutil.rmtree(version, ignore_errors=True)
         raise
+    finally:
+        _UNFINISHED.pop(version, None)
 
 
 def current_version(out_dir: str | Path) -> Path | None:

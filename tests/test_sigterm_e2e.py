@@ -49,18 +49,21 @@ def test_after_ray_init_sigterm_still_raises_the_clis_interrupt():
 # exclusive: these watch the session's processes and /dev/shm, and time the exit
 @pytest.mark.slow
 @pytest.mark.exclusive
-@pytest.mark.parametrize("target, when", [("pid", "generating"), ("group", "generating"), ("pid", "starting")])
+@pytest.mark.parametrize("target, when", [("pid", "generating"), ("group", "generating"), ("pid", "starting"),
+                                          ("group", "ray-starting")])
 def test_sigterm_stops_a_generate_within_seconds_leaving_nothing(target, when):
     """target pid: `kill PID` (systemd's default, `ray job stop`); group: `kill -- -PGID` or
     `timeout`, which reach Ray's GCS and raylet at the same moment. when starting: as the ranks are
     placed and load (the launcher's shutdown then waits for the start's threads before Ray
-    closes)."""
+    closes); ray-starting: inside ray.init (sent to the group, ray.init waited 60 s for the GCS the
+    signal had ended, then exit 1)."""
     segments_before = set(glob.glob("/dev/shm/corelaunch-*"))
     # Not --quiet: the progress lines say when Ray is up and when the generation begins; 1.5 s
     # after the start is well into the generation (two prompts of 400 tokens take far longer).
     send = (lambda pid: os.kill(pid, signal.SIGTERM)) if target == "pid" else (
         lambda pid: os.killpg(pid, signal.SIGTERM))
-    marker, after_s = ("✓ starting", 1.5) if when == "generating" else ("✓ connecting to Ray", 0.0)
+    marker, after_s = {"generating": ("✓ starting", 1.5), "starting": ("✓ connecting to Ray", 0.0),
+                       "ray-starting": ("✓ loading tokenizer", 1.0)}[when]
     code, err, took_s, sid = signal_when_ready(generate_command("One", "Two", new_tokens=400, quiet=False), marker,
                                                after_s, send)
     assert code == 143, err[-3000:]

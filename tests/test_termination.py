@@ -78,3 +78,57 @@ def test_ray_init_installs_no_sigterm_handler_while_the_clis_is_kept():
             assert signal.getsignal(signal.SIGTERM) is rays
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_child_exiting_tells_a_signal_sent_to_the_whole_group():
+    """The private Ray's processes are this process's children: one of them exiting right after
+    SIGTERM means the signal reached them too."""
+    from launcher.termination import _children_exit_within
+
+    assert _children_exit_within(0.2) is False  # none running: no wait either
+    lasting = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        started = time.monotonic()
+        assert _children_exit_within(0.3) is False
+        assert time.monotonic() - started >= 0.3
+        ending = subprocess.Popen([sys.executable, "-c", "pass"])  # exits at once, not reaped: a zombie
+        assert _children_exit_within(10.0) is True
+        ending.wait()
+    finally:
+        lasting.kill()
+        lasting.wait()
+
+
+SECOND_SIGNAL = textwrap.dedent("""
+    import os, signal, time
+    from launcher import termination
+    with termination.sigterm_raises_terminated():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(10)
+        except termination.Terminated:
+            os.kill(os.getpid(), signal.SIGTERM)  # a second one while cleaning up
+            time.sleep(0.5)
+            print("clean-up finished", flush=True)
+""")
+
+
+def test_a_second_sigterm_never_cuts_the_clean_up_short():
+    run = subprocess.run([sys.executable, "-c", SECOND_SIGNAL], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert run.returncode == 0 and run.stdout == "clean-up finished\n", run.stderr
+
+
+def test_directories_being_written_are_removed_for_an_exit_that_skips_their_writers(tmp_path):
+    from shardlib.atomic_dir import atomic_dir, current_version, remove_unfinished
+
+    out = tmp_path / "compiled"
+    with atomic_dir(out, "a compiled directory") as version:
+        (version / "manifest.json").write_text("{}")
+        remove_unfinished()
+        assert not version.exists()
+        version.mkdir()  # for the block's own end
+        (version / "manifest.json").write_text("{}")
+    finished = current_version(out)
+    assert finished is not None and finished.exists()
+    remove_unfinished()  # a finished version is not this process's to remove
+    assert finished.exists() and (out / "manifest.json").is_file()

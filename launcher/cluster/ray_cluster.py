@@ -487,8 +487,14 @@ def _init(**options) -> None:
         _init_on_a_keeper_thread(options)  # signals reach the main thread only
         return
     interrupted: list[int] = []
+
+    def hold(signum: int, _frame) -> None:
+        if signum == signal.SIGTERM:
+            termination.note_held()  # sent to the whole group, it exits now: the GCS is going
+        interrupted.append(signum)
+
     held = [signal.SIGINT] + ([signal.SIGTERM] if termination.installed() else [])
-    previous = {sig: signal.signal(sig, lambda signum, _: interrupted.append(signum)) for sig in held}
+    previous = {sig: signal.signal(sig, hold) for sig in held}
     try:
         with _sigterm_handler_kept(signal.SIGTERM in held):
             ray.init(**options)
@@ -501,7 +507,7 @@ def _init(**options) -> None:
     if interrupted:
         ray.shutdown()
         if signal.SIGTERM in interrupted:
-            termination.raise_terminated()
+            termination.raise_after_hold()
         raise KeyboardInterrupt
 
 
