@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import sys
 import threading
 import time
 
@@ -45,6 +44,16 @@ class Terminated(KeyboardInterrupt):
 
 
 _terminating = threading.Event()
+_ended = threading.Event()
+"""Set when sigterm_raises_terminated's block ends: the watchdog then has nothing to end (a CLI run
+in-process, `launcher.cli.main([...])`, returns and its caller goes on)."""
+
+
+def received() -> bool:
+    """True once SIGTERM has come inside the block: a KeyboardInterrupt that Ray made of the
+    Terminated raised while the main thread waited in a Ray call (Ray's signal check raises a new,
+    plain one) is still SIGTERM's."""
+    return _terminating.is_set()
 
 
 def on_sigterm() -> None:
@@ -101,39 +110,38 @@ def sigterm_raises_terminated():
         yield
         return
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    _terminating.clear()
+    _ended.clear()
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        _ended.set()
 
 
 def exit_abandoning(why: str) -> None:
     """Exit 143 now, saying why: the directories this process was writing are removed first (their
-    writers will never unwind), nothing else runs."""
-    from shardlib.atomic_dir import remove_unfinished
-
-    remove_unfinished()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001 - a reader that left: nothing more to say to it
-            pass
+    writers will never unwind), nothing else runs. The line goes straight to file descriptor 2:
+    sys.stderr's lock may be held by a main thread stuck writing to a reader that stopped."""
     try:
-        sys.stderr.write(f"corelaunch: terminated (SIGTERM); {why}\n")
-        sys.stderr.flush()
+        from shardlib.atomic_dir import remove_unfinished
+
+        remove_unfinished()
+        os.write(2, f"corelaunch: terminated (SIGTERM); {why}\n".encode())
     finally:
         os._exit(TERMINATED_EXIT)
 
 
 def _exit_unless_shut_down() -> None:
-    time.sleep(CLEAN_EXIT_WAIT_S)
-    exit_abandoning(f"the clean shutdown had not ended {CLEAN_EXIT_WAIT_S:g} s after it")
+    if not _ended.wait(CLEAN_EXIT_WAIT_S):
+        exit_abandoning(f"the clean shutdown had not ended {CLEAN_EXIT_WAIT_S:g} s after it")
 
 
 def _children_exit_within(within_s: float) -> bool:
-    """True when a child process of this one that was running when called exits within within_s
-    (a zombie, or gone). Linux's /proc; False elsewhere, or with no child running."""
-    running = {pid for pid, state in _children().items() if state != "Z"}
+    """True when a child process of this one from Ray (the private cluster's GCS, raylet and Python
+    daemons) that was running when called exits within within_s (a zombie, or gone). Linux's /proc;
+    False elsewhere, or with no such child running."""
+    running = {pid for pid, state in _children().items() if state != "Z" and _from_ray(pid)}
     if not running:
         return False
     deadline = time.monotonic() + within_s
@@ -144,6 +152,17 @@ def _children_exit_within(within_s: float) -> bool:
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.02)
+
+
+def _from_ray(pid: int) -> bool:
+    """A process Ray started: its GCS or raylet binary, or a Python script from Ray's package (not a
+    helper such as `neuron-ls` that Ray runs and waits for during ray.init)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return False
+    return any(arg.endswith((b"/gcs_server", b"/raylet")) or b"/ray/" in arg for arg in argv)
 
 
 def _children() -> dict[int, str]:

@@ -325,16 +325,31 @@ _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 
 
+_RENAME_NOREPLACE = 1
+
+
 def _exchange(a: Path, b: Path) -> bool:
     """Atomically exchange paths a and b (Linux renameat2); False where it is not offered."""
+    return _renameat2(a, b, _RENAME_EXCHANGE)
+
+
+def rename_no_replace(a: Path, b: Path) -> bool:
+    """Rename a to b unless b exists (FileExistsError then, atomically: rename(2) replaced an empty
+    directory at b); False where the file system does not offer it (the caller renames as it can)."""
+    return _renameat2(a, b, _RENAME_NOREPLACE)
+
+
+def _renameat2(a: Path, b: Path, flags: int) -> bool:
     try:
         renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
     except (AttributeError, OSError):
         return False
     renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), flags) == 0:
         return True
     err = ctypes.get_errno()
+    if err == errno.EEXIST:
+        raise FileExistsError(err, os.strerror(err), str(b))
     if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM):
         return False
     raise OSError(err, os.strerror(err), str(b))

@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from shardlib.atomic_dir import make_parents, owned_sibling, sweep_stale
+from shardlib.atomic_dir import make_parents, owned_sibling, rename_no_replace, sweep_stale
 from shardlib.checkpoint import CHECKPOINT_FILES, _open_files, checked_names, find_checkpoint
 from shardlib.checkpoint_files import check_checkpoint
 from shardlib.model_config import ModelConfig, read_config_json
@@ -120,7 +120,8 @@ def _rename_into_place(partial: Path, out_dir: Path) -> None:
     if out_dir.exists() or out_dir.is_symlink():
         raise taken
     try:
-        partial.rename(out_dir)
+        if not rename_no_replace(partial, out_dir):  # a file system without it: the check above, then rename(2)
+            partial.rename(out_dir)
     except OSError as err:
         if err.errno in (errno.ENOTEMPTY, errno.EEXIST):
             raise taken from None

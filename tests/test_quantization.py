@@ -101,7 +101,7 @@ def test_a_killed_quantizes_leftovers_are_swept_by_the_next(source_dir, tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["q", running.name])
 
 
-@pytest.mark.parametrize("meanwhile", ["written", "empty"])
+@pytest.mark.parametrize("meanwhile", ["written", "empty", "empty-at-the-rename"])
 def test_an_out_written_meanwhile_by_another_process_is_refused_as_taken(source_dir, tmp_path, monkeypatch,
                                                                          meanwhile):
     """Two quantizes into one new --out: the loser was told its --out could not be written
@@ -109,15 +109,19 @@ def test_an_out_written_meanwhile_by_another_process_is_refused_as_taken(source_
     from shardlib import quantize_checkpoint as module
 
     out = tmp_path / "q"
-    copy = module._copy_other_files
 
-    def another_process_writes_out(model_dir, partial):
-        copy(model_dir, partial)
+    def another_process_writes_out(*_):
         out.mkdir()
         if meanwhile == "written":  # another quantize's folder
             (out / "config.json").write_text("{}")
 
-    monkeypatch.setattr(module, "_copy_other_files", another_process_writes_out)
+    if meanwhile == "empty-at-the-rename":  # after the check for it: rename(2) replaced it silently
+        rename = module.rename_no_replace
+        monkeypatch.setattr(module, "rename_no_replace", lambda a, b: another_process_writes_out() or rename(a, b))
+    else:
+        copy = module._copy_other_files
+        monkeypatch.setattr(module, "_copy_other_files", lambda model_dir, partial: copy(model_dir, partial) or
+                            another_process_writes_out())
     with pytest.raises(ValueError, match=r"--out .*/q already exists: another process wrote it while this "
                                          r"quantize ran; choose a new directory"):
         quantize_checkpoint(source_dir, out, "int8")

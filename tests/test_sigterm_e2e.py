@@ -66,6 +66,8 @@ def test_sigterm_stops_a_generate_within_seconds_leaving_nothing(target, when):
                        "ray-starting": ("✓ loading tokenizer", 1.0)}[when]
     code, err, took_s, sid = signal_when_ready(generate_command("One", "Two", new_tokens=400, quiet=False), marker,
                                                after_s, send)
+    too_late = {"starting": "✓ starting", "ray-starting": "✓ connecting to Ray"}.get(when)
+    assert too_late is None or too_late not in err, f"the signal came after the phase it is for:\n{err[-3000:]}"
     assert code == 143, err[-3000:]
     assert "corelaunch: terminated (SIGTERM)" in err, err[-3000:]
     assert "Traceback" not in err and "SIGTERM received" not in err, err[-3000:]

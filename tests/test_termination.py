@@ -25,10 +25,24 @@ STUCK_CLEAN_UP = textwrap.dedent("""
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(10)
         except termination.Terminated as err:
-            print("raised", isinstance(err, KeyboardInterrupt), flush=True)
+            print("raised", isinstance(err, KeyboardInterrupt), termination.received(), flush=True)
+            time.sleep(10)  # a clean-up that never ends
+            print("never", flush=True)
+""")
+
+ENDED_CLEAN_UP = textwrap.dedent("""
+    import os, signal, time
+    from launcher import termination
+    termination.CLEAN_EXIT_WAIT_S = 0.5
+    with termination.sigterm_raises_terminated():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(10)
+        except termination.Terminated:
+            pass
     print("restored", signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, flush=True)
-    time.sleep(10)  # a clean-up that never ends
-    print("never", flush=True)
+    time.sleep(1.5)  # the caller of an in-process run goes on
+    print("still running", flush=True)
 """)
 
 
@@ -37,10 +51,17 @@ def test_sigterm_raises_an_interrupt_and_a_clean_up_that_never_ends_is_cut_short
     run = subprocess.run([sys.executable, "-c", STUCK_CLEAN_UP], capture_output=True, text=True, timeout=60,
                          cwd=REPO)
     took_s = time.monotonic() - started
-    assert run.stdout.split("\n") == ["installed True", "raised True", "restored True", ""], run.stderr
+    assert run.stdout.split("\n") == ["installed True", "raised True True", ""], run.stderr
     assert run.returncode == termination.TERMINATED_EXIT == 143, run.stderr
     assert "corelaunch: terminated (SIGTERM); the clean shutdown had not ended 0.5 s after it" in run.stderr
     assert took_s < 8, f"the watchdog took {took_s:.1f} s"
+
+
+def test_the_watchdog_stands_down_once_the_clis_block_has_ended():
+    """`launcher.cli.main([...])` run in-process returns 143 after SIGTERM and its caller goes on."""
+    run = subprocess.run([sys.executable, "-c", ENDED_CLEAN_UP], capture_output=True, text=True, timeout=60,
+                         cwd=REPO)
+    assert run.returncode == 0 and run.stdout == "restored True\nstill running\n", run.stderr
 
 
 def test_the_handler_is_the_clis_only_inside_its_block():
@@ -59,9 +80,17 @@ def test_ray_init_installs_no_sigterm_handler_while_the_clis_is_kept():
     """Ray's handlers (the driver's sys.exit(15), the head node's kill-and-exit-1) are installed
     through ray._private.utils.set_sigterm_handler as ray.init begins; held, a SIGTERM while a
     private cluster starts waits for ray.init to return, as Ctrl-C does."""
+    import inspect
+
+    import ray._private.node
     import ray._private.utils as ray_utils
+    import ray._private.worker
 
     from launcher.cluster.ray_cluster import _sigterm_handler_kept
+
+    # the module attribute the block replaces is what ray.init and a head node call
+    assert "ray._private.utils.set_sigterm_handler(" in inspect.getsource(ray._private.worker.init)
+    assert "ray._private.utils.set_sigterm_handler(" in inspect.getsource(ray._private.node.Node)
 
     def rays(signum, frame):  # pragma: no cover - never called
         raise AssertionError("Ray's handler ran")
@@ -86,12 +115,16 @@ def test_a_child_exiting_tells_a_signal_sent_to_the_whole_group():
     from launcher.termination import _children_exit_within
 
     assert _children_exit_within(0.2) is False  # none running: no wait either
-    lasting = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    other = subprocess.Popen([sys.executable, "-c", "pass"])  # not Ray's: its exit says nothing
+    assert _children_exit_within(0.5) is False
+    other.wait()
+    # a process run from Ray's package, as the private cluster's Python daemons are
+    lasting = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "/ray/monitor.py"])
     try:
         started = time.monotonic()
         assert _children_exit_within(0.3) is False
         assert time.monotonic() - started >= 0.3
-        ending = subprocess.Popen([sys.executable, "-c", "pass"])  # exits at once, not reaped: a zombie
+        ending = subprocess.Popen([sys.executable, "-c", "pass", "/ray/dashboard.py"])  # not reaped: a zombie
         assert _children_exit_within(10.0) is True
         ending.wait()
     finally:

@@ -166,7 +166,12 @@ class RankWorker:
         under the start-up timeout, before the rendezvous, whose timeout then counts the joining
         alone (torch's import takes seconds a rank, more when several ranks import it at once on a
         busy host)."""
+        from shardlib.env_settings import check_environment
+
         start = time.perf_counter()
+        # This rank's own environment (a running cluster's, not the driver's, which the plan
+        # checked): a bad switch is named at start, not at the kernel's first use mid-request.
+        check_environment()
         self._set_up_backend()
         return {"rank": self.spec.rank, "prepare_s": time.perf_counter() - start}
 

@@ -51,15 +51,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from launcher.termination import TERMINATED_EXIT, Terminated, sigterm_raises_terminated
+    from launcher import termination
 
     try:
-        with sigterm_raises_terminated():  # `kill`, `timeout`, systemd, `ray job stop`: stopped as Ctrl-C stops it
+        with termination.sigterm_raises_terminated():  # `kill`, `timeout`, systemd, `ray job stop`: as Ctrl-C
             return _parse_and_run(argv)
-    except Terminated:  # a KeyboardInterrupt: the same clean-up has run
-        print("corelaunch: terminated (SIGTERM)", file=sys.stderr)
-        return TERMINATED_EXIT
-    except KeyboardInterrupt:  # the launcher has already stopped its workers (Launcher.__exit__)
+    except KeyboardInterrupt as err:  # the launcher has already stopped its workers (Launcher.__exit__)
+        # Terminated, or the plain KeyboardInterrupt Ray's signal check makes of it inside a Ray call
+        if isinstance(err, termination.Terminated) or termination.received():
+            print("corelaunch: terminated (SIGTERM)", file=sys.stderr)
+            return termination.TERMINATED_EXIT
         print("corelaunch: interrupted", file=sys.stderr)
         return INTERRUPTED
 

@@ -498,6 +498,10 @@ def _init(**options) -> None:
     try:
         with _sigterm_handler_kept(signal.SIGTERM in held):
             ray.init(**options)
+    except BaseException:
+        if signal.SIGTERM in interrupted:  # said as SIGTERM (exit 143), not as ray.init's failure
+            termination.raise_after_hold()
+        raise
     finally:
         signal.signal(signal.SIGINT, previous[signal.SIGINT])
         if signal.SIGTERM in held:
