@@ -74,7 +74,7 @@ def note_held() -> None:
     if _terminating.is_set():
         return
     _terminating.set()
-    if _children_exit_within(GROUP_SIGNAL_WAIT_S):
+    if _ray_going(GROUP_SIGNAL_WAIT_S):
         exit_abandoning("the signal reached Ray's own processes too (sent to the whole process group), so there "
                         "was no cluster left to stop the ranks through; they got it as well")
 
@@ -137,11 +137,30 @@ def _exit_unless_shut_down() -> None:
         exit_abandoning(f"the clean shutdown had not ended {CLEAN_EXIT_WAIT_S:g} s after it")
 
 
+def _ray_going(within_s: float) -> bool:
+    """True when one of the private Ray's own processes has exited, or does within within_s. Python
+    runs the handler only when the main thread is back in the interpreter, by when the private
+    Ray's Python daemons may be gone already: what counts is that one has gone, not when. Through
+    Ray's record of the processes it started once there is one (ray_cluster.private_cluster_dying),
+    else (inside ray.init) through /proc."""
+    import sys
+
+    if "ray" in sys.modules:
+        from launcher.cluster import ray_cluster
+
+        if ray_cluster.private_node_running():
+            return ray_cluster.private_cluster_dying(within_s)
+    return _children_exit_within(within_s)
+
+
 def _children_exit_within(within_s: float) -> bool:
-    """True when a child process of this one from Ray (the private cluster's GCS, raylet and Python
-    daemons) that was running when called exits within within_s (a zombie, or gone). Linux's /proc;
-    False elsewhere, or with no such child running."""
-    running = {pid for pid, state in _children().items() if state != "Z" and _from_ray(pid)}
+    """True when a child process of this one is a zombie (exited, not yet reaped: while ray.init
+    runs, one of the processes it started), or when one from Ray (its GCS, raylet, Python daemons)
+    that is running when called exits within within_s. Linux's /proc; False elsewhere."""
+    children = _children()
+    if any(state == "Z" for state in children.values()):
+        return True
+    running = {pid for pid in children if _from_ray(pid)}
     if not running:
         return False
     deadline = time.monotonic() + within_s

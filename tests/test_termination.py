@@ -110,22 +110,24 @@ def test_ray_init_installs_no_sigterm_handler_while_the_clis_is_kept():
 
 
 def test_a_child_exiting_tells_a_signal_sent_to_the_whole_group():
-    """The private Ray's processes are this process's children: one of them exiting right after
-    SIGTERM means the signal reached them too."""
+    """Inside ray.init the private Ray's processes are this process's children: one of them exited
+    (a zombie, the handler running late) or exiting right after SIGTERM means the signal reached
+    them too; a helper of another kind exiting then does not."""
     from launcher.termination import _children_exit_within
 
     assert _children_exit_within(0.2) is False  # none running: no wait either
-    other = subprocess.Popen([sys.executable, "-c", "pass"])  # not Ray's: its exit says nothing
-    assert _children_exit_within(0.5) is False
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.2)"])  # not Ray's
+    assert _children_exit_within(1.0) is False
     other.wait()
-    # a process run from Ray's package, as the private cluster's Python daemons are
     lasting = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "/ray/monitor.py"])
     try:
         started = time.monotonic()
         assert _children_exit_within(0.3) is False
         assert time.monotonic() - started >= 0.3
-        ending = subprocess.Popen([sys.executable, "-c", "pass", "/ray/dashboard.py"])  # not reaped: a zombie
+        ending = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)", "/ray/dashboard.py"])
+        time.sleep(0.1)  # running when the check starts, exiting within it
         assert _children_exit_within(10.0) is True
+        assert _children_exit_within(0.0) is True  # exited before the check: a zombie until reaped
         ending.wait()
     finally:
         lasting.kill()

@@ -436,6 +436,12 @@ def logs_dir() -> str:
         return "/tmp/ray/session_latest/logs"
 
 
+def private_node_running() -> bool:
+    """True once this process has started a private Ray whose record of its processes is readable."""
+    node = _ray_node()
+    return node is not None and bool(_OWN_SESSION["started_here"]) and hasattr(node, "dead_processes")
+
+
 def dead_private_processes() -> frozenset[int]:
     """The pids of the private Ray's own processes (see private_cluster_dying) that have exited."""
     node = _ray_node()
