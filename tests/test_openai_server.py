@@ -461,6 +461,15 @@ def test_a_key_a_message_does_not_take_is_refused_by_name(message, param, words)
     assert caught.value.param == param and words in caught.value.message, caught.value.message
 
 
+@pytest.mark.parametrize("message", [1, "hi", None, []], ids=["number", "string", "null", "array"])
+def test_a_message_that_is_no_object_is_named_without_the_servers_class_names(message):
+    """pydantic's words named the server's own class ("instance of ChatMessage")."""
+    with pytest.raises(ProtocolError) as caught:
+        parse_request(ChatCompletionRequest, {"model": MODEL, "messages": [message]})
+    assert caught.value.param == "messages.0" and "must be a message, an object {role:" in caught.value.message
+    assert "ChatMessage" not in caught.value.message and "instance" not in caught.value.message
+
+
 def test_a_message_key_sent_as_null_is_left_out():
     """Clients that serialise every field of a message send OpenAI's optional ones as null."""
     request = parse_request(ChatCompletionRequest, {"model": MODEL, "messages": [

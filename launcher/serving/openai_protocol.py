@@ -328,6 +328,9 @@ def _field_error(error: dict, model: type[BaseModel]) -> ProtocolError:
         if j is not None:
             return ProtocolError(f"{param}.{j} ({_short(value[j])}) must be a content part, "
                                  f"{{\"type\": \"text\", \"text\": ...}}", param=f"{param}.{j}")
+    if field == "messages" and len(loc) == 2 and error["type"] == "model_type":  # not an object at all
+        return ProtocolError(f"{param} ({_short(value)}) must be a message, an object {{role: system|user|assistant|"
+                             f"developer, content: string or text parts}}", param=param)
     if field == "messages" and len(loc) > 1:  # inside one message: say which and what is wrong
         return ProtocolError(f"{param}: {error['msg']} (a message is {{role: system|user|assistant|tool|"
                              f"developer, content: string or text parts}})", param=param)
