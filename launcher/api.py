@@ -555,6 +555,11 @@ class Launcher:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
+        self._shutdown_after(exc_type)
+
+    def _shutdown_after(self, exc_type: type[BaseException] | None) -> None:
+        """shutdown() for a block (or a start cut short, whose __exit__ never runs) ended by exc_type:
+        after Ctrl-C or SIGTERM a short grace with a second signal held, else the usual one."""
         if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
             # Ctrl-C (or the CLI's SIGTERM, raised as one): the user is waiting; whatever still runs
             # is killed after a short grace. A second Ctrl-C then cut the shutdown short, and Ray's
@@ -591,11 +596,7 @@ class Launcher:
             self._unless_stop_asked()
         except BaseException as err:
             stop_asked = self._stops != self._stops_at_start
-            if isinstance(err, KeyboardInterrupt):  # as __exit__ does, which a failed __enter__ never reaches
-                with _second_interrupt_held():
-                    self.shutdown(grace_s=INTERRUPT_GRACE_S)
-            else:
-                self.shutdown()
+            self._shutdown_after(type(err))  # as __exit__ does, which a failed __enter__ never reaches
             if stop_asked and not isinstance(err, (LaunchError, KeyboardInterrupt)):
                 raise LaunchError("the launcher was shut down while it started; nothing is left running") from err
             raise

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -143,8 +144,6 @@ def _ray_going(within_s: float) -> bool:
     Ray's Python daemons may be gone already: what counts is that one has gone, not when. Through
     Ray's record of the processes it started once there is one (ray_cluster.private_cluster_dying),
     else (inside ray.init) through /proc."""
-    import sys
-
     if "ray" in sys.modules:
         from launcher.cluster import ray_cluster
 

@@ -117,10 +117,10 @@ def _rename_into_place(partial: Path, out_dir: Path) -> None:
     written ("Directory not empty"), as if the fault were a permission."""
     taken = ValueError(f"--out {out_dir} already exists: another process wrote it while this quantize ran; "
                        f"choose a new directory (quantize never overwrites)")
-    if out_dir.exists() or out_dir.is_symlink():
-        raise taken
     try:
-        if not rename_no_replace(partial, out_dir):  # a file system without it: the check above, then rename(2)
+        if not rename_no_replace(partial, out_dir):  # a file system without it: a check, then rename(2)
+            if out_dir.exists() or out_dir.is_symlink():
+                raise taken
             partial.rename(out_dir)
     except OSError as err:
         if err.errno in (errno.ENOTEMPTY, errno.EEXIST):

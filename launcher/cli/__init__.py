@@ -56,9 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with termination.sigterm_raises_terminated():  # `kill`, `timeout`, systemd, `ray job stop`: as Ctrl-C
             return _parse_and_run(argv)
-    except KeyboardInterrupt as err:  # the launcher has already stopped its workers (Launcher.__exit__)
+    except KeyboardInterrupt:  # the launcher has already stopped its workers (Launcher.__exit__)
         # Terminated, or the plain KeyboardInterrupt Ray's signal check makes of it inside a Ray call
-        if isinstance(err, termination.Terminated) or termination.received():
+        if termination.received():
             print("corelaunch: terminated (SIGTERM)", file=sys.stderr)
             return termination.TERMINATED_EXIT
         print("corelaunch: interrupted", file=sys.stderr)

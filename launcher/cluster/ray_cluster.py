@@ -444,10 +444,9 @@ def private_node_running() -> bool:
 
 def dead_private_processes() -> frozenset[int]:
     """The pids of the private Ray's own processes (see private_cluster_dying) that have exited."""
-    node = _ray_node()
-    if node is None or not _OWN_SESSION["started_here"] or not hasattr(node, "dead_processes"):
+    if not private_node_running():
         return frozenset()
-    return frozenset(process.pid for _, process in node.dead_processes())
+    return frozenset(process.pid for _, process in _ray_node().dead_processes())
 
 
 @contextlib.contextmanager
