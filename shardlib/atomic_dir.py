@@ -27,18 +27,17 @@ import os
 import re
 import secrets
 import shutil
-import socket
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from shardlib.process_alive import process_alive
+from shardlib.process_alive import writer_may_run, writer_tag
 
 from shardlib.manifest import MANIFEST
 
 _OWNED = re.compile(r"[A-Za-z0-9_]{1,32}-[0-9]+-[0-9a-f]{8}")
-"""HOST-PID-RANDOM, as _owner() and secrets.token_hex(4) write it after `.NAME.v-` / `.NAME.lnk-`."""
+"""HOST-PID-RANDOM, as writer_tag() and secrets.token_hex(4) write it after `.NAME.v-` / `.NAME.lnk-`."""
 _LEGACY = re.compile(r"[a-z0-9_]{8}")
 """tempfile.mkdtemp's random part, after the earlier scheme's `.NAME.tmp-` / `.NAME.old-`."""
 STALE_AFTER_S = 24 * 3600.0
@@ -163,7 +162,7 @@ def atomic_dir(out_dir: str | Path, what: str, marker: str = MANIFEST,
     refuse_foreign_dir(out_dir, what, marker, read_kind)
     make_parents(out_dir)
     sweep_stale(out_dir)
-    version = out_dir.parent / f"{_prefix(out_dir, 'v')}{_owner()}-{secrets.token_hex(4)}"
+    version = out_dir.parent / f"{_prefix(out_dir, 'v')}{writer_tag()}-{secrets.token_hex(4)}"
     version.mkdir()
     _UNFINISHED[version] = out_dir
     try:
@@ -208,7 +207,7 @@ def abandoned_version(version: str | Path) -> bool:
     """Whether `version` is a `.NAME.v-HOST-PID-RANDOM` sibling this module wrote that nothing links
     to and whose writer is gone from this host: a write that never finished (killed midway)."""
     parts = _version_parts(Path(version))
-    return parts is not None and current_version(parts[0]) != Path(version) and not _owner_alive(parts[1])
+    return parts is not None and current_version(parts[0]) != Path(version) and not writer_may_run(parts[1])
 
 
 def sweep_stale(out_dir: str | Path, now: float | None = None) -> list[Path]:
@@ -227,7 +226,7 @@ def sweep_stale(out_dir: str | Path, now: float | None = None) -> list[Path]:
         except FileNotFoundError:
             continue
         if kind in ("v", "lnk", "partial") and _OWNED.fullmatch(rest):
-            stale = age > STALE_AFTER_S or not _owner_alive(rest)
+            stale = age > STALE_AFTER_S or not writer_may_run(rest)
         elif (kind in ("tmp", "old") and _LEGACY.fullmatch(rest)) or (kind == "partial" and rest.isdigit()):
             # (quantize's earlier `.NAME.partial-PID`, which names no host)
             stale = age > LEGACY_STALE_AFTER_S
@@ -285,13 +284,13 @@ def owned_sibling(out_dir: str | Path, kind: str) -> Path:
     """A new hidden sibling `.NAME.KIND-HOST-PID-RANDOM` of out_dir for a writer that renames it into
     place itself (`corelaunch quantize`'s "partial"): sweep_stale removes it once its writer is gone."""
     out_dir = Path(out_dir)
-    return out_dir.parent / f"{_prefix(out_dir, kind)}{_owner()}-{secrets.token_hex(4)}"
+    return out_dir.parent / f"{_prefix(out_dir, kind)}{writer_tag()}-{secrets.token_hex(4)}"
 
 
 # ---- the swap --------------------------------------------------------------------------------
 def _swap(out_dir: Path, version: Path) -> None:
     previous = current_version(out_dir)
-    link = out_dir.parent / f"{_prefix(out_dir, 'lnk')}{_owner()}-{secrets.token_hex(4)}"
+    link = out_dir.parent / f"{_prefix(out_dir, 'lnk')}{writer_tag()}-{secrets.token_hex(4)}"
     os.symlink(version.name, link)  # relative: the pair can be moved or copied together
     try:
         if out_dir.is_dir() and not out_dir.is_symlink():
@@ -315,7 +314,7 @@ def _replace_plain_dir(out_dir: Path, link: Path) -> None:
     if _exchange(link, out_dir):
         shutil.rmtree(link, ignore_errors=True)  # the old plain directory, now at link's name
         return
-    aside = out_dir.parent / f"{_prefix(out_dir, 'v')}{_owner()}-{secrets.token_hex(4)}"
+    aside = out_dir.parent / f"{_prefix(out_dir, 'v')}{writer_tag()}-{secrets.token_hex(4)}"
     os.replace(out_dir, aside)
     os.replace(link, out_dir)
     shutil.rmtree(aside, ignore_errors=True)
@@ -358,23 +357,6 @@ def _renameat2(a: Path, b: Path, flags: int) -> bool:
 # ---- helpers ---------------------------------------------------------------------------------
 def _prefix(out_dir: Path, kind: str) -> str:
     return f".{out_dir.name}.{kind}-"
-
-
-def _owner() -> str:
-    host = re.sub(r"[^A-Za-z0-9]", "_", socket.gethostname())[:32] or "host"
-    return f"{host}-{os.getpid()}"
-
-
-def _owner_alive(rest: str) -> bool:
-    """Whether the writer named in "HOST-PID-RANDOM" may still run: True unless it is on this host
-    and its pid is gone."""
-    parts = rest.rsplit("-", 2)
-    if len(parts) != 3 or not parts[1].isdigit():
-        return False  # not a name this module writes: nobody owns it
-    host, pid = parts[0], int(parts[1])
-    if host != _owner().rsplit("-", 1)[0]:
-        return True  # another host: only the age tells
-    return process_alive(pid)
 
 
 def remove_path(path: Path) -> None:

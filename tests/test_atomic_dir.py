@@ -13,6 +13,7 @@ import pytest
 
 from shardlib import atomic_dir as ad
 from shardlib.manifest import MANIFEST
+from shardlib.process_alive import writer_tag
 
 
 def write(out, text, fail=False):
@@ -88,7 +89,7 @@ def test_an_empty_directory_is_replaced_and_a_foreign_one_refused(tmp_path):
 
 def test_stale_leftovers_are_swept_by_the_next_write_and_live_ones_kept(tmp_path):
     out = write(tmp_path / "d", "one")
-    host = ad._owner().rsplit("-", 1)[0]
+    host = writer_tag().rsplit("-", 1)[0]
     dead = tmp_path / f".d.v-{host}-{dead_pid()}-0000aaaa"  # a killed writer on this host
     alive = tmp_path / f".d.v-{host}-{os.getppid()}-0000bbbb"  # a writer still running here
     remote = tmp_path / ".d.v-otherhost-1-0000cccc"  # another host's writer: only its age tells

@@ -498,14 +498,14 @@ def test_a_manifest_value_no_compile_writes_is_named_as_the_manifests(model_dir,
 def test_a_version_a_killed_compile_left_is_refused_when_named_directly(model_dir, tmp_path):
     """`--compiled .c4.v-HOST-PID-RANDOM` (the hidden version a SIGKILLed compile left, its link
     never made) ran, and compiled graphs into the partial directory."""
-    from shardlib.atomic_dir import _owner
+    from shardlib.process_alive import writer_tag
 
-    host = _owner().rsplit("-", 1)[0]
+    host = writer_tag().rsplit("-", 1)[0]
     dead = fake_compiled_dir(tmp_path / f".c4.v-{host}-999999999-0123abcd", model_dir)  # no compile_s
     with pytest.raises(ValueError, match=r"was left half-written by a `corelaunch compile` that did not finish"):
         compiled_dir.apply_compiled_dir(LaunchConfig(compiled_dir=str(dead)))
     # the same while its writer runs (a compile's own launch), or once finished: taken
-    alive = fake_compiled_dir(tmp_path / f".c5.v-{_owner()}-0123abcd", model_dir)
+    alive = fake_compiled_dir(tmp_path / f".c5.v-{writer_tag()}-0123abcd", model_dir)
     assert compiled_dir.apply_compiled_dir(LaunchConfig(compiled_dir=str(alive))).tp == 1
     done = fake_compiled_dir(tmp_path / f".c6.v-{host}-999999999-0123abcd", model_dir, compile_s=3.0)
     assert compiled_dir.apply_compiled_dir(LaunchConfig(compiled_dir=str(done))).tp == 1

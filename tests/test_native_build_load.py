@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -50,3 +56,48 @@ def test_a_cache_or_library_short_of_descriptors_is_not_called_untrusted_or_dama
     assert all("the open-files limit (`ulimit -n`) was reached; raise it" in line for line in told), told
     assert not any("Another user" in line or "damaged" in line for line in told), told
     assert "Too many open files" in told[3] and told[3].startswith("could not load "), told
+
+
+KILLED_WHILE_COMPILING = """
+import sys
+from pathlib import Path
+from workers.native_build import LibrarySpec, build
+build(LibrarySpec(stem="probe", source="int probe(void) { return 7; }", flags=(), what="a probe"), Path(sys.argv[1]))
+"""
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler here")
+def test_a_build_killed_while_compiling_leaves_nothing_in_tmpdir_and_the_next_build_sweeps_it(tmp_path):
+    """A rank killed while it compiled a kernel (SIGKILL, or Ray's SIGTERM handler, which ends the
+    process without unwinding the compute thread that builds) left its temporary folder in $TMPDIR
+    for good. The folder is now in the cache, named after its writer, and the next build on this
+    host removes it; a folder whose writer still runs, or runs on another host, is kept."""
+    from shardlib.process_alive import writer_tag
+    from workers.native_build import LibrarySpec, build
+
+    cache, tmpdir = tmp_path / "cache", tmp_path / "tmp"
+    tmpdir.mkdir()
+    slow_cc = tmp_path / "slow-cc"
+    slow_cc.write_text("#!/bin/sh\nsleep 60\n")
+    slow_cc.chmod(0o755)
+    child = subprocess.Popen([sys.executable, "-c", KILLED_WHILE_COMPILING, str(cache)], cwd=REPO,
+                             env={**os.environ, "CC": str(slow_cc), "TMPDIR": str(tmpdir)}, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not list(cache.glob(".build-*/source.c")) and time.monotonic() < deadline and child.poll() is None:
+            time.sleep(0.05)
+        assert list(cache.glob(".build-*/source.c")), "the build never started"
+    finally:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait(timeout=30)
+    left = list(cache.glob(".build-*"))
+    assert len(left) == 1 and left[0].name.startswith(f".build-{writer_tag().rsplit('-', 1)[0]}-{child.pid}-"), left
+    assert not list(tmpdir.iterdir())
+    running_here = cache / f".build-{writer_tag()}-0000aaaa"  # this process: it still runs
+    other_host = cache / ".build-otherhost-1-0000bbbb"
+    running_here.mkdir()
+    other_host.mkdir()
+    spec = LibrarySpec(stem="probe", source="int probe(void) { return 7; }", flags=(), what="a probe")
+    os.close(build(spec, cache))
+    assert (cache / spec.name).is_file()
+    assert sorted(p.name for p in cache.glob(".build-*")) == sorted([running_here.name, other_host.name])

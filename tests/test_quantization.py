@@ -86,10 +86,11 @@ def test_a_killed_quantizes_leftovers_are_swept_by_the_next(source_dir, tmp_path
     import subprocess
     import sys
 
-    from shardlib.atomic_dir import _owner, owned_sibling
+    from shardlib.atomic_dir import owned_sibling
+    from shardlib.process_alive import writer_tag
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    host = _owner().rsplit("-", 1)[0]
+    host = writer_tag().rsplit("-", 1)[0]
     leftovers = [tmp_path / f".q.partial-{host}-{dead.stdout.strip()}-0123abcd",  # its writer is gone
                  tmp_path / ".q.partial-4242"]  # the earlier name, which names no host: by its age
     running = owned_sibling(tmp_path / "q", "partial")  # this process's own: a writer still at work

@@ -22,10 +22,11 @@ import secrets
 import shutil
 import stat
 import subprocess
-import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+
+from shardlib.process_alive import writer_may_run, writer_tag
 
 
 @dataclass(frozen=True)
@@ -163,51 +164,66 @@ _COMPILERS = {"c": ("CC", ("cc", "gcc"), "c", 120), "c++": ("CXX", ("c++", "g++"
 a C++ source includes torch's headers)."""
 
 
+_BUILD_PREFIX = ".build-"
+"""A build's own folder inside the trusted directory: .build-HOST-PID-RANDOM (writer_tag)."""
+
+
 def _compile(dir_fd: int, directory: Path, spec: "LibrarySpec") -> None:
     """Compile `spec` and move the library into the trusted directory as spec.name, atomically.
 
-    The compiler writes into a private temporary directory; the bytes are then written to a fresh
-    temporary name in the trusted directory (O_EXCL, mode 0700) and renamed over `name`, so
+    The compiler writes into a folder of this build's own inside the trusted directory, and the
+    bytes are then written to a fresh name beside it (O_EXCL, mode 0700) and renamed over `name`, so
     concurrent ranks and launches never load a half-written library and the last rename wins
-    with identical contents."""
+    with identical contents. The folder is in the cache, not in $TMPDIR, and named after its
+    writer: a rank killed while it compiles (SIGKILL, or Ray's SIGTERM handler, which ends the
+    process without unwinding the compute thread) leaves it behind, and the next build on this host
+    removes it (`_sweep_dead_builds`)."""
     variable, names, suffix, timeout_s = _COMPILERS[spec.language]
     compiler = os.environ.get(variable) or next(filter(None, map(shutil.which, names)), None)
     if not compiler:
         raise NativeUnavailable(f"no {spec.language.upper()} compiler found ({', '.join(names)} or ${variable}); "
                                 f"it builds {spec.what} once")
-    name, tmp_name = spec.name, None
+    build_name = f"{_BUILD_PREFIX}{writer_tag()}-{secrets.token_hex(4)}"
     try:
-        with tempfile.TemporaryDirectory(prefix="corelaunch-native-") as tmp:
-            src = Path(tmp) / f"source.{suffix}"
+        os.mkdir(build_name, 0o700, dir_fd=dir_fd)
+        try:
+            tmp = directory / build_name
+            src = tmp / f"source.{suffix}"
             src.write_text(spec.source)
-            out = Path(tmp) / name
+            out = tmp / spec.name
             # The flags after the source: libraries named there (-l) link only when they follow it.
             proc = subprocess.run([compiler, "-shared", "-fPIC", "-o", str(out), str(src), *spec.flags],
                                   capture_output=True, text=True, timeout=timeout_s)
             if proc.returncode != 0:
                 raise NativeUnavailable(f"{compiler} failed to build {spec.what}:\n{proc.stderr.strip()}")
             data = out.read_bytes()
-        tmp_name = f".{name}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
-        fd = os.open(tmp_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o700, dir_fd=dir_fd)
-        try:
-            os.fchmod(fd, 0o700)  # whatever the umask (a group-writable library would be refused)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)  # on disk before the rename: a crash must not leave a short library in place
+            checked = f"{build_name}/checked.so"
+            fd = os.open(checked, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o700, dir_fd=dir_fd)
+            try:
+                os.fchmod(fd, 0o700)  # whatever the umask (a group-writable library would be refused)
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)  # on disk before the rename: a crash must not leave a short library in place
+            finally:
+                os.close(fd)
+            os.replace(checked, spec.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         finally:
-            os.close(fd)
-        os.replace(tmp_name, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        tmp_name = None
+            shutil.rmtree(build_name, dir_fd=dir_fd, ignore_errors=True)
     except (OSError, subprocess.SubprocessError) as err:
         raise NativeUnavailable(f"could not build {spec.what} in {directory}: {err}") from None
-    finally:
-        if tmp_name is not None:
-            try:
-                os.unlink(tmp_name, dir_fd=dir_fd)
-            except OSError:
-                pass
+
+
+def _sweep_dead_builds(dir_fd: int) -> None:
+    """Remove the build folders of writers on this host that are gone (killed while compiling)."""
+    try:
+        names = os.listdir(dir_fd)
+    except OSError:
+        return
+    for name in names:
+        if name.startswith(_BUILD_PREFIX) and not writer_may_run(name[len(_BUILD_PREFIX):]):
+            shutil.rmtree(name, dir_fd=dir_fd, ignore_errors=True)
 
 
 def build(spec: "LibrarySpec", directory: Path | None = None) -> int:
@@ -234,6 +250,7 @@ def _build(spec: "LibrarySpec", directory: Path | None) -> tuple[int, bool]:
             fd = None
         compiled = fd is None
         if compiled:
+            _sweep_dead_builds(dir_fd)
             _compile(dir_fd, directory, spec)
             fd = _open_trusted(dir_fd, spec.name)
             if fd is None:
