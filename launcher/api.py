@@ -922,7 +922,8 @@ class Launcher:
 
     def compile_stats(self) -> list[tuple[dict | None, dict | None]]:
         """Per serving replica, rank 0's compile stats (workers.compiled.CompileStats.to_dict) as
-        reported at load and as they are now: the graphs built since, each with its first_call_s,
+        reported at load and as they are now: the graphs built since, each with its first_call_s and
+        whether it was compiled or read from the compile cache (`compiled`),
         and the compile-cache counters. None where the replica runs eagerly."""
         return self._pool.compile_stats() if self._pool is not None else []
 

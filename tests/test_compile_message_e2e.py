@@ -33,6 +33,7 @@ def test_a_cold_cache_says_once_how_long_compiling_took(model_dir, tmp_path):  #
     # one whole-step graph for the one shape ("layer" would give three): "model" reached the ranks
     assert stats["dynamo_graphs"] == 1
     assert [g["phase"] for g in stats["graphs"]] == ["serve-prefill-start"]
+    assert [g["compiled"] for g in stats["graphs"]] == [True]  # what the summary line is worded from
     # compiled once on the host: by rank 0, or by rank 1 while rank 0 waited (workers/compile_once.py)
     assert stats["fxgraph_cache_miss"] + stats["compiled_by_peer"] == 1
 

@@ -64,3 +64,28 @@ def test_graphs_a_warm_up_built_while_serving_was_prepared_are_not_the_requests(
         "compiled 1 graph(s) in 6.0 s during the requests; later runs take them from the cache")
     pool = SimpleNamespace(replicas=[replica(warmed, None)])  # eager serving, or a group that reported none
     assert compile_message(ReplicaPool.compile_stats(pool)).startswith("compiled 2 graph(s) in 7.0 s")
+
+
+def graphs(*compiled: bool, seconds: float = 2.0) -> dict:
+    """Stats whose graphs each say whether they were compiled (workers.compiled.GraphStats.compiled)."""
+    return {"graphs": [{"phase": "token", "batch": 1, "length": 16, "first_call_s": seconds, "compiled": c}
+                       for c in compiled], "fxgraph_cache_miss": sum(compiled), "fxgraph_cache_hit": 0}
+
+
+def test_some_graphs_compiled_and_some_from_the_cache_are_told_apart():
+    """A request that compiled one graph and read two from the cache was told "compiled 3 graph(s)"."""
+    built = built_since_load(graphs(), graphs(True, False, False))
+    assert (built.graphs, built.from_cache, built.compiled) == (3, 2, True)
+    assert compile_message([(graphs(), graphs(True, False, False))]) == (
+        "set up 3 graph(s) in 6.0 s during the requests: 1 compiled (later runs take them from the cache), "
+        "2 from the compile cache")
+    assert compile_message([(graphs(), graphs(True, True))]).startswith("compiled 2 graph(s) in 4.0 s")
+    assert compile_message([(graphs(), graphs(False, False))]) == (
+        "set up 2 graph(s) from the compile cache in 4.0 s during the requests")
+
+
+def test_the_slowest_replica_is_the_one_described():
+    read, compiled = graphs(False, seconds=1.0), graphs(True, seconds=9.0)
+    assert compile_message([(graphs(), read), (graphs(), compiled)]).startswith("compiled 1 graph(s) in 9.0 s")
+    assert compile_message([(graphs(), graphs(False, seconds=9.0)), (graphs(), graphs(True, seconds=1.0))]) == (
+        "set up 1 graph(s) from the compile cache in 9.0 s during the requests")

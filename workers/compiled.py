@@ -136,6 +136,9 @@ class GraphStats:
     length: int
     first_call_s: float
     """Wall time of the call that traced and compiled (or fetched from the cache) this shape."""
+    compiled: bool | None = None
+    """Whether that call really compiled (shardlib/compile_counters.py) rather than reading the
+    compile cache; None where the backend does not say."""
 
 
 @dataclass
@@ -260,10 +263,11 @@ class CompiledCausalLM:
         start = time.perf_counter()
         yield
         seconds = time.perf_counter() - start
+        compiled = _compiles_so_far() > compiles_before
         self._seen.add(key)
-        self._stats.graphs.append(GraphStats(phase, batch, length, seconds))
+        self._stats.graphs.append(GraphStats(phase, batch, length, seconds, compiled))
         if not self._warming_up:
-            if _compiles_so_far() > compiles_before:
+            if compiled:
                 self._announce(f"corelaunch: built the {phase} graph for batch {batch} x {length} in "
                                f"{seconds:.1f} s (cached for later runs)")
             else:
