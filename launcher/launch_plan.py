@@ -194,39 +194,63 @@ def nodes_on_one_host(nodes: int, starter: str, fix: str) -> ValueError:
                       f"plan would count {nodes} times; {fix}")
 
 
-def groups_this_host_holds(config, plan, backend: str) -> int | None:
+RANK_PROCESS_BYTES = 384 * 2**20
+"""What a cpu rank's process holds beyond its weights, KV cache and packing scratch (Python, torch,
+Ray's worker, the compiled graphs): measured 190-200 MiB eager and about 330 MiB compiled with
+SmolLM2 (README Measured). The planner's 10% reserve is one share of the host for the OS, the
+driver and Ray; where several groups share the host, each of their ranks needs this too."""
+SERVER_REPLICA_BYTES = 448 * 2**20
+"""The Serve replica in front of each group of `corelaunch serve` (its Launcher, the HTTP app,
+Serve's replica machinery): measured 400-430 MiB."""
+
+
+def host_bytes_per_group(plan, server: bool = False) -> int:
+    """This host's RAM one TP group of `plan` holds at most on the cpu backend: its ranks' weights,
+    KV cache and packing scratch, each rank's process (RANK_PROCESS_BYTES) and, for a server, the
+    Serve replica in front of it (SERVER_REPLICA_BYTES). A server never runs static batches, so its
+    groups hold the serving rows alone (the plan counts the static batch's rows beside them)."""
+    mem = plan.memory
+    kv_bytes = mem.kv_cache_bytes_per_rank
+    if server and plan.serving_rows:
+        kv_bytes = kv_bytes * plan.serving_rows // (plan.batch_size + plan.serving_rows)
+    per_rank = mem.weight_bytes_per_rank + kv_bytes + mem.packing_scratch_bytes_per_rank + RANK_PROCESS_BYTES
+    return per_rank * plan.tp_degree + (SERVER_REPLICA_BYTES if server else 0)
+
+
+def groups_this_host_holds(config, plan, backend: str, server: bool = False) -> int | None:
     """How many TP groups of `plan` this host's RAM holds at once, where every group would share it
     (cpu replicas on a private cluster: nodes 1 and no --instance, so the plan's memory is this
-    host's); None elsewhere (another machine's memory, or several)."""
+    host's); None elsewhere (another machine's memory, or several). server: each group has a Serve
+    replica in front of it (host_bytes_per_group)."""
     from launcher.cluster.ray_cluster import private_cluster
 
     if backend != "cpu" or config.instance is not None or config.nodes != 1 or not private_cluster(config.ray_address):
         return None
     usable = plan.memory.usable_bytes_per_rank * plan.tp_degree  # this host's RAM less the reserve
-    return usable // plan.memory.total_bytes_all_ranks
+    return usable // host_bytes_per_group(plan, server)
 
 
 def check_replicas_fit_this_host(config, plan, backend: str) -> None:
     """cpu replicas on a private cluster (this host alone) share its RAM, which the plan checked for
     one TP group: ValueError when `replicas` groups cannot all fit, before they start and exhaust it.
     replicas="auto" is capped by the same count (PlannedLaunch.host_holds, Launcher._size_replicas)."""
-    from shardlib.planner import format_bytes
-
     replicas = config.replicas
     if isinstance(replicas, int) and replicas >= 2:
         check_groups_fit(replicas, "replicas", plan, groups_this_host_holds(config, plan, backend))
 
 
-def check_groups_fit(count: int, name: str, plan, holds: int | None) -> None:
+def check_groups_fit(count: int, name: str, plan, holds: int | None, server: bool = False) -> None:
     """ValueError naming `name` (the option that asked for `count` TP groups of `plan`) when this
     host's RAM holds fewer (`holds`, from groups_this_host_holds; None: not this host's to check)."""
     from shardlib.planner import format_bytes
 
     if holds is None or count <= holds:
         return
-    per_group = plan.memory.total_bytes_all_ranks
+    per_group = host_bytes_per_group(plan, server)
     usable = plan.memory.usable_bytes_per_rank * plan.tp_degree
+    processes = plan.tp_degree * RANK_PROCESS_BYTES + (SERVER_REPLICA_BYTES if server else 0)
     raise ValueError(f"{name} ({count}): {count} TP groups of {plan.tp_degree} rank(s) need "
-                     f"{format_bytes(count * per_group)} ({format_bytes(per_group)} each) but this host has "
-                     f"{format_bytes(usable)} usable; nothing was started. Ask for at most "
+                     f"{format_bytes(count * per_group)} ({format_bytes(per_group)} each, of which "
+                     f"{format_bytes(processes)} for the {'rank and Serve replica' if server else 'rank'} processes) "
+                     f"but this host has {format_bytes(usable)} usable; nothing was started. Ask for at most "
                      f"{max(1, holds)}, or shrink each group's KV cache (--max-num-seqs, --seq-len)")

@@ -227,6 +227,28 @@ def test_more_cpu_replicas_than_this_hosts_memory_holds_are_refused(ray_tripwire
     Launcher(tp=1, compile=False, progress=False, replicas=50).prepare()
 
 
+def test_groups_sharing_this_host_count_their_processes_and_a_servers_groups_no_static_rows():
+    """The replica check divided this host's RAM by the plan's weights, KV cache and scratch alone:
+    measured, each rank's process held 190-330 MiB more and each Serve replica 400-430 MiB, so 24
+    SmolLM2 servers at --seq-len 256 passed on a 24 GiB host that holds about 18. A server's groups
+    were also counted with the static batch's rows, which a server never allocates."""
+    from launcher.launch_plan import RANK_PROCESS_BYTES, SERVER_REPLICA_BYTES, host_bytes_per_group
+    from shardlib.planner import plan as make_plan
+    from tests.test_planner import TINY as config
+
+    plan = make_plan(config, instance="cpu", tp=2, batch_size=8, serving_rows=17, seq_len=64)
+    mem = plan.memory
+    per_row = mem.kv_cache_bytes_per_rank // 25
+    assert per_row * 25 == mem.kv_cache_bytes_per_rank
+    assert host_bytes_per_group(plan) == mem.total_bytes_all_ranks + 2 * RANK_PROCESS_BYTES
+    assert host_bytes_per_group(plan, server=True) == (
+        2 * (mem.weight_bytes_per_rank + 17 * per_row + mem.packing_scratch_bytes_per_rank + RANK_PROCESS_BYTES)
+        + SERVER_REPLICA_BYTES)
+    static_only = make_plan(config, instance="cpu", tp=2, batch_size=8, serving_rows=0, seq_len=64)
+    assert host_bytes_per_group(static_only, server=True) == (static_only.memory.total_bytes_all_ranks
+                                                              + 2 * RANK_PROCESS_BYTES + SERVER_REPLICA_BYTES)
+
+
 def test_auto_replicas_are_capped_by_this_hosts_memory(ray_tripwire, monkeypatch):
     """replicas="auto" counts the groups the free CPUs hold; on a private cluster every group also
     takes this host's RAM, so a host of 512 CPUs still gets only the groups its memory holds. The
@@ -241,8 +263,9 @@ def test_auto_replicas_are_capped_by_this_hosts_memory(ray_tripwire, monkeypatch
     monkeypatch.setattr(ray_cluster, "recorded_cluster", lambda: None)
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     launcher = Launcher(tp=1, compile=False, progress=False, replicas="auto", seq_len=256, max_num_seqs=2).prepare()
-    memory = launcher.plan.memory
-    holds = memory.usable_bytes_per_rank // memory.total_bytes_all_ranks
+    from launcher.launch_plan import host_bytes_per_group
+
+    holds = launcher.plan.memory.usable_bytes_per_rank // host_bytes_per_group(launcher.plan)
     assert launcher._host_holds == holds and holds < 512
     monkeypatch.setattr(ray, "is_initialized", lambda: True)  # as once start() has connected its private Ray
     many_cpus = NodeInfo(node_id="n" * 16, address="127.0.0.1", total={"CPU": 512.0}, free={"CPU": 512.0})

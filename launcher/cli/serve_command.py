@@ -241,9 +241,10 @@ def _plan(settings) -> Path:
             "drop --nodes"))
     config = with_artifact_settings(config)  # as each replica's Launcher takes them
     planned = plan_launch(config, Progress(False))
-    holds = groups_this_host_holds(dataclasses.replace(config, ray_address="local"), planned.plan, planned.backend)
+    holds = groups_this_host_holds(dataclasses.replace(config, ray_address="local"), planned.plan, planned.backend,
+                                   server=True)
     name = "--replicas" if settings.autoscaling is None else "--max-replicas"
-    check_groups_fit(settings.most_replicas, name, planned.plan, holds)
+    check_groups_fit(settings.most_replicas, name, planned.plan, holds, server=True)
     return Path(planned.model_dir)
 
 
