@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from launcher.compile_folders import check_compile_folders
 from launcher.errors import PlanRejected
 from launcher.progress import Progress
 from shardlib.model_config import ModelConfig, load_model_config
@@ -78,6 +79,7 @@ def plan_launch(config, progress: Progress, nothing_done: str = "nothing was sta
         raise ValueError(f"cpus_per_rank ({config.cpus_per_rank:g}) sizes the cpu backend's ranks; a {backend} rank "
                          f"takes one {entry.ray_resource} and one CPU. Leave it out")
     refuse_nodes_on_a_private_cluster(config)
+    check_compile_folders(config, backend)
     # Before the model is resolved: a backend this host cannot run is refused first, and cheaply.
     target = planner_target(backend, TargetRequest(instance=config.instance, device_memory_gib=config.device_memory_gib,
                                                    cluster_on_this_host=on_this_host(config.ray_address)))

@@ -41,7 +41,7 @@ def ensure_private_inductor_cache() -> None:
     nothing is named and this user's folder cannot be trusted."""
     from workers.native_build import NativeUnavailable, trusted_dir
 
-    named = _named_by_user()
+    named = named_by_user()
     directory: Path | None = default_inductor_cache()
     if directory not in _trusted:
         try:
@@ -60,7 +60,7 @@ def ensure_private_inductor_cache() -> None:
     _move_precompiled_headers((directory or Path(os.environ[VARIABLE])) / HEADERS)
 
 
-def _named_by_user() -> bool:
+def named_by_user() -> bool:
     """Whether TORCHINDUCTOR_CACHE_DIR names a folder other than torch's default and the one this
     module wrote. Inductor's own first lookup writes its default into the variable (a compiler
     import on another thread, or any cache lookup before the first compile, may have made it), so a

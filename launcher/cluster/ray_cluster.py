@@ -20,6 +20,7 @@ import errno
 import os
 import socket
 import stat
+import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -375,6 +376,10 @@ def private_start_failure(err: Exception, logs: str, open_files: tuple[int, int]
     written in time): the RuntimeError was a traceback, and under `ulimit -n 32` or 48 both were
     blamed on a busy host."""
     text = str(err)
+    if isinstance(err, UnicodeEncodeError):  # Ray's core worker encodes its session paths as ASCII
+        folder = os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()
+        return ValueError(f"the private Ray cluster did not start: {text}; Ray's temporary folder (TMPDIR, or "
+                          f"RAY_TMPDIR: {folder}) must be a path of ASCII characters: point it at one, such as /tmp")
     if "AF_UNIX path length" in text:
         return ValueError(f"the private Ray cluster did not start: {text}; Ray's sockets live under its temporary "
                           f"folder (TMPDIR, or RAY_TMPDIR): point it at a shorter path, such as /tmp")

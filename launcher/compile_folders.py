@@ -1,0 +1,67 @@
+"""The folders a cpu rank's first compile uses, checked on the driver before Ray starts.
+
+Inductor builds each graph with a C++ compiler whose command line it splits shell-style, and it
+probes the CPU in a temporary folder first: a TMPDIR, CORELAUNCH_CACHE (where the ranks keep
+inductor's cache, workers/inductor_cache.py) or TORCHINDUCTOR_CACHE_DIR with whitespace, a quote or
+a backslash broke every rank's first compile, and a cache folder that cannot be made failed every
+rank's load; either way after Ray had started, the group restarted three times and was given up
+(a server answered /health and then 503 to every request). A private Ray's ranks run on this host
+with this process's environment, so the same folders are checked here, where a bad one costs a
+fraction of a second.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from launcher.artifacts.compiled_dir import compiler_unsafe_path
+
+NO_COMPILE = "or run without compiling: --no-compile"
+
+
+def check_compile_folders(config, backend: str) -> None:
+    """ValueError naming the variable, its value and the fix, for a compiled cpu launch whose ranks
+    run on a private Ray of this host; nothing elsewhere (a joined cluster's nodes have their own
+    environment, and a compiled-model directory's own cache is checked by compiled_dir)."""
+    from launcher.cluster.ray_cluster import private_cluster
+
+    if not config.compile or backend != "cpu" or not private_cluster(config.ray_address):
+        return
+    tmp = tempfile.gettempdir()
+    if compiler_unsafe_path(tmp):
+        raise ValueError(f"TMPDIR ({tmp}) holds whitespace, a quote or a backslash: inductor compiles each graph "
+                         f"with a C++ compiler command line that cannot take such a path, and probes the CPU in a "
+                         f"temporary folder first; point TMPDIR at a path without them, {NO_COMPILE}")
+    if config.compiled_dir is not None:
+        return
+    from workers.inductor_cache import named_by_user
+
+    # torch writes its own default into the variable at its first cache lookup in a process (not the
+    # user's choice); asked only where inductor is loaded already, as importing it takes seconds
+    named = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if named and "torch._inductor" in sys.modules and not named_by_user():
+        named = None
+    if named:
+        if compiler_unsafe_path(named):
+            raise ValueError(f"TORCHINDUCTOR_CACHE_DIR ({named}) holds whitespace, a quote or a backslash, which "
+                             f"inductor's C++ compiler command line cannot take; name a path without them, or unset it "
+                             f"(corelaunch then uses its own folder under CORELAUNCH_CACHE), {NO_COMPILE}")
+        return
+    from workers.inductor_cache import default_inductor_cache
+    from workers.native_build import NativeUnavailable, trusted_dir
+
+    cache = default_inductor_cache()
+    if compiler_unsafe_path(cache):
+        raise ValueError(f"CORELAUNCH_CACHE: the ranks keep inductor's compiled graphs in {cache}, a path with "
+                         f"whitespace, a quote or a backslash, which inductor's C++ compiler command line cannot "
+                         f"take; set CORELAUNCH_CACHE to a directory whose path has none, {NO_COMPILE}")
+    try:
+        os.close(trusted_dir(cache, holding="inductor's compiled graphs"))  # made now, as each rank would
+    except NativeUnavailable as err:
+        text = str(err)
+        fix = "" if "CORELAUNCH_CACHE" in text else "; set CORELAUNCH_CACHE to a directory this user can write"
+        raise ValueError(f"CORELAUNCH_CACHE ({cache.parent}) cannot hold inductor's compiled graphs: {text}{fix}, "
+                         f"{NO_COMPILE}") from None
