@@ -321,11 +321,11 @@ class LaunchConfig:
 
             refuse_unusable_cache(self.compiled_dir)
         if self.model is not None and not Path(self.model).exists():
-            from shardlib.model_path_hints import hub_id_hint
+            from shardlib.model_path_hints import missing_model_hint
 
             raise FileNotFoundError(
                 f"model path {self.model} does not exist; pass a Hugging Face model directory, or "
-                f"pass no model for the built-in SmolLM2-135M-Instruct{hub_id_hint(self.model)}"
+                f"pass no model for the built-in SmolLM2-135M-Instruct{missing_model_hint(self.model)}"
             )
         if self.model is not None and not Path(self.model).is_dir():
             from shardlib.model_path_hints import file_given_for_directory

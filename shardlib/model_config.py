@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -471,11 +472,11 @@ def load_model_config(path: str | Path) -> ModelConfig:
                 f"{path} is a corelaunch compiled or pre-sharded directory (it holds manifest.json), not a Hugging "
                 f"Face model: pass the model it was made from as --model (generate and serve take the directory "
                 f"itself as --compiled or --presharded)") from None
-        from shardlib.model_path_hints import hub_id_hint
+        from shardlib.model_path_hints import missing_model_hint
 
         raise FileNotFoundError(
-            f"no Hugging Face config at {config_file}; pass a model directory containing "
-            f"config.json (`corelaunch plan` also takes the config.json file itself){hub_id_hint(path)}"
+            f"no Hugging Face config at {os.path.abspath(config_file)}; pass a model directory containing "
+            f"config.json (`corelaunch plan` also takes the config.json file itself){missing_model_hint(path)}"
         ) from None
     raw = read_config_json(config_file)
     config = ModelConfig.from_dict(raw)

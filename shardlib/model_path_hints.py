@@ -3,6 +3,7 @@ a local directory is needed (nothing is downloaded), or a file inside the direct
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -10,10 +11,15 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 """owner/name, as the Hub spells repository ids."""
 
 
-def hub_id_hint(path: str | Path) -> str:
-    """A sentence to append for a missing path that reads as a Hub id; "" otherwise."""
-    text = str(path)
-    if not _HUB_ID.fullmatch(text) or Path(text).exists():
+def missing_model_hint(path: str | Path, option: str = "--model") -> str:
+    """A sentence to append for a missing model path that reads as a Hub id, or starts with a `~` the
+    shell left as it was; "" otherwise."""
+    text = str(path).rstrip("/")  # a trailing slash, as shells complete folders, names the same id
+    if Path(text).exists():
+        return ""
+    if text.startswith("~"):
+        return f"; {unexpanded_home(option, text)}"
+    if not _HUB_ID.fullmatch(text):
         return ""
     return (f"; {text!r} looks like a Hugging Face Hub id: corelaunch reads local directories only and downloads "
             f"nothing, so fetch it first (`hf download {text} --local-dir DIR`) and pass --model DIR")
@@ -24,3 +30,11 @@ def file_given_for_directory(path: str | Path) -> str:
     path = Path(path)
     return (f"model path {path} is a file, not a model directory; pass the directory that holds config.json "
             f"and the weights ({path.parent})")
+
+
+def unexpanded_home(option: str, path: str | Path) -> str:
+    """What to say of a path that starts with `~`: a shell expands it only at the start of a word, so
+    `--out=~/x` reaches corelaunch as the text ~/x (quantize wrote a folder named `~` in the working
+    directory, which a later `rm -rf ~...` would take for the home folder)."""
+    return (f"{option} {path} starts with a `~` the shell did not expand (it expands one only at the start of a "
+            f"word, not after `{option}=`): write `{option} {path}` with a space, or {os.path.expanduser(str(path))}")

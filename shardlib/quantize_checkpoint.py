@@ -47,6 +47,10 @@ def check_quantize_options(dtype: str, out_dir: str | Path) -> str:
     """The normalized format; ValueError for an unknown dtype or an output path that exists (what
     can be refused before the model is even found: the built-in one is converted on first use)."""
     fmt = normalize_quant_dtype(dtype)
+    if str(out_dir).startswith("~") and not Path(out_dir).exists():
+        from shardlib.model_path_hints import unexpanded_home
+
+        raise ValueError(unexpanded_home("--out", out_dir))
     if Path(out_dir).exists() or Path(out_dir).is_symlink():
         raise ValueError(f"--out {out_dir} already exists; choose a new directory (quantize never overwrites)")
     return fmt
@@ -60,8 +64,10 @@ def check_quantize_request(model_dir: str | Path, dtype: str, out_dir: str | Pat
     fmt = check_quantize_options(dtype, out_dir)
     config_file = Path(model_dir) / "config.json"
     if not Path(model_dir).exists():  # said "has no config.json" of a path that is not there at all
+        from shardlib.model_path_hints import missing_model_hint
+
         raise FileNotFoundError(f"--model {model_dir} does not exist; pass a Hugging Face model directory, or omit "
-                                f"--model for the built-in SmolLM2-135M-Instruct")
+                                f"--model for the built-in SmolLM2-135M-Instruct{missing_model_hint(model_dir)}")
     if Path(model_dir).is_file():
         raise ValueError(f"--model {model_dir} is a file; pass the model directory that holds it "
                          f"({Path(model_dir).parent})")

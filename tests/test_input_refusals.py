@@ -4,6 +4,7 @@ named, before anything starts where it can be (no Ray: the tripwire fails a test
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 
@@ -415,6 +416,45 @@ def test_a_model_file_or_hub_id_given_for_the_model_directory_says_what_to_pass(
     with pytest.raises(FileNotFoundError, match=r"pass a model directory containing config.json \(`corelaunch plan` "
                                                 r"also takes the config.json file itself\)"):
         load_model_config(tmp_path)
+    with pytest.raises(FileNotFoundError, match=rf"^no Hugging Face config at {tmp_path}/config.json;"):
+        load_model_config(".")  # was "at config.json", naming no folder
+    (tmp_path / "sub").mkdir()
+    with pytest.raises(FileNotFoundError, match=rf"^no Hugging Face config at {tmp_path}/config.json;"):
+        load_model_config("sub/..")
+
+
+def test_the_hub_id_hint_is_given_by_every_command_that_takes_a_model(tmp_path, monkeypatch, capsys):
+    """check (--model and --reference) and quantize said only "does not exist"; a trailing slash, as
+    a shell completes a folder, lost the hint everywhere."""
+    from launcher.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    hub = "'HuggingFaceTB/SmolLM2-135M-Instruct' looks like a Hugging Face Hub id"
+    for argv in (["check", "--model", "HuggingFaceTB/SmolLM2-135M-Instruct"],
+                 ["check", "--reference", "HuggingFaceTB/SmolLM2-135M-Instruct/"],
+                 ["quantize", "--dtype", "int8", "--out", "q", "--model", "HuggingFaceTB/SmolLM2-135M-Instruct"],
+                 ["plan", "--model", "HuggingFaceTB/SmolLM2-135M-Instruct/"]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert hub in err and "Traceback" not in err, (argv, err)
+
+
+def test_a_path_with_a_tilde_the_shell_left_is_named_so(tmp_path, monkeypatch, capsys):
+    """`--out=~/x` reaches corelaunch as the text ~/x (a shell expands `~` only at the start of a
+    word): quantize wrote a folder named `~` in the working directory, and `--model=~/x` was said not
+    to exist, nothing more."""
+    from launcher.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    home = os.path.expanduser("~/q")
+    for argv, option in ((["quantize", "--dtype", "int8", "--out", "~/q"], "--out"),
+                         (["compile", "--out", "~/q"], "--out"), (["generate", "--model", "~/q", "hi"], "--model"),
+                         (["check", "--reference", "~/q"], "--reference")):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert (f"{option} ~/q starts with a `~` the shell did not expand (it expands one only at the start of a word, "
+                f"not after `{option}=`): write `{option} ~/q` with a space, or {home}") in err, (argv, err)
+    assert not (tmp_path / "~").exists()
 
 
 @pytest.mark.parametrize("argv", [["quantize", "--dtype", "int8", "--out", ""], ["compile", "--out", ""],

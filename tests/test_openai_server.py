@@ -620,6 +620,37 @@ def test_a_compiled_directory_is_served_under_its_own_name(tmp_path):
     assert settings.launch["compiled_dir"] == str(version)
 
 
+def test_a_folder_reached_through_a_link_is_served_under_the_links_name(tmp_path, monkeypatch):
+    """`cd c1 && corelaunch serve --compiled .` served under the hidden version's name (the process
+    sees its working directory resolved), and `--model models/llama`, a link to a dated folder, under
+    the dated folder's: clients sending "c1" or "llama" got 404."""
+    from launcher.serving.server_settings import settings_from_args
+    from tests.model_factory import save_random_model
+    from tests.test_compile_cli import fake_compiled_dir
+
+    model = Path(save_random_model(tmp_path / "llama-2024-07-23"))
+    (tmp_path / "llama").symlink_to(model.name)
+    assert settings_from_args({"model": str(tmp_path / "llama")}).served_model_name == "llama"
+    version = fake_compiled_dir(tmp_path / ".c1.v-host-1-abcd1234", model)
+    (tmp_path / "c1").symlink_to(version.name)
+    monkeypatch.chdir(tmp_path / "c1")  # as a shell's `cd c1`: the process's own cwd is the version
+    monkeypatch.setenv("PWD", str(tmp_path / "c1"))  # what the shell tells it
+    assert settings_from_args({"compiled_dir": "."}).served_model_name == "c1"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PWD", "/elsewhere")  # not where the process is: its own view is taken
+    assert settings_from_args({"model": "llama/"}).served_model_name == "llama"
+
+
+@pytest.mark.parametrize("name", ["a\nb", "a\tb", "model\x1b[2J"], ids=["newline", "tab", "escape"])
+def test_a_served_model_name_with_control_characters_is_refused(name):
+    """Taken before, and the start-up line ("serving a<newline>b") printed it broken."""
+    from launcher.serving.server_settings import settings_from_args
+
+    with pytest.raises(ValueError, match=r"served_model_name \(.*\) must be printable: no control characters"):
+        settings_from_args({"served_model_name": name})
+    assert settings_from_args({"served_model_name": "Smöl org/model 1"}).served_model_name == "Smöl org/model 1"
+
+
 def test_null_on_serve_run_is_the_default_for_text_arguments_too(monkeypatch):
     """`serve run ... kv_strategy=null` was refused as 'null' "must be one of ..., or None", and
     api_key=null made the key the text "null", while the README says null is every argument's default."""

@@ -265,8 +265,11 @@ def _model_dir(model: str | None, option: str = "--model") -> Path:
 
         return Path(ensure_demo_model())
     if not Path(model).exists():
+        from shardlib.model_path_hints import missing_model_hint
+
         fix = " or omit --model for the built-in SmolLM2-135M-Instruct" if option == "--model" else ""
-        raise FileNotFoundError(f"{option} path {model} does not exist; pass a Hugging Face model directory{fix}")
+        raise FileNotFoundError(f"{option} path {model} does not exist; pass a Hugging Face model directory{fix}"
+                                f"{missing_model_hint(model, option)}")
     if not Path(model).is_dir():  # a config.json given for its folder: transformers failed with a traceback
         raise ValueError(f"{option} {model} is a file, not a model directory; pass the Hugging Face model "
                          f"directory that holds it ({Path(model).parent})")

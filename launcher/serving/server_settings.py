@@ -174,18 +174,36 @@ def _typed(key: str, value, literal: bool = False):
     return value
 
 
+def folder_name_as_given(path: str) -> str:
+    """The name of the folder `path` names as the user reached it: a symlink's own name, not its
+    target's (`models/llama` linked to a dated folder is served as "llama"; a compiled directory's
+    link as its name, not the hidden version it points to), and for a relative path the working
+    directory as the shell reached it ($PWD keeps the links a `cd` went through, where the process's
+    own view of it is the resolved path: `serve --compiled .` inside a compiled directory)."""
+    if not os.path.isabs(path):
+        here = os.environ.get("PWD", "")
+        try:
+            logical = os.path.isabs(here) and os.path.samefile(here, ".")
+        except OSError:
+            logical = False
+        path = os.path.join(here if logical else os.getcwd(), path)
+    return os.path.basename(os.path.normpath(path))
+
+
 def _served_name(args: dict, launch: dict, shown: str = "served_model_name") -> str:
     name = args.get("served_model_name")
     if name is not None:
         if not isinstance(name, str) or not name.strip():
             raise ValueError(f"{shown} ({name!r}) must be a non-empty string (the `model` clients send)")
+        if not name.isprintable():  # a newline or a tab: taken, and the start-up line printed it broken
+            raise ValueError(f"{shown} ({name!r}) must be printable: no control characters such as newlines or tabs")
         return name
     if launch.get("model"):
-        return Path(launch["model"]).resolve().name
+        return folder_name_as_given(launch["model"])
     if launch.get("compiled_dir"):
         # the path's own name: resolved, it is the hidden version the link points to
         # (.c1.v-HOST-PID-RANDOM), which changes at every compile
-        return os.path.basename(os.path.abspath(launch["compiled_dir"]))
+        return folder_name_as_given(launch["compiled_dir"])
     from shardlib.demo_model import DEMO_MODEL_NAME
 
     return DEMO_MODEL_NAME
