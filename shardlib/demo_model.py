@@ -23,6 +23,7 @@ import tempfile
 from pathlib import Path
 
 from shardlib.atomic_dir import fsync_dir, fsync_tree, remove_path
+from shardlib.file_modes import process_umask
 
 DEMO_MODEL_NAME = "smollm2-135m-instruct"
 """Folder name of the converted model inside the cache directory."""
@@ -218,7 +219,7 @@ def _build(gguf_path: Path, sha256: str, root: Path, target: Path) -> None:
     # Leftovers of conversions that were killed (each up to ~540 MB): none is running, we hold the lock.
     for leftover in root.glob(f".{DEMO_MODEL_NAME}-*"):
         remove_path(leftover)
-    umask = _umask()
+    umask = process_umask()
     tmp = Path(tempfile.mkdtemp(prefix=f".{DEMO_MODEL_NAME}-", dir=root))
     try:
         tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the cache may be shared between users
@@ -256,19 +257,6 @@ def _seal(folder: Path, provenance: dict, umask: int) -> None:
     marker.write_text(json.dumps({**provenance, "files": dict(sorted(files.items()))}, indent=1))
     os.chmod(marker, 0o666 & ~umask)
     fsync_tree(folder)
-
-
-def _umask() -> int:
-    """This process's umask, read without changing it where Linux shows it (/proc), else by setting
-    and restoring it at once."""
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 def _convert(gguf_path: Path, out_dir: Path) -> dict:

@@ -38,6 +38,7 @@ from safetensors.torch import save_file
 
 from shardlib.atomic_dir import atomic_dir
 from shardlib.checkpoint import Progress, SafetensorsFile, check_layout, load_rank_shard, shard_shapes
+from shardlib.file_modes import as_umask_allows, process_umask
 from shardlib.manifest import MANIFEST, check_field, read_manifest_json, write_manifest_json
 from shardlib.model_config import ModelConfig, normalize_dtype
 from shardlib.param_shapes import expected_shapes
@@ -75,6 +76,7 @@ def save_presharded(out_dir: str | Path, model_dir: str | Path, config: ModelCon
     dtype_name = None if dtype is None else normalize_dtype(dtype)
     tp = layout.tp_degree
     per_rank = len(expected_shapes(config))
+    umask = process_umask()
     with atomic_dir(out_dir, KIND, read_kind=read_manifest) as tmp:
         files, stored = [], set()
         for rank in range(tp):
@@ -86,6 +88,7 @@ def save_presharded(out_dir: str | Path, model_dir: str | Path, config: ModelCon
             stored |= {entry["dtype"] for entry in tensors.values()}
             path = tmp / rank_file_name(rank, tp)
             save_file(shard, path, metadata={"format": "pt", "rank": str(rank), "tp_degree": str(tp)})
+            as_umask_allows(path, umask)  # 0600 from safetensors: a compiled directory is shared and copied
             del shard
             files.append({"rank": rank, "file": path.name, "bytes": path.stat().st_size, "sha256": _sha256(path),
                           "tensors": tensors})

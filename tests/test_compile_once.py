@@ -187,3 +187,17 @@ def test_a_lock_name_someone_planted_is_neither_followed_nor_waited_on(tmp_path,
     out = torch.compile(scaled_sum, backend=CompileOnce(), dynamic=False)(torch.ones(4, 8))
     assert out.tolist() == [32.0] * 4  # compiled as if alone
     assert victim.read_text() == "keep me"
+
+
+def test_a_new_lock_is_readable_as_the_umask_allows(tmp_path):
+    """A compiled-model directory's cache holds these locks: created 0600, another user copying the
+    directory with `cp -rL` (what the refusal of an unwritable one advises) could not read them."""
+    from workers.compile_once import _open_lock
+
+    before = os.umask(0o022)
+    try:
+        fd = _open_lock(tmp_path / "a.lock")
+    finally:
+        os.umask(before)
+    os.close(fd)
+    assert (tmp_path / "a.lock").stat().st_mode & 0o777 == 0o644

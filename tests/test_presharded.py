@@ -91,6 +91,20 @@ def test_progress_counts_every_tensor_of_every_rank(sources, tmp_path):
     assert calls[0][0].startswith("rank 0: ") and calls[-1][0].startswith("rank 2: ")
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_rank_files_get_the_mode_the_umask_allows(sources, tmp_path, umask):
+    """safetensors writes 0600 whatever the umask: another user could not start from (or copy, as
+    the refusal of an unwritable compiled directory advises) a compiled directory's weights."""
+    config = load_model_config(sources["tied"])
+    before = os.umask(umask)
+    try:
+        out = save_presharded(tmp_path / "p", sources["tied"], config, ShardLayout.for_model(config, 2))
+    finally:
+        os.umask(before)
+    modes = {path.name: path.stat().st_mode & 0o777 for path in out.iterdir()}
+    assert modes == {name: 0o666 & ~umask for name in modes}, modes
+
+
 # ---- refusals --------------------------------------------------------------------------------
 def _refusal(out, config, layout, rank=0, dtype=None) -> str:
     with pytest.raises(ValueError) as err:

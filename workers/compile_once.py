@@ -64,7 +64,9 @@ def _open_lock(path: Path) -> int | None:
     from workers.own_files import UntrustedEntry, open_own_entry
 
     try:
-        return open_own_entry(str(path), os.O_RDWR | os.O_CREAT, what="a compile lock", private=False)
+        # readable as the umask allows: a compiled-model directory's cache holds these, and another
+        # user copying the directory (`cp -rL`) could not read a 0600 lock
+        return open_own_entry(str(path), os.O_RDWR | os.O_CREAT, what="a compile lock", mode=0o666, private=False)
     except UntrustedEntry:
         return None
 

@@ -65,11 +65,13 @@ def named_by_user() -> bool:
     module wrote. Inductor's own first lookup writes its default into the variable (a compiler
     import on another thread, or any cache lookup before the first compile, may have made it), so a
     variable holding the default is torch's, not the user's."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
     value = os.environ.get(VARIABLE)
     if not value:
         return False
+    # Only now: importing torch._inductor imports dynamo, which looks up (and makes) the cache folder
+    # the variable names, else torch's default under $TMPDIR, before this module could name its own.
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
     value = os.path.abspath(value)
     return value != os.path.abspath(default_cache_dir()) and value not in _written
 

@@ -12,9 +12,25 @@ import threading
 from workers.backends.base import CompileOptions
 
 
-def prefetch_compiler() -> None:
+def prefetch_compiler() -> threading.Thread:
     """Import inductor's modules (~2 s) on a background thread, while the shard is being read."""
-    threading.Thread(target=importlib.import_module, args=("torch._inductor.compile_fx",), daemon=True).start()
+    thread = threading.Thread(target=_import_compiler, daemon=True)
+    thread.start()
+    return thread
+
+
+def _import_compiler() -> None:
+    """This user's own inductor cache first (workers/inductor_cache.py): importing inductor looks up
+    its cache folder, and torch's default, $TMPDIR/torchinductor_<user>, was made (or found: a file
+    another user placed there failed every compiled launch of this user's) before the first compile
+    pointed the variable elsewhere."""
+    from workers.inductor_cache import ensure_private_inductor_cache
+
+    try:
+        ensure_private_inductor_cache()
+    except Exception:  # noqa: BLE001 - said by the first compile, which calls it again (workers/compiled.py)
+        return
+    importlib.import_module("torch._inductor.compile_fx")
 
 
 def compile_per_bucket(model, compile: CompileOptions):
