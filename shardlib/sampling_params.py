@@ -25,9 +25,10 @@ infinity, every scaled logit 0, and top-k and top-p keep tokens by id instead of
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0
+    temperature: float | None = None
     """Divides the logits before softmax; 0 (or anything below GREEDY_BELOW) means greedy (argmax),
-    ignoring top_k and top_p."""
+    ignoring top_k and top_p. None (not given): 1.0 where top_k or top_p asks for sampling, else 0
+    (greedy), as `corelaunch generate` reads its flags; a seed alone is refused (greedy takes none)."""
     top_k: int = 0
     """Keep only the k most likely tokens; 0 means no limit (as does any k at least the vocabulary)."""
     top_p: float = 1.0
@@ -37,12 +38,6 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         _plain_numbers(self)
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not finite(t) or t < 0:
-            raise ValueError(f"temperature={t!r} must be a finite number >= 0 (0 means greedy)")
-        if t > MAX_TEMPERATURE:
-            raise ValueError(f"temperature={t!r} must be at most {MAX_TEMPERATURE:.7g} (float32's largest value, in "
-                             f"which the ranks scale the logits; any temperature this high samples all but uniformly)")
         k = self.top_k
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise ValueError(f"top_k={k!r} must be an integer >= 0 (0 turns top-k off)")
@@ -52,6 +47,20 @@ class SamplingParams:
         s = self.seed
         if s is not None and (isinstance(s, bool) or not isinstance(s, int) or not MIN_SEED <= s <= MAX_SEED):
             raise ValueError(f"seed={s!r} must be None or an integer in [-2**63, 2**63 - 1]")
+        if self.temperature is None:
+            # top_k=50 alone was greedy without a word: sampling asked for is sampling at temperature 1
+            sampling = k > 0 or p < 1
+            if not sampling and s is not None:
+                raise ValueError(f"seed={s!r} seeds sampling, and nothing asks for sampling (the default is greedy, "
+                                 f"which takes no seed): give a temperature, or top_k / top_p (which sample at "
+                                 f"temperature 1)")
+            object.__setattr__(self, "temperature", 1.0 if sampling else 0.0)
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not finite(t) or t < 0:
+            raise ValueError(f"temperature={t!r} must be a finite number >= 0 (0 means greedy)")
+        if t > MAX_TEMPERATURE:
+            raise ValueError(f"temperature={t!r} must be at most {MAX_TEMPERATURE:.7g} (float32's largest value, in "
+                             f"which the ranks scale the logits; any temperature this high samples all but uniformly)")
 
     @property
     def is_greedy(self) -> bool:

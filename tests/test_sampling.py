@@ -346,3 +346,20 @@ def test_a_device_without_torch_generators_draws_on_the_host():
     logits = torch.randn(3, 50)  # and the tokens come back on the logits' own device
     rows = [SamplingParams(seed=i, temperature=1.0) for i in range(3)]
     assert sample(logits, rows, [make_generator(p) for p in rows]).device == logits.device
+
+
+def test_top_k_or_top_p_without_a_temperature_samples_and_a_lone_seed_is_refused():
+    """SamplingParams(top_k=50, top_p=0.9) was greedy (the temperature defaulted to 0) and
+    SamplingParams(seed=7) was taken and dropped, both without a word, where `corelaunch generate
+    --top-k 50` samples at temperature 1 and a lone --seed is refused."""
+    from shardlib.sampling_params import SamplingParams as Params
+
+    assert Params().temperature == 0.0 and Params().is_greedy
+    assert Params(top_k=50).temperature == 1.0 and Params(top_p=0.9, seed=3).temperature == 1.0
+    assert Params(top_k=50, temperature=0.0).is_greedy  # an explicit 0 stays greedy, as OpenAI's API takes it
+    assert Params(temperature=0.0, seed=1).seed == 1
+    with pytest.raises(ValueError, match=r"^seed=7 seeds sampling, and nothing asks for sampling .* give a "
+                                         r"temperature, or top_k / top_p \(which sample at temperature 1\)$"):
+        Params(seed=7)
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(3))[0]
+    assert len(set(draw(logits, 200, top_k=10))) > 1  # draw() seeds each request: it samples now
