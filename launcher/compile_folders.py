@@ -22,10 +22,12 @@ from launcher.artifacts.compiled_dir import compiler_unsafe_path
 NO_COMPILE = "or run without compiling: --no-compile"
 
 
-def check_compile_folders(config, backend: str) -> None:
+def check_compile_folders(config, backend: str, into_out: bool = False) -> None:
     """ValueError naming the variable, its value and the fix, for a compiled cpu launch whose ranks
     run on a private Ray of this host; nothing elsewhere (a joined cluster's nodes have their own
-    environment, and a compiled-model directory's own cache is checked by compiled_dir)."""
+    environment, and a compiled-model directory's own cache is checked by compiled_dir). into_out:
+    `corelaunch compile`, whose ranks compile into its --out directory's cache (checked there), and
+    which has no --no-compile to offer."""
     from launcher.cluster.ray_cluster import private_cluster
 
     if not config.compile or backend != "cpu" or not private_cluster(config.ray_address):
@@ -34,8 +36,9 @@ def check_compile_folders(config, backend: str) -> None:
     if compiler_unsafe_path(tmp):
         raise ValueError(f"TMPDIR ({tmp}) holds whitespace, a quote or a backslash: inductor compiles each graph "
                          f"with a C++ compiler command line that cannot take such a path, and probes the CPU in a "
-                         f"temporary folder first; point TMPDIR at a path without them, {NO_COMPILE}")
-    if config.compiled_dir is not None:
+                         f"temporary folder first; point TMPDIR at a path without them"
+                         + ("" if into_out else f", {NO_COMPILE}"))
+    if config.compiled_dir is not None or into_out:
         return
     from workers.inductor_cache import named_by_user
 

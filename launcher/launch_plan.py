@@ -56,9 +56,11 @@ def with_artifact_settings(config):
     return config
 
 
-def plan_launch(config, progress: Progress, nothing_done: str = "nothing was started") -> PlannedLaunch:
+def plan_launch(config, progress: Progress, nothing_done: str = "nothing was started",
+                into_out: bool = False) -> PlannedLaunch:
     """Plan config (a LaunchConfig); PlanRejected naming every failed rule (or every part of the
-    checkpoint the workers cannot run), ending with `nothing_done`."""
+    checkpoint the workers cannot run), ending with `nothing_done`. into_out: planned for `corelaunch
+    compile`, whose ranks compile into its output directory (launcher/compile_folders.py)."""
     from launcher.cluster.ray_cluster import on_this_host
     from shardlib.planner import plan as make_plan
     from workers.backends import TargetRequest, backend_entry, default_backend_name, planner_target
@@ -79,7 +81,7 @@ def plan_launch(config, progress: Progress, nothing_done: str = "nothing was sta
         raise ValueError(f"cpus_per_rank ({config.cpus_per_rank:g}) sizes the cpu backend's ranks; a {backend} rank "
                          f"takes one {entry.ray_resource} and one CPU. Leave it out")
     refuse_nodes_on_a_private_cluster(config)
-    check_compile_folders(config, backend)
+    check_compile_folders(config, backend, into_out)
     # Before the model is resolved: a backend this host cannot run is refused first, and cheaply.
     target = planner_target(backend, TargetRequest(instance=config.instance, device_memory_gib=config.device_memory_gib,
                                                    cluster_on_this_host=on_this_host(config.ray_address)))
@@ -246,7 +248,7 @@ def check_groups_fit(count: int, name: str, plan, holds: int | None, server: boo
     host's RAM holds fewer (`holds`, from groups_this_host_holds; None: not this host's to check)."""
     from shardlib.planner import format_bytes
 
-    if holds is None or count <= holds:
+    if holds is None or count <= max(holds, 1):  # one group: the plan's own check is the judge
         return
     per_group = host_bytes_per_group(plan, server)
     usable = plan.memory.usable_bytes_per_rank * plan.tp_degree

@@ -22,7 +22,7 @@ def missing_model_hint(path: str | Path, option: str = "--model") -> str:
     if not _HUB_ID.fullmatch(text):
         return ""
     return (f"; {text!r} looks like a Hugging Face Hub id: corelaunch reads local directories only and downloads "
-            f"nothing, so fetch it first (`hf download {text} --local-dir DIR`) and pass --model DIR")
+            f"nothing, so fetch it first (`hf download {text} --local-dir DIR`) and pass {option} DIR")
 
 
 def file_given_for_directory(path: str | Path) -> str:
@@ -36,5 +36,5 @@ def unexpanded_home(option: str, path: str | Path) -> str:
     """What to say of a path that starts with `~`: a shell expands it only at the start of a word, so
     `--out=~/x` reaches corelaunch as the text ~/x (quantize wrote a folder named `~` in the working
     directory, which a later `rm -rf ~...` would take for the home folder)."""
-    return (f"{option} {path} starts with a `~` the shell did not expand (it expands one only at the start of a "
-            f"word, not after `{option}=`): write `{option} {path}` with a space, or {os.path.expanduser(str(path))}")
+    return (f"{option} {path} starts with a `~` that nothing expanded (a shell expands one only at the start of a "
+            f"word: `{option} ~/...`, not `{option}=~/...`; Python never does): pass {os.path.expanduser(str(path))}")

@@ -92,3 +92,26 @@ def test_a_tmpdir_of_other_than_ascii_is_named_with_the_fix():
                          f"temporary folder (TMPDIR, or RAY_TMPDIR: {accented}) must be a path of ASCII characters: "
                          f"point it at one, such as /tmp"), done.stderr[-3000:]
     assert "Traceback" not in done.stderr
+
+
+def test_corelaunch_compile_is_not_refused_over_the_cache_its_ranks_do_not_use(private_ray_ahead, tmp_path):
+    """`corelaunch compile` ranks compile into --out's own cache: an untrusted CORELAUNCH_CACHE folder
+    was refused with the advice --no-compile, a flag compile does not have."""
+    from launcher.api import LaunchConfig
+    from launcher.launch_plan import plan_launch
+    from launcher.progress import Progress
+
+    shared = tmp_path / "cache" / f"inductor-uid{os.getuid()}"
+    shared.mkdir(parents=True)
+    shared.chmod(0o777)
+    private_ray_ahead.setenv("CORELAUNCH_CACHE", str(tmp_path / "cache"))
+    config = LaunchConfig(tp=1, progress=False, compile=True)
+    with pytest.raises(ValueError, match=r"cannot hold inductor's compiled graphs: refusing to use"):
+        plan_launch(config, Progress(False))  # a launch's ranks would use it
+    plan_launch(config, Progress(False), into_out=True)
+    spaced = tmp_path / "t mp"
+    spaced.mkdir()
+    private_ray_ahead.setattr(tempfile, "tempdir", str(spaced))
+    with pytest.raises(ValueError) as refused:
+        plan_launch(config, Progress(False), into_out=True)
+    assert str(refused.value).endswith("point TMPDIR at a path without them")  # no --no-compile to offer

@@ -245,6 +245,11 @@ def test_groups_sharing_this_host_count_their_processes_and_a_servers_groups_no_
     assert host_bytes_per_group(plan, server=True) == (
         2 * (mem.weight_bytes_per_rank + 17 * per_row + mem.packing_scratch_bytes_per_rank + RANK_PROCESS_BYTES)
         + SERVER_REPLICA_BYTES)
+    from launcher.launch_plan import check_groups_fit
+
+    check_groups_fit(1, "--replicas", plan, 0, server=True)  # one group: the plan's own check judges it
+    with pytest.raises(ValueError, match=r"^--replicas \(2\): 2 TP groups .* Ask for at most 1,"):
+        check_groups_fit(2, "--replicas", plan, 0, server=True)
     static_only = make_plan(config, instance="cpu", tp=2, batch_size=8, serving_rows=0, seq_len=64)
     assert host_bytes_per_group(static_only, server=True) == (static_only.memory.total_bytes_all_ranks
                                                               + 2 * RANK_PROCESS_BYTES + SERVER_REPLICA_BYTES)
@@ -437,6 +442,7 @@ def test_the_hub_id_hint_is_given_by_every_command_that_takes_a_model(tmp_path, 
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert hub in err and "Traceback" not in err, (argv, err)
+        assert err.rstrip().endswith(f"and pass {argv[1] if argv[0] == 'check' else '--model'} DIR"), (argv, err)
 
 
 def test_a_path_with_a_tilde_the_shell_left_is_named_so(tmp_path, monkeypatch, capsys):
@@ -452,8 +458,8 @@ def test_a_path_with_a_tilde_the_shell_left_is_named_so(tmp_path, monkeypatch, c
                          (["check", "--reference", "~/q"], "--reference")):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
-        assert (f"{option} ~/q starts with a `~` the shell did not expand (it expands one only at the start of a word, "
-                f"not after `{option}=`): write `{option} ~/q` with a space, or {home}") in err, (argv, err)
+        assert (f"{option} ~/q starts with a `~` that nothing expanded (a shell expands one only at the start of a "
+                f"word: `{option} ~/...`, not `{option}=~/...`; Python never does): pass {home}") in err, (argv, err)
     assert not (tmp_path / "~").exists()
 
 

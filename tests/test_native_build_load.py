@@ -95,8 +95,11 @@ def test_a_build_killed_while_compiling_leaves_nothing_in_tmpdir_and_the_next_bu
     assert not list(tmpdir.iterdir())
     running_here = cache / f".build-{writer_tag()}-0000aaaa"  # this process: it still runs
     other_host = cache / ".build-otherhost-1-0000bbbb"
-    running_here.mkdir()
-    other_host.mkdir()
+    other_host_old = cache / ".build-otherhost-2-0000cccc"  # a day old: no build takes that long
+    for folder in (running_here, other_host, other_host_old):
+        folder.mkdir()
+    day_ago = time.time() - 25 * 3600
+    os.utime(other_host_old, (day_ago, day_ago))
     spec = LibrarySpec(stem="probe", source="int probe(void) { return 7; }", flags=(), what="a probe")
     os.close(build(spec, cache))
     assert (cache / spec.name).is_file()

@@ -641,14 +641,15 @@ def test_a_folder_reached_through_a_link_is_served_under_the_links_name(tmp_path
     assert settings_from_args({"model": "llama/"}).served_model_name == "llama"
 
 
-@pytest.mark.parametrize("name", ["a\nb", "a\tb", "model\x1b[2J"], ids=["newline", "tab", "escape"])
+@pytest.mark.parametrize("name", ["a\nb", "a\tb", "model\x1b[2J", "a\u2028b"], ids=["newline", "tab", "escape", "line-separator"])
 def test_a_served_model_name_with_control_characters_is_refused(name):
     """Taken before, and the start-up line ("serving a<newline>b") printed it broken."""
     from launcher.serving.server_settings import settings_from_args
 
-    with pytest.raises(ValueError, match=r"served_model_name \(.*\) must be printable: no control characters"):
+    with pytest.raises(ValueError, match=r"served_model_name \(.*\) must hold no control characters or line breaks"):
         settings_from_args({"served_model_name": name})
-    assert settings_from_args({"served_model_name": "Smöl org/model 1"}).served_model_name == "Smöl org/model 1"
+    for taken in ("Smöl org/model 1", "モデル\u3000v1", "a\u00a0b"):  # other scripts' spaces are no control
+        assert settings_from_args({"served_model_name": taken}).served_model_name == taken
 
 
 def test_null_on_serve_run_is_the_default_for_text_arguments_too(monkeypatch):

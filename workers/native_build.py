@@ -217,13 +217,25 @@ def _compile(dir_fd: int, directory: Path, spec: "LibrarySpec") -> None:
 
 
 def _sweep_dead_builds(dir_fd: int) -> None:
-    """Remove the build folders of writers on this host that are gone (killed while compiling)."""
+    """Remove the build folders of writers that are gone (killed while compiling): on this host once
+    their pid is, elsewhere (a shared cache) once older than atomic_dir's STALE_AFTER_S, far past any
+    build's compiler timeout."""
+    import time
+
+    from shardlib.atomic_dir import STALE_AFTER_S
+
     try:
         names = os.listdir(dir_fd)
     except OSError:
         return
     for name in names:
-        if name.startswith(_BUILD_PREFIX) and not writer_may_run(name[len(_BUILD_PREFIX):]):
+        if not name.startswith(_BUILD_PREFIX):
+            continue
+        try:
+            age = time.time() - os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mtime
+        except OSError:
+            continue
+        if age > STALE_AFTER_S or not writer_may_run(name[len(_BUILD_PREFIX):]):
             shutil.rmtree(name, dir_fd=dir_fd, ignore_errors=True)
 
 

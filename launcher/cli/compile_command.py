@@ -131,7 +131,7 @@ def compile_model(args: argparse.Namespace) -> dict:
                           ray_address=args.ray_address, cpus_per_rank=args.cpus_per_rank,
                           progress=not args.quiet, compile=True,
                           compile_granularity=args.granularity, **bucket_options(args), **max_num_seqs_option(args))
-    planned = plan_launch(config, progress, nothing_done="nothing was written")
+    planned = plan_launch(config, progress, nothing_done="nothing was written", into_out=True)
     model_dir, model_config, plan = planned.model_dir, planned.model_config, planned.plan
     buckets = compiled_dir.launch_buckets(config, plan, model_config)
     # Every granularity works at every TP degree (the collectives are operators inside the graphs);

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -195,8 +196,8 @@ def _served_name(args: dict, launch: dict, shown: str = "served_model_name") -> 
     if name is not None:
         if not isinstance(name, str) or not name.strip():
             raise ValueError(f"{shown} ({name!r}) must be a non-empty string (the `model` clients send)")
-        if not name.isprintable():  # a newline or a tab: taken, and the start-up line printed it broken
-            raise ValueError(f"{shown} ({name!r}) must be printable: no control characters such as newlines or tabs")
+        if any(unicodedata.category(ch) in ("Cc", "Zl", "Zp") for ch in name):  # taken, and printed broken
+            raise ValueError(f"{shown} ({name!r}) must hold no control characters or line breaks (a newline, a tab)")
         return name
     if launch.get("model"):
         return folder_name_as_given(launch["model"])
