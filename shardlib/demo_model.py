@@ -195,7 +195,7 @@ def _convert_under_lock(root: Path, target: Path) -> None:
             f"if no conversion is running, delete the lock file and retry"
         ) from None
     except OSError as err:
-        raise _unusable_cache(root, err) from err
+        raise _lock_of_another_user(lock_path, err) or _unusable_cache(root, err) from err
     try:
         if _cache_state(target) == "ok":  # another process finished while we waited
             return
@@ -206,6 +206,25 @@ def _convert_under_lock(root: Path, target: Path) -> None:
             raise _unusable_cache(root, err) from err
     finally:
         lock.release()
+
+
+def _lock_of_another_user(lock_path: Path, err: OSError) -> ValueError | None:
+    """The error for a lock this user may not open because another user of a shared cache made it
+    (filelock creates it 0644, and a sticky folder refuses others even an open of it): the cache
+    was called not writable, with the advice to set CORELAUNCH_CACHE, while it may well be; None
+    for any other failure."""
+    if not isinstance(err, PermissionError):
+        return None
+    try:
+        owner = lock_path.stat().st_uid
+    except OSError:
+        return None
+    if owner == os.getuid():
+        return None
+    return ValueError(f"cannot take the lock {lock_path} of the demo model's conversion: it belongs to uid {owner}, "
+                      f"another user of this shared cache, and this user may not open it. If they are converting "
+                      f"the model now, run again once they are done (their converted folder is then used as it "
+                      f"is); else ask them to remove the lock, or set CORELAUNCH_CACHE to a directory of your own")
 
 
 def _unusable_cache(root: Path, err: OSError) -> ValueError:

@@ -344,3 +344,46 @@ def test_plan_sizes_the_demo_model_from_the_packaged_config_without_converting(t
     report = json.loads(proc.stdout)
     assert report["model"]["num_attention_heads"] == 9 and report["valid_tp_degrees"][:2] == [1, 3]
     assert not (tmp_path / DEMO_MODEL_NAME).exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root")
+def test_a_lock_another_user_made_in_a_shared_cache_is_named_as_theirs():
+    """In a shared (sticky, 1777) CORELAUNCH_CACHE the conversion lock is the first user's, 0644: a
+    second user who needed a conversion (while the first one's ran) was told the cache could not be
+    written and to set CORELAUNCH_CACHE, though it could. A forked child acts as that second user."""
+    import shutil
+    import tempfile
+
+    import filelock  # noqa: F401 - imported before the child gives up root: the interpreter's own
+    # library may lie where only root reads (a pyenv under /root); the venv stays readable
+    demo_model.find_demo_gguf()  # imports what reading the package's metadata takes
+
+    shared = Path(tempfile.mkdtemp(prefix="corelaunch-shared-", dir="/tmp"))
+    try:
+        shared.chmod(0o1777)
+        lock = shared / f"{DEMO_MODEL_NAME}.lock"
+        lock.write_text("")
+        lock.chmod(0o644)
+        os.chown(lock, 12345, 12345)  # the first user's
+        read, write = os.pipe()
+        child = os.fork()
+        if child == 0:  # the second user
+            os.close(read)
+            try:
+                os.setgid(23456)
+                os.setuid(23456)
+                demo_model._convert_under_lock(shared, shared / DEMO_MODEL_NAME)
+                said = "no error"
+            except BaseException as err:  # noqa: BLE001 - reported to the parent
+                said = f"{type(err).__name__}: {err}"
+            os.write(write, said.encode())
+            os._exit(0)
+        os.close(write)
+        with os.fdopen(read) as pipe:
+            said = pipe.read()
+        os.waitpid(child, 0)
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+    assert said.startswith(f"ValueError: cannot take the lock {lock} of the demo model's conversion: it belongs to "
+                           f"uid 12345, another user of this shared cache"), said
+    assert "run again once they are done" in said and "writable" not in said, said
