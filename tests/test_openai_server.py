@@ -212,13 +212,25 @@ def test_a_request_past_the_request_timeout_is_a_504_naming_both_ways_out():
 
     handle = SimpleNamespace(request_id="chatcmpl-1", timeout_s=600, delivered=[1] * 3067,
                              request=SimpleNamespace(max_tokens=4064))
-    status, body, _ = _generation_failure(_overdue(handle, "it was cancelled"))
+    status, body, headers = _generation_failure(_overdue(handle, "it was cancelled"))
     error = body["error"]
     assert status == 504 and (error["type"], error["code"]) == ("server_error", "generation_timeout")
+    assert not _openai_client_retries(status, headers)  # it did, twice: the generation ran three times
     assert "did not finish within 600 s (it had 3067 of 4064 tokens)" in error["message"]
     assert "--request-timeout" in error["message"] and "max_tokens (max_completion_tokens)" in error["message"]
     status, body, headers = _generation_failure(RuntimeError("boom"))
-    assert status == 500 and body["error"]["message"] == "generation failed: boom" and headers == {}
+    assert status == 500 and body["error"]["message"] == "generation failed: boom"
+    assert not _openai_client_retries(status, headers)
+
+
+def _openai_client_retries(status: int, headers: dict) -> bool:
+    """Whether the official openai client would retry a response of this status and these headers
+    (its own rule: every 5xx, unless x-should-retry says otherwise)."""
+    import openai
+    from openai._base_client import httpx2 as http_client  # the HTTP library this openai release uses
+
+    client = openai.OpenAI(base_url="http://127.0.0.1:9/v1", api_key="x")
+    return client._should_retry(http_client.Response(status, headers=headers))
 
 
 def test_a_request_whose_replica_failed_for_good_is_a_503_that_names_no_node_or_process():

@@ -369,6 +369,12 @@ def _unavailable(err: LaunchError) -> str:
     return "this server replica's model is not serving (it is stopping)"
 
 
+_NO_RETRY = {"x-should-retry": "false"}
+"""On a failure a retry only repeats: the official openai client retries every 5xx twice unless told
+not to, so a 504 generation_timeout ran the whole generation three times (about 30 minutes at the
+default --request-timeout) before the user saw it."""
+
+
 def _generation_failure(err: Exception) -> tuple[int, dict, dict]:
     """(HTTP status, OpenAI error body, headers) for a request that failed while generating. A
     request past the request timeout is a 504 naming both ways out: a chat request without
@@ -378,12 +384,13 @@ def _generation_failure(err: Exception) -> tuple[int, dict, dict]:
     if isinstance(err, RequestTimeout):
         return 504, proto.error_body(
             f"{err}; or ask for fewer tokens with max_tokens (max_completion_tokens): a chat request without it "
-            f"may generate up to the rest of the model's context", type="server_error", code="generation_timeout"), {}
+            f"may generate up to the rest of the model's context", type="server_error",
+            code="generation_timeout"), _NO_RETRY
     if isinstance(err, _FAILED_FOR_GOOD) or type(err) is LaunchError:  # failed for good, or stopping
         return 503, proto.error_body(
             f"generation failed: {_unavailable(err)}; the request was not finished: retry it after "
             f"{UNAVAILABLE_RETRY_S} s", type="server_error", code="model_unavailable"), _RETRY_UNAVAILABLE
-    return 500, proto.error_body(f"generation failed: {err}", type="server_error"), {}
+    return 500, proto.error_body(f"generation failed: {err}", type="server_error"), _NO_RETRY
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_constructor_retry_count=1,
