@@ -208,6 +208,16 @@ SERVER_REPLICA_BYTES = 448 * 2**20
 Serve's replica machinery): measured 400-430 MiB."""
 
 
+def _process_bytes(plan, server: bool) -> int:
+    """The allowance for one group's processes: its ranks' and, for a server, its Serve replica's."""
+    return plan.tp_degree * RANK_PROCESS_BYTES + (SERVER_REPLICA_BYTES if server else 0)
+
+
+def _host_usable_bytes(plan) -> int:
+    """This host's RAM less the planner's reserve (the cpu plan's capacity is this host's)."""
+    return plan.memory.usable_bytes_per_rank * plan.tp_degree
+
+
 def host_bytes_per_group(plan, server: bool = False) -> int:
     """This host's RAM one TP group of `plan` holds at most on the cpu backend: its ranks' weights,
     KV cache and packing scratch, each rank's process (RANK_PROCESS_BYTES) and, for a server, the
@@ -217,8 +227,8 @@ def host_bytes_per_group(plan, server: bool = False) -> int:
     kv_bytes = mem.kv_cache_bytes_per_rank
     if server and plan.serving_rows:
         kv_bytes = kv_bytes * plan.serving_rows // (plan.batch_size + plan.serving_rows)
-    per_rank = mem.weight_bytes_per_rank + kv_bytes + mem.packing_scratch_bytes_per_rank + RANK_PROCESS_BYTES
-    return per_rank * plan.tp_degree + (SERVER_REPLICA_BYTES if server else 0)
+    per_rank = mem.weight_bytes_per_rank + kv_bytes + mem.packing_scratch_bytes_per_rank
+    return per_rank * plan.tp_degree + _process_bytes(plan, server)
 
 
 def groups_this_host_holds(config, plan, backend: str, server: bool = False) -> int | None:
@@ -230,8 +240,7 @@ def groups_this_host_holds(config, plan, backend: str, server: bool = False) -> 
 
     if backend != "cpu" or config.instance is not None or config.nodes != 1 or not private_cluster(config.ray_address):
         return None
-    usable = plan.memory.usable_bytes_per_rank * plan.tp_degree  # this host's RAM less the reserve
-    return usable // host_bytes_per_group(plan, server)
+    return _host_usable_bytes(plan) // host_bytes_per_group(plan, server)
 
 
 def check_replicas_fit_this_host(config, plan, backend: str) -> None:
@@ -251,10 +260,10 @@ def check_groups_fit(count: int, name: str, plan, holds: int | None, server: boo
     if holds is None or count <= max(holds, 1):  # one group: the plan's own check is the judge
         return
     per_group = host_bytes_per_group(plan, server)
-    usable = plan.memory.usable_bytes_per_rank * plan.tp_degree
-    processes = plan.tp_degree * RANK_PROCESS_BYTES + (SERVER_REPLICA_BYTES if server else 0)
     raise ValueError(f"{name} ({count}): {count} TP groups of {plan.tp_degree} rank(s) need "
                      f"{format_bytes(count * per_group)} ({format_bytes(per_group)} each, of which "
-                     f"{format_bytes(processes)} for the {'rank and Serve replica' if server else 'rank'} processes) "
-                     f"but this host has {format_bytes(usable)} usable; nothing was started. Ask for at most "
+                     f"{format_bytes(_process_bytes(plan, server))} for the "
+                     f"{'rank and Serve replica' if server else 'rank'} processes) "
+                     f"but this host has {format_bytes(_host_usable_bytes(plan))} usable; nothing was started. "
+                     f"Ask for at most "
                      f"{max(1, holds)}, or shrink each group's KV cache (--max-num-seqs, --seq-len)")

@@ -26,6 +26,8 @@ import sys
 import threading
 import time
 
+from shardlib.process_alive import stat_fields
+
 TERMINATED_EXIT = 143
 """The exit code after SIGTERM (128 + 15), as shells report a command killed by it."""
 CLEAN_EXIT_WAIT_S = 45.0
@@ -191,14 +193,7 @@ def _children() -> dict[int, str]:
     except OSError:
         return found
     for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:  # gone meanwhile, or not ours to read
-            continue
-        fields = stat[stat.rfind(b")") + 2:].split()  # after "pid (comm) ": the name may hold spaces
-        if len(fields) > 1 and int(fields[1]) == me:
+        fields = stat_fields(int(entry)) if entry.isdigit() else None  # None: gone meanwhile, or not ours
+        if fields is not None and len(fields) > 1 and int(fields[1]) == me:
             found[int(entry)] = fields[0].decode()
     return found

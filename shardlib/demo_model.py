@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 from shardlib.atomic_dir import fsync_dir, fsync_tree, remove_path
-from shardlib.file_modes import process_umask
+from shardlib.file_modes import as_umask_allows, process_umask
 
 DEMO_MODEL_NAME = "smollm2-135m-instruct"
 """Folder name of the converted model inside the cache directory."""
@@ -271,10 +271,10 @@ def _seal(folder: Path, provenance: dict, umask: int) -> None:
             os.chmod(os.path.join(dirpath, name), 0o777 & ~umask)
         for name in filenames:
             path = os.path.join(dirpath, name)
-            os.chmod(path, 0o666 & ~umask)
+            as_umask_allows(path, umask)
             files[Path(path).relative_to(folder).as_posix()] = os.stat(path).st_size
     marker.write_text(json.dumps({**provenance, "files": dict(sorted(files.items()))}, indent=1))
-    os.chmod(marker, 0o666 & ~umask)
+    as_umask_allows(marker, umask)
     fsync_tree(folder)
 
 

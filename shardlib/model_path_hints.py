@@ -38,3 +38,9 @@ def unexpanded_home(option: str, path: str | Path) -> str:
     directory, which a later `rm -rf ~...` would take for the home folder)."""
     return (f"{option} {path} starts with a `~` that nothing expanded (a shell expands one only at the start of a "
             f"word: `{option} ~/...`, not `{option}=~/...`; Python never does): pass {os.path.expanduser(str(path))}")
+
+
+def refuse_unexpanded_home(option: str, path: str | Path) -> None:
+    """ValueError (unexpanded_home) for a path to be created that starts with a `~` nothing expanded."""
+    if str(path).startswith("~") and not Path(path).exists():
+        raise ValueError(unexpanded_home(option, path))

@@ -15,12 +15,19 @@ def process_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
+    fields = stat_fields(pid)
+    return not fields or fields[0] not in (b"Z", b"X")
+
+
+def stat_fields(pid: int) -> list[bytes] | None:
+    """The fields of /proc/PID/stat after "PID (comm)" (the name may hold spaces and parentheses):
+    [state, ppid, ...]; None where it cannot be read (gone, not ours, no /proc)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1][1:2]
-    except (OSError, IndexError):
-        return True
-    return state not in (b"Z", b"X")
+            stat = f.read()
+    except OSError:
+        return None
+    return stat[stat.rfind(b")") + 2:].split()
 
 
 def writer_tag() -> str:

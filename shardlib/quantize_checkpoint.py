@@ -47,10 +47,9 @@ def check_quantize_options(dtype: str, out_dir: str | Path) -> str:
     """The normalized format; ValueError for an unknown dtype or an output path that exists (what
     can be refused before the model is even found: the built-in one is converted on first use)."""
     fmt = normalize_quant_dtype(dtype)
-    if str(out_dir).startswith("~") and not Path(out_dir).exists():
-        from shardlib.model_path_hints import unexpanded_home
+    from shardlib.model_path_hints import refuse_unexpanded_home
 
-        raise ValueError(unexpanded_home("--out", out_dir))
+    refuse_unexpanded_home("--out", out_dir)
     if Path(out_dir).exists() or Path(out_dir).is_symlink():
         raise ValueError(f"--out {out_dir} already exists; choose a new directory (quantize never overwrites)")
     return fmt

@@ -200,10 +200,9 @@ def check_out(out: Path) -> None:
     from launcher.artifacts import compiled_dir
     from shardlib.atomic_dir import refuse_foreign_dir, unwritable_reason
 
-    if str(out).startswith("~") and not out.exists():
-        from shardlib.model_path_hints import unexpanded_home
+    from shardlib.model_path_hints import refuse_unexpanded_home
 
-        raise ValueError(unexpanded_home("--out", out))
+    refuse_unexpanded_home("--out", out)
     if out.name in ("", ".", ".."):  # the swap renames a link over it: a name is needed (found after the compile)
         raise ValueError(f"--out {out} names no directory of its own; pass a new path such as {out / 'compiled'}")
     if compiled_dir.compiler_unsafe_path(out):  # the compile cache lives inside it
