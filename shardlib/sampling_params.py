@@ -1,4 +1,4 @@
-"""What one request asks of token selection (greedy, temperature, top-k, top-p, a seed), checked
+"""What one request asks of token selection (greedy, temperature, top-k, top-p, a seed, penalties), checked
 when it is built. Pure: the driver, the CLI and the Serve front end build and check these without
 importing torch (about 2 s of every `corelaunch` command's and Serve replica's start); the ranks'
 sampling itself is workers/sampling.py."""
@@ -18,6 +18,9 @@ tiniest round to 0 (the row sampled at temperature 1) or stay as denormals that 
 into infinities (NaN probabilities: the draw raised); this close to 0, sampling picks the argmax
 anyway."""
 
+MAX_PENALTY = 2.0
+"""presence_penalty and frequency_penalty lie in [-2, 2], as OpenAI's API (and vLLM) bound them."""
+
 MAX_TEMPERATURE = 3.4028234663852886e38
 """float32's largest value: the sampling table holds temperatures in float32, where a larger one is
 infinity, every scaled logit 0, and top-k and top-p keep tokens by id instead of by likelihood."""
@@ -35,6 +38,13 @@ class SamplingParams:
     """Keep the smallest set of most likely tokens whose probability mass reaches top_p; 1 keeps all."""
     seed: int | None = None
     """Seed of this request's generator; the same seed gives the same tokens. None: unseeded."""
+    presence_penalty: float = 0.0
+    """Subtracted once from the logit of every token generated so far (OpenAI's; in [-2, 2])."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time it was generated so far (OpenAI's; in [-2, 2])."""
+    repetition_penalty: float = 1.0
+    """transformers' and vLLM's: every token of the prompt or the output so far has its logit divided
+    by this when positive, multiplied when not; 1 is off, above 1 discourages repeats (workers/penalties.py)."""
 
     def __post_init__(self) -> None:
         _plain_numbers(self)
@@ -47,6 +57,15 @@ class SamplingParams:
         s = self.seed
         if s is not None and (isinstance(s, bool) or not isinstance(s, int) or not MIN_SEED <= s <= MAX_SEED):
             raise ValueError(f"seed={s!r} must be None or an integer in [-2**63, 2**63 - 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ValueError(f"{name}={value!r} must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] "
+                                 f"(0 turns it off)")
+        r = self.repetition_penalty
+        if not _number(r) or not finite(r) or r <= 0:
+            raise ValueError(f"repetition_penalty={r!r} must be a finite number > 0 (1 turns it off; above 1 "
+                             f"discourages repeating the prompt's and the output's tokens)")
         if self.temperature is None:
             # top_k=50 alone was greedy without a word: sampling asked for is sampling at temperature 1
             sampling = k > 0 or p < 1
@@ -66,11 +85,20 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
 
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+
+def _number(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float))
+
 
 def _plain_numbers(params: SamplingParams) -> None:
     """numpy's scalars (np.int64 top_k, np.float32 temperature) and torch's 0-d tensors as Python's
     int and float, as prompts take them: checked like any other value, and plain on the ranks."""
-    for name in ("top_k", "seed", "temperature", "top_p"):
+    for name in ("top_k", "seed", "temperature", "top_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty"):
         value = getattr(params, name)
         if type(value) in (int, float, bool) or value is None:
             continue

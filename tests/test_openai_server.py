@@ -64,8 +64,11 @@ def refusal(parse, **fields) -> ProtocolError:
     ("max_tokens", 0, ["max_tokens (0)", ">= 1"]),
     ("logprobs", 21, ["logprobs (21)", "[0, 20]"]),
     ("n", 2, ["n (2)", "only one choice"]),
-    ("presence_penalty", 0.5, ["presence_penalty (0.5)", "not supported", "only 0"]),
-    ("frequency_penalty", -1.0, ["frequency_penalty (-1.0)", "not supported"]),
+    ("presence_penalty", 2.5, ["presence_penalty (2.5)", "[-2, 2]"]),
+    ("frequency_penalty", -2.01, ["frequency_penalty (-2.01)", "[-2, 2]"]),
+    ("repetition_penalty", 0, ["repetition_penalty (0)", "finite number > 0"]),
+    ("repetition_penalty", float("inf"), ["repetition_penalty (Infinity)", "finite number > 0"]),
+    ("repetition_penalty", "1.2", ["repetition_penalty ('1.2')", "finite number > 0"]),
     ("stop", ["a", "b", "c", "d", "e"], ["stop has 5 strings", "at most 4"]),
     ("stop", [""], ["stop[0] is empty", "stop strings must not be empty"]),
     ("stop", ["a", ""], ["stop[1] is empty"]),  # which one of the list (it did not say)
@@ -125,6 +128,17 @@ def test_top_p_zero_keeps_only_the_most_likely_token():
     assert drawn == {0}
     plain = chat(temperature=0.8, top_p=0.9, top_k=-1).sampling()
     assert (plain.top_k, plain.top_p) == (0, 0.9)  # -1 is vLLM's "off"
+
+
+def test_penalties_reach_the_engines_sampling_params():
+    """presence_penalty and frequency_penalty were refused unless 0; now they and vLLM's
+    repetition_penalty are the request's, greedy ones included (top_p 0 and temperature 0)."""
+    sampling = completion(temperature=0, presence_penalty=0.5, frequency_penalty=-1.5, repetition_penalty=1.3).sampling()
+    assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty) == (0.5, -1.5, 1.3)
+    assert sampling.is_greedy and sampling.has_penalties
+    nucleus_zero = chat(top_p=0, frequency_penalty=2, repetition_penalty=0.9).sampling()
+    assert nucleus_zero.is_greedy and (nucleus_zero.frequency_penalty, nucleus_zero.repetition_penalty) == (2, 0.9)
+    assert not completion(presence_penalty=None, repetition_penalty=None).sampling().has_penalties
 
 
 def test_chat_logprobs_must_be_true_or_false():
@@ -1080,7 +1094,7 @@ def hf():
                                  do_sample=False)
         return tok.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
 
-    return SimpleNamespace(tok=tok, greedy=greedy, config=model.config)
+    return SimpleNamespace(tok=tok, greedy=greedy, config=model.config, model=model)
 
 
 PROMPT = "The capital of France is"
@@ -1141,6 +1155,29 @@ def test_a_stop_string_ends_the_text_before_it(client, hf):
                                        stream=True)
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks) == cut and chunks[-1].choices[0].finish_reason == "stop"
+
+
+@pytest.mark.slow
+def test_penalties_match_transformers_over_http(client, hf):
+    """OpenAI's frequency_penalty and presence_penalty, and vLLM's repetition_penalty (extra_body),
+    greedy, streamed and not: the text of transformers' greedy generation with the same penalties."""
+    import torch
+    from transformers import LogitsProcessorList
+
+    from tests.test_penalties import OpenAIPenalties
+
+    prompt = "one two one two one two one two"
+    ids = hf.tok(prompt)["input_ids"]
+    with torch.no_grad():
+        out = hf.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                max_new_tokens=16, do_sample=False, repetition_penalty=1.3,
+                                logits_processor=LogitsProcessorList([OpenAIPenalties(len(ids), 0.8, 0.4)]))
+    expected = hf.tok.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
+    assert expected != hf.greedy(ids, 16)  # the penalties change this text: the comparison means something
+    asked = dict(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, frequency_penalty=0.8, presence_penalty=0.4,
+                 extra_body={"repetition_penalty": 1.3})
+    assert client.completions.create(**asked).choices[0].text == expected
+    assert "".join(c.choices[0].text for c in client.completions.create(**asked, stream=True)) == expected
 
 
 @pytest.mark.slow

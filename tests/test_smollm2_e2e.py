@@ -91,7 +91,8 @@ def test_cli_generate_refusals_in_process(tmp_path, capsys, monkeypatch, in_proc
 
     missing = refused("--model", str(tmp_path / "nope"), "hi")
     assert "nope" in missing and "does not exist" in missing
-    assert "top_p" in refused("--top-p", "2", "hi")
+    assert "--top-p 2.0 must be a number in (0, 1]" in refused("--top-p", "2", "hi")
+    assert "--repetition-penalty 0.0 must be a finite number > 0" in refused("--repetition-penalty", "0", "hi")
     bad_tp = refused("--tp", "2", "--quiet", "hi")
     assert "heads_not_divisible" in bad_tp and "num_attention_heads (9)" in bad_tp, bad_tp
     assert "give at least one PROMPT" in refused("--quiet")

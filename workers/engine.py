@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable
 
 import torch
@@ -30,6 +30,7 @@ import torch
 from shardlib.buckets import Buckets, request_shape
 from shardlib.request_checks import check_request
 from workers.kv_cache import KVCache
+from workers.penalties import penalized
 from workers.sampling import SamplingParams, make_generator, sample
 
 CACHE_LEN_MULTIPLE = 64
@@ -97,8 +98,7 @@ def _shared_seeds(model, params: list[SamplingParams]) -> list[SamplingParams]:
     collectives.all_reduce_sum_(seeds)
     params = list(params)
     for i, seed in zip(unseeded, seeds.tolist()):
-        p = params[i]
-        params[i] = SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=seed)
+        params[i] = replace(params[i], seed=seed)
     return params
 
 
@@ -175,7 +175,7 @@ def generate(model, prompts: list[list[int]], params: list[SamplingParams], max_
             t.to(device) for t in (input_ids, slot_ids, attention_mask, position_ids))
 
         logits = model(input_ids, position_ids, cache, slot_ids[:width], attention_mask, logit_index)[:batch]
-        tokens = sample(logits, params, generators)  # (batch,)
+        tokens = sample(penalized(logits, params, prompts, [()] * batch), params, generators)  # (batch,)
         first_token_time = time.perf_counter()
 
         outputs = [GenerationOutput([], "length", n, first_token_time - start, 0.0) for n in lengths]
@@ -208,7 +208,7 @@ def generate(model, prompts: list[list[int]], params: list[SamplingParams], max_
             step_start = time.perf_counter()
             step_ids = (tokens if filler is None else torch.cat((tokens, filler)))[:, None]  # (rows, 1)
             logits = model(step_ids, positions + step, cache, slot_ids[slot:slot + 1], attention_mask)[:batch]
-            tokens = sample(logits, params, generators)
+            tokens = sample(penalized(logits, params, prompts, [o.token_ids for o in outputs]), params, generators)
             step_latency = time.perf_counter() - step_start
 
     for i, out in enumerate(outputs):

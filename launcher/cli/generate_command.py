@@ -32,6 +32,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--top-k", type=int, help="sample among the k most likely tokens (0 = off)")
     p.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1]")
     p.add_argument("--seed", type=int, help="seed for reproducible sampling (each prompt is seeded with it alike)")
+    p.add_argument("--presence-penalty", type=float, metavar="P",
+                   help="subtract P from every token generated so far, in [-2, 2] (default 0: off)")
+    p.add_argument("--frequency-penalty", type=float, metavar="F",
+                   help="subtract F per time a token was generated so far, in [-2, 2] (default 0: off)")
+    p.add_argument("--repetition-penalty", type=float, metavar="R",
+                   help="divide the logits of the prompt's and the output's tokens by R (> 0; default 1: off)")
     p.add_argument("--ray-address", help="Ray cluster host:port, or local for a private one (default: RAY_ADDRESS, else the cluster `ray start` recorded on this host, else a private one)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(run=run)
@@ -42,13 +48,27 @@ def _sampling(args):
 
     given = {k: v for k, v in (("temperature", args.temperature), ("top_k", args.top_k),
                                ("top_p", args.top_p), ("seed", args.seed)) if v is not None}
+    penalties = {k: v for k, v in (("presence_penalty", args.presence_penalty),
+                                   ("frequency_penalty", args.frequency_penalty),
+                                   ("repetition_penalty", args.repetition_penalty)) if v is not None}
     if given and "temperature" not in given and ("top_k" in given or "top_p" in given):
         given["temperature"] = 1.0  # top-k/top-p alone means: sample at temperature 1
     if set(given) == {"seed"}:  # greedy, which draws nothing: the seed was dropped without a word
         raise ValueError(f"--seed ({args.seed}) seeds sampling, and no sampling flag is given (the default is "
                          f"greedy, which takes no seed): add --temperature T, or --top-k / --top-p (which sample at "
                          f"temperature 1)")
-    return SamplingParams(**given)
+    try:
+        return SamplingParams(**given, **penalties)
+    except ValueError as err:  # its message names the field: name the flag
+        raise ValueError(_as_flags(str(err))) from None
+
+
+def _as_flags(message: str) -> str:
+    """SamplingParams' message ("top_p=2.0 must be ...") as the command's flags say it ("--top-p 2.0 ...")."""
+    for name in ("temperature", "top_k", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        if message.startswith(f"{name}="):
+            return f"--{name.replace('_', '-')} " + message[len(name) + 1:]
+    return message
 
 
 def launch_config(args: argparse.Namespace):

@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from shardlib.sampling_params import MAX_SEED, MIN_SEED
+from shardlib.sampling_params import MAX_PENALTY, MAX_SEED, MIN_SEED
 
 MAX_STOP_STRINGS = 4
 """OpenAI's bound on `stop`."""
@@ -51,8 +51,10 @@ FIELD_RULES = {
     "stream_options": "an object {include_usage: bool}, only with stream: true",
     "stream_options.include_usage": "true or false",
     "n": "1 (only one choice per request is supported)",
-    "presence_penalty": "0 (presence_penalty is not supported; only 0 is accepted)",
-    "frequency_penalty": "0 (frequency_penalty is not supported; only 0 is accepted)",
+    "presence_penalty": "a number in [-2, 2] (0 turns it off)",
+    "frequency_penalty": "a number in [-2, 2] (0 turns it off)",
+    "repetition_penalty": "a finite number > 0 (1 turns it off; above 1 discourages repeating the prompt's and "
+                          "the output's tokens)",
     "user": "a string (it is accepted and ignored)",
     # Parameters this server does not implement, accepted at the value that asks for nothing (clients
     # that send every parameter send these), refused otherwise
@@ -143,8 +145,11 @@ class _GenerationRequest(_NullMeansDefault):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1)
-    presence_penalty: float = Field(0.0, ge=0, le=0)
-    frequency_penalty: float = Field(0.0, ge=0, le=0)
+    presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    repetition_penalty: float = Field(1.0, gt=0, allow_inf_nan=False)
+    """Extension (as vLLM's and transformers'): divides the logits of tokens already in the prompt or
+    the output (workers/penalties.py)."""
     user: str | None = None
     logit_bias: dict = Field(default_factory=dict, max_length=0)
 
@@ -154,10 +159,12 @@ class _GenerationRequest(_NullMeansDefault):
         token tied at the top and drew among them)."""
         from shardlib.sampling_params import SamplingParams
 
+        penalties = dict(presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                         repetition_penalty=self.repetition_penalty)
         if self.top_p == 0:
-            return SamplingParams(temperature=0.0, seed=self.seed)
+            return SamplingParams(temperature=0.0, seed=self.seed, **penalties)
         return SamplingParams(temperature=self.temperature, top_k=max(self.top_k, 0), top_p=self.top_p,
-                              seed=self.seed)
+                              seed=self.seed, **penalties)
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -318,6 +318,7 @@ class ServingLoop:
         chosen_at = time.perf_counter()
         for i, (seq, token) in enumerate(zip(sequences, tokens)):
             seq.generated += 1
+            seq.output_ids.append(token)
             request = seq.request
             reason = ("stop" if token in request.stop_token_ids
                       else "length" if seq.generated >= request.max_tokens else None)

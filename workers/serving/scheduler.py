@@ -16,7 +16,7 @@ next plan, which zeroes what it wrote on every rank first.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from workers.serving.requests import StreamRequest
 from workers.serving.step_plan import ClearRow, Command, DecodeRow, PrefillChunk, StepPlan
@@ -31,6 +31,8 @@ class Sequence:
     pending: int | None = None
     """The last token chosen, fed back by the next decode step."""
     generated: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    """The tokens chosen in this submission, in order (penalties count them: workers/penalties.py)."""
     generator: object = None
     """The leader's torch.Generator for this request (None: greedy)."""
     seed: int | None = None

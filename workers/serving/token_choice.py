@@ -6,6 +6,7 @@ import random
 
 import torch
 
+from workers.penalties import penalized
 from workers.sampling import hashed_seed, sample, sampling_device
 from workers.serving.requests import TokenLogprob
 from workers.serving.scheduler import Sequence
@@ -39,7 +40,12 @@ def seed_draws(sequences: list[Sequence]) -> None:
 def choose(logits: torch.Tensor, sequences: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
     """Token per row of logits (rows, vocab) for sequences[i], and logprobs where asked for."""
     seed_draws(sequences)  # again for a choice redone (the leader's row by row retry): the same draw
-    tokens = sample(logits, [s.request.sampling for s in sequences], [s.generator for s in sequences]).tolist()
+    params = [s.request.sampling for s in sequences]
+    scores = logits
+    if any(p.has_penalties for p in params):
+        prompts, outputs = zip(*(_history(s) for s in sequences))
+        scores = penalized(logits, params, prompts, outputs)
+    tokens = sample(scores, params, [s.generator for s in sequences]).tolist()
     logprobs: list[TokenLogprob | None] = [None] * len(sequences)
     wanted = [i for i, s in enumerate(sequences) if s.request.logprobs is not None]
     if wanted:
@@ -51,6 +57,15 @@ def choose(logits: torch.Tensor, sequences: list[Sequence]) -> tuple[list[int], 
             top = _ranked(table[j], top_ids[j, :n], top_values[j, :n]) if n else []
             logprobs[i] = TokenLogprob(tokens[i], float(table[j, tokens[i]]), top)
     return tokens, logprobs
+
+
+def _history(sequence: Sequence) -> tuple[tuple[int, ...], list[int]]:
+    """The request's prompt and the tokens it generated so far: a resumed request's prompt ends
+    with the tokens delivered before its group restarted, which are output, not prompt (frequency
+    and presence penalties count them)."""
+    prompt, before = sequence.prompt, sequence.request.draws_before
+    cut = len(prompt) - before
+    return prompt[:cut], list(prompt[cut:]) + sequence.output_ids
 
 
 def _ranked(row: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> list[tuple[int, float]]:

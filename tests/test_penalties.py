@@ -1,0 +1,172 @@
+"""Repetition, frequency and presence penalties: the formula row by row, and greedy generation with
+them equal to transformers' (its own repetition penalty; frequency and presence through a logits
+processor written here from OpenAI's definition), in the static engine and in the serving loop,
+alone, batched and resumed after a fault."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from tests.serving_driver import collect, request, run_loops, stop
+from tests.test_engine import PROMPTS, fresh_model, hf_model
+from workers.engine import generate
+from workers.penalties import penalized
+from workers.sampling import SamplingParams
+from workers.serving.loop import ServingConfig, ServingLoop
+
+NEW = 12
+
+
+def reference_row(logits: list[float], params: SamplingParams, prompt: list[int], output: list[int]) -> list[float]:
+    """The definitions, one token at a time."""
+    out = list(logits)
+    for token in range(len(out)):
+        if token in prompt or token in output:
+            r = params.repetition_penalty
+            out[token] = out[token] / r if out[token] > 0 else out[token] * r
+        count = output.count(token)
+        out[token] -= params.frequency_penalty * count + params.presence_penalty * (count > 0)
+    return out
+
+
+def test_penalties_follow_their_definitions_row_by_row():
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(0)) * 4  # both signs
+    params = [SamplingParams(repetition_penalty=1.7, frequency_penalty=0.4, presence_penalty=-0.6),
+              SamplingParams(),  # no penalty: left as it is
+              SamplingParams(temperature=0.9, repetition_penalty=0.5, presence_penalty=2.0)]
+    prompts = [[3, 3, 8, 20], [1, 2], [39, 0, 5]]
+    outputs = [[8, 8, 8, 11, 3], [1, 1], [12, 5, 12]]
+    before = logits.clone()
+    got = penalized(logits, params, prompts, outputs)
+    assert torch.equal(logits, before)  # the caller's logits (log-probabilities come from them) untouched
+    for i in range(3):
+        want = torch.tensor(reference_row(logits[i].tolist(), params[i], prompts[i], outputs[i]))
+        torch.testing.assert_close(got[i], want, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(got[0], logits[0]) and torch.equal(got[1], logits[1])
+    assert penalized(logits, [SamplingParams()] * 3, prompts, outputs) is logits  # nothing asked: no copy
+
+
+def test_frequency_and_presence_count_generated_tokens_never_the_prompt():
+    logits = torch.zeros(1, 10)
+    got = penalized(logits, [SamplingParams(frequency_penalty=1.0, presence_penalty=0.5)], [[4, 4, 4]], [[7, 7]])
+    assert got[0, 4] == 0 and got[0, 7] == -2.5  # 2 x 1.0 + 0.5
+
+
+def test_a_penalty_never_makes_a_finite_logit_infinite_and_keeps_a_broken_one_broken():
+    """A tiny repetition penalty divides a large logit past float32's range, a large one multiplies a
+    negative one past it: an infinite logit failed the request's token choice. A NaN or inf the
+    model produced stays, for the choice to report as a broken forward."""
+    logits = torch.tensor([[3e38, -3e38, 1.0, 0.0]])
+    small = penalized(logits, [SamplingParams(repetition_penalty=1e-3)], [[0, 2]], [[]])
+    large = penalized(logits, [SamplingParams(repetition_penalty=1e3)], [[1]], [[]])
+    assert small.isfinite().all() and large.isfinite().all()
+    assert small[0, 0] == torch.finfo(torch.float32).max and large[0, 1] == -torch.finfo(torch.float32).max
+    broken = torch.tensor([[float("nan"), 1.0, float("inf")]])
+    kept = penalized(broken, [SamplingParams(repetition_penalty=2.0)], [[0, 1, 2]], [[]])
+    assert kept[0, 0].isnan() and kept[0, 2] == float("inf") and kept[0, 1] == 0.5
+
+
+class OpenAIPenalties(LogitsProcessor):
+    """OpenAI's frequency and presence penalties over the tokens generated after `prompt_length`."""
+
+    def __init__(self, prompt_length: int, frequency: float, presence: float):
+        self.prompt_length, self.frequency, self.presence = prompt_length, frequency, presence
+
+    def __call__(self, input_ids, scores):
+        for row, ids in enumerate(input_ids):
+            counts = torch.bincount(ids[self.prompt_length:], minlength=scores.shape[-1]).to(scores.dtype)
+            scores[row] -= self.frequency * counts + self.presence * (counts > 0).to(scores.dtype)
+        return scores
+
+
+PENALTIES = {
+    "repetition": SamplingParams(repetition_penalty=1.8),
+    "frequency_presence": SamplingParams(frequency_penalty=1.5, presence_penalty=0.7),
+    "all_three": SamplingParams(repetition_penalty=1.3, frequency_penalty=0.9, presence_penalty=1.1),
+}
+
+
+def transformers_greedy(prompt: list[int], params: SamplingParams) -> list[int]:
+    ids = torch.tensor([prompt])
+    processors = LogitsProcessorList([OpenAIPenalties(len(prompt), params.frequency_penalty, params.presence_penalty)])
+    with torch.inference_mode():
+        out = hf_model().generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW,
+                                  eos_token_id=None, pad_token_id=0, repetition_penalty=params.repetition_penalty,
+                                  logits_processor=processors)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("name", list(PENALTIES))
+def test_greedy_with_penalties_equals_transformers_in_both_engines(name):
+    params = PENALTIES[name]
+    want = [transformers_greedy(p, params) for p in PROMPTS]
+    plain = [transformers_greedy(p, SamplingParams()) for p in PROMPTS]
+    assert want != plain  # the penalties change what this model generates: the comparison means something
+    static = generate(fresh_model(), PROMPTS, [params] * len(PROMPTS), NEW, [])
+    assert [o.token_ids for o in static] == want
+    # continuous batching with chunked prefill: two rows for three requests, each with its own history
+    loop = ServingLoop(fresh_model(), ServingConfig(2, 4, 64))
+    threads = run_loops([loop])
+    loop.submit([request(f"r{i}", p, NEW, sampling=params) for i, p in enumerate(PROMPTS)]
+                + [request("plain", PROMPTS[0], NEW)])
+    got = collect(loop, {f"r{i}" for i in range(len(PROMPTS))} | {"plain"})
+    stop([loop], threads)
+    assert [got.tokens[f"r{i}"] for i in range(len(PROMPTS))] == want
+    assert got.tokens["plain"] == plain[0]  # a companion without penalties is not penalised
+
+
+def test_a_resumed_request_counts_the_tokens_it_already_delivered_as_output():
+    """A resume after a fault submits the prompt plus the delivered tokens (draws_before of them):
+    frequency and presence penalties go on counting those as generated, so the rest of the stream
+    is what it would have been without the fault."""
+    params = SamplingParams(frequency_penalty=2.0, presence_penalty=1.0)
+    loop = ServingLoop(fresh_model(), ServingConfig(2, 32, 64))
+    threads = run_loops([loop])
+    loop.submit([request("whole", PROMPTS[0], NEW, sampling=params)])
+    whole = collect(loop, {"whole"}).tokens["whole"]
+    loop.submit([request("rest", tuple(PROMPTS[0]) + tuple(whole[:5]), NEW - 5, sampling=params, draws_before=5)])
+    rest = collect(loop, {"rest"}).tokens["rest"]
+    stop([loop], threads)
+    assert whole == transformers_greedy(PROMPTS[0], params)
+    assert rest == whole[5:]
+    # counted as prompt instead, the same tokens are penalised differently from here on
+    as_prompt = transformers_greedy(PROMPTS[0] + whole[:5], params)[:NEW - 5]
+    assert as_prompt != whole[5:]
+
+
+def test_penalty_values_are_checked_when_the_params_are_built():
+    for kwargs, words in (({"presence_penalty": 2.5}, "presence_penalty=2.5 must be a number in [-2, 2]"),
+                          ({"frequency_penalty": float("nan")}, "frequency_penalty=nan must be a number in [-2, 2]"),
+                          ({"repetition_penalty": 0}, "repetition_penalty=0 must be a finite number > 0"),
+                          ({"repetition_penalty": float("inf")}, "repetition_penalty=inf must be a finite"),
+                          ({"presence_penalty": True}, "presence_penalty=True must be a number")):
+        with pytest.raises(ValueError) as caught:
+            SamplingParams(**kwargs)
+        assert words in str(caught.value)
+    import numpy as np
+
+    numpy_valued = SamplingParams(repetition_penalty=np.float32(1.25), frequency_penalty=np.float64(-0.5))
+    assert type(numpy_valued.repetition_penalty) is float and numpy_valued.frequency_penalty == -0.5
+
+
+def test_generate_flags_build_the_penalties_and_name_themselves_when_refused():
+    import argparse
+
+    from launcher.cli import generate_command
+
+    parser = argparse.ArgumentParser()
+    generate_command.add_parser(parser.add_subparsers())
+
+    def sampling(*flags: str) -> SamplingParams:
+        return generate_command._sampling(parser.parse_args(["generate", *flags, "hi"]))
+
+    got = sampling("--presence-penalty", "0.5", "--frequency-penalty", "-1", "--repetition-penalty", "1.2")
+    assert (got.presence_penalty, got.frequency_penalty, got.repetition_penalty) == (0.5, -1.0, 1.2)
+    assert got.is_greedy  # penalties alone do not sample
+    assert not sampling().has_penalties
+    with pytest.raises(ValueError, match=r"^--frequency-penalty 3.0 must be a number in \[-2, 2\]"):
+        sampling("--frequency-penalty", "3")
+    with pytest.raises(ValueError, match=r"^--temperature -1.0 must be a finite number >= 0"):
+        sampling("--temperature", "-1")
