@@ -1,15 +1,17 @@
-"""The leader's token choice (workers/sampling.sample) for one decode step's logits, per sampling setting.
+"""The leader's token choice (workers/penalties.penalized, then workers/sampling.sample) for one decode step's logits, per sampling setting.
 
 Random logits of --rows x --vocab (SmolLM2's vocabulary by default), as float32 values and as
 bfloat16 values (a bfloat16 model's logits, where equal values are common); every row with the same
-SamplingParams and a seeded generator of its own, as the serving engine draws. Each case's
+SamplingParams and a seeded generator of its own, as the serving engine draws; each row's history
+is a random prompt of --prompt-tokens ids and --output-tokens generated ones (what penalties read;
+the serving benchmark's requests are 128 + 64). Each case's
 median wall time over --repeats calls, on one torch thread (what a rank's leader gives it is
 what it has; one thread makes runs comparable). Prints JSON.
 
 To compare two versions of the code side by side, run it from each checkout in one session
 (e.g. a `git worktree` of the older commit): `python benchmarks/token_choice.py` in each.
 
-    python benchmarks/token_choice.py [--rows 16] [--vocab 49152] [--repeats 30]
+    python benchmarks/token_choice.py [--rows 16] [--vocab 49152] [--repeats 30] [--prompt-tokens 128] [--output-tokens 64]
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from launcher.cli.options import int_at_least  # noqa: E402 - bad values refused before any work
+from workers.penalties import penalized  # noqa: E402
 from workers.sampling import SamplingParams, make_generator, sample  # noqa: E402
 
 CASES = {
@@ -35,6 +38,10 @@ CASES = {
     "temperature_only": SamplingParams(temperature=1.0, seed=1),  # OpenAI's defaults: top_p 1, no top_k
     "top_k_50_top_p_0.95": SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=1),
     "top_p_0.9": SamplingParams(temperature=0.7, top_p=0.9, seed=1),
+    "greedy_repetition_1.2": SamplingParams(repetition_penalty=1.2),
+    "temperature_frequency_presence": SamplingParams(temperature=1.0, seed=1, frequency_penalty=0.5,
+                                                     presence_penalty=0.5),
+    "greedy_all_three_penalties": SamplingParams(repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.5),
 }
 
 
@@ -43,24 +50,30 @@ def main() -> None:
     parser.add_argument("--rows", type=int_at_least("--rows", 1), default=16)
     parser.add_argument("--vocab", type=int_at_least("--vocab", 1), default=49152)
     parser.add_argument("--repeats", type=int_at_least("--repeats", 1), default=30)
+    parser.add_argument("--prompt-tokens", type=int_at_least("--prompt-tokens", 1), default=128)
+    parser.add_argument("--output-tokens", type=int_at_least("--output-tokens", 0), default=64)
     args = parser.parse_args()
     torch.set_num_threads(1)
     float32 = torch.randn(args.rows, args.vocab, generator=torch.Generator().manual_seed(0)) * 3
+    ids = torch.Generator().manual_seed(1)
+    prompts = torch.randint(args.vocab, (args.rows, args.prompt_tokens), generator=ids).tolist()
+    outputs = torch.randint(args.vocab, (args.rows, args.output_tokens), generator=ids).tolist()
     results = {}
     for values, logits in (("float32", float32), ("bfloat16", float32.bfloat16().float())):
         for name, params in CASES.items():
             batch = [params] * args.rows
             generators = [make_generator(params) for _ in range(args.rows)]
-            sample(logits, batch, generators)  # warm
+            sample(penalized(logits, batch, prompts, outputs), batch, generators)  # warm
             times = []
             for _ in range(args.repeats):
                 start = time.perf_counter()
-                sample(logits, batch, generators)
+                sample(penalized(logits, batch, prompts, outputs), batch, generators)
                 times.append(time.perf_counter() - start)
             results[f"{name} ({values})"] = {"median_ms": round(1000 * statistics.median(times), 3),
                                              "min_ms": round(1000 * min(times), 3)}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     print(json.dumps({"commit": commit or None, "rows": args.rows, "vocab": args.vocab, "threads": 1,
+                      "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
                       "repeats": args.repeats, "cases": results}, indent=1))
 
 

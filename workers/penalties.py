@@ -36,18 +36,36 @@ def penalized(logits: torch.Tensor, params: list[SamplingParams], prompts: Seque
     # generators (XLA: sampling draws there too), and never the caller's tensor (log-probabilities
     # are taken from it)
     out = logits.to(sampling_device(logits.device), torch.float32, copy=True)
+    device = out.device
+    # Only the tokens a row has seen change, a few hundred of a vocabulary of tens of thousands:
+    # those columns are gathered, penalised and written back for all rows at once (a row at a time
+    # cost about 0.3 ms each, whole-vocabulary passes for 16 rows about 20 ms: README, Measured).
+    histories = [list(prompts[i]) + list(outputs[i]) for i in rows]
+    rows = [i for i, h in zip(rows, histories) if h]  # nothing seen: nothing to penalise
+    histories = [h for h in histories if h]
+    if not rows:
+        return out.to(logits.device)
+    longest = max(len(h) for h in histories)
+    # a row's columns filled out with its own first token: writing one column twice writes one value
+    columns = torch.tensor([h + [h[0]] * (longest - len(h)) for h in histories], dtype=torch.int64, device=device)
+    # times each column's token was generated: counted over the vocabulary (one pass, whatever the
+    # history's length), read at the columns; the padding's counts land past the vocabulary
     vocab = out.shape[-1]
-    for i in rows:
-        p, row = params[i], out[i]
-        finite = row.isfinite()  # a broken forward's NaN or inf stays for the token choice to report
-        generated = torch.tensor(list(outputs[i]), dtype=torch.int64, device=out.device)
-        if p.repetition_penalty != 1.0:
-            seen = torch.tensor(list(prompts[i]), dtype=torch.int64, device=out.device)
-            seen = torch.cat((seen, generated)).unique()
-            values = row[seen]
-            row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
-        if (p.frequency_penalty or p.presence_penalty) and generated.numel():
-            counts = torch.bincount(generated, minlength=vocab)[:vocab].to(out.dtype)
-            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(out.dtype)
-        row.copy_(torch.where(finite, row.clamp(-FLOAT32_MAX, FLOAT32_MAX), row))
+    generated = _padded([outputs[i] for i in rows], vocab, device)
+    counts = torch.zeros(len(rows), vocab + 1, device=device).scatter_add_(
+        1, generated, torch.ones(generated.shape, device=device)).gather(1, columns)
+    r, f, p = (torch.tensor([[getattr(params[i], name)] for i in rows], device=device)
+               for name in ("repetition_penalty", "frequency_penalty", "presence_penalty"))
+    at = (torch.tensor(rows, device=device)[:, None], columns)
+    values = out[at]
+    finite = values.isfinite()  # a broken forward's NaN or inf stays for the token choice to report
+    # a penalty of 1 or 0 leaves a value exactly as it was: x / 1, x * 1 and x - 0 are x
+    penalised = torch.where(values > 0, values / r, values * r) - (f * counts + p * (counts > 0))
+    out[at] = torch.where(finite, penalised.clamp(-FLOAT32_MAX, FLOAT32_MAX), values)
     return out.to(logits.device)
+
+
+def _padded(histories: list[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
+    """(rows, longest) int64 token ids, each row filled out with `pad` (at least one column)."""
+    longest = max(1, max(len(h) for h in histories))
+    return torch.tensor([list(h) + [pad] * (longest - len(h)) for h in histories], dtype=torch.int64, device=device)
