@@ -38,6 +38,7 @@ CASES = {
     "temperature_only": SamplingParams(temperature=1.0, seed=1),  # OpenAI's defaults: top_p 1, no top_k
     "top_k_50_top_p_0.95": SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=1),
     "top_p_0.9": SamplingParams(temperature=0.7, top_p=0.9, seed=1),
+    "min_p_0.1": SamplingParams(temperature=1.0, min_p=0.1, seed=1),
     "greedy_repetition_1.2": SamplingParams(repetition_penalty=1.2),
     "temperature_frequency_presence": SamplingParams(temperature=1.0, seed=1, frequency_penalty=0.5,
                                                      presence_penalty=0.5),

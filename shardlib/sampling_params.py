@@ -1,4 +1,4 @@
-"""What one request asks of token selection (greedy, temperature, top-k, top-p, a seed, penalties), checked
+"""What one request asks of token selection (greedy, temperature, top-k, top-p, min-p, a seed, penalties), checked
 when it is built. Pure: the driver, the CLI and the Serve front end build and check these without
 importing torch (about 2 s of every `corelaunch` command's and Serve replica's start); the ranks'
 sampling itself is workers/sampling.py."""
@@ -30,7 +30,7 @@ infinity, every scaled logit 0, and top-k and top-p keep tokens by id instead of
 class SamplingParams:
     temperature: float | None = None
     """Divides the logits before softmax; 0 (or anything below GREEDY_BELOW) means greedy (argmax),
-    ignoring top_k and top_p. None (not given): 1.0 where top_k or top_p asks for sampling, else 0
+    ignoring top_k, top_p and min_p. None (not given): 1.0 where top_k, top_p or min_p asks for sampling, else 0
     (greedy), as `corelaunch generate` reads its flags; a seed alone is refused (greedy takes none)."""
     top_k: int = 0
     """Keep only the k most likely tokens; 0 means no limit (as does any k at least the vocabulary)."""
@@ -45,6 +45,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     """transformers' and vLLM's: every token of the prompt or the output so far has its logit divided
     by this when positive, multiplied when not; 1 is off, above 1 discourages repeats (workers/penalties.py)."""
+    min_p: float = 0.0
+    """Keep only tokens at least min_p times as likely as the most likely one (transformers' and
+    vLLM's; in [0, 1]; 0 is off). Where top_k or top_p asks nothing, it alone asks for sampling."""
 
     def __post_init__(self) -> None:
         _plain_numbers(self)
@@ -66,13 +69,16 @@ class SamplingParams:
         if not _number(r) or not finite(r) or r <= 0:
             raise ValueError(f"repetition_penalty={r!r} must be a finite number > 0 (1 turns it off; above 1 "
                              f"discourages repeating the prompt's and the output's tokens)")
+        m = self.min_p
+        if not _number(m) or not 0 <= m <= 1:
+            raise ValueError(f"min_p={m!r} must be a number in [0, 1] (0 turns min-p off)")
         if self.temperature is None:
             # top_k=50 alone was greedy without a word: sampling asked for is sampling at temperature 1
-            sampling = k > 0 or p < 1
+            sampling = k > 0 or p < 1 or m > 0
             if not sampling and s is not None:
                 raise ValueError(f"seed={s!r} seeds sampling, and nothing asks for sampling (the default is greedy, "
-                                 f"which takes no seed): give a temperature, or top_k / top_p (which sample at "
-                                 f"temperature 1)")
+                                 f"which takes no seed): give a temperature, or top_k / top_p / min_p (which sample "
+                                 f"at temperature 1)")
             object.__setattr__(self, "temperature", 1.0 if sampling else 0.0)
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not finite(t) or t < 0:
@@ -98,7 +104,7 @@ def _plain_numbers(params: SamplingParams) -> None:
     """numpy's scalars (np.int64 top_k, np.float32 temperature) and torch's 0-d tensors as Python's
     int and float, as prompts take them: checked like any other value, and plain on the ranks."""
     for name in ("top_k", "seed", "temperature", "top_p", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty"):
+                 "repetition_penalty", "min_p"):
         value = getattr(params, name)
         if type(value) in (int, float, bool) or value is None:
             continue

@@ -60,6 +60,8 @@ def refusal(parse, **fields) -> ProtocolError:
     ("top_p", -0.1, ["top_p (-0.1)", "[0, 1]"]),
     ("top_p", 1.5, ["top_p (1.5)", "[0, 1]"]),
     ("top_k", -2, ["top_k (-2)", ">= 0"]),
+    ("min_p", 1.5, ["min_p (1.5)", "[0, 1]"]),
+    ("min_p", -0.1, ["min_p (-0.1)", "[0, 1]"]),
     ("seed", -2**63 - 1, ["seed (-9223372036854775809)", "[-2**63, 2**63 - 1]"]),
     ("max_tokens", 0, ["max_tokens (0)", ">= 1"]),
     ("logprobs", 21, ["logprobs (21)", "[0, 20]"]),
@@ -130,7 +132,7 @@ def test_top_p_zero_keeps_only_the_most_likely_token():
     assert (plain.top_k, plain.top_p) == (0, 0.9)  # -1 is vLLM's "off"
 
 
-def test_penalties_reach_the_engines_sampling_params():
+def test_penalties_and_min_p_reach_the_engines_sampling_params():
     """presence_penalty and frequency_penalty were refused unless 0; now they and vLLM's
     repetition_penalty are the request's, greedy ones included (top_p 0 and temperature 0)."""
     sampling = completion(temperature=0, presence_penalty=0.5, frequency_penalty=-1.5, repetition_penalty=1.3).sampling()
@@ -139,6 +141,7 @@ def test_penalties_reach_the_engines_sampling_params():
     nucleus_zero = chat(top_p=0, frequency_penalty=2, repetition_penalty=0.9).sampling()
     assert nucleus_zero.is_greedy and (nucleus_zero.frequency_penalty, nucleus_zero.repetition_penalty) == (2, 0.9)
     assert not completion(presence_penalty=None, repetition_penalty=None).sampling().has_penalties
+    assert chat(min_p=0.2).sampling().min_p == 0.2 and completion(min_p=None).sampling().min_p == 0.0
 
 
 def test_chat_logprobs_must_be_true_or_false():
@@ -1158,9 +1161,10 @@ def test_a_stop_string_ends_the_text_before_it(client, hf):
 
 
 @pytest.mark.slow
-def test_penalties_match_transformers_over_http(client, hf):
+def test_penalties_and_min_p_over_http(client, hf):
     """OpenAI's frequency_penalty and presence_penalty, and vLLM's repetition_penalty (extra_body),
-    greedy, streamed and not: the text of transformers' greedy generation with the same penalties."""
+    greedy, streamed and not: the text of transformers' greedy generation with the same penalties.
+    vLLM's min_p reaches the sampler."""
     import torch
     from transformers import LogitsProcessorList
 
@@ -1178,6 +1182,10 @@ def test_penalties_match_transformers_over_http(client, hf):
                  extra_body={"repetition_penalty": 1.3})
     assert client.completions.create(**asked).choices[0].text == expected
     assert "".join(c.choices[0].text for c in client.completions.create(**asked, stream=True)) == expected
+    # min_p 1 keeps only the most likely token (and its equals): sampled, it is the greedy text
+    hot = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.5, seed=3,
+                                    extra_body={"min_p": 1.0})
+    assert hot.choices[0].text == hf.greedy(hf.tok(PROMPT)["input_ids"], 8)
 
 
 @pytest.mark.slow

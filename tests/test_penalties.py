@@ -170,3 +170,6 @@ def test_generate_flags_build_the_penalties_and_name_themselves_when_refused():
         sampling("--frequency-penalty", "3")
     with pytest.raises(ValueError, match=r"^--temperature -1.0 must be a finite number >= 0"):
         sampling("--temperature", "-1")
+    assert sampling("--min-p", "0.1").min_p == 0.1 and sampling("--min-p", "0.1").temperature == 1.0
+    with pytest.raises(ValueError, match=r"^--min-p 2.0 must be a number in \[0, 1\]"):
+        sampling("--min-p", "2")

@@ -116,9 +116,9 @@ def test_temperature_sharpens_and_flattens():
 
 
 def test_sampling_table_rows():
-    table = sampling_table([SamplingParams(temperature=0.7, top_k=40, top_p=0.9), SamplingParams()])
-    assert table.shape == (2, 3)
-    assert table.tolist() == [[40.0, pytest.approx(0.9), pytest.approx(0.7)], [0.0, 1.0, 0.0]]
+    table = sampling_table([SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.25), SamplingParams()])
+    assert table.shape == (2, 4)
+    assert table.tolist() == [[40.0, pytest.approx(0.9), pytest.approx(0.7), 0.25], [0.0, 1.0, 0.0, 0.0]]
 
 
 def test_row_count_mismatch_is_refused():
@@ -204,15 +204,17 @@ def test_a_temperature_below_the_greedy_threshold_is_greedy(temperature):
 
 
 def _reference_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """transformers' warpers (temperature, top-k, top-p, in its generate() order) on one row: (vocab,)."""
-    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
-                                                        TopPLogitsWarper)
+    """transformers' warpers (temperature, top-k, top-p, min-p, in its generate() order) on one row: (vocab,)."""
+    from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper,
+                                                        TopKLogitsWarper, TopPLogitsWarper)
 
     scores = TemperatureLogitsWarper(params.temperature)(None, logits[None].float())
     if params.top_k > 0:
         scores = TopKLogitsWarper(params.top_k)(None, scores)
     if params.top_p < 1.0:
         scores = TopPLogitsWarper(params.top_p)(None, scores)
+    if params.min_p > 0:
+        scores = MinPLogitsWarper(params.min_p)(None, scores)
     return scores.softmax(dim=-1)[0]
 
 
@@ -225,6 +227,10 @@ def _by_token(probs: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tenso
     SamplingParams(temperature=0.8, top_k=50, top_p=0.95),
     SamplingParams(temperature=0.7, top_p=0.9),
     SamplingParams(temperature=1.0),
+    SamplingParams(temperature=1.0, min_p=0.05),
+    SamplingParams(temperature=0.6, min_p=0.3),
+    SamplingParams(temperature=1.3, top_k=40, top_p=0.8, min_p=0.1),
+    SamplingParams(temperature=1.0, min_p=1.0),  # the most likely token and its equals only
 ])
 def test_kept_tokens_and_their_probabilities_are_transformers(params):
     """Ties at the top-k cut all stay (kept were the first k columns: 4 tokens tied at the 2nd logit
@@ -240,6 +246,19 @@ def test_kept_tokens_and_their_probabilities_are_transformers(params):
         ours, reference = _by_token(probs[0], ids[0], row.numel()), _reference_probs(row, params)
         assert torch.equal(ours > 0, reference > 0)
         torch.testing.assert_close(ours, reference, rtol=0, atol=1e-6)
+
+
+def test_min_p_alone_draws_only_the_tokens_it_keeps():
+    """A request with min_p and no top-k or top-p must not take the unfiltered path that rows keeping
+    every token take: its draws stay among the tokens at least min_p times as likely as the best."""
+    probs = torch.tensor([0.5, 0.3, 0.12, 0.08])
+    assert set(draw(probs.log(), 400, temperature=1.0, min_p=0.5)) == {0, 1}
+    assert set(draw(probs.log(), 400, temperature=1.0, min_p=0.2)) == {0, 1, 2}
+    assert set(draw(probs.log(), 400, min_p=0.9)) == {0}  # min_p alone samples at temperature 1
+    assert SamplingParams(min_p=0.1).temperature == 1.0 and SamplingParams(min_p=0.0).is_greedy
+    for bad in (-0.1, 1.5, float("nan"), True, "0.1"):
+        with pytest.raises(ValueError, match=r"^min_p=.* must be a number in \[0, 1\]"):
+            SamplingParams(min_p=bad)
 
 
 def test_top_p_one_keeps_the_whole_tail():
@@ -359,7 +378,7 @@ def test_top_k_or_top_p_without_a_temperature_samples_and_a_lone_seed_is_refused
     assert Params(top_k=50, temperature=0.0).is_greedy  # an explicit 0 stays greedy, as OpenAI's API takes it
     assert Params(temperature=0.0, seed=1).seed == 1
     with pytest.raises(ValueError, match=r"^seed=7 seeds sampling, and nothing asks for sampling .* give a "
-                                         r"temperature, or top_k / top_p \(which sample at temperature 1\)$"):
+                                         r"temperature, or top_k / top_p / min_p \(which sample at temperature 1\)$"):
         Params(seed=7)
     logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(3))[0]
     assert len(set(draw(logits, 200, top_k=10))) > 1  # draw() seeds each request: it samples now

@@ -1,8 +1,10 @@
-"""Per-request token selection: greedy, temperature, top-k, top-p.
+"""Per-request token selection: greedy, temperature, top-k, top-p, min-p.
 
-Each request carries its own `SamplingParams`; a batch is turned into one (batch, 3) table of
-(top_k, top_p, temperature), the layout NxD Inference uses, and every row is filtered by its own
-values in one vectorised pass. Filters apply in the order temperature, top-k, top-p.
+Each request carries its own `SamplingParams`; a batch is turned into one (batch, 4) table of
+(top_k, top_p, temperature, min_p), NxD Inference's layout with min_p added, and every row is
+filtered by its own values in one vectorised pass. Filters apply in the order temperature, top-k,
+top-p, min-p, as transformers' generate() applies them (penalties come before all of them:
+workers/penalties.py).
 
 How tensor-parallel ranks agree on tokens without communicating: the LM head all-gathers the
 logits, so every rank holds bit-identical (batch, vocab) logits; every rank builds its generators
@@ -54,23 +56,24 @@ and more than any vocabulary (a larger k keeps every token all the same; 1e39 wo
 
 
 def sampling_table(params: list[SamplingParams], device: torch.device | str = "cpu") -> torch.Tensor:
-    """(batch, 3) float32 rows of (top_k, top_p, temperature); top_k capped at TOP_K_CAP."""
-    return torch.tensor([[min(p.top_k, TOP_K_CAP), p.top_p, p.temperature] for p in params], dtype=torch.float32,
-                        device=device)
+    """(batch, 4) float32 rows of (top_k, top_p, temperature, min_p); top_k capped at TOP_K_CAP."""
+    return torch.tensor([[min(p.top_k, TOP_K_CAP), p.top_p, p.temperature, p.min_p] for p in params],
+                        dtype=torch.float32, device=device)
 
 
 def filtered_probs(logits: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Probabilities after temperature, top-k and top-p, in descending-logit order.
+    """Probabilities after temperature, top-k, top-p and min-p, in descending-logit order.
 
-    logits (batch, vocab), table (batch, 3). Returns probs (batch, width) sorted by logit, equal
+    logits (batch, vocab), table (batch, 4). Returns probs (batch, width) sorted by logit, equal
     logits by token id, and the token id of each sorted column (batch, width); a row's kept tokens
     are a prefix of its columns, the same tokens in the same order whatever the other rows ask for.
     width is the vocabulary, or fewer columns when every row has a top_k (at least each row's kept
     ones). As in transformers and vLLM, top-k keeps every token whose logit equals the k-th
-    largest (ties at the cut included), and top_p 1 keeps every token. Rows with temperature 0
+    largest (ties at the cut included), top_p 1 keeps every token, and min-p keeps the tokens at
+    least min_p times as likely as the most likely (which always stays). Rows with temperature 0
     are returned unscaled (the caller takes their argmax).
     """
-    top_k, top_p, temperature = table[:, 0:1], table[:, 1:2], table[:, 2:3]  # (batch, 1) each
+    top_k, top_p, temperature, min_p = table[:, 0:1], table[:, 1:2], table[:, 2:3], table[:, 3:4]  # (batch, 1) each
     sorted_logits, sorted_ids = _sorted(_scaled(logits, temperature), top_k)
     width = sorted_logits.shape[-1]
     rank = torch.arange(width, device=logits.device)[None, :]  # (1, width)
@@ -83,6 +86,9 @@ def filtered_probs(logits: torch.Tensor, table: torch.Tensor) -> tuple[torch.Ten
     # top_p 1 keeps all: float32 sums of a long tail reach 1.0 before its end, and cut it off.
     mass_before = probs.cumsum(dim=-1) - probs
     keep &= (mass_before < top_p) | (rank == 0) | (top_p >= 1)
+    # min-p after top-p, as transformers applies it: a ratio to the most likely token, which the
+    # top-k renormalisation (and top-p's, in transformers) leaves as it is
+    keep &= probs >= min_p * probs[:, :1]
     probs = sorted_logits.masked_fill(~keep, float("-inf")).softmax(dim=-1)
     return probs, sorted_ids
 
@@ -146,8 +152,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
                          f"can be chosen: the forward overflowed or the weights are broken (float16 overflows where "
                          f"bfloat16 does not; check the checkpoint and --dtype)")
     tokens = best.indices
-    # Rows that keep every token (OpenAI's defaults: top_p 1, no top_k) draw from the softmax in
-    # token-id order, with no sort of the vocabulary; the others from their filtered, sorted columns.
+    # Rows without top-k or top-p (OpenAI's defaults: top_p 1, no top_k) draw from the softmax in
+    # token-id order, with no sort of the vocabulary (min-p, a ratio to the most likely token, needs
+    # none); the others from their filtered, sorted columns.
     vocab = logits.shape[-1]
     whole, filtered = [], []
     for i, p in enumerate(params):
@@ -159,6 +166,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     if whole:
         temperatures = torch.tensor([[params[i].temperature] for i in whole], device=logits.device)
         probs = _scaled(logits[torch.tensor(whole, device=logits.device)], temperatures).softmax(dim=-1)
+        min_p = torch.tensor([[params[i].min_p] for i in whole], device=logits.device)
+        if bool((min_p > 0).any()):  # multinomial draws in proportion to what is left: no renormalising
+            probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
         for j, i in enumerate(whole):
             tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
     if filtered:

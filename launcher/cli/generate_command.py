@@ -31,6 +31,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--temperature", type=float, help="sampling temperature (0 = greedy)")
     p.add_argument("--top-k", type=int, help="sample among the k most likely tokens (0 = off)")
     p.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1]")
+    p.add_argument("--min-p", type=float, metavar="M",
+                   help="keep tokens at least M times as likely as the most likely, in [0, 1] (0 = off)")
     p.add_argument("--seed", type=int, help="seed for reproducible sampling (each prompt is seeded with it alike)")
     p.add_argument("--presence-penalty", type=float, metavar="P",
                    help="subtract P from every token generated so far, in [-2, 2] (default 0: off)")
@@ -46,17 +48,17 @@ def add_parser(subparsers) -> None:
 def _sampling(args):
     from shardlib.sampling_params import SamplingParams
 
-    given = {k: v for k, v in (("temperature", args.temperature), ("top_k", args.top_k),
-                               ("top_p", args.top_p), ("seed", args.seed)) if v is not None}
+    given = {k: v for k, v in (("temperature", args.temperature), ("top_k", args.top_k), ("top_p", args.top_p),
+                               ("min_p", args.min_p), ("seed", args.seed)) if v is not None}
     penalties = {k: v for k, v in (("presence_penalty", args.presence_penalty),
                                    ("frequency_penalty", args.frequency_penalty),
                                    ("repetition_penalty", args.repetition_penalty)) if v is not None}
-    if given and "temperature" not in given and ("top_k" in given or "top_p" in given):
-        given["temperature"] = 1.0  # top-k/top-p alone means: sample at temperature 1
+    if given and "temperature" not in given and given.keys() & {"top_k", "top_p", "min_p"}:
+        given["temperature"] = 1.0  # top-k/top-p/min-p alone means: sample at temperature 1
     if set(given) == {"seed"}:  # greedy, which draws nothing: the seed was dropped without a word
         raise ValueError(f"--seed ({args.seed}) seeds sampling, and no sampling flag is given (the default is "
-                         f"greedy, which takes no seed): add --temperature T, or --top-k / --top-p (which sample at "
-                         f"temperature 1)")
+                         f"greedy, which takes no seed): add --temperature T, or --top-k / --top-p / --min-p (which "
+                         f"sample at temperature 1)")
     try:
         return SamplingParams(**given, **penalties)
     except ValueError as err:  # its message names the field: name the flag
@@ -65,7 +67,8 @@ def _sampling(args):
 
 def _as_flags(message: str) -> str:
     """SamplingParams' message ("top_p=2.0 must be ...") as the command's flags say it ("--top-p 2.0 ...")."""
-    for name in ("temperature", "top_k", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+    for name in ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty"):
         if message.startswith(f"{name}="):
             return f"--{name.replace('_', '-')} " + message[len(name) + 1:]
     return message

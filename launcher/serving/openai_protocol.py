@@ -41,6 +41,7 @@ FIELD_RULES = {
     "temperature": "a number in [0, 2] (0 is greedy)",
     "top_p": "a number in [0, 1] (1 turns top-p off; 0 keeps only the most likely token)",
     "top_k": "an integer >= 0, or -1 (0 and -1 turn top-k off)",
+    "min_p": "a number in [0, 1] (0 turns min-p off)",
     "seed": "an integer in [-2**63, 2**63 - 1]",
     "stop": f"a string or a list of at most {MAX_STOP_STRINGS} strings",
     "stop_token_ids": "a list of token ids (integers >= 0)",
@@ -136,6 +137,8 @@ class _GenerationRequest(_NullMeansDefault):
     """0 (OpenAI allows it) keeps only the most likely token, the limit of a shrinking nucleus."""
     top_k: int = Field(0, ge=-1)
     """Extension (as vLLM's): sample among the k most likely tokens."""
+    min_p: float = Field(0.0, ge=0, le=1)
+    """Extension (as vLLM's): keep tokens at least min_p times as likely as the most likely."""
     seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
     stop: str | list[str] | None = Field(None)
     stop_token_ids: list[int] = Field(default_factory=list)
@@ -164,7 +167,7 @@ class _GenerationRequest(_NullMeansDefault):
         if self.top_p == 0:
             return SamplingParams(temperature=0.0, seed=self.seed, **penalties)
         return SamplingParams(temperature=self.temperature, top_k=max(self.top_k, 0), top_p=self.top_p,
-                              seed=self.seed, **penalties)
+                              min_p=self.min_p, seed=self.seed, **penalties)
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
