@@ -1,8 +1,8 @@
 """The checks of one generate request (prompts as token ids, sampling params, max_new_tokens).
 
 One copy, so a request refused by the driver API, the CLI or a rank's engine is refused with the
-same message. Pure: token ids and counts only (SamplingParams objects are only counted here; they
-check their own fields when built).
+same message. Pure: token ids and counts only (SamplingParams objects are counted here, and their
+logit bias's token ids held against the vocabulary; they check their own fields when built).
 """
 
 from __future__ import annotations
@@ -16,10 +16,16 @@ from shardlib.positive_int import integer_of_any_kind, positive_int
 def check_request(prompts: Sequence[Sequence[int]], params: Sequence, max_new_tokens: int,
                   vocab_size: int) -> None:
     """ValueError unless: at least one prompt, each a non-empty list of token ids in
-    [0, vocab_size), one SamplingParams per prompt, and max_new_tokens a positive int (not a bool)."""
+    [0, vocab_size), one SamplingParams per prompt, each logit bias naming tokens of the vocabulary,
+    and max_new_tokens a positive int (not a bool)."""
     check_prompts(prompts, vocab_size)
     if len(params) != len(prompts):
         raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams; pass one per prompt")
+    for p in params:
+        outside = [token for token, _ in getattr(p, "logit_bias", ()) if token >= vocab_size]
+        if outside:  # indexing the logits with them failed the leader's step
+            raise ValueError(f"logit_bias names token ids {outside[:5]} outside the vocabulary [0, {vocab_size}); "
+                             f"were they taken from another model's tokenizer?")
     positive_int("max_new_tokens", max_new_tokens)
 
 

@@ -1,10 +1,12 @@
-"""What one request asks of token selection (greedy, temperature, top-k, top-p, min-p, a seed, penalties), checked
+"""What one request asks of token selection (greedy, temperature, top-k, top-p, min-p, a seed, penalties,
+logit bias), checked
 when it is built. Pure: the driver, the CLI and the Serve front end build and check these without
 importing torch (about 2 s of every `corelaunch` command's and Serve replica's start); the ranks'
 sampling itself is workers/sampling.py."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from shardlib.config_fields import finite
@@ -20,6 +22,10 @@ anyway."""
 
 MAX_PENALTY = 2.0
 """presence_penalty and frequency_penalty lie in [-2, 2], as OpenAI's API (and vLLM) bound them."""
+
+MAX_LOGIT_BIAS = 100.0
+"""A logit bias lies in [-100, 100], as OpenAI's API bounds it (-100 all but bans a token, 100 all
+but forces it)."""
 
 MAX_TEMPERATURE = 3.4028234663852886e38
 """float32's largest value: the sampling table holds temperatures in float32, where a larger one is
@@ -48,6 +54,11 @@ class SamplingParams:
     min_p: float = 0.0
     """Keep only tokens at least min_p times as likely as the most likely one (transformers' and
     vLLM's; in [0, 1]; 0 is off). Where top_k or top_p asks nothing, it alone asks for sampling."""
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
+    """Added to these tokens' logits before penalties and sampling, greedy included (OpenAI's):
+    {token_id: bias}, each bias in [-100, 100]. Kept as a tuple of (token_id, bias) pairs in id
+    order (the params stay hashable); token ids are checked against the vocabulary with the
+    request (shardlib/request_checks.py)."""
 
     def __post_init__(self) -> None:
         _plain_numbers(self)
@@ -69,6 +80,7 @@ class SamplingParams:
         if not _number(r) or not finite(r) or r <= 0:
             raise ValueError(f"repetition_penalty={r!r} must be a finite number > 0 (1 turns it off; above 1 "
                              f"discourages repeating the prompt's and the output's tokens)")
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         m = self.min_p
         if not _number(m) or not 0 <= m <= 1:
             raise ValueError(f"min_p={m!r} must be a number in [0, 1] (0 turns min-p off)")
@@ -94,6 +106,33 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Penalties or a logit bias: the logits change before the token choice (workers/penalties.py)."""
+        return bool(self.logit_bias) or self.has_penalties
+
+
+def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
+    """A logit bias given as {token_id: bias} (or (token_id, bias) pairs) as checked pairs in id order."""
+    if isinstance(bias, Mapping):
+        items = list(bias.items())
+    elif isinstance(bias, (tuple, list)) and all(isinstance(pair, (tuple, list)) and len(pair) == 2 for pair in bias):
+        items = [tuple(pair) for pair in bias]
+    else:
+        raise ValueError(f"logit_bias={bias!r} must be a mapping {{token_id: bias}} (or (token_id, bias) pairs)")
+    pairs = {}
+    for token, value in items:
+        token_id, number = integer_of_any_kind(token), real_of_any_kind(value)
+        if token_id is None or token_id < 0:
+            raise ValueError(f"logit_bias names {token!r}, which is not a token id; its keys must be integers >= 0")
+        if number is None or not finite(number) or not -MAX_LOGIT_BIAS <= number <= MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias[{token_id}]={value!r} must be a number in [-{MAX_LOGIT_BIAS:g}, "
+                             f"{MAX_LOGIT_BIAS:g}]")
+        if token_id in pairs:
+            raise ValueError(f"logit_bias names token {token_id} twice; give each token one bias")
+        pairs[token_id] = float(number)
+    return tuple(sorted(pairs.items()))
 
 
 def _number(value) -> bool:

@@ -132,6 +132,22 @@ def test_top_p_zero_keeps_only_the_most_likely_token():
     assert (plain.top_k, plain.top_p) == (0, 0.9)  # -1 is vLLM's "off"
 
 
+@pytest.mark.parametrize("bias, words", [
+    ({"abc": 1}, "logit_bias key 'abc' is not a token id"),
+    ({"-3": 1}, "logit_bias key '-3' is not a token id"),
+    ({" 7": 1}, "logit_bias key ' 7' is not a token id"),
+    ({"\u00b2": 1}, "is not a token id"),  # a digit to str.isdigit, not to int()
+    ({"7": 100.5}, "logit_bias[\"7\"] (100.5) must be a number in [-100, 100]"),
+    ({"7": float("nan")}, "logit_bias[\"7\"] (NaN) must be a number in [-100, 100]"),
+    ({"7": "1"}, "logit_bias ('1') must be an object of at most 1024 token ids"),
+    ({str(i): 1 for i in range(1025)}, "logit_bias has 1025 entries; at most 1024"),
+    ([1, 2], "logit_bias ([1, 2]) must be an object"),
+])
+def test_logit_bias_refusals_name_the_key_and_the_rule(bias, words):
+    err = refusal(completion, logit_bias=bias)
+    assert err.param == "logit_bias" and words in err.message, err.message
+
+
 def test_penalties_and_min_p_reach_the_engines_sampling_params():
     """presence_penalty and frequency_penalty were refused unless 0; now they and vLLM's
     repetition_penalty are the request's, greedy ones included (top_p 0 and temperature 0)."""
@@ -142,6 +158,7 @@ def test_penalties_and_min_p_reach_the_engines_sampling_params():
     assert nucleus_zero.is_greedy and (nucleus_zero.frequency_penalty, nucleus_zero.repetition_penalty) == (2, 0.9)
     assert not completion(presence_penalty=None, repetition_penalty=None).sampling().has_penalties
     assert chat(min_p=0.2).sampling().min_p == 0.2 and completion(min_p=None).sampling().min_p == 0.0
+    assert completion(logit_bias={"50256": -100, "7": 2}).sampling().logit_bias == ((7, 2.0), (50256, -100.0))
 
 
 def test_chat_logprobs_must_be_true_or_false():
@@ -187,7 +204,6 @@ def test_unsupported_parameters_are_taken_at_the_value_that_asks_for_nothing():
             (completion, "best_of", 2, "best_of (2) must be 1 (best_of is not supported"),
             (completion, "echo", True, "echo (true) must be false (echo is not supported)"),
             (completion, "suffix", "end", "suffix ('end') must be an empty string (suffix is not supported)"),
-            (completion, "logit_bias", {"50256": -100}, "logit_bias ({\"50256\": -100}) must be an empty object"),
             (completion, "echo", 0, "echo (0) must be false"),  # a number is not false (was taken)
             (chat, "response_format.type", {"type": "json_object"},
              "response_format.type ('json_object') must be \"text\" (structured output is not supported)")):
@@ -1161,10 +1177,11 @@ def test_a_stop_string_ends_the_text_before_it(client, hf):
 
 
 @pytest.mark.slow
-def test_penalties_and_min_p_over_http(client, hf):
+def test_penalties_logit_bias_and_min_p_over_http(client, hf):
     """OpenAI's frequency_penalty and presence_penalty, and vLLM's repetition_penalty (extra_body),
-    greedy, streamed and not: the text of transformers' greedy generation with the same penalties.
-    vLLM's min_p reaches the sampler."""
+    greedy, streamed and not: the text of transformers' greedy generation with the same penalties;
+    likewise OpenAI's logit_bias. vLLM's min_p reaches the sampler."""
+    import openai
     import torch
     from transformers import LogitsProcessorList
 
@@ -1182,6 +1199,19 @@ def test_penalties_and_min_p_over_http(client, hf):
                  extra_body={"repetition_penalty": 1.3})
     assert client.completions.create(**asked).choices[0].text == expected
     assert "".join(c.choices[0].text for c in client.completions.create(**asked, stream=True)) == expected
+    # a logit bias of -100 on the greedy text's first token: transformers' text with the same bias
+    first = hf.tok(hf.greedy(ids, 1))["input_ids"][0]
+    with torch.no_grad():
+        out = hf.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                max_new_tokens=8, do_sample=False, sequence_bias={(first,): -100.0})
+    banned = hf.tok.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
+    assert banned != hf.greedy(ids, 8)
+    got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                    logit_bias={str(first): -100})
+    assert got.choices[0].text == banned
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, logit_bias={str(hf.config.vocab_size): 1})
+    assert refused.value.body["param"] == "logit_bias" and "outside the vocabulary" in refused.value.body["message"]
     # min_p 1 keeps only the most likely token (and its equals): sampled, it is the greedy text
     hot = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.5, seed=3,
                                     extra_body={"min_p": 1.0})

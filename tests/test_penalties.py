@@ -1,7 +1,7 @@
-"""Repetition, frequency and presence penalties: the formula row by row, and greedy generation with
-them equal to transformers' (its own repetition penalty; frequency and presence through a logits
-processor written here from OpenAI's definition), in the static engine and in the serving loop,
-alone, batched and resumed after a fault."""
+"""Logit bias and repetition, frequency and presence penalties: the formula row by row, and greedy
+generation with them equal to transformers' (its own sequence bias and repetition penalty;
+frequency and presence through a logits processor written here from OpenAI's definition), in the
+static engine and in the serving loop, alone, batched and resumed after a fault."""
 
 from __future__ import annotations
 
@@ -20,8 +20,10 @@ NEW = 12
 
 
 def reference_row(logits: list[float], params: SamplingParams, prompt: list[int], output: list[int]) -> list[float]:
-    """The definitions, one token at a time."""
+    """The definitions, one token at a time: the bias first, as vLLM and transformers apply it."""
     out = list(logits)
+    for token, bias in params.logit_bias:
+        out[token] += bias
     for token in range(len(out)):
         if token in prompt or token in output:
             r = params.repetition_penalty
@@ -33,19 +35,22 @@ def reference_row(logits: list[float], params: SamplingParams, prompt: list[int]
 
 def test_penalties_follow_their_definitions_row_by_row():
     logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(0)) * 4  # both signs
-    params = [SamplingParams(repetition_penalty=1.7, frequency_penalty=0.4, presence_penalty=-0.6),
+    params = [SamplingParams(repetition_penalty=1.7, frequency_penalty=0.4, presence_penalty=-0.6,
+                             logit_bias={8: 3.0, 30: -1.5}),
               SamplingParams(),  # no penalty: left as it is
-              SamplingParams(temperature=0.9, repetition_penalty=0.5, presence_penalty=2.0)]
-    prompts = [[3, 3, 8, 20], [1, 2], [39, 0, 5]]
-    outputs = [[8, 8, 8, 11, 3], [1, 1], [12, 5, 12]]
+              SamplingParams(temperature=0.9, repetition_penalty=0.5, presence_penalty=2.0),
+              SamplingParams(logit_bias={0: 100, 39: -100})]  # a bias alone
+    prompts = [[3, 3, 8, 20], [1, 2], [39, 0, 5], [4]]
+    outputs = [[8, 8, 8, 11, 3], [1, 1], [12, 5, 12], [0]]
+    logits = torch.cat((logits, logits[:1]))
     before = logits.clone()
     got = penalized(logits, params, prompts, outputs)
     assert torch.equal(logits, before)  # the caller's logits (log-probabilities come from them) untouched
-    for i in range(3):
+    for i in range(4):
         want = torch.tensor(reference_row(logits[i].tolist(), params[i], prompts[i], outputs[i]))
         torch.testing.assert_close(got[i], want, rtol=1e-6, atol=1e-6)
     assert not torch.equal(got[0], logits[0]) and torch.equal(got[1], logits[1])
-    assert penalized(logits, [SamplingParams()] * 3, prompts, outputs) is logits  # nothing asked: no copy
+    assert penalized(logits, [SamplingParams()] * 4, prompts, outputs) is logits  # nothing asked: no copy
 
 
 def test_frequency_and_presence_count_generated_tokens_never_the_prompt():
@@ -85,6 +90,8 @@ PENALTIES = {
     "repetition": SamplingParams(repetition_penalty=1.8),
     "frequency_presence": SamplingParams(frequency_penalty=1.5, presence_penalty=0.7),
     "all_three": SamplingParams(repetition_penalty=1.3, frequency_penalty=0.9, presence_penalty=1.1),
+    "logit_bias": SamplingParams(logit_bias={5: 6.0, 17: 4.5, 61: -100.0}),
+    "bias_and_penalties": SamplingParams(logit_bias={5: 6.0, 17: 4.5}, repetition_penalty=1.5, frequency_penalty=1.0),
 }
 
 
@@ -94,6 +101,7 @@ def transformers_greedy(prompt: list[int], params: SamplingParams) -> list[int]:
     with torch.inference_mode():
         out = hf_model().generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW,
                                   eos_token_id=None, pad_token_id=0, repetition_penalty=params.repetition_penalty,
+                                  sequence_bias={(token,): bias for token, bias in params.logit_bias} or None,
                                   logits_processor=processors)
     return out[0, len(prompt):].tolist()
 
@@ -141,14 +149,32 @@ def test_penalty_values_are_checked_when_the_params_are_built():
                           ({"frequency_penalty": float("nan")}, "frequency_penalty=nan must be a number in [-2, 2]"),
                           ({"repetition_penalty": 0}, "repetition_penalty=0 must be a finite number > 0"),
                           ({"repetition_penalty": float("inf")}, "repetition_penalty=inf must be a finite"),
-                          ({"presence_penalty": True}, "presence_penalty=True must be a number")):
+                          ({"presence_penalty": True}, "presence_penalty=True must be a number"),
+                          ({"logit_bias": {3: 100.5}}, "logit_bias[3]=100.5 must be a number in [-100, 100]"),
+                          ({"logit_bias": {-1: 1.0}}, "logit_bias names -1, which is not a token id"),
+                          ({"logit_bias": {"3": 1.0}}, "logit_bias names '3', which is not a token id"),
+                          ({"logit_bias": [(3, 1.0), (3, 2.0)]}, "logit_bias names token 3 twice"),
+                          ({"logit_bias": 5}, "logit_bias=5 must be a mapping {token_id: bias}")):
         with pytest.raises(ValueError) as caught:
             SamplingParams(**kwargs)
         assert words in str(caught.value)
     import numpy as np
 
-    numpy_valued = SamplingParams(repetition_penalty=np.float32(1.25), frequency_penalty=np.float64(-0.5))
+    numpy_valued = SamplingParams(repetition_penalty=np.float32(1.25), frequency_penalty=np.float64(-0.5),
+                                  logit_bias={np.int64(9): np.float32(-2.5), 4: 1})
     assert type(numpy_valued.repetition_penalty) is float and numpy_valued.frequency_penalty == -0.5
+    assert numpy_valued.logit_bias == ((4, 1.0), (9, -2.5)) and hash(numpy_valued)  # plain, ordered, hashable
+
+
+def test_a_logit_bias_outside_the_vocabulary_is_refused_with_the_request():
+    """Checked with the prompts (the params do not know the model): indexing the logits with such an
+    id would fail the leader's step."""
+    from shardlib.request_checks import check_request
+
+    check_request([[1, 2]], [SamplingParams(logit_bias={127: 1.0})], 4, vocab_size=128)
+    with pytest.raises(ValueError, match=r"^logit_bias names token ids \[128, 500\] outside the vocabulary "
+                                         r"\[0, 128\)"):
+        check_request([[1, 2]], [SamplingParams(logit_bias={500: 1.0, 128: -1.0, 3: 2.0})], 4, vocab_size=128)
 
 
 def test_generate_flags_build_the_penalties_and_name_themselves_when_refused():

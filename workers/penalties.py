@@ -1,13 +1,15 @@
-"""Repetition, frequency and presence penalties: a request's logits changed by what it has seen.
+"""A request's logits changed before its token choice: its logit bias, then repetition, frequency and
+presence penalties (what it has seen).
 
-Applied before temperature, top-k and top-p, and before a greedy row's argmax (penalties change
-which token is most likely), with the meanings OpenAI's API and vLLM give them:
+Applied before temperature, top-k, top-p and min-p, and before a greedy row's argmax (they change
+which token is most likely), in vLLM's order, with the meanings OpenAI's API and vLLM give them:
+- logit_bias: a fixed number added to the logit of each token it names;
 - repetition_penalty r (transformers' and vLLM's): every token of the prompt or of the output so
   far has its logit divided by r when positive, multiplied by r otherwise (r > 1 discourages);
 - frequency_penalty f: subtracts f times the number of times the token was generated so far;
 - presence_penalty p: subtracts p once from every token generated at least once.
 Frequency and presence count the generated tokens only, never the prompt. Returned log-probabilities
-stay the model's own (before any penalty), as vLLM reports them by default.
+stay the model's own (before any of these), as vLLM reports them by default.
 """
 
 from __future__ import annotations
@@ -24,19 +26,22 @@ FLOAT32_MAX = torch.finfo(torch.float32).max
 
 def penalized(logits: torch.Tensor, params: list[SamplingParams], prompts: Sequence[Sequence[int]],
               outputs: Sequence[Sequence[int]]) -> torch.Tensor:
-    """logits (batch, vocab) with each row's penalties applied, given row i's prompt token ids and
-    the tokens it has generated so far; the same tensor when no row asks for a penalty (the common
-    case costs one pass over the params), else a float32 copy. Penalised values are kept finite: a
+    """logits (batch, vocab) with each row's logit bias and penalties applied, given row i's prompt
+    token ids and the tokens it has generated so far; the same tensor when no row asks for either
+    (the common case costs one pass over the params), else a float32 copy. Penalised values are kept finite: a
     tiny repetition penalty dividing a large logit (or a large one multiplying a negative logit)
     would overflow float32, and an infinite logit fails the row's token choice."""
-    rows = [i for i, p in enumerate(params) if p.has_penalties]
-    if not rows:
+    if not any(p.adjusts_logits for p in params):
         return logits
     # float32 throughout, as the sampling that follows computes; on the host for a device without
     # generators (XLA: sampling draws there too), and never the caller's tensor (log-probabilities
     # are taken from it)
     out = logits.to(sampling_device(logits.device), torch.float32, copy=True)
     device = out.device
+    _add_bias(out, params)
+    rows = [i for i, p in enumerate(params) if p.has_penalties]
+    if not rows:
+        return out.to(logits.device)
     # Only the tokens a row has seen change, a few hundred of a vocabulary of tens of thousands:
     # those columns are gathered, penalised and written back for all rows at once (a row at a time
     # cost about 0.3 ms each, whole-vocabulary passes for 16 rows about 20 ms: README, Measured).
@@ -63,6 +68,21 @@ def penalized(logits: torch.Tensor, params: list[SamplingParams], prompts: Seque
     penalised = torch.where(values > 0, values / r, values * r) - (f * counts + p * (counts > 0))
     out[at] = torch.where(finite, penalised.clamp(-FLOAT32_MAX, FLOAT32_MAX), values)
     return out.to(logits.device)
+
+
+def _add_bias(out: torch.Tensor, params: list[SamplingParams]) -> None:
+    """Each row's logit bias added in place (a few entries each: one index_put for all rows). A
+    biased value stays finite: float32 logits are far from its range's edge."""
+    at_rows, at_tokens, biases = [], [], []
+    for i, p in enumerate(params):
+        for token, bias in p.logit_bias:
+            at_rows.append(i)
+            at_tokens.append(token)
+            biases.append(bias)
+    if biases:
+        device = out.device
+        out.index_put_((torch.tensor(at_rows, device=device), torch.tensor(at_tokens, device=device)),
+                       torch.tensor(biases, device=device), accumulate=True)
 
 
 def _padded(histories: list[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:

@@ -714,7 +714,7 @@ class OpenAIServer:
             return stream
         except ValueError as err:
             self.metrics.rejected(400)
-            param = "stop_token_ids" if str(err).startswith("stop_token_ids") else prompt_param
+            param = next((name for name in ("stop_token_ids", "logit_bias") if str(err).startswith(name)), prompt_param)
             raise ProtocolError(_as_one_prompt(str(err)), param=param) from None
         except queue_full_type() as err:
             self.metrics.rejected(503)

@@ -15,13 +15,16 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from shardlib.sampling_params import MAX_PENALTY, MAX_SEED, MIN_SEED
+from shardlib.sampling_params import MAX_LOGIT_BIAS, MAX_PENALTY, MAX_SEED, MIN_SEED
 
 MAX_STOP_STRINGS = 4
 """OpenAI's bound on `stop`."""
 MAX_STOP_TOKEN_IDS = 1024
 """corelaunch's bound on `stop_token_ids` (a vLLM extension, unbounded there): far past any model's
 special tokens; millions of ids took seconds of the replica's event loop to check."""
+MAX_LOGIT_BIAS_ENTRIES = 1024
+"""corelaunch's bound on logit_bias's entries (unbounded in OpenAI's reference): each is added to its
+row's logits every step."""
 MAX_LOGPROBS = 20
 """OpenAI's bound on chat's `top_logprobs`, taken for completions' `logprobs` too, where OpenAI's
 legacy API stopped at 5 (workers.serving.requests has the same)."""
@@ -42,6 +45,8 @@ FIELD_RULES = {
     "top_p": "a number in [0, 1] (1 turns top-p off; 0 keeps only the most likely token)",
     "top_k": "an integer >= 0, or -1 (0 and -1 turn top-k off)",
     "min_p": "a number in [0, 1] (0 turns min-p off)",
+    "logit_bias": f"an object of at most {MAX_LOGIT_BIAS_ENTRIES} token ids (as strings, e.g. \"50256\") mapped to "
+                  f"numbers in [-100, 100]",
     "seed": "an integer in [-2**63, 2**63 - 1]",
     "stop": f"a string or a list of at most {MAX_STOP_STRINGS} strings",
     "stop_token_ids": "a list of token ids (integers >= 0)",
@@ -62,7 +67,6 @@ FIELD_RULES = {
     "best_of": "1 (best_of is not supported; only 1 is accepted)",
     "echo": "false (echo is not supported)",
     "suffix": "an empty string (suffix is not supported)",
-    "logit_bias": "an empty object (logit_bias is not supported)",
     "response_format": "{\"type\": \"text\"} (structured output is not supported)",
     "response_format.type": "\"text\" (structured output is not supported)",
     "tools": "an empty list (tools and function calling are not supported)",
@@ -154,7 +158,9 @@ class _GenerationRequest(_NullMeansDefault):
     """Extension (as vLLM's and transformers'): divides the logits of tokens already in the prompt or
     the output (workers/penalties.py)."""
     user: str | None = None
-    logit_bias: dict = Field(default_factory=dict, max_length=0)
+    logit_bias: dict[str, float] = Field(default_factory=dict)
+    """Token id (a string of digits, as JSON object keys are) -> a bias in [-100, 100] added to its
+    logit (_check_combinations checks both; the app checks the ids against the vocabulary)."""
 
     def sampling(self):
         """The engine's SamplingParams: top_k -1 is 0 (off), as vLLM spells it; top_p 0 keeps the one
@@ -163,7 +169,8 @@ class _GenerationRequest(_NullMeansDefault):
         from shardlib.sampling_params import SamplingParams
 
         penalties = dict(presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                         repetition_penalty=self.repetition_penalty)
+                         repetition_penalty=self.repetition_penalty,
+                         logit_bias={int(token): bias for token, bias in self.logit_bias.items()})
         if self.top_p == 0:
             return SamplingParams(temperature=0.0, seed=self.seed, **penalties)
         return SamplingParams(temperature=self.temperature, top_k=max(self.top_k, 0), top_p=self.top_p,
@@ -401,6 +408,7 @@ def _check_combinations(request: _GenerationRequest) -> None:
     if any(t < 0 for t in request.stop_token_ids):
         raise ProtocolError(f"stop_token_ids ({_short(request.stop_token_ids)}) must be "
                             f"{FIELD_RULES['stop_token_ids']}", param="stop_token_ids")
+    _check_logit_bias(request.logit_bias)
     if request.stream_options is not None and not request.stream:
         raise ProtocolError("stream_options is only allowed with stream: true", param="stream_options")
     if isinstance(request, CompletionRequest):
@@ -425,6 +433,20 @@ def _check_combinations(request: _GenerationRequest) -> None:
             raise ProtocolError("top_logprobs needs logprobs: true", param="top_logprobs")
         for i, message in enumerate(request.messages):
             message.check(i)  # refuses missing content, tool calls and non-text parts now, before any work
+
+
+def _check_logit_bias(bias: dict[str, float]) -> None:
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise ProtocolError(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES} are allowed",
+                            param="logit_bias")
+    for token, value in bias.items():
+        # digits alone (str.isdigit takes "²" and other digits int() refuses); no leading "+" or spaces
+        if not (token.isascii() and token.isdigit()):
+            raise ProtocolError(f"logit_bias key {clip(token)!r} is not a token id: its keys must be token ids "
+                                f"written as strings of digits, e.g. \"50256\"", param="logit_bias")
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:  # NaN fails this too
+            raise ProtocolError(f"logit_bias[\"{clip(token)}\"] ({_short(value)}) must be a number in "
+                                f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]", param="logit_bias")
 
 
 def max_new_tokens(request: _GenerationRequest, prompt_tokens: int, context_tokens: int) -> int:
