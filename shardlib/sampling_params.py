@@ -27,6 +27,10 @@ MAX_LOGIT_BIAS = 100.0
 """A logit bias lies in [-100, 100], as OpenAI's API bounds it (-100 all but bans a token, 100 all
 but forces it)."""
 
+MIN_REPETITION_PENALTY = 1.1754943508222875e-38
+"""float32's smallest normal value: the ranks apply repetition_penalty in float32, where a smaller
+one is a denormal or 0 (0 / 0 is NaN), as a larger one than MAX_TEMPERATURE is infinite (0 * inf)."""
+
 MAX_TEMPERATURE = 3.4028234663852886e38
 """float32's largest value: the sampling table holds temperatures in float32, where a larger one is
 infinity, every scaled logit 0, and top-k and top-p keep tokens by id instead of by likelihood."""
@@ -80,6 +84,10 @@ class SamplingParams:
         if not _number(r) or not finite(r) or r <= 0:
             raise ValueError(f"repetition_penalty={r!r} must be a finite number > 0 (1 turns it off; above 1 "
                              f"discourages repeating the prompt's and the output's tokens)")
+        if not MIN_REPETITION_PENALTY <= r <= MAX_TEMPERATURE:
+            raise ValueError(f"repetition_penalty={r!r} must be in [{MIN_REPETITION_PENALTY:.7g}, "
+                             f"{MAX_TEMPERATURE:.7g}] (float32's normal range, in which the ranks apply it: "
+                             f"past it the penalty is 0 or infinite, and a logit of 0 becomes NaN)")
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         m = self.min_p
         if not _number(m) or not 0 <= m <= 1:

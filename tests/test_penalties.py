@@ -68,6 +68,10 @@ def test_a_penalty_never_makes_a_finite_logit_infinite_and_keeps_a_broken_one_br
     large = penalized(logits, [SamplingParams(repetition_penalty=1e3)], [[1]], [[]])
     assert small.isfinite().all() and large.isfinite().all()
     assert small[0, 0] == torch.finfo(torch.float32).max and large[0, 1] == -torch.finfo(torch.float32).max
+    for extreme in (1.1754943508222875e-38, 3.4028234663852886e38):  # the range's ends, applied to a logit of 0
+        edge = penalized(torch.tensor([[0.0, 1.0, -1.0]]), [SamplingParams(repetition_penalty=extreme)], [[0, 1, 2]],
+                         [[]])
+        assert edge.isfinite().all() and edge[0, 0] == 0
     broken = torch.tensor([[float("nan"), 1.0, float("inf")]])
     kept = penalized(broken, [SamplingParams(repetition_penalty=2.0)], [[0, 1, 2]], [[]])
     assert kept[0, 0].isnan() and kept[0, 2] == float("inf") and kept[0, 1] == 0.5
@@ -149,6 +153,11 @@ def test_penalty_values_are_checked_when_the_params_are_built():
                           ({"frequency_penalty": float("nan")}, "frequency_penalty=nan must be a number in [-2, 2]"),
                           ({"repetition_penalty": 0}, "repetition_penalty=0 must be a finite number > 0"),
                           ({"repetition_penalty": float("inf")}, "repetition_penalty=inf must be a finite"),
+                          # float32 makes 1e39 infinite and 1e-46 zero: a logit of 0 became NaN, which failed
+                          # the request as if the model's forward were broken
+                          ({"repetition_penalty": 1e39}, "repetition_penalty=1e+39 must be in [1.175494e-38, "
+                                                         "3.402823e+38] (float32's normal range"),
+                          ({"repetition_penalty": 1e-46}, "repetition_penalty=1e-46 must be in [1.175494e-38"),
                           ({"presence_penalty": True}, "presence_penalty=True must be a number"),
                           ({"logit_bias": {3: 100.5}}, "logit_bias[3]=100.5 must be a number in [-100, 100]"),
                           ({"logit_bias": {-1: 1.0}}, "logit_bias names -1, which is not a token id"),

@@ -39,7 +39,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--frequency-penalty", type=float, metavar="F",
                    help="subtract F per time a token was generated so far, in [-2, 2] (default 0: off)")
     p.add_argument("--repetition-penalty", type=float, metavar="R",
-                   help="divide the logits of the prompt's and the output's tokens by R (> 0; default 1: off)")
+                   help="divide the positive logits of the prompt's and the output's tokens by R and multiply "
+                        "their negative ones by R (> 0; default 1: off)")
     p.add_argument("--ray-address", help="Ray cluster host:port, or local for a private one (default: RAY_ADDRESS, else the cluster `ray start` recorded on this host, else a private one)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(run=run)

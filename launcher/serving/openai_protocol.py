@@ -15,7 +15,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from shardlib.sampling_params import MAX_LOGIT_BIAS, MAX_PENALTY, MAX_SEED, MIN_SEED
+from shardlib.sampling_params import (MAX_LOGIT_BIAS, MAX_PENALTY, MAX_SEED, MAX_TEMPERATURE, MIN_REPETITION_PENALTY,
+                                     MIN_SEED)
 
 MAX_STOP_STRINGS = 4
 """OpenAI's bound on `stop`."""
@@ -59,8 +60,8 @@ FIELD_RULES = {
     "n": "1 (only one choice per request is supported)",
     "presence_penalty": "a number in [-2, 2] (0 turns it off)",
     "frequency_penalty": "a number in [-2, 2] (0 turns it off)",
-    "repetition_penalty": "a finite number > 0 (1 turns it off; above 1 discourages repeating the prompt's and "
-                          "the output's tokens)",
+    "repetition_penalty": "a number > 0 in float32's normal range [1.175494e-38, 3.402823e+38] (1 turns it off; "
+                          "above 1 discourages repeating the prompt's and the output's tokens)",
     "user": "a string (it is accepted and ignored)",
     # Parameters this server does not implement, accepted at the value that asks for nothing (clients
     # that send every parameter send these), refused otherwise
@@ -154,7 +155,7 @@ class _GenerationRequest(_NullMeansDefault):
     n: int = Field(1, ge=1, le=1)
     presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
-    repetition_penalty: float = Field(1.0, gt=0, allow_inf_nan=False)
+    repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=MAX_TEMPERATURE)
     """Extension (as vLLM's and transformers'): divides the logits of tokens already in the prompt or
     the output (workers/penalties.py)."""
     user: str | None = None
