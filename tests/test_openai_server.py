@@ -65,7 +65,8 @@ def refusal(parse, **fields) -> ProtocolError:
     ("seed", -2**63 - 1, ["seed (-9223372036854775809)", "[-2**63, 2**63 - 1]"]),
     ("max_tokens", 0, ["max_tokens (0)", ">= 1"]),
     ("logprobs", 21, ["logprobs (21)", "[0, 20]"]),
-    ("n", 2, ["n (2)", "only one choice"]),
+    ("n", 129, ["n (129)", "[1, 128]"]),
+    ("n", 0, ["n (0)", "[1, 128]"]),
     ("presence_penalty", 2.5, ["presence_penalty (2.5)", "[-2, 2]"]),
     ("frequency_penalty", -2.01, ["frequency_penalty (-2.01)", "[-2, 2]"]),
     ("repetition_penalty", 0, ["repetition_penalty (0)", "a number > 0 in float32's normal range"]),
@@ -139,6 +140,8 @@ def test_top_p_zero_keeps_only_the_most_likely_token():
     ({"-3": 1}, "logit_bias key '-3' is not a token id"),
     ({" 7": 1}, "logit_bias key ' 7' is not a token id"),
     ({"\u00b2": 1}, "is not a token id"),  # a digit to str.isdigit, not to int()
+    ({"9" * 5000: 1}, "is not a token id"),  # was Python's own "Exceeds the limit (4300 digits)", param prompt
+    ({"5": 1, "05": -100}, "logit_bias names token 5 twice (as '5' and '05')"),  # was the last one, silently
     ({"7": 100.5}, "logit_bias[\"7\"] (100.5) must be a number in [-100, 100]"),
     ({"7": float("nan")}, "logit_bias[\"7\"] (NaN) must be a number in [-100, 100]"),
     ({"7": "1"}, "logit_bias ('1') must be an object of at most 1024 token ids"),
@@ -346,7 +349,8 @@ def _starting_server(longest_prompt, refusal: str | None = None):
                              launcher=SimpleNamespace(astream=astream),
                              metrics=SimpleNamespace(rejected=lambda status, **kw: rejected.append(status),
                                                      prompt_tokens=SimpleNamespace(inc=lambda n: None)))
-    return (lambda req, prompt, max_tokens: ours._start(server, req, prompt, max_tokens, None, "prompt")), rejected
+    return (lambda req, prompt, max_tokens: ours._start(server, req, prompt, max_tokens, None, "prompt",
+                                                        req.sampling())), rejected
 
 
 def test_a_prompt_past_the_longest_prefill_shape_is_context_length_exceeded():
@@ -1221,6 +1225,41 @@ def test_penalties_logit_bias_and_min_p_over_http(client, hf):
 
 
 @pytest.mark.slow
+def test_n_choices_each_equal_their_own_request(client, hf):
+    """n choices, streamed and not: choice i is what one request seeded with choice_seed(seed, i)
+    gets (choice 0 with the seed itself), usage counts every choice's tokens once and the prompt
+    once; greedy choices are all the greedy text; more choices than sequence slots is a 400."""
+    import openai
+
+    from launcher.serving.openai_protocol import choice_seed
+
+    asked = dict(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=11, extra_body={"ignore_eos": True})
+    alone = [client.completions.create(**{**asked, "seed": choice_seed(11, i)}).choices[0].text for i in range(3)]
+    assert len(set(alone)) > 1  # the choices differ: each has a seed of its own
+    out = client.completions.create(**asked, n=3)
+    assert [c.index for c in out.choices] == [0, 1, 2] and [c.text for c in out.choices] == alone
+    assert out.usage.completion_tokens == 24 and out.usage.prompt_tokens == len(hf.tok(PROMPT)["input_ids"])
+    streamed, usage = {0: "", 1: "", 2: ""}, None
+    for chunk in client.completions.create(**asked, n=3, stream=True, stream_options={"include_usage": True}):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+        usage = chunk.usage or usage
+    assert [streamed[i] for i in range(3)] == alone and usage.completion_tokens == 24
+    ids = hf.tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=False)
+    greedy = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0, n=2)
+    assert [c.message.content for c in greedy.choices] == [hf.greedy(list(ids), 6)] * 2
+    roles = {}
+    for chunk in client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0, n=2,
+                                                stream=True):
+        for choice in chunk.choices:
+            roles.setdefault(choice.index, choice.delta.role)  # each choice opens with the assistant's role
+    assert roles == {0: "assistant", 1: "assistant"}
+    with pytest.raises(openai.BadRequestError) as refused:  # the module's server runs --max-num-seqs 4
+        client.completions.create(**asked, n=5)
+    assert refused.value.body["param"] == "n" and "max_num_seqs 4" in refused.value.body["message"]
+
+
+@pytest.mark.slow
 def test_models_health_and_metrics(client, server):
     import requests
 
@@ -1248,7 +1287,7 @@ def test_http_errors(client, server, hf):
         client.completions.create(model=MODEL, prompt=PROMPT, temperature=5)
     assert caught.value.body["param"] == "temperature" and "[0, 2]" in caught.value.body["message"]
     with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(model=MODEL, messages=CHAT, n=2)
+        client.chat.completions.create(model=MODEL, messages=CHAT, n=129)
     assert caught.value.body["param"] == "n"
     with pytest.raises(openai.NotFoundError) as caught:
         client.completions.create(model="gpt-4", prompt=PROMPT)

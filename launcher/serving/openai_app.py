@@ -34,6 +34,7 @@ from starlette.requests import ClientDisconnect
 from launcher.errors import LaunchError, NoReplicaAvailable, ReplicaFailed, RequestTimeout
 from launcher.serving import openai_protocol as proto
 from launcher.serving.chat_template import has_default_chat_template
+from launcher.serving.choice_streams import ChoiceStreams
 from launcher.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics, TokenTimer
 from launcher.serving.openai_protocol import CONTEXT_LENGTH_EXCEEDED, ProtocolError
 from launcher.serving.openai_render import ChatRender, CompletionRender
@@ -533,9 +534,10 @@ class OpenAIServer:
         prompt = req.prompt_input()
         if isinstance(prompt, str):
             prompt = await self._tokenized(self._encode, prompt)
-        stream = self._start(req, prompt, proto.max_new_tokens(req, len(prompt), self.context_tokens), req.logprobs,
-                             "prompt")
-        return await self._respond(req, stream, CompletionRender(self.pieces, req.logprobs is not None), arrived)
+        stream = await self._start_choices(req, prompt, proto.max_new_tokens(req, len(prompt), self.context_tokens),
+                                           req.logprobs, "prompt")
+        renders = [CompletionRender(self.pieces, req.logprobs is not None, i) for i in range(req.n)]
+        return await self._respond(req, stream, renders, arrived)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
@@ -543,9 +545,10 @@ class OpenAIServer:
         self._authorize(request)
         req = await self._request(proto.ChatCompletionRequest, request)
         prompt = await self._tokenized(self._apply_chat_template, req.chat_messages(self.tokenizer.chat_template))
-        stream = self._start(req, prompt, proto.max_new_tokens(req, len(prompt), self.context_tokens),
-                             req.logprobs_count(), "messages")
-        return await self._respond(req, stream, ChatRender(self.pieces, req.logprobs), arrived)
+        stream = await self._start_choices(req, prompt, proto.max_new_tokens(req, len(prompt), self.context_tokens),
+                                           req.logprobs_count(), "messages")
+        return await self._respond(req, stream, [ChatRender(self.pieces, req.logprobs, i) for i in range(req.n)],
+                                   arrived)
 
     # ---- request plumbing ---------------------------------------------------------------------
     async def _tokenized(self, tokenize, *args) -> list[int]:
@@ -679,10 +682,31 @@ class OpenAIServer:
                                 f"(GET /v1/models lists it)", param="model", status=404, code="model_not_found")
         return req
 
-    def _start(self, req, prompt: list[int], max_tokens: int, logprobs: int | None, prompt_param: str):
-        """The engine's stream for this request; ProtocolError 400 for input the engine refuses
-        (its message names the lengths or values; nearly always the prompt's, so `prompt_param` is
-        the error's param), 503 with Retry-After when its queue is full."""
+    async def _start_choices(self, req, prompt: list[int], max_tokens: int, logprobs: int | None,
+                             prompt_param: str) -> ChoiceStreams:
+        """The engine's streams of the request's `n` choices, all admitted or none: one refused
+        (a full queue) closes those started before it, which cancels them."""
+        rows = self.launcher.config.max_num_seqs
+        if req.n > rows:  # could never run at once, and a queue of them only delays the others
+            self.metrics.rejected(400)
+            raise ProtocolError(f"n ({req.n}) is more than this server runs at once (max_num_seqs {rows}): each "
+                                f"choice takes a sequence slot; ask for at most {rows} choices per request",
+                                param="n")
+        streams = []
+        try:
+            for index in range(req.n):
+                streams.append(self._start(req, prompt, max_tokens, logprobs, prompt_param, req.choice_sampling(index),
+                                           count_prompt=index == 0))
+        except BaseException:
+            await ChoiceStreams(streams).aclose()
+            raise
+        return ChoiceStreams(streams)
+
+    def _start(self, req, prompt: list[int], max_tokens: int, logprobs: int | None, prompt_param: str, sampling,
+               count_prompt: bool = True):
+        """The engine's stream for one choice of this request; ProtocolError 400 for input the engine
+        refuses (its message names the lengths or values; nearly always the prompt's, so
+        `prompt_param` is the error's param), 503 with Retry-After when its queue is full."""
         from shardlib.request_checks import check_fits
 
         # The engine checks this too, in its own words (max_new_tokens): here it is said in the API's.
@@ -707,10 +731,11 @@ class OpenAIServer:
             raise ProtocolError(str(err), param=limit, code=CONTEXT_LENGTH_EXCEEDED) from None
 
         try:
-            stream = self.launcher.astream(prompt, req.sampling(), max_new_tokens=max_tokens,
+            stream = self.launcher.astream(prompt, sampling, max_new_tokens=max_tokens,
                                            stop_token_ids=tuple(req.stop_token_ids), stop=tuple(req.stop_strings()),
                                            ignore_eos=req.ignore_eos, logprobs=logprobs)
-            self.metrics.prompt_tokens.inc(len(prompt))  # admitted: counted whatever happens next
+            if count_prompt:  # admitted: counted whatever happens next, once for all the choices
+                self.metrics.prompt_tokens.inc(len(prompt))
             return stream
         except ValueError as err:
             self.metrics.rejected(400)
@@ -727,22 +752,24 @@ class OpenAIServer:
                                 f"{UNAVAILABLE_RETRY_S} s", status=503, type="server_error", code="model_unavailable",
                                 headers=_RETRY_UNAVAILABLE) from None
 
-    async def _respond(self, req, stream, render, arrived: float) -> Response:
-        meta = proto.ResponseMeta.new(render.id_prefix, self.name)
-        timer = TokenTimer(self.metrics, arrived)
+    async def _respond(self, req, stream: ChoiceStreams, renders: list, arrived: float) -> Response:
+        """The response of the request's choices (renders[i] renders choice i; each choice's tokens
+        are timed as a stream of their own)."""
+        meta = proto.ResponseMeta.new(renders[0].id_prefix, self.name)
+        timers = [TokenTimer(self.metrics, arrived) for _ in renders]
         if req.stream:
             outcome = {"finish_reason": "abort"}  # a client that leaves before the end, even before the first event
-            events = self._events(stream, render, meta, timer, req.include_usage(), outcome)
+            events = self._events(stream, renders, meta, timers, req.include_usage(), outcome)
             return _ClosingStreamingResponse(events, stream, lambda: self._count_stream(outcome),
                                              media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        finish, prompt_tokens, completion_tokens = None, 0, 0
+        finish, prompt_tokens, completion_tokens = [None] * len(renders), 0, [0] * len(renders)
         try:
             async with aclosing(stream):
-                async for delta in stream:
-                    timer.tokens(len(delta.token_ids), time.perf_counter())
-                    render.collect(delta)
-                    finish = delta.finish_reason or finish
-                    prompt_tokens, completion_tokens = delta.prompt_tokens, delta.completion_tokens
+                async for index, delta in stream:
+                    timers[index].tokens(len(delta.token_ids), time.perf_counter())
+                    renders[index].collect(delta)
+                    finish[index] = delta.finish_reason or finish[index]
+                    prompt_tokens, completion_tokens[index] = delta.prompt_tokens, delta.completion_tokens
         except asyncio.CancelledError:  # the client went away: aclosing has cancelled the request
             self.metrics.finished("abort", 499)
             raise
@@ -750,33 +777,41 @@ class OpenAIServer:
             status, body, headers = _generation_failure(err)
             self.metrics.finished(failure_reason(status), status)
             return JSONResponse(body, status_code=status, headers=headers)
-        self.metrics.finished(finish or "stop")
-        return JSONResponse(render.response(meta, finish, proto.usage(prompt_tokens, completion_tokens)))
+        self.metrics.finished(finish[0] or "stop")  # one request, counted by its first choice's ending
+        choices = [render.choice(reason) for render, reason in zip(renders, finish)]
+        return JSONResponse(proto.response(meta, renders[0].response_object, choices,
+                                           proto.usage(prompt_tokens, sum(completion_tokens))))
 
     def _count_stream(self, outcome: dict) -> None:
         reason = outcome["finish_reason"]  # an error's status is set with it (_generation_failure)
         self.metrics.finished(reason, outcome.get("status") or (499 if reason == "abort" else 200))
 
-    async def _events(self, stream, render, meta, timer: TokenTimer, include_usage: bool, outcome: dict):
-        """The server-sent events of one streamed request, ending with [DONE]; outcome["finish_reason"]
-        is set to how it ended (the response counts it once closed)."""
-        counts = (0, 0)
+    async def _events(self, stream: ChoiceStreams, renders: list, meta, timers: list[TokenTimer],
+                      include_usage: bool, outcome: dict):
+        """The server-sent events of one streamed request, its choices' chunks in the order their
+        tokens come, ending with [DONE]; outcome["finish_reason"] is set to how it ended (choice 0's
+        ending, once every choice has ended; the response counts it once closed)."""
+        prompt_tokens, completion_tokens, endings = 0, [0] * len(renders), [None] * len(renders)
         try:
             # with include_usage every chunk carries "usage": null but the last, which has the counts
             usage_field = {"usage": None} if include_usage else {}
             async with aclosing(stream):
-                for chunk in render.opening(meta):
-                    yield proto.sse_event({**chunk, **usage_field})
-                async for delta in stream:
-                    timer.tokens(len(delta.token_ids), time.perf_counter())
-                    counts = (delta.prompt_tokens, delta.completion_tokens)
-                    chunk = render.chunk(meta, delta)
+                for render in renders:
+                    for chunk in render.opening(meta):
+                        yield proto.sse_event({**chunk, **usage_field})
+                async for index, delta in stream:
+                    timers[index].tokens(len(delta.token_ids), time.perf_counter())
+                    prompt_tokens, completion_tokens[index] = delta.prompt_tokens, delta.completion_tokens
+                    chunk = renders[index].chunk(meta, delta)
                     if chunk is not None:
                         yield proto.sse_event({**chunk, **usage_field})
                     if delta.finish_reason:
-                        outcome["finish_reason"] = delta.finish_reason
+                        endings[index] = delta.finish_reason
+                        if all(endings):  # a client gone before the last choice ended is an abort
+                            outcome["finish_reason"] = endings[0]
             if include_usage:
-                yield proto.sse_event(proto.usage_chunk(meta, render.chunk_object, proto.usage(*counts)))
+                yield proto.sse_event(proto.usage_chunk(meta, renders[0].chunk_object,
+                                                        proto.usage(prompt_tokens, sum(completion_tokens))))
             yield proto.SSE_DONE
         except Exception as err:  # noqa: BLE001 - headers are sent: the error can only be an event
             outcome["status"], body, _ = _generation_failure(err)  # headers are sent already

@@ -23,6 +23,8 @@ MAX_STOP_STRINGS = 4
 MAX_STOP_TOKEN_IDS = 1024
 """corelaunch's bound on `stop_token_ids` (a vLLM extension, unbounded there): far past any model's
 special tokens; millions of ids took seconds of the replica's event loop to check."""
+MAX_CHOICES = 128
+"""OpenAI's bound on `n` (a server also refuses more than its max_num_seqs: openai_app.py)."""
 MAX_LOGIT_BIAS_ENTRIES = 1024
 """corelaunch's bound on logit_bias's entries (unbounded in OpenAI's reference): each is added to its
 row's logits every step."""
@@ -57,7 +59,7 @@ FIELD_RULES = {
     "stream": "true or false",
     "stream_options": "an object {include_usage: bool}, only with stream: true",
     "stream_options.include_usage": "true or false",
-    "n": "1 (only one choice per request is supported)",
+    "n": f"an integer in [1, {MAX_CHOICES}] (choices per request; each takes a sequence slot)",
     "presence_penalty": "a number in [-2, 2] (0 turns it off)",
     "frequency_penalty": "a number in [-2, 2] (0 turns it off)",
     "repetition_penalty": "a number > 0 in float32's normal range [1.175494e-38, 3.402823e+38] (1 turns it off; "
@@ -152,7 +154,8 @@ class _GenerationRequest(_NullMeansDefault):
     """Extension: keep generating past the model's end-of-sequence tokens (fixed-length benchmarks)."""
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    """Choices: n engine requests of the same prompt, choice i seeded with choice_seed(seed, i)."""
     presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=MAX_TEMPERATURE)
@@ -162,6 +165,16 @@ class _GenerationRequest(_NullMeansDefault):
     logit_bias: dict[str, float] = Field(default_factory=dict)
     """Token id (a string of digits, as JSON object keys are) -> a bias in [-100, 100] added to its
     logit (_check_combinations checks both; the app checks the ids against the vocabulary)."""
+
+    def choice_sampling(self, index: int):
+        """Choice `index`'s SamplingParams: the request's, its seed (if any) moved on by the index so
+        that seeded choices differ from each other and each reproduces (choice 0 keeps the seed)."""
+        import dataclasses
+
+        sampling = self.sampling()
+        if index == 0 or sampling.seed is None:
+            return sampling
+        return dataclasses.replace(sampling, seed=choice_seed(sampling.seed, index))
 
     def sampling(self):
         """The engine's SamplingParams: top_k -1 is 0 (off), as vLLM spells it; top_p 0 keeps the one
@@ -182,6 +195,12 @@ class _GenerationRequest(_NullMeansDefault):
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request seeded with `seed`: seed + index, wrapping within the
+    signed 64-bit range seeds take."""
+    return (seed - MIN_SEED + index) % 2**64 + MIN_SEED
 
 
 class CompletionRequest(_GenerationRequest):
@@ -440,11 +459,17 @@ def _check_logit_bias(bias: dict[str, float]) -> None:
     if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
         raise ProtocolError(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES} are allowed",
                             param="logit_bias")
+    spellings: dict[int, str] = {}
     for token, value in bias.items():
-        # digits alone (str.isdigit takes "²" and other digits int() refuses); no leading "+" or spaces
-        if not (token.isascii() and token.isdigit()):
+        # digits alone (str.isdigit takes "²" and other digits int() refuses); no leading "+" or spaces;
+        # at most 18 of them (any vocabulary's ids; int() refuses more than 4300 in Python's words)
+        if not (token.isascii() and token.isdigit() and len(token) <= 18):
             raise ProtocolError(f"logit_bias key {clip(token)!r} is not a token id: its keys must be token ids "
                                 f"written as strings of digits, e.g. \"50256\"", param="logit_bias")
+        if int(token) in spellings:  # "5" and "05": one would silently replace the other's bias
+            raise ProtocolError(f"logit_bias names token {int(token)} twice (as {clip(spellings[int(token)])!r} and "
+                                f"{clip(token)!r}); give each token one bias", param="logit_bias")
+        spellings[int(token)] = token
         if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:  # NaN fails this too
             raise ProtocolError(f"logit_bias[\"{clip(token)}\"] ({_short(value)}) must be a number in "
                                 f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]", param="logit_bias")
@@ -479,32 +504,42 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_response(meta: ResponseMeta, text: str, finish_reason: str | None, usage_: dict,
-                        logprobs: dict | None = None) -> dict:
-    return {"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
+def response(meta: ResponseMeta, obj: str, choices: list[dict], usage_: dict) -> dict:
+    """A whole response of `choices` (each from completion_choice or chat_choice), in index order."""
+    return {"id": meta.id, "object": obj, "created": meta.created, "model": meta.model, "choices": choices,
             "usage": usage_}
 
 
+def completion_choice(text: str, finish_reason: str | None, logprobs: dict | None = None, index: int = 0) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion_response(meta: ResponseMeta, text: str, finish_reason: str | None, usage_: dict,
+                        logprobs: dict | None = None) -> dict:
+    return response(meta, "text_completion", [completion_choice(text, finish_reason, logprobs)], usage_)
+
+
 def completion_chunk(meta: ResponseMeta, text: str, finish_reason: str | None = None,
-                     logprobs: dict | None = None) -> dict:
+                     logprobs: dict | None = None, index: int = 0) -> dict:
     return {"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+            "choices": [completion_choice(text, finish_reason, logprobs, index)]}
+
+
+def chat_choice(text: str, finish_reason: str | None, logprobs: dict | None = None, index: int = 0) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+            "finish_reason": finish_reason}
 
 
 def chat_response(meta: ResponseMeta, text: str, finish_reason: str | None, usage_: dict,
                   logprobs: dict | None = None) -> dict:
-    return {"id": meta.id, "object": "chat.completion", "created": meta.created, "model": meta.model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": logprobs, "finish_reason": finish_reason}],
-            "usage": usage_}
+    return response(meta, "chat.completion", [chat_choice(text, finish_reason, logprobs)], usage_)
 
 
 def chat_chunk(meta: ResponseMeta, delta: dict, finish_reason: str | None = None,
-               logprobs: dict | None = None) -> dict:
+               logprobs: dict | None = None, index: int = 0) -> dict:
     """`delta`: {"role": "assistant"} on the first chunk, then {"content": text}."""
     return {"id": meta.id, "object": "chat.completion.chunk", "created": meta.created, "model": meta.model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
 
 def usage_chunk(meta: ResponseMeta, obj: str, usage_: dict) -> dict:

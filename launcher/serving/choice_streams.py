@@ -1,0 +1,66 @@
+"""The choices of one OpenAI request (`n`), one engine stream each, read as one stream of
+(choice index, delta) in the order the deltas arrive. Closing it closes every engine stream, which
+cancels the requests still running (a client that leaves takes all its choices with it)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+_END = object()
+
+
+async def _next(stream):
+    """The stream's next delta, or _END (a task cannot end with StopAsyncIteration as its result)."""
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration:
+        return _END
+
+
+class ChoiceStreams:
+    """Async iterator of (index, StreamDelta) over `streams` (Launcher.astream's, choice i at i).
+
+    One stream is read directly, as the request would be without choices. Several are read by a
+    task each, one delta at a time; an error in any one ends the whole (the caller closes it, which
+    cancels the others)."""
+
+    def __init__(self, streams: list) -> None:
+        self.streams = streams
+        self._reads: dict[asyncio.Future, int] = {}
+        self._ready: deque = deque()
+        self._started = self._closed = False
+
+    def __aiter__(self) -> "ChoiceStreams":
+        return self
+
+    async def __anext__(self):
+        if len(self.streams) == 1:
+            return 0, await self.streams[0].__anext__()
+        if self._closed:
+            raise StopAsyncIteration
+        if not self._started:
+            self._started = True
+            self._reads = {asyncio.ensure_future(_next(s)): i for i, s in enumerate(self.streams)}
+        while not self._ready:
+            if not self._reads:
+                raise StopAsyncIteration
+            done, _ = await asyncio.wait(self._reads, return_when=asyncio.FIRST_COMPLETED)
+            for read in sorted(done, key=self._reads.__getitem__):  # equal arrivals in choice order
+                index = self._reads.pop(read)
+                delta = read.result()  # an error ends the whole; close() cancels the other reads
+                if delta is _END:
+                    continue
+                self._ready.append((index, delta))
+                self._reads[asyncio.ensure_future(_next(self.streams[index]))] = index
+        return self._ready.popleft()
+
+    async def aclose(self) -> None:
+        """Cancel the reads in flight (their requests are cancelled with them) and close every stream."""
+        self._closed = True
+        reads, self._reads = list(self._reads), {}
+        for read in reads:
+            read.cancel()
+        await asyncio.gather(*reads, return_exceptions=True)  # every error retrieved: none logged as lost
+        for stream in self.streams:
+            await stream.aclose()
