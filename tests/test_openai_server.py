@@ -1501,6 +1501,20 @@ def test_full_queue_answers_503_with_retry_after(client, server):
             assert int(error.response.headers["retry-after"]) >= 1
             assert error.body["message"] == ("the server is at capacity: all 4 sequence slots are busy and its queue "
                                              "of 12 is full; retry after 1 s"), error.body
+        # room for two of three choices: the third refused, the two admitted are cancelled, and the
+        # prompt is not counted (it was, once the first choice was admitted)
+        for stream in streams[-2:]:
+            stream.close()
+        while _metric(server, "corelaunch_requests_waiting") != 10:
+            assert time.monotonic() < deadline + 60, "two closed streams never left the queue"
+            time.sleep(0.2)
+        prompts_before = _metric(server, "corelaunch_prompt_tokens_total")
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, n=3)
+        assert refused.value.status_code == 503 and refused.value.body.get("code") == "queue_full"
+        time.sleep(1)  # the two admitted choices' cancels reach the group
+        assert _metric(server, "corelaunch_requests_waiting") == 10
+        assert _metric(server, "corelaunch_prompt_tokens_total") == prompts_before
     finally:
         for stream in streams:
             stream.close()  # each client goes away: its request is cancelled

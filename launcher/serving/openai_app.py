@@ -695,15 +695,14 @@ class OpenAIServer:
         streams = []
         try:
             for index in range(req.n):
-                streams.append(self._start(req, prompt, max_tokens, logprobs, prompt_param, req.choice_sampling(index),
-                                           count_prompt=index == 0))
+                streams.append(self._start(req, prompt, max_tokens, logprobs, prompt_param, req.choice_sampling(index)))
         except BaseException:
             await ChoiceStreams(streams).aclose()
             raise
+        self.metrics.prompt_tokens.inc(len(prompt))  # admitted: counted whatever happens next, once for all choices
         return ChoiceStreams(streams)
 
-    def _start(self, req, prompt: list[int], max_tokens: int, logprobs: int | None, prompt_param: str, sampling,
-               count_prompt: bool = True):
+    def _start(self, req, prompt: list[int], max_tokens: int, logprobs: int | None, prompt_param: str, sampling):
         """The engine's stream for one choice of this request; ProtocolError 400 for input the engine
         refuses (its message names the lengths or values; nearly always the prompt's, so
         `prompt_param` is the error's param), 503 with Retry-After when its queue is full."""
@@ -734,8 +733,6 @@ class OpenAIServer:
             stream = self.launcher.astream(prompt, sampling, max_new_tokens=max_tokens,
                                            stop_token_ids=tuple(req.stop_token_ids), stop=tuple(req.stop_strings()),
                                            ignore_eos=req.ignore_eos, logprobs=logprobs)
-            if count_prompt:  # admitted: counted whatever happens next, once for all the choices
-                self.metrics.prompt_tokens.inc(len(prompt))
             return stream
         except ValueError as err:
             self.metrics.rejected(400)
