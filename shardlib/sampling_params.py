@@ -1,6 +1,5 @@
-"""What one request asks of token selection (greedy, temperature, top-k, top-p, min-p, a seed, penalties,
-logit bias), checked
-when it is built. Pure: the driver, the CLI and the Serve front end build and check these without
+"""What one request asks of token selection (greedy, temperature, top-k, top-p, min-p, a seed,
+penalties, a logit bias), checked when it is built. Pure: the driver, the CLI and the Serve front end build and check these without
 importing torch (about 2 s of every `corelaunch` command's and Serve replica's start); the ranks'
 sampling itself is workers/sampling.py."""
 

@@ -28,9 +28,9 @@ def penalized(logits: torch.Tensor, params: list[SamplingParams], prompts: Seque
               outputs: Sequence[Sequence[int]]) -> torch.Tensor:
     """logits (batch, vocab) with each row's logit bias and penalties applied, given row i's prompt
     token ids and the tokens it has generated so far; the same tensor when no row asks for either
-    (the common case costs one pass over the params), else a float32 copy. Penalised values are kept finite: a
-    tiny repetition penalty dividing a large logit (or a large one multiplying a negative logit)
-    would overflow float32, and an infinite logit fails the row's token choice."""
+    (the common case costs one pass over the params), else a float32 copy. Penalised values are
+    kept finite: a tiny repetition penalty dividing a large logit (or a large one multiplying a
+    negative logit) would overflow float32, and an infinite logit fails the row's token choice."""
     if not any(p.adjusts_logits for p in params):
         return logits
     # float32 throughout, as the sampling that follows computes; on the host for a device without
@@ -44,7 +44,7 @@ def penalized(logits: torch.Tensor, params: list[SamplingParams], prompts: Seque
         return out.to(logits.device)
     # Only the tokens a row has seen change, a few hundred of a vocabulary of tens of thousands:
     # those columns are gathered, penalised and written back for all rows at once (a row at a time
-    # cost about 0.3 ms each, whole-vocabulary passes for 16 rows about 20 ms: README, Measured).
+    # cost about 0.35 ms each, whole-vocabulary passes for 16 rows about 20 ms: README, Measured).
     histories = [list(prompts[i]) + list(outputs[i]) for i in rows]
     rows = [i for i, h in zip(rows, histories) if h]  # nothing seen: nothing to penalise
     histories = [h for h in histories if h]
