@@ -195,7 +195,13 @@ def _convert_under_lock(root: Path, target: Path) -> None:
             f"if no conversion is running, delete the lock file and retry"
         ) from None
     except OSError as err:
-        raise _lock_of_another_user(lock_path, err) or _unusable_cache(root, err) from err
+        theirs = _lock_of_another_user(lock_path, err)
+        if theirs is None:
+            raise _unusable_cache(root, err) from err
+        _wait_for_their_conversion(lock_path)
+        if _cache_state(target) == "ok":  # their conversion, done: used as it is
+            return
+        raise theirs from err
     try:
         if _cache_state(target) == "ok":  # another process finished while we waited
             return
@@ -208,9 +214,36 @@ def _convert_under_lock(root: Path, target: Path) -> None:
         lock.release()
 
 
+def _wait_for_their_conversion(lock_path: Path) -> None:
+    """Wait (up to LOCK_TIMEOUT_S) while another user's process holds their lock: the file can still
+    be opened for reading, and flock (filelock's own lock) needs no more, so a conversion running
+    now is waited for rather than refused."""
+    import fcntl
+    import time
+
+    try:
+        fd = os.open(lock_path, os.O_RDONLY)
+    except OSError:
+        return  # not even readable: the caller names the lock as theirs
+    try:
+        deadline = time.monotonic() + LOCK_TIMEOUT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                return  # theirs is not held (any more): closing the file lets it go
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"waited {LOCK_TIMEOUT_S} s for another user's process converting the demo "
+                                       f"model (lock {lock_path}); if no conversion is running, ask them to remove "
+                                       f"the lock") from None
+                time.sleep(0.2)
+    finally:
+        os.close(fd)
+
+
 def _lock_of_another_user(lock_path: Path, err: OSError) -> ValueError | None:
     """The error for a lock this user may not open because another user of a shared cache made it
-    (filelock creates it 0644, and a sticky folder refuses others even an open of it): the cache
+    (filelock creates it 0644 and opens it for writing, which a sticky folder refuses others): the cache
     was called not writable, with the advice to set CORELAUNCH_CACHE, while it may well be; None
     for any other failure."""
     if not isinstance(err, PermissionError):
@@ -222,9 +255,10 @@ def _lock_of_another_user(lock_path: Path, err: OSError) -> ValueError | None:
     if owner == os.getuid():
         return None
     return ValueError(f"cannot take the lock {lock_path} of the demo model's conversion: it belongs to uid {owner}, "
-                      f"another user of this shared cache, and this user may not open it. If they are converting "
-                      f"the model now, run again once they are done (their converted folder is then used as it "
-                      f"is); else ask them to remove the lock, or set CORELAUNCH_CACHE to a directory of your own")
+                      f"another user of this shared cache, and this user may not open it to convert the model "
+                      f"(no conversion of theirs is running, and none finished). Ask them to run it once (their "
+                      f"converted folder is then used as it is) or to remove the lock, or set CORELAUNCH_CACHE to "
+                      f"a directory of your own")
 
 
 def _unusable_cache(root: Path, err: OSError) -> ValueError:

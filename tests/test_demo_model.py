@@ -386,4 +386,59 @@ def test_a_lock_another_user_made_in_a_shared_cache_is_named_as_theirs():
         shutil.rmtree(shared, ignore_errors=True)
     assert said.startswith(f"ValueError: cannot take the lock {lock} of the demo model's conversion: it belongs to "
                            f"uid 12345, another user of this shared cache"), said
-    assert "run again once they are done" in said and "writable" not in said, said
+    assert "no conversion of theirs is running" in said and "writable" not in said, said
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root")
+def test_a_conversion_another_user_is_running_is_waited_for_and_its_folder_used():
+    """The second user of a shared cache who needed the conversion while the first one's ran was
+    refused (run again once they are done); now it waits on their lock, which it may still open
+    for reading, and uses the folder they converted. The parent holds the lock as the first user's
+    conversion would, and finishes a folder before letting it go."""
+    import fcntl
+    import shutil
+    import tempfile
+    import time
+
+    import filelock  # noqa: F401 - imported before the child gives up root (see the test above)
+    demo_model.find_demo_gguf()
+
+    shared = Path(tempfile.mkdtemp(prefix="corelaunch-shared-", dir="/tmp"))
+    target = shared / DEMO_MODEL_NAME
+    try:
+        shared.chmod(0o1777)
+        lock = shared / f"{DEMO_MODEL_NAME}.lock"
+        lock.write_text("")
+        lock.chmod(0o644)
+        os.chown(lock, 12345, 12345)
+        held = os.open(lock, os.O_RDWR)
+        fcntl.flock(held, fcntl.LOCK_EX)  # the first user's conversion, running
+        read, write = os.pipe()
+        child = os.fork()
+        if child == 0:  # the second user
+            os.close(read)
+            os.close(held)  # the child's copy of the parent's lock would keep it held
+            try:
+                os.setgid(23456)
+                os.setuid(23456)
+                start = time.monotonic()
+                demo_model._convert_under_lock(shared, target)
+                said = f"no error after {time.monotonic() - start:.1f} s"
+            except BaseException as err:  # noqa: BLE001 - reported to the parent
+                said = f"{type(err).__name__}: {err}"
+            os.write(write, said.encode())
+            os._exit(0)
+        os.close(write)
+        time.sleep(1.5)  # the child is waiting by now
+        target.mkdir()
+        (target / "weights.bin").write_bytes(b"abc")
+        (target / demo_model._MARKER).write_text(json.dumps({"files": {"weights.bin": 3}}))
+        fcntl.flock(held, fcntl.LOCK_UN)
+        os.close(held)
+        with os.fdopen(read) as pipe:
+            said = pipe.read()
+        os.waitpid(child, 0)
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+    assert said.startswith("no error after "), said
+    assert float(said.split()[3]) >= 1.0, said  # it waited for the lock rather than failing at once
