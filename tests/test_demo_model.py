@@ -346,42 +346,59 @@ def test_plan_sizes_the_demo_model_from_the_packaged_config_without_converting(t
     assert not (tmp_path / DEMO_MODEL_NAME).exists()
 
 
+def _shared_cache_with_their_lock(tmp_root: str = "/tmp") -> tuple[Path, Path]:
+    """A shared (sticky, 1777) cache folder holding the first user's (uid 12345) 0644 conversion lock."""
+    import tempfile
+
+    import filelock  # noqa: F401 - imported before the child gives up root: the interpreter's own
+    # library may lie where only root reads (a pyenv under /root); the venv stays readable
+    demo_model.find_demo_gguf()  # imports what reading the package's metadata takes
+    shared = Path(tempfile.mkdtemp(prefix="corelaunch-shared-", dir=tmp_root))
+    shared.chmod(0o1777)
+    lock = shared / f"{DEMO_MODEL_NAME}.lock"
+    lock.write_text("")
+    lock.chmod(0o644)
+    os.chown(lock, 12345, 12345)
+    return shared, lock
+
+
+def _as_second_user(shared: Path, meanwhile=lambda: None, close_in_child: tuple[int, ...] = ()) -> str:
+    """_convert_under_lock(shared) in a forked child acting as uid 23456, while the parent runs
+    `meanwhile`: "no error after S s", or the error it raised."""
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os.close(read)
+        for fd in close_in_child:  # the child's copy of a parent's lock would keep it held
+            os.close(fd)
+        try:
+            os.setgid(23456)
+            os.setuid(23456)
+            start = time.monotonic()
+            demo_model._convert_under_lock(shared, shared / DEMO_MODEL_NAME)
+            said = f"no error after {time.monotonic() - start:.1f} s"
+        except BaseException as err:  # noqa: BLE001 - reported to the parent
+            said = f"{type(err).__name__}: {err}"
+        os.write(write, said.encode())
+        os._exit(0)
+    os.close(write)
+    meanwhile()
+    with os.fdopen(read) as pipe:
+        said = pipe.read()
+    os.waitpid(child, 0)
+    return said
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root")
 def test_a_lock_another_user_made_in_a_shared_cache_is_named_as_theirs():
     """In a shared (sticky, 1777) CORELAUNCH_CACHE the conversion lock is the first user's, 0644: a
     second user who needed a conversion (while the first one's ran) was told the cache could not be
     written and to set CORELAUNCH_CACHE, though it could. A forked child acts as that second user."""
     import shutil
-    import tempfile
 
-    import filelock  # noqa: F401 - imported before the child gives up root: the interpreter's own
-    # library may lie where only root reads (a pyenv under /root); the venv stays readable
-    demo_model.find_demo_gguf()  # imports what reading the package's metadata takes
-
-    shared = Path(tempfile.mkdtemp(prefix="corelaunch-shared-", dir="/tmp"))
+    shared, lock = _shared_cache_with_their_lock()
     try:
-        shared.chmod(0o1777)
-        lock = shared / f"{DEMO_MODEL_NAME}.lock"
-        lock.write_text("")
-        lock.chmod(0o644)
-        os.chown(lock, 12345, 12345)  # the first user's
-        read, write = os.pipe()
-        child = os.fork()
-        if child == 0:  # the second user
-            os.close(read)
-            try:
-                os.setgid(23456)
-                os.setuid(23456)
-                demo_model._convert_under_lock(shared, shared / DEMO_MODEL_NAME)
-                said = "no error"
-            except BaseException as err:  # noqa: BLE001 - reported to the parent
-                said = f"{type(err).__name__}: {err}"
-            os.write(write, said.encode())
-            os._exit(0)
-        os.close(write)
-        with os.fdopen(read) as pipe:
-            said = pipe.read()
-        os.waitpid(child, 0)
+        said = _as_second_user(shared)
     finally:
         shutil.rmtree(shared, ignore_errors=True)
     assert said.startswith(f"ValueError: cannot take the lock {lock} of the demo model's conversion: it belongs to "
@@ -397,48 +414,23 @@ def test_a_conversion_another_user_is_running_is_waited_for_and_its_folder_used(
     conversion would, and finishes a folder before letting it go."""
     import fcntl
     import shutil
-    import tempfile
-    import time
 
-    import filelock  # noqa: F401 - imported before the child gives up root (see the test above)
-    demo_model.find_demo_gguf()
-
-    shared = Path(tempfile.mkdtemp(prefix="corelaunch-shared-", dir="/tmp"))
+    shared, lock = _shared_cache_with_their_lock()
     target = shared / DEMO_MODEL_NAME
-    try:
-        shared.chmod(0o1777)
-        lock = shared / f"{DEMO_MODEL_NAME}.lock"
-        lock.write_text("")
-        lock.chmod(0o644)
-        os.chown(lock, 12345, 12345)
-        held = os.open(lock, os.O_RDWR)
-        fcntl.flock(held, fcntl.LOCK_EX)  # the first user's conversion, running
-        read, write = os.pipe()
-        child = os.fork()
-        if child == 0:  # the second user
-            os.close(read)
-            os.close(held)  # the child's copy of the parent's lock would keep it held
-            try:
-                os.setgid(23456)
-                os.setuid(23456)
-                start = time.monotonic()
-                demo_model._convert_under_lock(shared, target)
-                said = f"no error after {time.monotonic() - start:.1f} s"
-            except BaseException as err:  # noqa: BLE001 - reported to the parent
-                said = f"{type(err).__name__}: {err}"
-            os.write(write, said.encode())
-            os._exit(0)
-        os.close(write)
+    held = os.open(lock, os.O_RDWR)
+    fcntl.flock(held, fcntl.LOCK_EX)  # the first user's conversion, running
+
+    def finish_theirs():
         time.sleep(1.5)  # the child is waiting by now
         target.mkdir()
         (target / "weights.bin").write_bytes(b"abc")
         (target / demo_model._MARKER).write_text(json.dumps({"files": {"weights.bin": 3}}))
         fcntl.flock(held, fcntl.LOCK_UN)
-        os.close(held)
-        with os.fdopen(read) as pipe:
-            said = pipe.read()
-        os.waitpid(child, 0)
+
+    try:
+        said = _as_second_user(shared, finish_theirs, close_in_child=(held,))
     finally:
+        os.close(held)
         shutil.rmtree(shared, ignore_errors=True)
     assert said.startswith("no error after "), said
     assert float(said.split()[3]) >= 1.0, said  # it waited for the lock rather than failing at once
