@@ -16,17 +16,21 @@ from shardlib.positive_int import integer_of_any_kind, positive_int
 def check_request(prompts: Sequence[Sequence[int]], params: Sequence, max_new_tokens: int,
                   vocab_size: int) -> None:
     """ValueError unless: at least one prompt, each a non-empty list of token ids in
-    [0, vocab_size), one SamplingParams per prompt, each logit bias naming tokens of the vocabulary,
-    and max_new_tokens a positive int (not a bool)."""
+    [0, vocab_size), one SamplingParams per prompt, max_new_tokens a positive int (not a bool), and
+    each SamplingParams' min_tokens at most max_new_tokens and logit bias naming tokens of the
+    vocabulary."""
     check_prompts(prompts, vocab_size)
     if len(params) != len(prompts):
         raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams; pass one per prompt")
+    positive_int("max_new_tokens", max_new_tokens)
     for p in params:
+        if getattr(p, "min_tokens", 0) > max_new_tokens:  # the request would end at max_new_tokens all the same
+            raise ValueError(f"min_tokens ({p.min_tokens}) must be at most max_new_tokens ({max_new_tokens}); "
+                             f"lower min_tokens or raise max_new_tokens")
         outside = [token for token, _ in getattr(p, "logit_bias", ()) if token >= vocab_size]
         if outside:  # indexing the logits with them failed the leader's step
             raise ValueError(f"logit_bias names token ids {outside[:5]} outside the vocabulary [0, {vocab_size}); "
                              f"were they taken from another model's tokenizer?")
-    positive_int("max_new_tokens", max_new_tokens)
 
 
 def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> None:

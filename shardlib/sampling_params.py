@@ -57,6 +57,10 @@ class SamplingParams:
     min_p: float = 0.0
     """Keep only tokens at least min_p times as likely as the most likely one (transformers' and
     vLLM's; in [0, 1]; 0 is off). Where top_k or top_p asks nothing, it alone asks for sampling."""
+    min_tokens: int = 0
+    """Tokens generated before a stop token (EOS included) may end the request (vLLM's; transformers'
+    min_new_tokens): until then the stop tokens' logits are -inf. At most the request's max_new_tokens
+    (shardlib/request_checks.py); stop strings are not held back."""
     logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
     """Added to these tokens' logits before penalties and sampling, greedy included (OpenAI's):
     {token_id: bias}, each bias in [-100, 100]. Kept as a tuple of (token_id, bias) pairs in id
@@ -88,6 +92,9 @@ class SamplingParams:
                              f"{MAX_TEMPERATURE:.7g}] (float32's normal range, in which the ranks apply it: "
                              f"past it the penalty is 0 or infinite, and a logit of 0 becomes NaN)")
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        n = self.min_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"min_tokens={n!r} must be an integer >= 0 (0 lets a stop token end the request at once)")
         m = self.min_p
         if not _number(m) or not 0 <= m <= 1:
             raise ValueError(f"min_p={m!r} must be a number in [0, 1] (0 turns min-p off)")
@@ -116,8 +123,9 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Penalties or a logit bias: the logits change before the token choice (workers/penalties.py)."""
-        return bool(self.logit_bias) or self.has_penalties
+        """Penalties, a logit bias or min_tokens: the logits change before the token choice
+        (workers/penalties.py)."""
+        return bool(self.logit_bias) or self.has_penalties or self.min_tokens > 0
 
 
 def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
@@ -150,10 +158,10 @@ def _plain_numbers(params: SamplingParams) -> None:
     """numpy's scalars (np.int64 top_k, np.float32 temperature) and torch's 0-d tensors as Python's
     int and float, as prompts take them: checked like any other value, and plain on the ranks."""
     for name in ("top_k", "seed", "temperature", "top_p", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "min_p"):
+                 "repetition_penalty", "min_p", "min_tokens"):
         value = getattr(params, name)
         if type(value) in (int, float, bool) or value is None:
             continue
-        number = integer_of_any_kind(value) if name in ("top_k", "seed") else real_of_any_kind(value)
+        number = integer_of_any_kind(value) if name in ("top_k", "seed", "min_tokens") else real_of_any_kind(value)
         if number is not None:
             object.__setattr__(params, name, number)

@@ -61,6 +61,8 @@ def refusal(parse, **fields) -> ProtocolError:
     ("top_p", 1.5, ["top_p (1.5)", "[0, 1]"]),
     ("top_k", -2, ["top_k (-2)", ">= 0"]),
     ("min_p", 1.5, ["min_p (1.5)", "[0, 1]"]),
+    ("min_tokens", -1, ["min_tokens (-1)", "an integer >= 0, at most max_tokens"]),
+    ("min_tokens", 2.0, ["min_tokens (2.0)", "an integer >= 0"]),
     ("min_p", -0.1, ["min_p (-0.1)", "[0, 1]"]),
     ("seed", -2**63 - 1, ["seed (-9223372036854775809)", "[-2**63, 2**63 - 1]"]),
     ("max_tokens", 0, ["max_tokens (0)", ">= 1"]),
@@ -1186,7 +1188,8 @@ def test_a_stop_string_ends_the_text_before_it(client, hf):
 def test_penalties_logit_bias_and_min_p_over_http(client, hf):
     """OpenAI's frequency_penalty and presence_penalty, and vLLM's repetition_penalty (extra_body),
     greedy, streamed and not: the text of transformers' greedy generation with the same penalties;
-    likewise OpenAI's logit_bias. vLLM's min_p reaches the sampler."""
+    likewise OpenAI's logit_bias, and vLLM's min_tokens (transformers' min_new_tokens). vLLM's min_p
+    reaches the sampler."""
     import openai
     import torch
     from transformers import LogitsProcessorList
@@ -1218,6 +1221,28 @@ def test_penalties_logit_bias_and_min_p_over_http(client, hf):
     with pytest.raises(openai.BadRequestError) as refused:
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, logit_bias={str(hf.config.vocab_size): 1})
     assert refused.value.body["param"] == "logit_bias" and "outside the vocabulary" in refused.value.body["message"]
+    # min_tokens holds stop tokens back as transformers' min_new_tokens does (the greedy text's second
+    # token made a stop token: without it the text ends there)
+    prompt_ids = hf.tok(PROMPT)["input_ids"]
+    with torch.no_grad():
+        greedy_ids = hf.model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                                       max_new_tokens=2, do_sample=False)[0, len(prompt_ids):].tolist()
+    ending = greedy_ids[1]
+    eos = hf.config.eos_token_id if isinstance(hf.config.eos_token_id, list) else [hf.config.eos_token_id]
+    with torch.no_grad():
+        out = hf.model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                                max_new_tokens=10, do_sample=False, min_new_tokens=6, eos_token_id=[ending, *eos])
+    held = out[0, len(prompt_ids):].tolist()
+    assert len(held) >= 6
+    got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0,
+                                    extra_body={"stop_token_ids": [ending], "min_tokens": 6})
+    assert got.usage.completion_tokens == len(held) and got.choices[0].text == hf.tok.decode(held)
+    short = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0,
+                                      extra_body={"stop_token_ids": [ending]})
+    assert short.usage.completion_tokens == 2
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, extra_body={"min_tokens": 5})
+    assert refused.value.body["param"] == "min_tokens" and "at most max_tokens (4)" in refused.value.body["message"]
     # min_p 1 keeps only the most likely token (and its equals): sampled, it is the greedy text
     hot = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.5, seed=3,
                                     extra_body={"min_p": 1.0})

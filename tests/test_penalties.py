@@ -208,3 +208,50 @@ def test_generate_flags_build_the_penalties_and_name_themselves_when_refused():
     assert sampling("--min-p", "0.1").min_p == 0.1 and sampling("--min-p", "0.1").temperature == 1.0
     with pytest.raises(ValueError, match=r"^--min-p 2.0 must be a number in \[0, 1\]"):
         sampling("--min-p", "2")
+    assert sampling("--min-tokens", "5").min_tokens == 5 and sampling("--min-tokens", "5").is_greedy
+    with pytest.raises(ValueError, match=r"^--min-tokens \(40\) must be at most --max-new-tokens \(32\)$"):
+        sampling("--min-tokens", "40")  # the default --max-new-tokens is 32
+    with pytest.raises(ValueError, match=r"^--min-tokens -1 must be an integer >= 0"):
+        sampling("--min-tokens", "-1")
+
+
+def transformers_min_new_tokens(prompt: list[int], stop: int, min_new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = hf_model().generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW,
+                                  eos_token_id=stop, pad_token_id=0, min_new_tokens=min_new_tokens)
+    return out[0, len(prompt):].tolist()
+
+
+def test_min_tokens_holds_the_stop_tokens_back_as_transformers_min_new_tokens():
+    """In the static engine, the serving loop and a stream resumed after a fault: the stop token
+    greedy generation would end on at its second token is held back until min_tokens."""
+    prompt = PROMPTS[0]
+    ending = transformers_greedy(prompt, SamplingParams())[1]
+    want = transformers_min_new_tokens(prompt, ending, 6)
+    assert len(want) > 6 and ending not in want[:6]  # without min_tokens it ends after 2 tokens
+    held = SamplingParams(min_tokens=6)
+    [plain] = generate(fresh_model(), [prompt], [SamplingParams()], NEW, [ending])
+    assert len(plain.token_ids) == 2 and plain.finish_reason == "stop"
+    [static] = generate(fresh_model(), [prompt], [held], NEW, [ending])
+    assert static.token_ids == want
+    loop = ServingLoop(fresh_model(), ServingConfig(2, 4, 64))
+    threads = run_loops([loop])
+    loop.submit([request("held", prompt, NEW, sampling=held, stop_token_ids=(ending,)),
+                 request("plain", prompt, NEW, stop_token_ids=(ending,)),
+                 request("resumed", tuple(prompt) + tuple(want[:3]), NEW - 3, sampling=held,
+                         stop_token_ids=(ending,), draws_before=3)])
+    got = collect(loop, {"held", "plain", "resumed"})
+    stop([loop], threads)
+    assert got.tokens["held"] == want and got.tokens["plain"] == plain.token_ids
+    assert want[:3] + got.tokens["resumed"] == want  # the 3 delivered tokens count towards min_tokens
+
+
+def test_min_tokens_is_checked_against_max_new_tokens():
+    from shardlib.request_checks import check_request
+
+    with pytest.raises(ValueError, match=r"^min_tokens=-1 must be an integer >= 0"):
+        SamplingParams(min_tokens=-1)
+    with pytest.raises(ValueError, match=r"^min_tokens \(9\) must be at most max_new_tokens \(8\)"):
+        check_request([[1, 2]], [SamplingParams(min_tokens=9)], 8, vocab_size=128)
+    check_request([[1, 2]], [SamplingParams(min_tokens=8)], 8, vocab_size=128)

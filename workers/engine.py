@@ -175,7 +175,8 @@ def generate(model, prompts: list[list[int]], params: list[SamplingParams], max_
             t.to(device) for t in (input_ids, slot_ids, attention_mask, position_ids))
 
         logits = model(input_ids, position_ids, cache, slot_ids[:width], attention_mask, logit_index)[:batch]
-        tokens = sample(penalized(logits, params, prompts, [()] * batch), params, generators)  # (batch,)
+        stops = [stop] * batch  # held back from rows short of their min_tokens
+        tokens = sample(penalized(logits, params, prompts, [()] * batch, stops), params, generators)  # (batch,)
         first_token_time = time.perf_counter()
 
         outputs = [GenerationOutput([], "length", n, first_token_time - start, 0.0) for n in lengths]
@@ -208,7 +209,8 @@ def generate(model, prompts: list[list[int]], params: list[SamplingParams], max_
             step_start = time.perf_counter()
             step_ids = (tokens if filler is None else torch.cat((tokens, filler)))[:, None]  # (rows, 1)
             logits = model(step_ids, positions + step, cache, slot_ids[slot:slot + 1], attention_mask)[:batch]
-            tokens = sample(penalized(logits, params, prompts, [o.token_ids for o in outputs]), params, generators)
+            tokens = sample(penalized(logits, params, prompts, [o.token_ids for o in outputs], stops), params,
+                            generators)
             step_latency = time.perf_counter() - step_start
 
     for i, out in enumerate(outputs):

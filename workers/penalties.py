@@ -1,8 +1,9 @@
-"""A request's logits changed before its token choice: its logit bias, then repetition, frequency and
-presence penalties (what it has seen).
+"""A request's logits changed before its token choice: its stop tokens held back until min_tokens,
+its logit bias, then repetition, frequency and presence penalties (what it has seen).
 
 Applied before temperature, top-k, top-p and min-p, and before a greedy row's argmax (they change
 which token is most likely), in vLLM's order, with the meanings OpenAI's API and vLLM give them:
+- min_tokens: until that many tokens are generated, the stop tokens (EOS included) are -inf;
 - logit_bias: a fixed number added to the logit of each token it names;
 - repetition_penalty r (transformers' and vLLM's): every token of the prompt or of the output so
   far has its logit divided by r when positive, multiplied by r otherwise (r > 1 discourages);
@@ -14,7 +15,7 @@ stay the model's own (before any of these), as vLLM reports them by default.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 
@@ -25,9 +26,10 @@ FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def penalized(logits: torch.Tensor, params: list[SamplingParams], prompts: Sequence[Sequence[int]],
-              outputs: Sequence[Sequence[int]]) -> torch.Tensor:
+              outputs: Sequence[Sequence[int]], stops: Sequence[Collection[int]] = ()) -> torch.Tensor:
     """logits (batch, vocab) with each row's logit bias and penalties applied, given row i's prompt
-    token ids and the tokens it has generated so far; the same tensor when no row asks for either
+    token ids, the tokens it has generated so far and its stop token ids stops[i] (held back while
+    it has generated fewer than its min_tokens); the same tensor when no row asks for any of these
     (the common case costs one pass over the params), else a float32 copy. Penalised values are
     kept finite: a tiny repetition penalty dividing a large logit (or a large one multiplying a
     negative logit) would overflow float32, and an infinite logit fails the row's token choice."""
@@ -38,6 +40,7 @@ def penalized(logits: torch.Tensor, params: list[SamplingParams], prompts: Seque
     # are taken from it)
     out = logits.to(sampling_device(logits.device), torch.float32, copy=True)
     device = out.device
+    _hold_stops(out, params, outputs, stops)
     _add_bias(out, params)
     rows = [i for i, p in enumerate(params) if p.has_penalties]
     if not rows:
@@ -68,6 +71,14 @@ def penalized(logits: torch.Tensor, params: list[SamplingParams], prompts: Seque
     penalised = torch.where(values > 0, values / r, values * r) - (f * counts + p * (counts > 0))
     out[at] = torch.where(finite, penalised.clamp(-FLOAT32_MAX, FLOAT32_MAX), values)
     return out.to(logits.device)
+
+
+def _hold_stops(out: torch.Tensor, params: list[SamplingParams], outputs: Sequence[Sequence[int]],
+                stops: Sequence[Collection[int]]) -> None:
+    """-inf for each row's stop tokens while it has generated fewer than its min_tokens."""
+    for i, p in enumerate(params):
+        if p.min_tokens > len(outputs[i]) and stops and stops[i]:
+            out[i, torch.tensor(sorted(stops[i]), dtype=torch.int64, device=out.device)] = float("-inf")
 
 
 def _add_bias(out: torch.Tensor, params: list[SamplingParams]) -> None:

@@ -34,6 +34,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--min-p", type=float, metavar="M",
                    help="keep tokens at least M times as likely as the most likely, in [0, 1] (0 = off)")
     p.add_argument("--seed", type=int, help="seed for reproducible sampling (each prompt is seeded with it alike)")
+    p.add_argument("--min-tokens", type=int, metavar="N",
+                   help="no stop token (EOS included) ends a prompt's generation before N tokens, at most "
+                        "--max-new-tokens (default 0)")
     p.add_argument("--presence-penalty", type=float, metavar="P",
                    help="subtract P from every token generated so far, in [-2, 2] (default 0: off)")
     p.add_argument("--frequency-penalty", type=float, metavar="F",
@@ -53,13 +56,16 @@ def _sampling(args):
                                ("min_p", args.min_p), ("seed", args.seed)) if v is not None}
     penalties = {k: v for k, v in (("presence_penalty", args.presence_penalty),
                                    ("frequency_penalty", args.frequency_penalty),
-                                   ("repetition_penalty", args.repetition_penalty)) if v is not None}
+                                   ("repetition_penalty", args.repetition_penalty),
+                                   ("min_tokens", args.min_tokens)) if v is not None}
     if given and "temperature" not in given and given.keys() & {"top_k", "top_p", "min_p"}:
         given["temperature"] = 1.0  # top-k/top-p/min-p alone means: sample at temperature 1
     if set(given) == {"seed"}:  # greedy, which draws nothing: the seed was dropped without a word
         raise ValueError(f"--seed ({args.seed}) seeds sampling, and no sampling flag is given (the default is "
                          f"greedy, which takes no seed): add --temperature T, or --top-k / --top-p / --min-p (which "
                          f"sample at temperature 1)")
+    if args.min_tokens is not None and args.min_tokens > args.max_new_tokens:  # said in the flags' words
+        raise ValueError(f"--min-tokens ({args.min_tokens}) must be at most --max-new-tokens ({args.max_new_tokens})")
     try:
         return SamplingParams(**given, **penalties)
     except ValueError as err:  # its message names the field: name the flag
@@ -69,7 +75,7 @@ def _sampling(args):
 def _as_flags(message: str) -> str:
     """SamplingParams' message ("top_p=2.0 must be ...") as the command's flags say it ("--top-p 2.0 ...")."""
     for name in ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty"):
+                 "repetition_penalty", "min_tokens"):
         if message.startswith(f"{name}="):
             return f"--{name.replace('_', '-')} " + message[len(name) + 1:]
     return message

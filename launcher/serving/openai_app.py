@@ -692,6 +692,11 @@ class OpenAIServer:
             raise ProtocolError(f"n ({req.n}) is more than this server runs at once (max_num_seqs {rows}): each "
                                 f"choice takes a sequence slot; ask for at most {rows} choices per request",
                                 param="n")
+        if req.min_tokens > max_tokens:  # said in the API's words (the engine says max_new_tokens)
+            self.metrics.rejected(400)
+            limit = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
+            raise ProtocolError(f"min_tokens ({req.min_tokens}) must be at most {limit} ({max_tokens}); lower "
+                                f"min_tokens or raise {limit}", param="min_tokens")
         streams = []
         try:
             for index in range(req.n):
@@ -736,7 +741,8 @@ class OpenAIServer:
             return stream
         except ValueError as err:
             self.metrics.rejected(400)
-            param = next((name for name in ("stop_token_ids", "logit_bias") if str(err).startswith(name)), prompt_param)
+            param = next((name for name in ("stop_token_ids", "logit_bias", "min_tokens") if str(err).startswith(name)),
+                         prompt_param)
             raise ProtocolError(_as_one_prompt(str(err)), param=param) from None
         except queue_full_type() as err:
             self.metrics.rejected(503)

@@ -48,6 +48,8 @@ FIELD_RULES = {
     "top_p": "a number in [0, 1] (1 turns top-p off; 0 keeps only the most likely token)",
     "top_k": "an integer >= 0, or -1 (0 and -1 turn top-k off)",
     "min_p": "a number in [0, 1] (0 turns min-p off)",
+    "min_tokens": "an integer >= 0, at most max_tokens (no stop token, EOS included, ends the request before "
+                  "that many tokens)",
     "logit_bias": f"an object of at most {MAX_LOGIT_BIAS_ENTRIES} token ids (as strings, e.g. \"50256\") mapped to "
                   f"numbers in [-100, 100]",
     "seed": "an integer in [-2**63, 2**63 - 1]",
@@ -145,6 +147,8 @@ class _GenerationRequest(_NullMeansDefault):
     top_k: int = Field(0, ge=-1)
     """Extension (as vLLM's): sample among the k most likely tokens."""
     min_p: float = Field(0.0, ge=0, le=1)
+    min_tokens: int = Field(0, ge=0)
+    """Extension (as vLLM's): stop tokens (EOS included) are held back until this many tokens."""
     """Extension (as vLLM's): keep tokens at least min_p times as likely as the most likely."""
     seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
     stop: str | list[str] | None = Field(None)
@@ -184,7 +188,8 @@ class _GenerationRequest(_NullMeansDefault):
 
         penalties = dict(presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                          repetition_penalty=self.repetition_penalty,
-                         logit_bias={int(token): bias for token, bias in self.logit_bias.items()})
+                         logit_bias={int(token): bias for token, bias in self.logit_bias.items()},
+                         min_tokens=self.min_tokens)
         if self.top_p == 0:
             return SamplingParams(temperature=0.0, seed=self.seed, **penalties)
         return SamplingParams(temperature=self.temperature, top_k=max(self.top_k, 0), top_p=self.top_p,

@@ -44,7 +44,7 @@ def choose(logits: torch.Tensor, sequences: list[Sequence]) -> tuple[list[int], 
     scores = logits
     if any(p.adjusts_logits for p in params):
         prompts, outputs = zip(*(_history(s) for s in sequences))
-        scores = penalized(logits, params, prompts, outputs)
+        scores = penalized(logits, params, prompts, outputs, [s.request.stop_token_ids for s in sequences])
     tokens = sample(scores, params, [s.generator for s in sequences]).tolist()
     logprobs: list[TokenLogprob | None] = [None] * len(sequences)
     wanted = [i for i, s in enumerate(sequences) if s.request.logprobs is not None]
