@@ -58,9 +58,10 @@ class SamplingParams:
     """Keep only tokens at least min_p times as likely as the most likely one (transformers' and
     vLLM's; in [0, 1]; 0 is off). Where top_k or top_p asks nothing, it alone asks for sampling."""
     min_tokens: int = 0
-    """Tokens generated before a stop token (EOS included) may end the request (vLLM's; transformers'
-    min_new_tokens): until then the stop tokens' logits are -inf. At most the request's max_new_tokens
-    (shardlib/request_checks.py); stop strings are not held back."""
+    """Tokens generated before a stop token (EOS included) may end the request (vLLM's name, with the
+    meaning of transformers' min_new_tokens): until then the stop tokens' logits are -inf. At most the
+    request's max_new_tokens (shardlib/request_checks.py). Stop strings are not held back (vLLM
+    does hold them)."""
     logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
     """Added to these tokens' logits before penalties and sampling, greedy included (OpenAI's):
     {token_id: bias}, each bias in [-100, 100]. Kept as a tuple of (token_id, bias) pairs in id

@@ -168,6 +168,22 @@ def test_penalties_and_min_p_reach_the_engines_sampling_params():
     assert completion(logit_bias={"50256": -100, "7": 2}).sampling().logit_bias == ((7, 2.0), (50256, -100.0))
 
 
+def test_min_tokens_past_the_limit_names_the_limit_the_request_has():
+    """A chat request without max_tokens was told to raise a max_tokens it never sent (the limit was
+    what the context leaves), which past the context is refused in turn."""
+    from launcher.serving.openai_app import _min_tokens_past_the_limit
+
+    said = _min_tokens_past_the_limit(chat(min_tokens=5000), 986, 38)
+    assert said == ("min_tokens (5000) must be at most the 986 tokens the context leaves after the 38-token prompt "
+                    "(no max_tokens was sent); lower min_tokens or shorten the messages")
+    assert _min_tokens_past_the_limit(chat(min_tokens=9, max_completion_tokens=8), 8, 38) == (
+        "min_tokens (9) must be at most max_completion_tokens (8); lower min_tokens or raise max_completion_tokens")
+    assert _min_tokens_past_the_limit(completion(min_tokens=20), 16, 5) == (
+        "min_tokens (20) must be at most max_tokens, 16 when not sent (OpenAI's default for completions); send "
+        "max_tokens of at least 20")
+    assert _min_tokens_past_the_limit(completion(min_tokens=5, max_tokens=4), 4, 5).endswith("raise max_tokens")
+
+
 def test_chat_logprobs_must_be_true_or_false():
     err = refusal(chat, logprobs=1)
     assert err.param == "logprobs" and "true or false on /v1/chat/completions" in err.message

@@ -376,6 +376,23 @@ not to, so a 504 generation_timeout ran the whole generation three times (about 
 default --request-timeout) before the user saw it."""
 
 
+def _min_tokens_past_the_limit(req, max_tokens: int, prompt_tokens: int) -> str:
+    """Why min_tokens is refused, naming the limit the request really has: the one it sent, OpenAI's
+    default for completions, or what the context leaves a chat request that sent none."""
+    if getattr(req, "max_completion_tokens", None) is not None:
+        sent = "max_completion_tokens"
+    else:
+        sent = "max_tokens" if req.max_tokens is not None else None
+    said = f"min_tokens ({req.min_tokens}) must be at most"
+    if sent:
+        return f"{said} {sent} ({max_tokens}); lower min_tokens or raise {sent}"
+    if isinstance(req, proto.ChatCompletionRequest):
+        return (f"{said} the {max_tokens} tokens the context leaves after the {prompt_tokens}-token prompt (no "
+                f"max_tokens was sent); lower min_tokens or shorten the messages")
+    return (f"{said} max_tokens, {max_tokens} when not sent (OpenAI's default for completions); send max_tokens "
+            f"of at least {req.min_tokens}")
+
+
 def _generation_failure(err: Exception) -> tuple[int, dict, dict]:
     """(HTTP status, OpenAI error body, headers) for a request that failed while generating. A
     request past the request timeout is a 504 naming both ways out: a chat request without
@@ -694,9 +711,7 @@ class OpenAIServer:
                                 param="n")
         if req.min_tokens > max_tokens:  # said in the API's words (the engine says max_new_tokens)
             self.metrics.rejected(400)
-            limit = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
-            raise ProtocolError(f"min_tokens ({req.min_tokens}) must be at most {limit} ({max_tokens}); lower "
-                                f"min_tokens or raise {limit}", param="min_tokens")
+            raise ProtocolError(_min_tokens_past_the_limit(req, max_tokens, len(prompt)), param="min_tokens")
         streams = []
         try:
             for index in range(req.n):

@@ -147,9 +147,10 @@ class _GenerationRequest(_NullMeansDefault):
     top_k: int = Field(0, ge=-1)
     """Extension (as vLLM's): sample among the k most likely tokens."""
     min_p: float = Field(0.0, ge=0, le=1)
-    min_tokens: int = Field(0, ge=0)
-    """Extension (as vLLM's): stop tokens (EOS included) are held back until this many tokens."""
     """Extension (as vLLM's): keep tokens at least min_p times as likely as the most likely."""
+    min_tokens: int = Field(0, ge=0)
+    """Extension (vLLM's name): stop tokens (EOS included) are held back until this many tokens are
+    generated, as transformers' min_new_tokens does; unlike vLLM, stop strings are not held back."""
     seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
     stop: str | list[str] | None = Field(None)
     stop_token_ids: list[int] = Field(default_factory=list)
