@@ -74,7 +74,7 @@ class SamplingParams:
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise ValueError(f"top_k={k!r} must be an integer >= 0 (0 turns top-k off)")
         p = self.top_p
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+        if not _number(p) or not 0 < p <= 1:
             raise ValueError(f"top_p={p!r} must be a number in (0, 1] (1 turns top-p off)")
         s = self.seed
         if s is not None and (isinstance(s, bool) or not isinstance(s, int) or not MIN_SEED <= s <= MAX_SEED):
@@ -108,7 +108,7 @@ class SamplingParams:
                                  f"at temperature 1)")
             object.__setattr__(self, "temperature", 1.0 if sampling else 0.0)
         t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not finite(t) or t < 0:
+        if not _number(t) or not finite(t) or t < 0:
             raise ValueError(f"temperature={t!r} must be a finite number >= 0 (0 means greedy)")
         if t > MAX_TEMPERATURE:
             raise ValueError(f"temperature={t!r} must be at most {MAX_TEMPERATURE:.7g} (float32's largest value, in "
@@ -122,11 +122,11 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
-    @property
-    def adjusts_logits(self) -> bool:
-        """Penalties, a logit bias or min_tokens: the logits change before the token choice
-        (workers/penalties.py)."""
-        return bool(self.logit_bias) or self.has_penalties or self.min_tokens > 0
+    def adjusts_logits(self, generated: int) -> bool:
+        """Whether the logits change before the token choice of a request that has generated
+        `generated` tokens (workers/penalties.py): penalties, a logit bias, or stop tokens still held
+        back by min_tokens (past it, a request asking nothing else costs the step nothing)."""
+        return bool(self.logit_bias) or self.has_penalties or self.min_tokens > generated
 
 
 def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:

@@ -173,8 +173,7 @@ def _compile(dir_fd: int, directory: Path, spec: "LibrarySpec") -> None:
 
     The compiler writes into a folder of this build's own inside the trusted directory, and the
     bytes are then written to a fresh file in that folder (O_EXCL, mode 0700, fsynced) and renamed
-    over `name`, so
-    concurrent ranks and launches never load a half-written library and the last rename wins
+    over `name`, so concurrent ranks and launches never load a half-written library and the last rename wins
     with identical contents. The folder is in the cache, not in $TMPDIR, and named after its
     writer: a rank killed while it compiles (SIGKILL, or Ray's SIGTERM handler, which ends the
     process without unwinding the compute thread) leaves it behind, and the next build on this host

@@ -33,7 +33,7 @@ def penalized(logits: torch.Tensor, params: list[SamplingParams], prompts: Seque
     (the common case costs one pass over the params), else a float32 copy. Penalised values are
     kept finite: a tiny repetition penalty dividing a large logit (or a large one multiplying a
     negative logit) would overflow float32, and an infinite logit fails the row's token choice."""
-    if not any(p.adjusts_logits for p in params):
+    if not any(p.adjusts_logits(len(generated)) for p, generated in zip(params, outputs)):
         return logits
     # float32 throughout, as the sampling that follows computes; on the host for a device without
     # generators (XLA: sampling draws there too), and never the caller's tensor (log-probabilities

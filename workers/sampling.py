@@ -88,7 +88,8 @@ def filtered_probs(logits: torch.Tensor, table: torch.Tensor) -> tuple[torch.Ten
     keep &= (mass_before < top_p) | (rank == 0) | (top_p >= 1)
     # min-p after top-p, as transformers applies it: a ratio to the most likely token, which the
     # top-k renormalisation (and top-p's, in transformers) leaves as it is
-    keep &= probs >= min_p * probs[:, :1]
+    if bool((min_p > 0).any()):  # a (rows, width) pass only where some row asks for it
+        keep &= probs >= min_p * probs[:, :1]
     probs = sorted_logits.masked_fill(~keep, float("-inf")).softmax(dim=-1)
     return probs, sorted_ids
 
@@ -166,8 +167,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     if whole:
         temperatures = torch.tensor([[params[i].temperature] for i in whole], device=logits.device)
         probs = _scaled(logits[torch.tensor(whole, device=logits.device)], temperatures).softmax(dim=-1)
-        min_p = torch.tensor([[params[i].min_p] for i in whole], device=logits.device)
-        if bool((min_p > 0).any()):  # multinomial draws in proportion to what is left: no renormalising
+        if any(params[i].min_p > 0 for i in whole):  # multinomial draws in proportion to what is left
+            min_p = torch.tensor([[params[i].min_p] for i in whole], device=logits.device)
             probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
         for j, i in enumerate(whole):
             tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]

@@ -379,10 +379,7 @@ default --request-timeout) before the user saw it."""
 def _min_tokens_past_the_limit(req, max_tokens: int, prompt_tokens: int) -> str:
     """Why min_tokens is refused, naming the limit the request really has: the one it sent, OpenAI's
     default for completions, or what the context leaves a chat request that sent none."""
-    if getattr(req, "max_completion_tokens", None) is not None:
-        sent = "max_completion_tokens"
-    else:
-        sent = "max_tokens" if req.max_tokens is not None else None
+    sent = req.limit_sent()
     said = f"min_tokens ({req.min_tokens}) must be at most"
     if sent:
         return f"{said} {sent} ({max_tokens}); lower min_tokens or raise {sent}"
@@ -729,7 +726,7 @@ class OpenAIServer:
         from shardlib.request_checks import check_fits
 
         # The engine checks this too, in its own words (max_new_tokens): here it is said in the API's.
-        limit = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
+        limit = req.limit_sent() or "max_tokens"
         if len(prompt) >= self.context_tokens:  # no room left whatever the limit (which may not have been sent)
             self.metrics.rejected(400)
             raise ProtocolError(f"the prompt has {len(prompt)} tokens and the context holds {self.context_tokens}, "

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -174,12 +174,17 @@ class _GenerationRequest(_NullMeansDefault):
     def choice_sampling(self, index: int):
         """Choice `index`'s SamplingParams: the request's, its seed (if any) moved on by the index so
         that seeded choices differ from each other and each reproduces (choice 0 keeps the seed)."""
-        import dataclasses
-
         sampling = self.sampling()
         if index == 0 or sampling.seed is None:
             return sampling
-        return dataclasses.replace(sampling, seed=choice_seed(sampling.seed, index))
+        return replace(sampling, seed=choice_seed(sampling.seed, index))
+
+    def limit_sent(self) -> str | None:
+        """The name of the length limit the request sent (chat's max_completion_tokens wins over
+        max_tokens), None when it sent none."""
+        if getattr(self, "max_completion_tokens", None) is not None:
+            return "max_completion_tokens"
+        return "max_tokens" if self.max_tokens is not None else None
 
     def sampling(self):
         """The engine's SamplingParams: top_k -1 is 0 (off), as vLLM spells it; top_p 0 keeps the one

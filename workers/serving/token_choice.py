@@ -42,7 +42,7 @@ def choose(logits: torch.Tensor, sequences: list[Sequence]) -> tuple[list[int], 
     seed_draws(sequences)  # again for a choice redone (the leader's row by row retry): the same draw
     params = [s.request.sampling for s in sequences]
     scores = logits
-    if any(p.adjusts_logits for p in params):
+    if any(s.request.sampling.adjusts_logits(s.request.draws_before + s.generated) for s in sequences):
         prompts, outputs = zip(*(_history(s) for s in sequences))
         scores = penalized(logits, params, prompts, outputs, [s.request.stop_token_ids for s in sequences])
     tokens = sample(scores, params, [s.generator for s in sequences]).tolist()
