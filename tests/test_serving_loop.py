@@ -32,7 +32,7 @@ def eager_loop(max_num_seqs=2, max_prefill_tokens=4, slots=64, model=None) -> Se
 
 def test_plan_round_trips_through_its_tensor():
     codec = PlanCodec(max_num_seqs=3, max_prefill_tokens=8)
-    plan = StepPlan(Command.WORK, (PrefillChunk(2, 5, (7, 8, 9)), PrefillChunk(0, 0, (1,))),
+    plan = StepPlan(Command.WORK, (PrefillChunk(2, 5, (7, 8, 9)), PrefillChunk(0, 0, (1,), scored=True)),
                     (DecodeRow(1, 40, 99),), clears=(ClearRow(2, 17),))
     assert codec.decode(codec.encode(plan)) == plan
     with pytest.raises(ValueError, match="max_prefill_tokens 8"):

@@ -247,6 +247,16 @@ class CompiledCausalLM:
                                 (cache.k, cache.v), logit_index, rows)
         return logits
 
+    def score_step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache,
+                   cache_positions: torch.Tensor, rows: torch.Tensor, read_slots: int) -> torch.Tensor:
+        """ShardedCausalLM.score_step, eagerly (no graph is built for it): a prompt scored for its
+        log-probabilities is prefilled at its own exact shape, which no bucket's graph has. Its
+        compute is the prefill's; what a graph saves there is small against a decode step's."""
+        return self.model.score_step(input_ids, position_ids, cache, cache_positions, rows, read_slots)
+
+    def column_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.column_logits(hidden)
+
     @contextlib.contextmanager
     def _graph(self, phase: str, batch: int, length: int, label: str):
         """Around one call at shape (phase, batch, length): the first time, announce the graph being

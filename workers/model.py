@@ -30,7 +30,15 @@ from workers.layers import VocabParallelEmbedding, as_param, linear
 from workers.moe_layers import moe_decoder_layer
 from workers.quantized_linear import pack_quantized
 from workers.rope import RotaryTables
-from workers.step import EAGER, run_step
+from workers.step import EAGER, StepParts, epilogue, run_step
+
+def _last_hidden(model, x: torch.Tensor, logit_index: torch.Tensor | None) -> torch.Tensor:
+    """An epilogue that keeps every column's hidden state (before the final norm)."""
+    return x
+
+
+HIDDEN = StepParts(epilogue=_last_hidden)
+"""The step's parts with no LM head: a scoring step's (ShardedCausalLM.score_step)."""
 
 DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 RUNNABLE_MODEL_TYPES = DENSE_MODEL_TYPES + MOE_MODEL_TYPES
@@ -193,3 +201,19 @@ class ShardedCausalLM(nn.Module):
         logits, _, _ = run_step(self, EAGER, input_ids, position_ids, mask, cache_positions,
                                 (cache.k, cache.v), logit_index, rows)
         return logits
+
+    def score_step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache,
+                   cache_positions: torch.Tensor, rows: torch.Tensor, read_slots: int) -> torch.Tensor:
+        """serve_step's forward (same cache writes and reads), eagerly, returning every column's hidden
+        state (batch, seq, hidden) instead of one column's logits: column_logits takes them a block
+        at a time, so a long chunk's logits (seq x vocab) are never all held at once."""
+        self._ensure_rotary(cache.max_seq_len)
+        mask = torch.ones(input_ids.shape[0], read_slots, dtype=torch.bool, device=input_ids.device)
+        hidden, _, _ = run_step(self, HIDDEN, input_ids, position_ids, mask, cache_positions,
+                                (cache.k, cache.v), None, rows)
+        return hidden
+
+    def column_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits (n, vocab_size) float32 of hidden states (n, hidden) from score_step: the final
+        norm, the LM head and the gather over ranks, as every step's last column gets them."""
+        return epilogue(self, hidden[:, None, :], None)

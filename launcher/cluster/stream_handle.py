@@ -63,12 +63,14 @@ class StreamHandle:
         return None if self.first_token_at is None else self.first_token_at - self.submitted
 
     def resumed(self) -> StreamRequest:
-        """The request to submit to a restarted group: history = prompt + delivered tokens."""
+        """The request to submit to a restarted group: history = prompt + delivered tokens. Prompt
+        log-probabilities came with the first token: once it was delivered, they were too."""
         self.resumed_at.append(len(self.delivered))
         return dataclasses.replace(self.request,
                                    prompt_token_ids=self.request.prompt_token_ids + tuple(self.delivered),
                                    max_tokens=self.request.max_tokens - len(self.delivered),
-                                   draws_before=self.request.draws_before + len(self.delivered))
+                                   draws_before=self.request.draws_before + len(self.delivered),
+                                   prompt_logprobs=None if self.delivered else self.request.prompt_logprobs)
 
     def deliver(self, event: TokenEvent) -> bool:
         """Pass an event on (once finished, nothing more); True when it finished the request."""

@@ -29,6 +29,7 @@ import torch
 from shardlib.serving_shapes import PREFILL_PHASES, PREFILL_START, ServingShapes
 from workers.serving.burst import BURST_WAIT_CAP
 from workers.serving.outbox import Outbox
+from workers.serving.prompt_scoring import prompt_targets, score_chunk
 from workers.serving.requests import StreamRequest, TokenEvent
 from workers.serving.scheduler import Scheduler, Sequence
 from workers.serving.step_inputs import decode_inputs, prefill_batches, prefill_inputs
@@ -250,6 +251,11 @@ class ServingLoop:
         kind, payload = item
         if kind == "submit":
             for request in payload:
+                if request.prompt_logprobs is not None and not hasattr(self.model, "score_step"):
+                    events.append(TokenEvent(request.request_id, [], "error", error=(
+                        f"prompt log-probabilities are not available on this backend "
+                        f"({type(self.model).__name__} has no scoring step); ask without them")))
+                    continue
                 seq = Sequence(request)
                 seq.generator = request_generator(seq, self.device)
                 try:
@@ -274,12 +280,23 @@ class ServingLoop:
         for clear in plan.clears:  # before anything a new request in that row writes or reads
             self.cache.clear_row(clear.row, clear.slots)
         prefill_logits: list[torch.Tensor | None] = [None] * len(plan.prefills)
-        for call in prefill_batches(plan.prefills, self.config.shapes):
-            inputs = prefill_inputs([plan.prefills[i] for i in call], self.config.shapes, self.scratch_row,
+        plain = [i for i, chunk in enumerate(plan.prefills) if not chunk.scored]
+        for call in prefill_batches(tuple(plan.prefills[i] for i in plain), self.config.shapes):
+            inputs = prefill_inputs([plan.prefills[plain[i]] for i in call], self.config.shapes, self.scratch_row,
                                     self.config.cache_slots)
             logits = self._step(inputs)
             for j, i in enumerate(call):
-                prefill_logits[i] = logits[j]
+                prefill_logits[plain[i]] = logits[j]
+        by_row = self.scheduler.by_row() if self.is_leader else {}
+        for i, chunk in enumerate(plan.prefills):
+            if chunk.scored:  # alone, every column's logits read (workers/serving/prompt_scoring.py)
+                seq = by_row.get(chunk.row)
+                targets = None if seq is None else prompt_targets(seq.prompt, chunk)
+                entries, prefill_logits[i] = score_chunk(
+                    self.model, self.cache, chunk, self.scratch_row, self.config.cache_slots, self.device, targets,
+                    seq.request.prompt_logprobs if seq is not None else 0)
+                if seq is not None:
+                    seq.prompt_logprobs.extend(entries)
         decode_logits = None
         if plan.decode:
             inputs = decode_inputs(plan.decode, self.config.shapes, self.scratch_row)
@@ -324,7 +341,9 @@ class ServingLoop:
                       else "length" if seq.generated >= request.max_tokens else None)
             events.append(TokenEvent(request.request_id, [token], reason,
                                      None if logprobs[i] is None else [logprobs[i]],
-                                     [_own_copy(logits[i])] if request.return_logits else None, chosen_at))
+                                     [_own_copy(logits[i])] if request.return_logits else None, chosen_at,
+                                     prompt_logprobs=(seq.prompt_logprobs if request.prompt_logprobs is not None
+                                                      and seq.generated == 1 else None)))
             if reason is None:
                 seq.pending = token
             else:

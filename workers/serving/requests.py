@@ -28,6 +28,10 @@ class StreamRequest:
     """None: no log-probabilities; n >= 0: the chosen token's plus the n most likely (n <= MAX_LOGPROBS)."""
     return_logits: bool = False
     """Send the full logits each token was chosen from (accuracy checks)."""
+    prompt_logprobs: int | None = None
+    """None: none; n >= 0: the log-probability of every prompt token after the first (given the
+    tokens before it) plus the n most likely at its place, sent with the first generated token
+    (workers/serving/prompt_scoring.py). A resumed request that delivered a token has sent them."""
     draws_before: int = 0
     """Tokens this request chose before this submission (a resumed request's delivered tokens):
     its draws are numbered on from there, so a seeded stream resumed after a fault goes on drawing
@@ -60,3 +64,6 @@ class TokenEvent:
     step's every forward and token choice included), comparable between the requests of one group."""
     error: str | None = None
     """With finish_reason "error": what failed."""
+    prompt_logprobs: list[TokenLogprob] | None = None
+    """On the request's first token's event, when it asked for prompt_logprobs: one entry per prompt
+    token after the first, in order."""

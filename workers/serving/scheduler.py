@@ -37,6 +37,9 @@ class Sequence:
     """The leader's torch.Generator for this request (None: greedy)."""
     seed: int | None = None
     """A sampled request's base seed (workers/serving/token_choice.py reseeds per draw from it)."""
+    prompt_logprobs: list = field(default_factory=list)
+    """The leader's prompt log-probabilities so far (TokenLogprob per prompt token after the first),
+    when the request asked for them."""
 
     @property
     def prompt(self) -> tuple[int, ...]:
@@ -117,7 +120,8 @@ class Scheduler:
                 size = min(len(seq.prompt) - seq.prefilled, budget, self.max_chunk)
                 if size > 0:
                     prefills.append(PrefillChunk(seq.row, seq.prefilled,
-                                                 tuple(seq.prompt[seq.prefilled: seq.prefilled + size])))
+                                                 tuple(seq.prompt[seq.prefilled: seq.prefilled + size]),
+                                                 seq.request.prompt_logprobs is not None))
                     budget -= size
             elif seq.pending is not None:
                 decode.append(DecodeRow(seq.row, seq.length, seq.pending))

@@ -36,6 +36,9 @@ class PrefillChunk:
     start: int
     """Slot (and position) of the chunk's first token."""
     token_ids: tuple[int, ...]
+    scored: bool = False
+    """Its request wants prompt log-probabilities: the chunk runs alone, and every column's logits
+    are taken (workers/serving/prompt_scoring.py)."""
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,7 @@ class StepPlan:
 
 @dataclass
 class PlanCodec:
-    """Fixed layout: [command, prefills, decodes, static id, clears, (row, start, length) x
+    """Fixed layout: [command, prefills, decodes, static id, clears, (row, start, length, scored) x
     max_num_seqs, (row, position, token) x max_num_seqs, (row, slots) x max_num_seqs, prefill tokens
     x max_prefill_tokens]."""
 
@@ -81,7 +84,7 @@ class PlanCodec:
     _size: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self._size = _HEADER + 8 * self.max_num_seqs + self.max_prefill_tokens
+        self._size = _HEADER + 9 * self.max_num_seqs + self.max_prefill_tokens
 
     def empty(self) -> torch.Tensor:
         return torch.zeros(self._size, dtype=torch.int64)
@@ -97,9 +100,10 @@ class PlanCodec:
         out[0:_HEADER] = [int(plan.command), len(plan.prefills), len(plan.decode), plan.static_id, len(plan.clears)]
         tokens: list[int] = []
         for i, chunk in enumerate(plan.prefills):
-            out[_HEADER + 3 * i: _HEADER + 3 * i + 3] = [chunk.row, chunk.start, len(chunk.token_ids)]
+            out[_HEADER + 4 * i: _HEADER + 4 * i + 4] = [chunk.row, chunk.start, len(chunk.token_ids),
+                                                          int(chunk.scored)]
             tokens.extend(chunk.token_ids)
-        base = _HEADER + 3 * m
+        base = _HEADER + 4 * m
         for i, row in enumerate(plan.decode):
             out[base + 3 * i: base + 3 * i + 3] = [row.row, row.position, row.token_id]
         base += 3 * m
@@ -113,12 +117,12 @@ class PlanCodec:
         values = tensor.tolist()
         m = self.max_num_seqs
         command, n_prefill, n_decode, static_id, n_clear = values[0:_HEADER]
-        token_base, prefills = _HEADER + 8 * m, []
+        token_base, prefills = _HEADER + 9 * m, []
         for i in range(n_prefill):
-            row, start, length = values[_HEADER + 3 * i: _HEADER + 3 * i + 3]
-            prefills.append(PrefillChunk(row, start, tuple(values[token_base: token_base + length])))
+            row, start, length, scored = values[_HEADER + 4 * i: _HEADER + 4 * i + 4]
+            prefills.append(PrefillChunk(row, start, tuple(values[token_base: token_base + length]), bool(scored)))
             token_base += length
-        base = _HEADER + 3 * m
+        base = _HEADER + 4 * m
         decode = tuple(DecodeRow(*values[base + 3 * i: base + 3 * i + 3]) for i in range(n_decode))
         base += 3 * m
         clears = tuple(ClearRow(*values[base + 2 * i: base + 2 * i + 2]) for i in range(n_clear))

@@ -54,7 +54,7 @@ def choose(logits: torch.Tensor, sequences: list[Sequence]) -> tuple[list[int], 
         top_values, top_ids = table.topk(widest, dim=-1) if widest else (None, None)
         for j, i in enumerate(wanted):
             n = sequences[i].request.logprobs
-            top = _ranked(table[j], top_ids[j, :n], top_values[j, :n]) if n else []
+            top = ranked(table[j], top_ids[j, :n], top_values[j, :n]) if n else []
             logprobs[i] = TokenLogprob(tokens[i], float(table[j, tokens[i]]), top)
     return tokens, logprobs
 
@@ -68,7 +68,7 @@ def _history(sequence: Sequence) -> tuple[tuple[int, ...], list[int]]:
     return prompt[:cut], list(prompt[cut:]) + sequence.output_ids
 
 
-def _ranked(row: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> list[tuple[int, float]]:
+def ranked(row: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> list[tuple[int, float]]:
     """The row's n most likely (id, logprob), equal ones by id as greedy choice takes them (the
     lowest first): topk orders ties as it likes, so a greedy token could be listed after its equals,
     and with ties at the cut it could keep any of them."""
