@@ -432,6 +432,15 @@ def _plain_integer(value):
     return value if number is None else number
 
 
+def _checked_logprobs(name: str, value):
+    """value (None, or how many most likely tokens to list: 0..MAX_LOGPROBS); ValueError naming it."""
+    from workers.serving.requests import MAX_LOGPROBS
+
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
+        raise ValueError(f"{name} ({value!r}) must be an integer from 0 to {MAX_LOGPROBS}, or None")
+    return value
+
+
 def _plain_number(value):
     """An integer or a real number of any kind (np.int64, np.float32, a 0-d torch tensor) as Python's
     int or float; anything else (None, strings, bools of any kind) as it is, for the checks to name."""
@@ -486,6 +495,10 @@ class GenerationResult:
     results one replica answered within one attempt (bench picks the steps in which a whole batch
     decoded by them); a request resumed after a restart continues on the new rank 0's clock, and its
     decode rate and step latencies leave the gap across the restart out."""
+
+    prompt_logprobs: list | None = None
+    """With prompt_logprobs: a workers.serving.requests.TokenLogprob per prompt token but the first
+    (token_id, logprob given the tokens before it, top: the n most likely (id, logprob) there)."""
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -998,7 +1011,7 @@ class Launcher:
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                  max_new_tokens: int = 64, stop_token_ids: Sequence[int] = (),
                  ignore_eos: bool = False, return_logits: bool = False,
-                 batching: str = "continuous") -> list[GenerationResult]:
+                 batching: str = "continuous", prompt_logprobs: int | None = None) -> list[GenerationResult]:
         """Generate for each prompt (text, or token ids); results come back in prompt order.
 
         batching "continuous" (default): every prompt is its own request in the groups' running
@@ -1016,14 +1029,22 @@ class Launcher:
         threads at once. A part whose TP group fails is re-run on the restarted group
         (GenerationResult.attempts > 1); if its replica is given up, this call raises the
         ReplicaFailed naming what is missing, after every other part has finished.
+
+        prompt_logprobs: n to get, in GenerationResult.prompt_logprobs, each prompt token's
+        log-probability (all but the first) and the n most likely at its place (continuous batching).
         """
         from workers.rank_worker import GenerateRequest
 
         pool = self._running_pool()
         max_new_tokens = _plain_integer(max_new_tokens)
+        prompt_logprobs = _checked_logprobs("prompt_logprobs", _plain_integer(prompt_logprobs))
         if batching == "continuous":  # each stream checks its options, ignore_eos and return_logits included
-            return self._generate_streams(prompts, sampling, max_new_tokens, stop_token_ids, ignore_eos, return_logits)
+            return self._generate_streams(prompts, sampling, max_new_tokens, stop_token_ids, ignore_eos, return_logits,
+                                          prompt_logprobs)
         _check_batching(batching)
+        if prompt_logprobs is not None:
+            raise ValueError(f"prompt_logprobs ({prompt_logprobs}) needs batching='continuous' (the static batch "
+                             f"takes one column's logits per prompt); leave batching at its default")
         texts, token_lists = self._tokenize(prompts)
         params = self._sampling_per_prompt(sampling, len(token_lists))
         check_request(token_lists, params, max_new_tokens, self.model_config.vocab_size)
@@ -1080,7 +1101,7 @@ class Launcher:
     # ---- streaming requests (continuous batching) ----------------------------------------------
     def stream(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None, max_new_tokens: int = 64,
                stop_token_ids: Sequence[int] = (), stop: Sequence[str] = (), ignore_eos: bool = False,
-               logprobs: int | None = None, request_id: str | None = None):
+               logprobs: int | None = None, request_id: str | None = None, prompt_logprobs: int | None = None):
         """Submit one request and return an iterator of StreamDelta (launcher/serving/stream_types.py):
         its text as it is generated, a few milliseconds after each step, never cut inside a
         character. The request joins a group's running batch at the next iteration.
@@ -1088,32 +1109,37 @@ class Launcher:
         Raises at once (before anything runs) on bad input: ValueError naming the value, and
         QueueFull when it would wait for a row while max_queued_requests requests already wait. stop: strings that end the
         generation (not included in the text); logprobs: n to get the chosen token's log-probability
-        and the n most likely (0..20). Closing the iterator early cancels the request."""
+        and the n most likely (0..20); prompt_logprobs: n to get each prompt token's log-probability
+        (all but the first) and the n most likely at its place, on the first delta
+        (StreamDelta.prompt_logprobs). Closing the iterator early cancels the request."""
         max_new_tokens, logprobs = _plain_integer(max_new_tokens), _plain_integer(logprobs)
+        prompt_logprobs = _checked_logprobs("prompt_logprobs", _plain_integer(prompt_logprobs))
         token_ids, params, stops, stop_token_ids = self._check_stream(prompt, sampling, max_new_tokens, stop, logprobs,
                                                                       stop_token_ids, request_id)
         return self._submit_stream(token_ids, params, max_new_tokens, stop_token_ids, stops, ignore_eos, logprobs,
-                                   request_id, asynchronous=False)
+                                   request_id, asynchronous=False, prompt_logprobs=prompt_logprobs)
 
     def astream(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None, max_new_tokens: int = 64,
                 stop_token_ids: Sequence[int] = (), stop: Sequence[str] = (), ignore_eos: bool = False,
-                logprobs: int | None = None, request_id: str | None = None):
+                logprobs: int | None = None, request_id: str | None = None, prompt_logprobs: int | None = None):
         """stream() for asyncio: call it inside a running event loop; it returns an async iterator
         (`async for delta in llm.astream(...)`); `aclose()` or cancelling the reading task cancels."""
         max_new_tokens, logprobs = _plain_integer(max_new_tokens), _plain_integer(logprobs)
+        prompt_logprobs = _checked_logprobs("prompt_logprobs", _plain_integer(prompt_logprobs))
         token_ids, params, stops, stop_token_ids = self._check_stream(prompt, sampling, max_new_tokens, stop, logprobs,
                                                                       stop_token_ids, request_id)
         return self._submit_stream(token_ids, params, max_new_tokens, stop_token_ids, stops, ignore_eos, logprobs,
-                                   request_id, asynchronous=True)
+                                   request_id, asynchronous=True, prompt_logprobs=prompt_logprobs)
 
     async def agenerate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                         sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                         max_new_tokens: int = 64, stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
-                        return_logits: bool = False) -> list[GenerationResult]:
+                        return_logits: bool = False, prompt_logprobs: int | None = None) -> list[GenerationResult]:
         """generate() for asyncio (continuous batching): every prompt streams concurrently."""
         import asyncio
 
         max_new_tokens = _plain_integer(max_new_tokens)
+        prompt_logprobs = _checked_logprobs("prompt_logprobs", _plain_integer(prompt_logprobs))
         self._running_pool()  # not started: said before any tokenizing
 
         # On a thread: long prompts take the tokenizer seconds, which on the loop would stall every
@@ -1121,7 +1147,7 @@ class Launcher:
         tokenized = await asyncio.to_thread(self._tokenize, prompts)
         streams, texts, token_lists = self._open_generation(prompts, sampling, max_new_tokens, stop_token_ids,
                                                             ignore_eos, return_logits, asynchronous=True,
-                                                            tokenized=tokenized)
+                                                            tokenized=tokenized, prompt_logprobs=prompt_logprobs)
 
         async def drain(stream):
             async for _ in stream:
@@ -1154,7 +1180,6 @@ class Launcher:
         """One streaming request's (token ids, SamplingParams, stop strings, stop token ids); ValueError
         naming a bad value."""
         from launcher.serving.stop_strings import validate_stops
-        from workers.serving.requests import MAX_LOGPROBS
 
         self._running_pool()  # not started: say so, before anything that needs the model
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
@@ -1174,9 +1199,7 @@ class Launcher:
             raise ValueError(f"sampling ({params!r}) must be a SamplingParams")
         check_request([token_ids], [params], max_new_tokens, self.model_config.vocab_size)
         self._check_lengths([token_ids], max_new_tokens, serving=True)
-        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
-                                     or not 0 <= logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs ({logprobs!r}) must be an integer from 0 to {MAX_LOGPROBS}, or None")
+        _checked_logprobs("logprobs", logprobs)
         stops = validate_stops(stop)
         if stops and self.tokenizer is None:  # there is no text to find them in
             raise ValueError(f"stop strings ({list(stops)!r}) need a tokenizer and {self.model_dir} has none; "
@@ -1184,11 +1207,11 @@ class Launcher:
         return token_ids, params, stops, check_stop_token_ids(stop_token_ids, self.model_config.vocab_size)
 
     def _submit_stream(self, token_ids, params, max_new_tokens, stop_token_ids, stops, ignore_eos, logprobs,
-                       request_id, asynchronous: bool):
+                       request_id, asynchronous: bool, prompt_logprobs: int | None = None):
         """Submit one checked request (QueueFull when it would wait while max_queued_requests already
         do) and return the stream reading it."""
         stream = self._new_stream(token_ids, params, max_new_tokens, self._ending_ids(stop_token_ids, ignore_eos),
-                                  stops, logprobs, request_id, asynchronous)
+                                  stops, logprobs, request_id, asynchronous, prompt_logprobs=prompt_logprobs)
         self._submit_together([stream])
         return stream
 
@@ -1206,7 +1229,8 @@ class Launcher:
         return tuple(sorted(set(stop_token_ids) | set(eos)))
 
     def _new_stream(self, token_ids, params, max_new_tokens, ending_ids, stops, logprobs,
-                    request_id, asynchronous: bool, return_logits: bool = False, timeout_s: float | None = None):
+                    request_id, asynchronous: bool, return_logits: bool = False, timeout_s: float | None = None,
+                    prompt_logprobs: int | None = None):
         """A checked request's stream, not yet submitted: a RequestStream, or an AsyncRequestStream
         fed on the running event loop. ending_ids: _ending_ids(). timeout_s: its deadline from
         submission (default: the request timeout)."""
@@ -1230,7 +1254,7 @@ class Launcher:
             items = queue.Queue()
             sink, kind = thread_sink(items), RequestStream
         request = StreamRequest(request_id or uuid.uuid4().hex, tuple(token_ids), params, max_new_tokens,
-                                ending_ids, logprobs, return_logits)
+                                ending_ids, logprobs, return_logits, prompt_logprobs=prompt_logprobs)
         handle = StreamHandle(request, sink, self.config.request_timeout_s if timeout_s is None else timeout_s)
         text = TextStream(request.request_id, self.tokenizer, stops, len(token_ids))
         if asynchronous:
@@ -1242,7 +1266,7 @@ class Launcher:
             self._pool.cancel_stream(handle, deferred)
 
     def _open_generation(self, prompts, sampling, max_new_tokens, stop_token_ids, ignore_eos, return_logits,
-                         asynchronous: bool, tokenized: tuple | None = None):
+                         asynchronous: bool, tokenized: tuple | None = None, prompt_logprobs: int | None = None):
         """Check every prompt first (nothing is submitted if one is bad), then submit them all.
         tokenized: _tokenize(prompts)'s result when the caller has it already."""
         self._running_pool()  # not started: say so, before anything that needs the model
@@ -1255,7 +1279,8 @@ class Launcher:
         check_request(token_lists, params, max_new_tokens, self.model_config.vocab_size)
         self._check_lengths(token_lists, max_new_tokens, serving=True)
         ending = self._ending_ids(stop_token_ids, ignore_eos)
-        streams = [self._new_stream(ids, p, max_new_tokens, ending, (), None, None, asynchronous, return_logits)
+        streams = [self._new_stream(ids, p, max_new_tokens, ending, (), None, None, asynchronous, return_logits,
+                                    prompt_logprobs=prompt_logprobs)
                    for ids, p in zip(token_lists, params)]
         # one call, admitted as one (none of its prompts is left running alone); the prompts beyond
         # their replica's rows wait for one, a request timeout per wave of rows ahead of them
@@ -1263,9 +1288,10 @@ class Launcher:
         return streams, texts, token_lists
 
     def _generate_streams(self, prompts, sampling, max_new_tokens, stop_token_ids, ignore_eos,
-                          return_logits) -> list[GenerationResult]:
+                          return_logits, prompt_logprobs=None) -> list[GenerationResult]:
         streams, texts, token_lists = self._open_generation(prompts, sampling, max_new_tokens, stop_token_ids,
-                                                            ignore_eos, return_logits, asynchronous=False)
+                                                            ignore_eos, return_logits, asynchronous=False,
+                                                            prompt_logprobs=prompt_logprobs)
         errors = []
         try:
             for stream in streams:  # they run concurrently; reading them in turn waits for the slowest
@@ -1304,7 +1330,8 @@ class Launcher:
             time_to_first_token_s=stream.handle.time_to_first_token_s or 0.0,
             decode_tokens_per_s=len(steps) / decoded_s if steps and decoded_s > 0 else 0.0,
             decode_step_latencies_s=steps, logits=logits, replica=stream.handle.replica or 0,
-            attempts=stream.handle.attempts, token_times_s=times)
+            attempts=stream.handle.attempts, token_times_s=times,
+            prompt_logprobs=next((e.prompt_logprobs for e in events if e.prompt_logprobs is not None), None))
 
     def _encode(self, text: str) -> list[int]:
         # The lock per prompt, not per call: a call of 20,000 prompts held it for a second, and an

@@ -24,6 +24,9 @@ class StreamDelta:
     """One entry per token of token_ids, when the request asked for logprobs."""
     time_to_first_token_s: float | None = None
     """On the delta that carries the first token: seconds since the request was submitted."""
+    prompt_logprobs: list[TokenLogprob] | None = None
+    """On the delta that carries the first token, when the request asked for prompt_logprobs: one
+    entry per prompt token but the first (whose probability nothing before it conditions), in order."""
     stopped_by_string: bool = False
     """On the last delta when a stop string ended the text (finish_reason is then "stop"): the
     tokens that spelled it are in token_ids and logprobs, but none of their text is."""

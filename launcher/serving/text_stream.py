@@ -37,4 +37,5 @@ class TextStream:
         self.completion_tokens += len(event.token_ids)
         self.finish_reason = finish
         return StreamDelta(self.request_id, text, list(event.token_ids), finish, self.prompt_tokens,
-                           self.completion_tokens, event.logprobs, first, self.stopped_by_string)
+                           self.completion_tokens, event.logprobs, first, event.prompt_logprobs,
+                           self.stopped_by_string)
