@@ -225,9 +225,8 @@ def test_unsupported_parameters_are_taken_at_the_value_that_asks_for_nothing():
     chat(logit_bias={}, response_format={"type": "text"})
     for parse, field, value, words in (
             (completion, "best_of", 2, "best_of (2) must be 1 (best_of is not supported"),
-            (completion, "echo", True, "echo (true) must be false (echo is not supported)"),
             (completion, "suffix", "end", "suffix ('end') must be an empty string (suffix is not supported)"),
-            (completion, "echo", 0, "echo (0) must be false"),  # a number is not false (was taken)
+            (completion, "echo", 0, "echo (0) must be true or false"),  # a number is no boolean (0 was taken)
             (chat, "response_format.type", {"type": "json_object"},
              "response_format.type ('json_object') must be \"text\" (structured output is not supported)")):
         err = refusal(parse, **{field.split(".")[0]: value})
@@ -1462,6 +1461,40 @@ def test_logprobs_of_tokens_inside_characters(client):
     content = chat.choices[0].logprobs.content
     joined = b"".join(bytes(entry.bytes) for entry in content)
     assert joined.decode("utf-8", errors="replace").rstrip("\ufffd") == chat.choices[0].message.content.rstrip("\ufffd")
+
+
+@pytest.mark.slow
+def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(client, hf):
+    """What lm-evaluation-harness's local-completions sends to score a continuation (echo, logprobs 1,
+    max_tokens 1) and how it reads the answer: the continuation's summed log-probability and whether
+    each of its tokens was the most likely."""
+    import torch
+
+    text = PROMPT + " Paris"
+    ids = hf.tok(text)["input_ids"]
+    context = len(hf.tok(PROMPT)["input_ids"])
+    with torch.no_grad():
+        table = torch.log_softmax(hf.model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    asked = dict(model=MODEL, prompt=text, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    choice = client.completions.create(**asked).choices[0]
+    lp = choice.logprobs
+    assert choice.text == text + hf.greedy(ids, 1)
+    assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for j in range(1, len(ids)):
+        assert lp.token_logprobs[j] == pytest.approx(float(table[j - 1, ids[j]]), abs=2e-3)
+        assert choice.text[lp.text_offset[j]:].startswith(lp.tokens[j])
+    continuation = lp.token_logprobs[context:-1]
+    assert sum(continuation) == pytest.approx(float(sum(table[j - 1, ids[j]] for j in range(context, len(ids)))),
+                                              abs=5e-3)
+    greedy = all(value == max(top.values()) for value, top in zip(continuation, lp.top_logprobs[context:-1]))
+    assert greedy == all(int(table[j - 1].argmax()) == ids[j] for j in range(context, len(ids)))
+    streamed = list(client.completions.create(**asked, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == choice.text
+    assert streamed[0].choices[0].text.startswith(text)  # the prompt comes with the first chunk
+    assert [v for c in streamed if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs] == \
+        lp.token_logprobs
+    by_ids = client.completions.create(**{**asked, "prompt": ids, "logprobs": None}).choices[0]
+    assert by_ids.text == choice.text and by_ids.logprobs is None  # token ids echo as their decoding
 
 
 def _metric(server, name: str, missing: float | None = None) -> float:

@@ -35,6 +35,7 @@ from launcher.errors import LaunchError, NoReplicaAvailable, ReplicaFailed, Requ
 from launcher.serving import openai_protocol as proto
 from launcher.serving.chat_template import has_default_chat_template
 from launcher.serving.choice_streams import ChoiceStreams
+from launcher.serving.echoed_prompt import echoed_prompt
 from launcher.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics, TokenTimer
 from launcher.serving.openai_protocol import CONTEXT_LENGTH_EXCEEDED, ProtocolError
 from launcher.serving.openai_render import ChatRender, CompletionRender
@@ -545,12 +546,15 @@ class OpenAIServer:
         arrived = time.perf_counter()
         self._authorize(request)
         req = await self._request(proto.CompletionRequest, request)
-        prompt = req.prompt_input()
+        sent = prompt = req.prompt_input()
         if isinstance(prompt, str):
             prompt = await self._tokenized(self._encode, prompt)
+        # echo with logprobs: the prompt's own logprobs too, computed as it is prefilled
+        scored = req.logprobs if req.echo else None
+        echo = await self._tokenized(echoed_prompt, self.pieces, sent, prompt, scored is not None) if req.echo else None
         stream = await self._start_choices(req, prompt, proto.max_new_tokens(req, len(prompt), self.context_tokens),
-                                           req.logprobs, "prompt")
-        renders = [CompletionRender(self.pieces, req.logprobs is not None, i) for i in range(req.n)]
+                                           req.logprobs, "prompt", scored)
+        renders = [CompletionRender(self.pieces, req.logprobs is not None, i, echo) for i in range(req.n)]
         return await self._respond(req, stream, renders, arrived)
 
     @app.post("/v1/chat/completions")
@@ -697,7 +701,7 @@ class OpenAIServer:
         return req
 
     async def _start_choices(self, req, prompt: list[int], max_tokens: int, logprobs: int | None,
-                             prompt_param: str) -> ChoiceStreams:
+                             prompt_param: str, prompt_logprobs: int | None = None) -> ChoiceStreams:
         """The engine's streams of the request's `n` choices, all admitted or none: one refused
         (a full queue) closes those started before it, which cancels them."""
         rows = self.launcher.config.max_num_seqs
@@ -712,14 +716,16 @@ class OpenAIServer:
         streams = []
         try:
             for index in range(req.n):
-                streams.append(self._start(req, prompt, max_tokens, logprobs, prompt_param, req.choice_sampling(index)))
+                streams.append(self._start(req, prompt, max_tokens, logprobs, prompt_param, req.choice_sampling(index),
+                                           prompt_logprobs))
         except BaseException:
             await ChoiceStreams(streams).aclose()
             raise
         self.metrics.prompt_tokens.inc(len(prompt))  # admitted: counted whatever happens next, once for all choices
         return ChoiceStreams(streams)
 
-    def _start(self, req, prompt: list[int], max_tokens: int, logprobs: int | None, prompt_param: str, sampling):
+    def _start(self, req, prompt: list[int], max_tokens: int, logprobs: int | None, prompt_param: str, sampling,
+               prompt_logprobs: int | None = None):
         """The engine's stream for one choice of this request; ProtocolError 400 for input the engine
         refuses (its message names the lengths or values; nearly always the prompt's, so
         `prompt_param` is the error's param), 503 with Retry-After when its queue is full."""
@@ -749,7 +755,8 @@ class OpenAIServer:
         try:
             stream = self.launcher.astream(prompt, sampling, max_new_tokens=max_tokens,
                                            stop_token_ids=tuple(req.stop_token_ids), stop=tuple(req.stop_strings()),
-                                           ignore_eos=req.ignore_eos, logprobs=logprobs)
+                                           ignore_eos=req.ignore_eos, logprobs=logprobs,
+                                           prompt_logprobs=prompt_logprobs)
             return stream
         except ValueError as err:
             self.metrics.rejected(400)

@@ -59,6 +59,8 @@ FIELD_RULES = {
     "logprobs": f"an integer in [0, {MAX_LOGPROBS}] on /v1/completions; true or false on /v1/chat/completions",
     "top_logprobs": f"an integer in [0, {MAX_LOGPROBS}], with logprobs: true",
     "stream": "true or false",
+    "echo": "true or false (true: the choice's text starts with the prompt, and with logprobs so does its logprobs "
+            "object)",
     "stream_options": "an object {include_usage: bool}, only with stream: true",
     "stream_options.include_usage": "true or false",
     "n": f"an integer in [1, {MAX_CHOICES}] (choices per request; each takes a sequence slot)",
@@ -70,7 +72,6 @@ FIELD_RULES = {
     # Parameters this server does not implement, accepted at the value that asks for nothing (clients
     # that send every parameter send these), refused otherwise
     "best_of": "1 (best_of is not supported; only 1 is accepted)",
-    "echo": "false (echo is not supported)",
     "suffix": "an empty string (suffix is not supported)",
     "response_format": "{\"type\": \"text\"} (structured output is not supported)",
     "response_format.type": "\"text\" (structured output is not supported)",
@@ -219,7 +220,7 @@ class CompletionRequest(_GenerationRequest):
     max_tokens: int | None = Field(None, ge=1)
     best_of: int = Field(1, ge=1, le=1)
     echo: bool = False
-    """Refused when true (_check_combinations): a Literal[False] would take the number 0 too."""
+    """The prompt comes back before the completion (launcher/serving/echoed_prompt.py)."""
     suffix: Literal[""] = ""
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     """The chosen token's log-probability plus this many most likely alternatives."""
@@ -311,7 +312,7 @@ class ChatCompletionRequest(_GenerationRequest):
     function_call: Literal["none", "auto"] = "none"
     parallel_tool_calls: bool = True
     store: bool = False
-    """Refused when true (_check_combinations), as echo is."""
+    """Refused when true (_check_combinations): a Literal[False] would take the number 0 too."""
     metadata: dict = Field(default_factory=dict, max_length=0)
 
     def chat_messages(self, template: object = None) -> list[dict]:
@@ -443,8 +444,6 @@ def _check_combinations(request: _GenerationRequest) -> None:
     if request.stream_options is not None and not request.stream:
         raise ProtocolError("stream_options is only allowed with stream: true", param="stream_options")
     if isinstance(request, CompletionRequest):
-        if request.echo:
-            raise ProtocolError(f"echo (true) must be {FIELD_RULES['echo']}", param="echo")
         prompt = request.prompt
         if isinstance(prompt, list) and not prompt:  # no prompt at all: not "a list of 0 strings", several
             raise ProtocolError(f"prompt must be {FIELD_RULES['prompt']}: it is an empty list", param="prompt")

@@ -8,40 +8,59 @@ the tokens of a stop string (launcher/serving/logprob_alignment.py)."""
 from __future__ import annotations
 
 from launcher.serving import openai_protocol as proto
+from launcher.serving.echoed_prompt import EchoedPrompt, prompt_logprobs, shifted
 from launcher.serving.logprob_alignment import AlignedLogprobs
 from launcher.serving.token_pieces import TokenPieces
 
 
 class CompletionRender:
-    """/v1/completions objects from the engine's deltas."""
+    """/v1/completions objects from the engine's deltas; with `echo`, the prompt's text (and its
+    tokens' logprobs) come first, in the first chunk (launcher/serving/echoed_prompt.py)."""
 
     id_prefix, chunk_object, response_object = "cmpl", "text_completion", "text_completion"
 
-    def __init__(self, pieces: TokenPieces, logprobs: bool, index: int = 0):
+    def __init__(self, pieces: TokenPieces, logprobs: bool, index: int = 0, echo: EchoedPrompt | None = None):
         self.pieces, self.aligned = pieces, AlignedLogprobs(pieces)
         self.logprobs, self.index = logprobs, index
         self.text, self.logprob_parts = [], []
+        self.echo, self._echo_pending = echo, echo is not None
 
     def _logprobs(self, delta) -> dict | None:
         if not self.logprobs:
             return None
         ready = self.aligned.push(delta)
-        return proto.completion_logprobs(ready, self.pieces) if ready else None
+        part = proto.completion_logprobs(ready, self.pieces) if ready else None
+        return shifted(part, len(self.echo.text)) if self.echo is not None else part
+
+    def _echoed(self, delta) -> tuple[str, dict | None]:
+        """The echoed prompt's text and logprobs with the first delta (it carries the prompt's
+        logprobs), then nothing."""
+        if not self._echo_pending:
+            return "", None
+        self._echo_pending = False
+        if not self.logprobs:
+            return self.echo.text, None
+        return self.echo.text, prompt_logprobs(self.echo, delta.prompt_logprobs or [], self.pieces)
+
+    def _text_and_logprobs(self, delta) -> tuple[str, list[dict]]:
+        echo_text, echo_logprobs = self._echoed(delta)
+        parts = [part for part in (echo_logprobs, self._logprobs(delta)) if part is not None]
+        return echo_text + delta.text, parts
 
     def opening(self, meta) -> list[dict]:
         return []
 
     def chunk(self, meta, delta) -> dict | None:
-        logprobs = self._logprobs(delta)
-        if not delta.text and logprobs is None and delta.finish_reason is None:
+        text, parts = self._text_and_logprobs(delta)
+        logprobs = (parts[0] if len(parts) == 1 else proto.merge_completion_logprobs(parts)) if parts else None
+        if not text and logprobs is None and delta.finish_reason is None:
             return None  # tokens whose text is held back (a possible stop string, a partial character)
-        return proto.completion_chunk(meta, delta.text, delta.finish_reason, logprobs, self.index)
+        return proto.completion_chunk(meta, text, delta.finish_reason, logprobs, self.index)
 
     def collect(self, delta) -> None:
-        self.text.append(delta.text)
-        part = self._logprobs(delta)
-        if part is not None:
-            self.logprob_parts.append(part)
+        text, parts = self._text_and_logprobs(delta)
+        self.text.append(text)
+        self.logprob_parts.extend(parts)
 
     def choice(self, finish) -> dict:
         logprobs = proto.merge_completion_logprobs(self.logprob_parts) if self.logprobs else None

@@ -116,3 +116,9 @@ class TextOffsets:
         offset, text = self.chars, self._text.push([token_id])
         self.chars += len(text)
         return offset, text
+
+    def flush(self) -> str:
+        """The text still held (the end of an unfinished character), once no token follows."""
+        text = self._text.flush()
+        self.chars += len(text)
+        return text

@@ -1,0 +1,79 @@
+"""Completions' `echo`, in-process (no server): the prompt's text comes first in the choice's text,
+in the first streamed chunk, and with logprobs the prompt's tokens come first in the logprobs
+object (the first with null log-probability, as OpenAI's), the completion's offsets moved on by
+the echoed text's length."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from launcher.serving import openai_protocol as proto
+from launcher.serving.echoed_prompt import echoed_prompt
+from launcher.serving.openai_protocol import CompletionRequest, parse_request
+from launcher.serving.openai_render import CompletionRender
+from launcher.serving.stream_types import StreamDelta
+from launcher.serving.token_pieces import TokenPieces
+from workers.serving.requests import TokenLogprob
+
+MODEL = "m"
+WORDS = {1: "The", 2: " sky", 3: " is", 4: " blue", 5: "."}
+PIECES = TokenPieces(SimpleNamespace(
+    decode=lambda ids, skip_special_tokens=False, **options: "".join(WORDS[i] for i in ids)))
+META = proto.ResponseMeta("x", 1, MODEL)
+PROMPT_ENTRIES = [TokenLogprob(2, -3.0, [(4, -1.0)]), TokenLogprob(3, -0.5, [(3, -0.5)])]
+
+
+def deltas():
+    return [StreamDelta("r", " blue", [4], None, 3, 1, [TokenLogprob(4, -0.2, [(4, -0.2)])],
+                        prompt_logprobs=PROMPT_ENTRIES),
+            StreamDelta("r", ".", [5], "length", 3, 2, [TokenLogprob(5, -0.1, [(5, -0.1)])])]
+
+
+def test_echo_is_accepted_and_a_number_is_not_a_boolean():
+    req = parse_request(CompletionRequest, {"model": MODEL, "prompt": "hi", "echo": True, "logprobs": 1})
+    assert req.echo is True and req.logprobs == 1
+
+
+def test_echo_with_logprobs_puts_the_prompt_first_in_text_and_logprobs():
+    echo = echoed_prompt(PIECES, "The sky is", [1, 2, 3], with_logprobs=True)
+    assert echo.text == "The sky is" and echo.offsets == (0, 3, 7)
+    render = CompletionRender(PIECES, logprobs=True, echo=echo)
+    for d in deltas():
+        render.collect(d)
+    choice = render.choice("length")
+    assert choice["text"] == "The sky is blue."
+    lp = choice["logprobs"]
+    assert lp["tokens"] == ["The", " sky", " is", " blue", "."]
+    assert lp["token_logprobs"] == [None, -3.0, -0.5, -0.2, -0.1]
+    assert lp["top_logprobs"] == [None, {" blue": -1.0, " sky": -3.0}, {" is": -0.5}, {" blue": -0.2}, {".": -0.1}]
+    assert lp["text_offset"] == [0, 3, 7, 10, 15]
+    for token, offset in zip(lp["tokens"], lp["text_offset"]):
+        assert choice["text"][offset:offset + len(token)] == token
+    # streamed: the prompt with the first chunk, and the same object once the chunks are joined
+    render = CompletionRender(PIECES, logprobs=True, echo=echo)
+    chunks = [render.chunk(META, d)["choices"][0] for d in deltas()]
+    assert [c["text"] for c in chunks] == ["The sky is blue", "."]
+    assert proto.merge_completion_logprobs([c["logprobs"] for c in chunks]) == lp
+
+
+def test_echo_without_logprobs_and_of_token_ids():
+    by_ids = echoed_prompt(PIECES, [1, 2, 3], [1, 2, 3], with_logprobs=False)
+    assert by_ids.text == "The sky is" and by_ids.offsets is None  # token ids come back decoded
+    render = CompletionRender(PIECES, logprobs=False, echo=by_ids)
+    first = render.chunk(META, StreamDelta("r", "", [4], None, 3, 1))  # its text held back: the echo is not
+    assert first["choices"][0]["text"] == "The sky is" and first["choices"][0]["logprobs"] is None
+    assert render.chunk(META, StreamDelta("r", " blue", [5], "stop", 3, 2))["choices"][0]["text"] == " blue"
+    render = CompletionRender(PIECES, logprobs=False, echo=echoed_prompt(PIECES, "  raw  text", [1], False))
+    for d in deltas():
+        render.collect(d)
+    assert render.choice("length")["text"] == "  raw  text blue."  # a text prompt comes back as sent
+
+
+def test_a_one_token_prompt_echoes_one_null_entry():
+    echo = echoed_prompt(PIECES, [1], [1], with_logprobs=True)
+    render = CompletionRender(PIECES, logprobs=True, echo=echo)
+    first = deltas()[0]
+    first.prompt_logprobs = []
+    chunk = render.chunk(META, first)["choices"][0]
+    assert chunk["text"] == "The blue" and chunk["logprobs"]["tokens"] == ["The", " blue"]
+    assert chunk["logprobs"]["token_logprobs"] == [None, -0.2] and chunk["logprobs"]["text_offset"] == [0, 3]
