@@ -122,6 +122,12 @@ REFUSED = [
     # generate() refused it in each caller's thread, once Ray and both launchers had started: no report
     ("serving", ["--model-dir", "/proc/self"],  # a config-less folder: the first check names config.json
      "--model-dir (/proc/self) has no config.json"),
+    ("prompt_scoring", ["--rounds", "0"], "--rounds (0) must be at least 1"),
+    ("prompt_scoring", ["--prompt-tokens", "1"], "--prompt-tokens ('1') must be comma-separated integers of at least 2"),
+    ("prompt_scoring", ["--top-n", "21"], "--top-n (21) must be at most 20"),
+    ("prompt_scoring", ["--model-dir", "/proc/no-such-model"], "--model-dir (/proc/no-such-model) does not exist"),
+    ("prompt_scoring", ["--prompt-tokens", "9000"],  # Launcher refused it once Ray had started
+     "--prompt-tokens (9000) plus the one new token is past the model's 8192 positions; lower it to at most 8191"),
     ("replicas", ["--new-tokens", "9000"], "--new-tokens (9000) plus the prompts (at most 16 tokens) is past the "
      "4096-token context the launchers serve; lower --new-tokens to at most 4080"),
 ]
