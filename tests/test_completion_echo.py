@@ -77,3 +77,34 @@ def test_a_one_token_prompt_echoes_one_null_entry():
     chunk = render.chunk(META, first)["choices"][0]
     assert chunk["text"] == "The blue" and chunk["logprobs"]["tokens"] == ["The", " blue"]
     assert chunk["logprobs"]["token_logprobs"] == [None, -0.2] and chunk["logprobs"]["text_offset"] == [0, 3]
+
+
+def test_max_tokens_zero_is_taken_with_echo_alone():
+    import pytest
+
+    from launcher.serving.openai_protocol import ProtocolError
+
+    req = parse_request(CompletionRequest, {"model": MODEL, "prompt": "hi", "echo": True, "max_tokens": 0})
+    assert req.max_tokens == 0
+    with pytest.raises(ProtocolError, match=r"max_tokens \(0\) must be an integer >= 1; 0 is taken only with echo"):
+        parse_request(CompletionRequest, {"model": MODEL, "prompt": "hi", "max_tokens": 0})
+    with pytest.raises(ProtocolError, match=r"min_tokens \(2\) must be at most max_tokens \(0\)"):
+        parse_request(CompletionRequest, {"model": MODEL, "prompt": "hi", "echo": True, "max_tokens": 0,
+                                          "min_tokens": 2})
+    with pytest.raises(ProtocolError, match=r"max_tokens \(-1\) must be an integer >= 1"):
+        parse_request(CompletionRequest, {"model": MODEL, "prompt": "hi", "echo": True, "max_tokens": -1})
+
+
+def test_echo_only_drops_the_one_token_the_engine_generated():
+    echo = echoed_prompt(PIECES, "The sky is", [1, 2, 3], with_logprobs=True)
+    first = deltas()[0]
+    first.finish_reason = "stop"  # the dropped token was EOS, say: the answer still ends for "length"
+    render = CompletionRender(PIECES, logprobs=True, echo=echo, echo_only=True)
+    chunk = render.chunk(META, first)["choices"][0]
+    assert chunk["text"] == "The sky is" and chunk["finish_reason"] == "length"
+    assert chunk["logprobs"]["tokens"] == ["The", " sky", " is"]
+    assert chunk["logprobs"]["token_logprobs"] == [None, -3.0, -0.5]
+    assert render.completion_tokens(first) == 0
+    render = CompletionRender(PIECES, logprobs=False, echo=echo, echo_only=True)
+    render.collect(first)
+    assert render.choice("stop") == {"index": 0, "text": "The sky is", "logprobs": None, "finish_reason": "length"}

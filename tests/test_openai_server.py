@@ -1495,6 +1495,15 @@ def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(client, hf):
         lp.token_logprobs
     by_ids = client.completions.create(**{**asked, "prompt": ids, "logprobs": None}).choices[0]
     assert by_ids.text == choice.text and by_ids.logprobs is None  # token ids echo as their decoding
+    # max_tokens 0 (what older harnesses send): the prompt alone, scored, nothing generated
+    only = client.completions.create(**{**asked, "max_tokens": 0})
+    assert only.choices[0].text == text and only.choices[0].finish_reason == "length"
+    assert only.choices[0].logprobs.token_logprobs == lp.token_logprobs[:-1]
+    assert only.usage.completion_tokens == 0 and only.usage.prompt_tokens == len(ids)
+    streamed = list(client.completions.create(**{**asked, "max_tokens": 0}, stream=True,
+                                              stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == text
+    assert streamed[-1].usage.completion_tokens == 0
 
 
 def _metric(server, name: str, missing: float | None = None) -> float:

@@ -552,9 +552,11 @@ class OpenAIServer:
         # echo with logprobs: the prompt's own logprobs too, computed as it is prefilled
         scored = req.logprobs if req.echo else None
         echo = await self._tokenized(echoed_prompt, self.pieces, sent, prompt, scored is not None) if req.echo else None
-        stream = await self._start_choices(req, prompt, proto.max_new_tokens(req, len(prompt), self.context_tokens),
-                                           req.logprobs, "prompt", scored)
-        renders = [CompletionRender(self.pieces, req.logprobs is not None, i, echo) for i in range(req.n)]
+        # max_tokens 0 (echo only): the engine generates one token, which the render drops
+        max_tokens = max(proto.max_new_tokens(req, len(prompt), self.context_tokens), 1)
+        stream = await self._start_choices(req, prompt, max_tokens, req.logprobs, "prompt", scored)
+        renders = [CompletionRender(self.pieces, req.logprobs is not None, i, echo, echo_only=req.max_tokens == 0)
+                   for i in range(req.n)]
         return await self._respond(req, stream, renders, arrived)
 
     @app.post("/v1/chat/completions")
@@ -791,7 +793,7 @@ class OpenAIServer:
                     timers[index].tokens(len(delta.token_ids), time.perf_counter())
                     renders[index].collect(delta)
                     finish[index] = delta.finish_reason or finish[index]
-                    prompt_tokens, completion_tokens[index] = delta.prompt_tokens, delta.completion_tokens
+                    prompt_tokens, completion_tokens[index] = delta.prompt_tokens, renders[index].completion_tokens(delta)
         except asyncio.CancelledError:  # the client went away: aclosing has cancelled the request
             self.metrics.finished("abort", 499)
             raise
@@ -823,7 +825,7 @@ class OpenAIServer:
                         yield proto.sse_event({**chunk, **usage_field})
                 async for index, delta in stream:
                     timers[index].tokens(len(delta.token_ids), time.perf_counter())
-                    prompt_tokens, completion_tokens[index] = delta.prompt_tokens, delta.completion_tokens
+                    prompt_tokens, completion_tokens[index] = delta.prompt_tokens, renders[index].completion_tokens(delta)
                     chunk = renders[index].chunk(meta, delta)
                     if chunk is not None:
                         yield proto.sse_event({**chunk, **usage_field})

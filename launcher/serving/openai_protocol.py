@@ -217,7 +217,8 @@ def choice_seed(seed: int, index: int) -> int:
 
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)
+    """0 only with echo (_check_combinations): the prompt scored, nothing generated."""
     best_of: int = Field(1, ge=1, le=1)
     echo: bool = False
     """The prompt comes back before the completion (launcher/serving/echoed_prompt.py)."""
@@ -444,6 +445,12 @@ def _check_combinations(request: _GenerationRequest) -> None:
     if request.stream_options is not None and not request.stream:
         raise ProtocolError("stream_options is only allowed with stream: true", param="stream_options")
     if isinstance(request, CompletionRequest):
+        if request.max_tokens == 0 and not request.echo:
+            raise ProtocolError(f"max_tokens (0) must be {FIELD_RULES['max_tokens']}; 0 is taken only with echo: true "
+                                f"(the prompt back, scored with logprobs, and nothing generated)", param="max_tokens")
+        if request.max_tokens == 0 and request.min_tokens:
+            raise ProtocolError(f"min_tokens ({request.min_tokens}) must be at most max_tokens (0); leave it out",
+                                param="min_tokens")
         prompt = request.prompt
         if isinstance(prompt, list) and not prompt:  # no prompt at all: not "a list of 0 strings", several
             raise ProtocolError(f"prompt must be {FIELD_RULES['prompt']}: it is an empty list", param="prompt")

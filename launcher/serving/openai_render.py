@@ -19,14 +19,24 @@ class CompletionRender:
 
     id_prefix, chunk_object, response_object = "cmpl", "text_completion", "text_completion"
 
-    def __init__(self, pieces: TokenPieces, logprobs: bool, index: int = 0, echo: EchoedPrompt | None = None):
+    def __init__(self, pieces: TokenPieces, logprobs: bool, index: int = 0, echo: EchoedPrompt | None = None,
+                 echo_only: bool = False):
+        """echo_only (`max_tokens` 0 with `echo`): the engine generates one token, which is dropped:
+        the choice is the prompt alone, finished for "length", no completion token counted."""
         self.pieces, self.aligned = pieces, AlignedLogprobs(pieces)
         self.logprobs, self.index = logprobs, index
         self.text, self.logprob_parts = [], []
         self.echo, self._echo_pending = echo, echo is not None
+        self.echo_only = echo_only
+
+    def completion_tokens(self, delta) -> int:
+        return 0 if self.echo_only else delta.completion_tokens
+
+    def finish_reason(self, finish: str | None) -> str | None:
+        return "length" if self.echo_only and finish is not None else finish
 
     def _logprobs(self, delta) -> dict | None:
-        if not self.logprobs:
+        if not self.logprobs or self.echo_only:
             return None
         ready = self.aligned.push(delta)
         part = proto.completion_logprobs(ready, self.pieces) if ready else None
@@ -45,7 +55,7 @@ class CompletionRender:
     def _text_and_logprobs(self, delta) -> tuple[str, list[dict]]:
         echo_text, echo_logprobs = self._echoed(delta)
         parts = [part for part in (echo_logprobs, self._logprobs(delta)) if part is not None]
-        return echo_text + delta.text, parts
+        return echo_text + ("" if self.echo_only else delta.text), parts
 
     def opening(self, meta) -> list[dict]:
         return []
@@ -55,7 +65,7 @@ class CompletionRender:
         logprobs = (parts[0] if len(parts) == 1 else proto.merge_completion_logprobs(parts)) if parts else None
         if not text and logprobs is None and delta.finish_reason is None:
             return None  # tokens whose text is held back (a possible stop string, a partial character)
-        return proto.completion_chunk(meta, text, delta.finish_reason, logprobs, self.index)
+        return proto.completion_chunk(meta, text, self.finish_reason(delta.finish_reason), logprobs, self.index)
 
     def collect(self, delta) -> None:
         text, parts = self._text_and_logprobs(delta)
@@ -64,7 +74,7 @@ class CompletionRender:
 
     def choice(self, finish) -> dict:
         logprobs = proto.merge_completion_logprobs(self.logprob_parts) if self.logprobs else None
-        return proto.completion_choice("".join(self.text), finish, logprobs, self.index)
+        return proto.completion_choice("".join(self.text), self.finish_reason(finish), logprobs, self.index)
 
     def response(self, meta, finish, usage) -> dict:
         return proto.response(meta, self.response_object, [self.choice(finish)], usage)
@@ -79,6 +89,9 @@ class ChatRender:
         self.pieces, self.aligned = pieces, AlignedLogprobs(pieces)
         self.logprobs, self.index = logprobs, index
         self.text, self.entries = [], []
+
+    def completion_tokens(self, delta) -> int:
+        return delta.completion_tokens
 
     def _ready(self, delta) -> list:
         return [entry for entry, _ in self.aligned.push(delta)] if self.logprobs else []
