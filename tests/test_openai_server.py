@@ -80,12 +80,12 @@ def refusal(parse, **fields) -> ProtocolError:
     ("stop", [""], ["stop[0] is empty", "stop strings must not be empty"]),
     ("stop", ["a", ""], ["stop[1] is empty"]),  # which one of the list (it did not say)
     ("stop", "", ["stop is empty"]),
-    ("prompt", ["one", "two"], ["a list of 2 strings", "send one request each"]),
-    ("prompt", [[1, 2], [3]], ["a list of 2 token-id lists", "send one request each"]),
     ("prompt", [[]], ["its token-id list is empty"]),
+    ("prompt", [[1, 2], []], ["prompt[1] must be a string", "its token-id list is empty"]),  # which of several
+    ("prompt", [[1, 2], [3, -1]], ["prompt[1]: token ids must be integers >= 0"]),
     ("prompt", [], ["prompt must be a string", "it is an empty list"]),  # was "a list of 0 strings"
     ("prompt", [[4, -1]], ["token ids must be integers >= 0"]),
-    ("prompt", [1, -5], ["token ids must be integers >= 0"]),
+    ("prompt", [1, -5], ["prompt: token ids must be integers >= 0"]),
     ("stream_options", {"include_usage": True}, ["only allowed with stream: true"]),
     ("stop_token_ids", [-3], ["stop_token_ids", "integers >= 0"]),
     # millions of ids took seconds of the event loop to check, and the refusal quoted them all
@@ -574,9 +574,11 @@ def test_a_lone_surrogate_in_a_text_part_is_named_by_its_part():
 def test_accepted_requests_and_their_engine_arguments():
     req = completion(prompt=["only one"], temperature=0, top_k=-1, stop="\n", stop_token_ids=[7], ignore_eos=True,
                      stream=True, stream_options={"include_usage": True}, seed=-3, logprobs=2, user="u")
-    assert req.prompt_input() == "only one" and req.stop_strings() == ["\n"] and req.include_usage()
-    assert completion(prompt=[1, 2, 3]).prompt_input() == [1, 2, 3]
-    assert completion(prompt=[[1, 2, 3]]).prompt_input() == [1, 2, 3]  # one prompt, as ["text"] is (was a 400)
+    assert req.prompt_inputs() == ["only one"] and req.stop_strings() == ["\n"] and req.include_usage()
+    assert completion(prompt=[1, 2, 3]).prompt_inputs() == [[1, 2, 3]]
+    assert completion(prompt=[[1, 2, 3]]).prompt_inputs() == [[1, 2, 3]]  # one prompt, as ["text"] is (was a 400)
+    assert completion(prompt=["a", "b"]).prompt_inputs() == ["a", "b"]
+    assert completion(prompt=[[1], [2, 3]]).prompt_inputs() == [[1], [2, 3]]
     assert completion(stop=None).stop_strings() == [] and completion().temperature == 1.0
     req = chat(messages=[{"role": "system", "content": "be brief"},
                          {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
@@ -1461,6 +1463,29 @@ def test_logprobs_of_tokens_inside_characters(client):
     content = chat.choices[0].logprobs.content
     joined = b"".join(bytes(entry.bytes) for entry in content)
     assert joined.decode("utf-8", errors="replace").rstrip("\ufffd") == chat.choices[0].message.content.rstrip("\ufffd")
+
+
+@pytest.mark.slow
+def test_several_prompts_in_one_request_number_their_choices_prompt_by_prompt(client, hf):
+    prompts = [PROMPT, "Hello, my name is"]
+    ids = [hf.tok(p)["input_ids"] for p in prompts]
+    expected = [hf.greedy(i, 6) for i in ids]
+    out = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0, n=2)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert [c.text for c in out.choices] == [expected[0], expected[0], expected[1], expected[1]]
+    assert out.usage.prompt_tokens == len(ids[0]) + len(ids[1]) and out.usage.completion_tokens == 4 * 6
+    chunks = list(client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0, stream=True,
+                                            echo=True))
+    texts = {}
+    for chunk in chunks:
+        texts[chunk.choices[0].index] = texts.get(chunk.choices[0].index, "") + chunk.choices[0].text
+    assert texts == {0: prompts[0] + expected[0], 1: prompts[1] + expected[1]}
+    with pytest.raises(Exception) as caught:  # 3 prompts x 2 choices: more than the server's 4 rows
+        client.completions.create(model=MODEL, prompt=prompts + ["x"], max_tokens=2, n=2)
+    assert caught.value.status_code == 400 and "3 prompts of n (2) choices each are 6 sequences" in str(caught.value)
+    with pytest.raises(Exception) as caught:
+        client.completions.create(model=MODEL, prompt=[PROMPT, ""], max_tokens=2)
+    assert caught.value.status_code == 400 and "prompt[1]: prompt is empty" in str(caught.value)
 
 
 @pytest.mark.slow

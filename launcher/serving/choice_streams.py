@@ -1,4 +1,4 @@
-"""The choices of one OpenAI request (`n`), one engine stream each, read as one stream of
+"""The choices of one OpenAI request (`n` of each of its prompts), one engine stream each, read as one stream of
 (choice index, delta) in the order the deltas arrive. Closing it closes every engine stream, which
 cancels the requests still running (a client that leaves takes all its choices with it)."""
 
@@ -25,8 +25,10 @@ class ChoiceStreams:
     task each, one delta at a time; an error in any one ends the whole (the caller closes it, which
     cancels the others)."""
 
-    def __init__(self, streams: list) -> None:
+    def __init__(self, streams: list, prompt_tokens: int = 0) -> None:
         self.streams = streams
+        self.prompt_tokens = prompt_tokens
+        """The request's prompt tokens, each prompt counted once whatever its choices (usage)."""
         self._reads: dict[asyncio.Future, int] = {}
         self._ready: deque = deque()
         self._started = self._closed = False

@@ -22,7 +22,7 @@ import math
 import sys
 import threading
 import time
-from contextlib import aclosing, nullcontext
+from contextlib import aclosing, contextmanager, nullcontext
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -319,6 +319,18 @@ def _longest_prompt(launcher) -> int | None:
     return launcher.buckets.context[-1] if launcher.buckets is not None else None
 
 
+@contextmanager
+def _naming_prompt(index: int, count: int):
+    """A refusal about one of a request's several prompts says which (prompt[1]: ...)."""
+    try:
+        yield
+    except ProtocolError as err:
+        if count == 1 or err.status != 400:  # a full queue refuses the whole request, not this prompt
+            raise
+        raise ProtocolError(f"prompt[{index}]: {err.message}", err.param, err.status, err.type, err.code,
+                            err.headers) from None
+
+
 def _as_one_prompt(message: str) -> str:
     """An engine refusal in the words of a request that has one prompt: the driver API numbers its
     prompts ("prompt 0 holds token ids ..."), which an HTTP client never sent."""
@@ -546,17 +558,20 @@ class OpenAIServer:
         arrived = time.perf_counter()
         self._authorize(request)
         req = await self._request(proto.CompletionRequest, request)
-        sent = prompt = req.prompt_input()
-        if isinstance(prompt, str):
-            prompt = await self._tokenized(self._encode, prompt)
+        sent = req.prompt_inputs()
+        prompts = []
+        for i, text in enumerate(sent):
+            with _naming_prompt(i, len(sent)):
+                prompts.append(await self._tokenized(self._encode, text) if isinstance(text, str) else text)
         # echo with logprobs: the prompt's own logprobs too, computed as it is prefilled
         scored = req.logprobs if req.echo else None
-        echo = await self._tokenized(echoed_prompt, self.pieces, sent, prompt, scored is not None) if req.echo else None
+        echoes = [await self._tokenized(echoed_prompt, self.pieces, text, prompt, scored is not None) if req.echo
+                  else None for text, prompt in zip(sent, prompts)]
         # max_tokens 0 (echo only): the engine generates one token, which the render drops
-        max_tokens = max(proto.max_new_tokens(req, len(prompt), self.context_tokens), 1)
-        stream = await self._start_choices(req, prompt, max_tokens, req.logprobs, "prompt", scored)
-        renders = [CompletionRender(self.pieces, req.logprobs is not None, i, echo, echo_only=req.max_tokens == 0)
-                   for i in range(req.n)]
+        limits = [max(proto.max_new_tokens(req, len(prompt), self.context_tokens), 1) for prompt in prompts]
+        stream = await self._start_choices(req, prompts, limits, req.logprobs, "prompt", scored)
+        renders = [CompletionRender(self.pieces, req.logprobs is not None, p * req.n + i, echo,
+                                    echo_only=req.max_tokens == 0) for p, echo in enumerate(echoes) for i in range(req.n)]
         return await self._respond(req, stream, renders, arrived)
 
     @app.post("/v1/chat/completions")
@@ -565,7 +580,7 @@ class OpenAIServer:
         self._authorize(request)
         req = await self._request(proto.ChatCompletionRequest, request)
         prompt = await self._tokenized(self._apply_chat_template, req.chat_messages(self.tokenizer.chat_template))
-        stream = await self._start_choices(req, prompt, proto.max_new_tokens(req, len(prompt), self.context_tokens),
+        stream = await self._start_choices(req, [prompt], [proto.max_new_tokens(req, len(prompt), self.context_tokens)],
                                            req.logprobs_count(), "messages")
         return await self._respond(req, stream, [ChatRender(self.pieces, req.logprobs, i) for i in range(req.n)],
                                    arrived)
@@ -702,29 +717,39 @@ class OpenAIServer:
                                 f"(GET /v1/models lists it)", param="model", status=404, code="model_not_found")
         return req
 
-    async def _start_choices(self, req, prompt: list[int], max_tokens: int, logprobs: int | None,
+    async def _start_choices(self, req, prompts: list[list[int]], max_tokens: list[int], logprobs: int | None,
                              prompt_param: str, prompt_logprobs: int | None = None) -> ChoiceStreams:
-        """The engine's streams of the request's `n` choices, all admitted or none: one refused
-        (a full queue) closes those started before it, which cancels them."""
+        """The engine's streams of the request's `n` choices of each prompt (prompt by prompt), all
+        admitted or none: one refused (a full queue) closes those started before it, which cancels them."""
         rows = self.launcher.config.max_num_seqs
-        if req.n > rows:  # could never run at once, and a queue of them only delays the others
+        if len(prompts) * req.n > rows:  # could never run at once, and a queue of them only delays the others
             self.metrics.rejected(400)
-            raise ProtocolError(f"n ({req.n}) is more than this server runs at once (max_num_seqs {rows}): each "
-                                f"choice takes a sequence slot; ask for at most {rows} choices per request",
-                                param="n")
-        if req.min_tokens > max_tokens:  # said in the API's words (the engine says max_new_tokens)
-            self.metrics.rejected(400)
-            raise ProtocolError(_min_tokens_past_the_limit(req, max_tokens, len(prompt)), param="min_tokens")
+            if len(prompts) == 1:
+                raise ProtocolError(f"n ({req.n}) is more than this server runs at once (max_num_seqs {rows}): each "
+                                    f"choice takes a sequence slot; ask for at most {rows} choices per request",
+                                    param="n")
+            raise ProtocolError(f"{len(prompts)} prompts of n ({req.n}) choices each are {len(prompts) * req.n} "
+                                f"sequences, more than this server runs at once (max_num_seqs {rows}): each takes a "
+                                f"sequence slot; send at most {rows} prompts x n per request (the rest in another)",
+                                param=prompt_param)
+        for i, (prompt, limit) in enumerate(zip(prompts, max_tokens)):
+            if req.min_tokens > limit:  # said in the API's words (the engine says max_new_tokens)
+                self.metrics.rejected(400)
+                with _naming_prompt(i, len(prompts)):
+                    raise ProtocolError(_min_tokens_past_the_limit(req, limit, len(prompt)), param="min_tokens")
         streams = []
         try:
-            for index in range(req.n):
-                streams.append(self._start(req, prompt, max_tokens, logprobs, prompt_param, req.choice_sampling(index),
-                                           prompt_logprobs))
+            for i, (prompt, limit) in enumerate(zip(prompts, max_tokens)):
+                with _naming_prompt(i, len(prompts)):
+                    for index in range(req.n):
+                        streams.append(self._start(req, prompt, limit, logprobs, prompt_param,
+                                                   req.choice_sampling(index), prompt_logprobs))
         except BaseException:
             await ChoiceStreams(streams).aclose()
             raise
-        self.metrics.prompt_tokens.inc(len(prompt))  # admitted: counted whatever happens next, once for all choices
-        return ChoiceStreams(streams)
+        prompt_tokens = sum(len(prompt) for prompt in prompts)
+        self.metrics.prompt_tokens.inc(prompt_tokens)  # admitted: counted whatever happens next, once for all choices
+        return ChoiceStreams(streams, prompt_tokens)
 
     def _start(self, req, prompt: list[int], max_tokens: int, logprobs: int | None, prompt_param: str, sampling,
                prompt_logprobs: int | None = None):
@@ -786,14 +811,14 @@ class OpenAIServer:
             events = self._events(stream, renders, meta, timers, req.include_usage(), outcome)
             return _ClosingStreamingResponse(events, stream, lambda: self._count_stream(outcome),
                                              media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        finish, prompt_tokens, completion_tokens = [None] * len(renders), 0, [0] * len(renders)
+        finish, completion_tokens = [None] * len(renders), [0] * len(renders)
         try:
             async with aclosing(stream):
                 async for index, delta in stream:
                     timers[index].tokens(len(delta.token_ids), time.perf_counter())
                     renders[index].collect(delta)
                     finish[index] = delta.finish_reason or finish[index]
-                    prompt_tokens, completion_tokens[index] = delta.prompt_tokens, renders[index].completion_tokens(delta)
+                    completion_tokens[index] = renders[index].completion_tokens(delta)
         except asyncio.CancelledError:  # the client went away: aclosing has cancelled the request
             self.metrics.finished("abort", 499)
             raise
@@ -804,7 +829,7 @@ class OpenAIServer:
         self.metrics.finished(finish[0] or "stop")  # one request, counted by its first choice's ending
         choices = [render.choice(reason) for render, reason in zip(renders, finish)]
         return JSONResponse(proto.response(meta, renders[0].response_object, choices,
-                                           proto.usage(prompt_tokens, sum(completion_tokens))))
+                                           proto.usage(stream.prompt_tokens, sum(completion_tokens))))
 
     def _count_stream(self, outcome: dict) -> None:
         reason = outcome["finish_reason"]  # an error's status is set with it (_generation_failure)
@@ -815,7 +840,7 @@ class OpenAIServer:
         """The server-sent events of one streamed request, its choices' chunks in the order their
         tokens come, ending with [DONE]; outcome["finish_reason"] is set to how it ended (choice 0's
         ending, once every choice has ended; the response counts it once closed)."""
-        prompt_tokens, completion_tokens, endings = 0, [0] * len(renders), [None] * len(renders)
+        completion_tokens, endings = [0] * len(renders), [None] * len(renders)
         try:
             # with include_usage every chunk carries "usage": null but the last, which has the counts
             usage_field = {"usage": None} if include_usage else {}
@@ -825,7 +850,7 @@ class OpenAIServer:
                         yield proto.sse_event({**chunk, **usage_field})
                 async for index, delta in stream:
                     timers[index].tokens(len(delta.token_ids), time.perf_counter())
-                    prompt_tokens, completion_tokens[index] = delta.prompt_tokens, renders[index].completion_tokens(delta)
+                    completion_tokens[index] = renders[index].completion_tokens(delta)
                     chunk = renders[index].chunk(meta, delta)
                     if chunk is not None:
                         yield proto.sse_event({**chunk, **usage_field})
@@ -835,7 +860,7 @@ class OpenAIServer:
                             outcome["finish_reason"] = endings[0]
             if include_usage:
                 yield proto.sse_event(proto.usage_chunk(meta, renders[0].chunk_object,
-                                                        proto.usage(prompt_tokens, sum(completion_tokens))))
+                                                        proto.usage(stream.prompt_tokens, sum(completion_tokens))))
             yield proto.SSE_DONE
         except Exception as err:  # noqa: BLE001 - headers are sent: the error can only be an event
             outcome["status"], body, _ = _generation_failure(err)  # headers are sent already

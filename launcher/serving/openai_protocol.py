@@ -39,8 +39,8 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 # from this table: "temperature (3.0) must be a number in [0, 2] (0 is greedy)".
 FIELD_RULES = {
     "model": "the name of the served model (a string; GET /v1/models lists it)",
-    "prompt": "a string, a list of one string, a list of token ids, or a list of one such list (several "
-              "prompts per request are not supported: send one request each)",
+    "prompt": "a string, a list of token ids, or a non-empty list of strings or of token-id lists (several "
+              "prompts: choice index i * n + j is prompt i's choice j)",
     "messages": "a non-empty list of {role, content} messages",
     "max_tokens": "an integer >= 1",
     "max_completion_tokens": "an integer >= 1",
@@ -226,11 +226,11 @@ class CompletionRequest(_GenerationRequest):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     """The chosen token's log-probability plus this many most likely alternatives."""
 
-    def prompt_input(self) -> str | list[int]:
-        """The prompt as the engine takes it: text, or token ids."""
+    def prompt_inputs(self) -> list[str | list[int]]:
+        """The prompts as the engine takes them: each text, or token ids (one, or the list's several)."""
         if isinstance(self.prompt, list) and self.prompt and all(isinstance(p, (str, list)) for p in self.prompt):
-            return self.prompt[0]  # a list of exactly one string or token-id list (checked in parse_request)
-        return self.prompt
+            return list(self.prompt)
+        return [self.prompt]
 
 
 class ChatMessage(_NullMeansDefault):
@@ -451,18 +451,16 @@ def _check_combinations(request: _GenerationRequest) -> None:
         if request.max_tokens == 0 and request.min_tokens:
             raise ProtocolError(f"min_tokens ({request.min_tokens}) must be at most max_tokens (0); leave it out",
                                 param="min_tokens")
-        prompt = request.prompt
-        if isinstance(prompt, list) and not prompt:  # no prompt at all: not "a list of 0 strings", several
+        if isinstance(request.prompt, list) and not request.prompt:  # no prompt at all: not "a list of 0 strings"
             raise ProtocolError(f"prompt must be {FIELD_RULES['prompt']}: it is an empty list", param="prompt")
-        if isinstance(prompt, list) and isinstance(prompt[0], (str, list)) and len(prompt) != 1:
-            kind = "token-id lists" if isinstance(prompt[0], list) else "strings"
-            raise ProtocolError(f"prompt (a list of {len(prompt)} {kind}) must be {FIELD_RULES['prompt']}",
-                                param="prompt")
-        prompt = request.prompt_input()
-        if isinstance(prompt, list) and not prompt:
-            raise ProtocolError(f"prompt must be {FIELD_RULES['prompt']}: its token-id list is empty", param="prompt")
-        if isinstance(prompt, list) and any(t < 0 for t in prompt):
-            raise ProtocolError("prompt token ids must be integers >= 0", param="prompt")
+        prompts = request.prompt_inputs()
+        for i, prompt in enumerate(prompts):
+            which = f"prompt[{i}]" if len(prompts) > 1 else "prompt"
+            if isinstance(prompt, list) and not prompt:
+                raise ProtocolError(f"{which} must be {FIELD_RULES['prompt']}: its token-id list is empty",
+                                    param="prompt")
+            if isinstance(prompt, list) and any(t < 0 for t in prompt):
+                raise ProtocolError(f"{which}: token ids must be integers >= 0", param="prompt")
     if isinstance(request, ChatCompletionRequest):
         if request.store:
             raise ProtocolError(f"store (true) must be {FIELD_RULES['store']}", param="store")
