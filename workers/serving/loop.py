@@ -287,8 +287,9 @@ class ServingLoop:
             logits = self._step(inputs)
             for j, i in enumerate(call):
                 prefill_logits[plain[i]] = logits[j]
-        by_row = self.scheduler.by_row() if self.is_leader else {}
-        for i, chunk in enumerate(plan.prefills):
+        scored = len(plain) < len(plan.prefills)
+        by_row = self.scheduler.by_row() if scored and self.is_leader else {}
+        for i, chunk in enumerate(plan.prefills if scored else ()):
             if chunk.scored:  # alone, every column's logits read (workers/serving/prompt_scoring.py)
                 seq = by_row.get(chunk.row)
                 targets = None if seq is None else prompt_targets(seq.prompt, chunk)
