@@ -108,3 +108,50 @@ def test_echo_only_drops_the_one_token_the_engine_generated():
     render = CompletionRender(PIECES, logprobs=False, echo=echo, echo_only=True)
     render.collect(first)
     assert render.choice("stop") == {"index": 0, "text": "The sky is", "logprobs": None, "finish_reason": "length"}
+
+
+def test_vllm_prompt_logprobs_list_the_prompt_token_first_with_its_rank():
+    from launcher.serving.openai_protocol import ChatCompletionRequest
+    from launcher.serving.openai_render import ChatRender
+
+    entries = [TokenLogprob(2, -3.0, [(4, -1.0), (2, -3.0), (5, -4.0)], rank=2),
+               TokenLogprob(3, -0.5, [(3, -0.5), (1, -2.0), (2, -6.0)], rank=1)]
+    listed = proto.vllm_prompt_logprobs(entries, PIECES, 2)
+    assert listed == [None,
+                      {"2": {"logprob": -3.0, "rank": 2, "decoded_token": " sky"},
+                       "4": {"logprob": -1.0, "rank": 1, "decoded_token": " blue"}},
+                      {"3": {"logprob": -0.5, "rank": 1, "decoded_token": " is"},
+                       "1": {"logprob": -2.0, "rank": 2, "decoded_token": "The"}}]
+    first = StreamDelta("r", " blue", [4], "length", 3, 1, prompt_logprobs=entries)
+    render = CompletionRender(PIECES, logprobs=False, prompt_top=2)
+    render.collect(first)
+    assert render.choice("length")["prompt_logprobs"] == listed and render.response_extras() == {}
+    chat = ChatRender(PIECES, logprobs=False, prompt_top=2)
+    chat.collect(first)
+    assert chat.response_extras() == {"prompt_logprobs": listed} and "prompt_logprobs" not in chat.choice("length")
+    # the engine lists max(prompt_logprobs, echo's logprobs) alternatives; echo keeps its own number
+    echo = echoed_prompt(PIECES, "The sky is", [1, 2, 3], with_logprobs=True)
+    render = CompletionRender(PIECES, logprobs=True, echo=echo, prompt_top=2, top_n=1)
+    render.collect(first)
+    choice = render.choice("length")
+    assert choice["logprobs"]["top_logprobs"][1:3] == [{" blue": -1.0, " sky": -3.0}, {" is": -0.5}]
+    assert choice["prompt_logprobs"] == listed
+    both = parse_request(CompletionRequest, {"model": MODEL, "prompt": "hi", "echo": True, "logprobs": 1,
+                                             "prompt_logprobs": 3})
+    assert both.engine_prompt_logprobs() == 3
+    assert parse_request(CompletionRequest, {"model": MODEL, "prompt": "hi", "logprobs": 4}).engine_prompt_logprobs() is None
+    chat_req = parse_request(ChatCompletionRequest, {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                                     "prompt_logprobs": 0, "logprobs": True})
+    assert chat_req.engine_prompt_logprobs() == 0
+
+
+def test_prompt_logprobs_are_refused_when_streamed_or_out_of_range():
+    import pytest
+
+    from launcher.serving.openai_protocol import ProtocolError
+
+    with pytest.raises(ProtocolError, match=r"prompt_logprobs \(2\) is not available with stream: true") as caught:
+        parse_request(CompletionRequest, {"model": MODEL, "prompt": "hi", "prompt_logprobs": 2, "stream": True})
+    assert caught.value.param == "prompt_logprobs"
+    with pytest.raises(ProtocolError, match=r"prompt_logprobs \(21\) must be an integer in \[0, 20\]"):
+        parse_request(CompletionRequest, {"model": MODEL, "prompt": "hi", "prompt_logprobs": 21})

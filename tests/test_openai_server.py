@@ -1489,6 +1489,35 @@ def test_several_prompts_in_one_request_number_their_choices_prompt_by_prompt(cl
 
 
 @pytest.mark.slow
+def test_vllm_prompt_logprobs_score_chat_and_completion_prompts(client, hf):
+    import torch
+
+    ids = list(hf.tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=False))
+    with torch.no_grad():
+        table = torch.log_softmax(hf.model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, temperature=0,
+                                          extra_body={"prompt_logprobs": 2})
+    listed = chat.model_extra["prompt_logprobs"]
+    assert len(listed) == len(ids) and listed[0] is None
+    for j in range(1, len(ids)):
+        mine = listed[j][str(ids[j])]
+        assert mine["logprob"] == pytest.approx(float(table[j - 1, ids[j]]), abs=2e-3)
+        assert mine["rank"] == int((table[j - 1] > table[j - 1, ids[j]] + 1e-4).sum()) + 1 or \
+            abs(float(table[j - 1].sort(descending=True).values[mine["rank"] - 1] - table[j - 1, ids[j]])) < 1e-3
+        assert mine["decoded_token"] == hf.tok.decode([ids[j]]) or mine["decoded_token"].startswith("bytes:")
+        top = table[j - 1].topk(2).indices.tolist()
+        assert set(listed[j]) == {str(ids[j])} | {str(t) for t in top}
+    out = client.completions.create(model=MODEL, prompt=[PROMPT, "Hello"], max_tokens=1, temperature=0, n=2,
+                                    extra_body={"prompt_logprobs": 0})
+    lengths = [len(hf.tok(PROMPT)["input_ids"])] * 2 + [len(hf.tok("Hello")["input_ids"])] * 2
+    assert [len(c.model_extra["prompt_logprobs"]) for c in out.choices] == lengths
+    with pytest.raises(Exception) as caught:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, stream=True,
+                                  extra_body={"prompt_logprobs": 0})
+    assert caught.value.status_code == 400 and "not available with stream: true" in str(caught.value)
+
+
+@pytest.mark.slow
 def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(client, hf):
     """What lm-evaluation-harness's local-completions sends to score a continuation (echo, logprobs 1,
     max_tokens 1) and how it reads the answer: the continuation's summed log-probability and whether

@@ -32,6 +32,7 @@ def check_entries(entries, prompt, top_n: int) -> None:
     assert [e.token_id for e in entries] == list(prompt[1:])
     for j, entry in enumerate(entries):
         assert entry.logprob == pytest.approx(float(table[j, prompt[j + 1]]), abs=1e-4)
+        assert entry.rank == int((table[j] > table[j, prompt[j + 1]] + 1e-5).sum()) + 1
         assert len(entry.top) == top_n
         want = table[j].topk(top_n)
         assert [t for t, _ in entry.top] == want.indices.tolist()

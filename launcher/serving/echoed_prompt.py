@@ -13,7 +13,7 @@ The first prompt token has no log-probability (nothing before it conditions it):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from launcher.serving import openai_protocol as proto
 from launcher.serving.token_pieces import TextOffsets, TokenPieces
@@ -40,11 +40,14 @@ def echoed_prompt(pieces: TokenPieces, sent: str | list[int], token_ids: list[in
     return EchoedPrompt(text, tuple(token_ids), offsets if with_logprobs else None)
 
 
-def prompt_logprobs(echo: EchoedPrompt, entries: list, pieces: TokenPieces) -> dict:
+def prompt_logprobs(echo: EchoedPrompt, entries: list, pieces: TokenPieces, top_n: int | None = None) -> dict:
     """Completions' logprobs object for the echoed prompt: entries are the engine's TokenLogprob of
-    every prompt token but the first."""
+    every prompt token but the first, each listing its top_n most likely (the engine may have
+    listed more, for vLLM's prompt_logprobs asked in the same request)."""
     first = {"tokens": [pieces.text(echo.token_ids[0])], "token_logprobs": [None], "top_logprobs": [None],
              "text_offset": [0]}
+    if top_n is not None:
+        entries = [replace(entry, top=entry.top[:top_n]) for entry in entries]
     rest = proto.completion_logprobs(list(zip(entries, echo.offsets[1:])), pieces)
     return proto.merge_completion_logprobs([first, rest])
 

@@ -563,15 +563,16 @@ class OpenAIServer:
         for i, text in enumerate(sent):
             with _naming_prompt(i, len(sent)):
                 prompts.append(await self._tokenized(self._encode, text) if isinstance(text, str) else text)
-        # echo with logprobs: the prompt's own logprobs too, computed as it is prefilled
-        scored = req.logprobs if req.echo else None
-        echoes = [await self._tokenized(echoed_prompt, self.pieces, text, prompt, scored is not None) if req.echo
-                  else None for text, prompt in zip(sent, prompts)]
+        # echo with logprobs (or vLLM's prompt_logprobs): the prompt scored too, as it is prefilled
+        scored = req.engine_prompt_logprobs()
+        echoes = [await self._tokenized(echoed_prompt, self.pieces, text, prompt, req.logprobs is not None)
+                  if req.echo else None for text, prompt in zip(sent, prompts)]
         # max_tokens 0 (echo only): the engine generates one token, which the render drops
         limits = [max(proto.max_new_tokens(req, len(prompt), self.context_tokens), 1) for prompt in prompts]
         stream = await self._start_choices(req, prompts, limits, req.logprobs, "prompt", scored)
         renders = [CompletionRender(self.pieces, req.logprobs is not None, p * req.n + i, echo,
-                                    echo_only=req.max_tokens == 0) for p, echo in enumerate(echoes) for i in range(req.n)]
+                                    echo_only=req.max_tokens == 0, prompt_top=req.prompt_logprobs, top_n=req.logprobs)
+                   for p, echo in enumerate(echoes) for i in range(req.n)]
         return await self._respond(req, stream, renders, arrived)
 
     @app.post("/v1/chat/completions")
@@ -581,9 +582,9 @@ class OpenAIServer:
         req = await self._request(proto.ChatCompletionRequest, request)
         prompt = await self._tokenized(self._apply_chat_template, req.chat_messages(self.tokenizer.chat_template))
         stream = await self._start_choices(req, [prompt], [proto.max_new_tokens(req, len(prompt), self.context_tokens)],
-                                           req.logprobs_count(), "messages")
-        return await self._respond(req, stream, [ChatRender(self.pieces, req.logprobs, i) for i in range(req.n)],
-                                   arrived)
+                                           req.logprobs_count(), "messages", req.engine_prompt_logprobs())
+        return await self._respond(req, stream, [ChatRender(self.pieces, req.logprobs, i, req.prompt_logprobs)
+                                                 for i in range(req.n)], arrived)
 
     # ---- request plumbing ---------------------------------------------------------------------
     async def _tokenized(self, tokenize, *args) -> list[int]:
@@ -828,8 +829,9 @@ class OpenAIServer:
             return JSONResponse(body, status_code=status, headers=headers)
         self.metrics.finished(finish[0] or "stop")  # one request, counted by its first choice's ending
         choices = [render.choice(reason) for render, reason in zip(renders, finish)]
-        return JSONResponse(proto.response(meta, renders[0].response_object, choices,
-                                           proto.usage(stream.prompt_tokens, sum(completion_tokens))))
+        return JSONResponse({**proto.response(meta, renders[0].response_object, choices,
+                                              proto.usage(stream.prompt_tokens, sum(completion_tokens))),
+                             **renders[0].response_extras()})
 
     def _count_stream(self, outcome: dict) -> None:
         reason = outcome["finish_reason"]  # an error's status is set with it (_generation_failure)

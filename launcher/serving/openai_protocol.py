@@ -58,6 +58,8 @@ FIELD_RULES = {
     "ignore_eos": "true or false",
     "logprobs": f"an integer in [0, {MAX_LOGPROBS}] on /v1/completions; true or false on /v1/chat/completions",
     "top_logprobs": f"an integer in [0, {MAX_LOGPROBS}], with logprobs: true",
+    "prompt_logprobs": f"an integer in [0, {MAX_LOGPROBS}] (vLLM's extension: each prompt token's log-probability, "
+                       f"rank and that many most likely; not with stream: true)",
     "stream": "true or false",
     "echo": "true or false (true: the choice's text starts with the prompt, and with logprobs so does its logprobs "
             "object)",
@@ -171,6 +173,16 @@ class _GenerationRequest(_NullMeansDefault):
     logit_bias: dict[str, float] = Field(default_factory=dict)
     """Token id (a string of digits, as JSON object keys are) -> a bias in [-100, 100] added to its
     logit (_check_combinations checks both; the app checks the ids against the vocabulary)."""
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    """Extension (vLLM's): the prompt's tokens scored (launcher/serving/echoed_prompt.py renders
+    them as vLLM does), on completions per choice, on chat for the response; not streamed."""
+
+    def engine_prompt_logprobs(self) -> int | None:
+        """The most likely tokens the engine lists at each prompt position (None: the prompt is not
+        scored): as many as prompt_logprobs asks, or completions' logprobs with echo."""
+        wanted = [self.prompt_logprobs, self.logprobs if getattr(self, "echo", False) else None]
+        wanted = [n for n in wanted if n is not None]
+        return max(wanted) if wanted else None
 
     def choice_sampling(self, index: int):
         """Choice `index`'s SamplingParams: the request's, its seed (if any) moved on by the index so
@@ -444,6 +456,10 @@ def _check_combinations(request: _GenerationRequest) -> None:
     _check_logit_bias(request.logit_bias)
     if request.stream_options is not None and not request.stream:
         raise ProtocolError("stream_options is only allowed with stream: true", param="stream_options")
+    if request.prompt_logprobs is not None and request.stream:  # as vLLM: they come with the whole response
+        raise ProtocolError(f"prompt_logprobs ({request.prompt_logprobs}) is not available with stream: true; ask "
+                            f"without streaming (or, on /v1/completions, use echo with logprobs, which streams)",
+                            param="prompt_logprobs")
     if isinstance(request, CompletionRequest):
         if request.max_tokens == 0 and not request.echo:
             raise ProtocolError(f"max_tokens (0) must be {FIELD_RULES['max_tokens']}; 0 is taken only with echo: true "
@@ -585,6 +601,22 @@ def completion_logprobs(entries: list, pieces) -> dict:
         top.append(listed)
         offsets.append(offset)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def vllm_prompt_logprobs(entries: list, pieces, top_n: int) -> list:
+    """vLLM's prompt_logprobs: null for the first prompt token, then per token {token id (a string,
+    as JSON keys are): {logprob, rank, decoded_token}} holding the prompt's own token first, then its
+    top_n most likely (ranks 1 .. top_n) where they are other tokens."""
+    def item(token_id: int, logprob: float, rank: int | None) -> dict:
+        return {"logprob": logprob, "rank": rank, "decoded_token": pieces.text(token_id)}
+
+    out: list = [None]
+    for entry in entries:
+        listed = {str(entry.token_id): item(entry.token_id, entry.logprob, entry.rank)}
+        for place, (token_id, logprob) in enumerate(entry.top[:top_n], 1):
+            listed.setdefault(str(token_id), item(token_id, logprob, place))
+        out.append(listed)
+    return out
 
 
 def chat_logprobs(entries: list, pieces) -> dict:

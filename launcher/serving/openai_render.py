@@ -20,11 +20,14 @@ class CompletionRender:
     id_prefix, chunk_object, response_object = "cmpl", "text_completion", "text_completion"
 
     def __init__(self, pieces: TokenPieces, logprobs: bool, index: int = 0, echo: EchoedPrompt | None = None,
-                 echo_only: bool = False):
+                 echo_only: bool = False, prompt_top: int | None = None, top_n: int | None = None):
         """echo_only (`max_tokens` 0 with `echo`): the engine generates one token, which is dropped:
-        the choice is the prompt alone, finished for "length", no completion token counted."""
+        the choice is the prompt alone, finished for "length", no completion token counted.
+        prompt_top: vLLM's prompt_logprobs asked (the choice carries them). top_n: the alternatives
+        an echoed prompt token lists (the request's logprobs; None: as many as the engine sent)."""
         self.pieces, self.aligned = pieces, AlignedLogprobs(pieces)
-        self.logprobs, self.index = logprobs, index
+        self.logprobs, self.index, self.top_n = logprobs, index, top_n
+        self.prompt_top, self.prompt_entries = prompt_top, []
         self.text, self.logprob_parts = [], []
         self.echo, self._echo_pending = echo, echo is not None
         self.echo_only = echo_only
@@ -50,7 +53,7 @@ class CompletionRender:
         self._echo_pending = False
         if not self.logprobs:
             return self.echo.text, None
-        return self.echo.text, prompt_logprobs(self.echo, delta.prompt_logprobs or [], self.pieces)
+        return self.echo.text, prompt_logprobs(self.echo, delta.prompt_logprobs or [], self.pieces, self.top_n)
 
     def _text_and_logprobs(self, delta) -> tuple[str, list[dict]]:
         echo_text, echo_logprobs = self._echoed(delta)
@@ -71,10 +74,17 @@ class CompletionRender:
         text, parts = self._text_and_logprobs(delta)
         self.text.append(text)
         self.logprob_parts.extend(parts)
+        self.prompt_entries = delta.prompt_logprobs or self.prompt_entries
 
     def choice(self, finish) -> dict:
         logprobs = proto.merge_completion_logprobs(self.logprob_parts) if self.logprobs else None
-        return proto.completion_choice("".join(self.text), self.finish_reason(finish), logprobs, self.index)
+        choice = proto.completion_choice("".join(self.text), self.finish_reason(finish), logprobs, self.index)
+        if self.prompt_top is not None:  # vLLM's extension, per choice on completions
+            choice["prompt_logprobs"] = proto.vllm_prompt_logprobs(self.prompt_entries, self.pieces, self.prompt_top)
+        return choice
+
+    def response_extras(self) -> dict:
+        return {}
 
     def response(self, meta, finish, usage) -> dict:
         return proto.response(meta, self.response_object, [self.choice(finish)], usage)
@@ -85,10 +95,12 @@ class ChatRender:
 
     id_prefix, chunk_object, response_object = "chatcmpl", "chat.completion.chunk", "chat.completion"
 
-    def __init__(self, pieces: TokenPieces, logprobs: bool, index: int = 0):
+    def __init__(self, pieces: TokenPieces, logprobs: bool, index: int = 0, prompt_top: int | None = None):
+        """prompt_top: vLLM's prompt_logprobs asked (the response carries them, as vLLM's chat does)."""
         self.pieces, self.aligned = pieces, AlignedLogprobs(pieces)
         self.logprobs, self.index = logprobs, index
         self.text, self.entries = [], []
+        self.prompt_top, self.prompt_entries = prompt_top, []
 
     def completion_tokens(self, delta) -> int:
         return delta.completion_tokens
@@ -110,6 +122,12 @@ class ChatRender:
     def collect(self, delta) -> None:
         self.text.append(delta.text)
         self.entries.extend(self._ready(delta))
+        self.prompt_entries = delta.prompt_logprobs or self.prompt_entries
+
+    def response_extras(self) -> dict:
+        if self.prompt_top is None:
+            return {}
+        return {"prompt_logprobs": proto.vllm_prompt_logprobs(self.prompt_entries, self.pieces, self.prompt_top)}
 
     def choice(self, finish) -> dict:
         logprobs = proto.chat_logprobs(self.entries, self.pieces) if self.logprobs else None

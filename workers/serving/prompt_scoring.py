@@ -55,12 +55,14 @@ def score_chunk(model, cache, chunk: PrefillChunk, scratch_row: int, cache_slots
 
 
 def token_entries(logits: torch.Tensor, tokens: tuple[int, ...], top_n: int) -> list[TokenLogprob]:
-    """TokenLogprob of tokens[i] under logits[i] (rows, vocab), with its top_n most likely."""
+    """TokenLogprob of tokens[i] under logits[i] (rows, vocab), with its rank and its top_n most likely."""
     table = torch.log_softmax(logits.float(), dim=-1)
     ids = torch.tensor(tokens, dtype=torch.int64, device=table.device)
-    chosen = table.gather(1, ids[:, None])[:, 0].tolist()
+    chosen = table.gather(1, ids[:, None])  # (rows, 1)
+    ranks = ((table > chosen).sum(dim=-1) + 1).tolist()
+    chosen = chosen[:, 0].tolist()
     if not top_n:
-        return [TokenLogprob(t, lp) for t, lp in zip(tokens, chosen)]
+        return [TokenLogprob(t, lp, rank=k) for t, lp, k in zip(tokens, chosen, ranks)]
     values, top_ids = table.topk(top_n, dim=-1)
-    return [TokenLogprob(t, lp, ranked(table[i], top_ids[i], values[i]))
-            for i, (t, lp) in enumerate(zip(tokens, chosen))]
+    return [TokenLogprob(t, lp, ranked(table[i], top_ids[i], values[i]), k)
+            for i, (t, lp, k) in enumerate(zip(tokens, chosen, ranks))]

@@ -44,6 +44,9 @@ class TokenLogprob:
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
     """The n most likely (token id, logprob) pairs at this position, most likely first."""
+    rank: int | None = None
+    """A prompt token's place among the vocabulary at its position (1: the most likely; equal ones
+    share the best place), as vLLM's prompt_logprobs report it; None for generated tokens."""
 
 
 @dataclass
