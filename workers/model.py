@@ -32,6 +32,7 @@ from workers.quantized_linear import pack_quantized
 from workers.rope import RotaryTables
 from workers.step import EAGER, StepParts, epilogue, run_step
 
+
 def _last_hidden(model, x: torch.Tensor, logit_index: torch.Tensor | None) -> torch.Tensor:
     """An epilogue that keeps every column's hidden state (before the final norm)."""
     return x
