@@ -155,3 +155,23 @@ def test_prompt_logprobs_are_refused_when_streamed_or_out_of_range():
     assert caught.value.param == "prompt_logprobs"
     with pytest.raises(ProtocolError, match=r"prompt_logprobs \(21\) must be an integer in \[0, 20\]"):
         parse_request(CompletionRequest, {"model": MODEL, "prompt": "hi", "prompt_logprobs": 21})
+
+
+def test_echoed_offsets_point_into_the_text_through_control_tokens(smollm2_tokenizer):
+    """A completions prompt's control tokens are read as such: the echoed text keeps them (as sent,
+    or decoded from token ids), so every offset after one still points at its token."""
+    pieces = TokenPieces(smollm2_tokenizer)
+    text = "a<|im_start|>user\nhi <|im_end|> ok"
+    ids = smollm2_tokenizer(text)["input_ids"]
+    assert smollm2_tokenizer.convert_tokens_to_ids("<|im_start|>") in ids  # read as the control token
+    for sent in (text, ids):
+        echo = echoed_prompt(pieces, sent, ids, with_logprobs=True)
+        assert echo.text == text
+        entries = [TokenLogprob(t, -1.0) for t in ids[1:]]
+        lp = CompletionRender(pieces, logprobs=True, echo=echo)
+        [bang] = smollm2_tokenizer("!")["input_ids"]
+        lp.collect(StreamDelta("r", "!", [bang], "length", len(ids), 1, [TokenLogprob(bang, -0.5)],
+                               prompt_logprobs=entries))
+        choice = lp.choice("length")
+        for token, offset in zip(choice["logprobs"]["tokens"], choice["logprobs"]["text_offset"]):
+            assert choice["text"][offset:].startswith(token), (token, offset, choice["text"])

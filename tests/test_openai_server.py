@@ -1518,7 +1518,7 @@ def test_vllm_prompt_logprobs_score_chat_and_completion_prompts(client, hf):
 
 
 @pytest.mark.slow
-def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(client, hf):
+def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(client, server, hf):
     """What lm-evaluation-harness's local-completions sends to score a continuation (echo, logprobs 1,
     max_tokens 1) and how it reads the answer: the continuation's summed log-probability and whether
     each of its tokens was the most likely."""
@@ -1550,7 +1550,9 @@ def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(client, hf):
     by_ids = client.completions.create(**{**asked, "prompt": ids, "logprobs": None}).choices[0]
     assert by_ids.text == choice.text and by_ids.logprobs is None  # token ids echo as their decoding
     # max_tokens 0 (what older harnesses send): the prompt alone, scored, nothing generated
+    generated = _metric(server, "corelaunch_generated_tokens_total")
     only = client.completions.create(**{**asked, "max_tokens": 0})
+    assert _metric(server, "corelaunch_generated_tokens_total") == generated  # the dropped token uncounted
     assert only.choices[0].text == text and only.choices[0].finish_reason == "length"
     assert only.choices[0].logprobs.token_logprobs == lp.token_logprobs[:-1]
     assert only.usage.completion_tokens == 0 and only.usage.prompt_tokens == len(ids)
@@ -1558,6 +1560,9 @@ def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(client, hf):
                                               stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in streamed if c.choices) == text
     assert streamed[-1].usage.completion_tokens == 0
+    with pytest.raises(Exception) as caught:  # a prompt that fills the context: max_tokens 0 says why it counts
+        client.completions.create(**{**asked, "max_tokens": 0, "prompt": [504] * 4096})
+    assert caught.value.status_code == 400 and "max_tokens 0 still needs one position" in str(caught.value)
 
 
 def _metric(server, name: str, missing: float | None = None) -> float:

@@ -2,11 +2,15 @@
 in the choice's text, and with `logprobs` its tokens come first in the logprobs object.
 
 The text is the prompt as sent when it was text (OpenAI's echo gives it back as it was), else the
-prompt's token ids decoded as generated text is (launcher/serving/detokenizer.py). The prompt
-tokens' `text_offset`s count the characters of that decoding, token by token; the completion's
-offsets are moved on by the echoed text's length, so each offset points into the choice's text.
-(For a text prompt the two agree where the tokenizer gives the text back as it was sent, as
-byte-level BPE tokenizers do; one that normalizes it, or adds a space, shifts the prompt's offsets.)
+prompt's token ids decoded (launcher/serving/detokenizer.py) with their special tokens: a control
+token a completions prompt holds is read as that token, and comes back as its text either way. The
+prompt tokens' `text_offset`s count the characters of that decoding, token by token; the
+completion's offsets are moved on by the echoed text's length, so each offset points into the
+choice's text. (For a text prompt the two agree where the tokenizer gives the text back as it was
+sent, as byte-level BPE tokenizers do; one that normalizes it, or adds a space, shifts the
+prompt's offsets.) The completion is decoded on its own, as without echo: a token-id prompt that
+ends inside a character echoes that character's bytes as U+FFFD, and bytes of it the completion
+brings are U+FFFD too.
 The first prompt token has no log-probability (nothing before it conditions it): its
 `token_logprobs` and `top_logprobs` entries are null, as OpenAI's are.
 """
@@ -32,7 +36,7 @@ def echoed_prompt(pieces: TokenPieces, sent: str | list[int], token_ids: list[in
     offsets take a decode per token)."""
     offsets = None
     if with_logprobs or not isinstance(sent, str):
-        placing = TextOffsets(pieces.tokenizer)
+        placing = TextOffsets(pieces.tokenizer, skip_special_tokens=False)
         placed = [placing.place(t) for t in token_ids]
         offsets = tuple(offset for offset, _ in placed)
         decoded = "".join(text for _, text in placed) + placing.flush()

@@ -331,6 +331,15 @@ def _naming_prompt(index: int, count: int):
                             err.headers) from None
 
 
+_ECHO_ONLY_NEEDS_ONE = (" (max_tokens 0 still needs one position: the engine generates one token for it, which "
+                        "the answer leaves out)")
+
+
+def _asks_no_token(req) -> bool:
+    """A completions request with max_tokens 0 (echo alone)."""
+    return getattr(req, "max_tokens", None) == 0
+
+
 def _as_one_prompt(message: str) -> str:
     """An engine refusal in the words of a request that has one prompt: the driver API numbers its
     prompts ("prompt 0 holds token ids ..."), which an HTTP client never sent."""
@@ -733,11 +742,10 @@ class OpenAIServer:
                                 f"sequences, more than this server runs at once (max_num_seqs {rows}): each takes a "
                                 f"sequence slot; send at most {rows} prompts x n per request (the rest in another)",
                                 param=prompt_param)
-        for i, (prompt, limit) in enumerate(zip(prompts, max_tokens)):
+        for prompt, limit in zip(prompts, max_tokens):  # one limit for every prompt of a completions request
             if req.min_tokens > limit:  # said in the API's words (the engine says max_new_tokens)
                 self.metrics.rejected(400)
-                with _naming_prompt(i, len(prompts)):
-                    raise ProtocolError(_min_tokens_past_the_limit(req, limit, len(prompt)), param="min_tokens")
+                raise ProtocolError(_min_tokens_past_the_limit(req, limit, len(prompt)), param="min_tokens")
         streams = []
         try:
             for i, (prompt, limit) in enumerate(zip(prompts, max_tokens)):
@@ -764,7 +772,8 @@ class OpenAIServer:
         if len(prompt) >= self.context_tokens:  # no room left whatever the limit (which may not have been sent)
             self.metrics.rejected(400)
             raise ProtocolError(f"the prompt has {len(prompt)} tokens and the context holds {self.context_tokens}, "
-                                f"leaving no room for a generated token; shorten the prompt", param=prompt_param,
+                                f"leaving no room for a generated token{_ECHO_ONLY_NEEDS_ONE if _asks_no_token(req) else ''}; "
+                                f"shorten the prompt", param=prompt_param,
                                 code=CONTEXT_LENGTH_EXCEEDED)
         if self.longest_prompt is not None and len(prompt) > self.longest_prompt:
             # the engine refused it too, as a 400 without a code, and with an operator's fix
@@ -816,7 +825,7 @@ class OpenAIServer:
         try:
             async with aclosing(stream):
                 async for index, delta in stream:
-                    timers[index].tokens(len(delta.token_ids), time.perf_counter())
+                    timers[index].tokens(renders[index].new_tokens(delta), time.perf_counter())
                     renders[index].collect(delta)
                     finish[index] = delta.finish_reason or finish[index]
                     completion_tokens[index] = renders[index].completion_tokens(delta)
@@ -851,7 +860,7 @@ class OpenAIServer:
                     for chunk in render.opening(meta):
                         yield proto.sse_event({**chunk, **usage_field})
                 async for index, delta in stream:
-                    timers[index].tokens(len(delta.token_ids), time.perf_counter())
+                    timers[index].tokens(renders[index].new_tokens(delta), time.perf_counter())
                     completion_tokens[index] = renders[index].completion_tokens(delta)
                     chunk = renders[index].chunk(meta, delta)
                     if chunk is not None:

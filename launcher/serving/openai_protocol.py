@@ -42,7 +42,7 @@ FIELD_RULES = {
     "prompt": "a string, a list of token ids, or a non-empty list of strings or of token-id lists (several "
               "prompts: choice index i * n + j is prompt i's choice j)",
     "messages": "a non-empty list of {role, content} messages",
-    "max_tokens": "an integer >= 1",
+    "max_tokens": "an integer >= 1 (on /v1/completions 0 too, with echo: true)",
     "max_completion_tokens": "an integer >= 1",
     "temperature": "a number in [0, 2] (0 is greedy)",
     "top_p": "a number in [0, 1] (1 turns top-p off; 0 keeps only the most likely token)",
@@ -462,8 +462,8 @@ def _check_combinations(request: _GenerationRequest) -> None:
                             param="prompt_logprobs")
     if isinstance(request, CompletionRequest):
         if request.max_tokens == 0 and not request.echo:
-            raise ProtocolError(f"max_tokens (0) must be {FIELD_RULES['max_tokens']}; 0 is taken only with echo: true "
-                                f"(the prompt back, scored with logprobs, and nothing generated)", param="max_tokens")
+            raise ProtocolError("max_tokens (0) must be an integer >= 1; 0 is taken only with echo: true (the prompt "
+                                "back, scored with logprobs, and nothing generated)", param="max_tokens")
         if request.max_tokens == 0 and request.min_tokens:
             raise ProtocolError(f"min_tokens ({request.min_tokens}) must be at most max_tokens (0); leave it out",
                                 param="min_tokens")

@@ -35,6 +35,10 @@ class CompletionRender:
     def completion_tokens(self, delta) -> int:
         return 0 if self.echo_only else delta.completion_tokens
 
+    def new_tokens(self, delta) -> int:
+        """The delta's tokens the response counts (the metrics time them)."""
+        return 0 if self.echo_only else len(delta.token_ids)
+
     def finish_reason(self, finish: str | None) -> str | None:
         return "length" if self.echo_only and finish is not None else finish
 
@@ -104,6 +108,9 @@ class ChatRender:
 
     def completion_tokens(self, delta) -> int:
         return delta.completion_tokens
+
+    def new_tokens(self, delta) -> int:
+        return len(delta.token_ids)
 
     def _ready(self, delta) -> list:
         return [entry for entry, _ in self.aligned.push(delta)] if self.logprobs else []

@@ -107,8 +107,10 @@ class TokenPieces:
 class TextOffsets:
     """Each generated token's offset, in characters, into the response's text."""
 
-    def __init__(self, tokenizer) -> None:
-        self._text = IncrementalDetokenizer(tokenizer)
+    def __init__(self, tokenizer, skip_special_tokens: bool = True) -> None:
+        """skip_special_tokens: as the text is decoded (a completion's skips them, an echoed prompt
+        keeps them)."""
+        self._text = IncrementalDetokenizer(tokenizer, skip_special_tokens)
         self.chars = 0
 
     def place(self, token_id: int) -> tuple[int, str]:
