@@ -174,8 +174,8 @@ class _GenerationRequest(_NullMeansDefault):
     """Token id (a string of digits, as JSON object keys are) -> a bias in [-100, 100] added to its
     logit (_check_combinations checks both; the app checks the ids against the vocabulary)."""
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    """Extension (vLLM's): the prompt's tokens scored (launcher/serving/echoed_prompt.py renders
-    them as vLLM does), on completions per choice, on chat for the response; not streamed."""
+    """Extension (vLLM's): the prompt's tokens scored, in vLLM's shape (vllm_prompt_logprobs), on
+    completions per choice, on chat for the response; not streamed."""
 
     def engine_prompt_logprobs(self) -> int | None:
         """The most likely tokens the engine lists at each prompt position (None: the prompt is not
