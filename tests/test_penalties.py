@@ -213,6 +213,15 @@ def test_generate_flags_build_the_penalties_and_name_themselves_when_refused():
         sampling("--min-tokens", "40")  # the default --max-new-tokens is 32
     with pytest.raises(ValueError, match=r"^--min-tokens -1 must be an integer >= 0"):
         sampling("--min-tokens", "-1")
+    got = sampling("--logit-bias", "5=-100", "--logit-bias", "7=2.5")
+    assert got.logit_bias == ((5, -100.0), (7, 2.5)) and got.is_greedy
+    with pytest.raises(ValueError, match=r"^--logit-bias 5=200.0 must be a number in \[-100, 100\]"):
+        sampling("--logit-bias", "5=200")
+    for bad in ("5", "x=1", "5=y", "=1"):
+        with pytest.raises(ValueError, match=rf"^--logit-bias '{bad}' must be ID=BIAS"):
+            sampling("--logit-bias", bad)
+    with pytest.raises(ValueError, match=r"^--logit-bias names token 5 twice \(1 and 2\)"):
+        sampling("--logit-bias", "5=1", "--logit-bias", "5=2")
 
 
 def transformers_min_new_tokens(prompt: list[int], stop: int, min_new_tokens: int) -> list[int]:

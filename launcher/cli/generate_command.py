@@ -44,6 +44,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--repetition-penalty", type=float, metavar="R",
                    help="divide the positive logits of the prompt's and the output's tokens by R and multiply "
                         "their negative ones by R (> 0; default 1: off)")
+    p.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+                   help="add BIAS (in [-100, 100]) to token ID's logit before the choice, as OpenAI's logit_bias "
+                        "(repeat the flag for more tokens; -100 all but bans a token, 100 all but forces it)")
+    p.add_argument("--prompt-logprobs", type=int, metavar="N",
+                   help="score each prompt: every prompt token's log-probability given those before it and the N "
+                        "most likely there (0..20), in --json's outputs (prompt_logprobs) and summed on stderr")
     p.add_argument("--ray-address", help="Ray cluster host:port, or local for a private one (default: RAY_ADDRESS, else the cluster `ray start` recorded on this host, else a private one)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(run=run)
@@ -66,18 +72,40 @@ def _sampling(args):
                          f"sample at temperature 1)")
     if args.min_tokens is not None and args.min_tokens > args.max_new_tokens:  # said in the flags' words
         raise ValueError(f"--min-tokens ({args.min_tokens}) must be at most --max-new-tokens ({args.max_new_tokens})")
+    if args.logit_bias:
+        penalties["logit_bias"] = _logit_bias(args.logit_bias)
     try:
         return SamplingParams(**given, **penalties)
     except ValueError as err:  # its message names the field: name the flag
         raise ValueError(_as_flags(str(err))) from None
 
 
+def _logit_bias(entries: list[str]) -> dict[int, float]:
+    """--logit-bias ID=BIAS entries as SamplingParams takes them (its own checks name the ranges)."""
+    bias: dict[int, float] = {}
+    for entry in entries:
+        token, sep, value = entry.partition("=")
+        try:
+            token_id, number = int(token), float(value)
+        except ValueError:
+            token_id = number = None
+        if not sep or token_id is None:
+            raise ValueError(f"--logit-bias {entry!r} must be ID=BIAS, a token id and a number, e.g. --logit-bias 504=-100")
+        if token_id in bias:
+            raise ValueError(f"--logit-bias names token {token_id} twice ({bias[token_id]:g} and {number:g}); give it once")
+        bias[token_id] = number
+    return bias
+
+
 def _as_flags(message: str) -> str:
     """SamplingParams' message ("top_p=2.0 must be ...") as the command's flags say it ("--top-p 2.0 ...")."""
     for name in ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "min_tokens"):
+                 "repetition_penalty", "min_tokens", "logit_bias"):
         if message.startswith(f"{name}="):
             return f"--{name.replace('_', '-')} " + message[len(name) + 1:]
+    if message.startswith("logit_bias[") and "]=" in message:  # logit_bias[5]=200.0 must be ...
+        token, _, rest = message[len("logit_bias["):].partition("]=")
+        return f"--logit-bias {token}={rest}"
     return message
 
 
@@ -114,13 +142,16 @@ def run(args: argparse.Namespace) -> int:
     answered = False
     try:
         sampling = _sampling(args)
+        if args.prompt_logprobs is not None and not 0 <= args.prompt_logprobs <= 20:
+            raise ValueError(f"--prompt-logprobs ({args.prompt_logprobs}) must be an integer from 0 to 20")
         launcher = Launcher(launch_config(args))
         launcher.check_prompts(prompts, sampling, max_new_tokens=args.max_new_tokens)  # before Ray starts
         # The result goes to the command's own stdout as soon as it is known, before the shutdown:
         # a --presharded-cache copy still being written (minutes for a large model) held it back,
         # and Ctrl-C during that wait lost it. Ray's messages stay on stderr.
         with ray_output_on_stderr() as stdout, launcher:
-            results = launcher.generate(prompts, sampling, max_new_tokens=args.max_new_tokens)
+            results = launcher.generate(prompts, sampling, max_new_tokens=args.max_new_tokens,
+                                        prompt_logprobs=args.prompt_logprobs)
             compiled = launcher.compile_stats()  # graphs built inside the requests show up here
             report = {
                 "model": _shown_model(args, launcher),
@@ -154,7 +185,10 @@ def output_entry(result) -> dict:
             "finish_reason": result.finish_reason, "replica": result.replica,
             "time_to_first_token_s": round(result.time_to_first_token_s, 4),
             # one token has no decode step to time: null, not a rate of 0
-            "decode_tokens_per_s": round(result.decode_tokens_per_s, 2) if len(result.token_ids) > 1 else None}
+            "decode_tokens_per_s": round(result.decode_tokens_per_s, 2) if len(result.token_ids) > 1 else None,
+            **({} if result.prompt_logprobs is None else {"prompt_logprobs": [
+                {"token_id": e.token_id, "logprob": e.logprob, "rank": e.rank, "top": [list(pair) for pair in e.top]}
+                for e in result.prompt_logprobs]})}
 
 
 def print_report(report: dict, as_json: bool, quiet: bool, out=None) -> None:
@@ -168,6 +202,9 @@ def print_report(report: dict, as_json: bool, quiet: bool, out=None) -> None:
         print(f"{output['prompt']}{output['text']}", file=out, flush=True)
         if not quiet:
             rate = output["decode_tokens_per_s"]
+            scored = output.get("prompt_logprobs")
             print(f"  [{output['finish_reason']}, {len(output['token_ids'])} tokens, "
                   f"first token {output['time_to_first_token_s'] * 1000:.0f} ms"
-                  + (f", {rate:.1f} tokens/s]" if rate is not None else "]"), file=sys.stderr)
+                  + (f", {rate:.1f} tokens/s" if rate is not None else "")
+                  + (f", prompt log-probability {sum(e['logprob'] for e in scored):.4f} over {len(scored)} tokens"
+                     if scored is not None else "") + "]", file=sys.stderr)

@@ -1,0 +1,44 @@
+"""`corelaunch generate --prompt-logprobs` and `--logit-bias`, the TP group in-process: the prompt's
+scores equal transformers' log-softmax, and a bias of 100 forces its token."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from launcher.api import Launcher
+
+
+def test_generate_scores_prompts_and_takes_a_logit_bias(in_process_cluster, capsys, monkeypatch):
+    """--prompt-logprobs puts each prompt's scores in --json's outputs (and their sum on stderr);
+    --logit-bias 100 on a token makes greedy generation choose it."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from launcher.cli import main
+    from shardlib.demo_model import ensure_demo_model
+
+    monkeypatch.setattr(Launcher, "compile_stats", lambda self: [])  # in-process groups keep none
+    model_dir = str(ensure_demo_model())
+    common = ["generate", "--model", model_dir, "--tp", "1", "--no-compile", "--max-new-tokens", "2",
+              "--prompt", "The capital of France is"]
+    assert main([*common, "--json", "--quiet", "--prompt-logprobs", "1", "--logit-bias", "28=100"]) == 0
+    [output] = json.loads(capsys.readouterr().out)["outputs"]
+    assert output["token_ids"] == [28, 28]  # forced
+    ids = AutoTokenizer.from_pretrained(model_dir)("The capital of France is")["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        table = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    scored = output["prompt_logprobs"]
+    assert [e["token_id"] for e in scored] == ids[1:] and all(len(e["top"]) == 1 for e in scored)
+    for j, entry in enumerate(scored):
+        assert entry["logprob"] == pytest.approx(float(table[j, ids[j + 1]]), abs=2e-3)
+    assert main([*common, "--prompt-logprobs", "0"]) == 0
+    shown = re.search(r"prompt log-probability (-?[0-9.]+) over ([0-9]+) tokens", capsys.readouterr().err)
+    assert shown and float(shown[1]) == pytest.approx(sum(e["logprob"] for e in scored), abs=1e-3)
+    assert int(shown[2]) == len(ids) - 1
+    assert main([*common, "--prompt-logprobs", "21"]) == 2
+    assert "--prompt-logprobs (21) must be an integer from 0 to 20" in capsys.readouterr().err
