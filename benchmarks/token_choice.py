@@ -3,8 +3,8 @@
 Random logits of --rows x --vocab (SmolLM2's vocabulary by default), as float32 values and as
 bfloat16 values (a bfloat16 model's logits, where equal values are common); every row with the same
 SamplingParams and a seeded generator of its own, as the serving engine draws; each row's history
-is a random prompt of --prompt-tokens ids and --output-tokens generated ones (what penalties read;
-the serving benchmark's requests are 128 + 64). Each case's
+is a random prompt of --prompt-tokens ids (an int64 tensor, as the serving loop keeps it) and
+--output-tokens generated ones (what penalties read; the serving benchmark's requests are 128 + 64). Each case's
 median wall time over --repeats calls, on one torch thread (what a rank's leader gives it is
 what it has; one thread makes runs comparable). Prints JSON.
 
@@ -57,7 +57,8 @@ def main() -> None:
     torch.set_num_threads(1)
     float32 = torch.randn(args.rows, args.vocab, generator=torch.Generator().manual_seed(0)) * 3
     ids = torch.Generator().manual_seed(1)
-    prompts = torch.randint(args.vocab, (args.rows, args.prompt_tokens), generator=ids).tolist()
+    # each prompt an int64 tensor, as the serving loop keeps it (workers/serving/token_choice.py)
+    prompts = [row.clone() for row in torch.randint(args.vocab, (args.rows, args.prompt_tokens), generator=ids)]
     outputs = torch.randint(args.vocab, (args.rows, args.output_tokens), generator=ids).tolist()
     results = {}
     for values, logits in (("float32", float32), ("bfloat16", float32.bfloat16().float())):

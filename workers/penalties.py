@@ -25,11 +25,12 @@ from workers.sampling import sampling_device
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
-def penalized(logits: torch.Tensor, params: list[SamplingParams], prompts: Sequence[Sequence[int]],
+def penalized(logits: torch.Tensor, params: list[SamplingParams], prompts: Sequence[Sequence[int] | torch.Tensor],
               outputs: Sequence[Sequence[int]], stops: Sequence[Collection[int]] = ()) -> torch.Tensor:
     """logits (batch, vocab) with each row's logit bias and penalties applied, given row i's prompt
-    token ids, the tokens it has generated so far and its stop token ids stops[i] (held back while
-    it has generated fewer than its min_tokens); the same tensor when no row asks for any of these
+    token ids (a sequence, or an int64 tensor the caller keeps: a long prompt converted every decode
+    step cost most of the pass), the tokens it has generated so far and its stop token ids stops[i]
+    (held back while it has generated fewer than its min_tokens); the same tensor when no row asks for any of these
     (the common case costs one pass over the params), else a float32 copy. Penalised values are
     kept finite: a tiny repetition penalty dividing a large logit (or a large one multiplying a
     negative logit) would overflow float32, and an infinite logit fails the row's token choice."""
@@ -48,14 +49,14 @@ def penalized(logits: torch.Tensor, params: list[SamplingParams], prompts: Seque
     # Only the tokens a row has seen change, a few hundred of a vocabulary of tens of thousands:
     # those columns are gathered, penalised and written back for all rows at once (a row at a time
     # cost about 0.35 ms each, whole-vocabulary passes for 16 rows about 20 ms: README, Measured).
-    histories = [list(prompts[i]) + list(outputs[i]) for i in rows]
-    rows = [i for i, h in zip(rows, histories) if h]  # nothing seen: nothing to penalise
-    histories = [h for h in histories if h]
+    histories = [torch.cat((_ids(prompts[i]), _ids(outputs[i]))) for i in rows]
+    rows = [i for i, h in zip(rows, histories) if len(h)]  # nothing seen: nothing to penalise
+    histories = [h for h in histories if len(h)]
     if not rows:
         return out.to(logits.device)
-    longest = max(len(h) for h in histories)
     # a row's columns filled out with its own first token: writing one column twice writes one value
-    columns = torch.tensor([h + [h[0]] * (longest - len(h)) for h in histories], dtype=torch.int64, device=device)
+    columns = torch.nn.utils.rnn.pad_sequence(histories, batch_first=True, padding_value=-1)
+    columns = torch.where(columns < 0, columns[:, :1], columns).to(device)
     # times each column's token was generated: counted over the vocabulary (one pass, whatever the
     # history's length), read at the columns; the padding's counts land past the vocabulary
     vocab = out.shape[-1]
@@ -94,6 +95,13 @@ def _add_bias(out: torch.Tensor, params: list[SamplingParams]) -> None:
         device = out.device
         out.index_put_((torch.tensor(at_rows, device=device), torch.tensor(at_tokens, device=device)),
                        torch.tensor(biases, device=device), accumulate=True)
+
+
+def _ids(tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    """Token ids as an int64 tensor on the host (a tensor passes as it is)."""
+    if isinstance(tokens, torch.Tensor):
+        return tokens
+    return torch.tensor(tokens, dtype=torch.int64) if len(tokens) else torch.empty(0, dtype=torch.int64)
 
 
 def _padded(histories: list[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:

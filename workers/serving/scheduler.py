@@ -37,6 +37,8 @@ class Sequence:
     """The leader's torch.Generator for this request (None: greedy)."""
     seed: int | None = None
     """A sampled request's base seed (workers/serving/token_choice.py reseeds per draw from it)."""
+    prompt_ids: object = None
+    """The prompt's ids as a tensor, made at its first penalised step (workers/serving/token_choice.py)."""
     prompt_logprobs: list = field(default_factory=list)
     """The leader's prompt log-probabilities so far (TokenLogprob per prompt token after the first),
     when the request asked for them."""

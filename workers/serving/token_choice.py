@@ -59,13 +59,16 @@ def choose(logits: torch.Tensor, sequences: list[Sequence]) -> tuple[list[int], 
     return tokens, logprobs
 
 
-def _history(sequence: Sequence) -> tuple[tuple[int, ...], list[int]]:
-    """The request's prompt and the tokens it generated so far: a resumed request's prompt ends
-    with the tokens delivered before its group restarted, which are output, not prompt (frequency
-    and presence penalties count them)."""
+def _history(sequence: Sequence) -> tuple[torch.Tensor, list[int]]:
+    """The request's prompt (an int64 tensor made once per request: converting a long prompt every
+    step cost most of the penalties' time) and the tokens it generated so far: a resumed request's
+    prompt ends with the tokens delivered before its group restarted, which are output, not prompt
+    (frequency and presence penalties count them)."""
     prompt, before = sequence.prompt, sequence.request.draws_before
     cut = len(prompt) - before
-    return prompt[:cut], list(prompt[cut:]) + sequence.output_ids
+    if sequence.prompt_ids is None:
+        sequence.prompt_ids = torch.tensor(prompt[:cut], dtype=torch.int64)
+    return sequence.prompt_ids, list(prompt[cut:]) + sequence.output_ids
 
 
 def ranked(row: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> list[tuple[int, float]]:
