@@ -175,3 +175,22 @@ def test_echoed_offsets_point_into_the_text_through_control_tokens(smollm2_token
         choice = lp.choice("length")
         for token, offset in zip(choice["logprobs"]["tokens"], choice["logprobs"]["text_offset"]):
             assert choice["text"][offset:].startswith(token), (token, offset, choice["text"])
+
+
+def test_a_refusal_about_the_whole_request_names_no_prompt_of_several():
+    import pytest
+
+    from launcher.serving.openai_app import _naming_prompt
+    from launcher.serving.openai_protocol import ProtocolError
+
+    for param, named in (("prompt", True), ("max_tokens", True), ("logit_bias", False), ("stop_token_ids", False),
+                         ("min_tokens", False)):
+        with pytest.raises(ProtocolError) as caught, _naming_prompt(1, 2):
+            raise ProtocolError("something about it", param=param)
+        assert caught.value.message.startswith("prompt[1]: ") == named and caught.value.param == param
+    with pytest.raises(ProtocolError) as caught, _naming_prompt(1, 2):  # a full queue: the whole request's
+        raise ProtocolError("at capacity", status=503)
+    assert caught.value.message == "at capacity"
+    with pytest.raises(ProtocolError) as caught, _naming_prompt(0, 1):  # one prompt: named as "prompt" already
+        raise ProtocolError("prompt is empty", param="prompt")
+    assert caught.value.message == "prompt is empty"

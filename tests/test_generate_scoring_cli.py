@@ -42,3 +42,5 @@ def test_generate_scores_prompts_and_takes_a_logit_bias(in_process_cluster, caps
     assert int(shown[2]) == len(ids) - 1
     assert main([*common, "--prompt-logprobs", "21"]) == 2
     assert "--prompt-logprobs (21) must be an integer from 0 to 20" in capsys.readouterr().err
+    assert main([*common, "--logit-bias", "999999=1"]) == 2  # checked against the vocabulary before Ray
+    assert "--logit-bias names token ids [999999] outside the vocabulary" in capsys.readouterr().err

@@ -1486,6 +1486,13 @@ def test_several_prompts_in_one_request_number_their_choices_prompt_by_prompt(cl
     with pytest.raises(Exception) as caught:
         client.completions.create(model=MODEL, prompt=[PROMPT, ""], max_tokens=2)
     assert caught.value.status_code == 400 and "prompt[1]: prompt is empty" in str(caught.value)
+    with pytest.raises(Exception) as caught:  # an option of the whole request names no prompt
+        client.completions.create(model=MODEL, prompt=prompts, max_tokens=2, logit_bias={"999999": 1})
+    assert caught.value.status_code == 400 and "400 - logit_bias names token ids [999999]" in str(caught.value)
+    with pytest.raises(Exception) as caught:  # decoded for the echo, an id of 2**32 overflowed (a 500)
+        client.completions.create(model=MODEL, prompt=[ids[0], [504, 2**32]], max_tokens=2, echo=True)
+    assert caught.value.status_code == 400 and "prompt[1]: prompt holds token ids [4294967296] outside the " \
+        "vocabulary" in str(caught.value)
 
 
 @pytest.mark.slow
@@ -1511,6 +1518,11 @@ def test_vllm_prompt_logprobs_score_chat_and_completion_prompts(client, hf):
                                     extra_body={"prompt_logprobs": 0})
     lengths = [len(hf.tok(PROMPT)["input_ids"])] * 2 + [len(hf.tok("Hello")["input_ids"])] * 2
     assert [len(c.model_extra["prompt_logprobs"]) for c in out.choices] == lengths
+    ids = hf.tok(PROMPT)["input_ids"]
+    with torch.no_grad():
+        table = torch.log_softmax(hf.model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    for j, listed in enumerate(out.choices[1].model_extra["prompt_logprobs"][1:], 1):
+        assert listed[str(ids[j])]["logprob"] == pytest.approx(float(table[j - 1, ids[j]]), abs=2e-3)
     with pytest.raises(Exception) as caught:
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, stream=True,
                                   extra_body={"prompt_logprobs": 0})
@@ -1560,6 +1572,12 @@ def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(client, serve
                                               stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in streamed if c.choices) == text
     assert streamed[-1].usage.completion_tokens == 0
+    # the dropped token was EOS (forced): the client and the metrics both say "length"
+    lengths, stops = ('corelaunch_requests_total{finish_reason="%s",status="200"}' % r for r in ("length", "stop"))
+    before = _metric(server, lengths, missing=0), _metric(server, stops, missing=0)
+    eos = client.completions.create(**{**asked, "max_tokens": 0, "logit_bias": {str(hf.config.eos_token_id): 100}})
+    assert eos.choices[0].finish_reason == "length"
+    assert (_metric(server, lengths, missing=0), _metric(server, stops, missing=0)) == (before[0] + 1, before[1])
     with pytest.raises(Exception) as caught:  # a prompt that fills the context: max_tokens 0 says why it counts
         client.completions.create(**{**asked, "max_tokens": 0, "prompt": [504] * 4096})
     assert caught.value.status_code == 400 and "max_tokens 0 still needs one position" in str(caught.value)

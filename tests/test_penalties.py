@@ -217,9 +217,9 @@ def test_generate_flags_build_the_penalties_and_name_themselves_when_refused():
     assert got.logit_bias == ((5, -100.0), (7, 2.5)) and got.is_greedy
     with pytest.raises(ValueError, match=r"^--logit-bias 5=200.0 must be a number in \[-100, 100\]"):
         sampling("--logit-bias", "5=200")
-    for bad in ("5", "x=1", "5=y", "=1"):
-        with pytest.raises(ValueError, match=rf"^--logit-bias '{bad}' must be ID=BIAS"):
-            sampling("--logit-bias", bad)
+    for bad in ("5", "x=1", "5=y", "=1", "-5=1"):
+        with pytest.raises(ValueError, match=rf"^--logit-bias '{bad}' must be ID=BIAS, a token id \(an integer >= 0\)"):
+            sampling(f"--logit-bias={bad}")  # with "=": argparse takes "-5=1" after a space for an option
     with pytest.raises(ValueError, match=r"^--logit-bias names token 5 twice \(1 and 2\)"):
         sampling("--logit-bias", "5=1", "--logit-bias", "5=2")
 

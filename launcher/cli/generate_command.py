@@ -89,8 +89,9 @@ def _logit_bias(entries: list[str]) -> dict[int, float]:
             token_id, number = int(token), float(value)
         except ValueError:
             token_id = number = None
-        if not sep or token_id is None:
-            raise ValueError(f"--logit-bias {entry!r} must be ID=BIAS, a token id and a number, e.g. --logit-bias 504=-100")
+        if not sep or token_id is None or token_id < 0:
+            raise ValueError(f"--logit-bias {entry!r} must be ID=BIAS, a token id (an integer >= 0) and a number, "
+                             f"e.g. --logit-bias 504=-100")
         if token_id in bias:
             raise ValueError(f"--logit-bias names token {token_id} twice ({bias[token_id]:g} and {number:g}); give it once")
         bias[token_id] = number

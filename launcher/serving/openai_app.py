@@ -325,11 +325,15 @@ def _naming_prompt(index: int, count: int):
     try:
         yield
     except ProtocolError as err:
-        if count == 1 or err.status != 400:  # a full queue refuses the whole request, not this prompt
+        # a full queue, or an option of the whole request (logit_bias), is not this prompt's doing
+        if count == 1 or err.status != 400 or err.param in _REQUEST_WIDE:
             raise
         raise ProtocolError(f"prompt[{index}]: {err.message}", err.param, err.status, err.type, err.code,
                             err.headers) from None
 
+
+_REQUEST_WIDE = ("logit_bias", "stop_token_ids", "min_tokens")
+"""Params of refusals about the request as a whole, which no prompt of several is named in."""
 
 _ECHO_ONLY_NEEDS_ONE = (" (max_tokens 0 still needs one position: the engine generates one token for it, which "
                         "the answer leaves out)")
@@ -571,7 +575,8 @@ class OpenAIServer:
         prompts = []
         for i, text in enumerate(sent):
             with _naming_prompt(i, len(sent)):
-                prompts.append(await self._tokenized(self._encode, text) if isinstance(text, str) else text)
+                prompts.append(await self._tokenized(self._encode, text) if isinstance(text, str)
+                               else self._known_ids(text))
         # echo with logprobs (or vLLM's prompt_logprobs): the prompt scored too, as it is prefilled
         scored = req.engine_prompt_logprobs()
         echoes = [await self._tokenized(echoed_prompt, self.pieces, text, prompt, req.logprobs is not None)
@@ -607,6 +612,17 @@ class OpenAIServer:
         except asyncio.CancelledError:
             self.metrics.finished("abort", 499)
             raise
+
+    def _known_ids(self, prompt: list[int]) -> list[int]:
+        """A token-id prompt whose ids are all in the vocabulary (400 naming the others), checked before
+        anything decodes them (an echo's decoder overflowed on an id of 2**32)."""
+        vocab = self.launcher.model_config.vocab_size
+        outside = [t for t in prompt if t >= vocab]
+        if outside:
+            self.metrics.rejected(400)
+            raise ProtocolError(f"prompt holds token ids {outside[:5]} outside the vocabulary [0, {vocab}); send ids of "
+                                f"this model's tokenizer", param="prompt")
+        return prompt
 
     def _encode(self, text: str) -> list[int]:
         """A completions prompt's token ids (on a thread), as the Launcher tokenizes text."""
@@ -836,7 +852,8 @@ class OpenAIServer:
             status, body, headers = _generation_failure(err)
             self.metrics.finished(failure_reason(status), status)
             return JSONResponse(body, status_code=status, headers=headers)
-        self.metrics.finished(finish[0] or "stop")  # one request, counted by its first choice's ending
+        # one request, counted by its first choice's ending as the client was told it
+        self.metrics.finished(renders[0].finish_reason(finish[0]) or "stop")
         choices = [render.choice(reason) for render, reason in zip(renders, finish)]
         return JSONResponse({**proto.response(meta, renders[0].response_object, choices,
                                               proto.usage(stream.prompt_tokens, sum(completion_tokens))),
@@ -866,7 +883,7 @@ class OpenAIServer:
                     if chunk is not None:
                         yield proto.sse_event({**chunk, **usage_field})
                     if delta.finish_reason:
-                        endings[index] = delta.finish_reason
+                        endings[index] = renders[index].finish_reason(delta.finish_reason)
                         if all(endings):  # a client gone before the last choice ended is an abort
                             outcome["finish_reason"] = endings[0]
             if include_usage:

@@ -112,6 +112,9 @@ class ChatRender:
     def new_tokens(self, delta) -> int:
         return len(delta.token_ids)
 
+    def finish_reason(self, finish: str | None) -> str | None:
+        return finish
+
     def _ready(self, delta) -> list:
         return [entry for entry, _ in self.aligned.push(delta)] if self.logprobs else []
 
