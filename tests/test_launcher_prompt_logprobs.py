@@ -90,3 +90,18 @@ def test_bad_prompt_logprobs_are_refused_before_anything_runs(model_and_expected
         with pytest.raises(ValueError, match=r"prompt_logprobs \(1\) needs batching='continuous'"):
             llm.generate(PROMPTS[:1], prompt_logprobs=1, batching="static")
         assert llm.load() == {"running": 0, "waiting": 0}
+
+
+def test_a_fault_while_a_long_prompt_is_scored_scores_it_again_once(model_and_expected, in_process_cluster):
+    """The group fails while a scored prompt is still being prefilled in chunks: the restarted group
+    scores it again, and its log-probabilities come once, equal to transformers'."""
+    model_dir, _ = model_and_expected
+    prompt = [(7 * i + 3) % 120 + 1 for i in range(60)]
+    table = hf_table(model_dir, prompt)
+    with Launcher(model=model_dir, tp=2, max_num_seqs=1, max_prefill_tokens=4, progress=False, **EAGER) as llm:
+        stream = llm.stream(prompt, max_new_tokens=3, prompt_logprobs=1)
+        llm._group.fail_next(WorkerDied("rank 1 (in-process) died while scoring"))  # 15 chunks: mid-prefill
+        deltas = list(stream)
+    assert stream.handle.attempts == 2
+    assert [d.prompt_logprobs is not None for d in deltas] == [True] + [False] * (len(deltas) - 1)
+    assert_matches(deltas[0].prompt_logprobs, table, prompt, 1)
