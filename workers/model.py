@@ -197,22 +197,25 @@ class ShardedCausalLM(nn.Module):
         cache_positions[i, j], and batch row i attends over slots 0 .. read_slots - 1 of cache row
         rows[i, 0] (workers/kv_cache.py). Logits (batch, vocab_size) float32 at logit_index (1,), or
         the last column."""
-        self._ensure_rotary(cache.max_seq_len)
-        mask = torch.ones(input_ids.shape[0], read_slots, dtype=torch.bool, device=input_ids.device)
-        logits, _, _ = run_step(self, EAGER, input_ids, position_ids, mask, cache_positions,
-                                (cache.k, cache.v), logit_index, rows)
-        return logits
+        return self._serving_step(EAGER, input_ids, position_ids, cache, cache_positions, rows, read_slots,
+                                  logit_index)
 
     def score_step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache,
                    cache_positions: torch.Tensor, rows: torch.Tensor, read_slots: int) -> torch.Tensor:
         """serve_step's forward (same cache writes and reads), eagerly, returning every column's hidden
         state (batch, seq, hidden) instead of one column's logits: column_logits takes them a block
         at a time, so a long chunk's logits (seq x vocab) are never all held at once."""
+        return self._serving_step(HIDDEN, input_ids, position_ids, cache, cache_positions, rows, read_slots)
+
+    def _serving_step(self, parts: StepParts, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache,
+                      cache_positions: torch.Tensor, rows: torch.Tensor, read_slots: int,
+                      logit_index: torch.Tensor | None = None) -> torch.Tensor:
+        """One eager step on the serving cache's indexing (serve_step's docstring), through `parts`."""
         self._ensure_rotary(cache.max_seq_len)
         mask = torch.ones(input_ids.shape[0], read_slots, dtype=torch.bool, device=input_ids.device)
-        hidden, _, _ = run_step(self, HIDDEN, input_ids, position_ids, mask, cache_positions,
-                                (cache.k, cache.v), None, rows)
-        return hidden
+        out, _, _ = run_step(self, parts, input_ids, position_ids, mask, cache_positions, (cache.k, cache.v),
+                             logit_index, rows)
+        return out
 
     def column_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits (n, vocab_size) float32 of hidden states (n, hidden) from score_step: the final

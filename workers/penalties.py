@@ -49,18 +49,19 @@ def penalized(logits: torch.Tensor, params: list[SamplingParams], prompts: Seque
     # Only the tokens a row has seen change, a few hundred of a vocabulary of tens of thousands:
     # those columns are gathered, penalised and written back for all rows at once (a row at a time
     # cost about 0.35 ms each, whole-vocabulary passes for 16 rows about 20 ms: README, Measured).
-    histories = [torch.cat((_ids(prompts[i]), _ids(outputs[i]))) for i in rows]
-    rows = [i for i, h in zip(rows, histories) if len(h)]  # nothing seen: nothing to penalise
-    histories = [h for h in histories if len(h)]
-    if not rows:
+    generated = [_ids(outputs[i]) for i in rows]  # each converted once: the counts and the history use it
+    histories = [torch.cat((_ids(prompts[i]), tokens)) for i, tokens in zip(rows, generated)]
+    seen = [j for j, h in enumerate(histories) if len(h)]  # nothing seen: nothing to penalise
+    if not seen:
         return out.to(logits.device)
+    rows, histories, generated = [rows[j] for j in seen], [histories[j] for j in seen], [generated[j] for j in seen]
     # a row's columns filled out with its own first token: writing one column twice writes one value
     columns = torch.nn.utils.rnn.pad_sequence(histories, batch_first=True, padding_value=-1)
     columns = torch.where(columns < 0, columns[:, :1], columns).to(device)
     # times each column's token was generated: counted over the vocabulary (one pass, whatever the
     # history's length), read at the columns; the padding's counts land past the vocabulary
     vocab = out.shape[-1]
-    generated = _padded([outputs[i] for i in rows], vocab, device)
+    generated = torch.nn.utils.rnn.pad_sequence(generated, batch_first=True, padding_value=vocab).to(device)
     counts = torch.zeros(len(rows), vocab + 1, device=device).scatter_add_(
         1, generated, torch.ones(generated.shape, device=device)).gather(1, columns)
     r, f, p = (torch.tensor([[getattr(params[i], name)] for i in rows], device=device)
@@ -103,8 +104,3 @@ def _ids(tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
         return tokens
     return torch.tensor(tokens, dtype=torch.int64) if len(tokens) else torch.empty(0, dtype=torch.int64)
 
-
-def _padded(histories: list[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
-    """(rows, longest) int64 token ids, each row filled out with `pad` (at least one column)."""
-    longest = max(1, max(len(h) for h in histories))
-    return torch.tensor([list(h) + [pad] * (longest - len(h)) for h in histories], dtype=torch.int64, device=device)

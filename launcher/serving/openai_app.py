@@ -339,11 +339,6 @@ _ECHO_ONLY_NEEDS_ONE = (" (max_tokens 0 still needs one position: the engine gen
                         "the answer leaves out)")
 
 
-def _asks_no_token(req) -> bool:
-    """A completions request with max_tokens 0 (echo alone)."""
-    return getattr(req, "max_tokens", None) == 0
-
-
 def _as_one_prompt(message: str) -> str:
     """An engine refusal in the words of a request that has one prompt: the driver API numbers its
     prompts ("prompt 0 holds token ids ..."), which an HTTP client never sent."""
@@ -788,7 +783,7 @@ class OpenAIServer:
         if len(prompt) >= self.context_tokens:  # no room left whatever the limit (which may not have been sent)
             self.metrics.rejected(400)
             raise ProtocolError(f"the prompt has {len(prompt)} tokens and the context holds {self.context_tokens}, "
-                                f"leaving no room for a generated token{_ECHO_ONLY_NEEDS_ONE if _asks_no_token(req) else ''}; "
+                                f"leaving no room for a generated token{_ECHO_ONLY_NEEDS_ONE if req.max_tokens == 0 else ''}; "
                                 f"shorten the prompt", param=prompt_param,
                                 code=CONTEXT_LENGTH_EXCEEDED)
         if self.longest_prompt is not None and len(prompt) > self.longest_prompt:

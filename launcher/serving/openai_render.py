@@ -13,7 +13,45 @@ from launcher.serving.logprob_alignment import AlignedLogprobs
 from launcher.serving.token_pieces import TokenPieces
 
 
-class CompletionRender:
+class _Render:
+    """What both renderers share: the choice's index, its logprobs' alignment with the text, vLLM's
+    prompt_logprobs when asked (`prompt_top`), and how the response counts a delta's tokens."""
+
+    response_object = ""
+
+    def __init__(self, pieces: TokenPieces, logprobs: bool, index: int, prompt_top: int | None):
+        self.pieces, self.aligned = pieces, AlignedLogprobs(pieces)
+        self.logprobs, self.index = logprobs, index
+        self.prompt_top, self.prompt_entries = prompt_top, []
+
+    def completion_tokens(self, delta) -> int:
+        return delta.completion_tokens
+
+    def new_tokens(self, delta) -> int:
+        """The delta's tokens the response counts (the metrics time them)."""
+        return len(delta.token_ids)
+
+    def finish_reason(self, finish: str | None) -> str | None:
+        return finish
+
+    def _keep_prompt_entries(self, delta) -> None:
+        self.prompt_entries = delta.prompt_logprobs or self.prompt_entries
+
+    def _vllm_prompt_logprobs(self) -> list:
+        return proto.vllm_prompt_logprobs(self.prompt_entries, self.pieces, self.prompt_top)
+
+    def response_extras(self) -> dict:
+        """Top-level fields of the whole response beside OpenAI's."""
+        return {}
+
+    def choice(self, finish) -> dict:
+        raise NotImplementedError
+
+    def response(self, meta, finish, usage) -> dict:
+        return proto.response(meta, self.response_object, [self.choice(finish)], usage)
+
+
+class CompletionRender(_Render):
     """/v1/completions objects from the engine's deltas; with `echo`, the prompt's text (and its
     tokens' logprobs) come first, in the first chunk (launcher/serving/echoed_prompt.py)."""
 
@@ -25,9 +63,8 @@ class CompletionRender:
         the choice is the prompt alone, finished for "length", no completion token counted.
         prompt_top: vLLM's prompt_logprobs asked (the choice carries them). top_n: the alternatives
         an echoed prompt token lists (the request's logprobs; None: as many as the engine sent)."""
-        self.pieces, self.aligned = pieces, AlignedLogprobs(pieces)
-        self.logprobs, self.index, self.top_n = logprobs, index, top_n
-        self.prompt_top, self.prompt_entries = prompt_top, []
+        super().__init__(pieces, logprobs, index, prompt_top)
+        self.top_n = top_n
         self.text, self.logprob_parts = [], []
         self.echo, self._echo_pending = echo, echo is not None
         self.echo_only = echo_only
@@ -36,7 +73,6 @@ class CompletionRender:
         return 0 if self.echo_only else delta.completion_tokens
 
     def new_tokens(self, delta) -> int:
-        """The delta's tokens the response counts (the metrics time them)."""
         return 0 if self.echo_only else len(delta.token_ids)
 
     def finish_reason(self, finish: str | None) -> str | None:
@@ -69,7 +105,7 @@ class CompletionRender:
 
     def chunk(self, meta, delta) -> dict | None:
         text, parts = self._text_and_logprobs(delta)
-        logprobs = (parts[0] if len(parts) == 1 else proto.merge_completion_logprobs(parts)) if parts else None
+        logprobs = proto.merge_completion_logprobs(parts) if parts else None
         if not text and logprobs is None and delta.finish_reason is None:
             return None  # tokens whose text is held back (a possible stop string, a partial character)
         return proto.completion_chunk(meta, text, self.finish_reason(delta.finish_reason), logprobs, self.index)
@@ -78,42 +114,25 @@ class CompletionRender:
         text, parts = self._text_and_logprobs(delta)
         self.text.append(text)
         self.logprob_parts.extend(parts)
-        self.prompt_entries = delta.prompt_logprobs or self.prompt_entries
+        self._keep_prompt_entries(delta)
 
     def choice(self, finish) -> dict:
         logprobs = proto.merge_completion_logprobs(self.logprob_parts) if self.logprobs else None
         choice = proto.completion_choice("".join(self.text), self.finish_reason(finish), logprobs, self.index)
         if self.prompt_top is not None:  # vLLM's extension, per choice on completions
-            choice["prompt_logprobs"] = proto.vllm_prompt_logprobs(self.prompt_entries, self.pieces, self.prompt_top)
+            choice["prompt_logprobs"] = self._vllm_prompt_logprobs()
         return choice
 
-    def response_extras(self) -> dict:
-        return {}
 
-    def response(self, meta, finish, usage) -> dict:
-        return proto.response(meta, self.response_object, [self.choice(finish)], usage)
-
-
-class ChatRender:
+class ChatRender(_Render):
     """/v1/chat/completions objects from the engine's deltas."""
 
     id_prefix, chunk_object, response_object = "chatcmpl", "chat.completion.chunk", "chat.completion"
 
     def __init__(self, pieces: TokenPieces, logprobs: bool, index: int = 0, prompt_top: int | None = None):
         """prompt_top: vLLM's prompt_logprobs asked (the response carries them, as vLLM's chat does)."""
-        self.pieces, self.aligned = pieces, AlignedLogprobs(pieces)
-        self.logprobs, self.index = logprobs, index
+        super().__init__(pieces, logprobs, index, prompt_top)
         self.text, self.entries = [], []
-        self.prompt_top, self.prompt_entries = prompt_top, []
-
-    def completion_tokens(self, delta) -> int:
-        return delta.completion_tokens
-
-    def new_tokens(self, delta) -> int:
-        return len(delta.token_ids)
-
-    def finish_reason(self, finish: str | None) -> str | None:
-        return finish
 
     def _ready(self, delta) -> list:
         return [entry for entry, _ in self.aligned.push(delta)] if self.logprobs else []
@@ -132,16 +151,11 @@ class ChatRender:
     def collect(self, delta) -> None:
         self.text.append(delta.text)
         self.entries.extend(self._ready(delta))
-        self.prompt_entries = delta.prompt_logprobs or self.prompt_entries
+        self._keep_prompt_entries(delta)
 
     def response_extras(self) -> dict:
-        if self.prompt_top is None:
-            return {}
-        return {"prompt_logprobs": proto.vllm_prompt_logprobs(self.prompt_entries, self.pieces, self.prompt_top)}
+        return {} if self.prompt_top is None else {"prompt_logprobs": self._vllm_prompt_logprobs()}
 
     def choice(self, finish) -> dict:
         logprobs = proto.chat_logprobs(self.entries, self.pieces) if self.logprobs else None
         return proto.chat_choice("".join(self.text), finish, logprobs, self.index)
-
-    def response(self, meta, finish, usage) -> dict:
-        return proto.response(meta, self.response_object, [self.choice(finish)], usage)
