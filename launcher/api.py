@@ -708,6 +708,7 @@ class Launcher:
         _, token_lists = self._tokenize(prompts)
         params = self._sampling_per_prompt(sampling, len(token_lists))
         check_request(token_lists, params, max_new_tokens, self.model_config.vocab_size)
+        self._check_structured(params, batching)
         check_stop_token_ids(stop_token_ids, self.model_config.vocab_size)
         self._check_lengths(token_lists, max_new_tokens, serving=batching == "continuous")
 
@@ -1048,6 +1049,7 @@ class Launcher:
         texts, token_lists = self._tokenize(prompts)
         params = self._sampling_per_prompt(sampling, len(token_lists))
         check_request(token_lists, params, max_new_tokens, self.model_config.vocab_size)
+        self._check_structured(params, batching)
         stop_token_ids = check_stop_token_ids(stop_token_ids, self.model_config.vocab_size)
         self._check_lengths(token_lists, max_new_tokens, serving=False)
         stops = self._ending_ids(stop_token_ids, ignore_eos)
@@ -1198,6 +1200,7 @@ class Launcher:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling ({params!r}) must be a SamplingParams")
         check_request([token_ids], [params], max_new_tokens, self.model_config.vocab_size)
+        self._check_structured([params])
         self._check_lengths([token_ids], max_new_tokens, serving=True)
         _checked_logprobs("logprobs", logprobs)
         stops = validate_stops(stop)
@@ -1277,6 +1280,7 @@ class Launcher:
         texts, token_lists = tokenized
         params = self._sampling_per_prompt(sampling, len(token_lists))
         check_request(token_lists, params, max_new_tokens, self.model_config.vocab_size)
+        self._check_structured(params)
         self._check_lengths(token_lists, max_new_tokens, serving=True)
         ending = self._ending_ids(stop_token_ids, ignore_eos)
         streams = [self._new_stream(ids, p, max_new_tokens, ending, (), None, None, asynchronous, return_logits,
@@ -1409,6 +1413,23 @@ class Launcher:
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"sampling[{i}] ({p!r}) must be a SamplingParams")
         return params
+
+    def _check_structured(self, params: list[SamplingParams], batching: str = "continuous") -> None:
+        """Structured output's checks, before anything is submitted: the serving engine runs it, the
+        model has a tokenizer (the group's leader loads its own from the same folder to match the
+        grammar against), and llguidance can compile each grammar (its reason otherwise)."""
+        from workers.structured.grammars import check_structured_output
+
+        specs = {p.structured_output for p in params if p.structured_output is not None}
+        if not specs:
+            return
+        if batching != "continuous":
+            raise ValueError(f"structured output ({next(iter(specs)).describe()}) needs batching='continuous' (the "
+                             f"static batch chooses its tokens without a grammar); leave batching at its default")
+        if self.tokenizer is None:
+            raise ValueError(f"structured output needs the model's tokenizer, and {self.model_dir} has none")
+        for spec in specs:
+            check_structured_output(spec)
 
     @property
     def serving_seq_len(self) -> int:

@@ -1,5 +1,5 @@
 """What one request asks of token selection (greedy, temperature, top-k, top-p, min-p, a seed,
-penalties, a logit bias), checked when it is built. Pure: the driver, the CLI and the Serve front end build and check these without
+penalties, a logit bias, structured output), checked when it is built. Pure: the driver, the CLI and the Serve front end build and check these without
 importing torch (about 2 s of every `corelaunch` command's and Serve replica's start); the ranks'
 sampling itself is workers/sampling.py."""
 
@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from shardlib.config_fields import finite
 from shardlib.positive_int import integer_of_any_kind, real_of_any_kind
+from shardlib.structured_output import StructuredOutput
 
 MIN_SEED, MAX_SEED = -2**63, 2**63 - 1
 """A seed is any signed 64-bit integer, as OpenAI's API takes it (torch reads a negative one modulo 2**64)."""
@@ -67,9 +68,15 @@ class SamplingParams:
     {token_id: bias}, each bias in [-100, 100]. Kept as a tuple of (token_id, bias) pairs in id
     order (the params stay hashable); token ids are checked against the vocabulary with the
     request (shardlib/request_checks.py)."""
+    structured_output: StructuredOutput | None = None
+    """What the output must match (shardlib/structured_output.py): at each step the group's leader
+    allows only the tokens that keep the output a prefix of a match (after penalties and bias), and
+    ends the request ("stop") once the output is a whole match that cannot go on."""
 
     def __post_init__(self) -> None:
         _plain_numbers(self)
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            raise ValueError(f"structured_output={self.structured_output!r} must be a StructuredOutput (or None)")
         k = self.top_k
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise ValueError(f"top_k={k!r} must be an integer >= 0 (0 turns top-k off)")

@@ -235,6 +235,7 @@ class RankWorker:
             fuse_projections(model)
         self._model = self._backend.prepare_model(model, self._compile_options(load_spec))
         self._buckets = load_spec.buckets
+        self._vocabulary = (load_spec.model_dir, load_spec.config.vocab_size)  # structured output's tokenizer
         return LoadStats(load_time_s=time.perf_counter() - start, shard_bytes=shard_bytes,
                          peak_rss_bytes=peak_rss_bytes(), source=source, compile=self.compile_stats(),
                          decode_read_bytes=decode_read_bytes)
@@ -306,13 +307,29 @@ class RankWorker:
         start = time.perf_counter()
         loop = ServingLoop(model, ServingConfig(spec.max_num_seqs, spec.max_prefill_tokens, slots, shapes,
                                                spec.burst_wait_s),
-                           self._run_batch)
+                           self._run_batch, self._grammar_tokenizer())
         if shapes is not None and spec.warm_up_max_length is not None and hasattr(model, "warming_up"):
             with model.warming_up():
                 loop.warm_up(shapes.shapes(spec.warm_up_max_length or None), progress=self._graph_progress)
         self._loop = self._prepared_loop = loop
         return {"rank": self.spec.rank, "cache_bytes": loop.cache.nbytes(), "prepare_s": time.perf_counter() - start,
                 "compile": self.compile_stats()}  # the warm-up's graphs: built at start, not in a request
+
+    def _grammar_tokenizer(self):
+        """The leader's tokenizer for structured output (built at its first structured request);
+        None on the other ranks, which never choose tokens."""
+        if self.spec.rank != 0:
+            return None
+        from workers.structured.matchers import GrammarTokenizer
+
+        model_dir, vocab_size = self._vocabulary
+
+        def load():
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(model_dir)
+
+        return GrammarTokenizer(load, vocab_size)
 
     def serve(self) -> dict:
         """Run the serving loop until stop_serving(); the loop's step counters when it ends."""

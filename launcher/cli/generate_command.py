@@ -9,6 +9,7 @@ from pathlib import Path
 
 from launcher.cli.options import (add_max_num_seqs, add_model_and_placement_arguments, int_at_least,
                                   in_generate_flags, max_num_seqs_option, model_and_placement_options, with_flag_name)
+from launcher.cli.structured_flags import add_structured_flags, structured_output
 
 
 def add_parser(subparsers) -> None:
@@ -50,6 +51,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--prompt-logprobs", type=int, metavar="N",
                    help="score each prompt: every prompt token's log-probability given those before it and the N "
                         "most likely there (0..20), in --json's outputs (prompt_logprobs) and summed on stderr")
+    add_structured_flags(p)
     p.add_argument("--ray-address", help="Ray cluster host:port, or local for a private one (default: RAY_ADDRESS, else the cluster `ray start` recorded on this host, else a private one)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(run=run)
@@ -74,6 +76,9 @@ def _sampling(args):
         raise ValueError(f"--min-tokens ({args.min_tokens}) must be at most --max-new-tokens ({args.max_new_tokens})")
     if args.logit_bias:
         penalties["logit_bias"] = _logit_bias(args.logit_bias)
+    structure = structured_output(args)
+    if structure is not None:
+        penalties["structured_output"] = structure
     try:
         return SamplingParams(**given, **penalties)
     except ValueError as err:  # its message names the field: name the flag

@@ -35,6 +35,7 @@ from workers.serving.scheduler import Scheduler, Sequence
 from workers.serving.step_inputs import decode_inputs, prefill_batches, prefill_inputs
 from workers.serving.step_plan import Command, DecodeRow, PlanCodec, PrefillChunk, StepPlan
 from workers.serving.token_choice import choose, request_generator
+from workers.structured.matchers import start_matcher
 
 HEARTBEAT_S = 0.2
 """An idle leader sends an IDLE plan this often: followers wait in a collective for the next plan,
@@ -65,10 +66,16 @@ def _own_copy(row: torch.Tensor) -> torch.Tensor:
 
 
 class ServingLoop:
-    def __init__(self, model, config: ServingConfig, run_static=None) -> None:
+    def __init__(self, model, config: ServingConfig, run_static=None, grammar_tokenizer=None) -> None:
         """model: a ShardedCausalLM or CompiledCausalLM (anything with serve_step, new_cache,
-        collectives, device). run_static(request) -> outputs runs one static batch."""
+        collectives, device). run_static(request) -> outputs runs one static batch.
+        grammar_tokenizer: the leader's GrammarTokenizer (workers/structured/matchers.py), which
+        structured requests need; None: they fail, each alone."""
         self.model, self.config = model, config
+        self.grammar_tokenizer = grammar_tokenizer
+        self._awaiting_grammar: list[Sequence] = []
+        """Structured requests that arrived before the grammar tokenizer was built (it is built on a
+        thread at the first one): admitted once it is, so the running requests never wait for it."""
         self.collectives = model.collectives
         self.is_leader = self.collectives.rank == 0
         self.device = getattr(model, "device", torch.device("cpu"))
@@ -197,6 +204,7 @@ class ServingLoop:
                 return
             if idle:  # waiting for work and gathering a burst are not the loop's own time
                 started = time.perf_counter()
+            self._admit_awaiting()
             static_id = self._next_static()
             if static_id is not None:
                 self._broadcast(StepPlan(Command.STATIC, static_id=static_id))
@@ -258,21 +266,60 @@ class ServingLoop:
                     continue
                 seq = Sequence(request)
                 seq.generator = request_generator(seq, self.device)
-                try:
-                    self.scheduler.add(seq)
-                except ValueError:
-                    events.append(TokenEvent(request.request_id, [], "abort"))
+                if request.sampling.structured_output is not None and self._grammar_pending():
+                    self._awaiting_grammar.append(seq)
+                else:
+                    self._admit(seq, events)
         elif kind == "cancel":
             for rid in payload:
-                if self.scheduler.cancel(rid) is not None:
+                if self.scheduler.cancel(rid) is not None or self._drop_awaiting(rid):
                     events.append(TokenEvent(rid, [], "abort"))
         return kind == "stop"
+
+    def _admit(self, seq: Sequence, events: list[TokenEvent]) -> None:
+        """Queue a submitted request for a row; a structured one gets its grammar first."""
+        request = seq.request
+        if request.sampling.structured_output is not None:
+            try:
+                seq.grammar = self._grammar(request)
+            except Exception as err:  # noqa: BLE001 - this request's alone
+                events.append(TokenEvent(request.request_id, [], "error", error=str(err)))
+                return
+        try:
+            self.scheduler.add(seq)
+        except ValueError:
+            events.append(TokenEvent(request.request_id, [], "abort"))
+
+    def _grammar_pending(self) -> bool:
+        """Whether the grammar tokenizer is still being built (the first call starts it)."""
+        return self.grammar_tokenizer is not None and not self.grammar_tokenizer.ready()
+
+    def _admit_awaiting(self) -> None:
+        """Admit the structured requests that waited for the grammar tokenizer, once it is built."""
+        if not self._awaiting_grammar or self._grammar_pending():
+            return
+        events, waited, self._awaiting_grammar = [], self._awaiting_grammar, []
+        for seq in waited:
+            self._admit(seq, events)
+        self.outbox.put(events, self.scheduler.load())
+
+    def _drop_awaiting(self, request_id: str) -> bool:
+        kept = [s for s in self._awaiting_grammar if s.request.request_id != request_id]
+        dropped, self._awaiting_grammar = len(kept) < len(self._awaiting_grammar), kept
+        return dropped
+
+    def _grammar(self, request: StreamRequest):
+        """The request's RequestGrammar, past the tokens it delivered before a group fault."""
+        delivered = request.prompt_token_ids[len(request.prompt_token_ids) - request.draws_before:]
+        return start_matcher(self.grammar_tokenizer, request.sampling.structured_output, delivered)
 
     def _fail_all(self, why: str) -> None:
         events = []
         for seq in list(self.scheduler.running.values()) + list(self.scheduler.waiting):
             self.scheduler.cancel(seq.request.request_id)
             events.append(TokenEvent(seq.request.request_id, [], "abort"))
+        events.extend(TokenEvent(seq.request.request_id, [], "abort") for seq in self._awaiting_grammar)
+        self._awaiting_grammar = []
         self.outbox.put(events, self.scheduler.load())
 
     # ---- forwards, the same on every rank ----------------------------------------------------------
@@ -335,10 +382,17 @@ class ServingLoop:
             sequences, logits, tokens, logprobs, events = self._choose_alone(sequences, logits)
         chosen_at = time.perf_counter()
         for i, (seq, token) in enumerate(zip(sequences, tokens)):
+            request = seq.request
+            try:  # a whole match of the request's structured output that cannot go on ends it
+                matched = (seq.grammar is not None and token not in request.stop_token_ids
+                           and seq.grammar.advance(token))
+            except ValueError as err:
+                events.append(TokenEvent(request.request_id, [], "error", error=str(err)))
+                self.scheduler.finish(seq)
+                continue
             seq.generated += 1
             seq.output_ids.append(token)
-            request = seq.request
-            reason = ("stop" if token in request.stop_token_ids
+            reason = ("stop" if token in request.stop_token_ids or matched
                       else "length" if seq.generated >= request.max_tokens else None)
             events.append(TokenEvent(request.request_id, [token], reason,
                                      None if logprobs[i] is None else [logprobs[i]],

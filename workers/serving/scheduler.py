@@ -39,6 +39,9 @@ class Sequence:
     """A sampled request's base seed (workers/serving/token_choice.py reseeds per draw from it)."""
     prompt_ids: object = None
     """The prompt's ids as a tensor, made at its first penalised step (workers/serving/token_choice.py)."""
+    grammar: object = None
+    """With structured output: the leader's RequestGrammar (workers/structured/matchers.py), which
+    every chosen token advances."""
     prompt_logprobs: list = field(default_factory=list)
     """The leader's prompt log-probabilities so far (TokenLogprob per prompt token after the first),
     when the request asked for them."""

@@ -10,6 +10,7 @@ from workers.penalties import penalized
 from workers.sampling import hashed_seed, sample, sampling_device
 from workers.serving.requests import TokenLogprob
 from workers.serving.scheduler import Sequence
+from workers.structured.token_masks import allowed_tokens, mask_rows
 
 
 def request_generator(sequence: Sequence, device: torch.device) -> torch.Generator | None:
@@ -45,6 +46,11 @@ def choose(logits: torch.Tensor, sequences: list[Sequence]) -> tuple[list[int], 
     if any(s.request.sampling.adjusts_logits(s.request.draws_before + s.generated) for s in sequences):
         prompts, outputs = zip(*(_history(s) for s in sequences))
         scores = penalized(logits, params, prompts, outputs, [s.request.stop_token_ids for s in sequences])
+    structured = [i for i, s in enumerate(sequences) if s.grammar is not None]
+    if structured:  # after the penalties: min_tokens' held-back stop tokens stay held back
+        allowed = allowed_tokens([sequences[i].grammar for i in structured], scores.shape[-1],
+                                 [sequences[i].request.stop_token_ids for i in structured])
+        scores = mask_rows(scores, structured, allowed)
     tokens = sample(scores, params, [s.generator for s in sequences]).tolist()
     logprobs: list[TokenLogprob | None] = [None] * len(sequences)
     wanted = [i for i, s in enumerate(sequences) if s.request.logprobs is not None]

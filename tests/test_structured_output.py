@@ -1,0 +1,316 @@
+"""Structured output: the request's shape checks, llguidance's grammar checks, the leader's token
+masks, and the serving loop matching JSON schemas, regular expressions, choices and Lark grammars on
+a random model with SmolLM2's vocabulary and tokenizer (in-process), then the driver API and the
+CLI flags. Over HTTP with the real model: tests/test_openai_server.py."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import threading
+import time
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+
+from shardlib.model_config import ModelConfig
+from shardlib.sampling_params import SamplingParams
+from shardlib.structured_output import StructuredOutput
+from tests.model_factory import build_random_model, save_model
+from tests.serving_driver import collect, request, run_loops, stop
+from tests.tp_harness import build_rank_model, hf_state_dict
+from workers.collectives import SingleRank
+from workers.serving.loop import ServingConfig, ServingLoop
+from workers.structured.grammars import check_structured_output, grammar_problem
+from workers.structured.matchers import GrammarTokenizer
+from workers.structured.token_masks import allowed_tokens, mask_rows
+
+VOCAB = 49152  # SmolLM2's: the random model's logits are as wide as the real tokenizer
+EOS = 2
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                             "maximum": 99}},
+          "required": ["ok", "n"], "additionalProperties": False}
+KINDS = {
+    "json": StructuredOutput(json=SCHEMA),
+    "choice": StructuredOutput(choice=["yes", "no", "maybe so"]),
+    "regex": StructuredOutput(regex=r"[0-9]{3}-[a-z]{2}"),
+    "grammar": StructuredOutput(grammar='start: "(" NUMBER ")"\nNUMBER: /[1-9][0-9]?/'),
+}
+
+
+def matches(kind: str, text: str) -> bool:
+    if kind == "json":
+        jsonschema.validate(json.loads(text), SCHEMA)
+        return True
+    if kind == "choice":
+        return text in KINDS["choice"].choice
+    if kind == "regex":
+        return re.fullmatch(KINDS["regex"].regex, text) is not None
+    return re.fullmatch(r"\([1-9][0-9]?\)", text) is not None
+
+
+# ---- the request's shape and llguidance's checks ----------------------------------------------
+@pytest.mark.parametrize("fields, words", [
+    ({}, "names nothing"),
+    ({"regex": "a", "choice": ["a"]}, "names regex and choice"),
+    ({"json": "{not json"}, "is not valid JSON"),
+    ({"json": [1, 2]}, "must be a JSON object"),
+    ({"json": {"x": float("nan")}}, "cannot be written as JSON"),
+    ({"regex": ""}, "regex='' must be a non-empty string"),
+    ({"grammar": 5}, "grammar=5 must be a non-empty string"),
+    ({"choice": "yes"}, "must be a non-empty list of strings"),
+    ({"choice": []}, "must be a non-empty list of strings"),
+    ({"choice": ["a", ""]}, "choice[1]='' must be a non-empty string"),
+    ({"json_object": 1}, "json_object=1 must be True or False"),
+], ids=["none", "two", "bad-json-text", "schema-not-object", "nan", "empty-regex", "grammar-not-text",
+        "choice-string", "choice-empty", "choice-empty-item", "json-object-number"])
+def test_a_structured_output_names_exactly_one_well_formed_thing(fields, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        StructuredOutput(**fields)
+
+
+def test_a_schema_is_kept_as_json_text_in_its_own_order_and_params_stay_hashable():
+    spec = StructuredOutput(json={"z": 1, "a": {"é": True}})
+    assert spec.json == '{"z": 1, "a": {"é": true}}' and spec.kind == "json"
+    assert StructuredOutput(json=spec.json) == spec  # the text form is the same request
+    params = SamplingParams(structured_output=StructuredOutput(choice=["a", "b"]))
+    assert params.structured_output.choice == ("a", "b") and hash(params) == hash(
+        SamplingParams(structured_output=StructuredOutput(choice=("a", "b"))))
+    with pytest.raises(ValueError, match=r"structured_output=\{'regex': 'a'\} must be a StructuredOutput"):
+        SamplingParams(structured_output={"regex": "a"})
+
+
+@pytest.mark.parametrize("spec, words", [
+    (StructuredOutput(regex="(a"), "unclosed group"),
+    (StructuredOutput(json={"type": "nonsense"}), "Invalid type: nonsense"),
+    (StructuredOutput(json={"properties": {"a": {"$ref": "#/nowhere"}}}), "'/nowhere' does not exist"),
+    (StructuredOutput(grammar="start: undefined_rule"), "unknown name"),
+], ids=["regex", "schema-type", "schema-ref", "lark-rule"])
+def test_a_grammar_llguidance_cannot_compile_is_refused_with_its_reason(spec, words):
+    assert words in grammar_problem(spec)
+    with pytest.raises(ValueError, match=re.escape(f"structured_output ({spec.describe()}) cannot be used:")):
+        check_structured_output(spec)
+
+
+def test_grammars_that_compile_have_no_problem():
+    for spec in [*KINDS.values(), StructuredOutput(json_object=True)]:
+        assert grammar_problem(spec) is None
+        check_structured_output(spec)
+
+
+# ---- the leader's masks ------------------------------------------------------------------------
+class FixedGrammar:
+    """A RequestGrammar stand-in that allows a fixed set of tokens (the bit layout is llguidance's)."""
+
+    def __init__(self, allowed: list[int], vocab: int, accepting: bool = False) -> None:
+        self.allowed, self.vocab_size, self.words, self._accepting = allowed, vocab, (vocab + 31) // 32, accepting
+
+    def write_mask(self, words) -> None:
+        for t in self.allowed:
+            words[t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
+
+    def accepting(self) -> bool:
+        return self._accepting
+
+
+def test_allowed_tokens_read_llguidances_bits_token_by_token():
+    grammars = [FixedGrammar([0, 31, 32, 63, 99], 100), FixedGrammar([5], 100, accepting=True)]
+    allowed = allowed_tokens(grammars, 100, [(7,), (7, 8, 500)])
+    assert allowed.shape == (2, 100) and allowed.dtype == torch.bool
+    assert torch.nonzero(allowed[0]).flatten().tolist() == [0, 31, 32, 63, 99]  # not accepting: no ending id
+    assert torch.nonzero(allowed[1]).flatten().tolist() == [5, 7, 8]  # accepting: the row's ending ids too
+
+
+def test_logits_wider_than_the_tokenizer_never_allow_the_extra_columns():
+    allowed = allowed_tokens([FixedGrammar([3, 40], 41)], 64, [()])
+    assert torch.nonzero(allowed[0]).flatten().tolist() == [3, 40]
+
+
+def test_masking_copies_the_scores_and_refuses_a_row_left_with_nothing():
+    scores = torch.zeros(3, 8)
+    allowed = torch.tensor([[True, False] * 4, [False] * 7 + [True]])
+    masked = mask_rows(scores, [0, 2], allowed)
+    assert torch.equal(scores, torch.zeros(3, 8))  # the raw logits stay for the log-probabilities
+    assert torch.isinf(masked[0, 1::2]).all() and (masked[0, ::2] == 0).all()
+    assert (masked[1] == 0).all() and torch.isinf(masked[2, :7]).all() and masked[2, 7] == 0
+    dead = torch.tensor([[False] * 8])
+    with pytest.raises(ValueError, match="no token is left that continues the structured output"):
+        mask_rows(scores, [1], dead)
+
+
+# ---- the serving loop, on the leader -----------------------------------------------------------
+@pytest.fixture(scope="module")
+def wide_model():
+    hf = build_random_model("llama", seed=3, vocab_size=VOCAB)
+    return hf
+
+
+def fresh_loop(hf, tokenizer, max_num_seqs: int = 4, grammar_tokenizer="default") -> ServingLoop:
+    model = build_rank_model(ModelConfig.from_dict(hf.config.to_dict()), hf_state_dict(hf), 0, 1, SingleRank())
+    if grammar_tokenizer == "default":
+        grammar_tokenizer = GrammarTokenizer(lambda: tokenizer, VOCAB)
+    return ServingLoop(model, ServingConfig(max_num_seqs, 64, 256), grammar_tokenizer=grammar_tokenizer)
+
+
+def run(loop: ServingLoop, requests) -> object:
+    threads = run_loops([loop])
+    try:
+        loop.submit(requests)
+        return collect(loop, {r.request_id for r in requests})
+    finally:
+        stop([loop], threads)
+
+
+def structured(rid, prompt, spec, max_tokens=40, **sampling):
+    return request(rid, prompt, max_tokens, sampling=SamplingParams(structured_output=spec, **sampling),
+                   stop_token_ids=(EOS,))
+
+
+def test_each_kind_is_matched_and_ends_the_request_beside_a_plain_one(wide_model, smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    prompt = tok.encode("Answer:")
+    [plain_alone] = run(fresh_loop(wide_model, tok), [request("plain", prompt, 12)]).tokens.values()
+    requests = [structured(f"{kind}-{how}", prompt, spec, **params) for kind, spec in KINDS.items()
+                for how, params in (("greedy", {}), ("sampled", {"temperature": 1.0, "seed": 11}))]
+    out = run(fresh_loop(wide_model, tok), requests[:4] + [request("plain", prompt, 12)])
+    out2 = run(fresh_loop(wide_model, tok), requests[4:])
+    out.tokens.update(out2.tokens)
+    out.finish.update(out2.finish)
+    for r in requests:
+        kind = r.request_id.split("-")[0]
+        text = tok.decode(out.tokens[r.request_id])
+        assert out.finish[r.request_id] == "stop" and len(out.tokens[r.request_id]) < 40, (r.request_id, text)
+        assert matches(kind, text), (r.request_id, text)
+        assert EOS not in out.tokens[r.request_id]  # a whole match that cannot go on ends without one
+    assert out.tokens["plain"] == plain_alone  # another row's mask never reaches it
+
+
+def test_a_resumed_request_goes_on_matching_from_its_delivered_tokens(wide_model, smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    prompt = tok.encode("JSON please:")
+    whole = run(fresh_loop(wide_model, tok), [structured("a", prompt, KINDS["json"])]).tokens["a"]
+    k = 4
+    resumed = request("a", prompt + whole[:k], 40 - k, draws_before=k, stop_token_ids=(EOS,),
+                      sampling=SamplingParams(structured_output=KINDS["json"]))
+    out = run(fresh_loop(wide_model, tok), [resumed])
+    assert whole[:k] + out.tokens["a"] == whole and out.finish["a"] == "stop"
+
+
+def test_without_a_grammar_tokenizer_a_structured_request_fails_alone(wide_model, smollm2_tokenizer):
+    prompt = smollm2_tokenizer.encode("Hi")
+    out = run(fresh_loop(wide_model, smollm2_tokenizer, grammar_tokenizer=None),
+              [structured("s", prompt, KINDS["regex"]), request("plain", prompt, 3)])
+    assert out.finish == {"s": "error", "plain": "length"} and len(out.tokens["plain"]) == 3
+    [error] = [e.error for e in out.events if e.request_id == "s"]
+    assert "needs the model's tokenizer" in error
+
+
+def test_a_tokenizer_that_fails_to_load_is_named_to_each_structured_request(wide_model, smollm2_tokenizer):
+    def broken():
+        raise OSError("no tokenizer.json in /models/x")
+    prompt = smollm2_tokenizer.encode("Hi")
+    out = run(fresh_loop(wide_model, smollm2_tokenizer, grammar_tokenizer=GrammarTokenizer(broken, VOCAB)),
+              [structured("s", prompt, KINDS["choice"]), request("plain", prompt, 3)])
+    assert out.finish == {"s": "error", "plain": "length"}
+    [error] = [e.error for e in out.events if e.request_id == "s"]
+    assert "loading it on the group's leader failed: OSError: no tokenizer.json in /models/x" in error
+
+
+def test_structured_requests_wait_for_the_tokenizer_while_the_others_run(wide_model, smollm2_tokenizer):
+    """The tokenizer is built on a thread at the first structured request; the plain request running
+    meanwhile goes on step by step, a waiting one can be cancelled, and the rest start once it is built."""
+    release = threading.Event()
+
+    def slow():
+        assert release.wait(60)
+        return smollm2_tokenizer
+    loop = fresh_loop(wide_model, smollm2_tokenizer, grammar_tokenizer=GrammarTokenizer(slow, VOCAB))
+    prompt = smollm2_tokenizer.encode("Hi")
+    threads = run_loops([loop])
+    try:
+        loop.submit([request("plain", prompt, 6), structured("s", prompt, KINDS["choice"]),
+                     structured("gone", prompt, KINDS["choice"])])
+        plain = collect(loop, {"plain"})
+        assert plain.finish == {"plain": "length"} and len(plain.tokens["plain"]) == 6
+        loop.cancel(["gone"])
+        cancelled = collect(loop, {"gone"})
+        assert cancelled.finish == {"gone": "abort"} and not cancelled.tokens["gone"]
+        release.set()
+        out = collect(loop, {"s"})
+    finally:
+        release.set()
+        stop([loop], threads)
+    assert out.finish == {"s": "stop"} and smollm2_tokenizer.decode(out.tokens["s"]) in KINDS["choice"].choice
+
+
+def test_min_tokens_holds_the_end_back_inside_what_the_grammar_allows(wide_model, smollm2_tokenizer):
+    """A regex that may end or go on: min_tokens holds EOS back, so it goes on to at least that many."""
+    tok = smollm2_tokenizer
+    spec = StructuredOutput(regex=r"[a-z]+")
+    out = run(fresh_loop(wide_model, tok), [structured("m", tok.encode("Word:"), spec, max_tokens=12, min_tokens=5)])
+    assert len(out.tokens["m"]) >= 5
+    text = tok.decode([t for t in out.tokens["m"] if t != EOS])
+    assert re.fullmatch(r"[a-z]+", text), text
+
+
+# ---- the driver API ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model_dir_with_tokenizer(tmp_path_factory, wide_model):
+    from shardlib.demo_model import ensure_demo_model
+
+    path = save_model(wide_model, tmp_path_factory.mktemp("structured"))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ensure_demo_model() / name, path / name)
+    return str(path)
+
+
+def test_the_driver_api_matches_and_refuses_before_submitting(model_dir_with_tokenizer, in_process_cluster):
+    from launcher.api import Launcher
+
+    choice = SamplingParams(structured_output=KINDS["choice"])
+    with Launcher(model=model_dir_with_tokenizer, tp=1, max_num_seqs=2, progress=False, compile=False) as llm:
+        streamed = "".join(d.text for d in llm.stream("Pick:", choice, max_new_tokens=20))
+        results = llm.generate(["Pick:", "Number:"], [choice, SamplingParams(structured_output=KINDS["regex"])],
+                               max_new_tokens=20)
+        with pytest.raises(ValueError, match=r"structured_output \(regex '\(a'\) cannot be used: .*unclosed group"):
+            llm.stream("x", SamplingParams(structured_output=StructuredOutput(regex="(a")))
+        with pytest.raises(ValueError, match="needs batching='continuous'"):
+            llm.generate(["x"], choice, batching="static")
+        assert llm.load() == {"running": 0, "waiting": 0}  # nothing refused was submitted
+    assert streamed in KINDS["choice"].choice
+    assert results[0].text in KINDS["choice"].choice and matches("regex", results[1].text)
+    assert [r.finish_reason for r in results] == ["stop", "stop"]
+
+
+# ---- the CLI's flags -----------------------------------------------------------------------------
+def generate_args(*flags):
+    import argparse
+
+    from launcher.cli.structured_flags import add_structured_flags
+
+    parser = argparse.ArgumentParser()
+    add_structured_flags(parser)
+    return parser.parse_args(list(flags))
+
+
+def test_the_generate_flags_make_each_kind_and_name_themselves_when_wrong(tmp_path):
+    from launcher.cli.structured_flags import structured_output
+
+    schema_file = tmp_path / "schema.json"
+    schema_file.write_text(json.dumps(SCHEMA))
+    assert structured_output(generate_args("--json-schema", str(schema_file))) == KINDS["json"]
+    assert structured_output(generate_args("--json-schema", json.dumps(SCHEMA))) == KINDS["json"]
+    assert structured_output(generate_args("--choice", "yes", "--choice", "no")).choice == ("yes", "no")
+    assert structured_output(generate_args("--json-object")) == StructuredOutput(json_object=True)
+    assert structured_output(generate_args()) is None
+    with pytest.raises(ValueError, match=r"^--regex \(regex '\(a'\) cannot be used: .*unclosed group"):
+        structured_output(generate_args("--regex", "(a"))
+    with pytest.raises(ValueError, match=r"^--json-schema 'missing.json' must be a file holding a JSON schema"):
+        structured_output(generate_args("--json-schema", "missing.json"))
+    with pytest.raises(ValueError, match=r"^--json-schema: json schema \[1\] must be a JSON object"):
+        structured_output(generate_args("--json-schema", "[1]"))
+    with pytest.raises(SystemExit):
+        generate_args("--regex", "a", "--choice", "b")

@@ -1,0 +1,104 @@
+"""The group leader's side of structured output: an llguidance tokenizer built once per serving
+loop, and one matcher per structured request, which follows the request's tokens as they are chosen.
+
+Only rank 0 chooses tokens, so only rank 0 holds these; the other ranks never see a grammar."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+
+from shardlib.structured_output import StructuredOutput
+
+TOKENIZER_WAIT_S = 300.0
+"""How long a structured request waits for the leader's grammar tokenizer, which is built in the
+background from the start of serving (under a second for a 49k vocabulary, a few for 150k)."""
+
+
+class GrammarTokenizer:
+    """llguidance's view of the model's tokenizer (every token's bytes), built on a thread when the
+    first structured request arrives: serving that never sees one never pays for it, and the
+    requests already running go on while it is built."""
+
+    def __init__(self, load_tokenizer: Callable[[], object], vocab_size: int) -> None:
+        """load_tokenizer() -> a Hugging Face fast tokenizer; vocab_size: the model's logits' width
+        (a tokenizer may have fewer tokens than the embedding has rows, never more that can be chosen)."""
+        self._load, self.vocab_size = load_tokenizer, vocab_size
+        self._value = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._build, name="corelaunch-grammar-tokenizer", daemon=True)
+        self._started = False
+
+    def ready(self) -> bool:
+        """Whether the tokenizer is built (or failed to be); the first call starts building it."""
+        if not self._started:
+            self._started = True
+            self._thread.start()
+        return not self._thread.is_alive()
+
+    def _build(self) -> None:
+        try:
+            import llguidance.hf
+
+            tokenizer = self._load()
+            self._value = llguidance.hf.from_tokenizer(tokenizer, n_vocab=max(self.vocab_size, len(tokenizer)))
+        except BaseException as err:  # noqa: BLE001 - reported to every structured request
+            self._error = err
+
+    def get(self, timeout_s: float = TOKENIZER_WAIT_S):
+        """The llguidance tokenizer; ValueError saying why there is none."""
+        self.ready()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise ValueError(f"the model's tokenizer for structured output was not ready after {timeout_s:g} s")
+        if self._error is not None:
+            raise ValueError(f"structured output needs the model's tokenizer, and loading it on the group's "
+                             f"leader failed: {type(self._error).__name__}: {self._error}")
+        return self._value
+
+
+def start_matcher(tokenizer: GrammarTokenizer | None, spec: StructuredOutput, delivered: Sequence[int] = ()):
+    """A RequestGrammar for spec, advanced past `delivered` (the tokens a request resumed after a
+    group fault had already streamed). ValueError saying why there is none."""
+    from llguidance import LLMatcher
+
+    from workers.structured.grammars import grammar_text
+
+    if tokenizer is None:
+        raise ValueError("structured output needs the model's tokenizer on the group's leader, and this serving "
+                         "loop was started without one")
+    llg_tokenizer = tokenizer.get()
+    matcher = LLMatcher(llg_tokenizer, grammar_text(spec))
+    if matcher.is_error():
+        raise ValueError(f"structured output ({spec.describe()}) cannot be used: {matcher.get_error()}")
+    grammar = RequestGrammar(matcher, llg_tokenizer.vocab_size)
+    for token in delivered:
+        grammar.advance(token)
+    return grammar
+
+
+class RequestGrammar:
+    """One request's matcher and the width of the masks it writes (its tokenizer's vocabulary)."""
+
+    def __init__(self, matcher, vocab_size: int) -> None:
+        self.matcher, self.vocab_size = matcher, vocab_size
+        self.words = (vocab_size + 31) // 32
+        """32-bit words in its mask: token t is bit t % 32 of word t // 32."""
+
+    def write_mask(self, words) -> None:
+        """Write the allowed next tokens into `words` (a contiguous int32 numpy array of self.words)."""
+        self.matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+        if self.matcher.is_error():
+            raise ValueError(f"the structured output's matcher failed: {self.matcher.get_error()}")
+
+    def accepting(self) -> bool:
+        """Whether the output so far is a whole match (ending it here is allowed)."""
+        return self.matcher.is_accepting()
+
+    def advance(self, token: int) -> bool:
+        """Feed the chosen token; True when the output is now a whole match that cannot go on (the
+        request ends there). ValueError when the grammar refuses it (only a token the mask allowed
+        is chosen, so that is a fault of the matcher, or a resumed request's history that differs)."""
+        if not self.matcher.consume_token(token):
+            raise ValueError(f"the structured output's matcher refused token {token}: {self.matcher.get_error()}")
+        return self.matcher.is_stopped()
