@@ -227,8 +227,8 @@ def test_unsupported_parameters_are_taken_at_the_value_that_asks_for_nothing():
             (completion, "best_of", 2, "best_of (2) must be 1 (best_of is not supported"),
             (completion, "suffix", "end", "suffix ('end') must be an empty string (suffix is not supported)"),
             (completion, "echo", 0, "echo (0) must be true or false"),  # a number is no boolean (0 was taken)
-            (chat, "response_format.type", {"type": "json_object"},
-             "response_format.type ('json_object') must be \"text\" (structured output is not supported)")):
+            (chat, "response_format.type", {"type": "xml"},
+             "response_format.type ('xml') must be \"text\", \"json_object\" or \"json_schema\"")):
         err = refusal(parse, **{field.split(".")[0]: value})
         assert err.param == field and words in err.message, err.message
 
@@ -1527,6 +1527,55 @@ def test_vllm_prompt_logprobs_score_chat_and_completion_prompts(client, hf):
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, stream=True,
                                   extra_body={"prompt_logprobs": 0})
     assert caught.value.status_code == 400 and "not available with stream: true" in str(caught.value)
+
+
+@pytest.mark.slow
+def test_structured_output_over_http(client):
+    """OpenAI's response_format (json_schema through the client's own parse(), json_object) and vLLM's
+    structured_outputs (choice, regex), streamed and not; a schema llguidance cannot compile is a 400
+    naming the field."""
+    import json
+
+    import jsonschema
+    from pydantic import BaseModel
+
+    class Capital(BaseModel):
+        country: str
+        capital: str
+
+    asked = [{"role": "user", "content": "What is the capital of France? Reply in JSON with country and capital."}]
+    parsed = client.chat.completions.parse(model=MODEL, messages=asked, response_format=Capital, max_tokens=40,
+                                           temperature=0)
+    choice = parsed.choices[0]
+    assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Capital), choice.message.content
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]},
+                                               "confidence": {"type": "integer", "minimum": 0, "maximum": 100}},
+              "required": ["answer", "confidence"], "additionalProperties": False}
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Is Paris in France?"}], max_tokens=40, temperature=0.8,
+        seed=3, stream=True, response_format={"type": "json_schema", "json_schema": {"name": "verdict",
+                                                                                     "schema": schema}})
+    chunks = list(stream)
+    jsonschema.validate(json.loads("".join(c.choices[0].delta.content or "" for c in chunks)), schema)
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    obj = client.chat.completions.create(model=MODEL, messages=asked, max_tokens=60, temperature=0,
+                                         response_format={"type": "json_object"})
+    if obj.choices[0].finish_reason == "stop":  # a whole object; cut by max_tokens it is a prefix of one
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    else:
+        assert obj.choices[0].message.content.startswith("{")
+    picked = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=10, n=2,
+                                       temperature=1.0, extra_body={"structured_outputs": {"choice": ["Paris",
+                                                                                                     "Lyon"]}})
+    assert {c.text for c in picked.choices} <= {"Paris", "Lyon"} and {c.finish_reason for c in picked.choices} == {"stop"}
+    dated = client.completions.create(model=MODEL, prompt="The year France became a republic:", max_tokens=10,
+                                      temperature=0, extra_body={"structured_outputs": {"regex": "1[0-9]{3}"}})
+    assert re.fullmatch("1[0-9]{3}", dated.choices[0].text) and dated.choices[0].finish_reason == "stop"
+    with pytest.raises(Exception) as caught:
+        client.chat.completions.create(model=MODEL, messages=asked, max_tokens=5, response_format={
+            "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "nonsense"}}})
+    assert caught.value.status_code == 400 and caught.value.body["param"] == "response_format.json_schema.schema"
+    assert "Invalid type: nonsense" in caught.value.body["message"]
 
 
 @pytest.mark.slow

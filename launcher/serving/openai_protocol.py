@@ -13,7 +13,10 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+
+from launcher.serving.null_means_default import NullMeansDefault
+from launcher.serving.response_formats import ResponseFormat, StructuredOutputs, requested_structure
 
 from shardlib.sampling_params import (MAX_LOGIT_BIAS, MAX_PENALTY, MAX_SEED, MAX_TEMPERATURE, MIN_REPETITION_PENALTY,
                                      MIN_SEED)
@@ -75,8 +78,21 @@ FIELD_RULES = {
     # that send every parameter send these), refused otherwise
     "best_of": "1 (best_of is not supported; only 1 is accepted)",
     "suffix": "an empty string (suffix is not supported)",
-    "response_format": "{\"type\": \"text\"} (structured output is not supported)",
-    "response_format.type": "\"text\" (structured output is not supported)",
+    "response_format": "an object {\"type\": \"text\"}, {\"type\": \"json_object\"} or {\"type\": \"json_schema\", "
+                       "\"json_schema\": {\"name\": ..., \"schema\": {...}}}",
+    "response_format.type": "\"text\", \"json_object\" or \"json_schema\"",
+    "response_format.json_schema": "an object {\"name\": ..., \"schema\": {...}, \"description\": ..., \"strict\": ...}",
+    "response_format.json_schema.name": "a string of 1 to 64 letters, digits, _ or -",
+    "response_format.json_schema.schema": "a JSON schema (an object)",
+    "response_format.json_schema.description": "a string",
+    "response_format.json_schema.strict": "true or false (the schema is enforced either way)",
+    "structured_outputs": "an object with one of json (a JSON schema), regex, choice (a list of strings), grammar "
+                          "(Lark) or json_object: true",
+    "structured_outputs.json": "a JSON schema (an object, or its JSON text)",
+    "structured_outputs.regex": "a regular expression (a string)",
+    "structured_outputs.choice": "a non-empty list of non-empty strings",
+    "structured_outputs.grammar": "a Lark grammar (a string)",
+    "structured_outputs.json_object": "true or false",
     "tools": "an empty list (tools and function calling are not supported)",
     "functions": "an empty list (function calling is not supported)",
     "tool_choice": "\"none\" or \"auto\" (with no tools either means no tool calls; tools are not supported)",
@@ -115,28 +131,13 @@ def error_body(message: str, param: str | None = None, type: str = "invalid_requ
 # ---- requests ---------------------------------------------------------------------------------
 # strict: a value of the wrong JSON type is refused, not converted ("2" or 2.0 for max_tokens, true
 # for a token id, 1 for chat's logprobs), as OpenAI refuses it; an integer still passes for a number.
-class _NullMeansDefault(BaseModel):
-    @model_validator(mode="before")
-    @classmethod
-    def _null_means_default(cls, body):
-        """OpenAI's API takes null for any optional parameter, meaning its default (clients that
-        serialise every field send them), inside stream_options too: a null field is as if it were
-        left out."""
-        return {k: v for k, v in body.items() if v is not None} if isinstance(body, dict) else body
-
-
-class StreamOptions(_NullMeansDefault):
+class StreamOptions(NullMeansDefault):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
     """Send one more chunk before [DONE] with the request's usage and no choices."""
 
 
-class TextResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    type: Literal["text"]
-
-
-class _GenerationRequest(_NullMeansDefault):
+class _GenerationRequest(NullMeansDefault):
     """Fields both endpoints share. Unknown fields are refused (a misspelt parameter would otherwise
     be silently ignored)."""
 
@@ -176,6 +177,13 @@ class _GenerationRequest(_NullMeansDefault):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     """Extension (vLLM's): the prompt's tokens scored, in vLLM's shape (vllm_prompt_logprobs), on
     completions per choice, on chat for the response; not streamed."""
+    response_format: ResponseFormat | None = None
+    """OpenAI's structured output: {"type": "json_object"} or {"type": "json_schema", "json_schema":
+    {"name", "schema", ...}} (on /v1/completions too, as vLLM takes it); "text" asks for none."""
+    structured_outputs: StructuredOutputs | None = None
+    """Extension (vLLM's): {"json": schema} or {"regex"}, {"choice"}, {"grammar"} (Lark), {"json_object": true}."""
+    _structure = PrivateAttr(None)
+    """The StructuredOutput both ask for, made and checked once by _check_combinations."""
 
     def engine_prompt_logprobs(self) -> int | None:
         """The most likely tokens the engine lists at each prompt position (None: the prompt is not
@@ -208,7 +216,7 @@ class _GenerationRequest(_NullMeansDefault):
         penalties = dict(presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                          repetition_penalty=self.repetition_penalty,
                          logit_bias={int(token): bias for token, bias in self.logit_bias.items()},
-                         min_tokens=self.min_tokens)
+                         min_tokens=self.min_tokens, structured_output=self._structure)
         if self.top_p == 0:
             return SamplingParams(temperature=0.0, seed=self.seed, **penalties)
         return SamplingParams(temperature=self.temperature, top_k=max(self.top_k, 0), top_p=self.top_p,
@@ -245,7 +253,7 @@ class CompletionRequest(_GenerationRequest):
         return [self.prompt]
 
 
-class ChatMessage(_NullMeansDefault):
+class ChatMessage(NullMeansDefault):
     # Unknown keys refused, as the request's own are: ignored, a misspelt `content` made an assistant
     # message an empty turn, and OpenAI's `refusal` and `audio` were dropped without a word. A null
     # key is left out, as OpenAI takes it.
@@ -316,7 +324,6 @@ class ChatCompletionRequest(_GenerationRequest):
     """OpenAI's newer name for max_tokens; wins when both are given."""
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: TextResponseFormat | None = None
     # Function calling and stored completions are not supported: accepted at the values that ask for
     # neither (clients that send every parameter send these), refused by name otherwise.
     tools: list = Field(default_factory=list, max_length=0)
@@ -454,6 +461,7 @@ def _check_combinations(request: _GenerationRequest) -> None:
         raise ProtocolError(f"stop_token_ids ({_short(request.stop_token_ids)}) must be "
                             f"{FIELD_RULES['stop_token_ids']}", param="stop_token_ids")
     _check_logit_bias(request.logit_bias)
+    request._structure = requested_structure(request.response_format, request.structured_outputs)
     if request.stream_options is not None and not request.stream:
         raise ProtocolError("stream_options is only allowed with stream: true", param="stream_options")
     if request.prompt_logprobs is not None and request.stream:  # as vLLM: they come with the whole response

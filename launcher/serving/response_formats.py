@@ -1,0 +1,97 @@
+"""Structured output as the OpenAI API asks for it (`response_format`) and as vLLM's extension does
+(`structured_outputs`), made into the engine's StructuredOutput (shardlib/structured_output.py) and
+checked by llguidance before anything runs."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import ConfigDict, Field
+
+from launcher.serving.null_means_default import NullMeansDefault
+from shardlib.structured_output import StructuredOutput
+
+
+class JsonSchemaFormat(NullMeansDefault):
+    # populate_by_name: the field is schema_ (pydantic's BaseModel has a `schema` method); the
+    # wire name is "schema".
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+    """Taken and ignored: the schema is enforced token by token either way."""
+
+
+class ResponseFormat(NullMeansDefault):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(NullMeansDefault):
+    """vLLM's extension, its fields as vLLM names them (grammar: in the Lark syntax llguidance reads)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+def requested_structure(response_format: ResponseFormat | None,
+                        structured_outputs: StructuredOutputs | None) -> StructuredOutput | None:
+    """The StructuredOutput a request asks for (None: plain text); ProtocolError naming the field
+    and what is wrong with it, llguidance's reason included when it cannot compile the grammar."""
+    from launcher.serving.openai_protocol import ProtocolError
+    from workers.structured.grammars import grammar_problem
+
+    if response_format is not None and response_format.type != "text" and structured_outputs is not None:
+        raise ProtocolError("response_format and structured_outputs both ask for structured output; send one of "
+                            "them", param="structured_outputs")
+    if structured_outputs is not None:
+        given = {name: value for name, value in (("json", structured_outputs.json_), ("regex", structured_outputs.regex),
+                                                 ("choice", structured_outputs.choice),
+                                                 ("grammar", structured_outputs.grammar),
+                                                 ("json_object", structured_outputs.json_object))
+                 if value is not None and value is not False}
+        param = f"structured_outputs.{next(iter(given))}" if len(given) == 1 else "structured_outputs"
+        try:
+            spec = StructuredOutput(**given)
+        except ValueError as err:
+            raise ProtocolError(f"{param}: {err}", param=param) from None
+    elif response_format is None or response_format.type == "text":
+        if response_format is not None and response_format.json_schema is not None:
+            raise ProtocolError("response_format.json_schema is only taken with type \"json_schema\"",
+                                param="response_format.json_schema")
+        return None
+    else:
+        spec, param = _openai_format(response_format)
+    problem = grammar_problem(spec)
+    if problem is not None:
+        raise ProtocolError(f"{param} cannot be used for structured output: {problem}", param=param)
+    return spec
+
+
+def _openai_format(response_format: ResponseFormat) -> tuple[StructuredOutput, str]:
+    from launcher.serving.openai_protocol import ProtocolError
+
+    described = response_format.json_schema
+    if response_format.type == "json_object":
+        if described is not None:
+            raise ProtocolError("response_format.json_schema is only taken with type \"json_schema\"; with "
+                                "\"json_object\" any JSON object is generated", param="response_format.json_schema")
+        return StructuredOutput(json_object=True), "response_format"
+    if described is None:
+        raise ProtocolError("response_format.json_schema is required with type \"json_schema\": {\"name\": ..., "
+                            "\"schema\": {...}}", param="response_format.json_schema")
+    if described.schema_ is None:
+        raise ProtocolError("response_format.json_schema.schema is required: the JSON schema the output must "
+                            "match (for any JSON object send {\"type\": \"json_object\"})",
+                            param="response_format.json_schema.schema")
+    param = "response_format.json_schema.schema"
+    try:
+        return StructuredOutput(json=described.schema_), param
+    except ValueError as err:
+        raise ProtocolError(f"{param}: {err}", param=param) from None
