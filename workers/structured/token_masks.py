@@ -20,20 +20,22 @@ def allowed_tokens(grammars: list, width: int, ending_ids: list[tuple[int, ...]]
     for i, grammar in enumerate(grammars):
         if ending_ids[i] and grammar.accepting():
             allowed[i, [t for t in ending_ids[i] if t < width]] = 1
-    return torch.from_numpy(allowed).bool()
+    return torch.from_numpy(allowed.view(np.bool_))  # 0 and 1 bytes are bools as they are: no copy
 
 
 def mask_rows(scores: torch.Tensor, rows: list[int], allowed: torch.Tensor) -> torch.Tensor:
-    """scores with every token the rows' grammars forbid at -inf (a copy: the raw logits stay as they
-    were for the log-probabilities). ValueError when a row has no token left (the grammar allows only
-    the end of the output, which min_tokens still holds back)."""
-    index = torch.tensor(rows, device=scores.device)
-    picked = scores.index_select(0, index).masked_fill(~allowed.to(scores.device), float("-inf"))
-    alive = (picked > float("-inf")).any(dim=-1)
-    if not bool(alive.all()):
+    """scores (a new tensor: the raw logits stay as they were for the log-probabilities) with every
+    token the grammars of `rows` (ascending) forbid at -inf. ValueError when such a row has no token
+    left (the grammar allows only the end of the output, which min_tokens still holds back)."""
+    allowed = allowed.to(scores.device)
+    if len(rows) == scores.shape[0]:  # every row structured: one pass, no copy of the others
+        out = picked = torch.where(allowed, scores, float("-inf"))
+    else:
+        index = torch.tensor(rows, device=scores.device)
+        picked = torch.where(allowed, scores.index_select(0, index), float("-inf"))
+        out = scores.index_copy(0, index, picked)
+    if not bool((picked.amax(dim=-1) > float("-inf")).all()):
         raise ValueError("no token is left that continues the structured output: the grammar allows only tokens "
                          "that the request's other settings remove (min_tokens holds back the end of text until "
                          "that many tokens; lower it, or give the output room to go on)")
-    out = scores.clone()
-    out.index_copy_(0, index, picked)
     return out
