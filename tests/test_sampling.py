@@ -382,3 +382,37 @@ def test_top_k_or_top_p_without_a_temperature_samples_and_a_lone_seed_is_refused
         Params(seed=7)
     logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(3))[0]
     assert len(set(draw(logits, 200, top_k=10))) > 1  # draw() seeds each request: it samples now
+
+
+def test_inverse_cdf_draws_in_proportion_and_never_a_column_of_probability_zero():
+    from workers.sampling import inverse_cdf
+
+    p = torch.tensor([0.5, 0.0, 0.25, 0.0, 0.125, 0.125] + [0.0] * 300)  # 306 columns: not whole blocks
+    u = torch.rand(40000, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    columns = inverse_cdf(p[None].expand(40000, -1).contiguous(), u)
+    share = torch.bincount(columns, minlength=306).double() / 40000
+    assert torch.allclose(share[:6], p[:6].double(), atol=0.01) and share[6:].sum() == 0 and share[1] == share[3] == 0
+
+
+def test_inverse_cdf_at_the_ends_of_u_gives_the_first_and_last_columns_that_can_be_drawn():
+    from workers.sampling import INVERSE_CDF_BLOCK, inverse_cdf
+
+    p = torch.zeros(3 * INVERSE_CDF_BLOCK + 7)
+    p[INVERSE_CDF_BLOCK + 3], p[2 * INVERSE_CDF_BLOCK + 9] = 0.75, 0.25  # in the second and third blocks
+    rows = p[None].expand(4, -1).contiguous()
+    u = torch.tensor([0.0, 0.74999, 1 - 2**-53, 1.0], dtype=torch.float64)  # 1.0: rounding's worst case
+    assert inverse_cdf(rows, u).tolist() == [INVERSE_CDF_BLOCK + 3, INVERSE_CDF_BLOCK + 3] + [2 * INVERSE_CDF_BLOCK + 9] * 2
+
+
+def test_inverse_cdf_reaches_a_long_tail_of_tiny_probabilities():
+    """float32 running totals over the vocabulary step in units of their last place (6e-8 near 1):
+    a tail of 1e-9 tokens after a likely one is drawn 40 tokens off the exact place with them. The
+    two-level float64 totals land within a few."""
+    from workers.sampling import inverse_cdf
+
+    vocab, tiny = 49152, 1e-9
+    p = torch.full((1, vocab), tiny)
+    p[0, 0] = 1 - tiny * (vocab - 1)
+    column = int(inverse_cdf(p, torch.tensor([1 - 1e-5], dtype=torch.float64))[0])
+    expected = round((tiny * (vocab - 1) - 1e-5) / tiny)  # that far into the tail
+    assert abs(column - expected) <= 8, (column, expected)
