@@ -12,6 +12,7 @@ To compare two versions of the code side by side, run it from each checkout in o
 (e.g. a `git worktree` of the older commit): `python benchmarks/token_choice.py` in each.
 
     python benchmarks/token_choice.py [--rows 16] [--vocab 49152] [--repeats 30] [--prompt-tokens 128] [--output-tokens 64]
+                                      [--model-logits]
 """
 
 from __future__ import annotations
@@ -38,12 +39,31 @@ CASES = {
     "temperature_only": SamplingParams(temperature=1.0, seed=1),  # OpenAI's defaults: top_p 1, no top_k
     "top_k_50_top_p_0.95": SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=1),
     "top_p_0.9": SamplingParams(temperature=0.7, top_p=0.9, seed=1),
+    "top_p_0.95_temperature_1": SamplingParams(temperature=1.0, top_p=0.95, seed=1),
     "min_p_0.1": SamplingParams(temperature=1.0, min_p=0.1, seed=1),
     "greedy_repetition_1.2": SamplingParams(repetition_penalty=1.2),
     "temperature_frequency_presence": SamplingParams(temperature=1.0, seed=1, frequency_penalty=0.5,
                                                      presence_penalty=0.5),
     "greedy_all_three_penalties": SamplingParams(repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.5),
 }
+
+
+PROSE = ("The history of the harbour begins with a few fishing boats sheltered behind a sand bar. Merchants "
+         "arrived with salt, timber and wool, built warehouses along the quay, and the village grew into a busy "
+         "port whose streets still follow the old shore line. ")
+
+
+def model_logits(rows: int) -> torch.Tensor:
+    """The built-in model's logits (float32) at the last `rows` positions of PROSE repeated."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from shardlib.demo_model import ensure_demo_model
+
+    folder = ensure_demo_model()
+    ids = AutoTokenizer.from_pretrained(folder)(PROSE * (1 + rows // 40), return_tensors="pt").input_ids
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(ids).logits[0, -rows:].float().contiguous()
 
 
 def main() -> None:
@@ -53,7 +73,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int_at_least("--repeats", 1), default=30)
     parser.add_argument("--prompt-tokens", type=int_at_least("--prompt-tokens", 1), default=128)
     parser.add_argument("--output-tokens", type=int_at_least("--output-tokens", 0), default=64)
+    parser.add_argument("--model-logits", action="store_true",
+                        help="also time the built-in model's own logits (SmolLM2 at --rows positions of a prose "
+                             "prompt; needs --vocab 49152): a real model's distribution is far sharper than the "
+                             "random logits', which decides how many tokens top-p keeps")
     args = parser.parse_args()
+    if args.model_logits and args.vocab != 49152:
+        parser.error(f"--model-logits takes the built-in model's 49152 logits; leave --vocab at 49152, not {args.vocab}")
     torch.set_num_threads(1)
     float32 = torch.randn(args.rows, args.vocab, generator=torch.Generator().manual_seed(0)) * 3
     ids = torch.Generator().manual_seed(1)
@@ -61,7 +87,10 @@ def main() -> None:
     prompts = [row.clone() for row in torch.randint(args.vocab, (args.rows, args.prompt_tokens), generator=ids)]
     outputs = torch.randint(args.vocab, (args.rows, args.output_tokens), generator=ids).tolist()
     results = {}
-    for values, logits in (("float32", float32), ("bfloat16", float32.bfloat16().float())):
+    kinds = [("float32", float32), ("bfloat16", float32.bfloat16().float())]
+    if args.model_logits:
+        kinds.append(("smollm2", model_logits(args.rows)))
+    for values, logits in kinds:
         for name, params in CASES.items():
             batch = [params] * args.rows
             generators = [make_generator(params) for _ in range(args.rows)]

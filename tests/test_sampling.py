@@ -416,3 +416,36 @@ def test_inverse_cdf_reaches_a_long_tail_of_tiny_probabilities():
     column = int(inverse_cdf(p, torch.tensor([1 - 1e-5], dtype=torch.float64))[0])
     expected = round((tiny * (vocab - 1) - 1e-5) / tiny)  # that far into the tail
     assert abs(column - expected) <= 8, (column, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_top_p_over_the_most_likely_columns_keeps_what_the_full_sort_keeps(dtype):
+    """Rows with top-p and no top-k are filtered over their 256 (then 2048) most likely columns when
+    their kept tokens all lie there (temperatures up to 1): the same tokens, in the same order, with the same
+    probabilities as over the sorted vocabulary; the others (a flat row, a tie across the cut)
+    fall back to it. bfloat16-valued logits tie often."""
+    from workers.sampling import TOP_P_WIDTHS, _sorted_probs, _scaled
+
+    g = torch.Generator().manual_seed(11)
+    vocab = 5000
+    sharp = (torch.randn(6, vocab, generator=g) * 6).to(dtype).float()  # a few dozen tokens hold 0.9
+    flat = (torch.randn(2, vocab, generator=g) * 0.5).to(dtype).float()  # thousands do: the full sort
+    tied = torch.full((1, vocab), -20.0)
+    tied[0, :300] = 5.0  # 300 equal tokens across column 256: not certain there, certain among 2048
+    logits = torch.cat([sharp, flat, tied])
+    params = [SamplingParams(temperature=t, top_p=p, min_p=m) for t, p, m in
+              [(1.0, 0.9, 0.0), (0.7, 0.95, 0.0), (1.3, 0.5, 0.0), (1.0, 0.9, 0.05), (0.0, 0.8, 0.0), (2.0, 0.99, 0.0),
+               (1.0, 0.9, 0.0), (1.0, 0.95, 0.0), (1.0, 0.501, 0.0)]]
+    table = sampling_table(params)
+    probs, ids = filtered_probs(logits, table)
+    full_probs, full_ids = _sorted_probs(_scaled(logits, table[:, 2:3]), table)
+    for row in range(len(params)):
+        kept = int((probs[row] > 0).sum())
+        assert kept == int((full_probs[row] > 0).sum()) and kept > 0
+        assert torch.equal(ids[row, :kept], full_ids[row, :kept])
+        torch.testing.assert_close(probs[row, :kept], full_probs[row, :kept], rtol=1e-5, atol=1e-7)
+    assert ids[-1, :151].tolist() == list(range(151)) and TOP_P_WIDTHS[0] < 300  # the tie's first 151, by id
+    assert filtered_probs(logits[:2], table[:2])[0].shape == (2, TOP_P_WIDTHS[0])  # both fit 256 columns
+    cool = [0, 1, 3, 4]  # temperatures of at most 1
+    assert filtered_probs(logits[cool], table[cool])[0].shape[-1] < vocab  # no row needed the full sort
+    assert filtered_probs(logits[2:3], table[2:3])[0].shape[-1] == vocab  # temperature 1.3: the full sort
