@@ -449,3 +449,13 @@ def test_top_p_over_the_most_likely_columns_keeps_what_the_full_sort_keeps(dtype
     cool = [0, 1, 3, 4]  # temperatures of at most 1
     assert filtered_probs(logits[cool], table[cool])[0].shape[-1] < vocab  # no row needed the full sort
     assert filtered_probs(logits[2:3], table[2:3])[0].shape[-1] == vocab  # temperature 1.3: the full sort
+
+
+@pytest.mark.parametrize("extra", [{}, {"top_p": 0.9}, {"top_k": 3}], ids=["whole", "top-p", "top-k"])
+def test_logits_the_temperature_takes_past_float32s_range_are_refused_not_drawn_from(extra):
+    """Finite logits at float32's edge (a repetition penalty near its smallest makes them) divided by
+    a temperature below 1 are infinite: their softmax is NaN, and the draw took column 0 silently."""
+    logits = torch.tensor([[1.0, 2.9e38, 3.0e38, 0.0]])
+    params = [SamplingParams(temperature=0.5, seed=1, **extra)]
+    with pytest.raises(ValueError, match=r"row\(s\) \[0\] cannot be sampled: .*temperature \(0.5\)"):
+        sample(logits, params, [make_generator(params[0])])

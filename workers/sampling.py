@@ -76,7 +76,9 @@ def filtered_probs(logits: torch.Tensor, table: torch.Tensor) -> tuple[torch.Ten
     Rows with top-p, no top-k and a temperature of at most 1 first try the TOP_P_WIDTHS most likely
     columns (topk, no sort of the vocabulary), each row by itself; a row whose kept tokens reach
     past them, or into a tie there, is filtered over the whole sorted vocabulary, as is every other
-    row. The tokens, their order and their probabilities are the same either way.
+    row. The tokens, their order and their probabilities are the same either way, up to float
+    rounding at the top-p cut (the full sort takes softmax's probabilities, this exp(v - logsumexp):
+    a token of about 1e-6 can be kept by one and not the other).
     """
     vocab = logits.shape[-1]
     scaled = _scaled(logits, table[:, 2:3])
@@ -231,24 +233,37 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     for i, p in enumerate(params):
         if not p.is_greedy:
             (whole if (p.top_k <= 0 or p.top_k >= vocab) and p.top_p >= 1 else filtered).append(i)
-    # Row by row: each request draws from its own generator and takes as many of its numbers as it
-    # keeps tokens, so its tokens do not depend on which other requests share the batch (nor on how
-    # wide the others' filters made the columns).
+    # Each request draws one number from its own generator per token, so its tokens do not depend on
+    # which other requests share the batch (nor on how wide the others' filters made the columns).
     if whole:
         temperatures = torch.tensor([[params[i].temperature] for i in whole], device=logits.device)
         # every row (the usual batch): the logits as they are, not a gathered copy of them
         picked = logits if len(whole) == batch else logits[torch.tensor(whole, device=logits.device)]
         probs = _scaled(picked, temperatures).softmax(dim=-1)
-        if any(params[i].min_p > 0 for i in whole):  # multinomial draws in proportion to what is left
+        if any(params[i].min_p > 0 for i in whole):  # the draw is in proportion to what is left
             min_p = torch.tensor([[params[i].min_p] for i in whole], device=logits.device)
             probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+        _check_drawable(probs, whole, params)
         tokens[whole] = inverse_cdf(probs, uniforms([generators[i] for i in whole], logits.device))
     if filtered:
         rows = torch.tensor(filtered, device=logits.device)
         probs, sorted_ids = filtered_probs(logits[rows], sampling_table([params[i] for i in filtered], logits.device))
+        _check_drawable(probs, filtered, params)
         columns = inverse_cdf(probs, uniforms([generators[i] for i in filtered], logits.device))
         tokens[filtered] = sorted_ids.gather(-1, columns[:, None])[:, 0]
     return tokens.to(model_device) if on_host else tokens  # the next step's input
+
+
+def _check_drawable(probs: torch.Tensor, rows: list[int], params: list[SamplingParams]) -> None:
+    """ValueError naming the rows whose probabilities are not numbers: finite logits that the
+    temperature divided past float32's range (a repetition penalty near its smallest can put them at
+    its edge) give inf / inf. The draw would take column 0 of NaN running totals without a word."""
+    bad = (~probs.sum(dim=-1).isfinite()).nonzero().flatten().tolist()
+    if bad:
+        named = [rows[j] for j in bad]
+        raise ValueError(f"row(s) {named} cannot be sampled: their logits divided by the temperature "
+                         f"({params[named[0]].temperature:g}) leave float32's range (logits at its edge, as a "
+                         f"repetition_penalty near its smallest makes them); raise the temperature or the penalty")
 
 
 def uniforms(generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
