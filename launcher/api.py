@@ -522,6 +522,8 @@ class Launcher:
         self.model_config: ModelConfig | None = None
         self.model_dir: Path | None = None
         self.tokenizer = None
+        self._grammars = self._grammars_for = None
+        """_grammar_tokenizer()'s llguidance tokenizer, and the tokenizer it was built from."""
         """The checkpoint's tokenizer once start() (or check_prompts()) has returned; None without one."""
         self._generation_eos: tuple[int, ...] = ()
         self._tokenizer_load: BackgroundLoad | None = None
@@ -1417,7 +1419,8 @@ class Launcher:
     def _check_structured(self, params: list[SamplingParams], batching: str = "continuous") -> None:
         """Structured output's checks, before anything is submitted: the serving engine runs it, the
         model has a tokenizer (the group's leader loads its own from the same folder to match the
-        grammar against), and llguidance can compile each grammar (its reason otherwise)."""
+        grammar against), and llguidance can compile each grammar and take its first step (its
+        reason otherwise)."""
         from workers.structured.grammars import check_structured_output
 
         specs = {p.structured_output for p in params if p.structured_output is not None}
@@ -1429,7 +1432,18 @@ class Launcher:
         if self.tokenizer is None:
             raise ValueError(f"structured output needs the model's tokenizer, and {self.model_dir} has none")
         for spec in specs:
-            check_structured_output(spec)
+            check_structured_output(spec, tokenizer=self._grammar_tokenizer())
+
+    def _grammar_tokenizer(self):
+        """llguidance's view of the driver's tokenizer, built at the first structured request (about
+        0.4 s for SmolLM2's vocabulary), for the first-step check of each grammar."""
+        from workers.structured.matchers import GrammarTokenizer
+
+        if self._grammars_for is not self.tokenizer:
+            tokenizer = self.tokenizer
+            self._grammars = GrammarTokenizer(lambda: tokenizer, self.model_config.vocab_size)
+            self._grammars_for = tokenizer
+        return self._grammars
 
     @property
     def serving_seq_len(self) -> int:

@@ -1576,6 +1576,15 @@ def test_structured_output_over_http(client):
             "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "nonsense"}}})
     assert caught.value.status_code == 400 and caught.value.body["param"] == "response_format.json_schema.schema"
     assert "Invalid type: nonsense" in caught.value.body["message"]
+    with pytest.raises(Exception) as caught:  # compiles, and no text matches it: refused before it runs
+        client.completions.create(model=MODEL, prompt=["a", "b"], max_tokens=5,
+                                  extra_body={"structured_outputs": {"regex": "[^\\s\\S]"}})
+    assert caught.value.status_code == 400 and caught.value.body["param"] == "structured_outputs"
+    assert caught.value.body["message"].startswith("structured_output (regex") and "no output can match" in \
+        caught.value.body["message"]  # about the request as a whole: no prompt[0] before it
+    many = client.completions.create(model=MODEL, prompt="Pick one:", max_tokens=10, temperature=0,
+                                     extra_body={"structured_outputs": {"choice": [f"n{i}" for i in range(2500)]}})
+    assert many.choices[0].text in {f"n{i}" for i in range(2500)} and many.choices[0].finish_reason == "stop"
 
 
 @pytest.mark.slow

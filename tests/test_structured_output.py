@@ -277,6 +277,8 @@ def test_the_driver_api_matches_and_refuses_before_submitting(model_dir_with_tok
                                max_new_tokens=20)
         with pytest.raises(ValueError, match=r"structured_output \(regex '\(a'\) cannot be used: .*unclosed group"):
             llm.stream("x", SamplingParams(structured_output=StructuredOutput(regex="(a")))
+        with pytest.raises(ValueError, match=r"structured_output \(regex '\[\^\\\\s\\\\S\]'\) cannot be used: no output"):
+            llm.stream("x", SamplingParams(structured_output=StructuredOutput(regex=r"[^\s\S]")))
         with pytest.raises(ValueError, match="needs batching='continuous'"):
             llm.generate(["x"], choice, batching="static")
         assert llm.load() == {"running": 0, "waiting": 0}  # nothing refused was submitted
@@ -314,3 +316,48 @@ def test_the_generate_flags_make_each_kind_and_name_themselves_when_wrong(tmp_pa
         structured_output(generate_args("--json-schema", "[1]"))
     with pytest.raises(SystemExit):
         generate_args("--regex", "a", "--choice", "b")
+
+
+# ---- review follow-ups ----------------------------------------------------------------------------
+def test_thousands_of_choices_are_one_terminal_not_a_parser_row_each(wide_model, smollm2_tokenizer):
+    """llguidance's parser holds at most 2000 items a row: 2000 choices as rules failed at the first
+    token (a 500 over HTTP). As one lexer terminal they are matched like any other."""
+    tok = smollm2_tokenizer
+    many = StructuredOutput(choice=[f"option {i}" for i in range(2500)])
+    assert grammar_problem(many) is None
+    out = run(fresh_loop(wide_model, tok), [structured("c", tok.encode("Pick:"), many, max_tokens=10)])
+    assert out.finish == {"c": "stop"} and tok.decode(out.tokens["c"]) in many.choice
+
+
+def test_a_pattern_no_text_matches_is_refused_at_its_first_step(wide_model, smollm2_tokenizer):
+    """`[^\\s\\S]` compiles, and fails only when the first mask is computed: the driver's check
+    computes it (a ValueError before anything runs); the leader, given one anyway, fails the request
+    alone with one line, not llguidance's dump of its parser's state."""
+    impossible = StructuredOutput(regex=r"[^\s\S]")
+    assert grammar_problem(impossible) is None
+    grammar_tokenizer = GrammarTokenizer(lambda: smollm2_tokenizer, VOCAB)
+    with pytest.raises(ValueError, match=r"cannot be used: no output can match it"):
+        check_structured_output(impossible, tokenizer=grammar_tokenizer)
+    check_structured_output(KINDS["json"], tokenizer=grammar_tokenizer)  # a fine one passes
+    prompt = smollm2_tokenizer.encode("Hi")
+    out = run(fresh_loop(wide_model, smollm2_tokenizer), [structured("x", prompt, impossible),
+                                                          request("plain", prompt, 3)])
+    assert out.finish == {"x": "error", "plain": "length"}
+    [error] = [e.error for e in out.events if e.request_id == "x"]
+    assert "matcher failed" in error and "<state>" not in error and "\n" not in error, error
+
+
+def test_structured_requests_stop_waiting_for_a_tokenizer_that_never_comes(wide_model, smollm2_tokenizer):
+    never = threading.Event()
+    loop = fresh_loop(wide_model, smollm2_tokenizer,
+                      grammar_tokenizer=GrammarTokenizer(lambda: never.wait(60) and smollm2_tokenizer, VOCAB))
+    loop.grammar_wait_s = 0.5
+    prompt = smollm2_tokenizer.encode("Hi")
+    started = time.monotonic()
+    try:
+        out = run(loop, [structured("s", prompt, KINDS["choice"]), request("plain", prompt, 3)])
+    finally:
+        never.set()
+    assert out.finish == {"s": "error", "plain": "length"} and time.monotonic() - started < 30
+    [error] = [e.error for e in out.events if e.request_id == "s"]
+    assert "was not ready after" in error

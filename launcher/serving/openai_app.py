@@ -332,7 +332,8 @@ def _naming_prompt(index: int, count: int):
                             err.headers) from None
 
 
-_REQUEST_WIDE = ("logit_bias", "stop_token_ids", "min_tokens")
+_REQUEST_WIDE = ("logit_bias", "stop_token_ids", "min_tokens", "structured_outputs", "response_format",
+                 "response_format.json_schema.schema")
 """Params of refusals about the request as a whole, which no prompt of several is named in."""
 
 _ECHO_ONLY_NEEDS_ONE = (" (max_tokens 0 still needs one position: the engine generates one token for it, which "
@@ -809,7 +810,7 @@ class OpenAIServer:
         except ValueError as err:
             self.metrics.rejected(400)
             param = next((name for name in ("stop_token_ids", "logit_bias", "min_tokens") if str(err).startswith(name)),
-                         prompt_param)
+                         req.structure_param() if str(err).startswith("structured_output") else prompt_param)
             raise ProtocolError(_as_one_prompt(str(err)), param=param) from None
         except queue_full_type() as err:
             self.metrics.rejected(503)

@@ -185,6 +185,12 @@ class _GenerationRequest(NullMeansDefault):
     _structure = PrivateAttr(None)
     """The StructuredOutput both ask for, made and checked once by _check_combinations."""
 
+    def structure_param(self) -> str:
+        """The field that asked for structured output, as a refusal of it names it."""
+        if self.structured_outputs is not None:
+            return "structured_outputs"
+        return "response_format.json_schema.schema" if self.response_format.type == "json_schema" else "response_format"
+
     def engine_prompt_logprobs(self) -> int | None:
         """The most likely tokens the engine lists at each prompt position (None: the prompt is not
         scored): as many as prompt_logprobs asks, or completions' logprobs with echo."""

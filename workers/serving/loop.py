@@ -35,7 +35,7 @@ from workers.serving.scheduler import Scheduler, Sequence
 from workers.serving.step_inputs import decode_inputs, prefill_batches, prefill_inputs
 from workers.serving.step_plan import Command, DecodeRow, PlanCodec, PrefillChunk, StepPlan
 from workers.serving.token_choice import choose, request_generator
-from workers.structured.matchers import start_matcher
+from workers.structured.matchers import TOKENIZER_WAIT_S, start_matcher
 
 HEARTBEAT_S = 0.2
 """An idle leader sends an IDLE plan this often: followers wait in a collective for the next plan,
@@ -76,6 +76,9 @@ class ServingLoop:
         self._awaiting_grammar: list[Sequence] = []
         """Structured requests that arrived before the grammar tokenizer was built (it is built on a
         thread at the first one): admitted once it is, so the running requests never wait for it."""
+        self.grammar_wait_s = TOKENIZER_WAIT_S
+        """How long they wait for it before each fails (its build hung)."""
+        self._awaiting_since = 0.0
         self.collectives = model.collectives
         self.is_leader = self.collectives.rank == 0
         self.device = getattr(model, "device", torch.device("cpu"))
@@ -267,6 +270,8 @@ class ServingLoop:
                 seq = Sequence(request)
                 seq.generator = request_generator(seq, self.device)
                 if request.sampling.structured_output is not None and self._grammar_pending():
+                    if not self._awaiting_grammar:
+                        self._awaiting_since = time.monotonic()
                     self._awaiting_grammar.append(seq)
                 else:
                     self._admit(seq, events)
@@ -295,8 +300,19 @@ class ServingLoop:
         return self.grammar_tokenizer is not None and not self.grammar_tokenizer.ready()
 
     def _admit_awaiting(self) -> None:
-        """Admit the structured requests that waited for the grammar tokenizer, once it is built."""
-        if not self._awaiting_grammar or self._grammar_pending():
+        """Admit the structured requests that waited for the grammar tokenizer, once it is built;
+        fail them once they have waited grammar_wait_s for it."""
+        if not self._awaiting_grammar:
+            return
+        if self._grammar_pending():
+            waited_s = time.monotonic() - self._awaiting_since
+            if waited_s < self.grammar_wait_s:
+                return
+            events = [TokenEvent(seq.request.request_id, [], "error", error=(
+                f"the model's tokenizer for structured output was not ready after {waited_s:.0f} s on the "
+                f"group's leader")) for seq in self._awaiting_grammar]
+            self._awaiting_grammar = []
+            self.outbox.put(events, self.scheduler.load())
             return
         events, waited, self._awaiting_grammar = [], self._awaiting_grammar, []
         for seq in waited:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
+
 from shardlib.structured_output import StructuredOutput
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -30,8 +32,10 @@ def grammar_text(spec: StructuredOutput) -> str:
     if kind == "regex":
         return LLMatcher.grammar_from_regex(spec.regex)
     if kind == "choice":  # Lark string literals read JSON's escapes
-        return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c, ensure_ascii=False)
-                                                                  for c in spec.choice))
+        # One terminal (the lexer's automaton), not an alternation of rules: llguidance's parser
+        # holds at most 2000 items a row, and 2000 choices as rules failed at the first token.
+        return LLMatcher.grammar_from_lark("start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c, ensure_ascii=False)
+                                                                                 for c in spec.choice))
     return LLMatcher.grammar_from_lark(spec.grammar)
 
 
@@ -44,20 +48,36 @@ def grammar_problem(spec: StructuredOutput) -> str | None:
         problem = LLMatcher.validate_grammar(grammar_text(spec))
     except Exception as err:  # noqa: BLE001 - the library's own words go back to the caller
         problem = f"{type(err).__name__}: {err}"
-    return _short_problem(problem) if problem.strip() else None
+    return short_problem(problem) if problem.strip() else None
 
 
-def check_structured_output(spec: StructuredOutput | None, name: str = "structured_output") -> None:
-    """ValueError naming the spec and llguidance's reason when it cannot be matched."""
+def check_structured_output(spec: StructuredOutput | None, name: str = "structured_output", tokenizer=None) -> None:
+    """ValueError naming the spec and llguidance's reason when it cannot be matched. With
+    `tokenizer` (a GrammarTokenizer, workers/structured/matchers.py) the first step's mask is
+    computed too: a pattern no text matches (`[^\\s\\S]`) compiles, and fails only there."""
     if spec is None:
         return
     problem = grammar_problem(spec)
+    if problem is None and tokenizer is not None:
+        problem = first_step_problem(spec, tokenizer)
     if problem is not None:
         raise ValueError(f"{name} ({spec.describe()}) cannot be used: {problem}")
 
 
-def _short_problem(text: str) -> str:
+def first_step_problem(spec: StructuredOutput, tokenizer) -> str | None:
+    """Why a matcher of spec fails at its first token (no text can match it), or None."""
+    from workers.structured.matchers import start_matcher
+
+    try:
+        grammar = start_matcher(tokenizer, spec)
+        grammar.write_mask(np.zeros(grammar.words, dtype=np.int32))
+    except ValueError as err:
+        return f"no output can match it ({err})"
+    return None
+
+
+def short_problem(text: str) -> str:
     """llguidance's report on one line: its first line and its `error:` lines (the rest draws the
-    pattern with a caret under the place)."""
+    pattern with a caret under the place, or dumps the parser's state)."""
     lines = [line.strip() for line in text.strip().splitlines()]
     return "; ".join([lines[0].rstrip(":")] + [line for line in lines[1:] if line.startswith("error:")])

@@ -70,7 +70,7 @@ def start_matcher(tokenizer: GrammarTokenizer | None, spec: StructuredOutput, de
     llg_tokenizer = tokenizer.get()
     matcher = LLMatcher(llg_tokenizer, grammar_text(spec))
     if matcher.is_error():
-        raise ValueError(f"structured output ({spec.describe()}) cannot be used: {matcher.get_error()}")
+        raise ValueError(f"structured output ({spec.describe()}) cannot be used: {_error_of(matcher)}")
     grammar = RequestGrammar(matcher, llg_tokenizer.vocab_size)
     for token in delivered:
         grammar.advance(token)
@@ -89,7 +89,7 @@ class RequestGrammar:
         """Write the allowed next tokens into `words` (a contiguous int32 numpy array of self.words)."""
         self.matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
         if self.matcher.is_error():
-            raise ValueError(f"the structured output's matcher failed: {self.matcher.get_error()}")
+            raise ValueError(f"the structured output's matcher failed: {_error_of(self.matcher)}")
 
     def accepting(self) -> bool:
         """Whether the output so far is a whole match (ending it here is allowed)."""
@@ -100,5 +100,12 @@ class RequestGrammar:
         request ends there). ValueError when the grammar refuses it (only a token the mask allowed
         is chosen, so that is a fault of the matcher, or a resumed request's history that differs)."""
         if not self.matcher.consume_token(token):
-            raise ValueError(f"the structured output's matcher refused token {token}: {self.matcher.get_error()}")
+            raise ValueError(f"the structured output's matcher refused token {token}: {_error_of(self.matcher)}")
         return self.matcher.is_stopped()
+
+
+def _error_of(matcher) -> str:
+    """The matcher's error on one line (llguidance appends its parser's whole state)."""
+    from workers.structured.grammars import short_problem
+
+    return short_problem(matcher.get_error().split("<state>")[0] or "unknown error")
