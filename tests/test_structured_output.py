@@ -216,7 +216,7 @@ def test_a_tokenizer_that_fails_to_load_is_named_to_each_structured_request(wide
               [structured("s", prompt, KINDS["choice"]), request("plain", prompt, 3)])
     assert out.finish == {"s": "error", "plain": "length"}
     [error] = [e.error for e in out.events if e.request_id == "s"]
-    assert "loading it on the group's leader failed: OSError: no tokenizer.json in /models/x" in error
+    assert "loading it for llguidance failed: OSError: no tokenizer.json in /models/x" in error
 
 
 def test_structured_requests_wait_for_the_tokenizer_while_the_others_run(wide_model, smollm2_tokenizer):

@@ -1,8 +1,9 @@
 """A StructuredOutput as the grammar llguidance matches, and the check of that grammar.
 
 llguidance compiles JSON schemas, regular expressions and Lark grammars lazily, token by token, so
-a request's grammar costs nothing before its first step; its checks need no tokenizer, so the
-driver refuses a bad schema or pattern before the request is submitted."""
+a request's grammar costs little before its first step. Its compile check needs no tokenizer (the
+OpenAI front end's 400s); the driver also takes the first step with its own tokenizer, which finds
+a pattern no text matches, before the request is submitted."""
 
 from __future__ import annotations
 
@@ -68,6 +69,7 @@ def first_step_problem(spec: StructuredOutput, tokenizer) -> str | None:
     """Why a matcher of spec fails at its first token (no text can match it), or None."""
     from workers.structured.matchers import start_matcher
 
+    tokenizer.get()  # its own failure is not the grammar's: raised as it is
     try:
         grammar = start_matcher(tokenizer, spec)
         grammar.write_mask(np.zeros(grammar.words, dtype=np.int32))

@@ -1,7 +1,9 @@
 """The group leader's side of structured output: an llguidance tokenizer built once per serving
 loop, and one matcher per structured request, which follows the request's tokens as they are chosen.
 
-Only rank 0 chooses tokens, so only rank 0 holds these; the other ranks never see a grammar."""
+Only rank 0 chooses tokens, so only rank 0 holds these; the other ranks never see a grammar. The
+driver builds a tokenizer of its own too, to take each grammar's first step before submitting it
+(workers/structured/grammars.first_step_problem)."""
 
 from __future__ import annotations
 
@@ -11,8 +13,8 @@ from collections.abc import Callable, Sequence
 from shardlib.structured_output import StructuredOutput
 
 TOKENIZER_WAIT_S = 300.0
-"""How long a structured request waits for the leader's grammar tokenizer, which is built in the
-background from the start of serving (under a second for a 49k vocabulary, a few for 150k)."""
+"""How long a structured request waits for the grammar tokenizer, which is built on a thread from
+the first structured request (under a second for a 49k vocabulary, a few for 150k)."""
 
 
 class GrammarTokenizer:
@@ -28,12 +30,14 @@ class GrammarTokenizer:
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._build, name="corelaunch-grammar-tokenizer", daemon=True)
         self._started = False
+        self._starting = threading.Lock()  # the driver's checks may come from several threads
 
     def ready(self) -> bool:
         """Whether the tokenizer is built (or failed to be); the first call starts building it."""
-        if not self._started:
-            self._started = True
-            self._thread.start()
+        with self._starting:
+            if not self._started:
+                self._started = True
+                self._thread.start()
         return not self._thread.is_alive()
 
     def _build(self) -> None:
@@ -52,8 +56,8 @@ class GrammarTokenizer:
         if self._thread.is_alive():
             raise ValueError(f"the model's tokenizer for structured output was not ready after {timeout_s:g} s")
         if self._error is not None:
-            raise ValueError(f"structured output needs the model's tokenizer, and loading it on the group's "
-                             f"leader failed: {type(self._error).__name__}: {self._error}")
+            raise ValueError(f"structured output needs the model's tokenizer, and loading it for llguidance "
+                             f"failed: {type(self._error).__name__}: {self._error}")
         return self._value
 
 
