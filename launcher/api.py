@@ -506,6 +506,9 @@ class GenerationResult:
         return out
 
 
+STRUCTURES_REMEMBERED = 256
+"""Structured outputs whose check Launcher remembers (all forgotten at once past this many)."""
+
 class Launcher:
     """Serves one model on one or more TP groups (replicas); use as a context manager or call
     start()/shutdown(). generate() may be called from several threads at once: each call's prompts
@@ -522,9 +525,12 @@ class Launcher:
         self.model_config: ModelConfig | None = None
         self.model_dir: Path | None = None
         self.tokenizer = None
+        """The checkpoint's tokenizer once start() (or check_prompts()) has returned; None without one."""
         self._grammars = self._grammars_for = None
         """_grammar_tokenizer()'s llguidance tokenizer, and the tokenizer it was built from."""
-        """The checkpoint's tokenizer once start() (or check_prompts()) has returned; None without one."""
+        self._structures_checked: dict = {}
+        """_check_structured's verdicts by StructuredOutput (None: usable), so a request's n choices
+        and a client repeating its schema do not compile it again on the caller's thread."""
         self._generation_eos: tuple[int, ...] = ()
         self._tokenizer_load: BackgroundLoad | None = None
         self._tokenizer_retry = False
@@ -1432,7 +1438,18 @@ class Launcher:
         if self.tokenizer is None:
             raise ValueError(f"structured output needs the model's tokenizer, and {self.model_dir} has none")
         for spec in specs:
-            check_structured_output(spec, tokenizer=self._grammar_tokenizer())
+            verdict = self._structures_checked.get(spec, "unchecked")
+            if verdict == "unchecked":
+                try:
+                    check_structured_output(spec, tokenizer=self._grammar_tokenizer())
+                    verdict = None
+                except ValueError as err:
+                    verdict = str(err)
+                if len(self._structures_checked) >= STRUCTURES_REMEMBERED:
+                    self._structures_checked.clear()
+                self._structures_checked[spec] = verdict
+            if verdict is not None:
+                raise ValueError(verdict)
 
     def _grammar_tokenizer(self):
         """llguidance's view of the driver's tokenizer, built at the first structured request (about

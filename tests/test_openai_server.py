@@ -233,6 +233,19 @@ def test_unsupported_parameters_are_taken_at_the_value_that_asks_for_nothing():
         assert err.param == field and words in err.message, err.message
 
 
+def test_structured_output_fields_take_only_their_wire_names_and_name_a_missing_one():
+    schema = {"type": "object"}
+    err = refusal(chat, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema_": schema}})
+    assert err.param == "response_format.json_schema.schema_" and "unknown parameter" in err.message
+    err = refusal(completion, structured_outputs={"json_": schema})
+    assert err.param == "structured_outputs.json_" and "unknown parameter" in err.message
+    err = refusal(chat, response_format={"type": "json_schema", "json_schema": {"schema": schema}})
+    assert err.param == "response_format.json_schema.name"
+    assert err.message.startswith("response_format.json_schema.name is required: a string of 1 to 64"), err.message
+    assert chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}).sampling() \
+        .structured_output.json == '{"type": "object"}'
+
+
 def test_function_calling_and_stored_completion_fields_are_taken_when_they_ask_for_nothing():
     """OpenAI's chat parameters this server does not implement were "unknown parameter" errors, even
     at the values clients send when they want none of it."""

@@ -459,3 +459,19 @@ def test_logits_the_temperature_takes_past_float32s_range_are_refused_not_drawn_
     params = [SamplingParams(temperature=0.5, seed=1, **extra)]
     with pytest.raises(ValueError, match=r"row\(s\) \[0\] cannot be sampled: .*temperature \(0.5\)"):
         sample(logits, params, [make_generator(params[0])])
+
+
+def test_a_row_with_few_finite_logits_keeps_to_the_top_p_fast_path():
+    """Structured output's masks leave a few tokens finite: with the (width + 1)-th logit -inf the
+    cut is certain among the first width columns (it went on to the 2048 topk and the full sort)."""
+    from workers.sampling import TOP_P_WIDTHS
+
+    logits = torch.full((3, 5000), float("-inf"))
+    logits[0, 7], logits[1, [3, 40, 4999]], logits[2, :300] = 1.0, torch.tensor([2.0, 1.0, 0.5]), 0.0
+    table = sampling_table([SamplingParams(temperature=0.7, top_p=0.9)] * 2)
+    probs, ids = filtered_probs(logits[:2], table)
+    assert probs.shape == (2, TOP_P_WIDTHS[0])
+    assert ids[0, 0] == 7 and probs[0, 0] == 1 and probs[0, 1:].sum() == 0
+    assert ids[1, :3].tolist() == [3, 40, 4999] and torch.isclose(probs[1].sum(), torch.tensor(1.0))
+    wide, _ = filtered_probs(logits[2:], table[:1])  # 300 finite ties across column 256: not certain there
+    assert wide.shape[-1] == TOP_P_WIDTHS[1]

@@ -129,6 +129,9 @@ def _top_p_prefix(scaled: torch.Tensor, table: torch.Tensor, width: int):
     top_p, min_p = table[:, 1:2], table[:, 3:4]
     values, ids = scaled.topk(width + 1, dim=-1)
     above = (values > values[:, width:]).sum(dim=-1)  # columns strictly above the (width + 1)-th
+    # a (width + 1)-th of -inf (structured output's masks leave few tokens finite): every token that
+    # can be kept is among the first width, whatever the cut
+    nothing_beyond = values[:, width] == float("-inf")
     values, ids = values[:, :width], ids[:, :width]
     by_id = ids.argsort(dim=-1)  # equal values in token-id order, as the stable full sort has them
     values, ids = values.gather(-1, by_id), ids.gather(-1, by_id)
@@ -139,7 +142,7 @@ def _top_p_prefix(scaled: torch.Tensor, table: torch.Tensor, width: int):
     keep = ((probs.cumsum(dim=-1) - probs) < top_p) | (rank == 0)
     if bool((min_p > 0).any()):
         keep &= probs >= min_p * probs[:, :1]
-    fits = keep.sum(dim=-1) < above  # the first dropped column is among the certain ones
+    fits = (keep.sum(dim=-1) < above) | nothing_beyond  # the first dropped column is among the certain ones
     return values.masked_fill(~keep, float("-inf")).softmax(dim=-1), ids, fits, probs.sum(dim=-1), probs[:, -1]
 
 

@@ -810,7 +810,8 @@ class OpenAIServer:
         except ValueError as err:
             self.metrics.rejected(400)
             param = next((name for name in ("stop_token_ids", "logit_bias", "min_tokens") if str(err).startswith(name)),
-                         req.structure_param() if str(err).startswith("structured_output") else prompt_param)
+                         req.structure_param() if str(err).startswith(("structured_output", "structured output"))
+                         else prompt_param)
             raise ProtocolError(_as_one_prompt(str(err)), param=param) from None
         except queue_full_type() as err:
             self.metrics.rejected(503)

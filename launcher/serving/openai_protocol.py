@@ -382,6 +382,8 @@ def _field_error(error: dict, model: type[BaseModel]) -> ProtocolError:
                              "fields by their names")
     if not loc:  # about the body as a whole
         return ProtocolError(f"the request body: {error['msg']}")
+    if error["type"] == "missing" and param in FIELD_RULES and len(loc) > 1:  # response_format.json_schema.name
+        return ProtocolError(f"{param} is required: {FIELD_RULES[param]}", param=param)
     if param in FIELD_RULES and len(loc) > 1:  # a bad value inside an object field: name it, not the object
         return ProtocolError(f"{param} ({_short(error.get('input'))}) must be {FIELD_RULES[param]}", param=param)
     if error["type"] == "extra_forbidden" and field == "messages" and len(loc) == 3:

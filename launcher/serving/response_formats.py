@@ -13,9 +13,9 @@ from shardlib.structured_output import StructuredOutput
 
 
 class JsonSchemaFormat(NullMeansDefault):
-    # populate_by_name: the field is schema_ (pydantic's BaseModel has a `schema` method); the
-    # wire name is "schema".
-    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    # the field is schema_ (pydantic's BaseModel has a `schema` method); the wire name, its alias,
+    # is the only name taken (populate_by_name let "schema_" through as well)
+    model_config = ConfigDict(extra="forbid", strict=True)
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
     description: str | None = None
     schema_: dict | None = Field(None, alias="schema")
@@ -32,7 +32,7 @@ class ResponseFormat(NullMeansDefault):
 class StructuredOutputs(NullMeansDefault):
     """vLLM's extension, its fields as vLLM names them (grammar: in the Lark syntax llguidance reads)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
     json_: dict | str | None = Field(None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None

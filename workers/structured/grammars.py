@@ -72,6 +72,9 @@ def first_step_problem(spec: StructuredOutput, tokenizer) -> str | None:
     tokenizer.get()  # its own failure is not the grammar's: raised as it is
     try:
         grammar = start_matcher(tokenizer, spec)
+    except ValueError as err:  # llguidance refused the grammar itself: its reason, once
+        return str(err).partition(" cannot be used: ")[2] or str(err)
+    try:
         grammar.write_mask(np.zeros(grammar.words, dtype=np.int32))
     except ValueError as err:
         return f"no output can match it ({err})"
