@@ -135,3 +135,38 @@ def test_a_backend_without_a_scoring_step_fails_the_request_alone():
     [error] = [e.error for e in got.events if e.request_id == "scored"]
     assert "prompt log-probabilities are not available" in error
     assert got.tokens["plain"] == alone(tuple(PROMPTS[1]), 3)
+
+
+def test_a_compiled_loop_prefills_a_call_that_would_be_mostly_padding_eagerly():
+    """Four 5-token prompts in a 128-token chunk bucket would prefill 4 x 128 tokens for 20 real
+    ones: the call runs eagerly at its exact shape (no prefill graph), with the tokens the eager
+    model gives; a 100-token prompt, which its bucket barely pads, keeps its compiled graph."""
+    from workers.compiled import CompiledCausalLM
+
+    torch._dynamo.reset()
+    buckets = Buckets.build(max_seq_len=256, context=(128,), token=(256,))
+    shapes = ServingShapes.build(buckets, max_num_seqs=4, max_prefill_tokens=512)
+    model = CompiledCausalLM(fresh_model(), buckets, announce=lambda line: None)
+    calls = {"eager": 0, "graph": 0}
+    eager, graph = model.eager_serve_step, model.serve_step
+
+    def counted_eager(*args):
+        calls["eager"] += 1
+        return eager(*args)
+
+    def counted_graph(input_ids, *args):
+        calls["graph"] += input_ids.shape[1] > 1  # prefill calls through a graph
+        return graph(input_ids, *args)
+    model.eager_serve_step, model.serve_step = counted_eager, counted_graph
+    loop = ServingLoop(model, ServingConfig(4, 512, 256, shapes))
+    threads = run_loops([loop])
+    short = [tuple(p[:5]) for p in PROMPTS[:3]] + [tuple(LONG[:5])]
+    loop.submit([request(f"s{i}", p, 3) for i, p in enumerate(short)])
+    got = collect(loop, {f"s{i}" for i in range(4)})
+    assert calls == {"eager": 1, "graph": 0}
+    loop.submit([request("long", LONG * 3, 3)])  # 120 tokens in the 128 bucket: compiled
+    got_long = collect(loop, {"long"})
+    stop([loop], threads)
+    assert calls == {"eager": 1, "graph": 1}
+    assert [got.tokens[f"s{i}"] for i in range(4)] == [alone(p, 3) for p in short]
+    assert got_long.tokens["long"] == alone(LONG * 3, 3)

@@ -247,6 +247,13 @@ class CompiledCausalLM:
                                 (cache.k, cache.v), logit_index, rows)
         return logits
 
+    def eager_serve_step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache,
+                         cache_positions: torch.Tensor, rows: torch.Tensor, read_slots: int,
+                         logit_index: torch.Tensor | None = None) -> torch.Tensor:
+        """ShardedCausalLM.serve_step at the inputs' exact shape, no graph: the serving loop's way
+        for a prefill call that its bucket would pad several times over (workers/serving/loop.py)."""
+        return self.model.serve_step(input_ids, position_ids, cache, cache_positions, rows, read_slots, logit_index)
+
     def score_step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache,
                    cache_positions: torch.Tensor, rows: torch.Tensor, read_slots: int) -> torch.Tensor:
         """ShardedCausalLM.score_step, eagerly (no graph is built for it): a prompt scored for its

@@ -40,6 +40,13 @@ from workers.structured.matchers import TOKENIZER_WAIT_S, start_matcher
 HEARTBEAT_S = 0.2
 """An idle leader sends an IDLE plan this often: followers wait in a collective for the next plan,
 and a collective gives up after its timeout (tens of seconds)."""
+EAGER_PREFILL_WASTE = 4
+EAGER_PREFILL_MIN_PADDED = 512
+"""A compiled loop runs a prefill call eagerly, at its exact shape, when its bucket would pad it to at
+least EAGER_PREFILL_WASTE times its real tokens and to at least EAGER_PREFILL_MIN_PADDED tokens:
+sixteen 12-token prompts padded to 16 x 128 spent most of a short request's time prefilling
+padding (README, Measured), while a prefill's compiled graph saves little over the eager forward.
+Small calls keep their graphs (their padding costs little)."""
 STATIC_WAIT_S = 60.0
 """How long a follower waits for its copy of a static batch the leader already announced."""
 
@@ -345,9 +352,11 @@ class ServingLoop:
         prefill_logits: list[torch.Tensor | None] = [None] * len(plan.prefills)
         plain = [i for i, chunk in enumerate(plan.prefills) if not chunk.scored]
         for call in prefill_batches(tuple(plan.prefills[i] for i in plain), self.config.shapes):
-            inputs = prefill_inputs([plan.prefills[plain[i]] for i in call], self.config.shapes, self.scratch_row,
+            chunks = [plan.prefills[plain[i]] for i in call]
+            eager = self._prefill_eagerly(chunks)
+            inputs = prefill_inputs(chunks, None if eager else self.config.shapes, self.scratch_row,
                                     self.config.cache_slots)
-            logits = self._step(inputs)
+            logits = self._eager_step(inputs) if eager else self._step(inputs)
             for j, i in enumerate(call):
                 prefill_logits[plain[i]] = logits[j]
         scored = len(plain) < len(plan.prefills)
@@ -366,6 +375,21 @@ class ServingLoop:
             inputs = decode_inputs(plan.decode, self.config.shapes, self.scratch_row)
             decode_logits = self._step(inputs)[: len(plan.decode)]
         return prefill_logits, decode_logits
+
+    def _prefill_eagerly(self, chunks: list[PrefillChunk]) -> bool:
+        """Whether a compiled loop's prefill call would be mostly padding (EAGER_PREFILL_WASTE):
+        decided from the plan alone, so every rank decides alike."""
+        shapes = self.config.shapes
+        if shapes is None or not hasattr(self.model, "eager_serve_step"):
+            return False
+        real = sum(len(c.token_ids) for c in chunks)
+        batch, width = shapes.prefill_shape(len(chunks), max(len(c.token_ids) for c in chunks))
+        return batch * width >= max(EAGER_PREFILL_MIN_PADDED, EAGER_PREFILL_WASTE * real)
+
+    def _eager_step(self, inputs) -> torch.Tensor:
+        i = inputs.to(self.device)
+        return self.model.eager_serve_step(i.input_ids, i.position_ids, self.cache, i.cache_positions, i.rows,
+                                           i.read_slots, i.logit_index)
 
     def _step(self, inputs) -> torch.Tensor:
         i = inputs.to(self.device)
