@@ -10,6 +10,8 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from shardlib.config_fields import show as _short
+
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
@@ -32,7 +34,7 @@ class StructuredOutput:
     """A context-free grammar in the Lark syntax llguidance reads (`start: ...`)."""
 
     def __post_init__(self) -> None:
-        given = [name for name in KINDS if getattr(self, name) not in (None, False)]
+        given = self._given()
         if len(given) != 1:
             raise ValueError(f"structured output names {' and '.join(given) if given else 'nothing'}; give exactly "
                              f"one of json (a JSON schema), json_object=True, regex, choice or grammar")
@@ -47,10 +49,13 @@ class StructuredOutput:
         if self.choice is not None:
             object.__setattr__(self, "choice", _choices(self.choice))
 
+    def _given(self) -> list[str]:
+        return [name for name in KINDS if getattr(self, name) not in (None, False)]
+
     @property
     def kind(self) -> str:
         """The field given: "json", "json_object", "regex", "choice" or "grammar"."""
-        return next(name for name in KINDS if getattr(self, name) not in (None, False))
+        return self._given()[0]
 
     def describe(self) -> str:
         """A short description for messages: the kind and the start of its value."""
@@ -83,8 +88,3 @@ def _choices(choice) -> tuple[str, ...]:
         if not isinstance(text, str) or not text:
             raise ValueError(f"choice[{i}]={_short(text)} must be a non-empty string")
     return tuple(choice)
-
-
-def _short(value, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."

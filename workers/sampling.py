@@ -236,6 +236,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     for i, p in enumerate(params):
         if not p.is_greedy:
             (whole if (p.top_k <= 0 or p.top_k >= vocab) and p.top_p >= 1 else filtered).append(i)
+    if whole or filtered:
+        _check_scaled_maximum(best.values, sorted(whole + filtered), params)
     # Each request draws one number from its own generator per token, so its tokens do not depend on
     # which other requests share the batch (nor on how wide the others' filters made the columns).
     if whole:
@@ -246,22 +248,23 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         if any(params[i].min_p > 0 for i in whole):  # the draw is in proportion to what is left
             min_p = torch.tensor([[params[i].min_p] for i in whole], device=logits.device)
             probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
-        _check_drawable(probs, whole, params)
         tokens[whole] = inverse_cdf(probs, uniforms([generators[i] for i in whole], logits.device))
     if filtered:
         rows = torch.tensor(filtered, device=logits.device)
         probs, sorted_ids = filtered_probs(logits[rows], sampling_table([params[i] for i in filtered], logits.device))
-        _check_drawable(probs, filtered, params)
         columns = inverse_cdf(probs, uniforms([generators[i] for i in filtered], logits.device))
         tokens[filtered] = sorted_ids.gather(-1, columns[:, None])[:, 0]
     return tokens.to(model_device) if on_host else tokens  # the next step's input
 
 
-def _check_drawable(probs: torch.Tensor, rows: list[int], params: list[SamplingParams]) -> None:
-    """ValueError naming the rows whose probabilities are not numbers: finite logits that the
-    temperature divided past float32's range (a repetition penalty near its smallest can put them at
-    its edge) give inf / inf. The draw would take column 0 of NaN running totals without a word."""
-    bad = (~probs.sum(dim=-1).isfinite()).nonzero().flatten().tolist()
+def _check_scaled_maximum(maxima: torch.Tensor, rows: list[int], params: list[SamplingParams]) -> None:
+    """ValueError naming the sampled rows whose largest logit the temperature divides past float32's
+    range (a repetition penalty near its smallest can put logits at its edge): their softmax is
+    inf / inf, NaN, and the draw would take column 0 of NaN running totals without a word. One
+    value a row, as _scaled divides it: every other logit of the row scales to no more."""
+    temperatures = torch.tensor([params[i].temperature for i in rows], dtype=torch.float32, device=maxima.device)
+    scaled = maxima[torch.tensor(rows, device=maxima.device)].float() / temperatures
+    bad = (~scaled.isfinite()).nonzero().flatten().tolist()
     if bad:
         named = [rows[j] for j in bad]
         raise ValueError(f"row(s) {named} cannot be sampled: their logits divided by the temperature "

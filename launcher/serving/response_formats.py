@@ -51,11 +51,9 @@ def requested_structure(response_format: ResponseFormat | None,
         raise ProtocolError("response_format and structured_outputs both ask for structured output; send one of "
                             "them", param="structured_outputs")
     if structured_outputs is not None:
-        given = {name: value for name, value in (("json", structured_outputs.json_), ("regex", structured_outputs.regex),
-                                                 ("choice", structured_outputs.choice),
-                                                 ("grammar", structured_outputs.grammar),
-                                                 ("json_object", structured_outputs.json_object))
-                 if value is not None and value is not False}
+        # by its wire names (json, not json_): StructuredOutput's own fields
+        given = {name: value for name, value in structured_outputs.model_dump(by_alias=True, exclude_none=True).items()
+                 if value is not False}
         param = f"structured_outputs.{next(iter(given))}" if len(given) == 1 else "structured_outputs"
         try:
             spec = StructuredOutput(**given)

@@ -67,13 +67,12 @@ def check_structured_output(spec: StructuredOutput | None, name: str = "structur
 
 def first_step_problem(spec: StructuredOutput, tokenizer) -> str | None:
     """Why a matcher of spec fails at its first token (no text can match it), or None."""
-    from workers.structured.matchers import start_matcher
+    from workers.structured.matchers import GrammarRefused, start_matcher
 
-    tokenizer.get()  # its own failure is not the grammar's: raised as it is
-    try:
+    try:  # the tokenizer's own failure is not the grammar's: raised as it is
         grammar = start_matcher(tokenizer, spec)
-    except ValueError as err:  # llguidance refused the grammar itself: its reason, once
-        return str(err).partition(" cannot be used: ")[2] or str(err)
+    except GrammarRefused as err:  # llguidance refused the grammar itself: its reason
+        return err.reason
     try:
         grammar.write_mask(np.zeros(grammar.words, dtype=np.int32))
     except ValueError as err:

@@ -74,18 +74,26 @@ def start_matcher(tokenizer: GrammarTokenizer | None, spec: StructuredOutput, de
     llg_tokenizer = tokenizer.get()
     matcher = LLMatcher(llg_tokenizer, grammar_text(spec))
     if matcher.is_error():
-        raise ValueError(f"structured output ({spec.describe()}) cannot be used: {_error_of(matcher)}")
+        raise GrammarRefused(spec, _error_of(matcher))
     grammar = RequestGrammar(matcher, llg_tokenizer.vocab_size)
     for token in delivered:
         grammar.advance(token)
     return grammar
 
 
+class GrammarRefused(ValueError):
+    """llguidance would not make a matcher of spec; `reason` is its word."""
+
+    def __init__(self, spec: StructuredOutput, reason: str) -> None:
+        super().__init__(f"structured output ({spec.describe()}) cannot be used: {reason}")
+        self.reason = reason
+
+
 class RequestGrammar:
     """One request's matcher and the width of the masks it writes (its tokenizer's vocabulary)."""
 
     def __init__(self, matcher, vocab_size: int) -> None:
-        self.matcher, self.vocab_size = matcher, vocab_size
+        self.matcher = matcher
         self.words = (vocab_size + 31) // 32
         """32-bit words in its mask: token t is bit t % 32 of word t // 32."""
 
