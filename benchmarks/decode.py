@@ -123,7 +123,8 @@ def ray_runner(model_dir: Path, ids: list[int], new_tokens: int, threads: int, t
     # can stay up side by side; one thread per rank either way. TP 1: a bundle of --threads CPUs, so
     # --threads compute threads (they follow the bundle), as the in-process variants and transformers get.
     launcher = Launcher(model=str(model_dir), tp=tp, compile=compile_, progress=False, ray_address="local",
-                        cpus_per_rank=0.3 if tp > 1 else threads, **bucket_settings(len(ids), new_tokens)).start()
+                        cpus_per_rank=0.3 if tp > 1 else threads, prefix_caching=False,  # every run prefills its prompt whole (the same prompt again would be a prefix-cache hit)
+                        **bucket_settings(len(ids), new_tokens)).start()
 
     def run() -> dict:
         start = time.perf_counter()

@@ -144,7 +144,8 @@ def main(out=None) -> None:
 
     model = str(ensure_demo_model())
     prompts = [PROMPTS[i % len(PROMPTS)] + ("" if i < len(PROMPTS) else " really") for i in range(args.requests)]
-    common = dict(model=model, tp=1, dtype="float32", progress=False, max_batch_size=8)
+    common = dict(model=model, tp=1, dtype="float32", progress=False, max_batch_size=8,
+                  prefix_caching=False)  # every round prefills its prompts whole, as the first does
     context = serving_context(common)
     if PROMPT_TOKENS_AT_MOST + args.new_tokens > context:  # refused by generate() only once Ray and both ran
         parser.error(f"--new-tokens ({args.new_tokens}) plus the prompts (at most {PROMPT_TOKENS_AT_MOST} tokens) "

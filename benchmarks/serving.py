@@ -98,8 +98,10 @@ def baseline_launcher(model_dir: str, prompts: list[list[int]], max_tokens: int,
     count = len(prompts)
     # warm_up: every graph is built before anything is timed (continuous batching meets whichever
     # prefill and decode batch shapes the arrival times make).
+    # prefix_caching off: the in-process continuous batch runs the warm-up's prompts again, which
+    # would otherwise skip their prefills (the HTTP levels never repeat a prompt)
     with Launcher(model=model_dir, tp=1, max_batch_size=count, max_num_seqs=count, progress=False,
-                  ray_address="local", warm_up=True, cpus_per_rank=cpus_per_rank,
+                  ray_address="local", warm_up=True, cpus_per_rank=cpus_per_rank, prefix_caching=False,
                   **smallest_buckets(len(prompts[0]), max_tokens)) as launcher:
         static_generate(launcher, prompts[:1], max_tokens)  # warm-up: builds the batch-1 graphs
         static_generate(launcher, prompts, max_tokens)  # and the batch-N ones

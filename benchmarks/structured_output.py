@@ -170,8 +170,9 @@ def main(out=None) -> dict:
     prompt = "List people as JSON objects with name, age and city:"
     times: dict[str, list[float]] = {"plain": [], "structured": []}
     checker, checked = GrammarTokenizer(lambda: tokenizer, len(tokenizer)), 0
+    # prefix_caching off: every round prefills its prompts whole (a round's repeated prompt would hit)
     with Launcher(model=model_dir, tp=1, compile=args.compile, warm_up=args.compile, max_num_seqs=args.clients,
-                  progress=False) as llm:
+                  progress=False, prefix_caching=False) as llm:
         for r in range(args.rounds + 1):  # the first round warms up (and builds the leader's tokenizer)
             for way in ("plain", "structured"):
                 params = [SamplingParams(temperature=1.0, seed=1000 * r + i,

@@ -140,7 +140,7 @@ def _corelaunch(variant: str, model_dir: str, new_tokens: int):
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     granularity = "collective" if variant == "tp2_regions" else None
     launcher = Launcher(model=model_dir, tp=tp, compile=compile_, compile_granularity=granularity,
-                        progress=False).start()
+                        progress=False, prefix_caching=False).start()  # every run prefills its prompt whole (the same prompt again would be a prefix-cache hit)
     group = launcher._group
     kinds = ray.get([a.__ray_call__.remote(lambda self: type(self._collectives).__name__) for a in group.actors])
     info = {"ranks": tp, "threads": group.resources.threads, "collectives": kinds[0],

@@ -123,6 +123,10 @@ class LaunchConfig:
     (again after each, at most workers.serving.burst.BURST_WAIT_CAP times this in all) so that a
     burst of requests is prefilled together. A lone request's first token comes this much later.
     0: no wait."""
+    prefix_caching: bool = True
+    """Continuous batching: a finished request's cache row keeps its tokens' keys and values, and a
+    later prompt that starts with the same tokens is seated there and prefilled only from where they
+    part (workers/serving/prefix_reuse.py). False: every prompt is prefilled whole."""
     max_queued_requests: int | None = None
     """Streaming requests allowed to wait for a row over all this Launcher's replicas (under
     `corelaunch serve`, each Serve replica is a Launcher of its own, so the limit is per Serve
@@ -228,6 +232,8 @@ class LaunchConfig:
                 or not 0 <= self.burst_wait_s <= MAX_BURST_WAIT_S):
             raise ValueError(f"burst_wait_s ({self.burst_wait_s!r}) must be between 0 and {MAX_BURST_WAIT_S:g} "
                              f"seconds (0: prefill a request the moment it arrives)")
+        if not isinstance(self.prefix_caching, bool):
+            raise ValueError(f"prefix_caching ({self.prefix_caching!r}) must be True or False")
         if self.max_queued_requests is not None and (isinstance(self.max_queued_requests, bool) or not isinstance(
                 self.max_queued_requests, int) or not 0 <= self.max_queued_requests <= MAX_QUEUED_REQUESTS):
             # the bound: Ray Serve refuses a replica's max_ongoing_requests past a 32-bit integer, after it started
@@ -499,6 +505,9 @@ class GenerationResult:
     prompt_logprobs: list | None = None
     """With prompt_logprobs: a workers.serving.requests.TokenLogprob per prompt token but the first
     (token_id, logprob given the tokens before it, top: the n most likely (id, logprob) there)."""
+    cached_prompt_tokens: int = 0
+    """Prompt tokens not prefilled, because the request's cache row already held them (prefix
+    caching, continuous batching; LaunchConfig.prefix_caching)."""
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -917,7 +926,7 @@ class Launcher:
 
         cfg = self.config
         return ServeSpec(max_num_seqs=cfg.max_num_seqs, max_prefill_tokens=cfg.max_prefill_tokens,
-                         burst_wait_s=cfg.burst_wait_s,
+                         burst_wait_s=cfg.burst_wait_s, prefix_caching=cfg.prefix_caching,
                          cache_slots=cfg.seq_len or self.plan.seq_len,
                          warm_up_max_length=0 if cfg.warm_up else None)
 
@@ -1343,7 +1352,8 @@ class Launcher:
             decode_tokens_per_s=len(steps) / decoded_s if steps and decoded_s > 0 else 0.0,
             decode_step_latencies_s=steps, logits=logits, replica=stream.handle.replica or 0,
             attempts=stream.handle.attempts, token_times_s=times,
-            prompt_logprobs=next((e.prompt_logprobs for e in events if e.prompt_logprobs is not None), None))
+            prompt_logprobs=next((e.prompt_logprobs for e in events if e.prompt_logprobs is not None), None),
+            cached_prompt_tokens=next((e.cached_tokens for e in events if e.cached_tokens is not None), 0))
 
     def _encode(self, text: str) -> list[int]:
         # The lock per prompt, not per call: a call of 20,000 prompts held it for a second, and an

@@ -68,3 +68,20 @@ def request(rid: str, prompt, max_tokens: int, **kw) -> StreamRequest:
 
     kw.setdefault("sampling", SamplingParams())
     return StreamRequest(rid, tuple(prompt), max_tokens=max_tokens, **kw)
+
+
+def count_prefill_calls(model) -> dict[str, int]:
+    """Counts, from now on, a CompiledCausalLM's eager steps ("eager") and its prefill calls through
+    a graph ("graph"); the dict returned is updated in place."""
+    calls = {"eager": 0, "graph": 0}
+    eager, graph = model.eager_serve_step, model.serve_step
+
+    def counted_eager(*args):
+        calls["eager"] += 1
+        return eager(*args)
+
+    def counted_graph(input_ids, *args):
+        calls["graph"] += input_ids.shape[1] > 1  # prefill calls through a graph
+        return graph(input_ids, *args)
+    model.eager_serve_step, model.serve_step = counted_eager, counted_graph
+    return calls

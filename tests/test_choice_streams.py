@@ -11,9 +11,18 @@ import pytest
 from launcher.serving.choice_streams import ChoiceStreams
 
 
+class Delta(str):
+    """A delta's text standing for the whole delta; cached_tokens as StreamDelta has it."""
+
+    def __new__(cls, text: str, cached_tokens: int | None = None):
+        delta = super().__new__(cls, text)
+        delta.cached_tokens = cached_tokens
+        return delta
+
+
 class Stream:
-    """An engine stream's surface (__anext__, aclose) giving `items` after `delay_s` each; an
-    exception among them is raised when its turn comes."""
+    """An engine stream's surface (__anext__, aclose) giving `items` (text, or Delta) after `delay_s`
+    each; an exception among them is raised when its turn comes."""
 
     def __init__(self, items, delay_s: float):
         self.items, self.delay_s = list(items), delay_s
@@ -33,7 +42,7 @@ class Stream:
         item = self.items.pop(0)
         if isinstance(item, BaseException):
             raise item
-        return item
+        return item if isinstance(item, Delta) else Delta(item)
 
     async def aclose(self):
         self.closed = True
@@ -52,6 +61,23 @@ def test_every_choice_delta_comes_once_in_arrival_order():
     assert [d for i, d in got if i == 0] == ["a1", "a2", "a3"] and [d for i, d in got if i == 1] == ["b1", "b2"]
     assert got.index((1, "b2")) < got.index((0, "a2"))  # the faster choice is not held behind the slower
     assert all(s.closed for s in streams)
+
+
+def test_cached_prompt_tokens_count_each_prompts_first_choice_once():
+    """Two prompts of two choices each (streams 0, 1 are prompt 0's): usage counts a prompt once,
+    as its prompt tokens are counted, so only its first choice's count is taken."""
+    heard = []
+
+    async def run():
+        streams = [Stream([Delta("a", 5), "b"], 0.0), Stream([Delta("c", 5)], 0.0),
+                   Stream([Delta("d", 0)], 0.0), Stream([Delta("e", 3)], 0.0)]
+        merged = ChoiceStreams(streams, prompt_tokens=20, choices_per_prompt=2, on_cached=heard.append)
+        got = [pair async for pair in merged]
+        await merged.aclose()
+        return merged, got
+
+    merged, got = asyncio.run(run())
+    assert len(got) == 5 and merged.cached_tokens == 5 and sorted(heard) == [0, 5]
 
 
 def test_one_stream_is_read_directly():

@@ -608,7 +608,9 @@ def test_accepted_requests_and_their_engine_arguments():
 def test_response_objects_and_server_sent_events():
     meta = proto.ResponseMeta(id="cmpl-1", created=5, model=MODEL)
     usage = proto.usage(3, 4)
-    assert usage == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert usage == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
+                     "prompt_tokens_details": {"cached_tokens": 0}}
+    assert proto.usage(3, 4, cached_tokens=2)["prompt_tokens_details"] == {"cached_tokens": 2}
     body = proto.completion_response(meta, " Paris", "length", usage)
     assert body["object"] == "text_completion" and body["choices"][0]["text"] == " Paris" and body["usage"] == usage
     body = proto.chat_response(meta, "Hi", "stop", usage)
@@ -1329,7 +1331,8 @@ def test_models_health_and_metrics(client, server):
     text = requests.get(f"{server.url}/metrics", timeout=10).text
     for name in ("corelaunch_requests_running", "corelaunch_requests_waiting",
                  "corelaunch_time_to_first_token_seconds_bucket", "corelaunch_inter_token_latency_seconds_bucket",
-                 "corelaunch_generated_tokens_total", "corelaunch_requests_total"):
+                 "corelaunch_generated_tokens_total", "corelaunch_requests_total",
+                 "corelaunch_prefix_cache_hit_tokens_total"):
         assert name in text, name
 
 
@@ -1787,6 +1790,35 @@ def test_client_that_disconnects_frees_its_slot(client, server):
         assert time.monotonic() < deadline, "the abort was never counted"
         time.sleep(0.2)
     assert _metric(server, prompt_tokens) == before[0] + 5
+
+
+def _metric(url: str, name: str) -> float:
+    import requests
+
+    text = requests.get(f"{url}/metrics", timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")
+               or line.startswith(name + "{"))
+
+
+@pytest.mark.slow
+def test_a_second_chat_turn_reuses_the_first_turns_cache_row(client, server, hf):
+    """Prefix caching over HTTP: the second turn's prompt starts with the first's prompt and answer,
+    which the first turn's cache row still holds; usage counts them as cached and the server's
+    counter adds them, and the second turn's greedy text is transformers' for its whole prompt."""
+    first_ids = hf.tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=False)
+    before = _metric(server.url, "corelaunch_prefix_cache_hit_tokens_total")
+    first = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0)
+    second_messages = CHAT + [{"role": "assistant", "content": first.choices[0].message.content},
+                              {"role": "user", "content": "And of Italy?"}]
+    second_ids = hf.tok.apply_chat_template(second_messages, add_generation_prompt=True, tokenize=True,
+                                            return_dict=False)
+    second = client.chat.completions.create(model=MODEL, messages=second_messages, max_tokens=12, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert len(first_ids) <= cached < len(second_ids), (len(first_ids), cached, len(second_ids))
+    assert second.usage.prompt_tokens == len(second_ids)
+    assert second.choices[0].message.content == hf.greedy(list(second_ids), 12)
+    assert _metric(server.url, "corelaunch_prefix_cache_hit_tokens_total") - before == (
+        first.usage.prompt_tokens_details.cached_tokens + cached)
 
 
 @pytest.mark.slow

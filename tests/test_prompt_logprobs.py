@@ -10,7 +10,7 @@ import torch
 
 from shardlib.buckets import Buckets
 from shardlib.serving_shapes import ServingShapes
-from tests.serving_driver import collect, request, run_loops, stop
+from tests.serving_driver import collect, count_prefill_calls, request, run_loops, stop
 from tests.test_engine import PROMPTS, alone, fresh_model, hf_model
 from tests.test_serving_loop import MORE_PROMPTS, tp2_loops
 from workers.serving.loop import ServingConfig, ServingLoop
@@ -147,17 +147,7 @@ def test_a_compiled_loop_prefills_a_call_that_would_be_mostly_padding_eagerly():
     buckets = Buckets.build(max_seq_len=256, context=(128,), token=(256,))
     shapes = ServingShapes.build(buckets, max_num_seqs=4, max_prefill_tokens=512)
     model = CompiledCausalLM(fresh_model(), buckets, announce=lambda line: None)
-    calls = {"eager": 0, "graph": 0}
-    eager, graph = model.eager_serve_step, model.serve_step
-
-    def counted_eager(*args):
-        calls["eager"] += 1
-        return eager(*args)
-
-    def counted_graph(input_ids, *args):
-        calls["graph"] += input_ids.shape[1] > 1  # prefill calls through a graph
-        return graph(input_ids, *args)
-    model.eager_serve_step, model.serve_step = counted_eager, counted_graph
+    calls = count_prefill_calls(model)
     loop = ServingLoop(model, ServingConfig(4, 512, 256, shapes))
     threads = run_loops([loop])
     short = [tuple(p[:5]) for p in PROMPTS[:3]] + [tuple(LONG[:5])]

@@ -107,6 +107,8 @@ class ServeSpec:
     (each is built on first use), 0: every serving shape."""
     burst_wait_s: float = 0.0
     """ServingConfig.burst_wait_s: how long an idle leader waits for a burst's next request."""
+    prefix_caching: bool = False
+    """ServingConfig.prefix_caching: rows keep their finished requests' tokens for prompts sharing them."""
 
 
 @dataclass
@@ -306,7 +308,7 @@ class RankWorker:
             model.reserve_graphs(len(shapes.shapes()))
         start = time.perf_counter()
         loop = ServingLoop(model, ServingConfig(spec.max_num_seqs, spec.max_prefill_tokens, slots, shapes,
-                                               spec.burst_wait_s),
+                                               spec.burst_wait_s, spec.prefix_caching),
                            self._run_batch, self._grammar_tokenizer())
         if shapes is not None and spec.warm_up_max_length is not None and hasattr(model, "warming_up"):
             with model.warming_up():

@@ -156,6 +156,9 @@ def _bench(args: argparse.Namespace) -> dict:
                           # no static batch, so one static row, not a second batch of rows, is planned)
                           # and is prefilled in one step where its prompts fit PREFILL_BUDGET_CAP tokens.
                           max_batch_size=1, max_num_seqs=args.batch_size,
+                          # every run prefills the same prompts whole: a prefix-cache hit would time
+                          # the warm-up's prefill away
+                          prefix_caching=False,
                           max_prefill_tokens=max(DEFAULT_MAX_PREFILL_TOKENS,
                                                  min(args.batch_size * args.prompt_len, PREFILL_BUDGET_CAP)))
     timings: list[RunTiming] = []

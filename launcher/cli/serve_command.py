@@ -58,6 +58,9 @@ def add_parser(subparsers) -> None:
                    help="an idle model waits this long for more requests after one arrives (again after each, at "
                         "most 10x in all), so a burst's prompts are prefilled together; a lone request's first "
                         "token comes this much later (default 10; 0: no wait)")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="prefill every prompt whole (default: a prompt that starts like an earlier request's "
+                        "prompt and output, still held in a free cache row, is prefilled only from where they part)")
     p.add_argument("--api-key", metavar="KEY",
                    help="require `Authorization: Bearer KEY` on /v1/* (default: $CORELAUNCH_API_KEY; unset: open)")
     p.add_argument("--replicas", type=int_at_least("--replicas"), metavar="N",
@@ -150,6 +153,8 @@ def server_args(args: argparse.Namespace) -> dict:
         built["max_prefill_tokens"] = args.max_prefill_tokens
     if args.burst_wait_ms is not None:
         built["burst_wait_s"] = args.burst_wait_ms / 1000
+    if not args.prefix_caching:
+        built["prefix_caching"] = False
     return {k: v for k, v in built.items() if v is not None or k in ("model",)}
 
 

@@ -79,6 +79,8 @@ class StreamHandle:
                 return True
             if event.token_ids and self.first_token_at is None:
                 self.first_token_at = time.monotonic()
+            elif event.cached_tokens is not None:  # a resumed attempt's: its first token is not the stream's
+                event = dataclasses.replace(event, cached_tokens=None)
             self.delivered.extend(event.token_ids)
             self.finished = event.finish_reason is not None
         self.sink(event)

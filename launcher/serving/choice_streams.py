@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from typing import Callable
 
 _END = object()
 
@@ -25,10 +26,15 @@ class ChoiceStreams:
     task each, one delta at a time; an error in any one ends the whole (the caller closes it, which
     cancels the others)."""
 
-    def __init__(self, streams: list, prompt_tokens: int = 0) -> None:
+    def __init__(self, streams: list, prompt_tokens: int = 0, choices_per_prompt: int = 1,
+                 on_cached: Callable[[int], None] | None = None) -> None:
         self.streams = streams
         self.prompt_tokens = prompt_tokens
         """The request's prompt tokens, each prompt counted once whatever its choices (usage)."""
+        self.cached_tokens = 0
+        """Of those, the ones not prefilled (prefix caching): each prompt's first choice's count, once its
+        first token came. on_cached(n) hears each such count as it comes."""
+        self._choices_per_prompt, self._on_cached = choices_per_prompt, on_cached
         self._reads: dict[asyncio.Future, int] = {}
         self._ready: deque = deque()
         self._started = self._closed = False
@@ -37,6 +43,14 @@ class ChoiceStreams:
         return self
 
     async def __anext__(self):
+        index, delta = await self._next_delta()
+        if delta.cached_tokens is not None and index % self._choices_per_prompt == 0:
+            self.cached_tokens += delta.cached_tokens
+            if self._on_cached is not None:
+                self._on_cached(delta.cached_tokens)
+        return index, delta
+
+    async def _next_delta(self):
         if len(self.streams) == 1:
             return 0, await self.streams[0].__anext__()
         if self._closed:

@@ -43,6 +43,10 @@ class ServerMetrics:
         self.prompt_tokens = Counter("corelaunch_prompt_tokens", "Prompt tokens of the requests admitted "
                                      "(counted at admission, however they end)",
                                      registry=r)
+        self.cached_prompt_tokens = Counter(
+            "corelaunch_prefix_cache_hit_tokens", "Prompt tokens not prefilled because the request's cache row "
+            "already held them (prefix caching; each prompt counted once, as in corelaunch_prompt_tokens)",
+            registry=r)
         self.requests = Counter(
             "corelaunch_requests", "Generation requests by outcome: finish_reason stop|length (completed), "
             "abort (client went away), error (failed while generating: 500, or 504 past the request timeout), rejected (refused with the "

@@ -770,7 +770,7 @@ class OpenAIServer:
             raise
         prompt_tokens = sum(len(prompt) for prompt in prompts)
         self.metrics.prompt_tokens.inc(prompt_tokens)  # admitted: counted whatever happens next, once for all choices
-        return ChoiceStreams(streams, prompt_tokens)
+        return ChoiceStreams(streams, prompt_tokens, req.n, self.metrics.cached_prompt_tokens.inc)
 
     def _start(self, req, prompt: list[int], max_tokens: int, logprobs: int | None, prompt_param: str, sampling,
                prompt_logprobs: int | None = None):
@@ -853,7 +853,8 @@ class OpenAIServer:
         self.metrics.finished(renders[0].finish_reason(finish[0]) or "stop")
         choices = [render.choice(reason) for render, reason in zip(renders, finish)]
         return JSONResponse({**proto.response(meta, renders[0].response_object, choices,
-                                              proto.usage(stream.prompt_tokens, sum(completion_tokens))),
+                                              proto.usage(stream.prompt_tokens, sum(completion_tokens),
+                                                          stream.cached_tokens)),
                              **renders[0].response_extras()})
 
     def _count_stream(self, outcome: dict) -> None:
@@ -885,7 +886,8 @@ class OpenAIServer:
                             outcome["finish_reason"] = endings[0]
             if include_usage:
                 yield proto.sse_event(proto.usage_chunk(meta, renders[0].chunk_object,
-                                                        proto.usage(stream.prompt_tokens, sum(completion_tokens))))
+                                                        proto.usage(stream.prompt_tokens, sum(completion_tokens),
+                                                                    stream.cached_tokens)))
             yield proto.SSE_DONE
         except Exception as err:  # noqa: BLE001 - headers are sent: the error can only be an event
             outcome["status"], body, _ = _generation_failure(err)  # headers are sent already

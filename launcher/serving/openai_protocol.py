@@ -546,9 +546,11 @@ class ResponseMeta:
         return cls(id=f"{prefix}-{uuid.uuid4().hex}", created=int(time.time()), model=model)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """cached_tokens: of the prompt tokens, those the engine did not prefill (prefix caching)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def response(meta: ResponseMeta, obj: str, choices: list[dict], usage_: dict) -> dict:

@@ -38,4 +38,4 @@ class TextStream:
         self.finish_reason = finish
         return StreamDelta(self.request_id, text, list(event.token_ids), finish, self.prompt_tokens,
                            self.completion_tokens, event.logprobs, first, event.prompt_logprobs,
-                           self.stopped_by_string)
+                           self.stopped_by_string, event.cached_tokens)

@@ -46,7 +46,10 @@ EAGER_PREFILL_MIN_PADDED = 512
 least EAGER_PREFILL_WASTE times its real tokens and to at least EAGER_PREFILL_MIN_PADDED tokens:
 sixteen 12-token prompts padded to 16 x 128 spent most of a short request's time prefilling
 padding (README, Measured), while a prefill's compiled graph saves little over the eager forward.
-Small calls keep their graphs (their padding costs little)."""
+Small calls keep their graphs (their padding costs little). Likewise a call of chunks that
+continue their sequences, whose graph attends over whole cache rows, when its chunks reach no
+further than 1/EAGER_PREFILL_WASTE of a row: eagerly it reads only the slots they reach (a short
+turn after a long cached prefix, workers/serving/prefix_reuse.py)."""
 STATIC_WAIT_S = 60.0
 """How long a follower waits for its copy of a static batch the leader already announced."""
 
@@ -64,6 +67,9 @@ class ServingConfig:
     long of each other (at most BURST_WAIT_CAP times it, and no more than the free rows hold), so a
     burst's prompts are prefilled in one iteration. Otherwise the first would be prefilled alone while
     the rest of the burst, arriving a few ms later, waited the whole of that prefill. 0: no wait."""
+    prefix_caching: bool = False
+    """Rows keep what their finished requests wrote, and a prompt starting the same way is seated in
+    such a row and prefilled from where they part (workers/serving/prefix_reuse.py)."""
 
 
 def _own_copy(row: torch.Tensor) -> torch.Tensor:
@@ -96,7 +102,7 @@ class ServingLoop:
         # sized by the prefill tokens one step can hold, never by a budget no step can fill
         # (max_prefill_tokens 16384 with chunks of 512 and 8 rows moved 128 KB a step, not 32).
         self.codec = PlanCodec(config.max_num_seqs, min(config.max_prefill_tokens, config.max_num_seqs * max_chunk))
-        self.scheduler = Scheduler(config.max_num_seqs, config.max_prefill_tokens, max_chunk)
+        self.scheduler = Scheduler(config.max_num_seqs, config.max_prefill_tokens, max_chunk, config.prefix_caching)
         self.outbox = Outbox()
         self._inbox: queue.Queue = queue.Queue()
         self._run_static = run_static
@@ -384,7 +390,10 @@ class ServingLoop:
             return False
         real = sum(len(c.token_ids) for c in chunks)
         batch, width = shapes.prefill_shape(len(chunks), max(len(c.token_ids) for c in chunks))
-        return batch * width >= max(EAGER_PREFILL_MIN_PADDED, EAGER_PREFILL_WASTE * real)
+        if batch * width >= max(EAGER_PREFILL_MIN_PADDED, EAGER_PREFILL_WASTE * real):
+            return True
+        reach = max(c.start + len(c.token_ids) for c in chunks)
+        return any(c.start for c in chunks) and reach * EAGER_PREFILL_WASTE <= self.config.cache_slots
 
     def _eager_step(self, inputs) -> torch.Tensor:
         i = inputs.to(self.device)
@@ -438,7 +447,8 @@ class ServingLoop:
                                      None if logprobs[i] is None else [logprobs[i]],
                                      [_own_copy(logits[i])] if request.return_logits else None, chosen_at,
                                      prompt_logprobs=(seq.prompt_logprobs if request.prompt_logprobs is not None
-                                                      and seq.generated == 1 else None)))
+                                                      and seq.generated == 1 else None),
+                                     cached_tokens=seq.cached if seq.generated == 1 else None))
             if reason is None:
                 seq.pending = token
             else:

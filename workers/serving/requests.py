@@ -70,3 +70,6 @@ class TokenEvent:
     prompt_logprobs: list[TokenLogprob] | None = None
     """On the request's first token's event, when it asked for prompt_logprobs: one entry per prompt
     token after the first, in order."""
+    cached_tokens: int | None = None
+    """On the first token's event of each submission: the prompt tokens its cache row already held
+    (prefix caching), which were not prefilled again."""

@@ -8,7 +8,9 @@ Each iteration (`schedule`):
    long prompt delays running streams by one chunk per iteration, never by its whole prefill;
 3. every sequence holding a token to feed back runs one decode step.
 A sequence that finishes or is cancelled gives its row back at once; the next iteration can seat
-a waiting request there. A row that may hold NaN or inf (its request failed by itself, or was
+a waiting request there. With prefix caching, the row keeps what the sequence wrote, and a request
+whose prompt starts the same way is seated there and prefilled from where they part
+(workers/serving/prefix_reuse.py). A row that may hold NaN or inf (its request failed by itself, or was
 cancelled while prefilling, before its last chunk's logits could show them) comes back with the
 next plan, which zeroes what it wrote on every rank first.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
+from workers.serving.prefix_reuse import RowHistories
 from workers.serving.requests import StreamRequest
 from workers.serving.step_plan import ClearRow, Command, DecodeRow, PrefillChunk, StepPlan
 
@@ -28,6 +31,8 @@ class Sequence:
     row: int | None = None
     prefilled: int = 0
     """Prompt tokens already in the cache."""
+    cached: int = 0
+    """Of those, the ones its row already held when it was seated (prefix caching): never prefilled."""
     pending: int | None = None
     """The last token chosen, fed back by the next decode step."""
     generated: int = 0
@@ -57,9 +62,12 @@ class Sequence:
 
 
 class Scheduler:
-    def __init__(self, max_num_seqs: int, max_prefill_tokens: int, max_chunk: int) -> None:
+    def __init__(self, max_num_seqs: int, max_prefill_tokens: int, max_chunk: int,
+                 prefix_caching: bool = False) -> None:
         self.max_num_seqs, self.max_prefill_tokens, self.max_chunk = max_num_seqs, max_prefill_tokens, max_chunk
         self.free_rows = list(range(max_num_seqs))
+        self.histories = RowHistories() if prefix_caching else None
+        """With prefix caching: the tokens each free row still holds."""
         self.rows_to_clear: list[ClearRow] = []
         """Rows a failed (or mid-prefill cancelled) request held: free again once a plan has carried
         their clearing."""
@@ -95,6 +103,9 @@ class Scheduler:
                 written = sequence.prefilled + sequence.generated + 1
                 self.rows_to_clear.append(ClearRow(sequence.row, written))
             else:
+                if self.histories is not None:  # the last token chosen was never fed back: not cached
+                    self.histories.keep(sequence.row, sequence.prompt[:sequence.prefilled]
+                                        + tuple(sequence.output_ids[:max(sequence.generated - 1, 0)]))
                 self.free_rows.append(sequence.row)
                 self.free_rows.sort()
             sequence.row = None
@@ -117,7 +128,7 @@ class Scheduler:
             self.free_rows = sorted(self.free_rows + [c.row for c in clears])
         while self.waiting and self.free_rows:
             seq = self.waiting.popleft()
-            seq.row = self.free_rows.pop(0)
+            self._seat(seq)
             self.running[seq.request.request_id] = seq
         budget, prefills, decode = self.max_prefill_tokens, [], []
         for seq in self.running.values():
@@ -133,6 +144,19 @@ class Scheduler:
         if not prefills and not decode and not clears:
             return None
         return StepPlan(Command.WORK, tuple(prefills), tuple(decode), clears=clears)
+
+    def _seat(self, seq: Sequence) -> None:
+        """Give the sequence a free row: with prefix caching the one holding most of its prompt, whose
+        shared part it then never prefills; else the lowest. A request that wants every prompt
+        token's logits (prompt_logprobs) prefills its whole prompt."""
+        if self.histories is None:
+            seq.row = self.free_rows.pop(0)
+            return
+        seq.row, seq.cached = self.histories.choose(self.free_rows, seq.prompt,
+                                                    reuse=seq.request.prompt_logprobs is None)
+        self.free_rows.remove(seq.row)
+        self.histories.forget(seq.row)
+        seq.prefilled = seq.cached
 
     def by_row(self) -> dict[int, Sequence]:
         return {seq.row: seq for seq in self.running.values()}

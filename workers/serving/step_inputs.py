@@ -67,8 +67,10 @@ def prefill_inputs(chunks: list[PrefillChunk], shapes: ServingShapes | None, scr
                    cache_slots: int) -> StepInputs:
     """One batch row per chunk (a batch bucket x the chunk bucket; exact without shapes); its logits
     are taken at its last real token. When every chunk starts its sequence, each row attends over
-    the call's width of slots (all that chunk can see); otherwise over its sequence's whole cache
-    row. Filler rows and padding tokens write only the scratch row, at slot 0."""
+    the call's width of slots (all that chunk can see); otherwise, with shapes, over its sequence's
+    whole cache row (the continuing chunks' graphs read it all), and without, over the slots up to
+    the call's furthest chunk end (a short chunk after a long cached prefix reads only those).
+    Filler rows and padding tokens write only the scratch row, at slot 0."""
     longest = max(len(c.token_ids) for c in chunks)
     batch, width = shapes.prefill_shape(len(chunks), longest) if shapes is not None else (len(chunks), longest)
     ids = torch.zeros(batch, width, dtype=torch.int64)
@@ -86,7 +88,10 @@ def prefill_inputs(chunks: list[PrefillChunk], shapes: ServingShapes | None, scr
     real = column < lengths
     token_rows = torch.where(real, rows, scratch_row)  # column 0 is real: it names the row a batch row reads
     cache_positions = torch.where(real, positions, 0)
-    read = width if all(c.start == 0 for c in chunks) else cache_slots
+    if all(c.start == 0 for c in chunks):
+        read = width
+    else:
+        read = cache_slots if shapes is not None else max(c.start + len(c.token_ids) for c in chunks)
     return StepInputs(ids, positions, cache_positions, token_rows, read, (lengths[:, 0] - 1).clamp(min=0))
 
 
