@@ -190,8 +190,8 @@ def test_continuing_chunks_read_to_their_furthest_end_eagerly_and_whole_rows_thr
 
 
 def test_a_compiled_loop_runs_a_short_turn_after_a_cached_prefix_eagerly():
-    """The follow-up's chunk continues its row at slot 47 and ends before a quarter of the row: its
-    graph would attend over all 256 slots, eagerly it reads 50. The first prompt keeps its graph."""
+    """The follow-up's chunk continues its row at slot 127: its graph would attend over all 256
+    slots, eagerly it reads 130. The first prompt (120 tokens in the 128 bucket) keeps its graph."""
     import torch
 
     from shardlib.buckets import Buckets
@@ -205,12 +205,12 @@ def test_a_compiled_loop_runs_a_short_turn_after_a_cached_prefix_eagerly():
     calls = count_prefill_calls(model)
     loop = ServingLoop(model, ServingConfig(2, 128, 256, shapes, prefix_caching=True))
     threads = run_loops([loop])
-    first = tuple(range(1, 41))
+    first = tuple(range(1, 41)) * 3
     loop.submit([request("first", first, 8)])
     got = collect(loop, {"first"})
     follow = first + tuple(got.tokens["first"][:7]) + (5, 6, 7)
     loop.submit([request("follow", follow, 4)])
     more = collect(loop, {"follow"})
     stop([loop], threads)
-    assert calls == {"eager": 1, "graph": 1} and cached_tokens(more, "follow") == 47
+    assert calls == {"eager": 1, "graph": 1} and cached_tokens(more, "follow") == 127
     assert got.tokens["first"] == alone(first, 8) and more.tokens["follow"] == alone(follow, 4)

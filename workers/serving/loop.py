@@ -40,16 +40,14 @@ from workers.structured.matchers import TOKENIZER_WAIT_S, start_matcher
 HEARTBEAT_S = 0.2
 """An idle leader sends an IDLE plan this often: followers wait in a collective for the next plan,
 and a collective gives up after its timeout (tens of seconds)."""
-EAGER_PREFILL_WASTE = 4
-EAGER_PREFILL_MIN_PADDED = 512
+EAGER_PREFILL_WASTE = 1.2
 """A compiled loop runs a prefill call eagerly, at its exact shape, when its bucket would pad it to at
-least EAGER_PREFILL_WASTE times its real tokens and to at least EAGER_PREFILL_MIN_PADDED tokens:
-sixteen 12-token prompts padded to 16 x 128 spent most of a short request's time prefilling
-padding (README, Measured), while a prefill's compiled graph saves little over the eager forward.
-Small calls keep their graphs (their padding costs little). Likewise a call of chunks that
-continue their sequences, whose graph attends over whole cache rows, when its chunks reach no
-further than 1/EAGER_PREFILL_WASTE of a row: eagerly it reads only the slots they reach (a short
-turn after a long cached prefix, workers/serving/prefix_reuse.py)."""
+least EAGER_PREFILL_WASTE times its real tokens; and on the cpu backend a call whose chunks continue
+their sequences always, since its graph attends over whole cache rows where the eager step reads
+only the slots its chunks reach. A prefill's graph runs each padded token about as fast as the eager
+forward runs a real one: on one 2-core host (benchmarks/prefill_paths.py, README Measured) the eager
+step took 1.06-1.13x the graph's time for calls without padding, 0.80-0.85x for 1.28x padding,
+0.10-0.34x for 4x or more, and 0.04-0.69x for every continuing call measured."""
 STATIC_WAIT_S = 60.0
 """How long a follower waits for its copy of a static batch the leader already announced."""
 
@@ -383,17 +381,16 @@ class ServingLoop:
         return prefill_logits, decode_logits
 
     def _prefill_eagerly(self, chunks: list[PrefillChunk]) -> bool:
-        """Whether a compiled loop's prefill call would be mostly padding (EAGER_PREFILL_WASTE):
-        decided from the plan alone, so every rank decides alike."""
+        """Whether a compiled loop runs this prefill call eagerly (EAGER_PREFILL_WASTE): decided from
+        the plan alone, so every rank decides alike."""
         shapes = self.config.shapes
         if shapes is None or not hasattr(self.model, "eager_serve_step"):
             return False
+        if self.device.type == "cpu" and any(c.start for c in chunks):
+            return True
         real = sum(len(c.token_ids) for c in chunks)
         batch, width = shapes.prefill_shape(len(chunks), max(len(c.token_ids) for c in chunks))
-        if batch * width >= max(EAGER_PREFILL_MIN_PADDED, EAGER_PREFILL_WASTE * real):
-            return True
-        reach = max(c.start + len(c.token_ids) for c in chunks)
-        return any(c.start for c in chunks) and reach * EAGER_PREFILL_WASTE <= self.config.cache_slots
+        return batch * width >= EAGER_PREFILL_WASTE * real
 
     def _eager_step(self, inputs) -> torch.Tensor:
         i = inputs.to(self.device)

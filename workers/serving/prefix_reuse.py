@@ -23,8 +23,8 @@ from typing import Sequence as Tokens
 
 MIN_SHARED_TOKENS = 16
 """Shorter shared prefixes are prefilled again. Distinct prompts often share a few leading tokens (a
-word and a space); skipping those saves little, while a chunk that continues a row runs in another
-prefill call (and compiled graph) than the chunks that start theirs at slot 0 in the same step."""
+word and a space); skipping those saves little, while with compiling a chunk that continues a row
+runs in another prefill call than the chunks that start theirs at slot 0 in the same step."""
 _PROBE = 64
 """Tokens compared at once before halving (tuple slices compare in C)."""
 
