@@ -43,6 +43,10 @@ def main(out=None) -> dict:
     too_long = [(s, n) for s in args.starts for n in args.lengths if s + n > args.seq_len]
     if too_long:
         parser.error(f"start + length past --seq-len ({args.seq_len}): {too_long}; lower them or raise --seq-len")
+    too_wide = [(b, n) for b in args.batches for n in args.lengths if b * n > args.max_prefill_tokens]
+    if too_wide:
+        parser.error(f"batch x length past --max-prefill-tokens ({args.max_prefill_tokens}), what one serving step "
+                     f"prefills: {too_wide}; lower them or raise --max-prefill-tokens")
 
     import torch
 
@@ -72,9 +76,7 @@ def main(out=None) -> dict:
         return time.perf_counter() - start
 
     results = []
-    shapes_run = [(b, s, n) for b in args.batches for s in args.starts for n in args.lengths
-                  if n <= shapes.max_chunk and b * n <= args.max_prefill_tokens]
-    for batch, start, length in shapes_run:
+    for batch, start, length in [(b, s, n) for b in args.batches for s in args.starts for n in args.lengths]:
         chunk = [PrefillChunk(row, start, tuple(range(1000 + row, 1000 + row + length))) for row in range(batch)]
         graph_inputs = prefill_inputs(chunk, shapes, loop.scratch_row, slots)
         eager_inputs = prefill_inputs(chunk, None, loop.scratch_row, slots)

@@ -130,6 +130,12 @@ REFUSED = [
      "--prompt-tokens (9000) plus the one new token is past the model's 8192 positions; lower it to at most 8191"),
     ("replicas", ["--new-tokens", "9000"], "--new-tokens (9000) plus the prompts (at most 16 tokens) is past the "
      "4096-token context the launchers serve; lower --new-tokens to at most 4080"),
+    ("prefix_caching", ["--requests", "1"], "--requests (1) must be at least 2"),
+    ("prefix_caching", ["--serve-args", "--tp 1 --no-prefix-caching"], "--serve-args: leave --no-prefix-caching out"),
+    ("prefix_caching", ["--base-url", "http://127.0.0.1:9/v1"], "--base-url needs --model"),
+    ("prefill_paths", ["--starts", "4000", "--lengths", "200"], "start + length past --seq-len (4096): [(4000, 200)]"),
+    ("prefill_paths", ["--batches", "16", "--lengths", "200"], "batch x length past --max-prefill-tokens (2048)"),
+    ("prefill_paths", ["--rounds", "0"], "--rounds (0) must be at least 1"),
 ]
 
 

@@ -1,0 +1,182 @@
+"""Prefix caching over HTTP: requests that share a long prefix, prefilled whole or from the cache; JSON.
+
+Two workloads, with SmolLM2-135M-Instruct's tokenizer, greedy, EOS ignored, --max-tokens new tokens,
+one request at a time (each time to first token is that request's own prefill), streamed with the
+official `openai` client:
+1. shared: --requests completions (token-id prompts), each one --prefix-tokens document followed by
+   a --suffix-tokens question of its own. The first request of the run brings the document; the
+   others can reuse it.
+2. chat: a --turns-turn conversation on /v1/chat/completions whose system message is a document
+   (about --prefix-tokens tokens); each turn sends the whole history (the earlier questions and the
+   server's answers) plus a new question.
+Before each workload an unmeasured request of the same shape with another document builds what
+graphs it needs (without sharing anything with the measured ones).
+
+Without --base-url the script starts `corelaunch serve` twice, one after the other, with the same
+flags (--serve-args): --no-prefix-caching first, then with prefix caching (the default); it reports
+each server's figures and the ratios of the first's time-to-first-token medians (after the first
+request) to the second's. With --base-url URL --model NAME it measures that one server (vLLM's CPU
+engine caches prefixes by default); `cached_tokens` is what its usage says (null when it says nothing).
+
+    python benchmarks/prefix_caching.py [--prefix-tokens 1024] [--suffix-tokens 32] [--requests 8] [--turns 6]
+    python benchmarks/prefix_caching.py --base-url http://127.0.0.1:8011/v1 --model smollm2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.arguments import model_folder, positive_seconds  # noqa: E402
+from launcher.cli.options import int_at_least  # noqa: E402
+
+SERVE_ARGS = "--tp 1 --max-num-seqs 4"
+DOCUMENT = ("Entry {k}. The harbour records list each ship that came in, its cargo of salt, timber or wool, the "
+            "warehouse on the quay where the cargo was kept, and the merchant who paid the dues that season. ")
+QUESTION = "Question {i}: which warehouse held the wool of the ship that came in during season {s}, and why?"
+
+
+def document_ids(tokenizer, k: int, tokens: int) -> list[int]:
+    """Exactly `tokens` ids of document k (documents differ from their second token on)."""
+    text, ids = "", []
+    while len(ids) < tokens:
+        text += DOCUMENT.format(k=f"{k}.{len(text)}")
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return ids[:tokens]
+
+
+def question_ids(tokenizer, i: int, tokens: int) -> list[int]:
+    text, ids = "", []
+    while len(ids) < tokens:
+        text += " " + QUESTION.format(i=i, s=len(text) + i)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return ids[:tokens]
+
+
+def _text(choice) -> str:
+    """A streamed chunk's new text: a completion's `text`, a chat's `delta.content`."""
+    delta = getattr(choice, "delta", None)
+    return (delta.content if delta is not None else choice.text) or ""
+
+
+async def timed(create, **request) -> dict:
+    """One streamed request: seconds to its first text and to its end, its text, its completion
+    tokens and usage's cached tokens (None when the server's usage has no prompt_tokens_details)."""
+    start = time.perf_counter()
+    first, cached, tokens, text = None, None, 0, ""
+    stream = await create(stream=True, stream_options={"include_usage": True}, temperature=0,
+                          extra_body={"ignore_eos": True}, **request)
+    async for chunk in stream:
+        if chunk.choices and (piece := _text(chunk.choices[0])):
+            first = first if first is not None else time.perf_counter() - start
+            text += piece
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+            details = getattr(chunk.usage, "prompt_tokens_details", None)
+            cached = getattr(details, "cached_tokens", None) if details is not None else None
+    return {"ttft_s": first, "e2e_s": time.perf_counter() - start, "cached_tokens": cached, "tokens": tokens,
+            "text": text}
+
+
+def summary(records: list[dict], max_tokens: int) -> dict:
+    if any(r["tokens"] != max_tokens or r["ttft_s"] is None for r in records):
+        raise RuntimeError(f"a request did not stream its {max_tokens} tokens: {records}")
+    later = records[1:]
+    cached = [r["cached_tokens"] for r in records]
+    return {"requests": len(records), "first_ttft_s": round(records[0]["ttft_s"], 4),
+            "later_ttft_s_median": round(statistics.median(r["ttft_s"] for r in later), 4),
+            "later_ttft_s_max": round(max(r["ttft_s"] for r in later), 4),
+            "e2e_s_total": round(sum(r["e2e_s"] for r in records), 3),
+            "cached_tokens": None if None in cached else cached}
+
+
+async def measure(base_url: str, model: str, api_key: str, tokenizer, args) -> dict:
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key, timeout=args.request_timeout, max_retries=0)
+    complete, chat = client.completions.create, client.chat.completions.create
+
+    async def shared_document(k: int, requests: int) -> list[dict]:
+        document = document_ids(tokenizer, k, args.prefix_tokens)
+        return [await timed(complete, model=model, prompt=document + question_ids(tokenizer, i, args.suffix_tokens),
+                            max_tokens=args.max_tokens) for i in range(requests)]
+
+    async def conversation(k: int, turns: int) -> list[dict]:
+        messages = [{"role": "system", "content": tokenizer.decode(document_ids(tokenizer, k, args.prefix_tokens))}]
+        records = []
+        for t in range(turns):
+            messages.append({"role": "user", "content": tokenizer.decode(question_ids(tokenizer, t, args.suffix_tokens))})
+            records.append(await timed(chat, model=model, messages=messages, max_tokens=args.max_tokens))
+            messages.append({"role": "assistant", "content": records[-1]["text"]})
+        return records
+
+    # warm-ups: other documents, two requests each (a start and a continuation: their graphs built)
+    await shared_document(999, 2)
+    shared = await shared_document(1, args.requests)
+    await conversation(998, 2)
+    turns = await conversation(2, args.turns)
+    return {"shared_prefix": summary(shared, args.max_tokens), "chat_turns": summary(turns, args.max_tokens)}
+
+
+def main(out=None) -> dict:
+    out = out or sys.stdout
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prefix-tokens", type=int_at_least("--prefix-tokens", 16), default=1024)
+    parser.add_argument("--suffix-tokens", type=int_at_least("--suffix-tokens", 1), default=32)
+    parser.add_argument("--max-tokens", type=int_at_least("--max-tokens", 1), default=16)
+    parser.add_argument("--requests", type=int_at_least("--requests", 2), default=8)
+    parser.add_argument("--turns", type=int_at_least("--turns", 2), default=6)
+    parser.add_argument("--model-dir", type=model_folder("--model-dir", tokenizer_only=True), default=None,
+                        help="the tokenizer's folder (default: the built-in model's)")
+    parser.add_argument("--serve-args", default=SERVE_ARGS,
+                        help=f"corelaunch serve's flags for both servers (default {SERVE_ARGS!r})")
+    parser.add_argument("--server-timeout", type=positive_seconds("--server-timeout"), default=900.0)
+    parser.add_argument("--request-timeout", type=positive_seconds("--request-timeout"), default=600.0)
+    parser.add_argument("--base-url", help="an OpenAI-compatible server's /v1 URL: measure it alone")
+    parser.add_argument("--model", help="with --base-url: the served model's name")
+    parser.add_argument("--api-key", default="none", help="with --base-url: the server's API key")
+    args = parser.parse_args()
+    if args.base_url is not None and not args.model:
+        parser.error("--base-url needs --model (the name the server serves the model under)")
+    serve_args = shlex.split(args.serve_args)
+    if "--no-prefix-caching" in serve_args:
+        parser.error("--serve-args: leave --no-prefix-caching out (the first server gets it, the second not)")
+
+    from transformers import AutoTokenizer
+
+    from benchmarks.serving_server import corelaunch_server
+    from shardlib.demo_model import ensure_demo_model
+
+    model_dir = str(args.model_dir or ensure_demo_model())
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    report: dict = {"prefix_tokens": args.prefix_tokens, "suffix_tokens": args.suffix_tokens,
+                    "max_tokens": args.max_tokens, "requests": args.requests, "turns": args.turns}
+    if args.base_url is not None:
+        report["server"] = {"base_url": args.base_url, "model": args.model,
+                            **asyncio.run(measure(args.base_url, args.model, args.api_key, tokenizer, args))}
+    else:
+        for name, extra in (("no_prefix_caching", ["--no-prefix-caching"]), ("prefix_caching", [])):
+            command = [*serve_args, *extra] + ([] if "--model" in serve_args else ["--model", model_dir])
+            with corelaunch_server(command, args.server_timeout) as (base_url, _):
+                report[name] = {"serve_args": command, **asyncio.run(
+                    measure(base_url, Path(model_dir).name, "none", tokenizer, args))}
+        report["ttft_ratio_without_over_with"] = {
+            workload: round(report["no_prefix_caching"][workload]["later_ttft_s_median"]
+                            / report["prefix_caching"][workload]["later_ttft_s_median"], 2)
+            for workload in ("shared_prefix", "chat_turns")}
+    print(json.dumps(report, indent=1), file=out)
+    return report
+
+
+if __name__ == "__main__":
+    from launcher.cli.command_stdout import run_reporting
+
+    run_reporting(main)
