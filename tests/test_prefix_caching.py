@@ -13,7 +13,7 @@ from tests.test_engine import PROMPTS, alone, fresh_model
 from tests.test_replicas import model_and_expected  # noqa: F401 - fixture
 from workers.serving.loop import ServingConfig, ServingLoop
 from workers.serving import prefix_reuse
-from workers.serving.prefix_reuse import RowHistories, common_prefix_length
+from workers.serving.prefix_reuse import RowHistories, Seat, common_prefix_length
 from workers.serving.scheduler import Scheduler, Sequence
 
 
@@ -55,15 +55,28 @@ def test_rows_are_chosen_by_longest_shared_prefix_then_blank_then_least_recently
     h = RowHistories()
     h.keep(2, (1, 2, 3, 4))
     h.keep(0, (1, 2, 9))
-    assert h.choose([0, 1, 2], (1, 2, 3, 4, 5), reuse=True) == (2, 4)
-    # the prompt's last token is always prefilled (its logits choose the first new token)
-    assert h.choose([0, 1, 2], (1, 2, 3, 4), reuse=True) == (2, 3)
-    assert h.choose([0, 1, 2], (7, 7), reuse=True) == (1, 0)  # nothing shared: a blank row first
-    assert h.choose([0, 2], (7, 7), reuse=True) == (2, 0)  # then the row freed longest ago
-    assert h.choose([0, 1, 2], (1, 2, 3, 4, 5), reuse=False) == (1, 0)  # prompt_logprobs: nothing reused
-    assert h.choose([0, 1, 2], (1,), reuse=True) == (1, 0)  # one token: nothing can be skipped
+    # the prompt starts with row 2's whole history: seated there, nothing of it lost
+    assert h.choose([0, 1, 2], (1, 2, 3, 4, 5), reuse=True) == Seat(2, 4)
+    # the prompt's last token is always prefilled (its logits choose the first new token), so row 2
+    # would lose its fourth token: the shared three are copied into the blank row instead
+    assert h.choose([0, 1, 2], (1, 2, 3, 4), reuse=True) == Seat(1, 3, copy_from=2)
+    assert h.choose([0, 2], (1, 2, 3, 4), reuse=True) == Seat(2, 3)  # no blank row: taken itself
+    assert h.choose([0, 1, 2], (7, 7), reuse=True) == Seat(1)  # nothing shared: a blank row first
+    assert h.choose([0, 2], (7, 7), reuse=True) == Seat(2)  # then the row freed longest ago
+    assert h.choose([0, 1, 2], (1, 2, 3, 4, 5), reuse=False) == Seat(1)  # prompt_logprobs: nothing reused
+    assert h.choose([0, 1, 2], (1,), reuse=True) == Seat(1)  # one token: nothing can be skipped
     h.forget(2)
-    assert h.choose([0, 1, 2], (1, 2, 3, 4, 5), reuse=True) == (0, 2)
+    assert h.choose([0, 1, 2], (1, 2, 3, 4, 5), reuse=True) == Seat(1, 2, copy_from=0)
+
+
+def test_a_running_rows_prefix_is_copied_into_a_free_row(short_prefixes):
+    h = RowHistories()
+    h.keep(1, (1, 2))
+    running = {0: (1, 2, 3, 4, 5, 6), 3: (1, 2, 3, 8)}
+    assert h.choose([1, 2], (1, 2, 3, 4, 7), reuse=True, in_use=running) == Seat(2, 4, copy_from=0)
+    assert h.choose([1], (1, 2, 3, 4, 7), reuse=True, in_use=running) == Seat(1, 4, copy_from=0)
+    assert h.choose([1, 2], (1, 2, 9), reuse=True, in_use=running) == Seat(1, 2)  # a free row ties: no copy
+    assert h.choose([1, 2], (1, 2, 3, 4, 7), reuse=False, in_use=running) == Seat(2)
 
 
 def test_a_prefix_shorter_than_the_minimum_is_prefilled_again():
@@ -71,8 +84,9 @@ def test_a_prefix_shorter_than_the_minimum_is_prefilled_again():
     held = tuple(range(100))
     h.keep(0, held)
     short = prefix_reuse.MIN_SHARED_TOKENS - 1
-    assert h.choose([0, 1], held[:short] + (999,) * 50, reuse=True) == (1, 0)
-    assert h.choose([0, 1], held[:short + 1] + (999,) * 50, reuse=True) == (0, short + 1)
+    assert h.choose([0, 1], held[:short] + (999,) * 50, reuse=True) == Seat(1)
+    assert h.choose([0, 1], held[:short + 1] + (999,) * 50, reuse=True) == Seat(1, short + 1, copy_from=0)
+    assert h.choose([0, 1], held + (999,), reuse=True) == Seat(0, 100)
 
 
 def test_the_scheduler_seats_a_prompt_where_its_prefix_is_and_starts_its_chunks_there(short_prefixes):
@@ -214,3 +228,94 @@ def test_a_compiled_loop_runs_a_short_turn_after_a_cached_prefix_eagerly():
     stop([loop], threads)
     assert calls == {"eager": 1, "graph": 1} and cached_tokens(more, "follow") == 127
     assert got.tokens["first"] == alone(first, 8) and more.tokens["follow"] == alone(follow, 4)
+
+
+def test_the_plan_carries_copies_and_the_cache_copies_a_prefix_byte_for_byte():
+    import torch
+
+    from workers.kv_cache import KVCache
+    from workers.serving.step_plan import ClearRow, Command, CopyPrefix, PlanCodec, PrefillChunk, StepPlan
+
+    codec = PlanCodec(max_num_seqs=3, max_prefill_tokens=8)
+    plan = StepPlan(Command.WORK, (PrefillChunk(2, 5, (7, 8, 9)),), clears=(ClearRow(1, 4),),
+                    copies=(CopyPrefix(0, 2, 5), CopyPrefix(0, 1, 3)))
+    assert codec.decode(codec.encode(plan)) == plan
+    with pytest.raises(ValueError, match="4 to copy exceeds max_num_seqs 3"):
+        codec.encode(StepPlan(Command.WORK, copies=(CopyPrefix(0, 1, 1),) * 4))
+    for dtype in (torch.float32, torch.float8_e4m3fn):
+        cache = KVCache(num_layers=2, batch=3, kv_heads=2, max_seq_len=8, head_dim=4, dtype=dtype)
+        for tensor in cache.k + cache.v:
+            tensor.copy_(torch.randn(tensor.shape).to(dtype))
+        before = [t.clone() for t in cache.k + cache.v]
+        cache.copy_prefix(0, 2, 5)
+        for old, new in zip(before, cache.k + cache.v):
+            as_bytes = (lambda t: t.view(torch.uint8)) if dtype != torch.float32 else (lambda t: t)
+            assert torch.equal(as_bytes(new[2, :, :5]), as_bytes(old[0, :, :5]))  # the prefix, bit for bit
+            assert torch.equal(as_bytes(new[2, :, 5:]), as_bytes(old[2, :, 5:]))  # the rest of the row kept
+            assert torch.equal(as_bytes(new[:2]), as_bytes(old[:2]))
+
+
+def test_a_request_arriving_while_another_decodes_copies_its_prefix(short_prefixes):
+    """The second prompt starts with the first's prompt while the first still runs: its row gets the
+    shared slots copied from the first's row, and both equal their prompts run alone."""
+    loop = caching_loop(max_num_seqs=2)
+    threads = run_loops([loop])
+    first = tuple(PROMPTS[0])
+    second = first + (3, 14, 15)
+    loop.submit([request("first", first, 12)])
+    arrived = []
+
+    def arrive(event):
+        if event.request_id == "first" and not arrived:
+            arrived.append(event)
+            loop.submit([request("second", second, 6)])
+
+    got = collect(loop, {"first", "second"}, on_event=arrive)
+    stop([loop], threads)
+    assert got.tokens["first"] == alone(first, 12) and got.tokens["second"] == alone(second, 6)
+    assert cached_tokens(got, "second") == len(first)  # the prompt, and no generated token: (3,) differs
+    assert got.finish["first"] == "length"
+
+
+def test_tp2_followers_copy_the_prefix_the_leader_plans(model_and_expected, in_process_cluster, short_prefixes):
+    """Through Launcher at TP 2: a stream's prompt is copied, on both ranks, into the row of a request
+    that starts with it while the stream runs; that request's tokens are the static engine's."""
+    from launcher.api import Launcher
+    from tests.test_replicas import EAGER, PROMPTS
+
+    model_dir, _ = model_and_expected
+    with Launcher(model=model_dir, tp=2, max_num_seqs=2, progress=False, **EAGER) as llm:
+        running = llm.stream(PROMPTS[0], max_new_tokens=40, ignore_eos=True)
+        next(running)
+        follow = PROMPTS[0] + [3, 14]
+        [copied] = llm.generate([follow], max_new_tokens=6)
+        [static] = llm.generate([follow], max_new_tokens=6, batching="static")
+        running.close()
+    assert copied.cached_prompt_tokens >= len(PROMPTS[0]) and copied.token_ids == static.token_ids
+
+
+def test_a_longrope_model_whose_rows_outgrow_its_original_context_reuses_nothing(short_prefixes):
+    """longrope rotates every key of a forward with its long factors once the forward's sequence
+    outgrows the original context: a 20-token prompt's keys are not what a 7-token prompt sharing its
+    first 6 tokens gets prefilled whole (the first token's logits differed by 4, other tokens came
+    out). Rows longer than that context keep prefix caching off; rows within it keep it on."""
+    from tests.test_llama_variants import CONTEXT, longrope_model
+
+    long_prompt = (5, 9, 33, 17, 80, 3, 7, 100, 21, 4, 66, 8, 120, 3, 44, 12, 50, 51, 52, 53)
+    short_prompt = long_prompt[:6] + (99,)
+    assert len(short_prompt) < CONTEXT < len(long_prompt)
+
+    def run(caching: bool, slots: int, first, new_tokens: int = 4) -> tuple[list[int], int | None]:
+        model, _ = longrope_model()
+        loop = ServingLoop(model, ServingConfig(1, 64, slots, prefix_caching=caching))
+        threads = run_loops([loop])
+        loop.submit([request("first", first, new_tokens)])
+        collect(loop, {"first"})
+        loop.submit([request("short", short_prompt, new_tokens)])
+        got = collect(loop, {"short"})
+        stop([loop], threads)
+        return got.tokens["short"], cached_tokens(got, "short")
+
+    assert run(True, 32, long_prompt) == (run(False, 32, long_prompt)[0], 0)
+    within = short_prompt[:6] + (1,)  # rows of CONTEXT slots: every forward uses the short factors
+    assert run(True, CONTEXT, within, new_tokens=1)[1] == 6

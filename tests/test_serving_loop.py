@@ -383,9 +383,10 @@ def test_the_plan_moves_no_more_prefill_tokens_than_a_step_can_hold():
     shapes = ServingShapes.build(buckets, max_num_seqs=4, max_prefill_tokens=16384)
     loop = ServingLoop(fresh_model(), ServingConfig(4, 16384, 64, shapes=shapes))
     assert shapes.max_chunk == 8
-    # header 5, then (row, start, length, scored), (row, position, token) and (row, slots) per row, then tokens
-    assert loop.codec.empty().numel() == 5 + 9 * 4 + 4 * 8
-    assert eager_loop(max_num_seqs=2, max_prefill_tokens=4).codec.empty().numel() == 5 + 9 * 2 + 4  # the budget
+    # header 6, then (row, start, length, scored), (row, position, token), (row, slots) and (source, row,
+    # slots) per row, then tokens
+    assert loop.codec.empty().numel() == 6 + 12 * 4 + 4 * 8
+    assert eager_loop(max_num_seqs=2, max_prefill_tokens=4).codec.empty().numel() == 6 + 12 * 2 + 4  # the budget
 
 
 def test_a_compiled_model_makes_room_for_the_serving_shapes():

@@ -108,6 +108,14 @@ class KVCache:
             for tensor in self.k + self.v:
                 tensor[row, :, :slots].zero_()
 
+    def copy_prefix(self, source: int, row: int, slots: int) -> None:
+        """Row `row`'s first `slots` slots in every layer become row `source`'s (prefix caching: a
+        prompt that starts as another row's tokens; workers/serving/prefix_reuse.py)."""
+        with torch.inference_mode():
+            for tensor in self.k + self.v:
+                stored = writable(tensor)  # fp8 as its bytes: copied, never converted
+                stored[row, :, :slots] = stored[source, :, :slots]
+
     def reset(self) -> None:
         """Zero every slot (stale values are masked anyway; zeroing keeps them finite)."""
         with torch.inference_mode():

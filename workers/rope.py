@@ -19,7 +19,7 @@ import torch
 
 from shardlib.model_config import LLAMA3_ROPE_KEYS
 from workers.rope_scaling import (base_exponents, dynamic_frequencies, linear_frequencies, longrope_frequencies,
-                                  yarn_frequencies)
+                                  original_context, yarn_frequencies)
 
 ROPE_TYPES = ("default", "llama3", "linear", "dynamic", "yarn", "longrope")
 
@@ -73,6 +73,18 @@ def _llama3_scale(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def rotation_follows_length(rope_scaling: dict | None, max_position_embeddings: int, positions: int) -> bool:
+    """Whether a key's rotation, for sequences of up to `positions` tokens, depends on how long the
+    sequence was in the forward that wrote it (RotaryTables.lookup): longrope switches to its long
+    factors once a sequence outgrows its original context, dynamic scaling changes past
+    max_position_embeddings. Keys cached by one forward may then differ from what a forward of the
+    same tokens in a longer or shorter sequence writes."""
+    rope_type = _rope_type(rope_scaling)
+    if rope_type == "longrope":
+        return positions > original_context(rope_scaling, max_position_embeddings)
+    return rope_type == "dynamic" and positions > max_position_embeddings
 
 
 class RotaryTables:

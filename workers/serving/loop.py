@@ -70,6 +70,22 @@ class ServingConfig:
     such a row and prefilled from where they part (workers/serving/prefix_reuse.py)."""
 
 
+def _keys_depend_on_length(model, positions: int) -> bool:
+    """Whether the model rotates a cached key by how long its forward's sequence was, for rows of
+    `positions` slots (longrope past its original context: workers/rope.py): a prefix cached by one
+    forward is then not what the same tokens at the start of another prompt would get, and prefix
+    caching stays off."""
+    from workers.family_layers import layer_kinds
+    from workers.rope import rotation_follows_length
+
+    config = getattr(model, "config", None)
+    if config is None:
+        return False
+    kinds, _ = layer_kinds(config)
+    return any(rotation_follows_length(kind.rope_scaling, config.max_position_embeddings, positions)
+               for kind in kinds)
+
+
 def _own_copy(row: torch.Tensor) -> torch.Tensor:
     """One row of a step's logits in storage of its own: a view would pickle (to the driver) the
     whole step's rows x vocab storage with every token."""
@@ -100,7 +116,8 @@ class ServingLoop:
         # sized by the prefill tokens one step can hold, never by a budget no step can fill
         # (max_prefill_tokens 16384 with chunks of 512 and 8 rows moved 128 KB a step, not 32).
         self.codec = PlanCodec(config.max_num_seqs, min(config.max_prefill_tokens, config.max_num_seqs * max_chunk))
-        self.scheduler = Scheduler(config.max_num_seqs, config.max_prefill_tokens, max_chunk, config.prefix_caching)
+        self.scheduler = Scheduler(config.max_num_seqs, config.max_prefill_tokens, max_chunk,
+                                   config.prefix_caching and not _keys_depend_on_length(model, config.cache_slots))
         self.outbox = Outbox()
         self._inbox: queue.Queue = queue.Queue()
         self._run_static = run_static
@@ -353,6 +370,8 @@ class ServingLoop:
     def _forwards(self, plan: StepPlan) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         for clear in plan.clears:  # before anything a new request in that row writes or reads
             self.cache.clear_row(clear.row, clear.slots)
+        for copy in plan.copies:  # a prefix the row's new request then never prefills
+            self.cache.copy_prefix(copy.source, copy.row, copy.slots)
         prefill_logits: list[torch.Tensor | None] = [None] * len(plan.prefills)
         plain = [i for i, chunk in enumerate(plan.prefills) if not chunk.scored]
         for call in prefill_batches(tuple(plan.prefills[i] for i in plain), self.config.shapes):

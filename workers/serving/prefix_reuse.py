@@ -2,9 +2,12 @@
 
 A request that ends normally leaves its row's keys and values in place: its prompt and the tokens it
 generated (but the last, which no step fed back). The row remembers those token ids while it is
-free. A new request seated in a free row whose remembered ids start like its prompt skips that
-prefix's prefill: its first chunk starts at the end of the shared part. At least the prompt's last
-token is always prefilled, since its logits choose the first new token.
+free. A new request whose prompt starts like what some row holds skips that prefix's prefill: its
+first chunk starts at the end of the shared part. The row holding it is either a free row the
+request is seated in, or a row it is copied from (a free row, or one whose request is still
+running, once that request's prompt is prefilled) into the new request's row before the step's
+forwards. At least the prompt's last token is always prefilled, since its logits choose the first
+new token.
 
 What a row remembers is exactly what its cache holds: each slot's keys and values depend only on
 the tokens at and before it (causal attention) and its position, so they are what a prefill of the
@@ -12,13 +15,18 @@ same tokens writes, up to float rounding where a prefill and a decode step (or c
 sizes) compute them by different paths. A row whose last request failed, or was cancelled before
 its prompt's logits were read, is zeroed (scheduler.py's clears) and remembers nothing.
 
-Choosing a row: the free row sharing the longest prefix with the prompt, if it shares at least
-MIN_SHARED_TOKENS; else a free row that remembers nothing (the lowest), then the one freed longest
-ago, so recent histories live longest.
+Choosing (RowHistories.choose): the row sharing the longest prefix with the prompt, if it shares at
+least MIN_SHARED_TOKENS. A free row whose whole history the prompt starts with is taken as it is
+(nothing else it holds is lost); otherwise the shared part is copied into a free row that remembers
+nothing, so a longer history (another conversation behind the same system prompt) stays for its
+own next turn, and only with no such row is a free source taken itself. Without a shared prefix:
+a free row that remembers nothing (the lowest), then the one freed longest ago, so recent histories
+live longest.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence as Tokens
 
 MIN_SHARED_TOKENS = 16
@@ -51,6 +59,16 @@ def common_prefix_length(a: Tokens[int], b: Tokens[int]) -> int:
     return shared
 
 
+@dataclass(frozen=True)
+class Seat:
+    row: int
+    """The free row the request takes."""
+    cached: int = 0
+    """Prompt tokens already there once the step's copies ran: never prefilled."""
+    copy_from: int | None = None
+    """The row whose first `cached` slots are copied into `row` first; None: none."""
+
+
 class RowHistories:
     """The token ids each free row's cache holds, and which free row a new prompt should take."""
 
@@ -76,21 +94,25 @@ class RowHistories:
     def held(self, row: int) -> tuple[int, ...]:
         return self._held.get(row, ())
 
-    def choose(self, free_rows: list[int], prompt: Tokens[int], reuse: bool) -> tuple[int, int]:
-        """(row, prompt tokens already in it) for a prompt about to be seated in one of free_rows
-        (not empty). reuse False: the prompt shares nothing (it wants every prompt position's logits);
-        the row is then chosen as for a prompt that matched nothing."""
-        if reuse and len(prompt) > 1:
-            best_row, best = None, 0
-            for row in free_rows:
-                held = self._held.get(row)
-                if held:
-                    shared = min(common_prefix_length(held, prompt), len(prompt) - 1)
-                    if shared > best and shared >= MIN_SHARED_TOKENS:
-                        best_row, best = row, shared
-            if best_row is not None:
-                return best_row, best
+    def choose(self, free_rows: list[int], prompt: Tokens[int], reuse: bool,
+               in_use: dict[int, Tokens[int]] | None = None) -> Seat:
+        """Where a prompt about to be seated in one of free_rows (not empty) goes (the module
+        docstring says how). in_use: rows taken by running requests whose prompts are in the cache,
+        each with the token ids its slots hold, which can be copied from. reuse False: the prompt
+        shares nothing (it wants every prompt position's logits) and is seated as one that matched
+        nothing."""
         blank = [row for row in free_rows if row not in self._held]
-        if blank:
-            return min(blank), 0
-        return min(free_rows, key=lambda row: self._freed_order[row]), 0
+        fresh = min(blank) if blank else min(free_rows, key=lambda row: self._freed_order[row])
+        if not reuse or len(prompt) < 2:
+            return Seat(fresh)
+        best_row, best = None, 0
+        candidates = [(row, self._held[row]) for row in free_rows if row in self._held]
+        for row, held in candidates + list((in_use or {}).items()):
+            shared = min(common_prefix_length(held, prompt), len(prompt) - 1)
+            if shared > best and shared >= MIN_SHARED_TOKENS:
+                best_row, best = row, shared
+        if best_row is None:
+            return Seat(fresh)
+        if best_row in self._held and (best >= len(self._held[best_row]) or not blank):
+            return Seat(best_row, best)  # its whole history is the prompt's start, or no blank row is left
+        return Seat(fresh, best, best_row)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from workers.serving.prefix_reuse import RowHistories
 from workers.serving.requests import StreamRequest
-from workers.serving.step_plan import ClearRow, Command, DecodeRow, PrefillChunk, StepPlan
+from workers.serving.step_plan import ClearRow, Command, CopyPrefix, DecodeRow, PrefillChunk, StepPlan
 
 
 @dataclass
@@ -126,9 +126,10 @@ class Scheduler:
         clears, self.rows_to_clear = tuple(self.rows_to_clear), []
         if clears:
             self.free_rows = sorted(self.free_rows + [c.row for c in clears])
+        copies: list[CopyPrefix] = []
         while self.waiting and self.free_rows:
             seq = self.waiting.popleft()
-            self._seat(seq)
+            self._seat(seq, copies)
             self.running[seq.request.request_id] = seq
         budget, prefills, decode = self.max_prefill_tokens, [], []
         for seq in self.running.values():
@@ -143,20 +144,26 @@ class Scheduler:
                 decode.append(DecodeRow(seq.row, seq.length, seq.pending))
         if not prefills and not decode and not clears:
             return None
-        return StepPlan(Command.WORK, tuple(prefills), tuple(decode), clears=clears)
+        return StepPlan(Command.WORK, tuple(prefills), tuple(decode), clears=clears, copies=tuple(copies))
 
-    def _seat(self, seq: Sequence) -> None:
-        """Give the sequence a free row: with prefix caching the one holding most of its prompt, whose
-        shared part it then never prefills; else the lowest. A request that wants every prompt
+    def _seat(self, seq: Sequence, copies: list[CopyPrefix]) -> None:
+        """Give the sequence a free row: with prefix caching, where the longest prefix of its prompt
+        is cached (workers/serving/prefix_reuse.py), copied there from another row first when it
+        comes from one (appended to `copies`); else the lowest. A request that wants every prompt
         token's logits (prompt_logprobs) prefills its whole prompt."""
         if self.histories is None:
             seq.row = self.free_rows.pop(0)
             return
-        seq.row, seq.cached = self.histories.choose(self.free_rows, seq.prompt,
-                                                    reuse=seq.request.prompt_logprobs is None)
+        in_use = {s.row: s.prompt + tuple(s.output_ids[:max(s.generated - 1, 0)])
+                  for s in self.running.values() if s.prefilled == len(s.prompt)}
+        seat = self.histories.choose(self.free_rows, seq.prompt, reuse=seq.request.prompt_logprobs is None,
+                                     in_use=in_use)
+        seq.row, seq.cached = seat.row, seat.cached
         self.free_rows.remove(seq.row)
         self.histories.forget(seq.row)
         seq.prefilled = seq.cached
+        if seat.copy_from is not None:
+            copies.append(CopyPrefix(seat.copy_from, seat.row, seat.cached))
 
     def by_row(self) -> dict[int, Sequence]:
         return {seq.row: seq for seq in self.running.values()}

@@ -16,8 +16,8 @@ from enum import IntEnum
 import torch
 
 
-_HEADER = 5
-"""command, prefills, decodes, static id, clears."""
+_HEADER = 6
+"""command, prefills, decodes, static id, clears, copies."""
 
 
 class Command(IntEnum):
@@ -57,6 +57,15 @@ class ClearRow:
 
 
 @dataclass(frozen=True)
+class CopyPrefix:
+    source: int
+    row: int
+    slots: int
+    """Copy the source row's first `slots` cache slots into `row` (prefix caching:
+    workers/serving/prefix_reuse.py)."""
+
+
+@dataclass(frozen=True)
 class StepPlan:
     command: Command
     prefills: tuple[PrefillChunk, ...] = ()
@@ -67,6 +76,9 @@ class StepPlan:
     """Rows whose last request failed on its own (non-finite logits, say) or was cancelled before its
     last prefill chunk: every rank zeroes what it wrote before this step's forwards, since a masked
     read of NaN or inf still gives NaN."""
+    copies: tuple[CopyPrefix, ...] = ()
+    """Cached prefixes copied into the rows of requests seated this step, after the clears and
+    before any forward."""
 
     @property
     def prefill_tokens(self) -> int:
@@ -75,29 +87,31 @@ class StepPlan:
 
 @dataclass
 class PlanCodec:
-    """Fixed layout: [command, prefills, decodes, static id, clears, (row, start, length, scored) x
-    max_num_seqs, (row, position, token) x max_num_seqs, (row, slots) x max_num_seqs, prefill tokens
-    x max_prefill_tokens]."""
+    """Fixed layout: [command, prefills, decodes, static id, clears, copies, (row, start, length,
+    scored) x max_num_seqs, (row, position, token) x max_num_seqs, (row, slots) x max_num_seqs,
+    (source, row, slots) x max_num_seqs, prefill tokens x max_prefill_tokens]."""
 
     max_num_seqs: int
     max_prefill_tokens: int
     _size: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self._size = _HEADER + 9 * self.max_num_seqs + self.max_prefill_tokens
+        self._size = _HEADER + 12 * self.max_num_seqs + self.max_prefill_tokens
 
     def empty(self) -> torch.Tensor:
         return torch.zeros(self._size, dtype=torch.int64)
 
     def encode(self, plan: StepPlan) -> torch.Tensor:
         m = self.max_num_seqs
-        if (len(plan.prefills) > m or len(plan.decode) > m or len(plan.clears) > m
+        if (len(plan.prefills) > m or len(plan.decode) > m or len(plan.clears) > m or len(plan.copies) > m
                 or plan.prefill_tokens > self.max_prefill_tokens):
             raise ValueError(f"a step plan of {len(plan.prefills)} chunks ({plan.prefill_tokens} tokens), "
-                             f"{len(plan.decode)} decode rows and {len(plan.clears)} rows to clear exceeds "
-                             f"max_num_seqs {m} / max_prefill_tokens {self.max_prefill_tokens}")
+                             f"{len(plan.decode)} decode rows, {len(plan.clears)} rows to clear and "
+                             f"{len(plan.copies)} to copy exceeds max_num_seqs {m} / max_prefill_tokens "
+                             f"{self.max_prefill_tokens}")
         out = [0] * self._size
-        out[0:_HEADER] = [int(plan.command), len(plan.prefills), len(plan.decode), plan.static_id, len(plan.clears)]
+        out[0:_HEADER] = [int(plan.command), len(plan.prefills), len(plan.decode), plan.static_id, len(plan.clears),
+                          len(plan.copies)]
         tokens: list[int] = []
         for i, chunk in enumerate(plan.prefills):
             out[_HEADER + 4 * i: _HEADER + 4 * i + 4] = [chunk.row, chunk.start, len(chunk.token_ids),
@@ -110,14 +124,17 @@ class PlanCodec:
         for i, clear in enumerate(plan.clears):
             out[base + 2 * i: base + 2 * i + 2] = [clear.row, clear.slots]
         base += 2 * m
+        for i, copy in enumerate(plan.copies):
+            out[base + 3 * i: base + 3 * i + 3] = [copy.source, copy.row, copy.slots]
+        base += 3 * m
         out[base: base + len(tokens)] = tokens
         return torch.tensor(out, dtype=torch.int64)
 
     def decode(self, tensor: torch.Tensor) -> StepPlan:
         values = tensor.tolist()
         m = self.max_num_seqs
-        command, n_prefill, n_decode, static_id, n_clear = values[0:_HEADER]
-        token_base, prefills = _HEADER + 9 * m, []
+        command, n_prefill, n_decode, static_id, n_clear, n_copy = values[0:_HEADER]
+        token_base, prefills = _HEADER + 12 * m, []
         for i in range(n_prefill):
             row, start, length, scored = values[_HEADER + 4 * i: _HEADER + 4 * i + 4]
             prefills.append(PrefillChunk(row, start, tuple(values[token_base: token_base + length]), bool(scored)))
@@ -126,4 +143,6 @@ class PlanCodec:
         decode = tuple(DecodeRow(*values[base + 3 * i: base + 3 * i + 3]) for i in range(n_decode))
         base += 3 * m
         clears = tuple(ClearRow(*values[base + 2 * i: base + 2 * i + 2]) for i in range(n_clear))
-        return StepPlan(Command(command), tuple(prefills), decode, static_id, clears)
+        base += 2 * m
+        copies = tuple(CopyPrefix(*values[base + 3 * i: base + 3 * i + 3]) for i in range(n_copy))
+        return StepPlan(Command(command), tuple(prefills), decode, static_id, clears, copies)
