@@ -1792,21 +1792,13 @@ def test_client_that_disconnects_frees_its_slot(client, server):
     assert _metric(server, prompt_tokens) == before[0] + 5
 
 
-def _metric(url: str, name: str) -> float:
-    import requests
-
-    text = requests.get(f"{url}/metrics", timeout=10).text
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")
-               or line.startswith(name + "{"))
-
-
 @pytest.mark.slow
 def test_a_second_chat_turn_reuses_the_first_turns_cache_row(client, server, hf):
     """Prefix caching over HTTP: the second turn's prompt starts with the first's prompt and answer,
     which the first turn's cache row still holds; usage counts them as cached and the server's
     counter adds them, and the second turn's greedy text is transformers' for its whole prompt."""
     first_ids = hf.tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=False)
-    before = _metric(server.url, "corelaunch_prefix_cache_hit_tokens_total")
+    before = _metric(server, "corelaunch_prefix_cache_hit_tokens_total", missing=0)
     first = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0)
     second_messages = CHAT + [{"role": "assistant", "content": first.choices[0].message.content},
                               {"role": "user", "content": "And of Italy?"}]
@@ -1817,7 +1809,7 @@ def test_a_second_chat_turn_reuses_the_first_turns_cache_row(client, server, hf)
     assert len(first_ids) <= cached < len(second_ids), (len(first_ids), cached, len(second_ids))
     assert second.usage.prompt_tokens == len(second_ids)
     assert second.choices[0].message.content == hf.greedy(list(second_ids), 12)
-    assert _metric(server.url, "corelaunch_prefix_cache_hit_tokens_total") - before == (
+    assert _metric(server, "corelaunch_prefix_cache_hit_tokens_total") - before == (
         first.usage.prompt_tokens_details.cached_tokens + cached)
 
 
