@@ -1,14 +1,16 @@
 """Prefix caching over HTTP: requests that share a long prefix, prefilled whole or from the cache; JSON.
 
-Two workloads, with SmolLM2-135M-Instruct's tokenizer, greedy, EOS ignored, --max-tokens new tokens,
-one request at a time (each time to first token is that request's own prefill), streamed with the
-official `openai` client:
+Three workloads, with SmolLM2-135M-Instruct's tokenizer, greedy, EOS ignored, --max-tokens new
+tokens, streamed with the official `openai` client; the first two one request at a time (each time
+to first token is that request's own prefill):
 1. shared: --requests completions (token-id prompts), each one --prefix-tokens document followed by
    a --suffix-tokens question of its own. The first request of the run brings the document; the
    others can reuse it.
 2. chat: a --turns-turn conversation on /v1/chat/completions whose system message is a document
    (about --prefix-tokens tokens); each turn sends the whole history (the earlier questions and the
    server's answers) plus a new question.
+3. burst: --burst completions sent at once, each a question of its own after one new document:
+   the time to the last one's first token, and to the end of all.
 Before each workload an unmeasured request of the same shape with another document builds what
 graphs it needs (without sharing anything with the measured ones).
 
@@ -18,7 +20,7 @@ each server's figures and the ratios of the first's time-to-first-token medians 
 request) to the second's. With --base-url URL --model NAME it measures that one server (vLLM's CPU
 engine caches prefixes by default); `cached_tokens` is what its usage says (null when it says nothing).
 
-    python benchmarks/prefix_caching.py [--prefix-tokens 1024] [--suffix-tokens 32] [--requests 8] [--turns 6]
+    python benchmarks/prefix_caching.py [--prefix-tokens 1024] [--suffix-tokens 32] [--requests 8] [--turns 6] [--burst 4]
     python benchmarks/prefix_caching.py --base-url http://127.0.0.1:8011/v1 --model smollm2
 """
 
@@ -118,12 +120,28 @@ async def measure(base_url: str, model: str, api_key: str, tokenizer, args) -> d
             messages.append({"role": "assistant", "content": records[-1]["text"]})
         return records
 
+    async def burst(k: int) -> dict:
+        document = document_ids(tokenizer, k, args.prefix_tokens)
+        start = time.perf_counter()
+        records = await asyncio.gather(*(timed(complete, model=model, max_tokens=args.max_tokens,
+                                               prompt=document + question_ids(tokenizer, i, args.suffix_tokens))
+                                         for i in range(args.burst)))
+        if any(r["tokens"] != args.max_tokens or r["ttft_s"] is None for r in records):
+            raise RuntimeError(f"a request of the burst did not stream its {args.max_tokens} tokens: {records}")
+        return {"requests": args.burst, "last_ttft_s": round(max(r["ttft_s"] for r in records), 4),
+                "ttft_s_median": round(statistics.median(r["ttft_s"] for r in records), 4),
+                "wall_s": round(time.perf_counter() - start, 3),
+                "cached_tokens": None if any(r["cached_tokens"] is None for r in records)
+                else sorted(r["cached_tokens"] for r in records)}
+
     # warm-ups: other documents, two requests each (a start and a continuation: their graphs built)
     await shared_document(999, 2)
     shared = await shared_document(1, args.requests)
     await conversation(998, 2)
     turns = await conversation(2, args.turns)
-    return {"shared_prefix": summary(shared, args.max_tokens), "chat_turns": summary(turns, args.max_tokens)}
+    await burst(997)
+    return {"shared_prefix": summary(shared, args.max_tokens), "chat_turns": summary(turns, args.max_tokens),
+            "burst": await burst(3)}
 
 
 def main(out=None) -> dict:
@@ -134,6 +152,8 @@ def main(out=None) -> dict:
     parser.add_argument("--max-tokens", type=int_at_least("--max-tokens", 1), default=16)
     parser.add_argument("--requests", type=int_at_least("--requests", 2), default=8)
     parser.add_argument("--turns", type=int_at_least("--turns", 2), default=6)
+    parser.add_argument("--burst", type=int_at_least("--burst", 2), default=4,
+                        help="requests sent at once in the third workload (default 4, the default rows)")
     parser.add_argument("--model-dir", type=model_folder("--model-dir", tokenizer_only=True), default=None,
                         help="the tokenizer's folder (default: the built-in model's)")
     parser.add_argument("--serve-args", default=SERVE_ARGS,
@@ -172,6 +192,8 @@ def main(out=None) -> dict:
             workload: round(report["no_prefix_caching"][workload]["later_ttft_s_median"]
                             / report["prefix_caching"][workload]["later_ttft_s_median"], 2)
             for workload in ("shared_prefix", "chat_turns")}
+        report["ttft_ratio_without_over_with"]["burst_last"] = round(
+            report["no_prefix_caching"]["burst"]["last_ttft_s"] / report["prefix_caching"]["burst"]["last_ttft_s"], 2)
     print(json.dumps(report, indent=1), file=out)
     return report
 

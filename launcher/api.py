@@ -125,8 +125,9 @@ class LaunchConfig:
     0: no wait."""
     prefix_caching: bool = True
     """Continuous batching: a finished request's cache row keeps its tokens' keys and values, and a
-    later prompt that starts with the same tokens is seated there and prefilled only from where they
-    part (workers/serving/prefix_reuse.py). False: every prompt is prefilled whole."""
+    later prompt that starts with at least 16 of the same tokens (as a finished or a running
+    request's) is seated there, or has them copied into its own row, and is prefilled only from
+    where they part (workers/serving/prefix_reuse.py). False: every prompt is prefilled whole."""
     max_queued_requests: int | None = None
     """Streaming requests allowed to wait for a row over all this Launcher's replicas (under
     `corelaunch serve`, each Serve replica is a Launcher of its own, so the limit is per Serve
@@ -506,8 +507,8 @@ class GenerationResult:
     """With prompt_logprobs: a workers.serving.requests.TokenLogprob per prompt token but the first
     (token_id, logprob given the tokens before it, top: the n most likely (id, logprob) there)."""
     cached_prompt_tokens: int = 0
-    """Prompt tokens not prefilled, because the request's cache row already held them (prefix
-    caching, continuous batching; LaunchConfig.prefix_caching)."""
+    """Prompt tokens not prefilled, because the cache held them: in the request's row, or copied into
+    it from another (prefix caching, continuous batching; LaunchConfig.prefix_caching)."""
 
     def to_dict(self) -> dict:
         out = asdict(self)

@@ -319,3 +319,42 @@ def test_a_longrope_model_whose_rows_outgrow_its_original_context_reuses_nothing
     assert run(True, 32, long_prompt) == (run(False, 32, long_prompt)[0], 0)
     within = short_prompt[:6] + (1,)  # rows of CONTEXT slots: every forward uses the short factors
     assert run(True, CONTEXT, within, new_tokens=1)[1] == 6
+
+
+def test_a_burst_behind_one_prefix_prefills_it_once_and_copies_it():
+    """Three prompts sharing 40 leading tokens arrive together: the first is seated and prefilled, the
+    others wait for it (rows free or not) while it has at least MIN_SHARED_TOKENS more of their
+    prefix to write, then copy what it wrote; one asking for prompt log-probabilities, which reuses
+    nothing, is seated at once."""
+    assert prefix_reuse.MIN_SHARED_TOKENS == 16
+    shared = tuple(range(100, 140))
+    sched = Scheduler(max_num_seqs=4, max_prefill_tokens=64, max_chunk=16, prefix_caching=True)
+    for rid, tail in (("a", (1, 2)), ("b", (3, 4)), ("c", (5,))):
+        sched.add(Sequence(request(rid, shared + tail, 4)))
+    sched.add(Sequence(request("scored", shared + (6,), 4, prompt_logprobs=0)))
+    plan = sched.schedule()
+    assert sorted(sched.running) == ["a", "scored"] and [s.request.request_id for s in sched.waiting] == ["b", "c"]
+    assert plan.copies == () and [c.start for c in plan.prefills] == [0, 0]
+    a = sched.running["a"]
+    a.prefilled = 16  # its first chunk ran: 24 of the shared tokens are still to come
+    plan = sched.schedule()
+    assert [s.request.request_id for s in sched.waiting] == ["b", "c"] and plan.copies == ()
+    a.prefilled = 32  # 8 to come: not worth another wait
+    plan = sched.schedule()
+    b, c = sched.running["b"], sched.running["c"]
+    assert [(p.source, p.row, p.slots) for p in plan.copies] == [(a.row, b.row, 32), (a.row, c.row, 32)]
+    assert (b.cached, c.cached) == (32, 32) and not sched.waiting
+    assert [(p.row, p.start, len(p.token_ids)) for p in plan.prefills][-2:] == [(b.row, 32, 10), (c.row, 32, 9)]
+
+
+def test_a_burst_behind_one_prefix_equals_each_prompt_alone():
+    loop = caching_loop(max_num_seqs=3, max_prefill_tokens=64)
+    threads = run_loops([loop])
+    shared = tuple(range(1, 25))
+    prompts = {"a": shared + (90,), "b": shared + (91, 92), "c": shared + (93,)}
+    loop.submit([request(rid, p, 5) for rid, p in prompts.items()])
+    got = collect(loop, set(prompts))
+    stop([loop], threads)
+    for rid, prompt in prompts.items():
+        assert got.tokens[rid] == alone(prompt, 5), rid
+    assert [cached_tokens(got, rid) for rid in prompts] == [0, 24, 24]

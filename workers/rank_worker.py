@@ -108,7 +108,7 @@ class ServeSpec:
     burst_wait_s: float = 0.0
     """ServingConfig.burst_wait_s: how long an idle leader waits for a burst's next request."""
     prefix_caching: bool = False
-    """ServingConfig.prefix_caching: rows keep their finished requests' tokens for prompts sharing them."""
+    """ServingConfig.prefix_caching: prompts skip the prefix they share with what a cache row holds."""
 
 
 @dataclass

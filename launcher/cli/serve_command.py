@@ -59,8 +59,8 @@ def add_parser(subparsers) -> None:
                         "most 10x in all), so a burst's prompts are prefilled together; a lone request's first "
                         "token comes this much later (default 10; 0: no wait)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
-                   help="prefill every prompt whole (default: a prompt that starts like an earlier request's "
-                        "prompt and output, still held in a free cache row, is prefilled only from where they part)")
+                   help="prefill every prompt whole (default: a prompt whose first 16 or more tokens are still "
+                        "in the cache, as an earlier or a running request's, is prefilled only from where they part)")
     p.add_argument("--api-key", metavar="KEY",
                    help="require `Authorization: Bearer KEY` on /v1/* (default: $CORELAUNCH_API_KEY; unset: open)")
     p.add_argument("--replicas", type=int_at_least("--replicas"), metavar="N",

@@ -44,8 +44,8 @@ class ServerMetrics:
                                      "(counted at admission, however they end)",
                                      registry=r)
         self.cached_prompt_tokens = Counter(
-            "corelaunch_prefix_cache_hit_tokens", "Prompt tokens not prefilled because the request's cache row "
-            "already held them (prefix caching; each prompt counted once, as in corelaunch_prompt_tokens)",
+            "corelaunch_prefix_cache_hit_tokens", "Prompt tokens not prefilled because the cache held them "
+            "(prefix caching; each prompt counted once, as in corelaunch_prompt_tokens)",
             registry=r)
         self.requests = Counter(
             "corelaunch_requests", "Generation requests by outcome: finish_reason stop|length (completed), "

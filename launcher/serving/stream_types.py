@@ -31,5 +31,6 @@ class StreamDelta:
     """On the last delta when a stop string ended the text (finish_reason is then "stop"): the
     tokens that spelled it are in token_ids and logprobs, but none of their text is."""
     cached_tokens: int | None = None
-    """On the delta that carries the first token: the prompt tokens whose keys and values the
-    request's cache row already held (prefix caching), so they were not prefilled."""
+    """On the delta that carries the first token: the prompt tokens whose keys and values the cache
+    held (in the request's row, or copied into it from another: prefix caching), so they were not
+    prefilled."""

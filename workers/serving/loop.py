@@ -66,8 +66,10 @@ class ServingConfig:
     burst's prompts are prefilled in one iteration. Otherwise the first would be prefilled alone while
     the rest of the burst, arriving a few ms later, waited the whole of that prefill. 0: no wait."""
     prefix_caching: bool = False
-    """Rows keep what their finished requests wrote, and a prompt starting the same way is seated in
-    such a row and prefilled from where they part (workers/serving/prefix_reuse.py)."""
+    """Rows keep what their requests wrote, and a prompt starting the same way is seated in such a row
+    (or has the shared slots copied into its own) and prefilled from where they part
+    (workers/serving/prefix_reuse.py); off whatever this says for a model whose cached keys depend on
+    their forward's length (_keys_depend_on_length)."""
 
 
 def _keys_depend_on_length(model, positions: int) -> bool:

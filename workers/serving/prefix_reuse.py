@@ -12,8 +12,10 @@ new token.
 What a row remembers is exactly what its cache holds: each slot's keys and values depend only on
 the tokens at and before it (causal attention) and its position, so they are what a prefill of the
 same tokens writes, up to float rounding where a prefill and a decode step (or chunks of other
-sizes) compute them by different paths. A row whose last request failed, or was cancelled before
-its prompt's logits were read, is zeroed (scheduler.py's clears) and remembers nothing.
+sizes) compute them by different paths; workers/serving/loop.py keeps prefix caching off where a
+key's rotation depends on its forward's length too (longrope past its original context). A row
+whose last request's token choice failed (NaN logits, say), or that was cancelled before its
+prompt's logits were read, is zeroed (scheduler.py's clears) and remembers nothing.
 
 Choosing (RowHistories.choose): the row sharing the longest prefix with the prompt, if it shares at
 least MIN_SHARED_TOKENS. A free row whose whole history the prompt starts with is taken as it is

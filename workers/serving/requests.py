@@ -71,5 +71,5 @@ class TokenEvent:
     """On the request's first token's event, when it asked for prompt_logprobs: one entry per prompt
     token after the first, in order."""
     cached_tokens: int | None = None
-    """On the first token's event of each submission: the prompt tokens its cache row already held
-    (prefix caching), which were not prefilled again."""
+    """On the first token's event of each submission: the prompt tokens the cache held (in its row,
+    or copied into it from another: prefix caching), which were not prefilled again."""

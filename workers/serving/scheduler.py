@@ -9,8 +9,8 @@ Each iteration (`schedule`):
 3. every sequence holding a token to feed back runs one decode step.
 A sequence that finishes or is cancelled gives its row back at once; the next iteration can seat
 a waiting request there. With prefix caching, the row keeps what the sequence wrote, and a request
-whose prompt starts the same way is seated there and prefilled from where they part
-(workers/serving/prefix_reuse.py). A row that may hold NaN or inf (its request failed by itself, or was
+whose prompt starts the same way is seated there, or gets the shared slots copied into its own row,
+and is prefilled from where they part (workers/serving/prefix_reuse.py). A row that may hold NaN or inf (its request failed by itself, or was
 cancelled while prefilling, before its last chunk's logits could show them) comes back with the
 next plan, which zeroes what it wrote on every rank first.
 """
@@ -20,7 +20,8 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from workers.serving.prefix_reuse import RowHistories
+from workers.serving import prefix_reuse
+from workers.serving.prefix_reuse import RowHistories, common_prefix_length
 from workers.serving.requests import StreamRequest
 from workers.serving.step_plan import ClearRow, Command, CopyPrefix, DecodeRow, PrefillChunk, StepPlan
 
@@ -103,9 +104,8 @@ class Scheduler:
                 written = sequence.prefilled + sequence.generated + 1
                 self.rows_to_clear.append(ClearRow(sequence.row, written))
             else:
-                if self.histories is not None:  # the last token chosen was never fed back: not cached
-                    self.histories.keep(sequence.row, sequence.prompt[:sequence.prefilled]
-                                        + tuple(sequence.output_ids[:max(sequence.generated - 1, 0)]))
+                if self.histories is not None:
+                    self.histories.keep(sequence.row, _written(sequence))
                 self.free_rows.append(sequence.row)
                 self.free_rows.sort()
             sequence.row = None
@@ -127,10 +127,18 @@ class Scheduler:
         if clears:
             self.free_rows = sorted(self.free_rows + [c.row for c in clears])
         copies: list[CopyPrefix] = []
+        # what the rows of running requests hold, before this plan's copies and forwards: the rows
+        # seated below hold nothing yet, so they are never copied from
+        in_use = ({s.row: _written(s) for s in self.running.values()}
+                  if self.histories is not None and self.waiting and self.free_rows else {})
+        held_back: list[Sequence] = []
         while self.waiting and self.free_rows:
             seq = self.waiting.popleft()
-            self._seat(seq, copies)
+            if not self._seat(seq, copies, in_use):
+                held_back.append(seq)
+                continue
             self.running[seq.request.request_id] = seq
+        self.waiting.extendleft(reversed(held_back))  # first in line again, in their order
         budget, prefills, decode = self.max_prefill_tokens, [], []
         for seq in self.running.values():
             if seq.prefilled < len(seq.prompt):
@@ -146,24 +154,41 @@ class Scheduler:
             return None
         return StepPlan(Command.WORK, tuple(prefills), tuple(decode), clears=clears, copies=tuple(copies))
 
-    def _seat(self, seq: Sequence, copies: list[CopyPrefix]) -> None:
+    def _seat(self, seq: Sequence, copies: list[CopyPrefix], in_use: dict[int, tuple[int, ...]]) -> bool:
         """Give the sequence a free row: with prefix caching, where the longest prefix of its prompt
         is cached (workers/serving/prefix_reuse.py), copied there from another row first when it
         comes from one (appended to `copies`); else the lowest. A request that wants every prompt
-        token's logits (prompt_logprobs) prefills its whole prompt."""
+        token's logits (prompt_logprobs) prefills its whole prompt. False (nothing seated): its
+        prompt shares at least MIN_SHARED_TOKENS more with a running request's prompt than the cache
+        holds yet, so it waits for that prefill (a burst of requests behind one system prompt
+        prefills it once, not once each). in_use: the token ids each row of a running request holds,
+        which can be copied from."""
         if self.histories is None:
             seq.row = self.free_rows.pop(0)
-            return
-        in_use = {s.row: s.prompt + tuple(s.output_ids[:max(s.generated - 1, 0)])
-                  for s in self.running.values() if s.prefilled == len(s.prompt)}
-        seat = self.histories.choose(self.free_rows, seq.prompt, reuse=seq.request.prompt_logprobs is None,
-                                     in_use=in_use)
+            return True
+        reuse = seq.request.prompt_logprobs is None
+        seat = self.histories.choose(self.free_rows, seq.prompt, reuse=reuse, in_use=in_use)
+        if reuse and self._prefilled_soon(seq.prompt) >= seat.cached + prefix_reuse.MIN_SHARED_TOKENS:
+            return False
         seq.row, seq.cached = seat.row, seat.cached
         self.free_rows.remove(seq.row)
         self.histories.forget(seq.row)
         seq.prefilled = seq.cached
         if seat.copy_from is not None:
             copies.append(CopyPrefix(seat.copy_from, seat.row, seat.cached))
+        return True
+
+    def _prefilled_soon(self, prompt: tuple[int, ...]) -> int:
+        """The most leading tokens `prompt` shares with the prompt of a running request still being
+        prefilled (at most all but its last token)."""
+        return max((min(common_prefix_length(s.prompt, prompt), len(prompt) - 1)
+                    for s in self.running.values() if s.prefilled < len(s.prompt)), default=0)
 
     def by_row(self) -> dict[int, Sequence]:
         return {seq.row: seq for seq in self.running.values()}
+
+
+def _written(seq: Sequence) -> tuple[int, ...]:
+    """The token ids whose keys and values the sequence's row holds: its prompt so far, then every
+    token it chose but the last, which no step has fed back yet."""
+    return seq.prompt[:seq.prefilled] + tuple(seq.output_ids[:max(seq.generated - 1, 0)])
