@@ -1,6 +1,9 @@
 """Prefix caching in the serving loop (workers/serving/prefix_reuse.py): a finished request's row keeps
-its prompt and output, a later prompt that starts the same way is seated there and prefilled only
-from where they part, and its tokens are those of the same prompt run alone."""
+its prompt and output; a later prompt that starts the same way is seated there, or gets the shared
+slots copied into its own row (from a free row or a running one, on every rank), or waits for a
+running request's prefill of their shared prefix, and is prefilled only from where they part; its
+tokens are those of the same prompt run alone. Also: the driver's and the plan's side, the prefill
+calls that continue a row (eager reads to their end), and longrope, where nothing is reused."""
 
 from __future__ import annotations
 

@@ -5,9 +5,10 @@ generated (but the last, which no step fed back). The row remembers those token 
 free. A new request whose prompt starts like what some row holds skips that prefix's prefill: its
 first chunk starts at the end of the shared part. The row holding it is either a free row the
 request is seated in, or a row it is copied from (a free row, or one whose request is still
-running, once that request's prompt is prefilled) into the new request's row before the step's
+running: what its steps have written so far) into the new request's row before the step's
 forwards. At least the prompt's last token is always prefilled, since its logits choose the first
-new token.
+new token. (A request that would gain at least MIN_SHARED_TOKENS more by waiting for a running
+request's prefill of their shared prefix waits: scheduler.py.)
 
 What a row remembers is exactly what its cache holds: each slot's keys and values depend only on
 the tokens at and before it (causal attention) and its position, so they are what a prefill of the
@@ -21,7 +22,8 @@ Choosing (RowHistories.choose): the row sharing the longest prefix with the prom
 least MIN_SHARED_TOKENS. A free row whose whole history the prompt starts with is taken as it is
 (nothing else it holds is lost); otherwise the shared part is copied into a free row that remembers
 nothing, so a longer history (another conversation behind the same system prompt) stays for its
-own next turn, and only with no such row is a free source taken itself. Without a shared prefix:
+own next turn. With no such row, a free source is taken itself, and a running source's prefix goes
+into the row freed longest ago. Without a shared prefix:
 a free row that remembers nothing (the lowest), then the one freed longest ago, so recent histories
 live longest.
 """
@@ -99,10 +101,10 @@ class RowHistories:
     def choose(self, free_rows: list[int], prompt: Tokens[int], reuse: bool,
                in_use: dict[int, Tokens[int]] | None = None) -> Seat:
         """Where a prompt about to be seated in one of free_rows (not empty) goes (the module
-        docstring says how). in_use: rows taken by running requests whose prompts are in the cache,
-        each with the token ids its slots hold, which can be copied from. reuse False: the prompt
-        shares nothing (it wants every prompt position's logits) and is seated as one that matched
-        nothing."""
+        docstring says how). in_use: the rows of running requests, each with the token ids its
+        slots hold (a prompt being prefilled: the part written so far), which can be copied from.
+        reuse False: the prompt shares nothing (it wants every prompt position's logits) and is
+        seated as one that matched nothing."""
         blank = [row for row in free_rows if row not in self._held]
         fresh = min(blank) if blank else min(free_rows, key=lambda row: self._freed_order[row])
         if not reuse or len(prompt) < 2:

@@ -2,7 +2,8 @@
 the next iteration runs (pure Python; workers/serving/loop.py runs the plans).
 
 Each iteration (`schedule`):
-1. requests waiting in arrival order take free cache rows (at most max_num_seqs run at once);
+1. requests waiting in arrival order take free cache rows (at most max_num_seqs run at once; with
+   prefix caching one may wait longer for another's prefill of their shared prefix);
 2. sequences still prefilling get chunks of their prompt, oldest first, while the iteration's
    budget of max_prefill_tokens lasts (a chunk is also at most the largest chunk bucket), so a
    long prompt delays running streams by one chunk per iteration, never by its whole prefill;
@@ -10,9 +11,10 @@ Each iteration (`schedule`):
 A sequence that finishes or is cancelled gives its row back at once; the next iteration can seat
 a waiting request there. With prefix caching, the row keeps what the sequence wrote, and a request
 whose prompt starts the same way is seated there, or gets the shared slots copied into its own row,
-and is prefilled from where they part (workers/serving/prefix_reuse.py). A row that may hold NaN or inf (its request failed by itself, or was
-cancelled while prefilling, before its last chunk's logits could show them) comes back with the
-next plan, which zeroes what it wrote on every rank first.
+and is prefilled from where they part (workers/serving/prefix_reuse.py). A row that may hold NaN or
+inf (its request failed by itself, or was cancelled while prefilling, before its last chunk's
+logits could show them) comes back with the next plan, which zeroes what it wrote on every rank
+first.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ class Sequence:
     prefilled: int = 0
     """Prompt tokens already in the cache."""
     cached: int = 0
-    """Of those, the ones its row already held when it was seated (prefix caching): never prefilled."""
+    """Of those, the ones its row held when it was seated, there or copied in before the step's
+    forwards (prefix caching): never prefilled."""
     pending: int | None = None
     """The last token chosen, fed back by the next decode step."""
     generated: int = 0
