@@ -1277,7 +1277,7 @@ class Launcher:
         request = StreamRequest(request_id or uuid.uuid4().hex, tuple(token_ids), params, max_new_tokens,
                                 ending_ids, logprobs, return_logits, prompt_logprobs=prompt_logprobs)
         handle = StreamHandle(request, sink, self.config.request_timeout_s if timeout_s is None else timeout_s)
-        text = TextStream(request.request_id, self.tokenizer, stops, len(token_ids))
+        text = TextStream(request.request_id, self.tokenizer, stops, len(token_ids), params.min_tokens)
         if asynchronous:
             return kind(self._cancel_stream, handle, text, items, loop)
         return kind(self._cancel_stream, handle, text, items)

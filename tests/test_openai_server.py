@@ -1272,6 +1272,16 @@ def test_penalties_logit_bias_and_min_p_over_http(client, hf):
     short = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0,
                                       extra_body={"stop_token_ids": [ending]})
     assert short.usage.completion_tokens == 2
+    # and stop strings too, as vLLM's does: the greedy text's first token's text is looked for only
+    # in the text of the tokens after the first min_tokens
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+    first_text = hf.tok.decode(greedy_ids[:1])
+    assert plain.choices[0].text.count(first_text) == 1  # nowhere later: with min_tokens no stop at all
+    stopped = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, stop=[first_text])
+    assert stopped.choices[0].text == "" and stopped.choices[0].finish_reason == "stop"
+    held_back = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, stop=[first_text],
+                                          extra_body={"min_tokens": 1})
+    assert held_back.choices[0].text == plain.choices[0].text and held_back.choices[0].finish_reason == "length"
     with pytest.raises(openai.BadRequestError) as refused:
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, extra_body={"min_tokens": 5})
     assert refused.value.body["param"] == "min_tokens" and "at most max_tokens (4)" in refused.value.body["message"]

@@ -108,3 +108,22 @@ def test_a_stop_string_no_text_can_hold_is_refused():
                                          r"allowed at position 0\); pass UTF-8 text"):
         validate_stops(["ok", "\ud800x"])
     assert validate_stops(["é", "🙂", "\u0000"]) == ("é", "🙂", "\u0000")
+
+
+@pytest.mark.parametrize("min_tokens, stopped_after", [(0, 2), (1, 2), (2, 5), (4, 5), (5, None)])
+def test_min_tokens_holds_stop_strings_back_as_vllm_does(smollm2_tokenizer, min_tokens, stopped_after):
+    """A stop string ends the text only in the text of the tokens after the first min_tokens: " one"
+    is tokens 2 and 5, so min_tokens 2 to 4 run on to the second, and 5 to no stop at all (vLLM's
+    min_tokens holds stop strings back as it holds stop tokens; here they ended the text regardless)."""
+    from launcher.serving.text_stream import TextStream
+    from workers.serving.requests import TokenEvent
+
+    ids = smollm2_tokenizer(" zero one two three one", add_special_tokens=False)["input_ids"]
+    assert len(ids) == 5 and smollm2_tokenizer.decode(ids[1:2]) == " one"
+    stream = TextStream("r", smollm2_tokenizer, (" one",), prompt_tokens=1, min_tokens=min_tokens)
+    deltas = [stream.delta(TokenEvent("r", [token], "length" if i == len(ids) - 1 else None))
+              for i, token in enumerate(ids)]
+    ended = next((i + 1 for i, d in enumerate(deltas) if d.stopped_by_string), None)
+    assert ended == stopped_after
+    text = "".join(d.text for d in deltas)
+    assert text == {2: " zero", 5: " zero one two three", None: " zero one two three one"}[stopped_after]

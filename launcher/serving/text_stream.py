@@ -9,10 +9,14 @@ from workers.serving.requests import TokenEvent
 
 
 class TextStream:
-    def __init__(self, request_id: str, tokenizer, stops: tuple[str, ...], prompt_tokens: int) -> None:
+    def __init__(self, request_id: str, tokenizer, stops: tuple[str, ...], prompt_tokens: int,
+                 min_tokens: int = 0) -> None:
+        """min_tokens: stop strings are looked for only in the text of the tokens after the first
+        min_tokens (vLLM's rule: its min_tokens holds stop strings back as it holds stop tokens)."""
         self.request_id = request_id
         self._detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
         self._stops = StopStringMatcher(stops) if stops else None
+        self._min_tokens = min_tokens
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
         self.finish_reason: str | None = None
@@ -28,7 +32,7 @@ class TextStream:
             text = self._detokenizer.push(event.token_ids)
             if finish is not None:
                 text += self._detokenizer.flush()
-        if self._stops is not None:
+        if self._stops is not None and self.completion_tokens + len(event.token_ids) > self._min_tokens:
             text, hit = self._stops.push(text)
             if hit:
                 finish, self.stopped_by_string = "stop", True
