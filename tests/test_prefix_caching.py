@@ -361,3 +361,23 @@ def test_a_burst_behind_one_prefix_equals_each_prompt_alone():
     for rid, prompt in prompts.items():
         assert got.tokens[rid] == alone(prompt, 5), rid
     assert [cached_tokens(got, rid) for rid in prompts] == [0, 24, 24]
+
+
+def test_generate_and_serve_turn_it_off_with_one_flag():
+    import argparse
+
+    from launcher.cli import generate_command, serve_command
+    from launcher.serving.server_settings import settings_from_args
+
+    parser = argparse.ArgumentParser()
+    commands = parser.add_subparsers()
+    generate_command.add_parser(commands)
+    serve_command.add_parser(commands)
+    assert generate_command.launch_config(parser.parse_args(["generate", "--tp", "1", "x"])).prefix_caching
+    assert not generate_command.launch_config(
+        parser.parse_args(["generate", "--tp", "1", "--no-prefix-caching", "x"])).prefix_caching
+    served = serve_command.server_args(parser.parse_args(["serve", "--backend", "cpu", "--no-prefix-caching"]))
+    assert settings_from_args(served).launch["prefix_caching"] is False
+    assert "prefix_caching" not in serve_command.server_args(parser.parse_args(["serve", "--backend", "cpu"]))
+    with pytest.raises(ValueError, match=r"prefix_caching \(3\) must be True or False"):
+        settings_from_args({"prefix_caching": 3, "backend": "cpu"})

@@ -7,8 +7,9 @@ import json
 import sys
 from pathlib import Path
 
-from launcher.cli.options import (add_max_num_seqs, add_model_and_placement_arguments, int_at_least,
-                                  in_generate_flags, max_num_seqs_option, model_and_placement_options, with_flag_name)
+from launcher.cli.options import (add_max_num_seqs, add_model_and_placement_arguments, add_prefix_caching,
+                                  int_at_least, in_generate_flags, max_num_seqs_option, model_and_placement_options,
+                                  with_flag_name)
 from launcher.cli.structured_flags import add_structured_flags, structured_output
 
 
@@ -27,6 +28,7 @@ def add_parser(subparsers) -> None:
                    help="sizes the planner's memory check (each prompt runs as its own request in the running batch; "
                         "the driver API's static batches are split at this size) (default 8)")
     add_max_num_seqs(p)
+    add_prefix_caching(p)
     p.add_argument("--max-new-tokens", type=int_at_least("--max-new-tokens"), default=32, metavar="N",
                    help="tokens to generate per prompt (default 32)")
     p.add_argument("--temperature", type=float, help="sampling temperature (0 = greedy)")
@@ -121,7 +123,8 @@ def launch_config(args: argparse.Namespace):
 
     # it runs continuous batching alone: --warm-up builds the serving loop's graphs, not static ones
     return LaunchConfig(**model_and_placement_options(args), **max_num_seqs_option(args), replicas=args.replicas,
-                        max_batch_size=args.max_batch_size, ray_address=args.ray_address, warm_up_static=False)
+                        max_batch_size=args.max_batch_size, ray_address=args.ray_address, warm_up_static=False,
+                        prefix_caching=args.prefix_caching)
 
 
 def _shown_model(args: argparse.Namespace, launcher) -> str:

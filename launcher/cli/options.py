@@ -290,6 +290,13 @@ def layout_choices(args: argparse.Namespace) -> dict:
             "fused_projections": args.fused_projections}
 
 
+def add_prefix_caching(p: argparse.ArgumentParser) -> None:
+    """--no-prefix-caching (generate, serve): LaunchConfig.prefix_caching off."""
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="prefill every prompt whole (default: a prompt whose first 16 or more tokens are still "
+                        "in the cache, as an earlier or a running request's, is prefilled only from where they part)")
+
+
 def add_max_prefill_tokens(p: argparse.ArgumentParser, compiled: bool = True) -> None:
     """--max-prefill-tokens (serve, compile): the prefill chunks' largest width, so also their graphs'."""
     from shardlib.serving_shapes import DEFAULT_MAX_PREFILL_TOKENS

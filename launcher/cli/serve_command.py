@@ -25,7 +25,8 @@ import urllib.request
 from pathlib import Path
 
 from launcher.cli.options import (add_max_num_seqs, add_max_prefill_tokens, add_model_and_placement_arguments,
-                                  int_at_least, max_num_seqs_option, model_and_placement_options, with_flag_name)
+                                  add_prefix_caching, int_at_least, max_num_seqs_option, model_and_placement_options,
+                                  with_flag_name)
 from launcher.serving.ingress import MODES, IdleProxyAddressHidden, IngressPlan, choose_mode, plan_ingress
 from launcher.serving.server_settings import api_key_from_environment
 
@@ -58,9 +59,7 @@ def add_parser(subparsers) -> None:
                    help="an idle model waits this long for more requests after one arrives (again after each, at "
                         "most 10x in all), so a burst's prompts are prefilled together; a lone request's first "
                         "token comes this much later (default 10; 0: no wait)")
-    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
-                   help="prefill every prompt whole (default: a prompt whose first 16 or more tokens are still "
-                        "in the cache, as an earlier or a running request's, is prefilled only from where they part)")
+    add_prefix_caching(p)
     p.add_argument("--api-key", metavar="KEY",
                    help="require `Authorization: Bearer KEY` on /v1/* (default: $CORELAUNCH_API_KEY; unset: open)")
     p.add_argument("--replicas", type=int_at_least("--replicas"), metavar="N",
