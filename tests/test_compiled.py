@@ -119,8 +119,10 @@ TP_MODELS = {  # tp degree: build_random_model arguments that split at that degr
 # traces it), so both degrees run one batch of both prompts at one context bucket: both first
 # chunks in one prefill call and a decode of two rows. TP 2 adds the static engine's two graphs
 # (the same code at every degree). Every bucket and batch shape, and a prompt alone, are the
-# in-process TP 1 tests above: the bucket code does not depend on the degree.
-TP_RUNS = {2: ((16,), [[SHORT, LONG]], [SHORT, LONG]), 3: ((16,), [[SHORT, LONG]], None)}
+# in-process TP 1 tests above: the bucket code does not depend on the degree. The continuous batch's
+# prompts fill their bucket (16 and 15 of 16 tokens): a call padded by a fifth or more runs eagerly.
+FULL = [SHORT + LONG, LONG + [1, 2, 3, 4]]
+TP_RUNS = {2: ((16,), [FULL], [SHORT, LONG]), 3: ((16,), [FULL], None)}
 
 
 @pytest.mark.slow
