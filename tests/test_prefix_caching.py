@@ -381,3 +381,21 @@ def test_generate_and_serve_turn_it_off_with_one_flag():
     assert "prefix_caching" not in serve_command.server_args(parser.parse_args(["serve", "--backend", "cpu"]))
     with pytest.raises(ValueError, match=r"prefix_caching \(3\) must be True or False"):
         settings_from_args({"prefix_caching": 3, "backend": "cpu"})
+
+
+def test_a_cpu_warm_up_builds_no_graph_for_chunks_that_continue_a_sequence():
+    """The cpu backend runs every continuing prefill call eagerly, so the shapes a warm-up builds (the
+    rank asks for them as below) leave those graphs out; a model without an eager step keeps them."""
+    from shardlib.buckets import Buckets
+    from shardlib.serving_shapes import PREFILL_CONTINUE, ServingShapes
+    from workers.compiled import CompiledCausalLM
+
+    buckets = Buckets.build(max_seq_len=32, context=(4, 8), token=(16, 32))
+    shapes = ServingShapes.build(buckets, max_num_seqs=2, max_prefill_tokens=8)
+    everything = shapes.shapes()
+    started_only = shapes.shapes(continuing=False)
+    assert started_only == [s for s in everything if s[0] != PREFILL_CONTINUE] and len(started_only) < len(everything)
+    loop = ServingLoop(CompiledCausalLM(fresh_model(), buckets, announce=lambda line: None),
+                       ServingConfig(2, 8, 32, shapes))
+    assert loop.continues_eagerly
+    assert not ServingLoop(fresh_model(), ServingConfig(2, 8, 32)).continues_eagerly  # eager: no graphs at all

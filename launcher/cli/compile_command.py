@@ -159,7 +159,9 @@ def compile_model(args: argparse.Namespace) -> dict:
         }
         write_manifest_json(tmp, manifest)
         shapes = buckets.shapes()
-        serving = ServingShapes.build(buckets, config.max_num_seqs, config.max_prefill_tokens).shapes()
+        # the cpu backend runs prefill calls that continue a sequence eagerly: the warm-up builds none
+        serving = ServingShapes.build(buckets, config.max_num_seqs, config.max_prefill_tokens).shapes(
+            continuing=planned.backend != "cpu")
         progress.note(f"building {len(shapes)} graph(s) per rank: context-encoding buckets "
                       f"{list(buckets.context)}, token-generation buckets {list(buckets.token)}, "
                       f"batch buckets {list(buckets.batch)}; then {len(serving)} serving graph(s) "

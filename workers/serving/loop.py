@@ -135,6 +135,13 @@ class ServingLoop:
         self.plan_seconds = 0.0
         """Leader: scheduling, plan broadcast, sampling and event posting summed over steps."""
 
+    @property
+    def continues_eagerly(self) -> bool:
+        """Whether a compiled loop runs every prefill call that continues its sequences eagerly (the
+        cpu backend: EAGER_PREFILL_WASTE), so a warm-up need not build their graphs."""
+        return (self.config.shapes is not None and hasattr(self.model, "eager_serve_step")
+                and self.device.type == "cpu")
+
     # ---- called from other threads --------------------------------------------------------------
     def submit(self, requests: list[StreamRequest]) -> None:
         self._inbox.put(("submit", requests))
@@ -407,7 +414,7 @@ class ServingLoop:
         shapes = self.config.shapes
         if shapes is None or not hasattr(self.model, "eager_serve_step"):
             return False
-        if self.device.type == "cpu" and any(c.start for c in chunks):
+        if self.continues_eagerly and any(c.start for c in chunks):
             return True
         real = sum(len(c.token_ids) for c in chunks)
         batch, width = shapes.prefill_shape(len(chunks), max(len(c.token_ids) for c in chunks))
