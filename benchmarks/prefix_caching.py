@@ -88,16 +88,26 @@ async def timed(create, **request) -> dict:
             "text": text}
 
 
-def summary(records: list[dict], max_tokens: int) -> dict:
+def complete_records(records: list[dict], max_tokens: int) -> list[dict]:
+    """The records, once each streamed its max_tokens tokens (RuntimeError otherwise)."""
     if any(r["tokens"] != max_tokens or r["ttft_s"] is None for r in records):
         raise RuntimeError(f"a request did not stream its {max_tokens} tokens: {records}")
-    later = records[1:]
+    return records
+
+
+def cached_counts(records: list[dict]) -> list[int] | None:
+    """Each request's cached prompt tokens, or None when the server's usage said none."""
     cached = [r["cached_tokens"] for r in records]
+    return None if None in cached else cached
+
+
+def summary(records: list[dict], max_tokens: int) -> dict:
+    later = complete_records(records, max_tokens)[1:]
     return {"requests": len(records), "first_ttft_s": round(records[0]["ttft_s"], 4),
             "later_ttft_s_median": round(statistics.median(r["ttft_s"] for r in later), 4),
             "later_ttft_s_max": round(max(r["ttft_s"] for r in later), 4),
             "e2e_s_total": round(sum(r["e2e_s"] for r in records), 3),
-            "cached_tokens": None if None in cached else cached}
+            "cached_tokens": cached_counts(records)}
 
 
 async def measure(base_url: str, model: str, api_key: str, tokenizer, args) -> dict:
@@ -126,13 +136,11 @@ async def measure(base_url: str, model: str, api_key: str, tokenizer, args) -> d
         records = await asyncio.gather(*(timed(complete, model=model, max_tokens=args.max_tokens,
                                                prompt=document + question_ids(tokenizer, i, args.suffix_tokens))
                                          for i in range(args.burst)))
-        if any(r["tokens"] != args.max_tokens or r["ttft_s"] is None for r in records):
-            raise RuntimeError(f"a request of the burst did not stream its {args.max_tokens} tokens: {records}")
+        complete_records(records, args.max_tokens)
         return {"requests": args.burst, "last_ttft_s": round(max(r["ttft_s"] for r in records), 4),
                 "ttft_s_median": round(statistics.median(r["ttft_s"] for r in records), 4),
                 "wall_s": round(time.perf_counter() - start, 3),
-                "cached_tokens": None if any(r["cached_tokens"] is None for r in records)
-                else sorted(r["cached_tokens"] for r in records)}
+                "cached_tokens": None if (cached := cached_counts(records)) is None else sorted(cached)}
 
     # warm-ups: other documents, two requests each (a start and a continuation: their graphs built)
     await shared_document(999, 2)

@@ -112,6 +112,11 @@ class ServingLoop:
         self.is_leader = self.collectives.rank == 0
         self.device = getattr(model, "device", torch.device("cpu"))
         self.scratch_row = config.max_num_seqs
+        self._can_prefill_eagerly = config.shapes is not None and hasattr(model, "eager_serve_step")
+        """A compiled loop whose model has an eager step: a prefill call may run eagerly (_prefill_eagerly)."""
+        self.continues_eagerly = self._can_prefill_eagerly and self.device.type == "cpu"
+        """Every prefill call that continues its sequences runs eagerly (the cpu backend:
+        EAGER_PREFILL_WASTE), so a warm-up need not build their graphs."""
         self.cache = model.new_cache(config.max_num_seqs + 1, config.cache_slots, long_lived=True)
         max_chunk = config.shapes.max_chunk if config.shapes is not None else config.max_prefill_tokens
         # The plan's token area is all-reduced every step, prefill or not (and every idle heartbeat):
@@ -134,13 +139,6 @@ class ServingLoop:
         """Forward time (prefill and decode) summed over steps, for the overhead benchmark."""
         self.plan_seconds = 0.0
         """Leader: scheduling, plan broadcast, sampling and event posting summed over steps."""
-
-    @property
-    def continues_eagerly(self) -> bool:
-        """Whether a compiled loop runs every prefill call that continues its sequences eagerly (the
-        cpu backend: EAGER_PREFILL_WASTE), so a warm-up need not build their graphs."""
-        return (self.config.shapes is not None and hasattr(self.model, "eager_serve_step")
-                and self.device.type == "cpu")
 
     # ---- called from other threads --------------------------------------------------------------
     def submit(self, requests: list[StreamRequest]) -> None:
@@ -411,13 +409,12 @@ class ServingLoop:
     def _prefill_eagerly(self, chunks: list[PrefillChunk]) -> bool:
         """Whether a compiled loop runs this prefill call eagerly (EAGER_PREFILL_WASTE): decided from
         the plan alone, so every rank decides alike."""
-        shapes = self.config.shapes
-        if shapes is None or not hasattr(self.model, "eager_serve_step"):
+        if not self._can_prefill_eagerly:
             return False
         if self.continues_eagerly and any(c.start for c in chunks):
             return True
         real = sum(len(c.token_ids) for c in chunks)
-        batch, width = shapes.prefill_shape(len(chunks), max(len(c.token_ids) for c in chunks))
+        batch, width = self.config.shapes.prefill_shape(len(chunks), max(len(c.token_ids) for c in chunks))
         return batch * width >= EAGER_PREFILL_WASTE * real
 
     def _eager_step(self, inputs) -> torch.Tensor:

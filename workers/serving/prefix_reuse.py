@@ -37,30 +37,19 @@ MIN_SHARED_TOKENS = 16
 """Shorter shared prefixes are prefilled again. Distinct prompts often share a few leading tokens (a
 word and a space); skipping those saves little, while with compiling a chunk that continues a row
 runs in another prefill call than the chunks that start theirs at slot 0 in the same step."""
-_PROBE = 64
-"""Tokens compared at once before halving (tuple slices compare in C)."""
 
 
 def common_prefix_length(a: Tokens[int], b: Tokens[int]) -> int:
-    """How many leading ids a and b share."""
-    limit = min(len(a), len(b))
-    if tuple(a[:limit]) == tuple(b[:limit]):
-        return limit
-    shared = 0
-    while shared < limit:  # grow by whole probes, then bisect inside the first that differs
-        end = min(shared + _PROBE, limit)
-        if tuple(a[shared:end]) == tuple(b[shared:end]):
-            shared = end
-            continue
-        low, high = shared, end - 1  # the first difference lies in [shared, end)
-        while low < high:
-            middle = (low + high) // 2
-            if tuple(a[shared:middle + 1]) == tuple(b[shared:middle + 1]):
-                low = middle + 1
-            else:
-                high = middle
-        return low
-    return shared
+    """How many leading ids a and b share: a bisection over slice comparisons, which run in C."""
+    a, b = tuple(a), tuple(b)
+    low, high = 0, min(len(a), len(b))  # a[:low] == b[:low]; the answer is at most high
+    while low < high:
+        middle = (low + high + 1) // 2
+        if a[low:middle] == b[low:middle]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
 @dataclass(frozen=True)
