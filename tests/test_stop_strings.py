@@ -127,3 +127,25 @@ def test_min_tokens_holds_stop_strings_back_as_vllm_does(smollm2_tokenizer, min_
     assert ended == stopped_after
     text = "".join(d.text for d in deltas)
     assert text == {2: " zero", 5: " zero one two three", None: " zero one two three one"}[stopped_after]
+
+
+@pytest.mark.parametrize("stop, min_tokens, stopped_after", [(" one two", 2, 3), (" one two", 3, None),
+                                                            (" zero one", 1, 2), (" zero one", 2, None),
+                                                            (" two three one", 4, 5)])
+def test_a_stop_string_may_begin_within_min_tokens_and_end_after_them(smollm2_tokenizer, stop, min_tokens,
+                                                                     stopped_after):
+    """vLLM's rule: a stop string counts where it ends in the text of the tokens after the first
+    min_tokens, wherever it begins (" one two" ends in token 3, so min_tokens 2 stops there and 3 does
+    not; before, the text of the tokens within min_tokens went out unmatched and such a stop string
+    was never found)."""
+    from launcher.serving.text_stream import TextStream
+    from workers.serving.requests import TokenEvent
+
+    ids = smollm2_tokenizer(" zero one two three one", add_special_tokens=False)["input_ids"]
+    stream = TextStream("r", smollm2_tokenizer, (stop,), prompt_tokens=1, min_tokens=min_tokens)
+    deltas = [stream.delta(TokenEvent("r", [token], "length" if i == len(ids) - 1 else None))
+              for i, token in enumerate(ids)]
+    ended = next((i + 1 for i, d in enumerate(deltas) if d.stopped_by_string), None)
+    assert ended == stopped_after
+    whole = " zero one two three one"
+    assert "".join(d.text for d in deltas) == (whole if stopped_after is None else whole[:whole.index(stop)])

@@ -51,6 +51,9 @@ class StopStringMatcher:
         self._hold_max = max((len(s) for s in self.stops), default=1) - 1
         """The longest tail that can still be the start of a stop string."""
         self._held = ""
+        self._unmatchable = 0
+        """How many of the held characters came in a push that looked for no stop (min_tokens): a stop
+        string may begin in them but must end after them."""
         self.stopped = False
 
     @property
@@ -58,19 +61,23 @@ class StopStringMatcher:
         """Text received but not yet emitted, because it may begin a stop string."""
         return self._held
 
-    def push(self, text: str) -> tuple[str, bool]:
+    def push(self, text: str, match: bool = True) -> tuple[str, bool]:
+        """match False (text of the tokens within min_tokens): no stop string ends in this text, but a
+        tail that may begin one is still held, so a stop string that begins here and ends in a later
+        push is found there (vLLM's rule: a stop string must end after the first min_tokens tokens)."""
         if self.stopped:
             return "", True
         if not self.stops:
             return text, False
         buffer = self._held + text
-        found = self._first_stop(buffer)
+        found = self._first_stop(buffer, len(buffer) if not match else self._unmatchable)
         if found is not None:
             self.stopped = True
             self._held = ""
             return buffer[:found], True
         keep = self._partial_stop_length(buffer)
         self._held = buffer[len(buffer) - keep:] if keep else ""
+        self._unmatchable = keep if not match else max(0, self._unmatchable - (len(buffer) - keep))
         return buffer[:len(buffer) - keep], False
 
     def flush(self) -> str:
@@ -78,10 +85,11 @@ class StopStringMatcher:
         held, self._held = self._held, ""
         return "" if self.stopped else held
 
-    def _first_stop(self, buffer: str) -> int | None:
-        """Where the earliest stop string starts in buffer, or None. Earliest, not first listed: the
-        text before it is what the model wrote before stopping."""
-        starts = [i for i in (buffer.find(stop) for stop in self.stops) if i >= 0]
+    def _first_stop(self, buffer: str, ends_after: int = 0) -> int | None:
+        """Where the earliest stop string ending after buffer[:ends_after] starts in buffer, or None.
+        Earliest, not first listed: the text before it is what the model wrote before stopping."""
+        starts = [i for i in (buffer.find(stop, max(0, ends_after - len(stop) + 1)) for stop in self.stops)
+                  if i >= 0]
         return min(starts, default=None)
 
     def _partial_stop_length(self, buffer: str) -> int:

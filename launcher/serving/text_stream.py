@@ -11,8 +11,9 @@ from workers.serving.requests import TokenEvent
 class TextStream:
     def __init__(self, request_id: str, tokenizer, stops: tuple[str, ...], prompt_tokens: int,
                  min_tokens: int = 0) -> None:
-        """min_tokens: stop strings are looked for only in the text of the tokens after the first
-        min_tokens (vLLM's rule: its min_tokens holds stop strings back as it holds stop tokens)."""
+        """min_tokens: a stop string counts only where it ends in the text of the tokens after the
+        first min_tokens (vLLM's rule: its min_tokens holds stop strings back as it holds stop
+        tokens); it may begin earlier."""
         self.request_id = request_id
         self._detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
         self._stops = StopStringMatcher(stops) if stops else None
@@ -32,8 +33,8 @@ class TextStream:
             text = self._detokenizer.push(event.token_ids)
             if finish is not None:
                 text += self._detokenizer.flush()
-        if self._stops is not None and self.completion_tokens + len(event.token_ids) > self._min_tokens:
-            text, hit = self._stops.push(text)
+        if self._stops is not None:
+            text, hit = self._stops.push(text, match=self.completion_tokens + len(event.token_ids) > self._min_tokens)
             if hit:
                 finish, self.stopped_by_string = "stop", True
             elif finish is not None:
