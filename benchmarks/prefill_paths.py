@@ -8,7 +8,9 @@ calls of --batches chunks of --lengths tokens each, starting their sequences (st
 continuing them after --starts cached tokens, on one rank in this process (SmolLM2-135M-Instruct, float32, the buckets
 `corelaunch serve` builds by default: chunks of 128 to --max-prefill-tokens, rows of --seq-len
 slots). Each shape: a call to build its graph, then --rounds calls of each path alternated; the
-median seconds of each and which the loop's rule picks.
+median seconds of each and which the loop's rule picks. The eager step is also timed with every
+attention one call under its whole mask (`attention_blocks_gain`: that time over the eager step's,
+which cuts long calls into query blocks: workers/attention_blocks.py).
 
     python benchmarks/prefill_paths.py [--lengths 32,200,600,1100,1500] [--starts 0,512,1100,2400] [--batches 1]
                                        [--rounds 3]
@@ -54,6 +56,7 @@ def main(out=None) -> dict:
     from shardlib.demo_model import ensure_demo_model
     from shardlib.model_config import load_model_config
     from shardlib.sharding import ShardLayout
+    from workers import attention_blocks
     from workers.rank_worker import LoadSpec, RankWorker, ServeSpec, WorkerSpec
     from workers.serving.step_inputs import prefill_inputs
     from workers.serving.step_plan import PrefillChunk
@@ -69,6 +72,15 @@ def main(out=None) -> dict:
     loop = worker._loop
     shapes, slots = loop.config.shapes, loop.config.cache_slots
 
+    def one_call_attention(inputs) -> None:
+        """The eager step with every attention one call under its whole mask (no query blocks)."""
+        share = attention_blocks.MAX_READ_SHARE
+        attention_blocks.MAX_READ_SHARE = 0.0
+        try:
+            loop._eager_step(inputs)
+        finally:
+            attention_blocks.MAX_READ_SHARE = share
+
     def timed(run, inputs) -> float:
         start = time.perf_counter()
         with torch.inference_mode():
@@ -82,15 +94,17 @@ def main(out=None) -> dict:
         eager_inputs = prefill_inputs(chunk, None, loop.scratch_row, slots)
         timed(loop._step, graph_inputs)  # builds (or loads) its graph
         timed(loop._eager_step, eager_inputs)
-        graph_s, eager_s = [], []
+        graph_s, eager_s, one_call_s = [], [], []
         for _ in range(args.rounds):
             graph_s.append(timed(loop._step, graph_inputs))
             eager_s.append(timed(loop._eager_step, eager_inputs))
-        g, e = statistics.median(graph_s), statistics.median(eager_s)
+            one_call_s.append(timed(one_call_attention, eager_inputs))
+        g, e, o = statistics.median(graph_s), statistics.median(eager_s), statistics.median(one_call_s)
         results.append({"batch": batch, "start": start, "length": length,
                         "padded_to": list(graph_inputs.input_ids.shape),
                         "graph_reads": graph_inputs.read_slots, "eager_reads": eager_inputs.read_slots,
                         "graph_s": round(g, 4), "eager_s": round(e, 4), "eager_over_graph": round(e / g, 3),
+                        "eager_one_call_attention_s": round(o, 4), "attention_blocks_gain": round(o / e, 3),
                         "loop_runs_eagerly": loop._prefill_eagerly(chunk)})
     report = {"model": model_dir, "seq_len": slots, "chunk_buckets": list(shapes.chunk_buckets),
               "threads": args.threads, "rounds": args.rounds, "calls": results}

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers import attention_blocks
 from workers.collectives import Collectives
 from workers.kernels import decode_attention
 from workers.kernels import small_linear as small
@@ -65,17 +66,22 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: t
     (batch, 1, seq, slots); returns (batch, q_heads, seq, head_dim). scale None: head_dim ** -0.5
     (Gemma 3: query_pre_attn_scalar ** -0.5).
 
-    Eager, and for prefills, this is F.scaled_dot_product_attention. Traced by torch.compile for a
-    decode step (one query per row), it is written out as products and sums, which inductor fuses
-    into the graph's own loops: the CPU flash-attention kernel it would otherwise call is a
-    separate, un-fused call that spends most of its time on set-up for a single query. On the cpu
-    backend with a float32 cache, Attention.forward takes the decode attention kernel
+    Eager, and for prefills, this is F.scaled_dot_product_attention (a long eager one on the CPU by
+    query blocks, each over the slots it may read: workers/attention_blocks.py). Traced by torch.compile
+    for a decode step (one query per row), it is written out as products and sums, which inductor fuses
+    into the graph's own loops: the CPU flash-attention kernel it would otherwise call is a separate,
+    un-fused call that spends most of its time on set-up for a single query. On the cpu backend with a
+    float32 cache, Attention.forward takes the decode attention kernel
     (workers/kernels/decode_attention.py) instead of this.
     """
     batch, q_heads, seq, head_dim = q.shape
     kv_heads = keys.shape[1]
     scale = head_dim ** -0.5 if scale is None else scale
     if not (torch.compiler.is_compiling() and seq == 1):
+        if attention_blocks.worth_blocking(q, mask):  # a long eager prefill: skip the slots each block cannot see
+            out = attention_blocks.blocked_attention(q, keys, values, mask, scale, q_heads != kv_heads)
+            if out is not None:
+                return out
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=q_heads != kv_heads,
                                               scale=scale)
     group = q_heads // kv_heads
