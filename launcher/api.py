@@ -448,6 +448,15 @@ def _checked_logprobs(name: str, value):
     return value
 
 
+def _checked_cache_salt(value):
+    """value (None, or a non-empty str: prefix caching shares cached prefixes only between requests of
+    the same salt); ValueError naming it."""
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ValueError(f"cache_salt ({value!r}) must be a non-empty string; leave it out to share prefixes "
+                         f"with every unsalted request")
+    return value
+
+
 def _plain_number(value):
     """An integer or a real number of any kind (np.int64, np.float32, a 0-d torch tensor) as Python's
     int or float; anything else (None, strings, bools of any kind) as it is, for the checks to name."""
@@ -1030,7 +1039,8 @@ class Launcher:
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                  max_new_tokens: int = 64, stop_token_ids: Sequence[int] = (),
                  ignore_eos: bool = False, return_logits: bool = False,
-                 batching: str = "continuous", prompt_logprobs: int | None = None) -> list[GenerationResult]:
+                 batching: str = "continuous", prompt_logprobs: int | None = None,
+                 cache_salt: str | None = None) -> list[GenerationResult]:
         """Generate for each prompt (text, or token ids); results come back in prompt order.
 
         batching "continuous" (default): every prompt is its own request in the groups' running
@@ -1051,19 +1061,26 @@ class Launcher:
 
         prompt_logprobs: n to get, in GenerationResult.prompt_logprobs, each prompt token's
         log-probability (all but the first) and the n most likely at its place (continuous batching).
+        cache_salt: a non-empty string: these prompts share cached prefixes (prefix caching) only with
+        requests of the same salt; None (default) shares with every request that sent none
+        (continuous batching; the static batch caches nothing across calls).
         """
         from workers.rank_worker import GenerateRequest
 
         pool = self._running_pool()
         max_new_tokens = _plain_integer(max_new_tokens)
         prompt_logprobs = _checked_logprobs("prompt_logprobs", _plain_integer(prompt_logprobs))
+        cache_salt = _checked_cache_salt(cache_salt)
         if batching == "continuous":  # each stream checks its options, ignore_eos and return_logits included
             return self._generate_streams(prompts, sampling, max_new_tokens, stop_token_ids, ignore_eos, return_logits,
-                                          prompt_logprobs)
+                                          prompt_logprobs, cache_salt)
         _check_batching(batching)
         if prompt_logprobs is not None:
             raise ValueError(f"prompt_logprobs ({prompt_logprobs}) needs batching='continuous' (the static batch "
                              f"takes one column's logits per prompt); leave batching at its default")
+        if cache_salt is not None:
+            raise ValueError(f"cache_salt ({cache_salt!r}) needs batching='continuous' (the static batch shares no "
+                             f"cached prefix with any other request); leave it out, or batching at its default")
         texts, token_lists = self._tokenize(prompts)
         params = self._sampling_per_prompt(sampling, len(token_lists))
         check_request(token_lists, params, max_new_tokens, self.model_config.vocab_size)
@@ -1121,7 +1138,8 @@ class Launcher:
     # ---- streaming requests (continuous batching) ----------------------------------------------
     def stream(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None, max_new_tokens: int = 64,
                stop_token_ids: Sequence[int] = (), stop: Sequence[str] = (), ignore_eos: bool = False,
-               logprobs: int | None = None, request_id: str | None = None, prompt_logprobs: int | None = None):
+               logprobs: int | None = None, request_id: str | None = None, prompt_logprobs: int | None = None,
+               cache_salt: str | None = None):
         """Submit one request and return an iterator of StreamDelta (launcher/serving/stream_types.py):
         its text as it is generated, a few milliseconds after each step, never cut inside a
         character. The request joins a group's running batch at the next iteration.
@@ -1131,35 +1149,44 @@ class Launcher:
         generation (not included in the text); logprobs: n to get the chosen token's log-probability
         and the n most likely (0..20); prompt_logprobs: n to get each prompt token's log-probability
         (all but the first) and the n most likely at its place, on the first delta
-        (StreamDelta.prompt_logprobs). Closing the iterator early cancels the request."""
+        (StreamDelta.prompt_logprobs); cache_salt: a non-empty string: the request shares cached
+        prefixes (prefix caching) only with requests of the same salt (None: with every unsalted
+        one). Closing the iterator early cancels the request."""
         max_new_tokens, logprobs = _plain_integer(max_new_tokens), _plain_integer(logprobs)
         prompt_logprobs = _checked_logprobs("prompt_logprobs", _plain_integer(prompt_logprobs))
+        cache_salt = _checked_cache_salt(cache_salt)
         token_ids, params, stops, stop_token_ids = self._check_stream(prompt, sampling, max_new_tokens, stop, logprobs,
                                                                       stop_token_ids, request_id)
         return self._submit_stream(token_ids, params, max_new_tokens, stop_token_ids, stops, ignore_eos, logprobs,
-                                   request_id, asynchronous=False, prompt_logprobs=prompt_logprobs)
+                                   request_id, asynchronous=False, prompt_logprobs=prompt_logprobs,
+                                   cache_salt=cache_salt)
 
     def astream(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None, max_new_tokens: int = 64,
                 stop_token_ids: Sequence[int] = (), stop: Sequence[str] = (), ignore_eos: bool = False,
-                logprobs: int | None = None, request_id: str | None = None, prompt_logprobs: int | None = None):
+                logprobs: int | None = None, request_id: str | None = None, prompt_logprobs: int | None = None,
+                cache_salt: str | None = None):
         """stream() for asyncio: call it inside a running event loop; it returns an async iterator
         (`async for delta in llm.astream(...)`); `aclose()` or cancelling the reading task cancels."""
         max_new_tokens, logprobs = _plain_integer(max_new_tokens), _plain_integer(logprobs)
         prompt_logprobs = _checked_logprobs("prompt_logprobs", _plain_integer(prompt_logprobs))
+        cache_salt = _checked_cache_salt(cache_salt)
         token_ids, params, stops, stop_token_ids = self._check_stream(prompt, sampling, max_new_tokens, stop, logprobs,
                                                                       stop_token_ids, request_id)
         return self._submit_stream(token_ids, params, max_new_tokens, stop_token_ids, stops, ignore_eos, logprobs,
-                                   request_id, asynchronous=True, prompt_logprobs=prompt_logprobs)
+                                   request_id, asynchronous=True, prompt_logprobs=prompt_logprobs,
+                                   cache_salt=cache_salt)
 
     async def agenerate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                         sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                         max_new_tokens: int = 64, stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
-                        return_logits: bool = False, prompt_logprobs: int | None = None) -> list[GenerationResult]:
+                        return_logits: bool = False, prompt_logprobs: int | None = None,
+                        cache_salt: str | None = None) -> list[GenerationResult]:
         """generate() for asyncio (continuous batching): every prompt streams concurrently."""
         import asyncio
 
         max_new_tokens = _plain_integer(max_new_tokens)
         prompt_logprobs = _checked_logprobs("prompt_logprobs", _plain_integer(prompt_logprobs))
+        cache_salt = _checked_cache_salt(cache_salt)
         self._running_pool()  # not started: said before any tokenizing
 
         # On a thread: long prompts take the tokenizer seconds, which on the loop would stall every
@@ -1167,7 +1194,8 @@ class Launcher:
         tokenized = await asyncio.to_thread(self._tokenize, prompts)
         streams, texts, token_lists = self._open_generation(prompts, sampling, max_new_tokens, stop_token_ids,
                                                             ignore_eos, return_logits, asynchronous=True,
-                                                            tokenized=tokenized, prompt_logprobs=prompt_logprobs)
+                                                            tokenized=tokenized, prompt_logprobs=prompt_logprobs,
+                                                            cache_salt=cache_salt)
 
         async def drain(stream):
             async for _ in stream:
@@ -1228,11 +1256,13 @@ class Launcher:
         return token_ids, params, stops, check_stop_token_ids(stop_token_ids, self.model_config.vocab_size)
 
     def _submit_stream(self, token_ids, params, max_new_tokens, stop_token_ids, stops, ignore_eos, logprobs,
-                       request_id, asynchronous: bool, prompt_logprobs: int | None = None):
+                       request_id, asynchronous: bool, prompt_logprobs: int | None = None,
+                       cache_salt: str | None = None):
         """Submit one checked request (QueueFull when it would wait while max_queued_requests already
         do) and return the stream reading it."""
         stream = self._new_stream(token_ids, params, max_new_tokens, self._ending_ids(stop_token_ids, ignore_eos),
-                                  stops, logprobs, request_id, asynchronous, prompt_logprobs=prompt_logprobs)
+                                  stops, logprobs, request_id, asynchronous, prompt_logprobs=prompt_logprobs,
+                                  cache_salt=cache_salt)
         self._submit_together([stream])
         return stream
 
@@ -1251,10 +1281,10 @@ class Launcher:
 
     def _new_stream(self, token_ids, params, max_new_tokens, ending_ids, stops, logprobs,
                     request_id, asynchronous: bool, return_logits: bool = False, timeout_s: float | None = None,
-                    prompt_logprobs: int | None = None):
+                    prompt_logprobs: int | None = None, cache_salt: str | None = None):
         """A checked request's stream, not yet submitted: a RequestStream, or an AsyncRequestStream
         fed on the running event loop. ending_ids: _ending_ids(). timeout_s: its deadline from
-        submission (default: the request timeout)."""
+        submission (default: the request timeout). cache_salt: checked (_checked_cache_salt)."""
         import asyncio
 
         from launcher.cluster.stream_handle import StreamHandle
@@ -1275,7 +1305,8 @@ class Launcher:
             items = queue.Queue()
             sink, kind = thread_sink(items), RequestStream
         request = StreamRequest(request_id or uuid.uuid4().hex, tuple(token_ids), params, max_new_tokens,
-                                ending_ids, logprobs, return_logits, prompt_logprobs=prompt_logprobs)
+                                ending_ids, logprobs, return_logits, prompt_logprobs=prompt_logprobs,
+                                cache_salt=cache_salt)
         handle = StreamHandle(request, sink, self.config.request_timeout_s if timeout_s is None else timeout_s)
         text = TextStream(request.request_id, self.tokenizer, stops, len(token_ids), params.min_tokens)
         if asynchronous:
@@ -1287,7 +1318,8 @@ class Launcher:
             self._pool.cancel_stream(handle, deferred)
 
     def _open_generation(self, prompts, sampling, max_new_tokens, stop_token_ids, ignore_eos, return_logits,
-                         asynchronous: bool, tokenized: tuple | None = None, prompt_logprobs: int | None = None):
+                         asynchronous: bool, tokenized: tuple | None = None, prompt_logprobs: int | None = None,
+                         cache_salt: str | None = None):
         """Check every prompt first (nothing is submitted if one is bad), then submit them all.
         tokenized: _tokenize(prompts)'s result when the caller has it already."""
         self._running_pool()  # not started: say so, before anything that needs the model
@@ -1302,7 +1334,7 @@ class Launcher:
         self._check_lengths(token_lists, max_new_tokens, serving=True)
         ending = self._ending_ids(stop_token_ids, ignore_eos)
         streams = [self._new_stream(ids, p, max_new_tokens, ending, (), None, None, asynchronous, return_logits,
-                                    prompt_logprobs=prompt_logprobs)
+                                    prompt_logprobs=prompt_logprobs, cache_salt=cache_salt)
                    for ids, p in zip(token_lists, params)]
         # one call, admitted as one (none of its prompts is left running alone); the prompts beyond
         # their replica's rows wait for one, a request timeout per wave of rows ahead of them
@@ -1310,10 +1342,10 @@ class Launcher:
         return streams, texts, token_lists
 
     def _generate_streams(self, prompts, sampling, max_new_tokens, stop_token_ids, ignore_eos,
-                          return_logits, prompt_logprobs=None) -> list[GenerationResult]:
+                          return_logits, prompt_logprobs=None, cache_salt=None) -> list[GenerationResult]:
         streams, texts, token_lists = self._open_generation(prompts, sampling, max_new_tokens, stop_token_ids,
                                                             ignore_eos, return_logits, asynchronous=False,
-                                                            prompt_logprobs=prompt_logprobs)
+                                                            prompt_logprobs=prompt_logprobs, cache_salt=cache_salt)
         errors = []
         try:
             for stream in streams:  # they run concurrently; reading them in turn waits for the slowest

@@ -1824,6 +1824,30 @@ def test_a_second_chat_turn_reuses_the_first_turns_cache_row(client, server, hf)
 
 
 @pytest.mark.slow
+def test_a_repeated_prompt_is_cached_only_under_the_cache_salt_it_came_with(client):
+    """vLLM's cache_salt over HTTP: the same prompt again reports its cached tokens under the salt
+    it was first sent with and none under another; an empty salt is a 400 naming the field."""
+    import uuid
+
+    import openai
+
+    salt = uuid.uuid4().hex  # a salt (and a prompt) no earlier test of the module's server sent
+    prompt = f"{salt}: the quick brown fox jumps over the lazy dog, and the dog sleeps on."
+
+    def cached(salt: str) -> int:
+        got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0,
+                                        extra_body={"cache_salt": salt})
+        return got.usage.prompt_tokens_details.cached_tokens
+
+    assert cached(salt) == 0
+    assert cached(salt) > 16  # all but the prompt's last token
+    assert cached(salt + "-other") == 0
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, extra_body={"cache_salt": ""})
+    assert refused.value.body["param"] == "cache_salt" and "non-empty string" in refused.value.body["message"]
+
+
+@pytest.mark.slow
 def test_concurrent_greedy_requests_equal_each_run_alone(client, server):
     prompts = ["The capital of France is", "Once upon a time, in a small village,", "2 + 2 =",
                "The largest planet in the solar system is"]

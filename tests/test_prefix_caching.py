@@ -75,7 +75,7 @@ def test_rows_are_chosen_by_longest_shared_prefix_then_blank_then_least_recently
 def test_a_running_rows_prefix_is_copied_into_a_free_row(short_prefixes):
     h = RowHistories()
     h.keep(1, (1, 2))
-    running = {0: (1, 2, 3, 4, 5, 6), 3: (1, 2, 3, 8)}
+    running = {0: (None, (1, 2, 3, 4, 5, 6)), 3: (None, (1, 2, 3, 8))}  # (cache_salt, token ids) per row
     assert h.choose([1, 2], (1, 2, 3, 4, 7), reuse=True, in_use=running) == Seat(2, 4, copy_from=0)
     assert h.choose([1], (1, 2, 3, 4, 7), reuse=True, in_use=running) == Seat(1, 4, copy_from=0)
     assert h.choose([1, 2], (1, 2, 9), reuse=True, in_use=running) == Seat(1, 2)  # a free row ties: no copy

@@ -805,7 +805,7 @@ class OpenAIServer:
             stream = self.launcher.astream(prompt, sampling, max_new_tokens=max_tokens,
                                            stop_token_ids=tuple(req.stop_token_ids), stop=tuple(req.stop_strings()),
                                            ignore_eos=req.ignore_eos, logprobs=logprobs,
-                                           prompt_logprobs=prompt_logprobs)
+                                           prompt_logprobs=prompt_logprobs, cache_salt=req.cache_salt)
             return stream
         except ValueError as err:
             self.metrics.rejected(400)

@@ -63,6 +63,8 @@ FIELD_RULES = {
     "top_logprobs": f"an integer in [0, {MAX_LOGPROBS}], with logprobs: true",
     "prompt_logprobs": f"an integer in [0, {MAX_LOGPROBS}] (vLLM's extension: each prompt token's log-probability, "
                        f"rank and that many most likely; not with stream: true)",
+    "cache_salt": "a non-empty string (vLLM's extension: the request shares cached prompt prefixes only with "
+                  "requests that sent the same salt; leave it out to share with every request that sent none)",
     "stream": "true or false",
     "echo": "true or false (true: the choice's text starts with the prompt, and with logprobs so does its logprobs "
             "object)",
@@ -177,6 +179,10 @@ class _GenerationRequest(NullMeansDefault):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     """Extension (vLLM's): the prompt's tokens scored, in vLLM's shape (vllm_prompt_logprobs), on
     completions per choice, on chat for the response; not streamed."""
+    cache_salt: str | None = Field(None, min_length=1)
+    """Extension (vLLM's): prefix caching shares cached prompt prefixes only between requests that
+    sent the same salt (those that sent none form a group of their own), so clients that each send
+    their own secret salt cannot time each other's prompts. An empty string is refused, as vLLM does."""
     response_format: ResponseFormat | None = None
     """OpenAI's structured output: {"type": "json_object"} or {"type": "json_schema", "json_schema":
     {"name", "schema", ...}} (on /v1/completions too, as vLLM takes it); "text" asks for none."""

@@ -7,8 +7,10 @@ first chunk starts at the end of the shared part. The row holding it is either a
 request is seated in, or a row it is copied from (a free row, or one whose request is still
 running: what its steps have written so far) into the new request's row before the step's
 forwards. At least the prompt's last token is always prefilled, since its logits choose the first
-new token. (A request that would gain at least MIN_SHARED_TOKENS more by waiting for a running
-request's prefill of their shared prefix waits: scheduler.py.)
+new token. Only rows whose last (or running) request sent the same cache_salt are shared (None, no
+salt, is a salt of its own), so clients of different salts cannot time each other's prompts. (A
+request that would gain at least MIN_SHARED_TOKENS more by waiting for a running request's prefill
+of their shared prefix waits: scheduler.py; only for a request of its salt.)
 
 What a row remembers is exactly what its cache holds: each slot's keys and values depend only on
 the tokens at and before it (causal attention) and its position, so they are what a prefill of the
@@ -67,14 +69,18 @@ class RowHistories:
 
     def __init__(self) -> None:
         self._held: dict[int, tuple[int, ...]] = {}
+        self._salts: dict[int, str | None] = {}
+        """The cache_salt of the request that left each row of _held: only requests of that salt share it."""
         self._freed_order: dict[int, int] = {}
         self._clock = 0
 
-    def keep(self, row: int, token_ids: Tokens[int]) -> None:
-        """The row is free and its first len(token_ids) slots hold these tokens."""
+    def keep(self, row: int, token_ids: Tokens[int], salt: str | None = None) -> None:
+        """The row is free and its first len(token_ids) slots hold these tokens, written by a request
+        of this cache_salt."""
         self._clock += 1
         if token_ids:
             self._held[row] = tuple(token_ids)
+            self._salts[row] = salt
             self._freed_order[row] = self._clock
         else:
             self.forget(row)
@@ -82,25 +88,29 @@ class RowHistories:
     def forget(self, row: int) -> None:
         """The row was taken, or zeroed: nothing of it can be reused."""
         self._held.pop(row, None)
+        self._salts.pop(row, None)
         self._freed_order.pop(row, None)
 
     def held(self, row: int) -> tuple[int, ...]:
         return self._held.get(row, ())
 
     def choose(self, free_rows: list[int], prompt: Tokens[int], reuse: bool,
-               in_use: dict[int, Tokens[int]] | None = None) -> Seat:
+               in_use: dict[int, tuple[str | None, Tokens[int]]] | None = None, salt: str | None = None) -> Seat:
         """Where a prompt about to be seated in one of free_rows (not empty) goes (the module
-        docstring says how). in_use: the rows of running requests, each with the token ids its
-        slots hold (a prompt being prefilled: the part written so far), which can be copied from.
-        reuse False: the prompt shares nothing (it wants every prompt position's logits) and is
-        seated as one that matched nothing."""
+        docstring says how). in_use: the rows of running requests, each with (its request's
+        cache_salt, the token ids its slots hold: a prompt being prefilled, the part written so
+        far), which can be copied from. salt: the prompt's request's cache_salt; only rows of the
+        same salt are shared (any free row can still be written over). reuse False: the prompt
+        shares nothing (it wants every prompt position's logits) and is seated as one that matched
+        nothing."""
         blank = [row for row in free_rows if row not in self._held]
         fresh = min(blank) if blank else min(free_rows, key=lambda row: self._freed_order[row])
         if not reuse or len(prompt) < 2:
             return Seat(fresh)
         best_row, best = None, 0
-        candidates = [(row, self._held[row]) for row in free_rows if row in self._held]
-        for row, held in candidates + list((in_use or {}).items()):
+        candidates = [(row, self._held[row]) for row in free_rows if row in self._held and self._salts[row] == salt]
+        running = [(row, held) for row, (row_salt, held) in (in_use or {}).items() if row_salt == salt]
+        for row, held in candidates + running:
             shared = min(common_prefix_length(held, prompt), len(prompt) - 1)
             if shared > best and shared >= MIN_SHARED_TOKENS:
                 best_row, best = row, shared

@@ -36,6 +36,10 @@ class StreamRequest:
     """Tokens this request chose before this submission (a resumed request's delivered tokens):
     its draws are numbered on from there, so a seeded stream resumed after a fault goes on drawing
     what it would have drawn (workers/serving/token_choice.py)."""
+    cache_salt: str | None = None
+    """Prefix caching (workers/serving/prefix_reuse.py) shares cached prefixes only between requests
+    of the same salt; None is a group of its own (the requests that sent none). vLLM's cache_salt:
+    clients that distrust each other each send a secret one, so none can time another's prompts."""
 
 
 @dataclass

@@ -108,7 +108,7 @@ class Scheduler:
                 self.rows_to_clear.append(ClearRow(sequence.row, written))
             else:
                 if self.histories is not None:
-                    self.histories.keep(sequence.row, _written(sequence))
+                    self.histories.keep(sequence.row, _written(sequence), sequence.request.cache_salt)
                 self.free_rows.append(sequence.row)
                 self.free_rows.sort()
             sequence.row = None
@@ -130,9 +130,9 @@ class Scheduler:
         if clears:
             self.free_rows = sorted(self.free_rows + [c.row for c in clears])
         copies: list[CopyPrefix] = []
-        # what the rows of running requests hold, before this plan's copies and forwards: the rows
-        # seated below hold nothing yet, so they are never copied from
-        in_use = ({s.row: _written(s) for s in self.running.values()}
+        # what the rows of running requests hold (and their requests' cache_salt), before this plan's
+        # copies and forwards: the rows seated below hold nothing yet, so they are never copied from
+        in_use = ({s.row: (s.request.cache_salt, _written(s)) for s in self.running.values()}
                   if self.histories is not None and self.waiting and self.free_rows else {})
         held_back: list[Sequence] = []
         while self.waiting and self.free_rows:
@@ -157,21 +157,23 @@ class Scheduler:
             return None
         return StepPlan(Command.WORK, tuple(prefills), tuple(decode), clears=clears, copies=tuple(copies))
 
-    def _seat(self, seq: Sequence, copies: list[CopyPrefix], in_use: dict[int, tuple[int, ...]]) -> bool:
+    def _seat(self, seq: Sequence, copies: list[CopyPrefix],
+              in_use: dict[int, tuple[str | None, tuple[int, ...]]]) -> bool:
         """Give the sequence a free row: with prefix caching, where the longest prefix of its prompt
         is cached (workers/serving/prefix_reuse.py), copied there from another row first when it
         comes from one (appended to `copies`); else the lowest. A request that wants every prompt
         token's logits (prompt_logprobs) prefills its whole prompt. False (nothing seated): its
         prompt shares at least MIN_SHARED_TOKENS more with a running request's prompt than the cache
         holds yet, so it waits for that prefill (a burst of requests behind one system prompt
-        prefills it once, not once each). in_use: the token ids each row of a running request holds,
-        which can be copied from."""
+        prefills it once, not once each). in_use: the cache_salt and token ids of each row of a
+        running request, which can be copied from. Only requests of the same cache_salt share rows
+        or wait for each other's prefills."""
         if self.histories is None:
             seq.row = self.free_rows.pop(0)
             return True
-        reuse = seq.request.prompt_logprobs is None
-        seat = self.histories.choose(self.free_rows, seq.prompt, reuse=reuse, in_use=in_use)
-        if reuse and self._prefilled_soon(seq.prompt) >= seat.cached + prefix_reuse.MIN_SHARED_TOKENS:
+        reuse, salt = seq.request.prompt_logprobs is None, seq.request.cache_salt
+        seat = self.histories.choose(self.free_rows, seq.prompt, reuse=reuse, in_use=in_use, salt=salt)
+        if reuse and self._prefilled_soon(seq.prompt, salt) >= seat.cached + prefix_reuse.MIN_SHARED_TOKENS:
             return False
         seq.row, seq.cached = seat.row, seat.cached
         self.free_rows.remove(seq.row)
@@ -181,11 +183,13 @@ class Scheduler:
             copies.append(CopyPrefix(seat.copy_from, seat.row, seat.cached))
         return True
 
-    def _prefilled_soon(self, prompt: tuple[int, ...]) -> int:
-        """The most leading tokens `prompt` shares with the prompt of a running request still being
-        prefilled (at most all but its last token)."""
+    def _prefilled_soon(self, prompt: tuple[int, ...], salt: str | None) -> int:
+        """The most leading tokens `prompt` shares with the prompt of a running request of the same
+        cache_salt still being prefilled (at most all but its last token). Another salt's prefill
+        will never be shared: waiting for it would only delay the request (and show its timing)."""
         return max((min(common_prefix_length(s.prompt, prompt), len(prompt) - 1)
-                    for s in self.running.values() if s.prefilled < len(s.prompt)), default=0)
+                    for s in self.running.values() if s.prefilled < len(s.prompt) and s.request.cache_salt == salt),
+                   default=0)
 
     def by_row(self) -> dict[int, Sequence]:
         return {seq.row: seq for seq in self.running.values()}
