@@ -113,16 +113,18 @@ class ServingShapes:
         batch = select_bucket(rows, self.batch_buckets, "running sequences", "batch")
         return batch, select_bucket(longest, self.read_buckets, "sequence length", "token-generation")
 
-    def shapes(self, max_length: int | None = None, continuing: bool = True) -> list[tuple[str, int, int]]:
+    def shapes(self, max_length: int | None = None, continuing: bool = True,
+               chunks_below: int | None = None) -> list[tuple[str, int, int]]:
         """Every (phase, batch, length) a load can need; max_length: only read buckets up to the
         one holding sequences of that many tokens (a warm-up for a known workload); continuing
-        False: no prefill chunk that continues its sequence (the cpu backend runs those eagerly:
-        workers/serving/loop.py)."""
+        False: no prefill chunk that continues its sequence; chunks_below: no prefill chunk bucket
+        this wide or wider (the cpu backend runs both kinds of call eagerly: workers/serving/loop.py)."""
         reads = self.read_buckets
         if max_length is not None:
             reads = reads[: reads.index(select_bucket(max_length, reads, "sequence length")) + 1]
         phases = PREFILL_PHASES if continuing else (PREFILL_START,)
         # A chunk as wide as the cache row reads the whole row either way: one graph, the first kind.
-        return ([(phase, b, c) for phase in phases for c in self.chunk_buckets
+        chunks = [c for c in self.chunk_buckets if chunks_below is None or c < chunks_below]
+        return ([(phase, b, c) for phase in phases for c in chunks
                  if phase == PREFILL_START or c < self.cache_slots for b in self.prefill_batch_buckets(c)]
                 + [("serve-decode", b, t) for b in self.batch_buckets for t in reads])

@@ -33,12 +33,13 @@ after a long cached history reads nearly all of them in every block and gains no
 def key_ranges(mask: torch.Tensor, block: int = QUERY_BLOCK) -> list[tuple[int, int, int, int]]:
     """(i0, i1, lo, hi) per query block [i0, i1) of a boolean mask (batch, 1, seq, slots): the slots
     [lo, hi) any of the block's queries may read in any batch row (every query reads at least one)."""
-    reach = mask.any(dim=0).any(dim=0).to(torch.uint8)  # (seq, slots)
-    seq, slots = reach.shape
-    first = reach.argmax(-1)  # the first slot each query reads
-    last = slots - 1 - reach.flip(-1).argmax(-1)  # its last
-    return [(i0, min(i0 + block, seq), int(first[i0:i0 + block].min()), int(last[i0:i0 + block].max()) + 1)
-            for i0 in range(0, seq, block)]
+    rows = mask.flatten(0, 1)  # (batch, seq, slots): the mask has one head
+    reach = rows[0] if rows.shape[0] == 1 else rows.any(0)  # (seq, slots): any batch row reads it
+    ranges = []
+    for i0 in range(0, reach.shape[0], block):
+        read = reach[i0:i0 + block].any(0).nonzero()  # the slots some query of the block reads, in order
+        ranges.append((i0, min(i0 + block, reach.shape[0]), int(read[0]), int(read[-1]) + 1))
+    return ranges
 
 
 def worth_blocking(q: torch.Tensor, mask: torch.Tensor) -> bool:

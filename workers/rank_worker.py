@@ -312,7 +312,8 @@ class RankWorker:
                            self._run_batch, self._grammar_tokenizer())
         if shapes is not None and spec.warm_up_max_length is not None and hasattr(model, "warming_up"):
             with model.warming_up():
-                loop.warm_up(shapes.shapes(spec.warm_up_max_length or None, continuing=not loop.continues_eagerly),
+                loop.warm_up(shapes.shapes(spec.warm_up_max_length or None, continuing=not loop.continues_eagerly,
+                                           chunks_below=loop.eager_from_width),
                              progress=self._graph_progress)
         self._loop = self._prepared_loop = loop
         return {"rank": self.spec.rank, "cache_bytes": loop.cache.nbytes(), "prepare_s": time.perf_counter() - start,

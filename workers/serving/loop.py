@@ -48,6 +48,13 @@ only the slots its chunks reach. A prefill's graph runs each padded token about 
 forward runs a real one: on one 2-core host (benchmarks/prefill_paths.py, README Measured) the eager
 step took 1.06-1.13x the graph's time for calls without padding, 0.80-0.85x for 1.28x padding,
 0.10-0.34x for 4x or more, and 0.04-0.69x for every continuing call measured."""
+EAGER_PREFILL_WIDTH = 1024
+"""On the cpu backend a prefill call padded to chunks this wide or wider runs eagerly too: the eager
+step's attention then goes by query blocks over the slots each may read (workers/attention_blocks.py),
+about half the scores the graph's one call under the causal mask computes. On one 2-core host the
+eager step took 0.95-0.98x the graph's time for unpadded calls of 1024-token chunks, 0.84-0.87x for
+one 2048-token chunk and 0.73x for 1800 tokens in the 2048 bucket, against 1.02-1.09x for 512-token
+chunks (benchmarks/prefill_paths.py, README Measured)."""
 STATIC_WAIT_S = 60.0
 """How long a follower waits for its copy of a static batch the leader already announced."""
 
@@ -117,6 +124,9 @@ class ServingLoop:
         self.continues_eagerly = self._can_prefill_eagerly and self.device.type == "cpu"
         """Every prefill call that continues its sequences runs eagerly (the cpu backend:
         EAGER_PREFILL_WASTE), so a warm-up need not build their graphs."""
+        self.eager_from_width = EAGER_PREFILL_WIDTH if self.continues_eagerly else None
+        """Prefill calls padded to chunks at least this wide run eagerly (the cpu backend:
+        EAGER_PREFILL_WIDTH), so a warm-up need not build their graphs; None: no such rule."""
         self.cache = model.new_cache(config.max_num_seqs + 1, config.cache_slots, long_lived=True)
         max_chunk = config.shapes.max_chunk if config.shapes is not None else config.max_prefill_tokens
         # The plan's token area is all-reduced every step, prefill or not (and every idle heartbeat):
@@ -407,14 +417,16 @@ class ServingLoop:
         return prefill_logits, decode_logits
 
     def _prefill_eagerly(self, chunks: list[PrefillChunk]) -> bool:
-        """Whether a compiled loop runs this prefill call eagerly (EAGER_PREFILL_WASTE): decided from
-        the plan alone, so every rank decides alike."""
+        """Whether a compiled loop runs this prefill call eagerly (EAGER_PREFILL_WASTE,
+        EAGER_PREFILL_WIDTH): decided from the plan alone, so every rank decides alike."""
         if not self._can_prefill_eagerly:
             return False
         if self.continues_eagerly and any(c.start for c in chunks):
             return True
         real = sum(len(c.token_ids) for c in chunks)
         batch, width = self.config.shapes.prefill_shape(len(chunks), max(len(c.token_ids) for c in chunks))
+        if self.eager_from_width is not None and width >= self.eager_from_width:
+            return True
         return batch * width >= EAGER_PREFILL_WASTE * real
 
     def _eager_step(self, inputs) -> torch.Tensor:

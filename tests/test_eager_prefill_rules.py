@@ -1,0 +1,49 @@
+"""Which prefill calls a compiled cpu serving loop runs eagerly (workers/serving/loop.py): a call its
+bucket pads by a fifth or more, every call continuing its sequences, and every call padded to chunks
+of EAGER_PREFILL_WIDTH tokens or more (its eager attention goes by query blocks:
+workers/attention_blocks.py); and the warm-up's shapes leave out the graphs no call then takes."""
+
+from __future__ import annotations
+
+from shardlib.buckets import Buckets
+from shardlib.serving_shapes import PREFILL_CONTINUE, PREFILL_START, ServingShapes
+from tests.test_engine import fresh_model
+from workers.compiled import CompiledCausalLM
+from workers.serving.loop import EAGER_PREFILL_WIDTH, ServingConfig, ServingLoop
+from workers.serving.step_plan import PrefillChunk
+
+BUCKETS = Buckets.build(max_seq_len=4096, context=(256, 512, 1024, 2048), token=(4096,))
+
+
+def compiled_loop() -> ServingLoop:
+    shapes = ServingShapes.build(BUCKETS, max_num_seqs=4, max_prefill_tokens=2048)
+    return ServingLoop(CompiledCausalLM(fresh_model(), BUCKETS, announce=lambda line: None),
+                       ServingConfig(4, 2048, 4096, shapes))
+
+
+def chunks(*lengths: int, start: int = 0) -> list[PrefillChunk]:
+    return [PrefillChunk(row, start, tuple(range(1, n + 1))) for row, n in enumerate(lengths)]
+
+
+def test_wide_chunks_run_eagerly_on_cpu_narrow_unpadded_ones_through_their_graph():
+    loop = compiled_loop()
+    assert EAGER_PREFILL_WIDTH == 1024 and loop.eager_from_width == EAGER_PREFILL_WIDTH
+    assert not loop._prefill_eagerly(chunks(512))  # fills its bucket: the graph
+    assert not loop._prefill_eagerly(chunks(512, 450))  # 2 x 512 for 962 real tokens: padded by 1.06
+    assert loop._prefill_eagerly(chunks(512, 512, 480))  # 4 x 512 for 1504: padded by 1.36
+    assert loop._prefill_eagerly(chunks(500, 12))  # 2 x 512 for 512 real tokens: padded by 2
+    assert loop._prefill_eagerly(chunks(1024))  # no padding, but 1024 wide
+    assert loop._prefill_eagerly(chunks(1000, 1000))  # 2 x 1024
+    assert loop._prefill_eagerly(chunks(2048))
+    assert loop._prefill_eagerly(chunks(100, start=300))  # continuing
+
+
+def test_the_cpu_warm_up_builds_no_graph_for_wide_or_continuing_chunks():
+    shapes = ServingShapes.build(BUCKETS, max_num_seqs=4, max_prefill_tokens=2048)
+    built = shapes.shapes(continuing=False, chunks_below=EAGER_PREFILL_WIDTH)
+    prefills = sorted({(phase, length) for phase, _, length in built if phase != "serve-decode"})
+    assert prefills == [(PREFILL_START, 256), (PREFILL_START, 512)]
+    everything = {(phase, length) for phase, _, length in shapes.shapes() if phase != "serve-decode"}
+    assert {(PREFILL_START, 1024), (PREFILL_START, 2048), (PREFILL_CONTINUE, 512)} <= everything
+    decode = [s for s in shapes.shapes() if s[0] == "serve-decode"]
+    assert [s for s in built if s[0] == "serve-decode"] == decode  # decode graphs all kept
