@@ -1347,6 +1347,53 @@ def test_models_health_and_metrics(client, server):
 
 
 @pytest.mark.slow
+def test_tokenize_and_detokenize_answer_as_the_tokenizer_and_chat_completions_do(client, server, hf):
+    """vLLM's /tokenize and /detokenize (404 before they existed): a text's ids are the tokenizer's, a
+    chat's are the prompt /v1/chat/completions counts, ids read back as the text, and max_model_len
+    is the context /v1/completions holds prompts against. Refusals as on the other routes, and none
+    of it counted in corelaunch_requests_total (generation requests only)."""
+    import requests
+
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+
+    def post(route: str, body: dict, headers: dict = auth) -> requests.Response:
+        return requests.post(f"{server.url}{route}", json=body, headers=headers, timeout=30)
+
+    counted = _metric_sum(server, "corelaunch_requests_total")
+    reply = post("/tokenize", {"model": MODEL, "prompt": PROMPT, "return_token_strs": True})
+    assert reply.status_code == 200, reply.text
+    ids = hf.tok(PROMPT)["input_ids"]
+    context = reply.json()["max_model_len"]
+    assert reply.json() == {"count": len(ids), "max_model_len": context, "tokens": ids,
+                            "token_strs": hf.tok.convert_ids_to_tokens(ids)}
+    full = post("/v1/completions", {"model": MODEL, "prompt": [7] * context, "max_tokens": 1})  # refused, not run
+    assert full.status_code == 400 and f"the context holds {context}," in full.json()["error"]["message"]
+    counted += 1  # that refusal is a generation request's
+    chat = post("/tokenize", {"model": MODEL, "messages": CHAT}).json()
+    assert chat["tokens"] == hf.tok.apply_chat_template(CHAT, add_generation_prompt=True, return_dict=False)
+    assert post("/detokenize", {"model": MODEL, "tokens": ids}).json() == {"prompt": PROMPT}
+
+    vocab = hf.config.vocab_size
+    reply = post("/detokenize", {"model": MODEL, "tokens": [ids[0], vocab]})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "tokens"
+    assert f"[{vocab}] outside the vocabulary [0, {vocab})" in reply.json()["error"]["message"]
+    reply = post("/tokenize", {"model": MODEL, "prompt": ["a"]})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "prompt"
+    for route, body in (("/tokenize", {"prompt": PROMPT}), ("/detokenize", {"tokens": ids})):
+        reply = post(route, {"model": "gpt-4", **body})
+        assert reply.status_code == 404 and reply.json()["error"]["code"] == "model_not_found"
+        reply = post(route, {"model": MODEL, **body}, headers={})
+        assert reply.status_code == 401 and reply.json()["error"]["code"] == "invalid_api_key"
+        # a wrong method: 405 only with the key, as under /v1/
+        assert requests.get(f"{server.url}{route}", timeout=10).status_code == 401
+        assert requests.get(f"{server.url}{route}", headers=auth, timeout=10).status_code == 405
+    assert _metric_sum(server, "corelaunch_requests_total") == counted
+
+    usage = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1, temperature=0).usage
+    assert chat["count"] == len(chat["tokens"]) == usage.prompt_tokens
+
+
+@pytest.mark.slow
 def test_http_errors(client, server, hf):
     import openai
     import requests

@@ -5,7 +5,8 @@ TP group) per Serve replica.
     corelaunch serve --model /path/to/model --tp 2             # the same, with Ray and Serve managed
 
 Routes: POST /v1/completions, POST /v1/chat/completions (streaming as server-sent events, or one
-JSON object), GET /v1/models, GET /health, GET /metrics. The wire format lives in
+JSON object), GET /v1/models, GET /health, GET /metrics, and vLLM's POST /tokenize and POST
+/detokenize (answered by the replica's own tokenizer, never the engine). The wire format lives in
 openai_protocol.py; this file only moves requests between it and the engine.
 """
 
@@ -92,11 +93,21 @@ def install_key_check(check) -> None:
     _key_check = check
 
 
+KEYED_ROUTES_OUTSIDE_V1 = ("/tokenize", "/detokenize")
+"""vLLM's routes that need the API key, as every route under /v1/ does."""
+
+
+def _behind_the_key(path: str) -> bool:
+    """Whether `path` is one the API key guards, for _http_error: under /v1/, or vLLM's tokenizer routes
+    (with or without a trailing slash)."""
+    return path.startswith("/v1/") or path.rstrip("/") in KEYED_ROUTES_OUTSIDE_V1
+
+
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
-    # Under /v1/ the key is checked first: without it, a 404 or 405 told which routes and methods
-    # exist.
-    if _key_check is not None and request.url.path.startswith("/v1/"):
+    # Under /v1/ (and on /tokenize, /detokenize) the key is checked first: without it, a 404 or 405
+    # told which routes and methods exist.
+    if _key_check is not None and _behind_the_key(request.url.path):
         try:
             _key_check(request)
         except ProtocolError as refused:
@@ -125,6 +136,45 @@ def _at_capacity(err, retry_s: int, one_of_several: bool = False) -> str:
     queue = f"its queue of {limit} is full" if limit else "it queues no requests"
     return (f"the server is at capacity: all {slots} sequence slots{whose} are busy and {queue}; "
             f"retry after {retry_s} s")
+
+
+class _Uncounted:
+    """ServerMetrics' counting calls, counting nothing: for requests that are not generation requests
+    (/tokenize, /detokenize), which corelaunch_requests_total (its help: generation requests by
+    outcome) leaves out, as it does GET /v1/models."""
+
+    def rejected(self, status: int, reason: str = "rejected") -> None:
+        pass
+
+    def finished(self, finish_reason: str, status: int = 200) -> None:
+        pass
+
+
+_UNCOUNTED = _Uncounted()
+
+
+def _outside_vocabulary(ids: list[int], vocab: int, param: str) -> ProtocolError | None:
+    """The 400 for token ids outside the vocabulary [0, vocab) (the first five named), None when all
+    are in it: a completions prompt of ids, /detokenize's tokens."""
+    outside = [t for t in ids if t >= vocab]
+    if not outside:
+        return None
+    return ProtocolError(f"{param} holds token ids {outside[:5]} outside the vocabulary [0, {vocab}); send ids of "
+                         f"this model's tokenizer", param=param)
+
+
+def _special_tokens_around(tokenizer) -> tuple[list[int], list[int]]:
+    """The ids the tokenizer adds before and after a text's own when it adds special tokens (a BOS,
+    an EOS), read off a one-character text: /tokenize's chat form with add_special_tokens, whose ids
+    apply_chat_template tokenizes without them (it has no switch for them). Call under the
+    replica's encoding lock."""
+    plain = list(tokenizer("a", add_special_tokens=False)["input_ids"])
+    full = list(tokenizer("a", add_special_tokens=True)["input_ids"])
+    for start in range(len(full) - len(plain) + 1):
+        if full[start:start + len(plain)] == plain:
+            return full[:start], full[start + len(plain):]
+    # additions that change the text's own tokens (no tokenizer known does): taken as a prefix
+    return full[:max(len(full) - len(plain), 0)], []
 
 
 def _sanitizing(tokenizer) -> dict:
@@ -596,6 +646,34 @@ class OpenAIServer:
         return await self._respond(req, stream, [ChatRender(self.pieces, req.logprobs, i, req.prompt_logprobs)
                                                  for i in range(req.n)], arrived)
 
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's /tokenize: a text's token ids as /v1/completions tokenizes a prompt, or a chat's as
+        /v1/chat/completions renders and tokenizes its messages, with the context the count is held
+        against. This replica's tokenizer answers on a thread: the engine is never asked (no slot, no
+        queue), and it counts in no metric (corelaunch_requests_total counts generation requests)."""
+        self._authorize(request)
+        req = await self._request(proto.TokenizeRequest, request)
+        if isinstance(req, proto.TokenizeChatRequest):
+            ids = await asyncio.to_thread(self._apply_chat_template, req.chat_messages(self.tokenizer.chat_template),
+                                          req.add_generation_prompt, req.continue_final_message,
+                                          req.add_special_tokens)
+        else:
+            ids = await asyncio.to_thread(self._tokenize_text, req.prompt, req.add_special_tokens)
+        answer = {"count": len(ids), "max_model_len": self.context_tokens, "tokens": ids}
+        if req.return_token_strs:
+            answer["token_strs"] = await asyncio.to_thread(self._token_strings, ids)
+        return JSONResponse(answer)
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's /detokenize: token ids as text, decoded as vLLM decodes them (special tokens kept);
+        ids outside the vocabulary are refused (400) as a completions prompt's are. No engine, no
+        metric (see tokenize)."""
+        self._authorize(request)
+        req = await self._request(proto.DetokenizeRequest, request)
+        return JSONResponse({"prompt": await asyncio.to_thread(self._decode, req.tokens)})
+
     # ---- request plumbing ---------------------------------------------------------------------
     async def _tokenized(self, tokenize, *args) -> list[int]:
         """tokenize(*args) on a thread; its refusal counted as a rejected request, a client that
@@ -612,23 +690,42 @@ class OpenAIServer:
     def _known_ids(self, prompt: list[int]) -> list[int]:
         """A token-id prompt whose ids are all in the vocabulary (400 naming the others), checked before
         anything decodes them (an echo's decoder overflowed on an id of 2**32)."""
-        vocab = self.launcher.model_config.vocab_size
-        outside = [t for t in prompt if t >= vocab]
-        if outside:
+        refusal = _outside_vocabulary(prompt, self.launcher.model_config.vocab_size, "prompt")
+        if refusal is not None:
             self.metrics.rejected(400)
-            raise ProtocolError(f"prompt holds token ids {outside[:5]} outside the vocabulary [0, {vocab}); send ids of "
-                                f"this model's tokenizer", param="prompt")
+            raise refusal
         return prompt
 
     def _encode(self, text: str) -> list[int]:
         """A completions prompt's token ids (on a thread), as the Launcher tokenizes text."""
-        proto.check_utf8(text, "prompt")
-        self._refuse_if_it_cannot_fit(text, "the prompt", "prompt")
-        with self._encoding:
-            ids = list(self.tokenizer(text)["input_ids"])
+        ids = self._tokenize_text(text)
         if not ids:
             raise ProtocolError("prompt is empty (it has no tokens); send at least one character", param="prompt")
         return ids
+
+    def _tokenize_text(self, text: str, special_tokens: bool = True) -> list[int]:
+        """A text's token ids (on a thread): a completions prompt's, and /tokenize's (which takes an
+        empty text, and add_special_tokens: `special_tokens`). A text that cannot fit the context is
+        refused from its head or its length (_refuse_if_it_cannot_fit) on /tokenize too, where vLLM
+        counts any text: tokenizing megabytes whole would hold every other prompt's tokenizing (the
+        lock) for seconds (README: 15.7 s for 10 MB). One that merely exceeds the context is counted."""
+        proto.check_utf8(text, "prompt")
+        self._refuse_if_it_cannot_fit(text, "the prompt", "prompt", special_tokens)
+        with self._encoding:
+            return list(self.tokenizer(text, add_special_tokens=special_tokens)["input_ids"])
+
+    def _decode(self, ids: list[int]) -> str:
+        """/detokenize's text (on a thread): the ids checked against the vocabulary first."""
+        refusal = _outside_vocabulary(ids, self.launcher.model_config.vocab_size, "tokens")
+        if refusal is not None:
+            raise refusal
+        with self._encoding:  # the tokenizer is not to be read while another thread changes its settings
+            return self.tokenizer.decode(ids)
+
+    def _token_strings(self, ids: list[int]) -> list[str]:
+        """/tokenize's token_strs (on a thread): each id's vocabulary entry, as vLLM lists them."""
+        with self._encoding:
+            return list(self.tokenizer.convert_ids_to_tokens(ids))
 
     def _refuse_if_it_cannot_fit(self, text: str, what: str, param: str, special_tokens: bool = True) -> None:
         """400 for a text that cannot fit the context, told without tokenizing it whole
@@ -648,8 +745,11 @@ class OpenAIServer:
         """Tokens of text as a prompt (under self._encoding)."""
         return len(self.tokenizer(text, add_special_tokens=special_tokens)["input_ids"])
 
-    def _apply_chat_template(self, messages: list[dict]) -> list[int]:
-        """A chat request's prompt token ids (on a thread).
+    def _apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                             continue_final_message: bool = False, special_tokens: bool = False) -> list[int]:
+        """A chat request's prompt token ids (on a thread); /tokenize's chat form sends its own
+        add_generation_prompt, continue_final_message and add_special_tokens (`special_tokens`: the
+        tokenizer's own additions around the template's text, which adds none by default).
 
         The template is rendered to text first (fast: it only joins strings) and that text is
         measured against the context before anything is tokenized: exactly what the model will read,
@@ -666,9 +766,10 @@ class OpenAIServer:
             proto.check_utf8(message["content"] or "", f"messages.{i}.content")
             if message.get("name") is not None:
                 proto.check_utf8(message["name"], f"messages.{i}.name")
+        rendering = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message}
         try:
             with self._encoding:
-                prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                prompt = self.tokenizer.apply_chat_template(messages, tokenize=False, **rendering)
         except Exception as err:  # noqa: BLE001 - a template's refusal (e.g. roles out of order) is the client's
             raise ProtocolError(f"messages: the model's chat template refused them: {err}", param="messages") from None
         if self._chat_options:  # sanitizing drops the two marker code points from message text: so
@@ -679,8 +780,12 @@ class OpenAIServer:
         # rendering only joins strings (0.05 s for 10 MB).
         try:
             with self._encoding:
-                return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                               return_dict=False, **self._chat_options))
+                ids = list(self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **rendering,
+                                                              **self._chat_options))
+                if not special_tokens:
+                    return ids
+                before, after = _special_tokens_around(self.tokenizer)
+                return before + ids + after
         except ValueError as err:  # sanitizing refuses text that would encode to a control token anyway
             raise ProtocolError(f"messages: their text cannot be encoded without control tokens: {err}",
                                 param="messages") from None
@@ -696,45 +801,53 @@ class OpenAIServer:
                                 "argument, or CORELAUNCH_API_KEY)",
                                 status=401, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
+    def _counts(self, model):
+        """Where refusals and aborts of a request parsed as `model` are counted: the server's metrics
+        for a generation request, nowhere for /tokenize's and /detokenize's."""
+        return self.metrics if proto.is_generation_request(model) else _UNCOUNTED
+
     async def _request(self, model, request: Request):
         """The request's body read, parsed as JSON and checked as `model`; a body of more than
         PARSED_ON_A_THREAD bytes is parsed and checked on a thread (a 5 MB one held the event loop,
         and with it every stream and /health, for seconds)."""
+        counts = self._counts(model)
         try:
             raw, held = await _read_body(request, self.body_limit, self.bodies)
         except ProtocolError as err:
-            self.metrics.rejected(err.status)
+            counts.rejected(err.status)
             raise
         # gone before its body came whole (Serve cancels the request, or the read sees the disconnect):
         # counted as every client that leaves
         except CLIENT_GONE:
-            self.metrics.finished("abort", 499)
+            counts.finished("abort", 499)
             raise
         try:
             if len(raw) <= PARSED_ON_A_THREAD:
-                return self._parse(model, self._json(raw))
-            return await asyncio.to_thread(lambda: self._parse(model, self._json(raw)))
+                return self._parse(model, self._json(raw, counts))
+            return await asyncio.to_thread(lambda: self._parse(model, self._json(raw, counts)))
         except asyncio.CancelledError:  # gone while a large body was parsed on a thread: uncounted
-            self.metrics.finished("abort", 499)
+            counts.finished("abort", 499)
             raise
         finally:
             self.bodies.give(held)
 
-    def _json(self, raw: bytes):
+    def _json(self, raw: bytes, counts):
+        """The body's JSON; a refusal counted in `counts` (_counts)."""
         try:
             return parse_json_body(raw)
         except ProtocolError as err:
-            self.metrics.rejected(err.status)
+            counts.rejected(err.status)
             raise
 
     def _parse(self, model, body):
+        counts = self._counts(model)
         try:
             req = proto.parse_request(model, body)
         except ProtocolError:
-            self.metrics.rejected(400)
+            counts.rejected(400)
             raise
         if req.model != self.name:
-            self.metrics.rejected(404)
+            counts.rejected(404)
             raise ProtocolError(f"model {proto.clip(req.model)!r} does not exist; this server serves {self.name!r} "
                                 f"(GET /v1/models lists it)", param="model", status=404, code="model_not_found")
         return req

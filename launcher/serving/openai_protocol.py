@@ -11,7 +11,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
@@ -102,6 +102,15 @@ FIELD_RULES = {
     "parallel_tool_calls": "true or false (no tools are called either way)",
     "store": "false (stored completions are not supported)",
     "metadata": "an empty object (metadata tags stored completions, which are not supported)",
+    # vLLM's /tokenize and /detokenize (not OpenAI's API)
+    "add_special_tokens": "true or false (true: the tokenizer's own special tokens, a BOS say, are added around "
+                          "the text; /tokenize's default is true with prompt, false with messages)",
+    "add_generation_prompt": "true or false (true, the default: the chat ends with the template's opening of an "
+                             "assistant turn, as /v1/chat/completions renders it)",
+    "continue_final_message": "true or false (true: the last message is left open for the model to continue; "
+                              "only with add_generation_prompt: false)",
+    "return_token_strs": "true or false (true: the answer lists each token's string too, as token_strs)",
+    "tokens": "a list of token ids (integers >= 0, in the model's vocabulary)",
 }
 
 
@@ -348,30 +357,126 @@ class ChatCompletionRequest(_GenerationRequest):
     metadata: dict = Field(default_factory=dict, max_length=0)
 
     def chat_messages(self, template: object = None) -> list[dict]:
-        """[{role, content[, name]}] with content as plain text, as chat templates take it. A developer
-        message is OpenAI's newer system message: it goes to a `template` that never mentions the
-        developer role as a system message (SmolLM2's, say, would otherwise add its default system
-        turn and then a turn of a role the model never saw)."""
-        template = str(template or "")
-        # a template that compares roles with 'developer' or "developer" knows the role
-        developer = "developer" if "'developer'" in template or '"developer"' in template else "system"
-        return [{"role": developer if m.role == "developer" else m.role, "content": m.text(i),
-                 **({"name": m.name} if m.name is not None else {})} for i, m in enumerate(self.messages)]
+        """The messages as the chat template takes them (template_messages)."""
+        return template_messages(self.messages, template)
 
     def logprobs_count(self) -> int | None:
         """The engine's logprobs argument: None (off) or the number of alternatives."""
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-def parse_request(model: type[_GenerationRequest], body: object):
-    """`body` (the decoded JSON) as `model`; ProtocolError naming the first bad field and its rule."""
+def template_messages(messages: list[ChatMessage], template: object = None) -> list[dict]:
+    """[{role, content[, name]}] with content as plain text, as chat templates take it. A developer
+    message is OpenAI's newer system message: it goes to a `template` that never mentions the
+    developer role as a system message (SmolLM2's, say, would otherwise add its default system
+    turn and then a turn of a role the model never saw)."""
+    template = str(template or "")
+    # a template that compares roles with 'developer' or "developer" knows the role
+    developer = "developer" if "'developer'" in template or '"developer"' in template else "system"
+    return [{"role": developer if m.role == "developer" else m.role, "content": m.text(i),
+             **({"name": m.name} if m.name is not None else {})} for i, m in enumerate(messages)]
+
+
+# ---- vLLM's /tokenize and /detokenize -----------------------------------------------------------
+# Not OpenAI's API: vLLM's server has them, and clients use them to count a prompt's tokens against
+# the context (max_model_len) before sending it, and to read token ids back as text. The model is
+# required, as on the other routes (vLLM lets it be left out).
+class _TokenizationRequest(NullMeansDefault):
+    """Fields both routes share; unknown fields refused and values not converted, as on the others."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    field_rules: ClassVar[dict[str, str]] = {}
+    """This route's own rules where a field of the same name means something else on another route."""
+
+    model: str
+
+    def check(self) -> None:
+        """Rules pydantic's per-field constraints cannot say (parse_request calls it)."""
+
+
+class TokenizeCompletionRequest(_TokenizationRequest):
+    """/tokenize of a text: its ids as /v1/completions tokenizes a prompt."""
+
+    field_rules: ClassVar[dict[str, str]] = {
+        "prompt": "a string (the text to tokenize; send messages instead of prompt to tokenize a chat)"}
+    prompt: str
+    add_special_tokens: bool = True
+    """vLLM's default for a text: the tokenizer's own additions (a BOS), as a completions prompt gets."""
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_TokenizationRequest):
+    """/tokenize of a chat: its prompt as /v1/chat/completions renders and tokenizes the messages (the
+    same message checks, the model's chat template, control tokens inside message text encoded as text)."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    """vLLM's default for a chat: the template writes the special tokens it wants."""
+    return_token_strs: bool = False
+
+    def check(self) -> None:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ProtocolError("continue_final_message (true) leaves the last message open, and add_generation_prompt "
+                                "(true, its default) opens a new assistant turn after it; send add_generation_prompt: "
+                                "false with it", param="continue_final_message")
+        for i, message in enumerate(self.messages):
+            message.check(i)  # as a chat request's: tool calls, missing content, non-text parts
+
+    def chat_messages(self, template: object = None) -> list[dict]:
+        """The messages as the chat template takes them (template_messages)."""
+        return template_messages(self.messages, template)
+
+
+TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
+"""/tokenize's body, in either of vLLM's forms: parse_request takes it as the chat form when it has
+messages, else as the text form."""
+
+
+class DetokenizeRequest(_TokenizationRequest):
+    """/detokenize: token ids back to text (the server checks them against its vocabulary)."""
+
+    tokens: list[int]
+    """An empty list is text too (""), as vLLM answers it."""
+
+    def check(self) -> None:
+        if any(t < 0 for t in self.tokens):
+            raise ProtocolError("tokens: token ids must be integers >= 0", param="tokens")
+
+
+def _tokenize_form(body: dict) -> type[_TokenizationRequest]:
+    """The /tokenize form a body is in: with messages, a chat; else a text (one with neither is told
+    that prompt is required, and that rule names messages)."""
+    if body.get("messages") is None:
+        return TokenizeCompletionRequest
+    if body.get("prompt") is not None:
+        raise ProtocolError("send either prompt (a text) or messages (a chat) to /tokenize, not both",
+                            param="prompt")
+    return TokenizeChatRequest
+
+
+def is_generation_request(model: object) -> bool:
+    """Whether bodies of `model` ask for generation, and so count in corelaunch_requests_total (whose
+    help counts generation requests): /tokenize's and /detokenize's do not."""
+    return isinstance(model, type) and issubclass(model, _GenerationRequest)
+
+
+def parse_request(model: type[_GenerationRequest] | type[_TokenizationRequest], body: object):
+    """`body` (the decoded JSON) as `model` (or TokenizeRequest: as its form); ProtocolError naming the
+    first bad field and its rule."""
     if not isinstance(body, dict):
         raise ProtocolError(f"the request body must be a JSON object, not {_json_kind(body)}")
+    if model is TokenizeRequest:
+        model = _tokenize_form(body)
     try:
         request = model.model_validate(body)
     except ValidationError as err:
         raise _field_error(err.errors()[0], model) from None
-    _check_combinations(request)
+    if isinstance(request, _TokenizationRequest):
+        request.check()
+    else:
+        _check_combinations(request)
     return request
 
 
@@ -379,6 +484,7 @@ _UNION_BRANCH_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 def _field_error(error: dict, model: type[BaseModel]) -> ProtocolError:
+    rules = {**FIELD_RULES, **getattr(model, "field_rules", {})}
     # pydantic names the union branch it tried ("messages.0.content.str"): not a field of the request
     loc = [str(part) for part in error["loc"] if str(part) not in _UNION_BRANCH_TAGS and "[" not in str(part)]
     field = loc[0] if loc else None
@@ -388,21 +494,20 @@ def _field_error(error: dict, model: type[BaseModel]) -> ProtocolError:
                              "fields by their names")
     if not loc:  # about the body as a whole
         return ProtocolError(f"the request body: {error['msg']}")
-    if error["type"] == "missing" and param in FIELD_RULES and len(loc) > 1:  # response_format.json_schema.name
-        return ProtocolError(f"{param} is required: {FIELD_RULES[param]}", param=param)
-    if param in FIELD_RULES and len(loc) > 1:  # a bad value inside an object field: name it, not the object
-        return ProtocolError(f"{param} ({_short(error.get('input'))}) must be {FIELD_RULES[param]}", param=param)
+    if error["type"] == "missing" and param in rules and len(loc) > 1:  # response_format.json_schema.name
+        return ProtocolError(f"{param} is required: {rules[param]}", param=param)
+    if param in rules and len(loc) > 1:  # a bad value inside an object field: name it, not the object
+        return ProtocolError(f"{param} ({_short(error.get('input'))}) must be {rules[param]}", param=param)
     if error["type"] == "extra_forbidden" and field == "messages" and len(loc) == 3:
         return ProtocolError(f"unknown key {clip(loc[2])!r} in messages.{loc[1]}; a message takes role, content and "
                              f"name (OpenAI's refusal, audio and tool fields are not supported)", param=clip(param))
     if error["type"] == "extra_forbidden" and len(loc) > 1:  # inside an object field (stream_options)
         return ProtocolError(f"unknown parameter {clip(param)!r}; {field} must be "
-                             f"{FIELD_RULES.get(field, 'as the OpenAI API reference says')}", param=clip(param))
+                             f"{rules.get(field, 'as the OpenAI API reference says')}", param=clip(param))
     if error["type"] == "extra_forbidden":
-        known = ", ".join(sorted(model.model_fields))
-        return ProtocolError(f"unknown parameter {clip(field)!r}; this endpoint takes: {known}", param=clip(field))
+        return ProtocolError(f"unknown parameter {clip(field)!r}; {_takes(model)}", param=clip(field))
     if error["type"] == "missing" and len(loc) == 1:
-        return ProtocolError(f"{field!r} is required: {FIELD_RULES.get(field, 'see the OpenAI API reference')}",
+        return ProtocolError(f"{field!r} is required: {rules.get(field, 'see the OpenAI API reference')}",
                              param=field)
     value = error.get("input")
     if field == "messages" and loc[-1] == "content" and isinstance(value, list):
@@ -417,10 +522,20 @@ def _field_error(error: dict, model: type[BaseModel]) -> ProtocolError:
     if field == "messages" and len(loc) > 1:  # inside one message: say which and what is wrong
         return ProtocolError(f"{param}: {error['msg']} (a message is {{role: system|user|assistant|tool|"
                              f"developer, content: string or text parts}})", param=param)
-    rule = FIELD_RULES.get(field)
+    rule = rules.get(field)
     if rule is None:
         return ProtocolError(f"{param}: {error['msg']}", param=param)
     return ProtocolError(f"{field} ({_short(error.get('input'))}) must be {rule}", param=field)
+
+
+def _takes(model: type[BaseModel]) -> str:
+    """The fields the endpoint of `model` takes, as an unknown parameter's refusal lists them: both of
+    /tokenize's forms for either (a chat's field sent with a prompt is refused by the text form)."""
+    if model in (TokenizeCompletionRequest, TokenizeChatRequest):
+        return "; ".join(f"/tokenize with {form} takes: {', '.join(sorted(form_model.model_fields))}"
+                         for form, form_model in (("prompt", TokenizeCompletionRequest),
+                                                  ("messages", TokenizeChatRequest)))
+    return f"this endpoint takes: {', '.join(sorted(model.model_fields))}"
 
 
 def _json_kind(value: object) -> str:
