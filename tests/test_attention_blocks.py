@@ -109,3 +109,15 @@ def test_a_windowed_models_long_prompt_equals_transformers(monkeypatch):
     got = last_logits(config, hf_state_dict(hf), prompt)
     assert len(calls) == config.num_hidden_layers
     assert torch.allclose(got, expected, atol=1e-4), (got - expected).abs().max()
+
+
+def test_a_block_that_reads_no_slot_keeps_every_slot_as_the_one_call_does():
+    """No mask the model builds has such a block (every query reads its own slot), but a mask with one
+    is read as the one call reads it rather than failing (review of 3030a82: it raised IndexError)."""
+    mask = mask_for(torch.arange(600)[None], 600)
+    mask[:, :, 256:512] = False
+    assert key_ranges(mask)[1] == (256, 512, 0, 600)
+    q, keys, values = qkv(1, 600, 600)
+    blocked = blocked_attention(q, keys, values, mask, 0.25, True)
+    expected = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True, scale=0.25)
+    assert blocked is not None and torch.allclose(blocked, expected, atol=1e-5, equal_nan=True)
