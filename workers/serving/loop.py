@@ -52,9 +52,9 @@ EAGER_PREFILL_WIDTH = 1024
 """On the cpu backend a prefill call padded to chunks this wide or wider runs eagerly too: the eager
 step's attention then goes by query blocks over the slots each may read (workers/attention_blocks.py):
 5/8 of the scores the graph's one call under the causal mask computes at 1024 tokens, 9/16 at 2048.
-On one 2-core host the eager step took 0.95-0.98x the graph's time for unpadded calls of 1024-token chunks, 0.84-0.87x for
-one 2048-token chunk and 0.73x for 1800 tokens in the 2048 bucket, against 1.02-1.09x for 512-token
-chunks (benchmarks/prefill_paths.py, README Measured)."""
+On one 2-core host the eager step took 0.95-0.98x the graph's time for unpadded calls of 1024-token
+chunks, 0.84-0.87x for one 2048-token chunk and 0.73x for 1800 tokens in the 2048 bucket, against
+1.02-1.09x for 512-token chunks (benchmarks/prefill_paths.py, README Measured)."""
 STATIC_WAIT_S = 60.0
 """How long a follower waits for its copy of a static batch the leader already announced."""
 
