@@ -149,3 +149,20 @@ def test_a_stop_string_may_begin_within_min_tokens_and_end_after_them(smollm2_to
     assert ended == stopped_after
     whole = " zero one two three one"
     assert "".join(d.text for d in deltas) == (whole if stopped_after is None else whole[:whole.index(stop)])
+
+
+@pytest.mark.parametrize("stop, min_tokens, stopped", [(" zero", 2, False), (" one two", 2, True),
+                                                       (" one two", 3, False), (" three", 0, True)])
+def test_an_event_of_several_tokens_splits_at_min_tokens(smollm2_tokenizer, stop, min_tokens, stopped):
+    """All five tokens in one event (as a resumed stream could deliver them) stop where one event per
+    token stops: a stop string must end in the text of the tokens after the first min_tokens, not merely
+    arrive in an event that reaches past them (review of 88de158: " zero" with min_tokens 2 stopped)."""
+    from launcher.serving.text_stream import TextStream
+    from workers.serving.requests import TokenEvent
+
+    ids = smollm2_tokenizer(" zero one two three one", add_special_tokens=False)["input_ids"]
+    stream = TextStream("r", smollm2_tokenizer, (stop,), prompt_tokens=1, min_tokens=min_tokens)
+    delta = stream.delta(TokenEvent("r", list(ids), "length"))
+    whole = " zero one two three one"
+    assert delta.stopped_by_string == stopped
+    assert delta.text == (whole[:whole.index(stop)] if stopped else whole)

@@ -28,13 +28,19 @@ class TextStream:
         time_to_first_token_s goes on the delta that carries the first token (StreamHandle times it)."""
         first = time_to_first_token_s if event.token_ids and self.completion_tokens == 0 else None
         finish = event.finish_reason
-        text = ""
+        ids = list(event.token_ids)
+        # this event's tokens within the first min_tokens, whose text no stop string may end in, and the rest
+        within = min(len(ids), max(self._min_tokens - self.completion_tokens, 0))
+        early = late = ""
         if self._detokenizer is not None:
-            text = self._detokenizer.push(event.token_ids)
+            early, late = self._detokenizer.push(ids[:within]), self._detokenizer.push(ids[within:])
             if finish is not None:
-                text += self._detokenizer.flush()
+                late += self._detokenizer.flush()
+        text = early + late
         if self._stops is not None:
-            text, hit = self._stops.push(text, match=self.completion_tokens + len(event.token_ids) > self._min_tokens)
+            early, _ = self._stops.push(early, match=False)
+            late, hit = self._stops.push(late, match=within < len(ids))
+            text = early + late
             if hit:
                 finish, self.stopped_by_string = "stop", True
             elif finish is not None:
