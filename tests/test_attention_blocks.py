@@ -86,8 +86,8 @@ def test_a_chunk_after_a_long_history_makes_one_call():
 def test_short_calls_and_traced_graphs_do_not_go_by_blocks():
     q, keys, values = qkv(1, 2 * QUERY_BLOCK, 2 * QUERY_BLOCK)
     mask = mask_for(torch.arange(2 * QUERY_BLOCK)[None], 2 * QUERY_BLOCK)
-    assert attention_blocks.worth_blocking(q, mask)
-    assert not attention_blocks.worth_blocking(q[:, :, :2 * QUERY_BLOCK - 1], mask[:, :, :2 * QUERY_BLOCK - 1])
+    assert attention_blocks.worth_blocking(q)
+    assert not attention_blocks.worth_blocking(q[:, :, :2 * QUERY_BLOCK - 1])
     torch._dynamo.reset()
     # fullgraph: the blocks' slot ranges are read from the mask's data, which would break the graph
     compiled = torch.compile(attention, fullgraph=True, dynamic=False)

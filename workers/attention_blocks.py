@@ -1,19 +1,19 @@
 """Eager attention of a long query block by block, each block reading only the key slots it may see.
 
 A prefill of n tokens from slot 0 attends under a causal mask: query i reads slots 0..i. The CPU
-flash-attention kernel given a boolean mask still computes every (query, slot) score and masks it afterwards,
-so half of a long prefill's attention work is thrown away (41% of an eager 1056-token SmolLM2 prefill
-was attention on Zen 4). Cut into query blocks, block [i0, i1) needs only the slots its mask rows reach;
-for a prefill from slot 0 that is slots 0..i1-1: (k + 1) / 2k of the scores for k blocks (5/8 at 1024
-tokens, 9/16 at 2048), towards half for longer ones. A chunk continuing a long cached history saves less
-(every block reads the whole history), so blocks are used only where they skip a real share of the
-scores.
+flash-attention kernel given a boolean mask still computes every (query, slot) score and masks it
+afterwards, so half of a long prefill's attention work is thrown away (41% of an eager 1056-token
+SmolLM2 prefill was attention on Zen 4). Cut into query blocks, block [i0, i1) needs only the slots
+its mask rows reach; for a prefill from slot 0 that is slots 0..i1-1: (k + 1) / 2k of the scores for
+k blocks (5/8 at 1024 tokens, 9/16 at 2048), towards half for longer ones. A chunk continuing a long
+cached history saves less (every block reads the whole history), so blocks are used only where they
+skip a real share of the scores.
 
-The slots are taken from the mask itself (from the first to the last slot any of the block's queries
-reads in any batch row), so any mask works: sliding windows drop the slots before the window too, and
-padding queries (which read only slot 0) widen nothing. Skipped slots are masked out for every query of
-the block, so each block's softmax is the whole mask's: the results equal the one-call product up to
-float rounding.
+The slots are taken from the mask itself (from the first to the last slot any of the block's
+queries reads in any batch row), so any mask works: sliding windows drop the slots before the window
+too, and padding queries (which read only slot 0) widen nothing. Skipped slots are masked out for
+every query of the block, so each block's softmax is the whole mask's: the results equal the
+one-call product up to float rounding.
 
 Eager CPU only: the slot ranges are data (read from the mask), which a traced graph cannot depend on.
 """
@@ -47,7 +47,7 @@ def key_ranges(mask: torch.Tensor, block: int = QUERY_BLOCK) -> list[tuple[int, 
     return ranges
 
 
-def worth_blocking(q: torch.Tensor, mask: torch.Tensor) -> bool:
+def worth_blocking(q: torch.Tensor) -> bool:
     """Whether `attention` should go by blocks: an eager CPU call with at least two query blocks."""
     return q.device.type == "cpu" and q.shape[2] >= 2 * QUERY_BLOCK and not torch.compiler.is_compiling()
 

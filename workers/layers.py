@@ -78,7 +78,7 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: t
     kv_heads = keys.shape[1]
     scale = head_dim ** -0.5 if scale is None else scale
     if not (torch.compiler.is_compiling() and seq == 1):
-        if attention_blocks.worth_blocking(q, mask):  # a long eager prefill: skip the slots each block cannot see
+        if attention_blocks.worth_blocking(q):  # a long eager prefill: skip the slots each block cannot see
             out = attention_blocks.blocked_attention(q, keys, values, mask, scale, q_heads != kv_heads)
             if out is not None:
                 return out

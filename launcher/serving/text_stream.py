@@ -36,15 +36,15 @@ class TextStream:
             early, late = self._detokenizer.push(ids[:within]), self._detokenizer.push(ids[within:])
             if finish is not None:
                 late += self._detokenizer.flush()
-        text = early + late
+        hit = False
         if self._stops is not None:
             early, _ = self._stops.push(early, match=False)
             late, hit = self._stops.push(late, match=within < len(ids))
-            text = early + late
-            if hit:
-                finish, self.stopped_by_string = "stop", True
-            elif finish is not None:
-                text += self._stops.flush()
+        text = early + late
+        if hit:
+            finish, self.stopped_by_string = "stop", True
+        elif finish is not None and self._stops is not None:
+            text += self._stops.flush()
         self.completion_tokens += len(event.token_ids)
         self.finish_reason = finish
         return StreamDelta(self.request_id, text, list(event.token_ids), finish, self.prompt_tokens,
