@@ -706,9 +706,10 @@ class OpenAIServer:
     def _tokenize_text(self, text: str, special_tokens: bool = True) -> list[int]:
         """A text's token ids (on a thread): a completions prompt's, and /tokenize's (which takes an
         empty text, and add_special_tokens: `special_tokens`). A text that cannot fit the context is
-        refused from its head or its length (_refuse_if_it_cannot_fit) on /tokenize too, where vLLM
-        counts any text: tokenizing megabytes whole would hold every other prompt's tokenizing (the
-        lock) for seconds (README: 15.7 s for 10 MB). One that merely exceeds the context is counted."""
+        refused from its head or its length (_refuse_if_it_cannot_fit) on /tokenize too (vLLM's own
+        check refuses anything past its context): tokenizing megabytes whole would hold every other
+        prompt's tokenizing (the lock) for seconds (README: 15.7 s for 10 MB). One that merely exceeds
+        the context is counted, so a client can compare the count with max_model_len."""
         proto.check_utf8(text, "prompt")
         self._refuse_if_it_cannot_fit(text, "the prompt", "prompt", special_tokens)
         with self._encoding:
@@ -761,7 +762,8 @@ class OpenAIServer:
         way, text has at least the tokens the probe counted, so a refusal still holds.)"""
         if not has_default_chat_template(self.tokenizer):  # not the client's doing: say so
             raise ProtocolError(f"model {self.name!r} has no chat template (its tokenizer files define none), so "
-                                f"it cannot take messages: send a prompt to /v1/completions instead", param="messages")
+                                f"it cannot take messages: send a text as prompt instead (to /v1/completions, or to /tokenize)",
+                                param="messages")
         for i, message in enumerate(messages):
             proto.check_utf8(message["content"] or "", f"messages.{i}.content")
             if message.get("name") is not None:
