@@ -1139,42 +1139,45 @@ class Launcher:
     def stream(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None, max_new_tokens: int = 64,
                stop_token_ids: Sequence[int] = (), stop: Sequence[str] = (), ignore_eos: bool = False,
                logprobs: int | None = None, request_id: str | None = None, prompt_logprobs: int | None = None,
-               cache_salt: str | None = None):
+               cache_salt: str | None = None, include_stop_str_in_output: bool = False):
         """Submit one request and return an iterator of StreamDelta (launcher/serving/stream_types.py):
         its text as it is generated, a few milliseconds after each step, never cut inside a
         character. The request joins a group's running batch at the next iteration.
 
         Raises at once (before anything runs) on bad input: ValueError naming the value, and
         QueueFull when it would wait for a row while max_queued_requests requests already wait. stop: strings that end the
-        generation (not included in the text); logprobs: n to get the chosen token's log-probability
-        and the n most likely (0..20); prompt_logprobs: n to get each prompt token's log-probability
-        (all but the first) and the n most likely at its place, on the first delta
-        (StreamDelta.prompt_logprobs); cache_salt: a non-empty string: the request shares cached
-        prefixes (prefix caching) only with requests of the same salt (None: with every unsalted
-        one). Closing the iterator early cancels the request."""
+        generation (not included in the text, unless include_stop_str_in_output: then the text ends with
+        the stop string that ended it, as vLLM's option does; stop token ids are unaffected); logprobs:
+        n to get the chosen token's log-probability and the n most likely (0..20); prompt_logprobs: n
+        to get each prompt token's log-probability (all but the first) and the n most likely at its
+        place, on the first delta (StreamDelta.prompt_logprobs); cache_salt: a non-empty string: the
+        request shares cached prefixes (prefix caching) only with requests of the same salt (None: with
+        every unsalted one). Closing the iterator early cancels the request."""
         max_new_tokens, logprobs = _plain_integer(max_new_tokens), _plain_integer(logprobs)
         prompt_logprobs = _checked_logprobs("prompt_logprobs", _plain_integer(prompt_logprobs))
         cache_salt = _checked_cache_salt(cache_salt)
+        _check_flag("include_stop_str_in_output", include_stop_str_in_output)
         token_ids, params, stops, stop_token_ids = self._check_stream(prompt, sampling, max_new_tokens, stop, logprobs,
                                                                       stop_token_ids, request_id)
         return self._submit_stream(token_ids, params, max_new_tokens, stop_token_ids, stops, ignore_eos, logprobs,
                                    request_id, asynchronous=False, prompt_logprobs=prompt_logprobs,
-                                   cache_salt=cache_salt)
+                                   cache_salt=cache_salt, include_stop=include_stop_str_in_output)
 
     def astream(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None, max_new_tokens: int = 64,
                 stop_token_ids: Sequence[int] = (), stop: Sequence[str] = (), ignore_eos: bool = False,
                 logprobs: int | None = None, request_id: str | None = None, prompt_logprobs: int | None = None,
-                cache_salt: str | None = None):
+                cache_salt: str | None = None, include_stop_str_in_output: bool = False):
         """stream() for asyncio: call it inside a running event loop; it returns an async iterator
         (`async for delta in llm.astream(...)`); `aclose()` or cancelling the reading task cancels."""
         max_new_tokens, logprobs = _plain_integer(max_new_tokens), _plain_integer(logprobs)
         prompt_logprobs = _checked_logprobs("prompt_logprobs", _plain_integer(prompt_logprobs))
         cache_salt = _checked_cache_salt(cache_salt)
+        _check_flag("include_stop_str_in_output", include_stop_str_in_output)
         token_ids, params, stops, stop_token_ids = self._check_stream(prompt, sampling, max_new_tokens, stop, logprobs,
                                                                       stop_token_ids, request_id)
         return self._submit_stream(token_ids, params, max_new_tokens, stop_token_ids, stops, ignore_eos, logprobs,
                                    request_id, asynchronous=True, prompt_logprobs=prompt_logprobs,
-                                   cache_salt=cache_salt)
+                                   cache_salt=cache_salt, include_stop=include_stop_str_in_output)
 
     async def agenerate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                         sampling: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -1257,12 +1260,12 @@ class Launcher:
 
     def _submit_stream(self, token_ids, params, max_new_tokens, stop_token_ids, stops, ignore_eos, logprobs,
                        request_id, asynchronous: bool, prompt_logprobs: int | None = None,
-                       cache_salt: str | None = None):
+                       cache_salt: str | None = None, include_stop: bool = False):
         """Submit one checked request (QueueFull when it would wait while max_queued_requests already
         do) and return the stream reading it."""
         stream = self._new_stream(token_ids, params, max_new_tokens, self._ending_ids(stop_token_ids, ignore_eos),
                                   stops, logprobs, request_id, asynchronous, prompt_logprobs=prompt_logprobs,
-                                  cache_salt=cache_salt)
+                                  cache_salt=cache_salt, include_stop=include_stop)
         self._submit_together([stream])
         return stream
 
@@ -1281,10 +1284,11 @@ class Launcher:
 
     def _new_stream(self, token_ids, params, max_new_tokens, ending_ids, stops, logprobs,
                     request_id, asynchronous: bool, return_logits: bool = False, timeout_s: float | None = None,
-                    prompt_logprobs: int | None = None, cache_salt: str | None = None):
+                    prompt_logprobs: int | None = None, cache_salt: str | None = None, include_stop: bool = False):
         """A checked request's stream, not yet submitted: a RequestStream, or an AsyncRequestStream
         fed on the running event loop. ending_ids: _ending_ids(). timeout_s: its deadline from
-        submission (default: the request timeout). cache_salt: checked (_checked_cache_salt)."""
+        submission (default: the request timeout). cache_salt: checked (_checked_cache_salt).
+        include_stop: the text keeps the stop string that ends it (include_stop_str_in_output)."""
         import asyncio
 
         from launcher.cluster.stream_handle import StreamHandle
@@ -1308,7 +1312,7 @@ class Launcher:
                                 ending_ids, logprobs, return_logits, prompt_logprobs=prompt_logprobs,
                                 cache_salt=cache_salt)
         handle = StreamHandle(request, sink, self.config.request_timeout_s if timeout_s is None else timeout_s)
-        text = TextStream(request.request_id, self.tokenizer, stops, len(token_ids), params.min_tokens)
+        text = TextStream(request.request_id, self.tokenizer, stops, len(token_ids), params.min_tokens, include_stop)
         if asynchronous:
             return kind(self._cancel_stream, handle, text, items, loop)
         return kind(self._cancel_stream, handle, text, items)

@@ -1217,6 +1217,87 @@ def test_a_stop_string_ends_the_text_before_it(client, hf):
 
 
 @pytest.mark.slow
+def test_include_stop_str_in_output_ends_the_text_with_the_stop_string(client, hf):
+    """vLLM's include_stop_str_in_output: the text is the one without it plus the stop string, nothing
+    after it, streamed or not, in every choice, on both routes; the tokens counted are the same."""
+    full = hf.greedy(hf.tok(PROMPT)["input_ids"], 16)
+    stop = full[len(full) // 2:][:4]  # four characters from the middle of the greedy text
+    cut = full[:full.find(stop)]
+    assert stop.strip() and len(cut) < len(full) // 2 + 1
+    asked = dict(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop, "@@@"])
+    plain = client.completions.create(**asked)
+    kept = client.completions.create(**asked, n=2, extra_body={"include_stop_str_in_output": True})
+    assert plain.choices[0].text == cut and [c.text for c in kept.choices] == [cut + stop] * 2
+    assert all(c.finish_reason == "stop" for c in [*plain.choices, *kept.choices])
+    assert kept.usage.completion_tokens == 2 * plain.usage.completion_tokens < 32
+    for flag, expected in ((False, cut), (True, cut + stop)):
+        streamed = {0: "", 1: ""}
+        for chunk in client.completions.create(**asked, n=2, stream=True,
+                                               extra_body={"include_stop_str_in_output": flag}):
+            for choice in chunk.choices:
+                streamed[choice.index] += choice.text
+        assert streamed == {0: expected, 1: expected}, flag
+    ids = hf.tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=False)
+    answer = hf.greedy(list(ids), 12)
+    chat_stop = answer[len(answer) // 2:][:3]
+    assert chat_stop.strip() and answer.find(chat_stop) > 0
+    chat_asked = dict(model=MODEL, messages=CHAT, max_tokens=12, temperature=0, stop=[chat_stop],
+                      extra_body={"include_stop_str_in_output": True})
+    out = client.chat.completions.create(**chat_asked)
+    expected = answer[:answer.find(chat_stop) + len(chat_stop)]
+    assert out.choices[0].message.content == expected and out.choices[0].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(**chat_asked, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+
+
+@pytest.mark.slow
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client, server, hf):
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens are what the model reads (the same
+    greedy text as sending only them), what usage counts and what echo gives back, streamed or not,
+    on both routes; a text longer than the context is taken once truncated (refused whole)."""
+    import openai
+    import requests
+
+    long_text = " ".join(f"item {i} of the list," for i in range(60)) + " " + PROMPT
+    ids = hf.tok(long_text)["input_ids"]
+    k = 24
+    assert len(ids) > 4 * k
+    tail = client.completions.create(model=MODEL, prompt=ids[-k:], max_tokens=6, temperature=0)
+    asked = dict(model=MODEL, max_tokens=6, temperature=0, extra_body={"truncate_prompt_tokens": k})
+    for prompt in (long_text, ids):
+        out = client.completions.create(prompt=prompt, **asked)
+        assert out.choices[0].text == tail.choices[0].text and out.usage.prompt_tokens == k
+    assert tail.choices[0].text == hf.greedy(ids[-k:], 6)
+    chunks = list(client.completions.create(prompt=long_text, stream=True, stream_options={"include_usage": True},
+                                            **asked))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == tail.choices[0].text
+    assert chunks[-1].usage.prompt_tokens == k
+    echoed = client.completions.create(prompt=long_text, echo=True, logprobs=0, **asked)
+    kept = hf.tok.decode(ids[-k:])
+    assert echoed.choices[0].text == kept + tail.choices[0].text and echoed.usage.prompt_tokens == k
+    assert len(echoed.choices[0].logprobs.tokens) == k + echoed.usage.completion_tokens  # the kept tokens scored
+    # chat: the rendered chat prompt's last tokens
+    chat_ids = list(hf.tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=False))
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0,
+                                          extra_body={"truncate_prompt_tokens": 8})
+    assert chat.usage.prompt_tokens == 8 < len(chat_ids)
+    assert chat.choices[0].message.content == hf.greedy(chat_ids[-8:], 6)
+    # a text longer than the whole context: refused as it is, served once truncated
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    context = requests.post(f"{server.url}/tokenize", json={"model": MODEL, "prompt": "x"}, headers=auth,
+                            timeout=60).json()["max_model_len"]
+    overlong = " hello" * (context + 50)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL, prompt=overlong, max_tokens=2, temperature=0)
+    assert refused.value.body["code"] == "context_length_exceeded"
+    served = client.completions.create(prompt=overlong, **{**asked, "max_tokens": 2})
+    assert served.usage.prompt_tokens == k
+    with pytest.raises(openai.BadRequestError) as past:
+        client.completions.create(prompt=PROMPT, **{**asked, "extra_body": {"truncate_prompt_tokens": context + 1}})
+    assert past.value.body["param"] == "truncate_prompt_tokens"
+
+
+@pytest.mark.slow
 def test_penalties_logit_bias_and_min_p_over_http(client, hf):
     """OpenAI's frequency_penalty and presence_penalty, and vLLM's repetition_penalty (extra_body),
     greedy, streamed and not: the text of transformers' greedy generation with the same penalties;

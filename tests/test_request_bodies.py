@@ -211,3 +211,21 @@ def test_the_marker_code_points_sanitizing_drops_are_not_measured_in_a_chat(smol
     plain = server._apply_chat_template([{"role": "user", "content": "Hi"}])
     marked = server._apply_chat_template([{"role": "user", "content": "\U000f0000" * 9000 + "Hi"}])
     assert marked == plain and len(plain) < 64
+
+
+# ---- include_stop_str_in_output (vLLM's extension), as both routes parse it ---------------------------------
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_include_stop_str_in_output_is_taken_as_a_bool_and_refused_otherwise_by_name(endpoint):
+    from launcher.serving.openai_protocol import ChatCompletionRequest, CompletionRequest, parse_request
+
+    model, base = ((CompletionRequest, {"model": "m", "prompt": "hi"}) if endpoint == "completions" else
+                   (ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "hi"}]}))
+    assert parse_request(model, {**base, "include_stop_str_in_output": True}).include_stop_str_in_output is True
+    assert parse_request(model, base).include_stop_str_in_output is False
+    assert parse_request(model, {**base, "include_stop_str_in_output": None}).include_stop_str_in_output is False
+    for bad, shown in (("true", "'true'"), (1, "1"), ([True], "[true]")):
+        with pytest.raises(ProtocolError) as caught:
+            parse_request(model, {**base, "include_stop_str_in_output": bad})
+        err = caught.value
+        assert err.status == 400 and err.param == "include_stop_str_in_output"
+        assert err.message.startswith(f"include_stop_str_in_output ({shown}) must be true or false"), err.message

@@ -7,11 +7,12 @@ import random
 import pytest
 
 from launcher.serving.stop_strings import StopStringMatcher
+from tests.test_replicas import model_and_expected  # noqa: F401 - fixture
 
 
-def run(stops, pieces):
+def run(stops, pieces, include_stop=False):
     """Pushes every piece; returns (everything emitted including the flush, whether it stopped)."""
-    matcher = StopStringMatcher(stops)
+    matcher = StopStringMatcher(stops, include_stop=include_stop)
     out, stopped = [], False
     for piece in pieces:
         text, stopped = matcher.push(piece)
@@ -81,12 +82,16 @@ def test_holds_at_most_the_longest_stop_minus_one():
 
 @pytest.mark.parametrize("stops", [["ab", "ba"], ["aaa"], ["abab", "b", "bb"], ["\n\n", "User:"], []])
 def test_random_splits_match_the_whole_text(stops):
-    rng = random.Random(0)
-    for _ in range(300):
+    for text, pieces in random_splits(random.Random(0)):
+        assert run(stops, pieces) == reference(stops, text), (stops, pieces)
+
+
+def random_splits(rng: random.Random, texts: int = 300):
+    """(text, pieces): random texts over a few characters, each cut into up to 9 random pieces."""
+    for _ in range(texts):
         text = "".join(rng.choice("ab\nUser: ") for _ in range(rng.randint(0, 30)))
         cuts = sorted(rng.sample(range(len(text) + 1), k=min(len(text) + 1, rng.randint(0, 8))))
-        pieces = [text[i:j] for i, j in zip([0] + cuts, cuts + [len(text)])]
-        assert run(stops, pieces) == reference(stops, text), (stops, pieces)
+        yield text, [text[i:j] for i, j in zip([0] + cuts, cuts + [len(text)])]
 
 
 @pytest.mark.parametrize("stops, message", [
@@ -166,3 +171,115 @@ def test_an_event_of_several_tokens_splits_at_min_tokens(smollm2_tokenizer, stop
     whole = " zero one two three one"
     assert delta.stopped_by_string == stopped
     assert delta.text == (whole[:whole.index(stop)] if stopped else whole)
+
+
+# ---- include_stop_str_in_output (vLLM's): the text ends with the stop string -------------------------------
+def test_include_stop_keeps_a_stop_split_across_pushes_and_drops_what_follows():
+    matcher = StopStringMatcher(["<|end|>"], include_stop=True)
+    pushes = [matcher.push(p) for p in ["Answer: 42", "<|e", "nd", "|> more", " and more"]]
+    assert pushes == [("Answer: 42", False), ("", False), ("", False), ("<|end|>", True), ("", True)]
+    assert matcher.flush() == ""
+
+
+def test_include_stop_keeps_the_earliest_stop_and_of_two_at_one_place_the_shorter():
+    assert run_including(["later", "early"], ["an early and later"]) == ("an early", True)
+    assert run_including(["abc", "ab"], ["xabcd"]) == ("xab", True)
+    assert run_including(["abc", "ab"], ["xa", "bcd"]) == ("xab", True)
+
+
+def run_including(stops, pieces):
+    """run() with include_stop."""
+    return run(stops, pieces, include_stop=True)
+
+
+@pytest.mark.parametrize("stops", [["ab", "ba"], ["aaa"], ["\n\n", "User:"], []],
+                         ids=["ab-ba", "aaa", "blank-line-or-user", "none"])
+def test_include_stop_random_splits_match_the_whole_text(stops):
+    """Whatever the split, the text is the whole text up to the end of its earliest stop string."""
+    for text, pieces in random_splits(random.Random(1)):
+        before, stopped = reference(stops, text)
+        if stopped:  # the stop found at that place: the shortest of those starting there (none is a prefix here)
+            before += next(s for s in sorted(stops, key=len) if text.startswith(s, len(before)))
+        assert run_including(stops, pieces) == (before, stopped), (stops, pieces)
+
+
+def _stream_text(tokenizer, stop, min_tokens=0, include=True, one_event=False):
+    """The TextStream's text and whether a stop string ended it, for " zero one two three one" (5 SmolLM2
+    tokens: " zero", " one", " two", " three", " one"), one event per token or all in one."""
+    from launcher.serving.text_stream import TextStream
+    from workers.serving.requests import TokenEvent
+
+    ids = tokenizer(" zero one two three one", add_special_tokens=False)["input_ids"]
+    assert len(ids) == 5
+    stream = TextStream("r", tokenizer, (stop,), prompt_tokens=1, min_tokens=min_tokens,
+                        include_stop_str_in_output=include)
+    events = [list(ids)] if one_event else [[t] for t in ids]
+    deltas = [stream.delta(TokenEvent("r", tokens, "length" if i == len(events) - 1 else None))
+              for i, tokens in enumerate(events)]
+    assert sum(len(d.token_ids) for d in deltas) == 5  # every token is still reported, as before
+    return "".join(d.text for d in deltas), any(d.stopped_by_string for d in deltas)
+
+
+@pytest.mark.parametrize("stop, expected", [
+    (" one", " zero one"),
+    ("ne tw", " zero one tw"),  # spans tokens " one" and " two", ends inside " two": nothing after it
+    (" three one", " zero one two three one"),  # ends with the last token
+], ids=["one-token", "across-two-tokens", "ends-at-the-last-token"])
+def test_text_stream_includes_the_stop_string_at_the_end(smollm2_tokenizer, stop, expected):
+    assert _stream_text(smollm2_tokenizer, stop) == (expected, True)
+    whole = " zero one two three one"
+    assert _stream_text(smollm2_tokenizer, stop, include=False) == (whole[:whole.index(stop)], True)
+
+
+@pytest.mark.parametrize("one_event", [False, True], ids=["event-per-token", "one-event"])
+@pytest.mark.parametrize("stop, min_tokens, expected", [
+    (" one two", 2, (" zero one two", True)),  # begins within the first 2 tokens, ends after them
+    (" one two", 3, (" zero one two three one", False)),  # ends within the first 3: no stop
+    (" one", 2, (" zero one two three one", True)),  # the first " one" is within min_tokens; the second ends it
+], ids=["begins-within-ends-after", "ends-within", "second-occurrence"])
+def test_include_stop_across_the_min_tokens_boundary(smollm2_tokenizer, stop, min_tokens, expected, one_event):
+    """A stop string counts where it ends after the first min_tokens tokens (88de158, 4da01a3), and
+    the text it ends keeps it whole, the part within min_tokens included."""
+    assert _stream_text(smollm2_tokenizer, stop, min_tokens, one_event=one_event) == expected
+
+
+def test_the_driver_api_keeps_the_stop_string_when_asked_and_refuses_a_non_bool_first(model_and_expected,
+                                                                                       in_process_cluster, tmp_path):
+    """stream() and astream() with include_stop_str_in_output: the text ends with the stop string, the
+    request ends there as without it; a flag that is not a bool is a ValueError naming it, before
+    anything is submitted."""
+    import asyncio
+    import shutil
+    from pathlib import Path
+
+    from launcher.api import Launcher
+    from tests.test_compile_cli import save_word_tokenizer
+    from tests.test_replicas import EAGER, NEW_TOKENS, PROMPTS
+
+    model_dir, expected = model_and_expected
+    with_words = Path(shutil.copytree(model_dir, tmp_path / "with-words"))
+    save_word_tokenizer(with_words)  # "t0" .. "t127": the model's 128 ids
+    words = " ".join(f"t{t}" for t in expected[0])
+    stop = f" t{expected[0][2]} "  # the third token, surrounded: no other word contains it
+    end = (words + " ").find(stop) + len(stop)
+    assert 0 < end < len(words)
+
+    async def astreamed(llm):
+        return [d async for d in llm.astream(PROMPTS[0], max_new_tokens=NEW_TOKENS, stop=[stop], ignore_eos=True,
+                                             include_stop_str_in_output=True)]
+
+    with Launcher(model=str(with_words), tp=1, max_num_seqs=1, progress=False, **EAGER) as llm:
+        for bad in ("yes", 1, None):
+            with pytest.raises(ValueError, match=rf"include_stop_str_in_output \({bad!r}\) must be True or False"):
+                llm.stream(PROMPTS[0], stop=[stop], include_stop_str_in_output=bad)
+        assert llm.load() == {"running": 0, "waiting": 0}  # nothing was submitted
+        deltas = list(llm.stream(PROMPTS[0], max_new_tokens=NEW_TOKENS, stop=[stop], ignore_eos=True,
+                                 include_stop_str_in_output=True))
+        async_deltas = asyncio.run(astreamed(llm))
+        plain = list(llm.stream(PROMPTS[0], max_new_tokens=NEW_TOKENS, stop=[stop], ignore_eos=True))
+    for got in (deltas, async_deltas):
+        assert "".join(d.text for d in got) == words[:end] and got[-1].finish_reason == "stop"
+        assert got[-1].stopped_by_string and got[-1].completion_tokens < NEW_TOKENS
+    assert "".join(d.text for d in plain) == words[:end - len(stop)]
+    # the tokens are those of the request without the flag: it changes the text only
+    assert [t for d in deltas for t in d.token_ids] == [t for d in plain for t in d.token_ids]

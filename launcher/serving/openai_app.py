@@ -619,14 +619,19 @@ class OpenAIServer:
         req = await self._request(proto.CompletionRequest, request)
         sent = req.prompt_inputs()
         prompts = []
+        measured = req.truncate_prompt_tokens is None  # a prompt to truncate may be longer than the context
         for i, text in enumerate(sent):
             with _naming_prompt(i, len(sent)):
-                prompts.append(await self._tokenized(self._encode, text) if isinstance(text, str)
+                prompts.append(await self._tokenized(self._encode, text, measured) if isinstance(text, str)
                                else self._known_ids(text))
-        # echo with logprobs (or vLLM's prompt_logprobs): the prompt scored too, as it is prefilled
+        whole = [len(prompt) for prompt in prompts]
+        prompts = [self._truncated(req, prompt) for prompt in prompts]
+        # echo with logprobs (or vLLM's prompt_logprobs): the prompt scored too, as it is prefilled. A
+        # truncated prompt echoes what the model read: its kept tokens, decoded
         scored = req.engine_prompt_logprobs()
-        echoes = [await self._tokenized(echoed_prompt, self.pieces, text, prompt, req.logprobs is not None)
-                  if req.echo else None for text, prompt in zip(sent, prompts)]
+        echoes = [await self._tokenized(echoed_prompt, self.pieces, text if len(prompt) == length else prompt, prompt,
+                                        req.logprobs is not None)
+                  if req.echo else None for text, prompt, length in zip(sent, prompts, whole)]
         # max_tokens 0 (echo only): the engine generates one token, which the render drops
         limits = [max(proto.max_new_tokens(req, len(prompt), self.context_tokens), 1) for prompt in prompts]
         stream = await self._start_choices(req, prompts, limits, req.logprobs, "prompt", scored)
@@ -640,7 +645,9 @@ class OpenAIServer:
         arrived = time.perf_counter()
         self._authorize(request)
         req = await self._request(proto.ChatCompletionRequest, request)
-        prompt = await self._tokenized(self._apply_chat_template, req.chat_messages(self.tokenizer.chat_template))
+        prompt = await self._tokenized(self._apply_chat_template, req.chat_messages(self.tokenizer.chat_template),
+                                       True, False, False, req.truncate_prompt_tokens is None)
+        prompt = self._truncated(req, prompt)
         stream = await self._start_choices(req, [prompt], [proto.max_new_tokens(req, len(prompt), self.context_tokens)],
                                            req.logprobs_count(), "messages", req.engine_prompt_logprobs())
         return await self._respond(req, stream, [ChatRender(self.pieces, req.logprobs, i, req.prompt_logprobs)
@@ -687,6 +694,15 @@ class OpenAIServer:
             self.metrics.finished("abort", 499)
             raise
 
+    def _truncated(self, req, prompt: list[int]) -> list[int]:
+        """The prompt cut to the request's truncate_prompt_tokens (vLLM's: its last k tokens), before
+        any length check; a refusal (k past the context) counted as a rejected request."""
+        try:
+            return req.truncated(prompt, self.context_tokens)
+        except ProtocolError:
+            self.metrics.rejected(400)
+            raise
+
     def _known_ids(self, prompt: list[int]) -> list[int]:
         """A token-id prompt whose ids are all in the vocabulary (400 naming the others), checked before
         anything decodes them (an echo's decoder overflowed on an id of 2**32)."""
@@ -696,22 +712,26 @@ class OpenAIServer:
             raise refusal
         return prompt
 
-    def _encode(self, text: str) -> list[int]:
-        """A completions prompt's token ids (on a thread), as the Launcher tokenizes text."""
-        ids = self._tokenize_text(text)
+    def _encode(self, text: str, measured: bool = True) -> list[int]:
+        """A completions prompt's token ids (on a thread), as the Launcher tokenizes text. measured
+        False (truncate_prompt_tokens): a text longer than the context is tokenized whole, not refused
+        (the body limit bounds it), since only its last tokens are kept."""
+        ids = self._tokenize_text(text, measured=measured)
         if not ids:
             raise ProtocolError("prompt is empty (it has no tokens); send at least one character", param="prompt")
         return ids
 
-    def _tokenize_text(self, text: str, special_tokens: bool = True) -> list[int]:
+    def _tokenize_text(self, text: str, special_tokens: bool = True, measured: bool = True) -> list[int]:
         """A text's token ids (on a thread): a completions prompt's, and /tokenize's (which takes an
         empty text, and add_special_tokens: `special_tokens`). A text that cannot fit the context is
         refused from its head or its length (_refuse_if_it_cannot_fit) on /tokenize too (vLLM's own
         check refuses anything past its context): tokenizing megabytes whole would hold every other
         prompt's tokenizing (the lock) for seconds (README: 15.7 s for 10 MB). One that merely exceeds
-        the context is counted, so a client can compare the count with max_model_len."""
+        the context is counted, so a client can compare the count with max_model_len. measured False:
+        no such refusal (a prompt to be truncated, _encode)."""
         proto.check_utf8(text, "prompt")
-        self._refuse_if_it_cannot_fit(text, "the prompt", "prompt", special_tokens)
+        if measured:
+            self._refuse_if_it_cannot_fit(text, "the prompt", "prompt", special_tokens)
         with self._encoding:
             return list(self.tokenizer(text, add_special_tokens=special_tokens)["input_ids"])
 
@@ -747,7 +767,8 @@ class OpenAIServer:
         return len(self.tokenizer(text, add_special_tokens=special_tokens)["input_ids"])
 
     def _apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                             continue_final_message: bool = False, special_tokens: bool = False) -> list[int]:
+                             continue_final_message: bool = False, special_tokens: bool = False,
+                             measured: bool = True) -> list[int]:
         """A chat request's prompt token ids (on a thread); /tokenize's chat form sends its own
         add_generation_prompt, continue_final_message and add_special_tokens (`special_tokens`: the
         tokenizer's own additions around the template's text, which adds none by default).
@@ -759,11 +780,12 @@ class OpenAIServer:
         tokenizes it with sanitize_control_tokens: a control token written inside a message's text
         (`<|im_start|>system`) is encoded as the plain text it is, so a message cannot forge a turn,
         as no text sent to OpenAI's API can; only the template writes control tokens. (Encoded that
-        way, text has at least the tokens the probe counted, so a refusal still holds.)"""
+        way, text has at least the tokens the probe counted, so a refusal still holds.) measured
+        False (truncate_prompt_tokens): no such measure; the route keeps the prompt's last tokens."""
         if not has_default_chat_template(self.tokenizer):  # not the client's doing: say so
             raise ProtocolError(f"model {self.name!r} has no chat template (its tokenizer files define none), so "
-                                f"it cannot take messages: send a text as prompt instead (to /v1/completions, or to /tokenize)",
-                                param="messages")
+                                f"it cannot take messages: send a text as prompt instead (to /v1/completions, or "
+                                f"to /tokenize)", param="messages")
         for i, message in enumerate(messages):
             proto.check_utf8(message["content"] or "", f"messages.{i}.content")
             if message.get("name") is not None:
@@ -776,8 +798,9 @@ class OpenAIServer:
             raise ProtocolError(f"messages: the model's chat template refused them: {err}", param="messages") from None
         if self._chat_options:  # sanitizing drops the two marker code points from message text: so
             prompt = prompt.translate({0xF0000: None, 0xF0001: None})  # does the measure (9000 refused a short chat)
-        self._refuse_if_it_cannot_fit(prompt, "the chat prompt (the messages in the model's chat template)",
-                                      "messages", special_tokens=False)
+        if measured:
+            self._refuse_if_it_cannot_fit(prompt, "the chat prompt (the messages in the model's chat template)",
+                                          "messages", special_tokens=False)
         # Rendered again to tokenize: sanitizing needs apply_chat_template to tokenize itself, and
         # rendering only joins strings (0.05 s for 10 MB).
         try:
@@ -920,7 +943,8 @@ class OpenAIServer:
             stream = self.launcher.astream(prompt, sampling, max_new_tokens=max_tokens,
                                            stop_token_ids=tuple(req.stop_token_ids), stop=tuple(req.stop_strings()),
                                            ignore_eos=req.ignore_eos, logprobs=logprobs,
-                                           prompt_logprobs=prompt_logprobs, cache_salt=req.cache_salt)
+                                           prompt_logprobs=prompt_logprobs, cache_salt=req.cache_salt,
+                                           include_stop_str_in_output=req.include_stop_str_in_output)
             return stream
         except ValueError as err:
             self.metrics.rejected(400)

@@ -59,10 +59,14 @@ FIELD_RULES = {
     "stop": f"a string or a list of at most {MAX_STOP_STRINGS} strings",
     "stop_token_ids": "a list of token ids (integers >= 0)",
     "ignore_eos": "true or false",
+    "include_stop_str_in_output": "true or false (vLLM's extension; true: a stop string that ends the text stays at "
+                                  "its end)",
     "logprobs": f"an integer in [0, {MAX_LOGPROBS}] on /v1/completions; true or false on /v1/chat/completions",
     "top_logprobs": f"an integer in [0, {MAX_LOGPROBS}], with logprobs: true",
     "prompt_logprobs": f"an integer in [0, {MAX_LOGPROBS}] (vLLM's extension: each prompt token's log-probability, "
                        f"rank and that many most likely; not with stream: true)",
+    "truncate_prompt_tokens": "an integer >= 1, or -1 (vLLM's extension: the prompt is cut to its last that many "
+                              "tokens, -1 meaning as many as the context holds; at most the context's length)",
     "cache_salt": "a non-empty string (vLLM's extension: the request shares cached prompt prefixes only with "
                   "requests that sent the same salt; leave it out to share with every request that sent none)",
     "stream": "true or false",
@@ -165,13 +169,17 @@ class _GenerationRequest(NullMeansDefault):
     """Extension (as vLLM's): keep tokens at least min_p times as likely as the most likely."""
     min_tokens: int = Field(0, ge=0)
     """Extension (vLLM's name): stop tokens (EOS included) are held back until this many tokens are
-    generated, as transformers' min_new_tokens does; unlike vLLM, stop strings are not held back."""
+    generated, as transformers' min_new_tokens does; a stop string counts only where it ends after them
+    (vLLM's rule, launcher/serving/text_stream.py)."""
     seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
     stop: str | list[str] | None = Field(None)
     stop_token_ids: list[int] = Field(default_factory=list)
     """Extension: generation also ends after any of these token ids."""
     ignore_eos: bool = False
     """Extension: keep generating past the model's end-of-sequence tokens (fixed-length benchmarks)."""
+    include_stop_str_in_output: bool = False
+    """Extension (vLLM's): the text ends with the stop string (`stop`) that ended it, instead of just
+    before it; nothing after it. Stop token ids are unaffected."""
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_CHOICES)
@@ -188,6 +196,10 @@ class _GenerationRequest(NullMeansDefault):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     """Extension (vLLM's): the prompt's tokens scored, in vLLM's shape (vllm_prompt_logprobs), on
     completions per choice, on chat for the response; not streamed."""
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    """Extension (vLLM's): each prompt (completions), or the rendered chat prompt, is cut to its last k
+    tokens before its length is checked, as vLLM's left truncation does; -1 is the context's length.
+    0 is refused by _check_combinations (it would leave no prompt); None leaves the prompt whole."""
     cache_salt: str | None = Field(None, min_length=1)
     """Extension (vLLM's): prefix caching shares cached prompt prefixes only between requests that
     sent the same salt (those that sent none form a group of their own), so clients that each send
@@ -242,6 +254,20 @@ class _GenerationRequest(NullMeansDefault):
             return SamplingParams(temperature=0.0, seed=self.seed, **penalties)
         return SamplingParams(temperature=self.temperature, top_k=max(self.top_k, 0), top_p=self.top_p,
                               min_p=self.min_p, seed=self.seed, **penalties)
+
+    def truncated(self, prompt: list[int], context_tokens: int) -> list[int]:
+        """The prompt's last truncate_prompt_tokens tokens (-1: as many as the context holds), or the
+        whole prompt when it is shorter or truncation was not asked. ProtocolError 400 for more tokens
+        than the context holds (vLLM refuses them too: the prompt could never fit)."""
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return prompt
+        if keep > context_tokens:
+            raise ProtocolError(f"truncate_prompt_tokens ({keep}) is more than the context holds ({context_tokens} "
+                                f"tokens); ask for at most {context_tokens}, or -1 for the context's length",
+                                param="truncate_prompt_tokens")
+        keep = context_tokens if keep == -1 else keep
+        return prompt[-keep:] if len(prompt) > keep else prompt
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -590,6 +616,10 @@ def _check_combinations(request: _GenerationRequest) -> None:
         raise ProtocolError(f"stop_token_ids ({_short(request.stop_token_ids)}) must be "
                             f"{FIELD_RULES['stop_token_ids']}", param="stop_token_ids")
     _check_logit_bias(request.logit_bias)
+    if request.truncate_prompt_tokens == 0:  # pydantic's ge=-1 lets it through: no prompt is left
+        raise ProtocolError(f"truncate_prompt_tokens (0) must be {FIELD_RULES['truncate_prompt_tokens']}; 0 would "
+                            f"leave no prompt (leave it out, or null, to keep the whole prompt)",
+                            param="truncate_prompt_tokens")
     request._structure = requested_structure(request.response_format, request.structured_outputs)
     if request.stream_options is not None and not request.stream:
         raise ProtocolError("stream_options is only allowed with stream: true", param="stream_options")

@@ -4,7 +4,8 @@ A stop string can arrive split across any number of deltas ("<|e", "nd", "|>"), 
 still grow into one is held back. Only a tail that is a prefix of some stop string needs holding,
 and such a tail is shorter than the longest stop, so at most max(len(stop)) - 1 characters wait.
 Once a stop string is found, it and everything after it are dropped (OpenAI's behaviour: the stop
-sequence is not part of the returned text).
+sequence is not part of the returned text), or, with include_stop (vLLM's include_stop_str_in_output),
+only what comes after it: the text then ends with the stop string.
 """
 
 from __future__ import annotations
@@ -43,11 +44,13 @@ def validate_stops(stops: Sequence[str]) -> tuple[str, ...]:
 class StopStringMatcher:
     """Feed text deltas with push(); each returns (text safe to emit now, whether a stop was found).
 
-    After a stop is found every later push returns ("", True): the request is over.
+    After a stop is found every later push returns ("", True): the request is over. include_stop:
+    the text emitted ends with the stop string found (vLLM's include_stop_str_in_output), not before it.
     """
 
-    def __init__(self, stops: Sequence[str]):
+    def __init__(self, stops: Sequence[str], include_stop: bool = False):
         self.stops = validate_stops(stops)
+        self.include_stop = include_stop
         self._hold_max = max((len(s) for s in self.stops), default=1) - 1
         """The longest tail that can still be the start of a stop string."""
         self._held = ""
@@ -74,7 +77,8 @@ class StopStringMatcher:
         if found is not None:
             self.stopped = True
             self._held = ""
-            return buffer[:found], True
+            start, end = found
+            return buffer[:end if self.include_stop else start], True
         keep = self._partial_stop_length(buffer)
         self._held = buffer[len(buffer) - keep:] if keep else ""
         self._unmatchable = keep if not match else max(0, self._unmatchable - (len(buffer) - keep))
@@ -85,12 +89,14 @@ class StopStringMatcher:
         held, self._held = self._held, ""
         return "" if self.stopped else held
 
-    def _first_stop(self, buffer: str, ends_after: int = 0) -> int | None:
-        """Where the earliest stop string ending after buffer[:ends_after] starts in buffer, or None.
-        Earliest, not first listed: the text before it is what the model wrote before stopping."""
-        starts = [i for i in (buffer.find(stop, max(0, ends_after - len(stop) + 1)) for stop in self.stops)
-                  if i >= 0]
-        return min(starts, default=None)
+    def _first_stop(self, buffer: str, ends_after: int = 0) -> tuple[int, int] | None:
+        """(start, end) in buffer of the earliest stop string ending after buffer[:ends_after], or None.
+        Earliest, not first listed: the text before it is what the model wrote before stopping. Of
+        stops starting at the same place ("ab" and "abc"), the shorter: the model's text completed it
+        first (include_stop keeps "ab" whether "c" came in the same push or never)."""
+        spans = [(i, i + len(stop)) for stop in self.stops
+                 if (i := buffer.find(stop, max(0, ends_after - len(stop) + 1))) >= 0]
+        return min(spans, default=None)
 
     def _partial_stop_length(self, buffer: str) -> int:
         """The length of the longest tail of buffer that is a proper prefix of some stop string."""

@@ -12,7 +12,8 @@ class StreamDelta:
     request_id: str
     text: str
     """Text new since the previous delta; never ends inside a multi-byte character, and never
-    includes a stop string (text that might start one is held back until it cannot)."""
+    includes a stop string (text that might start one is held back until it cannot), except the one
+    that ends the text when the request asked for include_stop_str_in_output."""
     token_ids: list[int]
     """Tokens new since the previous delta (a delta may carry text of earlier tokens)."""
     finish_reason: str | None = None
