@@ -1,5 +1,6 @@
 """What one request asks of token selection (greedy, temperature, top-k, top-p, min-p, a seed,
-penalties, a logit bias, structured output), checked when it is built. Pure: the driver, the CLI and the Serve front end build and check these without
+penalties, a logit bias, allowed token ids, structured output), checked when it is built. Pure: the
+driver, the CLI and the Serve front end build and check these without
 importing torch (about 2 s of every `corelaunch` command's and Serve replica's start); the ranks'
 sampling itself is workers/sampling.py."""
 
@@ -68,6 +69,12 @@ class SamplingParams:
     {token_id: bias}, each bias in [-100, 100]. Kept as a tuple of (token_id, bias) pairs in id
     order (the params stay hashable); token ids are checked against the vocabulary with the
     request (shardlib/request_checks.py)."""
+    allowed_token_ids: tuple[int, ...] | list[int] | None = None
+    """Only these token ids may be chosen, at every step, greedy included (vLLM's): every other
+    logit is -inf before logit_bias, penalties and sampling. None: every token. A non-empty list of
+    ids >= 0 (duplicates merged; kept as a sorted tuple, the params stay hashable); checked against
+    the vocabulary with the request (check_allowed_token_ids). With no stop token (EOS included)
+    among them, the request runs to its max tokens; with structured output, only ids both allow."""
     structured_output: StructuredOutput | None = None
     """What the output must match (shardlib/structured_output.py): at each step the group's leader
     allows only the tokens that keep the output a prefix of a match (after penalties and bias), and
@@ -100,6 +107,8 @@ class SamplingParams:
                              f"{MAX_TEMPERATURE:.7g}] (float32's normal range, in which the ranks apply it: "
                              f"past it the penalty is 0 or infinite, and a logit of 0 becomes NaN)")
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", _allowed_ids(self.allowed_token_ids))
         n = self.min_tokens
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"min_tokens={n!r} must be an integer >= 0 (0 lets a stop token end the request at once)")
@@ -131,9 +140,38 @@ class SamplingParams:
 
     def adjusts_logits(self, generated: int) -> bool:
         """Whether the logits change before the token choice of a request that has generated
-        `generated` tokens (workers/penalties.py): penalties, a logit bias, or stop tokens still held
-        back by min_tokens (past it, a request asking nothing else costs the step nothing)."""
-        return bool(self.logit_bias) or self.has_penalties or self.min_tokens > generated
+        `generated` tokens (workers/penalties.py): allowed token ids, penalties, a logit bias, or stop
+        tokens still held back by min_tokens (past it, a request asking nothing else costs the step
+        nothing)."""
+        return (self.allowed_token_ids is not None or bool(self.logit_bias) or self.has_penalties
+                or self.min_tokens > generated)
+
+
+def check_allowed_token_ids(params, vocab_size: int) -> None:
+    """ValueError naming the first SamplingParams whose allowed_token_ids hold ids outside the
+    vocabulary [0, vocab_size): the leader's mask of them would fail its step (vLLM refuses them too)."""
+    for p in params:
+        outside = [token for token in (getattr(p, "allowed_token_ids", None) or ()) if token >= vocab_size]
+        if outside:
+            raise ValueError(f"allowed_token_ids names token ids {outside[:5]} outside the vocabulary "
+                             f"[0, {vocab_size}); were they taken from another model's tokenizer?")
+
+
+def _allowed_ids(ids) -> tuple[int, ...]:
+    """allowed_token_ids as checked ids, duplicates merged, in id order. An empty list is refused as
+    vLLM refuses it: it would leave no token to choose."""
+    if isinstance(ids, (str, bytes, Mapping)) or not hasattr(ids, "__iter__"):
+        raise ValueError(f"allowed_token_ids={ids!r} must be a non-empty list of token ids (or None for every token)")
+    ids = list(ids)
+    if not ids:
+        raise ValueError("allowed_token_ids=[] must be a non-empty list of token ids: an empty one leaves no token "
+                         "to choose (leave it out, or None, for every token)")
+    checked = [integer_of_any_kind(token) for token in ids]
+    bad = [token for token, number in zip(ids, checked) if number is None or number < 0]
+    if bad:
+        raise ValueError(f"allowed_token_ids holds {bad[:5]!r}, which are not token ids; they must be "
+                         f"integers >= 0")
+    return tuple(sorted(set(checked)))
 
 
 def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:

@@ -155,6 +155,44 @@ def test_logit_bias_refusals_name_the_key_and_the_rule(bias, words):
     assert err.param == "logit_bias" and words in err.message, err.message
 
 
+@pytest.mark.parametrize("parse", [completion, chat], ids=["completions", "chat"])
+@pytest.mark.parametrize("ids, words", [
+    ([], "allowed_token_ids ([]) must be a non-empty list of at most 262144 token ids (integers >= 0, in the "
+         "model's vocabulary; vLLM's extension: only these tokens are generated): an empty list leaves no token"),
+    ([5, -1], "allowed_token_ids ([5, -1]) must be a non-empty list"),
+    ([5, 1.5], "allowed_token_ids (1.5) must be a non-empty list"),
+    ([True], "allowed_token_ids (true) must be a non-empty list"),
+    (["5"], "allowed_token_ids ('5') must be a non-empty list"),
+    (5, "allowed_token_ids (5) must be a non-empty list"),
+    (list(range(262145)), "allowed_token_ids has 262145 ids; at most 262144 are allowed"),
+], ids=["empty", "negative", "float", "bool", "string", "not-a-list", "too-many"])
+def test_allowed_token_ids_refusals_name_the_field_and_the_rule(parse, ids, words):
+    err = refusal(parse, allowed_token_ids=ids)
+    assert err.param == "allowed_token_ids" and words in err.message, err.message
+
+
+def test_allowed_token_ids_reach_the_engines_sampling_params_on_both_routes():
+    assert completion(allowed_token_ids=[9, 2, 9], temperature=0).sampling().allowed_token_ids == (2, 9)
+    assert chat(allowed_token_ids=[7], top_p=0).sampling().allowed_token_ids == (7,)
+    assert completion(allowed_token_ids=None).sampling().allowed_token_ids is None
+    assert chat().sampling().allowed_token_ids is None
+
+
+def test_allowed_token_ids_outside_the_vocabulary_are_a_400_naming_the_field():
+    """The driver refuses them (launcher/api.py, as it refuses logit_bias's): the refusal names the
+    field, not the prompt."""
+    from shardlib.sampling_params import SamplingParams, check_allowed_token_ids
+
+    with pytest.raises(ValueError) as driver:
+        check_allowed_token_ids([SamplingParams(allowed_token_ids=[5, 49152])], 49152)
+    message = str(driver.value)
+    start, rejected = _starting_server(None, message)
+    with pytest.raises(ProtocolError) as caught:
+        start(completion(allowed_token_ids=[5, 49152]), [1, 2], 8)
+    assert (caught.value.status, caught.value.param, caught.value.message) == (400, "allowed_token_ids", message)
+    assert rejected == [400]
+
+
 def test_penalties_and_min_p_reach_the_engines_sampling_params():
     """presence_penalty and frequency_penalty were refused unless 0; now they and vLLM's
     repetition_penalty are the request's, greedy ones included (top_p 0 and temperature 0)."""
@@ -1598,6 +1636,42 @@ def test_edge_values_neither_crash_the_group_nor_escape_as_500s(client, server, 
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model=MODEL, prompt="")
     assert caught.value.body["param"] == "prompt" and "prompt is empty" in caught.value.body["message"]
+
+
+@pytest.mark.slow
+def test_allowed_token_ids_over_http(client, hf):
+    """vLLM's allowed_token_ids (extra_body), greedy: the text of transformers' greedy generation
+    restricted to the same ids; without EOS among them the request runs to max_tokens, on chat too,
+    whose every token is one of them. Ids outside the vocabulary are a 400 naming the field."""
+    import openai
+    import torch
+
+    allowed = hf.tok(" one two three Paris the")["input_ids"]
+    words = {hf.tok.decode([t]) for t in allowed}
+    assert len(allowed) == 5 and words == {" one", " two", " three", " Paris", " the"}
+    ids = hf.tok(PROMPT)["input_ids"]
+    with torch.no_grad():
+        out = hf.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                max_new_tokens=8, do_sample=False, prefix_allowed_tokens_fn=lambda b, s: allowed)
+    restricted = out[0, len(ids):].tolist()
+    assert set(restricted) <= set(allowed) and hf.tok.decode(restricted) != hf.greedy(ids, 8)
+    got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
+                                    extra_body={"allowed_token_ids": allowed})
+    assert got.choices[0].text == hf.tok.decode(restricted)
+    assert got.choices[0].finish_reason == "length" and got.usage.completion_tokens == 8  # no EOS allowed
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0, logprobs=True,
+                                          extra_body={"allowed_token_ids": allowed})
+    assert chat.choices[0].finish_reason == "length" and len(chat.choices[0].logprobs.content) == 6
+    assert {entry.token for entry in chat.choices[0].logprobs.content} <= words
+    with pytest.raises(openai.BadRequestError) as outside:
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4,
+                                       extra_body={"allowed_token_ids": [5, hf.config.vocab_size]})
+    body = outside.value.body
+    assert body["param"] == "allowed_token_ids"
+    assert f"[{hf.config.vocab_size}] outside the vocabulary" in body["message"]
+    with pytest.raises(openai.BadRequestError) as empty:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, extra_body={"allowed_token_ids": []})
+    assert empty.value.body["param"] == "allowed_token_ids"
 
 
 @pytest.mark.slow

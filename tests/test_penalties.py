@@ -116,17 +116,23 @@ def test_greedy_with_penalties_equals_transformers_in_both_engines(name):
     want = [transformers_greedy(p, params) for p in PROMPTS]
     plain = [transformers_greedy(p, SamplingParams()) for p in PROMPTS]
     assert want != plain  # the penalties change what this model generates: the comparison means something
+    static, served, companion = generated_in_both_engines(params)
+    assert static == want and served == want
+    assert companion == plain[0]  # a companion without penalties is not penalised
+
+
+def generated_in_both_engines(params: SamplingParams) -> tuple[list, list, list]:
+    """Greedy tokens of PROMPTS with `params` from the static engine and from continuous batching
+    (chunked prefill, two rows for the prompts and a companion without params: each row with its own
+    history), and the companion's tokens (PROMPTS[0] with default params)."""
     static = generate(fresh_model(), PROMPTS, [params] * len(PROMPTS), NEW, [])
-    assert [o.token_ids for o in static] == want
-    # continuous batching with chunked prefill: two rows for three requests, each with its own history
     loop = ServingLoop(fresh_model(), ServingConfig(2, 4, 64))
     threads = run_loops([loop])
     loop.submit([request(f"r{i}", p, NEW, sampling=params) for i, p in enumerate(PROMPTS)]
                 + [request("plain", PROMPTS[0], NEW)])
     got = collect(loop, {f"r{i}" for i in range(len(PROMPTS))} | {"plain"})
     stop([loop], threads)
-    assert [got.tokens[f"r{i}"] for i in range(len(PROMPTS))] == want
-    assert got.tokens["plain"] == plain[0]  # a companion without penalties is not penalised
+    return [o.token_ids for o in static], [got.tokens[f"r{i}"] for i in range(len(PROMPTS))], got.tokens["plain"]
 
 
 def test_a_resumed_request_counts_the_tokens_it_already_delivered_as_output():

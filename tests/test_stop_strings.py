@@ -283,3 +283,32 @@ def test_the_driver_api_keeps_the_stop_string_when_asked_and_refuses_a_non_bool_
     assert "".join(d.text for d in plain) == words[:end - len(stop)]
     # the tokens are those of the request without the flag: it changes the text only
     assert [t for d in deltas for t in d.token_ids] == [t for d in plain for t in d.token_ids]
+
+
+def test_events_of_several_tokens_leave_the_text_of_early_tokens_early(smollm2_tokenizer):
+    """A push whose text ends inside a character holds all of its text back: with several tokens
+    within min_tokens in one event, whole early tokens came out with the next one's late text and a
+    stop string in them ended the request (review of da1fa69). Any split into events now stops, or
+    not, where one event per token does."""
+    from launcher.serving.text_stream import TextStream
+    from workers.serving.requests import TokenEvent
+
+    ids = smollm2_tokenizer("naïve café — 東京都 は", add_special_tokens=False)["input_ids"]
+
+    def run(sizes, include):
+        stream = TextStream("r", smollm2_tokenizer, ("café",), prompt_tokens=1, min_tokens=6,
+                            include_stop_str_in_output=include)
+        out, start = [], 0
+        for size in sizes:
+            part = ids[start:start + size]
+            start += size
+            out.append(stream.delta(TokenEvent("r", part, "length" if start >= len(ids) else None)))
+            if out[-1].finish_reason is not None:
+                break
+        return "".join(d.text for d in out), out[-1].stopped_by_string
+
+    one_each = [1] * len(ids)
+    for include in (False, True):
+        expected = run(one_each, include)
+        for sizes in ([1, 1, 3, 3, 1] + [1] * len(ids), [2] * len(ids), [6] + [1] * len(ids), [len(ids)]):
+            assert run(sizes, include) == expected, (sizes, include)

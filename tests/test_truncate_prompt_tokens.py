@@ -55,3 +55,29 @@ def test_more_tokens_than_the_context_holds_is_refused_whatever_the_prompt():
     assert caught.value.param == "truncate_prompt_tokens" and caught.value.status == 400
     assert caught.value.message == ("truncate_prompt_tokens (65) is more than the context holds (64 tokens); ask for "
                                     "at most 64, or -1 for the context's length")
+
+
+def test_a_text_prompt_keeps_the_special_tokens_its_tokenizer_adds_as_vllms_truncation_does(smollm2_tokenizer):
+    """vLLM truncates a text prompt inside the tokenizer (from the left), which adds its BOS (and EOS)
+    after cutting: here a copy of SmolLM2's tokenizer that writes <|endoftext|> around a text, and the
+    server's cut equals that tokenizer's own left truncation; a token-id prompt is cut as sent (review
+    of da1fa69: the BOS was cut off)."""
+    import copy
+
+    from tokenizers import processors
+
+    from tests.test_tokenize_routes import replica
+
+    tokenizer = copy.deepcopy(smollm2_tokenizer)
+    marker = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|> $A <|endoftext|>", special_tokens=[("<|endoftext|>", marker)])
+    server = replica(tokenizer, context=64)
+    text = " one two three four five six seven eight nine ten"
+    ids = tokenizer(text)["input_ids"]
+    tokenizer.truncation_side = "left"
+    for k in (3, 5, 12):
+        req = parse_request(CompletionRequest, {"model": "m", "prompt": text, "truncate_prompt_tokens": k})
+        expected = tokenizer(text, truncation=True, max_length=k)["input_ids"]
+        assert server._truncated(req, ids, text=True) == expected and expected[0] == expected[-1] == marker, k
+        assert server._truncated(req, ids) == ids[-k:]  # token ids: as sent

@@ -1,8 +1,11 @@
-"""A request's logits changed before its token choice: its stop tokens held back until min_tokens,
-its logit bias, then repetition, frequency and presence penalties (what it has seen).
+"""A request's logits changed before its token choice: every token but its allowed token ids
+removed, its stop tokens held back until min_tokens, its logit bias, then repetition, frequency and
+presence penalties (what it has seen).
 
 Applied before temperature, top-k, top-p and min-p, and before a greedy row's argmax (they change
 which token is most likely), in vLLM's order, with the meanings OpenAI's API and vLLM give them:
+- allowed_token_ids (vLLM's): every other token is -inf (one masked fill of the row, with a mask
+  made once per set of ids), so none of the rest can lift it back;
 - min_tokens: until that many tokens are generated, the stop tokens (EOS included) are -inf;
 - logit_bias: a fixed number added to the logit of each token it names;
 - repetition_penalty r (transformers' and vLLM's): every token of the prompt or of the output so
@@ -16,6 +19,7 @@ stay the model's own (before any of these), as vLLM reports them by default.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from functools import lru_cache
 
 import torch
 
@@ -23,6 +27,10 @@ from shardlib.sampling_params import SamplingParams
 from workers.sampling import sampling_device
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
+ALLOWED_MASKS_KEPT = 64
+"""Masks of allowed_token_ids kept (one bool per vocabulary entry each: 150 KB for 150k tokens): a
+request's mask is made at its first step and found again at every other (clients sending one fixed
+set, a label list say, make it once)."""
 
 
 def penalized(logits: torch.Tensor, params: list[SamplingParams], prompts: Sequence[Sequence[int] | torch.Tensor],
@@ -41,6 +49,7 @@ def penalized(logits: torch.Tensor, params: list[SamplingParams], prompts: Seque
     # are taken from it)
     out = logits.to(sampling_device(logits.device), torch.float32, copy=True)
     device = out.device
+    _keep_allowed(out, params, outputs, stops)
     _hold_stops(out, params, outputs, stops)
     _add_bias(out, params)
     rows = [i for i, p in enumerate(params) if p.has_penalties]
@@ -73,6 +82,36 @@ def penalized(logits: torch.Tensor, params: list[SamplingParams], prompts: Seque
     penalised = torch.where(values > 0, values / r, values * r) - (f * counts + p * (counts > 0))
     out[at] = torch.where(finite, penalised.clamp(-FLOAT32_MAX, FLOAT32_MAX), values)
     return out.to(logits.device)
+
+
+def _keep_allowed(out: torch.Tensor, params: list[SamplingParams], outputs: Sequence[Sequence[int]],
+                  stops: Sequence[Collection[int]]) -> None:
+    """-inf in place for every token outside each row's allowed_token_ids (rows without them are
+    not touched). ValueError for a row whose allowed ids are all stop tokens that min_tokens still
+    holds back: no token would be left (the row fails alone in the serving loop)."""
+    for i, p in enumerate(params):
+        allowed = p.allowed_token_ids
+        if allowed is None:
+            continue
+        to_go = p.min_tokens - len(outputs[i])
+        held = stops[i] if stops and to_go > 0 else ()
+        if len(allowed) <= len(held) and all(token in held for token in allowed):
+            raise ValueError(f"no token is left to choose: allowed_token_ids {list(allowed[:5])} are all stop "
+                             f"tokens, which min_tokens ({p.min_tokens}) holds back for {to_go} more tokens; allow "
+                             f"other tokens too, or lower min_tokens")
+        out[i].masked_fill_(_forbidden(allowed, out.shape[-1], out.device), float("-inf"))
+
+
+@lru_cache(maxsize=ALLOWED_MASKS_KEPT)
+def _forbidden(allowed: tuple[int, ...], vocab: int, device: torch.device) -> torch.Tensor:
+    """(vocab,) bool: True for every token outside `allowed` (sorted ids), on `device`. ValueError
+    for ids past the logits' width (the driver checks them against the vocabulary first)."""
+    if allowed[-1] >= vocab:
+        raise ValueError(f"allowed_token_ids names token ids {[t for t in allowed if t >= vocab][:5]} outside the "
+                         f"logits' {vocab} columns; send ids of this model's tokenizer")
+    forbidden = torch.ones(vocab, dtype=torch.bool)
+    forbidden[torch.tensor(allowed, dtype=torch.int64)] = False
+    return forbidden.to(device)
 
 
 def _hold_stops(out: torch.Tensor, params: list[SamplingParams], outputs: Sequence[Sequence[int]],

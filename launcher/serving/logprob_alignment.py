@@ -3,9 +3,10 @@
 The engine sends each token's log-probability with the token, but the text can lag behind it: text
 that may begin a stop string, or bytes of an unfinished character, are held back (StreamDelta.text).
 A client reading a stream expects the tokens it is told about to be in the text it has, and a stop
-string's tokens never to appear, as the stop string itself never does. So each entry waits here
-until the text sent reaches the token's first byte, and when a stop string ends the request the
-entries that start at or past the cut are dropped. A token that straddles the cut (its bytes begin
+string's tokens never to appear, as the stop string itself never does (unless the request asked for
+include_stop_str_in_output: then the cut is after the stop string, and its tokens are in the text).
+So each entry waits here until the text sent reaches the token's first byte, and when a stop string
+ends the request the entries that start at or past the cut are dropped. A token that straddles the cut (its bytes begin
 before the stop string) is kept: part of it was sent; so is a token that adds nothing to the text
 (a skipped special token) right at the cut.
 

@@ -382,8 +382,8 @@ def _naming_prompt(index: int, count: int):
                             err.headers) from None
 
 
-_REQUEST_WIDE = ("logit_bias", "stop_token_ids", "min_tokens", "structured_outputs", "response_format",
-                 "response_format.json_schema.schema")
+_REQUEST_WIDE = ("logit_bias", "stop_token_ids", "min_tokens", "allowed_token_ids", "structured_outputs",
+                 "response_format", "response_format.json_schema.schema")
 """Params of refusals about the request as a whole, which no prompt of several is named in."""
 
 _ECHO_ONLY_NEEDS_ONE = (" (max_tokens 0 still needs one position: the engine generates one token for it, which "
@@ -548,6 +548,9 @@ class OpenAIServer:
         # stall every stream and /health), one at a time: a tokenizer's settings are not safe to
         # change from two threads at once, and encoding may set them.
         self._encoding = threading.Lock()
+        self._text_specials = _special_tokens_around(self.tokenizer)
+        """The ids the tokenizer adds before and after a text's own (a BOS): a text prompt cut by
+        truncate_prompt_tokens keeps them, as vLLM's truncation inside the tokenizer does."""
         self.name = settings.served_model_name
         self.context_tokens = _context_tokens(self.launcher)
         self.longest_prompt = _longest_prompt(self.launcher)
@@ -620,12 +623,14 @@ class OpenAIServer:
         sent = req.prompt_inputs()
         prompts = []
         measured = req.truncate_prompt_tokens is None  # a prompt to truncate may be longer than the context
+        if not measured:
+            self._truncated(req, [])  # a length the context cannot hold: refused before any tokenizing
         for i, text in enumerate(sent):
             with _naming_prompt(i, len(sent)):
                 prompts.append(await self._tokenized(self._encode, text, measured) if isinstance(text, str)
                                else self._known_ids(text))
         whole = [len(prompt) for prompt in prompts]
-        prompts = [self._truncated(req, prompt) for prompt in prompts]
+        prompts = [self._truncated(req, prompt, isinstance(text, str)) for prompt, text in zip(prompts, sent)]
         # echo with logprobs (or vLLM's prompt_logprobs): the prompt scored too, as it is prefilled. A
         # truncated prompt echoes what the model read: its kept tokens, decoded
         scored = req.engine_prompt_logprobs()
@@ -694,14 +699,23 @@ class OpenAIServer:
             self.metrics.finished("abort", 499)
             raise
 
-    def _truncated(self, req, prompt: list[int]) -> list[int]:
+    def _truncated(self, req, prompt: list[int], text: bool = False) -> list[int]:
         """The prompt cut to the request's truncate_prompt_tokens (vLLM's: its last k tokens), before
-        any length check; a refusal (k past the context) counted as a rejected request."""
+        any length check; a refusal (k past the context) counted as a rejected request. text: a text
+        prompt, whose special tokens added around it (a BOS) stay and whose own tokens fill the rest,
+        as vLLM's tokenizer-side truncation keeps them (a token-id prompt is cut as sent)."""
+        before, after = self._text_specials if text else ([], [])
+        wrapped = (len(prompt) >= len(before) + len(after) and prompt[:len(before)] == before
+                   and prompt[len(prompt) - len(after):] == after)
+        if not wrapped:
+            before, after = [], []
         try:
-            return req.truncated(prompt, self.context_tokens)
+            own = req.truncated(prompt[len(before):len(prompt) - len(after)], self.context_tokens,
+                                reserved=len(before) + len(after))
         except ProtocolError:
             self.metrics.rejected(400)
             raise
+        return before + own + after
 
     def _known_ids(self, prompt: list[int]) -> list[int]:
         """A token-id prompt whose ids are all in the vocabulary (400 naming the others), checked before
@@ -948,7 +962,8 @@ class OpenAIServer:
             return stream
         except ValueError as err:
             self.metrics.rejected(400)
-            param = next((name for name in ("stop_token_ids", "logit_bias", "min_tokens") if str(err).startswith(name)),
+            param = next((name for name in ("stop_token_ids", "logit_bias", "min_tokens", "allowed_token_ids")
+                          if str(err).startswith(name)),
                          req.structure_param() if str(err).startswith(("structured_output", "structured output"))
                          else prompt_param)
             raise ProtocolError(_as_one_prompt(str(err)), param=param) from None

@@ -26,6 +26,10 @@ MAX_STOP_STRINGS = 4
 MAX_STOP_TOKEN_IDS = 1024
 """corelaunch's bound on `stop_token_ids` (a vLLM extension, unbounded there): far past any model's
 special tokens; millions of ids took seconds of the replica's event loop to check."""
+MAX_ALLOWED_TOKEN_IDS = 262144
+"""corelaunch's bound on `allowed_token_ids` (a vLLM extension, unbounded there): as many ids as the
+largest vocabularies hold (Gemma 3's 262144); more could only repeat ids, and take the replica's event
+loop longer to check."""
 MAX_CHOICES = 128
 """OpenAI's bound on `n` (a server also refuses more than its max_num_seqs: openai_app.py)."""
 MAX_LOGIT_BIAS_ENTRIES = 1024
@@ -58,6 +62,8 @@ FIELD_RULES = {
     "seed": "an integer in [-2**63, 2**63 - 1]",
     "stop": f"a string or a list of at most {MAX_STOP_STRINGS} strings",
     "stop_token_ids": "a list of token ids (integers >= 0)",
+    "allowed_token_ids": f"a non-empty list of at most {MAX_ALLOWED_TOKEN_IDS} token ids (integers >= 0, in the "
+                         f"model's vocabulary; vLLM's extension: only these tokens are generated)",
     "ignore_eos": "true or false",
     "include_stop_str_in_output": "true or false (vLLM's extension; true: a stop string that ends the text stays at "
                                   "its end)",
@@ -190,6 +196,11 @@ class _GenerationRequest(NullMeansDefault):
     """Extension (as vLLM's and transformers'): divides the logits of tokens already in the prompt or
     the output (workers/penalties.py)."""
     user: str | None = None
+    allowed_token_ids: list[int] | None = None
+    """Extension (vLLM's): only these token ids are generated, greedy included (every other logit is
+    -inf); a stop token or EOS left out of them cannot end the request, which runs to its max tokens.
+    _check_combinations refuses an empty list and negative ids; the app checks them against the
+    vocabulary."""
     logit_bias: dict[str, float] = Field(default_factory=dict)
     """Token id (a string of digits, as JSON object keys are) -> a bias in [-100, 100] added to its
     logit (_check_combinations checks both; the app checks the ids against the vocabulary)."""
@@ -249,16 +260,18 @@ class _GenerationRequest(NullMeansDefault):
         penalties = dict(presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                          repetition_penalty=self.repetition_penalty,
                          logit_bias={int(token): bias for token, bias in self.logit_bias.items()},
-                         min_tokens=self.min_tokens, structured_output=self._structure)
+                         min_tokens=self.min_tokens, allowed_token_ids=self.allowed_token_ids,
+                         structured_output=self._structure)
         if self.top_p == 0:
             return SamplingParams(temperature=0.0, seed=self.seed, **penalties)
         return SamplingParams(temperature=self.temperature, top_k=max(self.top_k, 0), top_p=self.top_p,
                               min_p=self.min_p, seed=self.seed, **penalties)
 
-    def truncated(self, prompt: list[int], context_tokens: int) -> list[int]:
-        """The prompt's last truncate_prompt_tokens tokens (-1: as many as the context holds), or the
-        whole prompt when it is shorter or truncation was not asked. ProtocolError 400 for more tokens
-        than the context holds (vLLM refuses them too: the prompt could never fit)."""
+    def truncated(self, prompt: list[int], context_tokens: int, reserved: int = 0) -> list[int]:
+        """The prompt's last truncate_prompt_tokens tokens (-1: as many as the context holds), less
+        `reserved` (special tokens the caller puts around them), or the whole prompt when it is shorter
+        or truncation was not asked. ProtocolError 400 for more tokens than the context holds (vLLM
+        refuses them too: the prompt could never fit)."""
         keep = self.truncate_prompt_tokens
         if keep is None:
             return prompt
@@ -266,8 +279,8 @@ class _GenerationRequest(NullMeansDefault):
             raise ProtocolError(f"truncate_prompt_tokens ({keep}) is more than the context holds ({context_tokens} "
                                 f"tokens); ask for at most {context_tokens}, or -1 for the context's length",
                                 param="truncate_prompt_tokens")
-        keep = context_tokens if keep == -1 else keep
-        return prompt[-keep:] if len(prompt) > keep else prompt
+        keep = max((context_tokens if keep == -1 else keep) - reserved, 0)
+        return prompt[len(prompt) - keep:] if len(prompt) > keep else prompt
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -615,6 +628,7 @@ def _check_combinations(request: _GenerationRequest) -> None:
     if any(t < 0 for t in request.stop_token_ids):
         raise ProtocolError(f"stop_token_ids ({_short(request.stop_token_ids)}) must be "
                             f"{FIELD_RULES['stop_token_ids']}", param="stop_token_ids")
+    _check_allowed_token_ids(request.allowed_token_ids)
     _check_logit_bias(request.logit_bias)
     if request.truncate_prompt_tokens == 0:  # pydantic's ge=-1 lets it through: no prompt is left
         raise ProtocolError(f"truncate_prompt_tokens (0) must be {FIELD_RULES['truncate_prompt_tokens']}; 0 would "
@@ -651,6 +665,21 @@ def _check_combinations(request: _GenerationRequest) -> None:
             raise ProtocolError("top_logprobs needs logprobs: true", param="top_logprobs")
         for i, message in enumerate(request.messages):
             message.check(i)  # refuses missing content, tool calls and non-text parts now, before any work
+
+
+def _check_allowed_token_ids(ids: list[int] | None) -> None:
+    """An empty list is refused, as vLLM refuses it (no token would be left to generate)."""
+    if ids is None:
+        return
+    if len(ids) > MAX_ALLOWED_TOKEN_IDS:
+        raise ProtocolError(f"allowed_token_ids has {len(ids)} ids; at most {MAX_ALLOWED_TOKEN_IDS} are allowed",
+                            param="allowed_token_ids")
+    if not ids:
+        raise ProtocolError(f"allowed_token_ids ([]) must be {FIELD_RULES['allowed_token_ids']}: an empty list "
+                            f"leaves no token to generate (leave it out for every token)", param="allowed_token_ids")
+    if any(t < 0 for t in ids):
+        raise ProtocolError(f"allowed_token_ids ({_short(ids)}) must be {FIELD_RULES['allowed_token_ids']}",
+                            param="allowed_token_ids")
 
 
 def _check_logit_bias(bias: dict[str, float]) -> None:

@@ -3,7 +3,7 @@ whole response once the stream ends. One renderer per choice of a request (`n`; 
 `index`); pure (a tokenizer is only asked for the
 text and bytes of single tokens, for log-probabilities: launcher/serving/token_pieces.py). A
 token's log-probability goes out with the text that holds it, never before it, and not at all for
-the tokens of a stop string (launcher/serving/logprob_alignment.py)."""
+the tokens of a stop string the text leaves out (launcher/serving/logprob_alignment.py)."""
 
 from __future__ import annotations
 

@@ -34,7 +34,10 @@ class TextStream:
         within = min(len(ids), max(self._min_tokens - self.completion_tokens, 0))
         early = late = ""
         if self._detokenizer is not None:
-            early, late = self._detokenizer.push(ids[:within]), self._detokenizer.push(ids[within:])
+            # one push per early token: a push whose text ends inside a character holds all of it back,
+            # and whole early tokens held with the next one's half character would come out as late text
+            early = "".join(self._detokenizer.push([token]) for token in ids[:within])
+            late = self._detokenizer.push(ids[within:])
             if finish is not None:
                 late += self._detokenizer.flush()
         hit = False

@@ -25,8 +25,10 @@ def allowed_tokens(grammars: list, width: int, ending_ids: list[tuple[int, ...]]
 
 def mask_rows(scores: torch.Tensor, rows: list[int], allowed: torch.Tensor) -> torch.Tensor:
     """scores (a new tensor: the raw logits stay as they were for the log-probabilities) with every
-    token the grammars of `rows` (ascending) forbid at -inf. ValueError when such a row has no token
-    left (the grammar allows only the end of the output, which min_tokens still holds back)."""
+    token the grammars of `rows` (ascending) forbid at -inf: with allowed_token_ids (already -inf
+    outside them) the tokens both allow. ValueError when such a row has no token left (none the
+    grammar allows is among its allowed_token_ids, or the grammar allows only the end of the output,
+    which min_tokens still holds back)."""
     allowed = allowed.to(scores.device)
     if len(rows) == scores.shape[0]:  # every row structured: one pass, no copy of the others
         out = picked = torch.where(allowed, scores, float("-inf"))
@@ -36,6 +38,7 @@ def mask_rows(scores: torch.Tensor, rows: list[int], allowed: torch.Tensor) -> t
         out = scores.index_copy(0, index, picked)
     if not bool((picked.amax(dim=-1) > float("-inf")).all()):
         raise ValueError("no token is left that continues the structured output: the grammar allows only tokens "
-                         "that the request's other settings remove (min_tokens holds back the end of text until "
-                         "that many tokens; lower it, or give the output room to go on)")
+                         "that the request's other settings remove (allowed_token_ids leaves out every token the "
+                         "grammar allows next: allow them too; or min_tokens holds back the end of text until that "
+                         "many tokens: lower it, or give the output room to go on)")
     return out

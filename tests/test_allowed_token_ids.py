@@ -1,0 +1,163 @@
+"""vLLM's allowed_token_ids: only the listed tokens may be chosen, at every step, greedy included.
+Checked when SamplingParams are built and against the vocabulary with the request; applied by the
+leader before the logit bias and penalties (workers/penalties.py); greedy generation with it equal to
+transformers' greedy generation restricted to the same ids, in the static engine and the serving
+loop; with structured output, the tokens both allow. Over HTTP: tests/test_openai_server.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from shardlib.sampling_params import SamplingParams, check_allowed_token_ids
+from shardlib.structured_output import StructuredOutput
+from tests.serving_driver import collect, request, run_loops, stop
+from tests.test_engine import PROMPTS, fresh_model, hf_model
+from tests.test_penalties import generated_in_both_engines
+from tests.test_structured_output import EOS, fresh_loop, run, wide_model  # noqa: F401 - wide_model: a fixture
+from workers.penalties import penalized
+from workers.serving.loop import ServingConfig, ServingLoop
+
+NEW = 12
+ALLOWED = (3, 17, 40, 61, 99, 120)
+
+
+# ---- SamplingParams ------------------------------------------------------------------------------
+def test_allowed_token_ids_are_kept_sorted_and_merged_and_ask_for_the_logits_to_change():
+    params = SamplingParams(allowed_token_ids=[40, 3, np.int64(17), 3, torch.tensor(40)])
+    assert params.allowed_token_ids == (3, 17, 40)  # duplicates merged (vLLM takes them), plain ints
+    assert hash(params) == hash(SamplingParams(allowed_token_ids=(17, 40, 3)))
+    assert params.adjusts_logits(10**6) and params.is_greedy
+    assert SamplingParams().allowed_token_ids is None and not SamplingParams().adjusts_logits(0)
+
+
+@pytest.mark.parametrize("ids, words", [
+    ([], "allowed_token_ids=[] must be a non-empty list of token ids: an empty one leaves no token"),
+    (set(), "allowed_token_ids=[] must be a non-empty list"),
+    ([4, -1], "allowed_token_ids holds [-1], which are not token ids; they must be integers >= 0"),
+    ([4, 2.0], "allowed_token_ids holds [2.0], which are not token ids"),
+    ([True, 5], "allowed_token_ids holds [True], which are not token ids"),
+    (["7"], "allowed_token_ids holds ['7'], which are not token ids"),
+    ("7", "allowed_token_ids='7' must be a non-empty list of token ids (or None for every token)"),
+    (7, "allowed_token_ids=7 must be a non-empty list of token ids"),
+    ({7: 1.0}, "allowed_token_ids={7: 1.0} must be a non-empty list of token ids"),
+], ids=["empty", "empty-set", "negative", "float", "bool", "str-id", "str", "int", "mapping"])
+def test_bad_allowed_token_ids_are_refused_naming_the_value(ids, words):
+    with pytest.raises(ValueError) as caught:
+        SamplingParams(allowed_token_ids=ids)
+    assert words in str(caught.value)
+
+
+def test_ids_outside_the_vocabulary_are_refused_with_the_request():
+    check_allowed_token_ids([SamplingParams(), SamplingParams(allowed_token_ids=[0, 127])], vocab_size=128)
+    with pytest.raises(ValueError, match=r"^allowed_token_ids names token ids \[128, 500\] outside the vocabulary "
+                                         r"\[0, 128\); were they taken from another model's tokenizer\?"):
+        check_allowed_token_ids([SamplingParams(allowed_token_ids=[500, 128, 3])], vocab_size=128)
+
+
+# ---- the leader's logits ------------------------------------------------------------------------
+def test_only_the_allowed_tokens_stay_with_their_bias_and_penalties_and_other_rows_untouched():
+    logits = torch.randn(4, 40, generator=torch.Generator().manual_seed(0)) * 4
+    before = logits.clone()
+    params = [SamplingParams(allowed_token_ids=[2, 5, 9, 30]),
+              SamplingParams(),  # in the same batch: left exactly as it was
+              # the bias of an allowed token is added, a forbidden one's cannot lift it back; min_tokens
+              # holds the allowed stop token 9 back
+              SamplingParams(allowed_token_ids=[2, 5, 9, 30], logit_bias={5: 3.0, 7: 100.0}, min_tokens=2),
+              SamplingParams(allowed_token_ids=[1, 4], repetition_penalty=2.0)]
+    prompts, outputs, stops = [[1], [1], [1], [4, 4]], [[], [], [], [1]], [(9,), (9,), (9,), ()]
+    got = penalized(logits, params, prompts, outputs, stops)
+    assert torch.equal(logits, before)  # the caller's logits (log-probabilities come from them) untouched
+    assert torch.equal(got[1], logits[1])
+
+    def finite(row: int) -> list[int]:
+        return torch.nonzero(got[row].isfinite()).flatten().tolist()
+
+    assert finite(0) == [2, 5, 9, 30] and torch.equal(got[0, [2, 5, 9, 30]], logits[0, [2, 5, 9, 30]])
+    assert (got[0][got[0].isinf()] == float("-inf")).all()
+    assert finite(2) == [2, 5, 30]  # 9: a stop token held back; 7: biased by 100 yet not allowed
+    assert got[2, 5] == logits[2, 5] + 3.0 and got[2, 2] == logits[2, 2] and got[2, 30] == logits[2, 30]
+    for token in (1, 4):  # both seen: penalised as without the restriction
+        x = float(logits[3, token])
+        assert float(got[3, token]) == pytest.approx(x / 2 if x > 0 else x * 2)
+    assert finite(3) == [1, 4]
+    # past min_tokens the stop token is allowed again
+    assert 9 in torch.nonzero(penalized(logits, params, prompts, [[], [], [8, 8], [1]], stops)[2].isfinite())
+
+
+def test_a_row_whose_allowed_tokens_are_all_held_back_is_refused_by_name():
+    params = [SamplingParams(allowed_token_ids=[9], min_tokens=3)]
+    with pytest.raises(ValueError, match=r"no token is left to choose: allowed_token_ids \[9\] are all stop tokens, "
+                                         r"which min_tokens \(3\) holds back for 2 more tokens"):
+        penalized(torch.zeros(1, 16), params, [[1]], [[4]], [(9, 2)])
+    assert penalized(torch.zeros(1, 16), params, [[1]], [[4, 4, 4]], [(9, 2)])[0, 9] == 0  # past min_tokens
+
+
+def test_a_rows_mask_is_made_once_not_every_step():
+    from workers.penalties import _forbidden
+
+    params = [SamplingParams(allowed_token_ids=[3, 11, 12, 13, 29])]
+    _forbidden.cache_clear()
+    for step in range(5):
+        penalized(torch.zeros(1, 32), params, [[1]], [[3] * step])
+    assert _forbidden.cache_info().misses == 1 and _forbidden.cache_info().hits == 4
+
+
+# ---- generation ----------------------------------------------------------------------------------
+def transformers_allowed_greedy(prompt: list[int], allowed: tuple[int, ...] | None) -> list[int]:
+    """transformers' greedy tokens, restricted to `allowed` by its own prefix_allowed_tokens_fn."""
+    ids = torch.tensor([prompt])
+    restrict = None if allowed is None else (lambda batch_id, sent: list(allowed))
+    with torch.inference_mode():
+        out = hf_model().generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW,
+                                  eos_token_id=None, pad_token_id=0, prefix_allowed_tokens_fn=restrict)
+    return out[0, len(prompt):].tolist()
+
+
+def test_greedy_with_allowed_token_ids_equals_transformers_in_both_engines():
+    params = SamplingParams(allowed_token_ids=ALLOWED)
+    want = [transformers_allowed_greedy(p, ALLOWED) for p in PROMPTS]
+    plain = [transformers_allowed_greedy(p, None) for p in PROMPTS]
+    assert all(set(w) <= set(ALLOWED) for w in want)
+    assert not any(set(p) <= set(ALLOWED) for p in plain)  # the restriction changes what this model generates
+    static, served, companion = generated_in_both_engines(params)
+    assert static == want and served == want
+    assert companion == plain[0]  # a companion without the option is not restricted
+
+
+def test_a_stop_token_left_out_cannot_end_the_request_and_an_allowed_one_still_does():
+    """As in vLLM: allowed ids that exclude the stop tokens (EOS included) run to max tokens."""
+    prompt = PROMPTS[0]
+    restricted = transformers_allowed_greedy(prompt, ALLOWED)
+    ending = restricted[1]  # allowed, and what greedy picks second
+    outside = next(t for t in range(200) if t not in ALLOWED)
+    loop = ServingLoop(fresh_model(), ServingConfig(2, 4, 64))
+    threads = run_loops([loop])
+    params = SamplingParams(allowed_token_ids=ALLOWED)
+    loop.submit([request("runs", prompt, NEW, sampling=params, stop_token_ids=(outside,)),
+                 request("ends", prompt, NEW, sampling=params, stop_token_ids=(ending,))])
+    got = collect(loop, {"runs", "ends"})
+    stop([loop], threads)
+    assert got.finish["runs"] == "length" and got.tokens["runs"] == restricted
+    assert got.finish["ends"] == "stop" and got.tokens["ends"] == restricted[:2]
+
+
+def test_with_structured_output_only_tokens_both_allow_and_none_fails_that_request_alone(wide_model,
+                                                                                          smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    prompt = tok.encode("Answer:")
+    spec = StructuredOutput(choice=["yes", "no", "maybe so"])
+    no = tuple(tok.encode("no"))
+    assert tok.decode(list(no)) == "no"
+    requests = [request("no", prompt, 20, sampling=SamplingParams(structured_output=spec, allowed_token_ids=no),
+                        stop_token_ids=(EOS,)),
+                request("none", prompt, 20, sampling=SamplingParams(structured_output=spec,
+                                                                     allowed_token_ids=tok.encode(" x")),
+                        stop_token_ids=(EOS,)),
+                request("plain", prompt, 3)]
+    out = run(fresh_loop(wide_model, tok), requests)
+    assert out.finish == {"no": "stop", "none": "error", "plain": "length"}
+    assert tok.decode(out.tokens["no"]) == "no" and len(out.tokens["plain"]) == 3
+    [error] = [e.error for e in out.events if e.request_id == "none"]
+    assert "no token is left that continues the structured output" in error and "allowed_token_ids" in error
