@@ -40,7 +40,7 @@ from shardlib.instances import INSTANCE_NAMES
 from shardlib.planner import KV_STRATEGIES
 from shardlib.positive_int import integer_of_any_kind, is_positive_int, positive_int, real_of_any_kind
 from shardlib.request_checks import check_fits, check_request, check_stop_token_ids, is_token_index
-from shardlib.sampling_params import SamplingParams, check_allowed_token_ids
+from shardlib.sampling_params import SamplingParams, check_allowed_beyond_stops, check_allowed_token_ids
 from shardlib.serving_shapes import DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_PREFILL_TOKENS
 from workers.backends import backend_entry
 from workers.granularities import GRANULARITIES
@@ -1090,6 +1090,7 @@ class Launcher:
         stop_token_ids = check_stop_token_ids(stop_token_ids, self.model_config.vocab_size)
         self._check_lengths(token_lists, max_new_tokens, serving=False)
         stops = self._ending_ids(stop_token_ids, ignore_eos)
+        check_allowed_beyond_stops(params, stops)
         _check_flag("return_logits", return_logits)  # "no" would copy a vocabulary-wide row per token
         parts = []
         for first, stop in split_prompts(len(token_lists), self.config.max_batch_size, pool.serving()):
@@ -1266,9 +1267,10 @@ class Launcher:
                        cache_salt: str | None = None, include_stop: bool = False):
         """Submit one checked request (QueueFull when it would wait while max_queued_requests already
         do) and return the stream reading it."""
-        stream = self._new_stream(token_ids, params, max_new_tokens, self._ending_ids(stop_token_ids, ignore_eos),
-                                  stops, logprobs, request_id, asynchronous, prompt_logprobs=prompt_logprobs,
-                                  cache_salt=cache_salt, include_stop=include_stop)
+        ending = self._ending_ids(stop_token_ids, ignore_eos)
+        check_allowed_beyond_stops([params], ending)
+        stream = self._new_stream(token_ids, params, max_new_tokens, ending, stops, logprobs, request_id, asynchronous,
+                                  prompt_logprobs=prompt_logprobs, cache_salt=cache_salt, include_stop=include_stop)
         self._submit_together([stream])
         return stream
 
@@ -1341,6 +1343,7 @@ class Launcher:
         self._check_structured(params)
         self._check_lengths(token_lists, max_new_tokens, serving=True)
         ending = self._ending_ids(stop_token_ids, ignore_eos)
+        check_allowed_beyond_stops(params, ending)
         streams = [self._new_stream(ids, p, max_new_tokens, ending, (), None, None, asynchronous, return_logits,
                                     prompt_logprobs=prompt_logprobs, cache_salt=cache_salt)
                    for ids, p in zip(token_lists, params)]

@@ -157,6 +157,20 @@ def check_allowed_token_ids(params, vocab_size: int) -> None:
                              f"[0, {vocab_size}); were they taken from another model's tokenizer?")
 
 
+def check_allowed_beyond_stops(params, ending_ids) -> None:
+    """ValueError naming the first SamplingParams whose allowed_token_ids are all ending ids (stop
+    tokens, EOS included) while min_tokens holds those back: no first token could be chosen. Checked
+    before submitting: the leader would fail the request in its first step, and a static batch as a
+    whole."""
+    ending = set(ending_ids)
+    for p in params:
+        allowed = getattr(p, "allowed_token_ids", None)
+        if allowed and p.min_tokens > 0 and set(allowed) <= ending:
+            raise ValueError(f"allowed_token_ids {list(allowed[:5])} are all stop tokens (EOS included), which "
+                             f"min_tokens ({p.min_tokens}) holds back: no token could be chosen; allow other "
+                             f"tokens too, or lower min_tokens")
+
+
 def _allowed_ids(ids) -> tuple[int, ...]:
     """allowed_token_ids as checked ids, duplicates merged, in id order. An empty list is refused as
     vLLM refuses it: it would leave no token to choose."""

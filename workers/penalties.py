@@ -27,10 +27,11 @@ from shardlib.sampling_params import SamplingParams
 from workers.sampling import sampling_device
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
-ALLOWED_MASKS_KEPT = 64
+ALLOWED_MASKS_KEPT = 16
 """Masks of allowed_token_ids kept (one bool per vocabulary entry each: 150 KB for 150k tokens): a
 request's mask is made at its first step and found again at every other (clients sending one fixed
-set, a label list say, make it once)."""
+set, a label list say, make it once). The cache also keeps each set's ids as its key: about 9 MB for
+the largest set a request may send (262144 ids), so at most about 150 MB for 16 such sets."""
 
 
 def penalized(logits: torch.Tensor, params: list[SamplingParams], prompts: Sequence[Sequence[int] | torch.Tensor],

@@ -188,10 +188,12 @@ def _sorted(scaled: torch.Tensor, top_k: torch.Tensor) -> tuple[torch.Tensor, to
         # one column more than any row keeps: below every row's k-th, no tie crosses a cut
         values, ids = scaled.topk(width + 1, dim=-1)
         kth = values.gather(-1, (top_k.clamp(max=width) - 1).long())  # (batch, 1)
-        if bool((values[:, width:] < kth).all()):
+        # a row whose k-th is -inf (fewer allowed tokens than its k) ties nothing: -inf is never drawn
+        can_tie = kth > float("-inf")
+        if bool(((values[:, width:] < kth) | ~can_tie).all()):
             values, ids = values[:, :width], ids[:, :width]
         else:  # a tie at some row's cut: as many columns as the row keeping the most needs
-            width = int((scaled >= kth).sum(dim=-1).max())
+            width = max(width, int(((scaled >= kth) & can_tie).sum(dim=-1).max()))
             if width < vocab:
                 values, ids = scaled.topk(width, dim=-1)
     if width >= vocab:
