@@ -71,13 +71,15 @@ def test_cached_prompt_tokens_count_each_prompts_first_choice_once():
     async def run():
         streams = [Stream([Delta("a", 5), "b"], 0.0), Stream([Delta("c", 5)], 0.0),
                    Stream([Delta("d", 0)], 0.0), Stream([Delta("e", 3)], 0.0)]
-        merged = ChoiceStreams(streams, prompt_tokens=20, choices_per_prompt=2, on_cached=heard.append)
+        merged = ChoiceStreams(streams, prompt_lengths=[12, 8], choices_per_prompt=2, on_cached=heard.append)
         got = [pair async for pair in merged]
         await merged.aclose()
         return merged, got
 
     merged, got = asyncio.run(run())
     assert len(got) == 5 and merged.cached_tokens == 5 and sorted(heard) == [0, 5]
+    # each prompt counted once; a choice's chunks name its own prompt's (continuous_usage_stats)
+    assert merged.prompt_tokens == 20 and [merged.choice_prompt_tokens(i) for i in range(4)] == [12, 12, 8, 8]
 
 
 def test_one_stream_is_read_directly():

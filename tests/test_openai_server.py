@@ -228,13 +228,32 @@ def test_chat_logprobs_must_be_true_or_false():
 
 
 def test_an_unknown_key_inside_stream_options_is_named_with_its_path():
-    err = refusal(completion, stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
-    assert err.param == "stream_options.continuous_usage_stats"
-    assert "unknown parameter 'stream_options.continuous_usage_stats'" in err.message
-    assert "{include_usage: bool}" in err.message
+    err = refusal(completion, stream=True, stream_options={"include_usage": True, "include_usages": True})
+    assert err.param == "stream_options.include_usages"
+    assert "unknown parameter 'stream_options.include_usages'" in err.message
+    assert "{include_usage: bool, continuous_usage_stats: bool}" in err.message
     err = refusal(completion, stream=True, stream_options={"include_usage": "yes"})  # named the object before
     assert err.param == "stream_options.include_usage"
     assert err.message == "stream_options.include_usage ('yes') must be true or false"
+
+
+@pytest.mark.parametrize("parse", [completion, chat], ids=["completions", "chat"])
+def test_continuous_usage_stats_is_a_bool_that_counts_only_with_include_usage(parse):
+    """vLLM's stream_options.continuous_usage_stats: with include_usage, every chunk carries the usage
+    so far; alone it is accepted and does nothing, as vLLM's should_include_usage has it."""
+    both = parse(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
+    assert both.include_usage() and both.continuous_usage()
+    alone = parse(stream=True, stream_options={"continuous_usage_stats": True})
+    assert not alone.include_usage() and not alone.continuous_usage()
+    assert not parse(stream=True, stream_options={"include_usage": True}).continuous_usage()
+    assert not parse(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": None}
+                     ).continuous_usage()  # null: the default
+    for bad in ("yes", 1):
+        err = refusal(parse, stream=True, stream_options={"include_usage": True, "continuous_usage_stats": bad})
+        assert err.param == "stream_options.continuous_usage_stats"
+        assert err.message.startswith(f"stream_options.continuous_usage_stats ({bad!r}) must be true or false")
+    err = refusal(parse, stream_options={"include_usage": True, "continuous_usage_stats": True})
+    assert err.param == "stream_options" and "only allowed with stream: true" in err.message
 
 
 def test_null_inside_stream_options_means_its_default():
@@ -661,6 +680,70 @@ def test_response_objects_and_server_sent_events():
     assert proto.error_body("bad", "temperature") == {
         "error": {"message": "bad", "type": "invalid_request_error", "param": "temperature", "code": None}}
     assert proto.models_list(MODEL, 5)["data"][0]["id"] == MODEL
+
+
+def test_continuous_usage_stats_put_each_choices_counts_so_far_in_every_chunk():
+    """stream_options.continuous_usage_stats, as vLLM's: every chunk with a choice carries that
+    choice's prompt's tokens and its completion tokens so far (a chat's role chunks 0); the last
+    chunk still has the request's usage (each prompt once, every choice's tokens)."""
+    import asyncio
+    import json
+
+    from launcher.serving.choice_streams import ChoiceStreams
+    from launcher.serving.metrics import ServerMetrics, TokenTimer
+    from launcher.serving.openai_app import OpenAIServer
+    from launcher.serving.openai_render import ChatRender, CompletionRender
+    from launcher.serving.stream_types import StreamDelta
+    from launcher.serving.token_pieces import TokenPieces
+
+    words = {1: "Hel", 2: "lo", 3: "!"}
+    pieces = TokenPieces(SimpleNamespace(decode=lambda ids, skip_special_tokens=False, **options:
+                                         "".join(words[i] for i in ids)))
+    ours = next(c for c in OpenAIServer.func_or_class.__mro__[1:] if c.__module__ == "launcher.serving.openai_app")
+    metrics = ServerMetrics(lambda: {})
+
+    def choice_deltas(*parts):  # (text, token id, finish_reason): one engine stream of one choice
+        return [StreamDelta("r", text, [token], finish, completion_tokens=n)
+                for n, (text, token, finish) in enumerate(parts, 1)]
+
+    async def engine(deltas):
+        for delta in deltas:
+            yield delta
+
+    def sent(renders, choices, prompt_lengths, per_prompt, continuous=True):
+        stream = ChoiceStreams([engine(d) for d in choices], prompt_lengths, per_prompt)
+        timers = [TokenTimer(metrics, 0.0) for _ in renders]
+
+        async def run():
+            meta = proto.ResponseMeta("x", 1, MODEL)
+            return [e async for e in ours._events(object.__new__(ours), stream, renders, meta, timers, True, {},
+                                                  continuous)]
+
+        events = asyncio.run(run())
+        assert events[-1] == proto.SSE_DONE
+        return [json.loads(event[len("data: "):]) for event in events[:-1]]
+
+    def counts(chunks, index):
+        return [c["usage"]["completion_tokens"] for c in chunks if c["choices"] and c["choices"][0]["index"] == index]
+
+    # completions, two prompts (4 and 7 tokens) of one choice each; choice 0's second token is held back
+    first = choice_deltas(("Hel", 1, None), ("", 2, None), ("lo!", 3, "stop"))
+    second = choice_deltas(("lo", 2, None), ("!", 3, "length"))
+    chunks = sent([CompletionRender(pieces, False, i) for i in range(2)], [first, second], [4, 7], 1)
+    for chunk in chunks[:-1]:
+        index, usage = chunk["choices"][0]["index"], chunk["usage"]
+        assert usage["prompt_tokens"] == [4, 7][index]
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert counts(chunks, 0) == [1, 3] and counts(chunks, 1) == [1, 2]  # per choice, as vLLM counts them
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == proto.usage(11, 5)
+    # chat, n=2 of one 6-token prompt: the role chunks carry 0 completion tokens
+    chunks = sent([ChatRender(pieces, False, i) for i in range(2)], [first, second], [6], 2)
+    assert [c["usage"] for c in chunks[:2]] == [proto.chunk_usage(6, 0)] * 2
+    assert counts(chunks, 0) == [0, 1, 3] and counts(chunks, 1) == [0, 1, 2]
+    assert all(c["usage"]["prompt_tokens"] == 6 for c in chunks) and chunks[-1]["usage"] == proto.usage(6, 5)
+    # include_usage alone: null on every chunk but the last, as before
+    chunks = sent([ChatRender(pieces, False)], [second], [6], 1, continuous=False)
+    assert all(c["usage"] is None for c in chunks[:-1]) and chunks[-1]["usage"] == proto.usage(6, 2)
 
 
 def test_renderers_turn_deltas_into_chunks_and_responses():
@@ -1231,6 +1314,32 @@ def test_chat_greedy_matches_transformers(client, hf):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.slow
+def test_continuous_usage_stats_count_each_chunks_tokens_so_far(client, hf):
+    """vLLM's stream_options.continuous_usage_stats: every chunk with a choice carries usage, its
+    completion_tokens growing to the final count (a chat's role chunk 0); the last chunk, no
+    choices, still has the request's usage."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chat_ids = hf.tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=False)
+    asked = dict(model=MODEL, temperature=0, stream=True, stream_options=options, extra_body={"ignore_eos": True})
+    streams = {  # one at a time: each request starts when its turn comes
+        "completions": (lambda: client.completions.create(prompt=PROMPT, max_tokens=8, **asked),
+                        len(hf.tok(PROMPT)["input_ids"]), 8),
+        "chat": (lambda: client.chat.completions.create(messages=CHAT, max_tokens=6, **asked), len(chat_ids), 6)}
+    for name, (start, prompt_tokens, new_tokens) in streams.items():
+        chunks = list(start())
+        with_choice = [c for c in chunks if c.choices]
+        assert with_choice and all(c.usage is not None and c.usage.prompt_tokens == prompt_tokens and
+                                   c.usage.total_tokens == prompt_tokens + c.usage.completion_tokens
+                                   for c in with_choice), name
+        grown = [c.usage.completion_tokens for c in with_choice]
+        if name == "chat":
+            assert with_choice[0].choices[0].delta.role == "assistant" and grown.pop(0) == 0
+        assert grown == sorted(set(grown)) and grown[0] >= 1 and grown[-1] == new_tokens, (name, grown)
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == new_tokens, name
+        assert chunks[-1].usage.prompt_tokens == prompt_tokens and chunks[-1].usage.prompt_tokens_details is not None
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Sequence
 from typing import Callable
 
 _END = object()
@@ -26,10 +27,13 @@ class ChoiceStreams:
     task each, one delta at a time; an error in any one ends the whole (the caller closes it, which
     cancels the others)."""
 
-    def __init__(self, streams: list, prompt_tokens: int = 0, choices_per_prompt: int = 1,
+    def __init__(self, streams: list, prompt_lengths: Sequence[int] = (), choices_per_prompt: int = 1,
                  on_cached: Callable[[int], None] | None = None) -> None:
+        """prompt_lengths: each prompt's tokens, in order (streams i * choices_per_prompt onwards are
+        prompt i's choices)."""
         self.streams = streams
-        self.prompt_tokens = prompt_tokens
+        self._prompt_lengths = list(prompt_lengths)
+        self.prompt_tokens = sum(self._prompt_lengths)
         """The request's prompt tokens, each prompt counted once whatever its choices (usage)."""
         self.cached_tokens = 0
         """Of those, the ones not prefilled (prefix caching): each prompt's first choice's count, once its
@@ -38,6 +42,10 @@ class ChoiceStreams:
         self._reads: dict[asyncio.Future, int] = {}
         self._ready: deque = deque()
         self._started = self._closed = False
+
+    def choice_prompt_tokens(self, index: int) -> int:
+        """The prompt tokens of choice `index`'s prompt (a chunk's usage with continuous_usage_stats)."""
+        return self._prompt_lengths[index // self._choices_per_prompt]
 
     def __aiter__(self) -> "ChoiceStreams":
         return self

@@ -920,9 +920,11 @@ class OpenAIServer:
         except BaseException:
             await ChoiceStreams(streams).aclose()
             raise
-        prompt_tokens = sum(len(prompt) for prompt in prompts)
-        self.metrics.prompt_tokens.inc(prompt_tokens)  # admitted: counted whatever happens next, once for all choices
-        return ChoiceStreams(streams, prompt_tokens, req.n, self.metrics.cached_prompt_tokens.inc)
+        choices = ChoiceStreams(streams, [len(prompt) for prompt in prompts], req.n,
+                                self.metrics.cached_prompt_tokens.inc)
+        # admitted: counted whatever happens next, once for all choices
+        self.metrics.prompt_tokens.inc(choices.prompt_tokens)
+        return choices
 
     def _start(self, req, prompt: list[int], max_tokens: int, logprobs: int | None, prompt_param: str, sampling,
                prompt_logprobs: int | None = None):
@@ -985,7 +987,8 @@ class OpenAIServer:
         timers = [TokenTimer(self.metrics, arrived) for _ in renders]
         if req.stream:
             outcome = {"finish_reason": "abort"}  # a client that leaves before the end, even before the first event
-            events = self._events(stream, renders, meta, timers, req.include_usage(), outcome)
+            events = self._events(stream, renders, meta, timers, req.include_usage(), outcome,
+                                  req.continuous_usage())
             return _ClosingStreamingResponse(events, stream, lambda: self._count_stream(outcome),
                                              media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         finish, completion_tokens = [None] * len(renders), [0] * len(renders)
@@ -1016,24 +1019,30 @@ class OpenAIServer:
         self.metrics.finished(reason, outcome.get("status") or (499 if reason == "abort" else 200))
 
     async def _events(self, stream: ChoiceStreams, renders: list, meta, timers: list[TokenTimer],
-                      include_usage: bool, outcome: dict):
+                      include_usage: bool, outcome: dict, continuous_usage: bool = False):
         """The server-sent events of one streamed request, its choices' chunks in the order their
         tokens come, ending with [DONE]; outcome["finish_reason"] is set to how it ended (choice 0's
         ending, once every choice has ended; the response counts it once closed)."""
         completion_tokens, endings = [0] * len(renders), [None] * len(renders)
+
+        def usage_field(index: int) -> dict:
+            # with include_usage every chunk carries "usage": null but the last, which has the counts;
+            # with continuous_usage_stats too, each carries its choice's counts so far (vLLM's)
+            if continuous_usage:
+                return {"usage": proto.chunk_usage(stream.choice_prompt_tokens(index), completion_tokens[index])}
+            return {"usage": None} if include_usage else {}
+
         try:
-            # with include_usage every chunk carries "usage": null but the last, which has the counts
-            usage_field = {"usage": None} if include_usage else {}
             async with aclosing(stream):
-                for render in renders:
+                for index, render in enumerate(renders):
                     for chunk in render.opening(meta):
-                        yield proto.sse_event({**chunk, **usage_field})
+                        yield proto.sse_event({**chunk, **usage_field(index)})
                 async for index, delta in stream:
                     timers[index].tokens(renders[index].new_tokens(delta), time.perf_counter())
                     completion_tokens[index] = renders[index].completion_tokens(delta)
                     chunk = renders[index].chunk(meta, delta)
                     if chunk is not None:
-                        yield proto.sse_event({**chunk, **usage_field})
+                        yield proto.sse_event({**chunk, **usage_field(index)})
                     if delta.finish_reason:
                         endings[index] = renders[index].finish_reason(delta.finish_reason)
                         if all(endings):  # a client gone before the last choice ended is an abort

@@ -78,8 +78,12 @@ FIELD_RULES = {
     "stream": "true or false",
     "echo": "true or false (true: the choice's text starts with the prompt, and with logprobs so does its logprobs "
             "object)",
-    "stream_options": "an object {include_usage: bool}, only with stream: true",
+    "stream_options": "an object {include_usage: bool, continuous_usage_stats: bool}, only with stream: true",
     "stream_options.include_usage": "true or false",
+    "stream_options.continuous_usage_stats": "true or false (vLLM's extension; with include_usage: true, every "
+                                             "chunk also carries the usage so far: its prompt's tokens and its "
+                                             "choice's completion tokens; without include_usage it does nothing, "
+                                             "as in vLLM)",
     "n": f"an integer in [1, {MAX_CHOICES}] (choices per request; each takes a sequence slot)",
     "presence_penalty": "a number in [-2, 2] (0 turns it off)",
     "frequency_penalty": "a number in [-2, 2] (0 turns it off)",
@@ -156,6 +160,9 @@ class StreamOptions(NullMeansDefault):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
     """Send one more chunk before [DONE] with the request's usage and no choices."""
+    continuous_usage_stats: bool = False
+    """Extension (vLLM's): with include_usage, every chunk also carries the usage so far (chunk_usage);
+    alone it does nothing, as vLLM ignores it without include_usage."""
 
 
 class _GenerationRequest(NullMeansDefault):
@@ -287,6 +294,11 @@ class _GenerationRequest(NullMeansDefault):
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def continuous_usage(self) -> bool:
+        """Every chunk carries the usage so far: vLLM's continuous_usage_stats, which counts only with
+        include_usage (vLLM's rule: alone it is accepted and does nothing)."""
+        return self.include_usage() and self.stream_options.continuous_usage_stats
 
 
 def choice_seed(seed: int, index: int) -> int:
@@ -769,6 +781,15 @@ def chat_chunk(meta: ResponseMeta, delta: dict, finish_reason: str | None = None
     """`delta`: {"role": "assistant"} on the first chunk, then {"content": text}."""
     return {"id": meta.id, "object": "chat.completion.chunk", "created": meta.created, "model": meta.model,
             "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+
+
+def chunk_usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    """The usage one chunk carries with stream_options.continuous_usage_stats, as vLLM's: its choice's
+    prompt's tokens and that choice's completion tokens so far (per choice, not the request's sum;
+    the last chunk, usage_chunk, has the request's). No prompt_tokens_details: a chat's opening
+    chunks go out before the engine says how many prompt tokens were cached (vLLM leaves it out too)."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def usage_chunk(meta: ResponseMeta, obj: str, usage_: dict) -> dict:
