@@ -650,6 +650,8 @@ class OpenAIServer:
         arrived = time.perf_counter()
         self._authorize(request)
         req = await self._request(proto.ChatCompletionRequest, request)
+        if req.truncate_prompt_tokens is not None:
+            self._truncated(req, [])  # a length the context cannot hold: refused before any tokenizing
         prompt = await self._tokenized(self._apply_chat_template, req.chat_messages(self.tokenizer.chat_template),
                                        True, False, False, req.truncate_prompt_tokens is None)
         prompt = self._truncated(req, prompt)

@@ -229,6 +229,9 @@ class _GenerationRequest(NullMeansDefault):
     """Extension (vLLM's): {"json": schema} or {"regex"}, {"choice"}, {"grammar"} (Lark), {"json_object": true}."""
     _structure = PrivateAttr(None)
     """The StructuredOutput both ask for, made and checked once by _check_combinations."""
+    _sampling = PrivateAttr(None)
+    """sampling()'s SamplingParams, made once: every choice of a request shares it (checking a long
+    allowed_token_ids list again for each of n choices held the event loop for 65 ms each)."""
 
     def structure_param(self) -> str:
         """The field that asked for structured output, as a refusal of it names it."""
@@ -261,7 +264,12 @@ class _GenerationRequest(NullMeansDefault):
     def sampling(self):
         """The engine's SamplingParams: top_k -1 is 0 (off), as vLLM spells it; top_p 0 keeps the one
         most likely token, which is greedy (the engine's top_p must be above 0; top_k 1 kept every
-        token tied at the top and drew among them)."""
+        token tied at the top and drew among them). Made once per request."""
+        if self._sampling is None:
+            self._sampling = self._new_sampling()
+        return self._sampling
+
+    def _new_sampling(self):
         from shardlib.sampling_params import SamplingParams
 
         penalties = dict(presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
