@@ -40,7 +40,7 @@ from shardlib.instances import INSTANCE_NAMES
 from shardlib.planner import KV_STRATEGIES
 from shardlib.positive_int import integer_of_any_kind, is_positive_int, positive_int, real_of_any_kind
 from shardlib.request_checks import check_fits, check_request, check_stop_token_ids, is_token_index
-from shardlib.sampling_params import SamplingParams, check_allowed_beyond_stops, check_allowed_token_ids
+from shardlib.sampling_params import SamplingParams, check_allowed_beyond_stops
 from shardlib.serving_shapes import DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_PREFILL_TOKENS
 from workers.backends import backend_entry
 from workers.granularities import GRANULARITIES
@@ -735,7 +735,6 @@ class Launcher:
         _, token_lists = self._tokenize(prompts)
         params = self._sampling_per_prompt(sampling, len(token_lists))
         check_request(token_lists, params, max_new_tokens, self.model_config.vocab_size)
-        check_allowed_token_ids(params, self.model_config.vocab_size)  # as check_request does logit_bias's
         self._check_structured(params, batching)
         check_stop_token_ids(stop_token_ids, self.model_config.vocab_size)
         self._check_lengths(token_lists, max_new_tokens, serving=batching == "continuous")
@@ -1085,7 +1084,6 @@ class Launcher:
         texts, token_lists = self._tokenize(prompts)
         params = self._sampling_per_prompt(sampling, len(token_lists))
         check_request(token_lists, params, max_new_tokens, self.model_config.vocab_size)
-        check_allowed_token_ids(params, self.model_config.vocab_size)  # as check_request does logit_bias's
         self._check_structured(params, batching)
         stop_token_ids = check_stop_token_ids(stop_token_ids, self.model_config.vocab_size)
         self._check_lengths(token_lists, max_new_tokens, serving=False)
@@ -1252,7 +1250,6 @@ class Launcher:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling ({params!r}) must be a SamplingParams")
         check_request([token_ids], [params], max_new_tokens, self.model_config.vocab_size)
-        check_allowed_token_ids([params], self.model_config.vocab_size)
         self._check_structured([params])
         self._check_lengths([token_ids], max_new_tokens, serving=True)
         _checked_logprobs("logprobs", logprobs)
@@ -1339,7 +1336,6 @@ class Launcher:
         texts, token_lists = tokenized
         params = self._sampling_per_prompt(sampling, len(token_lists))
         check_request(token_lists, params, max_new_tokens, self.model_config.vocab_size)
-        check_allowed_token_ids(params, self.model_config.vocab_size)  # as check_request does logit_bias's
         self._check_structured(params)
         self._check_lengths(token_lists, max_new_tokens, serving=True)
         ending = self._ending_ids(stop_token_ids, ignore_eos)

@@ -17,8 +17,8 @@ def check_request(prompts: Sequence[Sequence[int]], params: Sequence, max_new_to
                   vocab_size: int) -> None:
     """ValueError unless: at least one prompt, each a non-empty list of token ids in
     [0, vocab_size), one SamplingParams per prompt, max_new_tokens a positive int (not a bool), and
-    each SamplingParams' min_tokens at most max_new_tokens and logit bias naming tokens of the
-    vocabulary."""
+    each SamplingParams' min_tokens at most max_new_tokens and logit bias and allowed token ids
+    naming tokens of the vocabulary."""
     check_prompts(prompts, vocab_size)
     if len(params) != len(prompts):
         raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams; pass one per prompt")
@@ -31,6 +31,10 @@ def check_request(prompts: Sequence[Sequence[int]], params: Sequence, max_new_to
         if outside:  # indexing the logits with them failed the leader's step
             raise ValueError(f"logit_bias names token ids {outside[:5]} outside the vocabulary [0, {vocab_size}); "
                              f"were they taken from another model's tokenizer?")
+        outside = [token for token in (getattr(p, "allowed_token_ids", None) or ()) if token >= vocab_size]
+        if outside:  # the leader's mask of them would fail its step (vLLM refuses them too)
+            raise ValueError(f"allowed_token_ids names token ids {outside[:5]} outside the vocabulary "
+                             f"[0, {vocab_size}); were they taken from another model's tokenizer?")
 
 
 def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> None:

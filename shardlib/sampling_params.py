@@ -73,7 +73,7 @@ class SamplingParams:
     """Only these token ids may be chosen, at every step, greedy included (vLLM's): every other
     logit is -inf before logit_bias, penalties and sampling. None: every token. A non-empty list of
     ids >= 0 (duplicates merged; kept as a sorted tuple, the params stay hashable); checked against
-    the vocabulary with the request (check_allowed_token_ids). With no stop token (EOS included)
+    the vocabulary with the request (shardlib/request_checks.py). With no stop token (EOS included)
     among them, the request runs to its max tokens; with structured output, only ids both allow."""
     structured_output: StructuredOutput | None = None
     """What the output must match (shardlib/structured_output.py): at each step the group's leader
@@ -145,16 +145,6 @@ class SamplingParams:
         nothing)."""
         return (self.allowed_token_ids is not None or bool(self.logit_bias) or self.has_penalties
                 or self.min_tokens > generated)
-
-
-def check_allowed_token_ids(params, vocab_size: int) -> None:
-    """ValueError naming the first SamplingParams whose allowed_token_ids hold ids outside the
-    vocabulary [0, vocab_size): the leader's mask of them would fail its step (vLLM refuses them too)."""
-    for p in params:
-        outside = [token for token in (getattr(p, "allowed_token_ids", None) or ()) if token >= vocab_size]
-        if outside:
-            raise ValueError(f"allowed_token_ids names token ids {outside[:5]} outside the vocabulary "
-                             f"[0, {vocab_size}); were they taken from another model's tokenizer?")
 
 
 def check_allowed_beyond_stops(params, ending_ids) -> None:

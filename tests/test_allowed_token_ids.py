@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from shardlib.sampling_params import SamplingParams, check_allowed_token_ids
+from shardlib.request_checks import check_request
+from shardlib.sampling_params import SamplingParams
 from shardlib.structured_output import StructuredOutput
 from tests.serving_driver import collect, request, run_loops, stop
 from tests.test_engine import PROMPTS, fresh_model, hf_model
@@ -51,10 +52,10 @@ def test_bad_allowed_token_ids_are_refused_naming_the_value(ids, words):
 
 
 def test_ids_outside_the_vocabulary_are_refused_with_the_request():
-    check_allowed_token_ids([SamplingParams(), SamplingParams(allowed_token_ids=[0, 127])], vocab_size=128)
+    check_request([[1], [2]], [SamplingParams(), SamplingParams(allowed_token_ids=[0, 127])], 4, vocab_size=128)
     with pytest.raises(ValueError, match=r"^allowed_token_ids names token ids \[128, 500\] outside the vocabulary "
                                          r"\[0, 128\); were they taken from another model's tokenizer\?"):
-        check_allowed_token_ids([SamplingParams(allowed_token_ids=[500, 128, 3])], vocab_size=128)
+        check_request([[1]], [SamplingParams(allowed_token_ids=[500, 128, 3])], 4, vocab_size=128)
 
 
 # ---- the leader's logits ------------------------------------------------------------------------

@@ -181,10 +181,11 @@ def test_allowed_token_ids_reach_the_engines_sampling_params_on_both_routes():
 def test_allowed_token_ids_outside_the_vocabulary_are_a_400_naming_the_field():
     """The driver refuses them (launcher/api.py, as it refuses logit_bias's): the refusal names the
     field, not the prompt."""
-    from shardlib.sampling_params import SamplingParams, check_allowed_token_ids
+    from shardlib.request_checks import check_request
+    from shardlib.sampling_params import SamplingParams
 
     with pytest.raises(ValueError) as driver:
-        check_allowed_token_ids([SamplingParams(allowed_token_ids=[5, 49152])], 49152)
+        check_request([[1, 2]], [SamplingParams(allowed_token_ids=[5, 49152])], 8, 49152)
     message = str(driver.value)
     start, rejected = _starting_server(None, message)
     with pytest.raises(ProtocolError) as caught:

@@ -295,7 +295,7 @@ class RankWorker:
     def prepare_serving(self, spec: ServeSpec) -> dict:
         """Allocate the serving cache (and build graphs, when asked); every rank, before serve()."""
         from shardlib.serving_shapes import ServingShapes
-        from workers.serving.loop import ServingConfig, ServingLoop
+        from workers.serving.loop import ServingConfig, ServingLoop, warm_up_shapes
 
         assert self._model is not None, "load must run before prepare_serving"
         buckets = self._buckets
@@ -312,8 +312,7 @@ class RankWorker:
                            self._run_batch, self._grammar_tokenizer())
         if shapes is not None and spec.warm_up_max_length is not None and hasattr(model, "warming_up"):
             with model.warming_up():
-                loop.warm_up(shapes.shapes(spec.warm_up_max_length or None, continuing=not loop.continues_eagerly,
-                                           chunks_below=loop.eager_from_width),
+                loop.warm_up(warm_up_shapes(shapes, loop.continues_eagerly, spec.warm_up_max_length or None),
                              progress=self._graph_progress)
         self._loop = self._prepared_loop = loop
         return {"rank": self.spec.rank, "cache_bytes": loop.cache.nbytes(), "prepare_s": time.perf_counter() - start,

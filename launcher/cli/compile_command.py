@@ -119,7 +119,7 @@ def compile_model(args: argparse.Namespace) -> dict:
     from workers.backends import backend_entry
     from workers.compiled import library_versions
     from workers.granularities import DEFAULT_GRANULARITY
-    from workers.serving.loop import EAGER_PREFILL_WIDTH
+    from workers.serving.loop import warm_up_shapes
 
     progress = Progress(not args.quiet)
     out = Path(args.out)
@@ -160,11 +160,9 @@ def compile_model(args: argparse.Namespace) -> dict:
         }
         write_manifest_json(tmp, manifest)
         shapes = buckets.shapes()
-        # the cpu backend runs prefill calls that continue a sequence, and those of wide chunks, eagerly:
-        # the warm-up builds no graph for them
-        cpu = planned.backend == "cpu"
-        serving = ServingShapes.build(buckets, config.max_num_seqs, config.max_prefill_tokens).shapes(
-            continuing=not cpu, chunks_below=EAGER_PREFILL_WIDTH if cpu else None)
+        # the shapes a rank's warm-up builds (none for the prefill calls the cpu backend runs eagerly)
+        serving = warm_up_shapes(ServingShapes.build(buckets, config.max_num_seqs, config.max_prefill_tokens),
+                                 planned.backend == "cpu")
         progress.note(f"building {len(shapes)} graph(s) per rank: context-encoding buckets "
                       f"{list(buckets.context)}, token-generation buckets {list(buckets.token)}, "
                       f"batch buckets {list(buckets.batch)}; then {len(serving)} serving graph(s) "

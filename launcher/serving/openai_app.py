@@ -165,9 +165,9 @@ def _outside_vocabulary(ids: list[int], vocab: int, param: str) -> ProtocolError
 
 def _special_tokens_around(tokenizer) -> tuple[list[int], list[int]]:
     """The ids the tokenizer adds before and after a text's own when it adds special tokens (a BOS,
-    an EOS), read off a one-character text: /tokenize's chat form with add_special_tokens, whose ids
-    apply_chat_template tokenizes without them (it has no switch for them). Call under the
-    replica's encoding lock."""
+    an EOS), read off a one-character text once, when the replica starts (OpenAIServer._text_specials):
+    /tokenize's chat form with add_special_tokens, whose ids apply_chat_template tokenizes without
+    them (it has no switch for them), and a text prompt cut by truncate_prompt_tokens."""
     plain = list(tokenizer("a", add_special_tokens=False)["input_ids"])
     full = list(tokenizer("a", add_special_tokens=True)["input_ids"])
     for start in range(len(full) - len(plain) + 1):
@@ -825,7 +825,7 @@ class OpenAIServer:
                                                               **self._chat_options))
                 if not special_tokens:
                     return ids
-                before, after = _special_tokens_around(self.tokenizer)
+                before, after = self._text_specials
                 return before + ids + after
         except ValueError as err:  # sanitizing refuses text that would encode to a control token anyway
             raise ProtocolError(f"messages: their text cannot be encoded without control tokens: {err}",
@@ -1027,12 +1027,14 @@ class OpenAIServer:
         ending, once every choice has ended; the response counts it once closed)."""
         completion_tokens, endings = [0] * len(renders), [None] * len(renders)
 
+        # with include_usage every chunk carries "usage": null but the last, which has the counts;
+        # with continuous_usage_stats too, each carries its choice's counts so far (vLLM's)
+        plain_usage = {"usage": None} if include_usage else {}
+
         def usage_field(index: int) -> dict:
-            # with include_usage every chunk carries "usage": null but the last, which has the counts;
-            # with continuous_usage_stats too, each carries its choice's counts so far (vLLM's)
             if continuous_usage:
                 return {"usage": proto.chunk_usage(stream.choice_prompt_tokens(index), completion_tokens[index])}
-            return {"usage": None} if include_usage else {}
+            return plain_usage
 
         try:
             async with aclosing(stream):

@@ -73,7 +73,7 @@ class StopStringMatcher:
         if not self.stops:
             return text, False
         buffer = self._held + text
-        found = self._first_stop(buffer, len(buffer) if not match else self._unmatchable)
+        found = self._first_stop(buffer, self._unmatchable) if match else None
         if found is not None:
             self.stopped = True
             self._held = ""

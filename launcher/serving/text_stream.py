@@ -42,15 +42,16 @@ class TextStream:
                 late += self._detokenizer.flush()
         hit = False
         if self._stops is not None:
-            early, _ = self._stops.push(early, match=False)
+            if within:
+                early, _ = self._stops.push(early, match=False)
             late, hit = self._stops.push(late, match=within < len(ids))
         text = early + late
         if hit:
             finish, self.stopped_by_string = "stop", True
         elif finish is not None and self._stops is not None:
             text += self._stops.flush()
-        self.completion_tokens += len(event.token_ids)
+        self.completion_tokens += len(ids)
         self.finish_reason = finish
-        return StreamDelta(self.request_id, text, list(event.token_ids), finish, self.prompt_tokens,
+        return StreamDelta(self.request_id, text, ids, finish, self.prompt_tokens,
                            self.completion_tokens, event.logprobs, first, event.prompt_logprobs,
                            self.stopped_by_string, event.cached_tokens)

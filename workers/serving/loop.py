@@ -79,6 +79,14 @@ class ServingConfig:
     their forward's length (_keys_depend_on_length)."""
 
 
+def warm_up_shapes(shapes, cpu: bool, max_length: int | None = None) -> list[tuple[str, int, int]]:
+    """The serving shapes (ServingShapes.shapes) whose graphs a warm-up builds: on the cpu backend,
+    none for the prefill calls its loop runs eagerly whatever their padding (ServingLoop
+    continues_eagerly, eager_from_width): calls continuing their sequences, and chunks of
+    EAGER_PREFILL_WIDTH or wider. The rank's warm-up and `corelaunch compile` both ask here."""
+    return shapes.shapes(max_length, continuing=not cpu, chunks_below=EAGER_PREFILL_WIDTH if cpu else None)
+
+
 def _keys_depend_on_length(model, positions: int) -> bool:
     """Whether the model rotates a cached key by how long its forward's sequence was, for rows of
     `positions` slots (longrope past its original context: workers/rope.py): a prefix cached by one
