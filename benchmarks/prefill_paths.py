@@ -8,9 +8,12 @@ calls of --batches chunks of --lengths tokens each, starting their sequences (st
 continuing them after --starts cached tokens, on one rank in this process (SmolLM2-135M-Instruct, float32, the buckets
 `corelaunch serve` builds by default: chunks of 128 to --max-prefill-tokens, rows of --seq-len
 slots). Each shape: a call to build its graph, then --rounds calls of each path alternated; the
-median seconds of each and which the loop's rule picks. The eager step is also timed with every
-attention one call under its whole mask (`attention_blocks_gain`: that time over the eager step's,
-which cuts long calls into query blocks: workers/attention_blocks.py).
+median seconds of each and which the loop's rule picks. The eager step is also timed with torch's
+attention in place of the prefill attention kernel (workers/kernels/prefill_attention.py;
+`prefill_kernel_gain`: that time over the eager step's, 1.0 where the kernel does not take the
+model), long calls by query blocks as without the kernel (workers/attention_blocks.py), and with
+every attention one torch call under its whole mask (`attention_blocks_gain`: that time over the
+blocks').
 
     python benchmarks/prefill_paths.py [--lengths 32,200,600,1100,1500] [--starts 0,512,1100,2400] [--batches 1]
                                        [--rounds 3]
@@ -57,6 +60,7 @@ def main(out=None) -> dict:
     from shardlib.model_config import load_model_config
     from shardlib.sharding import ShardLayout
     from workers import attention_blocks
+    from workers.kernels import prefill_attention
     from workers.rank_worker import LoadSpec, RankWorker, ServeSpec, WorkerSpec
     from workers.serving.step_inputs import prefill_inputs
     from workers.serving.step_plan import PrefillChunk
@@ -72,14 +76,19 @@ def main(out=None) -> dict:
     loop = worker._loop
     shapes, slots = loop.config.shapes, loop.config.cache_slots
 
-    def one_call_attention(inputs) -> None:
-        """The eager step with every attention one call under its whole mask (no query blocks)."""
-        share = attention_blocks.MAX_READ_SHARE
-        attention_blocks.MAX_READ_SHARE = 0.0
+    def torch_attention(inputs, blocks: bool = True) -> None:
+        """The eager step with torch's attention instead of the kernel, by query blocks or (blocks
+        False) every call one under its whole mask."""
+        share, usable = attention_blocks.MAX_READ_SHARE, prefill_attention.usable
+        attention_blocks.MAX_READ_SHARE = share if blocks else 0.0
+        prefill_attention.usable = lambda *args: False
         try:
             loop._eager_step(inputs)
         finally:
-            attention_blocks.MAX_READ_SHARE = share
+            attention_blocks.MAX_READ_SHARE, prefill_attention.usable = share, usable
+
+    def one_call_attention(inputs) -> None:
+        torch_attention(inputs, blocks=False)
 
     def timed(run, inputs) -> float:
         start = time.perf_counter()
@@ -94,20 +103,24 @@ def main(out=None) -> dict:
         eager_inputs = prefill_inputs(chunk, None, loop.scratch_row, slots)
         timed(loop._step, graph_inputs)  # builds (or loads) its graph
         timed(loop._eager_step, eager_inputs)
-        graph_s, eager_s, one_call_s = [], [], []
+        graph_s, eager_s, torch_s, one_call_s = [], [], [], []
         for _ in range(args.rounds):
             graph_s.append(timed(loop._step, graph_inputs))
             eager_s.append(timed(loop._eager_step, eager_inputs))
+            torch_s.append(timed(torch_attention, eager_inputs))
             one_call_s.append(timed(one_call_attention, eager_inputs))
-        g, e, o = statistics.median(graph_s), statistics.median(eager_s), statistics.median(one_call_s)
+        g, e = statistics.median(graph_s), statistics.median(eager_s)
+        t, o = statistics.median(torch_s), statistics.median(one_call_s)
         results.append({"batch": batch, "start": start, "length": length,
                         "padded_to": list(graph_inputs.input_ids.shape),
                         "graph_reads": graph_inputs.read_slots, "eager_reads": eager_inputs.read_slots,
                         "graph_s": round(g, 4), "eager_s": round(e, 4), "eager_over_graph": round(e / g, 3),
-                        "eager_one_call_attention_s": round(o, 4), "attention_blocks_gain": round(o / e, 3),
+                        "eager_torch_attention_s": round(t, 4), "prefill_kernel_gain": round(t / e, 3),
+                        "eager_one_call_attention_s": round(o, 4), "attention_blocks_gain": round(o / t, 3),
                         "loop_runs_eagerly": loop._prefill_eagerly(chunk)})
     report = {"model": model_dir, "seq_len": slots, "chunk_buckets": list(shapes.chunk_buckets),
-              "threads": args.threads, "rounds": args.rounds, "calls": results}
+              "threads": args.threads, "rounds": args.rounds,
+              "prefill_attention_kernel": prefill_attention.covers(config.head_dim), "calls": results}
     print(json.dumps(report, indent=1), file=out)
     return report
 

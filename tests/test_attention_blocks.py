@@ -99,16 +99,21 @@ def test_a_windowed_models_long_prompt_equals_transformers(monkeypatch):
     goes by blocks (counted), and the last logits equal transformers'."""
     hf = build_random_model(model_type="mistral", sliding_window=200, max_position_embeddings=1024, vocab_size=256,
                             initializer_range=0.05, seed=3)
-    config = ModelConfig.from_dict(hf.config.to_dict())
     prompt = [(7 * i + 3) % 250 + 3 for i in range(700)]
+    expected, got, calls = logits_counting_calls(monkeypatch, attention_blocks, "blocked_attention", hf, prompt)
+    assert calls == hf.config.num_hidden_layers
+    assert torch.allclose(got, expected, atol=1e-4), (got - expected).abs().max()
+
+
+def logits_counting_calls(monkeypatch, module, name: str, hf, prompt: list[int]):
+    """(transformers' last logits for the prompt, corelaunch's, how many times module.name ran)."""
+    config = ModelConfig.from_dict(hf.config.to_dict())
     with torch.inference_mode():
         expected = hf(torch.tensor([prompt])).logits[0, -1]
     calls = []
-    real = attention_blocks.blocked_attention
-    monkeypatch.setattr(attention_blocks, "blocked_attention", lambda *a: calls.append(1) or real(*a))
-    got = last_logits(config, hf_state_dict(hf), prompt)
-    assert len(calls) == config.num_hidden_layers
-    assert torch.allclose(got, expected, atol=1e-4), (got - expected).abs().max()
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a: calls.append(1) or real(*a))
+    return expected, last_logits(config, hf_state_dict(hf), prompt), len(calls)
 
 
 def test_a_block_that_reads_no_slot_keeps_every_slot_as_the_one_call_does():

@@ -1,24 +1,37 @@
 """Which prefill calls a compiled cpu serving loop runs eagerly (workers/serving/loop.py): a call its
-bucket pads by a fifth or more, every call continuing its sequences, and every call padded to chunks
+bucket pads by a fifth or more, every call continuing its sequences, and, where the prefill attention
+kernel does not cover the model (its head_dim, or the kernel turned off), every call padded to chunks
 of EAGER_PREFILL_WIDTH tokens or more (its eager attention goes by query blocks:
 workers/attention_blocks.py); and the warm-up's shapes leave out the graphs no call then takes."""
 
 from __future__ import annotations
 
 from shardlib.buckets import Buckets
+from shardlib.model_config import ModelConfig
 from shardlib.serving_shapes import PREFILL_CONTINUE, PREFILL_START, ServingShapes
+from tests.model_factory import build_random_model
+from tests.native_kernels import skip_unless_built
 from tests.test_engine import fresh_model
+from tests.tp_harness import build_rank_model, hf_state_dict
+from workers.collectives import SingleRank
 from workers.compiled import CompiledCausalLM
-from workers.serving.loop import EAGER_PREFILL_WIDTH, ServingConfig, ServingLoop
+from workers.kernels import prefill_attention
+from workers.serving.loop import EAGER_PREFILL_WIDTH, ServingConfig, ServingLoop, warm_up_shapes
 from workers.serving.step_plan import PrefillChunk
 
 BUCKETS = Buckets.build(max_seq_len=4096, context=(256, 512, 1024, 2048), token=(4096,))
 
 
-def compiled_loop() -> ServingLoop:
+def compiled_loop(model=None) -> ServingLoop:
+    """fresh_model's head_dim is 16, which the prefill attention kernel does not tile."""
     shapes = ServingShapes.build(BUCKETS, max_num_seqs=4, max_prefill_tokens=2048)
-    return ServingLoop(CompiledCausalLM(fresh_model(), BUCKETS, announce=lambda line: None),
+    return ServingLoop(CompiledCausalLM(model or fresh_model(), BUCKETS, announce=lambda line: None),
                        ServingConfig(4, 2048, 4096, shapes))
+
+
+def head_dim_64_model():
+    hf = build_random_model(hidden_size=128, num_heads=2, num_kv_heads=1, max_position_embeddings=4096)
+    return build_rank_model(ModelConfig.from_dict(hf.config.to_dict()), hf_state_dict(hf), 0, 1, SingleRank())
 
 
 def chunks(*lengths: int, start: int = 0) -> list[PrefillChunk]:
@@ -47,3 +60,26 @@ def test_the_cpu_warm_up_builds_no_graph_for_wide_or_continuing_chunks():
     assert {(PREFILL_START, 1024), (PREFILL_START, 2048), (PREFILL_CONTINUE, 512)} <= everything
     decode = [s for s in shapes.shapes() if s[0] == "serve-decode"]
     assert [s for s in built if s[0] == "serve-decode"] == decode  # decode graphs all kept
+
+
+@skip_unless_built(prefill_attention, "the prefill attention kernel")
+def test_with_the_prefill_attention_kernel_wide_unpadded_chunks_take_their_graph(monkeypatch):
+    """Its graphs compute only the tiles their queries may read, as the eager step does: only padding
+    and continuing send a call eagerly, and the warm-up builds the wide chunks' graphs; turned off,
+    the width rule is back."""
+    model = head_dim_64_model()
+    assert prefill_attention.covers(64) and not prefill_attention.covers(16)
+    loop = compiled_loop(model)
+    assert loop.eager_from_width is None
+    assert not loop._prefill_eagerly(chunks(1024))
+    assert not loop._prefill_eagerly(chunks(1000, 1000))  # 2 x 1024 for 2000: padded by 1.02
+    assert not loop._prefill_eagerly(chunks(2048))
+    assert loop._prefill_eagerly(chunks(1100))  # 2048 for 1100: padded by 1.86
+    assert loop._prefill_eagerly(chunks(100, start=300))  # continuing
+    shapes = ServingShapes.build(BUCKETS, max_num_seqs=4, max_prefill_tokens=2048)
+    wide = {(PREFILL_START, 1024), (PREFILL_START, 2048)}
+    assert wide <= {(phase, length) for phase, _, length in warm_up_shapes(shapes, True, 64)}
+    assert not wide & {(phase, length) for phase, _, length in warm_up_shapes(shapes, True, 16)}
+    monkeypatch.setenv("CORELAUNCH_PREFILL_ATTENTION", "0")
+    assert compiled_loop(model).eager_from_width == EAGER_PREFILL_WIDTH
+    assert not wide & {(phase, length) for phase, _, length in warm_up_shapes(shapes, True, 64)}

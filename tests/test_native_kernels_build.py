@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 
 from tests.native_kernels import absence_expected
-from workers.kernels import decode_attention, packed_linear, small_linear
+from workers.kernels import decode_attention, packed_linear, prefill_attention, small_linear
 
 
-@pytest.mark.parametrize("kernel", [small_linear, packed_linear, decode_attention],
-                         ids=["small_linear", "packed_linear", "decode_attention"])
+@pytest.mark.parametrize("kernel", [small_linear, packed_linear, decode_attention, prefill_attention],
+                         ids=["small_linear", "packed_linear", "decode_attention", "prefill_attention"])
 def test_every_kernel_builds_where_it_can(kernel):
     if not kernel.available() and absence_expected(kernel.unavailable_reason):
         pytest.skip(f"unavailable by choice or without a compiler: {kernel.unavailable_reason}")

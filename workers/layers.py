@@ -17,7 +17,7 @@ from torch import nn
 
 from workers import attention_blocks
 from workers.collectives import Collectives
-from workers.kernels import decode_attention
+from workers.kernels import decode_attention, prefill_attention
 from workers.kernels import small_linear as small
 from workers.kv_cache import write_kv
 from workers.packed_weight import PackedWeight
@@ -66,8 +66,11 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: t
     (batch, 1, seq, slots); returns (batch, q_heads, seq, head_dim). scale None: head_dim ** -0.5
     (Gemma 3: query_pre_attn_scalar ** -0.5).
 
-    Eager, and for prefills, this is F.scaled_dot_product_attention (a long eager one on the CPU by
-    query blocks, each over the slots it may read: workers/attention_blocks.py). Traced by torch.compile
+    For prefills (several queries per row) of float32 on the CPU, eager or traced, this is the prefill
+    attention kernel (workers/kernels/prefill_attention.py), which computes only the tiles of slots
+    each block of queries may read. Otherwise, eager, and for prefills, it is
+    F.scaled_dot_product_attention (a long eager one on the CPU by query blocks, each over the slots
+    it may read: workers/attention_blocks.py). Traced by torch.compile
     for a decode step (one query per row), it is written out as products and sums, which inductor fuses
     into the graph's own loops: the CPU flash-attention kernel it would otherwise call is a separate,
     un-fused call that spends most of its time on set-up for a single query. On the cpu backend with a
@@ -78,6 +81,8 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: t
     kv_heads = keys.shape[1]
     scale = head_dim ** -0.5 if scale is None else scale
     if not (torch.compiler.is_compiling() and seq == 1):
+        if prefill_attention.usable(q, keys, mask):  # the CPU kernel: skips the slots a query cannot read
+            return prefill_attention.prefill_attention(q, keys, values, mask, scale)
         if attention_blocks.worth_blocking(q):  # a long eager prefill: skip the slots each block cannot see
             out = attention_blocks.blocked_attention(q, keys, values, mask, scale, q_heads != kv_heads)
             if out is not None:

@@ -312,7 +312,8 @@ class RankWorker:
                            self._run_batch, self._grammar_tokenizer())
         if shapes is not None and spec.warm_up_max_length is not None and hasattr(model, "warming_up"):
             with model.warming_up():
-                loop.warm_up(warm_up_shapes(shapes, loop.continues_eagerly, spec.warm_up_max_length or None),
+                loop.warm_up(warm_up_shapes(shapes, loop.continues_eagerly, model.config.head_dim,
+                                             spec.warm_up_max_length or None),
                              progress=self._graph_progress)
         self._loop = self._prepared_loop = loop
         return {"rank": self.spec.rank, "cache_bytes": loop.cache.nbytes(), "prepare_s": time.perf_counter() - start,

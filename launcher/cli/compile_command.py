@@ -162,7 +162,7 @@ def compile_model(args: argparse.Namespace) -> dict:
         shapes = buckets.shapes()
         # the shapes a rank's warm-up builds (none for the prefill calls the cpu backend runs eagerly)
         serving = warm_up_shapes(ServingShapes.build(buckets, config.max_num_seqs, config.max_prefill_tokens),
-                                 planned.backend == "cpu")
+                                 planned.backend == "cpu", model_config.head_dim)
         progress.note(f"building {len(shapes)} graph(s) per rank: context-encoding buckets "
                       f"{list(buckets.context)}, token-generation buckets {list(buckets.token)}, "
                       f"batch buckets {list(buckets.batch)}; then {len(serving)} serving graph(s) "

@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 
 from shardlib.serving_shapes import PREFILL_PHASES, PREFILL_START, ServingShapes
+from workers.kernels import prefill_attention
 from workers.serving.burst import BURST_WAIT_CAP
 from workers.serving.outbox import Outbox
 from workers.serving.prompt_scoring import prompt_targets, score_chunk
@@ -49,12 +50,13 @@ forward runs a real one: on one 2-core host (benchmarks/prefill_paths.py, README
 step took 1.06-1.13x the graph's time for calls without padding, 0.80-0.85x for 1.28x padding,
 0.10-0.34x for 4x or more, and 0.04-0.69x for every continuing call measured."""
 EAGER_PREFILL_WIDTH = 1024
-"""On the cpu backend a prefill call padded to chunks this wide or wider runs eagerly too: the eager
-step's attention then goes by query blocks over the slots each may read (workers/attention_blocks.py):
-5/8 of the scores the graph's one call under the causal mask computes at 1024 tokens, 9/16 at 2048.
-On one 2-core host the eager step took 0.95-0.98x the graph's time for unpadded calls of 1024-token
-chunks, 0.84-0.87x for one 2048-token chunk and 0.73x for 1800 tokens in the 2048 bucket, against
-1.02-1.09x for 512-token chunks (benchmarks/prefill_paths.py, README Measured)."""
+"""On the cpu backend without the prefill attention kernel (eager_from_width), a prefill call padded to
+chunks this wide or wider runs eagerly too: the eager step's attention then goes by query blocks over
+the slots each may read (workers/attention_blocks.py), 5/8 of the scores the graph's one call under
+the causal mask computes at 1024 tokens, 9/16 at 2048. On one 2-core host the eager step took
+0.95-0.98x the graph's time for unpadded calls of 1024-token chunks, 0.84-0.87x for one 2048-token
+chunk and 0.73x for 1800 tokens in the 2048 bucket, against 1.02-1.09x for 512-token chunks
+(benchmarks/prefill_paths.py, README Measured)."""
 STATIC_WAIT_S = 60.0
 """How long a follower waits for its copy of a static batch the leader already announced."""
 
@@ -79,12 +81,24 @@ class ServingConfig:
     their forward's length (_keys_depend_on_length)."""
 
 
-def warm_up_shapes(shapes, cpu: bool, max_length: int | None = None) -> list[tuple[str, int, int]]:
+def eager_from_width(cpu: bool, head_dim: int) -> int | None:
+    """EAGER_PREFILL_WIDTH where that rule applies: on the cpu backend when the model's prefill
+    attention cannot take the prefill attention kernel (turned off, no compiler, or a head_dim it
+    does not tile), so that a graph would compute every score under the mask; None otherwise. With the
+    kernel a graph computes only the tiles of slots its queries may read, like the eager step, and
+    fuses what the eager step runs op by op: on machine R it took 0.83-0.89x the eager step's time for
+    unpadded 1024- and 2048-token chunks and 0.95x for 1800 tokens in the 2048 bucket
+    (benchmarks/prefill_paths.py, README Measured), so only the waste rule sends a call eagerly."""
+    return EAGER_PREFILL_WIDTH if cpu and not prefill_attention.covers(head_dim) else None
+
+
+def warm_up_shapes(shapes, cpu: bool, head_dim: int, max_length: int | None = None) -> list[tuple[str, int, int]]:
     """The serving shapes (ServingShapes.shapes) whose graphs a warm-up builds: on the cpu backend,
     none for the prefill calls its loop runs eagerly whatever their padding (ServingLoop
     continues_eagerly, eager_from_width): calls continuing their sequences, and chunks of
-    EAGER_PREFILL_WIDTH or wider. The rank's warm-up and `corelaunch compile` both ask here."""
-    return shapes.shapes(max_length, continuing=not cpu, chunks_below=EAGER_PREFILL_WIDTH if cpu else None)
+    eager_from_width or wider where that rule applies. The rank's warm-up and `corelaunch compile`
+    both ask here."""
+    return shapes.shapes(max_length, continuing=not cpu, chunks_below=eager_from_width(cpu, head_dim))
 
 
 def _keys_depend_on_length(model, positions: int) -> bool:
@@ -132,9 +146,11 @@ class ServingLoop:
         self.continues_eagerly = self._can_prefill_eagerly and self.device.type == "cpu"
         """Every prefill call that continues its sequences runs eagerly (the cpu backend:
         EAGER_PREFILL_WASTE), so a warm-up need not build their graphs."""
-        self.eager_from_width = EAGER_PREFILL_WIDTH if self.continues_eagerly else None
-        """Prefill calls padded to chunks at least this wide run eagerly (the cpu backend:
-        EAGER_PREFILL_WIDTH), so a warm-up need not build their graphs; None: no such rule."""
+        self.eager_from_width = (eager_from_width(True, model.config.head_dim) if self.continues_eagerly
+                                 else None)
+        """Prefill calls padded to chunks at least this wide run eagerly (the cpu backend without the
+        prefill attention kernel: eager_from_width), so a warm-up need not build their graphs; None:
+        no such rule."""
         self.cache = model.new_cache(config.max_num_seqs + 1, config.cache_slots, long_lived=True)
         max_chunk = config.shapes.max_chunk if config.shapes is not None else config.max_prefill_tokens
         # The plan's token area is all-reduced every step, prefill or not (and every idle heartbeat):
