@@ -113,7 +113,12 @@ def test_prompts_have_the_exact_length_and_differ_within_their_first_tokens():
     source = PromptSource(WordTokenizer(), 128)
     prompts = source.take(3) + source.take(2)
     assert all(len(p) == 128 for p in prompts)
-    assert len({tuple(p[:8]) for p in prompts}) == 5
+    assert len({tuple(p[:16]) for p in prompts}) == 5
+    # another run's prompts, longer or not, begin otherwise: a server's prefix cache of the first run
+    # holds nothing the second can reuse
+    longer = PromptSource(WordTokenizer(), 300)
+    longer.run = "654321-" if source.run != "654321-" else "123456-"
+    assert all(p[:16] != q[:16] for p in prompts for q in longer.take(5))
     with pytest.raises(ValueError, match=r"prompt length \(0\)"):
         build_prompt(WordTokenizer(), 0, 0)
 
