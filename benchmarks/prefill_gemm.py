@@ -1,9 +1,10 @@
 """Prefill-sized float32 products three ways, at SmolLM2's shapes, alternated round by round:
 - onednn: the weight unpacked from its panels and the corelaunch::prefill_linear operator called
   with CORELAUNCH_PREFILL_GEMM=onednn (workers/kernels/prefill_gemm.py): what a model runs for
-  products of UNPACK_MIN_ROWS rows or more by default on a CPU not made by Intel;
+  products of UNPACK_MIN_ROWS rows or more by default on a CPU not made by Intel without AVX-512;
 - mkl: the same with CORELAUNCH_PREFILL_GEMM=mkl: F.linear, MKL's sgemm (the default on Intel's);
-- packed: the packed-panel kernel on the panels themselves (what products of fewer rows take).
+- packed: the packed-panel kernel on the panels themselves (what products of fewer rows take, and
+  every product by default on the other CPUs with AVX-512: CORELAUNCH_PREFILL_GEMM=packed).
 A timing is the mean of --calls calls; each way keeps its fastest timing over --rounds rounds.
 Prints JSON: per (rows, out, in) those times (ms) and each way's over mkl's, then their sums over
 one layer's four products (fused QKV, output, fused gate and up, down).

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 COLLECTIVES = "CORELAUNCH_COLLECTIVES"
 COLLECTIVES_MODES = ("auto", "gloo", "shm")
 PREFILL_GEMM = "CORELAUNCH_PREFILL_GEMM"
-PREFILL_GEMMS = ("onednn", "mkl")
+PREFILL_GEMMS = ("packed", "onednn", "mkl")
 KERNEL_SWITCHES = ("CORELAUNCH_PACKED_WEIGHTS", "CORELAUNCH_DECODE_ATTENTION", "CORELAUNCH_PREFILL_ATTENTION",
                    "CORELAUNCH_SMALL_LINEAR")
 """On (1, the default) or off (0): each turns one native kernel off."""

@@ -76,11 +76,26 @@ def test_prefill_sized_products_go_through_the_prefill_gemm_on_the_unpacked_weig
     g = torch.Generator().manual_seed(4)
     w, bias = torch.randn(50, 96, generator=g), torch.randn(50, generator=g)
     x = torch.randn(kernel.UNPACK_MIN_ROWS, 96, generator=g)
+    monkeypatch.setenv("CORELAUNCH_PREFILL_GEMM", "onednn")
     got = kernel.packed_linear(x, kernel.pack(w), 50, bias)
     assert torch.equal(got, prefill_linear(x, w, bias))
     torch.testing.assert_close(got, F.linear(x, w, bias), rtol=1e-5, atol=1e-5)
     monkeypatch.setenv("CORELAUNCH_PREFILL_GEMM", "mkl")
     assert torch.equal(kernel.packed_linear(x, kernel.pack(w), 50, bias), F.linear(x, w, bias))
+
+
+def test_with_the_packed_prefill_gemm_prefill_sized_products_stay_on_the_panels(monkeypatch):
+    """Every row count through the kernel: a row's bits are the same in a prefill-sized product as
+    alone."""
+    monkeypatch.setenv("CORELAUNCH_PREFILL_GEMM", "packed")
+    g = torch.Generator().manual_seed(5)
+    w, bias = torch.randn(50, 96, generator=g), torch.randn(50, generator=g)
+    x = torch.randn(kernel.UNPACK_MIN_ROWS + 3, 96, generator=g)
+    panels = kernel.pack(w)
+    got = kernel.packed_linear(x, panels, 50, bias)
+    assert torch.equal(got, kernel.run_kernel(kernel._library(), x, panels, 50, bias))
+    assert torch.equal(got[7:19], kernel.packed_linear(x[7:19], panels, 50, bias))
+    torch.testing.assert_close(got, F.linear(x, w, bias), rtol=1e-5, atol=1e-5)
 
 
 def test_pack_refuses_what_it_cannot_hold():

@@ -1,6 +1,7 @@
 """The GEMM behind prefill-sized products (workers/kernels/prefill_gemm.py): by default MKL's
-(F.linear) on Intel CPUs and oneDNN's on the others, CORELAUNCH_PREFILL_GEMM choosing either, MKL's
-where torch has no oneDNN; one opaque call in a compiled graph."""
+(F.linear) on Intel CPUs, the packed-panel kernel on the others with AVX-512 and oneDNN's on the
+rest, CORELAUNCH_PREFILL_GEMM choosing any, MKL's for oneDNN where torch has no oneDNN; one opaque
+call in a compiled graph."""
 
 from __future__ import annotations
 
@@ -21,9 +22,12 @@ def operands(rows: int = 1024, k: int = 192, n: int = 80):
     return torch.randn(2, rows // 2, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
 
 
-@pytest.mark.parametrize("vendor, default", [("GenuineIntel", "mkl"), ("AuthenticAMD", "onednn"), (None, "onednn")])
-def test_the_default_follows_the_cpus_maker(monkeypatch, vendor, default):
+@pytest.mark.parametrize("vendor, avx512, default", [("GenuineIntel", True, "mkl"), ("AuthenticAMD", True, "packed"),
+                                                     ("AuthenticAMD", False, "onednn"), (None, False, "onednn")],
+                         ids=["intel", "amd-avx512", "amd-avx2", "unknown"])
+def test_the_default_follows_the_cpu(monkeypatch, vendor, avx512, default):
     monkeypatch.setattr(prefill_gemm, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(prefill_gemm, "has_avx512", lambda: avx512)
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: True)
     for unset in (None, ""):
         if unset is None:
@@ -31,15 +35,19 @@ def test_the_default_follows_the_cpus_maker(monkeypatch, vendor, default):
         else:
             monkeypatch.setenv("CORELAUNCH_PREFILL_GEMM", unset)
         assert chosen_gemm() == default
+    assert prefill_gemm.keeps_packed() == (default == "packed")
     for choice in CHOICES:  # the variable overrides the default either way
         monkeypatch.setenv("CORELAUNCH_PREFILL_GEMM", choice)
         assert chosen_gemm() == choice
 
 
-def test_this_hosts_maker_is_read():
+def test_this_hosts_maker_and_flags_are_read():
     with open("/proc/cpuinfo") as f:
-        vendors = {line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")}
+        lines = f.readlines()
+    vendors = {line.split(":", 1)[1].strip() for line in lines if line.startswith("vendor_id")}
     assert prefill_gemm.cpu_vendor() in (vendors or {None})
+    flags = {flag for line in lines if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
+    assert prefill_gemm.has_avx512() == ("avx512f" in flags)
 
 
 @needs_onednn
@@ -68,13 +76,15 @@ def test_a_torch_without_onednn_takes_f_linear(monkeypatch):
     monkeypatch.setenv("CORELAUNCH_PREFILL_GEMM", "onednn")
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
     assert chosen_gemm() == "mkl"
+    monkeypatch.setenv("CORELAUNCH_PREFILL_GEMM", "packed")  # needs no oneDNN
+    assert chosen_gemm() == "packed"
     x, w, b = operands()
     assert torch.equal(prefill_linear(x, w, b), F.linear(x, w, b))
 
 
 def test_an_unknown_choice_is_named(monkeypatch):
     monkeypatch.setenv("CORELAUNCH_PREFILL_GEMM", "blas")
-    with pytest.raises(ValueError, match="CORELAUNCH_PREFILL_GEMM='blas' is not one of onednn, mkl"):
+    with pytest.raises(ValueError, match="CORELAUNCH_PREFILL_GEMM='blas' is not one of packed, onednn, mkl"):
         chosen_gemm()
 
 

@@ -61,7 +61,7 @@ from workers.kv_quant import to_cache, writable
 from workers.model import ShardedCausalLM
 from workers.granularities import DEFAULT_GRANULARITY, GRANULARITIES
 from workers.inductor_cache import ensure_private_inductor_cache
-from workers.kernels import decode_attention, prefill_attention, small_linear
+from workers.kernels import decode_attention, prefill_attention, prefill_gemm, small_linear
 from workers.step import EAGER, StepParts, run_step
 
 CHECKED_LIBRARIES = ("torch", "transformers", "corelaunch")
@@ -112,6 +112,7 @@ def _compile(fn, fullgraph: bool = True):
     small_linear.mark_constants_for_tracing()
     decode_attention.mark_constants_for_tracing()
     prefill_attention.mark_constants_for_tracing()
+    prefill_gemm.mark_constants_for_tracing()
     # dynamic=False: a static graph per shape, never a shape-generic one (bucketing's whole point).
     # The backend is inductor's, one compile per graph on the host (workers/compile_once.py).
     return torch.compile(fn, fullgraph=fullgraph, dynamic=False, backend=BACKEND)

@@ -21,7 +21,8 @@ README, Measured, machine J). More blocks (prefills) take K whole.
 Every output element is the sum over k in the same order whatever the number of rows, so a row's
 result does not depend on which other rows share its batch, below UNPACK_MIN_ROWS: products of
 that many rows (prefills) take a GEMM library's product on the weight unpacked for the call
-(prefill_gemm.py), which was faster there on an Intel host (README, Measured, machine E).
+(prefill_gemm.py) where one is chosen: it was faster there on Intel hosts (README, Measured,
+machines E and M), this kernel on AMD ones with AVX-512 (L, R), which keep it.
 
 The kernel's torch operator (corelaunch::packed_linear_kernel) is compiled as C++ against the
 installed torch, so that a call from a compiled graph costs a few microseconds rather than the
@@ -36,7 +37,7 @@ import ctypes
 import torch
 
 from workers import native_build
-from workers.kernels.prefill_gemm import prefill_linear
+from workers.kernels.prefill_gemm import keeps_packed, prefill_linear
 from workers.kernels.small_linear import _cpu_identity
 from workers.native_build import LibrarySpec, NativeUnavailable
 
@@ -277,7 +278,8 @@ def unpack(panels: torch.Tensor, out_features: int) -> torch.Tensor:
 
 UNPACK_MIN_ROWS = 1024
 """Products of at least this many rows (prefills) unpack the weight into a temporary for the prefill
-GEMM (prefill_gemm.py): there MKL's GEMM was faster than this kernel (machine E; on machine L this
+GEMM where one is chosen over this kernel (prefill_gemm.py: on Intel CPUs, and AMD ones without
+AVX-512): there MKL's GEMM was faster than this kernel (machines E and M; on machines L and R this
 kernel was the faster), and one copy of the weight costs a few percent of such a product."""
 
 
@@ -308,8 +310,8 @@ def _packed_linear_shape(x, panels, out_features, bias):
 def packed_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
                   bias: torch.Tensor | None) -> torch.Tensor:
     """x W^T (+ bias) with W packed by `pack`: one operator call in a compiled graph. Products of
-    UNPACK_MIN_ROWS rows or more (prefills) take prefill_linear (oneDNN by default) on the weight
-    unpacked for the call."""
-    if x.numel() // x.shape[-1] >= UNPACK_MIN_ROWS:
+    UNPACK_MIN_ROWS rows or more (prefills) take prefill_linear on the weight unpacked for the call
+    where the prefill GEMM chosen is not the packed kernel itself (prefill_gemm.py)."""
+    if x.numel() // x.shape[-1] >= UNPACK_MIN_ROWS and not keeps_packed():
         return prefill_linear(x, unpack(panels, out_features), bias)
     return torch.ops.corelaunch.packed_linear_kernel(x, panels, out_features, bias)

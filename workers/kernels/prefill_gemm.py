@@ -1,12 +1,16 @@
-"""The GEMM behind prefill-sized products (x of UNPACK_MIN_ROWS rows or more, float32): oneDNN's
-or MKL's, chosen by the CPU's maker.
+"""The GEMM behind prefill-sized products (x of UNPACK_MIN_ROWS rows or more, float32): the
+packed-panel kernel on the panels themselves, or oneDNN's or MKL's on the weight unpacked for the
+call, chosen by the CPU.
 
 torch's F.linear on CPU calls MKL's sgemm. At SmolLM2's prefill shapes (README, Measured;
 benchmarks/prefill_gemm.py) oneDNN (also inside every torch CPU build) took 0.74-0.97 of MKL's time
-per product on an AMD EPYC with AVX-512 (machine L), while on an Intel Xeon with AVX-512 (machine M)
-MKL was the faster, oneDNN taking 0.99-1.16 of its time a layer. So the default is MKL's on Intel
-CPUs and oneDNN's on every other. `CORELAUNCH_PREFILL_GEMM=onednn` or `=mkl` overrides it; a torch
-built without oneDNN uses F.linear anyway.
+per product on an AMD EPYC with AVX-512 (machine L), and the packed-panel kernel less still there
+and on a Zen 5 EPYC (machine R: 0.94 of oneDNN's time a layer, without the unpacking), while on an
+Intel Xeon with AVX-512 (machine M) MKL was the faster, oneDNN taking 0.99-1.16 of its time a layer
+and the packed kernel 1.04-1.19. So the default is MKL's on Intel CPUs, the packed kernel on the
+others with AVX-512, and oneDNN's on the rest (AVX2 AMD hosts: the packed kernel was not measured
+against it there). `CORELAUNCH_PREFILL_GEMM=packed`, `=onednn` or `=mkl` overrides it; a torch
+built without oneDNN uses F.linear for `onednn`.
 
 `corelaunch::prefill_linear` is a custom operator so that a compiled graph calls it as one opaque
 step: inductor lowers oneDNN's own linear operator only for weights it has frozen and packed at
@@ -38,16 +42,43 @@ def cpu_vendor() -> str | None:
     return None
 
 
+@functools.cache
+def has_avx512() -> bool:
+    """Whether /proc/cpuinfo's flags name avx512f."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " avx512f" in line for line in f)
+    except OSError:
+        return False
+
+
 def default_gemm() -> str:
-    """mkl on Intel CPUs, onednn on the others (see the module's docstring for the measurements)."""
-    return "mkl" if cpu_vendor() == "GenuineIntel" else "onednn"
+    """mkl on Intel CPUs, packed on the others with AVX-512, onednn on the rest (see the module's
+    docstring for the measurements)."""
+    if cpu_vendor() == "GenuineIntel":
+        return "mkl"
+    return "packed" if has_avx512() else "onednn"
 
 
 def chosen_gemm() -> str:
-    """CORELAUNCH_PREFILL_GEMM (default: default_gemm()), or mkl where torch has no oneDNN;
+    """CORELAUNCH_PREFILL_GEMM (default: default_gemm()), mkl for onednn where torch has no oneDNN;
     ValueError naming the value otherwise."""
     choice = env_settings.choice(env_settings.PREFILL_GEMM, CHOICES) or default_gemm()
-    return choice if torch.backends.mkldnn.is_available() else "mkl"
+    return "mkl" if choice == "onednn" and not torch.backends.mkldnn.is_available() else choice
+
+
+def keeps_packed() -> bool:
+    """Whether prefill-sized products stay on the packed-panel kernel (chosen_gemm() is packed). A
+    constant to torch.compile (mark_constants_for_tracing)."""
+    return chosen_gemm() == "packed"
+
+
+def mark_constants_for_tracing() -> None:
+    """Tells torch.compile to take keeps_packed() as a constant (every traced prefill-sized packed
+    product asks it), as workers/kernels/small_linear.py does for its own."""
+    import torch._dynamo
+
+    torch._dynamo.assume_constant_result(keeps_packed)
 
 
 def prefill_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -62,8 +93,10 @@ def prefill_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 def _prefill_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """oneDNN's GEMM only when all three are float32 (the packed weights' dtype; oneDNN's linear
-    refuses others obscurely), else F.linear."""
-    if chosen_gemm() == "onednn" and all(t is None or t.dtype == torch.float32 for t in (x, weight, bias)):
+    refuses others obscurely), else F.linear. With `packed` chosen a model never calls this (its
+    products stay on the panels); a direct call takes oneDNN's where torch has it."""
+    if (chosen_gemm() != "mkl" and torch.backends.mkldnn.is_available()
+            and all(t is None or t.dtype == torch.float32 for t in (x, weight, bias))):
         # oneDNN reads x and the bias as if dense, whatever their strides: hand it dense copies
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight.contiguous(),
                                                   None if bias is None else bias.contiguous(), "none", [], "")
