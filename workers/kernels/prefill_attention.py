@@ -73,6 +73,8 @@ typedef int32_t vi __attribute__((vector_size(VL * 4)));
 static inline vf ld(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 static inline void st(float *p, vf v) { memcpy(p, &v, sizeof v); }
 static inline long lmin(long a, long b) { return a < b ? a : b; }
+static inline vf vmax(vf a, vf b) { vi gt = a > b; return (vf)(((vi)a & gt) | ((vi)b & ~gt)); }
+static inline void scale_row(float *p, long n, float by) { for (long c = 0; c < n; c += VL) st(p + c, ld(p + c) * by); }
 static inline long lmax(long a, long b) { return a > b ? a : b; }
 
 int cl_prefill_attention_width(void) { return NR; }
@@ -195,7 +197,7 @@ void cl_prefill_attention(const float *q, const long *qs, const float *k, const 
             for (long g = 0; g < group; g++)
                 for (long i = 0; i < n; i++) {
                     const float *src = q + b * qs[0] + (kh * group + g) * qs[1] + (i0 + i) * qs[2];
-                    for (long c = 0; c < d; c++) qt[(g * n + i) * d + c] = src[c] * scale;
+                    for (long c = 0; c < d; c += VL) st(qt + (g * n + i) * d + c, ld(src + c) * scale);
                 }
             memset(ot, 0, sizeof(float) * m * d);
             for (long r = 0; r < m; r++) { best[r] = -INFINITY; sum[r] = 0.f; }
@@ -226,8 +228,10 @@ void cl_prefill_attention(const float *q, const long *qs, const float *k, const 
                         for (long c = cs; c < ce; c++)
                             if (j0 + c < js || j0 + c >= je || !mrows[i * slots + j0 + c]) s[c] = -INFINITY;
                     }
+                    vf tops = (vf){0} - INFINITY;
+                    for (long c = cs; c < ce; c += VL) tops = vmax(ld(s + c), tops);
                     float top = -INFINITY;
-                    for (long c = cs; c < ce; c++) top = s[c] > top ? s[c] : top;
+                    for (int l = 0; l < VL; l++) top = tops[l] > top ? tops[l] : top;
                     if (top == -INFINITY) { memset(s + cs, 0, sizeof(float) * (ce - cs)); continue; }
                     float was = best[r], now = was > top ? was : top;
                     vf acc = (vf){0};
@@ -243,7 +247,7 @@ void cl_prefill_attention(const float *q, const long *qs, const float *k, const 
                     else {
                         float alpha = expf(was - now);
                         sum[r] = sum[r] * alpha + part;
-                        for (long c = 0; c < d; c++) ot[r * d + c] *= alpha;
+                        scale_row(ot + r * d, d, alpha);
                     }
                     best[r] = now;
                 }
@@ -259,7 +263,7 @@ void cl_prefill_attention(const float *q, const long *qs, const float *k, const 
                     long r = g * n + i;
                     float *dst = out + ((b * seq + i0 + i) * q_heads + kh * group + g) * d;
                     float inv = sum[r] > 0.f ? 1.f / sum[r] : 0.f;
-                    for (long c = 0; c < d; c++) dst[c] = ot[r * d + c] * inv;
+                    for (long c = 0; c < d; c += VL) st(dst + c, ld(ot + r * d + c) * inv);
                 }
         }
         free(qt); free(ot); free(st_); free(kt); free(best); free(sum);
