@@ -120,7 +120,7 @@ def main(out=None) -> dict:
                         "loop_runs_eagerly": loop._prefill_eagerly(chunk)})
     report = {"model": model_dir, "seq_len": slots, "chunk_buckets": list(shapes.chunk_buckets),
               "threads": args.threads, "rounds": args.rounds,
-              "prefill_attention_kernel": prefill_attention.covers(config.head_dim), "calls": results}
+              "prefill_attention_kernel": prefill_attention.covers(config.head_dim, torch.float32), "calls": results}
     print(json.dumps(report, indent=1), file=out)
     return report
 

@@ -6,6 +6,8 @@ workers/attention_blocks.py); and the warm-up's shapes leave out the graphs no c
 
 from __future__ import annotations
 
+import torch
+
 from shardlib.buckets import Buckets
 from shardlib.model_config import ModelConfig
 from shardlib.serving_shapes import PREFILL_CONTINUE, PREFILL_START, ServingShapes
@@ -68,7 +70,8 @@ def test_with_the_prefill_attention_kernel_wide_unpadded_chunks_take_their_graph
     and continuing send a call eagerly, and the warm-up builds the wide chunks' graphs; turned off,
     the width rule is back."""
     model = head_dim_64_model()
-    assert prefill_attention.covers(64) and not prefill_attention.covers(16)
+    assert prefill_attention.covers(64, torch.float32) and not prefill_attention.covers(16, torch.float32)
+    assert not prefill_attention.covers(64, torch.bfloat16)  # the kernel takes float32 only
     loop = compiled_loop(model)
     assert loop.eager_from_width is None
     assert not loop._prefill_eagerly(chunks(1024))
@@ -78,8 +81,8 @@ def test_with_the_prefill_attention_kernel_wide_unpadded_chunks_take_their_graph
     assert loop._prefill_eagerly(chunks(100, start=300))  # continuing
     shapes = ServingShapes.build(BUCKETS, max_num_seqs=4, max_prefill_tokens=2048)
     wide = {(PREFILL_START, 1024), (PREFILL_START, 2048)}
-    assert wide <= {(phase, length) for phase, _, length in warm_up_shapes(shapes, True, 64)}
-    assert not wide & {(phase, length) for phase, _, length in warm_up_shapes(shapes, True, 16)}
+    assert wide <= {(phase, length) for phase, _, length in warm_up_shapes(shapes, True, 64, torch.float32)}
+    assert not wide & {(phase, length) for phase, _, length in warm_up_shapes(shapes, True, 16, torch.float32)}
     monkeypatch.setenv("CORELAUNCH_PREFILL_ATTENTION", "0")
     assert compiled_loop(model).eager_from_width == EAGER_PREFILL_WIDTH
-    assert not wide & {(phase, length) for phase, _, length in warm_up_shapes(shapes, True, 64)}
+    assert not wide & {(phase, length) for phase, _, length in warm_up_shapes(shapes, True, 64, torch.float32)}

@@ -132,18 +132,40 @@ def test_the_model_attention_takes_the_kernel_for_prefills_only(monkeypatch):
     q, keys, values = tensors(1, 4, 2, 40, 40, 64, seed=1)
     mask = model_mask([0], 40, 40)
     assert torch.equal(attention(q, keys, values, mask), kernel.prefill_attention(q, keys, values, mask, 0.125))
-    assert kernel.usable(q, keys, mask)
-    assert not kernel.usable(q[:, :, :1], keys, mask[:, :, :1])
-    assert not kernel.usable(q.double(), keys.double(), mask)
+    assert kernel.usable(q, keys, values, mask)
+    assert not kernel.usable(q[:, :, :1], keys, values, mask[:, :, :1])
+    assert not kernel.usable(q.double(), keys.double(), values.double(), mask)
     odd = tensors(1, 4, 2, 40, 40, 24)
-    assert not kernel.usable(odd[0], odd[1], mask)
+    assert not kernel.usable(odd[0], odd[1], odd[2], mask)
     assert torch.allclose(attention(*odd, mask), F.scaled_dot_product_attention(*odd, attn_mask=mask,
                                                                                 enable_gqa=True), atol=1e-6)
     monkeypatch.setenv("CORELAUNCH_PREFILL_ATTENTION", "0")
     assert not kernel.available() and "CORELAUNCH_PREFILL_ATTENTION=0" in kernel.unavailable_reason
-    assert not kernel.usable(q, keys, mask)
+    assert not kernel.usable(q, keys, values, mask)
     monkeypatch.delenv("CORELAUNCH_PREFILL_ATTENTION")
     assert kernel.available()
+
+
+def test_shapes_the_kernel_does_not_take_stay_on_torchs_attention():
+    """A mask broadcast over the queries, values of another head_dim, a mask per head: torch's
+    attention takes them, so the model's attention must not send them to the kernel."""
+    q, keys, values = tensors(2, 4, 2, 16, 24, 32, seed=2)
+    full = model_mask([8, 0], 16, 24)
+    for mask, v in ((full[:, :, -1:], values), (full, torch.randn(2, 2, 24, 64)), (full.expand(2, 4, 16, 24), values)):
+        assert not kernel.usable(q, keys, v, mask)
+        expected = F.scaled_dot_product_attention(q, keys, v, attn_mask=mask, enable_gqa=True)
+        assert torch.allclose(attention(q, keys, v, mask), expected, atol=1e-6)
+
+
+def test_a_nan_query_gives_nan_as_torchs_attention_does():
+    q, keys, values = tensors(1, 4, 2, 8, 8, 32, seed=6)
+    q[0, 1, 3] = float("nan")
+    mask = model_mask([0], 8, 8)
+    got = kernel.prefill_attention(q, keys, values, mask, 0.2)
+    assert got[0, 1, 3].isnan().all()
+    others = torch.ones(4, 8, dtype=torch.bool)
+    others[1, 3] = False
+    assert not got[0][others].isnan().any()
 
 
 def test_bad_shapes_are_refused_with_what_it_takes():

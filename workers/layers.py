@@ -81,7 +81,7 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: t
     kv_heads = keys.shape[1]
     scale = head_dim ** -0.5 if scale is None else scale
     if not (torch.compiler.is_compiling() and seq == 1):
-        if prefill_attention.usable(q, keys, mask):  # the CPU kernel: skips the slots a query cannot read
+        if prefill_attention.usable(q, keys, values, mask):  # the CPU kernel: skips the slots a query cannot read
             return prefill_attention.prefill_attention(q, keys, values, mask, scale)
         if attention_blocks.worth_blocking(q):  # a long eager prefill: skip the slots each block cannot see
             out = attention_blocks.blocked_attention(q, keys, values, mask, scale, q_heads != kv_heads)

@@ -312,7 +312,7 @@ class RankWorker:
                            self._run_batch, self._grammar_tokenizer())
         if shapes is not None and spec.warm_up_max_length is not None and hasattr(model, "warming_up"):
             with model.warming_up():
-                loop.warm_up(warm_up_shapes(shapes, loop.continues_eagerly, model.config.head_dim,
+                loop.warm_up(warm_up_shapes(shapes, loop.continues_eagerly, model.config.head_dim, model.dtype,
                                              spec.warm_up_max_length or None),
                              progress=self._graph_progress)
         self._loop = self._prepared_loop = loop

@@ -106,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
 
 def compile_model(args: argparse.Namespace) -> dict:
     """Write the compiled-model directory args.out; returns its manifest."""
+    import torch
+
     from launcher.api import LaunchConfig, Launcher
     from launcher.artifacts import compiled_dir
     from launcher.cli.command_stdout import ray_output_on_stderr
@@ -162,7 +164,7 @@ def compile_model(args: argparse.Namespace) -> dict:
         shapes = buckets.shapes()
         # the shapes a rank's warm-up builds (none for the prefill calls the cpu backend runs eagerly)
         serving = warm_up_shapes(ServingShapes.build(buckets, config.max_num_seqs, config.max_prefill_tokens),
-                                 planned.backend == "cpu", model_config.head_dim)
+                                 planned.backend == "cpu", model_config.head_dim, getattr(torch, plan.dtype))
         progress.note(f"building {len(shapes)} graph(s) per rank: context-encoding buckets "
                       f"{list(buckets.context)}, token-generation buckets {list(buckets.token)}, "
                       f"batch buckets {list(buckets.batch)}; then {len(serving)} serving graph(s) "

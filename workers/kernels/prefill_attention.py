@@ -23,7 +23,8 @@ Threads (OpenMP, the runtime torch uses) take tasks dynamically, the longest (la
 
 Tiles start at multiples of KV_BLOCK slots whatever the queries: a query's result depends only on
 its own query vector, its mask row, keys and values (slots it cannot read add exact zeros, tiles it
-reads none of are skipped), not on which other queries or batch rows share the call, so a prompt
+reads none of are skipped; for finite keys and values, as 0 x NaN is NaN), not on which other
+queries or batch rows share the call, so a prompt
 prefilled in one call or in chunks, alone or beside others, gets the same bits. Results are not
 bit-identical to torch's kernel (another summation order and a polynomial exponential, a float's
 rounding apart). A query row that may read no slot gets zeros.
@@ -171,10 +172,11 @@ static const values_fn VALUES[MR + 1] = {0, values_1, values_2, values_3, values
    contiguous), keys and values (batch, kv_heads, slots, d) with strides ks[3] and vs[3], mask rows
    (mask_batches, seq, slots) as bytes, their cl_prefill_mask_rows summaries, and out
    (batch, seq, q_heads, d) contiguous. mask_batches is 1 (one mask for every batch row) or batch. */
-void cl_prefill_attention(const float *q, const long *qs, const float *k, const long *ks, const float *v,
+int cl_prefill_attention(const float *q, const long *qs, const float *k, const long *ks, const float *v,
                           const long *vs, const uint8_t *mask, long mask_batches, const int32_t *first,
                           const int32_t *last, const uint8_t *dense, float *out, long batch, long q_heads,
                           long kv_heads, long seq, long slots, long d, float scale, int threads) {
+    int failed = 0;  /* a thread's buffers could not be allocated: 1 is returned, nothing else is wrong */
     long group = q_heads / kv_heads, qblocks = (seq + Q_BLOCK - 1) / Q_BLOCK;
     long tasks = batch * kv_heads * qblocks, tile_rows = group * Q_BLOCK;
     #pragma omp parallel num_threads(threads)
@@ -184,8 +186,13 @@ void cl_prefill_attention(const float *q, const long *qs, const float *k, const 
         float *st_ = (float *)malloc(sizeof(float) * tile_rows * KV_BLOCK); /* scores, then probabilities */
         float *kt = (float *)malloc(sizeof(float) * KV_BLOCK * d);       /* a tile's keys as panels */
         float *best = (float *)malloc(sizeof(float) * tile_rows), *sum = (float *)malloc(sizeof(float) * tile_rows);
+        if (!qt || !ot || !st_ || !kt || !best || !sum) {
+            #pragma omp atomic write
+            failed = 1;
+        }
         #pragma omp for schedule(dynamic, 1)
         for (long t = 0; t < tasks; t++) {
+            if (!qt || !ot || !st_ || !kt || !best || !sum) continue;
             long qb = qblocks - 1 - t / (batch * kv_heads), b = t % (batch * kv_heads) / kv_heads;
             long kh = t % kv_heads, i0 = qb * Q_BLOCK, n = lmin(Q_BLOCK, seq - i0), m = group * n;
             long mb = mask_batches > 1 ? b : 0;
@@ -232,7 +239,12 @@ void cl_prefill_attention(const float *q, const long *qs, const float *k, const 
                     for (long c = cs; c < ce; c += VL) tops = vmax(ld(s + c), tops);
                     float top = -INFINITY;
                     for (int l = 0; l < VL; l++) top = tops[l] > top ? tops[l] : top;
-                    if (top == -INFINITY) { memset(s + cs, 0, sizeof(float) * (ce - cs)); continue; }
+                    if (top == -INFINITY) {  /* nothing readable here, or only NaN scores (kept: torch's NaN) */
+                        int nan = 0;
+                        for (long c = cs; c < ce; c++) nan |= s[c] != s[c];
+                        if (!nan) { memset(s + cs, 0, sizeof(float) * (ce - cs)); continue; }
+                        top = NAN;
+                    }
                     float was = best[r], now = was > top ? was : top;
                     vf acc = (vf){0};
                     for (long c = cs; c < ce; c += VL) {
@@ -268,6 +280,7 @@ void cl_prefill_attention(const float *q, const long *qs, const float *k, const 
         }
         free(qt); free(ot); free(st_); free(kt); free(best); free(sum);
     }
+    return failed;
 }
 """
 
@@ -308,10 +321,11 @@ static at::Tensor prefill_attention_cpu(const at::Tensor &q, const at::Tensor &k
     long qs[3] = {(long)qc.stride(0), (long)qc.stride(1), (long)qc.stride(2)};
     long ks[3] = {(long)kc.stride(0), (long)kc.stride(1), (long)kc.stride(2)};
     long vs[3] = {(long)vc.stride(0), (long)vc.stride(1), (long)vc.stride(2)};
-    cl_prefill_attention(qc.data_ptr<float>(), qs, kc.data_ptr<float>(), ks, vc.data_ptr<float>(), vs,
+    int failed = cl_prefill_attention(qc.data_ptr<float>(), qs, kc.data_ptr<float>(), ks, vc.data_ptr<float>(), vs,
                          (const uint8_t *)m.data_ptr<bool>(), mask_batches, bounds[0].data_ptr<int32_t>(),
                          bounds[1].data_ptr<int32_t>(), dense.data_ptr<uint8_t>(), out.data_ptr<float>(), batch,
                          q_heads, kv_heads, seq, slots, d, (float)scale, threads);
+    TORCH_CHECK(!failed, "prefill_attention: out of memory for a thread's working buffers");
     return out.transpose(1, 2);
 }
 
@@ -341,7 +355,7 @@ def build_kernel(spec: LibrarySpec) -> ctypes.CDLL:
     lib.cl_prefill_mask_rows.argtypes, lib.cl_prefill_mask_rows.restype = [p, i64, i64, p, p, p, i32], None
     lib.cl_prefill_attention.argtypes = [p, p, p, p, p, p, p, i64, p, p, p, p, i64, i64, i64, i64, i64, i64,
                                          ctypes.c_float, i32]
-    lib.cl_prefill_attention.restype = None
+    lib.cl_prefill_attention.restype = i32
     return lib
 
 
@@ -360,9 +374,11 @@ def run_kernel(lib: ctypes.CDLL, q: torch.Tensor, keys: torch.Tensor, values: to
                              threads)
     strides = [(ctypes.c_long * 3)(*t.stride()[:3]) for t in (q, keys, values)]
     out = torch.empty((batch, seq, q_heads, d))
-    lib.cl_prefill_attention(q.data_ptr(), strides[0], keys.data_ptr(), strides[1], values.data_ptr(), strides[2],
+    failed = lib.cl_prefill_attention(q.data_ptr(), strides[0], keys.data_ptr(), strides[1], values.data_ptr(), strides[2],
                              mask.data_ptr(), mask.shape[0], first.data_ptr(), last.data_ptr(), dense.data_ptr(),
                              out.data_ptr(), batch, q_heads, kv_heads, seq, slots, d, scale, threads)
+    if failed:
+        raise MemoryError("prefill_attention: out of memory for a thread's working buffers")
     return out.transpose(1, 2)
 
 
@@ -391,27 +407,28 @@ def available() -> bool:
     return _library() is not None
 
 
-@native_build.once_per_process
 def width() -> int:
     """NR of the host's build: head_dim must be a multiple of it (0 when the kernel is unavailable)."""
     lib = _library()
     return lib.cl_prefill_attention_width() if lib is not None else 0
 
 
-def covers(head_dim: int) -> bool:
-    """Whether a model's prefills of this head_dim take the kernel on the CPU (it is available and
-    tiles the head_dim)."""
-    return available() and head_dim % width() == 0
+def covers(head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether a model's prefills of this head_dim and compute dtype take the kernel on the CPU
+    (float32, the kernel available and tiling the head_dim)."""
+    return dtype == torch.float32 and available() and head_dim % width() == 0
 
 
-def usable(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> bool:
+def usable(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> bool:
     """Whether an attention call takes the kernel: several float32 queries per row on the CPU over
     float32 keys of as many batch rows, one mask or one per batch row, head_dim a multiple of the
     build's panel width."""
-    return (q.device.type == "cpu" and q.dtype == torch.float32 and keys.dtype == torch.float32
-            and q.shape[2] > 1 and keys.shape[0] == q.shape[0] and mask.dtype == torch.bool
-            and mask.shape[0] in (1, q.shape[0]) and mask.shape[1] == 1 and available()
-            and q.shape[3] % width() == 0)
+    return (q.device.type == "cpu" and q.dtype == keys.dtype == values.dtype == torch.float32
+            and q.dim() == keys.dim() == mask.dim() == 4 and values.shape == keys.shape
+            and q.shape[2] > 1 and keys.shape[0] == q.shape[0] and keys.shape[3] == q.shape[3]
+            and keys.shape[1] > 0 and q.shape[1] % keys.shape[1] == 0 and mask.dtype == torch.bool
+            and mask.shape[0] in (1, q.shape[0]) and mask.shape[1] == 1 and mask.shape[2] == q.shape[2]
+            and mask.shape[3] == keys.shape[2] and available() and q.shape[3] % width() == 0)
 
 
 # Schema and shape function here, so that torch.compile can trace the operator before anything is

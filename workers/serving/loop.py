@@ -81,24 +81,26 @@ class ServingConfig:
     their forward's length (_keys_depend_on_length)."""
 
 
-def eager_from_width(cpu: bool, head_dim: int) -> int | None:
+def eager_from_width(cpu: bool, head_dim: int, dtype: torch.dtype) -> int | None:
     """EAGER_PREFILL_WIDTH where that rule applies: on the cpu backend when the model's prefill
-    attention cannot take the prefill attention kernel (turned off, no compiler, or a head_dim it
-    does not tile), so that a graph would compute every score under the mask; None otherwise. With the
+    attention cannot take the prefill attention kernel (turned off, no compiler, a compute dtype
+    other than float32, or a head_dim it does not tile), so that a graph would compute every score
+    under the mask; None otherwise. With the
     kernel a graph computes only the tiles of slots its queries may read, like the eager step, and
     fuses what the eager step runs op by op: on machine R it took 0.83-0.89x the eager step's time for
     unpadded 1024- and 2048-token chunks and 0.95x for 1800 tokens in the 2048 bucket
     (benchmarks/prefill_paths.py, README Measured), so only the waste rule sends a call eagerly."""
-    return EAGER_PREFILL_WIDTH if cpu and not prefill_attention.covers(head_dim) else None
+    return EAGER_PREFILL_WIDTH if cpu and not prefill_attention.covers(head_dim, dtype) else None
 
 
-def warm_up_shapes(shapes, cpu: bool, head_dim: int, max_length: int | None = None) -> list[tuple[str, int, int]]:
+def warm_up_shapes(shapes, cpu: bool, head_dim: int, dtype: torch.dtype,
+                   max_length: int | None = None) -> list[tuple[str, int, int]]:
     """The serving shapes (ServingShapes.shapes) whose graphs a warm-up builds: on the cpu backend,
     none for the prefill calls its loop runs eagerly whatever their padding (ServingLoop
     continues_eagerly, eager_from_width): calls continuing their sequences, and chunks of
     eager_from_width or wider where that rule applies. The rank's warm-up and `corelaunch compile`
     both ask here."""
-    return shapes.shapes(max_length, continuing=not cpu, chunks_below=eager_from_width(cpu, head_dim))
+    return shapes.shapes(max_length, continuing=not cpu, chunks_below=eager_from_width(cpu, head_dim, dtype))
 
 
 def _keys_depend_on_length(model, positions: int) -> bool:
@@ -146,8 +148,8 @@ class ServingLoop:
         self.continues_eagerly = self._can_prefill_eagerly and self.device.type == "cpu"
         """Every prefill call that continues its sequences runs eagerly (the cpu backend:
         EAGER_PREFILL_WASTE), so a warm-up need not build their graphs."""
-        self.eager_from_width = (eager_from_width(True, model.config.head_dim) if self.continues_eagerly
-                                 else None)
+        self.eager_from_width = (eager_from_width(True, model.config.head_dim, model.dtype)
+                                 if self.continues_eagerly else None)
         """Prefill calls padded to chunks at least this wide run eagerly (the cpu backend without the
         prefill attention kernel: eager_from_width), so a warm-up need not build their graphs; None:
         no such rule."""
