@@ -125,6 +125,26 @@ def test_a_compiled_graph_keeps_the_operator_as_one_call_and_agrees_with_eager()
     assert len(calls) == 1
 
 
+def test_a_graph_traced_without_the_marks_keeps_torchs_attention():
+    """torch.compile of the model's attention in a fresh process that never ran
+    mark_constants_for_tracing (workers/compiled.py runs it): tracing into available() broke the
+    graph (an unsupported lock) and a fullgraph compile failed; now such a graph keeps torch's."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = ("import torch, torch.nn.functional as F\nfrom workers.layers import attention\n"
+              "q, k, v = torch.randn(1, 4, 40, 32), torch.randn(1, 2, 40, 32), torch.randn(1, 2, 40, 32)\n"
+              "mask = torch.ones(40, 40, dtype=torch.bool).tril()[None, None]\n"
+              "got = torch.compile(attention, fullgraph=True, dynamic=False)(q, k, v, mask)\n"
+              "print(torch.allclose(got, F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True), "
+              "atol=1e-6))")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[1],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split("\n")[-2] == "True"
+
+
 def test_the_model_attention_takes_the_kernel_for_prefills_only(monkeypatch):
     """layers.attention gives the kernel's own bits for a float32 prefill on the CPU; one query per
     row, float64, a head_dim that is no multiple of the panel width, or the switch turned off keep

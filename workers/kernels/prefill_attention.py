@@ -422,7 +422,10 @@ def covers(head_dim: int, dtype: torch.dtype) -> bool:
 def usable(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> bool:
     """Whether an attention call takes the kernel: several float32 queries per row on the CPU over
     float32 keys of as many batch rows, one mask or one per batch row, head_dim a multiple of the
-    build's panel width."""
+    build's panel width. A graph traced without mark_constants_for_tracing (a torch.compile other
+    than workers/compiled.py's) keeps torch's attention: tracing into available() would break it."""
+    if torch.compiler.is_compiling() and not _marked_for_tracing:
+        return False
     return (q.device.type == "cpu" and q.dtype == keys.dtype == values.dtype == torch.float32
             and q.dim() == keys.dim() == mask.dim() == 4 and values.shape == keys.shape
             and q.shape[2] > 1 and keys.shape[0] == q.shape[0] and keys.shape[3] == q.shape[3]
@@ -452,10 +455,16 @@ def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return torch.ops.corelaunch.prefill_attention(q, keys, values, mask, scale)
 
 
+_marked_for_tracing = False
+"""Whether mark_constants_for_tracing ran in this process (usable() asks while traced)."""
+
+
 def mark_constants_for_tracing() -> None:
     """Tells torch.compile to take available() and width() as constants (usable() calls them in
     every traced prefill attention)."""
     import torch._dynamo
 
+    global _marked_for_tracing
     torch._dynamo.assume_constant_result(available)
     torch._dynamo.assume_constant_result(width)
+    _marked_for_tracing = True

@@ -69,8 +69,16 @@ def chosen_gemm() -> str:
 
 def keeps_packed() -> bool:
     """Whether prefill-sized products stay on the packed-panel kernel (chosen_gemm() is packed). A
-    constant to torch.compile (mark_constants_for_tracing)."""
+    constant to torch.compile (mark_constants_for_tracing); a graph traced without that mark (a
+    torch.compile other than workers/compiled.py's) takes the unpacked weight's GEMM, as tracing
+    into the environment and /proc/cpuinfo would break it."""
+    if torch.compiler.is_compiling() and not _marked_for_tracing:
+        return False
     return chosen_gemm() == "packed"
+
+
+_marked_for_tracing = False
+"""Whether mark_constants_for_tracing ran in this process (keeps_packed() asks while traced)."""
 
 
 def mark_constants_for_tracing() -> None:
@@ -78,7 +86,9 @@ def mark_constants_for_tracing() -> None:
     product asks it), as workers/kernels/small_linear.py does for its own."""
     import torch._dynamo
 
+    global _marked_for_tracing
     torch._dynamo.assume_constant_result(keeps_packed)
+    _marked_for_tracing = True
 
 
 def prefill_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
