@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from tests.native_kernels import skip_unless_built
+from tests.native_kernels import last_line_of_a_fresh_process, skip_unless_built
 from workers.kernels import decode_attention as kernel
 
 pytestmark = skip_unless_built(kernel)
@@ -289,14 +289,7 @@ def test_zero_kv_heads_or_head_dim_are_refused_not_a_process_crash():
 def test_a_direct_call_loads_the_kernel_first():
     """The operator's CPU kernel is registered when its library loads: a direct call in a process
     that had not asked available() raised NotImplementedError."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     script = ("import torch\nfrom workers.kernels import decode_attention as k\n"
               "q, cache = torch.randn(1, 2, 1, 8), torch.randn(1, 1, 4, 8)\n"
               "print(tuple(k.decode_attention(q, cache, cache, None, torch.ones(1, 4, dtype=torch.bool), 4, 1.0).shape))")
-    proc = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[1],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split("\n")[-2] == "(1, 2, 1, 8)"
+    assert last_line_of_a_fresh_process(script) == "(1, 2, 1, 8)"

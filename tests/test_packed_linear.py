@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.native_kernels import skip_unless_built
+from tests.native_kernels import last_line_of_a_fresh_process, skip_unless_built
 from workers.kernels import packed_linear as kernel
 
 pytestmark = skip_unless_built(kernel)
@@ -88,18 +88,11 @@ def test_a_graph_traced_without_the_marks_takes_a_prefill_sized_product():
     """torch.compile of a prefill-sized packed product in a fresh process that never ran the marks
     workers/compiled.py sets: tracing into the prefill GEMM's choice (the environment,
     /proc/cpuinfo) failed a fullgraph compile; now such a graph takes the unpacked weight's GEMM."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     script = ("import torch\nfrom workers.kernels import packed_linear as k\n"
               "w = torch.randn(64, 48); panels = k.pack(w); x = torch.randn(1100, 48)\n"
               "fn = lambda x: k.packed_linear(x, panels, 64, None) * 2\n"
               "print(torch.allclose(torch.compile(fn, fullgraph=True, dynamic=False)(x), fn(x), atol=1e-5))")
-    proc = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[1],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split("\n")[-2] == "True"
+    assert last_line_of_a_fresh_process(script) == "True"
 
 
 def test_with_the_packed_prefill_gemm_prefill_sized_products_stay_on_the_panels(monkeypatch):

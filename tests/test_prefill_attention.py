@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.model_factory import build_random_model
-from tests.native_kernels import skip_unless_built
+from tests.native_kernels import last_line_of_a_fresh_process, skip_unless_built
 from tests.test_attention_blocks import logits_counting_calls
 from workers.kernels import prefill_attention as kernel
 from workers.layers import attention
@@ -129,20 +129,13 @@ def test_a_graph_traced_without_the_marks_keeps_torchs_attention():
     """torch.compile of the model's attention in a fresh process that never ran
     mark_constants_for_tracing (workers/compiled.py runs it): tracing into available() broke the
     graph (an unsupported lock) and a fullgraph compile failed; now such a graph keeps torch's."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     script = ("import torch, torch.nn.functional as F\nfrom workers.layers import attention\n"
               "q, k, v = torch.randn(1, 4, 40, 32), torch.randn(1, 2, 40, 32), torch.randn(1, 2, 40, 32)\n"
               "mask = torch.ones(40, 40, dtype=torch.bool).tril()[None, None]\n"
               "got = torch.compile(attention, fullgraph=True, dynamic=False)(q, k, v, mask)\n"
               "print(torch.allclose(got, F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True), "
               "atol=1e-6))")
-    proc = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[1],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split("\n")[-2] == "True"
+    assert last_line_of_a_fresh_process(script) == "True"
 
 
 def test_the_model_attention_takes_the_kernel_for_prefills_only(monkeypatch):
