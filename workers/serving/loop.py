@@ -85,11 +85,11 @@ def eager_from_width(cpu: bool, head_dim: int, dtype: torch.dtype) -> int | None
     """EAGER_PREFILL_WIDTH where that rule applies: on the cpu backend when the model's prefill
     attention cannot take the prefill attention kernel (turned off, no compiler, a compute dtype
     other than float32, or a head_dim it does not tile), so that a graph would compute every score
-    under the mask; None otherwise. With the
-    kernel a graph computes only the tiles of slots its queries may read, like the eager step, and
-    fuses what the eager step runs op by op: on machine R it took 0.83-0.89x the eager step's time for
-    unpadded 1024- and 2048-token chunks and 0.95x for 1800 tokens in the 2048 bucket
-    (benchmarks/prefill_paths.py, README Measured), so only the waste rule sends a call eagerly."""
+    under the mask; None otherwise. With the kernel a graph computes only the tiles of slots its
+    queries may read, like the eager step, and fuses what the eager step runs op by op: on machine R
+    it took 0.83-0.89x the eager step's time for unpadded 1024- and 2048-token chunks and 0.95x for
+    1800 tokens in the 2048 bucket (benchmarks/prefill_paths.py, README Measured), so only the waste
+    rule sends a call eagerly."""
     return EAGER_PREFILL_WIDTH if cpu and not prefill_attention.covers(head_dim, dtype) else None
 
 
