@@ -1140,7 +1140,8 @@ class Launcher:
     def stream(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None, max_new_tokens: int = 64,
                stop_token_ids: Sequence[int] = (), stop: Sequence[str] = (), ignore_eos: bool = False,
                logprobs: int | None = None, request_id: str | None = None, prompt_logprobs: int | None = None,
-               cache_salt: str | None = None, include_stop_str_in_output: bool = False):
+               cache_salt: str | None = None, include_stop_str_in_output: bool = False,
+               skip_special_tokens: bool = True):
         """Submit one request and return an iterator of StreamDelta (launcher/serving/stream_types.py):
         its text as it is generated, a few milliseconds after each step, never cut inside a
         character. The request joins a group's running batch at the next iteration.
@@ -1153,32 +1154,39 @@ class Launcher:
         to get each prompt token's log-probability (all but the first) and the n most likely at its
         place, on the first delta (StreamDelta.prompt_logprobs); cache_salt: a non-empty string: the
         request shares cached prefixes (prefix caching) only with requests of the same salt (None: with
-        every unsalted one). Closing the iterator early cancels the request."""
+        every unsalted one); skip_special_tokens: False keeps the special tokens the model generates
+        (`<|im_end|>`) in the text, and stop strings are looked for in that text, as vLLM's option does
+        (token ids and logprobs are the same either way). Closing the iterator early cancels the request."""
         max_new_tokens, logprobs = _plain_integer(max_new_tokens), _plain_integer(logprobs)
         prompt_logprobs = _checked_logprobs("prompt_logprobs", _plain_integer(prompt_logprobs))
         cache_salt = _checked_cache_salt(cache_salt)
         _check_flag("include_stop_str_in_output", include_stop_str_in_output)
+        _check_flag("skip_special_tokens", skip_special_tokens)
         token_ids, params, stops, stop_token_ids = self._check_stream(prompt, sampling, max_new_tokens, stop, logprobs,
                                                                       stop_token_ids, request_id)
         return self._submit_stream(token_ids, params, max_new_tokens, stop_token_ids, stops, ignore_eos, logprobs,
                                    request_id, asynchronous=False, prompt_logprobs=prompt_logprobs,
-                                   cache_salt=cache_salt, include_stop=include_stop_str_in_output)
+                                   cache_salt=cache_salt, include_stop=include_stop_str_in_output,
+                                   skip_special_tokens=skip_special_tokens)
 
     def astream(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None, max_new_tokens: int = 64,
                 stop_token_ids: Sequence[int] = (), stop: Sequence[str] = (), ignore_eos: bool = False,
                 logprobs: int | None = None, request_id: str | None = None, prompt_logprobs: int | None = None,
-                cache_salt: str | None = None, include_stop_str_in_output: bool = False):
+                cache_salt: str | None = None, include_stop_str_in_output: bool = False,
+                skip_special_tokens: bool = True):
         """stream() for asyncio: call it inside a running event loop; it returns an async iterator
         (`async for delta in llm.astream(...)`); `aclose()` or cancelling the reading task cancels."""
         max_new_tokens, logprobs = _plain_integer(max_new_tokens), _plain_integer(logprobs)
         prompt_logprobs = _checked_logprobs("prompt_logprobs", _plain_integer(prompt_logprobs))
         cache_salt = _checked_cache_salt(cache_salt)
         _check_flag("include_stop_str_in_output", include_stop_str_in_output)
+        _check_flag("skip_special_tokens", skip_special_tokens)
         token_ids, params, stops, stop_token_ids = self._check_stream(prompt, sampling, max_new_tokens, stop, logprobs,
                                                                       stop_token_ids, request_id)
         return self._submit_stream(token_ids, params, max_new_tokens, stop_token_ids, stops, ignore_eos, logprobs,
                                    request_id, asynchronous=True, prompt_logprobs=prompt_logprobs,
-                                   cache_salt=cache_salt, include_stop=include_stop_str_in_output)
+                                   cache_salt=cache_salt, include_stop=include_stop_str_in_output,
+                                   skip_special_tokens=skip_special_tokens)
 
     async def agenerate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                         sampling: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -1261,13 +1269,15 @@ class Launcher:
 
     def _submit_stream(self, token_ids, params, max_new_tokens, stop_token_ids, stops, ignore_eos, logprobs,
                        request_id, asynchronous: bool, prompt_logprobs: int | None = None,
-                       cache_salt: str | None = None, include_stop: bool = False):
+                       cache_salt: str | None = None, include_stop: bool = False,
+                       skip_special_tokens: bool = True):
         """Submit one checked request (QueueFull when it would wait while max_queued_requests already
         do) and return the stream reading it."""
         ending = self._ending_ids(stop_token_ids, ignore_eos)
         check_allowed_beyond_stops([params], ending)
         stream = self._new_stream(token_ids, params, max_new_tokens, ending, stops, logprobs, request_id, asynchronous,
-                                  prompt_logprobs=prompt_logprobs, cache_salt=cache_salt, include_stop=include_stop)
+                                  prompt_logprobs=prompt_logprobs, cache_salt=cache_salt, include_stop=include_stop,
+                                  skip_special_tokens=skip_special_tokens)
         self._submit_together([stream])
         return stream
 
@@ -1286,11 +1296,13 @@ class Launcher:
 
     def _new_stream(self, token_ids, params, max_new_tokens, ending_ids, stops, logprobs,
                     request_id, asynchronous: bool, return_logits: bool = False, timeout_s: float | None = None,
-                    prompt_logprobs: int | None = None, cache_salt: str | None = None, include_stop: bool = False):
+                    prompt_logprobs: int | None = None, cache_salt: str | None = None, include_stop: bool = False,
+                    skip_special_tokens: bool = True):
         """A checked request's stream, not yet submitted: a RequestStream, or an AsyncRequestStream
         fed on the running event loop. ending_ids: _ending_ids(). timeout_s: its deadline from
         submission (default: the request timeout). cache_salt: checked (_checked_cache_salt).
-        include_stop: the text keeps the stop string that ends it (include_stop_str_in_output)."""
+        include_stop: the text keeps the stop string that ends it (include_stop_str_in_output).
+        skip_special_tokens: False keeps the special tokens the model generates in the text."""
         import asyncio
 
         from launcher.cluster.stream_handle import StreamHandle
@@ -1314,7 +1326,8 @@ class Launcher:
                                 ending_ids, logprobs, return_logits, prompt_logprobs=prompt_logprobs,
                                 cache_salt=cache_salt)
         handle = StreamHandle(request, sink, self.config.request_timeout_s if timeout_s is None else timeout_s)
-        text = TextStream(request.request_id, self.tokenizer, stops, len(token_ids), params.min_tokens, include_stop)
+        text = TextStream(request.request_id, self.tokenizer, stops, len(token_ids), params.min_tokens, include_stop,
+                          skip_special_tokens)
         if asynchronous:
             return kind(self._cancel_stream, handle, text, items, loop)
         return kind(self._cancel_stream, handle, text, items)

@@ -76,9 +76,10 @@ class _Placed:
 class AlignedLogprobs:
     """push(delta) -> the (entry, text offset) pairs whose text has now been sent, in order."""
 
-    def __init__(self, pieces: TokenPieces) -> None:
+    def __init__(self, pieces: TokenPieces, skip_special_tokens: bool = True) -> None:
+        """skip_special_tokens: as the response's text is decoded (the request's skip_special_tokens)."""
         self._pieces = pieces
-        self._offsets = TextOffsets(pieces.tokenizer)
+        self._offsets = TextOffsets(pieces.tokenizer, skip_special_tokens)
         self._bytes = 0  # emitted by the offsets' detokenizer so far
         self._held = b""  # the bytes of split characters' tokens not emitted yet
         self._waiting: deque[_Placed] = deque()

@@ -641,7 +641,8 @@ class OpenAIServer:
         limits = [max(proto.max_new_tokens(req, len(prompt), self.context_tokens), 1) for prompt in prompts]
         stream = await self._start_choices(req, prompts, limits, req.logprobs, "prompt", scored)
         renders = [CompletionRender(self.pieces, req.logprobs is not None, p * req.n + i, echo,
-                                    echo_only=req.max_tokens == 0, prompt_top=req.prompt_logprobs, top_n=req.logprobs)
+                                    echo_only=req.max_tokens == 0, prompt_top=req.prompt_logprobs, top_n=req.logprobs,
+                                    skip_special_tokens=req.skip_special_tokens)
                    for p, echo in enumerate(echoes) for i in range(req.n)]
         return await self._respond(req, stream, renders, arrived)
 
@@ -657,7 +658,8 @@ class OpenAIServer:
         prompt = self._truncated(req, prompt)
         stream = await self._start_choices(req, [prompt], [proto.max_new_tokens(req, len(prompt), self.context_tokens)],
                                            req.logprobs_count(), "messages", req.engine_prompt_logprobs())
-        return await self._respond(req, stream, [ChatRender(self.pieces, req.logprobs, i, req.prompt_logprobs)
+        return await self._respond(req, stream, [ChatRender(self.pieces, req.logprobs, i, req.prompt_logprobs,
+                                                            req.skip_special_tokens)
                                                  for i in range(req.n)], arrived)
 
     @app.post("/tokenize")
@@ -962,7 +964,8 @@ class OpenAIServer:
                                            stop_token_ids=tuple(req.stop_token_ids), stop=tuple(req.stop_strings()),
                                            ignore_eos=req.ignore_eos, logprobs=logprobs,
                                            prompt_logprobs=prompt_logprobs, cache_salt=req.cache_salt,
-                                           include_stop_str_in_output=req.include_stop_str_in_output)
+                                           include_stop_str_in_output=req.include_stop_str_in_output,
+                                           skip_special_tokens=req.skip_special_tokens)
             return stream
         except ValueError as err:
             self.metrics.rejected(400)

@@ -67,6 +67,8 @@ FIELD_RULES = {
     "ignore_eos": "true or false",
     "include_stop_str_in_output": "true or false (vLLM's extension; true: a stop string that ends the text stays at "
                                   "its end)",
+    "skip_special_tokens": "true or false (vLLM's extension; false: special tokens the model generates, an end of "
+                           "turn say, stay in the text)",
     "logprobs": f"an integer in [0, {MAX_LOGPROBS}] on /v1/completions; true or false on /v1/chat/completions",
     "top_logprobs": f"an integer in [0, {MAX_LOGPROBS}], with logprobs: true",
     "prompt_logprobs": f"an integer in [0, {MAX_LOGPROBS}] (vLLM's extension: each prompt token's log-probability, "
@@ -193,6 +195,10 @@ class _GenerationRequest(NullMeansDefault):
     include_stop_str_in_output: bool = False
     """Extension (vLLM's): the text ends with the stop string (`stop`) that ended it, instead of just
     before it; nothing after it. Stop token ids are unaffected."""
+    skip_special_tokens: bool = True
+    """Extension (vLLM's): false keeps the special tokens the model generates (SmolLM2's `<|im_end|>`) in
+    the text, where stop strings are matched too; token ids, usage, logprobs' token strings and an
+    echoed prompt are the same either way (launcher/serving/text_stream.py)."""
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_CHOICES)

@@ -19,8 +19,9 @@ class _Render:
 
     response_object = ""
 
-    def __init__(self, pieces: TokenPieces, logprobs: bool, index: int, prompt_top: int | None):
-        self.pieces, self.aligned = pieces, AlignedLogprobs(pieces)
+    def __init__(self, pieces: TokenPieces, logprobs: bool, index: int, prompt_top: int | None,
+                 skip_special_tokens: bool = True):
+        self.pieces, self.aligned = pieces, AlignedLogprobs(pieces, skip_special_tokens)
         self.logprobs, self.index = logprobs, index
         self.prompt_top, self.prompt_entries = prompt_top, []
 
@@ -58,12 +59,13 @@ class CompletionRender(_Render):
     id_prefix, chunk_object, response_object = "cmpl", "text_completion", "text_completion"
 
     def __init__(self, pieces: TokenPieces, logprobs: bool, index: int = 0, echo: EchoedPrompt | None = None,
-                 echo_only: bool = False, prompt_top: int | None = None, top_n: int | None = None):
+                 echo_only: bool = False, prompt_top: int | None = None, top_n: int | None = None,
+                 skip_special_tokens: bool = True):
         """echo_only (`max_tokens` 0 with `echo`): the engine generates one token, which is dropped:
         the choice is the prompt alone, finished for "length", no completion token counted.
         prompt_top: vLLM's prompt_logprobs asked (the choice carries them). top_n: the alternatives
         an echoed prompt token lists (the request's logprobs; None: as many as the engine sent)."""
-        super().__init__(pieces, logprobs, index, prompt_top)
+        super().__init__(pieces, logprobs, index, prompt_top, skip_special_tokens)
         self.top_n = top_n
         self.text, self.logprob_parts = [], []
         self.echo, self._echo_pending = echo, echo is not None
@@ -129,9 +131,10 @@ class ChatRender(_Render):
 
     id_prefix, chunk_object, response_object = "chatcmpl", "chat.completion.chunk", "chat.completion"
 
-    def __init__(self, pieces: TokenPieces, logprobs: bool, index: int = 0, prompt_top: int | None = None):
+    def __init__(self, pieces: TokenPieces, logprobs: bool, index: int = 0, prompt_top: int | None = None,
+                 skip_special_tokens: bool = True):
         """prompt_top: vLLM's prompt_logprobs asked (the response carries them, as vLLM's chat does)."""
-        super().__init__(pieces, logprobs, index, prompt_top)
+        super().__init__(pieces, logprobs, index, prompt_top, skip_special_tokens)
         self.text, self.entries = [], []
 
     def _ready(self, delta) -> list:

@@ -10,13 +10,17 @@ from workers.serving.requests import TokenEvent
 
 class TextStream:
     def __init__(self, request_id: str, tokenizer, stops: tuple[str, ...], prompt_tokens: int,
-                 min_tokens: int = 0, include_stop_str_in_output: bool = False) -> None:
+                 min_tokens: int = 0, include_stop_str_in_output: bool = False,
+                 skip_special_tokens: bool = True) -> None:
         """min_tokens: a stop string counts only where it ends in the text of the tokens after the
         first min_tokens (vLLM's rule: its min_tokens holds stop strings back as it holds stop
         tokens); it may begin earlier. include_stop_str_in_output (vLLM's): the text ends with the
-        stop string that ended it, rather than just before it."""
+        stop string that ended it, rather than just before it. skip_special_tokens (vLLM's): False
+        keeps the special tokens' text (`<|im_end|>`) in the text, where the stop strings are
+        looked for too."""
         self.request_id = request_id
-        self._detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self._detokenizer = (IncrementalDetokenizer(tokenizer, skip_special_tokens) if tokenizer is not None
+                             else None)
         self._stops = StopStringMatcher(stops, include_stop_str_in_output) if stops else None
         self._min_tokens = min_tokens
         self.prompt_tokens = prompt_tokens
