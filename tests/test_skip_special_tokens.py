@@ -46,6 +46,23 @@ def test_special_tokens_in_the_middle_and_at_the_end_are_in_the_text_only_when_n
     assert skipped[2] == kept[2] == ids and skipped[1] == kept[1] == "length"  # the tokens are the same
 
 
+def test_a_special_stop_token_that_ends_the_request_keeps_its_text_out(smollm2_tokenizer):
+    """An EOS (or a special stop token id) that ends the request is not shown even when special tokens
+    are kept, as vLLM leaves a stop token's text out; include_stop_str_in_output shows it. The same
+    token in the middle is shown."""
+    tok = smollm2_tokenizer
+    ids = tok.encode("Hello") + [end_id(tok)] + tok.encode(" world") + [end_id(tok)]
+
+    def ended_by_stop_token(**options):
+        stream = TextStream("r", tok, (), prompt_tokens=1, **options)
+        return "".join(stream.delta(TokenEvent("r", [token], "stop" if i == len(ids) - 1 else None)).text
+                       for i, token in enumerate(ids))
+
+    assert ended_by_stop_token(skip_special_tokens=False) == f"Hello{END} world"
+    assert ended_by_stop_token(skip_special_tokens=False, include_stop_str_in_output=True) == f"Hello{END} world{END}"
+    assert ended_by_stop_token() == "Hello world"
+
+
 def test_a_stop_string_holding_a_special_tokens_text_matches_only_when_it_is_in_the_text(smollm2_tokenizer):
     tok = smollm2_tokenizer
     ids = tok.encode("Hello") + [end_id(tok)] + tok.encode(" world and more")
