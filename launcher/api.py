@@ -733,7 +733,7 @@ class Launcher:
         self.prepare()
         self._await_tokenizer()
         _, token_lists = self._tokenize(prompts)
-        params = self._sampling_per_prompt(sampling, len(token_lists))
+        params = self._with_bad_word_ids(self._sampling_per_prompt(sampling, len(token_lists)))
         check_request(token_lists, params, max_new_tokens, self.model_config.vocab_size)
         self._check_structured(params, batching)
         check_stop_token_ids(stop_token_ids, self.model_config.vocab_size)
@@ -1082,7 +1082,7 @@ class Launcher:
             raise ValueError(f"cache_salt ({cache_salt!r}) needs batching='continuous' (the static batch shares no "
                              f"cached prefix with any other request); leave it out, or batching at its default")
         texts, token_lists = self._tokenize(prompts)
-        params = self._sampling_per_prompt(sampling, len(token_lists))
+        params = self._with_bad_word_ids(self._sampling_per_prompt(sampling, len(token_lists)))
         check_request(token_lists, params, max_new_tokens, self.model_config.vocab_size)
         self._check_structured(params, batching)
         stop_token_ids = check_stop_token_ids(stop_token_ids, self.model_config.vocab_size)
@@ -1257,6 +1257,7 @@ class Launcher:
         params = sampling if sampling is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling ({params!r}) must be a SamplingParams")
+        [params] = self._with_bad_word_ids([params])
         check_request([token_ids], [params], max_new_tokens, self.model_config.vocab_size)
         self._check_structured([params])
         self._check_lengths([token_ids], max_new_tokens, serving=True)
@@ -1347,7 +1348,7 @@ class Launcher:
         if tokenized is None:
             tokenized = self._tokenize(prompts)
         texts, token_lists = tokenized
-        params = self._sampling_per_prompt(sampling, len(token_lists))
+        params = self._with_bad_word_ids(self._sampling_per_prompt(sampling, len(token_lists)))
         check_request(token_lists, params, max_new_tokens, self.model_config.vocab_size)
         self._check_structured(params)
         self._check_lengths(token_lists, max_new_tokens, serving=True)
@@ -1408,7 +1409,7 @@ class Launcher:
             prompt_logprobs=next((e.prompt_logprobs for e in events if e.prompt_logprobs is not None), None),
             cached_prompt_tokens=next((e.cached_tokens for e in events if e.cached_tokens is not None), 0))
 
-    def _encode(self, text: str) -> list[int]:
+    def _encode(self, text: str, special_tokens: bool = True) -> list[int]:
         # The lock per prompt, not per call: a call of 20,000 prompts held it for a second, and an
         # astream() on the event loop waited for it there, stalling every coroutine of the loop. And
         # handed over: Python's lock is not fair, so a bulk call took it back at once, prompt after
@@ -1419,7 +1420,9 @@ class Launcher:
             self._tokenizer_wanted.set()
             self._lock.acquire()
         try:
-            ids = list(self.tokenizer(text)["input_ids"])
+            # the keyword only where asked: a prompt's call stays the tokenizer's plain one
+            encoded = self.tokenizer(text) if special_tokens else self.tokenizer(text, add_special_tokens=False)
+            ids = list(encoded["input_ids"])
         finally:
             self._lock.release()
         if self._tokenizer_wanted.is_set():
@@ -1484,6 +1487,41 @@ class Launcher:
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"sampling[{i}] ({p!r}) must be a SamplingParams")
         return params
+
+    def _with_bad_word_ids(self, params: list[SamplingParams]) -> list[SamplingParams]:
+        """The params with their bad_words tokenized into bad_words_token_ids (replaced, whatever the
+        caller put there: the ranks ban these ids), the one place every request's params pass before
+        check_request; params without bad words as they are. One SamplingParams given for many prompts
+        is tokenized once."""
+        done: dict[int, SamplingParams] = {}
+        filled = []
+        for p in params:
+            if not isinstance(p, SamplingParams) or not p.bad_words:
+                filled.append(p)  # a wrong type is refused by the caller's checks
+                continue
+            if id(p) not in done:
+                done[id(p)] = dataclasses.replace(p, bad_words_token_ids=self._bad_word_sequences(p.bad_words))
+            filled.append(done[id(p)])
+        return filled
+
+    def _bad_word_sequences(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """vLLM's token sequences of bad words: each word (its leading spaces dropped) tokenized without
+        special tokens, and again after a space where that gives another first token and as many
+        tokens (the word inside a text, where tokenizers such as GPT-2's and SmolLM2's join the space
+        to it; a tokenizer that adds a space to every text gives the same ids, kept once)."""
+        if self.tokenizer is None:
+            raise ValueError(f"bad_words ({list(words[:5])!r}) need a tokenizer and {self.model_dir} has none; "
+                             f"ban token ids with logit_bias (-100) instead")
+        sequences = []
+        for i, word in enumerate(words):
+            alone = self._encode(word.lstrip(), special_tokens=False)
+            if not alone:
+                raise ValueError(f"bad_words[{i}] ({word!r}) gives no tokens; remove it")
+            sequences.append(tuple(alone))
+            spaced = self._encode(" " + word.lstrip(), special_tokens=False)
+            if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+                sequences.append(tuple(spaced))
+        return tuple(sequences)
 
     def _check_structured(self, params: list[SamplingParams], batching: str = "continuous") -> None:
         """Structured output's checks, before anything is submitted: the serving engine runs it, the

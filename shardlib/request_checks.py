@@ -17,8 +17,8 @@ def check_request(prompts: Sequence[Sequence[int]], params: Sequence, max_new_to
                   vocab_size: int) -> None:
     """ValueError unless: at least one prompt, each a non-empty list of token ids in
     [0, vocab_size), one SamplingParams per prompt, max_new_tokens a positive int (not a bool), and
-    each SamplingParams' min_tokens at most max_new_tokens and logit bias and allowed token ids
-    naming tokens of the vocabulary."""
+    each SamplingParams' min_tokens at most max_new_tokens and logit bias, allowed token ids and bad
+    words' token ids naming tokens of the vocabulary (bad words tokenized: their ids filled)."""
     check_prompts(prompts, vocab_size)
     if len(params) != len(prompts):
         raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams; pass one per prompt")
@@ -35,6 +35,20 @@ def check_request(prompts: Sequence[Sequence[int]], params: Sequence, max_new_to
         if outside:  # the leader's mask of them would fail its step (vLLM refuses them too)
             raise ValueError(f"allowed_token_ids names token ids {outside[:5]} outside the vocabulary "
                              f"[0, {vocab_size}); were they taken from another model's tokenizer?")
+        _check_bad_words(p, vocab_size)
+
+
+def _check_bad_words(p, vocab_size: int) -> None:
+    """ValueError for bad_words the driver has not tokenized (nothing would be banned: the ranks see
+    token ids only) or bad-word token ids outside the vocabulary (indexing the logits would fail)."""
+    sequences = getattr(p, "bad_words_token_ids", ())
+    if getattr(p, "bad_words", ()) and not sequences:
+        raise ValueError(f"bad_words {list(p.bad_words[:5])!r} have no token ids (bad_words_token_ids): the "
+                         f"driver API (launcher/api.py) tokenizes them; submit the request through it")
+    outside = sorted({token for sequence in sequences for token in sequence if token >= vocab_size})
+    if outside:
+        raise ValueError(f"bad_words_token_ids names token ids {outside[:5]} outside the vocabulary "
+                         f"[0, {vocab_size}); were they taken from another model's tokenizer?")
 
 
 def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> None:

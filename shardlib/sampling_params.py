@@ -1,5 +1,5 @@
 """What one request asks of token selection (greedy, temperature, top-k, top-p, min-p, a seed,
-penalties, a logit bias, allowed token ids, structured output), checked when it is built. Pure: the
+penalties, a logit bias, allowed token ids, bad words, structured output), checked when it is built. Pure: the
 driver, the CLI and the Serve front end build and check these without
 importing torch (about 2 s of every `corelaunch` command's and Serve replica's start); the ranks'
 sampling itself is workers/sampling.py."""
@@ -7,11 +7,18 @@ sampling itself is workers/sampling.py."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shardlib.config_fields import finite
 from shardlib.positive_int import integer_of_any_kind, real_of_any_kind
 from shardlib.structured_output import StructuredOutput
+
+MAX_BAD_WORDS = 128
+"""bad_words holds at most this many words (vLLM bounds none): each is tokenized twice per request, and
+its sequences are matched against the output at every step on the group's leader."""
+MAX_BAD_WORD_CHARS = 200
+"""A bad word is at most this many characters: a longer one is a passage, whose ban needs its whole
+token sequence generated first (and matching it costs every step)."""
 
 MIN_SEED, MAX_SEED = -2**63, 2**63 - 1
 """A seed is any signed 64-bit integer, as OpenAI's API takes it (torch reads a negative one modulo 2**64)."""
@@ -75,6 +82,16 @@ class SamplingParams:
     ids >= 0 (duplicates merged; kept as a sorted tuple, the params stay hashable); checked against
     the vocabulary with the request (shardlib/request_checks.py). With no stop token (EOS included)
     among them, the request runs to its max tokens; with structured output, only ids both allow."""
+    bad_words: tuple[str, ...] | list[str] = ()
+    """Words never generated (vLLM's): each is tokenized without special tokens as given and with a
+    leading space; a word of one token bans that token at every step, a longer one bans its last token
+    right after the output (not the prompt) ends with the tokens before it. At most MAX_BAD_WORDS
+    non-empty strings of at most MAX_BAD_WORD_CHARS characters each (kept as a tuple). The driver API
+    tokenizes them (bad_words_token_ids) before the request is submitted."""
+    bad_words_token_ids: tuple[tuple[int, ...], ...] | list = field(default=(), repr=False)
+    """bad_words' token sequences, filled by the driver (launcher/api.py, which has the tokenizer)
+    with vLLM's rule; what the ranks ban (workers/penalties.py). Not set by users: the driver
+    replaces it from bad_words on every request."""
     structured_output: StructuredOutput | None = None
     """What the output must match (shardlib/structured_output.py): at each step the group's leader
     allows only the tokens that keep the output a prefix of a match (after penalties and bias), and
@@ -109,6 +126,8 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         if self.allowed_token_ids is not None:
             object.__setattr__(self, "allowed_token_ids", _allowed_ids(self.allowed_token_ids))
+        object.__setattr__(self, "bad_words", _bad_words(self.bad_words))
+        object.__setattr__(self, "bad_words_token_ids", _bad_word_sequences(self.bad_words_token_ids))
         n = self.min_tokens
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"min_tokens={n!r} must be an integer >= 0 (0 lets a stop token end the request at once)")
@@ -140,11 +159,11 @@ class SamplingParams:
 
     def adjusts_logits(self, generated: int) -> bool:
         """Whether the logits change before the token choice of a request that has generated
-        `generated` tokens (workers/penalties.py): allowed token ids, penalties, a logit bias, or stop
-        tokens still held back by min_tokens (past it, a request asking nothing else costs the step
-        nothing)."""
-        return (self.allowed_token_ids is not None or bool(self.logit_bias) or self.has_penalties
-                or self.min_tokens > generated)
+        `generated` tokens (workers/penalties.py): allowed token ids, bad words, penalties, a logit
+        bias, or stop tokens still held back by min_tokens (past it, a request asking nothing else
+        costs the step nothing)."""
+        return (self.allowed_token_ids is not None or bool(self.bad_words_token_ids) or bool(self.logit_bias)
+                or self.has_penalties or self.min_tokens > generated)
 
 
 def check_allowed_beyond_stops(params, ending_ids) -> None:
@@ -176,6 +195,38 @@ def _allowed_ids(ids) -> tuple[int, ...]:
         raise ValueError(f"allowed_token_ids holds {bad[:5]!r}, which are not token ids; they must be "
                          f"integers >= 0")
     return tuple(sorted(set(checked)))
+
+
+def _bad_words(words) -> tuple[str, ...]:
+    """bad_words as a tuple of checked strings (order kept, duplicates kept: they ban the same)."""
+    if isinstance(words, (str, bytes, Mapping)) or not hasattr(words, "__iter__"):
+        raise ValueError(f"bad_words={words!r} must be a list of strings (words never to generate), or () for none")
+    words = tuple(words)
+    if len(words) > MAX_BAD_WORDS:
+        raise ValueError(f"bad_words holds {len(words)} words; at most {MAX_BAD_WORDS} are allowed")
+    for i, word in enumerate(words):
+        if not isinstance(word, str):
+            raise ValueError(f"bad_words[{i}]={word!r} must be a string")
+        if not word.strip():  # vLLM strips a word's leading spaces: nothing would be left to ban
+            raise ValueError(f"bad_words[{i}]={word!r} must be a non-empty word (not only spaces)")
+        if len(word) > MAX_BAD_WORD_CHARS:
+            raise ValueError(f"bad_words[{i}] ({word[:20]!r}..., {len(word)} characters) must be at most "
+                             f"{MAX_BAD_WORD_CHARS} characters")
+    return words
+
+
+def _bad_word_sequences(sequences) -> tuple[tuple[int, ...], ...]:
+    """bad_words_token_ids as a tuple of non-empty token-id tuples (ids >= 0)."""
+    if isinstance(sequences, (str, bytes, Mapping)) or not hasattr(sequences, "__iter__"):
+        raise ValueError(f"bad_words_token_ids={sequences!r} must be a list of token-id lists")
+    checked = []
+    for sequence in sequences:
+        ids = [integer_of_any_kind(token) for token in sequence] if hasattr(sequence, "__iter__") else []
+        if not ids or any(token is None or token < 0 for token in ids):
+            raise ValueError(f"bad_words_token_ids holds {sequence!r}, which is not a non-empty list of token ids "
+                             f"(integers >= 0)")
+        checked.append(tuple(ids))
+    return tuple(checked)
 
 
 def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:

@@ -149,3 +149,16 @@ def checkpoint_state_dict(model) -> dict[str, torch.Tensor]:
     with tempfile.TemporaryDirectory() as directory:
         model.save_pretrained(directory)
         return load_file(f"{directory}/model.safetensors")
+
+
+def random_model_with_smollm2_tokenizer(path: Path) -> str:
+    """A small random Llama as wide as SmolLM2's vocabulary, saved in `path` with SmolLM2's tokenizer
+    and chat template: the real tokenizer's special tokens and words, a model that loads in seconds."""
+    import shutil
+
+    from shardlib.demo_model import ensure_demo_model
+
+    path = save_model(build_random_model("llama", seed=3, vocab_size=49152), path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(ensure_demo_model() / name, path / name)
+    return str(path)

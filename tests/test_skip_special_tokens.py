@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 
 import pytest
 
 from launcher.serving.openai_protocol import ChatCompletionRequest, CompletionRequest, ProtocolError, parse_request
 from launcher.serving.text_stream import TextStream
-from tests.model_factory import build_random_model, save_model
+from tests.model_factory import random_model_with_smollm2_tokenizer
 from workers.serving.requests import TokenEvent
 
 END = "<|im_end|>"
@@ -126,13 +125,7 @@ def test_skip_special_tokens_is_taken_as_a_bool_defaulting_to_true_and_refused_o
 # ---- the driver API and the HTTP routes, over a real in-process Launcher ---------------------------
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    """A small random model as wide as SmolLM2's vocabulary, with SmolLM2's tokenizer and chat template."""
-    from shardlib.demo_model import ensure_demo_model
-
-    path = save_model(build_random_model("llama", seed=3, vocab_size=49152), tmp_path_factory.mktemp("skip"))
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(ensure_demo_model() / name, path / name)
-    return str(path)
+    return random_model_with_smollm2_tokenizer(tmp_path_factory.mktemp("skip"))
 
 
 def forced(tokenizer) -> dict:

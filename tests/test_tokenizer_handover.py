@@ -35,8 +35,11 @@ def test_a_caller_that_finds_the_tokenizer_taken_is_handed_it_and_the_holder_yie
     done = {}
     holder = threading.Thread(target=lambda: done.update(holder=llm._encode("holder")), name="holder")
     holder.start()  # mid-encode, the lock held, until its gate opens
-    while not llm._lock.locked():
+    for _ in range(10_000):  # bounded: a holder that failed before taking the lock must not hang the test
+        if llm._lock.locked():
+            break
         real_sleep(0.001)
+    assert llm._lock.locked(), "the holder never took the tokenizer's lock"
     waiter = threading.Thread(target=lambda: done.update(waiter=llm._encode("waiter")), name="waiter")
     waiter.start()
     assert llm._tokenizer_wanted.wait(10), "the waiter did not say it wants the tokenizer"

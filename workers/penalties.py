@@ -1,11 +1,14 @@
 """A request's logits changed before its token choice: every token but its allowed token ids
-removed, its stop tokens held back until min_tokens, its logit bias, then repetition, frequency and
-presence penalties (what it has seen).
+removed, its bad words' tokens banned, its stop tokens held back until min_tokens, its logit bias,
+then repetition, frequency and presence penalties (what it has seen).
 
 Applied before temperature, top-k, top-p and min-p, and before a greedy row's argmax (they change
 which token is most likely), in vLLM's order, with the meanings OpenAI's API and vLLM give them:
 - allowed_token_ids (vLLM's): every other token is -inf (one masked fill of the row, with a mask
   made once per set of ids), so none of the rest can lift it back;
+- bad_words (vLLM's, after allowed_token_ids as vLLM's sampler applies them): each word's token
+  sequence (tokenized by the driver) bans its last token, -inf, when the tokens generated just before
+  equal the rest of it (a one-token word: at every step); the prompt does not count;
 - min_tokens: until that many tokens are generated, the stop tokens (EOS included) are -inf;
 - logit_bias: a fixed number added to the logit of each token it names;
 - repetition_penalty r (transformers' and vLLM's): every token of the prompt or of the output so
@@ -51,6 +54,7 @@ def penalized(logits: torch.Tensor, params: list[SamplingParams], prompts: Seque
     out = logits.to(sampling_device(logits.device), torch.float32, copy=True)
     device = out.device
     _keep_allowed(out, params, outputs, stops)
+    _ban_bad_words(out, params, outputs)
     _hold_stops(out, params, outputs, stops)
     _add_bias(out, params)
     rows = [i for i, p in enumerate(params) if p.has_penalties]
@@ -101,6 +105,33 @@ def _keep_allowed(out: torch.Tensor, params: list[SamplingParams], outputs: Sequ
                              f"tokens, which min_tokens ({p.min_tokens}) holds back for {to_go} more tokens; allow "
                              f"other tokens too, or lower min_tokens")
         out[i].masked_fill_(_forbidden(allowed, out.shape[-1], out.device), float("-inf"))
+
+
+def _ban_bad_words(out: torch.Tensor, params: list[SamplingParams], outputs: Sequence[Sequence[int]]) -> None:
+    """-inf in place for each row's bad-word tokens due now: a sequence's last token where the row's
+    generated tokens end with the sequence's other tokens (vLLM's rule: the prompt is not looked at,
+    and a sequence longer than the output plus one never matches). One index_put for all rows.
+    ValueError for a row with allowed_token_ids left with no token (the row fails alone)."""
+    at_rows, at_tokens = [], []
+    for i, p in enumerate(params):
+        if not p.bad_words_token_ids:
+            continue
+        generated = list(outputs[i][-max(len(seq) for seq in p.bad_words_token_ids):])  # the tail that matters
+        for sequence in p.bad_words_token_ids:
+            before = len(sequence) - 1
+            if before <= len(generated) and (before == 0 or generated[len(generated) - before:] == list(sequence[:-1])):
+                at_rows.append(i)
+                at_tokens.append(sequence[-1])
+    if not at_rows:
+        return
+    device = out.device
+    out.index_put_((torch.tensor(at_rows, device=device), torch.tensor(at_tokens, device=device)),
+                   torch.tensor(float("-inf"), device=device))
+    for i in sorted({i for i in at_rows if params[i].allowed_token_ids is not None}):
+        if not bool((out[i] > float("-inf")).any()):  # only a few allowed ids, all banned now
+            raise ValueError(f"no token is left to choose: bad_words ban every one of allowed_token_ids "
+                             f"{list(params[i].allowed_token_ids[:5])} here; allow other tokens too, or ban fewer "
+                             f"words")
 
 
 @lru_cache(maxsize=ALLOWED_MASKS_KEPT)

@@ -382,8 +382,8 @@ def _naming_prompt(index: int, count: int):
                             err.headers) from None
 
 
-_REQUEST_WIDE = ("logit_bias", "stop_token_ids", "min_tokens", "allowed_token_ids", "structured_outputs",
-                 "response_format", "response_format.json_schema.schema")
+_REQUEST_WIDE = ("logit_bias", "stop_token_ids", "min_tokens", "allowed_token_ids", "bad_words",
+                 "structured_outputs", "response_format", "response_format.json_schema.schema")
 """Params of refusals about the request as a whole, which no prompt of several is named in."""
 
 _ECHO_ONLY_NEEDS_ONE = (" (max_tokens 0 still needs one position: the engine generates one token for it, which "
@@ -969,7 +969,8 @@ class OpenAIServer:
             return stream
         except ValueError as err:
             self.metrics.rejected(400)
-            param = next((name for name in ("stop_token_ids", "logit_bias", "min_tokens", "allowed_token_ids")
+            param = next((name for name in ("stop_token_ids", "logit_bias", "min_tokens", "allowed_token_ids",
+                                             "bad_words")
                           if str(err).startswith(name)),
                          req.structure_param() if str(err).startswith(("structured_output", "structured output"))
                          else prompt_param)

@@ -18,8 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 from launcher.serving.null_means_default import NullMeansDefault
 from launcher.serving.response_formats import ResponseFormat, StructuredOutputs, requested_structure
 
-from shardlib.sampling_params import (MAX_LOGIT_BIAS, MAX_PENALTY, MAX_SEED, MAX_TEMPERATURE, MIN_REPETITION_PENALTY,
-                                     MIN_SEED)
+from shardlib.sampling_params import (MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_PENALTY, MAX_SEED,
+                                     MAX_TEMPERATURE, MIN_REPETITION_PENALTY, MIN_SEED)
 
 MAX_STOP_STRINGS = 4
 """OpenAI's bound on `stop`."""
@@ -64,6 +64,8 @@ FIELD_RULES = {
     "stop_token_ids": "a list of token ids (integers >= 0)",
     "allowed_token_ids": f"a non-empty list of at most {MAX_ALLOWED_TOKEN_IDS} token ids (integers >= 0, in the "
                          f"model's vocabulary; vLLM's extension: only these tokens are generated)",
+    "bad_words": f"a list of at most {MAX_BAD_WORDS} non-empty strings of at most {MAX_BAD_WORD_CHARS} characters "
+                 f"each (vLLM's extension: words never generated, at the text's start or after a space)",
     "ignore_eos": "true or false",
     "include_stop_str_in_output": "true or false (vLLM's extension; true: a stop string that ends the text stays at "
                                   "its end)",
@@ -214,6 +216,10 @@ class _GenerationRequest(NullMeansDefault):
     -inf); a stop token or EOS left out of them cannot end the request, which runs to its max tokens.
     _check_combinations refuses an empty list and negative ids; the app checks them against the
     vocabulary."""
+    bad_words: list[str] | None = None
+    """Extension (vLLM's): words never generated (SamplingParams.bad_words: the driver tokenizes each,
+    alone and after a space, and the last token of each sequence is -inf right after the rest of it).
+    _check_combinations checks the count, each word's length and its text."""
     logit_bias: dict[str, float] = Field(default_factory=dict)
     """Token id (a string of digits, as JSON object keys are) -> a bias in [-100, 100] added to its
     logit (_check_combinations checks both; the app checks the ids against the vocabulary)."""
@@ -282,6 +288,7 @@ class _GenerationRequest(NullMeansDefault):
                          repetition_penalty=self.repetition_penalty,
                          logit_bias={int(token): bias for token, bias in self.logit_bias.items()},
                          min_tokens=self.min_tokens, allowed_token_ids=self.allowed_token_ids,
+                         bad_words=tuple(self.bad_words or ()),
                          structured_output=self._structure)
         if self.top_p == 0:
             return SamplingParams(temperature=0.0, seed=self.seed, **penalties)
@@ -655,6 +662,7 @@ def _check_combinations(request: _GenerationRequest) -> None:
         raise ProtocolError(f"stop_token_ids ({_short(request.stop_token_ids)}) must be "
                             f"{FIELD_RULES['stop_token_ids']}", param="stop_token_ids")
     _check_allowed_token_ids(request.allowed_token_ids)
+    _check_bad_words(request.bad_words)
     _check_logit_bias(request.logit_bias)
     if request.truncate_prompt_tokens == 0:  # pydantic's ge=-1 lets it through: no prompt is left
         raise ProtocolError(f"truncate_prompt_tokens (0) must be {FIELD_RULES['truncate_prompt_tokens']}; 0 would "
@@ -706,6 +714,21 @@ def _check_allowed_token_ids(ids: list[int] | None) -> None:
     if any(t < 0 for t in ids):
         raise ProtocolError(f"allowed_token_ids ({_short(ids)}) must be {FIELD_RULES['allowed_token_ids']}",
                             param="allowed_token_ids")
+
+
+def _check_bad_words(words: list[str] | None) -> None:
+    """The bounds SamplingParams holds bad_words to, refused as a 400 naming the word; a lone surrogate
+    is refused as a stop string's is (it could not be tokenized)."""
+    if not words:  # null and [] ban nothing
+        return
+    if len(words) > MAX_BAD_WORDS:
+        raise ProtocolError(f"bad_words has {len(words)} words; at most {MAX_BAD_WORDS} are allowed",
+                            param="bad_words")
+    for i, word in enumerate(words):
+        if not word.strip() or len(word) > MAX_BAD_WORD_CHARS:
+            raise ProtocolError(f"bad_words[{i}] ({clip(word)!r}) must be a non-empty word (not only spaces) of at "
+                                f"most {MAX_BAD_WORD_CHARS} characters", param="bad_words")
+        check_utf8(word, "bad_words")
 
 
 def _check_logit_bias(bias: dict[str, float]) -> None:
