@@ -374,9 +374,10 @@ def run_kernel(lib: ctypes.CDLL, q: torch.Tensor, keys: torch.Tensor, values: to
                              threads)
     strides = [(ctypes.c_long * 3)(*t.stride()[:3]) for t in (q, keys, values)]
     out = torch.empty((batch, seq, q_heads, d))
-    failed = lib.cl_prefill_attention(q.data_ptr(), strides[0], keys.data_ptr(), strides[1], values.data_ptr(), strides[2],
-                             mask.data_ptr(), mask.shape[0], first.data_ptr(), last.data_ptr(), dense.data_ptr(),
-                             out.data_ptr(), batch, q_heads, kv_heads, seq, slots, d, scale, threads)
+    failed = lib.cl_prefill_attention(q.data_ptr(), strides[0], keys.data_ptr(), strides[1], values.data_ptr(),
+                                      strides[2], mask.data_ptr(), mask.shape[0], first.data_ptr(), last.data_ptr(),
+                                      dense.data_ptr(), out.data_ptr(), batch, q_heads, kv_heads, seq, slots, d, scale,
+                                      threads)
     if failed:
         raise MemoryError("prefill_attention: out of memory for a thread's working buffers")
     return out.transpose(1, 2)
@@ -396,6 +397,8 @@ def _host_build():
 
 
 def _library() -> ctypes.CDLL | None:
+    """The host's build, loaded (which registers the operator's CPU kernel), or None when it is turned
+    off or cannot be built (the reason kept in `unavailable_reason`)."""
     global unavailable_reason
     lib, unavailable_reason = native_build.load_unless_turned_off("CORELAUNCH_PREFILL_ATTENTION", _host_build)
     return lib
