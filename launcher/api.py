@@ -1087,8 +1087,7 @@ class Launcher:
         self._check_structured(params, batching)
         stop_token_ids = check_stop_token_ids(stop_token_ids, self.model_config.vocab_size)
         self._check_lengths(token_lists, max_new_tokens, serving=False)
-        stops = self._ending_ids(stop_token_ids, ignore_eos)
-        check_allowed_beyond_stops(params, stops)
+        stops = self._checked_ending_ids(params, stop_token_ids, ignore_eos)
         _check_flag("return_logits", return_logits)  # "no" would copy a vocabulary-wide row per token
         parts = []
         for first, stop in split_prompts(len(token_lists), self.config.max_batch_size, pool.serving()):
@@ -1274,8 +1273,7 @@ class Launcher:
                        skip_special_tokens: bool = True):
         """Submit one checked request (QueueFull when it would wait while max_queued_requests already
         do) and return the stream reading it."""
-        ending = self._ending_ids(stop_token_ids, ignore_eos)
-        check_allowed_beyond_stops([params], ending)
+        ending = self._checked_ending_ids([params], stop_token_ids, ignore_eos)
         stream = self._new_stream(token_ids, params, max_new_tokens, ending, stops, logprobs, request_id, asynchronous,
                                   prompt_logprobs=prompt_logprobs, cache_salt=cache_salt, include_stop=include_stop,
                                   skip_special_tokens=skip_special_tokens)
@@ -1287,6 +1285,13 @@ class Launcher:
         wait while max_queued_requests requests already do). timeout_per_wave: ReplicaPool.submit_streams."""
         self._running_pool().submit_streams([s.handle for s in streams], self.config.max_queued_requests,
                                              self.config.max_num_seqs, timeout_per_wave)
+
+    def _checked_ending_ids(self, params: list[SamplingParams], stop_token_ids, ignore_eos: bool) -> tuple[int, ...]:
+        """_ending_ids, after refusing params whose allowed_token_ids are all those ids while min_tokens
+        holds them back (check_allowed_beyond_stops): every path checks this before submitting."""
+        ending = self._ending_ids(stop_token_ids, ignore_eos)
+        check_allowed_beyond_stops(params, ending)
+        return ending
 
     def _ending_ids(self, stop_token_ids, ignore_eos) -> tuple[int, ...]:
         """The token ids that end a request: stop_token_ids, and the end-of-sequence ids unless
@@ -1352,8 +1357,7 @@ class Launcher:
         check_request(token_lists, params, max_new_tokens, self.model_config.vocab_size)
         self._check_structured(params)
         self._check_lengths(token_lists, max_new_tokens, serving=True)
-        ending = self._ending_ids(stop_token_ids, ignore_eos)
-        check_allowed_beyond_stops(params, ending)
+        ending = self._checked_ending_ids(params, stop_token_ids, ignore_eos)
         streams = [self._new_stream(ids, p, max_new_tokens, ending, (), None, None, asynchronous, return_logits,
                                     prompt_logprobs=prompt_logprobs, cache_salt=cache_salt)
                    for ids, p in zip(token_lists, params)]
@@ -1495,9 +1499,9 @@ class Launcher:
         is tokenized once."""
         done: dict[int, SamplingParams] = {}
         filled = []
-        for p in params:
-            if not isinstance(p, SamplingParams) or not p.bad_words:
-                filled.append(p)  # a wrong type is refused by the caller's checks
+        for p in params:  # SamplingParams each: every caller has checked them
+            if not p.bad_words:
+                filled.append(p)
                 continue
             if id(p) not in done:
                 done[id(p)] = dataclasses.replace(p, bad_words_token_ids=self._bad_word_sequences(p.bad_words))

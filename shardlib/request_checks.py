@@ -27,15 +27,18 @@ def check_request(prompts: Sequence[Sequence[int]], params: Sequence, max_new_to
         if getattr(p, "min_tokens", 0) > max_new_tokens:  # the request would end at max_new_tokens all the same
             raise ValueError(f"min_tokens ({p.min_tokens}) must be at most max_new_tokens ({max_new_tokens}); "
                              f"lower min_tokens or raise max_new_tokens")
-        outside = [token for token, _ in getattr(p, "logit_bias", ()) if token >= vocab_size]
-        if outside:  # indexing the logits with them failed the leader's step
-            raise ValueError(f"logit_bias names token ids {outside[:5]} outside the vocabulary [0, {vocab_size}); "
-                             f"were they taken from another model's tokenizer?")
-        outside = [token for token in (getattr(p, "allowed_token_ids", None) or ()) if token >= vocab_size]
-        if outside:  # the leader's mask of them would fail its step (vLLM refuses them too)
-            raise ValueError(f"allowed_token_ids names token ids {outside[:5]} outside the vocabulary "
-                             f"[0, {vocab_size}); were they taken from another model's tokenizer?")
+        # indexing the logits with any of these failed the leader's step (vLLM refuses them too)
+        _refuse_outside("logit_bias", [token for token, _ in getattr(p, "logit_bias", ())], vocab_size)
+        _refuse_outside("allowed_token_ids", getattr(p, "allowed_token_ids", None) or (), vocab_size)
         _check_bad_words(p, vocab_size)
+
+
+def _refuse_outside(name: str, ids, vocab_size: int) -> None:
+    """ValueError naming the first ids (in their order) of `name` outside [0, vocab_size)."""
+    outside = [token for token in ids if token >= vocab_size]
+    if outside:
+        raise ValueError(f"{name} names token ids {outside[:5]} outside the vocabulary [0, {vocab_size}); "
+                         f"were they taken from another model's tokenizer?")
 
 
 def _check_bad_words(p, vocab_size: int) -> None:
@@ -45,10 +48,8 @@ def _check_bad_words(p, vocab_size: int) -> None:
     if getattr(p, "bad_words", ()) and not sequences:
         raise ValueError(f"bad_words {list(p.bad_words[:5])!r} have no token ids (bad_words_token_ids): the "
                          f"driver API (launcher/api.py) tokenizes them; submit the request through it")
-    outside = sorted({token for sequence in sequences for token in sequence if token >= vocab_size})
-    if outside:
-        raise ValueError(f"bad_words_token_ids names token ids {outside[:5]} outside the vocabulary "
-                         f"[0, {vocab_size}); were they taken from another model's tokenizer?")
+    _refuse_outside("bad_words_token_ids", sorted({token for sequence in sequences for token in sequence}),
+                    vocab_size)
 
 
 def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> None:

@@ -166,6 +166,11 @@ class SamplingParams:
                 or self.has_penalties or self.min_tokens > generated)
 
 
+def no_token_left(allowed: tuple[int, ...], held) -> bool:
+    """Whether every one of the (distinct) allowed token ids is among the held-back ones."""
+    return len(allowed) <= len(held) and all(token in held for token in allowed)
+
+
 def check_allowed_beyond_stops(params, ending_ids) -> None:
     """ValueError naming the first SamplingParams whose allowed_token_ids are all ending ids (stop
     tokens, EOS included) while min_tokens holds those back: no first token could be chosen. Checked
@@ -174,7 +179,7 @@ def check_allowed_beyond_stops(params, ending_ids) -> None:
     ending = set(ending_ids)
     for p in params:
         allowed = getattr(p, "allowed_token_ids", None)
-        if allowed and p.min_tokens > 0 and set(allowed) <= ending:
+        if allowed and p.min_tokens > 0 and no_token_left(allowed, ending):
             raise ValueError(f"allowed_token_ids {list(allowed[:5])} are all stop tokens (EOS included), which "
                              f"min_tokens ({p.min_tokens}) holds back: no token could be chosen; allow other "
                              f"tokens too, or lower min_tokens")

@@ -11,7 +11,7 @@ import pytest
 
 from launcher.serving import openai_app
 from launcher.serving.openai_app import PARSED_ON_A_THREAD, BodyBudget, _read_body
-from launcher.serving.openai_protocol import ProtocolError
+from launcher.serving.openai_protocol import ProtocolError, parse_request
 
 LARGE = 3 * PARSED_ON_A_THREAD
 
@@ -216,16 +216,22 @@ def test_the_marker_code_points_sanitizing_drops_are_not_measured_in_a_chat(smol
 # ---- include_stop_str_in_output (vLLM's extension), as both routes parse it ---------------------------------
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_include_stop_str_in_output_is_taken_as_a_bool_and_refused_otherwise_by_name(endpoint):
-    from launcher.serving.openai_protocol import ChatCompletionRequest, CompletionRequest, parse_request
+    from launcher.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
 
     model, base = ((CompletionRequest, {"model": "m", "prompt": "hi"}) if endpoint == "completions" else
                    (ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "hi"}]}))
     assert parse_request(model, {**base, "include_stop_str_in_output": True}).include_stop_str_in_output is True
     assert parse_request(model, base).include_stop_str_in_output is False
     assert parse_request(model, {**base, "include_stop_str_in_output": None}).include_stop_str_in_output is False
-    for bad, shown in (("true", "'true'"), (1, "1"), ([True], "[true]")):
+    assert_refused_unless_bool(model, base, "include_stop_str_in_output",
+                               (("true", "'true'"), (1, "1"), ([True], "[true]")))
+
+
+def assert_refused_unless_bool(model, base: dict, field: str, bads) -> None:
+    """Each (value, as the message shows it) of `bads` for `field` is a 400 naming the field."""
+    for bad, shown in bads:
         with pytest.raises(ProtocolError) as caught:
-            parse_request(model, {**base, "include_stop_str_in_output": bad})
+            parse_request(model, {**base, field: bad})
         err = caught.value
-        assert err.status == 400 and err.param == "include_stop_str_in_output"
-        assert err.message.startswith(f"include_stop_str_in_output ({shown}) must be true or false"), err.message
+        assert err.status == 400 and err.param == field
+        assert err.message.startswith(f"{field} ({shown}) must be true or false"), err.message

@@ -26,7 +26,7 @@ from functools import lru_cache
 
 import torch
 
-from shardlib.sampling_params import SamplingParams
+from shardlib.sampling_params import SamplingParams, no_token_left
 from workers.sampling import sampling_device
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -100,7 +100,7 @@ def _keep_allowed(out: torch.Tensor, params: list[SamplingParams], outputs: Sequ
             continue
         to_go = p.min_tokens - len(outputs[i])
         held = stops[i] if stops and to_go > 0 else ()
-        if len(allowed) <= len(held) and all(token in held for token in allowed):
+        if no_token_left(allowed, held):
             raise ValueError(f"no token is left to choose: allowed_token_ids {list(allowed[:5])} are all stop "
                              f"tokens, which min_tokens ({p.min_tokens}) holds back for {to_go} more tokens; allow "
                              f"other tokens too, or lower min_tokens")

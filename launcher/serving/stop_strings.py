@@ -89,7 +89,7 @@ class StopStringMatcher:
         held, self._held = self._held, ""
         return "" if self.stopped else held
 
-    def _first_stop(self, buffer: str, ends_after: int = 0) -> tuple[int, int] | None:
+    def _first_stop(self, buffer: str, ends_after: int) -> tuple[int, int] | None:
         """(start, end) in buffer of the earliest stop string ending after buffer[:ends_after], or None.
         Earliest, not first listed: the text before it is what the model wrote before stopping. Of
         stops starting at the same place ("ab" and "abc"), the shorter: the model's text completed it
