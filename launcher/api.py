@@ -1040,7 +1040,7 @@ class Launcher:
                  max_new_tokens: int = 64, stop_token_ids: Sequence[int] = (),
                  ignore_eos: bool = False, return_logits: bool = False,
                  batching: str = "continuous", prompt_logprobs: int | None = None,
-                 cache_salt: str | None = None) -> list[GenerationResult]:
+                 cache_salt: str | None = None, skip_special_tokens: bool = True) -> list[GenerationResult]:
         """Generate for each prompt (text, or token ids); results come back in prompt order.
 
         batching "continuous" (default): every prompt is its own request in the groups' running
@@ -1050,7 +1050,9 @@ class Launcher:
         describes the static path; both give the same greedy tokens.
 
         Generation stops at the model's EOS tokens and at `stop_token_ids` (the stop token is kept
-        in token_ids); `ignore_eos` keeps only the explicit stop tokens (fixed-length benchmarks).
+        in token_ids, its text left out of the text, as vLLM leaves it out); `ignore_eos` keeps only
+        the explicit stop tokens (fixed-length benchmarks). skip_special_tokens (vLLM's, default
+        True): False keeps the special tokens the model generates (`<|im_end|>`) in the text.
 
         The prompts are split into parts of at most max_batch_size, and into at least as many parts
         as there are replicas serving (when there are enough prompts); each part is one worker call,
@@ -1071,9 +1073,10 @@ class Launcher:
         max_new_tokens = _plain_integer(max_new_tokens)
         prompt_logprobs = _checked_logprobs("prompt_logprobs", _plain_integer(prompt_logprobs))
         cache_salt = _checked_cache_salt(cache_salt)
+        _check_flag("skip_special_tokens", skip_special_tokens)
         if batching == "continuous":  # each stream checks its options, ignore_eos and return_logits included
             return self._generate_streams(prompts, sampling, max_new_tokens, stop_token_ids, ignore_eos, return_logits,
-                                          prompt_logprobs, cache_salt)
+                                          prompt_logprobs, cache_salt, skip_special_tokens)
         _check_batching(batching)
         if prompt_logprobs is not None:
             raise ValueError(f"prompt_logprobs ({prompt_logprobs}) needs batching='continuous' (the static batch "
@@ -1123,7 +1126,7 @@ class Launcher:
             for j, out in enumerate(answer.outputs):
                 i = first + j
                 with self._lock:
-                    text = self._decode(out.token_ids)
+                    text = self._decode(out.token_ids, skip_special_tokens, stops, out.finish_reason)
                 results[i] = GenerationResult(
                     prompt=texts[i], text=text, token_ids=list(out.token_ids),
                     finish_reason=out.finish_reason, prompt_tokens=len(token_lists[i]),
@@ -1148,7 +1151,8 @@ class Launcher:
         Raises at once (before anything runs) on bad input: ValueError naming the value, and
         QueueFull when it would wait for a row while max_queued_requests requests already wait. stop: strings that end the
         generation (not included in the text, unless include_stop_str_in_output: then the text ends with
-        the stop string that ended it, as vLLM's option does; stop token ids are unaffected); logprobs:
+        the stop string that ended it, as vLLM's option does; a stop token that ends the request leaves
+        its text out likewise, its id in token_ids); logprobs:
         n to get the chosen token's log-probability and the n most likely (0..20); prompt_logprobs: n
         to get each prompt token's log-probability (all but the first) and the n most likely at its
         place, on the first delta (StreamDelta.prompt_logprobs); cache_salt: a non-empty string: the
@@ -1191,13 +1195,14 @@ class Launcher:
                         sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                         max_new_tokens: int = 64, stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
                         return_logits: bool = False, prompt_logprobs: int | None = None,
-                        cache_salt: str | None = None) -> list[GenerationResult]:
+                        cache_salt: str | None = None, skip_special_tokens: bool = True) -> list[GenerationResult]:
         """generate() for asyncio (continuous batching): every prompt streams concurrently."""
         import asyncio
 
         max_new_tokens = _plain_integer(max_new_tokens)
         prompt_logprobs = _checked_logprobs("prompt_logprobs", _plain_integer(prompt_logprobs))
         cache_salt = _checked_cache_salt(cache_salt)
+        _check_flag("skip_special_tokens", skip_special_tokens)
         self._running_pool()  # not started: said before any tokenizing
 
         # On a thread: long prompts take the tokenizer seconds, which on the loop would stall every
@@ -1206,7 +1211,8 @@ class Launcher:
         streams, texts, token_lists = self._open_generation(prompts, sampling, max_new_tokens, stop_token_ids,
                                                             ignore_eos, return_logits, asynchronous=True,
                                                             tokenized=tokenized, prompt_logprobs=prompt_logprobs,
-                                                            cache_salt=cache_salt)
+                                                            cache_salt=cache_salt,
+                                                            skip_special_tokens=skip_special_tokens)
 
         async def drain(stream):
             async for _ in stream:
@@ -1224,7 +1230,7 @@ class Launcher:
         errors = [o for o in outcomes if isinstance(o, BaseException)]
         if errors:
             raise errors[0]
-        return [self._result(s, texts[i], token_lists[i]) for i, s in enumerate(streams)]
+        return [self._result(s, texts[i], token_lists[i], skip_special_tokens) for i, s in enumerate(streams)]
 
     def load(self) -> dict[str, int]:
         """Streaming requests running (holding a cache row) and waiting for one, over all replicas."""
@@ -1333,7 +1339,7 @@ class Launcher:
                                 cache_salt=cache_salt)
         handle = StreamHandle(request, sink, self.config.request_timeout_s if timeout_s is None else timeout_s)
         text = TextStream(request.request_id, self.tokenizer, stops, len(token_ids), params.min_tokens, include_stop,
-                          skip_special_tokens)
+                          skip_special_tokens, ending_ids)
         if asynchronous:
             return kind(self._cancel_stream, handle, text, items, loop)
         return kind(self._cancel_stream, handle, text, items)
@@ -1344,7 +1350,7 @@ class Launcher:
 
     def _open_generation(self, prompts, sampling, max_new_tokens, stop_token_ids, ignore_eos, return_logits,
                          asynchronous: bool, tokenized: tuple | None = None, prompt_logprobs: int | None = None,
-                         cache_salt: str | None = None):
+                         cache_salt: str | None = None, skip_special_tokens: bool = True):
         """Check every prompt first (nothing is submitted if one is bad), then submit them all.
         tokenized: _tokenize(prompts)'s result when the caller has it already."""
         self._running_pool()  # not started: say so, before anything that needs the model
@@ -1359,7 +1365,8 @@ class Launcher:
         self._check_lengths(token_lists, max_new_tokens, serving=True)
         ending = self._checked_ending_ids(params, stop_token_ids, ignore_eos)
         streams = [self._new_stream(ids, p, max_new_tokens, ending, (), None, None, asynchronous, return_logits,
-                                    prompt_logprobs=prompt_logprobs, cache_salt=cache_salt)
+                                    prompt_logprobs=prompt_logprobs, cache_salt=cache_salt,
+                                    skip_special_tokens=skip_special_tokens)
                    for ids, p in zip(token_lists, params)]
         # one call, admitted as one (none of its prompts is left running alone); the prompts beyond
         # their replica's rows wait for one, a request timeout per wave of rows ahead of them
@@ -1367,10 +1374,12 @@ class Launcher:
         return streams, texts, token_lists
 
     def _generate_streams(self, prompts, sampling, max_new_tokens, stop_token_ids, ignore_eos,
-                          return_logits, prompt_logprobs=None, cache_salt=None) -> list[GenerationResult]:
+                          return_logits, prompt_logprobs=None, cache_salt=None,
+                          skip_special_tokens: bool = True) -> list[GenerationResult]:
         streams, texts, token_lists = self._open_generation(prompts, sampling, max_new_tokens, stop_token_ids,
                                                             ignore_eos, return_logits, asynchronous=False,
-                                                            prompt_logprobs=prompt_logprobs, cache_salt=cache_salt)
+                                                            prompt_logprobs=prompt_logprobs, cache_salt=cache_salt,
+                                                            skip_special_tokens=skip_special_tokens)
         errors = []
         try:
             for stream in streams:  # they run concurrently; reading them in turn waits for the slowest
@@ -1385,13 +1394,14 @@ class Launcher:
             raise
         if errors:
             raise errors[0]
-        return [self._result(s, texts[i], token_lists[i]) for i, s in enumerate(streams)]
+        return [self._result(s, texts[i], token_lists[i], skip_special_tokens) for i, s in enumerate(streams)]
 
-    def _result(self, stream, prompt_text, token_ids) -> GenerationResult:
+    def _result(self, stream, prompt_text, token_ids, skip_special_tokens: bool = True) -> GenerationResult:
         events = stream.events
         tokens = [t for e in events for t in e.token_ids]
         with self._lock:
-            text = self._decode(tokens)
+            text = self._decode(tokens, skip_special_tokens, stream.handle.request.stop_token_ids,
+                                stream.text.finish_reason)
         # One token an event; rates and gaps on the leader's clock, as the static engine measures its
         # own. A gap into a resumed attempt's first token is the restart, across two leaders' clocks.
         times = [e.at_s for e in events if e.token_ids]
@@ -1615,12 +1625,15 @@ class Launcher:
             ids.append(self.tokenizer.eos_token_id)
         return ids
 
-    def _decode(self, token_ids) -> str | None:
+    def _decode(self, token_ids, skip_special_tokens: bool, ending_ids, finish_reason: str | None) -> str | None:
+        """A generate() result's text: the text a stream of the same tokens reads (a stop token that
+        ended it left out, as vLLM leaves it out: TextStream)."""
         if self.tokenizer is None:
             return None
         from launcher.serving.detokenizer import decode_text
 
-        return decode_text(self.tokenizer, token_ids)  # the text a stream of the same tokens reads
+        ended_by_token = finish_reason == "stop" and token_ids and token_ids[-1] in ending_ids
+        return decode_text(self.tokenizer, token_ids[:-1] if ended_by_token else token_ids, skip_special_tokens)
 
 
 def split_prompts(count: int, max_batch_size: int, replicas: int) -> list[tuple[int, int]]:

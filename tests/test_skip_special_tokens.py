@@ -54,7 +54,7 @@ def test_a_special_stop_token_that_ends_the_request_keeps_its_text_out(smollm2_t
     ids = tok.encode("Hello") + [end_id(tok)] + tok.encode(" world") + [end_id(tok)]
 
     def ended_by_stop_token(**options):
-        stream = TextStream("r", tok, (), prompt_tokens=1, **options)
+        stream = TextStream("r", tok, (), prompt_tokens=1, stop_token_ids=(end_id(tok),), **options)
         return "".join(stream.delta(TokenEvent("r", [token], "stop" if i == len(ids) - 1 else None)).text
                        for i, token in enumerate(ids))
 

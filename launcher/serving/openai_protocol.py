@@ -67,8 +67,8 @@ FIELD_RULES = {
     "bad_words": f"a list of at most {MAX_BAD_WORDS} non-empty strings of at most {MAX_BAD_WORD_CHARS} characters "
                  f"each (vLLM's extension: words never generated, at the text's start or after a space)",
     "ignore_eos": "true or false",
-    "include_stop_str_in_output": "true or false (vLLM's extension; true: a stop string that ends the text stays at "
-                                  "its end)",
+    "include_stop_str_in_output": "true or false (vLLM's extension; true: a stop string or stop token that ends the "
+                                  "text stays at its end)",
     "skip_special_tokens": "true or false (vLLM's extension; false: special tokens the model generates, an end of "
                            "turn say, stay in the text)",
     "logprobs": f"an integer in [0, {MAX_LOGPROBS}] on /v1/completions; true or false on /v1/chat/completions",
@@ -196,7 +196,8 @@ class _GenerationRequest(NullMeansDefault):
     """Extension: keep generating past the model's end-of-sequence tokens (fixed-length benchmarks)."""
     include_stop_str_in_output: bool = False
     """Extension (vLLM's): the text ends with the stop string (`stop`) that ended it, instead of just
-    before it; nothing after it. Stop token ids are unaffected."""
+    before it; nothing after it. Likewise a stop token that ended it (a stop token id, an EOS) keeps
+    its text, which is left out otherwise."""
     skip_special_tokens: bool = True
     """Extension (vLLM's): false keeps the special tokens the model generates (SmolLM2's `<|im_end|>`) in
     the text, where stop strings are matched too; token ids, usage, logprobs' token strings and an

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from launcher.serving.detokenizer import IncrementalDetokenizer
 from launcher.serving.stop_strings import StopStringMatcher
 from launcher.serving.stream_types import StreamDelta
@@ -11,31 +13,25 @@ from workers.serving.requests import TokenEvent
 class TextStream:
     def __init__(self, request_id: str, tokenizer, stops: tuple[str, ...], prompt_tokens: int,
                  min_tokens: int = 0, include_stop_str_in_output: bool = False,
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, stop_token_ids: Collection[int] = ()) -> None:
         """min_tokens: a stop string counts only where it ends in the text of the tokens after the
         first min_tokens (vLLM's rule: its min_tokens holds stop strings back as it holds stop
         tokens); it may begin earlier. include_stop_str_in_output (vLLM's): the text ends with the
-        stop string that ended it, rather than just before it. skip_special_tokens (vLLM's): False
-        keeps the special tokens' text (`<|im_end|>`) in the text, where the stop strings are
-        looked for too, but not a special stop token's that ends the request (an EOS): its text is
-        left out as with True (as vLLM leaves a stop token's out), unless include_stop_str_in_output."""
+        stop string or stop token that ended it, rather than just before it. skip_special_tokens
+        (vLLM's): False keeps the special tokens' text (`<|im_end|>`) in the text, where the stop
+        strings are looked for too. stop_token_ids: the ids that end the request (its stop token
+        ids, and the EOS ids unless ignore_eos): one that ends it leaves its text out, special or
+        not, as vLLM leaves a stop token's out, unless include_stop_str_in_output."""
         self.request_id = request_id
         self._detokenizer = (IncrementalDetokenizer(tokenizer, skip_special_tokens) if tokenizer is not None
                              else None)
-        self._tokenizer = tokenizer
-        self._drops_ending_special = not skip_special_tokens and not include_stop_str_in_output
+        self._hidden_endings = frozenset() if include_stop_str_in_output else frozenset(stop_token_ids)
         self._stops = StopStringMatcher(stops, include_stop_str_in_output) if stops else None
         self._min_tokens = min_tokens
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self.stopped_by_string = False
-
-    def _ends_on_special(self, token: int) -> bool:
-        """Whether a request that ends on `token` leaves its text out: a special token (an EOS, a
-        special stop token id) whose text skip_special_tokens False would otherwise show."""
-        return (self._drops_ending_special and self._tokenizer is not None
-                and token in self._tokenizer.all_special_ids)
 
     def delta(self, event: TokenEvent, time_to_first_token_s: float | None = None) -> StreamDelta:
         """The delta for one event; after a stop string, finish_reason is "stop" whatever the event says.
@@ -46,7 +42,8 @@ class TextStream:
         # this event's tokens within the first min_tokens, whose text no stop string may end in, and the rest
         within = min(len(ids), max(self._min_tokens - self.completion_tokens, 0))
         early = late = ""
-        shown = ids[:-1] if finish == "stop" and ids and self._ends_on_special(ids[-1]) else ids
+        # "stop" on a token that is no stop token is a structured output's last token: its text stays
+        shown = ids[:-1] if finish == "stop" and ids and ids[-1] in self._hidden_endings else ids
         if self._detokenizer is not None:
             # one push per early token: a push whose text ends inside a character holds all of it back,
             # and whole early tokens held with the next one's half character would come out as late text
