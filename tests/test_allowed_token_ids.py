@@ -97,13 +97,116 @@ def test_a_row_whose_allowed_tokens_are_all_held_back_is_refused_by_name():
 
 
 def test_a_rows_mask_is_made_once_not_every_step():
-    from workers.penalties import _forbidden
-
     params = [SamplingParams(allowed_token_ids=[3, 11, 12, 13, 29])]
-    _forbidden.cache_clear()
-    for step in range(5):
+    penalized(torch.zeros(1, 32), params, [[1]], [[]])
+    entry = params[0].allowed_token_ids.mask_entry
+    mask = entry.forbidden
+    for step in range(1, 5):
         penalized(torch.zeros(1, 32), params, [[1]], [[3] * step])
-    assert _forbidden.cache_info().misses == 1 and _forbidden.cache_info().hits == 4
+        assert params[0].allowed_token_ids.mask_entry is entry and entry.forbidden is mask
+
+
+class CountedId(int):
+    """A token id that counts the times Python hashes it or compares it for equality: a set of them
+    shows how much of the set a step's mask look-up walks."""
+
+    uses = 0
+
+    def __hash__(self) -> int:
+        CountedId.uses += 1
+        return int.__hash__(self)
+
+    def __eq__(self, other) -> bool:
+        CountedId.uses += 1
+        return int.__eq__(self, other)
+
+
+def counted(params: SamplingParams) -> SamplingParams:
+    """params with their allowed ids made CountedIds, in the container SamplingParams made
+    (SamplingParams itself turns ids into plain ints: set here as its __post_init__ sets fields)."""
+    ids = params.allowed_token_ids
+    object.__setattr__(params, "allowed_token_ids", type(ids)(CountedId(t) for t in ids))
+    return params
+
+
+def test_a_step_walks_none_of_the_allowed_ids_after_a_requests_first():
+    """Python hashes a plain tuple anew at every use: finding a row's mask by its set hashed all of
+    the set at every step (0.64 ms a row for 262144 ids), and a request sending the set another sent
+    compared the two as well. Now a set is hashed once, a request's later steps go straight to its
+    mask, and an equal set is compared once, at its request's first step; no_token_left does not
+    walk a set larger than the stop tokens held back."""
+    ids = range(0, 20000, 2)
+    first = counted(SamplingParams(allowed_token_ids=ids, min_tokens=50))  # stop token 2 held back
+    same = counted(SamplingParams(allowed_token_ids=ids))  # another request, the same set
+    logits = torch.zeros(1, 20000)
+    penalized(logits, [first], [[1]], [[]], [(2,)])  # its first step makes the mask
+    CountedId.uses = 0
+    for step in range(1, 5):
+        penalized(logits, [first], [[1]], [[3] * step], [(2,)])
+    assert CountedId.uses == 0
+    penalized(logits, [same], [[1]], [[]])
+    assert CountedId.uses <= len(ids)  # the two sets compared once (no hash: it was computed with the set)
+    assert same.allowed_token_ids.mask_entry is first.allowed_token_ids.mask_entry  # one mask for both
+    CountedId.uses = 0
+    for step in range(1, 5):
+        penalized(torch.zeros(2, 20000), [same, first], [[1], [1]], [[3] * step] * 2, [(), (2,)])
+    assert CountedId.uses == 0
+
+
+def test_the_masks_are_the_allowed_ids_exactly_for_sets_small_and_large():
+    vocab = 50000
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(1))
+    sets = [[7], list(range(0, vocab, 3)), list(range(vocab))]
+    got = penalized(logits, [SamplingParams(allowed_token_ids=ids) for ids in sets], [[1]] * 3, [[]] * 3)
+    for row, ids in enumerate(sets):
+        allowed = torch.zeros(vocab, dtype=torch.bool)
+        allowed[ids] = True
+        assert torch.equal(got[row], torch.where(allowed, logits[row], float("-inf")))
+
+
+def test_ids_past_the_logits_width_are_refused_at_every_step_and_cache_nothing():
+    from workers.penalties import _masks
+
+    params = [SamplingParams(allowed_token_ids=[3, 20, 40])]
+    before = len(_masks)
+    for step in range(2):  # not remembered: refused again, as the first time
+        with pytest.raises(ValueError, match=r"^allowed_token_ids names token ids \[20, 40\] outside the logits' 16 "
+                                             r"columns; send ids of this model's tokenizer$"):
+            penalized(torch.zeros(1, 16), params, [[1]], [[4] * step])
+    assert len(_masks) == before and params[0].allowed_token_ids.mask_entry is None
+
+
+def test_the_least_recently_used_set_leaves_the_cache_and_lets_go_of_its_mask():
+    from workers.penalties import ALLOWED_MASKS_KEPT, _masks
+
+    vocab = 24  # a width no other test uses: these sets' masks are this test's own
+    sets = [[SamplingParams(allowed_token_ids=[t, t + 1])] for t in range(ALLOWED_MASKS_KEPT + 1)]
+    for params in sets[:-1]:
+        penalized(torch.zeros(1, vocab), params, [[1]], [[]])
+    penalized(torch.zeros(1, vocab), sets[0], [[1]], [[5]])  # used again: the most recent now
+    penalized(torch.zeros(1, vocab), sets[-1], [[1]], [[]])  # one too many: sets[1]'s mask leaves
+    assert len(_masks) == ALLOWED_MASKS_KEPT
+    gone = sets[1][0].allowed_token_ids.mask_entry
+    assert gone.key is None and gone.forbidden is None  # neither its mask nor its ids kept past the cache
+    assert sets[0][0].allowed_token_ids.mask_entry.forbidden is not None
+    again = penalized(torch.zeros(1, vocab), sets[1], [[1]], [[5]])  # made again, the same mask
+    assert torch.nonzero(again[0].isfinite()).flatten().tolist() == [1, 2]
+    assert len(_masks) == ALLOWED_MASKS_KEPT and sets[2][0].allowed_token_ids.mask_entry.key is None
+
+
+def test_allowed_ids_pickle_as_plain_ids_and_hash_as_a_tuple():
+    """SamplingParams go from the driver to rank 0 pickled: the leader's entry (a mask) stays behind."""
+    import pickle
+
+    params = SamplingParams(allowed_token_ids=[9, 2, 5])
+    penalized(torch.zeros(1, 16), [params], [[1]], [[]])
+    assert params.allowed_token_ids.mask_entry is not None
+    sent = pickle.dumps(params)
+    assert b"torch" not in sent and b"_MaskEntry" not in sent
+    got = pickle.loads(sent)
+    assert got == params and hash(got) == hash(params) and got.allowed_token_ids.mask_entry is None
+    assert hash(got.allowed_token_ids) == hash((2, 5, 9)) and got.allowed_token_ids == (2, 5, 9)
+    assert repr(got.allowed_token_ids) == "(2, 5, 9)"
 
 
 # ---- generation ----------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from tests.tp_harness import build_rank_model, hf_state_dict
 from workers.collectives import SingleRank
 from workers.compiled import CompiledCausalLM
 from workers.kernels import prefill_attention
-from workers.serving.loop import EAGER_PREFILL_WIDTH, ServingConfig, ServingLoop, warm_up_shapes
+from workers.serving.loop import EAGER_PREFILL_WIDTH, ServingConfig, ServingLoop, warm_up_shapes, warm_up_shapes_for
 from workers.serving.step_plan import PrefillChunk
 
 BUCKETS = Buckets.build(max_seq_len=4096, context=(256, 512, 1024, 2048), token=(4096,))
@@ -62,6 +62,19 @@ def test_the_cpu_warm_up_builds_no_graph_for_wide_or_continuing_chunks():
     assert {(PREFILL_START, 1024), (PREFILL_START, 2048), (PREFILL_CONTINUE, 512)} <= everything
     decode = [s for s in shapes.shapes() if s[0] == "serve-decode"]
     assert [s for s in built if s[0] == "serve-decode"] == decode  # decode graphs all kept
+
+
+def test_a_ranks_warm_up_takes_its_loops_rules_which_compile_works_out_alike():
+    """The rank's warm-up builds the graphs for the rules its loop holds (continues_eagerly,
+    eager_from_width); `corelaunch compile`, with no loop, works them out from the backend, head_dim
+    and dtype: the same shapes."""
+    loop = compiled_loop()
+    shapes = loop.config.shapes
+    built = warm_up_shapes_for(shapes, loop.continues_eagerly, loop.eager_from_width)
+    assert built == warm_up_shapes(shapes, True, 16, torch.float32)
+    assert built == shapes.shapes(continuing=False, chunks_below=EAGER_PREFILL_WIDTH)
+    assert warm_up_shapes_for(shapes, False, None, 1024) == warm_up_shapes(shapes, False, 16, torch.float32, 1024)
+    assert warm_up_shapes_for(shapes, False, None) == shapes.shapes()  # not cpu: every graph
 
 
 @skip_unless_built(prefill_attention, "the prefill attention kernel")

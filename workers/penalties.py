@@ -21,12 +21,13 @@ stay the model's own (before any of these), as vLLM reports them by default.
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Collection, Sequence
-from functools import lru_cache
 
 import torch
 
-from shardlib.sampling_params import SamplingParams, no_token_left
+from shardlib.sampling_params import AllowedIds, SamplingParams, no_token_left
 from workers.sampling import sampling_device
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -34,7 +35,9 @@ ALLOWED_MASKS_KEPT = 16
 """Masks of allowed_token_ids kept (one bool per vocabulary entry each: 150 KB for 150k tokens): a
 request's mask is made at its first step and found again at every other (clients sending one fixed
 set, a label list say, make it once). The cache also keeps each set's ids as its key: about 9 MB for
-the largest set a request may send (262144 ids), so at most about 150 MB for 16 such sets."""
+the largest set a request may send (262144 ids), so at most about 150 MB for 16 such sets. A
+request's set holds its entry (AllowedIds.mask_entry), which lets go of both the mask and the key
+when it leaves the cache: no mask or key outlives its place there."""
 
 
 def penalized(logits: torch.Tensor, params: list[SamplingParams], prompts: Sequence[Sequence[int] | torch.Tensor],
@@ -134,10 +137,54 @@ def _ban_bad_words(out: torch.Tensor, params: list[SamplingParams], outputs: Seq
                              f"words")
 
 
-@lru_cache(maxsize=ALLOWED_MASKS_KEPT)
-def _forbidden(allowed: tuple[int, ...], vocab: int, device: torch.device) -> torch.Tensor:
-    """(vocab,) bool: True for every token outside `allowed` (sorted ids), on `device`. ValueError
-    for ids past the logits' width (the driver checks them against the vocabulary first)."""
+class _MaskEntry:
+    """One set's mask in the cache and the key it is kept under, both let go of when it leaves the
+    cache (the sets still holding the entry then look themselves up again)."""
+
+    __slots__ = ("key", "forbidden")
+
+    def __init__(self, key: tuple[AllowedIds, int, torch.device], forbidden: torch.Tensor) -> None:
+        self.key: tuple[AllowedIds, int, torch.device] | None = key
+        self.forbidden: torch.Tensor | None = forbidden
+
+
+_masks: OrderedDict[tuple[AllowedIds, int, torch.device], _MaskEntry] = OrderedDict()
+"""The masks kept, by (set, logits' width, device), least recently used first."""
+_masks_lock = threading.Lock()
+"""One look-up at a time, as functools.lru_cache kept it before: the leader chooses tokens on one
+thread, but one process may run several serving loops (the tests', the in-process benchmark's)."""
+
+
+def _forbidden(allowed: AllowedIds, vocab: int, device: torch.device) -> torch.Tensor:
+    """(vocab,) bool: True for every token outside `allowed` (sorted ids), on `device`; made once per
+    set while it stays among the ALLOWED_MASKS_KEPT most recently used. A set's later steps go
+    straight to its entry, and its hash is computed once (AllowedIds): the look-up costs a set of
+    262144 ids what it costs one of 10 (a plain tuple hashed every step cost 0.64 ms a row). A
+    request sending a set another made compares the two once, at its first step. ValueError for ids
+    past the logits' width (the driver checks them against the vocabulary first)."""
+    with _masks_lock:
+        entry = allowed.mask_entry
+        if entry is None or entry.key is None or entry.key[1:] != (vocab, device):
+            key = (allowed, vocab, device)
+            entry = _masks.get(key)  # another request's equal set: compared once, here
+            if entry is None:
+                entry = _kept(_MaskEntry(key, _mask(allowed, vocab, device)))
+            allowed.mask_entry = entry
+        _masks.move_to_end(entry.key)  # hashes the set's stored hash, compares it by identity
+        return entry.forbidden
+
+
+def _kept(entry: _MaskEntry) -> _MaskEntry:
+    """entry, now in the cache; the least recently used one out past ALLOWED_MASKS_KEPT."""
+    _masks[entry.key] = entry
+    while len(_masks) > ALLOWED_MASKS_KEPT:
+        _, gone = _masks.popitem(last=False)
+        gone.key = gone.forbidden = None
+    return entry
+
+
+def _mask(allowed: tuple[int, ...], vocab: int, device: torch.device) -> torch.Tensor:
+    """(vocab,) bool, True outside `allowed`; ValueError for ids past the logits' width."""
     if allowed[-1] >= vocab:
         raise ValueError(f"allowed_token_ids names token ids {[t for t in allowed if t >= vocab][:5]} outside the "
                          f"logits' {vocab} columns; send ids of this model's tokenizer")

@@ -295,7 +295,7 @@ class RankWorker:
     def prepare_serving(self, spec: ServeSpec) -> dict:
         """Allocate the serving cache (and build graphs, when asked); every rank, before serve()."""
         from shardlib.serving_shapes import ServingShapes
-        from workers.serving.loop import ServingConfig, ServingLoop, warm_up_shapes
+        from workers.serving.loop import ServingConfig, ServingLoop, warm_up_shapes_for
 
         assert self._model is not None, "load must run before prepare_serving"
         buckets = self._buckets
@@ -312,8 +312,8 @@ class RankWorker:
                            self._run_batch, self._grammar_tokenizer())
         if shapes is not None and spec.warm_up_max_length is not None and hasattr(model, "warming_up"):
             with model.warming_up():
-                loop.warm_up(warm_up_shapes(shapes, loop.continues_eagerly, model.config.head_dim, model.dtype,
-                                             spec.warm_up_max_length or None),
+                loop.warm_up(warm_up_shapes_for(shapes, loop.continues_eagerly, loop.eager_from_width,
+                                                 spec.warm_up_max_length or None),
                              progress=self._graph_progress)
         self._loop = self._prepared_loop = loop
         return {"rank": self.spec.rank, "cache_bytes": loop.cache.nbytes(), "prepare_s": time.perf_counter() - start,

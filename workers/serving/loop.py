@@ -98,9 +98,16 @@ def warm_up_shapes(shapes, cpu: bool, head_dim: int, dtype: torch.dtype,
     """The serving shapes (ServingShapes.shapes) whose graphs a warm-up builds: on the cpu backend,
     none for the prefill calls its loop runs eagerly whatever their padding (ServingLoop
     continues_eagerly, eager_from_width): calls continuing their sequences, and chunks of
-    eager_from_width or wider where that rule applies. The rank's warm-up and `corelaunch compile`
-    both ask here."""
-    return shapes.shapes(max_length, continuing=not cpu, chunks_below=eager_from_width(cpu, head_dim, dtype))
+    eager_from_width or wider where that rule applies. For `corelaunch compile`, which has no loop;
+    a rank's warm-up takes its loop's rules (warm_up_shapes_for), the same."""
+    return warm_up_shapes_for(shapes, cpu, eager_from_width(cpu, head_dim, dtype), max_length)
+
+
+def warm_up_shapes_for(shapes, continues_eagerly: bool, eager_from: int | None,
+                       max_length: int | None = None) -> list[tuple[str, int, int]]:
+    """warm_up_shapes given the eager rules as a ServingLoop holds them (continues_eagerly,
+    eager_from_width): the graphs its warm-up builds are then those its calls can take."""
+    return shapes.shapes(max_length, continuing=not continues_eagerly, chunks_below=eager_from)
 
 
 def _keys_depend_on_length(model, positions: int) -> bool:
