@@ -6,7 +6,9 @@ SamplingParams and a seeded generator of its own, as the serving engine draws; e
 is a random prompt of --prompt-tokens ids (an int64 tensor, as the serving loop keeps it) and
 --output-tokens generated ones (what penalties read; the serving benchmark's requests are 128 + 64). Each case's
 median wall time over --repeats calls, on one torch thread (what a rank's leader gives it is
-what it has; one thread makes runs comparable). Prints JSON.
+what it has; one thread makes runs comparable). Besides the CASES, greedy rows whose
+allowed_token_ids are the whole vocabulary and 1000 ids of it (one set shared by every row, as one
+client's label list is). Prints JSON.
 
 To compare two versions of the code side by side, run it from each checkout in one session
 (e.g. a `git worktree` of the older commit): `python benchmarks/token_choice.py` in each.
@@ -90,8 +92,11 @@ def main() -> None:
     kinds = [("float32", float32), ("bfloat16", float32.bfloat16().float())]
     if args.model_logits:
         kinds.append(("smollm2", model_logits(args.rows)))
+    # allowed_token_ids: a mask per set, found again at every step (workers/penalties.py)
+    cases = {**CASES, "greedy_allowed_every_id": SamplingParams(allowed_token_ids=range(args.vocab)),
+             "greedy_allowed_1000_ids": SamplingParams(allowed_token_ids=range(0, args.vocab, max(1, args.vocab // 1000)))}
     for values, logits in kinds:
-        for name, params in CASES.items():
+        for name, params in cases.items():
             batch = [params] * args.rows
             generators = [make_generator(params) for _ in range(args.rows)]
             sample(penalized(logits, batch, prompts, outputs), batch, generators)  # warm
