@@ -175,10 +175,23 @@ def test_an_event_of_several_tokens_splits_at_min_tokens(smollm2_tokenizer, stop
 
 # ---- include_stop_str_in_output (vLLM's): the text ends with the stop string -------------------------------
 def test_include_stop_keeps_a_stop_split_across_pushes_and_drops_what_follows():
+    """Nothing is held back (vLLM's rule with include_stop_str_in_output): text sent before the stop
+    string completes is in the output either way, so each push goes out whole, and the stop string
+    that began in earlier pushes still ends the text where it completes."""
     matcher = StopStringMatcher(["<|end|>"], include_stop=True)
     pushes = [matcher.push(p) for p in ["Answer: 42", "<|e", "nd", "|> more", " and more"]]
-    assert pushes == [("Answer: 42", False), ("", False), ("", False), ("<|end|>", True), ("", True)]
+    assert pushes == [("Answer: 42", False), ("<|e", False), ("nd", False), ("|>", True), ("", True)]
     assert matcher.flush() == ""
+    assert matcher.held == ""
+
+
+def test_include_stop_finds_a_stop_that_began_longer_ago_than_the_longest_stop():
+    """Only the last len(longest stop) - 1 characters sent are kept for matching: enough for any stop
+    string that ends in a later push; one that began earlier cannot end later."""
+    matcher = StopStringMatcher(["xyz", "ab"], include_stop=True)
+    assert [matcher.push(p) for p in ["x", "y", "z!"]] == [("x", False), ("y", False), ("z", True)]
+    matcher = StopStringMatcher(["xyz"], include_stop=True)
+    assert [matcher.push(p) for p in ["x", "yy", "z"]] == [("x", False), ("yy", False), ("z", False)]
 
 
 def test_include_stop_keeps_the_earliest_stop_and_of_two_at_one_place_the_shorter():
@@ -201,6 +214,21 @@ def test_include_stop_random_splits_match_the_whole_text(stops):
         if stopped:  # the stop found at that place: the shortest of those starting there (none is a prefix here)
             before += next(s for s in sorted(stops, key=len) if text.startswith(s, len(before)))
         assert run_including(stops, pieces) == (before, stopped), (stops, pieces)
+
+
+@pytest.mark.parametrize("stops", [["ab", "ba"], ["aaa"], ["\n\n", "User:"]], ids=["ab-ba", "aaa", "blank-line-or-user"])
+def test_include_stop_sends_each_push_whole_until_the_stop(stops):
+    """With include_stop nothing waits: after every push before the stop string completes, all the
+    text pushed so far has been sent."""
+    for _, pieces in random_splits(random.Random(2)):
+        matcher = StopStringMatcher(stops, include_stop=True)
+        sent = ""
+        for k, piece in enumerate(pieces, 1):
+            text, stopped = matcher.push(piece)
+            sent += text
+            if stopped:
+                break
+            assert sent == "".join(pieces[:k]), (stops, pieces)
 
 
 def _stream_text(tokenizer, stop, min_tokens=0, include=True, one_event=False):

@@ -5,7 +5,10 @@ still grow into one is held back. Only a tail that is a prefix of some stop stri
 and such a tail is shorter than the longest stop, so at most max(len(stop)) - 1 characters wait.
 Once a stop string is found, it and everything after it are dropped (OpenAI's behaviour: the stop
 sequence is not part of the returned text), or, with include_stop (vLLM's include_stop_str_in_output),
-only what comes after it: the text then ends with the stop string.
+only what comes after it: the text then ends with the stop string. Then nothing needs holding
+back, as in vLLM: all the text sent before the stop string completes belongs in the output, so
+every delta goes out at once, and only the last max(len(stop)) - 1 characters sent are kept, for a
+stop string that begins in them and ends in a later delta.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ class StopStringMatcher:
         self._hold_max = max((len(s) for s in self.stops), default=1) - 1
         """The longest tail that can still be the start of a stop string."""
         self._held = ""
+        self._sent_tail = ""
+        """include_stop: the end of the text already emitted, where a stop string may begin."""
         self._unmatchable = 0
         """How many of the held characters came in a push that looked for no stop (min_tokens): a stop
         string may begin in them but must end after them."""
@@ -72,6 +77,8 @@ class StopStringMatcher:
             return "", True
         if not self.stops:
             return text, False
+        if self.include_stop:
+            return self._push_unheld(text, match)
         buffer = self._held + text
         found = self._first_stop(buffer, self._unmatchable) if match else None
         if found is not None:
@@ -83,6 +90,18 @@ class StopStringMatcher:
         self._held = buffer[len(buffer) - keep:] if keep else ""
         self._unmatchable = keep if not match else max(0, self._unmatchable - (len(buffer) - keep))
         return buffer[:len(buffer) - keep], False
+
+    def _push_unheld(self, text: str, match: bool) -> tuple[str, bool]:
+        """push() with include_stop: everything up to the end of the first stop string that ends in
+        `text` (one may begin in the text sent before), else all of `text`."""
+        sent = self._sent_tail
+        buffer = sent + text
+        found = self._first_stop(buffer, len(sent)) if match else None  # it must end in the new text
+        if found is not None:
+            self.stopped = True
+            return buffer[len(sent):found[1]], True
+        self._sent_tail = buffer[-self._hold_max:] if self._hold_max else ""
+        return text, False
 
     def flush(self) -> str:
         """The held tail, at the end of a request that hit no stop string (it never completed one)."""
