@@ -306,21 +306,24 @@ def test_structured_output_fields_take_only_their_wire_names_and_name_a_missing_
 
 def test_function_calling_and_stored_completion_fields_are_taken_when_they_ask_for_nothing():
     """OpenAI's chat parameters this server does not implement were "unknown parameter" errors, even
-    at the values clients send when they want none of it."""
-    chat(tools=[], functions=[], tool_choice="none", function_call="auto", parallel_tool_calls=False, store=False,
+    at the values clients send when they want none of it. (Tools are taken: tests/test_tool_calls.py;
+    an empty tools list is refused, as vLLM and OpenAI refuse it.)"""
+    chat(functions=[], tool_choice="none", function_call="auto", parallel_tool_calls=False, store=False,
          metadata={})
     chat(tools=None, tool_choice=None, store=None, metadata=None)
     for field, value, words in (
-            ("tools", [{"type": "function", "function": {"name": "f"}}], "must be an empty list (tools and function calling are not supported)"),
-            ("functions", [{"name": "f"}], "must be an empty list (function calling is not supported)"),
-            ("tool_choice", "required", "must be \"none\" or \"auto\""),
-            ("tool_choice", {"type": "function", "function": {"name": "f"}}, "must be \"none\" or \"auto\""),
-            ("function_call", {"name": "f"}, "function calling is not supported"),
+            ("tools", [], "tools must not be an empty list"),
+            ("functions", [{"name": "f"}], "must be an empty list (the deprecated functions are not supported"),
+            ("tool_choice", "required", "needs tools"),
+            ("tool_choice", {"type": "function", "function": {"name": "f"}}, "needs tools"),
+            ("function_call", {"name": "f"}, "the deprecated function_call is not supported"),
             ("parallel_tool_calls", "no", "must be true or false"),
             ("store", True, "store (true) must be false (stored completions are not supported)"),
             ("metadata", {"k": "v"}, "must be an empty object (metadata tags stored completions")):
         err = refusal(chat, **{field: value})
         assert err.param == field and words in err.message, (field, err.message)
+    err = refusal(chat, tools=[{"type": "function", "function": {"name": "f"}}])  # tool_choice "auto" by default
+    assert err.param == "tool_choice" and "\"auto\" (the default with tools) is not supported" in err.message
 
 
 def test_a_stop_string_that_is_not_valid_text_is_refused():
@@ -562,19 +565,22 @@ def test_chat_refusals():
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
     assert caught.value.param == "messages.0.content.0"
     # each was taken before: a text part without text ("is not supported", param "messages"), a
-    # user message without content (answered as an empty one), an assistant's tool calls (dropped)
+    # user message without content (answered as an empty one), an assistant's tool calls (dropped;
+    # now they are taken, and a malformed one is refused: tests/test_tool_calls.py)
     for messages, param, words in (
             ([{"role": "user", "content": [{"type": "text", "text": 5}]}], "messages.0.content.0.text",
              "messages.0.content.0.text (5) must be a string"),
             ([{"role": "system", "content": "x"}, {"role": "user"}], "messages.1.content",
              "messages.1.content is required in a user message"),
             ([{"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]},
-              {"role": "user", "content": "x"}], "messages.0.tool_calls", "tool calls are not supported"),
+              {"role": "user", "content": "x"}], "messages.0.tool_calls.0.function",
+             "messages.0.tool_calls.0.function is required"),
             ([{"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}},
-              {"role": "user", "content": "x"}], "messages.0.function_call", "tool calls are not supported"),
-            # a tool message answers a tool call, which is refused (it was rendered as a "tool" turn)
-            ([{"role": "user", "content": "x"}, {"role": "tool", "content": "42", "tool_call_id": "c1"}],
-             "messages.1.role", "messages.1.role 'tool': tool messages are not supported"),
+              {"role": "user", "content": "x"}], "messages.0.function_call",
+             "the deprecated function_call is not supported"),
+            # a tool message answers a tool call: it must say which
+            ([{"role": "user", "content": "x"}, {"role": "tool", "content": "42"}],
+             "messages.1.tool_call_id", "messages.1.tool_call_id is required in a tool message"),
             ([{"role": "user", "content": []}], "messages.0.content", "messages.0.content is an empty list")):
         with pytest.raises(ProtocolError) as caught:
             parse_request(ChatCompletionRequest, {"model": MODEL, "messages": messages})

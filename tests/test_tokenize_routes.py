@@ -54,7 +54,8 @@ def refused(model, body: dict) -> ProtocolError:
     ({"messages": CHAT, "continue_final_message": True}, "continue_final_message",
      "send add_generation_prompt: false with it"),
     # the chat request's own message checks
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role", "tool messages are not supported"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.tool_call_id",
+     "tool_call_id is required in a tool message"),
     ({"messages": [{"role": "user"}]}, "messages.0.content", "messages.0.content is required in a user message"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages.0.content.0",
      "content part type 'image_url' is not supported"),

@@ -654,12 +654,12 @@ class OpenAIServer:
         if req.truncate_prompt_tokens is not None:
             self._truncated(req, [])  # a length the context cannot hold: refused before any tokenizing
         prompt = await self._tokenized(self._apply_chat_template, req.chat_messages(self.tokenizer.chat_template),
-                                       True, False, False, req.truncate_prompt_tokens is None)
+                                       True, False, False, req.truncate_prompt_tokens is None, req.template_tools())
         prompt = self._truncated(req, prompt)
         stream = await self._start_choices(req, [prompt], [proto.max_new_tokens(req, len(prompt), self.context_tokens)],
                                            req.logprobs_count(), "messages", req.engine_prompt_logprobs())
         return await self._respond(req, stream, [ChatRender(self.pieces, req.logprobs, i, req.prompt_logprobs,
-                                                            req.skip_special_tokens)
+                                                            req.skip_special_tokens, req.tool_call_reader())
                                                  for i in range(req.n)], arrived)
 
     @app.post("/tokenize")
@@ -786,7 +786,7 @@ class OpenAIServer:
 
     def _apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                              continue_final_message: bool = False, special_tokens: bool = False,
-                             measured: bool = True) -> list[int]:
+                             measured: bool = True, tools: list[dict] | None = None) -> list[int]:
         """A chat request's prompt token ids (on a thread); /tokenize's chat form sends its own
         add_generation_prompt, continue_final_message and add_special_tokens (`special_tokens`: the
         tokenizer's own additions around the template's text, which adds none by default).
@@ -799,7 +799,8 @@ class OpenAIServer:
         (`<|im_start|>system`) is encoded as the plain text it is, so a message cannot forge a turn,
         as no text sent to OpenAI's API can; only the template writes control tokens. (Encoded that
         way, text has at least the tokens the probe counted, so a refusal still holds.) measured
-        False (truncate_prompt_tokens): no such measure; the route keeps the prompt's last tokens."""
+        False (truncate_prompt_tokens): no such measure; the route keeps the prompt's last tokens. tools: the
+        request's (launcher/serving/tool_calls.py), rendered by the template as its model expects them."""
         if not has_default_chat_template(self.tokenizer):  # not the client's doing: say so
             raise ProtocolError(f"model {self.name!r} has no chat template (its tokenizer files define none), so "
                                 f"it cannot take messages: send a text as prompt instead (to /v1/completions, or "
@@ -808,7 +809,8 @@ class OpenAIServer:
             proto.check_utf8(message["content"] or "", f"messages.{i}.content")
             if message.get("name") is not None:
                 proto.check_utf8(message["name"], f"messages.{i}.name")
-        rendering = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message}
+        rendering = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
+                     **({"tools": tools} if tools else {})}
         try:
             with self._encoding:
                 prompt = self.tokenizer.apply_chat_template(messages, tokenize=False, **rendering)

@@ -15,6 +15,7 @@ from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
+from launcher.serving import tool_calls as function_calling  # not `tool_calls`: a message's field
 from launcher.serving.null_means_default import NullMeansDefault
 from launcher.serving.response_formats import ResponseFormat, StructuredOutputs, requested_structure
 
@@ -40,6 +41,9 @@ MAX_LOGPROBS = 20
 legacy API stopped at 5 (workers.serving.requests has the same)."""
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 """OpenAI's default max_tokens for /v1/completions; chat's default is the rest of the context."""
+MAX_TOOLS = 128
+"""OpenAI's bound on chat's `tools` (each tool's schema is rendered into the prompt, and a "required"
+call's schema holds them all)."""
 
 # What each field accepts, as the error for a bad value says it. Pydantic's own messages name its
 # types ("Input should be a valid number"), not the API's rule, so every field error is rewritten
@@ -113,11 +117,13 @@ FIELD_RULES = {
     "structured_outputs.choice": "a non-empty list of non-empty strings",
     "structured_outputs.grammar": "a Lark grammar (a string)",
     "structured_outputs.json_object": "true or false",
-    "tools": "an empty list (tools and function calling are not supported)",
-    "functions": "an empty list (function calling is not supported)",
-    "tool_choice": "\"none\" or \"auto\" (with no tools either means no tool calls; tools are not supported)",
-    "function_call": "\"none\" or \"auto\" (function calling is not supported)",
-    "parallel_tool_calls": "true or false (no tools are called either way)",
+    "tools": f"a non-empty list of at most {MAX_TOOLS} tools {{\"type\": \"function\", \"function\": {{\"name\", "
+             f"\"description\", \"parameters\" (a JSON schema), \"strict\"}}}}, each of its own name",
+    "functions": "an empty list (the deprecated functions are not supported; send tools)",
+    "tool_choice": "\"none\", \"required\", or {\"type\": \"function\", \"function\": {\"name\": ...}} naming one of "
+                   "tools (\"auto\", the default with tools, is refused: corelaunch has no tool-call parser)",
+    "function_call": "\"none\" or \"auto\" (the deprecated function_call is not supported; send tool_choice)",
+    "parallel_tool_calls": "true or false (false: tool_choice \"required\" makes exactly one call)",
     "store": "false (stored completions are not supported)",
     "metadata": "an empty object (metadata tags stored completions, which are not supported)",
     # vLLM's /tokenize and /detokenize (not OpenAI's API)
@@ -250,6 +256,8 @@ class _GenerationRequest(NullMeansDefault):
         """The field that asked for structured output, as a refusal of it names it."""
         if self.structured_outputs is not None:
             return "structured_outputs"
+        if getattr(self, "_tool_use", None) is not None and self._tool_use.structure is not None:
+            return "tool_choice"
         return "response_format.json_schema.schema" if self.response_format.type == "json_schema" else "response_format"
 
     def engine_prompt_logprobs(self) -> int | None:
@@ -359,32 +367,52 @@ class ChatMessage(NullMeansDefault):
     """The participant's name: handed to the chat template, which renders it or not (as a model's
     own format says)."""
     tool_calls: list | None = None
-    """Refused when not empty: `tools` is not supported, and the template would drop the calls silently."""
+    """An assistant's calls, [{id, type: "function", function: {name, arguments}}] (tool_calls.py checks
+    them and hands them to the template with their arguments parsed)."""
     function_call: dict | None = None
-    """tool_calls' older form: refused likewise."""
+    """tool_calls' deprecated form: refused (send tool_calls)."""
     tool_call_id: str | None = None
-    """A tool message's (refused with its role); refused on any other message."""
+    """A tool message's: the id of the call it answers (required there, refused on any other message)."""
+    _template_calls = PrivateAttr(None)
+    """tool_calls as the chat template takes them, made by check()."""
 
     def check(self, index: int) -> None:
         """ProtocolError for a message the API refuses; `index` is its place in `messages`."""
-        if self.role == "tool":  # it answers an assistant's tool call, which is refused
-            raise ProtocolError(f"messages.{index}.role 'tool': tool messages are not supported (nor are `tools` "
-                                f"and tool calls); use system, developer, user or assistant messages",
-                                param=f"messages.{index}.role")
+        if self.role == "tool" and self.tool_call_id is None:  # the template could not say which call it answers
+            raise ProtocolError(f"messages.{index}.tool_call_id is required in a tool message: the id of the "
+                                f"assistant's tool call it answers", param=f"messages.{index}.tool_call_id")
         if self.content is None and self.role != "assistant":
             raise ProtocolError(f"messages.{index}.content is required in a {self.role} message (a string or a "
                                 f"list of text parts)", param=f"messages.{index}.content")
         if isinstance(self.content, list) and not self.content:
             raise ProtocolError(f"messages.{index}.content is an empty list; send a string or at least one text "
                                 f"part", param=f"messages.{index}.content")
-        if self.tool_call_id is not None:
+        if self.tool_call_id is not None and self.role != "tool":
             raise ProtocolError(f"messages.{index}.tool_call_id belongs to a tool message, and a {self.role} "
                                 f"message has none; leave it out", param=f"messages.{index}.tool_call_id")
-        for calls in ("tool_calls", "function_call"):
-            if getattr(self, calls):
-                raise ProtocolError(f"messages.{index}.{calls}: tool calls are not supported (nor is `tools`); "
-                                    f"send the conversation as text messages", param=f"messages.{index}.{calls}")
+        if self.tool_call_id is not None:
+            check_utf8(self.tool_call_id, f"messages.{index}.tool_call_id")
+        if self.function_call:
+            raise ProtocolError(f"messages.{index}.function_call: the deprecated function_call is not supported; send "
+                                f"the assistant's calls as tool_calls", param=f"messages.{index}.function_call")
+        if self.tool_calls and self.role != "assistant":
+            raise ProtocolError(f"messages.{index}.tool_calls: only an assistant message makes tool calls, not a "
+                                f"{self.role} message", param=f"messages.{index}.tool_calls")
+        if self.tool_calls:  # an empty list is no call, as vLLM drops it
+            self._template_calls = function_calling.template_tool_calls(self.tool_calls, index)
         self.text(index)
+
+    def template_form(self, index: int, role: str) -> dict:
+        """The message as chat templates take it (vLLM's form): text content, its name, an assistant's
+        tool calls (arguments as objects), a tool message's tool_call_id."""
+        form = {"role": role, "content": self.text(index)}
+        if self.name is not None:
+            form["name"] = self.name
+        if self._template_calls:
+            form["tool_calls"] = self._template_calls
+        if self.role == "tool":
+            form["tool_call_id"] = self.tool_call_id
+        return form
 
     def text(self, index: int = 0) -> str:
         """The content as one string: text parts joined; other part types are refused."""
@@ -418,20 +446,38 @@ class ChatCompletionRequest(_GenerationRequest):
     """OpenAI's newer name for max_tokens; wins when both are given."""
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    # Function calling and stored completions are not supported: accepted at the values that ask for
-    # neither (clients that send every parameter send these), refused by name otherwise.
-    tools: list = Field(default_factory=list, max_length=0)
-    functions: list = Field(default_factory=list, max_length=0)
-    tool_choice: Literal["none", "auto"] = "none"
-    function_call: Literal["none", "auto"] = "none"
+    # Function calling: launcher/serving/tool_calls.py. The deprecated functions/function_call and
+    # stored completions are not supported: accepted at the values that ask for neither (clients that
+    # send every parameter send these), refused by name otherwise.
+    tools: list | None = None
+    """Functions the model may call (tool_calls.py checks them): shown to the chat template, and with
+    a forced tool_choice the output is a call of one of them."""
+    tool_choice: str | dict | None = None
+    """"none", "required" or a named function ("auto", vLLM's default with tools, is refused); None: the
+    default. tool_calls.check_tool_request checks it with tools."""
     parallel_tool_calls: bool = True
+    """false: tool_choice "required" makes exactly one call."""
+    functions: list = Field(default_factory=list, max_length=0)
+    function_call: Literal["none", "auto"] = "none"
     store: bool = False
     """Refused when true (_check_combinations): a Literal[False] would take the number 0 too."""
     metadata: dict = Field(default_factory=dict, max_length=0)
 
+    _tool_use = PrivateAttr(None)
+    """launcher/serving/tool_calls.py's ToolUse: the tools and tool_choice checked, made once by
+    _check_combinations."""
+
     def chat_messages(self, template: object = None) -> list[dict]:
         """The messages as the chat template takes them (template_messages)."""
         return template_messages(self.messages, template)
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools as the chat template takes them (apply_chat_template's tools), None without any."""
+        return (self._tool_use.tools or None) if self._tool_use is not None else None
+
+    def tool_call_reader(self) -> "function_calling.ToolCallReader | None":
+        """A new reader of one choice's text as tool calls; None when no call is forced (plain text)."""
+        return self._tool_use.reader() if self._tool_use is not None else None
 
     def logprobs_count(self) -> int | None:
         """The engine's logprobs argument: None (off) or the number of alternatives."""
@@ -446,8 +492,7 @@ def template_messages(messages: list[ChatMessage], template: object = None) -> l
     template = str(template or "")
     # a template that compares roles with 'developer' or "developer" knows the role
     developer = "developer" if "'developer'" in template or '"developer"' in template else "system"
-    return [{"role": developer if m.role == "developer" else m.role, "content": m.text(i),
-             **({"name": m.name} if m.name is not None else {})} for i, m in enumerate(messages)]
+    return [m.template_form(i, developer if m.role == "developer" else m.role) for i, m in enumerate(messages)]
 
 
 # ---- vLLM's /tokenize and /detokenize -----------------------------------------------------------
@@ -572,8 +617,9 @@ def _field_error(error: dict, model: type[BaseModel]) -> ProtocolError:
     if param in rules and len(loc) > 1:  # a bad value inside an object field: name it, not the object
         return ProtocolError(f"{param} ({_short(error.get('input'))}) must be {rules[param]}", param=param)
     if error["type"] == "extra_forbidden" and field == "messages" and len(loc) == 3:
-        return ProtocolError(f"unknown key {clip(loc[2])!r} in messages.{loc[1]}; a message takes role, content and "
-                             f"name (OpenAI's refusal, audio and tool fields are not supported)", param=clip(param))
+        return ProtocolError(f"unknown key {clip(loc[2])!r} in messages.{loc[1]}; a message takes role, content, "
+                             f"name, and tool_calls (assistant) or tool_call_id (tool) (OpenAI's refusal, audio and "
+                             f"annotations are not supported)", param=clip(param))
     if error["type"] == "extra_forbidden" and len(loc) > 1:  # inside an object field (stream_options)
         return ProtocolError(f"unknown parameter {clip(param)!r}; {field} must be "
                              f"{rules.get(field, 'as the OpenAI API reference says')}", param=clip(param))
@@ -699,7 +745,10 @@ def _check_combinations(request: _GenerationRequest) -> None:
         if request.top_logprobs is not None and not request.logprobs:
             raise ProtocolError("top_logprobs needs logprobs: true", param="top_logprobs")
         for i, message in enumerate(request.messages):
-            message.check(i)  # refuses missing content, tool calls and non-text parts now, before any work
+            message.check(i)  # refuses missing content, bad tool calls and non-text parts now, before any work
+        request._tool_use = function_calling.check_tool_request(request)
+        if request._tool_use.structure is not None:  # a forced call: its schema constrains the output
+            request._structure = request._tool_use.structure
 
 
 def _check_allowed_token_ids(ids: list[int] | None) -> None:

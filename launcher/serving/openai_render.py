@@ -127,15 +127,30 @@ class CompletionRender(_Render):
 
 
 class ChatRender(_Render):
-    """/v1/chat/completions objects from the engine's deltas."""
+    """/v1/chat/completions objects from the engine's deltas: the text as the message's content, or,
+    when a tool call is forced, read as tool calls (`tool_calls`, a launcher.serving.tool_calls
+    ToolCallReader of this choice)."""
 
     id_prefix, chunk_object, response_object = "chatcmpl", "chat.completion.chunk", "chat.completion"
 
     def __init__(self, pieces: TokenPieces, logprobs: bool, index: int = 0, prompt_top: int | None = None,
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, tool_calls=None):
         """prompt_top: vLLM's prompt_logprobs asked (the response carries them, as vLLM's chat does)."""
         super().__init__(pieces, logprobs, index, prompt_top, skip_special_tokens)
         self.text, self.entries = [], []
+        self.calls = tool_calls
+
+    def _sent_finish(self, finish: str | None) -> str | None:
+        """The finish reason the client is told: "tool_calls" for "required" calls (tool_calls.py).
+        The metrics count the engine's (finish_reason), whose outcomes are stop and length."""
+        return finish if self.calls is None else self.calls.finish_reason(finish)
+
+    def _delta(self, delta) -> dict:
+        """The chunk's delta: the text, or the tool calls' pieces it completes."""
+        if self.calls is None:
+            return {"content": delta.text} if delta.text else {}
+        pieces = self.calls.push(delta.text, delta.finish_reason is not None)
+        return {"tool_calls": pieces} if pieces else {}
 
     def _ready(self, delta) -> list:
         return [entry for entry, _ in self.aligned.push(delta)] if self.logprobs else []
@@ -146,13 +161,15 @@ class ChatRender(_Render):
     def chunk(self, meta, delta) -> dict | None:
         ready = self._ready(delta)
         logprobs = proto.chat_logprobs(ready, self.pieces) if ready else None
-        if not delta.text and logprobs is None and delta.finish_reason is None:
+        message = self._delta(delta)
+        if not message and logprobs is None and delta.finish_reason is None:
             return None
-        return proto.chat_chunk(meta, {"content": delta.text} if delta.text else {}, delta.finish_reason, logprobs,
-                                self.index)
+        return proto.chat_chunk(meta, message, self._sent_finish(delta.finish_reason), logprobs, self.index)
 
     def collect(self, delta) -> None:
         self.text.append(delta.text)
+        if self.calls is not None:
+            self.calls.push(delta.text, delta.finish_reason is not None)
         self.entries.extend(self._ready(delta))
         self._keep_prompt_entries(delta)
 
@@ -161,4 +178,7 @@ class ChatRender(_Render):
 
     def choice(self, finish) -> dict:
         logprobs = proto.chat_logprobs(self.entries, self.pieces) if self.logprobs else None
-        return proto.chat_choice("".join(self.text), finish, logprobs, self.index)
+        choice = proto.chat_choice("".join(self.text), self._sent_finish(finish), logprobs, self.index)
+        if self.calls is not None:
+            choice["message"] = self.calls.message()
+        return choice

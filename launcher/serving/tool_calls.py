@@ -1,0 +1,396 @@
+"""Function calling on /v1/chat/completions, as vLLM's server does it without an automatic tool-call
+parser: the request's `tools` and `tool_choice` checked; "none" (tools only shown to the chat template)
+and the forced kinds, a named function or "required", whose output is constrained by a JSON schema
+through the structured-output machinery and read back as tool calls; "auto" is refused, since finding
+calls in free text needs a parser for the model's own call format, which corelaunch does not have.
+The conversation's own tool calls and tool results are checked and handed to the chat template as
+vLLM hands them (each call's `arguments` JSON text parsed into an object).
+
+Pure, as openai_protocol.py is: the request model calls check_tool_request, the app's ChatRender reads
+each choice's text through a ToolCallReader.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from launcher.serving import openai_protocol as proto
+from launcher.serving.null_means_default import NullMeansDefault
+from shardlib.structured_output import StructuredOutput
+
+FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+"""OpenAI's rule for a function's name."""
+_CHOICE_EXAMPLE = '{"type": "function", "function": {"name": "my_function"}}'
+
+
+def _auto_refused(by_default: bool) -> str:
+    default = " (the default with tools)" if by_default else ""
+    return (f"tool_choice \"auto\"{default} is not supported: corelaunch has no tool-call parser to find calls in "
+            f"the model's free text (vLLM refuses it likewise without --enable-auto-tool-choice); send tool_choice "
+            f"\"required\" (the model must call one or more of the tools) or {_CHOICE_EXAMPLE} (it must call that "
+            f"function), or \"none\" (tools shown to the model, text out)")
+
+
+# ---- the request's tools -----------------------------------------------------------------------
+class FunctionDefinition(NullMeansDefault):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict | None = None
+    """A JSON schema of the arguments (an object's); none: any JSON object."""
+    strict: bool | None = None
+    """Taken and ignored: a forced call's arguments match the schema token by token either way."""
+
+
+class Tool(NullMeansDefault):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: str = "function"
+    """Left out, "function" (vLLM's default); any other kind is refused."""
+    function: FunctionDefinition
+
+    def template_form(self) -> dict:
+        """The tool as chat templates take it (`tools=` of apply_chat_template): OpenAI's own shape."""
+        return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
+
+
+_TOOL_RULES = {
+    "type": "\"function\" (the only kind of tool)",
+    "function": "an object {\"name\", \"description\", \"parameters\", \"strict\"}",
+    "function.name": "a string of 1 to 64 letters, digits, _ or -",
+    "function.description": "a string",
+    "function.parameters": "a JSON schema (an object)",
+    "function.strict": "true or false (the schema is enforced either way)",
+}
+
+
+def _parse_tools(raw: list) -> list[Tool]:
+    """`tools` as Tool models; ProtocolError naming the first bad field, e.g. tools.2.function.name."""
+    if not raw:
+        raise proto.ProtocolError("tools must not be an empty list (as vLLM and OpenAI refuse it): send at least one "
+                                  "tool, or leave tools out", param="tools")
+    if len(raw) > proto.MAX_TOOLS:
+        raise proto.ProtocolError(f"tools has {len(raw)} tools; at most {proto.MAX_TOOLS} are allowed", param="tools")
+    tools = []
+    for i, item in enumerate(raw):
+        try:
+            tools.append(Tool.model_validate(item))
+        except ValidationError as err:
+            raise _nested_error(err.errors()[0], f"tools.{i}", _TOOL_RULES,
+                                "a tool, {\"type\": \"function\", \"function\": {\"name\": ...}}") from None
+        if tools[-1].type != "function":
+            raise proto.ProtocolError(f"tools.{i}.type ({proto._short(tools[-1].type)}) must be {_TOOL_RULES['type']}",
+                                      param=f"tools.{i}.type")
+    names = [tool.function.name for tool in tools]
+    for i, name in enumerate(names):
+        if name in names[:i]:  # a call would not say which of the two it meant
+            raise proto.ProtocolError(f"tools.{i}.function.name ({name!r}) is the name of tools.{names.index(name)} "
+                                      f"too; each tool needs its own name", param=f"tools.{i}.function.name")
+    proto.check_utf8(json.dumps([tool.template_form() for tool in tools], ensure_ascii=False), "tools")
+    return tools
+
+
+def _nested_error(error: dict, where: str, rules: dict, whole: str) -> proto.ProtocolError:
+    """A pydantic error inside one list item (a tool, a message's tool call) named by its path."""
+    loc = [str(part) for part in error["loc"] if str(part) not in proto._UNION_BRANCH_TAGS]
+    inner = ".".join(loc)
+    param = f"{where}.{inner}" if inner else where
+    if not loc:
+        return proto.ProtocolError(f"{where} ({proto._short(error.get('input'))}) must be {whole}", param=where)
+    if error["type"] == "extra_forbidden":
+        holder = ".".join([where, *loc[:-1]])
+        return proto.ProtocolError(f"unknown key {proto.clip(loc[-1])!r} in {holder}; it must be "
+                                   f"{rules.get('.'.join(loc[:-1]), whole)}", param=proto.clip(param))
+    rule = rules.get(inner, whole)
+    if error["type"] == "missing":
+        return proto.ProtocolError(f"{param} is required: {rule}", param=param)
+    return proto.ProtocolError(f"{param} ({proto._short(error.get('input'))}) must be {rule}", param=param)
+
+
+# ---- tool_choice -------------------------------------------------------------------------------
+class _NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+
+
+class _NamedToolChoice(NullMeansDefault):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: str = "function"
+    function: _NamedFunction
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """What a chat request asks of its tools, checked."""
+
+    tools: list[dict] = field(default_factory=list)
+    """The tools as the chat template takes them (empty: none sent)."""
+    forced: str | None = None
+    """"required", or the name of the one function a named tool_choice forces; None: no call is made
+    ("none", or no tools)."""
+    structure: StructuredOutput | None = None
+    """The output's JSON schema when a call is forced."""
+
+    def reader(self) -> "ToolCallReader | None":
+        """A fresh reader of one choice's text as tool calls, None when no call is forced."""
+        return None if self.forced is None else ToolCallReader(self.forced)
+
+
+def check_tool_request(request) -> ToolUse:
+    """The request's tools, tool_choice and parallel_tool_calls checked (vLLM's rules), as a ToolUse;
+    ProtocolError naming the field. Called once the request's own structured output is known
+    (request._structure): a forced call cannot be combined with it."""
+    tools = _parse_tools(request.tools) if request.tools is not None else []
+    choice = request.tool_choice
+    if choice is None:  # vLLM's default: "auto" with tools, "none" without
+        choice, default = ("auto" if tools else "none"), True
+    else:
+        default = False
+    if choice == "none":
+        return ToolUse([tool.template_form() for tool in tools])
+    if not tools:
+        raise proto.ProtocolError(f"tool_choice ({proto._short(choice)}) needs tools: send the functions the model may "
+                                  f"call as tools, or leave tool_choice out", param="tool_choice")
+    if choice == "auto":
+        raise proto.ProtocolError(_auto_refused(default), param="tool_choice")
+    if isinstance(choice, str) and choice != "required":
+        raise proto.ProtocolError(f"tool_choice ({proto._short(choice)}) must be {proto.FIELD_RULES['tool_choice']}",
+                                  param="tool_choice")
+    if request._structure is not None:  # two schemas for one output
+        raise proto.ProtocolError(f"tool_choice ({proto._short(choice)}) constrains the output to tool calls, and "
+                                  f"{request.structure_param()} asks for a structured output too; send one of them",
+                                  param="tool_choice")
+    if choice == "required":
+        forced, structure = "required", _required_structure(tools, request.parallel_tool_calls)
+    else:
+        forced = _named(choice, tools)
+        index = next(i for i, tool in enumerate(tools) if tool.function.name == forced)
+        structure = _checked_structure(named_schema(tools[index]), f"tools.{index}.function.parameters")
+    return ToolUse([tool.template_form() for tool in tools], forced, structure)
+
+
+def _required_structure(tools: list[Tool], parallel_tool_calls: bool) -> StructuredOutput:
+    """required_schema's StructuredOutput, checked; where llguidance cannot read it, the tool it
+    cannot read is named (each checked alone only then: 128 tools took 48 ms of the event loop)."""
+    try:
+        return _checked_structure(required_schema(tools, parallel_tool_calls), "tools")
+    except proto.ProtocolError:
+        for i, tool in enumerate(tools):
+            _checked_structure(named_schema(tool), f"tools.{i}.function.parameters")
+        raise
+
+
+def _named(choice: dict, tools: list[Tool]) -> str:
+    """The function a named tool_choice names, one of `tools`."""
+    try:
+        named = _NamedToolChoice.model_validate(choice)
+    except ValidationError as err:
+        raise _nested_error(err.errors()[0], "tool_choice", {"function.name": "a string, one of the tools' names"},
+                            _CHOICE_EXAMPLE) from None
+    if named.type != "function":
+        raise proto.ProtocolError(f"tool_choice.type ({proto._short(named.type)}) must be \"function\"",
+                                  param="tool_choice.type")
+    names = [tool.function.name for tool in tools]
+    if named.function.name not in names:
+        raise proto.ProtocolError(f"tool_choice.function.name ({proto._short(named.function.name)}) names no function "
+                                  f"of tools; it must be one of {proto._short(names)}",
+                                  param="tool_choice.function.name")
+    return named.function.name
+
+
+def _parameters_or_any_object(parameters: dict | None) -> dict:
+    """A function without parameters (or with an empty schema) still takes a JSON object, as vLLM's."""
+    return parameters if parameters else {"type": "object", "properties": {}}
+
+
+def named_schema(tool: Tool) -> dict:
+    """The output schema of a named tool_choice: the function's arguments themselves."""
+    return _parameters_or_any_object(tool.function.parameters)
+
+
+def required_schema(tools: list[Tool], parallel_tool_calls: bool = True) -> dict:
+    """The output schema of tool_choice "required", as vLLM builds it: a JSON array of at least one
+    {"name": <a tool's name>, "parameters": <its arguments>} (at most one without parallel calls).
+    Each tool's `$defs` move to the array's root, where their `#/$defs/...` references now point.
+    One difference: no key but those two is allowed in a call (vLLM's schema allows any, which its
+    reading ignores; a small model filled its whole budget with made-up keys after the parameters)."""
+    items, defs = [], {}
+    for i, tool in enumerate(tools):
+        parameters = dict(_parameters_or_any_object(tool.function.parameters))
+        own = parameters.pop("$defs", {})
+        if not isinstance(own, dict):
+            raise proto.ProtocolError(f"tools.{i}.function.parameters.$defs must be an object (of named schemas)",
+                                      param=f"tools.{i}.function.parameters")
+        for name, schema in own.items():
+            if name in defs and defs[name] != schema:
+                raise proto.ProtocolError(f"tools.{i}.function.parameters.$defs.{name} differs from another tool's "
+                                          f"$defs.{name}; the tools' definitions share one namespace here, so give "
+                                          f"them different names", param=f"tools.{i}.function.parameters")
+            defs[name] = schema
+        items.append({"properties": {"name": {"type": "string", "enum": [tool.function.name]},
+                                     "parameters": parameters},
+                      "required": ["name", "parameters"], "additionalProperties": False})
+    schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": items}}
+    if not parallel_tool_calls:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+def _checked_structure(schema: dict, param: str) -> StructuredOutput:
+    """The schema as the engine's StructuredOutput, checked by llguidance now (a 400 naming `param`)."""
+    from workers.structured.grammars import grammar_problem
+
+    try:
+        spec = StructuredOutput(json=schema)
+    except ValueError as err:
+        raise proto.ProtocolError(f"{param}: {err}", param=param) from None
+    problem = grammar_problem(spec)
+    if problem is not None:
+        raise proto.ProtocolError(f"{param} cannot be used to constrain a tool call: {problem}", param=param)
+    return spec
+
+
+# ---- the conversation's tool calls and tool results ---------------------------------------------
+class _CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+    arguments: str
+
+
+class _MessageToolCall(NullMeansDefault):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    id: str
+    type: str = "function"
+    function: _CalledFunction
+
+
+_CALL_RULES = {
+    "id": "a string (the id a tool message's tool_call_id answers)",
+    "type": "\"function\"",
+    "function": "an object {\"name\", \"arguments\"}",
+    "function.name": "a string",
+    "function.arguments": "a string: the call's arguments as JSON text (an object)",
+}
+
+
+def template_tool_calls(calls: list, index: int) -> list[dict]:
+    """An assistant message's tool_calls as chat templates take them (vLLM's form): each call's
+    arguments parsed from JSON text into an object. ProtocolError naming messages.N.tool_calls.M...
+    where one is malformed (vLLM turns arguments that are not a JSON object into {} silently)."""
+    out = []
+    for j, item in enumerate(calls):
+        where = f"messages.{index}.tool_calls.{j}"
+        try:
+            call = _MessageToolCall.model_validate(item)
+        except ValidationError as err:
+            raise _nested_error(err.errors()[0], where, _CALL_RULES,
+                                "a tool call, {\"id\", \"type\": \"function\", \"function\": {\"name\", "
+                                "\"arguments\"}}") from None
+        if call.type != "function":
+            raise proto.ProtocolError(f"{where}.type ({proto._short(call.type)}) must be \"function\"",
+                                      param=f"{where}.type")
+        out.append({"id": call.id, "type": "function",
+                    "function": {"name": call.function.name,
+                                 "arguments": _arguments_object(call.function.arguments, f"{where}.function")}})
+    proto.check_utf8(json.dumps(out, ensure_ascii=False), f"messages.{index}.tool_calls")
+    return out
+
+
+def _arguments_object(arguments: str, where: str) -> dict:
+    """A call's arguments text as the object it encodes; "" is {} (vLLM's reading)."""
+    if not arguments.strip():
+        return {}
+    param = f"{where}.arguments"
+    try:
+        parsed = json.loads(arguments)
+    except (json.JSONDecodeError, RecursionError) as err:
+        raise proto.ProtocolError(f"{param} is not JSON text ({err}); send the call's arguments as the JSON text of an "
+                                  f"object, e.g. \"{{\\\"city\\\": \\\"Paris\\\"}}\"", param=param) from None
+    if not isinstance(parsed, dict):
+        raise proto.ProtocolError(f"{param} ({proto.clip(arguments, 80)!r}) must be the JSON text of an object, not "
+                                  f"{proto._json_kind(parsed)}", param=param)
+    return parsed
+
+
+# ---- the generated text as tool calls ----------------------------------------------------------
+def new_call_id() -> str:
+    """vLLM's default tool call id: "chatcmpl-tool-" and 16 random hex digits."""
+    return f"chatcmpl-tool-{uuid.uuid4().int & (2 ** 64 - 1):016x}"
+
+
+def _call(name: str, arguments: str, index: int | None = None) -> dict:
+    call = {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+    return call if index is None else {"index": index, **call}
+
+
+def required_calls(text: str) -> list[dict]:
+    """The calls a "required" choice's text holds, [] when it is not the whole array (cut short by
+    max_tokens or a stop string), as vLLM reads it. Each call's arguments are its parameters
+    written back as JSON text (non-ASCII kept)."""
+    try:
+        parsed = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return []
+    if not isinstance(parsed, list) or not all(isinstance(item, dict) and isinstance(item.get("name"), str)
+                                               for item in parsed):
+        return []
+    return [_call(item["name"], json.dumps(item.get("parameters"), ensure_ascii=False)) for item in parsed]
+
+
+class ToolCallReader:
+    """One choice's generated text read as tool calls, streamed or whole.
+
+    Named function: the text is the call's arguments; streamed as it comes (the first piece carries
+    the call's id, type and name, the later ones only arguments, as vLLM streams them). "required":
+    the text is a JSON array of calls, read once it is whole; streamed, each call goes out whole in
+    the choice's last chunk."""
+
+    def __init__(self, forced: str):
+        self.forced, self.text = forced, []
+        self._named_id: str | None = None
+        self._calls: list[dict] | None = None
+
+    def push(self, text: str, finished: bool) -> list[dict]:
+        """The streamed tool_calls entries for this piece of the text ([] for none)."""
+        self.text.append(text)
+        if self.forced == "required":
+            return [{"index": i, **call} for i, call in enumerate(self.calls())] if finished else []
+        if not text:
+            return []
+        if self._named_id is None:
+            self._named_id = new_call_id()
+            return [{"index": 0, "id": self._named_id, "type": "function",
+                     "function": {"name": self.forced, "arguments": text}}]
+        return [{"index": 0, "function": {"arguments": text}}]
+
+    def calls(self) -> list[dict]:
+        """The whole text's calls (made once: their ids stay the same)."""
+        if self._calls is None:
+            text = "".join(self.text)
+            if self.forced == "required":
+                self._calls = required_calls(text)
+            elif text.strip():  # nothing generated: no call (vLLM's rule)
+                self._calls = [_call(self.forced, text)]
+                if self._named_id is not None:
+                    self._calls[0]["id"] = self._named_id
+            else:
+                self._calls = []
+        return self._calls
+
+    def finish_reason(self, finish: str | None) -> str | None:
+        """"tool_calls" for "required" calls the text ended on by itself ("stop"), as vLLM and OpenAI
+        say it; a named call keeps "stop" (OpenAI's rule), and "length" stays "length"."""
+        if finish == "stop" and self.forced == "required" and self.calls():
+            return "tool_calls"
+        return finish
+
+    def message(self) -> dict:
+        """The choice's message: content "" and the calls, as vLLM answers a forced call."""
+        calls = self.calls()
+        return {"role": "assistant", "content": "", **({"tool_calls": calls} if calls else {})}
+
