@@ -2597,3 +2597,45 @@ def test_builder_refusals_say_where_a_serve_option_goes_and_what_a_misspelling_m
     empty.mkdir()
     with pytest.raises(FileNotFoundError, match=f"no Hugging Face config at {empty}/config.json"):
         settings_from_args({"model": str(empty)})
+
+
+@pytest.mark.slow
+def test_forced_tool_calls_through_the_official_client(client):
+    """The openai client's tools and tool_choice against the real server: a named call's arguments
+    are JSON text matching the function's schema (whole, and reassembled from the stream's pieces),
+    "required" answers with calls of the tools and finish_reason "tool_calls", and a conversation
+    carrying the call and its result goes on in text with tool_choice "none"."""
+    import json
+
+    import openai
+
+    weather = {"type": "function", "function": {"name": "weather", "description": "Today's weather in a city",
+                                                "parameters": {"type": "object", "properties": {
+                                                    "city": {"type": "string", "enum": ["Paris", "Rome"]}},
+                                                    "required": ["city"], "additionalProperties": False}}}
+    asked = dict(model=MODEL, messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+                 tools=[weather], max_tokens=40, temperature=0)
+    named = client.chat.completions.create(**asked, tool_choice={"type": "function", "function": {"name": "weather"}})
+    [call] = named.choices[0].message.tool_calls
+    assert call.function.name == "weather" and call.id.startswith("chatcmpl-tool-")
+    assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+    assert named.choices[0].finish_reason == "stop" and named.choices[0].message.content == ""
+    pieces, names = [], set()
+    for chunk in client.chat.completions.create(**asked, tool_choice={"type": "function", "function": {"name": "weather"}},
+                                                stream=True):
+        for delta_call in chunk.choices[0].delta.tool_calls or ():
+            names.add(delta_call.function.name)
+            pieces.append(delta_call.function.arguments or "")
+    assert "".join(pieces) == call.function.arguments and names - {None} == {"weather"}
+    required = client.chat.completions.create(**asked, tool_choice="required", parallel_tool_calls=False)
+    assert required.choices[0].finish_reason == "tool_calls"
+    assert [c.function.name for c in required.choices[0].message.tool_calls] == ["weather"]
+    answered = client.chat.completions.create(
+        model=MODEL, tools=[weather], tool_choice="none", max_tokens=8, temperature=0,
+        messages=[*asked["messages"],
+                  {"role": "assistant", "content": None, "tool_calls": [call.model_dump(exclude_none=True)]},
+                  {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C"}])
+    assert answered.choices[0].message.content and not answered.choices[0].message.tool_calls
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(**asked)  # "auto", the default with tools
+    assert refused.value.body["param"] == "tool_choice" and "tool-call parser" in refused.value.body["message"]
