@@ -348,3 +348,23 @@ def test_forced_calls_come_back_as_tool_calls_whole_and_streamed(model_dir, in_p
         assert len({call["id"] for call in choice["message"]["tool_calls"]}) == len(choice["message"]["tool_calls"])
     # "none": the tools are only shown to the model, and the output is text
     assert all("tool_calls" not in c["message"] and isinstance(c["message"]["content"], str) for c in plain["choices"])
+
+
+def test_tokenize_counts_a_chat_with_its_tools_as_chat_completions_renders_it(smollm2_tokenizer):
+    """/tokenize's chat form takes tools (vLLM's does): the count is that of the prompt a chat request
+    with the same tools gets; bad tools are refused naming the field, as on chat completions."""
+    from tests.test_tokenize_routes import answer, refusal_of, replica
+
+    tooling = copy.deepcopy(smollm2_tokenizer)
+    tooling.chat_template = TOOL_TEMPLATE
+    server = replica(tooling)
+    request = chat(messages=CONVERSATION, tools=TOOLS, tool_choice="none")
+    expected = server._apply_chat_template(request.chat_messages(tooling.chat_template), True, False, False, True,
+                                           request.template_tools())
+    got = answer(server, "/tokenize", {"model": "smollm2-135m-instruct", "messages": CONVERSATION, "tools": TOOLS})
+    assert got["tokens"] == expected and "Tools: set_flag=" in tooling.decode(got["tokens"])
+    bare = answer(server, "/tokenize", {"model": "smollm2-135m-instruct", "messages": CONVERSATION})
+    assert bare["count"] < got["count"]
+    bad = [{"type": "function", "function": {"name": "no spaces allowed"}}]
+    refused = refusal_of(server, "/tokenize", {"model": "smollm2-135m-instruct", "messages": CONVERSATION, "tools": bad})
+    assert refused.param == "tools.0.function.name"

@@ -673,7 +673,7 @@ class OpenAIServer:
         if isinstance(req, proto.TokenizeChatRequest):
             ids = await asyncio.to_thread(self._apply_chat_template, req.chat_messages(self.tokenizer.chat_template),
                                           req.add_generation_prompt, req.continue_final_message,
-                                          req.add_special_tokens)
+                                          req.add_special_tokens, True, req.template_tools())
         else:
             ids = await asyncio.to_thread(self._tokenize_text, req.prompt, req.add_special_tokens)
         answer = {"count": len(ids), "max_model_len": self.context_tokens, "tokens": ids}

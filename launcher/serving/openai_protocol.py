@@ -533,8 +533,15 @@ class TokenizeChatRequest(_TokenizationRequest):
     add_special_tokens: bool = False
     """vLLM's default for a chat: the template writes the special tokens it wants."""
     return_token_strs: bool = False
+    tools: list | None = None
+    """As a chat request's (tool_calls.py checks them): shown to the chat template, so the count is
+    the prompt's a chat request with these tools gets."""
+
+    _template_tools = PrivateAttr(None)
 
     def check(self) -> None:
+        if self.tools is not None:
+            self._template_tools = function_calling.template_tools(self.tools)
         if self.continue_final_message and self.add_generation_prompt:
             raise ProtocolError("continue_final_message (true) leaves the last message open, and add_generation_prompt "
                                 "(true, its default) opens a new assistant turn after it; send add_generation_prompt: "
@@ -545,6 +552,10 @@ class TokenizeChatRequest(_TokenizationRequest):
     def chat_messages(self, template: object = None) -> list[dict]:
         """The messages as the chat template takes them (template_messages)."""
         return template_messages(self.messages, template)
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools as the chat template takes them, None without any."""
+        return self._template_tools
 
 
 TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest

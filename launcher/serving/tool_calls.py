@@ -93,6 +93,11 @@ def _parse_tools(raw: list) -> list[Tool]:
     return tools
 
 
+def template_tools(raw: list) -> list[dict]:
+    """`tools` checked, as the chat template takes them (/tokenize's chat form: no call is made)."""
+    return [tool.template_form() for tool in _parse_tools(raw)]
+
+
 def _nested_error(error: dict, where: str, rules: dict, whole: str) -> proto.ProtocolError:
     """A pydantic error inside one list item (a tool, a message's tool call) named by its path."""
     loc = [str(part) for part in error["loc"] if str(part) not in proto._UNION_BRANCH_TAGS]
