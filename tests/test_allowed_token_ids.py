@@ -309,3 +309,12 @@ def test_a_row_with_fewer_allowed_tokens_than_its_top_k_keeps_the_batch_off_the_
     tied = logits.clone()
     tied[0, :60] = 5.0  # 60 equal best values: row 0's 50th ties ten more
     assert _sorted(tied, torch.tensor([[50], [50], [20], [50]]))[0].shape[-1] == 60
+
+
+def test_a_plain_tuple_of_allowed_ids_still_finds_its_mask():
+    """SamplingParams keeps allowed ids as AllowedIds; a caller that hands penalties a plain tuple (a
+    params object built around __post_init__) gets the same mask, not an AttributeError."""
+    from workers.penalties import _forbidden
+
+    plain = _forbidden((1, 3), 6, torch.device("cpu"))
+    assert plain.tolist() == [True, False, True, False, True, True]

@@ -185,13 +185,14 @@ def test_include_stop_keeps_a_stop_split_across_pushes_and_drops_what_follows():
     assert matcher.held == ""
 
 
-def test_include_stop_finds_a_stop_that_began_longer_ago_than_the_longest_stop():
-    """Only the last len(longest stop) - 1 characters sent are kept for matching: enough for any stop
-    string that ends in a later push; one that began earlier cannot end later."""
+def test_include_stop_finds_a_stop_that_began_in_earlier_pushes():
+    """Only the last len(longest stop) - 1 characters sent are kept for matching, enough for a stop
+    string that began a whole push or more before the one that completes it."""
     matcher = StopStringMatcher(["xyz", "ab"], include_stop=True)
     assert [matcher.push(p) for p in ["x", "y", "z!"]] == [("x", False), ("y", False), ("z", True)]
-    matcher = StopStringMatcher(["xyz"], include_stop=True)
-    assert [matcher.push(p) for p in ["x", "yy", "z"]] == [("x", False), ("yy", False), ("z", False)]
+    matcher = StopStringMatcher(["wxyz"], include_stop=True)
+    assert [matcher.push(p) for p in ["aw", "x", "y", "z tail"]] == [
+        ("aw", False), ("x", False), ("y", False), ("z", True)]
 
 
 def test_include_stop_keeps_the_earliest_stop_and_of_two_at_one_place_the_shorter():

@@ -162,6 +162,8 @@ def _forbidden(allowed: AllowedIds, vocab: int, device: torch.device) -> torch.T
     262144 ids what it costs one of 10 (a plain tuple hashed every step cost 0.64 ms a row). A
     request sending a set another made compares the two once, at its first step. ValueError for ids
     past the logits' width (the driver checks them against the vocabulary first)."""
+    if not isinstance(allowed, AllowedIds):  # SamplingParams makes them so; anything else is looked up
+        allowed = AllowedIds(allowed)
     with _masks_lock:
         entry = allowed.mask_entry
         if entry is None or entry.key is None or entry.key[1:] != (vocab, device):

@@ -20,6 +20,7 @@ import inspect
 import json
 import logging
 import math
+import re
 import sys
 import threading
 import time
@@ -34,6 +35,7 @@ from starlette.requests import ClientDisconnect
 
 from launcher.errors import LaunchError, NoReplicaAvailable, ReplicaFailed, RequestTimeout
 from launcher.serving import openai_protocol as proto
+from launcher.serving import tool_calls as function_calling  # not `tool_calls`: a message's field
 from launcher.serving.chat_template import has_default_chat_template
 from launcher.serving.choice_streams import ChoiceStreams
 from launcher.serving.echoed_prompt import echoed_prompt
@@ -480,6 +482,26 @@ def _generation_failure(err: Exception) -> tuple[int, dict, dict]:
     return 500, proto.error_body(f"generation failed: {err}", type="server_error"), _NO_RETRY
 
 
+def _refuse_control_token_keys(tokenizer, messages: list[dict], tools: list[dict] | None) -> None:
+    """ProtocolError naming the object whose key holds one of the tokenizer's control tokens, in the tools
+    or a message's tool call arguments: sanitize_control_tokens marks only strings that are values, so
+    a key would be encoded as the control token itself (launcher/serving/tool_calls.py)."""
+    holders = [(tool, f"tools.{i}") for i, tool in enumerate(tools or ())]
+    holders += [(call["function"]["arguments"], f"messages.{i}.tool_calls.{j}.function.arguments")
+                for i, message in enumerate(messages) for j, call in enumerate(message.get("tool_calls") or ())]
+    if not holders or not tokenizer.added_tokens_encoder:
+        return
+    control = re.compile("|".join(re.escape(token) for token in sorted(tokenizer.added_tokens_encoder, key=len,
+                                                                           reverse=True)))
+    for value, path in holders:
+        found = function_calling.control_token_key(value, path, control)
+        if found is not None:
+            where, key = found
+            raise ProtocolError(f"{where}: the key {proto.clip(key)!r} holds the control token "
+                                f"{control.search(key).group()!r}, which the model would read as its own; "
+                                f"rename the key", param=where)
+
+
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_constructor_retry_count=1,
                   health_check_period_s=HEALTH_CHECK_PERIOD_S)
 @serve.ingress(app)
@@ -809,6 +831,7 @@ class OpenAIServer:
             proto.check_utf8(message["content"] or "", f"messages.{i}.content")
             if message.get("name") is not None:
                 proto.check_utf8(message["name"], f"messages.{i}.name")
+        _refuse_control_token_keys(self.tokenizer, messages, tools)
         rendering = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
                      **({"tools": tools} if tools else {})}
         try:

@@ -13,6 +13,7 @@ each choice's text through a ToolCallReader.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 
@@ -219,31 +220,59 @@ def named_schema(tool: Tool) -> dict:
 def required_schema(tools: list[Tool], parallel_tool_calls: bool = True) -> dict:
     """The output schema of tool_choice "required", as vLLM builds it: a JSON array of at least one
     {"name": <a tool's name>, "parameters": <its arguments>} (at most one without parallel calls).
-    Each tool's `$defs` move to the array's root, where their `#/$defs/...` references now point.
+    Each tool's `$defs` (and draft 7's `definitions`) move to the array's root, where their references
+    now point; a reference to the tool's own root is refused (_refuse_root_references).
     One difference: no key but those two is allowed in a call (vLLM's schema allows any, which its
     reading ignores; a small model filled its whole budget with made-up keys after the parameters)."""
     items, defs = [], {}
     for i, tool in enumerate(tools):
         parameters = dict(_parameters_or_any_object(tool.function.parameters))
-        own = parameters.pop("$defs", {})
-        if not isinstance(own, dict):
-            raise proto.ProtocolError(f"tools.{i}.function.parameters.$defs must be an object (of named schemas)",
-                                      param=f"tools.{i}.function.parameters")
-        for name, schema in own.items():
-            if name in defs and defs[name] != schema:
-                raise proto.ProtocolError(f"tools.{i}.function.parameters.$defs.{name} differs from another tool's "
-                                          f"$defs.{name}; the tools' definitions share one namespace here, so give "
-                                          f"them different names", param=f"tools.{i}.function.parameters")
-            defs[name] = schema
+        _refuse_root_references(parameters, f"tools.{i}.function.parameters")
+        for section in _DEFINITIONS:
+            own = parameters.pop(section, {})
+            if not isinstance(own, dict):
+                raise proto.ProtocolError(f"tools.{i}.function.parameters.{section} must be an object (of named "
+                                          f"schemas)", param=f"tools.{i}.function.parameters")
+            for name, schema in own.items():
+                held = defs.setdefault(section, {})
+                if name in held and held[name] != schema:
+                    raise proto.ProtocolError(f"tools.{i}.function.parameters.{section}.{name} differs from another "
+                                              f"tool's {section}.{name}; the tools' definitions share one namespace "
+                                              f"here, so give them different names",
+                                              param=f"tools.{i}.function.parameters")
+                held[name] = schema
         items.append({"properties": {"name": {"type": "string", "enum": [tool.function.name]},
                                      "parameters": parameters},
                       "required": ["name", "parameters"], "additionalProperties": False})
     schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": items}}
     if not parallel_tool_calls:
         schema["maxItems"] = 1
-    if defs:
-        schema["$defs"] = defs
+    schema.update(defs)
     return schema
+
+
+_DEFINITIONS = ("$defs", "definitions")
+"""Where a schema keeps its named parts (draft 2019+ and draft 7): moved to the array's root."""
+
+
+def _refuse_root_references(parameters: dict, where: str) -> None:
+    """ProtocolError for a $ref into the tool's own root other than its named parts ("#", a
+    recursive schema, or "#/properties/..."): in the "required" schema the root is the array of
+    calls, so such a reference would point somewhere else (a named tool_choice keeps it as is)."""
+    pending = [parameters]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, dict):
+            ref = item.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#") and not ref.startswith(
+                    tuple(f"#/{section}/" for section in _DEFINITIONS)):
+                raise proto.ProtocolError(f"{where} refers to its own root ($ref {proto.clip(ref)!r}), which "
+                                          f"tool_choice \"required\" cannot keep (its schema's root is "
+                                          f"the array of calls): move the part into $defs, or name the "
+                                          f"function in tool_choice", param=where)
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
 
 
 def _checked_structure(schema: dict, param: str) -> StructuredOutput:
@@ -285,8 +314,8 @@ _CALL_RULES = {
 
 def template_tool_calls(calls: list, index: int) -> list[dict]:
     """An assistant message's tool_calls as chat templates take them (vLLM's form): each call's
-    arguments parsed from JSON text into an object. ProtocolError naming messages.N.tool_calls.M...
-    where one is malformed (vLLM turns arguments that are not a JSON object into {} silently)."""
+    arguments parsed from JSON text into an object ({} for text that encodes none, as vLLM reads
+    it). ProtocolError naming messages.N.tool_calls.M... where a call itself is malformed."""
     out = []
     for j, item in enumerate(calls):
         where = f"messages.{index}.tool_calls.{j}"
@@ -301,25 +330,39 @@ def template_tool_calls(calls: list, index: int) -> list[dict]:
                                       param=f"{where}.type")
         out.append({"id": call.id, "type": "function",
                     "function": {"name": call.function.name,
-                                 "arguments": _arguments_object(call.function.arguments, f"{where}.function")}})
+                                 "arguments": _arguments_object(call.function.arguments)}})
     proto.check_utf8(json.dumps(out, ensure_ascii=False), f"messages.{index}.tool_calls")
     return out
 
 
-def _arguments_object(arguments: str, where: str) -> dict:
-    """A call's arguments text as the object it encodes; "" is {} (vLLM's reading)."""
-    if not arguments.strip():
-        return {}
-    param = f"{where}.arguments"
+def _arguments_object(arguments: str) -> dict:
+    """A call's arguments text as the object it encodes, {} where it encodes none ("", text that is not
+    JSON, JSON that is no object), as vLLM reads them: such text lives in the conversation's history
+    (a call cut short by max_tokens comes back so from this server too), and refusing it would
+    refuse every later turn of the conversation."""
     try:
-        parsed = json.loads(arguments)
-    except (json.JSONDecodeError, RecursionError) as err:
-        raise proto.ProtocolError(f"{param} is not JSON text ({err}); send the call's arguments as the JSON text of an "
-                                  f"object, e.g. \"{{\\\"city\\\": \\\"Paris\\\"}}\"", param=param) from None
-    if not isinstance(parsed, dict):
-        raise proto.ProtocolError(f"{param} ({proto.clip(arguments, 80)!r}) must be the JSON text of an object, not "
-                                  f"{proto._json_kind(parsed)}", param=param)
-    return parsed
+        parsed = json.loads(arguments) if arguments.strip() else {}
+    except (json.JSONDecodeError, RecursionError):
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
+
+
+def control_token_key(value, path: str, control: re.Pattern) -> tuple[str, str] | None:
+    """(path, key) of the first object key inside `value` (tools, a call's parsed arguments) that holds
+    a control token: chat templates write keys unmarked (transformers' sanitizing marks string
+    values only), so such a key would reach the model as a real control token, a forged turn.
+    Walked with a stack of its own: a schema may nest deeper than Python's recursion limit."""
+    pending = [(value, path)]
+    while pending:
+        item, where = pending.pop()
+        if isinstance(item, dict):
+            for key, inner in item.items():
+                if isinstance(key, str) and control.search(key):
+                    return where, key
+                pending.append((inner, f"{where}.{key}"))
+        elif isinstance(item, list):
+            pending.extend((inner, f"{where}.{i}") for i, inner in enumerate(item))
+    return None
 
 
 # ---- the generated text as tool calls ----------------------------------------------------------
@@ -365,13 +408,14 @@ class ToolCallReader:
         self.text.append(text)
         if self.forced == "required":
             return [{"index": i, **call} for i, call in enumerate(self.calls())] if finished else []
-        if not text:
-            return []
         if self._named_id is None:
+            so_far = "".join(self.text)
+            if not so_far.strip():  # whitespace alone is no call (calls() says the same at the end)
+                return []
             self._named_id = new_call_id()
             return [{"index": 0, "id": self._named_id, "type": "function",
-                     "function": {"name": self.forced, "arguments": text}}]
-        return [{"index": 0, "function": {"arguments": text}}]
+                     "function": {"name": self.forced, "arguments": so_far}}]
+        return [{"index": 0, "function": {"arguments": text}}] if text else []
 
     def calls(self) -> list[dict]:
         """The whole text's calls (made once: their ids stay the same)."""
