@@ -17,12 +17,12 @@ class TextStream:
         """min_tokens: a stop string counts only where it ends in the text of the tokens after the
         first min_tokens (vLLM's rule: its min_tokens holds stop strings back as it holds stop
         tokens); it may begin earlier. include_stop_str_in_output (vLLM's): the text ends with the
-        stop string that ended it, rather than just before it, and the text (if any) of the stop
-        token that ended it. skip_special_tokens
-        (vLLM's): False keeps the special tokens' text (`<|im_end|>`) in the text, where the stop
-        strings are looked for too. stop_token_ids: the ids that end the request (its stop token
-        ids, and the EOS ids unless ignore_eos): one that ends it leaves its text out, special or
-        not, as vLLM leaves a stop token's out, unless include_stop_str_in_output."""
+        stop string that ended it, rather than just before it, and keeps the text (if any) of the
+        stop token that ended it. skip_special_tokens (vLLM's): False keeps the special tokens' text
+        (`<|im_end|>`) in the text, where the stop strings are looked for too. stop_token_ids: the
+        ids that end the request (its stop token ids, and the EOS ids unless ignore_eos): one that
+        ends it leaves its text out, special or not, as vLLM leaves a stop token's out, unless
+        include_stop_str_in_output."""
         self.request_id = request_id
         self._detokenizer = (IncrementalDetokenizer(tokenizer, skip_special_tokens) if tokenizer is not None
                              else None)
