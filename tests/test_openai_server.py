@@ -931,6 +931,11 @@ def test_server_settings_from_builder_arguments():
         settings_from_args({"api_key": "clé"})
     with pytest.raises(ValueError, match=r"replicas \('None'\) fixes"):  # the text, quoted
         settings_from_args({"replicas": "None", "max_replicas": "2"})
+    # tool_call_parser: a server argument (tool_choice "auto"), checked before any replica starts
+    assert settings_from_args({"tool_call_parser": "hermes"}).tool_call_parser == "hermes"
+    assert settings_from_args({}).tool_call_parser is None and "tool_call_parser" not in defaults.launch
+    with pytest.raises(ValueError, match=r"tool_call_parser \('pythonic'\) must be one of hermes"):
+        settings_from_args({"tool_call_parser": "pythonic"})
 
 
 def test_the_api_key_from_the_environment_is_checked_and_an_empty_flag_refused(monkeypatch, capsys, ray_tripwire):

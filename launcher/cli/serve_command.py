@@ -28,7 +28,7 @@ from launcher.cli.options import (add_max_num_seqs, add_max_prefill_tokens, add_
                                   add_prefix_caching, int_at_least, max_num_seqs_option, model_and_placement_options,
                                   with_flag_name)
 from launcher.serving.ingress import MODES, IdleProxyAddressHidden, IngressPlan, choose_mode, plan_ingress
-from launcher.serving.server_settings import api_key_from_environment
+from launcher.serving.server_settings import TOOL_CALL_PARSERS, api_key_from_environment
 
 SERVE_MAX_NUM_SEQS = 16
 """serve's --max-num-seqs when neither it nor a --compiled directory gives one (generate's is 8: a
@@ -61,6 +61,10 @@ def add_parser(subparsers) -> None:
                         "most 10x in all), so a burst's prompts are prefilled together; a lone request's first "
                         "token comes this much later (default 10; 0: no wait)")
     add_prefix_caching(p)
+    p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
+                   help="take tool_choice \"auto\" (the default with tools) and read the model's calls from its text "
+                        "in this format: hermes, <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call> (Qwen2/"
+                        "Qwen2.5 Instruct, Hermes); default: none, \"auto\" is refused")
     p.add_argument("--api-key", metavar="KEY",
                    help="require `Authorization: Bearer KEY` on /v1/* (default: $CORELAUNCH_API_KEY; unset: open)")
     p.add_argument("--replicas", type=int_at_least("--replicas"), metavar="N",
@@ -146,7 +150,7 @@ def server_args(args: argparse.Namespace) -> dict:
              # an explicit --api-key "" is refused (checked as the argument), not read as "no key"
              "api_key": args.api_key if args.api_key is not None else api_key_from_environment(),
              "replicas": args.replicas, "min_replicas": args.min_replicas, "max_replicas": args.max_replicas,
-             "target_ongoing_requests": args.target_ongoing_requests}
+             "target_ongoing_requests": args.target_ongoing_requests, "tool_call_parser": args.tool_call_parser}
     if args.max_queued_requests is not None:
         built["max_queued_requests"] = args.max_queued_requests
     if args.max_prefill_tokens is not None:

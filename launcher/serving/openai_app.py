@@ -509,6 +509,10 @@ class OpenAIServer:
     """One Serve replica: starts its Launcher in the constructor (so Serve routes to it only once the
     model is loaded) and serves the routes below."""
 
+    tool_call_parser: str | None = None
+    """tool_choice "auto" reads calls in this format (launcher/serving/hermes_calls.py); None: refused.
+    The constructor sets the settings' (ServerSettings.tool_call_parser)."""
+
     def __init__(self, settings: ServerSettings):
         from launcher.api import LaunchConfig, Launcher, load_tokenizer, server_tokenizer_problem
         from launcher.background_load import BackgroundLoad
@@ -574,6 +578,7 @@ class OpenAIServer:
         """The ids the tokenizer adds before and after a text's own (a BOS): a text prompt cut by
         truncate_prompt_tokens keeps them, as vLLM's truncation inside the tokenizer does."""
         self.name = settings.served_model_name
+        self.tool_call_parser = settings.tool_call_parser
         self.context_tokens = _context_tokens(self.launcher)
         self.longest_prompt = _longest_prompt(self.launcher)
         self.metrics = ServerMetrics(self.launcher.load)
@@ -910,7 +915,7 @@ class OpenAIServer:
     def _parse(self, model, body):
         counts = self._counts(model)
         try:
-            req = proto.parse_request(model, body)
+            req = proto.parse_request(model, body, self.tool_call_parser)
         except ProtocolError:
             counts.rejected(400)
             raise
@@ -1096,7 +1101,7 @@ def build_app(args: dict) -> serve.Application:
     """Serve's application builder: `serve run launcher.serving.openai_app:build_app model=DIR tp=2`,
     or `import_path: launcher.serving.openai_app:build_app` with `args:` in a `serve deploy` config.
     The arguments are the server's (served_model_name, api_key, replicas, min_replicas, max_replicas,
-    target_ongoing_requests) and LaunchConfig's fields (model, tp, dtype, seq_len, max_num_seqs,
+    target_ongoing_requests, tool_call_parser) and LaunchConfig's fields (model, tp, dtype, seq_len, max_num_seqs,
     max_queued_requests, ...); see launcher/serving/server_settings.py."""
     return application(builder_settings(args))
 

@@ -121,7 +121,7 @@ FIELD_RULES = {
              f"\"description\", \"parameters\" (a JSON schema), \"strict\"}}}}, each of its own name",
     "functions": "an empty list (the deprecated functions are not supported; send tools)",
     "tool_choice": "\"none\", \"required\", or {\"type\": \"function\", \"function\": {\"name\": ...}} naming one of "
-                   "tools (\"auto\", the default with tools, is refused: corelaunch has no tool-call parser)",
+                   "tools (\"auto\", the default with tools, only on a server started with --tool-call-parser hermes)",
     "function_call": "\"none\" or \"auto\" (the deprecated function_call is not supported; send tool_choice)",
     "parallel_tool_calls": "true or false (false: tool_choice \"required\" makes exactly one call)",
     "store": "false (stored completions are not supported)",
@@ -453,8 +453,9 @@ class ChatCompletionRequest(_GenerationRequest):
     """Functions the model may call (tool_calls.py checks them): shown to the chat template, and with
     a forced tool_choice the output is a call of one of them."""
     tool_choice: str | dict | None = None
-    """"none", "required" or a named function ("auto", vLLM's default with tools, is refused); None: the
-    default. tool_calls.check_tool_request checks it with tools."""
+    """"none", "required" or a named function; "auto" (vLLM's default with tools) only on a server with
+    a tool-call parser, refused otherwise; None: the default. tool_calls.check_tool_request checks it
+    with tools."""
     parallel_tool_calls: bool = True
     """false: tool_choice "required" makes exactly one call."""
     functions: list = Field(default_factory=list, max_length=0)
@@ -591,9 +592,10 @@ def is_generation_request(model: object) -> bool:
     return isinstance(model, type) and issubclass(model, _GenerationRequest)
 
 
-def parse_request(model: type[_GenerationRequest] | type[_TokenizationRequest], body: object):
+def parse_request(model: type[_GenerationRequest] | type[_TokenizationRequest], body: object,
+                  tool_call_parser: str | None = None):
     """`body` (the decoded JSON) as `model` (or TokenizeRequest: as its form); ProtocolError naming the
-    first bad field and its rule."""
+    first bad field and its rule. tool_call_parser: the server's (a chat's tool_choice "auto" needs one)."""
     if not isinstance(body, dict):
         raise ProtocolError(f"the request body must be a JSON object, not {_json_kind(body)}")
     if model is TokenizeRequest:
@@ -605,7 +607,7 @@ def parse_request(model: type[_GenerationRequest] | type[_TokenizationRequest], 
     if isinstance(request, _TokenizationRequest):
         request.check()
     else:
-        _check_combinations(request)
+        _check_combinations(request, tool_call_parser)
     return request
 
 
@@ -703,7 +705,7 @@ def check_utf8(text: str, param: str) -> None:
                             param=param) from None
 
 
-def _check_combinations(request: _GenerationRequest) -> None:
+def _check_combinations(request: _GenerationRequest, tool_call_parser: str | None = None) -> None:
     """Rules that span fields, or that pydantic's per-field constraints cannot say."""
     stops = request.stop_strings()
     if len(stops) > MAX_STOP_STRINGS:
@@ -757,7 +759,11 @@ def _check_combinations(request: _GenerationRequest) -> None:
             raise ProtocolError("top_logprobs needs logprobs: true", param="top_logprobs")
         for i, message in enumerate(request.messages):
             message.check(i)  # refuses missing content, bad tool calls and non-text parts now, before any work
-        request._tool_use = function_calling.check_tool_request(request)
+        request._tool_use = function_calling.check_tool_request(request, tool_call_parser)
+        if request._tool_use.parser is not None:
+            # vLLM's rule for a parsed "auto": a model's <tool_call> may be a special token, which
+            # decoding would drop before the parser could see it
+            request.skip_special_tokens = False
         if request._tool_use.structure is not None:  # a forced call: its schema constrains the output
             request._structure = request._tool_use.structure
 

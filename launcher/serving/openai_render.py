@@ -129,7 +129,8 @@ class CompletionRender(_Render):
 class ChatRender(_Render):
     """/v1/chat/completions objects from the engine's deltas: the text as the message's content, or,
     when a tool call is forced, read as tool calls (`tool_calls`, a launcher.serving.tool_calls
-    ToolCallReader of this choice)."""
+    ToolCallReader of this choice), or with tool_choice "auto" read as content and calls (a
+    launcher.serving.hermes_calls HermesCallReader)."""
 
     id_prefix, chunk_object, response_object = "chatcmpl", "chat.completion.chunk", "chat.completion"
 
@@ -146,11 +147,11 @@ class ChatRender(_Render):
         return finish if self.calls is None else self.calls.finish_reason(finish)
 
     def _delta(self, delta) -> dict:
-        """The chunk's delta: the text, or the tool calls' pieces it completes."""
+        """The chunk's delta: the text, or what the reader makes of it (tool calls' pieces; with
+        tool_choice "auto", content and whole calls)."""
         if self.calls is None:
             return {"content": delta.text} if delta.text else {}
-        pieces = self.calls.push(delta.text, delta.finish_reason is not None)
-        return {"tool_calls": pieces} if pieces else {}
+        return self.calls.delta(delta.text, delta.finish_reason is not None)
 
     def _ready(self, delta) -> list:
         return [entry for entry, _ in self.aligned.push(delta)] if self.logprobs else []

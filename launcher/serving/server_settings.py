@@ -18,14 +18,19 @@ from pathlib import Path
 import yaml
 
 SERVER_ARGS = ("served_model_name", "api_key", "replicas", "min_replicas", "max_replicas",
-               "target_ongoing_requests")
+               "target_ongoing_requests", "tool_call_parser")
 """Builder arguments that configure the server and Serve; every other argument is a LaunchConfig
 field (model, tp, dtype, seq_len, max_num_seqs, max_queued_requests, compiled_dir, ...)."""
 
-TEXT_ARGS = ("model", "served_model_name", "api_key", "compiled_dir", "presharded_dir", "presharded_cache_dir",
-             "backend", "instance", "dtype", "kv_cache_dtype", "kv_strategy", "moe_sharding", "compile_granularity")
+TEXT_ARGS = ("model", "served_model_name", "api_key", "tool_call_parser", "compiled_dir", "presharded_dir",
+             "presharded_cache_dir", "backend", "instance", "dtype", "kv_cache_dtype", "kv_strategy", "moe_sharding",
+             "compile_granularity")
 """Arguments kept as the text given (`serve run` passes every value as text; the others are read as
 YAML scalars, so "2" is 2, "true" is True and "null" is None)."""
+
+TOOL_CALL_PARSERS = ("hermes",)
+"""The formats tool_call_parser names (vLLM's --tool-call-parser names): how the model writes a call
+in its free text, which tool_choice "auto" needs read back (launcher/serving/hermes_calls.py)."""
 
 YAML_NULLS = ("null", "Null", "NULL", "~")
 """`serve run key=null`: the argument's default, whatever its kind (a path or name that is literally
@@ -72,6 +77,9 @@ class ServerSettings:
     from_command_line: bool = False
     """Made by `corelaunch serve` from its options: a replica's refusals name those options, not the
     builder's arguments (launcher/serving/builder_terms.py)."""
+    tool_call_parser: str | None = None
+    """One of TOOL_CALL_PARSERS: tool_choice "auto" is taken and the model's calls are read from its
+    text in that format; None: "auto" is refused (vLLM's rule without --enable-auto-tool-choice)."""
 
     @property
     def most_replicas(self) -> int:
@@ -138,7 +146,8 @@ def settings_from_args(args: dict, names: dict | None = None) -> ServerSettings:
         launch=launch, served_model_name=served,
         api_key=_api_key(typed.get("api_key"), name("api_key", "api_key")),
         num_replicas=num_replicas, autoscaling=autoscaling, max_ongoing_requests=admitted + ROUTE_HEADROOM,
-        from_command_line=names is not None)
+        from_command_line=names is not None,
+        tool_call_parser=_tool_call_parser(typed.get("tool_call_parser"), name("tool_call_parser", "tool_call_parser")))
 
 
 def _unknown_hints(unknown: list[str], known: tuple[str, ...]) -> str:
@@ -208,6 +217,16 @@ def _served_name(args: dict, launch: dict, shown: str = "served_model_name") -> 
     from shardlib.demo_model import DEMO_MODEL_NAME
 
     return DEMO_MODEL_NAME
+
+
+def _tool_call_parser(parser, name: str = "tool_call_parser") -> str | None:
+    """The parser's name, or None (none asked). Checked here, before any replica starts: a misspelt
+    one would otherwise only show as every "auto" request refused."""
+    if parser is not None and parser not in TOOL_CALL_PARSERS:
+        raise ValueError(f"{name} ({parser!r}) must be one of {', '.join(TOOL_CALL_PARSERS)} (the format the model "
+                         f"writes its tool calls in: hermes, <tool_call>{{\"name\": ..., \"arguments\": ...}}"
+                         f"</tool_call>, for Qwen2/Qwen2.5 Instruct and Hermes models), or left out")
+    return parser
 
 
 def _api_key(key, name: str = "api_key") -> str | None:

@@ -1,8 +1,9 @@
-"""Function calling on /v1/chat/completions, as vLLM's server does it without an automatic tool-call
-parser: the request's `tools` and `tool_choice` checked; "none" (tools only shown to the chat template)
-and the forced kinds, a named function or "required", whose output is constrained by a JSON schema
-through the structured-output machinery and read back as tool calls; "auto" is refused, since finding
-calls in free text needs a parser for the model's own call format, which corelaunch does not have.
+"""Function calling on /v1/chat/completions, as vLLM's server does it: the request's `tools` and
+`tool_choice` checked; "none" (tools only shown to the chat template) and the forced kinds, a named
+function or "required", whose output is constrained by a JSON schema through the structured-output
+machinery and read back as tool calls; "auto" (the default with tools) needs a parser for the model's
+own call format in its free text: taken on a server started with one (`--tool-call-parser hermes`,
+launcher/serving/hermes_calls.py), refused otherwise, as vLLM refuses it.
 The conversation's own tool calls and tool results are checked and handed to the chat template as
 vLLM hands them (each call's `arguments` JSON text parsed into an object).
 
@@ -30,10 +31,12 @@ _CHOICE_EXAMPLE = '{"type": "function", "function": {"name": "my_function"}}'
 
 def _auto_refused(by_default: bool) -> str:
     default = " (the default with tools)" if by_default else ""
-    return (f"tool_choice \"auto\"{default} is not supported: corelaunch has no tool-call parser to find calls in "
-            f"the model's free text (vLLM refuses it likewise without --enable-auto-tool-choice); send tool_choice "
-            f"\"required\" (the model must call one or more of the tools) or {_CHOICE_EXAMPLE} (it must call that "
-            f"function), or \"none\" (tools shown to the model, text out)")
+    return (f"tool_choice \"auto\"{default} is not supported by this server: it was started without a tool-call "
+            f"parser to find calls in the model's free text (vLLM refuses it likewise without "
+            f"--enable-auto-tool-choice); start it with `--tool-call-parser hermes` (builder argument "
+            f"tool_call_parser: hermes) for a model that writes <tool_call> blocks (Qwen2/Qwen2.5 Instruct, Hermes), "
+            f"or send tool_choice \"required\" (the model must call one or more of the tools) or {_CHOICE_EXAMPLE} "
+            f"(it must call that function), or \"none\" (tools shown to the model, text out)")
 
 
 # ---- the request's tools -----------------------------------------------------------------------
@@ -139,16 +142,24 @@ class ToolUse:
     ("none", or no tools)."""
     structure: StructuredOutput | None = None
     """The output's JSON schema when a call is forced."""
+    parser: str | None = None
+    """tool_choice "auto": the format the server reads calls from the free text in ("hermes")."""
 
-    def reader(self) -> "ToolCallReader | None":
-        """A fresh reader of one choice's text as tool calls, None when no call is forced."""
+    def reader(self):
+        """A fresh reader of one choice's text as tool calls (a ToolCallReader, or a HermesCallReader
+        for "auto"), None when the text is only text."""
+        if self.parser is not None:
+            from launcher.serving.hermes_calls import HermesCallReader  # it imports this module
+
+            return HermesCallReader()
         return None if self.forced is None else ToolCallReader(self.forced)
 
 
-def check_tool_request(request) -> ToolUse:
+def check_tool_request(request, tool_call_parser: str | None = None) -> ToolUse:
     """The request's tools, tool_choice and parallel_tool_calls checked (vLLM's rules), as a ToolUse;
     ProtocolError naming the field. Called once the request's own structured output is known
-    (request._structure): a forced call cannot be combined with it."""
+    (request._structure): a forced call cannot be combined with it, "auto" can (vLLM allows it).
+    tool_call_parser: the server's (server_settings.TOOL_CALL_PARSERS); None: "auto" is refused."""
     tools = _parse_tools(request.tools) if request.tools is not None else []
     choice = request.tool_choice
     if choice is None:  # vLLM's default: "auto" with tools, "none" without
@@ -161,7 +172,9 @@ def check_tool_request(request) -> ToolUse:
         raise proto.ProtocolError(f"tool_choice ({proto._short(choice)}) needs tools: send the functions the model may "
                                   f"call as tools, or leave tool_choice out", param="tool_choice")
     if choice == "auto":
-        raise proto.ProtocolError(_auto_refused(default), param="tool_choice")
+        if tool_call_parser is None:
+            raise proto.ProtocolError(_auto_refused(default), param="tool_choice")
+        return ToolUse([tool.template_form() for tool in tools], parser=tool_call_parser)
     if isinstance(choice, str) and choice != "required":
         raise proto.ProtocolError(f"tool_choice ({proto._short(choice)}) must be {proto.FIELD_RULES['tool_choice']}",
                                   param="tool_choice")
@@ -402,6 +415,11 @@ class ToolCallReader:
         self.forced, self.text = forced, []
         self._named_id: str | None = None
         self._calls: list[dict] | None = None
+
+    def delta(self, text: str, finished: bool) -> dict:
+        """The chunk's delta for this piece of the text: {"tool_calls": [...]}, or {}."""
+        pieces = self.push(text, finished)
+        return {"tool_calls": pieces} if pieces else {}
 
     def push(self, text: str, finished: bool) -> list[dict]:
         """The streamed tool_calls entries for this piece of the text ([] for none)."""

@@ -1,0 +1,192 @@
+"""tool_choice "auto" read in vLLM's "hermes" format (`--tool-call-parser hermes`), the one Qwen2 and
+Qwen2.5 Instruct and Hermes models write: free text, in which each call is a block
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+Read as vLLM 0.32's Hermes2ProToolParser reads the whole text: the calls are every block, and a last
+block the output ended inside of (max_tokens, a stop string) when its JSON is whole; the content is
+the text before the first block (null when there is none); a block whose JSON is no
+{"name": <string>, "arguments": <object>} makes the whole text content, with no call.
+
+Streamed, the content goes out as it comes but for a tail that may be the start of `<tool_call>`;
+each call goes out whole, in one tool_calls delta, once its closing tag has come (an unterminated
+last block at the end); the text after the first block is no content, as in the whole answer. For
+any split of a text the stream says what the whole answer says, with one exception that no stream
+can avoid: a bad block after a good one. The whole answer is then all content; the stream has
+already sent the good call, and sends the text from the bad block on as content.
+
+Pure (no tokenizer, no engine): the app's ChatRender drives a HermesCallReader per choice.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from launcher.serving.tool_calls import new_call_id
+
+CALL_START, CALL_END = "<tool_call>", "</tool_call>"
+
+
+@dataclass(frozen=True)
+class HermesReading:
+    """A whole text read: content None only beside calls (vLLM's "content": null)."""
+
+    content: str | None
+    calls: list[tuple[str, str]] = field(default_factory=list)
+    """(name, arguments as JSON text) of each call, in order."""
+
+
+def call_of(block: str) -> tuple[str, str] | None:
+    """(name, arguments JSON text) of one block's text, None when it holds no call. The arguments are
+    written back as vLLM writes them (json.dumps, non-ASCII kept), so spacing is the same whatever
+    the model wrote."""
+    try:
+        parsed = json.loads(block)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    if not (isinstance(parsed, dict) and isinstance(parsed.get("name"), str)
+            and isinstance(parsed.get("arguments"), dict)):
+        return None
+    return parsed["name"], json.dumps(parsed["arguments"], ensure_ascii=False)
+
+
+def blocks(text: str) -> list[str]:
+    """The text inside each block, as vLLM's pattern `<tool_call>(.*?)</tool_call>|<tool_call>(.*)`
+    finds them: up to the first closing tag after the opening one, or the rest of the text."""
+    found, start = [], text.find(CALL_START)
+    while start != -1:
+        inside = start + len(CALL_START)
+        end = text.find(CALL_END, inside)
+        if end == -1:
+            found.append(text[inside:])
+            break
+        found.append(text[inside:end])
+        start = text.find(CALL_START, end + len(CALL_END))
+    return found
+
+
+def read_whole(text: str) -> HermesReading:
+    """The whole generated text's content and calls (vLLM's extract_tool_calls)."""
+    if CALL_START not in text:
+        return HermesReading(text)
+    calls = [call_of(block) for block in blocks(text)]
+    if any(call is None for call in calls):  # vLLM's fallback: nothing is taken as a call
+        return HermesReading(text)
+    return HermesReading(text[:text.find(CALL_START)] or None, calls)
+
+
+def tag_start_held(text: str, tag: str = CALL_START) -> int:
+    """How many of the text's last characters may be the start of `tag` (held back from the
+    content until the next piece says)."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:size]):
+            return size
+    return 0
+
+
+def _stream_call(index: int, name: str, arguments: str) -> dict:
+    return {"index": index, "id": new_call_id(), "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+class HermesCallReader:
+    """One choice's text read in the hermes format, streamed (delta) or whole (push, then message).
+    Has ToolCallReader's interface (launcher/serving/tool_calls.py), which ChatRender drives."""
+
+    def __init__(self):
+        self.text = ""
+        self._sent = 0
+        """The text before this index went out as content (streamed)."""
+        self._mode = "content"
+        """"content": before the first block; "calls": at or after it, looking for the next block
+        at self._scan; "text": a block held no call, and the rest goes out as content."""
+        self._scan = 0
+        self._streamed: list[dict] | None = None
+        """The calls the stream sent (None: the text was not streamed)."""
+        self._whole: tuple[HermesReading, list[dict]] | None = None
+
+    # ---- streamed ------------------------------------------------------------------------------
+    def delta(self, piece: str, finished: bool) -> dict:
+        """The chunk's delta for this piece of the text: {"content"} and/or {"tool_calls"}, or {}."""
+        if self._streamed is None:
+            self._streamed = []
+        self.text += piece
+        content, calls = [], []
+        if self._mode == "content":
+            content.append(self._content_before_a_block(finished))
+        if self._mode == "calls":
+            calls.extend(self._closed_calls(finished))
+        if self._mode == "text":
+            content.append(self.text[self._sent:])
+            self._sent = len(self.text)
+        self._streamed.extend(calls)
+        out = {"content": "".join(content)} if "".join(content) else {}
+        return out | ({"tool_calls": calls} if calls else {})
+
+    def _content_before_a_block(self, finished: bool) -> str:
+        """The content now sendable; at the first block's start the mode turns to "calls"."""
+        start = self.text.find(CALL_START, self._sent)
+        if start != -1:
+            self._mode, self._scan = "calls", start
+            upto = start
+        else:  # all of it, but for a tail that may open a block (at the end, nothing more will come)
+            upto = len(self.text) - (0 if finished else tag_start_held(self.text[self._sent:]))
+        out, self._sent = self.text[self._sent:upto], upto
+        return out
+
+    def _closed_calls(self, finished: bool) -> list[dict]:
+        """The calls of the blocks that closed (and, finished, of an unterminated last one). A block
+        without a call turns the mode to "text" from its start."""
+        calls = []
+        while True:
+            start = self.text.find(CALL_START, self._scan)
+            if start == -1:  # between blocks: that text is no content
+                return calls
+            inside = start + len(CALL_START)
+            end = self.text.find(CALL_END, inside)
+            if end == -1 and not finished:
+                self._scan = start  # wait for its closing tag
+                return calls
+            call = call_of(self.text[inside:] if end == -1 else self.text[inside:end])
+            if call is None:
+                self._mode, self._sent = "text", start
+                return calls
+            calls.append(_stream_call(len(self._streamed) + len(calls), *call))
+            if end == -1:
+                return calls
+            self._scan = end + len(CALL_END)
+
+    # ---- whole ---------------------------------------------------------------------------------
+    def push(self, piece: str, finished: bool) -> list:
+        """Keep a piece of a text read whole (message, once it has all come)."""
+        self.text += piece
+        return []
+
+    def _read(self) -> tuple[HermesReading, list[dict]]:
+        """The whole text's reading and its calls (made once: their ids stay the same)."""
+        if self._whole is None:
+            reading = read_whole(self.text)
+            self._whole = reading, [{"id": new_call_id(), "type": "function",
+                                     "function": {"name": name, "arguments": arguments}}
+                                    for name, arguments in reading.calls]
+        return self._whole
+
+    def calls(self) -> list[dict]:
+        """The calls the client was given: those streamed, or the whole text's."""
+        return self._streamed if self._streamed is not None else self._read()[1]
+
+    def finish_reason(self, finish: str | None) -> str | None:
+        """"tool_calls" when the text ended by itself ("stop") with calls (vLLM's rule, streamed; its
+        whole answer said "tool_calls" after "length" too, where the stream kept "length": here both
+        keep "length", which tells the client the text was cut)."""
+        return "tool_calls" if finish == "stop" and self.calls() else finish
+
+    def message(self) -> dict:
+        """The choice's message: the content and the calls, or the text as content."""
+        reading, calls = self._read()
+        if not calls:
+            return {"role": "assistant", "content": reading.content}
+        return {"role": "assistant", "content": reading.content, "tool_calls": calls}

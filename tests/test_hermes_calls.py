@@ -1,0 +1,239 @@
+"""tool_choice "auto" with vLLM's "hermes" tool-call parser (launcher/serving/hermes_calls.py,
+`corelaunch serve --tool-call-parser hermes`): whole texts read as vLLM 0.32's Hermes2ProToolParser
+reads them, the stream equal to the whole answer for any split of the text, the option on the
+command line and as a builder argument, and a forced `Sure.<tool_call>...</tool_call>` end to end
+through the route methods over a real in-process Launcher, whole and streamed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+
+import pytest
+
+from launcher.serving.hermes_calls import HermesCallReader, blocks, read_whole
+from launcher.serving.openai_protocol import ChatCompletionRequest, ProtocolError, parse_request
+from tests.model_factory import random_model_with_smollm2_tokenizer
+from tests.test_tool_calls import BASE, TOOLS, streamed_calls
+
+WEATHER = '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+FLAG_CALL = '<tool_call>{"name":"set_flag","arguments":{"ok":true,"note":"été"}}</tool_call>'
+PARIS = ("weather", '{"city": "Paris"}')
+FLAGGED = ("set_flag", '{"ok": true, "note": "été"}')  # written back as json.dumps writes it, non-ASCII kept
+
+# (text, content, calls) as vLLM's whole reading gives them
+WHOLE_TEXTS = [
+    ("Sure." + WEATHER, "Sure.", [PARIS]),
+    (WEATHER, None, [PARIS]),  # nothing before the call: content null
+    (WEATHER + "\n" + FLAG_CALL, None, [PARIS, FLAGGED]),
+    ("Let me look.\n" + WEATHER + " and then " + FLAG_CALL + " done", "Let me look.\n", [PARIS, FLAGGED]),
+    ("a <tool" + WEATHER, "a <tool", [PARIS]),  # a partial tag before the real one is content
+    ('x<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n', "x", [PARIS]),  # unterminated, whole
+    (WEATHER + '<tool_call> {"name": "set_flag", "arguments": {"ok": true, "note": "été"}} ', None, [PARIS, FLAGGED]),
+    ("Just text.", "Just text.", []),
+    ("ends with <tool_ca", "ends with <tool_ca", []),
+    ("", "", []),
+]
+# a block that holds no call: the whole text is content, no call (vLLM's fallback)
+UNREAD_TEXTS = [
+    'Hi<tool_call>{"name": "weather", "arguments": {</tool_call>',  # invalid JSON
+    '<tool_call>{"name": "weather"}</tool_call>',  # no arguments
+    '<tool_call>{"name": "weather", "arguments": "Paris"}</tool_call>',  # arguments not an object
+    '<tool_call>{"name": 7, "arguments": {}}</tool_call>',  # name not a string
+    '<tool_call>["weather", {}]</tool_call>',
+    "<tool_call></tool_call>",
+    'So<tool_call>\n{"name": "weather", "argu',  # cut short inside the JSON
+    '<tool_call>{"name": "weather", "arguments": {}}</tool_',  # cut inside the closing tag (vLLM's regex takes it)
+    "tail <tool_call>",
+    "Hm<tool_call>" + WEATHER,  # the first block runs to the first closing tag: two openings in one block
+]
+BAD_AFTER_GOOD = "Ok." + WEATHER + '<tool_call>{"name": "x"}</tool_call>after'
+
+
+@pytest.mark.parametrize("text, content, calls", WHOLE_TEXTS)
+def test_whole_texts_are_read_as_vllms_hermes_parser_reads_them(text, content, calls):
+    assert read_whole(text).content == content and read_whole(text).calls == calls
+    reader = HermesCallReader()
+    reader.push(text, True)
+    message = reader.message()
+    assert message["content"] == content
+    got = [(call["function"]["name"], call["function"]["arguments"]) for call in message.get("tool_calls", [])]
+    assert got == calls and ("tool_calls" in message) == bool(calls)
+    for call in message.get("tool_calls", []):
+        assert call["type"] == "function" and re.fullmatch(r"chatcmpl-tool-[0-9a-f]{16}", call["id"])
+    assert reader.message() == message  # made once: the ids stay
+    assert reader.finish_reason("stop") == ("tool_calls" if calls else "stop")
+    assert reader.finish_reason("length") == "length"  # a cut text says so, calls or not
+
+
+@pytest.mark.parametrize("text", UNREAD_TEXTS + [BAD_AFTER_GOOD])
+def test_a_block_without_a_call_makes_the_whole_text_content(text):
+    assert read_whole(text).content == text and read_whole(text).calls == []
+    reader = HermesCallReader()
+    reader.push(text, True)
+    assert reader.message() == {"role": "assistant", "content": text} and reader.finish_reason("stop") == "stop"
+
+
+def test_blocks_are_found_as_vllms_pattern_finds_them():
+    """blocks() against the pattern vLLM's parser uses, over random texts made of tags and pieces of them."""
+    pattern = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+    parts = ["<tool_call>", "</tool_call>", "<tool_", "</tool", "call>", "a", "\n", "{}", " "]
+    rng = random.Random(3)
+    for _ in range(3000):
+        text = "".join(rng.choice(parts) for _ in range(rng.randint(0, 9)))
+        expected = [first if first else second for first, second in pattern.findall(text)]
+        assert blocks(text) == expected, text
+
+
+def streamed(text: str, cuts: list[int]) -> tuple[str, list[dict], str, list[dict]]:
+    """The text streamed in pieces cut at `cuts`: its content, its calls, its finish reason, and every delta."""
+    reader, deltas = HermesCallReader(), []
+    edges = [0, *cuts, len(text)]
+    for i, (start, end) in enumerate(zip(edges, edges[1:])):
+        deltas.append(reader.delta(text[start:end], i == len(edges) - 2))
+    content = "".join(delta.get("content", "") for delta in deltas)
+    calls = [call for delta in deltas for call in delta.get("tool_calls", [])]
+    return content, calls, reader.finish_reason("stop"), deltas
+
+
+def random_cuts(rng: random.Random, text: str) -> list[int]:
+    return sorted(rng.sample(range(1, len(text)), rng.randint(0, min(len(text) - 1, 12)))) if len(text) > 1 else []
+
+
+@pytest.mark.parametrize("text", [text for text, _, _ in WHOLE_TEXTS] + UNREAD_TEXTS)
+def test_streamed_over_any_split_the_answer_is_the_whole_answer(text):
+    """Content and calls, reassembled from the deltas, are the whole reading's for 300 random splits
+    (every character alone included); each call comes whole, in one delta, with its own index."""
+    whole = HermesCallReader()
+    whole.push(text, True)
+    expected = whole.message()
+    rng = random.Random(len(text))
+    for cuts in [list(range(1, len(text))), []] + [random_cuts(rng, text) for _ in range(300)]:
+        content, calls, finish, _ = streamed(text, cuts)
+        assert content == (expected["content"] or ""), cuts
+        assert [call["index"] for call in calls] == list(range(len(calls)))
+        assert [call["function"] for call in calls] == [call["function"] for call in expected.get("tool_calls", [])]
+        assert all(call["type"] == "function" and call["id"].startswith("chatcmpl-tool-") for call in calls)
+        assert finish == whole.finish_reason("stop"), cuts
+
+
+def test_content_holds_back_only_a_possible_tag_and_a_call_goes_out_when_it_closes():
+    reader = HermesCallReader()
+    assert reader.delta("Hello <tool", False) == {"content": "Hello "}  # "<tool" may open a call
+    assert reader.delta("kit> ", False) == {"content": "<toolkit> "}  # it did not
+    assert reader.delta("<tool_call>\n{\"name\": \"weather\", ", False) == {}
+    assert reader.delta('"arguments": {"city": "Paris"}}\n</tool_', False) == {}
+    [call] = reader.delta("call> trailing words", False)["tool_calls"]  # closed: sent before the text ends
+    assert call["index"] == 0 and (call["function"]["name"], call["function"]["arguments"]) == PARIS
+    assert reader.delta(" more", True) == {}  # text after a call is no content
+    assert reader.finish_reason("stop") == "tool_calls" and reader.finish_reason("length") == "length"
+    # an unterminated last block goes out at the end, when its JSON is whole
+    tail = HermesCallReader()
+    assert tail.delta('<tool_call>{"name": "weather", "arguments": {"city": "Paris"}}', False) == {}
+    [call] = tail.delta("", True)["tool_calls"]
+    assert (call["function"]["name"], call["function"]["arguments"]) == PARIS
+
+
+def test_a_bad_block_after_a_good_one_streams_the_sent_call_and_the_rest_as_content():
+    """The one case a stream cannot say as the whole answer does (all content): the good call is
+    already out when the bad block comes, so the text from the bad block on follows as content."""
+    for cuts in ([], list(range(1, len(BAD_AFTER_GOOD)))):
+        content, calls, finish, _ = streamed(BAD_AFTER_GOOD, cuts)
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [PARIS]
+        assert content == "Ok." + '<tool_call>{"name": "x"}</tool_call>after' and finish == "tool_calls"
+
+
+# ---- the request and the server's option ---------------------------------------------------------
+def chat(parser: str | None = None, **fields) -> ChatCompletionRequest:
+    return parse_request(ChatCompletionRequest, {**BASE, **fields}, parser)
+
+
+def test_auto_is_refused_without_a_parser_naming_the_option():
+    for fields in ({"tools": TOOLS}, {"tools": TOOLS, "tool_choice": "auto"}):
+        with pytest.raises(ProtocolError) as refused:
+            chat(**fields)
+        assert refused.value.status == 400 and refused.value.param == "tool_choice"
+        assert "--tool-call-parser hermes" in refused.value.message and "tool_choice \"auto\"" in refused.value.message
+
+
+def test_with_the_hermes_parser_auto_is_taken_and_decodes_special_tokens():
+    for fields in ({"tools": TOOLS}, {"tools": TOOLS, "tool_choice": "auto"},
+                   {"tools": TOOLS, "tool_choice": "auto", "skip_special_tokens": True},
+                   {"tools": TOOLS, "structured_outputs": {"regex": "a+"}},  # vLLM allows both
+                   {"tools": TOOLS, "response_format": {"type": "json_object"}}):
+        request = chat("hermes", **fields)
+        assert isinstance(request.tool_call_reader(), HermesCallReader) and request.template_tools() == TOOLS
+        assert request.skip_special_tokens is False  # vLLM's rule: a <tool_call> special token must survive
+    assert chat("hermes", tools=TOOLS, structured_outputs={"regex": "a+"}).sampling().structured_output.regex == "a+"
+    # the rest as before: text, or forced calls, special tokens skipped unless asked
+    for fields in ({}, {"tools": TOOLS, "tool_choice": "none"}, {"tools": TOOLS, "tool_choice": "required"}):
+        request = chat("hermes", **fields)
+        assert request.skip_special_tokens is True and not isinstance(request.tool_call_reader(), HermesCallReader)
+    assert chat("hermes", skip_special_tokens=False).skip_special_tokens is False
+    with pytest.raises(ProtocolError, match="needs tools"):
+        chat("hermes", tool_choice="auto")
+
+
+def test_the_tool_call_parser_option_and_builder_argument():
+    from launcher.cli import build_parser
+    from launcher.cli.serve_command import server_args
+    from launcher.serving.server_settings import SERVER_ARGS, settings_from_args
+
+    assert settings_from_args({}).tool_call_parser is None
+    assert settings_from_args({"tool_call_parser": "hermes"}).tool_call_parser == "hermes"  # `serve run` text
+    assert settings_from_args({"tool_call_parser": "null"}).tool_call_parser is None  # YAML's null: the default
+    with pytest.raises(ValueError, match=r"tool_call_parser \('mistral'\) must be one of hermes"):
+        settings_from_args({"tool_call_parser": "mistral"})
+    flags = {k: "--" + k.replace("_", "-") for k in SERVER_ARGS}
+    serve = lambda *argv: settings_from_args(server_args(build_parser().parse_args(["serve", *argv])), flags)
+    assert serve("--tool-call-parser", "hermes").tool_call_parser == "hermes" and serve().tool_call_parser is None
+    with pytest.raises(ValueError, match=r"--tool-call-parser \('x'\) must be one of hermes"):
+        settings_from_args({"tool_call_parser": "x"}, flags)
+    with pytest.raises(SystemExit):  # argparse's choices
+        build_parser().parse_args(["serve", "--tool-call-parser", "mistral"])
+
+
+# ---- end to end --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return random_model_with_smollm2_tokenizer(tmp_path_factory.mktemp("hermes"))
+
+
+def test_auto_reads_a_hermes_call_whole_and_streamed(model_dir, in_process_cluster):
+    """The model's text forced (structured_outputs regex) to `Sure.<tool_call>...</tool_call>`: the
+    answer is the content "Sure." and one call, finished by "tool_calls", for each of n=2 choices."""
+    from launcher.api import Launcher
+    from tests.test_skip_special_tokens import answered, replica_over
+    from tests.test_tokenize_routes import post
+
+    route = "/v1/chat/completions"
+    forced = {"regex": re.escape("Sure." + WEATHER)}  # SmolLM2 has no <tool_call> token: plain text here
+    body = {**BASE, "tools": TOOLS, "tool_choice": "auto", "structured_outputs": forced,
+            "max_tokens": 80, "temperature": 1.0, "seed": 3, "n": 2}
+    with Launcher(model=model_dir, tp=1, max_num_seqs=4, progress=False, compile=False) as llm:
+        server = replica_over(llm)
+
+        async def both():
+            server.tool_call_parser = None  # as a server started without the option
+            with pytest.raises(ProtocolError) as refused:
+                await server.chat_completions(post(route, body))
+            server.tool_call_parser = "hermes"  # as OpenAIServer's constructor sets it from the settings
+            return refused.value, await answered(server, route, body), await answered(server, route,
+                                                                                      {**body, "stream": True})
+
+        refused, whole, stream = asyncio.run(both())
+
+    assert refused.param == "tool_choice" and "--tool-call-parser hermes" in refused.message
+    assert len(whole["choices"]) == 2
+    for choice in whole["choices"]:
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Sure."
+        [call] = choice["message"]["tool_calls"]
+        assert call["type"] == "function" and call["id"].startswith("chatcmpl-tool-")
+        assert call["function"]["name"] == "weather" and json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    calls, finishes, contents = streamed_calls(stream, 2)
+    assert finishes == ["tool_calls", "tool_calls"] and contents == ["Sure.", "Sure."]
+    assert [[call["function"] for call in choice_calls] for choice_calls in calls] == [
+        [call["function"] for call in choice["message"]["tool_calls"]] for choice in whole["choices"]]
+    assert not any("<tool_call>" in (c["delta"].get("content") or "") for chunk in stream for c in chunk["choices"])
