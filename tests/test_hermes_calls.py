@@ -32,6 +32,8 @@ WHOLE_TEXTS = [
     ("a <tool" + WEATHER, "a <tool", [PARIS]),  # a partial tag before the real one is content
     ('x<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n', "x", [PARIS]),  # unterminated, whole
     (WEATHER + '<tool_call> {"name": "set_flag", "arguments": {"ok": true, "note": "été"}} ', None, [PARIS, FLAGGED]),
+    ('<tool_call>{"name": "weather", "arguments": "Paris"}</tool_call>', None, [("weather", '"Paris"')]),  # any JSON value
+    ('<tool_call>{"name": "weather", "arguments": null}</tool_call>', None, [("weather", "null")]),
     ("Just text.", "Just text.", []),
     ("ends with <tool_ca", "ends with <tool_ca", []),
     ("", "", []),
@@ -40,7 +42,7 @@ WHOLE_TEXTS = [
 UNREAD_TEXTS = [
     'Hi<tool_call>{"name": "weather", "arguments": {</tool_call>',  # invalid JSON
     '<tool_call>{"name": "weather"}</tool_call>',  # no arguments
-    '<tool_call>{"name": "weather", "arguments": "Paris"}</tool_call>',  # arguments not an object
+    '<tool_call>{"name": "f", "arguments": {"x": ' + "1" * 5000 + '}}</tool_call>',  # past Python's digit limit
     '<tool_call>{"name": 7, "arguments": {}}</tool_call>',  # name not a string
     '<tool_call>["weather", {}]</tool_call>',
     "<tool_call></tool_call>",
@@ -237,3 +239,35 @@ def test_auto_reads_a_hermes_call_whole_and_streamed(model_dir, in_process_clust
     assert [[call["function"] for call in choice_calls] for choice_calls in calls] == [
         [call["function"] for call in choice["message"]["tool_calls"]] for choice in whole["choices"]]
     assert not any("<tool_call>" in (c["delta"].get("content") or "") for chunk in stream for c in chunk["choices"])
+
+
+def test_without_parallel_calls_only_the_first_call_is_kept_whole_and_streamed():
+    """parallel_tool_calls false: vLLM keeps the first call of an "auto" answer."""
+    text = "Ok." + WEATHER + FLAG_CALL
+    whole = HermesCallReader(parallel_tool_calls=False)
+    whole.push(text, True)
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in whole.message()["tool_calls"]] == [PARIS]
+    streamed_reader = HermesCallReader(parallel_tool_calls=False)
+    deltas = [streamed_reader.delta(text[i:i + 7], i + 7 >= len(text)) for i in range(0, len(text), 7)]
+    calls = [call for delta in deltas for call in delta.get("tool_calls", [])]
+    assert [(c["index"], c["function"]["name"]) for c in calls] == [(0, "weather")]
+    assert "".join(d.get("content", "") for d in deltas) == "Ok." and streamed_reader.finish_reason("stop") == "tool_calls"
+    assert parse_request(ChatCompletionRequest, {**BASE, "tools": TOOLS, "tool_choice": "auto",
+                                                 "parallel_tool_calls": False},
+                         "hermes").tool_call_reader().parallel_tool_calls is False
+
+
+def test_the_stream_keeps_only_what_is_not_settled():
+    """Streamed, the reader keeps the text it may still need (a possible tag, the open block), not
+    the whole output: each piece's work is that piece's, whatever came before."""
+    reader = HermesCallReader()
+    for _ in range(2000):
+        reader.delta("words and more words <tool", False)
+        assert len(reader._open) < len("<tool_call>")
+    reader.delta("_call>{\"name\": \"weather\", \"arguments\": {\"city\": \"", False)
+    for _ in range(2000):
+        reader.delta("ab", False)
+    assert reader._end_from >= len(reader._open) - len("</tool_call>")  # the closing tag's search resumes
+    [call] = reader.delta("\"}}</tool_call> after", True)["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) == {"city": "ab" * 2000}
+    assert len(reader._open) < len("<tool_call>")

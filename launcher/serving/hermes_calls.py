@@ -7,8 +7,9 @@ Qwen2.5 Instruct and Hermes models write: free text, in which each call is a blo
 
 Read as vLLM 0.32's Hermes2ProToolParser reads the whole text: the calls are every block, and a last
 block the output ended inside of (max_tokens, a stop string) when its JSON is whole; the content is
-the text before the first block (null when there is none); a block whose JSON is no
-{"name": <string>, "arguments": <object>} makes the whole text content, with no call.
+the text before the first block (null when there is none); a block whose JSON is no object with a
+string "name" and an "arguments" (any JSON value, written back as JSON text) makes the whole text
+content, with no call. With parallel_tool_calls false only the first call is kept (vLLM's rule).
 
 Streamed, the content goes out as it comes but for a tail that may be the start of `<tool_call>`;
 each call goes out whole, in one tool_calls delta, once its closing tag has come (an unterminated
@@ -42,13 +43,13 @@ class HermesReading:
 def call_of(block: str) -> tuple[str, str] | None:
     """(name, arguments JSON text) of one block's text, None when it holds no call. The arguments are
     written back as vLLM writes them (json.dumps, non-ASCII kept), so spacing is the same whatever
-    the model wrote."""
+    the model wrote; like vLLM's, any JSON value is taken (a model writing its arguments as a JSON
+    string gets that string back as JSON text)."""
     try:
         parsed = json.loads(block)
-    except (json.JSONDecodeError, RecursionError):
+    except (ValueError, RecursionError):  # ValueError: bad JSON, or an integer past Python's digit limit
         return None
-    if not (isinstance(parsed, dict) and isinstance(parsed.get("name"), str)
-            and isinstance(parsed.get("arguments"), dict)):
+    if not (isinstance(parsed, dict) and isinstance(parsed.get("name"), str) and "arguments" in parsed):
         return None
     return parsed["name"], json.dumps(parsed["arguments"], ensure_ascii=False)
 
@@ -94,84 +95,106 @@ def _stream_call(index: int, name: str, arguments: str) -> dict:
 
 class HermesCallReader:
     """One choice's text read in the hermes format, streamed (delta) or whole (push, then message).
-    Has ToolCallReader's interface (launcher/serving/tool_calls.py), which ChatRender drives."""
+    Has ToolCallReader's interface (launcher/serving/tool_calls.py), which ChatRender drives.
 
-    def __init__(self):
-        self.text = ""
-        self._sent = 0
-        """The text before this index went out as content (streamed)."""
+    Streamed, the work per piece is that piece's (plus a tag's length): the text not yet settled is
+    kept from where it may still matter, and each search resumes where the last one stopped (a
+    whole-text search per piece made a long output quadratic: 12 s of the event loop for 100k
+    pieces)."""
+
+    def __init__(self, parallel_tool_calls: bool = True):
+        self.parallel_tool_calls = parallel_tool_calls
+        self._pieces: list[str] = []
+        """The whole text, for the whole reading."""
+        self._open = ""
+        """Streamed: the text not settled yet (content that may open a block, or the block being
+        written); what came before it was sent as content or read as calls."""
         self._mode = "content"
-        """"content": before the first block; "calls": at or after it, looking for the next block
-        at self._scan; "text": a block held no call, and the rest goes out as content."""
-        self._scan = 0
+        """"content": before the first block; "calls": at or after it; "text": a block held no call,
+        and the rest goes out as content."""
+        self._in_block = False
+        """"calls": _open starts with an opening tag whose closing tag has not come."""
+        self._end_from = 0
+        """"calls", in a block: where in _open the search for its closing tag resumes."""
         self._streamed: list[dict] | None = None
         """The calls the stream sent (None: the text was not streamed)."""
         self._whole: tuple[HermesReading, list[dict]] | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self._pieces)
 
     # ---- streamed ------------------------------------------------------------------------------
     def delta(self, piece: str, finished: bool) -> dict:
         """The chunk's delta for this piece of the text: {"content"} and/or {"tool_calls"}, or {}."""
         if self._streamed is None:
             self._streamed = []
-        self.text += piece
-        content, calls = [], []
+        self._pieces.append(piece)
+        self._open += piece
+        content, calls = "", []
         if self._mode == "content":
-            content.append(self._content_before_a_block(finished))
+            content = self._content_before_a_block(finished)
         if self._mode == "calls":
-            calls.extend(self._closed_calls(finished))
+            calls = self._closed_calls(finished)
         if self._mode == "text":
-            content.append(self.text[self._sent:])
-            self._sent = len(self.text)
+            content, self._open = content + self._open, ""
+        if not self.parallel_tool_calls:  # vLLM's rule: the first call only
+            calls = [call for call in calls if call["index"] == 0]
         self._streamed.extend(calls)
-        out = {"content": "".join(content)} if "".join(content) else {}
-        return out | ({"tool_calls": calls} if calls else {})
+        return ({"content": content} if content else {}) | ({"tool_calls": calls} if calls else {})
 
     def _content_before_a_block(self, finished: bool) -> str:
         """The content now sendable; at the first block's start the mode turns to "calls"."""
-        start = self.text.find(CALL_START, self._sent)
+        start = self._open.find(CALL_START)
         if start != -1:
-            self._mode, self._scan = "calls", start
-            upto = start
-        else:  # all of it, but for a tail that may open a block (at the end, nothing more will come)
-            upto = len(self.text) - (0 if finished else tag_start_held(self.text[self._sent:]))
-        out, self._sent = self.text[self._sent:upto], upto
+            out, self._open = self._open[:start], self._open[start:]
+            self._mode, self._in_block, self._end_from = "calls", True, len(CALL_START)
+            return out
+        # all of it, but for a tail that may open a block (at the end, nothing more will come)
+        keep = 0 if finished else tag_start_held(self._open)
+        out, self._open = self._open[:len(self._open) - keep], self._open[len(self._open) - keep:]
         return out
 
     def _closed_calls(self, finished: bool) -> list[dict]:
         """The calls of the blocks that closed (and, finished, of an unterminated last one). A block
-        without a call turns the mode to "text" from its start."""
+        without a call turns the mode to "text" from its start. Text between blocks is no content."""
         calls = []
         while True:
-            start = self.text.find(CALL_START, self._scan)
-            if start == -1:  # between blocks: that text is no content
-                return calls
-            inside = start + len(CALL_START)
-            end = self.text.find(CALL_END, inside)
+            if not self._in_block:
+                start = self._open.find(CALL_START)
+                if start == -1:  # keep only a tail that may open the next block
+                    self._open = self._open[len(self._open) - tag_start_held(self._open):]
+                    return calls
+                self._open = self._open[start:]
+                self._in_block, self._end_from = True, len(CALL_START)
+            end = self._open.find(CALL_END, self._end_from)
             if end == -1 and not finished:
-                self._scan = start  # wait for its closing tag
+                self._end_from = max(len(CALL_START), len(self._open) - len(CALL_END) + 1)
                 return calls
-            call = call_of(self.text[inside:] if end == -1 else self.text[inside:end])
+            call = call_of(self._open[len(CALL_START):] if end == -1 else self._open[len(CALL_START):end])
             if call is None:
-                self._mode, self._sent = "text", start
+                self._mode = "text"  # the block, and all after it, go out as content
                 return calls
             calls.append(_stream_call(len(self._streamed) + len(calls), *call))
             if end == -1:
+                self._open = ""
                 return calls
-            self._scan = end + len(CALL_END)
+            self._open, self._in_block = self._open[end + len(CALL_END):], False
 
     # ---- whole ---------------------------------------------------------------------------------
     def push(self, piece: str, finished: bool) -> list:
         """Keep a piece of a text read whole (message, once it has all come)."""
-        self.text += piece
+        self._pieces.append(piece)
         return []
 
     def _read(self) -> tuple[HermesReading, list[dict]]:
         """The whole text's reading and its calls (made once: their ids stay the same)."""
         if self._whole is None:
             reading = read_whole(self.text)
+            kept = reading.calls if self.parallel_tool_calls else reading.calls[:1]
             self._whole = reading, [{"id": new_call_id(), "type": "function",
                                      "function": {"name": name, "arguments": arguments}}
-                                    for name, arguments in reading.calls]
+                                    for name, arguments in kept]
         return self._whole
 
     def calls(self) -> list[dict]:

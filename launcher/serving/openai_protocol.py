@@ -123,7 +123,8 @@ FIELD_RULES = {
     "tool_choice": "\"none\", \"required\", or {\"type\": \"function\", \"function\": {\"name\": ...}} naming one of "
                    "tools (\"auto\", the default with tools, only on a server started with --tool-call-parser hermes)",
     "function_call": "\"none\" or \"auto\" (the deprecated function_call is not supported; send tool_choice)",
-    "parallel_tool_calls": "true or false (false: tool_choice \"required\" makes exactly one call)",
+    "parallel_tool_calls": "true or false (false: tool_choice \"required\" makes exactly one call, and \"auto\" "
+                           "keeps the first call it reads)",
     "store": "false (stored completions are not supported)",
     "metadata": "an empty object (metadata tags stored completions, which are not supported)",
     # vLLM's /tokenize and /detokenize (not OpenAI's API)
@@ -457,7 +458,7 @@ class ChatCompletionRequest(_GenerationRequest):
     a tool-call parser, refused otherwise; None: the default. tool_calls.check_tool_request checks it
     with tools."""
     parallel_tool_calls: bool = True
-    """false: tool_choice "required" makes exactly one call."""
+    """false: tool_choice "required" makes exactly one call, and "auto" keeps the first it reads."""
     functions: list = Field(default_factory=list, max_length=0)
     function_call: Literal["none", "auto"] = "none"
     store: bool = False

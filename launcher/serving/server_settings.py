@@ -119,6 +119,8 @@ def settings_from_args(args: dict, names: dict | None = None) -> ServerSettings:
     launch = {key: value for key, value in typed.items() if key in fields and key != "replicas"}
     # One Launcher (one TP group) per Serve replica: Serve, not the Launcher, adds replicas.
     launch.update(replicas=1, progress=launch.get("progress", False), warm_up_static=False)
+    # before the model's checks: a misspelt parser is said first, not after a model folder's refusal
+    parser = _tool_call_parser(typed.get("tool_call_parser"), name("tool_call_parser", "tool_call_parser"))
     config = LaunchConfig(**launch)  # its checks, with its messages, now rather than inside a Serve replica
     if config.model is not None and config.compiled_dir is None:
         from shardlib.model_config import load_model_config
@@ -147,7 +149,7 @@ def settings_from_args(args: dict, names: dict | None = None) -> ServerSettings:
         api_key=_api_key(typed.get("api_key"), name("api_key", "api_key")),
         num_replicas=num_replicas, autoscaling=autoscaling, max_ongoing_requests=admitted + ROUTE_HEADROOM,
         from_command_line=names is not None,
-        tool_call_parser=_tool_call_parser(typed.get("tool_call_parser"), name("tool_call_parser", "tool_call_parser")))
+        tool_call_parser=parser)
 
 
 def _unknown_hints(unknown: list[str], known: tuple[str, ...]) -> str:

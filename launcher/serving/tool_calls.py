@@ -144,6 +144,8 @@ class ToolUse:
     """The output's JSON schema when a call is forced."""
     parser: str | None = None
     """tool_choice "auto": the format the server reads calls from the free text in ("hermes")."""
+    parallel_tool_calls: bool = True
+    """False: "auto" keeps the first call it reads (vLLM's rule; "required" asks for one call)."""
 
     def reader(self):
         """A fresh reader of one choice's text as tool calls (a ToolCallReader, or a HermesCallReader
@@ -151,7 +153,7 @@ class ToolUse:
         if self.parser is not None:
             from launcher.serving.hermes_calls import HermesCallReader  # it imports this module
 
-            return HermesCallReader()
+            return HermesCallReader(self.parallel_tool_calls)
         return None if self.forced is None else ToolCallReader(self.forced)
 
 
@@ -174,7 +176,8 @@ def check_tool_request(request, tool_call_parser: str | None = None) -> ToolUse:
     if choice == "auto":
         if tool_call_parser is None:
             raise proto.ProtocolError(_auto_refused(default), param="tool_choice")
-        return ToolUse([tool.template_form() for tool in tools], parser=tool_call_parser)
+        return ToolUse([tool.template_form() for tool in tools], parser=tool_call_parser,
+                       parallel_tool_calls=request.parallel_tool_calls)
     if isinstance(choice, str) and choice != "required":
         raise proto.ProtocolError(f"tool_choice ({proto._short(choice)}) must be {proto.FIELD_RULES['tool_choice']}",
                                   param="tool_choice")
