@@ -92,15 +92,31 @@ def test_bad_prompt_logprobs_are_refused_before_anything_runs(model_and_expected
         assert llm.load() == {"running": 0, "waiting": 0}
 
 
-def test_a_fault_while_a_long_prompt_is_scored_scores_it_again_once(model_and_expected, in_process_cluster):
+def test_a_fault_while_a_long_prompt_is_scored_scores_it_again_once(model_and_expected, in_process_cluster,
+                                                                    monkeypatch):
     """The group fails while a scored prompt is still being prefilled in chunks: the restarted group
-    scores it again, and its log-probabilities come once, equal to transformers'."""
+    scores it again, and its log-probabilities come once, equal to transformers'. The fault strikes
+    rank 0's loop at its third step (of 15 chunks), whatever the host's speed: injected from the
+    driver, it landed at the driver's next poll, up to 50 ms later, by when a fast host under load
+    had sometimes finished the whole request (`.ci/run`, machine R)."""
+    from workers.serving.loop import ServingLoop
+
     model_dir, _ = model_and_expected
     prompt = [(7 * i + 3) % 120 + 1 for i in range(60)]
     table = hf_table(model_dir, prompt)
+    steps = {"rank 0": 0}
+    forwards = ServingLoop._forwards
+
+    def dies_at_the_third_step(loop, plan):
+        if loop.is_leader:
+            steps["rank 0"] += 1
+            if steps["rank 0"] == 3:
+                raise RuntimeError("rank 0 (in-process) died while scoring")
+        return forwards(loop, plan)
+
+    monkeypatch.setattr(ServingLoop, "_forwards", dies_at_the_third_step)
     with Launcher(model=model_dir, tp=2, max_num_seqs=1, max_prefill_tokens=4, progress=False, **EAGER) as llm:
         stream = llm.stream(prompt, max_new_tokens=3, prompt_logprobs=1)
-        llm._group.fail_next(WorkerDied("rank 1 (in-process) died while scoring"))  # 15 chunks: mid-prefill
         deltas = list(stream)
     assert stream.handle.attempts == 2
     assert [d.prompt_logprobs is not None for d in deltas] == [True] + [False] * (len(deltas) - 1)
