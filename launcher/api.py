@@ -1631,9 +1631,10 @@ class Launcher:
         if self.tokenizer is None:
             return None
         from launcher.serving.detokenizer import decode_text
+        from launcher.serving.text_stream import shown_tokens
 
-        ended_by_token = finish_reason == "stop" and token_ids and token_ids[-1] in ending_ids
-        return decode_text(self.tokenizer, token_ids[:-1] if ended_by_token else token_ids, skip_special_tokens)
+        shown = shown_tokens(list(token_ids), finish_reason, ending_ids)
+        return decode_text(self.tokenizer, shown, skip_special_tokens)
 
 
 def split_prompts(count: int, max_batch_size: int, replicas: int) -> list[tuple[int, int]]:

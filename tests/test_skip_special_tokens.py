@@ -183,6 +183,20 @@ async def answered(server, route: str, body: dict):
     return [json.loads(event) for event in events[:-1]]
 
 
+def answered_both_ways(server, route: str, stream: bool, fields: dict, changed: dict) -> tuple[dict, object, object]:
+    """(the body, its answer, the answer with `changed` fields): two choices of "Hi" (completions) or
+    of one user message saying it (chat), streamed with usage when `stream`, plus `fields`."""
+    asked = {"model": "smollm2-135m-instruct", "n": 2, "stream": stream, **fields}
+    asked.update({"prompt": "Hi"} if route == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]})
+    if stream:
+        asked["stream_options"] = {"include_usage": True}
+
+    async def both():
+        return await answered(server, route, asked), await answered(server, route, {**asked, **changed})
+
+    return (asked, *asyncio.run(both()))
+
+
 def choice_texts(route: str, answer, n: int) -> list[str]:
     key = "text" if route == "/v1/completions" else "content"
     if isinstance(answer, dict):
@@ -202,19 +216,9 @@ def test_both_routes_keep_special_tokens_in_every_choices_text_only_when_asked(m
 
     with Launcher(model=model_dir, tp=1, max_num_seqs=4, progress=False, compile=False) as llm:
         server = replica_over(llm)
-        special = end_id(llm.tokenizer)
-        asked = {"model": "smollm2-135m-instruct", "max_tokens": NEW, "temperature": 0, "allowed_token_ids": [special],
-                 "ignore_eos": True, "n": 2, "stream": stream}
-        asked.update({"prompt": "Hi", "logprobs": 1} if route == "/v1/completions" else
-                     {"messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 1})
-        if stream:
-            asked["stream_options"] = {"include_usage": True}
-
-        async def both():
-            return (await answered(server, route, asked),
-                    await answered(server, route, {**asked, "skip_special_tokens": False}))
-
-        skipped, kept = asyncio.run(both())
+        fields = {"max_tokens": NEW, "temperature": 0, "allowed_token_ids": [end_id(llm.tokenizer)], "ignore_eos": True,
+                  **({"logprobs": 1} if route == "/v1/completions" else {"logprobs": True, "top_logprobs": 1})}
+        asked, skipped, kept = answered_both_ways(server, route, stream, fields, {"skip_special_tokens": False})
         if route == "/v1/completions" and not stream:  # an echoed prompt keeps its special tokens either way
             prompt = llm.tokenizer.encode("Hi") + [llm.tokenizer.convert_tokens_to_ids("<|im_start|>")]
             echoed = {**asked, "prompt": prompt, "echo": True, "n": 1}

@@ -13,7 +13,7 @@ import pytest
 
 from launcher.serving.text_stream import TextStream
 from tests.model_factory import random_model_with_smollm2_tokenizer
-from tests.test_skip_special_tokens import END, NEW, answered, choice_texts, end_id, replica_over
+from tests.test_skip_special_tokens import END, NEW, answered_both_ways, choice_texts, end_id, replica_over
 from workers.serving.requests import TokenEvent
 
 WORD = " world"
@@ -104,18 +104,8 @@ def test_both_routes_leave_an_ending_stop_tokens_text_out_unless_asked(model_dir
     with Launcher(model=model_dir, tp=1, max_num_seqs=4, progress=False, compile=False) as llm:
         server = replica_over(llm)
         word = word_id(llm.tokenizer)
-        asked = {"model": "smollm2-135m-instruct", "max_tokens": NEW, "temperature": 0, "allowed_token_ids": [word],
-                 "stop_token_ids": [word], "n": 2, "stream": stream}
-        asked.update({"prompt": "Hi"} if route == "/v1/completions" else
-                     {"messages": [{"role": "user", "content": "Hi"}]})
-        if stream:
-            asked["stream_options"] = {"include_usage": True}
-
-        async def both():
-            return (await answered(server, route, asked),
-                    await answered(server, route, {**asked, "include_stop_str_in_output": True}))
-
-        left_out, shown = asyncio.run(both())
+        fields = {"max_tokens": NEW, "temperature": 0, "allowed_token_ids": [word], "stop_token_ids": [word]}
+        _, left_out, shown = answered_both_ways(server, route, stream, fields, {"include_stop_str_in_output": True})
     assert choice_texts(route, left_out, 2) == ["", ""]
     assert choice_texts(route, shown, 2) == [WORD] * 2
     for answer in (left_out, shown):

@@ -26,7 +26,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from launcher.serving.tool_calls import new_call_id
+from launcher.serving.stop_strings import held_tail_length
+from launcher.serving.tool_calls import tool_call
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 
@@ -77,20 +78,6 @@ def read_whole(text: str) -> HermesReading:
     if any(call is None for call in calls):  # vLLM's fallback: nothing is taken as a call
         return HermesReading(text)
     return HermesReading(text[:text.find(CALL_START)] or None, calls)
-
-
-def tag_start_held(text: str, tag: str = CALL_START) -> int:
-    """How many of the text's last characters may be the start of `tag` (held back from the
-    content until the next piece says)."""
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:size]):
-            return size
-    return 0
-
-
-def _stream_call(index: int, name: str, arguments: str) -> dict:
-    return {"index": index, "id": new_call_id(), "type": "function",
-            "function": {"name": name, "arguments": arguments}}
 
 
 class HermesCallReader:
@@ -151,7 +138,7 @@ class HermesCallReader:
             self._mode, self._in_block, self._end_from = "calls", True, len(CALL_START)
             return out
         # all of it, but for a tail that may open a block (at the end, nothing more will come)
-        keep = 0 if finished else tag_start_held(self._open)
+        keep = 0 if finished else held_tail_length(self._open, (CALL_START,))
         out, self._open = self._open[:len(self._open) - keep], self._open[len(self._open) - keep:]
         return out
 
@@ -163,7 +150,7 @@ class HermesCallReader:
             if not self._in_block:
                 start = self._open.find(CALL_START)
                 if start == -1:  # keep only a tail that may open the next block
-                    self._open = self._open[len(self._open) - tag_start_held(self._open):]
+                    self._open = self._open[len(self._open) - held_tail_length(self._open, (CALL_START,)):]
                     return calls
                 self._open = self._open[start:]
                 self._in_block, self._end_from = True, len(CALL_START)
@@ -175,7 +162,7 @@ class HermesCallReader:
             if call is None:
                 self._mode = "text"  # the block, and all after it, go out as content
                 return calls
-            calls.append(_stream_call(len(self._streamed) + len(calls), *call))
+            calls.append(tool_call(*call, index=len(self._streamed) + len(calls)))
             if end == -1:
                 self._open = ""
                 return calls
@@ -192,9 +179,7 @@ class HermesCallReader:
         if self._whole is None:
             reading = read_whole(self.text)
             kept = reading.calls if self.parallel_tool_calls else reading.calls[:1]
-            self._whole = reading, [{"id": new_call_id(), "type": "function",
-                                     "function": {"name": name, "arguments": arguments}}
-                                    for name, arguments in kept]
+            self._whole = reading, [tool_call(name, arguments) for name, arguments in kept]
         return self._whole
 
     def calls(self) -> list[dict]:

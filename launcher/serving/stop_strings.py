@@ -44,6 +44,16 @@ def validate_stops(stops: Sequence[str]) -> tuple[str, ...]:
     return stops
 
 
+def held_tail_length(text: str, starts: Sequence[str]) -> int:
+    """The length of the longest tail of `text` that is a proper prefix of one of `starts` (text that
+    may still grow into one of them, so is held back until the next piece says)."""
+    for length in range(min(max((len(s) for s in starts), default=1) - 1, len(text)), 0, -1):
+        tail = text[-length:]
+        if any(start.startswith(tail) for start in starts):
+            return length
+    return 0
+
+
 class StopStringMatcher:
     """Feed text deltas with push(); each returns (text safe to emit now, whether a stop was found).
 
@@ -86,7 +96,7 @@ class StopStringMatcher:
             self._held = ""
             start, end = found
             return buffer[:end if self.include_stop else start], True
-        keep = self._partial_stop_length(buffer)
+        keep = held_tail_length(buffer, self.stops)
         self._held = buffer[len(buffer) - keep:] if keep else ""
         self._unmatchable = keep if not match else max(0, self._unmatchable - (len(buffer) - keep))
         return buffer[:len(buffer) - keep], False
@@ -117,10 +127,3 @@ class StopStringMatcher:
                  if (i := buffer.find(stop, max(0, ends_after - len(stop) + 1))) >= 0]
         return min(spans, default=None)
 
-    def _partial_stop_length(self, buffer: str) -> int:
-        """The length of the longest tail of buffer that is a proper prefix of some stop string."""
-        for length in range(min(self._hold_max, len(buffer)), 0, -1):
-            tail = buffer[-length:]
-            if any(stop.startswith(tail) for stop in self.stops):
-                return length
-        return 0

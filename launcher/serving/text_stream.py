@@ -10,6 +10,13 @@ from launcher.serving.stream_types import StreamDelta
 from workers.serving.requests import TokenEvent
 
 
+def shown_tokens(ids: list[int], finish: str | None, hidden_endings: Collection[int]) -> list[int]:
+    """The tokens whose text is shown: all but a stop token that ended the request ("stop" on one of
+    `hidden_endings`), whose text vLLM leaves out. "stop" on a token that is no stop token is a
+    structured output's last token: its text stays."""
+    return ids[:-1] if finish == "stop" and ids and ids[-1] in hidden_endings else ids
+
+
 class TextStream:
     def __init__(self, request_id: str, tokenizer, stops: tuple[str, ...], prompt_tokens: int,
                  min_tokens: int = 0, include_stop_str_in_output: bool = False,
@@ -43,8 +50,7 @@ class TextStream:
         # this event's tokens within the first min_tokens, whose text no stop string may end in, and the rest
         within = min(len(ids), max(self._min_tokens - self.completion_tokens, 0))
         early = late = ""
-        # "stop" on a token that is no stop token is a structured output's last token: its text stays
-        shown = ids[:-1] if finish == "stop" and ids and ids[-1] in self._hidden_endings else ids
+        shown = shown_tokens(ids, finish, self._hidden_endings)
         if self._detokenizer is not None:
             # one push per early token: a push whose text ends inside a character holds all of it back,
             # and whole early tokens held with the next one's half character would come out as late text

@@ -387,7 +387,8 @@ def new_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().int & (2 ** 64 - 1):016x}"
 
 
-def _call(name: str, arguments: str, index: int | None = None) -> dict:
+def tool_call(name: str, arguments: str, index: int | None = None) -> dict:
+    """One tool_calls entry with a new id; `index` for a streamed one (its place among the choice's)."""
     call = {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
     return call if index is None else {"index": index, **call}
 
@@ -403,7 +404,7 @@ def required_calls(text: str) -> list[dict]:
     if not isinstance(parsed, list) or not all(isinstance(item, dict) and isinstance(item.get("name"), str)
                                                for item in parsed):
         return []
-    return [_call(item["name"], json.dumps(item.get("parameters"), ensure_ascii=False)) for item in parsed]
+    return [tool_call(item["name"], json.dumps(item.get("parameters"), ensure_ascii=False)) for item in parsed]
 
 
 class ToolCallReader:
@@ -445,7 +446,7 @@ class ToolCallReader:
             if self.forced == "required":
                 self._calls = required_calls(text)
             elif text.strip():  # nothing generated: no call (vLLM's rule)
-                self._calls = [_call(self.forced, text)]
+                self._calls = [tool_call(self.forced, text)]
                 if self._named_id is not None:
                     self._calls[0]["id"] = self._named_id
             else:
