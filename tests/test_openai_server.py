@@ -2609,7 +2609,8 @@ def test_builder_refusals_say_where_a_serve_option_goes_and_what_a_misspelling_m
 def test_tool_calls_through_the_official_client(client):
     """The openai client's tools and tool_choice against the real server: a named call's arguments
     are JSON text matching the function's schema (whole, and reassembled from the stream's pieces),
-    "required" answers with calls of the tools and finish_reason "tool_calls", a conversation
+    "required" answers with calls of the tools and finish_reason "tool_calls" (streamed, its arguments
+    as they are written), a conversation
     carrying the call and its result goes on in text with tool_choice "none", and "auto" (the default
     with tools, taken by this server's --tool-call-parser hermes) gives SmolLM2's text as content, the
     model writing no <tool_call> block."""
@@ -2636,6 +2637,12 @@ def test_tool_calls_through_the_official_client(client):
     required = client.chat.completions.create(**asked, tool_choice="required", parallel_tool_calls=False)
     assert required.choices[0].finish_reason == "tool_calls"
     assert [c.function.name for c in required.choices[0].message.tool_calls] == ["weather"]
+    pieces = [delta_call for chunk in client.chat.completions.create(**asked, tool_choice="required",
+                                                                     parallel_tool_calls=False, stream=True)
+              for delta_call in chunk.choices[0].delta.tool_calls or ()]
+    assert [p.function.name for p in pieces if p.function.name] == ["weather"] and len(pieces) > 1  # as written
+    assert json.loads("".join(p.function.arguments or "" for p in pieces)) == json.loads(
+        required.choices[0].message.tool_calls[0].function.arguments)
     answered = client.chat.completions.create(
         model=MODEL, tools=[weather], tool_choice="none", max_tokens=8, temperature=0,
         messages=[*asked["messages"],

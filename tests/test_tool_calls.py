@@ -171,23 +171,25 @@ def test_the_generated_text_is_read_as_calls_as_vllm_reads_it():
     assert calls[0]["id"] != calls[1]["id"]
     assert required_calls('[{"name": "weather", "parameters": {"ci') == []  # cut short: no call
     named = ToolCallReader("set_flag")
-    assert named.push("", False) == [] and named.message() == {"role": "assistant", "content": ""}  # nothing: no call
+    assert named.delta("", False) == {} and named.message() == {"role": "assistant", "content": ""}  # nothing: no call
     named = ToolCallReader("set_flag")  # whitespace alone: no call streamed, none in the message either
-    assert named.push(" ", False) == [] and named.push("\n", True) == [] and "tool_calls" not in named.message()
+    assert named.delta(" ", False) == {} and named.delta("\n", True) == {} and "tool_calls" not in named.message()
     named = ToolCallReader("set_flag")  # whitespace first: it leads the call's first piece
-    assert named.push(" ", False) == [] and named.push("{}", True)[0]["function"]["arguments"] == " {}"
+    assert named.delta(" ", False) == {} and named.delta("{}", True)["tool_calls"][0]["function"]["arguments"] == " {}"
     named = ToolCallReader("set_flag")
-    first, later = named.push('{"ok": ', False), named.push("true}", True)
+    first, later = named.delta('{"ok": ', False)["tool_calls"], named.delta("true}", True)["tool_calls"]
     assert first == [{"index": 0, "id": first[0]["id"], "type": "function",
                       "function": {"name": "set_flag", "arguments": '{"ok": '}}]
     assert later == [{"index": 0, "function": {"arguments": "true}"}}]
     assert named.message()["tool_calls"] == [{"id": first[0]["id"], "type": "function",
                                               "function": {"name": "set_flag", "arguments": '{"ok": true}'}}]
     assert named.finish_reason("stop") == "stop" and named.finish_reason("length") == "length"
+    whole = ToolCallReader("set_flag")  # read whole: pieces kept, the call made at the end
+    assert whole.push('{"ok": ', False) == [] and whole.push("true}", True) == []
+    assert [c["function"] for c in whole.message()["tool_calls"]] == [{"name": "set_flag", "arguments": '{"ok": true}'}]
     required = ToolCallReader("required")
-    assert required.push('[{"name": "set_flag", ', False) == []
-    whole = required.push('"parameters": {"ok": false}}]', True)
-    assert whole == [{"index": 0, **required.message()["tool_calls"][0]}]
+    assert required.push('[{"name": "set_flag", ', False) == [] and required.push('"parameters": {"ok": false}}]', True) == []
+    assert [c["function"] for c in required.message()["tool_calls"]] == [{"name": "set_flag", "arguments": '{"ok": false}'}]
     assert required.finish_reason("stop") == "tool_calls" and required.finish_reason("length") == "length"
 
 
@@ -353,9 +355,14 @@ def test_forced_calls_come_back_as_tool_calls_whole_and_streamed(model_dir, in_p
         assert call["function"]["name"] in ("set_flag", "weather")
         arguments_valid(call)
     calls, finishes, _ = streamed_calls(required_stream, 2)
-    assert finishes == ["tool_calls", "tool_calls"]  # each call whole, in the choice's last chunk
-    assert [[c["function"] for c in choice_calls] for choice_calls in calls] == [
-        [c["function"] for c in choice["message"]["tool_calls"]] for choice in required["choices"]]
+    assert finishes == ["tool_calls", "tool_calls"]
+    # streamed as written: the same calls, the arguments the same JSON (written back whole by json.dumps)
+    assert [[(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in choice_calls]
+            for choice_calls in calls] == [[(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                                            for c in choice["message"]["tool_calls"]] for choice in required["choices"]]
+    for i in range(2):  # the arguments grow chunk by chunk, not whole at the end
+        assert sum(1 for chunk in required_stream for c in chunk["choices"]
+                   if c["index"] == i and c["delta"].get("tool_calls")) > 2
     for choice in parallel["choices"]:  # parallel calls: one or more, each with its own id
         assert choice["finish_reason"] == "tool_calls" and len(choice["message"]["tool_calls"]) >= 1
         for call in choice["message"]["tool_calls"]:
@@ -412,3 +419,4 @@ def test_a_control_token_in_a_key_of_the_tools_or_a_calls_arguments_is_refused(s
     starts = tooling.convert_tokens_to_ids("<|im_start|>")
     ids = server._apply_chat_template(safe.chat_messages(tooling.chat_template), True, False, False, True, None)
     assert ids.count(starts) == 2  # the user's turn and the assistant's opening
+

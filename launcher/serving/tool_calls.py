@@ -387,9 +387,11 @@ def new_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().int & (2 ** 64 - 1):016x}"
 
 
-def tool_call(name: str, arguments: str, index: int | None = None) -> dict:
-    """One tool_calls entry with a new id; `index` for a streamed one (its place among the choice's)."""
-    call = {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+def tool_call(name: str, arguments: str, index: int | None = None, call_id: str | None = None) -> dict:
+    """One tool_calls entry with a new id (new_call_id's, unless `call_id` is given: a parser whose
+    model's chat template checks the ids' form makes its own); `index` for a streamed one (its place
+    among the choice's)."""
+    call = {"id": call_id or new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
     return call if index is None else {"index": index, **call}
 
 
@@ -408,28 +410,40 @@ def required_calls(text: str) -> list[dict]:
 
 
 class ToolCallReader:
-    """One choice's generated text read as tool calls, streamed or whole.
+    """One choice's generated text read as tool calls, streamed (delta) or whole (push, then message).
 
     Named function: the text is the call's arguments; streamed as it comes (the first piece carries
     the call's id, type and name, the later ones only arguments, as vLLM streams them). "required":
-    the text is a JSON array of calls, read once it is whole; streamed, each call goes out whole in
-    the choice's last chunk."""
+    the text is a JSON array of calls, read once it is whole; streamed, each call goes out once its
+    name is known and its arguments as they are written (launcher/serving/required_calls_stream.py)."""
 
     def __init__(self, forced: str):
         self.forced, self.text = forced, []
         self._named_id: str | None = None
         self._calls: list[dict] | None = None
+        self._required_stream = None
+        """Streamed "required": the RequiredCallsStream reading it (made at the first delta)."""
 
     def delta(self, text: str, finished: bool) -> dict:
         """The chunk's delta for this piece of the text: {"tool_calls": [...]}, or {}."""
-        pieces = self.push(text, finished)
-        return {"tool_calls": pieces} if pieces else {}
-
-    def push(self, text: str, finished: bool) -> list[dict]:
-        """The streamed tool_calls entries for this piece of the text ([] for none)."""
         self.text.append(text)
         if self.forced == "required":
-            return [{"index": i, **call} for i, call in enumerate(self.calls())] if finished else []
+            if self._required_stream is None:
+                from launcher.serving.required_calls_stream import RequiredCallsStream  # it imports this module
+
+                self._required_stream = RequiredCallsStream()
+            pieces = self._required_stream.feed(text)
+        else:
+            pieces = self._named_pieces(text)
+        return {"tool_calls": pieces} if pieces else {}
+
+    def push(self, text: str, finished: bool) -> list:
+        """Keep a piece of a text read whole (message, once it has all come)."""
+        self.text.append(text)
+        return []
+
+    def _named_pieces(self, text: str) -> list[dict]:
+        """A named call's streamed tool_calls entries for this piece of the text ([] for none)."""
         if self._named_id is None:
             so_far = "".join(self.text)
             if not so_far.strip():  # whitespace alone is no call (calls() says the same at the end)
@@ -440,7 +454,10 @@ class ToolCallReader:
         return [{"index": 0, "function": {"arguments": text}}] if text else []
 
     def calls(self) -> list[dict]:
-        """The whole text's calls (made once: their ids stay the same)."""
+        """The calls the client was given: a streamed "required" choice's as sent (their ids and the
+        arguments as written), else the whole text's (made once: their ids stay the same)."""
+        if self._required_stream is not None:
+            return self._required_stream.sent
         if self._calls is None:
             text = "".join(self.text)
             if self.forced == "required":
@@ -455,7 +472,8 @@ class ToolCallReader:
 
     def finish_reason(self, finish: str | None) -> str | None:
         """"tool_calls" for "required" calls the text ended on by itself ("stop"), as vLLM and OpenAI
-        say it; a named call keeps "stop" (OpenAI's rule), and "length" stays "length"."""
+        say it (streamed: calls sent, as vLLM's stream says it); a named call keeps "stop" (OpenAI's
+        rule), and "length" stays "length"."""
         if finish == "stop" and self.forced == "required" and self.calls():
             return "tool_calls"
         return finish

@@ -1,0 +1,213 @@
+"""tool_choice "required"'s calls streamed as the model writes them, as vLLM 0.32 streams them.
+
+The output is constrained to a JSON array of calls, `[{"name": "f", "parameters": {...}}, ...]`
+(tool_calls.required_schema). A call goes out once its name's string has closed and its parameters'
+value has begun: one tool_calls entry with its index, a new id, "function", the name and the
+parameters' text so far; after that, each piece of text that extends the parameters' value goes out
+as that call's arguments (no id, no name), so a client sees the arguments grow as it sees a named
+call's. The arguments are the text as written, which the whole answer (tool_calls.required_calls)
+gives as json.dumps writes the parsed value (vLLM's two forms, the same JSON); calls go out in the
+array's order, and a call whose name is not yet known holds back those after it.
+
+Only the array's own level is read: the element objects' keys and the extent of each value. Braces,
+brackets and quotes inside values and strings are tracked (depth, string, escape) but not
+interpreted. Text that does not open an array (whitespace aside) holds no call; text after the
+array's closing bracket is not read (the whole reading refuses such a text: the output's schema
+ends it at the bracket). The scan is incremental: each piece's characters are read once, and only the text a call may
+still need (a key or a name being written, parameters not yet sent) is kept, so a long output costs
+its length, not its length squared.
+
+Pure (no tokenizer, no engine): tool_calls.ToolCallReader drives one per streamed "required" choice.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from launcher.serving.tool_calls import new_call_id
+
+# What the scan expects next inside an element object of the array.
+_KEY, _COLON, _VALUE, _STRING_VALUE, _NESTED_VALUE, _SCALAR_VALUE, _AFTER_VALUE = range(7)
+
+
+@dataclass
+class _Call:
+    """Where one element of the array sits in the text (absolute offsets)."""
+
+    name: str | None = None
+    """Set once the name's string has closed and decodes as a JSON string."""
+    name_end: int | None = None
+    arguments_start: int | None = None
+    arguments_end: int | None = None
+    """None while the parameters' value is still being written."""
+
+    @property
+    def ready(self) -> bool:
+        return self.name is not None and self.arguments_start is not None
+
+
+class RequiredCallsStream:
+    """Reads one choice's text piece by piece (feed) and says which call entries to send."""
+
+    def __init__(self) -> None:
+        self._calls: list[_Call] = []
+        self._depth = 0
+        """Nesting of {} and []: the array is 1, its element objects 2."""
+        self._in_string = self._escaped = False
+        self._string_start = 0
+        self._current: _Call | None = None
+        self._expect = _KEY
+        self._key: str | None = None
+        self._value_start = 0
+        self._over = False
+        """The array has closed, or the text does not open one: nothing more is read."""
+        self._kept, self._kept_from, self._length = "", 0, 0
+        """The text from offset _kept_from on (what may still be needed); the whole text's length."""
+        self.sent: list[dict] = []
+        """The calls sent so far, each as a whole answer's entry (id, type, function name and the
+        arguments sent so far)."""
+        self._sent_to: list[int] = []
+        """Per sent call, the offset its arguments have been sent up to."""
+
+    def feed(self, piece: str) -> list[dict]:
+        """The tool_calls entries this piece of the text makes ([] for none)."""
+        start = self._length
+        self._kept += piece
+        self._length += len(piece)
+        if not self._over:
+            self._scan(piece, start)
+        entries = self._entries()
+        self._forget()
+        return entries
+
+    def _text(self, start: int, end: int) -> str:
+        return self._kept[start - self._kept_from:end - self._kept_from]
+
+    # ---- which entries go out ----------------------------------------------------------------------
+    def _entries(self) -> list[dict]:
+        entries = []
+        for index, call in enumerate(self._calls):
+            if not call.ready:  # elements are written in order: nothing after it can be sent
+                break
+            end = call.arguments_end if call.arguments_end is not None else self._length
+            if index < len(self.sent):
+                if end > self._sent_to[index]:
+                    arguments = self._text(self._sent_to[index], end)
+                    self.sent[index]["function"]["arguments"] += arguments
+                    self._sent_to[index] = end
+                    entries.append({"index": index, "function": {"arguments": arguments}})
+                continue
+            arguments = self._text(call.arguments_start, end)
+            entry = {"id": new_call_id(), "type": "function", "function": {"name": call.name, "arguments": arguments}}
+            self.sent.append(entry)
+            self._sent_to.append(end)
+            entries.append({"index": index, **entry, "function": dict(entry["function"])})
+        return entries
+
+    def _forget(self) -> None:
+        """Drop the kept text no call needs any more: everything before the earliest of a key or
+        name being written and the parameters of a call not sent yet."""
+        needed = self._length
+        if self._in_string and self._depth == 2:
+            needed = self._string_start
+        for call in self._calls[len(self.sent):]:
+            if call.arguments_start is not None:
+                needed = min(needed, call.arguments_start)
+        if needed > self._kept_from:
+            self._kept = self._kept[needed - self._kept_from:]
+            self._kept_from = needed
+
+    # ---- the scan ----------------------------------------------------------------------------------
+    def _scan(self, piece: str, offset: int) -> None:
+        for i, ch in enumerate(piece, offset):
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == '"':
+                    self._in_string = False
+                    self._string_closed(i)
+                continue
+            if self._depth == 0 and not (ch == "[" or ch.isspace()):  # text before the array: no call
+                self._over = True
+                return
+            if ch == '"':
+                self._in_string, self._string_start = True, i
+                if self._depth == 2 and self._current is not None and self._expect == _VALUE:
+                    self._start_value(i, _STRING_VALUE)
+            elif ch in "{[":
+                if not self._opened(ch, i):
+                    self._over = True
+                    return
+            elif ch in "}]":
+                if not self._closed(i):
+                    self._over = True
+                    return
+            elif self._depth == 2 and self._current is not None:
+                self._element_character(ch, i)
+
+    def _string_closed(self, i: int) -> None:
+        if self._depth != 2 or self._current is None:
+            return
+        if self._expect == _KEY:
+            self._key, self._expect = self._text(self._string_start + 1, i), _COLON
+        elif self._expect == _STRING_VALUE:
+            self._end_value(i + 1)
+
+    def _opened(self, ch: str, i: int) -> bool:
+        """False where the text is no array of objects (nothing more is read)."""
+        if self._depth == 1:
+            if ch != "{":
+                return False
+            self._current = _Call()
+            self._calls.append(self._current)
+            self._expect, self._key = _KEY, None
+        elif self._depth == 2 and self._current is not None and self._expect == _VALUE:
+            self._start_value(i, _NESTED_VALUE)
+        self._depth += 1
+        return True
+
+    def _closed(self, i: int) -> bool:
+        """False once the array itself has closed (or a stray closing bracket came first)."""
+        if self._depth == 2 and self._current is not None and self._expect == _SCALAR_VALUE:
+            self._end_value(i)
+        self._depth -= 1
+        if self._depth == 2 and self._current is not None and self._expect == _NESTED_VALUE:
+            self._end_value(i + 1)
+        elif self._depth == 1:
+            self._current = None
+        return self._depth > 0
+
+    def _element_character(self, ch: str, i: int) -> None:
+        """A character outside strings at the element objects' own level."""
+        if ch == ":":
+            if self._expect == _COLON:
+                self._expect = _VALUE
+        elif ch == ",":
+            if self._expect == _SCALAR_VALUE:
+                self._end_value(i)
+            self._expect, self._key = _KEY, None
+        elif ch.isspace():
+            if self._expect == _SCALAR_VALUE:
+                self._end_value(i)
+        elif self._expect == _VALUE:
+            self._start_value(i, _SCALAR_VALUE)
+
+    def _start_value(self, i: int, state: int) -> None:
+        self._value_start, self._expect = i, state
+        if self._key == "parameters":
+            self._current.arguments_start = i
+
+    def _end_value(self, end: int) -> None:
+        if self._key == "parameters":
+            self._current.arguments_end = end
+        elif self._key == "name" and self._expect == _STRING_VALUE:
+            try:
+                name = json.loads(self._text(self._value_start, end))
+            except json.JSONDecodeError:  # never a call, as the whole reading refuses the array
+                name = None
+            if isinstance(name, str):
+                self._current.name, self._current.name_end = name, end
+        self._expect = _AFTER_VALUE

@@ -1,0 +1,147 @@
+"""tool_choice "required"'s calls streamed as they are written (launcher/serving/required_calls_stream.py,
+vLLM 0.32's rule): each call out once its name has closed and its parameters have begun, then its
+arguments as they grow; for every split of a text the streamed calls reassemble to the same names and
+the same JSON as the whole answer; only the text a call may still need is kept."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from launcher.serving.required_calls_stream import RequiredCallsStream
+from launcher.serving.tool_calls import ToolCallReader, required_calls
+
+TWO_CALLS = ('[{"name": "weather", "parameters": {"city": "Oslo", "note": "a}]\\"[{ ünï"}}, '
+             '{"name": "set_flag", "parameters": {"ok": true, "tags": [1, {"x": []}]}}]')
+TEXTS = [
+    TWO_CALLS,
+    '[{"name":"weather","parameters":{"city":"Paris"}}]',  # no spaces
+    ' [ {"name" : "f" , "parameters" : 12 } , {"name": "g", "parameters": "s,t"} ] ',  # scalars
+    '[{"name": "f", "parameters": null}]',
+    '[{"parameters": {"a": [1, 2]}, "name": "f"}]',  # the name after the parameters
+    '[{"name": "f", "parameters": {}}, {"name": "g", "parameters": {"deep": {"er": {"est": "}"}}}}]',
+]
+
+
+def reassembled(entries: list[dict]) -> list[dict]:
+    """The calls the entries make: a call's first entry has its id, type and name, the later ones only
+    arguments (checked), which are appended."""
+    calls: dict[int, dict] = {}
+    for entry in entries:
+        if entry["index"] not in calls:
+            assert set(entry) == {"index", "id", "type", "function"} and entry["type"] == "function", entry
+            assert entry["index"] == len(calls)  # calls go out in the array's order
+            calls[entry["index"]] = {"name": entry["function"]["name"], "arguments": entry["function"]["arguments"]}
+        else:
+            assert set(entry) == {"index", "function"} and set(entry["function"]) == {"arguments"}, entry
+            calls[entry["index"]]["arguments"] += entry["function"]["arguments"]
+    return [calls[i] for i in sorted(calls)]
+
+
+def streamed(pieces: list[str]) -> tuple[list[dict], list[list[dict]]]:
+    stream = RequiredCallsStream()
+    per_piece = [stream.feed(piece) for piece in pieces]
+    return reassembled([entry for entries in per_piece for entry in entries]), per_piece
+
+
+def whole(text: str) -> list[dict]:
+    return [call["function"] for call in required_calls(text)]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_streamed_over_any_split_the_calls_are_the_whole_answers(text):
+    expected = whole(text)
+    assert expected  # every text here is an array of calls
+    splits = [[text[:i], text[i:]] for i in range(len(text) + 1)]
+    splits.append(list(text))  # a character at a time
+    rng = random.Random(7)
+    for _ in range(40):
+        cuts = sorted(rng.sample(range(1, len(text)), 6))
+        splits.append([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])])
+    for pieces in splits:
+        calls, _ = streamed(pieces)
+        assert [c["name"] for c in calls] == [c["name"] for c in expected], pieces
+        # the arguments as written; the whole answer writes the same JSON back with json.dumps (vLLM's two forms)
+        assert [json.loads(c["arguments"]) for c in calls] == [json.loads(c["arguments"]) for c in expected], pieces
+
+
+def test_a_call_goes_out_once_its_name_is_whole_and_its_parameters_began_then_its_arguments_grow():
+    stream = RequiredCallsStream()
+    assert stream.feed('[{"name": "wea') == []  # the name is not whole yet
+    assert stream.feed('ther", ') == []  # no parameters yet
+    [first] = stream.feed('"parameters": {"ci')
+    assert first["index"] == 0 and first["id"].startswith("chatcmpl-tool-") and first["type"] == "function"
+    assert first["function"] == {"name": "weather", "arguments": '{"ci'}
+    assert stream.feed('ty": "Oslo"}') == [{"index": 0, "function": {"arguments": 'ty": "Oslo"}'}}]
+    assert stream.feed('}, {"name": "set_flag"') == []  # the value is closed: "}" closes the element, no argument
+    assert stream.feed(", ") == []
+    [second] = stream.feed('"parameters": {"ok": true}}]')
+    assert second["index"] == 1 and second["function"] == {"name": "set_flag", "arguments": '{"ok": true}'}
+    assert second["id"] != first["id"]
+    assert stream.feed(" and more [{") == []  # after the array: nothing
+    assert [c["function"] for c in stream.sent] == [{"name": "weather", "arguments": '{"city": "Oslo"}'},
+                                                    {"name": "set_flag", "arguments": '{"ok": true}'}]
+
+
+def test_a_name_written_after_the_parameters_sends_them_all_at_once():
+    stream = RequiredCallsStream()
+    assert stream.feed('[{"parameters": {"a": [1, ') == [] and stream.feed('2]}, "name": "f') == []
+    [entry] = stream.feed('"}]')
+    assert entry["function"] == {"name": "f", "arguments": '{"a": [1, 2]}'}
+
+
+@pytest.mark.parametrize("text", [
+    '{"name": "f", "parameters": {}}',  # an object, not an array of them
+    'Sure: [{"name": "f", "parameters": {}}]',  # text before the array
+    '[["f", {}]]',  # elements that are not objects
+    '[{"name": 7, "parameters": {}}]',  # a name that is no string
+    '[{"name": "f"}]',  # no parameters
+    '[{"name": "f\\q", "parameters": {}}]',  # a name that is no valid JSON string
+])
+def test_what_holds_no_call_sends_none(text):
+    calls, _ = streamed(list(text))
+    assert calls == []
+
+
+def test_a_call_whose_name_is_not_known_holds_back_the_calls_after_it():
+    calls, per_piece = streamed(['[{"name": 7, "parameters": {}}, ', '{"name": "g", "parameters": {}}]'])
+    assert calls == [] and per_piece == [[], []]
+
+
+def test_the_stream_keeps_only_what_a_call_still_needs():
+    stream = RequiredCallsStream()
+    stream.feed('[{"name": "f", "parameters": {"text": "')
+    for _ in range(3000):
+        assert stream.feed("words ") == [{"index": 0, "function": {"arguments": "words "}}]
+        assert len(stream._kept) < 10
+    stream.feed('"}}, {"name": "g", "parameters": [')  # not sent before its name... it is: kept from its start
+    for _ in range(3000):
+        stream.feed("1, ")
+    assert len(stream._kept) < 10
+    [entry] = stream.feed("2]}]")
+    assert entry == {"index": 1, "function": {"arguments": "2]"}}
+    assert json.loads(stream.sent[1]["function"]["arguments"]) == [1] * 3000 + [2]
+    held = RequiredCallsStream()  # parameters before the name: kept until the name comes
+    held.feed('[{"parameters": "')
+    for _ in range(1000):
+        assert held.feed("ab") == []
+    assert len(held._kept) > 2000
+    [entry] = held.feed('", "name": "f"}]')
+    assert entry["function"]["arguments"] == '"' + "ab" * 1000 + '"' and len(held._kept) < 10
+
+
+def test_the_reader_streams_required_calls_and_reports_what_it_sent():
+    reader = ToolCallReader("required")
+    deltas = [reader.delta(piece, finished) for piece, finished in (
+        ('[{"name": "set_flag", "parameters": {"ok"', False), (": false}}", False), ("]", True))]
+    assert deltas[0]["tool_calls"][0]["function"] == {"name": "set_flag", "arguments": '{"ok"'}
+    assert deltas[1] == {"tool_calls": [{"index": 0, "function": {"arguments": ": false}"}}]} and deltas[2] == {}
+    [call] = reader.calls()  # the call the client was given: its id, the arguments as sent
+    assert call == {"id": deltas[0]["tool_calls"][0]["id"], "type": "function",
+                    "function": {"name": "set_flag", "arguments": '{"ok": false}'}}
+    assert reader.finish_reason("stop") == "tool_calls" and reader.finish_reason("length") == "length"
+    cut = ToolCallReader("required")  # a stop string ended it before any call: no call, "stop" stays
+    cut.delta('[{"name": "set_fl', True)
+    assert cut.calls() == [] and cut.finish_reason("stop") == "stop"
