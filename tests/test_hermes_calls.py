@@ -157,7 +157,9 @@ def test_auto_is_refused_without_a_parser_naming_the_option():
         with pytest.raises(ProtocolError) as refused:
             chat(**fields)
         assert refused.value.status == 400 and refused.value.param == "tool_choice"
-        assert "--tool-call-parser hermes" in refused.value.message and "tool_choice \"auto\"" in refused.value.message
+        message = refused.value.message
+        assert "--tool-call-parser NAME" in message and "tool_choice \"auto\"" in message
+        assert all(f"{name}, " in message for name in ("hermes", "llama3_json", "mistral"))  # each with its format
 
 
 def test_with_the_hermes_parser_auto_is_taken_and_decodes_special_tokens():
@@ -186,15 +188,17 @@ def test_the_tool_call_parser_option_and_builder_argument():
     assert settings_from_args({}).tool_call_parser is None
     assert settings_from_args({"tool_call_parser": "hermes"}).tool_call_parser == "hermes"  # `serve run` text
     assert settings_from_args({"tool_call_parser": "null"}).tool_call_parser is None  # YAML's null: the default
-    with pytest.raises(ValueError, match=r"tool_call_parser \('mistral'\) must be one of hermes"):
-        settings_from_args({"tool_call_parser": "mistral"})
+    assert settings_from_args({"tool_call_parser": "mistral"}).tool_call_parser == "mistral"
+    with pytest.raises(ValueError, match=r"tool_call_parser \('pythonic'\) must be one of hermes, llama3_json, "
+                                         r"mistral \(the format .*: hermes, <tool_call>"):
+        settings_from_args({"tool_call_parser": "pythonic"})
     flags = {k: "--" + k.replace("_", "-") for k in SERVER_ARGS}
     serve = lambda *argv: settings_from_args(server_args(build_parser().parse_args(["serve", *argv])), flags)
     assert serve("--tool-call-parser", "hermes").tool_call_parser == "hermes" and serve().tool_call_parser is None
     with pytest.raises(ValueError, match=r"--tool-call-parser \('x'\) must be one of hermes"):
         settings_from_args({"tool_call_parser": "x"}, flags)
     with pytest.raises(SystemExit):  # argparse's choices
-        build_parser().parse_args(["serve", "--tool-call-parser", "mistral"])
+        build_parser().parse_args(["serve", "--tool-call-parser", "pythonic"])
 
 
 # ---- end to end --------------------------------------------------------------------------------
@@ -227,7 +231,7 @@ def test_auto_reads_a_hermes_call_whole_and_streamed(model_dir, in_process_clust
 
         refused, whole, stream = asyncio.run(both())
 
-    assert refused.param == "tool_choice" and "--tool-call-parser hermes" in refused.message
+    assert refused.param == "tool_choice" and "--tool-call-parser NAME" in refused.message
     assert len(whole["choices"]) == 2
     for choice in whole["choices"]:
         assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Sure."

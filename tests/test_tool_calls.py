@@ -420,3 +420,24 @@ def test_a_control_token_in_a_key_of_the_tools_or_a_calls_arguments_is_refused(s
     ids = server._apply_chat_template(safe.chat_messages(tooling.chat_template), True, False, False, True, None)
     assert ids.count(starts) == 2  # the user's turn and the assistant's opening
 
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral"])
+def test_each_tool_call_parser_reads_auto_with_its_own_reader(parser):
+    """Every name --tool-call-parser takes has its reader, which "auto" requests get (with their
+    parallel_tool_calls), with the interface the app's ChatRender drives."""
+    import importlib
+
+    from launcher.serving.server_settings import TOOL_CALL_PARSERS
+    from launcher.serving.tool_calls import PARSER_READERS
+
+    assert set(PARSER_READERS) == set(TOOL_CALL_PARSERS)
+    module, name = PARSER_READERS[parser]
+    reader_class = getattr(importlib.import_module(module), name)
+    for parallel in (True, False):
+        reader = parse_request(ChatCompletionRequest, {**BASE, "tools": TOOLS, "parallel_tool_calls": parallel},
+                               parser).tool_call_reader()
+        assert type(reader) is reader_class and reader.parallel_tool_calls is parallel
+        assert all(callable(getattr(reader, method)) for method in ("delta", "push", "calls", "finish_reason", "message"))
+    whole = reader_class()
+    whole.push("Just text.", True)
+    assert whole.message() == {"role": "assistant", "content": "Just text."} and whole.finish_reason("stop") == "stop"

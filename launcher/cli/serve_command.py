@@ -28,7 +28,7 @@ from launcher.cli.options import (add_max_num_seqs, add_max_prefill_tokens, add_
                                   add_prefix_caching, int_at_least, max_num_seqs_option, model_and_placement_options,
                                   with_flag_name)
 from launcher.serving.ingress import MODES, IdleProxyAddressHidden, IngressPlan, choose_mode, plan_ingress
-from launcher.serving.server_settings import TOOL_CALL_PARSERS, api_key_from_environment
+from launcher.serving.server_settings import TOOL_CALL_PARSERS, api_key_from_environment, tool_call_parsers_described
 
 SERVE_MAX_NUM_SEQS = 16
 """serve's --max-num-seqs when neither it nor a --compiled directory gives one (generate's is 8: a
@@ -63,8 +63,7 @@ def add_parser(subparsers) -> None:
     add_prefix_caching(p)
     p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
                    help="take tool_choice \"auto\" (the default with tools) and read the model's calls from its text "
-                        "in this format: hermes, <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call> (Qwen2/"
-                        "Qwen2.5 Instruct, Hermes); default: none, \"auto\" is refused")
+                        f"in this format: {tool_call_parsers_described()}; default: none, \"auto\" is refused")
     p.add_argument("--api-key", metavar="KEY",
                    help="require `Authorization: Bearer KEY` on /v1/* (default: $CORELAUNCH_API_KEY; unset: open)")
     p.add_argument("--replicas", type=int_at_least("--replicas"), metavar="N",

@@ -510,7 +510,7 @@ class OpenAIServer:
     model is loaded) and serves the routes below."""
 
     tool_call_parser: str | None = None
-    """tool_choice "auto" reads calls in this format (launcher/serving/hermes_calls.py); None: refused.
+    """tool_choice "auto" reads calls in this format (tool_calls.PARSER_READERS); None: refused.
     The constructor sets the settings' (ServerSettings.tool_call_parser)."""
 
     def __init__(self, settings: ServerSettings):

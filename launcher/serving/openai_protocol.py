@@ -121,7 +121,7 @@ FIELD_RULES = {
              f"\"description\", \"parameters\" (a JSON schema), \"strict\"}}}}, each of its own name",
     "functions": "an empty list (the deprecated functions are not supported; send tools)",
     "tool_choice": "\"none\", \"required\", or {\"type\": \"function\", \"function\": {\"name\": ...}} naming one of "
-                   "tools (\"auto\", the default with tools, only on a server started with --tool-call-parser hermes)",
+                   "tools (\"auto\", the default with tools, only on a server started with --tool-call-parser)",
     "function_call": "\"none\" or \"auto\" (the deprecated function_call is not supported; send tool_choice)",
     "parallel_tool_calls": "true or false (false: tool_choice \"required\" makes exactly one call, and \"auto\" "
                            "keeps the first call it reads)",

@@ -129,8 +129,8 @@ class CompletionRender(_Render):
 class ChatRender(_Render):
     """/v1/chat/completions objects from the engine's deltas: the text as the message's content, or,
     when a tool call is forced, read as tool calls (`tool_calls`, a launcher.serving.tool_calls
-    ToolCallReader of this choice), or with tool_choice "auto" read as content and calls (a
-    launcher.serving.hermes_calls HermesCallReader)."""
+    ToolCallReader of this choice), or with tool_choice "auto" read as content and calls (the
+    server's tool-call parser's reader: launcher.serving.tool_calls PARSER_READERS)."""
 
     id_prefix, chunk_object, response_object = "chatcmpl", "chat.completion.chunk", "chat.completion"
 

@@ -28,9 +28,20 @@ TEXT_ARGS = ("model", "served_model_name", "api_key", "tool_call_parser", "compi
 """Arguments kept as the text given (`serve run` passes every value as text; the others are read as
 YAML scalars, so "2" is 2, "true" is True and "null" is None)."""
 
-TOOL_CALL_PARSERS = ("hermes",)
-"""The formats tool_call_parser names (vLLM's --tool-call-parser names): how the model writes a call
-in its free text, which tool_choice "auto" needs read back (launcher/serving/hermes_calls.py)."""
+TOOL_CALL_PARSERS = {
+    "hermes": "<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call> (Qwen2/Qwen2.5 Instruct, Hermes)",
+    "llama3_json": "{\"name\": ..., \"parameters\": ...} objects, after <|python_tag|> or not (Llama 3.1/3.2/3.3 "
+                   "Instruct)",
+    "mistral": "[TOOL_CALLS] then [{\"name\": ..., \"arguments\": ...}] or name[ARGS]{...} (Mistral Instruct)",
+}
+"""The formats tool_call_parser names (vLLM's --tool-call-parser names), each with how the model
+writes a call in its free text, which tool_choice "auto" needs read back (the readers:
+launcher/serving/tool_calls.py's PARSER_READERS)."""
+
+
+def tool_call_parsers_described() -> str:
+    """Each parser's name and format, for help texts and errors."""
+    return "; ".join(f"{name}, {form}" for name, form in TOOL_CALL_PARSERS.items())
 
 YAML_NULLS = ("null", "Null", "NULL", "~")
 """`serve run key=null`: the argument's default, whatever its kind (a path or name that is literally
@@ -226,8 +237,7 @@ def _tool_call_parser(parser, name: str = "tool_call_parser") -> str | None:
     one would otherwise only show as every "auto" request refused."""
     if parser is not None and parser not in TOOL_CALL_PARSERS:
         raise ValueError(f"{name} ({parser!r}) must be one of {', '.join(TOOL_CALL_PARSERS)} (the format the model "
-                         f"writes its tool calls in: hermes, <tool_call>{{\"name\": ..., \"arguments\": ...}}"
-                         f"</tool_call>, for Qwen2/Qwen2.5 Instruct and Hermes models), or left out")
+                         f"writes its tool calls in: {tool_call_parsers_described()}), or left out")
     return parser
 
 

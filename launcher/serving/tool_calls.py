@@ -3,7 +3,7 @@
 function or "required", whose output is constrained by a JSON schema through the structured-output
 machinery and read back as tool calls; "auto" (the default with tools) needs a parser for the model's
 own call format in its free text: taken on a server started with one (`--tool-call-parser hermes`,
-launcher/serving/hermes_calls.py), refused otherwise, as vLLM refuses it.
+`llama3_json` or `mistral`: PARSER_READERS), refused otherwise, as vLLM refuses it.
 The conversation's own tool calls and tool results are checked and handed to the chat template as
 vLLM hands them (each call's `arguments` JSON text parsed into an object).
 
@@ -13,6 +13,7 @@ each choice's text through a ToolCallReader.
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 import uuid
@@ -29,12 +30,23 @@ FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
 _CHOICE_EXAMPLE = '{"type": "function", "function": {"name": "my_function"}}'
 
 
+PARSER_READERS = {
+    "hermes": ("launcher.serving.hermes_calls", "HermesCallReader"),
+    "llama3_json": ("launcher.serving.llama_calls", "Llama3JsonCallReader"),
+    "mistral": ("launcher.serving.mistral_calls", "MistralCallReader"),
+}
+"""Each tool-call parser's reader (module, class), by its name (server_settings.TOOL_CALL_PARSERS).
+Imported when a request needs one: the readers import this module."""
+
+
 def _auto_refused(by_default: bool) -> str:
+    from launcher.serving.server_settings import tool_call_parsers_described
+
     default = " (the default with tools)" if by_default else ""
     return (f"tool_choice \"auto\"{default} is not supported by this server: it was started without a tool-call "
             f"parser to find calls in the model's free text (vLLM refuses it likewise without "
-            f"--enable-auto-tool-choice); start it with `--tool-call-parser hermes` (builder argument "
-            f"tool_call_parser: hermes) for a model that writes <tool_call> blocks (Qwen2/Qwen2.5 Instruct, Hermes), "
+            f"--enable-auto-tool-choice); start it with `--tool-call-parser NAME` (builder argument "
+            f"tool_call_parser) naming the format the model writes its calls in ({tool_call_parsers_described()}), "
             f"or send tool_choice \"required\" (the model must call one or more of the tools) or {_CHOICE_EXAMPLE} "
             f"(it must call that function), or \"none\" (tools shown to the model, text out)")
 
@@ -143,17 +155,16 @@ class ToolUse:
     structure: StructuredOutput | None = None
     """The output's JSON schema when a call is forced."""
     parser: str | None = None
-    """tool_choice "auto": the format the server reads calls from the free text in ("hermes")."""
+    """tool_choice "auto": the format the server reads calls from the free text in (a PARSER_READERS name)."""
     parallel_tool_calls: bool = True
     """False: "auto" keeps the first call it reads (vLLM's rule; "required" asks for one call)."""
 
     def reader(self):
-        """A fresh reader of one choice's text as tool calls (a ToolCallReader, or a HermesCallReader
-        for "auto"), None when the text is only text."""
+        """A fresh reader of one choice's text as tool calls (a ToolCallReader, or for "auto" the
+        parser's reader, which has the same interface), None when the text is only text."""
         if self.parser is not None:
-            from launcher.serving.hermes_calls import HermesCallReader  # it imports this module
-
-            return HermesCallReader(self.parallel_tool_calls)
+            module, name = PARSER_READERS[self.parser]
+            return getattr(importlib.import_module(module), name)(self.parallel_tool_calls)
         return None if self.forced is None else ToolCallReader(self.forced)
 
 

@@ -1,0 +1,311 @@
+"""tool_choice "auto" read in vLLM's "llama3_json" format (`--tool-call-parser llama3_json`), the one
+Llama 3.1, 3.2 and 3.3 Instruct models write: the reply is the call itself, a JSON object, after the
+`<|python_tag|>` token or not (special tokens are kept in the text for "auto"),
+
+    <|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}
+
+and several calls are objects one after another, separated by `; ` in the models' own prompts.
+
+Read as vLLM 0.32's Llama3JsonToolParser reads the whole text: every `{` that is not inside an object
+already read starts a JSON object (json's raw_decode); each must hold a string "name" and the
+arguments under "arguments", or under "parameters" when there is no "arguments" (any JSON value,
+written back as JSON text). If any of them is no such object (bad or cut JSON, a key missing, a
+name that is no string), the whole text is content, with no call. The text between and after the
+objects (`; `, whitespace, words) belongs to no call and is no content. With parallel_tool_calls
+false only the first call is kept (vLLM's rule).
+
+Where this reading differs from vLLM's (the same whole and streamed here, where vLLM's whole answer
+and its stream disagree with each other):
+- The text before the first `{` is the content beside the calls (null when it is only whitespace),
+  where vLLM's whole answer drops it (content null); vLLM's stream reads calls only in a text that
+  starts with `{` or `<|python_tag|>`, and sends any other text as content, calls and all: here a
+  call is read wherever the first `{` is.
+- One `<|python_tag|>` at the very start (whitespace before it allowed) is the model's marker that a
+  call follows, never content: it is left out of the content, calls or not, the whole text read as
+  content included (vLLM keeps it there). A stream cannot send text after it and then take it back,
+  so both readings drop it. Anywhere else `<|python_tag|>` is plain text: content before the first
+  `{`, ignored between objects (as vLLM's whole answer, whose content is the text as it is or null).
+- Objects written with nothing between them (`}{`) are each read. vLLM skips a `{` right after an
+  object's `}` (its "inside the last object" check takes the index after the object for one in it),
+  then reads that object's inner objects: it loses the call, or makes the whole text content.
+
+Streamed, the content goes out as it comes until the first `{`, but for the text at the very start
+that is only whitespace or the beginning of `<|python_tag|>` (if a call follows, it is no content).
+From the first `{` on, each object goes out as one whole call, in one tool_calls delta, once it
+closes; an object that closes without being a call (or is still open when the text ends: max_tokens,
+a stop string) sends the text from the first `{` on as content, so the stream's content is the whole
+text's less a leading tag, as the whole answer says. For any split of a text the stream says what
+the whole answer says, with one exception that no stream can avoid: an object that is no call after
+a good one. The whole answer is then all content; the stream has already sent the good call, and
+sends the text from the bad object on as content.
+
+Pure (no tokenizer, no engine): the app's ChatRender drives a Llama3JsonCallReader per choice.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from launcher.serving.tool_calls import tool_call
+
+PYTHON_TAG = "<|python_tag|>"
+DECODER = json.JSONDecoder()
+JSON_SIGNS = re.compile(r'[{}"\\]')
+"""The characters that say where a JSON object ends: its braces, and the quotes and backslashes of its
+strings (a brace inside a string counts for nothing)."""
+
+
+@dataclass(frozen=True)
+class LlamaReading:
+    """A whole text read: content None only beside calls (vLLM's "content": null)."""
+
+    content: str | None
+    calls: list[tuple[str, str]] = field(default_factory=list)
+    """(name, arguments as JSON text) of each call, in order."""
+
+
+def without_leading_tag(text: str) -> str:
+    """The text less a `<|python_tag|>` at its very start (after whitespace, which stays)."""
+    rest = text.lstrip()
+    if not rest.startswith(PYTHON_TAG):
+        return text
+    return text[:len(text) - len(rest)] + rest[len(PYTHON_TAG):]
+
+
+def call_of(parsed: object) -> tuple[str, str] | None:
+    """(name, arguments JSON text) of a decoded object, None when it holds no call. The arguments are
+    "arguments" when there, else "parameters" (vLLM's order), written back as vLLM writes them
+    (json.dumps, non-ASCII kept): any JSON value is taken."""
+    if not (isinstance(parsed, dict) and isinstance(parsed.get("name"), str)):
+        return None
+    for key in ("arguments", "parameters"):
+        if key in parsed:
+            return parsed["name"], json.dumps(parsed[key], ensure_ascii=False)
+    return None
+
+
+def decoded_at(text: str, start: int) -> tuple[object, int] | None:
+    """The JSON value at text[start] and the index after it (json's raw_decode), None when it is no
+    whole JSON. ValueError: bad JSON, or an integer past Python's digit limit; RecursionError: too deep."""
+    try:
+        return DECODER.raw_decode(text, start)
+    except (ValueError, RecursionError):
+        return None
+
+
+def calls_from(text: str, first: int) -> list[tuple[str, str]] | None:
+    """The call of each object from text[first] (a `{`) on, each next one at the first `{` after the
+    last one's end; None when any of them is no call (vLLM's extract_tool_calls)."""
+    calls, start = [], first
+    while start != -1:
+        decoded = decoded_at(text, start)
+        call = None if decoded is None else call_of(decoded[0])
+        if call is None:
+            return None
+        calls.append(call)
+        start = text.find("{", decoded[1])
+    return calls
+
+
+def read_whole(text: str) -> LlamaReading:
+    """The whole generated text's content and calls."""
+    first = text.find("{")
+    calls = None if first == -1 else calls_from(text, first)
+    if calls is None:  # no object, or one without a call: all content (vLLM's fallback)
+        return LlamaReading(without_leading_tag(text))
+    before = without_leading_tag(text[:first])
+    return LlamaReading(before if before.strip() else None, calls)
+
+
+def object_call(text: str) -> tuple[str, str] | None:
+    """The call of one closed object's whole text (from its `{` to its `}`), None when it holds none."""
+    decoded = decoded_at(text, 0)
+    if decoded is None or decoded[1] != len(text):
+        return None
+    return call_of(decoded[0])
+
+
+class Llama3JsonCallReader:
+    """One choice's text read in the llama3_json format, streamed (delta) or whole (push, then
+    message). Has ToolCallReader's interface (launcher/serving/tool_calls.py), which ChatRender drives.
+
+    Streamed, the work per piece is that piece's: where an object closes is found by following its
+    braces and strings over the new characters only (the state carried from piece to piece), and the
+    object is decoded once, when it has closed (decoding the open text again per piece made a long
+    output quadratic: the hermes reader measured 12 s of the event loop for 100k pieces). What is kept
+    is only the text not settled yet: the start that may still be whitespace and the tag, and the
+    object being written."""
+
+    def __init__(self, parallel_tool_calls: bool = True):
+        self.parallel_tool_calls = parallel_tool_calls
+        self._pieces: list[str] = []
+        """The whole text, for the whole reading."""
+        self._mode = "start"
+        """"start": the text so far is whitespace, and at most one `<|python_tag|>` or its beginning;
+        "content": content before the first `{`; "calls": at or after the first `{`; "text": an
+        object held no call, and the rest goes out as content."""
+        self._held = ""
+        """"start": the whitespace so far (the tag, when whole, left out); "calls", before the first
+        object has closed: the same, which is content only if that object is no call."""
+        self._tag = ""
+        """"start": the beginning of `<|python_tag|>` written so far (all of it: the tag is read)."""
+        self._tag_read = False
+        self._object: list[str] = []
+        """"calls": the text of the object being written, from its `{`."""
+        self._depth = 0
+        """"calls": the open object's braces not closed yet (0: between objects)."""
+        self._in_string = self._escaped = False
+        """"calls": inside a string of the open object; the next character is escaped by a backslash."""
+        self._read_calls = 0
+        """"calls": the objects read as calls so far (parallel_tool_calls false sends only the first)."""
+        self._streamed: list[dict] | None = None
+        """The calls the stream sent (None: the text was not streamed)."""
+        self._whole: tuple[LlamaReading, list[dict]] | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self._pieces)
+
+    # ---- streamed ------------------------------------------------------------------------------
+    def delta(self, piece: str, finished: bool) -> dict:
+        """The chunk's delta for this piece of the text: {"content"} and/or {"tool_calls"}, or {}."""
+        if self._streamed is None:
+            self._streamed = []
+        self._pieces.append(piece)
+        content, calls = "", []
+        if self._mode == "start":
+            content, piece = self._past_the_start(piece, finished)
+        if self._mode == "content":
+            sendable, piece = self._content_before_an_object(piece)
+            content += sendable
+        if self._mode == "calls":
+            calls, piece = self._closed_calls(piece, finished)
+        if self._mode == "text":
+            content += piece
+        self._streamed.extend(calls)
+        return ({"content": content} if content else {}) | ({"tool_calls": calls} if calls else {})
+
+    def _past_the_start(self, piece: str, finished: bool) -> tuple[str, str]:
+        """(content now sendable, the piece's rest for the next mode). The start (whitespace and one
+        tag) is held; the first other character ends it: a `{` right after a start of whitespace
+        only turns the mode to "calls" with that whitespace still held (content only if the first
+        object is no call), anything else to "content" with the start sent."""
+        for i, char in enumerate(piece):
+            if char.isspace() and not self._tag:  # whitespace before the tag, or after it
+                self._held += char
+            elif not self._tag_read and PYTHON_TAG.startswith(self._tag + char):
+                self._tag += char
+                if self._tag == PYTHON_TAG:  # the marker: no content
+                    self._tag, self._tag_read = "", True
+            else:
+                start, self._held, self._tag = self._held + self._tag, "", ""
+                if char == "{" and not start.strip():
+                    self._mode, self._held = "calls", start
+                    return "", piece[i:]
+                self._mode = "content"
+                return start, piece[i:]
+        if not finished:
+            return "", ""
+        start, self._held, self._tag, self._mode = self._held + self._tag, "", "", "content"
+        return start, ""
+
+    def _content_before_an_object(self, piece: str) -> tuple[str, str]:
+        """(content now sendable, the piece's rest from the first `{`); at a `{` the mode turns to
+        "calls". A `<|python_tag|>` here is text."""
+        brace = piece.find("{")
+        if brace == -1:
+            return piece, ""
+        self._mode = "calls"
+        return piece[:brace], piece[brace:]
+
+    def _closed_calls(self, piece: str, finished: bool) -> tuple[list[dict], str]:
+        """(the calls of the objects that closed in this piece, the text now to send as content). An
+        object that is no call, or still open when the text ends, turns the mode to "text": the text
+        from it on is content (with the held start, when no call came before it)."""
+        calls = []
+        for text, end in self._closed_objects(piece):
+            call = object_call(text)
+            if call is None:
+                return calls, self._now_text(text + piece[end:])
+            index, self._read_calls, self._held = self._read_calls, self._read_calls + 1, ""
+            if index == 0 or self.parallel_tool_calls:  # vLLM's rule: without parallel calls, the first only
+                calls.append(tool_call(*call, index=index))
+        if finished and self._depth:  # cut inside an object: no whole JSON
+            return calls, self._now_text("".join(self._object))
+        return calls, ""
+
+    def _now_text(self, rest: str) -> str:
+        """Turn the mode to "text": the content to send now is `rest` (after the held start)."""
+        sent, self._held, self._object, self._mode = self._held + rest, "", [], "text"
+        return sent
+
+    def _closed_objects(self, piece: str) -> Iterator[tuple[str, int]]:
+        """Follow the objects' braces and strings over the piece's characters (the state carried from
+        the last piece): (each object that closed in it, whole from its `{`; the index in the piece
+        after it). The open object's part of the piece is kept in _object; text between objects is
+        dropped."""
+        position, opened = 0, 0  # where the scan resumes; where the open object's part of the piece starts
+        if self._escaped and piece:  # the backslash ended the last piece: this character is escaped
+            position, self._escaped = 1, False
+        while True:
+            if not self._depth:  # between objects: only a `{` matters
+                position = piece.find("{", position)
+                if position == -1:
+                    return
+                opened, self._depth, self._in_string = position, 1, False
+                position += 1
+                continue
+            sign = JSON_SIGNS.search(piece, position)
+            if sign is None:
+                self._object.append(piece[opened:])
+                return
+            char, position = sign.group(), sign.end()
+            if self._in_string:
+                if char == "\\":
+                    position += 1
+                    self._escaped = position > len(piece)
+                elif char == '"':
+                    self._in_string = False
+            elif char == '"':
+                self._in_string = True
+            elif char == "{":
+                self._depth += 1
+            elif char == "}":
+                self._depth -= 1
+                if not self._depth:
+                    text = "".join(self._object) + piece[opened:position]
+                    self._object = []
+                    yield text, position
+
+    # ---- whole ---------------------------------------------------------------------------------
+    def push(self, piece: str, finished: bool) -> list:
+        """Keep a piece of a text read whole (message, once it has all come)."""
+        self._pieces.append(piece)
+        return []
+
+    def _read(self) -> tuple[LlamaReading, list[dict]]:
+        """The whole text's reading and its calls (made once: their ids stay the same)."""
+        if self._whole is None:
+            reading = read_whole(self.text)
+            kept = reading.calls if self.parallel_tool_calls else reading.calls[:1]
+            self._whole = reading, [tool_call(name, arguments) for name, arguments in kept]
+        return self._whole
+
+    def calls(self) -> list[dict]:
+        """The calls the client was given: those streamed, or the whole text's."""
+        return self._streamed if self._streamed is not None else self._read()[1]
+
+    def finish_reason(self, finish: str | None) -> str | None:
+        """"tool_calls" when the text ended by itself ("stop") with calls; a cut text ("length") keeps
+        its reason, which tells the client so (as the hermes reader)."""
+        return "tool_calls" if finish == "stop" and self.calls() else finish
+
+    def message(self) -> dict:
+        """The choice's message: the content and the calls, or the text as content."""
+        reading, calls = self._read()
+        if not calls:
+            return {"role": "assistant", "content": reading.content}
+        return {"role": "assistant", "content": reading.content, "tool_calls": calls}

@@ -1,0 +1,260 @@
+"""tool_choice "auto" with vLLM's "llama3_json" tool-call parser (launcher/serving/llama_calls.py,
+`corelaunch serve --tool-call-parser llama3_json`): whole texts read as vLLM 0.32's
+Llama3JsonToolParser reads them (but for the documented differences: the text before the calls kept
+as content, a leading <|python_tag|> never content, objects with nothing between them each read),
+the stream equal to the whole answer for any split of the text, and a forced
+`<|python_tag|>{...}; {...}` end to end through the route methods over a real in-process Launcher,
+whole and streamed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+
+import pytest
+
+from launcher.serving.llama_calls import PYTHON_TAG, Llama3JsonCallReader, read_whole
+from launcher.serving.openai_protocol import ChatCompletionRequest, parse_request
+from tests.model_factory import random_model_with_smollm2_tokenizer
+from tests.test_tool_calls import BASE, TOOLS, streamed_calls
+
+WEATHER = '{"name": "weather", "parameters": {"city": "Paris"}}'
+FLAG_CALL = '{"name":"set_flag","arguments":{"ok":true,"note":"été"}}'
+PARIS = ("weather", '{"city": "Paris"}')
+FLAGGED = ("set_flag", '{"ok": true, "note": "été"}')  # written back as json.dumps writes it, non-ASCII kept
+
+# (text, content, calls) as the whole reading gives them
+WHOLE_TEXTS = [
+    (WEATHER, None, [PARIS]),  # nothing before the call: content null
+    (PYTHON_TAG + WEATHER, None, [PARIS]),
+    (PYTHON_TAG + WEATHER + "; " + FLAG_CALL, None, [PARIS, FLAGGED]),  # the models' separator
+    (" \n" + PYTHON_TAG + "  " + WEATHER + ";" + FLAG_CALL + "\n", None, [PARIS, FLAGGED]),  # whitespace only: null
+    ('{"name": "weather", "arguments": {"city": "Paris"}, "parameters": {"city": "Oslo"}}', None, [PARIS]),
+    ('{"name": "weather", "parameters": "Paris"}', None, [("weather", '"Paris"')]),  # any JSON value
+    ('{"name": "weather", "arguments": null}', None, [("weather", "null")]),
+    ('{"name": "f", "parameters": [1, 2.5, {"k": "é"}]}', None, [("f", '[1, 2.5, {"k": "é"}]')]),
+    # braces, a quote and a backslash in a string
+    ('{"name": "f", "arguments": {"s": "a } { \\" \\\\"}}', None, [("f", '{"s": "a } { \\" \\\\"}')]),
+    ("Let me check. " + WEATHER + " then " + FLAG_CALL + " done", "Let me check. ", [PARIS, FLAGGED]),  # text kept
+    (PYTHON_TAG + "Sure: " + WEATHER, "Sure: ", [PARIS]),  # the leading tag is no content, the text is
+    ("I call " + PYTHON_TAG + WEATHER, "I call " + PYTHON_TAG, [PARIS]),  # a tag elsewhere is text
+    ("<|pyth" + WEATHER, "<|pyth", [PARIS]),
+    (PYTHON_TAG + PYTHON_TAG + WEATHER, PYTHON_TAG, [PARIS]),  # one leading tag is the marker
+    (WEATHER + "; " + PYTHON_TAG + FLAG_CALL, None, [PARIS, FLAGGED]),  # between objects: ignored
+    (WEATHER + FLAG_CALL, None, [PARIS, FLAGGED]),  # nothing between: each read (vLLM skips the second)
+    (WEATHER + "}}", None, [PARIS]),
+    ("Just text.", "Just text.", []),
+    (PYTHON_TAG + "no call", "no call", []),  # no call: the leading tag is still no content
+    (PYTHON_TAG, "", []),
+    ("<|pyth", "<|pyth", []),
+    ("  ", "  ", []),
+    ("", "", []),
+]
+# an object that holds no call: the whole text (less a leading tag) is content, no call (vLLM's fallback)
+UNREAD_TEXTS = [
+    'Hi {"name": "weather", "arguments": {"city": }}',  # invalid JSON
+    '{"name": "weather"}',  # no arguments
+    '{"arguments": {}}',  # no name
+    '{"name": 7, "arguments": {}}',  # name not a string
+    '{"name": "f", "arguments": {"x": ' + "1" * 5000 + '}}',  # past Python's digit limit: ValueError
+    '{"name": "f", "arguments": ' + "[" * 3000 + "]" * 3000 + "}",  # too deep for json: RecursionError
+    PYTHON_TAG + '{"name": "weather", "parameters": {"city": "Par',  # cut short inside the object
+    ' {"name": "f", "arguments": {"s": "a\\',  # cut right after a backslash in a string
+    "Use {braces} like this",
+    "{}",
+    PYTHON_TAG + " {",
+    '{"name": "weather", "parameters": {"city": "Paris"}; ',  # a brace short
+]
+BAD_AFTER_GOOD = "Ok. " + WEATHER + '; {"name": "x"} after'
+
+
+def named(calls: list[dict]) -> list[tuple[str, str]]:
+    return [(call["function"]["name"], call["function"]["arguments"]) for call in calls]
+
+
+@pytest.mark.parametrize("text, content, calls", WHOLE_TEXTS)
+def test_whole_texts_are_read_as_vllms_llama3_json_parser_reads_them(text, content, calls):
+    assert read_whole(text).content == content and read_whole(text).calls == calls
+    reader = Llama3JsonCallReader()
+    reader.push(text, True)
+    message = reader.message()
+    assert message["content"] == content
+    assert named(message.get("tool_calls", [])) == calls and ("tool_calls" in message) == bool(calls)
+    for call in message.get("tool_calls", []):
+        assert call["type"] == "function" and re.fullmatch(r"chatcmpl-tool-[0-9a-f]{16}", call["id"])
+    assert reader.message() == message  # made once: the ids stay
+    assert reader.finish_reason("stop") == ("tool_calls" if calls else "stop")
+    assert reader.finish_reason("length") == "length"  # a cut text says so, calls or not
+
+
+@pytest.mark.parametrize("text", UNREAD_TEXTS + [BAD_AFTER_GOOD])
+def test_an_object_without_a_call_makes_the_whole_text_content(text):
+    content = text.removeprefix(PYTHON_TAG)
+    assert read_whole(text).content == content and read_whole(text).calls == []
+    reader = Llama3JsonCallReader()
+    reader.push(text, True)
+    assert reader.message() == {"role": "assistant", "content": content} and reader.finish_reason("stop") == "stop"
+
+
+def streamed(text: str, cuts: list[int], parallel: bool = True) -> tuple[str, list[dict], str]:
+    """The text streamed in pieces cut at `cuts`: its content, its calls and its finish reason."""
+    reader, deltas = Llama3JsonCallReader(parallel), []
+    edges = [0, *cuts, len(text)]
+    for i, (start, end) in enumerate(zip(edges, edges[1:])):
+        deltas.append(reader.delta(text[start:end], i == len(edges) - 2))
+    content = "".join(delta.get("content", "") for delta in deltas)
+    calls = [call for delta in deltas for call in delta.get("tool_calls", [])]
+    return content, calls, reader.finish_reason("stop")
+
+
+def random_cuts(rng: random.Random, text: str) -> list[int]:
+    return sorted(rng.sample(range(1, len(text)), rng.randint(0, min(len(text) - 1, 12)))) if len(text) > 1 else []
+
+
+def assert_streamed_as_whole(text: str, cuts: list[int]) -> None:
+    whole = Llama3JsonCallReader()
+    whole.push(text, True)
+    expected = whole.message()
+    content, calls, finish = streamed(text, cuts)
+    assert content == (expected["content"] or ""), (text, cuts)
+    assert [call["index"] for call in calls] == list(range(len(calls)))
+    assert [call["function"] for call in calls] == [call["function"] for call in expected.get("tool_calls", [])]
+    assert all(call["type"] == "function" and call["id"].startswith("chatcmpl-tool-") for call in calls)
+    assert finish == whole.finish_reason("stop"), (text, cuts)
+
+
+@pytest.mark.parametrize("text", [text for text, _, _ in WHOLE_TEXTS] + UNREAD_TEXTS)
+def test_streamed_over_any_split_the_answer_is_the_whole_answer(text):
+    """Content and calls, reassembled from the deltas, are the whole reading's for every character
+    alone, the text in one piece and 300 random splits; each call comes whole, with its own index."""
+    rng = random.Random(len(text))
+    for cuts in [list(range(1, len(text))), []] + [random_cuts(rng, text) for _ in range(300)]:
+        assert_streamed_as_whole(text, cuts)
+
+
+def test_random_texts_stream_as_they_read_whole():
+    """Texts made of calls, objects that are none, tags, separators and words, each streamed over
+    random splits, say what the whole answer says, but for the one exception (a call sent before an
+    object that is no call), which is checked apart below."""
+    parts = [WEATHER, FLAG_CALL, '{"name": "x"}', "{", "}", '"', "\\", PYTHON_TAG, "<|py", "; ", " ", "\n", "ok",
+             '{"name": "s", "arguments": "}{\\""}']
+    rng, compared = random.Random(7), {"calls": 0, "content": 0}
+    for _ in range(1500):
+        text = "".join(rng.choice(parts) for _ in range(rng.randint(0, 8)))
+        if not read_whole(text).calls and streamed(text, [])[1]:
+            continue  # a call sent, then an object without one
+        for cuts in [random_cuts(rng, text) for _ in range(10)]:
+            assert_streamed_as_whole(text, cuts)
+        compared["calls" if read_whole(text).calls else "content"] += 1
+    assert min(compared.values()) > 100, compared  # both kinds of answers were compared
+
+
+def test_content_holds_back_only_a_possible_leading_tag_and_a_call_goes_out_when_it_closes():
+    reader = Llama3JsonCallReader()
+    assert reader.delta(" <|pyth", False) == {}  # whitespace and a tag's start: no content if a call follows
+    assert reader.delta("on_tag|>", False) == {}  # the tag: never content
+    assert reader.delta("Sure", False) == {"content": " Sure"}
+    assert reader.delta(" <|python_tag|> {", False) == {"content": " <|python_tag|> "}  # not at the start: text
+    assert reader.delta('"name": "weather", "parameters": {"city": "Paris"', False) == {}
+    [call] = reader.delta("}}; ", False)["tool_calls"]  # closed: sent before the text ends
+    assert call["index"] == 0 and named([call]) == [PARIS]
+    assert reader.delta("{\"name\":\"set_flag\",\"arguments\":{\"ok\":true,\"note\":\"été\"}} and more", False)[
+        "tool_calls"][0]["index"] == 1
+    assert reader.delta(" words", True) == {}  # text after the calls is no content
+    assert reader.finish_reason("stop") == "tool_calls" and reader.finish_reason("length") == "length"
+    partial = Llama3JsonCallReader()
+    assert partial.delta("<|py", False) == {}
+    assert partial.delta("thon", False) == {}
+    assert partial.delta(" tag", False) == {"content": "<|python tag"}  # it was no tag
+    assert partial.delta(" <|python_tag|>", False) == {"content": " <|python_tag|>"}  # no longer the start
+    spaces = Llama3JsonCallReader()
+    assert spaces.delta("\n ", False) == {} and spaces.delta("", True) == {"content": "\n "}  # no call came
+    cut = Llama3JsonCallReader()  # cut inside an object (max_tokens): the text from its `{` is content
+    assert cut.delta(PYTHON_TAG + ' {"name": "weather", "par', False) == {}
+    assert cut.delta("ameters", True) == {"content": ' {"name": "weather", "parameters'}
+
+
+def test_an_object_without_a_call_after_a_good_one_streams_the_sent_call_and_the_rest_as_content():
+    """The one case a stream cannot say as the whole answer does (all content): the good call is
+    already out when the bad object comes, so the text from the bad object on follows as content."""
+    for cuts in ([], list(range(1, len(BAD_AFTER_GOOD)))):
+        content, calls, finish = streamed(BAD_AFTER_GOOD, cuts)
+        assert named(calls) == [PARIS]
+        assert content == 'Ok. {"name": "x"} after' and finish == "tool_calls"
+
+
+def test_without_parallel_calls_only_the_first_call_is_kept_whole_and_streamed():
+    """parallel_tool_calls false: vLLM keeps the first call of an "auto" answer."""
+    text = PYTHON_TAG + WEATHER + "; " + FLAG_CALL + "; " + WEATHER
+    whole = Llama3JsonCallReader(parallel_tool_calls=False)
+    whole.push(text, True)
+    assert named(whole.message()["tool_calls"]) == [PARIS] and whole.message()["content"] is None
+    for cuts in ([], list(range(1, len(text))), list(range(7, len(text), 7))):
+        content, calls, finish = streamed(text, cuts, parallel=False)
+        assert [(call["index"], call["function"]["name"]) for call in calls] == [(0, "weather")]
+        assert content == "" and finish == "tool_calls"
+    request = parse_request(ChatCompletionRequest, {**BASE, "tools": TOOLS, "tool_choice": "auto",
+                                                    "parallel_tool_calls": False}, "llama3_json")
+    assert request.tool_call_reader().parallel_tool_calls is False
+
+
+def test_the_stream_keeps_only_what_is_not_settled():
+    """Streamed, the reader keeps the text it may still need (a start that may be whitespace and the
+    tag, the object being written), not the whole output: each piece's work is that piece's."""
+    reader = Llama3JsonCallReader()
+    reader.delta("Sure", False)
+    for _ in range(2000):
+        assert reader.delta("words <|python_tag|> and more ", False) == {"content": "words <|python_tag|> and more "}
+        assert reader._held == "" and reader._object == []
+    reader.delta('{"name": "weather", "parameters": {"city": "', False)
+    for _ in range(2000):
+        assert reader.delta('a\\"{', False) == {}  # escapes and braces inside the string: it stays open
+    assert reader._depth == 2 and reader._in_string
+    [call] = reader.delta('"}}', False)["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) == {"city": 'a"{' * 2000}
+    assert reader._object == [] and reader._depth == 0
+    for _ in range(2000):
+        assert reader.delta("; } words ", False) == {}  # between objects: dropped, nothing kept
+        assert reader._object == [] and reader._depth == 0
+
+
+# ---- end to end --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return random_model_with_smollm2_tokenizer(tmp_path_factory.mktemp("llama3_json"))
+
+
+def test_auto_reads_llama3_json_calls_whole_and_streamed(model_dir, in_process_cluster):
+    """The model's text forced (structured_outputs regex) to `<|python_tag|>{...}; {...}`: the answer
+    is no content and two calls, finished by "tool_calls", for each of n=2 choices."""
+    from launcher.api import Launcher
+    from tests.test_skip_special_tokens import answered, replica_over
+    from tests.test_tokenize_routes import post
+
+    route = "/v1/chat/completions"
+    body = {**BASE, "tools": TOOLS, "tool_choice": "auto"}
+    reader = parse_request(ChatCompletionRequest, body, "llama3_json").tool_call_reader()
+    assert isinstance(reader, Llama3JsonCallReader)  # the server's parser name picks this reader
+    forced = {"regex": re.escape(PYTHON_TAG + WEATHER + "; " + FLAG_CALL)}  # SmolLM2 has no such token: plain text
+    body = {**body, "structured_outputs": forced, "max_tokens": 80, "temperature": 1.0, "seed": 3, "n": 2}
+    with Launcher(model=model_dir, tp=1, max_num_seqs=4, progress=False, compile=False) as llm:
+        server = replica_over(llm)
+        server.tool_call_parser = "llama3_json"  # as OpenAIServer's constructor sets it from the settings
+
+        async def both():
+            return await answered(server, route, body), await answered(server, route, {**body, "stream": True})
+
+        whole, stream = asyncio.run(both())
+
+    assert len(whole["choices"]) == 2
+    for choice in whole["choices"]:
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+        calls = choice["message"]["tool_calls"]
+        assert all(call["type"] == "function" and call["id"].startswith("chatcmpl-tool-") for call in calls)
+        assert named(calls) == [PARIS, FLAGGED]
+    calls, finishes, contents = streamed_calls(stream, 2)
+    assert finishes == ["tool_calls", "tool_calls"] and contents == ["", ""]
+    assert [[call["function"] for call in choice_calls] for choice_calls in calls] == [
+        [call["function"] for call in choice["message"]["tool_calls"]] for choice in whole["choices"]]
