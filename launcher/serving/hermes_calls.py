@@ -18,27 +18,18 @@ any split of a text the stream says what the whole answer says, with one excepti
 can avoid: a bad block after a good one. The whole answer is then all content; the stream has
 already sent the good call, and sends the text from the bad block on as content.
 
-Pure (no tokenizer, no engine): the app's ChatRender drives a HermesCallReader per choice.
+Pure (no tokenizer, no engine): the app's ChatRender drives a HermesCallReader per choice (its shared
+part: launcher/serving/free_text_calls.py).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 
+from launcher.serving.free_text_calls import CallsReading, FreeTextCallReader
 from launcher.serving.stop_strings import held_tail_length
-from launcher.serving.tool_calls import tool_call
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
-
-
-@dataclass(frozen=True)
-class HermesReading:
-    """A whole text read: content None only beside calls (vLLM's "content": null)."""
-
-    content: str | None
-    calls: list[tuple[str, str]] = field(default_factory=list)
-    """(name, arguments as JSON text) of each call, in order."""
 
 
 def call_of(block: str) -> tuple[str, str] | None:
@@ -70,29 +61,28 @@ def blocks(text: str) -> list[str]:
     return found
 
 
-def read_whole(text: str) -> HermesReading:
+def read_whole(text: str) -> CallsReading:
     """The whole generated text's content and calls (vLLM's extract_tool_calls)."""
     if CALL_START not in text:
-        return HermesReading(text)
+        return CallsReading(text)
     calls = [call_of(block) for block in blocks(text)]
     if any(call is None for call in calls):  # vLLM's fallback: nothing is taken as a call
-        return HermesReading(text)
-    return HermesReading(text[:text.find(CALL_START)] or None, calls)
+        return CallsReading(text)
+    return CallsReading(text[:text.find(CALL_START)] or None, calls)
 
 
-class HermesCallReader:
+class HermesCallReader(FreeTextCallReader):
     """One choice's text read in the hermes format, streamed (delta) or whole (push, then message).
-    Has ToolCallReader's interface (launcher/serving/tool_calls.py), which ChatRender drives.
 
     Streamed, the work per piece is that piece's (plus a tag's length): the text not yet settled is
     kept from where it may still matter, and each search resumes where the last one stopped (a
     whole-text search per piece made a long output quadratic: 12 s of the event loop for 100k
     pieces)."""
 
+    read_whole = staticmethod(read_whole)
+
     def __init__(self, parallel_tool_calls: bool = True):
-        self.parallel_tool_calls = parallel_tool_calls
-        self._pieces: list[str] = []
-        """The whole text, for the whole reading."""
+        super().__init__(parallel_tool_calls)
         self._open = ""
         """Streamed: the text not settled yet (content that may open a block, or the block being
         written); what came before it was sent as content or read as calls."""
@@ -103,20 +93,8 @@ class HermesCallReader:
         """"calls": _open starts with an opening tag whose closing tag has not come."""
         self._end_from = 0
         """"calls", in a block: where in _open the search for its closing tag resumes."""
-        self._streamed: list[dict] | None = None
-        """The calls the stream sent (None: the text was not streamed)."""
-        self._whole: tuple[HermesReading, list[dict]] | None = None
 
-    @property
-    def text(self) -> str:
-        return "".join(self._pieces)
-
-    # ---- streamed ------------------------------------------------------------------------------
-    def delta(self, piece: str, finished: bool) -> dict:
-        """The chunk's delta for this piece of the text: {"content"} and/or {"tool_calls"}, or {}."""
-        if self._streamed is None:
-            self._streamed = []
-        self._pieces.append(piece)
+    def _read_piece(self, piece: str, finished: bool) -> tuple[str, list[dict]]:
         self._open += piece
         content, calls = "", []
         if self._mode == "content":
@@ -125,10 +103,7 @@ class HermesCallReader:
             calls = self._closed_calls(finished)
         if self._mode == "text":
             content, self._open = content + self._open, ""
-        if not self.parallel_tool_calls:  # vLLM's rule: the first call only
-            calls = [call for call in calls if call["index"] == 0]
-        self._streamed.extend(calls)
-        return ({"content": content} if content else {}) | ({"tool_calls": calls} if calls else {})
+        return content, calls
 
     def _content_before_a_block(self, finished: bool) -> str:
         """The content now sendable; at the first block's start the mode turns to "calls"."""
@@ -162,39 +137,8 @@ class HermesCallReader:
             if call is None:
                 self._mode = "text"  # the block, and all after it, go out as content
                 return calls
-            calls.append(tool_call(*call, index=len(self._streamed) + len(calls)))
+            calls.append(self._new_call(*call, index=len(self._streamed) + len(calls)))
             if end == -1:
                 self._open = ""
                 return calls
             self._open, self._in_block = self._open[end + len(CALL_END):], False
-
-    # ---- whole ---------------------------------------------------------------------------------
-    def push(self, piece: str, finished: bool) -> list:
-        """Keep a piece of a text read whole (message, once it has all come)."""
-        self._pieces.append(piece)
-        return []
-
-    def _read(self) -> tuple[HermesReading, list[dict]]:
-        """The whole text's reading and its calls (made once: their ids stay the same)."""
-        if self._whole is None:
-            reading = read_whole(self.text)
-            kept = reading.calls if self.parallel_tool_calls else reading.calls[:1]
-            self._whole = reading, [tool_call(name, arguments) for name, arguments in kept]
-        return self._whole
-
-    def calls(self) -> list[dict]:
-        """The calls the client was given: those streamed, or the whole text's."""
-        return self._streamed if self._streamed is not None else self._read()[1]
-
-    def finish_reason(self, finish: str | None) -> str | None:
-        """"tool_calls" when the text ended by itself ("stop") with calls (vLLM's rule, streamed; its
-        whole answer said "tool_calls" after "length" too, where the stream kept "length": here both
-        keep "length", which tells the client the text was cut)."""
-        return "tool_calls" if finish == "stop" and self.calls() else finish
-
-    def message(self) -> dict:
-        """The choice's message: the content and the calls, or the text as content."""
-        reading, calls = self._read()
-        if not calls:
-            return {"role": "assistant", "content": reading.content}
-        return {"role": "assistant", "content": reading.content, "tool_calls": calls}

@@ -39,7 +39,8 @@ the whole answer says, with one exception that no stream can avoid: an object th
 a good one. The whole answer is then all content; the stream has already sent the good call, and
 sends the text from the bad object on as content.
 
-Pure (no tokenizer, no engine): the app's ChatRender drives a Llama3JsonCallReader per choice.
+Pure (no tokenizer, no engine): the app's ChatRender drives a Llama3JsonCallReader per choice (its
+shared part: launcher/serving/free_text_calls.py).
 """
 
 from __future__ import annotations
@@ -47,24 +48,14 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
-from launcher.serving.tool_calls import tool_call
+from launcher.serving.free_text_calls import CallsReading, FreeTextCallReader
 
 PYTHON_TAG = "<|python_tag|>"
 DECODER = json.JSONDecoder()
 JSON_SIGNS = re.compile(r'[{}"\\]')
 """The characters that say where a JSON object ends: its braces, and the quotes and backslashes of its
 strings (a brace inside a string counts for nothing)."""
-
-
-@dataclass(frozen=True)
-class LlamaReading:
-    """A whole text read: content None only beside calls (vLLM's "content": null)."""
-
-    content: str | None
-    calls: list[tuple[str, str]] = field(default_factory=list)
-    """(name, arguments as JSON text) of each call, in order."""
 
 
 def without_leading_tag(text: str) -> str:
@@ -110,14 +101,14 @@ def calls_from(text: str, first: int) -> list[tuple[str, str]] | None:
     return calls
 
 
-def read_whole(text: str) -> LlamaReading:
+def read_whole(text: str) -> CallsReading:
     """The whole generated text's content and calls."""
     first = text.find("{")
     calls = None if first == -1 else calls_from(text, first)
     if calls is None:  # no object, or one without a call: all content (vLLM's fallback)
-        return LlamaReading(without_leading_tag(text))
+        return CallsReading(without_leading_tag(text))
     before = without_leading_tag(text[:first])
-    return LlamaReading(before if before.strip() else None, calls)
+    return CallsReading(before if before.strip() else None, calls)
 
 
 def object_call(text: str) -> tuple[str, str] | None:
@@ -128,9 +119,9 @@ def object_call(text: str) -> tuple[str, str] | None:
     return call_of(decoded[0])
 
 
-class Llama3JsonCallReader:
+class Llama3JsonCallReader(FreeTextCallReader):
     """One choice's text read in the llama3_json format, streamed (delta) or whole (push, then
-    message). Has ToolCallReader's interface (launcher/serving/tool_calls.py), which ChatRender drives.
+    message).
 
     Streamed, the work per piece is that piece's: where an object closes is found by following its
     braces and strings over the new characters only (the state carried from piece to piece), and the
@@ -139,10 +130,10 @@ class Llama3JsonCallReader:
     is only the text not settled yet: the start that may still be whitespace and the tag, and the
     object being written."""
 
+    read_whole = staticmethod(read_whole)
+
     def __init__(self, parallel_tool_calls: bool = True):
-        self.parallel_tool_calls = parallel_tool_calls
-        self._pieces: list[str] = []
-        """The whole text, for the whole reading."""
+        super().__init__(parallel_tool_calls)
         self._mode = "start"
         """"start": the text so far is whitespace, and at most one `<|python_tag|>` or its beginning;
         "content": content before the first `{`; "calls": at or after the first `{`; "text": an
@@ -161,20 +152,8 @@ class Llama3JsonCallReader:
         """"calls": inside a string of the open object; the next character is escaped by a backslash."""
         self._read_calls = 0
         """"calls": the objects read as calls so far (parallel_tool_calls false sends only the first)."""
-        self._streamed: list[dict] | None = None
-        """The calls the stream sent (None: the text was not streamed)."""
-        self._whole: tuple[LlamaReading, list[dict]] | None = None
 
-    @property
-    def text(self) -> str:
-        return "".join(self._pieces)
-
-    # ---- streamed ------------------------------------------------------------------------------
-    def delta(self, piece: str, finished: bool) -> dict:
-        """The chunk's delta for this piece of the text: {"content"} and/or {"tool_calls"}, or {}."""
-        if self._streamed is None:
-            self._streamed = []
-        self._pieces.append(piece)
+    def _read_piece(self, piece: str, finished: bool) -> tuple[str, list[dict]]:
         content, calls = "", []
         if self._mode == "start":
             content, piece = self._past_the_start(piece, finished)
@@ -185,8 +164,7 @@ class Llama3JsonCallReader:
             calls, piece = self._closed_calls(piece, finished)
         if self._mode == "text":
             content += piece
-        self._streamed.extend(calls)
-        return ({"content": content} if content else {}) | ({"tool_calls": calls} if calls else {})
+        return content, calls
 
     def _past_the_start(self, piece: str, finished: bool) -> tuple[str, str]:
         """(content now sendable, the piece's rest for the next mode). The start (whitespace and one
@@ -232,7 +210,7 @@ class Llama3JsonCallReader:
                 return calls, self._now_text(text + piece[end:])
             index, self._read_calls, self._held = self._read_calls, self._read_calls + 1, ""
             if index == 0 or self.parallel_tool_calls:  # vLLM's rule: without parallel calls, the first only
-                calls.append(tool_call(*call, index=index))
+                calls.append(self._new_call(*call, index=index))
         if finished and self._depth:  # cut inside an object: no whole JSON
             return calls, self._now_text("".join(self._object))
         return calls, ""
@@ -279,33 +257,3 @@ class Llama3JsonCallReader:
                     text = "".join(self._object) + piece[opened:position]
                     self._object = []
                     yield text, position
-
-    # ---- whole ---------------------------------------------------------------------------------
-    def push(self, piece: str, finished: bool) -> list:
-        """Keep a piece of a text read whole (message, once it has all come)."""
-        self._pieces.append(piece)
-        return []
-
-    def _read(self) -> tuple[LlamaReading, list[dict]]:
-        """The whole text's reading and its calls (made once: their ids stay the same)."""
-        if self._whole is None:
-            reading = read_whole(self.text)
-            kept = reading.calls if self.parallel_tool_calls else reading.calls[:1]
-            self._whole = reading, [tool_call(name, arguments) for name, arguments in kept]
-        return self._whole
-
-    def calls(self) -> list[dict]:
-        """The calls the client was given: those streamed, or the whole text's."""
-        return self._streamed if self._streamed is not None else self._read()[1]
-
-    def finish_reason(self, finish: str | None) -> str | None:
-        """"tool_calls" when the text ended by itself ("stop") with calls; a cut text ("length") keeps
-        its reason, which tells the client so (as the hermes reader)."""
-        return "tool_calls" if finish == "stop" and self.calls() else finish
-
-    def message(self) -> dict:
-        """The choice's message: the content and the calls, or the text as content."""
-        reading, calls = self._read()
-        if not calls:
-            return {"role": "assistant", "content": reading.content}
-        return {"role": "assistant", "content": reading.content, "tool_calls": calls}

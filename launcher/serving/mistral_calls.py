@@ -52,7 +52,8 @@ says, with one exception that no stream can avoid: a v11 call that cannot be rea
 The whole answer is then all content; the stream has already sent the good call, and sends the text
 from the first marker after it on as content.
 
-Pure (no tokenizer, no engine): the app's ChatRender drives a MistralCallReader per choice.
+Pure (no tokenizer, no engine): the app's ChatRender drives a MistralCallReader per choice (its shared
+part: launcher/serving/free_text_calls.py).
 """
 
 from __future__ import annotations
@@ -61,8 +62,8 @@ import json
 import re
 import secrets
 import string
-from dataclasses import dataclass, field
 
+from launcher.serving.free_text_calls import CallsReading, FreeTextCallReader
 from launcher.serving.stop_strings import held_tail_length
 from launcher.serving.tool_calls import tool_call
 
@@ -77,15 +78,6 @@ _ID_CHARS = string.ascii_letters + string.digits
 def new_mistral_call_id() -> str:
     """A call id as Mistral's chat templates take them back: exactly 9 letters and digits."""
     return "".join(secrets.choice(_ID_CHARS) for _ in range(9))
-
-
-@dataclass(frozen=True)
-class MistralReading:
-    """A whole text read: content None only beside calls (vLLM's "content": null)."""
-
-    content: str | None
-    calls: list[tuple[str, str]] = field(default_factory=list)
-    """(name, arguments as JSON text) of each call, in order."""
 
 
 def first_json_value(text: str) -> tuple[object, int] | None:
@@ -129,14 +121,14 @@ def v11_call(segment: str) -> tuple[str, str] | None:
     return None if head is None else (head.group(1), v11_arguments(segment[head.end():]))
 
 
-def read_whole(text: str) -> MistralReading:
+def read_whole(text: str) -> CallsReading:
     """The whole generated text's content and calls."""
     first = text.find(MARKER)
     if first == -1:
-        return MistralReading(text)
+        return CallsReading(text)
     segments = [segment for segment in text[first + len(MARKER):].split(MARKER) if segment.strip()]
     if not segments:  # nothing after the marker
-        return MistralReading(text)
+        return CallsReading(text)
     if segments[0].lstrip()[0] in "[{":  # pre-v11: one JSON value; what follows it is ignored
         value = first_json_value(segments[0].strip())
         calls = [] if value is None else pre_v11_calls(value[0])
@@ -144,9 +136,9 @@ def read_whole(text: str) -> MistralReading:
         read = [v11_call(segment) for segment in segments]
         calls = [] if None in read else read
     if not calls:
-        return MistralReading(text)
+        return CallsReading(text)
     content = text[:first]
-    return MistralReading(content if content.strip() else None, calls)
+    return CallsReading(content if content.strip() else None, calls)
 
 
 _JSON_SIGNIFICANT = re.compile(r'["\\{}\[\]]')
@@ -301,18 +293,17 @@ class MarkerText:
         return BAD  # a pre-v11 JSON value still open, or a v11 head with no `[ARGS]`
 
 
-class MistralCallReader:
+class MistralCallReader(FreeTextCallReader):
     """One choice's text read in the mistral format, streamed (delta) or whole (push, then message).
-    Has ToolCallReader's interface (launcher/serving/tool_calls.py), which ChatRender drives.
 
     Streamed, the work per piece is that piece's (plus a marker's length): the text not yet settled
     is kept from where it may still matter, the marker's search resumes where the last one stopped,
     and a JSON value's end is found over its new characters only."""
 
+    read_whole = staticmethod(read_whole)
+
     def __init__(self, parallel_tool_calls: bool = True):
-        self.parallel_tool_calls = parallel_tool_calls
-        self._pieces: list[str] = []
-        """The whole text, for the whole reading."""
+        super().__init__(parallel_tool_calls)
         self._mode = "content"
         """"content": before the first marker; "calls": after it; "text": no call could be read, and
         the rest goes out as content; "done": the pre-v11 calls were read, the rest is dropped."""
@@ -331,20 +322,11 @@ class MistralCallReader:
         self._marker_text = MarkerText(None)
         self._read = 0
         """The calls read so far (the next one's index)."""
-        self._streamed: list[dict] | None = None
-        """The calls the stream sent (None: the text was not streamed)."""
-        self._whole: tuple[MistralReading, list[dict]] | None = None
 
-    @property
-    def text(self) -> str:
-        return "".join(self._pieces)
+    def _new_call(self, name: str, arguments: str, index: int | None = None) -> dict:
+        return tool_call(name, arguments, index=index, call_id=new_mistral_call_id())
 
-    # ---- streamed ------------------------------------------------------------------------------
-    def delta(self, piece: str, finished: bool) -> dict:
-        """The chunk's delta for this piece of the text: {"content"} and/or {"tool_calls"}, or {}."""
-        if self._streamed is None:
-            self._streamed = []
-        self._pieces.append(piece)
+    def _read_piece(self, piece: str, finished: bool) -> tuple[str, list[dict]]:
         content, calls, rest = "", [], piece
         if self._mode == "content":
             content, rest = self._content_up_to_a_marker(piece, finished)
@@ -352,10 +334,7 @@ class MistralCallReader:
             calls, rest = self._calls_in(rest, finished)
         if self._mode == "text":
             content += rest
-        if not self.parallel_tool_calls:  # vLLM's rule: the first call only
-            calls = [call for call in calls if call["index"] == 0]
-        self._streamed.extend(calls)
-        return ({"content": content} if content else {}) | ({"tool_calls": calls} if calls else {})
+        return content, calls
 
     def _content_up_to_a_marker(self, piece: str, finished: bool) -> tuple[str, str]:
         """(the content now sendable, the text after the first marker); at the marker the mode turns
@@ -416,8 +395,7 @@ class MistralCallReader:
             return []
         if not read:
             return []
-        calls = [tool_call(name, arguments, index=self._read + i, call_id=new_mistral_call_id())
-                 for i, (name, arguments) in enumerate(read)]
+        calls = [self._new_call(name, arguments, index=self._read + i) for i, (name, arguments) in enumerate(read)]
         self._read += len(calls)
         self._unsent = []  # settled: the whitespace content before them, or the text after the last call
         if self._marker_text.form == "json":
@@ -430,34 +408,3 @@ class MistralCallReader:
             return ""
         out, self._unsent = "".join(self._unsent) + rest, []
         return out
-
-    # ---- whole ---------------------------------------------------------------------------------
-    def push(self, piece: str, finished: bool) -> list:
-        """Keep a piece of a text read whole (message, once it has all come)."""
-        self._pieces.append(piece)
-        return []
-
-    def _read_whole(self) -> tuple[MistralReading, list[dict]]:
-        """The whole text's reading and its calls (made once: their ids stay the same)."""
-        if self._whole is None:
-            reading = read_whole(self.text)
-            kept = reading.calls if self.parallel_tool_calls else reading.calls[:1]
-            self._whole = reading, [tool_call(name, arguments, call_id=new_mistral_call_id())
-                                    for name, arguments in kept]
-        return self._whole
-
-    def calls(self) -> list[dict]:
-        """The calls the client was given: those streamed, or the whole text's."""
-        return self._streamed if self._streamed is not None else self._read_whole()[1]
-
-    def finish_reason(self, finish: str | None) -> str | None:
-        """"tool_calls" when the text ended by itself ("stop") with calls (as the hermes reader: a
-        text cut short keeps "length", calls or not)."""
-        return "tool_calls" if finish == "stop" and self.calls() else finish
-
-    def message(self) -> dict:
-        """The choice's message: the content and the calls, or the text as content."""
-        reading, calls = self._read_whole()
-        if not calls:
-            return {"role": "assistant", "content": reading.content}
-        return {"role": "assistant", "content": reading.content, "tool_calls": calls}
