@@ -482,11 +482,13 @@ def _generation_failure(err: Exception) -> tuple[int, dict, dict]:
     return 500, proto.error_body(f"generation failed: {err}", type="server_error"), _NO_RETRY
 
 
-def _refuse_control_token_keys(tokenizer, messages: list[dict], tools: list[dict] | None) -> None:
-    """ProtocolError naming the object whose key holds one of the tokenizer's control tokens, in the tools
-    or a message's tool call arguments: sanitize_control_tokens marks only strings that are values, so
-    a key would be encoded as the control token itself (launcher/serving/tool_calls.py)."""
+def _refuse_control_token_keys(tokenizer, messages: list[dict], tools: list[dict] | None,
+                               template_kwargs: dict | None = None) -> None:
+    """ProtocolError naming the object whose key holds one of the tokenizer's control tokens, in the tools,
+    a message's tool call arguments or chat_template_kwargs: sanitize_control_tokens marks only strings
+    that are values, so a key would be encoded as the control token itself (launcher/serving/tool_calls.py)."""
     holders = [(tool, f"tools.{i}") for i, tool in enumerate(tools or ())]
+    holders += [(template_kwargs, "chat_template_kwargs")] if template_kwargs else []
     holders += [(call["function"]["arguments"], f"messages.{i}.tool_calls.{j}.function.arguments")
                 for i, message in enumerate(messages) for j, call in enumerate(message.get("tool_calls") or ())]
     if not holders or not tokenizer.added_tokens_encoder:
@@ -681,7 +683,8 @@ class OpenAIServer:
         if req.truncate_prompt_tokens is not None:
             self._truncated(req, [])  # a length the context cannot hold: refused before any tokenizing
         prompt = await self._tokenized(self._apply_chat_template, req.chat_messages(self.tokenizer.chat_template),
-                                       True, False, False, req.truncate_prompt_tokens is None, req.template_tools())
+                                       req.add_generation_prompt, req.continue_final_message, False,
+                                       req.truncate_prompt_tokens is None, req.template_tools(), req.chat_template_kwargs)
         prompt = self._truncated(req, prompt)
         stream = await self._start_choices(req, [prompt], [proto.max_new_tokens(req, len(prompt), self.context_tokens)],
                                            req.logprobs_count(), "messages", req.engine_prompt_logprobs())
@@ -700,7 +703,7 @@ class OpenAIServer:
         if isinstance(req, proto.TokenizeChatRequest):
             ids = await asyncio.to_thread(self._apply_chat_template, req.chat_messages(self.tokenizer.chat_template),
                                           req.add_generation_prompt, req.continue_final_message,
-                                          req.add_special_tokens, True, req.template_tools())
+                                          req.add_special_tokens, True, req.template_tools(), req.chat_template_kwargs)
         else:
             ids = await asyncio.to_thread(self._tokenize_text, req.prompt, req.add_special_tokens)
         answer = {"count": len(ids), "max_model_len": self.context_tokens, "tokens": ids}
@@ -813,7 +816,8 @@ class OpenAIServer:
 
     def _apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                              continue_final_message: bool = False, special_tokens: bool = False,
-                             measured: bool = True, tools: list[dict] | None = None) -> list[int]:
+                             measured: bool = True, tools: list[dict] | None = None,
+                             template_kwargs: dict | None = None) -> list[int]:
         """A chat request's prompt token ids (on a thread); /tokenize's chat form sends its own
         add_generation_prompt, continue_final_message and add_special_tokens (`special_tokens`: the
         tokenizer's own additions around the template's text, which adds none by default).
@@ -827,7 +831,9 @@ class OpenAIServer:
         as no text sent to OpenAI's API can; only the template writes control tokens. (Encoded that
         way, text has at least the tokens the probe counted, so a refusal still holds.) measured
         False (truncate_prompt_tokens): no such measure; the route keeps the prompt's last tokens. tools: the
-        request's (launcher/serving/tool_calls.py), rendered by the template as its model expects them."""
+        request's (launcher/serving/tool_calls.py), rendered by the template as its model expects them.
+        template_kwargs: the request's chat_template_kwargs, the template's extra variables (checked by
+        openai_protocol.check_template_options)."""
         if not has_default_chat_template(self.tokenizer):  # not the client's doing: say so
             raise ProtocolError(f"model {self.name!r} has no chat template (its tokenizer files define none), so "
                                 f"it cannot take messages: send a text as prompt instead (to /v1/completions, or "
@@ -836,9 +842,9 @@ class OpenAIServer:
             proto.check_utf8(message["content"] or "", f"messages.{i}.content")
             if message.get("name") is not None:
                 proto.check_utf8(message["name"], f"messages.{i}.name")
-        _refuse_control_token_keys(self.tokenizer, messages, tools)
-        rendering = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
-                     **({"tools": tools} if tools else {})}
+        _refuse_control_token_keys(self.tokenizer, messages, tools, template_kwargs)
+        rendering = {**(template_kwargs or {}), "add_generation_prompt": add_generation_prompt,
+                     "continue_final_message": continue_final_message, **({"tools": tools} if tools else {})}
         try:
             with self._encoding:
                 prompt = self.tokenizer.apply_chat_template(messages, tokenize=False, **rendering)

@@ -131,7 +131,10 @@ FIELD_RULES = {
     "add_special_tokens": "true or false (true: the tokenizer's own special tokens, a BOS say, are added around "
                           "the text; /tokenize's default is true with prompt, false with messages)",
     "add_generation_prompt": "true or false (true, the default: the chat ends with the template's opening of an "
-                             "assistant turn, as /v1/chat/completions renders it)",
+                             "assistant turn)",
+    "chat_template_kwargs": "an object of extra variables for the model's chat template, by name (vLLM's; "
+                            "{\"enable_thinking\": false} for Qwen3, say); a template ignores names it does "
+                            "not use",
     "continue_final_message": "true or false (true: the last message is left open for the model to continue; "
                               "only with add_generation_prompt: false)",
     "return_token_strs": "true or false (true: the answer lists each token's string too, as token_strs)",
@@ -464,6 +467,14 @@ class ChatCompletionRequest(_GenerationRequest):
     store: bool = False
     """Refused when true (_check_combinations): a Literal[False] would take the number 0 too."""
     metadata: dict = Field(default_factory=dict, max_length=0)
+    # How the chat template renders the messages (vLLM's extensions; /tokenize's chat form takes them too)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    """True: the last message (the assistant's start of an answer, say) is left open and the model
+    continues it; only with add_generation_prompt false (check_template_options)."""
+    chat_template_kwargs: dict | None = None
+    """Extra variables for the chat template (check_template_options refuses the names the server
+    sets itself)."""
 
     _tool_use = PrivateAttr(None)
     """launcher/serving/tool_calls.py's ToolUse: the tools and tool_choice checked, made once by
@@ -484,6 +495,38 @@ class ChatCompletionRequest(_GenerationRequest):
     def logprobs_count(self) -> int | None:
         """The engine's logprobs argument: None (off) or the number of alternatives."""
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+RESERVED_TEMPLATE_NAMES = {
+    "add_generation_prompt": "send it as the request's own add_generation_prompt",
+    "continue_final_message": "send it as the request's own continue_final_message",
+    "tools": "send the functions as the request's tools",
+    "messages": "send them as the request's messages", "conversation": "send it as the request's messages",
+    "documents": "documents are not supported", "chat_template": "the server uses the model's own template",
+    "tokenize": "the server tokenizes the rendered chat itself", "return_dict": "the server sets it",
+    "return_tensors": "the server sets it", "padding": "the server sets it", "truncation": "the server sets it",
+    "max_length": "use truncate_prompt_tokens, or max_tokens", "tokenizer_kwargs": "the server sets them",
+    "return_assistant_tokens_mask": "the server sets it", "sanitize_control_tokens": "the server sets it",
+}
+"""apply_chat_template's own arguments, which chat_template_kwargs must not name (vLLM refuses
+chat_template and tokenize, and lets the others through): each with where its meaning lives instead."""
+
+
+def check_template_options(request) -> None:
+    """chat_template_kwargs and the rendering flags of a chat request or /tokenize's chat form:
+    ProtocolError naming the field."""
+    if request.continue_final_message and request.add_generation_prompt:
+        raise ProtocolError("continue_final_message (true) leaves the last message open, and add_generation_prompt "
+                            "(true, its default) opens a new assistant turn after it; send add_generation_prompt: "
+                            "false with it", param="continue_final_message")
+    for name in request.chat_template_kwargs or {}:
+        if name in RESERVED_TEMPLATE_NAMES:
+            raise ProtocolError(f"chat_template_kwargs.{name} names one of apply_chat_template's own arguments, which "
+                                f"the server sets: {RESERVED_TEMPLATE_NAMES[name]}",
+                                param=f"chat_template_kwargs.{clip(name)}")
+        check_utf8(name, "chat_template_kwargs")
+    if request.chat_template_kwargs:
+        check_utf8(json.dumps(request.chat_template_kwargs, ensure_ascii=False), "chat_template_kwargs")
 
 
 def template_messages(messages: list[ChatMessage], template: object = None) -> list[dict]:
@@ -532,6 +575,7 @@ class TokenizeChatRequest(_TokenizationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
     add_special_tokens: bool = False
     """vLLM's default for a chat: the template writes the special tokens it wants."""
     return_token_strs: bool = False
@@ -544,10 +588,7 @@ class TokenizeChatRequest(_TokenizationRequest):
     def check(self) -> None:
         if self.tools is not None:
             self._template_tools = function_calling.template_tools(self.tools)
-        if self.continue_final_message and self.add_generation_prompt:
-            raise ProtocolError("continue_final_message (true) leaves the last message open, and add_generation_prompt "
-                                "(true, its default) opens a new assistant turn after it; send add_generation_prompt: "
-                                "false with it", param="continue_final_message")
+        check_template_options(self)
         for i, message in enumerate(self.messages):
             message.check(i)  # as a chat request's: tool calls, missing content, non-text parts
 
@@ -758,6 +799,7 @@ def _check_combinations(request: _GenerationRequest, tool_call_parser: str | Non
             raise ProtocolError(f"store (true) must be {FIELD_RULES['store']}", param="store")
         if request.top_logprobs is not None and not request.logprobs:
             raise ProtocolError("top_logprobs needs logprobs: true", param="top_logprobs")
+        check_template_options(request)
         for i, message in enumerate(request.messages):
             message.check(i)  # refuses missing content, bad tool calls and non-text parts now, before any work
         request._tool_use = function_calling.check_tool_request(request, tool_call_parser)
