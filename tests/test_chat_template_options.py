@@ -124,3 +124,33 @@ def test_chat_completions_render_with_the_requests_options(model_dir, in_process
     assert unthinking["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"]
     assert begun["usage"]["prompt_tokens"] == count(BEGUN, continue_final_message=True)
     assert streamed[-1]["usage"]["prompt_tokens"] == unthinking["usage"]["prompt_tokens"]
+
+
+REASONING_TEMPLATE = (  # renders an assistant's thinking, as Qwen3's template does for the last turn
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}{{ m.content }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_an_assistants_reasoning_sent_back_reaches_the_template(smollm2_tokenizer):
+    """vLLM's `reasoning` (and its older name `reasoning_content`) on an assistant message, as a server
+    with a reasoning parser returns it: handed to the template under both names."""
+    from tests.test_tokenize_routes import replica
+
+    tokenizer = copy.deepcopy(smollm2_tokenizer)
+    tokenizer.chat_template = REASONING_TEMPLATE
+    server = replica(tokenizer)
+
+    def rendered(assistant: dict) -> str:
+        request = chat(messages=[*CHAT, {"role": "assistant", "content": "Blue.", **assistant}, CHAT[0]])
+        return tokenizer.decode(server._apply_chat_template(request.chat_messages(tokenizer.chat_template)))
+
+    assert "assistant\n<think>A sky colour.</think>Blue." in rendered({"reasoning": "A sky colour."})
+    assert "assistant\n<think>Old name.</think>Blue." in rendered({"reasoning_content": "Old name."})
+    assert "<think>New.</think>" in rendered({"reasoning": "New.", "reasoning_content": "Old."})  # vLLM's rule
+    assert "<think>" not in rendered({"reasoning": None})
+    for message, param in (({"role": "user", "content": "x", "reasoning": "r"}, "messages.0.reasoning"),
+                           ({"role": "assistant", "content": "x", "reasoning": "\ud800"}, "messages.0.reasoning")):
+        with pytest.raises(ProtocolError) as refused:
+            chat(messages=[message])
+        assert refused.value.param == param

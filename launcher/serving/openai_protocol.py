@@ -377,6 +377,12 @@ class ChatMessage(NullMeansDefault):
     """tool_calls' deprecated form: refused (send tool_calls)."""
     tool_call_id: str | None = None
     """A tool message's: the id of the call it answers (required there, refused on any other message)."""
+    reasoning: str | None = None
+    """An assistant's thinking before its answer, as a server with a reasoning parser returns it (vLLM's
+    field), sent back in the conversation: handed to the template, which renders it or drops it (Qwen3's
+    keeps only the last turn's)."""
+    reasoning_content: str | None = None
+    """reasoning's older name (vLLM takes it, `reasoning` winning when both are sent)."""
     _template_calls = PrivateAttr(None)
     """tool_calls as the chat template takes them, made by check()."""
 
@@ -404,6 +410,12 @@ class ChatMessage(NullMeansDefault):
                                 f"{self.role} message", param=f"messages.{index}.tool_calls")
         if self.tool_calls:  # an empty list is no call, as vLLM drops it
             self._template_calls = function_calling.template_tool_calls(self.tool_calls, index)
+        for field in ("reasoning", "reasoning_content"):
+            if getattr(self, field) is not None and self.role != "assistant":
+                raise ProtocolError(f"messages.{index}.{field} belongs to an assistant message (its thinking), and a "
+                                    f"{self.role} message has none; leave it out", param=f"messages.{index}.{field}")
+            if getattr(self, field) is not None:
+                check_utf8(getattr(self, field), f"messages.{index}.{field}")
         self.text(index)
 
     def template_form(self, index: int, role: str) -> dict:
@@ -416,6 +428,9 @@ class ChatMessage(NullMeansDefault):
             form["tool_calls"] = self._template_calls
         if self.role == "tool":
             form["tool_call_id"] = self.tool_call_id
+        thinking = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if thinking is not None:  # under both names, as vLLM hands it: templates read one or the other
+            form["reasoning"] = form["reasoning_content"] = thinking
         return form
 
     def text(self, index: int = 0) -> str:
@@ -673,7 +688,7 @@ def _field_error(error: dict, model: type[BaseModel]) -> ProtocolError:
         return ProtocolError(f"{param} ({_short(error.get('input'))}) must be {rules[param]}", param=param)
     if error["type"] == "extra_forbidden" and field == "messages" and len(loc) == 3:
         return ProtocolError(f"unknown key {clip(loc[2])!r} in messages.{loc[1]}; a message takes role, content, "
-                             f"name, and tool_calls (assistant) or tool_call_id (tool) (OpenAI's refusal, audio and "
+                             f"name, and tool_calls and reasoning (assistant) or tool_call_id (tool) (OpenAI's refusal, audio and "
                              f"annotations are not supported)", param=clip(param))
     if error["type"] == "extra_forbidden" and len(loc) > 1:  # inside an object field (stream_options)
         return ProtocolError(f"unknown parameter {clip(param)!r}; {field} must be "
