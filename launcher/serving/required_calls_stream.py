@@ -69,6 +69,11 @@ class RequiredCallsStream:
         arguments sent so far)."""
         self._sent_to: list[int] = []
         """Per sent call, the offset its arguments have been sent up to."""
+        self._first_open = 0
+        """The first call not yet sent whole (the calls before it have nothing more to send: without
+        this every piece went over every call, quadratic in the calls of a long array)."""
+        self._value_is_arguments = False
+        """The value being written is the element's (first) parameters."""
 
     def feed(self, piece: str) -> list[dict]:
         """The tool_calls entries this piece of the text makes ([] for none)."""
@@ -87,10 +92,14 @@ class RequiredCallsStream:
     # ---- which entries go out ----------------------------------------------------------------------
     def _entries(self) -> list[dict]:
         entries = []
-        for index, call in enumerate(self._calls):
+        for index in range(self._first_open, len(self._calls)):
+            call = self._calls[index]
             if not call.ready:  # elements are written in order: nothing after it can be sent
                 break
             end = call.arguments_end if call.arguments_end is not None else self._length
+            if index == self._first_open and index < len(self.sent) and self._sent_to[index] == call.arguments_end:
+                self._first_open += 1  # sent whole before this piece
+                continue
             if index < len(self.sent):
                 if end > self._sent_to[index]:
                     arguments = self._text(self._sent_to[index], end)
@@ -197,12 +206,15 @@ class RequiredCallsStream:
 
     def _start_value(self, i: int, state: int) -> None:
         self._value_start, self._expect = i, state
-        if self._key == "parameters":
+        # a repeated key is no call's arguments (the output's schema allows none; the whole reading
+        # would take the last, a stream has sent the first)
+        self._value_is_arguments = self._key == "parameters" and self._current.arguments_start is None
+        if self._value_is_arguments:
             self._current.arguments_start = i
 
     def _end_value(self, end: int) -> None:
-        if self._key == "parameters":
-            self._current.arguments_end = end
+        if self._value_is_arguments:
+            self._current.arguments_end, self._value_is_arguments = end, False
         elif self._key == "name" and self._expect == _STRING_VALUE:
             try:
                 name = json.loads(self._text(self._value_start, end))

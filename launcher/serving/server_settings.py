@@ -235,7 +235,7 @@ def _served_name(args: dict, launch: dict, shown: str = "served_model_name") -> 
 def _tool_call_parser(parser, name: str = "tool_call_parser") -> str | None:
     """The parser's name, or None (none asked). Checked here, before any replica starts: a misspelt
     one would otherwise only show as every "auto" request refused."""
-    if parser is not None and parser not in TOOL_CALL_PARSERS:
+    if parser is not None and not (isinstance(parser, str) and parser in TOOL_CALL_PARSERS):
         raise ValueError(f"{name} ({parser!r}) must be one of {', '.join(TOOL_CALL_PARSERS)} (the format the model "
                          f"writes its tool calls in: {tool_call_parsers_described()}), or left out")
     return parser
