@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 
+from launcher.serving.call_json import arguments_text, is_text, too_deep
 from launcher.serving.free_text_calls import CallsReading, FreeTextCallReader
 from launcher.serving.stop_strings import held_tail_length
 
@@ -36,14 +37,17 @@ def call_of(block: str) -> tuple[str, str] | None:
     """(name, arguments JSON text) of one block's text, None when it holds no call. The arguments are
     written back as vLLM writes them (json.dumps, non-ASCII kept), so spacing is the same whatever
     the model wrote; like vLLM's, any JSON value is taken (a model writing its arguments as a JSON
-    string gets that string back as JSON text)."""
+    string gets that string back as JSON text). JSON nested past call_json.MAX_DEPTH, or a name
+    no UTF-8 text can carry, is no call (launcher/serving/call_json.py)."""
+    if too_deep(block):
+        return None
     try:
         parsed = json.loads(block)
     except (ValueError, RecursionError):  # ValueError: bad JSON, or an integer past Python's digit limit
         return None
-    if not (isinstance(parsed, dict) and isinstance(parsed.get("name"), str) and "arguments" in parsed):
+    if not (isinstance(parsed, dict) and is_text(parsed.get("name")) and "arguments" in parsed):
         return None
-    return parsed["name"], json.dumps(parsed["arguments"], ensure_ascii=False)
+    return parsed["name"], arguments_text(parsed["arguments"])
 
 
 def blocks(text: str) -> list[str]:

@@ -49,6 +49,7 @@ import json
 import re
 from collections.abc import Iterator
 
+from launcher.serving.call_json import arguments_text, is_text, too_deep
 from launcher.serving.free_text_calls import CallsReading, FreeTextCallReader
 
 PYTHON_TAG = "<|python_tag|>"
@@ -69,18 +70,22 @@ def without_leading_tag(text: str) -> str:
 def call_of(parsed: object) -> tuple[str, str] | None:
     """(name, arguments JSON text) of a decoded object, None when it holds no call. The arguments are
     "arguments" when there, else "parameters" (vLLM's order), written back as vLLM writes them
-    (json.dumps, non-ASCII kept): any JSON value is taken."""
-    if not (isinstance(parsed, dict) and isinstance(parsed.get("name"), str)):
+    (json.dumps, non-ASCII kept): any JSON value is taken. A name no UTF-8 text can carry is none
+    (launcher/serving/call_json.py)."""
+    if not (isinstance(parsed, dict) and is_text(parsed.get("name"))):
         return None
     for key in ("arguments", "parameters"):
         if key in parsed:
-            return parsed["name"], json.dumps(parsed[key], ensure_ascii=False)
+            return parsed["name"], arguments_text(parsed[key])
     return None
 
 
 def decoded_at(text: str, start: int) -> tuple[object, int] | None:
     """The JSON value at text[start] and the index after it (json's raw_decode), None when it is no
-    whole JSON. ValueError: bad JSON, or an integer past Python's digit limit; RecursionError: too deep."""
+    whole JSON. ValueError: bad JSON, or an integer past Python's digit limit; nested past
+    call_json.MAX_DEPTH: none, whatever the caller's stack (RecursionError came at a depth that did)."""
+    if too_deep(text, start):
+        return None
     try:
         return DECODER.raw_decode(text, start)
     except (ValueError, RecursionError):

@@ -63,6 +63,7 @@ import re
 import secrets
 import string
 
+from launcher.serving.call_json import arguments_text, is_text, too_deep
 from launcher.serving.free_text_calls import CallsReading, FreeTextCallReader
 from launcher.serving.stop_strings import held_tail_length
 from launcher.serving.tool_calls import tool_call
@@ -82,7 +83,10 @@ def new_mistral_call_id() -> str:
 
 def first_json_value(text: str) -> tuple[object, int] | None:
     """The JSON value `text` starts with and where it ends (json's raw_decode), None when it starts
-    with none."""
+    with none (nor with one nested past call_json.MAX_DEPTH: the same answer whatever the caller's
+    stack)."""
+    if too_deep(text):
+        return None
     try:
         return json.JSONDecoder().raw_decode(text)
     except (ValueError, RecursionError):  # ValueError: bad JSON, or an integer past Python's digit limit
@@ -100,8 +104,10 @@ def pre_v11_calls(parsed: object) -> list[tuple[str, str]]:
         if arguments is None:
             arguments = "{}"
         elif not isinstance(arguments, str):
-            arguments = json.dumps(arguments, ensure_ascii=False)
-        calls.append((name if isinstance(name, str) else "", arguments))
+            arguments = arguments_text(arguments)
+        elif not is_text(arguments):  # a lone surrogate escape decoded: written back as the escape
+            arguments = arguments.encode("utf-8", "backslashreplace").decode("utf-8")
+        calls.append((name if is_text(name) else "", arguments))
     return calls
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from launcher.serving.call_json import is_text
 from launcher.serving.tool_calls import new_call_id
 
 # What the scan expects next inside an element object of the array.
@@ -220,6 +221,6 @@ class RequiredCallsStream:
                 name = json.loads(self._text(self._value_start, end))
             except json.JSONDecodeError:  # never a call, as the whole reading refuses the array
                 name = None
-            if isinstance(name, str):
+            if is_text(name):  # no lone surrogate, as the whole reading takes names
                 self._current.name, self._current.name_end = name, end
         self._expect = _AFTER_VALUE

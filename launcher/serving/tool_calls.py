@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from launcher.serving import openai_protocol as proto
+from launcher.serving.call_json import arguments_text, is_text, too_deep
 from launcher.serving.null_means_default import NullMeansDefault
 from shardlib.structured_output import StructuredOutput
 
@@ -409,15 +410,18 @@ def tool_call(name: str, arguments: str, index: int | None = None, call_id: str 
 def required_calls(text: str) -> list[dict]:
     """The calls a "required" choice's text holds, [] when it is not the whole array (cut short by
     max_tokens or a stop string), as vLLM reads it. Each call's arguments are its parameters
-    written back as JSON text (non-ASCII kept)."""
+    written back as JSON text (non-ASCII kept; launcher/serving/call_json.py for the depth and
+    lone surrogates)."""
+    if too_deep(text):
+        return []
     try:
         parsed = json.loads(text)
-    except (json.JSONDecodeError, RecursionError):
+    except (ValueError, RecursionError):
         return []
-    if not isinstance(parsed, list) or not all(isinstance(item, dict) and isinstance(item.get("name"), str)
+    if not isinstance(parsed, list) or not all(isinstance(item, dict) and is_text(item.get("name"))
                                                for item in parsed):
         return []
-    return [tool_call(item["name"], json.dumps(item.get("parameters"), ensure_ascii=False)) for item in parsed]
+    return [tool_call(item["name"], arguments_text(item.get("parameters"))) for item in parsed]
 
 
 class ToolCallReader:

@@ -1,0 +1,74 @@
+"""JSON read from a model's tool calls, made safe to answer with.
+
+- Depth. Python's JSON decoder and encoder recurse once per level of nesting, so a value nested
+  about a thousand levels deep raised RecursionError, and how deep was too deep depended on how
+  deep the caller's own stack was: a streamed reading (called from deeper frames) and the whole
+  reading of the same text disagreed near the limit, and an encoder's RecursionError escaped as a
+  500. Values nested deeper than MAX_DEPTH are therefore no call's JSON, whoever reads them.
+- Text. A string written with a lone surrogate escape ("\\ud83d") decodes to a lone surrogate, which
+  no UTF-8 response can carry (the whole answer failed with UnicodeEncodeError; the stream, which
+  escapes non-ASCII, did not). Arguments holding one are written with ASCII escapes (the same JSON
+  value, as the model wrote it); a name holding one is no function's name.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+MAX_DEPTH = 128
+"""Deepest nesting of objects and arrays taken in a call's JSON: far below where Python's recursion
+limit (1000 frames and levels together: a value 600 levels deep failed 400 frames down) stops the
+decoder or the encoder, however deep the caller's stack, and far above any call's arguments."""
+
+_SIGNS = re.compile(r'[\[\]{}"\\]')
+
+
+def too_deep(text: str, start: int = 0) -> bool:
+    """Whether the JSON value starting at text[start] (whitespace before it skipped) nests deeper than
+    MAX_DEPTH, scanning up to where that value closes (or the text ends). Strings are stepped over,
+    escapes included, so brackets inside them do not count."""
+    position = len(text) - len(text[start:].lstrip()) if text[start:start + 1].isspace() else start
+    if text[position:position + 1] not in ("[", "{", '"'):  # a number or a literal: no nesting
+        return False
+    depth, in_string = 0, False
+    while True:
+        sign = _SIGNS.search(text, position)
+        if sign is None:
+            return False
+        char, position = sign.group(), sign.end()
+        if in_string:
+            if char == "\\":
+                position += 1
+            elif char == '"':
+                in_string = False
+                if not depth:
+                    return False  # a string value closed
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            if depth > MAX_DEPTH:
+                return True
+        elif char in "]}":
+            depth -= 1
+            if depth <= 0:
+                return False
+
+
+def is_text(value: object) -> bool:
+    """A str that UTF-8 can carry (no lone surrogate)."""
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def arguments_text(value: object) -> str:
+    """A call's arguments as JSON text, as vLLM writes them (json.dumps, non-ASCII kept), but with
+    ASCII escapes where the value holds a lone surrogate (module doc)."""
+    text = json.dumps(value, ensure_ascii=False)
+    return text if is_text(text) else json.dumps(value)
