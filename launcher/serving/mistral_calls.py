@@ -32,8 +32,8 @@ Where this reading differs from vLLM's (the same whole and streamed here):
   the marker, a v11 name that is not 1+ letters, digits, `_` or `-` followed by `[ARGS]` or `{`) is
   all content, the whole text, with no call, as the hermes reader does (and as a stream can say
   it). vLLM's pre-v11 reading returns only the text after the marker (stripped) as content, the
-  text before it lost, and first tries the longest `[{...}]` anywhere in that text (a regex
-  fallback, not followed here: it reaches up to the next marker or the end, where a stream must
+  text before it lost, and where its JSON does not decode tries the longest `[{...}]` anywhere in
+  that text (a regex fallback, not followed here: it reaches up to the next marker or the end, where a stream must
   settle each call when its JSON value closes); its v11 reading makes a call of almost any text
   after a marker (any name, or "" for none; a name with no `[ARGS]`).
 - Markers with only whitespace between them count as one in both forms (vLLM's v11 reading puts
