@@ -28,6 +28,7 @@ from launcher.cli.options import (add_max_num_seqs, add_max_prefill_tokens, add_
                                   add_prefix_caching, int_at_least, max_num_seqs_option, model_and_placement_options,
                                   with_flag_name)
 from launcher.serving.ingress import MODES, IdleProxyAddressHidden, IngressPlan, choose_mode, plan_ingress
+from launcher.serving.reasoning import REASONING_PARSERS
 from launcher.serving.server_settings import TOOL_CALL_PARSERS, api_key_from_environment, tool_call_parsers_described
 
 SERVE_MAX_NUM_SEQS = 16
@@ -64,6 +65,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
                    help="take tool_choice \"auto\" (the default with tools) and read the model's calls from its text "
                         f"in this format: {tool_call_parsers_described()}; default: none, \"auto\" is refused")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
+                   help="split a thinking model's chat answers: the text inside <think>...</think> goes to the "
+                        "message's `reasoning` field, the rest is the content: "
+                        + "; ".join(f"{name}, {form}" for name, form in REASONING_PARSERS.items())
+                        + "; default: none, all of the text is the content")
     p.add_argument("--api-key", metavar="KEY",
                    help="require `Authorization: Bearer KEY` on /v1/* (default: $CORELAUNCH_API_KEY; unset: open)")
     p.add_argument("--replicas", type=int_at_least("--replicas"), metavar="N",
@@ -149,7 +155,8 @@ def server_args(args: argparse.Namespace) -> dict:
              # an explicit --api-key "" is refused (checked as the argument), not read as "no key"
              "api_key": args.api_key if args.api_key is not None else api_key_from_environment(),
              "replicas": args.replicas, "min_replicas": args.min_replicas, "max_replicas": args.max_replicas,
-             "target_ongoing_requests": args.target_ongoing_requests, "tool_call_parser": args.tool_call_parser}
+             "target_ongoing_requests": args.target_ongoing_requests, "tool_call_parser": args.tool_call_parser,
+             "reasoning_parser": args.reasoning_parser}
     if args.max_queued_requests is not None:
         built["max_queued_requests"] = args.max_queued_requests
     if args.max_prefill_tokens is not None:

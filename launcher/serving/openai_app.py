@@ -514,6 +514,9 @@ class OpenAIServer:
     tool_call_parser: str | None = None
     """tool_choice "auto" reads calls in this format (tool_calls.PARSER_READERS); None: refused.
     The constructor sets the settings' (ServerSettings.tool_call_parser)."""
+    reasoning_parser: str | None = None
+    """Chat answers' thinking read in this format (launcher/serving/reasoning.py); None: all content.
+    The constructor sets the settings' (ServerSettings.reasoning_parser)."""
 
     def __init__(self, settings: ServerSettings):
         from launcher.api import LaunchConfig, Launcher, load_tokenizer, server_tokenizer_problem
@@ -581,6 +584,7 @@ class OpenAIServer:
         truncate_prompt_tokens keeps them, as vLLM's truncation inside the tokenizer does."""
         self.name = settings.served_model_name
         self.tool_call_parser = settings.tool_call_parser
+        self.reasoning_parser = settings.reasoning_parser
         self.context_tokens = _context_tokens(self.launcher)
         self.longest_prompt = _longest_prompt(self.launcher)
         self.metrics = ServerMetrics(self.launcher.load)
@@ -689,7 +693,8 @@ class OpenAIServer:
         stream = await self._start_choices(req, [prompt], [proto.max_new_tokens(req, len(prompt), self.context_tokens)],
                                            req.logprobs_count(), "messages", req.engine_prompt_logprobs())
         return await self._respond(req, stream, [ChatRender(self.pieces, req.logprobs, i, req.prompt_logprobs,
-                                                            req.skip_special_tokens, req.tool_call_reader())
+                                                            req.skip_special_tokens, req.tool_call_reader(),
+                                                            req.reasoning(), req.include_reasoning)
                                                  for i in range(req.n)], arrived)
 
     @app.post("/tokenize")
@@ -921,7 +926,7 @@ class OpenAIServer:
     def _parse(self, model, body):
         counts = self._counts(model)
         try:
-            req = proto.parse_request(model, body, self.tool_call_parser)
+            req = proto.parse_request(model, body, self.tool_call_parser, self.reasoning_parser)
         except ProtocolError:
             counts.rejected(400)
             raise
@@ -1107,7 +1112,7 @@ def build_app(args: dict) -> serve.Application:
     """Serve's application builder: `serve run launcher.serving.openai_app:build_app model=DIR tp=2`,
     or `import_path: launcher.serving.openai_app:build_app` with `args:` in a `serve deploy` config.
     The arguments are the server's (served_model_name, api_key, replicas, min_replicas, max_replicas,
-    target_ongoing_requests, tool_call_parser) and LaunchConfig's fields (model, tp, dtype, seq_len, max_num_seqs,
+    target_ongoing_requests, tool_call_parser, reasoning_parser) and LaunchConfig's fields (model, tp, dtype, seq_len, max_num_seqs,
     max_queued_requests, ...); see launcher/serving/server_settings.py."""
     return application(builder_settings(args))
 

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from launcher.serving import tool_calls as function_calling  # not `tool_calls`: a message's field
 from launcher.serving.null_means_default import NullMeansDefault
+from launcher.serving.reasoning import thinking_requested
 from launcher.serving.response_formats import ResponseFormat, StructuredOutputs, requested_structure
 
 from shardlib.sampling_params import (MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_PENALTY, MAX_SEED,
@@ -132,6 +133,7 @@ FIELD_RULES = {
                           "the text; /tokenize's default is true with prompt, false with messages)",
     "add_generation_prompt": "true or false (true, the default: the chat ends with the template's opening of an "
                              "assistant turn)",
+    "include_reasoning": "true or false (false: a server with a reasoning parser leaves the answer's thinking out)",
     "chat_template_kwargs": "an object of extra variables for the model's chat template, by name (vLLM's; "
                             "{\"enable_thinking\": false} for Qwen3, say); a template ignores names it does "
                             "not use",
@@ -490,10 +492,14 @@ class ChatCompletionRequest(_GenerationRequest):
     chat_template_kwargs: dict | None = None
     """Extra variables for the chat template (check_template_options refuses the names the server
     sets itself)."""
+    include_reasoning: bool = True
+    """vLLM's: false leaves the reasoning out of the answer (on a server with a reasoning parser)."""
 
     _tool_use = PrivateAttr(None)
     """launcher/serving/tool_calls.py's ToolUse: the tools and tool_choice checked, made once by
     _check_combinations."""
+    _reasoning = PrivateAttr(None)
+    """reasoning()'s answer, set by _check_combinations."""
 
     def chat_messages(self, template: object = None) -> list[dict]:
         """The messages as the chat template takes them (template_messages)."""
@@ -502,6 +508,11 @@ class ChatCompletionRequest(_GenerationRequest):
     def template_tools(self) -> list[dict] | None:
         """The tools as the chat template takes them (apply_chat_template's tools), None without any."""
         return (self._tool_use.tools or None) if self._tool_use is not None else None
+
+    def reasoning(self) -> tuple[str, bool] | None:
+        """(the server's reasoning parser, whether the request leaves thinking on) when the answer's
+        thinking is split from its content; None when the text is all content."""
+        return self._reasoning
 
     def tool_call_reader(self) -> "function_calling.ToolCallReader | None":
         """A new reader of one choice's text as tool calls; None when no call is forced (plain text)."""
@@ -650,9 +661,10 @@ def is_generation_request(model: object) -> bool:
 
 
 def parse_request(model: type[_GenerationRequest] | type[_TokenizationRequest], body: object,
-                  tool_call_parser: str | None = None):
+                  tool_call_parser: str | None = None, reasoning_parser: str | None = None):
     """`body` (the decoded JSON) as `model` (or TokenizeRequest: as its form); ProtocolError naming the
-    first bad field and its rule. tool_call_parser: the server's (a chat's tool_choice "auto" needs one)."""
+    first bad field and its rule. tool_call_parser: the server's (a chat's tool_choice "auto" needs one);
+    reasoning_parser: the server's (a chat's thinking is split from its answer)."""
     if not isinstance(body, dict):
         raise ProtocolError(f"the request body must be a JSON object, not {_json_kind(body)}")
     if model is TokenizeRequest:
@@ -664,7 +676,7 @@ def parse_request(model: type[_GenerationRequest] | type[_TokenizationRequest], 
     if isinstance(request, _TokenizationRequest):
         request.check()
     else:
-        _check_combinations(request, tool_call_parser)
+        _check_combinations(request, tool_call_parser, reasoning_parser)
     return request
 
 
@@ -762,7 +774,8 @@ def check_utf8(text: str, param: str) -> None:
                             param=param) from None
 
 
-def _check_combinations(request: _GenerationRequest, tool_call_parser: str | None = None) -> None:
+def _check_combinations(request: _GenerationRequest, tool_call_parser: str | None = None,
+                        reasoning_parser: str | None = None) -> None:
     """Rules that span fields, or that pydantic's per-field constraints cannot say."""
     stops = request.stop_strings()
     if len(stops) > MAX_STOP_STRINGS:
@@ -824,6 +837,12 @@ def _check_combinations(request: _GenerationRequest, tool_call_parser: str | Non
             request.skip_special_tokens = False
         if request._tool_use.structure is not None:  # a forced call: its schema constrains the output
             request._structure = request._tool_use.structure
+        if reasoning_parser is not None and request._structure is None:
+            # A structured output constrains the text from its first token (vLLM constrains only the
+            # answer after the thinking): no thinking to split there, all of it is the content.
+            request._reasoning = (reasoning_parser, thinking_requested(reasoning_parser, request.chat_template_kwargs))
+            if reasoning_parser == "qwen3":  # vLLM's rule for Qwen3: a tag that is a special token survives
+                request.skip_special_tokens = False
 
 
 def _check_allowed_token_ids(ids: list[int] | None) -> None:

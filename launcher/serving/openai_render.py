@@ -10,6 +10,7 @@ from __future__ import annotations
 from launcher.serving import openai_protocol as proto
 from launcher.serving.echoed_prompt import EchoedPrompt, prompt_logprobs, shifted
 from launcher.serving.logprob_alignment import AlignedLogprobs
+from launcher.serving.reasoning import ReasoningSplitter, read_reasoning
 from launcher.serving.token_pieces import TokenPieces
 
 
@@ -130,16 +131,24 @@ class ChatRender(_Render):
     """/v1/chat/completions objects from the engine's deltas: the text as the message's content, or,
     when a tool call is forced, read as tool calls (`tool_calls`, a launcher.serving.tool_calls
     ToolCallReader of this choice), or with tool_choice "auto" read as content and calls (the
-    server's tool-call parser's reader: launcher.serving.tool_calls PARSER_READERS)."""
+    server's tool-call parser's reader: launcher.serving.tool_calls PARSER_READERS). On a server with
+    a reasoning parser, the thinking first goes to the message's `reasoning` (launcher/serving/
+    reasoning.py), and only the rest is the content, or what the tool-call reader reads."""
 
     id_prefix, chunk_object, response_object = "chatcmpl", "chat.completion.chunk", "chat.completion"
 
     def __init__(self, pieces: TokenPieces, logprobs: bool, index: int = 0, prompt_top: int | None = None,
-                 skip_special_tokens: bool = True, tool_calls=None):
-        """prompt_top: vLLM's prompt_logprobs asked (the response carries them, as vLLM's chat does)."""
+                 skip_special_tokens: bool = True, tool_calls=None, reasoning: tuple[str, bool] | None = None,
+                 include_reasoning: bool = True):
+        """prompt_top: vLLM's prompt_logprobs asked (the response carries them, as vLLM's chat does).
+        reasoning: (parser, thinking on) when the answer's thinking is split off (the request's
+        reasoning()); include_reasoning false leaves it out of the answer."""
         super().__init__(pieces, logprobs, index, prompt_top, skip_special_tokens)
         self.text, self.entries = [], []
         self.calls = tool_calls
+        self.reasoning, self.include_reasoning = reasoning, include_reasoning
+        self.splitter = ReasoningSplitter(*reasoning) if reasoning is not None else None
+        """Streamed: this choice's text split as it comes (built for whole answers too, unused there)."""
 
     def _sent_finish(self, finish: str | None) -> str | None:
         """The finish reason the client is told: "tool_calls" for "required" calls (tool_calls.py).
@@ -149,9 +158,13 @@ class ChatRender(_Render):
     def _delta(self, delta) -> dict:
         """The chunk's delta: the text, or what the reader makes of it (tool calls' pieces; with
         tool_choice "auto", content and whole calls)."""
-        if self.calls is None:
-            return {"content": delta.text} if delta.text else {}
-        return self.calls.delta(delta.text, delta.finish_reason is not None)
+        text, finished, thought = delta.text, delta.finish_reason is not None, ""
+        if self.splitter is not None:
+            thought, text = self.splitter.feed(text, finished)
+        message = self.calls.delta(text, finished) if self.calls is not None else {"content": text} if text else {}
+        if thought and self.include_reasoning:
+            message = {"reasoning": thought, **message}
+        return message
 
     def _ready(self, delta) -> list:
         return [entry for entry, _ in self.aligned.push(delta)] if self.logprobs else []
@@ -169,7 +182,7 @@ class ChatRender(_Render):
 
     def collect(self, delta) -> None:
         self.text.append(delta.text)
-        if self.calls is not None:
+        if self.calls is not None and self.reasoning is None:  # with reasoning: the content, in choice()
             self.calls.push(delta.text, delta.finish_reason is not None)
         self.entries.extend(self._ready(delta))
         self._keep_prompt_entries(delta)
@@ -179,7 +192,14 @@ class ChatRender(_Render):
 
     def choice(self, finish) -> dict:
         logprobs = proto.chat_logprobs(self.entries, self.pieces) if self.logprobs else None
-        choice = proto.chat_choice("".join(self.text), self._sent_finish(finish), logprobs, self.index)
+        content, thought = "".join(self.text), None
+        if self.reasoning is not None:
+            thought, content = read_reasoning(self.reasoning[0], content, self.reasoning[1])
+            if self.calls is not None:
+                self.calls.push(content or "", True)
+        choice = proto.chat_choice(content, self._sent_finish(finish), logprobs, self.index)
         if self.calls is not None:
             choice["message"] = self.calls.message()
+        if self.reasoning is not None and self.include_reasoning:
+            choice["message"]["reasoning"] = thought
         return choice

@@ -18,11 +18,12 @@ from pathlib import Path
 import yaml
 
 SERVER_ARGS = ("served_model_name", "api_key", "replicas", "min_replicas", "max_replicas",
-               "target_ongoing_requests", "tool_call_parser")
+               "target_ongoing_requests", "tool_call_parser", "reasoning_parser")
 """Builder arguments that configure the server and Serve; every other argument is a LaunchConfig
 field (model, tp, dtype, seq_len, max_num_seqs, max_queued_requests, compiled_dir, ...)."""
 
-TEXT_ARGS = ("model", "served_model_name", "api_key", "tool_call_parser", "compiled_dir", "presharded_dir",
+TEXT_ARGS = ("model", "served_model_name", "api_key", "tool_call_parser", "reasoning_parser", "compiled_dir",
+             "presharded_dir",
              "presharded_cache_dir", "backend", "instance", "dtype", "kv_cache_dtype", "kv_strategy", "moe_sharding",
              "compile_granularity")
 """Arguments kept as the text given (`serve run` passes every value as text; the others are read as
@@ -91,6 +92,9 @@ class ServerSettings:
     tool_call_parser: str | None = None
     """One of TOOL_CALL_PARSERS: tool_choice "auto" is taken and the model's calls are read from its
     text in that format; None: "auto" is refused (vLLM's rule without --enable-auto-tool-choice)."""
+    reasoning_parser: str | None = None
+    """One of reasoning.REASONING_PARSERS: a chat answer's thinking goes to its `reasoning` field;
+    None: all of the text is the content."""
 
     @property
     def most_replicas(self) -> int:
@@ -132,6 +136,7 @@ def settings_from_args(args: dict, names: dict | None = None) -> ServerSettings:
     launch.update(replicas=1, progress=launch.get("progress", False), warm_up_static=False)
     # before the model's checks: a misspelt parser is said first, not after a model folder's refusal
     parser = _tool_call_parser(typed.get("tool_call_parser"), name("tool_call_parser", "tool_call_parser"))
+    reasoning = _reasoning_parser(typed.get("reasoning_parser"), name("reasoning_parser", "reasoning_parser"))
     config = LaunchConfig(**launch)  # its checks, with its messages, now rather than inside a Serve replica
     if config.model is not None and config.compiled_dir is None:
         from shardlib.model_config import load_model_config
@@ -160,7 +165,7 @@ def settings_from_args(args: dict, names: dict | None = None) -> ServerSettings:
         api_key=_api_key(typed.get("api_key"), name("api_key", "api_key")),
         num_replicas=num_replicas, autoscaling=autoscaling, max_ongoing_requests=admitted + ROUTE_HEADROOM,
         from_command_line=names is not None,
-        tool_call_parser=parser)
+        tool_call_parser=parser, reasoning_parser=reasoning)
 
 
 def _unknown_hints(unknown: list[str], known: tuple[str, ...]) -> str:
@@ -230,6 +235,17 @@ def _served_name(args: dict, launch: dict, shown: str = "served_model_name") -> 
     from shardlib.demo_model import DEMO_MODEL_NAME
 
     return DEMO_MODEL_NAME
+
+
+def _reasoning_parser(parser, name: str = "reasoning_parser") -> str | None:
+    """The reasoning parser's name, or None (none asked), checked before any replica starts."""
+    from launcher.serving.reasoning import REASONING_PARSERS
+
+    if parser is not None and not (isinstance(parser, str) and parser in REASONING_PARSERS):
+        raise ValueError(f"{name} ({parser!r}) must be one of {', '.join(REASONING_PARSERS)} (how a thinking "
+                         f"model writes its reasoning: "
+                         f"{'; '.join(f'{key}, {form}' for key, form in REASONING_PARSERS.items())}), or left out")
+    return parser
 
 
 def _tool_call_parser(parser, name: str = "tool_call_parser") -> str | None:

@@ -1,0 +1,187 @@
+"""A thinking model's text split into its reasoning and its answer, as vLLM 0.32's `--reasoning-parser`
+splits it: the reasoning goes to the message's `reasoning` field (streamed as delta `reasoning`), the
+rest is the `content` (what a tool-call parser then reads). Two formats, both written with the tags
+
+    <think>
+    The user wants the weather in Paris; I should call the tool.
+    </think>
+
+    It is sunny in Paris.
+
+"qwen3" (the Qwen3 series: the model writes `<think>` itself; `{"enable_thinking": false}` in the
+request's chat_template_kwargs turns thinking off) and "deepseek_r1" (DeepSeek-R1, its distills and
+QwQ-32B, as vLLM's docs pair them: the chat template writes `<think>` into the prompt, so the text
+usually starts inside the thinking, with no opening tag).
+
+The rules, per parser (the tags are text: corelaunch reads decoded text, where vLLM's stream looks for
+the tags' token ids; with the models' tokenizers each tag is one token, so the two agree):
+
+- Both start in the reasoning, tag or no tag: `abc</think>xyz` is reasoning "abc", content "xyz", and
+  a text with no `</think>` (cut short by max_tokens) is all reasoning, content null.
+- Before the end of the reasoning, every `<think>` is markup and dropped; the text before it stays
+  reasoning (`pre<think>abc</think>` is reasoning "preabc").
+- The reasoning ends at the first `</think>`, which is dropped. qwen3 also ends it at the first
+  `<tool_call>` (a call written without closing the thinking), which stays, as the content's start.
+- After it, deepseek_r1 keeps the text as it is (a later `<think>` or `</think>` is content); qwen3
+  drops every later `</think>` (vLLM's grammar takes it for a repeat) and keeps `<think>` as text.
+- Nothing is stripped: `<think>\n\n</think>\n\nxyz` is reasoning "\n\n", content "\n\nxyz".
+- Empty content is null. Empty reasoning is null for qwen3, "" for deepseek_r1 (vLLM's whole
+  answers: `<think></think>xyz` gives reasoning "" under deepseek_r1, null under qwen3).
+- qwen3 with thinking off (`enable_thinking` false, or null: vLLM tests its truth): no reasoning at
+  all, the content is the text as it is, tags included, "" kept (the answer of a server with no
+  parser). deepseek_r1 reads no chat_template_kwargs (vLLM's doesn't): `thinking` changes nothing.
+
+Where vLLM 0.32's stream and whole answer disagree, one rule is taken for both, so that the stream's
+deltas add up to the whole answer for any split of the text:
+
+- deepseek_r1, text before `<think>`, or a second `<think>` in the reasoning: vLLM's whole answer
+  drops the text before the first `<think>` (`pre<think>abc</think>xyz`: reasoning "abc") and keeps a
+  second one as text; its stream (a token a delta) drops each `<think>` token and keeps the rest as
+  reasoning ("preabc"). The stream's rule is taken: it loses no text the model wrote.
+- deepseek_r1, `<think>` in the answer: vLLM's whole answer looks for `<think>` first, so
+  `abc</think>x<think>y</think>z` gives reasoning "y", content "z" (the answer and thinking lost);
+  its stream gives reasoning "abc", content "x<think>y</think>z". The stream's rule is taken.
+- qwen3, a second `</think>` in the answer: vLLM's whole answer drops it; its server stream sends it
+  as content when it comes in a later delta than the first (after the reasoning ends the server
+  stops feeding its parser). The whole answer's rule is taken: the duplicate is markup, which is
+  why vLLM's grammar drops it; the stream only keeps it by accident.
+
+Other vLLM stream behaviours not followed: a delta holding several tokens (vLLM's stream_interval,
+a detokenizer catching up) makes vLLM's deepseek_r1 stream keep a `<think>` as reasoning text; and
+a prompt already holding a `</think>` after its last `<think>` makes vLLM stream the whole output as
+content while its whole answer still reads reasoning (the server decides that from the prompt's
+tokens; with `enable_thinking` false that is how vLLM's qwen3 stream gets its all-content answer,
+which qwen3's `thinking=False` gives here; deepseek_r1 has no such switch).
+
+Streamed, each piece goes out at once but for a tail that may still grow into a tag that matters in
+the current part (at most 10 characters: `<tool_call` without its `>`); the work per piece is that
+piece's, the text already sent never being read again.
+
+Pure (no tokenizer, no engine): the app drives one ReasoningSplitter per choice.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Mapping
+
+from launcher.serving.stop_strings import held_tail_length
+
+THINK_START, THINK_END, CALL_START = "<think>", "</think>", "<tool_call>"
+
+REASONING_PARSERS = {
+    "deepseek_r1": "DeepSeek-R1, its distills, QwQ-32B: thinking up to </think> (the prompt opens it), "
+                   "then the answer",
+    "qwen3": "Qwen3: <think>...</think> (or up to a <tool_call>), then the answer; "
+             "chat_template_kwargs {\"enable_thinking\": false} makes it all answer",
+}
+"""The --reasoning-parser names, as vLLM 0.32 names them, with what each reads."""
+
+
+def check_parser(parser: str) -> str:
+    """The parser's name; ValueError naming it and the known ones when it is none of them."""
+    if parser not in REASONING_PARSERS:
+        raise ValueError(f"unknown reasoning parser {parser!r}; use one of "
+                         f"{', '.join(sorted(REASONING_PARSERS))}")
+    return parser
+
+
+def thinking_requested(parser: str, chat_template_kwargs: Mapping | None) -> bool:
+    """Whether the request leaves thinking on, as vLLM 0.32 reads its chat_template_kwargs: qwen3 looks
+    at "enable_thinking" (default true; any false value, null included, turns it off, as vLLM tests
+    the value's truth); deepseek_r1 looks at nothing, so always thinks. ("thinking", the key some
+    other templates read, is not looked at by either.)"""
+    if check_parser(parser) == "qwen3":
+        return bool((chat_template_kwargs or {}).get("enable_thinking", True))
+    return True
+
+
+def read_reasoning(parser: str, text: str, thinking: bool = True) -> tuple[str | None, str | None]:
+    """The whole generated text's (reasoning, content) under `parser` (module docstring: the rules).
+    thinking False: the request turned thinking off (thinking_requested)."""
+    if check_parser(parser) == "qwen3":
+        if not thinking:
+            return None, text
+        end = _first_reasoning_end_qwen3(text)
+        if end is None:
+            return text.replace(THINK_START, "") or None, None
+        head, rest = text[:end], text[end:]
+        if rest.startswith(THINK_END):
+            rest = rest[len(THINK_END):]  # a <tool_call> that ends the reasoning stays: the content's start
+        return head.replace(THINK_START, "") or None, rest.replace(THINK_END, "") or None
+    head, end, rest = text.partition(THINK_END)
+    return head.replace(THINK_START, ""), (rest if end else "") or None
+
+
+def _first_reasoning_end_qwen3(text: str) -> int | None:
+    """Where the first </think> or <tool_call> begins (the tags cannot overlap: each holds one "<",
+    its first character), None when there is neither."""
+    found = [i for tag in (THINK_END, CALL_START) if (i := text.find(tag)) >= 0]
+    return min(found, default=None)
+
+
+class ReasoningSplitter:
+    """One choice's streamed text split into (reasoning delta, content delta) per piece.
+
+    In each part (reasoning, content) a few tags matter: each is found, acted on, and the text
+    between goes out at once; only a tail that may be the start of one is held for the next piece.
+    The text already sent is never looked at again."""
+
+    def __init__(self, parser: str, thinking: bool = True):
+        self.parser = check_parser(parser)
+        self.thinking = bool(thinking)
+        self._in_reasoning = parser == "deepseek_r1" or self.thinking
+        self._held = ""
+
+    @property
+    def in_reasoning(self) -> bool:
+        """Whether the text that comes next is still reasoning."""
+        return self._in_reasoning
+
+    @property
+    def held(self) -> str:
+        """The text received but not yet sent: it may be the start of a tag."""
+        return self._held
+
+    def feed(self, piece: str, finished: bool) -> tuple[str, str]:
+        """(reasoning, content) to send for this piece; finished: the last piece, so nothing is held."""
+        text, self._held = self._held + piece, ""
+        reasoning, content = [], []
+        start = 0
+        while start < len(text):
+            tags = self._tags()
+            if not tags:
+                content.append(text[start:])
+                break
+            found = _tag_pattern(tags).search(text, start)
+            if found is None:
+                keep = 0 if finished else held_tail_length(text[start:], tags)
+                (reasoning if self._in_reasoning else content).append(text[start:len(text) - keep])
+                self._held = text[len(text) - keep:]
+                break
+            (reasoning if self._in_reasoning else content).append(text[start:found.start()])
+            self._act_on(found.group(), content)
+            start = found.end()
+        return "".join(reasoning), "".join(content)
+
+    def _tags(self) -> tuple[str, ...]:
+        """The tags that mean something in the current part."""
+        if self._in_reasoning:
+            return (THINK_START, THINK_END, CALL_START) if self.parser == "qwen3" else (THINK_START, THINK_END)
+        return (THINK_END,) if self.parser == "qwen3" and self.thinking else ()
+
+    def _act_on(self, tag: str, content: list[str]) -> None:
+        """Apply a found tag. Dropped: <think> in the reasoning, </think> (qwen3's, in the content too).
+        A <tool_call> ends qwen3's reasoning and is the content's start."""
+        if tag == CALL_START:
+            self._in_reasoning = False
+            content.append(tag)
+        elif tag == THINK_END:
+            self._in_reasoning = False
+
+
+@functools.cache
+def _tag_pattern(tags: tuple[str, ...]) -> re.Pattern:
+    """One search for the earliest of `tags` (compiled once per set of tags)."""
+    return re.compile("|".join(map(re.escape, tags)))

@@ -1,0 +1,152 @@
+"""--reasoning-parser on /v1/chat/completions (launcher/serving/reasoning.py read by the app): the
+option and builder argument, which requests have their thinking split (not a structured output's,
+which is constrained from its first token), the answer's `reasoning` field whole and streamed through
+the route's renderer, the content then read by a tool-call parser, include_reasoning false, and end to
+end over a real in-process Launcher."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import pytest
+
+from launcher.serving.openai_protocol import ChatCompletionRequest, ProtocolError, ResponseMeta, parse_request
+from launcher.serving.openai_render import ChatRender
+from launcher.serving.stream_types import StreamDelta
+from launcher.serving.token_pieces import TokenPieces
+from tests.model_factory import random_model_with_smollm2_tokenizer
+from tests.test_tool_calls import BASE, TOOLS
+
+THOUGHT_AND_CALL = ('<think>\nThe user wants Paris.\n</think>\n\nLet me check.'
+                    '<tool_call>{"name": "weather", "arguments": {"city": "Paris"}}</tool_call>')
+
+
+def chat(reasoning_parser: str | None, tool_call_parser: str | None = None, **fields) -> ChatCompletionRequest:
+    return parse_request(ChatCompletionRequest, {**BASE, **fields}, tool_call_parser, reasoning_parser)
+
+
+def test_the_reasoning_parser_option_and_builder_argument():
+    from launcher.cli import build_parser
+    from launcher.cli.serve_command import server_args
+    from launcher.serving.server_settings import SERVER_ARGS, settings_from_args
+
+    assert settings_from_args({}).reasoning_parser is None
+    assert settings_from_args({"reasoning_parser": "qwen3"}).reasoning_parser == "qwen3"
+    assert settings_from_args({"reasoning_parser": "null"}).reasoning_parser is None
+    for bad in ("qwen2", ["qwen3"]):
+        with pytest.raises(ValueError, match=r"reasoning_parser \(.*\) must be one of deepseek_r1, qwen3 "
+                                             r"\(how a thinking model writes"):
+            settings_from_args({"reasoning_parser": bad})
+    flags = {k: "--" + k.replace("_", "-") for k in SERVER_ARGS}
+    serve = lambda *argv: settings_from_args(server_args(build_parser().parse_args(["serve", *argv])), flags)
+    assert serve("--reasoning-parser", "deepseek_r1").reasoning_parser == "deepseek_r1"
+    assert serve().reasoning_parser is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--reasoning-parser", "granite"])
+
+
+def test_which_requests_have_their_thinking_split():
+    assert chat(None).reasoning() is None  # no parser: all content
+    assert chat("qwen3").reasoning() == ("qwen3", True) and chat("qwen3").skip_special_tokens is False  # vLLM's
+    assert chat("qwen3", chat_template_kwargs={"enable_thinking": False}).reasoning() == ("qwen3", False)
+    assert chat("deepseek_r1").reasoning() == ("deepseek_r1", True) and chat("deepseek_r1").skip_special_tokens
+    # a structured output, forced tool calls included, is constrained from its first token: all content
+    assert chat("qwen3", response_format={"type": "json_object"}).reasoning() is None
+    assert chat("qwen3", tools=TOOLS, tool_choice="required").reasoning() is None
+    assert chat("qwen3", "hermes", tools=TOOLS).reasoning() == ("qwen3", True)  # "auto": free text
+    with pytest.raises(ProtocolError) as refused:
+        chat("qwen3", include_reasoning="no")
+    assert refused.value.param == "include_reasoning"
+
+
+def rendered(request: ChatCompletionRequest, text: str, cuts: list[int]) -> tuple[dict, list[dict]]:
+    """(the whole answer's choice, the streamed chunks' deltas) of `text` cut at `cuts`, as the route's
+    renderer makes them for `request`."""
+    pieces = TokenPieces(None)
+    whole = ChatRender(pieces, False, 0, None, True, request.tool_call_reader(), request.reasoning(),
+                       request.include_reasoning)
+    streamed = ChatRender(pieces, False, 0, None, True, request.tool_call_reader(), request.reasoning(),
+                          request.include_reasoning)
+    bounds = [0, *cuts, len(text)]
+    deltas = [StreamDelta("r", text[a:b], [], "stop" if b == len(text) else None) for a, b in zip(bounds, bounds[1:])]
+    meta = ResponseMeta("chatcmpl-x", 0, "m")
+    chunks = [streamed.chunk(meta, delta) for delta in deltas]
+    for delta in deltas:
+        whole.collect(delta)
+    return whole.choice("stop"), [c["choices"][0] for c in chunks if c is not None]
+
+
+def joined(choices: list[dict], key: str) -> str:
+    return "".join(c["delta"].get(key) or "" for c in choices)
+
+
+def test_the_thinking_goes_to_reasoning_whole_and_streamed_and_the_rest_to_the_tool_call_reader():
+    request = chat("qwen3", "hermes", tools=TOOLS)
+    rng = random.Random(5)
+    for cuts in ([], [3], [9, 30], sorted(rng.sample(range(1, len(THOUGHT_AND_CALL)), 12))):
+        choice, streamed = rendered(request, THOUGHT_AND_CALL, cuts)
+        message = choice["message"]
+        assert message["reasoning"] == "\nThe user wants Paris.\n" and message["content"] == "\n\nLet me check."
+        [call] = message["tool_calls"]
+        assert call["function"]["name"] == "weather" and json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+        assert choice["finish_reason"] == "tool_calls"
+        assert joined(streamed, "reasoning") == message["reasoning"] and joined(streamed, "content") == message["content"]
+        calls = [c for s in streamed for c in s["delta"].get("tool_calls", [])]
+        assert [c["function"]["name"] for c in calls] == ["weather"] and streamed[-1]["finish_reason"] == "tool_calls"
+
+
+def test_thinking_off_include_reasoning_false_and_no_parser():
+    text = "<think>\nhm\n</think>\n\nBlue."
+    off, streamed = rendered(chat("qwen3", chat_template_kwargs={"enable_thinking": False}), text, [5])
+    assert off["message"] == {"role": "assistant", "content": text, "reasoning": None}
+    assert joined(streamed, "content") == text and joined(streamed, "reasoning") == ""
+    hidden, streamed = rendered(chat("deepseek_r1", include_reasoning=False), "hm</think>Blue.", [1, 4])
+    assert hidden["message"] == {"role": "assistant", "content": "Blue."} and joined(streamed, "reasoning") == ""
+    assert joined(streamed, "content") == "Blue."
+    plain, _ = rendered(chat(None), text, [])
+    assert plain["message"] == {"role": "assistant", "content": text}  # no reasoning key without a parser
+    cut, streamed = rendered(chat("deepseek_r1"), "still thinking", [6])  # no </think>: all reasoning
+    assert cut["message"] == {"role": "assistant", "content": None, "reasoning": "still thinking"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return random_model_with_smollm2_tokenizer(tmp_path_factory.mktemp("reasoning"))
+
+
+def test_a_thinking_servers_answers_end_to_end(model_dir, in_process_cluster):
+    """A random model writes no </think>: under deepseek_r1 its whole text is the reasoning (content
+    null), the same text a server without the parser gives as content, whole and streamed alike;
+    qwen3 with thinking off gives it as content."""
+    from launcher.api import Launcher
+    from tests.test_skip_special_tokens import answered, replica_over
+
+    route = "/v1/chat/completions"
+    asked = {**BASE, "max_tokens": 12, "temperature": 1.0, "seed": 11, "n": 2}
+    with Launcher(model=model_dir, tp=1, max_num_seqs=4, progress=False, compile=False) as llm:
+        server = replica_over(llm)
+
+        async def every():
+            server.reasoning_parser = None
+            plain = await answered(server, route, asked)
+            server.reasoning_parser = "deepseek_r1"  # as OpenAIServer's constructor sets it from the settings
+            thought = await answered(server, route, asked)
+            streamed = await answered(server, route, {**asked, "stream": True})
+            server.reasoning_parser = "qwen3"
+            off = await answered(server, route, {**asked, "chat_template_kwargs": {"enable_thinking": False}})
+            return plain, thought, streamed, off
+
+        plain, thought, streamed, off = asyncio.run(every())
+
+    texts = [c["message"]["content"] for c in plain["choices"]]
+    assert all(texts) and "</think>" not in "".join(texts)
+    assert [c["message"]["reasoning"] for c in thought["choices"]] == texts
+    assert [c["message"]["content"] for c in thought["choices"]] == [None, None]
+    for i, text in enumerate(texts):
+        assert "".join(c["delta"].get("reasoning") or "" for chunk in streamed for c in chunk["choices"]
+                       if c["index"] == i) == text
+        assert not any(c["delta"].get("content") for chunk in streamed for c in chunk["choices"] if c["index"] == i)
+    assert [c["message"]["content"] for c in off["choices"]] == texts
+    assert [c["message"]["reasoning"] for c in off["choices"]] == [None, None]
