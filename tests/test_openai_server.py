@@ -2364,6 +2364,29 @@ def test_a_stop_lets_streams_behind_the_proxy_finish(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_thinking_servers_reasoning_reaches_the_official_client(tmp_path, hf):
+    """`corelaunch serve --reasoning-parser deepseek_r1` with SmolLM2, which writes no </think>: its
+    greedy answer (transformers' text) is all reasoning, content null, whole and streamed (delta
+    `reasoning`) through the openai client, and left out with include_reasoning false."""
+    import openai
+
+    messages = [{"role": "user", "content": "Name a colour."}]
+    asked = dict(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    with running_server(tmp_path / "serve.log", "--max-num-seqs", "2", "--reasoning-parser", "deepseek_r1") as running:
+        client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", timeout=300, max_retries=0)
+        whole = client.chat.completions.create(**asked)
+        streamed = list(client.chat.completions.create(**asked, stream=True))
+        hidden = client.chat.completions.create(**asked, extra_body={"include_reasoning": False})
+    expected = hf.greedy(hf.tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False), 12)
+    assert expected and "</think>" not in expected
+    message = whole.choices[0].message
+    assert message.content is None and getattr(message, "reasoning", None) == expected
+    assert "".join(getattr(c.choices[0].delta, "reasoning", None) or "" for c in streamed if c.choices) == expected
+    assert not any(c.choices[0].delta.content for c in streamed if c.choices)
+    assert hidden.choices[0].message.content is None and getattr(hidden.choices[0].message, "reasoning", None) is None
+
+
+@pytest.mark.slow
 def test_a_replica_whose_group_failed_is_replaced_on_the_same_port(client, server, hf):
     """The module's last use of its server: with --max-restarts 0 a SIGKILLed rank fails the TP
     group for good, /health answers 503 and so does a completion (OpenAI's error object, not a
