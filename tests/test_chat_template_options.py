@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 
 import pytest
 
@@ -108,13 +109,15 @@ def test_chat_completions_render_with_the_requests_options(model_dir, in_process
         tokenizer = server.tokenizer
 
         async def every():
-            return [await answered(server, route, body) for body in (
+            answers = [await answered(server, route, body) for body in (
                 asked, {**asked, "chat_template_kwargs": {"enable_thinking": False}},
                 {**asked, "messages": BEGUN, "add_generation_prompt": False, "continue_final_message": True},
                 {**asked, "chat_template_kwargs": {"enable_thinking": False}, "stream": True,
                  "stream_options": {"include_usage": True}})]
+            server.default_chat_template_kwargs = {"enable_thinking": False}  # as the constructor sets it
+            return [*answers, await answered(server, route, asked)]
 
-        plain, unthinking, begun, streamed = asyncio.run(every())
+        plain, unthinking, begun, streamed, defaulted = asyncio.run(every())
 
     def count(messages, **options) -> int:
         return len(tokenizer.apply_chat_template(messages, return_dict=False, **options))
@@ -124,6 +127,7 @@ def test_chat_completions_render_with_the_requests_options(model_dir, in_process
     assert unthinking["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"]
     assert begun["usage"]["prompt_tokens"] == count(BEGUN, continue_final_message=True)
     assert streamed[-1]["usage"]["prompt_tokens"] == unthinking["usage"]["prompt_tokens"]
+    assert defaulted["usage"]["prompt_tokens"] == unthinking["usage"]["prompt_tokens"]  # the server's default
 
 
 REASONING_TEMPLATE = (  # renders an assistant's thinking, as Qwen3's template does for the last turn
@@ -154,3 +158,39 @@ def test_an_assistants_reasoning_sent_back_reaches_the_template(smollm2_tokenize
         with pytest.raises(ProtocolError) as refused:
             chat(messages=[message])
         assert refused.value.param == param
+
+
+def test_the_servers_default_template_variables_sit_under_the_requests_own():
+    """--default-chat-template-kwargs (builder argument default_chat_template_kwargs): every chat
+    request, and /tokenize's chat form, gets them unless it sends its own value (vLLM's merge); bad
+    defaults are refused before anything starts, naming the option."""
+    from launcher.cli import build_parser
+    from launcher.cli.serve_command import server_args
+    from launcher.serving.server_settings import SERVER_ARGS, settings_from_args
+
+    defaults = {"enable_thinking": False, "note": "Be brief."}
+    merged = parse_request(ChatCompletionRequest, {"model": MODEL, "messages": CHAT,
+                                                   "chat_template_kwargs": {"note": "Mine."}}, None, "qwen3", defaults)
+    assert merged.chat_template_kwargs == {"enable_thinking": False, "note": "Mine."}
+    assert merged.reasoning() == ("qwen3", False)  # the default turns Qwen3's thinking off
+    assert parse_request(ChatCompletionRequest, {"model": MODEL, "messages": CHAT, "chat_template_kwargs": {
+        "enable_thinking": True}}, None, "qwen3", defaults).reasoning() == ("qwen3", True)
+    assert parse_request(proto.TokenizeRequest, {"model": MODEL, "messages": CHAT}, None, None,
+                         defaults).chat_template_kwargs == defaults
+    assert parse_request(ChatCompletionRequest, {"model": MODEL, "messages": CHAT}).chat_template_kwargs is None
+    # from `serve run` text, a YAML config's mapping, and the command line
+    assert settings_from_args({"default_chat_template_kwargs": '{"enable_thinking": false}'}) \
+        .default_chat_template_kwargs == {"enable_thinking": False}
+    assert settings_from_args({"default_chat_template_kwargs": defaults}).default_chat_template_kwargs == defaults
+    flags = {k: "--" + k.replace("_", "-") for k in SERVER_ARGS}
+    serve = lambda *argv: settings_from_args(server_args(build_parser().parse_args(["serve", *argv])), flags)
+    assert serve("--default-chat-template-kwargs", '{"enable_thinking": false}').default_chat_template_kwargs == {
+        "enable_thinking": False}
+    assert serve().default_chat_template_kwargs is None
+    for bad, words in (('[1]', "must be a JSON object"), ('{"tokenize": true}', "apply_chat_template's own arguments"),
+                       ('{"a": "\\ud800"}', "valid text")):
+        with pytest.raises(ValueError, match=rf"--default-chat-template-kwargs .*{words}"):
+            settings_from_args({"default_chat_template_kwargs": json.loads(bad)}, flags)
+    for bad in ("{nope", "[1]"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--default-chat-template-kwargs", bad])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import json
 import logging
 import math
 import os
@@ -70,6 +71,9 @@ def add_parser(subparsers) -> None:
                         "message's `reasoning` field, the rest is the content: "
                         + "; ".join(f"{name}, {form}" for name, form in REASONING_PARSERS.items())
                         + "; default: none, all of the text is the content")
+    p.add_argument("--default-chat-template-kwargs", type=json_object_option, metavar="JSON",
+                   help="template variables every chat request gets unless it sends its own "
+                        "chat_template_kwargs value, e.g. '{\"enable_thinking\": false}' (Qwen3 without thinking)")
     p.add_argument("--api-key", metavar="KEY",
                    help="require `Authorization: Bearer KEY` on /v1/* (default: $CORELAUNCH_API_KEY; unset: open)")
     p.add_argument("--replicas", type=int_at_least("--replicas"), metavar="N",
@@ -148,6 +152,18 @@ def _port(text: str) -> int:
     return port
 
 
+def json_object_option(text: str) -> dict:
+    """--default-chat-template-kwargs: a JSON object (checked further with the other settings)."""
+    try:
+        value = json.loads(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"({text!r}) is no JSON ({err}); send an object, e.g. "
+                                         f"'{{\"enable_thinking\": false}}'") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"({text!r}) must be a JSON object, e.g. '{{\"enable_thinking\": false}}'")
+    return value
+
+
 def server_args(args: argparse.Namespace) -> dict:
     """The application builder's arguments (launcher.serving.server_settings) the options ask for."""
     built = {**model_and_placement_options(args), **max_num_seqs_option(args, default=SERVE_MAX_NUM_SEQS),
@@ -156,7 +172,8 @@ def server_args(args: argparse.Namespace) -> dict:
              "api_key": args.api_key if args.api_key is not None else api_key_from_environment(),
              "replicas": args.replicas, "min_replicas": args.min_replicas, "max_replicas": args.max_replicas,
              "target_ongoing_requests": args.target_ongoing_requests, "tool_call_parser": args.tool_call_parser,
-             "reasoning_parser": args.reasoning_parser}
+             "reasoning_parser": args.reasoning_parser,
+             "default_chat_template_kwargs": args.default_chat_template_kwargs}
     if args.max_queued_requests is not None:
         built["max_queued_requests"] = args.max_queued_requests
     if args.max_prefill_tokens is not None:

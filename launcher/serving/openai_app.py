@@ -517,6 +517,8 @@ class OpenAIServer:
     reasoning_parser: str | None = None
     """Chat answers' thinking read in this format (launcher/serving/reasoning.py); None: all content.
     The constructor sets the settings' (ServerSettings.reasoning_parser)."""
+    default_chat_template_kwargs: dict | None = None
+    """Template variables a chat request gets unless it sends its own (ServerSettings')."""
 
     def __init__(self, settings: ServerSettings):
         from launcher.api import LaunchConfig, Launcher, load_tokenizer, server_tokenizer_problem
@@ -585,6 +587,7 @@ class OpenAIServer:
         self.name = settings.served_model_name
         self.tool_call_parser = settings.tool_call_parser
         self.reasoning_parser = settings.reasoning_parser
+        self.default_chat_template_kwargs = settings.default_chat_template_kwargs
         self.context_tokens = _context_tokens(self.launcher)
         self.longest_prompt = _longest_prompt(self.launcher)
         self.metrics = ServerMetrics(self.launcher.load)
@@ -926,7 +929,8 @@ class OpenAIServer:
     def _parse(self, model, body):
         counts = self._counts(model)
         try:
-            req = proto.parse_request(model, body, self.tool_call_parser, self.reasoning_parser)
+            req = proto.parse_request(model, body, self.tool_call_parser, self.reasoning_parser,
+                                      self.default_chat_template_kwargs)
         except ProtocolError:
             counts.rejected(400)
             raise
@@ -1112,7 +1116,8 @@ def build_app(args: dict) -> serve.Application:
     """Serve's application builder: `serve run launcher.serving.openai_app:build_app model=DIR tp=2`,
     or `import_path: launcher.serving.openai_app:build_app` with `args:` in a `serve deploy` config.
     The arguments are the server's (served_model_name, api_key, replicas, min_replicas, max_replicas,
-    target_ongoing_requests, tool_call_parser, reasoning_parser) and LaunchConfig's fields (model, tp, dtype, seq_len, max_num_seqs,
+    target_ongoing_requests, tool_call_parser, reasoning_parser, default_chat_template_kwargs) and
+    LaunchConfig's fields (model, tp, dtype, seq_len, max_num_seqs,
     max_queued_requests, ...); see launcher/serving/server_settings.py."""
     return application(builder_settings(args))
 

@@ -661,10 +661,12 @@ def is_generation_request(model: object) -> bool:
 
 
 def parse_request(model: type[_GenerationRequest] | type[_TokenizationRequest], body: object,
-                  tool_call_parser: str | None = None, reasoning_parser: str | None = None):
+                  tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+                  template_defaults: dict | None = None):
     """`body` (the decoded JSON) as `model` (or TokenizeRequest: as its form); ProtocolError naming the
     first bad field and its rule. tool_call_parser: the server's (a chat's tool_choice "auto" needs one);
-    reasoning_parser: the server's (a chat's thinking is split from its answer)."""
+    reasoning_parser: the server's (a chat's thinking is split from its answer); template_defaults:
+    the server's default chat_template_kwargs, under the request's own (vLLM's merge)."""
     if not isinstance(body, dict):
         raise ProtocolError(f"the request body must be a JSON object, not {_json_kind(body)}")
     if model is TokenizeRequest:
@@ -673,6 +675,8 @@ def parse_request(model: type[_GenerationRequest] | type[_TokenizationRequest], 
         request = model.model_validate(body)
     except ValidationError as err:
         raise _field_error(err.errors()[0], model) from None
+    if template_defaults and isinstance(request, (ChatCompletionRequest, TokenizeChatRequest)):
+        request.chat_template_kwargs = {**template_defaults, **(request.chat_template_kwargs or {})}
     if isinstance(request, _TokenizationRequest):
         request.check()
     else:

@@ -9,6 +9,7 @@ server's rules for names, keys and Serve replica counts.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import unicodedata
@@ -18,7 +19,7 @@ from pathlib import Path
 import yaml
 
 SERVER_ARGS = ("served_model_name", "api_key", "replicas", "min_replicas", "max_replicas",
-               "target_ongoing_requests", "tool_call_parser", "reasoning_parser")
+               "target_ongoing_requests", "tool_call_parser", "reasoning_parser", "default_chat_template_kwargs")
 """Builder arguments that configure the server and Serve; every other argument is a LaunchConfig
 field (model, tp, dtype, seq_len, max_num_seqs, max_queued_requests, compiled_dir, ...)."""
 
@@ -95,6 +96,9 @@ class ServerSettings:
     reasoning_parser: str | None = None
     """One of reasoning.REASONING_PARSERS: a chat answer's thinking goes to its `reasoning` field;
     None: all of the text is the content."""
+    default_chat_template_kwargs: dict | None = None
+    """Template variables every chat request gets unless it sends its own value (vLLM's
+    --default-chat-template-kwargs): {"enable_thinking": False} serves Qwen3 without thinking."""
 
     @property
     def most_replicas(self) -> int:
@@ -137,6 +141,8 @@ def settings_from_args(args: dict, names: dict | None = None) -> ServerSettings:
     # before the model's checks: a misspelt parser is said first, not after a model folder's refusal
     parser = _tool_call_parser(typed.get("tool_call_parser"), name("tool_call_parser", "tool_call_parser"))
     reasoning = _reasoning_parser(typed.get("reasoning_parser"), name("reasoning_parser", "reasoning_parser"))
+    template_defaults = _template_defaults(typed.get("default_chat_template_kwargs"),
+                                           name("default_chat_template_kwargs", "default_chat_template_kwargs"))
     config = LaunchConfig(**launch)  # its checks, with its messages, now rather than inside a Serve replica
     if config.model is not None and config.compiled_dir is None:
         from shardlib.model_config import load_model_config
@@ -165,7 +171,7 @@ def settings_from_args(args: dict, names: dict | None = None) -> ServerSettings:
         api_key=_api_key(typed.get("api_key"), name("api_key", "api_key")),
         num_replicas=num_replicas, autoscaling=autoscaling, max_ongoing_requests=admitted + ROUTE_HEADROOM,
         from_command_line=names is not None,
-        tool_call_parser=parser, reasoning_parser=reasoning)
+        tool_call_parser=parser, reasoning_parser=reasoning, default_chat_template_kwargs=template_defaults)
 
 
 def _unknown_hints(unknown: list[str], known: tuple[str, ...]) -> str:
@@ -235,6 +241,27 @@ def _served_name(args: dict, launch: dict, shown: str = "served_model_name") -> 
     from shardlib.demo_model import DEMO_MODEL_NAME
 
     return DEMO_MODEL_NAME
+
+
+def _template_defaults(value, name: str = "default_chat_template_kwargs") -> dict | None:
+    """The default template variables, checked as a request's chat_template_kwargs are, before any
+    replica starts (a bad one would otherwise refuse every chat request)."""
+    from launcher.serving.openai_protocol import RESERVED_TEMPLATE_NAMES
+
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not all(isinstance(key, str) for key in value):
+        raise ValueError(f"{name} ({value!r}) must be a JSON object of template variables by name, e.g. "
+                         f"{{\"enable_thinking\": false}}")
+    for key in value:
+        if key in RESERVED_TEMPLATE_NAMES:
+            raise ValueError(f"{name} names {key!r}, one of apply_chat_template's own arguments, which the server "
+                             f"sets: {RESERVED_TEMPLATE_NAMES[key]}")
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except (TypeError, ValueError, UnicodeEncodeError) as err:
+        raise ValueError(f"{name} must hold JSON values of valid text only: {err}") from None
+    return value or None
 
 
 def _reasoning_parser(parser, name: str = "reasoning_parser") -> str | None:
