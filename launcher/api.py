@@ -1552,7 +1552,11 @@ class Launcher:
                              f"static batch chooses its tokens without a grammar); leave batching at its default")
         if self.tokenizer is None:
             raise ValueError(f"structured output needs the model's tokenizer, and {self.model_dir} has none")
+        vocab = self.model_config.vocab_size if self.model_config is not None else None
         for spec in specs:
+            if spec.after_token is not None and vocab is not None and spec.after_token >= vocab:  # never generated: no constraint ever
+                raise ValueError(f"structured output's after_token ({spec.after_token}) is no token of the model "
+                                 f"(its vocabulary has {vocab}); give the id of the token the constraint starts after")
             verdict = self._structures_checked.get(spec, "unchecked")
             if verdict == "unchecked":
                 try:

@@ -32,6 +32,10 @@ class StructuredOutput:
     """The output is exactly one of these strings. Kept as a tuple."""
     grammar: str | None = None
     """A context-free grammar in the Lark syntax llguidance reads (`start: ...`)."""
+    after_token: int | None = None
+    """Not a kind: the constraint starts once this token has been generated (a thinking model's end
+    of thinking, `</think>`), the text before it free; the structured part is then the whole rest
+    of the output. None: from the first token."""
 
     def __post_init__(self) -> None:
         given = self._given()
@@ -48,6 +52,9 @@ class StructuredOutput:
                 raise ValueError(f"{name}={_short(value)} must be a non-empty string")
         if self.choice is not None:
             object.__setattr__(self, "choice", _choices(self.choice))
+        if self.after_token is not None and (not isinstance(self.after_token, int) or isinstance(self.after_token, bool)
+                                             or self.after_token < 0):
+            raise ValueError(f"after_token={_short(self.after_token)} must be a token id (an integer >= 0), or None")
 
     def _given(self) -> list[str]:
         return [name for name in KINDS if getattr(self, name) not in (None, False)]

@@ -38,6 +38,10 @@ def chat(**fields) -> ChatCompletionRequest:
      "request's own add_generation_prompt"),
     ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs.tools", "request's tools"),
     ({"chat_template_kwargs": {"return_tensors": "pt"}}, "chat_template_kwargs.return_tensors", "server sets it"),
+    ({"chat_template_kwargs": {"self": 1}}, "chat_template_kwargs.self", "renderer's own argument"),
+    ({"chat_template_kwargs": {"conversations": []}}, "chat_template_kwargs.conversations", "request's messages"),
+    ({"chat_template_kwargs": {"x": json.loads("[" * 128 + "]" * 128)}}, "chat_template_kwargs",
+     "nests more than 128 levels"),
     ({"chat_template_kwargs": [1]}, "chat_template_kwargs", "an object of extra variables"),
     ({"chat_template_kwargs": "enable_thinking"}, "chat_template_kwargs", "an object of extra variables"),
     ({"chat_template_kwargs": {"note": "\ud800"}}, "chat_template_kwargs", "UTF-8"),
@@ -82,6 +86,14 @@ def test_the_options_reach_the_template_as_the_tokenizer_renders_them(smollm2_to
     with pytest.raises(ProtocolError) as refused:
         prompt(chat_template_kwargs={"note": {"<|im_start|>system": 1}})
     assert refused.value.param == "chat_template_kwargs.note" and "rename the key" in refused.value.message
+    # inside a list or object a template may print the value whole (its repr loses the marks): refused
+    for value, where in (([{"x": "<|im_end|>"}], "chat_template_kwargs.note.0.x"),
+                         ({"k": ["ok", "\U000F0000"]}, "chat_template_kwargs.note.k.1")):
+        with pytest.raises(ProtocolError) as refused:
+            prompt(chat_template_kwargs={"note": value})
+        assert refused.value.param == where and "inside a list or object" in refused.value.message
+    assert prompt(chat_template_kwargs={"note": ["a", {"b": 2}]}).endswith("assistant\n['a', {'b': 2}]")
+    assert prompt(chat_template_kwargs={"note": "x" * 3, "deep": json.loads("[" * 127 + "]" * 127)}).endswith("xxx")
     # an assistant's answer begun by the client and left open: no end of turn, no new assistant turn
     begun = prompt(messages=BEGUN, add_generation_prompt=False, continue_final_message=True)
     assert begun.endswith("<|im_start|>assistant\nThe colour is")
@@ -194,3 +206,17 @@ def test_the_servers_default_template_variables_sit_under_the_requests_own():
     for bad in ("{nope", "[1]"):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["serve", "--default-chat-template-kwargs", bad])
+
+
+def test_a_template_refusing_the_marked_text_is_a_400_not_a_500(smollm2_tokenizer):
+    """Sanitizing marks control tokens in the text the second render sees (two code points each), so
+    a template that checks a length can refuse only that render: a 400 naming messages, as the first."""
+    from tests.test_tokenize_routes import replica
+
+    strict = copy.deepcopy(smollm2_tokenizer)
+    strict.chat_template = ("{% if note|length > 12 %}{{ raise_exception('too long') }}{% endif %}"
+                            "{% for m in messages %}{{ m.content }}{% endfor %}")
+    server = replica(strict)
+    with pytest.raises(ProtocolError) as refused:
+        server._apply_chat_template(chat().chat_messages(), True, False, False, True, None, {"note": "<|im_end|>12"})
+    assert refused.value.param == "messages" and "too long" in refused.value.message

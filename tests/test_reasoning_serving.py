@@ -1,6 +1,6 @@
 """--reasoning-parser on /v1/chat/completions (launcher/serving/reasoning.py read by the app): the
-option and builder argument, which requests have their thinking split (not a structured output's,
-which is constrained from its first token), the answer's `reasoning` field whole and streamed through
+option and builder argument, which requests have their thinking split (a structured output's too,
+its constraint starting after the thinking's end token), the answer's `reasoning` field whole and streamed through
 the route's renderer, the content then read by a tool-call parser, include_reasoning false, and end to
 end over a real in-process Launcher."""
 
@@ -52,10 +52,24 @@ def test_which_requests_have_their_thinking_split():
     assert chat("qwen3").reasoning() == ("qwen3", True) and chat("qwen3").skip_special_tokens is False  # vLLM's
     assert chat("qwen3", chat_template_kwargs={"enable_thinking": False}).reasoning() == ("qwen3", False)
     assert chat("deepseek_r1").reasoning() == ("deepseek_r1", True) and chat("deepseek_r1").skip_special_tokens
-    # a structured output, forced tool calls included, is constrained from its first token: all content
-    assert chat("qwen3", response_format={"type": "json_object"}).reasoning() is None
-    assert chat("qwen3", tools=TOOLS, tool_choice="required").reasoning() is None
-    assert chat("qwen3", "hermes", tools=TOOLS).reasoning() == ("qwen3", True)  # "auto": free text
+    # a structured output, forced tool calls included, starts after the thinking's end token (the
+    # app's wait_for_thinking); where the tokenizer has none, from the first token: all content
+    for fields in ({"response_format": {"type": "json_object"}}, {"tools": TOOLS, "tool_choice": "required"},
+                   {"structured_outputs": {"regex": "[0-9]+"}}):
+        waiting = chat("deepseek_r1", **fields)
+        assert waiting.sampling().structured_output.after_token is None  # made before: made again below
+        waiting.wait_for_thinking(4242)
+        assert waiting.reasoning() == ("deepseek_r1", True)
+        assert waiting.sampling().structured_output.after_token == 4242
+        unsplit = chat("deepseek_r1", **fields)
+        unsplit.wait_for_thinking(None)
+        assert unsplit.reasoning() is None and unsplit.sampling().structured_output.after_token is None
+        off = chat("qwen3", chat_template_kwargs={"enable_thinking": False}, **fields)
+        off.wait_for_thinking(4242)  # no thinking: constrained at once, all content
+        assert off.reasoning() == ("qwen3", False) and off.sampling().structured_output.after_token is None
+    plain = chat("qwen3", "hermes", tools=TOOLS)  # "auto": free text, nothing to wait for
+    plain.wait_for_thinking(4242)
+    assert plain.reasoning() == ("qwen3", True) and plain.sampling().structured_output is None
     with pytest.raises(ProtocolError) as refused:
         chat("qwen3", include_reasoning="no")
     assert refused.value.param == "include_reasoning"
@@ -109,6 +123,9 @@ def test_thinking_off_include_reasoning_false_and_no_parser():
     assert plain["message"] == {"role": "assistant", "content": text}  # no reasoning key without a parser
     cut, streamed = rendered(chat("deepseek_r1"), "still thinking", [6])  # no </think>: all reasoning
     assert cut["message"] == {"role": "assistant", "content": None, "reasoning": "still thinking"}
+    for parser in ("hermes", "llama3_json", "mistral"):  # content null beside a tool-call parser too
+        cut, _ = rendered(chat("deepseek_r1", parser, tools=TOOLS), "still thinking", [6])
+        assert cut["message"] == {"role": "assistant", "content": None, "reasoning": "still thinking"}
 
 
 @pytest.fixture(scope="module")
@@ -134,11 +151,13 @@ def test_a_thinking_servers_answers_end_to_end(model_dir, in_process_cluster):
             server.reasoning_parser = "deepseek_r1"  # as OpenAIServer's constructor sets it from the settings
             thought = await answered(server, route, asked)
             streamed = await answered(server, route, {**asked, "stream": True})
+            scored = await answered(server, route, {**asked, "logprobs": True})
+            unscored = await answered(server, route, {**asked, "logprobs": True, "include_reasoning": False})
             server.reasoning_parser = "qwen3"
             off = await answered(server, route, {**asked, "chat_template_kwargs": {"enable_thinking": False}})
-            return plain, thought, streamed, off
+            return plain, thought, streamed, off, scored, unscored
 
-        plain, thought, streamed, off = asyncio.run(every())
+        plain, thought, streamed, off, scored, unscored = asyncio.run(every())
 
     texts = [c["message"]["content"] for c in plain["choices"]]
     assert all(texts) and "</think>" not in "".join(texts)
@@ -149,4 +168,8 @@ def test_a_thinking_servers_answers_end_to_end(model_dir, in_process_cluster):
                        if c["index"] == i) == text
         assert not any(c["delta"].get("content") for chunk in streamed for c in chunk["choices"] if c["index"] == i)
     assert [c["message"]["content"] for c in off["choices"]] == texts
+    # without the reasoning, no logprobs either: their tokens would spell it (vLLM's rule)
+    assert all(len(c["logprobs"]["content"]) > 0 for c in scored["choices"])
+    assert [c["logprobs"] for c in unscored["choices"]] == [None, None]
+    assert [c["message"] for c in unscored["choices"]] == [{"role": "assistant", "content": None}] * 2
     assert [c["message"]["reasoning"] for c in off["choices"]] == [None, None]

@@ -361,3 +361,41 @@ def test_structured_requests_stop_waiting_for_a_tokenizer_that_never_comes(wide_
     assert out.finish == {"s": "error", "plain": "length"} and time.monotonic() - started < 30
     [error] = [e.error for e in out.events if e.request_id == "s"]
     assert "was not ready after" in error
+
+
+# ---- a constraint that starts after a token (a thinking model's answer) --------------------------
+def test_a_constraint_after_a_token_leaves_the_text_before_it_free(wide_model, smollm2_tokenizer):
+    """StructuredOutput.after_token: no mask until that token is generated (words the regex would
+    refuse come first), then the rest of the output is the match, which ends the request; a request
+    resumed after a group fault with the token among its delivered ones is constrained at once."""
+    tok = smollm2_tokenizer
+    digits = [tok.convert_tokens_to_ids(str(d)) for d in range(10)]
+    words, [after] = tok.encode(" cat dog bird"), tok.encode(" then")
+    spec = StructuredOutput(regex="[0-9]{3}", after_token=after)
+    prompt = tok.encode("Go:")
+    asked = dict(temperature=1.0, seed=2, allowed_token_ids=[*words, *digits, after])
+    out = run(fresh_loop(wide_model, tok), [structured("r", prompt, spec, 60, **asked),
+                                            structured("plain", prompt, None, 60, **asked)])
+    tokens = out.tokens["r"]
+    cut = tokens.index(after)
+    assert any(t in words for t in tokens[:cut])  # free before it: words the regex refuses
+    assert re.fullmatch("[0-9]{3}", tok.decode(tokens[cut + 1:])) and out.finish["r"] == "stop"
+    assert out.tokens["plain"][:cut + 1] == tokens[:cut + 1]  # the same draws as no constraint, up to it
+    resumed = request("r", prompt + tokens[:cut + 1], 60 - cut - 1, draws_before=cut + 1, stop_token_ids=(EOS,),
+                      sampling=SamplingParams(structured_output=spec, **asked))
+    again = run(fresh_loop(wide_model, tok), [resumed])
+    assert tokens[:cut + 1] + again.tokens["r"] == tokens and again.finish["r"] == "stop"
+
+
+def test_a_waiting_grammar_is_inactive_until_its_token_and_after_token_is_checked(smollm2_tokenizer):
+    from workers.structured.matchers import start_matcher
+
+    grammars = GrammarTokenizer(lambda: smollm2_tokenizer, VOCAB)
+    waiting = start_matcher(grammars, StructuredOutput(regex="[0-9]", after_token=7))
+    assert not waiting.active and waiting.advance(5) is False and waiting.advance(99) is False  # anything goes
+    assert waiting.advance(7) is False and waiting.active  # the token itself is free text too
+    assert start_matcher(grammars, StructuredOutput(regex="[0-9]", after_token=7), delivered=[3, 7]).active
+    for bad in (-1, "7", True, 1.5):
+        with pytest.raises(ValueError, match="after_token=.* must be a token id"):
+            StructuredOutput(regex="a", after_token=bad)
+    assert StructuredOutput(regex="a", after_token=7) != StructuredOutput(regex="a")  # hashable, and part of it

@@ -482,6 +482,37 @@ def _generation_failure(err: Exception) -> tuple[int, dict, dict]:
     return 500, proto.error_body(f"generation failed: {err}", type="server_error"), _NO_RETRY
 
 
+def _refuse_control_tokens_in_nested_values(tokenizer, template_kwargs: dict | None) -> None:
+    """ProtocolError naming a string inside a list or object of chat_template_kwargs that holds a
+    control token (or one of the two code points sanitizing marks text with): sanitize_control_tokens
+    marks such strings, but a template printing the list or object itself (`{{ value }}`) writes its
+    repr, in which the marks become escapes and the control token is encoded as the token itself.
+    A top-level string value stays marked, and is taken."""
+    nested = [(value, f"chat_template_kwargs.{name}") for name, value in (template_kwargs or {}).items()
+              if isinstance(value, (list, dict))]
+    if not nested:
+        return
+    control = re.compile("|".join([re.escape(token) for token in sorted(tokenizer.added_tokens_encoder, key=len,
+                                                                         reverse=True)] + ["\U000F0000", "\U000F0001"]))
+    while nested:
+        item, path = nested.pop()
+        if isinstance(item, str) and control.search(item):
+            raise ProtocolError(f"{path} holds {control.search(item).group()!r} inside a list or object, which a "
+                                f"template printing the value whole would write as the control token itself; send "
+                                f"such text as a plain string value, or leave it out", param=path)
+        if isinstance(item, dict):
+            nested.extend((inner, f"{path}.{key}") for key, inner in item.items())
+        elif isinstance(item, list):
+            nested.extend((inner, f"{path}.{i}") for i, inner in enumerate(item))
+
+
+def _think_end_token(tokenizer) -> int | None:
+    """The id of `</think>` where the tokenizer has it as one token (Qwen3's, DeepSeek-R1's), else None."""
+    from launcher.serving.reasoning import THINK_END
+
+    return tokenizer.get_vocab().get(THINK_END)
+
+
 def _refuse_control_token_keys(tokenizer, messages: list[dict], tools: list[dict] | None,
                                template_kwargs: dict | None = None) -> None:
     """ProtocolError naming the object whose key holds one of the tokenizer's control tokens, in the tools,
@@ -489,6 +520,7 @@ def _refuse_control_token_keys(tokenizer, messages: list[dict], tools: list[dict
     that are values, so a key would be encoded as the control token itself (launcher/serving/tool_calls.py)."""
     holders = [(tool, f"tools.{i}") for i, tool in enumerate(tools or ())]
     holders += [(template_kwargs, "chat_template_kwargs")] if template_kwargs else []
+    _refuse_control_tokens_in_nested_values(tokenizer, template_kwargs)
     holders += [(call["function"]["arguments"], f"messages.{i}.tool_calls.{j}.function.arguments")
                 for i, message in enumerate(messages) for j, call in enumerate(message.get("tool_calls") or ())]
     if not holders or not tokenizer.added_tokens_encoder:
@@ -519,6 +551,9 @@ class OpenAIServer:
     The constructor sets the settings' (ServerSettings.reasoning_parser)."""
     default_chat_template_kwargs: dict | None = None
     """Template variables a chat request gets unless it sends its own (ServerSettings')."""
+    think_end: int | None = None
+    """With a reasoning parser: the id of the tokenizer's `</think>` token, after which a thinking
+    request's structured output starts (None: no such token)."""
 
     def __init__(self, settings: ServerSettings):
         from launcher.api import LaunchConfig, Launcher, load_tokenizer, server_tokenizer_problem
@@ -588,6 +623,7 @@ class OpenAIServer:
         self.tool_call_parser = settings.tool_call_parser
         self.reasoning_parser = settings.reasoning_parser
         self.default_chat_template_kwargs = settings.default_chat_template_kwargs
+        self.think_end = _think_end_token(self.tokenizer) if self.reasoning_parser else None
         self.context_tokens = _context_tokens(self.launcher)
         self.longest_prompt = _longest_prompt(self.launcher)
         self.metrics = ServerMetrics(self.launcher.load)
@@ -876,6 +912,8 @@ class OpenAIServer:
         except ValueError as err:  # sanitizing refuses text that would encode to a control token anyway
             raise ProtocolError(f"messages: their text cannot be encoded without control tokens: {err}",
                                 param="messages") from None
+        except Exception as err:  # noqa: BLE001 - the template refused the marked text (a length it checks)
+            raise ProtocolError(f"messages: the model's chat template refused them: {err}", param="messages") from None
 
     def _authorize(self, request: Request) -> None:
         if self.api_key is None:
@@ -931,6 +969,8 @@ class OpenAIServer:
         try:
             req = proto.parse_request(model, body, self.tool_call_parser, self.reasoning_parser,
                                       self.default_chat_template_kwargs)
+            if isinstance(req, proto.ChatCompletionRequest):
+                req.wait_for_thinking(self.think_end)
         except ProtocolError:
             counts.rejected(400)
             raise

@@ -509,6 +509,19 @@ class ChatCompletionRequest(_GenerationRequest):
         """The tools as the chat template takes them (apply_chat_template's tools), None without any."""
         return (self._tool_use.tools or None) if self._tool_use is not None else None
 
+    def wait_for_thinking(self, think_end: int | None) -> None:
+        """A thinking request's structured output (response_format, structured_outputs, a forced tool
+        call) starts after the thinking, as vLLM's does: its constraint waits for `think_end`, the
+        id of the model's `</think>` token, and the answer after it is constrained. Without such a
+        token (None) the constraint starts at the first token, so there is no thinking to split: all
+        of the text is the content. Thinking turned off: the constraint starts at once, all content."""
+        if self._reasoning is None or self._structure is None or not self._reasoning[1]:
+            return
+        if think_end is None:
+            self._reasoning = None
+            return
+        self._structure, self._sampling = replace(self._structure, after_token=think_end), None
+
     def reasoning(self) -> tuple[str, bool] | None:
         """(the server's reasoning parser, whether the request leaves thinking on) when the answer's
         thinking is split from its content; None when the text is all content."""
@@ -533,6 +546,7 @@ RESERVED_TEMPLATE_NAMES = {
     "return_tensors": "the server sets it", "padding": "the server sets it", "truncation": "the server sets it",
     "max_length": "use truncate_prompt_tokens, or max_tokens", "tokenizer_kwargs": "the server sets them",
     "return_assistant_tokens_mask": "the server sets it", "sanitize_control_tokens": "the server sets it",
+    "self": "the renderer's own argument", "conversations": "send them as the request's messages",
 }
 """apply_chat_template's own arguments, which chat_template_kwargs must not name (vLLM refuses
 chat_template and tokenize, and lets the others through): each with where its meaning lives instead."""
@@ -552,7 +566,27 @@ def check_template_options(request) -> None:
                                 param=f"chat_template_kwargs.{clip(name)}")
         check_utf8(name, "chat_template_kwargs")
     if request.chat_template_kwargs:
+        if nesting_depth(request.chat_template_kwargs) > MAX_TEMPLATE_NESTING:  # the encoder and the template recurse
+            raise ProtocolError(f"chat_template_kwargs nests more than {MAX_TEMPLATE_NESTING} levels of lists and "
+                                f"objects; send flatter values", param="chat_template_kwargs")
         check_utf8(json.dumps(request.chat_template_kwargs, ensure_ascii=False), "chat_template_kwargs")
+
+
+MAX_TEMPLATE_NESTING = 128
+"""Deepest lists and objects taken in chat_template_kwargs (as in a model's tool calls,
+launcher/serving/call_json.py): json.dumps and the template recurse per level, and near Python's
+limit that was a 500."""
+
+
+def nesting_depth(value) -> int:
+    """How deep lists and dicts nest in `value` (0 for a scalar), without recursing."""
+    deepest, pending = 0, [(value, 0)]
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, (list, dict)):
+            deepest = max(deepest, depth + 1)
+            pending.extend((inner, depth + 1) for inner in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 def template_messages(messages: list[ChatMessage], template: object = None) -> list[dict]:
@@ -841,9 +875,8 @@ def _check_combinations(request: _GenerationRequest, tool_call_parser: str | Non
             request.skip_special_tokens = False
         if request._tool_use.structure is not None:  # a forced call: its schema constrains the output
             request._structure = request._tool_use.structure
-        if reasoning_parser is not None and request._structure is None:
-            # A structured output constrains the text from its first token (vLLM constrains only the
-            # answer after the thinking): no thinking to split there, all of it is the content.
+        if reasoning_parser is not None:
+            # with a structured output, the app starts its constraint after the thinking (wait_for_thinking)
             request._reasoning = (reasoning_parser, thinking_requested(reasoning_parser, request.chat_template_kwargs))
             if reasoning_parser == "qwen3":  # vLLM's rule for Qwen3: a tag that is a special token survives
                 request.skip_special_tokens = False

@@ -142,7 +142,10 @@ class ChatRender(_Render):
                  include_reasoning: bool = True):
         """prompt_top: vLLM's prompt_logprobs asked (the response carries them, as vLLM's chat does).
         reasoning: (parser, thinking on) when the answer's thinking is split off (the request's
-        reasoning()); include_reasoning false leaves it out of the answer."""
+        reasoning()); include_reasoning false leaves it out of the answer, and the logprobs too (their
+        tokens would spell it; vLLM leaves them out likewise)."""
+        if reasoning is not None and not include_reasoning:
+            logprobs = False
         super().__init__(pieces, logprobs, index, prompt_top, skip_special_tokens)
         self.text, self.entries = [], []
         self.calls = tool_calls
@@ -200,6 +203,8 @@ class ChatRender(_Render):
         choice = proto.chat_choice(content, self._sent_finish(finish), logprobs, self.index)
         if self.calls is not None:
             choice["message"] = self.calls.message()
+            if content is None and not choice["message"].get("tool_calls"):  # all thinking: null, as without calls
+                choice["message"]["content"] = None
         if self.reasoning is not None and self.include_reasoning:
             choice["message"]["reasoning"] = thought
         return choice

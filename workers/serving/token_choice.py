@@ -46,7 +46,7 @@ def choose(logits: torch.Tensor, sequences: list[Sequence]) -> tuple[list[int], 
     if any(s.request.sampling.adjusts_logits(s.request.draws_before + s.generated) for s in sequences):
         prompts, outputs = zip(*(_history(s) for s in sequences))
         scores = penalized(logits, params, prompts, outputs, [s.request.stop_token_ids for s in sequences])
-    structured = [i for i, s in enumerate(sequences) if s.grammar is not None]
+    structured = [i for i, s in enumerate(sequences) if s.grammar is not None and s.grammar.active]
     if structured:  # after the penalties: min_tokens' held-back stop tokens stay held back
         allowed = allowed_tokens([sequences[i].grammar for i in structured], scores.shape[-1],
                                  [sequences[i].request.stop_token_ids for i in structured])

@@ -75,7 +75,7 @@ def start_matcher(tokenizer: GrammarTokenizer | None, spec: StructuredOutput, de
     matcher = LLMatcher(llg_tokenizer, grammar_text(spec))
     if matcher.is_error():
         raise GrammarRefused(spec, _error_of(matcher))
-    grammar = RequestGrammar(matcher, llg_tokenizer.vocab_size)
+    grammar = RequestGrammar(matcher, llg_tokenizer.vocab_size, spec.after_token)
     for token in delivered:
         grammar.advance(token)
     return grammar
@@ -90,12 +90,21 @@ class GrammarRefused(ValueError):
 
 
 class RequestGrammar:
-    """One request's matcher and the width of the masks it writes (its tokenizer's vocabulary)."""
+    """One request's matcher and the width of the masks it writes (its tokenizer's vocabulary).
+    With an after_token (StructuredOutput.after_token) it waits, inactive, until that token is
+    generated: no mask, no end of a match, the tokens before it not fed to the matcher."""
 
-    def __init__(self, matcher, vocab_size: int) -> None:
+    def __init__(self, matcher, vocab_size: int, after_token: int | None = None) -> None:
         self.matcher = matcher
         self.words = (vocab_size + 31) // 32
         """32-bit words in its mask: token t is bit t % 32 of word t // 32."""
+        self.waits_for = after_token
+        """The token the constraint starts after, until it has come; then None."""
+
+    @property
+    def active(self) -> bool:
+        """Whether the output is constrained now (token_choice masks only active grammars' rows)."""
+        return self.waits_for is None
 
     def write_mask(self, words) -> None:
         """Write the allowed next tokens into `words` (a contiguous int32 numpy array of self.words)."""
@@ -111,6 +120,10 @@ class RequestGrammar:
         """Feed the chosen token; True when the output is now a whole match that cannot go on (the
         request ends there). ValueError when the grammar refuses it (only a token the mask allowed
         is chosen, so that is a fault of the matcher, or a resumed request's history that differs)."""
+        if self.waits_for is not None:  # free text until the token the constraint starts after
+            if token == self.waits_for:
+                self.waits_for = None
+            return False
         if not self.matcher.consume_token(token):
             raise ValueError(f"the structured output's matcher refused token {token}: {_error_of(self.matcher)}")
         return self.matcher.is_stopped()
