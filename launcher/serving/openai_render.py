@@ -2,8 +2,11 @@
 whole response once the stream ends. One renderer per choice of a request (`n`; each renders its
 `index`); pure (a tokenizer is only asked for the
 text and bytes of single tokens, for log-probabilities: launcher/serving/token_pieces.py). A
-token's log-probability goes out with the text that holds it, never before it, and not at all for
-the tokens of a stop string the text leaves out (launcher/serving/logprob_alignment.py)."""
+token's log-probability goes out with the engine's text that holds it, never before it, and not at
+all for the tokens of a stop string the text leaves out (launcher/serving/logprob_alignment.py). A
+chat choice's readers (a tool-call parser, a reasoning parser) may hold a tail of that text back a
+little longer (a tag being written), so there its log-probability can come a chunk before the
+text."""
 
 from __future__ import annotations
 
