@@ -67,9 +67,22 @@ def test_which_requests_have_their_thinking_split():
         off = chat("qwen3", chat_template_kwargs={"enable_thinking": False}, **fields)
         off.wait_for_thinking(4242)  # no thinking: constrained at once, all content
         assert off.reasoning() == ("qwen3", False) and off.sampling().structured_output.after_token is None
+        hidden = chat("deepseek_r1", include_reasoning=False, **fields)  # vLLM: constrained at once, no thinking
+        hidden.wait_for_thinking(4242, 4241, [1, 4241, 2])
+        assert hidden.reasoning() is None and hidden.sampling().structured_output.after_token is None
     plain = chat("qwen3", "hermes", tools=TOOLS)  # "auto": free text, nothing to wait for
     plain.wait_for_thinking(4242)
     assert plain.reasoning() == ("qwen3", True) and plain.sampling().structured_output is None
+    assert chat("deepseek_r1", include_reasoning=False).reasoning() == ("deepseek_r1", True)  # split, then hidden
+    # a prompt whose thinking is already over (its last </think> after its last <think>: Qwen3's template
+    # with thinking off, a continued final message): the output is all content, constrained at once
+    for prompt, over in (([1, 4241, 7, 4242, 9], True), ([4242, 3, 4241, 5], False), ([1, 2], False)):
+        for fields in ({}, {"response_format": {"type": "json_object"}}):
+            request = chat("qwen3", **fields)
+            request.wait_for_thinking(4242, 4241, prompt)
+            assert (request.reasoning() is None) is over, (prompt, fields)
+            if fields:
+                assert request.sampling().structured_output.after_token == (None if over else 4242)
     with pytest.raises(ProtocolError) as refused:
         chat("qwen3", include_reasoning="no")
     assert refused.value.param == "include_reasoning"
@@ -173,3 +186,16 @@ def test_a_thinking_servers_answers_end_to_end(model_dir, in_process_cluster):
     assert [c["logprobs"] for c in unscored["choices"]] == [None, None]
     assert [c["message"] for c in unscored["choices"]] == [{"role": "assistant", "content": None}] * 2
     assert [c["message"]["reasoning"] for c in off["choices"]] == [None, None]
+
+
+def test_the_think_tags_are_the_tokenizers_own_tokens_the_model_can_generate(smollm2_tokenizer):
+    import copy
+
+    from launcher.serving.openai_app import _think_tokens
+
+    assert _think_tokens(smollm2_tokenizer, 49152) == (None, None)  # SmolLM2 has no such tokens
+    tagged = copy.deepcopy(smollm2_tokenizer)
+    tagged.add_tokens(["<think>", "</think>"])
+    start, end = tagged.convert_tokens_to_ids(["<think>", "</think>"])
+    assert _think_tokens(tagged, end + 1) == (start, end)
+    assert _think_tokens(tagged, start + 1) == (start, None)  # past the model's vocabulary: never generated

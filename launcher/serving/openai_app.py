@@ -506,11 +506,13 @@ def _refuse_control_tokens_in_nested_values(tokenizer, template_kwargs: dict | N
             nested.extend((inner, f"{path}.{i}") for i, inner in enumerate(item))
 
 
-def _think_end_token(tokenizer) -> int | None:
-    """The id of `</think>` where the tokenizer has it as one token (Qwen3's, DeepSeek-R1's), else None."""
-    from launcher.serving.reasoning import THINK_END
+def _think_tokens(tokenizer, vocab_size: int) -> tuple[int | None, int | None]:
+    """The ids of `<think>` and `</think>` where the tokenizer has each as one token the model can
+    generate (Qwen3's, DeepSeek-R1's), else None."""
+    from launcher.serving.reasoning import THINK_END, THINK_START
 
-    return tokenizer.get_vocab().get(THINK_END)
+    vocab = tokenizer.get_vocab()
+    return tuple(vocab.get(tag) if vocab.get(tag, vocab_size) < vocab_size else None for tag in (THINK_START, THINK_END))
 
 
 def _refuse_control_token_keys(tokenizer, messages: list[dict], tools: list[dict] | None,
@@ -554,6 +556,8 @@ class OpenAIServer:
     think_end: int | None = None
     """With a reasoning parser: the id of the tokenizer's `</think>` token, after which a thinking
     request's structured output starts (None: no such token)."""
+    think_start: int | None = None
+    """The id of its `<think>` (a prompt whose last `</think>` comes after it has ended the thinking)."""
 
     def __init__(self, settings: ServerSettings):
         from launcher.api import LaunchConfig, Launcher, load_tokenizer, server_tokenizer_problem
@@ -623,7 +627,8 @@ class OpenAIServer:
         self.tool_call_parser = settings.tool_call_parser
         self.reasoning_parser = settings.reasoning_parser
         self.default_chat_template_kwargs = settings.default_chat_template_kwargs
-        self.think_end = _think_end_token(self.tokenizer) if self.reasoning_parser else None
+        if self.reasoning_parser:
+            self.think_start, self.think_end = _think_tokens(self.tokenizer, self.launcher.model_config.vocab_size)
         self.context_tokens = _context_tokens(self.launcher)
         self.longest_prompt = _longest_prompt(self.launcher)
         self.metrics = ServerMetrics(self.launcher.load)
@@ -729,6 +734,7 @@ class OpenAIServer:
                                        req.add_generation_prompt, req.continue_final_message, False,
                                        req.truncate_prompt_tokens is None, req.template_tools(), req.chat_template_kwargs)
         prompt = self._truncated(req, prompt)
+        req.wait_for_thinking(self.think_end, self.think_start, prompt)
         stream = await self._start_choices(req, [prompt], [proto.max_new_tokens(req, len(prompt), self.context_tokens)],
                                            req.logprobs_count(), "messages", req.engine_prompt_logprobs())
         return await self._respond(req, stream, [ChatRender(self.pieces, req.logprobs, i, req.prompt_logprobs,
@@ -969,8 +975,6 @@ class OpenAIServer:
         try:
             req = proto.parse_request(model, body, self.tool_call_parser, self.reasoning_parser,
                                       self.default_chat_template_kwargs)
-            if isinstance(req, proto.ChatCompletionRequest):
-                req.wait_for_thinking(self.think_end)
         except ProtocolError:
             counts.rejected(400)
             raise

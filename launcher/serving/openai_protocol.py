@@ -11,6 +11,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, replace
+from collections.abc import Sequence
 from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
@@ -509,18 +510,24 @@ class ChatCompletionRequest(_GenerationRequest):
         """The tools as the chat template takes them (apply_chat_template's tools), None without any."""
         return (self._tool_use.tools or None) if self._tool_use is not None else None
 
-    def wait_for_thinking(self, think_end: int | None) -> None:
-        """A thinking request's structured output (response_format, structured_outputs, a forced tool
-        call) starts after the thinking, as vLLM's does: its constraint waits for `think_end`, the
-        id of the model's `</think>` token, and the answer after it is constrained. Without such a
-        token (None) the constraint starts at the first token, so there is no thinking to split: all
-        of the text is the content. Thinking turned off: the constraint starts at once, all content."""
-        if self._reasoning is None or self._structure is None or not self._reasoning[1]:
+    def wait_for_thinking(self, think_end: int | None, think_start: int | None = None,
+                          prompt: Sequence[int] = ()) -> None:
+        """Settle a thinking request once its prompt is known. Its structured output (response_format,
+        structured_outputs, a forced tool call) starts after the thinking, as vLLM's does: the
+        constraint waits for `think_end`, the id of the model's `</think>` token. All of the text is
+        the content, constrained from its first token, where there is no thinking to wait for: a
+        prompt that already closed it (its last `</think>` after its last `<think>`: Qwen3's
+        template with thinking off, or continuing a final message), no such token (None), or a
+        structured output whose reasoning is not wanted (include_reasoning false, vLLM's rule).
+        Thinking turned off (qwen3's enable_thinking): constrained at once, all content."""
+        if self._reasoning is None:
             return
-        if think_end is None:
+        if _thinking_closed(prompt, think_start, think_end) or (self._structure is not None and (
+                think_end is None or not self.include_reasoning)):
             self._reasoning = None
             return
-        self._structure, self._sampling = replace(self._structure, after_token=think_end), None
+        if self._structure is not None and self._reasoning[1]:
+            self._structure, self._sampling = replace(self._structure, after_token=think_end), None
 
     def reasoning(self) -> tuple[str, bool] | None:
         """(the server's reasoning parser, whether the request leaves thinking on) when the answer's
@@ -534,6 +541,19 @@ class ChatCompletionRequest(_GenerationRequest):
     def logprobs_count(self) -> int | None:
         """The engine's logprobs argument: None (off) or the number of alternatives."""
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def _thinking_closed(prompt: Sequence[int], think_start: int | None, think_end: int | None) -> bool:
+    """Whether the prompt's last `</think>` comes after its last `<think>` (the thinking is over
+    before the output starts), as vLLM reads a prompt's token ids."""
+    if think_end is None:
+        return False
+    for token in reversed(prompt):
+        if token == think_end:
+            return True
+        if token == think_start:
+            return False
+    return False
 
 
 RESERVED_TEMPLATE_NAMES = {
