@@ -100,3 +100,18 @@ def test_required_calls_take_the_same_rules():
     assert "tool_calls" not in deep.message()
     stream = RequiredCallsStream()
     assert stream.feed('[{"name": "f\\udc00", "parameters": {}}]') == []  # as the whole reading: no call
+
+
+def test_a_streamed_required_answer_stops_reading_at_the_depth_limit():
+    """Past MAX_DEPTH the stream reads nothing more (it read on, sending arguments no reading takes):
+    a call announced before the limit keeps what it sent, the documented exception (the whole
+    reading has no call), and no later call goes out."""
+    text = ('[{"name": "f", "parameters": ' + "[" * 200 + "]" * 200 + '}, {"name": "g", "parameters": {}}]')
+    reader = ToolCallReader("required")
+    deltas = [reader.delta(text[i:i + 5], i + 5 >= len(text)) for i in range(0, len(text), 5)]
+    [call] = reader.calls()
+    assert call["function"]["name"] == "f" and call["function"]["arguments"].count("[") <= MAX_DEPTH
+    assert "]" not in call["function"]["arguments"] and sum(len(d.get("tool_calls", [])) for d in deltas) >= 1
+    whole = ToolCallReader("required")
+    whole.push(text, True)
+    assert "tool_calls" not in whole.message()

@@ -200,8 +200,8 @@ def test_the_servers_default_template_variables_sit_under_the_requests_own():
         "enable_thinking": False}
     assert serve().default_chat_template_kwargs is None
     for bad, words in (('[1]', "must be a JSON object"), ('{"tokenize": true}', "apply_chat_template's own arguments"),
-                       ('{"a": "\\ud800"}', "valid text")):
-        with pytest.raises(ValueError, match=rf"--default-chat-template-kwargs .*{words}"):
+                       ('{"a": "\\ud800"}', "valid UTF-8 text")):
+        with pytest.raises(ValueError, match=rf"--default-chat-template-kwargs.*{words}"):
             settings_from_args({"default_chat_template_kwargs": json.loads(bad)}, flags)
     for bad in ("{nope", "[1]"):
         with pytest.raises(SystemExit):
@@ -220,3 +220,10 @@ def test_a_template_refusing_the_marked_text_is_a_400_not_a_500(smollm2_tokenize
     with pytest.raises(ProtocolError) as refused:
         server._apply_chat_template(chat().chat_messages(), True, False, False, True, None, {"note": "<|im_end|>12"})
     assert refused.value.param == "messages" and "too long" in refused.value.message
+
+
+def test_server_defaults_too_deep_are_refused_at_start():
+    from launcher.serving.server_settings import settings_from_args
+
+    with pytest.raises(ValueError, match="default_chat_template_kwargs nests more than 128 levels"):
+        settings_from_args({"default_chat_template_kwargs": {"x": json.loads("[" * 200 + "]" * 200)}})

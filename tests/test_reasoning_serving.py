@@ -53,25 +53,25 @@ def test_which_requests_have_their_thinking_split():
     assert chat("qwen3", chat_template_kwargs={"enable_thinking": False}).reasoning() == ("qwen3", False)
     assert chat("deepseek_r1").reasoning() == ("deepseek_r1", True) and chat("deepseek_r1").skip_special_tokens
     # a structured output, forced tool calls included, starts after the thinking's end token (the
-    # app's wait_for_thinking); where the tokenizer has none, from the first token: all content
+    # app's settle_thinking); where the tokenizer has none, from the first token: all content
     for fields in ({"response_format": {"type": "json_object"}}, {"tools": TOOLS, "tool_choice": "required"},
                    {"structured_outputs": {"regex": "[0-9]+"}}):
         waiting = chat("deepseek_r1", **fields)
         assert waiting.sampling().structured_output.after_token is None  # made before: made again below
-        waiting.wait_for_thinking(4242)
+        waiting.settle_thinking(4242)
         assert waiting.reasoning() == ("deepseek_r1", True)
         assert waiting.sampling().structured_output.after_token == 4242
         unsplit = chat("deepseek_r1", **fields)
-        unsplit.wait_for_thinking(None)
+        unsplit.settle_thinking(None)
         assert unsplit.reasoning() is None and unsplit.sampling().structured_output.after_token is None
         off = chat("qwen3", chat_template_kwargs={"enable_thinking": False}, **fields)
-        off.wait_for_thinking(4242)  # no thinking: constrained at once, all content
+        off.settle_thinking(4242)  # no thinking: constrained at once, all content
         assert off.reasoning() == ("qwen3", False) and off.sampling().structured_output.after_token is None
         hidden = chat("deepseek_r1", include_reasoning=False, **fields)  # vLLM: constrained at once, no thinking
-        hidden.wait_for_thinking(4242, 4241, [1, 4241, 2])
+        hidden.settle_thinking(4242, 4241, [1, 4241, 2])
         assert hidden.reasoning() is None and hidden.sampling().structured_output.after_token is None
     plain = chat("qwen3", "hermes", tools=TOOLS)  # "auto": free text, nothing to wait for
-    plain.wait_for_thinking(4242)
+    plain.settle_thinking(4242)
     assert plain.reasoning() == ("qwen3", True) and plain.sampling().structured_output is None
     assert chat("deepseek_r1", include_reasoning=False).reasoning() == ("deepseek_r1", True)  # split, then hidden
     # a prompt whose thinking is already over (its last </think> after its last <think>: Qwen3's template
@@ -79,7 +79,7 @@ def test_which_requests_have_their_thinking_split():
     for prompt, over in (([1, 4241, 7, 4242, 9], True), ([4242, 3, 4241, 5], False), ([1, 2], False)):
         for fields in ({}, {"response_format": {"type": "json_object"}}):
             request = chat("qwen3", **fields)
-            request.wait_for_thinking(4242, 4241, prompt)
+            request.settle_thinking(4242, 4241, prompt)
             assert (request.reasoning() is None) is over, (prompt, fields)
             if fields:
                 assert request.sampling().structured_output.after_token == (None if over else 4242)

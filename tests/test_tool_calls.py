@@ -437,7 +437,8 @@ def test_each_tool_call_parser_reads_auto_with_its_own_reader(parser):
         reader = parse_request(ChatCompletionRequest, {**BASE, "tools": TOOLS, "parallel_tool_calls": parallel},
                                parser).tool_call_reader()
         assert type(reader) is reader_class and reader.parallel_tool_calls is parallel
-        assert all(callable(getattr(reader, method)) for method in ("delta", "push", "calls", "finish_reason", "message"))
+    streamed = reader_class()
+    assert streamed.delta("Just text.", True) == {"content": "Just text."} and streamed.calls() == []
     whole = reader_class()
     whole.push("Just text.", True)
     assert whole.message() == {"role": "assistant", "content": "Just text."} and whole.finish_reason("stop") == "stop"

@@ -30,7 +30,8 @@ from launcher.cli.options import (add_max_num_seqs, add_max_prefill_tokens, add_
                                   with_flag_name)
 from launcher.serving.ingress import MODES, IdleProxyAddressHidden, IngressPlan, choose_mode, plan_ingress
 from launcher.serving.reasoning import REASONING_PARSERS
-from launcher.serving.server_settings import TOOL_CALL_PARSERS, api_key_from_environment, tool_call_parsers_described
+from launcher.serving.server_settings import (TOOL_CALL_PARSERS, api_key_from_environment, described,
+                                              tool_call_parsers_described)
 
 SERVE_MAX_NUM_SEQS = 16
 """serve's --max-num-seqs when neither it nor a --compiled directory gives one (generate's is 8: a
@@ -68,9 +69,8 @@ def add_parser(subparsers) -> None:
                         f"in this format: {tool_call_parsers_described()}; default: none, \"auto\" is refused")
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
                    help="split a thinking model's chat answers: the text inside <think>...</think> goes to the "
-                        "message's `reasoning` field, the rest is the content: "
-                        + "; ".join(f"{name}, {form}" for name, form in REASONING_PARSERS.items())
-                        + "; default: none, all of the text is the content")
+                        f"message's `reasoning` field, the rest is the content: {described(REASONING_PARSERS)}; "
+                        "default: none, all of the text is the content")
     p.add_argument("--default-chat-template-kwargs", type=json_object_option, metavar="JSON",
                    help="template variables every chat request gets unless it sends its own "
                         "chat_template_kwargs value, e.g. '{\"enable_thinking\": false}' (Qwen3 without thinking)")

@@ -56,6 +56,21 @@ def too_deep(text: str, start: int = 0) -> bool:
                 return False
 
 
+_DECODER = json.JSONDecoder()
+
+
+def decode_at(text: str, start: int = 0) -> tuple[object, int] | None:
+    """The JSON value at text[start] and the index after it (json's raw_decode), None when there is
+    none whole: bad or cut JSON, an integer past Python's digit limit (ValueError), or nesting past
+    MAX_DEPTH (the same answer whatever the caller's stack)."""
+    if too_deep(text, start):
+        return None
+    try:
+        return _DECODER.raw_decode(text, start)
+    except (ValueError, RecursionError):
+        return None
+
+
 def is_text(value: object) -> bool:
     """A str that UTF-8 can carry (no lone surrogate)."""
     if not isinstance(value, str):

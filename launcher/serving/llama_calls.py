@@ -45,15 +45,13 @@ shared part: launcher/serving/free_text_calls.py).
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator
 
-from launcher.serving.call_json import arguments_text, is_text, too_deep
+from launcher.serving.call_json import arguments_text, decode_at, is_text
 from launcher.serving.free_text_calls import CallsReading, FreeTextCallReader
 
 PYTHON_TAG = "<|python_tag|>"
-DECODER = json.JSONDecoder()
 JSON_SIGNS = re.compile(r'[{}"\\]')
 """The characters that say where a JSON object ends: its braces, and the quotes and backslashes of its
 strings (a brace inside a string counts for nothing)."""
@@ -80,24 +78,12 @@ def call_of(parsed: object) -> tuple[str, str] | None:
     return None
 
 
-def decoded_at(text: str, start: int) -> tuple[object, int] | None:
-    """The JSON value at text[start] and the index after it (json's raw_decode), None when it is no
-    whole JSON. ValueError: bad JSON, or an integer past Python's digit limit; nested past
-    call_json.MAX_DEPTH: none, whatever the caller's stack (RecursionError came at a depth that did)."""
-    if too_deep(text, start):
-        return None
-    try:
-        return DECODER.raw_decode(text, start)
-    except (ValueError, RecursionError):
-        return None
-
-
 def calls_from(text: str, first: int) -> list[tuple[str, str]] | None:
     """The call of each object from text[first] (a `{`) on, each next one at the first `{` after the
     last one's end; None when any of them is no call (vLLM's extract_tool_calls)."""
     calls, start = [], first
     while start != -1:
-        decoded = decoded_at(text, start)
+        decoded = decode_at(text, start)
         call = None if decoded is None else call_of(decoded[0])
         if call is None:
             return None
@@ -118,7 +104,7 @@ def read_whole(text: str) -> CallsReading:
 
 def object_call(text: str) -> tuple[str, str] | None:
     """The call of one closed object's whole text (from its `{` to its `}`), None when it holds none."""
-    decoded = decoded_at(text, 0)
+    decoded = decode_at(text, 0)
     if decoded is None or decoded[1] != len(text):
         return None
     return call_of(decoded[0])

@@ -58,12 +58,11 @@ part: launcher/serving/free_text_calls.py).
 
 from __future__ import annotations
 
-import json
 import re
 import secrets
 import string
 
-from launcher.serving.call_json import arguments_text, is_text, too_deep
+from launcher.serving.call_json import arguments_text, decode_at, is_text
 from launcher.serving.free_text_calls import CallsReading, FreeTextCallReader
 from launcher.serving.stop_strings import held_tail_length
 from launcher.serving.tool_calls import tool_call
@@ -79,18 +78,6 @@ _ID_CHARS = string.ascii_letters + string.digits
 def new_mistral_call_id() -> str:
     """A call id as Mistral's chat templates take them back: exactly 9 letters and digits."""
     return "".join(secrets.choice(_ID_CHARS) for _ in range(9))
-
-
-def first_json_value(text: str) -> tuple[object, int] | None:
-    """The JSON value `text` starts with and where it ends (json's raw_decode), None when it starts
-    with none (nor with one nested past call_json.MAX_DEPTH: the same answer whatever the caller's
-    stack)."""
-    if too_deep(text):
-        return None
-    try:
-        return json.JSONDecoder().raw_decode(text)
-    except (ValueError, RecursionError):  # ValueError: bad JSON, or an integer past Python's digit limit
-        return None
 
 
 def pre_v11_calls(parsed: object) -> list[tuple[str, str]]:
@@ -117,7 +104,7 @@ def v11_arguments(text: str) -> str:
     stripped = text.strip()
     if not stripped:
         return "{}"
-    value = first_json_value(stripped)
+    value = decode_at(stripped)
     return stripped if value is None else stripped[:value[1]]
 
 
@@ -136,7 +123,7 @@ def read_whole(text: str) -> CallsReading:
     if not segments:  # nothing after the marker
         return CallsReading(text)
     if segments[0].lstrip()[0] in "[{":  # pre-v11: one JSON value; what follows it is ignored
-        value = first_json_value(segments[0].strip())
+        value = decode_at(segments[0].strip())
         calls = [] if value is None else pre_v11_calls(value[0])
     else:
         read = [v11_call(segment) for segment in segments]
@@ -278,7 +265,7 @@ class MarkerText:
         """The JSON value closed: pre-v11, its calls (or BAD); v11, the call, or if the value is no
         JSON, nothing yet (its arguments are then the whole text up to the next marker)."""
         text = "".join(self.held).lstrip()
-        value = first_json_value(text)
+        value = decode_at(text)
         if self.form == "json":
             calls = [] if value is None else pre_v11_calls(value[0])
             self.stage, self.held = "after", []

@@ -44,6 +44,7 @@ from launcher.serving.openai_protocol import CONTEXT_LENGTH_EXCEEDED, ProtocolEr
 from launcher.serving.openai_render import ChatRender, CompletionRender
 from launcher.serving.prompt_probe import (head_overfills, length_overfills, longest_token_chars,
                                             too_long_message, too_many_characters_message)
+from launcher.serving.reasoning import THINK_END, THINK_START
 from launcher.serving.server_settings import ServerSettings, api_key_from_environment, settings_from_args
 from launcher.serving.token_pieces import TokenPieces
 
@@ -482,6 +483,19 @@ def _generation_failure(err: Exception) -> tuple[int, dict, dict]:
     return 500, proto.error_body(f"generation failed: {err}", type="server_error"), _NO_RETRY
 
 
+SANITIZING_MARKS = ("\U000F0000", "\U000F0001")
+"""The two code points transformers' sanitize_control_tokens marks text with (dropped from message
+text and its measure; refused inside lists and objects of chat_template_kwargs)."""
+
+
+def _control_pattern(tokenizer, marks: bool = False) -> re.Pattern | None:
+    """A pattern of the tokenizer's control tokens (longest first), and of the sanitizing marks with
+    `marks`; None when there is nothing to find."""
+    parts = [re.escape(token) for token in sorted(tokenizer.added_tokens_encoder, key=len, reverse=True)]
+    parts += list(SANITIZING_MARKS) if marks else []
+    return re.compile("|".join(parts)) if parts else None
+
+
 def _refuse_control_tokens_in_nested_values(tokenizer, template_kwargs: dict | None) -> None:
     """ProtocolError naming a string inside a list or object of chat_template_kwargs that holds a
     control token (or one of the two code points sanitizing marks text with): sanitize_control_tokens
@@ -492,25 +506,28 @@ def _refuse_control_tokens_in_nested_values(tokenizer, template_kwargs: dict | N
               if isinstance(value, (list, dict))]
     if not nested:
         return
-    control = re.compile("|".join([re.escape(token) for token in sorted(tokenizer.added_tokens_encoder, key=len,
-                                                                         reverse=True)] + ["\U000F0000", "\U000F0001"]))
+    control = _control_pattern(tokenizer, marks=True)
     while nested:
         item, path = nested.pop()
-        if isinstance(item, str) and control.search(item):
-            raise ProtocolError(f"{path} holds {control.search(item).group()!r} inside a list or object, which a "
-                                f"template printing the value whole would write as the control token itself; send "
-                                f"such text as a plain string value, or leave it out", param=path)
+        found = control.search(item) if isinstance(item, str) else None
+        if found is not None:
+            raise ProtocolError(f"{path} holds {found.group()!r} inside a list or object, which a template printing "
+                                f"the value whole would write as the control token itself; send such text as a plain "
+                                f"string value, or leave it out", param=path)
         if isinstance(item, dict):
             nested.extend((inner, f"{path}.{key}") for key, inner in item.items())
         elif isinstance(item, list):
             nested.extend((inner, f"{path}.{i}") for i, inner in enumerate(item))
 
 
+def _template_refused(err: Exception) -> ProtocolError:
+    """A chat template's refusal (roles out of order, a length it checks): the client's doing, a 400."""
+    return ProtocolError(f"messages: the model's chat template refused them: {err}", param="messages")
+
+
 def _think_tokens(tokenizer, vocab_size: int) -> tuple[int | None, int | None]:
     """The ids of `<think>` and `</think>` where the tokenizer has each as one token the model can
     generate (Qwen3's, DeepSeek-R1's), else None."""
-    from launcher.serving.reasoning import THINK_END, THINK_START
-
     vocab = tokenizer.get_vocab()
     return tuple(vocab.get(tag) if vocab.get(tag, vocab_size) < vocab_size else None for tag in (THINK_START, THINK_END))
 
@@ -522,13 +539,11 @@ def _refuse_control_token_keys(tokenizer, messages: list[dict], tools: list[dict
     that are values, so a key would be encoded as the control token itself (launcher/serving/tool_calls.py)."""
     holders = [(tool, f"tools.{i}") for i, tool in enumerate(tools or ())]
     holders += [(template_kwargs, "chat_template_kwargs")] if template_kwargs else []
-    _refuse_control_tokens_in_nested_values(tokenizer, template_kwargs)
     holders += [(call["function"]["arguments"], f"messages.{i}.tool_calls.{j}.function.arguments")
                 for i, message in enumerate(messages) for j, call in enumerate(message.get("tool_calls") or ())]
-    if not holders or not tokenizer.added_tokens_encoder:
+    control = _control_pattern(tokenizer) if holders else None
+    if control is None:
         return
-    control = re.compile("|".join(re.escape(token) for token in sorted(tokenizer.added_tokens_encoder, key=len,
-                                                                           reverse=True)))
     for value, path in holders:
         found = function_calling.control_token_key(value, path, control)
         if found is not None:
@@ -734,7 +749,7 @@ class OpenAIServer:
                                        req.add_generation_prompt, req.continue_final_message, False,
                                        req.truncate_prompt_tokens is None, req.template_tools(), req.chat_template_kwargs)
         prompt = self._truncated(req, prompt)
-        req.wait_for_thinking(self.think_end, self.think_start, prompt)
+        req.settle_thinking(self.think_end, self.think_start, prompt)
         stream = await self._start_choices(req, [prompt], [proto.max_new_tokens(req, len(prompt), self.context_tokens)],
                                            req.logprobs_count(), "messages", req.engine_prompt_logprobs())
         return await self._respond(req, stream, [ChatRender(self.pieces, req.logprobs, i, req.prompt_logprobs,
@@ -893,15 +908,16 @@ class OpenAIServer:
             if message.get("name") is not None:
                 proto.check_utf8(message["name"], f"messages.{i}.name")
         _refuse_control_token_keys(self.tokenizer, messages, tools, template_kwargs)
+        _refuse_control_tokens_in_nested_values(self.tokenizer, template_kwargs)
         rendering = {**(template_kwargs or {}), "add_generation_prompt": add_generation_prompt,
                      "continue_final_message": continue_final_message, **({"tools": tools} if tools else {})}
         try:
             with self._encoding:
                 prompt = self.tokenizer.apply_chat_template(messages, tokenize=False, **rendering)
         except Exception as err:  # noqa: BLE001 - a template's refusal (e.g. roles out of order) is the client's
-            raise ProtocolError(f"messages: the model's chat template refused them: {err}", param="messages") from None
+            raise _template_refused(err) from None
         if self._chat_options:  # sanitizing drops the two marker code points from message text: so
-            prompt = prompt.translate({0xF0000: None, 0xF0001: None})  # does the measure (9000 refused a short chat)
+            prompt = prompt.translate(dict.fromkeys(map(ord, SANITIZING_MARKS)))  # so does the measure (9000 refused a short chat)
         if measured:
             self._refuse_if_it_cannot_fit(prompt, "the chat prompt (the messages in the model's chat template)",
                                           "messages", special_tokens=False)
@@ -919,7 +935,7 @@ class OpenAIServer:
             raise ProtocolError(f"messages: their text cannot be encoded without control tokens: {err}",
                                 param="messages") from None
         except Exception as err:  # noqa: BLE001 - the template refused the marked text (a length it checks)
-            raise ProtocolError(f"messages: the model's chat template refused them: {err}", param="messages") from None
+            raise _template_refused(err) from None
 
     def _authorize(self, request: Request) -> None:
         if self.api_key is None:

@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass, replace
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from launcher.serving import tool_calls as function_calling  # not `tool_calls`: a message's field
+from launcher.serving.call_json import MAX_DEPTH
 from launcher.serving.null_means_default import NullMeansDefault
 from launcher.serving.reasoning import thinking_requested
 from launcher.serving.response_formats import ResponseFormat, StructuredOutputs, requested_structure
@@ -510,7 +511,7 @@ class ChatCompletionRequest(_GenerationRequest):
         """The tools as the chat template takes them (apply_chat_template's tools), None without any."""
         return (self._tool_use.tools or None) if self._tool_use is not None else None
 
-    def wait_for_thinking(self, think_end: int | None, think_start: int | None = None,
+    def settle_thinking(self, think_end: int | None, think_start: int | None = None,
                           prompt: Sequence[int] = ()) -> None:
         """Settle a thinking request once its prompt is known. Its structured output (response_format,
         structured_outputs, a forced tool call) starts after the thinking, as vLLM's does: the
@@ -579,23 +580,27 @@ def check_template_options(request) -> None:
         raise ProtocolError("continue_final_message (true) leaves the last message open, and add_generation_prompt "
                             "(true, its default) opens a new assistant turn after it; send add_generation_prompt: "
                             "false with it", param="continue_final_message")
-    for name in request.chat_template_kwargs or {}:
+    problem = template_kwargs_problem(request.chat_template_kwargs or {}, "chat_template_kwargs")
+    if problem is not None:
+        raise ProtocolError(*problem)
+
+
+def template_kwargs_problem(kwargs: dict, where: str) -> tuple[str, str] | None:
+    """(message, param) of the first thing wrong in template variables (a request's
+    chat_template_kwargs, or a server's defaults, checked at start with the same rules), or None:
+    one of apply_chat_template's own names, nesting past call_json.MAX_DEPTH (json.dumps and the
+    template recurse per level; near Python's limit that was a 500), text that is no valid UTF-8."""
+    for name in kwargs:
         if name in RESERVED_TEMPLATE_NAMES:
-            raise ProtocolError(f"chat_template_kwargs.{name} names one of apply_chat_template's own arguments, which "
-                                f"the server sets: {RESERVED_TEMPLATE_NAMES[name]}",
-                                param=f"chat_template_kwargs.{clip(name)}")
-        check_utf8(name, "chat_template_kwargs")
-    if request.chat_template_kwargs:
-        if nesting_depth(request.chat_template_kwargs) > MAX_TEMPLATE_NESTING:  # the encoder and the template recurse
-            raise ProtocolError(f"chat_template_kwargs nests more than {MAX_TEMPLATE_NESTING} levels of lists and "
-                                f"objects; send flatter values", param="chat_template_kwargs")
-        check_utf8(json.dumps(request.chat_template_kwargs, ensure_ascii=False), "chat_template_kwargs")
-
-
-MAX_TEMPLATE_NESTING = 128
-"""Deepest lists and objects taken in chat_template_kwargs (as in a model's tool calls,
-launcher/serving/call_json.py): json.dumps and the template recurse per level, and near Python's
-limit that was a 500."""
+            return (f"{where}.{name} names one of apply_chat_template's own arguments, which the server sets: "
+                    f"{RESERVED_TEMPLATE_NAMES[name]}", f"{where}.{clip(name)}")
+    if nesting_depth(kwargs) > MAX_DEPTH:
+        return f"{where} nests more than {MAX_DEPTH} levels of lists and objects; send flatter values", where
+    try:
+        check_utf8(json.dumps(kwargs, ensure_ascii=False), where)
+    except ProtocolError as err:
+        return err.message, where
+    return None
 
 
 def nesting_depth(value) -> int:
@@ -896,7 +901,7 @@ def _check_combinations(request: _GenerationRequest, tool_call_parser: str | Non
         if request._tool_use.structure is not None:  # a forced call: its schema constrains the output
             request._structure = request._tool_use.structure
         if reasoning_parser is not None:
-            # with a structured output, the app starts its constraint after the thinking (wait_for_thinking)
+            # with a structured output, the app starts its constraint after the thinking (settle_thinking)
             request._reasoning = (reasoning_parser, thinking_requested(reasoning_parser, request.chat_template_kwargs))
             if reasoning_parser == "qwen3":  # vLLM's rule for Qwen3: a tag that is a special token survives
                 request.skip_special_tokens = False

@@ -147,14 +147,14 @@ class ChatRender(_Render):
         reasoning: (parser, thinking on) when the answer's thinking is split off (the request's
         reasoning()); include_reasoning false leaves it out of the answer, and the logprobs too (their
         tokens would spell it; vLLM leaves them out likewise)."""
-        if reasoning is not None and not include_reasoning:
+        if reasoning is not None and reasoning[1] and not include_reasoning:  # only thinking has tokens to hide
             logprobs = False
         super().__init__(pieces, logprobs, index, prompt_top, skip_special_tokens)
         self.text, self.entries = [], []
         self.calls = tool_calls
         self.reasoning, self.include_reasoning = reasoning, include_reasoning
         self.splitter = ReasoningSplitter(*reasoning) if reasoning is not None else None
-        """Streamed: this choice's text split as it comes (built for whole answers too, unused there)."""
+        """This choice's text split as it streams (a whole answer is read at its end: choice())."""
 
     def _sent_finish(self, finish: str | None) -> str | None:
         """The finish reason the client is told: "tool_calls" for "required" calls (tool_calls.py).
@@ -163,7 +163,7 @@ class ChatRender(_Render):
 
     def _delta(self, delta) -> dict:
         """The chunk's delta: the text, or what the reader makes of it (tool calls' pieces; with
-        tool_choice "auto", content and whole calls)."""
+        tool_choice "auto", content and whole calls), after the thinking went to "reasoning"."""
         text, finished, thought = delta.text, delta.finish_reason is not None, ""
         if self.splitter is not None:
             thought, text = self.splitter.feed(text, finished)

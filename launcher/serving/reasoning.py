@@ -46,12 +46,12 @@ deltas add up to the whole answer for any split of the text:
   stops feeding its parser). The whole answer's rule is taken: the duplicate is markup, which is
   why vLLM's grammar drops it; the stream only keeps it by accident.
 
-Other vLLM stream behaviours not followed: a delta holding several tokens (vLLM's stream_interval,
-a detokenizer catching up) makes vLLM's deepseek_r1 stream keep a `<think>` as reasoning text; and
-a prompt already holding a `</think>` after its last `<think>` makes vLLM stream the whole output as
-content while its whole answer still reads reasoning (the server decides that from the prompt's
-tokens; with `enable_thinking` false that is how vLLM's qwen3 stream gets its all-content answer,
-which qwen3's `thinking=False` gives here; deepseek_r1 has no such switch).
+Another vLLM stream behaviour not followed: a delta holding several tokens (vLLM's stream_interval,
+a detokenizer catching up) makes vLLM's deepseek_r1 stream keep a `<think>` as reasoning text. A
+prompt already holding a `</think>` after its last `<think>` makes vLLM stream the whole output as
+content while its whole answer still reads reasoning; the server here (openai_protocol's
+settle_thinking, which reads the prompt's token ids) makes it all content, streamed and whole, for
+both parsers, so this splitter is not used there.
 
 Streamed, each piece goes out at once but for a tail that may still grow into a tag that matters in
 the current part (at most 10 characters: `<tool_call` without its `>`); the work per piece is that

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from launcher.serving.call_json import is_text
+from launcher.serving.call_json import MAX_DEPTH, is_text
 from launcher.serving.tool_calls import new_call_id
 
 # What the scan expects next inside an element object of the array.
@@ -38,7 +38,6 @@ class _Call:
 
     name: str | None = None
     """Set once the name's string has closed and decodes as a JSON string."""
-    name_end: int | None = None
     arguments_start: int | None = None
     arguments_end: int | None = None
     """None while the parameters' value is still being written."""
@@ -63,6 +62,8 @@ class RequiredCallsStream:
         self._value_start = 0
         self._over = False
         """The array has closed, or the text does not open one: nothing more is read."""
+        self._read_to = 0
+        """The text read so far: all of it, or up to where reading stopped (_over)."""
         self._kept, self._kept_from, self._length = "", 0, 0
         """The text from offset _kept_from on (what may still be needed); the whole text's length."""
         self.sent: list[dict] = []
@@ -83,6 +84,8 @@ class RequiredCallsStream:
         self._length += len(piece)
         if not self._over:
             self._scan(piece, start)
+        if not self._over:
+            self._read_to = self._length
         entries = self._entries()
         self._forget()
         return entries
@@ -97,7 +100,7 @@ class RequiredCallsStream:
             call = self._calls[index]
             if not call.ready:  # elements are written in order: nothing after it can be sent
                 break
-            end = call.arguments_end if call.arguments_end is not None else self._length
+            end = call.arguments_end if call.arguments_end is not None else self._read_to
             if index == self._first_open and index < len(self.sent) and self._sent_to[index] == call.arguments_end:
                 self._first_open += 1  # sent whole before this piece
                 continue
@@ -141,7 +144,7 @@ class RequiredCallsStream:
                     self._string_closed(i)
                 continue
             if self._depth == 0 and not (ch == "[" or ch.isspace()):  # text before the array: no call
-                self._over = True
+                self._over, self._read_to = True, i
                 return
             if ch == '"':
                 self._in_string, self._string_start = True, i
@@ -149,11 +152,11 @@ class RequiredCallsStream:
                     self._start_value(i, _STRING_VALUE)
             elif ch in "{[":
                 if not self._opened(ch, i):
-                    self._over = True
+                    self._over, self._read_to = True, i
                     return
             elif ch in "}]":
                 if not self._closed(i):
-                    self._over = True
+                    self._over, self._read_to = True, i + 1
                     return
             elif self._depth == 2 and self._current is not None:
                 self._element_character(ch, i)
@@ -167,7 +170,10 @@ class RequiredCallsStream:
             self._end_value(i + 1)
 
     def _opened(self, ch: str, i: int) -> bool:
-        """False where the text is no array of objects (nothing more is read)."""
+        """False where the text is no array of objects, or nests past call_json.MAX_DEPTH: nothing
+        more is read, so no argument past the limit and no later call goes out (the whole reading
+        finds no call in such a text; a call announced before the limit keeps what it sent, as a
+        stream cannot take back)."""
         if self._depth == 1:
             if ch != "{":
                 return False
@@ -177,7 +183,7 @@ class RequiredCallsStream:
         elif self._depth == 2 and self._current is not None and self._expect == _VALUE:
             self._start_value(i, _NESTED_VALUE)
         self._depth += 1
-        return True
+        return self._depth <= MAX_DEPTH  # deeper is no call's JSON (call_json), as the whole reading says
 
     def _closed(self, i: int) -> bool:
         """False once the array itself has closed (or a stray closing bracket came first)."""
@@ -222,5 +228,5 @@ class RequiredCallsStream:
             except json.JSONDecodeError:  # never a call, as the whole reading refuses the array
                 name = None
             if is_text(name):  # no lone surrogate, as the whole reading takes names
-                self._current.name, self._current.name_end = name, end
+                self._current.name = name
         self._expect = _AFTER_VALUE

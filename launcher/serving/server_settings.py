@@ -9,12 +9,10 @@ server's rules for names, keys and Serve replica counts.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import unicodedata
 from dataclasses import dataclass
-from pathlib import Path
 
 import yaml
 
@@ -41,9 +39,13 @@ writes a call in its free text, which tool_choice "auto" needs read back (the re
 launcher/serving/tool_calls.py's PARSER_READERS)."""
 
 
+def described(parsers: dict) -> str:
+    """Each parser's name and what it reads, for help texts and errors."""
+    return "; ".join(f"{name}, {form}" for name, form in parsers.items())
+
+
 def tool_call_parsers_described() -> str:
-    """Each parser's name and format, for help texts and errors."""
-    return "; ".join(f"{name}, {form}" for name, form in TOOL_CALL_PARSERS.items())
+    return described(TOOL_CALL_PARSERS)
 
 YAML_NULLS = ("null", "Null", "NULL", "~")
 """`serve run key=null`: the argument's default, whatever its kind (a path or name that is literally
@@ -244,44 +246,39 @@ def _served_name(args: dict, launch: dict, shown: str = "served_model_name") -> 
 
 
 def _template_defaults(value, name: str = "default_chat_template_kwargs") -> dict | None:
-    """The default template variables, checked as a request's chat_template_kwargs are, before any
-    replica starts (a bad one would otherwise refuse every chat request)."""
-    from launcher.serving.openai_protocol import RESERVED_TEMPLATE_NAMES
+    """The default template variables, checked by the rules of a request's chat_template_kwargs
+    (openai_protocol.template_kwargs_problem) before any replica starts: a bad one would otherwise
+    refuse every chat request, naming a field its client never sent."""
+    from launcher.serving.openai_protocol import template_kwargs_problem
 
     if value is None:
         return None
     if not isinstance(value, dict) or not all(isinstance(key, str) for key in value):
         raise ValueError(f"{name} ({value!r}) must be a JSON object of template variables by name, e.g. "
                          f"{{\"enable_thinking\": false}}")
-    for key in value:
-        if key in RESERVED_TEMPLATE_NAMES:
-            raise ValueError(f"{name} names {key!r}, one of apply_chat_template's own arguments, which the server "
-                             f"sets: {RESERVED_TEMPLATE_NAMES[key]}")
-    try:
-        json.dumps(value, ensure_ascii=False).encode("utf-8")
-    except (TypeError, ValueError, UnicodeEncodeError) as err:
-        raise ValueError(f"{name} must hold JSON values of valid text only: {err}") from None
+    problem = template_kwargs_problem(value, name)
+    if problem is not None:
+        raise ValueError(problem[0])
     return value or None
 
 
+def _one_of(parser, name: str, parsers: dict, what: str) -> str | None:
+    """The parser's name, or None (none asked), checked before any replica starts: a misspelt one
+    would otherwise only show as every request that needs it refused."""
+    if parser is not None and not (isinstance(parser, str) and parser in parsers):
+        raise ValueError(f"{name} ({parser!r}) must be one of {', '.join(parsers)} ({what}: {described(parsers)}), "
+                         f"or left out")
+    return parser
+
+
 def _reasoning_parser(parser, name: str = "reasoning_parser") -> str | None:
-    """The reasoning parser's name, or None (none asked), checked before any replica starts."""
     from launcher.serving.reasoning import REASONING_PARSERS
 
-    if parser is not None and not (isinstance(parser, str) and parser in REASONING_PARSERS):
-        raise ValueError(f"{name} ({parser!r}) must be one of {', '.join(REASONING_PARSERS)} (how a thinking "
-                         f"model writes its reasoning: "
-                         f"{'; '.join(f'{key}, {form}' for key, form in REASONING_PARSERS.items())}), or left out")
-    return parser
+    return _one_of(parser, name, REASONING_PARSERS, "how a thinking model writes its reasoning")
 
 
 def _tool_call_parser(parser, name: str = "tool_call_parser") -> str | None:
-    """The parser's name, or None (none asked). Checked here, before any replica starts: a misspelt
-    one would otherwise only show as every "auto" request refused."""
-    if parser is not None and not (isinstance(parser, str) and parser in TOOL_CALL_PARSERS):
-        raise ValueError(f"{name} ({parser!r}) must be one of {', '.join(TOOL_CALL_PARSERS)} (the format the model "
-                         f"writes its tool calls in: {tool_call_parsers_described()}), or left out")
-    return parser
+    return _one_of(parser, name, TOOL_CALL_PARSERS, "the format the model writes its tool calls in")
 
 
 def _api_key(key, name: str = "api_key") -> str | None:
