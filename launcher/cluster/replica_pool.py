@@ -44,6 +44,7 @@ from typing import Callable
 from launcher.errors import (DevicesMissing, GroupFault, LaunchError, NoReplicaAvailable, PlacementTimeout, QueueFull,
                              RendezvousTimeout, ReplicaFailed, RequestFailed, RequestTimeout, RestartLimitExceeded,
                              WorkerDied)
+from launcher.cluster.finish_rate import FinishRate
 from launcher.cluster.restart_policy import RestartPolicy
 from launcher.cluster.stream_handle import StreamHandle
 
@@ -191,6 +192,7 @@ class Replica:
             # string, a close, a client gone), so load() and admission stop counting it now.
             self.streams.pop(request_id)
             self.served += 1
+            self.pool.finish_rate.record()
             if self.state == "serving":
                 # Its id stays taken until the leader's answer; its late events are dropped.
                 self.cancelling.add(request_id)
@@ -225,6 +227,7 @@ class Replica:
                     # Out of the books before the reader learns it finished (load() is then exact).
                     self.streams.pop(event.request_id)
                     self.served += 1
+                    self.pool.finish_rate.record()
             if handle is not None and event.finish_reason == "error":
                 handle.fail(RequestFailed(f"request {handle.request_id} failed: {event.error}"))
             elif handle is not None:
@@ -537,6 +540,8 @@ class ReplicaPool:
         self.rows: int | None = None
         """Cache rows per replica (max_num_seqs), from the streams submitted: what a replica's
         streams beyond it wait for, and what a stream waiting elsewhere may move into."""
+        self.finish_rate = FinishRate()
+        """Streams leaving their rows, for a full queue's Retry-After."""
 
     def _note(self, text: str) -> None:
         """A note to the driver's user (restarts, recoveries). A note that fails to print (a closed
@@ -638,7 +643,8 @@ class ReplicaPool:
                          else "none may wait for one (max_queued_requests 0)")
                 raise QueueFull(f"every sequence slot is busy (max_num_seqs {rows} per replica) and {queue}; retry "
                                 f"later, or raise max_queued_requests or max_num_seqs (--max-queued-requests, "
-                                f"--max-num-seqs)", retry_after_s=1.0, slots=rows, queue_limit=queue_limit)
+                                f"--max-num-seqs)", retry_after_s=self.finish_rate.retry_after_s(), slots=rows,
+                                queue_limit=queue_limit)
             for handle in handles:
                 replica = min(candidates, key=lambda r: len(r.streams))
                 if timeout_per_wave:

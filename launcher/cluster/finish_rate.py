@@ -1,0 +1,46 @@
+"""How fast a pool's requests have left their rows lately: what a client refused for a full queue is
+told to wait (Retry-After) before its request could be taken.
+
+A full queue takes a new request once one running request ends and a waiting one takes its row, so
+the wait is about the time between two recent ends: the window's span (up to now, so a pool whose
+requests stopped ending says a longer wait) over the ends it holds. With fewer than two ends in the
+window there is nothing to go by, and the answer is the least wait, one second.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+WINDOW_S = 60.0
+"""Only ends this recent count (older ones say little of the load now)."""
+KEPT = 64
+LONGEST_WAIT_S = 60
+"""The longest wait told: past it the estimate says less than a retry would."""
+
+
+class FinishRate:
+    """Ends recorded by the replicas' threads (request finished, cancelled or failed), read under
+    the pool's admission lock."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._ends: deque[float] = deque(maxlen=KEPT)
+        self._lock = threading.Lock()
+
+    def record(self) -> None:
+        with self._lock:
+            self._ends.append(self._clock())
+
+    def retry_after_s(self) -> int:
+        """Whole seconds a refused client should wait: the recent time between two ends, at least
+        1 and at most LONGEST_WAIT_S; 1 without two recent ends."""
+        now = self._clock()
+        with self._lock:
+            recent = [t for t in self._ends if now - t <= WINDOW_S]
+        if len(recent) < 2:
+            return 1
+        return min(LONGEST_WAIT_S, max(1, math.ceil((now - recent[0]) / len(recent))))

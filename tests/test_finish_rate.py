@@ -1,0 +1,78 @@
+"""A full queue's Retry-After from how fast requests have left their rows lately
+(launcher/cluster/finish_rate.py), and the pool's refusal carrying it."""
+
+from __future__ import annotations
+
+from launcher.cluster.finish_rate import KEPT, LONGEST_WAIT_S, WINDOW_S, FinishRate
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_wait_is_the_recent_time_between_two_ends():
+    clock = Clock()
+    rate = FinishRate(clock)
+    assert rate.retry_after_s() == 1  # nothing to go by
+    rate.record()
+    assert rate.retry_after_s() == 1  # one end says no rate
+    for _ in range(9):  # ten ends, one every 3 s
+        clock.now += 3
+        rate.record()
+    assert rate.retry_after_s() == 3  # 27 s up to now over 10 ends, rounded up
+    clock.now += 30  # no end since: the pool has slowed, the wait grows
+    assert rate.retry_after_s() == 6
+    clock.now += WINDOW_S  # all of them too old now
+    assert rate.retry_after_s() == 1
+
+
+def test_fast_ends_say_one_second_and_a_stalled_pool_at_most_a_minute():
+    clock = Clock()
+    rate = FinishRate(clock)
+    for _ in range(KEPT * 2):  # only the last KEPT are kept
+        clock.now += 0.01
+        rate.record()
+    assert rate.retry_after_s() == 1
+    slow = FinishRate(clock)
+    slow.record()
+    clock.now += WINDOW_S - 1
+    slow.record()
+    clock.now += WINDOW_S - 2  # the first end is out of the window now: one end, no rate
+    assert slow.retry_after_s() == 1
+    slow.record()
+    assert slow.retry_after_s() == 29  # 58 s over 2 ends
+    stalled = FinishRate(clock)
+    for _ in range(2):
+        stalled.record()
+    clock.now += WINDOW_S - 0.5  # two ends long ago, none since: 59.5 s over 2 ends, 30 s
+    assert stalled.retry_after_s() == 30 <= LONGEST_WAIT_S
+
+
+def test_a_full_queue_tells_the_wait_its_streams_ending_say(tmp_path, in_process_cluster):
+    """Over a real in-process Launcher: the ends its replicas record set QueueFull's retry_after_s
+    (ends given a clock of their own here, 5 s apart, so the pace is known)."""
+    import pytest
+
+    from launcher.api import Launcher
+    from launcher.errors import QueueFull
+    from tests.model_factory import random_model_with_smollm2_tokenizer
+
+    model_dir = random_model_with_smollm2_tokenizer(tmp_path)
+    with Launcher(model=model_dir, tp=1, max_num_seqs=1, max_queued_requests=0, progress=False,
+                  compile=False) as llm:
+        llm.generate(["a"], max_new_tokens=2)  # the pool exists once something ran
+        clock = Clock()
+        llm._pool.finish_rate = FinishRate(clock)
+        for _ in range(3):  # three requests end, 5 s apart on the clock
+            llm.generate(["b"], max_new_tokens=2)
+            clock.now += 5
+        running = llm.stream("d", max_new_tokens=400, ignore_eos=True)
+        next(running)
+        with pytest.raises(QueueFull) as refused:
+            llm.stream("e", max_new_tokens=2)
+        running.close()
+    assert refused.value.retry_after_s == 5  # 15 s up to now over 3 ends
