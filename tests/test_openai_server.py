@@ -2209,6 +2209,11 @@ def test_direct_ingress_is_the_replicas_own_server(server):
     # server's address); its other lines are not (with the proxy on --port it is kept: below)
     log = server.log.read_text()
     assert "Started Serve" in log and " is ready at " not in log and f"at {server.url}/v1" in log, log[-3000:]
+    import requests
+    from importlib.metadata import version
+
+    answer = requests.get(f"{server.url}/version", timeout=30)  # no key, as /health
+    assert answer.status_code == 200 and answer.json() == {"version": version("corelaunch")}
 
 
 @pytest.mark.slow

@@ -258,3 +258,11 @@ def test_a_wrong_method_on_a_tokenizer_route_needs_the_key_first(monkeypatch, sm
     assert asyncio.run(handler(keyed, HTTPException(405))).status_code == 405
     open_route = Request({"type": "http", "method": "POST", "path": "/health", "headers": [], "query_string": b""})
     assert asyncio.run(handler(open_route, HTTPException(405))).status_code == 405
+
+
+def test_version_answers_the_installed_corelaunch_version(smollm2_tokenizer):
+    """vLLM's GET /version, with no key needed (as /health)."""
+    from importlib.metadata import version
+
+    server = replica(smollm2_tokenizer, api_key="secret")
+    assert server.version() == {"version": version("corelaunch")}

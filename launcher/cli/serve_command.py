@@ -47,7 +47,8 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API (Ray Serve)",
         description="Start a private local Ray, load the model into one TP group per Serve replica, and serve "
-                    "/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, /health and /metrics "
+                    "/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /version and "
+                    "/metrics "
                     "until SIGINT/SIGTERM.")
     add_model_and_placement_arguments(p)
     p.add_argument("--host", type=_host, default="127.0.0.1",

@@ -5,7 +5,7 @@ TP group) per Serve replica.
     corelaunch serve --model /path/to/model --tp 2             # the same, with Ray and Serve managed
 
 Routes: POST /v1/completions, POST /v1/chat/completions (streaming as server-sent events, or one
-JSON object), GET /v1/models, GET /health, GET /metrics, and vLLM's POST /tokenize and POST
+JSON object), GET /v1/models, GET /health, GET /metrics, and vLLM's GET /version, POST /tokenize and POST
 /detokenize (answered by the replica's own tokenizer, never the engine). The wire format lives in
 openai_protocol.py; this file only moves requests between it and the engine.
 """
@@ -520,6 +520,20 @@ def _refuse_control_tokens_in_nested_values(tokenizer, template_kwargs: dict | N
             nested.extend((inner, f"{path}.{i}") for i, inner in enumerate(item))
 
 
+def _installed_version() -> str:
+    """corelaunch's version as installed ("unknown" when run from a tree that was never installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("corelaunch")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+SERVER_VERSION = _installed_version()
+"""What GET /version answers."""
+
+
 def _template_refused(err: Exception) -> ProtocolError:
     """A chat template's refusal (roles out of order, a length it checks): the client's doing, a 400."""
     return ProtocolError(f"messages: the model's chat template refused them: {err}", param="messages")
@@ -688,6 +702,11 @@ class OpenAIServer:
         if self._serving():
             return JSONResponse({"status": "ok", "model": self.name})
         return JSONResponse({"status": "failed", "model": self.name}, status_code=503)
+
+    @app.get("/version")
+    def version(self) -> dict:
+        """vLLM's GET /version: the server's own version (no key needed, as /health)."""
+        return {"version": SERVER_VERSION}
 
     @app.get("/metrics")
     def metrics(self) -> Response:
