@@ -8,7 +8,6 @@ whole and streamed."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 import re
@@ -17,8 +16,10 @@ import pytest
 
 from launcher.serving.llama_calls import PYTHON_TAG, Llama3JsonCallReader, read_whole
 from launcher.serving.openai_protocol import ChatCompletionRequest, parse_request
+from tests import call_reader_checks as checks
+from tests.call_reader_checks import random_cuts
 from tests.model_factory import random_model_with_smollm2_tokenizer
-from tests.test_tool_calls import BASE, TOOLS, streamed_calls
+from tests.test_tool_calls import BASE, TOOLS
 
 WEATHER = '{"name": "weather", "parameters": {"city": "Paris"}}'
 FLAG_CALL = '{"name":"set_flag","arguments":{"ok":true,"note":"été"}}'
@@ -99,30 +100,11 @@ def test_an_object_without_a_call_makes_the_whole_text_content(text):
 
 
 def streamed(text: str, cuts: list[int], parallel: bool = True) -> tuple[str, list[dict], str]:
-    """The text streamed in pieces cut at `cuts`: its content, its calls and its finish reason."""
-    reader, deltas = Llama3JsonCallReader(parallel), []
-    edges = [0, *cuts, len(text)]
-    for i, (start, end) in enumerate(zip(edges, edges[1:])):
-        deltas.append(reader.delta(text[start:end], i == len(edges) - 2))
-    content = "".join(delta.get("content", "") for delta in deltas)
-    calls = [call for delta in deltas for call in delta.get("tool_calls", [])]
-    return content, calls, reader.finish_reason("stop")
-
-
-def random_cuts(rng: random.Random, text: str) -> list[int]:
-    return sorted(rng.sample(range(1, len(text)), rng.randint(0, min(len(text) - 1, 12)))) if len(text) > 1 else []
+    return checks.streamed(Llama3JsonCallReader, text, cuts, parallel)
 
 
 def assert_streamed_as_whole(text: str, cuts: list[int]) -> None:
-    whole = Llama3JsonCallReader()
-    whole.push(text, True)
-    expected = whole.message()
-    content, calls, finish = streamed(text, cuts)
-    assert content == (expected["content"] or ""), (text, cuts)
-    assert [call["index"] for call in calls] == list(range(len(calls)))
-    assert [call["function"] for call in calls] == [call["function"] for call in expected.get("tool_calls", [])]
-    assert all(call["type"] == "function" and call["id"].startswith("chatcmpl-tool-") for call in calls)
-    assert finish == whole.finish_reason("stop"), (text, cuts)
+    checks.assert_streamed_as_whole(Llama3JsonCallReader, text, cuts)
 
 
 @pytest.mark.parametrize("text", [text for text, _, _ in WHOLE_TEXTS] + UNREAD_TEXTS)
@@ -227,34 +209,7 @@ def model_dir(tmp_path_factory):
 
 
 def test_auto_reads_llama3_json_calls_whole_and_streamed(model_dir, in_process_cluster):
-    """The model's text forced (structured_outputs regex) to `<|python_tag|>{...}; {...}`: the answer
-    is no content and two calls, finished by "tool_calls", for each of n=2 choices."""
-    from launcher.api import Launcher
-    from tests.test_skip_special_tokens import answered, replica_over
-    from tests.test_tokenize_routes import post
-
-    route = "/v1/chat/completions"
-    body = {**BASE, "tools": TOOLS, "tool_choice": "auto"}
-    reader = parse_request(ChatCompletionRequest, body, "llama3_json").tool_call_reader()
-    assert isinstance(reader, Llama3JsonCallReader)  # the server's parser name picks this reader
-    forced = {"regex": re.escape(PYTHON_TAG + WEATHER + "; " + FLAG_CALL)}  # SmolLM2 has no such token: plain text
-    body = {**body, "structured_outputs": forced, "max_tokens": 80, "temperature": 1.0, "seed": 3, "n": 2}
-    with Launcher(model=model_dir, tp=1, max_num_seqs=4, progress=False, compile=False) as llm:
-        server = replica_over(llm)
-        server.tool_call_parser = "llama3_json"  # as OpenAIServer's constructor sets it from the settings
-
-        async def both():
-            return await answered(server, route, body), await answered(server, route, {**body, "stream": True})
-
-        whole, stream = asyncio.run(both())
-
-    assert len(whole["choices"]) == 2
-    for choice in whole["choices"]:
-        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
-        calls = choice["message"]["tool_calls"]
-        assert all(call["type"] == "function" and call["id"].startswith("chatcmpl-tool-") for call in calls)
-        assert named(calls) == [PARIS, FLAGGED]
-    calls, finishes, contents = streamed_calls(stream, 2)
-    assert finishes == ["tool_calls", "tool_calls"] and contents == ["", ""]
-    assert [[call["function"] for call in choice_calls] for choice_calls in calls] == [
-        [call["function"] for call in choice["message"]["tool_calls"]] for choice in whole["choices"]]
+    """The model's text forced to `<|python_tag|>{...}; {...}` (SmolLM2 has no such token: plain
+    text): no content and two calls, "tool_calls", whole and streamed, n=2."""
+    checks.assert_forced_calls_end_to_end(model_dir, "llama3_json", Llama3JsonCallReader,
+                                          PYTHON_TAG + WEATHER + "; " + FLAG_CALL, [PARIS, FLAGGED])

@@ -33,6 +33,7 @@ TOOL_CALL_PARSERS = {
     "llama3_json": "{\"name\": ..., \"parameters\": ...} objects, after <|python_tag|> or not (Llama 3.1/3.2/3.3 "
                    "Instruct)",
     "mistral": "[TOOL_CALLS] then [{\"name\": ..., \"arguments\": ...}] or name[ARGS]{...} (Mistral Instruct)",
+    "pythonic": "a Python list of calls, [get_weather(city=\"Paris\"), get_time()] (Llama 3.2 and 4, prompted for it)",
 }
 """The formats tool_call_parser names (vLLM's --tool-call-parser names), each with how the model
 writes a call in its free text, which tool_choice "auto" needs read back (the readers:

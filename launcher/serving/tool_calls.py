@@ -3,7 +3,7 @@
 function or "required", whose output is constrained by a JSON schema through the structured-output
 machinery and read back as tool calls; "auto" (the default with tools) needs a parser for the model's
 own call format in its free text: taken on a server started with one (`--tool-call-parser hermes`,
-`llama3_json` or `mistral`: PARSER_READERS), refused otherwise, as vLLM refuses it.
+`llama3_json`, `mistral` or `pythonic`: PARSER_READERS), refused otherwise, as vLLM refuses it.
 The conversation's own tool calls and tool results are checked and handed to the chat template as
 vLLM hands them (each call's `arguments` JSON text parsed into an object).
 
@@ -35,6 +35,7 @@ PARSER_READERS = {
     "hermes": ("launcher.serving.hermes_calls", "HermesCallReader"),
     "llama3_json": ("launcher.serving.llama_calls", "Llama3JsonCallReader"),
     "mistral": ("launcher.serving.mistral_calls", "MistralCallReader"),
+    "pythonic": ("launcher.serving.pythonic_calls", "PythonicCallReader"),
 }
 """Each tool-call parser's reader (module, class), by its name (server_settings.TOOL_CALL_PARSERS).
 Imported when a request needs one: the readers import this module."""

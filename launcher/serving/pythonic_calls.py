@@ -1,0 +1,418 @@
+"""tool_choice "auto" read in vLLM's "pythonic" format (`--tool-call-parser pythonic`), the one Llama
+3.2 (and Llama 4, ToolACE) models write when their prompt asks for the calls as a Python list:
+
+    [get_weather(city="Paris", unit="c"), get_time()]
+
+Read as vLLM 0.32's PythonicToolParser reads the whole text: the text must start with `[` (no
+whitespace before it) and that list must be one of calls, each a name (dotted names such as
+`tools.get_weather` taken whole) with keyword arguments only, each argument's value a literal:
+strings (f-strings without placeholders included), numbers (a sign before them included), True,
+False, None and JSON's true, false, null, lists, tuples and sets (written as JSON lists, in the
+order written), and dicts whose keys are plain constants (strings, numbers, True, False, None; JSON
+writes them as strings). The arguments are written back as JSON text (json.dumps, non-ASCII kept).
+Anything else (a positional argument, `**kwargs`, a name, an expression, a call as a value, an
+f-string with a placeholder, bytes, a complex number, an empty list, Python that does not parse,
+a list cut short) makes the whole text content, with no call. With parallel_tool_calls false only
+the first call is kept (vLLM's rule).
+
+Safety: nothing is evaluated. The list's text is split into Python tokens (tokenize) and read by a
+small parser that takes only the forms above; Python's own parser sees only one string or number
+token at a time, so no deep syntax tree is ever built (ast.parse of a long chain raised
+RecursionError or MemoryError, at a length that depended on the caller's stack depth). Values nested
+deeper than call_json.MAX_DEPTH, brackets or signs, are no call; strings with a lone surrogate are
+written with ASCII escapes (launcher/serving/call_json.py). (Python 3.11's tokenize gives an
+f-string as one string token; from 3.12 it comes in several tokens, and an f-string is refused.)
+
+Where this reading differs from vLLM's (the same whole and streamed here, where vLLM's whole answer
+and its stream disagree with each other):
+- The text after the list's closing `]` belongs to no call and is no content. vLLM's whole answer
+  parses the whole text as Python and reads its first statement: prose after the list (a syntax
+  error) or Python that continues the list (`[f()] + [g()]`, `[f()][0]`) makes it all content
+  there, another statement (`; x = 1`, a second list on the next line) is dropped; vLLM's stream
+  sends the calls and drops the text after the list, as here.
+- vLLM's whole answer first asks a regular expression that wants the first call written tightly
+  (`[name(` then `name=` or `)`, a name starting with an ASCII letter, and `)` then whitespace then
+  `]` somewhere): `[f( x=1)]`, `[f(x = 1)]`, `[_f()]`, `[a.b(x=1)]`, `[f(),]` or `[f(x=1) # note` and
+  `]` on the next line are content there. Its stream does not ask it, nor does this reading: the
+  Python decides.
+- A positional argument (`f(1, a=2)`), which vLLM drops silently where that regex lets it through,
+  `**kwargs` (vLLM writes its value under the key "null"), a keyword given twice (vLLM keeps the last)
+  and a call written as `(f)()` make the whole text content here: no call is made with arguments the
+  model did not mean.
+- The `<|python_start|>` and `<|python_end|>` tokens Llama 4 may wrap its calls in are plain text, as
+  for vLLM's "pythonic" (its "llama4_pythonic" parser strips them): such a text is content.
+
+Streamed, the content goes out as it comes when the text does not start with `[`. From a leading `[`
+the text is held (it is content if the list holds no call) while its brackets, strings and comments
+are followed over each new piece only; when the list closes it is read once, and its calls go out
+whole, in one tool_calls delta (or the held text and the rest as content). A text that ends with the
+list open (max_tokens, a stop string) sends the held text as content. For any split of a text the
+stream says what the whole answer says: the list closes at the same `]` however the text is cut, and
+nothing after it can change the reading.
+
+Pure (no tokenizer, no engine): the app's ChatRender drives a PythonicCallReader per choice (its
+shared part: launcher/serving/free_text_calls.py).
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import keyword
+import re
+import tokenize
+import unicodedata
+import warnings
+
+from launcher.serving.call_json import MAX_DEPTH, arguments_text, is_text
+from launcher.serving.free_text_calls import CallsReading, FreeTextCallReader
+
+OUTSIDE_SIGNS = re.compile(r"""[\[\](){}'"#]""")
+"""Outside strings and comments, the characters that open or close a bracket, a string or a comment."""
+STRING_SIGNS = {quote: re.compile(r"[\\" + quote + "]") for quote in "'\""}
+LINE_END = re.compile(r"[\r\n]")
+JSON_NAMES = {"true": True, "false": False, "null": None}
+"""Names some models write for JSON's literals (vLLM takes them, beside Python's True, False, None)."""
+SKIPPED_TOKENS = {tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT, tokenize.ENDMARKER}
+
+
+class NoCall(Exception):
+    """The list's text is no list of calls vLLM would take (the whole text is then content)."""
+
+
+class ListScanner:
+    """Finds where a Python list that starts a text closes, over pieces of the text: brackets are
+    counted outside strings (quotes of one or three, backslash escapes) and comments, with the state
+    carried from piece to piece, so each piece is looked at once. The brackets of any kind count
+    together; a bad match shows when the list is read."""
+
+    def __init__(self):
+        self.depth = 0
+        self.quote = ""
+        """The open string's closing quote: one quote or three ("" outside strings)."""
+        self.escaped = False
+        """In a string, the next character is escaped by a backslash."""
+        self.quote_run = 0
+        """Quotes of self.quote's kind seen in a row: while opening (1 or 2: the third makes it a
+        triple), or, in a triple-quoted string, toward its closing three."""
+        self.opening = ""
+        """The quote character being opened (its kind is known at the next other character)."""
+        self.in_comment = False
+        self.too_deep = False
+
+    def feed(self, piece: str) -> int | None:
+        """The index in the piece just after the list's closing bracket, None while it is open (or
+        nested past MAX_DEPTH: too_deep)."""
+        position = 0
+        while position < len(piece) and not self.too_deep:
+            if self.opening:
+                position = self._opening_quote(piece, position)
+            elif self.quote:
+                position = self._in_string(piece, position)
+            elif self.in_comment:
+                end = LINE_END.search(piece, position)
+                if end is None:
+                    return None
+                self.in_comment, position = False, end.end()
+            else:
+                sign = OUTSIDE_SIGNS.search(piece, position)
+                if sign is None:
+                    return None
+                char, position = sign.group(), sign.end()
+                if char in "'\"":
+                    self.opening, self.quote_run = char, 1
+                elif char == "#":
+                    self.in_comment = True
+                elif char in "[({":
+                    self.depth += 1
+                    self.too_deep = self.depth > MAX_DEPTH
+                else:
+                    self.depth -= 1
+                    if self.depth <= 0:
+                        return position
+        return None
+
+    def _opening_quote(self, piece: str, position: int) -> int:
+        """After one or two quotes: a third makes a triple-quoted string, two then another character
+        an empty string, one then another character a string of one quote."""
+        char = piece[position]
+        if char == self.opening and self.quote_run == 1:
+            self.quote_run = 2
+            return position + 1
+        if char == self.opening:  # the third
+            self.quote, self.opening, self.quote_run = char * 3, "", 0
+            return position + 1
+        if self.quote_run == 2:  # '' : an empty string, closed
+            self.opening, self.quote_run = "", 0
+        else:
+            self.quote, self.opening, self.quote_run = self.opening, "", 0
+        return position  # the character is read again, in its new state
+
+    def _in_string(self, piece: str, position: int) -> int:
+        """Inside a string: a backslash skips the next character (in raw strings too, as Python
+        finds their end); one quote closes a string of one, three in a row a string of three."""
+        if self.escaped:
+            self.escaped, self.quote_run = False, 0
+            return position + 1
+        if len(self.quote) == 3 and self.quote_run:  # a quote run toward the closing three
+            if piece[position] != self.quote[0]:
+                self.quote_run = 0
+                return position
+            self.quote_run += 1
+            if self.quote_run == 3:
+                self.quote, self.quote_run = "", 0
+            return position + 1
+        sign = STRING_SIGNS[self.quote[0]].search(piece, position)
+        if sign is None:
+            return len(piece)
+        if sign.group() == "\\":
+            self.escaped = True
+        elif len(self.quote) == 1:
+            self.quote = ""
+        else:  # a first quote toward a triple string's closing three
+            self.quote_run = 1
+        return sign.end()
+
+
+class TokenReader:
+    """Reads a closed list's Python tokens as calls: a small parser of the whitelisted forms only
+    (module doc); NoCall for anything else."""
+
+    def __init__(self, text: str):
+        try:
+            tokens = list(tokenize.generate_tokens(io.StringIO(text + "\n").readline))
+        except (tokenize.TokenError, SyntaxError, ValueError) as error:
+            raise NoCall(str(error)) from None
+        self.tokens = [token for token in tokens if token.type not in SKIPPED_TOKENS]
+        self.at = 0
+
+    def _peek(self) -> tokenize.TokenInfo | None:
+        return self.tokens[self.at] if self.at < len(self.tokens) else None
+
+    def _next(self) -> tokenize.TokenInfo:
+        token = self._peek()
+        if token is None:
+            raise NoCall("the list ends early")
+        self.at += 1
+        return token
+
+    def _is_op(self, text: str) -> bool:
+        token = self._peek()
+        return token is not None and token.type == tokenize.OP and token.string == text
+
+    def _expect(self, text: str) -> None:
+        if not self._is_op(text):
+            raise NoCall(f"{text!r} expected")
+        self.at += 1
+
+    def calls(self) -> list[tuple[str, str]]:
+        """`[call, call, ...]` (a comma after the last allowed), and nothing after it."""
+        self._expect("[")
+        calls = []
+        while not self._is_op("]"):
+            calls.append(self._call())
+            if not self._is_op("]"):
+                self._expect(",")
+        self._expect("]")
+        if not calls or self._peek() is not None:
+            raise NoCall("no call, or more than the list")
+        return calls
+
+    def _name(self) -> str:
+        token = self._next()
+        if token.type != tokenize.NAME or keyword.iskeyword(token.string) or not is_text(token.string):
+            raise NoCall(f"{token.string!r} is no name")
+        return unicodedata.normalize("NFKC", token.string)  # as Python reads identifiers
+
+    def _call(self) -> tuple[str, str]:
+        """`name(key=value, ...)`, the name dotted or not: keyword arguments only, each once."""
+        parts = [self._name()]
+        while self._is_op("."):
+            self.at += 1
+            parts.append(self._name())
+        self._expect("(")
+        arguments = {}
+        while not self._is_op(")"):
+            key = self._name()
+            self._expect("=")
+            if key in arguments:
+                raise NoCall(f"the argument {key!r} is given twice")
+            arguments[key] = self._value(1)[0]
+            if not self._is_op(")"):
+                self._expect(",")
+        self._expect(")")
+        try:
+            return ".".join(parts), arguments_text(arguments)
+        except (TypeError, ValueError) as error:  # a key JSON cannot write; an int past the digit limit
+            raise NoCall(str(error)) from None
+
+    def _value(self, depth: int) -> tuple[object, bool]:
+        """(the value, whether it is a plain constant: only those are dict keys, as in vLLM). Signs
+        before a number are read in a loop (each a level of nesting), containers by recursion: two
+        frames a level, so MAX_DEPTH levels stay far inside Python's recursion limit."""
+        signs = []
+        token = self._next()
+        while token.type == tokenize.OP and token.string in ("-", "+"):
+            signs.append(token.string)
+            token = self._next()
+        depth += len(signs)
+        if depth > MAX_DEPTH:
+            raise NoCall("nested too deep")
+        if token.type == tokenize.STRING:
+            value, constant = self._strings(token)
+        elif token.type == tokenize.NUMBER:
+            value, constant = self._constant(token.string, (int, float)), True
+        elif token.type == tokenize.NAME and token.string in ("True", "False", "None"):
+            value, constant = {"True": True, "False": False, "None": None}[token.string], True
+        elif token.type == tokenize.NAME and token.string in JSON_NAMES:
+            value, constant = JSON_NAMES[token.string], False
+        elif token.type == tokenize.OP and token.string == "[":
+            value, constant = self._items("]", depth), False
+        elif token.type == tokenize.OP and token.string == "(":
+            value, constant = self._parenthesized(depth)
+        elif token.type == tokenize.OP and token.string == "{":
+            value, constant = self._braced(depth), False
+        else:
+            raise NoCall(f"{token.string!r} is no literal")
+        if not signs:
+            return value, constant
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise NoCall("a sign before no number")
+        return (-value if signs.count("-") % 2 else value), False
+
+    def _strings(self, first: tokenize.TokenInfo) -> tuple[str, bool]:
+        """One string, or several written side by side (joined, as Python joins them): a plain
+        string is a constant, an f-string without placeholders a string but no constant."""
+        texts = [first.string]
+        while self._peek() is not None and self._peek().type == tokenize.STRING:
+            texts.append(self._next().string)
+        try:  # only string tokens: a flat, small tree
+            with warnings.catch_warnings():  # an unknown escape ("\d") is kept as written, unwarned
+                warnings.simplefilter("ignore")
+                node = ast.parse(" ".join(texts), mode="eval").body
+        except (SyntaxError, ValueError, MemoryError, RecursionError) as error:
+            raise NoCall(str(error)) from None
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return node.value, True
+        if isinstance(node, ast.JoinedStr) and all(isinstance(part, ast.Constant) for part in node.values):
+            return "".join(part.value for part in node.values), False
+        raise NoCall("bytes, or an f-string with a placeholder")
+
+    @staticmethod
+    def _constant(text: str, kinds: tuple[type, ...]) -> object:
+        try:
+            value = ast.literal_eval(text)
+        except (SyntaxError, ValueError, MemoryError, RecursionError) as error:
+            raise NoCall(str(error)) from None
+        if not isinstance(value, kinds):
+            raise NoCall(f"{text!r} is no JSON number")
+        return value
+
+    def _items(self, closer: str, depth: int) -> list:
+        """Values separated by commas (one after the last allowed) up to `closer`."""
+        items = []
+        while not self._is_op(closer):
+            items.append(self._value(depth + 1)[0])
+            if not self._is_op(closer):
+                self._expect(",")
+        self._expect(closer)
+        return items
+
+    def _parenthesized(self, depth: int) -> tuple[object, bool]:
+        """`()` and `(a, ...)`: a tuple, written as a list; `(a)`: a itself (a constant stays one)."""
+        if self._is_op(")"):
+            self.at += 1
+            return [], False
+        first = self._value(depth + 1)
+        if self._is_op(")"):
+            self.at += 1
+            return first
+        self._expect(",")
+        return [first[0], *self._items(")", depth)], False
+
+    def _braced(self, depth: int) -> object:
+        """`{}` and `{key: value, ...}` (a dict: keys plain constants), or `{a, ...}` (a set: a list)."""
+        if self._is_op("}"):
+            self.at += 1
+            return {}
+        first, constant = self._value(depth + 1)
+        if not self._is_op(":"):
+            if not self._is_op("}"):
+                self._expect(",")
+            return [first, *self._items("}", depth)]
+        pairs = {}
+        while True:
+            if not constant:
+                raise NoCall("a dict key that is no plain constant")
+            self._expect(":")
+            pairs[first] = self._value(depth + 1)[0]
+            if not self._is_op("}"):
+                self._expect(",")
+            if self._is_op("}"):
+                self.at += 1
+                return pairs
+            first, constant = self._value(depth + 1)
+
+
+def list_calls(text: str) -> list[tuple[str, str]] | None:
+    """(name, arguments JSON text) of each call of a closed list's text, None when it is no list of
+    calls."""
+    try:
+        return TokenReader(text).calls()
+    except NoCall:
+        return None
+    except RecursionError:  # only from a caller already near Python's limit: never escapes
+        return None
+
+
+def read_whole(text: str) -> CallsReading:
+    """The whole generated text's content and calls."""
+    if not text.startswith("["):
+        return CallsReading(text)
+    scanner = ListScanner()
+    end = scanner.feed(text)
+    calls = None if end is None else list_calls(text[:end])
+    if calls is None:  # cut, too deep, or no list of calls: all content (vLLM's fallback)
+        return CallsReading(text)
+    return CallsReading(None, calls)
+
+
+class PythonicCallReader(FreeTextCallReader):
+    """One choice's text read in the pythonic format, streamed (delta) or whole (push, then message).
+
+    Streamed, the work per piece is that piece's: where the list closes is found by following its
+    brackets, strings and comments over the new characters only (the state carried in a
+    ListScanner), and the list is read once, when it has closed. What is kept is only the text not
+    settled yet: the open list (content, if it turns out to hold no call)."""
+
+    read_whole = staticmethod(read_whole)
+
+    def __init__(self, parallel_tool_calls: bool = True):
+        super().__init__(parallel_tool_calls)
+        self._mode = "start"
+        """"start": no character yet; "list": the text started with `[` and the list is open;
+        "after": the list held calls, the rest is no content; "content": all the rest is content."""
+        self._held: list[str] = []
+        """"list": the list's text so far."""
+        self._scanner = ListScanner()
+
+    def _read_piece(self, piece: str, finished: bool) -> tuple[str, list[dict]]:
+        if self._mode == "start" and piece:
+            self._mode = "list" if piece.startswith("[") else "content"
+        if self._mode == "content":
+            return piece, []
+        if self._mode == "list":
+            return self._list_piece(piece, finished)
+        return "", []
+
+    def _list_piece(self, piece: str, finished: bool) -> tuple[str, list[dict]]:
+        end = self._scanner.feed(piece)
+        if end is None and not (finished or self._scanner.too_deep):
+            self._held.append(piece)
+            return "", []
+        calls = None if end is None else list_calls("".join(self._held) + piece[:end])
+        if calls is None:  # cut, too deep, or no list of calls: the text is content
+            sent, self._held, self._mode = "".join(self._held) + piece, [], "content"
+            return sent, []
+        self._held, self._mode = [], "after"
+        return "", [self._new_call(name, arguments, index=index) for index, (name, arguments) in enumerate(calls)]

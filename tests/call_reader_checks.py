@@ -1,0 +1,79 @@
+"""What the tests of the tool_choice "auto" readers (llama3_json, pythonic) share: a text streamed in
+given pieces through a reader, random cut points, and the check that the stream says what the whole
+answer says."""
+
+from __future__ import annotations
+
+import random
+
+
+def streamed(reader_class, text: str, cuts: list[int], parallel: bool = True) -> tuple[str, list[dict], str]:
+    """The text streamed in pieces cut at `cuts`: its content, its calls and its finish reason."""
+    reader, deltas = reader_class(parallel), []
+    edges = [0, *cuts, len(text)]
+    for i, (start, end) in enumerate(zip(edges, edges[1:])):
+        deltas.append(reader.delta(text[start:end], i == len(edges) - 2))
+    content = "".join(delta.get("content", "") for delta in deltas)
+    calls = [call for delta in deltas for call in delta.get("tool_calls", [])]
+    return content, calls, reader.finish_reason("stop")
+
+
+def random_cuts(rng: random.Random, text: str) -> list[int]:
+    return sorted(rng.sample(range(1, len(text)), rng.randint(0, min(len(text) - 1, 12)))) if len(text) > 1 else []
+
+
+def assert_streamed_as_whole(reader_class, text: str, cuts: list[int]) -> None:
+    """Content, calls (in order, indexed 0..n-1) and finish reason of the stream are the whole
+    answer's."""
+    whole = reader_class()
+    whole.push(text, True)
+    expected = whole.message()
+    content, calls, finish = streamed(reader_class, text, cuts)
+    assert content == (expected["content"] or ""), (text, cuts)
+    assert [call["index"] for call in calls] == list(range(len(calls)))
+    assert [call["function"] for call in calls] == [call["function"] for call in expected.get("tool_calls", [])]
+    assert all(call["type"] == "function" and call["id"].startswith("chatcmpl-tool-") for call in calls)
+    assert finish == whole.finish_reason("stop"), (text, cuts)
+
+
+def named(calls: list[dict]) -> list[tuple[str, str]]:
+    return [(call["function"]["name"], call["function"]["arguments"]) for call in calls]
+
+
+def assert_forced_calls_end_to_end(model_dir, parser: str, reader_class, text: str,
+                                   expected: list[tuple[str, str]]) -> None:
+    """Over a real in-process Launcher: the model's text forced (a structured_outputs regex) to
+    `text`, on a server reading "auto" calls with `parser`: for each of n=2 choices no content and
+    the `expected` calls, finished by "tool_calls", whole and streamed alike."""
+    import asyncio
+    import re
+
+    from launcher.api import Launcher
+    from launcher.serving.openai_protocol import ChatCompletionRequest, parse_request
+    from tests.test_skip_special_tokens import answered, replica_over
+    from tests.test_tool_calls import BASE, TOOLS, streamed_calls
+
+    route = "/v1/chat/completions"
+    body = {**BASE, "tools": TOOLS, "tool_choice": "auto"}
+    assert isinstance(parse_request(ChatCompletionRequest, body, parser).tool_call_reader(), reader_class)
+    body = {**body, "structured_outputs": {"regex": re.escape(text)}, "max_tokens": 80, "temperature": 1.0,
+            "seed": 3, "n": 2}
+    with Launcher(model=model_dir, tp=1, max_num_seqs=4, progress=False, compile=False) as llm:
+        server = replica_over(llm)
+        server.tool_call_parser = parser  # as OpenAIServer's constructor sets it from the settings
+
+        async def both():
+            return await answered(server, route, body), await answered(server, route, {**body, "stream": True})
+
+        whole, stream = asyncio.run(both())
+
+    assert len(whole["choices"]) == 2
+    for choice in whole["choices"]:
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+        calls = choice["message"]["tool_calls"]
+        assert all(call["type"] == "function" and call["id"].startswith("chatcmpl-tool-") for call in calls)
+        assert named(calls) == expected
+    calls, finishes, contents = streamed_calls(stream, 2)
+    assert finishes == ["tool_calls", "tool_calls"] and contents == ["", ""]
+    assert [[call["function"] for call in choice_calls] for choice_calls in calls] == [
+        [call["function"] for call in choice["message"]["tool_calls"]] for choice in whole["choices"]]
