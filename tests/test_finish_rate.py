@@ -17,20 +17,20 @@ class Clock:
 def test_the_wait_is_the_recent_time_between_two_ends():
     clock = Clock()
     rate = FinishRate(clock)
-    assert rate.retry_after_s() == 1  # nothing to go by
+    assert rate.retry_after_s() == 1  # nothing has ended: nothing to go by
     rate.record()
-    assert rate.retry_after_s() == 1  # one end says no rate
+    assert rate.retry_after_s() == 1  # one end, just now
     for _ in range(9):  # ten ends, one every 3 s
         clock.now += 3
         rate.record()
     assert rate.retry_after_s() == 3  # 27 s up to now over 10 ends, rounded up
     clock.now += 30  # no end since: the pool has slowed, the wait grows
     assert rate.retry_after_s() == 6
-    clock.now += WINDOW_S  # all of them too old now
-    assert rate.retry_after_s() == 1
+    clock.now += WINDOW_S  # all of them too old now: the time since the last end, at most a minute
+    assert rate.retry_after_s() == 60
 
 
-def test_fast_ends_say_one_second_and_a_stalled_pool_at_most_a_minute():
+def test_fast_ends_say_one_second_and_a_slow_or_stalled_pool_up_to_a_minute():
     clock = Clock()
     rate = FinishRate(clock)
     for _ in range(KEPT * 2):  # only the last KEPT are kept
@@ -41,8 +41,8 @@ def test_fast_ends_say_one_second_and_a_stalled_pool_at_most_a_minute():
     slow.record()
     clock.now += WINDOW_S - 1
     slow.record()
-    clock.now += WINDOW_S - 2  # the first end is out of the window now: one end, no rate
-    assert slow.retry_after_s() == 1
+    clock.now += WINDOW_S - 2  # the first end is out of the window now: one end, 58 s ago
+    assert slow.retry_after_s() == 58
     slow.record()
     assert slow.retry_after_s() == 29  # 58 s over 2 ends
     stalled = FinishRate(clock)
@@ -76,3 +76,11 @@ def test_a_full_queue_tells_the_wait_its_streams_ending_say(tmp_path, in_process
             llm.stream("e", max_new_tokens=2)
         running.close()
     assert refused.value.retry_after_s == 5  # 15 s up to now over 3 ends
+
+
+def test_a_long_stalled_pool_says_the_longest_wait():
+    clock = Clock()
+    rate = FinishRate(clock)
+    rate.record()
+    clock.now += 600  # one end, ten minutes ago: requests are long, or nothing ends
+    assert rate.retry_after_s() == LONGEST_WAIT_S

@@ -291,3 +291,12 @@ def test_auto_reads_pythonic_calls_whole_and_streamed(model_dir, in_process_clus
     """The model's text forced to `[weather(...), set_flag(...)]`: no content and two calls,
     "tool_calls", whole and streamed, n=2."""
     checks.assert_forced_calls_end_to_end(model_dir, "pythonic", PythonicCallReader, TWO, [PARIS, FLAGGED])
+
+
+def test_names_are_pythons_and_a_bare_carriage_return_ends_a_line():
+    """Review finds: tokenize's \\w+ took `a²` (NFKC made it `a2`, another tool's name); a bare \\r
+    between tokens was an error token (vLLM reads the calls)."""
+    for text in ("[f(a²=1)]", "[f²()]"):
+        assert read_whole(text).calls == [] and read_whole(text).content == text
+    assert read_whole("[f(a=1,\rb=2)]").calls == [("f", '{"a": 1, "b": 2}')]
+    assert read_whole("[ｆ(x=1)]").calls == [("f", '{"x": 1}')]  # a name Python takes, read as Python reads it

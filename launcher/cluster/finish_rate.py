@@ -4,7 +4,8 @@ told to wait (Retry-After) before its request could be taken.
 A full queue takes a new request once one running request ends and a waiting one takes its row, so
 the wait is about the time between two recent ends: the window's span (up to now, so a pool whose
 requests stopped ending says a longer wait) over the ends it holds. With fewer than two ends in the
-window there is nothing to go by, and the answer is the least wait, one second.
+window (long requests, or a pool that stopped ending them) it is the time since the last end, up
+to LONGEST_WAIT_S; only a pool where nothing has ended yet says the least wait, one second.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class FinishRate:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._ends: deque[float] = deque(maxlen=KEPT)
+        """The latest ends (the last one kept however old: a stalled pool's wait grows from it)."""
         self._lock = threading.Lock()
 
     def record(self) -> None:
@@ -36,11 +38,12 @@ class FinishRate:
             self._ends.append(self._clock())
 
     def retry_after_s(self) -> int:
-        """Whole seconds a refused client should wait: the recent time between two ends, at least
-        1 and at most LONGEST_WAIT_S; 1 without two recent ends."""
+        """Whole seconds a refused client should wait (the module's doc), 1 to LONGEST_WAIT_S."""
         now = self._clock()
         with self._lock:
-            recent = [t for t in self._ends if now - t <= WINDOW_S]
-        if len(recent) < 2:
+            ends = list(self._ends)
+        if not ends:
             return 1
-        return min(LONGEST_WAIT_S, max(1, math.ceil((now - recent[0]) / len(recent))))
+        recent = [t for t in ends if now - t <= WINDOW_S]
+        wait = (now - recent[0]) / len(recent) if len(recent) >= 2 else now - ends[-1]
+        return min(LONGEST_WAIT_S, max(1, math.ceil(wait)))

@@ -238,6 +238,7 @@ class Replica:
             for handle in late:
                 self.streams.pop(handle.request_id)
                 self.cancelling.add(handle.request_id)
+                self.pool.finish_rate.record()  # out of the books: a queued request may take its place
         for handle in late:
             group.cancel([handle.request_id])
             handle.fail(_overdue(handle, "it was cancelled"))
@@ -377,6 +378,7 @@ class Replica:
         for handle in list(self.streams.values()):
             if now > handle.deadline:  # its prompt would be prefilled again only to time out
                 self.streams.pop(handle.request_id)
+                self.pool.finish_rate.record()
                 handle.fail(_overdue(handle, "its group failed and it was not resumed"))
                 continue
             self._hand_over(handle, handle.resumed())

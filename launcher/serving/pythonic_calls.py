@@ -29,12 +29,14 @@ and its stream disagree with each other):
   parses the whole text as Python and reads its first statement: prose after the list (a syntax
   error) or Python that continues the list (`[f()] + [g()]`, `[f()][0]`) makes it all content
   there, another statement (`; x = 1`, a second list on the next line) is dropped; vLLM's stream
-  sends the calls and drops the text after the list, as here.
+  mostly sends the calls and drops the text after the list, as here (a second list right after the
+  first, `[f(a=1)][g(b=2)]`, makes it send nothing).
 - vLLM's whole answer first asks a regular expression that wants the first call written tightly
   (`[name(` then `name=` or `)`, a name starting with an ASCII letter, and `)` then whitespace then
   `]` somewhere): `[f( x=1)]`, `[f(x = 1)]`, `[_f()]`, `[a.b(x=1)]`, `[f(),]` or `[f(x=1) # note` and
   `]` on the next line are content there. Its stream does not ask it, nor does this reading: the
-  Python decides.
+  Python syntax decides (names as Python takes them: `a²`, which tokenize lets through and NFKC would
+  turn into `a2`, is no name).
 - A positional argument (`f(1, a=2)`), which vLLM drops silently where that regex lets it through,
   `**kwargs` (vLLM writes its value under the key "null"), a keyword given twice (vLLM keeps the last)
   and a call written as `(f)()` make the whole text content here: no call is made with arguments the
@@ -180,7 +182,8 @@ class TokenReader:
 
     def __init__(self, text: str):
         try:
-            tokens = list(tokenize.generate_tokens(io.StringIO(text + "\n").readline))
+            # newline=None: a bare "\r" ends a line, as Python's compiler reads it (else an ERRORTOKEN)
+            tokens = list(tokenize.generate_tokens(io.StringIO(text + "\n", newline=None).readline))
         except (tokenize.TokenError, SyntaxError, ValueError) as error:
             raise NoCall(str(error)) from None
         self.tokens = [token for token in tokens if token.type not in SKIPPED_TOKENS]
@@ -220,7 +223,8 @@ class TokenReader:
 
     def _name(self) -> str:
         token = self._next()
-        if token.type != tokenize.NAME or keyword.iskeyword(token.string) or not is_text(token.string):
+        if (token.type != tokenize.NAME or keyword.iskeyword(token.string) or not is_text(token.string)
+                or not token.string.isidentifier()):  # tokenize's \w+ takes "a²", Python refuses it
             raise NoCall(f"{token.string!r} is no name")
         return unicodedata.normalize("NFKC", token.string)  # as Python reads identifiers
 
