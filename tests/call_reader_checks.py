@@ -1,28 +1,72 @@
-"""What the tests of the tool_choice "auto" readers (llama3_json, pythonic) share: a text streamed in
-given pieces through a reader, random cut points, and the check that the stream says what the whole
-answer says."""
+"""What the tests of the tool_choice "auto" readers (hermes, llama3_json, mistral, pythonic) share: a
+whole text's answer checked against its table row, a text that is all content, a text streamed in
+given pieces, random cut points, and the check that the stream says what the whole answer says."""
 
 from __future__ import annotations
 
 import random
+import re
 
 
-def streamed(reader_class, text: str, cuts: list[int], parallel: bool = True) -> tuple[str, list[dict], str]:
-    """The text streamed in pieces cut at `cuts`: its content, its calls and its finish reason."""
-    reader, deltas = reader_class(parallel), []
-    edges = [0, *cuts, len(text)]
+def default_id(call_id: str) -> bool:
+    """vLLM's default tool call id (tool_calls.new_call_id)."""
+    return re.fullmatch(r"chatcmpl-tool-[0-9a-f]{16}", call_id) is not None
+
+
+def named(calls: list[dict]) -> list[tuple[str, str]]:
+    return [(call["function"]["name"], call["function"]["arguments"]) for call in calls]
+
+
+def assert_read_whole_as(reader_class, read_whole, text: str, content, calls: list, id_ok=default_id) -> dict:
+    """The module's read_whole and the reader's whole answer give `content` and `calls`, each call
+    with its id (made once: the ids stay), finished by "tool_calls" when there are calls (a cut text
+    keeps "length"). Returns the reader's message."""
+    assert read_whole(text).content == content and read_whole(text).calls == calls
+    reader = reader_class()
+    reader.push(text, True)
+    message = reader.message()
+    assert message["content"] == content
+    assert named(message.get("tool_calls", [])) == calls and ("tool_calls" in message) == bool(calls)
+    for call in message.get("tool_calls", []):
+        assert call["type"] == "function" and id_ok(call["id"])
+    assert reader.message() == message  # made once: the ids stay
+    assert reader.finish_reason("stop") == ("tool_calls" if calls else "stop")
+    assert reader.finish_reason("length") == "length"  # a cut text says so, calls or not
+    return message
+
+
+def assert_all_content(reader_class, read_whole, text: str, content: str | None = None) -> None:
+    """A text without a readable call is all content (`content`: the text itself unless given),
+    whole reading and reader alike."""
+    content = text if content is None else content
+    assert read_whole(text).content == content and read_whole(text).calls == []
+    reader = reader_class()
+    reader.push(text, True)
+    assert reader.message() == {"role": "assistant", "content": content} and reader.finish_reason("stop") == "stop"
+
+
+def streamed_with_deltas(reader, text: str, cuts: list[int]) -> tuple[str, list[dict], str, list[dict]]:
+    """The text streamed through `reader` in pieces cut at `cuts`: its content, its calls, its finish
+    reason and every delta."""
+    deltas, edges = [], [0, *cuts, len(text)]
     for i, (start, end) in enumerate(zip(edges, edges[1:])):
         deltas.append(reader.delta(text[start:end], i == len(edges) - 2))
     content = "".join(delta.get("content", "") for delta in deltas)
     calls = [call for delta in deltas for call in delta.get("tool_calls", [])]
-    return content, calls, reader.finish_reason("stop")
+    return content, calls, reader.finish_reason("stop"), deltas
 
 
-def random_cuts(rng: random.Random, text: str) -> list[int]:
-    return sorted(rng.sample(range(1, len(text)), rng.randint(0, min(len(text) - 1, 12)))) if len(text) > 1 else []
+def streamed(reader_class, text: str, cuts: list[int], parallel: bool = True) -> tuple[str, list[dict], str]:
+    """The text streamed in pieces cut at `cuts`: its content, its calls and its finish reason."""
+    return streamed_with_deltas(reader_class(parallel), text, cuts)[:3]
 
 
-def assert_streamed_as_whole(reader_class, text: str, cuts: list[int]) -> None:
+def random_cuts(rng: random.Random, text: str, most: int = 12) -> list[int]:
+    return sorted(rng.sample(range(1, len(text)), rng.randint(0, min(len(text) - 1, most)))) if len(text) > 1 else []
+
+
+def assert_streamed_as_whole(reader_class, text: str, cuts: list[int], id_ok=lambda call_id: call_id.startswith(
+        "chatcmpl-tool-")) -> None:
     """Content, calls (in order, indexed 0..n-1) and finish reason of the stream are the whole
     answer's."""
     whole = reader_class()
@@ -32,12 +76,8 @@ def assert_streamed_as_whole(reader_class, text: str, cuts: list[int]) -> None:
     assert content == (expected["content"] or ""), (text, cuts)
     assert [call["index"] for call in calls] == list(range(len(calls)))
     assert [call["function"] for call in calls] == [call["function"] for call in expected.get("tool_calls", [])]
-    assert all(call["type"] == "function" and call["id"].startswith("chatcmpl-tool-") for call in calls)
+    assert all(call["type"] == "function" and id_ok(call["id"]) for call in calls)
     assert finish == whole.finish_reason("stop"), (text, cuts)
-
-
-def named(calls: list[dict]) -> list[tuple[str, str]]:
-    return [(call["function"]["name"], call["function"]["arguments"]) for call in calls]
 
 
 def assert_forced_calls_end_to_end(model_dir, parser: str, reader_class, text: str,

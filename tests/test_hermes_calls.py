@@ -15,6 +15,8 @@ import pytest
 
 from launcher.serving.hermes_calls import HermesCallReader, blocks, read_whole
 from launcher.serving.openai_protocol import ChatCompletionRequest, ProtocolError, parse_request
+from tests import call_reader_checks as checks
+from tests.call_reader_checks import random_cuts
 from tests.model_factory import random_model_with_smollm2_tokenizer
 from tests.test_tool_calls import BASE, TOOLS, streamed_calls
 
@@ -56,26 +58,12 @@ BAD_AFTER_GOOD = "Ok." + WEATHER + '<tool_call>{"name": "x"}</tool_call>after'
 
 @pytest.mark.parametrize("text, content, calls", WHOLE_TEXTS)
 def test_whole_texts_are_read_as_vllms_hermes_parser_reads_them(text, content, calls):
-    assert read_whole(text).content == content and read_whole(text).calls == calls
-    reader = HermesCallReader()
-    reader.push(text, True)
-    message = reader.message()
-    assert message["content"] == content
-    got = [(call["function"]["name"], call["function"]["arguments"]) for call in message.get("tool_calls", [])]
-    assert got == calls and ("tool_calls" in message) == bool(calls)
-    for call in message.get("tool_calls", []):
-        assert call["type"] == "function" and re.fullmatch(r"chatcmpl-tool-[0-9a-f]{16}", call["id"])
-    assert reader.message() == message  # made once: the ids stay
-    assert reader.finish_reason("stop") == ("tool_calls" if calls else "stop")
-    assert reader.finish_reason("length") == "length"  # a cut text says so, calls or not
+    checks.assert_read_whole_as(HermesCallReader, read_whole, text, content, calls)
 
 
 @pytest.mark.parametrize("text", UNREAD_TEXTS + [BAD_AFTER_GOOD])
 def test_a_block_without_a_call_makes_the_whole_text_content(text):
-    assert read_whole(text).content == text and read_whole(text).calls == []
-    reader = HermesCallReader()
-    reader.push(text, True)
-    assert reader.message() == {"role": "assistant", "content": text} and reader.finish_reason("stop") == "stop"
+    checks.assert_all_content(HermesCallReader, read_whole, text)
 
 
 def test_blocks_are_found_as_vllms_pattern_finds_them():
@@ -91,34 +79,16 @@ def test_blocks_are_found_as_vllms_pattern_finds_them():
 
 def streamed(text: str, cuts: list[int]) -> tuple[str, list[dict], str, list[dict]]:
     """The text streamed in pieces cut at `cuts`: its content, its calls, its finish reason, and every delta."""
-    reader, deltas = HermesCallReader(), []
-    edges = [0, *cuts, len(text)]
-    for i, (start, end) in enumerate(zip(edges, edges[1:])):
-        deltas.append(reader.delta(text[start:end], i == len(edges) - 2))
-    content = "".join(delta.get("content", "") for delta in deltas)
-    calls = [call for delta in deltas for call in delta.get("tool_calls", [])]
-    return content, calls, reader.finish_reason("stop"), deltas
-
-
-def random_cuts(rng: random.Random, text: str) -> list[int]:
-    return sorted(rng.sample(range(1, len(text)), rng.randint(0, min(len(text) - 1, 12)))) if len(text) > 1 else []
+    return checks.streamed_with_deltas(HermesCallReader(), text, cuts)
 
 
 @pytest.mark.parametrize("text", [text for text, _, _ in WHOLE_TEXTS] + UNREAD_TEXTS)
 def test_streamed_over_any_split_the_answer_is_the_whole_answer(text):
     """Content and calls, reassembled from the deltas, are the whole reading's for 300 random splits
     (every character alone included); each call comes whole, in one delta, with its own index."""
-    whole = HermesCallReader()
-    whole.push(text, True)
-    expected = whole.message()
     rng = random.Random(len(text))
     for cuts in [list(range(1, len(text))), []] + [random_cuts(rng, text) for _ in range(300)]:
-        content, calls, finish, _ = streamed(text, cuts)
-        assert content == (expected["content"] or ""), cuts
-        assert [call["index"] for call in calls] == list(range(len(calls)))
-        assert [call["function"] for call in calls] == [call["function"] for call in expected.get("tool_calls", [])]
-        assert all(call["type"] == "function" and call["id"].startswith("chatcmpl-tool-") for call in calls)
-        assert finish == whole.finish_reason("stop"), cuts
+        checks.assert_streamed_as_whole(HermesCallReader, text, cuts)
 
 
 def test_content_holds_back_only_a_possible_tag_and_a_call_goes_out_when_it_closes():

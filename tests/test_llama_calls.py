@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import random
-import re
 
 import pytest
 
 from launcher.serving.llama_calls import PYTHON_TAG, Llama3JsonCallReader, read_whole
 from launcher.serving.openai_protocol import ChatCompletionRequest, parse_request
 from tests import call_reader_checks as checks
-from tests.call_reader_checks import random_cuts
+from tests.call_reader_checks import named, random_cuts
 from tests.model_factory import random_model_with_smollm2_tokenizer
 from tests.test_tool_calls import BASE, TOOLS
 
@@ -71,32 +70,14 @@ UNREAD_TEXTS = [
 BAD_AFTER_GOOD = "Ok. " + WEATHER + '; {"name": "x"} after'
 
 
-def named(calls: list[dict]) -> list[tuple[str, str]]:
-    return [(call["function"]["name"], call["function"]["arguments"]) for call in calls]
-
-
 @pytest.mark.parametrize("text, content, calls", WHOLE_TEXTS)
 def test_whole_texts_are_read_as_vllms_llama3_json_parser_reads_them(text, content, calls):
-    assert read_whole(text).content == content and read_whole(text).calls == calls
-    reader = Llama3JsonCallReader()
-    reader.push(text, True)
-    message = reader.message()
-    assert message["content"] == content
-    assert named(message.get("tool_calls", [])) == calls and ("tool_calls" in message) == bool(calls)
-    for call in message.get("tool_calls", []):
-        assert call["type"] == "function" and re.fullmatch(r"chatcmpl-tool-[0-9a-f]{16}", call["id"])
-    assert reader.message() == message  # made once: the ids stay
-    assert reader.finish_reason("stop") == ("tool_calls" if calls else "stop")
-    assert reader.finish_reason("length") == "length"  # a cut text says so, calls or not
+    checks.assert_read_whole_as(Llama3JsonCallReader, read_whole, text, content, calls)
 
 
 @pytest.mark.parametrize("text", UNREAD_TEXTS + [BAD_AFTER_GOOD])
 def test_an_object_without_a_call_makes_the_whole_text_content(text):
-    content = text.removeprefix(PYTHON_TAG)
-    assert read_whole(text).content == content and read_whole(text).calls == []
-    reader = Llama3JsonCallReader()
-    reader.push(text, True)
-    assert reader.message() == {"role": "assistant", "content": content} and reader.finish_reason("stop") == "stop"
+    checks.assert_all_content(Llama3JsonCallReader, read_whole, text, text.removeprefix(PYTHON_TAG))
 
 
 def streamed(text: str, cuts: list[int], parallel: bool = True) -> tuple[str, list[dict], str]:
@@ -193,13 +174,13 @@ def test_the_stream_keeps_only_what_is_not_settled():
     reader.delta('{"name": "weather", "parameters": {"city": "', False)
     for _ in range(2000):
         assert reader.delta('a\\"{', False) == {}  # escapes and braces inside the string: it stays open
-    assert reader._depth == 2 and reader._in_string
+    assert reader._object_end.depth == 2 and reader._object_end.in_string
     [call] = reader.delta('"}}', False)["tool_calls"]
     assert json.loads(call["function"]["arguments"]) == {"city": 'a"{' * 2000}
-    assert reader._object == [] and reader._depth == 0
+    assert reader._object == [] and reader._object_end is None
     for _ in range(2000):
         assert reader.delta("; } words ", False) == {}  # between objects: dropped, nothing kept
-        assert reader._object == [] and reader._depth == 0
+        assert reader._object == [] and reader._object_end is None
 
 
 # ---- end to end --------------------------------------------------------------------------------

@@ -16,6 +16,8 @@ import pytest
 
 from launcher.serving.mistral_calls import MARKER, JsonValueEnd, MistralCallReader, read_whole
 from launcher.serving.openai_protocol import ChatCompletionRequest, ProtocolError, parse_request
+from tests import call_reader_checks as checks
+from tests.call_reader_checks import random_cuts
 from tests.model_factory import random_model_with_smollm2_tokenizer
 from tests.test_tool_calls import BASE, TOOLS, streamed_calls
 
@@ -100,26 +102,16 @@ def is_mistral_id(call_id: str) -> bool:
 
 @pytest.mark.parametrize("text, content, calls", WHOLE_TEXTS)
 def test_whole_texts_are_read_as_vllms_mistral_parser_reads_them(text, content, calls):
-    assert read_whole(text).content == content and read_whole(text).calls == calls
+    message = checks.assert_read_whole_as(MistralCallReader, read_whole, text, content, calls, is_mistral_id)
+    assert all("index" not in call for call in message.get("tool_calls", []))
     reader = MistralCallReader()
     reader.push(text, True)
-    message = reader.message()
-    assert message["content"] == content
-    got = [(call["function"]["name"], call["function"]["arguments"]) for call in message.get("tool_calls", [])]
-    assert got == calls and ("tool_calls" in message) == bool(calls)
-    for call in message.get("tool_calls", []):
-        assert call["type"] == "function" and is_mistral_id(call["id"]) and "index" not in call
-    assert reader.message() == message and reader.calls() == message.get("tool_calls", [])  # made once: ids stay
-    assert reader.finish_reason("stop") == ("tool_calls" if calls else "stop")
-    assert reader.finish_reason("length") == "length"  # a cut text says so, calls or not
+    assert reader.calls() == reader.message().get("tool_calls", [])  # made once: ids stay
 
 
 @pytest.mark.parametrize("text", UNREAD_TEXTS + [BAD_AFTER_GOOD])
 def test_a_text_without_a_readable_call_is_all_content(text):
-    assert read_whole(text).content == text and read_whole(text).calls == []
-    reader = MistralCallReader()
-    reader.push(text, True)
-    assert reader.message() == {"role": "assistant", "content": text} and reader.finish_reason("stop") == "stop"
+    checks.assert_all_content(MistralCallReader, read_whole, text)
 
 
 def test_ids_are_nine_letters_and_digits_and_differ():
@@ -135,36 +127,22 @@ def test_ids_are_nine_letters_and_digits_and_differ():
 
 
 def streamed(text: str, cuts: list[int], reader: MistralCallReader | None = None):
-    """The text streamed in pieces cut at `cuts`: its content, its calls, its finish reason, and every delta."""
-    reader, deltas = reader or MistralCallReader(), []
-    edges = [0, *cuts, len(text)]
-    for i, (start, end) in enumerate(zip(edges, edges[1:])):
-        deltas.append(reader.delta(text[start:end], i == len(edges) - 2))
-    content = "".join(delta.get("content", "") for delta in deltas)
-    calls = [call for delta in deltas for call in delta.get("tool_calls", [])]
+    """The text streamed in pieces cut at `cuts`: its content, its calls, its finish reason, and every
+    delta; the reader's calls() are the calls it streamed."""
+    reader = reader or MistralCallReader()
+    content, calls, finish, deltas = checks.streamed_with_deltas(reader, text, cuts)
     assert reader.calls() == calls
-    return content, calls, reader.finish_reason("stop"), deltas
-
-
-def random_cuts(rng: random.Random, text: str, most: int = 12) -> list[int]:
-    return sorted(rng.sample(range(1, len(text)), rng.randint(0, min(len(text) - 1, most)))) if len(text) > 1 else []
+    return content, calls, finish, deltas
 
 
 @pytest.mark.parametrize("text", [text for text, _, _ in WHOLE_TEXTS] + UNREAD_TEXTS)
 def test_streamed_over_any_split_the_answer_is_the_whole_answer(text):
     """Content and calls, reassembled from the deltas, are the whole reading's for 300 random splits
     (every character alone included); each call comes whole, in one delta, with its own index."""
-    whole = MistralCallReader()
-    whole.push(text, True)
-    expected = whole.message()
     rng = random.Random(len(text))
     for cuts in [list(range(1, len(text))), []] + [random_cuts(rng, text) for _ in range(300)]:
-        content, calls, finish, _ = streamed(text, cuts)
-        assert content == (expected["content"] or ""), cuts
-        assert [call["index"] for call in calls] == list(range(len(calls)))
-        assert [call["function"] for call in calls] == [call["function"] for call in expected.get("tool_calls", [])]
-        assert all(call["type"] == "function" and is_mistral_id(call["id"]) for call in calls)
-        assert finish == whole.finish_reason("stop"), cuts
+        checks.assert_streamed_as_whole(MistralCallReader, text, cuts, is_mistral_id)
+        streamed(text, cuts)  # and its calls() are the streamed ones
 
 
 FRAGMENTS = ["[TOOL_CALLS]", "[TOOL_", "[ARGS]", "[AR", " ", "\n", "f", "get_x", "{", "}", "[", "]", '"', "\\", ":",

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import time
 
 import pytest
@@ -19,7 +18,7 @@ from launcher.serving.call_json import MAX_DEPTH
 from launcher.serving.openai_protocol import ChatCompletionRequest, parse_request
 from launcher.serving.pythonic_calls import PythonicCallReader, read_whole
 from tests import call_reader_checks as checks
-from tests.call_reader_checks import random_cuts
+from tests.call_reader_checks import named, random_cuts
 from tests.model_factory import random_model_with_smollm2_tokenizer
 from tests.test_tool_calls import BASE, TOOLS
 
@@ -88,30 +87,16 @@ DEEP = ["[f(x=" + "[" * (MAX_DEPTH + 5) + "]" * (MAX_DEPTH + 5) + ")]",  # past 
 UNREAD = NO_CALLS + [text for text, calls, _ in DIFFERENCES if calls is None] + DEEP
 
 
-def named(calls: list[dict]) -> list[tuple[str, str]]:
-    return [(call["function"]["name"], call["function"]["arguments"]) for call in calls]
-
-
 @pytest.mark.parametrize("text, calls", WHOLE_CALLS + [(text, calls) for text, calls, _ in DIFFERENCES if calls])
 def test_whole_texts_are_read_as_vllms_pythonic_parser_reads_them(text, calls):
-    assert read_whole(text).content is None and read_whole(text).calls == calls
-    reader = PythonicCallReader()
-    reader.push(text, True)
-    message = reader.message()
-    assert message["content"] is None and named(message["tool_calls"]) == calls
+    message = checks.assert_read_whole_as(PythonicCallReader, read_whole, text, None, calls)
     for call in message["tool_calls"]:
-        assert call["type"] == "function" and re.fullmatch(r"chatcmpl-tool-[0-9a-f]{16}", call["id"])
         json.loads(call["function"]["arguments"])  # JSON text (Infinity as Python's json reads it)
-    assert reader.message() == message  # made once: the ids stay
-    assert reader.finish_reason("stop") == "tool_calls" and reader.finish_reason("length") == "length"
 
 
 @pytest.mark.parametrize("text", UNREAD, ids=lambda text: repr(text[:40]))
 def test_a_text_without_a_list_of_calls_is_all_content(text):
-    assert read_whole(text).content == text and read_whole(text).calls == []
-    reader = PythonicCallReader()
-    reader.push(text, True)
-    assert reader.message() == {"role": "assistant", "content": text} and reader.finish_reason("stop") == "stop"
+    checks.assert_all_content(PythonicCallReader, read_whole, text)
 
 
 def test_deep_and_long_texts_are_refused_the_same_at_any_stack_depth():

@@ -30,8 +30,7 @@ from launcher.cli.options import (add_max_num_seqs, add_max_prefill_tokens, add_
                                   with_flag_name)
 from launcher.serving.ingress import MODES, IdleProxyAddressHidden, IngressPlan, choose_mode, plan_ingress
 from launcher.serving.reasoning import REASONING_PARSERS
-from launcher.serving.server_settings import (TOOL_CALL_PARSERS, api_key_from_environment, described,
-                                              tool_call_parsers_described)
+from launcher.serving.server_settings import TOOL_CALL_PARSERS, api_key_from_environment, described
 
 SERVE_MAX_NUM_SEQS = 16
 """serve's --max-num-seqs when neither it nor a --compiled directory gives one (generate's is 8: a
@@ -67,7 +66,7 @@ def add_parser(subparsers) -> None:
     add_prefix_caching(p)
     p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
                    help="take tool_choice \"auto\" (the default with tools) and read the model's calls from its text "
-                        f"in this format: {tool_call_parsers_described()}; default: none, \"auto\" is refused")
+                        f"in this format: {described(TOOL_CALL_PARSERS)}; default: none, \"auto\" is refused")
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
                    help="split a thinking model's chat answers: the text inside <think>...</think> goes to the "
                         f"message's `reasoning` field, the rest is the content: {described(REASONING_PARSERS)}; "

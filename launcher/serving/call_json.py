@@ -24,6 +24,53 @@ decoder or the encoder, however deep the caller's stack, and far above any call'
 _SIGNS = re.compile(r'[\[\]{}"\\]')
 
 
+class JsonValueEnd:
+    """Where a JSON object, array or string ends, found as its text comes: fed the value's text from
+    its first character on, it counts brackets and follows strings (escapes included) over each new
+    piece only. The end it finds is the end of the first JSON value when the text is JSON; a text
+    that is not is found out by parsing it once it ends. With max_depth, it stops at the first
+    bracket past that nesting (too_deep is then set)."""
+
+    def __init__(self, max_depth: int | None = None):
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False
+        """In a string, the last piece ended with a backslash: the next character is escaped."""
+        self.max_depth = max_depth
+        self.too_deep = False
+
+    def feed(self, text: str, start: int = 0) -> int | None:
+        """The index in `text` just after the character that closes the value (reading from `start`),
+        None while it is open (or once it is too deep)."""
+        pos = start
+        if self.escaped and pos < len(text):
+            self.escaped, pos = False, pos + 1
+        while (found := _SIGNS.search(text, pos)) is not None:
+            char, pos = found.group(), found.end()
+            if self.in_string:
+                if char == "\\":
+                    if pos == len(text):
+                        self.escaped = True
+                        return None
+                    pos += 1
+                elif char == '"':
+                    self.in_string = False
+                    if self.depth == 0:
+                        return pos
+            elif char == '"':
+                self.in_string = True
+            elif char in "{[":
+                self.depth += 1
+                if self.max_depth is not None and self.depth > self.max_depth:
+                    self.too_deep = True
+                    return None
+            elif char in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    return pos
+        return None
+
+
 def too_deep(text: str, start: int = 0) -> bool:
     """Whether the JSON value starting at text[start] (whitespace before it skipped) nests deeper than
     MAX_DEPTH, scanning up to where that value closes (or the text ends). Strings are stepped over,
@@ -31,29 +78,9 @@ def too_deep(text: str, start: int = 0) -> bool:
     position = len(text) - len(text[start:].lstrip()) if text[start:start + 1].isspace() else start
     if text[position:position + 1] not in ("[", "{", '"'):  # a number or a literal: no nesting
         return False
-    depth, in_string = 0, False
-    while True:
-        sign = _SIGNS.search(text, position)
-        if sign is None:
-            return False
-        char, position = sign.group(), sign.end()
-        if in_string:
-            if char == "\\":
-                position += 1
-            elif char == '"':
-                in_string = False
-                if not depth:
-                    return False  # a string value closed
-        elif char == '"':
-            in_string = True
-        elif char in "[{":
-            depth += 1
-            if depth > MAX_DEPTH:
-                return True
-        elif char in "]}":
-            depth -= 1
-            if depth <= 0:
-                return False
+    scanner = JsonValueEnd(MAX_DEPTH)
+    scanner.feed(text, position)
+    return scanner.too_deep
 
 
 _DECODER = json.JSONDecoder()

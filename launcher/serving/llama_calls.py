@@ -45,16 +45,12 @@ shared part: launcher/serving/free_text_calls.py).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 
-from launcher.serving.call_json import arguments_text, decode_at, is_text
+from launcher.serving.call_json import JsonValueEnd, arguments_text, decode_at, is_text
 from launcher.serving.free_text_calls import CallsReading, FreeTextCallReader
 
 PYTHON_TAG = "<|python_tag|>"
-JSON_SIGNS = re.compile(r'[{}"\\]')
-"""The characters that say where a JSON object ends: its braces, and the quotes and backslashes of its
-strings (a brace inside a string counts for nothing)."""
 
 
 def without_leading_tag(text: str) -> str:
@@ -137,10 +133,8 @@ class Llama3JsonCallReader(FreeTextCallReader):
         self._tag_read = False
         self._object: list[str] = []
         """"calls": the text of the object being written, from its `{`."""
-        self._depth = 0
-        """"calls": the open object's braces not closed yet (0: between objects)."""
-        self._in_string = self._escaped = False
-        """"calls": inside a string of the open object; the next character is escaped by a backslash."""
+        self._object_end: JsonValueEnd | None = None
+        """"calls": where the open object ends, found piece by piece (None: between objects)."""
         self._read_calls = 0
         """"calls": the objects read as calls so far (parallel_tool_calls false sends only the first)."""
 
@@ -202,49 +196,32 @@ class Llama3JsonCallReader(FreeTextCallReader):
             index, self._read_calls, self._held = self._read_calls, self._read_calls + 1, ""
             if index == 0 or self.parallel_tool_calls:  # vLLM's rule: without parallel calls, the first only
                 calls.append(self._new_call(*call, index=index))
-        if finished and self._depth:  # cut inside an object: no whole JSON
+        if finished and self._object_end is not None:  # cut inside an object: no whole JSON
             return calls, self._now_text("".join(self._object))
         return calls, ""
 
     def _now_text(self, rest: str) -> str:
         """Turn the mode to "text": the content to send now is `rest` (after the held start)."""
-        sent, self._held, self._object, self._mode = self._held + rest, "", [], "text"
+        sent, self._held, self._object, self._object_end, self._mode = self._held + rest, "", [], None, "text"
         return sent
 
     def _closed_objects(self, piece: str) -> Iterator[tuple[str, int]]:
-        """Follow the objects' braces and strings over the piece's characters (the state carried from
-        the last piece): (each object that closed in it, whole from its `{`; the index in the piece
-        after it). The open object's part of the piece is kept in _object; text between objects is
-        dropped."""
-        position, opened = 0, 0  # where the scan resumes; where the open object's part of the piece starts
-        if self._escaped and piece:  # the backslash ended the last piece: this character is escaped
-            position, self._escaped = 1, False
-        while True:
-            if not self._depth:  # between objects: only a `{` matters
+        """Follow the objects over the piece's characters (call_json.JsonValueEnd, its state carried
+        from the last piece): (each object that closed in it, whole from its `{`; the index in the
+        piece after it). The open object's part of the piece is kept in _object; text between objects
+        is dropped."""
+        position = 0  # where the scan resumes
+        while position < len(piece) or self._object_end is None:
+            if self._object_end is None:  # between objects: only a `{` matters
                 position = piece.find("{", position)
                 if position == -1:
                     return
-                opened, self._depth, self._in_string = position, 1, False
-                position += 1
-                continue
-            sign = JSON_SIGNS.search(piece, position)
-            if sign is None:
+                self._object_end = JsonValueEnd()
+            opened = position if not self._object else 0
+            end = self._object_end.feed(piece, position)
+            if end is None:
                 self._object.append(piece[opened:])
                 return
-            char, position = sign.group(), sign.end()
-            if self._in_string:
-                if char == "\\":
-                    position += 1
-                    self._escaped = position > len(piece)
-                elif char == '"':
-                    self._in_string = False
-            elif char == '"':
-                self._in_string = True
-            elif char == "{":
-                self._depth += 1
-            elif char == "}":
-                self._depth -= 1
-                if not self._depth:
-                    text = "".join(self._object) + piece[opened:position]
-                    self._object = []
-                    yield text, position
+            text = "".join(self._object) + piece[opened:end]
+            self._object, self._object_end, position = [], None, end
+            yield text, end

@@ -62,7 +62,7 @@ import re
 import secrets
 import string
 
-from launcher.serving.call_json import arguments_text, decode_at, is_text
+from launcher.serving.call_json import JsonValueEnd, arguments_text, decode_at, is_text
 from launcher.serving.free_text_calls import CallsReading, FreeTextCallReader
 from launcher.serving.stop_strings import held_tail_length
 from launcher.serving.tool_calls import tool_call
@@ -132,49 +132,6 @@ def read_whole(text: str) -> CallsReading:
         return CallsReading(text)
     content = text[:first]
     return CallsReading(content if content.strip() else None, calls)
-
-
-_JSON_SIGNIFICANT = re.compile(r'["\\{}\[\]]')
-
-
-class JsonValueEnd:
-    """Where a JSON object, array or string ends, found as its text comes: fed the value's text from
-    its first character on, it counts brackets and follows strings (escapes included) over each new
-    piece only. The end it finds is the end of the first JSON value when the text is JSON; a text
-    that is not is found out by parsing it once it ends."""
-
-    def __init__(self):
-        self.depth = 0
-        self.in_string = False
-        self.escaped = False
-        """In a string, the last piece ended with a backslash: the next character is escaped."""
-
-    def feed(self, text: str) -> int | None:
-        """The index in `text` just after the character that closes the value, None while it is open."""
-        pos = 0
-        if self.escaped and text:
-            self.escaped, pos = False, 1
-        while (found := _JSON_SIGNIFICANT.search(text, pos)) is not None:
-            char, pos = found.group(), found.end()
-            if self.in_string:
-                if char == "\\":
-                    if pos == len(text):
-                        self.escaped = True
-                        return None
-                    pos += 1
-                elif char == '"':
-                    self.in_string = False
-                    if self.depth == 0:
-                        return pos
-            elif char == '"':
-                self.in_string = True
-            elif char in "{[":
-                self.depth += 1
-            elif char in "}]":
-                self.depth -= 1
-                if self.depth == 0:
-                    return pos
-        return None
 
 
 BAD = "bad"

@@ -153,8 +153,9 @@ class ChatRender(_Render):
         self.text, self.entries = [], []
         self.calls = tool_calls
         self.reasoning, self.include_reasoning = reasoning, include_reasoning
-        self.splitter = ReasoningSplitter(*reasoning) if reasoning is not None else None
-        """This choice's text split as it streams (a whole answer is read at its end: choice())."""
+        self.splitter: ReasoningSplitter | None = None
+        """This choice's text split as it streams, made at the first chunk (a whole answer is read at
+        its end: choice())."""
 
     def _sent_finish(self, finish: str | None) -> str | None:
         """The finish reason the client is told: "tool_calls" for "required" calls (tool_calls.py).
@@ -165,7 +166,9 @@ class ChatRender(_Render):
         """The chunk's delta: the text, or what the reader makes of it (tool calls' pieces; with
         tool_choice "auto", content and whole calls), after the thinking went to "reasoning"."""
         text, finished, thought = delta.text, delta.finish_reason is not None, ""
-        if self.splitter is not None:
+        if self.reasoning is not None:
+            if self.splitter is None:
+                self.splitter = ReasoningSplitter(*self.reasoning)
             thought, text = self.splitter.feed(text, finished)
         message = self.calls.delta(text, finished) if self.calls is not None else {"content": text} if text else {}
         if thought and self.include_reasoning:

@@ -44,10 +44,6 @@ def described(parsers: dict) -> str:
     """Each parser's name and what it reads, for help texts and errors."""
     return "; ".join(f"{name}, {form}" for name, form in parsers.items())
 
-
-def tool_call_parsers_described() -> str:
-    return described(TOOL_CALL_PARSERS)
-
 YAML_NULLS = ("null", "Null", "NULL", "~")
 """`serve run key=null`: the argument's default, whatever its kind (a path or name that is literally
 one of these is written ./null)."""

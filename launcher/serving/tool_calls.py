@@ -42,13 +42,13 @@ Imported when a request needs one: the readers import this module."""
 
 
 def _auto_refused(by_default: bool) -> str:
-    from launcher.serving.server_settings import tool_call_parsers_described
+    from launcher.serving.server_settings import TOOL_CALL_PARSERS, described
 
     default = " (the default with tools)" if by_default else ""
     return (f"tool_choice \"auto\"{default} is not supported by this server: it was started without a tool-call "
             f"parser to find calls in the model's free text (vLLM refuses it likewise without "
             f"--enable-auto-tool-choice); start it with `--tool-call-parser NAME` (builder argument "
-            f"tool_call_parser) naming the format the model writes its calls in ({tool_call_parsers_described()}), "
+            f"tool_call_parser) naming the format the model writes its calls in ({described(TOOL_CALL_PARSERS)}), "
             f"or send tool_choice \"required\" (the model must call one or more of the tools) or {_CHOICE_EXAMPLE} "
             f"(it must call that function), or \"none\" (tools shown to the model, text out)")
 
