@@ -2373,7 +2373,8 @@ def test_a_stop_lets_streams_behind_the_proxy_finish(tmp_path):
 def test_a_thinking_servers_reasoning_reaches_the_official_client(tmp_path, hf):
     """`corelaunch serve --reasoning-parser deepseek_r1` with SmolLM2, which writes no </think>: its
     greedy answer (transformers' text) is all reasoning, content null, whole and streamed (delta
-    `reasoning`) through the openai client, and left out with include_reasoning false."""
+    `reasoning`) through the openai client, and left out with include_reasoning false; the usage
+    counts every generated token as reasoning, whole, streamed and hidden alike."""
     import openai
 
     messages = [{"role": "user", "content": "Name a colour."}]
@@ -2381,7 +2382,7 @@ def test_a_thinking_servers_reasoning_reaches_the_official_client(tmp_path, hf):
     with running_server(tmp_path / "serve.log", "--max-num-seqs", "2", "--reasoning-parser", "deepseek_r1") as running:
         client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", timeout=300, max_retries=0)
         whole = client.chat.completions.create(**asked)
-        streamed = list(client.chat.completions.create(**asked, stream=True))
+        streamed = list(client.chat.completions.create(**asked, stream=True, stream_options={"include_usage": True}))
         hidden = client.chat.completions.create(**asked, extra_body={"include_reasoning": False})
     expected = hf.greedy(hf.tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False), 12)
     assert expected and "</think>" not in expected
@@ -2390,6 +2391,10 @@ def test_a_thinking_servers_reasoning_reaches_the_official_client(tmp_path, hf):
     assert "".join(getattr(c.choices[0].delta, "reasoning", None) or "" for c in streamed if c.choices) == expected
     assert not any(c.choices[0].delta.content for c in streamed if c.choices)
     assert hidden.choices[0].message.content is None and getattr(hidden.choices[0].message, "reasoning", None) is None
+    # no tag written (SmolLM2 has no tag tokens: the count reads the text): every token is the thinking's
+    assert "<think>" not in expected and whole.usage.completion_tokens > 0
+    for usage in (whole.usage, streamed[-1].usage, hidden.usage):
+        assert usage.completion_tokens_details.reasoning_tokens == whole.usage.completion_tokens, usage
 
 
 @pytest.mark.slow

@@ -44,7 +44,7 @@ from launcher.serving.openai_protocol import CONTEXT_LENGTH_EXCEEDED, ProtocolEr
 from launcher.serving.openai_render import ChatRender, CompletionRender
 from launcher.serving.prompt_probe import (head_overfills, length_overfills, longest_token_chars,
                                             too_long_message, too_many_characters_message)
-from launcher.serving.reasoning import THINK_END, THINK_START
+from launcher.serving.reasoning import CALL_START, THINK_END, THINK_START, ThinkTokens
 from launcher.serving.server_settings import ServerSettings, api_key_from_environment, settings_from_args
 from launcher.serving.token_pieces import TokenPieces
 
@@ -542,8 +542,20 @@ def _template_refused(err: Exception) -> ProtocolError:
 def _think_tokens(tokenizer, vocab_size: int) -> tuple[int | None, int | None]:
     """The ids of `<think>` and `</think>` where the tokenizer has each as one token the model can
     generate (Qwen3's, DeepSeek-R1's), else None."""
+    return _generated_tags(tokenizer, vocab_size, (THINK_START, THINK_END))
+
+
+def _generated_tags(tokenizer, vocab_size: int, tags: tuple[str, ...]) -> tuple[int | None, ...]:
+    """Each tag's id where the tokenizer has it as one token the model can generate, else None."""
     vocab = tokenizer.get_vocab()
-    return tuple(vocab.get(tag) if vocab.get(tag, vocab_size) < vocab_size else None for tag in (THINK_START, THINK_END))
+    return tuple(vocab.get(tag) if vocab.get(tag, vocab_size) < vocab_size else None for tag in tags)
+
+
+def _reasoning_total(renders: list) -> int | None:
+    """The request's reasoning tokens, every choice's summed (as completion_tokens is); None where the
+    renders count none (no reasoning parser, or /v1/completions): the usage then has no such field."""
+    counts = [render.reasoning_tokens() for render in renders]
+    return None if counts[0] is None else sum(counts)
 
 
 def _refuse_control_token_keys(tokenizer, messages: list[dict], tools: list[dict] | None,
@@ -587,6 +599,8 @@ class OpenAIServer:
     request's structured output starts (None: no such token)."""
     think_start: int | None = None
     """The id of its `<think>` (a prompt whose last `</think>` comes after it has ended the thinking)."""
+    call_start: int | None = None
+    """The id of its `<tool_call>`, which ends qwen3's thinking too (the usage's reasoning count)."""
 
     def __init__(self, settings: ServerSettings):
         from launcher.api import LaunchConfig, Launcher, load_tokenizer, server_tokenizer_problem
@@ -658,6 +672,7 @@ class OpenAIServer:
         self.default_chat_template_kwargs = settings.default_chat_template_kwargs
         if self.reasoning_parser:
             self.think_start, self.think_end = _think_tokens(self.tokenizer, self.launcher.model_config.vocab_size)
+            [self.call_start] = _generated_tags(self.tokenizer, self.launcher.model_config.vocab_size, (CALL_START,))
         self.context_tokens = _context_tokens(self.launcher)
         self.longest_prompt = _longest_prompt(self.launcher)
         self.metrics = ServerMetrics(self.launcher.load)
@@ -771,9 +786,12 @@ class OpenAIServer:
         req.settle_thinking(self.think_end, self.think_start, prompt)
         stream = await self._start_choices(req, [prompt], [proto.max_new_tokens(req, len(prompt), self.context_tokens)],
                                            req.logprobs_count(), "messages", req.engine_prompt_logprobs())
+        # with a reasoning parser, the usage counts the thinking's tokens (by these ids where there are)
+        think_tokens = (ThinkTokens(self.think_start, self.think_end, self.call_start) if self.reasoning_parser
+                        else None)
         return await self._respond(req, stream, [ChatRender(self.pieces, req.logprobs, i, req.prompt_logprobs,
                                                             req.skip_special_tokens, req.tool_call_reader(),
-                                                            req.reasoning(), req.include_reasoning)
+                                                            req.reasoning(), req.include_reasoning, think_tokens)
                                                  for i in range(req.n)], arrived)
 
     @app.post("/tokenize")
@@ -1141,7 +1159,7 @@ class OpenAIServer:
         choices = [render.choice(reason) for render, reason in zip(renders, finish)]
         return JSONResponse({**proto.response(meta, renders[0].response_object, choices,
                                               proto.usage(stream.prompt_tokens, sum(completion_tokens),
-                                                          stream.cached_tokens)),
+                                                          stream.cached_tokens, _reasoning_total(renders))),
                              **renders[0].response_extras()})
 
     def _count_stream(self, outcome: dict) -> None:
@@ -1161,7 +1179,8 @@ class OpenAIServer:
 
         def usage_field(index: int) -> dict:
             if continuous_usage:
-                return {"usage": proto.chunk_usage(stream.choice_prompt_tokens(index), completion_tokens[index])}
+                return {"usage": proto.chunk_usage(stream.choice_prompt_tokens(index), completion_tokens[index],
+                                                   renders[index].reasoning_tokens())}
             return plain_usage
 
         try:
@@ -1182,7 +1201,8 @@ class OpenAIServer:
             if include_usage:
                 yield proto.sse_event(proto.usage_chunk(meta, renders[0].chunk_object,
                                                         proto.usage(stream.prompt_tokens, sum(completion_tokens),
-                                                                    stream.cached_tokens)))
+                                                                    stream.cached_tokens,
+                                                                    _reasoning_total(renders))))
             yield proto.SSE_DONE
         except Exception as err:  # noqa: BLE001 - headers are sent: the error can only be an event
             outcome["status"], body, _ = _generation_failure(err)  # headers are sent already

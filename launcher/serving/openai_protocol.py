@@ -981,11 +981,19 @@ class ResponseMeta:
         return cls(id=f"{prefix}-{uuid.uuid4().hex}", created=int(time.time()), model=model)
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    """cached_tokens: of the prompt tokens, those the engine did not prefill (prefix caching)."""
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+          reasoning_tokens: int | None = None) -> dict:
+    """cached_tokens: of the prompt tokens, those the engine did not prefill (prefix caching).
+    reasoning_tokens: of the completion tokens, the thinking's (a chat on a server with a reasoning
+    parser: launcher/serving/reasoning.py); None leaves completion_tokens_details out, as vLLM does
+    without a parser."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}, **_completion_details(reasoning_tokens)}
+
+
+def _completion_details(reasoning_tokens: int | None) -> dict:
+    return {} if reasoning_tokens is None else {"completion_tokens_details": {"reasoning_tokens": reasoning_tokens}}
 
 
 def response(meta: ResponseMeta, obj: str, choices: list[dict], usage_: dict) -> dict:
@@ -1026,13 +1034,14 @@ def chat_chunk(meta: ResponseMeta, delta: dict, finish_reason: str | None = None
             "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
 
-def chunk_usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def chunk_usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None) -> dict:
     """The usage one chunk carries with stream_options.continuous_usage_stats, as vLLM's: its choice's
     prompt's tokens and that choice's completion tokens so far (per choice, not the request's sum;
-    the last chunk, usage_chunk, has the request's). No prompt_tokens_details: a chat's opening
-    chunks go out before the engine says how many prompt tokens were cached (vLLM leaves it out too)."""
+    the last chunk, usage_chunk, has the request's), and with a reasoning parser that choice's
+    reasoning tokens so far (usage). No prompt_tokens_details: a chat's opening chunks go out before
+    the engine says how many prompt tokens were cached (vLLM leaves it out too)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens, **_completion_details(reasoning_tokens)}
 
 
 def usage_chunk(meta: ResponseMeta, obj: str, usage_: dict) -> dict:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from launcher.serving import openai_protocol as proto
 from launcher.serving.echoed_prompt import EchoedPrompt, prompt_logprobs, shifted
 from launcher.serving.logprob_alignment import AlignedLogprobs
-from launcher.serving.reasoning import ReasoningSplitter, read_reasoning
+from launcher.serving.reasoning import ReasoningSplitter, ReasoningTokenCount, ThinkTokens, read_reasoning
 from launcher.serving.token_pieces import TokenPieces
 
 
@@ -38,6 +38,11 @@ class _Render:
 
     def finish_reason(self, finish: str | None) -> str | None:
         return finish
+
+    def reasoning_tokens(self) -> int | None:
+        """The choice's reasoning tokens so far, for the usage's completion_tokens_details; None where
+        they are not counted (no reasoning parser), which leaves that field out."""
+        return None
 
     def _keep_prompt_entries(self, delta) -> None:
         self.prompt_entries = delta.prompt_logprobs or self.prompt_entries
@@ -142,11 +147,13 @@ class ChatRender(_Render):
 
     def __init__(self, pieces: TokenPieces, logprobs: bool, index: int = 0, prompt_top: int | None = None,
                  skip_special_tokens: bool = True, tool_calls=None, reasoning: tuple[str, bool] | None = None,
-                 include_reasoning: bool = True):
+                 include_reasoning: bool = True, think_tokens: ThinkTokens | None = None):
         """prompt_top: vLLM's prompt_logprobs asked (the response carries them, as vLLM's chat does).
         reasoning: (parser, thinking on) when the answer's thinking is split off (the request's
         reasoning()); include_reasoning false leaves it out of the answer, and the logprobs too (their
-        tokens would spell it; vLLM leaves them out likewise)."""
+        tokens would spell it; vLLM leaves them out likewise). think_tokens: given on a server with a
+        reasoning parser, whose usage counts the reasoning's tokens (0 where `reasoning` is None: the
+        text is all content), hidden or not, as vLLM counts them."""
         if reasoning is not None and reasoning[1] and not include_reasoning:  # only thinking has tokens to hide
             logprobs = False
         super().__init__(pieces, logprobs, index, prompt_top, skip_special_tokens)
@@ -156,6 +163,19 @@ class ChatRender(_Render):
         self.splitter: ReasoningSplitter | None = None
         """This choice's text split as it streams, made at the first chunk (a whole answer is read at
         its end: choice())."""
+        self.counts_reasoning = think_tokens is not None
+        self.thinking_count = (ReasoningTokenCount(*reasoning, think_tokens)
+                               if self.counts_reasoning and reasoning is not None else None)
+        """Fed every delta; None where nothing is counted (no parser, or an answer all content)."""
+
+    def reasoning_tokens(self) -> int | None:
+        if not self.counts_reasoning:
+            return None
+        return self.thinking_count.count if self.thinking_count is not None else 0
+
+    def _count_reasoning(self, delta) -> None:
+        if self.thinking_count is not None:
+            self.thinking_count.push(delta.token_ids, delta.text, delta.finish_reason is not None)
 
     def _sent_finish(self, finish: str | None) -> str | None:
         """The finish reason the client is told: "tool_calls" for "required" calls (tool_calls.py).
@@ -182,6 +202,7 @@ class ChatRender(_Render):
         return [proto.chat_chunk(meta, {"role": "assistant", "content": ""}, index=self.index)]
 
     def chunk(self, meta, delta) -> dict | None:
+        self._count_reasoning(delta)
         ready = self._ready(delta)
         logprobs = proto.chat_logprobs(ready, self.pieces) if ready else None
         message = self._delta(delta)
@@ -190,6 +211,7 @@ class ChatRender(_Render):
         return proto.chat_chunk(meta, message, self._sent_finish(delta.finish_reason), logprobs, self.index)
 
     def collect(self, delta) -> None:
+        self._count_reasoning(delta)
         self.text.append(delta.text)
         if self.calls is not None and self.reasoning is None:  # with reasoning: the content, in choice()
             self.calls.push(delta.text, delta.finish_reason is not None)

@@ -57,14 +57,29 @@ Streamed, each piece goes out at once but for a tail that may still grow into a 
 the current part (at most 10 characters: `<tool_call` without its `>`); the work per piece is that
 piece's, the text already sent never being read again.
 
-Pure (no tokenizer, no engine): the app drives one ReasoningSplitter per choice.
+The usage counts the reasoning's tokens (`completion_tokens_details.reasoning_tokens`, as vLLM 0.32
+reports it with a parser; ReasoningTokenCount, one per choice): the generated tokens from where the
+thinking opened up to its end, the tags' own tokens left out. It opens before the first generated
+token whenever the request's thinking is on (deepseek_r1's prompt opens it; qwen3, whose model
+writes `<think>` itself, is read as starting inside it too, as the split does); a generated `<think>`
+token inside it is a tag, not counted. It ends at the first `</think>` token (qwen3: or a
+`<tool_call>` token), and nothing after it counts. Thinking off, or a prompt that already closed it
+(the app's settle_thinking): 0. vLLM's own count differs: it counts only between a generated
+`<think>` and a `</think>`, so DeepSeek-R1, whose prompt holds the `<think>`, reports 0 there.
+Where the tokenizer has no `</think>` token, the count reads the text instead: a token counts when
+its text went wholly to the reasoning (ReasoningSplitter's), so the tokens that spell a tag, or a
+piece of one, are not counted, nor is one whose text is part reasoning, part answer.
+
+Pure (no tokenizer, no engine): the app drives one ReasoningSplitter and one ReasoningTokenCount
+per choice.
 """
 
 from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from launcher.serving.stop_strings import held_tail_length
 
@@ -185,3 +200,54 @@ class ReasoningSplitter:
 def _tag_pattern(tags: tuple[str, ...]) -> re.Pattern:
     """One search for the earliest of `tags` (compiled once per set of tags)."""
     return re.compile("|".join(map(re.escape, tags)))
+
+
+@dataclass(frozen=True)
+class ThinkTokens:
+    """The ids of the tokenizer's tags where each is one token the model can generate, else None:
+    the usage counts the thinking by them (ReasoningTokenCount)."""
+
+    start: int | None = None
+    end: int | None = None
+    call: int | None = None
+    """`<tool_call>`'s, which ends qwen3's thinking too."""
+
+
+class ReasoningTokenCount:
+    """How many of one choice's generated tokens are its reasoning, so far (module docstring: the
+    rule). Fed every delta's token ids and text in order; by ids where the tokenizer has a `</think>`
+    token, by the text otherwise."""
+
+    def __init__(self, parser: str, thinking: bool, tokens: ThinkTokens):
+        self.count = 0
+        self._in_thinking = bool(thinking)  # deepseek_r1 passes True: the request's reasoning()
+        self._start = tokens.start
+        self._ends = {tokens.end} | ({tokens.call} if check_parser(parser) == "qwen3" and tokens.call is not None
+                                     else set())
+        self._by_text = tokens.end is None
+        self._splitter = ReasoningSplitter(parser, thinking) if self._by_text else None
+        self._undecided = 0
+        """By text: tokens whose text the splitter still holds (it may be a tag's start)."""
+
+    def push(self, token_ids: Sequence[int], text: str, finished: bool) -> None:
+        if not self._in_thinking:
+            return
+        if self._by_text:
+            self._push_text(len(token_ids), text, finished)
+            return
+        for token in token_ids:
+            if token in self._ends:
+                self._in_thinking = False
+                return
+            if token != self._start:
+                self.count += 1
+
+    def _push_text(self, tokens: int, text: str, finished: bool) -> None:
+        """Count the tokens once their text is known to be wholly reasoning: the splitter holds none of
+        it back and is still in the thinking. Those whose text ended the thinking count none."""
+        self._undecided += tokens
+        self._splitter.feed(text, finished)
+        if not self._splitter.in_reasoning:
+            self._in_thinking, self._undecided = False, 0
+        elif not self._splitter.held:
+            self.count, self._undecided = self.count + self._undecided, 0
