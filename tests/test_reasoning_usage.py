@@ -216,3 +216,26 @@ def test_the_count_by_ids_and_by_text_in_any_delta_split():
     for token, text in ((10, "a"), (11, "<"), (12, "b")):  # "<" held, then no tag: all reasoning
         held.push([token], text, token == 12)
     assert held.count == 3
+
+
+def test_the_count_by_text_leaves_out_tokens_whose_text_is_held_or_spells_a_dropped_tag():
+    """By text (no tag tokens), a token counts once its text went wholly to the reasoning: one whose
+    text the engine still holds ("": a stop string's possible start) waits for it, and the tokens
+    spelling a `<think>` the split drops are no reasoning (they were counted)."""
+    from launcher.serving.reasoning import ReasoningTokenCount, ThinkTokens
+
+    held_by_engine = ReasoningTokenCount("deepseek_r1", True, ThinkTokens())
+    for token, text in ((10, "sky"), (11, ""), (12, "</think"), (13, ">"), (14, "Blue")):  # "</" held, then released
+        held_by_engine.push([token], text, token == 14)
+    assert held_by_engine.count == 1
+    for parser in ("deepseek_r1", "qwen3"):
+        spelled = ReasoningTokenCount(parser, True, ThinkTokens())
+        for token, text in ((10, "<"), (11, "think"), (12, ">"), (13, "sky"), (14, " is"), (15, "</"),
+                            (16, "think>"), (17, "Blue")):
+            spelled.push([token], text, token == 17)
+        assert spelled.count == 2, parser
+    # qwen3 whose tokenizer has `</think>` but no `<tool_call>` token: the text says where a call ends it
+    no_call_token = ReasoningTokenCount("qwen3", True, ThinkTokens(start=1, end=2))
+    for token, text in ((10, "sky"), (11, "<tool_call>"), (12, '{"name"'), (13, "}")):
+        no_call_token.push([token], text, token == 13)
+    assert no_call_token.count == 1

@@ -64,8 +64,9 @@ token whenever the request's thinking is on (deepseek_r1's prompt opens it; qwen
 writes `<think>` itself, is read as starting inside it too, as the split does); a generated `<think>`
 token inside it is a tag, not counted. It ends at the first `</think>` token (qwen3: or a
 `<tool_call>` token), and nothing after it counts. Thinking off, or a prompt that already closed it
-(the app's settle_thinking): 0. vLLM's own count differs: it counts only between a generated
-`<think>` and a `</think>`, so DeepSeek-R1, whose prompt holds the `<think>`, reports 0 there.
+(the app's settle_thinking): 0. vLLM's deepseek_r1 count differs: it counts only between a
+generated `<think>` and a `</think>`, so DeepSeek-R1, whose prompt holds the `<think>`, reports 0
+there (its qwen3 count starts inside the thinking, as this one).
 Where the tokenizer has no `</think>` token, the count reads the text instead: a token counts when
 its text went wholly to the reasoning (ReasoningSplitter's), so the tokens that spell a tag, or a
 piece of one, are not counted, nor is one whose text is part reasoning, part answer.
@@ -224,7 +225,9 @@ class ReasoningTokenCount:
         self._start = tokens.start
         self._ends = {tokens.end} | ({tokens.call} if check_parser(parser) == "qwen3" and tokens.call is not None
                                      else set())
-        self._by_text = tokens.end is None
+        # by text where the ids cannot say where the thinking ends as the split says it: no
+        # `</think>` token, or qwen3 without a `<tool_call>` token (its thinking ends at that text too)
+        self._by_text = tokens.end is None or (check_parser(parser) == "qwen3" and tokens.call is None)
         self._splitter = ReasoningSplitter(parser, thinking) if self._by_text else None
         self._undecided = 0
         """By text: tokens whose text the splitter still holds (it may be a tag's start)."""
@@ -244,10 +247,15 @@ class ReasoningTokenCount:
 
     def _push_text(self, tokens: int, text: str, finished: bool) -> None:
         """Count the tokens once their text is known to be wholly reasoning: the splitter holds none of
-        it back and is still in the thinking. Those whose text ended the thinking count none."""
+        it back and is still in the thinking. Those whose text ended the thinking count none, nor do
+        those whose text spelled a `<think>` the split dropped. A token whose text is still to come
+        (the engine holds it: a stop string's possible start, part of a UTF-8 character) waits for it."""
         self._undecided += tokens
-        self._splitter.feed(text, finished)
+        before = len(self._splitter.held) + len(text)
+        reasoning, _ = self._splitter.feed(text, finished)
         if not self._splitter.in_reasoning:
             self._in_thinking, self._undecided = False, 0
-        elif not self._splitter.held:
+        elif len(reasoning) + len(self._splitter.held) < before:  # a tag was dropped: its tokens spelled it
+            self._undecided = 0
+        elif not self._splitter.held and (text or finished):
             self.count, self._undecided = self.count + self._undecided, 0
