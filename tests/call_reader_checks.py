@@ -4,6 +4,7 @@ given pieces, random cut points, and the check that the stream says what the who
 
 from __future__ import annotations
 
+import json
 import random
 import re
 
@@ -45,14 +46,42 @@ def assert_all_content(reader_class, read_whole, text: str, content: str | None 
     assert reader.message() == {"role": "assistant", "content": content} and reader.finish_reason("stop") == "stop"
 
 
+def reassembled(entries: list[dict]) -> list[dict]:
+    """The calls streamed entries make, in index order: a call's first entry carries its index, id,
+    type and name (and the arguments so far), the later ones only its index and more arguments,
+    which are appended (each entry's form checked)."""
+    calls: dict[int, dict] = {}
+    for entry in entries:
+        if entry["index"] not in calls:
+            assert set(entry) == {"index", "id", "type", "function"} and entry["type"] == "function", entry
+            assert set(entry["function"]) == {"name", "arguments"}, entry
+            calls[entry["index"]] = {**entry, "function": dict(entry["function"])}
+        else:
+            assert set(entry) == {"index", "function"} and set(entry["function"]) == {"arguments"}, entry
+            calls[entry["index"]]["function"]["arguments"] += entry["function"]["arguments"]
+    return [calls[index] for index in sorted(calls)]
+
+
+def same_json(streamed_arguments: str, whole_arguments: str) -> bool:
+    """The streamed arguments (the text as written) hold the JSON value the whole answer's (as
+    json.dumps writes it) do; arguments that are no JSON (a format that takes any text) are the
+    same text."""
+    try:
+        whole_value = json.loads(whole_arguments)
+    except ValueError:
+        return streamed_arguments == whole_arguments
+    return json.dumps(json.loads(streamed_arguments)) == json.dumps(whole_value)
+
+
 def streamed_with_deltas(reader, text: str, cuts: list[int]) -> tuple[str, list[dict], str, list[dict]]:
-    """The text streamed through `reader` in pieces cut at `cuts`: its content, its calls, its finish
-    reason and every delta."""
+    """The text streamed through `reader` in pieces cut at `cuts`: its content, its calls (reassembled
+    from the entries), its finish reason and every delta."""
     deltas, edges = [], [0, *cuts, len(text)]
     for i, (start, end) in enumerate(zip(edges, edges[1:])):
         deltas.append(reader.delta(text[start:end], i == len(edges) - 2))
     content = "".join(delta.get("content", "") for delta in deltas)
-    calls = [call for delta in deltas for call in delta.get("tool_calls", [])]
+    calls = reassembled([call for delta in deltas for call in delta.get("tool_calls", [])])
+    assert [call["function"] for call in reader.calls()] == [call["function"] for call in calls]
     return content, calls, reader.finish_reason("stop"), deltas
 
 
@@ -67,15 +96,18 @@ def random_cuts(rng: random.Random, text: str, most: int = 12) -> list[int]:
 
 def assert_streamed_as_whole(reader_class, text: str, cuts: list[int], id_ok=lambda call_id: call_id.startswith(
         "chatcmpl-tool-")) -> None:
-    """Content, calls (in order, indexed 0..n-1) and finish reason of the stream are the whole
-    answer's."""
+    """Content, calls (in order, indexed 0..n-1: names, and arguments holding the same JSON) and
+    finish reason of the stream are the whole answer's."""
     whole = reader_class()
     whole.push(text, True)
     expected = whole.message()
     content, calls, finish = streamed(reader_class, text, cuts)
     assert content == (expected["content"] or ""), (text, cuts)
     assert [call["index"] for call in calls] == list(range(len(calls)))
-    assert [call["function"] for call in calls] == [call["function"] for call in expected.get("tool_calls", [])]
+    whole_calls = expected.get("tool_calls", [])
+    assert [call["function"]["name"] for call in calls] == [call["function"]["name"] for call in whole_calls]
+    assert all(same_json(call["function"]["arguments"], whole_call["function"]["arguments"])
+               for call, whole_call in zip(calls, whole_calls)), (text, cuts)
     assert all(call["type"] == "function" and id_ok(call["id"]) for call in calls)
     assert finish == whole.finish_reason("stop"), (text, cuts)
 
@@ -115,5 +147,8 @@ def assert_forced_calls_end_to_end(model_dir, parser: str, reader_class, text: s
         assert named(calls) == expected
     calls, finishes, contents = streamed_calls(stream, 2)
     assert finishes == ["tool_calls", "tool_calls"] and contents == ["", ""]
-    assert [[call["function"] for call in choice_calls] for choice_calls in calls] == [
-        [call["function"] for call in choice["message"]["tool_calls"]] for choice in whole["choices"]]
+    for choice_calls, choice in zip(calls, whole["choices"]):  # the arguments as written: the same JSON
+        whole_calls = choice["message"]["tool_calls"]
+        assert [call["function"]["name"] for call in choice_calls] == [call["function"]["name"] for call in whole_calls]
+        assert all(same_json(call["function"]["arguments"], whole_call["function"]["arguments"])
+                   for call, whole_call in zip(choice_calls, whole_calls))

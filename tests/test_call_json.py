@@ -17,6 +17,7 @@ from launcher.serving.llama_calls import Llama3JsonCallReader
 from launcher.serving.mistral_calls import MistralCallReader
 from launcher.serving.required_calls_stream import RequiredCallsStream
 from launcher.serving.tool_calls import ToolCallReader
+from tests.call_reader_checks import reassembled, same_json
 
 READERS = {  # each format's call around `arguments` (JSON text), the name given
     "hermes": (HermesCallReader, lambda name, arguments: f'<tool_call>{{"name": {name}, "arguments": {arguments}}}'
@@ -24,6 +25,8 @@ READERS = {  # each format's call around `arguments` (JSON text), the name given
     "llama3_json": (Llama3JsonCallReader, lambda name, arguments: f'{{"name": {name}, "parameters": {arguments}}}'),
     "mistral": (MistralCallReader, lambda name, arguments: f'[TOOL_CALLS][{{"name": {name}, "arguments": {arguments}}}]'),
 }
+CALL_LEVELS = {"hermes": 1, "llama3_json": 1, "mistral": 2}
+"""The nesting each format's call puts around its arguments (an object; mistral's array of them)."""
 
 
 def test_too_deep_counts_nesting_outside_strings_up_to_where_the_value_closes():
@@ -50,7 +53,7 @@ def read_both(reader_class, text: str, depth_below: int = 0) -> tuple[dict, dict
     whole.push(text, True)
     streamed = reader_class()
     deltas = [streamed.delta(text[i:i + 7], i + 7 >= len(text)) for i in range(0, len(text), 7)]
-    calls = [call["function"] for d in deltas for call in d.get("tool_calls", [])]
+    calls = [call["function"] for call in reassembled([call for d in deltas for call in d.get("tool_calls", [])])]
     message = whole.message()
     for call in message.get("tool_calls", []):
         call.pop("id")  # new at each reading
@@ -58,7 +61,7 @@ def read_both(reader_class, text: str, depth_below: int = 0) -> tuple[dict, dict
 
 
 @pytest.mark.parametrize("parser", READERS)
-@pytest.mark.parametrize("depth", [MAX_DEPTH - 2, MAX_DEPTH + 5, 901, 988, 3000])
+@pytest.mark.parametrize("depth", [MAX_DEPTH - 2, MAX_DEPTH - 1, MAX_DEPTH, MAX_DEPTH + 5, 901, 988, 3000])
 def test_deep_arguments_read_the_same_whole_and_streamed_at_any_stack_depth(parser, depth):
     reader_class, form = READERS[parser]
     text = form('"f"', "[" * depth + "]" * depth)
@@ -66,10 +69,15 @@ def test_deep_arguments_read_the_same_whole_and_streamed_at_any_stack_depth(pars
     assert answers[0] == answers[1]  # the caller's stack changes nothing
     message, stream = answers[0]
     json.dumps(message, ensure_ascii=False).encode("utf-8")  # the whole answer can be sent
-    if depth + 1 <= MAX_DEPTH - 1:  # the arguments' nesting plus the call's own object(s)
-        assert [c["function"]["name"] for c in message["tool_calls"]] == ["f"] and stream["calls"]
-    else:
-        assert "tool_calls" not in message and message["content"] == text and stream == {"content": text, "calls": []}
+    if depth + CALL_LEVELS[parser] <= MAX_DEPTH:  # the arguments' nesting plus the call's own levels
+        assert [c["function"]["name"] for c in message["tool_calls"]] == ["f"]
+        [streamed_call] = stream["calls"]  # streamed whole, to the arguments' end
+        assert same_json(streamed_call["arguments"], message["tool_calls"][0]["function"]["arguments"])
+    else:  # no call; the stream announced it before the nesting passed the limit (the readers' one
+        # exception: the call went out, its arguments stop at the limit, the text follows as content)
+        assert "tool_calls" not in message and message["content"] == text and stream["content"] == text
+        [announced] = stream["calls"]
+        assert announced["name"] == "f" and announced["arguments"].count("[") <= MAX_DEPTH
 
 
 @pytest.mark.parametrize("parser", READERS)
@@ -80,7 +88,8 @@ def test_a_lone_surrogate_escape_is_sent_escaped_and_a_name_holding_one_is_no_ca
     [call] = message["tool_calls"]
     body = json.dumps(message, ensure_ascii=False).encode("utf-8")  # raised UnicodeEncodeError
     assert json.loads(call["function"]["arguments"]) == {"s": "\ud83d", "t": "été"} and b"\\ud83d" in body
-    assert stream["calls"] == [call["function"]]
+    [streamed_call] = stream["calls"]  # the arguments as written: the same JSON
+    assert streamed_call["name"] == "f" and same_json(streamed_call["arguments"], call["function"]["arguments"])
     named = form('"f\\udc00"', "{}")
     message, stream = read_both(reader_class, named)
     json.dumps(message, ensure_ascii=False).encode("utf-8")

@@ -1,6 +1,8 @@
 """tool_choice "auto" with vLLM's "hermes" tool-call parser (launcher/serving/hermes_calls.py,
 `corelaunch serve --tool-call-parser hermes`): whole texts read as vLLM 0.32's Hermes2ProToolParser
-reads them, the stream equal to the whole answer for any split of the text, the option on the
+reads them, the stream equal to the whole answer for any split of the text (each call's arguments
+streamed as they are written; what a stream cannot know yet, a block that breaks after its call
+went out, written down), the option on the
 command line and as a builder argument, and a forced `Sure.<tool_call>...</tool_call>` end to end
 through the route methods over a real in-process Launcher, whole and streamed."""
 
@@ -54,6 +56,13 @@ UNREAD_TEXTS = [
     "Hm<tool_call>" + WEATHER,  # the first block runs to the first closing tag: two openings in one block
 ]
 BAD_AFTER_GOOD = "Ok." + WEATHER + '<tool_call>{"name": "x"}</tool_call>after'
+# blocks the whole reading refuses once their call has gone out (its name closed, its arguments
+# begun): the names of the calls a stream has sent by then
+BROKEN_AFTER_ANNOUNCED = {
+    UNREAD_TEXTS[0]: ["weather"],  # the JSON breaks inside the arguments
+    UNREAD_TEXTS[2]: ["f"],  # a number Python's decoder refuses
+    UNREAD_TEXTS[7]: ["weather"],  # cut inside the closing tag: the block's text is no JSON
+}
 
 
 @pytest.mark.parametrize("text, content, calls", WHOLE_TEXTS)
@@ -82,30 +91,66 @@ def streamed(text: str, cuts: list[int]) -> tuple[str, list[dict], str, list[dic
     return checks.streamed_with_deltas(HermesCallReader(), text, cuts)
 
 
-@pytest.mark.parametrize("text", [text for text, _, _ in WHOLE_TEXTS] + UNREAD_TEXTS)
+@pytest.mark.parametrize("text", [text for text, _, _ in WHOLE_TEXTS]
+                         + [text for text in UNREAD_TEXTS if text not in BROKEN_AFTER_ANNOUNCED])
 def test_streamed_over_any_split_the_answer_is_the_whole_answer(text):
-    """Content and calls, reassembled from the deltas, are the whole reading's for 300 random splits
-    (every character alone included); each call comes whole, in one delta, with its own index."""
+    """Content and calls, reassembled from the deltas (names, and arguments holding the same JSON),
+    are the whole reading's for 300 random splits (every character alone included)."""
     rng = random.Random(len(text))
     for cuts in [list(range(1, len(text))), []] + [random_cuts(rng, text) for _ in range(300)]:
         checks.assert_streamed_as_whole(HermesCallReader, text, cuts)
 
 
-def test_content_holds_back_only_a_possible_tag_and_a_call_goes_out_when_it_closes():
+@pytest.mark.parametrize("text", list(BROKEN_AFTER_ANNOUNCED))
+def test_a_block_that_breaks_after_its_call_went_out_keeps_the_call_and_sends_its_text(text):
+    """What no stream can know in time: the whole answer is all content; the stream has announced the
+    call, and sends the text from the block on as content, so its content is the whole answer's."""
+    rng = random.Random(len(text))
+    for cuts in [list(range(1, len(text))), []] + [random_cuts(rng, text) for _ in range(100)]:
+        content, calls, finish, _ = streamed(text, cuts)
+        assert content == text and read_whole(text).calls == []
+        assert [call["function"]["name"] for call in calls] == BROKEN_AFTER_ANNOUNCED[text], cuts
+        assert finish == "tool_calls"  # a call went out
+
+
+def test_a_long_argument_streams_piece_by_piece():
+    """The call goes out once its name has closed and its arguments have begun; each later piece of
+    the arguments follows at once, as written (the whole answer: the same JSON)."""
+    reader = HermesCallReader()
+    assert reader.delta('Sure.<tool_call>\n{"name": "weather", ', False) == {"content": "Sure."}
+    [first] = reader.delta('"arguments": {"ci', False)["tool_calls"]
+    assert set(first) == {"index", "id", "type", "function"} and first["index"] == 0
+    assert first["function"] == {"name": "weather", "arguments": '{"ci'}
+    assert reader.delta('ty": "Pa', False) == {"tool_calls": [{"index": 0, "function": {"arguments": 'ty": "Pa'}}]}
+    assert reader.delta('ris"}}\n</tool', False) == {"tool_calls": [{"index": 0, "function": {"arguments": 'ris"}'}}]}
+    assert reader.delta('_call>', True) == {}
+    assert reader.calls()[0]["function"] == {"name": "weather", "arguments": '{"city": "Paris"}'}
+    assert reader.finish_reason("stop") == "tool_calls"
+
+
+def test_arguments_written_before_the_name_go_out_once_the_name_has_closed():
+    reader = HermesCallReader()
+    assert reader.delta('<tool_call>{"arguments": {"city": "Paris"}, ', False) == {}
+    [call] = reader.delta('"name": "weather"', False)["tool_calls"]
+    assert call["function"] == {"name": "weather", "arguments": '{"city": "Paris"}'}
+    assert reader.delta("}</tool_call>", True) == {}
+
+
+def test_content_holds_back_only_a_possible_tag_and_a_call_goes_out_as_it_is_written():
     reader = HermesCallReader()
     assert reader.delta("Hello <tool", False) == {"content": "Hello "}  # "<tool" may open a call
     assert reader.delta("kit> ", False) == {"content": "<toolkit> "}  # it did not
     assert reader.delta("<tool_call>\n{\"name\": \"weather\", ", False) == {}
-    assert reader.delta('"arguments": {"city": "Paris"}}\n</tool_', False) == {}
-    [call] = reader.delta("call> trailing words", False)["tool_calls"]  # closed: sent before the text ends
+    [call] = reader.delta('"arguments": {"city": "Paris"}}\n</tool_', False)["tool_calls"]  # before it closes
     assert call["index"] == 0 and (call["function"]["name"], call["function"]["arguments"]) == PARIS
+    assert reader.delta("call> trailing words", False) == {}
     assert reader.delta(" more", True) == {}  # text after a call is no content
     assert reader.finish_reason("stop") == "tool_calls" and reader.finish_reason("length") == "length"
     # an unterminated last block goes out at the end, when its JSON is whole
     tail = HermesCallReader()
-    assert tail.delta('<tool_call>{"name": "weather", "arguments": {"city": "Paris"}}', False) == {}
-    [call] = tail.delta("", True)["tool_calls"]
-    assert (call["function"]["name"], call["function"]["arguments"]) == PARIS
+    assert tail.delta('<tool_call>{"name": "weather", "arguments": {"city": "Paris"}}', False)["tool_calls"]
+    assert tail.delta("", True) == {}
+    assert checks.named(tail.calls()) == [PARIS] and tail.finish_reason("stop") == "tool_calls"
 
 
 def test_a_bad_block_after_a_good_one_streams_the_sent_call_and_the_rest_as_content():
@@ -223,8 +268,8 @@ def test_without_parallel_calls_only_the_first_call_is_kept_whole_and_streamed()
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in whole.message()["tool_calls"]] == [PARIS]
     streamed_reader = HermesCallReader(parallel_tool_calls=False)
     deltas = [streamed_reader.delta(text[i:i + 7], i + 7 >= len(text)) for i in range(0, len(text), 7)]
-    calls = [call for delta in deltas for call in delta.get("tool_calls", [])]
-    assert [(c["index"], c["function"]["name"]) for c in calls] == [(0, "weather")]
+    calls = checks.reassembled([call for delta in deltas for call in delta.get("tool_calls", [])])
+    assert checks.named(calls) == [PARIS] and calls[0]["index"] == 0
     assert "".join(d.get("content", "") for d in deltas) == "Ok." and streamed_reader.finish_reason("stop") == "tool_calls"
     assert parse_request(ChatCompletionRequest, {**BASE, "tools": TOOLS, "tool_choice": "auto",
                                                  "parallel_tool_calls": False},
@@ -242,6 +287,7 @@ def test_the_stream_keeps_only_what_is_not_settled():
     for _ in range(2000):
         reader.delta("ab", False)
     assert reader._end_from >= len(reader._open) - len("</tool_call>")  # the closing tag's search resumes
-    [call] = reader.delta("\"}}</tool_call> after", True)["tool_calls"]
-    assert json.loads(call["function"]["arguments"]) == {"city": "ab" * 2000}
+    assert reader.delta("\"}}</tool_call> after", True) == {"tool_calls": [{"index": 0, "function": {"arguments": '"}'}}]}
+    assert json.loads(reader.calls()[0]["function"]["arguments"]) == {"city": "ab" * 2000}
+    assert len(reader._block_stream._kept) < 10  # the scan of the block keeps no argument text it sent
     assert len(reader._open) < len("<tool_call>")

@@ -2647,7 +2647,8 @@ def test_tool_calls_through_the_official_client(client):
     as they are written), a conversation
     carrying the call and its result goes on in text with tool_choice "none", and "auto" (the default
     with tools, taken by this server's --tool-call-parser hermes) gives SmolLM2's text as content, the
-    model writing no <tool_call> block."""
+    model writing no <tool_call> block; a hermes block the output is forced to write comes back as
+    a call, streamed with its arguments piece by piece."""
     import json
 
     weather = {"type": "function", "function": {"name": "weather", "description": "Today's weather in a city",
@@ -2689,3 +2690,19 @@ def test_tool_calls_through_the_official_client(client):
     streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(**asked, stream=True)
                        if chunk.choices)
     assert streamed == auto.choices[0].message.content
+    import re
+
+    block = 'Sure.<tool_call>\n{"name": "weather", "arguments": {"city": "Paris", "note": "a long one"}}\n</tool_call>'
+    forced = dict(asked, max_tokens=60, extra_body={"structured_outputs": {"regex": re.escape(block)}})
+    whole = client.chat.completions.create(**forced).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content == "Sure."
+    [whole_call] = whole.message.tool_calls
+    pieces, content = [], ""
+    for chunk in client.chat.completions.create(**forced, stream=True):
+        [choice] = chunk.choices
+        content += choice.delta.content or ""
+        pieces += choice.delta.tool_calls or []
+    assert content == "Sure." and len(pieces) > 3  # the arguments as the model writes them, token by token
+    assert [p.function.name for p in pieces if p.function.name] == ["weather"] and pieces[0].id
+    assert json.loads("".join(p.function.arguments or "" for p in pieces)) == json.loads(
+        whole_call.function.arguments) == {"city": "Paris", "note": "a long one"}

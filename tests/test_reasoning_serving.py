@@ -17,6 +17,7 @@ from launcher.serving.openai_render import ChatRender
 from launcher.serving.stream_types import StreamDelta
 from launcher.serving.token_pieces import TokenPieces
 from tests.model_factory import random_model_with_smollm2_tokenizer
+from tests.call_reader_checks import reassembled
 from tests.test_tool_calls import BASE, TOOLS
 
 THOUGHT_AND_CALL = ('<think>\nThe user wants Paris.\n</think>\n\nLet me check.'
@@ -120,8 +121,9 @@ def test_the_thinking_goes_to_reasoning_whole_and_streamed_and_the_rest_to_the_t
         assert call["function"]["name"] == "weather" and json.loads(call["function"]["arguments"]) == {"city": "Paris"}
         assert choice["finish_reason"] == "tool_calls"
         assert joined(streamed, "reasoning") == message["reasoning"] and joined(streamed, "content") == message["content"]
-        calls = [c for s in streamed for c in s["delta"].get("tool_calls", [])]
+        calls = reassembled([c for s in streamed for c in s["delta"].get("tool_calls", [])])
         assert [c["function"]["name"] for c in calls] == ["weather"] and streamed[-1]["finish_reason"] == "tool_calls"
+        assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
 
 
 def test_thinking_off_include_reasoning_false_and_no_parser():

@@ -168,3 +168,101 @@ def test_a_parser_name_that_is_no_string_is_refused_by_name():
     for value in (["hermes"], {"name": "hermes"}, 5):
         with pytest.raises(ValueError, match=r"tool_call_parser \(.*\) must be one of hermes"):
             settings_from_args({"tool_call_parser": value})
+
+
+# ---- the same scan over one call object, as the "auto" readers of the JSON formats use it -------
+def one_object_stream(pieces: list[str], keys=("arguments",)) -> tuple[list[dict], RequiredCallsStream]:
+    stream = RequiredCallsStream(keys, one_object=True, make_id=lambda: "call-1")
+    return reassembled([entry for piece in pieces for entry in stream.feed(piece)]), stream
+
+
+def test_one_object_streams_its_call_under_the_formats_key_with_the_formats_ids():
+    text = ' \n{"name": "weather", "arguments": {"city": "Oslo"}}\n'
+    for cut in range(len(text) + 1):
+        calls, stream = one_object_stream([text[:cut], text[cut:]])
+        assert calls == [{"name": "weather", "arguments": '{"city": "Oslo"}'}], cut
+        assert stream.sent[0]["id"] == "call-1"
+    # the key the format names: another key's value is no arguments
+    calls, _ = one_object_stream(['{"name": "f", "parameters": {"a": 1}}'])
+    assert calls == []
+    calls, _ = one_object_stream(['{"name": "f", "parameters": {"a": 1}, "arguments": [2]}'], ("arguments", "parameters"))
+    assert calls == [{"name": "f", "arguments": '{"a": 1}'}]  # the first of the keys that comes
+
+
+@pytest.mark.parametrize("text", [
+    '<tool_call>{"name": "f", "arguments": {}}',  # text before the object
+    'x {"name": "f", "arguments": {}}',
+    '[{"name": "f", "arguments": {}}]',  # an array is no call object
+])
+def test_one_object_reads_nothing_after_other_text_before_it(text):
+    assert one_object_stream([text])[0] == []
+
+
+def test_one_object_reads_nothing_after_the_object():
+    calls, stream = one_object_stream(['{"name": "f", "arguments": {"a": 1}} {"name": "g", "arguments": {}}'])
+    assert calls == [{"name": "f", "arguments": '{"a": 1}'}] and len(stream.sent) == 1
+    calls, _ = one_object_stream(['{"name": "f", "arguments": {"a": 1}}', ', "more": 1}'])
+    assert calls == [{"name": "f", "arguments": '{"a": 1}'}]
+
+
+def test_a_long_string_argument_is_not_kept_once_sent():
+    """Arguments written as one long JSON string: each piece goes out as it comes and is not kept
+    (the open string was kept whole, so every piece copied all of it: quadratic)."""
+    stream = RequiredCallsStream(("arguments",), one_object=True)
+    [first] = stream.feed('{"name": "f", "arguments": "')
+    assert first["function"]["arguments"] == '"'
+    for _ in range(3000):
+        assert stream.feed("ab") == [{"index": 0, "function": {"arguments": "ab"}}]
+        assert len(stream._kept) < 10
+    assert stream.feed('"}') == [{"index": 0, "function": {"arguments": '"'}}]
+    # an array's calls alike, and a name still read whole however it is cut
+    array = RequiredCallsStream()
+    entries = [entry for piece in ['[{"na', 'me": "f', 'g", "parameters": "x', "y" * 50, '"}]'] for entry in array.feed(piece)]
+    assert reassembled(entries) == [{"name": "fg", "arguments": '"x' + "y" * 50 + '"'}] and len(array._kept) < 10
+
+
+@pytest.mark.parametrize("text", [
+    '{"name": "f",, "arguments": {"a": 1}}',  # a second comma
+    '{"name": "f" , : "arguments": {"a": 1}}',  # a colon where a key belongs
+    '{"name": "f" "arguments": {"a": 1}}',  # no comma between members
+    '{"name":\xa0"f", "arguments": {"a": 1}}',  # whitespace JSON does not take
+    '\xa0{"name": "f", "arguments": {"a": 1}}',
+    '{"name": "f", x "arguments": {"a": 1}}',
+    '{"name": "f"], "arguments": {"a": 1}}',  # a bracket that closes nothing
+])
+def test_text_out_of_place_at_the_objects_level_announces_nothing(text):
+    """The whole reading finds no call in such a text (no JSON); the scan stops where the JSON
+    breaks, before the call goes out, whatever the split."""
+    assert json_fails(text)
+    for cut in range(len(text) + 1):
+        assert one_object_stream([text[:cut], text[cut:]])[0] == [], cut
+
+
+def json_fails(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("text", [
+    '[{"name": "f", "parameters": {}},, {"name": "g", "parameters": {}}]',
+    '[{"name": "f", "parameters": {}} {"name": "g", "parameters": {}}]',
+    '[{"name": "f", "parameters": {}}, ]',
+    '[, {"name": "g", "parameters": {}}]',
+])
+def test_text_out_of_place_at_the_arrays_level_sends_nothing_after_it(text):
+    assert json_fails(text) and required_calls(text) == []
+    calls, _ = streamed(list(text))
+    assert [call["name"] for call in calls] in ([], ["f"])  # "f" went out before the array broke
+    assert "g" not in [call["name"] for call in calls]
+
+
+def test_a_long_string_under_another_key_is_not_kept():
+    stream = RequiredCallsStream(("arguments",), one_object=True)
+    stream.feed('{"name": "f", "arguments": {}, "note": "')
+    for _ in range(3000):
+        assert stream.feed("ab") == []
+    assert len(stream._kept) < 10
+    assert stream.feed('"}') == [] and reassembled([]) == [] and stream.sent[0]["function"]["arguments"] == "{}"

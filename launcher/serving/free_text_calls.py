@@ -4,7 +4,10 @@ names them), streamed (delta) or whole (push, then message), with ToolCallReader
 the app's ChatRender drives.
 
 A reader supplies two things: `read_whole(text)`, the whole text's CallsReading, and
-`_read_piece(piece, finished)`, what the stream sends for one more piece. The rest is the same for
+`_read_piece(piece, finished)`, what the stream sends for one more piece: content, and tool_calls
+entries, each either a call's first (its index, id, type, name and the arguments written so far)
+or more of an announced call's arguments (its index and the arguments' next piece), as a named
+call streams. The rest is the same for
 every format: the calls are made once (their ids stay the same), with parallel_tool_calls false only
 the first is kept (vLLM's rule), finish_reason says "tool_calls" when the text ended by itself with
 calls, and calls() gives what the client was given (the streamed calls, or the whole text's).
@@ -34,7 +37,10 @@ class FreeTextCallReader:
         self._pieces: list[str] = []
         """The whole text, for the whole reading."""
         self._streamed: list[dict] | None = None
-        """The calls the stream sent (None: the text was not streamed)."""
+        """The calls the stream sent, each as its first entry (None: the text was not streamed)."""
+        self._streamed_arguments: list[list[str]] = []
+        """Each streamed call's arguments as the pieces sent (joined only in calls(): appending to one
+        string copied a long argument at every piece)."""
         self._whole: tuple[CallsReading, list[dict]] | None = None
 
     @staticmethod
@@ -42,7 +48,8 @@ class FreeTextCallReader:
         raise NotImplementedError
 
     def _read_piece(self, piece: str, finished: bool) -> tuple[str, list[dict]]:
-        """(content to send, streamed tool_calls entries) for one more piece of the text."""
+        """(content to send, streamed tool_calls entries) for one more piece of the text (the
+        module's doc)."""
         raise NotImplementedError
 
     def _new_call(self, name: str, arguments: str, index: int | None = None) -> dict:
@@ -61,8 +68,17 @@ class FreeTextCallReader:
         content, calls = self._read_piece(piece, finished)
         if not self.parallel_tool_calls:  # vLLM's rule: the first call only
             calls = [call for call in calls if call["index"] == 0]
-        self._streamed.extend(calls)
+        for entry in calls:
+            self._keep_sent(entry)
         return ({"content": content} if content else {}) | ({"tool_calls": calls} if calls else {})
+
+    def _keep_sent(self, entry: dict) -> None:
+        """Record a streamed entry: a new call, or more of a call's arguments."""
+        if "id" in entry:
+            self._streamed.append({**entry, "function": dict(entry["function"])})
+            self._streamed_arguments.append([entry["function"]["arguments"]])
+        else:
+            self._streamed_arguments[entry["index"]].append(entry["function"]["arguments"])
 
     def push(self, piece: str, finished: bool) -> list:
         """Keep a piece of a text read whole (message, once it has all come)."""
@@ -79,7 +95,10 @@ class FreeTextCallReader:
 
     def calls(self) -> list[dict]:
         """The calls the client was given: those streamed, or the whole text's."""
-        return self._streamed if self._streamed is not None else self._whole_reading()[1]
+        if self._streamed is None:
+            return self._whole_reading()[1]
+        return [{**call, "function": {"name": call["function"]["name"], "arguments": "".join(pieces)}}
+                for call, pieces in zip(self._streamed, self._streamed_arguments)]
 
     def finish_reason(self, finish: str | None) -> str | None:
         """"tool_calls" when the text ended by itself ("stop") with calls (vLLM's rule, streamed; its

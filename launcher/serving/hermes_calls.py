@@ -12,11 +12,17 @@ string "name" and an "arguments" (any JSON value, written back as JSON text) mak
 content, with no call. With parallel_tool_calls false only the first call is kept (vLLM's rule).
 
 Streamed, the content goes out as it comes but for a tail that may be the start of `<tool_call>`;
-each call goes out whole, in one tool_calls delta, once its closing tag has come (an unterminated
-last block at the end); the text after the first block is no content, as in the whole answer. For
-any split of a text the stream says what the whole answer says, with one exception that no stream
-can avoid: a bad block after a good one. The whole answer is then all content; the stream has
-already sent the good call, and sends the text from the bad block on as content.
+each call goes out as it is written (launcher/serving/required_calls_stream.py reads the block's
+object): its id and name once the name's string has closed and the arguments' value has begun,
+then its arguments piece by piece, as they are written (the whole answer gives them as json.dumps
+writes them: the same JSON, as a named call's). A block that closes with its call never announced
+(the arguments written before the name) sends it whole then. The text after the first block is
+no content, as in the whole answer. For any split of a text the stream says what the whole answer
+says, but where no stream can know yet what it has sent: a bad block (no call, or JSON that
+breaks) after a good one, or whose own call began to stream before its JSON broke. The whole
+answer is then all content; the stream has already sent those calls, and sends the text from the
+bad block on as content. A block whose object repeats its "name" or "arguments" key streams the
+first (the whole answer takes the last).
 
 Pure (no tokenizer, no engine): the app's ChatRender drives a HermesCallReader per choice (its shared
 part: launcher/serving/free_text_calls.py).
@@ -28,6 +34,7 @@ import json
 
 from launcher.serving.call_json import arguments_text, is_text, too_deep
 from launcher.serving.free_text_calls import CallsReading, FreeTextCallReader
+from launcher.serving.required_calls_stream import RequiredCallsStream
 from launcher.serving.stop_strings import held_tail_length
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
@@ -97,6 +104,14 @@ class HermesCallReader(FreeTextCallReader):
         """"calls": _open starts with an opening tag whose closing tag has not come."""
         self._end_from = 0
         """"calls", in a block: where in _open the search for its closing tag resumes."""
+        self._block_stream: RequiredCallsStream | None = None
+        """"calls", in a block: the scan of its object, which says when its call and each piece of its
+        arguments can go out."""
+        self._block_fed = 0
+        """"calls", in a block: how much of _open the block's scan has read."""
+        self._blocks = 0
+        """Blocks opened so far: each holds a call (a bad one ends the reading), so the block being
+        read holds the call at index _blocks - 1."""
 
     def _read_piece(self, piece: str, finished: bool) -> tuple[str, list[dict]]:
         self._open += piece
@@ -114,12 +129,27 @@ class HermesCallReader(FreeTextCallReader):
         start = self._open.find(CALL_START)
         if start != -1:
             out, self._open = self._open[:start], self._open[start:]
-            self._mode, self._in_block, self._end_from = "calls", True, len(CALL_START)
+            self._mode = "calls"
+            self._open_block()
             return out
         # all of it, but for a tail that may open a block (at the end, nothing more will come)
         keep = 0 if finished else held_tail_length(self._open, (CALL_START,))
         out, self._open = self._open[:len(self._open) - keep], self._open[len(self._open) - keep:]
         return out
+
+    def _open_block(self) -> None:
+        """_open now starts with a block's opening tag: read its object from after the tag."""
+        self._in_block, self._end_from = True, len(CALL_START)
+        self._block_stream = RequiredCallsStream(("arguments",), one_object=True)
+        self._block_fed, self._blocks = len(CALL_START), self._blocks + 1
+
+    def _block_pieces(self, upto: int, index: int) -> list[dict]:
+        """The entries the block's text up to _open[upto] makes, as the call at `index`."""
+        if upto <= self._block_fed:
+            return []
+        entries = self._block_stream.feed(self._open[self._block_fed:upto])
+        self._block_fed = upto
+        return [{**entry, "index": index} for entry in entries]
 
     def _closed_calls(self, finished: bool) -> list[dict]:
         """The calls of the blocks that closed (and, finished, of an unterminated last one). A block
@@ -132,16 +162,21 @@ class HermesCallReader(FreeTextCallReader):
                     self._open = self._open[len(self._open) - held_tail_length(self._open, (CALL_START,)):]
                     return calls
                 self._open = self._open[start:]
-                self._in_block, self._end_from = True, len(CALL_START)
+                self._open_block()
+            index = self._blocks - 1
             end = self._open.find(CALL_END, self._end_from)
             if end == -1 and not finished:
                 self._end_from = max(len(CALL_START), len(self._open) - len(CALL_END) + 1)
-                return calls
-            call = call_of(self._open[len(CALL_START):] if end == -1 else self._open[len(CALL_START):end])
+                # all read but a tail that may open the closing tag
+                return calls + self._block_pieces(len(self._open) - held_tail_length(self._open, (CALL_END,)), index)
+            block_end = len(self._open) if end == -1 else end
+            calls += self._block_pieces(block_end, index)
+            call = call_of(self._open[len(CALL_START):block_end])
             if call is None:
                 self._mode = "text"  # the block, and all after it, go out as content
                 return calls
-            calls.append(self._new_call(*call, index=len(self._streamed) + len(calls)))
+            if not self._block_stream.sent:  # never announced (its name came after its arguments)
+                calls.append(self._new_call(*call, index=index))
             if end == -1:
                 self._open = ""
                 return calls

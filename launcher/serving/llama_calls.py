@@ -31,13 +31,25 @@ and its stream disagree with each other):
 
 Streamed, the content goes out as it comes until the first `{`, but for the text at the very start
 that is only whitespace or the beginning of `<|python_tag|>` (if a call follows, it is no content).
-From the first `{` on, each object goes out as one whole call, in one tool_calls delta, once it
-closes; an object that closes without being a call (or is still open when the text ends: max_tokens,
-a stop string) sends the text from the first `{` on as content, so the stream's content is the whole
+From the first `{` on, each object's call goes out as it is written (launcher/serving/
+required_calls_stream.py reads the object): its id and name once the name's string has closed and
+the arguments' value has begun, then its arguments piece by piece, as the model writes them (the
+whole answer gives them as json.dumps writes them: the same JSON, as a named call's). An object that
+closes with its call never announced (the arguments written before the name) sends it whole then.
+An object that closes without being a call (or is still open when the text ends: max_tokens, a stop
+string) sends the text from the first `{` on as content, so the stream's content is the whole
 text's less a leading tag, as the whole answer says. For any split of a text the stream says what
-the whole answer says, with one exception that no stream can avoid: an object that is no call after
-a good one. The whole answer is then all content; the stream has already sent the good call, and
-sends the text from the bad object on as content.
+the whole answer says, but where no stream can know yet what it has sent: an object that is no call
+after a good one, or whose own call went out before the object turned out no call (its JSON breaks,
+the text ends inside it, a number or a nesting the whole reading refuses). The whole answer is then
+all content; the stream has already sent those calls (the last with the arguments written so far),
+and sends the text from the bad object on as content.
+
+Two more differences, documented, not fixed, where the whole answer takes what a stream has not yet
+seen when it sends: an object that repeats its arguments' key streams the first value, and one that
+repeats "name" after its call went out keeps the name sent (the whole answer takes the last of each,
+as json does); an object holding both "parameters" and "arguments" streams the one written first,
+where the whole answer takes "arguments" (vLLM's order).
 
 Pure (no tokenizer, no engine): the app's ChatRender drives a Llama3JsonCallReader per choice (its
 shared part: launcher/serving/free_text_calls.py).
@@ -49,6 +61,7 @@ from collections.abc import Iterator
 
 from launcher.serving.call_json import JsonValueEnd, arguments_text, decode_at, is_text
 from launcher.serving.free_text_calls import CallsReading, FreeTextCallReader
+from launcher.serving.required_calls_stream import RequiredCallsStream
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -111,11 +124,12 @@ class Llama3JsonCallReader(FreeTextCallReader):
     message).
 
     Streamed, the work per piece is that piece's: where an object closes is found by following its
-    braces and strings over the new characters only (the state carried from piece to piece), and the
-    object is decoded once, when it has closed (decoding the open text again per piece made a long
-    output quadratic: the hermes reader measured 12 s of the event loop for 100k pieces). What is kept
-    is only the text not settled yet: the start that may still be whitespace and the tag, and the
-    object being written."""
+    braces and strings over the new characters only (the state carried from piece to piece), its
+    call's scan reads those same characters once, and the object is decoded once, when it has closed
+    (decoding the open text again per piece made a long output quadratic: the hermes reader measured
+    12 s of the event loop for 100k pieces). What is kept is only the text not settled yet: the start
+    that may still be whitespace and the tag, and the object being written (its pieces, joined once
+    when it closes, for the whole reading's decision: a call, or content)."""
 
     read_whole = staticmethod(read_whole)
 
@@ -136,7 +150,14 @@ class Llama3JsonCallReader(FreeTextCallReader):
         self._object_end: JsonValueEnd | None = None
         """"calls": where the open object ends, found piece by piece (None: between objects)."""
         self._read_calls = 0
-        """"calls": the objects read as calls so far (parallel_tool_calls false sends only the first)."""
+        """"calls": the objects read as calls so far (parallel_tool_calls false sends only the first);
+        the open object's call, if it is one, is the call at this index."""
+        self._object_scan: RequiredCallsStream | None = None
+        """"calls": the scan of the open (or last closed) object, which says when its call and each
+        piece of its arguments can go out; None for an object whose call would not be sent
+        (parallel_tool_calls false, past the first)."""
+        self._scanned: list[dict] = []
+        """"calls": the entries the scans made that have not gone out yet, each as its call's index."""
 
     def _read_piece(self, piece: str, finished: bool) -> tuple[str, list[dict]]:
         content, calls = "", []
@@ -185,20 +206,42 @@ class Llama3JsonCallReader(FreeTextCallReader):
         return piece[:brace], piece[brace:]
 
     def _closed_calls(self, piece: str, finished: bool) -> tuple[list[dict], str]:
-        """(the calls of the objects that closed in this piece, the text now to send as content). An
+        """(the calls' entries this piece makes, the text now to send as content). A call goes out as
+        its object is written; an object that closes with its call never announced sends it whole. An
         object that is no call, or still open when the text ends, turns the mode to "text": the text
-        from it on is content (with the held start, when no call came before it)."""
+        from it on is content (with the held start, when no call came before it), and what its call
+        sent stays sent (a stream cannot take it back)."""
         calls = []
         for text, end in self._closed_objects(piece):
+            calls += self._take_scanned()
             call = object_call(text)
             if call is None:
                 return calls, self._now_text(text + piece[end:])
             index, self._read_calls, self._held = self._read_calls, self._read_calls + 1, ""
-            if index == 0 or self.parallel_tool_calls:  # vLLM's rule: without parallel calls, the first only
+            announced = self._object_scan is not None and self._object_scan.sent
+            # vLLM's rule: without parallel calls, the first only
+            if not announced and (index == 0 or self.parallel_tool_calls):
                 calls.append(self._new_call(*call, index=index))
+        calls += self._take_scanned()
         if finished and self._object_end is not None:  # cut inside an object: no whole JSON
             return calls, self._now_text("".join(self._object))
         return calls, ""
+
+    def _take_scanned(self) -> list[dict]:
+        taken, self._scanned = self._scanned, []
+        return taken
+
+    def _open_object(self) -> None:
+        """A `{` between objects: follow the object from it, and scan its call if it can be sent."""
+        self._object_end = JsonValueEnd()
+        sendable = self._read_calls == 0 or self.parallel_tool_calls
+        self._object_scan = RequiredCallsStream(("arguments", "parameters"), one_object=True) if sendable else None
+
+    def _scan_object_part(self, part: str) -> None:
+        """More of the open object's text read by its scan: its entries, as the call at the object's
+        place (the scan numbers its one call 0)."""
+        if self._object_scan is not None:
+            self._scanned += [{**entry, "index": self._read_calls} for entry in self._object_scan.feed(part)]
 
     def _now_text(self, rest: str) -> str:
         """Turn the mode to "text": the content to send now is `rest` (after the held start)."""
@@ -208,20 +251,22 @@ class Llama3JsonCallReader(FreeTextCallReader):
     def _closed_objects(self, piece: str) -> Iterator[tuple[str, int]]:
         """Follow the objects over the piece's characters (call_json.JsonValueEnd, its state carried
         from the last piece): (each object that closed in it, whole from its `{`; the index in the
-        piece after it). The open object's part of the piece is kept in _object; text between objects
-        is dropped."""
+        piece after it). The open object's part of the piece is kept in _object; each part of an
+        object is also read by its call's scan (_scanned); text between objects is dropped."""
         position = 0  # where the scan resumes
         while position < len(piece) or self._object_end is None:
             if self._object_end is None:  # between objects: only a `{` matters
                 position = piece.find("{", position)
                 if position == -1:
                     return
-                self._object_end = JsonValueEnd()
+                self._open_object()
             opened = position if not self._object else 0
             end = self._object_end.feed(piece, position)
+            part = piece[opened:] if end is None else piece[opened:end]
+            self._scan_object_part(part)
             if end is None:
-                self._object.append(piece[opened:])
+                self._object.append(part)
                 return
-            text = "".join(self._object) + piece[opened:end]
+            text = "".join(self._object) + part
             self._object, self._object_end, position = [], None, end
             yield text, end

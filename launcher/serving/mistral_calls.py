@@ -30,12 +30,12 @@ the calls come back in the conversation.
 Where this reading differs from vLLM's (the same whole and streamed here):
 - A text whose calls cannot be read (bad or cut JSON, a JSON value with no call in it, nothing after
   the marker, a v11 name that is not 1+ letters, digits, `_` or `-` followed by `[ARGS]` or `{`) is
-  all content, the whole text, with no call, as the hermes reader does (and as a stream can say
-  it). vLLM's pre-v11 reading returns only the text after the marker (stripped) as content, the
-  text before it lost, and where its JSON does not decode tries the longest `[{...}]` anywhere in
-  that text (a regex fallback, not followed here: it reaches up to the next marker or the end, where a stream must
-  settle each call when its JSON value closes); its v11 reading makes a call of almost any text
-  after a marker (any name, or "" for none; a name with no `[ARGS]`).
+  all content, the whole text, with no call, as the hermes reader does (a stream too, but for the
+  exceptions below). vLLM's pre-v11 reading returns only the text after the marker (stripped) as
+  content, the text before it lost, and where its JSON does not decode tries the longest `[{...}]`
+  anywhere in that text (a regex fallback, not followed here: it reaches up to the next marker or
+  the end, where a stream must settle each call when its JSON value closes); its v11 reading makes
+  a call of almost any text after a marker (any name, or "" for none; a name with no `[ARGS]`).
 - Markers with only whitespace between them count as one in both forms (vLLM's v11 reading puts
   the second into the next call's name: `[TOOL_CALLS][TOOL_CALLS]f` calls "[TOOL_CALLS]f").
 - v11: the content beside calls is kept as written (vLLM's whole v11 answer strips it, while its
@@ -44,13 +44,35 @@ Where this reading differs from vLLM's (the same whole and streamed here):
 
 Streamed, the content goes out as it comes up to the first marker, but for a tail that may be the
 start of `[TOOL_CALLS]`, and but for content that is so far only whitespace (null if a call
-follows). Each call goes out whole, in one tool_calls delta: pre-v11, all the calls of the JSON
-value at once when it closes; v11, each call when its arguments' JSON value closes, or at the next
-marker or the end of the text (arguments that are no JSON value, or none). Text after the calls is
-no content, as in the whole answer. For any split of a text the stream says what the whole answer
-says, with one exception that no stream can avoid: a v11 call that cannot be read after a good one.
-The whole answer is then all content; the stream has already sent the good call, and sends the text
-from the first marker after it on as content.
+follows). Each call's arguments go out piece by piece as they are written, as vLLM streams them: a
+call's first tool_calls entry carries its index, id, type, name and the arguments so far, the later
+ones only its index and the next piece of its arguments.
+- Pre-v11: the JSON value is scanned as it comes (launcher/serving/required_calls_stream.py): a
+  call goes out once its name's string has closed and its arguments' value has begun, its index
+  its place in the array; its arguments are the text as written (the whole answer writes them as
+  json.dumps does: the same JSON). Where the value closes, the whole reading of it decides, and the
+  calls not sent yet go out whole: one whose name came after its arguments (or is no string), and
+  one whose arguments are a JSON string or null, which the whole reading does not take as written
+  (the string's text, "{}"), with every call after it. An object with its "name" or "arguments"
+  key twice streams the first (the whole answer takes the last).
+- v11: a call goes out with the first non-whitespace character after `[ARGS]` (or the `{` of
+  `name{`): whatever the arguments turn out to be, the whole reading strips them and keeps that
+  character; with none before the next marker or the end, it goes out there with "{}". After it,
+  each piece that is sure to belong to what the whole reading takes (the first JSON value as
+  written; where the text starts with none, or with one that closes but is no JSON, all the text
+  up to the next marker): whitespace waits for more text after it (the arguments are stripped), and
+  so does a `.`, `e` or `e-` after a number (`1.x` takes the number 1), so the pieces add up to the
+  whole answer's very text, over any split.
+Text after the calls is no content, as in the whole answer. For any split of a text the stream
+says what the whole answer says, but where no stream can know in time: a v11 call that cannot be
+read after a good one, and a pre-v11 JSON value that breaks (bad or cut JSON, a marker inside it,
+an integer Python's decoder refuses, nesting past call_json.MAX_DEPTH) after one of its calls went
+out (the piece in which the value closes or is cut is read whole before any call of it goes out,
+so a break there sends none). The whole
+answer is then all content, with no call; the stream has already sent those calls (a pre-v11 one
+with the arguments written so far), and sends as content the text from the first marker after the
+good v11 call on, or, pre-v11, all the text not sent yet, so that its content is the whole text, the
+whole answer's.
 
 Pure (no tokenizer, no engine): the app's ChatRender drives a MistralCallReader per choice (its shared
 part: launcher/serving/free_text_calls.py).
@@ -64,6 +86,7 @@ import string
 
 from launcher.serving.call_json import JsonValueEnd, arguments_text, decode_at, is_text
 from launcher.serving.free_text_calls import CallsReading, FreeTextCallReader
+from launcher.serving.required_calls_stream import RequiredCallsStream
 from launcher.serving.stop_strings import held_tail_length
 from launcher.serving.tool_calls import tool_call
 
@@ -137,65 +160,240 @@ def read_whole(text: str) -> CallsReading:
 BAD = "bad"
 """A marker's text that holds no call: the whole text is content."""
 
+LITERALS = ("true", "false", "null", "NaN", "Infinity", "-Infinity")
+"""The words json's decoder takes as a whole value (NaN and the infinities too, as Python's does)."""
+_SURE_NUMBER_STATES = frozenset(("sign", "zero", "int", "frac", "exp"))
+"""A number's states in which every character so far belongs to it (in "dot", "e" and "e_sign" the
+last one or two may not: `1.x` is the number 1 to json's decoder, the text after it dropped)."""
+
+
+def number_step(state: str, char: str) -> str | None:
+    """A JSON number's state after one more character, as json's pattern
+    `-?(?:0|[1-9][0-9]*)(\\.[0-9]+)?([eE][-+]?[0-9]+)?` reads it from "start"; None where the
+    character does not continue the number (it has ended before it)."""
+    digit = "0" <= char <= "9"
+    if state in ("start", "sign") and digit:
+        return "zero" if char == "0" else "int"
+    if state == "start" and char == "-":
+        return "sign"
+    if state == "int" and digit:
+        return "int"
+    if state in ("dot", "frac") and digit:
+        return "frac"
+    if state in ("zero", "int") and char == ".":
+        return "dot"
+    if state in ("zero", "int", "frac") and char in "eE":
+        return "e"
+    if state == "e" and char in "+-":
+        return "e_sign"
+    if state in ("e", "e_sign", "exp") and digit:
+        return "exp"
+    return None
+
+
+class V11Arguments:
+    """A v11 call's arguments streamed as they come (the text after `[ARGS]`, up to the next marker):
+    feed() returns the text now sure to be part of the arguments the whole reading takes
+    (v11_arguments: the first JSON value of the stripped text, or all that text when it starts with
+    none), end() the rest once the next marker or the end of the text has come. Sure means: not
+    whitespace that may turn out to end the text (it is stripped), and not a `.`, `e`, `e-` after a
+    number that the next character may leave out of it."""
+
+    def __init__(self) -> None:
+        self.stage = "lead"
+        """"lead": only whitespace so far; "value": in a JSON object, array or string; "number",
+        "word": in a number or one of LITERALS; "text": the arguments are all the text up to the next
+        marker (it starts with no JSON value, or one that is not JSON after all); "done": the value
+        has ended, and the rest of the text is dropped."""
+        self._blank: list[str] = []
+        """"value", "text": whitespace held after the last sure character."""
+        self._value: list[str] = []
+        """"value": its text so far, decoded where it closes; "number": its sure text so far."""
+        self._value_end = JsonValueEnd()
+        self._number_state = "start"
+        self._pending = ""
+        """"number": its characters after the sure ones."""
+        self._word = ""
+        """"word": the letters so far (a proper start of one of LITERALS)."""
+
+    def feed(self, text: str) -> str:
+        out, at = [], 0
+        while at < len(text) and self.stage != "done":
+            if self.stage == "lead":
+                at = self._past_whitespace(text, at)
+            elif self.stage == "value":
+                at = self._in_value(text, at, out)
+            elif self.stage == "number":
+                at = self._in_number(text, at, out)
+            elif self.stage == "word":
+                at = self._in_word(text, at, out)
+            else:
+                out.append(self._sure(text[at:]))
+                at = len(text)
+        return "".join(out)
+
+    def end(self) -> str:
+        """The arguments' last piece: "{}" when there were none, what a number left unsure if it
+        turns out to be no JSON (`1` followed by 5000 more digits and a `.`), else ""."""
+        if self.stage == "lead":
+            return "{}"
+        out: list[str] = []
+        if self.stage == "number":
+            self._number_ended(out)
+        self.stage = "done"
+        return "".join(out)
+
+    def _past_whitespace(self, text: str, at: int) -> int:
+        """Skip whitespace (the whole reading strips it); the first other character picks the stage."""
+        while at < len(text) and text[at].isspace():
+            at += 1
+        if at < len(text):
+            char = text[at]
+            if char in '{["':
+                self.stage = "value"
+            elif char == "-" or "0" <= char <= "9":
+                self.stage = "number"
+            elif any(literal.startswith(char) for literal in LITERALS):
+                self.stage = "word"
+            else:
+                self.stage = "text"
+        return at
+
+    def _sure(self, text: str) -> str:
+        """The text up to its last non-whitespace character, after the whitespace held before it; a
+        whitespace tail is held (it is no argument if the text ends there)."""
+        stripped = text.rstrip()
+        if not stripped:
+            self._blank.append(text)
+            return ""
+        out = "".join(self._blank) + stripped
+        self._blank = [text[len(stripped):]] if len(stripped) < len(text) else []
+        return out
+
+    def _in_value(self, text: str, at: int, out: list[str]) -> int:
+        """A JSON object, array or string: sent as written up to where it closes; there, a value that
+        is JSON ends the arguments, and one that is not makes them all the text up to the marker."""
+        closed = self._value_end.feed(text, at)
+        end = len(text) if closed is None else closed
+        self._value.append(text[at:end])
+        out.append(self._sure(text[at:end]))
+        if closed is not None:
+            self.stage = "text" if decode_at("".join(self._value)) is None else "done"
+            self._value = []
+        return end
+
+    def _in_number(self, text: str, at: int, out: list[str]) -> int:
+        """A number's characters: the sure ones go out, a possible `.`, `e`, `e-` waits for the next
+        character. Where the number ends, it ends the arguments, unless json's decoder refuses it
+        (an integer past Python's digit limit): then the arguments are all the text."""
+        start = sure_to = at
+        while at < len(text):
+            if self._number_state == "sign" and text[at] == "I":  # -Infinity, read as a word
+                self.stage, self._word, self._value = "word", "-", []
+                break
+            state = number_step(self._number_state, text[at])
+            if state is None:
+                break
+            self._number_state, at = state, at + 1
+            if state in _SURE_NUMBER_STATES:
+                sure_to = at
+        if sure_to > start:  # what was pending before this piece is sure now
+            sure = self._pending + text[start:sure_to]
+            self._value.append(sure)
+            out.append(sure)
+            self._pending = text[sure_to:at]
+        else:
+            self._pending += text[start:at]
+        if at < len(text) and self.stage == "number":
+            self._number_ended(out)
+        return at
+
+    def _number_ended(self, out: list[str]) -> None:
+        if decode_at("".join(self._value)) is None:
+            self.stage = "text"
+            out.append(self._pending)  # not whitespace: part of the stripped text, whatever follows
+        else:
+            self.stage = "done"
+        self._value, self._pending = [], ""
+
+    def _in_word(self, text: str, at: int, out: list[str]) -> int:
+        """One of LITERALS being written: each letter goes out (the word's, or the text's if it turns
+        out to be none); the whole word ends the arguments."""
+        start = at
+        while at < len(text):
+            word = self._word + text[at]
+            if not any(literal.startswith(word) for literal in LITERALS):
+                self.stage = "text"
+                break
+            self._word, at = word, at + 1
+            if word in LITERALS:
+                self.stage = "done"
+                break
+        out.append(text[start:at])
+        return at
+
 
 class MarkerText:
     """The text after one marker (up to the next, or the end), read as it comes: feed() the pieces,
-    end() when the next marker or the end of the text has come. Each returns the calls now read (a
-    list, empty for none yet), or BAD. After calls, the rest of the text is dropped."""
+    saying with the last one that the text ends there (the next marker, or the end of the text,
+    follows). Each returns the tool_calls entries now due, indexed from 0 among this text's calls
+    (the reader puts them in place), or BAD. After the calls, the rest of the text is dropped."""
 
     def __init__(self, form: str | None):
         self.form = form
         """"json" (pre-v11), "named" (v11), None until the first non-blank character says."""
         self.stage = "lead"
         """"lead": only whitespace so far; "json": in the pre-v11 JSON value; "name", "gap" (the
-        whitespace after it), "sep" (in `[ARGS]`): a v11 call's head; "args_lead": the arguments'
-        leading whitespace; "value": in the arguments' JSON value; "raw": arguments to be read at
-        the end; "after": calls read, the rest is dropped."""
+        whitespace after it), "sep" (in `[ARGS]`): a v11 call's head; "arguments": the v11 call's
+        arguments; "after": the calls are read, the rest is dropped."""
         self.name: list[str] = []
         self.args_matched = 0
         """"sep": how many characters of `[ARGS]` have come."""
         self.held: list[str] = []
-        """The pre-v11 JSON value's text, or a v11 call's arguments' text, so far."""
+        """"json": the value's text so far, read whole where it closes."""
         self.value_end = JsonValueEnd()
+        self.scan: RequiredCallsStream | None = None
+        """"json": the scan of the value's calls, which says when each call and each piece of its
+        arguments can go out before the value closes."""
+        self.withheld_from: int | None = None
+        """"json": the first call whose arguments the whole reading does not take as written (a JSON
+        string, taken as its text, or null, taken as "{}"): it and those after it go out whole when
+        the value closes."""
+        self.arguments = V11Arguments()
+        self.sent = 0
+        """Calls announced."""
+        self.settled = False
+        """A call of this text is sure: v11, announced (its head is whole; any arguments are
+        taken); pre-v11, the JSON value read."""
 
-    def feed(self, text: str) -> list[tuple[str, str]] | str:
+    def feed(self, text: str, ends: bool) -> list[dict] | str:
         at = 0
-        while at < len(text) and self.stage != "after":
-            if self.stage in ("lead", "args_lead"):
+        while at < len(text) and self.stage not in ("json", "arguments", "after"):
+            if self.stage == "lead":
                 at = self._past_whitespace(text, at)
-            elif self.stage in ("json", "value"):
-                closed = self.value_end.feed(text[at:])
-                self.held.append(text[at:] if closed is None else text[at:at + closed])
-                if closed is None:
-                    return []
-                at += closed
-                read = self._value_closed()
-                if read:
-                    return read
-            elif self.stage == "raw":
-                self.held.append(text[at:])
-                return []
             else:
                 taken = self._head_char(text[at])
                 if taken is BAD:
                     return BAD
                 at += taken
+        if self.stage == "json":
+            return self._json_piece(text[at:], ends)
+        if self.stage == "arguments":
+            return self._arguments_piece(text[at:], ends)
+        if ends and self.stage not in ("lead", "after"):
+            return BAD  # a v11 head with no `[ARGS]`
         return []
 
     def _past_whitespace(self, text: str, at: int) -> int:
         """Skip whitespace; the first other character starts the form's next stage."""
-        start = at
         while at < len(text) and text[at].isspace():
             at += 1
-        if self.stage == "args_lead":
-            self.held.append(text[start:at])
-        if at == len(text):
-            return at
-        if self.stage == "lead":
+        if at < len(text):
             self.form = self.form or ("json" if text[at] in "[{" else "named")
             self.stage = "json" if self.form == "json" else "name"
-        else:
-            self.stage = "value" if text[at] in '{["' else "raw"
+            if self.stage == "json":
+                self.scan = RequiredCallsStream(("arguments",), one_object=text[at] == "{",
+                                                make_id=new_mistral_call_id)
         return at
 
     def _head_char(self, char: str) -> int | str:
@@ -206,41 +404,64 @@ class MarkerText:
         elif self.stage in ("name", "gap") and self.name and char.isspace():
             self.stage = "gap"
         elif self.stage in ("name", "gap") and self.name and char == "{":
-            self.stage = "args_lead"
+            self.stage = "arguments"
             return 0
         elif self.stage in ("name", "gap") and self.name and char == "[":
             self.stage, self.args_matched = "sep", 1
         elif self.stage == "sep" and char == ARGS[self.args_matched]:
             self.args_matched += 1
             if self.args_matched == len(ARGS):
-                self.stage = "args_lead"
+                self.stage = "arguments"
         else:
             return BAD
         return 1
 
-    def _value_closed(self) -> list[tuple[str, str]] | str:
-        """The JSON value closed: pre-v11, its calls (or BAD); v11, the call, or if the value is no
-        JSON, nothing yet (its arguments are then the whole text up to the next marker)."""
-        text = "".join(self.held).lstrip()
-        value = decode_at(text)
-        if self.form == "json":
-            calls = [] if value is None else pre_v11_calls(value[0])
-            self.stage, self.held = "after", []
-            return calls or BAD
-        if value is None:
-            self.stage = "raw"
-            return []
-        self.stage, self.held = "after", []
-        return [("".join(self.name), text[:value[1]])]
+    def _json_piece(self, text: str, ends: bool) -> list[dict] | str:
+        """Pre-v11: the value's calls streamed as the scan finds them; where the value closes, the
+        whole reading of it decides (BAD for none), and the calls not announced go out whole. A
+        value cut by the next marker or the end is BAD; one that closes (or is cut) in this very
+        piece is read whole before any of its calls goes out."""
+        closed = self.value_end.feed(text)
+        part = text if closed is None else text[:closed]
+        self.held.append(part)
+        if closed is None and not ends:
+            return self._scanned(part)
+        value = None if closed is None else decode_at("".join(self.held))
+        calls = [] if value is None else pre_v11_calls(value[0])
+        if not calls:
+            return BAD
+        entries = self._scanned(part)
+        self.stage, self.held, self.settled = "after", [], True
+        return entries + [tool_call(name, arguments, index=index, call_id=new_mistral_call_id())
+                          for index, (name, arguments) in enumerate(calls) if index >= self.sent]
 
-    def end(self) -> list[tuple[str, str]] | str:
-        """The next marker or the end of the text came: the call this text makes, if not read yet."""
-        if self.stage in ("lead", "after"):
+    def _scanned(self, part: str) -> list[dict]:
+        """The scan's entries for this part of the value, but for the calls withheld."""
+        entries = []
+        for entry in self.scan.feed(part):
+            index = entry["index"]
+            if "id" in entry and self.withheld_from is None and entry["function"]["arguments"][:1] in ('"', "n"):
+                self.withheld_from = index
+            if self.withheld_from is not None and index >= self.withheld_from:
+                continue
+            self.sent += "id" in entry
+            entries.append(entry)
+        return entries
+
+    def _arguments_piece(self, text: str, ends: bool) -> list[dict]:
+        """v11: the call goes out with its arguments' first sure piece (their first non-whitespace
+        character, or "{}" at the end for none), then each sure piece after it."""
+        piece = self.arguments.feed(text)
+        if ends:
+            piece += self.arguments.end()
+        if self.arguments.stage == "done":
+            self.stage = "after"
+        if not piece:
             return []
-        if self.stage in ("args_lead", "value", "raw"):
-            arguments, self.stage, self.held = v11_arguments("".join(self.held)), "after", []
-            return [("".join(self.name), arguments)]
-        return BAD  # a pre-v11 JSON value still open, or a v11 head with no `[ARGS]`
+        if self.sent:
+            return [{"index": 0, "function": {"arguments": piece}}]
+        self.sent, self.settled = 1, True
+        return [tool_call("".join(self.name), piece, index=0, call_id=new_mistral_call_id())]
 
 
 class MistralCallReader(FreeTextCallReader):
@@ -267,11 +488,11 @@ class MistralCallReader(FreeTextCallReader):
         self._content_sent = False
         """Content with more than whitespace has been sent."""
         self._unsent: list[str] = []
-        """"calls": the text since the last call read (or from the start, whitespace content
+        """"calls": the text since the last call settled (or from the start, whitespace content
         included), sent as content if no call can be read."""
         self._marker_text = MarkerText(None)
         self._read = 0
-        """The calls read so far (the next one's index)."""
+        """The calls of the marker texts before the current one (its first call's index)."""
 
     def _new_call(self, name: str, arguments: str, index: int | None = None) -> dict:
         return tool_call(name, arguments, index=index, call_id=new_mistral_call_id())
@@ -311,7 +532,8 @@ class MistralCallReader(FreeTextCallReader):
         return "", after
 
     def _calls_in(self, text: str, finished: bool) -> tuple[list[dict], str]:
-        """(the calls read in the text after the first marker, the text that turned to content)."""
+        """(the tool_calls entries of the text after the first marker, the text that turned to
+        content)."""
         text, self._open = self._open + text, ""
         calls, at = [], 0
         while True:
@@ -320,37 +542,32 @@ class MistralCallReader(FreeTextCallReader):
                 end = marker
             else:
                 end = len(text) - (0 if finished else held_tail_length(text[at:], (MARKER,)))
-            if self._marker_text.stage != "after":  # text after a call is dropped
-                self._unsent.append(text[at:end])
-            calls += self._take(self._marker_text.feed(text[at:end]))
+            calls += self._entries(text[at:end], ends=marker != -1 or finished)
             if self._mode != "calls":
                 return calls, self._turned_to_content(text[end:])
             if marker == -1:
                 self._open = text[end:]
-                if finished:
-                    calls += self._take(self._marker_text.end())
-                    if self._mode == "calls" and not self._read:  # markers with nothing after them
-                        self._mode = "text"
+                if finished and not self._read + self._marker_text.sent:  # markers with nothing after them
+                    self._mode = "text"
                 return calls, self._turned_to_content("")
-            calls += self._take(self._marker_text.end())
-            if self._mode != "calls":
-                return calls, self._turned_to_content(text[marker:])
             self._unsent.append(MARKER)
+            self._read += self._marker_text.sent
             self._marker_text, at = MarkerText(self._marker_text.form), marker + len(MARKER)
 
-    def _take(self, read: list[tuple[str, str]] | str) -> list[dict]:
-        """The calls just read, as the stream sends them; BAD turns the mode to "text"."""
+    def _entries(self, text: str, ends: bool) -> list[dict]:
+        """The entries one more piece of the current marker's text makes, each at its place among the
+        choice's calls; BAD turns the mode to "text", pre-v11 calls read to "done"."""
+        if not self._marker_text.settled:
+            self._unsent.append(text)
+        read = self._marker_text.feed(text, ends)
         if read is BAD:
             self._mode = "text"
             return []
-        if not read:
-            return []
-        calls = [self._new_call(name, arguments, index=self._read + i) for i, (name, arguments) in enumerate(read)]
-        self._read += len(calls)
-        self._unsent = []  # settled: the whitespace content before them, or the text after the last call
-        if self._marker_text.form == "json":
-            self._mode = "done"  # pre-v11: everything after the JSON value is ignored
-        return calls
+        if self._marker_text.settled:
+            self._unsent = []  # the whitespace content before the calls, or the text after the last one
+            if self._marker_text.form == "json" and self._marker_text.stage == "after":
+                self._mode = "done"  # pre-v11: everything after the JSON value is ignored
+        return [{**entry, "index": self._read + entry["index"]} for entry in read]
 
     def _turned_to_content(self, rest: str) -> str:
         """Mode "text": the held text, and what follows, go out as content."""

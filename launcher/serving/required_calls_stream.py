@@ -11,13 +11,23 @@ array's order, and a call whose name is not yet known holds back those after it.
 
 Only the array's own level is read: the element objects' keys and the extent of each value. Braces,
 brackets and quotes inside values and strings are tracked (depth, string, escape) but not
-interpreted. Text that does not open an array (whitespace aside) holds no call; text after the
-array's closing bracket is not read (the whole reading refuses such a text: the output's schema
-ends it at the bracket). The scan is incremental: each piece's characters are read once, and only the text a call may
+interpreted. Text that does not open an array (JSON's whitespace aside) holds no call; text after
+the array's closing bracket is not read (the whole reading refuses such a text: the output's schema
+ends it at the bracket). So is anything out of place at the array's and the objects' own levels (a
+second comma, a colon where a key belongs, a value where a comma belongs, whitespace JSON does not
+take): the text is no JSON there, and nothing from it on goes out, as no call of it is read whole. The scan is incremental: each piece's characters are read once, and only the text a call may
 still need (a key or a name being written, parameters not yet sent) is kept, so a long output costs
 its length, not its length squared.
 
-Pure (no tokenizer, no engine): tool_calls.ToolCallReader drives one per streamed "required" choice.
+The same scan reads the calls of tool_choice "auto" in the JSON formats (hermes, llama3_json,
+mistral's array): there the readers feed it the text of one call object at a time (one_object:
+whitespace, then the object; any other text before it, or any text after it, ends the reading),
+or the array, name the key their format writes the arguments under, and make the ids
+their format's chat template expects. Only the first key of those named is streamed (a format
+that allows two, llama3_json's "arguments" or "parameters", streams whichever comes first).
+
+Pure (no tokenizer, no engine): tool_calls.ToolCallReader drives one per streamed "required" choice,
+and the JSON readers of "auto" calls one per call object (launcher/serving/free_text_calls.py).
 """
 
 from __future__ import annotations
@@ -25,11 +35,17 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from collections.abc import Callable
+
 from launcher.serving.call_json import MAX_DEPTH, is_text
 from launcher.serving.tool_calls import new_call_id
 
 # What the scan expects next inside an element object of the array.
 _KEY, _COLON, _VALUE, _STRING_VALUE, _NESTED_VALUE, _SCALAR_VALUE, _AFTER_VALUE = range(7)
+# What the scan expects next at the array's own level.
+_FIRST_ELEMENT, _ELEMENT, _COMMA = range(3)
+_JSON_SPACE = " \t\n\r"
+"""The only whitespace JSON takes between tokens (str.isspace takes more: a no-break space)."""
 
 
 @dataclass
@@ -50,9 +66,14 @@ class _Call:
 class RequiredCallsStream:
     """Reads one choice's text piece by piece (feed) and says which call entries to send."""
 
-    def __init__(self) -> None:
+    def __init__(self, arguments_keys: tuple[str, ...] = ("parameters",), one_object: bool = False,
+                 make_id: Callable[[], str] = new_call_id) -> None:
+        """arguments_keys: the keys a call's arguments may be written under (the first of them that
+        comes is streamed); one_object: the text is one call object, not an array of them (read as
+        the array's first element); make_id: a new call's id."""
+        self._arguments_keys, self._make_id, self._one_object = arguments_keys, make_id, one_object
         self._calls: list[_Call] = []
-        self._depth = 0
+        self._depth = 1 if one_object else 0
         """Nesting of {} and []: the array is 1, its element objects 2."""
         self._in_string = self._escaped = False
         self._string_start = 0
@@ -66,9 +87,6 @@ class RequiredCallsStream:
         """The text read so far: all of it, or up to where reading stopped (_over)."""
         self._kept, self._kept_from, self._length = "", 0, 0
         """The text from offset _kept_from on (what may still be needed); the whole text's length."""
-        self.sent: list[dict] = []
-        """The calls sent so far, each as a whole answer's entry (id, type, function name and the
-        arguments sent so far)."""
         self._sent_to: list[int] = []
         """Per sent call, the offset its arguments have been sent up to."""
         self._first_open = 0
@@ -76,6 +94,15 @@ class RequiredCallsStream:
         this every piece went over every call, quadratic in the calls of a long array)."""
         self._value_is_arguments = False
         """The value being written is the element's (first) parameters."""
+        self._after_comma = False
+        """In an element, a comma came last: a key must follow (a closing brace would be no JSON)."""
+        self._array_expect = _FIRST_ELEMENT
+        """At the array's own level, what may come next."""
+        self._announced: list[dict] = []
+        """Each sent call's first entry (id, type, name and the first piece of its arguments)."""
+        self._argument_pieces: list[list[str]] = []
+        """Each sent call's arguments as the pieces sent (joined only when read: appending to one
+        string copied a long argument at every piece)."""
 
     def feed(self, piece: str) -> list[dict]:
         """The tool_calls entries this piece of the text makes ([] for none)."""
@@ -90,6 +117,13 @@ class RequiredCallsStream:
         self._forget()
         return entries
 
+    @property
+    def sent(self) -> list[dict]:
+        """The calls sent so far, each as a whole answer's entry (id, type, function name and the
+        arguments sent so far)."""
+        return [{**entry, "function": {"name": entry["function"]["name"], "arguments": "".join(pieces)}}
+                for entry, pieces in zip(self._announced, self._argument_pieces)]
+
     def _text(self, start: int, end: int) -> str:
         return self._kept[start - self._kept_from:end - self._kept_from]
 
@@ -101,19 +135,20 @@ class RequiredCallsStream:
             if not call.ready:  # elements are written in order: nothing after it can be sent
                 break
             end = call.arguments_end if call.arguments_end is not None else self._read_to
-            if index == self._first_open and index < len(self.sent) and self._sent_to[index] == call.arguments_end:
+            if index == self._first_open and index < len(self._announced) and self._sent_to[index] == call.arguments_end:
                 self._first_open += 1  # sent whole before this piece
                 continue
-            if index < len(self.sent):
+            if index < len(self._announced):
                 if end > self._sent_to[index]:
                     arguments = self._text(self._sent_to[index], end)
-                    self.sent[index]["function"]["arguments"] += arguments
+                    self._argument_pieces[index].append(arguments)
                     self._sent_to[index] = end
                     entries.append({"index": index, "function": {"arguments": arguments}})
                 continue
             arguments = self._text(call.arguments_start, end)
-            entry = {"id": new_call_id(), "type": "function", "function": {"name": call.name, "arguments": arguments}}
-            self.sent.append(entry)
+            entry = {"id": self._make_id(), "type": "function", "function": {"name": call.name, "arguments": arguments}}
+            self._announced.append(entry)
+            self._argument_pieces.append([arguments])
             self._sent_to.append(end)
             entries.append({"index": index, **entry, "function": dict(entry["function"])})
         return entries
@@ -122,9 +157,13 @@ class RequiredCallsStream:
         """Drop the kept text no call needs any more: everything before the earliest of a key or
         name being written and the parameters of a call not sent yet."""
         needed = self._length
-        if self._in_string and self._depth == 2:
+        # a key or a name being written is read whole once it closes; any other string at this level
+        # is not (a call's arguments are kept below, from their start, until sent; another key's
+        # value is not needed at all)
+        if self._in_string and self._depth == 2 and (
+                self._expect == _KEY or (self._expect == _STRING_VALUE and self._key == "name")):
             needed = self._string_start
-        for call in self._calls[len(self.sent):]:
+        for call in self._calls[len(self._announced):]:
             if call.arguments_start is not None:
                 needed = min(needed, call.arguments_start)
         if needed > self._kept_from:
@@ -143,13 +182,22 @@ class RequiredCallsStream:
                     self._in_string = False
                     self._string_closed(i)
                 continue
-            if self._depth == 0 and not (ch == "[" or ch.isspace()):  # text before the array: no call
+            if self._depth == 0 and not (ch == "[" or ch in _JSON_SPACE):  # text before the array: no call
+                self._over, self._read_to = True, i
+                return
+            if self._one_object and self._depth == 1 and ch not in _JSON_SPACE and (ch != "{" or self._calls):
+                self._over, self._read_to = True, i  # text before the object, or after it
+                return
+            if self._out_of_place(ch):  # no JSON from here on: nothing more goes out
                 self._over, self._read_to = True, i
                 return
             if ch == '"':
                 self._in_string, self._string_start = True, i
-                if self._depth == 2 and self._current is not None and self._expect == _VALUE:
-                    self._start_value(i, _STRING_VALUE)
+                if self._depth == 2 and self._current is not None:
+                    if self._expect == _VALUE:
+                        self._start_value(i, _STRING_VALUE)
+                    else:  # a key
+                        self._after_comma = False
             elif ch in "{[":
                 if not self._opened(ch, i):
                     self._over, self._read_to = True, i
@@ -160,6 +208,37 @@ class RequiredCallsStream:
                     return
             elif self._depth == 2 and self._current is not None:
                 self._element_character(ch, i)
+
+    def _out_of_place(self, ch: str) -> bool:
+        """Whether a character outside strings cannot come here in JSON, at the array's own level or an
+        element object's (deeper, inside a value, nothing is checked: the value's text is what the
+        call sends, and the whole reading judges it). At the array's level a comma is taken here."""
+        if self._depth == 1 and not self._one_object:
+            if ch in _JSON_SPACE:
+                return False
+            if ch == ",":
+                if self._array_expect != _COMMA:
+                    return True
+                self._array_expect = _ELEMENT
+                return False
+            if ch == "]":
+                return self._array_expect == _ELEMENT
+            return ch != "{" or self._array_expect == _COMMA  # an element must be an object (_opened)
+        if self._depth != 2 or self._current is None or ch in _JSON_SPACE:
+            return False
+        expect = self._expect
+        if ch == '"':
+            return expect not in (_KEY, _VALUE)
+        if ch in "{[":
+            return expect != _VALUE
+        if ch == "}":
+            return not (expect in (_AFTER_VALUE, _SCALAR_VALUE) or (expect == _KEY and not self._after_comma))
+        if ch == ":":
+            return expect != _COLON
+        if ch == ",":
+            return expect not in (_AFTER_VALUE, _SCALAR_VALUE)
+        # "]" closes nothing here; other whitespace is no JSON's; the rest is a scalar's text
+        return ch == "]" or ch.isspace() or expect not in (_VALUE, _SCALAR_VALUE)
 
     def _string_closed(self, i: int) -> None:
         if self._depth != 2 or self._current is None:
@@ -179,11 +258,13 @@ class RequiredCallsStream:
                 return False
             self._current = _Call()
             self._calls.append(self._current)
-            self._expect, self._key = _KEY, None
+            self._expect, self._key, self._after_comma, self._array_expect = _KEY, None, False, _COMMA
         elif self._depth == 2 and self._current is not None and self._expect == _VALUE:
             self._start_value(i, _NESTED_VALUE)
         self._depth += 1
-        return self._depth <= MAX_DEPTH  # deeper is no call's JSON (call_json), as the whole reading says
+        # deeper is no call's JSON (call_json), as the whole reading says; one object's scan counts
+        # an array level that its text does not have
+        return self._depth - self._one_object <= MAX_DEPTH
 
     def _closed(self, i: int) -> bool:
         """False once the array itself has closed (or a stray closing bracket came first)."""
@@ -204,8 +285,8 @@ class RequiredCallsStream:
         elif ch == ",":
             if self._expect == _SCALAR_VALUE:
                 self._end_value(i)
-            self._expect, self._key = _KEY, None
-        elif ch.isspace():
+            self._expect, self._key, self._after_comma = _KEY, None, True
+        elif ch in _JSON_SPACE:
             if self._expect == _SCALAR_VALUE:
                 self._end_value(i)
         elif self._expect == _VALUE:
@@ -215,7 +296,7 @@ class RequiredCallsStream:
         self._value_start, self._expect = i, state
         # a repeated key is no call's arguments (the output's schema allows none; the whole reading
         # would take the last, a stream has sent the first)
-        self._value_is_arguments = self._key == "parameters" and self._current.arguments_start is None
+        self._value_is_arguments = self._key in self._arguments_keys and self._current.arguments_start is None
         if self._value_is_arguments:
             self._current.arguments_start = i
 
