@@ -23,8 +23,8 @@ deeper than call_json.MAX_DEPTH, brackets or signs, are no call; strings with a 
 written with ASCII escapes (launcher/serving/call_json.py). (Python 3.11's tokenize gives an
 f-string as one string token; from 3.12 it comes in several tokens, and an f-string is refused.)
 
-Where this reading differs from vLLM's (the same whole and streamed here, where vLLM's whole answer
-and its stream disagree with each other):
+Where this reading differs from vLLM's (the same whole and streamed here, but for the stream's
+exception below, where vLLM's whole answer and its stream disagree with each other):
 - The text after the list's closing `]` belongs to no call and is no content. vLLM's whole answer
   parses the whole text as Python and reads its first statement: prose after the list (a syntax
   error) or Python that continues the list (`[f()] + [g()]`, `[f()][0]`) makes it all content
@@ -45,12 +45,31 @@ and its stream disagree with each other):
   for vLLM's "pythonic" (its "llama4_pythonic" parser strips them): such a text is content.
 
 Streamed, the content goes out as it comes when the text does not start with `[`. From a leading `[`
-the text is held (it is content if the list holds no call) while its brackets, strings and comments
-are followed over each new piece only; when the list closes it is read once, and its calls go out
-whole, in one tool_calls delta (or the held text and the rest as content). A text that ends with the
-list open (max_tokens, a stop string) sends the held text as content. For any split of a text the
-stream says what the whole answer says: the list closes at the same `]` however the text is cut, and
-nothing after it can change the reading.
+each call goes out as it is written, at the granularity Python's syntax gives (CallListStream):
+- once its name and its `(` have come: one tool_calls entry with its index (its place in the list),
+  a new id, "function", the name and the arguments "{". Announced there, not with its first
+  argument, so that a client learns which tool runs as early as the JSON formats tell it (and as
+  vLLM's pythonic stream does), even when the first argument is long (a file's text); the price: a
+  call whose first argument is no keyword literal (`f(1)`, `f(x=y)`) is the exception below;
+- then each keyword argument once its value is whole, which the comma or the `)` after it tells (a
+  string may be joined to the next one written beside it, a number continued): `"city": "Paris"`,
+  behind ", " after the first; and the closing "}" with the call's `)` (a call without arguments
+  sends "{" then "}").
+Each argument's piece is written with the whole answer's settings (json.dumps, non-ASCII kept), so
+the pieces make exactly the whole answer's arguments text, with one exception: where one argument's
+value holds a lone surrogate, the whole answer writes all the arguments with ASCII escapes
+(call_json.arguments_text), while the stream has sent the arguments before it with non-ASCII kept
+and escapes only that argument's piece (the same JSON value). The text after the list's `]` is no
+content; with parallel_tool_calls false only the entries of index 0 go out (free_text_calls). For
+any split of a text the stream says what the whole answer says, but where no stream can know yet
+what it has sent: a list that turns out to be no list of calls (a later syntax error, a positional
+or non-literal argument, a keyword given twice, nesting past MAX_DEPTH, the text ending inside the
+list) after a call went out. The whole answer is then all content, with no call; the stream has sent
+the calls announced so far (those whose `)` came whole, the breaking one with the arguments whole
+before it) and sends the text from the breaking call's start on as content: from after the last
+whole call's `)`, or from the list's `[` when the first call broke (then the stream's content is the
+whole answer's, all of the text); a list cut just after a call's `)` leaves no content. A list that
+breaks before any call was announced (`[]`, `[(f)()]`, a bad name) is all content, as whole.
 
 Pure (no tokenizer, no engine): the app's ChatRender drives a PythonicCallReader per choice (its
 shared part: launcher/serving/free_text_calls.py).
@@ -65,17 +84,21 @@ import re
 import tokenize
 import unicodedata
 import warnings
+from collections.abc import Callable
+from typing import TypeVar
 
 from launcher.serving.call_json import MAX_DEPTH, arguments_text, is_text
 from launcher.serving.free_text_calls import CallsReading, FreeTextCallReader
 
-OUTSIDE_SIGNS = re.compile(r"""[\[\](){}'"#]""")
-"""Outside strings and comments, the characters that open or close a bracket, a string or a comment."""
+OUTSIDE_SIGNS = re.compile(r"""[\[\](){}'"#,]""")
+"""Outside strings and comments, the characters that open or close a bracket, a string or a comment,
+and the comma (which separates the list's calls and their arguments)."""
 STRING_SIGNS = {quote: re.compile(r"[\\" + quote + "]") for quote in "'\""}
 LINE_END = re.compile(r"[\r\n]")
 JSON_NAMES = {"true": True, "false": False, "null": None}
 """Names some models write for JSON's literals (vLLM takes them, beside Python's True, False, None)."""
 SKIPPED_TOKENS = {tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT, tokenize.ENDMARKER}
+T = TypeVar("T")
 
 
 class NoCall(Exception):
@@ -86,9 +109,17 @@ class ListScanner:
     """Finds where a Python list that starts a text closes, over pieces of the text: brackets are
     counted outside strings (quotes of one or three, backslash escapes) and comments, with the state
     carried from piece to piece, so each piece is looked at once. The brackets of any kind count
-    together; a bad match shows when the list is read."""
+    together; a bad match shows when the list is read.
 
-    def __init__(self):
+    With marking, it also notes the list's own signs, for reading the list as it comes: the brackets
+    of the list and of its calls' parentheses (a bracket of level 0 or 1) and the commas between
+    calls and between arguments (level 1 or 2), each as (index in the piece, character, level), the
+    level being the depth of the brackets the sign stands in (0 outside the list, 1 in it, 2 in a
+    call's parentheses). Signs inside an argument's value (deeper) are not noted."""
+
+    def __init__(self, marking: bool = False):
+        self.marks: list[tuple[int, str, int]] | None = [] if marking else None
+        """The signs noted since the reader last took them (None: not marking)."""
         self.depth = 0
         self.quote = ""
         """The open string's closing quote: one quote or three ("" outside strings)."""
@@ -125,14 +156,23 @@ class ListScanner:
                     self.opening, self.quote_run = char, 1
                 elif char == "#":
                     self.in_comment = True
+                elif char == ",":
+                    self._mark(position - 1, char, self.depth, deepest=2)
                 elif char in "[({":
+                    self._mark(position - 1, char, self.depth, deepest=1)
                     self.depth += 1
                     self.too_deep = self.depth > MAX_DEPTH
                 else:
                     self.depth -= 1
+                    self._mark(position - 1, char, self.depth, deepest=1)
                     if self.depth <= 0:
                         return position
         return None
+
+    def _mark(self, at: int, char: str, level: int, deepest: int) -> None:
+        """Note a sign of the list's own (at `level`, no deeper than `deepest`) when marking."""
+        if self.marks is not None and level <= deepest:
+            self.marks.append((at, char, level))
 
     def _opening_quote(self, piece: str, position: int) -> int:
         """After one or two quotes: a third makes a triple-quoted string, two then another character
@@ -177,8 +217,9 @@ class ListScanner:
 
 
 class TokenReader:
-    """Reads a closed list's Python tokens as calls: a small parser of the whitelisted forms only
-    (module doc); NoCall for anything else."""
+    """Reads a closed list's Python tokens as calls, or, streamed, the text between two of the list's
+    own signs (between_signs): a small parser of the whitelisted forms only (module doc); NoCall for
+    anything else."""
 
     def __init__(self, text: str):
         try:
@@ -230,25 +271,51 @@ class TokenReader:
 
     def _call(self) -> tuple[str, str]:
         """`name(key=value, ...)`, the name dotted or not: keyword arguments only, each once."""
+        name = self.dotted_name()
+        self._expect("(")
+        arguments = {}
+        while not self._is_op(")"):
+            key, value = self.keyword_argument()
+            if key in arguments:
+                raise NoCall(f"the argument {key!r} is given twice")
+            arguments[key] = value
+            if not self._is_op(")"):
+                self._expect(",")
+        self._expect(")")
+        return name, json_text(arguments)
+
+    def dotted_name(self) -> str:
+        """A call's name: `name` or `a.b.name` (taken whole)."""
         parts = [self._name()]
         while self._is_op("."):
             self.at += 1
             parts.append(self._name())
-        self._expect("(")
-        arguments = {}
-        while not self._is_op(")"):
-            key = self._name()
-            self._expect("=")
-            if key in arguments:
-                raise NoCall(f"the argument {key!r} is given twice")
-            arguments[key] = self._value(1)[0]
-            if not self._is_op(")"):
-                self._expect(",")
-        self._expect(")")
-        try:
-            return ".".join(parts), arguments_text(arguments)
-        except (TypeError, ValueError) as error:  # a key JSON cannot write; an int past the digit limit
-            raise NoCall(str(error)) from None
+        return ".".join(parts)
+
+    def keyword_argument(self) -> tuple[str, object]:
+        """`key=value`, the value a literal."""
+        key = self._name()
+        self._expect("=")
+        return key, self._value(1)[0]
+
+    def last_keyword_argument(self) -> tuple[str, object] | None:
+        """Before a call's `)`: a keyword argument, or none (`f()`, or a comma after the last)."""
+        return None if self._is_op(")") else self.keyword_argument()
+
+    @classmethod
+    def between_signs(cls, text: str, read: Callable[[TokenReader], T]) -> T:
+        """What `read` reads from the text between two of the list's own signs (ListScanner's marks:
+        a call's name, one argument), which must hold nothing more. The text is put in parentheses,
+        so tokenize reads it as it reads it inside the list (no indentation; a line break is no
+        statement's end), and tokens never cross a sign (each sign is a token of its own, and
+        strings and comments end before it): its tokens are the whole list's there."""
+        reader = cls("(" + text + ")")
+        reader._expect("(")
+        value = read(reader)
+        reader._expect(")")
+        if reader._peek() is not None:
+            raise NoCall(f"{reader._peek().string!r} after {text!r}")
+        return value
 
     def _value(self, depth: int) -> tuple[object, bool]:
         """(the value, whether it is a plain constant: only those are dict keys, as in vLLM). Signs
@@ -358,6 +425,15 @@ class TokenReader:
             first, constant = self._value(depth + 1)
 
 
+def json_text(value: object) -> str:
+    """call_json.arguments_text(value), NoCall where JSON cannot write the value: a key JSON cannot
+    write, an integer past Python's digit limit."""
+    try:
+        return arguments_text(value)
+    except (TypeError, ValueError) as error:
+        raise NoCall(str(error)) from None
+
+
 def list_calls(text: str) -> list[tuple[str, str]] | None:
     """(name, arguments JSON text) of each call of a closed list's text, None when it is no list of
     calls."""
@@ -381,13 +457,166 @@ def read_whole(text: str) -> CallsReading:
     return CallsReading(None, calls)
 
 
+def argument_piece(key: str, value: object, first: bool) -> str:
+    """One keyword argument as the whole answer's arguments text writes it inside its braces: the
+    json.dumps of a dict writes `"key": value`, each after the first behind ", ", key and value as
+    json.dumps writes them alone (non-ASCII kept; a value holding a lone surrogate with ASCII
+    escapes: call_json.arguments_text, for this piece only)."""
+    return ("" if first else ", ") + json_text(key) + ": " + json_text(value)
+
+
+# Where CallListStream is in the list: before its `[`, where a call's name (or the list's end) may
+# come, inside a call's parentheses, after a call's `)`.
+_START, _NAME, _ARGUMENTS, _AFTER_CALL = range(4)
+
+
+class CallListStream:
+    """Reads a list of calls that starts a text, piece by piece (feed), and says which tool_calls
+    entries go out: a call once its name and its `(` have come (its index, id, name, arguments "{"),
+    then each keyword argument once its value is whole, the closing "}" at its `)`.
+
+    A value is whole at the comma or the `)` after it (a string may be followed by another it is
+    joined to, a number by more of an expression). ListScanner notes the list's own signs (its
+    brackets, its calls' parentheses, the commas between calls and arguments); the text between two
+    of them is read by TokenReader.between_signs, the same small parser the whole reading uses,
+    once that text has come. Each character is scanned once and each text between signs read once.
+
+    Kept: the text from the current call's start (the first call's from the list's `[`), which is
+    content if the list breaks, and the text since the last sign. A list that breaks (its text no list
+    of calls, nested too deep, or cut short by the end) makes `broken` the text from the current call's
+    start on: the calls before it went out whole."""
+
+    def __init__(self, new_call: Callable[[str, str, int], dict]):
+        self._new_call = new_call
+        """Makes a call's first entry from its name, its arguments so far and its index."""
+        self._scanner = ListScanner(marking=True)
+        self._place = _START
+        self._held: list[str] = []
+        """The text from the current call's start (from after the last whole call's `)`, or from the
+        list's `[` until the first call is whole)."""
+        self._since_sign: list[str] = []
+        """The text since the last of the list's own signs."""
+        self._calls = 0
+        """Calls announced: the one being read, in _ARGUMENTS, is at index _calls - 1."""
+        self._keys: set[str] = set()
+        """The current call's argument names so far (each may come once)."""
+        self.closed = False
+        """The list closed as a list of calls: nothing after it is read."""
+        self.broken: str | None = None
+        """Once the list broke: the text to send as content from there (all later text is content)."""
+
+    def feed(self, piece: str, finished: bool) -> list[dict]:
+        """The entries this piece makes; `finished`: the text ends with it."""
+        entries: list[dict] = []
+        self._scanner.feed(piece)
+        marks, self._scanner.marks = self._scanner.marks, []
+        position = 0
+        try:
+            for at, char, level in marks:
+                self._take(piece[position:at])
+                position = at
+                self._sign(char, level, entries)
+                position = at + 1
+                if self.closed:
+                    self._held, self._since_sign = [], []
+                    return entries
+            self._take(piece[position:])
+            position = len(piece)
+            if self._scanner.too_deep:
+                raise NoCall("nested deeper than call_json.MAX_DEPTH")
+            if finished:
+                raise NoCall("the text ends inside the list")
+        except NoCall:
+            self.broken = "".join(self._held) + piece[position:]
+            self._held, self._since_sign = [], []
+        return entries
+
+    def _take(self, text: str) -> None:
+        if text:
+            self._held.append(text)
+            self._since_sign.append(text)
+
+    def _text_since_sign(self) -> str:
+        text, self._since_sign = "".join(self._since_sign), []
+        return text
+
+    def _sign(self, char: str, level: int, entries: list[dict]) -> None:
+        """One of the list's own signs (ListScanner's marks): NoCall where the list is no list of
+        calls there (before any of the held text changes: it is then content)."""
+        if self._place == _START:  # the text starts with `[`: always the list's own
+            self._held.append(char)
+            self._place = _NAME
+        elif self._place == _NAME:
+            self._at_name(char, level, entries)
+        elif self._place == _ARGUMENTS:
+            self._in_arguments(char, level, entries)
+        else:
+            self._after_call(char, level)
+
+    def _at_name(self, char: str, level: int, entries: list[dict]) -> None:
+        """After `[` or a comma between calls: a name then `(` (the call is announced), or, after a
+        comma, the list's `]` (a trailing comma)."""
+        if char == "]" and level == 0 and self._calls:
+            TokenReader.between_signs(self._text_since_sign(), lambda reader: None)
+            self.closed = True
+            return
+        if char != "(" or level != 1:
+            raise NoCall(f"{char!r} where a call's name or the list's end belongs")
+        name = TokenReader.between_signs("".join(self._since_sign), TokenReader.dotted_name)
+        self._since_sign = []
+        entries.append(self._new_call(name, "{", self._calls))
+        self._calls, self._keys = self._calls + 1, set()
+        self._held.append(char)
+        self._place = _ARGUMENTS
+
+    def _in_arguments(self, char: str, level: int, entries: list[dict]) -> None:
+        """A comma after an argument, or the call's `)` (after an argument, a trailing comma or none)."""
+        closing = level == 1
+        if closing and char != ")":
+            raise NoCall(f"{char!r} closes a call's parenthesis")
+        read = TokenReader.last_keyword_argument if closing else TokenReader.keyword_argument
+        argument = TokenReader.between_signs("".join(self._since_sign), read)
+        if argument is not None:
+            key, value = argument
+            if key in self._keys:
+                raise NoCall(f"the argument {key!r} is given twice")
+            self._send(entries, argument_piece(key, value, first=not self._keys))
+            self._keys.add(key)
+        self._since_sign = []
+        if closing:
+            self._send(entries, "}")
+            self._held, self._place = [], _AFTER_CALL  # the call is whole: its text is settled
+        else:
+            self._held.append(char)
+
+    def _after_call(self, char: str, level: int) -> None:
+        """After a call's `)`: nothing but a comma (another call may come) or the list's `]`."""
+        if not ((char == "," and level == 1) or (char == "]" and level == 0)):
+            raise NoCall(f"{char!r} after a call")
+        TokenReader.between_signs(self._text_since_sign(), lambda reader: None)
+        if char == "]":
+            self.closed = True
+        else:
+            self._held.append(char)
+            self._place = _NAME
+
+    def _send(self, entries: list[dict], arguments: str) -> None:
+        """More of the current call's arguments: added to this piece's entry for that call, if any
+        (one entry a call a piece)."""
+        index = self._calls - 1
+        if entries and entries[-1]["index"] == index:
+            entries[-1]["function"]["arguments"] += arguments
+        else:
+            entries.append({"index": index, "function": {"arguments": arguments}})
+
+
 class PythonicCallReader(FreeTextCallReader):
     """One choice's text read in the pythonic format, streamed (delta) or whole (push, then message).
 
-    Streamed, the work per piece is that piece's: where the list closes is found by following its
-    brackets, strings and comments over the new characters only (the state carried in a
-    ListScanner), and the list is read once, when it has closed. What is kept is only the text not
-    settled yet: the open list (content, if it turns out to hold no call)."""
+    Streamed, the work per piece is that piece's: a CallListStream follows the list over the new
+    characters only and reads each call's name and each argument once, when the sign after it has
+    come. What is kept is only the text not settled yet: the current call's (content, if the list
+    turns out to be no list of calls) and the text since the list's last sign."""
 
     read_whole = staticmethod(read_whole)
 
@@ -396,9 +625,7 @@ class PythonicCallReader(FreeTextCallReader):
         self._mode = "start"
         """"start": no character yet; "list": the text started with `[` and the list is open;
         "after": the list held calls, the rest is no content; "content": all the rest is content."""
-        self._held: list[str] = []
-        """"list": the list's text so far."""
-        self._scanner = ListScanner()
+        self._list = CallListStream(self._new_call)
 
     def _read_piece(self, piece: str, finished: bool) -> tuple[str, list[dict]]:
         if self._mode == "start" and piece:
@@ -410,13 +637,10 @@ class PythonicCallReader(FreeTextCallReader):
         return "", []
 
     def _list_piece(self, piece: str, finished: bool) -> tuple[str, list[dict]]:
-        end = self._scanner.feed(piece)
-        if end is None and not (finished or self._scanner.too_deep):
-            self._held.append(piece)
-            return "", []
-        calls = None if end is None else list_calls("".join(self._held) + piece[:end])
-        if calls is None:  # cut, too deep, or no list of calls: the text is content
-            sent, self._held, self._mode = "".join(self._held) + piece, [], "content"
-            return sent, []
-        self._held, self._mode = [], "after"
-        return "", [self._new_call(name, arguments, index=index) for index, (name, arguments) in enumerate(calls)]
+        entries = self._list.feed(piece, finished)
+        if self._list.broken is not None:  # no list of calls: its text from the current call on is content
+            self._mode = "content"
+            return self._list.broken, entries
+        if self._list.closed:
+            self._mode = "after"
+        return "", entries
