@@ -2706,3 +2706,44 @@ def test_tool_calls_through_the_official_client(client):
     assert [p.function.name for p in pieces if p.function.name] == ["weather"] and pieces[0].id
     assert json.loads("".join(p.function.arguments or "" for p in pieces)) == json.loads(
         whole_call.function.arguments) == {"city": "Paris", "note": "a long one"}
+
+
+@pytest.mark.slow
+def test_responses_through_the_official_client(client):
+    """The openai client's Responses API (POST /v1/responses) against the real server: the greedy
+    answer is the chat route's for the same messages (text, finish and token counts), whole and as
+    the stream's deltas; instructions are a system message; a forced function call is a
+    function_call item; a stored conversation is refused naming the field."""
+    import json
+
+    import openai
+
+    question = "What is the capital of France?"
+    asked = dict(model=MODEL, input=question, max_output_tokens=12, temperature=0)
+    whole = client.responses.create(**asked)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
+                                          max_tokens=12, temperature=0)
+    assert whole.output_text == chat.choices[0].message.content and whole.output_text
+    assert (whole.status == "incomplete") == (chat.choices[0].finish_reason == "length")
+    assert (whole.usage.input_tokens, whole.usage.output_tokens) == (chat.usage.prompt_tokens,
+                                                                     chat.usage.completion_tokens)
+    events = list(client.responses.create(**asked, stream=True))
+    assert events[0].type == "response.created" and events[-1].type in ("response.completed", "response.incomplete")
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+    assert events[-1].response.output_text == whole.output_text
+    brief = client.responses.create(**asked, instructions="Answer in one word.")
+    chat = client.chat.completions.create(model=MODEL, max_tokens=12, temperature=0, messages=[
+        {"role": "system", "content": "Answer in one word."}, {"role": "user", "content": question}])
+    assert brief.output_text == chat.choices[0].message.content
+    weather = {"type": "function", "name": "weather", "description": "Today's weather in a city",
+               "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+                              "required": ["city"], "additionalProperties": False}}
+    forced = client.responses.create(model=MODEL, input="What is the weather in Paris?", tools=[weather],
+                                     tool_choice={"type": "function", "name": "weather"}, max_output_tokens=40,
+                                     temperature=0)
+    [call] = forced.output
+    assert call.type == "function_call" and call.name == "weather"
+    assert json.loads(call.arguments)["city"] in ("Paris", "Rome")
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(**asked, previous_response_id="resp_earlier")
+    assert refused.value.body["param"] == "previous_response_id"

@@ -5,7 +5,8 @@ TP group) per Serve replica.
     corelaunch serve --model /path/to/model --tp 2             # the same, with Ray and Serve managed
 
 Routes: POST /v1/completions, POST /v1/chat/completions (streaming as server-sent events, or one
-JSON object), GET /v1/models, GET /health, GET /metrics, and vLLM's GET /version, POST /tokenize and POST
+JSON object), POST /v1/responses (OpenAI's Responses API, answered through the chat route:
+responses/), GET /v1/models, GET /health, GET /metrics, and vLLM's GET /version, POST /tokenize and POST
 /detokenize (answered by the replica's own tokenizer, never the engine). The wire format lives in
 openai_protocol.py; this file only moves requests between it and the engine.
 """
@@ -24,6 +25,7 @@ import re
 import sys
 import threading
 import time
+import uuid
 from contextlib import aclosing, contextmanager, nullcontext
 
 from fastapi import FastAPI, Request
@@ -35,6 +37,7 @@ from starlette.requests import ClientDisconnect
 
 from launcher.errors import LaunchError, NoReplicaAvailable, ReplicaFailed, RequestTimeout
 from launcher.serving import openai_protocol as proto
+from launcher.serving import responses as responses_api
 from launcher.serving import tool_calls as function_calling  # not `tool_calls`: a message's field
 from launcher.serving.chat_template import has_default_chat_template
 from launcher.serving.choice_streams import ChoiceStreams
@@ -483,6 +486,14 @@ def _generation_failure(err: Exception) -> tuple[int, dict, dict]:
     return 500, proto.error_body(f"generation failed: {err}", type="server_error"), _NO_RETRY
 
 
+def _as_responses_error(err: ProtocolError, echo) -> ProtocolError:
+    """A chat-route refusal of a /v1/responses request, told in the Responses request's terms: the
+    param the client sent (responses_api.responses_param), named so in the message too."""
+    param = responses_api.responses_param(err.param, echo)
+    message = err.message if not err.param or param == err.param else err.message.replace(err.param, param)
+    return ProtocolError(message, param=param, status=err.status, type=err.type, code=err.code, headers=err.headers)
+
+
 SANITIZING_MARKS = ("\U000F0000", "\U000F0001")
 """The two code points transformers' sanitize_control_tokens marks text with (dropped from message
 text and its measure; refused inside lists and objects of chat_template_kwargs)."""
@@ -794,6 +805,33 @@ class OpenAIServer:
                                                             req.reasoning(), req.include_reasoning, think_tokens)
                                                  for i in range(req.n)], arrived)
 
+    @app.post("/v1/responses")
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API: the request becomes the chat request it asks for
+        (responses_api.chat_body), answered by the chat route's machinery, and the answer is told as
+        a Response object, or as the Responses stream's events."""
+        arrived = time.perf_counter()
+        self._authorize(request)
+        req, echo = await self._responses_request(request)
+        try:
+            if req.truncate_prompt_tokens is not None:
+                self._truncated(req, [])
+            prompt = await self._tokenized(self._apply_chat_template, req.chat_messages(self.tokenizer.chat_template),
+                                           req.add_generation_prompt, req.continue_final_message, False,
+                                           req.truncate_prompt_tokens is None, req.template_tools(),
+                                           req.chat_template_kwargs)
+            prompt = self._truncated(req, prompt)
+            req.settle_thinking(self.think_end, self.think_start, prompt)
+            stream = await self._start_choices(req, [prompt], [proto.max_new_tokens(req, len(prompt), self.context_tokens)],
+                                               req.logprobs_count(), "messages", req.engine_prompt_logprobs())
+        except ProtocolError as err:
+            raise _as_responses_error(err, echo) from None
+        think_tokens = (ThinkTokens(self.think_start, self.think_end, self.call_start) if self.reasoning_parser
+                        else None)
+        render = ChatRender(self.pieces, False, 0, None, req.skip_special_tokens, req.tool_call_reader(),
+                            req.reasoning(), req.include_reasoning, think_tokens)
+        return await self._respond_responses(req, echo, stream, render, arrived)
+
     @app.post("/tokenize")
     async def tokenize(self, request: Request) -> Response:
         """vLLM's /tokenize: a text's token ids as /v1/completions tokenizes a prompt, or a chat's as
@@ -1015,6 +1053,38 @@ class OpenAIServer:
         finally:
             self.bodies.give(held)
 
+    async def _responses_request(self, request: Request):
+        """A /v1/responses body read as _request reads a body, then turned into the chat request it
+        asks for (responses_api.chat_body), which the chat parser checks; (that request, the echo)."""
+        try:
+            raw, held = await _read_body(request, self.body_limit, self.bodies)
+        except ProtocolError as err:
+            self.metrics.rejected(err.status)
+            raise
+        except CLIENT_GONE:
+            self.metrics.finished("abort", 499)
+            raise
+        try:
+            if len(raw) <= PARSED_ON_A_THREAD:
+                return self._parse_responses(self._json(raw, self.metrics))
+            return await asyncio.to_thread(lambda: self._parse_responses(self._json(raw, self.metrics)))
+        except asyncio.CancelledError:
+            self.metrics.finished("abort", 499)
+            raise
+        finally:
+            self.bodies.give(held)
+
+    def _parse_responses(self, body):
+        try:
+            chat, echo = responses_api.chat_body(body)
+        except ProtocolError:
+            self.metrics.rejected(400)
+            raise
+        try:
+            return self._parse(proto.ChatCompletionRequest, chat), echo
+        except ProtocolError as err:  # counted by _parse
+            raise _as_responses_error(err, echo) from None
+
     def _json(self, raw: bytes, counts):
         """The body's JSON; a refusal counted in `counts` (_counts)."""
         try:
@@ -1139,6 +1209,20 @@ class OpenAIServer:
                                   req.continuous_usage())
             return _ClosingStreamingResponse(events, stream, lambda: self._count_stream(outcome),
                                              media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        collected = await self._collected(stream, renders, timers)
+        if isinstance(collected, JSONResponse):
+            return collected
+        finish, completion_tokens = collected
+        choices = [render.choice(reason) for render, reason in zip(renders, finish)]
+        return JSONResponse({**proto.response(meta, renders[0].response_object, choices,
+                                              proto.usage(stream.prompt_tokens, sum(completion_tokens),
+                                                          stream.cached_tokens, _reasoning_total(renders))),
+                             **renders[0].response_extras()})
+
+    async def _collected(self, stream: ChoiceStreams, renders: list, timers: list[TokenTimer]):
+        """Every choice's deltas collected by its render, for an answer not streamed: (each choice's
+        finish reason, each choice's completion tokens), the request counted by its first choice's
+        ending; or, where generating failed, the error's response (counted too)."""
         finish, completion_tokens = [None] * len(renders), [0] * len(renders)
         try:
             async with aclosing(stream):
@@ -1156,11 +1240,58 @@ class OpenAIServer:
             return JSONResponse(body, status_code=status, headers=headers)
         # one request, counted by its first choice's ending as the client was told it
         self.metrics.finished(renders[0].finish_reason(finish[0]) or "stop")
-        choices = [render.choice(reason) for render, reason in zip(renders, finish)]
-        return JSONResponse({**proto.response(meta, renders[0].response_object, choices,
-                                              proto.usage(stream.prompt_tokens, sum(completion_tokens),
-                                                          stream.cached_tokens, _reasoning_total(renders))),
-                             **renders[0].response_extras()})
+        return finish, completion_tokens
+
+    async def _respond_responses(self, req, echo, stream: ChoiceStreams, render: ChatRender, arrived: float) -> Response:
+        """A Response object, or the Responses stream's events (responses_api.ResponseEvents), for the
+        chat request's one choice; its tokens timed and its ending counted as a chat request's."""
+        response_id, created, timer = f"resp_{uuid.uuid4().hex}", int(time.time()), TokenTimer(self.metrics, arrived)
+        if req.stream:
+            outcome = {"finish_reason": "abort"}  # a client that leaves before the end
+            events = self._response_events(stream, render, timer, outcome,
+                                           responses_api.ResponseEvents(response_id, created, self.name, echo))
+            return _ClosingStreamingResponse(events, stream, lambda: self._count_stream(outcome),
+                                             media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        collected = await self._collected(stream, [render], [timer])
+        if isinstance(collected, JSONResponse):
+            return collected
+        [finish], [completion_tokens] = collected
+        choice = render.choice(finish)
+        items, status, incomplete = responses_api.output_items(choice["message"], choice["finish_reason"])
+        usage = responses_api.usage(proto.usage(stream.prompt_tokens, completion_tokens, stream.cached_tokens,
+                                                render.reasoning_tokens()))
+        return JSONResponse(responses_api.response_object(response_id, created, self.name, echo, items, status, usage,
+                                                          incomplete))
+
+    async def _response_events(self, stream: ChoiceStreams, render: ChatRender, timer: TokenTimer, outcome: dict,
+                               events):
+        """The Responses stream of one request: the chat route's chunks for its one choice, told as
+        `events` (a ResponseEvents) tells them, ending with response.completed (or .incomplete, or an
+        error event and response.failed); outcome["finish_reason"] as _events sets it."""
+        completion_tokens, sent_finish = 0, None
+        meta = proto.ResponseMeta.new(render.id_prefix, self.name)  # the chat chunks' own, read here only
+        try:
+            async with aclosing(stream):
+                for event in events.opening():
+                    yield responses_api.sse(event)
+                async for _, delta in stream:
+                    timer.tokens(render.new_tokens(delta), time.perf_counter())
+                    completion_tokens = render.completion_tokens(delta)
+                    chunk = render.chunk(meta, delta)
+                    if chunk is not None:
+                        for event in events.delta(chunk["choices"][0]["delta"]):
+                            yield responses_api.sse(event)
+                    if delta.finish_reason:
+                        sent_finish = outcome["finish_reason"] = render.finish_reason(delta.finish_reason)
+            usage = responses_api.usage(proto.usage(stream.prompt_tokens, completion_tokens, stream.cached_tokens,
+                                                    render.reasoning_tokens()))
+            for event in events.finish(sent_finish, usage):
+                yield responses_api.sse(event)
+        except Exception as err:  # noqa: BLE001 - headers are sent: the error can only be an event
+            outcome["status"], body, _ = _generation_failure(err)
+            outcome["finish_reason"] = failure_reason(outcome["status"])
+            for event in events.failed(body["error"]):
+                yield responses_api.sse(event)
 
     def _count_stream(self, outcome: dict) -> None:
         reason = outcome["finish_reason"]  # an error's status is set with it (_generation_failure)

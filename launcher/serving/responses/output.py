@@ -1,0 +1,289 @@
+"""The chat route's answer told in the Responses API's shapes: the usage, the output items of a
+whole answer and the Response object (output_items, response_object), and the stream's events
+(ResponseEvents), framed by sse. Pure: dicts in, dicts and strings out (the request side:
+launcher/serving/responses/request.py).
+
+The stream (ResponseEvents), framed by sse as vLLM frames it ("event: TYPE" and "data: JSON"; no
+[DONE]: the stream ends with response.completed, response.incomplete or response.failed):
+  response.created, response.in_progress (the response with status in_progress, no output);
+  per item, in output order: response.output_item.added (status in_progress), then
+    reasoning: response.content_part.added (an empty reasoning_text part), response.reasoning_text.delta...,
+      response.reasoning_text.done, response.content_part.done;
+    message: response.content_part.added (an empty output_text part), response.output_text.delta...,
+      response.output_text.done, response.content_part.done;
+    function_call: response.function_call_arguments.delta... (the item is added with arguments ""),
+      response.function_call_arguments.done (the whole arguments and the name);
+  then response.output_item.done with the whole item. A reasoning or message item is closed when
+  output of another kind begins; function calls stay open (a call's pieces go to its item by the
+  chat's index) until reasoning or content comes, or the end, which closes every open item in output
+  order. An answer with no output at all still gets one empty message, as output_items gives it.
+  Last: response.completed (response.incomplete, incomplete_details.reason "max_output_tokens",
+  for a length finish) holding every item whole and the usage; or, on a failure after the stream
+  began, an "error" event and response.failed. sequence_number counts every event from 0.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from launcher.serving.responses.request import ResponsesEcho
+
+# ---- the answer -------------------------------------------------------------------------------
+def usage(chat_usage: dict) -> dict:
+    """The chat usage in the Responses form. cache_write_tokens (which the client's type requires) is
+    0: prefix caching keeps blocks by itself; no prompt is written to a cache the API names."""
+    prompt_details = chat_usage.get("prompt_tokens_details") or {}
+    completion_details = chat_usage.get("completion_tokens_details") or {}
+    return {"input_tokens": chat_usage["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": prompt_details.get("cached_tokens") or 0,
+                                     "cache_write_tokens": 0},
+            "output_tokens": chat_usage["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": completion_details.get("reasoning_tokens") or 0},
+            "total_tokens": chat_usage["prompt_tokens"] + chat_usage["completion_tokens"]}
+
+
+def response_object(response_id: str, created_at: int, model: str, echo: ResponsesEcho, output: list[dict],
+                    status: str, usage: dict | None, incomplete_reason: str | None = None,
+                    error: dict | None = None) -> dict:
+    """The whole Response object: the answer's items and status, and what the request echoes."""
+    return {
+        "id": response_id, "object": "response", "created_at": created_at, "status": status,
+        "completed_at": int(time.time()) if status == "completed" else None,
+        "error": error, "incomplete_details": {"reason": incomplete_reason} if incomplete_reason else None,
+        "model": model, "output": output, "usage": usage,
+        "instructions": echo.instructions, "max_output_tokens": echo.max_output_tokens,
+        "max_tool_calls": echo.max_tool_calls, "parallel_tool_calls": echo.parallel_tool_calls,
+        "temperature": echo.temperature, "top_p": echo.top_p, "top_logprobs": echo.top_logprobs,
+        "tool_choice": echo.tool_choice, "tools": echo.tools, "text": echo.text, "reasoning": echo.reasoning,
+        "metadata": echo.metadata, "user": echo.user, "store": echo.store, "truncation": echo.truncation,
+        "previous_response_id": echo.previous_response_id, "background": echo.background,
+        "service_tier": echo.service_tier, "prompt_cache_key": echo.prompt_cache_key,
+        "safety_identifier": echo.safety_identifier,
+    }
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _reasoning_item(item_id: str, text: str, status: str) -> dict:
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": [{"type": "reasoning_text", "text": text}],
+            "status": status}
+
+
+def _output_text_part(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _message_item(item_id: str, text: str, status: str) -> dict:
+    return {"type": "message", "id": item_id, "role": "assistant", "status": status,
+            "content": [_output_text_part(text)]}
+
+
+def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict:
+    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
+            "status": status}
+
+
+def _finished(finish_reason: str | None) -> tuple[str, str | None]:
+    """(the response's status, its incomplete reason): a length finish is max_output_tokens' doing."""
+    return ("incomplete", "max_output_tokens") if finish_reason == "length" else ("completed", None)
+
+
+def output_items(message: dict, finish_reason: str | None) -> tuple[list[dict], str, str | None]:
+    """A whole chat choice's message as output items (reasoning, message, function calls, in that
+    order), the response's status and its incomplete reason (module docstring)."""
+    status, reason = _finished(finish_reason)
+    made: list[tuple] = []  # (maker, arguments but the status)
+    thought = message.get("reasoning") or message.get("reasoning_content")
+    calls = message.get("tool_calls") or []
+    if thought:
+        made.append((_reasoning_item, (_item_id("rs"), thought)))
+    if message.get("content") or not (thought or calls):
+        made.append((_message_item, (_item_id("msg"), message.get("content") or "")))
+    for call in calls:
+        made.append((_call_item, (_item_id("fc"), call["id"], call["function"]["name"],
+                                  call["function"]["arguments"])))
+    last = len(made) - 1
+    items = [maker(*args, "incomplete" if status == "incomplete" and i == last else "completed")
+             for i, (maker, args) in enumerate(made)]
+    return items, status, reason
+
+
+# ---- the stream -------------------------------------------------------------------------------
+@dataclass
+class _OpenItem:
+    """An output item being streamed: its kind (reasoning, message, function_call), place and text."""
+
+    kind: str
+    output_index: int
+    item_id: str
+    pieces: list[str] = field(default_factory=list)
+    call_id: str = ""
+    name: str = ""
+
+    def whole(self, status: str) -> dict:
+        text = "".join(self.pieces)
+        if self.kind == "reasoning":
+            return _reasoning_item(self.item_id, text, status)
+        if self.kind == "message":
+            return _message_item(self.item_id, text, status)
+        return _call_item(self.item_id, self.call_id, self.name, text, status)
+
+
+RESPONSE_ERROR_CODES = ("server_error", "rate_limit_exceeded", "invalid_prompt")
+"""The codes of OpenAI's ResponseError (a Response's error) that this server's failures can be; its
+type takes no other text codes."""
+
+
+class ResponseEvents:
+    """The Responses stream of one chat choice's chunks (module docstring: the events' order)."""
+
+    def __init__(self, response_id: str, created_at: int, model: str, echo: ResponsesEcho):
+        self.response_id, self.created_at, self.model, self.echo = response_id, created_at, model, echo
+        self.output: list[dict | None] = []
+        """Every item in output order: whole once closed, None while open."""
+        self._text: _OpenItem | None = None
+        """The open reasoning or message item."""
+        self._calls: dict[int, _OpenItem] = {}
+        """The open function calls, by their chat index."""
+        self._sequence = 0
+
+    def _event(self, kind: str, **fields) -> dict:
+        event = {"type": kind, "sequence_number": self._sequence, **fields}
+        self._sequence += 1
+        return event
+
+    def _response(self, status: str, usage: dict | None = None, incomplete_reason: str | None = None,
+                  error: dict | None = None) -> dict:
+        return response_object(self.response_id, self.created_at, self.model, self.echo,
+                               [item for item in self.output if item is not None], status, usage,
+                               incomplete_reason, error)
+
+    def opening(self) -> list[dict]:
+        """response.created and response.in_progress."""
+        return [self._event("response.created", response=self._response("in_progress")),
+                self._event("response.in_progress", response=self._response("in_progress"))]
+
+    def delta(self, chat_delta: dict) -> list[dict]:
+        """One chat chunk's delta as events: its reasoning, content, then tool-call pieces."""
+        events = []
+        if chat_delta.get("reasoning"):
+            events += self._text_piece("reasoning", chat_delta["reasoning"])
+        if chat_delta.get("content"):
+            events += self._text_piece("message", chat_delta["content"])
+        for entry in chat_delta.get("tool_calls") or []:
+            events += self._call_piece(entry)
+        return events
+
+    def finish(self, finish_reason: str | None, usage: dict) -> list[dict]:
+        """Every open item closed, then response.completed (response.incomplete for a length finish)."""
+        status, reason = _finished(finish_reason)
+        events = []
+        if not self.output:  # nothing at all was said: an empty message, as output_items gives it
+            events += self._open_text("message")
+        events += self._close_all(last_status="incomplete" if status == "incomplete" else "completed")
+        kind = "response.incomplete" if status == "incomplete" else "response.completed"
+        return events + [self._event(kind, response=self._response(status, usage, reason))]
+
+    def failed(self, error: dict) -> list[dict]:
+        """An error event, then response.failed holding the items so far (open ones as they stand,
+        incomplete). `error`: OpenAI's error object's inside ({"message", "type", "param", "code"})."""
+        code = error.get("code") or error.get("type")
+        for item in [self._text, *self._calls.values()]:
+            if item is not None:
+                self.output[item.output_index] = item.whole("incomplete")
+        self._text, self._calls = None, {}
+        if error.get("code") in RESPONSE_ERROR_CODES:
+            response_code = error["code"]
+        else:  # the Response's error takes only OpenAI's listed codes
+            response_code = "invalid_prompt" if error.get("type") == "invalid_request_error" else "server_error"
+        return [self._event("error", code=code, message=error.get("message", ""), param=error.get("param")),
+                self._event("response.failed", response=self._response(
+                    "failed", error={"code": response_code, "message": error.get("message", "")}))]
+
+    # -- items --
+    def _text_piece(self, kind: str, text: str) -> list[dict]:
+        events = []
+        if self._text is None or self._text.kind != kind or self._calls:
+            events += self._close_all()
+            events += self._open_text(kind)
+        item = self._text
+        item.pieces.append(text)
+        delta_kind = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+        extra = {} if kind == "reasoning" else {"logprobs": []}
+        return events + [self._event(delta_kind, item_id=item.item_id, output_index=item.output_index,
+                                     content_index=0, delta=text, **extra)]
+
+    def _open_text(self, kind: str) -> list[dict]:
+        item = self._text = _OpenItem(kind, len(self.output), _item_id("rs" if kind == "reasoning" else "msg"))
+        self.output.append(None)
+        if kind == "reasoning":
+            added = {"type": "reasoning", "id": item.item_id, "summary": [], "content": [], "status": "in_progress"}
+            part = {"type": "reasoning_text", "text": ""}
+        else:
+            added = {"type": "message", "id": item.item_id, "role": "assistant", "status": "in_progress",
+                     "content": []}
+            part = _output_text_part("")
+        return [self._event("response.output_item.added", output_index=item.output_index, item=added),
+                self._event("response.content_part.added", item_id=item.item_id, output_index=item.output_index,
+                            content_index=0, part=part)]
+
+    def _call_piece(self, entry: dict) -> list[dict]:
+        index, function = entry.get("index", 0), entry.get("function") or {}
+        piece, events = function.get("arguments") or "", []
+        if entry.get("id"):  # a new call: what was said before it is over
+            if self._text is not None:
+                events += self._close(self._text, "completed")
+                self._text = None
+            if index in self._calls:
+                events += self._close(self._calls.pop(index), "completed")
+            item = self._calls[index] = _OpenItem("function_call", len(self.output), _item_id("fc"),
+                                                  call_id=entry["id"], name=function.get("name") or "")
+            self.output.append(None)
+            events.append(self._event("response.output_item.added", output_index=item.output_index,
+                                      item=_call_item(item.item_id, item.call_id, item.name, "", "in_progress")))
+        elif index not in self._calls:  # the chat streams send a call's pieces before any other output
+            raise ValueError(f"tool call {index}'s arguments came with no open call (its first piece, with its "
+                             f"id, opens it)")
+        item = self._calls[index]
+        if piece:
+            item.pieces.append(piece)
+            events.append(self._event("response.function_call_arguments.delta", item_id=item.item_id,
+                                      output_index=item.output_index, delta=piece))
+        return events
+
+    def _close_all(self, last_status: str = "completed") -> list[dict]:
+        """Close every open item in output order; the last one gets `last_status`."""
+        open_items = sorted([item for item in [self._text, *self._calls.values()] if item is not None],
+                            key=lambda item: item.output_index)
+        self._text, self._calls = None, {}
+        events = []
+        for i, item in enumerate(open_items):
+            last = i == len(open_items) - 1 and item.output_index == len(self.output) - 1
+            events += self._close(item, last_status if last else "completed")
+        return events
+
+    def _close(self, item: _OpenItem, status: str) -> list[dict]:
+        whole = self.output[item.output_index] = item.whole(status)
+        text, where = "".join(item.pieces), {"item_id": item.item_id, "output_index": item.output_index}
+        if item.kind == "function_call":
+            events = [self._event("response.function_call_arguments.done", **where, name=item.name, arguments=text)]
+        elif item.kind == "reasoning":
+            events = [self._event("response.reasoning_text.done", **where, content_index=0, text=text),
+                      self._event("response.content_part.done", **where, content_index=0,
+                                  part={"type": "reasoning_text", "text": text})]
+        else:
+            events = [self._event("response.output_text.done", **where, content_index=0, text=text, logprobs=[]),
+                      self._event("response.content_part.done", **where, content_index=0,
+                                  part=_output_text_part(text))]
+        return events + [self._event("response.output_item.done", output_index=item.output_index, item=whole)]
+
+
+def sse(event: dict) -> str:
+    """One server-sent event as vLLM frames the Responses stream: its type as the SSE event name, the
+    event as compact JSON on one line."""
+    return f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n"

@@ -1,0 +1,236 @@
+"""POST /v1/responses through the server's route (launcher/serving/openai_app.py, over the chat
+route's machinery; the Responses shapes in launcher/serving/responses/): a text answer whole
+and streamed (the events the official client's types take, the deltas adding up to the whole
+answer), instructions and input items reaching the chat template, a length finish as
+"incomplete", function calls read by the server's tool-call parser, a thinking model's reasoning
+item, and refusals naming the Responses field the client sent. The route runs in-process over
+SmolLM2's tokenizer and an engine that streams a scripted text one token a delta."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from launcher.serving.openai_protocol import ProtocolError
+from launcher.serving.stream_types import StreamDelta
+from tests.test_tokenize_routes import post
+
+MODEL = "smollm2-135m-instruct"
+TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% if m.reasoning %}[{{ m.reasoning }}]{% endif %}"
+            "{% for c in m.tool_calls or [] %}(call {{ c.id }} {{ c.function.name }}){% endfor %}"
+            "{% if m.tool_call_id %}(for {{ m.tool_call_id }}){% endif %}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{{ opening | default('') }}{% endif %}")
+WEATHER_CALL = '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+TOOLS = [{"type": "function", "name": "weather", "description": "Today's weather",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_tokenizer):
+    tokenizer = copy.deepcopy(smollm2_tokenizer)
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.chat_template = TEMPLATE
+    return tokenizer
+
+
+def server_over(tokenizer, script: str, tool_call_parser: str | None = None, reasoning_parser: str | None = None):
+    """The server's class over `tokenizer`, its fields set as its constructor sets them, over an engine
+    that streams `script` one token a delta, finishing "stop" at its end or "length" at the request's
+    max_new_tokens; server.prompts collects the prompts it was given, as text."""
+    from launcher.serving.openai_app import _think_tokens
+    from launcher.serving.token_pieces import TokenPieces
+    from tests.test_tokenize_routes import replica
+
+    server = replica(tokenizer)
+    server.prompts = []
+
+    def astream(prompt, sampling, max_new_tokens, **options):
+        server.prompts.append(tokenizer.decode(prompt))
+        ids = tokenizer.encode(script, add_special_tokens=False)[:max_new_tokens]
+        cut = len(tokenizer.encode(script, add_special_tokens=False)) > max_new_tokens
+
+        async def deltas():
+            for n, token in enumerate(ids, 1):
+                yield StreamDelta("r", tokenizer.decode([token]), [token],
+                                  ("length" if cut else "stop") if n == len(ids) else None,
+                                  prompt_tokens=len(prompt), completion_tokens=n, cached_tokens=0 if n == 1 else None)
+
+        return deltas()
+
+    server.launcher = SimpleNamespace(model_config=server.launcher.model_config, shutdown=lambda: None,
+                                      config=SimpleNamespace(max_num_seqs=4), astream=astream)
+    server.pieces, server.longest_prompt, server.several_replicas = TokenPieces(tokenizer), None, False
+    server.tool_call_parser, server.default_chat_template_kwargs = tool_call_parser, None
+    server.reasoning_parser = reasoning_parser
+    if reasoning_parser:  # as the constructor sets them
+        server.think_start, server.think_end = _think_tokens(tokenizer, len(tokenizer))
+        server.call_start = None
+    return server
+
+
+def respond(server, body: dict):
+    """The route's Response object, or its stream's events (each SSE's `event:` line checked against
+    its data's type)."""
+    async def run():
+        response = await server.responses(post("/v1/responses", body))
+        assert response.status_code == 200
+        if not body.get("stream"):
+            return json.loads(response.body)
+        text = "".join([c if isinstance(c, str) else c.decode() async for c in response.body_iterator])
+        await response.body_iterator.aclose()
+        await response.engine_stream.aclose()
+        events = []
+        for block in text.split("\n\n")[:-1]:
+            name, data = block.split("\n")
+            events.append(json.loads(data[len("data: "):]))
+            assert name == f"event: {events[-1]['type']}"
+        return events
+
+    return asyncio.run(run())
+
+
+def refusal(server, body: dict) -> ProtocolError:
+    with pytest.raises(ProtocolError) as refused:
+        asyncio.run(server.responses(post("/v1/responses", body)))
+    return refused.value
+
+
+def check_with_the_clients_types(answer) -> None:
+    """The official client parses it: a Response, or each event of the stream."""
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    if isinstance(answer, dict):
+        Response.model_validate(answer)
+    else:
+        adapter = TypeAdapter(ResponseStreamEvent)
+        for event in answer:
+            adapter.validate_python(event)
+
+
+def streamed_text(events: list[dict], kind: str = "response.output_text.delta") -> str:
+    return "".join(event["delta"] for event in events if event["type"] == kind)
+
+
+def asked(**fields) -> dict:
+    return {"model": MODEL, "input": "What colour is the sky?", **fields}
+
+
+def test_a_text_answer_whole_and_streamed(tokenizer):
+    script = "The sky is blue."
+    whole = respond(server_over(tokenizer, script), asked())
+    check_with_the_clients_types(whole)
+    assert whole["object"] == "response" and whole["status"] == "completed" and whole["model"] == MODEL
+    assert whole["id"].startswith("resp_") and whole["incomplete_details"] is None
+    [message] = whole["output"]
+    assert message["type"] == "message" and message["role"] == "assistant"
+    assert [part["text"] for part in message["content"]] == [script]
+    usage = whole["usage"]
+    assert usage["output_tokens"] == len(tokenizer.encode(script, add_special_tokens=False))
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"] and usage["input_tokens"] > 0
+    events = respond(server_over(tokenizer, script), asked(stream=True))
+    check_with_the_clients_types(events)
+    assert [event["sequence_number"] for event in events] == list(range(len(events)))
+    assert events[0]["type"] == "response.created" and events[-1]["type"] == "response.completed"
+    assert streamed_text(events) == script
+    final = events[-1]["response"]
+    assert final["status"] == "completed" and final["usage"] == usage
+    assert [part["text"] for part in final["output"][0]["content"]] == [script]
+
+
+def test_instructions_and_input_items_reach_the_chat_template(tokenizer):
+    server = server_over(tokenizer, "Sunny.")
+    respond(server, asked(instructions="Be brief.", input=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": "call_1", "name": "weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "21 C"},
+        {"role": "user", "content": [{"type": "input_text", "text": "And "}, {"type": "input_text", "text": "now?"}]}],
+        tools=TOOLS, tool_choice="none"))
+    [prompt] = server.prompts
+    assert prompt.index("<system>Be brief.") < prompt.index("<user>Weather in Paris?")
+    assert "(call call_1 weather)" in prompt and "<tool>21 C(for call_1)" in prompt
+    assert prompt.endswith("<user>And now?<assistant>")  # (the template loader trims the newline after a block)
+
+
+def test_max_output_tokens_cut_is_incomplete(tokenizer):
+    script = "The sky is blue today and every day."
+    whole = respond(server_over(tokenizer, script), asked(max_output_tokens=3))
+    check_with_the_clients_types(whole)
+    assert whole["status"] == "incomplete" and whole["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert whole["usage"]["output_tokens"] == 3 and whole["max_output_tokens"] == 3
+    events = respond(server_over(tokenizer, script), asked(max_output_tokens=3, stream=True))
+    assert events[-1]["type"] == "response.incomplete"
+    assert events[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert streamed_text(events) == whole["output"][0]["content"][0]["text"]
+
+
+def test_a_function_call_read_by_the_servers_parser_whole_and_streamed(tokenizer):
+    script = "Let me look." + WEATHER_CALL
+    whole = respond(server_over(tokenizer, script, "hermes"), asked(tools=TOOLS))
+    check_with_the_clients_types(whole)
+    message, call = whole["output"]
+    assert message["content"][0]["text"] == "Let me look." and whole["status"] == "completed"
+    assert call["type"] == "function_call" and call["name"] == "weather"
+    assert json.loads(call["arguments"]) == {"city": "Paris"} and call["call_id"].startswith("chatcmpl-tool-")
+    assert whole["tools"] == TOOLS and whole["tool_choice"] == "auto"
+    events = respond(server_over(tokenizer, script, "hermes"), asked(tools=TOOLS, stream=True))
+    check_with_the_clients_types(events)
+    assert streamed_text(events) == "Let me look."
+    arguments = streamed_text(events, "response.function_call_arguments.delta")
+    [done] = [event for event in events if event["type"] == "response.function_call_arguments.done"]
+    assert json.loads(arguments) == json.loads(done["arguments"]) == {"city": "Paris"}
+    added = [event["item"] for event in events if event["type"] == "response.output_item.added"]
+    assert [item["type"] for item in added] == ["message", "function_call"] and added[1]["name"] == "weather"
+    final = events[-1]["response"]["output"]
+    assert [item["type"] for item in final] == ["message", "function_call"]
+    assert json.loads(final[1]["arguments"]) == {"city": "Paris"}
+    # a forced call: no message item, the call alone
+    forced = respond(server_over(tokenizer, '{"city": "Rome"}', "hermes"),
+                     asked(tools=TOOLS, tool_choice={"type": "function", "name": "weather"}))
+    [call] = forced["output"]
+    assert call["type"] == "function_call" and json.loads(call["arguments"]) == {"city": "Rome"}
+    assert forced["tool_choice"] == {"type": "function", "name": "weather"}
+
+
+def test_a_thinking_models_reasoning_is_its_own_item(tokenizer):
+    script = "The sky scatters blue light.</think>Blue."
+    body = asked(input=[{"role": "user", "content": "Colour?"}])
+    whole = respond(server_over(tokenizer, script, reasoning_parser="deepseek_r1"), body)
+    check_with_the_clients_types(whole)
+    reasoning, message = whole["output"]
+    assert reasoning["type"] == "reasoning"
+    assert [part["text"] for part in reasoning["content"]] == ["The sky scatters blue light."]
+    assert message["content"][0]["text"] == "Blue."
+    assert whole["usage"]["output_tokens_details"]["reasoning_tokens"] > 0
+    events = respond(server_over(tokenizer, script, reasoning_parser="deepseek_r1"), {**body, "stream": True})
+    check_with_the_clients_types(events)
+    assert streamed_text(events, "response.reasoning_text.delta") == "The sky scatters blue light."
+    assert streamed_text(events) == "Blue."
+    assert [item["type"] for item in events[-1]["response"]["output"]] == ["reasoning", "message"]
+
+
+def test_refusals_name_the_responses_field(tokenizer):
+    server = server_over(tokenizer, "x")
+    bad = refusal(server, asked(max_output_tokens=0))  # the chat parser's refusal, told in these terms
+    assert bad.status == 400 and bad.param == "max_output_tokens" and "max_output_tokens" in bad.message
+    unknown = refusal(server, asked(model="other"))
+    assert unknown.status == 404 and unknown.param == "model"
+    stored = refusal(server, asked(previous_response_id="resp_1"))
+    assert stored.status == 400 and stored.param == "previous_response_id"
+    builtin = refusal(server, asked(tools=[{"type": "web_search"}]))
+    assert builtin.status == 400 and builtin.param.startswith("tools[0]")
+    extra = refusal(server, asked(stop=["x"]))
+    assert extra.status == 400 and extra.param == "stop"
+    item = refusal(server, asked(input=[{"role": "user", "content": "a"}, {"role": "user", "content": 5}]))
+    assert item.status == 400 and item.param.startswith("input[1]")
+
+
+def test_the_route_needs_the_api_key(tokenizer):
+    from tests.test_tokenize_routes import replica
+
+    refused = refusal(replica(tokenizer, api_key="sk-test"), asked())
+    assert refused.status == 401 and refused.code == "invalid_api_key"
