@@ -266,3 +266,17 @@ def test_a_long_string_under_another_key_is_not_kept():
         assert stream.feed("ab") == []
     assert len(stream._kept) < 10
     assert stream.feed('"}') == [] and reassembled([]) == [] and stream.sent[0]["function"]["arguments"] == "{}"
+
+
+def test_arguments_waiting_for_their_name_are_kept_as_pieces():
+    """Arguments written before the name wait, kept whole; the pieces are not joined at every piece
+    (one string grown by each copied it all: quadratic), only when the name lets them out."""
+    stream = RequiredCallsStream(("arguments",), one_object=True)
+    stream.feed('{"arguments": {"s": "')
+    for _ in range(3000):
+        assert stream.feed("abcdefghij") == []
+    assert len(stream._kept_pieces) > 3000  # not joined while waiting
+    stream.feed('"}, ')
+    [entry] = stream.feed('"name": "f"')
+    assert entry["function"] == {"name": "f", "arguments": '{"s": "' + "abcdefghij" * 3000 + '"}'}
+    assert len(stream._kept) < 20

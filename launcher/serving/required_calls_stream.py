@@ -85,8 +85,11 @@ class RequiredCallsStream:
         """The array has closed, or the text does not open one: nothing more is read."""
         self._read_to = 0
         """The text read so far: all of it, or up to where reading stopped (_over)."""
-        self._kept, self._kept_from, self._length = "", 0, 0
-        """The text from offset _kept_from on (what may still be needed); the whole text's length."""
+        self._kept_pieces: list[str] = []
+        self._kept_from, self._length = 0, 0
+        """The text from offset _kept_from on (what may still be needed), as the pieces it came in
+        (joined only when read or trimmed: while a call's arguments wait for its name, appending to
+        one string copied them all at every piece); the whole text's length."""
         self._sent_to: list[int] = []
         """Per sent call, the offset its arguments have been sent up to."""
         self._first_open = 0
@@ -107,7 +110,7 @@ class RequiredCallsStream:
     def feed(self, piece: str) -> list[dict]:
         """The tool_calls entries this piece of the text makes ([] for none)."""
         start = self._length
-        self._kept += piece
+        self._kept_pieces.append(piece)
         self._length += len(piece)
         if not self._over:
             self._scan(piece, start)
@@ -126,6 +129,13 @@ class RequiredCallsStream:
 
     def _text(self, start: int, end: int) -> str:
         return self._kept[start - self._kept_from:end - self._kept_from]
+
+    @property
+    def _kept(self) -> str:
+        """The kept text, joined (and kept joined)."""
+        if len(self._kept_pieces) != 1:
+            self._kept_pieces = ["".join(self._kept_pieces)]
+        return self._kept_pieces[0]
 
     # ---- which entries go out ----------------------------------------------------------------------
     def _entries(self) -> list[dict]:
@@ -167,7 +177,7 @@ class RequiredCallsStream:
             if call.arguments_start is not None:
                 needed = min(needed, call.arguments_start)
         if needed > self._kept_from:
-            self._kept = self._kept[needed - self._kept_from:]
+            self._kept_pieces = [self._kept[needed - self._kept_from:]]
             self._kept_from = needed
 
     # ---- the scan ----------------------------------------------------------------------------------
