@@ -550,3 +550,19 @@ def test_sse_framing_names_the_event_and_ends_with_a_blank_line():
     head, data, rest = text.split("\n", 2)
     assert head == "event: response.output_text.delta" and rest == "\n"
     assert json.loads(data.removeprefix("data: ")) == event
+
+
+def test_a_call_cut_short_sends_its_last_piece_before_the_text_it_turned_into():
+    """A length cut inside a call: the chat reader's last delta carries the open call's last piece and
+    the call's text as content; the piece goes to the call, then the text opens a message (it made
+    the stream fail: the content closed the call first)."""
+    sent = stream([{"content": "Let me look."},
+                   {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                                    "function": {"name": "weather", "arguments": '{"ci'}}]},
+                   {"content": '<tool_call>{"name": "weather", "arguments": {"city',
+                    "tool_calls": [{"index": 0, "function": {"arguments": "ty"}}]}], "length")
+    final = sent[-1]["response"]
+    assert sent[-1]["type"] == "response.incomplete"
+    assert [item["type"] for item in final["output"]] == ["message", "function_call", "message"]
+    assert final["output"][1]["arguments"] == '{"city'
+    assert whole_text(final["output"][2]) == '<tool_call>{"name": "weather", "arguments": {"city'

@@ -234,3 +234,16 @@ def test_the_route_needs_the_api_key(tokenizer):
 
     refused = refusal(replica(tokenizer, api_key="sk-test"), asked())
     assert refused.status == 401 and refused.code == "invalid_api_key"
+
+
+def test_a_stream_cut_inside_a_call_ends_incomplete_at_every_cut(tokenizer):
+    """max_output_tokens ending the answer anywhere inside a hermes call: the stream ends with
+    response.incomplete (it failed where the cut's last delta carried the call's last piece and its
+    text), its text the whole answer's."""
+    script = "Let me look." + WEATHER_CALL
+    for limit in range(1, len(tokenizer.encode(script, add_special_tokens=False))):
+        events = respond(server_over(tokenizer, script, "hermes"), asked(tools=TOOLS, max_output_tokens=limit,
+                                                                         stream=True))
+        check_with_the_clients_types(events)
+        assert events[-1]["type"] == "response.incomplete", (limit, [e["type"] for e in events[-3:]])
+        assert [event["sequence_number"] for event in events] == list(range(len(events)))

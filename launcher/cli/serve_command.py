@@ -46,7 +46,8 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API (Ray Serve)",
         description="Start a private local Ray, load the model into one TP group per Serve replica, and serve "
-                    "/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /version and "
+                    "/v1/completions, /v1/chat/completions, /v1/responses, /v1/models, /tokenize, /detokenize, /health, "
+                    "/version and "
                     "/metrics "
                     "until SIGINT/SIGTERM.")
     add_model_and_placement_arguments(p)
@@ -240,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
         # the replica says so at start, in its output, which --quiet hides: a server that refuses
         # every chat request started without a word
         print(f"corelaunch serve: the tokenizer of {model_dir} has no chat template: /v1/chat/completions "
-              f"refuses every request (400), /v1/completions serves prompts", file=sys.stderr)
+              f"refuses every request (400), and so does /v1/responses; /v1/completions serves prompts", file=sys.stderr)
     return _serve(args, settings, mode)
 
 

@@ -663,7 +663,8 @@ class OpenAIServer:
         self._chat_options = _sanitizing(self.tokenizer)  # the installed transformers' own, once
         if not has_default_chat_template(self.tokenizer):
             print(f"corelaunch serve: the tokenizer of {self.launcher.model_dir} has no chat template: "
-                  f"/v1/chat/completions refuses every request (400), /v1/completions serves prompts; to serve "
+                  f"/v1/chat/completions refuses every request (400), and so does /v1/responses; /v1/completions "
+                  f"serves prompts; to serve "
                   f"chat, add one to the model (chat_template.jinja, or chat_template in "
                   f"tokenizer_config.json)", file=sys.stderr)
         if not self._chat_options:

@@ -169,14 +169,23 @@ class ResponseEvents:
                 self._event("response.in_progress", response=self._response("in_progress"))]
 
     def delta(self, chat_delta: dict) -> list[dict]:
-        """One chat chunk's delta as events: its reasoning, content, then tool-call pieces."""
+        """One chat chunk's delta as events: its reasoning, the next pieces of calls already open,
+        its content, then the calls it opens. That is the order the chat readers write them in: a
+        delta whose text turned to content (a call cut short by the length limit, or no call after
+        all) carries the open call's last piece too, which belongs before that content (after it,
+        the content had closed the call and the piece found none: the stream failed)."""
+        entries = chat_delta.get("tool_calls") or []
         events = []
         if chat_delta.get("reasoning"):
             events += self._text_piece("reasoning", chat_delta["reasoning"])
+        for entry in entries:
+            if "id" not in entry:
+                events += self._call_piece(entry)
         if chat_delta.get("content"):
             events += self._text_piece("message", chat_delta["content"])
-        for entry in chat_delta.get("tool_calls") or []:
-            events += self._call_piece(entry)
+        for entry in entries:
+            if "id" in entry:
+                events += self._call_piece(entry)
         return events
 
     def finish(self, finish_reason: str | None, usage: dict) -> list[dict]:
