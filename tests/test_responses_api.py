@@ -167,11 +167,13 @@ def test_sampling_fields_and_max_output_tokens_go_to_the_chat_and_are_echoed():
 
 def test_reasoning_effort_goes_to_the_template_as_vllm_hands_it():
     chat, echo = chat_body({"model": "m", "input": "hi", "reasoning": {"effort": "none", "summary": "auto"}})
-    assert chat["chat_template_kwargs"] == {"reasoning_effort": "none", "enable_thinking": False}
-    assert echo.reasoning == {"effort": "none", "summary": "auto"}
+    assert chat["reasoning_effort"] == "none" and echo.reasoning == {"effort": "none", "summary": "auto"}
+    parsed = proto.parse_request(proto.ChatCompletionRequest, chat)
+    assert parsed.chat_template_kwargs == {"reasoning_effort": "none", "enable_thinking": False}
     chat, _ = chat_body({"model": "m", "input": "hi", "reasoning": {"effort": "high"}})
-    assert chat["chat_template_kwargs"] == {"reasoning_effort": "high", "enable_thinking": True}
-    assert "chat_template_kwargs" not in chat_body({"model": "m", "input": "hi", "reasoning": {}})[0]
+    assert proto.parse_request(proto.ChatCompletionRequest, chat).chat_template_kwargs == {
+        "reasoning_effort": "high", "enable_thinking": True}
+    assert "reasoning_effort" not in chat_body({"model": "m", "input": "hi", "reasoning": {}})[0]
 
 
 def test_fields_that_ask_for_nothing_are_taken_and_echoed():

@@ -48,6 +48,9 @@ MAX_TOOLS = 128
 """OpenAI's bound on chat's `tools` (each tool's schema is rendered into the prompt, and a "required"
 call's schema holds them all)."""
 
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+"""OpenAI's reasoning_effort values and vLLM 0.32's ("max", DeepSeek V4's)."""
+
 # What each field accepts, as the error for a bad value says it. Pydantic's own messages name its
 # types ("Input should be a valid number"), not the API's rule, so every field error is rewritten
 # from this table: "temperature (3.0) must be a number in [0, 2] (0 is greedy)".
@@ -136,6 +139,8 @@ FIELD_RULES = {
     "add_generation_prompt": "true or false (true, the default: the chat ends with the template's opening of an "
                              "assistant turn)",
     "include_reasoning": "true or false (false: a server with a reasoning parser leaves the answer's thinking out)",
+    "reasoning_effort": f"one of {', '.join(REASONING_EFFORTS)}, or null (handed to the chat template as "
+                        f"reasoning_effort, and enable_thinking false for none, true otherwise)",
     "chat_template_kwargs": "an object of extra variables for the model's chat template, by name (vLLM's; "
                             "{\"enable_thinking\": false} for Qwen3, say); a template ignores names it does "
                             "not use",
@@ -496,6 +501,10 @@ class ChatCompletionRequest(_GenerationRequest):
     sets itself)."""
     include_reasoning: bool = True
     """vLLM's: false leaves the reasoning out of the answer (on a server with a reasoning parser)."""
+    reasoning_effort: Literal[REASONING_EFFORTS] | None = None
+    """OpenAI's, as vLLM 0.32 takes it: the chat template's reasoning_effort variable, and its
+    enable_thinking (false for "none") unless the request's chat_template_kwargs set that
+    (effort_template_kwargs)."""
 
     _tool_use = PrivateAttr(None)
     """launcher/serving/tool_calls.py's ToolUse: the tools and tool_choice checked, made once by
@@ -734,8 +743,12 @@ def parse_request(model: type[_GenerationRequest] | type[_TokenizationRequest], 
         request = model.model_validate(body)
     except ValidationError as err:
         raise _field_error(err.errors()[0], model) from None
+    own_template_kwargs = getattr(request, "chat_template_kwargs", None) or {}
     if template_defaults and isinstance(request, (ChatCompletionRequest, TokenizeChatRequest)):
-        request.chat_template_kwargs = {**template_defaults, **(request.chat_template_kwargs or {})}
+        request.chat_template_kwargs = {**template_defaults, **own_template_kwargs}
+    if isinstance(request, ChatCompletionRequest) and request.reasoning_effort is not None:
+        request.chat_template_kwargs = {**(request.chat_template_kwargs or {}),
+                                        **effort_template_kwargs(request.reasoning_effort, own_template_kwargs)}
     if isinstance(request, _TokenizationRequest):
         request.check()
     else:
@@ -905,6 +918,18 @@ def _check_combinations(request: _GenerationRequest, tool_call_parser: str | Non
             request._reasoning = (reasoning_parser, thinking_requested(reasoning_parser, request.chat_template_kwargs))
             if reasoning_parser == "qwen3":  # vLLM's rule for Qwen3: a tag that is a special token survives
                 request.skip_special_tokens = False
+
+
+def effort_template_kwargs(effort: str, own_template_kwargs: dict) -> dict:
+    """The template variables a chat's reasoning_effort sets, as vLLM 0.32 sets them: reasoning_effort
+    itself (the request's field wins over a chat_template_kwargs entry of that name), and
+    enable_thinking, false for "none" and true otherwise (Qwen3's and Gemma's templates think by it),
+    unless the request's own chat_template_kwargs set it (a server default is overridden: the
+    request asked for this effort)."""
+    variables = {"reasoning_effort": effort}
+    if "enable_thinking" not in own_template_kwargs:
+        variables["enable_thinking"] = effort != "none"
+    return variables
 
 
 def _check_allowed_token_ids(ids: list[int] | None) -> None:

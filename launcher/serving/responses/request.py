@@ -21,9 +21,10 @@ What is mapped (chat_body):
   frequency_penalty, logit_bias, parallel_tool_calls, skip_special_tokens and
   include_stop_str_in_output go by their own names (the chat parser checks their values).
 - text.format: text (nothing), json_object and json_schema are the chat's response_format.
-- reasoning.effort, where given, goes to the chat template as vLLM 0.32 hands it: the template
-  variables reasoning_effort = effort and enable_thinking = (effort != "none") (Qwen3's template
-  thinks or not by the latter; a template that reads neither ignores both). reasoning.summary is
+- reasoning.effort, where given, is the chat's reasoning_effort, which goes to the chat template as
+  vLLM 0.32 hands it: the template variables reasoning_effort = effort and enable_thinking =
+  (effort != "none") (Qwen3's template thinks or not by the latter; a template that reads neither
+  ignores both). reasoning.summary is
   accepted and echoed; no summary is made (reasoning items carry the whole thinking as content).
 
 What is refused (ProtocolError 400, param = the Responses field path, e.g. input[2].content[0].type,
@@ -94,6 +95,7 @@ NON_TEXT_PART_TYPES = ("input_image", "input_file", "input_audio")
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 TOOL_CHOICES = ("auto", "none", "required")
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+"""OpenAI's Responses efforts (the chat route also takes vLLM's "max": openai_protocol.REASONING_EFFORTS)."""
 REASONING_SUMMARIES = ("auto", "concise", "detailed")
 SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
 MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
@@ -517,8 +519,8 @@ def _reasoning(reasoning, chat: dict, echo: ResponsesEcho) -> None:
                             f"(no summary is made: the reasoning item carries the whole thinking)",
                             param="reasoning.summary")
     echo.reasoning = {"effort": effort, "summary": summary}
-    if effort is not None:  # vLLM 0.32's hand-over to the chat template
-        chat["chat_template_kwargs"] = {"reasoning_effort": effort, "enable_thinking": effort != "none"}
+    if effort is not None:  # the chat's own field, which hands it to the template as vLLM 0.32 does
+        chat["reasoning_effort"] = effort
 
 
 def _unsupported_outputs(body: dict) -> None:
