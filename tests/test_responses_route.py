@@ -181,6 +181,7 @@ def test_a_function_call_read_by_the_servers_parser_whole_and_streamed(tokenizer
     check_with_the_clients_types(events)
     assert streamed_text(events) == "Let me look."
     arguments = streamed_text(events, "response.function_call_arguments.delta")
+    assert sum(event["type"] == "response.function_call_arguments.delta" for event in events) > 3  # as written
     [done] = [event for event in events if event["type"] == "response.function_call_arguments.done"]
     assert json.loads(arguments) == json.loads(done["arguments"]) == {"city": "Paris"}
     added = [event["item"] for event in events if event["type"] == "response.output_item.added"]
