@@ -686,7 +686,9 @@ def test_response_objects_and_server_sent_events():
     assert proto.SSE_DONE == "data: [DONE]\n\n"
     assert proto.error_body("bad", "temperature") == {
         "error": {"message": "bad", "type": "invalid_request_error", "param": "temperature", "code": None}}
-    assert proto.models_list(MODEL, 5)["data"][0]["id"] == MODEL
+    assert proto.models_list(MODEL, 5, 2048)["data"] == [{"id": MODEL, "object": "model", "created": 5,
+                                                          "owned_by": "corelaunch", "root": MODEL, "parent": None,
+                                                          "max_model_len": 2048}]
 
 
 def test_continuous_usage_stats_put_each_choices_counts_so_far_in_every_chunk():
@@ -1577,6 +1579,10 @@ def test_models_health_and_metrics(client, server):
 
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL  # GET /v1/models/{id} was a 404
+    # vLLM's max_model_len, which clients read to size their context: /tokenize's own
+    counted = requests.post(f"{server.url}/tokenize", json={"model": MODEL, "prompt": "Hi"}, timeout=10,
+                            headers={"Authorization": f"Bearer {API_KEY}"}).json()
+    assert client.models.list().data[0].max_model_len == counted["max_model_len"] > 0
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4")
     assert requests.get(f"{server.url}/health", timeout=10).status_code == 200  # open without the key

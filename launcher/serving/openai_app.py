@@ -743,7 +743,7 @@ class OpenAIServer:
     @app.get("/v1/models")
     def models(self, request: Request) -> dict:
         self._authorize(request)
-        return proto.models_list(self.name, self.created)
+        return proto.models_list(self.name, self.created, self.context_tokens)
 
     @app.get("/v1/models/{model_id:path}")
     def model(self, model_id: str, request: Request) -> dict:
@@ -751,7 +751,7 @@ class OpenAIServer:
         if model_id != self.name:
             raise ProtocolError(f"model {proto.clip(model_id)!r} does not exist; this server serves {self.name!r}",
                                 param="model", status=404, code="model_not_found")
-        return proto.models_list(self.name, self.created)["data"][0]
+        return proto.models_list(self.name, self.created, self.context_tokens)["data"][0]
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:

@@ -1075,8 +1075,13 @@ def usage_chunk(meta: ResponseMeta, obj: str, usage_: dict) -> dict:
             "usage": usage_}
 
 
-def models_list(name: str, created: int) -> dict:
-    return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "corelaunch"}]}
+def models_list(name: str, created: int, max_model_len: int) -> dict:
+    """GET /v1/models: the one served model's card, with vLLM's fields beside OpenAI's: max_model_len
+    (the tokens a request's prompt and output may take together, which clients read to size their
+    context), root (the served name; vLLM gives the model's path, which names the server's files)
+    and parent (null: no adapter)."""
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "corelaunch",
+                                        "root": name, "parent": None, "max_model_len": max_model_len}]}
 
 
 # ---- log-probabilities ------------------------------------------------------------------------
