@@ -1586,6 +1586,14 @@ def test_models_health_and_metrics(client, server):
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4")
     assert requests.get(f"{server.url}/health", timeout=10).status_code == 200  # open without the key
+    # SageMaker's routes: /ping as /health, /invocations answered by the route its body names
+    assert [requests.request(method, f"{server.url}/ping", timeout=10).status_code for method in ("GET", "POST")] == [
+        200, 200]
+    keyed = {"Authorization": f"Bearer {API_KEY}"}
+    invoked = requests.post(f"{server.url}/invocations", headers=keyed, timeout=60,
+                            json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+    assert invoked.status_code == 200 and invoked.json()["object"] == "text_completion"
+    assert requests.post(f"{server.url}/invocations", json={"model": MODEL, "prompt": "Hi"}, timeout=10).status_code == 401
     assert requests.head(f"{server.url}/health", timeout=10).status_code == 200  # probes by HEAD got 405
     text = requests.get(f"{server.url}/metrics", timeout=10).text
     for name in ("corelaunch_requests_running", "corelaunch_requests_waiting",

@@ -47,9 +47,7 @@ def add_parser(subparsers) -> None:
         "serve", help="serve a model over an OpenAI-compatible HTTP API (Ray Serve)",
         description="Start a private local Ray, load the model into one TP group per Serve replica, and serve "
                     "/v1/completions, /v1/chat/completions, /v1/responses, /v1/models, /tokenize, /detokenize, /health, "
-                    "/version and "
-                    "/metrics "
-                    "until SIGINT/SIGTERM.")
+                    "/version, /metrics and SageMaker's /ping and /invocations until SIGINT/SIGTERM.")
     add_model_and_placement_arguments(p)
     p.add_argument("--host", type=_host, default="127.0.0.1",
                    help="address the HTTP server binds (default 127.0.0.1: this machine only; 0.0.0.0: every interface)")

@@ -7,7 +7,8 @@ TP group) per Serve replica.
 Routes: POST /v1/completions, POST /v1/chat/completions (streaming as server-sent events, or one
 JSON object), POST /v1/responses (OpenAI's Responses API, answered through the chat route:
 responses/), GET /v1/models, GET /health, GET /metrics, and vLLM's GET /version, POST /tokenize and POST
-/detokenize (answered by the replica's own tokenizer, never the engine). The wire format lives in
+/detokenize (answered by the replica's own tokenizer, never the engine), and SageMaker's /ping and
+POST /invocations (a body answered by the route its kind names). The wire format lives in
 openai_protocol.py; this file only moves requests between it and the engine.
 """
 
@@ -99,7 +100,7 @@ def install_key_check(check) -> None:
     _key_check = check
 
 
-KEYED_ROUTES_OUTSIDE_V1 = ("/tokenize", "/detokenize")
+KEYED_ROUTES_OUTSIDE_V1 = ("/tokenize", "/detokenize", "/invocations")
 """vLLM's routes that need the API key, as every route under /v1/ does."""
 
 
@@ -494,6 +495,38 @@ def _as_responses_error(err: ProtocolError, echo) -> ProtocolError:
     return ProtocolError(message, param=param, status=err.status, type=err.type, code=err.code, headers=err.headers)
 
 
+INVOCATION_ROUTES = (("messages", "chat_completions"), ("prompt", "completions"), ("input", "responses"))
+"""SageMaker's POST /invocations: the route a body goes to, by the key that names its kind (vLLM tries
+the chat request first too)."""
+
+
+def _invocation_route(body: object) -> str:
+    """The route method a POST /invocations body is answered by; a body that is no JSON object goes
+    to the chat route, whose parser refuses it in its own words."""
+    if not isinstance(body, dict):
+        return "chat_completions"
+    for key, route in INVOCATION_ROUTES:
+        if key in body:
+            return route
+    raise ProtocolError("an /invocations body must hold messages (a chat completion), prompt (a text completion) "
+                        "or input (a response); it holds none of them")
+
+
+def _replayed(request: Request, raw: bytes) -> Request:
+    """`request` again, its body `raw` (already read): the route /invocations hands it to reads it as
+    its own; what the client sends later (its disconnect) still arrives."""
+    sent = False
+
+    async def receive():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        return await request.receive()
+
+    return Request(request.scope, receive)
+
+
 SANITIZING_MARKS = ("\U000F0000", "\U000F0001")
 """The two code points transformers' sanitize_control_tokens marks text with (dropped from message
 text and its measure; refused inside lists and objects of chat_template_kwargs)."""
@@ -729,6 +762,32 @@ class OpenAIServer:
         if self._serving():
             return JSONResponse({"status": "ok", "model": self.name})
         return JSONResponse({"status": "failed", "model": self.name}, status_code=503)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    def ping(self) -> Response:
+        """SageMaker's health probe (vLLM answers it too): /health's answer."""
+        return self.health()
+
+    @app.post("/invocations")
+    async def invocations(self, request: Request) -> Response:
+        """SageMaker's inference route (vLLM's): the body answered by the route its kind names
+        (INVOCATION_ROUTES), as if it had been sent there."""
+        self._authorize(request)
+        raw, held = await self._read_counted(request, self.metrics)
+        try:
+            # on a thread for a large body, as _request parses one
+            body = (parse_json_body(raw) if len(raw) <= PARSED_ON_A_THREAD
+                    else await asyncio.to_thread(parse_json_body, raw))
+        except ProtocolError:
+            body = None  # the chat route refuses it, counted, in its own words
+        finally:
+            self.bodies.give(held)
+        try:
+            route = _invocation_route(body)
+        except ProtocolError:
+            self.metrics.rejected(400)
+            raise
+        return await getattr(self, route)(_replayed(request, raw))
 
     @app.get("/version")
     def version(self) -> dict:
@@ -1034,16 +1093,7 @@ class OpenAIServer:
         PARSED_ON_A_THREAD bytes is parsed and checked on a thread (a 5 MB one held the event loop,
         and with it every stream and /health, for seconds)."""
         counts = self._counts(model)
-        try:
-            raw, held = await _read_body(request, self.body_limit, self.bodies)
-        except ProtocolError as err:
-            counts.rejected(err.status)
-            raise
-        # gone before its body came whole (Serve cancels the request, or the read sees the disconnect):
-        # counted as every client that leaves
-        except CLIENT_GONE:
-            counts.finished("abort", 499)
-            raise
+        raw, held = await self._read_counted(request, counts)
         try:
             if len(raw) <= PARSED_ON_A_THREAD:
                 return self._parse(model, self._json(raw, counts))
@@ -1054,17 +1104,23 @@ class OpenAIServer:
         finally:
             self.bodies.give(held)
 
+    async def _read_counted(self, request: Request, counts) -> tuple[bytes, int]:
+        """_read_body's (body, budget held), a refusal counted in `counts` (_counts), and a client gone
+        before its body came whole (Serve cancels the request, or the read sees the disconnect)
+        counted as every client that leaves."""
+        try:
+            return await _read_body(request, self.body_limit, self.bodies)
+        except ProtocolError as err:
+            counts.rejected(err.status)
+            raise
+        except CLIENT_GONE:
+            counts.finished("abort", 499)
+            raise
+
     async def _responses_request(self, request: Request):
         """A /v1/responses body read as _request reads a body, then turned into the chat request it
         asks for (responses_api.chat_body), which the chat parser checks; (that request, the echo)."""
-        try:
-            raw, held = await _read_body(request, self.body_limit, self.bodies)
-        except ProtocolError as err:
-            self.metrics.rejected(err.status)
-            raise
-        except CLIENT_GONE:
-            self.metrics.finished("abort", 499)
-            raise
+        raw, held = await self._read_counted(request, self.metrics)
         try:
             if len(raw) <= PARSED_ON_A_THREAD:
                 return self._parse_responses(self._json(raw, self.metrics))
