@@ -87,3 +87,36 @@ def test_ping_answers_as_health(tokenizer):
         server.launcher = SimpleNamespace(replica_status=lambda state=state: [{"state": state}], shutdown=lambda: None)
         assert server.ping().status_code == status == server.health().status_code
         assert json.loads(server.ping().body) == json.loads(server.health().body)
+
+
+def test_the_replayed_request_hands_its_body_over_once_then_what_the_client_sends():
+    """The route /invocations hands a body to reads it as its own; after it, the client's own messages
+    (its disconnect) arrive; the bytes are not held once handed over."""
+    from starlette.requests import Request
+
+    from launcher.serving.openai_app import _replayed
+
+    async def client_receive():
+        return {"type": "http.disconnect"}
+
+    original = Request({"type": "http", "method": "POST", "path": "/invocations", "headers": [],
+                        "query_string": b""}, client_receive)
+    replayed = _replayed(original, b'{"prompt": "Hi"}')
+
+    async def both():
+        return await replayed.receive(), await replayed.receive()
+
+    first, then = asyncio.run(both())
+    assert first == {"type": "http.request", "body": b'{"prompt": "Hi"}', "more_body": False}
+    assert then == {"type": "http.disconnect"}
+    cells = [cell.cell_contents for cell in replayed.receive.__closure__ if isinstance(cell.cell_contents, list)]
+    assert cells == [[]]  # the body is not held once handed over
+
+
+def test_a_body_with_two_kinds_goes_to_the_first_key_in_order(tokenizer):
+    """messages before prompt before input, as the route list is ordered; the chosen route's parser
+    then refuses the other kind's key by name (this server's parsers take no unknown field)."""
+    server = server_over(tokenizer, SCRIPT)
+    with pytest.raises(ProtocolError) as refused:
+        invoked(server, {"model": MODEL, "prompt": "Sky?", "messages": [{"role": "user", "content": "Sky?"}]})
+    assert refused.value.param == "prompt"  # the chat route's refusal

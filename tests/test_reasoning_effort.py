@@ -47,10 +47,12 @@ def test_a_bad_effort_is_refused_naming_the_field_and_the_values(value):
     assert "none, minimal, low, medium, high, xhigh, max" in refused.value.message
 
 
-def test_the_template_renders_the_effort(smollm2_tokenizer):
+def recording_server(smollm2_tokenizer):
+    """(a chat server over SmolLM2's tokenizer whose template prints the two variables, the prompts
+    its engine was given, as token ids)."""
     import copy
 
-    from tests.test_reasoning_usage import answer, server_over
+    from tests.test_reasoning_usage import server_over
 
     tokenizer = copy.deepcopy(smollm2_tokenizer)
     tokenizer.chat_template = ("{% for m in messages %}{{ m.content }}{% endfor %}"
@@ -60,9 +62,33 @@ def test_the_template_renders_the_effort(smollm2_tokenizer):
     astream = server.launcher.astream
 
     def recording(prompt, sampling, **options):
-        seen.append(tokenizer.decode(prompt))
+        seen.append(list(prompt))
         return astream(prompt, sampling, **options)
 
     server.launcher.astream = recording
+    return server, seen
+
+
+def test_the_template_renders_the_effort(smollm2_tokenizer):
+    from tests.test_reasoning_usage import answer
+
+    server, seen = recording_server(smollm2_tokenizer)
     answer(server, chat(reasoning_effort="minimal"))
-    assert seen == ["Hi[minimal True]"]
+    assert [server.tokenizer.decode(prompt) for prompt in seen] == ["Hi[minimal True]"]
+
+
+def test_tokenize_counts_the_chat_with_its_effort_as_the_chat_route_renders_it(smollm2_tokenizer):
+    """/tokenize's chat form takes reasoning_effort too (it was a 400): its count is the chat route's
+    prompt, the template's variables set alike."""
+    import asyncio
+    import json
+
+    from tests.test_reasoning_usage import answer
+    from tests.test_tokenize_routes import post
+
+    server, seen = recording_server(smollm2_tokenizer)
+    answer(server, chat(reasoning_effort="none"))
+    counted = asyncio.run(server.tokenize(post("/tokenize", chat(reasoning_effort="none"))))
+    plain = asyncio.run(server.tokenize(post("/tokenize", chat())))
+    assert json.loads(counted.body)["tokens"] == seen[0] and json.loads(counted.body)["count"] != json.loads(
+        plain.body)["count"]

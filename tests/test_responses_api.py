@@ -273,7 +273,7 @@ def test_every_refusal_names_the_responses_field_the_value_and_the_fix(body, par
     ("tools.0.function", "tools[0]"), ("tools.3.function.name", "tools[3].name"),
     ("tools.1.function.parameters", "tools[1].parameters"), ("tool_choice", "tool_choice"),
     ("tool_choice.function.name", "tool_choice.name"), ("tool_choice.type", "tool_choice.type"),
-    ("chat_template_kwargs", "reasoning.effort"),
+    ("reasoning_effort", "reasoning.effort"),
 ])
 def test_chat_params_are_named_as_the_responses_request_names_them(chat_param, expected):
     assert responses_param(chat_param) == expected

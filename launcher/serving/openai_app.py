@@ -101,12 +101,13 @@ def install_key_check(check) -> None:
 
 
 KEYED_ROUTES_OUTSIDE_V1 = ("/tokenize", "/detokenize", "/invocations")
-"""vLLM's routes that need the API key, as every route under /v1/ does."""
+"""The routes outside /v1/ that need the API key, as every route under /v1/ does (vLLM leaves these
+open: its key guards only paths under /v1 and a few others)."""
 
 
 def _behind_the_key(path: str) -> bool:
-    """Whether `path` is one the API key guards, for _http_error: under /v1/, or vLLM's tokenizer routes
-    (with or without a trailing slash)."""
+    """Whether `path` is one the API key guards, for _http_error: under /v1/, or one of
+    KEYED_ROUTES_OUTSIDE_V1 (with or without a trailing slash)."""
     return path.startswith("/v1/") or path.rstrip("/") in KEYED_ROUTES_OUTSIDE_V1
 
 
@@ -496,13 +497,18 @@ def _as_responses_error(err: ProtocolError, echo) -> ProtocolError:
 
 
 INVOCATION_ROUTES = (("messages", "chat_completions"), ("prompt", "completions"), ("input", "responses"))
-"""SageMaker's POST /invocations: the route a body goes to, by the key that names its kind (vLLM tries
-the chat request first too)."""
+"""SageMaker's POST /invocations: the route a body goes to, by the first of these keys it holds (vLLM
+tries the chat request first too, then the completion; the Responses API is corelaunch's addition)."""
 
 
-def _invocation_route(body: object) -> str:
+def _invocation_route(raw: bytes) -> str:
     """The route method a POST /invocations body is answered by; a body that is no JSON object goes
-    to the chat route, whose parser refuses it in its own words."""
+    to the chat route, whose parser refuses it in its own words. Only the name is returned: the
+    parsed body is not kept while the route answers (the route parses the bytes itself)."""
+    try:
+        body = parse_json_body(raw)
+    except ProtocolError:
+        return "chat_completions"
     if not isinstance(body, dict):
         return "chat_completions"
     for key, route in INVOCATION_ROUTES:
@@ -515,13 +521,11 @@ def _invocation_route(body: object) -> str:
 def _replayed(request: Request, raw: bytes) -> Request:
     """`request` again, its body `raw` (already read): the route /invocations hands it to reads it as
     its own; what the client sends later (its disconnect) still arrives."""
-    sent = False
+    body = [raw]  # handed over once, then not held (the route keeps what it needs)
 
     async def receive():
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": raw, "more_body": False}
+        if body:
+            return {"type": "http.request", "body": body.pop(), "more_body": False}
         return await request.receive()
 
     return Request(request.scope, receive)
@@ -763,7 +767,7 @@ class OpenAIServer:
             return JSONResponse({"status": "ok", "model": self.name})
         return JSONResponse({"status": "failed", "model": self.name}, status_code=503)
 
-    @app.api_route("/ping", methods=["GET", "POST"])
+    @app.api_route("/ping", methods=["GET", "POST", "HEAD"])  # HEAD: probes, as /health
     def ping(self) -> Response:
         """SageMaker's health probe (vLLM answers it too): /health's answer."""
         return self.health()
@@ -776,18 +780,19 @@ class OpenAIServer:
         raw, held = await self._read_counted(request, self.metrics)
         try:
             # on a thread for a large body, as _request parses one
-            body = (parse_json_body(raw) if len(raw) <= PARSED_ON_A_THREAD
-                    else await asyncio.to_thread(parse_json_body, raw))
-        except ProtocolError:
-            body = None  # the chat route refuses it, counted, in its own words
-        finally:
-            self.bodies.give(held)
-        try:
-            route = _invocation_route(body)
+            route = (_invocation_route(raw) if len(raw) <= PARSED_ON_A_THREAD
+                     else await asyncio.to_thread(_invocation_route, raw))
         except ProtocolError:
             self.metrics.rejected(400)
             raise
-        return await getattr(self, route)(_replayed(request, raw))
+        except asyncio.CancelledError:  # gone while a large body was parsed on a thread
+            self.metrics.finished("abort", 499)
+            raise
+        finally:
+            self.bodies.give(held)
+        replayed = _replayed(request, raw)
+        del raw  # the replayed request holds the bytes until the route has read them
+        return await getattr(self, route)(replayed)
 
     @app.get("/version")
     def version(self) -> dict:

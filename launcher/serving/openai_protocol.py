@@ -670,6 +670,8 @@ class TokenizeChatRequest(_TokenizationRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
+    reasoning_effort: Literal[REASONING_EFFORTS] | None = None
+    """As a chat request's: the template variables it sets are counted as the chat route renders them."""
     add_special_tokens: bool = False
     """vLLM's default for a chat: the template writes the special tokens it wants."""
     return_token_strs: bool = False
@@ -746,7 +748,7 @@ def parse_request(model: type[_GenerationRequest] | type[_TokenizationRequest], 
     own_template_kwargs = getattr(request, "chat_template_kwargs", None) or {}
     if template_defaults and isinstance(request, (ChatCompletionRequest, TokenizeChatRequest)):
         request.chat_template_kwargs = {**template_defaults, **own_template_kwargs}
-    if isinstance(request, ChatCompletionRequest) and request.reasoning_effort is not None:
+    if isinstance(request, (ChatCompletionRequest, TokenizeChatRequest)) and request.reasoning_effort is not None:
         request.chat_template_kwargs = {**(request.chat_template_kwargs or {}),
                                         **effort_template_kwargs(request.reasoning_effort, own_template_kwargs)}
     if isinstance(request, _TokenizationRequest):

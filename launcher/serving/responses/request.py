@@ -593,7 +593,7 @@ _RENAMED = [  # (chat prefix, Responses prefix), longest first
     ("max_completion_tokens", "max_output_tokens"),
     ("max_tokens", "max_output_tokens"),
     ("tool_choice.function", "tool_choice"),
-    ("chat_template_kwargs", "reasoning.effort"),
+    ("reasoning_effort", "reasoning.effort"),
 ]
 _CALL_FIELDS = {"id": "call_id", "type": "type", "function": "", "function.name": "name",
                 "function.arguments": "arguments"}
@@ -614,8 +614,6 @@ def responses_param(chat_param: str | None, echo: ResponsesEcho | None = None) -
     if parts[0] == "tools" and len(parts) > 1 and parts[1].isdigit():
         rest = parts[2:][1:] if parts[2:3] == ["function"] else parts[2:]
         return _path(f"tools[{parts[1]}]", rest)
-    if parts[0] == "chat_template_kwargs":
-        return "reasoning.effort"
     for chat, responses in _RENAMED:
         if chat_param == chat or chat_param.startswith(chat + "."):
             return _path(responses, chat_param[len(chat):].split(".")[1:])
