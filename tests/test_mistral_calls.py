@@ -489,3 +489,18 @@ def test_auto_reads_mistral_calls_whole_and_streamed(model_dir, in_process_clust
         [call["function"] for call in choice["message"]["tool_calls"]] for choice in whole["choices"]]
     assert all(is_mistral_id(call["id"]) for choice_calls in calls for call in choice_calls)
     assert not any(MARKER in (c["delta"].get("content") or "") for chunk in stream for c in chunk["choices"])
+
+
+def test_a_long_whitespace_start_is_held_in_pieces_and_sent_with_what_follows():
+    """Whitespace before a marker is held (no content if a call follows) in the pieces it came in: one
+    growing string copied it all at every piece (quadratic past some hundred kilobytes)."""
+    reader = MistralCallReader()
+    for _ in range(2000):
+        assert reader.delta("\n" * 30, False) == {}
+    assert len(reader._open) < len(MARKER) and len(reader._blank) == 2000
+    assert reader.delta('[TOOL_CALLS][{"name": "f", "arguments": {}}]', True)["tool_calls"][0]["function"]["name"] == "f"
+    assert reader.message()["content"] is None
+    text = MistralCallReader()
+    for _ in range(100):
+        text.delta("  ", False)
+    assert text.delta("hi", True) == {"content": "  " * 100 + "hi"}  # not a call: the whitespace goes out with it

@@ -307,12 +307,13 @@ class MistralCallReader(FreeTextCallReader):
         """"content": before the first marker; "calls": after it; "text": no call could be read, and
         the rest goes out as content; "done": the pre-v11 calls were read, the rest is dropped."""
         self._open = ""
-        """"content": the content not sent yet (a tail that may start a marker, or only whitespace);
+        """"content": the content not sent yet after _blank (a tail that may start a marker);
         "calls": a tail that may start the next marker."""
         self._find_from = 0
         """"content": where in _open the marker's search resumes."""
-        self._blank_to = 0
-        """"content", no content sent yet: _open[:_blank_to] is known to be whitespace."""
+        self._blank: list[str] = []
+        """"content", no content sent yet: the start known to be only whitespace, held while a call
+        may follow it, in the pieces it came in (one growing string copied it all at every piece)."""
         self._content_sent = False
         """Content with more than whitespace has been sent."""
         self._unsent: list[str] = []
@@ -343,21 +344,30 @@ class MistralCallReader(FreeTextCallReader):
         if at == -1:
             keep = 0 if finished else held_tail_length(self._open, (MARKER,))
             ready = len(self._open) - keep
-            self._find_from = max(0, len(self._open) - len(MARKER) + 1)
-            if not (finished or self._content_sent or self._open[self._blank_to:ready].strip()):
-                self._blank_to = ready  # whitespace so far: no content if a call follows
+            if not (finished or self._content_sent or self._open[:ready].strip()):
+                # whitespace so far: no content if a call follows (a marker holds no whitespace, so
+                # none starts inside it)
+                self._blank.append(self._open[:ready])
+                self._open = self._open[ready:]
+                self._find_from = max(0, len(self._open) - len(MARKER) + 1)
                 return "", ""
-            out, self._open = self._open[:ready], self._open[ready:]
-            self._content_sent, self._find_from, self._blank_to = True, 0, 0
+            out, self._open = self._take_blank() + self._open[:ready], self._open[ready:]
+            self._content_sent, self._find_from = True, 0
             return out, ""
-        before, after = self._open[:at], self._open[at + len(MARKER):]
+        blank = self._take_blank()
+        before, after = blank + self._open[:at], self._open[at + len(MARKER):]
         self._open, self._mode = "", "calls"
-        if self._content_sent or before[self._blank_to:].strip():
+        if self._content_sent or before[len(blank):].strip():
             self._content_sent = True
             self._unsent = [MARKER]
             return before, after
         self._unsent = [before, MARKER]
         return "", after
+
+    def _take_blank(self) -> str:
+        """The whitespace start held so far, joined, and no longer held."""
+        blank, self._blank = "".join(self._blank), []
+        return blank
 
     def _calls_in(self, text: str, finished: bool) -> tuple[list[dict], str]:
         """(the tool_calls entries of the text after the first marker, the text that turned to
