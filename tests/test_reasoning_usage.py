@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import json
 from types import SimpleNamespace
 
 import pytest

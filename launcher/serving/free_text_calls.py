@@ -1,16 +1,16 @@
 """What the readers of tool_choice "auto" share: each reads one choice's free text as content and tool
-calls in its model's own format (hermes_calls, llama_calls, mistral_calls; tool_calls.PARSER_READERS
-names them), streamed (delta) or whole (push, then message), with ToolCallReader's interface, which
-the app's ChatRender drives.
+calls in its model's own format (hermes_calls, llama_calls, mistral_calls, pythonic_calls;
+tool_calls.PARSER_READERS names them), streamed (delta) or whole (push, then message), with
+ToolCallReader's interface, which the app's ChatRender drives.
 
 A reader supplies two things: `read_whole(text)`, the whole text's CallsReading, and
 `_read_piece(piece, finished)`, what the stream sends for one more piece: content, and tool_calls
-entries, each either a call's first (its index, id, type, name and the arguments written so far)
-or more of an announced call's arguments (its index and the arguments' next piece), as a named
-call streams. The rest is the same for
-every format: the calls are made once (their ids stay the same), with parallel_tool_calls false only
-the first is kept (vLLM's rule), finish_reason says "tool_calls" when the text ended by itself with
-calls, and calls() gives what the client was given (the streamed calls, or the whole text's).
+entries, each either a call's first (its index, id, type, name and the arguments written so far) or
+more of an announced call's arguments (its index and the arguments' next piece), as a named call
+streams. The rest is the same for every format: the calls are made once (their ids stay the same),
+with parallel_tool_calls false only the first is kept (vLLM's rule), finish_reason says
+"tool_calls" when the text ended by itself with calls, and calls() gives what the client was given
+(the streamed calls, or the whole text's).
 """
 
 from __future__ import annotations

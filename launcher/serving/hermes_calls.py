@@ -119,7 +119,7 @@ class HermesCallReader(FreeTextCallReader):
         if self._mode == "content":
             content = self._content_before_a_block(finished)
         if self._mode == "calls":
-            calls = self._closed_calls(finished)
+            calls = self._call_entries(finished)
         if self._mode == "text":
             content, self._open = content + self._open, ""
         return content, calls
@@ -151,9 +151,11 @@ class HermesCallReader(FreeTextCallReader):
         self._block_fed = upto
         return [{**entry, "index": index} for entry in entries]
 
-    def _closed_calls(self, finished: bool) -> list[dict]:
-        """The calls of the blocks that closed (and, finished, of an unterminated last one). A block
-        without a call turns the mode to "text" from its start. Text between blocks is no content."""
+    def _call_entries(self, finished: bool) -> list[dict]:
+        """The tool_calls entries the blocks make so far: each call and its argument pieces as its
+        block's scan reads them, and a call never announced, whole, where its block closes (finished:
+        an unterminated last one too). A block without a call turns the mode to "text" from its
+        start. Text between blocks is no content."""
         calls = []
         while True:
             if not self._in_block:

@@ -167,7 +167,7 @@ class Llama3JsonCallReader(FreeTextCallReader):
             sendable, piece = self._content_before_an_object(piece)
             content += sendable
         if self._mode == "calls":
-            calls, piece = self._closed_calls(piece, finished)
+            calls, piece = self._call_entries(piece, finished)
         if self._mode == "text":
             content += piece
         return content, calls
@@ -205,7 +205,7 @@ class Llama3JsonCallReader(FreeTextCallReader):
         self._mode = "calls"
         return piece[:brace], piece[brace:]
 
-    def _closed_calls(self, piece: str, finished: bool) -> tuple[list[dict], str]:
+    def _call_entries(self, piece: str, finished: bool) -> tuple[list[dict], str]:
         """(the calls' entries this piece makes, the text now to send as content). A call goes out as
         its object is written; an object that closes with its call never announced sends it whole. An
         object that is no call, or still open when the text ends, turns the mode to "text": the text
@@ -218,9 +218,8 @@ class Llama3JsonCallReader(FreeTextCallReader):
             if call is None:
                 return calls, self._now_text(text + piece[end:])
             index, self._read_calls, self._held = self._read_calls, self._read_calls + 1, ""
-            announced = self._object_scan is not None and self._object_scan.sent
-            # vLLM's rule: without parallel calls, the first only
-            if not announced and (index == 0 or self.parallel_tool_calls):
+            # no scan: a call not sent (vLLM's rule without parallel calls: the first only)
+            if self._object_scan is not None and not self._object_scan.sent:  # never announced
                 calls.append(self._new_call(*call, index=index))
         calls += self._take_scanned()
         if finished and self._object_end is not None:  # cut inside an object: no whole JSON

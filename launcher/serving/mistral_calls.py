@@ -55,8 +55,8 @@ ones only its index and the next piece of its arguments.
   one whose arguments are a JSON string or null, which the whole reading does not take as written
   (the string's text, "{}"), with every call after it. An object with its "name" or "arguments"
   key twice streams the first (the whole answer takes the last).
-- v11: a call goes out with the first non-whitespace character after `[ARGS]` (or the `{` of
-  `name{`): whatever the arguments turn out to be, the whole reading strips them and keeps that
+- v11 (launcher/serving/mistral_v11_arguments.py): a call goes out with the first non-whitespace
+  character after `[ARGS]` (or the `{` of `name{`): whatever the arguments turn out to be, the whole reading strips them and keeps that
   character; with none before the next marker or the end, it goes out there with "{}". After it,
   each piece that is sure to belong to what the whole reading takes (the first JSON value as
   written; where the text starts with none, or with one that closes but is no JSON, all the text
@@ -102,6 +102,11 @@ _ID_CHARS = string.ascii_letters + string.digits
 def new_mistral_call_id() -> str:
     """A call id as Mistral's chat templates take them back: exactly 9 letters and digits."""
     return "".join(secrets.choice(_ID_CHARS) for _ in range(9))
+
+
+def mistral_call(name: str, arguments: str, index: int | None = None) -> dict:
+    """One call as the client gets it, with a Mistral call id."""
+    return tool_call(name, arguments, index=index, call_id=new_mistral_call_id())
 
 
 def pre_v11_calls(parsed: object) -> list[tuple[str, str]]:
@@ -160,6 +165,7 @@ def read_whole(text: str) -> CallsReading:
 
 BAD = "bad"
 """A marker's text that holds no call: the whole text is content."""
+
 
 class MarkerText:
     """The text after one marker (up to the next, or the end), read as it comes: feed() the pieces,
@@ -260,7 +266,7 @@ class MarkerText:
             return BAD
         entries = self._scanned(part)
         self.stage, self.held, self.settled = "after", [], True
-        return entries + [tool_call(name, arguments, index=index, call_id=new_mistral_call_id())
+        return entries + [mistral_call(name, arguments, index)
                           for index, (name, arguments) in enumerate(calls) if index >= self.sent]
 
     def _scanned(self, part: str) -> list[dict]:
@@ -289,7 +295,7 @@ class MarkerText:
         if self.sent:
             return [{"index": 0, "function": {"arguments": piece}}]
         self.sent, self.settled = 1, True
-        return [tool_call("".join(self.name), piece, index=0, call_id=new_mistral_call_id())]
+        return [mistral_call("".join(self.name), piece, index=0)]
 
 
 class MistralCallReader(FreeTextCallReader):
@@ -324,7 +330,7 @@ class MistralCallReader(FreeTextCallReader):
         """The calls of the marker texts before the current one (its first call's index)."""
 
     def _new_call(self, name: str, arguments: str, index: int | None = None) -> dict:
-        return tool_call(name, arguments, index=index, call_id=new_mistral_call_id())
+        return mistral_call(name, arguments, index)
 
     def _read_piece(self, piece: str, finished: bool) -> tuple[str, list[dict]]:
         content, calls, rest = "", [], piece

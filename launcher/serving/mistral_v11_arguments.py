@@ -1,8 +1,5 @@
-"""A Mistral v11 call's arguments (the text after `[TOOL_CALLS]name[ARGS]`) streamed as they come, as
-far as they are sure to be what the whole reading takes (mistral_calls.v11_arguments: the first
-JSON value of the stripped text, or all that text when it starts with none): V11Arguments. The
-mistral reader (launcher/serving/mistral_calls.py) drives one per streamed v11 call.
-"""
+"""V11Arguments: a Mistral v11 call's arguments streamed as they come; the mistral reader
+(launcher/serving/mistral_calls.py) drives one per streamed v11 call."""
 
 from __future__ import annotations
 

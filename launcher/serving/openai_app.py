@@ -779,17 +779,10 @@ class OpenAIServer:
         self._authorize(request)
         raw, held = await self._read_counted(request, self.metrics)
         try:
-            # on a thread for a large body, as _request parses one
-            route = (_invocation_route(raw) if len(raw) <= PARSED_ON_A_THREAD
-                     else await asyncio.to_thread(_invocation_route, raw))
+            route = await self._parsed(raw, held, self.metrics, _invocation_route)
         except ProtocolError:
             self.metrics.rejected(400)
             raise
-        except asyncio.CancelledError:  # gone while a large body was parsed on a thread
-            self.metrics.finished("abort", 499)
-            raise
-        finally:
-            self.bodies.give(held)
         replayed = _replayed(request, raw)
         del raw  # the replayed request holds the bytes until the route has read them
         return await getattr(self, route)(replayed)
@@ -853,21 +846,11 @@ class OpenAIServer:
         arrived = time.perf_counter()
         self._authorize(request)
         req = await self._request(proto.ChatCompletionRequest, request)
-        if req.truncate_prompt_tokens is not None:
-            self._truncated(req, [])  # a length the context cannot hold: refused before any tokenizing
-        prompt = await self._tokenized(self._apply_chat_template, req.chat_messages(self.tokenizer.chat_template),
-                                       req.add_generation_prompt, req.continue_final_message, False,
-                                       req.truncate_prompt_tokens is None, req.template_tools(), req.chat_template_kwargs)
-        prompt = self._truncated(req, prompt)
-        req.settle_thinking(self.think_end, self.think_start, prompt)
-        stream = await self._start_choices(req, [prompt], [proto.max_new_tokens(req, len(prompt), self.context_tokens)],
-                                           req.logprobs_count(), "messages", req.engine_prompt_logprobs())
-        # with a reasoning parser, the usage counts the thinking's tokens (by these ids where there are)
-        think_tokens = (ThinkTokens(self.think_start, self.think_end, self.call_start) if self.reasoning_parser
-                        else None)
+        stream = await self._chat_choices(req)
         return await self._respond(req, stream, [ChatRender(self.pieces, req.logprobs, i, req.prompt_logprobs,
                                                             req.skip_special_tokens, req.tool_call_reader(),
-                                                            req.reasoning(), req.include_reasoning, think_tokens)
+                                                            req.reasoning(), req.include_reasoning,
+                                                            self._usage_think_tokens())
                                                  for i in range(req.n)], arrived)
 
     @app.post("/v1/responses")
@@ -879,23 +862,32 @@ class OpenAIServer:
         self._authorize(request)
         req, echo = await self._responses_request(request)
         try:
-            if req.truncate_prompt_tokens is not None:
-                self._truncated(req, [])
-            prompt = await self._tokenized(self._apply_chat_template, req.chat_messages(self.tokenizer.chat_template),
-                                           req.add_generation_prompt, req.continue_final_message, False,
-                                           req.truncate_prompt_tokens is None, req.template_tools(),
-                                           req.chat_template_kwargs)
-            prompt = self._truncated(req, prompt)
-            req.settle_thinking(self.think_end, self.think_start, prompt)
-            stream = await self._start_choices(req, [prompt], [proto.max_new_tokens(req, len(prompt), self.context_tokens)],
-                                               req.logprobs_count(), "messages", req.engine_prompt_logprobs())
+            stream = await self._chat_choices(req)
         except ProtocolError as err:
             raise _as_responses_error(err, echo) from None
-        think_tokens = (ThinkTokens(self.think_start, self.think_end, self.call_start) if self.reasoning_parser
-                        else None)
-        render = ChatRender(self.pieces, False, 0, None, req.skip_special_tokens, req.tool_call_reader(),
-                            req.reasoning(), req.include_reasoning, think_tokens)
+        render = ChatRender(self.pieces, logprobs=False, index=0, prompt_top=None,
+                            skip_special_tokens=req.skip_special_tokens, tool_calls=req.tool_call_reader(),
+                            reasoning=req.reasoning(), include_reasoning=req.include_reasoning,
+                            think_tokens=self._usage_think_tokens())
         return await self._respond_responses(req, echo, stream, render, arrived)
+
+    async def _chat_choices(self, req) -> ChoiceStreams:
+        """A chat request's prompt rendered by the template, measured and truncated, its thinking
+        settled, and its choices started (the chat route's and the Responses route's)."""
+        if req.truncate_prompt_tokens is not None:
+            self._truncated(req, [])  # a length the context cannot hold: refused before any tokenizing
+        prompt = await self._tokenized(self._apply_chat_template, req.chat_messages(self.tokenizer.chat_template),
+                                       req.add_generation_prompt, req.continue_final_message, False,
+                                       req.truncate_prompt_tokens is None, req.template_tools(), req.chat_template_kwargs)
+        prompt = self._truncated(req, prompt)
+        req.settle_thinking(self.think_end, self.think_start, prompt)
+        return await self._start_choices(req, [prompt], [proto.max_new_tokens(req, len(prompt), self.context_tokens)],
+                                         req.logprobs_count(), "messages", req.engine_prompt_logprobs())
+
+    def _usage_think_tokens(self) -> ThinkTokens | None:
+        """With a reasoning parser, the tag ids the usage counts the thinking's tokens by (where the
+        tokenizer has them); None without one (the usage has no reasoning count)."""
+        return ThinkTokens(self.think_start, self.think_end, self.call_start) if self.reasoning_parser else None
 
     @app.post("/tokenize")
     async def tokenize(self, request: Request) -> Response:
@@ -1099,11 +1091,18 @@ class OpenAIServer:
         and with it every stream and /health, for seconds)."""
         counts = self._counts(model)
         raw, held = await self._read_counted(request, counts)
+        return await self._parsed(raw, held, counts, lambda body: self._parse(model, self._json(body, counts)))
+
+    async def _parsed(self, raw: bytes, held: int, counts, parse):
+        """parse(raw), on a thread for a body of more than PARSED_ON_A_THREAD bytes (a 5 MB one held
+        the event loop, and with it every stream and /health, for seconds); a client gone while a
+        large body was parsed counted as an abort (uncounted otherwise); the body's budget (`held`)
+        given back either way."""
         try:
             if len(raw) <= PARSED_ON_A_THREAD:
-                return self._parse(model, self._json(raw, counts))
-            return await asyncio.to_thread(lambda: self._parse(model, self._json(raw, counts)))
-        except asyncio.CancelledError:  # gone while a large body was parsed on a thread: uncounted
+                return parse(raw)
+            return await asyncio.to_thread(parse, raw)
+        except asyncio.CancelledError:
             counts.finished("abort", 499)
             raise
         finally:
@@ -1126,15 +1125,8 @@ class OpenAIServer:
         """A /v1/responses body read as _request reads a body, then turned into the chat request it
         asks for (responses_api.chat_body), which the chat parser checks; (that request, the echo)."""
         raw, held = await self._read_counted(request, self.metrics)
-        try:
-            if len(raw) <= PARSED_ON_A_THREAD:
-                return self._parse_responses(self._json(raw, self.metrics))
-            return await asyncio.to_thread(lambda: self._parse_responses(self._json(raw, self.metrics)))
-        except asyncio.CancelledError:
-            self.metrics.finished("abort", 499)
-            raise
-        finally:
-            self.bodies.give(held)
+        return await self._parsed(raw, held, self.metrics,
+                                  lambda body: self._parse_responses(self._json(body, self.metrics)))
 
     def _parse_responses(self, body):
         try:
@@ -1269,8 +1261,7 @@ class OpenAIServer:
             outcome = {"finish_reason": "abort"}  # a client that leaves before the end, even before the first event
             events = self._events(stream, renders, meta, timers, req.include_usage(), outcome,
                                   req.continuous_usage())
-            return _ClosingStreamingResponse(events, stream, lambda: self._count_stream(outcome),
-                                             media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return self._event_stream(events, stream, outcome)
         collected = await self._collected(stream, renders, timers)
         if isinstance(collected, JSONResponse):
             return collected
@@ -1312,8 +1303,7 @@ class OpenAIServer:
             outcome = {"finish_reason": "abort"}  # a client that leaves before the end
             events = self._response_events(stream, render, timer, outcome,
                                            responses_api.ResponseEvents(response_id, created, self.name, echo))
-            return _ClosingStreamingResponse(events, stream, lambda: self._count_stream(outcome),
-                                             media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return self._event_stream(events, stream, outcome)
         collected = await self._collected(stream, [render], [timer])
         if isinstance(collected, JSONResponse):
             return collected
@@ -1354,6 +1344,12 @@ class OpenAIServer:
             outcome["finish_reason"] = failure_reason(outcome["status"])
             for event in events.failed(body["error"]):
                 yield responses_api.sse(event)
+
+    def _event_stream(self, events, stream: ChoiceStreams, outcome: dict) -> Response:
+        """The server-sent events of a streamed answer; closing it closes the engine's streams and
+        counts the request by outcome["finish_reason"]."""
+        return _ClosingStreamingResponse(events, stream, lambda: self._count_stream(outcome),
+                                         media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     def _count_stream(self, outcome: dict) -> None:
         reason = outcome["finish_reason"]  # an error's status is set with it (_generation_failure)

@@ -745,12 +745,13 @@ def parse_request(model: type[_GenerationRequest] | type[_TokenizationRequest], 
         request = model.model_validate(body)
     except ValidationError as err:
         raise _field_error(err.errors()[0], model) from None
-    own_template_kwargs = getattr(request, "chat_template_kwargs", None) or {}
-    if template_defaults and isinstance(request, (ChatCompletionRequest, TokenizeChatRequest)):
-        request.chat_template_kwargs = {**template_defaults, **own_template_kwargs}
-    if isinstance(request, (ChatCompletionRequest, TokenizeChatRequest)) and request.reasoning_effort is not None:
-        request.chat_template_kwargs = {**(request.chat_template_kwargs or {}),
-                                        **effort_template_kwargs(request.reasoning_effort, own_template_kwargs)}
+    if isinstance(request, (ChatCompletionRequest, TokenizeChatRequest)):
+        own = request.chat_template_kwargs or {}
+        if template_defaults:
+            request.chat_template_kwargs = {**template_defaults, **own}
+        if request.reasoning_effort is not None:
+            request.chat_template_kwargs = {**(request.chat_template_kwargs or {}),
+                                            **effort_template_kwargs(request.reasoning_effort, own)}
     if isinstance(request, _TokenizationRequest):
         request.check()
     else:

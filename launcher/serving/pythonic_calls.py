@@ -45,7 +45,8 @@ exception below, where vLLM's whole answer and its stream disagree with each oth
   for vLLM's "pythonic" (its "llama4_pythonic" parser strips them): such a text is content.
 
 Streamed, the content goes out as it comes when the text does not start with `[`. From a leading `[`
-each call goes out as it is written, at the granularity Python's syntax gives (CallListStream):
+each call goes out as it is written, at the granularity Python's syntax gives
+(launcher/serving/pythonic_calls_stream.py):
 - once its name and its `(` have come: one tool_calls entry with its index (its place in the list),
   a new id, "function", the name and the arguments "{". Announced there, not with its first
   argument, so that a client learns which tool runs as early as the JSON formats tell it (and as

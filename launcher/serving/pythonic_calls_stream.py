@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from launcher.serving.pythonic_calls import ListScanner, NoCall, TokenReader, json_text
 
+
 def argument_piece(key: str, value: object, first: bool) -> str:
     """One keyword argument as the whole answer's arguments text writes it inside its braces: the
     json.dumps of a dict writes `"key": value`, each after the first behind ", ", key and value as
@@ -117,8 +118,7 @@ class CallListStream:
             return
         if char != "(" or level != 1:
             raise NoCall(f"{char!r} where a call's name or the list's end belongs")
-        name = TokenReader.between_signs("".join(self._since_sign), TokenReader.dotted_name)
-        self._since_sign = []
+        name = TokenReader.between_signs(self._text_since_sign(), TokenReader.dotted_name)
         entries.append(self._new_call(name, "{", self._calls))
         self._calls, self._keys = self._calls + 1, set()
         self._held.append(char)
@@ -130,14 +130,13 @@ class CallListStream:
         if closing and char != ")":
             raise NoCall(f"{char!r} closes a call's parenthesis")
         read = TokenReader.last_keyword_argument if closing else TokenReader.keyword_argument
-        argument = TokenReader.between_signs("".join(self._since_sign), read)
+        argument = TokenReader.between_signs(self._text_since_sign(), read)
         if argument is not None:
             key, value = argument
             if key in self._keys:
                 raise NoCall(f"the argument {key!r} is given twice")
             self._send(entries, argument_piece(key, value, first=not self._keys))
             self._keys.add(key)
-        self._since_sign = []
         if closing:
             self._send(entries, "}")
             self._held, self._place = [], _AFTER_CALL  # the call is whole: its text is settled

@@ -223,11 +223,11 @@ class ReasoningTokenCount:
         self.count = 0
         self._in_thinking = bool(thinking)  # deepseek_r1 passes True: the request's reasoning()
         self._start = tokens.start
-        self._ends = {tokens.end} | ({tokens.call} if check_parser(parser) == "qwen3" and tokens.call is not None
-                                     else set())
+        qwen3 = check_parser(parser) == "qwen3"
+        self._ends = {tokens.end} | ({tokens.call} if qwen3 and tokens.call is not None else set())
         # by text where the ids cannot say where the thinking ends as the split says it: no
         # `</think>` token, or qwen3 without a `<tool_call>` token (its thinking ends at that text too)
-        self._by_text = tokens.end is None or (check_parser(parser) == "qwen3" and tokens.call is None)
+        self._by_text = tokens.end is None or (qwen3 and tokens.call is None)
         self._splitter = ReasoningSplitter(parser, thinking) if self._by_text else None
         self._undecided = 0
         """By text: tokens whose text the splitter still holds (it may be a tag's start)."""

@@ -15,9 +15,10 @@ interpreted. Text that does not open an array (JSON's whitespace aside) holds no
 the array's closing bracket is not read (the whole reading refuses such a text: the output's schema
 ends it at the bracket). So is anything out of place at the array's and the objects' own levels (a
 second comma, a colon where a key belongs, a value where a comma belongs, whitespace JSON does not
-take): the text is no JSON there, and nothing from it on goes out, as no call of it is read whole. The scan is incremental: each piece's characters are read once, and only the text a call may
-still need (a key or a name being written, parameters not yet sent) is kept, so a long output costs
-its length, not its length squared.
+take): the text is no JSON there, and nothing from it on goes out, as no call of it is read whole.
+The scan is incremental: each piece's characters are read once, and only the text a call may still
+need (a key or a name being written, parameters not yet sent) is kept, so a long output costs its
+length, not its length squared.
 
 The same scan reads the calls of tool_choice "auto" in the JSON formats (hermes, llama3_json,
 mistral's array): there the readers feed it the text of one call object at a time (one_object:
@@ -27,15 +28,15 @@ their format's chat template expects. Only the first key of those named is strea
 that allows two, llama3_json's "arguments" or "parameters", streams whichever comes first).
 
 Pure (no tokenizer, no engine): tool_calls.ToolCallReader drives one per streamed "required" choice,
-and the JSON readers of "auto" calls one per call object (launcher/serving/free_text_calls.py).
+and the JSON readers of "auto" calls (hermes_calls, llama_calls: one per call object; mistral_calls:
+one per pre-v11 array).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from launcher.serving.call_json import MAX_DEPTH, is_text
 from launcher.serving.tool_calls import new_call_id

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from launcher.serving.responses.request import ResponsesEcho
 
+
 # ---- the answer -------------------------------------------------------------------------------
 def usage(chat_usage: dict) -> dict:
     """The chat usage in the Responses form. cache_write_tokens (which the client's type requires) is
@@ -46,14 +47,14 @@ def usage(chat_usage: dict) -> dict:
 
 
 def response_object(response_id: str, created_at: int, model: str, echo: ResponsesEcho, output: list[dict],
-                    status: str, usage: dict | None, incomplete_reason: str | None = None,
+                    status: str, usage_: dict | None, incomplete_reason: str | None = None,
                     error: dict | None = None) -> dict:
     """The whole Response object: the answer's items and status, and what the request echoes."""
     return {
         "id": response_id, "object": "response", "created_at": created_at, "status": status,
         "completed_at": int(time.time()) if status == "completed" else None,
         "error": error, "incomplete_details": {"reason": incomplete_reason} if incomplete_reason else None,
-        "model": model, "output": output, "usage": usage,
+        "model": model, "output": output, "usage": usage_,
         "instructions": echo.instructions, "max_output_tokens": echo.max_output_tokens,
         "max_tool_calls": echo.max_tool_calls, "parallel_tool_calls": echo.parallel_tool_calls,
         "temperature": echo.temperature, "top_p": echo.top_p, "top_logprobs": echo.top_logprobs,
@@ -157,10 +158,10 @@ class ResponseEvents:
         self._sequence += 1
         return event
 
-    def _response(self, status: str, usage: dict | None = None, incomplete_reason: str | None = None,
+    def _response(self, status: str, usage_: dict | None = None, incomplete_reason: str | None = None,
                   error: dict | None = None) -> dict:
         return response_object(self.response_id, self.created_at, self.model, self.echo,
-                               [item for item in self.output if item is not None], status, usage,
+                               [item for item in self.output if item is not None], status, usage_,
                                incomplete_reason, error)
 
     def opening(self) -> list[dict]:
@@ -188,7 +189,7 @@ class ResponseEvents:
                 events += self._call_piece(entry)
         return events
 
-    def finish(self, finish_reason: str | None, usage: dict) -> list[dict]:
+    def finish(self, finish_reason: str | None, usage_: dict) -> list[dict]:
         """Every open item closed, then response.completed (response.incomplete for a length finish)."""
         status, reason = _finished(finish_reason)
         events = []
@@ -196,7 +197,7 @@ class ResponseEvents:
             events += self._open_text("message")
         events += self._close_all(last_status="incomplete" if status == "incomplete" else "completed")
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
-        return events + [self._event(kind, response=self._response(status, usage, reason))]
+        return events + [self._event(kind, response=self._response(status, usage_, reason))]
 
     def failed(self, error: dict) -> list[dict]:
         """An error event, then response.failed holding the items so far (open ones as they stand,

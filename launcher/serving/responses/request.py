@@ -21,10 +21,8 @@ What is mapped (chat_body):
   frequency_penalty, logit_bias, parallel_tool_calls, skip_special_tokens and
   include_stop_str_in_output go by their own names (the chat parser checks their values).
 - text.format: text (nothing), json_object and json_schema are the chat's response_format.
-- reasoning.effort, where given, is the chat's reasoning_effort, which goes to the chat template as
-  vLLM 0.32 hands it: the template variables reasoning_effort = effort and enable_thinking =
-  (effort != "none") (Qwen3's template thinks or not by the latter; a template that reads neither
-  ignores both). reasoning.summary is
+- reasoning.effort, where given, is the chat's reasoning_effort (openai_protocol.effort_template_kwargs
+  says what the template gets). reasoning.summary is
   accepted and echoed; no summary is made (reasoning items carry the whole thinking as content).
 
 What is refused (ProtocolError 400, param = the Responses field path, e.g. input[2].content[0].type,
@@ -156,18 +154,17 @@ class ResponsesEcho:
 
 
 # ---- the request ------------------------------------------------------------------------------
-def chat_body(body: dict, model_field_name: str = "model") -> tuple[dict, ResponsesEcho]:
+def chat_body(body: dict) -> tuple[dict, ResponsesEcho]:
     """The /v1/chat/completions body a Responses request asks for, and what its response echoes.
-    model_field_name: the Responses body's key read as the model (handed on as the chat's "model").
     ProtocolError 400 naming the Responses field for anything refused (module docstring)."""
     if not isinstance(body, dict):
         raise ProtocolError(f"the request body must be a JSON object, not {_json_kind(body)}")
-    _check_keys(body, model_field_name)
+    _check_keys(body)
     _refuse_stored_state(body)
     echo = ResponsesEcho()
     chat: dict = {}
-    if body.get(model_field_name) is not None:
-        chat["model"] = body[model_field_name]
+    if body.get("model") is not None:
+        chat["model"] = body["model"]
     if body.get("stream") is not None:
         chat["stream"] = body["stream"]
     _check_stream_options(body.get("stream_options"))
@@ -181,15 +178,14 @@ def chat_body(body: dict, model_field_name: str = "model") -> tuple[dict, Respon
     return chat, echo
 
 
-def _check_keys(body: dict, model_field_name: str) -> None:
-    taken = TAKEN | {model_field_name}
+def _check_keys(body: dict) -> None:
     for key in body:
-        if key in taken:
+        if key in TAKEN:
             continue
         hint = _CHAT_NAMES.get(key)
-        close = difflib.get_close_matches(str(key), sorted(taken), n=3, cutoff=0.7)
+        close = difflib.get_close_matches(str(key), sorted(TAKEN), n=3, cutoff=0.7)
         fix = hint or (f"did you mean {' or '.join(repr(c) for c in close)}?" if close else
-                       f"/v1/responses takes: {', '.join(sorted(taken))}")
+                       f"/v1/responses takes: {', '.join(sorted(TAKEN))}")
         raise ProtocolError(f"unknown parameter {clip(str(key))!r}; {fix}", param=clip(str(key)))
 
 
