@@ -286,7 +286,8 @@ def test_the_stream_keeps_only_what_is_not_settled():
     reader.delta("_call>{\"name\": \"weather\", \"arguments\": {\"city\": \"", False)
     for _ in range(2000):
         reader.delta("ab", False)
-    assert reader._end_from >= len(reader._open) - len("</tool_call>")  # the closing tag's search resumes
+        assert len(reader._open) < len("</tool_call>")  # the block's read text is kept apart, in pieces
+    assert len(reader._block_read) > 2000 and "".join(reader._block_read).endswith("ab" * 2000)
     assert reader.delta("\"}}</tool_call> after", True) == {"tool_calls": [{"index": 0, "function": {"arguments": '"}'}}]}
     assert json.loads(reader.calls()[0]["function"]["arguments"]) == {"city": "ab" * 2000}
     assert len(reader._block_stream._kept) < 10  # the scan of the block keeps no argument text it sent

@@ -95,20 +95,20 @@ class HermesCallReader(FreeTextCallReader):
     def __init__(self, parallel_tool_calls: bool = True):
         super().__init__(parallel_tool_calls)
         self._open = ""
-        """Streamed: the text not settled yet (content that may open a block, or the block being
-        written); what came before it was sent as content or read as calls."""
+        """Streamed: the text not settled yet (content that may open a block; in a block, its text
+        that may start the closing tag); what came before it was sent as content, read as calls, or
+        is in _block_read."""
         self._mode = "content"
         """"content": before the first block; "calls": at or after it; "text": a block held no call,
         and the rest goes out as content."""
         self._in_block = False
-        """"calls": _open starts with an opening tag whose closing tag has not come."""
-        self._end_from = 0
-        """"calls", in a block: where in _open the search for its closing tag resumes."""
+        """"calls": a block's opening tag has come, its closing tag not yet."""
+        self._block_read: list[str] = []
+        """"calls", in a block: its text from its opening tag on that its scan has read (holding no
+        closing tag), in the pieces it came in: one growing string copied it all at every piece."""
         self._block_stream: RequiredCallsStream | None = None
         """"calls", in a block: the scan of its object, which says when its call and each piece of its
         arguments can go out."""
-        self._block_fed = 0
-        """"calls", in a block: how much of _open the block's scan has read."""
         self._blocks = 0
         """Blocks opened so far: each holds a call (a bad one ends the reading), so the block being
         read holds the call at index _blocks - 1."""
@@ -139,17 +139,18 @@ class HermesCallReader(FreeTextCallReader):
 
     def _open_block(self) -> None:
         """_open now starts with a block's opening tag: read its object from after the tag."""
-        self._in_block, self._end_from = True, len(CALL_START)
+        self._in_block, self._blocks = True, self._blocks + 1
+        self._block_read, self._open = [CALL_START], self._open[len(CALL_START):]
         self._block_stream = RequiredCallsStream(("arguments",), one_object=True)
-        self._block_fed, self._blocks = len(CALL_START), self._blocks + 1
 
     def _block_pieces(self, upto: int, index: int) -> list[dict]:
-        """The entries the block's text up to _open[upto] makes, as the call at `index`."""
-        if upto <= self._block_fed:
+        """The entries _open[:upto], the block's next text, makes as the call at `index`; that text is
+        then the block's read text, no longer in _open."""
+        if upto <= 0:
             return []
-        entries = self._block_stream.feed(self._open[self._block_fed:upto])
-        self._block_fed = upto
-        return [{**entry, "index": index} for entry in entries]
+        read, self._open = self._open[:upto], self._open[upto:]
+        self._block_read.append(read)
+        return [{**entry, "index": index} for entry in self._block_stream.feed(read)]
 
     def _call_entries(self, finished: bool) -> list[dict]:
         """The tool_calls entries the blocks make so far: each call and its argument pieces as its
@@ -166,20 +167,21 @@ class HermesCallReader(FreeTextCallReader):
                 self._open = self._open[start:]
                 self._open_block()
             index = self._blocks - 1
-            end = self._open.find(CALL_END, self._end_from)
+            # _open holds less than a closing tag before this piece: the search is the piece's
+            end = self._open.find(CALL_END)
             if end == -1 and not finished:
-                self._end_from = max(len(CALL_START), len(self._open) - len(CALL_END) + 1)
                 # all read but a tail that may open the closing tag
                 return calls + self._block_pieces(len(self._open) - held_tail_length(self._open, (CALL_END,)), index)
-            block_end = len(self._open) if end == -1 else end
-            calls += self._block_pieces(block_end, index)
-            call = call_of(self._open[len(CALL_START):block_end])
+            calls += self._block_pieces(len(self._open) if end == -1 else end, index)
+            block = "".join(self._block_read)
+            call = call_of(block[len(CALL_START):])
             if call is None:
-                self._mode = "text"  # the block, and all after it, go out as content
+                self._mode, self._open = "text", block + self._open  # the block, and all after it, are content
                 return calls
             if not self._block_stream.sent:  # never announced (its name came after its arguments)
                 calls.append(self._new_call(*call, index=index))
+            self._block_read, self._in_block = [], False
             if end == -1:
                 self._open = ""
                 return calls
-            self._open, self._in_block = self._open[end + len(CALL_END):], False
+            self._open = self._open[len(CALL_END):]
