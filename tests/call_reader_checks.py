@@ -112,32 +112,51 @@ def assert_streamed_as_whole(reader_class, text: str, cuts: list[int], id_ok=lam
     assert finish == whole.finish_reason("stop"), (text, cuts)
 
 
+def answered_with_parser(model_dir, parser: str, body: dict, refused_without: bool = False):
+    """Over a real in-process Launcher, a chat `body` answered by a server reading "auto" calls with
+    `parser`: (the ProtocolError a server without the option gives it, when refused_without, else
+    None; the whole answer; the stream's chunks)."""
+    import asyncio
+
+    import pytest
+
+    from launcher.api import Launcher
+    from launcher.serving.openai_protocol import ProtocolError
+    from tests.test_skip_special_tokens import answered, replica_over
+    from tests.test_tokenize_routes import post
+
+    route = "/v1/chat/completions"
+    with Launcher(model=model_dir, tp=1, max_num_seqs=4, progress=False, compile=False) as llm:
+        server = replica_over(llm)
+
+        async def answers():
+            refused = None
+            if refused_without:
+                server.tool_call_parser = None  # as a server started without the option
+                with pytest.raises(ProtocolError) as refusal:
+                    await server.chat_completions(post(route, body))
+                refused = refusal.value
+            server.tool_call_parser = parser  # as OpenAIServer's constructor sets it from the settings
+            return refused, await answered(server, route, body), await answered(server, route, {**body, "stream": True})
+
+        return asyncio.run(answers())
+
+
 def assert_forced_calls_end_to_end(model_dir, parser: str, reader_class, text: str,
                                    expected: list[tuple[str, str]]) -> None:
     """Over a real in-process Launcher: the model's text forced (a structured_outputs regex) to
     `text`, on a server reading "auto" calls with `parser`: for each of n=2 choices no content and
     the `expected` calls, finished by "tool_calls", whole and streamed alike."""
-    import asyncio
     import re
 
-    from launcher.api import Launcher
     from launcher.serving.openai_protocol import ChatCompletionRequest, parse_request
-    from tests.test_skip_special_tokens import answered, replica_over
     from tests.test_tool_calls import BASE, TOOLS, streamed_calls
 
-    route = "/v1/chat/completions"
     body = {**BASE, "tools": TOOLS, "tool_choice": "auto"}
     assert isinstance(parse_request(ChatCompletionRequest, body, parser).tool_call_reader(), reader_class)
     body = {**body, "structured_outputs": {"regex": re.escape(text)}, "max_tokens": 80, "temperature": 1.0,
             "seed": 3, "n": 2}
-    with Launcher(model=model_dir, tp=1, max_num_seqs=4, progress=False, compile=False) as llm:
-        server = replica_over(llm)
-        server.tool_call_parser = parser  # as OpenAIServer's constructor sets it from the settings
-
-        async def both():
-            return await answered(server, route, body), await answered(server, route, {**body, "stream": True})
-
-        whole, stream = asyncio.run(both())
+    _, whole, stream = answered_with_parser(model_dir, parser, body)
 
     assert len(whole["choices"]) == 2
     for choice in whole["choices"]:

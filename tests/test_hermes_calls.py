@@ -8,7 +8,6 @@ through the route methods over a real in-process Launcher, whole and streamed.""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 import re
@@ -225,26 +224,10 @@ def model_dir(tmp_path_factory):
 def test_auto_reads_a_hermes_call_whole_and_streamed(model_dir, in_process_cluster):
     """The model's text forced (structured_outputs regex) to `Sure.<tool_call>...</tool_call>`: the
     answer is the content "Sure." and one call, finished by "tool_calls", for each of n=2 choices."""
-    from launcher.api import Launcher
-    from tests.test_skip_special_tokens import answered, replica_over
-    from tests.test_tokenize_routes import post
-
-    route = "/v1/chat/completions"
     forced = {"regex": re.escape("Sure." + WEATHER)}  # SmolLM2 has no <tool_call> token: plain text here
     body = {**BASE, "tools": TOOLS, "tool_choice": "auto", "structured_outputs": forced,
             "max_tokens": 80, "temperature": 1.0, "seed": 3, "n": 2}
-    with Launcher(model=model_dir, tp=1, max_num_seqs=4, progress=False, compile=False) as llm:
-        server = replica_over(llm)
-
-        async def both():
-            server.tool_call_parser = None  # as a server started without the option
-            with pytest.raises(ProtocolError) as refused:
-                await server.chat_completions(post(route, body))
-            server.tool_call_parser = "hermes"  # as OpenAIServer's constructor sets it from the settings
-            return refused.value, await answered(server, route, body), await answered(server, route,
-                                                                                      {**body, "stream": True})
-
-        refused, whole, stream = asyncio.run(both())
+    refused, whole, stream = checks.answered_with_parser(model_dir, "hermes", body, refused_without=True)
 
     assert refused.param == "tool_choice" and "--tool-call-parser NAME" in refused.message
     assert len(whole["choices"]) == 2

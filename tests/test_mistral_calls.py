@@ -9,7 +9,6 @@ route methods over a real in-process Launcher, whole and streamed."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 import re
@@ -17,7 +16,7 @@ import re
 import pytest
 
 from launcher.serving.mistral_calls import MARKER, JsonValueEnd, MistralCallReader, read_whole
-from launcher.serving.openai_protocol import ChatCompletionRequest, ProtocolError, parse_request
+from launcher.serving.openai_protocol import ChatCompletionRequest, parse_request
 from tests import call_reader_checks as checks
 from tests.call_reader_checks import random_cuts
 from tests.model_factory import random_model_with_smollm2_tokenizer
@@ -453,27 +452,11 @@ def test_auto_reads_mistral_calls_whole_and_streamed(model_dir, in_process_clust
     """The model's text forced (structured_outputs regex) to `Sure.[TOOL_CALLS]weather[ARGS]{...}`
     and a second v11 call: the answer is the content "Sure." and two calls with Mistral's ids,
     finished by "tool_calls", for each of n=2 choices, whole and streamed."""
-    from launcher.api import Launcher
-    from tests.test_skip_special_tokens import answered, replica_over
-    from tests.test_tokenize_routes import post
-
-    route = "/v1/chat/completions"
     forced = {"regex": re.escape("Sure." + V11 + FLAG_V11)}  # SmolLM2 has no [TOOL_CALLS] token: plain text here
     body = {**BASE, "tools": TOOLS, "tool_choice": "auto", "structured_outputs": forced,
             "max_tokens": 80, "temperature": 1.0, "seed": 3, "n": 2}
     assert isinstance(parse_request(ChatCompletionRequest, body, "mistral").tool_call_reader(), MistralCallReader)
-    with Launcher(model=model_dir, tp=1, max_num_seqs=4, progress=False, compile=False) as llm:
-        server = replica_over(llm)
-
-        async def both():
-            server.tool_call_parser = None  # as a server started without the option
-            with pytest.raises(ProtocolError) as refused:
-                await server.chat_completions(post(route, body))
-            server.tool_call_parser = "mistral"  # as OpenAIServer's constructor sets it from the settings
-            return refused.value, await answered(server, route, body), await answered(server, route,
-                                                                                      {**body, "stream": True})
-
-        refused, whole, stream = asyncio.run(both())
+    refused, whole, stream = checks.answered_with_parser(model_dir, "mistral", body, refused_without=True)
 
     assert refused.param == "tool_choice"
     assert len(whole["choices"]) == 2

@@ -193,7 +193,11 @@ def test_a_thinking_servers_answers_end_to_end(model_dir, in_process_cluster):
 def test_the_think_tags_are_the_tokenizers_own_tokens_the_model_can_generate(smollm2_tokenizer):
     import copy
 
-    from launcher.serving.openai_app import _think_tokens
+    from launcher.serving.openai_app import _generated_tags
+    from launcher.serving.reasoning import THINK_END, THINK_START
+
+    def _think_tokens(tokenizer, vocab_size):  # the ids the server looks up, as its constructor does
+        return _generated_tags(tokenizer, vocab_size, (THINK_START, THINK_END))
 
     assert _think_tokens(smollm2_tokenizer, 49152) == (None, None)  # SmolLM2 has no such tokens
     tagged = copy.deepcopy(smollm2_tokenizer)

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import copy
-from types import SimpleNamespace
 
 import pytest
 
-from launcher.serving.stream_types import StreamDelta
 from tests.test_skip_special_tokens import answered
 
 MODEL = "smollm2-135m-instruct"
@@ -42,35 +40,10 @@ def untagged(smollm2_tokenizer):
 
 
 def server_over(tokenizer, reasoning_parser: str | None, scripts: list[str]):
-    """The server's class over `tokenizer`, its fields set as its constructor sets them, over an engine
-    that streams scripts[i] as choice i's text (one token a delta, the last one finishing it)."""
-    from launcher.serving.openai_app import _think_tokens
-    from launcher.serving.token_pieces import TokenPieces
-    from tests.test_tokenize_routes import replica
+    """The scripted server (tests/test_tokenize_routes.py) streaming scripts[i] as request i's text."""
+    from tests.test_tokenize_routes import scripted_server
 
-    server = replica(tokenizer)
-    left = list(scripts)
-
-    def astream(prompt, sampling, **options):
-        ids = tokenizer.encode(left.pop(0), add_special_tokens=False)
-
-        async def deltas():
-            for n, token in enumerate(ids, 1):
-                yield StreamDelta("r", tokenizer.decode([token]), [token], "stop" if n == len(ids) else None,
-                                  prompt_tokens=len(prompt), completion_tokens=n,
-                                  cached_tokens=0 if n == 1 else None)
-
-        return deltas()
-
-    server.launcher = SimpleNamespace(model_config=server.launcher.model_config, shutdown=lambda: None,
-                                      config=SimpleNamespace(max_num_seqs=4), astream=astream)
-    server.pieces, server.longest_prompt, server.several_replicas = TokenPieces(tokenizer), None, False
-    server.tool_call_parser, server.default_chat_template_kwargs = None, None
-    server.reasoning_parser = reasoning_parser
-    if reasoning_parser:  # as the constructor sets them
-        server.think_start, server.think_end = _think_tokens(tokenizer, len(tokenizer))
-        server.call_start = tokenizer.get_vocab().get("<tool_call>")
-    return server
+    return scripted_server(tokenizer, scripts, reasoning_parser=reasoning_parser)
 
 
 def asked(**fields) -> dict:

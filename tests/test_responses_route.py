@@ -11,12 +11,10 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
-from types import SimpleNamespace
 
 import pytest
 
 from launcher.serving.openai_protocol import ProtocolError
-from launcher.serving.stream_types import StreamDelta
 from tests.test_tokenize_routes import post
 
 MODEL = "smollm2-135m-instruct"
@@ -38,38 +36,10 @@ def tokenizer(smollm2_tokenizer):
 
 
 def server_over(tokenizer, script: str, tool_call_parser: str | None = None, reasoning_parser: str | None = None):
-    """The server's class over `tokenizer`, its fields set as its constructor sets them, over an engine
-    that streams `script` one token a delta, finishing "stop" at its end or "length" at the request's
-    max_new_tokens; server.prompts collects the prompts it was given, as text."""
-    from launcher.serving.openai_app import _think_tokens
-    from launcher.serving.token_pieces import TokenPieces
-    from tests.test_tokenize_routes import replica
+    """The scripted server (tests/test_tokenize_routes.py) streaming `script` for every request."""
+    from tests.test_tokenize_routes import scripted_server
 
-    server = replica(tokenizer)
-    server.prompts = []
-
-    def astream(prompt, sampling, max_new_tokens, **options):
-        server.prompts.append(tokenizer.decode(prompt))
-        ids = tokenizer.encode(script, add_special_tokens=False)[:max_new_tokens]
-        cut = len(tokenizer.encode(script, add_special_tokens=False)) > max_new_tokens
-
-        async def deltas():
-            for n, token in enumerate(ids, 1):
-                yield StreamDelta("r", tokenizer.decode([token]), [token],
-                                  ("length" if cut else "stop") if n == len(ids) else None,
-                                  prompt_tokens=len(prompt), completion_tokens=n, cached_tokens=0 if n == 1 else None)
-
-        return deltas()
-
-    server.launcher = SimpleNamespace(model_config=server.launcher.model_config, shutdown=lambda: None,
-                                      config=SimpleNamespace(max_num_seqs=4), astream=astream)
-    server.pieces, server.longest_prompt, server.several_replicas = TokenPieces(tokenizer), None, False
-    server.tool_call_parser, server.default_chat_template_kwargs = tool_call_parser, None
-    server.reasoning_parser = reasoning_parser
-    if reasoning_parser:  # as the constructor sets them
-        server.think_start, server.think_end = _think_tokens(tokenizer, len(tokenizer))
-        server.call_start = None
-    return server
+    return scripted_server(tokenizer, script, tool_call_parser, reasoning_parser)
 
 
 def respond(server, body: dict):

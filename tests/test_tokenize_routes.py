@@ -108,6 +108,44 @@ def replica(tokenizer, api_key: str | None = None, context: int = 512):
     return server
 
 
+def scripted_server(tokenizer, scripts, tool_call_parser: str | None = None, reasoning_parser: str | None = None):
+    """The server's class over `tokenizer` (replica's), its fields set as its constructor sets them,
+    over an engine that streams a scripted text one token a delta, finishing "stop" at its end or
+    "length" at the request's max_new_tokens: `scripts` one text for every request, or a list of
+    texts, one per request in order. server.prompts collects the prompts it was given, as text."""
+    from launcher.serving.openai_app import _generated_tags
+    from launcher.serving.reasoning import CALL_START, THINK_END, THINK_START
+    from launcher.serving.stream_types import StreamDelta
+    from launcher.serving.token_pieces import TokenPieces
+
+    server = replica(tokenizer)
+    server.prompts = []
+    left = None if isinstance(scripts, str) else list(scripts)
+
+    def astream(prompt, sampling, max_new_tokens, **options):
+        server.prompts.append(tokenizer.decode(prompt))
+        whole = tokenizer.encode(scripts if left is None else left.pop(0), add_special_tokens=False)
+        ids, cut = whole[:max_new_tokens], len(whole) > max_new_tokens
+
+        async def deltas():
+            for n, token in enumerate(ids, 1):
+                yield StreamDelta("r", tokenizer.decode([token]), [token],
+                                  ("length" if cut else "stop") if n == len(ids) else None,
+                                  prompt_tokens=len(prompt), completion_tokens=n, cached_tokens=0 if n == 1 else None)
+
+        return deltas()
+
+    server.launcher = SimpleNamespace(model_config=server.launcher.model_config, shutdown=lambda: None,
+                                      config=SimpleNamespace(max_num_seqs=4), astream=astream)
+    server.pieces, server.longest_prompt, server.several_replicas = TokenPieces(tokenizer), None, False
+    server.tool_call_parser, server.default_chat_template_kwargs = tool_call_parser, None
+    server.reasoning_parser = reasoning_parser
+    if reasoning_parser:  # as the constructor sets them
+        server.think_start, server.think_end, server.call_start = _generated_tags(
+            tokenizer, len(tokenizer), (THINK_START, THINK_END, CALL_START))
+    return server
+
+
 def post(path: str, body, key: str | None = None):
     """A Starlette POST of `body` (JSON) to `path`."""
     from starlette.requests import Request

@@ -190,15 +190,21 @@ class Replica:
             handle.cancelled = True
             # Out of the books at once, as a timed-out request: its reader is done with it (a stop
             # string, a close, a client gone), so load() and admission stop counting it now.
-            self.streams.pop(request_id)
+            self._out_of_the_books(request_id)
             self.served += 1
-            self.pool.finish_rate.record()
             if self.state == "serving":
                 # Its id stays taken until the leader's answer; its late events are dropped.
                 self.cancelling.add(request_id)
                 self.started.group.cancel([request_id])  # the leader answers with an "abort" event
             # else the group is restarting (or gone): no leader will answer, and the restart does
             # not resubmit what is no longer in the books, so the id is free at once
+
+    def _out_of_the_books(self, request_id: str) -> None:
+        """A stream that ended here (finished, cancelled, timed out) leaves the replica's books, and
+        the pool's pace of ends (a full queue's Retry-After) counts it; a stream moved elsewhere does
+        not end, and is popped alone."""
+        self.streams.pop(request_id)
+        self.pool.finish_rate.record()
 
     def _poll_streams(self, wait_s: float = POLL_WAIT_S) -> None:
         while not self.dropped.empty():
@@ -225,9 +231,8 @@ class Replica:
                 handle = self.streams.get(event.request_id)
                 if handle is not None and event.finish_reason is not None:
                     # Out of the books before the reader learns it finished (load() is then exact).
-                    self.streams.pop(event.request_id)
+                    self._out_of_the_books(event.request_id)
                     self.served += 1
-                    self.pool.finish_rate.record()
             if handle is not None and event.finish_reason == "error":
                 handle.fail(RequestFailed(f"request {handle.request_id} failed: {event.error}"))
             elif handle is not None:
@@ -236,9 +241,8 @@ class Replica:
         with self._streams_lock:
             late = [h for h in self.streams.values() if now > h.deadline]
             for handle in late:
-                self.streams.pop(handle.request_id)
+                self._out_of_the_books(handle.request_id)  # a queued request may take its place
                 self.cancelling.add(handle.request_id)
-                self.pool.finish_rate.record()  # out of the books: a queued request may take its place
         for handle in late:
             group.cancel([handle.request_id])
             handle.fail(_overdue(handle, "it was cancelled"))
@@ -377,8 +381,7 @@ class Replica:
         now = time.monotonic()
         for handle in list(self.streams.values()):
             if now > handle.deadline:  # its prompt would be prefilled again only to time out
-                self.streams.pop(handle.request_id)
-                self.pool.finish_rate.record()
+                self._out_of_the_books(handle.request_id)
                 handle.fail(_overdue(handle, "its group failed and it was not resumed"))
                 continue
             self._hand_over(handle, handle.resumed())

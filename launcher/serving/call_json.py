@@ -98,6 +98,31 @@ def decode_at(text: str, start: int = 0) -> tuple[object, int] | None:
         return None
 
 
+def loads_or_none(text: str) -> object:
+    """The JSON value the whole text is (json.loads: whitespace around it allowed), None where there
+    is none: bad JSON, an integer past Python's digit limit, or nesting past MAX_DEPTH (the same
+    answer whatever the caller's stack). A text that is `null` also gives None, which no caller takes
+    as a call either."""
+    if too_deep(text):
+        return None
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+
+
+def named_call(parsed: object, arguments_keys: tuple[str, ...]) -> tuple[str, str] | None:
+    """(name, arguments JSON text) of a decoded call object, None when it holds none: no object, a
+    name no UTF-8 text can carry, or none of `arguments_keys` (the first present is taken, as vLLM's
+    parsers take them). The arguments, any JSON value, are written back by arguments_text."""
+    if not (isinstance(parsed, dict) and is_text(parsed.get("name"))):
+        return None
+    for key in arguments_keys:
+        if key in parsed:
+            return parsed["name"], arguments_text(parsed[key])
+    return None
+
+
 def is_text(value: object) -> bool:
     """A str that UTF-8 can carry (no lone surrogate)."""
     if not isinstance(value, str):

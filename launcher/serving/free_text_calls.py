@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from launcher.serving.tool_calls import tool_call
+from launcher.serving.tool_calls import SentCalls, tool_call
 
 
 @dataclass(frozen=True)
@@ -36,11 +36,8 @@ class FreeTextCallReader:
         self.parallel_tool_calls = parallel_tool_calls
         self._pieces: list[str] = []
         """The whole text, for the whole reading."""
-        self._streamed: list[dict] | None = None
-        """The calls the stream sent, each as its first entry (None: the text was not streamed)."""
-        self._streamed_arguments: list[list[str]] = []
-        """Each streamed call's arguments as the pieces sent (joined only in calls(): appending to one
-        string copied a long argument at every piece)."""
+        self._streamed: SentCalls | None = None
+        """The calls the stream sent (None: the text was not streamed)."""
         self._whole: tuple[CallsReading, list[dict]] | None = None
 
     @staticmethod
@@ -63,22 +60,14 @@ class FreeTextCallReader:
     def delta(self, piece: str, finished: bool) -> dict:
         """The chunk's delta for this piece of the text: {"content"} and/or {"tool_calls"}, or {}."""
         if self._streamed is None:
-            self._streamed = []
+            self._streamed = SentCalls()
         self._pieces.append(piece)
         content, calls = self._read_piece(piece, finished)
         if not self.parallel_tool_calls:  # vLLM's rule: the first call only
             calls = [call for call in calls if call["index"] == 0]
         for entry in calls:
-            self._keep_sent(entry)
+            self._streamed.record(entry)
         return ({"content": content} if content else {}) | ({"tool_calls": calls} if calls else {})
-
-    def _keep_sent(self, entry: dict) -> None:
-        """Record a streamed entry: a new call, or more of a call's arguments."""
-        if "id" in entry:
-            self._streamed.append({**entry, "function": dict(entry["function"])})
-            self._streamed_arguments.append([entry["function"]["arguments"]])
-        else:
-            self._streamed_arguments[entry["index"]].append(entry["function"]["arguments"])
 
     def push(self, piece: str, finished: bool) -> list:
         """Keep a piece of a text read whole (message, once it has all come)."""
@@ -95,10 +84,7 @@ class FreeTextCallReader:
 
     def calls(self) -> list[dict]:
         """The calls the client was given: those streamed, or the whole text's."""
-        if self._streamed is None:
-            return self._whole_reading()[1]
-        return [{**call, "function": {"name": call["function"]["name"], "arguments": "".join(pieces)}}
-                for call, pieces in zip(self._streamed, self._streamed_arguments)]
+        return self._whole_reading()[1] if self._streamed is None else self._streamed.calls()
 
     def finish_reason(self, finish: str | None) -> str | None:
         """"tool_calls" when the text ended by itself ("stop") with calls (vLLM's rule, streamed; its

@@ -30,9 +30,7 @@ part: launcher/serving/free_text_calls.py).
 
 from __future__ import annotations
 
-import json
-
-from launcher.serving.call_json import arguments_text, is_text, too_deep
+from launcher.serving.call_json import loads_or_none, named_call
 from launcher.serving.free_text_calls import CallsReading, FreeTextCallReader
 from launcher.serving.required_calls_stream import RequiredCallsStream
 from launcher.serving.stop_strings import held_tail_length
@@ -46,15 +44,7 @@ def call_of(block: str) -> tuple[str, str] | None:
     the model wrote; like vLLM's, any JSON value is taken (a model writing its arguments as a JSON
     string gets that string back as JSON text). JSON nested past call_json.MAX_DEPTH, or a name
     no UTF-8 text can carry, is no call (launcher/serving/call_json.py)."""
-    if too_deep(block):
-        return None
-    try:
-        parsed = json.loads(block)
-    except (ValueError, RecursionError):  # ValueError: bad JSON, or an integer past Python's digit limit
-        return None
-    if not (isinstance(parsed, dict) and is_text(parsed.get("name")) and "arguments" in parsed):
-        return None
-    return parsed["name"], arguments_text(parsed["arguments"])
+    return named_call(loads_or_none(block), ("arguments",))
 
 
 def blocks(text: str) -> list[str]:
@@ -178,7 +168,7 @@ class HermesCallReader(FreeTextCallReader):
             if call is None:
                 self._mode, self._open = "text", block + self._open  # the block, and all after it, are content
                 return calls
-            if not self._block_stream.sent:  # never announced (its name came after its arguments)
+            if not self._block_stream.announced:  # never announced (its name came after its arguments)
                 calls.append(self._new_call(*call, index=index))
             self._block_read, self._in_block = [], False
             if end == -1:

@@ -59,7 +59,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from launcher.serving.call_json import JsonValueEnd, arguments_text, decode_at, is_text
+from launcher.serving.call_json import JsonValueEnd, decode_at, named_call
 from launcher.serving.free_text_calls import CallsReading, FreeTextCallReader
 from launcher.serving.required_calls_stream import RequiredCallsStream
 
@@ -79,12 +79,7 @@ def call_of(parsed: object) -> tuple[str, str] | None:
     "arguments" when there, else "parameters" (vLLM's order), written back as vLLM writes them
     (json.dumps, non-ASCII kept): any JSON value is taken. A name no UTF-8 text can carry is none
     (launcher/serving/call_json.py)."""
-    if not (isinstance(parsed, dict) and is_text(parsed.get("name"))):
-        return None
-    for key in ("arguments", "parameters"):
-        if key in parsed:
-            return parsed["name"], arguments_text(parsed[key])
-    return None
+    return named_call(parsed, ("arguments", "parameters"))
 
 
 def calls_from(text: str, first: int) -> list[tuple[str, str]] | None:
@@ -219,7 +214,7 @@ class Llama3JsonCallReader(FreeTextCallReader):
                 return calls, self._now_text(text + piece[end:])
             index, self._read_calls, self._held = self._read_calls, self._read_calls + 1, ""
             # no scan: a call not sent (vLLM's rule without parallel calls: the first only)
-            if self._object_scan is not None and not self._object_scan.sent:  # never announced
+            if self._object_scan is not None and not self._object_scan.announced:  # never announced
                 calls.append(self._new_call(*call, index=index))
         calls += self._take_scanned()
         if finished and self._object_end is not None:  # cut inside an object: no whole JSON

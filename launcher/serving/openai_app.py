@@ -488,6 +488,12 @@ def _generation_failure(err: Exception) -> tuple[int, dict, dict]:
     return 500, proto.error_body(f"generation failed: {err}", type="server_error"), _NO_RETRY
 
 
+def _responses_usage(stream: ChoiceStreams, completion_tokens: int, render: ChatRender) -> dict:
+    """The Responses usage of a request's one choice (the chat usage in the Responses form)."""
+    return responses_api.usage(proto.usage(stream.prompt_tokens, completion_tokens, stream.cached_tokens,
+                                           render.reasoning_tokens()))
+
+
 def _as_responses_error(err: ProtocolError, echo) -> ProtocolError:
     """A chat-route refusal of a /v1/responses request, told in the Responses request's terms: the
     param the client sent (responses_api.responses_param), named so in the message too."""
@@ -585,12 +591,6 @@ SERVER_VERSION = _installed_version()
 def _template_refused(err: Exception) -> ProtocolError:
     """A chat template's refusal (roles out of order, a length it checks): the client's doing, a 400."""
     return ProtocolError(f"messages: the model's chat template refused them: {err}", param="messages")
-
-
-def _think_tokens(tokenizer, vocab_size: int) -> tuple[int | None, int | None]:
-    """The ids of `<think>` and `</think>` where the tokenizer has each as one token the model can
-    generate (Qwen3's, DeepSeek-R1's), else None."""
-    return _generated_tags(tokenizer, vocab_size, (THINK_START, THINK_END))
 
 
 def _generated_tags(tokenizer, vocab_size: int, tags: tuple[str, ...]) -> tuple[int | None, ...]:
@@ -720,8 +720,8 @@ class OpenAIServer:
         self.reasoning_parser = settings.reasoning_parser
         self.default_chat_template_kwargs = settings.default_chat_template_kwargs
         if self.reasoning_parser:
-            self.think_start, self.think_end = _think_tokens(self.tokenizer, self.launcher.model_config.vocab_size)
-            [self.call_start] = _generated_tags(self.tokenizer, self.launcher.model_config.vocab_size, (CALL_START,))
+            self.think_start, self.think_end, self.call_start = _generated_tags(  # one look at the vocabulary
+                self.tokenizer, self.launcher.model_config.vocab_size, (THINK_START, THINK_END, CALL_START))
         self.context_tokens = _context_tokens(self.launcher)
         self.longest_prompt = _longest_prompt(self.launcher)
         self.metrics = ServerMetrics(self.launcher.load)
@@ -1310,8 +1310,7 @@ class OpenAIServer:
         [finish], [completion_tokens] = collected
         choice = render.choice(finish)
         items, status, incomplete = responses_api.output_items(choice["message"], choice["finish_reason"])
-        usage = responses_api.usage(proto.usage(stream.prompt_tokens, completion_tokens, stream.cached_tokens,
-                                                render.reasoning_tokens()))
+        usage = _responses_usage(stream, completion_tokens, render)
         return JSONResponse(responses_api.response_object(response_id, created, self.name, echo, items, status, usage,
                                                           incomplete))
 
@@ -1321,7 +1320,6 @@ class OpenAIServer:
         `events` (a ResponseEvents) tells them, ending with response.completed (or .incomplete, or an
         error event and response.failed); outcome["finish_reason"] as _events sets it."""
         completion_tokens, sent_finish = 0, None
-        meta = proto.ResponseMeta.new(render.id_prefix, self.name)  # the chat chunks' own, read here only
         try:
             async with aclosing(stream):
                 for event in events.opening():
@@ -1329,15 +1327,11 @@ class OpenAIServer:
                 async for _, delta in stream:
                     timer.tokens(render.new_tokens(delta), time.perf_counter())
                     completion_tokens = render.completion_tokens(delta)
-                    chunk = render.chunk(meta, delta)
-                    if chunk is not None:
-                        for event in events.delta(chunk["choices"][0]["delta"]):
-                            yield responses_api.sse(event)
+                    for event in events.delta(render.message(delta)):
+                        yield responses_api.sse(event)
                     if delta.finish_reason:
                         sent_finish = outcome["finish_reason"] = render.finish_reason(delta.finish_reason)
-            usage = responses_api.usage(proto.usage(stream.prompt_tokens, completion_tokens, stream.cached_tokens,
-                                                    render.reasoning_tokens()))
-            for event in events.finish(sent_finish, usage):
+            for event in events.finish(sent_finish, _responses_usage(stream, completion_tokens, render)):
                 yield responses_api.sse(event)
         except Exception as err:  # noqa: BLE001 - headers are sent: the error can only be an event
             outcome["status"], body, _ = _generation_failure(err)

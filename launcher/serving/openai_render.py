@@ -160,9 +160,8 @@ class ChatRender(_Render):
         self.text, self.entries = [], []
         self.calls = tool_calls
         self.reasoning, self.include_reasoning = reasoning, include_reasoning
-        self.splitter: ReasoningSplitter | None = None
-        """This choice's text split as it streams, made at the first chunk (a whole answer is read at
-        its end: choice())."""
+        self.splitter = ReasoningSplitter(*reasoning) if reasoning is not None else None
+        """This choice's text split as it streams (a whole answer is read at its end: choice())."""
         self.counts_reasoning = think_tokens is not None
         self.thinking_count = (ReasoningTokenCount(*reasoning, think_tokens)
                                if self.counts_reasoning and reasoning is not None else None)
@@ -186,9 +185,7 @@ class ChatRender(_Render):
         """The chunk's delta: the text, or what the reader makes of it (tool calls' pieces; with
         tool_choice "auto", content and whole calls), after the thinking went to "reasoning"."""
         text, finished, thought = delta.text, delta.finish_reason is not None, ""
-        if self.reasoning is not None:
-            if self.splitter is None:
-                self.splitter = ReasoningSplitter(*self.reasoning)
+        if self.splitter is not None:
             thought, text = self.splitter.feed(text, finished)
         message = self.calls.delta(text, finished) if self.calls is not None else {"content": text} if text else {}
         if thought and self.include_reasoning:
@@ -201,11 +198,16 @@ class ChatRender(_Render):
     def opening(self, meta) -> list[dict]:
         return [proto.chat_chunk(meta, {"role": "assistant", "content": ""}, index=self.index)]
 
-    def chunk(self, meta, delta) -> dict | None:
+    def message(self, delta) -> dict:
+        """The streamed message delta for this engine delta (counted), without the chunk around it
+        (the Responses stream tells it as its own events; no logprobs there)."""
         self._count_reasoning(delta)
+        return self._delta(delta)
+
+    def chunk(self, meta, delta) -> dict | None:
         ready = self._ready(delta)
         logprobs = proto.chat_logprobs(ready, self.pieces) if ready else None
-        message = self._delta(delta)
+        message = self.message(delta)
         if not message and logprobs is None and delta.finish_reason is None:
             return None
         return proto.chat_chunk(meta, message, self._sent_finish(delta.finish_reason), logprobs, self.index)

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from launcher.serving.call_json import MAX_DEPTH, is_text
-from launcher.serving.tool_calls import new_call_id
+from launcher.serving.tool_calls import SentCalls, new_call_id
 
 # What the scan expects next inside an element object of the array.
 _KEY, _COLON, _VALUE, _STRING_VALUE, _NESTED_VALUE, _SCALAR_VALUE, _AFTER_VALUE = range(7)
@@ -102,11 +102,7 @@ class RequiredCallsStream:
         """In an element, a comma came last: a key must follow (a closing brace would be no JSON)."""
         self._array_expect = _FIRST_ELEMENT
         """At the array's own level, what may come next."""
-        self._announced: list[dict] = []
-        """Each sent call's first entry (id, type, name and the first piece of its arguments)."""
-        self._argument_pieces: list[list[str]] = []
-        """Each sent call's arguments as the pieces sent (joined only when read: appending to one
-        string copied a long argument at every piece)."""
+        self._sent = SentCalls()
 
     def feed(self, piece: str) -> list[dict]:
         """The tool_calls entries this piece of the text makes ([] for none)."""
@@ -125,8 +121,12 @@ class RequiredCallsStream:
     def sent(self) -> list[dict]:
         """The calls sent so far, each as a whole answer's entry (id, type, function name and the
         arguments sent so far)."""
-        return [{**entry, "function": {"name": entry["function"]["name"], "arguments": "".join(pieces)}}
-                for entry, pieces in zip(self._announced, self._argument_pieces)]
+        return self._sent.calls()
+
+    @property
+    def announced(self) -> int:
+        """How many calls have gone out (without joining their arguments, as sent does)."""
+        return len(self._sent)
 
     def _text(self, start: int, end: int) -> str:
         return self._kept[start - self._kept_from:end - self._kept_from]
@@ -146,20 +146,19 @@ class RequiredCallsStream:
             if not call.ready:  # elements are written in order: nothing after it can be sent
                 break
             end = call.arguments_end if call.arguments_end is not None else self._read_to
-            if index == self._first_open and index < len(self._announced) and self._sent_to[index] == call.arguments_end:
+            if index == self._first_open and index < len(self._sent) and self._sent_to[index] == call.arguments_end:
                 self._first_open += 1  # sent whole before this piece
                 continue
-            if index < len(self._announced):
+            if index < len(self._sent):
                 if end > self._sent_to[index]:
-                    arguments = self._text(self._sent_to[index], end)
-                    self._argument_pieces[index].append(arguments)
+                    piece = {"index": index, "function": {"arguments": self._text(self._sent_to[index], end)}}
+                    self._sent.record(piece)
                     self._sent_to[index] = end
-                    entries.append({"index": index, "function": {"arguments": arguments}})
+                    entries.append(piece)
                 continue
             arguments = self._text(call.arguments_start, end)
             entry = {"id": self._make_id(), "type": "function", "function": {"name": call.name, "arguments": arguments}}
-            self._announced.append(entry)
-            self._argument_pieces.append([arguments])
+            self._sent.record(entry)
             self._sent_to.append(end)
             entries.append({"index": index, **entry, "function": dict(entry["function"])})
         return entries
@@ -174,7 +173,7 @@ class RequiredCallsStream:
         if self._in_string and self._depth == 2 and (
                 self._expect == _KEY or (self._expect == _STRING_VALUE and self._key == "name")):
             needed = self._string_start
-        for call in self._calls[len(self._announced):]:
+        for call in self._calls[len(self._sent):]:
             if call.arguments_start is not None:
                 needed = min(needed, call.arguments_start)
         if needed > self._kept_from:

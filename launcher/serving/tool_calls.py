@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from launcher.serving import openai_protocol as proto
-from launcher.serving.call_json import arguments_text, is_text, too_deep
+from launcher.serving.call_json import arguments_text, is_text, loads_or_none
 from launcher.serving.null_means_default import NullMeansDefault
 from shardlib.structured_output import StructuredOutput
 
@@ -408,17 +408,38 @@ def tool_call(name: str, arguments: str, index: int | None = None, call_id: str 
     return call if index is None else {"index": index, **call}
 
 
+class SentCalls:
+    """The calls a stream has sent: each call's first entry (its id, type, name and first piece of
+    arguments) and its arguments as the pieces sent, joined only when read (appending to one string
+    copied a long argument at every piece)."""
+
+    def __init__(self) -> None:
+        self._first: list[dict] = []
+        self._pieces: list[list[str]] = []
+
+    def __len__(self) -> int:
+        return len(self._first)
+
+    def record(self, entry: dict) -> None:
+        """A streamed entry: a new call (it has an id), or more arguments of the call at its index."""
+        if "id" in entry:
+            self._first.append({**entry, "function": dict(entry["function"])})
+            self._pieces.append([entry["function"]["arguments"]])
+        else:
+            self._pieces[entry["index"]].append(entry["function"]["arguments"])
+
+    def calls(self) -> list[dict]:
+        """Each sent call as its first entry with the arguments sent so far."""
+        return [{**call, "function": {"name": call["function"]["name"], "arguments": "".join(pieces)}}
+                for call, pieces in zip(self._first, self._pieces)]
+
+
 def required_calls(text: str) -> list[dict]:
     """The calls a "required" choice's text holds, [] when it is not the whole array (cut short by
     max_tokens or a stop string), as vLLM reads it. Each call's arguments are its parameters
     written back as JSON text (non-ASCII kept; launcher/serving/call_json.py for the depth and
     lone surrogates)."""
-    if too_deep(text):
-        return []
-    try:
-        parsed = json.loads(text)
-    except (ValueError, RecursionError):
-        return []
+    parsed = loads_or_none(text)
     if not isinstance(parsed, list) or not all(isinstance(item, dict) and is_text(item.get("name"))
                                                for item in parsed):
         return []

@@ -24,11 +24,11 @@ The stream (ResponseEvents), framed by sse as vLLM frames it ("event: TYPE" and 
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from dataclasses import dataclass, field
 
+from launcher.serving.openai_protocol import sse_event
 from launcher.serving.responses.request import ResponsesEcho
 
 
@@ -296,4 +296,4 @@ class ResponseEvents:
 def sse(event: dict) -> str:
     """One server-sent event as vLLM frames the Responses stream: its type as the SSE event name, the
     event as compact JSON on one line."""
-    return f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n"
+    return f"event: {event['type']}\n" + sse_event(event)
