@@ -1259,8 +1259,9 @@ def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     # --max-restarts 0: the module's last test fails the TP group for good (nothing else kills a rank)
     # --tool-call-parser: tool_choice "auto" taken (only requests with tools and "auto" see it)
+    # --responses-store: /v1/responses keeps what it answers (kept in the one replica's process)
     with running_server(log, "--max-num-seqs", "4", "--max-queued-requests", "12", "--api-key", API_KEY,
-                        "--max-restarts", "0", "--tool-call-parser", "hermes") as running:
+                        "--max-restarts", "0", "--tool-call-parser", "hermes", "--responses-store", "8") as running:
         yield SimpleNamespace(url=running.url, pid=running.pid, log=log)
 
 
@@ -2233,7 +2234,8 @@ def test_direct_ingress_is_the_replicas_own_server(server):
 @pytest.mark.slow
 def test_proxy_ingress_serves_the_same_stream(tmp_path, hf):
     """--ingress proxy (what several replicas use), with two replicas: Serve's proxy on --port streams
-    the same greedy text as transformers, the replicas' own servers are not what answers, and
+    the same greedy text as transformers, the replicas' own servers are not what answers, a kept
+    response is found by either replica (one store deployment they share), and
     /metrics shows both replicas' series, whichever replica answers it. A SIGTERM to the command's
     whole process group then stops it, exit 0, in well under Serve's 30 s shutdown wait; --quiet
     kept Serve's INFO lines out of its output."""
@@ -2243,10 +2245,16 @@ def test_proxy_ingress_serves_the_same_stream(tmp_path, hf):
 
     expected = hf.greedy(hf.tok(PROMPT)["input_ids"], 8)
     with running_server(tmp_path / "serve.log", "--ingress", "proxy", "--max-num-seqs", "1", "--replicas", "2",
-                        "--quiet", stop_group=True) as running:
+                        "--quiet", "--responses-store", "4", stop_group=True) as running:
         client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", timeout=300, max_retries=0)
         stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, stream=True)
         assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == expected
+        # the replicas share one store: whichever replica Serve's router picks finds the kept turn
+        first = client.responses.create(model=MODEL, input=PROMPT, max_output_tokens=2, temperature=0)
+        for _ in range(6):
+            assert client.responses.retrieve(first.id).id == first.id
+            assert client.responses.create(model=MODEL, input="Go on.", previous_response_id=first.id,
+                                           max_output_tokens=2, temperature=0, store=False).status
         owner = _listener(running.url)
         owner_name = owner.name() if owner is not None else "nothing"
         # No queue limit (the default): 20 streams, more than 5 x --max-num-seqs + 8 (Serve's cap on
@@ -2727,7 +2735,8 @@ def test_responses_through_the_official_client(client):
     """The openai client's Responses API (POST /v1/responses) against the real server: the greedy
     answer is the chat route's for the same messages (text, finish and token counts), whole and as
     the stream's deltas; instructions are a system message; a forced function call is a
-    function_call item; a stored conversation is refused naming the field."""
+    function_call item; a kept response is continued by previous_response_id as the same
+    conversation sent whole, read back and deleted."""
     import json
 
     import openai
@@ -2758,6 +2767,20 @@ def test_responses_through_the_official_client(client):
     [call] = forced.output
     assert call.type == "function_call" and call.name == "weather"
     assert json.loads(call.arguments)["city"] in ("Paris", "Rome")
+    # the server keeps responses (--responses-store 8): a follow-up by previous_response_id is the same
+    # as the conversation sent whole
+    follow = dict(model=MODEL, max_output_tokens=12, temperature=0)
+    continued = client.responses.create(**follow, input="And of Italy?", previous_response_id=whole.id)
+    sent_whole = client.responses.create(**follow, store=False, input=[
+        {"role": "user", "content": question}, {"role": "assistant", "content": whole.output_text},
+        {"role": "user", "content": "And of Italy?"}])
+    assert continued.output_text == sent_whole.output_text and continued.previous_response_id == whole.id
+    assert continued.usage.input_tokens == sent_whole.usage.input_tokens
+    assert client.responses.retrieve(whole.id).output_text == whole.output_text
+    client.responses.delete(whole.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(whole.id)
     with pytest.raises(openai.BadRequestError) as refused:
-        client.responses.create(**asked, previous_response_id="resp_earlier")
+        client.responses.create(**asked, previous_response_id=whole.id)
     assert refused.value.body["param"] == "previous_response_id"
+    assert refused.value.body["code"] == "previous_response_not_found"

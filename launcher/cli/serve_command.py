@@ -46,7 +46,8 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API (Ray Serve)",
         description="Start a private local Ray, load the model into one TP group per Serve replica, and serve "
-                    "/v1/completions, /v1/chat/completions, /v1/responses, /v1/models, /tokenize, /detokenize, /health, "
+                    "/v1/completions, /v1/chat/completions, /v1/responses (and kept responses by id), /v1/models, "
+                    "/tokenize, /detokenize, /health, "
                     "/version, /metrics and SageMaker's /ping and /invocations until SIGINT/SIGTERM.")
     add_model_and_placement_arguments(p)
     p.add_argument("--host", type=_host, default="127.0.0.1",
@@ -73,6 +74,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--default-chat-template-kwargs", type=json_object_option, metavar="JSON",
                    help="template variables every chat request gets unless it sends its own "
                         "chat_template_kwargs value, e.g. '{\"enable_thinking\": false}' (Qwen3 without thinking)")
+    p.add_argument("--responses-store", type=int_at_least("--responses-store", 0), metavar="N",
+                   help="keep the last N responses of /v1/responses (the least recently used go first), so that "
+                        "a request can continue one by previous_response_id and GET/DELETE /v1/responses/ID "
+                        "reach it (default 0: none kept, previous_response_id refused)")
     p.add_argument("--api-key", metavar="KEY",
                    help="require `Authorization: Bearer KEY` on /v1/* (default: $CORELAUNCH_API_KEY; unset: open)")
     p.add_argument("--replicas", type=int_at_least("--replicas"), metavar="N",
@@ -172,7 +177,8 @@ def server_args(args: argparse.Namespace) -> dict:
              "replicas": args.replicas, "min_replicas": args.min_replicas, "max_replicas": args.max_replicas,
              "target_ongoing_requests": args.target_ongoing_requests, "tool_call_parser": args.tool_call_parser,
              "reasoning_parser": args.reasoning_parser,
-             "default_chat_template_kwargs": args.default_chat_template_kwargs}
+             "default_chat_template_kwargs": args.default_chat_template_kwargs,
+             "responses_store": args.responses_store}
     if args.max_queued_requests is not None:
         built["max_queued_requests"] = args.max_queued_requests
     if args.max_prefill_tokens is not None:

@@ -6,9 +6,10 @@ TP group) per Serve replica.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (streaming as server-sent events, or one
 JSON object), POST /v1/responses (OpenAI's Responses API, answered through the chat route:
-responses/), GET /v1/models, GET /health, GET /metrics, and vLLM's GET /version, POST /tokenize and POST
-/detokenize (answered by the replica's own tokenizer, never the engine), and SageMaker's /ping and
-POST /invocations (a body answered by the route its kind names). The wire format lives in
+responses/) with GET and DELETE /v1/responses/{id} for kept responses, GET /v1/models, GET
+/health, GET /metrics, and vLLM's GET /version, POST /tokenize and POST /detokenize (answered by
+the replica's own tokenizer, never the engine), and SageMaker's /ping and POST /invocations (a body
+answered by the route its kind names). The wire format lives in
 openai_protocol.py; this file only moves requests between it and the engine.
 """
 
@@ -49,6 +50,7 @@ from launcher.serving.openai_render import ChatRender, CompletionRender
 from launcher.serving.prompt_probe import (head_overfills, length_overfills, longest_token_chars,
                                             too_long_message, too_many_characters_message)
 from launcher.serving.reasoning import CALL_START, THINK_END, THINK_START, ThinkTokens
+from launcher.serving.response_store_server import LocalResponses, ResponseStoreServer, SharedResponses
 from launcher.serving.server_settings import ServerSettings, api_key_from_environment, settings_from_args
 from launcher.serving.token_pieces import TokenPieces
 
@@ -627,6 +629,22 @@ def _refuse_control_token_keys(tokenizer, messages: list[dict], tools: list[dict
                                 f"rename the key", param=where)
 
 
+def _kept_responses(settings: ServerSettings, shared, most_replicas: int):
+    """Where a replica keeps responses (response_store_server.py): the application's shared store
+    where build_app bound one, else this process's own; None where none are kept."""
+    if not settings.responses_store:
+        return None
+    if shared is not None:
+        return SharedResponses(shared)
+    if most_replicas > 1:  # a config file's deployments: entry raised the builder's count
+        raise ValueError(f"responses_store ({settings.responses_store}) keeps responses in the replica's own "
+                         f"process in an application built for one replica, and this deployment runs up to "
+                         f"{most_replicas} (its deployments: entry): a conversation's next turn could reach "
+                         f"another replica; set replicas (or max_replicas) to {most_replicas} in the application's "
+                         f"args, so that the replicas share one store")
+    return LocalResponses(settings.responses_store)
+
+
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_constructor_retry_count=1,
                   health_check_period_s=HEALTH_CHECK_PERIOD_S)
 @serve.ingress(app)
@@ -649,8 +667,13 @@ class OpenAIServer:
     """The id of its `<think>` (a prompt whose last `</think>` comes after it has ended the thinking)."""
     call_start: int | None = None
     """The id of its `<tool_call>`, which ends qwen3's thinking too (the usage's reasoning count)."""
+    responses_kept = None
+    """The kept responses (launcher/serving/response_store_server.py: put, history, get, delete), or
+    None: the server keeps none (ServerSettings.responses_store 0)."""
 
-    def __init__(self, settings: ServerSettings):
+    def __init__(self, settings: ServerSettings, shared_responses=None):
+        """shared_responses: the handle of the application's ResponseStoreServer, which build_app
+        binds where several replicas must share kept responses."""
         from launcher.api import LaunchConfig, Launcher, load_tokenizer, server_tokenizer_problem
         from launcher.background_load import BackgroundLoad
         from launcher.serving.builder_terms import refusals_in_builder_terms
@@ -673,6 +696,7 @@ class OpenAIServer:
         # Serve's effective options: a config file's deployments: entry may override the builder's
         deployed = this_replicas_facts()
         most_replicas = settings.most_replicas if deployed is None else deployed.most_replicas
+        self.responses_kept = _kept_responses(settings, shared_responses, most_replicas)
         if launch.get("cpus_per_rank") is None:
             with terms():
                 launch["cpus_per_rank"] = _cpus_per_rank(launch, most_replicas)
@@ -860,7 +884,7 @@ class OpenAIServer:
         a Response object, or as the Responses stream's events."""
         arrived = time.perf_counter()
         self._authorize(request)
-        req, echo = await self._responses_request(request)
+        req, echo, turn = await self._responses_request(request)
         try:
             stream = await self._chat_choices(req)
         except ProtocolError as err:
@@ -869,7 +893,40 @@ class OpenAIServer:
                             skip_special_tokens=req.skip_special_tokens, tool_calls=req.tool_call_reader(),
                             reasoning=req.reasoning(), include_reasoning=req.include_reasoning,
                             think_tokens=self._usage_think_tokens())
-        return await self._respond_responses(req, echo, stream, render, arrived)
+        keep = None
+        if echo.store:  # kept before the client sees it, so its next turn finds it
+            async def keep(response: dict) -> None:
+                await self.responses_kept.put(response, turn, echo.previous_response_id)
+        return await self._respond_responses(req, echo, stream, render, arrived, keep)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(self, response_id: str, request: Request) -> dict:
+        """A kept response, as it was answered (OpenAI's GET /v1/responses/{id}); 404 for one not kept."""
+        self._authorize(request)
+        if request.query_params.get("stream", "false").lower() != "false" or "starting_after" in request.query_params:
+            raise ProtocolError("stream and starting_after are not supported: no response runs in the background, "
+                                "so there are no events to replay; GET the response without them",
+                                param="stream" if "stream" in request.query_params else "starting_after")
+        response = None if self.responses_kept is None else await self.responses_kept.get(response_id)
+        if response is None:
+            raise self._not_kept(response_id)
+        return response
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(self, response_id: str, request: Request) -> dict:
+        """Forget a kept response (OpenAI's DELETE /v1/responses/{id}); 404 for one not kept."""
+        self._authorize(request)
+        if self.responses_kept is None or not await self.responses_kept.delete(response_id):
+            raise self._not_kept(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    def _not_kept(self, response_id: str) -> ProtocolError:
+        why = ("this server keeps no responses (`corelaunch serve --responses-store N` keeps the last N)"
+               if self.responses_kept is None else
+               "it was never kept (store: false), was deleted, or was the least recently used when the store "
+               "was full")
+        return ProtocolError(f"no response {proto.clip(response_id)!r} is kept here: {why}", param="response_id",
+                             status=404, code="response_not_found")
 
     async def _chat_choices(self, req) -> ChoiceStreams:
         """A chat request's prompt rendered by the template, measured and truncated, its thinking
@@ -1099,14 +1156,21 @@ class OpenAIServer:
         large body was parsed counted as an abort (uncounted otherwise); the body's budget (`held`)
         given back either way."""
         try:
-            if len(raw) <= PARSED_ON_A_THREAD:
-                return parse(raw)
-            return await asyncio.to_thread(parse, raw)
+            return await self._off_loop(len(raw), counts, lambda: parse(raw))
+        finally:
+            self.bodies.give(held)
+
+    @staticmethod
+    async def _off_loop(size: int, counts, work):
+        """work(), on a thread where `size` (bytes to read) is more than PARSED_ON_A_THREAD; a client
+        gone meanwhile counted in `counts` as an abort."""
+        try:
+            if size <= PARSED_ON_A_THREAD:
+                return work()
+            return await asyncio.to_thread(work)
         except asyncio.CancelledError:
             counts.finished("abort", 499)
             raise
-        finally:
-            self.bodies.give(held)
 
     async def _read_counted(self, request: Request, counts) -> tuple[bytes, int]:
         """_read_body's (body, budget held), a refusal counted in `counts` (_counts), and a client gone
@@ -1122,15 +1186,41 @@ class OpenAIServer:
             raise
 
     async def _responses_request(self, request: Request):
-        """A /v1/responses body read as _request reads a body, then turned into the chat request it
-        asks for (responses_api.chat_body), which the chat parser checks; (that request, the echo)."""
+        """A /v1/responses body read as _request reads a body, the conversation its
+        previous_response_id continues read from the kept responses, then turned into the chat
+        request it asks for (responses_api.chat_body), which the chat parser checks; (that request,
+        the echo, the request's own input items where its response is to be kept, else None)."""
         raw, held = await self._read_counted(request, self.metrics)
-        return await self._parsed(raw, held, self.metrics,
-                                  lambda body: self._parse_responses(self._json(body, self.metrics)))
+        body = await self._parsed(raw, held, self.metrics, lambda raw: self._json(raw, self.metrics))
+        history = await self._kept_history(body)
+        # a long kept history is parsed off the event loop too, as a large body is
+        size = len(raw) if history is None else PARSED_ON_A_THREAD + 1
+        req, echo = await self._off_loop(size, self.metrics, lambda: self._parse_responses(body, history))
+        return req, echo, responses_api.turn_items(body) if echo.store else None
 
-    def _parse_responses(self, body):
+    async def _kept_history(self, body) -> list | None:
+        """The items of the conversation body's previous_response_id continues, first turn first;
+        None without one (or where the server keeps no responses: chat_body refuses it then)."""
+        if self.responses_kept is None or not isinstance(body, dict) or body.get("previous_response_id") is None:
+            return None
         try:
-            chat, echo = responses_api.chat_body(body)
+            response_id = responses_api.previous_response_id(body, keeping=True)
+        except ProtocolError:
+            self.metrics.rejected(400)
+            raise
+        items, missing = await self.responses_kept.history(response_id)
+        if items is None:
+            self.metrics.rejected(400)
+            earlier = "" if missing == response_id else f" (it continued {proto.clip(missing)!r}, which is not)"
+            raise ProtocolError(f"previous_response_id: the response {proto.clip(response_id)!r} is not kept here"
+                                f"{earlier}: it was never kept (store: false), was deleted, or was the least "
+                                f"recently used when the store was full; send the conversation's turns in input "
+                                f"instead", param="previous_response_id", code="previous_response_not_found")
+        return items
+
+    def _parse_responses(self, body, history: list | None):
+        try:
+            chat, echo = responses_api.chat_body(body, history, keeping=self.responses_kept is not None)
         except ProtocolError:
             self.metrics.rejected(400)
             raise
@@ -1295,14 +1385,16 @@ class OpenAIServer:
         self.metrics.finished(renders[0].finish_reason(finish[0]) or "stop")
         return finish, completion_tokens
 
-    async def _respond_responses(self, req, echo, stream: ChoiceStreams, render: ChatRender, arrived: float) -> Response:
+    async def _respond_responses(self, req, echo, stream: ChoiceStreams, render: ChatRender, arrived: float,
+                                 keep=None) -> Response:
         """A Response object, or the Responses stream's events (responses_api.ResponseEvents), for the
-        chat request's one choice; its tokens timed and its ending counted as a chat request's."""
+        chat request's one choice; its tokens timed and its ending counted as a chat request's.
+        keep(response): awaited with the finished Response object before the client gets it."""
         response_id, created, timer = f"resp_{uuid.uuid4().hex}", int(time.time()), TokenTimer(self.metrics, arrived)
         if req.stream:
             outcome = {"finish_reason": "abort"}  # a client that leaves before the end
             events = self._response_events(stream, render, timer, outcome,
-                                           responses_api.ResponseEvents(response_id, created, self.name, echo))
+                                           responses_api.ResponseEvents(response_id, created, self.name, echo), keep)
             return self._event_stream(events, stream, outcome)
         collected = await self._collected(stream, [render], [timer])
         if isinstance(collected, JSONResponse):
@@ -1311,14 +1403,19 @@ class OpenAIServer:
         choice = render.choice(finish)
         items, status, incomplete = responses_api.output_items(choice["message"], choice["finish_reason"])
         usage = _responses_usage(stream, completion_tokens, render)
-        return JSONResponse(responses_api.response_object(response_id, created, self.name, echo, items, status, usage,
-                                                          incomplete))
+        response = responses_api.response_object(response_id, created, self.name, echo, items, status, usage,
+                                                 incomplete)
+        if keep is not None:
+            await keep(response)
+        return JSONResponse(response)
 
     async def _response_events(self, stream: ChoiceStreams, render: ChatRender, timer: TokenTimer, outcome: dict,
-                               events):
+                               events, keep=None):
         """The Responses stream of one request: the chat route's chunks for its one choice, told as
         `events` (a ResponseEvents) tells them, ending with response.completed (or .incomplete, or an
-        error event and response.failed); outcome["finish_reason"] as _events sets it."""
+        error event and response.failed); outcome["finish_reason"] as _events sets it. keep(response)
+        is awaited with the final Response object before its event goes out (failing, the stream ends
+        with response.failed instead)."""
         completion_tokens, sent_finish = 0, None
         try:
             async with aclosing(stream):
@@ -1331,7 +1428,10 @@ class OpenAIServer:
                         yield responses_api.sse(event)
                     if delta.finish_reason:
                         sent_finish = outcome["finish_reason"] = render.finish_reason(delta.finish_reason)
-            for event in events.finish(sent_finish, _responses_usage(stream, completion_tokens, render)):
+            finished = events.finish(sent_finish, _responses_usage(stream, completion_tokens, render))
+            if keep is not None:
+                await keep(finished[-1]["response"])
+            for event in finished:
                 yield responses_api.sse(event)
         except Exception as err:  # noqa: BLE001 - headers are sent: the error can only be an event
             outcome["status"], body, _ = _generation_failure(err)
@@ -1423,4 +1523,6 @@ def application(settings: ServerSettings) -> serve.Application:
         options["autoscaling_config"] = settings.autoscaling
     else:
         options["num_replicas"] = settings.num_replicas
+    if settings.responses_store and settings.most_replicas > 1:  # one store the replicas share
+        return OpenAIServer.options(**options).bind(settings, ResponseStoreServer.bind(settings.responses_store))
     return OpenAIServer.options(**options).bind(settings)

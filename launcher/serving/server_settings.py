@@ -16,8 +16,11 @@ from dataclasses import dataclass
 
 import yaml
 
+from launcher.serving.responses.store import MAX_CAPACITY
+
 SERVER_ARGS = ("served_model_name", "api_key", "replicas", "min_replicas", "max_replicas",
-               "target_ongoing_requests", "tool_call_parser", "reasoning_parser", "default_chat_template_kwargs")
+               "target_ongoing_requests", "tool_call_parser", "reasoning_parser", "default_chat_template_kwargs",
+               "responses_store")
 """Builder arguments that configure the server and Serve; every other argument is a LaunchConfig
 field (model, tp, dtype, seq_len, max_num_seqs, max_queued_requests, compiled_dir, ...)."""
 
@@ -98,6 +101,9 @@ class ServerSettings:
     default_chat_template_kwargs: dict | None = None
     """Template variables every chat request gets unless it sends its own value (vLLM's
     --default-chat-template-kwargs): {"enable_thinking": False} serves Qwen3 without thinking."""
+    responses_store: int = 0
+    """Responses kept for previous_response_id and GET/DELETE /v1/responses/{id}, the least recently
+    used going first (launcher/serving/responses/store.py); 0: none (previous_response_id refused)."""
 
     @property
     def most_replicas(self) -> int:
@@ -142,6 +148,12 @@ def settings_from_args(args: dict, names: dict | None = None) -> ServerSettings:
     reasoning = _reasoning_parser(typed.get("reasoning_parser"), name("reasoning_parser", "reasoning_parser"))
     template_defaults = _template_defaults(typed.get("default_chat_template_kwargs"),
                                            name("default_chat_template_kwargs", "default_chat_template_kwargs"))
+    kept = typed.get("responses_store", 0)
+    _check_int(name("responses_store", "responses_store"), kept, 0,
+               " (responses kept for previous_response_id; 0: none)")
+    if kept > MAX_CAPACITY:
+        raise ValueError(f"{name('responses_store', 'responses_store')} ({kept}) must be at most {MAX_CAPACITY} "
+                         f"(responses kept for previous_response_id)")
     config = LaunchConfig(**launch)  # its checks, with its messages, now rather than inside a Serve replica
     if config.model is not None and config.compiled_dir is None:
         from shardlib.model_config import load_model_config
@@ -170,7 +182,8 @@ def settings_from_args(args: dict, names: dict | None = None) -> ServerSettings:
         api_key=_api_key(typed.get("api_key"), name("api_key", "api_key")),
         num_replicas=num_replicas, autoscaling=autoscaling, max_ongoing_requests=admitted + ROUTE_HEADROOM,
         from_command_line=names is not None,
-        tool_call_parser=parser, reasoning_parser=reasoning, default_chat_template_kwargs=template_defaults)
+        tool_call_parser=parser, reasoning_parser=reasoning, default_chat_template_kwargs=template_defaults,
+        responses_store=kept)
 
 
 def _unknown_hints(unknown: list[str], known: tuple[str, ...]) -> str:

@@ -5,11 +5,13 @@ parsers, reasoning splitter, structured outputs) answers; the chat answer comes 
 as a Response object, or as the Responses stream's events. Pure: dicts in, dicts and strings out.
 
 request.py: the request as a chat body, its echo, refusals in its terms; output.py: the answer as a
-Response object or the stream's events.
+Response object or the stream's events; store.py: the responses a server keeps for
+previous_response_id.
 """
 
 from launcher.serving.responses.output import ResponseEvents, output_items, response_object, sse, usage
-from launcher.serving.responses.request import ResponsesEcho, chat_body, responses_param
+from launcher.serving.responses.request import (NO_STORE, ResponsesEcho, chat_body, previous_response_id,
+                                                responses_param, turn_items)
 
-__all__ = ["ResponseEvents", "ResponsesEcho", "chat_body", "output_items", "response_object", "responses_param",
-           "sse", "usage"]
+__all__ = ["NO_STORE", "ResponseEvents", "ResponsesEcho", "chat_body", "output_items", "previous_response_id",
+           "response_object", "responses_param", "sse", "turn_items", "usage"]

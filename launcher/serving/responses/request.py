@@ -30,8 +30,8 @@ the message naming the value and the fix): anything this server cannot do rather
 do it. Non-text input (input_image, input_file, input_audio parts); item types other than message,
 function_call, function_call_output and reasoning (built-in tool calls, item references); tools other
 than functions (this server runs no built-in tools); tool_choice allowed_tools and built-in kinds;
-stored state (previous_response_id, conversation, a stored prompt, background: true: nothing is
-stored, so send the earlier turns in input); truncation "auto" (this server never truncates the
+stored state other than kept responses (conversation, a stored prompt, background: true; and
+previous_response_id on a server that keeps no responses: send the earlier turns in input); truncation "auto" (this server never truncates the
 input); top_logprobs > 0 and include "message.output_text.logprobs" (use /v1/chat/completions'
 logprobs); include entries for built-in tools or images; encrypted reasoning (never made here);
 text.verbosity "low" or "high" (the model's length cannot be steered; "medium", the default, is
@@ -44,9 +44,10 @@ What the response echoes (ResponsesEcho): instructions, max_output_tokens, paral
 (true by default), temperature and top_p (as sent, else 1, the value sampling used), tool_choice
 ("auto" by default, as OpenAI shows it) and tools as sent, text (default {"format": {"type": "text"}}),
 metadata (default {}), reasoning (default {"effort": null, "summary": null}), user, prompt_cache_key
-and safety_identifier (accepted, unused), store: false (nothing is stored, whatever was sent: a later
-previous_response_id could not find it; vLLM without its store ignores store too), truncation "disabled",
-previous_response_id null, background false, service_tier "default" (the only tier, whatever was
+and safety_identifier (accepted, unused), store (true where the server keeps responses and the request
+did not send false; else false, whatever was sent: a later previous_response_id could not find it;
+vLLM without its store ignores store too), truncation "disabled", previous_response_id (as sent),
+background false, service_tier "default" (the only tier, whatever was
 asked), top_logprobs 0, max_tool_calls null. include "reasoning.encrypted_content" is accepted
 (clients that keep no state send it): the reasoning comes back as plain text in its item's content,
 which is what to send back. stream_options.include_obfuscation is accepted; no obfuscation is added.
@@ -79,10 +80,13 @@ _CHAT_NAMES = {
 }
 """Chat fields sent to this route by mistake, with the Responses field that says it."""
 
+NO_STORE = ("this server keeps no responses (`corelaunch serve --responses-store N` keeps the last N), so no "
+            "earlier response can be continued; send the earlier turns (their input and output items) in input")
+"""Why previous_response_id is refused by a server started without a response store."""
+
 STORED_STATE = {
-    "previous_response_id": "nothing is stored, so no earlier response can be continued; send the earlier "
-                            "turns (their input and output items) in input",
-    "conversation": "nothing is stored, so no conversation can be continued; send its turns in input",
+    "conversation": "no conversations are kept here (the Conversations API is not served); continue a kept "
+                    "response with previous_response_id, or send the turns in input",
     "prompt": "no prompt templates are stored here; send the prompt's text as instructions and input",
 }
 """Fields that name state kept by OpenAI's server, which this server never keeps."""
@@ -142,7 +146,7 @@ class ResponsesEcho:
     user: str | None = None
     store: bool = False
     truncation: str = "disabled"
-    previous_response_id: None = None
+    previous_response_id: str | None = None
     background: bool = False
     service_tier: str = "default"
     top_logprobs: int = 0
@@ -154,21 +158,28 @@ class ResponsesEcho:
 
 
 # ---- the request ------------------------------------------------------------------------------
-def chat_body(body: dict) -> tuple[dict, ResponsesEcho]:
+def chat_body(body: dict, history: list | None = None, keeping: bool = False) -> tuple[dict, ResponsesEcho]:
     """The /v1/chat/completions body a Responses request asks for, and what its response echoes.
-    ProtocolError 400 naming the Responses field for anything refused (module docstring)."""
+    history: the items of the conversation its previous_response_id continues (the response store's
+    history), which come after the instructions and before the input; keeping: the server keeps
+    responses (the echo's store says whether this one is kept). ProtocolError 400 naming the
+    Responses field for anything refused (module docstring)."""
     if not isinstance(body, dict):
         raise ProtocolError(f"the request body must be a JSON object, not {_json_kind(body)}")
     _check_keys(body)
     _refuse_stored_state(body)
     echo = ResponsesEcho()
+    echo.previous_response_id = previous_response_id(body, keeping)
+    if echo.previous_response_id is not None and history is None:
+        raise ValueError("chat_body: previous_response_id was sent and no history was given for it")
+    echo.store = keeping and body.get("store") is not False
     chat: dict = {}
     if body.get("model") is not None:
         chat["model"] = body["model"]
     if body.get("stream") is not None:
         chat["stream"] = body["stream"]
     _check_stream_options(body.get("stream_options"))
-    chat["messages"] = _messages(body, echo)
+    chat["messages"] = _messages(body, echo, history or [])
     _tools(body, chat, echo)
     _sampling(body, chat, echo)
     _text_format(body.get("text"), chat, echo)
@@ -189,17 +200,38 @@ def _check_keys(body: dict) -> None:
         raise ProtocolError(f"unknown parameter {clip(str(key))!r}; {fix}", param=clip(str(key)))
 
 
+def previous_response_id(body: dict, keeping: bool) -> str | None:
+    """The response a request continues (checked: a string), or None; refused where the server keeps
+    no responses (keeping False)."""
+    given = body.get("previous_response_id")
+    if given is None:
+        return None
+    if not keeping:
+        raise ProtocolError(f"previous_response_id ({_short(given)}) is not supported: {NO_STORE}",
+                            param="previous_response_id")
+    if not isinstance(given, str) or not given:
+        raise ProtocolError(f"previous_response_id ({_short(given)}) must be the id of an earlier response "
+                            f"(\"resp_...\")", param="previous_response_id")
+    return given
+
+
+def turn_items(body: dict) -> list:
+    """The request's input as items (a string input is one user message), which the store keeps as
+    its turn. Call it on a body chat_body took."""
+    given = body["input"]
+    return [{"type": "message", "role": "user", "content": given}] if isinstance(given, str) else list(given)
+
+
 def _refuse_stored_state(body: dict) -> None:
     for name, why in STORED_STATE.items():
         if body.get(name) is not None:
             raise ProtocolError(f"{name} ({_short(body[name])}) is not supported: {why}", param=name)
     if body.get("background") not in (None, False):
-        raise ProtocolError(f"background ({_short(body['background'])}) is not supported: nothing is stored to "
-                            f"poll later; leave it out (or false) and wait for the response, or stream it",
-                            param="background")
+        raise ProtocolError(f"background ({_short(body['background'])}) is not supported: no response runs "
+                            f"in the background to poll later; leave it out (or false) and wait for the response, "
+                            f"or stream it", param="background")
     if body.get("store") not in (None, True, False):
-        raise ProtocolError(f"store ({_short(body['store'])}) must be true or false (nothing is stored either "
-                            f"way)", param="store")
+        raise ProtocolError(f"store ({_short(body['store'])}) must be true or false", param="store")
 
 
 def _check_stream_options(options) -> None:
@@ -263,7 +295,7 @@ class _Conversation:
         self.pending_reasoning = None
 
 
-def _messages(body: dict, echo: ResponsesEcho) -> list[dict]:
+def _messages(body: dict, echo: ResponsesEcho, history: list) -> list[dict]:
     conversation = _Conversation(echo)
     instructions = body.get("instructions")
     if instructions is not None:
@@ -272,6 +304,8 @@ def _messages(body: dict, echo: ResponsesEcho) -> list[dict]:
         if instructions:
             conversation.add({"role": "system", "content": instructions},
                              _MessagePlace("instructions", content="instructions"))
+    for item in history:  # the kept turns were taken once already; a refusal names where they came from
+        _add_item(conversation, item, "previous_response_id")
     given = body.get("input")
     if given is None:
         raise ProtocolError("input is required: a string (the user's message) or a list of items (messages, "

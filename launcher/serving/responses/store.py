@@ -1,0 +1,81 @@
+"""The responses a server keeps (`--responses-store N`), so that a request can continue one by its
+previous_response_id and a client can read one back (GET /v1/responses/{id}) or delete it. Pure: no
+Ray, no server (the route: launcher/serving/openai_app.py; where the store lives when several Serve
+replicas share it: launcher/serving/response_store_server.py).
+
+Each response keeps its own turn only: the items its request sent as input and the items it answered
+(instructions are never kept: OpenAI's rule is that they do not carry over to the next response),
+plus the id of the response it continued. A conversation's history is read by walking that chain
+back to its first response, so a conversation of n turns keeps n turns, not n whole histories.
+
+At most `capacity` responses are kept; past that the least recently used one goes (continuing a
+conversation uses every response of its chain, so a conversation in use keeps its earlier turns;
+storing or reading back a response uses that one). A chain whose earlier response is gone can no
+longer be continued: `history` names the missing one.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+MAX_CAPACITY = 1_000_000
+"""The most responses a store may be asked to keep (a bound on the option, not a memory budget)."""
+
+
+@dataclass(frozen=True)
+class StoredResponse:
+    response: dict
+    """The Response object as it was answered (whole, or the stream's final one)."""
+    items: tuple
+    """Its turn: the request's input items, then the response's output items."""
+    previous_id: str | None
+    """The response it continued (its request's previous_response_id), or None."""
+
+
+class ResponseStore:
+    def __init__(self, capacity: int) -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or not 1 <= capacity <= MAX_CAPACITY:
+            raise ValueError(f"a response store's capacity ({capacity!r}) must be an integer from 1 to {MAX_CAPACITY}")
+        self.capacity = capacity
+        self._kept: OrderedDict[str, StoredResponse] = OrderedDict()
+        """Least recently used first."""
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def put(self, response: dict, input_items: list, previous_id: str | None) -> None:
+        """Keep `response` (its id is response["id"]), answered to `input_items` after previous_id."""
+        response_id = response["id"]
+        self._kept[response_id] = StoredResponse(response, (*input_items, *response["output"]), previous_id)
+        self._kept.move_to_end(response_id)
+        while len(self._kept) > self.capacity:
+            self._kept.popitem(last=False)
+
+    def history(self, response_id: str) -> tuple[list | None, str | None]:
+        """(every item of the conversation up to and including `response_id`, first turn first; None)
+        or, when the chain cannot be read whole, (None, the id of the response that is not kept)."""
+        chain, at = [], response_id
+        while at is not None:
+            kept = self._kept.get(at)
+            if kept is None:
+                return None, at
+            chain.append(at)
+            at = kept.previous_id
+            if len(chain) > len(self._kept):  # a loop (ids are never reused, so it cannot happen): stop
+                return None, at
+        for each in reversed(chain):  # the latest turn most recently used: evicted last
+            self._kept.move_to_end(each)
+        return [item for each in reversed(chain) for item in self._kept[each].items], None
+
+    def get(self, response_id: str) -> dict | None:
+        kept = self._kept.get(response_id)
+        if kept is None:
+            return None
+        self._kept.move_to_end(response_id)
+        return kept.response
+
+    def delete(self, response_id: str) -> bool:
+        """Forget it; False when it was not kept. A later turn that continued it can no longer be
+        continued (its history names this one as missing)."""
+        return self._kept.pop(response_id, None) is not None

@@ -1,0 +1,197 @@
+"""Kept responses through the server's routes (`--responses-store N`): POST /v1/responses keeps what
+it answers (whole, or the stream's final response) unless store is false; previous_response_id
+continues a kept conversation (its turns reach the chat template after this request's instructions,
+the earlier instructions not carried over, a function call's output sent back after its call);
+GET and DELETE /v1/responses/{id}; what is not kept, or no longer, named; a server that keeps none;
+where the replicas keep them (their own process, or one store deployment they share). The routes
+run in-process over SmolLM2's tokenizer and an engine that streams scripted texts
+(tests/test_tokenize_routes.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from launcher.serving.openai_protocol import ProtocolError
+from launcher.serving.response_store_server import LocalResponses
+from tests.test_responses_route import (TOOLS, WEATHER_CALL, asked, check_with_the_clients_types, refusal, respond,
+                                        server_over, streamed_text, tokenizer)
+
+__all__ = ["tokenizer"]  # the module-scoped fixture, taken from the route's tests
+
+
+def keeping(tokenizer, scripts, capacity: int = 8, tool_call_parser: str | None = None):
+    server = server_over(tokenizer, scripts, tool_call_parser)
+    server.responses_kept = LocalResponses(capacity)
+    return server
+
+
+def request_to(method: str, path: str, query: bytes = b""):
+    from starlette.requests import Request
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    return Request({"type": "http", "method": method, "path": path, "headers": [], "query_string": query}, receive)
+
+
+def read_back(server, response_id: str, query: bytes = b"") -> dict:
+    return asyncio.run(server.retrieve_response(response_id, request_to("GET", f"/v1/responses/{response_id}", query)))
+
+
+def deleted(server, response_id: str) -> dict:
+    return asyncio.run(server.delete_response(response_id, request_to("DELETE", f"/v1/responses/{response_id}")))
+
+
+def refused(call, *args) -> ProtocolError:
+    with pytest.raises(ProtocolError) as err:
+        call(*args)
+    return err.value
+
+
+def test_a_kept_response_is_read_back_and_continued(tokenizer):
+    server = keeping(tokenizer, ["Hello there.", "Paris.", "Rome."])
+    first = respond(server, asked(instructions="Be brief.", input="Hi"))
+    assert first["store"] is True and first["previous_response_id"] is None
+    assert read_back(server, first["id"]) == first
+    second = respond(server, asked(instructions="Answer in one word.", input="Capital of France?",
+                                   previous_response_id=first["id"]))
+    check_with_the_clients_types(second)
+    assert second["previous_response_id"] == first["id"] and second["store"] is True
+    prompt = server.prompts[1]
+    # this request's instructions, then the kept turn (its own instructions not carried over), then the input
+    assert "Be brief." not in prompt
+    assert prompt.index("<system>Answer in one word.") < prompt.index("<user>Hi") < \
+        prompt.index("<assistant>Hello there.") < prompt.index("<user>Capital of France?")
+    third = respond(server, asked(input="And Italy?", previous_response_id=second["id"]))
+    assert server.prompts[2].index("<user>Hi") < server.prompts[2].index("<assistant>Paris.") < \
+        server.prompts[2].index("<user>And Italy?")
+    assert read_back(server, third["id"])["output"] == third["output"]
+
+
+def test_a_streamed_response_is_kept_as_its_final_event_tells_it(tokenizer):
+    server = keeping(tokenizer, ["The sky is blue.", "Yes."])
+    events = respond(server, asked(stream=True))
+    final = events[-1]["response"]
+    assert events[-1]["type"] == "response.completed" and final["store"] is True
+    assert read_back(server, final["id"]) == final and streamed_text(events) == "The sky is blue."
+    respond(server, asked(input="Always?", previous_response_id=final["id"], stream=True))
+    assert "<assistant>The sky is blue." in server.prompts[1]
+
+
+def test_store_false_keeps_nothing(tokenizer):
+    server = keeping(tokenizer, "Hello.")
+    answer = respond(server, asked(store=False))
+    assert answer["store"] is False
+    missing = refused(read_back, server, answer["id"])
+    assert missing.status == 404 and missing.code == "response_not_found" and "store: false" in missing.message
+    lost = refusal(server, asked(previous_response_id=answer["id"]))
+    assert lost.status == 400 and lost.param == "previous_response_id" and lost.code == "previous_response_not_found"
+    assert answer["id"] in lost.message and "send the conversation's turns in input" in lost.message
+
+
+def test_a_function_calls_output_continues_the_kept_call(tokenizer):
+    server = keeping(tokenizer, [WEATHER_CALL, "It is 21 C in Paris."], tool_call_parser="hermes")
+    first = respond(server, asked(input="Weather in Paris?", tools=TOOLS))
+    [call] = first["output"]
+    assert call["type"] == "function_call"
+    second = respond(server, asked(input=[{"type": "function_call_output", "call_id": call["call_id"],
+                                           "output": "21 C"}], tools=TOOLS, previous_response_id=first["id"]))
+    prompt = server.prompts[1]
+    assert prompt.index("<user>Weather in Paris?") < prompt.index(f"(call {call['call_id']} weather)") < \
+        prompt.index(f"<tool>21 C(for {call['call_id']})")
+    assert second["output"][0]["content"][0]["text"] == "It is 21 C in Paris."
+
+
+def test_a_deleted_response_is_gone_and_named_by_the_turns_after_it(tokenizer):
+    server = keeping(tokenizer, ["One.", "Two.", "Three."])
+    first = respond(server, asked())
+    second = respond(server, asked(input="Next?", previous_response_id=first["id"]))
+    assert deleted(server, first["id"]) == {"id": first["id"], "object": "response", "deleted": True}
+    assert refused(read_back, server, first["id"]).status == 404
+    assert refused(deleted, server, first["id"]).status == 404
+    assert read_back(server, second["id"]) == second  # still there to read back
+    broken = refusal(server, asked(input="Then?", previous_response_id=second["id"]))
+    assert broken.code == "previous_response_not_found" and f"it continued {first['id']!r}" in broken.message
+
+
+def test_a_full_store_lets_the_least_recently_used_go(tokenizer):
+    server = keeping(tokenizer, "Fine.", capacity=2)
+    old, kept, new = (respond(server, asked(input=f"Question {i}?")) for i in range(3))
+    assert refusal(server, asked(previous_response_id=old["id"])).code == "previous_response_not_found"
+    assert read_back(server, kept["id"]) == kept and read_back(server, new["id"]) == new
+
+
+def test_a_server_that_keeps_nothing_says_how_to_keep(tokenizer):
+    server = server_over(tokenizer, "Hello.")
+    answer = respond(server, asked())
+    assert answer["store"] is False
+    for call in (read_back, deleted):
+        missing = refused(call, server, answer["id"])
+        assert missing.status == 404 and "--responses-store N" in missing.message
+    continued = refusal(server, asked(previous_response_id=answer["id"]))
+    assert continued.status == 400 and "--responses-store N" in continued.message
+
+
+def test_bad_previous_ids_and_replays_are_refused(tokenizer):
+    server = keeping(tokenizer, "Hello.")
+    for bad in (5, "", ["resp_1"]):
+        wrong = refusal(server, asked(previous_response_id=bad))
+        assert wrong.status == 400 and wrong.param == "previous_response_id" and "resp_" in wrong.message
+    answer = respond(server, asked())
+    replay = refused(read_back, server, answer["id"], b"stream=true")
+    assert replay.status == 400 and replay.param == "stream" and "no events to replay" in replay.message
+    assert read_back(server, answer["id"], b"stream=false") == answer
+
+
+def test_the_routes_need_the_api_key(tokenizer):
+    server = keeping(tokenizer, "Hello.")
+    answer = respond(server, asked())
+    server.api_key = "secret"
+    assert refused(read_back, server, answer["id"]).status == 401
+    assert refused(deleted, server, answer["id"]).status == 401
+
+
+def test_several_replicas_share_one_store_deployment():
+    from launcher.serving.openai_app import _kept_responses, application
+    from launcher.serving.response_store_server import SharedResponses
+    from launcher.serving.server_settings import settings_from_args
+
+    shared = application(settings_from_args({"replicas": 2, "responses_store": 4}))._bound_deployment
+    [store] = shared.init_args[1:]
+    assert store._bound_deployment.name == "ResponseStoreServer" and store._bound_deployment.init_args == (4,)
+    alone = application(settings_from_args({"responses_store": 4}))._bound_deployment
+    assert alone.init_args[1:] == ()  # one replica keeps them in its own process
+    assert application(settings_from_args({"replicas": 2}))._bound_deployment.init_args[1:] == ()
+    one = settings_from_args({"responses_store": 4})
+    assert isinstance(_kept_responses(one, object(), 2), SharedResponses)
+    assert isinstance(_kept_responses(one, None, 1), LocalResponses)
+    assert _kept_responses(settings_from_args({}), None, 1) is None
+    # a config file's deployments: entry raised the count past the builder's: refused, saying what to set
+    with pytest.raises(ValueError, match=r"responses_store \(4\) keeps responses in the replica's own process .* "
+                                         r"set replicas \(or max_replicas\) to 3"):
+        _kept_responses(one, None, 3)
+
+
+@pytest.mark.parametrize("value, message", [(-1, "responses_store (-1) must be an integer >= 0"),
+                                            ("many", "responses_store ('many') must be an integer >= 0"),
+                                            (10 ** 7, "responses_store (10000000) must be at most 1000000")])
+def test_the_builders_argument_is_checked(value, message):
+    from launcher.serving.server_settings import settings_from_args
+
+    with pytest.raises(ValueError) as err:
+        settings_from_args({"responses_store": value})
+    assert message in str(err.value)
+    assert settings_from_args({"responses_store": "3"}).responses_store == 3  # `serve run` passes text
+
+
+def test_the_command_line_option(capsys):
+    from launcher.cli import main
+
+    with pytest.raises(SystemExit) as refused_by_argparse:
+        main(["serve", "--responses-store", "-1"])
+    assert refused_by_argparse.value.code == 2
+    assert "--responses-store (-1) must be at least 0" in capsys.readouterr().err
+    assert main(["serve", "--responses-store", "10000000"]) == 2  # refused before Ray starts
+    assert "--responses-store (10000000) must be at most 1000000" in capsys.readouterr().err
