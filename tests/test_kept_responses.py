@@ -10,19 +10,21 @@ run in-process over SmolLM2's tokenizer and an engine that streams scripted text
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
 from launcher.serving.openai_protocol import ProtocolError
-from launcher.serving.response_store_server import LocalResponses
+from launcher.serving.response_store_server import LocalResponses, SharedResponses, StoreUnavailable
 from tests.test_responses_route import (TOOLS, WEATHER_CALL, asked, check_with_the_clients_types, refusal, respond,
                                         server_over, streamed_text, tokenizer)
 
 __all__ = ["tokenizer"]  # the module-scoped fixture, taken from the route's tests
 
 
-def keeping(tokenizer, scripts, capacity: int = 8, tool_call_parser: str | None = None):
-    server = server_over(tokenizer, scripts, tool_call_parser)
+def keeping(tokenizer, scripts, capacity: int = 8, tool_call_parser: str | None = None,
+            reasoning_parser: str | None = None):
+    server = server_over(tokenizer, scripts, tool_call_parser, reasoning_parser)
     server.responses_kept = LocalResponses(capacity)
     return server
 
@@ -104,6 +106,87 @@ def test_a_function_calls_output_continues_the_kept_call(tokenizer):
     assert second["output"][0]["content"][0]["text"] == "It is 21 C in Paris."
 
 
+def test_a_turn_cut_while_thinking_keeps_its_own_turn(tokenizer):
+    """A kept answer that is all thinking (max_output_tokens cut it inside its reasoning) still takes
+    the assistant's turn in the next prompt, with its thinking: two user turns in a row would be
+    refused by templates that want them alternating, and the client cannot mend a kept turn."""
+    server = keeping(tokenizer, ["The sky scatters blue light", "Blue."], reasoning_parser="deepseek_r1")
+    cut = respond(server, asked(input="Colour?", max_output_tokens=3))
+    assert cut["status"] == "incomplete" and [item["type"] for item in cut["output"]] == ["reasoning"]
+    respond(server, asked(input="Well?", previous_response_id=cut["id"]))
+    prompt = server.prompts[1]
+    assert prompt.index("<user>Colour?") < prompt.index("<assistant>[The sky") < prompt.index("<user>Well?")
+
+
+def test_two_turns_may_continue_the_same_response(tokenizer):
+    server = keeping(tokenizer, ["Hello.", "Paris.", "Rome."])
+    first = respond(server, asked(input="Hi"))
+    france = respond(server, asked(input="France?", previous_response_id=first["id"]))
+    italy = respond(server, asked(input="Italy?", previous_response_id=first["id"]))
+    assert "France?" not in server.prompts[2] and "<assistant>Hello." in server.prompts[2]
+    assert read_back(server, france["id"])["output"] != read_back(server, italy["id"])["output"]
+
+
+def test_a_conversation_longer_than_the_store_loses_its_first_turn(tokenizer):
+    """N bounds the turns of every conversation together (each kept response is one turn): a chain of
+    N + 1 responses can no longer be continued from its last (README)."""
+    server = keeping(tokenizer, "Fine.", capacity=3)
+    turn = respond(server, asked(input="Turn 0?"))
+    first = turn
+    for i in range(1, 3):
+        turn = respond(server, asked(input=f"Turn {i}?", previous_response_id=turn["id"]))
+    assert "<user>Turn 0?" in server.prompts[-1]
+    turn = respond(server, asked(input="Turn 3?", previous_response_id=turn["id"]))  # the fourth kept: turn 0 goes
+    lost = refusal(server, asked(input="Turn 4?", previous_response_id=turn["id"]))
+    assert lost.code == "previous_response_not_found" and f"it continued {first['id']!r}" in lost.message
+
+
+class FailingStore(LocalResponses):
+    """A store whose every call fails as a shared store that does not answer does."""
+
+    async def put(self, *args):
+        raise StoreUnavailable("the response store did not answer within 10 s")
+
+    history = get = delete = put
+
+
+def test_a_store_that_fails_costs_the_keeping_not_the_answer(tokenizer, caplog):
+    server = server_over(tokenizer, "Hello.")
+    server.responses_kept = FailingStore(4)
+    whole = respond(server, asked())
+    assert whole["store"] is False and whole["output"][0]["content"][0]["text"] == "Hello."
+    assert f"response {whole['id']} was answered but not kept" in caplog.text
+    events = respond(server, asked(stream=True))
+    assert events[-1]["type"] == "response.completed" and events[-1]["response"]["store"] is False
+    assert [event["sequence_number"] for event in events] == list(range(len(events)))
+    for call in (read_back, deleted):
+        busy = refused(call, server, "resp_1")
+        assert busy.status == 503 and busy.code == "response_store_unavailable" and "retry later" in busy.message
+        assert busy.headers["Retry-After"]
+    busy = refusal(server, asked(previous_response_id="resp_1"))
+    assert busy.status == 503 and busy.code == "response_store_unavailable"
+
+
+def test_a_shared_store_that_does_not_answer_is_named(monkeypatch):
+    from launcher.serving import response_store_server
+
+    class Handle:  # a store replica that never answers, then one that fails
+        def __getattr__(self, method):
+            return SimpleNamespace(remote=lambda *args: asyncio.sleep(3600))
+
+    class Broken:
+        def __getattr__(self, method):
+            async def fail(*args):
+                raise RuntimeError("replica died")
+            return SimpleNamespace(remote=fail)
+
+    monkeypatch.setattr(response_store_server, "STORE_WAIT_S", 0.05)
+    with pytest.raises(StoreUnavailable, match="did not answer within 0.05 s"):
+        asyncio.run(SharedResponses(Handle()).history("resp_1"))
+    with pytest.raises(StoreUnavailable, match="the response store failed: RuntimeError: replica died"):
+        asyncio.run(SharedResponses(Broken()).put({"id": "resp_1", "output": []}, [], None))
+
+
 def test_a_deleted_response_is_gone_and_named_by_the_turns_after_it(tokenizer):
     server = keeping(tokenizer, ["One.", "Two.", "Three."])
     first = respond(server, asked())
@@ -142,7 +225,7 @@ def test_bad_previous_ids_and_replays_are_refused(tokenizer):
     answer = respond(server, asked())
     replay = refused(read_back, server, answer["id"], b"stream=true")
     assert replay.status == 400 and replay.param == "stream" and "no events to replay" in replay.message
-    assert read_back(server, answer["id"], b"stream=false") == answer
+    assert read_back(server, answer["id"], b"stream=false") == answer == read_back(server, answer["id"], b"stream=0")
 
 
 def test_the_routes_need_the_api_key(tokenizer):
@@ -155,7 +238,6 @@ def test_the_routes_need_the_api_key(tokenizer):
 
 def test_several_replicas_share_one_store_deployment():
     from launcher.serving.openai_app import _kept_responses, application
-    from launcher.serving.response_store_server import SharedResponses
     from launcher.serving.server_settings import settings_from_args
 
     shared = application(settings_from_args({"replicas": 2, "responses_store": 4}))._bound_deployment

@@ -75,7 +75,8 @@ def add_parser(subparsers) -> None:
                    help="template variables every chat request gets unless it sends its own "
                         "chat_template_kwargs value, e.g. '{\"enable_thinking\": false}' (Qwen3 without thinking)")
     p.add_argument("--responses-store", type=int_at_least("--responses-store", 0), metavar="N",
-                   help="keep the last N responses of /v1/responses (the least recently used go first), so that "
+                   help="keep N responses of /v1/responses in memory, each one turn of a conversation (the least "
+                        "recently used go first), so that "
                         "a request can continue one by previous_response_id and GET/DELETE /v1/responses/ID "
                         "reach it (default 0: none kept, previous_response_id refused)")
     p.add_argument("--api-key", metavar="KEY",

@@ -50,7 +50,8 @@ from launcher.serving.openai_render import ChatRender, CompletionRender
 from launcher.serving.prompt_probe import (head_overfills, length_overfills, longest_token_chars,
                                             too_long_message, too_many_characters_message)
 from launcher.serving.reasoning import CALL_START, THINK_END, THINK_START, ThinkTokens
-from launcher.serving.response_store_server import LocalResponses, ResponseStoreServer, SharedResponses
+from launcher.serving.response_store_server import (LocalResponses, ResponseStoreServer, SharedResponses,
+                                                     StoreUnavailable)
 from launcher.serving.server_settings import ServerSettings, api_key_from_environment, settings_from_args
 from launcher.serving.token_pieces import TokenPieces
 
@@ -629,6 +630,15 @@ def _refuse_control_token_keys(tokenizer, messages: list[dict], tools: list[dict
                                 f"rename the key", param=where)
 
 
+async def _from_store(call):
+    """The store call's answer; a store that does not answer is a 503 saying so."""
+    try:
+        return await call
+    except StoreUnavailable as err:
+        raise ProtocolError(f"{err}; retry later", status=503, type="server_error",
+                            code="response_store_unavailable", headers=_RETRY_UNAVAILABLE) from None
+
+
 def _kept_responses(settings: ServerSettings, shared, most_replicas: int):
     """Where a replica keeps responses (response_store_server.py): the application's shared store
     where build_app bound one, else this process's own; None where none are kept."""
@@ -896,18 +906,28 @@ class OpenAIServer:
         keep = None
         if echo.store:  # kept before the client sees it, so its next turn finds it
             async def keep(response: dict) -> None:
-                await self.responses_kept.put(response, turn, echo.previous_response_id)
+                await self._keep(response, turn, echo.previous_response_id)
         return await self._respond_responses(req, echo, stream, render, arrived, keep)
+
+    async def _keep(self, response: dict, turn: list, previous_id: str | None) -> None:
+        """Keep an answered response; where the store fails, the answer still goes out (it was
+        generated), saying `store: false`, and the replica's log says why."""
+        try:
+            await self.responses_kept.put(response, turn, previous_id)
+        except StoreUnavailable as err:
+            response["store"] = False
+            SERVER_LOG.warning("corelaunch serve: response %s was answered but not kept: %s", response["id"], err)
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(self, response_id: str, request: Request) -> dict:
         """A kept response, as it was answered (OpenAI's GET /v1/responses/{id}); 404 for one not kept."""
         self._authorize(request)
-        if request.query_params.get("stream", "false").lower() != "false" or "starting_after" in request.query_params:
+        if request.query_params.get("stream", "false").lower() not in ("false", "0") or \
+                "starting_after" in request.query_params:
             raise ProtocolError("stream and starting_after are not supported: no response runs in the background, "
                                 "so there are no events to replay; GET the response without them",
                                 param="stream" if "stream" in request.query_params else "starting_after")
-        response = None if self.responses_kept is None else await self.responses_kept.get(response_id)
+        response = None if self.responses_kept is None else await _from_store(self.responses_kept.get(response_id))
         if response is None:
             raise self._not_kept(response_id)
         return response
@@ -916,12 +936,12 @@ class OpenAIServer:
     async def delete_response(self, response_id: str, request: Request) -> dict:
         """Forget a kept response (OpenAI's DELETE /v1/responses/{id}); 404 for one not kept."""
         self._authorize(request)
-        if self.responses_kept is None or not await self.responses_kept.delete(response_id):
+        if self.responses_kept is None or not await _from_store(self.responses_kept.delete(response_id)):
             raise self._not_kept(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
     def _not_kept(self, response_id: str) -> ProtocolError:
-        why = ("this server keeps no responses (`corelaunch serve --responses-store N` keeps the last N)"
+        why = ("this server keeps no responses (`corelaunch serve --responses-store N` keeps up to N)"
                if self.responses_kept is None else
                "it was never kept (store: false), was deleted, or was the least recently used when the store "
                "was full")
@@ -1191,11 +1211,14 @@ class OpenAIServer:
         request it asks for (responses_api.chat_body), which the chat parser checks; (that request,
         the echo, the request's own input items where its response is to be kept, else None)."""
         raw, held = await self._read_counted(request, self.metrics)
-        body = await self._parsed(raw, held, self.metrics, lambda raw: self._json(raw, self.metrics))
-        history = await self._kept_history(body)
-        # a long kept history is parsed off the event loop too, as a large body is
-        size = len(raw) if history is None else PARSED_ON_A_THREAD + 1
-        req, echo = await self._off_loop(size, self.metrics, lambda: self._parse_responses(body, history))
+        try:  # the body's budget held until the request is parsed whole
+            body = await self._off_loop(len(raw), self.metrics, lambda: self._json(raw, self.metrics))
+            history = await self._kept_history(body)
+            # a long kept history is parsed off the event loop too, as a large body is
+            size = len(raw) if history is None else PARSED_ON_A_THREAD + 1
+            req, echo = await self._off_loop(size, self.metrics, lambda: self._parse_responses(body, history))
+        finally:
+            self.bodies.give(held)
         return req, echo, responses_api.turn_items(body) if echo.store else None
 
     async def _kept_history(self, body) -> list | None:
@@ -1208,7 +1231,14 @@ class OpenAIServer:
         except ProtocolError:
             self.metrics.rejected(400)
             raise
-        items, missing = await self.responses_kept.history(response_id)
+        try:
+            items, missing = await _from_store(self.responses_kept.history(response_id))
+        except asyncio.CancelledError:  # the client left meanwhile
+            self.metrics.finished("abort", 499)
+            raise
+        except ProtocolError as err:
+            self.metrics.rejected(err.status)
+            raise
         if items is None:
             self.metrics.rejected(400)
             earlier = "" if missing == response_id else f" (it continued {proto.clip(missing)!r}, which is not)"

@@ -5,14 +5,26 @@ One Serve replica keeps them in its own process (LocalResponses): nothing to sha
 more on the host (on a host whose cores the ranks use, an idle Serve replica's background work comes
 out of the forward, README: Limits). Several replicas share one store, its own small Serve deployment
 in the same application (ResponseStoreServer, reached through its handle: SharedResponses), since
-the next turn of a conversation may reach any replica; it is deleted with the application.
+the next turn of a conversation may reach any replica; it is deleted with the application. A call
+to it that gets no answer within STORE_WAIT_S raises StoreUnavailable (Serve's router would wait
+for a dead store replica's replacement, holding every /v1/responses request meanwhile).
 """
 
 from __future__ import annotations
 
+import asyncio
+
 from ray import serve
 
 from launcher.serving.responses.store import ResponseStore
+
+
+STORE_WAIT_S = 10.0
+"""How long a replica waits for the shared store's answer to one call."""
+
+
+class StoreUnavailable(RuntimeError):
+    """The shared store did not answer (its replica gone, or failing): what was asked is unknown."""
 
 
 class LocalResponses:
@@ -41,16 +53,24 @@ class SharedResponses:
         self.handle = handle
 
     async def put(self, response: dict, input_items: list, previous_id: str | None) -> None:
-        await self.handle.put.remote(response, input_items, previous_id)
+        await self._call("put", response, input_items, previous_id)
 
     async def history(self, response_id: str):
-        return await self.handle.history.remote(response_id)
+        return await self._call("history", response_id)
 
     async def get(self, response_id: str):
-        return await self.handle.get.remote(response_id)
+        return await self._call("get", response_id)
 
     async def delete(self, response_id: str) -> bool:
-        return await self.handle.delete.remote(response_id)
+        return await self._call("delete", response_id)
+
+    async def _call(self, method: str, *args):
+        try:
+            return await asyncio.wait_for(getattr(self.handle, method).remote(*args), STORE_WAIT_S)
+        except asyncio.TimeoutError:
+            raise StoreUnavailable(f"the response store did not answer within {STORE_WAIT_S:g} s") from None
+        except Exception as err:  # noqa: BLE001 - Serve's and Ray's errors alike: the store failed this call
+            raise StoreUnavailable(f"the response store failed: {type(err).__name__}: {err}") from err
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, num_replicas=1, max_ongoing_requests=1000)

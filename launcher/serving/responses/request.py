@@ -80,7 +80,7 @@ _CHAT_NAMES = {
 }
 """Chat fields sent to this route by mistake, with the Responses field that says it."""
 
-NO_STORE = ("this server keeps no responses (`corelaunch serve --responses-store N` keeps the last N), so no "
+NO_STORE = ("this server keeps no responses (`corelaunch serve --responses-store N` keeps up to N), so no "
             "earlier response can be continued; send the earlier turns (their input and output items) in input")
 """Why previous_response_id is refused by a server started without a response store."""
 
@@ -306,6 +306,8 @@ def _messages(body: dict, echo: ResponsesEcho, history: list) -> list[dict]:
                              _MessagePlace("instructions", content="instructions"))
     for item in history:  # the kept turns were taken once already; a refusal names where they came from
         _add_item(conversation, item, "previous_response_id")
+    if conversation.pending_reasoning is not None:  # a kept turn cut while it thought: its own (empty) turn
+        conversation.add({"role": "assistant", "content": ""}, _MessagePlace("previous_response_id"))
     given = body.get("input")
     if given is None:
         raise ProtocolError("input is required: a string (the user's message) or a list of items (messages, "
