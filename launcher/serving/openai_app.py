@@ -1528,7 +1528,7 @@ def build_app(args: dict) -> serve.Application:
     """Serve's application builder: `serve run launcher.serving.openai_app:build_app model=DIR tp=2`,
     or `import_path: launcher.serving.openai_app:build_app` with `args:` in a `serve deploy` config.
     The arguments are the server's (served_model_name, api_key, replicas, min_replicas, max_replicas,
-    target_ongoing_requests, tool_call_parser, reasoning_parser, default_chat_template_kwargs) and
+    target_ongoing_requests, tool_call_parser, reasoning_parser, default_chat_template_kwargs, responses_store) and
     LaunchConfig's fields (model, tp, dtype, seq_len, max_num_seqs,
     max_queued_requests, ...); see launcher/serving/server_settings.py."""
     return application(builder_settings(args))
