@@ -10,6 +10,7 @@ run in-process over SmolLM2's tokenizer and an engine that streams scripted text
 from __future__ import annotations
 
 import asyncio
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -277,3 +278,41 @@ def test_the_command_line_option(capsys):
     assert "--responses-store (-1) must be at least 0" in capsys.readouterr().err
     assert main(["serve", "--responses-store", "10000000"]) == 2  # refused before Ray starts
     assert "--responses-store (10000000) must be at most 1000000" in capsys.readouterr().err
+
+
+def listing(server, response_id: str, query: bytes = b"") -> dict:
+    path = f"/v1/responses/{response_id}/input_items"
+    return asyncio.run(server.response_input_items(response_id, request_to("GET", path, query)))
+
+
+def test_a_kept_responses_input_items_are_listed_in_pages(tokenizer):
+    from openai.types.responses import ResponseItemList
+
+    server = keeping(tokenizer, "Fine.")
+    sent = [{"role": "user", "content": "First?"}, {"type": "message", "role": "assistant", "content": "Yes."},
+            {"type": "function_call", "call_id": "call_1", "name": "weather", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "call_1", "output": "21 C"},
+            {"role": "user", "content": [{"type": "input_text", "text": "Then?"}]}]
+    answer = respond(server, asked(input=sent, tools=TOOLS, tool_choice="none"))
+    whole = listing(server, answer["id"], b"limit=100")
+    ResponseItemList.model_validate(whole)  # the official client's type
+    assert [item["type"] for item in whole["data"]] == ["message", "function_call_output", "function_call",
+                                                      "message", "message"]  # latest first by default
+    assert whole["data"][0]["content"] == [{"type": "input_text", "text": "Then?"}]
+    assert whole["data"][3]["content"] == [{"type": "output_text", "text": "Yes.", "annotations": []}]
+    assert whole["data"][4]["content"] == [{"type": "input_text", "text": "First?"}]
+    assert all(item["id"] and item["status"] == "completed" for item in whole["data"])
+    assert listing(server, answer["id"], b"limit=100") == whole  # the same ids every time
+    first = listing(server, answer["id"], b"order=asc&limit=2")
+    assert first["data"] == whole["data"][::-1][:2] and first["has_more"] is True
+    rest = listing(server, answer["id"], f"order=asc&after={first['last_id']}".encode())
+    assert rest["data"] == whole["data"][::-1][2:] and rest["has_more"] is False
+    assert rest["first_id"] == rest["data"][0]["id"] and rest["last_id"] == rest["data"][-1]["id"]
+    assert "First?" not in json.dumps(listing(server, respond(server, asked(
+        input="Next?", previous_response_id=answer["id"]))["id"]))  # a turn lists its own input only
+    for query, param in ((b"limit=0", "limit"), (b"limit=101", "limit"), (b"limit=x", "limit"),
+                         (b"order=up", "order"), (b"after=msg_nothing", "after")):
+        bad = refused(listing, server, answer["id"], query)
+        assert bad.status == 400 and bad.param == param
+    assert refused(listing, server, "resp_unknown").status == 404
+    assert refused(listing, server_over(tokenizer, "x"), answer["id"]).status == 404

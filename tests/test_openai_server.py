@@ -2736,7 +2736,7 @@ def test_responses_through_the_official_client(client):
     answer is the chat route's for the same messages (text, finish and token counts), whole and as
     the stream's deltas; instructions are a system message; a forced function call is a
     function_call item; a kept response is continued by previous_response_id as the same
-    conversation sent whole, read back and deleted."""
+    conversation sent whole, read back, its input items listed, and deleted."""
     import json
 
     import openai
@@ -2777,6 +2777,8 @@ def test_responses_through_the_official_client(client):
     assert continued.output_text == sent_whole.output_text and continued.previous_response_id == whole.id
     assert continued.usage.input_tokens == sent_whole.usage.input_tokens
     assert client.responses.retrieve(whole.id).output_text == whole.output_text
+    [sent] = client.responses.input_items.list(whole.id).data
+    assert sent.type == "message" and sent.role == "user" and sent.content[0].text == question
     client.responses.delete(whole.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(whole.id)

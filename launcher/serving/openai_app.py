@@ -6,10 +6,10 @@ TP group) per Serve replica.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (streaming as server-sent events, or one
 JSON object), POST /v1/responses (OpenAI's Responses API, answered through the chat route:
-responses/) with GET and DELETE /v1/responses/{id} for kept responses, GET /v1/models, GET
-/health, GET /metrics, and vLLM's GET /version, POST /tokenize and POST /detokenize (answered by
-the replica's own tokenizer, never the engine), and SageMaker's /ping and POST /invocations (a body
-answered by the route its kind names). The wire format lives in
+responses/) with GET and DELETE /v1/responses/{id} (and its input_items) for kept responses, GET
+/v1/models, GET /health, GET /metrics, and vLLM's GET /version, POST /tokenize and POST /detokenize
+(answered by the replica's own tokenizer, never the engine), and SageMaker's /ping and POST
+/invocations (a body answered by the route its kind names). The wire format lives in
 openai_protocol.py; this file only moves requests between it and the engine.
 """
 
@@ -50,6 +50,7 @@ from launcher.serving.openai_render import ChatRender, CompletionRender
 from launcher.serving.prompt_probe import (head_overfills, length_overfills, longest_token_chars,
                                             too_long_message, too_many_characters_message)
 from launcher.serving.reasoning import CALL_START, THINK_END, THINK_START, ThinkTokens
+from launcher.serving.responses.listed_items import DEFAULT_PAGE, listed, page
 from launcher.serving.response_store_server import (LocalResponses, ResponseStoreServer, SharedResponses,
                                                      StoreUnavailable)
 from launcher.serving.server_settings import ServerSettings, api_key_from_environment, settings_from_args
@@ -678,7 +679,7 @@ class OpenAIServer:
     call_start: int | None = None
     """The id of its `<tool_call>`, which ends qwen3's thinking too (the usage's reasoning count)."""
     responses_kept = None
-    """The kept responses (launcher/serving/response_store_server.py: put, history, get, delete), or
+    """The kept responses (launcher/serving/response_store_server.py: put, history, get, input_items, delete), or
     None: the server keeps none (ServerSettings.responses_store 0)."""
 
     def __init__(self, settings: ServerSettings, shared_responses=None):
@@ -931,6 +932,18 @@ class OpenAIServer:
         if response is None:
             raise self._not_kept(response_id)
         return response
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(self, response_id: str, request: Request) -> dict:
+        """A page of the items a kept response's request sent as input (OpenAI's GET
+        /v1/responses/{id}/input_items: `after`, `limit`, `order`; `include` is taken, the items
+        coming back as kept); 404 for a response not kept."""
+        self._authorize(request)
+        query = request.query_params
+        items = None if self.responses_kept is None else await _from_store(self.responses_kept.input_items(response_id))
+        if items is None:
+            raise self._not_kept(response_id)
+        return page(items, query.get("after"), query.get("limit", DEFAULT_PAGE), query.get("order", "desc"))
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(self, response_id: str, request: Request) -> dict:
@@ -1219,7 +1232,7 @@ class OpenAIServer:
             req, echo = await self._off_loop(size, self.metrics, lambda: self._parse_responses(body, history))
         finally:
             self.bodies.give(held)
-        return req, echo, responses_api.turn_items(body) if echo.store else None
+        return req, echo, [listed(item) for item in responses_api.turn_items(body)] if echo.store else None
 
     async def _kept_history(self, body) -> list | None:
         """The items of the conversation body's previous_response_id continues, first turn first;

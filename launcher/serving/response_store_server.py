@@ -1,5 +1,5 @@
 """Where a server's kept responses (launcher/serving/responses/store.py) live, and how its route
-reaches them: both ways give the route the same four coroutines (put, history, get, delete).
+reaches them: both ways give the route the same coroutines (put, history, get, input_items, delete).
 
 One Serve replica keeps them in its own process (LocalResponses): nothing to share, and no process
 more on the host (on a host whose cores the ranks use, an idle Serve replica's background work comes
@@ -42,6 +42,9 @@ class LocalResponses:
     async def get(self, response_id: str):
         return self.store.get(response_id)
 
+    async def input_items(self, response_id: str):
+        return self.store.input_items(response_id)
+
     async def delete(self, response_id: str) -> bool:
         return self.store.delete(response_id)
 
@@ -60,6 +63,9 @@ class SharedResponses:
 
     async def get(self, response_id: str):
         return await self._call("get", response_id)
+
+    async def input_items(self, response_id: str):
+        return await self._call("input_items", response_id)
 
     async def delete(self, response_id: str) -> bool:
         return await self._call("delete", response_id)

@@ -1,0 +1,70 @@
+"""A kept turn's input items in the shape GET /v1/responses/{id}/input_items lists them (OpenAI's
+ResponseItem: every item with an id and a status, a message's content as typed parts), and one page
+of such a listing. Pure: dicts in, dicts out.
+
+The input a client sends may leave ids out and write a message's content as a string; the store keeps
+each turn's input in this listed shape (ids given once, when the turn is kept, so a listing shows the
+same ids every time), which chat_body takes back as input unchanged: a string content becomes one
+text part, which the chat template reads as the string.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from launcher.serving.openai_protocol import ProtocolError, _short
+
+ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+MAX_PAGE, DEFAULT_PAGE = 100, 20
+"""OpenAI's bounds on a listing's `limit`, and its default."""
+ORDERS = ("asc", "desc")
+
+
+def listed(item: dict) -> dict:
+    """One input item (as chat_body took it) in the listed shape."""
+    kind = item.get("type", "message")
+    shaped = {**item, "type": kind, "id": item.get("id") or f"{ID_PREFIXES[kind]}_{uuid.uuid4().hex}",
+              "status": item.get("status") or "completed"}
+    if kind == "message":
+        shaped["content"] = _parts(item.get("content"), item["role"] == "assistant")
+    elif kind == "reasoning":
+        shaped.setdefault("summary", [])
+    return {key: value for key, value in shaped.items() if value is not None}
+
+
+def _parts(content, assistant: bool) -> list[dict]:
+    """A message's content as typed parts: output_text (with its annotations) for the assistant's,
+    input_text for the others'."""
+    kind = "output_text" if assistant else "input_text"
+    parts = [{"type": kind, "text": content}] if isinstance(content, str) else list(content or [])
+    shaped = []
+    for part in parts:
+        part = {**part, "type": kind if part.get("type") == "text" else part["type"]}
+        if part["type"] == "output_text":
+            part = {"annotations": [], **part}
+        shaped.append({key: value for key, value in part.items() if value is not None})
+    return shaped
+
+
+def page(items: list[dict], after: str | None, limit, order: str) -> dict:
+    """One page of a listing: the items after `after` (an item id) in `order` ("desc": the latest
+    first), at most `limit`; ProtocolError 400 naming the query parameter for a bad one."""
+    if order not in ORDERS:
+        raise ProtocolError(f"order ({_short(order)}) must be asc or desc", param="order")
+    try:
+        limit = int(limit)
+    except (TypeError, ValueError):
+        limit = None
+    if limit is None or not 1 <= limit <= MAX_PAGE:
+        raise ProtocolError(f"limit must be an integer from 1 to {MAX_PAGE}", param="limit")
+    ordered = items if order == "asc" else items[::-1]
+    start = 0
+    if after is not None:
+        ids = [item["id"] for item in ordered]
+        if after not in ids:
+            raise ProtocolError(f"after ({_short(after)}) is no item of this response's input; send an id "
+                                f"from an earlier page (its last_id)", param="after")
+        start = ids.index(after) + 1
+    data = ordered[start:start + limit]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": start + limit < len(ordered)}
