@@ -111,12 +111,16 @@ def test_a_turn_cut_while_thinking_keeps_its_own_turn(tokenizer):
     """A kept answer that is all thinking (max_output_tokens cut it inside its reasoning) still takes
     the assistant's turn in the next prompt, with its thinking: two user turns in a row would be
     refused by templates that want them alternating, and the client cannot mend a kept turn."""
-    server = keeping(tokenizer, ["The sky scatters blue light", "Blue."], reasoning_parser="deepseek_r1")
+    server = keeping(tokenizer, ["The sky scatters blue light", "Blue.", "Yes."], reasoning_parser="deepseek_r1")
     cut = respond(server, asked(input="Colour?", max_output_tokens=3))
     assert cut["status"] == "incomplete" and [item["type"] for item in cut["output"]] == ["reasoning"]
     respond(server, asked(input="Well?", previous_response_id=cut["id"]))
     prompt = server.prompts[1]
     assert prompt.index("<user>Colour?") < prompt.index("<assistant>[The sky") < prompt.index("<user>Well?")
+    # an input that opens with the assistant's own message takes the thinking itself: no empty turn
+    respond(server, asked(input=[{"role": "assistant", "content": "Blue."}, {"role": "user", "content": "Sure?"}],
+                          previous_response_id=cut["id"]))
+    assert "<user>Colour?<assistant>Blue.[The sky" in server.prompts[2] and server.prompts[2].count("<assistant>") == 2
 
 
 def test_two_turns_may_continue_the_same_response(tokenizer):
@@ -316,3 +320,36 @@ def test_a_kept_responses_input_items_are_listed_in_pages(tokenizer):
         assert bad.status == 400 and bad.param == param
     assert refused(listing, server, "resp_unknown").status == 404
     assert refused(listing, server_over(tokenizer, "x"), answer["id"]).status == 404
+
+
+def test_every_input_item_shape_is_listed_in_the_clients_types_and_comes_back_as_history(tokenizer):
+    """Shapes chat_body takes that the listed shape must mend: a user's output_text part and an
+    assistant's input_text part (each role's own part type), an assistant message with no content
+    (one empty part: an empty list would be refused when the turn comes back), a reasoning item's
+    null summary, an id sent twice (a new one the second time: `after` stays unambiguous)."""
+    from openai.types.responses import ResponseItemList
+
+    server = keeping(tokenizer, ["Fine.", "More."])
+    sent = [{"role": "user", "content": [{"type": "output_text", "text": "Quoted."}]},
+            {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "Thinking."}], "summary": None},
+            {"role": "assistant"},
+            {"type": "function_call", "call_id": "call_1", "name": "weather", "arguments": "{}", "id": "dup"},
+            {"type": "function_call_output", "call_id": "call_1", "id": "dup",
+             "output": [{"type": "input_text", "text": "21 C"}]},
+            {"role": "assistant", "content": [{"type": "input_text", "text": "Noted."}]},
+            {"role": "user", "content": "Then?"}]
+    answer = respond(server, asked(input=sent, tools=TOOLS, tool_choice="none"))
+    items = listing(server, answer["id"], b"order=asc")
+    ResponseItemList.model_validate(items)
+    ids = [item["id"] for item in items["data"]]
+    assert len(set(ids)) == len(ids) == len(sent) and ids[3] == "dup" != ids[4]
+    respond(server, asked(input="More?", previous_response_id=answer["id"], tools=TOOLS, tool_choice="none"))
+    prompt = server.prompts[1]
+    for said in ("<user>Quoted.", "[Thinking.]", "(call call_1 weather)", "<tool>21 C(for call_1)",
+                 "<assistant>Noted.", "<user>Then?", "<assistant>Fine.", "<user>More?"):
+        assert said in prompt, said
+    # the kept turn gives the chat template what the same items sent whole give it
+    whole = server_over(tokenizer, "x")
+    respond(whole, asked(input=[*sent, *answer["output"], {"role": "user", "content": "More?"}], tools=TOOLS,
+                         tool_choice="none"))
+    assert whole.prompts == [prompt]

@@ -76,9 +76,9 @@ def add_parser(subparsers) -> None:
                         "chat_template_kwargs value, e.g. '{\"enable_thinking\": false}' (Qwen3 without thinking)")
     p.add_argument("--responses-store", type=int_at_least("--responses-store", 0), metavar="N",
                    help="keep N responses of /v1/responses in memory, each one turn of a conversation (the least "
-                        "recently used go first), so that "
-                        "a request can continue one by previous_response_id and GET/DELETE /v1/responses/ID "
-                        "reach it (default 0: none kept, previous_response_id refused)")
+                        "recently used go first), so that a request can continue one by previous_response_id and "
+                        "GET/DELETE /v1/responses/ID (and GET its input_items) reach it (default 0: none kept, "
+                        "previous_response_id refused)")
     p.add_argument("--api-key", metavar="KEY",
                    help="require `Authorization: Bearer KEY` on /v1/* (default: $CORELAUNCH_API_KEY; unset: open)")
     p.add_argument("--replicas", type=int_at_least("--replicas"), metavar="N",

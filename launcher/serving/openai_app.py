@@ -1232,7 +1232,7 @@ class OpenAIServer:
             req, echo = await self._off_loop(size, self.metrics, lambda: self._parse_responses(body, history))
         finally:
             self.bodies.give(held)
-        return req, echo, [listed(item) for item in responses_api.turn_items(body)] if echo.store else None
+        return req, echo, listed(responses_api.turn_items(body)) if echo.store else None
 
     async def _kept_history(self, body) -> list | None:
         """The items of the conversation body's previous_response_id continues, first turn first;

@@ -10,6 +10,7 @@ text part, which the chat template reads as the string.
 
 from __future__ import annotations
 
+import copy
 import uuid
 
 from launcher.serving.openai_protocol import ProtocolError, _short
@@ -20,30 +21,35 @@ MAX_PAGE, DEFAULT_PAGE = 100, 20
 ORDERS = ("asc", "desc")
 
 
-def listed(item: dict) -> dict:
-    """One input item (as chat_body took it) in the listed shape."""
-    kind = item.get("type", "message")
-    shaped = {**item, "type": kind, "id": item.get("id") or f"{ID_PREFIXES[kind]}_{uuid.uuid4().hex}",
-              "status": item.get("status") or "completed"}
-    if kind == "message":
-        shaped["content"] = _parts(item.get("content"), item["role"] == "assistant")
-    elif kind == "reasoning":
-        shaped.setdefault("summary", [])
-    return {key: value for key, value in shaped.items() if value is not None}
+def listed(items: list[dict]) -> list[dict]:
+    """A turn's input items (as chat_body took them) in the listed shape, copies of them: an id
+    each, unique in the turn (one the client sent twice is given a new one the second time, so a
+    page's `after` is never ambiguous), a status, a message's content as parts of its role's type
+    (an absent content one empty part: no content at all is refused when the turn comes back as
+    history), a reasoning item's summary a list."""
+    shaped_items, seen = [], set()
+    for item in copy.deepcopy(items):
+        kind = item.get("type", "message")
+        given = item.get("id")
+        shaped = {**item, "type": kind, "status": item.get("status") or "completed",
+                  "id": given if given and given not in seen else f"{ID_PREFIXES[kind]}_{uuid.uuid4().hex}"}
+        seen.add(shaped["id"])
+        if kind == "message":
+            shaped["content"] = _parts(item.get("content"), item["role"] == "assistant")
+        elif kind == "reasoning" and shaped.get("summary") is None:
+            shaped["summary"] = []
+        shaped_items.append({key: value for key, value in shaped.items() if value is not None})
+    return shaped_items
 
 
 def _parts(content, assistant: bool) -> list[dict]:
-    """A message's content as typed parts: output_text (with its annotations) for the assistant's,
-    input_text for the others'."""
+    """A message's content as parts of its role's type: output_text (with its annotations) for the
+    assistant's, input_text (the text alone) for the others'."""
     kind = "output_text" if assistant else "input_text"
-    parts = [{"type": kind, "text": content}] if isinstance(content, str) else list(content or [])
-    shaped = []
-    for part in parts:
-        part = {**part, "type": kind if part.get("type") == "text" else part["type"]}
-        if part["type"] == "output_text":
-            part = {"annotations": [], **part}
-        shaped.append({key: value for key, value in part.items() if value is not None})
-    return shaped
+    parts = [{"type": kind, "text": content or ""}] if content is None or isinstance(content, str) else content
+    if not assistant:
+        return [{"type": kind, "text": part["text"]} for part in parts]
+    return [{"annotations": [], **{k: v for k, v in part.items() if v is not None}, "type": kind} for part in parts]
 
 
 def page(items: list[dict], after: str | None, limit, order: str) -> dict:
@@ -51,12 +57,14 @@ def page(items: list[dict], after: str | None, limit, order: str) -> dict:
     first), at most `limit`; ProtocolError 400 naming the query parameter for a bad one."""
     if order not in ORDERS:
         raise ProtocolError(f"order ({_short(order)}) must be asc or desc", param="order")
+    given = limit
     try:
         limit = int(limit)
     except (TypeError, ValueError):
         limit = None
     if limit is None or not 1 <= limit <= MAX_PAGE:
-        raise ProtocolError(f"limit must be an integer from 1 to {MAX_PAGE}", param="limit")
+        raise ProtocolError(f"limit ({_short(given)}) must be an integer from 1 to {MAX_PAGE} (default "
+                            f"{DEFAULT_PAGE})", param="limit")
     ordered = items if order == "asc" else items[::-1]
     start = 0
     if after is not None:

@@ -306,9 +306,10 @@ def _messages(body: dict, echo: ResponsesEcho, history: list) -> list[dict]:
                              _MessagePlace("instructions", content="instructions"))
     for item in history:  # the kept turns were taken once already; a refusal names where they came from
         _add_item(conversation, item, "previous_response_id")
-    if conversation.pending_reasoning is not None:  # a kept turn cut while it thought: its own (empty) turn
-        conversation.add({"role": "assistant", "content": ""}, _MessagePlace("previous_response_id"))
     given = body.get("input")
+    if conversation.pending_reasoning is not None and not _continues_the_assistant(given):
+        # a kept turn cut while it thought: its own (empty) assistant turn, not two user turns in a row
+        conversation.add({"role": "assistant", "content": ""}, _MessagePlace("previous_response_id"))
     if given is None:
         raise ProtocolError("input is required: a string (the user's message) or a list of items (messages, "
                             "function calls and their outputs)", param="input")
@@ -323,6 +324,13 @@ def _messages(body: dict, echo: ResponsesEcho, history: list) -> list[dict]:
     for i, item in enumerate(given):
         _add_item(conversation, item, f"input[{i}]")
     return conversation.messages
+
+
+def _continues_the_assistant(given) -> bool:
+    """Whether the input opens with an assistant message or a function call (which take pending
+    reasoning themselves)."""
+    first = given[0] if isinstance(given, list) and given else None
+    return isinstance(first, dict) and (first.get("role") == "assistant" or first.get("type") == "function_call")
 
 
 def _add_item(conversation: _Conversation, item, path: str) -> None:
