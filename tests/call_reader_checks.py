@@ -1,6 +1,6 @@
-"""What the tests of the tool_choice "auto" readers (hermes, llama3_json, mistral, pythonic) share: a
-whole text's answer checked against its table row, a text that is all content, a text streamed in
-given pieces, random cut points, and the check that the stream says what the whole answer says."""
+"""What the tests of the tool_choice "auto" readers (hermes, llama3_json, mistral, pythonic,
+qwen3_coder) share: a whole text's answer checked against its table row, a text that is all content,
+a text streamed in given pieces, random cut points, and the check that the stream says what the whole answer says."""
 
 from __future__ import annotations
 

@@ -173,7 +173,8 @@ def test_auto_is_refused_without_a_parser_naming_the_option():
         assert refused.value.status == 400 and refused.value.param == "tool_choice"
         message = refused.value.message
         assert "--tool-call-parser NAME" in message and "tool_choice \"auto\"" in message
-        assert all(f"{name}, " in message for name in ("hermes", "llama3_json", "mistral", "pythonic"))  # with formats
+        assert all(f"{name}, " in message for name in ("hermes", "llama3_json", "mistral", "pythonic",
+                                                       "qwen3_coder"))  # with formats
 
 
 def test_with_the_hermes_parser_auto_is_taken_and_decodes_special_tokens():
@@ -204,7 +205,7 @@ def test_the_tool_call_parser_option_and_builder_argument():
     assert settings_from_args({"tool_call_parser": "null"}).tool_call_parser is None  # YAML's null: the default
     assert settings_from_args({"tool_call_parser": "mistral"}).tool_call_parser == "mistral"
     with pytest.raises(ValueError, match=r"tool_call_parser \('granite'\) must be one of hermes, llama3_json, "
-                                         r"mistral, pythonic \(the format .*: hermes, <tool_call>"):
+                                         r"mistral, pythonic, qwen3_coder \(the format .*: hermes, <tool_call>"):
         settings_from_args({"tool_call_parser": "granite"})
     flags = {k: "--" + k.replace("_", "-") for k in SERVER_ARGS}
     serve = lambda *argv: settings_from_args(server_args(build_parser().parse_args(["serve", *argv])), flags)

@@ -421,7 +421,7 @@ def test_a_control_token_in_a_key_of_the_tools_or_a_calls_arguments_is_refused(s
     assert ids.count(starts) == 2  # the user's turn and the assistant's opening
 
 
-@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral", "pythonic"])
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"])
 def test_each_tool_call_parser_reads_auto_with_its_own_reader(parser):
     """Every name --tool-call-parser takes has its reader, which "auto" requests get (with their
     parallel_tool_calls), with the interface the app's ChatRender drives."""

@@ -1,6 +1,6 @@
 """What the readers of tool_choice "auto" share: each reads one choice's free text as content and tool
-calls in its model's own format (hermes_calls, llama_calls, mistral_calls, pythonic_calls;
-tool_calls.PARSER_READERS names them), streamed (delta) or whole (push, then message), with
+calls in its model's own format (hermes_calls, llama_calls, mistral_calls, pythonic_calls,
+qwen3_coder_calls; tool_calls.PARSER_READERS names them), streamed (delta) or whole (push, then message), with
 ToolCallReader's interface, which the app's ChatRender drives.
 
 A reader supplies two things: `read_whole(text)`, the whole text's CallsReading, and

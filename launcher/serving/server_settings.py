@@ -37,6 +37,8 @@ TOOL_CALL_PARSERS = {
                    "Instruct)",
     "mistral": "[TOOL_CALLS] then [{\"name\": ..., \"arguments\": ...}] or name[ARGS]{...} (Mistral Instruct)",
     "pythonic": "a Python list of calls, [get_weather(city=\"Paris\"), get_time()] (Llama 3.2 and 4, prompted for it)",
+    "qwen3_coder": "<tool_call><function=NAME><parameter=KEY>value</parameter></function></tool_call>, values typed "
+                   "by the tool's schema (Qwen3-Coder)",
 }
 """The formats tool_call_parser names (vLLM's --tool-call-parser names), each with how the model
 writes a call in its free text, which tool_choice "auto" needs read back (the readers:

@@ -3,7 +3,8 @@
 function or "required", whose output is constrained by a JSON schema through the structured-output
 machinery and read back as tool calls; "auto" (the default with tools) needs a parser for the model's
 own call format in its free text: taken on a server started with one (`--tool-call-parser hermes`,
-`llama3_json`, `mistral` or `pythonic`: PARSER_READERS), refused otherwise, as vLLM refuses it.
+`llama3_json`, `mistral`, `pythonic` or `qwen3_coder`: PARSER_READERS), refused otherwise, as vLLM
+refuses it.
 The conversation's own tool calls and tool results are checked and handed to the chat template as
 vLLM hands them (each call's `arguments` JSON text parsed into an object).
 
@@ -36,9 +37,11 @@ PARSER_READERS = {
     "llama3_json": ("launcher.serving.llama_calls", "Llama3JsonCallReader"),
     "mistral": ("launcher.serving.mistral_calls", "MistralCallReader"),
     "pythonic": ("launcher.serving.pythonic_calls", "PythonicCallReader"),
+    "qwen3_coder": ("launcher.serving.qwen3_coder_calls", "Qwen3CoderCallReader"),
 }
 """Each tool-call parser's reader (module, class), by its name (server_settings.TOOL_CALL_PARSERS).
-Imported when a request needs one: the readers import this module."""
+Imported when a request needs one: the readers import this module. A reader whose class says
+`needs_tools` is also given the request's tools (qwen3_coder's values take their schemas' types)."""
 
 
 def _auto_refused(by_default: bool) -> str:
@@ -166,7 +169,10 @@ class ToolUse:
         parser's reader, which has the same interface), None when the text is only text."""
         if self.parser is not None:
             module, name = PARSER_READERS[self.parser]
-            return getattr(importlib.import_module(module), name)(self.parallel_tool_calls)
+            reader_class = getattr(importlib.import_module(module), name)
+            if getattr(reader_class, "needs_tools", False):
+                return reader_class(self.parallel_tool_calls, tools=self.tools)
+            return reader_class(self.parallel_tool_calls)
         return None if self.forced is None else ToolCallReader(self.forced)
 
 
