@@ -167,6 +167,22 @@ def test_a_function_call_read_by_the_servers_parser_whole_and_streamed(tokenizer
     assert forced["tool_choice"] == {"type": "function", "name": "weather"}
 
 
+def test_a_qwen3_coder_call_takes_its_types_from_the_responses_tools(tokenizer):
+    """The Responses route hands its function tools to the reader as the chat route does: the
+    qwen3_coder reader types each value by the tool's schema, whole and streamed."""
+    tools = [{**TOOLS[0], "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                                         "days": {"type": "integer"}}}}]
+    script = ("<tool_call>\n<function=weather>\n<parameter=city>\nParis\n</parameter>\n"
+              "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")
+    whole = respond(server_over(tokenizer, script, "qwen3_coder"), asked(tools=tools))
+    [call] = whole["output"]
+    assert call["type"] == "function_call" and call["name"] == "weather"
+    assert call["arguments"] == '{"city": "Paris", "days": 3}'
+    events = respond(server_over(tokenizer, script, "qwen3_coder"), asked(tools=tools, stream=True))
+    check_with_the_clients_types(events)
+    assert streamed_text(events, "response.function_call_arguments.delta") == call["arguments"]
+
+
 def test_a_thinking_models_reasoning_is_its_own_item(tokenizer):
     script = "The sky scatters blue light.</think>Blue."
     body = asked(input=[{"role": "user", "content": "Colour?"}])
