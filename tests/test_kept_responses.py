@@ -237,8 +237,18 @@ def test_the_routes_need_the_api_key(tokenizer):
     server = keeping(tokenizer, "Hello.")
     answer = respond(server, asked())
     server.api_key = "secret"
-    assert refused(read_back, server, answer["id"]).status == 401
-    assert refused(deleted, server, answer["id"]).status == 401
+    for call in (read_back, listing, deleted):
+        assert refused(call, server, answer["id"]).status == 401
+
+
+def test_the_store_deployment_refuses_to_be_two_stores():
+    from launcher.serving.response_store_server import refuse_several_stores
+    from launcher.serving.serve_deployment import DeploymentFacts
+
+    refuse_several_stores(None)  # outside a replica, or an unknown Serve: as deployed
+    refuse_several_stores(DeploymentFacts(most_replicas=1, drain_s=20.0))
+    with pytest.raises(ValueError, match=r"ResponseStoreServer runs 2 replicas .* leave its num_replicas at 1"):
+        refuse_several_stores(DeploymentFacts(most_replicas=2, drain_s=20.0))
 
 
 def test_several_replicas_share_one_store_deployment():
@@ -330,7 +340,9 @@ def test_every_input_item_shape_is_listed_in_the_clients_types_and_comes_back_as
     from openai.types.responses import ResponseItemList
 
     server = keeping(tokenizer, ["Fine.", "More."])
-    sent = [{"role": "user", "content": [{"type": "output_text", "text": "Quoted."}]},
+    sent = [{"role": "system", "content": "Be brief."},
+            {"role": "developer", "content": [{"type": "text", "text": "Be kind."}]},
+            {"role": "user", "content": [{"type": "output_text", "text": "Quoted."}]},
             {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "Thinking."}], "summary": None},
             {"role": "assistant"},
             {"type": "function_call", "call_id": "call_1", "name": "weather", "arguments": "{}", "id": "dup"},
@@ -342,11 +354,14 @@ def test_every_input_item_shape_is_listed_in_the_clients_types_and_comes_back_as
     items = listing(server, answer["id"], b"order=asc")
     ResponseItemList.model_validate(items)
     ids = [item["id"] for item in items["data"]]
-    assert len(set(ids)) == len(ids) == len(sent) and ids[3] == "dup" != ids[4]
+    assert len(set(ids)) == len(ids) == len(sent) and ids[5] == "dup" != ids[6]
+    assert [item["content"] for item in items["data"][:2]] == [[{"type": "input_text", "text": "Be brief."}],
+                                                               [{"type": "input_text", "text": "Be kind."}]]
     respond(server, asked(input="More?", previous_response_id=answer["id"], tools=TOOLS, tool_choice="none"))
     prompt = server.prompts[1]
-    for said in ("<user>Quoted.", "[Thinking.]", "(call call_1 weather)", "<tool>21 C(for call_1)",
-                 "<assistant>Noted.", "<user>Then?", "<assistant>Fine.", "<user>More?"):
+    # (the chat route gives a developer message the system role)
+    for said in ("<system>Be brief.", "<system>Be kind.", "<user>Quoted.", "[Thinking.]", "(call call_1 weather)",
+                 "<tool>21 C(for call_1)", "<assistant>Noted.", "<user>Then?", "<assistant>Fine.", "<user>More?"):
         assert said in prompt, said
     # the kept turn gives the chat template what the same items sent whole give it
     whole = server_over(tokenizer, "x")

@@ -79,8 +79,23 @@ class SharedResponses:
             raise StoreUnavailable(f"the response store failed: {type(err).__name__}: {err}") from err
 
 
+def refuse_several_stores(facts) -> None:
+    """ValueError where Serve runs the store deployment with more than one replica (a config file's
+    deployments: entry for it): each would keep its own responses, and a conversation's next turn
+    could miss its earlier ones. facts: serve_deployment.DeploymentFacts, or None (unknown)."""
+    if facts is not None and facts.most_replicas > 1:
+        raise ValueError(f"ResponseStoreServer runs {facts.most_replicas} replicas (its deployments: entry), and "
+                         f"each would keep responses of its own; leave its num_replicas at 1 (and no autoscaling)")
+
+
 @serve.deployment(ray_actor_options={"num_cpus": 0}, num_replicas=1, max_ongoing_requests=1000)
 class ResponseStoreServer(LocalResponses):
-    """The store shared by an application's replicas: one replica (two would be two stores), taking no
-    CPU of the ranks' share; each call is a few dictionary operations on its event loop, so many may
-    be in flight at once (Serve's default of 5 would queue the replicas' calls in its router)."""
+    """The store shared by an application's replicas: one replica (two would be two stores: refused),
+    taking no CPU of the ranks' share; each call is a few dictionary operations on its event loop, so
+    many may be in flight at once (Serve's default of 5 would queue the replicas' calls in its router)."""
+
+    def __init__(self, capacity: int) -> None:
+        from launcher.serving.serve_deployment import this_replicas_facts
+
+        refuse_several_stores(this_replicas_facts())
+        super().__init__(capacity)
