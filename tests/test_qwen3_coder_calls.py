@@ -77,6 +77,17 @@ WHOLE_TEXTS = [
      [("get_weather", '{"days": 3}')]),  # a typed value cut short is dropped, as vLLM drops it
     ("<tool_call>\n<function=get_weather>\n</function>\n</tool_", None, [("get_weather", "{}")]),
     ("<tool_call>\n<function=get_weather>\n<parameter=ci", None, [("get_weather", "{}")]),
+    # tags a model left out: a value ends at the next parameter or the call's end, a block at the next
+    # block or other text after </function>, and whitespace before a key is none (vLLM's \s*)
+    ("<tool_call>\n<function=get_weather>\n</function>\nstray</tool_call>", None, [("get_weather", "{}")]),
+    ("<tool_call>\n<function=get_weather>\n<parameter=days>\n3\n<parameter=city>\nx\n</parameter>\n</function>\n"
+     "</tool_call>", None, [("get_weather", '{"days": 3, "city": "x"}')]),
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nx\n</function>\n</tool_call>\n" + OSLO, None,
+     [("get_weather", '{"city": "x"}'), OSLO_CALL]),  # vLLM drops the value cut by </function>: {}
+    (PARIS.removesuffix("</tool_call>") + OSLO, None, [PARIS_CALL, OSLO_CALL]),
+    (PARIS.removesuffix("</tool_call>") + "Done", None, [PARIS_CALL]),
+    ("<tool_call>\n<function=get_weather>\n<parameter= days>\n3\n</parameter>\n</function>\n</tool_call>", None,
+     [("get_weather", '{"days": 3}')]),
     ("Just text.", "Just text.", []),
     ("ends with <tool_ca", "ends with <tool_ca", []),
     ("", "", []),
@@ -101,7 +112,6 @@ UNREAD_TEXTS = [
 BROKEN_AFTER_ANNOUNCED = {
     "Ok.<tool_call>\n<function=get_weather>\nstray\n</function>\n</tool_call>": [("get_weather", "{}")],
     "<tool_call>\n<function=get_weather>\n<parameter=days>\n3\n</parameter>\nstray": [("get_weather", '{"days": 3}')],
-    "<tool_call>\n<function=get_weather>\n</function>\nstray</tool_call>": [("get_weather", "{}")],
     PARIS + "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>x</function></tool_call>":
         [PARIS_CALL, OSLO_CALL],
     "Hi " + PARIS + "<tool_call>\n<function=get_weather": [PARIS_CALL],  # a later block cut before its name closed

@@ -20,9 +20,14 @@ coerce_to_schema_type); the arguments are the JSON object of the parameters in w
 json.dumps writes it; the name is any non-empty text without "<" (vLLM checks none against the
 tools). The content is the text before the first block as written (null when there is none; vLLM
 strips its whitespace, which a stream cannot do for the whitespace it has sent); text between and
-after blocks is none. A block that is not one call in this form (a stray tag, text between the tags) makes the
-whole text content, with no call, as the hermes reader's fallback does (vLLM's grammar skips such
-text instead). A text cut inside a block (max_tokens, a stop string) keeps that call when its name
+after blocks is none. Tags a model leaves out (Qwen models drop `</parameter>` in long contexts) end
+what they would have ended where the next tag shows it, as vLLM ends them: a value at the next
+`<parameter=` or at `</function>` (vLLM drops a value ended there; this keeps it), a block at the
+next `<tool_call>` or at other text after `</function>`; whitespace before a key is none. A block
+that is not one call in this form (a stray tag or text between the call's tags, a bare `<function=`
+before any block) makes the whole text content, with no call, as the hermes reader's fallback does
+(vLLM's grammar skips such text, or reads a call out of it); after a block a bare `<function=` is
+text between blocks. A text cut inside a block (max_tokens, a stop string) keeps that call when its name
 is whole, with the parameters closed so far, and a string-typed value cut short as written so far
 (vLLM's whole reading drops a cut value; its stream has sent it).
 
@@ -33,7 +38,8 @@ back until the next character says it is not the trimmed last one), any other's 
 `</parameter>` closes, and `}` at `</function>` (`{}` with no parameter): the pieces join into the
 whole answer's arguments text exactly. A block that breaks after its call went out keeps the call
 (its arguments closed as sent so far) and the text from the block on goes out as content, as
-hermes_calls.py does; a repeated key streams twice (JSON's last one wins, as in vLLM's object).
+hermes_calls.py does; a repeated key is written twice (json.loads keeps the last value, as vLLM's
+object does; vLLM writes the key once, at its first place).
 The whole reading is that same scan of the whole text, so both say the same for any split.
 
 Pure (no tokenizer, no engine): the app's ChatRender drives a Qwen3CoderCallReader per choice (its
@@ -165,13 +171,23 @@ class Qwen3CoderCallReader(HermesCallReader):
     def _until(self, tag: str) -> tuple[str, bool]:
         """The text up to `tag` and whether the tag came (then read too); without it, all but a tail
         that may start the tag."""
-        end = self._open.find(tag, self._at)
-        if end != -1:
-            text = self._consume(end)
-            self._consume(end + len(tag))
-            return text, True
-        tail = self._open[max(self._at, len(self._open) - len(tag)):]
-        return self._consume(len(self._open) - held_tail_length(tail, (tag,))), False
+        text, came = self._until_first((tag,))
+        if came:
+            self._consume(self._at + len(tag))
+        return text, came is not None
+
+    def _until_first(self, tags: tuple[str, ...]) -> tuple[str, str | None]:
+        """The text up to the first of `tags` to come and which came (not read: the next step reads
+        it); without one, all but a tail that may start one, and None."""
+        end, came = len(self._open), None
+        for tag in tags:  # each search bounded by the earliest found so far: no tag has "<" inside,
+            at = self._open.find(tag, self._at, end)  # so none that starts earlier runs past it
+            if at != -1:
+                end, came = at, tag
+        if came is not None:
+            return self._consume(end), came
+        tail = self._open[max(self._at, len(self._open) - max(map(len, tags))):]
+        return self._consume(len(self._open) - held_tail_length(tail, tags)), None
 
     def _scan_blocks(self, finished: bool) -> list[dict]:
         """The tool_calls entries the blocks make so far, as the scan reads them. A block without a
@@ -238,7 +254,7 @@ class Qwen3CoderCallReader(HermesCallReader):
         self._run.append(text)
         if not closed:
             return None
-        self._param, self._run, self._state = "".join(self._run), [], "value"
+        self._param, self._run, self._state = "".join(self._run).lstrip(), [], "value"  # vLLM's \s* before it
         self._streams_text = self._schemas.stays_text(self._properties.get(self._param))
         self._value_begun = self._newline_held = False
         if self._streams_text:  # the value's text goes out as it comes
@@ -246,7 +262,12 @@ class Qwen3CoderCallReader(HermesCallReader):
         return []
 
     def _at_value(self, index: int) -> list[dict] | bool | None:
-        text, closed = self._until(PARAMETER_END)
+        # a value ends at its </parameter>, or where one was left out, at the next parameter or the
+        # call's end (models drop the tag in long contexts; the value ran on over later calls)
+        text, end = self._until_first((PARAMETER_END, PARAMETER_START, FUNCTION_END))
+        if end == PARAMETER_END:
+            self._consume(self._at + len(PARAMETER_END))
+        closed = end is not None
         if text and not self._value_begun:
             self._value_begun, text = True, text[1:] if text.startswith("\n") else text
         if self._streams_text:
@@ -267,11 +288,14 @@ class Qwen3CoderCallReader(HermesCallReader):
             self._param))), index)]
 
     def _at_tail(self, index: int) -> list[dict] | bool | None:
-        tag = self._expect((CALL_END,))
+        """A call is whole at </function>: what follows ends its block, whether `</tool_call>`, the
+        next block's `<tool_call>` (the end tag left out: read it next) or other text (none, as text
+        between blocks is)."""
+        tag = self._expect((CALL_END, CALL_START))
         if tag is None:
             return None
-        if not tag:  # a call is whole at </function>: the tail only has to be there
-            return False
+        if tag == CALL_START:
+            self._at -= len(CALL_START)
         self._state = None
         return []
 
