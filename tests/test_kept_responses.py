@@ -23,9 +23,9 @@ from tests.test_responses_route import (TOOLS, WEATHER_CALL, asked, check_with_t
 __all__ = ["tokenizer"]  # the module-scoped fixture, taken from the route's tests
 
 
-def keeping(tokenizer, scripts, capacity: int = 8, tool_call_parser: str | None = None,
-            reasoning_parser: str | None = None):
-    server = server_over(tokenizer, scripts, tool_call_parser, reasoning_parser)
+def keeping(tokenizer, scripts, capacity: int = 8, **parsers):
+    """The scripted server keeping `capacity` responses in its own process (as one replica does)."""
+    server = server_over(tokenizer, scripts, **parsers)
     server.responses_kept = LocalResponses(capacity)
     return server
 
@@ -47,7 +47,12 @@ def deleted(server, response_id: str) -> dict:
     return asyncio.run(server.delete_response(response_id, request_to("DELETE", f"/v1/responses/{response_id}")))
 
 
-def refused(call, *args) -> ProtocolError:
+def listing(server, response_id: str, query: bytes = b"") -> dict:
+    path = f"/v1/responses/{response_id}/input_items"
+    return asyncio.run(server.response_input_items(response_id, request_to("GET", path, query)))
+
+
+def refusal_by(call, *args) -> ProtocolError:
     with pytest.raises(ProtocolError) as err:
         call(*args)
     return err.value
@@ -87,7 +92,7 @@ def test_store_false_keeps_nothing(tokenizer):
     server = keeping(tokenizer, "Hello.")
     answer = respond(server, asked(store=False))
     assert answer["store"] is False
-    missing = refused(read_back, server, answer["id"])
+    missing = refusal_by(read_back, server, answer["id"])
     assert missing.status == 404 and missing.code == "response_not_found" and "store: false" in missing.message
     lost = refusal(server, asked(previous_response_id=answer["id"]))
     assert lost.status == 400 and lost.param == "previous_response_id" and lost.code == "previous_response_not_found"
@@ -152,7 +157,7 @@ class FailingStore(LocalResponses):
     async def put(self, *args):
         raise StoreUnavailable("the response store did not answer within 10 s")
 
-    history = get = delete = put
+    history = get = input_items = delete = put
 
 
 def test_a_store_that_fails_costs_the_keeping_not_the_answer(tokenizer, caplog):
@@ -165,7 +170,7 @@ def test_a_store_that_fails_costs_the_keeping_not_the_answer(tokenizer, caplog):
     assert events[-1]["type"] == "response.completed" and events[-1]["response"]["store"] is False
     assert [event["sequence_number"] for event in events] == list(range(len(events)))
     for call in (read_back, deleted):
-        busy = refused(call, server, "resp_1")
+        busy = refusal_by(call, server, "resp_1")
         assert busy.status == 503 and busy.code == "response_store_unavailable" and "retry later" in busy.message
         assert busy.headers["Retry-After"]
     busy = refusal(server, asked(previous_response_id="resp_1"))
@@ -197,8 +202,8 @@ def test_a_deleted_response_is_gone_and_named_by_the_turns_after_it(tokenizer):
     first = respond(server, asked())
     second = respond(server, asked(input="Next?", previous_response_id=first["id"]))
     assert deleted(server, first["id"]) == {"id": first["id"], "object": "response", "deleted": True}
-    assert refused(read_back, server, first["id"]).status == 404
-    assert refused(deleted, server, first["id"]).status == 404
+    assert refusal_by(read_back, server, first["id"]).status == 404
+    assert refusal_by(deleted, server, first["id"]).status == 404
     assert read_back(server, second["id"]) == second  # still there to read back
     broken = refusal(server, asked(input="Then?", previous_response_id=second["id"]))
     assert broken.code == "previous_response_not_found" and f"it continued {first['id']!r}" in broken.message
@@ -216,7 +221,7 @@ def test_a_server_that_keeps_nothing_says_how_to_keep(tokenizer):
     answer = respond(server, asked())
     assert answer["store"] is False
     for call in (read_back, deleted):
-        missing = refused(call, server, answer["id"])
+        missing = refusal_by(call, server, answer["id"])
         assert missing.status == 404 and "--responses-store N" in missing.message
     continued = refusal(server, asked(previous_response_id=answer["id"]))
     assert continued.status == 400 and "--responses-store N" in continued.message
@@ -228,9 +233,11 @@ def test_bad_previous_ids_and_replays_are_refused(tokenizer):
         wrong = refusal(server, asked(previous_response_id=bad))
         assert wrong.status == 400 and wrong.param == "previous_response_id" and "resp_" in wrong.message
     answer = respond(server, asked())
-    replay = refused(read_back, server, answer["id"], b"stream=true")
+    replay = refusal_by(read_back, server, answer["id"], b"stream=true")
     assert replay.status == 400 and replay.param == "stream" and "no events to replay" in replay.message
     assert read_back(server, answer["id"], b"stream=false") == answer == read_back(server, answer["id"], b"stream=0")
+    replay = refusal_by(read_back, server, answer["id"], b"stream=false&starting_after=3")
+    assert replay.status == 400 and replay.param == "starting_after"
 
 
 def test_the_routes_need_the_api_key(tokenizer):
@@ -238,7 +245,7 @@ def test_the_routes_need_the_api_key(tokenizer):
     answer = respond(server, asked())
     server.api_key = "secret"
     for call in (read_back, listing, deleted):
-        assert refused(call, server, answer["id"]).status == 401
+        assert refusal_by(call, server, answer["id"]).status == 401
 
 
 def test_the_store_deployment_refuses_to_be_two_stores():
@@ -294,11 +301,6 @@ def test_the_command_line_option(capsys):
     assert "--responses-store (10000000) must be at most 1000000" in capsys.readouterr().err
 
 
-def listing(server, response_id: str, query: bytes = b"") -> dict:
-    path = f"/v1/responses/{response_id}/input_items"
-    return asyncio.run(server.response_input_items(response_id, request_to("GET", path, query)))
-
-
 def test_a_kept_responses_input_items_are_listed_in_pages(tokenizer):
     from openai.types.responses import ResponseItemList
 
@@ -326,10 +328,10 @@ def test_a_kept_responses_input_items_are_listed_in_pages(tokenizer):
         input="Next?", previous_response_id=answer["id"]))["id"]))  # a turn lists its own input only
     for query, param in ((b"limit=0", "limit"), (b"limit=101", "limit"), (b"limit=x", "limit"),
                          (b"order=up", "order"), (b"after=msg_nothing", "after")):
-        bad = refused(listing, server, answer["id"], query)
+        bad = refusal_by(listing, server, answer["id"], query)
         assert bad.status == 400 and bad.param == param
-    assert refused(listing, server, "resp_unknown").status == 404
-    assert refused(listing, server_over(tokenizer, "x"), answer["id"]).status == 404
+    assert refusal_by(listing, server, "resp_unknown").status == 404
+    assert refusal_by(listing, server_over(tokenizer, "x"), answer["id"]).status == 404
 
 
 def test_every_input_item_shape_is_listed_in_the_clients_types_and_comes_back_as_history(tokenizer):

@@ -35,11 +35,13 @@ def tokenizer(smollm2_tokenizer):
     return tokenizer
 
 
-def server_over(tokenizer, script: str, tool_call_parser: str | None = None, reasoning_parser: str | None = None):
-    """The scripted server (tests/test_tokenize_routes.py) streaming `script` for every request."""
+def server_over(tokenizer, scripts: str | list[str], tool_call_parser: str | None = None,
+                reasoning_parser: str | None = None):
+    """The scripted server (tests/test_tokenize_routes.py) streaming `scripts`: one text for every
+    request, or a list of texts, one per request in order."""
     from tests.test_tokenize_routes import scripted_server
 
-    return scripted_server(tokenizer, script, tool_call_parser, reasoning_parser)
+    return scripted_server(tokenizer, scripts, tool_call_parser, reasoning_parser)
 
 
 def respond(server, body: dict):

@@ -18,6 +18,7 @@ openai_protocol.py; this file only moves requests between it and the engine.
 # resolved against a copy of this module's globals that lacks them.
 import asyncio
 import dataclasses
+import functools
 import hmac
 import inspect
 import json
@@ -50,7 +51,6 @@ from launcher.serving.openai_render import ChatRender, CompletionRender
 from launcher.serving.prompt_probe import (head_overfills, length_overfills, longest_token_chars,
                                             too_long_message, too_many_characters_message)
 from launcher.serving.reasoning import CALL_START, THINK_END, THINK_START, ThinkTokens
-from launcher.serving.responses.listed_items import DEFAULT_PAGE, listed, page
 from launcher.serving.response_store_server import (LocalResponses, ResponseStoreServer, SharedResponses,
                                                      StoreUnavailable)
 from launcher.serving.server_settings import ServerSettings, api_key_from_environment, settings_from_args
@@ -904,13 +904,11 @@ class OpenAIServer:
                             skip_special_tokens=req.skip_special_tokens, tool_calls=req.tool_call_reader(),
                             reasoning=req.reasoning(), include_reasoning=req.include_reasoning,
                             think_tokens=self._usage_think_tokens())
-        keep = None
-        if echo.store:  # kept before the client sees it, so its next turn finds it
-            async def keep(response: dict) -> None:
-                await self._keep(response, turn, echo.previous_response_id)
+        # kept before the client sees it, so its next turn finds it
+        keep = None if turn is None else functools.partial(self._keep, turn, echo.previous_response_id)
         return await self._respond_responses(req, echo, stream, render, arrived, keep)
 
-    async def _keep(self, response: dict, turn: list, previous_id: str | None) -> None:
+    async def _keep(self, turn: list, previous_id: str | None, response: dict) -> None:
         """Keep an answered response; where the store fails, the answer still goes out (it was
         generated), saying `store: false`, and the replica's log says why."""
         try:
@@ -923,12 +921,12 @@ class OpenAIServer:
     async def retrieve_response(self, response_id: str, request: Request) -> dict:
         """A kept response, as it was answered (OpenAI's GET /v1/responses/{id}); 404 for one not kept."""
         self._authorize(request)
-        if request.query_params.get("stream", "false").lower() not in ("false", "0") or \
-                "starting_after" in request.query_params:
+        streamed = request.query_params.get("stream", "false").lower() not in ("false", "0")
+        if streamed or "starting_after" in request.query_params:
             raise ProtocolError("stream and starting_after are not supported: no response runs in the background, "
                                 "so there are no events to replay; GET the response without them",
-                                param="stream" if "stream" in request.query_params else "starting_after")
-        response = None if self.responses_kept is None else await _from_store(self.responses_kept.get(response_id))
+                                param="stream" if streamed else "starting_after")
+        response = await self._ask_kept("get", response_id)
         if response is None:
             raise self._not_kept(response_id)
         return response
@@ -940,24 +938,29 @@ class OpenAIServer:
         coming back as kept); 404 for a response not kept."""
         self._authorize(request)
         query = request.query_params
-        items = None if self.responses_kept is None else await _from_store(self.responses_kept.input_items(response_id))
+        items = await self._ask_kept("input_items", response_id)
         if items is None:
             raise self._not_kept(response_id)
-        return page(items, query.get("after"), query.get("limit", DEFAULT_PAGE), query.get("order", "desc"))
+        return responses_api.page(items, query.get("after"), query.get("limit", responses_api.DEFAULT_PAGE),
+                                  query.get("order", "desc"))
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(self, response_id: str, request: Request) -> dict:
         """Forget a kept response (OpenAI's DELETE /v1/responses/{id}); 404 for one not kept."""
         self._authorize(request)
-        if self.responses_kept is None or not await _from_store(self.responses_kept.delete(response_id)):
+        if not await self._ask_kept("delete", response_id):
             raise self._not_kept(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
+    async def _ask_kept(self, method: str, response_id: str):
+        """The kept responses' answer to method(response_id) (get, input_items, delete); None where
+        the server keeps none; a 503 where the store does not answer."""
+        if self.responses_kept is None:
+            return None
+        return await _from_store(getattr(self.responses_kept, method)(response_id))
+
     def _not_kept(self, response_id: str) -> ProtocolError:
-        why = ("this server keeps no responses (`corelaunch serve --responses-store N` keeps up to N)"
-               if self.responses_kept is None else
-               "it was never kept (store: false), was deleted, or was the least recently used when the store "
-               "was full")
+        why = responses_api.KEEPS_NONE if self.responses_kept is None else responses_api.NOT_KEPT_WHY
         return ProtocolError(f"no response {proto.clip(response_id)!r} is kept here: {why}", param="response_id",
                              status=404, code="response_not_found")
 
@@ -1189,18 +1192,18 @@ class OpenAIServer:
         large body was parsed counted as an abort (uncounted otherwise); the body's budget (`held`)
         given back either way."""
         try:
-            return await self._off_loop(len(raw), counts, lambda: parse(raw))
+            return await self._off_loop(len(raw) > PARSED_ON_A_THREAD, counts, parse, raw)
         finally:
             self.bodies.give(held)
 
     @staticmethod
-    async def _off_loop(size: int, counts, work):
-        """work(), on a thread where `size` (bytes to read) is more than PARSED_ON_A_THREAD; a client
-        gone meanwhile counted in `counts` as an abort."""
+    async def _off_loop(on_thread: bool, counts, work, *args):
+        """work(*args), on a thread where on_thread; a client gone meanwhile counted in `counts` as an
+        abort."""
         try:
-            if size <= PARSED_ON_A_THREAD:
-                return work()
-            return await asyncio.to_thread(work)
+            if not on_thread:
+                return work(*args)
+            return await asyncio.to_thread(work, *args)
         except asyncio.CancelledError:
             counts.finished("abort", 499)
             raise
@@ -1224,15 +1227,15 @@ class OpenAIServer:
         request it asks for (responses_api.chat_body), which the chat parser checks; (that request,
         the echo, the request's own input items where its response is to be kept, else None)."""
         raw, held = await self._read_counted(request, self.metrics)
+        large = len(raw) > PARSED_ON_A_THREAD
         try:  # the body's budget held until the request is parsed whole
-            body = await self._off_loop(len(raw), self.metrics, lambda: self._json(raw, self.metrics))
+            body = await self._off_loop(large, self.metrics, self._json, raw, self.metrics)
             history = await self._kept_history(body)
             # a long kept history is parsed off the event loop too, as a large body is
-            size = len(raw) if history is None else PARSED_ON_A_THREAD + 1
-            req, echo = await self._off_loop(size, self.metrics, lambda: self._parse_responses(body, history))
+            return await self._off_loop(large or history is not None, self.metrics, self._parse_responses, body,
+                                        history)
         finally:
             self.bodies.give(held)
-        return req, echo, listed(responses_api.turn_items(body)) if echo.store else None
 
     async def _kept_history(self, body) -> list | None:
         """The items of the conversation body's previous_response_id continues, first turn first;
@@ -1256,21 +1259,23 @@ class OpenAIServer:
             self.metrics.rejected(400)
             earlier = "" if missing == response_id else f" (it continued {proto.clip(missing)!r}, which is not)"
             raise ProtocolError(f"previous_response_id: the response {proto.clip(response_id)!r} is not kept here"
-                                f"{earlier}: it was never kept (store: false), was deleted, or was the least "
-                                f"recently used when the store was full; send the conversation's turns in input "
+                                f"{earlier}: {responses_api.NOT_KEPT_WHY}; send the conversation's turns in input "
                                 f"instead", param="previous_response_id", code="previous_response_not_found")
         return items
 
     def _parse_responses(self, body, history: list | None):
+        """(the chat request, the echo, the turn's input items in the listed shape where the response
+        is to be kept, else None)."""
         try:
             chat, echo = responses_api.chat_body(body, history, keeping=self.responses_kept is not None)
         except ProtocolError:
             self.metrics.rejected(400)
             raise
         try:
-            return self._parse(proto.ChatCompletionRequest, chat), echo
+            req = self._parse(proto.ChatCompletionRequest, chat)
         except ProtocolError as err:  # counted by _parse
             raise _as_responses_error(err, echo) from None
+        return req, echo, responses_api.listed(responses_api.turn_items(body)) if echo.store else None
 
     def _json(self, raw: bytes, counts):
         """The body's JSON; a refusal counted in `counts` (_counts)."""
@@ -1429,7 +1434,7 @@ class OpenAIServer:
         return finish, completion_tokens
 
     async def _respond_responses(self, req, echo, stream: ChoiceStreams, render: ChatRender, arrived: float,
-                                 keep=None) -> Response:
+                                 keep) -> Response:
         """A Response object, or the Responses stream's events (responses_api.ResponseEvents), for the
         chat request's one choice; its tokens timed and its ending counted as a chat request's.
         keep(response): awaited with the finished Response object before the client gets it."""
@@ -1453,7 +1458,7 @@ class OpenAIServer:
         return JSONResponse(response)
 
     async def _response_events(self, stream: ChoiceStreams, render: ChatRender, timer: TokenTimer, outcome: dict,
-                               events, keep=None):
+                               events, keep):
         """The Responses stream of one request: the chat route's chunks for its one choice, told as
         `events` (a ResponseEvents) tells them, ending with response.completed (or .incomplete, or an
         error event and response.failed); outcome["finish_reason"] as _events sets it. keep(response)

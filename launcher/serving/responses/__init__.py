@@ -6,12 +6,15 @@ as a Response object, or as the Responses stream's events. Pure: dicts in, dicts
 
 request.py: the request as a chat body, its echo, refusals in its terms; output.py: the answer as a
 Response object or the stream's events; store.py: the responses a server keeps for
-previous_response_id.
+previous_response_id; listed_items.py: a kept turn's input items in GET .../input_items' shape, and a
+page of them.
 """
 
 from launcher.serving.responses.output import ResponseEvents, output_items, response_object, sse, usage
-from launcher.serving.responses.request import (NO_STORE, ResponsesEcho, chat_body, previous_response_id,
-                                                responses_param, turn_items)
+from launcher.serving.responses.listed_items import DEFAULT_PAGE, listed, page
+from launcher.serving.responses.request import (KEEPS_NONE, NOT_KEPT_WHY, ResponsesEcho, chat_body,
+                                                previous_response_id, responses_param, turn_items)
 
-__all__ = ["NO_STORE", "ResponseEvents", "ResponsesEcho", "chat_body", "output_items", "previous_response_id",
-           "response_object", "responses_param", "sse", "turn_items", "usage"]
+__all__ = ["DEFAULT_PAGE", "KEEPS_NONE", "NOT_KEPT_WHY", "ResponseEvents", "ResponsesEcho", "chat_body", "listed",
+           "output_items", "page", "previous_response_id", "response_object", "responses_param", "sse",
+           "turn_items", "usage"]

@@ -31,9 +31,10 @@ do it. Non-text input (input_image, input_file, input_audio parts); item types o
 function_call, function_call_output and reasoning (built-in tool calls, item references); tools other
 than functions (this server runs no built-in tools); tool_choice allowed_tools and built-in kinds;
 stored state other than kept responses (conversation, a stored prompt, background: true; and
-previous_response_id on a server that keeps no responses: send the earlier turns in input); truncation "auto" (this server never truncates the
-input); top_logprobs > 0 and include "message.output_text.logprobs" (use /v1/chat/completions'
-logprobs); include entries for built-in tools or images; encrypted reasoning (never made here);
+previous_response_id on a server that keeps no responses: send the earlier turns in input);
+truncation "auto" (this server never truncates the input); top_logprobs > 0 and include
+"message.output_text.logprobs" (use /v1/chat/completions' logprobs); include entries for built-in
+tools or images; encrypted reasoning (never made here);
 text.verbosity "low" or "high" (the model's length cannot be steered; "medium", the default, is
 taken); max_tool_calls other than null (calls are not counted against a limit here;
 parallel_tool_calls: false allows one); unknown keys (named, with close matches). A chat-parser
@@ -80,9 +81,12 @@ _CHAT_NAMES = {
 }
 """Chat fields sent to this route by mistake, with the Responses field that says it."""
 
-NO_STORE = ("this server keeps no responses (`corelaunch serve --responses-store N` keeps up to N), so no "
-            "earlier response can be continued; send the earlier turns (their input and output items) in input")
+KEEPS_NONE = "this server keeps no responses (`corelaunch serve --responses-store N` keeps up to N)"
+NO_STORE = (f"{KEEPS_NONE}, so no earlier response can be continued; send the earlier turns (their input and "
+            f"output items) in input")
 """Why previous_response_id is refused by a server started without a response store."""
+NOT_KEPT_WHY = "it was never kept (store: false), was deleted, or was the least recently used when the store was full"
+"""Why a server that keeps responses has not got one."""
 
 STORED_STATE = {
     "conversation": "no conversations are kept here (the Conversations API is not served); continue a kept "

@@ -63,14 +63,14 @@ class ResponseStore:
             kept = self._kept.get(at)
             if kept is None:
                 return None, at
-            chain.append(at)
+            chain.append((at, kept))
             at = kept.previous_id
-            if len(chain) > len(self._kept):  # a loop (ids are never reused, so it cannot happen): stop
+            if len(chain) > len(self._kept):  # ids are never reused, so no chain loops; bounded anyway
                 return None, at
-        for each in reversed(chain):  # the latest turn most recently used: evicted last
+        chain.reverse()  # first turn first
+        for each, _ in chain:  # the latest turn most recently used: evicted last
             self._kept.move_to_end(each)
-        turns = [self._kept[each] for each in reversed(chain)]
-        return [item for kept in turns for item in (*kept.inputs, *kept.response["output"])], None
+        return [item for _, kept in chain for item in (*kept.inputs, *kept.response["output"])], None
 
     def get(self, response_id: str) -> dict | None:
         kept = self._used(response_id)
