@@ -78,7 +78,11 @@ class HermesCallReader(FreeTextCallReader):
     Streamed, the work per piece is that piece's (plus a tag's length): the text not yet settled is
     kept from where it may still matter, and each search resumes where the last one stopped (a
     whole-text search per piece made a long output quadratic: 12 s of the event loop for 100k
-    pieces)."""
+    pieces).
+
+    qwen3_coder_calls.Qwen3CoderCallReader subclasses it: it replaces _open_block and _call_entries,
+    and relies on _read_piece's modes, on _content_before_a_block calling _open_block with the tag at
+    _open's start, and on _open, _mode, _block_read and _blocks meaning what they mean here."""
 
     read_whole = staticmethod(read_whole)
 

@@ -24,18 +24,20 @@ after blocks is none. Tags a model leaves out (Qwen models drop `</parameter>` i
 what they would have ended where the next tag shows it, as vLLM ends them: a value at the next
 `<parameter=` or at `</function>` (vLLM drops a value ended there; this keeps it), a block at the
 next `<tool_call>` or at other text after `</function>`; whitespace before a key is none. A block
-that is not one call in this form (a stray tag or text between the call's tags, a bare `<function=`
-before any block) makes the whole text content, with no call, as the hermes reader's fallback does
-(vLLM's grammar skips such text, or reads a call out of it); after a block a bare `<function=` is
-text between blocks. A text cut inside a block (max_tokens, a stop string) keeps that call when its name
-is whole, with the parameters closed so far, and a string-typed value cut short as written so far
-(vLLM's whole reading drops a cut value; its stream has sent it).
+that is not one call in this form (a stray tag or text between the call's tags) makes the whole
+text content, with no call, as the hermes reader's fallback does (vLLM's grammar skips such text, or
+reads a call out of it); a bare `<function=` outside a block is text: content before the first
+block, none after one (vLLM reads a call from it). A text cut inside a block (max_tokens, a stop
+string) keeps that call when its name is whole, with the parameters closed so far, and a
+string-typed value cut short as written so far (vLLM's whole reading drops a cut value; its stream
+has sent it).
 
 Streamed, the content goes out as it comes but for a tail that may be the start of `<tool_call>`;
 a call goes out (id, name, arguments "") once `<function=NAME>` closes, then its arguments: a
 string-typed parameter's `{"city": "` once its key closes and its text as it comes (a newline held
 back until the next character says it is not the trimmed last one), any other's `, "days": 3` once
-`</parameter>` closes, and `}` at `</function>` (`{}` with no parameter): the pieces join into the
+its value ends (at `</parameter>`, or where that was left out, at the next `<parameter=` or
+`</function>`), and `}` at `</function>` (`{}` with no parameter): the pieces join into the
 whole answer's arguments text exactly. A block that breaks after its call went out keeps the call
 (its arguments closed as sent so far) and the text from the block on goes out as content, as
 hermes_calls.py does; a repeated key is written twice (json.loads keeps the last value, as vLLM's
@@ -70,7 +72,7 @@ def read_whole(text: str, tools: list[dict] | None = None) -> CallsReading:
     blocks), `tools` as the chat template takes them (tool_calls.ToolUse.tools)."""
     scan = Qwen3CoderCallReader(tools=tools)
     _, entries = scan._read_piece(text, True)
-    if scan._broke or not scan._blocks:  # no call, or a block without one: all content
+    if scan._mode != "calls":  # no block, or a block without a call: all content
         return CallsReading(text)
     sent = SentCalls()
     for entry in entries:
@@ -117,13 +119,12 @@ class Qwen3CoderCallReader(HermesCallReader):
         self._state: str | None = None
         """"calls": where the open block's scan is ("head", "name", "params", "key", "value", "tail"),
         None between blocks."""
-        self._broke = False
-        """A block held no call (the whole reading is then all content)."""
         self._run: list[str] = []
         """The name, key or non-string value read so far, in pieces."""
         self._properties: dict = {}
         """The open call's parameter schemas."""
         self._param: str | None = None
+        """The open parameter's key."""
         self._streams_text = False
         """The open parameter's value stays text: it streams as it comes."""
         self._value_begun = False
@@ -180,8 +181,8 @@ class Qwen3CoderCallReader(HermesCallReader):
         """The text up to the first of `tags` to come and which came (not read: the next step reads
         it); without one, all but a tail that may start one, and None."""
         end, came = len(self._open), None
-        for tag in tags:  # each search bounded by the earliest found so far: no tag has "<" inside,
-            at = self._open.find(tag, self._at, end)  # so none that starts earlier runs past it
+        for tag in tags:  # each search bounded by the earliest found so far: every tag has "<" only
+            at = self._open.find(tag, self._at, end)  # first, so none starting earlier runs past it
             if at != -1:
                 end, came = at, tag
         if came is not None:
@@ -263,7 +264,7 @@ class Qwen3CoderCallReader(HermesCallReader):
 
     def _at_value(self, index: int) -> list[dict] | bool | None:
         # a value ends at its </parameter>, or where one was left out, at the next parameter or the
-        # call's end (models drop the tag in long contexts; the value ran on over later calls)
+        # call's end (models drop the tag in long contexts; else the value would run on over later calls)
         text, end = self._until_first((PARAMETER_END, PARAMETER_START, FUNCTION_END))
         if end == PARAMETER_END:
             self._consume(self._at + len(PARAMETER_END))
@@ -312,7 +313,7 @@ class Qwen3CoderCallReader(HermesCallReader):
     def _closing(self, index: int) -> list[dict]:
         """The piece that closes an announced call's arguments as sent so far (a string value cut as
         written so far: its held newline is the trimmed one)."""
-        if self._state in ("head", "name", "tail", None):
+        if self._state in ("head", "name", "tail"):
             return []
         close = '"}' if self._state == "value" and self._streams_text else "}"
         return [self._arguments(close if self._written else "{}", index)]
@@ -336,7 +337,7 @@ class Qwen3CoderCallReader(HermesCallReader):
     def _break(self, index: int) -> list[dict]:
         """The open block holds no call: it and all after it are content (a call already announced
         stays, its arguments closed)."""
-        entries = self._closing(index) if self._state not in ("head", "name") else []
-        self._broke, self._mode, self._state = True, "text", None
+        entries = self._closing(index)
+        self._mode, self._state = "text", None
         self._open, self._at = "".join(self._block_read) + self._open[self._at:], 0
         return entries
