@@ -2777,6 +2777,11 @@ def test_responses_through_the_official_client(client):
     assert continued.output_text == sent_whole.output_text and continued.previous_response_id == whole.id
     assert continued.usage.input_tokens == sent_whole.usage.input_tokens
     assert client.responses.retrieve(whole.id).output_text == whole.output_text
+    scored = client.responses.create(**asked, include=["message.output_text.logprobs"], top_logprobs=2)
+    logprobs = scored.output[0].content[0].logprobs
+    assert scored.output_text == whole.output_text and len(logprobs) == scored.usage.output_tokens
+    assert "".join(entry.token for entry in logprobs).startswith(whole.output_text)  # and the end token's
+    assert all(len(entry.top_logprobs) == 2 and entry.logprob <= 0 for entry in logprobs)
     [sent] = client.responses.input_items.list(whole.id).data
     assert sent.type == "message" and sent.role == "user" and sent.content[0].text == question
     client.responses.delete(whole.id)

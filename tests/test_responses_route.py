@@ -236,3 +236,39 @@ def test_a_stream_cut_inside_a_call_ends_incomplete_at_every_cut(tokenizer):
         check_with_the_clients_types(events)
         assert events[-1]["type"] == "response.incomplete", (limit, [e["type"] for e in events[-3:]])
         assert [event["sequence_number"] for event in events] == list(range(len(events)))
+
+
+def test_logprobs_asked_by_include_reach_the_message_whole_and_streamed(tokenizer):
+    """include "message.output_text.logprobs" (top_logprobs alternatives): the message's text part
+    carries every token's, as vLLM gives them; streamed, each output_text delta carries those of the
+    tokens up to its text, and the final response all of them, a call's tokens after the text
+    included. top_logprobs alone asks for none (vLLM's rule)."""
+    script = "The sky is blue."
+    asked_for = asked(include=["message.output_text.logprobs"], top_logprobs=2)
+    whole = respond(server_over(tokenizer, script), asked_for)
+    check_with_the_clients_types(whole)
+    tokens = tokenizer.encode(script, add_special_tokens=False)
+    [part] = whole["output"][0]["content"]
+    assert [entry["logprob"] for entry in part["logprobs"]] == [-n / 10 for n in range(1, len(tokens) + 1)]
+    assert "".join(entry["token"] for entry in part["logprobs"]) == script
+    assert all(len(entry["top_logprobs"]) == 2 and entry["top_logprobs"][0]["token"] == entry["token"]
+               and bytes(entry["bytes"]).decode() == entry["token"] for entry in part["logprobs"])
+    assert whole["top_logprobs"] == 2
+    events = respond(server_over(tokenizer, script), {**asked_for, "stream": True})
+    check_with_the_clients_types(events)
+    carried = [entry for event in events if event["type"] == "response.output_text.delta" for entry in event["logprobs"]]
+    [done] = [event for event in events if event["type"] == "response.output_text.done"]
+    assert carried == done["logprobs"] == events[-1]["response"]["output"][0]["content"][0]["logprobs"] == \
+        part["logprobs"]
+    # a call after the text: its tokens' logprobs are the message's too, whole and in the final response
+    called = "Let me look." + WEATHER_CALL
+    whole = respond(server_over(tokenizer, called, "hermes"), asked(tools=TOOLS, **asked_for))
+    every = len(tokenizer.encode(called, add_special_tokens=False))
+    assert len(whole["output"][0]["content"][0]["logprobs"]) == every
+    events = respond(server_over(tokenizer, called, "hermes"), asked(tools=TOOLS, stream=True, **asked_for))
+    check_with_the_clients_types(events)
+    carried = [entry for event in events if event["type"] == "response.output_text.delta" for entry in event["logprobs"]]
+    final = events[-1]["response"]["output"][0]["content"][0]["logprobs"]
+    assert len(carried) < every and final[:len(carried)] == carried and len(final) == every
+    plain = respond(server_over(tokenizer, script), asked(top_logprobs=3))
+    assert plain["output"][0]["content"][0]["logprobs"] == [] and plain["top_logprobs"] == 3

@@ -112,26 +112,35 @@ def scripted_server(tokenizer, scripts, tool_call_parser: str | None = None, rea
     """The server's class over `tokenizer` (replica's), its fields set as its constructor sets them,
     over an engine that streams a scripted text one token a delta, finishing "stop" at its end or
     "length" at the request's max_new_tokens: `scripts` one text for every request, or a list of
-    texts, one per request in order. server.prompts collects the prompts it was given, as text."""
+    texts, one per request in order; asked for logprobs, the n-th token's is -n/10, its alternatives
+    itself and ids 0, 1, ... at -1. server.prompts collects the prompts it was given, as text."""
     from launcher.serving.openai_app import _generated_tags
     from launcher.serving.reasoning import CALL_START, THINK_END, THINK_START
     from launcher.serving.stream_types import StreamDelta
     from launcher.serving.token_pieces import TokenPieces
+    from workers.serving.requests import TokenLogprob
 
     server = replica(tokenizer)
     server.prompts = []
     left = None if isinstance(scripts, str) else list(scripts)
 
-    def astream(prompt, sampling, max_new_tokens, **options):
+    def astream(prompt, sampling, max_new_tokens, logprobs=None, **options):
         server.prompts.append(tokenizer.decode(prompt))
         whole = tokenizer.encode(scripts if left is None else left.pop(0), add_special_tokens=False)
         ids, cut = whole[:max_new_tokens], len(whole) > max_new_tokens
+
+        def scored(token: int, n: int) -> list | None:  # asked for: the n-th token at -n/10, then its alternatives
+            if logprobs is None:
+                return None
+            return [TokenLogprob(token, -n / 10, top=[(token, -n / 10), *[(t, -1.0) for t in range(logprobs - 1)]]
+                                 [:logprobs])]
 
         async def deltas():
             for n, token in enumerate(ids, 1):
                 yield StreamDelta("r", tokenizer.decode([token]), [token],
                                   ("length" if cut else "stop") if n == len(ids) else None,
-                                  prompt_tokens=len(prompt), completion_tokens=n, cached_tokens=0 if n == 1 else None)
+                                  prompt_tokens=len(prompt), completion_tokens=n, cached_tokens=0 if n == 1 else None,
+                                  logprobs=scored(token, n))
 
         return deltas()
 

@@ -900,7 +900,7 @@ class OpenAIServer:
             stream = await self._chat_choices(req)
         except ProtocolError as err:
             raise _as_responses_error(err, echo) from None
-        render = ChatRender(self.pieces, logprobs=False, index=0, prompt_top=None,
+        render = ChatRender(self.pieces, logprobs=req.logprobs, index=0, prompt_top=None,
                             skip_special_tokens=req.skip_special_tokens, tool_calls=req.tool_call_reader(),
                             reasoning=req.reasoning(), include_reasoning=req.include_reasoning,
                             think_tokens=self._usage_think_tokens())
@@ -1449,7 +1449,8 @@ class OpenAIServer:
             return collected
         [finish], [completion_tokens] = collected
         choice = render.choice(finish)
-        items, status, incomplete = responses_api.output_items(choice["message"], choice["finish_reason"])
+        items, status, incomplete = responses_api.output_items(choice["message"], choice["finish_reason"],
+                                                               (choice.get("logprobs") or {}).get("content"))
         usage = _responses_usage(stream, completion_tokens, render)
         response = responses_api.response_object(response_id, created, self.name, echo, items, status, usage,
                                                  incomplete)
@@ -1472,7 +1473,8 @@ class OpenAIServer:
                 async for _, delta in stream:
                     timer.tokens(render.new_tokens(delta), time.perf_counter())
                     completion_tokens = render.completion_tokens(delta)
-                    for event in events.delta(render.message(delta)):
+                    logprobs = render.message_logprobs(delta)  # before message(), as chunk() aligns them
+                    for event in events.delta(render.message(delta), logprobs):
                         yield responses_api.sse(event)
                     if delta.finish_reason:
                         sent_finish = outcome["finish_reason"] = render.finish_reason(delta.finish_reason)

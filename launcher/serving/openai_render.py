@@ -200,9 +200,15 @@ class ChatRender(_Render):
 
     def message(self, delta) -> dict:
         """The streamed message delta for this engine delta (counted), without the chunk around it
-        (the Responses stream tells it as its own events; no logprobs there)."""
+        (the Responses stream tells it as its own events, with message_logprobs)."""
         self._count_reasoning(delta)
         return self._delta(delta)
+
+    def message_logprobs(self, delta) -> list[dict]:
+        """The log-probabilities of the tokens whose text is now whole (chat's logprobs content
+        entries), [] where none were asked; the Responses stream's, beside message()."""
+        ready = self._ready(delta)
+        return proto.chat_logprobs(ready, self.pieces)["content"] if ready else []
 
     def chunk(self, meta, delta) -> dict | None:
         ready = self._ready(delta)

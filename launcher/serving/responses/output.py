@@ -9,8 +9,9 @@ The stream (ResponseEvents), framed by sse as vLLM frames it ("event: TYPE" and 
   per item, in output order: response.output_item.added (status in_progress), then
     reasoning: response.content_part.added (an empty reasoning_text part), response.reasoning_text.delta...,
       response.reasoning_text.done, response.content_part.done;
-    message: response.content_part.added (an empty output_text part), response.output_text.delta...,
-      response.output_text.done, response.content_part.done;
+    message: response.content_part.added (an empty output_text part), response.output_text.delta...
+      (each with the logprobs, where asked, of the tokens up to its text not carried before),
+      response.output_text.done, response.content_part.done (with the message's logprobs);
     function_call: response.function_call_arguments.delta... (the item is added with arguments ""),
       response.function_call_arguments.done (the whole arguments and the name);
   then response.output_item.done with the whole item. A reasoning or message item is closed when
@@ -24,6 +25,7 @@ The stream (ResponseEvents), framed by sse as vLLM frames it ("event: TYPE" and 
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -75,13 +77,13 @@ def _reasoning_item(item_id: str, text: str, status: str) -> dict:
             "status": status}
 
 
-def _output_text_part(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _output_text_part(text: str, logprobs: list | None = None) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
-def _message_item(item_id: str, text: str, status: str) -> dict:
+def _message_item(item_id: str, text: str, status: str, logprobs: list | None = None) -> dict:
     return {"type": "message", "id": item_id, "role": "assistant", "status": status,
-            "content": [_output_text_part(text)]}
+            "content": [_output_text_part(text, logprobs)]}
 
 
 def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict:
@@ -94,9 +96,12 @@ def _finished(finish_reason: str | None) -> tuple[str, str | None]:
     return ("incomplete", "max_output_tokens") if finish_reason == "length" else ("completed", None)
 
 
-def output_items(message: dict, finish_reason: str | None) -> tuple[list[dict], str, str | None]:
+def output_items(message: dict, finish_reason: str | None,
+                 logprobs: list | None = None) -> tuple[list[dict], str, str | None]:
     """A whole chat choice's message as output items (reasoning, message, function calls, in that
-    order), the response's status and its incomplete reason (module docstring)."""
+    order), the response's status and its incomplete reason (module docstring). logprobs: the
+    choice's tokens' (the chat's logprobs content), which the message's text part carries (every
+    token's, as vLLM gives them; none without a message item)."""
     status, reason = _finished(finish_reason)
     made: list[tuple] = []  # (maker, arguments but the status)
     thought = message.get("reasoning") or message.get("reasoning_content")
@@ -104,7 +109,8 @@ def output_items(message: dict, finish_reason: str | None) -> tuple[list[dict], 
     if thought:
         made.append((_reasoning_item, (_item_id("rs"), thought)))
     if message.get("content") or not (thought or calls):
-        made.append((_message_item, (_item_id("msg"), message.get("content") or "")))
+        made.append((functools.partial(_message_item, logprobs=logprobs),
+                     (_item_id("msg"), message.get("content") or "")))
     for call in calls:
         made.append((_call_item, (_item_id("fc"), call["id"], call["function"]["name"],
                                   call["function"]["arguments"])))
@@ -125,13 +131,15 @@ class _OpenItem:
     pieces: list[str] = field(default_factory=list)
     call_id: str = ""
     name: str = ""
+    logprobs: list = field(default_factory=list)
+    """A message's: the log-probabilities its deltas carried."""
 
     def whole(self, status: str) -> dict:
         text = "".join(self.pieces)
         if self.kind == "reasoning":
             return _reasoning_item(self.item_id, text, status)
         if self.kind == "message":
-            return _message_item(self.item_id, text, status)
+            return _message_item(self.item_id, text, status, self.logprobs)
         return _call_item(self.item_id, self.call_id, self.name, text, status)
 
 
@@ -152,6 +160,8 @@ class ResponseEvents:
         self._calls: dict[int, _OpenItem] = {}
         """The open function calls, by their chat index."""
         self._sequence = 0
+        self._logprobs: list[dict] = []
+        """Log-probabilities of tokens whose text no output_text delta has carried yet."""
 
     def _event(self, kind: str, **fields) -> dict:
         event = {"type": kind, "sequence_number": self._sequence, **fields}
@@ -169,12 +179,14 @@ class ResponseEvents:
         return [self._event("response.created", response=self._response("in_progress")),
                 self._event("response.in_progress", response=self._response("in_progress"))]
 
-    def delta(self, chat_delta: dict) -> list[dict]:
+    def delta(self, chat_delta: dict, logprobs: list | None = None) -> list[dict]:
         """One chat chunk's delta as events: its reasoning, the next pieces of calls already open,
         its content, then the calls it opens. That is the order the chat readers write them in: a
         delta whose text turned to content (a call cut short by the length limit, or no call after
         all) carries the open call's last piece too, which belongs before that content (after it,
-        the content had closed the call and the piece found none: the stream failed)."""
+        the content had closed the call and the piece found none: the stream failed). logprobs: the
+        delta's tokens' (asked for), carried by the next output_text delta, this one's or a later's."""
+        self._logprobs += logprobs or []
         entries = chat_delta.get("tool_calls") or []
         events = []
         if chat_delta.get("reasoning"):
@@ -195,6 +207,7 @@ class ResponseEvents:
         events = []
         if not self.output:  # nothing at all was said: an empty message, as output_items gives it
             events += self._open_text("message")
+        self._carry_the_rest()
         events += self._close_all(last_status="incomplete" if status == "incomplete" else "completed")
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
         return events + [self._event(kind, response=self._response(status, usage_, reason))]
@@ -224,7 +237,10 @@ class ResponseEvents:
         item = self._text
         item.pieces.append(text)
         delta_kind = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        extra = {} if kind == "reasoning" else {"logprobs": []}
+        extra = {}
+        if kind == "message":
+            extra["logprobs"], self._logprobs = self._logprobs, []
+            item.logprobs += extra["logprobs"]
         return events + [self._event(delta_kind, item_id=item.item_id, output_index=item.output_index,
                                      content_index=0, delta=text, **extra)]
 
@@ -266,6 +282,20 @@ class ResponseEvents:
                                       output_index=item.output_index, delta=piece))
         return events
 
+    def _carry_the_rest(self) -> None:
+        """At the end, log-probabilities no delta carried (tokens after the last text: a call's) go to
+        the last message, as the whole answer's message carries every token's: to its done events
+        where it is still open, else only to the final response's item."""
+        if not self._logprobs:
+            return
+        if self._text is not None and self._text.kind == "message":
+            self._text.logprobs += self._logprobs
+        else:
+            last = next((item for item in reversed(self.output) if item and item["type"] == "message"), None)
+            if last is not None:
+                last["content"][0]["logprobs"] = last["content"][0]["logprobs"] + self._logprobs
+        self._logprobs = []
+
     def _close_all(self, last_status: str = "completed") -> list[dict]:
         """Close every open item in output order; the last one gets `last_status`."""
         open_items = sorted([item for item in [self._text, *self._calls.values()] if item is not None],
@@ -287,9 +317,10 @@ class ResponseEvents:
                       self._event("response.content_part.done", **where, content_index=0,
                                   part={"type": "reasoning_text", "text": text})]
         else:
-            events = [self._event("response.output_text.done", **where, content_index=0, text=text, logprobs=[]),
+            events = [self._event("response.output_text.done", **where, content_index=0, text=text,
+                                  logprobs=item.logprobs),
                       self._event("response.content_part.done", **where, content_index=0,
-                                  part=_output_text_part(text))]
+                                  part=_output_text_part(text, item.logprobs))]
         return events + [self._event("response.output_item.done", output_index=item.output_index, item=whole)]
 
 

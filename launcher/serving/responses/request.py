@@ -21,6 +21,8 @@ What is mapped (chat_body):
   frequency_penalty, logit_bias, parallel_tool_calls, skip_special_tokens and
   include_stop_str_in_output go by their own names (the chat parser checks their values).
 - text.format: text (nothing), json_object and json_schema are the chat's response_format.
+- include "message.output_text.logprobs" is the chat's logprobs, top_logprobs its top_logprobs
+  (_logprobs).
 - reasoning.effort, where given, is the chat's reasoning_effort (openai_protocol.effort_template_kwargs
   says what the template gets). reasoning.summary is
   accepted and echoed; no summary is made (reasoning items carry the whole thinking as content).
@@ -32,9 +34,8 @@ function_call, function_call_output and reasoning (built-in tool calls, item ref
 than functions (this server runs no built-in tools); tool_choice allowed_tools and built-in kinds;
 stored state other than kept responses (conversation, a stored prompt, background: true; and
 previous_response_id on a server that keeps no responses: send the earlier turns in input);
-truncation "auto" (this server never truncates the input); top_logprobs > 0 and include
-"message.output_text.logprobs" (use /v1/chat/completions' logprobs); include entries for built-in
-tools or images; encrypted reasoning (never made here);
+truncation "auto" (this server never truncates the input); include entries for built-in tools or
+images; encrypted reasoning (never made here);
 text.verbosity "low" or "high" (the model's length cannot be steered; "medium", the default, is
 taken); max_tool_calls other than null (calls are not counted against a limit here;
 parallel_tool_calls: false allows one); unknown keys (named, with close matches). A chat-parser
@@ -49,7 +50,8 @@ and safety_identifier (accepted, unused), store (true where the server keeps res
 did not send false; else false, whatever was sent: a later previous_response_id could not find it;
 vLLM without its store ignores store too), truncation "disabled", previous_response_id (as sent),
 background false, service_tier "default" (the only tier, whatever was
-asked), top_logprobs 0, max_tool_calls null. include "reasoning.encrypted_content" is accepted
+asked), top_logprobs (as sent, else 0), max_tool_calls null. include "message.output_text.logprobs"
+asks for the log-probabilities (_logprobs). include "reasoning.encrypted_content" is accepted
 (clients that keep no state send it): the reasoning comes back as plain text in its item's content,
 which is what to send back. stream_options.include_obfuscation is accepted; no obfuscation is added.
 """
@@ -77,7 +79,7 @@ _CHAT_NAMES = {
     "messages": "send the conversation as input (a string, or a list of message items)",
     "max_tokens": "send max_output_tokens", "max_completion_tokens": "send max_output_tokens",
     "response_format": "send text: {\"format\": ...}",
-    "logprobs": "this route gives no logprobs; use /v1/chat/completions",
+    "logprobs": "send include: [\"message.output_text.logprobs\"] (and top_logprobs for alternatives)",
 }
 """Chat fields sent to this route by mistake, with the Responses field that says it."""
 
@@ -188,7 +190,7 @@ def chat_body(body: dict, history: list | None = None, keeping: bool = False) ->
     _sampling(body, chat, echo)
     _text_format(body.get("text"), chat, echo)
     _reasoning(body.get("reasoning"), chat, echo)
-    _unsupported_outputs(body)
+    _logprobs(body, chat, echo)
     _echoed_only(body, echo)
     return chat, echo
 
@@ -567,14 +569,14 @@ def _reasoning(reasoning, chat: dict, echo: ResponsesEcho) -> None:
         chat["reasoning_effort"] = effort
 
 
-def _unsupported_outputs(body: dict) -> None:
+def _logprobs(body: dict, chat: dict, echo: ResponsesEcho) -> None:
+    """include "message.output_text.logprobs" asks for the answer's log-probabilities, top_logprobs
+    for that many alternatives at each token (the chat's logprobs and top_logprobs, which check the
+    bound); top_logprobs alone asks for none (vLLM's rule), and is echoed."""
     top = body.get("top_logprobs")
     if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 0):
-        raise ProtocolError(f"top_logprobs ({_short(top)}) must be 0 (logprobs are not supported by this server's "
-                            f"/v1/responses)", param="top_logprobs")
-    if top:
-        raise ProtocolError(f"top_logprobs ({top}) is not supported by this server's /v1/responses; use "
-                            f"/v1/chat/completions logprobs (or leave it out, or 0)", param="top_logprobs")
+        raise ProtocolError(f"top_logprobs ({_short(top)}) must be an integer from 0 to 20", param="top_logprobs")
+    echo.top_logprobs = top or 0
     include = body.get("include")
     if include is None:
         return
@@ -584,8 +586,8 @@ def _unsupported_outputs(body: dict) -> None:
         if entry == "reasoning.encrypted_content":
             continue  # the reasoning is sent in the clear: its content is what to send back
         if entry == "message.output_text.logprobs":
-            raise ProtocolError(f"include[{i}] ({entry!r}) is not supported by this server's /v1/responses; use "
-                                f"/v1/chat/completions logprobs", param=f"include[{i}]")
+            chat["logprobs"], chat["top_logprobs"] = True, top or 0
+            continue
         raise ProtocolError(f"include[{i}] ({_short(entry)}) is not supported: this server has no built-in tools "
                             f"and takes no images; only \"reasoning.encrypted_content\" is taken (and the "
                             f"reasoning comes back as plain text)", param=f"include[{i}]")
