@@ -233,6 +233,7 @@ def test_fields_that_ask_for_nothing_are_taken_and_echoed():
     ({"input": "hi", "text": {"verbosity": "low"}}, "text.verbosity", ["'low'", "leave it out"]),
     ({"input": "hi", "reasoning": {"effort": "max"}}, "reasoning.effort", ["'max'", "minimal"]),
     ({"input": "hi", "top_logprobs": -1}, "top_logprobs", ["-1", "from 0 to 20"]),
+    ({"input": "hi", "top_logprobs": 21}, "top_logprobs", ["21", "from 0 to 20"]),
     ({"input": "hi", "store": "yes"}, "store", ["'yes'"]),
     ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id",
      ["'resp_1'", "send the earlier turns", "input"]),

@@ -240,9 +240,10 @@ def test_a_stream_cut_inside_a_call_ends_incomplete_at_every_cut(tokenizer):
 
 def test_logprobs_asked_by_include_reach_the_message_whole_and_streamed(tokenizer):
     """include "message.output_text.logprobs" (top_logprobs alternatives): the message's text part
-    carries every token's, as vLLM gives them; streamed, each output_text delta carries those of the
-    tokens up to its text, and the final response all of them, a call's tokens after the text
-    included. top_logprobs alone asks for none (vLLM's rule)."""
+    carries every token's, as vLLM's whole answer gives them; streamed, as vLLM streams them, the
+    answer's: each output_text delta those of the tokens up to its text, the done event and the final
+    response what the deltas carried (not a call's after the text, nor the thinking's).
+    top_logprobs alone asks for none (vLLM's rule)."""
     script = "The sky is blue."
     asked_for = asked(include=["message.output_text.logprobs"], top_logprobs=2)
     whole = respond(server_over(tokenizer, script), asked_for)
@@ -260,7 +261,7 @@ def test_logprobs_asked_by_include_reach_the_message_whole_and_streamed(tokenize
     [done] = [event for event in events if event["type"] == "response.output_text.done"]
     assert carried == done["logprobs"] == events[-1]["response"]["output"][0]["content"][0]["logprobs"] == \
         part["logprobs"]
-    # a call after the text: its tokens' logprobs are the message's too, whole and in the final response
+    # a call after the text: the whole answer's message has its tokens' too, the stream's the text's
     called = "Let me look." + WEATHER_CALL
     whole = respond(server_over(tokenizer, called, "hermes"), asked(tools=TOOLS, **asked_for))
     every = len(tokenizer.encode(called, add_special_tokens=False))
@@ -268,7 +269,17 @@ def test_logprobs_asked_by_include_reach_the_message_whole_and_streamed(tokenize
     events = respond(server_over(tokenizer, called, "hermes"), asked(tools=TOOLS, stream=True, **asked_for))
     check_with_the_clients_types(events)
     carried = [entry for event in events if event["type"] == "response.output_text.delta" for entry in event["logprobs"]]
+    [done] = [event for event in events if event["type"] == "response.output_text.done"]
     final = events[-1]["response"]["output"][0]["content"][0]["logprobs"]
-    assert len(carried) < every and final[:len(carried)] == carried and len(final) == every
+    # (the tokens the reader held back as a possible tag's start came before the text's last delta)
+    assert "".join(entry["token"] for entry in carried).startswith("Let me look.") and len(carried) < every
+    assert final == done["logprobs"] == carried
+    # a thinking model's stream: the answer's tokens alone, each delta's spelling its text
+    thought = "The sky scatters blue light.</think>Blue."
+    events = respond(server_over(tokenizer, thought, reasoning_parser="deepseek_r1"), {**asked_for, "stream": True})
+    deltas = [event for event in events if event["type"] == "response.output_text.delta"]
+    assert all("".join(entry["token"] for entry in event["logprobs"]) == event["delta"] for event in deltas)
+    whole = respond(server_over(tokenizer, thought, reasoning_parser="deepseek_r1"), asked_for)
+    assert len(whole["output"][1]["content"][0]["logprobs"]) == len(tokenizer.encode(thought, add_special_tokens=False))
     plain = respond(server_over(tokenizer, script), asked(top_logprobs=3))
     assert plain["output"][0]["content"][0]["logprobs"] == [] and plain["top_logprobs"] == 3

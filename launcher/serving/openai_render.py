@@ -206,9 +206,12 @@ class ChatRender(_Render):
 
     def message_logprobs(self, delta) -> list[dict]:
         """The log-probabilities of the tokens whose text is now whole (chat's logprobs content
-        entries), [] where none were asked; the Responses stream's, beside message()."""
+        entries), [] where none were asked, or where this delta comes while the answer still thinks
+        (its end tag's included: vLLM's stream gives the answer's tokens only); the Responses
+        stream's, called before message() feeds the delta to the splitter."""
+        thinking = self.splitter is not None and self.splitter.in_reasoning
         ready = self._ready(delta)
-        return proto.chat_logprobs(ready, self.pieces)["content"] if ready else []
+        return proto.chat_logprobs(ready, self.pieces)["content"] if ready and not thinking else []
 
     def chunk(self, meta, delta) -> dict | None:
         ready = self._ready(delta)

@@ -185,7 +185,8 @@ class ResponseEvents:
         delta whose text turned to content (a call cut short by the length limit, or no call after
         all) carries the open call's last piece too, which belongs before that content (after it,
         the content had closed the call and the piece found none: the stream failed). logprobs: the
-        delta's tokens' (asked for), carried by the next output_text delta, this one's or a later's."""
+        delta's tokens' (asked for: the answer's, ChatRender.message_logprobs), carried by the next
+        output_text delta, this one's or a later's."""
         self._logprobs += logprobs or []
         entries = chat_delta.get("tool_calls") or []
         events = []
@@ -283,17 +284,11 @@ class ResponseEvents:
         return events
 
     def _carry_the_rest(self) -> None:
-        """At the end, log-probabilities no delta carried (tokens after the last text: a call's) go to
-        the last message, as the whole answer's message carries every token's: to its done events
-        where it is still open, else only to the final response's item."""
-        if not self._logprobs:
-            return
-        if self._text is not None and self._text.kind == "message":
+        """At the end, log-probabilities no delta carried (tokens after the last text, the end token's)
+        go to the message still open, in its done events and the final response alike; with none
+        open (a call came after the text) they are carried by no event."""
+        if self._logprobs and self._text is not None and self._text.kind == "message":
             self._text.logprobs += self._logprobs
-        else:
-            last = next((item for item in reversed(self.output) if item and item["type"] == "message"), None)
-            if last is not None:
-                last["content"][0]["logprobs"] = last["content"][0]["logprobs"] + self._logprobs
         self._logprobs = []
 
     def _close_all(self, last_status: str = "completed") -> list[dict]:

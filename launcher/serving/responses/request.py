@@ -574,7 +574,7 @@ def _logprobs(body: dict, chat: dict, echo: ResponsesEcho) -> None:
     for that many alternatives at each token (the chat's logprobs and top_logprobs, which check the
     bound); top_logprobs alone asks for none (vLLM's rule), and is echoed."""
     top = body.get("top_logprobs")
-    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 0):
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20):
         raise ProtocolError(f"top_logprobs ({_short(top)}) must be an integer from 0 to 20", param="top_logprobs")
     echo.top_logprobs = top or 0
     include = body.get("include")
