@@ -174,7 +174,9 @@ def run(args: argparse.Namespace) -> int:
             }
             message = compile_message(compiled)
             if message and not args.quiet:
-                print(f"corelaunch: {message}", file=sys.stderr)
+                # one write, the newline in it: print's two writes let a rank's line forwarded by
+                # Ray's log thread land between the text and its newline, on the same line
+                sys.stderr.write(f"corelaunch: {message}\n")
             print_report(report, as_json=args.json, quiet=args.quiet, out=stdout)
             answered = True
     except BrokenPipeError:
