@@ -13,7 +13,7 @@ import pytest
 
 from launcher.serving.openai_protocol import ProtocolError
 from tests.test_responses_route import server_over
-from tests.test_tokenize_routes import post
+from tests.test_tokenize_routes import post, streamed_text_of
 
 MODEL = "smollm2-135m-instruct"
 SCRIPT = "The sky is blue."
@@ -34,10 +34,7 @@ def invoked(server, body, key: str | None = None):
         response = await server.invocations(post("/invocations", body, key))
         if not isinstance(body, dict) or not body.get("stream"):
             return response.status_code, json.loads(response.body)
-        text = "".join([c if isinstance(c, str) else c.decode() async for c in response.body_iterator])
-        await response.body_iterator.aclose()
-        await response.engine_stream.aclose()
-        return response.status_code, text
+        return response.status_code, await streamed_text_of(response)
 
     return asyncio.run(run())
 

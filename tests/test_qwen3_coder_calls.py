@@ -199,9 +199,10 @@ def test_a_block_that_breaks_after_its_call_went_out_keeps_the_call_and_sends_it
     """What no stream can know in time: the whole answer is all content; the stream has announced the
     call (its arguments closed as sent), and sends the text from the bad block on as content."""
     rng = random.Random(len(text))
+    assert whole(text).calls == []
     for cuts in [list(range(1, len(text))), []] + [checks.random_cuts(rng, text) for _ in range(100)]:
         content, calls, finish = checks.streamed(Reader, text, cuts)
-        assert whole(text).calls == [] and checks.named(calls) == BROKEN_AFTER_ANNOUNCED[text], cuts
+        assert checks.named(calls) == BROKEN_AFTER_ANNOUNCED[text], cuts
         before = text[:text.find("<tool_call>")]  # then the text from the bad block on
         assert content.startswith(before) and text.endswith(content[len(before):]) and content != before
         assert finish == "tool_calls"
@@ -305,7 +306,7 @@ def model_dir(tmp_path_factory):
 def test_auto_reads_qwen3_coder_calls_whole_and_streamed(model_dir, in_process_cluster):
     """The model's text forced to two blocks, the request's own tools typing the values (set_flag's
     ok a boolean): no content and two calls, "tool_calls", whole and streamed, n=2."""
+    assert TOOLS[0]["function"]["parameters"]["properties"]["ok"] == {"type": "boolean"}  # the fixture's typing
     text = block("weather", ("city", "Paris")) + "\n" + block("set_flag", ("ok", "true"))
     checks.assert_forced_calls_end_to_end(model_dir, "qwen3_coder", Qwen3CoderCallReader, text,
                                           [("weather", '{"city": "Paris"}'), ("set_flag", '{"ok": true}')])
-    assert TOOLS[0]["function"]["parameters"]["properties"]["ok"] == {"type": "boolean"}

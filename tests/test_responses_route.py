@@ -15,7 +15,8 @@ import json
 import pytest
 
 from launcher.serving.openai_protocol import ProtocolError
-from tests.test_tokenize_routes import post
+from tests.test_tokenize_routes import post, streamed_text_of
+from tests.test_tokenize_routes import scripted_server as server_over  # one text for every request, or one each
 
 MODEL = "smollm2-135m-instruct"
 TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% if m.reasoning %}[{{ m.reasoning }}]{% endif %}"
@@ -35,15 +36,6 @@ def tokenizer(smollm2_tokenizer):
     return tokenizer
 
 
-def server_over(tokenizer, scripts: str | list[str], tool_call_parser: str | None = None,
-                reasoning_parser: str | None = None):
-    """The scripted server (tests/test_tokenize_routes.py) streaming `scripts`: one text for every
-    request, or a list of texts, one per request in order."""
-    from tests.test_tokenize_routes import scripted_server
-
-    return scripted_server(tokenizer, scripts, tool_call_parser, reasoning_parser)
-
-
 def respond(server, body: dict):
     """The route's Response object, or its stream's events (each SSE's `event:` line checked against
     its data's type)."""
@@ -52,9 +44,7 @@ def respond(server, body: dict):
         assert response.status_code == 200
         if not body.get("stream"):
             return json.loads(response.body)
-        text = "".join([c if isinstance(c, str) else c.decode() async for c in response.body_iterator])
-        await response.body_iterator.aclose()
-        await response.engine_stream.aclose()
+        text = await streamed_text_of(response)
         events = []
         for block in text.split("\n\n")[:-1]:
             name, data = block.split("\n")

@@ -169,15 +169,13 @@ def replica_over(llm):
 
 async def answered(server, route: str, body: dict):
     """The route's JSON answer, or its server-sent events' objects when streamed."""
-    from tests.test_tokenize_routes import post
+    from tests.test_tokenize_routes import post, streamed_text_of
 
     response = await getattr(server, route.strip("/").replace("v1/", "").replace("/", "_"))(post(route, body))
     assert response.status_code == 200
     if not body.get("stream"):
         return json.loads(response.body)
-    text = "".join([chunk if isinstance(chunk, str) else chunk.decode() async for chunk in response.body_iterator])
-    await response.body_iterator.aclose()
-    await response.engine_stream.aclose()
+    text = await streamed_text_of(response)
     events = [line[len("data: "):] for line in text.split("\n\n") if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     return [json.loads(event) for event in events[:-1]]

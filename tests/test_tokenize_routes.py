@@ -171,6 +171,14 @@ def post(path: str, body, key: str | None = None):
     return Request({"type": "http", "method": "POST", "path": path, "headers": headers, "query_string": b""}, receive)
 
 
+async def streamed_text_of(response) -> str:
+    """A streamed route's whole body, its streams closed."""
+    text = "".join([chunk if isinstance(chunk, str) else chunk.decode() async for chunk in response.body_iterator])
+    await response.body_iterator.aclose()
+    await response.engine_stream.aclose()
+    return text
+
+
 def answer(server, route: str, body, key: str | None = None) -> dict:
     response = asyncio.run(getattr(server, route.strip("/"))(post(route, body, key)))
     assert response.status_code == 200

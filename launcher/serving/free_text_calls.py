@@ -32,6 +32,9 @@ class CallsReading:
 class FreeTextCallReader:
     """The shared part of a reader of one choice's text (the module's doc)."""
 
+    needs_tools = False
+    """True: tool_calls.ToolUse.reader builds the reader with the request's tools (tools=...)."""
+
     def __init__(self, parallel_tool_calls: bool = True):
         self.parallel_tool_calls = parallel_tool_calls
         self._pieces: list[str] = []

@@ -95,8 +95,6 @@ class HermesCallReader(FreeTextCallReader):
         self._mode = "content"
         """"content": before the first block; "calls": at or after it; "text": a block held no call,
         and the rest goes out as content."""
-        self._in_block = False
-        """"calls": a block's opening tag has come, its closing tag not yet."""
         self._block_read: list[str] = []
         """"calls", in a block: its text from its opening tag on that its scan has read (holding no
         closing tag), in the pieces it came in: one growing string copied it all at every piece."""
@@ -133,7 +131,7 @@ class HermesCallReader(FreeTextCallReader):
 
     def _open_block(self) -> None:
         """_open now starts with a block's opening tag: read its object from after the tag."""
-        self._in_block, self._blocks = True, self._blocks + 1
+        self._blocks += 1
         self._block_read, self._open = [CALL_START], self._open[len(CALL_START):]
         self._block_stream = RequiredCallsStream(("arguments",), one_object=True)
 
@@ -153,7 +151,7 @@ class HermesCallReader(FreeTextCallReader):
         start. Text between blocks is no content."""
         calls = []
         while True:
-            if not self._in_block:
+            if not self._block_read:  # no block open (its read text is kept from its opening tag)
                 start = self._open.find(CALL_START)
                 if start == -1:  # keep only a tail that may open the next block
                     self._open = self._open[len(self._open) - held_tail_length(self._open, (CALL_START,)):]
@@ -174,7 +172,7 @@ class HermesCallReader(FreeTextCallReader):
                 return calls
             if not self._block_stream.announced:  # never announced (its name came after its arguments)
                 calls.append(self._new_call(*call, index=index))
-            self._block_read, self._in_block = [], False
+            self._block_read = []
             if end == -1:
                 self._open = ""
                 return calls

@@ -28,7 +28,6 @@ import re
 import sys
 import threading
 import time
-import uuid
 from contextlib import aclosing, contextmanager, nullcontext
 
 from fastapi import FastAPI, Request
@@ -1438,7 +1437,7 @@ class OpenAIServer:
         """A Response object, or the Responses stream's events (responses_api.ResponseEvents), for the
         chat request's one choice; its tokens timed and its ending counted as a chat request's.
         keep(response): awaited with the finished Response object before the client gets it."""
-        response_id, created, timer = f"resp_{uuid.uuid4().hex}", int(time.time()), TokenTimer(self.metrics, arrived)
+        response_id, created, timer = responses_api.item_id("resp"), int(time.time()), TokenTimer(self.metrics, arrived)
         if req.stream:
             outcome = {"finish_reason": "abort"}  # a client that leaves before the end
             events = self._response_events(stream, render, timer, outcome,

@@ -55,12 +55,11 @@ import re
 
 from launcher.serving.call_json import arguments_text
 from launcher.serving.free_text_calls import CallsReading
-from launcher.serving.hermes_calls import CALL_START, HermesCallReader
+from launcher.serving.hermes_calls import CALL_END, CALL_START, HermesCallReader
 from launcher.serving.qwen3_coder_types import ToolSchemas
 from launcher.serving.stop_strings import held_tail_length
 from launcher.serving.tool_calls import SentCalls
 
-CALL_END = "</tool_call>"
 FUNCTION_START, FUNCTION_END = "<function=", "</function>"
 PARAMETER_START, PARAMETER_END = "<parameter=", "</parameter>"
 TAG_CLOSE = ">"
@@ -272,9 +271,7 @@ class Qwen3CoderCallReader(HermesCallReader):
         if text and not self._value_begun:
             self._value_begun, text = True, text[1:] if text.startswith("\n") else text
         if self._streams_text:
-            text = ("\n" if self._newline_held else "") + text
-            self._newline_held = text.endswith("\n")
-            sent = json.dumps(text[:-1] if self._newline_held else text, ensure_ascii=False)[1:-1]
+            sent = self._string_piece(text)
             if closed:
                 self._state, self._newline_held = "params", False
                 return [self._arguments(sent + '"', index)]
@@ -306,6 +303,13 @@ class Qwen3CoderCallReader(HermesCallReader):
         self._written += 1
         return ("{" if self._written == 1 else ", ") + json.dumps(self._param, ensure_ascii=False) + ": "
 
+    def _string_piece(self, text: str) -> str:
+        """A string value's next text as its JSON string's inside, after a newline held before it and
+        holding back a last newline (the trimmed one if the parameter closes next)."""
+        text = ("\n" if self._newline_held else "") + text
+        self._newline_held = text.endswith("\n")
+        return json.dumps(text[:-1] if self._newline_held else text, ensure_ascii=False)[1:-1]
+
     @staticmethod
     def _arguments(text: str, index: int) -> dict:
         return {"index": index, "function": {"arguments": text}}
@@ -323,10 +327,7 @@ class Qwen3CoderCallReader(HermesCallReader):
         if self._state in ("head", "name"):
             return self._break(index)
         if self._state == "value" and self._streams_text:  # _open is a tail that turned out not to be the tag
-            rest = ("\n" if self._newline_held else "") + self._open[self._at:]
-            rest = rest[:-1] if rest.endswith("\n") else rest
-            self._at = len(self._open)
-            piece = json.dumps(rest, ensure_ascii=False)[1:-1]
+            piece, self._at = self._string_piece(self._open[self._at:]), len(self._open)
             entries = [self._arguments(piece, index)] if piece else []
         else:
             entries = []

@@ -160,7 +160,7 @@ class RequiredCallsStream:
             entry = {"id": self._make_id(), "type": "function", "function": {"name": call.name, "arguments": arguments}}
             self._sent.record(entry)
             self._sent_to.append(end)
-            entries.append({"index": index, **entry, "function": dict(entry["function"])})
+            entries.append({"index": index, **entry})  # SentCalls.record keeps its own copy
         return entries
 
     def _forget(self) -> None:

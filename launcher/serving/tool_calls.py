@@ -170,7 +170,7 @@ class ToolUse:
         if self.parser is not None:
             module, name = PARSER_READERS[self.parser]
             reader_class = getattr(importlib.import_module(module), name)
-            if getattr(reader_class, "needs_tools", False):
+            if reader_class.needs_tools:
                 return reader_class(self.parallel_tool_calls, tools=self.tools)
             return reader_class(self.parallel_tool_calls)
         return None if self.forced is None else ToolCallReader(self.forced)

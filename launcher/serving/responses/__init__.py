@@ -10,11 +10,11 @@ previous_response_id; listed_items.py: a kept turn's input items in GET .../inpu
 page of them.
 """
 
-from launcher.serving.responses.output import ResponseEvents, output_items, response_object, sse, usage
+from launcher.serving.responses.output import ResponseEvents, item_id, output_items, response_object, sse, usage
 from launcher.serving.responses.listed_items import DEFAULT_PAGE, listed, page
 from launcher.serving.responses.request import (KEEPS_NONE, NOT_KEPT_WHY, ResponsesEcho, chat_body,
                                                 previous_response_id, responses_param, turn_items)
 
-__all__ = ["DEFAULT_PAGE", "KEEPS_NONE", "NOT_KEPT_WHY", "ResponseEvents", "ResponsesEcho", "chat_body", "listed",
+__all__ = ["DEFAULT_PAGE", "KEEPS_NONE", "NOT_KEPT_WHY", "ResponseEvents", "ResponsesEcho", "chat_body", "item_id", "listed",
            "output_items", "page", "previous_response_id", "response_object", "responses_param", "sse",
            "turn_items", "usage"]

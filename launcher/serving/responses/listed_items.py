@@ -11,9 +11,9 @@ text part, which the chat template reads as the string.
 from __future__ import annotations
 
 import copy
-import uuid
 
 from launcher.serving.openai_protocol import ProtocolError, _short
+from launcher.serving.responses.output import item_id
 
 ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 MAX_PAGE, DEFAULT_PAGE = 100, 20
@@ -32,7 +32,7 @@ def listed(items: list[dict]) -> list[dict]:
         kind = item.get("type", "message")
         given = item.get("id")
         shaped = {**item, "type": kind, "status": item.get("status") or "completed",
-                  "id": given if given and given not in seen else f"{ID_PREFIXES[kind]}_{uuid.uuid4().hex}"}
+                  "id": given if given and given not in seen else item_id(ID_PREFIXES[kind])}
         seen.add(shaped["id"])
         if kind == "message":
             shaped["content"] = _parts(item.get("content"), item["role"] == "assistant")

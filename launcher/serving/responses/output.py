@@ -68,7 +68,8 @@ def response_object(response_id: str, created_at: int, model: str, echo: Respons
     }
 
 
-def _item_id(prefix: str) -> str:
+def item_id(prefix: str) -> str:
+    """A new id of the Responses API's form: PREFIX_ and 32 hex digits (resp, msg, rs, fc, ...)."""
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
@@ -107,12 +108,12 @@ def output_items(message: dict, finish_reason: str | None,
     thought = message.get("reasoning") or message.get("reasoning_content")
     calls = message.get("tool_calls") or []
     if thought:
-        made.append((_reasoning_item, (_item_id("rs"), thought)))
+        made.append((_reasoning_item, (item_id("rs"), thought)))
     if message.get("content") or not (thought or calls):
         made.append((functools.partial(_message_item, logprobs=logprobs),
-                     (_item_id("msg"), message.get("content") or "")))
+                     (item_id("msg"), message.get("content") or "")))
     for call in calls:
-        made.append((_call_item, (_item_id("fc"), call["id"], call["function"]["name"],
+        made.append((_call_item, (item_id("fc"), call["id"], call["function"]["name"],
                                   call["function"]["arguments"])))
     last = len(made) - 1
     items = [maker(*args, "incomplete" if status == "incomplete" and i == last else "completed")
@@ -246,7 +247,7 @@ class ResponseEvents:
                                      content_index=0, delta=text, **extra)]
 
     def _open_text(self, kind: str) -> list[dict]:
-        item = self._text = _OpenItem(kind, len(self.output), _item_id("rs" if kind == "reasoning" else "msg"))
+        item = self._text = _OpenItem(kind, len(self.output), item_id("rs" if kind == "reasoning" else "msg"))
         self.output.append(None)
         if kind == "reasoning":
             added = {"type": "reasoning", "id": item.item_id, "summary": [], "content": [], "status": "in_progress"}
@@ -268,7 +269,7 @@ class ResponseEvents:
                 self._text = None
             if index in self._calls:
                 events += self._close(self._calls.pop(index), "completed")
-            item = self._calls[index] = _OpenItem("function_call", len(self.output), _item_id("fc"),
+            item = self._calls[index] = _OpenItem("function_call", len(self.output), item_id("fc"),
                                                   call_id=entry["id"], name=function.get("name") or "")
             self.output.append(None)
             events.append(self._event("response.output_item.added", output_index=item.output_index,

@@ -61,6 +61,7 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass, field
 
+from launcher.serving.openai_protocol import REASONING_EFFORTS as CHAT_EFFORTS
 from launcher.serving.openai_protocol import ProtocolError, _json_kind, _short, clip
 
 # ---- what a request takes ---------------------------------------------------------------------
@@ -102,7 +103,7 @@ TEXT_PART_TYPES = ("input_text", "output_text", "text")
 NON_TEXT_PART_TYPES = ("input_image", "input_file", "input_audio")
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 TOOL_CHOICES = ("auto", "none", "required")
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+REASONING_EFFORTS = tuple(effort for effort in CHAT_EFFORTS if effort != "max")
 """OpenAI's Responses efforts (the chat route also takes vLLM's "max": openai_protocol.REASONING_EFFORTS)."""
 REASONING_SUMMARIES = ("auto", "concise", "detailed")
 SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
