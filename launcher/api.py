@@ -457,6 +457,15 @@ def _checked_cache_salt(value):
     return value
 
 
+def _checked_stream_interval(value):
+    """value (tokens a stream's deltas gather: an int of at least 1); ValueError naming it."""
+    value = _plain_integer(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"stream_interval ({value!r}) must be an integer of at least 1 (1: every token as it is "
+                         f"generated; n: the first token at once, then n at a time)")
+    return value
+
+
 def _plain_number(value):
     """An integer or a real number of any kind (np.int64, np.float32, a 0-d torch tensor) as Python's
     int or float; anything else (None, strings, bools of any kind) as it is, for the checks to name."""
@@ -1143,7 +1152,7 @@ class Launcher:
                stop_token_ids: Sequence[int] = (), stop: Sequence[str] = (), ignore_eos: bool = False,
                logprobs: int | None = None, request_id: str | None = None, prompt_logprobs: int | None = None,
                cache_salt: str | None = None, include_stop_str_in_output: bool = False,
-               skip_special_tokens: bool = True):
+               skip_special_tokens: bool = True, stream_interval: int = 1):
         """Submit one request and return an iterator of StreamDelta (launcher/serving/stream_types.py):
         its text as it is generated, a few milliseconds after each step, never cut inside a
         character. The request joins a group's running batch at the next iteration.
@@ -1159,24 +1168,28 @@ class Launcher:
         request shares cached prefixes (prefix caching) only with requests of the same salt (None: with
         every unsalted one); skip_special_tokens: False keeps the special tokens the model generates
         (`<|im_end|>`) in the text, and stop strings are looked for in that text, as vLLM's option does
-        (token ids and logprobs are the same either way). Closing the iterator early cancels the request."""
+        (token ids and logprobs are the same either way); stream_interval: n > 1 gathers the tokens
+        after the first n to a delta (vLLM's stream_interval: fewer wake-ups of every process the
+        tokens pass through, each token up to n - 1 steps later; the last delta comes when the request
+        ends). Closing the iterator early cancels the request."""
         max_new_tokens, logprobs = _plain_integer(max_new_tokens), _plain_integer(logprobs)
         prompt_logprobs = _checked_logprobs("prompt_logprobs", _plain_integer(prompt_logprobs))
         cache_salt = _checked_cache_salt(cache_salt)
         _check_flag("include_stop_str_in_output", include_stop_str_in_output)
         _check_flag("skip_special_tokens", skip_special_tokens)
+        stream_interval = _checked_stream_interval(stream_interval)
         token_ids, params, stops, stop_token_ids = self._check_stream(prompt, sampling, max_new_tokens, stop, logprobs,
                                                                       stop_token_ids, request_id)
         return self._submit_stream(token_ids, params, max_new_tokens, stop_token_ids, stops, ignore_eos, logprobs,
                                    request_id, asynchronous=False, prompt_logprobs=prompt_logprobs,
                                    cache_salt=cache_salt, include_stop=include_stop_str_in_output,
-                                   skip_special_tokens=skip_special_tokens)
+                                   skip_special_tokens=skip_special_tokens, stream_interval=stream_interval)
 
     def astream(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None, max_new_tokens: int = 64,
                 stop_token_ids: Sequence[int] = (), stop: Sequence[str] = (), ignore_eos: bool = False,
                 logprobs: int | None = None, request_id: str | None = None, prompt_logprobs: int | None = None,
                 cache_salt: str | None = None, include_stop_str_in_output: bool = False,
-                skip_special_tokens: bool = True):
+                skip_special_tokens: bool = True, stream_interval: int = 1):
         """stream() for asyncio: call it inside a running event loop; it returns an async iterator
         (`async for delta in llm.astream(...)`); `aclose()` or cancelling the reading task cancels."""
         max_new_tokens, logprobs = _plain_integer(max_new_tokens), _plain_integer(logprobs)
@@ -1184,12 +1197,13 @@ class Launcher:
         cache_salt = _checked_cache_salt(cache_salt)
         _check_flag("include_stop_str_in_output", include_stop_str_in_output)
         _check_flag("skip_special_tokens", skip_special_tokens)
+        stream_interval = _checked_stream_interval(stream_interval)
         token_ids, params, stops, stop_token_ids = self._check_stream(prompt, sampling, max_new_tokens, stop, logprobs,
                                                                       stop_token_ids, request_id)
         return self._submit_stream(token_ids, params, max_new_tokens, stop_token_ids, stops, ignore_eos, logprobs,
                                    request_id, asynchronous=True, prompt_logprobs=prompt_logprobs,
                                    cache_salt=cache_salt, include_stop=include_stop_str_in_output,
-                                   skip_special_tokens=skip_special_tokens)
+                                   skip_special_tokens=skip_special_tokens, stream_interval=stream_interval)
 
     async def agenerate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                         sampling: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -1276,13 +1290,13 @@ class Launcher:
     def _submit_stream(self, token_ids, params, max_new_tokens, stop_token_ids, stops, ignore_eos, logprobs,
                        request_id, asynchronous: bool, prompt_logprobs: int | None = None,
                        cache_salt: str | None = None, include_stop: bool = False,
-                       skip_special_tokens: bool = True):
+                       skip_special_tokens: bool = True, stream_interval: int = 1):
         """Submit one checked request (QueueFull when it would wait while max_queued_requests already
         do) and return the stream reading it."""
         ending = self._checked_ending_ids([params], stop_token_ids, ignore_eos)
         stream = self._new_stream(token_ids, params, max_new_tokens, ending, stops, logprobs, request_id, asynchronous,
                                   prompt_logprobs=prompt_logprobs, cache_salt=cache_salt, include_stop=include_stop,
-                                  skip_special_tokens=skip_special_tokens)
+                                  skip_special_tokens=skip_special_tokens, stream_interval=stream_interval)
         self._submit_together([stream])
         return stream
 
@@ -1309,12 +1323,13 @@ class Launcher:
     def _new_stream(self, token_ids, params, max_new_tokens, ending_ids, stops, logprobs,
                     request_id, asynchronous: bool, return_logits: bool = False, timeout_s: float | None = None,
                     prompt_logprobs: int | None = None, cache_salt: str | None = None, include_stop: bool = False,
-                    skip_special_tokens: bool = True):
+                    skip_special_tokens: bool = True, stream_interval: int = 1):
         """A checked request's stream, not yet submitted: a RequestStream, or an AsyncRequestStream
         fed on the running event loop. ending_ids: _ending_ids(). timeout_s: its deadline from
         submission (default: the request timeout). cache_salt: checked (_checked_cache_salt).
         include_stop: the text keeps the stop string that ends it (include_stop_str_in_output).
-        skip_special_tokens: False keeps the special tokens the model generates in the text."""
+        skip_special_tokens: False keeps the special tokens the model generates in the text.
+        stream_interval: checked (_checked_stream_interval)."""
         import asyncio
 
         from launcher.cluster.stream_handle import StreamHandle
@@ -1336,7 +1351,7 @@ class Launcher:
             sink, kind = thread_sink(items), RequestStream
         request = StreamRequest(request_id or uuid.uuid4().hex, tuple(token_ids), params, max_new_tokens,
                                 ending_ids, logprobs, return_logits, prompt_logprobs=prompt_logprobs,
-                                cache_salt=cache_salt)
+                                cache_salt=cache_salt, stream_interval=stream_interval)
         handle = StreamHandle(request, sink, self.config.request_timeout_s if timeout_s is None else timeout_s)
         text = TextStream(request.request_id, self.tokenizer, stops, len(token_ids), params.min_tokens, include_stop,
                           skip_special_tokens, ending_ids)

@@ -234,19 +234,35 @@ def test_include_stop_sends_each_push_whole_until_the_stop(stops):
 
 def _stream_text(tokenizer, stop, min_tokens=0, include=True, one_event=False):
     """The TextStream's text and whether a stop string ended it, for " zero one two three one" (5 SmolLM2
-    tokens: " zero", " one", " two", " three", " one"), one event per token or all in one."""
+    tokens: " zero", " one", " two", " three", " one"), one event per token or all in one (as a
+    stream_interval gathers them); read as a reader reads, up to the delta that ends the request.
+    All in one event, the request ends at the token that completed the stop string, as it does with
+    an event per token: the tokens after it are neither reported nor counted."""
+    ids = tokenizer(" zero one two three one", add_special_tokens=False)["input_ids"]
+    assert len(ids) == 5
+    deltas = _deltas_to_the_end(tokenizer, stop, min_tokens, include, [list(ids)] if one_event else [[t] for t in ids])
+    reported = [t for d in deltas for t in d.token_ids]
+    assert reported == ids[:len(reported)] and deltas[-1].completion_tokens == len(reported)
+    if one_event:
+        one_each = _deltas_to_the_end(tokenizer, stop, min_tokens, include, [[t] for t in ids])
+        assert reported == [t for d in one_each for t in d.token_ids]
+    return "".join(d.text for d in deltas), any(d.stopped_by_string for d in deltas)
+
+
+def _deltas_to_the_end(tokenizer, stop, min_tokens, include, events):
+    """A TextStream's deltas of `events` (each a list of token ids, the last one ending the request
+    at "length"), up to the one that ends the request."""
     from launcher.serving.text_stream import TextStream
     from workers.serving.requests import TokenEvent
 
-    ids = tokenizer(" zero one two three one", add_special_tokens=False)["input_ids"]
-    assert len(ids) == 5
     stream = TextStream("r", tokenizer, (stop,), prompt_tokens=1, min_tokens=min_tokens,
                         include_stop_str_in_output=include)
-    events = [list(ids)] if one_event else [[t] for t in ids]
-    deltas = [stream.delta(TokenEvent("r", tokens, "length" if i == len(events) - 1 else None))
-              for i, tokens in enumerate(events)]
-    assert sum(len(d.token_ids) for d in deltas) == 5  # every token is still reported, as before
-    return "".join(d.text for d in deltas), any(d.stopped_by_string for d in deltas)
+    deltas = []
+    for i, tokens in enumerate(events):
+        deltas.append(stream.delta(TokenEvent("r", tokens, "length" if i == len(events) - 1 else None)))
+        if deltas[-1].finish_reason is not None:
+            break
+    return deltas
 
 
 @pytest.mark.parametrize("stop, expected", [

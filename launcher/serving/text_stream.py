@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection
 
 from launcher.serving.detokenizer import IncrementalDetokenizer
@@ -15,6 +16,29 @@ def shown_tokens(ids: list[int], finish: str | None, hidden_endings: Collection[
     `hidden_endings`), whose text vLLM leaves out. "stop" on a token that is no stop token is a
     structured output's last token: its text stays."""
     return ids[:-1] if finish == "stop" and ids and ids[-1] in hidden_endings else ids
+
+
+def one_token_events(event: TokenEvent) -> list[TokenEvent]:
+    """An event of several tokens (a stream_interval's) as the events of one token each it gathered:
+    the end, error and time on the last, the first token's prompt log-probabilities and cached count
+    on the first."""
+    last = len(event.token_ids) - 1
+    return [TokenEvent(event.request_id, [token], event.finish_reason if i == last else None,
+                       None if event.logprobs is None else [event.logprobs[i]],
+                       None if event.logits is None else [event.logits[i]], event.at_s,
+                       event.error if i == last else None,
+                       event.prompt_logprobs if i == 0 else None, event.cached_tokens if i == 0 else None)
+            for i, token in enumerate(event.token_ids)]
+
+
+def merged(deltas: list[StreamDelta]) -> StreamDelta:
+    """One delta of consecutive deltas of one request."""
+    first, last = deltas[0], deltas[-1]
+    logprobs = None if all(d.logprobs is None for d in deltas) else [p for d in deltas for p in d.logprobs or []]
+    return dataclasses.replace(last, text="".join(d.text for d in deltas),
+                               token_ids=[t for d in deltas for t in d.token_ids], logprobs=logprobs,
+                               time_to_first_token_s=first.time_to_first_token_s,
+                               prompt_logprobs=first.prompt_logprobs, cached_tokens=first.cached_tokens)
 
 
 class TextStream:
@@ -44,6 +68,19 @@ class TextStream:
     def delta(self, event: TokenEvent, time_to_first_token_s: float | None = None) -> StreamDelta:
         """The delta for one event; after a stop string, finish_reason is "stop" whatever the event says.
         time_to_first_token_s goes on the delta that carries the first token (StreamHandle times it)."""
+        if self._stops is None or len(event.token_ids) < 2:
+            return self._delta(event, time_to_first_token_s)
+        # Stop strings are matched a token at a time, so one that a token inside a gathered event
+        # completes ends the request at that token, as it does with one token an event: the tokens
+        # after it are neither counted nor shown (vLLM's stream_interval holds only what it sends).
+        deltas = []
+        for one in one_token_events(event):
+            deltas.append(self._delta(one, time_to_first_token_s))
+            if deltas[-1].finish_reason is not None:
+                break
+        return merged(deltas)
+
+    def _delta(self, event: TokenEvent, time_to_first_token_s: float | None) -> StreamDelta:
         first = time_to_first_token_s if event.token_ids and self.completion_tokens == 0 else None
         finish = event.finish_reason
         ids = list(event.token_ids)

@@ -29,6 +29,7 @@ import torch
 from shardlib.serving_shapes import PREFILL_PHASES, PREFILL_START, ServingShapes
 from workers.kernels import prefill_attention
 from workers.serving.burst import BURST_WAIT_CAP
+from workers.serving.held_tokens import HeldTokens
 from workers.serving.outbox import Outbox
 from workers.serving.prompt_scoring import prompt_targets, score_chunk
 from workers.serving.requests import StreamRequest, TokenEvent
@@ -169,6 +170,8 @@ class ServingLoop:
         self.scheduler = Scheduler(config.max_num_seqs, config.max_prefill_tokens, max_chunk,
                                    config.prefix_caching and not _keys_depend_on_length(model, config.cache_slots))
         self.outbox = Outbox()
+        self.held = HeldTokens()
+        """Tokens of requests with a stream_interval, until their next event is due (leader only)."""
         self._inbox: queue.Queue = queue.Queue()
         self._run_static = run_static
         self._statics: dict[int, tuple[object, Future]] = {}
@@ -355,6 +358,7 @@ class ServingLoop:
                     self._admit(seq, events)
         elif kind == "cancel":
             for rid in payload:
+                self.held.drop(rid)
                 if self.scheduler.cancel(rid) is not None or self._drop_awaiting(rid):
                     events.append(TokenEvent(rid, [], "abort"))
         return kind == "stop"
@@ -414,6 +418,7 @@ class ServingLoop:
             events.append(TokenEvent(seq.request.request_id, [], "abort"))
         events.extend(TokenEvent(seq.request.request_id, [], "abort") for seq in self._awaiting_grammar)
         self._awaiting_grammar = []
+        self.held.clear()
         self.outbox.put(events, self.scheduler.load())
 
     # ---- forwards, the same on every rank ----------------------------------------------------------
@@ -495,7 +500,8 @@ class ServingLoop:
         except Exception:  # noqa: BLE001 - one request's choice failed: find it, fail it alone
             # Rows that drew before the failing one draw the same again: each draw is seeded anew
             # from its request's seed and the draw's number (token_choice.seed_draws).
-            sequences, logits, tokens, logprobs, events = self._choose_alone(sequences, logits)
+            sequences, logits, tokens, logprobs, failed = self._choose_alone(sequences, logits)
+            events = [out for event in failed for out in self.held.pass_on(event)]
         chosen_at = time.perf_counter()
         for i, (seq, token) in enumerate(zip(sequences, tokens)):
             request = seq.request
@@ -503,19 +509,19 @@ class ServingLoop:
                 matched = (seq.grammar is not None and token not in request.stop_token_ids
                            and seq.grammar.advance(token))
             except ValueError as err:
-                events.append(TokenEvent(request.request_id, [], "error", error=str(err)))
+                events.extend(self.held.pass_on(TokenEvent(request.request_id, [], "error", error=str(err))))
                 self.scheduler.finish(seq)
                 continue
             seq.generated += 1
             seq.output_ids.append(token)
             reason = ("stop" if token in request.stop_token_ids or matched
                       else "length" if seq.generated >= request.max_tokens else None)
-            events.append(TokenEvent(request.request_id, [token], reason,
-                                     None if logprobs[i] is None else [logprobs[i]],
-                                     [_own_copy(logits[i])] if request.return_logits else None, chosen_at,
-                                     prompt_logprobs=(seq.prompt_logprobs if request.prompt_logprobs is not None
-                                                      and seq.generated == 1 else None),
-                                     cached_tokens=seq.cached if seq.generated == 1 else None))
+            event = TokenEvent(request.request_id, [token], reason, None if logprobs[i] is None else [logprobs[i]],
+                               [_own_copy(logits[i])] if request.return_logits else None, chosen_at,
+                               prompt_logprobs=(seq.prompt_logprobs if request.prompt_logprobs is not None
+                                                and seq.generated == 1 else None),
+                               cached_tokens=seq.cached if seq.generated == 1 else None)
+            events.extend(self.held.pass_on(event, request.stream_interval, first=seq.generated == 1))
             if reason is None:
                 seq.pending = token
             else:

@@ -40,6 +40,10 @@ class StreamRequest:
     """Prefix caching (workers/serving/prefix_reuse.py) shares cached prefixes only between requests
     of the same salt; None is a group of its own (the requests that sent none). vLLM's cache_salt:
     clients that distrust each other each send a secret one, so none can time another's prompts."""
+    stream_interval: int = 1
+    """Tokens the leader gathers into one event (vLLM's stream_interval): the first token of each
+    submission goes at once, the later ones every stream_interval tokens, and whatever is held goes
+    with the request's end (workers/serving/held_tokens.py). 1: every token as it is chosen."""
 
 
 @dataclass
@@ -66,7 +70,8 @@ class TokenEvent:
     logits: list | None = None
     """With return_logits: one (vocab,) float32 tensor per token."""
     at_s: float = 0.0
-    """Rank 0's time.perf_counter() once the step that produced these tokens had chosen them: the gaps
+    """Rank 0's time.perf_counter() once the step that produced these tokens (the last of them, when
+    the request's stream_interval gathered several) had chosen them: the gaps
     between one request's events are its inter-token times on the leader's clock (planning, the
     step's every forward and token choice included), comparable between the requests of one group."""
     error: str | None = None

@@ -1,0 +1,92 @@
+"""stream_interval through the driver API with the groups in-process (tests/in_process_cluster.py):
+the leader holds a stream's tokens after its first until the interval has gathered, and the reader
+gets the same tokens, text, log-probabilities and ends as with one token a delta, through stop
+strings, cancels and a group fault (workers/serving/held_tokens.py)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from launcher.api import Launcher
+from launcher.errors import WorkerDied
+from tests.test_launcher_stream import tokens_of
+from tests.test_replicas import EAGER, NEW_TOKENS, PROMPTS, model_and_expected  # noqa: F401 - fixture
+
+
+def test_a_stream_interval_gathers_the_tokens_after_the_first(model_and_expected, in_process_cluster):
+    model_dir, _ = model_and_expected
+    with Launcher(model=model_dir, tp=1, progress=False, **EAGER) as llm:
+        alone = list(llm.stream(PROMPTS[0], max_new_tokens=11, ignore_eos=True, logprobs=2))
+        gathered = list(llm.stream(PROMPTS[0], max_new_tokens=11, ignore_eos=True, logprobs=2, stream_interval=3))
+        assert llm.load() == {"running": 0, "waiting": 0}
+    assert [len(d.token_ids) for d in alone] == [1] * 11
+    assert [len(d.token_ids) for d in gathered] == [1, 3, 3, 3, 1]  # the end goes with what was held
+    assert [t for d in gathered for t in d.token_ids] == [t for d in alone for t in d.token_ids]
+    assert "".join(d.text for d in gathered) == "".join(d.text for d in alone)
+    assert ([(p.token_id, p.logprob, p.top) for d in gathered for p in d.logprobs]
+            == [(p.token_id, p.logprob, p.top) for d in alone for p in d.logprobs])
+    assert gathered[0].time_to_first_token_s is not None and gathered[-1].completion_tokens == 11
+    assert gathered[-1].finish_reason == "length"
+
+
+def test_a_stop_string_inside_gathered_tokens_ends_the_request_where_it_would_have(model_and_expected,
+                                                                                     in_process_cluster, tmp_path):
+    """The stop string completes at the third token, inside the first gathered event: the text, the
+    tokens reported and their count are those of one token a delta (the tokens after it that the
+    leader held are dropped), and the row is free at once."""
+    from tests.test_compile_cli import save_word_tokenizer
+
+    model_dir, expected = model_and_expected
+    with_words = Path(shutil.copytree(model_dir, tmp_path / "with-words"))
+    save_word_tokenizer(with_words)  # "t0" .. "t127": the model's 128 ids
+    stop = f" t{expected[0][2]} "
+    with Launcher(model=str(with_words), tp=1, max_num_seqs=1, max_queued_requests=0, progress=False, **EAGER) as llm:
+        alone = list(llm.stream(PROMPTS[0], max_new_tokens=NEW_TOKENS, stop=[stop], ignore_eos=True))
+        gathered = list(llm.stream(PROMPTS[0], max_new_tokens=NEW_TOKENS, stop=[stop], ignore_eos=True,
+                                   stream_interval=4))
+        assert llm.load() == {"running": 0, "waiting": 0}
+    assert gathered[-1].finish_reason == "stop" and gathered[-1].stopped_by_string
+    assert len(gathered) == 2  # the first token, then the gathered event the stop string ended
+    assert [t for d in gathered for t in d.token_ids] == [t for d in alone for t in d.token_ids]
+    assert "".join(d.text for d in gathered) == "".join(d.text for d in alone)
+    assert gathered[-1].completion_tokens == alone[-1].completion_tokens < NEW_TOKENS
+
+
+@pytest.mark.parametrize("value", [0, -2, True, "2", 2.5, None])
+def test_a_bad_stream_interval_is_refused_before_anything_is_submitted(model_and_expected, in_process_cluster, value):
+    model_dir, _ = model_and_expected
+    with Launcher(model=model_dir, tp=1, progress=False, **EAGER) as llm:
+        with pytest.raises(ValueError, match=r"stream_interval \(.*\) must be an integer of at least 1"):
+            llm.stream(PROMPTS[0], max_new_tokens=NEW_TOKENS, stream_interval=value)
+        assert llm.load() == {"running": 0, "waiting": 0}
+
+
+def test_closing_a_stream_with_held_tokens_frees_its_row(model_and_expected, in_process_cluster):
+    model_dir, expected = model_and_expected
+    with Launcher(model=model_dir, tp=1, max_num_seqs=1, progress=False, **EAGER) as llm:
+        long = llm.stream(PROMPTS[0], max_new_tokens=200, ignore_eos=True, stream_interval=64)
+        next(long)
+        waiting = llm.stream(PROMPTS[1], max_new_tokens=NEW_TOKENS, stream_interval=64)
+        long.close()
+        assert long.handle.cancelled
+        assert tokens_of(waiting) == (expected[1], "length")
+        assert llm.load() == {"running": 0, "waiting": 0}
+
+
+def test_a_group_fault_resumes_gathered_streams_without_a_lost_or_repeated_token(model_and_expected,
+                                                                                   in_process_cluster):
+    """Tokens the leader held when its group failed were never delivered: the resumed requests
+    generate them again."""
+    model_dir, expected = model_and_expected
+    with Launcher(model=model_dir, tp=2, max_num_seqs=2, progress=False, **EAGER) as llm:
+        streams = [llm.stream(p, max_new_tokens=NEW_TOKENS, stream_interval=4) for p in PROMPTS]
+        first = next(streams[0])
+        llm._group.fail_next(WorkerDied("rank 1 (in-process) died while serving"))
+        rest = [tokens_of(s) for s in streams]
+        assert llm.replica_status()[0]["restarts"] == 1
+    got = [(first.token_ids if i == 0 else []) + r[0] for i, r in enumerate(rest)]
+    assert got == expected and all(finish == "length" for _, finish in rest)
+    assert any(s.handle.attempts == 2 for s in streams)
