@@ -10,8 +10,9 @@ aggregate output tokens/s, TTFT / inter-token / end-to-end latency p50 and p99, 
 decode tokens/s, and whether every request got exactly --max-tokens tokens.
 
 Server: without --base-url it starts `corelaunch serve` on a free loopback port (TP 1, the smallest
-buckets that hold the request, --max-num-seqs the highest level), waits for GET /health, and stops
-it at the end. With --base-url URL --model NAME it measures any OpenAI-compatible server (vLLM).
+buckets that hold the request, --max-num-seqs the highest level, --stream-interval if given), waits
+for GET /health, and stops it at the end. With --base-url URL --model NAME it measures any
+OpenAI-compatible server (vLLM).
 
 --baselines: first, with no server running, the same model in this process through the driver API
 (one Ray TP 1 group, static batching): (a) --baseline-prompts prompts one after another, (b) all of
@@ -68,11 +69,13 @@ def machine() -> dict:
 def serve_arguments(model_dir: str, args: argparse.Namespace) -> list[str]:
     """`corelaunch serve` arguments for the HTTP levels: TP 1, room for the highest level's clients,
     the smallest buckets that hold one request, every graph built before the first request (which
-    shapes a level meets depends on when its requests arrive), --cpus-per-rank if given, then any
-    --server-arg."""
+    shapes a level meets depends on when its requests arrive), --cpus-per-rank and --stream-interval
+    if given, then any --server-arg."""
     options = smallest_buckets(args.prompt_tokens, args.max_tokens)
     if args.cpus_per_rank is not None:
         options["cpus_per_rank"] = args.cpus_per_rank
+    if args.stream_interval is not None:
+        options["stream_interval"] = args.stream_interval
     return ["--model", model_dir, "--tp", "1", "--served-model-name", args.model,
             "--max-num-seqs", str(max(args.levels)), "--warm-up",
             *[f"--{k.replace('_', '-')}={v}" for k, v in options.items()], *args.server_arg]
@@ -247,6 +250,8 @@ def ratios(levels: dict, baselines: dict | None) -> dict:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from launcher.cli.options import int_at_least
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--levels", default="1,4,16,32", help="concurrency levels, comma-separated")
     parser.add_argument("--prompt-tokens", type=int, default=128)
@@ -266,6 +271,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cpus-per-rank", type=finite_number("--cpus-per-rank", 0, above=True), metavar="C",
                         help="CPUs (and threads) the rank claims, in the server and the baselines alike "
                              "(default: all of them); see the module docstring")
+    parser.add_argument("--stream-interval", type=int_at_least("--stream-interval"), metavar="N",
+                        help="tokens per streamed chunk of the corelaunch server this benchmark starts (its "
+                             "--stream-interval; default: its own, 1)")
     parser.add_argument("--server-timeout", type=positive_seconds("--server-timeout"),
                         help="seconds to wait for GET /health (default 900)")
     parser.add_argument("--request-timeout", type=positive_seconds("--request-timeout"), default=600)
@@ -307,9 +315,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.cpus_per_rank is not None and args.base_url:
         parser.error("--cpus-per-rank sets the rank's CPUs of the corelaunch server this benchmark starts; "
                      "with --base-url the server is someone else's")
-    if args.base_url and (args.baselines_after or args.server_arg or args.server_timeout is not None):
-        given = [f for f, on in (("--baselines-after", args.baselines_after), ("--server-arg", args.server_arg),
-                                 ("--server-timeout", args.server_timeout is not None)) if on]
+    started_here_only = (("--baselines-after", args.baselines_after), ("--server-arg", args.server_arg),
+                         ("--server-timeout", args.server_timeout is not None),
+                         ("--stream-interval", args.stream_interval is not None))
+    if args.base_url and any(on for _, on in started_here_only):
+        given = [f for f, on in started_here_only if on]
         parser.error(f"{', '.join(given)} concern the corelaunch server this benchmark starts and stops; with "
                      f"--base-url the server is someone else's, running throughout (drop them)")
     if args.server_timeout is None:
@@ -392,7 +402,9 @@ def main(out=None) -> None:
               "workload": {"prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "temperature": 0,
                            "ignore_eos": True, "levels": args.levels, "requests_per_client": args.requests_per_client,
                            "level1_requests": args.level1_requests, "warmup": args.warmup,
-                           "cpus_per_rank": args.cpus_per_rank}}
+                           "cpus_per_rank": args.cpus_per_rank,
+                           # as given; null: the server's own (corelaunch serve's is 1)
+                           "stream_interval": args.stream_interval}}
     baselines = None
     baseline_prompts = prompts.take(args.baseline_prompts) if args.baselines else []
     if args.baselines:  # before any server starts: the two would share the cores

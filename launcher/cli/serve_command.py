@@ -79,6 +79,11 @@ def add_parser(subparsers) -> None:
                         "recently used go first), so that a request can continue one by previous_response_id and "
                         "GET/DELETE /v1/responses/ID (and GET its input_items) reach it (default 0: none kept, "
                         "previous_response_id refused)")
+    p.add_argument("--stream-interval", type=int_at_least("--stream-interval"), metavar="N",
+                   help="a stream sends its tokens N at a time: the first at once, then every N, and the rest "
+                        "when the request ends, so fewer, larger chunks cost the server less per token; a "
+                        "request's stream_interval may raise it for its own stream (vLLM's --stream-interval; "
+                        "default 1: every token as it comes)")
     p.add_argument("--api-key", metavar="KEY",
                    help="require `Authorization: Bearer KEY` on /v1/* (default: $CORELAUNCH_API_KEY; unset: open)")
     p.add_argument("--replicas", type=int_at_least("--replicas"), metavar="N",
@@ -179,7 +184,7 @@ def server_args(args: argparse.Namespace) -> dict:
              "target_ongoing_requests": args.target_ongoing_requests, "tool_call_parser": args.tool_call_parser,
              "reasoning_parser": args.reasoning_parser,
              "default_chat_template_kwargs": args.default_chat_template_kwargs,
-             "responses_store": args.responses_store}
+             "responses_store": args.responses_store, "stream_interval": args.stream_interval}
     if args.max_queued_requests is not None:
         built["max_queued_requests"] = args.max_queued_requests
     if args.max_prefill_tokens is not None:

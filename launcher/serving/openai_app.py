@@ -677,6 +677,10 @@ class OpenAIServer:
     """The id of its `<think>` (a prompt whose last `</think>` comes after it has ended the thinking)."""
     call_start: int | None = None
     """The id of its `<tool_call>`, which ends qwen3's thinking too (the usage's reasoning count)."""
+    stream_interval: int = 1
+    """Tokens the engine gathers into each delta of a stream (vLLM's --stream-interval), unless the
+    request's own stream_interval asks for more (engine_stream_interval); a whole answer takes this.
+    The constructor sets the settings' (ServerSettings.stream_interval)."""
     responses_kept = None
     """The kept responses (launcher/serving/response_store_server.py: put, history, get, input_items, delete), or
     None: the server keeps none (ServerSettings.responses_store 0)."""
@@ -753,6 +757,7 @@ class OpenAIServer:
         self.tool_call_parser = settings.tool_call_parser
         self.reasoning_parser = settings.reasoning_parser
         self.default_chat_template_kwargs = settings.default_chat_template_kwargs
+        self.stream_interval = settings.stream_interval
         if self.reasoning_parser:
             self.think_start, self.think_end, self.call_start = _generated_tags(  # one look at the vocabulary
                 self.tokenizer, self.launcher.model_config.vocab_size, (THINK_START, THINK_END, CALL_START))
@@ -1318,12 +1323,13 @@ class OpenAIServer:
                 self.metrics.rejected(400)
                 raise ProtocolError(_min_tokens_past_the_limit(req, limit, len(prompt)), param="min_tokens")
         streams = []
+        interval = req.engine_stream_interval(self.stream_interval)
         try:
             for i, (prompt, limit) in enumerate(zip(prompts, max_tokens)):
                 with _naming_prompt(i, len(prompts)):
                     for index in range(req.n):
                         streams.append(self._start(req, prompt, limit, logprobs, prompt_param,
-                                                   req.choice_sampling(index), prompt_logprobs))
+                                                   req.choice_sampling(index), prompt_logprobs, interval))
         except BaseException:
             await ChoiceStreams(streams).aclose()
             raise
@@ -1334,8 +1340,9 @@ class OpenAIServer:
         return choices
 
     def _start(self, req, prompt: list[int], max_tokens: int, logprobs: int | None, prompt_param: str, sampling,
-               prompt_logprobs: int | None = None):
-        """The engine's stream for one choice of this request; ProtocolError 400 for input the engine
+               prompt_logprobs: int | None = None, stream_interval: int = 1):
+        """The engine's stream for one choice of this request, each delta gathering up to
+        stream_interval tokens (req.engine_stream_interval); ProtocolError 400 for input the engine
         refuses (its message names the lengths or values; nearly always the prompt's, so
         `prompt_param` is the error's param), 503 with Retry-After when its queue is full."""
         from shardlib.request_checks import check_fits
@@ -1368,7 +1375,8 @@ class OpenAIServer:
                                            ignore_eos=req.ignore_eos, logprobs=logprobs,
                                            prompt_logprobs=prompt_logprobs, cache_salt=req.cache_salt,
                                            include_stop_str_in_output=req.include_stop_str_in_output,
-                                           skip_special_tokens=req.skip_special_tokens)
+                                           skip_special_tokens=req.skip_special_tokens,
+                                           stream_interval=stream_interval)
             return stream
         except ValueError as err:
             self.metrics.rejected(400)
@@ -1547,7 +1555,8 @@ def build_app(args: dict) -> serve.Application:
     """Serve's application builder: `serve run launcher.serving.openai_app:build_app model=DIR tp=2`,
     or `import_path: launcher.serving.openai_app:build_app` with `args:` in a `serve deploy` config.
     The arguments are the server's (served_model_name, api_key, replicas, min_replicas, max_replicas,
-    target_ongoing_requests, tool_call_parser, reasoning_parser, default_chat_template_kwargs, responses_store) and
+    target_ongoing_requests, tool_call_parser, reasoning_parser, default_chat_template_kwargs, responses_store,
+    stream_interval) and
     LaunchConfig's fields (model, tp, dtype, seq_len, max_num_seqs,
     max_queued_requests, ...); see launcher/serving/server_settings.py."""
     return application(builder_settings(args))

@@ -98,6 +98,9 @@ FIELD_RULES = {
                                              "chunk also carries the usage so far: its prompt's tokens and its "
                                              "choice's completion tokens; without include_usage it does nothing, "
                                              "as in vLLM)",
+    "stream_interval": "an integer >= 1, or null (vLLM's extension: a stream's tokens per chunk, raising the "
+                       "server's --stream-interval for this request; a value below the server's is taken as the "
+                       "server's, and a request without stream: true ignores it)",
     "n": f"an integer in [1, {MAX_CHOICES}] (choices per request; each takes a sequence slot)",
     "presence_penalty": "a number in [-2, 2] (0 turns it off)",
     "frequency_penalty": "a number in [-2, 2] (0 turns it off)",
@@ -223,6 +226,9 @@ class _GenerationRequest(NullMeansDefault):
     echoed prompt are the same either way (launcher/serving/text_stream.py)."""
     stream: bool = False
     stream_options: StreamOptions | None = None
+    stream_interval: int | None = Field(None, ge=1)
+    """Extension (vLLM's): a stream sends its tokens this many at a time (the first at once, the rest
+    when it ends), where this is more than the server's --stream-interval (engine_stream_interval)."""
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     """Choices: n engine requests of the same prompt, choice i seeded with choice_seed(seed, i)."""
     presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
@@ -279,6 +285,14 @@ class _GenerationRequest(NullMeansDefault):
         wanted = [self.prompt_logprobs, self.logprobs if getattr(self, "echo", False) else None]
         wanted = [n for n in wanted if n is not None]
         return max(wanted) if wanted else None
+
+    def engine_stream_interval(self, server_interval: int) -> int:
+        """Tokens the engine gathers into each of this request's deltas: the server's, raised by the
+        request's own stream_interval when it streams (vLLM's rule: a value below the server's is
+        clamped up to it, and a whole answer ignores it, its deltas being collected anyway)."""
+        if not self.stream or self.stream_interval is None:
+            return server_interval
+        return max(server_interval, self.stream_interval)
 
     def choice_sampling(self, index: int):
         """Choice `index`'s SamplingParams: the request's, its seed (if any) moved on by the index so

@@ -20,7 +20,7 @@ from launcher.serving.responses.store import MAX_CAPACITY
 
 SERVER_ARGS = ("served_model_name", "api_key", "replicas", "min_replicas", "max_replicas",
                "target_ongoing_requests", "tool_call_parser", "reasoning_parser", "default_chat_template_kwargs",
-               "responses_store")
+               "responses_store", "stream_interval")
 """Builder arguments that configure the server and Serve; every other argument is a LaunchConfig
 field (model, tp, dtype, seq_len, max_num_seqs, max_queued_requests, compiled_dir, ...)."""
 
@@ -106,6 +106,10 @@ class ServerSettings:
     responses_store: int = 0
     """Responses kept for previous_response_id and GET/DELETE /v1/responses/{id}, the least recently
     used going first (launcher/serving/responses/store.py); 0: none (previous_response_id refused)."""
+    stream_interval: int = 1
+    """Tokens a stream sends per chunk (vLLM's --stream-interval): the first token at once, then every
+    this many, and whatever is held when the request ends; a request's own stream_interval may raise it
+    for that stream, never lower it. 1: every token as it comes."""
 
     @property
     def most_replicas(self) -> int:
@@ -156,6 +160,9 @@ def settings_from_args(args: dict, names: dict | None = None) -> ServerSettings:
     if kept > MAX_CAPACITY:
         raise ValueError(f"{name('responses_store', 'responses_store')} ({kept}) must be at most {MAX_CAPACITY} "
                          f"(responses kept for previous_response_id)")
+    interval = typed.get("stream_interval", 1)
+    _check_int(name("stream_interval", "stream_interval"), interval, 1,
+               " (tokens a stream sends per chunk; 1: every token as it comes)")
     config = LaunchConfig(**launch)  # its checks, with its messages, now rather than inside a Serve replica
     if config.model is not None and config.compiled_dir is None:
         from shardlib.model_config import load_model_config
@@ -185,7 +192,7 @@ def settings_from_args(args: dict, names: dict | None = None) -> ServerSettings:
         num_replicas=num_replicas, autoscaling=autoscaling, max_ongoing_requests=admitted + ROUTE_HEADROOM,
         from_command_line=names is not None,
         tool_call_parser=parser, reasoning_parser=reasoning, default_chat_template_kwargs=template_defaults,
-        responses_store=kept)
+        responses_store=kept, stream_interval=interval)
 
 
 def _unknown_hints(unknown: list[str], known: tuple[str, ...]) -> str:
