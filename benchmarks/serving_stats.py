@@ -3,7 +3,9 @@
 Definitions (the ones vLLM's serving benchmark uses, so figures compare):
 - TTFT: from sending the request to the first streamed chunk that carries a choice.
 - ITL (inter-token latency): the gaps between successive chunks. A server streams one chunk per
-  token unless its detokenizer holds text back (half a character); such a gap then spans two tokens.
+  token unless its detokenizer holds text back (half a character), when such a gap spans two tokens,
+  or it gathers n tokens to a chunk (vLLM's and corelaunch's --stream-interval n), when most gaps span
+  n tokens (n steps).
 - E2E: from sending the request to the end of its stream.
 - Aggregate output tokens/s: every completion token of the level over the level's wall time (first
   request sent to last stream ended).

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from launcher.serving.text_stream import TextStream
-from workers.serving.held_tokens import HeldTokens, joined
+from workers.serving.held_tokens import HeldTokens, join
 from workers.serving.requests import TokenEvent, TokenLogprob
 
 
@@ -44,11 +44,11 @@ def test_a_joined_event_keeps_every_tokens_logprobs_the_last_time_and_the_first_
     first.logits = ["l1"]
     second = token_event(2, "stop", at_s=2.0)
     second.logits = ["l2"]
-    both = joined(first, second)
+    both = join(first, second)
     assert both.token_ids == [1, 2] and [p.token_id for p in both.logprobs] == [1, 2]
     assert both.logits == ["l1", "l2"] and both.at_s == 2.0 and both.finish_reason == "stop"
     assert both.prompt_logprobs == first.prompt_logprobs and both.cached_tokens == 16
-    plain = joined(TokenEvent("r", [1]), TokenEvent("r", [2]))
+    plain = join(TokenEvent("r", [1]), TokenEvent("r", [2]))
     assert plain.logprobs is None and plain.logits is None
 
 
@@ -101,9 +101,12 @@ def test_gathered_events_read_as_one_event_per_token(smollm2_tokenizer, seed):
     pieces = [smollm2_tokenizer.decode(ids[i:i + 2]) for i in range(0, len(ids) - 1, 3)]
     stops = tuple(rng.sample(pieces, 2)) if rng.random() < 0.8 else ()
     options = dict(min_tokens=rng.choice([0, 0, 3]), include_stop_str_in_output=rng.random() < 0.3)
-    events = [token_event(t, "length" if i == len(ids) - 1 else None, at_s=float(i)) for i, t in enumerate(ids)]
-    alone = _read(TextStream("r", smollm2_tokenizer, stops, 1, **options), events)
-    together = _read(TextStream("r", smollm2_tokenizer, stops, 1, **options), _gathered(events, rng.choice([2, 3, 5])))
+
+    def events():  # each reading its own: the holder extends the events it holds
+        return [token_event(t, "length" if i == len(ids) - 1 else None, at_s=float(i)) for i, t in enumerate(ids)]
+
+    alone = _read(TextStream("r", smollm2_tokenizer, stops, 1, **options), events())
+    together = _read(TextStream("r", smollm2_tokenizer, stops, 1, **options), _gathered(events(), rng.choice([2, 3, 5])))
 
     def summary(deltas):
         return ("".join(d.text for d in deltas), [t for d in deltas for t in d.token_ids],

@@ -32,27 +32,27 @@ def test_a_stream_interval_gathers_the_tokens_after_the_first(model_and_expected
     assert gathered[-1].finish_reason == "length"
 
 
-def test_a_stop_string_inside_gathered_tokens_ends_the_request_where_it_would_have(model_and_expected,
-                                                                                     in_process_cluster, tmp_path):
-    """The stop string completes at the third token, inside the first gathered event: the text, the
-    tokens reported and their count are those of one token a delta (the tokens after it that the
-    leader held are dropped), and the row is free at once."""
+def test_a_stream_with_stop_strings_gets_every_token_as_it_comes(model_and_expected, in_process_cluster, tmp_path):
+    """Stop strings are matched on the driver: held tokens would end the request up to
+    stream_interval - 1 steps late, so a request with stop strings is not held. It ends where it
+    would have, its row free at once."""
     from tests.test_compile_cli import save_word_tokenizer
 
     model_dir, expected = model_and_expected
     with_words = Path(shutil.copytree(model_dir, tmp_path / "with-words"))
     save_word_tokenizer(with_words)  # "t0" .. "t127": the model's 128 ids
-    stop = f" t{expected[0][2]} "
+    stop = f" t{expected[0][2]} "  # complete with the fourth token (its leading space)
     with Launcher(model=str(with_words), tp=1, max_num_seqs=1, max_queued_requests=0, progress=False, **EAGER) as llm:
         alone = list(llm.stream(PROMPTS[0], max_new_tokens=NEW_TOKENS, stop=[stop], ignore_eos=True))
-        gathered = list(llm.stream(PROMPTS[0], max_new_tokens=NEW_TOKENS, stop=[stop], ignore_eos=True,
-                                   stream_interval=4))
+        asked = list(llm.stream(PROMPTS[0], max_new_tokens=NEW_TOKENS, stop=[stop], ignore_eos=True,
+                                stream_interval=4))
         assert llm.load() == {"running": 0, "waiting": 0}
-    assert gathered[-1].finish_reason == "stop" and gathered[-1].stopped_by_string
-    assert len(gathered) == 2  # the first token, then the gathered event the stop string ended
-    assert [t for d in gathered for t in d.token_ids] == [t for d in alone for t in d.token_ids]
-    assert "".join(d.text for d in gathered) == "".join(d.text for d in alone)
-    assert gathered[-1].completion_tokens == alone[-1].completion_tokens < NEW_TOKENS
+        unstopped = list(llm.stream(PROMPTS[0], max_new_tokens=NEW_TOKENS, ignore_eos=True, stream_interval=4))
+    assert asked[-1].finish_reason == "stop" and asked[-1].stopped_by_string
+    assert [d.token_ids for d in asked] == [d.token_ids for d in alone] and all(len(d.token_ids) <= 1 for d in asked)
+    assert "".join(d.text for d in asked) == "".join(d.text for d in alone)
+    assert asked[-1].completion_tokens == alone[-1].completion_tokens < NEW_TOKENS
+    assert [len(d.token_ids) for d in unstopped] == [1, 4, 1]  # the same request without stop strings is held
 
 
 @pytest.mark.parametrize("value", [0, -2, True, "2", 2.5, None])

@@ -100,7 +100,7 @@ FIELD_RULES = {
                                              "as in vLLM)",
     "stream_interval": "an integer >= 1, or null (vLLM's extension: a stream's tokens per chunk, raising the "
                        "server's --stream-interval for this request; a value below the server's is taken as the "
-                       "server's, and a request without stream: true ignores it)",
+                       "server's, and a request without stream: true or with stop strings ignores it)",
     "n": f"an integer in [1, {MAX_CHOICES}] (choices per request; each takes a sequence slot)",
     "presence_penalty": "a number in [-2, 2] (0 turns it off)",
     "frequency_penalty": "a number in [-2, 2] (0 turns it off)",
@@ -227,8 +227,9 @@ class _GenerationRequest(NullMeansDefault):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stream_interval: int | None = Field(None, ge=1)
-    """Extension (vLLM's): a stream sends its tokens this many at a time (the first at once, the rest
-    when it ends), where this is more than the server's --stream-interval (engine_stream_interval)."""
+    """Extension (vLLM's): a stream sends its tokens this many at a time (the first at once, then n at
+    a time, and what is left when it ends), where this is more than the server's --stream-interval
+    (engine_stream_interval); a request with stop strings gets every token as it comes (Launcher.stream)."""
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     """Choices: n engine requests of the same prompt, choice i seeded with choice_seed(seed, i)."""
     presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)

@@ -10,6 +10,8 @@ text."""
 
 from __future__ import annotations
 
+import copy
+
 from launcher.serving import openai_protocol as proto
 from launcher.serving.echoed_prompt import EchoedPrompt, prompt_logprobs, shifted
 from launcher.serving.logprob_alignment import AlignedLogprobs
@@ -174,7 +176,8 @@ class ChatRender(_Render):
 
     def _count_reasoning(self, delta) -> None:
         if self.thinking_count is not None:
-            self.thinking_count.push(delta.token_ids, delta.text, delta.finish_reason is not None)
+            for part in delta.parts or (delta,):  # a token at a time: a gathered delta's may end the thinking
+                self.thinking_count.push(part.token_ids, part.text, part.finish_reason is not None)
 
     def _sent_finish(self, finish: str | None) -> str | None:
         """The finish reason the client is told: "tool_calls" for "required" calls (tool_calls.py).
@@ -208,10 +211,28 @@ class ChatRender(_Render):
         """The log-probabilities of the tokens whose text is now whole (chat's logprobs content
         entries), [] where none were asked, or where this delta comes while the answer still thinks
         (its end tag's included: vLLM's stream gives the answer's tokens only); the Responses
-        stream's, called before message() feeds the delta to the splitter."""
-        thinking = self.splitter is not None and self.splitter.in_reasoning
-        ready = self._ready(delta)
-        return proto.chat_logprobs(ready, self.pieces)["content"] if ready and not thinking else []
+        stream's, called before message() feeds the delta to the splitter. A gathered delta's
+        (stream_interval) are taken part by part, as their deltas would have come."""
+        parts = delta.parts or (delta,)
+        kept = []
+        for part, thinking in zip(parts, self._thinking_before(parts)):
+            ready = self._ready(part)  # every part's: the alignment goes on through the thinking
+            if not thinking:
+                kept.extend(ready)
+        return proto.chat_logprobs(kept, self.pieces)["content"] if kept else []
+
+    def _thinking_before(self, parts) -> list[bool]:
+        """Whether the answer still thinks as each part comes, read from a copy of the splitter that
+        message() has not fed them to yet."""
+        if self.splitter is None:
+            return [False] * len(parts)
+        if len(parts) == 1:
+            return [self.splitter.in_reasoning]
+        ahead, thinking = copy.copy(self.splitter), []
+        for part in parts:
+            thinking.append(ahead.in_reasoning)
+            ahead.feed(part.text, part.finish_reason is not None)
+        return thinking
 
     def chunk(self, meta, delta) -> dict | None:
         ready = self._ready(delta)

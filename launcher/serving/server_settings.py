@@ -109,7 +109,8 @@ class ServerSettings:
     stream_interval: int = 1
     """Tokens a stream sends per chunk (vLLM's --stream-interval): the first token at once, then every
     this many, and whatever is held when the request ends; a request's own stream_interval may raise it
-    for that stream, never lower it. 1: every token as it comes."""
+    for that stream, never lower it. 1: every token as it comes, as a request with stop strings gets
+    them whatever this is (Launcher.stream)."""
 
     @property
     def most_replicas(self) -> int:

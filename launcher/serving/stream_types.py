@@ -35,3 +35,7 @@ class StreamDelta:
     """On the delta that carries the first token: the prompt tokens whose keys and values the cache
     held (in the request's row, or copied into it from another: prefix caching), so they were not
     prefilled."""
+    parts: list[StreamDelta] | None = None
+    """On a delta that gathered several tokens (stream_interval): the deltas of one token each that it
+    joins, in order, as they would have come one by one, for readers that need each token's text by
+    itself (where a thinking ended, say); None on a delta of at most one token."""

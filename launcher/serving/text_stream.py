@@ -32,13 +32,14 @@ def one_token_events(event: TokenEvent) -> list[TokenEvent]:
 
 
 def merged(deltas: list[StreamDelta]) -> StreamDelta:
-    """One delta of consecutive deltas of one request."""
+    """One delta of consecutive deltas of one request, which it keeps as its parts."""
     first, last = deltas[0], deltas[-1]
     logprobs = None if all(d.logprobs is None for d in deltas) else [p for d in deltas for p in d.logprobs or []]
     return dataclasses.replace(last, text="".join(d.text for d in deltas),
                                token_ids=[t for d in deltas for t in d.token_ids], logprobs=logprobs,
                                time_to_first_token_s=first.time_to_first_token_s,
-                               prompt_logprobs=first.prompt_logprobs, cached_tokens=first.cached_tokens)
+                               prompt_logprobs=first.prompt_logprobs, cached_tokens=first.cached_tokens,
+                               parts=deltas if len(deltas) > 1 else None)
 
 
 class TextStream:
@@ -68,11 +69,12 @@ class TextStream:
     def delta(self, event: TokenEvent, time_to_first_token_s: float | None = None) -> StreamDelta:
         """The delta for one event; after a stop string, finish_reason is "stop" whatever the event says.
         time_to_first_token_s goes on the delta that carries the first token (StreamHandle times it)."""
-        if self._stops is None or len(event.token_ids) < 2:
+        if len(event.token_ids) < 2:
             return self._delta(event, time_to_first_token_s)
-        # Stop strings are matched a token at a time, so one that a token inside a gathered event
-        # completes ends the request at that token, as it does with one token an event: the tokens
-        # after it are neither counted nor shown (vLLM's stream_interval holds only what it sends).
+        # An event of several tokens (a stream_interval's) is read a token at a time, as its tokens
+        # would have come: the text is decoded as it would have been, a stop string a token inside
+        # completes ends the request at that token (the tokens after it neither counted nor shown),
+        # and readers that need each token's text by itself find it in the delta's parts.
         deltas = []
         for one in one_token_events(event):
             deltas.append(self._delta(one, time_to_first_token_s))

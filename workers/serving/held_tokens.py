@@ -16,22 +16,34 @@ from __future__ import annotations
 from workers.serving.requests import TokenEvent
 
 
-def joined(earlier: TokenEvent, later: TokenEvent) -> TokenEvent:
-    """One event of both events' tokens, in order; the later one's end, error and time (at_s: when its
-    last token was chosen), the first token's prompt log-probabilities and cached count."""
-    return TokenEvent(later.request_id, earlier.token_ids + later.token_ids, later.finish_reason,
-                      _concatenated(earlier.logprobs, later.logprobs), _concatenated(earlier.logits, later.logits),
-                      later.at_s, later.error,
-                      earlier.prompt_logprobs if earlier.prompt_logprobs is not None else later.prompt_logprobs,
-                      earlier.cached_tokens if earlier.cached_tokens is not None else later.cached_tokens)
+def join(held: TokenEvent, later: TokenEvent) -> TokenEvent:
+    """`held` (an event the holder owns) with `later`'s tokens added, in place, so that holding n
+    tokens costs n appends, not n copies of what was held: the later one's end, error and time
+    (at_s: when its last token was chosen); the first token's prompt log-probabilities and cached
+    count stay."""
+    held.token_ids.extend(later.token_ids)
+    held.logprobs = _extended(held.logprobs, later.logprobs)
+    held.logits = _extended(held.logits, later.logits)
+    held.finish_reason, held.error, held.at_s = later.finish_reason, later.error, later.at_s
+    if held.prompt_logprobs is None:
+        held.prompt_logprobs = later.prompt_logprobs
+    if held.cached_tokens is None:
+        held.cached_tokens = later.cached_tokens
+    return held
 
 
-def _concatenated(first: list | None, second: list | None) -> list | None:
-    return None if first is None and second is None else (first or []) + (second or [])
+def _extended(first: list | None, second: list | None) -> list | None:
+    if second is None:
+        return first
+    if first is None:
+        return list(second)
+    first.extend(second)
+    return first
 
 
 class HeldTokens:
-    """The leader's held tokens, one event per request that has some."""
+    """The leader's held tokens, one event per request that has some. The events passed in are the
+    holder's to change (the loop makes each for it)."""
 
     def __init__(self) -> None:
         self._held: dict[str, TokenEvent] = {}
@@ -50,7 +62,7 @@ class HeldTokens:
         if event.finish_reason == "error":
             return [event] if held is None else [held, event]
         if held is not None:
-            event = joined(held, event)
+            event = join(held, event)
         if event.finish_reason is None and not first and len(event.token_ids) < interval:
             self._held[event.request_id] = event
             return []
