@@ -1333,6 +1333,29 @@ def test_chat_greedy_matches_transformers(client, hf):
 
 
 @pytest.mark.slow
+def test_a_stream_interval_sends_the_same_answer_in_fewer_chunks(client, hf):
+    """The body's stream_interval (vLLM's) on a server at --stream-interval 1: the first token alone,
+    then chunks of n tokens and what is left at the end, the text, usage and log-probabilities those
+    of the whole answer."""
+    ids = hf.tok(PROMPT)["input_ids"]
+    expected = hf.greedy(ids, 10)
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0, stream=True,
+                                       logprobs=1, stream_options={"include_usage": True},
+                                       extra_body={"stream_interval": 4, "ignore_eos": True})
+    chunks = [c for c in stream]
+    texts = [c.choices[0] for c in chunks if c.choices]
+    assert [len(c.logprobs.tokens) for c in texts] == [1, 4, 4, 1]
+    assert "".join(c.text for c in texts) == expected and chunks[-1].usage.completion_tokens == 10
+    chat_ids = hf.tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=False)
+    answer = hf.greedy(list(chat_ids), 12)
+    chat = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0, stream=True,
+                                               logprobs=True, extra_body={"stream_interval": 5}))
+    content = [c.choices[0] for c in chat if c.choices and c.choices[0].delta.content]
+    assert "".join(c.delta.content for c in content) == answer
+    assert max(len(c.logprobs.content) for c in content) > 1  # gathered: several tokens a chunk
+
+
+@pytest.mark.slow
 def test_continuous_usage_stats_count_each_chunks_tokens_so_far(client, hf):
     """vLLM's stream_options.continuous_usage_stats: every chunk with a choice carries usage, its
     completion_tokens growing to the final count (a chat's role chunk 0); the last chunk, no

@@ -679,8 +679,8 @@ class OpenAIServer:
     """The id of its `<tool_call>`, which ends qwen3's thinking too (the usage's reasoning count)."""
     stream_interval: int = 1
     """Tokens the engine gathers into each delta of a stream (vLLM's --stream-interval), unless the
-    request's own stream_interval asks for more (engine_stream_interval); a whole answer takes this.
-    The constructor sets the settings' (ServerSettings.stream_interval)."""
+    request's own stream_interval asks for more (engine_stream_interval; a whole answer gathers all
+    its tokens). The constructor sets the settings' (ServerSettings.stream_interval)."""
     responses_kept = None
     """The kept responses (launcher/serving/response_store_server.py: put, history, get, input_items, delete), or
     None: the server keeps none (ServerSettings.responses_store 0)."""
@@ -1323,13 +1323,13 @@ class OpenAIServer:
                 self.metrics.rejected(400)
                 raise ProtocolError(_min_tokens_past_the_limit(req, limit, len(prompt)), param="min_tokens")
         streams = []
-        interval = req.engine_stream_interval(self.stream_interval)
         try:
             for i, (prompt, limit) in enumerate(zip(prompts, max_tokens)):
                 with _naming_prompt(i, len(prompts)):
                     for index in range(req.n):
                         streams.append(self._start(req, prompt, limit, logprobs, prompt_param,
-                                                   req.choice_sampling(index), prompt_logprobs, interval))
+                                                   req.choice_sampling(index), prompt_logprobs,
+                                                   req.engine_stream_interval(self.stream_interval, limit)))
         except BaseException:
             await ChoiceStreams(streams).aclose()
             raise

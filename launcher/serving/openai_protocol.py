@@ -287,13 +287,15 @@ class _GenerationRequest(NullMeansDefault):
         wanted = [n for n in wanted if n is not None]
         return max(wanted) if wanted else None
 
-    def engine_stream_interval(self, server_interval: int) -> int:
-        """Tokens the engine gathers into each of this request's deltas: the server's, raised by the
-        request's own stream_interval when it streams (vLLM's rule: a value below the server's is
-        clamped up to it, and a whole answer ignores it, its deltas being collected anyway)."""
-        if not self.stream or self.stream_interval is None:
-            return server_interval
-        return max(server_interval, self.stream_interval)
+    def engine_stream_interval(self, server_interval: int, max_tokens: int) -> int:
+        """Tokens the engine gathers into each of this request's deltas (of at most max_tokens): a
+        stream's are the server's, raised by its own stream_interval (vLLM's rule: a value below the
+        server's is clamped up to it). A whole answer is read at its end, so it takes all of its
+        tokens at once, the first excepted (the metrics time it): the ones between wake nothing on
+        their way (vLLM's whole answers ignore the field too). Stop strings undo this (Launcher.stream)."""
+        if not self.stream:
+            return max(max_tokens, 1)
+        return server_interval if self.stream_interval is None else max(server_interval, self.stream_interval)
 
     def choice_sampling(self, index: int):
         """Choice `index`'s SamplingParams: the request's, its seed (if any) moved on by the index so
