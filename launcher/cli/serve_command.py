@@ -82,9 +82,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--stream-interval", type=int_at_least("--stream-interval"), metavar="N",
                    help="a stream sends its tokens N at a time: the first at once, then every N, and the rest "
                         "when the request ends, so fewer, larger chunks cost the server less per token; a "
-                        "request's stream_interval may raise it for its own stream, and a request with stop "
-                        "strings gets every token as it comes (vLLM's --stream-interval; default 1: every "
-                        "token as it comes)")
+                        "request's stream_interval may raise it for its own stream, a request with stop "
+                        "strings gets every token as it comes, and a whole answer (no stream) gathers all its "
+                        "tokens after the first (vLLM's --stream-interval; default 1: every token as it comes)")
     p.add_argument("--api-key", metavar="KEY",
                    help="require `Authorization: Bearer KEY` on /v1/* (default: $CORELAUNCH_API_KEY; unset: open)")
     p.add_argument("--replicas", type=int_at_least("--replicas"), metavar="N",

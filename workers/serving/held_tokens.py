@@ -5,10 +5,10 @@ the driver's reader and, over HTTP, the replica's stream and the client, and on 
 wake-up takes CPU from the forward's own threads (README, Measured). Holding the tokens where they are
 chosen saves all of those wake-ups, not only the last one (vLLM holds them in its API process).
 
-What holding costs: a held token reaches the reader up to stream_interval - 1 steps later, and a stop
-string in it (the driver matches stop strings) ends the request that much later, so its row may run
-those steps for nothing. Tokens still held when the group fails were never delivered: the resumed
-request generates them again (launcher/cluster/stream_handle.py), so none is lost or sent twice.
+What holding costs: a held token reaches the reader up to stream_interval - 1 steps later. A request
+with stop strings is never held (the driver matches them on each token: Launcher._new_stream). Tokens
+still held when the group fails were never delivered: the resumed request generates those positions
+again (launcher/cluster/stream_handle.py), so none is lost or sent twice.
 """
 
 from __future__ import annotations
