@@ -200,9 +200,18 @@ def test_every_choice_of_a_stream_gets_the_requests_interval(smollm2_tokenizer):
 
 @pytest.mark.parametrize("route, body", [("/v1/completions", completion), ("/v1/chat/completions", chat)],
                          ids=["completions", "chat"])
-def test_a_whole_answer_gathers_all_its_tokens_whatever_it_asks(smollm2_tokenizer, route, body):
+def test_a_whole_answer_gathers_its_tokens_whatever_it_asks(smollm2_tokenizer, route, body):
     """vLLM ignores the field without stream: true; a whole answer, read at its end, has the engine
-    gather all of its max_tokens after the first; the answer is the same text either way."""
+    gather its tokens after the first up to WHOLE_ANSWER_INTERVAL at a time (at most its max_tokens,
+    at least the server's interval); the answer is the same text either way."""
+    from launcher.serving.openai_protocol import WHOLE_ANSWER_INTERVAL
+
+    server = gathering_server(smollm2_tokenizer, 3)
+    for max_tokens in (40, 400):
+        run_route(server, route, body(stream_interval=7, max_tokens=max_tokens))
+    server.stream_interval = WHOLE_ANSWER_INTERVAL + 6
+    run_route(server, route, body(max_tokens=400))
+    assert server.intervals == [40, WHOLE_ANSWER_INTERVAL, WHOLE_ANSWER_INTERVAL + 6]
     server = gathering_server(smollm2_tokenizer, 3)
     whole = run_route(server, route, body(stream_interval=7, max_tokens=64, logprobs=True if body is chat else 2))
     assert server.intervals == [64]

@@ -83,8 +83,8 @@ def add_parser(subparsers) -> None:
                    help="a stream sends its tokens N at a time: the first at once, then every N, and the rest "
                         "when the request ends, so fewer, larger chunks cost the server less per token; a "
                         "request's stream_interval may raise it for its own stream, a request with stop "
-                        "strings gets every token as it comes, and a whole answer (no stream) gathers all its "
-                        "tokens after the first (vLLM's --stream-interval; default 1: every token as it comes)")
+                        "strings gets every token as it comes, and a whole answer (no stream) gathers its "
+                        "tokens after the first 64 at a time, or N where larger (vLLM's --stream-interval; default 1: every token as it comes)")
     p.add_argument("--api-key", metavar="KEY",
                    help="require `Authorization: Bearer KEY` on /v1/* (default: $CORELAUNCH_API_KEY; unset: open)")
     p.add_argument("--replicas", type=int_at_least("--replicas"), metavar="N",

@@ -679,8 +679,8 @@ class OpenAIServer:
     """The id of its `<tool_call>`, which ends qwen3's thinking too (the usage's reasoning count)."""
     stream_interval: int = 1
     """Tokens the engine gathers into each delta of a stream (vLLM's --stream-interval), unless the
-    request's own stream_interval asks for more (engine_stream_interval; a whole answer gathers all
-    its tokens). The constructor sets the settings' (ServerSettings.stream_interval)."""
+    request's own stream_interval asks for more (engine_stream_interval; a whole answer gathers
+    WHOLE_ANSWER_INTERVAL). The constructor sets the settings' (ServerSettings.stream_interval)."""
     responses_kept = None
     """The kept responses (launcher/serving/response_store_server.py: put, history, get, input_items, delete), or
     None: the server keeps none (ServerSettings.responses_store 0)."""
