@@ -71,6 +71,12 @@ def add_parser(subparsers) -> None:
                    help="split a thinking model's chat answers: the text inside <think>...</think> goes to the "
                         f"message's `reasoning` field, the rest is the content: {described(REASONING_PARSERS)}; "
                         "default: none, all of the text is the content")
+    p.add_argument("--chat-template", metavar="FILE_OR_TEXT",
+                   help="render every chat (/v1/chat/completions, /v1/responses, /tokenize's chat form) with this "
+                        "Jinja template instead of the tokenizer's, so a model without one serves chat too: a "
+                        "template file, or the template text itself where it names no file and holds {, } or a "
+                        "newline; read and compiled before Ray starts (vLLM's --chat-template; default: the "
+                        "tokenizer's own)")
     p.add_argument("--default-chat-template-kwargs", type=json_object_option, metavar="JSON",
                    help="template variables every chat request gets unless it sends its own "
                         "chat_template_kwargs value, e.g. '{\"enable_thinking\": false}' (Qwen3 without thinking)")
@@ -183,7 +189,7 @@ def server_args(args: argparse.Namespace) -> dict:
              "api_key": args.api_key if args.api_key is not None else api_key_from_environment(),
              "replicas": args.replicas, "min_replicas": args.min_replicas, "max_replicas": args.max_replicas,
              "target_ongoing_requests": args.target_ongoing_requests, "tool_call_parser": args.tool_call_parser,
-             "reasoning_parser": args.reasoning_parser,
+             "reasoning_parser": args.reasoning_parser, "chat_template": args.chat_template,
              "default_chat_template_kwargs": args.default_chat_template_kwargs,
              "responses_store": args.responses_store, "stream_interval": args.stream_interval}
     if args.max_queued_requests is not None:
@@ -242,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(no_tokenizer)
         # Loaded here (a second or so), as each replica will load it: a broken tokenizer file failed
         # every replica's start, after Ray and Serve had started, with only Serve's words at the end.
-        no_chat = not has_chat_template(model_dir)
+        no_chat = not has_chat_template(model_dir, settings.chat_template)
     except (ValueError, OSError, LaunchError) as err:  # FileNotFoundError is an OSError
         print(f"corelaunch serve: {with_flag_name(err, args)}", file=sys.stderr)
         return 2
@@ -252,18 +258,20 @@ def run(args: argparse.Namespace) -> int:
         # the replica says so at start, in its output, which --quiet hides: a server that refuses
         # every chat request started without a word
         print(f"corelaunch serve: the tokenizer of {model_dir} has no chat template: /v1/chat/completions "
-              f"refuses every request (400), and so does /v1/responses; /v1/completions serves prompts", file=sys.stderr)
+              f"refuses every request (400), and so does /v1/responses; /v1/completions serves prompts; to "
+              f"serve chat, give the server a template (--chat-template FILE)", file=sys.stderr)
     return _serve(args, settings, mode)
 
 
-def has_chat_template(model_dir: Path) -> bool:
-    """Whether the model's tokenizer can render chat messages, as each replica will load it (the
-    tokenizer is loaded here, a second or so: a look at the files alone took a legacy
-    chat_template.json, which the tokenizer does not read, for a template)."""
+def has_chat_template(model_dir: Path, template: str | None = None) -> bool:
+    """Whether the model's tokenizer can render chat messages, as each replica will load it, with the
+    server's template (--chat-template's text) where one is given (the tokenizer is loaded here all
+    the same, a second or so: its files are checked before Ray starts; and a look at the files alone
+    took a legacy chat_template.json, which the tokenizer does not read, for a template)."""
     from launcher.api import load_tokenizer
-    from launcher.serving.chat_template import has_default_chat_template
+    from launcher.serving.chat_template import has_default_chat_template, use_chat_template
 
-    return has_default_chat_template(load_tokenizer(model_dir, token_ids_way_out=False))
+    return has_default_chat_template(use_chat_template(load_tokenizer(model_dir, token_ids_way_out=False), template))
 
 
 def _plan(settings) -> Path:

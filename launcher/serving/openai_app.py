@@ -41,7 +41,7 @@ from launcher.errors import LaunchError, NoReplicaAvailable, ReplicaFailed, Requ
 from launcher.serving import openai_protocol as proto
 from launcher.serving import responses as responses_api
 from launcher.serving import tool_calls as function_calling  # not `tool_calls`: a message's field
-from launcher.serving.chat_template import has_default_chat_template
+from launcher.serving.chat_template import has_default_chat_template, use_chat_template
 from launcher.serving.choice_streams import ChoiceStreams
 from launcher.serving.echoed_prompt import echoed_prompt
 from launcher.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics, TokenTimer
@@ -732,16 +732,20 @@ class OpenAIServer:
             self.launcher.start()
         if self.launcher.thread_count_note:  # the Launcher's progress notes are off here
             print(f"corelaunch serve: {self.launcher.thread_count_note}", file=sys.stderr)
-        self.tokenizer = own_tokenizer.result()
+        # The server's template (--chat-template) in place of the tokenizer's, before anything reads
+        # it. The Launcher's copy keeps the files' own: it detokenizes and builds grammars, and never
+        # renders a chat.
+        self.tokenizer = use_chat_template(own_tokenizer.result(), settings.chat_template)
         self.pieces = TokenPieces(self.tokenizer)
         self._longest_token = longest_token_chars(self.tokenizer)  # bounds a prompt by its length
         self._chat_options = _sanitizing(self.tokenizer)  # the installed transformers' own, once
         if not has_default_chat_template(self.tokenizer):
             print(f"corelaunch serve: the tokenizer of {self.launcher.model_dir} has no chat template: "
                   f"/v1/chat/completions refuses every request (400), and so does /v1/responses; /v1/completions "
-                  f"serves prompts; to serve "
-                  f"chat, add one to the model (chat_template.jinja, or chat_template in "
-                  f"tokenizer_config.json)", file=sys.stderr)
+                  f"serves prompts; to serve chat, add one to the model (chat_template.jinja, or chat_template "
+                  f"in tokenizer_config.json), or give the server one "
+                  f"({'--chat-template' if settings.from_command_line else 'the chat_template argument'})",
+                  file=sys.stderr)
         if not self._chat_options:
             print("corelaunch serve: this transformers cannot encode control tokens inside chat messages as "
                   "text (apply_chat_template's sanitize_control_tokens, transformers 5.20 and later), so a "
@@ -1555,8 +1559,8 @@ def build_app(args: dict) -> serve.Application:
     """Serve's application builder: `serve run launcher.serving.openai_app:build_app model=DIR tp=2`,
     or `import_path: launcher.serving.openai_app:build_app` with `args:` in a `serve deploy` config.
     The arguments are the server's (served_model_name, api_key, replicas, min_replicas, max_replicas,
-    target_ongoing_requests, tool_call_parser, reasoning_parser, default_chat_template_kwargs, responses_store,
-    stream_interval) and
+    target_ongoing_requests, tool_call_parser, reasoning_parser, chat_template, default_chat_template_kwargs,
+    responses_store, stream_interval) and
     LaunchConfig's fields (model, tp, dtype, seq_len, max_num_seqs,
     max_queued_requests, ...); see launcher/serving/server_settings.py."""
     return application(builder_settings(args))

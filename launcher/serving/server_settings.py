@@ -19,12 +19,13 @@ import yaml
 from launcher.serving.responses.store import MAX_CAPACITY
 
 SERVER_ARGS = ("served_model_name", "api_key", "replicas", "min_replicas", "max_replicas",
-               "target_ongoing_requests", "tool_call_parser", "reasoning_parser", "default_chat_template_kwargs",
-               "responses_store", "stream_interval")
+               "target_ongoing_requests", "tool_call_parser", "reasoning_parser", "chat_template",
+               "default_chat_template_kwargs", "responses_store", "stream_interval")
 """Builder arguments that configure the server and Serve; every other argument is a LaunchConfig
 field (model, tp, dtype, seq_len, max_num_seqs, max_queued_requests, compiled_dir, ...)."""
 
-TEXT_ARGS = ("model", "served_model_name", "api_key", "tool_call_parser", "reasoning_parser", "compiled_dir",
+TEXT_ARGS = ("model", "served_model_name", "api_key", "tool_call_parser", "reasoning_parser", "chat_template",
+             "compiled_dir",
              "presharded_dir",
              "presharded_cache_dir", "backend", "instance", "dtype", "kv_cache_dtype", "kv_strategy", "moe_sharding",
              "compile_granularity")
@@ -100,6 +101,9 @@ class ServerSettings:
     reasoning_parser: str | None = None
     """One of reasoning.REASONING_PARSERS: a chat answer's thinking goes to its `reasoning` field;
     None: all of the text is the content."""
+    chat_template: str | None = None
+    """The Jinja text every chat is rendered with in place of the tokenizer's own (vLLM's
+    --chat-template), read from its file where the settings were made; None: the tokenizer's."""
     default_chat_template_kwargs: dict | None = None
     """Template variables every chat request gets unless it sends its own value (vLLM's
     --default-chat-template-kwargs): {"enable_thinking": False} serves Qwen3 without thinking."""
@@ -153,6 +157,7 @@ def settings_from_args(args: dict, names: dict | None = None) -> ServerSettings:
     # before the model's checks: a misspelt parser is said first, not after a model folder's refusal
     parser = _tool_call_parser(typed.get("tool_call_parser"), name("tool_call_parser", "tool_call_parser"))
     reasoning = _reasoning_parser(typed.get("reasoning_parser"), name("reasoning_parser", "reasoning_parser"))
+    template = _chat_template(typed.get("chat_template"), name("chat_template", "chat_template"))
     template_defaults = _template_defaults(typed.get("default_chat_template_kwargs"),
                                            name("default_chat_template_kwargs", "default_chat_template_kwargs"))
     kept = typed.get("responses_store", 0)
@@ -192,7 +197,8 @@ def settings_from_args(args: dict, names: dict | None = None) -> ServerSettings:
         api_key=_api_key(typed.get("api_key"), name("api_key", "api_key")),
         num_replicas=num_replicas, autoscaling=autoscaling, max_ongoing_requests=admitted + ROUTE_HEADROOM,
         from_command_line=names is not None,
-        tool_call_parser=parser, reasoning_parser=reasoning, default_chat_template_kwargs=template_defaults,
+        tool_call_parser=parser, reasoning_parser=reasoning, chat_template=template,
+        default_chat_template_kwargs=template_defaults,
         responses_store=kept, stream_interval=interval)
 
 
@@ -263,6 +269,16 @@ def _served_name(args: dict, launch: dict, shown: str = "served_model_name") -> 
     from shardlib.demo_model import DEMO_MODEL_NAME
 
     return DEMO_MODEL_NAME
+
+
+def _chat_template(value, name: str = "chat_template") -> str | None:
+    """The template's text, or None (the tokenizer's own), read and compiled now, before Ray starts:
+    a missing file or a syntax error would otherwise only show as every chat request refused."""
+    if value is None:
+        return None
+    from launcher.serving.chat_template import read_chat_template
+
+    return read_chat_template(value, name)
 
 
 def _template_defaults(value, name: str = "default_chat_template_kwargs") -> dict | None:
