@@ -1171,8 +1171,8 @@ class Launcher:
         (token ids and logprobs are the same either way); stream_interval: n > 1 gathers the tokens
         after the first n to a delta (vLLM's stream_interval: fewer wake-ups of every process the
         tokens pass through, each token up to n - 1 steps later; the last delta comes when the request
-        ends), unless there are stop strings: those are matched on each token as it comes, so such a
-        request gets one token a delta. Closing the iterator early cancels the request."""
+        ends); with stop strings, which are matched on each token as it comes, the leader sends every
+        token and the stream gathers them instead. Closing the iterator early cancels the request."""
         max_new_tokens, logprobs = _plain_integer(max_new_tokens), _plain_integer(logprobs)
         prompt_logprobs = _checked_logprobs("prompt_logprobs", _plain_integer(prompt_logprobs))
         cache_salt = _checked_cache_salt(cache_salt)
@@ -1330,7 +1330,7 @@ class Launcher:
         submission (default: the request timeout). cache_salt: checked (_checked_cache_salt).
         include_stop: the text keeps the stop string that ends it (include_stop_str_in_output).
         skip_special_tokens: False keeps the special tokens the model generates in the text.
-        stream_interval: checked (_checked_stream_interval); 1 where there are stop strings."""
+        stream_interval: checked (_checked_stream_interval); the leader's 1 where there are stop strings."""
         import asyncio
 
         from launcher.cluster.stream_handle import StreamHandle
@@ -1351,7 +1351,8 @@ class Launcher:
             items = queue.Queue()
             sink, kind = thread_sink(items), RequestStream
         # Stop strings are matched here, on the text: tokens the leader held would end the request
-        # up to stream_interval - 1 steps late (vLLM matches every token whatever it sends).
+        # up to stream_interval - 1 steps late (vLLM matches every token whatever it sends), so the
+        # leader sends each and the stream gathers them (request_streams._Stream.gather).
         request = StreamRequest(request_id or uuid.uuid4().hex, tuple(token_ids), params, max_new_tokens,
                                 ending_ids, logprobs, return_logits, prompt_logprobs=prompt_logprobs,
                                 cache_salt=cache_salt, stream_interval=1 if stops else stream_interval)
@@ -1359,8 +1360,8 @@ class Launcher:
         text = TextStream(request.request_id, self.tokenizer, stops, len(token_ids), params.min_tokens, include_stop,
                           skip_special_tokens, ending_ids)
         if asynchronous:
-            return kind(self._cancel_stream, handle, text, items, loop)
-        return kind(self._cancel_stream, handle, text, items)
+            return kind(self._cancel_stream, handle, text, items, loop, gather=stream_interval)
+        return kind(self._cancel_stream, handle, text, items, gather=stream_interval)
 
     def _cancel_stream(self, handle, deferred: bool = False) -> None:
         if self._pool is not None:

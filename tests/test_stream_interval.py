@@ -32,10 +32,11 @@ def test_a_stream_interval_gathers_the_tokens_after_the_first(model_and_expected
     assert gathered[-1].finish_reason == "length"
 
 
-def test_a_stream_with_stop_strings_gets_every_token_as_it_comes(model_and_expected, in_process_cluster, tmp_path):
-    """Stop strings are matched on the driver: held tokens would end the request up to
-    stream_interval - 1 steps late, so a request with stop strings is not held. It ends where it
-    would have, its row free at once."""
+def test_a_stream_with_stop_strings_is_gathered_by_its_reader_and_stops_where_it_would_have(
+        model_and_expected, in_process_cluster, tmp_path):
+    """Stop strings are matched on the driver: tokens the leader held would end the request up to
+    stream_interval - 1 steps late, so the leader sends each and the stream gathers them by the
+    same rule. It ends where it would have, its row free at once."""
     from tests.test_compile_cli import save_word_tokenizer
 
     model_dir, expected = model_and_expected
@@ -44,15 +45,42 @@ def test_a_stream_with_stop_strings_gets_every_token_as_it_comes(model_and_expec
     stop = f" t{expected[0][2]} "  # complete with the fourth token (its leading space)
     with Launcher(model=str(with_words), tp=1, max_num_seqs=1, max_queued_requests=0, progress=False, **EAGER) as llm:
         alone = list(llm.stream(PROMPTS[0], max_new_tokens=NEW_TOKENS, stop=[stop], ignore_eos=True))
-        asked = list(llm.stream(PROMPTS[0], max_new_tokens=NEW_TOKENS, stop=[stop], ignore_eos=True,
-                                stream_interval=4))
+        stream = llm.stream(PROMPTS[0], max_new_tokens=NEW_TOKENS, stop=[stop], ignore_eos=True, stream_interval=4)
+        asked = list(stream)
         assert llm.load() == {"running": 0, "waiting": 0}
         unstopped = list(llm.stream(PROMPTS[0], max_new_tokens=NEW_TOKENS, ignore_eos=True, stream_interval=4))
     assert asked[-1].finish_reason == "stop" and asked[-1].stopped_by_string
-    assert [d.token_ids for d in asked] == [d.token_ids for d in alone] and all(len(d.token_ids) <= 1 for d in asked)
+    assert [len(e.token_ids) for e in stream.events] == [1] * 4  # the leader sent each token
+    assert [len(d.token_ids) for d in asked] == [1, 3]  # the first, then what came up to the stop
+    assert [t for d in asked for t in d.token_ids] == [t for d in alone for t in d.token_ids]
     assert "".join(d.text for d in asked) == "".join(d.text for d in alone)
-    assert asked[-1].completion_tokens == alone[-1].completion_tokens < NEW_TOKENS
-    assert [len(d.token_ids) for d in unstopped] == [1, 4, 1]  # the same request without stop strings is held
+    assert asked[-1].completion_tokens == alone[-1].completion_tokens == 4
+    assert [len(p.token_ids) for p in asked[-1].parts] == [1, 1, 1]
+    assert [len(d.token_ids) for d in unstopped] == [1, 4, 1]  # without stop strings the leader holds them
+
+
+def test_a_gathering_reader_gets_what_came_before_a_failure_then_the_failure():
+    """A stream whose leader sent each token (stop strings) and that fails while its reader gathers:
+    the tokens that came first are handed over, and the next read raises the failure."""
+    import queue
+
+    from launcher.cluster.stream_handle import StreamHandle
+    from launcher.errors import RequestTimeout
+    from launcher.serving.request_streams import RequestStream, thread_sink
+    from launcher.serving.text_stream import TextStream
+    from shardlib.sampling_params import SamplingParams
+    from workers.serving.requests import StreamRequest, TokenEvent
+
+    items = queue.Queue()
+    handle = StreamHandle(StreamRequest("r1", (1, 2), SamplingParams(), 10), thread_sink(items), 5.0)
+    stream = RequestStream(lambda *args, **kwargs: None, handle, TextStream("r1", None, (), 2), items, gather=4)
+    for token in (5, 6, 7):
+        handle.deliver(TokenEvent("r1", [token]))
+    handle.fail(RequestTimeout("request r1 did not finish within 5 s; it was cancelled"))
+    assert next(stream).token_ids == [5]
+    assert next(stream).token_ids == [6, 7]
+    with pytest.raises(RequestTimeout, match="did not finish within 5 s"):
+        next(stream)
 
 
 @pytest.mark.parametrize("value", [0, -2, True, "2", 2.5, None])

@@ -21,7 +21,7 @@ from typing import NoReturn
 from launcher.cluster.stream_handle import StreamHandle
 from launcher.errors import RequestCancelled, RequestTimeout
 from launcher.serving.stream_types import StreamDelta
-from launcher.serving.text_stream import TextStream
+from launcher.serving.text_stream import TextStream, merged
 from workers.serving.requests import TokenEvent
 
 _GRACE_S = 30.0
@@ -30,8 +30,14 @@ _GRACE_S = 30.0
 
 
 class _Stream:
-    def __init__(self, cancel, handle: StreamHandle, text: TextStream) -> None:
+    def __init__(self, cancel, handle: StreamHandle, text: TextStream, gather: int = 1) -> None:
+        """gather: the request's stream_interval. Where the leader holds its tokens, its events come
+        that many at a time already; where it sends each (a request with stop strings, which are
+        matched here on every token), the deltas are joined here instead, by the same rule."""
         self._cancel, self.handle, self.text = cancel, handle, text
+        self.gather = gather
+        self._read_tokens = 0
+        """Tokens in the deltas handed to the reader so far."""
         self.done = False
         self._closer = None
         """The thread or task that closed the stream: its later reads end quietly."""
@@ -61,6 +67,20 @@ class _Stream:
             if self.text.stopped_by_string and item.finish_reason is None:
                 self._cancel(self.handle)  # the group would go on generating: free its row now
         return delta
+
+    def _due(self, deltas: list[StreamDelta]) -> bool:
+        """Whether the deltas read since the last one handed over go out now (vLLM's stream_interval
+        rule): the request ended, they hold its first token, or `gather` tokens have come."""
+        tokens = sum(len(d.token_ids) for d in deltas)
+        return (deltas[-1].finish_reason is not None or (self._read_tokens == 0 and tokens > 0)
+                or tokens >= self.gather)
+
+    def _handed(self, deltas: list[StreamDelta]) -> StreamDelta:
+        """The delta the reader gets for `deltas` (their parts kept, one token each)."""
+        self._read_tokens += sum(len(d.token_ids) for d in deltas)
+        if len(deltas) == 1:
+            return deltas[0]
+        return merged([part for d in deltas for part in d.parts or (d,)])
 
     def _fail(self, error: BaseException) -> NoReturn:
         """End the stream with `error`, for this read and every later one, whichever reader makes it
@@ -115,8 +135,8 @@ class _Stream:
 class RequestStream(_Stream):
     """Iterator of StreamDelta; the last has finish_reason set."""
 
-    def __init__(self, cancel, handle: StreamHandle, text: TextStream, items: queue.Queue) -> None:
-        super().__init__(cancel, handle, text)
+    def __init__(self, cancel, handle: StreamHandle, text: TextStream, items: queue.Queue, gather: int = 1) -> None:
+        super().__init__(cancel, handle, text, gather)
         self._items = items
 
     def __iter__(self) -> "RequestStream":
@@ -126,6 +146,17 @@ class RequestStream(_Stream):
         if self.done:
             self._ended(threading.get_ident())
             raise StopIteration
+        deltas: list[StreamDelta] = []
+        while not deltas or not self._due(deltas):
+            try:
+                deltas.append(self._next_delta())
+            except Exception:
+                if not deltas:
+                    raise
+                break  # what came before the failure first: the failure ended the stream, the next read raises it
+        return self._handed(deltas)
+
+    def _next_delta(self) -> StreamDelta:
         try:
             item = self._items.get(timeout=self.handle.timeout_s + _GRACE_S)
         except queue.Empty:
@@ -151,8 +182,8 @@ class AsyncRequestStream(_Stream):
     """Async iterator of StreamDelta; the last has finish_reason set."""
 
     def __init__(self, cancel, handle: StreamHandle, text: TextStream, items: asyncio.Queue,
-                 loop: asyncio.AbstractEventLoop | None = None) -> None:
-        super().__init__(cancel, handle, text)
+                 loop: asyncio.AbstractEventLoop | None = None, gather: int = 1) -> None:
+        super().__init__(cancel, handle, text, gather)
         self._items = items
         self._loop = loop
         """The event loop its events are handed to (the one astream() was called on)."""
@@ -170,6 +201,17 @@ class AsyncRequestStream(_Stream):
         if self.done:
             self._ended(asyncio.current_task())
             raise StopAsyncIteration
+        deltas: list[StreamDelta] = []
+        while not deltas or not self._due(deltas):
+            try:
+                deltas.append(await self._next_delta())
+            except Exception:
+                if not deltas:
+                    raise
+                break  # what came before the failure first: the failure ended the stream, the next read raises it
+        return self._handed(deltas)
+
+    async def _next_delta(self) -> StreamDelta:
         try:
             item = await next_item(self._items, self.handle.timeout_s + _GRACE_S)
         except asyncio.TimeoutError:

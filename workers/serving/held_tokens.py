@@ -6,7 +6,8 @@ wake-up takes CPU from the forward's own threads (README, Measured). Holding the
 chosen saves all of those wake-ups, not only the last one (vLLM holds them in its API process).
 
 What holding costs: a held token reaches the reader up to stream_interval - 1 steps later. A request
-with stop strings is never held (the driver matches them on each token: Launcher._new_stream). Tokens
+with stop strings is never held (the driver matches them on each token, and its stream gathers the
+tokens instead: Launcher._new_stream, launcher/serving/request_streams.py). Tokens
 still held when the group fails were never delivered: the resumed request generates those positions
 again (launcher/cluster/stream_handle.py), so none is lost or sent twice.
 """
