@@ -49,7 +49,7 @@ def refused(model, body: dict) -> ProtocolError:
     ({"prompt": "x", "add_generation_prompt": False}, "add_generation_prompt",
      "unknown parameter 'add_generation_prompt'; /tokenize with prompt takes: add_special_tokens, model, prompt, "
      "return_token_strs; /tokenize with messages takes: add_generation_prompt, add_special_tokens, "
-     "chat_template_kwargs, continue_final_message, messages, model, reasoning_effort, return_token_strs, tools"),
+     "chat_template, chat_template_kwargs, continue_final_message, messages, model, reasoning_effort, return_token_strs, tools"),
     ({"messages": []}, "messages", "messages ([]) must be a non-empty list"),
     ({"messages": CHAT, "continue_final_message": True}, "continue_final_message",
      "send add_generation_prompt: false with it"),

@@ -77,6 +77,10 @@ def add_parser(subparsers) -> None:
                         "template file, or the template text itself where it names no file and holds {, } or a "
                         "newline; read and compiled before Ray starts (vLLM's --chat-template; default: the "
                         "tokenizer's own)")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="take a chat request's own chat_template field (vLLM's), rendering that request with it "
+                        "instead of the server's template; a template is code the server runs, so allow it only "
+                        "for clients you trust (default: a request sending one is refused, 400)")
     p.add_argument("--default-chat-template-kwargs", type=json_object_option, metavar="JSON",
                    help="template variables every chat request gets unless it sends its own "
                         "chat_template_kwargs value, e.g. '{\"enable_thinking\": false}' (Qwen3 without thinking)")
@@ -89,8 +93,9 @@ def add_parser(subparsers) -> None:
                    help="a stream sends its tokens N at a time: the first at once, then every N, and the rest "
                         "when the request ends, so fewer, larger chunks cost the server less per token; a "
                         "request's stream_interval may raise it for its own stream, a request with stop "
-                        "strings gets every token as it comes, and a whole answer (no stream) gathers its "
-                        "tokens after the first 64 at a time, or N where larger (vLLM's --stream-interval; default 1: every token as it comes)")
+                        "strings is gathered by the replica rather than the rank (so that it stops where it "
+                        "would have), and a whole answer (no stream) gathers its tokens after the first 64 at "
+                        "a time, or N where larger (vLLM's --stream-interval; default 1: every token as it comes)")
     p.add_argument("--api-key", metavar="KEY",
                    help="require `Authorization: Bearer KEY` on /v1/* (default: $CORELAUNCH_API_KEY; unset: open)")
     p.add_argument("--replicas", type=int_at_least("--replicas"), metavar="N",
@@ -190,6 +195,7 @@ def server_args(args: argparse.Namespace) -> dict:
              "replicas": args.replicas, "min_replicas": args.min_replicas, "max_replicas": args.max_replicas,
              "target_ongoing_requests": args.target_ongoing_requests, "tool_call_parser": args.tool_call_parser,
              "reasoning_parser": args.reasoning_parser, "chat_template": args.chat_template,
+             "trust_request_chat_template": args.trust_request_chat_template,
              "default_chat_template_kwargs": args.default_chat_template_kwargs,
              "responses_store": args.responses_store, "stream_interval": args.stream_interval}
     if args.max_queued_requests is not None:

@@ -670,6 +670,9 @@ class OpenAIServer:
     The constructor sets the settings' (ServerSettings.reasoning_parser)."""
     default_chat_template_kwargs: dict | None = None
     """Template variables a chat request gets unless it sends its own (ServerSettings')."""
+    trust_request_chat_template: bool = False
+    """A request's own chat_template is taken (vLLM's --trust-request-chat-template); False: refused.
+    The constructor sets the settings' (ServerSettings.trust_request_chat_template)."""
     think_end: int | None = None
     """With a reasoning parser: the id of the tokenizer's `</think>` token, after which a thinking
     request's structured output starts (None: no such token)."""
@@ -761,6 +764,7 @@ class OpenAIServer:
         self.tool_call_parser = settings.tool_call_parser
         self.reasoning_parser = settings.reasoning_parser
         self.default_chat_template_kwargs = settings.default_chat_template_kwargs
+        self.trust_request_chat_template = settings.trust_request_chat_template
         self.stream_interval = settings.stream_interval
         if self.reasoning_parser:
             self.think_start, self.think_end, self.call_start = _generated_tags(  # one look at the vocabulary
@@ -977,9 +981,10 @@ class OpenAIServer:
         settled, and its choices started (the chat route's and the Responses route's)."""
         if req.truncate_prompt_tokens is not None:
             self._truncated(req, [])  # a length the context cannot hold: refused before any tokenizing
-        prompt = await self._tokenized(self._apply_chat_template, req.chat_messages(self.tokenizer.chat_template),
+        prompt = await self._tokenized(self._apply_chat_template, req.chat_messages(self._template_of(req)),
                                        req.add_generation_prompt, req.continue_final_message, False,
-                                       req.truncate_prompt_tokens is None, req.template_tools(), req.chat_template_kwargs)
+                                       req.truncate_prompt_tokens is None, req.template_tools(), req.chat_template_kwargs,
+                                       req.chat_template)
         prompt = self._truncated(req, prompt)
         req.settle_thinking(self.think_end, self.think_start, prompt)
         return await self._start_choices(req, [prompt], [proto.max_new_tokens(req, len(prompt), self.context_tokens)],
@@ -999,9 +1004,10 @@ class OpenAIServer:
         self._authorize(request)
         req = await self._request(proto.TokenizeRequest, request)
         if isinstance(req, proto.TokenizeChatRequest):
-            ids = await asyncio.to_thread(self._apply_chat_template, req.chat_messages(self.tokenizer.chat_template),
+            ids = await asyncio.to_thread(self._apply_chat_template, req.chat_messages(self._template_of(req)),
                                           req.add_generation_prompt, req.continue_final_message,
-                                          req.add_special_tokens, True, req.template_tools(), req.chat_template_kwargs)
+                                          req.add_special_tokens, True, req.template_tools(), req.chat_template_kwargs,
+                                          req.chat_template)
         else:
             ids = await asyncio.to_thread(self._tokenize_text, req.prompt, req.add_special_tokens)
         answer = {"count": len(ids), "max_model_len": self.context_tokens, "tokens": ids}
@@ -1112,10 +1118,16 @@ class OpenAIServer:
         """Tokens of text as a prompt (under self._encoding)."""
         return len(self.tokenizer(text, add_special_tokens=special_tokens)["input_ids"])
 
+    def _template_of(self, req) -> object:
+        """The template a chat request is rendered with: its own chat_template (taken only where the
+        server trusts request templates: parse_request refused it otherwise), else the tokenizer's,
+        which is the server's --chat-template where one was given."""
+        return req.chat_template if req.chat_template is not None else self.tokenizer.chat_template
+
     def _apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                              continue_final_message: bool = False, special_tokens: bool = False,
                              measured: bool = True, tools: list[dict] | None = None,
-                             template_kwargs: dict | None = None) -> list[int]:
+                             template_kwargs: dict | None = None, template: str | None = None) -> list[int]:
         """A chat request's prompt token ids (on a thread); /tokenize's chat form sends its own
         add_generation_prompt, continue_final_message and add_special_tokens (`special_tokens`: the
         tokenizer's own additions around the template's text, which adds none by default).
@@ -1131,8 +1143,10 @@ class OpenAIServer:
         False (truncate_prompt_tokens): no such measure; the route keeps the prompt's last tokens. tools: the
         request's (launcher/serving/tool_calls.py), rendered by the template as its model expects them.
         template_kwargs: the request's chat_template_kwargs, the template's extra variables (checked by
-        openai_protocol.check_template_options)."""
-        if not has_default_chat_template(self.tokenizer):  # not the client's doing: say so
+        openai_protocol.check_template_options). template: the request's own chat_template (checked by
+        openai_protocol.check_request_template), rendering in place of the tokenizer's; None: the
+        tokenizer's."""
+        if template is None and not has_default_chat_template(self.tokenizer):  # not the client's doing: say so
             raise ProtocolError(f"model {self.name!r} has no chat template (its tokenizer files define none), so "
                                 f"it cannot take messages: send a text as prompt instead (to /v1/completions, or "
                                 f"to /tokenize)", param="messages")
@@ -1143,7 +1157,8 @@ class OpenAIServer:
         _refuse_control_token_keys(self.tokenizer, messages, tools, template_kwargs)
         _refuse_control_tokens_in_nested_values(self.tokenizer, template_kwargs)
         rendering = {**(template_kwargs or {}), "add_generation_prompt": add_generation_prompt,
-                     "continue_final_message": continue_final_message, **({"tools": tools} if tools else {})}
+                     "continue_final_message": continue_final_message, **({"tools": tools} if tools else {}),
+                     **({"chat_template": template} if template is not None else {})}
         try:
             with self._encoding:
                 prompt = self.tokenizer.apply_chat_template(messages, tokenize=False, **rendering)
@@ -1297,7 +1312,7 @@ class OpenAIServer:
         counts = self._counts(model)
         try:
             req = proto.parse_request(model, body, self.tool_call_parser, self.reasoning_parser,
-                                      self.default_chat_template_kwargs)
+                                      self.default_chat_template_kwargs, self.trust_request_chat_template)
         except ProtocolError:
             counts.rejected(400)
             raise
@@ -1559,8 +1574,8 @@ def build_app(args: dict) -> serve.Application:
     """Serve's application builder: `serve run launcher.serving.openai_app:build_app model=DIR tp=2`,
     or `import_path: launcher.serving.openai_app:build_app` with `args:` in a `serve deploy` config.
     The arguments are the server's (served_model_name, api_key, replicas, min_replicas, max_replicas,
-    target_ongoing_requests, tool_call_parser, reasoning_parser, chat_template, default_chat_template_kwargs,
-    responses_store, stream_interval) and
+    target_ongoing_requests, tool_call_parser, reasoning_parser, chat_template, trust_request_chat_template,
+    default_chat_template_kwargs, responses_store, stream_interval) and
     LaunchConfig's fields (model, tp, dtype, seq_len, max_num_seqs,
     max_queued_requests, ...); see launcher/serving/server_settings.py."""
     return application(builder_settings(args))

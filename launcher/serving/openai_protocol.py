@@ -105,7 +105,7 @@ FIELD_RULES = {
                                              "as in vLLM)",
     "stream_interval": "an integer >= 1, or null (vLLM's extension: a stream's tokens per chunk, raising the "
                        "server's --stream-interval for this request; a value below the server's is taken as the "
-                       "server's, and a request without stream: true or with stop strings ignores it)",
+                       "server's, and a request without stream: true ignores it)",
     "n": f"an integer in [1, {MAX_CHOICES}] (choices per request; each takes a sequence slot)",
     "presence_penalty": "a number in [-2, 2] (0 turns it off)",
     "frequency_penalty": "a number in [-2, 2] (0 turns it off)",
@@ -149,6 +149,8 @@ FIELD_RULES = {
     "include_reasoning": "true or false (false: a server with a reasoning parser leaves the answer's thinking out)",
     "reasoning_effort": f"one of {', '.join(REASONING_EFFORTS)}, or null (handed to the chat template as "
                         f"reasoning_effort, and enable_thinking false for none, true otherwise)",
+    "chat_template": "a Jinja chat template, as text, for this request alone (vLLM's; taken only where the "
+                     "server trusts request templates: --trust-request-chat-template)",
     "chat_template_kwargs": "an object of extra variables for the model's chat template, by name (vLLM's; "
                             "{\"enable_thinking\": false} for Qwen3, say); a template ignores names it does "
                             "not use",
@@ -234,7 +236,8 @@ class _GenerationRequest(NullMeansDefault):
     stream_interval: int | None = Field(None, ge=1)
     """Extension (vLLM's): a stream sends its tokens this many at a time (the first at once, then n at
     a time, and what is left when it ends), where this is more than the server's --stream-interval
-    (engine_stream_interval); a request with stop strings gets every token as it comes (Launcher.stream)."""
+    (engine_stream_interval); a request with stop strings has its stream, not the leader, gather them
+    (Launcher.stream)."""
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     """Choices: n engine requests of the same prompt, choice i seeded with choice_seed(seed, i)."""
     presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
@@ -519,6 +522,9 @@ class ChatCompletionRequest(_GenerationRequest):
     continue_final_message: bool = False
     """True: the last message (the assistant's start of an answer, say) is left open and the model
     continues it; only with add_generation_prompt false (check_template_options)."""
+    chat_template: str | None = None
+    """A Jinja template this request's messages are rendered with (vLLM's), taken only by a server that
+    trusts request templates (check_request_template); None: the server's."""
     chat_template_kwargs: dict | None = None
     """Extra variables for the chat template (check_template_options refuses the names the server
     sets itself)."""
@@ -594,7 +600,10 @@ RESERVED_TEMPLATE_NAMES = {
     "continue_final_message": "send it as the request's own continue_final_message",
     "tools": "send the functions as the request's tools",
     "messages": "send them as the request's messages", "conversation": "send it as the request's messages",
-    "documents": "documents are not supported", "chat_template": "the server uses the model's own template",
+    "documents": "documents are not supported",
+    "chat_template": "send a template as the request's own chat_template field (taken where the server trusts "
+                     "request templates, --trust-request-chat-template; otherwise the server uses the model's own "
+                     "template, or its --chat-template)",
     "tokenize": "the server tokenizes the rendered chat itself", "return_dict": "the server sets it",
     "return_tensors": "the server sets it", "padding": "the server sets it", "truncation": "the server sets it",
     "max_length": "use truncate_prompt_tokens, or max_tokens", "tokenizer_kwargs": "the server sets them",
@@ -615,6 +624,34 @@ def check_template_options(request) -> None:
     problem = template_kwargs_problem(request.chat_template_kwargs or {}, "chat_template_kwargs")
     if problem is not None:
         raise ProtocolError(*problem)
+
+
+TRUSTING = "--trust-request-chat-template (builder argument trust_request_chat_template)"
+"""How a server is told to take a request's own chat_template, for refusals."""
+
+
+def check_request_template(request, trusted: bool) -> None:
+    """A chat request's own chat_template (vLLM's field): refused unless the server trusts request
+    templates (a template is code the server runs; vLLM's --trust-request-chat-template), and where
+    trusted refused when empty or when it does not compile as transformers compiles chat templates
+    (the Jinja error's line): ProtocolError naming chat_template."""
+    template = request.chat_template
+    if template is None:
+        return
+    if not trusted:
+        raise ProtocolError(f"chat_template: this server takes no chat template from a request (a template is code "
+                            f"the server runs; vLLM's rule): leave chat_template out, and the server's template "
+                            f"renders the messages; its operator may allow it with {TRUSTING}", param="chat_template")
+    check_utf8(template, "chat_template")
+    if not template.strip():
+        raise ProtocolError("chat_template is an empty template; send a Jinja chat template, or leave chat_template "
+                            "out for the server's", param="chat_template")
+    from launcher.serving.chat_template import jinja_problem
+
+    problem = jinja_problem(template)
+    if problem is not None:
+        raise ProtocolError(f"chat_template does not compile as a Jinja chat template: {problem}",
+                            param="chat_template")
 
 
 def template_kwargs_problem(kwargs: dict, where: str) -> tuple[str, str] | None:
@@ -692,6 +729,8 @@ class TokenizeChatRequest(_TokenizationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: str | None = None
+    """As a chat request's (check_request_template)."""
     chat_template_kwargs: dict | None = None
     reasoning_effort: Literal[REASONING_EFFORTS] | None = None
     """As a chat request's: the template variables it sets are counted as the chat route renders them."""
@@ -755,11 +794,12 @@ def is_generation_request(model: object) -> bool:
 
 def parse_request(model: type[_GenerationRequest] | type[_TokenizationRequest], body: object,
                   tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-                  template_defaults: dict | None = None):
+                  template_defaults: dict | None = None, trusts_templates: bool = False):
     """`body` (the decoded JSON) as `model` (or TokenizeRequest: as its form); ProtocolError naming the
     first bad field and its rule. tool_call_parser: the server's (a chat's tool_choice "auto" needs one);
     reasoning_parser: the server's (a chat's thinking is split from its answer); template_defaults:
-    the server's default chat_template_kwargs, under the request's own (vLLM's merge)."""
+    the server's default chat_template_kwargs, under the request's own (vLLM's merge); trusts_templates:
+    the server takes a request's own chat_template (vLLM's --trust-request-chat-template)."""
     if not isinstance(body, dict):
         raise ProtocolError(f"the request body must be a JSON object, not {_json_kind(body)}")
     if model is TokenizeRequest:
@@ -769,6 +809,7 @@ def parse_request(model: type[_GenerationRequest] | type[_TokenizationRequest], 
     except ValidationError as err:
         raise _field_error(err.errors()[0], model) from None
     if isinstance(request, (ChatCompletionRequest, TokenizeChatRequest)):
+        check_request_template(request, trusts_templates)
         own = request.chat_template_kwargs or {}
         if template_defaults:
             request.chat_template_kwargs = {**template_defaults, **own}

@@ -20,7 +20,7 @@ from launcher.serving.responses.store import MAX_CAPACITY
 
 SERVER_ARGS = ("served_model_name", "api_key", "replicas", "min_replicas", "max_replicas",
                "target_ongoing_requests", "tool_call_parser", "reasoning_parser", "chat_template",
-               "default_chat_template_kwargs", "responses_store", "stream_interval")
+               "trust_request_chat_template", "default_chat_template_kwargs", "responses_store", "stream_interval")
 """Builder arguments that configure the server and Serve; every other argument is a LaunchConfig
 field (model, tp, dtype, seq_len, max_num_seqs, max_queued_requests, compiled_dir, ...)."""
 
@@ -104,6 +104,10 @@ class ServerSettings:
     chat_template: str | None = None
     """The Jinja text every chat is rendered with in place of the tokenizer's own (vLLM's
     --chat-template), read from its file where the settings were made; None: the tokenizer's."""
+    trust_request_chat_template: bool = False
+    """A chat request's own chat_template field is taken, rendering that request in place of the
+    server's template (vLLM's --trust-request-chat-template: a template is code the server runs);
+    False: a request sending one is refused (400)."""
     default_chat_template_kwargs: dict | None = None
     """Template variables every chat request gets unless it sends its own value (vLLM's
     --default-chat-template-kwargs): {"enable_thinking": False} serves Qwen3 without thinking."""
@@ -113,8 +117,8 @@ class ServerSettings:
     stream_interval: int = 1
     """Tokens a stream sends per chunk (vLLM's --stream-interval): the first token at once, then every
     this many, and whatever is held when the request ends; a request's own stream_interval may raise it
-    for that stream, never lower it. 1: every token as it comes, as a request with stop strings gets
-    them whatever this is (Launcher.stream)."""
+    for that stream, never lower it (a request with stop strings has its stream, not the leader,
+    gather them: Launcher.stream). 1: every token as it comes."""
 
     @property
     def most_replicas(self) -> int:
@@ -158,6 +162,10 @@ def settings_from_args(args: dict, names: dict | None = None) -> ServerSettings:
     parser = _tool_call_parser(typed.get("tool_call_parser"), name("tool_call_parser", "tool_call_parser"))
     reasoning = _reasoning_parser(typed.get("reasoning_parser"), name("reasoning_parser", "reasoning_parser"))
     template = _chat_template(typed.get("chat_template"), name("chat_template", "chat_template"))
+    trusted = typed.get("trust_request_chat_template", False)
+    if not isinstance(trusted, bool):
+        raise ValueError(f"{name('trust_request_chat_template', 'trust_request_chat_template')} ({trusted!r}) must be "
+                         f"true or false (true: a chat request's own chat_template is taken)")
     template_defaults = _template_defaults(typed.get("default_chat_template_kwargs"),
                                            name("default_chat_template_kwargs", "default_chat_template_kwargs"))
     kept = typed.get("responses_store", 0)
@@ -198,6 +206,7 @@ def settings_from_args(args: dict, names: dict | None = None) -> ServerSettings:
         num_replicas=num_replicas, autoscaling=autoscaling, max_ongoing_requests=admitted + ROUTE_HEADROOM,
         from_command_line=names is not None,
         tool_call_parser=parser, reasoning_parser=reasoning, chat_template=template,
+        trust_request_chat_template=trusted,
         default_chat_template_kwargs=template_defaults,
         responses_store=kept, stream_interval=interval)
 

@@ -1,0 +1,317 @@
+"""The server's own chat template (vLLM's --chat-template; builder argument chat_template): a file, or
+the template text itself where the value names no file and holds {, } or a newline, read and
+compiled where the settings are made (a `serve deploy` replica gets the text, not a path), refused
+there naming the flag, the value and what is taken. A replica renders every chat with it in place of
+its tokenizer's, so a model whose tokenizer has none serves chat: checked through the routes
+in-process, through `corelaunch serve`'s start-up checks, and (slow) on a real server. A request's
+own chat_template field is taken only by a server started with --trust-request-chat-template."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import re
+import socket
+from pathlib import Path
+
+import pytest
+
+from launcher.serving.openai_protocol import ProtocolError
+from tests.test_tokenize_routes import post, scripted_server
+
+MODEL = "smollm2-135m-instruct"
+CHAT = [{"role": "user", "content": "Name a colour."}]
+TEMPLATE = ("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}[assistant] {% endif %}")
+"""A template no model ships: a prompt rendered with it is told apart from SmolLM2's at a glance."""
+OWN_TEMPLATE = "{% for m in messages %}{{ m.content }}{% endfor %}"
+"""A request's own template (chat_template): the messages' text alone."""
+ROUTES = {"/v1/chat/completions": "chat_completions", "/v1/responses": "responses", "/tokenize": "tokenize"}
+"""The server's methods that answer the routes used here."""
+
+
+def flags() -> dict:
+    """`corelaunch serve`'s names for the server's arguments (max_replicas -> --max-replicas)."""
+    from launcher.serving.server_settings import SERVER_ARGS
+
+    return {k: "--" + k.replace("_", "-") for k in SERVER_ARGS}
+
+
+def answer(server, route: str, body: dict) -> dict:
+    response = asyncio.run(getattr(server, ROUTES[route])(post(route, body)))
+    assert response.status_code == 200
+    return json.loads(response.body)
+
+
+def refusal_of(server, route: str, body: dict) -> ProtocolError:
+    with pytest.raises(ProtocolError) as refused:
+        asyncio.run(getattr(server, ROUTES[route])(post(route, body)))
+    return refused.value
+
+
+def serve_settings(*argv: str):
+    """The settings `corelaunch serve ARGV` makes (its options parsed, then checked as run() checks them)."""
+    from launcher.cli import build_parser
+    from launcher.cli.serve_command import server_args
+    from launcher.serving.server_settings import settings_from_args
+
+    return settings_from_args(server_args(build_parser().parse_args(["serve", *argv])), flags())
+
+
+@pytest.fixture
+def template_file(tmp_path) -> Path:
+    path = tmp_path / "chat.jinja"
+    path.write_text(TEMPLATE, encoding="utf-8")
+    return path
+
+
+def test_the_template_is_a_files_text_or_the_text_given(template_file, monkeypatch):
+    from launcher.serving.server_settings import settings_from_args
+
+    assert settings_from_args({"chat_template": str(template_file)}).chat_template == TEMPLATE
+    assert serve_settings("--chat-template", str(template_file)).chat_template == TEMPLATE
+    monkeypatch.chdir(template_file.parent)  # a relative path is read where the settings are made
+    assert serve_settings("--chat-template", template_file.name).chat_template == TEMPLATE
+    # no such file, and Jinja's characters: the text itself, on the command line and in a config's args
+    assert serve_settings("--chat-template", TEMPLATE).chat_template == TEMPLATE
+    assert settings_from_args({"chat_template": "{{ messages[0].content }}"}).chat_template == \
+        "{{ messages[0].content }}"
+    assert settings_from_args({"chat_template": "hi\nthere"}).chat_template == "hi\nthere"  # a newline is enough
+    # left out, or `serve run chat_template=null`: the tokenizer's own
+    assert serve_settings().chat_template is None
+    assert settings_from_args({"chat_template": "null"}).chat_template is None
+    assert settings_from_args({}).chat_template is None
+
+
+def _bad_templates(tmp_path: Path) -> list[tuple[object, str]]:
+    """(value, words its refusal holds after the name and value) for every kind of bad value."""
+    empty, spaces, broken, latin = (tmp_path / name for name in ("empty.jinja", "spaces.jinja", "broken.jinja",
+                                                                 "latin.jinja"))
+    empty.write_text("")
+    spaces.write_text("  \n\t\n")
+    broken.write_text("{% for m in messages %}\n{{ m.content }\n{% endfor %}")  # line 2 closes with one brace
+    latin.write_bytes("{{ 'caf\u00e9' }}".encode("latin-1"))
+    missing = tmp_path / "templates" / "chat.jinja"
+
+    def file(path: Path) -> str:  # how a refusal names a file
+        return rf"\(file {re.escape(str(path))}\)"
+
+    return [
+        (str(missing), rf"\('{re.escape(str(missing))}'\) is no readable file \(No such file or directory\); "
+                       r"give a template file, or the template text itself \(text holding \{, \} or a newline\)"),
+        ("chatml", r"\('chatml'\) is no readable file \(No such file or directory\); give a template file"),
+        (str(tmp_path), rf"\('{re.escape(str(tmp_path))}'\) is no readable file \(Is a directory\)"),
+        (str(empty), file(empty) + r" is an empty template; give a template file"),
+        (str(spaces), file(spaces) + r" is an empty template"),
+        ("\n \n", r"\(the template text '\\n \\n'\) is an empty template"),
+        (str(broken), file(broken) + r" does not compile as a Jinja chat template: line 2: unexpected '}'"),
+        ("{% if add_generation_prompt %}[assistant]",
+         r"\(the template text '\{% if .*'\) does not compile as a Jinja chat template: line 1: Unexpected end "
+         r"of template"),
+        (str(latin), file(latin) + r" is no UTF-8 text \(invalid continuation byte at byte 7\); save the template "
+                                   r"as UTF-8"),
+        (["{{ x }}"], r"\(\['\{\{ x \}\}'\]\) must be a template file, or the template text itself"),
+    ]
+
+
+def test_a_bad_template_is_refused_naming_the_flag_the_value_and_what_is_taken(tmp_path):
+    from launcher.serving.server_settings import settings_from_args
+
+    for value, words in _bad_templates(tmp_path):
+        with pytest.raises(ValueError, match=rf"^chat_template {words}"):
+            settings_from_args({"chat_template": value})
+        if isinstance(value, str):
+            with pytest.raises(ValueError, match=rf"^--chat-template {words}"):
+                serve_settings("--chat-template", value)
+
+
+def test_serve_refuses_a_bad_template_before_anything_starts(tmp_path, monkeypatch, capsys):
+    from launcher.cli import main, serve_command
+
+    monkeypatch.setattr(serve_command, "_serve", lambda *args: pytest.fail("the server was started"))
+    monkeypatch.setattr(serve_command, "_plan", lambda *args: pytest.fail("the launch was planned"))
+    missing = tmp_path / "chat.jinja"
+    assert main(["serve", "--chat-template", str(missing), "--port", str(_free_port())]) == 2
+    assert f"corelaunch serve: --chat-template ('{missing}') is no readable file" in capsys.readouterr().err
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:  # the command checks the port before planning
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def bare_model(tmp_path_factory) -> Path:
+    """A small random Llama with SmolLM2's tokenizer and vocabulary, its chat template removed."""
+    from tests.model_factory import random_model_with_smollm2_tokenizer
+
+    model_dir = Path(random_model_with_smollm2_tokenizer(tmp_path_factory.mktemp("bare")))
+    (model_dir / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    return model_dir
+
+
+def test_serve_with_a_template_serves_chat_for_a_model_without_one(bare_model, template_file, monkeypatch, capsys):
+    """The start-up check counts the flag's template (no "has no chat template" line, --quiet or
+    not), and the settings handed to Serve carry the template's text."""
+    from launcher.cli import main, serve_command
+
+    assert not serve_command.has_chat_template(bare_model)
+    assert serve_command.has_chat_template(bare_model, TEMPLATE)
+    started = []
+    monkeypatch.setattr(serve_command, "_serve", lambda args, settings, mode: started.append(settings) or 0)
+    base = ["serve", "--model", str(bare_model), "--quiet"]
+    assert main([*base, "--port", str(_free_port())]) == 0
+    err = capsys.readouterr().err
+    assert "has no chat template: /v1/chat/completions refuses every request" in err and "--chat-template" in err
+    assert main([*base, "--port", str(_free_port()), "--chat-template", str(template_file)]) == 0
+    assert "no chat template" not in capsys.readouterr().err
+    assert [s.chat_template for s in started] == [None, TEMPLATE]
+
+
+def test_a_replica_renders_chat_with_the_settings_template(bare_model, template_file, in_process_cluster,
+                                                          monkeypatch, capsys):
+    """The replica's constructor (over an in-process Launcher) puts the settings' template on its own
+    tokenizer before anything reads it: no "has no chat template" line, and the chat route's prompt is
+    the template's. The Launcher's copy of the tokenizer is another object, left as its files made it."""
+    from launcher.serving import openai_app, port_rebind
+    from launcher.serving.openai_app import OpenAIServer, builder_settings
+
+    monkeypatch.setattr(port_rebind, "allow_port_rebinding", lambda: True)  # Serve's sockets: not this test's
+    monkeypatch.setattr(openai_app, "_key_check", openai_app._key_check)  # the constructor installs its own
+    ours = next(c for c in OpenAIServer.func_or_class.__mro__[1:] if c.__module__ == "launcher.serving.openai_app")
+    server = object.__new__(ours)
+    ours.__init__(server, builder_settings({"model": str(bare_model), "tp": 1, "backend": "cpu", "compile": False,
+                                            "cpus_per_rank": 1, "max_num_seqs": 2, "served_model_name": MODEL,
+                                            "chat_template": str(template_file), "trust_request_chat_template": True}))
+    try:
+        assert "no chat template" not in capsys.readouterr().err
+        assert server.tokenizer.chat_template == TEMPLATE and server.launcher.tokenizer.chat_template is None
+        expected = server.launcher.tokenizer.apply_chat_template(CHAT, chat_template=TEMPLATE,
+                                                                 add_generation_prompt=True, return_dict=False)
+        chat = answer(server, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 2,
+                                                       "temperature": 0})
+        assert chat["usage"]["prompt_tokens"] == len(expected)
+        # trusted by the settings: a request's own template renders that request
+        own = answer(server, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 2,
+                                                      "chat_template": OWN_TEMPLATE})
+        assert own["usage"]["prompt_tokens"] == len(server.tokenizer("Name a colour.")["input_ids"])
+    finally:
+        server.launcher.shutdown()
+
+
+@pytest.fixture
+def no_template_tokenizer(smollm2_tokenizer):
+    bare = copy.deepcopy(smollm2_tokenizer)
+    bare.chat_template = None
+    return bare
+
+
+def test_a_server_with_a_template_renders_every_chat_with_it(no_template_tokenizer, smollm2_tokenizer,
+                                                             template_file):
+    """A tokenizer with no template: chat is refused without the server's, and with it /v1/chat/completions,
+    /v1/responses and /tokenize's chat form all render the messages with it; a tokenizer's own
+    template gives way to it too."""
+    from launcher.serving.chat_template import use_chat_template
+    from launcher.serving.server_settings import settings_from_args
+
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 4}
+    without = scripted_server(no_template_tokenizer, "Blue.")
+    refused = refusal_of(without, "/v1/chat/completions", body)
+    assert refused.status == 400 and f"model {MODEL!r} has no chat template" in refused.message
+    assert "has no chat template" in refusal_of(without, "/tokenize", {"model": MODEL, "messages": CHAT}).message
+
+    template = settings_from_args({"chat_template": str(template_file)}).chat_template
+    rendered = "[user] Name a colour.\n[assistant] "
+    expected = no_template_tokenizer.apply_chat_template(CHAT, chat_template=TEMPLATE, add_generation_prompt=True,
+                                                         return_dict=False)
+    for tokenizer in (no_template_tokenizer, copy.deepcopy(smollm2_tokenizer)):
+        server = scripted_server(use_chat_template(tokenizer, template), "Blue.")
+        chat = answer(server, "/v1/chat/completions", body)
+        assert chat["choices"][0]["message"]["content"] == "Blue."
+        assert server.prompts == [rendered] and chat["usage"]["prompt_tokens"] == len(expected)
+        tokenized = answer(server, "/tokenize", {"model": MODEL, "messages": CHAT})
+        assert tokenized["tokens"] == expected and tokenized["count"] == len(expected)
+        responded = answer(server, "/v1/responses", {"model": MODEL, "input": "Name a colour.",
+                                                     "max_output_tokens": 4})
+        assert responded["status"] == "completed" and server.prompts[-1] == rendered
+    assert smollm2_tokenizer.chat_template != TEMPLATE  # the shared fixture's own is untouched
+
+
+def test_a_requests_own_template_is_taken_only_where_the_server_trusts_it(smollm2_tokenizer, no_template_tokenizer):
+    """vLLM's chat_template field: refused (400, naming it and the flag) by default, on the chat route
+    and /tokenize's chat form; with --trust-request-chat-template it renders that request in place of
+    the server's template, or where the tokenizer has none; an empty one, or one that does not
+    compile (its Jinja error's line named), is refused."""
+    from launcher.serving.chat_template import use_chat_template
+
+    tokenize = {"model": MODEL, "messages": CHAT, "chat_template": OWN_TEMPLATE}
+    body = {**tokenize, "max_tokens": 4}
+    untrusted = scripted_server(copy.deepcopy(smollm2_tokenizer), "Blue.")
+    for route, asked in (("/v1/chat/completions", body), ("/tokenize", tokenize)):
+        refused = refusal_of(untrusted, route, asked)
+        assert refused.param == "chat_template" and "takes no chat template from a request" in refused.message
+        assert "--trust-request-chat-template" in refused.message
+    assert untrusted.prompts == []
+    nested = refusal_of(untrusted, "/v1/chat/completions", {**{k: v for k, v in body.items() if k != "chat_template"},
+                                                             "chat_template_kwargs": {"chat_template": "x"}})
+    assert nested.param == "chat_template_kwargs.chat_template" and "request's own chat_template" in nested.message
+    own_ids = smollm2_tokenizer("Name a colour.", add_special_tokens=False)["input_ids"]
+    for tokenizer in (use_chat_template(copy.deepcopy(smollm2_tokenizer), TEMPLATE), no_template_tokenizer):
+        trusted = scripted_server(tokenizer, "Blue.")
+        trusted.trust_request_chat_template = True  # as the constructor sets it from the settings
+        assert answer(trusted, "/v1/chat/completions", body)["usage"]["prompt_tokens"] == len(own_ids)
+        assert trusted.prompts == ["Name a colour."]
+        assert answer(trusted, "/tokenize", tokenize)["tokens"] == own_ids
+        # without the field: the server's template, or (no template at all) the refusal
+        plain = {k: v for k, v in body.items() if k != "chat_template"}
+        if tokenizer.chat_template is not None:
+            answer(trusted, "/v1/chat/completions", plain)
+            assert trusted.prompts[-1] == "[user] Name a colour.\n[assistant] "
+        else:
+            assert "has no chat template" in refusal_of(trusted, "/v1/chat/completions", plain).message
+        for bad, words in (("{% if x %}", "does not compile as a Jinja chat template: line 1: Unexpected end"),
+                           (" \n", "chat_template is an empty template")):
+            refused = refusal_of(trusted, "/v1/chat/completions", {**body, "chat_template": bad})
+            assert refused.param == "chat_template" and words in refused.message, refused.message
+
+
+def test_trusting_request_templates_is_a_flag_and_a_builder_argument():
+    from launcher.serving.server_settings import settings_from_args
+
+    assert serve_settings("--trust-request-chat-template").trust_request_chat_template is True
+    assert serve_settings().trust_request_chat_template is False
+    assert settings_from_args({"trust_request_chat_template": "true"}).trust_request_chat_template is True
+    assert settings_from_args({}).trust_request_chat_template is False
+    with pytest.raises(ValueError, match=r"^trust_request_chat_template \('maybe'\) must be true or false"):
+        settings_from_args({"trust_request_chat_template": "maybe"})
+
+
+@pytest.mark.slow
+def test_corelaunch_serve_renders_chat_with_the_flags_template(tmp_path, template_file, smollm2_tokenizer):
+    """`corelaunch serve --chat-template FILE --trust-request-chat-template` on the built-in model:
+    /tokenize's chat form and a chat answer's prompt_tokens are the custom template's prompt, not
+    SmolLM2's own; a request's own chat_template renders that request."""
+    import requests
+
+    from tests.test_openai_server import running_server
+
+    ours = smollm2_tokenizer.apply_chat_template(CHAT, chat_template=TEMPLATE, add_generation_prompt=True,
+                                                 return_dict=False)
+    own = smollm2_tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, return_dict=False)
+    assert len(ours) != len(own)
+    asked = {"model": MODEL, "messages": CHAT, "max_tokens": 2, "temperature": 0}
+    with running_server(tmp_path / "serve.log", "--max-num-seqs", "2", "--chat-template", str(template_file),
+                        "--trust-request-chat-template") as running:
+        tokenized = requests.post(f"{running.url}/tokenize", json={"model": MODEL, "messages": CHAT}, timeout=60)
+        chat = requests.post(f"{running.url}/v1/chat/completions", json=asked, timeout=300)
+        own = requests.post(f"{running.url}/v1/chat/completions", json={**asked, "chat_template": OWN_TEMPLATE},
+                            timeout=300)
+    assert tokenized.status_code == 200 and tokenized.json()["tokens"] == ours, tokenized.text
+    assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == len(ours), chat.text
+    assert own.status_code == 200 and own.json()["usage"]["prompt_tokens"] == len(
+        smollm2_tokenizer("Name a colour.", add_special_tokens=False)["input_ids"]), own.text
