@@ -1359,9 +1359,10 @@ class Launcher:
         handle = StreamHandle(request, sink, self.config.request_timeout_s if timeout_s is None else timeout_s)
         text = TextStream(request.request_id, self.tokenizer, stops, len(token_ids), params.min_tokens, include_stop,
                           skip_special_tokens, ending_ids)
+        gather = stream_interval if stops else 1  # the leader gathers the others' (a resumed one's first alone)
         if asynchronous:
-            return kind(self._cancel_stream, handle, text, items, loop, gather=stream_interval)
-        return kind(self._cancel_stream, handle, text, items, gather=stream_interval)
+            return kind(self._cancel_stream, handle, text, items, loop, gather=gather)
+        return kind(self._cancel_stream, handle, text, items, gather=gather)
 
     def _cancel_stream(self, handle, deferred: bool = False) -> None:
         if self._pool is not None:

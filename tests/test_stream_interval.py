@@ -83,6 +83,39 @@ def test_a_gathering_reader_gets_what_came_before_a_failure_then_the_failure():
         next(stream)
 
 
+def test_a_gathering_reader_gets_an_error_of_its_own_reading_too_and_the_request_is_cancelled():
+    """A failure that did not end the stream itself (reading a token's text failed) while its reader
+    gathers: the tokens read before it are handed over, the next read raises it (no token after it
+    is handed over as if nothing happened), and the request is cancelled."""
+    import queue
+
+    from launcher.cluster.stream_handle import StreamHandle
+    from launcher.serving.request_streams import RequestStream, thread_sink
+    from launcher.serving.text_stream import TextStream
+    from shardlib.sampling_params import SamplingParams
+    from workers.serving.requests import StreamRequest, TokenEvent
+
+    items, cancelled = queue.Queue(), []
+    handle = StreamHandle(StreamRequest("r1", (1, 2), SamplingParams(), 10), thread_sink(items), 5.0)
+    text = TextStream("r1", None, (), 2)
+    read = text.delta
+
+    def failing_on_seven(event, *args):
+        if event.token_ids == [7]:
+            raise TypeError("token 7 has no text")
+        return read(event, *args)
+
+    text.delta = failing_on_seven
+    stream = RequestStream(lambda h, *args: cancelled.append(h.request_id), handle, text, items, gather=4)
+    for token in (5, 6, 7, 8, 9):  # the request still runs
+        handle.deliver(TokenEvent("r1", [token]))
+    assert next(stream).token_ids == [5]
+    assert next(stream).token_ids == [6]
+    with pytest.raises(TypeError, match="token 7 has no text"):
+        next(stream)
+    assert cancelled == ["r1"]
+
+
 @pytest.mark.parametrize("value", [0, -2, True, "2", 2.5, None])
 def test_a_bad_stream_interval_is_refused_before_anything_is_submitted(model_and_expected, in_process_cluster, value):
     model_dir, _ = model_and_expected

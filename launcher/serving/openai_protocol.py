@@ -300,8 +300,8 @@ class _GenerationRequest(NullMeansDefault):
         stream's are the server's, raised by its own stream_interval (vLLM's rule: a value below the
         server's is clamped up to it). A whole answer is read at its end, so it takes all of its
         tokens WHOLE_ANSWER_INTERVAL at a time, the first excepted (the metrics time it): the ones
-        between wake nothing on their way (vLLM's whole answers ignore the field too). Stop strings
-        undo this (Launcher.stream)."""
+        between wake nothing on their way (vLLM's whole answers ignore the field too). With stop
+        strings the stream gathers them instead of the leader (Launcher.stream)."""
         if not self.stream:
             return max(server_interval, min(max(max_tokens, 1), WHOLE_ANSWER_INTERVAL))
         return server_interval if self.stream_interval is None else max(server_interval, self.stream_interval)

@@ -68,19 +68,33 @@ class _Stream:
                 self._cancel(self.handle)  # the group would go on generating: free its row now
         return delta
 
-    def _due(self, deltas: list[StreamDelta]) -> bool:
-        """Whether the deltas read since the last one handed over go out now (vLLM's stream_interval
-        rule): the request ended, they hold its first token, or `gather` tokens have come."""
-        tokens = sum(len(d.token_ids) for d in deltas)
-        return (deltas[-1].finish_reason is not None or (self._read_tokens == 0 and tokens > 0)
+    def _due(self, last: StreamDelta, tokens: int) -> bool:
+        """Whether the deltas read since the last one handed over (`tokens` tokens, ending with
+        `last`) go out now (vLLM's stream_interval rule): the request ended, they hold its first
+        token, or `gather` tokens have come."""
+        return (last.finish_reason is not None or (self._read_tokens == 0 and tokens > 0)
                 or tokens >= self.gather)
 
-    def _handed(self, deltas: list[StreamDelta]) -> StreamDelta:
+    def _handed(self, deltas: list[StreamDelta], tokens: int) -> StreamDelta:
         """The delta the reader gets for `deltas` (their parts kept, one token each)."""
-        self._read_tokens += sum(len(d.token_ids) for d in deltas)
+        self._read_tokens += tokens
         if len(deltas) == 1:
             return deltas[0]
         return merged([part for d in deltas for part in d.parts or (d,)])
+
+    def _deferred(self, error: Exception) -> None:
+        """A read failed after some deltas were gathered: they go to the reader first, and `error` ends
+        the stream, raised by the next read whoever makes it (a failure that did not end the stream
+        itself, the text's or a cancel's, cancels the request too)."""
+        if self._cancelled is None:
+            self._cancelled = error
+        if not self.handle.finished:
+            self.done = True
+            try:
+                self._cancel(self.handle)
+            except Exception:  # noqa: BLE001 - the reader gets `error`; the replica's own checks end the request
+                pass
+        self.done = True
 
     def _fail(self, error: BaseException) -> NoReturn:
         """End the stream with `error`, for this read and every later one, whichever reader makes it
@@ -146,15 +160,20 @@ class RequestStream(_Stream):
         if self.done:
             self._ended(threading.get_ident())
             raise StopIteration
+        if self.gather == 1:
+            return self._next_delta()
         deltas: list[StreamDelta] = []
-        while not deltas or not self._due(deltas):
+        tokens = 0
+        while not deltas or not self._due(deltas[-1], tokens):
             try:
                 deltas.append(self._next_delta())
-            except Exception:
+            except Exception as err:
                 if not deltas:
                     raise
-                break  # what came before the failure first: the failure ended the stream, the next read raises it
-        return self._handed(deltas)
+                self._deferred(err)
+                break
+            tokens += len(deltas[-1].token_ids)
+        return self._handed(deltas, tokens)
 
     def _next_delta(self) -> StreamDelta:
         try:
@@ -201,15 +220,20 @@ class AsyncRequestStream(_Stream):
         if self.done:
             self._ended(asyncio.current_task())
             raise StopAsyncIteration
+        if self.gather == 1:
+            return await self._next_delta()
         deltas: list[StreamDelta] = []
-        while not deltas or not self._due(deltas):
+        tokens = 0
+        while not deltas or not self._due(deltas[-1], tokens):
             try:
                 deltas.append(await self._next_delta())
-            except Exception:
+            except Exception as err:
                 if not deltas:
                     raise
-                break  # what came before the failure first: the failure ended the stream, the next read raises it
-        return self._handed(deltas)
+                self._deferred(err)
+                break
+            tokens += len(deltas[-1].token_ids)
+        return self._handed(deltas, tokens)
 
     async def _next_delta(self) -> StreamDelta:
         try:
