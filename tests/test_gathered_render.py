@@ -14,7 +14,7 @@ from launcher.serving.openai_render import ChatRender
 from launcher.serving.reasoning import ThinkTokens
 from launcher.serving.text_stream import TextStream
 from launcher.serving.token_pieces import TokenPieces
-from workers.serving.held_tokens import HeldTokens
+from tests.test_held_tokens import gathered
 from workers.serving.requests import TokenEvent, TokenLogprob
 
 THOUGHTS = ["I think", " so.", "\n", " Let me see", " 日本", "<think>", " hm"]
@@ -24,13 +24,6 @@ ANSWERS = ["Hello", " world", "!", " é", "\n\nBlue."]
 def events_of(ids: list[int]) -> list[TokenEvent]:
     return [TokenEvent("r", [t], "stop" if i == len(ids) - 1 else None, [TokenLogprob(t, -0.01 * i, [(t, -0.01 * i)])])
             for i, t in enumerate(ids)]
-
-
-def gathered(events: list[TokenEvent], interval: int) -> list[TokenEvent]:
-    held, out = HeldTokens(), []
-    for i, event in enumerate(events):
-        out.extend(held.pass_on(event, interval, first=i == 0))
-    return out
 
 
 def rendered(tokenizer, events: list[TokenEvent], parser: str):

@@ -17,11 +17,12 @@ def token_event(token: int, finish: str | None = None, at_s: float = 0.0, **fiel
     return TokenEvent("r", [token], finish, [TokenLogprob(token, -0.1 * token)], at_s=at_s, **fields)
 
 
-def posted(held: HeldTokens, events: list[TokenEvent], interval: int) -> list[list[int]]:
-    """Each posted event's tokens, the first event being the submission's first token."""
-    out = []
+def gathered(events: list[TokenEvent], interval: int, held: HeldTokens | None = None) -> list[TokenEvent]:
+    """The events a leader posts for `events` (one token each, the first being the submission's
+    first token) at stream_interval `interval`."""
+    held, out = held if held is not None else HeldTokens(), []
     for i, event in enumerate(events):
-        out.extend(e.token_ids for e in held.pass_on(event, interval, first=i == 0))
+        out.extend(held.pass_on(event, interval, first=i == 0))
     return out
 
 
@@ -35,7 +36,7 @@ def posted(held: HeldTokens, events: list[TokenEvent], interval: int) -> list[li
 def test_the_first_token_goes_at_once_then_every_interval_and_the_end_with_what_was_held(interval, count, expected):
     held = HeldTokens()
     events = [token_event(t, "length" if t == count - 1 else None) for t in range(count)]
-    assert posted(held, events, interval) == expected
+    assert [e.token_ids for e in gathered(events, interval, held)] == expected
     assert len(held) == 0
 
 
@@ -84,13 +85,6 @@ def _read(stream: TextStream, events: list[TokenEvent]):
     return deltas
 
 
-def _gathered(events: list[TokenEvent], interval: int) -> list[TokenEvent]:
-    held, out = HeldTokens(), []
-    for i, event in enumerate(events):
-        out.extend(held.pass_on(event, interval, first=i == 0))
-    return out
-
-
 @pytest.mark.parametrize("seed", range(12))
 def test_gathered_events_read_as_one_event_per_token(smollm2_tokenizer, seed):
     """Random texts, stop strings, min_tokens and intervals: the text, tokens, log-probabilities,
@@ -106,7 +100,7 @@ def test_gathered_events_read_as_one_event_per_token(smollm2_tokenizer, seed):
         return [token_event(t, "length" if i == len(ids) - 1 else None, at_s=float(i)) for i, t in enumerate(ids)]
 
     alone = _read(TextStream("r", smollm2_tokenizer, stops, 1, **options), events())
-    together = _read(TextStream("r", smollm2_tokenizer, stops, 1, **options), _gathered(events(), rng.choice([2, 3, 5])))
+    together = _read(TextStream("r", smollm2_tokenizer, stops, 1, **options), gathered(events(), rng.choice([2, 3, 5])))
 
     def summary(deltas):
         return ("".join(d.text for d in deltas), [t for d in deltas for t in d.token_ids],
