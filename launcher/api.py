@@ -1168,8 +1168,8 @@ class Launcher:
         request shares cached prefixes (prefix caching) only with requests of the same salt (None: with
         every unsalted one); skip_special_tokens: False keeps the special tokens the model generates
         (`<|im_end|>`) in the text, and stop strings are looked for in that text, as vLLM's option does
-        (token ids and logprobs are the same either way); stream_interval: n > 1 gathers the tokens
-        after the first n to a delta (vLLM's stream_interval: fewer wake-ups of every process the
+        (token ids and logprobs are the same either way); stream_interval: n > 1 sends the first
+        token alone, then n tokens a delta (vLLM's stream_interval: fewer wake-ups of every process the
         tokens pass through, each token up to n - 1 steps later; the last delta comes when the request
         ends); with stop strings, which are matched on each token as it comes, the leader sends every
         token and the stream gathers them instead. Closing the iterator early cancels the request."""
@@ -1353,13 +1353,13 @@ class Launcher:
         # Stop strings are matched here, on the text: tokens the leader held would end the request
         # up to stream_interval - 1 steps late (vLLM matches every token whatever it sends), so the
         # leader sends each and the stream gathers them (request_streams._Stream.gather).
+        leader_interval, gather = (1, stream_interval) if stops else (stream_interval, 1)
         request = StreamRequest(request_id or uuid.uuid4().hex, tuple(token_ids), params, max_new_tokens,
                                 ending_ids, logprobs, return_logits, prompt_logprobs=prompt_logprobs,
-                                cache_salt=cache_salt, stream_interval=1 if stops else stream_interval)
+                                cache_salt=cache_salt, stream_interval=leader_interval)
         handle = StreamHandle(request, sink, self.config.request_timeout_s if timeout_s is None else timeout_s)
         text = TextStream(request.request_id, self.tokenizer, stops, len(token_ids), params.min_tokens, include_stop,
                           skip_special_tokens, ending_ids)
-        gather = stream_interval if stops else 1  # the leader gathers the others' (a resumed one's first alone)
         if asynchronous:
             return kind(self._cancel_stream, handle, text, items, loop, gather=gather)
         return kind(self._cancel_stream, handle, text, items, gather=gather)
@@ -1422,8 +1422,9 @@ class Launcher:
         with self._lock:
             text = self._decode(tokens, skip_special_tokens, stream.handle.request.stop_token_ids,
                                 stream.text.finish_reason)
-        # One token an event (generate() asks for no stream_interval); rates and gaps on the leader's clock, as the static engine measures its
-        # own. A gap into a resumed attempt's first token is the restart, across two leaders' clocks.
+        # One token an event (generate() asks for no stream_interval); rates and gaps on the leader's
+        # clock, as the static engine measures its own. A gap into a resumed attempt's first token is
+        # the restart, across two leaders' clocks.
         times = [e.at_s for e in events if e.token_ids]
         restarts = set(stream.handle.resumed_at)
         steps = [times[i] - times[i - 1] for i in range(1, len(times)) if i not in restarts]

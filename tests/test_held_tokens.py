@@ -56,13 +56,13 @@ def test_a_joined_event_keeps_every_tokens_logprobs_the_last_time_and_the_first_
 def test_an_error_passes_the_held_tokens_on_first_and_a_cancel_forgets_them():
     held = HeldTokens()
     assert held.pass_on(token_event(0), 4, first=True)[0].token_ids == [0]
-    assert held.pass_on(token_event(1), 4) == [] and held.pass_on(token_event(2), 4) == []
-    failed = held.pass_on(TokenEvent("r", [], "error", error="grammar"))
+    assert held.pass_on(token_event(1), 4, False) == [] and held.pass_on(token_event(2), 4, False) == []
+    failed = held.failed(TokenEvent("r", [], "error", error="grammar"))
     assert [(e.token_ids, e.finish_reason) for e in failed] == [([1, 2], None), ([], "error")]
-    assert held.pass_on(token_event(3), 4) == [] and len(held) == 1
+    assert held.pass_on(token_event(3), 4, False) == [] and len(held) == 1
     held.drop("r")
     assert len(held) == 0
-    assert held.pass_on(token_event(4), 4) == []
+    assert held.pass_on(token_event(4), 4, False) == []
     held.clear()
     assert len(held) == 0
 
@@ -70,12 +70,13 @@ def test_an_error_passes_the_held_tokens_on_first_and_a_cancel_forgets_them():
 def test_requests_are_held_apart():
     held = HeldTokens()
     a, b = TokenEvent("a", [1]), TokenEvent("b", [2])
-    assert held.pass_on(a, 2) == [] and held.pass_on(b, 2) == []
-    assert [e.token_ids for e in held.pass_on(TokenEvent("a", [3]), 2)] == [[1, 3]]
+    assert held.pass_on(a, 2, False) == [] and held.pass_on(b, 2, False) == []
+    assert [e.token_ids for e in held.pass_on(TokenEvent("a", [3]), 2, False)] == [[1, 3]]
+    assert [e.finish_reason for e in held.failed(TokenEvent("a", [], "error", error="x"))] == ["error"]
     assert len(held) == 1
 
 
-def _read(stream: TextStream, events: list[TokenEvent]):
+def read_to_the_end(stream: TextStream, events: list[TokenEvent]) -> list:
     """Deltas up to the one that ends the request, as a reader takes them."""
     deltas = []
     for event in events:
@@ -99,8 +100,8 @@ def test_gathered_events_read_as_one_event_per_token(smollm2_tokenizer, seed):
     def events():  # each reading its own: the holder extends the events it holds
         return [token_event(t, "length" if i == len(ids) - 1 else None, at_s=float(i)) for i, t in enumerate(ids)]
 
-    alone = _read(TextStream("r", smollm2_tokenizer, stops, 1, **options), events())
-    together = _read(TextStream("r", smollm2_tokenizer, stops, 1, **options), gathered(events(), rng.choice([2, 3, 5])))
+    alone = read_to_the_end(TextStream("r", smollm2_tokenizer, stops, 1, **options), events())
+    together = read_to_the_end(TextStream("r", smollm2_tokenizer, stops, 1, **options), gathered(events(), rng.choice([2, 3, 5])))
 
     def summary(deltas):
         return ("".join(d.text for d in deltas), [t for d in deltas for t in d.token_ids],

@@ -255,14 +255,12 @@ def _deltas_to_the_end(tokenizer, stop, min_tokens, include, events):
     from launcher.serving.text_stream import TextStream
     from workers.serving.requests import TokenEvent
 
+    from tests.test_held_tokens import read_to_the_end
+
     stream = TextStream("r", tokenizer, (stop,), prompt_tokens=1, min_tokens=min_tokens,
                         include_stop_str_in_output=include)
-    deltas = []
-    for i, tokens in enumerate(events):
-        deltas.append(stream.delta(TokenEvent("r", tokens, "length" if i == len(events) - 1 else None)))
-        if deltas[-1].finish_reason is not None:
-            break
-    return deltas
+    return read_to_the_end(stream, [TokenEvent("r", tokens, "length" if i == len(events) - 1 else None)
+                                    for i, tokens in enumerate(events)])
 
 
 @pytest.mark.parametrize("stop, expected", [

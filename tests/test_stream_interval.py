@@ -59,21 +59,31 @@ def test_a_stream_with_stop_strings_is_gathered_by_its_reader_and_stops_where_it
     assert [len(d.token_ids) for d in unstopped] == [1, 4, 1]  # without stop strings the leader holds them
 
 
-def test_a_gathering_reader_gets_what_came_before_a_failure_then_the_failure():
-    """A stream whose leader sent each token (stop strings) and that fails while its reader gathers:
-    the tokens that came first are handed over, and the next read raises the failure."""
+def gathering_stream(text=None, cancel=None):
+    """(a RequestStream of request r1 gathering 4 tokens a delta, as a request with stop strings
+    does, and its StreamHandle, which delivers events to it)."""
     import queue
 
     from launcher.cluster.stream_handle import StreamHandle
-    from launcher.errors import RequestTimeout
     from launcher.serving.request_streams import RequestStream, thread_sink
     from launcher.serving.text_stream import TextStream
     from shardlib.sampling_params import SamplingParams
-    from workers.serving.requests import StreamRequest, TokenEvent
+    from workers.serving.requests import StreamRequest
 
     items = queue.Queue()
     handle = StreamHandle(StreamRequest("r1", (1, 2), SamplingParams(), 10), thread_sink(items), 5.0)
-    stream = RequestStream(lambda *args, **kwargs: None, handle, TextStream("r1", None, (), 2), items, gather=4)
+    stream = RequestStream(cancel or (lambda *args, **kwargs: None), handle, text or TextStream("r1", None, (), 2),
+                           items, gather=4)
+    return stream, handle
+
+
+def test_a_gathering_reader_gets_what_came_before_a_failure_then_the_failure():
+    """A stream whose leader sent each token (stop strings) and that fails while its reader gathers:
+    the tokens that came first are handed over, and the next read raises the failure."""
+    from launcher.errors import RequestTimeout
+    from workers.serving.requests import TokenEvent
+
+    stream, handle = gathering_stream()
     for token in (5, 6, 7):
         handle.deliver(TokenEvent("r1", [token]))
     handle.fail(RequestTimeout("request r1 did not finish within 5 s; it was cancelled"))
@@ -87,18 +97,11 @@ def test_a_gathering_reader_gets_an_error_of_its_own_reading_too_and_the_request
     """A failure that did not end the stream itself (reading a token's text failed) while its reader
     gathers: the tokens read before it are handed over, the next read raises it (no token after it
     is handed over as if nothing happened), and the request is cancelled."""
-    import queue
-
-    from launcher.cluster.stream_handle import StreamHandle
-    from launcher.serving.request_streams import RequestStream, thread_sink
     from launcher.serving.text_stream import TextStream
-    from shardlib.sampling_params import SamplingParams
-    from workers.serving.requests import StreamRequest, TokenEvent
+    from workers.serving.requests import TokenEvent
 
-    items, cancelled = queue.Queue(), []
-    handle = StreamHandle(StreamRequest("r1", (1, 2), SamplingParams(), 10), thread_sink(items), 5.0)
     text = TextStream("r1", None, (), 2)
-    read = text.delta
+    read, cancelled = text.delta, []
 
     def failing_on_seven(event, *args):
         if event.token_ids == [7]:
@@ -106,7 +109,7 @@ def test_a_gathering_reader_gets_an_error_of_its_own_reading_too_and_the_request
         return read(event, *args)
 
     text.delta = failing_on_seven
-    stream = RequestStream(lambda h, *args: cancelled.append(h.request_id), handle, text, items, gather=4)
+    stream, handle = gathering_stream(text, lambda h, *args: cancelled.append(h.request_id))
     for token in (5, 6, 7, 8, 9):  # the request still runs
         handle.deliver(TokenEvent("r1", [token]))
     assert next(stream).token_ids == [5]
@@ -116,13 +119,13 @@ def test_a_gathering_reader_gets_an_error_of_its_own_reading_too_and_the_request
     assert cancelled == ["r1"]
 
 
-@pytest.mark.parametrize("value", [0, -2, True, "2", 2.5, None])
-def test_a_bad_stream_interval_is_refused_before_anything_is_submitted(model_and_expected, in_process_cluster, value):
+def test_a_bad_stream_interval_is_refused_before_anything_is_submitted(model_and_expected, in_process_cluster):
     model_dir, _ = model_and_expected
     with Launcher(model=model_dir, tp=1, progress=False, **EAGER) as llm:
-        with pytest.raises(ValueError, match=r"stream_interval \(.*\) must be an integer of at least 1"):
-            llm.stream(PROMPTS[0], max_new_tokens=NEW_TOKENS, stream_interval=value)
-        assert llm.load() == {"running": 0, "waiting": 0}
+        for value in (0, -2, True, "2", 2.5, None):
+            with pytest.raises(ValueError, match=r"stream_interval \(.*\) must be an integer of at least 1"):
+                llm.stream(PROMPTS[0], max_new_tokens=NEW_TOKENS, stream_interval=value)
+            assert llm.load() == {"running": 0, "waiting": 0}
 
 
 def test_closing_a_stream_with_held_tokens_frees_its_row(model_and_expected, in_process_cluster):

@@ -213,6 +213,8 @@ class ChatRender(_Render):
         (its end tag's included: vLLM's stream gives the answer's tokens only); the Responses
         stream's, called before message() feeds the delta to the splitter. A gathered delta's
         (stream_interval) are taken part by part, as their deltas would have come."""
+        if not self.logprobs:
+            return []
         parts = delta.parts or (delta,)
         kept = []
         for part, thinking in zip(parts, self._thinking_before(parts)):
@@ -228,7 +230,7 @@ class ChatRender(_Render):
             return [False] * len(parts)
         if len(parts) == 1:
             return [self.splitter.in_reasoning]
-        ahead, thinking = copy.copy(self.splitter), []
+        ahead, thinking = copy.copy(self.splitter), []  # a shallow copy will do: its state is a bool and a str
         for part in parts:
             thinking.append(ahead.in_reasoning)
             ahead.feed(part.text, part.finish_reason is not None)

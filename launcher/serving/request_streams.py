@@ -9,11 +9,17 @@ After a cancel, the reader that closed the stream reads its end quietly (StopIte
 generator's close(); any other reader, one blocked in a read at the time included, gets the reason
 (RequestCancelled, or the RequestTimeout that cancelled it), never a quiet end it would take for a
 finished stream.
+
+A stream of a request with stop strings gathers its deltas here (`gather`, its stream_interval):
+its leader sends each token, so that the stop strings, matched here, end it at the token that
+completes one. A read that fails after some deltas were gathered hands those over first, and the
+next read raises the failure.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 from typing import NoReturn
@@ -31,13 +37,15 @@ _GRACE_S = 30.0
 
 class _Stream:
     def __init__(self, cancel, handle: StreamHandle, text: TextStream, gather: int = 1) -> None:
-        """gather: the request's stream_interval. Where the leader holds its tokens, its events come
-        that many at a time already; where it sends each (a request with stop strings, which are
-        matched here on every token), the deltas are joined here instead, by the same rule."""
+        """gather: tokens the stream joins into one delta: the request's stream_interval where its
+        leader sends each token (a request with stop strings), 1 where the leader gathers them itself
+        (Launcher._new_stream)."""
         self._cancel, self.handle, self.text = cancel, handle, text
         self.gather = gather
-        self._read_tokens = 0
-        """Tokens in the deltas handed to the reader so far."""
+        self._gathered: list[StreamDelta] = []
+        """Deltas read and not handed over yet (gather > 1)."""
+        self._gathered_tokens = 0
+        self._handed_a_token = False
         self.done = False
         self._closer = None
         """The thread or task that closed the stream: its later reads end quietly."""
@@ -61,40 +69,41 @@ class _Stream:
                                         f"cancelled (the group is stopping, or its leader refused the request), "
                                         f"after {len(self.handle.delivered)} token(s)"))
         self.events.append(item)
-        delta = self.text.delta(item, self.handle.time_to_first_token_s)
-        if delta.finish_reason is not None:
-            self.done = True
-            if self.text.stopped_by_string and item.finish_reason is None:
-                self._cancel(self.handle)  # the group would go on generating: free its row now
+        try:
+            delta = self.text.delta(item, self.handle.time_to_first_token_s)
+            if delta.finish_reason is not None:
+                self.done = True
+                if self.text.stopped_by_string and item.finish_reason is None:
+                    self._cancel(self.handle)  # the group would go on generating: free its row now
+        except Exception as err:  # the text's or the cancel's own failure ends the stream, and the request
+            if not self.handle.finished:
+                with contextlib.suppress(Exception):  # the reader gets `err`; the replica's checks end it
+                    self._cancel(self.handle)
+            self._fail(err)
         return delta
 
-    def _due(self, last: StreamDelta, tokens: int) -> bool:
-        """Whether the deltas read since the last one handed over (`tokens` tokens, ending with
-        `last`) go out now (vLLM's stream_interval rule): the request ended, they hold its first
-        token, or `gather` tokens have come."""
-        return (last.finish_reason is not None or (self._read_tokens == 0 and tokens > 0)
-                or tokens >= self.gather)
+    def _take(self, delta: StreamDelta) -> StreamDelta | None:
+        """Gather a read delta; the delta to hand over once due (vLLM's stream_interval rule: the
+        request ended, the gathered deltas hold its first token, or `gather` tokens have come), else None."""
+        self._gathered.append(delta)
+        self._gathered_tokens += len(delta.token_ids)
+        tokens = self._gathered_tokens
+        if delta.finish_reason is None and (self._handed_a_token or not tokens) and tokens < self.gather:
+            return None
+        return self._handed()
 
-    def _handed(self, deltas: list[StreamDelta], tokens: int) -> StreamDelta:
-        """The delta the reader gets for `deltas` (their parts kept, one token each)."""
-        self._read_tokens += tokens
-        if len(deltas) == 1:
-            return deltas[0]
-        return merged([part for d in deltas for part in d.parts or (d,)])
+    def _after_failure(self, error: Exception) -> StreamDelta:
+        """A read failed, which ended the stream: what was gathered before goes to the reader first,
+        and the next read raises `error`; with nothing gathered, it is raised now."""
+        if not self._gathered:
+            raise error
+        return self._handed()
 
-    def _deferred(self, error: Exception) -> None:
-        """A read failed after some deltas were gathered: they go to the reader first, and `error` ends
-        the stream, raised by the next read whoever makes it (a failure that did not end the stream
-        itself, the text's or a cancel's, cancels the request too)."""
-        if self._cancelled is None:
-            self._cancelled = error
-        if not self.handle.finished:
-            self.done = True
-            try:
-                self._cancel(self.handle)
-            except Exception:  # noqa: BLE001 - the reader gets `error`; the replica's own checks end the request
-                pass
-        self.done = True
+    def _handed(self) -> StreamDelta:
+        deltas, self._gathered = self._gathered, []
+        self._handed_a_token = self._handed_a_token or self._gathered_tokens > 0
+        self._gathered_tokens = 0
+        return merged(deltas)
 
     def _fail(self, error: BaseException) -> NoReturn:
         """End the stream with `error`, for this read and every later one, whichever reader makes it
@@ -162,18 +171,13 @@ class RequestStream(_Stream):
             raise StopIteration
         if self.gather == 1:
             return self._next_delta()
-        deltas: list[StreamDelta] = []
-        tokens = 0
-        while not deltas or not self._due(deltas[-1], tokens):
+        while True:
             try:
-                deltas.append(self._next_delta())
+                delta = self._next_delta()
             except Exception as err:
-                if not deltas:
-                    raise
-                self._deferred(err)
-                break
-            tokens += len(deltas[-1].token_ids)
-        return self._handed(deltas, tokens)
+                return self._after_failure(err)
+            if (handed := self._take(delta)) is not None:
+                return handed
 
     def _next_delta(self) -> StreamDelta:
         try:
@@ -222,18 +226,13 @@ class AsyncRequestStream(_Stream):
             raise StopAsyncIteration
         if self.gather == 1:
             return await self._next_delta()
-        deltas: list[StreamDelta] = []
-        tokens = 0
-        while not deltas or not self._due(deltas[-1], tokens):
+        while True:
             try:
-                deltas.append(await self._next_delta())
+                delta = await self._next_delta()
             except Exception as err:
-                if not deltas:
-                    raise
-                self._deferred(err)
-                break
-            tokens += len(deltas[-1].token_ids)
-        return self._handed(deltas, tokens)
+                return self._after_failure(err)
+            if (handed := self._take(delta)) is not None:
+                return handed
 
     async def _next_delta(self) -> StreamDelta:
         try:

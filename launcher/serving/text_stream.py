@@ -32,14 +32,18 @@ def one_token_events(event: TokenEvent) -> list[TokenEvent]:
 
 
 def merged(deltas: list[StreamDelta]) -> StreamDelta:
-    """One delta of consecutive deltas of one request, which it keeps as its parts."""
+    """One delta of consecutive deltas of one request, which it keeps as its parts (theirs, where
+    they have some: one token each); the delta itself where there is one."""
+    if len(deltas) == 1:
+        return deltas[0]
+    deltas = [part for d in deltas for part in d.parts or (d,)]
     first, last = deltas[0], deltas[-1]
     logprobs = None if all(d.logprobs is None for d in deltas) else [p for d in deltas for p in d.logprobs or []]
     return dataclasses.replace(last, text="".join(d.text for d in deltas),
                                token_ids=[t for d in deltas for t in d.token_ids], logprobs=logprobs,
                                time_to_first_token_s=first.time_to_first_token_s,
                                prompt_logprobs=first.prompt_logprobs, cached_tokens=first.cached_tokens,
-                               parts=deltas if len(deltas) > 1 else None)
+                               parts=deltas)
 
 
 class TextStream:
@@ -72,9 +76,10 @@ class TextStream:
         if len(event.token_ids) < 2:
             return self._delta(event, time_to_first_token_s)
         # An event of several tokens (a stream_interval's) is read a token at a time, as its tokens
-        # would have come: the text is decoded as it would have been, a stop string a token inside
-        # completes ends the request at that token (the tokens after it neither counted nor shown),
-        # and readers that need each token's text by itself find it in the delta's parts.
+        # would have come: the text is decoded as it would have been, and readers that need each
+        # token's text by itself find it in the delta's parts. (A stop string a token inside
+        # completes would end the request at that token; the leader holds no request with stop
+        # strings, so only a TextStream used alone meets that.)
         deltas = []
         for one in one_token_events(event):
             deltas.append(self._delta(one, time_to_first_token_s))

@@ -52,22 +52,26 @@ class HeldTokens:
     def __len__(self) -> int:
         return len(self._held)
 
-    def pass_on(self, event: TokenEvent, interval: int = 1, first: bool = False) -> list[TokenEvent]:
-        """The events to post now for `event`: it, after the tokens held for its request, once due
-        (it ends the request, it is the submission's first token, or `interval` tokens have
-        gathered); none while they are held. An error passes what was held on first, as its own
-        event: those tokens were chosen well, and a reader shows them before the error."""
-        held = self._held.pop(event.request_id, None)
-        if held is None and interval <= 1:
+    def pass_on(self, event: TokenEvent, interval: int, first: bool) -> list[TokenEvent]:
+        """The events to post now for a token's `event`: it, after the tokens held for its request,
+        once due (it ends the request, it is the submission's first token, or `interval` tokens have
+        gathered); none while they are held. A request's interval never changes, so one of 1 never
+        has any held."""
+        if interval <= 1:
             return [event]
-        if event.finish_reason == "error":
-            return [event] if held is None else [held, event]
+        held = self._held.pop(event.request_id, None)
         if held is not None:
             event = join(held, event)
         if event.finish_reason is None and not first and len(event.token_ids) < interval:
             self._held[event.request_id] = event
             return []
         return [event]
+
+    def failed(self, error: TokenEvent) -> list[TokenEvent]:
+        """The events to post for a request's `error` event: what was held first, as its own event
+        (those tokens were chosen well, and a reader shows them before the error), then the error."""
+        held = self._held.pop(error.request_id, None)
+        return [error] if held is None else [held, error]
 
     def drop(self, request_id: str) -> None:
         """Forget a cancelled request's tokens: nobody reads them any more."""

@@ -501,7 +501,7 @@ class ServingLoop:
             # Rows that drew before the failing one draw the same again: each draw is seeded anew
             # from its request's seed and the draw's number (token_choice.seed_draws).
             sequences, logits, tokens, logprobs, failed = self._choose_alone(sequences, logits)
-            events = [out for event in failed for out in self.held.pass_on(event)]
+            events = [out for event in failed for out in self.held.failed(event)]
         chosen_at = time.perf_counter()
         for i, (seq, token) in enumerate(zip(sequences, tokens)):
             request = seq.request
@@ -509,7 +509,7 @@ class ServingLoop:
                 matched = (seq.grammar is not None and token not in request.stop_token_ids
                            and seq.grammar.advance(token))
             except ValueError as err:
-                events.extend(self.held.pass_on(TokenEvent(request.request_id, [], "error", error=str(err))))
+                events.extend(self.held.failed(TokenEvent(request.request_id, [], "error", error=str(err))))
                 self.scheduler.finish(seq)
                 continue
             seq.generated += 1
