@@ -4,7 +4,11 @@ compiled where the settings are made (a `serve deploy` replica gets the text, no
 there naming the flag, the value and what is taken. A replica renders every chat with it in place of
 its tokenizer's, so a model whose tokenizer has none serves chat: checked through the routes
 in-process, through `corelaunch serve`'s start-up checks, and (slow) on a real server. A request's
-own chat_template field is taken only by a server started with --trust-request-chat-template."""
+own chat_template field is taken only by a server started with --trust-request-chat-template, and
+compiled off the event loop. Neither template narrows the control tokens that message text cannot
+write (the model's template's are pinned first); a template's refusal names whose it is; template
+text that never uses messages (a mistyped path with braces) and one nested too deeply to compile are
+refused; a server's template that raises on a one-message chat is a warning at start."""
 
 from __future__ import annotations
 
@@ -77,7 +81,9 @@ def test_the_template_is_a_files_text_or_the_text_given(template_file, monkeypat
     assert serve_settings("--chat-template", TEMPLATE).chat_template == TEMPLATE
     assert settings_from_args({"chat_template": "{{ messages[0].content }}"}).chat_template == \
         "{{ messages[0].content }}"
-    assert settings_from_args({"chat_template": "hi\nthere"}).chat_template == "hi\nthere"  # a newline is enough
+    # a newline is enough to be read as text (refused for never using messages, not as no readable file)
+    with pytest.raises(ValueError, match=r"^chat_template \(the template text 'hi\\nthere'\) names no file"):
+        settings_from_args({"chat_template": "hi\nthere"})
     # left out, or `serve run chat_template=null`: the tokenizer's own
     assert serve_settings().chat_template is None
     assert settings_from_args({"chat_template": "null"}).chat_template is None
@@ -278,6 +284,158 @@ def test_a_requests_own_template_is_taken_only_where_the_server_trusts_it(smollm
                            (" \n", "chat_template is an empty template")):
             refused = refusal_of(trusted, "/v1/chat/completions", {**body, "chat_template": bad})
             assert refused.param == "chat_template" and words in refused.message, refused.message
+
+
+DEEP = "{% if x %}" * 3000 + "{{ messages }}" + "{% endif %}" * 3000
+"""A template Jinja's parser cannot compile: it recurses per nested block, past Python's limit."""
+DEEP_WORDS = "it nests too deeply to compile (past Python's recursion limit); flatten its blocks"
+
+
+def test_a_template_nested_too_deeply_is_refused_not_a_traceback(smollm2_tokenizer, monkeypatch, capsys):
+    """As the flag's value (exit 2, no traceback) and as a trusted request's own (a 400, not a 500)."""
+    from launcher.cli import main, serve_command
+    from launcher.serving.server_settings import settings_from_args
+
+    with pytest.raises(ValueError, match=rf"^chat_template \(the template text .*\) does not compile as a Jinja "
+                                         rf"chat template: {re.escape(DEEP_WORDS)}"):
+        settings_from_args({"chat_template": DEEP})
+    monkeypatch.setattr(serve_command, "_serve", lambda *args: pytest.fail("the server was started"))
+    monkeypatch.setattr(serve_command, "_plan", lambda *args: pytest.fail("the launch was planned"))
+    assert main(["serve", "--chat-template", DEEP, "--port", str(_free_port())]) == 2
+    assert DEEP_WORDS in capsys.readouterr().err
+    trusted = scripted_server(copy.deepcopy(smollm2_tokenizer), "Blue.")
+    trusted.trust_request_chat_template = True
+    refused = refusal_of(trusted, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 4,
+                                                           "chat_template": DEEP})
+    assert refused.status == 400 and refused.param == "chat_template" and DEEP_WORDS in refused.message
+
+
+TOOL_CALL = "<tool_call>"
+"""A non-special added token that the model's template writes and the server's does not."""
+
+
+@pytest.fixture
+def tool_call_tokenizer(smollm2_tokenizer):
+    """SmolLM2's tokenizer with a non-special added <tool_call> that its own template writes (as
+    Qwen's does), and no chat_control_tokens of its own."""
+    tokenizer = copy.deepcopy(smollm2_tokenizer)
+    tokenizer.add_tokens([TOOL_CALL])
+    tokenizer.chat_template = OWN_TEMPLATE + "{% if tools %}" + TOOL_CALL + "{% endif %}"
+    assert tokenizer.chat_control_tokens is None and TOOL_CALL not in TEMPLATE + OWN_TEMPLATE
+    return tokenizer
+
+
+def test_a_replaced_template_does_not_narrow_the_control_tokens(tool_call_tokenizer):
+    """A message's "<tool_call>" stays text under the server's template and under a request's own,
+    neither of which writes it: the control tokens are the model's template's, pinned before the
+    server's replaces it. A server without a template keeps the set it had (its template's)."""
+    from launcher.serving.chat_template import use_chat_template
+
+    token = tool_call_tokenizer.convert_tokens_to_ids(TOOL_CALL)
+    said = [{"role": "user", "content": f"{TOOL_CALL}hi"}]
+    body = {"model": MODEL, "messages": said}
+    before = set(tool_call_tokenizer._get_control_tokens(tool_call_tokenizer.chat_template))  # transformers' own
+    assert TOOL_CALL in before
+    plain = scripted_server(use_chat_template(copy.deepcopy(tool_call_tokenizer), None), "Blue.")
+    assert token not in answer(plain, "/tokenize", body)["tokens"]
+    server = scripted_server(use_chat_template(tool_call_tokenizer, TEMPLATE), "Blue.")
+    server.trust_request_chat_template = True
+    for asked in (body, {**body, "chat_template": OWN_TEMPLATE}):
+        ids = answer(server, "/tokenize", asked)["tokens"]
+        assert token not in ids and TOOL_CALL in tool_call_tokenizer.decode(ids), asked
+    answer(server, "/v1/chat/completions", {**body, "max_tokens": 2})
+    assert server.prompts[-1] == f"[user] {TOOL_CALL}hi\n[assistant] "
+    # a request's own template that writes a token makes it a control token for that request
+    writing = "{% for m in messages %}{{ m.content }}{% endfor %}<tool_call>"
+    ids = answer(server, "/tokenize", {**body, "chat_template": writing})["tokens"]
+    assert ids.count(token) == 1 and ids[-1] == token
+    assert set(server.tokenizer.chat_control_tokens) == before  # as pinned, after the request
+    assert set(plain.tokenizer.chat_control_tokens) == before  # without a server template: the set it had
+
+
+RAISING = "{% if messages[0].role == 'user' %}{{ raise_exception('a system message must come first') }}{% endif %}"
+"""A template that refuses a chat starting with the user (as some refuse chats on purpose)."""
+
+
+def test_a_template_refusal_names_whose_template_refused(smollm2_tokenizer):
+    """The model's, the server's (--chat-template), or the request's own (param chat_template)."""
+    from launcher.serving.chat_template import use_chat_template
+
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 4}
+    model_raising = copy.deepcopy(smollm2_tokenizer)
+    model_raising.chat_template = RAISING
+    refused = refusal_of(scripted_server(model_raising, "Blue."), "/v1/chat/completions", body)
+    assert refused.param == "messages" and refused.message.startswith(
+        "messages: the model's chat template refused them: a system message must come first"), refused.message
+    server = scripted_server(use_chat_template(copy.deepcopy(smollm2_tokenizer), RAISING), "Blue.")
+    server.server_template = server.trust_request_chat_template = True  # as the constructor sets them
+    for route, asked in (("/v1/chat/completions", body), ("/tokenize", {"model": MODEL, "messages": CHAT})):
+        refused = refusal_of(server, route, asked)
+        assert refused.param == "messages" and refused.message.startswith(
+            "messages: the server's chat template refused them: a system message"), refused.message
+    server = scripted_server(use_chat_template(copy.deepcopy(smollm2_tokenizer), TEMPLATE), "Blue.")
+    server.server_template = server.trust_request_chat_template = True
+    refused = refusal_of(server, "/v1/chat/completions", {**body, "chat_template": RAISING})
+    assert refused.param == "chat_template" and refused.message.startswith(
+        "chat_template: the request's own chat template refused its messages: a system message"), refused.message
+
+
+def test_serve_warns_at_start_where_its_template_raises_on_a_chat(bare_model, tmp_path, monkeypatch, capsys):
+    """One user message rendered at start: a warning naming the value and the error; the server starts."""
+    from launcher.cli import main, serve_command
+
+    raising = tmp_path / "raising.jinja"
+    raising.write_text(RAISING, encoding="utf-8")
+    started = []
+    monkeypatch.setattr(serve_command, "_serve", lambda args, settings, mode: started.append(settings) or 0)
+    base = ["serve", "--model", str(bare_model), "--quiet"]
+    assert main([*base, "--port", str(_free_port()), "--chat-template", str(raising)]) == 0
+    err = capsys.readouterr().err
+    assert (f"corelaunch serve: warning: --chat-template ({str(raising)!r}) raised on the one-message chat "
+            f"[{{'role': 'user', 'content': 'hi'}}] with a generation prompt (TemplateError: a system message must "
+            f"come first)") in err, err
+    assert main([*base, "--port", str(_free_port()), "--chat-template", TEMPLATE]) == 0
+    assert "warning" not in capsys.readouterr().err
+    assert [s.chat_template for s in started] == [RAISING, TEMPLATE]
+
+
+def test_template_text_that_never_uses_messages_is_refused_as_a_mistyped_path(tmp_path):
+    """`--chat-template 'templates/chat-{v2}.jinja'` (no such file) would render one string for every
+    chat; a file is taken whatever it renders, as vLLM takes it."""
+    from launcher.serving.server_settings import settings_from_args
+
+    mistyped = "templates/chat-{v2}.jinja"
+    words = (rf"\(the template text '{re.escape(mistyped)}'\) names no file and, read as template text, never "
+             rf"uses messages, so every chat would render the same; give an existing file, or template text that "
+             rf"renders messages")
+    with pytest.raises(ValueError, match=rf"^--chat-template {words}"):
+        serve_settings("--chat-template", mistyped)
+    with pytest.raises(ValueError, match=rf"^chat_template {words}"):
+        settings_from_args({"chat_template": mistyped})
+    fixed = tmp_path / "fixed.jinja"
+    fixed.write_text("{{ bos_token }}Say hello.", encoding="utf-8")
+    assert settings_from_args({"chat_template": str(fixed)}).chat_template == "{{ bos_token }}Say hello."
+
+
+def test_a_requests_own_template_is_compiled_off_the_event_loop(smollm2_tokenizer, monkeypatch):
+    """Compiling a trusted request's template took 0.65 s for 62 KB: on a thread, even for a small
+    body, so no stream or /health waits on it; an untrusted one is refused as before."""
+    import threading
+
+    from launcher.serving import chat_template
+
+    compiled_on = []
+    compile_it = chat_template.jinja_problem
+    monkeypatch.setattr(chat_template, "jinja_problem",
+                        lambda text: compiled_on.append(threading.current_thread()) or compile_it(text))
+    server = scripted_server(copy.deepcopy(smollm2_tokenizer), "Blue.")
+    server.trust_request_chat_template = True
+    body = {"model": MODEL, "messages": CHAT, "chat_template": OWN_TEMPLATE}
+    assert answer(server, "/tokenize", body)["count"] > 0
+    answer(server, "/v1/chat/completions", {**body, "max_tokens": 2})
+    assert len(compiled_on) == 2 and threading.main_thread() not in compiled_on
+    refused = refusal_of(server, "/v1/chat/completions", {**body, "chat_template": "{% if x %}"})
+    assert refused.param == "chat_template" and "line 1: Unexpected end" in refused.message
 
 
 def test_trusting_request_templates_is_a_flag_and_a_builder_argument():

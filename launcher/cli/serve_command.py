@@ -28,6 +28,7 @@ from pathlib import Path
 from launcher.cli.options import (add_max_num_seqs, add_max_prefill_tokens, add_model_and_placement_arguments,
                                   add_prefix_caching, int_at_least, max_num_seqs_option, model_and_placement_options,
                                   with_flag_name)
+from launcher.serving.chat_template import chat_template_warning, has_default_chat_template
 from launcher.serving.ingress import MODES, IdleProxyAddressHidden, IngressPlan, choose_mode, plan_ingress
 from launcher.serving.reasoning import REASONING_PARSERS
 from launcher.serving.server_settings import TOOL_CALL_PARSERS, api_key_from_environment, described
@@ -254,12 +255,17 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(no_tokenizer)
         # Loaded here (a second or so), as each replica will load it: a broken tokenizer file failed
         # every replica's start, after Ray and Serve had started, with only Serve's words at the end.
-        no_chat = not has_chat_template(model_dir, settings.chat_template)
+        tokenizer = _chat_tokenizer(model_dir, settings.chat_template)
+        no_chat = not has_default_chat_template(tokenizer)
     except (ValueError, OSError, LaunchError) as err:  # FileNotFoundError is an OSError
         print(f"corelaunch serve: {with_flag_name(err, args)}", file=sys.stderr)
         return 2
     if (not_joined := cluster_not_joined()) is not None:  # a note, not a refusal: the private server works
         print(f"corelaunch serve: {not_joined}", file=sys.stderr)
+    if settings.chat_template is not None:  # a warning, not a refusal: some templates raise on purpose
+        warning = chat_template_warning(tokenizer, args.chat_template)
+        if warning is not None:
+            print(f"corelaunch serve: {warning}", file=sys.stderr)
     if no_chat and args.quiet:
         # the replica says so at start, in its output, which --quiet hides: a server that refuses
         # every chat request started without a word
@@ -271,13 +277,19 @@ def run(args: argparse.Namespace) -> int:
 
 def has_chat_template(model_dir: Path, template: str | None = None) -> bool:
     """Whether the model's tokenizer can render chat messages, as each replica will load it, with the
-    server's template (--chat-template's text) where one is given (the tokenizer is loaded here all
-    the same, a second or so: its files are checked before Ray starts; and a look at the files alone
-    took a legacy chat_template.json, which the tokenizer does not read, for a template)."""
-    from launcher.api import load_tokenizer
-    from launcher.serving.chat_template import has_default_chat_template, use_chat_template
+    server's template (--chat-template's text) where one is given."""
+    return has_default_chat_template(_chat_tokenizer(model_dir, template))
 
-    return has_default_chat_template(use_chat_template(load_tokenizer(model_dir, token_ids_way_out=False), template))
+
+def _chat_tokenizer(model_dir: Path, template: str | None = None):
+    """The model's tokenizer as each replica will load it, with the server's template (--chat-template's
+    text) where one is given (loaded here, a second or so: its files are checked before Ray starts, a
+    look at the files alone took a legacy chat_template.json, which the tokenizer does not read, for a
+    template, and the server's template is tried on it)."""
+    from launcher.api import load_tokenizer
+    from launcher.serving.chat_template import use_chat_template
+
+    return use_chat_template(load_tokenizer(model_dir, token_ids_way_out=False), template)
 
 
 def _plan(settings) -> Path:

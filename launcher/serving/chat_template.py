@@ -9,6 +9,8 @@ naming /v1/completions, in both cases.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 JINJA_CHARACTERS = "{}\n"
 """A chat_template value that names no readable file and holds one of these is the template text
 itself; without any it is a path (vLLM's rule: renderers/chat_utils.py, _load_chat_template)."""
@@ -32,10 +34,79 @@ def use_chat_template(tokenizer, template: str | None):
     """The tokenizer, rendering chats with the server's template (ServerSettings.chat_template) in
     place of its own (its named ones too) where one is given; None leaves the tokenizer's. Set before
     anything reads tokenizer.chat_template, so that everything that renders or inspects it (the chat
-    route, /v1/responses, /tokenize's chat form, the start's "has no chat template") takes that one."""
+    route, /v1/responses, /tokenize's chat form, the start's "has no chat template") takes that one.
+    Its control tokens are pinned first (pin_control_tokens), so that no template narrows them."""
+    pin_control_tokens(tokenizer, template)
     if template is not None:
         tokenizer.chat_template = template
     return tokenizer
+
+
+def pin_control_tokens(tokenizer, template: str | None = None) -> None:
+    """Fix the tokens sanitize_control_tokens encodes as text inside messages, where the tokenizer
+    names none itself (tokenizer.chat_control_tokens): the added tokens that its own template(s) or
+    `template` (the server's) write, besides its special tokens, which are always in. Without this,
+    transformers takes the added tokens written by the template being rendered, so a server's or a
+    request's template that never writes a non-special `<tool_call>` let a message's "<tool_call>"
+    through as that token. With one template of its own and no server template the set is the one
+    transformers took before; with named templates it is all of theirs."""
+    find = getattr(tokenizer, "_get_control_tokens", None)  # transformers 5.20 and later, as sanitizing
+    if find is None or getattr(tokenizer, "chat_control_tokens", None) is not None:
+        return
+    own = getattr(tokenizer, "chat_template", None)
+    templates = list(own.values()) if isinstance(own, dict) else [own]
+    control = set()
+    for text in [*templates, template]:
+        if isinstance(text, str) and jinja_problem(text) is None:  # one that does not compile renders nothing
+            control.update(find(text))
+    tokenizer.chat_control_tokens = sorted(control)
+
+
+@contextmanager
+def control_tokens_for(tokenizer, template: str | None):
+    """While a request's own template (`template`) renders: the pinned control tokens
+    (pin_control_tokens) and the added tokens that template writes, which are its control tokens as
+    transformers takes them; the request's template widens the set, never narrows it. None (the
+    server's template) or a transformers without sanitizing: the set as it is. Used under the
+    replica's encoding lock: the tokenizer is changed while it renders."""
+    find = getattr(tokenizer, "_get_control_tokens", None)
+    pinned = getattr(tokenizer, "chat_control_tokens", None)
+    if template is None or find is None or pinned is None:
+        yield
+        return
+    tokenizer.chat_control_tokens = None  # transformers' own rule, for this template alone
+    try:
+        tokenizer.chat_control_tokens = sorted(set(pinned) | set(find(template)))
+        yield
+    finally:
+        tokenizer.chat_control_tokens = pinned
+
+
+PROBE = [{"role": "user", "content": "hi"}]
+"""The chat a server's template is tried on at start (chat_template_warning)."""
+
+
+def chat_template_problem(tokenizer) -> str | None:
+    """Why the tokenizer's template raises on a one-message chat (PROBE, with a generation prompt),
+    or None: said at start as a warning, not a refusal, since some templates refuse on purpose (a
+    chat without a system message, say). Renders text only (milliseconds)."""
+    try:
+        tokenizer.apply_chat_template(PROBE, tokenize=False, add_generation_prompt=True)
+    except Exception as err:  # noqa: BLE001 - whatever the template raises is what a client would see
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def chat_template_warning(tokenizer, value: str, name: str = "--chat-template") -> str | None:
+    """The start's warning where the server's template (`value`, as given to `name`) raises on a
+    one-message chat, or None."""
+    problem = chat_template_problem(tokenizer)
+    if problem is None:
+        return None
+    shown = value if len(value) <= 200 else value[:197] + "..."  # a path whole, template text clipped
+    return (f"warning: {name} ({shown!r}) raised on the one-message chat {PROBE!r} with a generation prompt "
+            f"({problem}): chats it raises on are refused (400); check the template, unless it refuses such "
+            f"a chat on purpose")
 
 
 def read_chat_template(value, name: str = "chat_template") -> str:
@@ -43,8 +114,10 @@ def read_chat_template(value, name: str = "chat_template") -> str:
     names, or the value itself where it names no readable file and holds {, } or a newline. Read
     where the settings are made, so a replica on another node gets the text, not a path. ValueError
     naming `name` (the flag or argument), the value or file, and the fix: no text, a path-like value
-    that is no readable file, an empty template, or one that does not compile as transformers
-    compiles chat templates (the Jinja error's line)."""
+    that is no readable file, an empty template, one that does not compile as transformers
+    compiles chat templates (the Jinja error's line), or template text (not a file) that never uses
+    `messages`: a mistyped path holding braces is no template. A file is taken whatever it renders,
+    as vLLM takes it: naming an existing file leaves no doubt that it is the template meant."""
     if not isinstance(value, str):
         raise ValueError(f"{name} ({value!r}) must be {TAKES}")
     text, source = _template_text(value, name)
@@ -53,6 +126,11 @@ def read_chat_template(value, name: str = "chat_template") -> str:
     problem = jinja_problem(text)
     if problem is not None:
         raise ValueError(f"{name} ({source}) does not compile as a Jinja chat template: {problem}")
+    if text is value and "messages" not in _template_variables(text):  # text given, not a file's
+        # a mistyped path holding braces (templates/chat-{v2}.jinja) would render one string for every chat
+        raise ValueError(f"{name} ({source}) names no file and, read as template text, never uses messages, so "
+                         f"every chat would render the same; give an existing file, or template text that "
+                         f"renders messages")
     return text
 
 
@@ -74,7 +152,9 @@ def _template_text(value: str, name: str) -> tuple[str, str]:
 
 def jinja_problem(text: str) -> str | None:
     """Why transformers' own compiling of chat templates (its sandboxed Jinja environment, with its
-    extensions) refuses `text`, with the line (a syntax error), or None when it compiles."""
+    extensions) refuses `text`, with the line (a syntax error) or its nesting (Jinja's parser recurses
+    per block, and a few thousand nested blocks pass Python's recursion limit), or None when it
+    compiles."""
     import jinja2
     from transformers.utils.chat_template_utils import _compile_jinja_template
 
@@ -82,4 +162,14 @@ def jinja_problem(text: str) -> str | None:
         _compile_jinja_template(text)
     except jinja2.TemplateSyntaxError as err:
         return f"line {err.lineno}: {err.message}"
+    except RecursionError:  # Jinja's parser recurses per nested block
+        return ("it nests too deeply to compile (past Python's recursion limit); flatten its blocks "
+                "(fewer {% if %} or {% for %} inside one another)")
     return None
+
+
+def _template_variables(text: str) -> frozenset[str]:
+    """The variables a template that compiles reads from its context (messages, tools, ...)."""
+    from transformers.utils.chat_template_utils import _get_template_variables
+
+    return _get_template_variables(text)

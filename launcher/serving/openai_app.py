@@ -41,7 +41,8 @@ from launcher.errors import LaunchError, NoReplicaAvailable, ReplicaFailed, Requ
 from launcher.serving import openai_protocol as proto
 from launcher.serving import responses as responses_api
 from launcher.serving import tool_calls as function_calling  # not `tool_calls`: a message's field
-from launcher.serving.chat_template import has_default_chat_template, use_chat_template
+from launcher.serving.chat_template import (chat_template_warning, control_tokens_for, has_default_chat_template,
+                                            use_chat_template)
 from launcher.serving.choice_streams import ChoiceStreams
 from launcher.serving.echoed_prompt import echoed_prompt
 from launcher.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics, TokenTimer
@@ -591,9 +592,15 @@ SERVER_VERSION = _installed_version()
 """What GET /version answers."""
 
 
-def _template_refused(err: Exception) -> ProtocolError:
-    """A chat template's refusal (roles out of order, a length it checks): the client's doing, a 400."""
-    return ProtocolError(f"messages: the model's chat template refused them: {err}", param="messages")
+def _template_refused(err: Exception, own: bool, server_template: bool) -> ProtocolError:
+    """A chat template's refusal (roles out of order, a length it checks): the client's doing, a 400
+    naming whose template refused: the request's own chat_template (`own`), the server's
+    (--chat-template: `server_template`) or the model's."""
+    if own:
+        return ProtocolError(f"chat_template: the request's own chat template refused its messages: {err}",
+                             param="chat_template")
+    whose = "the server's" if server_template else "the model's"
+    return ProtocolError(f"messages: {whose} chat template refused them: {err}", param="messages")
 
 
 def _generated_tags(tokenizer, vocab_size: int, tags: tuple[str, ...]) -> tuple[int | None, ...]:
@@ -673,6 +680,9 @@ class OpenAIServer:
     trust_request_chat_template: bool = False
     """A request's own chat_template is taken (vLLM's --trust-request-chat-template); False: refused.
     The constructor sets the settings' (ServerSettings.trust_request_chat_template)."""
+    server_template: bool = False
+    """Chats render with the server's template (--chat-template) in place of the model's, so a
+    template's refusal names the server's. The constructor sets it (ServerSettings.chat_template)."""
     think_end: int | None = None
     """With a reasoning parser: the id of the tokenizer's `</think>` token, after which a thinking
     request's structured output starts (None: no such token)."""
@@ -739,6 +749,11 @@ class OpenAIServer:
         # it. The Launcher's copy keeps the files' own: it detokenizes and builds grammars, and never
         # renders a chat.
         self.tokenizer = use_chat_template(own_tokenizer.result(), settings.chat_template)
+        self.server_template = settings.chat_template is not None
+        if self.server_template and not settings.from_command_line:  # `corelaunch serve` tried it before Ray
+            warning = chat_template_warning(self.tokenizer, settings.chat_template, "the chat_template argument")
+            if warning is not None:
+                print(f"corelaunch serve: {warning}", file=sys.stderr)
         self.pieces = TokenPieces(self.tokenizer)
         self._longest_token = longest_token_chars(self.tokenizer)  # bounds a prompt by its length
         self._chat_options = _sanitizing(self.tokenizer)  # the installed transformers' own, once
@@ -1163,7 +1178,7 @@ class OpenAIServer:
             with self._encoding:
                 prompt = self.tokenizer.apply_chat_template(messages, tokenize=False, **rendering)
         except Exception as err:  # noqa: BLE001 - a template's refusal (e.g. roles out of order) is the client's
-            raise _template_refused(err) from None
+            raise _template_refused(err, template is not None, self.server_template) from None
         if self._chat_options:  # sanitizing drops the two marker code points from message text: so
             prompt = prompt.translate(dict.fromkeys(map(ord, SANITIZING_MARKS)))  # so does the measure (9000 refused a short chat)
         if measured:
@@ -1172,7 +1187,7 @@ class OpenAIServer:
         # Rendered again to tokenize: sanitizing needs apply_chat_template to tokenize itself, and
         # rendering only joins strings (0.05 s for 10 MB).
         try:
-            with self._encoding:
+            with self._encoding, control_tokens_for(self.tokenizer, template):
                 ids = list(self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **rendering,
                                                               **self._chat_options))
                 if not special_tokens:
@@ -1183,7 +1198,7 @@ class OpenAIServer:
             raise ProtocolError(f"messages: their text cannot be encoded without control tokens: {err}",
                                 param="messages") from None
         except Exception as err:  # noqa: BLE001 - the template refused the marked text (a length it checks)
-            raise _template_refused(err) from None
+            raise _template_refused(err, template is not None, self.server_template) from None
 
     def _authorize(self, request: Request) -> None:
         if self.api_key is None:
@@ -1204,10 +1219,19 @@ class OpenAIServer:
     async def _request(self, model, request: Request):
         """The request's body read, parsed as JSON and checked as `model`; a body of more than
         PARSED_ON_A_THREAD bytes is parsed and checked on a thread (a 5 MB one held the event loop,
-        and with it every stream and /health, for seconds)."""
+        and with it every stream and /health, for seconds), and so is one whose own chat_template a
+        trusting server compiles (a 62 KB template took 0.65 s); a client gone meanwhile counted as
+        an abort."""
         counts = self._counts(model)
         raw, held = await self._read_counted(request, counts)
-        return await self._parsed(raw, held, counts, lambda body: self._parse(model, self._json(body, counts)))
+        large = len(raw) > PARSED_ON_A_THREAD
+        try:  # the body's budget held until the request is parsed whole
+            body = await self._off_loop(large, counts, self._json, raw, counts)
+            # a request's own template is compiled as it is checked: a large one took 0.65 s
+            compiles = self.trust_request_chat_template and isinstance(body, dict) and body.get("chat_template")
+            return await self._off_loop(large or bool(compiles), counts, self._parse, model, body)
+        finally:
+            self.bodies.give(held)
 
     async def _parsed(self, raw: bytes, held: int, counts, parse):
         """parse(raw), on a thread for a body of more than PARSED_ON_A_THREAD bytes (a 5 MB one held
