@@ -35,12 +35,12 @@ MAX_ALLOWED_TOKEN_IDS = 262144
 largest vocabularies hold (Gemma 3's 262144); more could only repeat ids, and take the replica's event
 loop longer to check."""
 MAX_CHOICES = 128
+"""OpenAI's bound on `n` (a server also refuses more than its max_num_seqs: openai_app.py)."""
 WHOLE_ANSWER_INTERVAL = 64
 """Tokens the engine gathers into each event of a whole answer (no stream), after the first: the
 events between wake nothing on their way, and a bound keeps what a group fault makes a resumed
 request generate again (its tokens not yet delivered) and what the replica's loop reads at once (a
 16,000-token event held it 0.44 s) as small as a stream's."""
-"""OpenAI's bound on `n` (a server also refuses more than its max_num_seqs: openai_app.py)."""
 MAX_LOGIT_BIAS_ENTRIES = 1024
 """corelaunch's bound on logit_bias's entries (unbounded in OpenAI's reference): each is added to its
 row's logits every step."""
@@ -237,7 +237,7 @@ class _GenerationRequest(NullMeansDefault):
     """Extension (vLLM's): a stream sends its tokens this many at a time (the first at once, then n at
     a time, and what is left when it ends), where this is more than the server's --stream-interval
     (engine_stream_interval); a request with stop strings has its stream, not the leader, gather them
-    (Launcher.stream)."""
+    (Launcher._new_stream)."""
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     """Choices: n engine requests of the same prompt, choice i seeded with choice_seed(seed, i)."""
     presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
@@ -301,7 +301,7 @@ class _GenerationRequest(NullMeansDefault):
         server's is clamped up to it). A whole answer is read at its end, so it takes all of its
         tokens WHOLE_ANSWER_INTERVAL at a time, the first excepted (the metrics time it): the ones
         between wake nothing on their way (vLLM's whole answers ignore the field too). With stop
-        strings the stream gathers them instead of the leader (Launcher.stream)."""
+        strings the stream gathers them instead of the leader (Launcher._new_stream)."""
         if not self.stream:
             return max(server_interval, min(max(max_tokens, 1), WHOLE_ANSWER_INTERVAL))
         return server_interval if self.stream_interval is None else max(server_interval, self.stream_interval)

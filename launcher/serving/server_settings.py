@@ -118,7 +118,7 @@ class ServerSettings:
     """Tokens a stream sends per chunk (vLLM's --stream-interval): the first token at once, then every
     this many, and whatever is held when the request ends; a request's own stream_interval may raise it
     for that stream, never lower it (a request with stop strings has its stream, not the leader,
-    gather them: Launcher.stream). 1: every token as it comes."""
+    gather them: Launcher._new_stream). 1: every token as it comes."""
 
     @property
     def most_replicas(self) -> int:
