@@ -152,19 +152,21 @@ def _template_text(value: str, name: str) -> tuple[str, str]:
 
 def jinja_problem(text: str) -> str | None:
     """Why transformers' own compiling of chat templates (its sandboxed Jinja environment, with its
-    extensions) refuses `text`, with the line (a syntax error) or its nesting (Jinja's parser recurses
-    per block, and a few thousand nested blocks pass Python's recursion limit), or None when it
-    compiles."""
+    extensions) refuses `text`, with the line (a syntax error) or its nesting, or None when it
+    compiles. Jinja compiles a template to Python: more than 20 nested loops, or about 100 nested
+    blocks, are past what Python compiles (a SyntaxError), and a few thousand past what Jinja's parser
+    recurses through (a RecursionError)."""
     import jinja2
     from transformers.utils.chat_template_utils import _compile_jinja_template
 
     try:
         _compile_jinja_template(text)
-    except jinja2.TemplateSyntaxError as err:
+    except jinja2.TemplateSyntaxError as err:  # no SyntaxError: its line is the template's
         return f"line {err.lineno}: {err.message}"
-    except RecursionError:  # Jinja's parser recurses per nested block
-        return ("it nests too deeply to compile (past Python's recursion limit); flatten its blocks "
-                "(fewer {% if %} or {% for %} inside one another)")
+    except (RecursionError, SyntaxError) as err:
+        why = err.msg if isinstance(err, SyntaxError) else "past Python's recursion limit"
+        return (f"it nests too deeply to compile ({why}); flatten its blocks "
+                f"(fewer {{% if %}} or {{% for %}} inside one another)")
     return None
 
 
