@@ -128,6 +128,24 @@ def test_a_bad_stream_interval_is_refused_before_anything_is_submitted(model_and
             assert llm.load() == {"running": 0, "waiting": 0}
 
 
+def test_past_what_a_leader_holds_the_stream_gathers_on(model_and_expected, in_process_cluster):
+    """A stream_interval above MOST_HELD: the leader holds at most MOST_HELD tokens an event (what a
+    fault regenerates, what one event carries), and the stream gathers the events on to the
+    interval: the first token alone, then deltas of at least the interval, the rest at the end."""
+    from workers.serving.held_tokens import MOST_HELD
+
+    model_dir, _ = model_and_expected
+    interval, new_tokens = MOST_HELD + 36, 3 * MOST_HELD + 8
+    with Launcher(model=model_dir, tp=1, max_num_seqs=1, seq_len=512, progress=False, **EAGER) as llm:
+        alone = list(llm.stream(PROMPTS[0], max_new_tokens=new_tokens, ignore_eos=True))
+        stream = llm.stream(PROMPTS[0], max_new_tokens=new_tokens, ignore_eos=True, stream_interval=interval)
+        gathered = list(stream)
+    assert max(len(e.token_ids) for e in stream.events) == MOST_HELD
+    assert [len(d.token_ids) for d in gathered] == [1, 2 * MOST_HELD, new_tokens - 1 - 2 * MOST_HELD]
+    assert [t for d in gathered for t in d.token_ids] == [t for d in alone for t in d.token_ids]
+    assert "".join(d.text for d in gathered) == "".join(d.text for d in alone)
+
+
 def test_closing_a_stream_with_held_tokens_frees_its_row(model_and_expected, in_process_cluster):
     model_dir, expected = model_and_expected
     with Launcher(model=model_dir, tp=1, max_num_seqs=1, progress=False, **EAGER) as llm:

@@ -24,6 +24,7 @@ from launcher.serving.response_formats import ResponseFormat, StructuredOutputs,
 
 from shardlib.sampling_params import (MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_PENALTY, MAX_SEED,
                                      MAX_TEMPERATURE, MIN_REPETITION_PENALTY, MIN_SEED)
+from workers.serving.held_tokens import MOST_HELD
 
 MAX_STOP_STRINGS = 4
 """OpenAI's bound on `stop`."""
@@ -36,11 +37,10 @@ largest vocabularies hold (Gemma 3's 262144); more could only repeat ids, and ta
 loop longer to check."""
 MAX_CHOICES = 128
 """OpenAI's bound on `n` (a server also refuses more than its max_num_seqs: openai_app.py)."""
-WHOLE_ANSWER_INTERVAL = 64
+WHOLE_ANSWER_INTERVAL = MOST_HELD
 """Tokens the engine gathers into each event of a whole answer (no stream), after the first: the
-events between wake nothing on their way, and a bound keeps what a group fault makes a resumed
-request generate again (its tokens not yet delivered) and what the replica's loop reads at once (a
-16,000-token event held it 0.44 s) as small as a stream's."""
+events between wake nothing on their way, and the leader holds no more than this for any request
+(workers/serving/held_tokens.py MOST_HELD: what a fault makes a resumed request generate again)."""
 MAX_LOGIT_BIAS_ENTRIES = 1024
 """corelaunch's bound on logit_bias's entries (unbounded in OpenAI's reference): each is added to its
 row's logits every step."""
