@@ -12,17 +12,15 @@ refused; a server's template that raises on a one-message chat is a warning at s
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import json
 import re
-import socket
 from pathlib import Path
 
 import pytest
 
-from launcher.serving.openai_protocol import ProtocolError
-from tests.test_tokenize_routes import post, scripted_server
+from tests.test_tokenize_routes import answer, post, refusal_of, scripted_server
+from workers.net import free_port
 
 MODEL = "smollm2-135m-instruct"
 CHAT = [{"role": "user", "content": "Name a colour."}]
@@ -31,8 +29,6 @@ TEMPLATE = ("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}
 """A template no model ships: a prompt rendered with it is told apart from SmolLM2's at a glance."""
 OWN_TEMPLATE = "{% for m in messages %}{{ m.content }}{% endfor %}"
 """A request's own template (chat_template): the messages' text alone."""
-ROUTES = {"/v1/chat/completions": "chat_completions", "/v1/responses": "responses", "/tokenize": "tokenize"}
-"""The server's methods that answer the routes used here."""
 
 
 def flags() -> dict:
@@ -40,18 +36,6 @@ def flags() -> dict:
     from launcher.serving.server_settings import SERVER_ARGS
 
     return {k: "--" + k.replace("_", "-") for k in SERVER_ARGS}
-
-
-def answer(server, route: str, body: dict) -> dict:
-    response = asyncio.run(getattr(server, ROUTES[route])(post(route, body)))
-    assert response.status_code == 200
-    return json.loads(response.body)
-
-
-def refusal_of(server, route: str, body: dict) -> ProtocolError:
-    with pytest.raises(ProtocolError) as refused:
-        asyncio.run(getattr(server, ROUTES[route])(post(route, body)))
-    return refused.value
 
 
 def serve_settings(*argv: str):
@@ -138,14 +122,8 @@ def test_serve_refuses_a_bad_template_before_anything_starts(tmp_path, monkeypat
     monkeypatch.setattr(serve_command, "_serve", lambda *args: pytest.fail("the server was started"))
     monkeypatch.setattr(serve_command, "_plan", lambda *args: pytest.fail("the launch was planned"))
     missing = tmp_path / "chat.jinja"
-    assert main(["serve", "--chat-template", str(missing), "--port", str(_free_port())]) == 2
+    assert main(["serve", "--chat-template", str(missing), "--port", str(free_port())]) == 2
     assert f"corelaunch serve: --chat-template ('{missing}') is no readable file" in capsys.readouterr().err
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:  # the command checks the port before planning
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -171,10 +149,10 @@ def test_serve_with_a_template_serves_chat_for_a_model_without_one(bare_model, t
     started = []
     monkeypatch.setattr(serve_command, "_serve", lambda args, settings, mode: started.append(settings) or 0)
     base = ["serve", "--model", str(bare_model), "--quiet"]
-    assert main([*base, "--port", str(_free_port())]) == 0
+    assert main([*base, "--port", str(free_port())]) == 0
     err = capsys.readouterr().err
     assert "has no chat template: /v1/chat/completions refuses every request" in err and "--chat-template" in err
-    assert main([*base, "--port", str(_free_port()), "--chat-template", str(template_file)]) == 0
+    assert main([*base, "--port", str(free_port()), "--chat-template", str(template_file)]) == 0
     assert "no chat template" not in capsys.readouterr().err
     assert [s.chat_template for s in started] == [None, TEMPLATE]
 
@@ -304,7 +282,7 @@ def test_a_template_nested_too_deeply_is_refused_not_a_traceback(smollm2_tokeniz
         settings_from_args({"chat_template": deep})
     monkeypatch.setattr(serve_command, "_serve", lambda *args: pytest.fail("the server was started"))
     monkeypatch.setattr(serve_command, "_plan", lambda *args: pytest.fail("the launch was planned"))
-    assert main(["serve", "--chat-template", deep, "--port", str(_free_port())]) == 2
+    assert main(["serve", "--chat-template", deep, "--port", str(free_port())]) == 2
     assert DEEP_WORDS in capsys.readouterr().err
     trusted = scripted_server(copy.deepcopy(smollm2_tokenizer), "Blue.")
     trusted.trust_request_chat_template = True
@@ -392,12 +370,12 @@ def test_serve_warns_at_start_where_its_template_raises_on_a_chat(bare_model, tm
     started = []
     monkeypatch.setattr(serve_command, "_serve", lambda args, settings, mode: started.append(settings) or 0)
     base = ["serve", "--model", str(bare_model), "--quiet"]
-    assert main([*base, "--port", str(_free_port()), "--chat-template", str(raising)]) == 0
+    assert main([*base, "--port", str(free_port()), "--chat-template", str(raising)]) == 0
     err = capsys.readouterr().err
     assert (f"corelaunch serve: warning: --chat-template ({str(raising)!r}) raised on the one-message chat "
             f"[{{'role': 'user', 'content': 'hi'}}] with a generation prompt (TemplateError: a system message must "
             f"come first)") in err, err
-    assert main([*base, "--port", str(_free_port()), "--chat-template", TEMPLATE]) == 0
+    assert main([*base, "--port", str(free_port()), "--chat-template", TEMPLATE]) == 0
     assert "warning" not in capsys.readouterr().err
     assert [s.chat_template for s in started] == [RAISING, TEMPLATE]
 

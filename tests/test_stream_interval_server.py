@@ -15,32 +15,14 @@ import json
 
 import pytest
 
-from launcher.serving.openai_protocol import ChatCompletionRequest, CompletionRequest, ProtocolError, parse_request
-from launcher.serving.server_settings import SERVER_ARGS, settings_from_args
-from tests.test_tokenize_routes import post, scripted_server, streamed_text_of
+from launcher.serving.openai_protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from launcher.serving.server_settings import settings_from_args
+from tests.test_chat_template_flag import flags, serve_settings
+from tests.test_tokenize_routes import post, refusal_of, route_of, scripted_server, streamed_text_of
 
 MODEL = "smollm2-135m-instruct"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 SCRIPT = "The capital of France is Paris, a city on the Seine."
-FLAGS = {k: "--" + k.replace("_", "-") for k in SERVER_ARGS}  # as `corelaunch serve` names them
-
-
-def route_of(server, route: str):
-    """The server's method answering `route` (/v1/chat/completions: chat_completions)."""
-    return getattr(server, route.removeprefix("/v1/").replace("/", "_"))
-
-
-def refusal_of(server, route: str, body: dict) -> ProtocolError:
-    with pytest.raises(ProtocolError) as caught:
-        asyncio.run(route_of(server, route)(post(route, body)))
-    return caught.value
-
-
-def serve_settings(*argv: str):
-    from launcher.cli import build_parser
-    from launcher.cli.serve_command import server_args
-
-    return settings_from_args(server_args(build_parser().parse_args(["serve", *argv])), FLAGS)
 
 
 # ---- the server's setting ----------------------------------------------------------------------
@@ -60,7 +42,7 @@ def test_a_bad_servers_interval_is_refused_naming_the_argument_or_the_flag(value
         settings_from_args({"stream_interval": value})
     if isinstance(value, int):  # a command line's value reaches the settings typed
         with pytest.raises(ValueError, match=rf"^--stream-interval \({shown}\) {rule}$"):
-            settings_from_args({"stream_interval": value}, FLAGS)
+            settings_from_args({"stream_interval": value}, flags())
 
 
 @pytest.mark.parametrize("text, words", [("0", "--stream-interval (0) must be at least 1"),

@@ -179,15 +179,20 @@ async def streamed_text_of(response) -> str:
     return text
 
 
+def route_of(server, route: str):
+    """The server's method answering `route` (/tokenize: tokenize; /v1/chat/completions: chat_completions)."""
+    return getattr(server, route.removeprefix("/v1/").strip("/").replace("/", "_"))
+
+
 def answer(server, route: str, body, key: str | None = None) -> dict:
-    response = asyncio.run(getattr(server, route.strip("/"))(post(route, body, key)))
+    response = asyncio.run(route_of(server, route)(post(route, body, key)))
     assert response.status_code == 200
     return json.loads(response.body)
 
 
 def refusal_of(server, route: str, body, key: str | None = None) -> ProtocolError:
     with pytest.raises(ProtocolError) as caught:
-        asyncio.run(getattr(server, route.strip("/"))(post(route, body, key)))
+        asyncio.run(route_of(server, route)(post(route, body, key)))
     return caught.value
 
 

@@ -277,7 +277,8 @@ def run(args: argparse.Namespace) -> int:
 
 def has_chat_template(model_dir: Path, template: str | None = None) -> bool:
     """Whether the model's tokenizer can render chat messages, as each replica will load it, with the
-    server's template (--chat-template's text) where one is given."""
+    server's template (--chat-template's text) where one is given. run() asks the same through
+    _chat_tokenizer itself, keeping the tokenizer for its start probe; this is the question alone."""
     return has_default_chat_template(_chat_tokenizer(model_dir, template))
 
 

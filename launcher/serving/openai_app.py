@@ -592,17 +592,6 @@ SERVER_VERSION = _installed_version()
 """What GET /version answers."""
 
 
-def _template_refused(err: Exception, own: bool, server_template: bool) -> ProtocolError:
-    """A chat template's refusal (roles out of order, a length it checks): the client's doing, a 400
-    naming whose template refused: the request's own chat_template (`own`), the server's
-    (--chat-template: `server_template`) or the model's."""
-    if own:
-        return ProtocolError(f"chat_template: the request's own chat template refused its messages: {err}",
-                             param="chat_template")
-    whose = "the server's" if server_template else "the model's"
-    return ProtocolError(f"messages: {whose} chat template refused them: {err}", param="messages")
-
-
 def _generated_tags(tokenizer, vocab_size: int, tags: tuple[str, ...]) -> tuple[int | None, ...]:
     """Each tag's id where the tokenizer has it as one token the model can generate, else None."""
     vocab = tokenizer.get_vocab()
@@ -1139,6 +1128,16 @@ class OpenAIServer:
         which is the server's --chat-template where one was given."""
         return req.chat_template if req.chat_template is not None else self.tokenizer.chat_template
 
+    def _template_refused(self, err: Exception, own: bool) -> ProtocolError:
+        """A chat template's refusal (roles out of order, a length it checks): the client's doing, a
+        400 naming whose template refused: the request's own chat_template (`own`), the server's
+        (--chat-template) or the model's."""
+        if own:
+            return ProtocolError(f"chat_template: the request's own chat template refused its messages: {err}",
+                                 param="chat_template")
+        whose = "the server's" if self.server_template else "the model's"
+        return ProtocolError(f"messages: {whose} chat template refused them: {err}", param="messages")
+
     def _apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                              continue_final_message: bool = False, special_tokens: bool = False,
                              measured: bool = True, tools: list[dict] | None = None,
@@ -1178,7 +1177,7 @@ class OpenAIServer:
             with self._encoding:
                 prompt = self.tokenizer.apply_chat_template(messages, tokenize=False, **rendering)
         except Exception as err:  # noqa: BLE001 - a template's refusal (e.g. roles out of order) is the client's
-            raise _template_refused(err, template is not None, self.server_template) from None
+            raise self._template_refused(err, template is not None) from None
         if self._chat_options:  # sanitizing drops the two marker code points from message text: so
             prompt = prompt.translate(dict.fromkeys(map(ord, SANITIZING_MARKS)))  # so does the measure (9000 refused a short chat)
         if measured:
@@ -1198,7 +1197,7 @@ class OpenAIServer:
             raise ProtocolError(f"messages: their text cannot be encoded without control tokens: {err}",
                                 param="messages") from None
         except Exception as err:  # noqa: BLE001 - the template refused the marked text (a length it checks)
-            raise _template_refused(err, template is not None, self.server_template) from None
+            raise self._template_refused(err, template is not None) from None
 
     def _authorize(self, request: Request) -> None:
         if self.api_key is None:
@@ -1224,22 +1223,18 @@ class OpenAIServer:
         an abort."""
         counts = self._counts(model)
         raw, held = await self._read_counted(request, counts)
-        large = len(raw) > PARSED_ON_A_THREAD
-        try:  # the body's budget held until the request is parsed whole
-            body = await self._off_loop(large, counts, self._json, raw, counts)
-            # a request's own template is compiled as it is checked: a large one took 0.65 s
-            compiles = self.trust_request_chat_template and isinstance(body, dict) and body.get("chat_template")
-            return await self._off_loop(large or bool(compiles), counts, self._parse, model, body)
-        finally:
-            self.bodies.give(held)
+        # a request's own template is compiled as it is checked: a 62 KB one took 0.65 s
+        compiles = self.trust_request_chat_template and b'"chat_template"' in raw
+        return await self._parsed(raw, held, counts, lambda body: self._parse(model, self._json(body, counts)),
+                                  compiles)
 
-    async def _parsed(self, raw: bytes, held: int, counts, parse):
+    async def _parsed(self, raw: bytes, held: int, counts, parse, slow: bool = False):
         """parse(raw), on a thread for a body of more than PARSED_ON_A_THREAD bytes (a 5 MB one held
-        the event loop, and with it every stream and /health, for seconds); a client gone while a
-        large body was parsed counted as an abort (uncounted otherwise); the body's budget (`held`)
-        given back either way."""
+        the event loop, and with it every stream and /health, for seconds) or one whose parse is
+        `slow`; a client gone while it was parsed on a thread counted as an abort (uncounted
+        otherwise); the body's budget (`held`) given back either way."""
         try:
-            return await self._off_loop(len(raw) > PARSED_ON_A_THREAD, counts, parse, raw)
+            return await self._off_loop(slow or len(raw) > PARSED_ON_A_THREAD, counts, parse, raw)
         finally:
             self.bodies.give(held)
 

@@ -157,13 +157,15 @@ class Qwen3CoderCallReader(HermesCallReader):
         self._block_read.append(read)
         return read
 
-    def _expect(self, tags: tuple[str, ...]) -> str | None:
-        """After whitespace, which of `tags` the text read on with (read); None while it may still be
-        one (text that ends there is cut: _cut), "" when it cannot be (the block holds no call)."""
+    def _expect(self, tags: tuple[str, ...], unread: tuple[str, ...] = ()) -> str | None:
+        """After whitespace, which of `tags` the text read on with (read, but for those in `unread`,
+        left for the next step); None while it may still be one (text that ends there is cut: _cut),
+        "" when it cannot be (the block holds no call)."""
         self._consume(_SPACE.match(self._open, self._at).end())
         for tag in tags:
             if self._open.startswith(tag, self._at):
-                self._consume(self._at + len(tag))
+                if tag not in unread:
+                    self._consume(self._at + len(tag))
                 return tag
         rest = len(self._open) - self._at
         return None if any(rest < len(tag) and tag.startswith(self._open[self._at:]) for tag in tags) else ""
@@ -289,11 +291,8 @@ class Qwen3CoderCallReader(HermesCallReader):
         """A call is whole at </function>: what follows ends its block, whether `</tool_call>`, the
         next block's `<tool_call>` (the end tag left out: read it next) or other text (none, as text
         between blocks is)."""
-        tag = self._expect((CALL_END, CALL_START))
-        if tag is None:
+        if self._expect((CALL_END, CALL_START), unread=(CALL_START,)) is None:
             return None
-        if tag == CALL_START:
-            self._at -= len(CALL_START)
         self._state = None
         return []
 

@@ -62,7 +62,7 @@ import difflib
 from dataclasses import dataclass, field
 
 from launcher.serving.openai_protocol import REASONING_EFFORTS as CHAT_EFFORTS
-from launcher.serving.openai_protocol import ProtocolError, _json_kind, _short, clip
+from launcher.serving.openai_protocol import MAX_LOGPROBS, ProtocolError, _json_kind, _short, clip
 
 # ---- what a request takes ---------------------------------------------------------------------
 PASSED_AS_IS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "logit_bias",
@@ -575,8 +575,9 @@ def _logprobs(body: dict, chat: dict, echo: ResponsesEcho) -> None:
     for that many alternatives at each token (the chat's logprobs and top_logprobs, which check the
     bound); top_logprobs alone asks for none (vLLM's rule), and is echoed."""
     top = body.get("top_logprobs")
-    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20):
-        raise ProtocolError(f"top_logprobs ({_short(top)}) must be an integer from 0 to 20", param="top_logprobs")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_LOGPROBS):
+        raise ProtocolError(f"top_logprobs ({_short(top)}) must be an integer from 0 to {MAX_LOGPROBS}",
+                            param="top_logprobs")
     echo.top_logprobs = top or 0
     include = body.get("include")
     if include is None:
