@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -47,6 +48,11 @@ class Terminated(KeyboardInterrupt):
 
 
 _terminating = threading.Event()
+_first_check = threading.Lock()
+"""Held for the first SIGTERM's check (note_held) from start to end: the main thread's handler and
+held_sigterm_checked_at_once's thread may both see one signal, and the other waits for the answer.
+Without the wait ray.init went on meanwhile and shut the private Ray down for a SIGTERM sent to this
+process alone, and the check, watching, took the raylet's exit for the signal's."""
 _ended = threading.Event()
 """Set when sigterm_raises_terminated's block ends: the watchdog then has nothing to end (a CLI run
 in-process, `launcher.cli.main([...])`, returns and its caller goes on)."""
@@ -74,12 +80,13 @@ def note_held() -> None:
     """The first SIGTERM's check, for one held while ray.init runs (launcher/cluster/ray_cluster.py):
     exits at once when the signal reached the private Ray's processes too, whose GCS ray.init would
     wait 60 s for."""
-    if _terminating.is_set():
-        return
-    _terminating.set()
-    if _ray_going(GROUP_SIGNAL_WAIT_S):
-        exit_abandoning("the signal reached Ray's own processes too (sent to the whole process group), so there "
-                        "was no cluster left to stop the ranks through; they got it as well")
+    with _first_check:
+        if _terminating.is_set():
+            return
+        _terminating.set()
+        if _ray_going(GROUP_SIGNAL_WAIT_S):
+            exit_abandoning("the signal reached Ray's own processes too (sent to the whole process group), so "
+                            "there was no cluster left to stop the ranks through; they got it as well")
 
 
 def raise_after_hold() -> None:
@@ -120,6 +127,35 @@ def sigterm_raises_terminated():
     finally:
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
         _ended.set()
+
+
+@contextlib.contextmanager
+def held_sigterm_checked_at_once():
+    """Inside the block a SIGTERM is checked (note_held) on a thread of its own as it arrives, not
+    when the main thread is next in the interpreter. ray.init waits in Ray's C++ code for its GCS
+    (up to 30 s, the interpreter's signal handlers not run meanwhile): a SIGTERM sent to the whole
+    group while it started the private Ray killed that GCS, and the command exited 30 s later.
+    Python writes each caught signal's number to the wakeup file descriptor from its C handler, at
+    once; the block's thread reads it. Main thread only (elsewhere the block does nothing)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    reader, writer = socket.socketpair()
+    writer.setblocking(False)
+    previous = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+
+    def check_each_sigterm() -> None:
+        with reader:
+            while signals := reader.recv(64):  # b"": the block has ended and closed the writer
+                if signal.SIGTERM in signals:
+                    note_held()
+
+    threading.Thread(target=check_each_sigterm, name="corelaunch-sigterm-check", daemon=True).start()
+    try:
+        yield
+    finally:
+        signal.set_wakeup_fd(previous)
+        writer.close()
 
 
 def exit_abandoning(why: str) -> None:

@@ -134,6 +134,65 @@ def test_a_child_exiting_tells_a_signal_sent_to_the_whole_group():
         lasting.wait()
 
 
+BLOCKED_RAY_INIT = textwrap.dedent('''
+    import ctypes, subprocess, sys
+    import ray
+    from launcher import termination
+    from launcher.cluster import ray_cluster
+
+    gcs = []
+
+    def starting_a_private_ray(**options):
+        # a child as Ray's GCS is, then a wait in C that retries after a signal, as ray.init's wait
+        # for its GCS in Ray's C++ code does (the interpreter's handlers not run until it returns)
+        gcs.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "/ray/gcs_server"]))
+        print("waiting", file=sys.stderr, flush=True)
+        ctypes.CDLL(None).system(f"trap '' TERM; exec sleep {sys.argv[1]} >/dev/null 2>&1".encode())
+
+    ray.init = starting_a_private_ray
+    ray.shutdown = lambda: gcs[0].kill()  # as ray.shutdown() ends the private Ray's processes
+    with termination.sigterm_raises_terminated():
+        try:
+            ray_cluster._init()
+        except termination.Terminated:
+            print("raised", file=sys.stderr, flush=True)
+''')
+
+
+def signal_during_blocked_ray_init(wait_s: float, send) -> tuple[int, str, float]:
+    """BLOCKED_RAY_INIT run with its wait in C lasting wait_s, send(pid) 0.3 s into it; (exit code,
+    stderr, seconds from the signal to the exit)."""
+    from tests.test_hardening_e2e import signal_when_ready
+
+    code, err, took_s, sid = signal_when_ready([sys.executable, "-c", BLOCKED_RAY_INIT, str(wait_s)], "waiting", 0.3,
+                                               send, cwd=REPO)
+    subprocess.run(["pkill", "-KILL", "-s", str(sid)], check=False)  # the wait's shell and sleep ignore SIGTERM
+    return code, err, took_s
+
+
+def test_a_group_sigterm_while_ray_init_waits_in_c_exits_at_once():
+    """A SIGTERM to the whole group inside ray.init, its private GCS killed with the command:
+    checked as it arrived, not once ray.init's wait in C code returned (the command had exited 30 s
+    later, after Ray's own timeout for the gone GCS)."""
+    import os
+
+    code, err, took_s = signal_during_blocked_ray_init(30, lambda pid: os.killpg(pid, signal.SIGTERM))
+    assert code == termination.TERMINATED_EXIT, err
+    assert "corelaunch: terminated (SIGTERM); the signal reached Ray's own processes too" in err, err
+    assert "raised" not in err
+    assert took_s < 8, f"exited {took_s:.1f} s after the signal"
+
+
+def test_a_sigterm_to_the_command_alone_inside_ray_init_still_shuts_down_cleanly():
+    """Sent to the command alone, while ray.init waits in C: the check on its own thread is still
+    watching when ray.init returns, and the command's own shutdown of the private Ray waits for its
+    answer (taken for the signal's work, the GCS's exit made the command abandon its clean-up)."""
+    import os
+
+    code, err, _ = signal_during_blocked_ray_init(0.6, lambda pid: os.kill(pid, signal.SIGTERM))
+    assert (code, err) == (0, "waiting\nraised\n"), err
+
+
 SECOND_SIGNAL = textwrap.dedent("""
     import os, signal, time
     from launcher import termination

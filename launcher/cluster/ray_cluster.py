@@ -506,7 +506,7 @@ def _init(**options) -> None:
     held = [signal.SIGINT] + ([signal.SIGTERM] if termination.installed() else [])
     previous = {sig: signal.signal(sig, hold) for sig in held}
     try:
-        with _sigterm_handler_kept(signal.SIGTERM in held):
+        with _sigterm_handler_kept(signal.SIGTERM in held), _sigterm_checked_at_once(signal.SIGTERM in held):
             ray.init(**options)
     except BaseException:
         if signal.SIGTERM in interrupted:  # said as SIGTERM (exit 143), not as ray.init's failure
@@ -525,12 +525,26 @@ def _init(**options) -> None:
         raise KeyboardInterrupt
 
 
+def _sigterm_checked_at_once(held: bool):
+    """A held SIGTERM checked as it comes (launcher.termination.held_sigterm_checked_at_once), not
+    once ray.init is back in the interpreter: sent to the group, the private Ray's GCS is gone and
+    ray.init would wait 30 s for it."""
+    from launcher import termination
+
+    return termination.held_sigterm_checked_at_once() if held else contextlib.nullcontext()
+
+
 @contextlib.contextmanager
 def _sigterm_handler_kept(keep: bool):
     """ray.init's own SIGTERM handlers (the driver's `sys.exit(15)`, set as it begins, and a head
     node's kill-everything-then-exit-1) not installed inside the block, so a SIGTERM while a
     private cluster starts is held like Ctrl-C; a Ray without the function it installs them
-    through is left as it is."""
+    through is left as it is. Nor the C++ failure handler its core worker installs (Ray's
+    RAY_DISABLE_FAILURE_SIGNAL_HANDLER, read as the core worker starts: set here as Ray's module
+    constant, not in the environment, which Ray's own processes inherit): it takes SIGTERM too, and
+    a SIGTERM while the core worker registered with its raylet dumped a stack and aborted 3 s later
+    (exit 134). The driver keeps Python's faulthandler for a crash, which ray.init enables."""
+    import ray._private.ray_constants as ray_constants
     import ray._private.utils as ray_utils
 
     install = getattr(ray_utils, "set_sigterm_handler", None)
@@ -538,10 +552,13 @@ def _sigterm_handler_kept(keep: bool):
         yield
         return
     ray_utils.set_sigterm_handler = lambda handler: None
+    failure_handler_off = getattr(ray_constants, "RAY_DISABLE_FAILURE_SIGNAL_HANDLER", None)
+    ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
     try:
         yield
     finally:
         ray_utils.set_sigterm_handler = install
+        ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = failure_handler_off
 
 
 _KEEPER_RELEASE: list[threading.Event] = []
