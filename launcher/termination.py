@@ -48,11 +48,13 @@ class Terminated(KeyboardInterrupt):
 
 
 _terminating = threading.Event()
-_first_check = threading.Lock()
+_first_check = threading.RLock()
 """Held for the first SIGTERM's check (note_held) from start to end: the main thread's handler and
 held_sigterm_checked_at_once's thread may both see one signal, and the other waits for the answer.
 Without the wait ray.init went on meanwhile and shut the private Ray down for a SIGTERM sent to this
-process alone, and the check, watching, took the raylet's exit for the signal's."""
+process alone, and the check, watching, took the raylet's exit for the signal's. Reentrant: a second
+SIGTERM's handler runs on the main thread inside the first's check, and returns (a plain lock
+waited for itself there, forever)."""
 _ended = threading.Event()
 """Set when sigterm_raises_terminated's block ends: the watchdog then has nothing to end (a CLI run
 in-process, `launcher.cli.main([...])`, returns and its caller goes on)."""
@@ -140,6 +142,10 @@ def held_sigterm_checked_at_once():
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    # exit_abandoning's import, made here: on the check's thread it could wait for an import lock
+    # that the main thread, stopped in a signal handler, holds
+    import shardlib.atomic_dir  # noqa: F401
+
     reader, writer = socket.socketpair()
     writer.setblocking(False)
     previous = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
@@ -147,11 +153,14 @@ def held_sigterm_checked_at_once():
     def check_each_sigterm() -> None:
         with reader:
             while signals := reader.recv(64):  # b"": the block has ended and closed the writer
+                if previous >= 0:  # the descriptor's owner (an event loop's signal handling) gets them too
+                    with contextlib.suppress(OSError):
+                        os.write(previous, signals)
                 if signal.SIGTERM in signals:
                     note_held()
 
-    threading.Thread(target=check_each_sigterm, name="corelaunch-sigterm-check", daemon=True).start()
     try:
+        threading.Thread(target=check_each_sigterm, name="corelaunch-sigterm-check", daemon=True).start()
         yield
     finally:
         signal.set_wakeup_fd(previous)

@@ -147,7 +147,9 @@ BLOCKED_RAY_INIT = textwrap.dedent('''
         # for its GCS in Ray's C++ code does (the interpreter's handlers not run until it returns)
         gcs.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "/ray/gcs_server"]))
         print("waiting", file=sys.stderr, flush=True)
-        ctypes.CDLL(None).system(f"trap '' TERM; exec sleep {sys.argv[1]} >/dev/null 2>&1".encode())
+        # until the test's cue (a file): the test signals first, so the check is under way on return
+        ctypes.CDLL(None).system(f"trap '' TERM; exec >/dev/null 2>&1; while [ ! -e {sys.argv[1]} ]; do sleep 0.05; "
+                                 f"done".encode())
 
     ray.init = starting_a_private_ray
     ray.shutdown = lambda: gcs[0].kill()  # as ray.shutdown() ends the private Ray's processes
@@ -159,38 +161,79 @@ BLOCKED_RAY_INIT = textwrap.dedent('''
 ''')
 
 
-def signal_during_blocked_ray_init(wait_s: float, send) -> tuple[int, str, float]:
-    """BLOCKED_RAY_INIT run with its wait in C lasting wait_s, send(pid) 0.3 s into it; (exit code,
-    stderr, seconds from the signal to the exit)."""
+def signal_during_blocked_ray_init(cue: Path, send) -> tuple[int, str, float]:
+    """BLOCKED_RAY_INIT run, send(pid) 0.3 s into its wait in C, which ends once `cue` exists;
+    (exit code, stderr, seconds from the signal to the exit)."""
     from tests.test_hardening_e2e import signal_when_ready
 
-    code, err, took_s, sid = signal_when_ready([sys.executable, "-c", BLOCKED_RAY_INIT, str(wait_s)], "waiting", 0.3,
-                                               send, cwd=REPO)
-    subprocess.run(["pkill", "-KILL", "-s", str(sid)], check=False)  # the wait's shell and sleep ignore SIGTERM
+    command = [sys.executable, "-c", BLOCKED_RAY_INIT, str(cue)]
+    sessions = []
+    try:
+        code, err, took_s, sid = signal_when_ready(command, "waiting", 0.3, lambda pid: sessions.append(pid) or send(pid),
+                                                   cwd=REPO)
+    finally:  # the wait's shell and sleeps ignore SIGTERM
+        for sid in sessions:
+            subprocess.run(["pkill", "-KILL", "-s", str(sid)], check=False)
     return code, err, took_s
 
 
-def test_a_group_sigterm_while_ray_init_waits_in_c_exits_at_once():
+def test_a_group_sigterm_while_ray_init_waits_in_c_exits_at_once(tmp_path):
     """A SIGTERM to the whole group inside ray.init, its private GCS killed with the command:
     checked as it arrived, not once ray.init's wait in C code returned (the command had exited 30 s
     later, after Ray's own timeout for the gone GCS)."""
     import os
 
-    code, err, took_s = signal_during_blocked_ray_init(30, lambda pid: os.killpg(pid, signal.SIGTERM))
+    never = tmp_path / "never"  # the wait lasts until the test ends it
+    code, err, took_s = signal_during_blocked_ray_init(never, lambda pid: os.killpg(pid, signal.SIGTERM))
     assert code == termination.TERMINATED_EXIT, err
     assert "corelaunch: terminated (SIGTERM); the signal reached Ray's own processes too" in err, err
     assert "raised" not in err
     assert took_s < 8, f"exited {took_s:.1f} s after the signal"
 
 
-def test_a_sigterm_to_the_command_alone_inside_ray_init_still_shuts_down_cleanly():
-    """Sent to the command alone, while ray.init waits in C: the check on its own thread is still
-    watching when ray.init returns, and the command's own shutdown of the private Ray waits for its
-    answer (taken for the signal's work, the GCS's exit made the command abandon its clean-up)."""
+def test_a_sigterm_to_the_command_alone_inside_ray_init_still_shuts_down_cleanly(tmp_path):
+    """Sent to the command alone, while ray.init waits in C, which returns right after: the check on
+    its own thread is still watching, and the command's own shutdown of the private Ray waits for
+    its answer (taken for the signal's work, the GCS's exit made the command abandon its clean-up)."""
     import os
 
-    code, err, _ = signal_during_blocked_ray_init(0.6, lambda pid: os.kill(pid, signal.SIGTERM))
+    cue = tmp_path / "return"
+    code, err, _ = signal_during_blocked_ray_init(cue, lambda pid: (os.kill(pid, signal.SIGTERM), cue.touch()))
     assert (code, err) == (0, "waiting\nraised\n"), err
+
+
+SIGTERM_DURING_THE_CHECK = textwrap.dedent('''
+    import os, signal, subprocess, sys, threading, time
+    import ray
+    from launcher import termination
+    from launcher.cluster import ray_cluster
+
+    gcs = []
+
+    def starting_a_private_ray(**options):
+        gcs.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "/ray/gcs_server"]))
+        time.sleep(0.5)
+        # in Python code: the main thread's handler makes the check; a second SIGTERM 0.3 s into it
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.5)
+
+    ray.init = starting_a_private_ray
+    ray.shutdown = lambda: gcs[0].kill()
+    with termination.sigterm_raises_terminated():
+        try:
+            ray_cluster._init()
+        except termination.Terminated:
+            print("raised", flush=True)
+''')
+
+
+def test_a_second_sigterm_during_the_first_ones_check_is_ignored():
+    """The first SIGTERM's check (up to a second) holds a lock, and a second SIGTERM's handler runs
+    on the same thread inside it: with a plain lock it waited for itself forever."""
+    run = subprocess.run([sys.executable, "-c", SIGTERM_DURING_THE_CHECK], capture_output=True, text=True, timeout=60,
+                         cwd=REPO)
+    assert (run.returncode, run.stdout) == (0, "raised\n"), run.stderr
 
 
 SECOND_SIGNAL = textwrap.dedent("""

@@ -534,6 +534,9 @@ def _sigterm_checked_at_once(held: bool):
     return termination.held_sigterm_checked_at_once() if held else contextlib.nullcontext()
 
 
+_ABSENT = object()
+
+
 @contextlib.contextmanager
 def _sigterm_handler_kept(keep: bool):
     """ray.init's own SIGTERM handlers (the driver's `sys.exit(15)`, set as it begins, and a head
@@ -552,13 +555,16 @@ def _sigterm_handler_kept(keep: bool):
         yield
         return
     ray_utils.set_sigterm_handler = lambda handler: None
-    failure_handler_off = getattr(ray_constants, "RAY_DISABLE_FAILURE_SIGNAL_HANDLER", None)
+    failure_handler_off = ray_constants.__dict__.get("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", _ABSENT)
     ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
     try:
         yield
     finally:
         ray_utils.set_sigterm_handler = install
-        ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = failure_handler_off
+        if failure_handler_off is _ABSENT:
+            del ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER
+        else:
+            ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = failure_handler_off
 
 
 _KEEPER_RELEASE: list[threading.Event] = []
