@@ -5,6 +5,7 @@ strings, cancels and a group fault (workers/serving/held_tokens.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 from pathlib import Path
 
@@ -130,20 +131,48 @@ def test_a_bad_stream_interval_is_refused_before_anything_is_submitted(model_and
 
 def test_past_what_a_leader_holds_the_stream_gathers_on(model_and_expected, in_process_cluster):
     """A stream_interval above MOST_HELD: the leader holds at most MOST_HELD tokens an event (what a
-    fault regenerates, what one event carries), and the stream gathers the events on to the
-    interval: the first token alone, then deltas of at least the interval, the rest at the end."""
+    fault regenerates, what one event carries), and the stream gathers the events on a token at a
+    time: the first token alone, then deltas of exactly the interval (an event split between two),
+    the rest at the end (it had handed two events whole, 2 * MOST_HELD tokens a delta)."""
     from workers.serving.held_tokens import MOST_HELD
 
     model_dir, _ = model_and_expected
-    interval, new_tokens = MOST_HELD + 36, 3 * MOST_HELD + 8
+    new_tokens = 3 * MOST_HELD + 8  # the leader's events: 1, 64, 64, 64 and the last 7
+    # the second delta ends inside the second event; inside the last, so the end waits for a read
+    intervals = (MOST_HELD + 36, 3 * MOST_HELD + 3)
     with Launcher(model=model_dir, tp=1, max_num_seqs=1, seq_len=512, progress=False, **EAGER) as llm:
         alone = list(llm.stream(PROMPTS[0], max_new_tokens=new_tokens, ignore_eos=True))
-        stream = llm.stream(PROMPTS[0], max_new_tokens=new_tokens, ignore_eos=True, stream_interval=interval)
-        gathered = list(stream)
-    assert max(len(e.token_ids) for e in stream.events) == MOST_HELD
-    assert [len(d.token_ids) for d in gathered] == [1, 2 * MOST_HELD, new_tokens - 1 - 2 * MOST_HELD]
-    assert [t for d in gathered for t in d.token_ids] == [t for d in alone for t in d.token_ids]
-    assert "".join(d.text for d in gathered) == "".join(d.text for d in alone)
+        streams = [llm.stream(PROMPTS[0], max_new_tokens=new_tokens, ignore_eos=True, stream_interval=interval)
+                   for interval in intervals]
+        read = [list(stream) for stream in streams]
+
+        async def read_async(interval: int) -> list:
+            return [d async for d in llm.astream(PROMPTS[0], max_new_tokens=new_tokens, ignore_eos=True,
+                                                 stream_interval=interval)]
+
+        read_asynchronously = [asyncio.run(read_async(interval)) for interval in intervals]
+        for stream, gathered, interval in zip(streams + streams, read + read_asynchronously, intervals + intervals):
+            assert [len(e.token_ids) for e in stream.events] == [1, MOST_HELD, MOST_HELD, MOST_HELD, 7]
+            assert [len(d.token_ids) for d in gathered] == [1, interval, new_tokens - 1 - interval]
+            assert [t for d in gathered for t in d.token_ids] == [t for d in alone for t in d.token_ids]
+            assert "".join(d.text for d in gathered) == "".join(d.text for d in alone)
+            assert [d.completion_tokens for d in gathered] == [1, 1 + interval, new_tokens]
+            assert [len(p.token_ids) for d in gathered[1:] for p in d.parts] == [1] * (new_tokens - 1)
+            assert gathered[-1].finish_reason == "length" and all(d.finish_reason is None for d in gathered[:-1])
+
+
+def test_closing_a_stream_drops_the_tokens_it_carries_past_a_delta(model_and_expected, in_process_cluster):
+    """Tokens read from a split event and not handed over yet end with a close: the reader that
+    closed it reads its end quietly, as after any close."""
+    from workers.serving.held_tokens import MOST_HELD
+
+    model_dir, _ = model_and_expected
+    with Launcher(model=model_dir, tp=1, max_num_seqs=1, seq_len=512, progress=False, **EAGER) as llm:
+        stream = llm.stream(PROMPTS[0], max_new_tokens=3 * MOST_HELD, ignore_eos=True, stream_interval=MOST_HELD + 36)
+        assert [len(next(stream).token_ids) for _ in range(2)] == [1, MOST_HELD + 36]  # 28 carried
+        stream.close()
+        assert list(stream) == []
+        assert llm.load() == {"running": 0, "waiting": 0}
 
 
 def test_closing_a_stream_with_held_tokens_frees_its_row(model_and_expected, in_process_cluster):

@@ -12,13 +12,16 @@ finished stream.
 
 A stream of a request with stop strings gathers its deltas here (`gather`, its stream_interval):
 its leader sends each token, so that the stop strings, matched here, end it at the token that
-completes one. A read that fails after some deltas were gathered hands those over first, and the
-next read raises the failure.
+completes one. So does a stream whose interval is above what a leader holds (MOST_HELD): it takes
+the leader's events a token at a time, so each delta after the first holds exactly the interval.
+A read that fails after some deltas were gathered hands those over first, and the next read raises
+the failure.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import queue
 import threading
@@ -45,6 +48,8 @@ class _Stream:
         self._gathered: list[StreamDelta] = []
         """Deltas read and not handed over yet (gather > 1)."""
         self._gathered_tokens = 0
+        self._carried: collections.deque[StreamDelta] = collections.deque()
+        """One-token parts of a read delta that are past the delta last handed over (gather > 1)."""
         self._handed_a_token = False
         self.done = False
         self._closer = None
@@ -83,14 +88,25 @@ class _Stream:
         return delta
 
     def _take(self, delta: StreamDelta) -> StreamDelta | None:
-        """Gather a read delta; the delta to hand over once due (vLLM's stream_interval rule: the
-        request ended, the gathered deltas hold its first token, or `gather` tokens have come), else None."""
-        self._gathered.append(delta)
-        self._gathered_tokens += len(delta.token_ids)
-        tokens = self._gathered_tokens
-        if delta.finish_reason is None and (self._handed_a_token or not tokens) and tokens < self.gather:
-            return None
-        return self._handed()
+        """Gather a read delta a token at a time (its parts); the delta to hand over once due
+        (vLLM's stream_interval rule: the request ended, the gathered deltas hold its first token,
+        or `gather` tokens have come), else None. Tokens past a due delta's wait for the next read."""
+        self._carried.extend(delta.parts or (delta,))
+        return self._carried_due()
+
+    def _carried_due(self) -> StreamDelta | None:
+        while self._carried:
+            part = self._carried.popleft()
+            self._gathered.append(part)
+            self._gathered_tokens += len(part.token_ids)
+            tokens = self._gathered_tokens
+            if part.finish_reason is not None or (tokens and not self._handed_a_token) or tokens >= self.gather:
+                return self._handed()
+        return None
+
+    def _ended_unless_carrying(self) -> bool:
+        """True once the stream has nothing more for a reader: done, and no read tokens left to hand."""
+        return self.done and not self._carried
 
     def _after_failure(self, error: Exception) -> StreamDelta:
         """A read failed, which ended the stream: what was gathered before goes to the reader first,
@@ -130,6 +146,7 @@ class _Stream:
         if reason is not None and not self.handle.fail(reason):
             return False
         self.done = True
+        self._carried.clear()
         self._cancelled = reason
         self._cancel(self.handle, deferred)
         return True
@@ -166,11 +183,13 @@ class RequestStream(_Stream):
         return self
 
     def __next__(self) -> StreamDelta:
-        if self.done:
+        if self._ended_unless_carrying():
             self._ended(threading.get_ident())
             raise StopIteration
         if self.gather == 1:
             return self._next_delta()
+        if (handed := self._carried_due()) is not None:
+            return handed
         while True:
             try:
                 delta = self._next_delta()
@@ -221,11 +240,13 @@ class AsyncRequestStream(_Stream):
                                  f"on, not on this one; call astream() in the loop that reads the stream")
             self.cancel(reason=wrong)
             raise wrong
-        if self.done:
+        if self._ended_unless_carrying():
             self._ended(asyncio.current_task())
             raise StopAsyncIteration
         if self.gather == 1:
             return await self._next_delta()
+        if (handed := self._carried_due()) is not None:
+            return handed
         while True:
             try:
                 delta = await self._next_delta()
