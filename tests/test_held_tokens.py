@@ -9,7 +9,7 @@ import random
 import pytest
 
 from launcher.serving.text_stream import TextStream
-from workers.serving.held_tokens import HeldTokens, join
+from workers.serving.held_tokens import MOST_HELD, HeldTokens, held_per_event, join
 from workers.serving.requests import TokenEvent, TokenLogprob
 
 
@@ -110,3 +110,12 @@ def test_gathered_events_read_as_one_event_per_token(smollm2_tokenizer, seed):
 
     assert summary(together) == summary(alone)
     assert len(together) < len(alone) or len(alone) <= 2  # they did arrive gathered
+
+
+def test_past_what_a_leader_holds_it_holds_a_divisor_of_the_interval_where_one_is_large_enough():
+    """So that its events end where the reader's deltas do; a prime interval, or one whose divisors
+    are all small (each would wake the replica more often), gets MOST_HELD."""
+    assert [held_per_event(n) for n in (1, 8, MOST_HELD)] == [1, 8, MOST_HELD]
+    assert [held_per_event(n) for n in (100, 128, 195, 3 * MOST_HELD)] == [50, MOST_HELD, 39, MOST_HELD]
+    assert [held_per_event(n) for n in (67, 101, 193, 11 * 13)] == [MOST_HELD] * 4
+    assert held_per_event(13 * 17) == 17

@@ -137,22 +137,25 @@ def test_past_what_a_leader_holds_the_stream_gathers_on(model_and_expected, in_p
     from workers.serving.held_tokens import MOST_HELD
 
     model_dir, _ = model_and_expected
-    new_tokens = 3 * MOST_HELD + 8  # the leader's events: 1, 64, 64, 64 and the last 7
-    # the second delta ends inside the second event; inside the last, so the end waits for a read
-    intervals = (MOST_HELD + 36, 3 * MOST_HELD + 3)
+    new_tokens = 3 * MOST_HELD + 8
+    # 100: the leader holds 50 (a divisor), so its events end where the deltas do; 101 and 193
+    # (primes): it holds 64 (events of 1, 64, 64, 64 and the last 7), and the second delta ends
+    # inside the second event, or inside the last, whose rest then waits for the next read
+    held = {100: [1, 50, 50, 50, 49], 101: [1] + [MOST_HELD] * 3 + [8 - 1], 193: [1] + [MOST_HELD] * 3 + [7]}
     with Launcher(model=model_dir, tp=1, max_num_seqs=1, seq_len=512, progress=False, **EAGER) as llm:
         alone = list(llm.stream(PROMPTS[0], max_new_tokens=new_tokens, ignore_eos=True))
-        streams = [llm.stream(PROMPTS[0], max_new_tokens=new_tokens, ignore_eos=True, stream_interval=interval)
-                   for interval in intervals]
-        read = [list(stream) for stream in streams]
+        read = []
+        for interval in held:
+            stream = llm.stream(PROMPTS[0], max_new_tokens=new_tokens, ignore_eos=True, stream_interval=interval)
+            read.append((interval, stream, list(stream)))
 
-        async def read_async(interval: int) -> list:
-            return [d async for d in llm.astream(PROMPTS[0], max_new_tokens=new_tokens, ignore_eos=True,
-                                                 stream_interval=interval)]
+        async def read_async(interval: int) -> tuple:
+            stream = llm.astream(PROMPTS[0], max_new_tokens=new_tokens, ignore_eos=True, stream_interval=interval)
+            return interval, stream, [d async for d in stream]
 
-        read_asynchronously = [asyncio.run(read_async(interval)) for interval in intervals]
-        for stream, gathered, interval in zip(streams + streams, read + read_asynchronously, intervals + intervals):
-            assert [len(e.token_ids) for e in stream.events] == [1, MOST_HELD, MOST_HELD, MOST_HELD, 7]
+        read += [asyncio.run(read_async(interval)) for interval in held]
+        for interval, stream, gathered in read:
+            assert [len(e.token_ids) for e in stream.events] == held[interval]
             assert [len(d.token_ids) for d in gathered] == [1, interval, new_tokens - 1 - interval]
             assert [t for d in gathered for t in d.token_ids] == [t for d in alone for t in d.token_ids]
             assert "".join(d.text for d in gathered) == "".join(d.text for d in alone)
@@ -168,11 +171,22 @@ def test_closing_a_stream_drops_the_tokens_it_carries_past_a_delta(model_and_exp
 
     model_dir, _ = model_and_expected
     with Launcher(model=model_dir, tp=1, max_num_seqs=1, seq_len=512, progress=False, **EAGER) as llm:
-        stream = llm.stream(PROMPTS[0], max_new_tokens=3 * MOST_HELD, ignore_eos=True, stream_interval=MOST_HELD + 36)
-        assert [len(next(stream).token_ids) for _ in range(2)] == [1, MOST_HELD + 36]  # 28 carried
-        stream.close()
-        assert list(stream) == []
-        assert llm.load() == {"running": 0, "waiting": 0}
+        # 101: the second delta ends inside the leader's second event of 64, the request still
+        # running; 193: inside its last, the request finished (its end read, not handed over)
+        for interval, new_tokens in ((101, 3 * MOST_HELD), (193, 3 * MOST_HELD + 8)):
+            stream = llm.stream(PROMPTS[0], max_new_tokens=new_tokens, ignore_eos=True, stream_interval=interval)
+            assert [len(next(stream).token_ids) for _ in range(2)] == [1, interval]
+            stream.close()
+            assert list(stream) == []
+            assert llm.load() == {"running": 0, "waiting": 0}
+
+        async def close_carrying() -> list:
+            stream = llm.astream(PROMPTS[0], max_new_tokens=3 * MOST_HELD + 8, ignore_eos=True, stream_interval=193)
+            assert [len((await anext(stream)).token_ids) for _ in range(2)] == [1, 193]
+            await stream.aclose()
+            return [d async for d in stream]
+
+        assert asyncio.run(close_carrying()) == []
 
 
 def test_closing_a_stream_with_held_tokens_frees_its_row(model_and_expected, in_process_cluster):

@@ -157,6 +157,9 @@ class _Stream:
                                   f"after {len(self.handle.delivered)} token(s)")
         if self.cancel(reason=reason):
             self._closer = closer
+        elif self._carried:  # it finished, with read tokens not handed over yet: they go with the close
+            self._carried.clear()
+            self.done, self._cancelled, self._closer = True, reason, closer
 
     def _ended(self, reader) -> None:
         """A read after the end: raise the reason unless `reader` closed the stream itself."""
