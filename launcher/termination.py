@@ -81,7 +81,7 @@ def on_sigterm() -> None:
 def note_held() -> None:
     """The first SIGTERM's check, for one held while ray.init runs (launcher/cluster/ray_cluster.py):
     exits at once when the signal reached the private Ray's processes too, whose GCS ray.init would
-    wait 60 s for."""
+    wait 30 s for (and each later Ray call 60 s)."""
     with _first_check:
         if _terminating.is_set():
             return

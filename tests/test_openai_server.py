@@ -1353,17 +1353,22 @@ def test_a_stream_interval_sends_the_same_answer_in_fewer_chunks(client, hf):
     content = [c.choices[0] for c in chat if c.choices and c.choices[0].delta.content]
     assert "".join(c.delta.content for c in content) == answer
     assert max(len(c.logprobs.content) for c in content) > 1  # gathered: several tokens a chunk
-    # past the 64 a leader holds: 100 held 50 at a time, 101 (a prime) 64 at a time, each event
-    # split between chunks by the replica, which gathers exactly the interval a chunk
-    one_at_a_time = None  # (a token without text yet goes with the next: not a chunk each)
-    for interval, sizes in ((1, None), (100, [1, 100, 29]), (101, [1, 101, 28])):
+
+    def choices(interval: int) -> list:
         stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=130, temperature=0, stream=True,
                                            logprobs=1, extra_body={"stream_interval": interval, "ignore_eos": True})
-        texts = [c.choices[0] for c in stream if c.choices]
-        assert sizes is None or [len(c.logprobs.tokens) for c in texts] == sizes
-        answer = ("".join(c.text for c in texts), [t for c in texts for t in c.logprobs.tokens])
-        assert answer == (one_at_a_time or answer)
-        one_at_a_time = one_at_a_time or answer
+        return [c.choices[0] for c in stream if c.choices]
+
+    def answer(choices: list) -> tuple:
+        return "".join(c.text for c in choices), [t for c in choices for t in c.logprobs.tokens]
+
+    one_at_a_time = answer(choices(1))  # (a token without text yet goes with the next: not a chunk each)
+    # past the 64 a leader holds: 100 held 50 at a time (a divisor), 101 (a prime) 64 at a time,
+    # split between chunks by the replica, which gathers exactly the interval a chunk
+    for interval, sizes in ((100, [1, 100, 29]), (101, [1, 101, 28])):
+        gathered = choices(interval)
+        assert [len(c.logprobs.tokens) for c in gathered] == sizes
+        assert answer(gathered) == one_at_a_time
 
 
 @pytest.mark.slow

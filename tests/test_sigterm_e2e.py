@@ -38,7 +38,7 @@ AFTER_RAY_INIT = textwrap.dedent("""
         action, symbol = Action(), Symbol()
         libc.sigaction(signum, None, ctypes.byref(action))
         libc.dladdr(action.handler, ctypes.byref(symbol))
-        return os.path.basename(symbol.file.decode())
+        return os.path.basename(symbol.file.decode()) if symbol.file else str(action.handler)
 
     with termination.sigterm_raises_terminated():
         connection = ray_cluster.connect(None)

@@ -140,8 +140,8 @@ def test_past_what_a_leader_holds_the_stream_gathers_on(model_and_expected, in_p
     new_tokens = 3 * MOST_HELD + 8
     # 100: the leader holds 50 (a divisor), so its events end where the deltas do; 101 and 193
     # (primes): it holds 64 (events of 1, 64, 64, 64 and the last 7), and the second delta ends
-    # inside the second event, or inside the last, whose rest then waits for the next read
-    held = {100: [1, 50, 50, 50, 49], 101: [1] + [MOST_HELD] * 3 + [8 - 1], 193: [1] + [MOST_HELD] * 3 + [7]}
+    # inside the second event of 64, or inside the last, whose rest then waits for the next read
+    held = {100: [1, 50, 50, 50, 49], 101: [1] + [MOST_HELD] * 3 + [7], 193: [1] + [MOST_HELD] * 3 + [7]}
     with Launcher(model=model_dir, tp=1, max_num_seqs=1, seq_len=512, progress=False, **EAGER) as llm:
         alone = list(llm.stream(PROMPTS[0], max_new_tokens=new_tokens, ignore_eos=True))
         read = []

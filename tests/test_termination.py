@@ -146,10 +146,10 @@ BLOCKED_RAY_INIT = textwrap.dedent('''
         # a child as Ray's GCS is, then a wait in C that retries after a signal, as ray.init's wait
         # for its GCS in Ray's C++ code does (the interpreter's handlers not run until it returns)
         gcs.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "/ray/gcs_server"]))
-        print("waiting", file=sys.stderr, flush=True)
-        # until the test's cue (a file): the test signals first, so the check is under way on return
-        ctypes.CDLL(None).system(f"trap '' TERM; exec >/dev/null 2>&1; while [ ! -e {sys.argv[1]} ]; do sleep 0.05; "
-                                 f"done".encode())
+        # "waiting" once the wait ignores SIGTERM; it lasts until the test's cue (a file): the test
+        # signals first, so the check is under way when it returns
+        ctypes.CDLL(None).system(f"trap '' TERM; echo waiting >&2; exec >/dev/null 2>&1; "
+                                 f"while [ ! -e {sys.argv[1]} ]; do sleep 0.05; done".encode())
 
     ray.init = starting_a_private_ray
     ray.shutdown = lambda: gcs[0].kill()  # as ray.shutdown() ends the private Ray's processes
@@ -169,8 +169,8 @@ def signal_during_blocked_ray_init(cue: Path, send) -> tuple[int, str, float]:
     command = [sys.executable, "-c", BLOCKED_RAY_INIT, str(cue)]
     sessions = []
     try:
-        code, err, took_s, sid = signal_when_ready(command, "waiting", 0.3, lambda pid: sessions.append(pid) or send(pid),
-                                                   cwd=REPO)
+        code, err, took_s, _ = signal_when_ready(command, "waiting", 0.3, lambda pid: sessions.append(pid) or send(pid),
+                                                 cwd=REPO)
     finally:  # the wait's shell and sleeps ignore SIGTERM
         for sid in sessions:
             subprocess.run(["pkill", "-KILL", "-s", str(sid)], check=False)

@@ -505,8 +505,10 @@ def _init(**options) -> None:
 
     held = [signal.SIGINT] + ([signal.SIGTERM] if termination.installed() else [])
     previous = {sig: signal.signal(sig, hold) for sig in held}
+    # checked as it comes, not once ray.init is back in the interpreter (termination's docstring)
+    checked = termination.held_sigterm_checked_at_once() if signal.SIGTERM in held else contextlib.nullcontext()
     try:
-        with _sigterm_handler_kept(signal.SIGTERM in held), _sigterm_checked_at_once(signal.SIGTERM in held):
+        with _sigterm_handler_kept(signal.SIGTERM in held), checked:
             ray.init(**options)
     except BaseException:
         if signal.SIGTERM in interrupted:  # said as SIGTERM (exit 143), not as ray.init's failure
@@ -515,23 +517,15 @@ def _init(**options) -> None:
     finally:
         signal.signal(signal.SIGINT, previous[signal.SIGINT])
         if signal.SIGTERM in held:
-            # over Ray's: its Python one (sys.exit(15)) and the C++ failure handler its core worker
-            # installs, which dumped a stack and aborted (exit 134)
+            # over `hold`, and over Ray's own where a Ray installed them despite _sigterm_handler_kept
+            # (its sys.exit(15); its core worker's C++ failure handler, which dumped a stack and
+            # aborted, exit 134)
             termination.reinstall()
     if interrupted:
         ray.shutdown()
         if signal.SIGTERM in interrupted:
             termination.raise_after_hold()
         raise KeyboardInterrupt
-
-
-def _sigterm_checked_at_once(held: bool):
-    """A held SIGTERM checked as it comes (launcher.termination.held_sigterm_checked_at_once), not
-    once ray.init is back in the interpreter: sent to the group, the private Ray's GCS is gone and
-    ray.init would wait 30 s for it."""
-    from launcher import termination
-
-    return termination.held_sigterm_checked_at_once() if held else contextlib.nullcontext()
 
 
 _ABSENT = object()
@@ -542,7 +536,7 @@ def _sigterm_handler_kept(keep: bool):
     """ray.init's own SIGTERM handlers (the driver's `sys.exit(15)`, set as it begins, and a head
     node's kill-everything-then-exit-1) not installed inside the block, so a SIGTERM while a
     private cluster starts is held like Ctrl-C; a Ray without the function it installs them
-    through is left as it is. Nor the C++ failure handler its core worker installs (Ray's
+    through keeps them. Nor the C++ failure handler its core worker installs (Ray's
     RAY_DISABLE_FAILURE_SIGNAL_HANDLER, read as the core worker starts: set here as Ray's module
     constant, not in the environment, which Ray's own processes inherit): it takes SIGTERM too, and
     a SIGTERM while the core worker registered with its raylet dumped a stack and aborted 3 s later
@@ -550,17 +544,19 @@ def _sigterm_handler_kept(keep: bool):
     import ray._private.ray_constants as ray_constants
     import ray._private.utils as ray_utils
 
-    install = getattr(ray_utils, "set_sigterm_handler", None)
-    if not keep or install is None:
+    if not keep:
         yield
         return
-    ray_utils.set_sigterm_handler = lambda handler: None
+    install = getattr(ray_utils, "set_sigterm_handler", None)
+    if install is not None:
+        ray_utils.set_sigterm_handler = lambda handler: None
     failure_handler_off = ray_constants.__dict__.get("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", _ABSENT)
     ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
     try:
         yield
     finally:
-        ray_utils.set_sigterm_handler = install
+        if install is not None:
+            ray_utils.set_sigterm_handler = install
         if failure_handler_off is _ABSENT:
             del ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER
         else:

@@ -41,8 +41,9 @@ _GRACE_S = 30.0
 class _Stream:
     def __init__(self, cancel, handle: StreamHandle, text: TextStream, gather: int = 1) -> None:
         """gather: tokens the stream joins into one delta: the request's stream_interval where its
-        leader sends each token (a request with stop strings), 1 where the leader gathers them itself
-        (Launcher._new_stream)."""
+        leader sends each token (a request with stop strings) or holds fewer than it (an interval
+        above MOST_HELD: workers.serving.held_tokens.held_per_event), 1 where the leader holds them
+        all itself (Launcher._new_stream)."""
         self._cancel, self.handle, self.text = cancel, handle, text
         self.gather = gather
         self._gathered: list[StreamDelta] = []
@@ -90,7 +91,7 @@ class _Stream:
     def _take(self, delta: StreamDelta) -> StreamDelta | None:
         """Gather a read delta a token at a time (its parts); the delta to hand over once due
         (vLLM's stream_interval rule: the request ended, the gathered deltas hold its first token,
-        or `gather` tokens have come), else None. Tokens past a due delta's wait for the next read."""
+        or `gather` tokens have come), else None. Parts past a due delta stay in _carried for the next read."""
         self._carried.extend(delta.parts or (delta,))
         return self._carried_due()
 
@@ -103,10 +104,6 @@ class _Stream:
             if part.finish_reason is not None or (tokens and not self._handed_a_token) or tokens >= self.gather:
                 return self._handed()
         return None
-
-    def _ended_unless_carrying(self) -> bool:
-        """True once the stream has nothing more for a reader: done, and no read tokens left to hand."""
-        return self.done and not self._carried
 
     def _after_failure(self, error: Exception) -> StreamDelta:
         """A read failed, which ended the stream: what was gathered before goes to the reader first,
@@ -157,7 +154,8 @@ class _Stream:
                                   f"after {len(self.handle.delivered)} token(s)")
         if self.cancel(reason=reason):
             self._closer = closer
-        elif self._carried:  # it finished, with read tokens not handed over yet: they go with the close
+        elif self._carried:  # the request finished (its end read or not), with read tokens not handed over:
+            # the close ends the stream, what is left unread too
             self._carried.clear()
             self.done, self._cancelled, self._closer = True, reason, closer
 
@@ -186,7 +184,7 @@ class RequestStream(_Stream):
         return self
 
     def __next__(self) -> StreamDelta:
-        if self._ended_unless_carrying():
+        if self.done and not self._carried:  # done, and no read tokens left to hand over
             self._ended(threading.get_ident())
             raise StopIteration
         if self.gather == 1:
@@ -243,7 +241,7 @@ class AsyncRequestStream(_Stream):
                                  f"on, not on this one; call astream() in the loop that reads the stream")
             self.cancel(reason=wrong)
             raise wrong
-        if self._ended_unless_carrying():
+        if self.done and not self._carried:
             self._ended(asyncio.current_task())
             raise StopAsyncIteration
         if self.gather == 1:

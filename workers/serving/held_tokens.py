@@ -25,12 +25,14 @@ carries to the reader at once (a 16,000-token event held a replica's event loop 
 
 def held_per_event(stream_interval: int) -> int:
     """The interval a leader holds a stream's tokens by for a reader asking stream_interval: that
-    interval, up to MOST_HELD; past it, its largest divisor from MOST_HELD / 4 to MOST_HELD, so
+    interval, up to MOST_HELD; past it, its largest divisor from MOST_HELD / 2 to MOST_HELD, so
     that the leader's events end where the reader's deltas do (a delta complete inside an event
-    waited for the event's end: up to MOST_HELD - 1 steps), else MOST_HELD."""
+    waited for the event's end: up to MOST_HELD - 1 steps), else MOST_HELD. Not below half of
+    MOST_HELD: a whole answer on a server whose interval is above it reads nothing until its end,
+    and more events would only cost the replica more wake-ups."""
     if stream_interval <= MOST_HELD:
         return stream_interval
-    return next((d for d in range(MOST_HELD, MOST_HELD // 4 - 1, -1) if stream_interval % d == 0), MOST_HELD)
+    return next((d for d in range(MOST_HELD, MOST_HELD // 2 - 1, -1) if stream_interval % d == 0), MOST_HELD)
 
 
 def join(held: TokenEvent, later: TokenEvent) -> TokenEvent:
