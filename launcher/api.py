@@ -1337,7 +1337,7 @@ class Launcher:
         from launcher.serving.loop_hand_over import loop_sink
         from launcher.serving.request_streams import AsyncRequestStream, RequestStream, thread_sink
         from launcher.serving.text_stream import TextStream
-        from workers.serving.held_tokens import MOST_HELD, held_per_event
+        from workers.serving.held_tokens import held_per_event
         from workers.serving.requests import StreamRequest
 
         if asynchronous:
@@ -1354,9 +1354,9 @@ class Launcher:
         # Stop strings are matched here, on the text: tokens the leader held would end the request
         # up to stream_interval - 1 steps late (vLLM matches every token whatever it sends), so the
         # leader sends each and the stream gathers them (request_streams._Stream.gather); past
-        # MOST_HELD the leader holds at most that many and the stream gathers on.
+        # what a leader holds (held_per_event) the stream gathers on: whatever the leader does not.
         leader_interval = 1 if stops else held_per_event(stream_interval)
-        gather = stream_interval if stops or stream_interval > MOST_HELD else 1
+        gather = 1 if leader_interval == stream_interval else stream_interval
         request = StreamRequest(request_id or uuid.uuid4().hex, tuple(token_ids), params, max_new_tokens,
                                 ending_ids, logprobs, return_logits, prompt_logprobs=prompt_logprobs,
                                 cache_salt=cache_salt, stream_interval=leader_interval)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_tokenize_routes import answer, post, refusal_of, scripted_server
+from tests.test_tokenize_routes import answer, refusal_of, scripted_server
 from workers.net import free_port
 
 MODEL = "smollm2-135m-instruct"
@@ -29,6 +29,16 @@ TEMPLATE = ("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}
 """A template no model ships: a prompt rendered with it is told apart from SmolLM2's at a glance."""
 OWN_TEMPLATE = "{% for m in messages %}{{ m.content }}{% endfor %}"
 """A request's own template (chat_template): the messages' text alone."""
+
+
+def trusting_server(tokenizer, template: str | None = None):
+    """A scripted server over `tokenizer` as its constructor sets one up under
+    --trust-request-chat-template, and --chat-template `template` where given."""
+    from launcher.serving.chat_template import use_chat_template
+
+    server = scripted_server(tokenizer if template is None else use_chat_template(tokenizer, template), "Blue.")
+    server.server_template, server.trust_request_chat_template = template is not None, True
+    return server
 
 
 def flags() -> dict:
@@ -234,6 +244,7 @@ def test_a_requests_own_template_is_taken_only_where_the_server_trusts_it(smollm
     from launcher.serving.chat_template import use_chat_template
 
     tokenize = {"model": MODEL, "messages": CHAT, "chat_template": OWN_TEMPLATE}
+    plain = {"model": MODEL, "messages": CHAT, "max_tokens": 4}
     body = {**tokenize, "max_tokens": 4}
     untrusted = scripted_server(copy.deepcopy(smollm2_tokenizer), "Blue.")
     for route, asked in (("/v1/chat/completions", body), ("/tokenize", tokenize)):
@@ -241,18 +252,15 @@ def test_a_requests_own_template_is_taken_only_where_the_server_trusts_it(smollm
         assert refused.param == "chat_template" and "takes no chat template from a request" in refused.message
         assert "--trust-request-chat-template" in refused.message
     assert untrusted.prompts == []
-    nested = refusal_of(untrusted, "/v1/chat/completions", {**{k: v for k, v in body.items() if k != "chat_template"},
-                                                             "chat_template_kwargs": {"chat_template": "x"}})
+    nested = refusal_of(untrusted, "/v1/chat/completions", {**plain, "chat_template_kwargs": {"chat_template": "x"}})
     assert nested.param == "chat_template_kwargs.chat_template" and "request's own chat_template" in nested.message
     own_ids = smollm2_tokenizer("Name a colour.", add_special_tokens=False)["input_ids"]
     for tokenizer in (use_chat_template(copy.deepcopy(smollm2_tokenizer), TEMPLATE), no_template_tokenizer):
-        trusted = scripted_server(tokenizer, "Blue.")
-        trusted.trust_request_chat_template = True  # as the constructor sets it from the settings
+        trusted = trusting_server(tokenizer)
         assert answer(trusted, "/v1/chat/completions", body)["usage"]["prompt_tokens"] == len(own_ids)
         assert trusted.prompts == ["Name a colour."]
         assert answer(trusted, "/tokenize", tokenize)["tokens"] == own_ids
         # without the field: the server's template, or (no template at all) the refusal
-        plain = {k: v for k, v in body.items() if k != "chat_template"}
         if tokenizer.chat_template is not None:
             answer(trusted, "/v1/chat/completions", plain)
             assert trusted.prompts[-1] == "[user] Name a colour.\n[assistant] "
@@ -284,8 +292,7 @@ def test_a_template_nested_too_deeply_is_refused_not_a_traceback(smollm2_tokeniz
     monkeypatch.setattr(serve_command, "_plan", lambda *args: pytest.fail("the launch was planned"))
     assert main(["serve", "--chat-template", deep, "--port", str(free_port())]) == 2
     assert DEEP_WORDS in capsys.readouterr().err
-    trusted = scripted_server(copy.deepcopy(smollm2_tokenizer), "Blue.")
-    trusted.trust_request_chat_template = True
+    trusted = trusting_server(copy.deepcopy(smollm2_tokenizer))
     refused = refusal_of(trusted, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 4,
                                                            "chat_template": deep})
     assert refused.status == 400 and refused.param == "chat_template" and DEEP_WORDS in refused.message
@@ -319,8 +326,7 @@ def test_a_replaced_template_does_not_narrow_the_control_tokens(tool_call_tokeni
     assert TOOL_CALL in before
     plain = scripted_server(use_chat_template(copy.deepcopy(tool_call_tokenizer), None), "Blue.")
     assert token not in answer(plain, "/tokenize", body)["tokens"]
-    server = scripted_server(use_chat_template(tool_call_tokenizer, TEMPLATE), "Blue.")
-    server.trust_request_chat_template = True
+    server = trusting_server(tool_call_tokenizer, TEMPLATE)
     for asked in (body, {**body, "chat_template": OWN_TEMPLATE}):
         ids = answer(server, "/tokenize", asked)["tokens"]
         assert token not in ids and TOOL_CALL in tool_call_tokenizer.decode(ids), asked
@@ -340,22 +346,18 @@ RAISING = "{% if messages[0].role == 'user' %}{{ raise_exception('a system messa
 
 def test_a_template_refusal_names_whose_template_refused(smollm2_tokenizer):
     """The model's, the server's (--chat-template), or the request's own (param chat_template)."""
-    from launcher.serving.chat_template import use_chat_template
-
     body = {"model": MODEL, "messages": CHAT, "max_tokens": 4}
     model_raising = copy.deepcopy(smollm2_tokenizer)
     model_raising.chat_template = RAISING
     refused = refusal_of(scripted_server(model_raising, "Blue."), "/v1/chat/completions", body)
     assert refused.param == "messages" and refused.message.startswith(
         "messages: the model's chat template refused them: a system message must come first"), refused.message
-    server = scripted_server(use_chat_template(copy.deepcopy(smollm2_tokenizer), RAISING), "Blue.")
-    server.server_template = server.trust_request_chat_template = True  # as the constructor sets them
+    server = trusting_server(copy.deepcopy(smollm2_tokenizer), RAISING)
     for route, asked in (("/v1/chat/completions", body), ("/tokenize", {"model": MODEL, "messages": CHAT})):
         refused = refusal_of(server, route, asked)
         assert refused.param == "messages" and refused.message.startswith(
             "messages: the server's chat template refused them: a system message"), refused.message
-    server = scripted_server(use_chat_template(copy.deepcopy(smollm2_tokenizer), TEMPLATE), "Blue.")
-    server.server_template = server.trust_request_chat_template = True
+    server = trusting_server(copy.deepcopy(smollm2_tokenizer), TEMPLATE)
     refused = refusal_of(server, "/v1/chat/completions", {**body, "chat_template": RAISING})
     assert refused.param == "chat_template" and refused.message.startswith(
         "chat_template: the request's own chat template refused its messages: a system message"), refused.message
@@ -409,8 +411,7 @@ def test_a_requests_own_template_is_compiled_off_the_event_loop(smollm2_tokenize
     compile_it = chat_template.jinja_problem
     monkeypatch.setattr(chat_template, "jinja_problem",
                         lambda text: compiled_on.append(threading.current_thread()) or compile_it(text))
-    server = scripted_server(copy.deepcopy(smollm2_tokenizer), "Blue.")
-    server.trust_request_chat_template = True
+    server = trusting_server(copy.deepcopy(smollm2_tokenizer))
     body = {"model": MODEL, "messages": CHAT, "chat_template": OWN_TEMPLATE}
     assert answer(server, "/tokenize", body)["count"] > 0
     answer(server, "/v1/chat/completions", {**body, "max_tokens": 2})

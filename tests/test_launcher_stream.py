@@ -836,22 +836,33 @@ def test_an_async_stream_read_on_another_event_loop_is_refused_at_once(model_and
             time.sleep(0.05)
 
 
-def test_a_failed_stream_gives_its_error_to_every_later_reader_not_a_quiet_end():
-    """A request its replica failed (a timeout, a replica given up) raised the error for the read
-    that met it; another thread's read after that ended quietly, as a finished answer does."""
+def thread_stream(text=None, cancel=None, gather: int = 1):
+    """(a RequestStream of request r1, read on threads, joining `gather` tokens a delta, and its
+    StreamHandle, which delivers events to it)."""
     import queue
-    import threading
 
     from launcher.cluster.stream_handle import StreamHandle
-    from launcher.errors import RequestTimeout
     from launcher.serving.request_streams import RequestStream, thread_sink
     from launcher.serving.text_stream import TextStream
     from shardlib.sampling_params import SamplingParams
-    from workers.serving.requests import StreamRequest, TokenEvent
+    from workers.serving.requests import StreamRequest
 
     items = queue.Queue()
     handle = StreamHandle(StreamRequest("r1", (1, 2), SamplingParams(), 10), thread_sink(items), 5.0)
-    stream = RequestStream(lambda *args, **kwargs: None, handle, TextStream("r1", None, (), 2), items)
+    stream = RequestStream(cancel or (lambda *args, **kwargs: None), handle, text or TextStream("r1", None, (), 2),
+                           items, gather=gather)
+    return stream, handle
+
+
+def test_a_failed_stream_gives_its_error_to_every_later_reader_not_a_quiet_end():
+    """A request its replica failed (a timeout, a replica given up) raised the error for the read
+    that met it; another thread's read after that ended quietly, as a finished answer does."""
+    import threading
+
+    from launcher.errors import RequestTimeout
+    from workers.serving.requests import TokenEvent
+
+    stream, handle = thread_stream()
     handle.deliver(TokenEvent("r1", [5]))
     assert next(stream).token_ids == [5]
     handle.fail(RequestTimeout("request r1 did not finish within 5 s; it was cancelled"))

@@ -1359,16 +1359,16 @@ def test_a_stream_interval_sends_the_same_answer_in_fewer_chunks(client, hf):
                                            logprobs=1, extra_body={"stream_interval": interval, "ignore_eos": True})
         return [c.choices[0] for c in stream if c.choices]
 
-    def answer(choices: list) -> tuple:
-        return "".join(c.text for c in choices), [t for c in choices for t in c.logprobs.tokens]
+    def text_and_tokens(chunks: list) -> tuple:
+        return "".join(c.text for c in chunks), [t for c in chunks for t in c.logprobs.tokens]
 
-    one_at_a_time = answer(choices(1))  # (a token without text yet goes with the next: not a chunk each)
+    one_at_a_time = text_and_tokens(choices(1))  # (a token without text yet goes with the next: not a chunk each)
     # past the 64 a leader holds: 100 held 50 at a time (a divisor), 101 (a prime) 64 at a time,
     # split between chunks by the replica, which gathers exactly the interval a chunk
     for interval, sizes in ((100, [1, 100, 29]), (101, [1, 101, 28])):
         gathered = choices(interval)
         assert [len(c.logprobs.tokens) for c in gathered] == sizes
-        assert answer(gathered) == one_at_a_time
+        assert text_and_tokens(gathered) == one_at_a_time
 
 
 @pytest.mark.slow

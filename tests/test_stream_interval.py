@@ -13,7 +13,7 @@ import pytest
 
 from launcher.api import Launcher
 from launcher.errors import WorkerDied
-from tests.test_launcher_stream import tokens_of
+from tests.test_launcher_stream import thread_stream, tokens_of
 from tests.test_replicas import EAGER, NEW_TOKENS, PROMPTS, model_and_expected  # noqa: F401 - fixture
 
 
@@ -60,31 +60,13 @@ def test_a_stream_with_stop_strings_is_gathered_by_its_reader_and_stops_where_it
     assert [len(d.token_ids) for d in unstopped] == [1, 4, 1]  # without stop strings the leader holds them
 
 
-def gathering_stream(text=None, cancel=None):
-    """(a RequestStream of request r1 gathering 4 tokens a delta, as a request with stop strings
-    does, and its StreamHandle, which delivers events to it)."""
-    import queue
-
-    from launcher.cluster.stream_handle import StreamHandle
-    from launcher.serving.request_streams import RequestStream, thread_sink
-    from launcher.serving.text_stream import TextStream
-    from shardlib.sampling_params import SamplingParams
-    from workers.serving.requests import StreamRequest
-
-    items = queue.Queue()
-    handle = StreamHandle(StreamRequest("r1", (1, 2), SamplingParams(), 10), thread_sink(items), 5.0)
-    stream = RequestStream(cancel or (lambda *args, **kwargs: None), handle, text or TextStream("r1", None, (), 2),
-                           items, gather=4)
-    return stream, handle
-
-
 def test_a_gathering_reader_gets_what_came_before_a_failure_then_the_failure():
     """A stream whose leader sent each token (stop strings) and that fails while its reader gathers:
     the tokens that came first are handed over, and the next read raises the failure."""
     from launcher.errors import RequestTimeout
     from workers.serving.requests import TokenEvent
 
-    stream, handle = gathering_stream()
+    stream, handle = thread_stream(gather=4)
     for token in (5, 6, 7):
         handle.deliver(TokenEvent("r1", [token]))
     handle.fail(RequestTimeout("request r1 did not finish within 5 s; it was cancelled"))
@@ -110,7 +92,7 @@ def test_a_gathering_reader_gets_an_error_of_its_own_reading_too_and_the_request
         return read(event, *args)
 
     text.delta = failing_on_seven
-    stream, handle = gathering_stream(text, lambda h, *args: cancelled.append(h.request_id))
+    stream, handle = thread_stream(text, lambda h, *args: cancelled.append(h.request_id), gather=4)
     for token in (5, 6, 7, 8, 9):  # the request still runs
         handle.deliver(TokenEvent("r1", [token]))
     assert next(stream).token_ids == [5]

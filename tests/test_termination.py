@@ -4,6 +4,7 @@ is in place. Each signal goes to a child process: the watchdog ends the process 
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -181,8 +182,6 @@ def test_a_group_sigterm_while_ray_init_waits_in_c_exits_at_once(tmp_path):
     """A SIGTERM to the whole group inside ray.init, its private GCS killed with the command:
     checked as it arrived, not once ray.init's wait in C code returned (the command had exited 30 s
     later, after Ray's own timeout for the gone GCS)."""
-    import os
-
     never = tmp_path / "never"  # the wait lasts until the test ends it
     code, err, took_s = signal_during_blocked_ray_init(never, lambda pid: os.killpg(pid, signal.SIGTERM))
     assert code == termination.TERMINATED_EXIT, err
@@ -195,8 +194,6 @@ def test_a_sigterm_to_the_command_alone_inside_ray_init_still_shuts_down_cleanly
     """Sent to the command alone, while ray.init waits in C, which returns right after: the check on
     its own thread is still watching, and the command's own shutdown of the private Ray waits for
     its answer (taken for the signal's work, the GCS's exit made the command abandon its clean-up)."""
-    import os
-
     cue = tmp_path / "return"
     code, err, _ = signal_during_blocked_ray_init(cue, lambda pid: (os.kill(pid, signal.SIGTERM), cue.touch()))
     assert (code, err) == (0, "waiting\nraised\n"), err

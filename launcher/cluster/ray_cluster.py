@@ -528,9 +528,6 @@ def _init(**options) -> None:
         raise KeyboardInterrupt
 
 
-_ABSENT = object()
-
-
 @contextlib.contextmanager
 def _sigterm_handler_kept(keep: bool):
     """ray.init's own SIGTERM handlers (the driver's `sys.exit(15)`, set as it begins, and a head
@@ -550,17 +547,14 @@ def _sigterm_handler_kept(keep: bool):
     install = getattr(ray_utils, "set_sigterm_handler", None)
     if install is not None:
         ray_utils.set_sigterm_handler = lambda handler: None
-    failure_handler_off = ray_constants.__dict__.get("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", _ABSENT)
+    failure_handler_off = getattr(ray_constants, "RAY_DISABLE_FAILURE_SIGNAL_HANDLER", False)
     ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
     try:
         yield
     finally:
         if install is not None:
             ray_utils.set_sigterm_handler = install
-        if failure_handler_off is _ABSENT:
-            del ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER
-        else:
-            ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = failure_handler_off
+        ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = failure_handler_off
 
 
 _KEEPER_RELEASE: list[threading.Event] = []

@@ -88,14 +88,11 @@ class _Stream:
             self._fail(err)
         return delta
 
-    def _take(self, delta: StreamDelta) -> StreamDelta | None:
-        """Gather a read delta a token at a time (its parts); the delta to hand over once due
-        (vLLM's stream_interval rule: the request ended, the gathered deltas hold its first token,
-        or `gather` tokens have come), else None. Parts past a due delta stay in _carried for the next read."""
-        self._carried.extend(delta.parts or (delta,))
-        return self._carried_due()
-
     def _carried_due(self) -> StreamDelta | None:
+        """Gather the read deltas' one-token parts; the delta to hand over once due (vLLM's
+        stream_interval rule: the request ended, the gathered deltas hold its first token, or
+        `gather` tokens have come), else None. Parts past a due delta stay in _carried for the next
+        read."""
         while self._carried:
             part = self._carried.popleft()
             self._gathered.append(part)
@@ -189,15 +186,13 @@ class RequestStream(_Stream):
             raise StopIteration
         if self.gather == 1:
             return self._next_delta()
-        if (handed := self._carried_due()) is not None:
-            return handed
-        while True:
+        while (handed := self._carried_due()) is None:
             try:
                 delta = self._next_delta()
             except Exception as err:
                 return self._after_failure(err)
-            if (handed := self._take(delta)) is not None:
-                return handed
+            self._carried.extend(delta.parts or (delta,))
+        return handed
 
     def _next_delta(self) -> StreamDelta:
         try:
@@ -246,15 +241,13 @@ class AsyncRequestStream(_Stream):
             raise StopAsyncIteration
         if self.gather == 1:
             return await self._next_delta()
-        if (handed := self._carried_due()) is not None:
-            return handed
-        while True:
+        while (handed := self._carried_due()) is None:
             try:
                 delta = await self._next_delta()
             except Exception as err:
                 return self._after_failure(err)
-            if (handed := self._take(delta)) is not None:
-                return handed
+            self._carried.extend(delta.parts or (delta,))
+        return handed
 
     async def _next_delta(self) -> StreamDelta:
         try:
