@@ -12,6 +12,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 from launcher import termination
 
 REPO = Path(__file__).parent.parent
@@ -178,6 +180,10 @@ def signal_during_blocked_ray_init(cue: Path, send) -> tuple[int, str, float]:
     return code, err, took_s
 
 
+# exclusive: they time the exit; inside a busy xdist worker the group case has hung 60 s in 3 of
+# about 10 runs of the fast lane, for a reason not found (never in 60 runs alone, under load too)
+@pytest.mark.slow
+@pytest.mark.exclusive
 def test_a_group_sigterm_while_ray_init_waits_in_c_exits_at_once(tmp_path):
     """A SIGTERM to the whole group inside ray.init, its private GCS killed with the command:
     checked as it arrived, not once ray.init's wait in C code returned (the command had exited 30 s
@@ -190,6 +196,8 @@ def test_a_group_sigterm_while_ray_init_waits_in_c_exits_at_once(tmp_path):
     assert took_s < 8, f"exited {took_s:.1f} s after the signal"
 
 
+@pytest.mark.slow
+@pytest.mark.exclusive
 def test_a_sigterm_to_the_command_alone_inside_ray_init_still_shuts_down_cleanly(tmp_path):
     """Sent to the command alone, while ray.init waits in C, which returns right after: the check on
     its own thread is still watching, and the command's own shutdown of the private Ray waits for
