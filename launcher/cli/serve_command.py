@@ -104,7 +104,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--min-replicas", type=int_at_least("--min-replicas"), metavar="N",
                    help="autoscaling: fewest Serve replicas (default 1)")
     p.add_argument("--max-replicas", type=int_at_least("--max-replicas"), metavar="N",
-                   help="autoscaling: most Serve replicas; each rank's CPU share is sized for this many (default: --min-replicas)")
+                   help="autoscaling: most Serve replicas, above --min-replicas (needed to autoscale: a range of one count "
+                        "is refused); each rank's CPU share is sized for this many")
     p.add_argument("--target-ongoing-requests", type=float, metavar="R",
                    help="autoscaling: requests in flight per replica Serve scales toward (default 2)")
     p.add_argument("--ingress", choices=MODES, default="auto",

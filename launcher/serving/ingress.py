@@ -64,7 +64,7 @@ def choose_mode(requested: str, most_replicas: int, autoscaling: bool) -> str:
         raise ValueError(f"--ingress ({requested!r}) must be one of {', '.join(MODES)}")
     several = most_replicas > 1 or autoscaling
     if requested == "direct" and several:
-        may_run = (f"autoscales (--min-replicas, --max-replicas or --target-ongoing-requests, even 1 to 1)"
+        may_run = (f"autoscales (--min-replicas, --max-replicas or --target-ongoing-requests)"
                    if autoscaling else f"may run {most_replicas} (--replicas)")
         raise ValueError(f"--ingress direct serves one Serve replica on --port, but this server {may_run}; use "
                          f"--ingress proxy (or auto), or one fixed replica")
