@@ -176,12 +176,13 @@ def test_a_stream_closed_by_another_reader_says_so_at_once(model_and_expected, i
         with llm.stream(PROMPTS[0], max_new_tokens=200, ignore_eos=True) as scoped:  # leaving the block closes it
             next(scoped)
         assert scoped.handle.cancelled
-        # closing a stream whose request has finished changes nothing: its last events stay readable
+        # closing a stream whose request has finished, its end unread, ends it all the same (its
+        # closer read the rest of the answer after the close); the request was not cancelled
         done = llm.stream(PROMPTS[1], max_new_tokens=NEW_TOKENS)
         while not done.handle.finished:
             time.sleep(0.01)
         done.close()
-        assert tokens_of(done) == (expected[1], "length")
+        assert tokens_of(done) == ([], None) and not done.handle.cancelled
         assert llm.load() == {"running": 0, "waiting": 0}
 
 
@@ -834,6 +835,58 @@ def test_an_async_stream_read_on_another_event_loop_is_refused_at_once(model_and
         while llm.load() != {"running": 0, "waiting": 0}:
             assert time.monotonic() < deadline, llm.load()
             time.sleep(0.05)
+
+
+@pytest.mark.parametrize("gather", [1, 2])
+def test_a_stream_closed_after_its_request_finished_unread_reads_its_end_quietly(gather):
+    """A review: the request had finished on its group (nothing left to cancel) with deltas unread;
+    close() left them, and the reader that closed the stream read the rest of the answer after it.
+    Its closer now reads a quiet end, as after a running request's close; another reader gets why."""
+    from workers.serving.requests import TokenEvent
+
+    for closing in ("sync", "async"):
+        stream, handle = thread_stream(gather=gather) if closing == "sync" else async_stream(gather)
+        for token, finish in ((5, None), (6, None), (7, None), (8, "length")):
+            handle.deliver(TokenEvent("r1", [token], finish))
+        if closing == "sync":
+            assert next(stream).token_ids == [5]
+            stream.close()
+            assert list(stream) == []
+            outcome: dict = {}
+            other = threading.Thread(target=lambda: outcome.setdefault("error", _next_error(stream)))
+            other.start()
+            other.join(10)
+            assert isinstance(outcome["error"], RequestCancelled)
+        else:
+            async def close_then_read() -> list:
+                assert (await anext(stream)).token_ids == [5]
+                await stream.aclose()
+                return [d async for d in stream]
+
+            assert asyncio.run(close_then_read()) == []
+
+
+def _next_error(stream) -> BaseException | None:
+    try:
+        next(stream)
+    except BaseException as err:  # noqa: BLE001 - returned for the test to check
+        return err
+    return None
+
+
+def async_stream(gather: int = 1):
+    """(an AsyncRequestStream of request r1, not tied to an event loop, joining `gather` tokens a
+    delta, and its StreamHandle, which delivers events to its queue)."""
+    from launcher.cluster.stream_handle import StreamHandle
+    from launcher.serving.request_streams import AsyncRequestStream
+    from launcher.serving.text_stream import TextStream
+    from shardlib.sampling_params import SamplingParams
+    from workers.serving.requests import StreamRequest
+
+    items = asyncio.Queue()
+    handle = StreamHandle(StreamRequest("r1", (1, 2), SamplingParams(), 10), items.put_nowait, 5.0)
+    return AsyncRequestStream(lambda *args, **kwargs: None, handle, TextStream("r1", None, (), 2), items,
+                              gather=gather), handle
 
 
 def thread_stream(text=None, cancel=None, gather: int = 1):

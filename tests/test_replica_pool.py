@@ -823,6 +823,27 @@ def test_no_stream_moves_into_rows_held_by_cancels_their_leader_has_not_answered
     assert s2.replica == 1
 
 
+def test_new_streams_are_routed_by_rows_held_by_unanswered_cancels_too(make_pool):
+    """A review: routing counted the books alone, so a replica whose leader had not answered its
+    cancels (mid-step, or hung with every reader gone) looked empty, and took a new request while
+    the other replica had a free row. The queue limit still goes by the books: a request that ended
+    on a stop string is cancelled on its group, and the next must not be refused meanwhile."""
+    pool = make_pool(2)
+    pool.start()
+    x, z, y = (stream_handle(name) for name in "xzy")
+    for handle in (x, z, y):
+        pool.submit_streams([handle], rows=2)
+    assert [h.replica for h in (x, z, y)] == [0, 1, 0]
+    pool.cancel_stream(x)
+    pool.cancel_stream(y)  # both of replica 0's rows held, one of replica 1's free
+    w = stream_handle("w")
+    pool.submit_streams([w], rows=2)
+    assert w.replica == 1
+    after_stop = stream_handle("s")  # both rows now taken on both replicas, two by unanswered cancels
+    pool.submit_streams([after_stop], queue_limit=0, rows=2)
+    assert after_stop.replica == 0 and pool.in_flight() == [1, 2]
+
+
 def test_streams_waiting_on_a_restarting_replica_run_at_once_on_one_with_a_free_row(make_pool):
     """A review: they waited for the whole restart (placement and loading) while the other replica
     idled. Those with tokens delivered stay for the restarted group to resume; the others move,

@@ -2,7 +2,8 @@
 
 Two kinds of requests reach a replica:
 - streams (continuous batching, workers/serving/): each is routed when it arrives to the serving
-  replica with the fewest requests in flight (running plus waiting for a cache row), handed to its
+  replica with the fewest requests in flight (running plus waiting for a cache row, and cancels
+  its leader has not answered, which hold their rows until it does), handed to its
   group's leader at once, and followed by the replica's thread, which reads the tokens the leader
   streams back (launcher/cluster/event_channel.py) and passes them on. Many streams share a group at once.
   A stream that still waits for a row (none of its tokens delivered) moves to another serving
@@ -272,10 +273,16 @@ class Replica:
                     taker.submit_stream(handle, moved=True)
 
     def free_rows(self) -> int:
-        """Rows this replica's leader has free, as far as the driver knows: its `rows` less the
-        streams in flight and the cancels it has not answered (their requests hold their rows until
-        it does: a hung leader whose readers all gave up holds every row with none in its books)."""
-        return (self.pool.rows or 0) - len(self.streams) - len(self.cancelling)
+        """Rows this replica's leader has free, as far as the driver knows (negative: requests wait)."""
+        return (self.pool.rows or 0) - self.rows_taken()
+
+    def rows_taken(self) -> int:
+        """The streams in flight here and the cancels its leader has not answered: their requests hold
+        their rows (or places in its queue) until it does. Routing goes by this, not by the books alone:
+        a hung leader whose readers all gave up holds every row with none in its books, and looked the
+        emptiest replica, taking each new request. (The queue limit and moves between replicas go by
+        the books: see submit_streams and _give_away.)"""
+        return len(self.streams) + len(self.cancelling)
 
     def _take_from_restarting(self) -> None:
         """Take streams that wait on a replica whose group is being restarted into this one's free
@@ -641,6 +648,8 @@ class ReplicaPool:
             if not candidates:  # the last replica was just given up; _replica_failed is on its way
                 reasons = "; ".join(f"replica {r.index}: {r.failure}" for r in self.replicas if r.failure)
                 raise NoReplicaAvailable(f"no replica is left to serve requests ({reasons or 'none serving'})")
+            # The limit goes by the books: a request that ended on a stop string is cancelled on its
+            # group, and the next one must not be refused in the step before the leader answers.
             least = min(len(r.streams) for r in candidates)
             waiting = self.load(rows)["waiting"]
             if queue_limit is not None and least >= rows and waiting >= queue_limit:
@@ -651,9 +660,9 @@ class ReplicaPool:
                                 f"--max-num-seqs)", retry_after_s=self.finish_rate.retry_after_s(), slots=rows,
                                 queue_limit=queue_limit)
             for handle in handles:
-                replica = min(candidates, key=lambda r: len(r.streams))
+                replica = min(candidates, key=Replica.rows_taken)
                 if timeout_per_wave:
-                    handle.allow_waves(len(replica.streams) // rows + 1)
+                    handle.allow_waves(replica.rows_taken() // rows + 1)
                 replica.submit_stream(handle)
 
     def cancel_stream(self, handle: StreamHandle, deferred: bool = False) -> None:

@@ -134,7 +134,7 @@ class _Stream:
     def cancel(self, deferred: bool = False, reason: BaseException | None = None) -> bool:
         """Cancel the request. With a `reason`, it first ends the request's events, waking a reader
         blocked meanwhile in another thread or task (the sink takes it like any event, from any
-        thread); a request that had finished is left alone (False), its last events still to read."""
+        thread); a request that had finished is left alone (False): nothing is left to cancel."""
         if self.done:
             return False
         if reason is not None and not self.handle.fail(reason):
@@ -151,8 +151,10 @@ class _Stream:
                                   f"after {len(self.handle.delivered)} token(s)")
         if self.cancel(reason=reason):
             self._closer = closer
-        elif self._carried:  # the request finished (its end read or not), with read tokens not handed over:
-            # the close ends the stream, what is left unread too
+        elif not self.done or self._carried:
+            # The request finished on its group (nothing left to cancel) with its end not read, or
+            # read tokens not handed over: the close ends the stream all the same, what is left
+            # unread too (a reader that closed, then read again, got the rest of the answer).
             self._carried.clear()
             self.done, self._cancelled, self._closer = True, reason, closer
 
