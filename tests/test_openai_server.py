@@ -347,6 +347,10 @@ def test_a_request_past_the_request_timeout_is_a_504_naming_both_ways_out():
     assert not _openai_client_retries(status, headers)  # it did, twice: the generation ran three times
     assert "did not finish within 600 s (it had 3067 of 4064 tokens)" in error["message"]
     assert "--request-timeout" in error["message"] and "max_tokens (max_completion_tokens)" in error["message"]
+    # /v1/responses refuses max_tokens: its timeout names its own field
+    status, body, _ = _generation_failure(_overdue(handle, "it was cancelled"), "max_output_tokens")
+    assert status == 504 and "fewer tokens with max_output_tokens:" in body["error"]["message"]
+    assert "max_tokens (" not in body["error"]["message"]
     status, body, headers = _generation_failure(RuntimeError("boom"))
     assert status == 500 and body["error"]["message"] == "generation failed: boom"
     assert not _openai_client_retries(status, headers)

@@ -242,7 +242,7 @@ def test_fields_that_ask_for_nothing_are_taken_and_echoed():
     ({"input": "hi", "background": True}, "background", ["true", "stream"]),
     ({"input": "hi", "include": "message.output_text.logprobs"}, "include", ["must be a list of strings"]),
     ({"input": "hi", "include": ["reasoning.encrypted_content", "file_search_call.results"]}, "include[1]",
-     ["file_search_call.results", "built-in tools"]),
+     ["file_search_call.results", "built-in tools", '"message.output_text.logprobs" and']),
     ({"input": "hi", "truncation": "auto"}, "truncation", ["'auto'", "never truncates", "shorter"]),
     ({"input": "hi", "max_tool_calls": 2}, "max_tool_calls", ["2", "leave it out"]),
     ({"input": "hi", "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", ["17", "at most 16"]),

@@ -208,6 +208,44 @@ def test_refusals_name_the_responses_field(tokenizer):
     assert item.status == 400 and item.param.startswith("input[1]")
 
 
+def test_a_timeout_names_the_responses_token_limit_whole_and_streamed(tokenizer):
+    """A review: a request past the request timeout was told to send max_tokens, which this route
+    refuses (it takes max_output_tokens)."""
+    from launcher.errors import RequestTimeout
+
+    server = server_over(tokenizer, "The sky is blue.")
+    scripted = server.launcher.astream
+
+    def times_out(*args, **kwargs):
+        async def deltas():
+            async for delta in await_first(scripted(*args, **kwargs)):
+                yield delta
+            raise RequestTimeout("request r did not finish within 4 s (it had 1 of 300 tokens); raise "
+                                 "request_timeout_s (--request-timeout) for long generations")
+        return deltas()
+
+    server.launcher.astream = times_out
+
+    async def run(stream: bool):
+        response = await server.responses(post("/v1/responses", asked(stream=stream, max_output_tokens=300)))
+        if not stream:
+            return response.status_code, json.loads(response.body)["error"]["message"]
+        failed = json.loads((await streamed_text_of(response)).split("\n\n")[-2].split("\n")[1][len("data: "):])
+        return failed["type"], failed["response"]["error"]["message"]
+
+    for stream, ending in ((False, 504), (True, "response.failed")):
+        got, message = asyncio.run(run(stream))
+        assert got == ending
+        assert "ask for fewer tokens with max_output_tokens:" in message and "max_tokens (" not in message
+
+
+async def await_first(deltas):
+    """The first of a scripted engine's deltas alone."""
+    async for delta in deltas:
+        yield delta
+        return
+
+
 def test_the_route_needs_the_api_key(tokenizer):
     from tests.test_tokenize_routes import replica
 

@@ -474,17 +474,23 @@ def _min_tokens_past_the_limit(req, max_tokens: int, prompt_tokens: int) -> str:
             f"of at least {req.min_tokens}")
 
 
-def _generation_failure(err: Exception) -> tuple[int, dict, dict]:
+CHAT_TOKEN_LIMITS = "max_tokens (max_completion_tokens)"
+"""How completions and chat requests bound their tokens, as a timeout's message names them."""
+RESPONSES_TOKEN_LIMIT = "max_output_tokens"
+"""How a /v1/responses request bounds its tokens (it refuses the chat route's names)."""
+
+
+def _generation_failure(err: Exception, token_limit: str = CHAT_TOKEN_LIMITS) -> tuple[int, dict, dict]:
     """(HTTP status, OpenAI error body, headers) for a request that failed while generating. A
-    request past the request timeout is a 504 naming both ways out: a chat request without
-    max_tokens may generate up to the rest of the model's context, which on a slow host outlasts
-    the default timeout (it was a 500, "generation failed"). A request whose replica's model
-    failed for good is a 503 as a new request there would be, told nothing of nodes or processes."""
+    request past the request timeout is a 504 naming both ways out (token_limit: the route's own
+    field): a chat request without it may generate up to the rest of the model's context, which on
+    a slow host outlasts the default timeout (it was a 500, "generation failed"). A request whose
+    replica's model failed for good is a 503 as a new request there would be, told nothing of nodes
+    or processes."""
     if isinstance(err, RequestTimeout):
         return 504, proto.error_body(
-            f"{err}; or ask for fewer tokens with max_tokens (max_completion_tokens): a chat request without it "
-            f"may generate up to the rest of the model's context", type="server_error",
-            code="generation_timeout"), _NO_RETRY
+            f"{err}; or ask for fewer tokens with {token_limit}: a chat request without it may generate up to "
+            f"the rest of the model's context", type="server_error", code="generation_timeout"), _NO_RETRY
     if isinstance(err, _FAILED_FOR_GOOD) or type(err) is LaunchError:  # failed for good, or stopping
         return 503, proto.error_body(
             f"generation failed: {_unavailable(err)}; the request was not finished: retry it after "
@@ -1455,7 +1461,8 @@ class OpenAIServer:
                                                           stream.cached_tokens, _reasoning_total(renders))),
                              **renders[0].response_extras()})
 
-    async def _collected(self, stream: ChoiceStreams, renders: list, timers: list[TokenTimer]):
+    async def _collected(self, stream: ChoiceStreams, renders: list, timers: list[TokenTimer],
+                         token_limit: str = CHAT_TOKEN_LIMITS):
         """Every choice's deltas collected by its render, for an answer not streamed: (each choice's
         finish reason, each choice's completion tokens), the request counted by its first choice's
         ending; or, where generating failed, the error's response (counted too)."""
@@ -1471,7 +1478,7 @@ class OpenAIServer:
             self.metrics.finished("abort", 499)
             raise
         except Exception as err:  # noqa: BLE001 - reported to the client in the OpenAI shape
-            status, body, headers = _generation_failure(err)
+            status, body, headers = _generation_failure(err, token_limit)
             self.metrics.finished(failure_reason(status), status)
             return JSONResponse(body, status_code=status, headers=headers)
         # one request, counted by its first choice's ending as the client was told it
@@ -1489,7 +1496,7 @@ class OpenAIServer:
             events = self._response_events(stream, render, timer, outcome,
                                            responses_api.ResponseEvents(response_id, created, self.name, echo), keep)
             return self._event_stream(events, stream, outcome)
-        collected = await self._collected(stream, [render], [timer])
+        collected = await self._collected(stream, [render], [timer], RESPONSES_TOKEN_LIMIT)
         if isinstance(collected, JSONResponse):
             return collected
         [finish], [completion_tokens] = collected
@@ -1529,7 +1536,7 @@ class OpenAIServer:
             for event in finished:
                 yield responses_api.sse(event)
         except Exception as err:  # noqa: BLE001 - headers are sent: the error can only be an event
-            outcome["status"], body, _ = _generation_failure(err)
+            outcome["status"], body, _ = _generation_failure(err, RESPONSES_TOKEN_LIMIT)
             outcome["finish_reason"] = failure_reason(outcome["status"])
             for event in events.failed(body["error"]):
                 yield responses_api.sse(event)

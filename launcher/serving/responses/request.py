@@ -591,8 +591,9 @@ def _logprobs(body: dict, chat: dict, echo: ResponsesEcho) -> None:
             chat["logprobs"], chat["top_logprobs"] = True, top or 0
             continue
         raise ProtocolError(f"include[{i}] ({_short(entry)}) is not supported: this server has no built-in tools "
-                            f"and takes no images; only \"reasoning.encrypted_content\" is taken (and the "
-                            f"reasoning comes back as plain text)", param=f"include[{i}]")
+                            f"and takes no images; only \"message.output_text.logprobs\" and "
+                            f"\"reasoning.encrypted_content\" are taken (the reasoning comes back as plain "
+                            f"text)", param=f"include[{i}]")
 
 
 def _echoed_only(body: dict, echo: ResponsesEcho) -> None:
