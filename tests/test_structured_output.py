@@ -199,6 +199,36 @@ def test_a_resumed_request_goes_on_matching_from_its_delivered_tokens(wide_model
     assert whole[:k] + out.tokens["a"] == whole and out.finish["a"] == "stop"
 
 
+def test_a_matcher_that_raises_fails_its_request_alone(wide_model, smollm2_tokenizer, monkeypatch):
+    """A review: only a ValueError of the matcher's was the request's alone; any other error left the
+    step, failing the group, whose restart replayed the request until the replica was given up."""
+    from workers.structured.matchers import RequestGrammar
+
+    real_advance = RequestGrammar.advance
+    fed = []
+
+    def advance(self, token):
+        fed.append(token)
+        if len(fed) == 3:
+            raise RuntimeError("matcher state corrupted")
+        return real_advance(self, token)
+
+    monkeypatch.setattr(RequestGrammar, "advance", advance)
+    prompt = smollm2_tokenizer.encode("JSON please:")
+    loop = fresh_loop(wide_model, smollm2_tokenizer)
+    threads = run_loops([loop])
+    try:
+        loop.submit([structured("s", prompt, KINDS["json"]), request("plain", prompt, 6)])
+        out = collect(loop, {"s", "plain"}, timeout_s=30)
+        assert out.finish == {"s": "error", "plain": "length"} and len(out.tokens["s"]) == 2
+        [error] = [e.error for e in out.events if e.request_id == "s" and e.finish_reason == "error"]
+        assert error == "its structured output's matcher failed: RuntimeError: matcher state corrupted"
+        loop.submit([request("after", prompt, 3)])  # the loop serves on
+        assert collect(loop, {"after"}, timeout_s=30).finish == {"after": "length"}
+    finally:
+        stop([loop], threads)
+
+
 def test_without_a_grammar_tokenizer_a_structured_request_fails_alone(wide_model, smollm2_tokenizer):
     prompt = smollm2_tokenizer.encode("Hi")
     out = run(fresh_loop(wide_model, smollm2_tokenizer, grammar_tokenizer=None),
