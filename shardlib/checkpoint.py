@@ -151,7 +151,7 @@ class _PickleFile:
                 f"safetensors where you trust its source, or save only the state_dict's tensors"
             ) from None
         except RuntimeError as err:
-            if "mmap" in str(err):
+            if "mmap" in str(err) and _legacy_pickle(path):
                 raise ValueError(
                     f"{path} uses torch's legacy (pre-1.6) serialization, which cannot be memory-mapped; "
                     f"re-save it with a current torch.save, or convert it to safetensors"
@@ -190,6 +190,21 @@ class _PickleFile:
         stop = -(-(storage.data_ptr() + storage.nbytes()) // mmap.PAGESIZE) * mmap.PAGESIZE
         if any(lo <= start and stop <= hi for lo, hi in self._mappings):
             _libc_madvise(start, stop - start, _MADV_DONTNEED)
+
+
+LEGACY_TORCH_MAGIC = pickle.dumps(0x1950A86A20F9469CFC6C, protocol=2)[:-1]
+"""How a file of torch's legacy (pre-1.6) serialization begins: its magic number, pickled first
+(torch.serialization.MAGIC_NUMBER, without the pickle's STOP)."""
+
+
+def _legacy_pickle(path: Path) -> bool:
+    """Whether `path` is in torch's legacy format (which cannot be memory-mapped), not an empty,
+    cut-short-at-the-start or garbage file, for which torch.load(mmap=True) says the same."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(LEGACY_TORCH_MAGIC)) == LEGACY_TORCH_MAGIC
+    except OSError:
+        return False
 
 
 def _mappings_of(path: Path) -> list[tuple[int, int]]:

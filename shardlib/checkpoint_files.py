@@ -101,6 +101,9 @@ def _from_index(directory: Path, fmt: str, index: Path) -> CheckpointFiles:
             f"checkpoint index {index} has no \"weight_map\" object of tensor name -> file name; "
             f"re-download or re-save it"
         )
+    if not weight_map:  # a cut download: read as no files at all, a traceback came later
+        raise ValueError(f"checkpoint index {index} lists no tensors (its \"weight_map\" is empty); the download is "
+                         f"incomplete: fetch the index again")
     files: dict[str, Path] = {}
     for file_name in weight_map.values():
         if file_name not in files:

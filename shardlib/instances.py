@@ -121,6 +121,16 @@ INSTANCE_NAMES: tuple[str, ...] = tuple(NEURON_INSTANCES) + (CPU_TARGET,)
 
 
 def _host_ram_bytes() -> int:
+    """This host's RAM, or the memory limit of the cgroup this process runs in where that is lower
+    (a container's: shardlib/cgroup_memory.py)."""
+    from shardlib.cgroup_memory import cgroup_memory_limit
+
+    limit = cgroup_memory_limit()
+    total = _mem_total_bytes()
+    return total if limit is None else min(total, limit)
+
+
+def _mem_total_bytes() -> int:
     try:
         with open("/proc/meminfo") as meminfo:
             for line in meminfo:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -194,6 +195,21 @@ def test_corrupt_index(models, tmp_path, content):
         find_checkpoint(d)
 
 
+@pytest.mark.parametrize("fmt", ["safetensors_sharded", "bin_sharded"])
+def test_an_index_listing_no_tensors_is_refused_naming_it(models, tmp_path, fmt):
+    """A review: an empty weight_map read as a checkpoint of no files, and the weights' dtype, read
+    from its first file where config.json names none, ended `plan` and `generate` in an IndexError."""
+    from shardlib.weights_dtype import stored_weights_dtype
+
+    d = tmp_path / fmt
+    shutil.copytree(models["llama"][1][fmt], d)
+    index = next(d.glob("*.index.json"))
+    index.write_text(json.dumps({"metadata": {}, "weight_map": {}}))
+    with pytest.raises(ValueError, match=re.escape(f"checkpoint index {index} lists no tensors")):
+        find_checkpoint(d)
+    assert stored_weights_dtype(d) is None  # left to the checkpoint's own check, which names it
+
+
 def test_index_and_file_disagree(models, tmp_path):
     d = tmp_path / "idx"
     shutil.copytree(models["llama"][1]["safetensors_sharded"], d)
@@ -242,6 +258,10 @@ def test_legacy_and_corrupt_pickles(models, tmp_path):
     (d / "pytorch_model.bin").write_bytes(data[: len(data) // 2])
     with pytest.raises(ValueError, match="pytorch_model.bin.*truncated or corrupt"):
         _load(d)
+    for cut in (b"", bytes(range(256)) * 20):  # a review: empty or garbage was called legacy
+        (d / "pytorch_model.bin").write_bytes(cut)
+        with pytest.raises(ValueError, match="pytorch_model.bin.*truncated or corrupt"):
+            _load(d)
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage"])
