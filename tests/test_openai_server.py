@@ -345,7 +345,7 @@ def test_a_request_past_the_request_timeout_is_a_504_naming_both_ways_out():
     error = body["error"]
     assert status == 504 and (error["type"], error["code"]) == ("server_error", "generation_timeout")
     assert not _openai_client_retries(status, headers)  # it did, twice: the generation ran three times
-    assert "did not finish within 600 s (it had 3067 of 4064 tokens)" in error["message"]
+    assert "did not finish within 600 s (it had delivered 3067 of 4064 tokens)" in error["message"]
     assert "--request-timeout" in error["message"] and "max_tokens (max_completion_tokens)" in error["message"]
     # /v1/responses refuses max_tokens: its timeout names its own field
     status, body, _ = _generation_failure(_overdue(handle, "it was cancelled"), "max_output_tokens")
@@ -795,6 +795,17 @@ def test_renderers_turn_deltas_into_chunks_and_responses():
     content = body["choices"][0]["logprobs"]["content"]
     assert body["choices"][0]["message"]["content"] == "Hello!" and [c["token"] for c in content] == ["Hel", "lo", "!"]
     assert content[0]["top_logprobs"][1] == {"token": "lo", "logprob": -2.0, "bytes": [108, 111]}
+
+
+def test_every_request_outcome_is_exported_at_zero_before_its_first_request():
+    """A review: each outcome's series appeared at 1 with its first request, which Prometheus' rate()
+    and increase() cannot see, so an alert on the first 504 or 503 of a replica never fired."""
+    from launcher.serving.metrics import OUTCOMES, ServerMetrics
+
+    text = ServerMetrics(lambda: {}).render().decode()
+    for finish_reason, status in OUTCOMES:
+        assert f'corelaunch_requests_total{{finish_reason="{finish_reason}",status="{status}"}} 0.0' in text
+    assert ("error", 504) in OUTCOMES and ("rejected", 503) in OUTCOMES and ("abort", 499) in OUTCOMES
 
 
 def test_metrics_render_every_name_from_a_private_registry():
@@ -2052,8 +2063,8 @@ def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(client, serve
 
 
 def _metric(server, name: str, missing: float | None = None) -> float:
-    """missing: the value of a series not (yet) in /metrics (a labelled counter appears at its first
-    count); None: a missing series fails the test."""
+    """missing: the value of a series not (yet) in /metrics (a labelled counter's pair outside
+    metrics.OUTCOMES appears at its first count); None: a missing series fails the test."""
     import requests
 
     for line in requests.get(f"{server.url}/metrics", timeout=10).text.splitlines():

@@ -220,7 +220,7 @@ def test_a_timeout_names_the_responses_token_limit_whole_and_streamed(tokenizer)
         async def deltas():
             async for delta in await_first(scripted(*args, **kwargs)):
                 yield delta
-            raise RequestTimeout("request r did not finish within 4 s (it had 1 of 300 tokens); raise "
+            raise RequestTimeout("request r did not finish within 4 s (it had delivered 1 of 300 tokens); raise "
                                  "request_timeout_s (--request-timeout) for long generations")
         return deltas()
 

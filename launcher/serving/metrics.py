@@ -17,6 +17,12 @@ from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 - re-exported fo
 # (a long prompt's prefill behind a queue); a token after the first, milliseconds to a second.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+OUTCOMES = (("stop", 200), ("length", 200), ("abort", 499), ("error", 500), ("error", 504),
+            ("unavailable", 503), *(("rejected", status) for status in (400, 404, 408, 413, 415, 503)))
+"""corelaunch_requests_total's label pairs, each exported at 0 from the start: a series that first
+appears at 1 hides its first increase from Prometheus' rate() and increase() (an alert on the first
+504 of a replica never fired). A stream that fails after its headers carries its error's status
+(500, 503 or 504), which these cover."""
 
 
 class ServerMetrics:
@@ -54,6 +60,8 @@ class ServerMetrics:
             "body budget full), "
             "unavailable (503: no TP group can take requests, at admission or while the request ran)",
             ["finish_reason", "status"], registry=r)
+        for finish_reason, status in OUTCOMES:
+            self.requests.labels(finish_reason=finish_reason, status=str(status))
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric, gauges refreshed from the engine now."""
