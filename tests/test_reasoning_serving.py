@@ -77,10 +77,13 @@ def test_which_requests_have_their_thinking_split():
     assert chat("deepseek_r1", include_reasoning=False).reasoning() == ("deepseek_r1", True)  # split, then hidden
     # a prompt whose thinking is already over (its last </think> after its last <think>: Qwen3's template
     # with thinking off, a continued final message): the output is all content, constrained at once
-    for prompt, over in (([1, 4241, 7, 4242, 9], True), ([4242, 3, 4241, 5], False), ([1, 2], False)):
+    # within the turn the output goes on: an earlier message's thinking (Qwen3 writes an assistant's
+    # back after the last user message: a tool call and its result), before a turn's end (8), does not
+    for prompt, over in (([1, 4241, 7, 4242, 9], True), ([4242, 3, 4241, 5], False), ([1, 2], False),
+                         ([1, 4241, 7, 4242, 9, 8, 3, 8, 5], False), ([1, 8, 4241, 7, 4242, 9], True)):
         for fields in ({}, {"response_format": {"type": "json_object"}}):
             request = chat("qwen3", **fields)
-            request.settle_thinking(4242, 4241, prompt)
+            request.settle_thinking(4242, 4241, prompt, frozenset({8}))
             assert (request.reasoning() is None) is over, (prompt, fields)
             if fields:
                 assert request.sampling().structured_output.after_token == (None if over else 4242)
@@ -205,3 +208,41 @@ def test_the_think_tags_are_the_tokenizers_own_tokens_the_model_can_generate(smo
     start, end = tagged.convert_tokens_to_ids(["<think>", "</think>"])
     assert _think_tokens(tagged, end + 1) == (start, end)
     assert _think_tokens(tagged, start + 1) == (start, None)  # past the model's vocabulary: never generated
+
+
+QWEN3_LIKE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n"
+              "{% if m.role == 'assistant' and m.reasoning %}<think>\n{{ m.reasoning }}\n</think>\n\n{% endif %}"
+              "{{ m.content or '' }}{% for c in m.tool_calls or [] %}<tool_call>{{ c.function.name }}</tool_call>"
+              "{% endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+"""A cut-down Qwen3 template: it writes an assistant message's reasoning back between think tags."""
+
+
+def test_an_earlier_turns_thinking_in_the_prompt_leaves_the_new_answers_split(smollm2_tokenizer):
+    """A review: Qwen3's template writes back the thinking of the assistant's messages after the last
+    user message (a tool call, its result), and the prompt's last </think> after its last <think>
+    read as the new answer's thinking already closed: the model's new thinking, tags and all, went
+    to the content, whole and streamed (reasoning null, 0 reasoning tokens)."""
+    import copy
+
+    from tests.test_skip_special_tokens import answered
+    from tests.test_tokenize_routes import scripted_server
+
+    tokenizer = copy.deepcopy(smollm2_tokenizer)
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.chat_template = QWEN3_LIKE
+    asked = [{"role": "user", "content": "Weather in Paris?"}]
+    after_a_call = asked + [
+        {"role": "assistant", "content": None, "reasoning": "I should call the tool.",
+         "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    for messages in (asked, after_a_call):
+        server = scripted_server(tokenizer, "<think>\nThe tool says sunny.\n</think>\n\nIt is sunny.",
+                                 reasoning_parser="qwen3")
+        body = {"model": "smollm2-135m-instruct", "messages": messages}
+        whole = asyncio.run(answered(server, "/v1/chat/completions", body))["choices"][0]["message"]
+        assert (whole["reasoning"], whole["content"]) == ("\nThe tool says sunny.\n", "\n\nIt is sunny."), messages
+        chunks = asyncio.run(answered(server, "/v1/chat/completions", {**body, "stream": True}))
+        deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+        assert "".join(d.get("reasoning") or "" for d in deltas) == whole["reasoning"]
+        assert "".join(d.get("content") or "" for d in deltas) == whole["content"]
+    assert "</think>" in server.prompts[-1]  # the earlier turn's thinking was in the prompt

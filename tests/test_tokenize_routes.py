@@ -114,7 +114,7 @@ def scripted_server(tokenizer, scripts, tool_call_parser: str | None = None, rea
     "length" at the request's max_new_tokens: `scripts` one text for every request, or a list of
     texts, one per request in order; asked for logprobs, the n-th token's is -n/10, its alternatives
     itself and ids 0, 1, ... at -1. server.prompts collects the prompts it was given, as text."""
-    from launcher.serving.openai_app import _generated_tags
+    from launcher.serving.openai_app import _generated_tags, _turn_ends
     from launcher.serving.reasoning import CALL_START, THINK_END, THINK_START
     from launcher.serving.stream_types import StreamDelta
     from launcher.serving.token_pieces import TokenPieces
@@ -152,6 +152,7 @@ def scripted_server(tokenizer, scripts, tool_call_parser: str | None = None, rea
     if reasoning_parser:  # as the constructor sets them
         server.think_start, server.think_end, server.call_start = _generated_tags(
             tokenizer, len(tokenizer), (THINK_START, THINK_END, CALL_START))
+        server.turn_ends = _turn_ends(tokenizer, server.launcher.model_config)
     return server
 
 

@@ -598,6 +598,15 @@ SERVER_VERSION = _installed_version()
 """What GET /version answers."""
 
 
+def _turn_ends(tokenizer, model_config) -> frozenset[int]:
+    """The ids that end a message in the model's chat: its end-of-sequence ids (config.json's and
+    the tokenizer's), which chat templates end each turn with (`<|im_end|>`, `<|eot_id|>`)."""
+    ids = set(getattr(model_config, "eos_token_id", None) or ())
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
 def _generated_tags(tokenizer, vocab_size: int, tags: tuple[str, ...]) -> tuple[int | None, ...]:
     """Each tag's id where the tokenizer has it as one token the model can generate, else None."""
     vocab = tokenizer.get_vocab()
@@ -684,6 +693,9 @@ class OpenAIServer:
     think_start: int | None = None
     """The id of its `<think>` (a prompt whose last `</think>` comes after it has ended the thinking)."""
     call_start: int | None = None
+    turn_ends: frozenset[int] = frozenset()
+    """With a reasoning parser: the ids that end a message (_turn_ends), where a prompt's look for
+    a closed thinking stops (openai_protocol._thinking_closed)."""
     """The id of its `<tool_call>`, which ends qwen3's thinking too (the usage's reasoning count)."""
     stream_interval: int = 1
     """Tokens the engine gathers into each delta of a stream (vLLM's --stream-interval), unless the
@@ -779,6 +791,7 @@ class OpenAIServer:
         if self.reasoning_parser:
             self.think_start, self.think_end, self.call_start = _generated_tags(  # one look at the vocabulary
                 self.tokenizer, self.launcher.model_config.vocab_size, (THINK_START, THINK_END, CALL_START))
+            self.turn_ends = _turn_ends(self.tokenizer, self.launcher.model_config)
         self.context_tokens = _context_tokens(self.launcher)
         self.longest_prompt = _longest_prompt(self.launcher)
         self.metrics = ServerMetrics(self.launcher.load)
@@ -996,7 +1009,7 @@ class OpenAIServer:
                                        req.truncate_prompt_tokens is None, req.template_tools(), req.chat_template_kwargs,
                                        req.chat_template)
         prompt = self._truncated(req, prompt)
-        req.settle_thinking(self.think_end, self.think_start, prompt)
+        req.settle_thinking(self.think_end, self.think_start, prompt, self.turn_ends)
         return await self._start_choices(req, [prompt], [proto.max_new_tokens(req, len(prompt), self.context_tokens)],
                                          req.logprobs_count(), "messages", req.engine_prompt_logprobs())
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from typing import ClassVar, Literal
 
@@ -550,18 +550,19 @@ class ChatCompletionRequest(_GenerationRequest):
         return (self._tool_use.tools or None) if self._tool_use is not None else None
 
     def settle_thinking(self, think_end: int | None, think_start: int | None = None,
-                          prompt: Sequence[int] = ()) -> None:
+                          prompt: Sequence[int] = (), turn_ends: Collection[int] = ()) -> None:
         """Settle a thinking request once its prompt is known. Its structured output (response_format,
         structured_outputs, a forced tool call) starts after the thinking, as vLLM's does: the
         constraint waits for `think_end`, the id of the model's `</think>` token. All of the text is
         the content, constrained from its first token, where there is no thinking to wait for: a
-        prompt that already closed it (its last `</think>` after its last `<think>`: Qwen3's
-        template with thinking off, or continuing a final message), no such token (None), or a
+        prompt that already closed it (its last `</think>` after its last `<think>` and after the
+        last of `turn_ends`, the ids that end a message: Qwen3's template with thinking off, or
+        continuing a final message), no such token (None), or a
         structured output whose reasoning is not wanted (include_reasoning false, vLLM's rule).
         Thinking turned off (qwen3's enable_thinking): constrained at once, all content."""
         if self._reasoning is None:
             return
-        if _thinking_closed(prompt, think_start, think_end) or (self._structure is not None and (
+        if _thinking_closed(prompt, think_start, think_end, turn_ends) or (self._structure is not None and (
                 think_end is None or not self.include_reasoning)):
             self._reasoning = None
             return
@@ -582,15 +583,20 @@ class ChatCompletionRequest(_GenerationRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-def _thinking_closed(prompt: Sequence[int], think_start: int | None, think_end: int | None) -> bool:
+def _thinking_closed(prompt: Sequence[int], think_start: int | None, think_end: int | None,
+                     turn_ends: Collection[int] = ()) -> bool:
     """Whether the prompt's last `</think>` comes after its last `<think>` (the thinking is over
-    before the output starts), as vLLM reads a prompt's token ids."""
+    before the output starts), as vLLM reads a prompt's token ids, within the turn the output goes
+    on: after the last of `turn_ends` (the ids that end a message, `<|im_end|>` in Qwen3's
+    template). An earlier turn's thinking, which Qwen3's template writes back for the assistant's
+    messages after the last user message (a tool call and its result), closed the new answer's
+    thinking too, and the model's new thinking went to the content, tags and all."""
     if think_end is None:
         return False
     for token in reversed(prompt):
         if token == think_end:
             return True
-        if token == think_start:
+        if token == think_start or token in turn_ends:
             return False
     return False
 
