@@ -90,9 +90,9 @@ class FreeTextCallReader:
         return self._whole_reading()[1] if self._streamed is None else self._streamed.calls()
 
     def finish_reason(self, finish: str | None) -> str | None:
-        """"tool_calls" when the text ended by itself ("stop") with calls (vLLM's rule, streamed; its
-        whole answer said "tool_calls" after "length" too, where the stream kept "length": here both
-        keep "length", which tells the client the text was cut)."""
+        """"tool_calls" when the text ended by itself ("stop") with calls. vLLM says "tool_calls" after
+        "length" too, whole and streamed; here both keep "length", which tells the client the text
+        was cut."""
         return "tool_calls" if finish == "stop" and self.calls() else finish
 
     def message(self) -> dict:
