@@ -108,7 +108,11 @@ class LaunchConfig:
     seq_len: int | None = None
     """KV-cache length per sequence; None sizes it per request (longest prompt + new tokens)."""
     max_batch_size: int = 8
-    """Static batches (generate(..., batching="static")): prompts per worker call; more are split."""
+    """Static batches (generate(..., batching="static")): prompts per worker call; more are split.
+    The planner counts this many KV cache rows of seq_len beside the serving rows. 0: no static
+    batches, continuous batching alone (`corelaunch serve` and `corelaunch generate` launch so): the
+    planner counts the serving rows alone, no static graph is warmed up (warm_up_static is then
+    False), and generate(..., batching="static") is refused."""
     max_num_seqs: int | None = None
     """Continuous batching: requests each TP group runs at once (its serving KV cache holds this many
     sequences of seq_len tokens, allocated at start-up; the planner counts it). More wait for a row.
@@ -157,7 +161,8 @@ class LaunchConfig:
     warm_up_static: bool = True
     """With warm_up: build the static batches' graphs too (generate(..., batching="static")), not only
     the serving loop's. `corelaunch generate` and `corelaunch serve`, which run continuous batching
-    alone, leave them out: with defaults 48 graphs, the larger prefills among them, never used."""
+    alone, leave them out: with defaults 48 graphs, the larger prefills among them, never used.
+    Always False at max_batch_size 0, where there are no static batches."""
     ray_address: str | None = None
     """None: RAY_ADDRESS, else the cluster `ray start` recorded on this host, else a private local
     one; "local" (always a private one) or "host:port". "auto" is refused (launcher/cluster/ray_cluster.py)."""
@@ -215,7 +220,9 @@ class LaunchConfig:
         self.replicas = _positive_or_auto("replicas", self.replicas)
         RestartPolicy(self.max_restarts, self.restart_window_s)  # checks both, as every replica will
         _positive_seconds("health_check_interval_s", self.health_check_interval_s)
-        positive_int("max_batch_size", self.max_batch_size)
+        _check_max_batch_size(self.max_batch_size)
+        if self.max_batch_size == 0:  # no static batch runs: its graphs would be built and never used
+            self.warm_up_static = False
         # Settings that shape a compiled directory's graphs: left out, the directory's own values
         # (any other builds those graphs again), else the defaults.
         from launcher.artifacts.compiled_dir import recorded_settings
@@ -367,6 +374,23 @@ def _check_path(name: str, value) -> None:
 def _check_batching(batching) -> None:
     if batching not in ("continuous", "static"):
         raise ValueError(f"batching ({batching!r}) must be 'continuous' or 'static'")
+
+
+def _check_max_batch_size(value) -> None:
+    """0 or a positive integer (0: no static batches, whose KV rows the planner then leaves out)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"max_batch_size ({value!r}) must be an integer >= 0 (prompts per static batch; 0: no "
+                         f"static batches, continuous batching alone)")
+
+
+def _refuse_static_without_rows(batching: str, max_batch_size: int) -> None:
+    """A static batch at max_batch_size 0: the planner counted no KV rows for it, so it is refused at
+    the call, before any worker allocates a cache the memory check never saw."""
+    if batching == "static" and max_batch_size == 0:
+        raise ValueError("batching='static' runs batches of at most max_batch_size prompts, and this launch's "
+                         "max_batch_size is 0 (no static batches: continuous batching alone, and the planner counted "
+                         "no KV cache rows for them); leave batching at its default ('continuous'), or launch with "
+                         "max_batch_size 1 or more")
 
 
 def _listed(buckets) -> str:
@@ -737,6 +761,7 @@ class Launcher:
         parameters, max_new_tokens, stop_token_ids and the two flags. ValueError naming the value."""
         max_new_tokens = _plain_integer(max_new_tokens)
         _check_batching(batching)
+        _refuse_static_without_rows(batching, self.config.max_batch_size)
         _check_flag("ignore_eos", ignore_eos)
         _check_flag("return_logits", return_logits)
         self.prepare()
@@ -1055,8 +1080,9 @@ class Launcher:
         batching "continuous" (default): every prompt is its own request in the groups' running
         batches (see stream()), so concurrent callers share the groups step by step.
         batching "static": the prompts run as whole batches, one batch per group at a time (the
-        engine before continuous batching, kept as a baseline for benchmarks/serving.py). What follows
-        describes the static path; both give the same greedy tokens.
+        engine before continuous batching, kept as a baseline for benchmarks/serving.py); refused where
+        max_batch_size is 0 (no static batches were planned). What follows describes the static path;
+        both give the same greedy tokens.
 
         Generation stops at the model's EOS tokens and at `stop_token_ids` (the stop token is kept
         in token_ids, its text left out of the text, as vLLM leaves it out); `ignore_eos` keeps only
@@ -1078,6 +1104,7 @@ class Launcher:
         """
         from workers.rank_worker import GenerateRequest
 
+        _refuse_static_without_rows(batching, self.config.max_batch_size)  # before the pool: said even unstarted
         pool = self._running_pool()
         max_new_tokens = _plain_integer(max_new_tokens)
         prompt_logprobs = _checked_logprobs("prompt_logprobs", _plain_integer(prompt_logprobs))
@@ -1674,6 +1701,7 @@ def split_prompts(count: int, max_batch_size: int, replicas: int) -> list[tuple[
     >>> split_prompts(4, 8, 2)
     [(0, 2), (2, 4)]
     """
+    positive_int("max_batch_size", max_batch_size)  # 0 (no static batches) is refused before the split
     parts = max(math.ceil(count / max_batch_size), min(count, max(replicas, 1)))
     base, extra = divmod(count, parts)
     bounds, first = [], 0

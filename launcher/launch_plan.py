@@ -222,7 +222,8 @@ def host_bytes_per_group(plan, server: bool = False) -> int:
     """This host's RAM one TP group of `plan` holds at most on the cpu backend: its ranks' weights,
     KV cache and packing scratch, each rank's process (RANK_PROCESS_BYTES) and, for a server, the
     Serve replica in front of it (SERVER_REPLICA_BYTES). A server never runs static batches, so its
-    groups hold the serving rows alone (the plan counts the static batch's rows beside them)."""
+    groups hold the serving rows alone: its own plan (max_batch_size 0) counts no others, and one made
+    with static rows (the driver API's) has them taken out here."""
     mem = plan.memory
     kv_bytes = mem.kv_cache_bytes_per_rank
     if server and plan.serving_rows:

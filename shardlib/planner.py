@@ -66,7 +66,10 @@ KV_STRATEGIES = ("shard", "replicate_to_tp", "convert_to_mha")
 _LOWER_DTYPES = ("bfloat16", "float8_e4m3")  # suggested in this order when memory runs out
 _MAX_SUGGESTED_NODES = 8
 _NOTHING_FITS = ("none found with up to {nodes} nodes, the known instances and the lower-precision "
-                 "dtypes; a smaller seq_len or batch_size only shrinks the KV cache")
+                 "dtypes; a smaller seq_len or {rows} only shrinks the KV cache")
+QUANTIZE_DTYPE = {"float8_e4m3": "f8e4m3"}
+"""The 1-byte dtypes a way out names, as `corelaunch quantize --dtype` spells them: a launch's --dtype
+takes the compute dtypes alone, so 1-byte weights come from a checkpoint quantize writes."""
 
 
 NXD_LOCAL_TP_DEGREE = 4
@@ -273,9 +276,18 @@ class _Request:
         return self.batch + self.serving_rows
 
     def rows_text(self) -> str:
-        """The batch as the user gave it, and the serving rows on top when there are any."""
+        """The batch as the user gave it, and the serving rows on top when there are any; the
+        serving rows alone where there is no static batch (serve's and generate's launches)."""
+        if not self.batch:
+            return f"{self.serving_rows} serving rows"
         extra = f" + {self.serving_rows} serving rows" if self.serving_rows else ""
         return f"batch_size {self.batch}{extra}"
+
+    def nothing_fits(self) -> str:
+        """The ways-out text when no change the planner tries fits: what else shrinks the cache
+        (no batch_size to lower where there is no static batch)."""
+        rows = "batch_size" if self.batch else "fewer serving rows (--max-num-seqs)"
+        return _NOTHING_FITS.format(nodes=_MAX_SUGGESTED_NODES, rows=rows)
 
 
 @dataclass(frozen=True)
@@ -492,7 +504,8 @@ def _ways_out(req: _Request, check: _Check) -> list[str]:
             batch_fits = room // (per_token * req.seq_len) - req.serving_rows
             serving_fits = room // (per_token * req.seq_len) - req.batch  # rows, the scratch row included
             if req.serving_rows and 2 <= serving_fits < req.serving_rows:
-                ways.append(f"fewer serving rows (--max-num-seqs at most {serving_fits - 1} at batch_size {req.batch})")
+                beside = f" at batch_size {req.batch}" if req.batch else ""
+                ways.append(f"fewer serving rows (--max-num-seqs at most {serving_fits - 1}{beside})")
             if req.batch > 1 and batch_fits >= 1:
                 ways.append(f"a smaller batch_size (at most {batch_fits}"
                             + (f" besides the {req.serving_rows} serving rows)" if req.serving_rows else ")"))
@@ -504,7 +517,7 @@ def _ways_out(req: _Request, check: _Check) -> list[str]:
         if DTYPE_BYTES[dtype] < DTYPE_BYTES[req.dtype] and not one_byte_out:
             fits = _valid_degrees(dataclasses.replace(req, dtype=dtype))
             if fits:
-                ways.append(f"a lower-precision dtype: {dtype} fits at tp {_fmt_list(fits)}")
+                ways.append(_lower_dtype_way(dtype, fits))
                 break
     for nodes in range(req.nodes + 1, _MAX_SUGGESTED_NODES + 1):
         fits = _valid_degrees(dataclasses.replace(req, nodes=nodes))
@@ -529,6 +542,16 @@ def _ways_out(req: _Request, check: _Check) -> list[str]:
         if bigger:
             ways.append(f"another instance: {', '.join(bigger[:3])}")
     return ways
+
+
+def _lower_dtype_way(dtype: str, fits: list[int]) -> str:
+    """A lower dtype as a way out. A 2-byte one is a --dtype every command takes; 1-byte weights are
+    a quantized checkpoint (generate's and serve's --dtype offer float32, bfloat16 and float16 alone),
+    which `corelaunch plan --dtype float8_e4m3` plans and `corelaunch quantize` writes."""
+    if dtype not in QUANTIZE_DTYPE:
+        return f"a lower-precision dtype: {dtype} fits at tp {_fmt_list(fits)}"
+    return (f"1-byte weights: {dtype} fits at tp {_fmt_list(fits)}; write them with `corelaunch quantize "
+            f"--dtype {QUANTIZE_DTYPE[dtype]} --out QDIR` and launch QDIR (--model QDIR)")
 
 
 def _one_node_way_out(tp: int, req: _Request) -> str:
@@ -631,7 +654,7 @@ def _describe(code: str, req: _Request, check: _Check, hint_degrees: list[int]) 
         ways = [f"a degree that fits: {_fmt_list(hint_degrees)}"] if hint_degrees else []
         ways += _ways_out(req, check)
         return f"{need} ({req.rows_text()}, seq_len {req.seq_len}, {req.dtype}); ways out: " + (
-            "; ".join(ways) if ways else _NOTHING_FITS.format(nodes=_MAX_SUGGESTED_NODES))
+            "; ".join(ways) if ways else req.nothing_fits())
     raise AssertionError(f"no message for rule {code}")
 
 
@@ -640,6 +663,21 @@ def _non_negative_rows(rows) -> int:
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
         raise ValueError(f"serving_rows ({rows!r}) must be a whole number >= 0 (0: no serving loop)")
     return rows
+
+
+def _checked_batch(batch_size, serving_rows: int) -> int:
+    """batch_size, or ValueError. 0 (no static batch: serve's and generate's launches, which run
+    continuous batching alone) is taken where serving rows are there to plan."""
+    if isinstance(batch_size, int) and not isinstance(batch_size, bool) and batch_size == 0:
+        if serving_rows:
+            return 0
+        raise ValueError("batch_size (0) plans no static batch, and there are no serving rows either (serving_rows "
+                         "0, --max-num-seqs 0): there is no KV cache row to plan; give it 1 or more, or serving rows "
+                         "(--max-num-seqs 1 or more)")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0:
+        raise ValueError(f"batch_size ({batch_size!r}) must be a positive integer, or 0 for no static batch (the "
+                         f"serving rows alone)")
+    return batch_size
 
 
 def _resolve_dtype(name: str | None, config: ModelConfig) -> str:
@@ -687,7 +725,8 @@ def plan(config: ModelConfig, *, instance: str | InstanceType = CPU_TARGET, tp: 
     """Check serving `config` at TP degree `tp` ("auto": the smallest degree that passes) on `nodes`
     nodes of `instance` (a name from the instance table, or an InstanceType such as
     shardlib.instances.gpu_node's). serving_rows: KV cache rows a serving loop holds besides the
-    batch_size a static batch may use (counted in memory, named apart in messages). ValueError for
+    batch_size a static batch may use (counted in memory, named apart in messages); batch_size 0:
+    no static batch, the serving rows alone (taken only with serving_rows). ValueError for
     malformed arguments; rule failures land in Plan.errors."""
     inst = instance if isinstance(instance, InstanceType) else get_instance(instance)
     if isinstance(tp, str) and tp != "auto":
@@ -708,7 +747,7 @@ def plan(config: ModelConfig, *, instance: str | InstanceType = CPU_TARGET, tp: 
         config=config, inst=inst, nodes=positive_int("nodes", nodes),
         lnc=inst.default_lnc if lnc is None or lnc_problem else lnc,
         lnc_requested=inst.default_lnc if lnc is None else lnc, lnc_problem=lnc_problem,
-        batch=positive_int("batch_size", batch_size), serving_rows=_non_negative_rows(serving_rows),
+        batch=_checked_batch(batch_size, _non_negative_rows(serving_rows)), serving_rows=serving_rows,
         seq_len=_checked_seq_len(seq_len) if seq_len is not None
         else min(config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN),
         dtype=_resolve_dtype(dtype, config), kv_override=kv_strategy, pad=bool(pad_q_heads),
@@ -744,7 +783,7 @@ def plan(config: ModelConfig, *, instance: str | InstanceType = CPU_TARGET, tp: 
         if "insufficient_memory" not in check.codes:  # that message lists the ways out itself
             ways = _ways_out(req, check)
             summary += "; ways out: " + (
-                "; ".join(ways) if ways else _NOTHING_FITS.format(nodes=_MAX_SUGGESTED_NODES))
+                "; ".join(ways) if ways else req.nothing_fits())
         errors.append(PlanIssue("no_valid_tp_degree", summary))
     else:
         check = _check(req, tp)

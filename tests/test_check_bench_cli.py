@@ -548,7 +548,7 @@ def test_bench_runs_a_batch_above_the_default_row_count_as_one(models, capsys, i
                  "--quiet", "--json"])
     out = capsys.readouterr()
     assert code == 0, out.err
-    assert configs and all(c.max_num_seqs == 10 and c.max_prefill_tokens == 3000 and c.max_batch_size == 1
+    assert configs and all(c.max_num_seqs == 10 and c.max_prefill_tokens == 3000 and c.max_batch_size == 0
                            for c in configs), configs
     assert json.loads(out.out)["context_encoding_model"]["count"] == 1
 
@@ -619,14 +619,14 @@ def test_bench_refuses_a_prompt_longer_than_the_context_before_ray_starts(models
     err = capsys.readouterr().err
     assert code == 2 and "a smaller --batch-size (at most " in err and "--max-num-seqs" not in err, err
     assert "(--batch-size 100000000: 100000001 serving rows with the scratch row" in err, err
-    assert "batch_size 1" not in err, err  # the static row bench plans, which no bench option sets
+    assert "batch_size" not in err, err  # bench plans no static row (it had one, named by no bench option)
     # a shorter sequence length that fits the memory but not the run's 12 positions is no way out
     # (it was offered, "a smaller seq_len (at most 1 ...)", and refused when followed)
     assert "seq_len (at most" not in err and "--seq-len (at most" not in err, err
     from launcher.cli.bench_command import in_bench_terms
 
-    planner_text = ("ways out: a smaller seq_len (at most 900 at batch_size 1 + 301 serving rows); a smaller "
-                    "--max-num-seqs (at most 115)")
+    planner_text = ("ways out: a smaller seq_len (at most 900 at 301 serving rows); fewer serving rows "
+                    "(--max-num-seqs at most 115)")
     assert in_bench_terms(planner_text, 192) == ("ways out: a smaller --seq-len (at most 900 at --batch-size 300: "
                                                  "301 serving rows with the scratch row); a smaller --batch-size "
                                                  "(at most 115)")

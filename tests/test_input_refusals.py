@@ -506,9 +506,9 @@ def test_a_seed_without_sampling_is_refused_not_dropped(capsys, ray_tripwire):
 
     assert main(["generate", "--seed", "3", "hi"]) == 2
     assert "--seed (3) seeds sampling, and no sampling flag is given" in capsys.readouterr().err
-    assert main(["generate", "--seed", "3", "--temperature", "0", "--max-batch-size", "0", "hi"]) == 2  # taken:
-    err = capsys.readouterr().err  # greedy asked for outright; refused for the batch size, after the sampling
-    assert "--seed" not in err and "--max-batch-size (0)" in err, err
+    assert main(["generate", "--seed", "3", "--temperature", "0", "--restart-window", "0", "hi"]) == 2  # taken:
+    err = capsys.readouterr().err  # greedy asked for outright; refused for the restart window, after the sampling
+    assert "--seed" not in err and "--restart-window (0.0)" in err, err
 
 
 def test_the_layout_words_are_flags_only_where_they_are_the_planners_words():
@@ -525,12 +525,18 @@ def test_the_layout_words_are_flags_only_where_they_are_the_planners_words():
 
 def test_a_refused_layout_names_the_generate_flags(capsys, ray_tripwire):
     """The planner's words for the layout (tp_degree, batch_size) named what a generate user cannot
-    type; --seq-len and --max-num-seqs in the same lines were already flags."""
+    type; --seq-len and --max-num-seqs in the same lines were already flags. generate plans no static
+    batch (it runs continuous batching alone), so its memory refusals name the serving rows alone
+    and no batch size at all; compile, which builds static batches' graphs, names its --max-batch-size."""
     from launcher.cli import main
 
-    for argv, words in ((["--tp", "5"], "is not divisible by --tp (5)"),
-                        (["--max-batch-size", "100000"], "a smaller --max-batch-size (at most")):
-        assert main(["generate", *argv, "x"]) == 2
+    for argv, words in ((["generate", "--tp", "5", "x"], "is not divisible by --tp (5)"),
+                        (["generate", "--max-num-seqs", "100000", "x"],
+                         "(100001 serving rows, --seq-len 4096, float32); ways out: a smaller --seq-len (at most 4 "
+                         "at 100001 serving rows); fewer serving rows (--max-num-seqs at most"),
+                        (["compile", "--max-batch-size", "100000", "--out", "unused"],
+                         "a smaller --max-batch-size (at most")):
+        assert main(argv) == 2
         err = capsys.readouterr().err
         assert words in err and "tp_degree (" not in err and "batch_size" not in err, err
 

@@ -41,7 +41,7 @@ def test_missing_model_path_is_named():
         LaunchConfig(model="/no/such/model")
 
 
-@pytest.mark.parametrize("field, value", [("tp", 0), ("tp", "two"), ("max_batch_size", 0), ("nodes", 0),
+@pytest.mark.parametrize("field, value", [("tp", 0), ("tp", "two"), ("max_batch_size", -1), ("nodes", 0),
                                           ("request_timeout_s", -1), ("backend", "tpu"), ("replicas", 0),
                                           ("replicas", "many"), ("max_restarts", -1), ("restart_window_s", 0)])
 def test_bad_launch_options_name_the_value(field, value):

@@ -241,7 +241,14 @@ def test_the_serving_rows_a_launch_holds_are_planned_too(capsys, tmp_path):
                                          ("--seq-len", "seq_len")])
 def test_a_refused_option_is_named_by_its_flag(capsys, flag, field):
     """plan's refusals named the planner's parameter (`batch_size (0) must be ...`) where every
-    other command names the option."""
+    other command names the option. (--batch-size 0 alone plans the serving rows alone: see
+    tests/test_no_static_rows.py.)"""
+    if flag == "--batch-size":  # 0 is taken beside serving rows: no static batch
+        out = plan_in_process(capsys, "--model", SMOLLM2, flag, "-1")
+        assert out.returncode == 2
+        assert out.stderr.strip() == (f"corelaunch plan: {flag} (-1) must be a positive integer, or 0 for no static "
+                                      f"batch (the serving rows alone)")
+        return
     out = plan_in_process(capsys, "--model", SMOLLM2, flag, "0")
     assert out.returncode == 2
     assert out.stderr.strip() == f"corelaunch plan: {flag} (0) must be a positive integer"

@@ -325,15 +325,17 @@ def apply_compiled_dir(config):
         moe_sharding=manifest.get("moe_sharding"), lnc=manifest.get("lnc") or config.lnc,
         compile_granularity=manifest.get("granularity"),
         presharded_dir=str(weights_dir(pinned)), context_buckets=buckets.context, token_buckets=buckets.token,
-        max_batch_size=min(config.max_batch_size, buckets.max_batch_size))
+        max_batch_size=min(config.max_batch_size, buckets.max_batch_size))  # 0 (no static batches) stays 0
 
 
 def launch_buckets(config, plan, model_config, batch: tuple[int, ...] | None = None) -> Buckets:
     """The buckets a launch runs at: the custom lists given, else automatic ones up to the maximum
     context length (default: the sequence length) and the plan's sequence length; `batch`: the batch
-    buckets (a compiled-model directory's), else powers of two up to the maximum batch size."""
+    buckets (a compiled-model directory's), else powers of two up to the maximum batch size (at
+    least 1: a launch without static batches, max_batch_size 0, has the smallest, whose graphs are
+    never built, since no static call is taken and warm_up_static is False)."""
     return Buckets.build(max_context_length=config.max_context_length, max_seq_len=config.seq_len or plan.seq_len,
-                         max_batch_size=config.max_batch_size, context=config.context_buckets,
+                         max_batch_size=max(config.max_batch_size, 1), context=config.context_buckets,
                          token=config.token_buckets, batch=batch,
                          max_positions=model_config.max_position_embeddings)
 

@@ -120,8 +120,8 @@ def run(args: argparse.Namespace) -> int:
 
 def in_bench_terms(message: str, needed: int | None = None) -> str:
     """A launch refusal in bench's own options: its batch is the serving rows (max_num_seqs, plus
-    the scratch row), which it sets from --batch-size beside the one static row every launch plans;
-    the planner's "batch_size 1" named a batch size bench users never set. needed: the positions a
+    the scratch row), which it sets from --batch-size, with no static rows (max_batch_size 0): the
+    planner's "N serving rows" and "--max-num-seqs" are said as bench's --batch-size. needed: the positions a
     run takes (--prompt-len + --max-new-tokens): a shorter sequence length offered as a way out
     ("at most 4") would be refused when followed, so it is left out; a longer one names --seq-len."""
     import re
@@ -130,9 +130,9 @@ def in_bench_terms(message: str, needed: int | None = None) -> str:
         return "" if needed is not None and int(way[1]) < needed else way[0].replace("seq_len", "--seq-len", 1)
 
     message = re.sub(r"a smaller seq_len \(at most (\d+) at [^()]*\)(; )?", seq_len_way, message)
-    message = re.sub(r"fewer serving rows \(--max-num-seqs at most (\d+) at batch_size 1\)",
-                     r"a smaller --batch-size (at most \1)", message)
-    message = re.sub(r"batch_size 1 \+ (\d+) serving rows",
+    message = re.sub(r"fewer serving rows \(--max-num-seqs at most (\d+)\)", r"a smaller --batch-size (at most \1)",
+                     message)
+    message = re.sub(r"(?<!the )\b(\d+) serving rows",
                      lambda rows: f"--batch-size {int(rows[1]) - 1}: {rows[1]} serving rows with the scratch row",
                      message)
     return message.replace("--max-num-seqs", "--batch-size")
@@ -153,9 +153,9 @@ def _bench(args: argparse.Namespace) -> dict:
                           seq_len=args.seq_len, ray_address=args.ray_address,
                           compile=args.compile, progress=not args.quiet,
                           # The whole batch runs at once in the serving engine (generate's default path;
-                          # no static batch, so one static row, not a second batch of rows, is planned)
-                          # and is prefilled in one step where its prompts fit PREFILL_BUDGET_CAP tokens.
-                          max_batch_size=1, max_num_seqs=args.batch_size,
+                          # no static batch, so no static rows are planned) and is prefilled in one
+                          # step where its prompts fit PREFILL_BUDGET_CAP tokens.
+                          max_batch_size=0, max_num_seqs=args.batch_size,
                           # every run prefills the same prompts whole: a prefix-cache hit would time
                           # the warm-up's prefill away
                           prefix_caching=False,

@@ -472,7 +472,7 @@ def _launcher(args, model_dir: Path):
 
     config = LaunchConfig(model=str(model_dir), tp=args.tp, **backend_options(args), **timeout_options(args), pad_q_heads=args.pad_q_heads,
                           sequence_parallel=args.sequence_parallel, **layout_choices(args),
-                          dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_batch_size=1,
+                          dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_batch_size=0,  # continuous alone
                           ray_address=args.ray_address,
                           compile=args.compile, progress=not args.quiet)
     return Launcher(config).prepare()

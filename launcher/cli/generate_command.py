@@ -24,9 +24,6 @@ def add_parser(subparsers) -> None:
     add_model_and_placement_arguments(p)
     p.add_argument("--replicas", default="1", metavar="N|auto",
                    help="independent TP groups; prompts are spread over them; auto: as many as fit (default 1)")
-    p.add_argument("--max-batch-size", type=int, default=8,
-                   help="sizes the planner's memory check (each prompt runs as its own request in the running batch; "
-                        "the driver API's static batches are split at this size) (default 8)")
     add_max_num_seqs(p)
     add_prefix_caching(p)
     p.add_argument("--max-new-tokens", type=int_at_least("--max-new-tokens"), default=32, metavar="N",
@@ -121,9 +118,11 @@ def launch_config(args: argparse.Namespace):
     """The LaunchConfig the options ask for (ValueError or FileNotFoundError naming a bad one)."""
     from launcher.api import LaunchConfig
 
-    # it runs continuous batching alone: --warm-up builds the serving loop's graphs, not static ones
+    # It runs continuous batching alone (each prompt is its own request in the running batch): no
+    # static batches (max_batch_size 0), so the plan counts the serving rows alone, not 8 static rows
+    # of --seq-len that were never allocated, and --warm-up builds the serving loop's graphs alone.
     return LaunchConfig(**model_and_placement_options(args), **max_num_seqs_option(args), replicas=args.replicas,
-                        max_batch_size=args.max_batch_size, ray_address=args.ray_address, warm_up_static=False,
+                        max_batch_size=0, ray_address=args.ray_address, warm_up_static=False,
                         prefix_caching=args.prefix_caching)
 
 

@@ -45,7 +45,9 @@ def add_parser(subparsers) -> None:
                    help="tensor-parallel degree, or auto for the smallest that passes (default auto)")
     p.add_argument("--lnc", type=int, metavar="1|2",
                    help="logical NeuronCore config (default: the instance's; 2 exists only on trn2)")
-    p.add_argument("--batch-size", type=int, default=1, metavar="N", help="sequences per batch (default 1)")
+    p.add_argument("--batch-size", type=int, default=1, metavar="N",
+                   help="sequences per static batch (default 1; 0: no static batch, the serving rows alone, as "
+                        "corelaunch serve and corelaunch generate plan)")
     p.add_argument("--max-num-seqs", type=int_at_least("--max-num-seqs", 0), default=DEFAULT_MAX_NUM_SEQS, metavar="N",
                    help=f"sequence slots of the continuous-batching engine, whose KV cache rows count on top of "
                         f"the batch as they do in a launch (default {DEFAULT_MAX_NUM_SEQS}, generate's; "
@@ -152,8 +154,7 @@ def format_report(result: Plan) -> str:
     lines = [
         f"{verdict}: {cfg.model_type} ({cfg.num_attention_heads} heads, {cfg.num_key_value_heads} KV heads, "
         f"{cfg.param_count() / 1e9:.2f} B params) on {result.nodes} x {result.instance} (LNC {result.lnc}), "
-        f"{compute}{stored}, batch_size {result.batch_size}"
-        + (f" + {result.serving_rows} serving rows" if result.serving_rows else "") + f", seq_len {result.seq_len}",
+        f"{compute}{stored}, {_rows_text(result)}, seq_len {result.seq_len}",
         f"tp_degree {result.tp_degree} ({'auto' if result.tp_requested == 'auto' else 'requested'}), "
         f"{result.ranks_per_node} rank(s) per node, kv strategy {result.kv_strategy or '-'}, "
         f"per rank: {_or_dash(result.q_heads_per_rank)} Q heads, {_or_dash(result.kv_heads_per_rank)} KV heads"
@@ -174,6 +175,14 @@ def format_report(result: Plan) -> str:
     lines += [f"error [{issue.code}]: {issue.message}" for issue in result.errors]
     lines += [f"warning: {text}" for text in result.warnings]
     return "\n".join(lines)
+
+
+def _rows_text(result: Plan) -> str:
+    """The KV cache rows the memory figures count: the static batch and the serving rows on top, or
+    the serving rows alone (--batch-size 0, as serve and generate plan)."""
+    if not result.batch_size:
+        return f"{result.serving_rows} serving rows"
+    return f"batch_size {result.batch_size}" + (f" + {result.serving_rows} serving rows" if result.serving_rows else "")
 
 
 def _or_dash(value) -> str:

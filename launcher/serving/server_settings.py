@@ -60,7 +60,10 @@ BUCKET_ARGS = ("context_buckets", "token_buckets")
 NOT_UNDER_SERVE = {"ray_address": "a Serve replica runs in the Ray cluster Serve runs in; start Serve there "
                                   "(`serve run --address` or RAY_ADDRESS)",
                    "warm_up_static": "a server runs continuous batching alone: warm_up builds the serving "
-                                     "loop's graphs, and static batches' would never be used"}
+                                     "loop's graphs, and static batches' would never be used",
+                   "max_batch_size": "a server runs continuous batching alone, never a static batch, so its "
+                                     "launch plans no static rows (max_batch_size 0); its KV cache is sized by "
+                                     "max_num_seqs and seq_len"}
 """LaunchConfig fields that mean nothing inside a Serve replica: refused rather than ignored."""
 
 _SERVE_ADDRESS = "Serve's HTTP proxy listens where the Serve config's http_options say (host, port)"
@@ -156,8 +159,9 @@ def settings_from_args(args: dict, names: dict | None = None) -> ServerSettings:
         raise ValueError(f"unknown argument(s) {', '.join(unknown)}{_unknown_hints(unknown, SERVER_ARGS + tuple(taken))}; "
                          f"the server takes {', '.join(SERVER_ARGS)} and LaunchConfig's fields: {', '.join(taken)}")
     launch = {key: value for key, value in typed.items() if key in fields and key != "replicas"}
-    # One Launcher (one TP group) per Serve replica: Serve, not the Launcher, adds replicas.
-    launch.update(replicas=1, progress=launch.get("progress", False), warm_up_static=False)
+    # One Launcher (one TP group) per Serve replica: Serve, not the Launcher, adds replicas. No static
+    # batches (max_batch_size 0): the planner counted 8 rows of seq_len for them that no server allocates.
+    launch.update(replicas=1, progress=launch.get("progress", False), warm_up_static=False, max_batch_size=0)
     # before the model's checks: a misspelt parser is said first, not after a model folder's refusal
     parser = _tool_call_parser(typed.get("tool_call_parser"), name("tool_call_parser", "tool_call_parser"))
     reasoning = _reasoning_parser(typed.get("reasoning_parser"), name("reasoning_parser", "reasoning_parser"))
