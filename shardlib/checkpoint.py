@@ -192,9 +192,9 @@ class _PickleFile:
             _libc_madvise(start, stop - start, _MADV_DONTNEED)
 
 
-LEGACY_TORCH_MAGIC = pickle.dumps(0x1950A86A20F9469CFC6C, protocol=2)[:-1]
+LEGACY_TORCH_MAGIC = pickle.dumps(torch.serialization.MAGIC_NUMBER, protocol=2)[:-1]
 """How a file of torch's legacy (pre-1.6) serialization begins: its magic number, pickled first
-(torch.serialization.MAGIC_NUMBER, without the pickle's STOP)."""
+(protocol 2, without the pickle's STOP)."""
 
 
 def _legacy_pickle(path: Path) -> bool:

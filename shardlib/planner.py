@@ -276,12 +276,7 @@ class _Request:
         return self.batch + self.serving_rows
 
     def rows_text(self) -> str:
-        """The batch as the user gave it, and the serving rows on top when there are any; the
-        serving rows alone where there is no static batch (serve's and generate's launches)."""
-        if not self.batch:
-            return f"{self.serving_rows} serving rows"
-        extra = f" + {self.serving_rows} serving rows" if self.serving_rows else ""
-        return f"batch_size {self.batch}{extra}"
+        return kv_rows_text(self.batch, self.serving_rows)
 
     def nothing_fits(self) -> str:
         """The ways-out text when no change the planner tries fits: what else shrinks the cache
@@ -659,6 +654,15 @@ def _describe(code: str, req: _Request, check: _Check, hint_degrees: list[int]) 
 
 
 # ---- the public entry point ---------------------------------------------------------------------
+def kv_rows_text(batch_size: int, serving_rows: int) -> str:
+    """The KV cache rows a plan counts, as its messages and `corelaunch plan` name them: the batch as
+    the user gave it and the serving rows on top when there are any; the serving rows alone where
+    there is no static batch (serve's and generate's launches)."""
+    if not batch_size:
+        return f"{serving_rows} serving rows"
+    return f"batch_size {batch_size}" + (f" + {serving_rows} serving rows" if serving_rows else "")
+
+
 def _non_negative_rows(rows) -> int:
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
         raise ValueError(f"serving_rows ({rows!r}) must be a whole number >= 0 (0: no serving loop)")

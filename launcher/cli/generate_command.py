@@ -122,7 +122,7 @@ def launch_config(args: argparse.Namespace):
     # static batches (max_batch_size 0), so the plan counts the serving rows alone, not 8 static rows
     # of --seq-len that were never allocated, and --warm-up builds the serving loop's graphs alone.
     return LaunchConfig(**model_and_placement_options(args), **max_num_seqs_option(args), replicas=args.replicas,
-                        max_batch_size=0, ray_address=args.ray_address, warm_up_static=False,
+                        max_batch_size=0, ray_address=args.ray_address,
                         prefix_caching=args.prefix_caching)
 
 

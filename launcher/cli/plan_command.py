@@ -15,7 +15,7 @@ from launcher.cli.options import (add_kv_cache_dtype, add_moe_sharding, add_pad_
                                   non_empty_path, with_flag_name)
 from shardlib.instances import CPU_TARGET, INSTANCE_NAMES, NEURON_FAMILIES
 from shardlib.model_config import load_model_config
-from shardlib.planner import KV_STRATEGIES, Plan, plan
+from shardlib.planner import KV_STRATEGIES, Plan, kv_rows_text, plan
 from shardlib.quantized_sizes import planned_quantization
 from shardlib.serving_shapes import DEFAULT_MAX_NUM_SEQS, serving_cache_rows
 
@@ -154,7 +154,7 @@ def format_report(result: Plan) -> str:
     lines = [
         f"{verdict}: {cfg.model_type} ({cfg.num_attention_heads} heads, {cfg.num_key_value_heads} KV heads, "
         f"{cfg.param_count() / 1e9:.2f} B params) on {result.nodes} x {result.instance} (LNC {result.lnc}), "
-        f"{compute}{stored}, {_rows_text(result)}, seq_len {result.seq_len}",
+        f"{compute}{stored}, {kv_rows_text(result.batch_size, result.serving_rows)}, seq_len {result.seq_len}",
         f"tp_degree {result.tp_degree} ({'auto' if result.tp_requested == 'auto' else 'requested'}), "
         f"{result.ranks_per_node} rank(s) per node, kv strategy {result.kv_strategy or '-'}, "
         f"per rank: {_or_dash(result.q_heads_per_rank)} Q heads, {_or_dash(result.kv_heads_per_rank)} KV heads"
@@ -175,14 +175,6 @@ def format_report(result: Plan) -> str:
     lines += [f"error [{issue.code}]: {issue.message}" for issue in result.errors]
     lines += [f"warning: {text}" for text in result.warnings]
     return "\n".join(lines)
-
-
-def _rows_text(result: Plan) -> str:
-    """The KV cache rows the memory figures count: the static batch and the serving rows on top, or
-    the serving rows alone (--batch-size 0, as serve and generate plan)."""
-    if not result.batch_size:
-        return f"{result.serving_rows} serving rows"
-    return f"batch_size {result.batch_size}" + (f" + {result.serving_rows} serving rows" if result.serving_rows else "")
 
 
 def _or_dash(value) -> str:

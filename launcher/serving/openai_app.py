@@ -693,10 +693,10 @@ class OpenAIServer:
     think_start: int | None = None
     """The id of its `<think>` (a prompt whose last `</think>` comes after it has ended the thinking)."""
     call_start: int | None = None
+    """The id of its `<tool_call>`, which ends qwen3's thinking too (the usage's reasoning count)."""
     turn_ends: frozenset[int] = frozenset()
     """With a reasoning parser: the ids that end a message (_turn_ends), where a prompt's look for
     a closed thinking stops (openai_protocol._thinking_closed)."""
-    """The id of its `<tool_call>`, which ends qwen3's thinking too (the usage's reasoning count)."""
     stream_interval: int = 1
     """Tokens the engine gathers into each delta of a stream (vLLM's --stream-interval), unless the
     request's own stream_interval asks for more (engine_stream_interval; a whole answer gathers
