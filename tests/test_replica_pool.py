@@ -297,6 +297,27 @@ def test_a_timed_out_request_fails_but_its_group_is_restarted_for_the_next(make_
     assert pool.status()[0]["restarts"] == 1
 
 
+def test_timed_out_batches_replace_their_group_without_using_up_the_restart_budget(make_pool):
+    """A review: each static batch that outlasted its timeout counted as a restart, so a group merely
+    slow on long batches was given up as a crash loop after max_restarts of them, and every later
+    request failed with NoReplicaAvailable. A failure while starting the new group still counts."""
+    slow = lambda: always(RequestTimeout("rank 0 did not finish the request within 1 s"))  # noqa: E731
+    pool = make_pool(1, Factory({0: [slow, slow, slow]}), max_restarts=1)
+    pool.start()
+    for attempt in range(3):
+        with pytest.raises(RequestTimeout, match="within 1 s"):
+            pool.submit(f"long{attempt}").result(TIMEOUT_S)
+    assert pool.submit("next").result(TIMEOUT_S).outputs == "r0.3:next"
+    assert pool.status()[0]["restarts"] == 3 and pool.replicas[0].policy.recent() == 0
+    dying = WorkerDied("rank 1 died while loading its shard")
+    pool = make_pool(1, Factory({0: [slow, dying, dying]}), max_restarts=1)
+    pool.start()
+    with pytest.raises(RequestTimeout):
+        pool.submit("long").result(TIMEOUT_S)
+    with pytest.raises(NoReplicaAvailable, match="crash loop"):  # the new group's failures are counted
+        pool.submit("next").result(TIMEOUT_S)
+
+
 def test_a_group_that_cannot_be_placed_again_fails_its_replica_only(make_pool):
     gate = threading.Event()
     placement = PlacementTimeout("Ray could not reserve 2 bundles of {'CPU': 1}")

@@ -413,7 +413,7 @@ class Replica:
                     return
                 if isinstance(fault, RequestTimeout):
                     _fail(item, fault)  # reported first (it would time out again); then the group is replaced
-                    self._restart(fault)
+                    self._restart(fault, counted=False)
                     return
                 if not self._restart(fault):
                     # given up (self.failure), or the launcher is shutting down (no failure to name)
@@ -443,8 +443,12 @@ class Replica:
             self._restart(WorkerDied(f"{', '.join(dead)} died while replica {self.index} was idle"))
 
     # ---- restarts ----------------------------------------------------------------------------
-    def _restart(self, cause: BaseException) -> bool:
-        """Replace the broken group; False (and the replica failed) when that is not possible."""
+    def _restart(self, cause: BaseException, counted: bool = True) -> bool:
+        """Replace the broken group; False (and the replica failed) when that is not possible.
+        counted False: a static batch that outlasted its timeout, whose group is replaced to stop it
+        (nothing else can), not counted against the restart policy: a group merely slow on long
+        batches was given up as a crash loop after max_restarts of them, failing every later request.
+        A failure while making the new group counts as any other."""
         noticed = time.monotonic()
         self.state = "restarting"
         if self.started is not None:
@@ -452,7 +456,7 @@ class Replica:
         while True:
             if self.pool.stopping:  # shut down meanwhile: no new group (nor a new Ray) behind its back
                 return False
-            if not self.policy.allow():
+            if counted and not self.policy.allow():
                 if self.policy.max_restarts == 0:
                     why = "restarts are disabled (max_restarts=0; raise --max-restarts to restart failed groups)"
                 else:
@@ -464,9 +468,10 @@ class Replica:
                                                    f"Last failure: {cause}"), cause)
                 return False
             self.restarts += 1
-            self.pool._note(f"replica {self.index}: {_first_line(cause)}; restarting its group "
-                            f"(restart {self.policy.recent()} of at most {self.policy.max_restarts} "
-                            f"within {self.policy.window_s:g} s)")
+            budget = (f"restart {self.policy.recent()} of at most {self.policy.max_restarts} within "
+                      f"{self.policy.window_s:g} s" if counted else "a timed-out batch's, not counted as a restart")
+            self.pool._note(f"replica {self.index}: {_first_line(cause)}; restarting its group ({budget})")
+            counted = True  # a failure from here on (the new group's start) is a restart like any other
             try:
                 started = self.pool._make_group(self.index, True)
             except (PlacementTimeout, DevicesMissing) as err:
