@@ -87,6 +87,21 @@ def test_an_empty_directory_is_replaced_and_a_foreign_one_refused(tmp_path):
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
 
 
+def test_a_users_own_link_is_refused_naming_its_target_and_the_writers_own_is_rewritten(tmp_path):
+    """A review: `--out ~/compiled`, a link the user made to a larger disk, was replaced by a link of
+    the writer's, the files written beside it on the home disk and the disk it named left as it was."""
+    (tmp_path / "bigdisk").mkdir()
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "out").symlink_to(tmp_path / "bigdisk")
+    with pytest.raises(FileExistsError, match=f"out is a link to {tmp_path / 'bigdisk'} that no writer of .* made: "
+                                              f"writing would replace the link"):
+        write(tmp_path / "home" / "out", "x")
+    assert (tmp_path / "home" / "out").resolve() == tmp_path / "bigdisk" and not any((tmp_path / "bigdisk").iterdir())
+    assert sorted(p.name for p in (tmp_path / "home").iterdir()) == ["out"]  # nothing written beside it
+    write(tmp_path / "home" / "ours", "x")  # a link of the writer's own: written again
+    assert (write(tmp_path / "home" / "ours", "y") / "data.txt").read_text() == "y"
+
+
 def test_stale_leftovers_are_swept_by_the_next_write_and_live_ones_kept(tmp_path):
     out = write(tmp_path / "d", "one")
     host = writer_tag().rsplit("-", 1)[0]

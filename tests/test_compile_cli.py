@@ -721,3 +721,30 @@ def test_an_edited_model_config_inside_the_directory_is_named_with_the_compile_f
         err.value) and f"re-run `corelaunch compile --out {root}`" in str(err.value), err.value
     # with --model the original's config is compared instead (the model the user names), as before
     compiled_dir.apply_compiled_dir(LaunchConfig(compiled_dir=str(root), model=str(model_dir)))
+
+
+def test_a_compiled_directory_keeps_the_tokenizers_added_tokens(tmp_path):
+    """A review: added_tokens.json was not copied into the directory's model folder, so a tokenizer
+    that keeps its added tokens there (vocab.json and merges.txt, or tokenizer.model) read them as
+    plain text under --compiled, and the prompts' ids differed from the model folder's."""
+    from launcher.cli.compile_command import _copy_model_files
+
+    source = tmp_path / "model"
+    source.mkdir()
+    for name, text in (("config.json", "{}"), ("vocab.json", "{}"), ("merges.txt", "#version: 0.2\n"),
+                       ("added_tokens.json", '{"<|mytool|>": 49152}'), ("model.safetensors", "weights")):
+        (source / name).write_text(text)
+    _copy_model_files(source, tmp_path / "copied")
+    assert sorted(p.name for p in (tmp_path / "copied").iterdir()) == ["added_tokens.json", "config.json",
+                                                                       "merges.txt", "vocab.json"]
+
+
+def test_compile_refuses_a_max_batch_size_of_0(capsys, tmp_path):
+    """A review: LaunchConfig's 0 (no static batches) passed compile's flag and built batch 1's
+    static graphs all the same; a compiled directory holds static graphs from batch 1 up. (The
+    model path names nothing: should the flag pass again, the command fails at once, not compiling.)"""
+    from launcher.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["compile", "--model", str(tmp_path / "none"), "--max-batch-size", "0", "--out", str(tmp_path / "c")])
+    assert exit_.value.code == 2 and "--max-batch-size" in capsys.readouterr().err

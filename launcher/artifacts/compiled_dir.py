@@ -37,7 +37,8 @@ MODEL, WEIGHTS, CACHE = "model", "weights", "cache"
 COMPILE_LOG = "compile.log"
 """Rank 0's warm-up record: one line per graph ("done total phase batch length seconds")."""
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-               "tokenizer.model", "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")
+               "tokenizer.model", "special_tokens_map.json", "vocab.json", "merges.txt", "added_tokens.json",
+               "chat_template.jinja")
 """Files copied from the Hugging Face model directory (those present); weights are not among them."""
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from launcher.cli.options import (add_backend_arguments, add_bucket_lists, add_fused_projections, add_granularity,
                                   add_kv_cache_dtype, add_kv_strategy, add_max_num_seqs, add_max_prefill_tokens, add_moe_sharding,
                                   add_pad_q_heads, add_sequence_parallel, add_timeout_arguments, backend_options, bucket_lists, max_num_seqs_option,
-                                  in_generate_flags, non_empty_path, timeout_options, with_flag_name,
+                                  in_generate_flags, int_at_least, non_empty_path, timeout_options, with_flag_name,
                                   without_nodes_ways)
 
 
@@ -61,12 +61,14 @@ def add_parser(subparsers) -> None:
 
 
 def add_bucket_arguments(p: argparse.ArgumentParser, max_batch_default: int) -> None:
-    """The bucket options `compile` and `generate` share."""
+    """compile's bucket options."""
     p.add_argument("--seq-len", type=int,
                    help="maximum sequence length: the largest token-generation bucket (default: the plan's, "
                         "min(max_position_embeddings, 4096))")
-    p.add_argument("--max-batch-size", type=int, default=max_batch_default,
-                   help=f"largest batch; batch buckets are 1, 2, 4, ... up to it (default {max_batch_default})")
+    # at least 1: a compiled directory holds static graphs from batch 1 up (LaunchConfig's 0, no static
+    # batches, built batch 1's graphs here all the same)
+    p.add_argument("--max-batch-size", type=int_at_least("--max-batch-size", 1), default=max_batch_default,
+                   help=f"largest static batch; batch buckets are 1, 2, 4, ... up to it (default {max_batch_default})")
     add_bucket_lists(p)
 
 
