@@ -627,6 +627,33 @@ def test_orphaned_segment_of_a_dead_creator_is_removed(tmp_path):
     live.unlink()
 
 
+def test_a_segment_whose_creator_died_before_writing_its_token_is_removed_once_stale(tmp_path):
+    """A review: a leader killed between creating its segment (full size, or still empty) and writing
+    its token left it in /dev/shm until reboot: the sweep skipped every file without a token. Now a
+    segment's name without one for SET_UP_GRACE_S, held by no process, is removed; a fresh one (being
+    set up), a held one and a name of no segment's are not."""
+    import fcntl
+
+    from workers.shm.exchange import SET_UP_GRACE_S, remove_orphans
+
+    stale = time.time() - SET_UP_GRACE_S - 5
+    for name, size in (("corelaunch-0a1b-node0", 4 << 20), ("corelaunch-0a1c-node1", 0), ("corelaunch-0a1d-node0", 4096),
+                       ("corelaunch-0a1e-node0", 4096), ("corelaunch-not-a-segment", 4096)):
+        (tmp_path / name).write_bytes(bytes(size))
+        os.chmod(tmp_path / name, 0o600)  # as a creator makes it
+        if name != "corelaunch-0a1d-node0":  # the fresh one: being set up
+            os.utime(tmp_path / name, (stale, stale))
+    holder = os.open(tmp_path / "corelaunch-0a1e-node0", os.O_RDONLY)
+    try:
+        fcntl.flock(holder, fcntl.LOCK_SH)  # its creator is alive, setting it up
+        removed = sorted(os.path.basename(p) for p in remove_orphans(str(tmp_path)))
+    finally:
+        os.close(holder)
+    assert removed == ["corelaunch-0a1b-node0", "corelaunch-0a1c-node1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corelaunch-0a1d-node0", "corelaunch-0a1e-node0",
+                                                          "corelaunch-not-a-segment"]
+
+
 def test_the_sweep_goes_by_the_creators_lock_not_its_pid(tmp_path):
     """From another pid namespace sharing /dev/shm a live creator's pid does not run (its segment
     was removed during its set-up); a dead creator's pid may run again, reused (never removed)."""

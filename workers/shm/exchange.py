@@ -43,6 +43,8 @@ import ctypes
 import fcntl
 import mmap
 import os
+import re
+import time
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +56,11 @@ from workers.own_files import OPEN_FLAGS, UntrustedEntry, open_own_entry
 from workers.shm.native import Native
 
 TOKEN_PREFIX = b"corelaunch-shm:"
+SET_UP_GRACE_S = 60.0
+"""A segment still without its token is being set up (its creator writes it milliseconds after
+creating the file); one older than this that no process holds lost its creator during set-up."""
+SEGMENT_NAME = re.compile(r"corelaunch-[0-9a-f]+-node\d+")
+"""The names group.py gives segments: only these are taken for segments without a token."""
 _BLOCK = 128  # bytes per rank's header block; counters sit at its start
 _PAGE = 4096
 
@@ -180,7 +187,7 @@ def remove_orphans(shm_dir: str, prefix: str = "corelaunch-") -> list[str]:
         try:
             head = os.pread(fd, _BLOCK * 2, 0)
             own = os.fstat(fd)
-            if not head.startswith(TOKEN_PREFIX) or len(head) < _BLOCK + 12:
+            if (not head.startswith(TOKEN_PREFIX) or len(head) < _BLOCK + 12) and not _set_up_abandoned(name, own):
                 continue  # still being set up (the token comes after the creator's lock), or not a segment
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -195,6 +202,13 @@ def remove_orphans(shm_dir: str, prefix: str = "corelaunch-") -> list[str]:
         finally:
             os.close(fd)
     return removed
+
+
+def _set_up_abandoned(name: str, stat: os.stat_result) -> bool:
+    """A segment's name without a token for SET_UP_GRACE_S: a creator killed between creating it and
+    writing its token (a full-size segment, or an empty file) left it, and the token check kept it
+    until the next reboot. (Removed only if no process holds its lock, as every other.)"""
+    return SEGMENT_NAME.fullmatch(name) is not None and time.time() - stat.st_mtime > SET_UP_GRACE_S
 
 
 class CollectiveTimeout(TimeoutError):
