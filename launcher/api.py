@@ -944,8 +944,11 @@ class Launcher:
                         timeouts=self._timeouts, lnc=self.plan.lnc, nodes=self.config.nodes,
                         name=f"corelaunch-r{index}", groups=self.replicas)
         # Against the start's count, not the count now: a shutdown landing between the start's last
-        # check and this line went unseen, and waited out the whole load.
-        group.stop_asked = lambda: self._stops != self._stops_at_start
+        # check and this line went unseen, and waited out the whole load. At the start, another
+        # replica's failed start stops it too: the others loaded and warmed up to the end before.
+        pool = None if restart else self._pool
+        group.stop_asked = lambda: (self._stops != self._stops_at_start
+                                    or (pool is not None and pool.start_failed.is_set()))
         spec = self._load_spec
         writer = self._cache_writer  # once: a shutdown on another thread clears it
         if restart and writer is not None and writer.ready and not around_the_cache:

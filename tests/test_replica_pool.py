@@ -586,11 +586,29 @@ def test_a_replica_that_fails_to_start_fails_the_start_and_stops_the_others(make
     pool = make_pool(3, factory)
     with pytest.raises(PlacementTimeout, match="no room for replica 1") as info:
         pool.start()
-    assert "(replica 1 of 3; 1 replica(s) failed to start)" in info.value.__notes__
+    assert "(replica 1 of 3, the first whose start failed; 1 replica(s) failed to start)" in info.value.__notes__
     assert sorted(factory.calls) == [(0, False), (1, False), (2, False)]
     assert all(g.shut_down for i in (0, 2) for g in factory.groups[i])
     with pytest.raises(LaunchError, match="shut down"):
         pool.submit("a")
+
+
+def test_a_failed_start_stops_the_others_and_names_the_first_failure(make_pool):
+    """A review: one replica's failed start was raised only once every other replica had loaded and
+    warmed up, groups about to be killed. start_failed stops them at their next check (the Launcher's
+    groups read it as a stop asked), and the error raised is the failure's, not a stopped replica's."""
+    factory = Factory({1: [RendezvousTimeout("rank 1 of replica 1 never joined")]})
+
+    def make_group(index, restart):
+        if index == 0:  # loading slowly: stops once another replica's start has failed
+            assert pool.start_failed.wait(TIMEOUT_S), "start_failed was never set"
+            raise LaunchError("the launcher was shut down while this group started; the group was stopped")
+        return factory(index, restart)
+
+    pool = make_pool(2, make_group)
+    with pytest.raises(RendezvousTimeout, match="never joined") as info:
+        pool.start()
+    assert "(replica 1 of 2, the first whose start failed; 2 replica(s) failed to start)" in info.value.__notes__
 
 
 def test_status_reports_workers_nodes_and_counters(make_pool):

@@ -561,6 +561,9 @@ class ReplicaPool:
         streams beyond it wait for, and what a stream waiting elsewhere may move into."""
         self.finish_rate = FinishRate()
         """Streams leaving their rows, for a full queue's Retry-After."""
+        self.start_failed = threading.Event()
+        """Set as start() sees a replica's start fail: the others' starts stop at their next check
+        (make_group's stop_asked), rather than load and warm up groups that are about to be killed."""
 
     def _note(self, text: str) -> None:
         """A note to the driver's user (restarts, recoveries). A note that fails to print (a closed
@@ -573,12 +576,18 @@ class ReplicaPool:
     def start(self) -> None:
         """Start every replica's group at once; on any failure stop them all and raise the first."""
         errors: dict[int, BaseException] = {}
+        failed_first: list[int] = []
+        """The replicas whose start failed by itself, in the order they failed (the others stopped for them)."""
 
         def start_one(replica: Replica) -> None:
             try:
                 started = self._make_group(replica.index, False)
             except BaseException as err:  # noqa: BLE001 - re-raised below on the caller's thread
                 errors[replica.index] = err
+                with self._lock:
+                    if not self.start_failed.is_set():
+                        failed_first.append(replica.index)
+                    self.start_failed.set()
                 return
             with self._lock:  # shutdown() sets stopping under this lock, then looks for started groups
                 if not self.stopping:
@@ -595,9 +604,10 @@ class ReplicaPool:
             t.join()
         if errors:
             self.shutdown()
-            first = errors[min(errors)]
+            index = failed_first[0] if failed_first else min(errors)
+            first = errors[index]
             if len(self.replicas) > 1:
-                first.add_note(f"(replica {min(errors)} of {len(self.replicas)}; "
+                first.add_note(f"(replica {index} of {len(self.replicas)}, the first whose start failed; "
                                f"{len(errors)} replica(s) failed to start)")
             raise first
         for replica in self.replicas:
