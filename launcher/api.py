@@ -110,7 +110,7 @@ class LaunchConfig:
     max_batch_size: int = 8
     """Static batches (generate(..., batching="static")): prompts per worker call; more are split.
     The planner counts this many KV cache rows of seq_len beside the serving rows. 0: no static
-    batches, continuous batching alone (`corelaunch serve` and `corelaunch generate` launch so): the
+    batches, continuous batching alone (`corelaunch serve`, `generate`, `check` and `bench` launch so): the
     planner counts the serving rows alone, no static graph is warmed up (warm_up_static is then
     False), and generate(..., batching="static") is refused."""
     max_num_seqs: int | None = None

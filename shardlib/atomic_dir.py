@@ -58,8 +58,9 @@ def refuse_foreign_dir(out_dir: str | Path, what: str, marker: str = MANIFEST,
         # the writer replaces out_dir by a link to a version it writes beside it: a user's own link
         # (to a larger disk, say) was replaced, its target left as it was and the files put here
         raise FileExistsError(f"{out_dir} is a link to {os.readlink(out_dir)} that no writer of {what} made: writing "
-                              f"would replace the link and put the files beside it in {out_dir.parent}; pass the "
-                              f"directory it points to ({out_dir.resolve()}), or remove the link")
+                              f"would replace the link and put the files beside it in {out_dir.parent}; pass a new "
+                              f"folder inside the directory it points to ({out_dir.resolve() / out_dir.name}), or "
+                              f"remove the link")
     if out_dir.exists() and not out_dir.is_dir():  # a file (or a link to one): iterdir would raise
         raise FileExistsError(f"{out_dir} exists and is not a directory; choose a new or empty directory, or "
                               f"remove the file")

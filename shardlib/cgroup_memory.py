@@ -17,6 +17,11 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 SELF_CGROUP = Path("/proc/self/cgroup")
 
 
+NO_LIMIT_FROM = 1 << 62
+"""v1 reports "no limit" as the largest page-rounded value (9223372036854771712): a limit this
+large or above is none."""
+
+
 def cgroup_memory_limit(root: Path = CGROUP_ROOT, self_cgroup: Path = SELF_CGROUP) -> int | None:
     """The lowest memory limit in bytes on this process's cgroup path, or None where there is none
     (no cgroup, no memory controller, "max", or a v1 limit left at its page-rounded maximum)."""
@@ -53,4 +58,6 @@ def _read_limit(path: Path) -> int | None:
         text = path.read_text().strip()
     except OSError:
         return None
-    return int(text) if text.isdigit() else None  # "max": none
+    if not text.isdigit():  # "max": none
+        return None
+    return int(text) if int(text) < NO_LIMIT_FROM else None

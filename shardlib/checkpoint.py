@@ -192,19 +192,21 @@ class _PickleFile:
             _libc_madvise(start, stop - start, _MADV_DONTNEED)
 
 
-LEGACY_TORCH_MAGIC = pickle.dumps(torch.serialization.MAGIC_NUMBER, protocol=2)[:-1]
-"""How a file of torch's legacy (pre-1.6) serialization begins: its magic number, pickled first
-(protocol 2, without the pickle's STOP)."""
+LEGACY_TORCH_MAGIC = pickle.dumps(torch.serialization.MAGIC_NUMBER, protocol=2)[2:-1]
+"""torch's legacy (pre-1.6) serialization pickles its magic number first: these are its bytes, after
+the pickle's protocol opcode (and, from protocol 4, a frame header) and before its STOP."""
 
 
 def _legacy_pickle(path: Path) -> bool:
     """Whether `path` is in torch's legacy format (which cannot be memory-mapped), not an empty,
-    cut-short-at-the-start or garbage file, for which torch.load(mmap=True) says the same."""
+    cut-short-at-the-start or garbage file, for which torch.load(mmap=True) says the same: a pickle
+    (its PROTO opcode first) whose first object is torch's magic number, at any pickle protocol."""
     try:
         with open(path, "rb") as f:
-            return f.read(len(LEGACY_TORCH_MAGIC)) == LEGACY_TORCH_MAGIC
+            head = f.read(32)
     except OSError:
         return False
+    return head.startswith(b"\x80") and LEGACY_TORCH_MAGIC in head
 
 
 def _mappings_of(path: Path) -> list[tuple[int, int]]:

@@ -45,7 +45,7 @@ def test_v1_reads_the_memory_controllers_hierarchy(tmp_path):
     assert cgroup_memory_limit(mount, own) == 12 * GIB
     mount, own = tree(tmp_path / "none", "4:memory:/process_api/abc\n", {
         "memory/memory.limit_in_bytes": V1_UNLIMITED, "memory/process_api/abc/memory.limit_in_bytes": V1_UNLIMITED})
-    assert cgroup_memory_limit(mount, own) == int(V1_UNLIMITED)  # above any RAM: MemTotal is lower
+    assert cgroup_memory_limit(mount, own) is None  # v1's "no limit"
 
 
 def test_no_limit_or_no_cgroup_gives_none(tmp_path):

@@ -316,6 +316,12 @@ def test_timed_out_batches_replace_their_group_without_using_up_the_restart_budg
         pool.submit("long").result(TIMEOUT_S)
     with pytest.raises(NoReplicaAvailable, match="crash loop"):  # the new group's failures are counted
         pool.submit("next").result(TIMEOUT_S)
+    pool = make_pool(1, Factory({0: [slow]}), max_restarts=0)  # 0: restarts off, a timeout's replacement too
+    pool.start()
+    with pytest.raises(RequestTimeout):
+        pool.submit("long").result(TIMEOUT_S)
+    with pytest.raises(NoReplicaAvailable, match="restarts are disabled"):
+        pool.submit("next").result(TIMEOUT_S)
 
 
 def test_a_group_that_cannot_be_placed_again_fails_its_replica_only(make_pool):

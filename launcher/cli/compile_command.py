@@ -45,7 +45,7 @@ def add_parser(subparsers) -> None:
     add_moe_sharding(p)
     add_sequence_parallel(p)
     add_kv_cache_dtype(p)
-    add_bucket_arguments(p, max_batch_default=1)
+    add_bucket_arguments(p)
     add_granularity(p)
     add_max_num_seqs(p, compiled=False)
     add_max_prefill_tokens(p, compiled=False)
@@ -60,15 +60,15 @@ def add_parser(subparsers) -> None:
     p.set_defaults(run=run)
 
 
-def add_bucket_arguments(p: argparse.ArgumentParser, max_batch_default: int) -> None:
+def add_bucket_arguments(p: argparse.ArgumentParser) -> None:
     """compile's bucket options."""
     p.add_argument("--seq-len", type=int,
                    help="maximum sequence length: the largest token-generation bucket (default: the plan's, "
                         "min(max_position_embeddings, 4096))")
     # at least 1: a compiled directory holds static graphs from batch 1 up (LaunchConfig's 0, no static
     # batches, built batch 1's graphs here all the same)
-    p.add_argument("--max-batch-size", type=int_at_least("--max-batch-size", 1), default=max_batch_default,
-                   help=f"largest static batch; batch buckets are 1, 2, 4, ... up to it (default {max_batch_default})")
+    p.add_argument("--max-batch-size", type=int_at_least("--max-batch-size", 1), default=1,
+                   help="largest static batch; batch buckets are 1, 2, 4, ... up to it (default 1)")
     add_bucket_lists(p)
 
 

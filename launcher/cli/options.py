@@ -148,7 +148,8 @@ def _word(name: str) -> re.Pattern:
 _GENERATE_WORDS = ((re.compile(r"\bseq_len \(--seq-len\)"), "--seq-len"), (_word("seq_len"), "--seq-len"),
                    (_word("max_new_tokens"), "--max-new-tokens"),
                    (re.compile(r"^logit_bias names token ids"), "--logit-bias names token ids"),
-                   # the planner's words for the layout (`corelaunch plan` has --tp and --batch-size), as above
+                   # the planner's words for the layout (`corelaunch plan` has --tp and --batch-size), as above;
+                   # batch_size is compile's --max-batch-size (generate plans no static batch: none in its messages)
                    (_TP_DEGREE, "--tp"),
                    (re.compile(r"(?<![\w/.'\"-])batch_size(?![\w/.='\"-])"), "--max-batch-size"))
 

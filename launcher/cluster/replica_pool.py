@@ -448,7 +448,8 @@ class Replica:
         counted False: a static batch that outlasted its timeout, whose group is replaced to stop it
         (nothing else can), not counted against the restart policy: a group merely slow on long
         batches was given up as a crash loop after max_restarts of them, failing every later request.
-        A failure while making the new group counts as any other."""
+        A failure while making the new group counts as any other, and max_restarts 0 still means no
+        restart at all."""
         noticed = time.monotonic()
         self.state = "restarting"
         if self.started is not None:
@@ -456,7 +457,7 @@ class Replica:
         while True:
             if self.pool.stopping:  # shut down meanwhile: no new group (nor a new Ray) behind its back
                 return False
-            if counted and not self.policy.allow():
+            if (counted or self.policy.max_restarts == 0) and not self.policy.allow():  # 0: never restarted
                 if self.policy.max_restarts == 0:
                     why = "restarts are disabled (max_restarts=0; raise --max-restarts to restart failed groups)"
                 else:
@@ -469,7 +470,7 @@ class Replica:
                 return False
             self.restarts += 1
             budget = (f"restart {self.policy.recent()} of at most {self.policy.max_restarts} within "
-                      f"{self.policy.window_s:g} s" if counted else "a timed-out batch's, not counted as a restart")
+                      f"{self.policy.window_s:g} s" if counted else "a timed-out batch's, not counted against max_restarts")
             self.pool._note(f"replica {self.index}: {_first_line(cause)}; restarting its group ({budget})")
             counted = True  # a failure from here on (the new group's start) is a restart like any other
             try:

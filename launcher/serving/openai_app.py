@@ -489,8 +489,8 @@ def _generation_failure(err: Exception, token_limit: str = CHAT_TOKEN_LIMITS) ->
     or processes."""
     if isinstance(err, RequestTimeout):
         return 504, proto.error_body(
-            f"{err}; or ask for fewer tokens with {token_limit}: a chat request without it may generate up to "
-            f"the rest of the model's context", type="server_error", code="generation_timeout"), _NO_RETRY
+            f"{err}; or ask for fewer tokens with {token_limit}: a request without it may generate up to the "
+            f"rest of the model's context", type="server_error", code="generation_timeout"), _NO_RETRY
     if isinstance(err, _FAILED_FOR_GOOD) or type(err) is LaunchError:  # failed for good, or stopping
         return 503, proto.error_body(
             f"generation failed: {_unavailable(err)}; the request was not finished: retry it after "
