@@ -286,6 +286,30 @@ def test_a_divergence_at_a_token_that_is_not_corelaunchs_own_greedy_choice_fails
             float(expected[0].max() - expected[0, emitted])))
 
 
+def test_a_group_of_zero_expected_logits_past_atol_stays_strict_json_and_shows_in_the_text():
+    """A review: every expected logit of a group 0 makes the group's relative error inf past atol,
+    and the JSON report printed `Infinity`, which no strict parser takes."""
+    import json
+
+    from launcher.cli.check_command import _error_cell
+    from shardlib.evaluation.accuracy import group_name
+
+    expected = torch.zeros(2, 40)
+
+    def generate(ids, m):
+        actual = torch.zeros(m, 40)
+        actual[:, 3] = 0.5  # past atol everywhere; every expected logit 0
+        return [0] * m, actual
+
+    result = logit_matching([1, 2], expected, generate)
+    report = result.to_dict()
+    infinite = [group_name(g.top_k) for g in result.groups if g.max_rel_error == math.inf]
+    assert not result.passed and "all" in infinite
+    assert all(report["top_k"][name]["max_rel_error"] is None for name in infinite)
+    json.dumps(report, allow_nan=False)
+    assert _error_cell(None).strip() == "not finite" and _error_cell(0.5).strip() == "0.5"  # the text report's cell
+
+
 def test_token_matching_json_stays_strict_at_a_minus_inf_logit():
     import json
 

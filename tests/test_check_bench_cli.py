@@ -299,7 +299,9 @@ def test_check_bad_input_exits_2_before_starting_workers(models, capsys, tmp_pat
                           ("format", {"expected_tokens": torch.tensor([[5, 6]]), "format": "someone-else/7"}),
                           # crashed with AttributeError (exit 1: "failed"); bools read as token ids 1 and 0
                           ("neither", {"expected_logits": None}),
-                          ("bools", {"expected_tokens": torch.tensor([[True, False]])})):
+                          ("bools", {"expected_tokens": torch.tensor([[True, False]])}),
+                          # a review: argmax over no token raised an IndexError, a traceback and exit 1
+                          ("empty", {"expected_logits": torch.zeros(1, 2, 0)})):
         other_model[name] = tmp_path / f"{name}.pt"
         torch.save({"input_ids": [[5, 17]], **content}, other_model[name])
     other_prompt = tmp_path / "other_prompt.pt"  # its input_ids were another model's: the file went unnamed
@@ -320,6 +322,8 @@ def test_check_bad_input_exits_2_before_starting_workers(models, capsys, tmp_pat
          "neither expected_tokens nor expected_logits is given"),
         (["--expected", str(other_model["bools"]), "--mode", "token-matching"],
          "expected_tokens must be an integer (batch, n) or (n,) tensor"),
+        (["--expected", str(other_model["empty"]), "--mode", "token-matching"],
+         "expected_logits (1, 2, 0) holds no token's logits"),
         (["--expected", str(tokens_only)], "no expected_logits"),
         (["--expected", str(tokens_only), "--mode", "token-matching", "--num-tokens", "5"], "only 3"),
         (["--expected", str(tokens_only), "--prompt-ids", "1,2"], "carries its own input_ids"),

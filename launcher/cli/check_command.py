@@ -165,6 +165,9 @@ def load_expected(path: str) -> Expected:
         raise ValueError(f"{path}: neither expected_tokens nor expected_logits is given: save the reference with "
                          f"`corelaunch check --save-expected PATH`, or give at least the expected tokens")
     if tokens is None:
+        if logits.shape[-1] < 1 or logits.shape[-2] < 1:  # argmax over no token raised an IndexError (exit 1)
+            raise ValueError(f"{path}: expected_logits {tuple(logits.shape)} holds no token's logits; save the "
+                             f"reference again with `corelaunch check --save-expected PATH`")
         tokens = logits.argmax(dim=-1)
     if isinstance(tokens, list):
         tokens = torch.tensor(tokens)
@@ -536,6 +539,12 @@ def _token_id(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)  # True is an int to Python, not a token
 
 
+def _error_cell(value: float | None) -> str:
+    """A group's error as the text report's column shows it: None is how the JSON report carries a
+    value it cannot (inf: every expected logit of the group 0 and an error past atol)."""
+    return f"{value:>14.4g}" if value is not None else f"{'not finite':>14}"
+
+
 def format_report(report: dict, tokenizer=None) -> str:
     from launcher.cli.run_words import run_choices
     from shardlib.evaluation.accuracy import shown_difference  # torch: not at the command's import
@@ -580,8 +589,8 @@ def format_report(report: dict, tokenizer=None) -> str:
         for gname, g in r["top_k"].items():
             where = f"position {g['position']}, token {g['token_id']}"
             flag = "" if g["passed"] else f"  FAILED at positions {g['failed_positions'][:8]}"
-            lines.append(f"  {gname:<8}{g['atol']:>8g}{g['rtol']:>7g}{g['max_abs_error']:>14.4g}"
-                         f"{g['max_rel_error']:>14.4g}  {where}{flag}")
+            lines.append(f"  {gname:<8}{g['atol']:>8g}{g['rtol']:>7g}{_error_cell(g['max_abs_error'])}"
+                         f"{_error_cell(g['max_rel_error'])}  {where}{flag}")
         if r["first_failure"] is not None:
             lines.append(f"  first failure at position {r['first_failure']['position']}:")
             lines += [f"    {text}" for text in r["first_failure"]["failures"]]

@@ -287,7 +287,8 @@ class GroupSummary:
 
     def to_dict(self) -> dict:
         return {"top_k": self.top_k, "atol": self.atol, "rtol": self.rtol, "passed": self.passed,
-                "max_abs_error": self.max_abs_error, "max_rel_error": self.max_rel_error,
+                # inf where every expected logit of the group is 0 (no scale) and an error passed atol
+                "max_abs_error": _json_number(self.max_abs_error), "max_rel_error": _json_number(self.max_rel_error),
                 "position": self.position, "token_id": self.token_id, "failed_positions": self.failed_positions}
 
 
