@@ -382,7 +382,9 @@ def test_check_refuses_a_prompt_the_serving_rows_cannot_hold_before_the_referenc
                                                                                        ray_tripwire, tmp_path):
     """The prompt was checked against max_position_embeddings (8192 here) only: the reference ran
     and the workers started before the serving engine's 4096-position rows refused it, naming
-    max_new_tokens and a --seq-len that check does not have."""
+    max_new_tokens and a --seq-len that check did not have. check now takes --seq-len and
+    --max-num-seqs, which its plan's memory refusals name as ways out (a review: they were
+    unrecognized arguments)."""
     from tests.model_factory import save_random_model
 
     long_context = save_random_model(tmp_path / "long", max_position_embeddings=8192, seed=3)
@@ -391,7 +393,16 @@ def test_check_refuses_a_prompt_the_serving_rows_cannot_hold_before_the_referenc
                                   "--num-tokens", "10", "--no-compile")
     assert code == 2 and report is None, err
     assert ("the prompt has 4090 tokens; with --num-tokens 10 that needs 4100 positions but the serving cache's row "
-            "(min(max_position_embeddings, 4096) positions) is 4096") in err, err
+            "(--seq-len, default min(max_position_embeddings, 4096) positions) is 4096") in err, err
+    from launcher.api import Launcher
+
+    configs = []
+    monkeypatch.setattr(Launcher, "prepare", lambda self: configs.append(self.config) or
+                        (_ for _ in ()).throw(ValueError("planned")))
+    code, _, err = run_check(capsys, "--model", str(long_context), "--prompt-ids", "5,6", "--num-tokens", "4",
+                             "--no-compile", "--seq-len", "64", "--max-num-seqs", "2")
+    assert code == 2 and "planned" in err, err
+    assert [(c.seq_len, c.max_num_seqs, c.max_batch_size) for c in configs] == [(64, 2, 0)]
 
 
 def test_check_refuses_an_unwritable_save_expected_path_naming_the_option(models, capsys, tmp_path, monkeypatch,

@@ -29,10 +29,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from launcher.cli.options import (add_backend_arguments, add_kv_cache_dtype, add_layout_choices, add_no_compile,
-                                  add_pad_q_heads, add_sequence_parallel, add_timeout_arguments, backend_options,
-                                  in_tp_flag, layout_choices, non_empty_path, timeout_options, with_flag_name,
-                                  without_nodes_ways)
+from launcher.cli.options import (add_backend_arguments, add_kv_cache_dtype, add_layout_choices, add_max_num_seqs,
+                                  add_no_compile, add_pad_q_heads, add_sequence_parallel, add_timeout_arguments,
+                                  backend_options, in_tp_flag, int_at_least, layout_choices, max_num_seqs_option,
+                                  non_empty_path, timeout_options, with_flag_name, without_nodes_ways)
 from shardlib.evaluation.quantized_tolerances import DEFAULT_TOL_SPEC
 
 EXIT_PASS, EXIT_FAIL = 0, 1  # 2 (bad input) and 3 (the run failed): launcher/cli/exit_codes.py
@@ -74,6 +74,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="corelaunch's compute dtype (default: the checkpoint's); the reference stays float32")
     add_kv_cache_dtype(p)
+    # the serving cache's rows and their length, which the plan's memory check counts (its refusal
+    # named them as ways out that check did not take)
+    add_max_num_seqs(p, compiled=False)
+    p.add_argument("--seq-len", type=int_at_least("--seq-len"), metavar="N",
+                   help="positions per serving cache row: each prompt plus --num-tokens must fit "
+                        "(default min(max_position_embeddings, 4096))")
     add_backend_arguments(p)
     add_timeout_arguments(p)
     add_pad_q_heads(p)
@@ -312,8 +318,8 @@ def _check_serving_fits(prompts: list[list[int]], num_tokens: int, launcher) -> 
     min(max_position_embeddings, 4096) positions)."""
     from shardlib.request_checks import check_fits
 
-    check_fits(prompts, num_tokens, launcher.serving_seq_len, "the serving cache's row (min(max_position_embeddings, "
-               "4096) positions)", new_tokens_name="--num-tokens")
+    check_fits(prompts, num_tokens, launcher.serving_seq_len, "the serving cache's row (--seq-len, default "
+               "min(max_position_embeddings, 4096) positions)", new_tokens_name="--num-tokens")
 
 
 def _check_expected_fits(expected: Expected, path: str, model_dir: Path, vocab: int) -> None:
@@ -476,6 +482,7 @@ def _launcher(args, model_dir: Path):
     config = LaunchConfig(model=str(model_dir), tp=args.tp, **backend_options(args), **timeout_options(args), pad_q_heads=args.pad_q_heads,
                           sequence_parallel=args.sequence_parallel, **layout_choices(args),
                           dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_batch_size=0,  # continuous alone
+                          seq_len=args.seq_len, **max_num_seqs_option(args),
                           ray_address=args.ray_address,
                           compile=args.compile, progress=not args.quiet)
     return Launcher(config).prepare()
