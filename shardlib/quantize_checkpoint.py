@@ -190,7 +190,14 @@ def write_quantized(out, read_rows: Callable[[int, int], torch.Tensor], shape: t
     read_rows(start, stop) one block of rows (QUANT_BLOCK_BYTES of float32) at a time. The bytes are
     identical to quantizing it whole: per-channel scales are per row, and a per-tensor scale is the
     maximum of the blocks' maxima (taken in a first pass). ValueError naming `name` when a value is
-    NaN or infinite."""
+    NaN or infinite. Each block is read as float32 (the bytes are those of any wider read): a weight
+    stored in 8 bits (F8_E4M3 or F8_E5M2 in a checkpoint of no quantization) had no isfinite or
+    amax in torch and ended the command in a traceback."""
+    source_rows = read_rows
+
+    def read_rows(start: int, stop: int) -> torch.Tensor:
+        return source_rows(start, stop).to(torch.float32)
+
     rows = max(1, QUANT_BLOCK_BYTES // (4 * max(1, math.prod(shape[1:]))))
     blocks = [(start, min(start + rows, shape[0])) for start in range(0, shape[0], rows)]
     if quant.per_channel:
@@ -229,12 +236,19 @@ def _write_tensor(out, tensor: torch.Tensor) -> None:
         out.write(memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy()))
 
 
+OTHER_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ot", ".onnx", ".gguf", ".ckpt",
+                         ".tflite")
+"""Weight files a model folder may hold beside the checkpoint (shards, other frameworks' copies: Flax's
+msgpack, TensorFlow's h5, ...): not copied into the quantized folder, where they were full-size
+unquantized copies."""
+
+
 def _copy_other_files(source: Path, dest: Path) -> None:
     """Every file of the source but its weights and config.json (tokenizer, generation config...)."""
     weight_files = {name for _, name in CHECKPOINT_FILES}
     for path in sorted(source.iterdir()):
         if not path.is_file() or path.name == "config.json" or path.name in weight_files:
             continue
-        if path.suffix in (".safetensors", ".bin", ".pt", ".pth") or path.name.endswith(".index.json"):
-            continue  # weight shards of a sharded checkpoint
+        if path.suffix in OTHER_WEIGHT_SUFFIXES or path.name.endswith(".index.json"):
+            continue  # weight shards of a sharded checkpoint, or another framework's copy of the weights
         shutil.copy2(path, dest / path.name)

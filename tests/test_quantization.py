@@ -163,6 +163,47 @@ def test_quantized_checkpoint_layout_config_and_refusals(source_dir, tmp_path):
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists() and not (tmp_path / "z").exists()
 
 
+@pytest.mark.parametrize("stored", [torch.float8_e5m2, torch.float8_e4m3fn])
+def test_a_weight_stored_in_8_bits_is_quantized_and_other_frameworks_weights_are_not_copied(source_dir, tmp_path,
+                                                                                          stored):
+    """A review: an fp8-stored weight in a checkpoint of no quantization (the checkpoint check takes
+    it) ended quantize in a traceback (torch has no isfinite or amax for it); a Flax or TensorFlow
+    copy of the weights beside the checkpoint was copied whole into the quantized folder."""
+    from safetensors.torch import load_file, save_file
+
+    source = tmp_path / "fp8-stored"
+    shutil.copytree(source_dir, source)
+    state = load_file(source / "model.safetensors")
+    name = "model.layers.0.mlp.up_proj.weight"
+    state[name] = state[name].to(stored)
+    save_file(state, source / "model.safetensors", metadata={"format": "pt"})
+    (source / "flax_model.msgpack").write_bytes(b"x" * 64)
+    (source / "tf_model.h5").write_bytes(b"x" * 64)
+    out = quantize_checkpoint(source, tmp_path / "q", "int8")
+    quantized = load_file(out / "model.safetensors")
+    assert torch.equal(quantized[name], quantize(state[name].float(), "int8", True)[0])
+    assert not (out / "flax_model.msgpack").exists() and not (out / "tf_model.h5").exists()
+    assert (out / "tokenizer.json").exists()
+
+
+def test_the_clis_error_after_some_tensors_starts_a_line_of_its_own(source_dir, tmp_path, capsys):
+    """A review: the progress line ("quantize: 16/21 tensors") is written without its end, and an
+    error half way was printed on the end of it."""
+    from safetensors.torch import load_file, save_file
+
+    from launcher.cli import main
+
+    broken = tmp_path / "broken"
+    shutil.copytree(source_dir, broken)
+    state = load_file(broken / "model.safetensors")
+    name = sorted(n for n in state if n.endswith("down_proj.weight"))[-1]  # late in the order: tensors before it
+    state[name][0, 0] = float("nan")
+    save_file(state, broken / "model.safetensors", metadata={"format": "pt"})
+    assert main(["quantize", "--model", str(broken), "--dtype", "int8", "--out", str(tmp_path / "q")]) == 2
+    err = capsys.readouterr().err
+    assert "tensors\ncorelaunch quantize: tensor " in err and "tensorscorelaunch" not in err, err
+
+
 @pytest.mark.parametrize("fmt,per_channel", [("int8", True), ("f8e4m3", False)])
 def test_a_weight_with_nan_or_inf_is_refused_naming_it(source_dir, tmp_path, fmt, per_channel):
     """They were written without a word: NaN scales and codes (every code of the tensor per tensor),

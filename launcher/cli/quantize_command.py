@@ -59,17 +59,24 @@ def run(args: argparse.Namespace) -> int:
         print(f"corelaunch quantize: {err}", file=sys.stderr)
         return 2
     start = time.monotonic()
+    line_open = [False]
+    """The progress line is written without its end until the last tensor: an error ends it first
+    (it was printed on the end of "quantize: 16/21 tensors")."""
 
     def progress(name: str, done: int, total: int) -> None:
         if not args.quiet:
+            line_open[0] = done < total
             print(f"\rquantize: {done}/{total} tensors", end="" if done < total else "\n", file=sys.stderr)
+
+    def failed(text: str) -> int:
+        print(("\n" if line_open[0] else "") + f"corelaunch quantize: {text}", file=sys.stderr)
+        return 2
 
     try:
         out = quantize_checkpoint(model, args.out, args.dtype, args.per_channel, args.lm_head, args.embedding,
                                   progress=progress)
     except ValueError as err:  # a checkpoint that fails to read (the message names the file)
-        print(f"corelaunch quantize: {err}", file=sys.stderr)
-        return 2
+        return failed(str(err))
     except OSError as err:
         from shardlib.atomic_dir import out_dir_failure
 
@@ -77,11 +84,9 @@ def run(args: argparse.Namespace) -> int:
         # folder of it (shardlib/atomic_dir.py)
         failure = out_dir_failure(args.out, err)
         if failure is not None:
-            print(f"corelaunch quantize: could not write --out {args.out} ({failure}); pass a new path in a "
-                  f"directory you can write to", file=sys.stderr)
-        else:  # reading the checkpoint failed
-            print(f"corelaunch quantize: {err}", file=sys.stderr)
-        return 2
+            return failed(f"could not write --out {args.out} ({failure}); pass a new path in a directory you can "
+                          f"write to")
+        return failed(str(err))  # reading the checkpoint failed
     if not args.quiet:
         print(f"quantize: wrote {out} in {time.monotonic() - start:.1f} s", file=sys.stderr)
     return 0
