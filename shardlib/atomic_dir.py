@@ -130,12 +130,20 @@ def make_parents(out_dir: str | Path) -> None:
         raise failure from err
 
 
+WRITE_ONLY_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+"""Failures only a write gives (a full disk, a file size limit, a quota): an error of these without a
+file name (a write to an open file carries none) is the output's, never an input's read."""
+
+
 def out_dir_failure(out_dir: str | Path, err: OSError) -> str | None:
     """What an OSError says when it is a failed write of out_dir (names_out_dir of its filename, or
-    a parent make_parents could not create), for a "could not write --out OUT (...)" refusal; None
-    when it is some other failure (a read of an input)."""
+    a parent make_parents could not create, or a write-only failure of no file: WRITE_ONLY_ERRNOS),
+    for a "could not write --out OUT (...)" refusal; None when it is some other failure (a read of
+    an input)."""
     if isinstance(err, ParentNotCreated) and err.out_dir.absolute() == Path(out_dir).absolute():
         return f"its parent folder {err.filename} could not be created: {err.strerror}"
+    if err.filename is None and err.errno in WRITE_ONLY_ERRNOS:  # a full disk said only "[Errno 28] ..."
+        return str(err)
     return str(err) if names_out_dir(out_dir, err.filename) else None
 
 

@@ -186,6 +186,26 @@ def test_a_weight_stored_in_8_bits_is_quantized_and_other_frameworks_weights_are
     assert (out / "tokenizer.json").exists()
 
 
+def test_a_write_that_fails_without_a_file_name_is_said_as_outs(source_dir, tmp_path):
+    """A review: a full disk or a file size limit (errors of a write to an open file carry no file
+    name) was printed as a bare "[Errno 27] File too large", not as --out's, with no fix."""
+    import subprocess
+    import sys
+
+    run = ("import resource, signal, sys\n"
+           "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of the signal, as a full disk's ENOSPC\n"
+           "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))\n"
+           "from launcher.cli import main\n"
+           "sys.exit(main(sys.argv[1:]))\n")
+    out = tmp_path / "q"
+    done = subprocess.run([sys.executable, "-c", run, "quantize", "--model", str(source_dir), "--dtype", "int8",
+                           "--out", str(out), "--quiet"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(f"corelaunch quantize: could not write --out {out} ([Errno 27] File too large); "
+                                  f"pass a new path"), done.stderr
+    assert not out.exists()
+
+
 def test_the_clis_error_after_some_tensors_starts_a_line_of_its_own(source_dir, tmp_path, capsys):
     """A review: the progress line ("quantize: 16/21 tensors") is written without its end, and an
     error half way was printed on the end of it."""
