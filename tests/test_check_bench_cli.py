@@ -648,6 +648,22 @@ def test_bench_refuses_a_prompt_longer_than_the_context_before_ray_starts(models
     assert in_bench_terms(planner_text, 1000) == "ways out: a smaller --batch-size (at most 115)"
 
 
+def test_bench_refuses_before_starting_a_run_with_no_step_decoding_the_whole_batch(models, capsys, ray_tripwire):
+    """A review: 40 x 420 prompt tokens, past the 16384 a step, are prefilled over 2 steps, and with 2
+    new tokens the first rows ended before the last one decoded: every run ran, then the report was
+    refused for want of a decode step to time."""
+    from launcher.cli import main
+
+    original, _ = models
+    base = ["bench", "--model", str(original), "--tp", "1", "--batch-size", "40", "--prompt-len", "420", "--warmup",
+            "0", "--runs", "1", "--no-compile", "--seq-len", "430", "--quiet"]
+    assert main([*base, "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert ("--max-new-tokens 2 leaves no step that decodes the whole batch: its 16800 prompt tokens (--batch-size 40 "
+            "x --prompt-len 420) are prefilled over 2 steps of at most 16384") in err, err
+    assert "pass --max-new-tokens 3 or more" in err, err
+
+
 def test_commands_without_nodes_offer_no_nodes_and_name_tp_as_their_flag(tmp_path, capsys, ray_tripwire):
     """bench, check and compile take no --nodes, yet their plan refusals offered "more nodes:
     --nodes 3 fits" (followed, it met "unrecognized arguments"), and named the planner's tp_degree

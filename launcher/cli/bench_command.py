@@ -71,6 +71,23 @@ def full_batch_decode_steps(results) -> list[float]:
     return [after - before for before, after in zip(times, times[1:]) if before >= last_first_token]
 
 
+def check_a_whole_batch_decodes(args: argparse.Namespace, budget: int) -> None:
+    """ValueError naming --max-new-tokens when no step would decode the whole batch: a batch whose
+    prompts exceed the prefill budget is prefilled over several steps, its first rows generating
+    meanwhile, and with too few new tokens they ended before the last row's first decode. Every run
+    ran, and the report was then refused for want of a decode step to time."""
+    import math
+
+    tokens = args.batch_size * args.prompt_len
+    steps = math.ceil(tokens / budget)
+    if steps > 1 and args.max_new_tokens <= steps:
+        raise ValueError(f"--max-new-tokens {args.max_new_tokens} leaves no step that decodes the whole batch: its "
+                         f"{tokens} prompt tokens (--batch-size {args.batch_size} x --prompt-len {args.prompt_len}) "
+                         f"are prefilled over {steps} steps of at most {budget}, and the first rows end before the "
+                         f"last starts decoding; pass --max-new-tokens {steps + 1} or more, or a smaller "
+                         f"--batch-size or --prompt-len")
+
+
 def random_prompts(batch_size: int, prompt_len: int, vocab_size: int, seed: int) -> list[list[int]]:
     import random
 
@@ -161,6 +178,7 @@ def _bench(args: argparse.Namespace) -> dict:
                           prefix_caching=False,
                           max_prefill_tokens=max(DEFAULT_MAX_PREFILL_TOKENS,
                                                  min(args.batch_size * args.prompt_len, PREFILL_BUDGET_CAP)))
+    check_a_whole_batch_decodes(args, config.max_prefill_tokens)  # before the model loads and every run runs
     timings: list[RunTiming] = []
     launcher = Launcher(config).prepare()
     check_prompt_len(args, launcher)  # before the prompts are built: 10**9 random ids would fill host memory
