@@ -79,13 +79,15 @@ def check_a_whole_batch_decodes(args: argparse.Namespace, budget: int) -> None:
     import math
 
     tokens = args.batch_size * args.prompt_len
-    steps = math.ceil(tokens / budget)
-    if steps > 1 and args.max_new_tokens <= steps:
+    steps = math.ceil(tokens / budget)  # the last row's first token comes at this step
+    first_row = math.ceil(args.prompt_len / budget)  # the first row's at this one; its last at + max_new_tokens - 1
+    least = steps - first_row + 2  # so that the first row still decodes at the step after the last row's first
+    if args.max_new_tokens < least:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens} leaves no step that decodes the whole batch: its "
                          f"{tokens} prompt tokens (--batch-size {args.batch_size} x --prompt-len {args.prompt_len}) "
                          f"are prefilled over {steps} steps of at most {budget}, and the first rows end before the "
-                         f"last starts decoding; pass --max-new-tokens {steps + 1} or more, or a smaller "
-                         f"--batch-size or --prompt-len")
+                         f"last starts decoding; pass --max-new-tokens {least} or more, or a smaller --batch-size or "
+                         f"--prompt-len")
 
 
 def random_prompts(batch_size: int, prompt_len: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -178,12 +180,12 @@ def _bench(args: argparse.Namespace) -> dict:
                           prefix_caching=False,
                           max_prefill_tokens=max(DEFAULT_MAX_PREFILL_TOKENS,
                                                  min(args.batch_size * args.prompt_len, PREFILL_BUDGET_CAP)))
-    check_a_whole_batch_decodes(args, config.max_prefill_tokens)  # before the model loads and every run runs
     timings: list[RunTiming] = []
     launcher = Launcher(config).prepare()
     check_prompt_len(args, launcher)  # before the prompts are built: 10**9 random ids would fill host memory
     prompts = random_prompts(args.batch_size, args.prompt_len, launcher.model_config.vocab_size, args.seed)
     launcher.check_prompts(prompts, max_new_tokens=args.max_new_tokens)  # a prompt too long: before Ray starts
+    check_a_whole_batch_decodes(args, config.max_prefill_tokens)  # before the model loads and every run runs
     with ray_output_on_stderr(), launcher:  # the report goes to stdout once Ray has stopped
         progress = Progress(not args.quiet)
         for phase, count in (("warm-up", args.warmup), ("measured", args.runs)):
