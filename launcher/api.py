@@ -38,7 +38,8 @@ from shardlib.model_config import ModelConfig, normalize_dtype
 from shardlib.quantized_sizes import kv_dtype_name
 from shardlib.instances import INSTANCE_NAMES
 from shardlib.planner import KV_STRATEGIES
-from shardlib.positive_int import integer_of_any_kind, is_positive_int, positive_int, real_of_any_kind
+from shardlib.positive_int import (integer_of_any_kind, is_non_negative_int, is_positive_int, positive_int,
+                                   real_of_any_kind)
 from shardlib.request_checks import check_fits, check_request, check_stop_token_ids, is_token_index
 from shardlib.sampling_params import SamplingParams, check_allowed_beyond_stops
 from shardlib.serving_shapes import DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_PREFILL_TOKENS
@@ -378,7 +379,7 @@ def _check_batching(batching) -> None:
 
 def _check_max_batch_size(value) -> None:
     """0 or a positive integer (0: no static batches, whose KV rows the planner then leaves out)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    if not is_non_negative_int(value):
         raise ValueError(f"max_batch_size ({value!r}) must be an integer >= 0 (prompts per static batch; 0: no "
                          f"static batches, continuous batching alone)")
 

@@ -46,7 +46,7 @@ from shardlib.model_config import DTYPE_BYTES, ModelConfig, normalize_dtype
 from shardlib.quantization import PLANNER_DTYPE, UNQUANTIZABLE_MODEL_TYPES, normalize_quant_dtype
 from shardlib.sharding import FUSED_QKV_MODEL_TYPES
 from shardlib.quantized_sizes import kv_dtype_name, planned_quantization, weight_bytes
-from shardlib.positive_int import positive_int
+from shardlib.positive_int import is_non_negative_int, positive_int
 
 RESERVE_FRACTION = 0.10
 # Why 10%: the Neuron runtime, the loaded compiled graphs (one per bucket) and their scratchpad for
@@ -664,7 +664,7 @@ def kv_rows_text(batch_size: int, serving_rows: int) -> str:
 
 
 def _non_negative_rows(rows) -> int:
-    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+    if not is_non_negative_int(rows):
         raise ValueError(f"serving_rows ({rows!r}) must be a whole number >= 0 (0: no serving loop)")
     return rows
 
@@ -672,15 +672,13 @@ def _non_negative_rows(rows) -> int:
 def _checked_batch(batch_size, serving_rows: int) -> int:
     """batch_size, or ValueError. 0 (no static batch: serve's and generate's launches, which run
     continuous batching alone) is taken where serving rows are there to plan."""
-    if isinstance(batch_size, int) and not isinstance(batch_size, bool) and batch_size == 0:
-        if serving_rows:
-            return 0
+    if not is_non_negative_int(batch_size):
+        raise ValueError(f"batch_size ({batch_size!r}) must be a positive integer, or 0 for no static batch (the "
+                         f"serving rows alone)")
+    if batch_size == 0 and not serving_rows:
         raise ValueError("batch_size (0) plans no static batch, and there are no serving rows either (serving_rows "
                          "0, --max-num-seqs 0): there is no KV cache row to plan; give it 1 or more, or serving rows "
                          "(--max-num-seqs 1 or more)")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0:
-        raise ValueError(f"batch_size ({batch_size!r}) must be a positive integer, or 0 for no static batch (the "
-                         f"serving rows alone)")
     return batch_size
 
 

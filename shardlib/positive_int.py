@@ -11,6 +11,11 @@ def is_positive_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
+def is_non_negative_int(value) -> bool:
+    """True for an int >= 0 that is not a bool (0 meaning "none": no static batch, no serving loop)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def positive_int(name: str, value) -> int:
     """`value`, or ValueError "NAME (VALUE) must be a positive integer"."""
     if not is_positive_int(value):

@@ -45,7 +45,14 @@ def add_parser(subparsers) -> None:
     add_moe_sharding(p)
     add_sequence_parallel(p)
     add_kv_cache_dtype(p)
-    add_bucket_arguments(p)
+    p.add_argument("--seq-len", type=int,
+                   help="maximum sequence length: the largest token-generation bucket (default: the plan's, "
+                        "min(max_position_embeddings, 4096))")
+    # at least 1: a compiled directory holds static graphs from batch 1 up (LaunchConfig's 0, no static
+    # batches, built batch 1's graphs here all the same)
+    p.add_argument("--max-batch-size", type=int_at_least("--max-batch-size", 1), default=1,
+                   help="largest static batch; batch buckets are 1, 2, 4, ... up to it (default 1)")
+    add_bucket_lists(p)
     add_granularity(p)
     add_max_num_seqs(p, compiled=False)
     add_max_prefill_tokens(p, compiled=False)
@@ -58,18 +65,6 @@ def add_parser(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print the manifest as JSON on stdout")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.set_defaults(run=run)
-
-
-def add_bucket_arguments(p: argparse.ArgumentParser) -> None:
-    """compile's bucket options."""
-    p.add_argument("--seq-len", type=int,
-                   help="maximum sequence length: the largest token-generation bucket (default: the plan's, "
-                        "min(max_position_embeddings, 4096))")
-    # at least 1: a compiled directory holds static graphs from batch 1 up (LaunchConfig's 0, no static
-    # batches, built batch 1's graphs here all the same)
-    p.add_argument("--max-batch-size", type=int_at_least("--max-batch-size", 1), default=1,
-                   help="largest static batch; batch buckets are 1, 2, 4, ... up to it (default 1)")
-    add_bucket_lists(p)
 
 
 def bucket_options(args: argparse.Namespace) -> dict:

@@ -59,17 +59,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"corelaunch quantize: {err}", file=sys.stderr)
         return 2
     start = time.monotonic()
-    line_open = [False]
-    """The progress line is written without its end until the last tensor: an error ends it first
-    (it was printed on the end of "quantize: 16/21 tensors")."""
+    line_open = False  # the progress line lacks its end until the last tensor: an error ends it first
 
     def progress(name: str, done: int, total: int) -> None:
+        nonlocal line_open
         if not args.quiet:
-            line_open[0] = done < total
+            line_open = done < total
             print(f"\rquantize: {done}/{total} tensors", end="" if done < total else "\n", file=sys.stderr)
 
     def failed(text: str) -> int:
-        print(("\n" if line_open[0] else "") + f"corelaunch quantize: {text}", file=sys.stderr)
+        print(("\n" if line_open else "") + f"corelaunch quantize: {text}", file=sys.stderr)
         return 2
 
     try:

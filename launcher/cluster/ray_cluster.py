@@ -503,12 +503,13 @@ def _init(**options) -> None:
             termination.note_held()  # sent to the whole group, it exits now: the GCS is going
         interrupted.append(signum)
 
-    held = [signal.SIGINT] + ([signal.SIGTERM] if termination.installed() else [])
+    sigterm_held = termination.installed()
+    held = [signal.SIGINT] + ([signal.SIGTERM] if sigterm_held else [])
     previous = {sig: signal.signal(sig, hold) for sig in held}
     # checked as it comes, not once ray.init is back in the interpreter (termination's docstring)
-    checked = termination.held_sigterm_checked_at_once() if signal.SIGTERM in held else contextlib.nullcontext()
+    checked = termination.held_sigterm_checked_at_once() if sigterm_held else contextlib.nullcontext()
     try:
-        with _sigterm_handler_kept(signal.SIGTERM in held), checked:
+        with _sigterm_handler_kept(sigterm_held), checked:
             ray.init(**options)
     except BaseException:
         if signal.SIGTERM in interrupted:  # said as SIGTERM (exit 143), not as ray.init's failure
@@ -516,7 +517,7 @@ def _init(**options) -> None:
         raise
     finally:
         signal.signal(signal.SIGINT, previous[signal.SIGINT])
-        if signal.SIGTERM in held:
+        if sigterm_held:
             # over `hold`, and over Ray's own where a Ray installed them despite _sigterm_handler_kept
             # (its sys.exit(15); its core worker's C++ failure handler, which dumped a stack and
             # aborted, exit 134)

@@ -139,11 +139,16 @@ class _Stream:
             return False
         if reason is not None and not self.handle.fail(reason):
             return False
+        self._end(reason)
+        self._cancel(self.handle, deferred)
+        return True
+
+    def _end(self, reason: BaseException | None) -> None:
+        """The stream ends here: no later read gets a token, what was carried included; `reason`
+        for every reader but the one that closed it."""
         self.done = True
         self._carried.clear()
         self._cancelled = reason
-        self._cancel(self.handle, deferred)
-        return True
 
     def _close(self, closer, by: str) -> None:
         """Cancel for `closer` (the calling thread or task), whose later reads then end quietly."""
@@ -155,8 +160,8 @@ class _Stream:
             # The request finished on its group (nothing left to cancel) with its end not read, or
             # read tokens not handed over: the close ends the stream all the same, what is left
             # unread too (a reader that closed, then read again, got the rest of the answer).
-            self._carried.clear()
-            self.done, self._cancelled, self._closer = True, reason, closer
+            self._end(reason)
+            self._closer = closer
 
     def _ended(self, reader) -> None:
         """A read after the end: raise the reason unless `reader` closed the stream itself."""

@@ -59,8 +59,14 @@ TOKEN_PREFIX = b"corelaunch-shm:"
 SET_UP_GRACE_S = 60.0
 """A segment still without its token is being set up (its creator writes it milliseconds after
 creating the file); one older than this that no process holds lost its creator during set-up."""
-SEGMENT_NAME = re.compile(r"corelaunch-[0-9a-f]+-node\d+")
-"""The names group.py gives segments: only these are taken for segments without a token."""
+SEGMENT_PREFIX = "corelaunch-"
+SEGMENT_NAME = re.compile(re.escape(SEGMENT_PREFIX) + r"[0-9a-f]+-node\d+")
+"""The names segment_name gives: only these are taken for segments without a token."""
+
+
+def segment_name(group_id: str, node: int) -> str:
+    """A node's segment of a group (group_id: a uuid's hex), as SEGMENT_NAME matches it."""
+    return f"{SEGMENT_PREFIX}{group_id}-node{node}"
 _BLOCK = 128  # bytes per rank's header block; counters sit at its start
 _PAGE = 4096
 
@@ -161,7 +167,7 @@ class Segment:
             pass  # a view is still alive somewhere: the mapping goes when the process exits
 
 
-def remove_orphans(shm_dir: str, prefix: str = "corelaunch-") -> list[str]:
+def remove_orphans(shm_dir: str, prefix: str = SEGMENT_PREFIX) -> list[str]:
     """Unlink segments whose creator has exited: left only if a leader was killed during set-up,
     between creating its segment and unlinking it once all ranks had attached. Returns them.
 

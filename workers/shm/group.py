@@ -119,7 +119,7 @@ def _agree(error: str | None, world_size: int) -> None:
 def _build(rank: int, world_size: int, groups: list[list[int]], timeout_s: float, slot_bytes: int,
            gloo: TorchDistributedCollectives) -> Collectives:
     from workers.shm.collectives import HierarchicalCollectives, ShmCollectives
-    from workers.shm.exchange import TOKEN_PREFIX, NodeExchange, Segment, SegmentLayout, remove_orphans
+    from workers.shm.exchange import TOKEN_PREFIX, NodeExchange, Segment, SegmentLayout, remove_orphans, segment_name
 
     box = [uuid.uuid4().hex if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
@@ -129,7 +129,7 @@ def _build(rank: int, world_size: int, groups: list[list[int]], timeout_s: float
     local_rank = local.index(rank)
     token = TOKEN_PREFIX + group_id.encode()
     layout = SegmentLayout(local_size=len(local), slot_bytes=_round_slot(slot_bytes))
-    path = os.path.join(SHM_DIR, f"corelaunch-{group_id}-node{node}")
+    path = os.path.join(SHM_DIR, segment_name(group_id, node))
     shared = len(local) > 1
     segment = None
     native = None
