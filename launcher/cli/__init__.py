@@ -105,11 +105,18 @@ def run() -> None:
         # `corelaunch plan | head -1`: not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
         sys.exit(BROKEN_PIPE)
-    if code in (INTERRUPTED, TERMINATED_EXIT):
+    if code in (INTERRUPTED, TERMINATED_EXIT) or _ray_teardown_left_to_exit():
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
     sys.exit(code)
+
+
+def _ray_teardown_left_to_exit() -> bool:
+    """`corelaunch serve` stopped its private Ray and left Ray's teardown of this process out
+    (launcher.cluster.ray_cluster.RayConnection.close_for_exit): Ray's exit hook must not run it."""
+    ray_cluster = sys.modules.get("launcher.cluster.ray_cluster")  # not imported: no Ray was used
+    return ray_cluster is not None and ray_cluster.teardown_left_to_exit()
 
 
 def _stdout_reader_gone() -> bool:

@@ -437,7 +437,9 @@ def _serve_on(args: argparse.Namespace, settings, mode: str, stdout) -> int:
                 # failed ..." at every stop, --quiet included (its controller killed under its own call).
         finally:
             with signals.held():
-                connection.close()
+                # The private Ray's processes stop while this process is whole; the CLI then exits
+                # without Ray's teardown of it (RayConnection.close_for_exit says why).
+                connection.close_for_exit()
 
 
 def ingress_plan(args: argparse.Namespace, mode: str) -> IngressPlan:

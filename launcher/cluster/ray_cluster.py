@@ -32,6 +32,8 @@ _OWN_SESSION = {"users": 0, "started_here": False, "address": ""}
 the last one to close ends it, so one launch's shutdown no longer disconnected another launch of
 the same process from its workers."""
 _SESSION_LOCK = threading.Lock()
+_TEARDOWN_LEFT_TO_EXIT = threading.Event()
+"""Set by RayConnection.close_for_exit: the process must end with os._exit, not run Ray's exit hook."""
 
 
 @dataclass
@@ -66,6 +68,44 @@ class RayConnection:
             _auto_init(False)
             ray.shutdown()
         _release_keepers()
+
+    def close_for_exit(self) -> bool:
+        """close() for a program that ends right after (`corelaunch serve`). A private cluster this
+        process alone uses has its processes stopped while this process is still whole, and Ray's
+        teardown of the process itself is left out: True then, and the program must end with
+        os._exit (teardown_left_to_exit() says so; Ray's exit hook would run it). Else close(), False.
+
+        Run before the processes stopped, that teardown raced with their last calls to this process:
+        one answered after the driver's core worker was gone made Ray end the process on the spot with
+        status 1 ("The core worker has already been shutdown"), whatever the command's own code (a
+        server stopped cleanly by SIGTERM failed CI so). Run after, it waits 5 s on a flush to the
+        stopped GCS."""
+        import ray
+        from ray._private import worker as ray_worker
+
+        node = ray_worker._global_node
+        with _SESSION_LOCK:
+            alone = (self.started_here and not self.closed and _OWN_SESSION["users"] == 1 and node is not None
+                     and ray.is_initialized())
+            if alone:
+                self.closed = True
+                _OWN_SESSION["users"] = 0
+        if not alone:
+            self.close()
+            return False
+        _auto_init(False)  # as close(): no call left may start another Ray
+        if node.is_head():
+            node.destroy_external_storage()  # spilled objects, as ray.shutdown() removes them
+        node.kill_all_processes(check_alive=False, allow_graceful=True)
+        _TEARDOWN_LEFT_TO_EXIT.set()
+        _release_keepers()
+        return True
+
+
+def teardown_left_to_exit() -> bool:
+    """Whether RayConnection.close_for_exit stopped this process's private cluster and left Ray's
+    teardown of the process out: it must end with os._exit."""
+    return _TEARDOWN_LEFT_TO_EXIT.is_set()
 
 
 def _auto_init(enabled: bool) -> None:
