@@ -425,6 +425,17 @@ START_STOP_WAIT_S = 120.0
 next step: planning, connecting to Ray and loading are not cut short)."""
 
 
+def _presharded_version(config) -> str | None:
+    """The version a --presharded directory written by save_presharded (a link to a hidden
+    versioned sibling) names now; None for a plain directory, or a compiled directory's weights."""
+    if config.presharded_dir is None or config.compiled_dir is not None:
+        return None
+    from shardlib.atomic_dir import current_version
+
+    version = current_version(config.presharded_dir)
+    return str(version) if version is not None else None
+
+
 @contextlib.contextmanager
 def _second_interrupt_held():
     """SIGINT ignored inside the block (where the calling thread can set handlers: the main thread),
@@ -604,7 +615,11 @@ class Launcher:
         """The copy's load failed (damaged in place): written again even though it looks complete."""
         self._cache_lock = threading.Lock()
         self._version_hold: int | None = None
-        """The lock on the compiled directory's version this launch runs (atomic_dir.hold_version)."""
+        """The lock on the compiled directory's (or --presharded link's) version this launch runs
+        (atomic_dir.hold_version)."""
+        self._presharded_version: str | None = None
+        """The version a --presharded link named when prepare() checked it, which every rank and
+        restart loads (None: no link, or a compiled directory's weights, pinned with it)."""
         self._lock = threading.Lock()  # tokenizers are not safe to share between threads
         self._tokenizer_wanted = threading.Event()
         """Set by a caller that found self._lock taken: the holder yields once it lets go (_encode)."""
@@ -663,7 +678,7 @@ class Launcher:
     def _start_under_lock(self) -> None:
         start = time.perf_counter()
         self.prepare()
-        self._hold_compiled_version()  # each start: after a shutdown too (prepare() plans once)
+        self._hold_pinned_version()  # each start: after a shutdown too (prepare() plans once)
         try:
             self._start_group(self.backend)
             self._await_tokenizer()  # it loaded while the group started (check_prompts may have taken it)
@@ -700,8 +715,10 @@ class Launcher:
         from launcher.artifacts.compiled_dir import load_spec_fields
         from launcher.launch_plan import plan_launch, with_artifact_settings
 
+        linked = _presharded_version(self.config)
         self.config = with_artifact_settings(self.config)  # a compiled directory's or pre-sharded copy's
         planned = plan_launch(self.config, self._progress)
+        self._pin_presharded_version(linked)
         self.model_dir, self.model_config = planned.model_dir, planned.model_config
         self._generation_eos = generation_eos_ids(self.model_dir)  # before Ray: a bad file is named now
         self.backend = planned.backend
@@ -711,20 +728,39 @@ class Launcher:
         self.plan = planned.plan
         return self
 
-    def _hold_compiled_version(self) -> None:
-        """The compiled directory's version prepare() pinned stays while this launch runs: a compile into
-        the same --out leaves it (shardlib.atomic_dir.in_use) until shutdown(). Taken at start(), not at
-        prepare(): a Launcher only prepared (check_prompts refusing a prompt, then dropped) kept it for
-        the life of the process. A compile that finished between the two has removed the version: said."""
-        if self.config.compiled_dir and self._version_hold is None:
+    def _pin_presharded_version(self, checked: str | None) -> None:
+        """Every rank and every restart loads the --presharded version prepare() checked (`checked`,
+        read before the checks), not whatever a later save_presharded into the same directory
+        switched the link to: a restarted group silently served other weights than the rest."""
+        if checked is None:
+            return
+        now = _presharded_version(self.config)
+        if now != checked:
+            raise LaunchError(f"the pre-sharded checkpoint {self.config.presharded_dir} was written again while this "
+                              f"launch checked it; create a new Launcher (or run the command again)")
+        self._presharded_version = checked
+        self.config = dataclasses.replace(self.config, presharded_dir=checked)
+
+    def _hold_pinned_version(self) -> None:
+        """The version prepare() pinned (a compiled directory's, or a --presharded link's) stays while
+        this launch runs: a compile or save_presharded into the same directory leaves it
+        (shardlib.atomic_dir.in_use) until shutdown(). Taken at start(), not at prepare(): a Launcher
+        only prepared (check_prompts refusing a prompt, then dropped) kept it for the life of the
+        process. A write that finished between the two has removed the version: said."""
+        pinned = self.config.compiled_dir or self._presharded_version
+        if pinned and self._version_hold is None:
             from shardlib.atomic_dir import hold_version
 
-            self._version_hold = hold_version(self.config.compiled_dir)
-            if self._version_hold is None and not Path(self.config.compiled_dir).is_dir():
-                raise LaunchError(f"the compiled directory's version {self.config.compiled_dir} this launch pinned "
-                                  f"was removed before it started (a `corelaunch compile` into the same --out "
-                                  f"finished meanwhile); create a new Launcher (or run the command again), which "
-                                  f"pins the version there now")
+            self._version_hold = hold_version(pinned)
+            if self._version_hold is None and not Path(pinned).is_dir():
+                if self.config.compiled_dir:
+                    what = (f"the compiled directory's version {pinned} this launch pinned was removed before it "
+                            f"started (a `corelaunch compile` into the same --out finished meanwhile)")
+                else:
+                    what = (f"the pre-sharded checkpoint's version {pinned} this launch pinned was removed before it "
+                            f"started (a save_presharded into the same directory finished meanwhile)")
+                raise LaunchError(f"{what}; create a new Launcher (or run the command again), which pins the "
+                                  f"version there now")
 
     def _release_version_hold(self) -> None:
         with self._cache_lock:  # two shutdowns at once: one closes it (a second close could hit a reused fd)
@@ -874,7 +910,7 @@ class Launcher:
                                          self._load_spec.layout, self.plan.dtype, force=self._cache_rewrite,
                                          note=self._progress.note).start()
 
-    def _load_around_a_bad_cache_copy(self, spec, err: BaseException) -> bool:
+    def _load_around_a_bad_cache_copy(self, spec, err: BaseException, restart: bool) -> bool:
         """True when `spec` loaded this launcher's own --presharded-cache copy and a rank refused it
         (a file damaged in place keeps its size, so only the rank's sha256 sees it): later groups
         load from the checkpoint, and the copy is written again. It failed every launch, the error
@@ -889,6 +925,13 @@ class Launcher:
         with self._cache_lock:  # every replica's group may fail on it at once
             self._load_spec = dataclasses.replace(self._load_spec, presharded_dir=None)
             self._cache_rewrite = True
+            writer = self._cache_writer
+            if restart and (writer is None or not writer.writing) and self._stops == self._stops_at_start:
+                # A restart found it damaged (a copy this launch wrote, or one it started from): written
+                # again now. Before, every later restart tried the damaged copy again, and it was
+                # written only at the next launch. (At the start, the start writes it once loaded.)
+                self._cache_writer = None  # restarts load from the checkpoint until the new copy is ready
+                self._start_presharded_cache()
         return True
 
     def _size_replicas(self, backend: str, nodes: list):
@@ -963,7 +1006,7 @@ class Launcher:
             prepared = group.start_serving(self._serve_spec())
         except BaseException as err:
             group.kill()
-            if loading and not around_the_cache and self._load_around_a_bad_cache_copy(spec, err):
+            if loading and not around_the_cache and self._load_around_a_bad_cache_copy(spec, err, restart):
                 return self._new_group(index, restart, around_the_cache=True)
             raise
         group.stop_asked = None  # serving and its shutdown wait as they always have

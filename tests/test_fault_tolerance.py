@@ -416,6 +416,37 @@ def test_a_cached_copy_damaged_in_place_is_loaded_around_and_written_again(tmp_p
         assert [s["load_source"] for s in launcher.replica_status()] == [["presharded"]]
 
 
+
+def test_a_cached_copy_found_damaged_at_a_restart_is_written_again_then(tmp_path, in_process_cluster):
+    """A restart that found the launch's own cached copy damaged loaded around it, saying it wrote the
+    copy again; it did not: every later restart tried the damaged copy again (a failed load and a
+    whole hash each time), and only the next launch wrote it."""
+    import hashlib
+
+    from shardlib.presharded import rank_file_name, read_manifest
+
+    model = build_random_model("llama", seed=3, num_heads=4, num_kv_heads=2)
+    model_dir = save_model(model, tmp_path / "m")
+    expected = [greedy_ignoring_eos(model, PROMPTS[0], 6)]
+    with Launcher(model=str(model_dir), tp=2, max_restarts=3, presharded_cache=True, compile=False, progress=False,
+                  presharded_cache_dir=str(tmp_path / "cache")) as launcher:
+        wait_for(lambda: launcher.presharded_cache_ready, 30, "the pre-sharded cache copy")
+        victim = launcher._cache_path / rank_file_name(1, 2)
+        data = bytearray(victim.read_bytes())
+        data[-50:] = bytes(50)  # size kept: only the rank's sha256 sees it
+        victim.write_bytes(bytes(data))
+        launcher._group.fail_next(WorkerDied("rank 1 (in-process) died while trying to finish the request"))
+        first = launcher.generate([PROMPTS[0]], max_new_tokens=6, ignore_eos=True)
+        assert [s["load_source"] for s in launcher.replica_status()] == [["checkpoint"]]  # loaded around it
+        wait_for(lambda: launcher.presharded_cache_ready, 30, "the copy written again")
+        recorded = {e["file"]: e["sha256"] for e in read_manifest(launcher._cache_path)["files"]}[victim.name]
+        assert hashlib.sha256(victim.read_bytes()).hexdigest() == recorded, "the damaged copy was not written again"
+        launcher._group.fail_next(WorkerDied("rank 1 (in-process) died while trying to finish the request"))
+        second = launcher.generate([PROMPTS[0]], max_new_tokens=6, ignore_eos=True)
+        [after] = launcher.replica_status()
+    assert [r.token_ids for r in first] == expected and [r.token_ids for r in second] == expected
+    assert after["restarts"] == 2 and after["load_source"] == ["presharded"]
+
 def test_a_cache_folder_that_is_a_file_is_named_before_any_start_and_not_written(tmp_path):
     """`presharded-uid<uid>` as a file raised a bare "[Errno 20] Not a directory" after Ray had started."""
     from launcher.artifacts.presharded_cache import CacheWriter, cache_dir, untrusted
