@@ -19,6 +19,7 @@ import functools
 import hashlib
 import os
 import secrets
+import shlex
 import shutil
 import stat
 import subprocess
@@ -57,6 +58,10 @@ class OutOfDescriptors(NativeUnavailable):
     """The open-files limit was reached: nothing is wrong with the folder or the file."""
 
 
+class NoExecCache(NativeUnavailable):
+    """The folder is on a filesystem mounted noexec: no library in it can be loaded, damaged or not."""
+
+
 _UNSAFE_BITS = stat.S_IWGRP | stat.S_IWOTH
 
 
@@ -92,7 +97,7 @@ def trusted_dir(directory: Path, holding: str = "corelaunch's compiled C librari
         parent = os.open(directory.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as err:
         raise _out_of_descriptors(directory.parent, err) or NativeUnavailable(
-            f"could not create {directory.parent}: {err}") from None
+            f"could not create {directory.parent}: {err}{_unwritable_hint(err)}") from None
     try:
         try:
             os.mkdir(directory.name, 0o700, dir_fd=parent)
@@ -138,6 +143,15 @@ def _out_of_descriptors(path: Path, err: OSError) -> OutOfDescriptors | None:
     return OutOfDescriptors(f"could not open {path}: {err}: the open-files limit (`ulimit -n`) was reached; raise it")
 
 
+_UNWRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
+"""What a cache on a read-only mount, or one this user may not write, answers."""
+
+
+def _unwritable_hint(err: OSError) -> str:
+    """The fix to add to a message about `err` when it says the cache cannot be written, else ""."""
+    return "; point CORELAUNCH_CACHE at a directory this user can write" if err.errno in _UNWRITABLE else ""
+
+
 def _refusal(directory: Path, why: str, holding: str) -> str:
     return (f"refusing to use {directory} for {holding}: {why}. Another "
             f"user could place code there that every rank would run. Remove {directory} (it "
@@ -179,7 +193,7 @@ def _compile(dir_fd: int, directory: Path, spec: "LibrarySpec") -> None:
     process without unwinding the compute thread) leaves it behind, and the next build on this host
     removes it (`_sweep_dead_builds`)."""
     variable, names, suffix, timeout_s = _COMPILERS[spec.language]
-    compiler = os.environ.get(variable) or next(filter(None, map(shutil.which, names)), None)
+    compiler = _compiler_command(variable, names)
     if not compiler:
         raise NativeUnavailable(f"no {spec.language.upper()} compiler found ({', '.join(names)} or ${variable}); "
                                 f"it builds {spec.what} once")
@@ -192,10 +206,14 @@ def _compile(dir_fd: int, directory: Path, spec: "LibrarySpec") -> None:
             src.write_text(spec.source)
             out = tmp / spec.name
             # The flags after the source: libraries named there (-l) link only when they follow it.
-            proc = subprocess.run([compiler, "-shared", "-fPIC", "-o", str(out), str(src), *spec.flags],
-                                  capture_output=True, text=True, timeout=timeout_s)
+            try:
+                proc = subprocess.run([*compiler, "-shared", "-fPIC", "-o", str(out), str(src), *spec.flags],
+                                      capture_output=True, text=True, timeout=timeout_s)
+            except OSError as err:  # not there, or not executable: about the compiler, not the cache
+                raise NativeUnavailable(f"could not build {spec.what}: could not run the compiler "
+                                        f"{compiler[0]!r} (from {_compiler_source(variable)}): {err}") from None
             if proc.returncode != 0:
-                raise NativeUnavailable(f"{compiler} failed to build {spec.what}:\n{proc.stderr.strip()}")
+                raise NativeUnavailable(f"{shlex.join(compiler)} failed to build {spec.what}:\n{proc.stderr.strip()}")
             data = out.read_bytes()
             checked = f"{build_name}/checked.so"
             fd = os.open(checked, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
@@ -211,8 +229,30 @@ def _compile(dir_fd: int, directory: Path, spec: "LibrarySpec") -> None:
             os.replace(checked, spec.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         finally:
             shutil.rmtree(build_name, dir_fd=dir_fd, ignore_errors=True)
-    except (OSError, subprocess.SubprocessError) as err:
+    except OSError as err:
+        raise NativeUnavailable(f"could not build {spec.what} in {directory}: {err}{_unwritable_hint(err)}") from None
+    except subprocess.SubprocessError as err:
         raise NativeUnavailable(f"could not build {spec.what} in {directory}: {err}") from None
+
+
+def _compiler_command(variable: str, names: tuple[str, ...]) -> list[str] | None:
+    """The compiler's command line: $variable split as a shell (and make) would, so that
+    CXX="ccache g++" or CC="gcc -m64" work, else the first of `names` on PATH, else None. A blank
+    $variable counts as unset, as the empty one always did."""
+    value = os.environ.get(variable, "")
+    if value.strip():
+        try:
+            return shlex.split(value)
+        except ValueError as err:  # an unclosed quote
+            raise NativeUnavailable(f"${variable}={value!r} is not a command line: {err}") from None
+    found = next(filter(None, map(shutil.which, names)), None)
+    return [found] if found else None
+
+
+def _compiler_source(variable: str) -> str:
+    """Where the compiler's name came from, for a message: $variable (its value) or PATH."""
+    value = os.environ.get(variable, "")
+    return f"${variable}={value!r}" if value.strip() else "PATH"
 
 
 def _sweep_dead_builds(dir_fd: int) -> None:
@@ -309,6 +349,10 @@ def load(fd: int, path: Path) -> ctypes.CDLL:
         if "Too many open files" in str(err):  # dlopen's text only: its OSError carries no errno
             raise OutOfDescriptors(f"could not load {path}: {err}: the open-files limit (`ulimit -n`) was "
                                    f"reached; raise it") from None
+        if _mounted_noexec(path.parent):  # dlopen says "failed to map segment from shared object"
+            raise NoExecCache(f"could not load {path}: {err}: {path.parent} is on a filesystem mounted noexec, "
+                              f"where no library can be loaded; point CORELAUNCH_CACHE at a directory on a "
+                              f"filesystem that allows executing files") from None
         raise NativeUnavailable(f"could not load {path}: {err}") from None
     _KEPT_OPEN.append(kept)
     return library
@@ -322,7 +366,7 @@ def build_and_load(spec: "LibrarySpec", directory: Path | None = None) -> ctypes
     try:
         return load(fd, Path(directory) / spec.name)
     except NativeUnavailable as err:
-        if compiled or isinstance(err, OutOfDescriptors):  # nothing says the file is damaged
+        if compiled or isinstance(err, (OutOfDescriptors, NoExecCache)):  # nothing says the file is damaged
             raise
         # A cached file of full length that does not load (damaged on disk, say): not rebuilt at
         # every start of every rank, which a cache that can never load (noexec) would cost.
@@ -334,6 +378,14 @@ def build_and_load(spec: "LibrarySpec", directory: Path | None = None) -> ctypes
 
 _KEPT_OPEN: list[int] = []
 """Descriptors of loaded libraries (see `load`)."""
+
+
+def _mounted_noexec(directory: Path) -> bool:
+    """Whether `directory` is on a filesystem mounted noexec (False when that cannot be told)."""
+    try:
+        return bool(os.statvfs(directory).f_flag & os.ST_NOEXEC)
+    except OSError:
+        return False
 
 
 def torch_operator_spec(stem: str, c_source: str, operator_source: str, flags: tuple[str, ...],

@@ -45,7 +45,8 @@ class CpuBackend(Backend):
     def prepare_model(self, model: torch.nn.Module, compile: CompileOptions | None = None):
         """Float32 linear weights repacked as column panels (workers/packed_weight.py), then eager,
         or inductor graphs per bucket (workers/backends/inductor.py)."""
-        from workers.kernels import packed_linear
+        from workers import native_build
+        from workers.kernels import packed_linear, prefill_attention
         from workers.packed_weight import pack_linear_weights
 
         pack_linear_weights(model)
@@ -53,9 +54,14 @@ class CpuBackend(Backend):
             # Slower, not wrong: the layers fall back to the small-batch kernel and F.linear.
             warnings.warn(f"corelaunch: float32 weights are not packed ({packed_linear.unavailable_reason}); "
                           f"decode products take the slower paths", RuntimeWarning, stacklevel=2)
+        # Eager and compiled prefills alike take it, float32 only: a model in another dtype never
+        # builds it (workers/serving/loop.py asks the same way), so it is not built for nothing here.
+        if (getattr(model, "dtype", torch.float32) == torch.float32 and not prefill_attention.available()
+                and not native_build.turned_off("CORELAUNCH_PREFILL_ATTENTION")):
+            warnings.warn(f"corelaunch: prefill attention stays on torch's attention "
+                          f"({prefill_attention.unavailable_reason})", RuntimeWarning, stacklevel=2)
         if compile is None:
             return model
-        from workers import native_build
         from workers.kernels import decode_attention
 
         # Built now (first use on this host), not while the first decode graph is traced.

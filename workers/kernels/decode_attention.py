@@ -505,7 +505,11 @@ def available() -> bool:
 
 def usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether a traced decode step's attention takes the kernel: one float32 query per row on the
-    CPU against a float32 cache (an fp8 cache keeps the traced path, which dequantizes it)."""
+    CPU against a float32 cache (an fp8 cache keeps the traced path, which dequantizes it). A graph
+    traced without mark_constants_for_tracing (a torch.compile other than workers/compiled.py's)
+    keeps the traced path: tracing into available() (its lock) broke the graph at every layer."""
+    if torch.compiler.is_compiling() and not _marked_for_tracing:
+        return False
     return (q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype == torch.float32
             and q.shape[2] == 1 and q.shape[1] // k_cache.shape[1] <= MAX_GROUP and available())
 
@@ -534,9 +538,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return torch.ops.corelaunch.decode_attention(q, k_cache, v_cache, rows, mask, read_slots, scale)
 
 
+_marked_for_tracing = False
+"""Whether mark_constants_for_tracing ran in this process (usable() asks while traced)."""
+
+
 def mark_constants_for_tracing() -> None:
     """Tells torch.compile to take available() as a constant (usable() calls it in every traced
     decode attention), as workers/kernels/small_linear.py does for its own."""
     import torch._dynamo
 
+    global _marked_for_tracing
     torch._dynamo.assume_constant_result(available)
+    _marked_for_tracing = True
