@@ -4,7 +4,9 @@ Layout of a pre-sharded directory:
   rank-00000-of-00003.safetensors ...  one file per rank, Hugging Face tensor names unchanged, each
                                        tensor already sliced (and padded) for that rank
   manifest.json                        what the files were cut for: the model's config hash, TP
-                                       degree, KV strategy, dtype, the source weights' fingerprint
+                                       degree, KV strategy, dtype (what a cast made of the tensors:
+                                       quantized codes and their scales keep their own, copy_dtype),
+                                       the source weights' fingerprint
                                        (shardlib.weights_fingerprint); each file's size, sha256 and
                                        tensors (dtype and shape of each)
   .rank-...safetensors.verified        written by the first load that hashed the file: its sha256
@@ -42,6 +44,7 @@ from shardlib.file_modes import as_umask_allows, process_umask
 from shardlib.manifest import MANIFEST, check_field, read_manifest_json, write_manifest_json
 from shardlib.model_config import ModelConfig, normalize_dtype
 from shardlib.param_shapes import expected_shapes
+from shardlib.quantization import SCALE_SUFFIX, is_quantized_storage
 from shardlib.sharding import ShardLayout, TensorSlice
 from shardlib.weights_fingerprint import FIELD as FINGERPRINT, weights_fingerprint
 
@@ -78,14 +81,13 @@ def save_presharded(out_dir: str | Path, model_dir: str | Path, config: ModelCon
     per_rank = len(expected_shapes(config))
     umask = process_umask()
     with atomic_dir(out_dir, KIND, read_kind=read_manifest) as tmp:
-        files, stored = [], set()
+        files = []
         for rank in range(tp):
             def report(name: str, done: int, total: int, rank: int = rank) -> None:
                 progress(f"rank {rank}: {name}", rank * per_rank + done, tp * per_rank)
 
             shard = load_rank_shard(model_dir, config, layout, rank, dtype, report if progress else None)
             tensors = {name: {"dtype": _dtype_name(t.dtype), "shape": list(t.shape)} for name, t in shard.items()}
-            stored |= {entry["dtype"] for entry in tensors.values()}
             path = tmp / rank_file_name(rank, tp)
             save_file(shard, path, metadata={"format": "pt", "rank": str(rank), "tp_degree": str(tp)})
             as_umask_allows(path, umask)  # 0600 from safetensors: a compiled directory is shared and copied
@@ -100,7 +102,7 @@ def save_presharded(out_dir: str | Path, model_dir: str | Path, config: ModelCon
             "kv_strategy": layout.kv_strategy.value,
             "pad_q_heads": layout.pad_q_heads,
             **({"moe_sharding": layout.moe_sharding} if layout.moe_sharding else {}),  # MoE models only
-            "dtype": dtype_name or (stored.pop() if len(stored) == 1 else "mixed"),
+            "dtype": dtype_name or _cast_dtype(files),
             "files": files,
             "corelaunch_version": _corelaunch_version(),
             "source": str(Path(model_dir).resolve()),
@@ -108,6 +110,29 @@ def save_presharded(out_dir: str | Path, model_dir: str | Path, config: ModelCon
         }
         write_manifest_json(tmp, manifest)
     return out_dir
+
+
+def copy_dtype(manifest: dict[str, Any]) -> str:
+    """The dtype a launch must ask for to load this copy as written: the manifest's, or for one written
+    "mixed" by an earlier save (a quantized checkpoint saved with dtype=None), what its per-tensor
+    records say the cast tensors are. "mixed" only where those differ among themselves."""
+    return manifest["dtype"] if manifest["dtype"] != "mixed" else _cast_dtype(manifest["files"])
+
+
+def _cast_dtype(files: list[dict]) -> str:
+    """The one dtype of the tensors a dtype cast changes (load_rank_shard leaves quantized codes and
+    their scales in their own dtype: shardlib.quantization.keeps_dtype), "mixed" when they differ.
+    It was the dtype of every tensor, so a quantized copy (int8 codes, float32 scales and norms)
+    recorded "mixed" and every launch, which asks for one dtype, refused it."""
+    records = [(name, record["dtype"]) for entry in files for name, record in entry.get("tensors", {}).items()]
+    cast = {dtype for name, dtype in records if not _keeps_own_dtype(name, dtype)}
+    found = cast or {dtype for _, dtype in records}  # nothing but quantized tensors: what they are
+    return found.pop() if len(found) == 1 else "mixed"
+
+
+def _keeps_own_dtype(name: str, dtype: str) -> bool:
+    """shardlib.quantization.keeps_dtype from a tensor's name and dtype name (a manifest's record)."""
+    return name.endswith(SCALE_SUFFIX) or is_quantized_storage(getattr(torch, dtype, None))
 
 
 def read_manifest(directory: str | Path, *, shown: str | Path | None = None) -> dict[str, Any]:
@@ -197,17 +222,50 @@ def _check_settings(manifest: dict[str, Any], shown: Path, config: ModelConfig, 
         asked["moe_sharding"] = layout.moe_sharding
     if dtype is not None:
         asked["dtype"] = normalize_dtype(dtype)
-    differ = [f"{key}: expected {value!r}, found {manifest.get(key)!r}"
-              for key, value in asked.items() if manifest.get(key, False) != value]  # pad_q_heads: optional
-    if differ:
-        settings = f"tp_degree={layout.tp_degree}, kv_strategy={layout.kv_strategy.value!r}" + (
-            f", moe_sharding={layout.moe_sharding!r}" if layout.moe_sharding else "") + (
-            f", dtype={asked['dtype']!r}" if "dtype" in asked else "")
-        raise ValueError(
-            f"pre-sharded checkpoint {shown} was written for other settings: {'; '.join(differ)}. "
-            f"Re-run save_presharded for this model with {settings}, or load the original checkpoint"
-            f"{' (' + manifest['source'] + ')' if manifest.get('source') else ''} instead"
-        )
+    written = {**manifest, "dtype": copy_dtype(manifest)}
+    differ = [f"{key}: expected {value!r}, found {written.get(key)!r}"
+              for key, value in asked.items() if written.get(key, False) != value]  # pad_q_heads: optional
+    if not differ:
+        return
+    source = manifest.get("source")
+    fields = _config_differences(source, manifest, config) if written["config_hash"] != asked["config_hash"] else []
+    if fields:  # the hashes alone told nothing a user could act on
+        differ = [d + f" (the model it was cut from, {source}, differs from --model in {'; '.join(fields)})"
+                  if d.startswith("config_hash:") else d for d in differ]
+    settings = f"tp_degree={layout.tp_degree}, kv_strategy={layout.kv_strategy.value!r}" + (
+        f", moe_sharding={layout.moe_sharding!r}" if layout.moe_sharding else "") + (
+        f", dtype={asked['dtype']!r}" if "dtype" in asked else "")
+    if fields:  # the copy's source is the one model it fits: that first
+        advice = (f"Pass --model {source} (the model it was cut from) to load it, or re-run save_presharded for "
+                  f"this model with {settings}, or load this model's original checkpoint instead")
+    else:
+        advice = (f"Re-run save_presharded for this model with {settings}, or load the original checkpoint"
+                  f"{' (' + source + ')' if source else ''} instead")
+    raise ValueError(f"pre-sharded checkpoint {shown} was written for other settings: {'; '.join(differ)}. {advice}")
+
+
+def _config_differences(source: str | None, manifest: dict[str, Any], config: ModelConfig) -> list[str]:
+    """Each config field in which the model the copy was cut from (its manifest's source, read now)
+    differs from `config`, as "name: X in the copy's source, Y in --model"; [] when the source's
+    config cannot be read or is no longer the one the copy was cut from (its hash moved on), where
+    naming its fields would describe another model than the copy's."""
+    from dataclasses import fields as config_fields
+
+    from shardlib.model_config import load_model_config
+
+    if not source:
+        return []
+    try:
+        cut_from = load_model_config(source)
+    except (OSError, ValueError):
+        return []
+    if cut_from.config_hash() != manifest["config_hash"]:
+        return []
+    # model_type is compared, and named, on its own; the rest are fields config_hash leaves out
+    ignored = {"model_type", "bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype"}
+    return [f"{f.name}: {getattr(cut_from, f.name)!r} in the copy's source, {getattr(config, f.name)!r} in --model"
+            for f in config_fields(config) if f.name not in ignored
+            and getattr(cut_from, f.name) != getattr(config, f.name)]
 
 
 def _rank_file(manifest: dict[str, Any], root: Path, shown: Path, rank: int) -> tuple[Path, Path, dict]:
@@ -276,7 +334,8 @@ def _check_tensors(reader: SafetensorsFile, shown_path: Path, entry: dict, manif
     recorded = {name: (r["dtype"], tuple(r["shape"])) for name, r in entry.get("tensors", {}).items()}
     fix = f"it was re-saved or modified; copy it again or write the pre-sharded checkpoint again"
     for name, (dtype, shape) in found.items():
-        expected = recorded[name][0] if name in recorded else None if manifest_dtype == "mixed" else manifest_dtype
+        expected = recorded[name][0] if name in recorded else None if (
+            manifest_dtype == "mixed" or _keeps_own_dtype(name, dtype)) else manifest_dtype
         if expected is not None and dtype != expected:
             raise ValueError(f"{shown_path}: tensor {name!r} has dtype {dtype}, expected {expected} "
                              f"(as its {MANIFEST} records); {fix}")

@@ -136,6 +136,40 @@ def test_other_model_is_refused(llama_tp3, sources):
     assert "config_hash: expected" in msg and "model_type: expected 'qwen2', found 'llama'" in msg
 
 
+def test_a_copy_of_another_model_names_each_config_field_that_differs_and_its_source_first(llama_tp3, tmp_path):
+    """The refusal gave two config hashes and advice to write the copy again; it now names the fields
+    in which the model the copy was cut from (its manifest's source) differs, and passing that model
+    as --model comes first. Where the source no longer holds the config the copy was cut from, or is
+    gone, its fields would describe another model: the hashes are said as before."""
+    out, config = llama_tp3
+    deeper_dir = save_random_model(tmp_path / "deeper", "llama", "safetensors", num_heads=6, num_kv_heads=2,
+                                   **{**SHAPE, "num_layers": 3})
+    deeper = load_model_config(deeper_dir)
+    layout = ShardLayout.for_model(deeper, 3)
+    source = read_manifest(out)["source"]
+    for msg in (_refusal(out, deeper, layout), _refusal_before_start(out, deeper, layout)):
+        named = re.search(rf"\(the model it was cut from, {re.escape(source)}, differs from --model in (.*?)\)\. ", msg)
+        assert named and named.group(1) == "num_hidden_layers: 2 in the copy's source, 3 in --model", msg
+        assert msg.split(named.group(0))[1].startswith(f"Pass --model {source} (the model it was cut from) to load it"), msg
+    moved, _, _ = _copy(llama_tp3, tmp_path)
+    _edit_manifest(moved, lambda m: m.update(source=str(tmp_path / "gone")))
+    edited = tmp_path / "edited"  # a source whose config.json was changed after the copy was cut
+    shutil.copytree(source, edited)
+    (edited / "config.json").write_text((deeper_dir / "config.json").read_text())
+    stale, _, _ = _copy(llama_tp3, tmp_path / "stale")
+    _edit_manifest(stale, lambda m: m.update(source=str(edited)))
+    for copy in (moved, stale):
+        msg = _refusal(copy, deeper, layout)
+        assert "config_hash: expected" in msg and "differs from --model" not in msg and "Pass --model" not in msg, msg
+
+
+def _refusal_before_start(out, config, layout, dtype=None) -> str:
+    """What the driver's check (check_presharded_dir, before any process starts) says."""
+    with pytest.raises(ValueError) as err:
+        presharded.check_presharded_dir(out, config, layout, dtype)
+    return str(err.value)
+
+
 def test_other_dtype_is_refused(llama_tp3):
     out, config = llama_tp3
     msg = _refusal(out, config, ShardLayout.for_model(config, 3), dtype="bf16")

@@ -495,6 +495,36 @@ def test_presharded_directory_carries_quantized_shards(source_dir, tmp_path, dty
         assert loaded["model.norm.weight"].dtype == (torch.bfloat16 if dtype else torch.float32)
 
 
+def test_a_quantized_copy_saved_without_a_dtype_is_taken_by_the_launch_it_fits(source_dir, tmp_path):
+    """save_presharded(dtype=None), the default, recorded "mixed" for a quantized checkpoint (int8 codes,
+    float32 scales and norms), and every launch, which asks for one dtype, refused it. The dtype
+    recorded is now that of the tensors a cast changes; a copy cut in another dtype is still refused."""
+    from launcher.api import LaunchConfig
+    from launcher.launch_plan import plan_launch
+    from launcher.progress import Progress
+    from shardlib.presharded import MANIFEST, check_presharded_dir, load_presharded, read_manifest, save_presharded
+    from shardlib.sharding import ShardLayout
+
+    out = quantize_checkpoint(source_dir, tmp_path / "q", "int8")
+    config = load_model_config(out)
+    layout = ShardLayout.for_model(config, 2)
+    copy = save_presharded(tmp_path / "pre", out, config, layout)
+    planned = plan_launch(LaunchConfig(model=str(out), tp=2, presharded_dir=str(copy)), Progress(False))
+    assert planned.plan.dtype == "float32"  # the launch's own dtype, checked against the copy (check_presharded_dir)
+    assert read_manifest(copy)["dtype"] == "float32"
+    loaded = load_presharded(copy, config, layout, 1, "float32")
+    assert loaded["model.layers.0.mlp.up_proj.weight"].dtype == torch.int8
+    # a copy written as "mixed" by the earlier save: its per-tensor records say what it holds
+    manifest = json.loads((copy / MANIFEST).read_text())
+    (copy / MANIFEST).write_text(json.dumps({**manifest, "dtype": "mixed"}))
+    check_presharded_dir(copy, config, layout, "float32")
+    with pytest.raises(ValueError, match=r"dtype: expected 'bfloat16', found 'float32'"):
+        check_presharded_dir(copy, config, layout, "bfloat16")
+    other = save_presharded(tmp_path / "bf16", out, config, layout, "bfloat16")
+    with pytest.raises(ValueError, match=r"dtype: expected 'float32', found 'bfloat16'"):
+        check_presharded_dir(other, config, layout, "float32")
+
+
 @pytest.mark.parametrize("tp,per_channel,lm_head,embed", [(1, True, False, False), (2, True, True, True),
                                                          (2, False, False, True), (3, True, False, False)])
 def test_planner_counts_quantized_weights_and_scales_exactly(source_dir, tmp_path, tp, per_channel, lm_head, embed):

@@ -1,10 +1,12 @@
 """A per-model cache of pre-sharded weights, so a restarted TP group (or a later launch with the
 same layout) loads each rank's file in one read instead of slicing the original checkpoint.
 
-The cache key covers everything a pre-sharded copy depends on: the checkpoint's resolved path and
-its weight files (name, size, modification time), the model config hash, TP degree, KV strategy
-and dtype. A changed checkpoint therefore never loads a stale copy; shardlib.presharded also checks
-its manifest against the requested layout on every load.
+The cache key covers everything a pre-sharded copy depends on: the checkpoint's resolved path, its
+config.json and the weight files (and index) the checkpoint reader loads (name, size, modification
+time), the model config hash, TP degree, KV strategy and dtype. A changed checkpoint therefore never
+loads a stale copy; shardlib.presharded also checks its manifest against the requested layout on
+every load. Tokenizer and generation files are not in the key: no shard depends on them, and an edit
+of one wrote another full copy of the model beside the first.
 
 The copy is written by the driver in a background thread after the first load (one rank's shard in
 memory at a time, written to a hidden versioned folder that the cache path, a symlink, is switched to
@@ -28,7 +30,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".json")
+_KEY_LENGTH = 16
+"""Hex digits of the key at the end of a copy's name."""
 
 
 def cache_root(directory: str | None) -> Path:
@@ -67,13 +70,37 @@ def untrusted(path: Path) -> str | None:
 def cache_dir(root: Path, model_dir: str | Path, config, layout, dtype: str) -> Path:
     """The cache folder for this checkpoint and layout (named so a person can tell what it holds)."""
     model_dir = Path(model_dir).resolve()
-    files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in model_dir.iterdir()
-                   if p.is_file() and p.suffix in _WEIGHT_SUFFIXES)
+    files = sorted((str(p.relative_to(model_dir)), p.stat().st_size, p.stat().st_mtime_ns)
+                   for p in _key_files(model_dir) if p.is_file())
     blob = json.dumps([str(model_dir), files, config.config_hash(), layout.tp_degree,
                        layout.kv_strategy.value, dtype, layout.pad_q_heads]
                       + ([layout.moe_sharding] if layout.moe_sharding else [])).encode()
-    key = hashlib.sha256(blob).hexdigest()[:16]
-    return root / f"{model_dir.name}-tp{layout.tp_degree}-{layout.kv_strategy.value}-{dtype}-{key}"
+    key = hashlib.sha256(blob).hexdigest()[:_KEY_LENGTH]
+    return root / f"{_name_prefix(model_dir, layout, dtype)}{key}"
+
+
+def _name_prefix(model_dir: Path, layout, dtype: str) -> str:
+    """What the names of this model's copies for this layout and dtype start with; the key follows."""
+    return f"{model_dir.name}-tp{layout.tp_degree}-{layout.kv_strategy.value}-{dtype}-"
+
+
+def _key_files(model_dir: Path) -> list[Path]:
+    """config.json and the files the checkpoint reader loads weights from (shardlib.checkpoint_files:
+    the preferred format's file, or its index and the shard files the index names). Every top-level
+    *.json was hashed: an edit of tokenizer_config.json wrote another full copy of the model."""
+    from shardlib.checkpoint_files import find_checkpoint, preferred_file
+
+    found = preferred_file(model_dir)
+    if found is None:  # no checkpoint: the launch refuses it before any copy is written
+        return [model_dir / "config.json"]
+    _, path = found
+    if not path.name.endswith(".index.json"):
+        return [model_dir / "config.json", path]  # (find_checkpoint would read a whole pickle to list it)
+    try:
+        shards = find_checkpoint(model_dir).files  # the index read, its files looked up
+    except (OSError, ValueError):  # a broken index: the launch's checks name it; the index's own stat keys it
+        shards = ()
+    return [model_dir / "config.json", path, *shards]
 
 
 def is_ready(path: Path) -> bool:
@@ -154,3 +181,4 @@ class CacheWriter:
             if self._note is not None:
                 self._note(f"the pre-sharded cache copy {self.path} was not written ({type(err).__name__}: "
                            f"{err}); launches load from the checkpoint until it is")
+
