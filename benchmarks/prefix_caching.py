@@ -38,6 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.arguments import model_folder, positive_seconds  # noqa: E402
+from benchmarks.serving_client import exit_unless_served, served_models  # noqa: E402
 from launcher.cli.options import int_at_least  # noqa: E402
 
 SERVE_ARGS = "--tp 1 --max-num-seqs 4"
@@ -152,6 +153,16 @@ async def measure(base_url: str, model: str, api_key: str, tokenizer, args) -> d
             "burst": await burst(3)}
 
 
+def served_name(base_url: str) -> str:
+    """The model name the server at base_url serves, from its GET /v1/models: whatever --serve-args
+    made it (--served-model-name, another --model); the model folder's name, which was sent, drew a
+    404 for every request then."""
+    ids, why = served_models(base_url)
+    if not ids:
+        raise RuntimeError(f"the server at {base_url} lists no model at /models ({why or 'an empty or unreadable list'})")
+    return ids[0]
+
+
 def main(out=None) -> dict:
     out = out or sys.stdout
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -164,17 +175,27 @@ def main(out=None) -> dict:
                         help="requests sent at once in the third workload (default 4, the default rows)")
     parser.add_argument("--model-dir", type=model_folder("--model-dir", tokenizer_only=True), default=None,
                         help="the tokenizer's folder (default: the built-in model's)")
-    parser.add_argument("--serve-args", default=SERVE_ARGS,
-                        help=f"corelaunch serve's flags for both servers (default {SERVE_ARGS!r})")
-    parser.add_argument("--server-timeout", type=positive_seconds("--server-timeout"), default=900.0)
+    parser.add_argument("--serve-args", help=f"corelaunch serve's flags for both servers (default {SERVE_ARGS!r})")
+    parser.add_argument("--server-timeout", type=positive_seconds("--server-timeout"),
+                        help="seconds to wait for each server's GET /health (default 900)")
     parser.add_argument("--request-timeout", type=positive_seconds("--request-timeout"), default=600.0)
     parser.add_argument("--base-url", help="an OpenAI-compatible server's /v1 URL: measure it alone")
     parser.add_argument("--model", help="with --base-url: the served model's name")
     parser.add_argument("--api-key", default="none", help="with --base-url: the server's API key")
     args = parser.parse_args()
-    if args.base_url is not None and not args.model:
-        parser.error("--base-url needs --model (the name the server serves the model under)")
-    serve_args = shlex.split(args.serve_args)
+    if args.base_url is not None:
+        if not args.model:
+            parser.error("--base-url needs --model (the name the server serves the model under)")
+        given = [flag for flag, value in (("--serve-args", args.serve_args), ("--server-timeout", args.server_timeout))
+                 if value is not None]
+        if given:  # they were ignored: the run measured the other server as if they had been applied
+            parser.error(f"{', '.join(given)} concern the corelaunch servers this benchmark starts; with --base-url "
+                         f"the server is someone else's, running throughout (drop them)")
+        # before the tokenizer's seconds: a URL with no server (or no scheme) or a --model the server does not
+        # serve ended in the openai client's traceback once they had passed
+        exit_unless_served("prefix_caching.py", args.base_url, args.api_key, args.model)
+    serve_args = shlex.split(SERVE_ARGS if args.serve_args is None else args.serve_args)
+    args.server_timeout = 900.0 if args.server_timeout is None else args.server_timeout
     if "--no-prefix-caching" in serve_args:
         parser.error("--serve-args: leave --no-prefix-caching out (the first server gets it, the second not)")
 
@@ -194,8 +215,9 @@ def main(out=None) -> dict:
         for name, extra in (("no_prefix_caching", ["--no-prefix-caching"]), ("prefix_caching", [])):
             command = [*serve_args, *extra] + ([] if "--model" in serve_args else ["--model", model_dir])
             with corelaunch_server(command, args.server_timeout) as (base_url, _):
-                report[name] = {"serve_args": command, **asyncio.run(
-                    measure(base_url, Path(model_dir).name, "none", tokenizer, args))}
+                served = served_name(base_url)
+                report[name] = {"serve_args": command, "model": served, **asyncio.run(
+                    measure(base_url, served, "none", tokenizer, args))}
         report["ttft_ratio_without_over_with"] = {
             workload: round(report["no_prefix_caching"][workload]["later_ttft_s_median"]
                             / report["prefix_caching"][workload]["later_ttft_s_median"], 2)

@@ -122,6 +122,26 @@ def measure_recovery(launcher, prompts: list[str], new_tokens: int, expected: li
                 answers[i].token_ids == expected[i] for i in answers), "state_after": status["state"]}
 
 
+def threads_in_all(parser: argparse.ArgumentParser, threads: int | None, replicas: int) -> int:
+    """The torch threads both configurations share out: --threads, which must split evenly over the
+    replicas (3 over 2 gave the single replica 3 threads against 2 x 1, and the ratio compared
+    different core counts), or by default this host's cores rounded down to a multiple of replicas."""
+    cores = os.cpu_count() or 2
+    given = threads is not None
+    if not given:  # fewer cores than replicas stay as they are: refused below, naming them
+        threads = cores if cores < replicas else cores - cores % replicas
+    if replicas > threads:
+        parser.error(f"--replicas ({replicas}) above --threads ({threads}): each replica's rank needs "
+                     f"a thread of its own, or the split runs more threads than the single replica and the "
+                     f"ratio compares different cores; raise --threads or lower --replicas")
+    if given and threads % replicas:
+        fits = threads - threads % replicas
+        parser.error(f"--threads ({threads}) must split evenly over --replicas ({replicas}): the single replica "
+                     f"would run {threads} threads against {replicas} x {threads // replicas}, and the ratio "
+                     f"compare different core counts; pass --threads {fits} or {fits + replicas}")
+    return threads
+
+
 def main(out=None) -> None:
     """out: where the JSON report goes (stdout when None)."""
     out = out or sys.stdout
@@ -130,12 +150,11 @@ def main(out=None) -> None:
     parser.add_argument("--new-tokens", type=int_at_least("--new-tokens", 2), default=64)
     parser.add_argument("--rounds", type=int_at_least("--rounds", 1), default=2, help="alternating rounds per configuration")
     parser.add_argument("--replicas", type=int_at_least("--replicas", 1), default=2)
-    parser.add_argument("--threads", type=int_at_least("--threads", 1), default=os.cpu_count() or 2, help="torch threads in all")
+    parser.add_argument("--threads", type=int_at_least("--threads", 1),
+                        help="torch threads in all, a multiple of --replicas (default: this host's cores, rounded "
+                             "down to a multiple of --replicas)")
     args = parser.parse_args()
-    if args.replicas > args.threads:
-        parser.error(f"--replicas ({args.replicas}) above --threads ({args.threads}): each replica's rank needs "
-                     f"a thread of its own, or the split runs more threads than the single replica and the "
-                     f"ratio compares different cores; raise --threads or lower --replicas")
+    args.threads = threads_in_all(parser, args.threads, args.replicas)
 
     import ray
 
@@ -151,7 +170,7 @@ def main(out=None) -> None:
         parser.error(f"--new-tokens ({args.new_tokens}) plus the prompts (at most {PROMPT_TOKENS_AT_MOST} tokens) "
                      f"is past the {context}-token context the launchers serve; lower --new-tokens to at most "
                      f"{context - PROMPT_TOKENS_AT_MOST}")
-    per_rank = max(1, args.threads // args.replicas)
+    per_rank = args.threads // args.replicas
     # address="local": a private Ray of this host, never one `ray start` recorded (ray.init would join
     # it and then refuse num_cpus)
     ray.init(address="local", num_cpus=args.threads + per_rank * args.replicas, include_dashboard=False,

@@ -51,7 +51,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.arguments import check_context, finite_number, model_folder, positive_seconds, smallest_buckets  # noqa: E402 - bad values refused before any work
 from benchmarks.process_cpu import cpu_by_process, snapshot  # noqa: E402
-from benchmarks.serving_client import PromptSource, run_level  # noqa: E402
+from benchmarks.serving_client import (PromptSource, exit_unless_served, run_level,  # noqa: E402
+                                       server_unreachable, url_problem)  # noqa: F401 - serving.server_unreachable, as before its move
 from benchmarks.serving_server import corelaunch_server  # noqa: E402
 from benchmarks.serving_stats import (baseline_drift, bracketed_baselines, expected_ttft_s, ratio,  # noqa: E402
                                       summarize_level)
@@ -305,13 +306,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("prompt_tokens", "max_tokens", "requests_per_client", "level1_requests", "baseline_prompts"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be at least 1")
-    if args.base_url is not None:
-        from urllib.parse import urlsplit
-
-        parts = urlsplit(args.base_url)
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            parser.error(f"--base-url ({args.base_url!r}) must be an http(s) URL of a server's API, e.g. "
-                         f"http://127.0.0.1:8000/v1")
+    if args.base_url is not None and url_problem(args.base_url):
+        parser.error(url_problem(args.base_url))
     if args.cpus_per_rank is not None and args.base_url:
         parser.error("--cpus-per-rank sets the rank's CPUs of the corelaunch server this benchmark starts; "
                      "with --base-url the server is someone else's")
@@ -345,30 +341,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def server_unreachable(base_url: str, api_key: str | None = None, timeout_s: float = 10.0) -> str | None:
-    """Why no OpenAI API answers at base_url (GET base_url/models, with the key if given), or None:
-    every level's requests failed one by one ("Connection error", a 404, a 401) and the run ended
-    with a report of nothing but failures."""
-    import urllib.error
-    import urllib.request
-
-    models = base_url.rstrip("/") + "/models"
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        urllib.request.urlopen(urllib.request.Request(models, headers=headers), timeout=timeout_s).close()
-    except urllib.error.HTTPError as err:
-        if err.code == 404:  # a server, but no API there: the likeliest slip is a URL without /v1
-            slip = "is /v1 missing?" if not base_url.rstrip("/").endswith("/v1") else "is it an OpenAI-compatible API?"
-            return f"a server answers, but {models} is not found (HTTP 404): {slip}"
-        if err.code in (401, 403):
-            return (f"the server refuses {'the key given' if api_key else 'requests without a key'} (HTTP {err.code}): "
-                    f"pass its key with --api-key (or OPENAI_API_KEY)")
-        return None
-    except (urllib.error.URLError, OSError, ValueError) as err:
-        return f"{type(err).__name__}: {getattr(err, 'reason', err)}"
-    return None
-
-
 def _exit_on_termination() -> None:
     """SIGTERM and SIGHUP (`timeout`, a cancelled CI job, a closed terminal) as SystemExit, so the
     server this benchmark started, in a session of its own, is stopped by the same clean-up as
@@ -386,11 +358,8 @@ def main(out=None) -> None:
     """out: where the JSON report goes (stdout when None)."""
     out = out or sys.stdout
     args = parse_args()
-    why = args.base_url and server_unreachable(args.base_url, args.api_key)
-    if why:  # before the baselines' minutes, and before any level
-        print(f"serving.py: --base-url {args.base_url}: no OpenAI API answers there ({why}); start the server "
-              f"first, or pass its /v1 URL", file=sys.stderr)
-        sys.exit(2)
+    if args.base_url:  # before the baselines' minutes, and before any level: no server, or not --model's
+        exit_unless_served("serving.py", args.base_url, args.api_key, args.model)
     _exit_on_termination()
     from transformers import AutoTokenizer
 

@@ -8,8 +8,13 @@ for whatever the server's tokenizer would do with text.
 from __future__ import annotations
 
 import asyncio
+import json
 import secrets
+import sys
 import time
+import urllib.error
+import urllib.request
+from urllib.parse import urlsplit
 
 from benchmarks.serving_stats import RequestRecord
 
@@ -92,3 +97,68 @@ async def run_level(client, model: str, prompts: list[list[int]], clients: int,
     per_client = await asyncio.gather(*(client_loop(c) for c in range(clients)))
     wall = time.perf_counter() - start
     return [record for records in per_client for record in records], wall
+
+
+# ---- the server at --base-url, checked before any work ------------------------------------------------
+def url_problem(base_url: str) -> str | None:
+    """Why base_url cannot be a server's API URL (no http(s) scheme or no host: `localhost:8000`
+    parses as the scheme "localhost"), or None."""
+    parts = urlsplit(base_url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        return f"--base-url ({base_url!r}) must be an http(s) URL of a server's API, e.g. http://127.0.0.1:8000/v1"
+    return None
+
+
+def served_models(base_url: str, api_key: str | None = None, timeout_s: float = 10.0) -> tuple[list[str] | None, str | None]:
+    """GET base_url/models (with the key if given): (the ids it lists, None), or (None, why no OpenAI
+    API answers there). The ids are None too where the server answers without a list of models (an
+    error other than 404/401/403, a body that is not one): nothing to check them against then."""
+    models = base_url.rstrip("/") + "/models"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(models, headers=headers), timeout=timeout_s) as answer:
+            body = answer.read()
+    except urllib.error.HTTPError as err:
+        if err.code == 404:  # a server, but no API there: the likeliest slip is a URL without /v1
+            slip = "is /v1 missing?" if not base_url.rstrip("/").endswith("/v1") else "is it an OpenAI-compatible API?"
+            return None, f"a server answers, but {models} is not found (HTTP 404): {slip}"
+        if err.code in (401, 403):
+            return None, (f"the server refuses {'the key given' if api_key else 'requests without a key'} "
+                          f"(HTTP {err.code}): pass its key with --api-key (or OPENAI_API_KEY)")
+        return None, None
+    except (urllib.error.URLError, OSError, ValueError) as err:
+        return None, f"{type(err).__name__}: {getattr(err, 'reason', err)}"
+    try:
+        return [entry["id"] for entry in json.loads(body)["data"]], None
+    except (ValueError, KeyError, TypeError):
+        return None, None
+
+
+def server_unreachable(base_url: str, api_key: str | None = None, timeout_s: float = 10.0) -> str | None:
+    """Why no OpenAI API answers at base_url, or None: every request of a run failed one by one
+    ("Connection error", a 404, a 401) and the run ended with a report of nothing but failures."""
+    return served_models(base_url, api_key, timeout_s)[1]
+
+
+def server_problem(base_url: str, api_key: str | None, model: str | None) -> str | None:
+    """What would make every request to the server at base_url fail, as a message naming the flag to
+    change, or None: a URL that is none, no OpenAI API answering there, or a --model it does not
+    serve (each request then failed with a 404 only after the run's setup and warm-ups)."""
+    problem = url_problem(base_url)
+    if problem:
+        return problem
+    ids, why = served_models(base_url, api_key)
+    if why:
+        return f"--base-url {base_url}: no OpenAI API answers there ({why}); start the server first, or pass its /v1 URL"
+    if model is not None and ids is not None and model not in ids:
+        return (f"--model {model!r} is not served at {base_url}, which serves {', '.join(map(repr, ids)) or 'nothing'}: "
+                f"pass one of those")
+    return None
+
+
+def exit_unless_served(script: str, base_url: str, api_key: str | None, model: str | None) -> None:
+    """Exits 2 (as an argument error does) with server_problem's message, if any, before any work."""
+    problem = server_problem(base_url, api_key, model)
+    if problem:
+        print(f"{script}: {problem}", file=sys.stderr)
+        sys.exit(2)

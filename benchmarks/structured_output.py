@@ -35,6 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.arguments import model_folder  # noqa: E402
+from benchmarks.serving_client import exit_unless_served  # noqa: E402
 from launcher.cli.options import int_at_least  # noqa: E402
 
 SCHEMA = {"type": "array", "minItems": 1000, "items": {
@@ -145,6 +146,9 @@ def main(out=None) -> dict:
     if args.base_url is not None:
         if not args.model:
             parser.error("--base-url needs --model (the name the server serves the model under)")
+        # before the tokenizer's seconds: a URL with no server (or no scheme) or a --model the server does not
+        # serve ended in the openai client's traceback once they had passed
+        exit_unless_served("structured_output.py", args.base_url, args.api_key, args.model)
         report = over_http(args)
         print(json.dumps(report, indent=1), file=out)
         return report

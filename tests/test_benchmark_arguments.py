@@ -4,8 +4,10 @@ dies ends the wait at once."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import multiprocessing
+import os
 import sys
 import time
 
@@ -105,6 +107,9 @@ REFUSED = [
     ("plan_speed", ["--bogus"], "unrecognized arguments: --bogus"),  # ran the benchmark
     # three one-thread ranks on two threads, reported as the same cores split
     ("replicas", ["--replicas", "3", "--threads", "2"], "--replicas (3) above --threads (2)"),
+    # the single replica ran 3 threads against 2 x 1: the throughput ratio compared different core counts
+    ("replicas", ["--threads", "3", "--replicas", "2", "--new-tokens", "9000"],
+     "--threads (3) must split evenly over --replicas (2): the single replica would run 3 threads against 2 x 1"),
     ("gpu_rank", ["--repeats", "0", "--backend", "cpu"], "--repeats (0) must be at least 1"),
     ("gpu_rank", ["--shapes", "tiny,llama-70b", "--backend", "cpu"],
      "--shapes: unknown ['llama-70b']; known: tiny, smollm2-135m, llama-1b, llama-8b"),
@@ -217,3 +222,141 @@ def test_startup_comparison_alternates_the_sides_order_by_round():
     sides = {"this": "/a", "compare": "/b"}
     assert [[side for side, _ in sides_in_round(sides, r)] for r in range(3)] == [
         ["this", "compare"], ["compare", "this"], ["this", "compare"]]
+
+
+# ---- --base-url checked before any work: a server there, and one serving --model -------------------------
+@contextlib.contextmanager
+def models_server(ids: list[str]):
+    """A tiny OpenAI stand-in in this process whose GET /v1/models lists `ids` (and nothing else
+    answers): yields its /v1 URL."""
+    import http.server
+    import json
+    import threading
+
+    class Models(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            body = json.dumps({"object": "list", "data": [{"id": i, "object": "model"} for i in ids]}).encode()
+            self.send_response(200 if self.path == "/v1/models" else 404)
+            self.send_header("Content-Length", str(len(body) if self.path == "/v1/models" else 0))
+            self.end_headers()
+            if self.path == "/v1/models":
+                self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Models)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+class PastTheCheck(Exception):
+    """Raised where a script's work would begin: the --base-url check let the run through."""
+
+
+def _refused_port_url() -> str:
+    from workers.net import free_port
+
+    return f"http://127.0.0.1:{free_port()}/v1"
+
+
+def _run_main(module, argv: list[str], monkeypatch) -> int | str:
+    """The script's main with argv: its exit code, or "past the check" where it reached its work."""
+    monkeypatch.setattr(sys, "argv", [f"{module.__name__.rsplit('.', 1)[-1]}.py", *argv])
+    try:
+        module.main()
+    except SystemExit as exit_:
+        return exit_.code
+    except PastTheCheck:
+        return "past the check"
+    return "ended"
+
+
+def _stop_at_work(module, monkeypatch) -> None:
+    """Where each script's work over HTTP begins (after a tokenizer's seconds, for the first two)."""
+    def stop(*args, **kwargs):
+        raise PastTheCheck
+
+    name = module.__name__.rsplit(".", 1)[-1]
+    if name == "structured_output":
+        monkeypatch.setattr(module, "over_http", stop)
+    elif name == "prefix_caching":
+        monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", stop)
+    else:  # serving: the first thing after its check
+        monkeypatch.setattr(module, "_exit_on_termination", stop)
+
+
+HTTP_SCRIPTS = ["structured_output", "prefix_caching", "serving"]
+
+
+@pytest.mark.parametrize("script", HTTP_SCRIPTS)
+def test_a_base_url_with_no_api_or_another_model_is_refused_before_any_work(script, monkeypatch, capsys):
+    """structured_output.py and prefix_caching.py ended in openai.APIConnectionError after about 13 s
+    of setup for a refused port or a URL without a scheme (`localhost:8000`); all three, serving.py
+    after all its waves, in a NotFoundError per request for a --model the server does not serve."""
+    module = importlib.import_module(f"benchmarks.{script}")
+    _stop_at_work(module, monkeypatch)
+    nowhere = _refused_port_url()
+    assert _run_main(module, ["--base-url", nowhere, "--model", "smollm2"], monkeypatch) == 2
+    assert f"--base-url {nowhere}: no OpenAI API answers there (" in capsys.readouterr().err
+    assert _run_main(module, ["--base-url", "localhost:8000", "--model", "smollm2"], monkeypatch) == 2
+    assert "--base-url ('localhost:8000') must be an http(s) URL of a server's API" in capsys.readouterr().err
+    with models_server(["smollm2"]) as url:
+        assert _run_main(module, ["--base-url", url, "--model", "smollm2-135m"], monkeypatch) == 2
+        assert f"--model 'smollm2-135m' is not served at {url}, which serves 'smollm2'" in capsys.readouterr().err
+        assert _run_main(module, ["--base-url", url, "--model", "smollm2"], monkeypatch) == "past the check"
+
+
+@pytest.mark.parametrize("flag, value", [("--serve-args", "--tp 1"), ("--server-timeout", "5")])
+def test_prefix_caching_refuses_flags_of_its_own_servers_with_someone_elses(flag, value, monkeypatch, capsys):
+    """They were ignored: the other server was measured as if they had been applied."""
+    from benchmarks import prefix_caching
+
+    _stop_at_work(prefix_caching, monkeypatch)
+    with models_server(["smollm2"]) as url:
+        assert _run_main(prefix_caching, ["--base-url", url, "--model", "smollm2", flag, value], monkeypatch) == 2
+    assert f"{flag} concern the corelaunch servers this benchmark starts" in capsys.readouterr().err
+
+
+def test_prefix_caching_asks_the_server_it_started_for_the_model_name(monkeypatch, capsys):
+    """The model folder's name was sent whatever --serve-args said: with --served-model-name every
+    request drew a 404, once the server had started."""
+    import benchmarks.serving_server
+    from benchmarks import prefix_caching
+
+    asked = []
+
+    async def measure(base_url, model, api_key, tokenizer, args):
+        asked.append(model)
+        return {"shared_prefix": {"later_ttft_s_median": 1.0}, "chat_turns": {"later_ttft_s_median": 1.0},
+                "burst": {"last_ttft_s": 1.0}}
+
+    with models_server(["custom-name"]) as url:
+        @contextlib.contextmanager
+        def started(command, timeout_s):  # stands in for `corelaunch serve`, which lists that name
+            yield url, command
+
+        monkeypatch.setattr(benchmarks.serving_server, "corelaunch_server", started)
+        monkeypatch.setattr(prefix_caching, "measure", measure)
+        assert _run_main(prefix_caching, ["--serve-args", "--tp 1 --served-model-name custom-name"],
+                         monkeypatch) == "ended"
+    assert asked == ["custom-name", "custom-name"]
+    assert '"model": "custom-name"' in capsys.readouterr().out
+
+
+def test_replicas_default_threads_are_the_cores_rounded_down_to_a_multiple_of_the_replicas(monkeypatch, capsys):
+    """The default, os.cpu_count(), split 3 cores as 3 threads against 2 x 1."""
+    from benchmarks.replicas import threads_in_all
+
+    parser = argparse.ArgumentParser()
+    monkeypatch.setattr(os, "cpu_count", lambda: 3)
+    assert [threads_in_all(parser, None, replicas) for replicas in (1, 2, 3)] == [3, 2, 3]
+    assert threads_in_all(parser, 4, 2) == 4
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)  # fewer cores than replicas: refused, as before
+    with pytest.raises(SystemExit):
+        threads_in_all(parser, None, 2)
+    assert "--replicas (2) above --threads (1)" in capsys.readouterr().err

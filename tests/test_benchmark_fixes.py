@@ -105,11 +105,16 @@ def test_tp_scaling_reads_each_variants_replies_from_its_own_process(tmp_path):
 
 def test_tokenizer_lock_reports_a_run_whose_bulk_call_ended_before_any_wait(monkeypatch):
     """One prompt is tokenized within the waiter's first 50 ms sleep: no wait was recorded and the
-    summary ended in KeyError: 'wait_ms_mean'."""
+    summary ended in KeyError: 'wait_ms_mean'. And bulk_s, timed from the main thread, included that
+    sleep: any call under 50 ms reported 0.05 s. The waiter's sleeps are made 10x longer here, so a
+    bulk_s that holds one is far above the one-prompt call's own time."""
     import io
+    import types
 
     from benchmarks import tokenizer_lock
 
+    monkeypatch.setattr(tokenizer_lock, "time", types.SimpleNamespace(
+        perf_counter=time.perf_counter, sleep=lambda seconds: time.sleep(10 * seconds)))
     monkeypatch.setattr(sys, "argv", ["tokenizer_lock.py", "--prompts", "1", "--rounds", "1"])
     out = io.StringIO()
     tokenizer_lock.main(out)
@@ -118,6 +123,8 @@ def test_tokenizer_lock_reports_a_run_whose_bulk_call_ended_before_any_wait(monk
     assert report["median"]["handover_with_waiter"]["wait_ms_mean"] is None
     assert report["ratios"]["wait_mean_handover_over_plain"] is None and "raise --prompts" in report["note"]
     assert report["ratios"]["bulk_alone_handover_over_plain"] > 0
+    for run in report["median"].values():  # one prompt: milliseconds, not the waiter's 0.5 s sleep
+        assert 0 < run["bulk_s"] < 0.25, report
     assert tokenizer_lock.median_of([None, 2.0, 4.0]) == 3.0 and tokenizer_lock.median_of([None]) is None
 
 
