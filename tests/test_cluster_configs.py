@@ -83,6 +83,17 @@ def test_local_config_names_its_hosts():
     assert "ray start --address=$RAY_HEAD_IP:6379" in "\n".join(config["worker_start_ray_commands"])
 
 
+def test_local_config_gives_the_head_a_key_for_its_workers_and_installs_cpu_torch_first():
+    """Without ssh_private_key Ray copies no key to the head, whose autoscaler sets the workers up
+    over SSH: they never joined. PyPI's torch 2.13.0 is the CUDA build: the CPU wheel comes first."""
+    config = load("local.yaml")
+    assert config["auth"].get("ssh_private_key")
+    setup = config["setup_commands"]
+    [cpu] = [i for i, c in enumerate(setup) if "download.pytorch.org/whl/cpu" in c]
+    [project] = [i for i, c in enumerate(setup) if "constraints.txt" in c]
+    assert cpu < project and "torch==2.13.0" in setup[cpu]
+
+
 @pytest.mark.parametrize("name", ALL)
 def test_nodes_get_a_python_corelaunch_runs_on(name):
     """The venv came from `python3`, 3.10 on Ubuntu 22.04 (the Neuron DLAMI's), where corelaunch
