@@ -1725,7 +1725,9 @@ class Launcher:
         ids = list(self.model_config.eos_token_id) + list(self._generation_eos)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.append(self.tokenizer.eos_token_id)
-        return ids
+        # One past the vocabulary (a token the files name that the embedding lacks) is never chosen,
+        # so it never ends anything; left in, it failed every request with min_tokens.
+        return [i for i in ids if 0 <= i < self.model_config.vocab_size]
 
     def _decode(self, token_ids, skip_special_tokens: bool, ending_ids, finish_reason: str | None) -> str | None:
         """A generate() result's text: the text a stream of the same tokens reads (a stop token that

@@ -270,3 +270,38 @@ def test_min_tokens_is_checked_against_max_new_tokens():
     with pytest.raises(ValueError, match=r"^min_tokens \(9\) must be at most max_new_tokens \(8\)"):
         check_request([[1, 2]], [SamplingParams(min_tokens=9)], 8, vocab_size=128)
     check_request([[1, 2]], [SamplingParams(min_tokens=8)], 8, vocab_size=128)
+
+
+def test_an_ending_id_past_the_vocabulary_is_not_held_back_nor_fails_the_request():
+    """An end-of-sequence id outside the logits' width (a checkpoint's files may name one the
+    embedding lacks) with min_tokens raised an IndexError: the request failed, and a static batch's
+    error ended the serving loop. Such an id can never be chosen: nothing to hold back."""
+    from workers.penalties import penalized
+
+    logits = torch.zeros(2, 8)
+    out = penalized(logits, [SamplingParams(min_tokens=2), SamplingParams(min_tokens=2)], [[1], [1]], [[], []],
+                    [{3, 500}, {-1, 600}])
+    assert out[0, 3] == float("-inf") and torch.isfinite(out[0, [0, 1, 2, 4, 5, 6, 7]]).all()
+    assert torch.isfinite(out[1]).all()  # -1 no longer held the last column back
+    prompt = PROMPTS[0]
+    [static] = generate(fresh_model(), [prompt], [SamplingParams(min_tokens=1)], 4, [2, 500])
+    assert len(static.token_ids) >= 1
+
+
+def test_the_launchers_ending_ids_leave_out_ids_past_the_vocabulary(tmp_path):
+    """config.json's and generation_config.json's end-of-sequence ids are checked as integers only:
+    one past the vocabulary reached every request's stop ids."""
+    import json
+
+    from launcher.api import Launcher
+    from tests.model_factory import build_random_model, save_model
+
+    model = build_random_model("llama", num_heads=4, num_kv_heads=2)
+    model_dir = save_model(model, tmp_path / "m")
+    config = json.loads((model_dir / "config.json").read_text())
+    vocab = config["vocab_size"]
+    config["eos_token_id"] = [2, vocab + 5]
+    (model_dir / "config.json").write_text(json.dumps(config))
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [vocab, 3]}))
+    launcher = Launcher(model=str(model_dir), tp=1, compile=False, progress=False).prepare()
+    assert sorted(set(launcher._eos_ids())) == [2, 3]

@@ -53,7 +53,8 @@ class GenerationOutput:
     decode_step_latencies_s: list[float] = field(default_factory=list)
     """Wall time of each decode step that produced one of this row's tokens after the first."""
     logits: torch.Tensor | None = None
-    """With return_logits: (len(token_ids), vocab) float32, the logits each token was chosen from."""
+    """With return_logits: (len(token_ids), vocab) float32, the model's logits at each generated
+    token's step (before penalties, bias and the sampling filters that chose it)."""
     token_times_s: list[float] = field(default_factory=list)
     """time.perf_counter() of this process when each of the row's tokens was taken."""
 
@@ -116,8 +117,9 @@ def generate(model, prompts: list[list[int]], params: list[SamplingParams], max_
     cache: reuse a preallocated KVCache (batch = len(prompts)) instead of allocating one; it is
         reset first and must hold max_seq_len slots when max_seq_len is given.
     pad_token_id: id fed in padding positions (never attended to, so any valid id works).
-    return_logits: keep, per row, the logits each generated token was chosen from (for logit
-        matching against a reference model); off by default since it costs vocab floats per token.
+    return_logits: keep, per row, the model's logits at each generated token's step, before
+        penalties, bias and sampling filters (for logit matching against a reference model); off by
+        default since it costs vocab floats per token.
     buckets: run at bucketed shapes (default: the model's own buckets, if it has any). The batch
         is padded with filler rows to a batch bucket, the prefill on the right to a context-encoding
         bucket, and the KV cache gets a token-generation bucket's slots (see _bucketed_shape).

@@ -197,10 +197,16 @@ def _mask(allowed: tuple[int, ...], vocab: int, device: torch.device) -> torch.T
 
 def _hold_stops(out: torch.Tensor, params: list[SamplingParams], outputs: Sequence[Sequence[int]],
                 stops: Sequence[Collection[int]]) -> None:
-    """-inf for each row's stop tokens while it has generated fewer than its min_tokens."""
+    """-inf for each row's stop tokens while it has generated fewer than its min_tokens. An id
+    outside the logits' width (an end-of-sequence id a checkpoint's files name past its vocabulary)
+    can never be chosen, so there is nothing to hold: it raised an IndexError that failed the
+    request, and a static batch's ended the serving loop (a negative one held the last column)."""
+    vocab = out.shape[-1]
     for i, p in enumerate(params):
         if p.min_tokens > len(outputs[i]) and stops and stops[i]:
-            out[i, torch.tensor(sorted(stops[i]), dtype=torch.int64, device=out.device)] = float("-inf")
+            held = sorted(t for t in stops[i] if 0 <= t < vocab)
+            if held:
+                out[i, torch.tensor(held, dtype=torch.int64, device=out.device)] = float("-inf")
 
 
 def _add_bias(out: torch.Tensor, params: list[SamplingParams]) -> None:
