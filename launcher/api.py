@@ -216,6 +216,15 @@ class LaunchConfig:
             if not self.compile:
                 raise ValueError(f"compile_granularity ({self.compile_granularity!r}) applies to compiled graphs "
                                  f"and compile is False (--no-compile): drop one of them")
+        if not self.compile:  # settings of the compiled graphs alone, which an eager run never reads
+            if self.warm_up:
+                raise ValueError("warm_up (True) builds every compiled graph while starting, and compile is False "
+                                 "(--no-compile), which runs eagerly and builds none: drop one of them")
+            if self.max_context_length is not None and self.context_buckets is None and self.token_buckets is None:
+                raise ValueError(f"max_context_length ({self.max_context_length!r}) sets the largest context-encoding "
+                                 f"bucket, and compile is False (--no-compile) with no bucket list, which runs each "
+                                 f"prompt at its exact length: drop one of them, or give a bucket list "
+                                 f"(context_buckets, token_buckets) to run eagerly at bucket lengths")
         positive_int("nodes", self.nodes)
         check_moe_sharding_name(self.moe_sharding)
         self.replicas = _positive_or_auto("replicas", self.replicas)

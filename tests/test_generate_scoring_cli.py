@@ -40,7 +40,29 @@ def test_generate_scores_prompts_and_takes_a_logit_bias(in_process_cluster, caps
     shown = re.search(r"prompt log-probability (-?[0-9.]+) over ([0-9]+) tokens", capsys.readouterr().err)
     assert shown and float(shown[1]) == pytest.approx(sum(e["logprob"] for e in scored), abs=1e-3)
     assert int(shown[2]) == len(ids) - 1
+    assert main([*common, "--quiet", "--prompt-logprobs", "0"]) == 0  # the score asked for, under --quiet too
+    quiet = capsys.readouterr().err
+    assert re.fullmatch(r"  \[prompt log-probability -?[0-9.]+ over [0-9]+ tokens\]\n", quiet), quiet
     assert main([*common, "--prompt-logprobs", "21"]) == 2
     assert "--prompt-logprobs (21) must be an integer from 0 to 20" in capsys.readouterr().err
     assert main([*common, "--logit-bias", "999999=1"]) == 2  # checked against the vocabulary before Ray
     assert "--logit-bias names token ids [999999] outside the vocabulary" in capsys.readouterr().err
+
+
+def test_quiet_hides_the_figures_but_not_the_prompt_score_asked_for(capsys):
+    """--prompt-logprobs N --quiet without --json scored every prompt and printed no score: the sum
+    was only on the figures line, which --quiet hides."""
+    from launcher.cli.generate_command import print_report
+
+    scored = [{"token_id": 5, "logprob": -1.25, "rank": 1, "top": []}, {"token_id": 6, "logprob": -0.5, "rank": 2,
+                                                                       "top": []}]
+    output = {"prompt": "Hi", "text": " there", "token_ids": [7, 8], "finish_reason": "length",
+              "time_to_first_token_s": 0.25, "decode_tokens_per_s": 30.0, "prompt_logprobs": scored}
+    print_report({"outputs": [output]}, as_json=False, quiet=True)
+    assert capsys.readouterr() == ("Hi there\n", "  [prompt log-probability -1.7500 over 2 tokens]\n")
+    print_report({"outputs": [output]}, as_json=False, quiet=False)
+    assert capsys.readouterr().err == ("  [length, 2 tokens, first token 250 ms, 30.0 tokens/s, prompt log-probability "
+                                       "-1.7500 over 2 tokens]\n")
+    unscored = {key: value for key, value in output.items() if key != "prompt_logprobs"}
+    print_report({"outputs": [unscored]}, as_json=False, quiet=True)
+    assert capsys.readouterr() == ("Hi there\n", "")  # nothing asked for, nothing on stderr

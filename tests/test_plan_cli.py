@@ -147,6 +147,30 @@ def test_usage_errors_with_json_print_one_json_object_too(capsys):
         assert words in result["errors"][0]["message"], args
 
 
+@pytest.mark.parametrize("args, words", [
+    (("--json", "--foo"), "unrecognized arguments: --foo"),  # an unknown option
+    (("--json", "--instanse", "cpu"), "unrecognized arguments: --instanse cpu"),  # a typo of one
+    (("--json", "extra"), "unrecognized arguments: extra"),  # an extra positional
+    (("--js", "--tp", "0"), "--tp must be a positive integer or 'auto', not '0'"),  # --json abbreviated
+    (("--js", "--foo"), "unrecognized arguments: --foo"),
+])
+def test_every_usage_error_with_json_prints_strict_json_on_stdout(args, words):
+    """Unknown arguments went to the dispatcher's own refusal, not plan's: stdout was empty, as it
+    was for any refusal after --json abbreviated (argparse takes `--js` as --json)."""
+    out = corelaunch_plan("--model", SMOLLM2, *args)
+    assert out.returncode == 2 and words in out.stderr, (args, out.stderr)
+    assert len(out.stdout.splitlines()) == 1, (args, out.stdout)  # one object, nothing else on stdout
+    result = json.loads(out.stdout)
+    assert result == {"valid": False, "errors": [{"code": "unplannable", "message": result["errors"][0]["message"]}]}
+    assert words in result["errors"][0]["message"], args
+
+
+def test_an_unknown_argument_without_json_leaves_stdout_empty(capsys):
+    out = plan_in_process(capsys, "--model", SMOLLM2, "--foo")
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == "corelaunch plan: error: unrecognized arguments: --foo (see `corelaunch plan --help`)\n"
+
+
 def test_a_reader_that_left_is_not_a_traceback():
     """`corelaunch plan | head -1`: the pipe's reader gone before the report is written. Python
     buffers stdout into a pipe (unless PYTHONUNBUFFERED is set, as it may be here: both ways are

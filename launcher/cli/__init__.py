@@ -47,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, module_name in SUBCOMMANDS.items():
         module = importlib.import_module(module_name)
         module.add_parser(subparsers)
+    parser.subcommand_parsers = subparsers.choices  # name -> its parser: refusals in the subcommand's own way
     return parser
 
 
@@ -74,7 +75,9 @@ def _parse_and_run(argv: list[str] | None) -> int:
         split_prompts = args.command == "generate" and not any(word.startswith("-") for word in extra)
         hint = ("; prompts go together (all options before or after them), or each with --prompt"
                 if split_prompts else "")
-        _usage_error(f"corelaunch {args.command}", f"unrecognized arguments: {' '.join(extra)}{hint}")
+        # through the subcommand's own parser: `plan --json --foo` prints its refusal object on
+        # stdout there, as it does for any other argparse refusal (an empty stdout was nothing to parse)
+        parser.subcommand_parsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}{hint}")
     return int(args.run(args) or 0)
 
 

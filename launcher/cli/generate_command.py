@@ -104,10 +104,11 @@ def _logit_bias(entries: list[str]) -> dict[int, float]:
 
 def _as_flags(message: str) -> str:
     """SamplingParams' message ("top_p=2.0 must be ...") as the command's flags say it ("--top-p 2.0 ...")."""
-    for name in ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+    for name in ("temperature", "top_k", "top_p", "min_p", "seed", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "min_tokens", "logit_bias"):
         if message.startswith(f"{name}="):
-            return f"--{name.replace('_', '-')} " + message[len(name) + 1:]
+            # Python's None is the API's "left out": a flag given has a value ("--seed 1e30 must be None or ...")
+            return f"--{name.replace('_', '-')} " + message[len(name) + 1:].replace("must be None or ", "must be ", 1)
     if message.startswith("logit_bias[") and "]=" in message:  # logit_bias[5]=200.0 must be ...
         token, _, rest = message[len("logit_bias["):].partition("]=")
         return f"--logit-bias {token}={rest}"
@@ -210,11 +211,20 @@ def print_report(report: dict, as_json: bool, quiet: bool, out=None) -> None:
         return
     for output in report["outputs"]:
         print(f"{output['prompt']}{output['text']}", file=out, flush=True)
+        score = _prompt_score(output)
         if not quiet:
             rate = output["decode_tokens_per_s"]
-            scored = output.get("prompt_logprobs")
             print(f"  [{output['finish_reason']}, {len(output['token_ids'])} tokens, "
                   f"first token {output['time_to_first_token_s'] * 1000:.0f} ms"
                   + (f", {rate:.1f} tokens/s" if rate is not None else "")
-                  + (f", prompt log-probability {sum(e['logprob'] for e in scored):.4f} over {len(scored)} tokens"
-                     if scored is not None else "") + "]", file=sys.stderr)
+                  + (f", {score}" if score is not None else "") + "]", file=sys.stderr)
+        elif score is not None:  # asked for by --prompt-logprobs: --quiet hides the figures, not the answer asked for
+            print(f"  [{score}]", file=sys.stderr)
+
+
+def _prompt_score(output: dict) -> str | None:
+    """The prompt's summed log-probability (--prompt-logprobs), None when it was not scored."""
+    scored = output.get("prompt_logprobs")
+    if scored is None:
+        return None
+    return f"prompt log-probability {sum(e['logprob'] for e in scored):.4f} over {len(scored)} tokens"

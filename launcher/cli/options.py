@@ -97,6 +97,7 @@ FLAG_OF_FIELD = {
     "presharded_dir": "--presharded", "compiled_dir": "--compiled",
     "compile_granularity": "--granularity", "max_prefill_tokens": "--max-prefill-tokens",
     "ray_address": "--ray-address", "context_buckets": "--context-buckets", "token_buckets": "--token-buckets",
+    "warm_up": "--warm-up",
 }
 """LaunchConfig's fields and the command-line options that set them."""
 FLAG_IN_OTHER_UNITS = {"burst_wait_s": ("--burst-wait-ms", 1000)}
@@ -151,16 +152,28 @@ _GENERATE_WORDS = ((re.compile(r"\bseq_len \(--seq-len\)"), "--seq-len"), (_word
                    # the planner's words for the layout (`corelaunch plan` has --tp and --batch-size), as above;
                    # batch_size is compile's --max-batch-size (generate plans no static batch: none in its messages)
                    (_TP_DEGREE, "--tp"),
-                   (re.compile(r"(?<![\w/.'\"-])batch_size(?![\w/.='\"-])"), "--max-batch-size"))
+                   (re.compile(r"(?<![\w/.'\"-])batch_size(?![\w/.='\"-])"), "--max-batch-size"),
+                   # structured output's advice to an API caller (shardlib/structured_output.py)
+                   (re.compile(r"\bjson_object=True\b"), "--json-object"))
+
+_QUOTED = re.compile(r"(?<!\w)'[^'\n]*'(?!\w)|(?<!\w)\"[^\"\n]*\"(?!\w)")
+"""A quoted span of a message: the user's own value as repr() or a message quotes it ('...' or "...").
+A quote inside a word (the model's, can't) opens none."""
 
 
 def in_generate_flags(message: str) -> str:
     """A driver-API message as `corelaunch generate` says it: the request's max_new_tokens and the
     launch's seq_len named by their flags ("with max_new_tokens 9000 that needs 9005 positions but
-    seq_len is 4096" read as the Python API's fields to a command-line user)."""
+    seq_len is 4096" read as the Python API's fields to a command-line user). Quoted spans are the
+    user's own values, quoted back exactly (`--regex 'the seq_len is (['` read "the --seq-len is")."""
     for pattern, flag in _GENERATE_WORDS:
-        message = pattern.sub(flag, message)
+        quoted = [match.span() for match in _QUOTED.finditer(message)]  # again: a flag has no quote, but spans move
+        message = pattern.sub(lambda match: match.group(0) if _inside(match.start(), quoted) else flag, message)
     return message
+
+
+def _inside(position: int, spans: list[tuple[int, int]]) -> bool:
+    return any(start <= position < end for start, end in spans)
 
 
 _NODES_WAY = re.compile(r"(?:; )?(?:more|fewer) nodes: --nodes \d+ fits at tp \d+(?:, \d+)*")

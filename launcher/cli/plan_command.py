@@ -70,11 +70,12 @@ def _json_refusals_from_argparse(parser: argparse.ArgumentParser) -> None:
     """argparse's own refusals of this command's options (`--tp 0`, `--seq-len abc`, an unknown
     `--instance`) print the "unplannable" object on stdout too when --json was asked for, as run()'s
     refusals do. argparse gives a sub-parser its own arguments through parse_known_args, and
-    reports through error(), which exits."""
+    reports through error(), which exits; the dispatcher refuses unknown arguments through it too
+    (launcher/cli/__init__.py)."""
     parse = parser.parse_known_args
 
     def parse_known_args(args=None, namespace=None):
-        parser.json_requested = "--json" in (sys.argv[1:] if args is None else args)
+        parser.json_requested = _asks_for_json(parser, sys.argv[1:] if args is None else args)
         return parse(args, namespace)
 
     def error(message: str):
@@ -83,6 +84,19 @@ def _json_refusals_from_argparse(parser: argparse.ArgumentParser) -> None:
         type(parser).error(parser, message)  # the class's own (one line), under this instance override
 
     parser.parse_known_args, parser.error = parse_known_args, error
+
+
+def _asks_for_json(parser: argparse.ArgumentParser, words: list[str]) -> bool:
+    """Whether the command line gives --json, as argparse reads it: spelt out or abbreviated to a
+    prefix no other option shares (`--js`, which argparse takes as --json), before any `--`."""
+    options = parser._option_string_actions  # every option string: what argparse matches prefixes against
+    for word in words:
+        if word == "--":
+            return False
+        if word == "--json" or (len(word) > 2 and "--json".startswith(word)
+                                and [o for o in options if o.startswith(word)] == ["--json"]):
+            return True
+    return False
 
 
 def run(args: argparse.Namespace) -> int:
