@@ -436,13 +436,16 @@ next step: planning, connecting to Ray and loading are not cut short)."""
 
 def _presharded_version(config) -> str | None:
     """The version a --presharded directory written by save_presharded (a link to a hidden
-    versioned sibling) names now; None for a plain directory, or a compiled directory's weights."""
+    versioned sibling) names now, or the version itself when given one (a Serve replica, handed
+    the pin its server made); None for a plain directory, or a compiled directory's weights."""
     if config.presharded_dir is None or config.compiled_dir is not None:
         return None
-    from shardlib.atomic_dir import current_version
+    from shardlib.atomic_dir import current_version, is_version
 
     version = current_version(config.presharded_dir)
-    return str(version) if version is not None else None
+    if version is not None:
+        return str(version)
+    return config.presharded_dir if is_version(config.presharded_dir) else None
 
 
 @contextlib.contextmanager

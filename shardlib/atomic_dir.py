@@ -210,6 +210,13 @@ def linking_out_dir(version: str | Path) -> Path | None:
     return parts[0] if parts is not None and current_version(parts[0]) == Path(version) else None
 
 
+def is_version(path: str | Path) -> bool:
+    """Whether `path` is a `.NAME.v-HOST-PID-RANDOM` version folder this module writes (one a launch
+    was handed already pinned: a Serve replica given its server's pin)."""
+    path = Path(path)
+    return _version_parts(path) is not None and path.is_dir() and not path.is_symlink()
+
+
 def _version_parts(version: Path) -> tuple[Path, str] | None:
     """(out_dir, "HOST-PID-RANDOM") of a `.NAME.v-HOST-PID-RANDOM` sibling this module writes, else None."""
     name, sep, rest = version.name[1:].rpartition(".v-")

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from shardlib.atomic_dir import atomic_dir
+from shardlib.atomic_dir import atomic_dir, linking_out_dir
 from shardlib.checkpoint import Progress, SafetensorsFile, check_layout, load_rank_shard, shard_shapes
 from shardlib.file_modes import as_umask_allows, process_umask
 from shardlib.manifest import MANIFEST, check_field, read_manifest_json, write_manifest_json
@@ -172,9 +172,9 @@ def load_presharded(directory: str | Path, config: ModelConfig, layout: ShardLay
     tensor name, dtype or shape, size or sha256. The sha256 is computed when no valid marker says a
     load already verified this very file (or always, with `verify_sha256`).
     """
-    shown = Path(directory)
+    shown = _shown(directory)
     check_layout(config, layout, rank)
-    root = shown.resolve()  # one version throughout, even when a writer swaps the link meanwhile
+    root = Path(directory).resolve()  # one version throughout, even when a writer swaps the link meanwhile
     manifest = read_manifest(root, shown=shown)
     _check_settings(manifest, shown, config, layout, dtype)
     path, shown_path, entry = _rank_file(manifest, root, shown, rank)
@@ -202,8 +202,8 @@ def check_presharded_dir(directory: str | Path, config: ModelConfig, layout: Sha
     inside the directory and of the recorded size. The driver runs it before any process starts
     (a broken manifest or a missing file was named only once Ray and every rank had started); the
     tensors and sha256 are still the ranks' to check."""
-    shown = Path(directory)
-    root = shown.resolve()
+    shown = _shown(directory)
+    root = Path(directory).resolve()
     manifest = read_manifest(root, shown=shown)
     _check_settings(manifest, shown, config, layout, dtype)
     for rank in range(layout.tp_degree):
@@ -211,6 +211,13 @@ def check_presharded_dir(directory: str | Path, config: ModelConfig, layout: Sha
         size = path.stat().st_size
         if size != entry["bytes"]:
             raise _size_error(shown_path, size, entry)
+
+
+def _shown(directory: str | Path) -> Path:
+    """How messages name `directory`: a launch pins the version its --presharded link named
+    (launcher/api.py), named by the path the user gave while that still links there, not by the
+    hidden `.NAME.v-...` folder."""
+    return linking_out_dir(directory) or Path(directory)
 
 
 def _check_settings(manifest: dict[str, Any], shown: Path, config: ModelConfig, layout: ShardLayout,

@@ -32,7 +32,8 @@ pids = [info.process.pid for infos in node.all_processes.values() for info in in
 session = node.get_session_dir_path()
 left_out = connection.close_for_exit()
 print(json.dumps({"pids": pids, "session": session, "left_out": left_out,
-                  "flag": ray_cluster.teardown_left_to_exit()}), flush=True)
+                  "flag": ray_cluster.teardown_left_to_exit(),
+                  "own_excepthook": sys.excepthook is sys.__excepthook__}), flush=True)
 os._exit(0)
 """
 
@@ -43,6 +44,8 @@ def test_a_private_cluster_alone_is_stopped_for_the_exit_without_the_drivers_tea
     assert run.returncode == 0, run.stderr[-3000:]
     told = json.loads(run.stdout.strip().splitlines()[-1])
     assert told["left_out"] is True and told["flag"] is True
+    # Ray's hook sent an uncaught error to the stopped GCS: 60 s, then an exit without the traceback
+    assert told["own_excepthook"] is True
     assert told["pids"], "no Ray processes were recorded"
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline and any(alive(p) for p in _processes(told["pids"])):
@@ -81,7 +84,8 @@ def test_a_session_another_launch_still_uses_is_closed_as_usual(monkeypatch):
     assert not ray_cluster.teardown_left_to_exit()
 
 
-def test_the_cli_exits_without_the_interpreters_teardown_once_ray_was_left_to_it(monkeypatch):
+def exits_of_the_cli(monkeypatch, main) -> list[int]:
+    """The codes cli.run() passed to os._exit, with `main` as the command and Ray left to the exit."""
     import launcher.cli as cli
     from launcher.cluster import ray_cluster
 
@@ -91,14 +95,36 @@ def test_the_cli_exits_without_the_interpreters_teardown_once_ray_was_left_to_it
         exits.append(code)
         raise SystemExit(code)
 
-    monkeypatch.setattr(cli, "main", lambda: 0)
+    monkeypatch.setattr(cli, "main", main)
     monkeypatch.setattr(cli.os, "_exit", recorded_exit)
     monkeypatch.setattr(ray_cluster, "_TEARDOWN_LEFT_TO_EXIT", _set_event())
     try:
         cli.run()
     except SystemExit:
         pass
-    assert exits == [0]
+    return exits
+
+
+def test_the_cli_exits_without_the_interpreters_teardown_once_ray_was_left_to_it(monkeypatch):
+    assert exits_of_the_cli(monkeypatch, lambda: 0) == [0]
+
+
+def test_an_error_after_ray_was_left_to_the_exit_prints_its_traceback_and_exits_at_once(monkeypatch, capsys):
+    """An error escaping `corelaunch serve` after its Ray was stopped for the exit (its ready line
+    written to a full disk, say) went to Ray's exception hook: 60 s of waiting on the stopped GCS,
+    then an exit without the traceback."""
+    def failing_main():
+        raise OSError(28, "No space left on device")
+
+    assert exits_of_the_cli(monkeypatch, failing_main) == [1]
+    assert "OSError: [Errno 28] No space left on device" in capsys.readouterr().err
+
+
+def test_a_system_exit_after_ray_was_left_to_the_exit_keeps_its_code(monkeypatch):
+    def exiting_main():
+        raise SystemExit(3)
+
+    assert exits_of_the_cli(monkeypatch, exiting_main) == [3]
 
 
 def _set_event():

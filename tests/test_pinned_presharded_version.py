@@ -4,11 +4,13 @@ save_presharded into the same directory meanwhile leaves it in place until the l
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from launcher.api import Launcher
+from launcher.cli.serve_command import hold_the_pinned_version
 from launcher.errors import LaunchError, WorkerDied
 from shardlib.atomic_dir import current_version, in_use
 from shardlib.model_config import load_model_config
@@ -77,3 +79,45 @@ def test_a_plain_presharded_directory_is_used_as_given(tmp_path):
     shutil.copytree(current_version(tmp_path / "pre"), plain)
     launcher = Launcher(model=str(model_dir), presharded_dir=str(plain), compile=False, progress=False).prepare()
     assert launcher.config.presharded_dir == str(plain)
+
+
+def test_a_refusal_at_the_pinned_versions_load_names_the_path_given(tmp_path):
+    """The ranks load the pinned `.NAME.v-...` version: their refusals named that hidden folder,
+    a path the user never typed, while the link given still named it."""
+    from shardlib.presharded import load_presharded
+
+    model_dir = save_model(build_random_model("llama", seed=3, num_heads=4, num_kv_heads=2), tmp_path / "m")
+    copy = tmp_path / "pre"
+    write_copy(copy, model_dir)
+    config = load_model_config(model_dir)
+    with pytest.raises(ValueError) as refused:
+        load_presharded(current_version(copy), config, ShardLayout.for_model(config, 2), 0, dtype="bfloat16")
+    assert str(copy) in str(refused.value) and ".v-" not in str(refused.value), refused.value
+
+
+def test_a_server_pins_the_version_once_for_every_replica_and_each_holds_it(tmp_path):
+    """`corelaunch serve --presharded DIR`: each Serve replica built its own Launcher and pinned
+    whatever the link named when it started, so a rewrite left replicas (those Serve starts later
+    included) serving different weights. The server pins it once; a replica handed that version
+    keeps to it and holds it."""
+    from launcher.serving.server_settings import settings_from_args
+
+    model_dir = save_model(build_random_model("llama", seed=3, num_heads=4, num_kv_heads=2), tmp_path / "m")
+    copy = tmp_path / "pre"
+    write_copy(copy, model_dir)
+    pinned = current_version(copy)
+    settings = settings_from_args({"model": str(model_dir), "presharded_dir": str(copy), "tp": 2})
+    assert settings.launch["presharded_dir"] == str(pinned)
+    held = hold_the_pinned_version(settings.launch)  # as `corelaunch serve` holds it while it runs
+    try:
+        write_copy(copy, model_dir)  # rewritten after the server started: a later replica still gets `pinned`
+        assert current_version(copy) != pinned and pinned.is_dir()
+        replica = Launcher(**{**settings.launch, "compile": False, "progress": False}).prepare()
+        assert replica.config.presharded_dir == str(pinned) and replica._presharded_version == str(pinned)
+        replica._hold_pinned_version()
+        try:
+            assert replica._version_hold is not None and in_use(pinned)
+        finally:
+            replica._release_version_hold()
+    finally:
+        os.close(held)

@@ -181,4 +181,3 @@ class CacheWriter:
             if self._note is not None:
                 self._note(f"the pre-sharded cache copy {self.path} was not written ({type(err).__name__}: "
                            f"{err}); launches load from the checkpoint until it is")
-

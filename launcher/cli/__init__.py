@@ -8,6 +8,7 @@ importing Ray or transformers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import sys
@@ -104,15 +105,47 @@ def run() -> None:
         sys.stdout.flush()  # into a pipe stdout is block-buffered: a reader that left shows here, not at exit
     except BrokenPipeError:
         if not _stdout_reader_gone():
+            _exit_on_error_once_ray_left_to_exit()
             raise  # a socket or pipe of the command's own: a real failure
         # `corelaunch plan | head -1`: not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
         sys.exit(BROKEN_PIPE)
+    except BaseException:
+        _exit_on_error_once_ray_left_to_exit()
+        raise
     if code in (INTERRUPTED, TERMINATED_EXIT) or _ray_teardown_left_to_exit():
-        sys.stdout.flush()
-        sys.stderr.flush()
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except OSError:  # output lost (a full disk): said by the interpreter's hook, then the exit below
+            _exit_on_error_once_ray_left_to_exit()
+            raise
         os._exit(code)
     sys.exit(code)
+
+
+def _exit_on_error_once_ray_left_to_exit() -> None:
+    """An error escaping the command after `serve` stopped its private Ray for the exit: its
+    traceback, and os._exit with its code (1; a SystemExit's own), as the interpreter would end it.
+    Left to the interpreter, the error went to Ray's exception hook, which waited 60 s for the
+    stopped GCS and then ended the process without the traceback."""
+    if not _ray_teardown_left_to_exit():
+        return
+    import traceback
+
+    err = sys.exc_info()[1]
+    if isinstance(err, SystemExit):
+        code = err.code if isinstance(err.code, int) else (0 if err.code is None else 1)
+        if err.code is not None and not isinstance(err.code, int):
+            print(err.code, file=sys.stderr)
+    else:
+        traceback.print_exc()
+        code = 1
+    with contextlib.suppress(OSError, ValueError):  # a stream that cannot take it (the error's own cause)
+        sys.stdout.flush()
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.flush()
+    os._exit(code)
 
 
 def _ray_teardown_left_to_exit() -> bool:

@@ -361,8 +361,24 @@ class StopSignals:
 def _serve(args: argparse.Namespace, settings, mode: str) -> int:
     from launcher.cli.command_stdout import ray_output_on_stderr
 
+    hold_the_pinned_version(settings.launch)  # a descriptor left open: held until the command ends
     with ray_output_on_stderr() as stdout:  # the ready line is stdout's, and Ray's messages are not
         return _serve_on(args, settings, mode, stdout)
+
+
+def hold_the_pinned_version(launch: dict) -> int | None:
+    """A lock (atomic_dir.hold_version) on the compiled or --presharded version every replica is
+    handed (server_settings pins it), held by the command while it runs. Each replica holds it too,
+    but only once started: between the pin and a replica's start (the first ones, or one Serve
+    starts after the others stopped), a compile or save_presharded into the same path deleted it,
+    and that replica's start failed on a folder that no longer existed."""
+    from shardlib.atomic_dir import hold_version, is_version
+
+    for key in ("compiled_dir", "presharded_dir"):
+        path = launch.get(key)
+        if path and is_version(path):
+            return hold_version(path)
+    return None
 
 
 def _serve_on(args: argparse.Namespace, settings, mode: str, stdout) -> int:

@@ -20,6 +20,7 @@ import errno
 import os
 import socket
 import stat
+import sys
 import tempfile
 import threading
 from dataclasses import dataclass, field
@@ -97,6 +98,9 @@ class RayConnection:
         if node.is_head():
             node.destroy_external_storage()  # spilled objects, as ray.shutdown() removes them
         node.kill_all_processes(check_alive=False, allow_graceful=True)
+        # Ray's exception hook sends an uncaught error to the GCS just stopped: it waited 60 s, then
+        # ended the process without the traceback
+        sys.excepthook = sys.__excepthook__
         _TEARDOWN_LEFT_TO_EXIT.set()
         _release_keepers()
         return True

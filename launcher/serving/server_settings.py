@@ -204,6 +204,15 @@ def settings_from_args(args: dict, names: dict | None = None) -> ServerSettings:
         # Every replica on the version the link names now, as one Launcher keeps to it: replicas
         # Serve starts later (autoscaling, a replacement) loaded whatever a later compile linked.
         launch["compiled_dir"] = str(pinned_version(launch["compiled_dir"]))
+    elif launch.get("presharded_dir"):
+        from shardlib.atomic_dir import current_version
+
+        # The same for a --presharded link (save_presharded's): each replica pinned whatever the link
+        # named when it started, so a rewrite left replicas serving different weights. Each replica
+        # holds the version while it runs (launcher/api.py).
+        version = current_version(launch["presharded_dir"])
+        if version is not None:
+            launch["presharded_dir"] = str(version)
     return ServerSettings(
         launch=launch, served_model_name=served,
         api_key=_api_key(typed.get("api_key"), name("api_key", "api_key")),
