@@ -42,6 +42,8 @@ from benchmarks.serving_client import exit_unless_served, served_models  # noqa:
 from launcher.cli.options import int_at_least  # noqa: E402
 
 SERVE_ARGS = "--tp 1 --max-num-seqs 4"
+SERVER_TIMEOUT_S = 900.0
+"""Seconds to wait for each server's GET /health, unless --server-timeout says otherwise."""
 DOCUMENT = ("Entry {k}. The harbour records list each ship that came in, its cargo of salt, timber or wool, the "
             "warehouse on the quay where the cargo was kept, and the merchant who paid the dues that season. ")
 QUESTION = "Question {i}: which warehouse held the wool of the ship that came in during season {s}, and why?"
@@ -177,7 +179,7 @@ def main(out=None) -> dict:
                         help="the tokenizer's folder (default: the built-in model's)")
     parser.add_argument("--serve-args", help=f"corelaunch serve's flags for both servers (default {SERVE_ARGS!r})")
     parser.add_argument("--server-timeout", type=positive_seconds("--server-timeout"),
-                        help="seconds to wait for each server's GET /health (default 900)")
+                        help=f"seconds to wait for each server's GET /health (default {SERVER_TIMEOUT_S:g})")
     parser.add_argument("--request-timeout", type=positive_seconds("--request-timeout"), default=600.0)
     parser.add_argument("--base-url", help="an OpenAI-compatible server's /v1 URL: measure it alone")
     parser.add_argument("--model", help="with --base-url: the served model's name")
@@ -195,7 +197,7 @@ def main(out=None) -> dict:
         # serve ended in the openai client's traceback once they had passed
         exit_unless_served("prefix_caching.py", args.base_url, args.api_key, args.model)
     serve_args = shlex.split(SERVE_ARGS if args.serve_args is None else args.serve_args)
-    args.server_timeout = 900.0 if args.server_timeout is None else args.server_timeout
+    args.server_timeout = SERVER_TIMEOUT_S if args.server_timeout is None else args.server_timeout
     if "--no-prefix-caching" in serve_args:
         parser.error("--serve-args: leave --no-prefix-caching out (the first server gets it, the second not)")
 

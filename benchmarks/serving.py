@@ -306,8 +306,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("prompt_tokens", "max_tokens", "requests_per_client", "level1_requests", "baseline_prompts"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be at least 1")
-    if args.base_url is not None and url_problem(args.base_url):
-        parser.error(url_problem(args.base_url))
+    problem = args.base_url is not None and url_problem(args.base_url)
+    if problem:
+        parser.error(problem)
     if args.cpus_per_rank is not None and args.base_url:
         parser.error("--cpus-per-rank sets the rank's CPUs of the corelaunch server this benchmark starts; "
                      "with --base-url the server is someone else's")

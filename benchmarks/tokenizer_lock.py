@@ -49,8 +49,10 @@ def main(out=None) -> None:
     def run(bulk, waiter: bool) -> dict:
         timed: dict[str, float] = {}
 
-        def bulk_timed() -> None:  # timed in its own thread: from the main thread the time included the
-            start = time.perf_counter()  # waiter's first 50 ms sleep, all a short bulk call's figure then
+        # Timed in the bulk call's own thread: timed from the main thread it included the waiter's
+        # first 50 ms sleep, which was all of a short call's figure.
+        def bulk_timed() -> None:
+            start = time.perf_counter()
             bulk()
             timed["bulk_s"] = time.perf_counter() - start
 

@@ -434,7 +434,7 @@ START_STOP_WAIT_S = 120.0
 next step: planning, connecting to Ray and loading are not cut short)."""
 
 
-def _presharded_version(config) -> str | None:
+def _presharded_version_now(config) -> str | None:
     """The version a --presharded directory written by save_presharded (a link to a hidden
     versioned sibling) names now, or the version itself when given one (a Serve replica, handed
     the pin its server made); None for a plain directory, or a compiled directory's weights."""
@@ -727,7 +727,7 @@ class Launcher:
         from launcher.artifacts.compiled_dir import load_spec_fields
         from launcher.launch_plan import plan_launch, with_artifact_settings
 
-        linked = _presharded_version(self.config)
+        linked = _presharded_version_now(self.config)
         self.config = with_artifact_settings(self.config)  # a compiled directory's or pre-sharded copy's
         planned = plan_launch(self.config, self._progress)
         self._pin_presharded_version(linked)
@@ -746,7 +746,7 @@ class Launcher:
         switched the link to: a restarted group silently served other weights than the rest."""
         if checked is None:
             return
-        now = _presharded_version(self.config)
+        now = _presharded_version_now(self.config)
         if now != checked:
             raise LaunchError(f"the pre-sharded checkpoint {self.config.presharded_dir} was written again while this "
                               f"launch checked it; create a new Launcher (or run the command again)")
@@ -765,14 +765,12 @@ class Launcher:
 
             self._version_hold = hold_version(pinned)
             if self._version_hold is None and not Path(pinned).is_dir():
-                if self.config.compiled_dir:
-                    what = (f"the compiled directory's version {pinned} this launch pinned was removed before it "
-                            f"started (a `corelaunch compile` into the same --out finished meanwhile)")
-                else:
-                    what = (f"the pre-sharded checkpoint's version {pinned} this launch pinned was removed before it "
-                            f"started (a save_presharded into the same directory finished meanwhile)")
-                raise LaunchError(f"{what}; create a new Launcher (or run the command again), which pins the "
-                                  f"version there now")
+                whose, writer = (("compiled directory's", "a `corelaunch compile` into the same --out")
+                                 if self.config.compiled_dir else
+                                 ("pre-sharded checkpoint's", "a save_presharded into the same directory"))
+                raise LaunchError(f"the {whose} version {pinned} this launch pinned was removed before it started "
+                                  f"({writer} finished meanwhile); create a new Launcher (or run the command "
+                                  f"again), which pins the version there now")
 
     def _release_version_hold(self) -> None:
         with self._cache_lock:  # two shutdowns at once: one closes it (a second close could hit a reused fd)
@@ -926,7 +924,8 @@ class Launcher:
         """True when `spec` loaded this launcher's own --presharded-cache copy and a rank refused it
         (a file damaged in place keeps its size, so only the rank's sha256 sees it): later groups
         load from the checkpoint, and the copy is written again. It failed every launch, the error
-        advising to write again a copy the user never wrote."""
+        advising to write again a copy the user never wrote. With `restart`, the copy is written again
+        at once; a start's own load writes it when that load is done."""
         # ValueError only: a file a rank cannot find (a cache folder the other nodes do not see) is
         # no damage a rewrite here cures, and is refused as it always was
         if not (isinstance(err, ValueError) and spec.presharded_dir

@@ -319,7 +319,7 @@ class ModelConfig:
     def config_hash(self) -> str:
         """Stable hash of every field that changes tensor shapes or numerics (not token ids)."""
         fields = dataclasses.asdict(self)
-        for ignored in ("bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype"):
+        for ignored in UNHASHED_FIELDS:
             fields.pop(ignored)
         for name in _HASHED_WHEN_SET:  # fields added later: absent at their default, so older hashes hold
             if fields[name] == _DEFAULTS[name]:
@@ -458,6 +458,8 @@ def _with_top_level_original_context(raw: dict[str, Any]) -> dict[str, Any]:
     return {**raw, **moved}
 
 
+UNHASHED_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype")
+"""Fields config_hash leaves out: token ids and the stored dtype change no tensor's shape or numerics."""
 _HASHED_WHEN_SET = ("moe_topk_norm", "clip_qkv")
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
 

@@ -32,6 +32,7 @@ import os
 import re
 import secrets
 import stat
+from dataclasses import fields as config_fields
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -42,7 +43,7 @@ from shardlib.atomic_dir import atomic_dir, linking_out_dir
 from shardlib.checkpoint import Progress, SafetensorsFile, check_layout, load_rank_shard, shard_shapes
 from shardlib.file_modes import as_umask_allows, process_umask
 from shardlib.manifest import MANIFEST, check_field, read_manifest_json, write_manifest_json
-from shardlib.model_config import ModelConfig, normalize_dtype
+from shardlib.model_config import UNHASHED_FIELDS, ModelConfig, load_model_config, normalize_dtype
 from shardlib.param_shapes import expected_shapes
 from shardlib.quantization import SCALE_SUFFIX, is_quantized_storage
 from shardlib.sharding import ShardLayout, TensorSlice
@@ -236,13 +237,12 @@ def _check_settings(manifest: dict[str, Any], shown: Path, config: ModelConfig, 
         return
     source = manifest.get("source")
     fields = _config_differences(source, manifest, config) if written["config_hash"] != asked["config_hash"] else []
-    if fields:  # the hashes alone told nothing a user could act on
-        differ = [d + f" (the model it was cut from, {source}, differs from --model in {'; '.join(fields)})"
-                  if d.startswith("config_hash:") else d for d in differ]
     settings = f"tp_degree={layout.tp_degree}, kv_strategy={layout.kv_strategy.value!r}" + (
         f", moe_sharding={layout.moe_sharding!r}" if layout.moe_sharding else "") + (
         f", dtype={asked['dtype']!r}" if "dtype" in asked else "")
-    if fields:  # the copy's source is the one model it fits: that first
+    if fields:  # the hashes alone told nothing a user could act on; the copy's source is the one model it fits
+        differ = [d + f" (the model it was cut from, {source}, differs from --model in {'; '.join(fields)})"
+                  if d.startswith("config_hash:") else d for d in differ]
         advice = (f"Pass --model {source} (the model it was cut from) to load it, or re-run save_presharded for "
                   f"this model with {settings}, or load this model's original checkpoint instead")
     else:
@@ -256,10 +256,6 @@ def _config_differences(source: str | None, manifest: dict[str, Any], config: Mo
     differs from `config`, as "name: X in the copy's source, Y in --model"; [] when the source's
     config cannot be read or is no longer the one the copy was cut from (its hash moved on), where
     naming its fields would describe another model than the copy's."""
-    from dataclasses import fields as config_fields
-
-    from shardlib.model_config import load_model_config
-
     if not source:
         return []
     try:
@@ -268,8 +264,7 @@ def _config_differences(source: str | None, manifest: dict[str, Any], config: Mo
         return []
     if cut_from.config_hash() != manifest["config_hash"]:
         return []
-    # model_type is compared, and named, on its own; the rest are fields config_hash leaves out
-    ignored = {"model_type", "bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype"}
+    ignored = {"model_type", *UNHASHED_FIELDS}  # model_type is compared, and named, on its own
     return [f"{f.name}: {getattr(cut_from, f.name)!r} in the copy's source, {getattr(config, f.name)!r} in --model"
             for f in config_fields(config) if f.name not in ignored
             and getattr(cut_from, f.name) != getattr(config, f.name)]
@@ -341,8 +336,12 @@ def _check_tensors(reader: SafetensorsFile, shown_path: Path, entry: dict, manif
     recorded = {name: (r["dtype"], tuple(r["shape"])) for name, r in entry.get("tensors", {}).items()}
     fix = f"it was re-saved or modified; copy it again or write the pre-sharded checkpoint again"
     for name, (dtype, shape) in found.items():
-        expected = recorded[name][0] if name in recorded else None if (
-            manifest_dtype == "mixed" or _keeps_own_dtype(name, dtype)) else manifest_dtype
+        if name in recorded:
+            expected = recorded[name][0]
+        elif manifest_dtype == "mixed" or _keeps_own_dtype(name, dtype):
+            expected = None  # no single dtype to hold it to: a quantized tensor keeps its own
+        else:
+            expected = manifest_dtype
         if expected is not None and dtype != expected:
             raise ValueError(f"{shown_path}: tensor {name!r} has dtype {dtype}, expected {expected} "
                              f"(as its {MANIFEST} records); {fix}")

@@ -235,12 +235,13 @@ def models_server(ids: list[str]):
 
     class Models(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 - http.server's name
-            body = json.dumps({"object": "list", "data": [{"id": i, "object": "model"} for i in ids]}).encode()
-            self.send_response(200 if self.path == "/v1/models" else 404)
-            self.send_header("Content-Length", str(len(body) if self.path == "/v1/models" else 0))
+            found = self.path == "/v1/models"
+            body = json.dumps({"object": "list", "data": [{"id": i, "object": "model"} for i in ids]}).encode() \
+                if found else b""
+            self.send_response(200 if found else 404)
+            self.send_header("Content-Length", str(len(body)))
             self.end_headers()
-            if self.path == "/v1/models":
-                self.wfile.write(body)
+            self.wfile.write(body)
 
         def log_message(self, *args):
             pass

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import glob
 import json
-import os
 import subprocess
 import sys
 import time
@@ -72,9 +71,8 @@ def _driver_pid(session: str) -> str:
     return log.rsplit("_", 1)[1].removesuffix(".log")
 
 
-def test_a_session_another_launch_still_uses_is_closed_as_usual(monkeypatch):
-    """Shared (another connection of this process still open), or a cluster joined rather than
-    started: an ordinary close(), and the exit runs as usual."""
+def test_a_joined_cluster_is_closed_as_usual(monkeypatch):
+    """A cluster joined rather than started here: an ordinary close(), and the exit keeps Ray's teardown."""
     from launcher.cluster import ray_cluster
 
     closed = []
@@ -106,6 +104,7 @@ def exits_of_the_cli(monkeypatch, main) -> list[int]:
 
 
 def test_the_cli_exits_without_the_interpreters_teardown_once_ray_was_left_to_it(monkeypatch):
+    """With Ray left to the exit, a clean run ends through os._exit(0), not the interpreter's teardown."""
     assert exits_of_the_cli(monkeypatch, lambda: 0) == [0]
 
 
@@ -121,6 +120,7 @@ def test_an_error_after_ray_was_left_to_the_exit_prints_its_traceback_and_exits_
 
 
 def test_a_system_exit_after_ray_was_left_to_the_exit_keeps_its_code(monkeypatch):
+    """SystemExit(3) keeps its code through the os._exit path."""
     def exiting_main():
         raise SystemExit(3)
 

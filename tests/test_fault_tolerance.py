@@ -416,7 +416,6 @@ def test_a_cached_copy_damaged_in_place_is_loaded_around_and_written_again(tmp_p
         assert [s["load_source"] for s in launcher.replica_status()] == [["presharded"]]
 
 
-
 def test_a_cached_copy_found_damaged_at_a_restart_is_written_again_then(tmp_path, in_process_cluster):
     """A restart that found the launch's own cached copy damaged loaded around it, saying it wrote the
     copy again; it did not: every later restart tried the damaged copy again (a failed load and a
@@ -446,6 +445,7 @@ def test_a_cached_copy_found_damaged_at_a_restart_is_written_again_then(tmp_path
         [after] = launcher.replica_status()
     assert [r.token_ids for r in first] == expected and [r.token_ids for r in second] == expected
     assert after["restarts"] == 2 and after["load_source"] == ["presharded"]
+
 
 def test_a_cache_folder_that_is_a_file_is_named_before_any_start_and_not_written(tmp_path):
     """`presharded-uid<uid>` as a file raised a bare "[Errno 20] Not a directory" after Ray had started."""

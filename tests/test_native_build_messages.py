@@ -18,16 +18,17 @@ import torch
 from workers import native_build
 from workers.native_build import LibrarySpec, NativeUnavailable
 
-HAS_C = shutil.which("cc") is not None or shutil.which("gcc") is not None
-HAS_CXX = shutil.which("c++") is not None or shutil.which("g++") is not None
 PROBES = {"c": LibrarySpec("probe", "int probe(void) { return 7; }\n", (), "a probe"),
           "c++": LibrarySpec("probe", 'extern "C" int probe(void) { return 7; }\n', (), "a probe", language="c++")}
 """language -> a library with one function returning 7 (the C++ one compiled by $CXX)."""
 
 
-def found_compiler(language: str) -> str:
-    names = ("cc", "gcc") if language == "c" else ("c++", "g++")
-    return next(filter(None, map(shutil.which, names)))
+def found_compiler(language: str) -> str | None:
+    """The compiler native_build would find on PATH for `language`, or None."""
+    return next(filter(None, map(shutil.which, native_build._COMPILERS[language][1])), None)
+
+
+HAS_C, HAS_CXX = found_compiler("c") is not None, found_compiler("c++") is not None
 
 
 def model_in(dtype: torch.dtype) -> torch.nn.Module:
@@ -88,9 +89,9 @@ def test_a_compiler_variable_holding_arguments_builds(monkeypatch, tmp_path, lan
     assert native_build.build_and_load(PROBES[language], tmp_path / "cache").probe() == 7
 
 
+@pytest.mark.skipif(not HAS_C, reason="no C compiler")
 def test_a_blank_compiler_variable_counts_as_unset(monkeypatch, tmp_path):
-    if not HAS_C:
-        pytest.skip("no C compiler")
+    """CC="  " was run as the command "  "; blank now falls back to PATH, as empty did."""
     monkeypatch.setenv("CC", "  ")
     assert native_build.build_and_load(PROBES["c"], tmp_path / "cache").probe() == 7
 

@@ -58,11 +58,11 @@ def test_a_copy_rewritten_between_the_check_and_the_pin_is_refused(tmp_path, mon
     model_dir = save_model(build_random_model("llama", seed=3, num_heads=4, num_kv_heads=2), tmp_path / "m")
     copy = tmp_path / "pre"
     write_copy(copy, model_dir)
-    real_plan = api.Launcher._pin_presharded_version
+    real_pin = api.Launcher._pin_presharded_version
 
     def rewritten_first(self, checked):
         write_copy(copy, model_dir)  # a second writer finishes while the launch is being checked
-        return real_plan(self, checked)
+        return real_pin(self, checked)
 
     monkeypatch.setattr(api.Launcher, "_pin_presharded_version", rewritten_first)
     with pytest.raises(LaunchError, match="was written again while this launch checked it"):

@@ -30,10 +30,6 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-_KEY_LENGTH = 16
-"""Hex digits of the key at the end of a copy's name."""
-
-
 def cache_root(directory: str | None) -> Path:
     if directory:
         return Path(directory)
@@ -75,13 +71,8 @@ def cache_dir(root: Path, model_dir: str | Path, config, layout, dtype: str) -> 
     blob = json.dumps([str(model_dir), files, config.config_hash(), layout.tp_degree,
                        layout.kv_strategy.value, dtype, layout.pad_q_heads]
                       + ([layout.moe_sharding] if layout.moe_sharding else [])).encode()
-    key = hashlib.sha256(blob).hexdigest()[:_KEY_LENGTH]
-    return root / f"{_name_prefix(model_dir, layout, dtype)}{key}"
-
-
-def _name_prefix(model_dir: Path, layout, dtype: str) -> str:
-    """What the names of this model's copies for this layout and dtype start with; the key follows."""
-    return f"{model_dir.name}-tp{layout.tp_degree}-{layout.kv_strategy.value}-{dtype}-"
+    key = hashlib.sha256(blob).hexdigest()[:16]
+    return root / f"{model_dir.name}-tp{layout.tp_degree}-{layout.kv_strategy.value}-{dtype}-{key}"
 
 
 def _key_files(model_dir: Path) -> list[Path]:
@@ -90,17 +81,18 @@ def _key_files(model_dir: Path) -> list[Path]:
     *.json was hashed: an edit of tokenizer_config.json wrote another full copy of the model."""
     from shardlib.checkpoint_files import find_checkpoint, preferred_file
 
+    config_json = model_dir / "config.json"
     found = preferred_file(model_dir)
     if found is None:  # no checkpoint: the launch refuses it before any copy is written
-        return [model_dir / "config.json"]
+        return [config_json]
     _, path = found
     if not path.name.endswith(".index.json"):
-        return [model_dir / "config.json", path]  # (find_checkpoint would read a whole pickle to list it)
+        return [config_json, path]  # (find_checkpoint would read a whole pickle to list it)
     try:
         shards = find_checkpoint(model_dir).files  # the index read, its files looked up
     except (OSError, ValueError):  # a broken index: the launch's checks name it; the index's own stat keys it
         shards = ()
-    return [model_dir / "config.json", path, *shards]
+    return [config_json, path, *shards]
 
 
 def is_ready(path: Path) -> bool:

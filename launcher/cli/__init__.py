@@ -109,6 +109,9 @@ def run() -> None:
             raise  # a socket or pipe of the command's own: a real failure
         # `corelaunch plan | head -1`: not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
+        if _ray_teardown_left_to_exit():  # Ray's exit hook would wait on the stopped GCS
+            sys.stderr.flush()
+            os._exit(BROKEN_PIPE)
         sys.exit(BROKEN_PIPE)
     except BaseException:
         _exit_on_error_once_ray_left_to_exit()
@@ -117,7 +120,8 @@ def run() -> None:
         try:
             sys.stdout.flush()
             sys.stderr.flush()
-        except OSError:  # output lost (a full disk): said by the interpreter's hook, then the exit below
+        except OSError:  # output lost (a full disk): its traceback and exit 1, by the helper where Ray's
+            # teardown was left out, else by the interpreter
             _exit_on_error_once_ray_left_to_exit()
             raise
         os._exit(code)
@@ -135,9 +139,11 @@ def _exit_on_error_once_ray_left_to_exit() -> None:
 
     err = sys.exc_info()[1]
     if isinstance(err, SystemExit):
-        code = err.code if isinstance(err.code, int) else (0 if err.code is None else 1)
-        if err.code is not None and not isinstance(err.code, int):
+        if err.code is None or isinstance(err.code, int):
+            code = err.code or 0
+        else:  # sys.exit("message"), as the interpreter says it
             print(err.code, file=sys.stderr)
+            code = 1
     else:
         traceback.print_exc()
         code = 1

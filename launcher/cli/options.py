@@ -167,12 +167,13 @@ def in_generate_flags(message: str) -> str:
     seq_len is 4096" read as the Python API's fields to a command-line user). Quoted spans are the
     user's own values, quoted back exactly (`--regex 'the seq_len is (['` read "the --seq-len is")."""
     for pattern, flag in _GENERATE_WORDS:
-        quoted = [match.span() for match in _QUOTED.finditer(message)]  # again: a flag has no quote, but spans move
-        message = pattern.sub(lambda match: match.group(0) if _inside(match.start(), quoted) else flag, message)
+        quoted = [match.span() for match in _QUOTED.finditer(message)]  # per pattern: a substitution shifts them
+        message = pattern.sub(lambda match: match.group(0) if _in_any_span(match.start(), quoted) else flag, message)
     return message
 
 
-def _inside(position: int, spans: list[tuple[int, int]]) -> bool:
+def _in_any_span(position: int, spans: list[tuple[int, int]]) -> bool:
+    """Whether position falls in one of the (start, end) spans."""
     return any(start <= position < end for start, end in spans)
 
 

@@ -209,7 +209,8 @@ def settings_from_args(args: dict, names: dict | None = None) -> ServerSettings:
 
         # The same for a --presharded link (save_presharded's): each replica pinned whatever the link
         # named when it started, so a rewrite left replicas serving different weights. Each replica
-        # holds the version while it runs (launcher/api.py).
+        # holds the version while it runs (launcher/api.py), and `corelaunch serve` from the pin
+        # (serve_command.hold_the_pinned_version).
         version = current_version(launch["presharded_dir"])
         if version is not None:
             launch["presharded_dir"] = str(version)
