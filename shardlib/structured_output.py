@@ -86,6 +86,10 @@ def _schema_text(schema) -> str:
         return json.dumps(parsed, ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as err:
         raise ValueError(f"json schema {_short(parsed)} cannot be written as JSON ({err})") from None
+    except RecursionError:  # a request body parsed it a few frames shallower: a 500, not a 400, before
+        # (not shown: showing it recurses as deep)
+        raise ValueError("json schema is nested too deeply to use (past Python's recursion limit); "
+                         "flatten it") from None
 
 
 def _choices(choice) -> tuple[str, ...]:

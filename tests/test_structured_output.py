@@ -429,3 +429,17 @@ def test_a_waiting_grammar_is_inactive_until_its_token_and_after_token_is_checke
         with pytest.raises(ValueError, match="after_token=.* must be a token id"):
             StructuredOutput(regex="a", after_token=bad)
     assert len({StructuredOutput(regex="a", after_token=7), StructuredOutput(regex="a")}) == 2  # hashed, part of it
+
+
+def test_a_schema_nested_past_pythons_recursion_limit_is_refused_as_bad_input():
+    """A request body parses a schema nested ~990 deep a few frames shallower than the schema's own
+    JSON check reached: json.dumps raised a RecursionError there, which the server answered with a
+    500, not a 400 naming the field."""
+    import sys
+
+    depth = sys.getrecursionlimit()
+    schema = {}
+    for _ in range(depth):
+        schema = {"a": schema}
+    with pytest.raises(ValueError, match="nested too deeply"):
+        StructuredOutput(json=schema)
