@@ -216,6 +216,11 @@ class LaunchConfig:
             if not self.compile:
                 raise ValueError(f"compile_granularity ({self.compile_granularity!r}) applies to compiled graphs "
                                  f"and compile is False (--no-compile): drop one of them")
+        if self.presharded_cache and (self.presharded_dir is not None or self.compiled_dir is not None):
+            given = "compiled_dir" if self.compiled_dir is not None else "presharded_dir"
+            raise ValueError(f"presharded_cache (True) writes a pre-sharded copy of the checkpoint for later loads, "
+                             f"and {given} ({getattr(self, given)!r}) already loads pre-sharded weights: drop one "
+                             f"of them")  # it was ignored without a word
         if not self.compile:  # settings of the compiled graphs alone, which an eager run never reads
             if self.warm_up:
                 raise ValueError("warm_up (True) builds every compiled graph while starting, and compile is False "

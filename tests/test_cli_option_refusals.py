@@ -97,3 +97,18 @@ def test_max_context_length_with_a_bucket_list_still_runs_eagerly(lists):
 
     assert LaunchConfig(compile=False, max_context_length=64, **lists).max_context_length == 64
     assert LaunchConfig(compile=True, warm_up=True, max_context_length=64).warm_up  # compiled: both are used
+
+
+@pytest.mark.parametrize("given", ["--presharded", "--compiled"])
+def test_a_presharded_cache_beside_weights_already_presharded_is_refused(capsys, ray_tripwire, tmp_path, given):
+    """--presharded-cache with --presharded or --compiled was ignored without a word: those already
+    load pre-sharded weights, and no copy was ever written."""
+    said = refusal(capsys, "generate", "--presharded-cache", given, str(tmp_path), "--model", MISSING_MODEL, "Hi")
+    assert "--presharded-cache (True)" in said and f"{given} (" in said and "drop one of them" in said, said
+
+
+def test_the_driver_api_refuses_a_presharded_cache_beside_a_presharded_directory(tmp_path):
+    from launcher.api import LaunchConfig
+
+    with pytest.raises(ValueError, match=r"presharded_cache \(True\).*presharded_dir"):
+        LaunchConfig(presharded_cache=True, presharded_dir=str(tmp_path))

@@ -97,7 +97,7 @@ FLAG_OF_FIELD = {
     "presharded_dir": "--presharded", "compiled_dir": "--compiled",
     "compile_granularity": "--granularity", "max_prefill_tokens": "--max-prefill-tokens",
     "ray_address": "--ray-address", "context_buckets": "--context-buckets", "token_buckets": "--token-buckets",
-    "warm_up": "--warm-up",
+    "warm_up": "--warm-up", "presharded_cache": "--presharded-cache",
 }
 """LaunchConfig's fields and the command-line options that set them."""
 FLAG_IN_OTHER_UNITS = {"burst_wait_s": ("--burst-wait-ms", 1000)}
