@@ -51,8 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.arguments import check_context, finite_number, model_folder, positive_seconds, smallest_buckets  # noqa: E402 - bad values refused before any work
 from benchmarks.process_cpu import cpu_by_process, snapshot  # noqa: E402
-from benchmarks.serving_client import (PromptSource, exit_unless_served, run_level,  # noqa: E402
-                                       server_unreachable, url_problem)  # noqa: F401 - serving.server_unreachable, as before its move
+from benchmarks.serving_client import PromptSource, exit_unless_served, run_level, url_problem  # noqa: E402
 from benchmarks.serving_server import corelaunch_server  # noqa: E402
 from benchmarks.serving_stats import (baseline_drift, bracketed_baselines, expected_ttft_s, ratio,  # noqa: E402
                                       summarize_level)

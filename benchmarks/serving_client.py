@@ -134,12 +134,6 @@ def served_models(base_url: str, api_key: str | None = None, timeout_s: float = 
         return None, None
 
 
-def server_unreachable(base_url: str, api_key: str | None = None, timeout_s: float = 10.0) -> str | None:
-    """Why no OpenAI API answers at base_url, or None: every request of a run failed one by one
-    ("Connection error", a 404, a 401) and the run ended with a report of nothing but failures."""
-    return served_models(base_url, api_key, timeout_s)[1]
-
-
 def server_problem(base_url: str, api_key: str | None, model: str | None) -> str | None:
     """What would make every request to the server at base_url fail, as a message naming the flag to
     change, or None: a URL that is none, no OpenAI API answering there, or a --model it does not

@@ -45,7 +45,7 @@ from shardlib.file_modes import as_umask_allows, process_umask
 from shardlib.manifest import MANIFEST, check_field, read_manifest_json, write_manifest_json
 from shardlib.model_config import UNHASHED_FIELDS, ModelConfig, load_model_config, normalize_dtype
 from shardlib.param_shapes import expected_shapes
-from shardlib.quantization import SCALE_SUFFIX, is_quantized_storage
+from shardlib.quantization import keeps_dtype_of
 from shardlib.sharding import ShardLayout, TensorSlice
 from shardlib.weights_fingerprint import FIELD as FINGERPRINT, weights_fingerprint
 
@@ -133,7 +133,7 @@ def _cast_dtype(files: list[dict]) -> str:
 
 def _keeps_own_dtype(name: str, dtype: str) -> bool:
     """shardlib.quantization.keeps_dtype from a tensor's name and dtype name (a manifest's record)."""
-    return name.endswith(SCALE_SUFFIX) or is_quantized_storage(getattr(torch, dtype, None))
+    return keeps_dtype_of(name, getattr(torch, dtype, None))
 
 
 def read_manifest(directory: str | Path, *, shown: str | Path | None = None) -> dict[str, Any]:

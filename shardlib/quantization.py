@@ -194,7 +194,12 @@ def dequantize(q: "torch.Tensor", scale: "torch.Tensor", dtype: "torch.dtype | N
 def keeps_dtype(name: str, tensor: "torch.Tensor") -> bool:
     """Tensors a compute-dtype cast must leave alone: 8-bit quantized weights and their float32
     scales (dequantization happens in the layer, shardlib/quantization.py's maths)."""
-    return name.endswith(SCALE_SUFFIX) or is_quantized_storage(tensor.dtype)
+    return keeps_dtype_of(name, tensor.dtype)
+
+
+def keeps_dtype_of(name: str, dtype: "torch.dtype | None") -> bool:
+    """keeps_dtype from a tensor's name and dtype (a manifest's record holds no tensor)."""
+    return name.endswith(SCALE_SUFFIX) or is_quantized_storage(dtype)
 
 
 def quantize_state_dict(state_dict: dict[str, "torch.Tensor"], quant: Quantization,

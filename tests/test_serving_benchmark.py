@@ -428,7 +428,7 @@ def test_a_base_url_that_is_no_url_or_where_nothing_answers_is_refused_before_an
         serving.parse_args(["--base-url", "0"])
     assert "--base-url ('0') must be an http(s) URL of a server's API" in capsys.readouterr().err
     nowhere = f"http://127.0.0.1:{free_port()}/v1"
-    assert "Connection refused" in serving.server_unreachable(nowhere)
+    assert "Connection refused" in server_unreachable(nowhere)
     monkeypatch.setattr(sys, "argv", ["serving.py", "--base-url", nowhere])
     monkeypatch.setattr(serving, "measure_levels", lambda *a: pytest.fail("a level ran"))
     with pytest.raises(SystemExit) as exit_:
@@ -449,12 +449,19 @@ def test_a_base_url_that_is_no_url_or_where_nothing_answers_is_refused_before_an
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         base = f"http://127.0.0.1:{server.server_address[1]}"
-        assert serving.server_unreachable(base + "/v1", "k") is None
-        assert "is /v1 missing?" in serving.server_unreachable(base)  # the slip the last review found
+        assert server_unreachable(base + "/v1", "k") is None
+        assert "is /v1 missing?" in server_unreachable(base)  # the slip the last review found
         # every request would fail 401 (the client sent the key "unused"): refused, naming --api-key
         assert "refuses requests without a key (HTTP 401): pass its key with --api-key" in \
-            serving.server_unreachable(base + "/v1")
-        assert "refuses the key given" in serving.server_unreachable(base + "/v1", "wrong")
+            server_unreachable(base + "/v1")
+        assert "refuses the key given" in server_unreachable(base + "/v1", "wrong")
         assert serving.parse_args(["--base-url", base + "/v1", "--api-key", "k"]).api_key == "k"
     finally:
         server.shutdown()
+
+
+def server_unreachable(base_url: str, api_key: str | None = None) -> str | None:
+    """Why no OpenAI API answers at base_url (benchmarks.serving_client.served_models), or None."""
+    from benchmarks.serving_client import served_models
+
+    return served_models(base_url, api_key)[1]

@@ -167,7 +167,7 @@ class Segment:
             pass  # a view is still alive somewhere: the mapping goes when the process exits
 
 
-def remove_orphans(shm_dir: str, prefix: str = SEGMENT_PREFIX) -> list[str]:
+def remove_orphans(shm_dir: str) -> list[str]:
     """Unlink segments whose creator has exited: left only if a leader was killed during set-up,
     between creating its segment and unlinking it once all ranks had attached. Returns them.
 
@@ -181,7 +181,7 @@ def remove_orphans(shm_dir: str, prefix: str = SEGMENT_PREFIX) -> list[str]:
     open blocks."""
     removed = []
     try:
-        names = [n for n in os.listdir(shm_dir) if n.startswith(prefix)]
+        names = [n for n in os.listdir(shm_dir) if n.startswith(SEGMENT_PREFIX)]
     except OSError:
         return removed
     for name in names:
