@@ -1296,6 +1296,22 @@ class Launcher:
                                    cache_salt=cache_salt, include_stop=include_stop_str_in_output,
                                    skip_special_tokens=skip_special_tokens, stream_interval=stream_interval)
 
+    async def acheck_structured(self, sampling: SamplingParams | Sequence[SamplingParams] | None) -> None:
+        """The structured-output checks of astream and agenerate (ValueError naming what is wrong),
+        made on a worker thread and remembered, so that the stream call after it finds them made:
+        llguidance compiles each grammar to check it, and a large one takes seconds (a JSON schema
+        of 10,000 optional properties about 10 s on one 2-core host), which astream would spend on
+        the event loop, holding up every other stream and request it serves. agenerate and the
+        OpenAI server make their checks this way."""
+        import asyncio
+
+        self._running_pool()  # not started: say so, not that the model has no tokenizer
+        if sampling is None:
+            return
+        params = [sampling] if isinstance(sampling, SamplingParams) else self._sampling_per_prompt(sampling, 0)
+        if any(p.structured_output is not None for p in params):
+            await asyncio.to_thread(self._check_structured, params)
+
     async def agenerate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                         sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                         max_new_tokens: int = 64, stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
@@ -1310,9 +1326,10 @@ class Launcher:
         _check_flag("skip_special_tokens", skip_special_tokens)
         self._running_pool()  # not started: said before any tokenizing
 
-        # On a thread: long prompts take the tokenizer seconds, which on the loop would stall every
-        # other coroutine (and the streams this loop reads).
+        # On threads: long prompts take the tokenizer seconds, and a large grammar llguidance,
+        # which on the loop would stall every other coroutine (and the streams this loop reads).
         tokenized = await asyncio.to_thread(self._tokenize, prompts)
+        await self.acheck_structured(sampling)
         streams, texts, token_lists = self._open_generation(prompts, sampling, max_new_tokens, stop_token_ids,
                                                             ignore_eos, return_logits, asynchronous=True,
                                                             tokenized=tokenized, prompt_logprobs=prompt_logprobs,

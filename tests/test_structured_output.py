@@ -276,6 +276,40 @@ def test_structured_requests_wait_for_the_tokenizer_while_the_others_run(wide_mo
     assert out.finish == {"s": "stop"} and smollm2_tokenizer.decode(out.tokens["s"]) in KINDS["choice"].choice
 
 
+def test_a_matcher_slow_to_build_holds_up_no_other_request(wide_model, smollm2_tokenizer):
+    """A grammar llguidance takes seconds to compile (a schema of 10,000 optional properties: 8 s) is
+    built off the loop's thread: plain requests and a cheap structured one run to their ends
+    meanwhile, a request whose build is still running can be cancelled, and the slow one starts
+    once its matcher is built. (Its build is held here on an event, standing in for the compile.)"""
+    release, started = threading.Event(), threading.Event()
+    loop = fresh_loop(wide_model, smollm2_tokenizer)
+    build = loop._grammar
+
+    def slow_for_some(request):
+        if request.request_id in ("slow", "gone"):
+            started.set()
+            assert release.wait(60)
+        return build(request)
+    loop._grammar = slow_for_some
+    prompt = smollm2_tokenizer.encode("Hi")
+    threads = run_loops([loop])
+    try:
+        loop.submit([structured("slow", prompt, KINDS["choice"]), structured("gone", prompt, KINDS["choice"])])
+        assert started.wait(30)
+        loop.submit([request("plain", prompt, 6), structured("quick", prompt, KINDS["choice"])])
+        others = collect(loop, {"plain", "quick"}, timeout_s=30)
+        assert others.finish == {"plain": "length", "quick": "stop"} and len(others.tokens["plain"]) == 6
+        loop.cancel(["gone"])
+        cancelled = collect(loop, {"gone"})
+        assert cancelled.finish == {"gone": "abort"} and not cancelled.tokens["gone"]
+        release.set()
+        out = collect(loop, {"slow"})
+    finally:
+        release.set()
+        stop([loop], threads)
+    assert out.finish == {"slow": "stop"} and smollm2_tokenizer.decode(out.tokens["slow"]) in KINDS["choice"].choice
+
+
 def test_min_tokens_holds_the_end_back_inside_what_the_grammar_allows(wide_model, smollm2_tokenizer):
     """A regex that may end or go on: min_tokens holds EOS back, so it goes on to at least that many."""
     tok = smollm2_tokenizer
@@ -315,6 +349,52 @@ def test_the_driver_api_matches_and_refuses_before_submitting(model_dir_with_tok
     assert streamed in KINDS["choice"].choice
     assert results[0].text in KINDS["choice"].choice and matches("regex", results[1].text)
     assert [r.finish_reason for r in results] == ["stop", "stop"]
+
+
+def test_asyncio_callers_check_grammars_off_the_event_loop(model_dir_with_tokenizer, in_process_cluster):
+    """llguidance compiles a grammar to check it, seconds for a large schema: acheck_structured and
+    agenerate make that check on a worker thread, and the stream call after it reads the verdict
+    remembered, so the event loop (every other stream the server runs) never waits on a compile.
+    The check is slowed here by 1 s for each grammar not yet checked, standing in for the compile."""
+    import asyncio
+
+    from launcher.api import Launcher
+
+    fresh = [StructuredOutput(regex="[0-9]{4}"), StructuredOutput(regex="[a-z]{3}"), StructuredOutput(regex="(a")]
+    with Launcher(model=model_dir_with_tokenizer, tp=1, max_num_seqs=2, progress=False, compile=False) as llm:
+        check, loop_thread = llm._check_structured, []
+
+        def slow_check(params, batching="continuous"):
+            if any(p.structured_output not in llm._structures_checked for p in params):
+                time.sleep(1.0)
+                loop_thread.append(threading.current_thread() is threading.main_thread())
+            return check(params, batching)
+        llm._check_structured = slow_check
+
+        async def main():
+            gaps, last = [], time.monotonic()
+
+            async def tick():
+                nonlocal last
+                while True:
+                    await asyncio.sleep(0.01)
+                    gaps.append(time.monotonic() - last)
+                    last = time.monotonic()
+            ticker = asyncio.create_task(tick())
+            try:
+                await llm.acheck_structured(SamplingParams(structured_output=fresh[0]))
+                deltas = [d.text async for d in llm.astream("Year:", SamplingParams(structured_output=fresh[0]),
+                                                            max_new_tokens=8)]
+                [word] = await llm.agenerate(["Word:"], SamplingParams(structured_output=fresh[1]), max_new_tokens=8)
+                with pytest.raises(ValueError, match=r"structured_output \(regex '\(a'\) cannot be used"):
+                    await llm.acheck_structured([SamplingParams(), SamplingParams(structured_output=fresh[2])])
+            finally:
+                ticker.cancel()
+            return "".join(deltas), word, max(gaps)
+        year, word, longest_gap = asyncio.run(main())
+    assert loop_thread == [False, False, False]  # each grammar checked once, never on the loop's thread
+    assert longest_gap < 0.8, longest_gap
+    assert re.fullmatch("[0-9]{4}", year) and re.fullmatch("[a-z]{3}", word.text), (year, word.text)
 
 
 # ---- the CLI's flags -----------------------------------------------------------------------------

@@ -1379,6 +1379,13 @@ class OpenAIServer:
             if req.min_tokens > limit:  # said in the API's words (the engine says max_new_tokens)
                 self.metrics.rejected(400)
                 raise ProtocolError(_min_tokens_past_the_limit(req, limit, len(prompt)), param="min_tokens")
+        sampling = req.sampling()
+        try:  # off the event loop: llguidance compiling a large schema to check it takes seconds
+            if sampling.structured_output is not None:
+                await self.launcher.acheck_structured(sampling)
+        except ValueError as err:
+            self.metrics.rejected(400)
+            raise ProtocolError(str(err), param=req.structure_param()) from None
         streams = []
         try:
             for i, (prompt, limit) in enumerate(zip(prompts, max_tokens)):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Callable
 
@@ -37,7 +37,7 @@ from workers.serving.scheduler import Scheduler, Sequence
 from workers.serving.step_inputs import decode_inputs, prefill_batches, prefill_inputs
 from workers.serving.step_plan import Command, DecodeRow, PlanCodec, PrefillChunk, StepPlan
 from workers.serving.token_choice import choose, request_generator
-from workers.structured.matchers import TOKENIZER_WAIT_S, start_matcher
+from workers.structured.matchers import TOKENIZER_WAIT_S, build_on_a_thread, start_matcher
 
 HEARTBEAT_S = 0.2
 """An idle leader sends an IDLE plan this often: followers wait in a collective for the next plan,
@@ -58,6 +58,10 @@ the causal mask computes at 1024 tokens, 9/16 at 2048. On one 2-core host the ea
 0.95-0.98x the graph's time for unpadded calls of 1024-token chunks, 0.84-0.87x for one 2048-token
 chunk and 0.73x for 1800 tokens in the 2048 bucket, against 1.02-1.09x for 512-token chunks
 (benchmarks/prefill_paths.py, README Measured)."""
+QUICK_BUILD_S = 0.02
+"""How long the leader waits for the matchers of the structured requests it has just taken (most
+build in a few milliseconds) before stepping on without them: those built by then start in this
+iteration, the rest once built (ServingLoop._admit_built)."""
 STATIC_WAIT_S = 60.0
 """How long a follower waits for its copy of a static batch the leader already announced."""
 
@@ -146,6 +150,12 @@ class ServingLoop:
         thread at the first one): admitted once it is, so the running requests never wait for it."""
         self.grammar_wait_s = TOKENIZER_WAIT_S
         """How long they wait for it before each fails (its build hung)."""
+        self._building: list[tuple[Sequence, Future]] = []
+        """Structured requests whose matchers are being built on threads (build_on_a_thread), in
+        arrival order: a schema llguidance takes seconds to compile holds up no other request."""
+        self._fresh_builds: list[Future] = []
+        """The builds started since the leader last admitted built ones (_admit_built waits briefly
+        for these alone, not again each step for one that takes seconds)."""
         self._awaiting_since = 0.0
         self.collectives = model.collectives
         self.is_leader = self.collectives.rank == 0
@@ -289,6 +299,7 @@ class ServingLoop:
             if idle:  # waiting for work and gathering a burst are not the loop's own time
                 started = time.perf_counter()
             self._admit_awaiting()
+            self._admit_built()
             static_id = self._next_static()
             if static_id is not None:
                 self._broadcast(StepPlan(Command.STATIC, static_id=static_id))
@@ -361,21 +372,46 @@ class ServingLoop:
                 self.held.drop(rid)
                 if self.scheduler.cancel(rid) is not None or self._drop_awaiting(rid):
                     events.append(TokenEvent(rid, [], "abort"))
+        # "built": a matcher's build ended, which only wakes an idle leader to admit its request
         return kind == "stop"
 
     def _admit(self, seq: Sequence, events: list[TokenEvent]) -> None:
-        """Queue a submitted request for a row; a structured one gets its grammar first."""
-        request = seq.request
-        if request.sampling.structured_output is not None:
-            try:
-                seq.grammar = self._grammar(request)
-            except Exception as err:  # noqa: BLE001 - this request's alone
-                events.append(TokenEvent(request.request_id, [], "error", error=str(err)))
-                return
+        """Queue a submitted request for a row; a structured one once its matcher is built."""
+        if seq.request.sampling.structured_output is not None:
+            future = build_on_a_thread(lambda: self._grammar(seq.request))
+            future.add_done_callback(lambda _: self._inbox.put(("built", None)))
+            self._building.append((seq, future))
+            self._fresh_builds.append(future)
+            return
+        self._queue(seq, events)
+
+    def _queue(self, seq: Sequence, events: list[TokenEvent]) -> None:
         try:
             self.scheduler.add(seq)
         except ValueError:
-            events.append(TokenEvent(request.request_id, [], "abort"))
+            events.append(TokenEvent(seq.request.request_id, [], "abort"))
+
+    def _admit_built(self) -> None:
+        """Queue the structured requests whose matchers are built (failing those whose build
+        failed), in arrival order, after waiting up to QUICK_BUILD_S for those not built yet."""
+        fresh, self._fresh_builds = self._fresh_builds, []
+        if not self._building:
+            return
+        if fresh:
+            wait(fresh, timeout=QUICK_BUILD_S)
+        events, building, self._building = [], self._building, []
+        for seq, future in building:
+            if not future.done():
+                self._building.append((seq, future))
+                continue
+            try:
+                seq.grammar = future.result()
+            except Exception as err:  # noqa: BLE001 - this request's alone
+                events.append(TokenEvent(seq.request.request_id, [], "error", error=str(err)))
+                continue
+            self._queue(seq, events)
+        if events:
+            self.outbox.put(events, self.scheduler.load())
 
     def _grammar_pending(self) -> bool:
         """Whether the grammar tokenizer is still being built (the first call starts it)."""
@@ -402,8 +438,12 @@ class ServingLoop:
         self.outbox.put(events, self.scheduler.load())
 
     def _drop_awaiting(self, request_id: str) -> bool:
+        """Drop the request if it waits for the grammar tokenizer or its matcher (a build already
+        running ends unread); whether it did."""
         kept = [s for s in self._awaiting_grammar if s.request.request_id != request_id]
-        dropped, self._awaiting_grammar = len(kept) < len(self._awaiting_grammar), kept
+        building = [(s, f) for s, f in self._building if s.request.request_id != request_id]
+        dropped = len(kept) < len(self._awaiting_grammar) or len(building) < len(self._building)
+        self._awaiting_grammar, self._building = kept, building
         return dropped
 
     def _grammar(self, request: StreamRequest):
@@ -416,8 +456,9 @@ class ServingLoop:
         for seq in list(self.scheduler.running.values()) + list(self.scheduler.waiting):
             self.scheduler.cancel(seq.request.request_id)
             events.append(TokenEvent(seq.request.request_id, [], "abort"))
-        events.extend(TokenEvent(seq.request.request_id, [], "abort") for seq in self._awaiting_grammar)
-        self._awaiting_grammar = []
+        waiting = self._awaiting_grammar + [seq for seq, _ in self._building]
+        events.extend(TokenEvent(seq.request.request_id, [], "abort") for seq in waiting)
+        self._awaiting_grammar, self._building = [], []
         self.held.clear()
         self.outbox.put(events, self.scheduler.load())
 
