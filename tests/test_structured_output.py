@@ -457,6 +457,26 @@ def test_a_pattern_no_text_matches_is_refused_at_its_first_step(wide_model, smol
     assert "matcher failed" in error and "<state>" not in error and "\n" not in error, error
 
 
+def test_a_grammar_that_fails_after_its_first_token_is_refused_before_it_runs(wide_model, smollm2_tokenizer):
+    """llguidance compiles these and takes their first step, then cannot go on: an object of 501
+    optional properties (its parser's 2,000 items a row, passed after the opening brace) and a
+    required property referring back to its own object (50,000 items a step). The driver's check
+    follows one path a token further and refuses them, with llguidance's reason; 500 properties,
+    and grammars whose lowest first token is the end (`a*`), pass."""
+    grammar_tokenizer = GrammarTokenizer(lambda: smollm2_tokenizer, VOCAB)
+
+    def optional(count):
+        return StructuredOutput(json={"type": "object", "additionalProperties": False,
+                                      "properties": {f"f{i}": {"type": "string"} for i in range(count)}})
+    looping = StructuredOutput(json={"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]})
+    for spec, reason in ((optional(501), "Current row has 2003 items; max is 2000"), (looping, "Too many items")):
+        assert grammar_problem(spec) is None
+        with pytest.raises(ValueError, match=rf"cannot be used: its matcher fails after its first token \(.*{reason}"):
+            check_structured_output(spec, tokenizer=grammar_tokenizer)
+    for spec in (optional(500), StructuredOutput(regex="a*"), StructuredOutput(regex="[0-9]", after_token=7)):
+        check_structured_output(spec, tokenizer=grammar_tokenizer)
+
+
 def test_structured_requests_stop_waiting_for_a_tokenizer_that_never_comes(wide_model, smollm2_tokenizer):
     never = threading.Event()
     loop = fresh_loop(wide_model, smollm2_tokenizer,

@@ -8,6 +8,7 @@ a pattern no text matches, before the request is submitted."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -66,18 +67,46 @@ def check_structured_output(spec: StructuredOutput | None, name: str = "structur
 
 
 def first_step_problem(spec: StructuredOutput, tokenizer) -> str | None:
-    """Why a matcher of spec fails at its first token (no text can match it), or None."""
-    from workers.structured.matchers import GrammarRefused, start_matcher
+    """Why a matcher of spec fails at its first token (no text can match it), or on the first token
+    of one path (the lowest-numbered token its first step allows), or None. The second finds grammars
+    llguidance compiles but cannot go on with past their start: an object of more than 500
+    optional properties passes its parser's 2,000 items a row after the opening brace, and a
+    required property referring back to its own object its 50,000 items a step. Other paths and
+    later tokens are not tried: a failure there still fails its request when it comes."""
+    from workers.structured.matchers import GrammarRefused, error_of, start_matcher
 
     try:  # the tokenizer's own failure is not the grammar's: raised as it is
         grammar = start_matcher(tokenizer, spec)
     except GrammarRefused as err:  # llguidance refused the grammar itself: its reason
         return err.reason
+    mask = np.zeros(grammar.words, dtype=np.int32)
     try:
-        grammar.write_mask(np.zeros(grammar.words, dtype=np.int32))
+        grammar.write_mask(mask)
     except ValueError as err:
         return f"no output can match it ({err})"
+    token = _lowest_allowed(mask, but=tokenizer.get().eos_tokens)  # the end is no path on
+    matcher = grammar.matcher  # fed directly: a constraint after a token starts with this step too
+    if token is None:
+        return None
+    if matcher.consume_token(token) and not matcher.is_stopped():
+        matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+    if matcher.is_error():
+        return f"its matcher fails after its first token ({error_of(matcher)})"
     return None
+
+
+def _lowest_allowed(mask: np.ndarray, but: Sequence[int] = ()) -> int | None:
+    """The lowest token id a mask (32-bit words, token t bit t % 32 of word t // 32) allows, other
+    than those in `but`."""
+    bits = mask.view(np.uint32).copy()
+    for token in but:
+        if token < len(bits) * 32:
+            bits[token // 32] &= np.uint32(0xFFFFFFFF ^ (1 << (token % 32)))
+    words = np.flatnonzero(bits)
+    if not len(words):
+        return None
+    word = int(bits[words[0]])
+    return int(words[0]) * 32 + (word & -word).bit_length() - 1
 
 
 def short_problem(text: str) -> str:

@@ -75,7 +75,7 @@ def start_matcher(tokenizer: GrammarTokenizer | None, spec: StructuredOutput, de
     llg_tokenizer = tokenizer.get()
     matcher = LLMatcher(llg_tokenizer, grammar_text(spec))
     if matcher.is_error():
-        raise GrammarRefused(spec, _error_of(matcher))
+        raise GrammarRefused(spec, error_of(matcher))
     grammar = RequestGrammar(matcher, llg_tokenizer.vocab_size, spec.after_token)
     for token in delivered:
         grammar.advance(token)
@@ -129,7 +129,7 @@ class RequestGrammar:
         """Write the allowed next tokens into `words` (a contiguous int32 numpy array of self.words)."""
         self.matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
         if self.matcher.is_error():
-            raise ValueError(f"the structured output's matcher failed: {_error_of(self.matcher)}")
+            raise ValueError(f"the structured output's matcher failed: {error_of(self.matcher)}")
 
     def accepting(self) -> bool:
         """Whether the output so far is a whole match (ending it here is allowed)."""
@@ -144,11 +144,11 @@ class RequestGrammar:
                 self.waits_for = None
             return False
         if not self.matcher.consume_token(token):
-            raise ValueError(f"the structured output's matcher refused token {token}: {_error_of(self.matcher)}")
+            raise ValueError(f"the structured output's matcher refused token {token}: {error_of(self.matcher)}")
         return self.matcher.is_stopped()
 
 
-def _error_of(matcher) -> str:
+def error_of(matcher) -> str:
     """The matcher's error on one line (llguidance appends its parser's whole state)."""
     from workers.structured.grammars import short_problem
 
