@@ -487,6 +487,14 @@ def test_an_empty_path_option_is_a_usage_error(argv, capsys):
     (["generate", "--tempreature", "0.5", "hi"],
      "corelaunch generate: error: unrecognized arguments: --tempreature (see `corelaunch generate --help`)"),
     (["plan", "--bogus"], "corelaunch plan: error: unrecognized arguments: --bogus (see `corelaunch plan --help`)"),
+    # a prompt starting with '-' reads as options: -h given "ello world", or an unknown option
+    (["generate", "-hello world"],
+     "corelaunch generate: error: argument -h/--help: ignored explicit argument 'ello world'; a prompt starting "
+     "with '-' ('-hello world') reads as options: give it as --prompt='-hello world', or after the options and `--` "
+     "(corelaunch generate --max-new-tokens 32 -- '-hello world') (see `corelaunch generate --help`)"),
+    (["generate", "--max-new-tokens", "4", "-x"], "unrecognized arguments: -x; a prompt starting with '-' (-x)"),
+    (["generate", "--max-new-tokens", "-3", "hi"],  # a negative value is no prompt: no hint
+     "--max-new-tokens (-3) must be at least 1 (see `corelaunch generate --help`)"),
 ])
 def test_argparse_refusals_are_one_line_naming_the_fix(argv, words, capsys, ray_tripwire):
     """argparse printed its whole usage block (28 lines for generate) above the line that says what

@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import importlib
 import os
+import shlex
 import sys
 
 # subcommand name -> module implementing it
@@ -29,8 +30,28 @@ class _OneLineErrors(argparse.ArgumentParser):
     """argparse's refusals in one line, as the commands' own are: argparse printed the whole usage
     block (28 lines for `generate`) above the line that says what is wrong."""
 
+    words: list[str] = []
+    """The command line being parsed (set by _parse_and_run), for _dashed_prompt_hint."""
+
     def error(self, message: str):
-        _usage_error(self.prog, message)
+        _usage_error(self.prog, message + _dashed_prompt_hint(self.prog, _OneLineErrors.words))
+
+
+def _dashed_prompt_hint(prog: str, words: list[str]) -> str:
+    """How to pass a generate prompt that starts with '-', when the command line holds one: argparse
+    reads it as options (`"-hello world"` as -h given "ello world", or an unrecognized argument).
+    A word is taken for such a prompt where no option of generate's looks like it: a single dash
+    but -h, or whitespace inside; never a negative number (an option's value)."""
+    if prog != "corelaunch generate":
+        return ""
+    dashed = next((word for word in words if word.startswith("-") and word not in ("-", "--", "-h")
+                   and not word[1:2].isdigit() and (not word.startswith("--") or any(c.isspace() for c in word))),
+                  None)
+    if dashed is None:
+        return ""
+    shown = shlex.quote(dashed)
+    return (f"; a prompt starting with '-' ({shown}) reads as options: give it as --prompt={shown}, or after "
+            f"the options and `--` (corelaunch generate --max-new-tokens 32 -- {shown})")
 
 
 def _usage_error(prog: str, message: str):
@@ -70,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 def _parse_and_run(argv: list[str] | None) -> int:
     # the subcommands' imports too: Ctrl-C in the first half second was a traceback from importlib
     parser = build_parser()
+    _OneLineErrors.words = list(sys.argv[1:] if argv is None else argv)
     args, extra = parser.parse_known_args(argv)
     if extra:
         # `generate "A" --max-new-tokens 4 "B"`: argparse takes one run of positional prompts
