@@ -2003,6 +2003,12 @@ def test_structured_output_over_http(client):
     assert caught.value.status_code == 400 and caught.value.body["param"] == "structured_outputs"
     assert caught.value.body["message"].startswith("structured_output (regex") and "no output can match" in \
         caught.value.body["message"]  # about the request as a whole: no prompt[0] before it
+    looping = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+    with pytest.raises(Exception) as caught:  # compiles, and cannot go on past its first token
+        client.chat.completions.create(model=MODEL, messages=asked, max_tokens=5, response_format={
+            "type": "json_schema", "json_schema": {"name": "loop", "schema": looping}})
+    assert caught.value.status_code == 400 and caught.value.body["param"] == "response_format.json_schema.schema"
+    assert "its matcher fails after its first token" in caught.value.body["message"]
     many = client.completions.create(model=MODEL, prompt="Pick one:", max_tokens=10, temperature=0,
                                      extra_body={"structured_outputs": {"choice": [f"n{i}" for i in range(2500)]}})
     assert many.choices[0].text in {f"n{i}" for i in range(2500)} and many.choices[0].finish_reason == "stop"
