@@ -175,6 +175,9 @@ def test_a_store_that_fails_costs_the_keeping_not_the_answer(tokenizer, caplog):
         assert busy.headers["Retry-After"]
     busy = refusal(server, asked(previous_response_id="resp_1"))
     assert busy.status == 503 and busy.code == "response_store_unavailable"
+    counted = {labels: server.metrics.registry.get_sample_value("corelaunch_requests_total", dict(zip(
+        ("finish_reason", "status"), labels))) for labels in (("unavailable", "503"), ("rejected", "503"))}
+    assert counted == {("unavailable", "503"): 1.0, ("rejected", "503"): 0.0}  # not a full queue
 
 
 def test_a_shared_store_that_does_not_answer_is_named(monkeypatch):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import errno
 import json
 import logging
@@ -106,7 +107,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-replicas", type=int_at_least("--max-replicas"), metavar="N",
                    help="autoscaling: most Serve replicas, above --min-replicas (needed to autoscale: a range of one count "
                         "is refused); each rank's CPU share is sized for this many")
-    p.add_argument("--target-ongoing-requests", type=float, metavar="R",
+    p.add_argument("--target-ongoing-requests", type=_requests, metavar="R",
                    help="autoscaling: requests in flight per replica Serve scales toward (default 2)")
     p.add_argument("--ingress", choices=MODES, default="auto",
                    help="how HTTP reaches the model: `direct`, the Serve replica's own HTTP server on --port (one "
@@ -160,6 +161,16 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"--ready-timeout ({text}) must be a finite number of seconds above 0 "
                                          f"(default 900)")
     return value
+
+
+def _requests(text: str) -> float:
+    """--target-ongoing-requests: a number, worded as the other numeric flags word theirs (argparse's own
+    type=float said "invalid float value"); its range is checked with the other autoscaling settings."""
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--target-ongoing-requests ({text!r}) must be a number (requests in "
+                                         f"flight per replica that Serve scales toward; default 2)") from None
 
 
 def _host(text: str) -> str:
@@ -221,16 +232,51 @@ def check_port_free(host: str, port: int) -> None:
         try:
             sock.bind((host, port))
         except OSError as err:
-            if err.errno == errno.EADDRINUSE:
-                fix = "pass a free --port, or stop what holds it"
-            else:  # not this host's address, or not an address at all
-                fix = "pass a --host this machine has (127.0.0.1, or 0.0.0.0 for every interface)"
-            raise OSError(f"cannot listen on {host}:{port} ({err.strerror}); {fix}") from None
+            raise OSError(f"cannot listen on {host}:{port} ({err.strerror}); {bind_error_fix(err)}") from None
 
 
-def port_taken_meanwhile(host: str, port: int) -> str | None:
-    """After a failed deploy: why, when --port is now held (by another process: this server's
-    replica never bound it), else None."""
+def bind_error_fix(err: OSError) -> str:
+    """What to change when binding --host:--port failed with `err`."""
+    if err.errno == errno.EADDRINUSE:
+        return "pass a free --port, or stop what holds it"
+    if err.errno == errno.EACCES:  # a port below 1024 (ip_unprivileged_port_start) without the privilege
+        return ("ports below 1024 need root or CAP_NET_BIND_SERVICE; pass a --port of 1024 or above, or run with "
+                "that privilege")
+    # not this host's address, or not an address at all
+    return "pass a --host this machine has (127.0.0.1, or 0.0.0.0 for every interface)"
+
+
+@dataclasses.dataclass(frozen=True)
+class DeployFailure:
+    """Why serve.run did not deploy the application (str() says it). `raised`: serve.run raised, a
+    replica's start having failed, rather than --ready-timeout running out; `reason`: that replica's
+    own error, from Serve's status (None where Serve did not say)."""
+
+    message: str
+    raised: bool
+    reason: str | None = None
+
+    def __str__(self) -> str:
+        return self.message
+
+
+BIND_FAILURE_WORDS = ("Failed to bind", "port already in use", "No available ports", "Address already in use",
+                      "Failed to allocate and start")
+"""What Ray Serve's replica raises when it cannot bind its direct-ingress port (start_asgi_http_server,
+Replica._maybe_start_direct_ingress_servers, NodePortManager: the port, tried and blocked, is its
+range's only one)."""
+
+
+def port_taken_meanwhile(host: str, port: int, failure: DeployFailure) -> str | None:
+    """After a failed deploy with direct ingress: why, when another process holds --port, else None.
+    Only where serve.run raised (the replica's start failed) and Serve's reason, where it gives one,
+    is the bind: past --ready-timeout the replica may hold the port itself (it binds once the model
+    is loaded, shortly before serve.run returns), and a replica failing for a reason of its own (the
+    model's load) is named by that reason, whoever holds the port then."""
+    if not failure.raised:
+        return None
+    if failure.reason is not None and not any(words in failure.reason for words in BIND_FAILURE_WORDS):
+        return None
     try:
         check_port_free(host, port)
     except OSError as err:
@@ -415,7 +461,8 @@ def _serve_on(args: argparse.Namespace, settings, mode: str, stdout) -> int:
         # One --ready-timeout for both waits: the replicas loading, then their HTTP server answering.
         ready_by = time.monotonic() + args.ready_timeout
         failure = _deploy(serve, application(settings), stop, ready_by, args.ready_timeout)
-        if failure is not None and mode == "direct" and (taken := port_taken_meanwhile(args.host, args.port)):
+        if failure is not None and mode == "direct" and (taken := port_taken_meanwhile(args.host, args.port,
+                                                                                       failure)):
             # Free at the check before Ray started, but another process (a second server started at
             # the same time, say) bound it before this server's replica could: Serve's own message
             # ("Failed to update the deployments") named no port; the bind error is in its logs.
@@ -479,7 +526,7 @@ def _start_serve(serve, host: str, proxy_port: int) -> str | None:
     return None
 
 
-def _deploy(serve, app, stop: threading.Event, deadline: float, timeout_s: float) -> str | None:
+def _deploy(serve, app, stop: threading.Event, deadline: float, timeout_s: float) -> DeployFailure | None:
     """serve.run in a thread (it waits, without a limit, for every replica to load the model), bounded
     by `deadline` (time.monotonic(); the end of --ready-timeout, timeout_s) and by a signal; None once
     deployed, else why not."""
@@ -502,12 +549,12 @@ def _deploy(serve, app, stop: threading.Event, deadline: float, timeout_s: float
         # Serve's own error names only the deployment; the replica's exception is in its status
         reason = replica_failure(serve, APP_NAME)
         if reason is None:
-            return f"the server failed to start: {outcome['error']}"
-        return (f"the server failed to start: {reason} (the whole traceback: the ServeController's log under "
-                f"{_serve_logs()})")
+            return DeployFailure(f"the server failed to start: {outcome['error']}", raised=True)
+        return DeployFailure(f"the server failed to start: {reason} (the whole traceback: the ServeController's "
+                             f"log under {_serve_logs()})", raised=True, reason=reason)
     if "done" not in outcome and not stop.is_set():
-        return (f"the model was not loaded within --ready-timeout {timeout_s:g} s; raise --ready-timeout, or "
-                f"check the replica's log under {_serve_logs()}")
+        return DeployFailure(f"the model was not loaded within --ready-timeout {timeout_s:g} s; raise "
+                             f"--ready-timeout, or check the replica's log under {_serve_logs()}", raised=False)
     return None
 
 
@@ -522,6 +569,12 @@ def base_url(host: str, port: int) -> str:
     return f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
 
 
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+"""An opener that reaches the server directly: urlopen's default honours http_proxy (and skips
+127.0.0.1 only where no_proxy names it), so a host with a proxy set asked the proxy for the
+server's /health, waited out --ready-timeout and shut a healthy server down."""
+
+
 def wait_healthy(host: str, port: int, stop: threading.Event, deadline: float, ready_timeout_s: float) -> str | None:
     """Poll GET /health until it answers 200: at least once, then until `deadline` (time.monotonic())
     ends --ready-timeout (ready_timeout_s, which the message names). None then, else why not (the
@@ -529,7 +582,7 @@ def wait_healthy(host: str, port: int, stop: threading.Event, deadline: float, r
     url, last = f"{base_url(host, port)}/health", "no answer yet"
     while not stop.is_set():
         try:
-            with urllib.request.urlopen(url, timeout=5) as reply:
+            with _NO_PROXY.open(url, timeout=5) as reply:
                 if reply.status == 200:
                     return None
                 last = f"HTTP {reply.status}"

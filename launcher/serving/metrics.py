@@ -26,16 +26,18 @@ appears at 1 hides its first increase from Prometheus' rate() and increase() (an
 
 
 class ServerMetrics:
-    """Every metric the server exports. `load` returns the engine's {"running", "waiting"}; it is
-    read when /metrics is scraped, so the gauges are never stale."""
+    """Every metric the server exports. `load` returns the engine's {"running", "waiting"} sequences
+    (one per choice of a request); it is read when /metrics is scraped, so the gauges are never stale."""
 
     def __init__(self, load: Callable[[], dict]):
         self.registry = CollectorRegistry()
         self._load = load
         r = self.registry
-        self.running = Gauge("corelaunch_requests_running", "Requests in the running batch (holding a slot)",
-                             registry=r)
-        self.waiting = Gauge("corelaunch_requests_waiting", "Requests queued for a slot", registry=r)
+        # ReplicaPool.load counts engine sequences, one per choice: a request with n=4 is 4 running
+        self.running = Gauge("corelaunch_requests_running", "Sequences in the running batch, each holding one of "
+                             "--max-num-seqs slots (one per choice: a request with n choices counts n)", registry=r)
+        self.waiting = Gauge("corelaunch_requests_waiting", "Sequences (choices) queued for a slot: those beyond "
+                             "--max-num-seqs", registry=r)
         self.time_to_first_token = Histogram(
             "corelaunch_time_to_first_token_seconds",
             "Seconds from a request's arrival at the server to its first generated token",
@@ -58,7 +60,8 @@ class ServerMetrics:
             "abort (client went away), error (failed while generating: 500, or 504 past the request timeout), rejected (refused with the "
             "HTTP status in `status` before generating: 400 bad input, 404, 408 body too slow, 413, 415 encoded body, 503 queue full or "
             "body budget full), "
-            "unavailable (503: no TP group can take requests, at admission or while the request ran)",
+            "unavailable (503: no TP group can take requests, at admission or while the request ran, or the shared "
+            "response store did not answer a previous_response_id)",
             ["finish_reason", "status"], registry=r)
         for finish_reason, status in OUTCOMES:
             self.requests.labels(finish_reason=finish_reason, status=str(status))

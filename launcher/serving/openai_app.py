@@ -1313,8 +1313,8 @@ class OpenAIServer:
         except asyncio.CancelledError:  # the client left meanwhile
             self.metrics.finished("abort", 499)
             raise
-        except ProtocolError as err:
-            self.metrics.rejected(err.status)
+        except ProtocolError:  # the shared store did not answer (503): no fault of the request's
+            self.metrics.rejected(503, reason="unavailable")
             raise
         if items is None:
             self.metrics.rejected(400)
