@@ -917,3 +917,49 @@ def test_streams_waiting_on_a_restarting_replica_run_at_once_on_one_with_a_free_
         r0.state = "serving"
         r0._resume_streams()
     assert s0.attempts == 2 and [r.request_id for r in factory_seen(pool, 0)][-1] == "s0"
+
+
+def the_shutdowns_stop_error() -> LaunchError:
+    """What a restarting group raises once the launcher's shutdown has begun (launcher/api.py counts
+    the stop before it tells the pool): made by a real TPGroup's own check, no Ray needed."""
+    from launcher.cluster.resources import RankResources
+    from launcher.cluster.tp_group import TPGroup
+
+    group = TPGroup(tp_degree=1, backend="cpu", resources=RankResources(bundle={"CPU": 1}, num_cpus=1, threads=1))
+    group.stop_asked = lambda: True
+    with pytest.raises(LaunchError) as info:
+        group._unless_stop_asked()
+    return info.value
+
+
+def test_a_restart_stopped_by_the_shutdown_gives_no_replica_up(make_pool):
+    """A restart cut short by the shutdown before the pool heard of it is no failure of the
+    replica: the request fails naming the shutdown, not "could not be restarted", and the pool does
+    not fail its queue with "no replica is left ... Fix the cluster"."""
+    factory = Factory({0: [dies_once(), the_shutdowns_stop_error()]})
+    pool = make_pool(1, factory)
+    pool.start()
+    with pytest.raises(LaunchError, match="shut down while this request was running") as info:
+        pool.submit("a").result(TIMEOUT_S)
+    assert type(info.value) is LaunchError  # not a ReplicaFailed
+    replica = pool.replicas[0]
+    assert replica.failure is None and replica.state != "failed" and pool._no_replica is None
+
+
+def test_streams_dropped_during_a_restart_are_not_resubmitted(make_pool):
+    """A stream its reader dropped while the replica restarted (its cancel deferred to the next
+    poll) would be prefilled on the new group only to be cancelled there: it is forgotten instead."""
+    pool = make_pool(1)
+    pool.start()
+    replica = pool.replicas[0]
+    replica.state = "restarting"  # as inside _restart, before the new group serves
+    live, dropped = stream_handle("live"), stream_handle("dropped")
+    pool.submit_streams([live, dropped])
+    pool.cancel_stream(dropped, deferred=True)  # a reader garbage-collected meanwhile
+    with replica._streams_lock:
+        replica.state = "serving"
+        replica._resume_streams()
+    assert [r.request_id for r in factory_seen(pool, 0)] == ["live"]
+    assert list(replica.streams) == ["live"] and dropped.cancelled
+    replica.cancel_stream(dropped.request_id, only=dropped)  # the deferred cancel, at the next poll
+    assert factory_seen(pool, 0)[-1].request_id == "live" and replica.started.group.cancelled == []

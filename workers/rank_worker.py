@@ -274,11 +274,17 @@ class RankWorker:
         """Run one batch; rank 0 returns the outputs, other ranks return None. While the serving loop
         runs, the batch waits there for its turn (static_id: the same number on every rank)."""
         assert self._model is not None, "load must run before generate"
-        loop = self._loop
+        loop = self._loop  # once: serve() clears it, on another thread, when the loop ends
         if loop is not None:
             if static_id is None:
                 raise ValueError("this group is serving: a static batch needs the static_id every rank shares")
             outputs = loop.static(static_id, request).result()
+        elif static_id is not None:
+            # Sent to a serving loop that has ended since (its error is the group's to report). Run
+            # eagerly here instead, its collectives would wait for ranks that never join them, until
+            # the driver's request timeout.
+            raise RuntimeError(f"rank {self.spec.rank}'s serving loop ended before static batch {static_id} ran "
+                               f"(the group is no longer serving)")
         else:
             outputs = self._run_batch(request)
         return outputs if self.spec.rank == 0 else None

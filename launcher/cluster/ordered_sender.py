@@ -28,19 +28,25 @@ class OrderedSender:
         self._items: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._ended = False
 
     def put(self, item) -> None:
         with self._lock:  # started on first use: a group that never serves has no thread
+            if self._ended:  # a late cancel to a killed group: a thread started for it would wait for ever
+                return
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, args=(self._items,), name=self._name, daemon=True)
                 self._thread.start()
             self._items.put(item)
 
-    def close(self) -> None:
+    def close(self, final: bool = False) -> None:
         """Stop the thread once the items put before have been sent. A later put starts another,
         on a queue of its own (one queue, one reader), so the order holds among the items put after
-        a close, not across it: a killed group's later calls go nowhere (it has no actors)."""
+        a close, not across it. final: every later put is dropped (a killed group, which has no
+        actors to send to: a put racing its kill, a reader's cancel, started a thread that waited
+        on its empty queue for ever, holding the dead group)."""
         with self._lock:
+            self._ended = self._ended or final
             if self._thread is not None:
                 self._items.put(_STOP)
                 self._items, self._thread = queue.SimpleQueue(), None

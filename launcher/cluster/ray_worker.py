@@ -46,7 +46,9 @@ class RayRankWorker(RankWorker):
         return self._compute.submit(super().load, load_spec).result()
 
     def generate(self, request, static_id=None):
-        if self._loop is not None:  # the compute thread runs the serving loop, which runs the batch
+        # A batch numbered for the serving loop (static_id) is that loop's to run, on the compute
+        # thread it holds; RankWorker.generate refuses it when the loop has ended meanwhile.
+        if static_id is not None or self._loop is not None:
             return super().generate(request, static_id)
         return self._compute.submit(super().generate, request).result()
 

@@ -78,6 +78,11 @@ class StartedGroup:
 GroupFactory = Callable[[int, bool], StartedGroup]
 """(replica index, is_restart) -> a started, loaded group; raises when it cannot be started."""
 
+STOPPED_BY_SHUTDOWN = "stopped_by_shutdown"
+"""An attribute, True on what a GroupFactory raises when the launcher's shutdown stopped the group
+it made (launcher/cluster/tp_group.py stopped_by_shutdown): a restart cut short so is given up on
+quietly. The shutdown tells the launcher's group before this pool (ReplicaPool.stopping)."""
+
 
 @dataclass
 class ReplicaOutput:
@@ -387,11 +392,21 @@ class Replica:
         takes it out under the same lock), so only live streams are resubmitted."""
         now = time.monotonic()
         for handle in list(self.streams.values()):
+            if handle.closing:  # its reader dropped it during the restart: a prefill for nobody
+                self._forget_closed(handle)
+                continue
             if now > handle.deadline:  # its prompt would be prefilled again only to time out
                 self._out_of_the_books(handle.request_id)
                 handle.fail(_overdue(handle, "its group failed and it was not resumed"))
                 continue
             self._hand_over(handle, handle.resumed())
+
+    def _forget_closed(self, handle: StreamHandle) -> None:
+        """A stream its reader closed that no group holds: out of the books as cancel_stream takes
+        it (its cancel, still queued in `dropped` or on its way, then finds nothing to do)."""
+        handle.cancelled = True
+        self._out_of_the_books(handle.request_id)
+        self.served += 1
 
     def _take_streams(self) -> list[StreamHandle]:
         with self._streams_lock:
@@ -451,7 +466,8 @@ class Replica:
         A failure while making the new group counts as any other, and max_restarts 0 still means no
         restart at all."""
         noticed = time.monotonic()
-        self.state = "restarting"
+        with self._streams_lock:  # a cancel_stream that saw "serving" has handed its cancel to the old group
+            self.state = "restarting"
         if self.started is not None:
             self.started.group.kill()
         while True:
@@ -483,6 +499,11 @@ class Replica:
                 cause = err
                 continue
             except BaseException as err:  # noqa: BLE001 - anything else cannot be cured by retrying
+                if self.pool.stopping or getattr(err, STOPPED_BY_SHUTDOWN, False):
+                    # The launcher's shutdown stopped the new group (before it told the pool): no
+                    # failure of this replica, and no "fix the cluster" for its requests, which
+                    # fail with the shutdown's own error.
+                    return False
                 self._give_up(ReplicaFailed(f"replica {self.index} lost its group ({_first_line(cause)}) and "
                                             f"could not be restarted: {type(err).__name__}: {err}"), err)
                 return False

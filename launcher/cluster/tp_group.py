@@ -27,6 +27,7 @@ from launcher.errors import (DevicesMissing, LaunchError, PlacementTimeout, Rank
                              RendezvousTimeout, RequestTimeout, WorkerDied)
 from launcher.cluster.event_channel import ChannelClosed, EventChannel
 from launcher.cluster.ordered_sender import OrderedSender
+from launcher.cluster.replica_pool import STOPPED_BY_SHUTDOWN
 from launcher.cluster.placement import alive_nodes, bundle_nodes, placement_strategy, rank_order
 from launcher.cluster.resources import RankResources, actor_options, even_split, explain_unplaceable
 from workers.backends import BackendEntry, backend_entry
@@ -43,19 +44,28 @@ _RANK_TIMEOUT_MARGIN_S = 5.0
 _LOOP_CHECK_S = 0.25
 
 
+def stopped_by_shutdown(message: str) -> LaunchError:
+    """The error of a group stopped because the launcher is shutting down, marked so (its type stays
+    a plain LaunchError, which the OpenAI server answers as a stop): a restart cut short this way is
+    no failure of its replica, whose requests then fail with the shutdown's own error."""
+    err = LaunchError(message)
+    setattr(err, STOPPED_BY_SHUTDOWN, True)
+    return err
+
+
 def _refuse_without_ray() -> None:
     """Ray's calls start a new local Ray when none is connected (its auto-init): a group whose
     launcher shut Ray down meanwhile (a restart racing shutdown, still waiting for its ranks past the
     shutdown's grace) must not start one behind its back."""
     if not ray.is_initialized():
-        raise LaunchError("Ray was shut down while this group was working (the launcher is shutting down)")
+        raise stopped_by_shutdown("Ray was shut down while this group was working (the launcher is shutting down)")
 
 
 def _ray_gone_under(err: BaseException) -> LaunchError:
     """What a wait raises as, or just after, the driver's Ray shuts down under it (SystemExit, or
     RaySystemError once its implicit start is off: ray_cluster.RayConnection.close)."""
-    return LaunchError(f"Ray was shut down while this group was working (the launcher is shutting down): "
-                       f"{type(err).__name__}")
+    return stopped_by_shutdown(f"Ray was shut down while this group was working (the launcher is shutting down): "
+                               f"{type(err).__name__}")
 
 
 @dataclass
@@ -178,7 +188,9 @@ class TPGroup:
         again each second (resources held by others may free up) within the placement timeout."""
         deadline = time.monotonic() + self.timeouts.placement_s
         while True:
-            self._place()
+            # what is left of the one timeout: each try waiting the whole of it let the wait run
+            # to about twice --placement-timeout when a try placed late but on too many nodes
+            self._place(deadline - time.monotonic())
             placed = bundle_nodes(self._pg)
             used = len(set(placed.values()))
             if used <= self.nodes:
@@ -193,7 +205,9 @@ class TPGroup:
                     f"--nodes {used}")
             time.sleep(1.0)
 
-    def _place(self) -> None:
+    def _place(self, timeout_s: float | None = None) -> None:
+        """Reserve the bundles within timeout_s (the placement timeout when None); the message
+        names the placement timeout, of which timeout_s is what is left."""
         per_node = even_split(self.resources.bundle, self.tp_degree, self.nodes)
         if per_node is not None:  # exactly --nodes nodes, TP / nodes ranks on each
             bundles = [{name: amount * per_node for name, amount in self.resources.bundle.items()}
@@ -206,7 +220,7 @@ class TPGroup:
         # the old group) must not collide, so each group gets a random suffix.
         self._pg = placement_group(bundles, strategy=strategy,
                                    name=f"{self.name}-tp{self.tp_degree}-{uuid.uuid4().hex[:8]}")
-        if not self._placed_within(self.timeouts.placement_s):
+        if not self._placed_within(self.timeouts.placement_s if timeout_s is None else timeout_s):
             remove_placement_group(self._pg)
             self._pg = None
             nodes = alive_nodes()
@@ -231,7 +245,7 @@ class TPGroup:
     def _unless_stop_asked(self) -> None:
         if self.stop_asked is not None and self.stop_asked():
             self.kill()
-            raise LaunchError("the launcher was shut down while this group started; the group was stopped")
+            raise stopped_by_shutdown("the launcher was shut down while this group started; the group was stopped")
 
     def _check_devices(self, entry: BackendEntry) -> None:
         lost = [w for w in self.workers if not w.get("devices")]
@@ -380,6 +394,8 @@ class TPGroup:
                 break
             except ray.exceptions.RayTaskError as err:
                 failure = failure or _rank_failure(self._where(rank_of[ref]), "serve", err)
+            except ray.exceptions.RayError as err:  # its result lost with its node or owner
+                failure = failure or _lost_result(self._where(rank_of[ref]), "serve", err)
         if not isinstance(failure, WorkerDied):
             failure = self._find_death(pending, rank_of, "serve") or failure
         if type(failure) is RankFailed and (silent := self.silent_ranks(_ROOT_CAUSE_GRACE_S)):
@@ -497,6 +513,13 @@ class TPGroup:
                     if death is not None:
                         raise death from None
                     raise failure from None
+                except ray.exceptions.RayError as err:
+                    # The result lost with its node or owner (ObjectLostError, OwnerDiedError: no
+                    # RayActorError) is a group fault too: unstopped, its ranks were left in a
+                    # collective and a static batch was not re-run on a restarted group.
+                    death = self._find_death(pending, rank_of, step)
+                    self.kill()
+                    raise death or _lost_result(self._where(rank_of[ref]), step, err) from None
         return [results[r] for r in refs]
 
     def _death(self, rank: int, step: str, err: Exception) -> WorkerDied:
@@ -513,10 +536,10 @@ class TPGroup:
         for ref in done:
             try:
                 ray.get(ref)
-            except ray.exceptions.RayActorError:
-                return False
             except ray.exceptions.RayTaskError:
                 pass
+            except ray.exceptions.RayError:  # a death, or a result lost with its node
+                return False
         return True
 
     def _find_death(self, pending: list, rank_of: dict, step: str) -> WorkerDied | None:
@@ -530,7 +553,7 @@ class TPGroup:
                     ray.get(ref)
                 except ray.exceptions.RayActorError as err:
                     return self._death(rank_of[ref], step, err)
-                except ray.exceptions.RayTaskError:
+                except ray.exceptions.RayError:  # a rank's own error, or a result lost: no death to name
                     pass
         return None
 
@@ -580,7 +603,7 @@ class TPGroup:
         return True
 
     def kill(self) -> None:
-        self._sender.close()
+        self._sender.close(final=True)  # a killed group is thrown away: nothing it is asked later is sent
         self._serve_refs = []
         events, self._events = self._events, None
         if events is not None:
@@ -599,6 +622,13 @@ class TPGroup:
             except Exception:  # noqa: BLE001 - removal of a group Ray already dropped
                 pass
             self._pg = None
+
+
+def _lost_result(where: str, step: str, err: Exception) -> RankFailed:
+    """A rank's result Ray could not hand over (lost with its node, or its owner died)."""
+    lines = str(err).strip().splitlines()
+    return RankFailed(f"{where}: Ray lost the result of its call to {step} ({type(err).__name__}: "
+                      f"{lines[0] if lines else ''}); the group was stopped")
 
 
 def _rank_failure(where: str, step: str, err: Exception) -> Exception:

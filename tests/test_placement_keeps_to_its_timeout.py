@@ -1,0 +1,52 @@
+"""A group's placement keeps to --placement-timeout in all (launcher/cluster/tp_group.py
+_place_within_nodes): a try that places late but on more nodes than --nodes allows is retried only
+within what is left of it. Each try waited the whole timeout again: about twice the timeout in all.
+A fake clock and a fake placement group; no Ray."""
+
+from __future__ import annotations
+
+import pytest
+
+import launcher.cluster.tp_group as tg
+from launcher.cluster.resources import RankResources
+from launcher.errors import PlacementTimeout
+
+PLACEMENT_S = 60.0
+PLACED_AFTER_S = 50.0  # each placement group is placed this long after it is asked for
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr(tg.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(tg.time, "sleep", lambda s: now.__setitem__(0, now[0] + s))
+    return now
+
+
+def test_a_placement_spread_too_wide_is_retried_only_within_the_placement_timeout(monkeypatch, clock):
+    class FakePlacementGroup:
+        def __init__(self):
+            self.placed_at = clock[0] + PLACED_AFTER_S
+
+        def wait(self, timeout_seconds):  # as Ray's: waits up to timeout_seconds for the placement
+            clock[0] = min(self.placed_at, clock[0] + timeout_seconds)
+            return clock[0] >= self.placed_at
+
+    monkeypatch.setattr(tg, "placement_group", lambda *a, **k: FakePlacementGroup())
+    monkeypatch.setattr(tg, "remove_placement_group", lambda pg: None)
+    monkeypatch.setattr(tg, "bundle_nodes", lambda pg: {0: "node-a", 1: "node-b"})  # always 2 nodes
+    monkeypatch.setattr(tg, "placement_strategy", lambda nodes: "PACK")
+    monkeypatch.setattr(tg, "even_split", lambda *a: None)
+    monkeypatch.setattr(tg, "alive_nodes", lambda: [])
+    monkeypatch.setattr(tg, "explain_unplaceable", lambda *a, **k: "its resources are held by others")
+    group = tg.TPGroup(tp_degree=2, backend="cpu", nodes=1,
+                       resources=RankResources(bundle={"CPU": 1}, num_cpus=1, threads=1),
+                       timeouts=tg.GroupTimeouts(placement_s=PLACEMENT_S))
+
+    with pytest.raises(PlacementTimeout) as info:
+        group._place_within_nodes()
+
+    # the old code waited a second whole timeout on the retry and raised at 101 s
+    assert clock[0] <= PLACEMENT_S + tg._POLL_S, f"raised after {clock[0]:g} s: {info.value}"
+    assert f"within {PLACEMENT_S:g} s" in str(info.value)  # the timeout the user gave, not what was left
+    assert group._pg is None  # the last try's group was removed
