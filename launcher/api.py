@@ -453,6 +453,20 @@ def _presharded_version_now(config) -> str | None:
     return config.presharded_dir if is_version(config.presharded_dir) else None
 
 
+RANK_PATH_FIELDS = ("model_dir", "presharded_dir", "compile_cache_dir", "progress_file")
+"""The LoadSpec fields a rank opens as paths."""
+
+
+def _with_absolute_paths(spec):
+    """`spec` with the paths a rank opens made absolute against this process's working directory.
+    A rank runs in its raylet's directory: on a cluster joined with --ray-address (or started by
+    `ray start` elsewhere), a relative --model or --out named nothing there ("... is not a
+    pre-sharded checkpoint"). os.path.abspath, not resolve(): a pinned version keeps the name it
+    was pinned by (the link's target is not followed)."""
+    absolute = {name: os.path.abspath(getattr(spec, name)) for name in RANK_PATH_FIELDS if getattr(spec, name)}
+    return dataclasses.replace(spec, **absolute)
+
+
 @contextlib.contextmanager
 def _second_interrupt_held():
     """SIGINT ignored inside the block (where the calling thread can set handlers: the main thread),
@@ -1017,7 +1031,7 @@ class Launcher:
         try:
             group.start()
             loading = True
-            stats = group.load(spec)
+            stats = group.load(_with_absolute_paths(spec))
             loading = False
             prepared = group.start_serving(self._serve_spec())
         except BaseException as err:

@@ -101,6 +101,31 @@ def unwritable_reason(path: str | Path) -> str | None:
     return None
 
 
+def sibling_name_too_long(out_dir: str | Path, kind: str) -> str | None:
+    """Why out_dir's name is too long for the hidden sibling `.NAME.KIND-HOST-PID-RANDOM` written
+    beside it until it is complete (atomic_dir's "v" and "lnk", quantize's "partial"), or None: a
+    name a little under the file system's limit passed every check and failed at that sibling's
+    creation, with "[Errno 36] File name too long" naming the sibling, which the user never chose."""
+    out_dir = Path(out_dir)
+    name, sibling = len(os.fsencode(out_dir.name)), len(os.fsencode(f"{_prefix(out_dir, kind)}{writer_tag()}-")) + 8
+    limit = _name_limit(out_dir.parent)
+    if sibling <= limit:
+        return None
+    return (f"its name is {name} bytes long, and the folder written beside it until it is complete "
+            f"(.NAME.{kind}-{writer_tag()}-RANDOM) would pass the file system's limit of {limit} bytes a name; "
+            f"use a name of at most {max(limit - (sibling - name), 0)} bytes")
+
+
+def _name_limit(folder: Path) -> int:
+    """The longest name (bytes) the file system holding `folder` (or its nearest existing ancestor) takes."""
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        return os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return 255  # every Linux file system's
+
+
 def names_out_dir(out_dir: str | Path, path: str | Path | None) -> bool:
     """Whether `path` (an OSError's filename) is out_dir, inside it, or one of the siblings
     atomic_dir writes beside it (.NAME.v-*, .NAME.lnk-*): a failed write of out_dir, as against a

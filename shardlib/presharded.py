@@ -90,7 +90,7 @@ def save_presharded(out_dir: str | Path, model_dir: str | Path, config: ModelCon
             shard = load_rank_shard(model_dir, config, layout, rank, dtype, report if progress else None)
             tensors = {name: {"dtype": _dtype_name(t.dtype), "shape": list(t.shape)} for name, t in shard.items()}
             path = tmp / rank_file_name(rank, tp)
-            save_file(shard, path, metadata={"format": "pt", "rank": str(rank), "tp_degree": str(tp)})
+            _save_rank_file(shard, path, metadata={"format": "pt", "rank": str(rank), "tp_degree": str(tp)})
             as_umask_allows(path, umask)  # 0600 from safetensors: a compiled directory is shared and copied
             del shard
             files.append({"rank": rank, "file": path.name, "bytes": path.stat().st_size, "sha256": _sha256(path),
@@ -111,6 +111,26 @@ def save_presharded(out_dir: str | Path, model_dir: str | Path, config: ModelCon
         }
         write_manifest_json(tmp, manifest)
     return out_dir
+
+
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+"""How safetensors' SafetensorError quotes the errno of a failed write ("File too large (os error 27)")."""
+
+
+def _save_rank_file(shard: dict, path: Path, metadata: dict[str, str]) -> None:
+    """save_file, its failed write raised as the OSError it is (naming `path`): safetensors raises a
+    SafetensorError, no OSError, so a full disk or a file size limit ended `corelaunch compile` in a
+    traceback instead of its "could not write --out" refusal."""
+    from safetensors import SafetensorError
+
+    try:
+        save_file(shard, path, metadata=metadata)
+    except SafetensorError as err:
+        found = _OS_ERROR.search(str(err))
+        if found is None:  # not the file system's refusal (a tensor it cannot serialize): as it was
+            raise
+        code = int(found.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from err
 
 
 def copy_dtype(manifest: dict[str, Any]) -> str:

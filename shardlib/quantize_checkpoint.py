@@ -27,9 +27,11 @@ from typing import Callable
 
 import torch
 
-from shardlib.atomic_dir import make_parents, owned_sibling, rename_no_replace, sweep_stale
+from shardlib.atomic_dir import (make_parents, owned_sibling, rename_no_replace, sibling_name_too_long, sweep_stale,
+                                 unwritable_reason)
 from shardlib.checkpoint import CHECKPOINT_FILES, _open_files, checked_names, find_checkpoint
 from shardlib.checkpoint_files import check_checkpoint
+from shardlib.demo_model import _MARKER as DEMO_MARKER
 from shardlib.model_config import ModelConfig, read_config_json
 from shardlib.quantization import (UNQUANTIZABLE_MODEL_TYPES, Quantization, absmax_scale, normalize_quant_dtype,
                                    quantize_with_scale, scale_name, storage_dtype)
@@ -52,6 +54,15 @@ def check_quantize_options(dtype: str, out_dir: str | Path) -> str:
     refuse_unexpanded_home("--out", out_dir)
     if Path(out_dir).exists() or Path(out_dir).is_symlink():
         raise ValueError(f"--out {out_dir} already exists; choose a new directory (quantize never overwrites)")
+    # what compile's --out is refused for, before the conversion rather than after it (a file on the
+    # way, a folder this user may not write, a name too long for the folder written beside it)
+    reason = unwritable_reason(out_dir)  # said as a failed write of it is (quantize_command.py)
+    if reason is not None:
+        raise ValueError(f"could not write --out {out_dir} ({reason}); pass a new path in a directory you can "
+                         f"write to")
+    too_long = sibling_name_too_long(out_dir, "partial")
+    if too_long is not None:
+        raise ValueError(f"could not write --out {out_dir}: {too_long}")
     return fmt
 
 
@@ -251,4 +262,6 @@ def _copy_other_files(source: Path, dest: Path) -> None:
             continue
         if path.suffix in OTHER_WEIGHT_SUFFIXES or path.name.endswith(".index.json"):
             continue  # weight shards of a sharded checkpoint, or another framework's copy of the weights
+        if path.name == DEMO_MARKER:  # the built-in model's record of its conversion: not the copy's
+            continue
         shutil.copy2(path, dest / path.name)

@@ -224,6 +224,33 @@ def test_the_clis_error_after_some_tensors_starts_a_line_of_its_own(source_dir, 
     assert "tensors\ncorelaunch quantize: tensor " in err and "tensorscorelaunch" not in err, err
 
 
+def test_an_interrupt_after_some_tensors_starts_a_line_of_its_own(source_dir, tmp_path, capsys, monkeypatch):
+    """A review: Ctrl-C or SIGTERM half way printed "quantize: 1/21 tensorscorelaunch: interrupted"."""
+    from launcher.cli import main
+    from shardlib import quantize_checkpoint as module
+
+    def interrupted(model_dir, config, quant, path, progress):
+        progress("first", 1, 21)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(module, "_write_weights", interrupted)
+    assert main(["quantize", "--model", str(source_dir), "--dtype", "int8", "--out", str(tmp_path / "q")]) == 130
+    err = capsys.readouterr().err
+    assert err.endswith("quantize: 1/21 tensors\ncorelaunch: interrupted\n"), repr(err)
+    assert not (tmp_path / "q").exists()
+
+
+def test_the_built_in_models_marker_is_not_copied(source_dir, tmp_path):
+    """A review: quantizing the built-in model copied its conversion record (corelaunch_demo.json,
+    listing the source folder's files and sizes) into the quantized folder, where it described
+    another folder's files."""
+    demo_like = tmp_path / "demo"
+    shutil.copytree(source_dir, demo_like)
+    (demo_like / "corelaunch_demo.json").write_text('{"files": {"model.safetensors": 1}}')
+    out = quantize_checkpoint(demo_like, tmp_path / "q", "int8")
+    assert (out / "tokenizer.json").is_file() and not (out / "corelaunch_demo.json").exists()
+
+
 @pytest.mark.parametrize("fmt,per_channel", [("int8", True), ("f8e4m3", False)])
 def test_a_weight_with_nan_or_inf_is_refused_naming_it(source_dir, tmp_path, fmt, per_channel):
     """They were written without a word: NaN scales and codes (every code of the tensor per tensor),

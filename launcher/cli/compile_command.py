@@ -13,6 +13,7 @@ directory is written next to its destination and renamed into place only when co
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import sys
@@ -139,7 +140,8 @@ def compile_model(args: argparse.Namespace) -> dict:
     offered = backend_entry(planned.backend).granularities
     granularity = args.granularity or (DEFAULT_GRANULARITY if offered else None)
 
-    with atomic_dir(out, compiled_dir.KIND, read_kind=compiled_dir.read_manifest) as tmp:
+    with atomic_dir(out, compiled_dir.KIND, read_kind=compiled_dir.read_manifest) as tmp, \
+            _ray_checked_before_the_weights(config, planned, progress):
         started = time.perf_counter()
         layout = plan.layout()
         with progress.step(f"writing {plan.tp_degree} rank(s)' pre-sharded weights ({plan.dtype})"):
@@ -196,11 +198,51 @@ def compile_model(args: argparse.Namespace) -> dict:
     return manifest
 
 
+@contextlib.contextmanager
+def _ray_checked_before_the_weights(config, planned, progress):
+    """Ray connected (the Launcher below shares the session) before the weights are written, and a
+    --cpus-per-rank the private cluster started here can never hold refused: a --ray-address that
+    does not answer, or too many CPUs a rank, were found only after every rank's weights were
+    written (minutes for a large model), and the work thrown away."""
+    from launcher.cli.command_stdout import ray_output_on_stderr
+    from launcher.cluster import ray_cluster
+
+    with ray_output_on_stderr():  # Ray's messages while it runs (the manifest alone goes to stdout: --json)
+        with progress.step("connecting to Ray"):
+            connection = ray_cluster.connect(config.ray_address, worker_logs=config.progress)
+        try:
+            _refuse_what_a_private_cluster_cannot_hold(connection, config, planned)
+            yield connection
+        finally:
+            connection.close()
+
+
+def _refuse_what_a_private_cluster_cannot_hold(connection, config, planned) -> None:
+    """PlacementImpossible, as the Launcher says it once started, when the private cluster started
+    here could never hold one TP group (no autoscaler grows it: --cpus-per-rank over its CPUs)."""
+    from launcher.cluster.placement import alive_nodes
+    from launcher.cluster.resources import explain_unplaceable, never_placeable, rank_resources
+    from launcher.errors import PlacementImpossible
+    from workers.backends import backend_entry
+
+    if not connection.started_here:
+        return
+    nodes, tp = alive_nodes(), planned.plan.tp_degree
+    totals = [n.total for n in nodes]
+    bundle = rank_resources(ray_resource=backend_entry(planned.backend).ray_resource, tp=tp,
+                            node_cpus=[t.get("CPU", 0.0) for t in totals], nodes=config.nodes,
+                            cpus_per_rank=config.cpus_per_rank).bundle
+    if never_placeable(bundle, tp, config.nodes, totals):
+        why = explain_unplaceable(bundle, tp, config.nodes, totals, None, [n.name for n in nodes])
+        raise PlacementImpossible(f"the private Ray cluster started here cannot place a TP group: {why}; "
+                                  f"nothing was written")
+
+
 def check_out(out: Path) -> None:
     """ValueError naming --out and the fix when a look (no write) shows it cannot be written: run
     before the plan, the model's files and Ray, so a typo costs nothing."""
     from launcher.artifacts import compiled_dir
-    from shardlib.atomic_dir import refuse_foreign_dir, unwritable_reason
+    from shardlib.atomic_dir import refuse_foreign_dir, sibling_name_too_long, unwritable_reason
 
     from shardlib.model_path_hints import refuse_unexpanded_home
 
@@ -210,6 +252,13 @@ def check_out(out: Path) -> None:
     if compiled_dir.compiler_unsafe_path(out):  # the compile cache lives inside it
         raise ValueError(f"--out {out} has whitespace, a quote or a backslash in its path ({out.absolute()}), which "
                          f"the C++ compiler's command line cannot take; pass a path without them")
+    linked = _through_its_links(out)
+    if compiled_dir.compiler_unsafe_path(linked):
+        raise ValueError(f"--out {out} is written through a link to a path with whitespace, a quote or a backslash "
+                         f"({linked}), which the C++ compiler's command line cannot take; pass a path without them")
+    too_long = sibling_name_too_long(out, "lnk")  # the longest of the siblings atomic_dir writes ("v", "lnk")
+    if too_long is not None:
+        raise ValueError(f"--out {out} cannot be written: {too_long}")
     try:
         refuse_foreign_dir(out, compiled_dir.KIND, read_kind=compiled_dir.read_manifest)  # a file, someone's directory
     except FileExistsError as err:
@@ -221,6 +270,15 @@ def check_out(out: Path) -> None:
     if reason is not None:
         raise ValueError(f"--out {out} cannot be written: {reason}; pass a new path in a directory you can "
                          f"write to")
+
+
+def _through_its_links(out: Path) -> Path:
+    """Where --out's version is written, its parent's links followed (the compiler is given that
+    path, `a b/c` for `lnk/c` with lnk -> `a b`); out as it is when a link loops."""
+    try:
+        return out.absolute().parent.resolve() / out.name
+    except (OSError, RuntimeError):  # a link loop (RuntimeError before Python 3.13): refused later, as before
+        return out.absolute()
 
 
 def _copy_model_files(model_dir: Path, dest: Path) -> None:

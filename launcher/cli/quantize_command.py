@@ -86,6 +86,10 @@ def run(args: argparse.Namespace) -> int:
             return failed(f"could not write --out {args.out} ({failure}); pass a new path in a directory you can "
                           f"write to")
         return failed(str(err))  # reading the checkpoint failed
+    except BaseException:  # Ctrl-C, SIGTERM: main's "corelaunch: interrupted" on a line of its own
+        if line_open:
+            print(file=sys.stderr)
+        raise
     if not args.quiet:
         print(f"quantize: wrote {out} in {time.monotonic() - start:.1f} s", file=sys.stderr)
     return 0
