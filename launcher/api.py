@@ -624,8 +624,9 @@ class Launcher:
         self._grammars = self._grammars_for = None
         """_grammar_tokenizer()'s llguidance tokenizer, and the tokenizer it was built from."""
         self._structures_checked: dict = {}
-        """_check_structured's verdicts by StructuredOutput (None: usable), so a request's n choices
-        and a client repeating its schema do not compile it again on the caller's thread."""
+        """_check_structured's verdicts by StructuredOutput: (None where usable, else why not; its first
+        step's mask), so a request's n choices and a client repeating its schema do not compile it
+        again on the caller's thread."""
         self._generation_eos: tuple[int, ...] = ()
         self._tokenizer_load: BackgroundLoad | None = None
         self._tokenizer_retry = False
@@ -1685,8 +1686,9 @@ class Launcher:
     def _check_structured(self, params: list[SamplingParams], batching: str = "continuous") -> None:
         """Structured output's checks, before anything is submitted: the serving engine runs it, the
         model has a tokenizer (the group's leader loads its own from the same folder to match the
-        grammar against), and llguidance can compile each grammar and take its first step (its
-        reason otherwise)."""
+        grammar against), llguidance can compile each grammar and take its first step (its
+        reason otherwise), and each request's own limits leave a token that step allows
+        (_check_first_token)."""
         from workers.structured.grammars import check_structured_output
 
         specs = {p.structured_output for p in params if p.structured_output is not None}
@@ -1702,18 +1704,36 @@ class Launcher:
             if spec.after_token is not None and vocab is not None and spec.after_token >= vocab:  # never generated: no constraint ever
                 raise ValueError(f"structured output's after_token ({spec.after_token}) is no token of the model "
                                  f"(its vocabulary has {vocab}); give the id of the token the constraint starts after")
-            verdict = self._structures_checked.get(spec, "unchecked")
-            if verdict == "unchecked":
+            verdict = self._structures_checked.get(spec)
+            if verdict is None:
                 try:
-                    check_structured_output(spec, tokenizer=self._grammar_tokenizer())
-                    verdict = None
+                    verdict = None, check_structured_output(spec, tokenizer=self._grammar_tokenizer())
                 except ValueError as err:
-                    verdict = str(err)
+                    verdict = str(err), None
                 if len(self._structures_checked) >= STRUCTURES_REMEMBERED:
                     self._structures_checked.clear()
                 self._structures_checked[spec] = verdict
-            if verdict is not None:
-                raise ValueError(verdict)
+            if verdict[0] is not None:
+                raise ValueError(verdict[0])
+        for p in params:
+            if p.structured_output is not None and p.structured_output.after_token is None:
+                self._check_first_token(p, self._structures_checked[p.structured_output][1])
+
+    def _check_first_token(self, params: SamplingParams, first) -> None:
+        """ValueError where the request's own limits leave no token its structured output's first step
+        allows (`first`, that step's mask), which failed the request at that step: allowed_token_ids
+        holding none of them, or min_tokens where the step allows only the end. The steps after it
+        are not looked at."""
+        from workers.structured.grammars import allows, lowest_allowed
+
+        spec = params.structured_output.describe()
+        if params.allowed_token_ids and not any(allows(first, token) for token in params.allowed_token_ids):
+            raise ValueError(f"allowed_token_ids ({show(list(params.allowed_token_ids))}) hold no token the "
+                             f"structured output ({spec}) allows first; allow the tokens its text can start with")
+        if params.min_tokens and lowest_allowed(first, but=self._eos_ids()) is None:
+            raise ValueError(f"min_tokens ({params.min_tokens}) holds back the end, and the structured output "
+                             f"({spec}) allows nothing else first (only the empty text matches it); leave "
+                             f"min_tokens at 0 or change the pattern")
 
     def _grammar_tokenizer(self):
         """llguidance's view of the driver's tokenizer, built at the first structured request (about

@@ -1951,7 +1951,7 @@ def test_vllm_prompt_logprobs_score_chat_and_completion_prompts(client, hf):
 
 
 @pytest.mark.slow
-def test_structured_output_over_http(client):
+def test_structured_output_over_http(client, smollm2_tokenizer):
     """OpenAI's response_format (json_schema through the client's own parse(), json_object) and vLLM's
     structured_outputs (choice, regex), streamed and not; a schema llguidance cannot compile is a 400
     naming the field."""
@@ -2009,6 +2009,12 @@ def test_structured_output_over_http(client):
             "type": "json_schema", "json_schema": {"name": "loop", "schema": looping}})
     assert caught.value.status_code == 400 and caught.value.body["param"] == "response_format.json_schema.schema"
     assert "its matcher fails after its first token" in caught.value.body["message"]
+    letter = smollm2_tokenizer.convert_tokens_to_ids("a")
+    with pytest.raises(Exception) as caught:  # the request's own ids leave nothing the first step allows
+        client.completions.create(model=MODEL, prompt="Year:", max_tokens=5, extra_body={
+            "structured_outputs": {"regex": "[0-9]+"}, "allowed_token_ids": [letter]})
+    assert caught.value.status_code == 400 and caught.value.body["param"] == "allowed_token_ids"
+    assert caught.value.body["message"].startswith(f"allowed_token_ids ([{letter}]) hold no token the structured")
     many = client.completions.create(model=MODEL, prompt="Pick one:", max_tokens=10, temperature=0,
                                      extra_body={"structured_outputs": {"choice": [f"n{i}" for i in range(2500)]}})
     assert many.choices[0].text in {f"n{i}" for i in range(2500)} and many.choices[0].finish_reason == "stop"

@@ -345,6 +345,17 @@ def test_the_driver_api_matches_and_refuses_before_submitting(model_dir_with_tok
             llm.stream("x", SamplingParams(structured_output=StructuredOutput(regex=r"[^\s\S]")))
         with pytest.raises(ValueError, match="needs batching='continuous'"):
             llm.generate(["x"], choice, batching="static")
+        # the request's own limits leave nothing the first step allows (it failed at that step)
+        digits, letter = StructuredOutput(regex="[0-9]+"), llm.tokenizer.convert_tokens_to_ids("a")
+        with pytest.raises(ValueError, match=rf"^allowed_token_ids \(\[{letter}\]\) hold no token the structured "
+                                             rf"output \(regex '\[0-9\]\+'\) allows first"):
+            llm.stream("x", SamplingParams(structured_output=digits, allowed_token_ids=[letter]))
+        with pytest.raises(ValueError, match=r"^min_tokens \(2\) holds back the end, and the structured output"):
+            llm.stream("x", SamplingParams(structured_output=StructuredOutput(regex="(a){0}"), min_tokens=2))
+        one = llm.tokenizer.convert_tokens_to_ids("1")
+        allowed = "".join(d.text for d in llm.stream("x", SamplingParams(structured_output=digits, min_tokens=2,
+                                                                          allowed_token_ids=[one, letter]), 4))
+        assert allowed == "1111"  # one allowed token the step allows is enough; min_tokens with digits to write
         assert llm.load() == {"running": 0, "waiting": 0}  # nothing refused was submitted
     assert streamed in KINDS["choice"].choice
     assert results[0].text in KINDS["choice"].choice and matches("regex", results[1].text)

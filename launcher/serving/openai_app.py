@@ -402,6 +402,16 @@ _ECHO_ONLY_NEEDS_ONE = (" (max_tokens 0 still needs one position: the engine gen
                         "the answer leaves out)")
 
 
+def _refused_param(message: str, req, prompt_param: str) -> str:
+    """The request field an engine refusal is about: the sampling field it names first, the
+    structured output's own field, or else the prompt (most refusals are about its length or ids)."""
+    named = next((name for name in ("stop_token_ids", "logit_bias", "min_tokens", "allowed_token_ids", "bad_words")
+                  if message.startswith(name)), None)
+    if named is not None:
+        return named
+    return req.structure_param() if message.startswith(("structured_output", "structured output")) else prompt_param
+
+
 def _as_one_prompt(message: str) -> str:
     """An engine refusal in the words of a request that has one prompt: the driver API numbers its
     prompts ("prompt 0 holds token ids ..."), which an HTTP client never sent."""
@@ -1385,7 +1395,7 @@ class OpenAIServer:
                 await self.launcher.acheck_structured(sampling)
         except ValueError as err:
             self.metrics.rejected(400)
-            raise ProtocolError(str(err), param=req.structure_param()) from None
+            raise ProtocolError(str(err), param=_refused_param(str(err), req, prompt_param)) from None
         streams = []
         try:
             for i, (prompt, limit) in enumerate(zip(prompts, max_tokens)):
@@ -1444,12 +1454,7 @@ class OpenAIServer:
             return stream
         except ValueError as err:
             self.metrics.rejected(400)
-            param = next((name for name in ("stop_token_ids", "logit_bias", "min_tokens", "allowed_token_ids",
-                                             "bad_words")
-                          if str(err).startswith(name)),
-                         req.structure_param() if str(err).startswith(("structured_output", "structured output"))
-                         else prompt_param)
-            raise ProtocolError(_as_one_prompt(str(err)), param=param) from None
+            raise ProtocolError(_as_one_prompt(str(err)), param=_refused_param(str(err), req, prompt_param)) from None
         except queue_full_type() as err:
             self.metrics.rejected(503)
             retry = max(1, math.ceil(getattr(err, "retry_after_s", 1.0)))

@@ -53,22 +53,31 @@ def grammar_problem(spec: StructuredOutput) -> str | None:
     return short_problem(problem) if problem.strip() else None
 
 
-def check_structured_output(spec: StructuredOutput | None, name: str = "structured_output", tokenizer=None) -> None:
+def check_structured_output(spec: StructuredOutput | None, name: str = "structured_output",
+                            tokenizer=None) -> np.ndarray | None:
     """ValueError naming the spec and llguidance's reason when it cannot be matched. With
     `tokenizer` (a GrammarTokenizer, workers/structured/matchers.py) the first step's mask is
-    computed too: a pattern no text matches (`[^\\s\\S]`) compiles, and fails only there."""
+    computed too, and returned (int32 words: token t is bit t % 32 of word t // 32): a pattern no
+    text matches (`[^\\s\\S]`) compiles, and fails only there."""
     if spec is None:
-        return
-    problem = grammar_problem(spec)
+        return None
+    problem, mask = grammar_problem(spec), None
     if problem is None and tokenizer is not None:
-        problem = first_step_problem(spec, tokenizer)
+        problem, mask = first_step(spec, tokenizer)
     if problem is not None:
         raise ValueError(f"{name} ({spec.describe()}) cannot be used: {problem}")
+    return mask
 
 
-def first_step_problem(spec: StructuredOutput, tokenizer) -> str | None:
-    """Why a matcher of spec fails at its first token (no text can match it), or on the first token
-    of one path (the lowest-numbered token its first step allows), or None. The second finds grammars
+def allows(mask: np.ndarray, token: int) -> bool:
+    """Whether a first step's mask (check_structured_output's) allows the token."""
+    return 0 <= token < len(mask) * 32 and bool(int(mask[token // 32]) >> (token % 32) & 1)
+
+
+def first_step(spec: StructuredOutput, tokenizer) -> tuple[str | None, np.ndarray | None]:
+    """(why a matcher of spec fails, or None; its first step's mask where it takes one). It fails
+    at its first token (no text can match it), or on the first token
+    of one path (the lowest-numbered token its first step allows). The second finds grammars
     llguidance compiles but cannot go on with past their start: an object of more than 500
     optional properties passes its parser's 2,000 items a row after the opening brace, and a
     required property referring back to its own object its 50,000 items a step. Other paths and
@@ -78,24 +87,25 @@ def first_step_problem(spec: StructuredOutput, tokenizer) -> str | None:
     try:  # the tokenizer's own failure is not the grammar's: raised as it is
         grammar = start_matcher(tokenizer, spec)
     except GrammarRefused as err:  # llguidance refused the grammar itself: its reason
-        return err.reason
+        return err.reason, None
     mask = np.zeros(grammar.words, dtype=np.int32)
     try:
         grammar.write_mask(mask)
     except ValueError as err:
-        return f"no output can match it ({err})"
-    token = _lowest_allowed(mask, but=tokenizer.get().eos_tokens)  # the end is no path on
+        return f"no output can match it ({err})", None
+    token = lowest_allowed(mask, but=tokenizer.get().eos_tokens)  # the end is no path on
     matcher = grammar.matcher  # fed directly: a constraint after a token starts with this step too
     if token is None:
-        return None
+        return None, mask
     if matcher.consume_token(token) and not matcher.is_stopped():
-        matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+        second = np.zeros_like(mask)  # held here: llguidance writes through the bare pointer
+        matcher.unsafe_compute_mask_ptr(second.ctypes.data, second.nbytes)
     if matcher.is_error():
-        return f"its matcher fails after its first token ({error_of(matcher)})"
-    return None
+        return f"its matcher fails after its first token ({error_of(matcher)})", None
+    return None, mask
 
 
-def _lowest_allowed(mask: np.ndarray, but: Sequence[int] = ()) -> int | None:
+def lowest_allowed(mask: np.ndarray, but: Sequence[int] = ()) -> int | None:
     """The lowest token id a mask (32-bit words, token t bit t % 32 of word t // 32) allows, other
     than those in `but`."""
     bits = mask.view(np.uint32).copy()

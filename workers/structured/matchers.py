@@ -3,7 +3,7 @@ loop, and one matcher per structured request, which follows the request's tokens
 
 Only rank 0 chooses tokens, so only rank 0 holds these; the other ranks never see a grammar. The
 driver builds a tokenizer of its own too, to take each grammar's first step before submitting it
-(workers/structured/grammars.first_step_problem)."""
+(workers/structured/grammars.first_step)."""
 
 from __future__ import annotations
 
