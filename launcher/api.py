@@ -1370,7 +1370,8 @@ class Launcher:
         return [self._result(s, texts[i], token_lists[i], skip_special_tokens) for i, s in enumerate(streams)]
 
     def load(self) -> dict[str, int]:
-        """Streaming requests running (holding a cache row) and waiting for one, over all replicas."""
+        """Streams (sequences: one per prompt and choice) running, each holding a cache row, and waiting
+        for one, over all replicas."""
         return self._running_pool().load(self.config.max_num_seqs)
 
     def _running_pool(self):

@@ -723,7 +723,8 @@ class ReplicaPool:
             index = handle.replica  # it moved meanwhile: cancel it where it went
 
     def load(self, rows: int) -> dict[str, int]:
-        """Streaming requests running (holding one of a replica's `rows` cache rows) and waiting for one."""
+        """Streams (sequences: one per prompt and choice) running, each holding one of a replica's
+        `rows` cache rows, and waiting for one."""
         flights = self.in_flight()
         return {"running": sum(min(n, rows) for n in flights), "waiting": sum(max(n - rows, 0) for n in flights)}
 
