@@ -467,6 +467,18 @@ def _with_absolute_paths(spec):
     return dataclasses.replace(spec, **absolute)
 
 
+def static_watchdog_s(cfg: LaunchConfig, parts: int) -> float:
+    """How long a static generate() waits for its `parts` batches: a watchdog, not the request
+    timeout (the replicas enforce that, per attempt). Every part could wait for all the others, and
+    each restart (every one the policy allows) may take each of a new group's waits before the part
+    runs again: placement, start-up, rendezvous, the load and the serving loop's preparation (each up
+    to the load timeout), then the request. With only the load and request timeouts a restart, it
+    gave up (RequestTimeout) while a replica was still restarting within its timeouts."""
+    restart_s = (cfg.placement_timeout_s + cfg.startup_timeout_s + cfg.rendezvous_timeout_s
+                 + 2 * cfg.load_timeout_s + cfg.request_timeout_s)
+    return (cfg.request_timeout_s + cfg.load_timeout_s) * parts + restart_s * cfg.max_restarts + WATCHDOG_GRACE_S
+
+
 @contextlib.contextmanager
 def _second_interrupt_held():
     """SIGINT ignored inside the block (where the calling thread can set handlers: the main thread),
@@ -1215,10 +1227,7 @@ class Launcher:
         results: list[GenerationResult | None] = [None] * len(token_lists)
         errors = []
         answers = []
-        # A watchdog, not the request timeout (the replicas enforce that, per attempt): every part
-        # could wait for all the others, and each could be re-run after every restart.
-        cfg = self.config
-        watchdog_s = (cfg.request_timeout_s + cfg.load_timeout_s) * (len(parts) + cfg.max_restarts) + WATCHDOG_GRACE_S
+        watchdog_s = static_watchdog_s(self.config, len(parts))
         deadline = time.monotonic() + watchdog_s
         try:
             for first, future in parts:  # every part finishes (or fails) before this call returns
