@@ -47,7 +47,8 @@ def add_parser(subparsers) -> None:
         description="Run corelaunch and a reference (transformers AutoModelForCausalLM, float32, in this "
                     "process; or a file of expected outputs) on the same prompts and compare their greedy "
                     "tokens (token-matching) or logits (logit-matching, NxD Inference's tolerances, teacher "
-                    "forcing at divergences). Exit 0 on pass, 1 on fail, 2 on bad input.")
+                    "forcing at divergences). Exit 0 on pass, 1 on fail, 2 on bad input, 3 when the run "
+                    "itself failed (a rank died or hung).")
     p.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt text (or use --prompt / --prompt-ids)")
     p.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a prompt; repeatable")
     p.add_argument("--prompt-ids", action="append", default=[], metavar="IDS",
@@ -110,8 +111,16 @@ class Expected:
 
 
 def parse_prompt_ids(text: str) -> list[int]:
+    """Token ids separated by commas; spaces beside a comma are allowed, spaces between two ids are
+    refused: removing them read "5 17 42" as the one id 51742."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    spaced = [t for t in items if len(t.split()) > 1]
+    if spaced:
+        with_commas = ",".join(text.replace(",", " ").split())
+        raise ValueError(f"--prompt-ids {text!r}: {spaced[0]!r} is several ids without commas between them; "
+                         f"separate token ids with commas, e.g. --prompt-ids {with_commas}")
     try:
-        ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+        ids = [int(t) for t in items]
     except ValueError:
         raise ValueError(f"--prompt-ids {text!r} is not a comma-separated list of token ids, e.g. 5,17,42") from None
     if not ids:
@@ -126,11 +135,17 @@ def load_expected(path: str) -> Expected:
     if Path(path).is_dir():  # "does not exist" with a fix (--save-expected DIR) that is itself refused
         raise ValueError(f"expected-outputs file {path} is a directory; pass the file `corelaunch check "
                          f"--save-expected FILE` wrote")
-    if not Path(path).is_file():
+    if not Path(path).exists():
         raise FileNotFoundError(f"expected-outputs file {path} does not exist; write one with "
                                 f"`corelaunch check --save-expected {path}`")
+    if not Path(path).is_file():  # /dev/null, a pipe (torch.load would wait on it for ever), a socket
+        raise ValueError(f"expected-outputs file {path} is not a regular file; pass the file `corelaunch check "
+                         f"--save-expected FILE` wrote")
     try:
         data = torch.load(path, weights_only=True, map_location="cpu")
+    except PermissionError:  # not "damaged": the file may be fine, this user cannot read it
+        raise ValueError(f"expected-outputs file {path} cannot be read: permission denied; run as a user who "
+                         f"may read it, or copy it somewhere readable") from None
     except Exception as err:  # a pickle of anything but tensors and plain containers, or a corrupt file
         # torch's own text advises weights_only=False, which would run the file's code: not quoted.
         raise ValueError(f"{path} is not a readable expected-outputs file: torch.load(weights_only=True) "
@@ -175,11 +190,18 @@ def load_expected(path: str) -> Expected:
             raise ValueError(f"{path}: expected_logits {tuple(logits.shape)} holds no token's logits; save the "
                              f"reference again with `corelaunch check --save-expected PATH`")
         tokens = logits.argmax(dim=-1)
+    not_tokens = (f"{path}: expected_tokens must be an integer (batch, n) or (n,) tensor or a list of "
+                  f"equal-length lists of ints")
     if isinstance(tokens, list):
-        tokens = torch.tensor(tokens)
+        try:
+            tokens = torch.tensor(tokens)
+        # torch's own words named neither the file nor the key: "too many dimensions 'str'" (ValueError),
+        # "expected sequence of length 2 at dim 1 (got 1)", "Could not infer dtype of NoneType" (RuntimeError)
+        except (ValueError, TypeError, RuntimeError):
+            raise ValueError(not_tokens) from None
     if (not isinstance(tokens, torch.Tensor) or tokens.dim() not in (1, 2) or tokens.is_floating_point()
             or tokens.dtype == torch.bool):
-        raise ValueError(f"{path}: expected_tokens must be an integer (batch, n) or (n,) tensor")
+        raise ValueError(not_tokens)
     if tokens.dim() == 1:
         tokens = tokens.unsqueeze(0)
     if tokens.shape[0] != batch or tokens.shape[1] < 1:
@@ -391,6 +413,8 @@ def run(args: argparse.Namespace) -> int:
         return _run(args)
     except RequestFailed as err:  # corelaunch's side ran and could not choose a token (NaN logits, say): a failure
         print(f"corelaunch check: FAILED: {err}", file=sys.stderr)
+        if args.json:  # exit 1 comes with an object whose "passed" is false, as a failed comparison's does
+            print(json.dumps({"passed": False, "error": str(err)}))
         return EXIT_FAIL
     except BrokenPipeError:
         raise  # the report's reader went away: 141, as for every command (launcher/cli/__init__.py)

@@ -153,7 +153,8 @@ class PositionCheck:
                        f"{self.divergence_difference_tol:g}")
         for g in self.groups:
             if not g.passed:
-                out.append(f"position {self.position}: {group_name(g.top_k)} rel error {g.max_rel_error:.6g} > "
+                rel = shown_difference(g.max_rel_error)  # inf where the group's expected logits are all 0
+                out.append(f"position {self.position}: {group_name(g.top_k)} rel error {rel} > "
                            f"rtol {g.rtol:g} (max abs error {g.max_abs_error:.6g}; at token {g.token_id}: "
                            f"expected {g.expected_logit:.6g}, actual {g.actual_logit:.6g})")
         return out
@@ -338,8 +339,8 @@ class LogitMatchResult:
 
 
 def shown_difference(value: float | None) -> str:
-    """A divergence difference as the failure lines and the text report print it: None (how the JSON
-    report carries a value it cannot: inf, NaN) and non-finite values as "not finite"."""
+    """A divergence difference or relative error as the failure lines and the text report print it:
+    None (how the JSON report carries a value it cannot: inf, NaN) and non-finite values as "not finite"."""
     return f"{value:.6g}" if value is not None and math.isfinite(value) else "not finite"
 
 
