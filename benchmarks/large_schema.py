@@ -1,6 +1,6 @@
-"""What a request with a large JSON schema costs the other requests: llguidance compiles a schema
-of many optional properties for seconds, once on the driver (its check) and once on the group's
-leader (the request's matcher), and neither may hold up the streams already running.
+"""What a request with a large JSON schema costs the other requests: llguidance compiles a large
+schema for a second or more, once on the driver (its check) and once on the group's leader (the
+request's matcher), and neither may hold up the streams already running.
 
 Through the driver API on one TP group (the built-in model by default, eager), in one asyncio event
 loop as the OpenAI server runs it: plain requests of --tokens tokens (ignore_eos) stream one after
@@ -22,6 +22,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TextIO
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -88,7 +89,7 @@ async def longest_gaps(llm, tokens: int, structured=None) -> dict:
             **(outcome[0] if outcome else {})}
 
 
-def main() -> None:
+def main(out: TextIO) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--properties", type=int_at_least(1, "--properties"), default=10_000)
     parser.add_argument("--tokens", type=int_at_least(2, "--tokens"), default=64)
@@ -108,8 +109,10 @@ def main() -> None:
         alone = asyncio.run(longest_gaps(llm, args.tokens))
         beside = asyncio.run(longest_gaps(llm, args.tokens, structured))
     print(json.dumps({"properties": args.properties, "schema_bytes": len(json.dumps(big)), "tokens": args.tokens,
-                      "without_it": alone, "with_it": beside}, indent=2))
+                      "without_it": alone, "with_it": beside}, indent=2), file=out)
 
 
 if __name__ == "__main__":
-    main()
+    from launcher.cli.command_stdout import run_reporting
+
+    run_reporting(main)

@@ -1324,7 +1324,7 @@ class Launcher:
         """The structured-output checks of astream and agenerate (ValueError naming what is wrong),
         made on a worker thread and remembered, so that the stream call after it finds them made:
         llguidance compiles each grammar to check it, and a large one takes seconds (a JSON schema
-        of 10,000 optional properties about 10 s on one 2-core host), which astream would spend on
+        of 10,000 required properties 1.6-2.3 s on one 2-core host), which astream would spend on
         the event loop, holding up every other stream and request it serves. agenerate and the
         OpenAI server make their checks this way."""
         import asyncio
@@ -1353,6 +1353,8 @@ class Launcher:
         # On threads: long prompts take the tokenizer seconds, and a large grammar llguidance,
         # which on the loop would stall every other coroutine (and the streams this loop reads).
         tokenized = await asyncio.to_thread(self._tokenize, prompts)
+        if sampling is not None and not isinstance(sampling, SamplingParams):  # a generator is read once, here
+            sampling = self._sampling_per_prompt(sampling, len(tokenized[1]))
         await self.acheck_structured(sampling)
         streams, texts, token_lists = self._open_generation(prompts, sampling, max_new_tokens, stop_token_ids,
                                                             ignore_eos, return_logits, asynchronous=True,
@@ -1710,6 +1712,7 @@ class Launcher:
         if self.tokenizer is None:
             raise ValueError(f"structured output needs the model's tokenizer, and {self.model_dir} has none")
         vocab = self.model_config.vocab_size if self.model_config is not None else None
+        checked = {}  # this call's verdicts: the shared cache may be cleared meanwhile (its bound, another thread)
         for spec in specs:
             if spec.after_token is not None and vocab is not None and spec.after_token >= vocab:  # never generated: no constraint ever
                 raise ValueError(f"structured output's after_token ({spec.after_token}) is no token of the model "
@@ -1725,25 +1728,32 @@ class Launcher:
                 self._structures_checked[spec] = verdict
             if verdict[0] is not None:
                 raise ValueError(verdict[0])
+            checked[spec] = verdict[1]
         for p in params:
             if p.structured_output is not None and p.structured_output.after_token is None:
-                self._check_first_token(p, self._structures_checked[p.structured_output][1])
+                self._check_first_token(p, checked[p.structured_output])
 
     def _check_first_token(self, params: SamplingParams, first) -> None:
         """ValueError where the request's own limits leave no token its structured output's first step
         allows (`first`, that step's mask), which failed the request at that step: allowed_token_ids
-        holding none of them, or min_tokens where the step allows only the end. The steps after it
-        are not looked at."""
+        holding none of them, or min_tokens holding back the only ones left, the ends. The steps
+        after it are not looked at."""
         from workers.structured.grammars import allows, lowest_allowed
 
-        spec = params.structured_output.describe()
-        if params.allowed_token_ids and not any(allows(first, token) for token in params.allowed_token_ids):
-            raise ValueError(f"allowed_token_ids ({show(list(params.allowed_token_ids))}) hold no token the "
-                             f"structured output ({spec}) allows first; allow the tokens its text can start with")
-        if params.min_tokens and lowest_allowed(first, but=self._eos_ids()) is None:
+        spec, ends = params.structured_output.describe(), self._eos_ids()
+        if params.allowed_token_ids:
+            left = [token for token in params.allowed_token_ids if allows(first, token)]
+            if not left:
+                raise ValueError(f"allowed_token_ids ({show(list(params.allowed_token_ids))}) hold no token the "
+                                 f"structured output ({spec}) allows first; allow the tokens its text can start with")
+            only_ends = all(token in ends for token in left)
+        else:
+            only_ends = lowest_allowed(first, but=ends) is None
+        if params.min_tokens and only_ends:
+            only = "" if not params.allowed_token_ids else " among allowed_token_ids"
             raise ValueError(f"min_tokens ({params.min_tokens}) holds back the end, and the structured output "
-                             f"({spec}) allows nothing else first (only the empty text matches it); leave "
-                             f"min_tokens at 0 or change the pattern")
+                             f"({spec}) allows nothing else first{only}; leave min_tokens at 0, or allow a token "
+                             f"its text can start with")
 
     def _grammar_tokenizer(self):
         """llguidance's view of the driver's tokenizer, built at the first structured request (about

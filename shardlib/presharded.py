@@ -113,8 +113,9 @@ def save_presharded(out_dir: str | Path, model_dir: str | Path, config: ModelCon
     return out_dir
 
 
-_OS_ERROR = re.compile(r"\(os error (\d+)\)")
-"""How safetensors' SafetensorError quotes the errno of a failed write ("File too large (os error 27)")."""
+_OS_ERROR = re.compile(r"\(os error (\d+)\)|Os \{ code: (\d+)")
+"""How safetensors' SafetensorError quotes the errno of a failed write: "File too large (os error 27)"
+(0.5 and later), or its debug form `IoError(Os { code: 27, ... })` (earlier releases)."""
 
 
 def _save_rank_file(shard: dict, path: Path, metadata: dict[str, str]) -> None:
@@ -129,7 +130,7 @@ def _save_rank_file(shard: dict, path: Path, metadata: dict[str, str]) -> None:
         found = _OS_ERROR.search(str(err))
         if found is None:  # not the file system's refusal (a tensor it cannot serialize): as it was
             raise
-        code = int(found.group(1))
+        code = int(found.group(1) or found.group(2))
         raise OSError(code, os.strerror(code), str(path)) from err
 
 

@@ -495,6 +495,10 @@ def test_an_empty_path_option_is_a_usage_error(argv, capsys):
     (["generate", "--max-new-tokens", "4", "-x"], "unrecognized arguments: -x; a prompt starting with '-' (-x)"),
     (["generate", "--max-new-tokens", "-3", "hi"],  # a negative value is no prompt: no hint
      "--max-new-tokens (-3) must be at least 1 (see `corelaunch generate --help`)"),
+    (["generate", "--tempreature", "0.5", "--", "-hello"],  # passed rightly after --: no hint
+     "unrecognized arguments: --tempreature (see `corelaunch generate --help`)"),
+    (["generate", "--max-new-tokens", "0", "-x y"],  # a refusal about something else: no hint
+     "--max-new-tokens (0) must be at least 1 (see `corelaunch generate --help`)"),
 ])
 def test_argparse_refusals_are_one_line_naming_the_fix(argv, words, capsys, ray_tripwire):
     """argparse printed its whole usage block (28 lines for generate) above the line that says what

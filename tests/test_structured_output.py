@@ -277,7 +277,7 @@ def test_structured_requests_wait_for_the_tokenizer_while_the_others_run(wide_mo
 
 
 def test_a_matcher_slow_to_build_holds_up_no_other_request(wide_model, smollm2_tokenizer):
-    """A grammar llguidance takes seconds to compile (a schema of 10,000 optional properties: 8 s) is
+    """A grammar llguidance takes a second or more to compile (10,000 required properties: 0.9 s) is
     built off the loop's thread: plain requests and a cheap structured one run to their ends
     meanwhile, a request whose build is still running can be cancelled, and the slow one starts
     once its matcher is built. (Its build is held here on an event, standing in for the compile.)"""
@@ -352,6 +352,11 @@ def test_the_driver_api_matches_and_refuses_before_submitting(model_dir_with_tok
             llm.stream("x", SamplingParams(structured_output=digits, allowed_token_ids=[letter]))
         with pytest.raises(ValueError, match=r"^min_tokens \(2\) holds back the end, and the structured output"):
             llm.stream("x", SamplingParams(structured_output=StructuredOutput(regex="(a){0}"), min_tokens=2))
+        eos, b = llm.tokenizer.eos_token_id, llm.tokenizer.convert_tokens_to_ids("b")
+        with pytest.raises(ValueError, match=r"^min_tokens \(2\) holds back the end, and the structured output "
+                                             r"\(regex 'a\*'\) allows nothing else first among allowed_token_ids"):
+            llm.stream("x", SamplingParams(structured_output=StructuredOutput(regex="a*"), min_tokens=2,
+                                           allowed_token_ids=[eos, b]))  # the grammar's end, and a token it refuses
         one = llm.tokenizer.convert_tokens_to_ids("1")
         allowed = "".join(d.text for d in llm.stream("x", SamplingParams(structured_output=digits, min_tokens=2,
                                                                           allowed_token_ids=[one, letter]), 4))
@@ -369,7 +374,7 @@ def test_asyncio_callers_check_grammars_off_the_event_loop(model_dir_with_tokeni
     The check is slowed here by 1 s for each grammar not yet checked, standing in for the compile."""
     import asyncio
 
-    from launcher.api import Launcher
+    from launcher.api import STRUCTURES_REMEMBERED, Launcher
 
     fresh = [StructuredOutput(regex="[0-9]{4}"), StructuredOutput(regex="[a-z]{3}"), StructuredOutput(regex="(a")]
     with Launcher(model=model_dir_with_tokenizer, tp=1, max_num_seqs=2, progress=False, compile=False) as llm:
@@ -396,7 +401,8 @@ def test_asyncio_callers_check_grammars_off_the_event_loop(model_dir_with_tokeni
                 await llm.acheck_structured(SamplingParams(structured_output=fresh[0]))
                 deltas = [d.text async for d in llm.astream("Year:", SamplingParams(structured_output=fresh[0]),
                                                             max_new_tokens=8)]
-                [word] = await llm.agenerate(["Word:"], SamplingParams(structured_output=fresh[1]), max_new_tokens=8)
+                [word] = await llm.agenerate(["Word:"], (SamplingParams(structured_output=s) for s in fresh[1:2]),
+                                             max_new_tokens=8)  # a generator: read once, for the check and the run
                 with pytest.raises(ValueError, match=r"structured_output \(regex '\(a'\) cannot be used"):
                     await llm.acheck_structured([SamplingParams(), SamplingParams(structured_output=fresh[2])])
             finally:
@@ -404,6 +410,10 @@ def test_asyncio_callers_check_grammars_off_the_event_loop(model_dir_with_tokeni
             return "".join(deltas), word, max(gaps)
         year, word, longest_gap = asyncio.run(main())
     assert loop_thread == [False, False, False]  # each grammar checked once, never on the loop's thread
+    # a full cache is cleared as a call stores its verdicts: the call still reads its own
+    digits, letters = StructuredOutput(regex="[0-9]{2}"), StructuredOutput(regex="[a-c]{2}")
+    llm._structures_checked = {StructuredOutput(regex=f"x{i}"): (None, None) for i in range(STRUCTURES_REMEMBERED - 1)}
+    llm._check_structured([SamplingParams(structured_output=digits), SamplingParams(structured_output=letters)])
     assert longest_gap < 0.8, longest_gap
     assert re.fullmatch("[0-9]{4}", year) and re.fullmatch("[a-z]{3}", word.text), (year, word.text)
 

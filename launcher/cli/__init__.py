@@ -34,18 +34,21 @@ class _OneLineErrors(argparse.ArgumentParser):
     """The command line being parsed (set by _parse_and_run), for _dashed_prompt_hint."""
 
     def error(self, message: str):
-        _usage_error(self.prog, message + _dashed_prompt_hint(self.prog, _OneLineErrors.words))
+        _usage_error(self.prog, message + _dashed_prompt_hint(self.prog, _OneLineErrors.words, message))
 
 
-def _dashed_prompt_hint(prog: str, words: list[str]) -> str:
-    """How to pass a generate prompt that starts with '-', when the command line holds one: argparse
-    reads it as options (`"-hello world"` as -h given "ello world", or an unrecognized argument).
-    A word is taken for such a prompt where no option of generate's looks like it: a single dash
-    but -h, or whitespace inside; never a negative number (an option's value)."""
+def _dashed_prompt_hint(prog: str, words: list[str], message: str) -> str:
+    """How to pass a generate prompt that starts with '-', when argparse's refusal is about one: it
+    read the prompt as options (`"-hello world"` as -h given "ello world", or `-x` as an unrecognized
+    argument). A word is taken for such a prompt where no option of generate's looks like it (a
+    single dash but -h, or whitespace inside; never a negative number, an option's value), before
+    any `--` (after it every word is a prompt), and named in the refusal."""
     if prog != "corelaunch generate":
         return ""
-    dashed = next((word for word in words if word.startswith("-") and word not in ("-", "--", "-h")
-                   and not word[1:2].isdigit() and (not word.startswith("--") or any(c.isspace() for c in word))),
+    before = words[:words.index("--")] if "--" in words else words
+    dashed = next((word for word in before if word.startswith("-") and word not in ("-", "-h")
+                   and not word[1:2].isdigit() and (not word.startswith("--") or any(c.isspace() for c in word))
+                   and (f" {word}" in message or f"explicit argument {word[2:]!r}" in message)),
                   None)
     if dashed is None:
         return ""

@@ -331,7 +331,7 @@ class ServingLoop:
         gather_until = time.monotonic() + BURST_WAIT_CAP * gather_s if gather_s else 0.0
         while True:
             stop = self._apply(item, events) or stop
-            if item[0] != "submit":  # a stop, a static batch or a cancellation is not waited past
+            if item[0] not in ("submit", "built"):  # a stop, a static batch or a cancel is not waited past
                 gather_s = 0.0
             try:
                 item = self._inbox.get_nowait()
