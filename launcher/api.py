@@ -941,7 +941,7 @@ class Launcher:
                 else:  # loaded around, and written again once this load is done
                     self._progress.note(f"not using the pre-sharded cache {self._cache_path} ({why}); loading "
                                         f"from {self.model_dir} and writing the copy again")
-        return spec
+        return _with_absolute_paths(spec)  # now: a caller changing directory later moves no restart's load
 
     def _start_presharded_cache(self) -> None:
         if self._load_spec.presharded_dir or not self.config.presharded_cache or self._cache_path is None:
@@ -1044,7 +1044,7 @@ class Launcher:
         try:
             group.start()
             loading = True
-            stats = group.load(_with_absolute_paths(spec))
+            stats = group.load(_with_absolute_paths(spec))  # the cache copy a restart may take too
             loading = False
             prepared = group.start_serving(self._serve_spec())
         except BaseException as err:

@@ -74,6 +74,6 @@ def test_cpus_per_rank_a_private_cluster_cannot_hold_is_refused_before_the_weigh
                  "--cpus-per-rank", "4", "--quiet"])
     err = capsys.readouterr().err
     assert code == 2 and "the private Ray cluster started here cannot place a TP group" in err, err
-    assert "Lower --cpus-per-rank (at most 2" in err and err.rstrip().endswith("nothing was written"), err
+    assert "Lower --cpus-per-rank (at most 2" in err and err.rstrip().endswith("no weights were written"), err
     assert weights_written == [] and list(tmp_path.iterdir()) == []
     assert cluster.closed  # the connection made for the check is closed again

@@ -78,3 +78,20 @@ def test_compile_over_a_file_size_limit_names_out_and_exits_2(tmp_path, model_di
     assert done.stderr.startswith(f"corelaunch compile: could not write --out {out} ([Errno {errno.EFBIG}] "
                                   f"{os.strerror(errno.EFBIG)}"), done.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize("words", ['Error while serializing: I/O error: No space left on device (os error 28)',
+                                   'IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'])
+def test_both_forms_of_safetensors_write_error_become_an_os_error(words, tmp_path, monkeypatch):
+    """safetensors 0.5 and later quote the errno as "(os error N)"; earlier releases, which the
+    dependency's floor allows, print the Rust error's debug form."""
+    from safetensors import SafetensorError
+
+    from shardlib import presharded
+
+    def full(*args, **kwargs):
+        raise SafetensorError(words)
+    monkeypatch.setattr(presharded, "save_file", full)
+    with pytest.raises(OSError) as raised:
+        presharded._save_rank_file({}, tmp_path / "rank.safetensors", {})
+    assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(tmp_path / "rank.safetensors")

@@ -44,3 +44,11 @@ def test_a_final_close_drops_later_puts_and_a_plain_close_does_not():
     sender.put("after the final close")
     time.sleep(0.1)
     assert sent == [] and wait_until_gone(sender._name) == []
+    plain = OrderedSender(sent.append, name=f"plain-{uuid.uuid4().hex[:8]}")
+    plain.close()  # not final: a later put starts a thread of its own again, and is sent
+    plain.put("after a plain close")
+    deadline = time.monotonic() + 10
+    while not sent and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sent == ["after a plain close"]
+    plain.close()

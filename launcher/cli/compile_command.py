@@ -140,6 +140,8 @@ def compile_model(args: argparse.Namespace) -> dict:
     offered = backend_entry(planned.backend).granularities
     granularity = args.granularity or (DEFAULT_GRANULARITY if offered else None)
 
+    # the version folder first: an --out that cannot be written is refused before Ray starts (missing
+    # parent folders it made stay when Ray then refuses; the version folder itself is removed)
     with atomic_dir(out, compiled_dir.KIND, read_kind=compiled_dir.read_manifest) as tmp, \
             _ray_checked_before_the_weights(config, planned, progress):
         started = time.perf_counter()
@@ -235,7 +237,7 @@ def _refuse_what_a_private_cluster_cannot_hold(connection, config, planned) -> N
     if never_placeable(bundle, tp, config.nodes, totals):
         why = explain_unplaceable(bundle, tp, config.nodes, totals, None, [n.name for n in nodes])
         raise PlacementImpossible(f"the private Ray cluster started here cannot place a TP group: {why}; "
-                                  f"nothing was written")
+                                  f"no weights were written")
 
 
 def check_out(out: Path) -> None:

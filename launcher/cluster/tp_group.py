@@ -186,24 +186,31 @@ class TPGroup:
         Ray's best effort, not a bound: it spreads the bundles over as many nodes as their free
         resources dictate at that moment, where the plan counted cores and memory over --nodes. Tried
         again each second (resources held by others may free up) within the placement timeout."""
-        deadline = time.monotonic() + self.timeouts.placement_s
+        deadline, spread = time.monotonic() + self.timeouts.placement_s, None
         while True:
             # what is left of the one timeout: each try waiting the whole of it let the wait run
             # to about twice --placement-timeout when a try placed late but on too many nodes
-            self._place(deadline - time.monotonic())
+            try:
+                self._place(deadline - time.monotonic())
+            except PlacementTimeout:
+                if spread is None:
+                    raise
+                raise self._spread_too_wide(spread) from None  # the cause, not the last try's short wait
             placed = bundle_nodes(self._pg)
             used = len(set(placed.values()))
             if used <= self.nodes:
                 return placed
             remove_placement_group(self._pg)
-            self._pg = None
+            self._pg, spread = None, used
             if time.monotonic() + 1.0 >= deadline:
-                raise PlacementTimeout(
-                    f"Ray placed the {self.tp_degree} ranks' bundles of {self.resources.bundle} on {used} nodes, "
-                    f"more than the {self.nodes} --nodes allows, for {self.timeouts.placement_s:g} s (Ray's PACK "
-                    f"spreads them as the nodes' free resources dictate): free resources on fewer nodes, or pass "
-                    f"--nodes {used}")
+                raise self._spread_too_wide(used)
             time.sleep(1.0)
+
+    def _spread_too_wide(self, used: int) -> PlacementTimeout:
+        return PlacementTimeout(
+            f"Ray placed the {self.tp_degree} ranks' bundles of {self.resources.bundle} on {used} nodes, more than "
+            f"the {self.nodes} --nodes allows, for {self.timeouts.placement_s:g} s (Ray's PACK spreads them as the "
+            f"nodes' free resources dictate): free resources on fewer nodes, or pass --nodes {used}")
 
     def _place(self, timeout_s: float | None = None) -> None:
         """Reserve the bundles within timeout_s (the placement timeout when None); the message
@@ -394,7 +401,7 @@ class TPGroup:
                 break
             except ray.exceptions.RayTaskError as err:
                 failure = failure or _rank_failure(self._where(rank_of[ref]), "serve", err)
-            except ray.exceptions.RayError as err:  # its result lost with its node or owner
+            except ray.exceptions.RayError as err:  # Ray's own failure: its result lost with its node, say
                 failure = failure or _lost_result(self._where(rank_of[ref]), "serve", err)
         if not isinstance(failure, WorkerDied):
             failure = self._find_death(pending, rank_of, "serve") or failure
@@ -514,9 +521,10 @@ class TPGroup:
                         raise death from None
                     raise failure from None
                 except ray.exceptions.RayError as err:
-                    # The result lost with its node or owner (ObjectLostError, OwnerDiedError: no
-                    # RayActorError) is a group fault too: unstopped, its ranks were left in a
-                    # collective and a static batch was not re-run on a restarted group.
+                    # Ray's own failure to return the result (ObjectLostError and OwnerDiedError,
+                    # lost with its node or owner, are no RayActorError; a crashed worker) is a group
+                    # fault too: raised as it was, its ranks were left in a collective and a static
+                    # batch was not re-run on a restarted group.
                     death = self._find_death(pending, rank_of, step)
                     self.kill()
                     raise death or _lost_result(self._where(rank_of[ref]), step, err) from None
@@ -625,9 +633,10 @@ class TPGroup:
 
 
 def _lost_result(where: str, step: str, err: Exception) -> RankFailed:
-    """A rank's result Ray could not hand over (lost with its node, or its owner died)."""
+    """A rank's call whose result Ray could not hand over, for a reason of Ray's, not the rank's own
+    error nor its actor's death (its result lost with its node, its owner dead, its worker crashed)."""
     lines = str(err).strip().splitlines()
-    return RankFailed(f"{where}: Ray lost the result of its call to {step} ({type(err).__name__}: "
+    return RankFailed(f"{where}: Ray could not return the result of its call to {step} ({type(err).__name__}: "
                       f"{lines[0] if lines else ''}); the group was stopped")
 
 
