@@ -468,9 +468,9 @@ def test_content_then_two_tool_calls_with_argument_pieces():
         "response.output_text.delta", "response.output_text.done", "response.content_part.done",
         "response.output_item.done",
         "response.output_item.added", "response.function_call_arguments.delta",
-        "response.function_call_arguments.delta",
-        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta",  # each call done before the next is added, as OpenAI's
         "response.function_call_arguments.done", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
         "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
     final = sent[-1]["response"]
     assert [(i["type"], i["status"]) for i in final["output"]] == [

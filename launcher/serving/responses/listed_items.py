@@ -29,7 +29,7 @@ def listed(items: list[dict]) -> list[dict]:
     history), a reasoning item's summary a list."""
     shaped_items, seen = [], set()
     for item in copy.deepcopy(items):
-        kind = item.get("type", "message")
+        kind = item.get("type") or "message"  # chat_body took a null type as a message
         given = item.get("id")
         shaped = {**item, "type": kind, "status": item.get("status") or "completed",
                   "id": given if given and given not in seen else item_id(ID_PREFIXES[kind])}
@@ -44,12 +44,14 @@ def listed(items: list[dict]) -> list[dict]:
 
 def _parts(content, assistant: bool) -> list[dict]:
     """A message's content as parts of its role's type: output_text (with its annotations) for the
-    assistant's, input_text (the text alone) for the others'."""
+    assistant's, its refusal parts as they are (OpenAI's output message holds either), input_text
+    (the text alone) for the others'."""
     kind = "output_text" if assistant else "input_text"
     parts = [{"type": kind, "text": content or ""}] if content is None or isinstance(content, str) else content
     if not assistant:
         return [{"type": kind, "text": part["text"]} for part in parts]
-    return [{"annotations": [], **{k: v for k, v in part.items() if v is not None}, "type": kind} for part in parts]
+    return [{"type": "refusal", "refusal": part["refusal"]} if part.get("type") == "refusal" else
+            {"annotations": [], **{k: v for k, v in part.items() if v is not None}, "type": kind} for part in parts]
 
 
 def page(items: list[dict], after: str | None, limit, order: str) -> dict:

@@ -15,9 +15,10 @@ The stream (ResponseEvents), framed by sse as vLLM frames it ("event: TYPE" and 
     function_call: response.function_call_arguments.delta... (the item is added with arguments ""),
       response.function_call_arguments.done (the whole arguments and the name);
   then response.output_item.done with the whole item. A reasoning or message item is closed when
-  output of another kind begins; function calls stay open (a call's pieces go to its item by the
-  chat's index) until reasoning or content comes, or the end, which closes every open item in output
-  order. An answer with no output at all still gets one empty message, as output_items gives it.
+  output of another kind begins; a function call stays open (its pieces go to its item by the
+  chat's index) until reasoning, content or another call comes, or the end, which closes every open
+  item in output order: each item is done before the next one is added. An answer with no output
+  at all still gets one empty message, as output_items gives it.
   Last: response.completed (response.incomplete, incomplete_details.reason "max_output_tokens",
   for a length finish) holding every item whole and the usage; or, on a failure after the stream
   began, an "error" event and response.failed. sequence_number counts every event from 0.
@@ -159,7 +160,7 @@ class ResponseEvents:
         self._text: _OpenItem | None = None
         """The open reasoning or message item."""
         self._calls: dict[int, _OpenItem] = {}
-        """The open function calls, by their chat index."""
+        """The open function call (one at most: a new call closes it), by its chat index."""
         self._sequence = 0
         self._logprobs: list[dict] = []
         """Log-probabilities of tokens whose text no output_text delta has carried yet."""
@@ -181,21 +182,20 @@ class ResponseEvents:
                 self._event("response.in_progress", response=self._response("in_progress"))]
 
     def delta(self, chat_delta: dict, logprobs: list | None = None) -> list[dict]:
-        """One chat chunk's delta as events: its reasoning, the next pieces of calls already open,
-        its content, then the calls it opens. That is the order the chat readers write them in: a
-        delta whose text turned to content (a call cut short by the length limit, or no call after
-        all) carries the open call's last piece too, which belongs before that content (after it,
-        the content had closed the call and the piece found none: the stream failed). logprobs: the
-        delta's tokens' (asked for: the answer's, ChatRender.message_logprobs), carried by the next
-        output_text delta, this one's or a later's."""
+        """One chat chunk's delta as events: the next pieces of calls already open, its reasoning,
+        its content, then the calls it opens. A delta whose text turned to content or reasoning (a
+        call cut short by the length limit, or no call after all) carries the open call's last piece
+        too, which belongs before that text (after it, the text had closed the call and the piece
+        found none: the stream failed). logprobs: the delta's tokens' (asked for: the answer's,
+        ChatRender.message_logprobs), carried by the next output_text delta, this one's or a later's."""
         self._logprobs += logprobs or []
         entries = chat_delta.get("tool_calls") or []
         events = []
-        if chat_delta.get("reasoning"):
-            events += self._text_piece("reasoning", chat_delta["reasoning"])
         for entry in entries:
             if "id" not in entry:
                 events += self._call_piece(entry)
+        if chat_delta.get("reasoning"):
+            events += self._text_piece("reasoning", chat_delta["reasoning"])
         if chat_delta.get("content"):
             events += self._text_piece("message", chat_delta["content"])
         for entry in entries:
@@ -263,12 +263,9 @@ class ResponseEvents:
     def _call_piece(self, entry: dict) -> list[dict]:
         index, function = entry.get("index", 0), entry.get("function") or {}
         piece, events = function.get("arguments") or "", []
-        if entry.get("id"):  # a new call: what was said before it is over
-            if self._text is not None:
-                events += self._close(self._text, "completed")
-                self._text = None
-            if index in self._calls:
-                events += self._close(self._calls.pop(index), "completed")
+        if entry.get("id"):  # a new call: what was said before it, earlier calls too, is over
+            # (each item is done before the next is added, as OpenAI streams them)
+            events += self._close_all()
             item = self._calls[index] = _OpenItem("function_call", len(self.output), item_id("fc"),
                                                   call_id=entry["id"], name=function.get("name") or "")
             self.output.append(None)

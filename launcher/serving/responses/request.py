@@ -5,8 +5,10 @@ answer side: launcher/serving/responses/output.py).
 
 What is mapped (chat_body):
 - input: a string is one user message. A list of items: messages ({role: user|system|developer|
-  assistant, content: a string or input_text / output_text / text parts}; an output message fed back
-  may keep its id, status and the output_text parts' annotations and logprobs, which are dropped);
+  assistant, content: a string or input_text / output_text / text parts, an assistant's refusal parts
+  taken as their text}; a type left out or null is a message where a role is given; an output item
+  fed back may keep its id (a string) and status (in_progress, completed, incomplete), and an output
+  message the output_text parts' annotations and logprobs, which are dropped);
   function_call items become an assistant message's tool_calls (id = call_id), consecutive ones, and
   ones right after an assistant message, joined into that one message, as a chat turn holds its text
   and calls; function_call_output items become tool messages (an output list's input_text parts
@@ -102,6 +104,8 @@ MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PART_TYPES = ("input_text", "output_text", "text")
 NON_TEXT_PART_TYPES = ("input_image", "input_file", "input_audio")
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+ITEM_STATUSES = ("in_progress", "completed", "incomplete")
+"""The statuses an output item fed back may carry (OpenAI's)."""
 TOOL_CHOICES = ("auto", "none", "required")
 REASONING_EFFORTS = tuple(effort for effort in CHAT_EFFORTS if effort != "max")
 """OpenAI's Responses efforts (the chat route also takes vLLM's "max": openai_protocol.REASONING_EFFORTS)."""
@@ -118,6 +122,8 @@ _ITEM_KEYS = {
 }
 """Each item type's keys: the input form's, and the output form's a client feeds back (id, status)."""
 _PART_KEYS = {"type", "text", "annotations", "logprobs"}
+_REFUSAL_PART_KEYS = {"type", "refusal"}
+"""An assistant's refusal part (OpenAI's output may hold one): its text is the refusal."""
 _FUNCTION_TOOL_KEYS = ("name", "description", "parameters", "strict")
 
 
@@ -344,7 +350,9 @@ def _add_item(conversation: _Conversation, item, path: str) -> None:
     if not isinstance(item, dict):
         raise ProtocolError(f"{path} ({_short(item)}) must be an item, an object such as {{\"role\": \"user\", "
                             f"\"content\": ...}}", param=path)
-    kind = item.get("type", "message" if "role" in item else None)
+    kind = item.get("type")
+    if kind is None:  # a type left out, or null: a message when it has a role
+        kind = "message" if "role" in item else None
     if kind not in ITEM_TYPES:
         what = "has no type (nor a role)" if kind is None else f"type {_short(kind)} is not supported"
         raise ProtocolError(f"{path}.type: the item {what}; this server takes the item types "
@@ -354,6 +362,7 @@ def _add_item(conversation: _Conversation, item, path: str) -> None:
         if key not in _ITEM_KEYS[kind] and item[key] is not None:
             raise ProtocolError(f"unknown key {clip(str(key))!r} in {path}; a {kind} item takes "
                                 f"{', '.join(sorted(_ITEM_KEYS[kind]))}", param=f"{path}.{clip(str(key))}")
+    _check_id_and_status(item, path)
     if kind == "message":
         _add_message(conversation, item, path)
     elif kind == "function_call":
@@ -369,6 +378,17 @@ def _add_item(conversation: _Conversation, item, path: str) -> None:
         conversation.add_reasoning(_reasoning_text(item, path), path)
 
 
+def _check_id_and_status(item: dict, path: str) -> None:
+    """An item fed back keeps its id and status (a kept turn lists them): the id a string (an item
+    id, which a listing's `after` names), the status OpenAI's."""
+    if item.get("id") is not None and not isinstance(item["id"], str):
+        raise ProtocolError(f"{path}.id ({_short(item['id'])}) must be a string, the item's id (\"msg_...\"), "
+                            f"or left out", param=f"{path}.id")
+    if item.get("status") is not None and item["status"] not in ITEM_STATUSES:
+        raise ProtocolError(f"{path}.status ({_short(item['status'])}) must be one of {', '.join(ITEM_STATUSES)}, "
+                            f"or left out", param=f"{path}.status")
+
+
 def _add_message(conversation: _Conversation, item: dict, path: str) -> None:
     role = item.get("role")
     if role not in MESSAGE_ROLES:
@@ -377,32 +397,49 @@ def _add_message(conversation: _Conversation, item: dict, path: str) -> None:
     message = {"role": role}
     content = item.get("content")
     if isinstance(content, list):
-        message["content"] = [_text_part(part, f"{path}.content[{j}]") for j, part in enumerate(content)]
+        message["content"] = [_text_part(part, f"{path}.content[{j}]", refusal=role == "assistant")
+                              for j, part in enumerate(content)]
     elif content is not None:
         _text(content, f"{path}.content", "a string or a list of text parts")
         message["content"] = content
     conversation.add(message, _MessagePlace(path, content=f"{path}.content"))
 
 
-def _text_part(part, path: str) -> dict:
-    """A content part as the chat's text part ({"type": "text", "text"}); the rest refused."""
+def _text_part(part, path: str, refusal: bool = False) -> dict:
+    """A content part as the chat's text part ({"type": "text", "text"}); the rest refused.
+    refusal: an assistant's part, which may be a refusal (history exported from OpenAI holds them),
+    taken as its text."""
     if not isinstance(part, dict):
         raise ProtocolError(f"{path} ({_short(part)}) must be a content part, {{\"type\": \"input_text\", "
                             f"\"text\": ...}}", param=path)
     kind = part.get("type")
+    if refusal and kind == "refusal":
+        return _refusal_part(part, path)
     if kind in NON_TEXT_PART_TYPES:
         raise ProtocolError(f"{path}.type ({kind!r}) is not supported: this server takes text only; send "
                             f"input_text parts", param=f"{path}.type")
     if kind not in TEXT_PART_TYPES:
+        taken = (*TEXT_PART_TYPES, "refusal") if refusal else TEXT_PART_TYPES
         raise ProtocolError(f"{path}.type ({_short(kind)}) is not supported; a part is one of "
-                            f"{', '.join(TEXT_PART_TYPES)}, {{\"type\": \"input_text\", \"text\": ...}}",
+                            f"{', '.join(taken)}, {{\"type\": \"input_text\", \"text\": ...}}",
                             param=f"{path}.type")
-    for key in part:
-        if key not in _PART_KEYS and part[key] is not None:
-            raise ProtocolError(f"unknown key {clip(str(key))!r} in text part {path}; a text part is "
-                                f"{{\"type\": \"input_text\", \"text\": ...}}", param=f"{path}.{clip(str(key))}")
+    _refuse_unknown_keys(part, _PART_KEYS, f"text part {path}", '{"type": "input_text", "text": ...}', path)
     _text(part.get("text"), f"{path}.text")
     return {"type": "text", "text": part["text"]}
+
+
+def _refusal_part(part: dict, path: str) -> dict:
+    _refuse_unknown_keys(part, _REFUSAL_PART_KEYS, f"refusal part {path}", '{"type": "refusal", "refusal": ...}',
+                         path)
+    _text(part.get("refusal"), f"{path}.refusal")
+    return {"type": "text", "text": part["refusal"]}
+
+
+def _refuse_unknown_keys(part: dict, known, what: str, shape: str, path: str) -> None:
+    for key in part:
+        if key not in known and part[key] is not None:
+            raise ProtocolError(f"unknown key {clip(str(key))!r} in {what}; a {what.split()[0]} part is {shape}",
+                                param=f"{path}.{clip(str(key))}")
 
 
 def _output_text(item: dict, path: str) -> str:
