@@ -87,6 +87,14 @@ def test_which_requests_have_their_thinking_split():
             assert (request.reasoning() is None) is over, (prompt, fields)
             if fields:
                 assert request.sampling().structured_output.after_token == (None if over else 4242)
+    # a continued final message goes on with answer text, unless its turn opened a thinking left open:
+    # DeepSeek-R1's template writes neither tag for it (the continuation was all reasoning)
+    continued = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The answer is"}],
+                 "continue_final_message": True, "add_generation_prompt": False}
+    for prompt, over in (([8, 3, 8, 5, 6], True), ([5, 6], True), ([8, 4241, 5, 6], False)):
+        request = chat("deepseek_r1", **continued)
+        request.settle_thinking(4242, 4241, prompt, frozenset({8}))
+        assert (request.reasoning() is None) is over, prompt
     with pytest.raises(ProtocolError) as refused:
         chat("qwen3", include_reasoning="no")
     assert refused.value.param == "include_reasoning"

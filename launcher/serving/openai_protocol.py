@@ -562,7 +562,8 @@ class ChatCompletionRequest(_GenerationRequest):
         Thinking turned off (qwen3's enable_thinking): constrained at once, all content."""
         if self._reasoning is None:
             return
-        if _thinking_closed(prompt, think_start, think_end, turn_ends) or (self._structure is not None and (
+        if _thinking_closed(prompt, think_start, think_end, turn_ends, self.continue_final_message) or (
+                self._structure is not None and (
                 think_end is None or not self.include_reasoning)):
             self._reasoning = None
             return
@@ -584,21 +585,26 @@ class ChatCompletionRequest(_GenerationRequest):
 
 
 def _thinking_closed(prompt: Sequence[int], think_start: int | None, think_end: int | None,
-                     turn_ends: Collection[int] = ()) -> bool:
+                     turn_ends: Collection[int] = (), continuing: bool = False) -> bool:
     """Whether the prompt's last `</think>` comes after its last `<think>` (the thinking is over
     before the output starts), as vLLM reads a prompt's token ids, within the turn the output goes
     on: after the last of `turn_ends` (the ids that end a message, `<|im_end|>` in Qwen3's
     template). An earlier turn's thinking, which Qwen3's template writes back for the assistant's
     messages after the last user message (a tool call and its result), closed the new answer's
-    thinking too, and the model's new thinking went to the content, tags and all."""
+    thinking too, and the model's new thinking went to the content, tags and all.
+    `continuing` (continue_final_message): the output goes on with the last message's text, which
+    is answer unless that turn opened a `<think>` left open; DeepSeek-R1's and QwQ's templates write
+    neither tag for it, and the whole continuation was read as thinking."""
     if think_end is None:
         return False
     for token in reversed(prompt):
         if token == think_end:
             return True
-        if token == think_start or token in turn_ends:
+        if token == think_start:
             return False
-    return False
+        if token in turn_ends:
+            return continuing
+    return continuing
 
 
 RESERVED_TEMPLATE_NAMES = {
