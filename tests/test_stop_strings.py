@@ -201,6 +201,14 @@ def test_include_stop_keeps_the_earliest_stop_and_of_two_at_one_place_the_shorte
     assert run_including(["abc", "ab"], ["xa", "bcd"]) == ("xab", True)
 
 
+def test_include_stop_cuts_at_the_stop_that_ends_first_however_the_text_is_pushed():
+    """A stop that starts earlier but ends later ("w; X") does not carry the text past one the model
+    completed before it ("; "): text pushed several tokens at once (a character held back across
+    tokens) gave "now; X", where a token at a time gave "now; "."""
+    for pieces in (["now; X"], ["now; ", "X"], ["no", "w; X"]):
+        assert run_including(["; ", "w; X"], pieces) == ("now; ", True), pieces
+
+
 def run_including(stops, pieces):
     """run() with include_stop."""
     return run(stops, pieces, include_stop=True)

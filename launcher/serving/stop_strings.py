@@ -106,7 +106,7 @@ class StopStringMatcher:
         `text` (one may begin in the text sent before), else all of `text`."""
         sent = self._sent_tail
         buffer = sent + text
-        found = self._first_stop(buffer, len(sent)) if match else None  # it must end in the new text
+        found = self._first_stop(buffer, len(sent), by_end=True) if match else None  # ends in the new text
         if found is not None:
             self.stopped = True
             return buffer[len(sent):found[1]], True
@@ -118,12 +118,17 @@ class StopStringMatcher:
         held, self._held = self._held, ""
         return "" if self.stopped else held
 
-    def _first_stop(self, buffer: str, ends_after: int) -> tuple[int, int] | None:
+    def _first_stop(self, buffer: str, ends_after: int, by_end: bool = False) -> tuple[int, int] | None:
         """(start, end) in buffer of the earliest stop string ending after buffer[:ends_after], or None.
         Earliest, not first listed: the text before it is what the model wrote before stopping. Of
         stops starting at the same place ("ab" and "abc"), the shorter: the model's text completed it
-        first (include_stop keeps "ab" whether "c" came in the same push or never)."""
+        first (include_stop keeps "ab" whether "c" came in the same push or never). by_end (include
+        stop): the one that ends first, whose end the text is cut at: the earliest start could end
+        later, past another stop the model had already completed ("w; X" over "; " in "now; X"),
+        which text coming a token at a time never reached."""
         spans = [(i, i + len(stop)) for stop in self.stops
                  if (i := buffer.find(stop, max(0, ends_after - len(stop) + 1))) >= 0]
+        if by_end:
+            return min(spans, key=lambda span: (span[1], -span[0]), default=None)
         return min(spans, default=None)
 
