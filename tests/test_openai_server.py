@@ -291,6 +291,28 @@ def test_unsupported_parameters_are_taken_at_the_value_that_asks_for_nothing():
         assert err.param == field and words in err.message, err.message
 
 
+def test_openai_sdk_fields_that_ask_for_nothing_here_are_taken():
+    """Fields OpenAI's SDK sends (its prompt cache routing key, safety identifier, service tier,
+    output modalities, verbosity, stream obfuscation) were "unknown parameter" 400s; each is taken at
+    the values that ask for nothing this server does not do, and named where it asks for more."""
+    for parse in (completion, chat):
+        parse(prompt_cache_key="conversation-7", safety_identifier="user-hash", service_tier="auto", stream=True,
+              stream_options={"include_usage": True, "include_obfuscation": False})
+        parse(service_tier="default", prompt_cache_key=None, safety_identifier=None)
+    chat(modalities=["text"], verbosity="medium")
+    for parse, field, value, words in (
+            (chat, "service_tier", "flex", "service_tier ('flex') must be \"auto\" or \"default\""),
+            (completion, "prompt_cache_key", 5, "prompt_cache_key (5) must be a string"),
+            (chat, "modalities", ["text", "audio"], "must be [\"text\"] (this server writes text only)"),
+            (chat, "verbosity", "high", "verbosity ('high') must be \"medium\""),
+            (completion, "modalities", ["text"], "unknown parameter 'modalities'")):  # chat's alone
+        err = refusal(parse, **{field: value})
+        assert err.param == field and words in err.message, (field, err.message)
+    err = refusal(chat, messages=[{"role": "assistant", "content": "x", "function_call": {}},
+                                  {"role": "user", "content": "y"}])  # an empty one was dropped without a word
+    assert err.param == "messages.0.function_call" and "the deprecated function_call is not supported" in err.message
+
+
 def test_structured_output_fields_take_only_their_wire_names_and_name_a_missing_one():
     schema = {"type": "object"}
     err = refusal(chat, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema_": schema}})

@@ -112,6 +112,10 @@ FIELD_RULES = {
     "repetition_penalty": "a number > 0 in float32's normal range [1.175494e-38, 3.402823e+38] (1 turns it off; "
                           "above 1 discourages repeating the prompt's and the output's tokens)",
     "user": "a string (it is accepted and ignored)",
+    "prompt_cache_key": "a string (it is accepted and ignored: prefix caching needs no key)",
+    "safety_identifier": "a string (it is accepted and ignored)",
+    "service_tier": "\"auto\" or \"default\" (this server has one tier)",
+    "stream_options.include_obfuscation": "true or false (accepted and ignored: no obfuscation is added)",
     # Parameters this server does not implement, accepted at the value that asks for nothing (clients
     # that send every parameter send these), refused otherwise
     "best_of": "1 (best_of is not supported; only 1 is accepted)",
@@ -141,6 +145,8 @@ FIELD_RULES = {
                            "keeps the first call it reads)",
     "store": "false (stored completions are not supported)",
     "metadata": "an empty object (metadata tags stored completions, which are not supported)",
+    "modalities": "[\"text\"] (this server writes text only)",
+    "verbosity": "\"medium\" (the default; other verbosities are not supported)",
     # vLLM's /tokenize and /detokenize (not OpenAI's API)
     "add_special_tokens": "true or false (true: the tokenizer's own special tokens, a BOS say, are added around "
                           "the text; /tokenize's default is true with prompt, false with messages)",
@@ -196,6 +202,9 @@ class StreamOptions(NullMeansDefault):
     continuous_usage_stats: bool = False
     """Extension (vLLM's): with include_usage, every chunk also carries the usage so far (chunk_usage);
     alone it does nothing, as vLLM ignores it without include_usage."""
+    include_obfuscation: bool = True
+    """OpenAI's: pads each chunk with random characters against length side channels; taken and
+    ignored (no padding is added), as vLLM ignores it."""
 
 
 class _GenerationRequest(NullMeansDefault):
@@ -246,6 +255,10 @@ class _GenerationRequest(NullMeansDefault):
     """Extension (as vLLM's and transformers'): divides the logits of tokens already in the prompt or
     the output (workers/penalties.py)."""
     user: str | None = None
+    # OpenAI's, which its SDK sends: taken and ignored (no other tier; prefix caching needs no key)
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    service_tier: Literal["auto", "default"] | None = None
     allowed_token_ids: list[int] | None = None
     """Extension (vLLM's): only these token ids are generated, greedy included (every other logit is
     -inf); a stop token or EOS left out of them cannot end the request, which runs to its max tokens.
@@ -437,7 +450,7 @@ class ChatMessage(NullMeansDefault):
                                 f"message has none; leave it out", param=f"messages.{index}.tool_call_id")
         if self.tool_call_id is not None:
             check_utf8(self.tool_call_id, f"messages.{index}.tool_call_id")
-        if self.function_call:
+        if self.function_call is not None:  # {} too: it was dropped without a word
             raise ProtocolError(f"messages.{index}.function_call: the deprecated function_call is not supported; send "
                                 f"the assistant's calls as tool_calls", param=f"messages.{index}.function_call")
         if self.tool_calls and self.role != "assistant":
@@ -517,6 +530,10 @@ class ChatCompletionRequest(_GenerationRequest):
     store: bool = False
     """Refused when true (_check_combinations): a Literal[False] would take the number 0 too."""
     metadata: dict = Field(default_factory=dict, max_length=0)
+    modalities: list[Literal["text"]] | None = None
+    """OpenAI's output kinds: text only here (audio refused)."""
+    verbosity: Literal["medium"] | None = None
+    """OpenAI's answer length hint for its reasoning models: only the default, which asks nothing."""
     # How the chat template renders the messages (vLLM's extensions; /tokenize's chat form takes them too)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
