@@ -4,7 +4,6 @@ hold, before it writes any rank's weights: both were found only after the weight
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,15 +34,17 @@ def weights_written(monkeypatch) -> list:
     return calls
 
 
-def _port_nobody_listens_on() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_ray_address_that_does_not_answer_is_refused_before_the_weights(model_dir, tmp_path, capsys,
-                                                                            weights_written):
-    address = f"127.0.0.1:{_port_nobody_listens_on()}"
+                                                                            monkeypatch, weights_written):
+    """Ray's connect is stood in for by its refusal (tests/test_ray_connect_e2e.py runs the real one):
+    a test process may hold a Ray session already, which connect shares whatever the address."""
+    from launcher.cluster import ray_cluster
+    from launcher.errors import LaunchError
+
+    def unanswered(address, **kwargs):
+        raise LaunchError(f"no Ray cluster answered at {address!r} (--ray-address; connection refused); start one")
+    monkeypatch.setattr(ray_cluster, "connect", unanswered)
+    address = "127.0.0.1:1"
     code = main(["compile", "--model", str(model_dir), "--out", str(tmp_path / "c"), "--buckets", "16",
                  "--ray-address", address, "--quiet"])
     err = capsys.readouterr().err
