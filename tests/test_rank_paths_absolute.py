@@ -77,8 +77,11 @@ def test_generate_with_a_relative_model_loads_on_ranks_elsewhere(model_dir, rank
     assert specs[0].model_dir == str(work / "m")  # absolute, the link kept (not resolved to its target)
 
 
-def test_compile_with_a_relative_out_loads_on_ranks_elsewhere(model_dir, ranks_elsewhere, capsys):
+def test_compile_with_a_relative_out_loads_on_ranks_elsewhere(model_dir, ranks_elsewhere, capsys, monkeypatch):
+    from workers.serving.loop import ServingLoop
+
     work, specs = ranks_elsewhere
+    monkeypatch.setattr(ServingLoop, "warm_up", lambda self, shapes, progress=None: None)  # the paths, not graphs
     code, err = corelaunch_in_process(capsys, "compile", "--model", str(model_dir), "--out", "crel",
                                       "--buckets", "16", "--max-num-seqs", "1", "--quiet")
     assert code == 0, err
