@@ -467,6 +467,18 @@ def _with_absolute_paths(spec):
     return dataclasses.replace(spec, **absolute)
 
 
+def refuse_never_placeable(bundle: dict, tp: int, nodes_asked: int, alive: list, after: str = "") -> None:
+    """PlacementImpossible when a private cluster's alive nodes (placement.NodeInfo) could never hold
+    one TP group of `tp` ranks of `bundle` over `nodes_asked` nodes (no autoscaler grows it); `after`
+    ends the message."""
+    from launcher.cluster.resources import explain_unplaceable, never_placeable
+
+    totals = [n.total for n in alive]
+    if never_placeable(bundle, tp, nodes_asked, totals):
+        why = explain_unplaceable(bundle, tp, nodes_asked, totals, None, [n.name for n in alive])
+        raise PlacementImpossible(f"the private Ray cluster started here cannot place a TP group: {why}{after}")
+
+
 def static_watchdog_s(cfg: LaunchConfig, parts: int) -> float:
     """How long a static generate() waits for its `parts` batches: a watchdog, not the request
     timeout (the replicas enforce that, per attempt). Every part could wait for all the others, and
@@ -1008,12 +1020,10 @@ class Launcher:
     def _refuse_unplaceable(self, nodes: list) -> None:
         """PlacementImpossible at once, rather than after --placement-timeout, when the alive nodes
         together could never hold one group, or not every replica's group at once."""
-        from launcher.cluster.resources import explain_unplaceable, groups_that_fit, never_placeable
+        from launcher.cluster.resources import groups_that_fit
 
         bundle, totals, tp = self._rank_resources.bundle, [n.total for n in nodes], self.plan.tp_degree
-        if never_placeable(bundle, tp, self.config.nodes, totals):
-            why = explain_unplaceable(bundle, tp, self.config.nodes, totals, None, [n.name for n in nodes])
-            raise PlacementImpossible(f"the private Ray cluster started here cannot place a TP group: {why}")
+        refuse_never_placeable(bundle, tp, self.config.nodes, nodes)
         holds = groups_that_fit(totals, bundle, tp, self.config.nodes, limit=self.replicas)
         if holds < self.replicas:  # the first groups started and the rest waited out the placement timeout
             share = f"{bundle.get('CPU', 0):g} CPU a rank" + (" (--cpus-per-rank)" if self.config.cpus_per_rank else "")
@@ -1039,12 +1049,12 @@ class Launcher:
         spec = self._load_spec
         writer = self._cache_writer  # once: a shutdown on another thread clears it
         if restart and writer is not None and writer.ready and not around_the_cache:
-            spec = dataclasses.replace(spec, presharded_dir=str(writer.path))
+            spec = dataclasses.replace(spec, presharded_dir=os.path.abspath(writer.path))  # as _make_load_spec's
         loading = False
         try:
             group.start()
             loading = True
-            stats = group.load(_with_absolute_paths(spec))  # the cache copy a restart may take too
+            stats = group.load(spec)
             loading = False
             prepared = group.start_serving(self._serve_spec())
         except BaseException as err:
@@ -1741,15 +1751,14 @@ class Launcher:
         from workers.structured.grammars import allows, lowest_allowed
 
         spec, ends = params.structured_output.describe(), self._eos_ids()
+        left = None  # the allowed ids the first step allows, where they are limited
         if params.allowed_token_ids:
             left = [token for token in params.allowed_token_ids if allows(first, token)]
             if not left:
                 raise ValueError(f"allowed_token_ids ({show(list(params.allowed_token_ids))}) hold no token the "
                                  f"structured output ({spec}) allows first; allow the tokens its text can start with")
-            only_ends = all(token in ends for token in left)
-        else:
-            only_ends = lowest_allowed(first, but=ends) is None
-        if params.min_tokens and only_ends:
+        if params.min_tokens and (lowest_allowed(first, but=ends) is None if left is None
+                                  else all(token in ends for token in left)):
             only = "" if not params.allowed_token_ids else " among allowed_token_ids"
             raise ValueError(f"min_tokens ({params.min_tokens}) holds back the end, and the structured output "
                              f"({spec}) allows nothing else first{only}; leave min_tokens at 0, or allow a token "

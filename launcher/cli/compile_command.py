@@ -222,22 +222,18 @@ def _ray_checked_before_the_weights(config, planned, progress):
 def _refuse_what_a_private_cluster_cannot_hold(connection, config, planned) -> None:
     """PlacementImpossible, as the Launcher says it once started, when the private cluster started
     here could never hold one TP group (no autoscaler grows it: --cpus-per-rank over its CPUs)."""
+    from launcher.api import refuse_never_placeable
     from launcher.cluster.placement import alive_nodes
-    from launcher.cluster.resources import explain_unplaceable, never_placeable, rank_resources
-    from launcher.errors import PlacementImpossible
+    from launcher.cluster.resources import rank_resources
     from workers.backends import backend_entry
 
     if not connection.started_here:
         return
     nodes, tp = alive_nodes(), planned.plan.tp_degree
-    totals = [n.total for n in nodes]
     bundle = rank_resources(ray_resource=backend_entry(planned.backend).ray_resource, tp=tp,
-                            node_cpus=[t.get("CPU", 0.0) for t in totals], nodes=config.nodes,
+                            node_cpus=[n.total.get("CPU", 0.0) for n in nodes], nodes=config.nodes,
                             cpus_per_rank=config.cpus_per_rank).bundle
-    if never_placeable(bundle, tp, config.nodes, totals):
-        why = explain_unplaceable(bundle, tp, config.nodes, totals, None, [n.name for n in nodes])
-        raise PlacementImpossible(f"the private Ray cluster started here cannot place a TP group: {why}; "
-                                  f"no weights were written")
+    refuse_never_placeable(bundle, tp, config.nodes, nodes, after="; no weights were written")
 
 
 def check_out(out: Path) -> None:

@@ -402,7 +402,7 @@ class TPGroup:
             except ray.exceptions.RayTaskError as err:
                 failure = failure or _rank_failure(self._where(rank_of[ref]), "serve", err)
             except ray.exceptions.RayError as err:  # Ray's own failure: its result lost with its node, say
-                failure = failure or _lost_result(self._where(rank_of[ref]), "serve", err)
+                failure = failure or _result_not_returned(self._where(rank_of[ref]), "serve", err)
         if not isinstance(failure, WorkerDied):
             failure = self._find_death(pending, rank_of, "serve") or failure
         if type(failure) is RankFailed and (silent := self.silent_ranks(_ROOT_CAUSE_GRACE_S)):
@@ -527,7 +527,7 @@ class TPGroup:
                     # batch was not re-run on a restarted group.
                     death = self._find_death(pending, rank_of, step)
                     self.kill()
-                    raise death or _lost_result(self._where(rank_of[ref]), step, err) from None
+                    raise death or _result_not_returned(self._where(rank_of[ref]), step, err) from None
         return [results[r] for r in refs]
 
     def _death(self, rank: int, step: str, err: Exception) -> WorkerDied:
@@ -632,7 +632,7 @@ class TPGroup:
             self._pg = None
 
 
-def _lost_result(where: str, step: str, err: Exception) -> RankFailed:
+def _result_not_returned(where: str, step: str, err: Exception) -> RankFailed:
     """A rank's call whose result Ray could not hand over, for a reason of Ray's, not the rank's own
     error nor its actor's death (its result lost with its node, its owner dead, its worker crashed)."""
     lines = str(err).strip().splitlines()
