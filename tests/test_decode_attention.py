@@ -217,6 +217,13 @@ def test_only_float32_caches_on_the_cpu_take_it():
     assert not kernel.usable(torch.randn(1, 4, 2, 16), torch.randn(1, 2, 8, 16))  # two queries: a prefill
 
 
+def test_what_the_operator_refuses_keeps_the_traced_path():
+    """The operator's own checks fail a step (RuntimeError); usable() sends such inputs to the
+    traced attention instead."""
+    assert not kernel.usable(torch.randn(1, 6, 1, 16), torch.randn(1, 4, 8, 16))  # 6 query heads over 4 KV heads
+    assert not kernel.usable(torch.randn(1, 4, 1, 16), torch.randn(1, 8, 2, 16).transpose(1, 2))  # not contiguous
+
+
 def test_turned_off_by_the_environment(monkeypatch):
     monkeypatch.setenv("CORELAUNCH_DECODE_ATTENTION", "0")
     assert not kernel.available() and "CORELAUNCH_DECODE_ATTENTION=0" in kernel.unavailable_reason

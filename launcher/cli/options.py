@@ -404,5 +404,5 @@ def model_and_placement_options(args: argparse.Namespace) -> dict:
 def add_kv_cache_dtype(p: argparse.ArgumentParser) -> None:
     """--kv-cache-dtype (generate, serve, compile, check, bench, plan): an fp8 KV cache."""
     p.add_argument("--kv-cache-dtype", choices=["f8e4m3"],
-                   help="store the KV cache in fp8 e4m3 with a scale, dequantized on read (a quarter of float32's "
-                        "bytes per token; default: the compute dtype)")
+                   help="store the KV cache in fp8 e4m3, dequantized on read: a direct cast (scale 1.0) clamped to "
+                        "+-240 (a quarter of float32's bytes per token; default: the compute dtype)")

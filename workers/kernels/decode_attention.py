@@ -507,11 +507,15 @@ def usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether a traced decode step's attention takes the kernel: one float32 query per row on the
     CPU against a float32 cache (an fp8 cache keeps the traced path, which dequantizes it). A graph
     traced without mark_constants_for_tracing (a torch.compile other than workers/compiled.py's)
-    keeps the traced path: tracing into available() (its lock) broke the graph at every layer."""
+    keeps the traced path: tracing into available() (its lock) broke the graph at every layer.
+    What the operator itself refuses (query heads not a multiple of the KV heads, a cache not laid
+    out contiguously) keeps the traced path too, rather than failing the step."""
     if torch.compiler.is_compiling() and not _marked_for_tracing:
         return False
+    q_heads, kv_heads = q.shape[1], k_cache.shape[1]
     return (q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype == torch.float32
-            and q.shape[2] == 1 and q.shape[1] // k_cache.shape[1] <= MAX_GROUP and available())
+            and q.shape[2] == 1 and kv_heads > 0 and q_heads % kv_heads == 0 and q_heads // kv_heads <= MAX_GROUP
+            and k_cache.is_contiguous() and available())
 
 
 # Schema and shape function here, so that torch.compile can trace the operator before anything is
