@@ -1452,8 +1452,9 @@ class Launcher:
                                              self.config.max_num_seqs, timeout_per_wave)
 
     def _checked_ending_ids(self, params: list[SamplingParams], stop_token_ids, ignore_eos: bool) -> tuple[int, ...]:
-        """_ending_ids, after refusing params whose allowed_token_ids are all those ids while min_tokens
-        holds them back (check_allowed_beyond_stops): every path checks this before submitting."""
+        """_ending_ids, after refusing params whose allowed_token_ids are each one of those ids while
+        min_tokens holds them back or banned by a one-token bad word (check_allowed_beyond_stops): every
+        path checks this before submitting, on the params _with_bad_word_ids filled."""
         ending = self._ending_ids(stop_token_ids, ignore_eos)
         check_allowed_beyond_stops(params, ending)
         return ending
@@ -1673,8 +1674,10 @@ class Launcher:
     def _with_bad_word_ids(self, params: list[SamplingParams]) -> list[SamplingParams]:
         """The params with their bad_words tokenized into bad_words_token_ids (replaced, whatever the
         caller put there: the ranks ban these ids), the one place every request's params pass before
-        check_request; params without bad words as they are. One SamplingParams given for many prompts
-        is tokenized once."""
+        check_request; params without bad words as they are. The same words (one SamplingParams for
+        many prompts, or a request's n choices) are tokenized once, and no other field is checked again
+        (with_derived: a request's seeded choices are copies of one checked params)."""
+        sequences: dict[tuple[str, ...], tuple[tuple[int, ...], ...]] = {}
         done: dict[int, SamplingParams] = {}
         filled = []
         for p in params:  # SamplingParams each: every caller has checked them
@@ -1682,7 +1685,9 @@ class Launcher:
                 filled.append(p)
                 continue
             if id(p) not in done:
-                done[id(p)] = dataclasses.replace(p, bad_words_token_ids=self._bad_word_sequences(p.bad_words))
+                if p.bad_words not in sequences:
+                    sequences[p.bad_words] = self._bad_word_sequences(p.bad_words)
+                done[id(p)] = p.with_derived(bad_words_token_ids=sequences[p.bad_words])
             filled.append(done[id(p)])
         return filled
 

@@ -6,6 +6,7 @@ sampling itself is workers/sampling.py."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -69,8 +70,9 @@ class SamplingParams:
     min_tokens: int = 0
     """Tokens generated before a stop token (EOS included) may end the request (vLLM's name, with the
     meaning of transformers' min_new_tokens): until then the stop tokens' logits are -inf. At most the
-    request's max_new_tokens (shardlib/request_checks.py). Stop strings are not held back (vLLM
-    does hold them)."""
+    request's max_new_tokens (shardlib/request_checks.py). Stop strings are held back too, as vLLM
+    holds them: a stop string counts only where it ends in the text of the tokens after the first
+    min_tokens (the driver's text stream, launcher/serving/text_stream.py)."""
     logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
     """Added to these tokens' logits before penalties and sampling, greedy included (OpenAI's):
     {token_id: bias}, each bias in [-100, 100]. Kept as a tuple of (token_id, bias) pairs in id
@@ -165,6 +167,17 @@ class SamplingParams:
         return (self.allowed_token_ids is not None or bool(self.bad_words_token_ids) or bool(self.logit_bias)
                 or self.has_penalties or self.min_tokens > generated)
 
+    def with_derived(self, **fields) -> "SamplingParams":
+        """A copy with `fields` set and nothing checked again: for values the caller derived from
+        checked ones (a choice's seed, the tokenizer's ids of the bad words). dataclasses.replace
+        checks every field anew: 262144 allowed_token_ids sorted again per choice, on the server's
+        event loop. The copy shares the checked fields (allowed_token_ids' set, hence the leader's
+        mask for it)."""
+        copied = copy.copy(self)
+        for name, value in fields.items():
+            object.__setattr__(copied, name, value)  # frozen: set as __post_init__ sets its own
+        return copied
+
 
 class AllowedIds(tuple):
     """allowed_token_ids as SamplingParams keeps them: a tuple of sorted distinct ids, whose hash is
@@ -196,17 +209,38 @@ def no_token_left(allowed: tuple[int, ...], held) -> bool:
 
 
 def check_allowed_beyond_stops(params, ending_ids) -> None:
-    """ValueError naming the first SamplingParams whose allowed_token_ids are all ending ids (stop
-    tokens, EOS included) while min_tokens holds those back: no first token could be chosen. Checked
-    before submitting: the leader would fail the request in its first step, and a static batch as a
-    whole."""
+    """ValueError naming the first SamplingParams whose allowed_token_ids are each removed from its
+    first step on: banned by a bad word of one token (bad_words_token_ids, banned at every step), or
+    an ending id (stop tokens, EOS included) while min_tokens holds those back. No first token could
+    be chosen. Checked before submitting, once the driver has tokenized the bad words: the leader
+    would fail the request in its first step, and a static batch as a whole. (A longer bad word bans
+    its last token only after its other tokens: the leader refuses the step that leaves nothing.)"""
     ending = set(ending_ids)
     for p in params:
         allowed = getattr(p, "allowed_token_ids", None)
-        if allowed and p.min_tokens > 0 and no_token_left(allowed, ending):
-            raise ValueError(f"allowed_token_ids {list(allowed[:5])} are all stop tokens (EOS included), which "
-                             f"min_tokens ({p.min_tokens}) holds back: no token could be chosen; allow other "
-                             f"tokens too, or lower min_tokens")
+        if not allowed:
+            continue
+        held = ending if p.min_tokens > 0 else set()
+        banned = {seq[0] for seq in getattr(p, "bad_words_token_ids", ()) if len(seq) == 1}
+        if no_token_left(allowed, held.union(banned) if banned else held):
+            raise ValueError(_nothing_allowed_left(p, held, banned))
+
+
+def _nothing_allowed_left(p, held: set[int], banned: set[int]) -> str:
+    """Why check_allowed_beyond_stops refuses p, naming the fields that leave no allowed token."""
+    allowed = p.allowed_token_ids
+    shown = list(allowed[:5])
+    if no_token_left(allowed, held):
+        return (f"allowed_token_ids {shown} are all stop tokens (EOS included), which min_tokens ({p.min_tokens}) "
+                f"holds back: no token could be chosen; allow other tokens too, or lower min_tokens")
+    words = (f"bad_words (whose words of one token ban token ids {sorted(banned.intersection(allowed))[:5]} at "
+             f"every step)")
+    if no_token_left(allowed, banned):
+        return (f"allowed_token_ids {shown} are all banned by {words}: no token could be chosen; allow other "
+                f"tokens too, or remove those bad words")
+    return (f"allowed_token_ids {shown} are each banned by {words} or a stop token (EOS included), which min_tokens "
+            f"({p.min_tokens}) holds back: no token could be chosen; allow other tokens too, remove those bad words, "
+            f"or lower min_tokens")
 
 
 def _allowed_ids(ids) -> AllowedIds:

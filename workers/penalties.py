@@ -48,7 +48,9 @@ def penalized(logits: torch.Tensor, params: list[SamplingParams], prompts: Seque
     (held back while it has generated fewer than its min_tokens); the same tensor when no row asks for any of these
     (the common case costs one pass over the params), else a float32 copy. Penalised values are
     kept finite: a tiny repetition penalty dividing a large logit (or a large one multiplying a
-    negative logit) would overflow float32, and an infinite logit fails the row's token choice."""
+    negative logit) would overflow float32, and an infinite logit fails the row's token choice.
+    ValueError for a row with allowed_token_ids left with none to choose by its bad words and held
+    stop tokens (_check_tokens_left)."""
     if not any(p.adjusts_logits(len(generated)) for p, generated in zip(params, outputs)):
         return logits
     # float32 throughout, as the sampling that follows computes; on the host for a device without
@@ -56,9 +58,13 @@ def penalized(logits: torch.Tensor, params: list[SamplingParams], prompts: Seque
     # are taken from it)
     out = logits.to(sampling_device(logits.device), torch.float32, copy=True)
     device = out.device
-    _keep_allowed(out, params, outputs, stops)
-    _ban_bad_words(out, params, outputs)
-    _hold_stops(out, params, outputs, stops)
+    banned = [_bad_tokens_due(p, generated) for p, generated in zip(params, outputs)]
+    held = [_stops_held(p, generated, stops[i] if stops else ()) for i, (p, generated)
+            in enumerate(zip(params, outputs))]
+    _check_tokens_left(params, outputs, banned, held)
+    _keep_allowed(out, params)
+    _ban_bad_words(out, banned)
+    _hold_stops(out, held)
     _add_bias(out, params)
     rows = [i for i, p in enumerate(params) if p.has_penalties]
     if not rows:
@@ -92,49 +98,75 @@ def penalized(logits: torch.Tensor, params: list[SamplingParams], prompts: Seque
     return out.to(logits.device)
 
 
-def _keep_allowed(out: torch.Tensor, params: list[SamplingParams], outputs: Sequence[Sequence[int]],
-                  stops: Sequence[Collection[int]]) -> None:
-    """-inf in place for every token outside each row's allowed_token_ids (rows without them are
-    not touched). ValueError for a row whose allowed ids are all stop tokens that min_tokens still
-    holds back: no token would be left (the row fails alone in the serving loop)."""
+def _bad_tokens_due(p: SamplingParams, generated: Sequence[int]) -> list[int]:
+    """The row's bad-word tokens banned at this step: a sequence's last token where the generated
+    tokens end with the sequence's other tokens (vLLM's rule: the prompt is not looked at, and a
+    sequence longer than the output plus one never matches; a one-token word: at every step)."""
+    if not p.bad_words_token_ids:
+        return []
+    tail = list(generated[-max(len(seq) for seq in p.bad_words_token_ids):])  # the tail that matters
+    due = []
+    for sequence in p.bad_words_token_ids:
+        before = len(sequence) - 1
+        if before <= len(tail) and (before == 0 or tail[len(tail) - before:] == list(sequence[:-1])):
+            due.append(sequence[-1])
+    return due
+
+
+def _stops_held(p: SamplingParams, generated: Sequence[int], stops: Collection[int]) -> Collection[int]:
+    """The row's stop tokens held back at this step: all of them while it has generated fewer than
+    its min_tokens, else none."""
+    return stops if p.min_tokens > len(generated) else ()
+
+
+def _check_tokens_left(params: list[SamplingParams], outputs: Sequence[Sequence[int]],
+                       banned: Sequence[Sequence[int]], held: Sequence[Collection[int]]) -> None:
+    """ValueError for a row whose allowed_token_ids are each banned now by its bad words or held
+    back by its min_tokens: every logit would be -inf, which the token choice reports as a broken
+    forward (the row fails alone in the serving loop, with this error naming its fields instead).
+    Checked on the ids before any ban: no pass over the logits, no wait for the device, and as
+    cheap as len() where the allowed ids outnumber the removed ones."""
     for i, p in enumerate(params):
         allowed = p.allowed_token_ids
-        if allowed is None:
+        if allowed is None or not (banned[i] or held[i]):
             continue
-        to_go = p.min_tokens - len(outputs[i])
-        held = stops[i] if stops and to_go > 0 else ()
-        if no_token_left(allowed, held):
-            raise ValueError(f"no token is left to choose: allowed_token_ids {list(allowed[:5])} are all stop "
-                             f"tokens, which min_tokens ({p.min_tokens}) holds back for {to_go} more tokens; allow "
-                             f"other tokens too, or lower min_tokens")
-        out[i].masked_fill_(_forbidden(allowed, out.shape[-1], out.device), float("-inf"))
+        removed = set(banned[i]).union(held[i])
+        if no_token_left(allowed, removed):
+            raise ValueError(_nothing_left(p, len(outputs[i]), set(banned[i]), held[i]))
 
 
-def _ban_bad_words(out: torch.Tensor, params: list[SamplingParams], outputs: Sequence[Sequence[int]]) -> None:
-    """-inf in place for each row's bad-word tokens due now: a sequence's last token where the row's
-    generated tokens end with the sequence's other tokens (vLLM's rule: the prompt is not looked at,
-    and a sequence longer than the output plus one never matches). One index_put for all rows.
-    ValueError for a row with allowed_token_ids left with no token (the row fails alone)."""
-    at_rows, at_tokens = [], []
+def _nothing_left(p: SamplingParams, generated: int, banned: set[int], held: Collection[int]) -> str:
+    """Why no allowed token is left at this step, naming the fields that removed them and the fix."""
+    allowed, to_go = p.allowed_token_ids, p.min_tokens - generated
+    shown = list(allowed[:5])
+    if no_token_left(allowed, held):
+        return (f"no token is left to choose: allowed_token_ids {shown} are all stop tokens, which min_tokens "
+                f"({p.min_tokens}) holds back for {to_go} more tokens; allow other tokens too, or lower min_tokens")
+    if no_token_left(allowed, banned):
+        return (f"no token is left to choose: bad_words ban every one of allowed_token_ids {shown} here; allow "
+                f"other tokens too, or ban fewer words")
+    return (f"no token is left to choose: allowed_token_ids {shown} are each banned here by bad_words (token ids "
+            f"{sorted(banned.intersection(allowed))[:5]}) or a stop token, which min_tokens ({p.min_tokens}) holds "
+            f"back for {to_go} more tokens; allow other tokens too, ban fewer words, or lower min_tokens")
+
+
+def _keep_allowed(out: torch.Tensor, params: list[SamplingParams]) -> None:
+    """-inf in place for every token outside each row's allowed_token_ids (rows without them are
+    not touched)."""
     for i, p in enumerate(params):
-        if not p.bad_words_token_ids:
-            continue
-        generated = list(outputs[i][-max(len(seq) for seq in p.bad_words_token_ids):])  # the tail that matters
-        for sequence in p.bad_words_token_ids:
-            before = len(sequence) - 1
-            if before <= len(generated) and (before == 0 or generated[len(generated) - before:] == list(sequence[:-1])):
-                at_rows.append(i)
-                at_tokens.append(sequence[-1])
+        if p.allowed_token_ids is not None:
+            out[i].masked_fill_(_forbidden(p.allowed_token_ids, out.shape[-1], out.device), float("-inf"))
+
+
+def _ban_bad_words(out: torch.Tensor, banned: Sequence[Sequence[int]]) -> None:
+    """-inf in place for each row's bad-word tokens due now (_bad_tokens_due): one index_put for all rows."""
+    at_rows = [i for i, tokens in enumerate(banned) for _ in tokens]
     if not at_rows:
         return
     device = out.device
+    at_tokens = [token for tokens in banned for token in tokens]
     out.index_put_((torch.tensor(at_rows, device=device), torch.tensor(at_tokens, device=device)),
                    torch.tensor(float("-inf"), device=device))
-    for i in sorted({i for i in at_rows if params[i].allowed_token_ids is not None}):
-        if not bool((out[i] > float("-inf")).any()):  # only a few allowed ids, all banned now
-            raise ValueError(f"no token is left to choose: bad_words ban every one of allowed_token_ids "
-                             f"{list(params[i].allowed_token_ids[:5])} here; allow other tokens too, or ban fewer "
-                             f"words")
 
 
 class _MaskEntry:
@@ -195,18 +227,16 @@ def _mask(allowed: tuple[int, ...], vocab: int, device: torch.device) -> torch.T
     return forbidden.to(device)
 
 
-def _hold_stops(out: torch.Tensor, params: list[SamplingParams], outputs: Sequence[Sequence[int]],
-                stops: Sequence[Collection[int]]) -> None:
-    """-inf for each row's stop tokens while it has generated fewer than its min_tokens. An id
-    outside the logits' width (an end-of-sequence id a checkpoint's files name past its vocabulary)
-    can never be chosen, so there is nothing to hold: it raised an IndexError that failed the
-    request, and a static batch's ended the serving loop (a negative one held the last column)."""
+def _hold_stops(out: torch.Tensor, held: Sequence[Collection[int]]) -> None:
+    """-inf for each row's stop tokens held back (_stops_held). An id outside the logits' width (an
+    end-of-sequence id a checkpoint's files name past its vocabulary) can never be chosen, so there
+    is nothing to hold: it raised an IndexError that failed the request, and a static batch's ended
+    the serving loop (a negative one held the last column)."""
     vocab = out.shape[-1]
-    for i, p in enumerate(params):
-        if p.min_tokens > len(outputs[i]) and stops and stops[i]:
-            held = sorted(t for t in stops[i] if 0 <= t < vocab)
-            if held:
-                out[i, torch.tensor(held, dtype=torch.int64, device=out.device)] = float("-inf")
+    for i, stops in enumerate(held):
+        inside = sorted(t for t in stops if 0 <= t < vocab)
+        if inside:
+            out[i, torch.tensor(inside, dtype=torch.int64, device=out.device)] = float("-inf")
 
 
 def _add_bias(out: torch.Tensor, params: list[SamplingParams]) -> None:

@@ -325,7 +325,9 @@ class _GenerationRequest(NullMeansDefault):
         sampling = self.sampling()
         if index == 0 or sampling.seed is None:
             return sampling
-        return replace(sampling, seed=choice_seed(sampling.seed, index))
+        # not dataclasses.replace, which checked every field again per choice (n=8 seeded choices of
+        # 262144 allowed_token_ids: 560 ms on the event loop); choice_seed stays in the seed's range
+        return sampling.with_derived(seed=choice_seed(sampling.seed, index))
 
     def limit_sent(self) -> str | None:
         """The name of the length limit the request sent (chat's max_completion_tokens wins over
