@@ -2319,21 +2319,47 @@ def test_direct_ingress_is_the_replicas_own_server(server):
     assert answer.status_code == 200 and answer.json() == {"version": version("corelaunch")}
 
 
+def _read_to_the_end(client, got: dict, started: threading.Event) -> None:
+    """One greedy stream of 40 tokens read to its end into `got` (tokens and finish, or the error);
+    `started` is set at its third chunk (or when it ends sooner)."""
+    try:
+        stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0, stream=True,
+                                           stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        chunks, finish, usage = 0, None, None
+        for chunk in stream:
+            usage = chunk.usage or usage
+            if chunk.choices:
+                chunks += 1
+                finish = chunk.choices[0].finish_reason or finish
+                if chunks == 3:
+                    started.set()
+        got.update(tokens=usage.completion_tokens if usage else None, finish=finish)
+    except Exception as err:  # noqa: BLE001 - the outcome the test reports
+        got.update(error=f"{type(err).__name__}: {err}")
+    finally:
+        started.set()
+
+
 @pytest.mark.slow
-def test_proxy_ingress_serves_the_same_stream(tmp_path, hf):
+def test_proxy_ingress_serves_the_same_stream_and_a_stop_lets_its_streams_finish(tmp_path, hf):
     """--ingress proxy (what several replicas use), with two replicas: Serve's proxy on --port streams
     the same greedy text as transformers, the replicas' own servers are not what answers, a kept
     response is found by either replica (one store deployment they share), and
-    /metrics shows both replicas' series, whichever replica answers it. A SIGTERM to the command's
-    whole process group then stops it, exit 0, in well under Serve's 30 s shutdown wait; --quiet
-    kept Serve's INFO lines out of its output."""
+    /metrics shows both replicas' series, whichever replica answers it.
+    Then SIGTERM (or Ctrl-C) with a stream in flight: serve.shutdown() alone stopped the proxy at
+    once, cutting every stream (a connection error 0.2-1.4 s after the signal, with a replica
+    traceback per stream on stderr), where the README promised Serve's graceful wait. The
+    application is now deleted first, its replicas finishing their requests while the proxy still
+    runs. (One server for both: each start of one costs tens of seconds of the suite.)"""
     import openai
 
     import requests
 
     expected = hf.greedy(hf.tok(PROMPT)["input_ids"], 8)
+    got: dict = {}
+    started = threading.Event()
     with running_server(tmp_path / "serve.log", "--ingress", "proxy", "--max-num-seqs", "1", "--replicas", "2",
-                        "--quiet", "--responses-store", "4", stop_group=True) as running:
+                        "--responses-store", "4") as running:
         client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", timeout=300, max_retries=0)
         stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, stream=True)
         assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == expected
@@ -2392,10 +2418,18 @@ def test_proxy_ingress_serves_the_same_stream(tmp_path, hf):
         while _metric_sum(running, "corelaunch_requests_running") + _metric_sum(running, "corelaunch_requests_waiting"):
             assert time.monotonic() < deadline, "the closed streams were never dropped"
             time.sleep(0.5)
+        reader = threading.Thread(target=_read_to_the_end, args=(client, got, started), daemon=True)
+        reader.start()
+        assert started.wait(300), "the stream never began"
+    # running_server sent SIGTERM to the command (alone) and saw it exit 0
     assert "Proxy" in owner_name, owner_name
-    # --quiet: no progress, Serve's own INFO lines included ("Started Serve", "Application ... is ready")
+    reader.join(60)
+    assert "error" not in got, got
+    assert got == {"tokens": 40, "finish": "length"}, got  # every token, then the end of the stream
     log = (tmp_path / "serve.log").read_text()
-    assert not re.search(r"^INFO ", log, re.MULTILINE) and "Started Serve" not in log, log[-3000:]
+    # and no "(raylet) Task ServeController.graceful_shutdown failed", which serve.shutdown() printed at every stop
+    assert "Traceback" not in log and "graceful_shutdown" not in log, log[-3000:]
+    assert f"is ready at {running.url}/" in log  # the proxy is on --port: Serve's line says so rightly
 
 
 @pytest.mark.slow
@@ -2436,61 +2470,19 @@ def test_a_port_taken_while_the_server_starts_is_named(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_stop_lets_streams_behind_the_proxy_finish(tmp_path):
-    """SIGTERM (or Ctrl-C) with streams in flight behind Serve's proxy: serve.shutdown() alone
-    stopped the proxy at once, cutting every stream (a connection error 0.2-1.4 s after the
-    signal, with a replica traceback per stream on stderr), where the README promised Serve's
-    graceful wait. The application is now deleted first, its replicas finishing their requests
-    while the proxy still runs."""
-    import openai
-
-    got: dict = {}
-    started = threading.Event()
-
-    def read(client):
-        try:
-            stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0, stream=True,
-                                               stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-            chunks, finish, usage = 0, None, None
-            for chunk in stream:
-                usage = chunk.usage or usage
-                if chunk.choices:
-                    chunks += 1
-                    finish = chunk.choices[0].finish_reason or finish
-                    if chunks == 3:
-                        started.set()
-            got.update(tokens=usage.completion_tokens if usage else None, finish=finish)
-        except Exception as err:  # noqa: BLE001 - the outcome the test reports
-            got.update(error=f"{type(err).__name__}: {err}")
-        finally:
-            started.set()
-
-    with running_server(tmp_path / "serve.log", "--ingress", "proxy", "--max-num-seqs", "1") as running:
-        client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", timeout=300, max_retries=0)
-        reader = threading.Thread(target=read, args=(client,), daemon=True)
-        reader.start()
-        assert started.wait(300), "the stream never began"
-    # running_server sent SIGTERM to the command and saw it exit 0
-    reader.join(60)
-    assert "error" not in got, got
-    assert got == {"tokens": 40, "finish": "length"}, got  # every token, then the end of the stream
-    log = (tmp_path / "serve.log").read_text()
-    # and no "(raylet) Task ServeController.graceful_shutdown failed", which serve.shutdown() printed at every stop
-    assert "Traceback" not in log and "graceful_shutdown" not in log, log[-3000:]
-    assert f"is ready at {running.url}/" in log  # the proxy is on --port: Serve's line says so rightly
-
-
-@pytest.mark.slow
 def test_a_thinking_servers_reasoning_reaches_the_official_client(tmp_path, hf):
     """`corelaunch serve --reasoning-parser deepseek_r1` with SmolLM2, which writes no </think>: its
     greedy answer (transformers' text) is all reasoning, content null, whole and streamed (delta
     `reasoning`) through the openai client, and left out with include_reasoning false; the usage
-    counts every generated token as reasoning, whole, streamed and hidden alike."""
+    counts every generated token as reasoning, whole, streamed and hidden alike.
+    A SIGTERM to the command's whole process group then stops it, exit 0, in well under Serve's
+    30 s shutdown wait; --quiet kept Serve's INFO lines out of its output."""
     import openai
 
     messages = [{"role": "user", "content": "Name a colour."}]
     asked = dict(model=MODEL, messages=messages, max_tokens=12, temperature=0)
-    with running_server(tmp_path / "serve.log", "--max-num-seqs", "2", "--reasoning-parser", "deepseek_r1") as running:
+    with running_server(tmp_path / "serve.log", "--max-num-seqs", "2", "--reasoning-parser", "deepseek_r1", "--quiet",
+                        stop_group=True) as running:
         client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", timeout=300, max_retries=0)
         whole = client.chat.completions.create(**asked)
         streamed = list(client.chat.completions.create(**asked, stream=True, stream_options={"include_usage": True}))
@@ -2506,6 +2498,9 @@ def test_a_thinking_servers_reasoning_reaches_the_official_client(tmp_path, hf):
     assert "<think>" not in expected and whole.usage.completion_tokens > 0
     for usage in (whole.usage, streamed[-1].usage, hidden.usage):
         assert usage.completion_tokens_details.reasoning_tokens == whole.usage.completion_tokens, usage
+    # --quiet: no progress, Serve's own INFO lines included ("Started Serve", "Application ... is ready")
+    log = (tmp_path / "serve.log").read_text()
+    assert not re.search(r"^INFO ", log, re.MULTILINE) and "Started Serve" not in log, log[-3000:]
 
 
 @pytest.mark.slow
