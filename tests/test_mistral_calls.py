@@ -115,9 +115,9 @@ V11_ARGUMENTS = [
     ("42", "42"), ("42 and more", "42"), ("-1.5e+3x", "-1.5e+3"), ("0123", "0"),
     ("1.x", "1"), ("1.", "1"), ("2e", "2"), ("2e-", "2"), ("2E+ 1", "2"), ("-", "-"), ("- 1", "- 1"),
     ("1" * 5000 + ".x ", "1" * 5000 + ".x"),  # an integer past Python's digit limit: no JSON
-    ("1" * 5000 + ".5 x", "1" * 5000 + ".5"),  # but a float of as many digits is
+    ("1" * 5000 + ".5 x", "1" * 5000 + ".5 x"),  # a float of as many digits is beyond a double: no JSON
     ("null", "null"), ("nullx", "null"), ("nu", "nu"), ("nux y", "nux y"), ("true]", "true"),
-    ("falsey", "false"), ("NaN!", "NaN"), ("-Infinity1", "-Infinity"), ("-Inf", "-Inf"), ("Info", "Info"),
+    ("falsey", "false"), ("NaN!", "NaN!"), ("-Infinity1", "-Infinity1"), ("-Inf", "-Inf"), ("Info", "Info"),
     ("  ", "{}"), ("", "{}"),
 ]
 

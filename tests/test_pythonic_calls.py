@@ -1,7 +1,8 @@
 """tool_choice "auto" with vLLM's "pythonic" tool-call parser (launcher/serving/pythonic_calls.py,
 `corelaunch serve --tool-call-parser pythonic`): whole texts read as vLLM 0.32's PythonicToolParser
 reads them (rows checked against it; but for the documented differences: text after the list
-ignored, no regex pre-check, positional arguments, `**kwargs` and repeated keywords refused), never
+ignored, no regex pre-check, positional arguments, `**kwargs`, repeated keywords, sets, dict keys
+that are no strings and numbers no double holds refused), never
 evaluated and safe against deep or huge texts, the stream equal to the whole answer for any split of
 the text (each call announced at its `(`, each keyword argument sent as its value closes, the pieces
 making the whole answer's very arguments text) but where a list breaks after a call went out (written
@@ -45,11 +46,9 @@ WHOLE_CALLS = [
     ('[f(x=1), a.b()]', [("f", '{"x": 1}'), ("a.b", "{}")]),  # dotted names kept whole
     ("[f(x=True, y=None, z=false, w=null)]", [("f", '{"x": true, "y": null, "z": false, "w": null}')]),
     ("[f(x=-1, y=+2.5, z=--3, w=-(4))]", [("f", '{"x": -1, "y": 2.5, "z": 3, "w": -4}')]),
-    ('[f(x=(1, 2), y={3, 3}, z={"k": [1, {"n": None}]})]',
-     [("f", '{"x": [1, 2], "y": [3, 3], "z": {"k": [1, {"n": null}]}}')]),  # tuples and sets: lists
-    ('[f(x={1: "a", None: 2, True: 3, 1.5: 4})]', [("f", '{"x": {"1": 3, "null": 2, "1.5": 4}}')]),
-    ("[f(x={(1): 2})]", [("f", '{"x": {"1": 2}}')]),
-    ("[f(x=1e999)]", [("f", '{"x": Infinity}')]),  # as json.dumps writes it
+    ('[f(x=(1, 2), z={"k": [1, {"n": None}]})]',
+     [("f", '{"x": [1, 2], "z": {"k": [1, {"n": null}]}}')]),  # tuples: lists
+    ('[f(x={"a": 1, ("b"): 2})]', [("f", '{"x": {"a": 1, "b": 2}}')]),
     ('[f(x="a" "b", y=f"hi", z=())]', [("f", '{"x": "ab", "y": "hi", "z": []}')]),
     ('[f(x="""a\nb""")]', [("f", '{"x": "a\\nb"}')]),
     ('[f(x="])}\\"")]  # c', [("f", '{"x": "])}\\""}')]),  # brackets and a quote inside a string
@@ -79,6 +78,12 @@ DIFFERENCES = [
     ("[f(x=1) # note\n]", [("f", '{"x": 1}')], None),
     ("[g(x=1), f(1)]", None, [("g", '{"x": 1}'), ("f", "{}")]),  # vLLM drops the positional argument
     ("[f(a=1, a=2)]", None, [("f", '{"a": 2}')]),  # vLLM keeps the last
+    # no JSON value: vLLM writes 1e999 as Infinity (no JSON), a set as a list, a key as JSON writes it
+    ("[f(x=1e999)]", None, [("f", '{"x": Infinity}')]),
+    ("[f(x={3, 3})]", None, [("f", '{"x": [3, 3]}')]),
+    ('[f(x={1: "a", None: 2, True: 3, 1.5: 4})]', None, [("f", '{"x": {"1": 3, "null": 2, "1.5": 4}}')]),
+    ("[f(x={(1): 2})]", None, [("f", '{"x": {"1": 2}}')]),
+    ('[f(x={1: "x", "1": "y"})]', None, [("f", '{"x": {"1": "x", "1": "y"}}')]),  # the key twice
 ]
 DEEP = ["[f(x=" + "[" * (MAX_DEPTH + 5) + "]" * (MAX_DEPTH + 5) + ")]",  # past MAX_DEPTH: no call
         "[f(x=" + "-" * 10000 + "1)]",  # ast.parse: MemoryError
@@ -108,7 +113,9 @@ BROKEN_AFTER_ANNOUNCED = {
     '[f(x="a", y=y)] and more': ('[f(x="a", y=y)] and more', [("f", '{"x": "a"')]),  # the rest is content too
     **{text: (text, [("f", "{")]) for text in (
         "[f(x=y)]", '[f(x=b"a")]', "[f(x=1j)]", "[f(x={-1: 2})]", '[f(x={f"a": 2})]', "[f(x='a\nb')]",
-        "[f(from=1)]", "[f(x=1 + 2)]", "[f(x=[1 for i in y])]", "[f(x={**d})]", "[f(x=...)]", *DEEP[:-1])},
+        "[f(from=1)]", "[f(x=1 + 2)]", "[f(x=[1 for i in y])]", "[f(x={**d})]", "[f(x=...)]", *DEEP[:-1],
+        "[f(x=1e999)]", "[f(x={3, 3})]", '[f(x={1: "a", None: 2, True: 3, 1.5: 4})]', "[f(x={(1): 2})]",
+        '[f(x={1: "x", "1": "y"})]')},
     DEEP[-1]: (DEEP[-1][len("[f()"):], [("f", "{}")]),  # `[f()()()...]`: f was whole
 }
 
@@ -117,7 +124,11 @@ BROKEN_AFTER_ANNOUNCED = {
 def test_whole_texts_are_read_as_vllms_pythonic_parser_reads_them(text, calls):
     message = checks.assert_read_whole_as(PythonicCallReader, read_whole, text, None, calls)
     for call in message["tool_calls"]:
-        json.loads(call["function"]["arguments"])  # JSON text (Infinity as Python's json reads it)
+        json.loads(call["function"]["arguments"], parse_constant=reject)  # JSON text: no NaN, no Infinity
+
+
+def reject(constant: str):
+    raise ValueError(f"{constant} is no JSON")
 
 
 @pytest.mark.parametrize("text", UNREAD, ids=lambda text: repr(text[:40]))
@@ -359,7 +370,7 @@ def test_nested_literal_values_go_out_whole_once_closed():
     """Brackets, commas, quotes, `#` and escapes inside strings and nested values are the value's:
     the argument goes out once, whole, at the sign after it; every piece is json.dumps's text."""
     values = ['"a, b) ] }"', "'it\\'s (\"x\")'", '"""multi\nline, ) ]"""', "r'\\d+'", '"# no comment"',
-              "[[1, [2, (3,)]], {'k': {'n': [None, True]}}]", "{1: 'a', 'b,)': [2.5, -3]}", "'é' 'ü'", "f'{{x}}'"]
+              "[[1, [2, (3,)]], {'k': {'n': [None, True]}}]", "{'a': 'a', 'b,)': [2.5, -3]}", "'é' 'ü'", "f'{{x}}'"]
     text = "[f(" + ", ".join(f"k{i}={value}" for i, value in enumerate(values)) + ")]"
     [(_, arguments)] = read_whole(text).calls
     rng = random.Random(5)

@@ -356,7 +356,7 @@ def test_forced_calls_come_back_as_tool_calls_whole_and_streamed(model_dir, in_p
         arguments_valid(call)
     calls, finishes, _ = streamed_calls(required_stream, 2)
     assert finishes == ["tool_calls", "tool_calls"]
-    # streamed as written: the same calls, the arguments the same JSON (written back whole by json.dumps)
+    # streamed as written: the same calls, the arguments the same JSON (the whole answer gives them as written too)
     assert [[(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in choice_calls]
             for choice_calls in calls] == [[(c["function"]["name"], json.loads(c["function"]["arguments"]))
                                             for c in choice["message"]["tool_calls"]] for choice in required["choices"]]

@@ -9,11 +9,17 @@
   no UTF-8 response can carry (the whole answer failed with UnicodeEncodeError; the stream, which
   escapes non-ASCII, did not). Arguments holding one are written with ASCII escapes (the same JSON
   value, as the model wrote it); a name holding one is no function's name.
+- Numbers. Python's decoder takes NaN, Infinity and -Infinity, and reads a number written with a
+  fraction or an exponent that no double can hold (1e400) as infinity; json.dumps then wrote them
+  back as NaN and Infinity, which are no JSON (JavaScript's JSON.parse and serde refuse them). Such a
+  text holds no JSON value here, whoever reads it, as qwen3_coder_types.py already said. An integer
+  is exact in Python and is kept, however large (up to Python's digit limit: past it, no value).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 
 MAX_DEPTH = 128
@@ -83,13 +89,31 @@ def too_deep(text: str, start: int = 0) -> bool:
     return scanner.too_deep
 
 
-_DECODER = json.JSONDecoder()
+def finite_float(text: str) -> float:
+    """A JSON number written with a fraction or an exponent, as a float; ValueError where no double
+    holds it (it would read as infinity, which no JSON writes back)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:40]} is beyond a double's range; no JSON value holds it")
+    return value
+
+
+def no_constant(name: str) -> object:
+    """Python's decoder calls this for NaN, Infinity and -Infinity: no JSON, so ValueError."""
+    raise ValueError(f"{name} is no JSON value")
+
+
+_DECODER = json.JSONDecoder(parse_float=finite_float, parse_constant=no_constant)
+"""json's decoder, but refusing the numbers no JSON writes (module doc)."""
+_SHAPE_DECODER = json.JSONDecoder(parse_float=finite_float, parse_constant=no_constant, parse_int=str)
+"""The same, with integers left as their text: Python's digit limit does not apply (shape_or_none)."""
 
 
 def decode_at(text: str, start: int = 0) -> tuple[object, int] | None:
     """The JSON value at text[start] and the index after it (json's raw_decode), None when there is
-    none whole: bad or cut JSON, an integer past Python's digit limit (ValueError), or nesting past
-    MAX_DEPTH (the same answer whatever the caller's stack)."""
+    none whole: bad or cut JSON, NaN or a number beyond a double's range (module doc), an integer
+    past Python's digit limit (ValueError), or nesting past MAX_DEPTH (the same answer whatever the
+    caller's stack)."""
     if too_deep(text, start):
         return None
     try:
@@ -100,13 +124,25 @@ def decode_at(text: str, start: int = 0) -> tuple[object, int] | None:
 
 def loads_or_none(text: str) -> object:
     """The JSON value the whole text is (json.loads: whitespace around it allowed), None where there
-    is none: bad JSON, an integer past Python's digit limit, or nesting past MAX_DEPTH (the same
-    answer whatever the caller's stack). A text that is `null` also gives None, which no caller takes
-    as a call either."""
+    is none: bad JSON, NaN or a number beyond a double's range, an integer past Python's digit
+    limit, or nesting past MAX_DEPTH (the same answer whatever the caller's stack). A text that is
+    `null` also gives None, which no caller takes as a call either."""
+    return _whole_value(text, _DECODER)
+
+
+def shape_or_none(text: str) -> object:
+    """As loads_or_none, but with each integer left as its text (a str), however long: for a reader
+    that checks the value's shape and keeps the text as written (tool_calls.required_calls), so an
+    integer past Python's digit limit, which the output's grammar allows, is no reason to drop a
+    call."""
+    return _whole_value(text, _SHAPE_DECODER)
+
+
+def _whole_value(text: str, decoder: json.JSONDecoder) -> object:
     if too_deep(text):
         return None
     try:
-        return json.loads(text)
+        return decoder.decode(text)
     except (ValueError, RecursionError):
         return None
 
@@ -136,6 +172,8 @@ def is_text(value: object) -> bool:
 
 def arguments_text(value: object) -> str:
     """A call's arguments as JSON text, as vLLM writes them (json.dumps, non-ASCII kept), but with
-    ASCII escapes where the value holds a lone surrogate (module doc)."""
-    text = json.dumps(value, ensure_ascii=False)
-    return text if is_text(text) else json.dumps(value)
+    ASCII escapes where the value holds a lone surrogate (module doc). ValueError where the value
+    holds a float no JSON writes (inf, NaN: a pythonic literal's 1e400), as for a key JSON cannot
+    write (TypeError); the JSON readers' values never hold one (their decoder refuses them)."""
+    text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+    return text if is_text(text) else json.dumps(value, allow_nan=False)

@@ -22,7 +22,8 @@ Read as vLLM 0.32's MistralParser reads the whole text:
 - v11: each marker's text is `name[ARGS]arguments` (or `name{...}`, the `{` starting the
   arguments, which vLLM takes too); the arguments are the first whole JSON value of the text after
   `[ARGS]` as the model wrote it, the text after that value dropped; "{}" when there is none; the
-  text itself (stripped) when it does not start with a JSON value.
+  text itself (stripped) when it does not start with a JSON value (NaN, Infinity and a number
+  beyond a double's range are none: launcher/serving/call_json.py).
 With parallel_tool_calls false only the first call is kept (vLLM's rule). Each call's id is 9
 letters and digits (vLLM's MistralToolCall ids): Mistral's chat templates refuse any other id when
 the calls come back in the conversation.
@@ -66,7 +67,8 @@ ones only its index and the next piece of its arguments.
 Text after the calls is no content, as in the whole answer. For any split of a text the stream
 says what the whole answer says, but where no stream can know in time: a v11 call that cannot be
 read after a good one, and a pre-v11 JSON value that breaks (bad or cut JSON, a marker inside it,
-an integer Python's decoder refuses, nesting past call_json.MAX_DEPTH) after one of its calls went
+an integer Python's decoder refuses, NaN or a number beyond a double's range, nesting past
+call_json.MAX_DEPTH) after one of its calls went
 out (the piece in which the value closes or is cut is read whole before any call of it goes out,
 so a break there sends none). The whole
 answer is then all content, with no call; the stream has already sent those calls (a pre-v11 one

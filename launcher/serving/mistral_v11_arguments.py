@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from launcher.serving.call_json import JsonValueEnd, decode_at
 
-LITERALS = ("true", "false", "null", "NaN", "Infinity", "-Infinity")
-"""The words json's decoder takes as a whole value (NaN and the infinities too, as Python's does)."""
+LITERALS = ("true", "false", "null")
+"""The words that are a whole JSON value (NaN and the infinities, which Python's decoder takes, are no
+call's JSON here: launcher/serving/call_json.py; arguments starting with one are text)."""
 _SURE_NUMBER_STATES = frozenset(("sign", "zero", "int", "frac", "exp"))
 """A number's states in which every character so far belongs to it (in "dot", "e" and "e_sign" the
 last one or two may not: `1.x` is the number 1 to json's decoder, the text after it dropped)."""
@@ -129,13 +130,11 @@ class V11Arguments:
 
     def _in_number(self, text: str, at: int, out: list[str]) -> int:
         """A number's characters: the sure ones go out, a possible `.`, `e`, `e-` waits for the next
-        character. Where the number ends, it ends the arguments, unless json's decoder refuses it
-        (an integer past Python's digit limit): then the arguments are all the text."""
+        character. Where the number ends, it ends the arguments, unless it is no call's JSON (an
+        integer past Python's digit limit, a number beyond a double's range, a lone `-`: call_json's
+        decode_at): then the arguments are all the text."""
         start = sure_to = at
         while at < len(text):
-            if self._number_state == "sign" and text[at] == "I":  # -Infinity, read as a word
-                self.stage, self._word, self._value = "word", "-", []
-                break
             state = number_step(self._number_state, text[at])
             if state is None:
                 break

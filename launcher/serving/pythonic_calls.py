@@ -6,13 +6,13 @@
 Read as vLLM 0.32's PythonicToolParser reads the whole text: the text must start with `[` (no
 whitespace before it) and that list must be one of calls, each a name (dotted names such as
 `tools.get_weather` taken whole) with keyword arguments only, each argument's value a literal:
-strings (f-strings without placeholders included), numbers (a sign before them included), True,
-False, None and JSON's true, false, null, lists, tuples and sets (written as JSON lists, in the
-order written), and dicts whose keys are plain constants (strings, numbers, True, False, None; JSON
-writes them as strings). The arguments are written back as JSON text (json.dumps, non-ASCII kept).
-Anything else (a positional argument, `**kwargs`, a name, an expression, a call as a value, an
-f-string with a placeholder, bytes, a complex number, an empty list, Python that does not parse,
-a list cut short) makes the whole text content, with no call. With parallel_tool_calls false only
+strings (f-strings without placeholders included), numbers (a sign before them included) that a
+double holds, True, False, None and JSON's true, false, null, lists and tuples (written as JSON
+lists), and dicts whose keys are plain strings. The arguments are written back as JSON text (json.dumps,
+non-ASCII kept). Anything else (a positional argument, `**kwargs`, a name, an expression, a call as
+a value, an f-string with a placeholder or as a dict key, bytes, a complex number, a number beyond a double's range
+such as 1e400, which JSON cannot write, a set, a dict key that is no string, an empty list, Python
+that does not parse, a list cut short) makes the whole text content, with no call. With parallel_tool_calls false only
 the first call is kept (vLLM's rule).
 
 Safety: nothing is evaluated. The list's text is split into Python tokens (tokenize) and read by a
@@ -37,6 +37,9 @@ exception below, where vLLM's whole answer and its stream disagree with each oth
   `]` on the next line are content there. Its stream does not ask it, nor does this reading: the
   Python syntax decides (names as Python takes them: `a²`, which tokenize lets through and NFKC would
   turn into `a2`, is no name).
+- A set, and a dict key that is no string, make the whole text content here: vLLM writes a set as a
+  list and a key as JSON writes it (1 and "1" both as "1", one object then holding the key twice;
+  1 and 1.0 merged into one key), and 1e400 as `Infinity`, which is no JSON.
 - A positional argument (`f(1, a=2)`), which vLLM drops silently where that regex lets it through,
   `**kwargs` (vLLM writes its value under the key "null"), a keyword given twice (vLLM keeps the last)
   and a call written as `(f)()` make the whole text content here: no call is made with arguments the
@@ -100,6 +103,11 @@ JSON_NAMES = {"true": True, "false": False, "null": None}
 """Names some models write for JSON's literals (vLLM takes them, beside Python's True, False, None)."""
 SKIPPED_TOKENS = {tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT, tokenize.ENDMARKER}
 T = TypeVar("T")
+
+
+class FormattedString(str):
+    """The text of an f-string without placeholders: a string value, but no dict key (Python's f-string
+    is an expression, and vLLM takes only plain constants as keys)."""
 
 
 class NoCall(Exception):
@@ -297,7 +305,7 @@ class TokenReader:
         """`key=value`, the value a literal."""
         key = self._name()
         self._expect("=")
-        return key, self._value(1)[0]
+        return key, self._value(1)
 
     def last_keyword_argument(self) -> tuple[str, object] | None:
         """Before a call's `)`: a keyword argument, or none (`f()`, or a comma after the last)."""
@@ -318,10 +326,10 @@ class TokenReader:
             raise NoCall(f"{reader._peek().string!r} after {text!r}")
         return value
 
-    def _value(self, depth: int) -> tuple[object, bool]:
-        """(the value, whether it is a plain constant: only those are dict keys, as in vLLM). Signs
-        before a number are read in a loop (each a level of nesting), containers by recursion: two
-        frames a level, so MAX_DEPTH levels stay far inside Python's recursion limit."""
+    def _value(self, depth: int) -> object:
+        """A literal's value. Signs before a number are read in a loop (each a level of nesting),
+        containers by recursion: two frames a level, so MAX_DEPTH levels stay far inside Python's
+        recursion limit."""
         signs = []
         token = self._next()
         while token.type == tokenize.OP and token.string in ("-", "+"):
@@ -331,30 +339,30 @@ class TokenReader:
         if depth > MAX_DEPTH:
             raise NoCall("nested too deep")
         if token.type == tokenize.STRING:
-            value, constant = self._strings(token)
+            value = self._strings(token)
         elif token.type == tokenize.NUMBER:
-            value, constant = self._constant(token.string, (int, float)), True
+            value = self._constant(token.string, (int, float))
         elif token.type == tokenize.NAME and token.string in ("True", "False", "None"):
-            value, constant = {"True": True, "False": False, "None": None}[token.string], True
+            value = {"True": True, "False": False, "None": None}[token.string]
         elif token.type == tokenize.NAME and token.string in JSON_NAMES:
-            value, constant = JSON_NAMES[token.string], False
+            value = JSON_NAMES[token.string]
         elif token.type == tokenize.OP and token.string == "[":
-            value, constant = self._items("]", depth), False
+            value = self._items("]", depth)
         elif token.type == tokenize.OP and token.string == "(":
-            value, constant = self._parenthesized(depth)
+            value = self._parenthesized(depth)
         elif token.type == tokenize.OP and token.string == "{":
-            value, constant = self._braced(depth), False
+            value = self._braced(depth)
         else:
             raise NoCall(f"{token.string!r} is no literal")
         if not signs:
-            return value, constant
+            return value
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise NoCall("a sign before no number")
-        return (-value if signs.count("-") % 2 else value), False
+        return -value if signs.count("-") % 2 else value
 
-    def _strings(self, first: tokenize.TokenInfo) -> tuple[str, bool]:
-        """One string, or several written side by side (joined, as Python joins them): a plain
-        string is a constant, an f-string without placeholders a string but no constant."""
+    def _strings(self, first: tokenize.TokenInfo) -> str:
+        """One string, or several written side by side (joined, as Python joins them); with an
+        f-string without placeholders among them, a FormattedString."""
         texts = [first.string]
         while self._peek() is not None and self._peek().type == tokenize.STRING:
             texts.append(self._next().string)
@@ -365,9 +373,9 @@ class TokenReader:
         except (SyntaxError, ValueError, MemoryError, RecursionError) as error:
             raise NoCall(str(error)) from None
         if isinstance(node, ast.Constant) and isinstance(node.value, str):
-            return node.value, True
+            return node.value
         if isinstance(node, ast.JoinedStr) and all(isinstance(part, ast.Constant) for part in node.values):
-            return "".join(part.value for part in node.values), False
+            return FormattedString("".join(part.value for part in node.values))
         raise NoCall("bytes, or an f-string with a placeholder")
 
     @staticmethod
@@ -384,46 +392,45 @@ class TokenReader:
         """Values separated by commas (one after the last allowed) up to `closer`."""
         items = []
         while not self._is_op(closer):
-            items.append(self._value(depth + 1)[0])
+            items.append(self._value(depth + 1))
             if not self._is_op(closer):
                 self._expect(",")
         self._expect(closer)
         return items
 
-    def _parenthesized(self, depth: int) -> tuple[object, bool]:
-        """`()` and `(a, ...)`: a tuple, written as a list; `(a)`: a itself (a constant stays one)."""
+    def _parenthesized(self, depth: int) -> object:
+        """`()` and `(a, ...)`: a tuple, written as a list; `(a)`: a itself."""
         if self._is_op(")"):
             self.at += 1
-            return [], False
+            return []
         first = self._value(depth + 1)
         if self._is_op(")"):
             self.at += 1
             return first
         self._expect(",")
-        return [first[0], *self._items(")", depth)], False
+        return [first, *self._items(")", depth)]
 
-    def _braced(self, depth: int) -> object:
-        """`{}` and `{key: value, ...}` (a dict: keys plain constants), or `{a, ...}` (a set: a list)."""
+    def _braced(self, depth: int) -> dict:
+        """`{}` and `{key: value, ...}`, a dict whose keys are plain strings, as JSON's are: a key of another
+        kind (1, None, True) would be written as a string that may equal another key's (`{1: "x",
+        "1": "y"}` wrote "1" twice), and Python's own equal keys (1, 1.0, True) merge. A set (`{a, b}`)
+        is no JSON value, and no list: both are no call."""
         if self._is_op("}"):
             self.at += 1
             return {}
-        first, constant = self._value(depth + 1)
-        if not self._is_op(":"):
-            if not self._is_op("}"):
-                self._expect(",")
-            return [first, *self._items("}", depth)]
         pairs = {}
         while True:
-            if not constant:
-                raise NoCall("a dict key that is no plain constant")
+            key = self._value(depth + 1)
+            if type(key) is not str:  # a number, None, a bool, a FormattedString, a container
+                raise NoCall(f"the dict key {key!r} is no plain string" if self._is_op(":")
+                             else "a set is no JSON value")
             self._expect(":")
-            pairs[first] = self._value(depth + 1)[0]
+            pairs[key] = self._value(depth + 1)
             if not self._is_op("}"):
                 self._expect(",")
             if self._is_op("}"):
                 self.at += 1
                 return pairs
-            first, constant = self._value(depth + 1)
 
 
 def json_text(value: object) -> str:

@@ -42,7 +42,10 @@ whole answer's arguments text exactly. A block that breaks after its call went o
 (its arguments closed as sent so far) and the text from the block on goes out as content, as
 hermes_calls.py does; a repeated key is written twice (json.loads keeps the last value, as vLLM's
 object does; vLLM writes the key once, at its first place).
-The whole reading is that same scan of the whole text, so both say the same for any split.
+The whole reading is that same scan of the whole text, so for any split both say the same, but
+where no stream can know yet what it has sent: a block that breaks after a call went out (its own,
+or an earlier block's). The whole answer is then all content, with no call; the stream has sent
+those calls and sends the text from the breaking block on as content.
 
 Pure (no tokenizer, no engine): the app's ChatRender drives a Qwen3CoderCallReader per choice (its
 shared part: launcher/serving/free_text_calls.py), made with the request's tools (the schemas).

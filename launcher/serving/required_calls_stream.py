@@ -5,9 +5,9 @@ The output is constrained to a JSON array of calls, `[{"name": "f", "parameters"
 value has begun: one tool_calls entry with its index, a new id, "function", the name and the
 parameters' text so far; after that, each piece of text that extends the parameters' value goes out
 as that call's arguments (no id, no name), so a client sees the arguments grow as it sees a named
-call's. The arguments are the text as written, which the whole answer (tool_calls.required_calls)
-gives as json.dumps writes the parsed value (vLLM's two forms, the same JSON); calls go out in the
-array's order, and a call whose name is not yet known holds back those after it.
+call's. The arguments are the text as written, as the whole answer (tool_calls.required_calls, this
+scan fed the whole text once it is one whole JSON array) gives them too; calls go out in the array's
+order, and a call whose name is not yet known holds back those after it.
 
 Only the array's own level is read: the element objects' keys and the extent of each value. Braces,
 brackets and quotes inside values and strings are tracked (depth, string, escape) but not
@@ -16,6 +16,10 @@ the array's closing bracket is not read (the whole reading refuses such a text: 
 ends it at the bracket). So is anything out of place at the array's and the objects' own levels (a
 second comma, a colon where a key belongs, a value where a comma belongs, whitespace JSON does not
 take): the text is no JSON there, and nothing from it on goes out, as no call of it is read whole.
+Inside an element, a bare token (a number, a word) is held back until it ends: NaN, Infinity,
+-Infinity or a number beyond a double's range (1e400), which no call's JSON holds
+(launcher/serving/call_json.py), ends the reading there, so none of it goes out (a call announced
+before it keeps what it sent, as a stream cannot take it back; the whole reading finds no call).
 The scan is incremental: each piece's characters are read once, and only the text a call may still
 need (a key or a name being written, parameters not yet sent) is kept, so a long output costs its
 length, not its length squared.
@@ -35,6 +39,7 @@ one per pre-v11 array).
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -47,6 +52,22 @@ _KEY, _COLON, _VALUE, _STRING_VALUE, _NESTED_VALUE, _SCALAR_VALUE, _AFTER_VALUE 
 _FIRST_ELEMENT, _ELEMENT, _COMMA = range(3)
 _JSON_SPACE = " \t\n\r"
 """The only whitespace JSON takes between tokens (str.isspace takes more: a no-break space)."""
+_BARE_TOKEN = frozenset("0123456789+-.eEabcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+"""The characters of a number or a bare word (true, NaN) outside strings: a bare token."""
+
+
+def no_json_number(token: str) -> bool:
+    """Whether a bare token is one the whole reading refuses as no call's JSON (call_json): NaN,
+    Infinity, -Infinity, or a number written with a fraction or an exponent beyond a double's range
+    (1e400). An integer is exact, kept however long; any other word is left to the whole reading."""
+    if token in ("NaN", "Infinity", "-Infinity"):
+        return True
+    if not any(sign in token for sign in ".eE"):
+        return False
+    try:
+        return not math.isfinite(float(token))
+    except ValueError:
+        return False
 
 
 @dataclass
@@ -103,6 +124,9 @@ class RequiredCallsStream:
         self._array_expect = _FIRST_ELEMENT
         """At the array's own level, what may come next."""
         self._sent = SentCalls()
+        self._token_start: int | None = None
+        """Where the bare token being written inside an element began (None: none is): its text is
+        held back until it ends, and a number no call's JSON holds ends the reading there."""
 
     def feed(self, piece: str) -> list[dict]:
         """The tool_calls entries this piece of the text makes ([] for none)."""
@@ -112,7 +136,7 @@ class RequiredCallsStream:
         if not self._over:
             self._scan(piece, start)
         if not self._over:
-            self._read_to = self._length
+            self._read_to = self._length if self._token_start is None else self._token_start
         entries = self._entries()
         self._forget()
         return entries
@@ -156,6 +180,8 @@ class RequiredCallsStream:
                     self._sent_to[index] = end
                     entries.append(piece)
                 continue
+            if end <= call.arguments_start:  # a bare token held back: the first entry carries its text
+                break
             arguments = self._text(call.arguments_start, end)
             entry = {"id": self._make_id(), "type": "function", "function": {"name": call.name, "arguments": arguments}}
             self._sent.record(entry)
@@ -176,6 +202,8 @@ class RequiredCallsStream:
         for call in self._calls[len(self._sent):]:
             if call.arguments_start is not None:
                 needed = min(needed, call.arguments_start)
+        if self._token_start is not None:
+            needed = min(needed, self._token_start)
         if needed > self._kept_from:
             self._kept_pieces = [self._kept[needed - self._kept_from:]]
             self._kept_from = needed
@@ -192,6 +220,13 @@ class RequiredCallsStream:
                     self._in_string = False
                     self._string_closed(i)
                 continue
+            if self._token_start is not None and ch not in _BARE_TOKEN:
+                token, self._token_start = self._text(self._token_start, i), None
+                if no_json_number(token):  # no call's JSON: nothing from the token on goes out
+                    self._over, self._read_to = True, i - len(token)
+                    return
+            elif self._token_start is None and ch in _BARE_TOKEN and self._depth >= 2:
+                self._token_start = i
             if self._depth == 0 and not (ch == "[" or ch in _JSON_SPACE):  # text before the array: no call
                 self._over, self._read_to = True, i
                 return

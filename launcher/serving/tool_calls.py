@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from launcher.serving import openai_protocol as proto
-from launcher.serving.call_json import arguments_text, is_text, loads_or_none
+from launcher.serving.call_json import is_text, loads_or_none, shape_or_none
 from launcher.serving.null_means_default import NullMeansDefault
 from shardlib.structured_output import StructuredOutput
 
@@ -225,7 +225,12 @@ def _required_structure(tools: list[Tool], parallel_tool_calls: bool) -> Structu
 
 
 def _named(choice: dict, tools: list[Tool]) -> str:
-    """The function a named tool_choice names, one of `tools`."""
+    """The function a named tool_choice names, one of `tools`. Its type is checked first: another
+    kind of choice (OpenAI's "allowed_tools", "custom") has no "function", and saying that it must
+    have one sent the client the wrong way."""
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if isinstance(kind, str) and kind != "function":
+        raise proto.ProtocolError(_other_choice_type(kind), param="tool_choice.type")
     try:
         named = _NamedToolChoice.model_validate(choice)
     except ValidationError as err:
@@ -240,6 +245,15 @@ def _named(choice: dict, tools: list[Tool]) -> str:
                                   f"of tools; it must be one of {proto._short(names)}",
                                   param="tool_choice.function.name")
     return named.function.name
+
+
+def _other_choice_type(kind: str) -> str:
+    """The refusal of a tool_choice object of another type than "function", with what to send."""
+    instead = (" (to allow only some of the tools, send only those as tools, with tool_choice \"auto\" or "
+               "\"required\")" if kind == "allowed_tools" else "")
+    return (f"tool_choice.type ({proto._short(kind)}) must be \"function\": this server forces a call by "
+            f"name only, {_CHOICE_EXAMPLE}; or send tool_choice \"required\" (a call of any of the tools), "
+            f"\"auto\" or \"none\"{instead}")
 
 
 def _parameters_or_any_object(parameters: dict | None) -> dict:
@@ -363,23 +377,50 @@ def template_tool_calls(calls: list, index: int) -> list[dict]:
         if call.type != "function":
             raise proto.ProtocolError(f"{where}.type ({proto._short(call.type)}) must be \"function\"",
                                       param=f"{where}.type")
+        proto.check_utf8(call.id, f"{where}.id")
+        proto.check_utf8(call.function.name, f"{where}.function.name")
         out.append({"id": call.id, "type": "function",
                     "function": {"name": call.function.name,
                                  "arguments": _arguments_object(call.function.arguments)}})
-    proto.check_utf8(json.dumps(out, ensure_ascii=False), f"messages.{index}.tool_calls")
     return out
 
 
 def _arguments_object(arguments: str) -> dict:
     """A call's arguments text as the object it encodes, {} where it encodes none ("", text that is not
-    JSON, JSON that is no object), as vLLM reads them: such text lives in the conversation's history
-    (a call cut short by max_tokens comes back so from this server too), and refusing it would
-    refuse every later turn of the conversation."""
-    try:
-        parsed = json.loads(arguments) if arguments.strip() else {}
-    except (json.JSONDecodeError, RecursionError):
-        return {}
-    return parsed if isinstance(parsed, dict) else {}
+    JSON, JSON that is no object, and what no call's JSON is here: NaN or a number beyond a double's
+    range, an integer past Python's digit limit, nesting past call_json.MAX_DEPTH), as vLLM reads
+    them: such text lives in the conversation's history (a call cut short by max_tokens comes back so
+    from this server too), and refusing it would refuse every later turn of the conversation. A lone
+    surrogate escape in a string ("\\ud83d", which this server's own answers write back escaped:
+    call_json) reaches the template as that escape's text, as no UTF-8 prompt can carry the
+    character itself."""
+    parsed = loads_or_none(arguments)
+    return _surrogates_as_escapes(parsed) if isinstance(parsed, dict) else {}
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+"""A lone surrogate in a decoded str (json's decoder joins a written pair into one character)."""
+
+
+def _surrogates_as_escapes(value: object) -> object:
+    """The decoded value with each lone surrogate in its strings and keys written as its JSON escape
+    text (\\ud83d). Walked with a stack of its own (loads_or_none caps the nesting at MAX_DEPTH)."""
+    def escaped(text: str) -> str:
+        return _SURROGATE.sub(lambda found: f"\\u{ord(found.group()):04x}", text) if not is_text(text) else text
+
+    root = [value]
+    pending = [(root, 0)]
+    while pending:
+        holder, key = pending.pop()
+        item = holder[key]
+        if isinstance(item, str):
+            holder[key] = escaped(item)
+        elif isinstance(item, dict):
+            holder[key] = item = {escaped(k): inner for k, inner in item.items()}
+            pending.extend((item, k) for k in item)
+        elif isinstance(item, list):
+            pending.extend((item, i) for i in range(len(item)))
+    return root[0]
 
 
 def control_token_key(value, path: str, control: re.Pattern) -> tuple[str, str] | None:
@@ -441,15 +482,21 @@ class SentCalls:
 
 
 def required_calls(text: str) -> list[dict]:
-    """The calls a "required" choice's text holds, [] when it is not the whole array (cut short by
-    max_tokens or a stop string), as vLLM reads it. Each call's arguments are its parameters
-    written back as JSON text (non-ASCII kept; launcher/serving/call_json.py for the depth and
-    lone surrogates)."""
-    parsed = loads_or_none(text)
-    if not isinstance(parsed, list) or not all(isinstance(item, dict) and is_text(item.get("name"))
-                                               for item in parsed):
+    """The calls a "required" choice's text holds: none when it is not one whole JSON array (cut
+    short by max_tokens or a stop string, as vLLM reads it, or holding what no call's JSON is here:
+    NaN or a number beyond a double's range, nesting past call_json.MAX_DEPTH); else the calls the
+    stream sends fed the whole text (launcher/serving/required_calls_stream.py), each call's
+    arguments its "parameters" text as the model wrote it, so the whole answer and the stream say the
+    same. An integer of any length is kept as written (Python's decoder refused one past 4300
+    digits, which the output's grammar allows: the call was lost, though the stream had sent it).
+    vLLM writes the arguments back with json.dumps: the same JSON, spaced as json.dumps spaces it."""
+    from launcher.serving.required_calls_stream import RequiredCallsStream  # it imports this module
+
+    if not isinstance(shape_or_none(text), list):
         return []
-    return [tool_call(item["name"], arguments_text(item.get("parameters"))) for item in parsed]
+    stream = RequiredCallsStream()
+    stream.feed(text)
+    return stream.sent
 
 
 class ToolCallReader:
