@@ -17,14 +17,13 @@ import pytest
 
 from tests.in_process_cluster import ThreadTPGroup
 from tests.model_factory import build_random_model, save_model
-from tests.test_compile_cli import corelaunch_in_process, save_word_tokenizer
-
-VOCAB = 128
+from tests.test_compile_cli import LAYERS, VOCAB, corelaunch_in_process, save_word_tokenizer
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    path = save_model(build_random_model("llama", seed=3, vocab_size=VOCAB), tmp_path_factory.mktemp("tiny"))
+    path = save_model(build_random_model("llama", seed=3, vocab_size=VOCAB, num_layers=LAYERS),  # compiles faster
+                      tmp_path_factory.mktemp("tiny"))
     save_word_tokenizer(path)
     return path
 
