@@ -1007,3 +1007,112 @@ def test_a_request_waiting_behind_a_long_one_moves_to_the_replica_that_came_free
         while any(r.cancelling for r in llm._pool.replicas) or llm.load() != {"running": 0, "waiting": 0}:
             assert time.monotonic() < deadline, ([r.cancelling for r in llm._pool.replicas], llm.load())
             time.sleep(0.01)
+
+
+# ---- the text a failed stream held back, and the reader's own wait --------------------------------
+HELD_TEXT = "Hello world, this is END"
+"""Its last token's text, " END", may begin the stop string "END!": held back until a later token."""
+
+
+def stream_with_a_stop_string(tokenizer, gather: int = 1, asynchronous: bool = False):
+    """(a stream of request r1 whose text stops at "END!", its StreamHandle, its queue)."""
+    import queue
+
+    from launcher.cluster.stream_handle import StreamHandle
+    from launcher.serving.request_streams import AsyncRequestStream, RequestStream, thread_sink
+    from launcher.serving.text_stream import TextStream
+    from shardlib.sampling_params import SamplingParams
+    from workers.serving.requests import StreamRequest
+
+    text = TextStream("r1", tokenizer, ("END!",), 2)
+    items = asyncio.Queue() if asynchronous else queue.Queue()
+    handle = StreamHandle(StreamRequest("r1", (1, 2), SamplingParams(), 10),
+                          items.put_nowait if asynchronous else thread_sink(items), 5.0)
+    kind = AsyncRequestStream if asynchronous else RequestStream
+    return kind(lambda *args, **kwargs: None, handle, text, items, gather=gather), handle
+
+
+def read_until_it_fails(stream, asynchronous: bool) -> tuple[str, list[int], BaseException | None]:
+    """(the text and tokens of every delta read, and the error the read after them raised)."""
+    text, tokens, error = "", [], None
+
+    async def read_async() -> None:
+        nonlocal text, error
+        try:
+            async for delta in stream:
+                text += delta.text
+                tokens.extend(delta.token_ids)
+        except Exception as err:  # noqa: BLE001 - what the reader got is the test
+            error = err
+
+    if asynchronous:
+        asyncio.run(read_async())
+        return text, tokens, error
+    try:
+        for delta in stream:
+            text += delta.text
+            tokens.extend(delta.token_ids)
+    except Exception as err:  # noqa: BLE001 - what the reader got is the test
+        error = err
+    return text, tokens, error
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("gather", [1, 4])
+@pytest.mark.parametrize("how", ["error", "unasked abort"])
+def test_a_stream_that_fails_hands_over_the_text_it_held_for_a_stop_string_first(
+        smollm2_tokenizer, how, gather, asynchronous):
+    """The tail that might begin a stop string was held back, and a failure raised at once: the
+    reader had every token but not their text. It now gets that text in a last delta, then the error."""
+    from workers.serving.requests import TokenEvent
+
+    ids = smollm2_tokenizer.encode(HELD_TEXT)
+    stream, handle = stream_with_a_stop_string(smollm2_tokenizer, gather, asynchronous)
+    for token in ids:
+        handle.deliver(TokenEvent("r1", [token]))
+    if how == "error":
+        handle.fail(RequestFailed("request r1 failed: its group broke"))
+        expected = RequestFailed
+    else:  # the group dropped it (it is stopping) without the reader's cancel
+        handle.deliver(TokenEvent("r1", [], "abort"))
+        expected = RequestCancelled
+    text, tokens, error = read_until_it_fails(stream, asynchronous)
+    assert type(error) is expected, error
+    assert tokens == ids and text == smollm2_tokenizer.decode(ids) == HELD_TEXT
+    assert read_until_it_fails(stream, asynchronous)[2] is not None  # a later read raises it again
+
+
+def test_a_resumed_stream_still_holds_back_a_stop_strings_start_until_it_is_complete(smollm2_tokenizer):
+    """A group fault resumes the request on a new group (no error reaches the reader): the held
+    tail stays held, and the token that completes the stop string ends the text before it."""
+    from workers.serving.requests import TokenEvent
+
+    ids, [bang] = smollm2_tokenizer.encode(HELD_TEXT), smollm2_tokenizer.encode("!")
+    stream, handle = stream_with_a_stop_string(smollm2_tokenizer)
+    for token in ids[:-1]:
+        handle.deliver(TokenEvent("r1", [token]))
+    handle.deliver(TokenEvent("r1", [ids[-1]]))  # the first group's last token, then the resumed one's
+    handle.deliver(TokenEvent("r1", [bang], cached_tokens=2))
+    deltas = list(stream)
+    assert "".join(d.text for d in deltas) == "Hello world, this is "
+    assert deltas[-1].finish_reason == "stop" and deltas[-1].stopped_by_string
+    assert [t for d in deltas for t in d.token_ids] == ids + [bang]
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_a_reader_waits_for_its_replica_until_a_grace_past_the_deadline_not_from_each_read(
+        monkeypatch, asynchronous):
+    """_GRACE_S is beyond the request's deadline: a read waited timeout_s + _GRACE_S from itself,
+    so a read made near the deadline waited almost a whole timeout more."""
+    from launcher.serving import request_streams
+
+    monkeypatch.setattr(request_streams, "_GRACE_S", 0.2)
+    stream, handle = async_stream() if asynchronous else thread_stream()  # 5 s request timeout
+    handle.deadline = time.monotonic() + 0.5  # most of its timeout has passed
+    start = time.monotonic()
+    error = read_until_it_fails(stream, asynchronous)[2]
+    waited = time.monotonic() - start
+    assert type(error) is RequestTimeout, error
+    assert 0.6 <= waited < 3.0, waited  # 0.5 s to the deadline + 0.2 s; not the whole 5 s again
+    assert re.search(r"no answer within 0\.[67] s, and is now at least 0\.2 s past its request timeout \(5 s",
+                     str(error)), error

@@ -15,7 +15,8 @@ its leader sends each token, so that the stop strings, matched here, end it at t
 completes one. So does a stream whose interval is above what a leader holds (MOST_HELD): it takes
 the leader's events a token at a time, so each delta after the first holds exactly the interval.
 A read that fails after some deltas were gathered hands those over first, and the next read raises
-the failure.
+the failure. So does one that fails while text is held back (the start of what may be a stop string,
+or of a character): the reader gets the text of every token it was handed.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import collections
 import contextlib
 import queue
 import threading
+import time
 from typing import NoReturn
 
 from launcher.cluster.stream_handle import StreamHandle
@@ -36,6 +38,11 @@ from workers.serving.requests import TokenEvent
 _GRACE_S = 30.0
 """Beyond the request's own deadline, how long a reader waits for the replica to report anything
 (the replica's thread fails overdue requests itself; this only guards against that thread dying)."""
+
+
+def _wait_s(handle: StreamHandle) -> float:
+    """How long a read waits for the request's next event: until _GRACE_S past its deadline."""
+    return max(handle.deadline - time.monotonic(), 0.0) + _GRACE_S
 
 
 class _Stream:
@@ -66,14 +73,14 @@ class _Stream:
 
     def _delta(self, item) -> StreamDelta:
         if isinstance(item, BaseException):
-            self._fail(item)
+            self._fail_after_held(item)
         if item.finish_reason == "abort" and not self.handle.cancelled:
             # The group dropped a request its reader never cancelled (it is stopping): an error for
             # the reader, not an ending it would take for a finished answer ("abort" is no reason
             # a delta documents, nor one OpenAI's API knows).
-            self._fail(RequestCancelled(f"request {self.request_id} was aborted by its TP group without being "
-                                        f"cancelled (the group is stopping, or its leader refused the request), "
-                                        f"after {len(self.handle.delivered)} token(s)"))
+            self._fail_after_held(RequestCancelled(
+                f"request {self.request_id} was aborted by its TP group without being cancelled (the group is "
+                f"stopping, or its leader refused the request), after {len(self.handle.delivered)} token(s)"))
         self.events.append(item)
         try:
             delta = self.text.delta(item, self.handle.time_to_first_token_s)
@@ -115,6 +122,14 @@ class _Stream:
         self._gathered_tokens = 0
         return merged(deltas)
 
+    def _fail_after_held(self, error: BaseException) -> NoReturn:
+        """_fail, with the text held back so far (TextStream.held_delta) gathered first: the read
+        hands it over (_after_failure) and the next one raises `error`."""
+        held = self.text.held_delta()
+        if held is not None:
+            self._gathered.append(held)
+        self._fail(error)
+
     def _fail(self, error: BaseException) -> NoReturn:
         """End the stream with `error`, for this read and every later one, whichever reader makes it
         (another thread's reader took the end for a finished answer)."""
@@ -123,13 +138,13 @@ class _Stream:
         self.done = True
         raise error
 
-    def _overdue(self) -> RequestTimeout:
+    def _overdue(self, waited_s: float) -> RequestTimeout:
         """A LaunchError, as the replica's own timeout is (the CLI names it in one line, not a traceback)."""
-        return RequestTimeout(f"request {self.request_id} got no answer within {self.handle.timeout_s + _GRACE_S:g} s "
-                              f"(its request timeout plus {_GRACE_S:g} s: its replica reported nothing, not even "
-                              f"that it timed out, as while it restarts a group); see replica_status() and the "
-                              f"worker logs (ray logs), or raise request_timeout_s (--request-timeout) for long "
-                              f"generations")
+        return RequestTimeout(f"request {self.request_id} got no answer within {waited_s:.1f} s, and is now at least "
+                              f"{_GRACE_S:g} s past its request timeout ({self.handle.timeout_s:g} s from submission): "
+                              f"its replica reported nothing, not even that it timed out, as while it restarts a "
+                              f"group; see replica_status() and the worker logs (ray logs), or raise "
+                              f"request_timeout_s (--request-timeout) for long generations")
 
     def cancel(self, deferred: bool = False, reason: BaseException | None = None) -> bool:
         """Cancel the request. With a `reason`, it first ends the request's events, waking a reader
@@ -192,7 +207,10 @@ class RequestStream(_Stream):
             self._ended(threading.get_ident())
             raise StopIteration
         if self.gather == 1:
-            return self._next_delta()
+            try:
+                return self._next_delta()
+            except Exception as err:
+                return self._after_failure(err)
         while (handed := self._carried_due()) is None:
             try:
                 delta = self._next_delta()
@@ -202,10 +220,11 @@ class RequestStream(_Stream):
         return handed
 
     def _next_delta(self) -> StreamDelta:
+        wait_s = _wait_s(self.handle)
         try:
-            item = self._items.get(timeout=self.handle.timeout_s + _GRACE_S)
+            item = self._items.get(timeout=wait_s)
         except queue.Empty:
-            overdue = self._overdue()
+            overdue = self._overdue(wait_s)
             self.cancel(reason=overdue)
             raise overdue from None
         except KeyboardInterrupt:  # Ctrl-C while waiting for a token: the request goes too, as in generate()
@@ -247,7 +266,10 @@ class AsyncRequestStream(_Stream):
             self._ended(asyncio.current_task())
             raise StopAsyncIteration
         if self.gather == 1:
-            return await self._next_delta()
+            try:
+                return await self._next_delta()
+            except Exception as err:
+                return self._after_failure(err)
         while (handed := self._carried_due()) is None:
             try:
                 delta = await self._next_delta()
@@ -257,10 +279,11 @@ class AsyncRequestStream(_Stream):
         return handed
 
     async def _next_delta(self) -> StreamDelta:
+        wait_s = _wait_s(self.handle)
         try:
-            item = await next_item(self._items, self.handle.timeout_s + _GRACE_S)
+            item = await next_item(self._items, wait_s)
         except asyncio.TimeoutError:
-            overdue = self._overdue()
+            overdue = self._overdue(wait_s)
             self.cancel(reason=overdue)
             raise overdue from None
         except asyncio.CancelledError:

@@ -87,6 +87,19 @@ class TextStream:
                 break
         return merged(deltas)
 
+    def held_delta(self) -> StreamDelta | None:
+        """The text held back so far (the detokenizer's unfinished character, the tail that may begin
+        a stop string) as a delta of no token, for a request that failed: its reader, which has every
+        token it was sent, then has their text too, as at a request's end. None when none is held."""
+        text = self._detokenizer.flush() if self._detokenizer is not None else ""
+        if self._stops is not None:
+            text, _ = self._stops.push(text)
+            text += self._stops.flush()
+        if not text:
+            return None
+        return StreamDelta(self.request_id, text, [], None, self.prompt_tokens, self.completion_tokens,
+                           stopped_by_string=self.stopped_by_string)
+
     def _delta(self, event: TokenEvent, time_to_first_token_s: float | None) -> StreamDelta:
         first = time_to_first_token_s if event.token_ids and self.completion_tokens == 0 else None
         finish = event.finish_reason

@@ -359,11 +359,17 @@ class ServingLoop:
                         f"prompt log-probabilities are not available on this backend "
                         f"({type(self.model).__name__} has no scoring step); ask without them")))
                     continue
+                too_long = self._too_long(request)
+                if too_long is not None:  # its decode would write past its row and break the group
+                    events.append(TokenEvent(request.request_id, [], "error", error=too_long))
+                    continue
                 seq = Sequence(request)
                 seq.generator = request_generator(seq, self.device)
                 if request.sampling.structured_output is not None and self._grammar_pending():
                     if not self._awaiting_grammar:
                         self._awaiting_since = time.monotonic()
+                        # an idle leader blocks on its inbox: the tokenizer's readiness wakes it
+                        self.grammar_tokenizer.when_ready(self._wake_for_built)
                     self._awaiting_grammar.append(seq)
                 else:
                     self._admit(seq, events)
@@ -372,18 +378,37 @@ class ServingLoop:
                 self.held.drop(rid)
                 if self.scheduler.cancel(rid) is not None or self._drop_awaiting(rid):
                     events.append(TokenEvent(rid, [], "abort"))
-        # "built": a matcher's build ended, which only wakes an idle leader to admit its request
+        # "built": a matcher's or the grammar tokenizer's build ended, which only wakes an idle leader
+        # to admit what waited for it
         return kind == "stop"
+
+    def _too_long(self, request: StreamRequest) -> str | None:
+        """Why the request cannot fit in a cache row, or None when it can. Its last token is never fed
+        back, so it needs prompt + max_tokens - 1 slots (the prompt alone when max_tokens is 0).
+        The driver refuses such requests before submitting them (Launcher._check_lengths, with a
+        stricter limit); this keeps one that got past it from failing the whole group's loop."""
+        prompt = len(request.prompt_token_ids)
+        needed = prompt + max(request.max_tokens, 1) - 1
+        if needed <= self.config.cache_slots:
+            return None
+        return (f"the prompt has {prompt} tokens; with max_tokens {request.max_tokens} that needs {needed} "
+                f"cache slots but each row of the serving cache holds {self.config.cache_slots} "
+                f"(cache_slots): shorten the prompt or lower max_tokens")
 
     def _admit(self, seq: Sequence, events: list[TokenEvent]) -> None:
         """Queue a submitted request for a row; a structured one once its matcher is built."""
         if seq.request.sampling.structured_output is not None:
             future = build_on_a_thread(lambda: self._grammar(seq.request))
-            future.add_done_callback(lambda _: self._inbox.put(("built", None)))
+            future.add_done_callback(lambda _: self._wake_for_built())
             self._building.append((seq, future))
             self._fresh_builds.append(future)
             return
         self._queue(seq, events)
+
+    def _wake_for_built(self) -> None:
+        """Wake an idle leader (from another thread) to admit what waited for a build that has ended:
+        a request's matcher, or the grammar tokenizer."""
+        self._inbox.put(("built", None))
 
     def _queue(self, seq: Sequence, events: list[TokenEvent]) -> None:
         try:

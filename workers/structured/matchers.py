@@ -32,6 +32,10 @@ class GrammarTokenizer:
         self._thread = threading.Thread(target=self._build, name="corelaunch-grammar-tokenizer", daemon=True)
         self._started = False
         self._starting = threading.Lock()  # the driver's checks may come from several threads
+        self._done = threading.Event()
+        """Set once the build has ended, before the when_ready callbacks run (which run on the build's
+        thread: its being alive must not read as not ready to a leader one of them woke)."""
+        self._on_ready: list[Callable[[], None]] = []
 
     def ready(self) -> bool:
         """Whether the tokenizer is built (or failed to be); the first call starts building it."""
@@ -39,7 +43,17 @@ class GrammarTokenizer:
             if not self._started:
                 self._started = True
                 self._thread.start()
-        return not self._thread.is_alive()
+        return self._done.is_set()
+
+    def when_ready(self, callback: Callable[[], None]) -> None:
+        """Call callback() once the build has ended (built or failed): at once if it has, else on the
+        build's thread. The serving loop posts itself a wake-up with it, so an idle leader starts the
+        structured requests that waited for the tokenizer then, not at its next heartbeat."""
+        with self._starting:
+            if not self._done.is_set():
+                self._on_ready.append(callback)
+                return
+        callback()
 
     def _build(self) -> None:
         try:
@@ -49,12 +63,17 @@ class GrammarTokenizer:
             self._value = llguidance.hf.from_tokenizer(tokenizer, n_vocab=max(self.vocab_size, len(tokenizer)))
         except BaseException as err:  # noqa: BLE001 - reported to every structured request
             self._error = err
+        finally:
+            with self._starting:
+                self._done.set()
+                callbacks, self._on_ready = self._on_ready, []
+            for callback in callbacks:
+                callback()
 
     def get(self, timeout_s: float = TOKENIZER_WAIT_S):
         """The llguidance tokenizer; ValueError saying why there is none."""
         self.ready()
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
+        if not self._done.wait(timeout_s):
             raise ValueError(f"the model's tokenizer for structured output was not ready after {timeout_s:g} s")
         if self._error is not None:
             raise ValueError(f"structured output needs the model's tokenizer, and loading it for llguidance "
