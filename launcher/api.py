@@ -325,6 +325,11 @@ class LaunchConfig:
                              f"{self.context_buckets[-1]}, exceeds max_context_length ({self.max_context_length}), "
                              f"the longest prompt taken; lower the bucket or raise max_context_length, or give only "
                              f"one of them")
+        if (self.max_context_length is not None and self.seq_len is not None
+                and self.max_context_length > self.seq_len):  # the buckets stopped at seq_len, silently
+            raise ValueError(f"max_context_length ({self.max_context_length}) exceeds seq_len ({self.seq_len}), the "
+                             f"most positions a sequence holds, its prompt included: lower max_context_length or "
+                             f"raise seq_len")
         if self.token_buckets is not None:  # the largest token bucket is each KV cache row's length
             listed, largest = _listed(self.token_buckets), self.token_buckets[-1]
             if self.seq_len is None:
@@ -862,7 +867,7 @@ class Launcher:
         check_request(token_lists, params, max_new_tokens, self.model_config.vocab_size)
         self._check_structured(params, batching)
         check_stop_token_ids(stop_token_ids, self.model_config.vocab_size)
-        self._check_lengths(token_lists, max_new_tokens, serving=batching == "continuous")
+        self._check_lengths(token_lists, max_new_tokens)
 
     def _start_group(self, backend: str) -> None:
         """Connect to Ray, size each rank's bundle and the replica count, start every replica."""
@@ -1225,7 +1230,7 @@ class Launcher:
         check_request(token_lists, params, max_new_tokens, self.model_config.vocab_size)
         self._check_structured(params, batching)
         stop_token_ids = check_stop_token_ids(stop_token_ids, self.model_config.vocab_size)
-        self._check_lengths(token_lists, max_new_tokens, serving=False)
+        self._check_lengths(token_lists, max_new_tokens)
         stops = self._checked_ending_ids(params, stop_token_ids, ignore_eos)
         _check_flag("return_logits", return_logits)  # "no" would copy a vocabulary-wide row per token
         parts = []
@@ -1424,7 +1429,7 @@ class Launcher:
         [params] = self._with_bad_word_ids([params])
         check_request([token_ids], [params], max_new_tokens, self.model_config.vocab_size)
         self._check_structured([params])
-        self._check_lengths([token_ids], max_new_tokens, serving=True)
+        self._check_lengths([token_ids], max_new_tokens)
         _checked_logprobs("logprobs", logprobs)
         stops = validate_stops(stop)
         if stops and self.tokenizer is None:  # there is no text to find them in
@@ -1530,7 +1535,7 @@ class Launcher:
         params = self._with_bad_word_ids(self._sampling_per_prompt(sampling, len(token_lists)))
         check_request(token_lists, params, max_new_tokens, self.model_config.vocab_size)
         self._check_structured(params)
-        self._check_lengths(token_lists, max_new_tokens, serving=True)
+        self._check_lengths(token_lists, max_new_tokens)
         ending = self._checked_ending_ids(params, stop_token_ids, ignore_eos)
         streams = [self._new_stream(ids, p, max_new_tokens, ending, (), None, None, asynchronous, return_logits,
                                     prompt_logprobs=prompt_logprobs, cache_salt=cache_salt,
@@ -1787,11 +1792,14 @@ class Launcher:
         self.prepare()
         return self.config.seq_len or self.plan.seq_len
 
-    def _check_lengths(self, token_lists: list[list[int]], max_new_tokens: int, serving: bool) -> None:
-        """serving: the requests run in the serving engine (continuous batching), whose cache rows
-        hold serving_seq_len positions; a static batch sizes its cache per request."""
+    def _check_lengths(self, token_lists: list[list[int]], max_new_tokens: int) -> None:
+        """Each request within serving_seq_len positions, on either engine: the serving engine's cache
+        rows hold that many, and the plan's memory check counted that many for each row of a static
+        batch too (which sizes its cache per request, up to the model's max_position_embeddings
+        without a limit: an eager batch without --seq-len grew its cache past what the plan had
+        proved, up to 32 times for a model of 131072 positions)."""
         limit = self.model_config.max_position_embeddings
-        seq_len = self.serving_seq_len if serving else self.config.seq_len
+        seq_len = self.serving_seq_len
         if seq_len is not None and seq_len < limit:
             if self.config.compiled_dir is not None:  # its buckets are fixed: only a new directory holds more
                 longer = "compile the directory again with a larger --seq-len"

@@ -573,6 +573,31 @@ def test_a_compiled_directory_given_as_presharded_weights_is_refused_before_the_
         plan_launch(LaunchConfig(model=str(model_dir), tp=1, presharded_dir=str(root)), Progress(False))
 
 
+def test_a_static_batch_without_seq_len_keeps_to_the_positions_the_plan_counted():
+    """The plan's memory check counts min(max_position_embeddings, 4096) positions a row without
+    --seq-len; an eager static batch sized its cache per request up to max_position_embeddings, so
+    a 6000-token prompt on the demo model (8192 positions) was taken, its cache past the plan's."""
+    from launcher.api import Launcher
+
+    llm = Launcher(LaunchConfig(compile=False, max_batch_size=8, progress=False))
+    llm.prepare()  # plans only: no Ray, no worker
+    assert llm.config.seq_len is None and llm.plan.seq_len == 4096 < llm.model_config.max_position_embeddings
+    with pytest.raises(ValueError, match=r"^the prompt has 6000 tokens; with max_new_tokens 64 that needs 6064 "
+                                         r"positions but seq_len is 4096: .*raise seq_len \(--seq-len\)$"):
+        llm._check_lengths([[1] * 6000], 64)
+    llm._check_lengths([[1] * 4000], 96)  # exactly the plan's positions
+
+
+def test_a_longest_prompt_past_seq_len_is_refused_naming_both():
+    """The context buckets stopped at seq_len, silently: --max-context-length 8192 --seq-len 4096
+    took no prompt past 4096."""
+    with pytest.raises(ValueError, match=r"^max_context_length \(8192\) exceeds seq_len \(4096\), the most "
+                                         r"positions a sequence holds, its prompt included: lower "
+                                         r"max_context_length or raise seq_len$"):
+        LaunchConfig(max_context_length=8192, seq_len=4096)
+    LaunchConfig(max_context_length=4096, seq_len=4096)
+
+
 def test_a_prompt_past_a_compiled_directorys_context_buckets_names_a_fix_that_works():
     """"use larger context-encoding buckets" was the fix, while --compiled refuses other buckets."""
     from launcher.api import Launcher
@@ -583,7 +608,7 @@ def test_a_prompt_past_a_compiled_directorys_context_buckets_names_a_fix_that_wo
                                    config=SimpleNamespace(seq_len=256, compiled_dir=compiled, token_buckets=None),
                                    buckets=Buckets.build(max_context_length=128, max_seq_len=256, max_batch_size=1))
         with pytest.raises(ValueError) as refused:
-            Launcher._check_lengths(launcher, [[5]] * (prompts - 1) + [list(range(129))], 8, serving=True)
+            Launcher._check_lengths(launcher, [[5]] * (prompts - 1) + [list(range(129))], 8)
         return str(refused.value)
 
     # one prompt is not told by an index ("prompt 0: prompt length"); one of several is
