@@ -246,25 +246,43 @@ def groups_this_host_holds(config, plan, backend: str, server: bool = False) -> 
 
 def check_replicas_fit_this_host(config, plan, backend: str) -> None:
     """cpu replicas on a private cluster (this host alone) share its RAM, which the plan checked for
-    one TP group: ValueError when `replicas` groups cannot all fit, before they start and exhaust it.
-    replicas="auto" is capped by the same count (PlannedLaunch.host_holds, Launcher._size_replicas)."""
-    replicas = config.replicas
-    if isinstance(replicas, int) and replicas >= 2:
-        check_groups_fit(replicas, "replicas", plan, groups_this_host_holds(config, plan, backend))
+    one TP group without the ranks' processes: ValueError when `replicas` groups (one for "auto", at
+    least) cannot all fit, before they start and exhaust it. replicas="auto" is capped by the same
+    count (PlannedLaunch.host_holds, Launcher._size_replicas)."""
+    replicas = config.replicas if isinstance(config.replicas, int) else 1
+    check_groups_fit(replicas, "replicas", plan, groups_this_host_holds(config, plan, backend))
 
 
 def check_groups_fit(count: int, name: str, plan, holds: int | None, server: bool = False) -> None:
     """ValueError naming `name` (the option that asked for `count` TP groups of `plan`) when this
-    host's RAM holds fewer (`holds`, from groups_this_host_holds; None: not this host's to check)."""
+    host's RAM holds fewer (`holds`, from groups_this_host_holds; None: not this host's to check).
+    holds 0 is refused whatever the count: the plan's own check leaves out the rank processes (and
+    a server's Serve replica), which one group alone can take past this host's RAM."""
     from shardlib.planner import format_bytes
 
-    if holds is None or count <= max(holds, 1):  # one group: the plan's own check is the judge
+    if holds is None or count <= holds:
         return
+    if holds == 0:
+        raise ValueError(_no_group_fits(plan, server))
     per_group = host_bytes_per_group(plan, server)
     raise ValueError(f"{name} ({count}): {count} TP groups of {plan.tp_degree} rank(s) need "
                      f"{format_bytes(count * per_group)} ({format_bytes(per_group)} each, of which "
                      f"{format_bytes(_process_bytes(plan, server))} for the "
                      f"{'rank and Serve replica' if server else 'rank'} processes) "
                      f"but this host has {format_bytes(_host_usable_bytes(plan))} usable; nothing was started. "
-                     f"Ask for at most "
-                     f"{max(1, holds)}, or shrink each group's KV cache (--max-num-seqs, --seq-len)")
+                     f"Ask for at most {holds}, or shrink each group's KV cache (--max-num-seqs, --seq-len)")
+
+
+def _no_group_fits(plan, server: bool) -> str:
+    """Why not even one TP group of `plan` fits this host's RAM once its processes are counted."""
+    from shardlib.planner import format_bytes
+
+    processes = "rank processes and its Serve replica" if server else "rank processes"
+    # a server holds no static batch (host_bytes_per_group): only its serving rows shrink
+    rows = "--max-num-seqs" if server else "--max-num-seqs, or --max-batch-size for static batches"
+    return (f"one TP group of {plan.tp_degree} rank(s) needs {format_bytes(host_bytes_per_group(plan, server))} of "
+            f"this host's RAM ({format_bytes(_process_bytes(plan, server))} of it for its {processes}, about "
+            f"{format_bytes(RANK_PROCESS_BYTES)} a rank, beyond the weights, KV cache and scratch the plan counts) "
+            f"but this host has {format_bytes(_host_usable_bytes(plan))} usable; nothing was started. "
+            f"Lower --tp (fewer rank processes), or shrink the KV cache: a smaller --seq-len, or fewer rows "
+            f"({rows})")

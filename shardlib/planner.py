@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 from shardlib.expert_sharding import (EXPERT_PARALLEL, MOE_SHARDINGS, check_moe_sharding_name,
                                       default_moe_sharding, expert_elements_per_rank, moe_sharding_problem)
-from shardlib.instances import CPU_TARGET, GIB, NEURON_INSTANCES, InstanceType, get_instance
+from shardlib.instances import CPU_TARGET, GIB, NEURON_FAMILIES, NEURON_INSTANCES, InstanceType, get_instance
 from shardlib.families import layer_norm_elements
 from shardlib.model_config import DTYPE_BYTES, ModelConfig, normalize_dtype
 from shardlib.quantization import PLANNER_DTYPE, UNQUANTIZABLE_MODEL_TYPES, normalize_quant_dtype
@@ -225,6 +225,16 @@ class Plan:
         return ShardLayout.for_model(self.config, self.tp_degree, self.kv_strategy,
                                      pad_q_heads=self.padded_q_heads is not None, moe_sharding=self.moe_sharding)
 
+    def _dtypes_dict(self) -> dict:
+        """What "dtype" alone leaves out, as the text report says it ("float32, int8 weights, KV cache
+        float8_e4m3"): the compute dtype of the unquantized tensors, and the weights' quantization (a
+        quantized checkpoint's, or the one a 1-byte dtype stands for; None: unquantized). The KV
+        cache's dtype is memory.kv_cache_dtype."""
+        quantization, compute = planned_quantization(self.config, self.dtype, self.family in NEURON_FAMILIES)
+        weights = None if quantization is None else {
+            "dtype": quantization.dtype, "granularity": quantization.granularity, "modules": quantization.modules}
+        return {"compute_dtype": compute, "weights_quantization": weights}
+
     def to_dict(self) -> dict:
         cfg = self.config
         return {
@@ -238,7 +248,8 @@ class Plan:
             "instance": self.instance, "family": self.family, "nodes": self.nodes, "lnc": self.lnc,
             "cores_per_rank": self.cores_per_rank, "ranks_per_node": self.ranks_per_node,
             "logical_cores_per_node": self.logical_cores_per_node,
-            "dtype": self.dtype, "batch_size": self.batch_size, "serving_rows": self.serving_rows, "seq_len": self.seq_len,
+            "dtype": self.dtype, **self._dtypes_dict(),
+            "batch_size": self.batch_size, "serving_rows": self.serving_rows, "seq_len": self.seq_len,
             "kv_strategy": self.kv_strategy, "q_heads_per_rank": self.q_heads_per_rank,
             "kv_heads_per_rank": self.kv_heads_per_rank, "padded_q_heads": self.padded_q_heads,
             "moe_sharding": self.moe_sharding,
@@ -493,7 +504,7 @@ def _ways_out(req: _Request, check: _Check) -> list[str]:
         if room > 0 and per_token:
             longest = room // (per_token * req.cache_rows)
             limit = req.config.max_position_embeddings  # a longer one fits the memory but not the model
-            if longest >= 1:
+            if longest >= 2:  # seq_len 1 is refused (a prompt token and a generated one): never offered
                 ways.append(f"a smaller seq_len (at most {min(longest, limit)} at {req.rows_text()}"
                             + (", the model's max_position_embeddings)" if longest >= limit else ")"))
             batch_fits = room // (per_token * req.seq_len) - req.serving_rows
@@ -547,6 +558,11 @@ def _lower_dtype_way(dtype: str, fits: list[int]) -> str:
         return f"a lower-precision dtype: {dtype} fits at tp {_fmt_list(fits)}"
     return (f"1-byte weights: {dtype} fits at tp {_fmt_list(fits)}; write them with `corelaunch quantize "
             f"--dtype {QUANTIZE_DTYPE[dtype]} --out QDIR` and launch QDIR (--model QDIR)")
+
+
+def _fits_memory_at_lnc(req: _Request, tp: int, lnc: int) -> bool:
+    """Whether degree `tp` passes the memory check at `lnc` (each rank's memory is its cores')."""
+    return "insufficient_memory" not in _check(dataclasses.replace(req, lnc=lnc, lnc_requested=lnc), tp).codes
 
 
 def _one_node_way_out(tp: int, req: _Request) -> str:
@@ -625,7 +641,8 @@ def _describe(code: str, req: _Request, check: _Check, hint_degrees: list[int]) 
                f"{req.lnc}) but {inst.name} has {logical} per node x {req.nodes} node(s) = "
                f"{logical * req.nodes}; use --nodes {nodes} ({tp // nodes} ranks per node)")
         for lnc in inst.allowed_lncs:
-            if lnc < req.lnc and tp <= inst.logical_cores(lnc) * req.nodes:
+            # a lower LNC gives each rank fewer cores' memory (trn2 at LNC 1: half): named where it fits
+            if lnc < req.lnc and tp <= inst.logical_cores(lnc) * req.nodes and _fits_memory_at_lnc(req, tp, lnc):
                 msg += (f", or --lnc {lnc} ({inst.logical_cores(lnc)} cores per node of "
                         f"{format_bytes(inst.memory_per_logical_core(lnc))} each)")
         return f"{msg}; {works}"

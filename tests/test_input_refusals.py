@@ -247,9 +247,12 @@ def test_groups_sharing_this_host_count_their_processes_and_a_servers_groups_no_
         + SERVER_REPLICA_BYTES)
     from launcher.launch_plan import check_groups_fit
 
-    check_groups_fit(1, "--replicas", plan, 0, server=True)  # one group: the plan's own check judges it
+    # none fits (holds 0): one group is refused too (the plan's own check leaves the rank processes out)
+    with pytest.raises(ValueError, match=r"^one TP group of 2 rank\(s\) needs .* for its rank processes and its "
+                                         r"Serve replica"):
+        check_groups_fit(1, "--replicas", plan, 0, server=True)
     with pytest.raises(ValueError, match=r"^--replicas \(2\): 2 TP groups .* Ask for at most 1,"):
-        check_groups_fit(2, "--replicas", plan, 0, server=True)
+        check_groups_fit(2, "--replicas", plan, 1, server=True)
     static_only = make_plan(config, instance="cpu", tp=2, batch_size=8, serving_rows=0, seq_len=64)
     assert host_bytes_per_group(static_only, server=True) == (static_only.memory.total_bytes_all_ranks
                                                               + 2 * RANK_PROCESS_BYTES + SERVER_REPLICA_BYTES)

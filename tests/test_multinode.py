@@ -133,15 +133,16 @@ def test_a_group_held_to_one_node_fails_placement_within_its_timeout(cluster, mo
 
 
 def test_a_group_spread_over_more_nodes_than_asked_is_refused(cluster, model_and_expected):
-    """--nodes N is an upper bound: Ray's PACK put a TP 4 group asked to span 2 nodes on 4 (one
-    CPU each), where the plan counted cores and memory over 2."""
+    """--nodes N is an upper bound where N does not divide TP (the group is PACKed; where it divides
+    TP, each node gets TP / N ranks): Ray's PACK put a TP 4 group asked to span 3 nodes on 4 (one
+    CPU each), where the plan counted cores and memory over 3."""
     model_dir, _ = model_and_expected
     set_worker_nodes(cluster, 4)
     # placed again each second within the placement timeout (the resources of the moment decide
     # PACK's spread; a restart retrying at once used up its budget in milliseconds), then refused
     start = time.monotonic()
-    with pytest.raises(PlacementTimeout, match=r"on 4 nodes, more than the 2 --nodes allows, for 5 s.*--nodes 4"):
-        Launcher(model=model_dir, tp=4, nodes=2, cpus_per_rank=1, placement_timeout_s=5, progress=False,
+    with pytest.raises(PlacementTimeout, match=r"on 4 nodes, more than the 3 --nodes allows, for 5 s.*--nodes 4"):
+        Launcher(model=model_dir, tp=4, nodes=3, cpus_per_rank=1, placement_timeout_s=5, progress=False,
                  **EAGER).start()
     assert time.monotonic() - start >= 4
 

@@ -110,12 +110,13 @@ def missing_resource(resource: str, node_total: Sequence[Mapping[str, float]],
 
 
 def even_split(bundle: Mapping[str, float], tp: int, nodes: int) -> int | None:
-    """Ranks per node when a device group over several nodes must be split evenly (None: it need
-    not). The planner checks each node's share of the ranks (TP / nodes, a degree NxD Inference
-    supports on one node, within its cores); PACK would put them on as few nodes as hold them, 4
-    ranks on one trn1 node for a plan of 2 x 2, a degree trn1 does not support."""
-    device = any(name != "CPU" for name in bundle)
-    if nodes > 1 and device and tp % nodes == 0:
+    """Ranks per node when a group over several nodes must be split evenly (None: it need not, or
+    `nodes` does not divide `tp`). The planner checks each node's share of the ranks (TP / nodes):
+    for a device group a degree NxD Inference supports on one node, within its cores; for a cpu
+    group each node's RAM given to that many ranks. PACK would put them on as few nodes as hold
+    them: 4 ranks on one trn1 node for a plan of 2 x 2, a degree trn1 does not support, or a cpu
+    group's 4 ranks on one node whose RAM the plan gave to 2."""
+    if nodes > 1 and tp % nodes == 0:
         return tp // nodes
     return None
 
@@ -129,9 +130,8 @@ def bundles_that_fit(free: Mapping[str, float], bundle: Mapping[str, float]) -> 
 def place_group(free: list[dict[str, float]], bundle: Mapping[str, float], tp: int,
                 max_nodes: int) -> list[int] | None:
     """Ranks per node (indexes into `free`) for one group of `tp` bundles over at most `max_nodes`
-    nodes, filling the roomiest nodes first (like Ray's PACK); a device group split evenly
-    (even_split) takes exactly its share on each of max_nodes nodes (STRICT_SPREAD). None when it
-    does not fit."""
+    nodes, filling the roomiest nodes first (like Ray's PACK); a group split evenly (even_split)
+    takes exactly its share on each of max_nodes nodes (STRICT_SPREAD). None when it does not fit."""
     room = sorted(range(len(free)), key=lambda i: -bundles_that_fit(free[i], bundle))
     per_node = even_split(bundle, tp, max_nodes)
     if per_node is not None:
@@ -191,25 +191,23 @@ def explain_unplaceable(bundle: Mapping[str, float], tp: int, max_nodes: int,
                  if sum(t.get(name, 0.0) for t in node_total) + _EPS < amount * tp]
         holding = sum(bundles_that_fit(t, bundle) >= (per_node or 0) for t in node_total)
         missing = (f"the cluster lacks {', '.join(short)}" if short else
-                   f"only {holding} node(s) can hold {per_node} such bundles, where it needs {max_nodes} (a device "
+                   f"only {holding} node(s) can hold {per_node} such bundles, where it needs {max_nodes} (a "
                    f"group over several nodes takes the same share of its ranks on each)" if per_node is not None else
                    f"its {min(max_nodes, len(node_total))} roomiest node(s) hold only {sum(best)} such bundle(s)")
         # --cpus-per-rank sizes only a cpu rank's bundle (CPU alone); a device bundle is fixed
         cpus = " or --cpus-per-rank (each rank's CPUs)" if set(bundle) == {"CPU"} else ""
         if not any(bundles_that_fit(t, bundle) for t in node_total):
             # not one rank fits anywhere: more nodes per group, or fewer ranks, cannot help
-            most = max(t.get("CPU", 0.0) for t in node_total)
-            way = (f"Lower --cpus-per-rank (at most {_fmt(most)}, the most CPUs a node has), or add a node with "
-                   f"{{{want}}}" if set(bundle) == {"CPU"} else f"Add a node with {{{want}}}")
+            way = _no_rank_fits_way(bundle, tp, max_nodes, node_total)
             return (f"it needs {need} and the cluster can never hold that: {missing}; no node holds even one "
                     f"rank's bundle (alive nodes: {held}). {way}")
         # the same share on each node (per_node): more nodes per group need more nodes still
         spread = next((n for n in range(max_nodes + 1, len(node_total) + 1)
                        if place_group([dict(t) for t in node_total], bundle, tp, n) is not None), None)
-        ways = (f"Add nodes that hold {per_node} such bundles each, pass fewer --nodes (more ranks on each node)"
+        # the whole cluster is short: spreading the group over more nodes, or fewer, cannot help
+        ways = ("Add nodes with these resources" if short else
+                f"Add nodes that hold {per_node} such bundles each, pass fewer --nodes (more ranks on each node)"
                 if per_node is not None else
-                # the whole cluster is short: spreading the group over more nodes cannot help
-                "Add nodes with these resources" if short else
                 f"Add nodes with these resources, allow more nodes per group (--nodes {spread} holds it)"
                 if spread is not None else "Add nodes with these resources, allow more nodes per group (--nodes)")
         return (f"it needs {need} and the cluster can never hold that: {missing} (alive nodes: {held}). "
@@ -230,6 +228,49 @@ def explain_unplaceable(bundle: Mapping[str, float], tp: int, max_nodes: int,
              "TP; inside a Ray job, the job's own --entrypoint-num-cpus holds some)") if set(bundle) == {"CPU"} else ""
     return (f"it needs {need}; the cluster could hold it but other groups or jobs hold those resources "
             f"(alive nodes: {held}{free_txt}). Free them, add nodes, or lower --replicas{fewer}")
+
+
+def _no_rank_fits_way(bundle: Mapping[str, float], tp: int, max_nodes: int,
+                      node_total: Sequence[Mapping[str, float]]) -> str:
+    """The way out when no node holds even one rank's bundle: a CPU share at which the alive nodes
+    hold the group (named only where one exists), or a node sized for the ranks it must hold
+    (ceil(TP / max_nodes) of them), not for one rank."""
+    ranks = math.ceil(tp / max(max_nodes, 1))
+    sized = "{" + ", ".join(f"{name}: {_fmt(amount * ranks)}" for name, amount in bundle.items()) + "}"
+    held = f"{ranks} ranks' bundles" if ranks > 1 else "one rank's bundle"
+    cpu = set(bundle) == {"CPU"}
+    if max_nodes > 1 and ranks < tp and (ranks > 1 or cpu):  # the group needs that many such nodes
+        node = f"add {-(-tp // ranks)} nodes with {sized} each ({held} each)"
+    else:
+        node = f"add a node with {sized}" + (f" (the {held})" if ranks > 1 else "")
+    if not cpu:  # a device bundle is fixed: only nodes that have it can help
+        return node[0].upper() + node[1:]
+    share = largest_cpu_share(tp, max_nodes, node_total)
+    if share is None:
+        return f"No CPU share lets the alive nodes hold the group's {tp} ranks; {node}"
+    most = max(t.get("CPU", 0.0) for t in node_total)
+    why = ("the most CPUs a node has" if ranks == 1 and share == most else
+           f"the most at which the alive nodes hold the group's {tp} ranks on at most {max_nodes} node(s)")
+    return f"Lower --cpus-per-rank (at most {_fmt(share)}, {why}), or {node}"
+
+
+def largest_cpu_share(tp: int, max_nodes: int, node_total: Sequence[Mapping[str, float]]) -> float | None:
+    """The largest CPU share a cpu rank may ask for (in Ray's 1e-4 steps) at which `node_total`
+    holds one group of `tp` ranks over at most `max_nodes` nodes, as place_group places it; None
+    where no share does (too few nodes for an even split)."""
+    totals = [dict(t) for t in node_total]
+
+    def fits(steps: int) -> bool:
+        return place_group([dict(t) for t in totals], {"CPU": steps / 1e4}, tp, max_nodes) is not None
+
+    high = int(math.floor(max((t.get("CPU", 0.0) for t in totals), default=0.0) * 1e4 + _EPS))
+    if high < 1 or not fits(1):
+        return None
+    low = 1  # fits; find the largest step that does (fitting only shrinks as the share grows)
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle - 1)
+    return low / 1e4  # a fraction above one CPU too: --cpus-per-rank takes it as given
 
 
 def _fmt(amount: float) -> str:
