@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardlib.config_fields import (MAX_CONFIG_INT, MAX_LAYERS, count, field_error, flag, mapping, positive_number, show,
-                                    token_id, token_ids)
+from shardlib.config_fields import (MAX_CONFIG_INT, MAX_LAYERS, count, field_error, finite, flag, mapping,
+                                    positive_number, show, token_id, token_ids)
 from shardlib.families import ACTIVATIONS, LAYER_TYPES, SLIDING, family_fields, layer_norm_elements, traits
 from shardlib.moe_configs import MOE_MODEL_TYPES, flatten_moe_config
 from shardlib.quantization import Quantization
@@ -66,6 +66,34 @@ _ROPE_EXAMPLE = ('{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                  '"original_max_position_embeddings": 8192}')
 
 
+# The optional numbers of a yarn or longrope block that workers/rope_scaling.py computes with, and a
+# value each may take (transformers' defaults). Unchecked, a string among them passed here and failed
+# in every worker (a TypeError building RotaryTables) after each rank had loaded its weights.
+_POSITIVE_SCALING_OPTIONS = {"yarn": ("attention_factor", "beta_fast", "beta_slow"), "longrope": ("attention_factor",)}
+_UNSET_AT_ZERO_SCALING_OPTIONS = {"yarn": ("mscale", "mscale_all_dim")}
+"""0 is allowed: yarn then takes its default attention factor, as transformers does."""
+_SCALING_OPTION_EXAMPLES = {"attention_factor": 1.0, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                            "mscale_all_dim": 1.0}
+
+
+def _check_scaling_options(name: str, params: dict, rope_type: Any) -> None:
+    """The optional yarn / longrope keys the workers read: finite numbers (> 0, or >= 0 for mscale
+    and mscale_all_dim, which 0 leaves unset), and yarn's truncate true or false. JSON null stands
+    for an absent key (the default), except truncate, whose null transformers reads as false."""
+    for key in _POSITIVE_SCALING_OPTIONS.get(rope_type, ()):
+        if params.get(key) is not None:
+            positive_number(f"{name}.{key}", params[key], _SCALING_OPTION_EXAMPLES[key])
+    for key in _UNSET_AT_ZERO_SCALING_OPTIONS.get(rope_type, ()):
+        value = params.get(key)
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                                  or not finite(value) or value < 0):
+            raise field_error(f"{name}.{key}", value, "must be a finite number >= 0 (0 leaves it unset)",
+                              f"write a bare JSON number such as {_SCALING_OPTION_EXAMPLES[key]}, or remove "
+                              f"the key for transformers' default")
+    if rope_type == "yarn" and "truncate" in params:
+        flag(f"{name}.truncate", params["truncate"], nullable=False)
+
+
 def _check_rope(name: str, params: Any, *, needs_type: bool) -> dict | None:
     """A rope_scaling / rope_parameters object: its type a string, its numbers in range, and a
     llama3 scaling complete (the workers read factor, low/high_freq_factor and the original context)."""
@@ -95,9 +123,10 @@ def _check_rope(name: str, params: Any, *, needs_type: bool) -> dict | None:
         for key in ("short_factor", "long_factor"):
             value = params.get(key)
             if not isinstance(value, list) or not value or not all(
-                    isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in value):
-                raise field_error(f"{name}.{key}", value, "must be a list of positive numbers, one per rotated "
-                                  "pair (head_dim / 2)", "copy it from the checkpoint's config")
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and finite(v) and v > 0 for v in value):
+                raise field_error(f"{name}.{key}", value, "must be a list of finite positive numbers, one per "
+                                  "rotated pair (head_dim / 2)", "copy it from the checkpoint's config")
+    _check_scaling_options(name, params, rope_type)
     if rope_type == "llama3":
         missing = [key for key in LLAMA3_ROPE_KEYS if params.get(key) is None]
         if missing:
@@ -387,20 +416,12 @@ class ModelConfig:
         extra = family_fields(model_type, raw, _size("num_hidden_layers", raw["num_hidden_layers"]), head_dim)
         # transformers 5 nests rope settings in "rope_parameters"; 4.x has rope_theta + rope_scaling.
         # (Gemma 3 keeps one block per layer kind; family_fields has read it.)
-        rope_params = {} if "local_rope_theta" in extra else (
-            _check_rope("rope_parameters", raw.get("rope_parameters"), needs_type=False) or {})
-        if rope_params.get("rope_theta") is not None:
-            rope_theta = rope_params["rope_theta"]  # checked by _check_rope
-        else:
-            rope_theta = raw.get("rope_theta")
-            rope_theta = (family.rope_theta if rope_theta is None
-                          else positive_number("rope_theta", rope_theta, 500000.0))
-        rope_scaling = _check_rope("rope_scaling", raw.get("rope_scaling"), needs_type=True)
         if "local_rope_theta" in extra:
+            _check_rope("rope_scaling", raw.get("rope_scaling"), needs_type=True)
             rope_theta, rope_scaling = extra.pop("rope_theta"), _check_rope(
                 "rope_parameters.full_attention", extra.pop("rope_scaling"), needs_type=True)
-        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
-            rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+        else:
+            rope_theta, rope_scaling = _rope_as_transformers_reads_it(raw, family.rope_theta)
         if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
             rope_scaling = None
         # Qwen2 always biases q/k/v and never o_proj; Llama's attention_bias biases all four. A flag
@@ -438,6 +459,68 @@ class ModelConfig:
             quantization=Quantization.from_json(raw.get("quantization_config")),
             **moe_fields,
         )
+
+
+def _rope_as_transformers_reads_it(raw: dict[str, Any], family_theta: float) -> tuple[Any, dict | None]:
+    """(rope_theta, scaling block) of a one-block config. transformers takes rope_scaling, when set,
+    wholesale and ignores rope_parameters, its rope_theta included; the block's own rope_theta, else
+    the top-level one, else the family's, is the base. Both set and disagreeing is refused: a
+    rope_parameters block that silently does not count would surprise whoever wrote it."""
+    top_theta = raw.get("rope_theta")
+    top_theta = family_theta if top_theta is None else positive_number("rope_theta", top_theta, 500000.0)
+    rope_params = _check_rope("rope_parameters", raw.get("rope_parameters"), needs_type=False)
+    rope_scaling = _check_rope("rope_scaling", raw.get("rope_scaling"), needs_type=True)
+    if rope_scaling is not None and rope_params:
+        _refuse_disagreeing_rope_blocks(rope_scaling, rope_params, top_theta)
+    name, block = ("rope_scaling", rope_scaling) if rope_scaling is not None else ("rope_parameters", rope_params or {})
+    theta = block["rope_theta"] if block.get("rope_theta") is not None else top_theta  # checked by _check_rope
+    rope_type = block.get("rope_type", block.get("type", "default"))
+    if rope_type != "default" and rope_type in EXECUTABLE_ROPE_TYPES:  # others: executor_gaps
+        _refuse_partial_rotary_with_scaling(raw, name, block, rope_type)
+    if rope_scaling is None and rope_type != "default":
+        rope_scaling = {k: v for k, v in block.items() if k != "rope_theta"}
+    return theta, rope_scaling
+
+
+def _rotation_of(block: dict, top_theta: float) -> tuple[float, dict | None]:
+    """(base, scaling) a rope block describes, spelled one way (rope_type, not type; None: no scaling)."""
+    theta = float(block["rope_theta"] if block.get("rope_theta") is not None else top_theta)
+    rope_type = block.get("rope_type", block.get("type", "default"))
+    scaling = {k: v for k, v in block.items() if k not in ("rope_theta", "rope_type", "type")}
+    return theta, None if rope_type == "default" and not scaling else {**scaling, "rope_type": rope_type}
+
+
+def _refuse_disagreeing_rope_blocks(rope_scaling: dict, rope_params: dict, top_theta: float) -> None:
+    """Both blocks run only where rope_parameters says nothing transformers' reading loses: the same
+    base, and no scaling or rope_scaling's (a transformers 5 config keeps its base in a default-type
+    rope_parameters; a rope_scaling added beside it, as 4.x model cards say, keeps that base only when
+    a top-level rope_theta repeats it)."""
+    read_theta, read_scaling = _rotation_of(rope_scaling, top_theta)
+    written_theta, written_scaling = _rotation_of(rope_params, top_theta)
+    if written_theta == read_theta and written_scaling in (None, read_scaling):
+        return
+    raise field_error("rope_parameters", rope_params,
+                      f"disagrees with rope_scaling={show(rope_scaling)}: transformers reads rope_scaling alone "
+                      f"and ignores rope_parameters, its rope_theta included (it would run rope_type "
+                      f"{read_scaling['rope_type'] if read_scaling else 'default'} with rope_theta "
+                      f"{show(read_theta)})", "move rope_scaling's settings into rope_parameters and remove "
+                      "rope_scaling, or remove rope_parameters to run what transformers runs")
+
+
+def _refuse_partial_rotary_with_scaling(raw: dict[str, Any], name: str, block: dict, rope_type: Any) -> None:
+    """partial_rotary_factor below 1 with scaled rope: the workers rotate every dimension, and
+    transformers' model fails with a shape error (its scaled frequencies cover only the partial
+    dimensions, which its Llama-family attention rotates in full; checked on tiny Llama and Qwen2
+    models with linear, dynamic, yarn, llama3 and longrope scaling). As there, the block's own factor
+    takes precedence over a top-level one. With default rope those families ignore the factor, as
+    corelaunch does, so it is accepted there."""
+    name, value = f"{name}.partial_rotary_factor", block.get("partial_rotary_factor")
+    if value is None:
+        name, value = "partial_rotary_factor", raw.get("partial_rotary_factor")
+    if value is not None and value != 1:
+        raise field_error(name, value, f"is not supported with {rope_type} rope scaling: corelaunch rotates every "
+                          f"dimension of a head, and transformers' model cannot run it either (a shape error)",
+                          "remove partial_rotary_factor (or set it to 1.0) to rotate whole heads")
 
 
 def _with_top_level_original_context(raw: dict[str, Any]) -> dict[str, Any]:

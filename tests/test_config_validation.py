@@ -94,7 +94,7 @@ def test_the_demo_config_is_valid():
     (dict(bos_token_id=1.0), "bos_token_id=1.0"),
     (dict(model_type=["llama"]), "model_type=['llama']"),
     (dict(rope_scaling={"rope_type": "linear"}), "rope_scaling={'rope_type': 'linear'}"),  # no factor
-    (dict(rope_scaling={"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}),
+    (dict(rope_parameters=..., rope_scaling={"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}),
      "rope_scaling.short_factor='<1 numbers>'"),  # one per rotated pair
     (dict(rope_scaling={"rope_type": "longrope", "short_factor": "x", "long_factor": [1.0]}),
      "rope_scaling.short_factor='x'"),
