@@ -412,6 +412,26 @@ def stream(deltas: list[dict], finish: str | None, echo=None) -> list[dict]:
     return sent
 
 
+def told_output(done: list[dict]) -> list[dict]:
+    """The output the done events tell, in order: a call closed as incomplete before content (its
+    reader turned it back into text) left out, the messages either side of it one message, the
+    first's id and the second's status (as the whole answer, all text, has them)."""
+    items, dropped = [], False
+    for event in done:
+        item = event["item"]
+        if item is not done[-1]["item"] and item["type"] == "function_call" and item["status"] == "incomplete":
+            dropped = True
+            continue
+        if dropped and items and item["type"] == items[-1]["type"] == "message":
+            [first], [then] = items[-1]["content"], item["content"]
+            items[-1] = {**items[-1], "status": item["status"], "content": [
+                {**first, "text": first["text"] + then["text"], "logprobs": first["logprobs"] + then["logprobs"]}]}
+        else:
+            items.append(item)
+        dropped = False
+    return items
+
+
 def check_stream(sent: list[dict]) -> None:
     state = ResponseStreamState(input_tools=omit, text_format=omit)
     for event in sent:
@@ -426,13 +446,13 @@ def check_stream(sent: list[dict]) -> None:
     # each item: added at its output index, its deltas adding up to its done events and its final form
     added = [e for e in sent if e["type"] == "response.output_item.added"]
     done = [e for e in sent if e["type"] == "response.output_item.done"]
-    assert [e["output_index"] for e in added] == list(range(len(final["output"])))
-    assert sorted(e["output_index"] for e in done) == list(range(len(final["output"])))
+    assert told_output(sorted(done, key=lambda e: e["output_index"])) == final["output"]
+    assert [e["output_index"] for e in added] == list(range(len(done)))
+    assert sorted(e["output_index"] for e in done) == list(range(len(done)))
     for event in added:
         item, index = event["item"], event["output_index"]
-        whole = final["output"][index]
+        whole = next(e for e in done if e["output_index"] == index)["item"]
         assert (whole["id"], whole["type"]) == (item["id"], item["type"]) and item["status"] == "in_progress"
-        assert next(e for e in done if e["output_index"] == index)["item"] == whole
         mine = [e for e in sent if e.get("item_id") == item["id"]]
         assert all(e["output_index"] == index for e in mine)
         deltas = "".join(e["delta"] for e in mine if e["type"].endswith(".delta"))
@@ -556,8 +576,10 @@ def test_sse_framing_names_the_event_and_ends_with_a_blank_line():
 
 def test_a_call_cut_short_sends_its_last_piece_before_the_text_it_turned_into():
     """A length cut inside a call: the chat reader's last delta carries the open call's last piece and
-    the call's text as content; the piece goes to the call, then the text opens a message (it made
-    the stream fail: the content closed the call first)."""
+    the call's text as content; the piece goes to the call, which is closed as incomplete (it made
+    the stream fail: the content closed the call first), and left out of the response, whose text
+    is one message, as the whole answer's (the text the call turned into joins the message before
+    it; the call had been closed as completed, and was kept for the next turn)."""
     sent = stream([{"content": "Let me look."},
                    {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
                                     "function": {"name": "weather", "arguments": '{"ci'}}]},
@@ -565,6 +587,8 @@ def test_a_call_cut_short_sends_its_last_piece_before_the_text_it_turned_into():
                     "tool_calls": [{"index": 0, "function": {"arguments": "ty"}}]}], "length")
     final = sent[-1]["response"]
     assert sent[-1]["type"] == "response.incomplete"
-    assert [item["type"] for item in final["output"]] == ["message", "function_call", "message"]
-    assert final["output"][1]["arguments"] == '{"city'
-    assert whole_text(final["output"][2]) == '<tool_call>{"name": "weather", "arguments": {"city'
+    assert [(item["type"], item["status"]) for item in final["output"]] == [("message", "incomplete")]
+    assert whole_text(final["output"][0]) == 'Let me look.<tool_call>{"name": "weather", "arguments": {"city'
+    [call] = [event["item"] for event in sent if event["type"] == "response.output_item.done"
+              and event["item"]["type"] == "function_call"]
+    assert call["arguments"] == '{"city' and call["status"] == "incomplete"

@@ -253,17 +253,33 @@ def test_the_route_needs_the_api_key(tokenizer):
     assert refused.status == 401 and refused.code == "invalid_api_key"
 
 
+def said(output: list[dict]) -> list[tuple]:
+    """Output items as what they say, without their ids: (type, status, text or name and arguments)."""
+    return [(item["type"], item["status"],
+             (item["name"], item["arguments"]) if item["type"] == "function_call"
+             else "".join(part["text"] for part in item["content"])) for item in output]
+
+
 def test_a_stream_cut_inside_a_call_ends_incomplete_at_every_cut(tokenizer):
     """max_output_tokens ending the answer anywhere inside a hermes call: the stream ends with
     response.incomplete (it failed where the cut's last delta carried the call's last piece and its
-    text), its text the whole answer's."""
+    text) holding the whole answer's items: where the cut breaks the call's JSON, the reader tells
+    its text as content, so the call it had opened is closed as incomplete and left out, and the
+    text joins the message before it, as the whole answer's one message."""
     script = "Let me look." + WEATHER_CALL
+    server = server_over(tokenizer, script, "hermes")  # it answers the script to every request
     for limit in range(1, len(tokenizer.encode(script, add_special_tokens=False))):
-        events = respond(server_over(tokenizer, script, "hermes"), asked(tools=TOOLS, max_output_tokens=limit,
-                                                                         stream=True))
+        events = respond(server, asked(tools=TOOLS, max_output_tokens=limit, stream=True))
         check_with_the_clients_types(events)
         assert events[-1]["type"] == "response.incomplete", (limit, [e["type"] for e in events[-3:]])
         assert [event["sequence_number"] for event in events] == list(range(len(events)))
+        whole = respond(server, asked(tools=TOOLS, max_output_tokens=limit))
+        assert said(events[-1]["response"]["output"]) == said(whole["output"]), limit
+        # no call is closed as completed unless the whole answer has it
+        done_calls = [event["item"] for event in events if event["type"] == "response.output_item.done"
+                      and event["item"]["type"] == "function_call" and event["item"]["status"] == "completed"]
+        assert said(done_calls) == [entry for entry in said(whole["output"]) if entry[0] == "function_call"
+                                    and entry[1] == "completed"], limit
 
 
 def test_logprobs_asked_by_include_reach_the_message_whole_and_streamed(tokenizer):

@@ -21,7 +21,8 @@ no content, as in the whole answer. For any split of a text the stream says what
 says, but where no stream can know yet what it has sent: a bad block (no call, or JSON that
 breaks) after a good one, or whose own call began to stream before its JSON broke. The whole
 answer is then all content; the stream has already sent those calls, and sends the text from the
-bad block on as content. A block whose object repeats its "name" or "arguments" key streams the
+bad block on as content (a call announced and found bad within one piece is not announced: that
+piece can know). A block whose object repeats its "name" or "arguments" key streams the
 first (the whole answer takes the last).
 
 Pure (no tokenizer, no engine): the app's ChatRender drives a HermesCallReader per choice (its shared
@@ -112,9 +113,21 @@ class HermesCallReader(FreeTextCallReader):
             content = self._content_before_a_block(finished)
         if self._mode == "calls":
             calls = self._call_entries(finished)
+            if self._mode == "text":
+                calls = self._unannounced_if_broken_here(calls)
         if self._mode == "text":
             content, self._open = content + self._open, ""
         return content, calls
+
+    def _unannounced_if_broken_here(self, calls: list[dict]) -> list[dict]:
+        """The piece's entries but a call this same piece announced and then found no call in its
+        block (the text from that block on goes out as content): announcing it would tell it twice,
+        as a call and as content, where one piece (a gathered delta, stream_interval's) could know
+        better. A call announced by an earlier piece keeps its last pieces (it went out already)."""
+        broken = self._blocks - 1
+        if not any(entry.get("index") == broken and "id" in entry for entry in calls):
+            return calls
+        return [entry for entry in calls if entry.get("index") != broken]
 
     def _content_before_a_block(self, finished: bool) -> str:
         """The content now sendable; at the first block's start the mode turns to "calls"."""

@@ -989,6 +989,15 @@ class OpenAIServer:
         return responses_api.page(items, query.get("after"), query.get("limit", responses_api.DEFAULT_PAGE),
                                   query.get("order", "desc"))
 
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(self, response_id: str, request: Request) -> dict:
+        """OpenAI's POST /v1/responses/{id}/cancel cancels a background response; none runs here."""
+        self._authorize(request)
+        raise ProtocolError(f"response {proto.clip(response_id)!r} cannot be cancelled: only background responses can "
+                            f"be cancelled, and this server runs none in the background (background: true is "
+                            f"refused); a streamed response stops when the client closes the stream",
+                            param="response_id")
+
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(self, response_id: str, request: Request) -> dict:
         """Forget a kept response (OpenAI's DELETE /v1/responses/{id}); 404 for one not kept."""
@@ -1550,9 +1559,9 @@ class OpenAIServer:
                 async for _, delta in stream:
                     timer.tokens(render.new_tokens(delta), time.perf_counter())
                     completion_tokens = render.completion_tokens(delta)
-                    logprobs = render.message_logprobs(delta)  # before message(), as chunk() aligns them
-                    for event in events.delta(render.message(delta), logprobs):
-                        yield responses_api.sse(event)
+                    for message, logprobs in render.messages(delta):
+                        for event in events.delta(message, logprobs):
+                            yield responses_api.sse(event)
                     if delta.finish_reason:
                         sent_finish = outcome["finish_reason"] = render.finish_reason(delta.finish_reason)
             finished = events.finish(sent_finish, _responses_usage(stream, completion_tokens, render))

@@ -19,6 +19,13 @@ from launcher.serving.reasoning import ReasoningSplitter, ReasoningTokenCount, T
 from launcher.serving.token_pieces import TokenPieces
 
 
+def _text_of_one_kind(before: dict, message: dict) -> bool:
+    """Whether two message deltas are both only content, or both only reasoning (one delta can say
+    them both)."""
+    return len(before) == len(message) == 1 and before.keys() == message.keys() and \
+        next(iter(message)) in ("content", "reasoning")
+
+
 class _Render:
     """What both renderers share: the choice's index, its logprobs' alignment with the text, vLLM's
     prompt_logprobs when asked (`prompt_top`), and how the response counts a delta's tokens."""
@@ -203,9 +210,28 @@ class ChatRender(_Render):
 
     def message(self, delta) -> dict:
         """The streamed message delta for this engine delta (counted), without the chunk around it
-        (the Responses stream tells it as its own events, with message_logprobs)."""
+        (the Responses stream reads a delta's parts one by one: messages())."""
         self._count_reasoning(delta)
         return self._delta(delta)
+
+    def messages(self, delta) -> list[tuple[dict, list[dict]]]:
+        """The Responses stream's message deltas for this engine delta (counted), each with its
+        tokens' log-probabilities (message_logprobs): one per part of a gathered delta
+        (stream_interval), read by the readers a part at a time, as they would have come. One delta
+        of them all would lose their order: a call and the text after it (a call the reader turned
+        back into text) would come as content and calls, which the stream tells content first.
+        Parts of text alone, of one kind, are joined again (the interval's fewer events)."""
+        self._count_reasoning(delta)
+        told = []
+        for part in delta.parts or (delta,):
+            logprobs = self.message_logprobs(part)  # before _delta() feeds the part to the splitter
+            message = self._delta(part)
+            if told and _text_of_one_kind(told[-1][0], message):
+                [(kind, text)] = message.items()
+                told[-1] = ({kind: told[-1][0][kind] + text}, told[-1][1] + logprobs)
+            else:
+                told.append((message, logprobs))
+        return told
 
     def message_logprobs(self, delta) -> list[dict]:
         """The log-probabilities of the tokens whose text is now whole (chat's logprobs content

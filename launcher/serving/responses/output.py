@@ -19,13 +19,19 @@ The stream (ResponseEvents), framed by sse as vLLM frames it ("event: TYPE" and 
   chat's index) until reasoning, content or another call comes, or the end, which closes every open
   item in output order: each item is done before the next one is added. An answer with no output
   at all still gets one empty message, as output_items gives it.
+  Content while a call is open means the chat's reader turned that call back into text (the
+  length limit cut its JSON, or it held no call): the call is closed as incomplete and left out of
+  the response, and the message after it joins the message before it, so the response holds the
+  whole answer's items (one message, all text), and a kept turn no broken call.
   Last: response.completed (response.incomplete, incomplete_details.reason "max_output_tokens",
-  for a length finish) holding every item whole and the usage; or, on a failure after the stream
-  began, an "error" event and response.failed. sequence_number counts every event from 0.
+  for a length finish) holding every item whole (but such calls) and the usage; or, on a failure
+  after the stream began, an "error" event and response.failed (store false: it is not kept).
+  sequence_number counts every event from 0.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 import uuid
@@ -86,6 +92,14 @@ def _output_text_part(text: str, logprobs: list | None = None) -> dict:
 def _message_item(item_id: str, text: str, status: str, logprobs: list | None = None) -> dict:
     return {"type": "message", "id": item_id, "role": "assistant", "status": status,
             "content": [_output_text_part(text, logprobs)]}
+
+
+def _joined_messages(first: dict, then: dict) -> dict:
+    """One message of two told apart by a call dropped between them: the first's id, the second's
+    status, their text and logprobs one after the other."""
+    [first_part], [then_part] = first["content"], then["content"]
+    return _message_item(first["id"], first_part["text"] + then_part["text"], then["status"],
+                         first_part["logprobs"] + then_part["logprobs"])
 
 
 def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict:
@@ -164,6 +178,9 @@ class ResponseEvents:
         self._sequence = 0
         self._logprobs: list[dict] = []
         """Log-probabilities of tokens whose text no output_text delta has carried yet."""
+        self._dropped: set[int] = set()
+        """The output indexes of calls the reader turned back into text (_abandon_calls): closed as
+        incomplete in their events, left out of the response (and so of what is kept)."""
 
     def _event(self, kind: str, **fields) -> dict:
         event = {"type": kind, "sequence_number": self._sequence, **fields}
@@ -172,9 +189,26 @@ class ResponseEvents:
 
     def _response(self, status: str, usage_: dict | None = None, incomplete_reason: str | None = None,
                   error: dict | None = None) -> dict:
-        return response_object(self.response_id, self.created_at, self.model, self.echo,
-                               [item for item in self.output if item is not None], status, usage_,
-                               incomplete_reason, error)
+        return response_object(self.response_id, self.created_at, self.model, self.echo, self._kept_items(),
+                               status, usage_, incomplete_reason, error)
+
+    def _kept_items(self) -> list[dict]:
+        """The response's items: every closed one but the dropped calls; a message that came after a
+        dropped call joins the message before that call, as the whole answer (all text: output_items)
+        has them as one message."""
+        items, after_a_drop = [], False
+        for index, item in enumerate(self.output):
+            if index in self._dropped:
+                after_a_drop = True
+                continue
+            if item is None:
+                continue
+            if after_a_drop and items and item["type"] == items[-1]["type"] == "message":
+                items[-1] = _joined_messages(items[-1], item)
+            else:
+                items.append(item)
+            after_a_drop = False
+        return items
 
     def opening(self) -> list[dict]:
         """response.created and response.in_progress."""
@@ -216,8 +250,10 @@ class ResponseEvents:
 
     def failed(self, error: dict) -> list[dict]:
         """An error event, then response.failed holding the items so far (open ones as they stand,
-        incomplete). `error`: OpenAI's error object's inside ({"message", "type", "param", "code"})."""
+        incomplete), saying store false: a failed response is not kept. `error`: OpenAI's error
+        object's inside ({"message", "type", "param", "code"})."""
         code = error.get("code") or error.get("type")
+        self.echo = dataclasses.replace(self.echo, store=False)  # a failed response is never kept
         for item in [self._text, *self._calls.values()]:
             if item is not None:
                 self.output[item.output_index] = item.whole("incomplete")
@@ -233,6 +269,10 @@ class ResponseEvents:
     # -- items --
     def _text_piece(self, kind: str, text: str) -> list[dict]:
         events = []
+        if self._calls and kind == "message":
+            # content while a call is open: the call's reader turned it back into text (thinking
+            # after a call is the reasoning parser's, and closes the call as before)
+            events += self._abandon_calls()
         if self._text is None or self._text.kind != kind or self._calls:
             events += self._close_all()
             events += self._open_text(kind)
@@ -279,6 +319,18 @@ class ResponseEvents:
             item.pieces.append(piece)
             events.append(self._event("response.function_call_arguments.delta", item_id=item.item_id,
                                       output_index=item.output_index, delta=piece))
+        return events
+
+    def _abandon_calls(self) -> list[dict]:
+        """Close the open calls as incomplete and drop them from the response: content came while
+        they were open, so the reader found no call there after all (its JSON broke, or the length
+        limit cut it) and tells the call's text as content, as the whole answer does. Kept, such a call
+        would go into the next turn's prompt as a call with broken arguments."""
+        events = []
+        for item in sorted(self._calls.values(), key=lambda item: item.output_index):
+            events += self._close(item, "incomplete")
+            self._dropped.add(item.output_index)
+        self._calls = {}
         return events
 
     def _carry_the_rest(self) -> None:

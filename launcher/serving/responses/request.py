@@ -64,7 +64,7 @@ import difflib
 from dataclasses import dataclass, field
 
 from launcher.serving.openai_protocol import REASONING_EFFORTS as CHAT_EFFORTS
-from launcher.serving.openai_protocol import MAX_LOGPROBS, ProtocolError, _json_kind, _short, clip
+from launcher.serving.openai_protocol import MAX_LOGPROBS, ProtocolError, _json_kind, _short, check_utf8, clip
 
 # ---- what a request takes ---------------------------------------------------------------------
 PASSED_AS_IS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "logit_bias",
@@ -90,7 +90,8 @@ KEEPS_NONE = "this server keeps no responses (`corelaunch serve --responses-stor
 NO_STORE = (f"{KEEPS_NONE}, so no earlier response can be continued; send the earlier turns (their input and "
             f"output items) in input")
 """Why previous_response_id is refused by a server started without a response store."""
-NOT_KEPT_WHY = "it was never kept (store: false), was deleted, or was the least recently used when the store was full"
+NOT_KEPT_WHY = ("it was never kept (store: false, or it failed or was cut off before it finished), was deleted, "
+                "or was the least recently used when the store was full")
 """Why a server that keeps responses has not got one."""
 
 STORED_STATE = {
@@ -274,6 +275,8 @@ class _Conversation:
         """(text, path) of reasoning waiting for the next assistant message."""
         self.last_was_assistant = False
         """Whether the last message is an assistant turn that a function call may join."""
+        self.call_ids: set[str] = set()
+        """The call_id of every function call so far, which a function_call_output answers."""
 
     def add(self, message: dict, place: _MessagePlace) -> None:
         if message["role"] == "assistant":
@@ -285,6 +288,7 @@ class _Conversation:
         self.last_was_assistant = message["role"] == "assistant"
 
     def add_call(self, call: dict, path: str) -> None:
+        self.call_ids.add(call["id"])
         if self.last_was_assistant:
             message, place = self.messages[-1], self.places[-1]
             message.setdefault("tool_calls", []).append(call)
@@ -334,8 +338,13 @@ def _messages(body: dict, echo: ResponsesEcho, history: list) -> list[dict]:
     if not given:
         raise ProtocolError("input is an empty list; send at least one item (a message {\"role\": \"user\", "
                             "\"content\": ...}), or a string", param="input")
+    kept_ids = {item.get("id") for item in history if isinstance(item, dict)} - {None}
     for i, item in enumerate(given):
         _add_item(conversation, item, f"input[{i}]")
+        if item.get("id") in kept_ids:
+            raise ProtocolError(f"Duplicate item found with id {clip(item['id'])!r}: input[{i}] is already in the "
+                                f"conversation previous_response_id continues; send only the new items (the kept "
+                                f"ones come first by themselves)", param=f"input[{i}].id")
     return conversation.messages
 
 
@@ -372,10 +381,24 @@ def _add_item(conversation: _Conversation, item, path: str) -> None:
                                "function": {"name": item["name"], "arguments": item["arguments"]}}, path)
     elif kind == "function_call_output":
         _text(item.get("call_id"), f"{path}.call_id")
-        conversation.add({"role": "tool", "tool_call_id": item["call_id"], "content": _output_text(item, path)},
+        check_utf8(item["call_id"], f"{path}.call_id")
+        output = _output_text(item, path)
+        _check_answered_call(conversation, item["call_id"], path)
+        conversation.add({"role": "tool", "tool_call_id": item["call_id"], "content": output},
                          _MessagePlace(path, content=f"{path}.output"))
     else:
         conversation.add_reasoning(_reasoning_text(item, path), path)
+
+
+def _check_answered_call(conversation: _Conversation, call_id: str, path: str) -> None:
+    """A function call's output answers a call made before it, in input or in the kept turns
+    previous_response_id continues (OpenAI refuses one that answers none). The kept turns are not
+    checked again: they were taken once already."""
+    if path.startswith("input") and call_id not in conversation.call_ids:
+        raise ProtocolError(f"No tool call found for function call output with call_id {clip(call_id)!r}: "
+                            f"{path} answers no function_call item before it; send the function_call (with "
+                            f"that call_id) before its output, in input or in the response previous_response_id "
+                            f"continues", param=f"{path}.call_id")
 
 
 def _check_id_and_status(item: dict, path: str) -> None:
@@ -384,6 +407,8 @@ def _check_id_and_status(item: dict, path: str) -> None:
     if item.get("id") is not None and not isinstance(item["id"], str):
         raise ProtocolError(f"{path}.id ({_short(item['id'])}) must be a string, the item's id (\"msg_...\"), "
                             f"or left out", param=f"{path}.id")
+    if item.get("id") is not None:  # kept and listed back: JSON must be able to write it
+        check_utf8(item["id"], f"{path}.id")
     if item.get("status") is not None and item["status"] not in ITEM_STATUSES:
         raise ProtocolError(f"{path}.status ({_short(item['status'])}) must be one of {', '.join(ITEM_STATUSES)}, "
                             f"or left out", param=f"{path}.status")
@@ -560,6 +585,7 @@ def _text_format(text, chat: dict, echo: ResponsesEcho) -> None:
                             f"model's answers shorter or longer; leave it out (or \"medium\"), and ask for the "
                             f"length in instructions", param="text.verbosity")
     form = text.get("format")
+    _check_echoed_text(form, "text.format")
     echo.text = {**text, "format": form if form is not None else {"type": "text"}}
     if form is None:
         return
@@ -583,6 +609,29 @@ def _text_format(text, chat: dict, echo: ResponsesEcho) -> None:
         chat["response_format"] = {"type": "json_object"}
 
 
+def _check_echoed_text(value, param: str) -> None:
+    """Every string of an echoed value (keys too), as check_utf8 checks text: the response echoing
+    it could not be written, nor a kept one read back. A bad key is named by the object holding it.
+    Walked with a list, not recursion: a schema may nest deeper than Python's stack."""
+    left = [(value, param)]
+    while left:
+        value, param = left.pop()
+        if isinstance(value, str):
+            check_utf8(value, param)
+        elif isinstance(value, dict):
+            for key, inner in value.items():
+                check_utf8(str(key), param)
+                left.append((inner, _deeper(param, f".{clip(str(key))}")))
+        elif isinstance(value, list):
+            left.extend((inner, _deeper(param, f"[{i}]")) for i, inner in enumerate(value))
+
+
+def _deeper(param: str, step: str) -> str:
+    """param followed by step, up to a few hundred characters (deeper, a path names where it goes
+    on: no 40 kB paths for a deeply nested schema)."""
+    return param if len(param) > 300 else param + step
+
+
 def _reasoning(reasoning, chat: dict, echo: ResponsesEcho) -> None:
     if reasoning is None:
         return
@@ -597,11 +646,13 @@ def _reasoning(reasoning, chat: dict, echo: ResponsesEcho) -> None:
     if effort is not None and effort not in REASONING_EFFORTS:
         raise ProtocolError(f"reasoning.effort ({_short(effort)}) must be one of {', '.join(REASONING_EFFORTS)}",
                             param="reasoning.effort")
-    summary = reasoning.get("summary", reasoning.get("generate_summary"))  # generate_summary: its older name
-    if summary is not None and summary not in REASONING_SUMMARIES:
-        raise ProtocolError(f"reasoning.summary ({_short(summary)}) must be one of {', '.join(REASONING_SUMMARIES)} "
-                            f"(no summary is made: the reasoning item carries the whole thinking)",
-                            param="reasoning.summary")
+    for name in ("summary", "generate_summary"):  # generate_summary: its older name, checked alike
+        given = reasoning.get(name)
+        if given is not None and given not in REASONING_SUMMARIES:
+            raise ProtocolError(f"reasoning.{name} ({_short(given)}) must be one of {', '.join(REASONING_SUMMARIES)} "
+                                f"(no summary is made: the reasoning item carries the whole thinking)",
+                                param=f"reasoning.{name}")
+    summary = reasoning["summary"] if reasoning.get("summary") is not None else reasoning.get("generate_summary")
     echo.reasoning = {"effort": effort, "summary": summary}
     if effort is not None:  # the chat's own field, which hands it to the template as vLLM 0.32 does
         chat["reasoning_effort"] = effort
@@ -638,6 +689,7 @@ def _echoed_only(body: dict, echo: ResponsesEcho) -> None:
     for name in ("user", "prompt_cache_key", "safety_identifier"):
         if body.get(name) is not None:
             _text(body[name], name)
+            check_utf8(body[name], name)  # echoed: the response could not be written
             setattr(echo, name, body[name])
     tier = body.get("service_tier")
     if tier is not None and tier not in SERVICE_TIERS:
@@ -663,12 +715,14 @@ def _metadata(metadata) -> dict:
         raise ProtocolError(f"metadata has {len(metadata)} keys; at most {MAX_METADATA_KEYS} are allowed",
                             param="metadata")
     for key, value in metadata.items():
+        check_utf8(key, "metadata")  # named by the field: the key itself cannot be written
         if len(key) > MAX_METADATA_KEY_CHARS:
             raise ProtocolError(f"metadata key {clip(key)!r} is {len(key)} characters long; at most "
                                 f"{MAX_METADATA_KEY_CHARS} are allowed", param="metadata")
         if not isinstance(value, str) or len(value) > MAX_METADATA_VALUE_CHARS:
             raise ProtocolError(f"metadata[{clip(key)!r}] ({_short(value)}) must be a string of at most "
                                 f"{MAX_METADATA_VALUE_CHARS} characters", param=f"metadata.{clip(key)}")
+        check_utf8(value, f"metadata.{clip(key)}")
     return dict(metadata)
 
 
