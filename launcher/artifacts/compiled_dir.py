@@ -326,6 +326,9 @@ def apply_compiled_dir(config):
         moe_sharding=manifest.get("moe_sharding"), lnc=manifest.get("lnc") or config.lnc,
         compile_granularity=manifest.get("granularity"),
         presharded_dir=str(weights_dir(pinned)), context_buckets=buckets.context, token_buckets=buckets.token,
+        # compared above and now the context buckets' to say (one past the directory's seq_len, as
+        # compiled with, would be refused beside it)
+        max_context_length=None,
         max_batch_size=min(config.max_batch_size, buckets.max_batch_size))  # 0 (no static batches) stays 0
 
 
