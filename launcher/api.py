@@ -952,13 +952,36 @@ class Launcher:
                 self._progress.note(f"not using the pre-sharded cache ({why}); loading from {self.model_dir}")
                 self._cache_path = None  # nor writing it: the writer would refuse for the same reason
             elif presharded_cache.is_ready(self._cache_path):
-                why = presharded_cache.unusable(self._cache_path, self.model_dir)
+                pinned = self._pin_cache_version(self._cache_path)
+                why = ("it was written again while this launch looked at it" if pinned is None
+                       else presharded_cache.unusable(pinned, self.model_dir))
                 if why is None:
-                    spec = dataclasses.replace(spec, presharded_dir=str(self._cache_path))
+                    spec = dataclasses.replace(spec, presharded_dir=str(pinned))
                 else:  # loaded around, and written again once this load is done
+                    self._release_version_hold()
                     self._progress.note(f"not using the pre-sharded cache {self._cache_path} ({why}); loading "
                                         f"from {self.model_dir} and writing the copy again")
         return _with_absolute_paths(spec)  # now: a caller changing directory later moves no restart's load
+
+    def _pin_cache_version(self, cache_path: Path) -> Path | None:
+        """The version the cache's link names now, held until shutdown() (as _hold_pinned_version
+        holds a --presharded one), which every rank of every group loads: handed the link, two ranks
+        of one group loaded two versions when another launcher wrote the copy again between their
+        loads, or one found the old version deleted. None when the version went before it was held.
+        A plain directory (no link) is returned as it is. The hold taken before is let go: the
+        groups that loaded that version hold its weights already."""
+        from shardlib.atomic_dir import current_version, hold_version
+
+        version = current_version(cache_path)
+        if version is None:
+            return cache_path
+        self._release_version_hold()  # the hold an earlier start (or call) took
+        hold = hold_version(version)
+        if hold is None and not version.is_dir():
+            return None
+        with self._cache_lock:
+            self._version_hold = hold  # None where the file system cannot lock: the launch goes on unprotected
+        return version
 
     def _start_presharded_cache(self) -> None:
         if self._load_spec.presharded_dir or not self.config.presharded_cache or self._cache_path is None:
@@ -1054,7 +1077,9 @@ class Launcher:
         spec = self._load_spec
         writer = self._cache_writer  # once: a shutdown on another thread clears it
         if restart and writer is not None and writer.ready and not around_the_cache:
-            spec = dataclasses.replace(spec, presharded_dir=os.path.abspath(writer.path))  # as _make_load_spec's
+            pinned = self._pin_cache_version(Path(writer.path))  # a version, as _make_load_spec's
+            if pinned is not None:
+                spec = dataclasses.replace(spec, presharded_dir=os.path.abspath(pinned))
         loading = False
         try:
             group.start()

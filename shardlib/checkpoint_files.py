@@ -110,6 +110,7 @@ def _from_index(directory: Path, fmt: str, index: Path) -> CheckpointFiles:
             if Path(file_name).is_absolute() or ".." in Path(file_name).parts:
                 raise ValueError(f"checkpoint index {index} names {file_name!r}, outside {directory}")
             files[file_name] = directory / file_name
+    _refuse_other_format(index, fmt, list(files))
     missing = [name for name, path in files.items() if not path.is_file()]
     if missing:
         raise FileNotFoundError(
@@ -118,6 +119,21 @@ def _from_index(directory: Path, fmt: str, index: Path) -> CheckpointFiles:
         )
     return CheckpointFiles(directory, fmt, tuple(sorted(files.values())),
                            {name: files[f] for name, f in weight_map.items()}, index)
+
+
+def _refuse_other_format(index: Path, fmt: str, file_names: list[str]) -> None:
+    """ValueError when a safetensors index names a PyTorch pickle (.bin): it was read as safetensors
+    and called "not a valid safetensors file (header too large) ... probably truncated or corrupt:
+    download it again", while the file was whole and the index of the other format. (The reverse, a
+    pytorch_model.bin.index.json naming .safetensors files, loads: torch.load reads safetensors.)"""
+    wrong = sorted(name for name in file_names if name.endswith(".bin"))
+    if fmt != "safetensors_sharded" or not wrong:
+        return
+    raise ValueError(
+        f"checkpoint index {index} indexes safetensors files but names {wrong[0]!r}"
+        f"{f' (and {len(wrong) - 1} more)' if len(wrong) > 1 else ''}, a PyTorch pickle: the index belongs "
+        f"to the other format; download {index.name} again, or, to load the .bin files as they are, replace "
+        f"it with their own index (pytorch_model.bin.index.json)")
 
 
 # ---- safetensors headers ---------------------------------------------------------------------
@@ -251,7 +267,29 @@ def checked_names(ckpt: CheckpointFiles, shapes_by_file: dict[Path, dict[str, tu
                          f"{ckpt.weight_map[absent[0]].name}, which does not contain it"
                          f"{f' (and {len(absent) - 1} more like it)' if len(absent) > 1 else ''}; "
                          f"the index and the files disagree: re-download or re-save the checkpoint")
+    _refuse_index_omissions(ckpt, shapes_by_file, config)
     return validated_names(ckpt, {n: shapes_by_file[path][n] for n, path in ckpt.weight_map.items()}, config)
+
+
+def _refuse_index_omissions(ckpt: CheckpointFiles, shapes_by_file: dict[Path, dict[str, tuple[int, ...]]],
+                            config: ModelConfig) -> None:
+    """ValueError when a tensor the config needs is absent from the index but held by one of its files
+    (from the headers already read): it was called missing, "the checkpoint is incomplete", while
+    only the index was."""
+    if ckpt.index_file is None:
+        return
+    omitted = {}
+    for name in expected_shapes(config):
+        if name not in ckpt.weight_map:
+            holder = next((path for path, shapes in shapes_by_file.items() if name in shapes), None)
+            if holder is not None:
+                omitted[name] = holder
+    if omitted:
+        name, holder = next(iter(omitted.items()))
+        raise ValueError(
+            f"checkpoint index {ckpt.index_file} omits tensor {name!r}, which {holder.name} holds"
+            f"{f' (and {len(omitted) - 1} more like it)' if len(omitted) > 1 else ''}; the index is incomplete "
+            f"or from another download: download {ckpt.index_file.name} again")
 
 
 def validated_names(ckpt: CheckpointFiles, shapes: dict[str, tuple[int, ...]], config: ModelConfig) -> list[str]:

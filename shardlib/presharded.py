@@ -95,6 +95,8 @@ def save_presharded(out_dir: str | Path, model_dir: str | Path, config: ModelCon
             del shard
             files.append({"rank": rank, "file": path.name, "bytes": path.stat().st_size, "sha256": _sha256(path),
                           "tensors": tensors})
+            if dtype_name is None and rank == 0:  # every rank holds the same dtypes: refused before the rest
+                _refuse_mixed_dtypes(files, model_dir)
         manifest = {
             "format_version": FORMAT_VERSION,
             "config_hash": config.config_hash(),
@@ -150,6 +152,19 @@ def _cast_dtype(files: list[dict]) -> str:
     cast = {dtype for name, dtype in records if not _keeps_own_dtype(name, dtype)}
     found = cast or {dtype for _, dtype in records}  # nothing but quantized tensors: what they are
     return found.pop() if len(found) == 1 else "mixed"
+
+
+def _refuse_mixed_dtypes(files: list[dict], model_dir: str | Path) -> None:
+    """ValueError when, saved without a dtype, the tensors a cast changes are of several dtypes: the
+    copy recorded "mixed", which every launch (asking for one dtype) refused after the whole copy
+    was written."""
+    if _cast_dtype(files) != "mixed":
+        return
+    found = sorted({record["dtype"] for entry in files for name, record in entry["tensors"].items()
+                    if not _keeps_own_dtype(name, record["dtype"])})
+    raise ValueError(f"the weights in {model_dir} are of several dtypes ({', '.join(found)}) and save_presharded "
+                     f"was given no dtype: a copy of mixed dtypes is refused by every launch, which loads one; "
+                     f"pass dtype= (the --dtype the launches will use, e.g. dtype=\"{found[0]}\")")
 
 
 def _keeps_own_dtype(name: str, dtype: str) -> bool:

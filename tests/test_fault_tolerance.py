@@ -329,6 +329,7 @@ def test_a_damaged_or_stale_cached_copy_is_loaded_around_and_written_again(tmp_p
 
     from launcher.artifacts.presharded_cache import CacheWriter, cache_dir, unusable
     from shardlib.model_config import load_model_config
+    from shardlib.atomic_dir import current_version
     from shardlib.presharded import rank_file_name
     from shardlib.sharding import ShardLayout
 
@@ -346,7 +347,9 @@ def test_a_damaged_or_stale_cached_copy_is_loaded_around_and_written_again(tmp_p
     assert unusable(copy, model_dir) is None
     launcher = Launcher(model=str(model_dir), tp=2, presharded_cache=True, progress=False, compile=False,
                         presharded_cache_dir=str(tmp_path / "cache")).prepare()
-    assert launcher._make_load_spec().presharded_dir == str(copy)
+    # the version the link names now, held for the launch: every rank loads that one
+    assert launcher._make_load_spec().presharded_dir == str(current_version(copy).absolute())
+    launcher._release_version_hold()
     victim = copy / rank_file_name(1, 2)
     victim.write_bytes(victim.read_bytes()[:-8])
     assert "is not the size its manifest records" in unusable(copy, model_dir)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import stat
 import threading
 from collections.abc import Callable
@@ -72,7 +73,19 @@ def cache_dir(root: Path, model_dir: str | Path, config, layout, dtype: str) -> 
                        layout.kv_strategy.value, dtype, layout.pad_q_heads]
                       + ([layout.moe_sharding] if layout.moe_sharding else [])).encode()
     key = hashlib.sha256(blob).hexdigest()[:16]
-    return root / f"{model_dir.name}-tp{layout.tp_degree}-{layout.kv_strategy.value}-{dtype}-{key}"
+    return root / f"{_name_part(model_dir.name)}-tp{layout.tp_degree}-{layout.kv_strategy.value}-{dtype}-{key}"
+
+
+NAME_PART_BYTES = 64
+"""The most bytes of the model folder's name a cache name keeps. The key identifies the model; the
+name is only for people. A folder name near the file system's 255-byte limit made atomic_dir's
+hidden `.NAME.v-HOST-PID-RANDOM` sibling too long, so every write failed and every launch read the
+checkpoint again."""
+
+
+def _name_part(name: str) -> str:
+    """`name` cut to NAME_PART_BYTES bytes of UTF-8, never inside a character."""
+    return os.fsencode(name)[:NAME_PART_BYTES].decode("utf-8", errors="ignore")
 
 
 def _key_files(model_dir: Path) -> list[Path]:
@@ -167,9 +180,33 @@ class CacheWriter:
                 raise PermissionError(f"not writing the pre-sharded cache: {why}")
             with FileLock(str(self.path) + ".lock"):  # one writer per copy, even across launchers
                 if self._force or not is_ready(self.path) or unusable(self.path, model_dir) is not None:
+                    _unlink_unreadable_copy(self.path)
                     save_presharded(self.path, model_dir, config, layout, dtype=dtype)
         except BaseException as err:  # noqa: BLE001 - a cache that cannot be written is only slower
             self.error = err
             if self._note is not None:
                 self._note(f"the pre-sharded cache copy {self.path} was not written ({type(err).__name__}: "
                            f"{err}); launches load from the checkpoint until it is")
+
+
+def _unlink_unreadable_copy(path: Path) -> None:
+    """Remove the cache's link when it names a version atomic_dir wrote whose manifest cannot be
+    read (damaged in place, or deleted): save_presharded refuses to replace a directory that is not
+    a pre-sharded checkpoint (refuse_foreign_dir, which guards a user's --out), so such a copy was
+    refused at every launch while the launch said it would write it again. The cache is ours (the
+    caller holds its lock and passed `untrusted`), and only a link atomic_dir made is removed. The
+    version it named is removed too unless a launch still holds it (a later sweep removes it then)."""
+    from shardlib.atomic_dir import current_version, in_use
+    from shardlib.presharded import read_manifest
+
+    version = current_version(path)
+    if version is None or not version.is_dir():
+        return  # nothing linked (or a dangling link, which save_presharded replaces as it is)
+    try:
+        read_manifest(version)
+        return  # a readable manifest: save_presharded replaces the copy itself
+    except (OSError, ValueError):
+        pass
+    path.unlink()
+    if not in_use(version):
+        shutil.rmtree(version, ignore_errors=True)
