@@ -128,7 +128,8 @@ def test_requests_are_checked_before_ray_starts(small_model, ray_tripwire):
 def test_streamed_requests_are_held_to_the_serving_cache_not_the_model_maximum(ray_tripwire):
     """SmolLM2 allows 8192 positions, but without --seq-len the serving engine's cache rows hold the
     plan's 4096: a longer request was let through and overran its row in the leader's step (the
-    group failed, and failed again on the replayed request). A static batch sizes its own cache."""
+    group failed, and failed again on the replayed request). A static batch sizes its own cache, but
+    within the positions the plan counted for each of its rows too (it grew past them)."""
     from shardlib.demo_model import ensure_demo_model
 
     launcher = Launcher(model=str(ensure_demo_model()), progress=False, compile=False)
@@ -136,7 +137,9 @@ def test_streamed_requests_are_held_to_the_serving_cache_not_the_model_maximum(r
     with pytest.raises(ValueError, match=r"needs 5010 positions but seq_len is 4096.*raise seq_len \(--seq-len\)"):
         launcher.check_prompts([[1] * 10], max_new_tokens=5000)
     launcher.check_prompts([[1] * 10], max_new_tokens=4086)
-    launcher.check_prompts([[1] * 10], max_new_tokens=5000, batching="static")
+    with pytest.raises(ValueError, match=r"needs 5010 positions but seq_len is 4096"):
+        launcher.check_prompts([[1] * 10], max_new_tokens=5000, batching="static")
+    launcher.check_prompts([[1] * 10], max_new_tokens=4086, batching="static")
     assert Launcher(model=str(ensure_demo_model()), progress=False, seq_len=512).serving_seq_len == 512
 
 
@@ -250,7 +253,7 @@ def test_a_stream_whose_replica_reports_nothing_ends_in_a_request_timeout(small_
         replica = launcher._pool.replicas[0]
         monkeypatch.setattr(replica, "_poll_streams", lambda: time.sleep(0.05))  # reports nothing, fails nothing
         time.sleep(0.3)  # a poll already under way (up to POLL_WAIT_S) would still deliver the stream's tokens
-        with pytest.raises(RequestTimeout, match=r"got no answer within 0.4 s .*--request-timeout"):
+        with pytest.raises(RequestTimeout, match=r"got no answer within 0.4 s, .*--request-timeout"):
             list(launcher.stream([1, 2, 3], max_new_tokens=2))
 
 
