@@ -255,10 +255,26 @@ def load_rank_shard(model_dir: str | Path, config: ModelConfig, layout: ShardLay
             reader, entry = table[name]
             tensor = reader.read(name, slice_for(config.model_type, name, entry.shape, rank, layout))
             shard[name] = tensor if target is None or tensor.dtype == target or keeps_dtype(name, tensor) \
-                else tensor.to(target)
+                else _cast(name, tensor, target)
             if progress is not None:
                 progress(name, done, len(names))
     return shard
+
+
+def _cast(name: str, tensor: torch.Tensor, target: torch.dtype) -> torch.Tensor:
+    """`tensor` in `target`; ValueError where a cast to float16 made finite values infinite (past
+    65504, which bfloat16 and float32 hold): such weights ran and gave garbage, inf and NaN from the
+    first layer. Only float16 has a range narrower than the checkpoints' dtypes, so only its casts
+    are looked at (one pass over what was cast)."""
+    cast = tensor.to(target)
+    if target is torch.float16 and tensor.is_floating_point() and not bool(torch.isfinite(cast).all()):
+        finite = torch.isfinite(tensor)
+        if bool((finite & ~torch.isfinite(cast)).any()):
+            largest = tensor[finite].abs().max().item()
+            raise ValueError(f"{name} holds values up to {largest:g} in magnitude, past float16's largest "
+                             f"(65504): cast to float16 they become infinite; load this checkpoint with "
+                             f"--dtype bfloat16 (or float32), whose range holds them")
+    return cast
 
 
 def shard_shapes(config: ModelConfig, layout: ShardLayout, rank: int) -> dict[str, tuple[int, ...]]:

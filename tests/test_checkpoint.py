@@ -127,6 +127,24 @@ def test_dtype_cast_and_progress(models):
     assert [c[1] for c in calls] == list(range(1, len(got) + 1)) and {c[0] for c in calls} == set(got)
 
 
+def test_a_weight_past_float16s_range_is_refused_when_cast_to_it(tmp_path):
+    """A bfloat16 or float32 weight above 65504 became inf in a float16 load, and the model ran,
+    giving inf and NaN from its first layer; a value float16 holds still loads, and so does the same
+    weight in bfloat16."""
+    model = build_random_model("llama", **SHAPE, num_heads=6, num_kv_heads=2)
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[3, 5] = 1e6
+        model.model.layers[0].mlp.down_proj.weight[0, 0] = 6e4  # within float16's range
+    path = save_model(model, tmp_path / "big")
+    config = load_model_config(path)
+    layout = ShardLayout.for_model(config, 1)
+    with pytest.raises(ValueError, match=r"^model\.layers\.1\.mlp\.down_proj\.weight holds values up to 1e\+06 in "
+                                         r"magnitude, past float16's largest \(65504\).*--dtype bfloat16"):
+        load_rank_shard(path, config, layout, 0, dtype="float16")
+    got = load_rank_shard(path, config, layout, 0, dtype="bfloat16")
+    assert got["model.layers.1.mlp.down_proj.weight"][3, 5].item() == torch.tensor(1e6).to(torch.bfloat16).item()
+
+
 def test_bin_tensors_sharing_storage_read_correctly(models, tmp_path):
     # Pages of a pickle are dropped after each tensor; a later tensor on the same storage must re-read them.
     state, dirs = models["llama"]
