@@ -3,7 +3,8 @@
 Layout of a pre-sharded directory:
   rank-00000-of-00003.safetensors ...  one file per rank, Hugging Face tensor names unchanged, each
                                        tensor already sliced (and padded) for that rank
-  manifest.json                        what the files were cut for: the model's config hash, TP
+  manifest.json                        what the files were cut for and by: the slicing version
+                                       (shardlib.sharding.SLICING_VERSION), the model's config hash, TP
                                        degree, KV strategy, dtype (what a cast made of the tensors:
                                        quantized codes and their scales keep their own, copy_dtype),
                                        the source weights' fingerprint
@@ -13,7 +14,10 @@ Layout of a pre-sharded directory:
                                        matched while the file had this size, mtime, ctime and inode
 
 A pre-sharded directory only fits the exact settings it was written for, so loading compares the
-manifest with what is asked and refuses any difference instead of returning wrong slices.
+manifest with what is asked and refuses any difference instead of returning wrong slices. That
+includes the slicing version: a copy cut by another version of shardlib.sharding may hold other
+contents in slices of the same shapes (a manifest written before the version was recorded was cut by
+version 1).
 
 Every load also checks the rank's file against the manifest: its name stays inside the directory
 (no absolute path, no "..", no symlink out), its tensors' names, dtypes and shapes (from the
@@ -39,6 +43,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from shardlib import sharding  # SLICING_VERSION read at each use: a test may bump it
 from shardlib.atomic_dir import atomic_dir, linking_out_dir
 from shardlib.checkpoint import Progress, SafetensorsFile, check_layout, load_rank_shard, shard_shapes
 from shardlib.file_modes import as_umask_allows, process_umask
@@ -50,6 +55,9 @@ from shardlib.sharding import ShardLayout, TensorSlice
 from shardlib.weights_fingerprint import FIELD as FINGERPRINT, weights_fingerprint
 
 FORMAT_VERSION = 1
+UNRECORDED_SLICING_VERSION = 1
+"""The slicing version of a copy whose manifest records none: written before it was recorded, cut by
+version 1 (the first), so those copies keep loading until the slicing changes."""
 KIND = "a pre-sharded checkpoint"
 """What these directories are called in messages."""
 VERIFIED = ".verified"
@@ -58,7 +66,8 @@ _WRITE_HINT = ("write it with shardlib.presharded.save_presharded (or `corelaunc
                "Hugging Face checkpoint instead")
 _REQUIRED = ("format_version", "config_hash", "model_type", "tp_degree", "kv_strategy", "dtype", "files")
 _FIELDS = {"format_version": int, "config_hash": str, "model_type": str, "tp_degree": int, "kv_strategy": str,
-           "dtype": str, "files": list, "source": str, "corelaunch_version": str, FINGERPRINT: str}
+           "dtype": str, "files": list, "source": str, "slicing_version": int, "corelaunch_version": str,
+           FINGERPRINT: str}
 _FILE_FIELDS = {"rank": int, "file": str, "bytes": int, "sha256": str}
 _WHOLE = TensorSlice(dim=None)
 
@@ -99,6 +108,7 @@ def save_presharded(out_dir: str | Path, model_dir: str | Path, config: ModelCon
                 _refuse_mixed_dtypes(files, model_dir)
         manifest = {
             "format_version": FORMAT_VERSION,
+            "slicing_version": sharding.SLICING_VERSION,
             "config_hash": config.config_hash(),
             "model_type": config.model_type,
             "tp_degree": tp,
@@ -257,8 +267,34 @@ def _shown(directory: str | Path) -> Path:
     return linking_out_dir(directory) or Path(directory)
 
 
+def slicing_version_of(manifest: dict[str, Any]) -> int:
+    """The shardlib.sharding.SLICING_VERSION the copy was cut by."""
+    return manifest.get("slicing_version", UNRECORDED_SLICING_VERSION)
+
+
+def other_slicing(manifest: dict[str, Any]) -> str | None:
+    """Why the copy's slices may not be what this code cuts (None: cut by this SLICING_VERSION)."""
+    found = slicing_version_of(manifest)
+    if found == sharding.SLICING_VERSION:
+        return None
+    return (f"it was cut by slicing version {found}, but this corelaunch slices by version "
+            f"{sharding.SLICING_VERSION} (shardlib.sharding.SLICING_VERSION): its slices may hold other contents "
+            f"than this code cuts, even where their shapes are the same")
+
+
+def _check_slicing(manifest: dict[str, Any], shown: Path) -> None:
+    why = other_slicing(manifest)
+    if why is None:
+        return
+    source = manifest.get("source")
+    raise ValueError(f"pre-sharded checkpoint {shown} is refused: {why}. Write the copy again with this corelaunch "
+                     f"(save_presharded or `corelaunch compile`), or load the original checkpoint"
+                     f"{' (' + source + ')' if source else ''} instead")
+
+
 def _check_settings(manifest: dict[str, Any], shown: Path, config: ModelConfig, layout: ShardLayout,
                     dtype: str | None) -> None:
+    _check_slicing(manifest, shown)  # first: a copy cut by other code is refused whatever its settings
     asked = {"format_version": FORMAT_VERSION, "config_hash": config.config_hash(),
              "model_type": config.model_type, "tp_degree": layout.tp_degree,
              "kv_strategy": layout.kv_strategy.value, "pad_q_heads": layout.pad_q_heads}

@@ -37,6 +37,14 @@ if TYPE_CHECKING:  # torch is imported only where tensors are cut, so planning s
     import torch
 
 
+SLICING_VERSION = 1
+"""The version of what this module cuts: bump it whenever the contents of any rank's slice change
+(another padding, head order, split point), even where every shape stays the same. A pre-sharded copy
+records the version it was cut by (shardlib.presharded), a load refuses a copy cut by another, and the
+pre-sharded cache's key holds it (launcher/artifacts/presharded_cache.py), so a bump writes a new copy
+instead of serving slices this code no longer cuts."""
+
+
 class KVStrategy(str, enum.Enum):
     """How KV heads are laid out over TP ranks (names follow NxD Inference's GQA strategies)."""
 

@@ -3,9 +3,10 @@ same layout) loads each rank's file in one read instead of slicing the original 
 
 The cache key covers everything a pre-sharded copy depends on: the checkpoint's resolved path, its
 config.json and the weight files (and index) the checkpoint reader loads (name, size, modification
-time), the model config hash, TP degree, KV strategy and dtype. A changed checkpoint therefore never
-loads a stale copy; shardlib.presharded also checks its manifest against the requested layout on
-every load. Tokenizer and generation files are not in the key: no shard depends on them, and an edit
+time), the model config hash, TP degree, KV strategy and dtype, and the slicing version
+(shardlib.sharding.SLICING_VERSION) once it is past 1. A changed checkpoint, or slicing code that
+cuts other contents, therefore never loads a stale copy; shardlib.presharded also checks its manifest
+against the requested layout (and slicing version) on every load. Tokenizer and generation files are not in the key: no shard depends on them, and an edit
 of one wrote another full copy of the model beside the first.
 
 The copy is written by the driver in a background thread after the first load (one rank's shard in
@@ -66,12 +67,16 @@ def untrusted(path: Path) -> str | None:
 
 def cache_dir(root: Path, model_dir: str | Path, config, layout, dtype: str) -> Path:
     """The cache folder for this checkpoint and layout (named so a person can tell what it holds)."""
+    from shardlib import sharding
+
     model_dir = Path(model_dir).resolve()
     files = sorted((str(p.relative_to(model_dir)), p.stat().st_size, p.stat().st_mtime_ns)
                    for p in _key_files(model_dir) if p.is_file())
     blob = json.dumps([str(model_dir), files, config.config_hash(), layout.tp_degree,
                        layout.kv_strategy.value, dtype, layout.pad_q_heads]
-                      + ([layout.moe_sharding] if layout.moe_sharding else [])).encode()
+                      + ([layout.moe_sharding] if layout.moe_sharding else [])
+                      # from version 2 on: the copies cut by version 1 keep the key they were written under
+                      + ([f"slicing-{sharding.SLICING_VERSION}"] if sharding.SLICING_VERSION != 1 else [])).encode()
     key = hashlib.sha256(blob).hexdigest()[:16]
     return root / f"{_name_part(model_dir.name)}-tp{layout.tp_degree}-{layout.kv_strategy.value}-{dtype}-{key}"
 
@@ -120,8 +125,8 @@ def unusable(path: Path, model_dir: str | Path) -> str | None:
     manifest records (a truncated copy was refused at every launch, with advice to write again a
     copy the user never wrote), or weights that are not those the copy was cut from (a checkpoint
     replaced in place with the same sizes and times, which the key cannot see). Such a copy is
-    loaded around and written again."""
-    from shardlib.presharded import read_manifest
+    loaded around and written again. So is a copy cut by another slicing version."""
+    from shardlib.presharded import other_slicing, read_manifest
     from shardlib.weights_fingerprint import FIELD, weights_fingerprint
 
     try:
@@ -131,6 +136,9 @@ def unusable(path: Path, model_dir: str | Path) -> str | None:
                 return f"{path / entry['file']} is not the size its manifest records"
     except (OSError, ValueError) as err:
         return f"its manifest or files cannot be read ({type(err).__name__}: {err})"
+    other_code = other_slicing(manifest)
+    if other_code is not None:  # (its key holds the version: only a copy edited, or a version bumped back)
+        return other_code
     recorded = manifest.get(FIELD)
     if isinstance(recorded, str) and weights_fingerprint(model_dir) not in (None, recorded):
         return f"it was cut from other weights than {model_dir} holds now"

@@ -13,10 +13,12 @@ is told which ranks share its node (node_groups) so co-located ranks can use a f
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import ray
@@ -42,6 +44,25 @@ _RANK_TIMEOUT_MARGIN_S = 5.0
 # While serving, how often the driver asks Ray whether a rank's loop has ended (a follower that dies
 # is noticed here; rank 0's own end also closes its event stream).
 _LOOP_CHECK_S = 0.25
+
+
+def planned_ranks_per_node(tp: int, nodes: int) -> int:
+    """The most ranks the planner gave one node's RAM to: ceil(TP / nodes) (resources.py)."""
+    return math.ceil(tp / max(nodes, 1))
+
+
+def crowded_node(ranks_per_node: Mapping[str, int], tp: int, nodes: int) -> tuple[str, int] | None:
+    """The node holding more ranks than the plan counted (ceil(TP / nodes)) and how many, or None.
+    A group not split evenly is PACKed, and PACK fills the roomiest node first: TP 3 over 2 nodes
+    may land all 3 ranks on one node whose RAM the plan gave to 2."""
+    if not ranks_per_node:
+        return None
+    node, count = max(ranks_per_node.items(), key=lambda item: item[1])
+    return (node, count) if count > planned_ranks_per_node(tp, nodes) else None
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def stopped_by_shutdown(message: str) -> LaunchError:
@@ -182,35 +203,58 @@ class TPGroup:
         return list(groups.values())
 
     def _place_within_nodes(self) -> dict[int, str]:
-        """_place until Ray's placement spans no more than --nodes nodes (each bundle's node). PACK is
-        Ray's best effort, not a bound: it spreads the bundles over as many nodes as their free
-        resources dictate at that moment, where the plan counted cores and memory over --nodes. Tried
-        again each second (resources held by others may free up) within the placement timeout."""
-        deadline, spread = time.monotonic() + self.timeouts.placement_s, None
+        """_place until Ray's placement spans no more than --nodes nodes and puts no more than
+        ceil(TP / --nodes) ranks on one node (each bundle's node). PACK is Ray's best effort, not a
+        bound: it spreads the bundles over as many nodes as their free resources dictate at that
+        moment, and fills the roomiest node first, where the plan counted cores and memory over
+        --nodes, each node's RAM for ceil(TP / --nodes) ranks. Tried again each second (resources
+        held by others may free up) within the placement timeout."""
+        deadline, refusal = time.monotonic() + self.timeouts.placement_s, None
         while True:
             # what is left of the one timeout: each try waiting the whole of it let the wait run
             # to about twice --placement-timeout when a try placed late but on too many nodes
             try:
                 self._place(deadline - time.monotonic())
             except PlacementTimeout:
-                if spread is None:
+                if refusal is None:
                     raise
-                raise self._spread_too_wide(spread) from None  # the cause, not the last try's short wait
+                raise refusal from None  # the cause, not the last try's short wait
             placed = bundle_nodes(self._pg)
-            used = len(set(placed.values()))
-            if used <= self.nodes:
+            refusal = self._placement_refusal(placed)
+            if refusal is None:
                 return placed
             remove_placement_group(self._pg)
-            self._pg, spread = None, used
+            self._pg = None
             if time.monotonic() + 1.0 >= deadline:
-                raise self._spread_too_wide(used)
+                raise refusal
             time.sleep(1.0)
+
+    def _placement_refusal(self, placed: dict[int, str]) -> PlacementTimeout | None:
+        """Why this placement breaks the plan, or None. PACK bounds neither the nodes it uses nor
+        the ranks it puts on one node; a group split evenly (STRICT_SPREAD) has its share on each."""
+        used = len(set(placed.values()))
+        if used > self.nodes:
+            return self._spread_too_wide(used)
+        if even_split(self.resources.bundle, self.tp_degree, self.nodes) is not None:
+            return None  # one bundle per node, holding exactly TP / nodes ranks
+        crowded = crowded_node(Counter(placed.values()), self.tp_degree, self.nodes)  # one bundle a rank
+        return None if crowded is None else self._too_many_on_one_node(*crowded)
 
     def _spread_too_wide(self, used: int) -> PlacementTimeout:
         return PlacementTimeout(
             f"Ray placed the {self.tp_degree} ranks' bundles of {self.resources.bundle} on {used} nodes, more than "
             f"the {self.nodes} --nodes allows, for {self.timeouts.placement_s:g} s (Ray's PACK spreads them as the "
             f"nodes' free resources dictate): free resources on fewer nodes, or pass --nodes {used}")
+
+    def _too_many_on_one_node(self, node: str, count: int) -> PlacementTimeout:
+        planned = planned_ranks_per_node(self.tp_degree, self.nodes)
+        dividing = ", ".join(str(d) for d in _divisors(self.tp_degree))
+        return PlacementTimeout(
+            f"Ray placed {count} of the {self.tp_degree} ranks' bundles of {self.resources.bundle} on one node "
+            f"({node[:8]}), more than the {planned} (ceil(TP {self.tp_degree} / --nodes {self.nodes})) the plan gave "
+            f"that node's memory to, for {self.timeouts.placement_s:g} s (Ray's PACK fills the roomiest nodes "
+            f"first): pass a --nodes that divides {self.tp_degree} ({dividing}) so the group is split evenly, or "
+            f"fewer ranks (a --tp that --nodes {self.nodes} divides)")
 
     def _place(self, timeout_s: float | None = None) -> None:
         """Reserve the bundles within timeout_s (the placement timeout when None); the message
