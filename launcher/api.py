@@ -678,6 +678,9 @@ class Launcher:
         self._version_hold: int | None = None
         """The lock on the compiled directory's (or --presharded link's) version this launch runs
         (atomic_dir.hold_version)."""
+        self._cache_holds: dict[str, int] = {}
+        """The locks on the --presharded-cache copy's versions this launch's groups load, one a version
+        (restarts on several threads may pin at once), all kept until shutdown (_pin_cache_version)."""
         self._presharded_version: str | None = None
         """The version a --presharded link named when prepare() checked it, which every rank and
         restart loads (None: no link, or a compiled directory's weights, pinned with it)."""
@@ -822,8 +825,19 @@ class Launcher:
                                   f"again), which pins the version there now")
 
     def _release_version_hold(self) -> None:
+        """Let go of every version this launch holds: its pinned directory's and the cache copy's."""
         with self._cache_lock:  # two shutdowns at once: one closes it (a second close could hit a reused fd)
             hold, self._version_hold = self._version_hold, None
+            holds = [hold, *self._cache_holds.values()]
+            self._cache_holds = {}
+        for fd in holds:
+            if fd is not None:
+                os.close(fd)
+
+    def _release_cache_hold(self, version: Path) -> None:
+        """Let go of one cache version found unusable (a later sweep may remove it)."""
+        with self._cache_lock:
+            hold = self._cache_holds.pop(str(version), None)
         if hold is not None:
             os.close(hold)
 
@@ -853,7 +867,7 @@ class Launcher:
                       ignore_eos: bool = False, return_logits: bool = False) -> None:
         """What generate() checks before any worker call, without starting anything (prepare()
         runs first): prompts tokenized with the driver's tokenizer, none empty or past the context
-        (for `batching` "continuous", the serving cache's serving_seq_len) and buckets, the sampling
+        (serving_seq_len, on either engine: _check_lengths) and buckets, the sampling
         parameters, max_new_tokens, stop_token_ids and the two flags. ValueError naming the value."""
         max_new_tokens = _plain_integer(max_new_tokens)
         _check_batching(batching)
@@ -958,7 +972,8 @@ class Launcher:
                 if why is None:
                     spec = dataclasses.replace(spec, presharded_dir=str(pinned))
                 else:  # loaded around, and written again once this load is done
-                    self._release_version_hold()
+                    if pinned is not None:
+                        self._release_cache_hold(pinned)
                     self._progress.note(f"not using the pre-sharded cache {self._cache_path} ({why}); loading "
                                         f"from {self.model_dir} and writing the copy again")
         return _with_absolute_paths(spec)  # now: a caller changing directory later moves no restart's load
@@ -968,19 +983,21 @@ class Launcher:
         holds a --presharded one), which every rank of every group loads: handed the link, two ranks
         of one group loaded two versions when another launcher wrote the copy again between their
         loads, or one found the old version deleted. None when the version went before it was held.
-        A plain directory (no link) is returned as it is. The hold taken before is let go: the
-        groups that loaded that version hold its weights already."""
+        A plain directory (no link) is returned as it is. Each version is held once, whichever group
+        pins it (restarts pin on their own threads), and every hold is kept until shutdown: a group
+        restarted onto a new version must not let go of the one another group is still loading."""
         from shardlib.atomic_dir import current_version, hold_version
 
         version = current_version(cache_path)
         if version is None:
             return cache_path
-        self._release_version_hold()  # the hold an earlier start (or call) took
-        hold = hold_version(version)
-        if hold is None and not version.is_dir():
-            return None
         with self._cache_lock:
-            self._version_hold = hold  # None where the file system cannot lock: the launch goes on unprotected
+            if str(version) in self._cache_holds:
+                return version
+            hold = hold_version(version)
+            if hold is None:  # gone, or a file system that cannot lock (the launch goes on unprotected)
+                return version if version.is_dir() else None
+            self._cache_holds[str(version)] = hold
         return version
 
     def _start_presharded_cache(self) -> None:

@@ -112,3 +112,41 @@ def test_a_mixed_dtype_checkpoint_saved_without_a_dtype_is_refused_naming_the_dt
         save_presharded(out, model_dir, config, layout)
     assert not out.exists() and not list(tmp_path.glob(".pre.*"))  # nothing half written left
     assert save_presharded(out, model_dir, config, layout, dtype="float32") == out  # the fix it names
+
+
+def test_each_cache_version_a_launch_pins_stays_held_until_it_lets_go_of_all(tmp_path, monkeypatch):
+    """Restarts pin on their own threads: each pin let go of the one hold slot and took it again, so
+    a group restarted onto a new version let go of the version another was still loading, and
+    two pins at once left one descriptor open after shutdown."""
+    import os
+    import threading
+    from types import SimpleNamespace
+
+    import pytest
+
+    import shardlib.atomic_dir as atomic_dir
+    from launcher.api import Launcher
+
+    versions = [tmp_path / ".c.v-1", tmp_path / ".c.v-2"]
+    for version in versions:
+        version.mkdir()
+    linked = [versions[0]]
+    monkeypatch.setattr(atomic_dir, "current_version", lambda path: linked[0])
+    opened = []
+
+    def hold(version):
+        opened.append(os.open(version, os.O_RDONLY))
+        return opened[-1]
+
+    monkeypatch.setattr(atomic_dir, "hold_version", hold)
+    launch = SimpleNamespace(_cache_lock=threading.Lock(), _cache_holds={}, _version_hold=None)
+    assert Launcher._pin_cache_version(launch, tmp_path / "c") == versions[0]
+    assert Launcher._pin_cache_version(launch, tmp_path / "c") == versions[0]  # held once
+    linked[0] = versions[1]  # written again by another launcher
+    assert Launcher._pin_cache_version(launch, tmp_path / "c") == versions[1]
+    assert sorted(launch._cache_holds) == sorted(str(v) for v in versions)  # the first still held
+    Launcher._release_version_hold(launch)
+    assert launch._cache_holds == {}
+    for fd in opened:
+        with pytest.raises(OSError):
+            os.fstat(fd)  # closed

@@ -80,7 +80,8 @@ def test_unplaceable_explanations_name_what_is_missing():
     assert "allow more nodes per group (--nodes 2 holds it)" in never, never  # the count that fits (none was named)
     assert never.endswith("lower --tp or --cpus-per-rank (each rank's CPUs)")
     lacking = explain_unplaceable({"neuron_cores": 1, "CPU": 1}, 2, 2, [{"CPU": 4.0}])
-    assert "lacks neuron_cores (it needs 2 in all, the alive nodes have 0)" in lacking and lacking.endswith("Add a node with {neuron_cores: 1, CPU: 1}")
+    assert "lacks neuron_cores (it needs 2 in all, the alive nodes have 0)" in lacking and lacking.endswith(
+        "Add 2 nodes with {neuron_cores: 1, CPU: 1} each (one rank's bundle each)")  # one rank a node, on 2 nodes
     # not one rank's bundle fits any node: more nodes per group or a lower --tp cannot help (both were offered)
     huge = explain_unplaceable({"CPU": 100}, 1, 1, [{"CPU": 2.0}], node_names=["n1"])
     assert "no node holds even one rank's bundle (alive nodes: n1 has {CPU: 2})" in huge, huge

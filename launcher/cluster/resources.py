@@ -239,7 +239,7 @@ def _no_rank_fits_way(bundle: Mapping[str, float], tp: int, max_nodes: int,
     sized = "{" + ", ".join(f"{name}: {_fmt(amount * ranks)}" for name, amount in bundle.items()) + "}"
     held = f"{ranks} ranks' bundles" if ranks > 1 else "one rank's bundle"
     cpu = set(bundle) == {"CPU"}
-    if max_nodes > 1 and ranks < tp and (ranks > 1 or cpu):  # the group needs that many such nodes
+    if max_nodes > 1 and ranks < tp:  # the group needs that many such nodes
         node = f"add {-(-tp // ranks)} nodes with {sized} each ({held} each)"
     else:
         node = f"add a node with {sized}" + (f" (the {held})" if ranks > 1 else "")

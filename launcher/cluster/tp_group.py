@@ -5,8 +5,9 @@ what to change. A rank that dies is reported with its rank and node; the rest of
 killed so no rank stays blocked in a collective. Restarting a broken group is the replica pool's
 job (launcher/cluster/replica_pool.py): a TPGroup is started once and thrown away when it breaks.
 
-Placement: one bundle per rank in one placement group. With nodes=1 the group must fit one node
-(STRICT_PACK); with more it may spill over (PACK). Once Ray has placed the bundles, ranks are
+Placement: one placement group. With nodes=1 the group must fit one node (STRICT_PACK); with more,
+one bundle a node where nodes divides TP (STRICT_SPREAD), else one bundle a rank spilling over
+(PACK). Once Ray has placed the bundles, ranks are
 numbered node by node (launcher/cluster/placement.py), rank 0's node hosts the rendezvous, and every rank
 is told which ranks share its node (node_groups) so co-located ranks can use a faster path.
 """
@@ -112,9 +113,10 @@ class TPGroup:
     timeouts: GroupTimeouts = field(default_factory=GroupTimeouts)
     lnc: int = 1
     nodes: int = 1
-    """Nodes the group may span: 1 keeps it on one node; more lets Ray spill a cpu group's ranks
-    over at most that many (PACK), and puts a device group's on exactly that many, TP / nodes on
-    each, where nodes divides TP (STRICT_SPREAD: the split the planner checked)."""
+    """Nodes the group may span: 1 keeps it on one node; more puts a group's ranks on exactly that
+    many, TP / nodes on each, where nodes divides TP (STRICT_SPREAD: the split the planner
+    checked), and otherwise lets Ray spill them over at most that many (PACK), at most
+    ceil(TP / nodes) on one node (_place_within_nodes)."""
     name: str = "corelaunch"
     """Placement-group name prefix (the replica pool names each replica's group)."""
     groups: int = 1

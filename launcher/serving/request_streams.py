@@ -125,10 +125,14 @@ class _Stream:
     def _fail_after_held(self, error: BaseException) -> NoReturn:
         """_fail, with the text held back so far (TextStream.held_delta) gathered first: the read
         hands it over (_after_failure) and the next one raises `error`."""
+        self._gather_held()
+        self._fail(error)
+
+    def _gather_held(self) -> None:
+        """The text held back so far, gathered for the failing read to hand over first."""
         held = self.text.held_delta()
         if held is not None:
             self._gathered.append(held)
-        self._fail(error)
 
     def _fail(self, error: BaseException) -> NoReturn:
         """End the stream with `error`, for this read and every later one, whichever reader makes it
@@ -226,6 +230,7 @@ class RequestStream(_Stream):
         except queue.Empty:
             overdue = self._overdue(wait_s)
             self.cancel(reason=overdue)
+            self._gather_held()  # the read hands it over, then raises overdue
             raise overdue from None
         except KeyboardInterrupt:  # Ctrl-C while waiting for a token: the request goes too, as in generate()
             self.cancel(reason=RequestCancelled(f"request {self.request_id} was cancelled by Ctrl-C"))
@@ -285,6 +290,7 @@ class AsyncRequestStream(_Stream):
         except asyncio.TimeoutError:
             overdue = self._overdue(wait_s)
             self.cancel(reason=overdue)
+            self._gather_held()  # the read hands it over, then raises overdue
             raise overdue from None
         except asyncio.CancelledError:
             # the task reading this stream was cancelled (a client went away, asyncio.wait_for's timeout)
