@@ -448,11 +448,11 @@ def _candidates(req: _Request) -> list[int]:
         return [d * req.nodes for d in supported]
     heads = req.config.num_attention_heads  # cpu: any degree; these are the ones heads allow
     # (with padding every degree up to the head count is a candidate, and each is listed)
-    return list(range(1, heads + 1)) if req.pad else list(_divisors(heads))
+    return list(range(1, heads + 1)) if req.pad else list(divisors(heads))
 
 
 @functools.lru_cache(maxsize=32)
-def _divisors(n: int) -> tuple[int, ...]:
+def divisors(n: int) -> tuple[int, ...]:
     """The divisors of n in increasing order, in O(sqrt(n)) steps: planning time does not grow with
     the head count (a loop over every degree took minutes at 10**8 heads)."""
     small, large = [], []

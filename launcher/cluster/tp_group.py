@@ -35,6 +35,7 @@ from launcher.cluster.placement import alive_nodes, bundle_nodes, placement_stra
 from launcher.cluster.resources import RankResources, actor_options, even_split, explain_unplaceable
 from workers.backends import BackendEntry, backend_entry
 from workers.rank_worker import GenerateRequest, LoadSpec, LoadStats, ServeSpec, WorkerSpec
+from shardlib.planner import divisors
 
 # How often a long wait wakes up to check for dead ranks; a death is seen within this delay.
 _POLL_S = 0.5
@@ -60,10 +61,6 @@ def crowded_node(ranks_per_node: Mapping[str, int], tp: int, nodes: int) -> tupl
         return None
     node, count = max(ranks_per_node.items(), key=lambda item: item[1])
     return (node, count) if count > planned_ranks_per_node(tp, nodes) else None
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def stopped_by_shutdown(message: str) -> LaunchError:
@@ -250,7 +247,7 @@ class TPGroup:
 
     def _too_many_on_one_node(self, node: str, count: int) -> PlacementTimeout:
         planned = planned_ranks_per_node(self.tp_degree, self.nodes)
-        dividing = ", ".join(str(d) for d in _divisors(self.tp_degree))
+        dividing = ", ".join(str(d) for d in divisors(self.tp_degree))
         return PlacementTimeout(
             f"Ray placed {count} of the {self.tp_degree} ranks' bundles of {self.resources.bundle} on one node "
             f"({node[:8]}), more than the {planned} (ceil(TP {self.tp_degree} / --nodes {self.nodes})) the plan gave "
