@@ -393,13 +393,13 @@ def _check(req: _Request, tp: int) -> _Check:
     if moe_problem:
         codes.append("moe_sharding_incompatible")
 
-    ranks_per_node = -(-tp // req.nodes)  # integers: a float ceil is wrong past 2**53
+    per_node = ranks_per_node(tp, req.nodes)
     supported = inst.supported_tp_degrees(req.lnc)
-    if supported is not None and (tp % req.nodes or ranks_per_node not in supported):
+    if supported is not None and (tp % req.nodes or per_node not in supported):
         codes.append("unsupported_tp_degree")
     elif inst.is_neuron and tp == NXD_LOCAL_TP_DEGREE and req.nodes > 1:
         codes.append("unsupported_tp_degree")
-    if inst.limits_ranks_per_node and ranks_per_node > inst.logical_cores(req.lnc):
+    if inst.limits_ranks_per_node and per_node > inst.logical_cores(req.lnc):
         codes.append("not_enough_cores")
 
     kv_dtype = req.kv_cache_dtype or _kv_cache_dtype(req.config, req.dtype, inst.is_neuron)
@@ -413,7 +413,7 @@ def _check(req: _Request, tp: int) -> _Check:
         capacity = per_core * req.lnc
     else:
         per_core = inst.memory_bytes // inst.physical_cores
-        capacity = inst.memory_bytes // ranks_per_node  # each node's RAM is its own: never pooled
+        capacity = inst.memory_bytes // per_node  # each node's RAM is its own: never pooled
     memory = MemoryEstimate(
         weight_bytes_per_rank=weight_bytes(cfg, req.dtype, _weight_elements(cfg, tp, q_per_rank, kv_per_rank,
                                                                             moe_sharding),
@@ -429,12 +429,12 @@ def _check(req: _Request, tp: int) -> _Check:
     if inst.per_rank_memory:
         fits = memory.total_bytes_per_rank <= memory.usable_bytes_per_rank
     else:  # the cpu target: the ranks on one node share its RAM (the fullest node decides)
-        fits = memory.total_bytes_per_rank * ranks_per_node <= inst.memory_bytes * (1 - RESERVE_FRACTION)
+        fits = memory.total_bytes_per_rank * per_node <= inst.memory_bytes * (1 - RESERVE_FRACTION)
     if not fits:
         codes.append("insufficient_memory")
     return _Check(tp=tp, codes=tuple(codes), q_heads_total=heads_total, q_per_rank=q_per_rank,
                   kv_strategy=strategy, kv_problem=kv_problem, kv_per_rank=kv_per_rank,
-                  ranks_per_node=ranks_per_node, memory=memory, moe_sharding=moe_sharding,
+                  ranks_per_node=per_node, memory=memory, moe_sharding=moe_sharding,
                   moe_problem=moe_problem)
 
 
@@ -452,6 +452,12 @@ def _candidates(req: _Request) -> list[int]:
 
 
 @functools.lru_cache(maxsize=32)
+def ranks_per_node(tp: int, nodes: int) -> int:
+    """The most ranks of a TP group one node holds, and so the ranks whose memory the plan counts
+    against one node: ceil(tp / nodes), in integers (a float ceil is wrong past 2**53)."""
+    return -(-tp // max(nodes, 1))
+
+
 def divisors(n: int) -> tuple[int, ...]:
     """The divisors of n in increasing order, in O(sqrt(n)) steps: planning time does not grow with
     the head count (a loop over every degree took minutes at 10**8 heads)."""

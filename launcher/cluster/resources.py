@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from shardlib.planner import ranks_per_node
+
 _EPS = 1e-9
 
 
@@ -38,8 +40,7 @@ def cpu_rank_resources(tp: int, node_cpus: Sequence[float] | float, nodes: int =
     if cpus_per_rank is None:
         per_node = [float(node_cpus)] if isinstance(node_cpus, (int, float)) else [float(c) for c in node_cpus]
         per_node = [c for c in per_node if c > 0] or [1.0]
-        ranks_per_node = math.ceil(tp / max(nodes, 1))
-        share = min(sum(per_node) / (tp * max(replicas, 1)), max(per_node) / ranks_per_node)
+        share = min(sum(per_node) / (tp * max(replicas, 1)), max(per_node) / ranks_per_node(tp, nodes))
         cpus_per_rank = _packed(_ray_granular(share), per_node, tp, nodes, replicas)
     if cpus_per_rank <= 0:
         raise ValueError(f"cpus_per_rank ({cpus_per_rank}) must be positive")
@@ -235,7 +236,7 @@ def _no_rank_fits_way(bundle: Mapping[str, float], tp: int, max_nodes: int,
     """The way out when no node holds even one rank's bundle: a CPU share at which the alive nodes
     hold the group (named only where one exists), or a node sized for the ranks it must hold
     (ceil(TP / max_nodes) of them), not for one rank."""
-    ranks = math.ceil(tp / max(max_nodes, 1))
+    ranks = ranks_per_node(tp, max_nodes)
     sized = "{" + ", ".join(f"{name}: {_fmt(amount * ranks)}" for name, amount in bundle.items()) + "}"
     held = f"{ranks} ranks' bundles" if ranks > 1 else "one rank's bundle"
     cpu = set(bundle) == {"CPU"}

@@ -14,7 +14,6 @@ is told which ranks share its node (node_groups) so co-located ranks can use a f
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 import uuid
@@ -35,7 +34,7 @@ from launcher.cluster.placement import alive_nodes, bundle_nodes, placement_stra
 from launcher.cluster.resources import RankResources, actor_options, even_split, explain_unplaceable
 from workers.backends import BackendEntry, backend_entry
 from workers.rank_worker import GenerateRequest, LoadSpec, LoadStats, ServeSpec, WorkerSpec
-from shardlib.planner import divisors
+from shardlib.planner import divisors, ranks_per_node
 
 # How often a long wait wakes up to check for dead ranks; a death is seen within this delay.
 _POLL_S = 0.5
@@ -48,19 +47,14 @@ _RANK_TIMEOUT_MARGIN_S = 5.0
 _LOOP_CHECK_S = 0.25
 
 
-def planned_ranks_per_node(tp: int, nodes: int) -> int:
-    """The most ranks the planner gave one node's RAM to: ceil(TP / nodes) (resources.py)."""
-    return math.ceil(tp / max(nodes, 1))
-
-
-def crowded_node(ranks_per_node: Mapping[str, int], tp: int, nodes: int) -> tuple[str, int] | None:
+def crowded_node(ranks_on_node: Mapping[str, int], tp: int, nodes: int) -> tuple[str, int] | None:
     """The node holding more ranks than the plan counted (ceil(TP / nodes)) and how many, or None.
     A group not split evenly is PACKed, and PACK fills the roomiest node first: TP 3 over 2 nodes
     may land all 3 ranks on one node whose RAM the plan gave to 2."""
-    if not ranks_per_node:
+    if not ranks_on_node:
         return None
-    node, count = max(ranks_per_node.items(), key=lambda item: item[1])
-    return (node, count) if count > planned_ranks_per_node(tp, nodes) else None
+    node, count = max(ranks_on_node.items(), key=lambda item: item[1])
+    return (node, count) if count > ranks_per_node(tp, nodes) else None
 
 
 def stopped_by_shutdown(message: str) -> LaunchError:
@@ -246,7 +240,7 @@ class TPGroup:
             f"nodes' free resources dictate): free resources on fewer nodes, or pass --nodes {used}")
 
     def _too_many_on_one_node(self, node: str, count: int) -> PlacementTimeout:
-        planned = planned_ranks_per_node(self.tp_degree, self.nodes)
+        planned = ranks_per_node(self.tp_degree, self.nodes)
         dividing = ", ".join(str(d) for d in divisors(self.tp_degree))
         return PlacementTimeout(
             f"Ray placed {count} of the {self.tp_degree} ranks' bundles of {self.resources.bundle} on one node "
