@@ -21,10 +21,20 @@ def run(stops, pieces, include_stop=False):
     return "".join(out), stopped
 
 
+def first_stop(stops, text):
+    """(start, end) of the stop string the text completes first when it arrives a character at a
+    time (of those ending at one character, the earliest start), or None."""
+    for end in range(1, len(text) + 1):
+        starts = [end - len(s) for s in stops if text.endswith(s, 0, end)]
+        if starts:
+            return min(starts), end
+    return None
+
+
 def reference(stops, text):
-    """What the whole text gives at once: everything before the earliest stop string."""
-    starts = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return (text[:min(starts)], True) if starts else (text, False)
+    """What the text gives a character at a time: everything before the stop string it completes first."""
+    found = first_stop(stops, text)
+    return (text[:found[0]], True) if found else (text, False)
 
 
 def test_no_stops_is_a_passthrough_that_holds_nothing():
@@ -80,16 +90,28 @@ def test_holds_at_most_the_longest_stop_minus_one():
     assert matcher.held == "<stop" and len(matcher.held) <= len("<stop>") - 1
 
 
-@pytest.mark.parametrize("stops", [["ab", "ba"], ["aaa"], ["abab", "b", "bb"], ["\n\n", "User:"], []])
+@pytest.mark.parametrize("stops", [["ab", "ba"], ["aaa"], ["abab", "b", "bb"], ["\n\n", "User:"], [" world", "or"], []])
 def test_random_splits_match_the_whole_text(stops):
-    for text, pieces in random_splits(random.Random(0)):
+    for text, pieces in random_splits(random.Random(0), words=stops):
         assert run(stops, pieces) == reference(stops, text), (stops, pieces)
 
 
-def random_splits(rng: random.Random, texts: int = 300):
-    """(text, pieces): random texts over a few characters, each cut into up to 9 random pieces."""
+def test_a_stop_inside_another_cuts_the_same_text_however_it_is_split():
+    """" world" holds "or": a character at a time "or" completes first, so the text is " Hello w"
+    whether " world" came in one piece or as " wor" + "ld" (the earliest start cut the first
+    before " world", the second before "or"); include_stop ends with "or" both ways."""
+    for pieces in ([" Hello", " world"], [" Hello", " wor", "ld"], [" Hello world"]):
+        assert run([" world", "or"], pieces) == (" Hello w", True), pieces
+        assert run_including([" world", "or"], pieces) == (" Hello wor", True), pieces
+    assert run(["abab", "b"], ["abab"]) == run(["abab", "b"], list("abab")) == ("a", True)
+    assert run(["ab", "b"], ["xab"]) == ("x", True)  # both end at "b": the earlier start
+
+
+def random_splits(rng: random.Random, texts: int = 300, words=()):
+    """(text, pieces): random texts over a few characters and `words` (so stop strings that hold
+    one another occur whole), each cut into up to 9 random pieces."""
     for _ in range(texts):
-        text = "".join(rng.choice("ab\nUser: ") for _ in range(rng.randint(0, 30)))
+        text = "".join(rng.choice(list("ab\nUser: ") + list(words)) for _ in range(rng.randint(0, 30)))
         cuts = sorted(rng.sample(range(len(text) + 1), k=min(len(text) + 1, rng.randint(0, 8))))
         yield text, [text[i:j] for i, j in zip([0] + cuts, cuts + [len(text)])]
 
@@ -214,15 +236,14 @@ def run_including(stops, pieces):
     return run(stops, pieces, include_stop=True)
 
 
-@pytest.mark.parametrize("stops", [["ab", "ba"], ["aaa"], ["\n\n", "User:"], []],
-                         ids=["ab-ba", "aaa", "blank-line-or-user", "none"])
+@pytest.mark.parametrize("stops", [["ab", "ba"], ["aaa"], ["\n\n", "User:"], [" world", "or"], ["abab", "b", "bb"], []],
+                         ids=["ab-ba", "aaa", "blank-line-or-user", "one-inside-another", "abab-b-bb", "none"])
 def test_include_stop_random_splits_match_the_whole_text(stops):
-    """Whatever the split, the text is the whole text up to the end of its earliest stop string."""
-    for text, pieces in random_splits(random.Random(1)):
-        before, stopped = reference(stops, text)
-        if stopped:  # the stop found at that place: the shortest of those starting there (none is a prefix here)
-            before += next(s for s in sorted(stops, key=len) if text.startswith(s, len(before)))
-        assert run_including(stops, pieces) == (before, stopped), (stops, pieces)
+    """Whatever the split, the text is the whole text up to the end of the stop string it completes first."""
+    for text, pieces in random_splits(random.Random(1), words=stops):
+        found = first_stop(stops, text)
+        expected = (text[:found[1]], True) if found else (text, False)
+        assert run_including(stops, pieces) == expected, (stops, pieces)
 
 
 @pytest.mark.parametrize("stops", [["ab", "ba"], ["aaa"], ["\n\n", "User:"]], ids=["ab-ba", "aaa", "blank-line-or-user"])

@@ -3,7 +3,7 @@
 A stop string can arrive split across any number of deltas ("<|e", "nd", "|>"), so text that could
 still grow into one is held back. Only a tail that is a prefix of some stop string needs holding,
 and such a tail is shorter than the longest stop, so at most max(len(stop)) - 1 characters wait.
-Once a stop string is found, it and everything after it are dropped (OpenAI's behaviour: the stop
+Once a stop string is found (the one that ends first), it and everything after it are dropped (OpenAI's behaviour: the stop
 sequence is not part of the returned text), or, with include_stop (vLLM's include_stop_str_in_output),
 only what comes after it: the text then ends with the stop string. Then nothing needs holding
 back, as in vLLM: all the text sent before the stop string completes belongs in the output, so
@@ -106,7 +106,7 @@ class StopStringMatcher:
         `text` (one may begin in the text sent before), else all of `text`."""
         sent = self._sent_tail
         buffer = sent + text
-        found = self._first_stop(buffer, len(sent), by_end=True) if match else None  # ends in the new text
+        found = self._first_stop(buffer, len(sent)) if match else None  # ends in the new text
         if found is not None:
             self.stopped = True
             return buffer[len(sent):found[1]], True
@@ -118,17 +118,15 @@ class StopStringMatcher:
         held, self._held = self._held, ""
         return "" if self.stopped else held
 
-    def _first_stop(self, buffer: str, ends_after: int, by_end: bool = False) -> tuple[int, int] | None:
-        """(start, end) in buffer of the earliest stop string ending after buffer[:ends_after], or None.
-        Earliest, not first listed: the text before it is what the model wrote before stopping. Of
-        stops starting at the same place ("ab" and "abc"), the shorter: the model's text completed it
-        first (include_stop keeps "ab" whether "c" came in the same push or never). by_end (include
-        stop): the one that ends first, whose end the text is cut at: the earliest start could end
-        later, past another stop the model had already completed ("w; X" over "; " in "now; X"),
-        which text coming a token at a time never reached."""
+    def _first_stop(self, buffer: str, ends_after: int) -> tuple[int, int] | None:
+        """(start, end) in buffer of the stop string that ends first after buffer[:ends_after], or None:
+        the one the model's text completed first, as text arriving a character at a time finds it,
+        so the answer does not depend on how the text was cut into tokens or events. The earliest
+        start instead cut " Hello world" before " world" when it came in one token but before "or"
+        (" Hello w") when " wor" and "ld" came apart (stops " world" and "or"), and could carry
+        include_stop's text past a stop already completed ("w; X" over "; " in "now; X"). Of stops
+        ending at one place ("ab" and "b"), the one starting earliest: none of it is returned text."""
         spans = [(i, i + len(stop)) for stop in self.stops
                  if (i := buffer.find(stop, max(0, ends_after - len(stop) + 1))) >= 0]
-        if by_end:
-            return min(spans, key=lambda span: (span[1], -span[0]), default=None)
-        return min(spans, default=None)
+        return min(spans, key=lambda span: (span[1], span[0]), default=None)
 

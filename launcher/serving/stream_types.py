@@ -30,7 +30,8 @@ class StreamDelta:
     entry per prompt token but the first (whose probability nothing before it conditions), in order."""
     stopped_by_string: bool = False
     """On the last delta when a stop string ended the text (finish_reason is then "stop"): the
-    tokens that spelled it are in token_ids and logprobs, but none of their text is."""
+    tokens that spelled it are in token_ids and logprobs, but none of their text is (with
+    include_stop_str_in_output the text ends with it instead)."""
     cached_tokens: int | None = None
     """On the delta that carries the first token: the prompt tokens whose keys and values the cache
     held (in the request's row, or copied into it from another: prefix caching), so they were not
