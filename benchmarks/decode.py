@@ -59,25 +59,38 @@ def bucket_settings(prompt_tokens: int, new_tokens: int) -> dict:
 
 
 def hf_runner(model_dir: Path, ids: list[int], new_tokens: int):
+    """transformers generate(), timed as corelaunch's engine times itself: one call, a clock reading as each
+    token is chosen; TTFT = first - start, decode tokens/s = (n - 1) / (last - first). (Two calls, TTFT from
+    a 1-token one and the total from another, mixed two runs' noise: at a few tokens the rate went negative.)"""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
+
+    class TokenClock(StoppingCriteria):
+        """Called by generate() once per chosen token; records when, and never stops it."""
+
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def __call__(self, input_ids, scores, **kwargs):
+            self.times.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     inputs = torch.tensor([ids])
 
-    def timed(n: int) -> float:
+    def run() -> dict:
+        clock = TokenClock()
         start = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=n, min_new_tokens=n,
-                                 do_sample=False, pad_token_id=0)
-        assert out.shape[1] == len(ids) + n
-        return time.perf_counter() - start
-
-    def run() -> dict:
-        ttft = timed(1)
-        total = timed(new_tokens)
-        return {"time_to_first_token_s": ttft, "decode_tokens_per_s": (new_tokens - 1) / (total - ttft),
-                "e2e_s": total}
+            out = model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                                 stopping_criteria=StoppingCriteriaList([clock]))
+        e2e = time.perf_counter() - start
+        assert out.shape[1] == len(ids) + new_tokens
+        assert len(clock.times) == new_tokens, f"{len(clock.times)} clock readings for {new_tokens} tokens"
+        first, last = clock.times[0], clock.times[-1]
+        return {"time_to_first_token_s": first - start, "decode_tokens_per_s": (new_tokens - 1) / (last - first),
+                "e2e_s": e2e}
 
     return run
 

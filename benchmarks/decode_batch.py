@@ -23,7 +23,7 @@ Prints one JSON object with medians, the step time, the batch's time to first to
 and the packed / kernel, kernel / torch and packed / traced_attention ratios.
 
     python benchmarks/decode_batch.py [--batches 1,2,4,8,16] [--new-tokens 32] [--rounds 2] [--int8]
-                                      [--variants packed,traced_attention]
+                                      [--variants packed,traced_attention] [--timeout-s 1800]
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.arguments import int_list  # noqa: E402 - bad values refused before any work
+from benchmarks.arguments import check_context, int_list, positive_seconds  # noqa: E402 - refused before any work
 from launcher.cli.options import int_at_least  # noqa: E402
 
 VARIANTS = {"packed": {"CORELAUNCH_PACKED_WEIGHTS": "1", "CORELAUNCH_SMALL_LINEAR": "1"},
@@ -48,6 +48,9 @@ VARIANTS = {"packed": {"CORELAUNCH_PACKED_WEIGHTS": "1", "CORELAUNCH_SMALL_LINEA
             "torch": {"CORELAUNCH_PACKED_WEIGHTS": "0", "CORELAUNCH_SMALL_LINEAR": "0"},
             "traced_attention": {"CORELAUNCH_PACKED_WEIGHTS": "1", "CORELAUNCH_SMALL_LINEAR": "1",
                                  "CORELAUNCH_DECODE_ATTENTION": "0"}}
+
+PROMPT_TOKENS = 128
+"""Every row's prompt: benchmarks/decode.py's text, this many tokens."""
 
 RATIOS = {"packed_over_kernel": ("packed", "kernel"), "kernel_over_torch": ("kernel", "torch"),
           "attention_kernel_over_traced": ("packed", "traced_attention")}
@@ -63,7 +66,7 @@ def child(model_dir: str, batches: list[int], new_tokens: int) -> dict:
     from workers.rank_worker import GenerateRequest, LoadSpec, RankWorker, WorkerSpec
     from workers.sampling import SamplingParams
 
-    ids = prompt_ids(AutoTokenizer.from_pretrained(model_dir), 128)
+    ids = prompt_ids(AutoTokenizer.from_pretrained(model_dir), PROMPT_TOKENS)
     config = load_model_config(model_dir)
     settings = bucket_settings(len(ids), new_tokens)
     buckets = Buckets.build(max_context_length=settings["max_context_length"], max_seq_len=settings["seq_len"],
@@ -86,8 +89,15 @@ def child(model_dir: str, batches: list[int], new_tokens: int) -> dict:
 def run_variant(variant: str, model_dir: str, args) -> dict:
     env = dict(os.environ, **VARIANTS[variant])
     batches = ",".join(map(str, args.batches))
-    proc = subprocess.run([sys.executable, __file__, "--child", model_dir, "--batches", batches,
-                           "--new-tokens", str(args.new_tokens)], env=env, capture_output=True, text=True)
+    try:  # a child that hangs (a lock, a stuck compile) stopped the whole run with no report and no end
+        proc = subprocess.run([sys.executable, __file__, "--child", model_dir, "--batches", batches,
+                               "--new-tokens", str(args.new_tokens)], env=env, capture_output=True, text=True,
+                              timeout=args.timeout_s)
+    except subprocess.TimeoutExpired as expired:
+        tail = (expired.stderr or b"")[-3000:]
+        tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
+        raise RuntimeError(f"{variant} ran past --timeout-s ({args.timeout_s:g} s) and was stopped: raise --timeout-s, "
+                           f"or lower --batches or --new-tokens; its last output:\n{tail}") from None
     if proc.returncode:
         raise RuntimeError(f"{variant} failed:\n{proc.stderr[-3000:]}")
     return {int(k): v for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
@@ -125,8 +135,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int_at_least("--rounds", 1), default=2)
     parser.add_argument("--int8", action="store_true", help="also the int8 per-channel copy")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of " + ", ".join(VARIANTS))
+    parser.add_argument("--timeout-s", type=positive_seconds("--timeout-s"), default=1800.0,
+                        help="the most one variant's process may run, all its batch sizes together (default 1800)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    # the longest batch's buckets were looked up in the child, once the model had loaded: a bare StopIteration
+    check_context(parser, PROMPT_TOKENS, args.new_tokens, "the prompt", "--new-tokens")
     batches = args.batches
     variants = args.variants.split(",")
     if not set(variants) <= set(VARIANTS):

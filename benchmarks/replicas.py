@@ -86,14 +86,23 @@ def concurrent_round(launcher, prompts: list[str], new_tokens: int) -> dict:
             "token_ids": [results[i].token_ids for i in range(len(prompts))]}
 
 
-def measure_recovery(launcher, prompts: list[str], new_tokens: int, expected: list[list[int]]) -> dict:
-    """SIGKILL replica 0's rank while the replicas serve a wave of requests; time the way back."""
+def measure_recovery(launcher, prompts: list[str], new_tokens: int, expected: list[list[int]],
+                     join_timeout_s: float = 300.0) -> dict:
+    """SIGKILL replica 0's rank while the replicas serve a wave of requests; time the way back.
+
+    join_timeout_s: how long, once the group serves again (or the wait for it ended), the requests
+    may take to finish; one still running then is reported, not waited on without end."""
     answers: dict[int, object] = {}
+    failures: dict[int, str] = {}
 
     def ask(i: int) -> None:
-        answers[i] = launcher.generate([prompts[i]], max_new_tokens=new_tokens, ignore_eos=True)[0]
+        try:
+            answers[i] = launcher.generate([prompts[i]], max_new_tokens=new_tokens, ignore_eos=True)[0]
+        except BaseException as err:  # noqa: BLE001 - a request lost in the restart is what this reports
+            failures[i] = f"{type(err).__name__}: {err}"
 
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    # daemon: a request that never returns must not keep the benchmark's process alive after its report
+    threads = [threading.Thread(target=ask, args=(i,), daemon=True) for i in range(len(prompts))]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 60
@@ -112,14 +121,20 @@ def measure_recovery(launcher, prompts: list[str], new_tokens: int, expected: li
         if status["restarts"] >= 1 and status["state"] == "serving":
             serving = time.monotonic() - killed
         time.sleep(0.02)
+    join_deadline = time.monotonic() + join_timeout_s
     for t in threads:
-        t.join()
+        t.join(max(0.0, join_deadline - time.monotonic()))
+    unfinished = [i for i, t in enumerate(threads) if t.is_alive()]
     status = launcher.replica_status()[0]
     rerun = [i for i in answers if answers[i].attempts > 1]
+    # every prompt counts: a request that failed or never returned has no answer equal to the fault-free one
+    equal = all(i in answers and answers[i].token_ids == expected[i] for i in range(len(prompts)))
     return {"kill_to_noticed_s": noticed, "kill_to_serving_again_s": serving,
             "restart_s": status["last_recovery_s"], "restarted_group_loaded_from": status["load_source"],
-            "requests_rerun": len(rerun), "all_answers_equal_fault_free": all(
-                answers[i].token_ids == expected[i] for i in answers), "state_after": status["state"]}
+            "requests_rerun": len(rerun), "requests_failed": len(failures),
+            "request_errors": {str(i): failures[i] for i in sorted(failures)},
+            "requests_unfinished": unfinished, "join_timeout_s": join_timeout_s,
+            "all_answers_equal_fault_free": equal, "state_after": status["state"]}
 
 
 def threads_in_all(parser: argparse.ArgumentParser, threads: int | None, replicas: int) -> int:
@@ -154,6 +169,9 @@ def main(out=None) -> None:
                         help="torch threads in all, a multiple of --replicas (default: this host's cores, rounded "
                              "down to a multiple of --replicas)")
     args = parser.parse_args()
+    if args.replicas == 1:  # the one-replica side is the same launcher: the ratio would compare it with itself
+        parser.error("--replicas (1) must be at least 2: the benchmark compares one replica with --replicas "
+                     "replicas on the same cores, and with 1 both sides are the same setup; pass --replicas 2 or more")
     args.threads = threads_in_all(parser, args.threads, args.replicas)
 
     import ray

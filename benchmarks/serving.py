@@ -53,8 +53,8 @@ from benchmarks.arguments import check_context, finite_number, model_folder, pos
 from benchmarks.process_cpu import cpu_by_process, snapshot  # noqa: E402
 from benchmarks.serving_client import PromptSource, exit_unless_served, run_level, url_problem  # noqa: E402
 from benchmarks.serving_server import corelaunch_server  # noqa: E402
-from benchmarks.serving_stats import (baseline_drift, bracketed_baselines, expected_ttft_s, ratio,  # noqa: E402
-                                      summarize_level)
+from benchmarks.serving_stats import (BRACKETED, baseline_drift, bracketed_baselines, expected_ttft_s,  # noqa: E402
+                                      ratio, summarize_level)
 
 DEFAULT_SERVED_NAME = "smollm2-135m-instruct"
 
@@ -66,18 +66,28 @@ def machine() -> dict:
             "python": platform.python_version()}
 
 
+def server_compiles(server_args: list[str]) -> bool:
+    """Whether the server this benchmark starts compiles its graphs: not with --server-arg=--no-compile.
+    An eager server then gets neither --warm-up (no graphs to build) nor --max-context-length (eager
+    prompts run at their exact lengths): it refused both, so a --no-compile run could never start."""
+    return "--no-compile" not in server_args
+
+
 def serve_arguments(model_dir: str, args: argparse.Namespace) -> list[str]:
     """`corelaunch serve` arguments for the HTTP levels: TP 1, room for the highest level's clients,
     the smallest buckets that hold one request, every graph built before the first request (which
-    shapes a level meets depends on when its requests arrive), --cpus-per-rank and --stream-interval
-    if given, then any --server-arg."""
+    shapes a level meets depends on when its requests arrive; not with --server-arg=--no-compile:
+    server_compiles), --cpus-per-rank and --stream-interval if given, then any --server-arg."""
+    compiles = server_compiles(args.server_arg)
     options = smallest_buckets(args.prompt_tokens, args.max_tokens)
+    if not compiles:
+        del options["max_context_length"]
     if args.cpus_per_rank is not None:
         options["cpus_per_rank"] = args.cpus_per_rank
     if args.stream_interval is not None:
         options["stream_interval"] = args.stream_interval
     return ["--model", model_dir, "--tp", "1", "--served-model-name", args.model,
-            "--max-num-seqs", str(max(args.levels)), "--warm-up",
+            "--max-num-seqs", str(max(args.levels)), *(["--warm-up"] if compiles else []),
             *[f"--{k.replace('_', '-')}={v}" for k, v in options.items()], *args.server_arg]
 
 
@@ -206,21 +216,42 @@ async def measure_levels(base_url: str, model: str, prompts: PromptSource, args)
     # no retries: a failed request must show as a failure, not as a slow success
     client = AsyncOpenAI(base_url=base_url, api_key=getattr(args, "api_key", None) or "unused", max_retries=0,
                          timeout=args.request_timeout)
-    levels = {}
     try:
-        for level in args.levels:
-            if args.warmup:
-                await run_level(client, model, prompts.take(level), level, args.max_tokens)
-            per_client = args.level1_requests if level == 1 else args.requests_per_client
-            before = snapshot() if args.cpu_by_process else None
-            records, wall = await run_level(client, model, prompts.take(level * per_client), level, args.max_tokens)
-            levels[str(level)] = {"clients": level, **summarize_level(records, wall, args.max_tokens)}
-            if before is not None:
-                levels[str(level)]["cpu_by_process"] = cpu_by_process(before, snapshot())
-            print(f"level {level}: {levels[str(level)]['output_tokens_per_s']} tokens/s", file=sys.stderr)
+        return {str(level): await measure_level(client, model, prompts, level, args) for level in args.levels}
     finally:
         await client.close()
-    return levels
+
+
+def _load_average() -> list[float] | None:
+    """This host's 1, 5 and 15 minute load averages (None where the system has none): a level whose
+    load rose far above the server's own threads shared its cores with something else."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+async def measure_level(client, model: str, prompts: PromptSource, level: int, args) -> dict:
+    """One concurrency level: its warm-up wave (unless --no-warmup), then the measured requests."""
+    warmup_errors = None
+    if args.warmup:
+        warmup, _ = await run_level(client, model, prompts.take(level), level, args.max_tokens)
+        failed = [r.error for r in warmup if r.error is not None]
+        warmup_errors = len(failed)
+        if failed:  # its graphs may not have been built: the measured wave then pays for them
+            print(f"level {level}: {len(failed)} of {len(warmup)} warm-up requests failed (first: {failed[0]})",
+                  file=sys.stderr)
+    per_client = args.level1_requests if level == 1 else args.requests_per_client
+    before = snapshot() if args.cpu_by_process else None
+    load_before = _load_average()
+    records, wall = await run_level(client, model, prompts.take(level * per_client), level, args.max_tokens)
+    figures = {"clients": level, **summarize_level(records, wall, args.max_tokens),
+               "warmup_errors": warmup_errors,  # null: --no-warmup
+               "load_average_before": load_before, "load_average_after": _load_average()}
+    if before is not None:
+        figures["cpu_by_process"] = cpu_by_process(before, snapshot())
+    print(f"level {level}: {figures['output_tokens_per_s']} tokens/s", file=sys.stderr)
+    return figures
 
 
 def ratios(levels: dict, baselines: dict | None) -> dict:
@@ -247,6 +278,16 @@ def ratios(levels: dict, baselines: dict | None) -> dict:
         out["level1_stream_decode_over_single_stream"] = ratio(figure("1", "decode_tokens_per_s_per_stream_p50"),
                                                                one["decode_tokens_per_s_median"])
     return out
+
+
+def not_bracketed(bracketed_ratios: dict) -> dict:
+    """The ratios in ratios_bracketed whose baseline figure was measured once, before the levels (not in
+    BRACKETED): there they equal the unbracketed ratio, and the report says why beside them."""
+    once = {"level16_over_one_at_a_time": "one_at_a_time.output_tokens_per_s"}
+    return {name: f"{figure} is measured once, before the levels (the prompts one at a time are not run again): "
+                  f"this ratio is the unbracketed one"
+            for name, figure in once.items()
+            if name in bracketed_ratios and tuple(figure.split(".")) not in BRACKETED}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -302,6 +343,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--levels ({args.levels!r}) must be comma-separated positive integers, e.g. 1,4,16,32")
     if not args.levels or min(args.levels) < 1:
         parser.error(f"--levels ({args.levels}) must be positive integers")
+    repeated = sorted({level for level in args.levels if args.levels.count(level) > 1})
+    if repeated:  # the report keys levels by their count: the second run overwrote the first
+        parser.error(f"--levels ({','.join(map(str, args.levels))}) names {', '.join(map(str, repeated))} more than "
+                     f"once: each level is reported under its count, so a repeat overwrote the one before; "
+                     f"give each level once (for more samples raise --requests-per-client or --level1-requests)")
     for name in ("prompt_tokens", "max_tokens", "requests_per_client", "level1_requests", "baseline_prompts"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be at least 1")
@@ -372,6 +418,9 @@ def main(out=None) -> None:
                            "ignore_eos": True, "levels": args.levels, "requests_per_client": args.requests_per_client,
                            "level1_requests": args.level1_requests, "warmup": args.warmup,
                            "cpus_per_rank": args.cpus_per_rank,
+                           # false with --server-arg=--no-compile (an eager server: no graphs to build
+                           # before the first request); null: someone else's server
+                           "server_warm_up": None if args.base_url else server_compiles(args.server_arg),
                            # as given; null: the server's own (corelaunch serve's is 1)
                            "stream_interval": args.stream_interval}}
     baselines = None
@@ -401,6 +450,7 @@ def main(out=None) -> None:
         report["baselines_after"] = after
         report["baseline_drift"] = baseline_drift(baselines, after)
         report["ratios_bracketed"] = ratios(levels, bracketed_baselines(baselines, after))
+        report["ratios_bracketed_measured_once"] = not_bracketed(report["ratios_bracketed"])
     report["targets"] = {"level1_stream_decode_over_single_stream": ">= 0.95"}
     print(json.dumps(report, indent=2), file=out)
     invalid = [level for level, figures in levels.items() if not figures["valid"]]

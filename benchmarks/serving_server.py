@@ -7,6 +7,7 @@ a broken server says why instead of the benchmark hanging.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import os
 import signal
 import subprocess
@@ -35,7 +36,9 @@ def healthy(base_url: str) -> bool:
     try:
         with urllib.request.urlopen(f"{root}/health", timeout=5) as response:
             return response.status == 200
-    except (urllib.error.URLError, ConnectionError, TimeoutError):
+    except (urllib.error.URLError, ConnectionError, TimeoutError, http.client.HTTPException):
+        # HTTPException: a port that answers with something other than HTTP (BadStatusLine) while the
+        # server starts, or another process on it; asked again until the deadline, not a traceback
         return False
 
 

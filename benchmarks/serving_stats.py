@@ -62,7 +62,17 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def _p50_p99(values: list[float]) -> dict:
-    return {"p50": _round(percentile(values, 50)), "p99": _round(percentile(values, 99))}
+    """samples: how many values the percentiles come from (a p99 of 16 is near the maximum, not a tail)."""
+    return {"p50": _round(percentile(values, 50)), "p99": _round(percentile(values, 99)), "samples": len(values)}
+
+
+def tokens_per_gap(done: list[RequestRecord]) -> float | None:
+    """Tokens after each stream's first over its chunk gaps: 1 at one chunk a token; near n at
+    --stream-interval n (the first token alone, then n at a time), so itl_s reads per token as
+    itl_s / tokens_per_gap. None without any gap."""
+    streams = [r for r in done if len(r.chunk_times_s) > 1]
+    gaps = sum(len(r.chunk_times_s) - 1 for r in streams)
+    return _round(sum(r.tokens - 1 for r in streams) / gaps, 3) if gaps else None
 
 
 def _round(value: float | None, digits: int = 4) -> float | None:
@@ -87,6 +97,7 @@ def summarize_level(records: list[RequestRecord], wall_s: float, max_tokens: int
         "output_tokens_per_s": _round(tokens / wall_s, 2),
         "ttft_s": _p50_p99([r.ttft_s for r in done if r.ttft_s is not None]),
         "itl_s": _p50_p99([gap for r in done for gap in r.itls_s]),
+        "tokens_per_gap": tokens_per_gap(done),
         "e2e_s": _p50_p99([r.e2e_s for r in done if r.e2e_s is not None]),
         "decode_tokens_per_s_per_stream_p50": _round(percentile(single_stream, 50), 2),
         "all_got_max_tokens": not short,

@@ -107,6 +107,8 @@ REFUSED = [
     ("plan_speed", ["--bogus"], "unrecognized arguments: --bogus"),  # ran the benchmark
     # three one-thread ranks on two threads, reported as the same cores split
     ("replicas", ["--replicas", "3", "--threads", "2"], "--replicas (3) above --threads (2)"),
+    # one replica against one replica: the throughput ratio compared a setup with itself
+    ("replicas", ["--replicas", "1"], "--replicas (1) must be at least 2: the benchmark compares one replica"),
     # the single replica ran 3 threads against 2 x 1: the throughput ratio compared different core counts
     ("replicas", ["--threads", "3", "--replicas", "2", "--new-tokens", "9000"],
      "--threads (3) must split evenly over --replicas (2): the single replica would run 3 threads against 2 x 1"),
@@ -135,6 +137,10 @@ REFUSED = [
      "--prompt-tokens (9000) plus the one new token is past the model's 8192 positions; lower it to at most 8191"),
     ("replicas", ["--new-tokens", "9000"], "--new-tokens (9000) plus the prompts (at most 16 tokens) is past the "
      "4096-token context the launchers serve; lower --new-tokens to at most 4080"),
+    # a bare StopIteration from the variant's child, once the model had loaded
+    ("decode_batch", ["--new-tokens", "9000"], "the prompt (128) plus --new-tokens (9000) is 9128: the benchmark's "
+     "buckets hold at most 8192 tokens"),
+    ("decode_batch", ["--timeout-s", "0"], "--timeout-s (0) must be a finite number of seconds above 0"),
     ("prefix_caching", ["--requests", "1"], "--requests (1) must be at least 2"),
     ("prefix_caching", ["--serve-args", "--tp 1 --no-prefix-caching"], "--serve-args: leave --no-prefix-caching out"),
     ("prefix_caching", ["--base-url", "http://127.0.0.1:9/v1"], "--base-url needs --model"),

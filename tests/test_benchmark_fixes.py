@@ -165,3 +165,126 @@ def test_expected_ttft_uses_the_same_median_step_as_the_report():
 
     steps = [0.1, 0.2, 0.3, 0.4]
     assert expected_ttft_s(1.0, steps) == pytest.approx(1.0 + 2 * statistics.median(steps))
+
+
+class _StandInReplicas:
+    """Stands in for the N-replica Launcher in measure_recovery's bookkeeping (not the engine): replica 0
+    is busy at once and serving again after one restart, its "rank" a sleeping child that the
+    benchmark's SIGKILL really ends; prompt "p3" fails, "p2" waits until released."""
+
+    def __init__(self, rank_pid: int):
+        import threading
+
+        self.rank_pid = rank_pid
+        self.released = threading.Event()
+
+    def replica_status(self):
+        return [{"busy": True, "workers": [{"pid": self.rank_pid}], "restarts": 1, "state": "serving",
+                 "last_recovery_s": 1.0, "load_source": "presharded cache"}]
+
+    def generate(self, prompts, max_new_tokens, ignore_eos):
+        import types
+
+        if prompts[0] == "p3":
+            raise RuntimeError("request lost in the restart")
+        if prompts[0] == "p2":
+            self.released.wait(30)
+        return [types.SimpleNamespace(token_ids=[1, 2], attempts=1)]
+
+
+def test_replicas_recovery_counts_a_failed_request_as_not_equal():
+    """A request that raised never reached the answers, and all_answers_equal_fault_free, checking only
+    the answers present, said True."""
+    from benchmarks.replicas import measure_recovery
+
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    launcher = _StandInReplicas(rank.pid)
+    launcher.released.set()
+    try:
+        report = measure_recovery(launcher, [f"p{i}" for i in range(4)], 2, [[1, 2]] * 4)
+        assert rank.wait(5) == -9  # the stand-in rank was SIGKILLed, as a real one is
+    finally:
+        rank.kill()
+        rank.wait()
+    assert report["all_answers_equal_fault_free"] is False
+    assert report["requests_failed"] == 1
+    assert report["request_errors"] == {"3": "RuntimeError: request lost in the restart"}
+    assert report["requests_unfinished"] == []
+
+
+def test_replicas_recovery_reports_a_request_that_never_returned_instead_of_waiting_for_it():
+    """The joins had no timeout: one request that never returned hung the run with no report."""
+    from benchmarks.replicas import measure_recovery
+
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    launcher = _StandInReplicas(rank.pid)
+    try:
+        start = time.monotonic()
+        report = measure_recovery(launcher, ["p0", "p1", "p2"], 2, [[1, 2]] * 3, join_timeout_s=1.0)
+        assert time.monotonic() - start < 10
+    finally:
+        launcher.released.set()
+        rank.kill()
+        rank.wait()
+    assert report["requests_unfinished"] == [2] and report["join_timeout_s"] == 1.0
+    assert report["all_answers_equal_fault_free"] is False and report["requests_failed"] == 0
+
+
+def test_replicas_recovery_with_every_answer_equal_says_so():
+    from benchmarks.replicas import measure_recovery
+
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    launcher = _StandInReplicas(rank.pid)
+    launcher.released.set()
+    try:
+        report = measure_recovery(launcher, ["p0", "p1", "p2"], 2, [[1, 2]] * 3, join_timeout_s=5.0)
+    finally:
+        rank.kill()
+        rank.wait()
+    assert report["all_answers_equal_fault_free"] is True
+    assert report["requests_failed"] == 0 and report["requests_unfinished"] == [] and report["request_errors"] == {}
+
+
+def test_decode_times_transformers_from_one_generate_call(monkeypatch):
+    """TTFT came from a 1-token generate() and the total from a second one: two runs' noise in one
+    rate, which at a few new tokens came out negative. Now one call, timed at each chosen token."""
+    import torch
+    import transformers
+    from transformers import AutoTokenizer
+
+    from benchmarks.decode import hf_runner, prompt_ids
+    from shardlib.demo_model import ensure_demo_model
+
+    calls = []
+    generate = transformers.GenerationMixin.generate
+
+    def counted(self, *args, **kwargs):  # the real generate(), counted
+        calls.append(kwargs.get("max_new_tokens"))
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.GenerationMixin, "generate", counted)
+    torch.set_num_threads(1)
+    model = ensure_demo_model()
+    run = hf_runner(model, prompt_ids(AutoTokenizer.from_pretrained(model), 16), 3)
+    for _ in range(2):
+        calls.clear()
+        timed = run()
+        assert calls == [3]
+        assert timed["decode_tokens_per_s"] > 0
+        assert 0 < timed["time_to_first_token_s"] < timed["e2e_s"]
+
+
+def test_decode_batch_stops_a_variant_that_runs_past_its_timeout(tmp_path, monkeypatch):
+    """subprocess.run had no timeout: a variant's child that hung held the whole run, without end. The
+    child here hangs for real at start-up (a sitecustomize that sleeps, on its PYTHONPATH)."""
+    import types
+
+    from benchmarks.decode_batch import run_variant
+
+    (tmp_path / "sitecustomize.py").write_text("import time\ntime.sleep(40)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    args = types.SimpleNamespace(batches=[1], new_tokens=2, timeout_s=1.0)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"packed ran past --timeout-s \(1 s\) and was stopped: raise --timeout-s"):
+        run_variant("packed", "/proc/no-such-model", args)
+    assert time.monotonic() - start < 20

@@ -49,7 +49,8 @@ def test_summary_of_a_level():
     records = [record(0.0, 0.5, 0.1, 4), record(0.0, 1.0, 0.1, 4)]
     summary = summarize_level(records, wall_s=2.0, max_tokens=4)
     assert summary["output_tokens"] == 8 and summary["output_tokens_per_s"] == 4.0
-    assert summary["ttft_s"] == {"p50": 0.75, "p99": pytest.approx(0.995)}
+    assert summary["ttft_s"] == {"p50": 0.75, "p99": pytest.approx(0.995), "samples": 2}
+    assert summary["itl_s"]["samples"] == 6 and summary["e2e_s"]["samples"] == 2 and summary["tokens_per_gap"] == 1.0
     assert summary["itl_s"]["p50"] == pytest.approx(0.1) and summary["itl_s"]["p99"] == pytest.approx(0.1)
     assert summary["e2e_s"]["p50"] == pytest.approx(1.051)
     assert summary["decode_tokens_per_s_per_stream_p50"] == pytest.approx(3 / 0.301, abs=0.01)
@@ -465,3 +466,119 @@ def server_unreachable(base_url: str, api_key: str | None = None) -> str | None:
     from benchmarks.serving_client import served_models
 
     return served_models(base_url, api_key)[1]
+
+
+def test_an_eager_server_is_started_without_the_options_it_refuses():
+    """--server-arg=--no-compile could never run: the benchmark always passed --warm-up (and
+    --max-context-length), and corelaunch serve exited 2 refusing them beside --no-compile."""
+    from benchmarks.serving import parse_args, serve_arguments
+    from launcher.api import LaunchConfig
+    from launcher.cli import build_parser
+    from launcher.cli.options import model_and_placement_options
+    from shardlib.demo_model import ensure_demo_model
+
+    model = str(ensure_demo_model())
+    args = parse_args(["--levels", "1,4", "--server-arg=--no-compile"])
+    served = build_parser().parse_args(["serve", *serve_arguments(model, args)])
+    assert not served.compile and not served.warm_up and served.seq_len == 256
+    LaunchConfig(**model_and_placement_options(served))  # the server's own checks: no ValueError
+    compiled = build_parser().parse_args(["serve", *serve_arguments(model, parse_args(["--levels", "1"]))])
+    assert compiled.compile and compiled.warm_up and compiled.max_context_length == 128
+
+
+def test_a_level_named_twice_is_refused_naming_it(capsys):
+    """--levels 4,4 ran level 4 twice and the second overwrote the first in the report."""
+    from benchmarks.serving import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--levels", "1,4,16,4"])
+    err = capsys.readouterr().err
+    assert "--levels (1,4,16,4) names 4 more than once" in err and "give each level once" in err
+    assert parse_args(["--levels", "16,1"]).levels == [16, 1]
+
+
+class FailingFirst(FakeCompletions):
+    """A server whose first `failures` requests fail (here: the warm-up wave's)."""
+
+    def __init__(self, failures: int):
+        super().__init__()
+        self.failures = failures
+
+    async def create(self, **kwargs):
+        if self.failures:
+            self.failures -= 1
+            raise ConnectionError("refused")
+        return await super().create(**kwargs)
+
+
+def test_failed_warm_up_requests_are_reported_and_the_host_load_beside_each_level(capsys):
+    """The warm-up wave's results were dropped unread: a warm-up that failed (its graphs unbuilt, the
+    measured wave paying for them) left no trace in the report."""
+    from benchmarks.serving import measure_level
+
+    args = types.SimpleNamespace(warmup=True, level1_requests=2, requests_per_client=1, max_tokens=3,
+                                 cpu_by_process=False)
+    client = types.SimpleNamespace(completions=FailingFirst(failures=2))
+    level = asyncio.run(measure_level(client, "m", PromptSource(WordTokenizer(), 8), 2, args))
+    assert level["warmup_errors"] == 2 and level["valid"] and level["output_tokens"] == 6
+    assert "level 2: 2 of 2 warm-up requests failed (first: ConnectionError: refused)" in capsys.readouterr().err
+    assert len(level["load_average_before"]) == 3 and len(level["load_average_after"]) == 3
+    args.warmup = False
+    level = asyncio.run(measure_level(types.SimpleNamespace(completions=FakeCompletions()), "m",
+                                      PromptSource(WordTokenizer(), 8), 1, args))
+    assert level["warmup_errors"] is None and "warm-up" not in capsys.readouterr().err
+
+
+def test_a_gap_between_chunks_of_several_tokens_is_readable_per_token():
+    """At --stream-interval 4 the inter-token percentiles are gaps between chunks of 4 tokens, and the
+    report said nothing of how many tokens a gap spanned, nor from how many samples a p99 came."""
+    stream = RequestRecord(sent_s=0.0, chunk_times_s=[0.5, 0.9, 1.3], finished_s=1.31, completion_tokens=8)
+    summary = summarize_level([stream], wall_s=1.31, max_tokens=8)
+    assert summary["tokens_per_gap"] == 3.5  # 7 tokens after the first, over 2 gaps (1 + 4 + 3)
+    assert summary["itl_s"] == {"p50": pytest.approx(0.4), "p99": pytest.approx(0.4), "samples": 2}
+    assert summary["ttft_s"]["samples"] == 1
+    lone = RequestRecord(sent_s=0.0, chunk_times_s=[0.5], finished_s=0.6, completion_tokens=1)
+    assert summarize_level([lone], wall_s=1.0, max_tokens=1)["tokens_per_gap"] is None
+
+
+def test_the_bracketed_ratio_of_a_figure_measured_once_says_so():
+    """ratios_bracketed.level16_over_one_at_a_time compared with a figure measured only before the
+    levels: the same as the unbracketed ratio, under a name that said otherwise."""
+    from benchmarks.serving import not_bracketed, ratios
+
+    before = {"one_at_a_time": {"output_tokens_per_s": 20.0, "decode_tokens_per_s_median": 25.0},
+              "static_batch": {"output_tokens_per_s": 100.0, "expected_ttft_s_prefill_plus_2_steps": 4.0}}
+    after = {"one_at_a_time": {"decode_tokens_per_s_median": 35.0},
+             "static_batch": {"output_tokens_per_s": 120.0, "expected_ttft_s_prefill_plus_2_steps": 4.0}}
+    levels = {"16": summarize_level([record(0.0, 0.5, 0.1, 4)], wall_s=0.1, max_tokens=4)}
+    bracketed = ratios(levels, bracketed_baselines(before, after))
+    assert bracketed["level16_over_one_at_a_time"] == ratios(levels, before)["level16_over_one_at_a_time"]
+    assert list(not_bracketed(bracketed)) == ["level16_over_one_at_a_time"]
+    assert "measured once" in not_bracketed(bracketed)["level16_over_one_at_a_time"]
+    assert not_bracketed({"level1_stream_decode_over_single_stream": 1.0}) == {}
+
+
+def test_a_port_that_answers_with_something_other_than_http_is_not_healthy():
+    """http.client's BadStatusLine is neither a URLError nor a ConnectionError: healthy() raised it
+    out of the wait for the server instead of asking again."""
+    import socket
+    import threading
+
+    from benchmarks.serving_server import healthy
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def answer_garbage():
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(4096)
+            conn.sendall(b"not http at all\r\n\r\n")
+
+    answering = threading.Thread(target=answer_garbage, daemon=True)
+    answering.start()
+    try:
+        assert healthy(f"http://127.0.0.1:{port}/v1") is False
+    finally:
+        answering.join(5)
+        listener.close()
