@@ -156,3 +156,54 @@ def test_pipelined_requests_are_each_answered_and_kept_alive(server):
             assert chunk, f"closed after {received!r}"
             received += chunk
         assert received.count(b"HTTP/1.1 200") == 2 and b"connection: close" not in received.lower(), received
+
+
+def _read_chunked_answer(conn: socket.socket) -> bytes:
+    """A chunked answer read up to its last chunk; fails if the connection closes first."""
+    received = b""
+    while not received.endswith(b"0\r\n\r\n"):
+        chunk = conn.recv(65536)
+        assert chunk, f"closed after {received!r}"
+        received += chunk
+    return received
+
+
+def _assert_closed_soon(conn: socket.socket, what: str, limit_s: float = 3.0) -> None:
+    """The server closes the connection within limit_s (the head timeout is 0.6 s; uvicorn's
+    keep-alive, 5 s, is stopped by any byte), answering nothing or a 408."""
+    conn.settimeout(limit_s)
+    started, after = time.monotonic(), b""
+    try:
+        while chunk := conn.recv(65536):
+            after += chunk
+    except socket.timeout:
+        pytest.fail(f"still open {time.monotonic() - started:.1f} s after {what} ({after!r})")
+    except ConnectionResetError:
+        pass
+    assert after == b"" or after.startswith(b"HTTP/1.1 408"), after
+
+
+def test_a_lone_crlf_after_an_answered_request_does_not_hold_the_connection(server):
+    """uvicorn stops its keep-alive timer on any byte, and the parser skips the empty lines before a
+    request line without beginning a message: one CRLF after a request (to /health, which needs no
+    key) held the connection open for good."""
+    with socket.create_connection(("127.0.0.1", server), timeout=5) as conn:
+        conn.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert _read_chunked_answer(conn).startswith(b"HTTP/1.1 200")  # answered; the connection kept
+        conn.sendall(b"\r\n")
+        _assert_closed_soon(conn, "a lone CRLF")
+
+
+@pytest.mark.parametrize("ahead", [b"\r\n", b"GET / HTTP/1.1\r\n"], ids=["crlf", "pipelined-partial-head"])
+def test_bytes_sent_ahead_of_a_slow_answer_do_not_cut_it(server, ahead):
+    """The head timer started by bytes of a next head (a CRLF, the start of a pipelined request) ran
+    while the answer before it was still being written: past the head timeout it wrote a 408 into the
+    middle of that answer, or closed it."""
+    with socket.create_connection(("127.0.0.1", server), timeout=5) as conn:
+        conn.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")  # its answer takes 1.2 s, twice the head timeout
+        time.sleep(0.1)
+        conn.sendall(ahead)
+        answer = _read_chunked_answer(conn)
+        assert answer.startswith(b"HTTP/1.1 200") and answer.count(b"tick\n") == 3, answer
+        assert b"408" not in answer and answer.endswith(b"ok\r\n0\r\n\r\n"), answer
+        _assert_closed_soon(conn, "the answer")  # and the head sent ahead is still bounded in time

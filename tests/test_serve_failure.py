@@ -80,3 +80,46 @@ def test_a_serve_that_cannot_answer_leaves_serves_own_error():
     assert replica_failure(type("Answering", (), {"status": staticmethod(
         lambda: _status({"OpenAIServer": ("DEPLOY_FAILED", SERVE_MESSAGE)}))}), "corelaunch").startswith(
         "ValueError: the tokenizer in /models/m cannot be loaded")
+
+
+def _traceback_of(error: Exception) -> str:
+    """The text Python prints for `error` raised two frames down, the last frame's source line marked
+    with carets (Python marks a statement that shares its line)."""
+    import traceback
+
+    def load():
+        tries = 3; raise error  # noqa: E702, F841 - the raise shares its line: carets under it
+
+    def initialize():
+        return load() or None
+
+    try:
+        initialize()
+    except Exception as raised:  # noqa: BLE001 - formatted as Serve keeps it
+        return "".join(traceback.format_exception(raised))
+    raise AssertionError("not raised")
+
+
+def test_an_exception_with_indented_lines_is_read_whole():
+    """The exception was taken to start after the last indented line: a message listing each rank's
+    share came back as its last line alone ("lower --seq-len")."""
+    text = _traceback_of(ValueError("needs 12 GB:\n  rank 0: 6 GB\n  rank 1: 6 GB\nlower --seq-len"))
+    assert "^^^^\nValueError: needs 12 GB:\n  rank 0" in text, text  # the last frame's carets, then the message
+    assert exception_lines(text) == "ValueError: needs 12 GB: rank 0: 6 GB rank 1: 6 GB lower --seq-len"
+
+
+def test_a_refused_plan_is_read_whole_from_serves_message():
+    """A PlanRejected ends with its "  [code] ..." lines (launch_plan.py): nothing after the last
+    indented line, so the whole traceback came back on one line."""
+    from launcher.errors import PlanRejected
+
+    errors = [{"code": "seq_len_too_long", "message": "seq_len (9000) exceeds max_position_embeddings (8192)"},
+              {"code": "kv_cache_too_large", "message": "the KV cache needs 40 GiB per rank; 24 GiB fit"}]
+    lines = "\n".join(f"  [{e['code']}] {e['message']}" for e in errors)
+    text = _traceback_of(PlanRejected(f"the layout is impossible; nothing was started:\n{lines}", errors))
+    message = "The deployment failed to start 3 times in a row. See controller logs for details. Error:\n" + text
+    status = _status({"OpenAIServer": ("DEPLOY_FAILED", message)})
+    assert failed_deployments(status, "corelaunch") == [
+        "launcher.errors.PlanRejected: the layout is impossible; nothing was started: "
+        "[seq_len_too_long] seq_len (9000) exceeds max_position_embeddings (8192) "
+        "[kv_cache_too_large] the KV cache needs 40 GiB per rank; 24 GiB fit"]

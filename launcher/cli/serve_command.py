@@ -99,7 +99,9 @@ def add_parser(subparsers) -> None:
                         "would have), and a whole answer (no stream) gathers its tokens after the first 64 at "
                         "a time, or N where larger (vLLM's --stream-interval; default 1: every token as it comes)")
     p.add_argument("--api-key", metavar="KEY",
-                   help="require `Authorization: Bearer KEY` on /v1/* (default: $CORELAUNCH_API_KEY; unset: open)")
+                   help="require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize and /invocations "
+                        "(/health, /ping, /version and /metrics stay open; default: $CORELAUNCH_API_KEY, which "
+                        "keeps the key out of the command line every local user reads with `ps`; unset: open)")
     p.add_argument("--replicas", type=int_at_least("--replicas"), metavar="N",
                    help="Serve replicas, each its own TP group (default 1)")
     p.add_argument("--min-replicas", type=int_at_least("--min-replicas"), metavar="N",

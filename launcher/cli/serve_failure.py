@@ -19,12 +19,16 @@ _TRACEBACK_MARK = "Error:\n"
 
 
 def exception_lines(traceback_text: str) -> str:
-    """The exception a Python traceback ends with ("ValueError: ..."), its later lines joined by a
-    space: everything after the last indented line (the frames and their source lines are indented;
-    an exception's own text is not). The whole text when nothing in it is indented."""
+    """The exception a Python traceback ends with ("ValueError: ..."), its lines joined by a space:
+    what follows the last frame (the last `  File "..."` line and the indented source and caret lines
+    under it). The exception's own lines are kept, indented ones included (a message listing each
+    rank's share, a PlanRejected's "  [code] ..." lines). The whole text when it has no frame."""
     lines = [line for line in traceback_text.splitlines() if line.strip()]
-    last_indented = max((i for i, line in enumerate(lines) if line[:1].isspace()), default=-1)
-    tail = lines[last_indented + 1:] or lines
+    frames = [i for i, line in enumerate(lines) if line.startswith('  File "')]
+    start = frames[-1] + 1 if frames else 0
+    while frames and start < len(lines) and lines[start][:1].isspace():
+        start += 1  # the frame's source line and its carets
+    tail = lines[start:] or lines
     return " ".join(line.strip() for line in tail)
 
 

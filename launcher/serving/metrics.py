@@ -40,11 +40,13 @@ class ServerMetrics:
                              "--max-num-seqs", registry=r)
         self.time_to_first_token = Histogram(
             "corelaunch_time_to_first_token_seconds",
-            "Seconds from a request's arrival at the server to its first generated token",
+            "Seconds from a request's arrival at the server to a choice's first generated token: one "
+            "observation per choice (a request with n choices, or several prompts, counts each)",
             buckets=TTFT_BUCKETS, registry=r)
         self.inter_token_latency = Histogram(
             "corelaunch_inter_token_latency_seconds",
-            "Seconds between consecutive generated tokens of one request (a delta of several tokens counts "
+            "Seconds between consecutive generated tokens of one choice (each choice of a request with n "
+            "choices, or several prompts, counts its own gaps; a delta of several tokens counts "
             "its gap divided evenly among them; tokens arriving with the first count 0)", buckets=ITL_BUCKETS, registry=r)
         self.generated_tokens = Counter("corelaunch_generated_tokens", "Tokens generated (all requests)",
                                         registry=r)
@@ -81,11 +83,11 @@ class ServerMetrics:
 
 
 class TokenTimer:
-    """Times one request's tokens into the metrics: the first token's delay since `start`, then one
-    inter-token gap for every later token (perf_counter seconds), so a request of n tokens counts
-    n - 1 gaps summing to the time from its first token to its last. A delta of several tokens
-    shares the wait before it evenly among them; tokens arriving with the first waited for nothing
-    after it (gap 0)."""
+    """Times one choice's tokens into the metrics (one timer per choice, each started at its request's
+    arrival): the first token's delay since `start`, then one inter-token gap for every later token
+    (perf_counter seconds), so a choice of n tokens counts n - 1 gaps summing to the time from its
+    first token to its last. A delta of several tokens shares the wait before it evenly among them;
+    tokens arriving with the first waited for nothing after it (gap 0)."""
 
     def __init__(self, metrics: ServerMetrics, start: float):
         self.metrics, self.start, self.last = metrics, start, None

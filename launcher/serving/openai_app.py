@@ -1515,7 +1515,9 @@ class OpenAIServer:
             status, body, headers = _generation_failure(err, token_limit)
             self.metrics.finished(failure_reason(status), status)
             return JSONResponse(body, status_code=status, headers=headers)
-        # one request, counted by its first choice's ending as the client was told it
+        # one request, counted by its first choice's finish reason as the engine gave it (stop or length;
+        # an echo-only completion's is length): a chat client told "tool_calls" is counted by the engine's
+        # (openai_render.py, ChatRender._sent_finish)
         self.metrics.finished(renders[0].finish_reason(finish[0]) or "stop")
         return finish, completion_tokens
 

@@ -34,7 +34,9 @@ MAX_HEAD_BYTES = 64 * 1024
 OpenAI's clients send well under 2 KiB)."""
 HEAD_TIMEOUT_S = 30.0
 """How long a connection may take to send a whole head: from its opening for the first request,
-and from the first byte of each later one (the time between requests is uvicorn's keep-alive)."""
+and from the first byte of each later one (a lone CRLF included; the time between requests is
+uvicorn's keep-alive). A head sent while the answer before it is still being written gets the time
+again once it has passed with that answer unfinished."""
 LINGER_S = 5.0
 """How long a connection answered before its request's body ended is kept reading (and discarding)
 before it is closed: closing with the client's bytes unread resets the connection, and the reset
@@ -71,6 +73,9 @@ def bounded_protocol_class():
                 return
             if self._in_head:
                 self._head_bytes += len(data)  # a chunk may carry the body's start too: counted, harmless
+                # uvicorn stops its keep-alive timer on any byte, and the parser skips the empty lines
+                # before a request line without a message begun: a lone CRLF held the connection forever
+                self._start_head_timer()
             super().data_received(data)
             if self._in_head and self._head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
                 self._refuse(b"431 Request Header Fields Too Large",
@@ -137,7 +142,12 @@ def bounded_protocol_class():
 
         def _head_overdue(self) -> None:
             self._head_timer = None
-            if not self._in_head or self.transport.is_closing():
+            if not self._in_head or self._lingering or self.transport.is_closing():
+                return
+            if self.cycle is not None and not self.cycle.response_complete:
+                # the answer before this head is still being written: a 408 would land inside it, and
+                # the head's time runs from the answer's end (a client may send ahead while it waits)
+                self._start_head_timer()
                 return
             if self._head_bytes:
                 self._refuse(b"408 Request Timeout", f"the request's headers did not arrive within "

@@ -9,6 +9,7 @@ server's rules for names, keys and Serve replica counts.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import math
 import os
 import unicodedata
@@ -158,6 +159,8 @@ def settings_from_args(args: dict, names: dict | None = None) -> ServerSettings:
     if unknown:
         raise ValueError(f"unknown argument(s) {', '.join(unknown)}{_unknown_hints(unknown, SERVER_ARGS + tuple(taken))}; "
                          f"the server takes {', '.join(SERVER_ARGS)} and LaunchConfig's fields: {', '.join(taken)}")
+    for key in TEXT_ARGS:
+        _refuse_unquoted_scalar(key, typed.get(key), name(key, key))
     launch = {key: value for key, value in typed.items() if key in fields and key != "replicas"}
     # One Launcher (one TP group) per Serve replica: Serve, not the Launcher, adds replicas. No static
     # batches (max_batch_size 0): the planner counted 8 rows of seq_len for them that no server allocates.
@@ -257,6 +260,19 @@ def _typed(key: str, value, literal: bool = False):
         except ValueError as err:
             raise ValueError(f"{key}: {err}") from None
     return value
+
+
+def _refuse_unquoted_scalar(key: str, value, shown: str) -> None:
+    """A text argument that YAML read as a number, a truth value or a date (`api_key: 12345` unquoted
+    in a serve deploy config, 012 read as 10) is refused naming its type: the argument's own check
+    said only "must be a string", and for the key, whose value is never shown, nothing more."""
+    if not isinstance(value, (bool, int, float, datetime.date)):
+        return
+    kind = type(value).__name__
+    article = "an" if kind[0] in "aeiou" else "a"
+    given = "" if key == "api_key" else f" ({value!r})"
+    why = ", which reads an unquoted true, false, yes, no, on or off as one" if isinstance(value, bool) else ""
+    raise ValueError(f"{shown}{given} must be text (got {article} {kind}: quote it in the YAML{why})")
 
 
 def folder_name_as_given(path: str) -> str:

@@ -1,0 +1,60 @@
+"""launcher/serving/server_settings.py: a text argument that a serve deploy config's YAML read as a
+number, a truth value or a date (left unquoted) is refused naming the type and the fix: the key's
+refusal said only "must be a non-empty string of printable ASCII without spaces", which an
+`api_key: 12345` in the YAML seemed to be."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import yaml
+
+from launcher.serving.server_settings import TEXT_ARGS, settings_from_args
+
+DEPLOY_ARGS = """
+api_key: 12345
+served_model_name: 2024
+model: 2024-01-01
+tool_call_parser: yes
+dtype: 1.5
+"""
+"""A serve deploy config's `args:`, as Serve gives them to the builder: YAML's types, not text."""
+
+
+def _args(key: str) -> dict:
+    return {key: yaml.safe_load(DEPLOY_ARGS)[key]}
+
+
+def test_an_unquoted_key_is_refused_naming_its_type_not_its_value():
+    with pytest.raises(ValueError) as refused:
+        settings_from_args(_args("api_key"))
+    assert str(refused.value) == "api_key must be text (got an int: quote it in the YAML)"
+    assert "12345" not in str(refused.value)  # a secret, never shown
+
+
+@pytest.mark.parametrize("key, message", [
+    ("served_model_name", "served_model_name (2024) must be text (got an int: quote it in the YAML)"),
+    ("model", "model (datetime.date(2024, 1, 1)) must be text (got a date: quote it in the YAML)"),
+    ("tool_call_parser", "tool_call_parser (True) must be text (got a bool: quote it in the YAML, which reads an "
+                         "unquoted true, false, yes, no, on or off as one)"),
+    ("dtype", "dtype (1.5) must be text (got a float: quote it in the YAML)"),
+])
+def test_other_unquoted_text_arguments_are_refused_naming_their_type(key, message):
+    with pytest.raises(ValueError) as refused:
+        settings_from_args(_args(key))
+    assert str(refused.value) == message
+
+
+@pytest.mark.parametrize("key", TEXT_ARGS)
+def test_every_text_argument_refuses_a_number_the_same_way(key):
+    for value in (7, True, 0.5, datetime.date(2024, 1, 1)):
+        with pytest.raises(ValueError, match=r"must be text \(got an? (int|bool|float|date)[:)]"):
+            settings_from_args({key: value})
+
+
+def test_quoted_the_same_values_are_taken():
+    quoted = yaml.safe_load('api_key: "12345"\nserved_model_name: "2024"\npresharded_cache_dir: "2024"\n')
+    settings = settings_from_args(quoted)
+    assert (settings.api_key, settings.served_model_name) == ("12345", "2024")
+    assert settings.launch["presharded_cache_dir"] == "2024"
