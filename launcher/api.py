@@ -1672,6 +1672,11 @@ class Launcher:
                              f"{type(prompts).__name__} has no order to return the results in")
         prompts = list(prompts)
         if prompts and all(isinstance(p, str) for p in prompts):
+            if self.tokenizer is None and self._tokenizer_load is not None:
+                # a stream from another thread while start() loads: the tokenizer is start()'s to
+                # take (its error too), and the model may well have one
+                raise LaunchError("the launcher is still starting (its tokenizer is loading); send text prompts "
+                                  "once start() has returned, or pass the prompt as a list of token ids")
             if self.tokenizer is None:
                 raise ValueError(f"{no_tokenizer_files(self.model_dir)}: copy the model's tokenizer into it, or pass "
                                  f"prompts as token-id lists through the Python API (`corelaunch generate` takes text "

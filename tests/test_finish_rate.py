@@ -24,8 +24,8 @@ def test_the_wait_is_the_recent_time_between_two_ends():
         clock.now += 3
         rate.record()
     assert rate.retry_after_s() == 3  # 27 s up to now over 10 ends, rounded up
-    clock.now += 30  # no end since: the pool has slowed, the wait grows
-    assert rate.retry_after_s() == 6
+    clock.now += 30  # no end since: the pool has slowed, the wait grows to the time since the last end
+    assert rate.retry_after_s() == 30
     clock.now += WINDOW_S  # all of them too old now: the time since the last end, at most a minute
     assert rate.retry_after_s() == 60
 
@@ -48,8 +48,8 @@ def test_fast_ends_say_one_second_and_a_slow_or_stalled_pool_up_to_a_minute():
     stalled = FinishRate(clock)
     for _ in range(2):
         stalled.record()
-    clock.now += WINDOW_S - 0.5  # two ends long ago, none since: 59.5 s over 2 ends, 30 s
-    assert stalled.retry_after_s() == 30 <= LONGEST_WAIT_S
+    clock.now += WINDOW_S - 0.5  # two ends long ago, none since: the 59.5 s since, not 59.5 s over 2 ends
+    assert stalled.retry_after_s() == 60 == LONGEST_WAIT_S
 
 
 def test_a_full_queue_tells_the_wait_its_streams_ending_say(tmp_path, in_process_cluster):
@@ -84,3 +84,20 @@ def test_a_long_stalled_pool_says_the_longest_wait():
     rate.record()
     clock.now += 600  # one end, ten minutes ago: requests are long, or nothing ends
     assert rate.retry_after_s() == LONGEST_WAIT_S
+
+
+def test_a_burst_of_ends_then_a_stall_says_the_time_since_the_last_end():
+    """A pace faster than the time since the last end is a promise the pool is not keeping: after
+    a burst, the window's average said one second for up to a minute of stall, then jumped to 60."""
+    clock = Clock()
+    rate = FinishRate(clock)
+    for _ in range(KEPT):  # a burst: an end every 10 ms
+        clock.now += 0.01
+        rate.record()
+    assert rate.retry_after_s() == 1
+    clock.now += 20  # then nothing ends
+    assert rate.retry_after_s() == 20
+    clock.now += 20
+    assert rate.retry_after_s() == 40
+    rate.record()  # ends again: the window's pace once more (about 40.6 s over the 64 kept, rounded up)
+    assert rate.retry_after_s() == 1

@@ -3,7 +3,8 @@ told to wait (Retry-After) before its request could be taken.
 
 A full queue takes a new request once one running request ends and a waiting one takes its row, so
 the wait is about the time between two recent ends: the window's span (up to now, so a pool whose
-requests stopped ending says a longer wait) over the ends it holds. With fewer than two ends in the
+requests stopped ending says a longer wait) over the ends it holds, but never less than the time
+since the last end (a burst of ends and then a stall says the stall). With fewer than two ends in the
 window (long requests, or a pool that stopped ending them) it is the time since the last end, up
 to LONGEST_WAIT_S; only a pool where nothing has ended yet says the least wait, one second.
 """
@@ -45,5 +46,8 @@ class FinishRate:
         if not ends:
             return 1
         recent = [t for t in ends if now - t <= WINDOW_S]
-        wait = (now - recent[0]) / len(recent) if len(recent) >= 2 else now - ends[-1]
+        since_last = now - ends[-1]
+        # never a pace faster than the time since the last end: after a burst and then a stall the
+        # window's average said a second for up to a minute, and then jumped to a minute
+        wait = max((now - recent[0]) / len(recent), since_last) if len(recent) >= 2 else since_last
         return min(LONGEST_WAIT_S, max(1, math.ceil(wait)))

@@ -28,7 +28,10 @@ meanwhile. Every request's future is set exactly once, so none is lost or answer
 request re-run on the same layout returns exactly the tokens it would have without the fault.
 Restarts are bounded by a RestartPolicy; when the bound is reached, or the cluster can no longer
 host the group (placement fails, a node lost its Neuron devices), the replica is given up and the
-requests it had in flight fail with a ReplicaFailed naming what is missing. The other replicas keep
+requests it had in flight fail with a ReplicaFailed naming what is missing (its streams with nothing
+delivered move to a serving replica instead). A restart attempt that fails while the new group
+starts is retried after 1 s, then 2, 4, ... up to 30 s (RESTART_RETRY_FIRST_S), so a brief problem
+does not use up the bound at once. The other replicas keep
 serving; when none is left, every queued and later request fails with NoReplicaAvailable. Idle
 replicas are health-checked every few seconds so a dead rank is replaced before the next request.
 """
@@ -61,6 +64,12 @@ HUNG_AFTER_AT_LEAST_S = 30.0
 timeout in flight, but never before this: one step (a long prompt's prefill chunk on a CPU) can
 outlast a short timeout, and with request_timeout_s=1 four long prompts restarted a working group
 four times, after which it was given up and every later request refused."""
+RESTART_RETRY_FIRST_S = 1.0
+"""After a failed restart attempt (a rank that died or did not join while the new group started),
+the next waits this long, doubling with each further failed attempt up to RESTART_RETRY_LONGEST_S:
+retried at once, a brief problem (a node's agent restarting) used up max_restarts in milliseconds
+and the replica was given up. The first restart after a fault stays immediate."""
+RESTART_RETRY_LONGEST_S = 30.0
 
 
 @dataclass
@@ -137,6 +146,11 @@ class Replica:
         self._stall_limit_s: float | None = None
         """The request timeout of the last stream handed over: how long the group may go without a
         step while it has only cancels left to answer (with streams, their shortest timeout)."""
+        self._handed: set[str] = set()
+        """Ids handed to the current group and not yet finished there: only these may wait in
+        `cancelling`, since a leader answers a cancel only for an id it has. A cancel for an id it
+        never had (a stream booked while the group started) kept the id taken, and its row counted,
+        forever."""
 
     # ---- the serving loop --------------------------------------------------------------------
     def run(self) -> None:
@@ -185,7 +199,8 @@ class Replica:
                 # a stream its failed group never had (submitted during the restart) is no resume
                 request = handle.resumed() if resumed and handle.attempts else handle.request
                 self._hand_over(handle, request, counted=resumed or not moved)
-            # else the restart in progress submits it with the others (_resume_streams)
+            # else the start in progress hands it over (_begin_serving), or the restart in
+            # progress with the others (_resume_streams)
 
     def cancel_stream(self, request_id: str, only: StreamHandle | None = None) -> None:
         """only: cancel the request only while it is still that handle's (not a later one's with its id)."""
@@ -198,7 +213,7 @@ class Replica:
             # string, a close, a client gone), so load() and admission stop counting it now.
             self._out_of_the_books(request_id)
             self.served += 1
-            if self.state == "serving":
+            if self.state == "serving" and request_id in self._handed:
                 # Its id stays taken until the leader's answer; its late events are dropped.
                 self.cancelling.add(request_id)
                 self.started.group.cancel([request_id])  # the leader answers with an "abort" event
@@ -230,6 +245,8 @@ class Replica:
         self.loop_counters = counters
         for event in events:
             with self._streams_lock:
+                if event.finish_reason is not None:  # the leader has no more of it
+                    self._handed.discard(event.request_id)
                 if event.request_id in self.cancelling:  # a timed-out request's last events
                     if event.finish_reason is not None:
                         self.cancelling.discard(event.request_id)
@@ -248,7 +265,8 @@ class Replica:
             late = [h for h in self.streams.values() if now > h.deadline]
             for handle in late:
                 self._out_of_the_books(handle.request_id)  # a queued request may take its place
-                self.cancelling.add(handle.request_id)
+                if handle.request_id in self._handed:
+                    self.cancelling.add(handle.request_id)
         for handle in late:
             group.cancel([handle.request_id])
             handle.fail(_overdue(handle, "it was cancelled"))
@@ -333,7 +351,8 @@ class Replica:
             moving = [h for h in reversed(waiting) if not h.delivered and not h.closing][:count]
             for handle in moving:
                 self.streams.pop(handle.request_id)
-                self.cancelling.add(handle.request_id)
+                if handle.request_id in self._handed:
+                    self.cancelling.add(handle.request_id)
                 handle.replica = taker  # a cancel from its reader now goes there (ReplicaPool.cancel_stream)
             if moving:
                 self.started.group.cancel([h.request_id for h in moving])
@@ -380,7 +399,23 @@ class Replica:
         counted: an attempt (a stream moved here from a replica where it only waited is not one)."""
         handle.attempts += counted
         self._stall_limit_s = handle.own_timeout_s
+        self._handed.add(handle.request_id)
         self.started.group.submit([request])
+
+    def _begin_serving(self, started: StartedGroup) -> None:
+        """Install the group start() made and hand it every stream booked while it started (one
+        routed here from another thread while Launcher.start() still loaded): nothing else would,
+        and the stream timed out unseen. Under the streams lock, so a stream booked meanwhile is
+        either seen here or sees "serving" and is handed over by submit_stream."""
+        with self._streams_lock:
+            self.started, self.state = started, "serving"
+            self._handed = set()
+            if getattr(started.group, "serving", False):
+                for handle in list(self.streams.values()):
+                    if handle.closing:  # its reader dropped it during the start: nothing to run
+                        self._forget_closed(handle)
+                    else:
+                        self._hand_over(handle, handle.request)
 
     def _leader_progress(self) -> tuple[int, int]:
         """The leader's (steps, static batches) at the last poll."""
@@ -466,6 +501,7 @@ class Replica:
         A failure while making the new group counts as any other, and max_restarts 0 still means no
         restart at all."""
         noticed = time.monotonic()
+        failed_attempts = 0
         with self._streams_lock:  # a cancel_stream that saw "serving" has handed its cancel to the old group
             self.state = "restarting"
         if self.started is not None:
@@ -484,6 +520,10 @@ class Replica:
                 self._give_up(RestartLimitExceeded(f"replica {self.index} failed and is given up: {why}. "
                                                    f"Last failure: {cause}"), cause)
                 return False
+            if failed_attempts:  # the last attempt failed: give a brief problem time to pass
+                delay = min(RESTART_RETRY_FIRST_S * 2 ** (failed_attempts - 1), RESTART_RETRY_LONGEST_S)
+                if self.pool._stopped.wait(delay):  # shut down meanwhile: wake at once, no new group
+                    return False
             self.restarts += 1
             budget = (f"restart {self.policy.recent()} of at most {self.policy.max_restarts} within "
                       f"{self.policy.window_s:g} s" if counted else "a timed-out batch's, not counted against max_restarts")
@@ -497,6 +537,7 @@ class Replica:
                 return False
             except (GroupFault, RendezvousTimeout) as err:  # a rank died or hung starting: another failure
                 cause = err
+                failed_attempts += 1
                 continue
             except BaseException as err:  # noqa: BLE001 - anything else cannot be cured by retrying
                 if self.pool.stopping or getattr(err, STOPPED_BY_SHUTDOWN, False):
@@ -519,6 +560,7 @@ class Replica:
                 self.loop_counters = {}  # the old leader's: the new one's come with its first poll
                 self._watched_progress = None  # the new group is judged from its start
                 self.cancelling.clear()  # the old group, and whatever it still owed, is gone
+                self._handed = set()
                 if getattr(started.group, "serving", False):
                     self._resume_streams()
             self.last_recovery_s = time.monotonic() - noticed
@@ -533,9 +575,31 @@ class Replica:
             self.cancelling.clear()  # no group will answer these cancels: the ids are free again
         if self.started is not None:
             self.started.group.kill()
+        self._move_unstarted_streams()
         self.pool._replica_failed(self)
         for handle in self._take_streams():  # as its static requests: they fail, naming what is missing
             handle.fail(error)
+
+    def _move_unstarted_streams(self) -> None:
+        """As a restart does (_take_from_restarting), a replica given up hands its streams with
+        nothing delivered to serving replicas (each to the least loaded), which run them from their
+        prompt: failing them failed requests another replica could answer."""
+        pool = self.pool
+        with pool._lock:  # no request routed meanwhile: the loads compared below stay true
+            takers = [r for r in pool.replicas if r is not self and r.state == "serving"]
+            if pool.stopping or not takers:
+                return
+            placed = {r.index: 0 for r in takers}
+            moves = []
+            with self._streams_lock:  # as _hand_from_restart: a cancel from its reader now goes where it went
+                for handle in [h for h in self.streams.values() if not h.delivered and not h.closing]:
+                    taker = min(takers, key=lambda r: r.rows_taken() + placed[r.index])
+                    placed[taker.index] += 1
+                    self.streams.pop(handle.request_id)
+                    handle.replica = taker.index
+                    moves.append((taker, handle))
+            for taker, handle in moves:
+                taker.submit_stream(handle, moved=True, resumed=True)
 
     def status(self) -> dict:
         group = self.started.group if self.started is not None else None
@@ -575,6 +639,10 @@ class ReplicaPool:
         self._queue: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self.stopping = False
+        self._stopped = threading.Event()
+        """Set with `stopping`: wakes a restart waiting before its next attempt."""
+        self._next_first = 0
+        """Where the next routing starts among its candidates: ties in load go round robin."""
         self._start_threads: list[threading.Thread] = []
         """start()'s threads, one a replica: shutdown() waits for them before Ray can be closed."""
         self._no_replica: NoReplicaAvailable | None = None
@@ -613,7 +681,7 @@ class ReplicaPool:
                 return
             with self._lock:  # shutdown() sets stopping under this lock, then looks for started groups
                 if not self.stopping:
-                    replica.started, replica.state = started, "serving"
+                    replica._begin_serving(started)
                     return
             started.group.kill()  # shut down while it started (Ctrl-C): the shutdown could not see it
             errors[replica.index] = LaunchError("the launcher was shut down while this replica started")
@@ -699,7 +767,9 @@ class ReplicaPool:
                                 f"--max-num-seqs)", retry_after_s=self.finish_rate.retry_after_s(), slots=rows,
                                 queue_limit=queue_limit)
             for handle in handles:
-                replica = min(candidates, key=Replica.rows_taken)
+                # min() takes the first of equals: rotated, so ties do not all go to replica 0
+                first, self._next_first = self._next_first % len(candidates), self._next_first + 1
+                replica = min(candidates[first:] + candidates[:first], key=Replica.rows_taken)
                 if timeout_per_wave:
                     handle.allow_waves(replica.rows_taken() // rows + 1)
                 replica.submit_stream(handle)
@@ -775,6 +845,7 @@ class ReplicaPool:
         """Fail what is queued, stop every group (patiently, then by force), end the threads."""
         with self._lock:
             self.stopping = True
+            self._stopped.set()
             self._drain(LaunchError("the launcher was shut down before this request ran"))
         for replica in self.replicas:
             for handle in replica._take_streams():
