@@ -112,3 +112,33 @@ def test_the_driver_api_refuses_a_presharded_cache_beside_a_presharded_directory
 
     with pytest.raises(ValueError, match=r"presharded_cache \(True\).*presharded_dir"):
         LaunchConfig(presharded_cache=True, presharded_dir=str(tmp_path))
+
+
+def test_quantize_without_model_says_why_the_demo_model_lock_wait_failed(capsys, tmp_path, monkeypatch):
+    """The demo model's conversion lock held past its wait raised TimeoutError (an OSError): a
+    traceback after 600 s, where generate and check print the message. The lock is held for real
+    here; only the wait is shortened."""
+    from filelock import FileLock
+
+    from shardlib import demo_model
+
+    monkeypatch.setenv("CORELAUNCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(demo_model, "LOCK_TIMEOUT_S", 0.2)
+    (tmp_path / "cache").mkdir()
+    with FileLock(str(tmp_path / "cache" / f"{demo_model.DEMO_MODEL_NAME}.lock")):
+        err = refusal(capsys, "quantize", "--dtype", "int8", "--out", str(tmp_path / "q"))
+    assert err.startswith("corelaunch quantize: waited 0.2 s for another process converting the demo model"), err
+    assert not (tmp_path / "q").exists()
+
+
+def test_quantize_into_a_parent_that_holds_no_new_folders_names_that_parent(capsys, tmp_path):
+    """`--out /proc/q3` was refused naming '/proc/.q3.partial-...', a hidden folder the user never
+    chose. (/proc, not a chmod-ed folder: the tests may run as root, whom no mode bit stops.)"""
+    from tests.model_factory import save_random_model
+
+    model = save_random_model(tmp_path / "model", num_heads=4, num_kv_heads=2, seed=3)
+    err = refusal(capsys, "quantize", "--quiet", "--model", str(model), "--dtype", "int8",
+                  "--out", "/proc/corelaunch-q3")
+    assert err.startswith("corelaunch quantize: could not write --out /proc/corelaunch-q3 (its parent folder /proc "
+                          "cannot hold new folders: "), err
+    assert ".partial" not in err and err.endswith("; pass a new path in a directory you can write to\n"), err

@@ -39,6 +39,9 @@ EXIT_PASS, EXIT_FAIL = 0, 1  # 2 (bad input) and 3 (the run failed): launcher/cl
 FILE_FORMAT = "corelaunch-expected/1"
 DEFAULT_PROMPT = "I believe the meaning of life is"
 DEFAULT_NUM_TOKENS = 16
+DEFAULT_ATOL = 1e-5
+LOGIT_MATCHING_FLAGS = (("--tol-map", "tol_map"), ("--atol", "atol"),
+                        ("--divergence-difference-tol", "divergence_difference_tol"))
 
 
 def add_parser(subparsers) -> None:
@@ -93,7 +96,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--tol-map", metavar="K:RTOL,...",
                    help=f"top-k groups and their rtol; K an integer or 'all' (default {DEFAULT_TOL_SPEC}; a "
                         f"quantized model's or fp8 cache's in shardlib/evaluation/quantized_tolerances.py)")
-    p.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance of every top-k group (default 1e-5)")
+    # default None, resolved in _run: a given --atol is told apart from the default, so token matching
+    # (which has no tolerances) can refuse it instead of ignoring it
+    p.add_argument("--atol", type=float, help=f"absolute tolerance of every top-k group (default {DEFAULT_ATOL:g})")
     add_no_compile(p)
     p.add_argument("--ray-address", help="Ray cluster host:port, or local for a private one (default: RAY_ADDRESS, else the cluster `ray start` recorded on this host, else a private one)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -271,16 +276,10 @@ def _holds_expected_outputs(path: Path) -> bool:
 def save_expected(expected: Expected, path: str) -> None:
     """Write the file beside its place and move it there: a run that fails or is killed midway
     leaves the previous file whole."""
-    import torch
-
     final = Path(path)
     partial = final.with_name(f".{final.name}.partial-{os.getpid()}")
     try:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"format": FILE_FORMAT, "input_ids": expected.input_ids,
-                    "expected_tokens": torch.tensor(expected.tokens, dtype=torch.int64),
-                    "expected_logits": expected.logits, "reference": expected.source}, partial)
-        os.replace(partial, final)
+        _write_then_move(expected, partial, final)
     # torch.save reports an unopenable file as RuntimeError; the look beforehand passed, so the
     # filesystem refused (/proc, /sys, a read-only mount, a full disk)
     except (OSError, RuntimeError) as err:
@@ -288,6 +287,19 @@ def save_expected(expected: Expected, path: str) -> None:
         detail = str(err).split("strerror: ")[-1].strip()  # torch's text ends "... open file failed with strerror: X"
         raise ValueError(f"could not write --save-expected {path} ({detail}); pass a path in a directory you can "
                          f"write to") from None
+    except BaseException:  # Ctrl-C, SIGTERM (raised as an exception by the CLI), a bug: no hidden file left behind
+        partial.unlink(missing_ok=True)
+        raise
+
+
+def _write_then_move(expected: Expected, partial: Path, final: Path) -> None:
+    import torch
+
+    final.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"format": FILE_FORMAT, "input_ids": expected.input_ids,
+                "expected_tokens": torch.tensor(expected.tokens, dtype=torch.int64),
+                "expected_logits": expected.logits, "reference": expected.source}, partial)
+    os.replace(partial, final)
 
 
 def _model_dir(model: str | None, option: str = "--model") -> Path:
@@ -406,7 +418,7 @@ def _tolerances(args, model_dir: Path) -> tuple[str, float]:
 
 # ---- run ---------------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
-    from launcher.cli.exit_codes import exit_code_for
+    from launcher.cli.exit_codes import EXIT_RUN_FAILED, exit_code_for
     from launcher.errors import LaunchError, RequestFailed
 
     try:
@@ -421,18 +433,55 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError, LaunchError) as err:  # OSError: a file or directory it could not use
         print(f"corelaunch check: {without_nodes_ways(in_tp_flag(with_flag_name(err)), 'check')}", file=sys.stderr)
         return exit_code_for(err)
+    except Exception as err:  # noqa: BLE001 - a fault of corelaunch's own: exit 1 would read as "the check failed"
+        import traceback
+
+        traceback.print_exc()
+        print(f"corelaunch check: internal error ({type(err).__name__}: {err}); nothing was compared; please "
+              f"report it with the traceback above", file=sys.stderr)
+        return EXIT_RUN_FAILED
+
+
+def check_text_prompts(texts: list[str]) -> None:
+    """ValueError for a prompt that is not UTF-8 text (a command-line argument in another encoding
+    reaches Python with surrogates, on which the tokenizer failed with a TypeError traceback: exit 1,
+    a failed check's code), in generate's words (launcher/api.py)."""
+    for i, text in enumerate(texts):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise ValueError(f"prompt {i} is not valid UTF-8 text ({text!r}: {err.reason} at position "
+                             f"{err.start}); pass UTF-8 text") from None
+
+
+def _refuse_tolerances_outside_logit_matching(args: argparse.Namespace) -> None:
+    """Token matching compares tokens alone: a tolerance given with it was silently ignored."""
+    if args.mode == "logit-matching":
+        return
+    for flag, name in LOGIT_MATCHING_FLAGS:
+        if getattr(args, name) is not None:  # None: not given (each one's default is resolved later)
+            raise ValueError(f"{flag} applies to --mode logit-matching, not {args.mode}: drop {flag}, or pass "
+                             f"--mode logit-matching")
 
 
 def _run(args: argparse.Namespace) -> int:
     from launcher.progress import Progress
     from shardlib.evaluation.accuracy import parse_tol_map
+    from shardlib.model_path_hints import refuse_unexpanded_home
 
     progress = Progress(not args.quiet)
+    check_text_prompts([*args.prompts, *args.prompt])
+    for option, path in (("--save-expected", args.save_expected), ("--expected", args.expected),
+                         ("--reference", args.reference)):
+        if path is not None:  # `--save-expected=~/x.pt` made a folder named `~` in the working directory
+            refuse_unexpanded_home(option, path)
+    _refuse_tolerances_outside_logit_matching(args)
     # A divergence passes when max(actual) - actual[expected] < TOL: 0 is honoured (every divergence
     # fails); inf would pass every one and nan none, silently, so both are refused with negatives.
     for option, value in (("--divergence-difference-tol", args.divergence_difference_tol), ("--atol", args.atol)):
         if value is not None and not (math.isfinite(value) and value >= 0):
             raise ValueError(f"{option} ({value}) must be a finite number >= 0")
+    args.atol = DEFAULT_ATOL if args.atol is None else args.atol
     if args.save_expected:
         check_save_expected_path(args.save_expected)
     args.tol_map, args.divergence_difference_tol = _tolerances(args, _model_dir(args.model))

@@ -12,6 +12,7 @@ is read. Exit code 0 on success, 2 on bad input.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -55,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
             check_quantize_options(args.dtype, args.out)
             model = str(ensure_demo_model())
         check_quantize_request(model, args.dtype, args.out, args.lm_head)  # every refusal before any weight is read
-    except (ValueError, FileNotFoundError) as err:
+    # OSError: the demo model's conversion lock waited too long (TimeoutError), or its cache failed
+    except (ValueError, OSError) as err:
         print(f"corelaunch quantize: {err}", file=sys.stderr)
         return 2
     start = time.monotonic()
@@ -83,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
         # folder of it (shardlib/atomic_dir.py)
         failure = out_dir_failure(args.out, err)
         if failure is not None:
+            failure = _in_the_users_words(args.out, err, failure)
             return failed(f"could not write --out {args.out} ({failure}); pass a new path in a directory you can "
                           f"write to")
         return failed(str(err))  # reading the checkpoint failed
@@ -93,3 +96,20 @@ def run(args: argparse.Namespace) -> int:
     if not args.quiet:
         print(f"quantize: wrote {out} in {time.monotonic() - start:.1f} s", file=sys.stderr)
     return 0
+
+
+def _in_the_users_words(out: str, err: OSError, failure: str) -> str:
+    """out_dir_failure's text, without the hidden folder written beside --out (.NAME.partial-...,
+    shardlib/atomic_dir.py) that the user never chose: "No such file or directory:
+    '/proc/.q3.partial-...'" read as if that folder should have existed."""
+    if not isinstance(err.filename, (str, bytes, os.PathLike)):
+        return failure
+    target, failed = Path(out).absolute(), Path(os.fsdecode(err.filename)).absolute()
+    hidden = next((p for p in (failed, *failed.parents)
+                   if p.parent == target.parent and p.name.startswith(f".{target.name}.")), None)
+    reason = err.strerror or str(err)
+    if hidden is None:
+        return failure
+    if hidden == failed:  # the folder itself could not be made
+        return f"its parent folder {target.parent} cannot hold new folders: {reason}"
+    return f"{reason}, writing {failed.relative_to(hidden)}"
