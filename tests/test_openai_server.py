@@ -611,8 +611,9 @@ def test_chat_refusals():
         with pytest.raises(ProtocolError) as caught:
             parse_request(ChatCompletionRequest, {"model": MODEL, "messages": messages})
         assert caught.value.param == param and words in caught.value.message
-    assert chat(messages=[{"role": "assistant"}, {"role": "user", "content": "x"}]).chat_messages()[0] == \
-        {"role": "assistant", "content": ""}  # an assistant's content may be left out
+    assert chat(messages=[{"role": "assistant", "reasoning": "hm"}, {"role": "user", "content": "x"}]).chat_messages()[0] \
+        == {"role": "assistant", "content": "", "reasoning": "hm", "reasoning_content": "hm"}  # an assistant's content
+    # may be left out where it has its thinking or tool calls (one with neither: tests/test_chat_prompt_edges.py)
 
 
 @pytest.mark.parametrize("message, param, words", [
@@ -686,7 +687,7 @@ def test_accepted_requests_and_their_engine_arguments():
     req = chat(messages=[{"role": "system", "content": "be brief"},
                          {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
                logprobs=True, top_logprobs=3, max_completion_tokens=5, max_tokens=9)
-    assert req.chat_messages() == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"}]
+    assert req.chat_messages() == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a\nb"}]
     assert req.logprobs_count() == 3 and chat(logprobs=True).logprobs_count() == 0 and chat().logprobs_count() is None
     assert proto.max_new_tokens(req, prompt_tokens=10, context_tokens=100) == 5  # max_completion_tokens wins
     assert proto.max_new_tokens(chat(), prompt_tokens=10, context_tokens=100) == 90  # the rest of the context

@@ -6,11 +6,13 @@ prompt's token ids decoded (launcher/serving/detokenizer.py) with their special 
 token a completions prompt holds is read as that token, and comes back as its text either way. The
 prompt tokens' `text_offset`s count the characters of that decoding, token by token; the
 completion's offsets are moved on by the echoed text's length, so each offset points into the
-choice's text. (For a text prompt the two agree where the tokenizer gives the text back as it was
-sent, as byte-level BPE tokenizers do; one that normalizes it, or adds a space, shifts the
-prompt's offsets.) The completion is decoded on its own, as without echo: a token-id prompt that
-ends inside a character echoes that character's bytes as U+FFFD, and bytes of it the completion
-brings are U+FFFD too.
+choice's text. For a text prompt the decoding also holds the special tokens the tokenizer added
+around it (Llama's, Mistral's, Gemma's BOS), which the echoed text (the prompt as sent) has not: the
+offsets are moved back by what the decoding holds before the sent text, so they point into the
+echoed text, and an added BOS's offset is 0 (it stands before the text; its token keeps its name).
+(A tokenizer that normalizes the text, or adds a space, shifts the prompt's offsets.) The
+completion is decoded on its own, as without echo: a token-id prompt that ends inside a character
+echoes that character's bytes as U+FFFD, and bytes of it the completion brings are U+FFFD too.
 The first prompt token has no log-probability (nothing before it conditions it): its
 `token_logprobs` and `top_logprobs` entries are null, as OpenAI's are.
 """
@@ -28,7 +30,7 @@ class EchoedPrompt:
     text: str
     token_ids: tuple[int, ...]
     offsets: tuple[int, ...] | None = None
-    """Each prompt token's offset into the decoded prompt (None: no logprobs asked)."""
+    """Each prompt token's offset into the echoed text (None: no logprobs asked)."""
 
 
 def echoed_prompt(pieces: TokenPieces, sent: str | list[int], token_ids: list[int], with_logprobs: bool) -> EchoedPrompt:
@@ -40,8 +42,24 @@ def echoed_prompt(pieces: TokenPieces, sent: str | list[int], token_ids: list[in
         placed = [placing.place(t) for t in token_ids]
         offsets = tuple(offset for offset, _ in placed)
         decoded = "".join(text for _, text in placed) + placing.flush()
+    if isinstance(sent, str) and with_logprobs:
+        offsets = _into_sent_text(offsets, decoded, sent)
     text = sent if isinstance(sent, str) else decoded
     return EchoedPrompt(text, tuple(token_ids), offsets if with_logprobs else None)
+
+
+def _into_sent_text(offsets: tuple[int, ...], decoded: str, sent: str) -> tuple[int, ...]:
+    """Offsets into the decoding of a text prompt's ids moved into the text as sent: back by the
+    characters of the special tokens the tokenizer added before it (a BOS), kept within the text
+    (an added token before it is at 0, one after it, an EOS, at its end). A decoding that does not
+    hold the sent text (a normalizing tokenizer) keeps its offsets."""
+    if decoded.endswith(sent):
+        lead = len(decoded) - len(sent)
+    else:  # a token added after the text too
+        lead = decoded.find(sent)
+    if lead <= 0:
+        return offsets
+    return tuple(min(max(offset - lead, 0), len(sent)) for offset in offsets)
 
 
 def prompt_logprobs(echo: EchoedPrompt, entries: list, pieces: TokenPieces, top_n: int | None = None) -> dict:

@@ -175,6 +175,27 @@ def _outside_vocabulary(ids: list[int], vocab: int, param: str) -> ProtocolError
                          f"this model's tokenizer", param=param)
 
 
+def _empty_render_refusal(own_template: bool, server_template: bool) -> ProtocolError:
+    """The 400 for a chat its template rendered to no tokens (`{% for m in messages %}{% endfor %}`):
+    the engine's refusal spoke of a prompt "([])" the client never sent, naming no template."""
+    whose = ("the request's own chat_template" if own_template
+             else "the server's chat template (--chat-template)" if server_template else "the model's chat template")
+    return ProtocolError(f"messages: {whose} rendered the messages to no tokens, so there is no prompt to "
+                         f"complete; use a template that writes the messages out", param="messages")
+
+
+def _template_text(template: object, tools: list | None) -> str:
+    """A chat template as text, for reading which roles it knows: a tokenizer's dict of named templates
+    gives the one apply_chat_template renders (tokenizer.get_chat_template's choice: "tool_use" for
+    a request with tools where there is one, else "default"), whose str() was a repr that escaped
+    its quotes (so `'developer'` was never found in it)."""
+    if not isinstance(template, dict):
+        return template or ""
+    if tools and "tool_use" in template:
+        return template["tool_use"]
+    return template.get("default") or ""
+
+
 def _special_tokens_around(tokenizer) -> tuple[list[int], list[int]]:
     """The ids the tokenizer adds before and after a text's own when it adds special tokens (a BOS,
     an EOS), read off a one-character text once, when the replica starts (OpenAIServer._text_specials):
@@ -1027,6 +1048,9 @@ class OpenAIServer:
                                        req.add_generation_prompt, req.continue_final_message, False,
                                        req.truncate_prompt_tokens is None, req.template_tools(), req.chat_template_kwargs,
                                        req.chat_template)
+        if not prompt:
+            self.metrics.rejected(400)
+            raise _empty_render_refusal(req.chat_template is not None, self.server_template)
         prompt = self._truncated(req, prompt)
         req.settle_thinking(self.think_end, self.think_start, prompt, self.turn_ends)
         return await self._start_choices(req, [prompt], [proto.max_new_tokens(req, len(prompt), self.context_tokens)],
@@ -1163,8 +1187,9 @@ class OpenAIServer:
     def _template_of(self, req) -> object:
         """The template a chat request is rendered with: its own chat_template (taken only where the
         server trusts request templates: parse_request refused it otherwise), else the tokenizer's,
-        which is the server's --chat-template where one was given."""
-        return req.chat_template if req.chat_template is not None else self.tokenizer.chat_template
+        which is the server's --chat-template where one was given; as text (_template_text)."""
+        template = req.chat_template if req.chat_template is not None else self.tokenizer.chat_template
+        return _template_text(template, req.template_tools())
 
     def _template_refused(self, err: Exception, own: bool) -> ProtocolError:
         """A chat template's refusal (roles out of order, a length it checks): the client's doing, a

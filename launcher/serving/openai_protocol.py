@@ -455,6 +455,11 @@ class ChatMessage(NullMeansDefault):
         if self.function_call is not None:  # {} too: it was dropped without a word
             raise ProtocolError(f"messages.{index}.function_call: the deprecated function_call is not supported; send "
                                 f"the assistant's calls as tool_calls", param=f"messages.{index}.function_call")
+        if (self.role == "assistant" and self.content is None and not self.tool_calls and self.reasoning is None
+                and self.reasoning_content is None):
+            # an empty assistant turn the client never meant (OpenAI refuses it); thinking alone is a turn
+            raise ProtocolError(f"messages.{index}.content: an assistant message needs content or tool_calls (this "
+                                f"one has neither); send its text as content", param=f"messages.{index}.content")
         if self.tool_calls and self.role != "assistant":
             raise ProtocolError(f"messages.{index}.tool_calls: only an assistant message makes tool calls, not a "
                                 f"{self.role} message", param=f"messages.{index}.tool_calls")
@@ -484,7 +489,10 @@ class ChatMessage(NullMeansDefault):
         return form
 
     def text(self, index: int = 0) -> str:
-        """The content as one string: text parts joined; other part types are refused."""
+        """The content as one string: text parts joined by a newline, as vLLM joins them (its
+        chat_utils, "string" content format), so a client moving from vLLM gets the same prompt
+        (joined with nothing, "Question:" and "What" became "Question:What"); other part types are
+        refused."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         texts = []
@@ -505,7 +513,7 @@ class ChatMessage(NullMeansDefault):
                                     f"{{\"type\": \"text\", \"text\": ...}}", param=f"{param}.{clip(str(extra))}")
             check_utf8(part["text"], f"{param}.text")  # named by its part, not the joined content
             texts.append(part["text"])
-        return "".join(texts)
+        return "\n".join(texts)
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -718,7 +726,8 @@ def template_messages(messages: list[ChatMessage], template: object = None) -> l
     """[{role, content[, name]}] with content as plain text, as chat templates take it. A developer
     message is OpenAI's newer system message: it goes to a `template` that never mentions the
     developer role as a system message (SmolLM2's, say, would otherwise add its default system
-    turn and then a turn of a role the model never saw)."""
+    turn and then a turn of a role the model never saw). `template` is the template's text
+    (openai_app's _template_text picks it from a tokenizer's dict of named templates)."""
     template = str(template or "")
     # a template that compares roles with 'developer' or "developer" knows the role
     developer = "developer" if "'developer'" in template or '"developer"' in template else "system"
@@ -893,7 +902,10 @@ def _field_error(error: dict, model: type[BaseModel]) -> ProtocolError:
                                  f"{{\"type\": \"text\", \"text\": ...}}", param=f"{param}.{j}")
     if field == "messages" and len(loc) == 2 and error["type"] == "model_type":  # not an object at all
         return ProtocolError(f"{param} ({_short(value)}) must be a message, an object {{role: system|user|assistant|"
-                             f"developer, content: string or text parts}}", param=param)
+                             f"tool|developer, content: string or text parts}}", param=param)
+    if field == "messages" and len(loc) == 3 and loc[-1] == "content":  # a number, an object: neither branch
+        return ProtocolError(f"{param}: must be a string or a list of text parts ({{\"type\": \"text\", "
+                             f"\"text\": ...}}), not {_short(value)}", param=param)
     if field == "messages" and len(loc) > 1:  # inside one message: say which and what is wrong
         return ProtocolError(f"{param}: {error['msg']} (a message is {{role: system|user|assistant|tool|"
                              f"developer, content: string or text parts}})", param=param)
