@@ -32,6 +32,11 @@ TEXT_ARGS = ("model", "served_model_name", "api_key", "tool_call_parser", "reaso
              "compile_granularity")
 """Arguments kept as the text given (`serve run` passes every value as text; the others are read as
 YAML scalars, so "2" is 2, "true" is True and "null" is None)."""
+FREE_TEXT_ARGS = ("model", "served_model_name", "api_key", "chat_template", "compiled_dir", "presharded_dir",
+                  "presharded_cache_dir")
+"""The text arguments that take any text (names, keys, paths): one a config file's YAML read as a
+number, a boolean or a date is refused naming its type. The others take one of a few names, and
+their own refusal lists them, which says more."""
 
 TOOL_CALL_PARSERS = {
     "hermes": "<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call> (Qwen2/Qwen2.5 Instruct, Hermes)",
@@ -159,7 +164,7 @@ def settings_from_args(args: dict, names: dict | None = None) -> ServerSettings:
     if unknown:
         raise ValueError(f"unknown argument(s) {', '.join(unknown)}{_unknown_hints(unknown, SERVER_ARGS + tuple(taken))}; "
                          f"the server takes {', '.join(SERVER_ARGS)} and LaunchConfig's fields: {', '.join(taken)}")
-    for key in TEXT_ARGS:
+    for key in FREE_TEXT_ARGS:
         _refuse_unquoted_scalar(key, typed.get(key), name(key, key))
     launch = {key: value for key, value in typed.items() if key in fields and key != "replicas"}
     # One Launcher (one TP group) per Serve replica: Serve, not the Launcher, adds replicas. No static
