@@ -247,9 +247,12 @@ class Attention(nn.Module):
         q, k, v = self.project(x, cos, sin)
         keys, values = (k, v) if kv is None else write_kv(kv.k_cache, kv.v_cache, kv.cache_positions, k, v,
                                                           kv.rows, mask.shape[-1])
-        if kv is not None and torch.compiler.is_compiling() and decode_attention.usable(q, kv.k_cache):
-            # A traced decode step on the CPU: the C kernel reads the cache rows itself (the
-            # gathered keys and values above are then unused, and the graph drops them).
+        if kv is not None and decode_attention.usable(q, kv.k_cache):
+            # A decode step on the CPU, traced or eager: the C kernel reads the cache rows itself (the
+            # gathered keys and values above are then unused, and a graph drops them). Eager steps
+            # too: torch's CPU attention splits a lone row's work over threads unlike a batch's, so a
+            # request decoded alone and beside others differed in the last bits (4e-05 in SmolLM2's
+            # logits at 2 threads), where the kernel's sums for a row do not depend on the batch.
             scale = self.head_dim ** -0.5 if self.scale is None else self.scale
             out = decode_attention.decode_attention(q, kv.k_cache, kv.v_cache,
                                                     None if kv.rows is None else kv.rows[:, 0], mask,

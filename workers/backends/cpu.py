@@ -60,14 +60,17 @@ class CpuBackend(Backend):
                 and not native_build.turned_off("CORELAUNCH_PREFILL_ATTENTION")):
             warnings.warn(f"corelaunch: prefill attention stays on torch's attention "
                           f"({prefill_attention.unavailable_reason})", RuntimeWarning, stacklevel=2)
-        if compile is None:
-            return model
         from workers.kernels import decode_attention
 
-        # Built now (first use on this host), not while the first decode graph is traced.
-        if not decode_attention.available() and not native_build.turned_off("CORELAUNCH_DECODE_ATTENTION"):
-            warnings.warn(f"corelaunch: decode attention stays on the traced products and sums "
-                          f"({decode_attention.unavailable_reason})", RuntimeWarning, stacklevel=2)
+        # Built now (first use on this host), not at the first eager decode step or while the first
+        # decode graph is traced; float32 only, the one dtype it takes (layers.py asks per step).
+        if (getattr(model, "dtype", torch.float32) == torch.float32 and not decode_attention.available()
+                and not native_build.turned_off("CORELAUNCH_DECODE_ATTENTION")):
+            warnings.warn(f"corelaunch: decode attention stays on torch's attention (eager) or the traced "
+                          f"products and sums (compiled) ({decode_attention.unavailable_reason})",
+                          RuntimeWarning, stacklevel=2)
+        if compile is None:
+            return model
         return compile_per_bucket(model, compile)
 
     def shutdown(self) -> None:
