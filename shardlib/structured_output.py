@@ -83,13 +83,75 @@ def _schema_text(schema) -> str:
         raise ValueError(f"json schema {_short(parsed)} must be a JSON object (a mapping such as "
                          f"{{\"type\": \"object\", \"properties\": ...}}); for any JSON object use json_object=True")
     try:
-        return json.dumps(parsed, ensure_ascii=False, allow_nan=False)
+        text = json.dumps(parsed, ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as err:
         raise ValueError(f"json schema {_short(parsed)} cannot be written as JSON ({err})") from None
     except RecursionError:  # a request body parsed it a few frames shallower: a 500, not a 400, before
         # (not shown: showing it recurses as deep)
         raise ValueError("json schema is nested too deeply to use (past Python's recursion limit); "
                          "flatten it") from None
+    _refuse_what_llguidance_misreads(parsed)
+    return text
+
+
+EXACT_INTEGERS = 2 ** 53
+"""llguidance reads a schema's numbers as 64-bit floats, exact only up to 2**53 in size: past it,
+{"const": 9007199254740993} generated 9007199254740992 (finished "stop", the output outside the
+schema)."""
+
+_NUMBER_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+_VALUE_KEYWORDS = ("const", "enum")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
+"""Keywords whose value maps names to schemas."""
+_SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems", "items")
+_SCHEMA_VALUES = ("items", "additionalProperties", "additionalItems", "not", "if", "then", "else", "contains",
+                  "propertyNames", "unevaluatedProperties", "unevaluatedItems", "contentSchema")
+PRIVATE_OPTIONS = "x-guidance"
+"""llguidance's own options key in a schema: it would override the server's JSON options (lenient:
+unsupported keywords silently ignored; whitespace_flexible: free whitespace back)."""
+
+
+def _refuse_what_llguidance_misreads(schema: Mapping) -> None:
+    """ValueError for what llguidance would read otherwise than the schema says: an integer past
+    2**53 under a number or value keyword (rounded), or its private "x-guidance" options. Walked by
+    keyword, so a property named "const" or "x-guidance" is a name, not a keyword; iterative, as
+    a schema may nest as deep as json.dumps took it."""
+    pending: list[tuple[object, str]] = [(schema, "#")]
+    while pending:
+        item, path = pending.pop()
+        if not isinstance(item, Mapping):
+            continue  # true/false, or a malformed part: llguidance's own check words it
+        if PRIVATE_OPTIONS in item:
+            raise ValueError(f"json schema has \"{PRIVATE_OPTIONS}\" at {path}: it is llguidance's private options "
+                             f"key, not a JSON Schema keyword (it would override the server's JSON options: "
+                             f"lenient, whitespace); remove it")
+        for key, value in item.items():
+            where = f"{path}/{key}"
+            if key in _NUMBER_KEYWORDS or key in _VALUE_KEYWORDS:
+                _refuse_inexact(value, where, key)
+            if key in _SCHEMA_MAPS and isinstance(value, Mapping):
+                pending.extend((part, f"{where}/{name}") for name, part in value.items())
+            elif key in _SCHEMA_LISTS and isinstance(value, list):
+                pending.extend((part, f"{where}/{i}") for i, part in enumerate(value))
+            elif key in _SCHEMA_VALUES:
+                pending.append((value, where))
+
+
+def _refuse_inexact(value, path: str, keyword: str) -> None:
+    """ValueError for an integer past 2**53 in size anywhere in a keyword's value (a const or enum
+    value may be an object or array holding one)."""
+    pending = [(value, path)]
+    while pending:
+        item, where = pending.pop()
+        if isinstance(item, int) and not isinstance(item, bool) and abs(item) > EXACT_INTEGERS:
+            raise ValueError(f"json schema's {keyword} at {where} holds {_short(item)}, an integer larger in size "
+                             f"than 2**53 ({EXACT_INTEGERS}): llguidance reads numbers as 64-bit floats and "
+                             f"would round it, so the output would not match the schema; use a string "
+                             f"(\"type\": \"string\") for such values, or a bound within 2**53")
+        if isinstance(item, Mapping):
+            pending.extend((part, f"{where}/{name}") for name, part in item.items())
+        elif isinstance(item, list):
+            pending.extend((part, f"{where}/{i}") for i, part in enumerate(item))
 
 
 def _choices(choice) -> tuple[str, ...]:

@@ -286,7 +286,32 @@ def request_bytes_limit(context_tokens: int, longest_token_chars: int | None) ->
 
 
 PARSED_ON_A_THREAD = 64 * 1024
-"""Bodies larger than this are parsed off the event loop."""
+"""Bodies larger than this are parsed off the event loop (and smaller ones that asks_for_structure)."""
+
+_STRUCTURE_FORMATS = ("json_schema", "json_object")
+_UNFORCED_TOOL_CHOICES = ("none", "auto")
+
+
+def asks_for_structure(body) -> bool:
+    """Whether a parsed request body (chat, completions, or /v1/responses) asks for structured output,
+    whose grammar llguidance checks as the body is parsed: parsed off the event loop then, whatever
+    its size (a 1.6 KB allOf of 6 anyOfs took 0.6 s to check; 8 such requests held /v1/models 3.7 s).
+    Read from the parsed body, not its bytes: a key may be written with JSON escapes. Erring towards
+    yes costs a thread hop."""
+    if not isinstance(body, dict):
+        return False
+    formats = [body.get("response_format")]
+    text = body.get("text")  # /v1/responses: text.format
+    if isinstance(text, dict):
+        formats.append(text.get("format"))
+    if any(isinstance(f, dict) and f.get("type") in _STRUCTURE_FORMATS for f in formats):
+        return True
+    if body.get("structured_outputs") is not None:
+        return True
+    choice = body.get("tool_choice")  # "required" or a named function: the calls' schema is checked
+    forced = choice is not None and (not isinstance(choice, str) or choice not in _UNFORCED_TOOL_CHOICES)
+    return forced and body.get("tools") is not None
+
 
 BODY_READ_S = 60.0
 """How long a request's body of more than PARSED_ON_A_THREAD bytes may take to arrive, whole."""
@@ -1282,14 +1307,19 @@ class OpenAIServer:
         """The request's body read, parsed as JSON and checked as `model`; a body of more than
         PARSED_ON_A_THREAD bytes is parsed and checked on a thread (a 5 MB one held the event loop,
         and with it every stream and /health, for seconds), and so is one whose own chat_template a
-        trusting server compiles (a 62 KB template took 0.65 s); a client gone meanwhile counted as
-        an abort."""
+        trusting server compiles (a 62 KB template took 0.65 s), or one that asks_for_structure
+        (llguidance checks its grammar); a client gone meanwhile counted as an abort."""
         counts = self._counts(model)
         raw, held = await self._read_counted(request, counts)
         # a request's own template is compiled as it is checked: a 62 KB one took 0.65 s
         compiles = self.trust_request_chat_template and b'"chat_template"' in raw
-        return await self._parsed(raw, held, counts, lambda body: self._parse(model, self._json(body, counts)),
-                                  compiles)
+        large = len(raw) > PARSED_ON_A_THREAD
+        try:  # the body's budget held until the request is parsed whole
+            body = await self._off_loop(large, counts, self._json, raw, counts)
+            return await self._off_loop(large or compiles or asks_for_structure(body), counts, self._parse, model,
+                                        body)
+        finally:
+            self.bodies.give(held)
 
     async def _parsed(self, raw: bytes, held: int, counts, parse, slow: bool = False):
         """parse(raw), on a thread for a body of more than PARSED_ON_A_THREAD bytes (a 5 MB one held
@@ -1337,8 +1367,8 @@ class OpenAIServer:
             body = await self._off_loop(large, self.metrics, self._json, raw, self.metrics)
             history = await self._kept_history(body)
             # a long kept history is parsed off the event loop too, as a large body is
-            return await self._off_loop(large or history is not None, self.metrics, self._parse_responses, body,
-                                        history)
+            return await self._off_loop(large or history is not None or asks_for_structure(body), self.metrics,
+                                        self._parse_responses, body, history)
         finally:
             self.bodies.give(held)
 

@@ -574,8 +574,11 @@ class ServingLoop:
             try:  # a whole match of the request's structured output that cannot go on ends it
                 matched = (seq.grammar is not None and token not in request.stop_token_ids
                            and seq.grammar.advance(token))
-            except Exception as err:  # noqa: BLE001 - this request's alone (any error of its matcher's:
-                # raised out of the step, it failed the group, which replayed the request until given up)
+            except (KeyboardInterrupt, SystemExit, GeneratorExit):  # not the matcher's
+                raise
+            except BaseException as err:  # noqa: BLE001 - this request's alone (any error of its matcher's, a
+                # Rust panic included: raised out of the step, it failed the group, which replayed the request
+                # until given up)
                 error = str(err) if isinstance(err, ValueError) else f"its structured output's matcher failed: " \
                                                                       f"{type(err).__name__}: {err}"
                 events.extend(self.held.failed(TokenEvent(request.request_id, [], "error", error=error)))

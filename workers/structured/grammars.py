@@ -7,6 +7,7 @@ a pattern no text matches, before the request is submitted."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Sequence
 
@@ -20,6 +21,11 @@ whitespace allowed anywhere, a small model can fill its whole budget with newlin
 that is still valid JSON."""
 
 ANY_OBJECT = '{"type": "object"}'
+
+NOT_THE_GRAMMARS = (KeyboardInterrupt, SystemExit, GeneratorExit, asyncio.CancelledError)
+"""BaseExceptions that are not llguidance's: let through where a call into llguidance catches
+BaseException (a Rust panic comes as PyO3's PanicException, a BaseException, which `except
+Exception` misses: it would fail the whole worker group, or the server's parse, not one request)."""
 
 
 def grammar_text(spec: StructuredOutput) -> str:
@@ -48,7 +54,9 @@ def grammar_problem(spec: StructuredOutput) -> str | None:
 
     try:
         problem = LLMatcher.validate_grammar(grammar_text(spec))
-    except Exception as err:  # noqa: BLE001 - the library's own words go back to the caller
+    except NOT_THE_GRAMMARS:
+        raise
+    except BaseException as err:  # noqa: BLE001 - the library's own words (a panic's too) go back to the caller
         problem = f"{type(err).__name__}: {err}"
     return short_problem(problem) if problem.strip() else None
 
