@@ -831,10 +831,40 @@ def test_a_stream_with_tokens_delivered_stays(make_pool):
     assert s2.replica == 0 and pool.replicas[0].started.group.cancelled == []
 
 
+def test_a_stream_is_not_moved_back_to_a_leader_that_still_owes_its_old_cancel(make_pool):
+    """s2 moved from replica 0 to 1 (its cancel owed by 0's leader); 1's group fails, and 0 took it
+    back at once: the old cancel's abort then took its id out of the ids 0's leader holds, so the
+    reader's later cancel of the new run was never sent, and the leader ran it to max_tokens while
+    the books counted its row free. It waits for that answer now."""
+    from workers.serving.requests import TokenEvent
+
+    pool, (s0, s1, s2) = routed_three(make_pool)
+    r0, r1 = pool.replicas
+    finished_on(r1, s1)
+    r0._poll_streams(wait_s=0)  # s2 waited on r0: moved to r1, its cancel owed by r0's leader
+    assert s2.replica == 1 and r0.cancelling == {"s2"}
+    with r1._streams_lock:
+        r1.state = "restarting"  # r1's group failed; s2 (nothing delivered) waits there
+    finished_on(r0, s0)
+    pool.rows = 2  # a row free on r0
+    r0._take_from_restarting()
+    assert s2.replica == 1 and "s2" not in r0.streams  # not while r0's leader owes its old cancel
+    group = r0.started.group
+    group.poll = lambda wait_s: ([TokenEvent("s2", [], "abort")], {}, {})  # the old cancel answered
+    r0._poll_streams(wait_s=0)
+    group.poll = lambda wait_s: ([], {}, {})
+    assert r0.cancelling == set()
+    r0._take_from_restarting()  # now it may come back
+    assert s2.replica == 0 and "s2" in r0.streams
+    before = list(group.cancelled)
+    pool.cancel_stream(s2)  # the reader drops the new run: its cancel reaches the leader running it
+    assert group.cancelled == before + [["s2"]]
+
+
 def test_a_stream_cancelled_while_it_moves_is_not_handed_over(make_pool):
     pool, (s0, s1, s2) = routed_three(make_pool)
     finished_on(pool.replicas[1], s1)
-    [moving] = pool.replicas[0]._give_away(1, taker=1)
+    [moving] = pool.replicas[0]._give_away(1, taker=1, owed=set())
     pool.cancel_stream(moving)  # between leaving replica 0 and reaching replica 1
     assert moving.closing and not moving.cancelled  # in neither replica's books: no cancel reached one
     pool.replicas[1].submit_stream(moving, moved=True)

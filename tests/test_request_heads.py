@@ -207,3 +207,23 @@ def test_bytes_sent_ahead_of_a_slow_answer_do_not_cut_it(server, ahead):
         assert answer.startswith(b"HTTP/1.1 200") and answer.count(b"tick\n") == 3, answer
         assert b"408" not in answer and answer.endswith(b"ok\r\n0\r\n\r\n"), answer
         _assert_closed_soon(conn, "the answer")  # and the head sent ahead is still bounded in time
+
+
+def test_a_head_sent_ahead_of_a_slow_answer_gets_its_whole_time_after_that_answer(server):
+    """Its timer, restarted whenever it fired during the answer, could fire just after the answer's
+    end: a 408 0.1 s later, where the head is given the whole head timeout (0.6 s here) from then."""
+    with socket.create_connection(("127.0.0.1", server), timeout=5) as conn:
+        conn.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")  # 1.2 s: the timer fires at 0.7 s, then 1.3 s
+        time.sleep(0.1)
+        conn.sendall(b"GET / HTTP/1.1\r\n")  # part of the next head, sent ahead
+        answer = _read_chunked_answer(conn)
+        answered = time.monotonic()
+        assert answer.startswith(b"HTTP/1.1 200"), answer
+        rest = b""
+        try:
+            while chunk := conn.recv(65536):
+                rest += chunk
+        except OSError:
+            pass
+        waited = time.monotonic() - answered
+        assert rest.startswith(b"HTTP/1.1 408") and waited >= 0.5, (waited, rest[:40])

@@ -92,7 +92,7 @@ def test_consecutive_function_calls_join_one_assistant_message_and_outputs_are_t
             {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
             {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
-        {"role": "tool", "tool_call_id": "c2", "content": "rainy"}]
+        {"role": "tool", "tool_call_id": "c2", "content": "rain\ny"}]  # parts joined as chat joins them
 
 
 def test_a_whole_earlier_output_fed_back_is_one_assistant_turn():

@@ -292,8 +292,16 @@ class Replica:
                 free, waiting = taker.free_rows(), len(self.streams) - rows
                 if free <= 0 or waiting <= 0:
                     return
-                for handle in self._give_away(min(free, waiting), taker.index):
+                for handle in self._give_away(min(free, waiting), taker.index, taker.owed_cancels()):
                     taker.submit_stream(handle, moved=True)
+
+    def owed_cancels(self) -> set[str]:
+        """The ids whose cancel this replica's leader has not answered yet: a stream with one of them
+        is not moved here until it has. Moved back to the leader that still owed its old cancel, its
+        old abort took the id out of `_handed`, and a later cancel of the new one was never sent (the
+        leader ran it to max_tokens while the books counted its row free)."""
+        with self._streams_lock:
+            return set(self.cancelling)
 
     def free_rows(self) -> int:
         """Rows this replica's leader has free, as far as the driver knows (negative: requests wait)."""
@@ -320,25 +328,28 @@ class Replica:
         with pool._lock:
             if pool.stopping or self.state != "serving":
                 return
+            owed = self.owed_cancels()
             for donor in pool.replicas:
                 if donor is self or self.free_rows() <= 0:
                     continue
-                for handle in donor._hand_from_restart(self.free_rows(), self.index):
+                for handle in donor._hand_from_restart(self.free_rows(), self.index, owed):
                     self.submit_stream(handle, moved=True, resumed=True)
 
-    def _hand_from_restart(self, count: int, taker: int) -> list[StreamHandle]:
+    def _hand_from_restart(self, count: int, taker: int, owed: set[str]) -> list[StreamHandle]:
         """Up to `count` of this restarting replica's streams with nothing delivered, oldest first,
-        out of its books (so its restart does not resume them)."""
+        out of its books (so its restart does not resume them); none whose id is in `owed` (the
+        taker's leader still owes its old cancel: owed_cancels)."""
         with self._streams_lock:
             if self.state != "restarting":
                 return []
-            moving = [h for h in self.streams.values() if not h.delivered and not h.closing][:count]
+            moving = [h for h in self.streams.values()
+                      if not h.delivered and not h.closing and h.request_id not in owed][:count]
             for handle in moving:
                 self.streams.pop(handle.request_id)
                 handle.replica = taker
         return moving
 
-    def _give_away(self, count: int, taker: int) -> list[StreamHandle]:
+    def _give_away(self, count: int, taker: int, owed: set[str]) -> list[StreamHandle]:
         """Up to `count` streams that wait for a row here, newest first, out of the books and
         cancelled here; their ids stay in `cancelling` until the leader answers, so its late events
         for them are dropped. The leader seats requests in the order they came (the books' order),
@@ -348,7 +359,8 @@ class Replica:
             if self.state != "serving":
                 return []
             waiting = list(self.streams.values())[self.pool.rows:]
-            moving = [h for h in reversed(waiting) if not h.delivered and not h.closing][:count]
+            moving = [h for h in reversed(waiting)
+                      if not h.delivered and not h.closing and h.request_id not in owed][:count]
             for handle in moving:
                 self.streams.pop(handle.request_id)
                 if handle.request_id in self._handed:
@@ -590,10 +602,14 @@ class Replica:
             if pool.stopping or not takers:
                 return
             placed = {r.index: 0 for r in takers}
+            owed = {r.index: r.owed_cancels() for r in takers}
             moves = []
             with self._streams_lock:  # as _hand_from_restart: a cancel from its reader now goes where it went
                 for handle in [h for h in self.streams.values() if not h.delivered and not h.closing]:
-                    taker = min(takers, key=lambda r: r.rows_taken() + placed[r.index])
+                    eligible = [r for r in takers if handle.request_id not in owed[r.index]]
+                    if not eligible:  # every serving leader still owes its old cancel: it fails here
+                        continue
+                    taker = min(eligible, key=lambda r: r.rows_taken() + placed[r.index])
                     placed[taker.index] += 1
                     self.streams.pop(handle.request_id)
                     handle.replica = taker.index

@@ -98,6 +98,14 @@ def bounded_protocol_class():
             super().on_message_complete()
             self._in_head = True  # the next request's head; its time starts with its first byte
 
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self._in_head and self._head_timer is not None:
+                # a head sent ahead while this answer was written: its time runs from now (the timer
+                # restarted while the answer ran could fire just after its end: a 408 at once)
+                self._stop_head_timer()
+                self._start_head_timer()
+
         def _end_early_answers(self, cycle) -> None:
             """An answer that starts before its own request's body has ended (a 401 without the key,
             a 413) says `connection: close`, so that no client sends another request on the
@@ -145,8 +153,8 @@ def bounded_protocol_class():
             if not self._in_head or self._lingering or self.transport.is_closing():
                 return
             if self.cycle is not None and not self.cycle.response_complete:
-                # the answer before this head is still being written: a 408 would land inside it, and
-                # the head's time runs from the answer's end (a client may send ahead while it waits)
+                # the answer before this head is still being written: a 408 would land inside it; the
+                # head's time starts again at the answer's end (on_response_complete)
                 self._start_head_timer()
                 return
             if self._head_bytes:

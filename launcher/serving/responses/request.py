@@ -480,7 +480,7 @@ def _output_text(item: dict, path: str) -> str:
             raise ProtocolError(f"{path}.output[{j}].type ({_short(part.get('type'))}) is not supported: this "
                                 f"server takes text only; send input_text parts", param=f"{path}.output[{j}].type")
         texts.append(_text_part(part, f"{path}.output[{j}]")["text"])
-    return "".join(texts)
+    return "\n".join(texts)  # as a chat tool message's text parts are joined (ChatMessage.text: vLLM's rule)
 
 
 def _reasoning_text(item: dict, path: str) -> str:
