@@ -86,7 +86,8 @@ class LaunchConfig:
     load restarted groups (and later launches) from it. The directory must be visible at the same
     path on every node (as the model directory must)."""
     presharded_cache_dir: str | None = None
-    """Default: $CORELAUNCH_CACHE/presharded-uid<uid> (~/.cache/corelaunch/presharded-uid<uid>), this user's own."""
+    """Default: $CORELAUNCH_CACHE/presharded-uid<uid> (~/.cache/corelaunch/presharded-uid<uid>), this user's own.
+    Given without presharded_cache, refused (it was ignored)."""
     lnc: int | None = None
     dtype: str | None = None
     """Compute dtype; None keeps the checkpoint's."""
@@ -150,7 +151,8 @@ class LaunchConfig:
     """A directory written by `corelaunch compile`: start from its weights, graphs and settings
     (see launcher/artifacts/compiled_dir.py); options that contradict it are refused."""
     max_context_length: int | None = None
-    """Longest prompt (largest context-encoding bucket); None: seq_len."""
+    """Longest prompt (largest context-encoding bucket); None: seq_len. One past seq_len (given, or the
+    plan's default) is refused: the buckets stopped at seq_len."""
     context_buckets: tuple[int, ...] | None = None
     """Context-encoding (prefill) lengths; None: powers of two from 128 up to max_context_length."""
     token_buckets: tuple[int, ...] | None = None
@@ -188,6 +190,16 @@ class LaunchConfig:
             _check_flag("fused_projections", self.fused_projections)
         for name in ("model", "compiled_dir", "presharded_dir", "presharded_cache_dir"):
             _check_path(name, getattr(self, name))
+        if self.presharded_cache_dir is not None and not self.presharded_cache:  # it was ignored without a word
+            raise ValueError(f"presharded_cache_dir ({str(self.presharded_cache_dir)!r}) is where presharded_cache "
+                             f"writes its copy, and presharded_cache is False; pass presharded_cache=True "
+                             f"(--presharded-cache), or drop it")
+        for name in ("context_buckets", "token_buckets"):
+            # each length as a Python int, as the request counts take them: [np.int64(128)] and
+            # np.array([128, 256]) were refused with a rule their values met
+            given = getattr(self, name)
+            if given is not None and not isinstance(given, (str, bytes)) and hasattr(given, "__iter__"):
+                setattr(self, name, [_plain_integer(value) for value in given])
         # numpy's and torch's scalars as Python's, as the request counts take them (tp=np.int64(2)
         # was refused with a rule the value met)
         for entry in dataclasses.fields(self):
@@ -642,9 +654,11 @@ class Launcher:
         if config is not None and not isinstance(config, LaunchConfig):  # Launcher("/models/x"): the model path
             raise ValueError(f"config ({show(config)}) must be a LaunchConfig or None; pass options as keywords, "
                              f"e.g. Launcher(model=...)")
-        self.config = config if config is not None else LaunchConfig(**options)
         if config is not None and options:
             raise ValueError("pass either a LaunchConfig or keyword options, not both")
+        # A copy checked again: a field set after the config was built (cfg.compile = "false") skipped
+        # every check. __post_init__ takes its own output unchanged (prepare()'s replace() relies on it too).
+        self.config = dataclasses.replace(config) if config is not None else LaunchConfig(**options)
         self.plan = None
         self.model_config: ModelConfig | None = None
         self.model_dir: Path | None = None
@@ -660,6 +674,8 @@ class Launcher:
         self._tokenizer_load: BackgroundLoad | None = None
         self._tokenizer_retry = False
         """The last load failed, and its error was raised: the next prepare() starts another."""
+        self._tokenizer_taken = threading.Lock()
+        """Held while a waiter sets self.tokenizer from the load and lets go of it (_await_tokenizer)."""
         self._host_holds: int | None = None
         self.load_stats: list = []
         self.timings: dict[str, float] = {}
@@ -846,19 +862,30 @@ class Launcher:
         self._tokenizer_load = BackgroundLoad(load_tokenizer, self.model_dir, name="corelaunch-tokenizer")
 
     def _await_tokenizer(self) -> None:
-        """self.tokenizer from the load prepare() started (its error, if it failed), once."""
-        load, self._tokenizer_load = self._tokenizer_load, None
+        """self.tokenizer from the load prepare() started (its error, if it failed). Every caller
+        waits for the load (start()'s own wait and check_prompts() on other threads): the first to
+        take it used to clear it, and another then returned at once without a tokenizer, and its text
+        prompt was refused for "no tokenizer files". The load is let go of once its result is in."""
+        load = self._tokenizer_load
         if load is None:
             return
         try:
             with self._progress.spinner("loading tokenizer"):
-                self.tokenizer = load.result()
+                tokenizer = load.result()
         except BaseException:
-            # Loaded again by the next prepare() (start(), check_prompts()): the files may have been
-            # repaired meanwhile. A launcher started again without it ran on token ids alone, and
-            # said the model had no tokenizer files.
-            self._tokenizer_retry = True
+            if load.failed():  # the load's own error (not this waiter's interrupt): every waiter raises it
+                with self._tokenizer_taken:
+                    if self._tokenizer_load is load:
+                        # Loaded again by the next prepare() (start(), check_prompts()): the files may
+                        # have been repaired meanwhile. A launcher started again without it ran on token
+                        # ids alone, and said the model had no tokenizer files.
+                        self._tokenizer_load, self._tokenizer_retry = None, True
             raise
+        with self._tokenizer_taken:
+            if self._tokenizer_load is not load:
+                return  # another waiter took it first (and set self.tokenizer before letting go)
+            self.tokenizer = tokenizer  # before the load is let go: _tokenize reads the two without the lock
+            self._tokenizer_load = None
         self._progress.done("loading tokenizer", load.elapsed_s)
 
     def check_prompts(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],

@@ -107,6 +107,7 @@ def plan_launch(config, progress: Progress, nothing_done: str = "nothing was sta
         errors = [dict(e) for e in plan.to_dict()["errors"]]
         lines = "\n".join(f"  [{e['code']}] {e['message']}" for e in errors)
         raise PlanRejected(f"the layout is impossible; {nothing_done}:\n{lines}", errors)
+    refuse_context_past_seq_len(config, plan)
     for text in layout_notes(config, plan):
         progress.note(text)
     gaps = model_config.executor_gaps(config.seq_len)
@@ -128,6 +129,18 @@ def plan_launch(config, progress: Progress, nothing_done: str = "nothing was sta
 
             check_presharded_dir(config.presharded_dir, model_config, plan.layout(), plan.dtype)
     return PlannedLaunch(model_dir, model_config, backend, plan.instance, plan, host_holds)
+
+
+def refuse_context_past_seq_len(config, plan) -> None:
+    """ValueError for a max_context_length past the plan's default seq_len (LaunchConfig refuses one
+    past a seq_len given): the buckets stopped at seq_len, and the longer prompts it promised were
+    refused at the request."""
+    from shardlib.planner import DEFAULT_MAX_SEQ_LEN
+
+    if config.max_context_length is not None and config.seq_len is None and config.max_context_length > plan.seq_len:
+        raise ValueError(f"max_context_length ({config.max_context_length}) exceeds seq_len ({plan.seq_len}, the "
+                         f"plan's default: min(max_position_embeddings, {DEFAULT_MAX_SEQ_LEN})); pass seq_len >= "
+                         f"{config.max_context_length} or lower max_context_length")
 
 
 def layout_notes(config, plan) -> list[str]:
@@ -234,14 +247,34 @@ def host_bytes_per_group(plan, server: bool = False) -> int:
 
 def groups_this_host_holds(config, plan, backend: str, server: bool = False) -> int | None:
     """How many TP groups of `plan` this host's RAM holds at once, where every group would share it
-    (cpu replicas on a private cluster: nodes 1 and no --instance, so the plan's memory is this
-    host's); None elsewhere (another machine's memory, or several). server: each group has a Serve
-    replica in front of it (host_bytes_per_group)."""
+    (cpu replicas on a private cluster: nodes 1); None elsewhere (another machine's memory, or
+    several). A plan for --instance is counted as its ranks run here (planned_on_this_host): they
+    were left unchecked, and replicas=50 of a trn1.32xlarge plan was taken on a small host. server:
+    each group has a Serve replica in front of it (host_bytes_per_group)."""
     from launcher.cluster.ray_cluster import private_cluster
 
-    if backend != "cpu" or config.instance is not None or config.nodes != 1 or not private_cluster(config.ray_address):
+    if backend != "cpu" or config.nodes != 1 or not private_cluster(config.ray_address):
         return None
-    return _host_usable_bytes(plan) // host_bytes_per_group(plan, server)
+    here = planned_on_this_host(plan)
+    return _host_usable_bytes(here) // host_bytes_per_group(here, server)
+
+
+def planned_on_this_host(plan):
+    """`plan` as the cpu target (this host's RAM) counts it: the same layout, dtype, rows and
+    seq_len, for ranks that run here whatever --instance the layout was checked for (the plan's
+    memory was that instance's). A plan for this host is returned as it is."""
+    from shardlib.instances import CPU_TARGET
+    from shardlib.planner import plan as make_plan
+    from shardlib.quantized_sizes import KV_CACHE_DTYPES
+
+    if plan.instance == CPU_TARGET:
+        return plan
+    # an fp8 cache asked for stays fp8; otherwise the cpu target's own default for the compute dtype
+    fp8 = plan.memory.kv_cache_dtype if plan.memory.kv_cache_dtype in KV_CACHE_DTYPES else None
+    return make_plan(plan.config, instance=CPU_TARGET, tp=plan.tp_degree, batch_size=plan.batch_size,
+                     serving_rows=plan.serving_rows, seq_len=plan.seq_len, dtype=plan.dtype,
+                     kv_strategy=plan.kv_strategy, pad_q_heads=plan.padded_q_heads is not None,
+                     kv_cache_dtype=fp8, moe_sharding=plan.moe_sharding)
 
 
 def check_replicas_fit_this_host(config, plan, backend: str) -> None:
@@ -262,6 +295,7 @@ def check_groups_fit(count: int, name: str, plan, holds: int | None, server: boo
 
     if holds is None or count <= holds:
         return
+    plan = planned_on_this_host(plan)  # as groups_this_host_holds counted it: the message's figures are this host's
     if holds == 0:
         raise ValueError(_no_group_fits(plan, server))
     per_group = host_bytes_per_group(plan, server)

@@ -87,5 +87,20 @@ def test_some_graphs_compiled_and_some_from_the_cache_are_told_apart():
 def test_the_slowest_replica_is_the_one_described():
     read, compiled = graphs(False, seconds=1.0), graphs(True, seconds=9.0)
     assert compile_message([(graphs(), read), (graphs(), compiled)]).startswith("compiled 1 graph(s) in 9.0 s")
+    # the slowest read the cache, and the other replica compiled: said (it was "from the compile cache" alone)
     assert compile_message([(graphs(), graphs(False, seconds=9.0)), (graphs(), graphs(True, seconds=1.0))]) == (
+        "set up 1 graph(s) in 9.0 s during the requests: 1 of 2 replicas compiled theirs (later runs take them "
+        "from the cache), the others read them from the compile cache")
+    assert compile_message([(graphs(), graphs(False, seconds=9.0)), (graphs(), graphs(False, seconds=1.0))]) == (
         "set up 1 graph(s) from the compile cache in 9.0 s during the requests")
+
+
+def test_a_replica_that_compiled_is_said_when_the_slowest_read_the_cache():
+    # one replica compiled its graph (0.9 s), another read it from the cache (1.0 s, the slowest):
+    # "from the compile cache" alone said nothing was compiled
+    def graph(compiled: bool, seconds: float) -> dict:
+        return {"graphs": [{"first_call_s": seconds, "compiled": compiled}]}
+
+    message = compile_message([({"graphs": []}, graph(True, 0.9)), ({"graphs": []}, graph(False, 1.0))])
+    assert message == ("set up 1 graph(s) in 1.0 s during the requests: 1 of 2 replicas compiled theirs (later runs "
+                       "take them from the cache), the others read them from the compile cache")

@@ -964,7 +964,8 @@ def test_server_settings_from_builder_arguments():
         settings_from_args({"token_buckets": "a,b"})
     with pytest.raises(ValueError, match=r"compile \('nope'\) must be True or False"):  # was compile on
         settings_from_args({"compile": "nope"})
-    assert settings_from_args({"presharded_cache_dir": "2024"}).launch["presharded_cache_dir"] == "2024"  # was int
+    assert settings_from_args({"presharded_cache": True, "presharded_cache_dir": "2024"}).launch[
+        "presharded_cache_dir"] == "2024"  # was int
     with pytest.raises(ValueError, match=r"ray_address \('10.0.0.1:6379'\) does not apply to a server"):
         settings_from_args({"ray_address": "10.0.0.1:6379"})  # was ignored: a replica is inside Serve's Ray
     with pytest.raises(ValueError, match="printable ASCII"):  # a header cannot carry it: every request got 401

@@ -54,7 +54,7 @@ def test_every_free_text_argument_refuses_a_number_the_same_way(key):
 
 
 def test_quoted_the_same_values_are_taken():
-    quoted = yaml.safe_load('api_key: "12345"\nserved_model_name: "2024"\npresharded_cache_dir: "2024"\n')
+    quoted = yaml.safe_load('api_key: "12345"\nserved_model_name: "2024"\npresharded_cache: true\npresharded_cache_dir: "2024"\n')
     settings = settings_from_args(quoted)
     assert (settings.api_key, settings.served_model_name) == ("12345", "2024")
     assert settings.launch["presharded_cache_dir"] == "2024"
