@@ -11,6 +11,9 @@
 - Across nodes (several node groups on this machine): hierarchical results equal the rank-order sum
   and gloo's bit for bit, whichever ranks share a node.
 - A peer that never arrives raises naming it; a peer that died is noticed within a second.
+- Closing a rank's collectives while one of its threads waits in a step (a shutdown beside the
+  serving loop) ends that call with CollectivesClosed and unmaps after it leaves (was a segfault);
+  misuse (a 0-d gather, a strided in-place sum) raises a ValueError naming the fix on every path.
 - Set-up failure on one rank: every rank falls back to gloo together (auto) or all raise (shm).
 - Nothing named corelaunch-* is left in /dev/shm, during a group's life or after.
 - Local trust: a FIFO among the segments stalls neither the orphan sweep nor set-up, and a group
@@ -166,10 +169,28 @@ def _two_ranks(rank, world_size):
                         out["mismatch"].append((name + "_gather", shape, str(dtype)))
             for name, coll in (("gloo", gloo), ("shm", shm), ("shm_chunked", small)):
                 out["mismatch"] += [(name, *bad) for bad in rows_check(rank, world_size, coll, seed, shape, dtype)]
+    out["misuse"] = _misuse_errors(gloo) + _misuse_errors(shm)
     dist.barrier()
     for c in (shm, small):
         c.close()
     return out
+
+
+def _misuse_errors(coll) -> list:
+    """What a 0-d gather and a strided in-place sum raise (ValueErrors naming the fix, on every
+    path): the ones that do not."""
+    wrong = []
+    for call, x, says in ((coll.all_gather_last_dim, torch.tensor(1.0), "at least one"),
+                          (coll.all_reduce_sum_, torch.ones(2, 4).t(), "pass tensor.contiguous()")):
+        try:
+            call(x)
+            wrong.append((type(coll).__name__, call.__name__, "returned"))
+        except ValueError as e:
+            if says not in str(e):
+                wrong.append((type(coll).__name__, call.__name__, str(e)))
+        except Exception as e:  # noqa: BLE001 - the wrong kind of error is the finding
+            wrong.append((type(coll).__name__, call.__name__, f"{type(e).__name__}: {e}"))
+    return wrong
 
 
 @pytest.mark.slow
@@ -178,6 +199,7 @@ def test_two_ranks_bitwise_equal_to_gloo_and_selection():
     results = run_ranks(2, _two_ranks)
     for rank, out in results.items():
         assert out["mismatch"] == [], f"rank {rank}: results differ from gloo: {out['mismatch']}"
+        assert out["misuse"] == [], f"rank {rank}: {out['misuse']}"
         # explicit one node, hostnames (node_groups None), forced gloo, nobody co-located
         assert out["types"] == ["ShmCollectives", "ShmCollectives", "TorchDistributedCollectives",
                                 "TorchDistributedCollectives"]
@@ -597,6 +619,136 @@ def test_ranks_whose_calls_differ_in_size_or_dtype_fail_the_step_naming_both(tmp
         step, f"a {'gather' if step == 'gather' else 'reduce'} of 6 elements of torch.float32")
     assert f"here but {theirs} from rank 1" in messages[0], messages
     assert "the ranks called different collectives" in messages[1], messages
+
+
+# ---- closing while a call is in flight -------------------------------------------------------------
+# Run in a fresh interpreter: unmapping the segment under a waiting thread was a segfault, which
+# must fail one test (exit -11), not kill the pytest process. Prints one JSON line of findings.
+_CLOSE_IN_FLIGHT = r"""
+import json, pathlib, sys, threading, time
+import torch
+from tests.test_shm_collectives import thread_ranks
+from workers.shm.exchange import NodeExchange
+
+scenario, tmp = sys.argv[1], pathlib.Path(sys.argv[2])
+found = {}
+
+
+def attempt(coll, x):
+    try:
+        coll.all_reduce_sum_(x)
+        return f"returned {x.tolist()}"
+    except BaseException as e:  # noqa: BLE001 - reported
+        return f"{type(e).__name__}: {e}"
+
+
+class SlowAfterWait(NodeExchange):
+    # Holds the call inside the exchange (reading the slots next) well past close()'s wait.
+    def _wait(self, *args, **kwargs):
+        super()._wait(*args, **kwargs)
+        time.sleep(1.0)
+
+
+if scenario == "slow_reader":
+    first, second = thread_ranks(tmp, 2, timeout_s=60.0, exchange_cls=SlowAfterWait)
+    results = {}
+    threads = [threading.Thread(target=lambda r=r, c=c: results.__setitem__(r, attempt(c, torch.full((4,), 1.0 + r))))
+               for r, c in enumerate((first, second))]
+else:
+    first, second = thread_ranks(tmp, 2, timeout_s=60.0)
+    if scenario == "reuse_wait":  # rank 1 never reads this: the next step waits in _post to reuse the buffer
+        first._x.broadcast_(torch.ones(8), root=0)
+    results = {}
+    threads = [threading.Thread(target=lambda: results.__setitem__(0, attempt(first, torch.ones(8))))]
+for t in threads:
+    t.start()
+time.sleep(0.5)
+start = time.monotonic()
+if scenario == "slow_reader":
+    first._x.close(wait_s=0.1)
+else:
+    first.close()  # as RankWorker.shutdown does
+found["close_s"] = time.monotonic() - start
+found["mapped_after_close"] = not first._x.segment._map.closed
+for t in threads:
+    t.join(10)
+found["ended_s"] = time.monotonic() - start
+found["still_waiting"] = any(t.is_alive() for t in threads)
+found["results"] = results
+found["mapped_at_end"] = not first._x.segment._map.closed
+found["later"] = attempt(first, torch.ones(8))
+first.close()  # again: nothing happens
+second.close()
+print(json.dumps(found), flush=True)
+"""
+
+
+def _close_in_flight(tmp_path, scenario: str) -> dict:
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", _CLOSE_IN_FLIGHT, scenario, str(tmp_path)], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, (f"closing with a call in flight ({scenario}) ended the process with "
+                                  f"{done.returncode} (-11: a segfault):\n{done.stdout}\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("scenario", ["peer_wait", "reuse_wait"])
+def test_closing_under_a_thread_waiting_for_a_peer_ends_its_call_with_a_clear_error(tmp_path, scenario):
+    """peer_wait: the thread waits for rank 1's data in a reduce; reuse_wait: it waits in _post for
+    rank 1 to finish reading a broadcast before reusing the buffer. The peer never comes; another
+    thread closes (RankWorker.shutdown beside a serving loop). Unmapping under the waiter was a
+    segfault; now the waiter raises on its next liveness check and the segment is unmapped after."""
+    found = _close_in_flight(tmp_path, scenario)
+    assert not found["still_waiting"] and found["ended_s"] < 3, found
+    assert found["results"]["0"].startswith("CollectivesClosed: ") and "was waiting for a peer when" in found["results"]["0"], found
+    assert found["close_s"] < 3 and not found["mapped_after_close"], found  # the waiter left within close()'s wait
+    assert found["later"].startswith("CollectivesClosed: ") and "was called after" in found["later"], found
+
+
+def test_a_call_still_reading_when_close_gives_up_waiting_unmaps_on_its_way_out(tmp_path):
+    """Both ranks are inside a reduce (past the wait, about to read the slots) when rank 0 closes
+    with a 0.1 s wait: close() returns with the segment still mapped, the call completes with the
+    right sum, and the segment goes when it leaves."""
+    found = _close_in_flight(tmp_path, "slow_reader")
+    assert found["close_s"] < 0.5 and found["mapped_after_close"], found
+    assert found["results"] == {"0": "returned [3.0, 3.0, 3.0, 3.0]", "1": "returned [3.0, 3.0, 3.0, 3.0]"}, found
+    assert not found["mapped_at_end"], found
+    assert found["later"].startswith("CollectivesClosed: "), found
+
+
+def test_close_with_nothing_in_flight_unmaps_at_once_and_later_calls_say_closed(tmp_path):
+    from workers.shm.exchange import CollectivesClosed
+
+    first, second = thread_ranks(tmp_path, 2)
+    start = time.perf_counter()
+    first.close()
+    assert time.perf_counter() - start < 0.5 and first._x.segment._map.closed
+    first.close()  # idempotent
+    with pytest.raises(CollectivesClosed, match="rank 0 was called after this rank's collectives were closed"):
+        first.all_reduce_sum_(torch.ones(8))
+    with pytest.raises(CollectivesClosed):
+        first.all_gather_last_dim(torch.ones(2, 3))
+    second.close()
+
+
+def test_misuse_raises_value_errors_naming_the_fix(tmp_path):
+    """Checked before any step, so one rank alone raises (its peer is never waited for); if-checks
+    rather than asserts, which python -O strips."""
+    first, second = thread_ranks(tmp_path, 2, timeout_s=5.0)
+    try:
+        with pytest.raises(ValueError, match=r"at least one.*0-d tensor: pass tensor.reshape\(1\)"):
+            first.all_gather_last_dim(torch.tensor(1.0))
+        with pytest.raises(ValueError, match=r"contiguous tensor, got shape \(4, 2\).*pass tensor.contiguous\(\)"):
+            first.all_reduce_sum_(torch.ones(2, 4).t())
+    finally:
+        first.close()
+        second.close()
 
 
 # ---- orphans: a leader killed during set-up ---------------------------------------------------------

@@ -53,6 +53,21 @@ def sum_in_rank_order_(out: torch.Tensor, parts: list[torch.Tensor]) -> torch.Te
     return out
 
 
+def require_contiguous(tensor: torch.Tensor, what: str) -> None:
+    """A check, not an assert: python -O strips asserts, and a strided tensor would then be
+    reduced through a view of the wrong elements (or fail deep inside the library)."""
+    if not tensor.is_contiguous():
+        raise ValueError(f"{what} reduces the caller's storage in place and needs a contiguous tensor, got "
+                         f"shape {tuple(tensor.shape)} with strides {tuple(tensor.stride())}: pass "
+                         f"tensor.contiguous() (and use the result), or call all_reduce, which returns a new tensor")
+
+
+def require_a_dimension(tensor: torch.Tensor, what: str) -> None:
+    if tensor.dim() == 0:
+        raise ValueError(f"{what} concatenates along the last dimension and needs a tensor with at least one, "
+                         f"got a 0-d tensor: pass tensor.reshape(1)")
+
+
 class Collectives(abc.ABC):
     """One rank's view of its tensor-parallel group."""
 
@@ -240,7 +255,7 @@ class TorchDistributedCollectives(Collectives):
         if self._world_size == 1:
             return tensor
         # torch.distributed reduces contiguous storage only; callers pass fresh matmul outputs.
-        assert tensor.is_contiguous(), "all_reduce_sum_ needs a contiguous tensor"
+        require_contiguous(tensor, "all_reduce_sum_")
         if self._world_size == 2:  # a + b == b + a bit for bit: gloo's ring sum is the rank-order sum
             self._dist.all_reduce(tensor, op=self._dist.ReduceOp.SUM, group=self._group)
             return tensor
@@ -251,6 +266,7 @@ class TorchDistributedCollectives(Collectives):
         return tensor
 
     def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
+        require_a_dimension(tensor, "all_gather_last_dim")
         if self._world_size == 1:
             return tensor
         tensor = tensor.contiguous()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,6 +126,10 @@ class LoadStats:
     LM head (its lookup reads one row a token). What a memory-bandwidth bound divides."""
 
 
+SHUTDOWN_LOOP_WAIT_S = 5.0
+"""How long shutdown waits for the serving loop to end before closing the collectives under it."""
+
+
 def _silent(line: str) -> None:
     """Other ranks build the same graphs as rank 0 at the same time: one announcement is enough."""
 
@@ -154,6 +159,8 @@ class RankWorker:
     """The loop prepare_serving made, until stream_events takes it (even when the loop has ended by then)."""
     _numbered: NumberedCalls = field(default_factory=NumberedCalls, init=False, repr=False)
     """Rank 0: the driver's numbered submissions and cancellations, handed to the loop in order."""
+    _serve_ended: threading.Event | None = field(default=None, init=False, repr=False)
+    """Set when serve() returns: shutdown waits for it before closing the collectives the loop uses."""
 
     def describe(self) -> dict:
         """Where this rank runs: used for error messages and rendezvous."""
@@ -345,10 +352,12 @@ class RankWorker:
         """Run the serving loop until stop_serving(); the loop's step counters when it ends."""
         loop = self._loop
         assert loop is not None, "prepare_serving must run before serve"
+        ended = self._serve_ended = threading.Event()
         try:
             loop.run()
         finally:
             self._loop = None
+            ended.set()
         return loop_counters(loop)
 
     def submit_requests(self, requests: list, number: int | None = None) -> None:
@@ -394,8 +403,16 @@ class RankWorker:
         self._prepared_loop = None
         if self._loop is not None:
             self._loop.stop()
-        # The model holds the collectives; drop it first so the shared-memory views go with it,
-        # then unmap the segment before the process group is destroyed.
+        # The loop's thread may still be inside a collective (a peer stopped first): give it a
+        # moment to end, so it stops between steps rather than failing on closed collectives.
+        # Bounded, as a rank stuck for good must not hold the shutdown: close() is safe anyway
+        # (a call in flight raises CollectivesClosed; the memory stays mapped until it leaves).
+        ended = self._serve_ended
+        if ended is not None and not ended.wait(SHUTDOWN_LOOP_WAIT_S):
+            print(f"rank {self.spec.rank}: the serving loop had not ended {SHUTDOWN_LOOP_WAIT_S:g} s after "
+                  f"stop; closing its collectives under it", flush=True)
+        # The model holds the collectives: drop it, then release the shared memory before the
+        # process group is destroyed.
         self._model = None
         if self._collectives is not None:
             self._collectives.close()

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from workers.collectives import Collectives, TorchDistributedCollectives, sum_in_rank_order_
+from workers.collectives import (Collectives, TorchDistributedCollectives, require_a_dimension, require_contiguous,
+                                 sum_in_rank_order_)
 from workers.shm.exchange import NodeExchange
 
 
@@ -48,7 +49,7 @@ class ShmCollectives(Collectives):
 
     def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         # Same contract as the gloo path: reduce the caller's storage in place.
-        assert tensor.is_contiguous(), "all_reduce_sum_ needs a contiguous tensor"
+        require_contiguous(tensor, "all_reduce_sum_")
         flat = tensor.view(-1)
         step = self._x.max_numel(flat.dtype)
         if flat.numel() <= step:
@@ -59,6 +60,7 @@ class ShmCollectives(Collectives):
         return tensor
 
     def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
+        require_a_dimension(tensor, "all_gather_last_dim")
         flat = tensor.contiguous().view(-1)
         n, numel = self._x.size, flat.numel()
         if numel == 0:
@@ -132,7 +134,7 @@ class HierarchicalCollectives(Collectives):
         return self._world.world_size
 
     def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
-        assert tensor.is_contiguous(), "all_reduce_sum_ needs a contiguous tensor"
+        require_contiguous(tensor, "all_reduce_sum_")
         flat = tensor.view(-1)
         for start, end in _chunks(flat.numel(), self._chunk_bytes // flat.element_size()):
             part = flat[start:end]

@@ -44,6 +44,7 @@ import fcntl
 import mmap
 import os
 import re
+import threading
 import time
 from dataclasses import dataclass
 
@@ -158,13 +159,13 @@ class Segment:
             self._held = None
 
     def close(self) -> None:
-        """Unmap (views into the segment must be dropped first)."""
+        """Unmap. mmap.close() succeeds even while torch views into the segment are alive
+        (torch.frombuffer keeps a reference to the map but not its buffer export), and a view used
+        afterwards reads freed memory (a segfault): the caller must make sure nobody touches the
+        segment any more (NodeExchange.close waits for the calls in flight)."""
         self._release()
         self.bytes = None
-        try:
-            self._map.close()
-        except BufferError:
-            pass  # a view is still alive somewhere: the mapping goes when the process exits
+        self._map.close()
 
 
 def remove_orphans(shm_dir: str) -> list[str]:
@@ -221,6 +222,19 @@ class CollectiveTimeout(TimeoutError):
     """A peer did not arrive in time (or its process is gone); the group cannot be used again."""
 
 
+class CollectivesClosed(RuntimeError):
+    """A collective called on (or still waiting in) an exchange that was closed."""
+
+
+CLOSE_WAIT_S = 2.0
+"""How long close() waits for calls in flight to leave (a waiter notices the close on its next
+liveness check, within ~0.2 s) before leaving the unmapping to the last of them."""
+_GONE_PID = 2**31 - 1
+"""A pid no process can have (Linux pids stay below 2**22): cl_wait's liveness check, every ~0.2 s,
+reads the pids array from this process's memory, so writing this there makes every waiter give up
+as if its peers had exited; NodeExchange._wait then reports the close instead."""
+
+
 class NodeExchange:
     """Local rank `local_rank` of the `layout.local_size` ranks sharing `segment`."""
 
@@ -244,6 +258,12 @@ class NodeExchange:
         self._all_reached = 0  # every peer is known to have published at least this step
         self._broken: str | None = None
         self._views: dict = {}
+        # Calls in flight, so that close() never unmaps under one (a thread waiting in cl_wait or
+        # copying from a slot would touch freed memory: a segfault, not an error).
+        self._flight = threading.Lock()  # a plain lock: taken twice a step, on the decode path
+        self._in_flight = 0
+        self._closed = False
+        self._unmapped = False
         torch.frombuffer(segment._map, dtype=torch.int32, count=1,
                          offset=self.layout.counter_offset(local_rank) + 8)[0] = os.getpid()
 
@@ -257,9 +277,46 @@ class NodeExchange:
             visible = pid > 0 and i != self.local_rank and process_alive(pid)
             self._pids[i] = pid if visible else 0
 
-    def close(self) -> None:
-        self._views.clear()
-        self.segment.close()
+    def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
+        """End the group on this rank: later calls raise CollectivesClosed, a call waiting for a peer
+        raises it within ~0.2 s, and the segment is unmapped once no call is in flight (here, or by
+        the last call to leave when one is still inside after `wait_s`)."""
+        with self._flight:
+            if self._closed:
+                return
+            self._closed = True
+            for i in range(self.size):
+                self._pids[i] = _GONE_PID  # wakes every waiter on its next liveness check
+        deadline = time.monotonic() + wait_s
+        while True:
+            with self._flight:
+                if self._in_flight == 0 or time.monotonic() > deadline:
+                    self._unmap_if_idle()  # else the last call to leave unmaps
+                    return
+            time.sleep(0.01)
+
+    def _unmap_if_idle(self) -> None:
+        """Under self._flight, once closed."""
+        if self._in_flight == 0 and not self._unmapped:
+            self._unmapped = True
+            self._views.clear()
+            self.segment.close()
+
+    def _enter(self) -> None:
+        with self._flight:
+            if self._closed:
+                raise CollectivesClosed(self._closed_message("was called after"))
+            self._in_flight += 1
+
+    def _leave(self) -> None:
+        with self._flight:
+            self._in_flight -= 1
+            if self._closed:
+                self._unmap_if_idle()
+
+    def _closed_message(self, when: str) -> str:
+        return (f"shared-memory collective on rank {self.global_ranks[self.local_rank]} {when} this rank's "
+                f"collectives were closed (the worker is shutting down); no collective can run on them any more")
 
     # ---- the steps ---------------------------------------------------------------------------
     def max_numel(self, dtype: torch.dtype) -> int:
@@ -269,41 +326,57 @@ class NodeExchange:
     def reduce_(self, flat: torch.Tensor, total: int | None = None) -> None:
         """flat <- sum over local ranks of their `flat` (local-rank order); fits one slot. total:
         the element count of the call `flat` is a chunk of (default: flat's own)."""
-        slots = self._post(flat, signature(flat, REDUCE, total))
-        self._wait(self._seq, self._others, self._step_sig)
-        self._all_reached = self._seq
-        sum_in_rank_order_(flat, slots)
+        self._enter()
+        try:
+            slots = self._post(flat, signature(flat, REDUCE, total))
+            self._wait(self._seq, self._others, self._step_sig)
+            self._all_reached = self._seq
+            sum_in_rank_order_(flat, slots)
+        finally:
+            self._leave()
 
     def broadcast_(self, flat: torch.Tensor, root: int = 0, total: int | None = None) -> None:
         """flat <- local rank `root`'s flat."""
-        if self.local_rank == root:
-            self._post(flat, signature(flat, BROADCAST, total))
-            return
-        if self._broken:
-            raise CollectiveTimeout(self._broken)
-        self._seq += 1
-        slots = self._slots(self._seq & 1, flat.dtype, flat.numel())
-        self._wait(self._seq, self._only[root], signature(flat, BROADCAST, total))
-        flat.copy_(slots[root])
-        self._native.publish(self._my_counter, self._seq, 0)  # "done reading" for the root's next write
+        self._enter()
+        try:
+            if self.local_rank == root:
+                self._post(flat, signature(flat, BROADCAST, total))
+                return
+            if self._broken:
+                raise CollectiveTimeout(self._broken)
+            self._seq += 1
+            slots = self._slots(self._seq & 1, flat.dtype, flat.numel())
+            self._wait(self._seq, self._only[root], signature(flat, BROADCAST, total))
+            flat.copy_(slots[root])
+            self._native.publish(self._my_counter, self._seq, 0)  # "done reading" for the root's next write
+        finally:
+            self._leave()
 
     def reduce_scatter(self, blocks: torch.Tensor, out: torch.Tensor, total: int | None = None) -> None:
         """out <- sum over local ranks of their blocks[local_rank] (local-rank order); blocks is
         (size, m), contiguous, and fits one slot; out is (m,)."""
-        slots = self._post(blocks.view(-1), signature(blocks, REDUCE_SCATTER, total))
-        self._wait(self._seq, self._others, self._step_sig)
-        self._all_reached = self._seq
-        m = out.numel()
-        mine = [slot[self.local_rank * m: (self.local_rank + 1) * m] for slot in slots]
-        sum_in_rank_order_(out, mine)
+        self._enter()
+        try:
+            slots = self._post(blocks.view(-1), signature(blocks, REDUCE_SCATTER, total))
+            self._wait(self._seq, self._others, self._step_sig)
+            self._all_reached = self._seq
+            m = out.numel()
+            mine = [slot[self.local_rank * m: (self.local_rank + 1) * m] for slot in slots]
+            sum_in_rank_order_(out, mine)
+        finally:
+            self._leave()
 
     def gather(self, flat: torch.Tensor, out: torch.Tensor, total: int | None = None) -> None:
         """out[i] <- local rank i's flat; out is (size, numel)."""
-        slots = self._post(flat, signature(flat, GATHER, total))
-        self._wait(self._seq, self._others, self._step_sig)
-        self._all_reached = self._seq
-        for i, slot in enumerate(slots):
-            out[i].copy_(slot)
+        self._enter()
+        try:
+            slots = self._post(flat, signature(flat, GATHER, total))
+            self._wait(self._seq, self._others, self._step_sig)
+            self._all_reached = self._seq
+            for i, slot in enumerate(slots):
+                out[i].copy_(slot)
+        finally:
+            self._leave()
 
     # ---- internals -------------------------------------------------------------------------
     def _peer_sig(self, local_rank: int, step: int) -> int:
@@ -346,6 +419,8 @@ class NodeExchange:
                                    self.yield_s, self.timeout_s, self._pids, self._missing, sig)
         if status == 0:
             return
+        if status == 2 and self._closed:  # close() set the pids that ended the wait
+            raise CollectivesClosed(self._closed_message("was waiting for a peer when"))
         late = [i for i in range(self.size) if self._missing[i]]
         who = ", ".join(f"rank {self.global_ranks[i]} (pid {self._pids[i] or '?'})" for i in late)
         if status == 3:  # not a timeout: a bug in whoever called the collective, but the group is out of step
