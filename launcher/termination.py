@@ -190,12 +190,13 @@ def _ray_going(within_s: float) -> bool:
     runs the handler only when the main thread is back in the interpreter, by when the private
     Ray's Python daemons may be gone already: what counts is that one has gone, not when. Through
     Ray's record of the processes it started once there is one (ray_cluster.private_cluster_dying),
-    else (inside ray.init) through /proc."""
+    else (inside ray.init) through /proc. Those already gone when the cluster had started are not
+    counted (a Ray process that exited on its own read as the signal reaching the group)."""
     if "ray" in sys.modules:
         from launcher.cluster import ray_cluster
 
         if ray_cluster.private_node_running():
-            return ray_cluster.private_cluster_dying(within_s)
+            return ray_cluster.private_cluster_dying(within_s, dead_before=ray_cluster.dead_when_started())
     return _children_exit_within(within_s)
 
 

@@ -445,17 +445,18 @@ def _serve_on(args: argparse.Namespace, settings, mode: str, stdout) -> int:
     except (ValueError, OSError, LaunchError) as err:  # a private Ray that did not start: said as generate says it
         print(f"corelaunch serve: {err}", file=sys.stderr)
         return exit_code_for(err)
-    if args.quiet:  # Serve's own INFO lines in this process (started, deployed, ready) are progress too
-        logging.getLogger("ray.serve").setLevel(logging.WARNING)
-    if ingress.mode == "direct":
-        logging.getLogger("ray.serve").addFilter(IdleProxyAddressHidden())
-    # After ray.init, which installs its own SIGTERM handler: a signal now only asks the main thread
-    # to stop, so Serve and Ray are shut down below rather than killed mid-way.
     signals = StopSignals()
-    signals.install()
-    dead_at_start = ray_cluster.dead_private_processes()
-    stop = signals.requested
-    try:
+    dead_at_start: frozenset[int] = frozenset()
+    try:  # from here on the private Ray is stopped below, whatever fails
+        if args.quiet:  # Serve's own INFO lines in this process (started, deployed, ready) are progress too
+            logging.getLogger("ray.serve").setLevel(logging.WARNING)
+        if ingress.mode == "direct":
+            logging.getLogger("ray.serve").addFilter(IdleProxyAddressHidden())
+        # After ray.init, which installs its own SIGTERM handler: a signal now only asks the main thread
+        # to stop, so Serve and Ray are shut down below rather than killed mid-way.
+        signals.install()
+        dead_at_start = ray_cluster.dead_private_processes()
+        stop = signals.requested
         failure = _start_serve(serve, args.host, ingress.proxy_port)
         if failure is not None:
             print(f"corelaunch serve: {failure}", file=sys.stderr)

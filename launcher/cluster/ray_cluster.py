@@ -28,11 +28,19 @@ from pathlib import Path
 
 from launcher.errors import LaunchError, RayStartFailed
 
-_OWN_SESSION = {"users": 0, "started_here": False, "address": ""}
+_OWN_SESSION = {"users": 0, "started_here": False, "address": "", "dead_at_start": frozenset()}
 """The Ray session this module opened in this process, and how many of its connections are open:
 the last one to close ends it, so one launch's shutdown no longer disconnected another launch of
-the same process from its workers."""
+the same process from its workers. dead_at_start: the private Ray's processes already exited when
+it had started (see dead_when_started)."""
 _SESSION_LOCK = threading.Lock()
+_CONNECT_LOCK = threading.RLock()
+"""Held by connect() from its look at ray.is_initialized() until the session is recorded, and by a
+close from its count of the users to ray.shutdown(). Two launches connecting from two threads at
+once both saw no session; the second ray.init failed (a bare AssertionError) and its clean-up's
+ray.shutdown() stopped the first launch's private Ray under it, which Ray's auto-init later
+replaced with a new one. Reentrant: a close on the thread that connects (a signal's clean-up)
+does not wait for itself."""
 _TEARDOWN_LEFT_TO_EXIT = threading.Event()
 """Set by RayConnection.close_for_exit: the process must end with os._exit, not run Ray's exit hook."""
 
@@ -54,21 +62,22 @@ class RayConnection:
 
         if not (self.started_here or self.joined_here):
             return  # the calling program's own session
-        with _SESSION_LOCK:
-            if self.closed:
-                return
-            self.closed = True
-            _OWN_SESSION["users"] -= 1
-            if _OWN_SESSION["users"] > 0:
-                return  # another launch of this process still uses it
-        if ray.is_initialized():
-            # Ray's calls start a new local Ray when none is connected (its auto-init): a thread of
-            # this launcher still waiting on its ranks (a late restart) would start one behind its
-            # back, between any check of ray.is_initialized() and its call. Off until the next
-            # connect(), which says explicitly what to join.
-            _auto_init(False)
-            ray.shutdown()
-        _release_keepers()
+        with _CONNECT_LOCK:  # a connect() meanwhile would share the session this shuts down
+            with _SESSION_LOCK:
+                if self.closed:
+                    return
+                self.closed = True
+                _OWN_SESSION["users"] -= 1
+                if _OWN_SESSION["users"] > 0:
+                    return  # another launch of this process still uses it
+            if ray.is_initialized():
+                # Ray's calls start a new local Ray when none is connected (its auto-init): a thread of
+                # this launcher still waiting on its ranks (a late restart) would start one behind its
+                # back, between any check of ray.is_initialized() and its call. Off until the next
+                # connect(), which says explicitly what to join.
+                _auto_init(False)
+                ray.shutdown()
+            _release_keepers()
 
     def close_for_exit(self) -> bool:
         """close() for a program that ends right after (`corelaunch serve`). A private cluster this
@@ -84,26 +93,27 @@ class RayConnection:
         import ray
         from ray._private import worker as ray_worker
 
-        node = ray_worker._global_node
-        with _SESSION_LOCK:
-            alone = (self.started_here and not self.closed and _OWN_SESSION["users"] == 1 and node is not None
-                     and ray.is_initialized())
-            if alone:
-                self.closed = True
-                _OWN_SESSION["users"] = 0
-        if not alone:
-            self.close()
-            return False
-        _auto_init(False)  # as close(): no call left may start another Ray
-        if node.is_head():
-            node.destroy_external_storage()  # spilled objects, as ray.shutdown() removes them
-        node.kill_all_processes(check_alive=False, allow_graceful=True)
-        # Ray's exception hook sends an uncaught error to the GCS just stopped: it waited 60 s, then
-        # ended the process without the traceback
-        sys.excepthook = sys.__excepthook__
-        _TEARDOWN_LEFT_TO_EXIT.set()
-        _release_keepers()
-        return True
+        with _CONNECT_LOCK:  # as close(): no connect() may share what is being stopped
+            node = ray_worker._global_node
+            with _SESSION_LOCK:
+                alone = (self.started_here and not self.closed and _OWN_SESSION["users"] == 1 and node is not None
+                         and ray.is_initialized())
+                if alone:
+                    self.closed = True
+                    _OWN_SESSION["users"] = 0
+            if not alone:
+                self.close()
+                return False
+            _auto_init(False)  # as close(): no call left may start another Ray
+            if node.is_head():
+                node.destroy_external_storage()  # spilled objects, as ray.shutdown() removes them
+            node.kill_all_processes(check_alive=False, allow_graceful=True)
+            # Ray's exception hook sends an uncaught error to the GCS just stopped: it waited 60 s, then
+            # ended the process without the traceback
+            sys.excepthook = sys.__excepthook__
+            _TEARDOWN_LEFT_TO_EXIT.set()
+            _release_keepers()
+            return True
 
 
 def teardown_left_to_exit() -> bool:
@@ -142,6 +152,8 @@ def asked_cluster(address: str | None) -> tuple[str | None, str]:
         return None, "--ray-address local"
     if address is not None:
         return address, "--ray-address"
+    if os.environ.get("RAY_ADDRESS") == "local":  # Ray's own reading too: a new local instance
+        return None, "RAY_ADDRESS local"
     if os.environ.get("RAY_ADDRESS"):
         return os.environ["RAY_ADDRESS"], "RAY_ADDRESS"
     if (recorded := recorded_cluster()) is not None:
@@ -166,9 +178,10 @@ def _another_cluster_asked(address: str | None) -> str | None:
 
 
 def on_this_host(address: str | None) -> bool:
-    """True when connect(address) reaches a cluster on this machine: a private local one, or one
-    started here with `ray start --head` (no --ray-address and no RAY_ADDRESS)."""
-    return address == "local" or (address is None and not os.environ.get("RAY_ADDRESS"))
+    """True when connect(address) reaches a cluster on this machine: a private local one (--ray-address
+    or RAY_ADDRESS local), or one started here with `ray start --head` (no --ray-address and no
+    RAY_ADDRESS)."""
+    return address == "local" or (address is None and os.environ.get("RAY_ADDRESS", "") in ("", "local"))
 
 
 def recorded_cluster() -> str | None:
@@ -184,19 +197,41 @@ GCS_PROBE_S = 10.0
 
 
 def malformed_address(address: str) -> str | None:
-    """Why `address` is none of the forms connect() takes ("local", "host:port", "ray://..."), or
-    None. Ray's own answer to a malformed one is a logged traceback and "Malformed host"."""
-    if address in ("local", "auto") or address.startswith("ray://"):
+    """Why `address` is none of the forms connect() takes ("local", "host:port", "ray://host..."),
+    or None. Ray's own answer to a malformed one is a logged traceback and "Malformed host"."""
+    if address in ("local", "auto"):
         return None
-    if "://" in address:  # http://host:8265 passed the host:port test and Ray blamed RAY_ADDRESS for it
+    client = address.startswith("ray://")
+    if "://" in address and not client:  # http://host:8265 passed the host:port test and Ray blamed RAY_ADDRESS
         return (f"ray_address ({address!r}) is a URL; corelaunch joins the head's GCS at host:port (e.g. "
                 f"10.0.0.5:6379), or ray://host:port for Ray Client, or 'local' for a private cluster "
                 f"(http://host:8265 is the dashboard's address, the one `ray job submit --address` takes)")
-    host, sep, port = address.rpartition(":")
-    if sep and host.strip("[]") and port.isascii() and port.isdigit() and 0 < int(port) < 65536:
+    host, port = _host_and_port(address[len("ray://"):] if client else address)
+    if ":" in host and not host.startswith("["):
+        # split at its last colon, 2001:db8::5 read as host 2001:db8: and port 5
+        return (f"ray_address ({address!r}) has a host with colons outside brackets: write an IPv6 host in "
+                f"brackets: [2001:db8::5]:6379 (ray://[2001:db8::5]:10001 for Ray Client)")
+    if client:  # its port is Ray Client's to default and check; a missing host was blamed on "another machine ()"
+        if host.strip("[]"):
+            return None
+        return (f"ray_address ({address!r}) names no host: Ray Client's address is ray://host:port (e.g. "
+                f"ray://10.0.0.5:10001)")
+    if host.strip("[]") and port.isascii() and port.isdigit() and 0 < int(port) < 65536:
         return None
     return (f"ray_address ({address!r}) must be the head's host:port (e.g. 10.0.0.5:6379), ray://host:port "
             f"for Ray Client, or 'local' for a private cluster")
+
+
+def _host_and_port(text: str) -> tuple[str, str]:
+    """(host, port) of "host:port", "[v6]:port" or a bare host (port ""); a bracketed host keeps its
+    brackets, so that a colon in a host outside them shows."""
+    if text.startswith("["):
+        inside, closed, after = text.partition("]")
+        if closed and (not after or after.startswith(":")):
+            return inside + closed, after[1:]
+        return "", ""  # an unclosed bracket, or text after it: no host read
+    host, sep, port = text.rpartition(":")
+    return (host, port) if sep else (text, "")
 
 
 def remote_ray_client(address: str) -> str | None:
@@ -206,7 +241,9 @@ def remote_ray_client(address: str) -> str | None:
     (every launch failed after its start-up timeout)."""
     if not address.startswith("ray://"):
         return None
-    host = address[len("ray://"):].rpartition(":")[0].strip("[]") or address[len("ray://"):]
+    host = _host_and_port(address[len("ray://"):])[0].strip("[]")
+    if not host:
+        return None  # no host: malformed_address says so
     return None if _this_machine(host) else host  # unresolvable: ray.init says so; not this machine either way
 
 
@@ -315,7 +352,15 @@ def connect(address: str | None = None, num_cpus: int | None = None, worker_logs
     worker_logs: print the workers' output in this process (Ray's log_to_driver: their stderr on
     stderr, their stdout on stdout, each line prefixed with the actor and its pid; the rank actors
     write nothing on stdout, see ray_worker.py). Only for a connection made here: a Ray session the
-    calling program opened keeps its own setting."""
+    calling program opened keeps its own setting.
+
+    Launches connecting from several threads at once connect one at a time (_CONNECT_LOCK): the
+    later ones share the session the first opened, or are refused where they ask for another."""
+    with _CONNECT_LOCK:
+        return _connect(address, num_cpus, worker_logs)
+
+
+def _connect(address: str | None, num_cpus: int | None, worker_logs: bool) -> RayConnection:
     import ray
 
     if address == "auto":
@@ -385,16 +430,21 @@ def connect(address: str | None = None, num_cpus: int | None = None, worker_logs
             _init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, **quiet)
     except Exception as err:
         logs = logs_dir()  # this start's own session, while Ray still knows it
-        try:
-            ray.shutdown()  # whatever it did start
-        except Exception:  # noqa: BLE001 - the start's own error is the one to report
-            pass
+        # Not where Ray refused because a session was already connected ("Maybe/Perhaps you called
+        # ray.init twice"): one another thread opened meanwhile, which ray.shutdown() would end
+        # under it. connect()'s lock keeps its own callers out of that race; the calling program's
+        # own ray.init on another thread is not.
+        if "called ray.init twice" not in str(err):
+            try:
+                ray.shutdown()  # whatever it did start
+            except Exception:  # noqa: BLE001 - the start's own error is the one to report
+                pass
         failure = private_start_failure(err, logs, open_files_limits())
         if failure is err:
             raise
         raise failure from err
     _token_for_this_user_only()  # the start writes it where none existed, readable by all (umask 022)
-    _opened(started_here=True, address="local")
+    _opened(started_here=True, address="local", dead_at_start=_dead_node_processes())
     return RayConnection(started_here=True, address="local")
 
 
@@ -495,7 +545,26 @@ def dead_private_processes() -> frozenset[int]:
     """The pids of the private Ray's own processes (see private_cluster_dying) that have exited."""
     if not private_node_running():
         return frozenset()
-    return frozenset(process.pid for _, process in _ray_node().dead_processes())
+    return _dead_node_processes()
+
+
+def _dead_node_processes() -> frozenset[int]:
+    """The pids of the exited processes of the node this process started, by Ray's record of them
+    (empty on a Ray without it)."""
+    node = _ray_node()
+    if node is None or not hasattr(node, "dead_processes"):
+        return frozenset()
+    return frozenset(process.pid for _, process in node.dead_processes())
+
+
+def dead_when_started() -> frozenset[int]:
+    """dead_private_processes() as connect() found it once the private Ray had started: the
+    baseline for private_cluster_dying where the caller took none of its own (the CLI's SIGTERM
+    handler, for a Launcher's cluster). Without it, a process of Ray's that had exited on its own
+    made a plain `kill PID` of the driver read as a signal to the whole group: exit 143 at once,
+    the ranks and Ray not stopped. No lock: a signal handler reads it, on a main thread that may
+    hold _SESSION_LOCK where the signal came."""
+    return _OWN_SESSION["dead_at_start"] if _OWN_SESSION["started_here"] else frozenset()
 
 
 @contextlib.contextmanager
@@ -639,9 +708,9 @@ def _release_keepers() -> None:
         _KEEPER_RELEASE.pop().set()
 
 
-def _opened(started_here: bool, address: str) -> None:
-    with _SESSION_LOCK:
-        _OWN_SESSION.update(users=1, started_here=started_here, address=address)
+def _opened(started_here: bool, address: str, dead_at_start: frozenset[int] = frozenset()) -> None:
+    with _SESSION_LOCK:  # one update: dead_when_started reads it without the lock
+        _OWN_SESSION.update(users=1, started_here=started_here, address=address, dead_at_start=dead_at_start)
 
 
 def _token_for_this_user_only() -> None:
