@@ -119,10 +119,19 @@ def test_every_thread_waiting_for_the_tokenizer_gets_it(ray_tripwire):
     assert launcher._tokenize("hello")[1] == [launcher.tokenizer.encode("hello")]
 
 
-def test_cpu_replicas_planned_for_an_instance_are_checked_against_this_host(ray_tripwire):
+def test_cpu_replicas_planned_for_an_instance_are_checked_against_this_host(ray_tripwire, monkeypatch):
     """--instance on the cpu backend checks the layout for that machine, and on a private cluster the
     ranks still run here: the replicas went unchecked (replicas=50 of a trn1.32xlarge plan taken where
     5 fit). Counted as this host counts them without --instance."""
+    import ray
+
+    from launcher.cluster import ray_cluster
+
+    # a private cluster whatever this test process met before (another test's Ray session, a
+    # recorded `ray start`): only there does this host's RAM bound the replicas
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray_cluster, "recorded_cluster", lambda: None)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
     shape = dict(progress=False, max_num_seqs=4, seq_len=4096)
     holds = Launcher(**shape).prepare()._host_holds
     assert holds >= 1
