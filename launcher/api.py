@@ -430,6 +430,17 @@ def _listed(buckets) -> str:
     return ",".join(map(str, buckets))
 
 
+def refuse_non_utf8_prompts(prompts: Sequence[str]) -> None:
+    """ValueError naming the first prompt that is not UTF-8 text (a command-line argument in another
+    encoding reaches Python with surrogates, on which the tokenizer fails with a TypeError)."""
+    for i, text in enumerate(prompts):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise ValueError(f"prompt {i} is not valid UTF-8 text ({text!r}: {err.reason} at position "
+                             f"{err.start}); pass UTF-8 text") from None
+
+
 def _token_id_list(prompt) -> list[int] | None:
     """A prompt given as token ids, as a list of ints: any sized sequence of integers (a list, a
     tuple, a range, a 1-D numpy array or torch tensor, an array.array, ...), not of bools; None for
@@ -1708,12 +1719,7 @@ class Launcher:
                 raise ValueError(f"{no_tokenizer_files(self.model_dir)}: copy the model's tokenizer into it, or pass "
                                  f"prompts as token-id lists through the Python API (`corelaunch generate` takes text "
                                  f"only)")
-            for i, p in enumerate(prompts):
-                try:
-                    p.encode("utf-8")
-                except UnicodeEncodeError as err:  # a command-line argument that was not UTF-8
-                    raise ValueError(f"prompt {i} is not valid UTF-8 text ({p!r}: {err.reason} at position "
-                                     f"{err.start}); pass UTF-8 text") from None
+            refuse_non_utf8_prompts(prompts)
             token_lists = [self._encode(p) for p in prompts]
             texts: list[str | None] = list(prompts)
         elif None not in (token_lists := [_token_id_list(p) for p in prompts]):

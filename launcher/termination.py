@@ -196,7 +196,7 @@ def _ray_going(within_s: float) -> bool:
         from launcher.cluster import ray_cluster
 
         if ray_cluster.private_node_running():
-            return ray_cluster.private_cluster_dying(within_s, dead_before=ray_cluster.dead_when_started())
+            return ray_cluster.private_cluster_dying(within_s)
     return _children_exit_within(within_s)
 
 

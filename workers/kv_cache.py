@@ -27,6 +27,21 @@ import torch
 from workers.kv_quant import from_cache, to_cache, writable
 
 
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, cache_positions: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+    """write_kv's writes alone, for a reader of the caches themselves (the decode attention kernel):
+    the gathered copy of each row's keys and values write_kv returns was made and thrown away at
+    every eager decode step's layer."""
+    # An fp8 cache (workers/kv_quant.py) stores quantized bytes and is dequantized where it is read.
+    if rows is None:
+        writable(k_cache).index_copy_(2, cache_positions, to_cache(k, k_cache))
+        writable(v_cache).index_copy_(2, cache_positions, to_cache(v, v_cache))
+        return
+    # Advanced indices around a slice: the indexed view is (batch, seq, kv_heads, head_dim).
+    writable(k_cache)[rows, :, cache_positions] = to_cache(k.transpose(1, 2), k_cache)
+    writable(v_cache)[rows, :, cache_positions] = to_cache(v.transpose(1, 2), v_cache)
+
+
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, cache_positions: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor, rows: torch.Tensor | None = None,
              read_slots: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,14 +55,9 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, cache_positions: torc
 
     Both write in place: the cache tensors keep their storage for the whole request (and a compiled
     graph turns the write into a scatter into its input, not a copy of the cache)."""
-    # An fp8 cache (workers/kv_quant.py) stores quantized bytes and is dequantized where it is read.
+    store_kv(k_cache, v_cache, cache_positions, k, v, rows)
     if rows is None:
-        writable(k_cache).index_copy_(2, cache_positions, to_cache(k, k_cache))
-        writable(v_cache).index_copy_(2, cache_positions, to_cache(v, v_cache))
         return from_cache(k_cache, k.dtype), from_cache(v_cache, v.dtype)
-    # Advanced indices around a slice: the indexed view is (batch, seq, kv_heads, head_dim).
-    writable(k_cache)[rows, :, cache_positions] = to_cache(k.transpose(1, 2), k_cache)
-    writable(v_cache)[rows, :, cache_positions] = to_cache(v.transpose(1, 2), v_cache)
     own = rows[:, 0]
     read_slots = k_cache.shape[2] if read_slots is None else read_slots
     return from_cache(k_cache[own, :, :read_slots], k.dtype), from_cache(v_cache[own, :, :read_slots], v.dtype)

@@ -19,7 +19,7 @@ from workers import attention_blocks
 from workers.collectives import Collectives
 from workers.kernels import decode_attention, prefill_attention
 from workers.kernels import small_linear as small
-from workers.kv_cache import write_kv
+from workers.kv_cache import store_kv, write_kv
 from workers.packed_weight import PackedWeight
 from workers.quantized_linear import QuantizedWeight
 from workers.rope import apply_rotary
@@ -245,19 +245,20 @@ class Attention(nn.Module):
         """
         batch, seq, _ = x.shape
         q, k, v = self.project(x, cos, sin)
-        keys, values = (k, v) if kv is None else write_kv(kv.k_cache, kv.v_cache, kv.cache_positions, k, v,
-                                                          kv.rows, mask.shape[-1])
         if kv is not None and decode_attention.usable(q, kv.k_cache):
-            # A decode step on the CPU, traced or eager: the C kernel reads the cache rows itself (the
-            # gathered keys and values above are then unused, and a graph drops them). Eager steps
-            # too: torch's CPU attention splits a lone row's work over threads unlike a batch's, so a
-            # request decoded alone and beside others differed in the last bits (4e-05 in SmolLM2's
-            # logits at 2 threads), where the kernel's sums for a row do not depend on the batch.
+            # A decode step on the CPU, traced or eager: the C kernel reads the cache rows itself, so
+            # only the new keys and values are written. Eager steps too: torch's CPU attention splits
+            # a lone row's work over threads unlike a batch's, so a request decoded alone and beside
+            # others differed in the last bits (4e-05 in SmolLM2's logits at 2 threads), where the
+            # kernel's sums for a row do not depend on the batch.
+            store_kv(kv.k_cache, kv.v_cache, kv.cache_positions, k, v, kv.rows)
             scale = self.head_dim ** -0.5 if self.scale is None else self.scale
             out = decode_attention.decode_attention(q, kv.k_cache, kv.v_cache,
                                                     None if kv.rows is None else kv.rows[:, 0], mask,
                                                     mask.shape[-1], scale)
         else:
+            keys, values = (k, v) if kv is None else write_kv(kv.k_cache, kv.v_cache, kv.cache_positions, k, v,
+                                                              kv.rows, mask.shape[-1])
             out = attention(q, keys, values, mask, self.scale)
         out = out.transpose(1, 2).reshape(batch, seq, self.q_heads * self.head_dim)
         out = (reduce or self.collectives.all_reduce)(linear(out, self.o_weight))

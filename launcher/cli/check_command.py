@@ -442,18 +442,6 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_RUN_FAILED
 
 
-def check_text_prompts(texts: list[str]) -> None:
-    """ValueError for a prompt that is not UTF-8 text (a command-line argument in another encoding
-    reaches Python with surrogates, on which the tokenizer failed with a TypeError traceback: exit 1,
-    a failed check's code), in generate's words (launcher/api.py)."""
-    for i, text in enumerate(texts):
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as err:
-            raise ValueError(f"prompt {i} is not valid UTF-8 text ({text!r}: {err.reason} at position "
-                             f"{err.start}); pass UTF-8 text") from None
-
-
 def _refuse_tolerances_outside_logit_matching(args: argparse.Namespace) -> None:
     """Token matching compares tokens alone: a tolerance given with it was silently ignored."""
     if args.mode == "logit-matching":
@@ -465,12 +453,14 @@ def _refuse_tolerances_outside_logit_matching(args: argparse.Namespace) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from launcher.api import refuse_non_utf8_prompts
     from launcher.progress import Progress
     from shardlib.evaluation.accuracy import parse_tol_map
     from shardlib.model_path_hints import refuse_unexpanded_home
 
     progress = Progress(not args.quiet)
-    check_text_prompts([*args.prompts, *args.prompt])
+    # checked before the tokenizer sees them: it failed with a TypeError traceback, exit 1 (a failed check's code)
+    refuse_non_utf8_prompts([*args.prompts, *args.prompt])
     for option, path in (("--save-expected", args.save_expected), ("--expected", args.expected),
                          ("--reference", args.reference)):
         if path is not None:  # `--save-expected=~/x.pt` made a folder named `~` in the working directory

@@ -446,7 +446,6 @@ def _serve_on(args: argparse.Namespace, settings, mode: str, stdout) -> int:
         print(f"corelaunch serve: {err}", file=sys.stderr)
         return exit_code_for(err)
     signals = StopSignals()
-    dead_at_start: frozenset[int] = frozenset()
     try:  # from here on the private Ray is stopped below, whatever fails
         if args.quiet:  # Serve's own INFO lines in this process (started, deployed, ready) are progress too
             logging.getLogger("ray.serve").setLevel(logging.WARNING)
@@ -455,7 +454,6 @@ def _serve_on(args: argparse.Namespace, settings, mode: str, stdout) -> int:
         # After ray.init, which installs its own SIGTERM handler: a signal now only asks the main thread
         # to stop, so Serve and Ray are shut down below rather than killed mid-way.
         signals.install()
-        dead_at_start = ray_cluster.dead_private_processes()
         stop = signals.requested
         failure = _start_serve(serve, args.host, ingress.proxy_port)
         if failure is not None:
@@ -489,8 +487,8 @@ def _serve_on(args: argparse.Namespace, settings, mode: str, stdout) -> int:
             # A SIGTERM sent to the whole group took Ray's processes too: nothing is left to shut
             # down gracefully. (SIGINT, Ctrl-C's, is blocked in Ray's processes.) A second signal
             # asked not to wait for it.
-            if not signals.cut_short and not (signals.by_sigterm and ray_cluster.private_cluster_dying(
-                    within_s=0.5, dead_before=dead_at_start)):
+            # (A Ray process already gone when connect() had started the cluster is no sign of it.)
+            if not signals.cut_short and not (signals.by_sigterm and ray_cluster.private_cluster_dying(within_s=0.5)):
                 # The application first, while the proxy still runs: its replicas finish their
                 # requests in flight (Serve's graceful shutdown) before anything stops. serve.shutdown()
                 # alone stopped the proxy at once, cutting every stream behind it (--replicas 2).

@@ -46,8 +46,8 @@ class FinishRate:
         if not ends:
             return 1
         recent = [t for t in ends if now - t <= WINDOW_S]
-        since_last = now - ends[-1]
+        pace = (now - recent[0]) / len(recent) if len(recent) >= 2 else 0.0
         # never a pace faster than the time since the last end: after a burst and then a stall the
         # window's average said a second for up to a minute, and then jumped to a minute
-        wait = max((now - recent[0]) / len(recent), since_last) if len(recent) >= 2 else since_last
+        wait = max(pace, now - ends[-1])
         return min(LONGEST_WAIT_S, max(1, math.ceil(wait)))

@@ -654,9 +654,8 @@ class ReplicaPool:
         self.replicas = [Replica(i, self, policy()) for i in range(count)]
         self._queue: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
-        self.stopping = False
         self._stopped = threading.Event()
-        """Set with `stopping`: wakes a restart waiting before its next attempt."""
+        """Set by shutdown(): `stopping`, and it wakes a restart waiting before its next attempt."""
         self._next_first = 0
         """Where the next routing starts among its candidates: ties in load go round robin."""
         self._start_threads: list[threading.Thread] = []
@@ -856,11 +855,15 @@ class ReplicaPool:
             if item is not _STOP:
                 _fail(item, type(error)(str(error)) if isinstance(error, LaunchError) else error)
 
+    @property
+    def stopping(self) -> bool:
+        """shutdown() has begun (set under the pool's lock)."""
+        return self._stopped.is_set()
+
     # ---- teardown ----------------------------------------------------------------------------
     def shutdown(self, grace_s: float = 10.0) -> None:
         """Fail what is queued, stop every group (patiently, then by force), end the threads."""
         with self._lock:
-            self.stopping = True
             self._stopped.set()
             self._drain(LaunchError("the launcher was shut down before this request ran"))
         for replica in self.replicas:

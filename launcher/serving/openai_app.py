@@ -1321,13 +1321,13 @@ class OpenAIServer:
         finally:
             self.bodies.give(held)
 
-    async def _parsed(self, raw: bytes, held: int, counts, parse, slow: bool = False):
+    async def _parsed(self, raw: bytes, held: int, counts, parse):
         """parse(raw), on a thread for a body of more than PARSED_ON_A_THREAD bytes (a 5 MB one held
-        the event loop, and with it every stream and /health, for seconds) or one whose parse is
-        `slow`; a client gone while it was parsed on a thread counted as an abort (uncounted
-        otherwise); the body's budget (`held`) given back either way."""
+        the event loop, and with it every stream and /health, for seconds); a client gone while it was
+        parsed on a thread counted as an abort (uncounted otherwise); the body's budget (`held`) given
+        back either way."""
         try:
-            return await self._off_loop(slow or len(raw) > PARSED_ON_A_THREAD, counts, parse, raw)
+            return await self._off_loop(len(raw) > PARSED_ON_A_THREAD, counts, parse, raw)
         finally:
             self.bodies.give(held)
 
