@@ -3,9 +3,9 @@ the template text itself where the value names no file and holds {, } or a newli
 compiled where the settings are made (a `serve deploy` replica gets the text, not a path), refused
 there naming the flag, the value and what is taken. A replica renders every chat with it in place of
 its tokenizer's, so a model whose tokenizer has none serves chat: checked through the routes
-in-process, through `corelaunch serve`'s start-up checks, and (slow) on a real server. A request's
-own chat_template field is taken only by a server started with --trust-request-chat-template, and
-compiled off the event loop. Neither template narrows the control tokens that message text cannot
+in-process, through `corelaunch serve`'s start-up checks, and (slow) on a real server
+(tests/test_flagged_server.py). A request's own chat_template field is taken only by a server
+started with --trust-request-chat-template, and compiled off the event loop. Neither template narrows the control tokens that message text cannot
 write (the model's template's are pinned first); a template's refusal names whose it is; template
 text that never uses messages (a mistyped path with braces) and one nested too deeply to compile are
 refused; a server's template that raises on a one-message chat is a warning at start."""
@@ -429,29 +429,3 @@ def test_trusting_request_templates_is_a_flag_and_a_builder_argument():
     assert settings_from_args({}).trust_request_chat_template is False
     with pytest.raises(ValueError, match=r"^trust_request_chat_template \('maybe'\) must be true or false"):
         settings_from_args({"trust_request_chat_template": "maybe"})
-
-
-@pytest.mark.slow
-def test_corelaunch_serve_renders_chat_with_the_flags_template(tmp_path, template_file, smollm2_tokenizer):
-    """`corelaunch serve --chat-template FILE --trust-request-chat-template` on the built-in model:
-    /tokenize's chat form and a chat answer's prompt_tokens are the custom template's prompt, not
-    SmolLM2's own; a request's own chat_template renders that request."""
-    import requests
-
-    from tests.test_openai_server import running_server
-
-    ours = smollm2_tokenizer.apply_chat_template(CHAT, chat_template=TEMPLATE, add_generation_prompt=True,
-                                                 return_dict=False)
-    own = smollm2_tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, return_dict=False)
-    assert len(ours) != len(own)
-    asked = {"model": MODEL, "messages": CHAT, "max_tokens": 2, "temperature": 0}
-    with running_server(tmp_path / "serve.log", "--max-num-seqs", "2", "--chat-template", str(template_file),
-                        "--trust-request-chat-template") as running:
-        tokenized = requests.post(f"{running.url}/tokenize", json={"model": MODEL, "messages": CHAT}, timeout=60)
-        chat = requests.post(f"{running.url}/v1/chat/completions", json=asked, timeout=300)
-        own = requests.post(f"{running.url}/v1/chat/completions", json={**asked, "chat_template": OWN_TEMPLATE},
-                            timeout=300)
-    assert tokenized.status_code == 200 and tokenized.json()["tokens"] == ours, tokenized.text
-    assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == len(ours), chat.text
-    assert own.status_code == 200 and own.json()["usage"]["prompt_tokens"] == len(
-        smollm2_tokenizer("Name a colour.", add_special_tokens=False)["input_ids"]), own.text

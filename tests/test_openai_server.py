@@ -2472,40 +2472,6 @@ def test_a_port_taken_while_the_server_starts_is_named(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_thinking_servers_reasoning_reaches_the_official_client(tmp_path, hf):
-    """`corelaunch serve --reasoning-parser deepseek_r1` with SmolLM2, which writes no </think>: its
-    greedy answer (transformers' text) is all reasoning, content null, whole and streamed (delta
-    `reasoning`) through the openai client, and left out with include_reasoning false; the usage
-    counts every generated token as reasoning, whole, streamed and hidden alike.
-    A SIGTERM to the command's whole process group then stops it, exit 0, in well under Serve's
-    30 s shutdown wait; --quiet kept Serve's INFO lines out of its output."""
-    import openai
-
-    messages = [{"role": "user", "content": "Name a colour."}]
-    asked = dict(model=MODEL, messages=messages, max_tokens=12, temperature=0)
-    with running_server(tmp_path / "serve.log", "--max-num-seqs", "2", "--reasoning-parser", "deepseek_r1", "--quiet",
-                        stop_group=True) as running:
-        client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", timeout=300, max_retries=0)
-        whole = client.chat.completions.create(**asked)
-        streamed = list(client.chat.completions.create(**asked, stream=True, stream_options={"include_usage": True}))
-        hidden = client.chat.completions.create(**asked, extra_body={"include_reasoning": False})
-    expected = hf.greedy(hf.tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False), 12)
-    assert expected and "</think>" not in expected
-    message = whole.choices[0].message
-    assert message.content is None and getattr(message, "reasoning", None) == expected
-    assert "".join(getattr(c.choices[0].delta, "reasoning", None) or "" for c in streamed if c.choices) == expected
-    assert not any(c.choices[0].delta.content for c in streamed if c.choices)
-    assert hidden.choices[0].message.content is None and getattr(hidden.choices[0].message, "reasoning", None) is None
-    # no tag written (SmolLM2 has no tag tokens: the count reads the text): every token is the thinking's
-    assert "<think>" not in expected and whole.usage.completion_tokens > 0
-    for usage in (whole.usage, streamed[-1].usage, hidden.usage):
-        assert usage.completion_tokens_details.reasoning_tokens == whole.usage.completion_tokens, usage
-    # --quiet: no progress, Serve's own INFO lines included ("Started Serve", "Application ... is ready")
-    log = (tmp_path / "serve.log").read_text()
-    assert not re.search(r"^INFO ", log, re.MULTILINE) and "Started Serve" not in log, log[-3000:]
-
-
-@pytest.mark.slow
 def test_a_replica_whose_group_failed_is_replaced_on_the_same_port(client, server, hf):
     """The module's last use of its server: with --max-restarts 0 a SIGKILLed rank fails the TP
     group for good, /health answers 503 and so does a completion (OpenAI's error object, not a
