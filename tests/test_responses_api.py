@@ -235,11 +235,15 @@ def test_fields_that_ask_for_nothing_are_taken_and_echoed():
     ({"input": "hi", "top_logprobs": -1}, "top_logprobs", ["-1", "from 0 to 20"]),
     ({"input": "hi", "top_logprobs": 21}, "top_logprobs", ["21", "from 0 to 20"]),
     ({"input": "hi", "store": "yes"}, "store", ["'yes'"]),
+    # 0 == False in Python: a 0 was let through, and the response was kept
+    ({"input": "hi", "store": 0}, "store", ["store (0) must be true or false"]),
+    ({"input": "hi", "store": 1.0}, "store", ["store (1.0) must be true or false"]),
     ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id",
      ["'resp_1'", "send the earlier turns", "input"]),
     ({"input": "hi", "conversation": "conv_1"}, "conversation", ["'conv_1'", "input"]),
     ({"input": "hi", "prompt": {"id": "pmpt_1"}}, "prompt", ["pmpt_1", "instructions"]),
     ({"input": "hi", "background": True}, "background", ["true", "stream"]),
+    ({"input": "hi", "background": 0}, "background", ["background (0) is not supported", "(or false)"]),
     ({"input": "hi", "include": "message.output_text.logprobs"}, "include", ["must be a list of strings"]),
     ({"input": "hi", "include": ["reasoning.encrypted_content", "file_search_call.results"]}, "include[1]",
      ["file_search_call.results", "built-in tools", '"message.output_text.logprobs" and']),
@@ -249,6 +253,7 @@ def test_fields_that_ask_for_nothing_are_taken_and_echoed():
     ({"input": "hi", "metadata": {"k": 1}}, "metadata.k", ["1", "a string"]),
     ({"input": "hi", "service_tier": "gold"}, "service_tier", ["'gold'"]),
     ({"input": "hi", "stream_options": {"include_usage": True}}, "stream_options", ["include_obfuscation"]),
+    ({"input": "hi", "stream_options": {"include_obfuscation": 0}}, "stream_options", ["true or false"]),
 ])
 def test_every_refusal_names_the_responses_field_the_value_and_the_fix(body, param, words):
     if isinstance(body, dict):

@@ -240,11 +240,12 @@ def _refuse_stored_state(body: dict) -> None:
     for name, why in STORED_STATE.items():
         if body.get(name) is not None:
             raise ProtocolError(f"{name} ({_short(body[name])}) is not supported: {why}", param=name)
-    if body.get("background") not in (None, False):
+    # `is`, not `in`: 0 == False in Python, and a 0 let through read as a request to keep
+    if body.get("background") is not None and body["background"] is not False:
         raise ProtocolError(f"background ({_short(body['background'])}) is not supported: no response runs "
                             f"in the background to poll later; leave it out (or false) and wait for the response, "
                             f"or stream it", param="background")
-    if body.get("store") not in (None, True, False):
+    if body.get("store") is not None and not isinstance(body["store"], bool):
         raise ProtocolError(f"store ({_short(body['store'])}) must be true or false", param="store")
 
 
@@ -252,7 +253,7 @@ def _check_stream_options(options) -> None:
     if options is None:
         return
     if not isinstance(options, dict) or any(key != "include_obfuscation" for key in options) or \
-            options.get("include_obfuscation") not in (None, True, False):
+            options.get("include_obfuscation") is not None and not isinstance(options["include_obfuscation"], bool):
         raise ProtocolError(f"stream_options ({_short(options)}) must be an object {{\"include_obfuscation\": "
                             f"true or false}} (no obfuscation is added either way)", param="stream_options")
 
