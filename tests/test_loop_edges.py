@@ -45,6 +45,27 @@ def test_a_request_too_long_for_a_cache_row_is_refused_alone_and_one_that_just_f
         stop([loop], threads)
 
 
+def test_an_empty_prompt_or_one_outside_the_vocabulary_is_refused_alone():
+    """An empty prompt that reached the loop never got a chunk nor a token to decode: it held its row
+    for good (the next request never ran) and the leader spun on a full core. An id past the
+    vocabulary ran, reading as no token, and answered noise. Each is refused alone now."""
+    loop = ServingLoop(fresh_model(), ServingConfig(1, 8, SLOTS))
+    vocab = loop.model.config.vocab_size
+    threads = run_loops([loop])
+    try:
+        loop.submit([request("empty", (), 4), request("outside", (5, vocab), 3), request("negative", (-1, 5), 3),
+                     request("next", (5, 9, 33), 3)])
+        out = collect(loop, {"empty", "outside", "negative", "next"}, timeout_s=30)
+        assert out.finish == {"empty": "error", "outside": "error", "negative": "error", "next": "length"}
+        assert error_of(out, "empty") == "the prompt is empty (0 tokens): a request needs at least one prompt token"
+        assert error_of(out, "outside") == (f"prompt token id {vocab} is outside the vocabulary (0 .. {vocab - 1}): "
+                                            f"send ids the model's tokenizer gives")
+        assert error_of(out, "negative").startswith("prompt token id -1 is outside the vocabulary")
+        assert len(out.tokens["next"]) == 3
+    finally:
+        stop([loop], threads)
+
+
 # ---- the grammar tokenizer's readiness wakes an idle leader --------------------------------------
 @pytest.fixture(scope="module")
 def structured_parts():

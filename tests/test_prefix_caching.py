@@ -350,6 +350,24 @@ def test_a_burst_behind_one_prefix_prefills_it_once_and_copies_it():
     assert [(p.row, p.start, len(p.token_ids)) for p in plan.prefills][-2:] == [(b.row, 32, 10), (c.row, 32, 9)]
 
 
+def test_a_request_held_back_for_a_prefix_keeps_its_place_in_line_for_a_row():
+    """B waits for A's prefill of their shared prefix; C, arriving after B and sharing nothing, took
+    the last free row, so B waited for A's or C's whole answer (200 tokens) rather than A's prefill:
+    with prefix caching on, a short request behind one system prompt lost its turn to later ones."""
+    shared = tuple(range(100, 164))
+    sched = Scheduler(max_num_seqs=2, max_prefill_tokens=16, max_chunk=16, prefix_caching=True)
+    sched.add(Sequence(request("A", shared + (1,), 200)))
+    sched.add(Sequence(request("B", shared + (2,), 4)))
+    sched.add(Sequence(request("C", (7, 8, 9), 200)))
+    sched.schedule()
+    assert list(sched.running) == ["A"] and [s.request.request_id for s in sched.waiting] == ["B", "C"]
+    a = sched.running["A"]
+    a.prefilled, a.generated, a.pending = len(a.prompt), 1, 5  # its prefill is done, a token chosen
+    plan = sched.schedule()
+    assert list(sched.running) == ["A", "B"] and [s.request.request_id for s in sched.waiting] == ["C"]
+    assert [(p.source, p.row, p.slots) for p in plan.copies] == [(a.row, sched.running["B"].row, len(shared))]
+
+
 def test_a_burst_behind_one_prefix_equals_each_prompt_alone():
     loop = caching_loop(max_num_seqs=3, max_prefill_tokens=64)
     threads = run_loops([loop])

@@ -359,9 +359,9 @@ class ServingLoop:
                         f"prompt log-probabilities are not available on this backend "
                         f"({type(self.model).__name__} has no scoring step); ask without them")))
                     continue
-                too_long = self._too_long(request)
-                if too_long is not None:  # its decode would write past its row and break the group
-                    events.append(TokenEvent(request.request_id, [], "error", error=too_long))
+                unfit = self._unfit(request)
+                if unfit is not None:  # it would break the group's loop, or never end
+                    events.append(TokenEvent(request.request_id, [], "error", error=unfit))
                     continue
                 seq = Sequence(request)
                 seq.generator = request_generator(seq, self.device)
@@ -382,12 +382,22 @@ class ServingLoop:
         # to admit what waited for it
         return kind == "stop"
 
-    def _too_long(self, request: StreamRequest) -> str | None:
-        """Why the request cannot fit in a cache row, or None when it can. Its last token is never fed
-        back, so it needs prompt + max_tokens - 1 slots (the prompt alone when max_tokens is 0).
-        The driver refuses such requests before submitting them (Launcher._check_lengths, with a
-        stricter limit); this keeps one that got past it from failing the whole group's loop."""
+    def _unfit(self, request: StreamRequest) -> str | None:
+        """Why the request cannot run, or None when it can. The driver refuses such requests before
+        submitting them (Launcher._check_lengths and shardlib.request_checks); this keeps one that
+        got past it from failing the whole group's loop or holding a row for good. An empty prompt
+        never gets a chunk nor a token to decode: it held its row and kept the leader spinning. An
+        id past the vocabulary reads as no token in the embedding's shard, and the answer is noise.
+        A request needs prompt + max_tokens - 1 slots of its row (its last token is never fed back;
+        the prompt alone when max_tokens is 0): past the row, its decode wrote out of bounds."""
         prompt = len(request.prompt_token_ids)
+        if not prompt:
+            return "the prompt is empty (0 tokens): a request needs at least one prompt token"
+        vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        outside = [t for t in request.prompt_token_ids if not 0 <= t < vocab] if isinstance(vocab, int) else []
+        if outside:
+            return (f"prompt token id {outside[0]} is outside the vocabulary (0 .. {vocab - 1}): "
+                    f"send ids the model's tokenizer gives")
         needed = prompt + max(request.max_tokens, 1) - 1
         if needed <= self.config.cache_slots:
             return None

@@ -135,7 +135,9 @@ class Scheduler:
         in_use = ({s.row: (s.request.cache_salt, _written(s)) for s in self.running.values()}
                   if self.histories is not None and self.waiting and self.free_rows else {})
         held_back: list[Sequence] = []
-        while self.waiting and self.free_rows:
+        # a row stays free for each request held back: one arriving after it would take the row
+        # the held one waits to be seated in, and hold it for its whole answer, not a prefill
+        while self.waiting and len(self.free_rows) > len(held_back):
             seq = self.waiting.popleft()
             if not self._seat(seq, copies, in_use):
                 held_back.append(seq)
