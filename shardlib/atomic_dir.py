@@ -5,7 +5,10 @@ Layout: the output path is a symlink to a hidden versioned sibling,
   out -> .out.v-HOST-PID-RANDOM/
 A write fills a new versioned sibling, fsyncs its files and folders, then swaps the symlink with
 one rename(2) of a new symlink over the old one, so at every instant `out` names the old complete
-directory or the new complete one. The previous version is removed after the swap.
+directory or the new complete one. The previous version is removed after the swap, best effort:
+the write is committed by then, so an error or an interrupt there never removes the new version
+(an interrupt still reaches the caller), and what is left of the previous one is swept by the next
+write, this process's own included.
 
 A writer killed part way leaves a versioned sibling nobody links to; the next write to the same
 path sweeps those whose writer is gone (same host and its pid is dead) or that are older than
@@ -211,7 +214,10 @@ def atomic_dir(out_dir: str | Path, what: str, marker: str = MANIFEST,
         fsync_tree(version)
         _swap(out_dir, version)
     except BaseException:
-        shutil.rmtree(version, ignore_errors=True)
+        # never the version out_dir already links to: an interrupt (Ctrl-C, SIGTERM) or an error
+        # after the switch deleted the committed write, leaving out_dir dangling
+        if current_version(out_dir) != version:
+            shutil.rmtree(version, ignore_errors=True)
         raise
     finally:
         _UNFINISHED.pop(version, None)
@@ -273,7 +279,7 @@ def sweep_stale(out_dir: str | Path, now: float | None = None) -> list[Path]:
         except FileNotFoundError:
             continue
         if kind in ("v", "lnk", "partial") and _OWNED.fullmatch(rest):
-            stale = age > STALE_AFTER_S or not writer_may_run(rest)
+            stale = age > STALE_AFTER_S or not writer_may_run(rest) or _own_abandoned(kind, entry, rest)
         elif (kind in ("tmp", "old") and _LEGACY.fullmatch(rest)) or (kind == "partial" and rest.isdigit()):
             # (quantize's earlier `.NAME.partial-PID`, which names no host)
             stale = age > LEGACY_STALE_AFTER_S
@@ -283,6 +289,14 @@ def sweep_stale(out_dir: str | Path, now: float | None = None) -> list[Path]:
             remove_path(entry)
             removed.append(entry)
     return removed
+
+
+def _own_abandoned(kind: str, entry: Path, tagged: str) -> bool:
+    """Whether `entry` is a version this process wrote and no longer writes (not in _UNFINISHED) that
+    nothing links to: the previous version a swap left when its removal was interrupted or failed,
+    which waiting for this process to exit would keep for as long as a server runs."""
+    return (kind == "v" and tagged.rsplit("-", 1)[0] == writer_tag()
+            and all(entry.absolute() != unfinished.absolute() for unfinished in _UNFINISHED))
 
 
 # ---- versions in use -------------------------------------------------------------------------
@@ -347,9 +361,20 @@ def _swap(out_dir: Path, version: Path) -> None:
     except BaseException:
         remove_path(link)
         raise
-    fsync_dir(out_dir.parent)
-    if previous is not None and previous != version and not in_use(previous):  # else a later sweep's
+    fsync_dir(out_dir.parent)  # an error here is raised (the switch may not be on disk); version stays
+    _remove_previous(previous, version)
+
+
+def _remove_previous(previous: Path | None, version: Path) -> None:
+    """Remove the version out_dir linked to before the swap, best effort: the write is committed, so
+    an OSError here is dropped (the next write's sweep_stale removes what is left), and an interrupt
+    (KeyboardInterrupt, SystemExit) reaches the caller with the new version kept."""
+    if previous is None or previous == version or in_use(previous):  # a held one: a later sweep's
+        return
+    try:
         shutil.rmtree(previous, ignore_errors=True)
+    except OSError:
+        pass
 
 
 def _replace_plain_dir(out_dir: Path, link: Path) -> None:

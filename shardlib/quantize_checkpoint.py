@@ -20,19 +20,18 @@ from __future__ import annotations
 import errno
 import json
 import math
-import os
 import shutil
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from shardlib.atomic_dir import (make_parents, owned_sibling, rename_no_replace, sibling_name_too_long, sweep_stale,
-                                 unwritable_reason)
+from shardlib.atomic_dir import (fsync_dir, fsync_tree, make_parents, owned_sibling, rename_no_replace,
+                                 sibling_name_too_long, sweep_stale, unwritable_reason)
 from shardlib.checkpoint import CHECKPOINT_FILES, _open_files, checked_names, find_checkpoint
 from shardlib.checkpoint_files import check_checkpoint
 from shardlib.demo_model import _MARKER as DEMO_MARKER
-from shardlib.model_config import ModelConfig, read_config_json
+from shardlib.model_config import ModelConfig, load_model_config, read_config_json
 from shardlib.quantization import (UNQUANTIZABLE_MODEL_TYPES, Quantization, absmax_scale, normalize_quant_dtype,
                                    quantize_with_scale, scale_name, storage_dtype)
 from shardlib.sharding import TensorSlice
@@ -118,12 +117,28 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, dtype: str, 
     try:
         _write_weights(Path(model_dir), config, quant, partial / "model.safetensors", progress)
         _copy_other_files(Path(model_dir), partial)
-        (partial / "config.json").write_text(json.dumps({**raw, "quantization_config": quant.to_json()}, indent=2))
+        (partial / "config.json").write_text(json.dumps(_quantized_config(Path(model_dir), raw, quant), indent=2))
+        # every file and the folder on disk before the rename names them out_dir: a crash after it
+        # left a complete-looking --out with empty or missing files (only the weights were fsynced)
+        fsync_tree(partial)
         _rename_into_place(partial, out_dir)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
+    fsync_dir(out_dir.parent)  # the rename itself
     return out_dir
+
+
+def _quantized_config(model_dir: Path, raw: dict, quant: Quantization) -> dict:
+    """The output's config.json: the source's, with its quantization_config, and the source's dtype
+    written out where the source's config names none. Read from the weights then (transformers'
+    rule), the output's first floating tensor by name is a float32 `<m>.scale` once the embedding or
+    LM head is quantized: a bf16 model was planned as float32, its KV cache twice the size."""
+    written = {**raw, "quantization_config": quant.to_json()}
+    if raw.get("dtype") is None and raw.get("torch_dtype") is None:
+        # torch_dtype: the key transformers 4 and 5 and load_model_config all read
+        written["torch_dtype"] = load_model_config(model_dir).torch_dtype
+    return written
 
 
 def _rename_into_place(partial: Path, out_dir: Path) -> None:
@@ -173,8 +188,7 @@ def _write_weights(model_dir: Path, config: ModelConfig, quant: Quantization, pa
                     del tensor  # before the next read: one source tensor at a time
                 if progress is not None:
                     progress(name, done, len(names))
-            out.flush()
-            os.fsync(out.fileno())
+        # fsynced with the folder's other files by quantize_checkpoint
 
 
 def _written_dtype(dtype: torch.dtype) -> torch.dtype:

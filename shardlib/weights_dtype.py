@@ -6,11 +6,15 @@ weight file (float8 tensors skipped). Planning such a model as float32 instead d
 checkpoint's weights and cache per rank in the plan and in every rank's memory. Read from the
 safetensors headers alone, or from a pickled checkpoint's record of its storages' types (the
 data.pkl of torch.save's zip): no torch, no weight bytes, and nothing of the pickle is run.
+The float32 scales of a quantized checkpoint's 8-bit weights are skipped, as its 8-bit weights are:
+they say nothing of the dtype of its other tensors.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+
+from shardlib.quantization import SCALE_SUFFIX, weight_name_of
 
 # safetensors' dtype names -> corelaunch's compute dtypes (float8 and float64 tensors are not a
 # compute dtype: skipped, as transformers skips float8)
@@ -45,9 +49,24 @@ def stored_weights_dtype(model_dir: Path) -> str | None:
         return None
     for name in sorted(header):
         dtype = _COMPUTE_DTYPES.get(header[name].dtype)
-        if dtype is not None:
+        if dtype is not None and not _is_quantization_scale(name, header):
             return dtype
     return None
+
+
+_QUANTIZED_STORAGE = ("I8", "F8_E4M3", "F8_E5M2")
+"""safetensors' names of the 8-bit dtypes a quantized weight is stored in (shardlib/quantization.py)."""
+
+
+def _is_quantization_scale(name: str, header: dict) -> bool:
+    """Whether `name` is the float32 scale of a weight stored in 8 bits beside it (`<m>.scale` next to
+    an int8 or fp8 `<m>.weight`): in a checkpoint `corelaunch quantize --embedding` or `--lm-head`
+    wrote, 'scale' sorts before 'weight', and a bf16 model was read as float32. A `.scale` of no
+    8-bit weight (some models name a parameter so) is the model's own, and counts."""
+    if not name.endswith(SCALE_SUFFIX):
+        return False
+    weight = header.get(weight_name_of(name))
+    return weight is not None and weight.dtype in _QUANTIZED_STORAGE
 
 
 def pickled_weights_dtype(path: Path) -> str | None:

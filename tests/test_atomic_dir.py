@@ -190,3 +190,41 @@ def test_a_plain_directory_a_launch_holds_is_not_replaced_under_it(tmp_path):
         os.close(hold)
     write(plain, "new")  # once released, replaced as before
     assert plain.is_symlink() and (plain / "data.txt").read_text() == "new"
+
+
+@pytest.mark.parametrize("failure", [KeyboardInterrupt, OSError])
+def test_a_failed_removal_of_the_previous_version_keeps_the_committed_write(tmp_path, monkeypatch, failure):
+    """Ctrl-C (or an error) while the previous version was removed after the swap made atomic_dir's
+    clean-up delete the new version too: `out` dangled and the previous one was half deleted."""
+    out = write(tmp_path / "d", "one")
+    previous = ad.current_version(out)
+    real_rmtree = ad.shutil.rmtree
+
+    def interrupted_rmtree(path, *args, **kwargs):
+        if os.path.basename(path) == previous.name:
+            (previous / "data.txt").unlink()  # part of it was deleted when the interrupt came
+            raise failure("interrupted")
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(ad.shutil, "rmtree", interrupted_rmtree)
+    if failure is KeyboardInterrupt:
+        with pytest.raises(KeyboardInterrupt):
+            write(out, "two")
+    else:
+        write(out, "two")  # the write is committed: the caller is not told it failed
+    assert (out / "data.txt").read_text() == "two" and (out / "sub" / "more.txt").read_text() == "two"
+    second = ad.current_version(out)
+    assert siblings(tmp_path) == sorted(["d", previous.name, second.name])  # the half-deleted one is left...
+
+    monkeypatch.setattr(ad.shutil, "rmtree", real_rmtree)
+    third = ad.current_version(write(out, "three"))  # ...until the next write (same process) sweeps it
+    assert (out / "data.txt").read_text() == "three" and siblings(tmp_path) == sorted(["d", third.name])
+
+
+def test_a_version_this_process_is_still_writing_is_not_swept(tmp_path):
+    """The sweep removes this process's unlinked versions, but never one a write in progress fills."""
+    out = write(tmp_path / "d", "one")
+    with ad.atomic_dir(out, "a test directory") as filling:
+        (filling / MANIFEST).write_text("{}")
+        assert ad.sweep_stale(out) == [] and filling.is_dir()
+    assert ad.current_version(out) == filling

@@ -130,6 +130,32 @@ def test_an_out_written_meanwhile_by_another_process_is_refused_as_taken(source_
     assert sorted(p.name for p in out.iterdir()) == (["config.json"] if meanwhile == "written" else [])
 
 
+def test_every_file_is_fsynced_before_the_rename_and_the_rename_after_it(source_dir, tmp_path, monkeypatch):
+    """Only model.safetensors was fsynced: a crash after the rename left a --out whose config.json
+    and tokenizer could be empty or missing, though the folder looked complete."""
+    from shardlib import quantize_checkpoint as module
+
+    events = []
+    for helper in ("fsync_tree", "fsync_dir", "rename_no_replace"):
+        real = getattr(module, helper)
+
+        def recorded(*paths, real=real, helper=helper):
+            synced = sorted(p.name for p in paths[0].iterdir()) if helper == "fsync_tree" else None
+            events.append((helper, paths[-1], synced))
+            return real(*paths)
+
+        monkeypatch.setattr(module, helper, recorded)
+    out = quantize_checkpoint(source_dir, tmp_path / "q", "int8")
+    files = sorted(p.name for p in out.iterdir())
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(files)
+    assert [(helper, path.name if helper != "fsync_tree" else path.name.startswith(".q.partial-"), synced)
+            for helper, path, synced in events] == [
+        ("fsync_tree", True, files),  # the partial folder, with every file it renames into place
+        ("rename_no_replace", "q", None),
+        ("fsync_dir", tmp_path.name, None)]  # the folder holding the rename
+    assert events[-1][1] == out.parent
+
+
 def test_quantized_checkpoint_layout_config_and_refusals(source_dir, tmp_path):
     from safetensors.torch import load_file
 

@@ -11,6 +11,7 @@ import torch
 
 from launcher.cli import main
 from shardlib.model_config import load_model_config
+from shardlib.weights_dtype import stored_weights_dtype
 from tests.model_factory import build_random_model, save_model
 
 
@@ -152,3 +153,50 @@ def test_a_float64_checkpoint_runs_in_float32(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["dtype"] == "float32"
     shard = load_rank_shard(model_dir, config, ShardLayout.for_model(config, 1), 0, dtype=config.torch_dtype)
     assert {t.dtype for t in shard.values()} == {torch.float32}
+
+
+@pytest.mark.parametrize("quantized", ["I8", "F8_E4M3"])
+def test_a_quantized_checkpoints_scales_and_8_bit_weights_are_skipped(tmp_path, quantized):
+    """`<m>.scale` (float32) sorts before `<m>.weight`: a float16 checkpoint whose embedding was
+    quantized read as float32, its plan and KV cache twice the size."""
+    from safetensors.torch import save_file
+
+    stored = {"I8": torch.int8, "F8_E4M3": torch.float8_e4m3fn}[quantized]
+    state = {"model.embed_tokens.weight": torch.zeros(8, 4, dtype=stored),
+             "model.embed_tokens.scale": torch.ones(8, 1),
+             "model.layers.0.mlp.up_proj.weight": torch.zeros(6, 4, dtype=stored),
+             "model.layers.0.mlp.up_proj.scale": torch.ones(6, 1),
+             "model.norm.weight": torch.ones(4, dtype=torch.float16)}
+    save_file(state, tmp_path / "model.safetensors")
+    assert stored_weights_dtype(tmp_path) == "float16"
+
+
+def test_a_scale_of_no_8_bit_weight_is_the_models_own_and_counts(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"model.layers.0.layer.scale": torch.ones(4), "model.layers.0.layer.weight": torch.ones(4, 4),
+               "model.norm.weight": torch.ones(4, dtype=torch.float16)}, tmp_path / "model.safetensors")
+    assert stored_weights_dtype(tmp_path) == "float32"  # transformers takes the first floating tensor
+
+
+@pytest.mark.parametrize("tied,option", [(True, "embed"), (False, "embed"), (False, "lm_head")])
+def test_quantize_writes_the_sources_dtype_where_its_config_names_none(tmp_path, tied, option):
+    """The output's first floating tensor by name is a float32 scale once the embedding or LM head is
+    quantized: its config.json names the source's dtype, so nothing reads it from the weights."""
+    from shardlib.quantize_checkpoint import quantize_checkpoint
+
+    source = _without_dtype(save_model(build_random_model(tie_word_embeddings=tied, num_layers=1).to(torch.bfloat16),
+                                       tmp_path / "m"))
+    out = quantize_checkpoint(source, tmp_path / "q", "int8", **{option: True})
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert load_model_config(out).torch_dtype == "bfloat16"
+
+
+def test_quantize_leaves_a_dtype_the_sources_config_names_as_it_is(tmp_path):
+    from shardlib.quantize_checkpoint import quantize_checkpoint
+
+    source = _without_dtype(save_model(build_random_model(num_layers=1).to(torch.bfloat16), tmp_path / "m"))
+    raw = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**raw, "dtype": "float16"}))
+    written = json.loads((quantize_checkpoint(source, tmp_path / "q", "int8", embed=True) / "config.json").read_text())
+    assert written["dtype"] == "float16" and "torch_dtype" not in written
