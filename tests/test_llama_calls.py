@@ -167,7 +167,7 @@ def test_an_object_without_a_call_after_a_good_one_streams_the_sent_call_and_the
 
 def test_without_parallel_calls_only_the_first_call_is_kept_whole_and_streamed():
     """parallel_tool_calls false: vLLM keeps the first call of an "auto" answer; streamed, only the
-    first object's call is scanned and sent, piece by piece, and the later calls send nothing."""
+    first object's call is sent, piece by piece, and the later calls send nothing."""
     text = PYTHON_TAG + WEATHER + "; " + FLAG_CALL + "; " + WEATHER
     whole = Llama3JsonCallReader(parallel_tool_calls=False)
     whole.push(text, True)
@@ -179,7 +179,7 @@ def test_without_parallel_calls_only_the_first_call_is_kept_whole_and_streamed()
         assert named(calls) == [PARIS] and content == "" and finish == "tool_calls"
         entries = [entry for delta in deltas for entry in delta.get("tool_calls", [])]
         assert {entry["index"] for entry in entries} == {0}
-        assert reader._object_scan is None  # the later objects are not scanned
+        assert not reader._object_sendable  # the later objects are only scanned (for where they break)
         if not cuts:
             assert len(entries) == 1  # the text in one piece: the call in one entry
     pieces = Llama3JsonCallReader(parallel_tool_calls=False)  # the first call over several deltas

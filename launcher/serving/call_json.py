@@ -177,3 +177,98 @@ def arguments_text(value: object) -> str:
     write (TypeError); the JSON readers' values never hold one (their decoder refuses them)."""
     text = json.dumps(value, ensure_ascii=False, allow_nan=False)
     return text if is_text(text) else json.dumps(value, allow_nan=False)
+
+
+_LEVEL_SIGNS = re.compile(r'[\[\]{}"\\]')
+_JSON_TOKEN = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?|true|false|null")
+_TOKEN_CHARS = frozenset("0123456789+-.eEabcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_")
+
+
+class ArrayLevelCheck:
+    """Whether a JSON array's text, fed as it comes from its `[`, is still JSON at the array's own
+    level: values separated by single commas, JSON's whitespace between them, each bare value a JSON
+    number (that a double holds) or true, false, null. Inside the elements (strings, objects, inner
+    arrays) only the nesting is followed, nothing judged, so `broken` is sure (no decoder takes the
+    text, whatever follows) but late for a break inside an element. The elements are stepped over a
+    regular expression's search at a time; only the array's own level is read character by
+    character (`[1, 2, ` then prose is found out at the prose's first word)."""
+
+    def __init__(self) -> None:
+        self.broken = False
+        self._depth = 0
+        self._in_string = self._escaped = False
+        self._expect = "first"
+        """At the array's own level: "first" (a value or `]`), "value", "comma" (`,` or `]`), "token"
+        (in a bare value), "end" (the array has closed)."""
+        self._token: list[str] = []
+
+    def feed(self, text: str) -> bool:
+        """More of the array's text; False once it is no JSON array (broken)."""
+        position = 0
+        while position < len(text) and not self.broken and self._expect != "end":
+            if self._depth > 1 or self._in_string:
+                position = self._step_inside(text, position)
+            else:
+                self._level_char(text[position])
+                position += 1
+        return not self.broken
+
+    def _step_inside(self, text: str, position: int) -> int:
+        """Past an element's inside text up to the next sign that matters (its nesting, its strings)."""
+        if self._escaped:
+            self._escaped = False
+            return position + 1
+        found = _LEVEL_SIGNS.search(text, position)
+        if found is None:
+            return len(text)
+        char = found.group()
+        if self._in_string:
+            if char == "\\":
+                self._escaped = True
+            elif char == '"':
+                self._in_string = False
+                if self._depth == 1:
+                    self._expect = "comma"
+        elif char == '"':
+            self._in_string = True
+        elif char in "[{":
+            self._depth += 1
+        elif char in "]}":
+            self._depth -= 1
+            if self._depth == 1:
+                self._expect = "comma"
+        return found.end()
+
+    def _level_char(self, char: str) -> None:
+        """One character at the array's own level (or its opening `[`)."""
+        if self._depth == 0:
+            self._depth, self.broken = 1, char != "["
+            return
+        if self._expect == "token":
+            if char in _TOKEN_CHARS:
+                self._token.append(char)
+                return
+            token, self._token = "".join(self._token), []
+            if _JSON_TOKEN.fullmatch(token) is None or token[0] in "-0123456789" and not math.isfinite(float(token)):
+                self.broken = True  # no JSON value, or a number no call's JSON holds (1e400)
+                return
+            self._expect = "comma"
+        if char in " \t\n\r":
+            return
+        if self._expect in ("first", "value"):
+            if char == "]" and self._expect == "first":
+                self._depth, self._expect = 0, "end"
+            elif char == '"':
+                self._in_string = True
+            elif char in "[{":
+                self._depth += 1
+            elif char in _TOKEN_CHARS:
+                self._expect, self._token = "token", [char]
+            else:
+                self.broken = True
+        elif char == ",":
+            self._expect = "value"
+        elif char == "]":
+            self._depth, self._expect = 0, "end"
+        else:
+            self.broken = True

@@ -22,8 +22,10 @@ says, but where no stream can know yet what it has sent: a bad block (no call, o
 breaks) after a good one, or whose own call began to stream before its JSON broke. The whole
 answer is then all content; the stream has already sent those calls, and sends the text from the
 bad block on as content (a call announced and found bad within one piece is not announced: that
-piece can know). A block whose object repeats its "name" or "arguments" key streams the
-first (the whole answer takes the last).
+piece can know). A block whose object's own level stops being JSON as it is written (prose after a
+`<tool_call>` tag: a character no JSON object takes there) turns the stream to content right at
+that character, not at its closing tag (which prose may never write). A block whose object repeats
+its "name" or "arguments" key streams the first (the whole answer takes the last).
 
 Pure (no tokenizer, no engine): the app's ChatRender drives a HermesCallReader per choice (its shared
 part: launcher/serving/free_text_calls.py).
@@ -176,7 +178,13 @@ class HermesCallReader(FreeTextCallReader):
             end = self._open.find(CALL_END)
             if end == -1 and not finished:
                 # all read but a tail that may open the closing tag
-                return calls + self._block_pieces(len(self._open) - held_tail_length(self._open, (CALL_END,)), index)
+                calls += self._block_pieces(len(self._open) - held_tail_length(self._open, (CALL_END,)), index)
+                if self._block_stream.stopped:
+                    # its object's own level is no JSON already (prose after a `<tool_call>` tag): no
+                    # whole reading takes the block as a call, so the text from it on is content now,
+                    # not at a closing tag prose may never write
+                    self._mode, self._open = "text", "".join(self._block_read) + self._open
+                return calls
             calls += self._block_pieces(len(self._open) if end == -1 else end, index)
             block = "".join(self._block_read)
             call = call_of(block[len(CALL_START):])

@@ -38,7 +38,10 @@ whole answer gives them as json.dumps writes them: the same JSON, as a named cal
 closes with its call never announced (the arguments written before the name) sends it whole then.
 An object that closes without being a call (or is still open when the text ends: max_tokens, a stop
 string) sends the text from the first `{` on as content, so the stream's content is the whole
-text's less a leading tag, as the whole answer says. For any split of a text the stream says what
+text's less a leading tag, as the whole answer says. So does an object whose own level stops being
+JSON as it is written (prose or code in braces, `x { y`: a character no JSON object takes there, a
+number no call's JSON holds), right at that character, not at its `}` (which prose may never write):
+no whole reading takes such an object as a call. For any split of a text the stream says what
 the whole answer says, but where no stream can know yet what it has sent: an object that is no call
 after a good one, or whose own call went out before the object turned out no call (its JSON breaks,
 the text ends inside it, a number or a nesting the whole reading refuses). The whole answer is then
@@ -149,8 +152,11 @@ class Llama3JsonCallReader(FreeTextCallReader):
         the open object's call, if it is one, is the call at this index."""
         self._object_scan: RequiredCallsStream | None = None
         """"calls": the scan of the open (or last closed) object, which says when its call and each
-        piece of its arguments can go out; None for an object whose call would not be sent
-        (parallel_tool_calls false, past the first)."""
+        piece of its arguments can go out, and where the object stops being JSON a call is read from
+        (its own level out of place: prose or code in braces)."""
+        self._object_sendable = True
+        """"calls": the open (or last closed) object's call, if it is one, goes out (False: past the
+        first with parallel_tool_calls false, vLLM's rule)."""
         self._scanned: list[dict] = []
         """"calls": the entries the scans made that have not gone out yet, each as its call's index."""
 
@@ -213,11 +219,14 @@ class Llama3JsonCallReader(FreeTextCallReader):
             if call is None:
                 return calls, self._now_text(text + piece[end:])
             index, self._read_calls, self._held = self._read_calls, self._read_calls + 1, ""
-            # no scan: a call not sent (vLLM's rule without parallel calls: the first only)
-            if self._object_scan is not None and not self._object_scan.announced:  # never announced
+            # not sendable: a call not sent (vLLM's rule without parallel calls: the first only)
+            if self._object_sendable and not self._object_scan.announced:  # never announced
                 calls.append(self._new_call(*call, index=index))
         calls += self._take_scanned()
-        if finished and self._object_end is not None:  # cut inside an object: no whole JSON
+        # cut inside an object, or its own level already no JSON (`{ y`, a code block's braces): no
+        # whole reading takes it as a call, so the text from it on is content now, not at its `}`
+        # (which prose may never write: a Java class streamed nothing for 2900 characters)
+        if self._object_end is not None and (finished or self._object_scan.stopped):
             return calls, self._now_text("".join(self._object))
         return calls, ""
 
@@ -226,16 +235,18 @@ class Llama3JsonCallReader(FreeTextCallReader):
         return taken
 
     def _open_object(self) -> None:
-        """A `{` between objects: follow the object from it, and scan its call if it can be sent."""
+        """A `{` between objects: follow the object from it, and scan it (its call sent only if it can
+        be: _object_sendable; scanned either way, to see where it stops being a call's JSON)."""
         self._object_end = JsonValueEnd()
-        sendable = self._read_calls == 0 or self.parallel_tool_calls
-        self._object_scan = RequiredCallsStream(("arguments", "parameters"), one_object=True) if sendable else None
+        self._object_sendable = self._read_calls == 0 or self.parallel_tool_calls
+        self._object_scan = RequiredCallsStream(("arguments", "parameters"), one_object=True)
 
     def _scan_object_part(self, part: str) -> None:
         """More of the open object's text read by its scan: its entries, as the call at the object's
-        place (the scan numbers its one call 0)."""
-        if self._object_scan is not None:
-            self._scanned += [{**entry, "index": self._read_calls} for entry in self._object_scan.feed(part)]
+        place (the scan numbers its one call 0); an object whose call is not sent is only scanned."""
+        entries = self._object_scan.feed(part)
+        if self._object_sendable:
+            self._scanned += [{**entry, "index": self._read_calls} for entry in entries]
 
     def _now_text(self, rest: str) -> str:
         """Turn the mode to "text": the content to send now is `rest` (after the held start)."""

@@ -26,7 +26,8 @@ Read as vLLM 0.32's MistralParser reads the whole text:
   beyond a double's range are none: launcher/serving/call_json.py).
 With parallel_tool_calls false only the first call is kept (vLLM's rule). Each call's id is 9
 letters and digits (vLLM's MistralToolCall ids): Mistral's chat templates refuse any other id when
-the calls come back in the conversation.
+the calls come back in the conversation; forced calls (tool_choice "required" or a named function)
+on a server with this parser get such ids too (tool_calls.PARSER_CALL_IDS).
 
 Where this reading differs from vLLM's (the same whole and streamed here):
 - A text whose calls cannot be read (bad or cut JSON, a JSON value with no call in it, nothing after
@@ -74,7 +75,10 @@ so a break there sends none). The whole
 answer is then all content, with no call; the stream has already sent those calls (a pre-v11 one
 with the arguments written so far), and sends as content the text from the first marker after the
 good v11 call on, or, pre-v11, all the text not sent yet, so that its content is the whole text, the
-whole answer's.
+whole answer's. A pre-v11 value that is no JSON at its own level already as it is written (an
+array's commas and bare values: `[1, 2, ` then prose, call_json.ArrayLevelCheck; a bare object's
+keys and colons, judged by its call's scan) turns the stream to content right there, not at the next
+marker or the end (a break deeper inside a value is found where the value closes).
 
 Pure (no tokenizer, no engine): the app's ChatRender drives a MistralCallReader per choice (its shared
 part: launcher/serving/free_text_calls.py).
@@ -86,7 +90,7 @@ import re
 import secrets
 import string
 
-from launcher.serving.call_json import JsonValueEnd, arguments_text, decode_at, is_text
+from launcher.serving.call_json import ArrayLevelCheck, JsonValueEnd, arguments_text, decode_at, is_text
 from launcher.serving.free_text_calls import CallsReading, FreeTextCallReader
 from launcher.serving.mistral_v11_arguments import V11Arguments
 from launcher.serving.required_calls_stream import RequiredCallsStream
@@ -191,6 +195,8 @@ class MarkerText:
         self.scan: RequiredCallsStream | None = None
         """"json": the scan of the value's calls, which says when each call and each piece of its
         arguments can go out before the value closes."""
+        self.array_check: ArrayLevelCheck | None = None
+        """"json", an array: whether its own level is still JSON (a bare object: the scan says it)."""
         self.withheld_from: int | None = None
         """"json": the first call whose arguments the whole reading does not take as written (a JSON
         string, taken as its text, or null, taken as "{}"): it and those after it go out whole when
@@ -230,6 +236,7 @@ class MarkerText:
             if self.stage == "json":
                 self.scan = RequiredCallsStream(("arguments",), one_object=text[at] == "{",
                                                 make_id=new_mistral_call_id)
+                self.array_check = ArrayLevelCheck() if text[at] == "[" else None
         return at
 
     def _head_char(self, char: str) -> int | str:
@@ -261,20 +268,34 @@ class MarkerText:
         part = text if closed is None else text[:closed]
         self.held.append(part)
         if closed is None and not ends:
-            return self._scanned(part)
+            entries = self.scan.feed(part)
+            if self._no_json_already(part):  # BAD now, not at a next marker or the end
+                return BAD
+            return self._sendable(entries)
         value = None if closed is None else decode_at("".join(self.held))
         calls = [] if value is None else pre_v11_calls(value[0])
         if not calls:
             return BAD
-        entries = self._scanned(part)
+        entries = self._sendable(self.scan.feed(part))
         self.stage, self.held, self.settled = "after", [], True
         return entries + [mistral_call(name, arguments, index)
                           for index, (name, arguments) in enumerate(calls) if index >= self.sent]
 
-    def _scanned(self, part: str) -> list[dict]:
-        """The scan's entries for this part of the value, but for the calls withheld."""
+    def _no_json_already(self, part: str) -> bool:
+        """Whether the open value, with this part, is no JSON already at its own level (an array's: its
+        commas and bare values, `[1, 2, ` then prose; a bare object's keys and colons, judged by its
+        call's scan), so that no whole reading takes it: what comes after is content, sent as it
+        comes. The scan (fed the part already) is not asked of an array: it stops at an element that
+        is no object, which the whole reading skips. A break deeper inside is found where the value
+        closes, as before."""
+        if self.array_check is not None:
+            return not self.array_check.feed(part)
+        return self.scan.stopped
+
+    def _sendable(self, scanned: list[dict]) -> list[dict]:
+        """The scan's entries for a part of the value, but for the calls withheld."""
         entries = []
-        for entry in self.scan.feed(part):
+        for entry in scanned:
             index = entry["index"]
             if "id" in entry and self.withheld_from is None and entry["function"]["arguments"][:1] in ('"', "n"):
                 self.withheld_from = index

@@ -73,7 +73,11 @@ the calls announced so far (those whose `)` came whole, the breaking one with th
 before it) and sends the text from the breaking call's start on as content: from after the last
 whole call's `)`, or from the list's `[` when the first call broke (then the stream's content is the
 whole answer's, all of the text); a list cut just after a call's `)` leaves no content. A list that
-breaks before any call was announced (`[]`, `[(f)()]`, a bad name) is all content, as whole.
+breaks before any call was announced (`[]`, `[(f)()]`, a bad name) is all content, as whole. The
+break is found where the list's next sign comes, or earlier, as the text comes, where the text since
+the last sign can no longer be what belongs there (pythonic_calls_stream.HeadCheck: a second word
+where a call's name or a keyword belongs, `[f(a=1), then I`; anything but whitespace after a call's
+`)`): prose after a call goes out as content as it is written, not at the end of the text.
 
 Pure (no tokenizer, no engine): the app's ChatRender drives a PythonicCallReader per choice (its
 shared part: launcher/serving/free_text_calls.py).

@@ -24,6 +24,55 @@ def argument_piece(key: str, value: object, first: bool) -> str:
 # Where CallListStream is in the list: before its `[`, where a call's name (or the list's end) may
 # come, inside a call's parentheses, after a call's `)`.
 _START, _NAME, _ARGUMENTS, _AFTER_CALL = range(4)
+_SPACE = frozenset(" \t\f\r\n")
+"""The whitespace Python takes between tokens inside brackets (any other is no Python)."""
+
+
+class HeadCheck:
+    """Whether the text since one of the list's signs can still begin what belongs there, judged
+    character by character as it comes (each once): a dotted name where a call's name belongs, a
+    keyword's name up to its `=` in a call's parentheses, only whitespace after a call's `)`.
+    Judged conservatively, only where no Python the whole reading takes could follow: a comment or
+    a backslash (line joining), or any non-ASCII character, stops the judging (the sign after the
+    text decides, as before); so does the `=` after a keyword (its value is judged at its sign).
+    Prose after a call (`[f(a=1), then I`) is found out at its second word, not at a sign that
+    prose may never write."""
+
+    def __init__(self, place: int):
+        self._place, self._state = place, "lead"
+        """"lead", "name", "after_name" (whitespace after a name), "dot" (after a `.`), or "done"."""
+
+    def feed(self, text: str) -> bool:
+        """False once the text can no longer be what belongs at this place."""
+        if self._place == _START:
+            return True
+        for char in text:
+            if self._state == "done":
+                return True
+            if char in "#\\" or not char.isascii():
+                self._state = "done"
+            elif not self._takes(char):
+                return False
+        return True
+
+    def _takes(self, char: str) -> bool:
+        space, word = char in _SPACE, char.isalnum() or char == "_"
+        if self._place == _AFTER_CALL:
+            return space
+        state = self._state
+        if space:
+            self._state = "after_name" if state == "name" else state
+            return True
+        if word and state in ("lead", "name", "dot"):
+            self._state = "name"
+            return True
+        if char == "." and self._place == _NAME and state in ("name", "after_name"):
+            self._state = "dot"
+            return True
+        if char == "=" and self._place == _ARGUMENTS and state in ("name", "after_name"):
+            self._state = "done"  # the value: judged where its sign comes
+            return True
+        return False
 
 
 class CallListStream:
@@ -60,6 +109,8 @@ class CallListStream:
         """The list closed as a list of calls: nothing after it is read."""
         self.broken: str | None = None
         """Once the list broke: the text to send as content from there (all later text is content)."""
+        self._head = HeadCheck(_START)
+        """The text since the last sign, judged as it comes (a break found before the next sign)."""
 
     def feed(self, piece: str, finished: bool) -> list[dict]:
         """The entries this piece makes; `finished`: the text ends with it."""
@@ -72,6 +123,7 @@ class CallListStream:
                 self._take(piece[position:at])
                 position = at
                 self._sign(char, level, entries)
+                self._head = HeadCheck(self._place)  # the text after the sign, judged for its new place
                 position = at + 1
                 if self.closed:
                     self._held, self._since_sign = [], []
@@ -88,6 +140,10 @@ class CallListStream:
         return entries
 
     def _take(self, text: str) -> None:
+        """More text between signs: NoCall, before it is held, where it can no longer be what belongs
+        there (HeadCheck: the text goes out as content with the piece's rest)."""
+        if text and not self._head.feed(text):
+            raise NoCall(f"{text!r} where a call's name, a keyword or a comma belongs")
         if text:
             self._held.append(text)
             self._since_sign.append(text)

@@ -148,6 +148,14 @@ class RequiredCallsStream:
         return self._sent.calls()
 
     @property
+    def stopped(self) -> bool:
+        """Whether the reading has stopped: the text is no call's JSON from a point on (a character out
+        of place at the array's or an element's own level, a number no call's JSON holds, nesting past
+        MAX_DEPTH), or the array (one_object: the object) has ended. A reader fed one object's text up
+        to its end only knows from this that no whole reading can take the object as a call."""
+        return self._over
+
+    @property
     def announced(self) -> int:
         """How many calls have gone out (without joining their arguments, as sent does)."""
         return len(self._sent)

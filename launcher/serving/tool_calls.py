@@ -43,6 +43,13 @@ PARSER_READERS = {
 Imported when a request needs one: the readers import this module. A reader whose class says
 `needs_tools` is also given the request's tools (qwen3_coder's values take their schemas' types)."""
 
+PARSER_CALL_IDS = {
+    "mistral": ("launcher.serving.mistral_calls", "new_mistral_call_id"),
+}
+"""The id maker (module, function) of each parser whose model's chat template checks the form of the
+call ids sent back to it (Mistral's refuses any id but 9 letters and digits): a forced call on such
+a server gets its ids too, as "auto" does. A parser not named here: new_call_id."""
+
 
 def _auto_refused(by_default: bool) -> str:
     from launcher.serving.server_settings import TOOL_CALL_PARSERS, described
@@ -163,6 +170,8 @@ class ToolUse:
     """tool_choice "auto": the format the server reads calls from the free text in (a PARSER_READERS name)."""
     parallel_tool_calls: bool = True
     """False: "auto" keeps the first call it reads (vLLM's rule; "required" asks for one call)."""
+    id_parser: str | None = None
+    """A forced call: the server's tool-call parser, whose ids the calls get (PARSER_CALL_IDS)."""
 
     def reader(self):
         """A fresh reader of one choice's text as tool calls (a ToolCallReader, or for "auto" the
@@ -173,7 +182,16 @@ class ToolUse:
             if reader_class.needs_tools:
                 return reader_class(self.parallel_tool_calls, tools=self.tools)
             return reader_class(self.parallel_tool_calls)
-        return None if self.forced is None else ToolCallReader(self.forced)
+        return None if self.forced is None else ToolCallReader(self.forced, call_id_maker(self.id_parser))
+
+
+def call_id_maker(parser: str | None):
+    """The function that makes a new call id on a server with this tool-call parser (PARSER_CALL_IDS;
+    new_call_id for any other, or none). Imported when called: the parsers' modules import this one."""
+    if parser not in PARSER_CALL_IDS:
+        return new_call_id
+    module, name = PARSER_CALL_IDS[parser]
+    return getattr(importlib.import_module(module), name)
 
 
 def check_tool_request(request, tool_call_parser: str | None = None) -> ToolUse:
@@ -210,7 +228,7 @@ def check_tool_request(request, tool_call_parser: str | None = None) -> ToolUse:
         forced = _named(choice, tools)
         index = next(i for i, tool in enumerate(tools) if tool.function.name == forced)
         structure = _checked_structure(named_schema(tools[index]), f"tools.{index}.function.parameters")
-    return ToolUse([tool.template_form() for tool in tools], forced, structure)
+    return ToolUse([tool.template_form() for tool in tools], forced, structure, id_parser=tool_call_parser)
 
 
 def _required_structure(tools: list[Tool], parallel_tool_calls: bool) -> StructuredOutput:
@@ -481,7 +499,7 @@ class SentCalls:
                 for call, pieces in zip(self._first, self._pieces)]
 
 
-def required_calls(text: str) -> list[dict]:
+def required_calls(text: str, make_id=None) -> list[dict]:
     """The calls a "required" choice's text holds: none when it is not one whole JSON array (cut
     short by max_tokens or a stop string, as vLLM reads it, or holding what no call's JSON is here:
     NaN or a number beyond a double's range, nesting past call_json.MAX_DEPTH); else the calls the
@@ -489,12 +507,13 @@ def required_calls(text: str) -> list[dict]:
     arguments its "parameters" text as the model wrote it, so the whole answer and the stream say the
     same. An integer of any length is kept as written (Python's decoder refused one past 4300
     digits, which the output's grammar allows: the call was lost, though the stream had sent it).
-    vLLM writes the arguments back with json.dumps: the same JSON, spaced as json.dumps spaces it."""
+    vLLM writes the arguments back with json.dumps: the same JSON, spaced as json.dumps spaces it.
+    make_id: a new call's id (None: new_call_id)."""
     from launcher.serving.required_calls_stream import RequiredCallsStream  # it imports this module
 
     if not isinstance(shape_or_none(text), list):
         return []
-    stream = RequiredCallsStream()
+    stream = RequiredCallsStream(make_id=make_id or new_call_id)
     stream.feed(text)
     return stream.sent
 
@@ -505,10 +524,11 @@ class ToolCallReader:
     Named function: the text is the call's arguments; streamed as it comes (the first piece carries
     the call's id, type and name, the later ones only arguments, as vLLM streams them). "required":
     the text is a JSON array of calls, read once it is whole; streamed, each call goes out once its
-    name is known and its arguments as they are written (launcher/serving/required_calls_stream.py)."""
+    name is known and its arguments as they are written (launcher/serving/required_calls_stream.py).
+    make_id: a new call's id, whole and streamed (call_id_maker: the server's parser's form)."""
 
-    def __init__(self, forced: str):
-        self.forced, self.text = forced, []
+    def __init__(self, forced: str, make_id=new_call_id):
+        self.forced, self.text, self._make_id = forced, [], make_id
         self._named_id: str | None = None
         self._calls: list[dict] | None = None
         self._required_stream = None
@@ -521,7 +541,7 @@ class ToolCallReader:
             if self._required_stream is None:
                 from launcher.serving.required_calls_stream import RequiredCallsStream  # it imports this module
 
-                self._required_stream = RequiredCallsStream()
+                self._required_stream = RequiredCallsStream(make_id=self._make_id)
             pieces = self._required_stream.feed(text)
         else:
             pieces = self._named_pieces(text)
@@ -538,7 +558,7 @@ class ToolCallReader:
             so_far = "".join(self.text)
             if not so_far.strip():  # whitespace alone is no call (calls() says the same at the end)
                 return []
-            self._named_id = new_call_id()
+            self._named_id = self._make_id()
             return [{"index": 0, "id": self._named_id, "type": "function",
                      "function": {"name": self.forced, "arguments": so_far}}]
         return [{"index": 0, "function": {"arguments": text}}] if text else []
@@ -551,9 +571,9 @@ class ToolCallReader:
         if self._calls is None:
             text = "".join(self.text)
             if self.forced == "required":
-                self._calls = required_calls(text)
+                self._calls = required_calls(text, self._make_id)
             elif text.strip():  # nothing generated: no call (vLLM's rule)
-                self._calls = [tool_call(self.forced, text)]
+                self._calls = [tool_call(self.forced, text, call_id=self._make_id())]
                 if self._named_id is not None:
                     self._calls[0]["id"] = self._named_id
             else:
