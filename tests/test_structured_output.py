@@ -199,9 +199,15 @@ def test_a_resumed_request_goes_on_matching_from_its_delivered_tokens(wide_model
     assert whole[:k] + out.tokens["a"] == whole and out.finish["a"] == "stop"
 
 
-def test_a_matcher_that_raises_fails_its_request_alone(wide_model, smollm2_tokenizer, monkeypatch):
+class PanicException(BaseException):
+    """As PyO3 raises a Rust panic of llguidance's: a BaseException, which `except Exception` misses."""
+
+
+@pytest.mark.parametrize("raised", [RuntimeError, PanicException])
+def test_a_matcher_that_raises_fails_its_request_alone(wide_model, smollm2_tokenizer, monkeypatch, raised):
     """A review: only a ValueError of the matcher's was the request's alone; any other error left the
-    step, failing the group, whose restart replayed the request until the replica was given up."""
+    step, failing the group, whose restart replayed the request until the replica was given up. A
+    Rust panic too (a BaseException)."""
     from workers.structured.matchers import RequestGrammar
 
     real_advance = RequestGrammar.advance
@@ -210,7 +216,7 @@ def test_a_matcher_that_raises_fails_its_request_alone(wide_model, smollm2_token
     def advance(self, token):
         fed.append(token)
         if len(fed) == 3:
-            raise RuntimeError("matcher state corrupted")
+            raise raised("matcher state corrupted")
         return real_advance(self, token)
 
     monkeypatch.setattr(RequestGrammar, "advance", advance)
@@ -222,11 +228,35 @@ def test_a_matcher_that_raises_fails_its_request_alone(wide_model, smollm2_token
         out = collect(loop, {"s", "plain"}, timeout_s=30)
         assert out.finish == {"s": "error", "plain": "length"} and len(out.tokens["s"]) == 2
         [error] = [e.error for e in out.events if e.request_id == "s" and e.finish_reason == "error"]
-        assert error == "its structured output's matcher failed: RuntimeError: matcher state corrupted"
+        assert error == f"its structured output's matcher failed: {raised.__name__}: matcher state corrupted"
         loop.submit([request("after", prompt, 3)])  # the loop serves on
         assert collect(loop, {"after"}, timeout_s=30).finish == {"after": "length"}
     finally:
         stop([loop], threads)
+
+
+def test_a_panic_while_checking_a_grammar_is_its_problem_and_an_interrupt_is_not(monkeypatch):
+    """llguidance's validation panicking (PyO3's PanicException, a BaseException) is the spec's
+    problem, named with the library's words, not an escape that fails the server's parse; Ctrl-C
+    inside the call is still Ctrl-C."""
+    from llguidance import LLMatcher
+
+    from workers.structured import grammars
+
+    def panics(grammar):
+        raise PanicException("called `Option::unwrap()` on a `None` value")
+
+    monkeypatch.setattr(LLMatcher, "validate_grammar", staticmethod(panics))
+    assert grammar_problem(KINDS["regex"]) == "PanicException: called `Option::unwrap()` on a `None` value"
+    with pytest.raises(ValueError, match="PanicException: called `Option::unwrap"):
+        check_structured_output(KINDS["regex"])
+
+    def interrupted(grammar):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(LLMatcher, "validate_grammar", staticmethod(interrupted))
+    with pytest.raises(KeyboardInterrupt):
+        grammars.grammar_problem(KINDS["regex"])
 
 
 def test_without_a_grammar_tokenizer_a_structured_request_fails_alone(wide_model, smollm2_tokenizer):
