@@ -118,49 +118,26 @@ def test_a_folder_that_cannot_be_created_is_not_called_untrusted(own_cache, monk
     assert "Another user could place code there" not in message and "Remove" not in message
 
 
-COMPILE = """
-import sys
+PREFETCH_LOOKUP_THEN_COMPILE = """
 import torch
-if sys.argv[1:] == ["looked-up-first"]:  # as a compiler import on another thread may do
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-    cache_dir()  # writes torch's default into TORCHINDUCTOR_CACHE_DIR
+from workers.backends.inductor import prefetch_compiler
+prefetch_compiler().join()  # as a compiled rank does while its shard loads
+from torch._inductor.runtime.cache_dir_utils import cache_dir
+cache_dir()  # as a compiler import on another thread may do: writes torch's default into TORCHINDUCTOR_CACHE_DIR
 from workers.compiled import _compile
 assert _compile(lambda x: x.sin() + 1)(torch.zeros(3)).tolist() == [1.0, 1.0, 1.0]
 """
 
 
-@pytest.mark.slow  # a compile of its own, precompiled headers included (~20 s on 2 cores)
-def test_a_compile_without_the_variable_caches_in_the_users_folder(tmp_path):
+@pytest.mark.slow  # a compile of its own, precompiled headers included (~20 s on 2 cores): one for both cases
+def test_a_compile_without_the_variable_caches_in_the_users_folder_whatever_looked_up_torchs_first(tmp_path):
     """torch's own default was $TMPDIR/torchinductor_<user>, its precompiled headers included: here
-    TMPDIR is a folder of the test's, which must hold none of it, also where inductor had already
-    written its default into the variable."""
-    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
-    env.update(CORELAUNCH_CACHE=str(tmp_path / "cache"), TMPDIR=str(tmp_path / "tmp"))
-    (tmp_path / "tmp").mkdir()
-    subprocess.run([sys.executable, "-c", COMPILE, "looked-up-first"], cwd=REPO, env=env, check=True, timeout=300)
-    own = tmp_path / "cache" / f"inductor-uid{os.getuid()}"
-    assert any(own.rglob("*.py")) and any((own / "precompiled_headers").glob("*.gch"))
-    assert not [p for p in (tmp_path / "tmp").rglob("*") if p.is_file()]
-
-
-
-PREFETCH_THEN_COMPILE = """
-import torch
-from workers.backends.inductor import prefetch_compiler
-prefetch_compiler().join()  # as a compiled rank does while its shard loads
-import torch._dynamo.package as package
-print(package.DynamoCache.path_prefix() if hasattr(package.DynamoCache, "path_prefix") else "")
-from workers.compiled import _compile
-assert _compile(lambda x: x.cos() + 2)(torch.zeros(3)).tolist() == [3.0, 3.0, 3.0]
-"""
-
-
-@pytest.mark.slow  # a compile of its own (~20 s on 2 cores)
-def test_the_compiler_prefetch_never_makes_torchs_default_folder(tmp_path):
-    """A rank imports inductor on a thread while its shard loads; that import looked up torch's
-    default cache ($TMPDIR/torchinductor_<user>, made there) before the first compile pointed the
-    variable at this user's folder: a file another user placed under that name failed every compiled
-    launch with "Artifact of type=precompile already registered"."""
+    TMPDIR is a folder of the test's, which must hold none of it. Two ways torch's default was taken
+    before the first compile pointed the variable at this user's folder, both done here before the
+    compile: a rank imports inductor on a thread while its shard loads (that import made torch's
+    default folder: a file another user placed under that name failed every compiled launch with
+    "Artifact of type=precompile already registered"), and a lookup of inductor's cache folder
+    wrote torch's default into the variable."""
     import getpass
 
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
@@ -168,9 +145,10 @@ def test_the_compiler_prefetch_never_makes_torchs_default_folder(tmp_path):
     (tmp_path / "tmp").mkdir()
     planted = tmp_path / "tmp" / f"torchinductor_{getpass.getuser()}"
     planted.write_text("another user's")
-    done = subprocess.run([sys.executable, "-c", PREFETCH_THEN_COMPILE], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", PREFETCH_LOOKUP_THEN_COMPILE], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert planted.read_text() == "another user's"
-    assert [p.name for p in (tmp_path / "tmp").iterdir()] == [planted.name]
-    assert any((tmp_path / "cache" / f"inductor-uid{os.getuid()}").rglob("*.py"))
+    assert [p.name for p in (tmp_path / "tmp").iterdir()] == [planted.name]  # nothing else, no folder
+    own = tmp_path / "cache" / f"inductor-uid{os.getuid()}"
+    assert any(own.rglob("*.py")) and any((own / "precompiled_headers").glob("*.gch"))
