@@ -451,14 +451,30 @@ def test_top_p_over_the_most_likely_columns_keeps_what_the_full_sort_keeps(dtype
     assert filtered_probs(logits[2:3], table[2:3])[0].shape[-1] == vocab  # temperature 1.3: the full sort
 
 
-@pytest.mark.parametrize("extra", [{}, {"top_p": 0.9}, {"top_k": 3}], ids=["whole", "top-p", "top-k"])
-def test_logits_the_temperature_takes_past_float32s_range_are_refused_not_drawn_from(extra):
+@pytest.mark.parametrize("extra", [{}, {"top_p": 0.9}, {"top_k": 3}, {"min_p": 0.1}],
+                         ids=["whole", "top-p", "top-k", "min-p"])
+def test_logits_at_float32s_edge_under_a_temperature_below_1_are_drawn_from(extra):
     """Finite logits at float32's edge (a repetition penalty near its smallest makes them) divided by
-    a temperature below 1 are infinite: their softmax is NaN, and the draw took column 0 silently."""
+    a temperature below 1 were infinite, their softmax NaN: the request was refused mid-generation
+    (before that, column 0 was drawn silently), though the distribution is well defined: token 2,
+    the largest by 1e37, all but certainly. Scaled less the row's largest, nothing overflows."""
     logits = torch.tensor([[1.0, 2.9e38, 3.0e38, 0.0]])
-    params = [SamplingParams(temperature=0.5, seed=1, **extra)]
-    with pytest.raises(ValueError, match=r"row\(s\) \[0\] cannot be sampled: .*temperature \(0.5\)"):
-        sample(logits, params, [make_generator(params[0])])
+    for seed in range(5):
+        params = [SamplingParams(temperature=0.5, seed=seed, **extra)]
+        assert sample(logits, params, [make_generator(params[0])]).tolist() == [2]
+
+
+def test_a_repetition_penalty_near_its_smallest_samples_below_temperature_1():
+    """The reviewer's case: the prompt token 0's logit 3 divided by 1.2e-38 is held near float32's
+    largest; at temperature 0.5 sample raised "cannot be sampled", at 0 and 1 it chose token 0."""
+    from workers.penalties import penalized
+
+    logits = torch.tensor([[3.0, 1.0, 0.5, -1.0]])
+    for temperature in (0.0, 1.0, 0.5, 0.01):
+        params = [SamplingParams(temperature=temperature, repetition_penalty=1.2e-38, seed=1)]
+        scores = penalized(logits, params, [[0]], [[]])
+        assert scores[0, 0] > 1e38  # at float32's edge, finite
+        assert sample(scores, params, [make_generator(params[0])]).tolist() == [0]
 
 
 def test_a_row_with_few_finite_logits_keeps_to_the_top_p_fast_path():

@@ -71,7 +71,7 @@ def filtered_probs(logits: torch.Tensor, table: torch.Tensor) -> tuple[torch.Ten
     row has a top_k, or its top-p keeps tokens only among its TOP_P_WIDTHS most likely). As in transformers and vLLM, top-k keeps every token whose logit equals the k-th
     largest (ties at the cut included), top_p 1 keeps every token, and min-p keeps the tokens at
     least min_p times as likely as the most likely (which always stays). Rows with temperature 0
-    are returned unscaled (the caller takes their argmax).
+    are not divided, only shifted by their largest (the caller takes their argmax).
 
     Rows with top-p, no top-k and a temperature of at most 1 first try the TOP_P_WIDTHS most likely
     columns (topk, no sort of the vocabulary), each row by itself; a row whose kept tokens reach
@@ -169,10 +169,19 @@ def _sorted_probs(scaled: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tens
     return probs, sorted_ids
 
 
-def _scaled(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """logits (batch, vocab) in float32 over each row's temperature (batch, 1); temperature 0 leaves
-    a row as it is (greedy: its argmax is taken)."""
-    return logits.float() / torch.where(temperature > 0, temperature, 1.0)
+def _scaled(logits: torch.Tensor, temperature: torch.Tensor, largest: torch.Tensor | None = None) -> torch.Tensor:
+    """logits (batch, vocab) in float32 less each row's largest, over each row's temperature (batch, 1);
+    temperature 0 divides by 1 (greedy: its argmax is taken).
+
+    A per-row constant changes neither the softmax nor the order top-k, top-p and min-p keep, and
+    with it every scaled value is at most 0: logits at float32's edge (a repetition penalty near its
+    smallest puts them there) divided by a temperature below 1 no longer overflow to inf / inf (NaN).
+    A row with no finite largest (all -inf) is left unshifted (-inf - -inf would be NaN). largest
+    (batch, 1): each row's largest logit where the caller has it already (sample's greedy pass)."""
+    logits = logits.float()
+    top = (logits.max(dim=-1, keepdim=True).values if largest is None else largest).float()
+    shifted = logits - torch.where(top.isfinite(), top, 0.0)  # a new tensor: divided in place
+    return shifted.div_(torch.where(temperature > 0, temperature, 1.0))
 
 
 def _sorted(scaled: torch.Tensor, top_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -238,15 +247,16 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     for i, p in enumerate(params):
         if not p.is_greedy:
             (whole if (p.top_k <= 0 or p.top_k >= vocab) and p.top_p >= 1 else filtered).append(i)
-    if whole or filtered:
-        _check_scaled_maximum(best.values, sorted(whole + filtered), params)
     # Each request draws one number from its own generator per token, so its tokens do not depend on
     # which other requests share the batch (nor on how wide the others' filters made the columns).
     if whole:
         temperatures = torch.tensor([[params[i].temperature] for i in whole], device=logits.device)
         # every row (the usual batch): the logits as they are, not a gathered copy of them
-        picked = logits if len(whole) == batch else logits[torch.tensor(whole, device=logits.device)]
-        probs = _scaled(picked, temperatures).softmax(dim=-1)
+        picked, largest = logits, best.values
+        if len(whole) < batch:
+            rows = torch.tensor(whole, device=logits.device)
+            picked, largest = logits[rows], largest[rows]
+        probs = _scaled(picked, temperatures, largest[:, None]).softmax(dim=-1)
         if any(params[i].min_p > 0 for i in whole):  # the draw is in proportion to what is left
             min_p = torch.tensor([[params[i].min_p] for i in whole], device=logits.device)
             probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
@@ -257,21 +267,6 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         columns = inverse_cdf(probs, uniforms([generators[i] for i in filtered], logits.device))
         tokens[filtered] = sorted_ids.gather(-1, columns[:, None])[:, 0]
     return tokens.to(model_device) if on_host else tokens  # the next step's input
-
-
-def _check_scaled_maximum(maxima: torch.Tensor, rows: list[int], params: list[SamplingParams]) -> None:
-    """ValueError naming the sampled rows whose largest logit the temperature divides past float32's
-    range (a repetition penalty near its smallest can put logits at its edge): their softmax is
-    inf / inf, NaN, and the draw would take column 0 of NaN running totals without a word. One
-    value a row, as _scaled divides it: every other logit of the row scales to no more."""
-    temperatures = torch.tensor([params[i].temperature for i in rows], dtype=torch.float32, device=maxima.device)
-    scaled = maxima[torch.tensor(rows, device=maxima.device)].float() / temperatures
-    bad = (~scaled.isfinite()).nonzero().flatten().tolist()
-    if bad:
-        named = [rows[j] for j in bad]
-        raise ValueError(f"row(s) {named} cannot be sampled: their logits divided by the temperature "
-                         f"({params[named[0]].temperature:g}) leave float32's range (logits at its edge, as a "
-                         f"repetition_penalty near its smallest makes them); raise the temperature or the penalty")
 
 
 def uniforms(generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:

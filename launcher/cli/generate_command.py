@@ -65,12 +65,6 @@ def _sampling(args):
                                    ("frequency_penalty", args.frequency_penalty),
                                    ("repetition_penalty", args.repetition_penalty),
                                    ("min_tokens", args.min_tokens)) if v is not None}
-    if given and "temperature" not in given and given.keys() & {"top_k", "top_p", "min_p"}:
-        given["temperature"] = 1.0  # top-k/top-p/min-p alone means: sample at temperature 1
-    if set(given) == {"seed"}:  # greedy, which draws nothing: the seed was dropped without a word
-        raise ValueError(f"--seed ({args.seed}) seeds sampling, and no sampling flag is given (the default is "
-                         f"greedy, which takes no seed): add --temperature T, or --top-k / --top-p / --min-p (which "
-                         f"sample at temperature 1)")
     if args.min_tokens is not None and args.min_tokens > args.max_new_tokens:  # said in the flags' words
         raise ValueError(f"--min-tokens ({args.min_tokens}) must be at most --max-new-tokens ({args.max_new_tokens})")
     if args.logit_bias:
@@ -78,7 +72,17 @@ def _sampling(args):
     structure = structured_output(args)
     if structure is not None:
         penalties["structured_output"] = structure
+    # Without --temperature, SamplingParams itself decides (temperature left None), so the flags read
+    # as the API does: --top-k 0, --top-p 1 and --min-p 0 are off and stay greedy, as top_k=0 does.
     try:
+        if "seed" in given and "temperature" not in given:
+            unseeded = SamplingParams(**{k: v for k, v in given.items() if k != "seed"}, **penalties)
+            if unseeded.is_greedy:  # greedy draws nothing: the API refuses the seed; say it in the flags' words
+                raise ValueError(
+                    f"--seed ({args.seed}) seeds sampling, and no sampling flag is given (the default is greedy, "
+                    f"which takes no seed; --top-k 0, --top-p 1 and --min-p 0 turn those filters off): add "
+                    f"--temperature T, or --top-k K > 0, --top-p P < 1 or --min-p M > 0 (which sample at "
+                    f"temperature 1)")
         return SamplingParams(**given, **penalties)
     except ValueError as err:  # its message names the field: name the flag
         raise ValueError(_as_flags(str(err))) from None
