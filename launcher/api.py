@@ -918,8 +918,11 @@ class Launcher:
         params = self._with_bad_word_ids(self._sampling_per_prompt(sampling, len(token_lists)))
         check_request(token_lists, params, max_new_tokens, self.model_config.vocab_size)
         self._check_structured(params, batching)
-        check_stop_token_ids(stop_token_ids, self.model_config.vocab_size)
+        stop_token_ids = check_stop_token_ids(stop_token_ids, self.model_config.vocab_size)
         self._check_lengths(token_lists, max_new_tokens)
+        # allowed_token_ids that are all stop ids min_tokens holds back, or one-token bad words: generate
+        # refused them only once the cluster had started and loaded
+        self._checked_ending_ids(params, stop_token_ids, ignore_eos)
 
     def _start_group(self, backend: str) -> None:
         """Connect to Ray, size each rank's bundle and the replica count, start every replica."""
@@ -1178,14 +1181,16 @@ class Launcher:
         """Per replica: index, state (serving, restarting, failed, ...), restarts, requests served,
         last_recovery_s, failure, load_source, its workers' describe() (rank, pid, node_id, node_ip),
         the nodes it uses and node_groups (its ranks grouped by node)."""
-        return self._pool.status() if self._pool is not None else []
+        pool = self._pool  # once: a shutdown on another thread clears it between a check and a call
+        return pool.status() if pool is not None else []
 
     def compile_stats(self) -> list[tuple[dict | None, dict | None]]:
         """Per serving replica, rank 0's compile stats (workers.compiled.CompileStats.to_dict) as
         reported at load and as they are now: the graphs built since, each with its first_call_s and
         whether it was compiled or read from the compile cache (`compiled`),
         and the compile-cache counters. None where the replica runs eagerly."""
-        return self._pool.compile_stats() if self._pool is not None else []
+        pool = self._pool  # once: a shutdown on another thread clears it
+        return pool.compile_stats() if pool is not None else []
 
     @property
     def _group(self):
@@ -1598,8 +1603,9 @@ class Launcher:
         return kind(self._cancel_stream, handle, text, items, gather=gather)
 
     def _cancel_stream(self, handle, deferred: bool = False) -> None:
-        if self._pool is not None:
-            self._pool.cancel_stream(handle, deferred)
+        pool = self._pool  # once: a shutdown on another thread clears it
+        if pool is not None:
+            pool.cancel_stream(handle, deferred)
 
     def _open_generation(self, prompts, sampling, max_new_tokens, stop_token_ids, ignore_eos, return_logits,
                          asynchronous: bool, tokenized: tuple | None = None, prompt_logprobs: int | None = None,

@@ -70,10 +70,12 @@ def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> None:
                              f"were they tokenized for another model?")
 
 
-def check_stop_token_ids(stop_token_ids: Sequence[int], vocab_size: int) -> tuple[int, ...]:
-    """The stop token ids as a tuple of ints; ValueError unless each is an integer (numpy's and
-    torch's included) in [0, vocab_size): one outside could never be generated, and the request
-    would silently run to its length."""
+def check_stop_token_ids(stop_token_ids: Sequence[int] | None, vocab_size: int) -> tuple[int, ...]:
+    """The stop token ids as a tuple of ints (None: none, vLLM's default); ValueError unless each is
+    an integer (numpy's and torch's included) in [0, vocab_size): one outside could never be
+    generated, and the request would silently run to its length."""
+    if stop_token_ids is None:
+        return ()
     if isinstance(stop_token_ids, (str, bytes)) or not hasattr(stop_token_ids, "__iter__"):
         raise ValueError(f"stop_token_ids ({stop_token_ids!r}) must be a list of token ids")
     ids = tuple(stop_token_ids)

@@ -557,3 +557,15 @@ def test_check_prompts_refuses_what_generate_refuses_of_stop_ids_and_flags(small
         with pytest.raises(ValueError, match=words):  # with batching="static" too
             launcher.check_prompts(prompts, batching="static", **options)
     launcher.check_prompts(prompts, stop_token_ids=[3], ignore_eos=True, return_logits=True)
+    # vLLM's default for stop_token_ids: none (it was refused as "must be a list of token ids")
+    launcher.check_prompts(prompts, stop_token_ids=None)
+
+
+def test_check_prompts_refuses_allowed_ids_that_min_tokens_holds_back_as_generate_does(small_model, ray_tripwire):
+    """Every allowed token a stop id while min_tokens holds the stop ids back: generate refuses it,
+    but check_prompts let it through, so the refusal came only after the cluster started and loaded."""
+    launcher = Launcher(model=small_model, tp=1, compile=False, progress=False)
+    held = SamplingParams(allowed_token_ids=[7], min_tokens=1)
+    with pytest.raises(ValueError, match=r"allowed_token_ids \[7\] are all stop tokens"):
+        launcher.check_prompts([[5, 6]], held, stop_token_ids=[7])
+    launcher.check_prompts([[5, 6]], held, stop_token_ids=[8])  # another stop id: 7 can be generated
