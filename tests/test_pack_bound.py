@@ -1,7 +1,10 @@
-"""A PACKed cpu group (--nodes N not dividing TP) keeps to the ranks per node the plan counted:
-the planner gave each node's RAM to ceil(TP / N) ranks, but PACK fills the roomiest node first and
-may put more there (TP 3 over 2 nodes: all 3 on one node). launcher/cluster/tp_group.py places it
-again within --placement-timeout, then refuses it. A fake clock and a fake placement group; no Ray."""
+"""A cpu group over several nodes keeps to the ranks per node the plan counted (the planner gave each
+node's RAM to ceil(TP / N) ranks). Each node's share is one bundle (resources.node_split: TP 3 over
+2 nodes is 2 + 1) under STRICT_SPREAD; Ray's PACK, used before where N did not divide TP, filled the
+roomiest node first (all of TP 3 on one node). launcher/cluster/tp_group.py still checks the
+placement Ray reports, placing it again within --placement-timeout, then refusing it: here a fake
+placement group reports the bundles on one node, which STRICT_SPREAD never does. A fake clock; no
+Ray."""
 
 from __future__ import annotations
 
@@ -29,8 +32,8 @@ def test_crowded_node_names_a_node_holding_more_ranks_than_the_plan_counted(rank
     assert tg.crowded_node(ranks_per_node, tp, nodes) == expected
 
 
-def _group(monkeypatch, clock, placed: dict[int, str], tp: int, nodes: int, split: int | None = None):
-    """A group whose every placement lands its bundles as `placed` says, at once."""
+def _group(monkeypatch, clock, placed: dict[int, str], tp: int, nodes: int):
+    """A group whose every placement lands its bundles (one a node's share) as `placed` says, at once."""
     class FakePlacementGroup:
         def wait(self, timeout_seconds):
             return True
@@ -39,17 +42,15 @@ def _group(monkeypatch, clock, placed: dict[int, str], tp: int, nodes: int, spli
     monkeypatch.setattr(tg, "placement_group", lambda *a, **k: tries.append(clock[0]) or FakePlacementGroup())
     monkeypatch.setattr(tg, "remove_placement_group", lambda pg: None)
     monkeypatch.setattr(tg, "bundle_nodes", lambda pg: dict(placed))
-    monkeypatch.setattr(tg, "placement_strategy", lambda nodes: "PACK")
-    monkeypatch.setattr(tg, "even_split", lambda *a: split)
     group = tg.TPGroup(tp_degree=tp, backend="cpu", nodes=nodes,
                        resources=RankResources(bundle={"CPU": 1}, num_cpus=1, threads=1),
                        timeouts=tg.GroupTimeouts(placement_s=PLACEMENT_S))
     return group, tries
 
 
-def test_a_packed_group_with_more_ranks_on_one_node_than_planned_is_placed_again_then_refused(monkeypatch, clock):
+def test_a_group_with_more_ranks_on_one_node_than_planned_is_placed_again_then_refused(monkeypatch, clock):
     node = "a1b2c3d4e5f6a7b8"
-    group, tries = _group(monkeypatch, clock, {0: node, 1: node, 2: node}, tp=3, nodes=2)
+    group, tries = _group(monkeypatch, clock, {0: node, 1: node}, tp=3, nodes=2)  # both shares (2 + 1) on one
 
     with pytest.raises(PlacementTimeout) as info:
         group._place_within_nodes()
@@ -63,8 +64,8 @@ def test_a_packed_group_with_more_ranks_on_one_node_than_planned_is_placed_again
     assert group._pg is None  # the last try's group was removed
 
 
-def test_a_packed_group_within_its_planned_share_per_node_is_kept(monkeypatch, clock):
-    placed = {0: "node-a", 1: "node-b", 2: "node-a"}
+def test_a_group_within_its_planned_share_per_node_is_kept(monkeypatch, clock):
+    placed = {0: "node-a", 1: "node-b"}  # 2 ranks on node-a, 1 on node-b
     group, tries = _group(monkeypatch, clock, placed, tp=3, nodes=2)
 
     assert group._place_within_nodes() == placed
@@ -74,7 +75,7 @@ def test_a_packed_group_within_its_planned_share_per_node_is_kept(monkeypatch, c
 def test_a_group_split_evenly_counts_its_bundles_as_nodes_not_ranks(monkeypatch, clock):
     """Split evenly, each bundle holds TP / nodes ranks: 2 bundles on 2 nodes are 4 ranks, 2 a node."""
     placed = {0: "node-a", 1: "node-b"}
-    group, tries = _group(monkeypatch, clock, placed, tp=4, nodes=2, split=2)
+    group, tries = _group(monkeypatch, clock, placed, tp=4, nodes=2)
 
     assert group._place_within_nodes() == placed
     assert len(tries) == 1

@@ -36,7 +36,6 @@ def test_a_placement_spread_too_wide_is_retried_only_within_the_placement_timeou
     monkeypatch.setattr(tg, "remove_placement_group", lambda pg: None)
     monkeypatch.setattr(tg, "bundle_nodes", lambda pg: {0: "node-a", 1: "node-b"})  # always 2 nodes
     monkeypatch.setattr(tg, "placement_strategy", lambda nodes: "PACK")
-    monkeypatch.setattr(tg, "even_split", lambda *a: None)
     monkeypatch.setattr(tg, "alive_nodes", lambda: [])
     monkeypatch.setattr(tg, "explain_unplaceable", lambda *a, **k: "its resources are held by others")
     group = tg.TPGroup(tp_degree=2, backend="cpu", nodes=1,
@@ -52,3 +51,28 @@ def test_a_placement_spread_too_wide_is_retried_only_within_the_placement_timeou
     # the cause, the spread, not the last try's wait of what was left ("its resources are held by others")
     assert "on 2 nodes, more than the 1 --nodes allows" in str(info.value) and "--nodes 2" in str(info.value)
     assert group._pg is None  # the last try's group was removed
+
+
+def test_a_refused_placement_is_tried_once_more_at_the_end_of_the_timeout(monkeypatch, clock):
+    """Tries were a second apart and stopped once less than a second was left: a placement that
+    became acceptable in the last second was never seen, though the message named the whole timeout."""
+    placement_s = 5.5
+    tried_at = []
+
+    class PlacedAtOnce:
+        def wait(self, timeout_seconds):
+            return True
+
+    def bundle_nodes(pg):  # spread over 2 nodes until the very end of the timeout, then on one
+        tried_at.append(clock[0])
+        return {0: "node-a", 1: "node-b"} if clock[0] < placement_s else {0: "node-a", 1: "node-a"}
+
+    monkeypatch.setattr(tg, "placement_group", lambda *a, **k: PlacedAtOnce())
+    monkeypatch.setattr(tg, "remove_placement_group", lambda pg: None)
+    monkeypatch.setattr(tg, "bundle_nodes", bundle_nodes)
+    group = tg.TPGroup(tp_degree=2, backend="cpu", nodes=1,
+                       resources=RankResources(bundle={"CPU": 1}, num_cpus=1, threads=1),
+                       timeouts=tg.GroupTimeouts(placement_s=placement_s))
+
+    assert group._place_within_nodes() == {0: "node-a", 1: "node-a"}, tried_at
+    assert tried_at[-1] == placement_s and tried_at[-2] == placement_s - 0.5, tried_at

@@ -119,7 +119,7 @@ def test_a_cpu_group_over_several_nodes_takes_its_planned_share_on_each():
     assert groups_that_fit([{"CPU": 8.0}] * 2, share, 4, 2) == 2
     # a node that could take the whole group does not: each of the 2 nodes takes 2 ranks or none fits
     assert place_group([{"CPU": 4.0}, {"CPU": 1.0}], {"CPU": 1.0}, 4, 2) is None
-    assert even_split({"CPU": 1.0}, 3, 2) is None  # 2 nodes do not split 3 ranks: PACK, within --nodes
+    assert even_split({"CPU": 1.0}, 3, 2) is None  # 2 nodes do not split 3 ranks evenly: 2 + 1 (node_split)
 
 
 def test_the_plans_json_names_the_compute_dtype_and_the_weights_quantization():

@@ -4,14 +4,25 @@ tests and benchmarks that start servers), and the interface traffic to another n
 from __future__ import annotations
 
 import fcntl
+import ipaddress
 import socket
 import struct
 
 
+def address_family(host: str) -> socket.AddressFamily:
+    """AF_INET6 for an IPv6 literal ("::1", "fe80::1%eth0"; a node's address may be one), else
+    AF_INET (an IPv4 address, a name, "" for every interface): an AF_INET socket refuses an IPv6
+    address ("Address family for hostname not supported")."""
+    try:
+        return socket.AF_INET6 if ipaddress.ip_address(host.strip("[]")).version == 6 else socket.AF_INET
+    except ValueError:  # a name, or ""
+        return socket.AF_INET
+
+
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """`count` distinct TCP ports free on `host` now ("" checks every interface). The OS picks them;
-    all are held until the last is picked, so they differ. Free now, not reserved: bind them soon."""
-    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    """`count` distinct TCP ports free on `host` now ("" checks every IPv4 interface). The OS picks
+    them; all are held until the last is picked, so they differ. Free now, not reserved: bind them soon."""
+    socks = [socket.socket(address_family(host), socket.SOCK_STREAM) for _ in range(count)]
     try:
         for sock in socks:
             sock.bind((host, 0))
@@ -46,7 +57,7 @@ def free_port_for_a_late_bind(host: str = "127.0.0.1") -> int:
     candidates = list(range(low, min(high, ephemeral_low)))
     random.shuffle(candidates)
     for port in candidates[:200]:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        with socket.socket(address_family(host), socket.SOCK_STREAM) as sock:
             try:
                 sock.bind((host, port))
             except OSError:

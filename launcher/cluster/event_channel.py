@@ -15,6 +15,7 @@ import socket
 import time
 from typing import Callable
 
+from workers.net import address_family
 from workers.serving.event_stream import FrameReader
 
 TOKEN_BYTES = 32
@@ -33,7 +34,8 @@ class ChannelClosed(Exception):
 class EventChannel:
     def __init__(self, host: str) -> None:
         """host: the address rank 0 connects to (loopback when it shares the driver's node)."""
-        self._server: socket.socket | None = socket.create_server((host, 0))
+        # an IPv6 node address needs an IPv6 socket (an IPv4 one refuses it)
+        self._server: socket.socket | None = socket.create_server((host, 0), family=address_family(host))
         self.address = (host, self._server.getsockname()[1])
         self.token = secrets.token_bytes(TOKEN_BYTES)
         self._conn: socket.socket | None = None

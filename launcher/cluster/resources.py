@@ -54,8 +54,8 @@ def _ray_granular(share: float) -> float:
 
 
 def _packed(share: float, per_node: list[float], tp: int, nodes: int, replicas: int) -> float:
-    """The largest CPU share up to `share` at which `replicas` groups fit the nodes at once as Ray
-    places them (each group on as few nodes as hold it): the even split alone left a node's
+    """The largest CPU share up to `share` at which `replicas` groups fit the nodes at once as the
+    launcher reserves them (place_group: one node, or each node's share of the ranks): the even split alone left a node's
     remainder too small for another group (TP 3 x 3 replicas on two 2-CPU nodes: 0.4444 each, one
     group a node, the third never placed). `share` itself where none fits (the placement says why)."""
     totals = [{"CPU": c} for c in per_node]
@@ -128,23 +128,34 @@ def bundles_that_fit(free: Mapping[str, float], bundle: Mapping[str, float]) -> 
     return min(counts) if counts else 0
 
 
+def node_split(tp: int, nodes: int) -> list[int] | None:
+    """Ranks on each node for a group over several nodes, fullest first, or None for one node (it
+    holds all TP): TP / nodes on each where nodes divides TP, else ceil or floor of it, never more
+    than the ceil(TP / nodes) the plan gave one node's memory to (TP 3 over 2: [2, 1]; TP 7 over 3:
+    [3, 2, 2]); one rank a node on TP nodes where --nodes exceeds TP. Each share is one bundle, and
+    Ray puts each bundle on a different node (STRICT_SPREAD): PACK filled the roomiest node first, all
+    of TP 3 on one node of two, which the launcher refused until --placement-timeout ran out."""
+    if nodes <= 1:
+        return None
+    used = min(nodes, tp)
+    base, extra = divmod(tp, used)
+    return [base + 1] * extra + [base] * (used - extra)
+
+
 def place_group(free: list[dict[str, float]], bundle: Mapping[str, float], tp: int,
                 max_nodes: int) -> list[int] | None:
     """Ranks per node (indexes into `free`) for one group of `tp` bundles over at most `max_nodes`
-    nodes, filling the roomiest nodes first (like Ray's PACK); a group split evenly (even_split)
-    takes exactly its share on each of max_nodes nodes (STRICT_SPREAD). None when it does not fit."""
+    nodes, as the launcher reserves it: on one node (STRICT_PACK), or split over several
+    (node_split), the fullest share on the roomiest node, each share on a different node
+    (STRICT_SPREAD). None when it does not fit."""
     room = sorted(range(len(free)), key=lambda i: -bundles_that_fit(free[i], bundle))
-    per_node = even_split(bundle, tp, max_nodes)
-    if per_node is not None:
-        holding = [i for i in room if bundles_that_fit(free[i], bundle) >= per_node][:max_nodes]
-        if len(holding) < max_nodes:
-            return None
-        return [per_node if i in holding else 0 for i in range(len(free))]
-    chosen, left = [0] * len(free), tp
-    for i in room[:max_nodes]:
-        take = min(left, bundles_that_fit(free[i], bundle))
-        chosen[i], left = take, left - take
-    return chosen if left == 0 else None
+    shares = node_split(tp, max_nodes) or [tp]
+    if len(room) < len(shares) or any(bundles_that_fit(free[i], bundle) < n for i, n in zip(room, shares)):
+        return None
+    chosen = [0] * len(free)
+    for i, n in zip(room, shares):
+        chosen[i] = n
+    return chosen
 
 
 def groups_that_fit(free: Sequence[Mapping[str, float]], bundle: Mapping[str, float], tp: int,
@@ -180,7 +191,10 @@ def explain_unplaceable(bundle: Mapping[str, float], tp: int, max_nodes: int,
     names = list(node_names) if node_names else [f"node {i}" for i in range(len(node_total))]
     want = ", ".join(f"{name}: {_fmt(amount)}" for name, amount in bundle.items())
     per_node = even_split(bundle, tp, max_nodes)
+    shares = node_split(tp, max_nodes)
+    split = " + ".join(str(n) for n in shares or [])
     need = (f"{per_node} bundle(s) of {{{want}}} on each of {max_nodes} nodes" if per_node is not None
+            else f"{tp} bundle(s) of {{{want}}}, {split} on {len(shares)} different nodes" if shares
             else f"{tp} bundle(s) of {{{want}}} on at most {max_nodes} node(s)")
     if not node_total:
         return f"it needs {need}, and the cluster has no alive node"
@@ -194,6 +208,9 @@ def explain_unplaceable(bundle: Mapping[str, float], tp: int, max_nodes: int,
         missing = (f"the cluster lacks {', '.join(short)}" if short else
                    f"only {holding} node(s) can hold {per_node} such bundles, where it needs {max_nodes} (a "
                    f"group over several nodes takes the same share of its ranks on each)" if per_node is not None else
+                   f"its {len(shares)} roomiest nodes hold {' + '.join(str(n) for n in best[:len(shares)])} such "
+                   f"bundles, where it needs {split} (a group over several nodes takes at most ceil(TP / --nodes) "
+                   f"ranks on each)" if shares else
                    f"its {min(max_nodes, len(node_total))} roomiest node(s) hold only {sum(best)} such bundle(s)")
         # --cpus-per-rank sizes only a cpu rank's bundle (CPU alone); a device bundle is fixed
         cpus = " or --cpus-per-rank (each rank's CPUs)" if set(bundle) == {"CPU"} else ""
@@ -209,6 +226,8 @@ def explain_unplaceable(bundle: Mapping[str, float], tp: int, max_nodes: int,
         ways = ("Add nodes with these resources" if short else
                 f"Add nodes that hold {per_node} such bundles each, pass fewer --nodes (more ranks on each node)"
                 if per_node is not None else
+                f"Add nodes that hold {shares[0]} such bundles each, pass fewer --nodes (more ranks on each node)"
+                if shares and spread is None else
                 f"Add nodes with these resources, allow more nodes per group (--nodes {spread} holds it)"
                 if spread is not None else "Add nodes with these resources, allow more nodes per group (--nodes)")
         return (f"it needs {need} and the cluster can never hold that: {missing} (alive nodes: {held}). "

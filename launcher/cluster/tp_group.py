@@ -6,10 +6,11 @@ killed so no rank stays blocked in a collective. Restarting a broken group is th
 job (launcher/cluster/replica_pool.py): a TPGroup is started once and thrown away when it breaks.
 
 Placement: one placement group. With nodes=1 the group must fit one node (STRICT_PACK); with more,
-one bundle a node where nodes divides TP (STRICT_SPREAD), else one bundle a rank spilling over
-(PACK). Once Ray has placed the bundles, ranks are
-numbered node by node (launcher/cluster/placement.py), rank 0's node hosts the rendezvous, and every rank
-is told which ranks share its node (node_groups) so co-located ranks can use a faster path.
+one bundle a node holding that node's share of the ranks (resources.node_split: TP / nodes, or ceil
+and floor of it where nodes does not divide TP), each on a different node (STRICT_SPREAD). Once Ray
+has placed the bundles, ranks are numbered node by node (launcher/cluster/placement.py), rank 0's
+node hosts the rendezvous, and every rank is told which ranks share its node (node_groups) so
+co-located ranks can use a faster path.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from launcher.cluster.event_channel import ChannelClosed, EventChannel
 from launcher.cluster.ordered_sender import OrderedSender
 from launcher.cluster.replica_pool import STOPPED_BY_SHUTDOWN
 from launcher.cluster.placement import alive_nodes, bundle_nodes, placement_strategy, rank_order
-from launcher.cluster.resources import RankResources, actor_options, even_split, explain_unplaceable
+from launcher.cluster.resources import RankResources, actor_options, explain_unplaceable, node_split
 from workers.backends import BackendEntry, backend_entry
 from workers.rank_worker import GenerateRequest, LoadSpec, LoadStats, ServeSpec, WorkerSpec
 from shardlib.planner import divisors, ranks_per_node
@@ -48,9 +49,9 @@ _LOOP_CHECK_S = 0.25
 
 
 def crowded_node(ranks_on_node: Mapping[str, int], tp: int, nodes: int) -> tuple[str, int] | None:
-    """The node holding more ranks than the plan counted (ceil(TP / nodes)) and how many, or None.
-    A group not split evenly is PACKed, and PACK fills the roomiest node first: TP 3 over 2 nodes
-    may land all 3 ranks on one node whose RAM the plan gave to 2."""
+    """The node holding more ranks than the plan counted (ceil(TP / nodes)) and how many, or None:
+    Ray's PACK fills the roomiest node first, TP 3 over 2 nodes all 3 ranks on one node whose RAM
+    the plan gave to 2 (groups are now split per node, resources.node_split; this still checks)."""
     if not ranks_on_node:
         return None
     node, count = max(ranks_on_node.items(), key=lambda item: item[1])
@@ -104,10 +105,10 @@ class TPGroup:
     timeouts: GroupTimeouts = field(default_factory=GroupTimeouts)
     lnc: int = 1
     nodes: int = 1
-    """Nodes the group may span: 1 keeps it on one node; more puts a group's ranks on exactly that
-    many, TP / nodes on each, where nodes divides TP (STRICT_SPREAD: the split the planner
-    checked), and otherwise lets Ray spill them over at most that many (PACK), at most
-    ceil(TP / nodes) on one node (_place_within_nodes)."""
+    """Nodes the group may span: 1 keeps it on one node; more puts a group's ranks on that many
+    (TP of them where nodes exceeds TP), each node's share in one bundle (STRICT_SPREAD): TP / nodes
+    where nodes divides TP, else ceil or floor of it (node_split), never more than the ceil(TP /
+    nodes) the plan gave one node's memory to."""
     name: str = "corelaunch"
     """Placement-group name prefix (the replica pool names each replica's group)."""
     groups: int = 1
@@ -149,11 +150,8 @@ class TPGroup:
         _refuse_without_ray()
         placed = self._place_within_nodes()
         _refuse_without_ray()  # Ray shut down while placing: creating the actors would start a new Ray
-        per_node = even_split(self.resources.bundle, self.tp_degree, self.nodes)
-        if per_node is not None:  # one bundle per node holding its ranks: rank r in bundle r // per_node
-            self.bundle_of_rank = [rank // per_node for rank in range(self.tp_degree)]
-        else:
-            self.bundle_of_rank = rank_order(placed) or list(range(self.tp_degree))
+        # one bundle per node holding its ranks, fullest first: ranks numbered bundle by bundle
+        self.bundle_of_rank = self._split_bundle_of_rank() or rank_order(placed) or list(range(self.tp_degree))
         self._placed_node = [placed.get(b, "") for b in self.bundle_of_rank]
         for rank, bundle in enumerate(self.bundle_of_rank):
             spec = WorkerSpec(rank=rank, world_size=self.tp_degree, backend=self.backend,
@@ -197,11 +195,11 @@ class TPGroup:
 
     def _place_within_nodes(self) -> dict[int, str]:
         """_place until Ray's placement spans no more than --nodes nodes and puts no more than
-        ceil(TP / --nodes) ranks on one node (each bundle's node). PACK is Ray's best effort, not a
-        bound: it spreads the bundles over as many nodes as their free resources dictate at that
-        moment, and fills the roomiest node first, where the plan counted cores and memory over
-        --nodes, each node's RAM for ceil(TP / --nodes) ranks. Tried again each second (resources
-        held by others may free up) within the placement timeout."""
+        ceil(TP / --nodes) ranks on one node (each bundle's node): the plan counted cores and memory
+        over --nodes, each node's RAM for that many ranks. STRICT_PACK and STRICT_SPREAD keep to
+        both (PACK, once used where --nodes did not divide TP, filled the roomiest node first); a
+        placement that does not is tried again each second (resources held by others may free up),
+        the last try at the end of the placement timeout."""
         deadline, refusal = time.monotonic() + self.timeouts.placement_s, None
         while True:
             # what is left of the one timeout: each try waiting the whole of it let the wait run
@@ -218,26 +216,33 @@ class TPGroup:
                 return placed
             remove_placement_group(self._pg)
             self._pg = None
-            if time.monotonic() + 1.0 >= deadline:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
                 raise refusal
-            time.sleep(1.0)
+            time.sleep(min(1.0, remaining))  # a last try at the deadline: the wait is the whole timeout
+
+    def _split_bundle_of_rank(self) -> list[int]:
+        """The bundle of each rank of a group split over several nodes (node_split), bundle by
+        bundle: TP 3 over 2 nodes is [0, 0, 1]. Empty for a group on one node."""
+        shares = node_split(self.tp_degree, self.nodes) or []
+        return [bundle for bundle, ranks in enumerate(shares) for _ in range(ranks)]
 
     def _placement_refusal(self, placed: dict[int, str]) -> PlacementTimeout | None:
-        """Why this placement breaks the plan, or None. PACK bounds neither the nodes it uses nor
-        the ranks it puts on one node; a group split evenly (STRICT_SPREAD) has its share on each."""
+        """Why this placement breaks the plan, or None: more nodes than --nodes, or more ranks on one
+        node than the ceil(TP / --nodes) the plan counted. STRICT_PACK and STRICT_SPREAD keep to
+        both; checked all the same, as the plan's memory per node rests on it."""
         used = len(set(placed.values()))
         if used > self.nodes:
             return self._spread_too_wide(used)
-        if even_split(self.resources.bundle, self.tp_degree, self.nodes) is not None:
-            return None  # one bundle per node, holding exactly TP / nodes ranks
-        crowded = crowded_node(Counter(placed.values()), self.tp_degree, self.nodes)  # one bundle a rank
+        ranks_on = Counter(placed.get(b, "") for b in self._split_bundle_of_rank()) or Counter(placed.values())
+        crowded = crowded_node(ranks_on, self.tp_degree, self.nodes)
         return None if crowded is None else self._too_many_on_one_node(*crowded)
 
     def _spread_too_wide(self, used: int) -> PlacementTimeout:
         return PlacementTimeout(
             f"Ray placed the {self.tp_degree} ranks' bundles of {self.resources.bundle} on {used} nodes, more than "
-            f"the {self.nodes} --nodes allows, for {self.timeouts.placement_s:g} s (Ray's PACK spreads them as the "
-            f"nodes' free resources dictate): free resources on fewer nodes, or pass --nodes {used}")
+            f"the {self.nodes} --nodes allows, for {self.timeouts.placement_s:g} s (Ray spread them as the nodes' "
+            f"free resources dictated): free resources on fewer nodes, or pass --nodes {used}")
 
     def _too_many_on_one_node(self, node: str, count: int) -> PlacementTimeout:
         planned = ranks_per_node(self.tp_degree, self.nodes)
@@ -245,17 +250,16 @@ class TPGroup:
         return PlacementTimeout(
             f"Ray placed {count} of the {self.tp_degree} ranks' bundles of {self.resources.bundle} on one node "
             f"({node[:8]}), more than the {planned} (ceil(TP {self.tp_degree} / --nodes {self.nodes})) the plan gave "
-            f"that node's memory to, for {self.timeouts.placement_s:g} s (Ray's PACK fills the roomiest nodes "
+            f"that node's memory to, for {self.timeouts.placement_s:g} s (Ray filled the roomiest nodes "
             f"first): pass a --nodes that divides {self.tp_degree} ({dividing}) so the group is split evenly, or "
             f"fewer ranks (a --tp that --nodes {self.nodes} divides)")
 
     def _place(self, timeout_s: float | None = None) -> None:
         """Reserve the bundles within timeout_s (the placement timeout when None); the message
         names the placement timeout, of which timeout_s is what is left."""
-        per_node = even_split(self.resources.bundle, self.tp_degree, self.nodes)
-        if per_node is not None:  # exactly --nodes nodes, TP / nodes ranks on each
-            bundles = [{name: amount * per_node for name, amount in self.resources.bundle.items()}
-                       for _ in range(self.nodes)]
+        shares = node_split(self.tp_degree, self.nodes)
+        if shares is not None:  # one bundle a node, holding that node's share of the ranks
+            bundles = [{name: amount * ranks for name, amount in self.resources.bundle.items()} for ranks in shares]
             strategy = "STRICT_SPREAD"
         else:
             bundles = [dict(self.resources.bundle) for _ in range(self.tp_degree)]
@@ -270,8 +274,10 @@ class TPGroup:
             nodes = alive_nodes()
             why = explain_unplaceable(self.resources.bundle, self.tp_degree, self.nodes, [n.total for n in nodes],
                                       [n.free for n in nodes], [n.name for n in nodes], groups=self.groups)
+            sizes = (f"bundles of {bundles[0]}" if all(b == bundles[0] for b in bundles)
+                     else "bundles (" + ", ".join(map(str, bundles)) + ")")  # a node's share each, not split evenly
             raise PlacementTimeout(
-                f"Ray could not reserve {len(bundles)} bundles of {bundles[0]} ({strategy}) "
+                f"Ray could not reserve {len(bundles)} {sizes} ({strategy}) "
                 f"within {self.timeouts.placement_s:g} s: {why}"  # which names the way out
             )
 
@@ -281,10 +287,11 @@ class TPGroup:
         while True:
             self._unless_stop_asked()
             remaining = deadline - time.monotonic()
+            # asked at least once, even with nothing left: a last try at the deadline sees a group placed by then
+            if self._pg.wait(timeout_seconds=max(0.0, min(_POLL_S, remaining))):
+                return True
             if remaining <= 0:
                 return False
-            if self._pg.wait(timeout_seconds=min(_POLL_S, remaining)):
-                return True
 
     def _unless_stop_asked(self) -> None:
         if self.stop_asked is not None and self.stop_asked():

@@ -76,9 +76,12 @@ def rendezvous_store(rendezvous: RendezvousInfo, rank: int, world_size: int, tim
     (see join_torch_distributed), on a socket it binds itself."""
     import torch.distributed as dist
 
+    from workers.net import address_family
+
     listener = None
     if rank == 0:
-        listener = socket.create_server((rendezvous.host, rendezvous.port), backlog=max(128, world_size))
+        listener = socket.create_server((rendezvous.host, rendezvous.port), family=address_family(rendezvous.host),
+                                        backlog=max(128, world_size))
     try:
         store = dist.TCPStore(rendezvous.host, rendezvous.port, world_size, rank == 0,
                               timeout=datetime.timedelta(seconds=timeout_s),

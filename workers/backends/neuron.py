@@ -30,7 +30,7 @@ import torch
 from workers.backends.base import (Backend, CompileOptions, RendezvousInfo, leave_torch_distributed,
                                    rendezvous_store)
 from workers.collectives import Collectives, TorchDistributedCollectives
-from workers.net import free_port
+from workers.net import free_port_for_a_late_bind
 
 _INSTALL_HINT = (
     "install the AWS Neuron SDK packages from the AWS Neuron pip repository on a Trainium/Inferentia "
@@ -142,11 +142,13 @@ _ROOT_COMM_KEY = "corelaunch/neuron_root_comm_id"
 def shared_root_comm_id(store, rank: int, host: str) -> str:
     """host:port of the group's root communicator: rank 0 picks a port free on its host and every
     rank reads it from the store (which waits for rank 0). Without it the runtime uses one fixed
-    port on each host, which two groups there (replicas) would both take."""
+    port on each host, which two groups there (replicas) would both take. The runtime binds it
+    only once the SDK is imported and the group joined, seconds later: a port below the OS's
+    ephemeral range, which no outbound connection's automatic bind takes meanwhile."""
     if rank == 0:
         # an IPv6 address in brackets, as torch-xla writes it when it sets the variable itself
         address = f"[{host}]" if ":" in host and not host.startswith("[") else host
-        store.set(_ROOT_COMM_KEY, f"{address}:{free_port(host='')}")
+        store.set(_ROOT_COMM_KEY, f"{address}:{free_port_for_a_late_bind(host='')}")
     return store.get(_ROOT_COMM_KEY).decode()
 
 
