@@ -321,6 +321,10 @@ def test_generate_quiet_prints_the_answers_alone(capsys):
     out, err = capsys.readouterr()
     assert out == "The capital of France is Paris.\n"
     assert err == "  [length, 2 tokens, first token 250 ms, 30.0 tokens/s]\n"
+    # graphs built during the request (a first run): its times are not the model's speed, and say so
+    print_report(report, as_json=False, quiet=False, with_builds=True)
+    assert capsys.readouterr().err == ("  [length, 2 tokens, first token 250 ms, 30.0 tokens/s; these times include "
+                                       "the graphs built during the request]\n")
 
 
 def test_a_one_token_answer_reports_no_decode_rate(capsys):

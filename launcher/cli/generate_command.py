@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
                 # one write, the newline in it: print's two writes let a rank's line forwarded by
                 # Ray's log thread land between the text and its newline, on the same line
                 sys.stderr.write(f"corelaunch: {message}\n")
-            print_report(report, as_json=args.json, quiet=args.quiet, out=stdout)
+            print_report(report, as_json=args.json, quiet=args.quiet, out=stdout, with_builds=message is not None)
             answered = True
     except BrokenPipeError:
         raise  # stdout's reader went away: 141 (launcher/cli/__init__.py)
@@ -206,9 +206,11 @@ def output_entry(result) -> dict:
                 for e in result.prompt_logprobs]})}
 
 
-def print_report(report: dict, as_json: bool, quiet: bool, out=None) -> None:
+def print_report(report: dict, as_json: bool, quiet: bool, out=None, with_builds: bool = False) -> None:
     """The answer on `out` (stdout): one JSON object, or each prompt followed by its text. Each
-    prompt's figures (finish reason, tokens, first token, rate) go to stderr unless quiet."""
+    prompt's figures (finish reason, tokens, first token, rate) go to stderr unless quiet.
+    with_builds: graphs were built during the requests (compile_message's line says so), and the
+    figures include that time: the first run's "1.0 tokens/s" for a 135M model read as its speed."""
     out = out if out is not None else sys.stdout
     if as_json:
         print(json.dumps(report), file=out, flush=True)
@@ -221,7 +223,9 @@ def print_report(report: dict, as_json: bool, quiet: bool, out=None) -> None:
             print(f"  [{output['finish_reason']}, {len(output['token_ids'])} tokens, "
                   f"first token {output['time_to_first_token_s'] * 1000:.0f} ms"
                   + (f", {rate:.1f} tokens/s" if rate is not None else "")
-                  + (f", {score}" if score is not None else "") + "]", file=sys.stderr)
+                  + (f", {score}" if score is not None else "")
+                  + ("; these times include the graphs built during the request" if with_builds else "") + "]",
+                  file=sys.stderr)
         elif score is not None:  # asked for by --prompt-logprobs: --quiet hides the figures, not the answer asked for
             print(f"  [{score}]", file=sys.stderr)
 
