@@ -106,9 +106,11 @@ def test_nodes_get_a_python_corelaunch_runs_on(name):
     required = tuple(int(n) for n in re.fullmatch(r">=(\d+)\.(\d+)", pyproject["project"]["requires-python"]).groups())
     assert required >= (3, 11)
     setup = "\n".join(load(name)["setup_commands"])
-    made = re.search(r"python(\d+)\.(\d+) -m venv \$HOME/corelaunch-venv", setup)
-    assert made and tuple(int(n) for n in made.groups()) >= required, setup
-    assert f"python{made.group(1)}.{made.group(2)}-venv" in setup  # Ubuntu ships venv apart
+    made = re.findall(r"python(\d+)\.(\d+) -m venv \$HOME/corelaunch-venv", setup)
+    assert made, setup
+    for major, minor in made:  # each way the venv may be made (the AWS files: 3.12 on Ubuntu 24.04, else 3.11)
+        assert (int(major), int(minor)) >= required, setup
+        assert f"python{major}.{minor}-venv" in setup  # Ubuntu ships venv apart
 
 
 def test_the_neuron_extra_lists_what_the_backend_imports_and_the_compiler():
@@ -127,8 +129,28 @@ def test_the_neuron_extra_lists_what_the_backend_imports_and_the_compiler():
     assert listed - {"neuronx-cc"} <= imported, listed - imported  # nothing listed that is never imported
     assert {"neuronx-cc", "torch-neuronx", "neuronx-distributed"} <= listed
     # the backend imports torch_xla: torch-neuronx 2.9 is the last release built on it (later ones
-    # are TorchNeuron, without it), and an unpinned extra let pip take one of those
-    assert "torch-xla" in imported and "torch-neuronx==2.9.*" in extra
+    # are TorchNeuron, without it), and an unpinned extra let pip take one of those; the compiler
+    # and NxD pinned with it to one SDK's (2.31): held alone, pip took the newest of the other two
+    assert "torch-xla" in imported and "torch-neuronx==2.9.0.2.15.*" in extra
+    assert "neuronx-cc==2.26.*" in extra and "neuronx-distributed==0.19.*" in extra
+
+
+@pytest.mark.parametrize("name", AWS)
+def test_aws_nodes_make_their_venv_on_ubuntu_24_04_too(name):
+    """The Neuron DLAMI for PyTorch 2.9 is Ubuntu 24.04, which has no python3.11 package: the
+    set-up's `apt-get install python3.11` failed and the node never joined. Each branch of the
+    command is checked by running it with python3.12 there or not (apt and sudo stood in for)."""
+    import subprocess
+
+    [command] = [c for c in load(name)["setup_commands"] if "-m venv" in c]
+    for has_312, made in ((True, "python3.12"), (False, "python3.11")):
+        script = ("sudo() { echo \"sudo $*\"; }; " + ("python3.12() { echo \"python3.12 $*\"; }; " if has_312 else "")
+                  + "python3.11() { echo \"python3.11 $*\"; }; command() { [ \"$2\" = python3.12 ] && "
+                  + ("true" if has_312 else "false") + "; }; " + command)
+        out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30, env={"HOME": "/h"})
+        assert out.returncode == 0, out.stderr
+        assert f"{made} -m venv /h/corelaunch-venv" in out.stdout, out.stdout
+        assert f"{made}-venv" in out.stdout, out.stdout
 
 
 @pytest.mark.parametrize("name", ALL)
