@@ -127,10 +127,14 @@ def test_one_trace_per_bucket_saved_then_loaded_as_this_rank_and_tokens_match_ea
         expected = [o.token_ids for o in generate(eager, batch, [SamplingParams()] * len(batch), 6, [])]
         assert [o.token_ids for o in generate(model, batch, [SamplingParams()] * len(batch), 6, [])] == expected
 
+    shapes = [(g.phase, g.batch, g.length) for g in model.stats().graphs]
+    assert shapes == list(buckets.shapes()) and all(g.compiled for g in model.stats().graphs)
     again = FakeNxD()
-    NeuronCompiledModel(eager_model(), buckets, rank=0, world_size=1, cache_dir=str(tmp_path),
-                        import_module=again.import_module)
+    loaded = NeuronCompiledModel(eager_model(), buckets, rank=0, world_size=1, cache_dir=str(tmp_path),
+                                 import_module=again.import_module)
     assert again.traced == [] and again.loaded == [(str(tmp_path / "neuron-rank-0.pt"), 0, 1)]
+    # loaded from the saved file: every graph is there, none compiled (the stats said no graph at all)
+    assert [(g.phase, g.batch, g.length, g.compiled) for g in loaded.stats().graphs] == [s + (False,) for s in shapes]
 
 
 def test_graphs_are_compiled_for_the_plans_lnc(tmp_path):

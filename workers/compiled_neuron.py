@@ -103,7 +103,11 @@ class NeuronCompiledModel:
                  cache_dir: str | None, import_module, lnc: int = 1) -> None:
         self.model, self.buckets = model, buckets
         self.config, self.collectives, self.dtype = model.config, model.collectives, model.dtype
-        self._graphs: list[tuple[str, int, int]] = []
+        self._graphs: list[tuple[str, int, int]] = list(buckets.shapes())
+        """Every bucket's graph, built now or loaded from this rank's saved file (a cache hit
+        reported none: the stats said the rank had no graph)."""
+        self._built = False
+        """Whether the graphs were compiled here (False: loaded from the saved file)."""
         nxd = import_module("neuronx_distributed")
         missing = [name for name in ("ModelBuilder", "NxDModel") if not hasattr(nxd, name)]
         if missing:  # releases before the V2 tracing API: an AttributeError deep in the rank's load
@@ -117,7 +121,7 @@ class NeuronCompiledModel:
             builder = nxd.ModelBuilder(step)
             for phase, batch, length in buckets.shapes():
                 builder.trace(args=self._example(phase, batch, length), tag=f"{phase}-b{batch}-l{length}")
-                self._graphs.append((phase, batch, length))
+            self._built = True
             builder.compile(compiler_workdir=str(workdir / "neuronx-cc"),
                             compiler_args=compiler_args(lnc)).save(str(saved))
         # Loaded back as this rank alone: one process drives one rank (and holds its weights only).
@@ -150,4 +154,4 @@ class NeuronCompiledModel:
     def stats(self):
         from workers.compiled import CompileStats, GraphStats
 
-        return CompileStats(graphs=[GraphStats(p, b, n, 0.0) for p, b, n in self._graphs])
+        return CompileStats(graphs=[GraphStats(p, b, n, 0.0, compiled=self._built) for p, b, n in self._graphs])
