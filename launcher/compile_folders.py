@@ -66,5 +66,26 @@ def check_compile_folders(config, backend: str, into_out: bool = False) -> None:
     except NativeUnavailable as err:
         text = str(err)
         fix = "" if "CORELAUNCH_CACHE" in text else "; set CORELAUNCH_CACHE to a directory this user can write"
-        raise ValueError(f"CORELAUNCH_CACHE ({cache.parent}) cannot hold inductor's compiled graphs: {text}{fix}, "
-                         f"{NO_COMPILE}") from None
+        raise ValueError(f"{_named(cache.parent)} cannot hold inductor's compiled graphs: {text}{fix}, "
+                         f"{_no_compile_for(config)}") from None
+
+
+def _named(cache_root: Path) -> str:
+    """The cache folder as the user can find it: under the variable's name only where it is set (it
+    said "CORELAUNCH_CACHE (/root/.cache/corelaunch)" of a variable nobody set)."""
+    if os.environ.get("CORELAUNCH_CACHE"):
+        return f"CORELAUNCH_CACHE ({cache_root})"
+    return f"the corelaunch cache (CORELAUNCH_CACHE unset: {cache_root})"
+
+
+def _no_compile_for(config) -> str:
+    """--no-compile as a way out, where it is one: the built-in model not converted yet is converted
+    into the same cache, so for it a bare --no-compile led straight to a second refusal."""
+    if config.model is not None:
+        return NO_COMPILE
+    from shardlib.demo_model import PACKAGED_CONFIG, demo_config_path
+
+    if demo_config_path() != PACKAGED_CONFIG:  # converted already: read as it is, nothing written
+        return NO_COMPILE
+    return ("or run without compiling a model of your own: --no-compile --model DIR (the built-in one is "
+            "converted into this cache too)")

@@ -18,6 +18,10 @@ class Progress:
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
         self._console = Console(stderr=True, highlight=False)
+        # Off a terminal rich wraps at 80 columns, which split a quoted path or command (and a long
+        # step's line) in two in a log. On one its wrapping stays: the spinner redraws in place only
+        # over lines as wide as the terminal.
+        self._console.soft_wrap = not self._console.is_terminal
 
     @contextmanager
     def step(self, what: str):

@@ -19,6 +19,8 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -43,6 +45,9 @@ _OFFLINE = ("on a machine without network access, pass --model DIR (a Hugging Fa
 # Written last into the folder under construction: a folder without it is not a finished conversion.
 # It records each file's size ("files"); one without them was written by an older corelaunch.
 _MARKER = "corelaunch_demo.json"
+# The converted folder's size (541,619,527 bytes with transformers 5.25: float32 weights 538 MB, the
+# tokenizer 3.5 MB), rounded up: the free space a conversion needs in the cache directory.
+_CONVERTED_BYTES = 545_000_000
 
 
 def default_cache_dir() -> Path:
@@ -206,9 +211,11 @@ def _convert_under_lock(root: Path, target: Path) -> None:
         if _cache_state(target) == "ok":  # another process finished while we waited
             return
         sha256 = verify_demo_gguf(gguf_path)  # only here: hashing 98 MB takes a while
+        from safetensors import SafetensorError
+
         try:
             _build(gguf_path, sha256, root, target)
-        except OSError as err:
+        except (OSError, SafetensorError) as err:  # safetensors' write errors (a full disk) are no OSError
             raise _unusable_cache(root, err) from err
     finally:
         lock.release()
@@ -261,9 +268,28 @@ def _lock_of_another_user(lock_path: Path, err: OSError) -> ValueError | None:
                       f"a directory of your own")
 
 
-def _unusable_cache(root: Path, err: OSError) -> ValueError:
-    return ValueError(f"cannot convert the demo model into the cache directory {root} ({err}); set "
-                      f"CORELAUNCH_CACHE to a writable directory, or pass --model DIR (a Hugging Face model folder)")
+def _unusable_cache(root: Path, err: Exception) -> ValueError:
+    return ValueError(f"cannot convert the demo model into the cache directory {root} ({err}); the converted "
+                      f"model takes {_megabytes(_CONVERTED_BYTES)}: set CORELAUNCH_CACHE to a writable directory "
+                      f"with that much free, or pass --model DIR (a Hugging Face model folder)")
+
+
+def _refuse_without_room(root: Path) -> None:
+    """ValueError naming the cache, the space the converted model needs and what is free, before a
+    conversion that would fill the disk (safetensors failed with a traceback after 20 s)."""
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        return  # the conversion says what is wrong with the folder
+    if free < _CONVERTED_BYTES:
+        raise ValueError(f"cannot convert the demo model into the cache directory {root}: the converted model "
+                         f"takes {_megabytes(_CONVERTED_BYTES)} and only {_megabytes(free)} are free there; free "
+                         f"some space, set CORELAUNCH_CACHE to a directory with room, or pass --model DIR (a "
+                         f"Hugging Face model folder)")
+
+
+def _megabytes(size: int) -> str:
+    return f"{size / 1e6:.0f} MB"
 
 
 def _build(gguf_path: Path, sha256: str, root: Path, target: Path) -> None:
@@ -272,11 +298,13 @@ def _build(gguf_path: Path, sha256: str, root: Path, target: Path) -> None:
     # Leftovers of conversions that were killed (each up to ~540 MB): none is running, we hold the lock.
     for leftover in root.glob(f".{DEMO_MODEL_NAME}-*"):
         remove_path(leftover)
+    _refuse_without_room(root)  # after the sweep, which may be what frees it
     umask = process_umask()
     tmp = Path(tempfile.mkdtemp(prefix=f".{DEMO_MODEL_NAME}-", dir=root))
     try:
         tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the cache may be shared between users
-        provenance = _convert(gguf_path, tmp) or {}
+        with _progress_bars_only_on_a_terminal():
+            provenance = _convert(gguf_path, tmp) or {}
         _seal(tmp, {**provenance, "source_sha256": sha256}, umask)
         if os.path.lexists(target):
             # Damaged, converted by an older corelaunch, or not made here (the marker is written
@@ -343,6 +371,40 @@ def _convert(gguf_path: Path, out_dir: Path) -> dict:
     tokenizer.save_pretrained(out_dir)
     return {"source": str(gguf_path), "source_bytes": gguf_path.stat().st_size,
             "package": f"{_DIST}=={_DIST_VERSION}", "transformers": transformers.__version__}
+
+
+@contextlib.contextmanager
+def _progress_bars_only_on_a_terminal():
+    """transformers draws three progress bars while converting (the GGUF's tensors, loading the
+    weights, writing the shards), each redrawn with a carriage return: on a terminal they show the
+    20 s going by, in a log they are lines of redraws. Off a terminal they are turned off
+    for the conversion and put back as they were. The GGUF's bar is tqdm's own, which transformers'
+    switch does not reach, so its module's name for tqdm is swapped like _gguf_parsed_once's."""
+    if _stderr_is_a_terminal():
+        yield
+        return
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    gguf_tqdm = getattr(gguf_utils, "tqdm", None)
+    hf_logging.disable_progress_bar()
+    if gguf_tqdm is not None:
+        gguf_utils.tqdm = functools.partial(gguf_tqdm, disable=True)
+    try:
+        yield
+    finally:
+        if gguf_tqdm is not None:
+            gguf_utils.tqdm = gguf_tqdm
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _stderr_is_a_terminal() -> bool:
+    try:
+        return sys.stderr is not None and sys.stderr.isatty()
+    except (AttributeError, ValueError):  # replaced by an object without isatty, or closed
+        return False
 
 
 @contextlib.contextmanager

@@ -549,7 +549,7 @@ _DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
 
 def load_model_config(path: str | Path) -> ModelConfig:
     """Read a model directory (containing config.json) or a config.json file."""
-    path = Path(path)
+    typed, path = path, Path(path)  # typed: as given, its `./` kept (a Path drops it) for the hint below
     config_file = path / "config.json" if path.is_dir() else path
     if not config_file.exists():
         if (path / "manifest.json").is_file():  # what corelaunch compile or preshard wrote
@@ -561,7 +561,7 @@ def load_model_config(path: str | Path) -> ModelConfig:
 
         raise FileNotFoundError(
             f"no Hugging Face config at {os.path.abspath(config_file)}; pass a model directory containing "
-            f"config.json (`corelaunch plan` also takes the config.json file itself){missing_model_hint(path)}"
+            f"config.json (`corelaunch plan` also takes the config.json file itself){missing_model_hint(typed)}"
         ) from None
     raw = read_config_json(config_file)
     config = ModelConfig.from_dict(raw)

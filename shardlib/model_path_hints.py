@@ -13,16 +13,26 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 def missing_model_hint(path: str | Path, option: str = "--model") -> str:
     """A sentence to append for a missing model path that reads as a Hub id, or starts with a `~` the
-    shell left as it was; "" otherwise."""
+    shell left as it was; "" otherwise. Pass the path as the user typed it (a str): a Path has
+    dropped a leading `./`, which says it is no Hub id."""
     text = str(path).rstrip("/")  # a trailing slash, as shells complete folders, names the same id
     if Path(text).exists():
         return ""
     if text.startswith("~"):
         return f"; {unexpanded_home(option, text)}"
-    if not _HUB_ID.fullmatch(text):
+    if not _HUB_ID.fullmatch(text) or _local_by_its_look(text):
         return ""
     return (f"; {text!r} looks like a Hugging Face Hub id: corelaunch reads local directories only and downloads "
             f"nothing, so fetch it first (`hf download {text} --local-dir DIR`) and pass {option} DIR")
+
+
+def _local_by_its_look(text: str) -> bool:
+    """A path no Hub id can be: one written from here, above or the root (`./checkpoints/my-llama`
+    was told to `hf download` it), or one whose first folder is there (a missing model in a local
+    folder of checkpoints). Needs the text as typed: a Path has dropped the `./` already."""
+    if text.startswith(("./", "../", "/", "~")):
+        return True
+    return os.path.isdir(text.split("/", 1)[0])
 
 
 def file_given_for_directory(path: str | Path) -> str:

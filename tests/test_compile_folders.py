@@ -115,3 +115,28 @@ def test_corelaunch_compile_is_not_refused_over_the_cache_its_ranks_do_not_use(p
     with pytest.raises(ValueError) as refused:
         plan_launch(config, Progress(False), into_out=True)
     assert str(refused.value).endswith("point TMPDIR at a path without them")  # no --no-compile to offer
+
+
+def test_an_unusable_cache_offers_no_bare_no_compile_to_the_built_in_model_not_yet_converted(private_ray_ahead, tmp_path):
+    """The built-in model is converted into the same cache: --no-compile alone met a second refusal."""
+    a_file = tmp_path / "afile"
+    a_file.write_text("")
+    private_ray_ahead.setenv("CORELAUNCH_CACHE", str(a_file))
+    with pytest.raises(ValueError) as refused:
+        Launcher(tp=1, progress=False).prepare()
+    message = str(refused.value)
+    assert message.startswith(f"CORELAUNCH_CACHE ({a_file}) cannot hold inductor's compiled graphs: ")
+    assert message.endswith("or run without compiling a model of your own: --no-compile --model DIR (the built-in "
+                            "one is converted into this cache too)")
+
+
+def test_an_unset_corelaunch_cache_is_not_named_as_set(private_ray_ahead, tmp_path):
+    home = tmp_path / "home"
+    (home / ".cache").mkdir(parents=True)
+    (home / ".cache" / "corelaunch").write_text("")  # the default cache folder is a file
+    private_ray_ahead.setenv("HOME", str(home))
+    private_ray_ahead.delenv("CORELAUNCH_CACHE", raising=False)
+    with pytest.raises(ValueError, match=rf"^the corelaunch cache \(CORELAUNCH_CACHE unset: {home}/\.cache/corelaunch\) "
+                                         r"cannot hold inductor's compiled graphs: .*set CORELAUNCH_CACHE to a "
+                                         r"directory this user can write"):
+        Launcher(tp=1, progress=False).prepare()

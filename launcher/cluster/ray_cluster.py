@@ -377,6 +377,8 @@ def _connect(address: str | None, num_cpus: int | None, worker_logs: bool) -> Ra
                 started = _OWN_SESSION["started_here"]
                 return RayConnection(started_here=started, address=_OWN_SESSION["address"], joined_here=not started)
         return RayConnection(started_here=False, address="existing session")
+    if worker_logs:
+        _plain_worker_prefixes_off_a_terminal()
     address, how = asked_cluster(address)
     if address == "auto":  # only from RAY_ADDRESS (the option was refused above): ray.init reads it itself
         raise LaunchError(f"RAY_ADDRESS 'auto' {_AUTO_JOINS_ANY}; set RAY_ADDRESS to the cluster's host:port, "
@@ -593,6 +595,19 @@ def _agent_port_left_to_the_os():
         yield
     finally:
         init.__defaults__ = defaults
+
+
+def _plain_worker_prefixes_off_a_terminal() -> None:
+    """Ray prints each forwarded worker line after a prefix in ANSI colours (`ESC[36m(rank 0
+    pid=...)ESC[0m`) unless RAY_COLOR_PREFIX is "0", which its driver reads as it prints each line:
+    in a log file the codes are noise, so off a terminal they are turned off, unless the user set
+    the variable. Set before ray.init, so a private cluster's processes inherit it too."""
+    try:
+        terminal = sys.stderr is not None and sys.stderr.isatty()
+    except (AttributeError, ValueError):  # replaced by an object without isatty, or closed
+        terminal = False
+    if not terminal:
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
 
 
 def _init(**options) -> None:
