@@ -8,7 +8,8 @@ Batching: prompts of different lengths are left-padded to the longest, so all ro
 slots and the last column is every row's newest token. A row's padding slots are masked out of
 attention and its rotary positions start at 0 at its first real token, so each row's tokens are
 those the prompt would get alone. Rows that finish keep flowing through the (fixed-shape) batch,
-but their tokens are no longer recorded; the loop ends when every row has finished.
+but their tokens are no longer recorded nor chosen (their logits, which may have overflowed since,
+must not fail the rows still running); the loop ends when every row has finished.
 
 Buckets (shardlib/buckets.py): compiled graphs have static shapes, so with buckets every forward
 runs at one of a few shapes. The batch gets filler rows up to a batch bucket; the left-padded prompts
@@ -211,8 +212,7 @@ def generate(model, prompts: list[list[int]], params: list[SamplingParams], max_
             step_start = time.perf_counter()
             step_ids = (tokens if filler is None else torch.cat((tokens, filler)))[:, None]  # (rows, 1)
             logits = model(step_ids, positions + step, cache, slot_ids[slot:slot + 1], attention_mask)[:batch]
-            tokens = sample(penalized(logits, params, prompts, [o.token_ids for o in outputs], stops), params,
-                            generators)
+            tokens = _sample_running(logits, tokens, done, params, prompts, outputs, stops, generators)
             step_latency = time.perf_counter() - step_start
 
     for i, out in enumerate(outputs):
@@ -222,3 +222,27 @@ def generate(model, prompts: list[list[int]], params: list[SamplingParams], max_
         if return_logits:
             out.logits = torch.stack(row_logits[i])
     return outputs
+
+
+def _sample_running(logits: torch.Tensor, tokens: torch.Tensor, done: list[bool], params: list[SamplingParams],
+                    prompts: list[list[int]], outputs: list[GenerationOutput], stops: list[set[int]],
+                    generators: list) -> torch.Tensor:
+    """The next token of each row (batch,): chosen for the rows still running; a finished row feeds
+    its last token again. Its logits stay out of the penalties and of sample's check, which refuses a
+    batch with any row's logits NaN or infinite: a finished row that keeps decoding can overflow
+    (float16), and must not fail the others. Each running row draws from its own generator, so its
+    tokens are those it gets when every row runs."""
+    running = [i for i, finished in enumerate(done) if not finished]
+    if len(running) == len(done):  # the usual step: the logits as they are, no gathered copy
+        return sample(penalized(logits, params, prompts, [o.token_ids for o in outputs], stops), params,
+                      generators)
+
+    def pick(per_row: list) -> list:
+        return [per_row[i] for i in running]
+
+    rows = torch.tensor(running, device=logits.device)
+    chosen = sample(penalized(logits[rows], pick(params), pick(prompts), pick([o.token_ids for o in outputs]),
+                              pick(stops)), pick(params), pick(generators))
+    tokens = tokens.clone()
+    tokens[rows.to(tokens.device)] = chosen.to(tokens.device)
+    return tokens

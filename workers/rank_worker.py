@@ -23,7 +23,7 @@ from pathlib import Path
 
 from shardlib.buckets import Buckets
 from shardlib.model_config import ModelConfig
-from shardlib.param_shapes import EMBED
+from shardlib.moe_params import model_names
 from shardlib.sampling_params import SamplingParams
 from shardlib.sharding import ShardLayout
 from workers.backends import backend_entry, get_backend
@@ -55,9 +55,9 @@ class LoadSpec:
     layout: ShardLayout
     dtype: str
     model_dir: str
+    """Hugging Face checkpoint directory (read through per-rank lazy slices)."""
     kv_cache_dtype: str | None = None
     """"f8e4m3": an fp8 KV cache (workers/kv_quant.py); None: the compute dtype."""
-    """Hugging Face checkpoint directory (read through per-rank lazy slices)."""
     presharded_dir: str | None = None
     """A pre-sharded directory for this exact layout; preferred over model_dir when set."""
     compile: bool = False
@@ -226,7 +226,9 @@ class RankWorker:
                                     self.spec.rank, dtype=load_spec.dtype)
             source = "checkpoint"
         shard_bytes = sum(t.numel() * t.element_size() for t in shard.values())
-        looked_up = shard.get(EMBED) if not load_spec.config.tie_word_embeddings else None
+        # The family's own name (DBRX: transformer.wte.weight): a lookup reads one row a token.
+        embed = model_names(load_spec.config).embed
+        looked_up = shard.get(embed) if not load_spec.config.tie_word_embeddings else None
         decode_read_bytes = shard_bytes - (0 if looked_up is None else looked_up.numel() * looked_up.element_size())
         model = ShardedCausalLM(load_spec.config, load_spec.layout, self.spec.rank, shard,
                                 self._collectives, load_spec.dtype)
@@ -400,25 +402,42 @@ class RankWorker:
         return self._loop
 
     def shutdown(self) -> None:
+        self._end_serving()
+        self._release()
+
+    def _end_serving(self) -> None:
+        """Stop the serving loop and wait for serve() to return, at most SHUTDOWN_LOOP_WAIT_S; a loop
+        still inside a collective then (a peer stopped first, or died) gets its collectives closed
+        under it, so that call raises CollectivesClosed and the loop ends. Safe on another thread
+        than the loop's (the actor's: launcher/cluster/ray_worker.py)."""
         self._prepared_loop = None
-        if self._loop is not None:
-            self._loop.stop()
-        # The loop's thread may still be inside a collective (a peer stopped first): give it a
-        # moment to end, so it stops between steps rather than failing on closed collectives.
-        # Bounded, as a rank stuck for good must not hold the shutdown: close() is safe anyway
-        # (a call in flight raises CollectivesClosed; the memory stays mapped until it leaves).
+        loop = self._loop  # once: serve() clears it, on the loop's thread, when the loop ends
+        if loop is not None:
+            loop.stop()
+        # Waited for first, so a loop that can still end stops between steps rather than failing on
+        # closed collectives. Bounded, as a rank stuck for good must not hold the shutdown: close()
+        # is safe anyway (a call in flight raises CollectivesClosed; the memory stays mapped until
+        # it leaves).
         ended = self._serve_ended
         if ended is not None and not ended.wait(SHUTDOWN_LOOP_WAIT_S):
             print(f"rank {self.spec.rank}: the serving loop had not ended {SHUTDOWN_LOOP_WAIT_S:g} s after "
                   f"stop; closing its collectives under it", flush=True)
+            self._close_collectives()
+
+    def _release(self) -> None:
+        """Drop the model, the collectives and the backend's process group (on the thread that computes)."""
         # The model holds the collectives: drop it, then release the shared memory before the
         # process group is destroyed.
         self._model = None
-        if self._collectives is not None:
-            self._collectives.close()
-            self._collectives = None
+        self._close_collectives()
         if self._backend is not None:
             self._backend.shutdown()
+
+    def _close_collectives(self) -> None:
+        # Either thread may get here (the actor's, the compute thread's): close() is idempotent.
+        collectives, self._collectives = self._collectives, None
+        if collectives is not None:
+            collectives.close()
 
 
 def loop_counters(loop) -> dict:

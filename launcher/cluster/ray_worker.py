@@ -6,11 +6,16 @@ from __future__ import annotations
 import glob
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import ray
 
 from workers.backends import backend_entry
 from workers.rank_worker import RankWorker, WorkerSpec
+
+SHUTDOWN_RELEASE_WAIT_S = 5.0
+"""How long shutdown waits for the compute thread to drop the model and leave the process group,
+once the serving loop has ended (or had its collectives closed under it)."""
 
 
 class RayRankWorker(RankWorker):
@@ -59,10 +64,20 @@ class RayRankWorker(RankWorker):
         return self._compute.submit(super().serve).result()
 
     def shutdown(self) -> None:
-        if self._loop is not None:
-            self._loop.stop()  # rank 0 ends the loop on every rank; the compute thread is then free
         try:
-            self._compute.submit(super().shutdown).result()
+            # Here, on the actor's thread: the compute thread may be held by a serving loop stuck in
+            # a collective for a peer that died, which only closing the collectives under it ends
+            # (a shutdown queued behind it on the compute thread waited until the launcher killed
+            # the actor).
+            self._end_serving()
+            release = self._compute.submit(self._release)
+            try:
+                release.result(timeout=SHUTDOWN_RELEASE_WAIT_S)
+            except FutureTimeout:
+                raise TimeoutError(
+                    f"rank {self.spec.rank}: its compute thread was still busy {SHUTDOWN_RELEASE_WAIT_S:g} s after "
+                    f"the serving loop was stopped (a static batch or a step stuck in the process group), so the "
+                    f"process group was not left; the launcher kills the actor") from None
         finally:
             self._compute.shutdown(wait=False)
 
