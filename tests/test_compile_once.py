@@ -56,17 +56,14 @@ def run_child(cache: Path) -> subprocess.Popen:
                             env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache)})
 
 
-def test_a_process_that_finds_the_graph_being_compiled_waits_and_takes_it_from_the_cache(tmp_path, monkeypatch):
-    from torch._dynamo.utils import counters
-
+def test_a_process_that_finds_the_graph_being_compiled_waits_and_takes_it_from_the_cache(tmp_path):
     cache = tmp_path / "inductor"
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
     [key] = keys_of(scaled_sum, torch.ones(4, 8))
-    torch._dynamo.reset()
-    misses, backend = counters["inductor"]["fxgraph_cache_miss"], CompileOnce()
-    out = torch.compile(scaled_sum, backend=backend, dynamic=False)(torch.ones(4, 8))  # nobody holds its lock
-    assert counters["inductor"]["fxgraph_cache_miss"] > misses and backend.compiled_by_peer == 0
-    assert out.tolist() == [32.0] * 4
+    # The first compile in a fresh process too, as a rank's: what inductor's cache keeps for a graph
+    # depends on the compiling process's torch thread count, which an earlier test in this one may
+    # have set (the second process then missed the cache: a failure of the suite, not of the code)
+    first = json.loads(run_child(cache).communicate(timeout=300)[0])  # nobody holds its lock
+    assert first["miss"] > 0 and first["compiled_by_peer"] == 0 and first["out"] == [32.0] * 4
     lock = cache / LOCK_FOLDER / f"{key}.lock"
     assert lock.is_file()  # named by the graph's key
 
