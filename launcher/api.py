@@ -1195,7 +1195,8 @@ class Launcher:
     @property
     def _group(self):
         """Replica 0's current TP group (tests and benchmarks/tp_scaling.py reach its actors)."""
-        replica = self._pool.replicas[0] if self._pool is not None else None
+        pool = self._pool  # once: a shutdown on another thread clears it
+        replica = pool.replicas[0] if pool is not None else None
         return replica.started.group if replica is not None and replica.started is not None else None
 
     def shutdown(self, grace_s: float = 10.0) -> None:
@@ -1486,9 +1487,10 @@ class Launcher:
         return self._running_pool().load(self.config.max_num_seqs)
 
     def _running_pool(self):
-        if self._pool is None:
+        pool = self._pool  # once: a shutdown on another thread clears it between a check and a use
+        if pool is None:
             raise LaunchError("the launcher is not running: call start() or use it as a context manager")
-        return self._pool
+        return pool
 
     def _check_stream(self, prompt, sampling, max_new_tokens, stop, logprobs, stop_token_ids, request_id):
         """One streaming request's (token ids, SamplingParams, stop strings, stop token ids); ValueError

@@ -70,8 +70,10 @@ def test_a_call_still_written_is_held_until_it_closes():
 def test_the_array_check_is_sure_and_never_early():
     """ArrayLevelCheck says broken only for a text no JSON decoder takes, whatever follows, and never
     for a whole array, whatever its split."""
+    # "1" * 400: an integer past a double's range is exact, and the whole reading keeps it (the check
+    # once called it broken, turning a mistral stream to content where the whole answer found calls)
     parts = ["[", "]", "{", "}", '"', "\\", ",", " ", "1", "1e400", "true", "tru", "x", "NaN", ":", '"a"', "[1, 2]",
-             '{"k": [1]}', "\n", "-", "0.5", "-0", '"\\""']
+             '{"k": [1]}', "\n", "-", "0.5", "-0", '"\\""', "1" * 400]
     rng, broken, whole = random.Random(3), 0, 0
     for _ in range(20000):
         text = "[" + "".join(rng.choice(parts) for _ in range(rng.randint(0, 8)))
@@ -91,7 +93,7 @@ def test_the_array_check_is_sure_and_never_early():
 @pytest.mark.parametrize("reader_class, parts", [
     (HermesCallReader, ['<tool_call>{"name": "f", "arguments": {"a": [1]}}</tool_call>', "<tool_call>", "</tool_call>", '{"name": "f", "arguments": ', "{", "}", '"', ":", ",", "1",
                         "NaN", " ", "\n", "x", "prose ", "[", "]"]),
-    (MistralCallReader, ['[TOOL_CALLS] [{"name": "f", "arguments": {}}, 1]', '[TOOL_CALLS]{"name": "f"}',
+    (MistralCallReader, ['[TOOL_CALLS] [{"name": "f", "arguments": {}}, 1]', '[TOOL_CALLS]{"name": "f"}', "1" * 400,
                          "[TOOL_CALLS]", "[ARGS]", "f", '[{"name": "f", "arguments": ', "{", "}", "[", "]", '"',
                          '"a"', ":", ",", "1", "1e400", "true", "tru", " ", "x", "prose ", "null"]),
     (PythonicCallReader, ["[f(a=1)]", "[f(a='x y'), g.h() ", "[", "f(", "g.h(", ")", "]", "a=", "b=", ", ", ",", '"x"', "1", "True", " ", "\n", "#",

@@ -32,7 +32,7 @@ from shardlib.buckets import Buckets, request_shape
 from shardlib.request_checks import check_request
 from workers.kv_cache import KVCache
 from workers.penalties import penalized
-from workers.sampling import SamplingParams, make_generator, sample
+from workers.sampling import SamplingParams, make_generator, sample, sampling_device
 
 CACHE_LEN_MULTIPLE = 64
 """Default KV cache lengths are rounded up to this, so nearby request sizes share one shape."""
@@ -240,8 +240,11 @@ def _sample_running(logits: torch.Tensor, tokens: torch.Tensor, done: list[bool]
     def pick(per_row: list) -> list:
         return [per_row[i] for i in running]
 
-    rows = torch.tensor(running, device=logits.device)
-    chosen = sample(penalized(logits[rows], pick(params), pick(prompts), pick([o.token_ids for o in outputs]),
+    # on the device that samples: an XLA device's logits are still lazy here, and an index of each new
+    # count of running rows would be another graph to compile (sample moves them there itself)
+    host = sampling_device(logits.device)
+    rows = torch.tensor(running, device=host)
+    chosen = sample(penalized(logits.to(host)[rows], pick(params), pick(prompts), pick([o.token_ids for o in outputs]),
                               pick(stops)), pick(params), pick(generators))
     tokens = tokens.clone()
     tokens[rows.to(tokens.device)] = chosen.to(tokens.device)

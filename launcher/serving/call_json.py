@@ -179,6 +179,20 @@ def arguments_text(value: object) -> str:
     return text if is_text(text) else json.dumps(value, allow_nan=False)
 
 
+def no_json_number(token: str) -> bool:
+    """Whether a bare token is one the whole reading refuses as no call's JSON: NaN, Infinity,
+    -Infinity, or a number written with a fraction or an exponent beyond a double's range (1e400).
+    An integer is exact, kept however long; any other word is left to the whole reading."""
+    if token in ("NaN", "Infinity", "-Infinity"):
+        return True
+    if not any(sign in token for sign in ".eE"):
+        return False
+    try:
+        return not math.isfinite(float(token))
+    except ValueError:
+        return False
+
+
 _LEVEL_SIGNS = re.compile(r'[\[\]{}"\\]')
 _JSON_TOKEN = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?|true|false|null")
 _TOKEN_CHARS = frozenset("0123456789+-.eEabcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_")
@@ -249,8 +263,9 @@ class ArrayLevelCheck:
                 self._token.append(char)
                 return
             token, self._token = "".join(self._token), []
-            if _JSON_TOKEN.fullmatch(token) is None or token[0] in "-0123456789" and not math.isfinite(float(token)):
-                self.broken = True  # no JSON value, or a number no call's JSON holds (1e400)
+            if _JSON_TOKEN.fullmatch(token) is None or no_json_number(token):
+                # no JSON value, or a number no call's JSON holds (1e400; an integer of any length is exact)
+                self.broken = True
                 return
             self._expect = "comma"
         if char in " \t\n\r":

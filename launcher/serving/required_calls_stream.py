@@ -39,11 +39,10 @@ one per pre-v11 array).
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from launcher.serving.call_json import MAX_DEPTH, is_text
+from launcher.serving.call_json import MAX_DEPTH, is_text, no_json_number
 from launcher.serving.tool_calls import SentCalls, new_call_id
 
 # What the scan expects next inside an element object of the array.
@@ -54,20 +53,6 @@ _JSON_SPACE = " \t\n\r"
 """The only whitespace JSON takes between tokens (str.isspace takes more: a no-break space)."""
 _BARE_TOKEN = frozenset("0123456789+-.eEabcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
 """The characters of a number or a bare word (true, NaN) outside strings: a bare token."""
-
-
-def no_json_number(token: str) -> bool:
-    """Whether a bare token is one the whole reading refuses as no call's JSON (call_json): NaN,
-    Infinity, -Infinity, or a number written with a fraction or an exponent beyond a double's range
-    (1e400). An integer is exact, kept however long; any other word is left to the whole reading."""
-    if token in ("NaN", "Infinity", "-Infinity"):
-        return True
-    if not any(sign in token for sign in ".eE"):
-        return False
-    try:
-        return not math.isfinite(float(token))
-    except ValueError:
-        return False
 
 
 @dataclass
