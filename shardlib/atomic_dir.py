@@ -206,8 +206,14 @@ def atomic_dir(out_dir: str | Path, what: str, marker: str = MANIFEST,
     make_parents(out_dir)
     sweep_stale(out_dir)
     version = out_dir.parent / f"{_prefix(out_dir, 'v')}{writer_tag()}-{secrets.token_hex(4)}"
-    version.mkdir()
+    # registered before it exists: another thread's sweep of the same out_dir (_own_abandoned) takes
+    # a version of this process that is not being written for one whose removal was cut short
     _UNFINISHED[version] = out_dir
+    try:
+        version.mkdir()
+    except BaseException:
+        _UNFINISHED.pop(version, None)
+        raise
     try:
         yield version
         version.chmod(0o755)
@@ -371,10 +377,7 @@ def _remove_previous(previous: Path | None, version: Path) -> None:
     (KeyboardInterrupt, SystemExit) reaches the caller with the new version kept."""
     if previous is None or previous == version or in_use(previous):  # a held one: a later sweep's
         return
-    try:
-        shutil.rmtree(previous, ignore_errors=True)
-    except OSError:
-        pass
+    shutil.rmtree(previous, ignore_errors=True)  # errors ignored: what is left, the next write sweeps
 
 
 def _replace_plain_dir(out_dir: Path, link: Path) -> None:

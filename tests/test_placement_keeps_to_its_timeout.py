@@ -76,3 +76,28 @@ def test_a_refused_placement_is_tried_once_more_at_the_end_of_the_timeout(monkey
 
     assert group._place_within_nodes() == {0: "node-a", 1: "node-a"}, tried_at
     assert tried_at[-1] == placement_s and tried_at[-2] == placement_s - 0.5, tried_at
+
+
+def test_the_wait_for_placement_asks_without_waiting_then_sleeps(monkeypatch, clock):
+    """Ray takes a placement group's wait in whole seconds: wait(timeout_seconds=0.5) returned at once,
+    and a group waiting to be placed had the driver ask the GCS about a thousand times a second for
+    the whole --placement-timeout. It asks without waiting, then sleeps its poll."""
+    asked: list[float] = []
+
+    class NeverPlaced:
+        def wait(self, timeout_seconds):
+            asked.append(timeout_seconds)  # as Ray's: returns at once for anything under a second
+            return False
+
+    monkeypatch.setattr(tg, "placement_group", lambda *a, **k: NeverPlaced())
+    monkeypatch.setattr(tg, "remove_placement_group", lambda pg: None)
+    monkeypatch.setattr(tg, "alive_nodes", lambda: [])
+    monkeypatch.setattr(tg, "explain_unplaceable", lambda *a, **k: "its resources are held by others")
+    group = tg.TPGroup(tp_degree=2, backend="cpu", nodes=1,
+                       resources=RankResources(bundle={"CPU": 1}, num_cpus=1, threads=1),
+                       timeouts=tg.GroupTimeouts(placement_s=PLACEMENT_S))
+
+    with pytest.raises(PlacementTimeout):
+        group._place_within_nodes()
+    assert set(asked) == {0}, sorted(set(asked))  # never a fraction of a second Ray would read as 0
+    assert len(asked) <= PLACEMENT_S / tg._POLL_S + 2, len(asked)  # one ask a poll, the last at the deadline

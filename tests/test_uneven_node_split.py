@@ -18,6 +18,8 @@ from launcher.cluster.resources import (RankResources, cpu_rank_resources, expla
 
 @pytest.mark.parametrize("tp, nodes, expected", [
     (3, 2, [2, 1]), (5, 3, [2, 2, 1]), (7, 3, [3, 2, 2]), (4, 2, [2, 2]), (2, 4, [1, 1]), (4, 1, None),
+    # --nodes is at most that many: the fewest nodes at the ceil(TP / N) ranks a node the plan counted
+    (4, 3, [2, 2]), (6, 4, [2, 2, 2]), (5, 4, [2, 2, 1]), (1, 2, None),
 ])
 def test_each_node_gets_ceil_or_floor_of_its_share_fullest_first(tp, nodes, expected):
     from launcher.cluster.resources import node_split

@@ -330,9 +330,9 @@ def add_model_and_placement_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", default="auto", help="tensor-parallel degree, or auto (default)")
     add_backend_arguments(p)
     p.add_argument("--nodes", type=int, default=1,
-                   help="nodes one TP group spans when one node lacks cores: at most this many for cpu, exactly "
-                        "this many (TP / N ranks each) for a device backend; above 1 it needs a cluster to join "
-                        "(serve, whose Ray is private, takes 1 only) (default 1)")
+                   help="nodes one TP group spans when one node lacks cores: at most this many, each holding "
+                        "ceil or floor of TP / N ranks (a device backend: exactly this many, TP / N each); above 1 "
+                        "it needs a cluster to join (serve, whose Ray is private, takes 1 only) (default 1)")
     p.add_argument("--max-restarts", type=int, default=3, metavar="N",
                    help="restarts of a failed replica within --restart-window; 0 disables them (default 3)")
     p.add_argument("--restart-window", type=float, default=600.0, metavar="S",

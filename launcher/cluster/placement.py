@@ -25,7 +25,9 @@ class NodeInfo:
 
 
 def placement_strategy(nodes: int) -> str:
-    """STRICT_PACK when the group must fit one node (--nodes 1), else PACK (spill over only as needed)."""
+    """STRICT_PACK when the group must fit one node (--nodes 1, or a group of one rank); a group over
+    several nodes reserves a bundle a node (STRICT_SPREAD, launcher/cluster/tp_group.py) and never
+    asks this, but for TP 1, whose one bundle takes any node (PACK)."""
     return "STRICT_PACK" if nodes == 1 else "PACK"
 
 

@@ -130,14 +130,18 @@ def bundles_that_fit(free: Mapping[str, float], bundle: Mapping[str, float]) -> 
 
 def node_split(tp: int, nodes: int) -> list[int] | None:
     """Ranks on each node for a group over several nodes, fullest first, or None for one node (it
-    holds all TP): TP / nodes on each where nodes divides TP, else ceil or floor of it, never more
-    than the ceil(TP / nodes) the plan gave one node's memory to (TP 3 over 2: [2, 1]; TP 7 over 3:
-    [3, 2, 2]); one rank a node on TP nodes where --nodes exceeds TP. Each share is one bundle, and
-    Ray puts each bundle on a different node (STRICT_SPREAD): PACK filled the roomiest node first, all
-    of TP 3 on one node of two, which the launcher refused until --placement-timeout ran out."""
+    holds all TP): the fewest nodes that keep to the ceil(TP / nodes) ranks the plan gave one
+    node's memory to, ceil or floor of TP over them on each (TP 3 over 2: [2, 1]; TP 7 over 3:
+    [3, 2, 2]; TP 4 over 3: [2, 2], as --nodes is at most that many; one rank a node where --nodes
+    exceeds TP). Each share is one bundle, and Ray puts each bundle on a different node
+    (STRICT_SPREAD): PACK filled the roomiest node first, all of TP 3 on one node of two, which the
+    launcher refused until --placement-timeout ran out."""
     if nodes <= 1:
         return None
-    used = min(nodes, tp)
+    planned = -(-tp // nodes)  # ceil(TP / nodes): what the plan counted a node's memory for
+    used = -(-tp // planned)
+    if used <= 1:
+        return None
     base, extra = divmod(tp, used)
     return [base + 1] * extra + [base] * (used - extra)
 

@@ -251,8 +251,8 @@ class TPGroup:
             f"Ray placed {count} of the {self.tp_degree} ranks' bundles of {self.resources.bundle} on one node "
             f"({node[:8]}), more than the {planned} (ceil(TP {self.tp_degree} / --nodes {self.nodes})) the plan gave "
             f"that node's memory to, for {self.timeouts.placement_s:g} s (Ray filled the roomiest nodes "
-            f"first): pass a --nodes that divides {self.tp_degree} ({dividing}) so the group is split evenly, or "
-            f"fewer ranks (a --tp that --nodes {self.nodes} divides)")
+            f"first): pass a --nodes that divides {self.tp_degree} ({dividing}), or fewer ranks (a --tp that "
+            f"--nodes {self.nodes} divides)")
 
     def _place(self, timeout_s: float | None = None) -> None:
         """Reserve the bundles within timeout_s (the placement timeout when None); the message
@@ -287,11 +287,14 @@ class TPGroup:
         while True:
             self._unless_stop_asked()
             remaining = deadline - time.monotonic()
-            # asked at least once, even with nothing left: a last try at the deadline sees a group placed by then
-            if self._pg.wait(timeout_seconds=max(0.0, min(_POLL_S, remaining))):
+            # asked at least once, even with nothing left: a last try at the deadline sees a group placed by
+            # then. Asked without waiting, then slept: Ray takes the wait's seconds as an integer, so a
+            # wait of 0.5 s returned at once, and the driver asked the GCS ~1000 times a second.
+            if self._pg.wait(timeout_seconds=0):
                 return True
             if remaining <= 0:
                 return False
+            time.sleep(min(_POLL_S, remaining))
 
     def _unless_stop_asked(self) -> None:
         if self.stop_asked is not None and self.stop_asked():
