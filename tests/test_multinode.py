@@ -78,12 +78,19 @@ def cluster():
 
 
 def set_worker_nodes(cluster, count: int) -> None:
-    """Add or remove worker nodes until `count` are alive (removing from those added last)."""
+    """Add or remove worker nodes until `count` are alive (removing from those added last), then wait
+    until none of their CPUs is held: Ray frees a killed actor's CPU a moment after the kill, and the
+    previous test's last ranks held one node's only CPU past a 3 s placement timeout (a CI failure of
+    the suite, not of the code)."""
+    import ray
+
     while len(cluster.worker_nodes) < count:
         cluster.add_node(**WORKER_NODE)
     while len(cluster.worker_nodes) > count:
         cluster.remove_node(sorted(cluster.worker_nodes, key=lambda n: n.node_id)[-1])
     cluster.wait_for_nodes()
+    wait_for(lambda: ray.available_resources().get("CPU", 0) >= ray.cluster_resources().get("CPU", 0), 60,
+             "the previous test's actors releasing their CPUs")
 
 
 def remove_node_of(cluster, node_id: str) -> None:
