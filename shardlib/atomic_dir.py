@@ -211,10 +211,6 @@ def atomic_dir(out_dir: str | Path, what: str, marker: str = MANIFEST,
     _UNFINISHED[version] = out_dir
     try:
         version.mkdir()
-    except BaseException:
-        _UNFINISHED.pop(version, None)
-        raise
-    try:
         yield version
         version.chmod(0o755)
         fsync_tree(version)
@@ -302,7 +298,8 @@ def _own_abandoned(kind: str, entry: Path, tagged: str) -> bool:
     nothing links to: the previous version a swap left when its removal was interrupted or failed,
     which waiting for this process to exit would keep for as long as a server runs."""
     return (kind == "v" and tagged.rsplit("-", 1)[0] == writer_tag()
-            and all(entry.absolute() != unfinished.absolute() for unfinished in _UNFINISHED))
+            # a copy: another thread's atomic_dir adds and removes its versions meanwhile
+            and entry.absolute() not in {unfinished.absolute() for unfinished in list(_UNFINISHED)})
 
 
 # ---- versions in use -------------------------------------------------------------------------

@@ -20,12 +20,12 @@ import importlib.util
 import json
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
 from shardlib.atomic_dir import fsync_dir, fsync_tree, remove_path
 from shardlib.file_modes import as_umask_allows, process_umask
+from shardlib.terminal import stderr_is_a_terminal
 
 DEMO_MODEL_NAME = "smollm2-135m-instruct"
 """Folder name of the converted model inside the cache directory."""
@@ -380,7 +380,7 @@ def _progress_bars_only_on_a_terminal():
     20 s going by, in a log they are lines of redraws. Off a terminal they are turned off
     for the conversion and put back as they were. The GGUF's bar is tqdm's own, which transformers'
     switch does not reach, so its module's name for tqdm is swapped like _gguf_parsed_once's."""
-    if _stderr_is_a_terminal():
+    if stderr_is_a_terminal():
         yield
         return
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
@@ -398,13 +398,6 @@ def _progress_bars_only_on_a_terminal():
             gguf_utils.tqdm = gguf_tqdm
         if was_enabled:
             hf_logging.enable_progress_bar()
-
-
-def _stderr_is_a_terminal() -> bool:
-    try:
-        return sys.stderr is not None and sys.stderr.isatty()
-    except (AttributeError, ValueError):  # replaced by an object without isatty, or closed
-        return False
 
 
 @contextlib.contextmanager

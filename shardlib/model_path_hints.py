@@ -27,11 +27,8 @@ def missing_model_hint(path: str | Path, option: str = "--model") -> str:
 
 
 def _local_by_its_look(text: str) -> bool:
-    """A path no Hub id can be: one written from here, above or the root (`./checkpoints/my-llama`
-    was told to `hf download` it), or one whose first folder is there (a missing model in a local
-    folder of checkpoints). Needs the text as typed: a Path has dropped the `./` already."""
-    if text.startswith(("./", "../", "/", "~")):
-        return True
+    """A text that reads as a Hub id but whose first folder is here: a missing model in a local
+    folder of checkpoints. (A path written from here, above or the root never reads as a Hub id.)"""
     return os.path.isdir(text.split("/", 1)[0])
 
 

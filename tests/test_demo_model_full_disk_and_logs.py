@@ -78,7 +78,7 @@ def test_conversion_into_a_log_draws_no_progress_bars_and_puts_them_back(tmp_pat
 
 
 def test_conversion_on_a_terminal_keeps_its_progress_bars(tmp_path, monkeypatch, capfd):
-    monkeypatch.setattr(demo_model, "_stderr_is_a_terminal", lambda: True)
+    monkeypatch.setattr(demo_model, "stderr_is_a_terminal", lambda: True)
     monkeypatch.setattr(demo_model, "_convert", _converter_drawing_bars)
     ensure_demo_model(tmp_path)
     assert "GGUF tensors" in capfd.readouterr().err

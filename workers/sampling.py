@@ -61,7 +61,8 @@ def sampling_table(params: list[SamplingParams], device: torch.device | str = "c
                         dtype=torch.float32, device=device)
 
 
-def filtered_probs(logits: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def filtered_probs(logits: torch.Tensor, table: torch.Tensor,
+                   largest: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Probabilities after temperature, top-k, top-p and min-p, in descending-logit order.
 
     logits (batch, vocab), table (batch, 4). Returns probs (batch, width) sorted by logit, equal
@@ -78,10 +79,11 @@ def filtered_probs(logits: torch.Tensor, table: torch.Tensor) -> tuple[torch.Ten
     past them, or into a tie there, is filtered over the whole sorted vocabulary, as is every other
     row. The tokens, their order and their probabilities are the same either way, up to float
     rounding at the top-p cut (the full sort takes softmax's probabilities, this exp(v - logsumexp):
-    a token of about 1e-6 can be kept by one and not the other).
+    a few tokens where the running total crosses top_p can be kept by one and not the other).
+    largest (batch, 1): each row's largest logit, where the caller has it (sample's greedy pass).
     """
     vocab = logits.shape[-1]
-    scaled = _scaled(logits, table[:, 2:3])
+    scaled = _scaled(logits, table[:, 2:3], largest)
     # Above temperature 1 a real model's distribution is flat enough that top-p keeps thousands of
     # tokens (SmolLM2 at 1.5: up to 14,000 for 0.95): such rows go straight to the full sort.
     pending = (((table[:, 0] <= 0) | (table[:, 0] >= vocab)) & (table[:, 1] < 1) & (table[:, 2] <= 1)).nonzero().flatten()
@@ -263,7 +265,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         tokens[whole] = inverse_cdf(probs, uniforms([generators[i] for i in whole], logits.device))
     if filtered:
         rows = torch.tensor(filtered, device=logits.device)
-        probs, sorted_ids = filtered_probs(logits[rows], sampling_table([params[i] for i in filtered], logits.device))
+        probs, sorted_ids = filtered_probs(logits[rows], sampling_table([params[i] for i in filtered], logits.device),
+                                           best.values[rows][:, None])  # found once, for every row
         columns = inverse_cdf(probs, uniforms([generators[i] for i in filtered], logits.device))
         tokens[filtered] = sorted_ids.gather(-1, columns[:, None])[:, 0]
     return tokens.to(model_device) if on_host else tokens  # the next step's input

@@ -500,18 +500,17 @@ def private_start_failure(err: Exception, logs: str, open_files: tuple[int, int]
     return err  # a bad option or a path: said as it is (exit 2)
 
 
-def private_cluster_dying(within_s: float, dead_before: frozenset[int] | None = None) -> bool:
+def private_cluster_dying(within_s: float) -> bool:
     """True when a process of the private Ray this process started (its GCS, raylet, dashboard or
-    log monitor) other than those in `dead_before` (default: those gone when it had started,
-    dead_when_started) has exited, waiting up to within_s for one to. A SIGTERM sent to the whole process group (`kill --
-    -PGID`, systemd stopping a unit, `timeout`) reaches Ray's processes as well as this one (Ray
-    blocks only SIGINT in them), and then the cluster is going down under a graceful shutdown:
+    log monitor) other than those gone when it had started (dead_when_started) has exited, waiting
+    up to within_s for one to. A SIGTERM sent to the whole process group (`kill -- -PGID`, systemd
+    stopping a unit, `timeout`) reaches Ray's processes as well as this one (Ray blocks only SIGINT
+    in them), and then the cluster is going down under a graceful shutdown:
     Serve's waited 30 s for a controller that could no longer answer. False for a cluster this
     process did not start, or a Ray without the node record read here."""
     import time
 
-    if dead_before is None:
-        dead_before = dead_when_started()
+    dead_before = dead_when_started()
     deadline = time.monotonic() + within_s
     while True:
         if dead_private_processes() - dead_before:
@@ -602,11 +601,9 @@ def _plain_worker_prefixes_off_a_terminal() -> None:
     pid=...)ESC[0m`) unless RAY_COLOR_PREFIX is "0", which its driver reads as it prints each line:
     in a log file the codes are noise, so off a terminal they are turned off, unless the user set
     the variable. Set before ray.init, so a private cluster's processes inherit it too."""
-    try:
-        terminal = sys.stderr is not None and sys.stderr.isatty()
-    except (AttributeError, ValueError):  # replaced by an object without isatty, or closed
-        terminal = False
-    if not terminal:
+    from shardlib.terminal import stderr_is_a_terminal
+
+    if not stderr_is_a_terminal():
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")
 
 

@@ -177,8 +177,7 @@ class ToolUse:
         """A fresh reader of one choice's text as tool calls (a ToolCallReader, or for "auto" the
         parser's reader, which has the same interface), None when the text is only text."""
         if self.parser is not None:
-            module, name = PARSER_READERS[self.parser]
-            reader_class = getattr(importlib.import_module(module), name)
+            reader_class = _imported(PARSER_READERS[self.parser])
             if reader_class.needs_tools:
                 return reader_class(self.parallel_tool_calls, tools=self.tools)
             return reader_class(self.parallel_tool_calls)
@@ -187,10 +186,13 @@ class ToolUse:
 
 def call_id_maker(parser: str | None):
     """The function that makes a new call id on a server with this tool-call parser (PARSER_CALL_IDS;
-    new_call_id for any other, or none). Imported when called: the parsers' modules import this one."""
-    if parser not in PARSER_CALL_IDS:
-        return new_call_id
-    module, name = PARSER_CALL_IDS[parser]
+    new_call_id for any other, or none)."""
+    return _imported(PARSER_CALL_IDS[parser]) if parser in PARSER_CALL_IDS else new_call_id
+
+
+def _imported(entry: tuple[str, str]):
+    """A (module, name) of the tables above, imported when called: the parsers' modules import this one."""
+    module, name = entry
     return getattr(importlib.import_module(module), name)
 
 
@@ -499,7 +501,7 @@ class SentCalls:
                 for call, pieces in zip(self._first, self._pieces)]
 
 
-def required_calls(text: str, make_id=None) -> list[dict]:
+def required_calls(text: str, make_id=new_call_id) -> list[dict]:
     """The calls a "required" choice's text holds: none when it is not one whole JSON array (cut
     short by max_tokens or a stop string, as vLLM reads it, or holding what no call's JSON is here:
     NaN or a number beyond a double's range, nesting past call_json.MAX_DEPTH); else the calls the
@@ -508,12 +510,12 @@ def required_calls(text: str, make_id=None) -> list[dict]:
     same. An integer of any length is kept as written (Python's decoder refused one past 4300
     digits, which the output's grammar allows: the call was lost, though the stream had sent it).
     vLLM writes the arguments back with json.dumps: the same JSON, spaced as json.dumps spaces it.
-    make_id: a new call's id (None: new_call_id)."""
+    make_id: a new call's id."""
     from launcher.serving.required_calls_stream import RequiredCallsStream  # it imports this module
 
     if not isinstance(shape_or_none(text), list):
         return []
-    stream = RequiredCallsStream(make_id=make_id or new_call_id)
+    stream = RequiredCallsStream(make_id=make_id)
     stream.feed(text)
     return stream.sent
 
@@ -573,9 +575,8 @@ class ToolCallReader:
             if self.forced == "required":
                 self._calls = required_calls(text, self._make_id)
             elif text.strip():  # nothing generated: no call (vLLM's rule)
-                self._calls = [tool_call(self.forced, text, call_id=self._make_id())]
-                if self._named_id is not None:
-                    self._calls[0]["id"] = self._named_id
+                # the id its stream sent, where it was streamed
+                self._calls = [tool_call(self.forced, text, call_id=self._named_id or self._make_id())]
             else:
                 self._calls = []
         return self._calls
