@@ -97,9 +97,11 @@ def test_killed_rank_mid_request_restarts_its_group_and_reruns(model_and_expecte
     assert noticed_s < 5, f"the dead rank was noticed after {noticed_s:.1f} s"
     assert [s["restarts"] for s in after] == [1, 0]
     assert [s["state"] for s in after] == ["serving", "serving"]
-    rerun = [a for a in answers.values() if a.attempts == 2]
-    assert rerun and all(a.replica == 0 for a in rerun), [(a.replica, a.attempts) for a in answers.values()]
-    assert all(a.attempts == 1 for a in answers.values() if a.replica == 1)  # the other replica: untouched
+    # A rerun runs on the restarted group, or on replica 1 when that has a row free first: it takes a
+    # restarting replica's requests with nothing delivered yet (replica_pool._take_from_restarting).
+    # Each is run once more, never twice: the other replica is untouched (restarts above).
+    where = [(a.replica, a.attempts) for a in answers.values()]
+    assert any(attempts == 2 for _, attempts in where) and all(attempts <= 2 for _, attempts in where), where
     assert after[0]["load_source"] == ["presharded"], "the restarted group did not load the cached copy"
     assert victim["pid"] not in {w["pid"] for w in after[0]["workers"]}
     assert after[0]["last_recovery_s"] < 30

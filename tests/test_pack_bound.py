@@ -35,7 +35,10 @@ def test_crowded_node_names_a_node_holding_more_ranks_than_the_plan_counted(rank
 def _group(monkeypatch, clock, placed: dict[int, str], tp: int, nodes: int):
     """A group whose every placement lands its bundles (one a node's share) as `placed` says, at once."""
     class FakePlacementGroup:
-        def wait(self, timeout_seconds):
+        def ready(self):  # asked by the clock fixture's placed_by_now
+            return self
+
+        def wait(self, timeout_s):
             return True
 
     tries = []

@@ -66,7 +66,10 @@ def test_the_group_reserves_one_bundle_a_node_and_numbers_ranks_bundle_by_bundle
     asked = []
 
     class FakePlacementGroup:
-        def wait(self, timeout_seconds):
+        def ready(self):
+            return self
+
+        def wait(self, timeout_s):
             return True
 
     def fake_placement_group(bundles, strategy, name):
@@ -74,6 +77,7 @@ def test_the_group_reserves_one_bundle_a_node_and_numbers_ranks_bundle_by_bundle
         return FakePlacementGroup()
 
     monkeypatch.setattr(tg, "placement_group", fake_placement_group)
+    monkeypatch.setattr(tg, "placed_by_now", lambda ready, timeout_s: ready.wait(timeout_s))
     monkeypatch.setattr(tg, "bundle_nodes", lambda pg: {0: "node-a", 1: "node-b"})
     group = tg.TPGroup(tp_degree=3, backend="cpu", nodes=2,
                        resources=RankResources(bundle={"CPU": 0.5}, num_cpus=0.5, threads=1))
@@ -85,10 +89,14 @@ def test_the_group_reserves_one_bundle_a_node_and_numbers_ranks_bundle_by_bundle
 
 def test_a_group_never_placed_names_each_bundle_it_asked_for(monkeypatch):
     class NeverPlaced:
-        def wait(self, timeout_seconds):
+        def ready(self):
+            return self
+
+        def wait(self, timeout_s):
             return False
 
     monkeypatch.setattr(tg, "placement_group", lambda *a, **k: NeverPlaced())
+    monkeypatch.setattr(tg, "placed_by_now", lambda ready, timeout_s: ready.wait(timeout_s))
     monkeypatch.setattr(tg, "remove_placement_group", lambda pg: None)
     monkeypatch.setattr(tg, "alive_nodes", lambda: [])
     group = tg.TPGroup(tp_degree=3, backend="cpu", nodes=2, timeouts=tg.GroupTimeouts(placement_s=0.05),

@@ -48,6 +48,15 @@ _RANK_TIMEOUT_MARGIN_S = 5.0
 _LOOP_CHECK_S = 0.25
 
 
+def placed_by_now(ready: ray.ObjectRef, timeout_s: float) -> bool:
+    """Whether the placement group whose ready() is `ready` is placed, waiting up to timeout_s.
+    Not the group's own wait(): Ray takes its timeout in whole seconds (0.5 returned at once), and
+    wait(timeout_seconds=0) asks the GCS with a deadline of no time, answering False now and then
+    for a group placed long before (6 of 50 asks on a quiet machine; a 3 s placement timed out in
+    CI with its bundle reserved). ray.wait on ready() takes fractions and sees a placed group."""
+    return bool(ray.wait([ready], timeout=max(0.0, timeout_s))[0])
+
+
 def crowded_node(ranks_on_node: Mapping[str, int], tp: int, nodes: int) -> tuple[str, int] | None:
     """The node holding more ranks than the plan counted (ceil(TP / nodes)) and how many, or None:
     Ray's PACK fills the roomiest node first, TP 3 over 2 nodes all 3 ranks on one node whose RAM
@@ -268,7 +277,7 @@ class TPGroup:
         # the old group) must not collide, so each group gets a random suffix.
         self._pg = placement_group(bundles, strategy=strategy,
                                    name=f"{self.name}-tp{self.tp_degree}-{uuid.uuid4().hex[:8]}")
-        if not self._placed_within(self.timeouts.placement_s if timeout_s is None else timeout_s):
+        if not self._placed_within(self._pg.ready(), self.timeouts.placement_s if timeout_s is None else timeout_s):
             remove_placement_group(self._pg)
             self._pg = None
             nodes = alive_nodes()
@@ -281,20 +290,18 @@ class TPGroup:
                 f"within {self.timeouts.placement_s:g} s: {why}"  # which names the way out
             )
 
-    def _placed_within(self, timeout_s: float) -> bool:
-        """The placement group's wait, in slices: a shutdown is seen within _POLL_S."""
+    def _placed_within(self, ready: ray.ObjectRef, timeout_s: float) -> bool:
+        """The wait for the placement group whose ready() is `ready` (one, asked for at its making:
+        each is a task Ray answers in its own time), in slices: a shutdown is seen within _POLL_S."""
         deadline = time.monotonic() + timeout_s
         while True:
             self._unless_stop_asked()
             remaining = deadline - time.monotonic()
-            # asked at least once, even with nothing left: a last try at the deadline sees a group placed by
-            # then. Asked without waiting, then slept: Ray takes the wait's seconds as an integer, so a
-            # wait of 0.5 s returned at once, and the driver asked the GCS ~1000 times a second.
-            if self._pg.wait(timeout_seconds=0):
+            # asked at least once, even with nothing left: a last try at the deadline sees a group placed by then
+            if placed_by_now(ready, min(_POLL_S, remaining)):
                 return True
             if remaining <= 0:
                 return False
-            time.sleep(min(_POLL_S, remaining))
 
     def _unless_stop_asked(self) -> None:
         if self.stop_asked is not None and self.stop_asked():
