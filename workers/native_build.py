@@ -71,10 +71,21 @@ def library_dir() -> Path:
     The cache may be shared by several users (CORELAUNCH_CACHE on a shared disk), so the library is
     never taken from a directory another user could write to; see `trusted_dir`. Straight under the
     cache, not in a `native/` of its own: the first user to create one (mode 0755) locked every
-    other user out of it."""
+    other user out of it.
+
+    NativeUnavailable where no cache can be named: CORELAUNCH_CACHE and HOME unset and this uid
+    without a passwd entry (a container run as an arbitrary uid), where Path.home() raises
+    RuntimeError, which the kernels' loaders, catching NativeUnavailable alone, would pass on: the
+    model load then failed instead of falling back to torch's paths."""
     from shardlib.demo_model import default_cache_dir
 
-    return default_cache_dir() / f"native-uid{os.getuid()}"
+    try:
+        cache = default_cache_dir()
+    except RuntimeError as err:
+        raise NativeUnavailable(f"no cache directory for the native kernels: CORELAUNCH_CACHE is unset and the "
+                                f"home directory is unknown ({err}); set CORELAUNCH_CACHE to a directory this "
+                                f"user can write") from None
+    return cache / f"native-uid{os.getuid()}"
 
 
 def untrusted(st: os.stat_result) -> str | None:
@@ -179,7 +190,31 @@ a C++ source includes torch's headers)."""
 
 
 _BUILD_PREFIX = ".build-"
-"""A build's own folder inside the trusted directory: .build-HOST-PID-RANDOM (writer_tag)."""
+"""A build's own folder inside the trusted directory: .build-HOST-PID-NSnRANDOM (writer_tag, then
+the writer's pid namespace, _pid_namespace, and a random part)."""
+
+_UNSEEN_WRITER_S = max(timeout_s for *_, timeout_s in _COMPILERS.values()) + 300.0
+"""A build folder of this host whose writer's pid is not alive, written from another pid namespace
+(or by a version that did not say which), is swept only once older than this: another container
+with the same hostname but its own pid namespace may be compiling there, its pid invisible here.
+The folder changes while the compiler runs (its output appears in it) and no build runs longer than
+its compiler's timeout, so a folder this old has no live writer."""
+
+
+def _pid_namespace() -> str:
+    """This process's pid namespace, as digits (the inode of /proc/self/ns/pid), or "" where it
+    cannot be told: a pid seen from here names the same process only within the same namespace."""
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return ""
+
+
+def _written_in_this_pid_namespace(tag: str) -> bool:
+    """Whether the build folder tagged HOST-PID-NSnRANDOM was written in this pid namespace."""
+    namespace, marked, _ = tag.rsplit("-", 1)[-1].partition("n")
+    here = _pid_namespace()
+    return bool(marked) and bool(here) and namespace == here
 
 
 def _compile(dir_fd: int, directory: Path, spec: "LibrarySpec") -> None:
@@ -197,7 +232,7 @@ def _compile(dir_fd: int, directory: Path, spec: "LibrarySpec") -> None:
     if not compiler:
         raise NativeUnavailable(f"no {spec.language.upper()} compiler found ({', '.join(names)} or ${variable}); "
                                 f"it builds {spec.what} once")
-    build_name = f"{_BUILD_PREFIX}{writer_tag()}-{secrets.token_hex(4)}"
+    build_name = f"{_BUILD_PREFIX}{writer_tag()}-{_pid_namespace()}n{secrets.token_hex(4)}"
     try:
         os.mkdir(build_name, 0o700, dir_fd=dir_fd)
         try:
@@ -257,8 +292,9 @@ def _compiler_source(variable: str) -> str:
 
 def _sweep_dead_builds(dir_fd: int) -> None:
     """Remove the build folders of writers that are gone (killed while compiling): on this host once
-    their pid is, elsewhere (a shared cache) once older than atomic_dir's STALE_AFTER_S, far past any
-    build's compiler timeout."""
+    their pid is, if written in this pid namespace, else once also older than _UNSEEN_WRITER_S (a
+    container sharing the hostname but not the pids); elsewhere (a shared cache) once older than
+    atomic_dir's STALE_AFTER_S, far past any build's compiler timeout."""
     import time
 
     from shardlib.atomic_dir import STALE_AFTER_S
@@ -274,7 +310,9 @@ def _sweep_dead_builds(dir_fd: int) -> None:
             age = time.time() - os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mtime
         except OSError:
             continue
-        if age > STALE_AFTER_S or not writer_may_run(name[len(_BUILD_PREFIX):]):
+        tag = name[len(_BUILD_PREFIX):]
+        writer_gone = not writer_may_run(tag) and (_written_in_this_pid_namespace(tag) or age > _UNSEEN_WRITER_S)
+        if age > STALE_AFTER_S or writer_gone:
             shutil.rmtree(name, dir_fd=dir_fd, ignore_errors=True)
 
 

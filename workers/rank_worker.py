@@ -322,6 +322,9 @@ class RankWorker:
         if shapes is not None and hasattr(model, "reserve_graphs"):
             model.reserve_graphs(len(shapes.shapes()))
         start = time.perf_counter()
+        # Every rank builds its loop here, at once: the loop's constructor agrees with the other ranks
+        # (a collective) on which prefill calls run eagerly, so the warm-up below runs the same
+        # shapes, with the same collectives, on every rank whatever each host's prefill kernel.
         loop = ServingLoop(model, ServingConfig(spec.max_num_seqs, spec.max_prefill_tokens, slots, shapes,
                                                spec.burst_wait_s, spec.prefix_caching),
                            self._run_batch, self._grammar_tokenizer())

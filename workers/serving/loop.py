@@ -98,13 +98,34 @@ def eager_from_width(cpu: bool, head_dim: int, dtype: torch.dtype) -> int | None
     return EAGER_PREFILL_WIDTH if cpu and not prefill_attention.covers(head_dim, dtype) else None
 
 
+def group_eager_from_width(collectives, device: torch.device, local: int | None) -> int | None:
+    """The eager_from_width every rank of the group holds, given this rank's own (`local`): every
+    rank must call this, at the same point, since it holds a collective.
+
+    Why: a rank's own answer depends on its host (a compiler, the kernel's build, its panel width,
+    CORELAUNCH_PREFILL_ATTENTION in its environment), while a prefill call runs its collectives at
+    the shape the rule picks: one rank running a 1x1800 eager step while another ran the 1x2048
+    graph would all-reduce tensors of different sizes, and a warm-up would run forwards on one rank
+    that the others never join. If any rank lacks the kernel, every rank takes EAGER_PREFILL_WIDTH:
+    the group goes at its slowest rank's pace, and that rank's graph would compute every score under
+    the mask (the eager step of a rank that has the kernel still takes it)."""
+    if collectives.world_size == 1:
+        return local
+    # One flag per rank summed (the all-reduce every Collectives has): how many ranks need the rule.
+    needing = torch.tensor([0 if local is None else 1], dtype=torch.int64, device=device)
+    collectives.all_reduce_sum_(needing)
+    return EAGER_PREFILL_WIDTH if int(needing.item()) > 0 else None
+
+
 def warm_up_shapes(shapes, cpu: bool, head_dim: int, dtype: torch.dtype,
                    max_length: int | None = None) -> list[tuple[str, int, int]]:
     """The serving shapes (ServingShapes.shapes) whose graphs a warm-up builds: on the cpu backend,
     none for the prefill calls its loop runs eagerly whatever their padding (ServingLoop
     continues_eagerly, eager_from_width): calls continuing their sequences, and chunks of
-    eager_from_width or wider where that rule applies. For `corelaunch compile`, which has no loop;
-    a rank's warm-up takes its loop's rules (warm_up_shapes_for), the same."""
+    eager_from_width or wider where that rule applies. For `corelaunch compile`, which has no loop
+    and asks on the driver's host (the count in its message); a rank's warm-up takes its loop's
+    rules (warm_up_shapes_for), which the group agreed on (group_eager_from_width): the same where
+    every rank's host answers as the driver's does."""
     return warm_up_shapes_for(shapes, cpu, eager_from_width(cpu, head_dim, dtype), max_length)
 
 
@@ -166,11 +187,16 @@ class ServingLoop:
         self.continues_eagerly = self._can_prefill_eagerly and self.device.type == "cpu"
         """Every prefill call that continues its sequences runs eagerly (the cpu backend:
         EAGER_PREFILL_WASTE), so a warm-up need not build their graphs."""
-        self.eager_from_width = (eager_from_width(True, model.config.head_dim, model.dtype)
-                                 if self.continues_eagerly else None)
-        """Prefill calls padded to chunks at least this wide run eagerly (the cpu backend without the
-        prefill attention kernel: eager_from_width), so a warm-up need not build their graphs; None:
-        no such rule."""
+        # continues_eagerly follows from the config, the model's class and the backend, alike on
+        # every rank, so every rank (or none) joins the collective of group_eager_from_width.
+        self.eager_from_width = (
+            group_eager_from_width(self.collectives, self.device,
+                                   eager_from_width(True, model.config.head_dim, model.dtype))
+            if self.continues_eagerly else None)
+        """Prefill calls padded to chunks at least this wide run eagerly (the cpu backend where any
+        rank of the group lacks the prefill attention kernel: eager_from_width,
+        group_eager_from_width), so a warm-up need not build their graphs; None: no such rule. The
+        same on every rank: _prefill_eagerly and the warm-up's shapes follow it."""
         self.cache = model.new_cache(config.max_num_seqs + 1, config.cache_slots, long_lived=True)
         max_chunk = config.shapes.max_chunk if config.shapes is not None else config.max_prefill_tokens
         # The plan's token area is all-reduced every step, prefill or not (and every idle heartbeat):
@@ -532,7 +558,8 @@ class ServingLoop:
 
     def _prefill_eagerly(self, chunks: list[PrefillChunk]) -> bool:
         """Whether a compiled loop runs this prefill call eagerly (EAGER_PREFILL_WASTE,
-        EAGER_PREFILL_WIDTH): decided from the plan alone, so every rank decides alike."""
+        EAGER_PREFILL_WIDTH): decided from the plan and rules the group agreed on when the loop was
+        built (eager_from_width went through group_eager_from_width), so every rank decides alike."""
         if not self._can_prefill_eagerly:
             return False
         if self.continues_eagerly and any(c.start for c in chunks):
