@@ -177,6 +177,7 @@ class ProtocolError(ValueError):
 
     def __init__(self, message: str, param: str | None = None, status: int = 400,
                  type: str = "invalid_request_error", code: str | None = None, headers: dict | None = None):
+        message, param = encodable(message), encodable(param)
         super().__init__(message)
         self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
         self.headers = headers
@@ -189,7 +190,17 @@ class ProtocolError(ValueError):
 def error_body(message: str, param: str | None = None, type: str = "invalid_request_error",
                code: str | None = None) -> dict:
     """OpenAI's error object: {"error": {"message", "type", "param", "code"}}."""
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+    return {"error": {"message": encodable(message), "type": type, "param": encodable(param), "code": code}}
+
+
+def encodable(text: str | None) -> str | None:
+    """`text` with any lone surrogate ("\\ud800", which JSON can carry and UTF-8 cannot) written as
+    its escape: an error quoting a client's key or value must still encode. Starlette's JSONResponse
+    and the SSE error event encode to UTF-8, and a surrogate in the 400's own message or param made
+    that write fail: a plain-text 500 and a traceback where the client's mistake should be named."""
+    if not isinstance(text, str):  # None: no param
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 # ---- requests ---------------------------------------------------------------------------------
@@ -992,6 +1003,12 @@ def _check_combinations(request: _GenerationRequest, tool_call_parser: str | Non
                             f"without streaming (or, on /v1/completions, use echo with logprobs, which streams)",
                             param="prompt_logprobs")
     if isinstance(request, CompletionRequest):
+        if "best_of" in request.model_fields_set and request.best_of < request.n:
+            # vLLM's and OpenAI's rule: best_of completions are generated and the best n of them
+            # returned, so fewer than n cannot be; taking it served n, which is not what was asked
+            raise ProtocolError(f"best_of ({request.best_of}) must be at least n ({request.n}): best_of "
+                                f"completions are generated and the best n of them returned; leave best_of out "
+                                f"(this server generates exactly n)", param="best_of")
         if request.max_tokens == 0 and not request.echo:
             raise ProtocolError("max_tokens (0) must be an integer >= 1; 0 is taken only with echo: true (the prompt "
                                 "back, scored with logprobs, and nothing generated)", param="max_tokens")
@@ -1199,16 +1216,35 @@ def models_list(name: str, created: int, max_model_len: int) -> dict:
 # is part of a character has its own bytes and a `bytes:\xNN` text; see that module).
 
 
+LOGPROB_FLOOR = -9999.0
+"""The least log-probability a response reports (vLLM's floor): a token the sampling rules masked out
+has -inf, which JSON cannot hold (json.dumps writes -Infinity, which no JSON parser reads)."""
+
+
+def finite_logprob(logprob: float) -> float:
+    """`logprob` as a response reports it: -inf (and NaN, which is no probability) at LOGPROB_FLOOR,
+    +inf (no log-probability is above 0) at 0."""
+    if logprob == float("inf"):
+        return 0.0
+    return logprob if logprob >= LOGPROB_FLOOR else LOGPROB_FLOOR  # NaN compares False: the floor
+
+
 def completion_logprobs(entries: list, pieces) -> dict:
     """Completions' logprobs object for `entries`: (workers.serving.requests.TokenLogprob, the
     chosen token's offset into the generated text) pairs, in order."""
     tokens, token_logprobs, top, offsets = [], [], [], []
     for entry, offset in entries:
         tokens.append(pieces.text(entry.token_id))
-        token_logprobs.append(entry.logprob)
+        token_logprobs.append(finite_logprob(entry.logprob))
+        # Keyed by text, so two tokens that read the same (a SentencePiece vocabulary can spell one
+        # word twice) share a key: the more likely keeps it (entry.top is most likely first), as a
+        # client reading the most likely alternative (lm-evaluation-harness's is_greedy) needs; the
+        # last used to overwrite it.
+        listed: dict[str, float] = {}
+        for token_id, logprob in entry.top:
+            listed.setdefault(pieces.text(token_id), finite_logprob(logprob))
         # OpenAI's completions always list the chosen token too: up to logprobs + 1 entries
-        listed = {pieces.text(t): lp for t, lp in entry.top}
-        listed.setdefault(pieces.text(entry.token_id), entry.logprob)
+        listed.setdefault(pieces.text(entry.token_id), finite_logprob(entry.logprob))
         top.append(listed)
         offsets.append(offset)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
@@ -1219,7 +1255,7 @@ def vllm_prompt_logprobs(entries: list, pieces, top_n: int) -> list:
     as JSON keys are): {logprob, rank, decoded_token}} holding the prompt's own token first, then its
     top_n most likely (ranks 1 .. top_n) where they are other tokens."""
     def item(token_id: int, logprob: float, rank: int | None) -> dict:
-        return {"logprob": logprob, "rank": rank, "decoded_token": pieces.text(token_id)}
+        return {"logprob": finite_logprob(logprob), "rank": rank, "decoded_token": pieces.text(token_id)}
 
     out: list = [None]
     for entry in entries:
@@ -1233,7 +1269,8 @@ def vllm_prompt_logprobs(entries: list, pieces, top_n: int) -> list:
 def chat_logprobs(entries: list, pieces) -> dict:
     """Chat's logprobs object: {"content": [{token, logprob, bytes, top_logprobs}]}."""
     def item(token_id: int, logprob: float) -> dict:
-        return {"token": pieces.text(token_id), "logprob": logprob, "bytes": list(pieces.bytes(token_id))}
+        return {"token": pieces.text(token_id), "logprob": finite_logprob(logprob),
+                "bytes": list(pieces.bytes(token_id))}
 
     return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
                         for e in entries]}
