@@ -287,6 +287,21 @@ def port_taken_meanwhile(host: str, port: int, failure: DeployFailure) -> str | 
     return None
 
 
+def port_shared(host: str, port: int) -> str | None:
+    """With Serve's proxy on --port: why, when another socket listens there too, else None. The
+    proxy binds with SO_REUSEPORT (launcher/serving/ingress.py), so a listener that sets it as well,
+    bound after check_port_free, shares the port without either bind failing, and answers part of
+    the clients' connections."""
+    from launcher.serving.ingress import listeners_on
+
+    if listeners_on(host, port) <= 1:
+        return None
+    return (f"cannot listen on {host}:{port} alone: another process listens there too (it was free when this "
+            f"server started, and another process bound it with SO_REUSEPORT, sharing the port with Serve's "
+            f"proxy, which would have handed it part of the connections); pass a free --port, or stop what "
+            f"holds it")
+
+
 def run(args: argparse.Namespace) -> int:
     from launcher.errors import LaunchError
 
@@ -311,6 +326,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if (not_joined := cluster_not_joined()) is not None:  # a note, not a refusal: the private server works
         print(f"corelaunch serve: {not_joined}", file=sys.stderr)
+    # The private Ray's processes inherit this environment: a replica's Launcher (ray_address None)
+    # read RAY_ADDRESS and planned as for that cluster, not as _plan did for this host.
+    os.environ.pop("RAY_ADDRESS", None)
     if settings.chat_template is not None:  # a warning, not a refusal: some templates raise on purpose
         warning = chat_template_warning(tokenizer, args.chat_template)
         if warning is not None:
@@ -352,6 +370,7 @@ def _plan(settings) -> Path:
     from launcher.launch_plan import (check_groups_fit, groups_this_host_holds, nodes_on_one_host, plan_launch,
                                       with_artifact_settings)
     from launcher.progress import Progress
+    from workers.backends.planner_targets import NO_GPU, NO_GPU_FOR_SERVE
 
     config = LaunchConfig(**settings.launch)
     if config.nodes > 1:  # the Ray this command starts is always private
@@ -359,10 +378,17 @@ def _plan(settings) -> Path:
             "to serve over several nodes, deploy the application on a multi-node cluster with `serve run "
             "launcher.serving.openai_app:build_app` or `serve deploy` (README: On a Ray cluster of your own), or "
             "drop --nodes"))
-    config = with_artifact_settings(config)  # as each replica's Launcher takes them
-    planned = plan_launch(config, Progress(False))
-    holds = groups_this_host_holds(dataclasses.replace(config, ray_address="local"), planned.plan, planned.backend,
-                                   server=True)
+    # Planned for the private Ray the command starts: with ray_address None, RAY_ADDRESS (which the
+    # command never joins) made the plan one for a cluster elsewhere, skipping this host's checks
+    # (`--backend cuda` on a host without a GPU got as far as the replicas' start).
+    config = with_artifact_settings(dataclasses.replace(config, ray_address="local"))  # as each replica's Launcher
+    try:
+        planned = plan_launch(config, Progress(False))
+    except ValueError as err:
+        if str(err) == NO_GPU:  # its fixes name --ray-address, which serve refuses
+            raise ValueError(NO_GPU_FOR_SERVE) from None
+        raise
+    holds = groups_this_host_holds(config, planned.plan, planned.backend, server=True)
     name = "--replicas" if settings.autoscaling is None else "--max-replicas"
     check_groups_fit(settings.most_replicas, name, planned.plan, holds, server=True)
     return Path(planned.model_dir)
@@ -446,6 +472,7 @@ def _serve_on(args: argparse.Namespace, settings, mode: str, stdout) -> int:
         print(f"corelaunch serve: {err}", file=sys.stderr)
         return exit_code_for(err)
     signals = StopSignals()
+    ready = False  # the ready line printed: clients may have requests in flight
     try:  # from here on the private Ray is stopped below, whatever fails
         if args.quiet:  # Serve's own INFO lines in this process (started, deployed, ready) are progress too
             logging.getLogger("ray.serve").setLevel(logging.WARNING)
@@ -459,6 +486,9 @@ def _serve_on(args: argparse.Namespace, settings, mode: str, stdout) -> int:
         if failure is not None:
             print(f"corelaunch serve: {failure}", file=sys.stderr)
             return 1
+        if ingress.mode == "proxy" and (shared := port_shared(args.host, args.port)):
+            print(f"corelaunch serve: {shared}", file=sys.stderr)
+            return 2
         # One --ready-timeout for both waits: the replicas loading, then their HTTP server answering.
         ready_by = time.monotonic() + args.ready_timeout
         failure = _deploy(serve, application(settings), stop, ready_by, args.ready_timeout)
@@ -467,7 +497,8 @@ def _serve_on(args: argparse.Namespace, settings, mode: str, stdout) -> int:
             # Free at the check before Ray started, but another process (a second server started at
             # the same time, say) bound it before this server's replica could: Serve's own message
             # ("Failed to update the deployments") named no port; the bind error is in its logs.
-            # (Behind the proxy, Serve's start binds --port and names it when it cannot.)
+            # (Behind the proxy, Serve's start binds --port and names it when it cannot; a listener
+            # that shares it by SO_REUSEPORT is found by port_shared, above and before the ready line.)
             print(f"corelaunch serve: {taken}", file=sys.stderr)
             return 2
         if failure is None:
@@ -477,8 +508,12 @@ def _serve_on(args: argparse.Namespace, settings, mode: str, stdout) -> int:
             return 1
         if stop.is_set():
             return 0
+        if ingress.mode == "proxy" and (shared := port_shared(args.host, args.port)):
+            print(f"corelaunch serve: {shared}", file=sys.stderr)  # one that joined while the model loaded
+            return 2
         print(f"corelaunch: serving {settings.served_model_name} at {base_url(args.host, args.port)}/v1", flush=True,
               file=stdout)
+        ready = True
         while not stop.wait(1.0):
             pass
         return 0
@@ -488,7 +523,10 @@ def _serve_on(args: argparse.Namespace, settings, mode: str, stdout) -> int:
             # down gracefully. (SIGINT, Ctrl-C's, is blocked in Ray's processes.) A second signal
             # asked not to wait for it.
             # (A Ray process already gone when connect() had started the cluster is no sign of it.)
-            if not signals.cut_short and not (signals.by_sigterm and ray_cluster.private_cluster_dying(within_s=0.5)):
+            # Before the ready line no client has a request to finish, and a replica still loading
+            # the model is not stopped by Serve until its graceful shutdown (20 s) runs out.
+            if ready and not signals.cut_short and not (signals.by_sigterm
+                                                        and ray_cluster.private_cluster_dying(within_s=0.5)):
                 # The application first, while the proxy still runs: its replicas finish their
                 # requests in flight (Serve's graceful shutdown) before anything stops. serve.shutdown()
                 # alone stopped the proxy at once, cutting every stream behind it (--replicas 2).

@@ -21,14 +21,26 @@ at one tick a second); a private cluster's controller ticks once a second instea
 RAY_SERVE_CONTROL_LOOP_INTERVAL_S is set. Its tick paces replica start-up, health bookkeeping and autoscaling decisions, none of
 which needs a tenth of a second here.
 
-Pure: no Ray is touched. The settings are environment variables, read by Serve's processes when
-they start, so they are set before the private Ray cluster starts (its processes inherit them).
+No Ray is touched. The settings are environment variables, read by Serve's processes when they
+start, so they are set before the private Ray cluster starts (its processes inherit them).
+
+Serve's proxy binds --port with SO_REUSEPORT (Ray Serve 2.60: SERVE_SOCKET_REUSE_PORT_ENABLED,
+default "1", read when its proxy module is imported in the proxy actor's process). Another listener
+that also sets it, bound after the command's port check and before the proxy (a second server
+started at the same moment), shares the port: the kernel hands it part of the connections, and
+neither side's bind fails. Turning the option off ("0") would make the proxy's bind fail instead,
+but Serve then binds without SO_REUSEADDR too, and the TIME_WAIT connections a stopped server leaves
+on --port for a minute would fail every restart on that port. So the option stays, and the
+command counts the listeners on --port once the proxy has bound it (listeners_on).
 """
 
 from __future__ import annotations
 
 import logging
+import socket
+import struct
 from dataclasses import dataclass
+from pathlib import Path
 
 MODES = ("auto", "direct", "proxy")
 
@@ -101,3 +113,30 @@ def plan_ingress(mode: str, port: int, free_port, inherited: dict[str, str]) -> 
     while proxy_port == port:  # the OS never hands out a port that is bound, but --port is not bound yet
         proxy_port = free_port()
     return IngressPlan(mode, port, proxy_port, environment)
+
+
+_LISTEN = "0A"
+"""TCP_LISTEN, as /proc/net/tcp writes a socket's state."""
+
+
+def listeners_on(host: str, port: int, table: Path = Path("/proc/net/tcp")) -> int:
+    """How many IPv4 sockets of this network namespace listen on `port` at an address that takes
+    connections for host (the same address, or either one 0.0.0.0), read from the kernel's table:
+    1 where Serve's proxy alone does, more where another listener shares the port with it."""
+    wildcard = "0.0.0.0"
+    count = 0
+    try:
+        rows = table.read_text().splitlines()[1:]
+    except OSError:  # no such table (not Linux): nothing can be told, and nothing is refused
+        return 0
+    for line in rows:
+        fields = line.split()
+        local, state = fields[1], fields[3]
+        address_hex, port_hex = local.split(":")
+        if state != _LISTEN or int(port_hex, 16) != port:
+            continue
+        # the address is the kernel's 32-bit value printed in hex, in this host's byte order
+        address = socket.inet_ntoa(struct.pack("=I", int(address_hex, 16)))
+        if wildcard in (host, address) or address == host:
+            count += 1
+    return count

@@ -17,10 +17,15 @@ GPU_DEVICE_FILES = ("/dev/nvidia[0-9]*", "/dev/dxg")
 """Where an NVIDIA GPU shows itself to a Linux process: the driver's device nodes, or WSL 2's GPU
 paravirtualisation device. Without any of them torch.cuda cannot find a GPU."""
 
-NO_GPU = ("--backend cuda: this host shows no CUDA GPU to torch (torch.cuda.is_available() is False: no "
-          "GPU or driver, or torch's CPU build, which constraints.txt installs); on a GPU host install a "
-          "CUDA build of torch, for a Ray cluster whose GPUs are on other nodes pass --ray-address and "
-          "--device-memory-gib (the memory of one GPU), or use --backend cpu")
+_NO_GPU_HERE = ("--backend cuda: this host shows no CUDA GPU to torch (torch.cuda.is_available() is False: no "
+                "GPU or driver, or torch's CPU build, which constraints.txt installs); on a GPU host install a "
+                "CUDA build of torch")
+NO_GPU = (f"{_NO_GPU_HERE}, for a Ray cluster whose GPUs are on other nodes pass --ray-address and "
+          f"--device-memory-gib (the memory of one GPU), or use --backend cpu")
+NO_GPU_FOR_SERVE = (f"{_NO_GPU_HERE}, for a Ray cluster whose GPUs are on other nodes deploy "
+                    f"launcher.serving.openai_app:build_app there with `serve run` or `serve deploy` (corelaunch "
+                    f"serve starts a private Ray of this host alone), or use --backend cpu")
+"""NO_GPU as `corelaunch serve` words it: it takes no --ray-address."""
 
 
 def cpu_target(request):
