@@ -88,6 +88,20 @@ def test_sentencepiece_word_pieces_keep_their_space_and_offsets_follow_the_text(
     assert [offsets.place(i)[0] for i in ids] == [0, 5, 8, 13, 14, 14, 14, 14, 15]
 
 
+def test_a_sentencepiece_byte_token_is_its_byte_even_where_decoding_it_alone_strips_it():
+    """<0x20> decoded alone is "" (the decoder strips a leading space): its text and bytes were
+    empty, so a client joining the tokens' bytes lost the space."""
+    tokenizer, vocab = llama_style_tokenizer()
+    pieces = TokenPieces(tokenizer)
+    space, letter, high = vocab["<0x20>"], vocab["<0x41>"], vocab["<0xE2>"]
+    assert tokenizer.decode([space]) == ""
+    assert pieces.text(space) == " " and pieces.bytes(space) == b" "
+    assert pieces.text(letter) == "A" and pieces.bytes(letter) == b"A"
+    assert pieces.text(high) == "bytes:\\xe2" and pieces.bytes(high) == b"\xe2" and pieces.part_of_a_character(high)
+    ids = [vocab["\u2581Paris"], space, letter]
+    assert b"".join(pieces.bytes(i) for i in ids) == " Paris A".encode()
+
+
 def test_a_run_of_sentencepiece_spaces_keeps_every_space():
     """Llama's decoder strips one leading space, so "▁▁▁▁" decodes alone to three."""
     from tokenizers import Tokenizer, decoders, models

@@ -47,6 +47,12 @@ class ChoiceStreams:
         """The prompt tokens of choice `index`'s prompt (a chunk's usage with continuous_usage_stats)."""
         return self._prompt_lengths[index // self._choices_per_prompt]
 
+    def prompt_context(self, index: int) -> list[int]:
+        """The prompt's last ids choice `index`'s text was decoded after (its TextStream's), for its
+        render to place the logprobs' tokens in that same text; [] for a stream without one."""
+        text = getattr(self.streams[index], "text", None)
+        return list(getattr(text, "prompt_context", []))
+
     def __aiter__(self) -> "ChoiceStreams":
         return self
 

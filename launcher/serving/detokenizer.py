@@ -34,6 +34,16 @@ Decoded without the tokenizer's clean-up of spaces (`clean_up_tokenization_space
 across tokens (" ' " to "'", " ." to "."), which a window cannot see whole, so a WordPiece stream
 read "ß ' w" where its full decode read "ß'w". generate()'s text is decoded the same way.
 
+Primed with the prompt (vLLM's FastIncrementalDetokenizer does the same): the prompt's last few
+tokens (`prompt_context`) are pushed first and their text dropped, so the first generated token
+is decoded as the full decode of prompt and completion reads it. Without them a SentencePiece
+decoder (Llama 2, Mistral: Metaspace or Strip) strips the first token's space, so "▁Paris" after
+"The capital is" came out "Paris": the echoed prompt and the completion ran together, and a stop
+string " Paris" never matched it. Byte-level BPE decodes a token the same whatever precedes it, so
+there the text is unchanged, except where the prompt ends inside a character: its bytes are held
+like any unfinished character, and the generated token that completes it brings the whole
+character out first in the completion's text (as vLLM's does), not U+FFFD halves.
+
 Cost: a push decodes the context plus the held tokens, a handful for real text (an incomplete
 character spans at most 3 byte tokens). Only output that keeps ending in invalid bytes (a trailing
 U+FFFD that no later token completes) makes the held part grow, and the pushes slower, until a
@@ -45,6 +55,9 @@ from __future__ import annotations
 REPLACEMENT_CHAR = "\ufffd"
 """What a decoder writes for bytes that are not (yet) a whole UTF-8 character."""
 
+PROMPT_CONTEXT_TOKENS = (4, 24)
+"""The fewest and the most prompt tokens a stream is primed with (vLLM's)."""
+
 
 def decode_text(tokenizer, ids, skip_special_tokens: bool = True) -> str:
     """Generated token ids as text, as a stream's deltas add up to: no clean-up of spaces across
@@ -52,15 +65,36 @@ def decode_text(tokenizer, ids, skip_special_tokens: bool = True) -> str:
     return tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
 
 
+def decode_after_prompt(tokenizer, ids, prompt_ids=(), skip_special_tokens: bool = True) -> str:
+    """Generated token ids as text, as a stream primed with the prompt reads it (generate()'s text:
+    a SentencePiece first token keeps its space there too)."""
+    detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens, prompt_ids)
+    return detokenizer.push(list(ids)) + detokenizer.flush()
+
+
+def prompt_context(tokenizer, prompt_ids, skip_special_tokens: bool = True) -> list[int]:
+    """The prompt's last few ids a stream is primed with (vLLM's choice): the fewest, from 4 on,
+    whose decode holds no U+FFFD (they start on a character, and a byte-fallback run is not cut
+    into), else the last 24 (a prompt that ends inside a character: its bytes are held). vLLM takes
+    the whole prompt there; 24 keeps the priming a few decodes whatever the prompt's length."""
+    ids = list(prompt_ids)
+    fewest, most = PROMPT_CONTEXT_TOKENS
+    for n in range(fewest, min(len(ids), most) + 1):
+        if REPLACEMENT_CHAR not in decode_text(tokenizer, ids[-n:], skip_special_tokens):
+            return ids[-n:]
+    return ids[-most:]
+
+
 class IncrementalDetokenizer:
     """Turns generated token ids into text deltas; each push decodes only the last few tokens.
 
     `tokenizer` is a Hugging Face tokenizer (anything with `decode(ids, skip_special_tokens=...)`).
-    The prompt is not pushed: the first generated token is decoded without left context, exactly
-    as `tokenizer.decode(generated_ids)` decodes it.
+    `prompt_ids`: the request's prompt, whose last few tokens are decoded as left context of the
+    first generated token and never emitted (module docstring). Without them the first generated
+    token is decoded as `tokenizer.decode(generated_ids)` decodes it.
     """
 
-    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, prompt_ids=()):
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._ids: list[int] = []
@@ -69,6 +103,17 @@ class IncrementalDetokenizer:
         self._read_offset = 0
         """Tokens before this have been emitted; from here on they are pending."""
         self._pieces: list[str] = []
+        self.context = prompt_context(tokenizer, prompt_ids, skip_special_tokens) if len(prompt_ids) else []
+        """The prompt's ids it was primed with."""
+        for token in self.context:  # one at a time, as generated tokens come: the window ends where they would leave it
+            self.push([token])
+        self._pieces.clear()
+
+    @property
+    def held_context(self) -> list[int]:
+        """The prompt's last tokens still held (a character the prompt ends inside): the first
+        generated text starts with their character."""
+        return self._ids[self._read_offset:len(self.context)]
 
     @property
     def text(self) -> str:
@@ -77,7 +122,8 @@ class IncrementalDetokenizer:
 
     @property
     def token_ids(self) -> list[int]:
-        return list(self._ids)
+        """The generated tokens pushed (the prompt's context not counted)."""
+        return self._ids[len(self.context):]
 
     def push(self, token_ids: list[int]) -> str:
         """Adds tokens; returns only the text that is new and complete (possibly "")."""
@@ -95,8 +141,8 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """The text still held back when the request ends (may end in U+FFFD if the generation
         stopped inside a character, exactly as the full decode does)."""
-        if self._read_offset == len(self._ids):
-            return ""
+        if self._read_offset == len(self._ids) or len(self._ids) == len(self.context):
+            return ""  # nothing held, or only the prompt's bytes: they are no generated text
         prefix_text, new_text = self._decode_window()
         return self._emit(self._delta(prefix_text, new_text))
 

@@ -11,8 +11,10 @@ around it (Llama's, Mistral's, Gemma's BOS), which the echoed text (the prompt a
 offsets are moved back by what the decoding holds before the sent text, so they point into the
 echoed text, and an added BOS's offset is 0 (it stands before the text; its token keeps its name).
 (A tokenizer that normalizes the text, or adds a space, shifts the prompt's offsets.) The
-completion is decoded on its own, as without echo: a token-id prompt that ends inside a character
-echoes that character's bytes as U+FFFD, and bytes of it the completion brings are U+FFFD too.
+completion is decoded after the prompt's last tokens, as without echo (launcher/serving/
+detokenizer.py): a SentencePiece first token keeps its space (" Paris" after "The capital is"),
+and a token-id prompt that ends inside a character echoes that character's bytes as U+FFFD while
+the completion that completes it starts with the whole character (vLLM's rule).
 The first prompt token has no log-probability (nothing before it conditions it): its
 `token_logprobs` and `top_logprobs` entries are null, as OpenAI's are.
 """
@@ -22,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from launcher.serving import openai_protocol as proto
-from launcher.serving.token_pieces import TextOffsets, TokenPieces
+from launcher.serving.token_pieces import TokenPieces, TokenPlacer
 
 
 @dataclass(frozen=True)
@@ -38,10 +40,11 @@ def echoed_prompt(pieces: TokenPieces, sent: str | list[int], token_ids: list[in
     offsets take a decode per token)."""
     offsets = None
     if with_logprobs or not isinstance(sent, str):
-        placing = TextOffsets(pieces.tokenizer, skip_special_tokens=False)
+        # placed as the completion's tokens are: a byte no token completes is its U+FFFD's place
+        placing = TokenPlacer(pieces, skip_special_tokens=False)
         placed = [placing.place(t) for t in token_ids]
-        offsets = tuple(offset for offset, _ in placed)
-        decoded = "".join(text for _, text in placed) + placing.flush()
+        offsets = tuple(at.offset for at in placed)
+        decoded = "".join(at.text for at in placed) + placing.flush()
     if isinstance(sent, str) and with_logprobs:
         offsets = _into_sent_text(offsets, decoded, sent)
     text = sent if isinstance(sent, str) else decoded

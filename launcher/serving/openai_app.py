@@ -963,7 +963,8 @@ class OpenAIServer:
         stream = await self._start_choices(req, prompts, limits, req.logprobs, "prompt", scored)
         renders = [CompletionRender(self.pieces, req.logprobs is not None, p * req.n + i, echo,
                                     echo_only=req.max_tokens == 0, prompt_top=req.prompt_logprobs, top_n=req.logprobs,
-                                    skip_special_tokens=req.skip_special_tokens)
+                                    skip_special_tokens=req.skip_special_tokens,
+                                    prompt_ids=stream.prompt_context(p * req.n + i))
                    for p, echo in enumerate(echoes) for i in range(req.n)]
         return await self._respond(req, stream, renders, arrived)
 
@@ -976,7 +977,8 @@ class OpenAIServer:
         return await self._respond(req, stream, [ChatRender(self.pieces, req.logprobs, i, req.prompt_logprobs,
                                                             req.skip_special_tokens, req.tool_call_reader(),
                                                             req.reasoning(), req.include_reasoning,
-                                                            self._usage_think_tokens())
+                                                            self._usage_think_tokens(),
+                                                            prompt_ids=stream.prompt_context(i))
                                                  for i in range(req.n)], arrived)
 
     @app.post("/v1/responses")
@@ -994,7 +996,7 @@ class OpenAIServer:
         render = ChatRender(self.pieces, logprobs=req.logprobs, index=0, prompt_top=None,
                             skip_special_tokens=req.skip_special_tokens, tool_calls=req.tool_call_reader(),
                             reasoning=req.reasoning(), include_reasoning=req.include_reasoning,
-                            think_tokens=self._usage_think_tokens())
+                            think_tokens=self._usage_think_tokens(), prompt_ids=stream.prompt_context(0))
         # kept before the client sees it, so its next turn finds it
         keep = None if turn is None else functools.partial(self._keep, turn, echo.previous_response_id)
         return await self._respond_responses(req, echo, stream, render, arrived, keep)

@@ -33,8 +33,10 @@ class _Render:
     response_object = ""
 
     def __init__(self, pieces: TokenPieces, logprobs: bool, index: int, prompt_top: int | None,
-                 skip_special_tokens: bool = True):
-        self.pieces, self.aligned = pieces, AlignedLogprobs(pieces, skip_special_tokens)
+                 skip_special_tokens: bool = True, prompt_ids=()):
+        # prompt_ids: what the choice's text was primed with (ChoiceStreams.prompt_context), so the
+        # logprobs' offsets count the same text
+        self.pieces, self.aligned = pieces, AlignedLogprobs(pieces, skip_special_tokens, prompt_ids)
         self.logprobs, self.index = logprobs, index
         self.prompt_top, self.prompt_entries = prompt_top, []
 
@@ -78,12 +80,12 @@ class CompletionRender(_Render):
 
     def __init__(self, pieces: TokenPieces, logprobs: bool, index: int = 0, echo: EchoedPrompt | None = None,
                  echo_only: bool = False, prompt_top: int | None = None, top_n: int | None = None,
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, prompt_ids=()):
         """echo_only (`max_tokens` 0 with `echo`): the engine generates one token, which is dropped:
         the choice is the prompt alone, finished for "length", no completion token counted.
         prompt_top: vLLM's prompt_logprobs asked (the choice carries them). top_n: the alternatives
         an echoed prompt token lists (the request's logprobs; None: as many as the engine sent)."""
-        super().__init__(pieces, logprobs, index, prompt_top, skip_special_tokens)
+        super().__init__(pieces, logprobs, index, prompt_top, skip_special_tokens, prompt_ids)
         self.top_n = top_n
         self.text, self.logprob_parts = [], []
         self.echo, self._echo_pending = echo, echo is not None
@@ -156,7 +158,7 @@ class ChatRender(_Render):
 
     def __init__(self, pieces: TokenPieces, logprobs: bool, index: int = 0, prompt_top: int | None = None,
                  skip_special_tokens: bool = True, tool_calls=None, reasoning: tuple[str, bool] | None = None,
-                 include_reasoning: bool = True, think_tokens: ThinkTokens | None = None):
+                 include_reasoning: bool = True, think_tokens: ThinkTokens | None = None, prompt_ids=()):
         """prompt_top: vLLM's prompt_logprobs asked (the response carries them, as vLLM's chat does).
         reasoning: (parser, thinking on) when the answer's thinking is split off (the request's
         reasoning()); include_reasoning false leaves it out of the answer, and the logprobs too (their
@@ -165,7 +167,7 @@ class ChatRender(_Render):
         text is all content), hidden or not, as vLLM counts them."""
         if reasoning is not None and reasoning[1] and not include_reasoning:  # only thinking has tokens to hide
             logprobs = False
-        super().__init__(pieces, logprobs, index, prompt_top, skip_special_tokens)
+        super().__init__(pieces, logprobs, index, prompt_top, skip_special_tokens, prompt_ids)
         self.text, self.entries = [], []
         self.calls = tool_calls
         self.reasoning, self.include_reasoning = reasoning, include_reasoning

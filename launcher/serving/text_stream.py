@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 from launcher.serving.detokenizer import IncrementalDetokenizer
 from launcher.serving.stop_strings import StopStringMatcher
@@ -49,7 +49,8 @@ def merged(deltas: list[StreamDelta]) -> StreamDelta:
 class TextStream:
     def __init__(self, request_id: str, tokenizer, stops: tuple[str, ...], prompt_tokens: int,
                  min_tokens: int = 0, include_stop_str_in_output: bool = False,
-                 skip_special_tokens: bool = True, stop_token_ids: Collection[int] = ()) -> None:
+                 skip_special_tokens: bool = True, stop_token_ids: Collection[int] = (),
+                 prompt_ids: Sequence[int] = ()) -> None:
         """min_tokens: a stop string counts only where it ends in the text of the tokens after the
         first min_tokens (vLLM's rule: its min_tokens holds stop strings back as it holds stop
         tokens); it may begin earlier. include_stop_str_in_output (vLLM's): the text ends with the
@@ -58,10 +59,15 @@ class TextStream:
         (`<|im_end|>`) in the text, where the stop strings are looked for too. stop_token_ids: the
         ids that end the request (its stop token ids, and the EOS ids unless ignore_eos): one that
         ends it leaves its text out, special or not, as vLLM leaves a stop token's out, unless
-        include_stop_str_in_output."""
+        include_stop_str_in_output. prompt_ids: the request's prompt, whose last tokens the text is
+        decoded after (never shown), as vLLM's: a SentencePiece first token keeps its space
+        (launcher/serving/detokenizer.py)."""
         self.request_id = request_id
-        self._detokenizer = (IncrementalDetokenizer(tokenizer, skip_special_tokens) if tokenizer is not None
-                             else None)
+        self._detokenizer = (IncrementalDetokenizer(tokenizer, skip_special_tokens, prompt_ids)
+                             if tokenizer is not None else None)
+        self.prompt_context: list[int] = self._detokenizer.context if self._detokenizer is not None else []
+        """The prompt's last ids the text was primed with: a render places the logprobs' tokens in the
+        same text (launcher/serving/logprob_alignment.py)."""
         self._hidden_endings = frozenset() if include_stop_str_in_output else frozenset(stop_token_ids)
         self._stops = StopStringMatcher(stops, include_stop_str_in_output) if stops else None
         self._min_tokens = min_tokens
