@@ -1350,7 +1350,7 @@ class Launcher:
             for j, out in enumerate(answer.outputs):
                 i = first + j
                 with self._lock:
-                    text = self._decode(out.token_ids, skip_special_tokens, stops, out.finish_reason)
+                    text = self._decode(out.token_ids, skip_special_tokens, stops, out.finish_reason, token_lists[i])
                 results[i] = GenerationResult(
                     prompt=texts[i], text=text, token_ids=list(out.token_ids),
                     finish_reason=out.finish_reason, prompt_tokens=len(token_lists[i]),
@@ -1599,7 +1599,7 @@ class Launcher:
                                 cache_salt=cache_salt, stream_interval=leader_interval)
         handle = StreamHandle(request, sink, self.config.request_timeout_s if timeout_s is None else timeout_s)
         text = TextStream(request.request_id, self.tokenizer, stops, len(token_ids), params.min_tokens, include_stop,
-                          skip_special_tokens, ending_ids)
+                          skip_special_tokens, ending_ids, prompt_ids=token_ids)
         if asynchronous:
             return kind(self._cancel_stream, handle, text, items, loop, gather=gather)
         return kind(self._cancel_stream, handle, text, items, gather=gather)
@@ -1662,7 +1662,7 @@ class Launcher:
         tokens = [t for e in events for t in e.token_ids]
         with self._lock:
             text = self._decode(tokens, skip_special_tokens, stream.handle.request.stop_token_ids,
-                                stream.text.finish_reason)
+                                stream.text.finish_reason, token_ids)
         # One token an event (generate() asks for no stream_interval); rates and gaps on the leader's
         # clock, as the static engine measures its own. A gap into a resumed attempt's first token is
         # the restart, across two leaders' clocks.
@@ -1926,16 +1926,17 @@ class Launcher:
         # so it never ends anything; left in, it failed every request with min_tokens.
         return [i for i in ids if 0 <= i < self.model_config.vocab_size]
 
-    def _decode(self, token_ids, skip_special_tokens: bool, ending_ids, finish_reason: str | None) -> str | None:
+    def _decode(self, token_ids, skip_special_tokens: bool, ending_ids, finish_reason: str | None,
+                prompt_ids=()) -> str | None:
         """A generate() result's text: the text a stream of the same tokens reads (a stop token that
         ended it left out, as vLLM leaves it out: TextStream)."""
         if self.tokenizer is None:
             return None
-        from launcher.serving.detokenizer import decode_text
+        from launcher.serving.detokenizer import decode_after_prompt
         from launcher.serving.text_stream import shown_tokens
 
         shown = shown_tokens(list(token_ids), finish_reason, ending_ids)
-        return decode_text(self.tokenizer, shown, skip_special_tokens)
+        return decode_after_prompt(self.tokenizer, shown, prompt_ids, skip_special_tokens)
 
 
 def split_prompts(count: int, max_batch_size: int, replicas: int) -> list[tuple[int, int]]:

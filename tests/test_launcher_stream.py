@@ -292,7 +292,9 @@ def test_a_stop_string_cuts_the_text_and_ends_the_request(model_and_expected, in
     model_dir, expected = model_and_expected
     with_words = Path(shutil.copytree(model_dir, tmp_path / "with-words"))
     save_word_tokenizer(with_words)  # "t0" .. "t127": the model's 128 ids
-    words = " ".join(f"t{t}" for t in expected[0])
+    # decoded after the prompt's last words (launcher/serving/detokenizer.py), the first word too
+    # comes with the space the word decoder puts between words
+    words = "".join(f" t{t}" for t in expected[0])
     stop = f" t{expected[0][2]} "  # the third token, surrounded: no other word contains it
     cut = words[:(words + " ").find(stop)]
     assert 0 < len(cut) < len(words)
