@@ -499,12 +499,10 @@ def refuse_never_placeable(bundle: dict, tp: int, nodes_asked: int, alive: list,
     """PlacementImpossible when a private cluster's alive nodes (placement.NodeInfo) could never hold
     one TP group of `tp` ranks of `bundle` over `nodes_asked` nodes (no autoscaler grows it); `after`
     ends the message."""
-    from launcher.cluster.resources import explain_unplaceable, never_placeable
+    from launcher.launch_plan import STARTED_HERE, refuse_unplaceable_groups
 
-    totals = [n.total for n in alive]
-    if never_placeable(bundle, tp, nodes_asked, totals):
-        why = explain_unplaceable(bundle, tp, nodes_asked, totals, None, [n.name for n in alive])
-        raise PlacementImpossible(f"the private Ray cluster started here cannot place a TP group: {why}{after}")
+    refuse_unplaceable_groups(STARTED_HERE, bundle, tp, nodes_asked, [n.total for n in alive],
+                              [n.name for n in alive], after=after)
 
 
 def static_watchdog_s(cfg: LaunchConfig, parts: int) -> float:
@@ -1106,17 +1104,13 @@ class Launcher:
     def _refuse_unplaceable(self, nodes: list) -> None:
         """PlacementImpossible at once, rather than after --placement-timeout, when the alive nodes
         together could never hold one group, or not every replica's group at once."""
-        from launcher.cluster.resources import groups_that_fit
+        from launcher.launch_plan import STARTED_HERE, refuse_unplaceable_groups
 
-        bundle, totals, tp = self._rank_resources.bundle, [n.total for n in nodes], self.plan.tp_degree
-        refuse_never_placeable(bundle, tp, self.config.nodes, nodes)
-        holds = groups_that_fit(totals, bundle, tp, self.config.nodes, limit=self.replicas)
-        if holds < self.replicas:  # the first groups started and the rest waited out the placement timeout
-            share = f"{bundle.get('CPU', 0):g} CPU a rank" + (" (--cpus-per-rank)" if self.config.cpus_per_rank else "")
-            raise PlacementImpossible(
-                f"the private Ray cluster started here holds {holds} TP group(s) of {tp} rank(s) at {share}, "
-                f"not the {self.replicas} replicas asked (--replicas); lower --replicas to {holds}"
-                + (" or --cpus-per-rank" if self.config.cpus_per_rank else "") + ", or use --replicas auto")
+        # the rules plan_launch applied before the start (refuse_what_a_private_start_cannot_hold),
+        # again here for a private cluster an earlier launch of this process started and shares
+        refuse_unplaceable_groups(STARTED_HERE, self._rank_resources.bundle, self.plan.tp_degree, self.config.nodes,
+                                  [n.total for n in nodes], [n.name for n in nodes], replicas=self.replicas,
+                                  cpus_per_rank_given=bool(self.config.cpus_per_rank))
 
     def _new_group(self, index: int, restart: bool, around_the_cache: bool = False):
         """Place, join and load one replica's TP group (also used to restart it)."""

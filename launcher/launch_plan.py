@@ -116,6 +116,7 @@ def plan_launch(config, progress: Progress, nothing_done: str = "nothing was sta
         lines = "\n".join(f"  [not_runnable] {gap}" for gap in gaps)
         raise PlanRejected(f"{model_dir} cannot run on corelaunch's workers; {nothing_done}:\n{lines}", errors)
     check_replicas_fit_this_host(config, plan, backend)
+    refuse_what_a_private_start_cannot_hold(config, plan, backend, nothing_done)
     host_holds = groups_this_host_holds(config, plan, backend)
     if config.presharded_dir is None:  # the ranks will read this checkpoint: its headers are checked now
         from shardlib.checkpoint_files import check_checkpoint
@@ -192,6 +193,65 @@ def check_presharded_source(config, model_dir: Path, model_config: ModelConfig) 
                      f"Write it again from {model_dir} (shardlib.presharded.save_presharded)")
     check_same_weights(recorded if isinstance(recorded, str) else None, model_dir, copy=copy,
                        source=manifest.get("source") if isinstance(manifest.get("source"), str) else None, fix=fix)
+
+
+STARTED_HERE = "the private Ray cluster started here"
+"""How the after-start refusals name a private cluster (Launcher._refuse_unplaceable)."""
+
+TO_BE_STARTED = "the private Ray cluster this launch would start (this host alone)"
+"""How the refusal before the start names it (refuse_what_a_private_start_cannot_hold)."""
+
+
+def refuse_unplaceable_groups(cluster: str, bundle: dict, tp: int, nodes: int, totals: list, names: list,
+                              replicas: int | None = None, cpus_per_rank_given: bool = False,
+                              after: str = "", how: str = "") -> None:
+    """PlacementImpossible when a cluster with no autoscaler (a private one: `cluster` names it, its
+    nodes' `totals` and `names`) could never hold one TP group of `tp` ranks of `bundle` over
+    `nodes` nodes, or not the `replicas` groups at once (None: not asked); `how` follows "cannot
+    place a TP group", `after` ends the message. What such a cluster cannot hold now it never
+    will: refused at once, not after --placement-timeout."""
+    from launcher.cluster.resources import fewer_groups_why, never_placeable_why
+    from launcher.errors import PlacementImpossible
+
+    why = never_placeable_why(bundle, tp, nodes, totals, names)
+    if why is not None:
+        raise PlacementImpossible(f"{cluster} cannot place a TP group{how}: {why}{after}")
+    why = replicas and fewer_groups_why(bundle, tp, nodes, totals, replicas, cpus_per_rank_given)
+    if why:
+        raise PlacementImpossible(f"{cluster} {why}{after}")
+
+
+def refuse_what_a_private_start_cannot_hold(config, plan, backend: str, nothing_done: str) -> None:
+    """PlacementImpossible before Ray starts, with Launcher._refuse_unplaceable's rules, when the
+    launch would start a private cluster (this host alone, ray_cluster.private_cluster_cpus() CPUs,
+    no autoscaler) that could never hold its cpu TP groups (--cpus-per-rank past the host's CPUs,
+    or --replicas groups of it): the launch started Ray and loaded the tokenizer (about 8 s on 2
+    cores) to refuse the same afterwards. A private cluster an earlier launch of this process
+    started (and a device backend's, whose resource Ray counts only once it runs) is checked after
+    the connection, as a shared cluster is."""
+    import ray
+
+    from launcher.cluster.ray_cluster import private_cluster, private_cluster_cpus
+    from launcher.cluster.resources import rank_resources
+    from workers.backends import backend_entry
+
+    cpus = private_cluster_cpus()
+    if (backend_entry(backend).ray_resource is not None or cpus is None or ray.is_initialized()
+            or not private_cluster(config.ray_address)):
+        return
+    tp, totals, names = plan.tp_degree, [{"CPU": float(cpus)}], ["this host"]
+    after = f"; {nothing_done}"
+    if config.replicas == "auto":  # as Launcher._size_replicas sizes them: one CPU a rank unless given
+        if config.cpus_per_rank is None:
+            return  # fractional CPUs where whole ones do not fit: always one group
+        bundle = rank_resources(None, tp, [cpus], nodes=config.nodes, cpus_per_rank=config.cpus_per_rank).bundle
+        refuse_unplaceable_groups(TO_BE_STARTED, bundle, tp, config.nodes, totals, names, after=after,
+                                  how=" (replicas=auto would find room for none)")
+        return
+    bundle = rank_resources(None, tp, [cpus], nodes=config.nodes, replicas=config.replicas,
+                            cpus_per_rank=config.cpus_per_rank).bundle
+    refuse_unplaceable_groups(TO_BE_STARTED, bundle, tp, config.nodes, totals, names, replicas=config.replicas,
+                              cpus_per_rank_given=config.cpus_per_rank is not None, after=after)
 
 
 def refuse_nodes_on_a_private_cluster(config) -> None:

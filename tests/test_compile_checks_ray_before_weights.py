@@ -69,6 +69,9 @@ def test_cpus_per_rank_a_private_cluster_cannot_hold_is_refused_before_the_weigh
 
     cluster = PrivateCluster()
     monkeypatch.setattr(ray_cluster, "connect", lambda *args, **kwargs: cluster)
+    # the check before the start (launch_plan.refuse_what_a_private_start_cannot_hold) counts this
+    # host's CPUs: a host of 64 passes it, and the fake cluster's 2-CPU node is what refuses
+    monkeypatch.setattr(ray_cluster, "private_cluster_cpus", lambda num_cpus=None: 64)
     monkeypatch.setattr(placement, "alive_nodes", lambda: [placement.NodeInfo(
         node_id="n1", address="127.0.0.1", total={"CPU": 2.0}, free={"CPU": 2.0})])
     code = main(["compile", "--model", str(model_dir), "--out", str(tmp_path / "c"), "--buckets", "16",

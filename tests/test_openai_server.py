@@ -1394,7 +1394,7 @@ def test_a_stream_interval_sends_the_same_answer_in_fewer_chunks(client, hf):
     assert max(len(c.logprobs.content) for c in content) > 1  # gathered: several tokens a chunk
 
     def choices(interval: int) -> list:
-        stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=130, temperature=0, stream=True,
+        stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=80, temperature=0, stream=True,
                                            logprobs=1, extra_body={"stream_interval": interval, "ignore_eos": True})
         return [c.choices[0] for c in stream if c.choices]
 
@@ -1402,9 +1402,11 @@ def test_a_stream_interval_sends_the_same_answer_in_fewer_chunks(client, hf):
         return "".join(c.text for c in chunks), [t for c in chunks for t in c.logprobs.tokens]
 
     one_at_a_time = text_and_tokens(choices(1))  # (a token without text yet goes with the next: not a chunk each)
-    # past the 64 a leader holds: 100 held 50 at a time (a divisor), 101 (a prime) 64 at a time,
-    # split between chunks by the replica, which gathers exactly the interval a chunk
-    for interval, sizes in ((100, [1, 100, 29]), (101, [1, 101, 28])):
+    # past the 64 a leader holds (held_per_event): 66 held 33 at a time (a divisor), a chunk two whole
+    # events; 71 (a prime) 64 at a time, its chunk the first event and 7 tokens of the second, which
+    # the replica splits: it gathers exactly the interval a chunk, and the rest of the 79 at the end.
+    # (Each chunk ends on a token with text of its own: 67's would not, and it moved to the next.)
+    for interval, sizes in ((66, [1, 66, 13]), (71, [1, 71, 8])):
         gathered = choices(interval)
         assert [len(c.logprobs.tokens) for c in gathered] == sizes
         assert text_and_tokens(gathered) == one_at_a_time

@@ -56,20 +56,25 @@ def test_local_starts_a_private_ray_even_with_a_cluster_recorded_on_the_host():
         assert out.stdout.split() == ["True", "1.0", "True", "False", "True", "True", "True", "True", "False"]
 
 
+PRIVATE_TO_START = "the private Ray cluster this launch would start (this host alone)"
+
+
 @pytest.mark.parametrize("options, words", [
-    (["--cpus-per-rank", "64"], ["the private Ray cluster started here cannot place a TP group",
+    (["--cpus-per-rank", "64"], [f"{PRIVATE_TO_START} cannot place a TP group",
                                  f"Lower --cpus-per-rank (at most {os.cpu_count()}, the most CPUs a node has)"]),
-    # --replicas auto sized the replicas before the refusal above: "found room for none", exit 3
-    (["--cpus-per-rank", "64", "--replicas", "auto"], ["the private Ray cluster started here cannot place a TP group",
-                                                       "Lower --cpus-per-rank (at most"]),
+    # --replicas auto would size the replicas before the refusal above: "room for none"
+    (["--cpus-per-rank", "64", "--replicas", "auto"], [f"{PRIVATE_TO_START} cannot place a TP group (replicas=auto "
+                                                       f"would find room for none)", "Lower --cpus-per-rank (at most"]),
     # one group fits, two never will: the first started and the second waited the timeout out (exit 3)
     (["--cpus-per-rank", str(os.cpu_count()), "--replicas", "2"],
-     [f"holds 1 TP group(s) of 1 rank(s) at {os.cpu_count()} CPU a rank (--cpus-per-rank), not the 2 replicas "
-      f"asked (--replicas); lower --replicas to 1 or --cpus-per-rank, or use --replicas auto"]),
+     [f"{PRIVATE_TO_START} holds 1 TP group(s) of 1 rank(s) at {os.cpu_count()} CPU a rank (--cpus-per-rank), not "
+      f"the 2 replicas asked (--replicas); lower --replicas to 1 or --cpus-per-rank, or use --replicas auto"]),
 ])
 def test_a_private_cluster_too_small_for_the_groups_is_refused_without_waiting_for_placement(options, words):
     """A private Ray has no autoscaler: a group its one node cannot hold never will be placed. The
-    launch waited out --placement-timeout first, then advised only a lower --tp."""
+    launch waited out --placement-timeout first, then advised only a lower --tp; later it started
+    Ray (and loaded the tokenizer) only to refuse: about 8 s on 2 cores. The node's CPUs are known
+    before the start: no Ray session is started at all."""
     with tempfile.TemporaryDirectory(prefix="clray", dir="/tmp") as tmp:
         env = {**os.environ, "RAY_TMPDIR": tmp}
         env.pop("RAY_ADDRESS", None)
@@ -77,8 +82,10 @@ def test_a_private_cluster_too_small_for_the_groups_is_refused_without_waiting_f
                               *options, "--placement-timeout", "3600", "--no-compile",
                               "--max-new-tokens", "2", "Hello"],
                              capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+        sessions = sorted(p.name for p in Path(tmp).rglob("session_*"))  # what each ray.init of a node writes
     assert out.returncode == 2, out.stderr[-3000:]
-    assert all(w in out.stderr for w in words), out.stderr[-3000:]
+    assert all(w in out.stderr for w in words) and "nothing was started" in out.stderr, out.stderr[-3000:]
+    assert not sessions, f"a Ray session was started before the refusal: {sessions}"
 
 
 CONNECT_FOUND = textwrap.dedent("""
@@ -167,8 +174,6 @@ INTERRUPTED_CONNECT = textwrap.dedent("""
 def test_ctrl_c_while_a_private_cluster_starts_leaves_nothing_running():
     """Ctrl-C inside ray.init left a node no ray.shutdown() could reach, and no connection to close:
     Ray's dashboard and runtime-env agents outlived the command by a minute or more."""
-    import time
-
     with tempfile.TemporaryDirectory(prefix="clray", dir="/tmp") as tmp:
         env = {**os.environ, "RAY_TMPDIR": tmp}
         env.pop("RAY_ADDRESS", None)
@@ -176,9 +181,22 @@ def test_ctrl_c_while_a_private_cluster_starts_leaves_nothing_running():
             out = subprocess.run([sys.executable, "-c", INTERRUPTED_CONNECT, delay], capture_output=True, text=True,
                                  timeout=180, env=env, cwd=REPO)
             assert out.returncode == 0 and out.stdout.split() in (["interrupted"], ["connected"]), out.stderr[-2000:]
-            time.sleep(3)  # what a shutdown stops is gone within it
-            left = _processes_with(f"RAY_TMPDIR={tmp}")
+            left = _gone_within(f"RAY_TMPDIR={tmp}", 3.0)  # what a shutdown stops is gone within it
             assert not left, f"processes of the interrupted start still running: {left}"
+
+
+def _gone_within(variable: str, seconds: float) -> list[str]:
+    """[] once two reads 0.2 s apart in a row find no process with `variable` (one alone could fall
+    between a process's fork and the exec that sets its environment), else what is left at `seconds`."""
+    import time
+
+    deadline, empty_reads = time.monotonic() + seconds, 0
+    while True:
+        left = _processes_with(variable)
+        empty_reads = 0 if left else empty_reads + 1
+        if empty_reads == 2 or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.2)
 
 
 def _processes_with(variable: str) -> list[str]:

@@ -145,6 +145,13 @@ def private_cluster(address: str | None) -> bool:
     return True
 
 
+def private_cluster_cpus(num_cpus: int | None = None) -> int | None:
+    """The CPUs the node of a private cluster that connect(num_cpus=...) starts declares (None: the
+    host's count is unknown, and Ray counts them itself). The plan counts the same total before
+    the start (launch_plan.refuse_what_a_private_start_cannot_hold): both refuse the same groups."""
+    return num_cpus or os.cpu_count()
+
+
 def asked_cluster(address: str | None) -> tuple[str | None, str]:
     """(the cluster address connect(address) joins, None for a private cluster; where it came from),
     by Ray's rule: --ray-address, else RAY_ADDRESS, else the cluster `ray start` recorded here."""
@@ -429,7 +436,7 @@ def _connect(address: str | None, num_cpus: int | None, worker_logs: bool) -> Ra
     _token_for_this_user_only()
     try:
         with _agent_port_left_to_the_os():
-            _init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, **quiet)
+            _init(address="local", num_cpus=private_cluster_cpus(num_cpus), include_dashboard=False, **quiet)
     except Exception as err:
         logs = logs_dir()  # this start's own session, while Ray still knows it
         # Not where Ray refused because a session was already connected ("Maybe/Perhaps you called

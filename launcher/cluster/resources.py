@@ -185,6 +185,30 @@ def never_placeable(bundle: Mapping[str, float], tp: int, max_nodes: int,
     return place_group([dict(t) for t in node_total], bundle, tp, max_nodes) is None
 
 
+def never_placeable_why(bundle: Mapping[str, float], tp: int, max_nodes: int,
+                        node_total: Sequence[Mapping[str, float]], node_names: Sequence[str]) -> str | None:
+    """Why the nodes, even with nothing else on them, could never hold one group (explain_unplaceable's
+    account, with the way out); None where they can."""
+    if not never_placeable(bundle, tp, max_nodes, node_total):
+        return None
+    return explain_unplaceable(bundle, tp, max_nodes, node_total, None, node_names)
+
+
+def fewer_groups_why(bundle: Mapping[str, float], tp: int, max_nodes: int,
+                     node_total: Sequence[Mapping[str, float]], replicas: int, cpus_per_rank_given: bool) -> str | None:
+    """Why the nodes, even with nothing else on them, hold fewer than `replicas` groups at once (the
+    first groups would start and the rest wait out the placement timeout), worded to follow the
+    cluster's name; None where they hold them all. cpus_per_rank_given: the share is the user's
+    --cpus-per-rank, which the way out names."""
+    holds = groups_that_fit(node_total, bundle, tp, max_nodes, limit=replicas)
+    if holds >= replicas:
+        return None
+    share = f"{_fmt(bundle.get('CPU', 0))} CPU a rank" + (" (--cpus-per-rank)" if cpus_per_rank_given else "")
+    return (f"holds {holds} TP group(s) of {tp} rank(s) at {share}, not the {replicas} replicas asked (--replicas); "
+            f"lower --replicas to {holds}" + (" or --cpus-per-rank" if cpus_per_rank_given else "")
+            + ", or use --replicas auto")
+
+
 def explain_unplaceable(bundle: Mapping[str, float], tp: int, max_nodes: int,
                         node_total: Sequence[Mapping[str, float]],
                         node_free: Sequence[Mapping[str, float]] | None = None,
