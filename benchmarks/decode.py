@@ -63,23 +63,15 @@ def hf_runner(model_dir: Path, ids: list[int], new_tokens: int):
     token is chosen; TTFT = first - start, decode tokens/s = (n - 1) / (last - first). (Two calls, TTFT from
     a 1-token one and the total from another, mixed two runs' noise: at a few tokens the rate went negative.)"""
     import torch
-    from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
+    from transformers import AutoModelForCausalLM, StoppingCriteriaList
 
-    class TokenClock(StoppingCriteria):
-        """Called by generate() once per chosen token; records when, and never stops it."""
-
-        def __init__(self) -> None:
-            self.times: list[float] = []
-
-        def __call__(self, input_ids, scores, **kwargs):
-            self.times.append(time.perf_counter())
-            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    from benchmarks.token_clock import decode_rate, token_clock
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     inputs = torch.tensor([ids])
 
     def run() -> dict:
-        clock = TokenClock()
+        clock = token_clock()
         start = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=new_tokens,
@@ -87,10 +79,8 @@ def hf_runner(model_dir: Path, ids: list[int], new_tokens: int):
                                  stopping_criteria=StoppingCriteriaList([clock]))
         e2e = time.perf_counter() - start
         assert out.shape[1] == len(ids) + new_tokens
-        assert len(clock.times) == new_tokens, f"{len(clock.times)} clock readings for {new_tokens} tokens"
-        first, last = clock.times[0], clock.times[-1]
-        return {"time_to_first_token_s": first - start, "decode_tokens_per_s": (new_tokens - 1) / (last - first),
-                "e2e_s": e2e}
+        return {"time_to_first_token_s": clock.times[0] - start,
+                "decode_tokens_per_s": decode_rate(clock.times, new_tokens), "e2e_s": e2e}
 
     return run
 

@@ -5,7 +5,8 @@ quantize`), TP 1, two threads, the worker code in-process (benchmarks/decode.py'
 compiled, default granularity). For each batch size B, one static batch of B copies of a 128-token
 prompt generates `--new-tokens` greedy tokens; the figure is the batch's decode rate in tokens/s
 (B x one row's decode tokens/s) and the time of one decode step. Variants, each in its own process
-(the kernel's use is fixed when a graph is traced), alternating in `--rounds` rounds:
+(the kernel's use is fixed when a graph is traced), alternating in `--rounds` rounds (the order given,
+then reversed, and so on; each variant sets all three kernel switches, whatever the shell exports):
 
     packed      as corelaunch runs: float32 weights packed as column panels, every product through
                 workers/kernels/packed_linear.py (prefill-sized ones through
@@ -43,9 +44,14 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.arguments import check_context, int_list, positive_seconds  # noqa: E402 - refused before any work
 from launcher.cli.options import int_at_least  # noqa: E402
 
-VARIANTS = {"packed": {"CORELAUNCH_PACKED_WEIGHTS": "1", "CORELAUNCH_SMALL_LINEAR": "1"},
-            "kernel": {"CORELAUNCH_PACKED_WEIGHTS": "0", "CORELAUNCH_SMALL_LINEAR": "1"},
-            "torch": {"CORELAUNCH_PACKED_WEIGHTS": "0", "CORELAUNCH_SMALL_LINEAR": "0"},
+# every variant sets every switch it is about: one left out took the shell's value, and an exported
+# CORELAUNCH_DECODE_ATTENTION=0 made packed (and kernel, torch) run traced_attention's code
+VARIANTS = {"packed": {"CORELAUNCH_PACKED_WEIGHTS": "1", "CORELAUNCH_SMALL_LINEAR": "1",
+                       "CORELAUNCH_DECODE_ATTENTION": "1"},
+            "kernel": {"CORELAUNCH_PACKED_WEIGHTS": "0", "CORELAUNCH_SMALL_LINEAR": "1",
+                       "CORELAUNCH_DECODE_ATTENTION": "1"},
+            "torch": {"CORELAUNCH_PACKED_WEIGHTS": "0", "CORELAUNCH_SMALL_LINEAR": "0",
+                      "CORELAUNCH_DECODE_ATTENTION": "1"},
             "traced_attention": {"CORELAUNCH_PACKED_WEIGHTS": "1", "CORELAUNCH_SMALL_LINEAR": "1",
                                  "CORELAUNCH_DECODE_ATTENTION": "0"}}
 
@@ -122,6 +128,12 @@ def int8_copy(model_dir: str) -> str:
     return str(out)
 
 
+def round_order(runs: list, round_index: int) -> list:
+    """The (model, variant) runs of one round: in the order given in even rounds, reversed in odd ones,
+    so that no variant always runs first (on a cold cache, a cooler CPU) or always after the same one."""
+    return list(runs) if round_index % 2 == 0 else list(reversed(runs))
+
+
 def first_tokens_equal(tokens: dict[str, dict[int, list[int]]]) -> dict[int, bool]:
     """Per batch size, whether every variant generated the same first tokens (variant -> batch -> ids)."""
     batches = next(iter(tokens.values()))
@@ -156,12 +168,11 @@ def main() -> None:
         models["int8"] = int8_copy(models["float32"])
     runs: dict = {m: {v: {b: [] for b in batches} for v in variants} for m in models}
     tokens: dict = {}
-    for _ in range(args.rounds):
-        for model, path in models.items():
-            for variant in variants:
-                for batch, r in run_variant(variant, path, args).items():
-                    runs[model][variant][batch].append(r)
-                    tokens.setdefault(model, {}).setdefault(variant, {}).setdefault(batch, r["tokens"])
+    for round_index in range(args.rounds):
+        for model, variant in round_order([(m, v) for m in models for v in variants], round_index):
+            for batch, r in run_variant(variant, models[model], args).items():
+                runs[model][variant][batch].append(r)
+                tokens.setdefault(model, {}).setdefault(variant, {}).setdefault(batch, r["tokens"])
     report = {"model": "SmolLM2-135M", "threads": 2, "new_tokens": args.new_tokens, "rounds": args.rounds,
               "cores": len(os.sched_getaffinity(0))}
     for model in models:

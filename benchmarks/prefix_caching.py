@@ -165,6 +165,20 @@ def served_name(base_url: str) -> str:
     return ids[0]
 
 
+def check_model_dir(parser: argparse.ArgumentParser, model_dir: str | None, served: bool) -> None:
+    """--model-dir before any work: always a tokenizer (the prompts are built with it), and a whole model
+    where the servers started here are given it (`corelaunch serve --model`). Checked as a tokenizer
+    folder alone, a tokenizer's folder (no config.json) was given to the first server, which failed in its start-up."""
+    if model_dir is None:
+        return
+    try:
+        if served:
+            model_folder("--model-dir")(model_dir)
+        model_folder("--model-dir", tokenizer_only=True)(model_dir)
+    except argparse.ArgumentTypeError as err:
+        parser.error(str(err))
+
+
 def main(out=None) -> dict:
     out = out or sys.stdout
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -175,8 +189,9 @@ def main(out=None) -> dict:
     parser.add_argument("--turns", type=int_at_least("--turns", 2), default=6)
     parser.add_argument("--burst", type=int_at_least("--burst", 2), default=4,
                         help="requests sent at once in the third workload (default 4, the default rows)")
-    parser.add_argument("--model-dir", type=model_folder("--model-dir", tokenizer_only=True), default=None,
-                        help="the tokenizer's folder (default: the built-in model's)")
+    parser.add_argument("--model-dir", default=None,
+                        help="the model the servers serve (its tokenizer builds the prompts); with --base-url, or a "
+                             "--model in --serve-args, only its tokenizer (default: the built-in model)")
     parser.add_argument("--serve-args", help=f"corelaunch serve's flags for both servers (default {SERVE_ARGS!r})")
     parser.add_argument("--server-timeout", type=positive_seconds("--server-timeout"),
                         help=f"seconds to wait for each server's GET /health (default {SERVER_TIMEOUT_S:g})")
@@ -200,6 +215,7 @@ def main(out=None) -> dict:
     args.server_timeout = SERVER_TIMEOUT_S if args.server_timeout is None else args.server_timeout
     if "--no-prefix-caching" in serve_args:
         parser.error("--serve-args: leave --no-prefix-caching out (the first server gets it, the second not)")
+    check_model_dir(parser, args.model_dir, served=args.base_url is None and "--model" not in serve_args)
 
     from transformers import AutoTokenizer
 

@@ -5,6 +5,10 @@ one thread per caller) of `--new-tokens` tokens (EOS ignored, so every request d
 count), served by
   - one replica:  TP 1, one rank with `--threads` torch threads (the whole machine), against
   - N replicas:   TP 1 each, threads / N torch threads per rank (the same cores, split).
+Each side's groups hold rows for their share of the requests (max_num_seqs: --requests for the one
+replica, --requests / N rounded up for each of the N), so both decode every request at once: with
+the default 8 rows the one replica decoded 16 requests as two batches one after the other while two
+replicas ran 8 each side by side, and the ratio favoured the replicas.
 Both launchers stay up for the whole run and their rounds alternate (A B A B ...), so machine noise
 hits both alike; each configuration's best round is reported (on a shared machine the least
 disturbed one), with every round's figure beside it. Ray is started here with logical CPUs for both
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import statistics
@@ -137,6 +142,17 @@ def measure_recovery(launcher, prompts: list[str], new_tokens: int, expected: li
             "all_answers_equal_fault_free": equal, "state_after": status["state"]}
 
 
+def side_settings(model: str, requests: int, replicas: int, threads: int) -> dict[str, dict]:
+    """The Launcher settings of each side ("one": one replica; "many": `replicas` of them) on the same
+    `threads`. Every group gets a serving row for each request it may hold at once: with fewer rows the
+    extra requests wait for one and that side decodes in turns while the other does not."""
+    common = dict(model=model, tp=1, dtype="float32", progress=False, max_batch_size=8,
+                  prefix_caching=False)  # every round prefills its prompts whole, as the first does
+    return {"one": common | dict(replicas=1, cpus_per_rank=threads, max_num_seqs=requests),
+            "many": common | dict(replicas=replicas, cpus_per_rank=threads // replicas,
+                                  max_num_seqs=math.ceil(requests / replicas))}
+
+
 def threads_in_all(parser: argparse.ArgumentParser, threads: int | None, replicas: int) -> int:
     """The torch threads both configurations share out: --threads, which must split evenly over the
     replicas (3 over 2 gave the single replica 3 threads against 2 x 1, and the ratio compared
@@ -181,9 +197,10 @@ def main(out=None) -> None:
 
     model = str(ensure_demo_model())
     prompts = [PROMPTS[i % len(PROMPTS)] + ("" if i < len(PROMPTS) else " really") for i in range(args.requests)]
-    common = dict(model=model, tp=1, dtype="float32", progress=False, max_batch_size=8,
-                  prefix_caching=False)  # every round prefills its prompts whole, as the first does
-    context = serving_context(common)
+    sides = side_settings(model, args.requests, args.replicas, args.threads)
+    # each side's group plan (its rows included; replicas and threads are not part of it): the shorter context binds
+    context = min(serving_context({k: v for k, v in side.items() if k not in ("replicas", "cpus_per_rank")})
+                  for side in sides.values())
     if PROMPT_TOKENS_AT_MOST + args.new_tokens > context:  # refused by generate() only once Ray and both ran
         parser.error(f"--new-tokens ({args.new_tokens}) plus the prompts (at most {PROMPT_TOKENS_AT_MOST} tokens) "
                      f"is past the {context}-token context the launchers serve; lower --new-tokens to at most "
@@ -195,9 +212,8 @@ def main(out=None) -> None:
              log_to_driver=False, logging_level="ERROR")
     cache = tempfile.mkdtemp(prefix="corelaunch-bench-cache-")
     try:
-        one = Launcher(replicas=1, cpus_per_rank=args.threads, **common).start()
-        many = Launcher(replicas=args.replicas, cpus_per_rank=per_rank, presharded_cache=True,
-                        presharded_cache_dir=cache, **common).start()
+        one = Launcher(**sides["one"]).start()
+        many = Launcher(presharded_cache=True, presharded_cache_dir=cache, **sides["many"]).start()
         for launcher in (one, many):  # warm-up: a whole round, so every batch and length bucket the
             concurrent_round(launcher, prompts, args.new_tokens)  # timed rounds use is compiled
         rounds: dict[str, list[dict]] = {"one": [], "many": []}
@@ -225,8 +241,10 @@ def main(out=None) -> None:
     report = {
         "model": "SmolLM2-135M-Instruct", "dtype": "float32", "requests": args.requests,
         "new_tokens": args.new_tokens, "rounds": args.rounds, "cpu_count": os.cpu_count(),
-        "one_replica": {"replicas": 1, "threads_per_rank": args.threads} | summary(rounds["one"]),
-        "replicas": {"replicas": args.replicas, "threads_per_rank": per_rank} | summary(rounds["many"]),
+        "one_replica": {"replicas": 1, "threads_per_rank": args.threads,
+                        "rows_per_replica": sides["one"]["max_num_seqs"]} | summary(rounds["one"]),
+        "replicas": {"replicas": args.replicas, "threads_per_rank": per_rank,
+                     "rows_per_replica": sides["many"]["max_num_seqs"]} | summary(rounds["many"]),
         "same_tokens": all(r["token_ids"] == expected for r in rounds["one"] + rounds["many"]),
         "recovery": {k: (round(v, 3) if isinstance(v, float) else v) for k, v in recovery.items()},
     }

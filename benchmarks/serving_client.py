@@ -25,15 +25,18 @@ PROMPT_TEXT = ("The history of the harbour begins with a few fishing boats shelt
 
 def build_prompt(tokenizer, index: int, length: int, run: str = "") -> list[int]:
     """Exactly `length` token ids that differ between indices, and between runs, within their first
-    few tokens (the run's tag and the index are spelled after the first word, so with SmolLM2's
-    tokenizer prompts share up to 2 leading tokens): no server can reuse a cached prefix of another
-    request's prompt longer than that, and block-wise prefix caches (vLLM's 16-token blocks) none at
-    all. Without the run's tag, a run's prompts began with the prompts of an earlier run with fewer
-    tokens against the same server: vLLM answered 2000-token prompts in 0.76 s after a 1056-token
-    run, 1.30 s without one (machine R)."""
+    few tokens: the index comes first, then the run's tag. SmolLM2's tokenizer spells numbers digit by
+    digit, so two prompts of one run share only their index's common leading digits: none below
+    index 10, at most 1 below 100, at most 2 below 1000 (a run of benchmarks/serving.py's default
+    levels sends about 110). No server can reuse a cached prefix of another request's prompt longer
+    than that, and block-wise prefix caches (vLLM's 16-token blocks) none at all. (With a first word
+    and the run's tag before the index, "Story 876611-12. ", a run's prompts all shared their first
+    9-10 tokens.) Without the run's tag, a run's prompts began with the prompts of an earlier run
+    with fewer tokens against the same server: vLLM answered 2000-token prompts in 0.76 s after a
+    1056-token run, 1.30 s without one (machine R)."""
     if length < 1:
         raise ValueError(f"prompt length ({length}) must be at least 1 token")
-    text = f"Story {run}{index}. "
+    text = f"{index}-{run}Story. "
     ids: list[int] = []
     while len(ids) < length:
         text += PROMPT_TEXT

@@ -47,6 +47,16 @@ class RequestRecord:
     def e2e_s(self) -> float | None:
         return None if self.finished_s is None else self.finished_s - self.sent_s
 
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """The stream's tokens after its first over the time from its first token's chunk to its last
+        token's: not to the stream's end (e2e_s), which also holds the usage chunk and [DONE] after
+        the last token and so read slower than the stream decoded. None without two chunks apart."""
+        times = self.chunk_times_s
+        if self.tokens < 2 or len(times) < 2 or times[-1] <= times[0]:
+            return None
+        return (self.tokens - 1) / (times[-1] - times[0])
+
 
 def percentile(values: list[float], q: float) -> float | None:
     """The q-th percentile (0..100) with linear interpolation between the closest ranks (numpy's
@@ -87,8 +97,7 @@ def summarize_level(records: list[RequestRecord], wall_s: float, max_tokens: int
     done = [r for r in records if r.error is None]
     tokens = sum(r.tokens for r in done)
     short = [{"tokens": r.tokens, "error": r.error} for r in records if r.error is not None or r.tokens != max_tokens]
-    single_stream = [(r.tokens - 1) / (r.e2e_s - r.ttft_s) for r in done
-                     if r.tokens > 1 and r.ttft_s is not None and r.e2e_s is not None and r.e2e_s > r.ttft_s]
+    single_stream = [r.decode_tokens_per_s for r in done if r.decode_tokens_per_s is not None]
     return {
         "requests": len(records),
         "errors": sum(r.error is not None for r in records),

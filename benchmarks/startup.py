@@ -4,7 +4,8 @@ the first run's conversion of the built-in model (its GGUF to a float32 folder, 
 into an empty cache). Prints JSON.
 
 `--compare DIR` runs the same commands from another checkout (a `git worktree` of another commit)
-in alternating rounds, so both sides see the same machine state; ratios are taken per round.
+in alternating rounds (an even number of them: each side runs first in half), so both sides see the
+same machine state; ratios are taken per round.
 
     python benchmarks/startup.py --rounds 3 [--commands generate,serve,convert]
     git worktree add /tmp/base <commit> && python benchmarks/startup.py --compare /tmp/base
@@ -109,17 +110,36 @@ def sides_in_round(sides: dict, round_: int) -> list:
     return list(sides.items()) if round_ % 2 == 0 else list(sides.items())[::-1]
 
 
+DEFAULT_ROUNDS = 3
+DEFAULT_ROUNDS_COMPARED = 4
+"""With --compare: even, so each side runs first in half the rounds."""
+
+
+def checked_rounds(parser: argparse.ArgumentParser, rounds: int | None, comparing: bool) -> int:
+    """--rounds, or its default: at least 1, and even with --compare (sides_in_round alternates the
+    order by round; at 3 rounds "this" ran first twice and took an order effect twice as often)."""
+    if rounds is None:
+        return DEFAULT_ROUNDS_COMPARED if comparing else DEFAULT_ROUNDS
+    if rounds < 1:
+        parser.error(f"--rounds ({rounds}) must be at least 1")
+    if comparing and rounds % 2:
+        even = " or ".join(str(r) for r in (rounds - 1, rounds + 1) if r >= 2)
+        parser.error(f"--rounds ({rounds}) must be even with --compare: the sides take turns running first, and "
+                     f"an odd count lets this checkout run first once more; pass --rounds {even}")
+    return rounds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=None,
+                        help=f"default {DEFAULT_ROUNDS}; with --compare an even count, default {DEFAULT_ROUNDS_COMPARED}")
     parser.add_argument("--compare", type=Path, default=None, help="another checkout, run in alternating rounds")
     parser.add_argument("--commands", default=",".join(TIMERS),
                         help=f"comma-separated, from {', '.join(TIMERS)} (default: all)")
     parser.add_argument("--timeout", type=positive_seconds("--timeout"), default=300.0,
                         help="seconds allowed per command")
     args = parser.parse_args()
-    if args.rounds < 1:
-        parser.error(f"--rounds ({args.rounds}) must be at least 1")
+    args.rounds = checked_rounds(parser, args.rounds, comparing=args.compare is not None)
     if args.compare is not None and not (args.compare / "launcher" / "__main__.py").is_file():
         parser.error(f"--compare ({args.compare}) is not a corelaunch checkout: it has no launcher/__main__.py")
     chosen = [name.strip() for name in args.commands.split(",") if name.strip()]

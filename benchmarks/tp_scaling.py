@@ -4,7 +4,8 @@ A random Llama of hidden 1024, 16 layers, 16 heads, 8 KV heads, intermediate 281
 (~254M parameters, float32), built once with tests/model_factory.save_random_model. Batch 1, a fixed
 prompt, 128 new tokens with EOS ignored. Variants (same two cores in all):
 
-    transformers    transformers generate(), 2 torch threads
+    transformers    transformers generate(), 2 torch threads; one call per run, a clock reading as
+                    each token is chosen: (n - 1) / (last - first), as corelaunch times itself
     tp1             corelaunch TP 1 through the driver API: one rank, 2 threads
     tp2             corelaunch TP 2: two ranks, 1 thread each, default collectives (shared memory)
     tp2_gloo        the same with CORELAUNCH_COLLECTIVES=gloo
@@ -103,7 +104,9 @@ def serve(variant: str, model_dir: str, new_tokens: int, out) -> None:
 
 def _hf(model_dir: str, new_tokens: int):
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, StoppingCriteriaList
+
+    from benchmarks.token_clock import decode_rate, token_clock
 
     torch.set_num_threads(2)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -113,17 +116,14 @@ def _hf(model_dir: str, new_tokens: int):
         embedding = model.get_input_embeddings().weight
         weight_bytes -= embedding.numel() * embedding.element_size()
 
-    def timed(n: int):
-        start = time.perf_counter()
-        with torch.inference_mode():
-            tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                                    do_sample=False, pad_token_id=0)
-        return time.perf_counter() - start, tokens[0, len(PROMPT):].tolist()
-
     def run() -> dict:
-        ttft, _ = timed(1)
-        total, tokens = timed(new_tokens)
-        return {"decode_tokens_per_s": (new_tokens - 1) / (total - ttft), "token_ids": tokens}
+        clock = token_clock()
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                                 stopping_criteria=StoppingCriteriaList([clock]))
+        return {"decode_tokens_per_s": decode_rate(clock.times, new_tokens),
+                "token_ids": out[0, len(PROMPT):].tolist()}
 
     return run, {"weight_bytes_per_rank": weight_bytes, "threads": 2, "ranks": 1}, lambda: None
 
