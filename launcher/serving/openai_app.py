@@ -560,6 +560,12 @@ def _responses_usage(stream: ChoiceStreams, completion_tokens: int, render: Chat
                                            render.reasoning_tokens()))
 
 
+def _whole_output(choice: dict) -> tuple[list[dict], str, str | None]:
+    """A whole chat choice as the Response's output items, status and incomplete reason."""
+    return responses_api.output_items(choice["message"], choice["finish_reason"],
+                                      (choice.get("logprobs") or {}).get("content"))
+
+
 def _as_responses_error(err: ProtocolError, echo) -> ProtocolError:
     """A chat-route refusal of a /v1/responses request, told in the Responses request's terms: the
     param the client sent (responses_api.responses_param), named so in the message too."""
@@ -993,13 +999,16 @@ class OpenAIServer:
             stream = await self._chat_choices(req)
         except ProtocolError as err:
             raise _as_responses_error(err, echo) from None
-        render = ChatRender(self.pieces, logprobs=req.logprobs, index=0, prompt_top=None,
-                            skip_special_tokens=req.skip_special_tokens, tool_calls=req.tool_call_reader(),
-                            reasoning=req.reasoning(), include_reasoning=req.include_reasoning,
-                            think_tokens=self._usage_think_tokens(), prompt_ids=stream.prompt_context(0))
         # kept before the client sees it, so its next turn finds it
         keep = None if turn is None else functools.partial(self._keep, turn, echo.previous_response_id)
-        return await self._respond_responses(req, echo, stream, render, arrived, keep)
+        return await self._respond_responses(req, echo, stream, self._responses_render(req, stream), arrived, keep)
+
+    def _responses_render(self, req, stream: ChoiceStreams) -> ChatRender:
+        """A render of the Responses request's one choice, with a tool-call reader of its own."""
+        return ChatRender(self.pieces, logprobs=req.logprobs, index=0, prompt_top=None,
+                          skip_special_tokens=req.skip_special_tokens, tool_calls=req.tool_call_reader(),
+                          reasoning=req.reasoning(), include_reasoning=req.include_reasoning,
+                          think_tokens=self._usage_think_tokens(), prompt_ids=stream.prompt_context(0))
 
     async def _keep(self, turn: list, previous_id: str | None, response: dict) -> None:
         """Keep an answered response; where the store fails, the answer still goes out (it was
@@ -1586,16 +1595,17 @@ class OpenAIServer:
         response_id, created, timer = responses_api.item_id("resp"), int(time.time()), TokenTimer(self.metrics, arrived)
         if req.stream:
             outcome = {"finish_reason": "abort"}  # a client that leaves before the end
+            # a second render reads the whole answer at its end, as an answer not streamed is read
             events = self._response_events(stream, render, timer, outcome,
-                                           responses_api.ResponseEvents(response_id, created, self.name, echo), keep)
+                                           responses_api.ResponseEvents(response_id, created, self.name, echo), keep,
+                                           self._responses_render(req, stream))
             return self._event_stream(events, stream, outcome)
         collected = await self._collected(stream, [render], [timer], RESPONSES_TOKEN_LIMIT)
         if isinstance(collected, JSONResponse):
             return collected
         [finish], [completion_tokens] = collected
         choice = render.choice(finish)
-        items, status, incomplete = responses_api.output_items(choice["message"], choice["finish_reason"],
-                                                               (choice.get("logprobs") or {}).get("content"))
+        items, status, incomplete = _whole_output(choice)
         usage = _responses_usage(stream, completion_tokens, render)
         response = responses_api.response_object(response_id, created, self.name, echo, items, status, usage,
                                                  incomplete)
@@ -1604,13 +1614,16 @@ class OpenAIServer:
         return JSONResponse(response)
 
     async def _response_events(self, stream: ChoiceStreams, render: ChatRender, timer: TokenTimer, outcome: dict,
-                               events, keep):
+                               events, keep, whole: ChatRender):
         """The Responses stream of one request: the chat route's chunks for its one choice, told as
         `events` (a ResponseEvents) tells them, ending with response.completed (or .incomplete, or an
         error event and response.failed); outcome["finish_reason"] as _events sets it. keep(response)
         is awaited with the final Response object before its event goes out (failing, the stream ends
-        with response.failed instead)."""
-        completion_tokens, sent_finish = 0, None
+        with response.failed instead). `whole` collects every delta too: the final response's items
+        are the whole answer's, read at the end as an answer not streamed is (a reader that reads
+        pieces cannot take back what it streamed: a call the length limit cut turns the calls before
+        it to text in the whole answer too), so the final event and the kept turn equal that answer."""
+        completion_tokens, sent_finish, engine_finish = 0, None, None
         try:
             async with aclosing(stream):
                 for event in events.opening():
@@ -1618,12 +1631,15 @@ class OpenAIServer:
                 async for _, delta in stream:
                     timer.tokens(render.new_tokens(delta), time.perf_counter())
                     completion_tokens = render.completion_tokens(delta)
+                    whole.collect(delta)
                     for message, logprobs in render.messages(delta):
                         for event in events.delta(message, logprobs):
                             yield responses_api.sse(event)
                     if delta.finish_reason:
+                        engine_finish = delta.finish_reason
                         sent_finish = outcome["finish_reason"] = render.finish_reason(delta.finish_reason)
-            finished = events.finish(sent_finish, _responses_usage(stream, completion_tokens, render))
+            items, _, _ = _whole_output(whole.choice(engine_finish))
+            finished = events.finish(sent_finish, _responses_usage(stream, completion_tokens, render), items)
             if keep is not None:
                 await keep(finished[-1]["response"])
             for event in finished:

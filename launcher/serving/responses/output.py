@@ -24,7 +24,10 @@ The stream (ResponseEvents), framed by sse as vLLM frames it ("event: TYPE" and 
   the response, and the message after it joins the message before it, so the response holds the
   whole answer's items (one message, all text), and a kept turn no broken call.
   Last: response.completed (response.incomplete, incomplete_details.reason "max_output_tokens",
-  for a length finish) holding every item whole (but such calls) and the usage; or, on a failure
+  for a length finish) holding every item whole (but such calls) and the usage; where the server
+  gives finish() the whole answer's items (it does: the answer read whole at its end), the response
+  holds those, with the ids and call ids of the streamed items they match, so it and the kept turn
+  are the whole answer's even where a cut turned calls already streamed back to text; or, on a failure
   after the stream began, an "error" event and response.failed (store false: it is not kept).
   sequence_number counts every event from 0.
 """
@@ -136,6 +139,30 @@ def output_items(message: dict, finish_reason: str | None,
     return items, status, reason
 
 
+def _with_streamed_ids(whole: list[dict], streamed: list[dict]) -> list[dict]:
+    """The whole answer's items with the ids of the streamed items they match, in order: a message
+    or reasoning takes the next streamed item of its type (its text may be longer: a dropped call's
+    text joined it), and a message of the same text its logprobs too (the stream's carry its text's
+    tokens, as vLLM streams them, not a call's after it); a call takes the next streamed call of its
+    name and arguments, and its call_id too, which the client got and answers with. An item
+    matching none keeps its own id."""
+    items, start = [], 0
+    for item in whole:
+        for at in range(start, len(streamed)):
+            told = streamed[at]
+            if told["type"] == item["type"] and (item["type"] != "function_call" or (
+                    told["name"], told["arguments"]) == (item["name"], item["arguments"])):
+                item = {**item, "id": told["id"]}
+                if item["type"] == "function_call":
+                    item["call_id"] = told["call_id"]
+                elif item["type"] == "message" and told["content"][0]["text"] == item["content"][0]["text"]:
+                    item["content"] = [{**item["content"][0], "logprobs": told["content"][0]["logprobs"]}]
+                start = at + 1
+                break
+        items.append(item)
+    return items
+
+
 # ---- the stream -------------------------------------------------------------------------------
 @dataclass
 class _OpenItem:
@@ -178,6 +205,8 @@ class ResponseEvents:
         self._sequence = 0
         self._logprobs: list[dict] = []
         """Log-probabilities of tokens whose text no output_text delta has carried yet."""
+        self._final: list[dict] | None = None
+        """The final response's items where finish() was given the whole answer's."""
         self._dropped: set[int] = set()
         """The output indexes of calls the reader turned back into text (_abandon_calls): closed as
         incomplete in their events, left out of the response (and so of what is kept)."""
@@ -189,7 +218,8 @@ class ResponseEvents:
 
     def _response(self, status: str, usage_: dict | None = None, incomplete_reason: str | None = None,
                   error: dict | None = None) -> dict:
-        return response_object(self.response_id, self.created_at, self.model, self.echo, self._kept_items(),
+        items = self._kept_items() if self._final is None else self._final
+        return response_object(self.response_id, self.created_at, self.model, self.echo, items,
                                status, usage_, incomplete_reason, error)
 
     def _kept_items(self) -> list[dict]:
@@ -237,14 +267,21 @@ class ResponseEvents:
                 events += self._call_piece(entry)
         return events
 
-    def finish(self, finish_reason: str | None, usage_: dict) -> list[dict]:
-        """Every open item closed, then response.completed (response.incomplete for a length finish)."""
+    def finish(self, finish_reason: str | None, usage_: dict, whole: list[dict] | None = None) -> list[dict]:
+        """Every open item closed, then response.completed (response.incomplete for a length finish).
+        whole: the whole answer's items (output_items of the answer read at its end), which the
+        final response holds in place of the items streamed, with the ids (and call ids) of the
+        streamed items they match (_with_streamed_ids): the events told the answer a piece at a time,
+        and a reader that reads pieces cannot take back a call it announced when a later cut turns
+        the whole answer's calls to text; the final response, which is kept, is the whole answer."""
         status, reason = _finished(finish_reason)
         events = []
         if not self.output:  # nothing at all was said: an empty message, as output_items gives it
             events += self._open_text("message")
         self._carry_the_rest()
         events += self._close_all(last_status="incomplete" if status == "incomplete" else "completed")
+        if whole is not None:
+            self._final = _with_streamed_ids(whole, [item for item in self.output if item is not None])
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
         return events + [self._event(kind, response=self._response(status, usage_, reason))]
 

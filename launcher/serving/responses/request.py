@@ -20,8 +20,10 @@ What is mapped (chat_body):
 - tool_choice: "auto", "none", "required", or {type: "function", name}. "auto" and "none" without
   tools are not handed on (nothing to choose from; the chat route would refuse them).
 - max_output_tokens is max_completion_tokens; temperature, top_p, top_k, min_p, presence_penalty,
-  frequency_penalty, logit_bias, parallel_tool_calls, skip_special_tokens and
-  include_stop_str_in_output go by their own names (the chat parser checks their values).
+  frequency_penalty, logit_bias, parallel_tool_calls, skip_special_tokens,
+  include_stop_str_in_output, seed, stop, repetition_penalty, ignore_eos (vLLM's Responses request
+  takes these four too), min_tokens, chat_template_kwargs and include_reasoning go by their own names
+  (the chat parser checks their values).
 - text.format: text (nothing), json_object and json_schema are the chat's response_format.
 - include "message.output_text.logprobs" is the chat's logprobs, top_logprobs its top_logprobs
   (_logprobs).
@@ -68,7 +70,11 @@ from launcher.serving.openai_protocol import MAX_LOGPROBS, ProtocolError, _json_
 
 # ---- what a request takes ---------------------------------------------------------------------
 PASSED_AS_IS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "logit_bias",
-                "parallel_tool_calls", "skip_special_tokens", "include_stop_str_in_output")
+                "parallel_tool_calls", "skip_special_tokens", "include_stop_str_in_output",
+                # vLLM's /v1/responses takes these four too (its ResponsesRequest's extra parameters)
+                "seed", "stop", "repetition_penalty", "ignore_eos",
+                # the chat route's own extensions, which say the same here
+                "min_tokens", "chat_template_kwargs", "include_reasoning")
 """Fields the chat route takes under the same name and meaning (handed on when present and not null)."""
 
 TAKEN = frozenset({

@@ -1,0 +1,55 @@
+"""A streamed /v1/responses answer ends with the whole answer's items: the final event's output
+(response.completed or response.incomplete) and the turn kept for previous_response_id are what
+the same request answered whole gives (launcher/serving/openai_app.py, _response_events: the answer
+is read whole at its end). Cut by max_output_tokens inside a second call, the stream's reader had
+announced the first call and then turned only the second back into text, closing the first as
+incomplete and dropping it with its text: the final response and the kept turn lost a valid call
+(hermes), or held text the whole answer reads as calls, for every parser."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.test_kept_responses import keeping, read_back
+from tests.test_responses_route import TOOLS, WEATHER_CALL, asked, check_with_the_clients_types, respond, said
+from tests.test_responses_route import tokenizer  # noqa: F401  (the module-scoped fixture)
+
+QWEN_CALL = "<tool_call>\n<function=weather>\n<parameter=city>\n{}\n</parameter>\n</function>\n</tool_call>"
+
+TWO_CALLS = {
+    "hermes": "A" + WEATHER_CALL + "\n" + WEATHER_CALL.replace("Paris", "Rome"),
+    "llama3_json": '{"name": "weather", "parameters": {"city": "Paris"}}; '
+                   '{"name": "weather", "parameters": {"city": "Rome"}}',
+    "pythonic": '[weather(city="Paris"), weather(city="Rome")]',
+    "qwen3_coder": "Ok." + QWEN_CALL.format("Paris") + "\n" + QWEN_CALL.format("Rome"),
+    "mistral": '[TOOL_CALLS][{"name": "weather", "arguments": {"city": "Paris"}}, '
+               '{"name": "weather", "arguments": {"city": "Rome"}}]',
+}
+
+
+def streamed_items(events: list[dict]) -> list[dict]:
+    return [event["item"] for event in events if event["type"] == "response.output_item.done"]
+
+
+@pytest.mark.parametrize("parser", sorted(TWO_CALLS))
+def test_a_streamed_answer_ends_with_the_whole_answers_items_at_every_cut(tokenizer, parser):
+    script = TWO_CALLS[parser]
+    server = keeping(tokenizer, script, tool_call_parser=parser)  # it answers the script to every request
+    length = len(tokenizer.encode(script, add_special_tokens=False))
+    for limit in [*range(1, length), None]:  # every cut, then the answer uncut
+        cut = {} if limit is None else {"max_output_tokens": limit}
+        whole = respond(server, asked(tools=TOOLS, **cut))
+        events = respond(server, asked(tools=TOOLS, stream=True, **cut))
+        check_with_the_clients_types(events)
+        final = events[-1]["response"]
+        assert events[-1]["type"] == ("response.completed" if limit is None else "response.incomplete"), limit
+        assert said(final["output"]) == said(whole["output"]), (parser, limit)
+        assert read_back(server, final["id"])["output"] == final["output"], (parser, limit)
+        # a call the stream announced keeps its ids in the final response: the client answers by that call_id
+        told = {(item["name"], item["arguments"]): (item["id"], item["call_id"])
+                for item in streamed_items(events) if item["type"] == "function_call"}
+        for item in final["output"]:
+            if item["type"] == "function_call" and (item["name"], item["arguments"]) in told:
+                assert (item["id"], item["call_id"]) == told[item["name"], item["arguments"]], (parser, limit)
+    assert [item["type"] for item in final["output"]].count("function_call") == 2  # the uncut answer's two calls
+    assert final["output"] == streamed_items(events)  # uncut, the final response is the items streamed
