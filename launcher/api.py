@@ -915,8 +915,9 @@ class Launcher:
         _, token_lists = self._tokenize(prompts)
         params = self._with_bad_word_ids(self._sampling_per_prompt(sampling, len(token_lists)))
         check_request(token_lists, params, max_new_tokens, self.model_config.vocab_size)
-        self._check_structured(params, batching)
         stop_token_ids = check_stop_token_ids(stop_token_ids, self.model_config.vocab_size)
+        self._check_first_tokens(params, self._check_structured(params, batching),
+                                 self._ending_ids(stop_token_ids, ignore_eos))
         self._check_lengths(token_lists, max_new_tokens)
         # allowed_token_ids that are all stop ids min_tokens holds back, or one-token bad words: generate
         # refused them only once the cluster had started and loaded
@@ -1308,8 +1309,9 @@ class Launcher:
         texts, token_lists = self._tokenize(prompts)
         params = self._with_bad_word_ids(self._sampling_per_prompt(sampling, len(token_lists)))
         check_request(token_lists, params, max_new_tokens, self.model_config.vocab_size)
-        self._check_structured(params, batching)
         stop_token_ids = check_stop_token_ids(stop_token_ids, self.model_config.vocab_size)
+        self._check_first_tokens(params, self._check_structured(params, batching),
+                                 self._ending_ids(stop_token_ids, ignore_eos))
         self._check_lengths(token_lists, max_new_tokens)
         stops = self._checked_ending_ids(params, stop_token_ids, ignore_eos)
         _check_flag("return_logits", return_logits)  # "no" would copy a vocabulary-wide row per token
@@ -1389,7 +1391,7 @@ class Launcher:
         _check_flag("skip_special_tokens", skip_special_tokens)
         stream_interval = _checked_stream_interval(stream_interval)
         token_ids, params, stops, stop_token_ids = self._check_stream(prompt, sampling, max_new_tokens, stop, logprobs,
-                                                                      stop_token_ids, request_id)
+                                                                      stop_token_ids, request_id, ignore_eos)
         return self._submit_stream(token_ids, params, max_new_tokens, stop_token_ids, stops, ignore_eos, logprobs,
                                    request_id, asynchronous=False, prompt_logprobs=prompt_logprobs,
                                    cache_salt=cache_salt, include_stop=include_stop_str_in_output,
@@ -1409,7 +1411,7 @@ class Launcher:
         _check_flag("skip_special_tokens", skip_special_tokens)
         stream_interval = _checked_stream_interval(stream_interval)
         token_ids, params, stops, stop_token_ids = self._check_stream(prompt, sampling, max_new_tokens, stop, logprobs,
-                                                                      stop_token_ids, request_id)
+                                                                      stop_token_ids, request_id, ignore_eos)
         return self._submit_stream(token_ids, params, max_new_tokens, stop_token_ids, stops, ignore_eos, logprobs,
                                    request_id, asynchronous=True, prompt_logprobs=prompt_logprobs,
                                    cache_salt=cache_salt, include_stop=include_stop_str_in_output,
@@ -1486,7 +1488,8 @@ class Launcher:
             raise LaunchError("the launcher is not running: call start() or use it as a context manager")
         return pool
 
-    def _check_stream(self, prompt, sampling, max_new_tokens, stop, logprobs, stop_token_ids, request_id):
+    def _check_stream(self, prompt, sampling, max_new_tokens, stop, logprobs, stop_token_ids, request_id,
+                      ignore_eos: bool = False):
         """One streaming request's (token ids, SamplingParams, stop strings, stop token ids); ValueError
         naming a bad value."""
         from launcher.serving.stop_strings import validate_stops
@@ -1509,14 +1512,16 @@ class Launcher:
             raise ValueError(f"sampling ({params!r}) must be a SamplingParams")
         [params] = self._with_bad_word_ids([params])
         check_request([token_ids], [params], max_new_tokens, self.model_config.vocab_size)
-        self._check_structured([params])
+        stop_token_ids = check_stop_token_ids(stop_token_ids, self.model_config.vocab_size)
+        self._check_first_tokens([params], self._check_structured([params]),
+                                 self._ending_ids(stop_token_ids, ignore_eos))
         self._check_lengths([token_ids], max_new_tokens)
         _checked_logprobs("logprobs", logprobs)
         stops = validate_stops(stop)
         if stops and self.tokenizer is None:  # there is no text to find them in
             raise ValueError(f"stop strings ({list(stops)!r}) need a tokenizer and {self.model_dir} has none; "
                              f"pass stop_token_ids instead")
-        return token_ids, params, stops, check_stop_token_ids(stop_token_ids, self.model_config.vocab_size)
+        return token_ids, params, stops, stop_token_ids
 
     def _submit_stream(self, token_ids, params, max_new_tokens, stop_token_ids, stops, ignore_eos, logprobs,
                        request_id, asynchronous: bool, prompt_logprobs: int | None = None,
@@ -1616,7 +1621,8 @@ class Launcher:
         texts, token_lists = tokenized
         params = self._with_bad_word_ids(self._sampling_per_prompt(sampling, len(token_lists)))
         check_request(token_lists, params, max_new_tokens, self.model_config.vocab_size)
-        self._check_structured(params)
+        self._check_first_tokens(params, self._check_structured(params),
+                                 self._ending_ids(stop_token_ids, ignore_eos))
         self._check_lengths(token_lists, max_new_tokens)
         ending = self._checked_ending_ids(params, stop_token_ids, ignore_eos)
         streams = [self._new_stream(ids, p, max_new_tokens, ending, (), None, None, asynchronous, return_logits,
@@ -1797,17 +1803,18 @@ class Launcher:
                 sequences.append(tuple(spaced))
         return tuple(sequences)
 
-    def _check_structured(self, params: list[SamplingParams], batching: str = "continuous") -> None:
+    def _check_structured(self, params: list[SamplingParams], batching: str = "continuous") -> dict:
         """Structured output's checks, before anything is submitted: the serving engine runs it, the
         model has a tokenizer (the group's leader loads its own from the same folder to match the
-        grammar against), llguidance can compile each grammar and take its first step (its
-        reason otherwise), and each request's own limits leave a token that step allows
-        (_check_first_token)."""
+        grammar against), and llguidance can compile each grammar and take its first step (its
+        reason otherwise). Returns each StructuredOutput's first-step mask, for _check_first_tokens,
+        which the submitting calls make with the ids the requests end at (acheck_structured is not
+        told them: the stream call after it checks them)."""
         from workers.structured.grammars import check_structured_output
 
         specs = {p.structured_output for p in params if p.structured_output is not None}
         if not specs:
-            return
+            return {}
         if batching != "continuous":
             raise ValueError(f"structured output ({next(iter(specs)).describe()}) needs batching='continuous' (the "
                              f"static batch chooses its tokens without a grammar); leave batching at its default")
@@ -1831,30 +1838,44 @@ class Launcher:
             if verdict[0] is not None:
                 raise ValueError(verdict[0])
             checked[spec] = verdict[1]
+        return checked
+
+    def _check_first_tokens(self, params: list[SamplingParams], firsts: dict, ending_ids: Sequence[int]) -> None:
+        """_check_first_token for each structured request; firsts: _check_structured's masks;
+        ending_ids: _ending_ids() (the request's stop_token_ids, and EOS unless ignore_eos): the
+        model's EOS alone missed a stop token the grammar needs, and counted EOS under ignore_eos."""
         for p in params:
             if p.structured_output is not None and p.structured_output.after_token is None:
-                self._check_first_token(p, checked[p.structured_output])
+                self._check_first_token(p, firsts[p.structured_output], ending_ids)
 
-    def _check_first_token(self, params: SamplingParams, first) -> None:
+    def _check_first_token(self, params: SamplingParams, first, ending_ids: Sequence[int]) -> None:
         """ValueError where the request's own limits leave no token its structured output's first step
-        allows (`first`, that step's mask), which failed the request at that step: allowed_token_ids
-        holding none of them, or min_tokens holding back the only ones left, the ends. The steps
-        after it are not looked at."""
+        allows (`first`, that step's mask), which failed the request at that step (a 500 over HTTP):
+        allowed_token_ids holding none of them, bad_words of one token banning all of them, or
+        min_tokens holding back the only ones left, the ends (ending_ids: its stop_token_ids, and EOS
+        unless ignore_eos). The steps after it are not looked at."""
         from workers.structured.grammars import allows, lowest_allowed
 
-        spec, ends = params.structured_output.describe(), self._eos_ids()
+        spec, ends = params.structured_output.describe(), set(ending_ids)
+        banned = {seq[0] for seq in params.bad_words_token_ids or () if len(seq) == 1}  # at every step
+        besides = f" that bad_words leave (they ban {show(sorted(banned))} at every step)" if banned else ""
         left = None  # the allowed ids the first step allows, where they are limited
         if params.allowed_token_ids:
-            left = [token for token in params.allowed_token_ids if allows(first, token)]
+            left = [token for token in params.allowed_token_ids if allows(first, token) and token not in banned]
             if not left:
                 raise ValueError(f"allowed_token_ids ({show(list(params.allowed_token_ids))}) hold no token the "
-                                 f"structured output ({spec}) allows first; allow the tokens its text can start with")
-        if params.min_tokens and (lowest_allowed(first, but=ends) is None if left is None
+                                 f"structured output ({spec}) allows first{besides}; allow the "
+                                 f"tokens its text can start with")
+        elif banned and lowest_allowed(first, but=banned) is None:
+            raise ValueError(f"bad_words ban every token the structured output ({spec}) allows first (token ids "
+                             f"{show(sorted(banned))}); remove those bad words")
+        if params.min_tokens and (lowest_allowed(first, but=ends | banned) is None if left is None
                                   else all(token in ends for token in left)):
             only = "" if not params.allowed_token_ids else " among allowed_token_ids"
             raise ValueError(f"min_tokens ({params.min_tokens}) holds back the end, and the structured output "
-                             f"({spec}) allows nothing else first{only}; leave min_tokens at 0, or allow a token "
-                             f"its text can start with")
+                             f"({spec}) allows nothing else first{only}{besides} (the end: its "
+                             f"ending ids {show(sorted(ends))}, stop_token_ids and EOS unless ignore_eos); leave "
+                             f"min_tokens at 0, or allow a token its text can start with")
 
     def _grammar_tokenizer(self):
         """llguidance's view of the driver's tokenizer, built at the first structured request (about

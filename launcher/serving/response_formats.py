@@ -4,7 +4,7 @@ checked by llguidance before anything runs."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import ConfigDict, Field
 
@@ -38,6 +38,41 @@ class StructuredOutputs(NullMeansDefault):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    # vLLM's options beside them (its StructuredOutputsParams), taken here to be answered by name
+    # (extra="forbid" gave them a bare "unknown parameter"): see STRUCTURED_OUTPUT_OPTIONS
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
+    whitespace_pattern: Any = None
+    structural_tag: Any = None
+
+
+STRUCTURED_OUTPUT_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern",
+                             "structural_tag")
+"""vLLM's structured_outputs fields that are options, not a constraint. JSON is generated here with
+one space after each `:` and `,` and no other whitespace (workers/structured/grammars.JSON_OPTIONS):
+one of the texts vLLM's default, disable_any_whitespace false (any whitespace between tokens),
+allows, so false is taken; true asks for no whitespace at all (`{"a":1}`: llguidance's separators
+without whitespace_flexible, which this server's grammar refuses), so it is refused, as are the
+others (_refused_option)."""
+
+
+def _refused_option(options: StructuredOutputs) -> tuple[str, str] | None:
+    """(param, why) for a vLLM option this server does not implement, or None."""
+    if options.disable_any_whitespace:
+        return ("structured_outputs.disable_any_whitespace", "structured_outputs.disable_any_whitespace true (JSON "
+                "without any whitespace, {\"a\":1,\"b\":2}) is not supported here: JSON is generated with one space "
+                "after each `:` and `,` and no other whitespace ({\"a\": 1, \"b\": 2}); leave it out or false")
+    if options.whitespace_pattern is not None:
+        return ("structured_outputs.whitespace_pattern", "structured_outputs.whitespace_pattern is not supported "
+                "here: JSON is generated without free whitespace (one space after each `:` and `,`); leave it out")
+    if options.structural_tag is not None:
+        return ("structured_outputs.structural_tag", "structured_outputs.structural_tag is not supported here; "
+                "leave it out, and constrain the whole output with json, regex, choice or grammar (or send tools)")
+    if options.disable_additional_properties:
+        return ("structured_outputs.disable_additional_properties", "structured_outputs.disable_additional_properties "
+                "is not supported here: an object in the schema takes the keys it does not name unless it says "
+                "\"additionalProperties\": false; write that into the schema's objects, and leave this out")
+    return None
 
 
 def requested_structure(response_format: ResponseFormat | None,
@@ -51,9 +86,13 @@ def requested_structure(response_format: ResponseFormat | None,
         raise ProtocolError("response_format and structured_outputs both ask for structured output; send one of "
                             "them", param="structured_outputs")
     if structured_outputs is not None:
+        refused = _refused_option(structured_outputs)
+        if refused is not None:
+            raise ProtocolError(refused[1], param=refused[0])
         # by its wire names (json, not json_): StructuredOutput's own fields
-        given = {name: value for name, value in structured_outputs.model_dump(by_alias=True, exclude_none=True).items()
-                 if value is not False}
+        given = {name: value for name, value in structured_outputs.model_dump(by_alias=True, exclude_none=True,
+                                                                              exclude=set(STRUCTURED_OUTPUT_OPTIONS))
+                 .items() if value is not False}
         param = f"structured_outputs.{next(iter(given))}" if len(given) == 1 else "structured_outputs"
         try:
             spec = StructuredOutput(**given)

@@ -37,7 +37,8 @@ from workers.serving.scheduler import Scheduler, Sequence
 from workers.serving.step_inputs import decode_inputs, prefill_batches, prefill_inputs
 from workers.serving.step_plan import Command, DecodeRow, PlanCodec, PrefillChunk, StepPlan
 from workers.serving.token_choice import choose, request_generator
-from workers.structured.matchers import TOKENIZER_WAIT_S, build_on_a_thread, start_matcher
+from workers.structured.grammars import NOT_THE_GRAMMARS
+from workers.structured.matchers import TOKENIZER_WAIT_S, MatcherFailed, build_on_a_thread, start_matcher
 
 HEARTBEAT_S = 0.2
 """An idle leader sends an IDLE plan this often: followers wait in a collective for the next plan,
@@ -467,8 +468,12 @@ class ServingLoop:
                 continue
             try:
                 seq.grammar = future.result()
-            except Exception as err:  # noqa: BLE001 - this request's alone
-                events.append(TokenEvent(seq.request.request_id, [], "error", error=str(err)))
+            except NOT_THE_GRAMMARS:
+                raise
+            except BaseException as err:  # noqa: BLE001 - this request's alone (a build's panic too: start_matcher
+                # makes llguidance's a ValueError, and a BaseException missed here stopped the whole loop)
+                error = str(err if isinstance(err, ValueError) else MatcherFailed(err))
+                events.append(TokenEvent(seq.request.request_id, [], "error", error=error))
                 continue
             self._queue(seq, events)
         if events:
@@ -600,7 +605,9 @@ class ServingLoop:
         events = []
         try:
             tokens, logprobs = choose(logits, sequences)
-        except Exception:  # noqa: BLE001 - one request's choice failed: find it, fail it alone
+        except NOT_THE_GRAMMARS:
+            raise
+        except BaseException:  # noqa: BLE001 - one request's choice failed (a matcher's panic too): fail it alone
             # Rows that drew before the failing one draw the same again: each draw is seeded anew
             # from its request's seed and the draw's number (token_choice.seed_draws).
             sequences, logits, tokens, logprobs, failed = self._choose_alone(sequences, logits)
@@ -611,7 +618,7 @@ class ServingLoop:
             try:  # a whole match of the request's structured output that cannot go on ends it
                 matched = (seq.grammar is not None and token not in request.stop_token_ids
                            and seq.grammar.advance(token))
-            except (KeyboardInterrupt, SystemExit, GeneratorExit):  # not the matcher's
+            except NOT_THE_GRAMMARS:  # not the matcher's
                 raise
             except BaseException as err:  # noqa: BLE001 - this request's alone (any error of its matcher's, a
                 # Rust panic included: raised out of the step, it failed the group, which replayed the request
@@ -649,7 +656,9 @@ class ServingLoop:
         for i, seq in enumerate(sequences):
             try:
                 [token], [logprob] = choose(logits[i:i + 1], [seq])
-            except Exception as err:  # noqa: BLE001 - reported to this request's caller
+            except NOT_THE_GRAMMARS:
+                raise
+            except BaseException as err:  # noqa: BLE001 - reported to this request's caller
                 failed.append((seq, err))
                 continue
             kept.append(seq)
@@ -658,8 +667,9 @@ class ServingLoop:
             logprobs.append(logprob)
         events = []
         for seq, err in failed:
-            events.append(TokenEvent(seq.request.request_id, [], "error",
-                                     error=f"choosing its next token failed: {type(err).__name__}: {err}"))
+            error = (str(err) if isinstance(err, MatcherFailed)  # it names itself (the matcher's own failure)
+                     else f"choosing its next token failed: {type(err).__name__}: {err}")
+            events.append(TokenEvent(seq.request.request_id, [], "error", error=error))
             self.scheduler.finish(seq, clear=True)  # its forward may have cached NaN or inf
         return kept, logits[rows], tokens, logprobs, events
 

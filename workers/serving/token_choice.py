@@ -49,7 +49,8 @@ def choose(logits: torch.Tensor, sequences: list[Sequence]) -> tuple[list[int], 
     structured = [i for i, s in enumerate(sequences) if s.grammar is not None and s.grammar.active]
     if structured:  # after the penalties: min_tokens' held-back stop tokens stay held back
         allowed = allowed_tokens([sequences[i].grammar for i in structured], scores.shape[-1],
-                                 [sequences[i].request.stop_token_ids for i in structured])
+                                 [sequences[i].request.stop_token_ids for i in structured],
+                                 [_grammar_ends_held(sequences[i]) for i in structured])
         scores = mask_rows(scores, structured, allowed)
     tokens = sample(scores, params, [s.generator for s in sequences]).tolist()
     logprobs: list[TokenLogprob | None] = [None] * len(sequences)
@@ -63,6 +64,16 @@ def choose(logits: torch.Tensor, sequences: list[Sequence]) -> tuple[list[int], 
             top = ranked(table[j], top_ids[j, :n], top_values[j, :n]) if n else []
             logprobs[i] = TokenLogprob(tokens[i], float(table[j, tokens[i]]), top)
     return tokens, logprobs
+
+
+def _grammar_ends_held(sequence: Sequence) -> tuple[int, ...]:
+    """The grammar tokenizer's EOS ids while the request has fewer than min_tokens tokens: the
+    penalties hold back only its stop_token_ids, which under ignore_eos leave EOS out, and the mask
+    allows EOS wherever the grammar accepts, so a request ended before its min_tokens."""
+    request = sequence.request
+    if request.sampling.min_tokens <= request.draws_before + sequence.generated:
+        return ()
+    return tuple(getattr(sequence.grammar, "ends", ()))
 
 
 def _history(sequence: Sequence) -> tuple[torch.Tensor, list[int]]:

@@ -90,24 +90,31 @@ def first_step(spec: StructuredOutput, tokenizer) -> tuple[str | None, np.ndarra
     optional properties passes its parser's 2,000 items a row after the opening brace, and a
     required property referring back to its own object its 50,000 items a step. Other paths and
     later tokens are not tried: a failure there still fails its request when it comes."""
-    from workers.structured.matchers import GrammarRefused, error_of, start_matcher
+    from workers.structured.matchers import GrammarRefused, MatcherFailed, error_of, matchers_own, start_matcher
 
     try:  # the tokenizer's own failure is not the grammar's: raised as it is
         grammar = start_matcher(tokenizer, spec)
     except GrammarRefused as err:  # llguidance refused the grammar itself: its reason
         return err.reason, None
+    except MatcherFailed as err:  # llguidance panicked building it: this grammar's problem, not the server's
+        return str(err), None
     mask = np.zeros(grammar.words, dtype=np.int32)
     try:
         grammar.write_mask(mask)
+    except MatcherFailed as err:
+        return str(err), None
     except ValueError as err:
         return f"no output can match it ({err})", None
     token = lowest_allowed(mask, but=tokenizer.get().eos_tokens)  # the end is no path on
     matcher = grammar.matcher  # fed directly: a constraint after a token starts with this step too
     if token is None:
         return None, mask
-    if matcher.consume_token(token) and not matcher.is_stopped():
-        second = np.zeros_like(mask)  # held here: llguidance writes through the bare pointer
-        matcher.unsafe_compute_mask_ptr(second.ctypes.data, second.nbytes)
+    try:
+        if matchers_own(lambda: matcher.consume_token(token) and not matcher.is_stopped()):
+            second = np.zeros_like(mask)  # held here: llguidance writes through the bare pointer
+            matchers_own(lambda: matcher.unsafe_compute_mask_ptr(second.ctypes.data, second.nbytes))
+    except MatcherFailed as err:
+        return f"{err} after its first token", None
     if matcher.is_error():
         return f"its matcher fails after its first token ({error_of(matcher)})", None
     return None, mask

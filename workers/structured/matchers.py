@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
 from shardlib.structured_output import StructuredOutput
+from workers.structured.grammars import NOT_THE_GRAMMARS
 
 TOKENIZER_WAIT_S = 300.0
 """How long a structured request waits for the grammar tokenizer, which is built on a thread from
@@ -92,10 +93,10 @@ def start_matcher(tokenizer: GrammarTokenizer | None, spec: StructuredOutput, de
         raise ValueError("structured output needs the model's tokenizer on the group's leader, and this serving "
                          "loop was started without one")
     llg_tokenizer = tokenizer.get()
-    matcher = LLMatcher(llg_tokenizer, grammar_text(spec))
+    matcher = matchers_own(lambda: LLMatcher(llg_tokenizer, grammar_text(spec)))
     if matcher.is_error():
         raise GrammarRefused(spec, error_of(matcher))
-    grammar = RequestGrammar(matcher, llg_tokenizer.vocab_size, spec.after_token)
+    grammar = RequestGrammar(matcher, llg_tokenizer.vocab_size, spec.after_token, tuple(llg_tokenizer.eos_tokens))
     for token in delivered:
         grammar.advance(token)
     return grammar
@@ -120,6 +121,27 @@ def build_on_a_thread(build: Callable[[], object]) -> Future:
     return future
 
 
+class MatcherFailed(ValueError):
+    """llguidance raised out of a matcher's call something other than its ValueError: a Rust panic
+    (PyO3's PanicException, a BaseException that `except Exception` misses, so it failed the whole
+    serving loop or the driver's check, not one request; guidance-ai/llguidance#149), or any other
+    error. A ValueError, so each caller fails the one request as it does for the matcher's own errors."""
+
+    def __init__(self, err: BaseException) -> None:
+        super().__init__(f"its structured output's matcher failed: {type(err).__name__}: {err}")
+
+
+def matchers_own(call: Callable[[], object]):
+    """call() (a call into llguidance), with whatever it raises other than a ValueError or one of
+    NOT_THE_GRAMMARS (Ctrl-C and the like, never the matcher's) raised as MatcherFailed."""
+    try:
+        return call()
+    except (ValueError, *NOT_THE_GRAMMARS):
+        raise
+    except BaseException as err:  # noqa: BLE001 - a panic included: the one request's failure
+        raise MatcherFailed(err) from err
+
+
 class GrammarRefused(ValueError):
     """llguidance would not make a matcher of spec; `reason` is its word."""
 
@@ -133,8 +155,11 @@ class RequestGrammar:
     With an after_token (StructuredOutput.after_token) it waits, inactive, until that token is
     generated: no mask, no end of a match, the tokens before it not fed to the matcher."""
 
-    def __init__(self, matcher, vocab_size: int, after_token: int | None = None) -> None:
+    def __init__(self, matcher, vocab_size: int, after_token: int | None = None, ends: tuple[int, ...] = ()) -> None:
         self.matcher = matcher
+        self.ends = ends
+        """Its tokenizer's EOS ids, which its mask allows wherever the output may end (min_tokens
+        holds them back: token_choice)."""
         self.words = (vocab_size + 31) // 32
         """32-bit words in its mask: token t is bit t % 32 of word t // 32."""
         self.waits_for = after_token
@@ -147,13 +172,13 @@ class RequestGrammar:
 
     def write_mask(self, words) -> None:
         """Write the allowed next tokens into `words` (a contiguous int32 numpy array of self.words)."""
-        self.matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+        matchers_own(lambda: self.matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes))
         if self.matcher.is_error():
             raise ValueError(f"the structured output's matcher failed: {error_of(self.matcher)}")
 
     def accepting(self) -> bool:
         """Whether the output so far is a whole match (ending it here is allowed)."""
-        return self.matcher.is_accepting()
+        return matchers_own(self.matcher.is_accepting)
 
     def advance(self, token: int) -> bool:
         """Feed the chosen token; True when the output is now a whole match that cannot go on (the
@@ -163,9 +188,9 @@ class RequestGrammar:
             if token == self.waits_for:
                 self.waits_for = None
             return False
-        if not self.matcher.consume_token(token):
+        if not matchers_own(lambda: self.matcher.consume_token(token)):
             raise ValueError(f"the structured output's matcher refused token {token}: {error_of(self.matcher)}")
-        return self.matcher.is_stopped()
+        return matchers_own(self.matcher.is_stopped)
 
 
 def error_of(matcher) -> str:
