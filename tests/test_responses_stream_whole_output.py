@@ -53,3 +53,26 @@ def test_a_streamed_answer_ends_with_the_whole_answers_items_at_every_cut(tokeni
                 assert (item["id"], item["call_id"]) == told[item["name"], item["arguments"]], (parser, limit)
     assert [item["type"] for item in final["output"]].count("function_call") == 2  # the uncut answer's two calls
     assert final["output"] == streamed_items(events)  # uncut, the final response is the items streamed
+
+
+@pytest.mark.parametrize("parser, script", [
+    ("hermes", '<tool_call>\n{"name": "weather", "arguments": {"city":"Paris"}}\n</tool_call>'),
+    ("hermes", '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}, "arguments": {"city": "Rome"}}'
+               '\n</tool_call>'),
+    ("llama3_json", '{"name": "weather", "parameters": {"city":"Paris"}}'),
+    ("mistral", '[TOOL_CALLS][{"name": "weather", "arguments": {"city":"Paris"}}]'),
+])
+def test_a_call_written_otherwise_than_json_dumps_keeps_its_streamed_call_id(tokenizer, parser, script):
+    """The whole answer writes a call's arguments as json.dumps does and the stream as the model wrote
+    them (compact; a repeated key, the stream taking the first): matched by text, the final item and
+    the kept turn had a call_id the client never saw, and its next turn's function_call_output was
+    refused ("No tool call found")."""
+    server = keeping(tokenizer, script, tool_call_parser=parser)
+    events = respond(server, asked(tools=TOOLS, stream=True))
+    told = [e["item"]["call_id"] for e in events
+            if e["type"] == "response.output_item.done" and e["item"]["type"] == "function_call"]
+    final = events[-1]["response"]
+    kept = read_back(server, final["id"])["output"]
+    assert len(told) == 1, told
+    assert [i["call_id"] for i in final["output"] if i["type"] == "function_call"] == told
+    assert [i["call_id"] for i in kept if i["type"] == "function_call"] == told

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -144,23 +145,49 @@ def _with_streamed_ids(whole: list[dict], streamed: list[dict]) -> list[dict]:
     or reasoning takes the next streamed item of its type (its text may be longer: a dropped call's
     text joined it), and a message of the same text its logprobs too (the stream's carry its text's
     tokens, as vLLM streams them, not a call's after it); a call takes the next streamed call of its
-    name and arguments, and its call_id too, which the client got and answers with. An item
+    name whose arguments read as the same JSON, else the next one of its name the stream finished,
+    and its call_id too, which the client got and answers with (the whole answer writes arguments
+    as json.dumps does, the stream as the model wrote them: compact, escaped or with a repeated key,
+    text equality matched nothing and the client's next turn named a call_id never kept). An item
     matching none keeps its own id."""
     items, start = [], 0
     for item in whole:
-        for at in range(start, len(streamed)):
+        matches = _same_call if item["type"] == "function_call" else _same_type
+        at = next((at for at in range(start, len(streamed)) if matches(streamed[at], item)), None)
+        if at is None and item["type"] == "function_call":
+            at = next((at for at in range(start, len(streamed)) if _finished_call_named(streamed[at], item)), None)
+        if at is not None:
             told = streamed[at]
-            if told["type"] == item["type"] and (item["type"] != "function_call" or (
-                    told["name"], told["arguments"]) == (item["name"], item["arguments"])):
-                item = {**item, "id": told["id"]}
-                if item["type"] == "function_call":
-                    item["call_id"] = told["call_id"]
-                elif item["type"] == "message" and told["content"][0]["text"] == item["content"][0]["text"]:
-                    item["content"] = [{**item["content"][0], "logprobs": told["content"][0]["logprobs"]}]
-                start = at + 1
-                break
+            item = {**item, "id": told["id"]}
+            if item["type"] == "function_call":
+                item["call_id"] = told["call_id"]
+            elif item["type"] == "message" and told["content"][0]["text"] == item["content"][0]["text"]:
+                item["content"] = [{**item["content"][0], "logprobs": told["content"][0]["logprobs"]}]
+            start = at + 1
         items.append(item)
     return items
+
+
+def _same_type(told: dict, item: dict) -> bool:
+    return told["type"] == item["type"]
+
+
+def _same_call(told: dict, item: dict) -> bool:
+    """A streamed call and a whole answer's of one name whose arguments read as the same JSON."""
+    return told["type"] == "function_call" and told["name"] == item["name"] and (
+        _as_json(told["arguments"]) == _as_json(item["arguments"]))
+
+
+def _finished_call_named(told: dict, item: dict) -> bool:
+    return told["type"] == "function_call" and told["name"] == item["name"] and told.get("status") != "incomplete"
+
+
+def _as_json(arguments: str):
+    """Arguments as the JSON value they read as (their text where they do not parse)."""
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
 
 
 # ---- the stream -------------------------------------------------------------------------------
