@@ -214,3 +214,28 @@ def test_vllms_structured_output_options_not_implemented_are_refused_by_name(opt
     message = caught.value.body()["error"]["message"]
     assert message.startswith(f"structured_outputs.{option}") and "is not supported here" in message, message
     assert words in message, message
+
+
+def test_a_grammar_that_can_only_end_still_ends_under_ignore_eos_and_min_tokens():
+    """A review of the fix above: EOS held back alone left an accepting grammar that allows only the
+    end with just the request's stop ids, which the min_tokens penalties had put at -inf, and the row
+    failed ("no token is left") where the request used to end. Held back and let through together."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from shardlib.sampling_params import SamplingParams
+    from tests.test_structured_output import FixedGrammar
+    from workers.serving.token_choice import _grammar_ends_held
+    from workers.structured.token_masks import allowed_tokens, mask_rows
+
+    eos, stop, width = 2, 5, 100
+    grammar = FixedGrammar([eos], width, accepting=True)
+    grammar.ends = (eos,)
+    sequence = SimpleNamespace(grammar=grammar, generated=0, request=SimpleNamespace(
+        sampling=SamplingParams(min_tokens=3), draws_before=0, stop_token_ids=(stop,)))  # ignore_eos: EOS not a stop id
+    allowed = allowed_tokens([grammar], width, [(stop,)], [_grammar_ends_held(sequence)])
+    scores = torch.zeros(1, width)
+    scores[0, stop] = float("-inf")  # min_tokens' penalty on the request's stop id
+    masked = mask_rows(scores, [0], allowed)
+    assert masked[0].argmax().item() == eos  # the grammar's only way on: the end, as before the hold-back

@@ -69,11 +69,14 @@ def choose(logits: torch.Tensor, sequences: list[Sequence]) -> tuple[list[int], 
 def _grammar_ends_held(sequence: Sequence) -> tuple[int, ...]:
     """The grammar tokenizer's EOS ids while the request has fewer than min_tokens tokens: the
     penalties hold back only its stop_token_ids, which under ignore_eos leave EOS out, and the mask
-    allows EOS wherever the grammar accepts, so a request ended before its min_tokens."""
+    allows EOS wherever the grammar accepts, so a request ended before its min_tokens. With the
+    request's stop ids too: held back together, and let through together where the grammar allows
+    nothing else (EOS held alone left only the stop ids the penalties had put at -inf, and the row
+    failed where the request used to end)."""
     request = sequence.request
     if request.sampling.min_tokens <= request.draws_before + sequence.generated:
         return ()
-    return tuple(getattr(sequence.grammar, "ends", ()))
+    return tuple(dict.fromkeys((*getattr(sequence.grammar, "ends", ()), *request.stop_token_ids)))
 
 
 def _history(sequence: Sequence) -> tuple[torch.Tensor, list[int]]:
