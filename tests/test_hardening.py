@@ -343,6 +343,20 @@ def test_a_one_token_answer_reports_no_decode_rate(capsys):
     assert output_entry(two)["decode_tokens_per_s"] == 12.35
 
 
+def test_a_prompt_logprob_of_minus_infinity_is_written_as_json_reads_it():
+    """json.dumps wrote -Infinity, which no JSON parser reads (the server reports vLLM's floor)."""
+    from launcher.api import GenerationResult
+    from launcher.cli.generate_command import output_entry
+    from workers.serving.requests import TokenLogprob
+
+    fields = {f.name: None for f in dataclasses.fields(GenerationResult)}
+    scored = GenerationResult(**{**fields, "prompt": "Hi", "text": "!", "token_ids": [17], "finish_reason": "length",
+                                 "replica": 0, "time_to_first_token_s": 0.25,
+                                 "prompt_logprobs": [TokenLogprob(5, float("-inf"), [(6, -0.5), (5, float("-inf"))])]})
+    text = json.dumps(output_entry(scored), allow_nan=False)  # raises on an infinity
+    assert json.loads(text)["prompt_logprobs"][0]["logprob"] == -9999.0
+
+
 def test_a_private_ray_that_does_not_start_is_a_launch_error_naming_the_fix(monkeypatch):
     """Ray's own start-up timeout (its raylet not registered within 30 s, on a host too busy) came
     out of Launcher.start() as a bare Exception and a traceback."""

@@ -39,6 +39,7 @@ def test_the_listeners_of_a_port_are_counted_where_they_take_the_hosts_connectio
         assert listeners_on("10.255.255.1", port) == 0  # another address of the port: not the host's
         with _listener("127.0.0.1", port):  # the second one shares the port
             assert listeners_on("127.0.0.1", port) == 2
+            assert listeners_on("localhost", port) == 2  # a name, as --host takes one
         with _listener("0.0.0.0", port):  # every interface's takes 127.0.0.1's connections too
             assert listeners_on("127.0.0.1", port) == 2
         assert listeners_on("127.0.0.1", port) == 1

@@ -201,9 +201,16 @@ def output_entry(result) -> dict:
             "time_to_first_token_s": round(result.time_to_first_token_s, 4),
             # one token has no decode step to time: null, not a rate of 0
             "decode_tokens_per_s": round(result.decode_tokens_per_s, 2) if len(result.token_ids) > 1 else None,
-            **({} if result.prompt_logprobs is None else {"prompt_logprobs": [
-                {"token_id": e.token_id, "logprob": e.logprob, "rank": e.rank, "top": [list(pair) for pair in e.top]}
-                for e in result.prompt_logprobs]})}
+            **({} if result.prompt_logprobs is None else {"prompt_logprobs": _prompt_logprobs(result)})}
+
+
+def _prompt_logprobs(result) -> list[dict]:
+    """The report's prompt log-probabilities, -inf at the server's finite floor (json.dumps wrote
+    -Infinity, which no JSON parser reads). Imported here: the server's module is not needed otherwise."""
+    from launcher.serving.openai_protocol import finite_logprob
+
+    return [{"token_id": e.token_id, "logprob": finite_logprob(e.logprob), "rank": e.rank,
+             "top": [[token, finite_logprob(logprob)] for token, logprob in e.top]} for e in result.prompt_logprobs]
 
 
 def print_report(report: dict, as_json: bool, quiet: bool, out=None, with_builds: bool = False) -> None:

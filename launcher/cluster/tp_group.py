@@ -299,6 +299,9 @@ class TPGroup:
             remaining = deadline - time.monotonic()
             # asked at least once, even with nothing left: a last try at the deadline sees a group placed by then
             if placed_by_now(ready, min(_POLL_S, remaining)):
+                # a group removed meanwhile (a shutdown from another thread) reads as ready too: its
+                # ready() resolves with an error, which ray.wait does not tell apart
+                self._unless_stop_asked()
                 return True
             if remaining <= 0:
                 return False

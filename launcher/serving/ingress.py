@@ -126,6 +126,9 @@ def listeners_on(host: str, port: int, table: Path = Path("/proc/net/tcp")) -> i
     wildcard = "0.0.0.0"
     count = 0
     try:
+        # a name (localhost, this machine's) as the proxy's bind resolved it: compared as typed, it
+        # matched no address and the check never refused
+        host = socket.gethostbyname(host) if host else wildcard
         rows = table.read_text().splitlines()[1:]
     except OSError:  # no such table (not Linux): nothing can be told, and nothing is refused
         return 0
