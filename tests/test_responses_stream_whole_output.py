@@ -76,3 +76,37 @@ def test_a_call_written_otherwise_than_json_dumps_keeps_its_streamed_call_id(tok
     assert len(told) == 1, told
     assert [i["call_id"] for i in final["output"] if i["type"] == "function_call"] == told
     assert [i["call_id"] for i in kept if i["type"] == "function_call"] == told
+
+
+@pytest.mark.parametrize("script", [
+    # the first call's repeated key: the stream reads Paris, the whole answer Rome, as the second call
+    '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}, "arguments": {"city": "Rome"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "weather", "arguments": {"city": "Rome"}}\n</tool_call>',
+    '<tool_call>\n{"name": "weather", "arguments": {"city":"Paris"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "weather", "arguments": {"city":"Rome"}}\n</tool_call>',
+])
+def test_two_calls_keep_their_own_streamed_call_ids_in_order(tokenizer, script):
+    """Matched by text or JSON value, the first whole-answer call above took the second streamed
+    call's call_id (its value read the same), and the second kept one the client never saw."""
+    server = keeping(tokenizer, script, tool_call_parser="hermes")
+    events = respond(server, asked(tools=TOOLS, stream=True))
+    told = [e["item"]["call_id"] for e in events
+            if e["type"] == "response.output_item.done" and e["item"]["type"] == "function_call"]
+    final = events[-1]["response"]
+    assert len(told) == 2, told
+    assert [i["call_id"] for i in final["output"] if i["type"] == "function_call"] == told
+    assert [i["call_id"] for i in read_back(server, final["id"])["output"] if i["type"] == "function_call"] == told
+
+
+def test_a_call_the_stream_never_told_keeps_its_own_id_and_the_next_one_its_streamed_one():
+    """Where the stream told fewer calls of a name than the whole answer holds, pairing by name alone
+    gave the untold call the next one's call_id; by JSON value, in order, each gets its own."""
+    from launcher.serving.responses.output import _with_streamed_ids
+
+    def call(item_id: str, call_id: str, arguments: str) -> dict:
+        return {"type": "function_call", "id": item_id, "call_id": call_id, "name": "weather",
+                "arguments": arguments, "status": "completed"}
+
+    whole = [call("fc_w1", "W1", '{"city": "Paris"}'), call("fc_w2", "W2", '{"city": "Rome"}')]
+    streamed = [call("fc_s2", "S_ROME", '{"city":"Rome"}')]
+    assert [item["call_id"] for item in _with_streamed_ids(whole, streamed)] == ["W1", "S_ROME"]

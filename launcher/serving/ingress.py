@@ -130,7 +130,7 @@ def listeners_on(host: str, port: int, table: Path = Path("/proc/net/tcp")) -> i
         # matched no address and the check never refused
         host = socket.gethostbyname(host) if host else wildcard
         rows = table.read_text().splitlines()[1:]
-    except OSError:  # no such table (not Linux): nothing can be told, and nothing is refused
+    except (OSError, UnicodeError):  # no such table (not Linux), or an IPv6-only name: nothing is told
         return 0
     for line in rows:
         fields = line.split()

@@ -144,18 +144,16 @@ def _with_streamed_ids(whole: list[dict], streamed: list[dict]) -> list[dict]:
     """The whole answer's items with the ids of the streamed items they match, in order: a message
     or reasoning takes the next streamed item of its type (its text may be longer: a dropped call's
     text joined it), and a message of the same text its logprobs too (the stream's carry its text's
-    tokens, as vLLM streams them, not a call's after it); a call takes the next streamed call of its
-    name whose arguments read as the same JSON, else the next one of its name the stream finished,
-    and its call_id too, which the client got and answers with (the whole answer writes arguments
-    as json.dumps does, the stream as the model wrote them: compact, escaped or with a repeated key,
-    text equality matched nothing and the client's next turn named a call_id never kept). An item
-    matching none keeps its own id."""
+    tokens, as vLLM streams them, not a call's after it); a call takes the id and call_id (which the
+    client got and answers with) of its streamed counterpart (_paired_calls). An item matching none
+    keeps its own id."""
     items, start = [], 0
-    for item in whole:
-        matches = _same_call if item["type"] == "function_call" else _same_type
-        at = next((at for at in range(start, len(streamed)) if matches(streamed[at], item)), None)
-        if at is None and item["type"] == "function_call":
-            at = next((at for at in range(start, len(streamed)) if _finished_call_named(streamed[at], item)), None)
+    paired = _paired_calls(whole, streamed)
+    for index, item in enumerate(whole):
+        if item["type"] == "function_call":
+            at = paired.get(index)
+        else:
+            at = next((at for at in range(start, len(streamed)) if _same_type(streamed[at], item)), None)
         if at is not None:
             told = streamed[at]
             item = {**item, "id": told["id"]}
@@ -163,7 +161,7 @@ def _with_streamed_ids(whole: list[dict], streamed: list[dict]) -> list[dict]:
                 item["call_id"] = told["call_id"]
             elif item["type"] == "message" and told["content"][0]["text"] == item["content"][0]["text"]:
                 item["content"] = [{**item["content"][0], "logprobs": told["content"][0]["logprobs"]}]
-            start = at + 1
+            start = max(start, at + 1)
         items.append(item)
     return items
 
@@ -172,14 +170,31 @@ def _same_type(told: dict, item: dict) -> bool:
     return told["type"] == item["type"]
 
 
-def _same_call(told: dict, item: dict) -> bool:
-    """A streamed call and a whole answer's of one name whose arguments read as the same JSON."""
-    return told["type"] == "function_call" and told["name"] == item["name"] and (
-        _as_json(told["arguments"]) == _as_json(item["arguments"]))
+def _paired_calls(whole: list[dict], streamed: list[dict]) -> dict[int, int]:
+    """{whole item index: streamed item index} for the calls. Within each name, by order where the
+    stream told as many calls of it (all, or those it finished): the whole answer writes arguments
+    as json.dumps does and the stream as the model wrote them (compact, escaped, a repeated key the
+    stream read first and the whole answer last), so matching by text, or even by JSON value, gave a
+    call another call's call_id, or one the client never saw, and its next turn was refused. Where
+    the counts differ (a call the stream dropped), by JSON value, in order, and no pair otherwise."""
+    def calls(items: list[dict], name: str) -> list[int]:
+        return [i for i, item in enumerate(items) if item["type"] == "function_call" and item["name"] == name]
 
-
-def _finished_call_named(told: dict, item: dict) -> bool:
-    return told["type"] == "function_call" and told["name"] == item["name"] and told.get("status") != "incomplete"
+    pairs: dict[int, int] = {}
+    for name in dict.fromkeys(item["name"] for item in whole if item["type"] == "function_call"):
+        mine, told = calls(whole, name), calls(streamed, name)
+        finished = [j for j in told if streamed[j].get("status") != "incomplete"]
+        same_count = next((t for t in (told, finished) if len(t) == len(mine)), None)
+        if same_count is not None:
+            pairs.update(zip(mine, same_count))
+            continue
+        after = 0
+        for i in mine:
+            at = next((k for k in range(after, len(told))
+                       if _as_json(streamed[told[k]]["arguments"]) == _as_json(whole[i]["arguments"])), None)
+            if at is not None:
+                pairs[i], after = told[at], at + 1
+    return pairs
 
 
 def _as_json(arguments: str):
