@@ -205,7 +205,7 @@ def main(out=None) -> None:
         parser.error(f"--new-tokens ({args.new_tokens}) plus the prompts (at most {PROMPT_TOKENS_AT_MOST} tokens) "
                      f"is past the {context}-token context the launchers serve; lower --new-tokens to at most "
                      f"{context - PROMPT_TOKENS_AT_MOST}")
-    per_rank = args.threads // args.replicas
+    per_rank = sides["many"]["cpus_per_rank"]
     # address="local": a private Ray of this host, never one `ray start` recorded (ray.init would join
     # it and then refuse num_cpus)
     ray.init(address="local", num_cpus=args.threads + per_rank * args.replicas, include_dashboard=False,

@@ -495,16 +495,6 @@ def _with_absolute_paths(spec):
     return dataclasses.replace(spec, **absolute)
 
 
-def refuse_never_placeable(bundle: dict, tp: int, nodes_asked: int, alive: list, after: str = "") -> None:
-    """PlacementImpossible when a private cluster's alive nodes (placement.NodeInfo) could never hold
-    one TP group of `tp` ranks of `bundle` over `nodes_asked` nodes (no autoscaler grows it); `after`
-    ends the message."""
-    from launcher.launch_plan import STARTED_HERE, refuse_unplaceable_groups
-
-    refuse_unplaceable_groups(STARTED_HERE, bundle, tp, nodes_asked, [n.total for n in alive],
-                              [n.name for n in alive], after=after)
-
-
 def static_watchdog_s(cfg: LaunchConfig, parts: int) -> float:
     """How long a static generate() waits for its `parts` batches: a watchdog, not the request
     timeout (the replicas enforce that, per attempt). Every part could wait for all the others, and
@@ -916,12 +906,12 @@ class Launcher:
         params = self._with_bad_word_ids(self._sampling_per_prompt(sampling, len(token_lists)))
         check_request(token_lists, params, max_new_tokens, self.model_config.vocab_size)
         stop_token_ids = check_stop_token_ids(stop_token_ids, self.model_config.vocab_size)
-        self._check_first_tokens(params, self._check_structured(params, batching),
-                                 self._ending_ids(stop_token_ids, ignore_eos))
+        ending = self._ending_ids(stop_token_ids, ignore_eos)
+        self._check_first_tokens(params, self._check_structured(params, batching), ending)
         self._check_lengths(token_lists, max_new_tokens)
         # allowed_token_ids that are all stop ids min_tokens holds back, or one-token bad words: generate
         # refused them only once the cluster had started and loaded
-        self._checked_ending_ids(params, stop_token_ids, ignore_eos)
+        check_allowed_beyond_stops(params, ending)
 
     def _start_group(self, backend: str) -> None:
         """Connect to Ray, size each rank's bundle and the replica count, start every replica."""
@@ -1310,10 +1300,10 @@ class Launcher:
         params = self._with_bad_word_ids(self._sampling_per_prompt(sampling, len(token_lists)))
         check_request(token_lists, params, max_new_tokens, self.model_config.vocab_size)
         stop_token_ids = check_stop_token_ids(stop_token_ids, self.model_config.vocab_size)
-        self._check_first_tokens(params, self._check_structured(params, batching),
-                                 self._ending_ids(stop_token_ids, ignore_eos))
+        stops = self._ending_ids(stop_token_ids, ignore_eos)
+        self._check_first_tokens(params, self._check_structured(params, batching), stops)
         self._check_lengths(token_lists, max_new_tokens)
-        stops = self._checked_ending_ids(params, stop_token_ids, ignore_eos)
+        check_allowed_beyond_stops(params, stops)
         _check_flag("return_logits", return_logits)  # "no" would copy a vocabulary-wide row per token
         parts = []
         for first, stop in split_prompts(len(token_lists), self.config.max_batch_size, pool.serving()):
@@ -1621,10 +1611,10 @@ class Launcher:
         texts, token_lists = tokenized
         params = self._with_bad_word_ids(self._sampling_per_prompt(sampling, len(token_lists)))
         check_request(token_lists, params, max_new_tokens, self.model_config.vocab_size)
-        self._check_first_tokens(params, self._check_structured(params),
-                                 self._ending_ids(stop_token_ids, ignore_eos))
+        ending = self._ending_ids(stop_token_ids, ignore_eos)
+        self._check_first_tokens(params, self._check_structured(params), ending)
         self._check_lengths(token_lists, max_new_tokens)
-        ending = self._checked_ending_ids(params, stop_token_ids, ignore_eos)
+        check_allowed_beyond_stops(params, ending)
         streams = [self._new_stream(ids, p, max_new_tokens, ending, (), None, None, asynchronous, return_logits,
                                     prompt_logprobs=prompt_logprobs, cache_salt=cache_salt,
                                     skip_special_tokens=skip_special_tokens)

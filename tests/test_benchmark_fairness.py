@@ -35,20 +35,13 @@ def test_tp_scaling_times_transformers_from_one_generate_call(tmp_path, monkeypa
     """The first token's time came from a 1-token generate() and the total from a second call: two
     runs' noise in one rate, which came out negative (-1.3, -7.4, -63.2 tokens/s on a loaded host)."""
     import torch
-    import transformers
 
     from benchmarks.tp_scaling import _hf
     from tests.model_factory import save_random_model
+    from tests.test_benchmark_fixes import generate_calls
 
     model = save_random_model(tmp_path / "model", vocab_size=32000)  # the benchmark's prompt ids fit
-    calls = []
-    generate = transformers.GenerationMixin.generate
-
-    def counted(self, *args, **kwargs):  # the real generate(), counted
-        calls.append(kwargs.get("max_new_tokens"))
-        return generate(self, *args, **kwargs)
-
-    monkeypatch.setattr(transformers.GenerationMixin, "generate", counted)
+    calls = generate_calls(monkeypatch)
     threads = torch.get_num_threads()
     try:
         run, info, _ = _hf(str(model), 3)

@@ -245,24 +245,31 @@ def test_replicas_recovery_with_every_answer_equal_says_so():
     assert report["requests_failed"] == 0 and report["requests_unfinished"] == [] and report["request_errors"] == {}
 
 
+def generate_calls(monkeypatch) -> list:
+    """Each transformers generate() call's max_new_tokens from now on (the real generate() runs)."""
+    import transformers
+
+    calls = []
+    generate = transformers.GenerationMixin.generate
+
+    def counted(self, *args, **kwargs):
+        calls.append(kwargs.get("max_new_tokens"))
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.GenerationMixin, "generate", counted)
+    return calls
+
+
 def test_decode_times_transformers_from_one_generate_call(monkeypatch):
     """TTFT came from a 1-token generate() and the total from a second one: two runs' noise in one
     rate, which at a few new tokens came out negative. Now one call, timed at each chosen token."""
     import torch
-    import transformers
     from transformers import AutoTokenizer
 
     from benchmarks.decode import hf_runner, prompt_ids
     from shardlib.demo_model import ensure_demo_model
 
-    calls = []
-    generate = transformers.GenerationMixin.generate
-
-    def counted(self, *args, **kwargs):  # the real generate(), counted
-        calls.append(kwargs.get("max_new_tokens"))
-        return generate(self, *args, **kwargs)
-
-    monkeypatch.setattr(transformers.GenerationMixin, "generate", counted)
+    calls = generate_calls(monkeypatch)
     torch.set_num_threads(1)
     model = ensure_demo_model()
     run = hf_runner(model, prompt_ids(AutoTokenizer.from_pretrained(model), 16), 3)

@@ -222,9 +222,9 @@ def _ray_checked_before_the_weights(config, planned, progress):
 def _refuse_what_a_private_cluster_cannot_hold(connection, config, planned) -> None:
     """PlacementImpossible, as the Launcher says it once started, when the private cluster started
     here could never hold one TP group (no autoscaler grows it: --cpus-per-rank over its CPUs)."""
-    from launcher.api import refuse_never_placeable
     from launcher.cluster.placement import alive_nodes
     from launcher.cluster.resources import rank_resources
+    from launcher.launch_plan import STARTED_HERE, refuse_unplaceable_groups
     from workers.backends import backend_entry
 
     if not connection.started_here:
@@ -233,7 +233,8 @@ def _refuse_what_a_private_cluster_cannot_hold(connection, config, planned) -> N
     bundle = rank_resources(ray_resource=backend_entry(planned.backend).ray_resource, tp=tp,
                             node_cpus=[n.total.get("CPU", 0.0) for n in nodes], nodes=config.nodes,
                             cpus_per_rank=config.cpus_per_rank).bundle
-    refuse_never_placeable(bundle, tp, config.nodes, nodes, after="; no weights were written")
+    refuse_unplaceable_groups(STARTED_HERE, bundle, tp, config.nodes, [n.total for n in nodes], [n.name for n in nodes],
+                              after="; no weights were written")
 
 
 def check_out(out: Path) -> None:

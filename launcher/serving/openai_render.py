@@ -35,8 +35,10 @@ class _Render:
     def __init__(self, pieces: TokenPieces, logprobs: bool, index: int, prompt_top: int | None,
                  skip_special_tokens: bool = True, prompt_ids=()):
         # prompt_ids: what the choice's text was primed with (ChoiceStreams.prompt_context), so the
-        # logprobs' offsets count the same text
-        self.pieces, self.aligned = pieces, AlignedLogprobs(pieces, skip_special_tokens, prompt_ids)
+        # logprobs' offsets count the same text; no alignment without logprobs (its priming decodes
+        # the prompt's last tokens again, for nothing)
+        self.pieces = pieces
+        self.aligned = AlignedLogprobs(pieces, skip_special_tokens, prompt_ids) if logprobs else None
         self.logprobs, self.index = logprobs, index
         self.prompt_top, self.prompt_entries = prompt_top, []
 

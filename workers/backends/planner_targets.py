@@ -21,10 +21,10 @@ _NO_GPU_HERE = ("--backend cuda: this host shows no CUDA GPU to torch (torch.cud
                 "GPU or driver, or torch's CPU build, which constraints.txt installs); on a GPU host install a "
                 "CUDA build of torch")
 NO_GPU = (f"{_NO_GPU_HERE}, for a Ray cluster whose GPUs are on other nodes pass --ray-address and "
-          f"--device-memory-gib (the memory of one GPU), or use --backend cpu")
+          "--device-memory-gib (the memory of one GPU), or use --backend cpu")
 NO_GPU_FOR_SERVE = (f"{_NO_GPU_HERE}, for a Ray cluster whose GPUs are on other nodes deploy "
-                    f"launcher.serving.openai_app:build_app there with `serve run` or `serve deploy` (corelaunch "
-                    f"serve starts a private Ray of this host alone), or use --backend cpu")
+                    "launcher.serving.openai_app:build_app there with `serve run` or `serve deploy` (corelaunch "
+                    "serve starts a private Ray of this host alone), or use --backend cpu")
 """NO_GPU as `corelaunch serve` words it: it takes no --ray-address."""
 
 

@@ -159,6 +159,12 @@ def _own_copy(row: torch.Tensor) -> torch.Tensor:
     return row.to("cpu", copy=True)
 
 
+def _request_error(err: BaseException) -> str:
+    """A structured request's failure as its error event says it: a ValueError's own message, any
+    other (a Rust panic out of llguidance) named as its matcher's failure (MatcherFailed's words)."""
+    return str(err if isinstance(err, ValueError) else MatcherFailed(err))
+
+
 class ServingLoop:
     def __init__(self, model, config: ServingConfig, run_static=None, grammar_tokenizer=None) -> None:
         """model: a ShardedCausalLM or CompiledCausalLM (anything with serve_step, new_cache,
@@ -472,7 +478,7 @@ class ServingLoop:
                 raise
             except BaseException as err:  # noqa: BLE001 - this request's alone (a build's panic too: start_matcher
                 # makes llguidance's a ValueError, and a BaseException missed here stopped the whole loop)
-                error = str(err if isinstance(err, ValueError) else MatcherFailed(err))
+                error = _request_error(err)
                 events.append(TokenEvent(seq.request.request_id, [], "error", error=error))
                 continue
             self._queue(seq, events)
@@ -623,8 +629,7 @@ class ServingLoop:
             except BaseException as err:  # noqa: BLE001 - this request's alone (any error of its matcher's, a
                 # Rust panic included: raised out of the step, it failed the group, which replayed the request
                 # until given up)
-                error = str(err) if isinstance(err, ValueError) else f"its structured output's matcher failed: " \
-                                                                      f"{type(err).__name__}: {err}"
+                error = _request_error(err)
                 events.extend(self.held.failed(TokenEvent(request.request_id, [], "error", error=error)))
                 self.scheduler.finish(seq)
                 continue

@@ -31,8 +31,8 @@ def allowed_tokens(grammars: list, width: int, ending_ids: list[tuple[int, ...]]
 
 def _hold_back(row: np.ndarray, ends: list[int]) -> None:
     """Clear `ends` in the row's allowed tokens, unless they are all it allows."""
-    if ends and row.any():
-        kept = row[ends].copy()
+    if ends:
+        kept = row[ends]  # fancy indexing: a copy already
         row[ends] = 0
         if not row.any():  # only the end is left: the grammar cannot go on, so it may end
             row[ends] = kept

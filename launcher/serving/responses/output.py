@@ -153,7 +153,7 @@ def _with_streamed_ids(whole: list[dict], streamed: list[dict]) -> list[dict]:
         if item["type"] == "function_call":
             at = paired.get(index)
         else:
-            at = next((at for at in range(start, len(streamed)) if _same_type(streamed[at], item)), None)
+            at = next((at for at in range(start, len(streamed)) if streamed[at]["type"] == item["type"]), None)
         if at is not None:
             told = streamed[at]
             item = {**item, "id": told["id"]}
@@ -164,10 +164,6 @@ def _with_streamed_ids(whole: list[dict], streamed: list[dict]) -> list[dict]:
             start = max(start, at + 1)
         items.append(item)
     return items
-
-
-def _same_type(told: dict, item: dict) -> bool:
-    return told["type"] == item["type"]
 
 
 def _paired_calls(whole: list[dict], streamed: list[dict]) -> dict[int, int]:
