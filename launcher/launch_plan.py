@@ -204,31 +204,35 @@ TO_BE_STARTED = "the private Ray cluster this launch would start (this host alon
 
 def refuse_unplaceable_groups(cluster: str, bundle: dict, tp: int, nodes: int, totals: list, names: list,
                               replicas: int | None = None, cpus_per_rank_given: bool = False,
-                              after: str = "", how: str = "") -> None:
+                              after: str = "", how: str = "", **wording) -> None:
     """PlacementImpossible when a cluster with no autoscaler (a private one: `cluster` names it, its
     nodes' `totals` and `names`) could never hold one TP group of `tp` ranks of `bundle` over
     `nodes` nodes, or not the `replicas` groups at once (None: not asked); `how` follows "cannot
-    place a TP group", `after` ends the message. What such a cluster cannot hold now it never
-    will: refused at once, not after --placement-timeout."""
+    place a TP group", `after` ends the message, `wording` names the replicas' option
+    (fewer_groups_why). What such a cluster cannot hold now it never will: refused at once, not
+    after --placement-timeout."""
     from launcher.cluster.resources import fewer_groups_why, never_placeable_why
     from launcher.errors import PlacementImpossible
 
     why = never_placeable_why(bundle, tp, nodes, totals, names)
     if why is not None:
         raise PlacementImpossible(f"{cluster} cannot place a TP group{how}: {why}{after}")
-    why = replicas and fewer_groups_why(bundle, tp, nodes, totals, replicas, cpus_per_rank_given)
+    why = replicas and fewer_groups_why(bundle, tp, nodes, totals, replicas, cpus_per_rank_given, **wording)
     if why:
         raise PlacementImpossible(f"{cluster} {why}{after}")
 
 
-def refuse_what_a_private_start_cannot_hold(config, plan, backend: str, nothing_done: str) -> None:
+def refuse_what_a_private_start_cannot_hold(config, plan, backend: str, nothing_done: str,
+                                            serve_replicas: tuple[int, str] | None = None) -> None:
     """PlacementImpossible before Ray starts, with Launcher._refuse_unplaceable's rules, when the
     launch would start a private cluster (this host alone, ray_cluster.private_cluster_cpus() CPUs,
     no autoscaler) that could never hold its cpu TP groups (--cpus-per-rank past the host's CPUs,
     or --replicas groups of it): the launch started Ray and loaded the tokenizer (about 8 s on 2
     cores) to refuse the same afterwards. A private cluster an earlier launch of this process
     started (and a device backend's, whose resource Ray counts only once it runs) is checked after
-    the connection, as a shared cluster is."""
+    the connection, as a shared cluster is. serve_replicas: `corelaunch serve`'s (count, option),
+    its Serve replicas each one TP group of `config` (whose own replicas is 1): the last ones
+    waited for placement until --ready-timeout."""
     import ray
 
     from launcher.cluster.ray_cluster import private_cluster, private_cluster_cpus
@@ -248,10 +252,12 @@ def refuse_what_a_private_start_cannot_hold(config, plan, backend: str, nothing_
         refuse_unplaceable_groups(TO_BE_STARTED, bundle, tp, config.nodes, totals, names, after=after,
                                   how=" (replicas=auto would find room for none)")
         return
-    bundle = rank_resources(None, tp, [cpus], nodes=config.nodes, replicas=config.replicas,
+    replicas, option = serve_replicas or (config.replicas, "--replicas")
+    bundle = rank_resources(None, tp, [cpus], nodes=config.nodes, replicas=replicas,
                             cpus_per_rank=config.cpus_per_rank).bundle
-    refuse_unplaceable_groups(TO_BE_STARTED, bundle, tp, config.nodes, totals, names, replicas=config.replicas,
-                              cpus_per_rank_given=config.cpus_per_rank is not None, after=after)
+    refuse_unplaceable_groups(TO_BE_STARTED, bundle, tp, config.nodes, totals, names, replicas=replicas,
+                              cpus_per_rank_given=config.cpus_per_rank is not None, after=after,
+                              option=option, auto_offered=serve_replicas is None)
 
 
 def refuse_nodes_on_a_private_cluster(config) -> None:

@@ -368,7 +368,7 @@ def _plan(settings) -> Path:
 
     from launcher.api import LaunchConfig
     from launcher.launch_plan import (check_groups_fit, groups_this_host_holds, nodes_on_one_host, plan_launch,
-                                      with_artifact_settings)
+                                      refuse_what_a_private_start_cannot_hold, with_artifact_settings)
     from launcher.progress import Progress
     from workers.backends.planner_targets import NO_GPU, NO_GPU_FOR_SERVE
 
@@ -391,6 +391,10 @@ def _plan(settings) -> Path:
     holds = groups_this_host_holds(config, planned.plan, planned.backend, server=True)
     name = "--replicas" if settings.autoscaling is None else "--max-replicas"
     check_groups_fit(settings.most_replicas, name, planned.plan, holds, server=True)
+    # plan_launch checked one group's CPUs (each replica's Launcher has one); Serve runs up to
+    # most_replicas of them, and those the CPUs never hold waited out --ready-timeout
+    refuse_what_a_private_start_cannot_hold(config, planned.plan, planned.backend, "nothing was started",
+                                            serve_replicas=(settings.most_replicas, name))
     return Path(planned.model_dir)
 
 
