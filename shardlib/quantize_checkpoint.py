@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import json
 import math
+import os
 import shutil
 from pathlib import Path
 from typing import Callable
@@ -69,7 +70,8 @@ def check_quantize_request(model_dir: str | Path, dtype: str, out_dir: str | Pat
                            lm_head: bool = False) -> tuple[dict, str]:
     """(the source's parsed config.json, the normalized format); ValueError (one line) for an unknown
     dtype, an already quantized source, an output path that exists, or an LM head asked for where
-    the model has none of its own. Reads no weights."""
+    the model has none of its own, or an output path inside the model's folder. Reads no weights."""
+    _refuse_out_inside_model(model_dir, out_dir)
     fmt = check_quantize_options(dtype, out_dir)
     config_file = Path(model_dir) / "config.json"
     if not Path(model_dir).exists():  # said "has no config.json" of a path that is not there at all
@@ -99,6 +101,19 @@ def check_quantize_request(model_dir: str | Path, dtype: str, out_dir: str | Pat
                          f"(tie_word_embeddings), so it has no LM head of its own; pass --embedding to quantize "
                          f"the shared table, or drop --lm-head")
     return raw, fmt
+
+
+def _refuse_out_inside_model(model_dir: str | Path, out_dir: str | Path) -> None:
+    """ValueError for an --out that is the model's folder or lies inside it: the copy became part
+    of the model's folder, and the built-in model's cache folder (shardlib/demo_model.py) is replaced
+    whole when it is converted again, losing the copy without a word. Compared once resolved, so
+    a relative path, `..` or a symlinked parent cannot hide it (realpath: a symlink loop is left to
+    the checks that name it, where Path.resolve raised)."""
+    model, out = Path(os.path.realpath(model_dir)), Path(os.path.realpath(out_dir))
+    if out == model or model in out.parents:
+        where = "the" if out == model else "inside the"
+        raise ValueError(f"--out {out_dir} is {where} --model directory {model_dir}: the quantized copy would be "
+                         f"written into the model's own folder; pass a path outside the model directory")
 
 
 def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, dtype: str, per_channel: bool = True,

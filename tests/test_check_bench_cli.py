@@ -451,6 +451,27 @@ def test_check_refuses_an_unwritable_save_expected_path_naming_the_option(models
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "saved.pt"]
 
 
+def test_check_refuses_arguments_that_exclude_each_other_before_looking_at_a_file(models, capsys, tmp_path,
+                                                                                   ray_tripwire):
+    """`--expected X --save-expected model.safetensors` was answered by the save path's check, whose
+    advice was to delete the model's weights; --num-tokens 0 and the conflicts were refused only
+    once --model had been found (the built-in model: converted first)."""
+    original, _ = models
+    reference = tmp_path / "ref.pt"
+    torch.save({"input_ids": [[5, 17]], "expected_tokens": torch.tensor([[1, 2]])}, reference)
+    code, report, err = run_check(capsys, "--model", str(original), "--expected", str(reference),
+                                  "--save-expected", str(original / "model.safetensors"))
+    assert code == 2 and report is None, err
+    assert "--expected and --save-expected exclude each other" in err and "delete that file" not in err, err
+    missing = tmp_path / "no-model"  # refused before --model is looked at: its absence is not what is said
+    for args, message in ((["--prompt-ids", "5", "--num-tokens", "0"], "--num-tokens (0) must be at least 1"),
+                          (["--expected", str(reference), "--reference", str(original)],
+                           "--expected and --reference exclude each other"),
+                          (["--expected", str(reference), "--prompt-ids", "5"], "carries its own input_ids")):
+        code, report, err = run_check(capsys, "--model", str(missing), *args)
+        assert code == 2 and report is None and message in err and "does not exist" not in err, (args, err)
+
+
 def test_check_tolerances_are_honoured_or_refused_by_name(models, capsys, tmp_path, monkeypatch, ray_tripwire):
     """--divergence-difference-tol 0 was replaced by the default and inf (every divergence passes)
     was taken; --tol-map '' was replaced by the default."""

@@ -452,6 +452,22 @@ def _refuse_tolerances_outside_logit_matching(args: argparse.Namespace) -> None:
                              f"--mode logit-matching")
 
 
+def _check_plain_arguments(args: argparse.Namespace) -> None:
+    """Checks of the arguments alone, made before any file is looked at or the demo model is set up:
+    `--expected X --save-expected model.safetensors` was answered by the save path's check, whose
+    advice ("delete that file first") would have deleted the model's weights, and --num-tokens 0
+    was refused only once the demo model had been converted."""
+    if args.num_tokens is not None and args.num_tokens < 1:
+        raise ValueError(f"--num-tokens ({args.num_tokens}) must be at least 1")
+    if args.expected and args.save_expected:
+        raise ValueError("--expected and --save-expected exclude each other: one reads a reference file, "
+                         "the other writes one")
+    if args.expected and args.reference:
+        raise ValueError("--expected and --reference exclude each other: the file is the reference")
+    if args.expected and (args.prompts or args.prompt or args.prompt_ids):
+        raise ValueError(f"{args.expected} carries its own input_ids; give no prompts with --expected")
+
+
 def _run(args: argparse.Namespace) -> int:
     from launcher.api import refuse_non_utf8_prompts
     from launcher.progress import Progress
@@ -459,6 +475,7 @@ def _run(args: argparse.Namespace) -> int:
     from shardlib.model_path_hints import refuse_unexpanded_home
 
     progress = Progress(not args.quiet)
+    _check_plain_arguments(args)
     # checked before the tokenizer sees them: it failed with a TypeError traceback, exit 1 (a failed check's code)
     refuse_non_utf8_prompts([*args.prompts, *args.prompt])
     for option, path in (("--save-expected", args.save_expected), ("--expected", args.expected),
@@ -474,20 +491,11 @@ def _run(args: argparse.Namespace) -> int:
     args.atol = DEFAULT_ATOL if args.atol is None else args.atol
     if args.save_expected:
         check_save_expected_path(args.save_expected)
-    args.tol_map, args.divergence_difference_tol = _tolerances(args, _model_dir(args.model))
-    tol_map = parse_tol_map(args.tol_map, args.atol)
-    if args.num_tokens is not None and args.num_tokens < 1:
-        raise ValueError(f"--num-tokens ({args.num_tokens}) must be at least 1")
-    if args.expected and args.save_expected:
-        raise ValueError("--expected and --save-expected exclude each other: one reads a reference file, "
-                         "the other writes one")
-    if args.expected and args.reference:
-        raise ValueError("--expected and --reference exclude each other: the file is the reference")
     model_dir = _model_dir(args.model)
+    args.tol_map, args.divergence_difference_tol = _tolerances(args, model_dir)
+    tol_map = parse_tol_map(args.tol_map, args.atol)
 
     if args.expected:
-        if args.prompts or args.prompt or args.prompt_ids:
-            raise ValueError(f"{args.expected} carries its own input_ids; give no prompts with --expected")
         expected = load_expected(args.expected)
         available = len(expected.tokens[0])
         num_tokens = available if args.num_tokens is None else args.num_tokens

@@ -5,8 +5,8 @@
 
 Only shardlib is used (no Ray): tensors are streamed one at a time (shardlib/quantize_checkpoint.py),
 so host memory stays near the largest tensor whatever the model's size. Bad input (an unknown
-dtype, an already quantized model, an existing --out) is refused with one line before any weight
-is read. Exit code 0 on success, 2 on bad input.
+dtype, an already quantized model, an existing --out or one inside --model) is refused with one
+line before any weight is read. Exit code 0 on success, 2 on bad input.
 """
 
 from __future__ import annotations
@@ -45,6 +45,35 @@ def add_parser(subparsers) -> None:
     p.set_defaults(run=run)
 
 
+class TensorProgress:
+    """The tensors written so far, on `stream`: on a terminal, one line rewritten in place with \\r;
+    to a pipe or a log file, where every \\r stays in the text (the built-in model's 272 tensors made
+    one line of 272 fragments), a line for the first tensor, about one per tenth of them, and the last."""
+
+    def __init__(self, stream, enabled: bool = True):
+        self.stream, self.enabled = stream, enabled
+        self.in_place = stream.isatty()
+        self.line_open = False  # an in-place line lacks its end until the last tensor
+        self.tenths_shown = -1
+
+    def __call__(self, name: str, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        text = f"quantize: {done}/{total} tensors"
+        if self.in_place:
+            self.line_open = done < total
+            print(f"\r{text}", end="" if self.line_open else "\n", file=self.stream)
+        elif done * 10 // total > self.tenths_shown:  # the last tensor is the tenth tenth
+            self.tenths_shown = done * 10 // total
+            print(text, file=self.stream, flush=True)
+
+    def end_line(self) -> None:
+        """End an unfinished in-place line, so that what is printed next starts a line of its own."""
+        if self.line_open:
+            print(file=self.stream)
+            self.line_open = False
+
+
 def run(args: argparse.Namespace) -> int:
     from shardlib.quantize_checkpoint import check_quantize_options, check_quantize_request, quantize_checkpoint
 
@@ -61,16 +90,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"corelaunch quantize: {err}", file=sys.stderr)
         return 2
     start = time.monotonic()
-    line_open = False  # the progress line lacks its end until the last tensor: an error ends it first
-
-    def progress(name: str, done: int, total: int) -> None:
-        nonlocal line_open
-        if not args.quiet:
-            line_open = done < total
-            print(f"\rquantize: {done}/{total} tensors", end="" if done < total else "\n", file=sys.stderr)
+    progress = TensorProgress(sys.stderr, enabled=not args.quiet)
 
     def failed(text: str) -> int:
-        print(("\n" if line_open else "") + f"corelaunch quantize: {text}", file=sys.stderr)
+        progress.end_line()
+        print(f"corelaunch quantize: {text}", file=sys.stderr)
         return 2
 
     try:
@@ -90,8 +114,7 @@ def run(args: argparse.Namespace) -> int:
                           f"write to")
         return failed(str(err))  # reading the checkpoint failed
     except BaseException:  # Ctrl-C, SIGTERM: main's "corelaunch: interrupted" on a line of its own
-        if line_open:
-            print(file=sys.stderr)
+        progress.end_line()
         raise
     if not args.quiet:
         print(f"quantize: wrote {out} in {time.monotonic() - start:.1f} s", file=sys.stderr)
