@@ -21,7 +21,7 @@ from tests.tp_harness import build_rank_model, hf_state_dict
 from workers.collectives import SingleRank
 from workers.engine import generate
 from workers.kv_cache import KVCache, write_kv
-from workers.kv_quant import KV_FP8, kv_storage_dtype
+from workers.kv_quant import KV_FP8, from_cache, kv_storage_dtype, to_cache
 from workers.sampling import SamplingParams
 
 PROMPTS = [[5, 9, 33, 17, 80], [7, 100, 21, 4, 66, 8, 120, 3, 44, 12, 61]]
@@ -85,6 +85,42 @@ def test_write_kv_stores_fp8_and_reads_dequantized(served):
     assert torch.equal(k_stored.float(), k0.to(KV_FP8).float())  # plain torch cast, scale 1
     assert torch.equal(v_stored.float(), v0.clamp(-240, 240).to(KV_FP8).float())
     assert torch.equal(keys[0, :, 1:4], k_cache[0, :, 1:4].float())  # read back dequantized
+
+
+def test_an_infinite_key_or_value_is_stored_as_nan_and_a_large_finite_one_clamped():
+    """Clamped, an overflowed (infinite) key or value was stored as a finite 240 that nothing downstream
+    could tell from a real one."""
+    values = torch.tensor([float("inf"), float("-inf"), float("nan"), 1e6, -300.0, 3.0])
+    stored = to_cache(values, torch.empty(0, dtype=KV_FP8))
+    read = from_cache(stored.view(KV_FP8), torch.float32)
+    assert read[:3].isnan().all(), read
+    assert read[3:].tolist() == [240.0, -240.0, 3.0]
+
+
+def test_an_overflowed_value_fails_its_request_with_an_fp8_cache_as_with_a_float_one():
+    """One infinite weight of layer 0's v_proj makes a value infinite: a float cache turns it into NaN
+    logits, which fail the request; an fp8 cache clamped it to 240, and the request went on
+    generating tokens from a broken forward, reported as a normal end ("length")."""
+    from tests.serving_driver import collect, request, run_loops, stop
+    from tests.test_engine import hf_model
+    from workers.serving.loop import ServingConfig, ServingLoop
+
+    hf = hf_model()
+    state = hf_state_dict(hf)
+    name = next(k for k in state if "layers.0." in k and "v_proj.weight" in k)
+    state[name] = state[name].clone()
+    state[name][0, 0] = float("inf")
+    for kv_dtype in (None, KV_FP8):
+        model = build_rank_model(ModelConfig.from_dict(hf.config.to_dict()), state, 0, 1, SingleRank())
+        if kv_dtype is not None:
+            model.kv_cache_dtype = kv_dtype
+        loop = ServingLoop(model, ServingConfig(1, 8, 32))
+        threads = run_loops([loop])
+        loop.submit([request("overflowed", PROMPTS[1], 4)])
+        got = collect(loop, {"overflowed"})
+        stop([loop], threads)
+        assert got.finish["overflowed"] == "error", (kv_dtype, got.events)
+        assert "logits in row(s) [0] hold NaN or +inf" in got.events[-1].error, (kv_dtype, got.events)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,14 +1,17 @@
 """An fp8 KV cache (`--kv-cache-dtype f8e4m3`): keys and values stored as float8 e4m3, dequantized
 when attention reads them.
 
-Stored value: fp8(clamp(x / KV_FP8_SCALE, -240, 240)); read back as stored * KV_FP8_SCALE in the
-compute dtype. The scale is one static number (1.0: a direct cast, as NxD Inference's fp8 KV cache
-does without calibration); 240 is the largest e4m3 value on Neuron, so the stored bytes mean the
-same there. Keys and values of the Llama-family models stay well inside +-240 (their magnitudes are
-set by RMSNorm-ed activations times projection weights), so the clamp only guards outliers; the
-relative rounding error is at most 2^-4 (3 mantissa bits) for magnitudes of 2^-6 and more; below
-that e4m3's subnormals keep less (the smallest stored value is 2^-9, and magnitudes under half of it
-are stored as 0). The check command's logit-matching mode measures what that costs a model.
+Stored value: fp8(clamp(x / KV_FP8_SCALE, -240, 240)), and NaN for an infinite x; read back as
+stored * KV_FP8_SCALE in the compute dtype. The scale is one static number (1.0: a direct cast, as
+NxD Inference's fp8 KV cache does without calibration); 240 is the largest e4m3 value on Neuron, so
+the stored bytes mean the same there. Keys and values of the Llama-family models stay well inside
++-240 (their magnitudes are set by RMSNorm-ed activations times projection weights), so the clamp
+only guards outliers. An infinite key or value (an overflowed activation) is no outlier: clamped to
+a finite 240, its request went on giving tokens, where a float cache spreads it to NaN logits, which
+fail that request alone; stored as NaN, it fails it with an fp8 cache too. The relative rounding
+error is at most 2^-4 (3 mantissa bits) for magnitudes of 2^-6 and more; below that e4m3's
+subnormals keep less (the smallest stored value is 2^-9, and magnitudes under half of it are stored
+as 0). The check command's logit-matching mode measures what that costs a model.
 
 Which steps read quantized values: every step that attends over the cache (decode, a serving
 step, an eager prefill, which writes the prompt into the cache first) reads the dequantized bytes,
@@ -41,7 +44,9 @@ def to_cache(values: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     uint8 (write them into cache.view(torch.uint8))."""
     if not is_quantized_cache(cache):
         return values
-    return (values.float() / KV_FP8_SCALE).clamp(-KV_FP8_MAX, KV_FP8_MAX).to(KV_FP8).view(torch.uint8)
+    # an infinite value clamped would be a finite 240 (module docstring): NaN fails its request
+    scaled = (values.float() / KV_FP8_SCALE).masked_fill(values.isinf(), float("nan"))
+    return scaled.clamp(-KV_FP8_MAX, KV_FP8_MAX).to(KV_FP8).view(torch.uint8)
 
 
 def writable(cache: torch.Tensor) -> torch.Tensor:
