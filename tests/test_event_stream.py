@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from launcher.cluster.event_channel import ChannelClosed, EventChannel
+from launcher.cluster.event_channel import MAX_PENDING, ChannelClosed, EventChannel
 from workers.serving.event_stream import KEEPALIVE_S, EventSender, FrameReader, encode_frame
 from workers.serving.outbox import Outbox
 from workers.serving.requests import TokenEvent
@@ -135,6 +135,34 @@ def test_accept_gives_up_after_its_timeout_naming_the_address():
         channel.accept(0.5)
     assert time.monotonic() - start < 2
     channel.close()
+
+
+def test_a_flood_of_slow_connections_still_ends_in_the_timeout_naming_the_address():
+    """A review: with MAX_PENDING connections waiting, one select batch held both a new connection
+    and bytes from the oldest; accepting the new one dropped the oldest, whose bytes were then read
+    from a socket no longer pending (a KeyError, which a restart took for a fault not worth retrying)."""
+    channel = EventChannel("127.0.0.1")
+    clients, flooded, fired = [], [], []
+
+    def flood_then_trigger() -> None:
+        if not flooded:  # slow senders: each sent one byte of a token and waits
+            for _ in range(MAX_PENDING):
+                clients.append(socket.create_connection(channel.address, timeout=5))
+                clients[-1].sendall(b"x")
+            flooded.append(time.monotonic())
+        elif not fired and time.monotonic() - flooded[0] > 0.3:  # all accepted, none timed out yet
+            fired.append(True)
+            clients.append(socket.create_connection(channel.address, timeout=5))  # the listener readable first
+            time.sleep(0.05)
+            clients[0].sendall(b"y")  # then the oldest: both in the next select's batch
+            time.sleep(0.05)
+
+    with pytest.raises(TimeoutError, match=f"127.0.0.1:{channel.address[1]} within 2 s"):
+        channel.accept(2, flood_then_trigger)
+    assert fired, "the trigger never ran"
+    channel.close()
+    for client in clients:
+        client.close()
 
 
 def test_accept_stops_when_the_connecting_side_reports_a_failure():

@@ -1026,6 +1026,96 @@ def test_a_replica_given_up_hands_its_streams_with_nothing_delivered_to_a_servin
     assert r0.streams == {} and pool.serving() == 1
 
 
+@pytest.mark.parametrize("other", ["restarting", "starting"])
+def test_a_replica_given_up_while_the_other_is_not_up_yet_hands_it_streams_with_nothing_delivered(make_pool, other):
+    """A review: with no replica serving, they failed with RestartLimitExceeded, while a new request
+    arriving then was routed to the other replica and ran once its group was up."""
+    pool = make_pool(2, max_restarts=1)
+    pool.start()
+    r0, r1 = pool.replicas
+    seen = []
+    a = recording_handle("a", seen)
+    pool.submit_streams([a], rows=4)
+    assert a.replica == 0
+    with r1._streams_lock:
+        r1.state = other  # its group failed too and is being restarted, or is still starting
+    r0.policy.allow()  # its one restart in the window is used up
+    assert r0._restart(WorkerDied("rank 1 died")) is False and r0.state == "failed"
+    late = stream_handle("late")
+    pool.submit_streams([late], rows=4)
+    assert late.replica == 1  # as a new request is routed
+    assert seen == [] and a.replica == 1 and set(r1.streams) == {"a", "late"} and r0.streams == {}
+    assert factory_seen(pool, 1) == []  # nothing handed over before the group is up
+    if other == "restarting":  # the restart ends
+        with r1._streams_lock:
+            r1.state = "serving"
+            r1._resume_streams()
+    else:  # the start ends: its continuous-batching group is handed what was booked meanwhile
+        r1.started.group.serving = True
+        r1._begin_serving(r1.started)
+    assert seen == [] and [r.request_id for r in factory_seen(pool, 1)] == ["a", "late"]
+    assert a.attempts == 2  # its failed group had it: a second attempt
+
+
+class StreamingFactory(Factory):
+    """Continuous-batching groups (streams are handed to their leader) that also run static batches.
+    A leader waits out each poll (no tokens to send), but one in `streaming` answers each at once
+    (its streams' tokens keep coming), so its thread looks at the queue most often."""
+
+    def __init__(self, plan: dict | None = None, streaming: tuple[int, ...] = ()) -> None:
+        super().__init__(plan)
+        self.streaming = streaming
+
+    def __call__(self, index, restart):
+        started = super().__call__(index, restart)
+        started.group.serving = True
+        answer_s = 0.001 if index in self.streaming else None
+        started.group.poll = lambda wait_s: (time.sleep(answer_s or wait_s), ([], {}, {}))[1]
+        return started
+
+
+def streams_on(pool, counts: list[int]) -> None:
+    """Book counts[i] streams on replica i (as routed there, still running)."""
+    for index, count in enumerate(counts):
+        for i in range(count):
+            handle = stream_handle(f"r{index}s{i}")
+            pool.replicas[index].submit_stream(handle)
+
+
+def test_static_batches_on_streaming_replicas_go_to_the_least_loaded_one_not_busy(make_pool):
+    """A review: each replica's thread took the next static batch whatever its streams, so batches
+    landed on a replica full of streams (stalling them) while another one idled. Still, one busy
+    with a long static batch is not waited for."""
+    held = threading.Event()
+
+    def long_one_held(request):
+        if request == "long":
+            assert held.wait(TIMEOUT_S), "the test never let the long batch end"
+        return f"r1:{request}"
+
+    pool = make_pool(2, StreamingFactory({1: [lambda: long_one_held]}))
+    pool.start()
+    streams_on(pool, [4, 0])
+    went = [pool.submit(f"batch{i}").result(TIMEOUT_S).replica for i in range(10)]
+    assert went == [1] * 10, went
+    long = pool.submit("long")
+    wait_for(lambda: pool.replicas[1].busy, "replica 1 taking the long batch")
+    assert pool.submit("next").result(TIMEOUT_S).replica == 0  # not behind the long one
+    held.set()
+    assert long.result(TIMEOUT_S).outputs == "r1:long"
+
+
+def test_static_batches_go_to_the_replicas_tied_for_the_least_streams(make_pool):
+    """Replicas tied for the fewest take the batches (a tie must not leave a batch to none of them),
+    the more loaded one none, though its thread, woken by its streams' tokens, looks at the queue
+    most often."""
+    pool = make_pool(3, StreamingFactory(streaming=(2,)))
+    pool.start()
+    streams_on(pool, [4, 4, 8])
+    went = [pool.submit(f"batch{i}").result(TIMEOUT_S).replica for i in range(10)]
+    assert set(went) <= {0, 1}, went
+
+
 def test_failed_restart_attempts_wait_longer_each_time_and_the_first_is_at_once(make_pool, monkeypatch):
     """A review: after a failed attempt the next came at once, so a brief problem (a rank slow to
     join) used up max_restarts in milliseconds and the replica was given up."""

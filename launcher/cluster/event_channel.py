@@ -68,7 +68,8 @@ class EventChannel:
                 for key, _ in waiting.select(min(_ACCEPT_SLICE_S, deadline - now)):
                     if key.fileobj is server:
                         self._take(server, waiting, pending)
-                    elif self._read_token(key.fileobj, waiting, pending):
+                    # one the accept above dropped (MAX_PENDING) in this same batch: already closed
+                    elif key.fileobj in pending and self._read_token(key.fileobj, waiting, pending):
                         winner = key.fileobj
                         break
                 now = time.monotonic()

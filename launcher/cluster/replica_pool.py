@@ -18,8 +18,10 @@ Two kinds of requests reach a replica:
 Routing: requests (one batch of prompts each) wait in one shared FIFO queue; every replica has a
 thread that takes the next request whenever its group is idle. A request therefore always goes to
 a replica with the least outstanding work (an idle one) and never waits behind a busy or
-restarting replica. A replica runs one request at a time, so all ranks of a group see the same
-calls in the same order (they must: their collectives pair up call by call).
+restarting replica. A replica that also runs streams takes one only while no other serving replica
+free of a static batch holds fewer rows (_takes_static_now). A replica runs one request at a time,
+so all ranks of a group see the same calls in the same order (they must: their collectives pair up
+call by call).
 
 Faults: a rank that dies, fails or hangs mid-request stops its group (tp_group.py). The replica's
 thread then restarts the group, on the same or other resources (the old placement group is
@@ -29,10 +31,10 @@ request re-run on the same layout returns exactly the tokens it would have witho
 Restarts are bounded by a RestartPolicy; when the bound is reached, or the cluster can no longer
 host the group (placement fails, a node lost its Neuron devices), the replica is given up and the
 requests it had in flight fail with a ReplicaFailed naming what is missing (its streams with nothing
-delivered move to a serving replica instead). A restart attempt that fails while the new group
-starts is retried after 1 s, then 2, 4, ... up to 30 s (RESTART_RETRY_FIRST_S), so a brief problem
-does not use up the bound at once. The other replicas keep
-serving; when none is left, every queued and later request fails with NoReplicaAvailable. Idle
+delivered move to a serving replica instead, or, with none serving, to one restarting or starting).
+A restart attempt that fails while the new group starts is retried after 1 s, then 2, 4, ... up to
+30 s (RESTART_RETRY_FIRST_S), so a brief problem does not use up the bound at once. The other
+replicas keep serving; when none is left, every queued and later request fails with NoReplicaAvailable. Idle
 replicas are health-checked every few seconds so a dead rank is replaced before the next request.
 """
 
@@ -168,6 +170,9 @@ class Replica:
         pool = self.pool
         while not pool.stopping and self.state != "failed":
             streaming = getattr(self.started.group, "serving", False)
+            if streaming and not self._takes_static_now():
+                self._poll_streams()  # waits up to POLL_WAIT_S, as when the queue is empty
+                continue
             try:
                 item = pool._queue.get_nowait() if streaming else pool._queue.get(timeout=pool.health_check_interval_s)
             except queue.Empty:
@@ -185,6 +190,15 @@ class Replica:
                 self._poll_streams(wait_s=0.0)
         if self.state != "failed":
             self.state = "stopped"
+
+    def _takes_static_now(self) -> bool:
+        """Whether this streaming replica may take the next static batch: only while no other serving
+        replica free of a static batch holds fewer rows. Taken whatever the streams' load, every batch
+        went to a replica full of streams (stalling them) while another one idled. The least loaded
+        of those free always takes it (ties take it too), so no batch waits forever; one busy with
+        a static batch or restarting does not count, so none waits behind it either."""
+        free = [r.rows_taken() for r in self.pool.replicas if r.state == "serving" and not r.busy]
+        return not free or self.rows_taken() <= min(free)
 
     # ---- streams -----------------------------------------------------------------------------
     def submit_stream(self, handle: StreamHandle, moved: bool = False, resumed: bool = False) -> None:
@@ -595,10 +609,14 @@ class Replica:
     def _move_unstarted_streams(self) -> None:
         """As a restart does (_take_from_restarting), a replica given up hands its streams with
         nothing delivered to serving replicas (each to the least loaded), which run them from their
-        prompt: failing them failed requests another replica could answer."""
+        prompt: failing them failed requests another replica could answer. With none serving, to
+        those restarting or starting, as routing does (ReplicaPool.submit_streams): their new group
+        takes them (failed, they were refused while a new request went there)."""
         pool = self.pool
         with pool._lock:  # no request routed meanwhile: the loads compared below stay true
-            takers = [r for r in pool.replicas if r is not self and r.state == "serving"]
+            others = [r for r in pool.replicas if r is not self]
+            takers = ([r for r in others if r.state == "serving"]
+                      or [r for r in others if r.state in ("restarting", "starting")])
             if pool.stopping or not takers:
                 return
             placed = {r.index: 0 for r in takers}
@@ -607,7 +625,7 @@ class Replica:
             with self._streams_lock:  # as _hand_from_restart: a cancel from its reader now goes where it went
                 for handle in [h for h in self.streams.values() if not h.delivered and not h.closing]:
                     eligible = [r for r in takers if handle.request_id not in owed[r.index]]
-                    if not eligible:  # every serving leader still owes its old cancel: it fails here
+                    if not eligible:  # every taker's leader still owes its old cancel: it fails here
                         continue
                     taker = min(eligible, key=lambda r: r.rows_taken() + placed[r.index])
                     placed[taker.index] += 1
