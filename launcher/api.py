@@ -21,7 +21,7 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping, Set as AbstractSet
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as wait_for_futures
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -439,6 +439,20 @@ def refuse_non_utf8_prompts(prompts: Sequence[str]) -> None:
         except UnicodeEncodeError as err:
             raise ValueError(f"prompt {i} is not valid UTF-8 text ({text!r}: {err.reason} at position "
                              f"{err.start}); pass UTF-8 text") from None
+
+
+@contextlib.contextmanager
+def _in_one_prompts_words():
+    """A refusal of a call that takes one prompt (stream, astream) without an index: the checks it
+    shares with generate number their prompts ("prompt 0 is empty"), an index its caller never gave
+    (the length checks leave it out for one prompt already)."""
+    try:
+        yield
+    except ValueError as err:
+        numbered = str(err)
+        if not numbered.startswith("prompt 0 "):
+            raise
+        raise ValueError("the prompt " + numbered.removeprefix("prompt 0 ")) from None
 
 
 def _token_id_list(prompt) -> list[int] | None:
@@ -1318,14 +1332,18 @@ class Launcher:
         deadline = time.monotonic() + watchdog_s
         try:
             for first, future in parts:  # every part finishes (or fails) before this call returns
-                try:
-                    wait_s = min(max(0.0, deadline - time.monotonic()), threading.TIMEOUT_MAX)
-                    answers.append((first, future.result(timeout=wait_s)))
-                except FutureTimeout:
+                wait_s = min(max(0.0, deadline - time.monotonic()), threading.TIMEOUT_MAX)
+                # Waited for, then read: future.result(timeout=) raises the builtin TimeoutError both
+                # when its wait runs out and when the part itself failed with one (or a subclass, such
+                # as Ray's GetTimeoutError), so a part's own error was reported as this watchdog firing.
+                if not wait_for_futures([future], timeout=wait_s).done:
                     future.cancel()
                     errors.append(RequestTimeout(f"no replica answered a batch of {len(token_lists)} prompts within "
                                                  f"{watchdog_s:g} s (the request timeout, load timeout and restarts "
                                                  f"allowed); the replicas' status: {pool.status()}"))
+                    continue
+                try:
+                    answers.append((first, future.result()))
                 except Exception as err:  # noqa: BLE001 - raised below once all parts are done
                     errors.append(err)
         except KeyboardInterrupt:  # parts not started yet never run; running ones end with shutdown
@@ -1496,12 +1514,14 @@ class Launcher:
             prompt = [token_ids]
         else:
             raise ValueError(f"prompt ({show(prompt)}) must be a string or a non-empty list of token ids")
-        _, [token_ids] = self._tokenize(prompt)
+        with _in_one_prompts_words():
+            _, [token_ids] = self._tokenize(prompt)
         params = sampling if sampling is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling ({params!r}) must be a SamplingParams")
         [params] = self._with_bad_word_ids([params])
-        check_request([token_ids], [params], max_new_tokens, self.model_config.vocab_size)
+        with _in_one_prompts_words():
+            check_request([token_ids], [params], max_new_tokens, self.model_config.vocab_size)
         stop_token_ids = check_stop_token_ids(stop_token_ids, self.model_config.vocab_size)
         self._check_first_tokens([params], self._check_structured([params]),
                                  self._ending_ids(stop_token_ids, ignore_eos))

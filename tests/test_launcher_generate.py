@@ -3,7 +3,8 @@
 Real checkpoints written to disk in each format. Each case runs through the Launcher with its
 groups' ranks as threads of this process (tests/in_process_cluster.py: planning, loading, the
 replica pool and the engine are the real ones); TP 1 and one eager TP 2 case (the fast lane's Ray
-smoke test) also run through real Ray actors and real process groups (RAY_CASES).
+smoke test) also run through real Ray actors and real process groups (RAY_CASES). Then the errors
+generate and stream raise: a static batch's part's own, and a stream's refusals of its one prompt.
 """
 
 from __future__ import annotations
@@ -82,3 +83,31 @@ def check_case(case, tmp_path, **launch) -> None:
     for r in batch:
         assert r.finish_reason == ("length" if len(r.token_ids) == NEW_TOKENS else "stop")
     assert all(r.prompt_tokens == len(p) for r, p in zip(batch, PROMPTS))
+
+
+def test_static_batch_raises_a_parts_own_timeout_error(tmp_path, in_process_cluster):
+    """A part that failed with its own TimeoutError (or a subclass: Ray's GetTimeoutError) raises that
+    error: on Python >= 3.11 it is the TimeoutError future.result(timeout=) raises when its wait runs
+    out, and it was reported as the static watchdog firing ("no replica answered ... within N s")."""
+    model = build_random_model("llama", seed=1, num_heads=4, num_kv_heads=2)
+    save_model(model, tmp_path, "safetensors")
+    with Launcher(model=str(tmp_path), tp=1, compile=False, progress=False, max_batch_size=2) as launcher:
+        launcher._group.fail_next(TimeoutError("rank 0's own wait timed out"))
+        with pytest.raises(TimeoutError, match=r"^rank 0's own wait timed out$"):
+            launcher.generate(PROMPTS, max_new_tokens=NEW_TOKENS, batching="static")
+
+
+def test_a_streams_refusals_name_no_index_for_its_one_prompt(in_process_cluster):
+    """stream takes one prompt: the checks it shares with generate said "prompt 0 is empty", an index
+    its caller never gave, where generate's length checks say "the prompt" for one prompt."""
+    from shardlib.demo_model import ensure_demo_model
+
+    with Launcher(model=str(ensure_demo_model()), tp=1, compile=False, progress=False, max_num_seqs=2,
+                  seq_len=256) as launcher:
+        vocab = launcher.model_config.vocab_size
+        for prompt, said in (("", "the prompt is empty; every prompt needs at least one token"),
+                             ([1, vocab], f"the prompt holds token ids [{vocab}] outside the vocabulary [0, {vocab})"),
+                             ("bad \udcff byte", "the prompt is not valid UTF-8 text")):
+            with pytest.raises(ValueError) as caught:
+                launcher.stream(prompt)
+            assert str(caught.value).startswith(said), caught.value

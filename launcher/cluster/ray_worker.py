@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import glob
 import sys
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import ray
 
@@ -71,13 +70,14 @@ class RayRankWorker(RankWorker):
             # the actor).
             self._end_serving()
             release = self._compute.submit(self._release)
-            try:
-                release.result(timeout=SHUTDOWN_RELEASE_WAIT_S)
-            except FutureTimeout:
+            # waited for, then read: result(timeout=) raises the builtin TimeoutError for a release
+            # that itself failed with one too, which this message would have misnamed
+            if not wait([release], timeout=SHUTDOWN_RELEASE_WAIT_S).done:
                 raise TimeoutError(
                     f"rank {self.spec.rank}: its compute thread was still busy {SHUTDOWN_RELEASE_WAIT_S:g} s after "
                     f"the serving loop was stopped (a static batch or a step stuck in the process group), so the "
-                    f"process group was not left; the launcher kills the actor") from None
+                    f"process group was not left; the launcher kills the actor")
+            release.result()  # its own error, as it was
         finally:
             self._compute.shutdown(wait=False)
 

@@ -510,6 +510,17 @@ def _unavailable(err: LaunchError) -> str:
     return "this server replica's model is not serving (it is stopping)"
 
 
+def _refused_unavailable(metrics, err: LaunchError) -> ProtocolError:
+    """The 503 model_unavailable (with Retry-After) for a request refused because no replica of this
+    server's launcher is serving (Serve replaces this one) or it is shutting down, counted as refused.
+    One helper for every step that reaches the launcher before a stream starts: the structured-output
+    check answered this with an uncounted plain 500."""
+    metrics.rejected(503, reason="unavailable")
+    return ProtocolError(f"the model cannot take requests now: {_unavailable(err)}; retry after "
+                         f"{UNAVAILABLE_RETRY_S} s", status=503, type="server_error", code="model_unavailable",
+                         headers=_RETRY_UNAVAILABLE)
+
+
 _NO_RETRY = {"x-should-retry": "false"}
 """On a failure a retry only repeats: the official openai client retries every 5xx twice unless told
 not to, so a 504 generation_timeout ran the whole generation three times (about 30 minutes at the
@@ -1471,6 +1482,8 @@ class OpenAIServer:
         except ValueError as err:
             self.metrics.rejected(400)
             raise ProtocolError(str(err), param=_refused_param(str(err), req, prompt_param)) from None
+        except LaunchError as err:  # not running: the check reaches the launcher before any stream does
+            raise _refused_unavailable(self.metrics, err) from None
         streams = []
         try:
             for i, (prompt, limit) in enumerate(zip(prompts, max_tokens)):
@@ -1536,10 +1549,7 @@ class OpenAIServer:
             raise ProtocolError(_at_capacity(err, retry, self.several_replicas), status=503,
                                 type="server_error", code="queue_full", headers={"Retry-After": str(retry)}) from None
         except LaunchError as err:  # no replica left serving (Serve replaces this one), or shutting down
-            self.metrics.rejected(503, reason="unavailable")
-            raise ProtocolError(f"the model cannot take requests now: {_unavailable(err)}; retry after "
-                                f"{UNAVAILABLE_RETRY_S} s", status=503, type="server_error", code="model_unavailable",
-                                headers=_RETRY_UNAVAILABLE) from None
+            raise _refused_unavailable(self.metrics, err) from None
 
     async def _respond(self, req, stream: ChoiceStreams, renders: list, arrived: float) -> Response:
         """The response of the request's choices (renders[i] renders choice i; each choice's tokens
