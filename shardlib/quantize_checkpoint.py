@@ -71,7 +71,6 @@ def check_quantize_request(model_dir: str | Path, dtype: str, out_dir: str | Pat
     """(the source's parsed config.json, the normalized format); ValueError (one line) for an unknown
     dtype, an already quantized source, an output path that exists, or an LM head asked for where
     the model has none of its own, or an output path inside the model's folder. Reads no weights."""
-    _refuse_out_inside_model(model_dir, out_dir)
     fmt = check_quantize_options(dtype, out_dir)
     config_file = Path(model_dir) / "config.json"
     if not Path(model_dir).exists():  # said "has no config.json" of a path that is not there at all
@@ -82,6 +81,7 @@ def check_quantize_request(model_dir: str | Path, dtype: str, out_dir: str | Pat
     if Path(model_dir).is_file():
         raise ValueError(f"--model {model_dir} is a file; pass the model directory that holds it "
                          f"({Path(model_dir).parent})")
+    refuse_out_inside_model(model_dir, out_dir)  # after those: a mistyped --model is named as missing
     if not config_file.exists():
         if (Path(model_dir) / "manifest.json").is_file():  # what corelaunch compile or save_presharded wrote
             raise ValueError(f"--model {model_dir} is a corelaunch compiled or pre-sharded directory, not a Hugging "
@@ -103,7 +103,7 @@ def check_quantize_request(model_dir: str | Path, dtype: str, out_dir: str | Pat
     return raw, fmt
 
 
-def _refuse_out_inside_model(model_dir: str | Path, out_dir: str | Path) -> None:
+def refuse_out_inside_model(model_dir: str | Path, out_dir: str | Path) -> None:
     """ValueError for an --out that is the model's folder or lies inside it: the copy became part
     of the model's folder, and the built-in model's cache folder (shardlib/demo_model.py) is replaced
     whole when it is converted again, losing the copy without a word. Compared once resolved, so

@@ -419,7 +419,7 @@ def test_check_refuses_an_unwritable_save_expected_path_naming_the_option(models
                           (tmp_path, "is a directory; pass a file path"),
                           # the model's own weights were replaced without a word
                           (weights, "exists and is not an expected-outputs file; corelaunch check replaces only "
-                                    "its own: pass a new path, or delete that file first")):
+                                    "its own (the model's weights were one such file): pass a new path")):
         code, _, err = run_check(capsys, "--model", str(original), "--prompt-ids", PROMPT_IDS,
                                  "--save-expected", str(path))
         assert code == 2 and f"--save-expected {path} " in err and message in err, err

@@ -94,3 +94,21 @@ def test_an_out_inside_the_model_directory_is_refused_before_anything_is_written
     assert main(["quantize", "--dtype", "int8", "--out", str(demo / "q8"), "--quiet"]) == 2
     assert f"is inside the --model directory {demo}" in capsys.readouterr().err
     assert sorted(p.name for p in demo.iterdir()) == demo_files
+
+
+def test_a_missing_model_is_named_before_an_out_inside_it(tmp_path, capsys):
+    """A mistyped --model with --out beside it was told its --out lay inside the model's folder."""
+    missing = tmp_path / "typo"
+    assert main(["quantize", "--model", str(missing), "--dtype", "int8", "--out", str(missing / "q8"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert f"--model {missing} does not exist" in err and "inside" not in err, err
+
+
+def test_an_out_inside_the_built_in_models_folder_is_refused_before_it_is_converted(tmp_path, capsys, monkeypatch):
+    """Without --model, the refusal came once the built-in model had been converted (about 30 s
+    the first time): a cache of no model shows nothing was converted first."""
+    monkeypatch.setenv("CORELAUNCH_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "cache" / "smollm2-135m-instruct" / "q8"
+    assert main(["quantize", "--dtype", "int8", "--out", str(out), "--quiet"]) == 2
+    assert "is inside the --model directory" in capsys.readouterr().err
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())

@@ -254,7 +254,7 @@ def check_save_expected_path(path: str) -> None:
     if Path(path).exists() and not _holds_expected_outputs(Path(path)):
         # e.g. the model's own model.safetensors, replaced without a word
         raise ValueError(f"--save-expected {path} exists and is not an expected-outputs file; corelaunch check "
-                         f"replaces only its own: pass a new path, or delete that file first")
+                         f"replaces only its own (the model's weights were one such file): pass a new path")
     reason = unwritable_reason(path)
     if reason is not None:
         raise ValueError(f"--save-expected {path} cannot be written: {reason}; pass a path in a directory you "

@@ -19,7 +19,7 @@ first.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from workers.serving import prefix_reuse
@@ -28,7 +28,7 @@ from workers.serving.requests import StreamRequest
 from workers.serving.step_plan import ClearRow, Command, CopyPrefix, DecodeRow, PrefillChunk, StepPlan
 
 
-@dataclass(eq=False)  # one request's state, equal only to itself (see Scheduler.cancel)
+@dataclass(eq=False)  # one request's state, equal only to itself
 class Sequence:
     request: StreamRequest
     row: int | None = None
@@ -75,21 +75,20 @@ class Scheduler:
         self.rows_to_clear: list[ClearRow] = []
         """Rows a failed (or mid-prefill cancelled) request held: free again once a plan has carried
         their clearing."""
-        self.waiting: deque[Sequence] = deque()
-        self._waiting_by_id: dict[str, Sequence] = {}
-        """`waiting` by request id, so add() and cancel() find an id without scanning the queue (with
-        16,000 requests queued at once those scans held the leader's loop for 21 s). A request held
-        back (prefix caching) stays in both."""
+        self._waiting: OrderedDict[str, Sequence] = OrderedDict()
+        """Queued requests by id, in the order they are seated: add() and cancel() find an id, and
+        take it out, without scanning the queue (with 16,000 requests queued at once, a scan per add
+        and per cancel held the leader's loop for 21 s). One held back (prefix caching) goes back
+        to the front."""
         self.running: OrderedDict[str, Sequence] = OrderedDict()
         """By admission order: the order chunks and decode rows are planned in."""
 
     # ---- requests in and out -------------------------------------------------------------------
     def add(self, sequence: Sequence) -> None:
         rid = sequence.request.request_id
-        if rid in self.running or rid in self._waiting_by_id:
+        if rid in self.running or rid in self._waiting:
             raise ValueError(f"request id {rid!r} is already queued or running")
-        self.waiting.append(sequence)
-        self._waiting_by_id[rid] = sequence
+        self._waiting[rid] = sequence
 
     def cancel(self, request_id: str) -> Sequence | None:
         """Remove a waiting or running request (freeing its row); None when it is not here."""
@@ -97,11 +96,7 @@ class Scheduler:
             seq = self.running[request_id]
             # mid-prefill, what its chunks wrote was never checked: no logits of theirs were read
             return self.finish(seq, clear=seq.prefilled < len(seq.prompt))
-        seq = self._waiting_by_id.pop(request_id, None)
-        if seq is not None:
-            # by identity (eq=False): a field-by-field __eq__ compared whole requests with each one ahead
-            self.waiting.remove(seq)
-        return seq
+        return self._waiting.pop(request_id, None)
 
     def finish(self, sequence: Sequence, clear: bool = False) -> Sequence:
         """Free the sequence's row; `clear`: only once a plan has zeroed what it wrote (a request that
@@ -119,6 +114,11 @@ class Scheduler:
             sequence.row = None
         sequence.pending = None
         return sequence
+
+    @property
+    def waiting(self):
+        """The queued sequences, in the order they are seated (a view: nothing is copied)."""
+        return self._waiting.values()
 
     @property
     def idle(self) -> bool:
@@ -142,14 +142,15 @@ class Scheduler:
         held_back: list[Sequence] = []
         # a row stays free for each request held back: one arriving after it would take the row
         # the held one waits to be seated in, and hold it for its whole answer, not a prefill
-        while self.waiting and len(self.free_rows) > len(held_back):
-            seq = self.waiting.popleft()
+        while self._waiting and len(self.free_rows) > len(held_back):
+            _, seq = self._waiting.popitem(last=False)
             if not self._seat(seq, copies, in_use):
                 held_back.append(seq)
                 continue
             self.running[seq.request.request_id] = seq
-            del self._waiting_by_id[seq.request.request_id]
-        self.waiting.extendleft(reversed(held_back))  # first in line again, in their order
+        for seq in reversed(held_back):  # first in line again, in their order
+            self._waiting[seq.request.request_id] = seq
+            self._waiting.move_to_end(seq.request.request_id, last=False)
         budget, prefills, decode = self.max_prefill_tokens, [], []
         for seq in self.running.values():
             if seq.prefilled < len(seq.prompt):
