@@ -43,9 +43,9 @@ import torch
 
 # Locating the files and checking names and shapes needs no torch (the driver does it before any
 # worker starts); the names are re-exported here, where the loaders have always found them.
-from shardlib.checkpoint_files import (CHECKPOINT_FILES, CheckpointFiles,  # noqa: F401
+from shardlib.checkpoint_files import (CHECKPOINT_FILES, READABLE_DTYPES, CheckpointFiles,  # noqa: F401
                                        check_dtypes, checked_names, find_checkpoint, safetensors_header,
-                                       validated_names)
+                                       unreadable_dtype, validated_names)
 from shardlib.model_config import ModelConfig, normalize_dtype
 from shardlib.param_shapes import expected_shapes
 from shardlib.quantization import keeps_dtype
@@ -62,6 +62,7 @@ _SAFETENSORS_DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+assert tuple(_SAFETENSORS_DTYPES) == READABLE_DTYPES, "the driver's check must refuse exactly what a rank cannot read"
 
 
 @dataclass(frozen=True)
@@ -84,8 +85,7 @@ class SafetensorsFile:
         for name, entry in safetensors_header(path).items():  # validated by safetensors itself
             dtype = _SAFETENSORS_DTYPES.get(entry.dtype)
             if dtype is None:
-                raise ValueError(f"tensor {name!r} in {path} has dtype {entry.dtype}, which corelaunch "
-                                 f"cannot read; supported: {', '.join(_SAFETENSORS_DTYPES)}")
+                raise ValueError(unreadable_dtype(name, path, entry.dtype))
             self.entries[name] = _Entry(entry.shape, dtype, entry.begin)
         self._fd: int | None = None
 

@@ -91,7 +91,7 @@ def find_checkpoint(model_dir: str | Path) -> CheckpointFiles:
 
 def _from_index(directory: Path, fmt: str, index: Path) -> CheckpointFiles:
     try:
-        raw = json.loads(index.read_text())
+        raw = json.loads(index.read_text(), object_pairs_hook=_JsonObject.of)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"checkpoint index {index} is not valid JSON ({err}); re-download or re-save it") from None
     weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
@@ -101,6 +101,7 @@ def _from_index(directory: Path, fmt: str, index: Path) -> CheckpointFiles:
             f"checkpoint index {index} has no \"weight_map\" object of tensor name -> file name; "
             f"re-download or re-save it"
         )
+    _refuse_repeated_tensors(index, weight_map)
     if not weight_map:  # a cut download: read as no files at all, a traceback came later
         raise ValueError(f"checkpoint index {index} lists no tensors (its \"weight_map\" is empty); the download is "
                          f"incomplete: fetch the index again")
@@ -119,6 +120,35 @@ def _from_index(directory: Path, fmt: str, index: Path) -> CheckpointFiles:
         )
     return CheckpointFiles(directory, fmt, tuple(sorted(files.values())),
                            {name: files[f] for name, f in weight_map.items()}, index)
+
+
+class _JsonObject(dict):
+    """A parsed JSON object (the last value of a repeated key, as json.loads keeps) that remembers
+    each key it holds more than once, with every value given for it."""
+
+    repeated: dict[str, list]
+
+    @classmethod
+    def of(cls, pairs: list[tuple[str, object]]) -> "_JsonObject":
+        parsed = cls(pairs)
+        values: dict[str, list] = {}
+        for key, value in pairs:
+            values.setdefault(key, []).append(value)
+        parsed.repeated = {key: found for key, found in values.items() if len(found) > 1}
+        return parsed
+
+
+def _refuse_repeated_tensors(index: Path, weight_map: _JsonObject) -> None:
+    """ValueError when the index maps one tensor to two files: json.loads kept the last, so which
+    copy loaded (and which the weights' fingerprint hashed) was the parser's choice. The same file
+    listed twice is harmless and passes."""
+    for name, file_names in weight_map.repeated.items():
+        distinct = list(dict.fromkeys(Path(str(f)) for f in file_names))  # "./a" is "a"
+        if len(distinct) > 1:
+            raise ValueError(
+                f"checkpoint index {index} maps tensor {name!r} to {len(distinct)} files in its \"weight_map\" "
+                f"({' and '.join(map(str, distinct))}): which copy loads was the JSON parser's choice; remove all "
+                f"but the entry naming the file that holds the right weights, or download the index again")
 
 
 def _refuse_other_format(index: Path, fmt: str, file_names: list[str]) -> None:
@@ -195,10 +225,32 @@ def check_checkpoint(model_dir: str | Path, config: ModelConfig) -> None:
         check_opened_checkpoint(ckpt, config)
         return
     headers = {path: safetensors_header(path) for path in ckpt.files}
+    _refuse_unreadable_dtypes(headers)
     names = checked_names(ckpt, {path: {n: e.shape for n, e in entries.items()} for path, entries in headers.items()},
                           config)
     check_dtypes(ckpt, {n: headers[ckpt.weight_map[n]][n].dtype for n in names}, config)
     _check_tied_head(ckpt, headers, config)
+
+
+READABLE_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "I64", "I32", "I16", "I8", "U8", "BOOL")
+"""safetensors' names of the dtypes a rank's loader reads (shardlib.checkpoint maps each to torch's)."""
+
+
+def _refuse_unreadable_dtypes(headers: dict[Path, dict[str, HeaderEntry]]) -> None:
+    """ValueError for any stored tensor of a dtype the ranks' loader cannot read, used or not: each
+    rank refuses the whole file for it (shardlib.checkpoint.SafetensorsFile), so a checkpoint with an
+    extra U16 buffer passed this check and failed on every rank once Ray had started."""
+    for path, entries in headers.items():
+        for name, entry in entries.items():
+            if entry.dtype not in READABLE_DTYPES:
+                raise ValueError(unreadable_dtype(name, path, entry.dtype))
+
+
+def unreadable_dtype(name: str, path: Path, dtype: str) -> str:
+    """The refusal of a stored tensor whose dtype is not one of READABLE_DTYPES."""
+    return (f"tensor {name!r} in {path} has dtype {dtype}, which corelaunch cannot read (it reads "
+            f"{', '.join(READABLE_DTYPES)}), even where the model does not use the tensor; save the checkpoint "
+            f"again without it, or with it cast to one of those")
 
 
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F64", "F8_E4M3", "F8_E5M2")

@@ -46,12 +46,13 @@ from safetensors.torch import save_file
 from shardlib import sharding  # SLICING_VERSION read at each use: a test may bump it
 from shardlib.atomic_dir import atomic_dir, linking_out_dir
 from shardlib.checkpoint import Progress, SafetensorsFile, check_layout, load_rank_shard, shard_shapes
+from shardlib.expert_sharding import MOE_SHARDINGS
 from shardlib.file_modes import as_umask_allows, process_umask
 from shardlib.manifest import MANIFEST, check_field, read_manifest_json, write_manifest_json
 from shardlib.model_config import UNHASHED_FIELDS, ModelConfig, load_model_config, normalize_dtype
 from shardlib.param_shapes import expected_shapes
 from shardlib.quantization import keeps_dtype_of
-from shardlib.sharding import ShardLayout, TensorSlice
+from shardlib.sharding import KVStrategy, ShardLayout, TensorSlice
 from shardlib.weights_fingerprint import FIELD as FINGERPRINT, weights_fingerprint
 
 FORMAT_VERSION = 1
@@ -67,7 +68,7 @@ _WRITE_HINT = ("write it with shardlib.presharded.save_presharded (or `corelaunc
 _REQUIRED = ("format_version", "config_hash", "model_type", "tp_degree", "kv_strategy", "dtype", "files")
 _FIELDS = {"format_version": int, "config_hash": str, "model_type": str, "tp_degree": int, "kv_strategy": str,
            "dtype": str, "files": list, "source": str, "slicing_version": int, "corelaunch_version": str,
-           FINGERPRINT: str}
+           FINGERPRINT: str, "pad_q_heads": bool}
 _FILE_FIELDS = {"rank": int, "file": str, "bytes": int, "sha256": str}
 _WHOLE = TensorSlice(dim=None)
 
@@ -207,7 +208,22 @@ def read_manifest(directory: str | Path, *, shown: str | Path | None = None) -> 
             check_field(record.get("dtype"), str, f"{field}.dtype", path, _WRITE_HINT)
             for n in check_field(record.get("shape"), list, f"{field}.shape", path, _WRITE_HINT):
                 check_field(n, int, f"{field}.shape", path, _WRITE_HINT)
+    _check_layout_values(manifest, path)
     return manifest
+
+
+def _check_layout_values(manifest: dict[str, Any], path: Path) -> None:
+    """ValueError naming the field for a layout value no save writes: a launch takes these into its
+    own settings (launcher/artifacts/presharded_dir.py), where a corrupt "tp_degree": 0 was refused in
+    the words of a flag nobody passed (--tp (0) must be a positive integer)."""
+    if manifest["tp_degree"] < 1:
+        raise ValueError(f"{path}: field 'tp_degree' must be a positive integer, found {manifest['tp_degree']}; "
+                         f"{_WRITE_HINT}")
+    choices = {"kv_strategy": tuple(s.value for s in KVStrategy), "moe_sharding": MOE_SHARDINGS}
+    for field, allowed in choices.items():
+        if field in manifest and manifest[field] not in allowed:
+            raise ValueError(f"{path}: field {field!r} must be one of {', '.join(allowed)}, found "
+                             f"{manifest[field]!r}; {_WRITE_HINT}")
 
 
 def load_presharded(directory: str | Path, config: ModelConfig, layout: ShardLayout, rank: int,
@@ -347,7 +363,7 @@ def _rank_file(manifest: dict[str, Any], root: Path, shown: Path, rank: int) -> 
     lists none, names one outside the directory, or the file is missing."""
     entry = next((f for f in manifest["files"] if f["rank"] == rank), None)
     if entry is None:
-        raise ValueError(f"{shown / MANIFEST} lists no file for rank {rank}; write the checkpoint again")
+        raise ValueError(f"{shown / MANIFEST} lists no file for rank {rank}; {_WRITE_HINT}")
     path = _inside(root, shown, entry["file"])
     shown_path = shown / entry["file"]
     if not path.is_file():

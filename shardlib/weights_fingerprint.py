@@ -13,7 +13,8 @@ samples goes unnoticed (what the sha256 of each pre-sharded file does not cover 
 guards the copy, not its source).
 
 For safetensors checkpoints the fingerprint follows the tensors, not the files: the same weights
-saved in other shards give the same fingerprint. A pickled (.bin) checkpoint has no table of
+saved in other shards give the same fingerprint. Of a tensor stored in two shards only the copy the
+index maps it to, the one a load reads, is hashed. A pickled (.bin) checkpoint has no table of
 contents to read without unpickling it, so its fingerprint samples each file whole (name, size and
 sixteen evenly spaced samples): re-saving it in other files changes it.
 
@@ -25,7 +26,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from shardlib.checkpoint_files import find_checkpoint, safetensors_header, sampled_bytes
+from shardlib.checkpoint_files import CheckpointFiles, find_checkpoint, safetensors_header, sampled_bytes
 
 SAMPLE_BYTES = 4096
 FILE_SAMPLES = 16
@@ -42,7 +43,7 @@ def weights_fingerprint(model_dir: str | Path) -> str | None:
         ckpt = find_checkpoint(model_dir)
         digest = hashlib.sha256(f"{ckpt.format.split('_')[0]}\n".encode())
         if ckpt.format.startswith("safetensors"):
-            _hash_tensors(digest, ckpt.files)
+            _hash_tensors(digest, ckpt)
         else:
             for path in ckpt.files:
                 _hash_file(digest, path)
@@ -73,18 +74,26 @@ def check_same_weights(recorded: str | None, model_dir: str | Path, *, copy: str
     )
 
 
-def _hash_tensors(digest, files: tuple[Path, ...]) -> None:
+def _hash_tensors(digest, ckpt: CheckpointFiles) -> None:
     spans = []
-    for path in files:
+    for path in ckpt.files:
         header = safetensors_header(path)
         starts = sorted({entry.begin for entry in header.values()}) + [path.stat().st_size]
         next_begin = dict(zip(starts, starts[1:]))  # offsets are contiguous (checked by safetensors)
         # a tensor with no elements shares its offset with the next one and owns no bytes
         spans += [(name, entry, path, entry.begin if 0 in entry.shape else next_begin[entry.begin])
-                  for name, entry in header.items()]
+                  for name, entry in header.items() if _loaded_from(ckpt, name, path)]
     for name, entry, path, end in sorted(spans, key=lambda span: span[0]):
         digest.update(f"{name}\n{entry.dtype}\n{list(entry.shape)}\n".encode())
         digest.update(sampled_bytes(path, entry.begin, end, 3, SAMPLE_BYTES))
+
+
+def _loaded_from(ckpt: CheckpointFiles, name: str, path: Path) -> bool:
+    """Whether the load reads tensor `name` from `path`: a tensor stored in two shards is read from
+    the one the index maps it to, and hashing both copies left the fingerprint unchanged when the
+    index was re-pointed to the other (a copy cut before then loaded stale weights). A tensor the
+    index does not list is hashed where it is, as it always was, so recorded fingerprints stay valid."""
+    return ckpt.weight_map.get(name, path) == path
 
 
 def _hash_file(digest, path: Path) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from shardlib.checkpoint import CHECKPOINT_FILES, find_checkpoint, load_rank_shard
 from shardlib.model_config import load_model_config
@@ -99,7 +99,7 @@ def test_tied_config_with_another_stored_lm_head_is_refused_before_any_rank(mode
     from shardlib.checkpoint_files import check_checkpoint
 
     state, dirs = models["llama_tied"]
-    d = _copy_config(dirs["safetensors"], tmp_path)
+    d = _copy_config(dirs["safetensors"], tmp_path / "model")  # the quantized copy goes beside it, not inside
     other = state["model.embed_tokens.weight"].clone()
     other[-1, -1] += 1.0  # one element apart, in the last sample
     save_file({**state, "lm_head.weight": other}, d / "model.safetensors")
@@ -380,6 +380,49 @@ def test_integer_weights_are_refused_by_the_driver_and_the_ranks(models, tmp_pat
         found = {torch.int32: "I32", torch.int8: "I8", torch.bool: "BOOL"}[dtype]
         assert f"{name!r}" in msg and f"is {found} (expected one of F32, BF16" in msg, msg
         assert "no quantization_config" in msg and "floating-point checkpoint" in msg, msg
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "safetensors_sharded"])
+def test_a_tensor_of_a_dtype_the_ranks_cannot_read_is_refused_by_the_driver_too(models, tmp_path, fmt):
+    """Each rank refuses a file holding any tensor of a dtype it cannot read, used or not; the driver
+    checked only the tensors the model reads, so an extra U16 rotary buffer passed it and failed on
+    every rank once Ray had started."""
+    from shardlib.checkpoint_files import check_checkpoint
+
+    d = tmp_path / fmt
+    shutil.copytree(models["llama"][1][fmt], d)
+    holder = sorted(d.glob("*.safetensors"))[-1]
+    name = "model.layers.0.self_attn.rotary_emb.inv_freq"  # a buffer the model skips
+    tensors = load_file(holder)
+    save_file({**tensors, name: torch.zeros(4, dtype=torch.uint16)}, holder)
+    config = load_model_config(d)
+    for check in (lambda: check_checkpoint(d, config), lambda: _load(d)):
+        with pytest.raises(ValueError) as err:
+            check()
+        msg = str(err.value)
+        assert f"tensor {name!r} in {holder} has dtype U16" in msg and "save the checkpoint again without it" in msg
+
+
+def test_an_index_mapping_a_tensor_to_two_files_is_refused_naming_both(models, tmp_path):
+    """json.loads keeps the last of a repeated key: which copy loaded, and which the weights'
+    fingerprint hashed, was the parser's choice."""
+    d = tmp_path / "idx"
+    shutil.copytree(models["llama"][1]["safetensors_sharded"], d)
+    index = d / "model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())["weight_map"]
+    files = sorted(set(weight_map.values()))
+    name = next(n for n, f in weight_map.items() if f == files[1])
+    entries = [f"{json.dumps(n)}: {json.dumps(f)}" for n, f in weight_map.items()]
+    entries.insert(0, f"{json.dumps(name)}: {json.dumps(files[0])}")  # the same tensor, first in another file
+    index.write_text('{"weight_map": {' + ", ".join(entries) + "}}")
+    with pytest.raises(ValueError) as err:
+        find_checkpoint(d)
+    msg = str(err.value)
+    assert f"checkpoint index {index} maps tensor {name!r} to 2 files" in msg
+    assert f"{files[0]} and {files[1]}" in msg and "remove all but the entry" in msg
+    entries[0] = f"{json.dumps(name)}: {json.dumps('./' + files[1])}"  # the same file twice: harmless
+    index.write_text('{"weight_map": {' + ", ".join(entries) + "}}")
+    assert find_checkpoint(d).weight_map[name] == d / files[1]
 
 
 @pytest.mark.parametrize("fmt", ["bin", "bin_sharded"])

@@ -259,6 +259,16 @@ def _record_file(out, rank):
     _edit_manifest(out, edit)
 
 
+def test_a_manifest_listing_no_file_for_a_rank_is_refused_with_the_fix(llama_tp3, tmp_path):
+    out, config, layout = _copy(llama_tp3, tmp_path)
+    _edit_manifest(out, lambda manifest: manifest["files"].pop(2))
+    for check in (lambda: presharded.check_presharded_dir(out, config, layout),
+                  lambda: load_presharded(out, config, layout, 2)):
+        with pytest.raises(ValueError) as err:
+            check()
+        assert str(err.value) == f"{out / MANIFEST} lists no file for rank 2; {presharded._WRITE_HINT}"
+
+
 def test_a_rank_pointed_at_another_ranks_file_is_refused(llama_tp3, tmp_path):
     """The ranks' shards share one shape: a manifest whose entries for ranks 0 and 1 were swapped
     (or whose files were renamed into each other's places, sizes and hashes recorded) passed every
@@ -396,6 +406,7 @@ def test_a_tensor_of_another_shape_is_refused(llama_tp3, tmp_path):
 @pytest.mark.parametrize("field, edit", [
     ("tp_degree", lambda m: m.update(tp_degree="3")),
     ("format_version", lambda m: m.update(format_version=True)),
+    ("pad_q_heads", lambda m: m.update(pad_q_heads="false")),  # a launch read it as bool("false"): padded
     ("dtype", lambda m: m.update(dtype=None)),
     ("files", lambda m: m.update(files={"rank": 0})),
     ("files[1]", lambda m: m["files"].__setitem__(1, "rank-00001-of-00003.safetensors")),
@@ -536,6 +547,27 @@ def test_a_broken_presharded_dir_is_refused_before_any_start(llama_tp3, sources,
         damage(broken)
         with pytest.raises((ValueError, FileNotFoundError), match=re.escape(words)):
             Launcher(model=str(sources["llama"]), presharded_dir=str(broken), progress=False).prepare()
+
+
+@pytest.mark.parametrize("field, value", [("tp_degree", 0), ("tp_degree", -2), ("kv_strategy", "bogus"),
+                                          ("moe_sharding", "bogus")])
+@pytest.mark.parametrize("tp", ["auto", 3])
+def test_a_layout_value_no_save_writes_is_refused_naming_the_manifest_field(llama_tp3, sources, tmp_path, field,
+                                                                            value, tp):
+    """The launch takes the manifest's layout into its own settings: "tp_degree": 0 was refused as
+    `--tp (0) must be a positive integer`, a flag nobody passed, and with --tp 3 as another layout
+    than asked, advising to drop the options. The manifest's field is named, with the fix."""
+    from launcher.api import LaunchConfig
+    from launcher.launch_plan import plan_launch, with_artifact_settings
+    from launcher.progress import Progress
+
+    out, _, _ = _copy(llama_tp3, tmp_path)
+    _edit_manifest(out, lambda manifest: manifest.update({field: value}))
+    with pytest.raises(ValueError) as err:
+        config = with_artifact_settings(LaunchConfig(model=str(sources["llama"]), presharded_dir=str(out), tp=tp))
+        plan_launch(config, Progress(False))
+    assert f"{out / MANIFEST}: field {field!r}" in str(err.value) and repr(value) in str(err.value)
+    assert presharded._WRITE_HINT in str(err.value)
 
 
 def test_the_flags_a_copy_was_written_with_are_taken_again_where_padding_adds_nothing(llama_tp3, sources, tmp_path,

@@ -152,6 +152,64 @@ def test_a_tensor_without_elements_owns_no_bytes(tmp_path):
     assert weights_fingerprint(whole) == weights_fingerprint(split)
 
 
+def _fingerprint_before_the_index_chose_the_copy(model_dir: Path) -> str:
+    """weights_fingerprint of a safetensors checkpoint as corelaunch computed it when every manifest
+    written so far recorded it: every tensor of every file's header hashed."""
+    import hashlib
+
+    from shardlib.checkpoint_files import find_checkpoint, safetensors_header, sampled_bytes
+
+    ckpt = find_checkpoint(model_dir)
+    digest = hashlib.sha256(f"{ckpt.format.split('_')[0]}\n".encode())
+    spans = []
+    for path in ckpt.files:
+        header = safetensors_header(path)
+        starts = sorted({entry.begin for entry in header.values()}) + [path.stat().st_size]
+        next_begin = dict(zip(starts, starts[1:]))
+        spans += [(name, entry, path, entry.begin if 0 in entry.shape else next_begin[entry.begin])
+                  for name, entry in header.items()]
+    for name, entry, path, end in sorted(spans, key=lambda span: span[0]):
+        digest.update(f"{name}\n{entry.dtype}\n{list(entry.shape)}\n".encode())
+        digest.update(sampled_bytes(path, entry.begin, end, 3, SAMPLE_BYTES))
+    return digest.hexdigest()
+
+
+def test_fingerprints_already_recorded_stay_valid(models):
+    """Manifests written before hashed every tensor of every file: for a checkpoint holding each
+    tensor once, in one file or in shards, the fingerprint is the same as then."""
+    for name in ("base", "tuned", "sharded"):
+        assert weights_fingerprint(models[name]) == _fingerprint_before_the_index_chose_the_copy(models[name])
+
+
+def _stored_twice(models, directory: Path) -> tuple[Path, str]:
+    """The base model in two shards, the second's last tensor stored again, with other values, in the
+    first; the index maps it to the second (the base's values)."""
+    directory.mkdir()
+    (directory / "config.json").write_text((models["base"] / "config.json").read_text())
+    tensors = load_file(models["base"] / "model.safetensors")
+    names = sorted(tensors)
+    first, second = names[:len(names) // 2], names[len(names) // 2:]
+    twice = second[-1]
+    save_file({**{n: tensors[n] for n in first}, twice: tensors[twice] + 1.0}, directory / "s1.safetensors")
+    save_file({n: tensors[n] for n in second}, directory / "s2.safetensors")
+    _write_index(directory, {**{n: "s1.safetensors" for n in first}, **{n: "s2.safetensors" for n in second}})
+    return directory, twice
+
+
+def _write_index(directory: Path, weight_map: dict[str, str]) -> None:
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+def test_of_a_tensor_stored_twice_only_the_copy_the_index_loads_counts(models, tmp_path):
+    """Both copies were hashed: re-pointing the index at the other copy (other weights load) left
+    the fingerprint as it was, and a pre-sharded or compiled copy cut before was used silently."""
+    directory, twice = _stored_twice(models, tmp_path / "twice")
+    assert weights_fingerprint(directory) == weights_fingerprint(models["base"])  # what loads: the base
+    weight_map = json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"]
+    _write_index(directory, {**weight_map, twice: "s1.safetensors"})
+    assert weights_fingerprint(directory) not in (None, weights_fingerprint(models["base"]))
+
+
 def test_unreadable_weights_are_not_compared(models, base_presharded, tmp_path):
     """A --model whose weights cannot be read (LFS pointers, a truncated download) with a pre-sharded
     copy, which is all the ranks read: nothing to compare, no refusal (it was a new one)."""

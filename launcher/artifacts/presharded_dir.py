@@ -25,11 +25,8 @@ def _pads_at_written_degree(config, manifest: dict) -> bool:
     from launcher.artifacts.compiled_dir import pads_q_heads_at
     from launcher.launch_plan import resolve_model_dir
 
-    tp = manifest.get("tp_degree")
-    if not isinstance(tp, int) or tp < 1:
-        return True
-    try:
-        return pads_q_heads_at(resolve_model_dir(config.model), tp)
+    try:  # read_manifest has refused a tp_degree below 1
+        return pads_q_heads_at(resolve_model_dir(config.model), manifest["tp_degree"])
     except (OSError, ValueError):
         return True
 
