@@ -15,7 +15,8 @@
   serving loop) ends that call with CollectivesClosed and unmaps after it leaves (was a segfault);
   misuse (a 0-d gather, a strided in-place sum) raises a ValueError naming the fix on every path.
 - Set-up failure on one rank: every rank falls back to gloo together (auto) or all raise (shm).
-- Nothing named corelaunch-* is left in /dev/shm, during a group's life or after.
+- Nothing named corelaunch-* is left in /dev/shm, during a group's life or after, nor by a leader
+  killed while another rank still builds its helpers.
 - Local trust: a FIFO among the segments stalls neither the orphan sweep nor set-up, and a group
   still forms beside it; a symlink, FIFO or another user's file at a segment path is refused. The
   helper library is built into a 0700 directory of this user's; a library that is group- or
@@ -826,6 +827,56 @@ def test_the_sweep_goes_by_the_creators_lock_not_its_pid(tmp_path):
     for seg in (held, reused):
         seg.close()
     held.unlink()
+
+
+LEADER_SET_UP_S = 2.0
+"""How long rank 1 gives the leader, its helpers cached, to create its segment (milliseconds when it
+did so before every rank had its helpers) before killing it anyway."""
+
+
+def _kill_the_leader_while_building_the_helpers(rank, world_size, shm_dir):
+    """Rank 1 builds its helpers slowly (a cold cache, a busy host); meanwhile it SIGKILLs the leader,
+    as soon as the leader's segment appears or LEADER_SET_UP_S on. What rank 1's set-up ended with."""
+    import signal
+
+    import torch.distributed as dist
+
+    import workers.shm.group as group
+    from workers.shm import native as native_module
+
+    group.SHM_DIR = shm_dir  # both ranks: never the host's /dev/shm
+    pids: list = [None] * world_size
+    dist.all_gather_object(pids, os.getpid())
+    if rank == 1:
+        load = native_module.native
+
+        def slow_build():
+            deadline = time.monotonic() + LEADER_SET_UP_S
+            while not glob.glob(os.path.join(shm_dir, "corelaunch-*")) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            os.kill(pids[0], signal.SIGKILL)  # the launcher giving up on a stuck start, the OOM killer
+            return load()
+
+        native_module.native = slow_build
+    try:
+        _build(rank, world_size, timeout_s=20.0)
+    except Exception as err:  # noqa: BLE001 - the outcome is the finding
+        return f"{type(err).__name__}: {err}"
+    return "formed"
+
+
+@pytest.mark.slow
+@pytest.mark.exclusive  # no_shm_leaks watches the host's /dev/shm
+def test_a_leader_killed_while_a_rank_builds_its_helpers_leaves_no_segment(tmp_path):
+    """A review: the leader created its segment before the others had their helpers, then waited
+    for them; killed in that wait (seconds: a C build on a cold cache), it left the segment named
+    until another group formed on the node. Now every rank has its helpers before any segment exists."""
+    from workers.shm.native import native
+
+    native()  # cached: the leader gets to its segment at once, where it still makes one first
+    results = run_ranks(2, _kill_the_leader_while_building_the_helpers, str(tmp_path), timeout_s=60, expect=1)
+    assert results[1] != "formed", results
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], "the killed leader's segment was left behind"
 
 
 # ---- local trust: what other users of this host can place in /dev/shm or the cache -----------------

@@ -28,7 +28,7 @@ from shardlib.sampling_params import SamplingParams
 from shardlib.sharding import ShardLayout
 from workers.backends import backend_entry, get_backend
 from workers.backends.base import RendezvousInfo
-from workers.net import free_port
+from workers.net import free_port_for_a_late_bind
 from workers.serving.numbered_calls import NumberedCalls
 
 
@@ -167,8 +167,11 @@ class RankWorker:
         return {"rank": self.spec.rank, "pid": os.getpid(), "hostname": socket.gethostname()}
 
     def rendezvous_port(self) -> int:
-        """Called on rank 0 only: a port free on rank 0's host for the process group."""
-        return free_port(host="")  # "": free on every interface, as the process group listens on all
+        """Called on rank 0 only: a port free on rank 0's host for the process group. Rank 0 binds it
+        only in init_backend, after a round trip through the driver: a port from the OS's ephemeral
+        range could meanwhile become any outbound connection's (Ray makes many), and the group's
+        start would fail with "Address already in use"."""
+        return free_port_for_a_late_bind(host="")  # "": free on every interface, whichever the store binds
 
     def prepare_backend(self) -> dict:
         """Import the backend (torch with it) and set the process up, once. The driver waits for it

@@ -14,9 +14,11 @@ Segments are named /dev/shm/corelaunch-<id>-node<i>, where <id> is drawn by rank
 over gloo, so concurrent groups never collide. Each node's leader (its lowest rank) creates the
 segment, every local rank attaches, and the leader unlinks the name as soon as all have attached:
 from then on nothing is left in /dev/shm, whatever happens to the processes (the memory is freed
-when the last rank unmaps it, at close() or exit). Only a leader killed within set-up itself (a few
-milliseconds) could leave its segment behind; the next leader to create one removes such orphans
-(their creator's pid, in the header, no longer runs).
+when the last rank unmaps it, at close() or exit). The leader creates its segment only once every
+rank has loaded the C helpers (a build on a cold cache: seconds), so only a leader killed within the
+few milliseconds from creating to unlinking could leave its segment behind; the next leader to
+create one removes such orphans (no process holds the shared flock their creator kept on them until
+it unlinked them).
 
 Any local user can create names in /dev/shm, so every entry is opened without blocking and without
 following symlinks, and used, swept or removed only if it is a regular file of this user's (see
@@ -134,21 +136,29 @@ def _build(rank: int, world_size: int, groups: list[list[int]], timeout_s: float
     segment = None
     native = None
 
-    # Step 1: helpers built everywhere, segment created by each sharing node's leader.
+    # Step 1: the helpers, loaded everywhere before any segment exists: a rank still building them
+    # (seconds on a cold cache) would otherwise hold a leader's segment named in /dev/shm that long,
+    # left behind if the leader were killed meanwhile.
     error = None
     try:
         if shared:
             from workers.shm.native import native as load_native
 
             native = load_native()
-            if local_rank == 0:
-                remove_orphans(SHM_DIR)
-                segment = Segment(path, layout, create=True, token=token)
     except Exception as err:  # noqa: BLE001 - reported to every rank, then a fallback
         error = f"{type(err).__name__}: {err}"
+    _agree(error, world_size)
     try:
+        # Step 2: each sharing node's leader sweeps orphans and creates its segment.
+        error = None
+        try:
+            if shared and local_rank == 0:
+                remove_orphans(SHM_DIR)
+                segment = Segment(path, layout, create=True, token=token)
+        except Exception as err:  # noqa: BLE001 - reported to every rank, then a fallback
+            error = f"{type(err).__name__}: {err}"
         _agree(error, world_size)
-        # Step 2: the others attach; then the leader removes the name (memory stays mapped).
+        # Step 3: the others attach; then the leader removes the name (memory stays mapped).
         error = None
         try:
             if shared and local_rank > 0:
