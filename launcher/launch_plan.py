@@ -223,16 +223,16 @@ def refuse_unplaceable_groups(cluster: str, bundle: dict, tp: int, nodes: int, t
 
 
 def refuse_what_a_private_start_cannot_hold(config, plan, backend: str, nothing_done: str,
-                                            serve_replicas: tuple[int, str] | None = None) -> None:
+                                            serve_replicas: tuple[int, str, int | None] | None = None) -> None:
     """PlacementImpossible before Ray starts, with Launcher._refuse_unplaceable's rules, when the
     launch would start a private cluster (this host alone, ray_cluster.private_cluster_cpus() CPUs,
     no autoscaler) that could never hold its cpu TP groups (--cpus-per-rank past the host's CPUs,
     or --replicas groups of it): the launch started Ray and loaded the tokenizer (about 8 s on 2
     cores) to refuse the same afterwards. A private cluster an earlier launch of this process
     started (and a device backend's, whose resource Ray counts only once it runs) is checked after
-    the connection, as a shared cluster is. serve_replicas: `corelaunch serve`'s (count, option),
-    its Serve replicas each one TP group of `config` (whose own replicas is 1): the last ones
-    waited for placement until --ready-timeout."""
+    the connection, as a shared cluster is. serve_replicas: `corelaunch serve`'s (count, option,
+    autoscaling minimum or None), its Serve replicas each one TP group of `config` (whose own
+    replicas is 1): the last ones waited for placement until --ready-timeout."""
     import ray
 
     from launcher.cluster.ray_cluster import private_cluster, private_cluster_cpus
@@ -252,12 +252,12 @@ def refuse_what_a_private_start_cannot_hold(config, plan, backend: str, nothing_
         refuse_unplaceable_groups(TO_BE_STARTED, bundle, tp, config.nodes, totals, names, after=after,
                                   how=" (replicas=auto would find room for none)")
         return
-    replicas, option = serve_replicas or (config.replicas, "--replicas")
+    replicas, option, least = serve_replicas or (config.replicas, "--replicas", None)
     bundle = rank_resources(None, tp, [cpus], nodes=config.nodes, replicas=replicas,
                             cpus_per_rank=config.cpus_per_rank).bundle
     refuse_unplaceable_groups(TO_BE_STARTED, bundle, tp, config.nodes, totals, names, replicas=replicas,
                               cpus_per_rank_given=config.cpus_per_rank is not None, after=after,
-                              option=option, auto_offered=serve_replicas is None)
+                              option=option, auto_offered=serve_replicas is None, least=least)
 
 
 def refuse_nodes_on_a_private_cluster(config) -> None:

@@ -1057,6 +1057,23 @@ def test_a_replica_given_up_while_the_other_is_not_up_yet_hands_it_streams_with_
     assert a.attempts == 2  # its failed group had it: a second attempt
 
 
+def test_a_restarting_taker_is_handed_a_stream_its_gone_leader_owed_a_cancel_for(make_pool):
+    """A review: the cancel the restarting replica's old leader owed ruled the stream out, and it
+    failed; that leader is gone, and the restart clears what it owed before its new group starts."""
+    pool = make_pool(2, max_restarts=1)
+    pool.start()
+    r0, r1 = pool.replicas
+    seen = []
+    a = recording_handle("a", seen)
+    pool.submit_streams([a], rows=4)
+    with r1._streams_lock:
+        r1.cancelling.add("a")  # lent away from it earlier, its old leader still owing that cancel
+        r1.state = "restarting"
+    r0.policy.allow()
+    assert r0._restart(WorkerDied("rank 1 died")) is False and r0.state == "failed"
+    assert seen == [] and a.replica == 1 and set(r1.streams) == {"a"}
+
+
 class StreamingFactory(Factory):
     """Continuous-batching groups (streams are handed to their leader) that also run static batches.
     A leader waits out each poll (no tokens to send), but one in `streaming` answers each at once

@@ -15,6 +15,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from launcher.cluster.resources import fewer_groups_why
+
 REPO = Path(__file__).resolve().parents[1]
 # one group of TP 1 fits this host at this share; two never do, whatever the host's CPU count
 THREE_QUARTERS_OF_THE_HOST = f"{0.75 * (os.cpu_count() or 1):g}"
@@ -52,6 +54,15 @@ def test_an_autoscaling_maximum_past_the_cpus_is_named_as_max_replicas():
     out, sessions = _serve("--min-replicas", "1", "--max-replicas", "2", "--cpus-per-rank",
                            THREE_QUARTERS_OF_THE_HOST)
     assert out.returncode == 2, out.stderr[-3000:]
-    assert "not the 2 replicas asked (--max-replicas); lower --max-replicas to 1 or --cpus-per-rank" in out.stderr, (
-        out.stderr[-3000:])
+    # "lower --max-replicas to 1", from --min-replicas 1, would be refused in turn (nothing to scale)
+    assert ("not the 2 replicas asked (--max-replicas); use --replicas 1 (a fixed count: autoscaling needs "
+            "--max-replicas above --min-replicas 1) or --cpus-per-rank") in out.stderr, out.stderr[-3000:]
     assert not sessions, f"a Ray session was started before the refusal: {sessions}"
+
+
+def test_an_autoscaling_range_the_cpus_still_hold_is_told_to_lower_its_maximum():
+    # ranks of 1 CPU on one 3-CPU node: three groups of TP 1, not four; from a minimum of 2, 3 still scales
+    assert fewer_groups_why({"CPU": 1.0}, 1, 1, [{"CPU": 3.0}], 4, cpus_per_rank_given=True, option="--max-replicas",
+                            auto_offered=False, least=2) == (
+        "holds 3 TP group(s) of 1 rank(s) at 1 CPU a rank (--cpus-per-rank), not the 4 replicas asked "
+        "(--max-replicas); lower --max-replicas to 3 or --cpus-per-rank")

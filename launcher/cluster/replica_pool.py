@@ -620,7 +620,9 @@ class Replica:
             if pool.stopping or not takers:
                 return
             placed = {r.index: 0 for r in takers}
-            owed = {r.index: r.owed_cancels() for r in takers}
+            # a restarting or starting taker's leader is gone or not there yet: it owes no cancel (the
+            # restart clears them before its new group is handed its streams)
+            owed = {r.index: r.owed_cancels() if r.state == "serving" else set() for r in takers}
             moves = []
             with self._streams_lock:  # as _hand_from_restart: a cancel from its reader now goes where it went
                 for handle in [h for h in self.streams.values() if not h.delivered and not h.closing]:

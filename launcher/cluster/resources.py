@@ -196,18 +196,23 @@ def never_placeable_why(bundle: Mapping[str, float], tp: int, max_nodes: int,
 
 def fewer_groups_why(bundle: Mapping[str, float], tp: int, max_nodes: int,
                      node_total: Sequence[Mapping[str, float]], replicas: int, cpus_per_rank_given: bool,
-                     option: str = "--replicas", auto_offered: bool = True) -> str | None:
+                     option: str = "--replicas", auto_offered: bool = True,
+                     least: int | None = None) -> str | None:
     """Why the nodes, even with nothing else on them, hold fewer than `replicas` groups at once (the
     first groups would start and the rest wait out the placement timeout), worded to follow the
     cluster's name; None where they hold them all. cpus_per_rank_given: the share is the user's
     --cpus-per-rank, which the way out names; `option` asked for the count (`corelaunch serve`'s
-    --max-replicas when it autoscales), and auto_offered says whether it takes `auto`."""
+    --max-replicas when it autoscales, from `least`, its --min-replicas), and auto_offered says
+    whether it takes `auto`."""
     holds = groups_that_fit(node_total, bundle, tp, max_nodes, limit=replicas)
     if holds >= replicas:
         return None
     share = f"{_fmt(bundle.get('CPU', 0))} CPU a rank" + (" (--cpus-per-rank)" if cpus_per_rank_given else "")
+    # autoscaling needs a maximum above its minimum: "lower --max-replicas to 1" from 1 was refused too
+    lower = (f"use --replicas {holds} (a fixed count: autoscaling needs --max-replicas above --min-replicas "
+             f"{least})" if least is not None and holds <= least else f"lower {option} to {holds}")
     return (f"holds {holds} TP group(s) of {tp} rank(s) at {share}, not the {replicas} replicas asked ({option}); "
-            f"lower {option} to {holds}" + (" or --cpus-per-rank" if cpus_per_rank_given else "")
+            + lower + (" or --cpus-per-rank" if cpus_per_rank_given else "")
             + (f", or use {option} auto" if auto_offered else ""))
 
 
