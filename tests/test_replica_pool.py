@@ -1026,17 +1026,24 @@ def test_a_replica_given_up_hands_its_streams_with_nothing_delivered_to_a_servin
     assert r0.streams == {} and pool.serving() == 1
 
 
-@pytest.mark.parametrize("other", ["restarting", "starting"])
-def test_a_replica_given_up_while_the_other_is_not_up_yet_hands_it_streams_with_nothing_delivered(make_pool, other):
-    """A review: with no replica serving, they failed with RestartLimitExceeded, while a new request
-    arriving then was routed to the other replica and ran once its group was up."""
+def _two_replicas_one_stream_on_the_first(make_pool):
+    """A started pool of two replicas (one restart each), the events seen by stream "a" and "a",
+    routed to replica 0."""
     pool = make_pool(2, max_restarts=1)
     pool.start()
-    r0, r1 = pool.replicas
     seen = []
     a = recording_handle("a", seen)
     pool.submit_streams([a], rows=4)
     assert a.replica == 0
+    return pool, seen, a
+
+
+@pytest.mark.parametrize("other", ["restarting", "starting"])
+def test_a_replica_given_up_while_the_other_is_not_up_yet_hands_it_streams_with_nothing_delivered(make_pool, other):
+    """A review: with no replica serving, they failed with RestartLimitExceeded, while a new request
+    arriving then was routed to the other replica and ran once its group was up."""
+    pool, seen, a = _two_replicas_one_stream_on_the_first(make_pool)
+    r0, r1 = pool.replicas
     with r1._streams_lock:
         r1.state = other  # its group failed too and is being restarted, or is still starting
     r0.policy.allow()  # its one restart in the window is used up
@@ -1060,12 +1067,8 @@ def test_a_replica_given_up_while_the_other_is_not_up_yet_hands_it_streams_with_
 def test_a_restarting_taker_is_handed_a_stream_its_gone_leader_owed_a_cancel_for(make_pool):
     """A review: the cancel the restarting replica's old leader owed ruled the stream out, and it
     failed; that leader is gone, and the restart clears what it owed before its new group starts."""
-    pool = make_pool(2, max_restarts=1)
-    pool.start()
+    pool, seen, a = _two_replicas_one_stream_on_the_first(make_pool)
     r0, r1 = pool.replicas
-    seen = []
-    a = recording_handle("a", seen)
-    pool.submit_streams([a], rows=4)
     with r1._streams_lock:
         r1.cancelling.add("a")  # lent away from it earlier, its old leader still owing that cancel
         r1.state = "restarting"
