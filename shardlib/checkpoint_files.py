@@ -213,11 +213,12 @@ def sampled_bytes(path: Path, begin: int, end: int, count: int, size: int) -> by
 
 
 # ---- the config's tensors ----------------------------------------------------------------------
-def check_checkpoint(model_dir: str | Path, config: ModelConfig) -> None:
+def check_checkpoint(model_dir: str | Path, config: ModelConfig, ranks_read: bool = True) -> None:
     """What a rank's loader checks before it reads a weight byte (ValueError or FileNotFoundError
     naming the problem): names, shapes and dtypes. From safetensors headers alone; a pickled (.bin)
     checkpoint's table of contents is the whole file, which only torch can read: it is mapped, not
-    read, as the ranks map it."""
+    read, as the ranks map it. ranks_read False: only transformers reads it (`check --reference`),
+    so a stored tensor of a dtype the ranks cannot read is not refused."""
     ckpt = find_checkpoint(model_dir)
     if not ckpt.format.startswith("safetensors"):
         from shardlib.checkpoint import check_opened_checkpoint
@@ -225,7 +226,8 @@ def check_checkpoint(model_dir: str | Path, config: ModelConfig) -> None:
         check_opened_checkpoint(ckpt, config)
         return
     headers = {path: safetensors_header(path) for path in ckpt.files}
-    _refuse_unreadable_dtypes(headers)
+    if ranks_read:
+        _refuse_unreadable_dtypes(headers)
     names = checked_names(ckpt, {path: {n: e.shape for n, e in entries.items()} for path, entries in headers.items()},
                           config)
     check_dtypes(ckpt, {n: headers[ckpt.weight_map[n]][n].dtype for n in names}, config)

@@ -71,7 +71,7 @@ def check_quantize_request(model_dir: str | Path, dtype: str, out_dir: str | Pat
     """(the source's parsed config.json, the normalized format); ValueError (one line) for an unknown
     dtype, an already quantized source, an output path that exists, or an LM head asked for where
     the model has none of its own, or an output path inside the model's folder. Reads no weights."""
-    fmt = check_quantize_options(dtype, out_dir)
+    normalize_quant_dtype(dtype)  # an unknown dtype first, as check_quantize_options names it
     config_file = Path(model_dir) / "config.json"
     if not Path(model_dir).exists():  # said "has no config.json" of a path that is not there at all
         from shardlib.model_path_hints import missing_model_hint
@@ -82,6 +82,8 @@ def check_quantize_request(model_dir: str | Path, dtype: str, out_dir: str | Pat
         raise ValueError(f"--model {model_dir} is a file; pass the model directory that holds it "
                          f"({Path(model_dir).parent})")
     refuse_out_inside_model(model_dir, out_dir)  # after those: a mistyped --model is named as missing
+    # after that: an --out naming the model's folder itself exists, and was told just that
+    fmt = check_quantize_options(dtype, out_dir)
     if not config_file.exists():
         if (Path(model_dir) / "manifest.json").is_file():  # what corelaunch compile or save_presharded wrote
             raise ValueError(f"--model {model_dir} is a corelaunch compiled or pre-sharded directory, not a Hugging "

@@ -14,7 +14,8 @@ guards the copy, not its source).
 
 For safetensors checkpoints the fingerprint follows the tensors, not the files: the same weights
 saved in other shards give the same fingerprint. Of a tensor stored in two shards only the copy the
-index maps it to, the one a load reads, is hashed. A pickled (.bin) checkpoint has no table of
+index maps it to, the one a load reads, is hashed (a copy recorded before that rule, of such a
+checkpoint, no longer matches and is refused as cut from other weights: write it again). A pickled (.bin) checkpoint has no table of
 contents to read without unpickling it, so its fingerprint samples each file whole (name, size and
 sixteen evenly spaced samples): re-saving it in other files changes it.
 

@@ -403,6 +403,24 @@ def test_a_tensor_of_a_dtype_the_ranks_cannot_read_is_refused_by_the_driver_too(
         assert f"tensor {name!r} in {holder} has dtype U16" in msg and "save the checkpoint again without it" in msg
 
 
+def test_a_reference_only_transformers_reads_may_hold_a_dtype_the_ranks_cannot(models, tmp_path):
+    """`check --reference DIR` (another checkpoint than --model): transformers reads it, never a rank,
+    so the ranks' dtype rule refused a reference they would never open."""
+    from types import SimpleNamespace
+
+    from launcher.cli.check_command import _reference_dir
+
+    reference = tmp_path / "reference"
+    shutil.copytree(models["llama"][1]["safetensors"], reference)
+    [holder] = reference.glob("*.safetensors")
+    save_file({**load_file(holder), "model.layers.0.self_attn.rotary_emb.inv_freq": torch.zeros(4, dtype=torch.uint16)},
+              holder)
+    model_dir = models["llama"][1]["safetensors"]
+    assert _reference_dir(SimpleNamespace(reference=str(reference)), model_dir) == reference
+    with pytest.raises(ValueError, match="has dtype U16"):  # as the model, its ranks would read it
+        _reference_dir(SimpleNamespace(reference=None), reference)
+
+
 def test_an_index_mapping_a_tensor_to_two_files_is_refused_naming_both(models, tmp_path):
     """json.loads keeps the last of a repeated key: which copy loaded, and which the weights'
     fingerprint hashed, was the parser's choice."""

@@ -398,7 +398,8 @@ def _reference_dir(args, model_dir: Path) -> Path:
     # missing weights file was a traceback from inside the reference (exit 1, a failed check's code)
     # or transformers' own words, naming no option.
     try:
-        check_checkpoint(reference_dir, reference)
+        # the ranks read --model's files, not another reference's (transformers reads those)
+        check_checkpoint(reference_dir, reference, ranks_read=reference_dir == model_dir)
     except (ValueError, FileNotFoundError) as err:
         raise type(err)(f"{option} {reference_dir}: {err}") from None
     return reference_dir

@@ -83,8 +83,8 @@ def run(args: argparse.Namespace) -> int:
         if model is None:  # the built-in model, converted on first use: the options are refused first
             from shardlib.demo_model import DEMO_MODEL_NAME, default_cache_dir, ensure_demo_model
 
+            refuse_out_inside_model(default_cache_dir() / DEMO_MODEL_NAME, args.out)  # the folder itself exists too
             check_quantize_options(args.dtype, args.out)
-            refuse_out_inside_model(default_cache_dir() / DEMO_MODEL_NAME, args.out)
             model = str(ensure_demo_model())
         check_quantize_request(model, args.dtype, args.out, args.lm_head)  # every refusal before any weight is read
     # OSError: the demo model's conversion lock waited too long (TimeoutError), or its cache failed
