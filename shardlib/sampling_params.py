@@ -104,8 +104,10 @@ class SamplingParams:
         if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
             raise ValueError(f"structured_output={self.structured_output!r} must be a StructuredOutput (or None)")
         k = self.top_k
+        if k == -1 and not isinstance(k, bool):  # vLLM's "every token", long its default: code ported from it sends it
+            object.__setattr__(self, "top_k", k := 0)
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-            raise ValueError(f"top_k={k!r} must be an integer >= 0 (0 turns top-k off)")
+            raise ValueError(f"top_k={k!r} must be an integer >= 0 (0, or -1 as vLLM writes it, turns top-k off)")
         p = self.top_p
         if not _number(p) or not 0 < p <= 1:
             raise ValueError(f"top_p={p!r} must be a number in (0, 1] (1 turns top-p off)")

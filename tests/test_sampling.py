@@ -131,7 +131,7 @@ def test_row_count_mismatch_is_refused():
     (dict(temperature=math.nan), r"temperature=nan must be a finite number"),
     # float32 infinity on the ranks: top-k and top-p kept tokens by id, not by likelihood
     (dict(temperature=1e39), r"temperature=1e\+39 must be at most 3\.402823e\+38 \(float32's largest value"),
-    (dict(top_k=-1), r"top_k=-1 must be an integer >= 0"),
+    (dict(top_k=-2), r"top_k=-2 must be an integer >= 0"),
     (dict(top_k=2.5), r"top_k=2\.5 must be an integer"),
     (dict(top_p=0.0), r"top_p=0\.0 must be a number in \(0, 1\]"),
     (dict(top_p=1.5), r"top_p=1\.5 must be a number in \(0, 1\]"),
@@ -142,6 +142,17 @@ def test_row_count_mismatch_is_refused():
 def test_invalid_params_name_the_value_and_range(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_a_top_k_of_minus_one_is_vllms_every_token():
+    """vLLM's SamplingParams writes "no limit" as top_k=-1 (long its default); code ported from its
+    LLM.generate was refused here, though the HTTP server already read -1 as no limit."""
+    params = SamplingParams(temperature=1.0, top_k=-1, seed=3)
+    assert params.top_k == 0
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1))
+    drawn = [sample(logits, [params] * 4, [torch.Generator().manual_seed(3) for _ in range(4)]) for params in
+             (params, SamplingParams(temperature=1.0, top_k=0, seed=3))]
+    assert torch.equal(drawn[0], drawn[1])
 
 
 def test_the_largest_temperature_taken_still_keeps_the_most_likely_tokens():

@@ -1217,8 +1217,9 @@ def models_list(name: str, created: int, max_model_len: int) -> dict:
 
 
 LOGPROB_FLOOR = -9999.0
-"""The least log-probability a response reports (vLLM's floor): a token the sampling rules masked out
-has -inf, which JSON cannot hold (json.dumps writes -Infinity, which no JSON parser reads)."""
+"""The least log-probability a response reports (vLLM's floor): the model's own can underflow to -inf
+(they are taken before the sampling rules, so a masked token keeps its own), which JSON cannot hold
+(json.dumps writes -Infinity, which no JSON parser reads)."""
 
 
 def finite_logprob(logprob: float) -> float:
