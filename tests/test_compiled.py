@@ -154,3 +154,18 @@ def test_tp_compiled_equals_eager_through_ray(ray_session, tmp_path, tp):
     phases = {"serve-prefill-start", "serve-decode"} | ({"context", "token"} if static_batch is not None else set())
     assert {g["phase"] for g in rank0["graphs"]} == phases  # the requests ran through them
     assert compiled == [tokens(tp1, batch) for batch in batches]
+
+
+def test_a_warmed_up_prefill_graph_serves_every_cache_bucket():
+    """A review: the prefill took the mask's first columns as a slice, whose row stride is the cache's
+    slot count, and the graph's guards check strides: a request whose new tokens took the cache to
+    another token bucket compiled the prefill again, unannounced and uncounted. Last in this file: it
+    resets dynamo, and the module's `compiled` fixture had built the context graphs beside 32 slots."""
+    buckets = Buckets.build(context=[8], token=[16, 32], batch=[1])
+    torch._dynamo.reset()
+    model = CompiledCausalLM(eager_model(), buckets)
+    model.warm_up()
+    warmed = model.stats().counters["dynamo_graphs"]
+    generate(model, [SHORT], [GREEDY], 4, [])  # 5 + 4 slots: cache bucket 16, as warm_up built it beside
+    generate(model, [SHORT], [GREEDY], 20, [])  # 5 + 20 slots: cache bucket 32, the same context bucket 8
+    assert model.stats().counters["dynamo_graphs"] == warmed

@@ -215,8 +215,12 @@ class CompiledCausalLM:
                 logit_index = torch.tensor([seq - 1], device=input_ids.device)
             if int(cache_positions[0]) != 0:
                 raise ValueError("a compiled prefill starts at cache slot 0 (the prompt is the whole history)")
+            # a copy of the prompt's columns: the slice kept the cache-wide row stride, which the graph's
+            # guards check (even at batch 1, which is "contiguous" either way), so each cache bucket a
+            # request ran beside compiled the prefill again, unannounced, inside the request
+            prefill_mask = attention_mask[:, :seq].clone(memory_format=torch.contiguous_format)
             with self._graph(phase, batch, length, f"{phase} bucket"):
-                logits, ks, vs = step(self.model, parts, input_ids, position_ids, attention_mask[:, :seq],
+                logits, ks, vs = step(self.model, parts, input_ids, position_ids, prefill_mask,
                                       cache_positions, None, logit_index)
                 for k_cache, v_cache, k, v in zip(cache.k, cache.v, ks, vs):
                     writable(k_cache)[:, :, :seq].copy_(to_cache(k, k_cache))
