@@ -17,7 +17,8 @@ class Progress:
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
-        self._console = Console(stderr=True, highlight=False)
+        # emoji off: rich read ":100:" in a compiler's "k.c:100:5" and ":up:" in a path as emoji codes
+        self._console = Console(stderr=True, highlight=False, emoji=False)
         # Off a terminal rich wraps at 80 columns, which split a quoted path or command (and a long
         # step's line) in two in a log. On one its wrapping stays: the spinner redraws in place only
         # over lines as wide as the terminal.

@@ -21,3 +21,14 @@ def test_a_long_step_line_into_a_log_is_one_line(capfd):
         pass
     err = capfd.readouterr().err
     assert err.count("\n") == 1 and what in err and err.startswith("✓ ")
+
+
+def test_colon_words_in_a_note_or_step_stay_as_written(capfd):
+    """rich's emoji codes: a compiler's "k.c:100:5" read "k.c💯5", a path's ":up:" an arrow."""
+    note = "corelaunch: rank 1 failed: /tmp/k.c:100:5: error :warning:"
+    progress = Progress()
+    progress.note(note)
+    with progress.step("reading /models/a:up:b"):
+        pass
+    err = capfd.readouterr().err
+    assert err.startswith(note + "\n") and "reading /models/a:up:b" in err, err

@@ -641,7 +641,9 @@ class TPGroup:
                 f"{who} did not start within {timeout_s:g} s (starting a worker process and importing the "
                 f"backend, torch with it, there); the group was stopped. On a busy machine raise startup_timeout_s "
                 f"(--startup-timeout); otherwise check that node (ray status, its worker logs: ray logs)")
-        raise_it = "load_timeout_s (--load-timeout)" if step in ("load its shard", "prepare serving") else "the timeout"
+        raise_it = {"load its shard": "load_timeout_s (--load-timeout)", "prepare serving": "load_timeout_s (--load-timeout)",
+                    # rank 0's first call, under the rendezvous timeout (TPGroup._start)
+                    "choose a rendezvous port": "rendezvous_timeout_s (--rendezvous-timeout)"}.get(step, "the timeout")
         return RendezvousTimeout(
             f"{who} did not {step} within {timeout_s:g} s; the group was stopped. Check that rank's node "
             f"(ray status, its worker log) or raise {raise_it}")
