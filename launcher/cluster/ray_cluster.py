@@ -422,12 +422,18 @@ def _connect(address: str | None, num_cpus: int | None, worker_logs: bool) -> Ra
         try:
             _init(address=address, **quiet)
         except ConnectionError as err:
+            reasons = _error_chain_text(err)
+            if _NO_NODE_HERE in reasons:  # the GCS answered (the probe above): Ray wants a raylet on this host
+                raise LaunchError(f"the Ray cluster at {address!r} ({how}) answers, but this machine runs none of "
+                                  f"its nodes, and a Ray driver joins a cluster through a node on its own machine: "
+                                  f"run the command on a node of the cluster (on its head, or `ray job submit -- "
+                                  f"corelaunch ...`), or pass --ray-address local for a private one") from None
             if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
                 # Ray's refusal of a missing token reads as any failed connection
                 fix += ("; if the cluster runs with token authentication (`ray start` turns it on where "
                         "~/.ray/auth_token exists), set RAY_AUTH_MODE=token, with its token in ~/.ray/auth_token "
                         "or RAY_AUTH_TOKEN")
-            raise LaunchError(f"no Ray cluster answered at {address!r} ({how}; {err}); {fix}") from None
+            raise LaunchError(f"no Ray cluster answered at {address!r} ({how}; {reasons}); {fix}") from None
         _opened(started_here=False, address=address)
         return RayConnection(started_here=False, address=address, joined_here=True)
     # address="local" said outright: without it ray.init joins a cluster that `ray start` recorded on
@@ -455,6 +461,23 @@ def _connect(address: str | None, num_cpus: int | None, worker_logs: bool) -> Ra
     _token_for_this_user_only()  # the start writes it where none existed, readable by all (umask 022)
     _opened(started_here=True, address="local", dead_at_start=_dead_node_processes())
     return RayConnection(started_here=True, address="local")
+
+
+_NO_NODE_HERE = "No node info found"
+"""How Ray 2.60's driver says, after retrying for GCS_SERVER_REQUEST_TIMEOUT_SECONDS (60 s), that no
+live raylet of the cluster it joins runs on its own machine (services.get_node_to_connect_for_driver)."""
+
+
+def _error_chain_text(err: BaseException) -> str:
+    """err's text and that of the errors it was raised from, "; "-joined: ray.init's ConnectionError
+    ("Failed to connect to Ray cluster at ...") says only that it failed, its cause why."""
+    texts = []
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        texts.append(str(err) or type(err).__name__)
+        err = err.__cause__ or err.__context__
+    return "; ".join(texts)
 
 
 RAY_OPEN_FILES = 4096
@@ -620,7 +643,8 @@ def _init(**options) -> None:
     ray.shutdown() can reach (not yet Ray's global one) and the caller no connection to close:
     Ray's dashboard and runtime-env agents outlived the command by a minute or more. Where the CLI
     raises SIGTERM as an interrupt (launcher.termination), SIGTERM is held the same way, and its
-    handler is put back over the ones ray.init installs."""
+    handler is put back over the ones ray.init installs. Not held while a join looks for a node of
+    its cluster on this machine (up to 60 s where none runs), and never lost to ray.init's failure."""
     import signal
 
     import ray
@@ -632,10 +656,12 @@ def _init(**options) -> None:
         return
     interrupted: list[int] = []
 
-    def hold(signum: int, _frame) -> None:
+    def hold(signum: int, frame) -> None:
         if signum == signal.SIGTERM:
             termination.note_held()  # sent to the whole group, it exits now: the GCS is going
         interrupted.append(signum)
+        if signum == signal.SIGINT and _looking_for_a_node_here(frame):
+            raise KeyboardInterrupt  # handled below, as a held one
 
     sigterm_held = termination.installed()
     held = [signal.SIGINT] + ([signal.SIGTERM] if sigterm_held else [])
@@ -645,9 +671,15 @@ def _init(**options) -> None:
     try:
         with _sigterm_handler_kept(sigterm_held), checked:
             ray.init(**options)
-    except BaseException:
+    except BaseException as err:
         if signal.SIGTERM in interrupted:  # said as SIGTERM (exit 143), not as ray.init's failure
             termination.raise_after_hold()
+        if signal.SIGINT in interrupted:
+            # Ctrl-C while ray.init failed slowly (a join retries for up to 60 s): said as an
+            # interrupt (exit 130), not lost behind ray.init's failure, which no caller sees now
+            if "called ray.init twice" not in str(err):  # else another thread's session, not this one's
+                ray.shutdown()
+            raise KeyboardInterrupt
         raise
     finally:
         signal.signal(signal.SIGINT, previous[signal.SIGINT])
@@ -661,6 +693,20 @@ def _init(**options) -> None:
         if signal.SIGTERM in interrupted:
             termination.raise_after_hold()
         raise KeyboardInterrupt
+
+
+def _looking_for_a_node_here(frame) -> bool:
+    """Whether frame is inside Ray's driver looking for a raylet of the cluster it joins on this
+    machine (retrying for up to 60 s where none runs): it has started nothing there that an
+    interrupt could strand, so Ctrl-C needs no holding."""
+    import ray._private.services as services
+
+    lookup = services.get_node_to_connect_for_driver.__code__
+    while frame is not None:
+        if frame.f_code is lookup:
+            return True
+        frame = frame.f_back
+    return False
 
 
 @contextlib.contextmanager
