@@ -173,13 +173,14 @@ class ServingLoop:
         structured requests need; None: they fail, each alone."""
         self.model, self.config = model, config
         self.grammar_tokenizer = grammar_tokenizer
-        self._awaiting_grammar: list[Sequence] = []
+        self._awaiting_grammar: dict[str, Sequence] = {}
         """Structured requests that arrived before the grammar tokenizer was built (it is built on a
-        thread at the first one): admitted once it is, so the running requests never wait for it."""
+        thread at the first one), by id in arrival order: admitted once it is, so the running requests
+        never wait for it; a cancel finds its id without a scan (a mass cancel stays linear)."""
         self.grammar_wait_s = TOKENIZER_WAIT_S
         """How long they wait for it before each fails (its build hung)."""
-        self._building: list[tuple[Sequence, Future]] = []
-        """Structured requests whose matchers are being built on threads (build_on_a_thread), in
+        self._building: dict[str, tuple[Sequence, Future]] = {}
+        """Structured requests whose matchers are being built on threads (build_on_a_thread), by id in
         arrival order: a schema llguidance takes seconds to compile holds up no other request."""
         self._fresh_builds: list[Future] = []
         """The builds started since the leader last admitted built ones (_admit_built waits briefly
@@ -387,6 +388,10 @@ class ServingLoop:
         kind, payload = item
         if kind == "submit":
             for request in payload:
+                if request.request_id in self._awaiting_grammar or request.request_id in self._building:
+                    # as _queue answers an id already queued: kept by id, the first would be lost
+                    events.append(TokenEvent(request.request_id, [], "abort"))
+                    continue
                 if request.prompt_logprobs is not None and not hasattr(self.model, "score_step"):
                     events.append(TokenEvent(request.request_id, [], "error", error=(
                         f"prompt log-probabilities are not available on this backend "
@@ -403,7 +408,7 @@ class ServingLoop:
                         self._awaiting_since = time.monotonic()
                         # an idle leader blocks on its inbox: the tokenizer's readiness wakes it
                         self.grammar_tokenizer.when_ready(self._wake_for_built)
-                    self._awaiting_grammar.append(seq)
+                    self._awaiting_grammar[request.request_id] = seq
                 else:
                     self._admit(seq, events)
         elif kind == "cancel":
@@ -443,7 +448,7 @@ class ServingLoop:
         if seq.request.sampling.structured_output is not None:
             future = build_on_a_thread(lambda: self._grammar(seq.request))
             future.add_done_callback(lambda _: self._wake_for_built())
-            self._building.append((seq, future))
+            self._building[seq.request.request_id] = (seq, future)
             self._fresh_builds.append(future)
             return
         self._queue(seq, events)
@@ -467,10 +472,10 @@ class ServingLoop:
             return
         if fresh:
             wait(fresh, timeout=QUICK_BUILD_S)
-        events, building, self._building = [], self._building, []
-        for seq, future in building:
+        events, building, self._building = [], self._building, {}
+        for rid, (seq, future) in building.items():
             if not future.done():
-                self._building.append((seq, future))
+                self._building[rid] = (seq, future)
                 continue
             try:
                 seq.grammar = future.result()
@@ -500,23 +505,21 @@ class ServingLoop:
                 return
             events = [TokenEvent(seq.request.request_id, [], "error", error=(
                 f"the model's tokenizer for structured output was not ready after {waited_s:.0f} s on the "
-                f"group's leader")) for seq in self._awaiting_grammar]
-            self._awaiting_grammar = []
+                f"group's leader")) for seq in self._awaiting_grammar.values()]
+            self._awaiting_grammar = {}
             self.outbox.put(events, self.scheduler.load())
             return
-        events, waited, self._awaiting_grammar = [], self._awaiting_grammar, []
-        for seq in waited:
+        events, waited, self._awaiting_grammar = [], self._awaiting_grammar, {}
+        for seq in waited.values():
             self._admit(seq, events)
         self.outbox.put(events, self.scheduler.load())
 
     def _drop_awaiting(self, request_id: str) -> bool:
         """Drop the request if it waits for the grammar tokenizer or its matcher (a build already
         running ends unread); whether it did."""
-        kept = [s for s in self._awaiting_grammar if s.request.request_id != request_id]
-        building = [(s, f) for s, f in self._building if s.request.request_id != request_id]
-        dropped = len(kept) < len(self._awaiting_grammar) or len(building) < len(self._building)
-        self._awaiting_grammar, self._building = kept, building
-        return dropped
+        awaited = self._awaiting_grammar.pop(request_id, None)
+        built = self._building.pop(request_id, None)
+        return awaited is not None or built is not None
 
     def _grammar(self, request: StreamRequest):
         """The request's RequestGrammar, past the tokens it delivered before a group fault."""
@@ -528,9 +531,9 @@ class ServingLoop:
         for seq in list(self.scheduler.running.values()) + list(self.scheduler.waiting):
             self.scheduler.cancel(seq.request.request_id)
             events.append(TokenEvent(seq.request.request_id, [], "abort"))
-        waiting = self._awaiting_grammar + [seq for seq, _ in self._building]
-        events.extend(TokenEvent(seq.request.request_id, [], "abort") for seq in waiting)
-        self._awaiting_grammar, self._building = [], []
+        waiting = list(self._awaiting_grammar) + list(self._building)
+        events.extend(TokenEvent(rid, [], "abort") for rid in waiting)
+        self._awaiting_grammar, self._building = {}, {}
         self.held.clear()
         self.outbox.put(events, self.scheduler.load())
 
