@@ -104,7 +104,7 @@ class SamplingParams:
         if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
             raise ValueError(f"structured_output={self.structured_output!r} must be a StructuredOutput (or None)")
         k = self.top_k
-        if k == -1 and not isinstance(k, bool):  # vLLM's "every token", long its default: code ported from it sends it
+        if type(k) is int and k == -1:  # vLLM's "every token", long its default: code ported from it sends it
             object.__setattr__(self, "top_k", k := 0)
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise ValueError(f"top_k={k!r} must be an integer >= 0 (0, or -1 as vLLM writes it, turns top-k off)")

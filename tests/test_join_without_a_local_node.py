@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from launcher.cluster import ray_cluster
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -130,3 +132,14 @@ def test_ctrl_c_while_ray_looks_for_a_node_here_exits_130_at_once(nodeless_clust
         _, err = _finish(run, timeout=120)
     assert run.returncode == 130, err[-3000:]
     assert time.monotonic() - interrupted_at < 15, "Ctrl-C was held until ray.init gave up"
+
+
+def test_a_ray_without_the_node_lookup_holds_ctrl_c_throughout(monkeypatch):
+    """The hold handler looked Ray's private function up at each Ctrl-C: a Ray without it would have
+    raised AttributeError from inside ray.init, stranding a private start the hold exists to keep."""
+    import ray._private.services as services
+
+    assert ray_cluster._inside(sys._getframe(), sys._getframe().f_code)
+    assert ray_cluster._node_lookup_code() is services.get_node_to_connect_for_driver.__code__
+    monkeypatch.delattr(services, "get_node_to_connect_for_driver")
+    assert ray_cluster._node_lookup_code() is None

@@ -112,3 +112,12 @@ def test_an_out_inside_the_built_in_models_folder_is_refused_before_it_is_conver
     assert main(["quantize", "--dtype", "int8", "--out", str(out), "--quiet"]) == 2
     assert "is inside the --model directory" in capsys.readouterr().err
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+
+
+def test_an_unknown_dtype_is_named_first_without_model_too(tmp_path, capsys, monkeypatch):
+    """With the built-in model, an --out inside its folder was named before an unknown --dtype, which
+    --model named first."""
+    monkeypatch.setenv("CORELAUNCH_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "cache" / "smollm2-135m-instruct" / "q8"
+    assert main(["quantize", "--dtype", "bogus", "--out", str(out), "--quiet"]) == 2
+    assert "unknown quantization dtype 'bogus'" in capsys.readouterr().err

@@ -132,6 +132,7 @@ def test_row_count_mismatch_is_refused():
     # float32 infinity on the ranks: top-k and top-p kept tokens by id, not by likelihood
     (dict(temperature=1e39), r"temperature=1e\+39 must be at most 3\.402823e\+38 \(float32's largest value"),
     (dict(top_k=-2), r"top_k=-2 must be an integer >= 0"),
+    (dict(top_k=-1.0), r"top_k=-1\.0 must be an integer"),  # vLLM's -1 is an integer, as every top_k here
     (dict(top_k=2.5), r"top_k=2\.5 must be an integer"),
     (dict(top_p=0.0), r"top_p=0\.0 must be a number in \(0, 1\]"),
     (dict(top_p=1.5), r"top_p=1\.5 must be a number in \(0, 1\]"),

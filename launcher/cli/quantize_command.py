@@ -82,7 +82,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         if model is None:  # the built-in model, converted on first use: the options are refused first
             from shardlib.demo_model import DEMO_MODEL_NAME, default_cache_dir, ensure_demo_model
+            from shardlib.quantization import normalize_quant_dtype
 
+            normalize_quant_dtype(args.dtype)  # an unknown dtype first, as check_quantize_request names it
             refuse_out_inside_model(default_cache_dir() / DEMO_MODEL_NAME, args.out)  # the folder itself exists too
             check_quantize_options(args.dtype, args.out)
             model = str(ensure_demo_model())

@@ -655,12 +655,13 @@ def _init(**options) -> None:
         _init_on_a_keeper_thread(options)  # signals reach the main thread only
         return
     interrupted: list[int] = []
+    lookup = _node_lookup_code()  # looked up now: a handler that raised mid ray.init stranded a start
 
     def hold(signum: int, frame) -> None:
         if signum == signal.SIGTERM:
             termination.note_held()  # sent to the whole group, it exits now: the GCS is going
         interrupted.append(signum)
-        if signum == signal.SIGINT and _looking_for_a_node_here(frame):
+        if signum == signal.SIGINT and lookup is not None and _inside(frame, lookup):
             raise KeyboardInterrupt  # handled below, as a held one
 
     sigterm_held = termination.installed()
@@ -678,7 +679,10 @@ def _init(**options) -> None:
             # Ctrl-C while ray.init failed slowly (a join retries for up to 60 s): said as an
             # interrupt (exit 130), not lost behind ray.init's failure, which no caller sees now
             if "called ray.init twice" not in str(err):  # else another thread's session, not this one's
-                ray.shutdown()
+                try:
+                    ray.shutdown()
+                except Exception:  # noqa: BLE001 - the interrupt is what the caller is told
+                    pass
             raise KeyboardInterrupt
         raise
     finally:
@@ -695,15 +699,20 @@ def _init(**options) -> None:
         raise KeyboardInterrupt
 
 
-def _looking_for_a_node_here(frame) -> bool:
-    """Whether frame is inside Ray's driver looking for a raylet of the cluster it joins on this
-    machine (retrying for up to 60 s where none runs): it has started nothing there that an
-    interrupt could strand, so Ctrl-C needs no holding."""
+def _node_lookup_code():
+    """The code of Ray's driver looking for a raylet of the cluster it joins on this machine
+    (retrying for up to 60 s where none runs; Ray 2.60's services.get_node_to_connect_for_driver),
+    or None where this Ray has no such function: Ctrl-C is then held throughout, as before."""
     import ray._private.services as services
 
-    lookup = services.get_node_to_connect_for_driver.__code__
+    return getattr(getattr(services, "get_node_to_connect_for_driver", None), "__code__", None)
+
+
+def _inside(frame, code) -> bool:
+    """Whether frame runs `code` or is called from it: inside the lookup for a node here, which has
+    started nothing an interrupt could strand, so Ctrl-C needs no holding."""
     while frame is not None:
-        if frame.f_code is lookup:
+        if frame.f_code is code:
             return True
         frame = frame.f_back
     return False
