@@ -143,3 +143,24 @@ def test_a_ray_without_the_node_lookup_holds_ctrl_c_throughout(monkeypatch):
     assert ray_cluster._node_lookup_code() is services.get_node_to_connect_for_driver.__code__
     monkeypatch.delattr(services, "get_node_to_connect_for_driver")
     assert ray_cluster._node_lookup_code() is None
+
+
+@pytest.mark.parametrize("init_fails", [False, True])
+def test_a_failing_shutdown_after_a_held_ctrl_c_still_ends_in_the_interrupt(monkeypatch, init_fails):
+    """The shutdown after a held Ctrl-C, unguarded, replaced the interrupt (exit 130) with its own
+    error, whether ray.init had returned or failed."""
+    import ray
+
+    def init(**_options):
+        os.kill(os.getpid(), signal.SIGINT)  # held by _init's handler until ray.init is back
+        time.sleep(0.05)
+        if init_fails:
+            raise ConnectionError("Failed to connect to Ray cluster")
+
+    def shutdown():
+        raise RuntimeError("the shutdown failed too")
+
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", shutdown)
+    with pytest.raises(KeyboardInterrupt):
+        ray_cluster._init(address="127.0.0.1:1")

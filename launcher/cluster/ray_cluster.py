@@ -679,10 +679,7 @@ def _init(**options) -> None:
             # Ctrl-C while ray.init failed slowly (a join retries for up to 60 s): said as an
             # interrupt (exit 130), not lost behind ray.init's failure, which no caller sees now
             if "called ray.init twice" not in str(err):  # else another thread's session, not this one's
-                try:
-                    ray.shutdown()
-                except Exception:  # noqa: BLE001 - the interrupt is what the caller is told
-                    pass
+                _shut_down_quietly()
             raise KeyboardInterrupt
         raise
     finally:
@@ -693,18 +690,31 @@ def _init(**options) -> None:
             # aborted, exit 134)
             termination.reinstall()
     if interrupted:
-        ray.shutdown()
+        _shut_down_quietly()
         if signal.SIGTERM in interrupted:
             termination.raise_after_hold()
         raise KeyboardInterrupt
+
+
+def _shut_down_quietly() -> None:
+    """ray.shutdown() after a held signal: a failure of it must not replace the interrupt, which is
+    what the caller is told (exit 130 or 143)."""
+    import ray
+
+    try:
+        ray.shutdown()
+    except Exception:  # noqa: BLE001 - the interrupt is raised next
+        pass
 
 
 def _node_lookup_code():
     """The code of Ray's driver looking for a raylet of the cluster it joins on this machine
     (retrying for up to 60 s where none runs; Ray 2.60's services.get_node_to_connect_for_driver),
     or None where this Ray has no such function: Ctrl-C is then held throughout, as before."""
-    import ray._private.services as services
-
+    try:
+        import ray._private.services as services
+    except ImportError:  # a Ray that moved it: held throughout too
+        return None
     return getattr(getattr(services, "get_node_to_connect_for_driver", None), "__code__", None)
 
 
