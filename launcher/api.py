@@ -28,7 +28,7 @@ from typing import Sequence
 
 from launcher.background_load import BackgroundLoad
 from launcher.cluster.restart_policy import RestartPolicy
-from launcher.errors import (LaunchError, NoDeviceResource, NoDeviceResourceHere, PlacementImpossible, PlacementTimeout,
+from launcher.errors import (LaunchError, NoDeviceResource, NoDeviceResourceHere, PlacementTimeout,
                              RequestTimeout)
 from launcher.progress import Progress
 from shardlib.config_fields import finite, show
@@ -1080,7 +1080,7 @@ class Launcher:
 
     def _size_replicas(self, backend: str, nodes: list):
         """(each rank's resources, replica count) for the alive `nodes` (launcher.cluster.placement.NodeInfo)."""
-        from launcher.cluster.resources import explain_unplaceable, groups_that_fit, never_placeable, rank_resources
+        from launcher.cluster.resources import explain_unplaceable, groups_that_fit, rank_resources
 
         cfg, tp = self.config, self.plan.tp_degree
         device = backend_entry(backend).ray_resource
@@ -1097,12 +1097,13 @@ class Launcher:
         if count == 0 and device is None and cfg.cpus_per_rank is None:
             return rank_resources(**share), 1  # fractional CPUs: one group
         if count == 0:
+            if self._ray.started_here:  # no autoscaler: what its totals can never hold is bad input (exit 2)
+                from launcher.launch_plan import STARTED_HERE, refuse_unplaceable_groups
+
+                refuse_unplaceable_groups(STARTED_HERE, resources.bundle, tp, cfg.nodes, [n.total for n in nodes],
+                                          [n.name for n in nodes], how=" (replicas=auto found room for none)")
             why = explain_unplaceable(resources.bundle, tp, cfg.nodes, [n.total for n in nodes],
                                       [n.free for n in nodes], [n.name for n in nodes])
-            # a private cluster has no autoscaler: what its totals can never hold is bad input (exit 2)
-            if self._ray.started_here and never_placeable(resources.bundle, tp, cfg.nodes, [n.total for n in nodes]):
-                raise PlacementImpossible(f"the private Ray cluster started here cannot place a TP group "
-                                          f"(replicas=auto found room for none): {why}")
             raise PlacementTimeout(f"replicas=auto found room for no TP group: {why}")
         return resources, count
 
@@ -1398,9 +1399,9 @@ class Launcher:
         _check_flag("include_stop_str_in_output", include_stop_str_in_output)
         _check_flag("skip_special_tokens", skip_special_tokens)
         stream_interval = _checked_stream_interval(stream_interval)
-        token_ids, params, stops, stop_token_ids = self._check_stream(prompt, sampling, max_new_tokens, stop, logprobs,
-                                                                      stop_token_ids, request_id, ignore_eos)
-        return self._submit_stream(token_ids, params, max_new_tokens, stop_token_ids, stops, ignore_eos, logprobs,
+        token_ids, params, stops, ending = self._check_stream(prompt, sampling, max_new_tokens, stop, logprobs,
+                                                              stop_token_ids, request_id, ignore_eos)
+        return self._submit_stream(token_ids, params, max_new_tokens, ending, stops, logprobs,
                                    request_id, asynchronous=False, prompt_logprobs=prompt_logprobs,
                                    cache_salt=cache_salt, include_stop=include_stop_str_in_output,
                                    skip_special_tokens=skip_special_tokens, stream_interval=stream_interval)
@@ -1418,9 +1419,9 @@ class Launcher:
         _check_flag("include_stop_str_in_output", include_stop_str_in_output)
         _check_flag("skip_special_tokens", skip_special_tokens)
         stream_interval = _checked_stream_interval(stream_interval)
-        token_ids, params, stops, stop_token_ids = self._check_stream(prompt, sampling, max_new_tokens, stop, logprobs,
-                                                                      stop_token_ids, request_id, ignore_eos)
-        return self._submit_stream(token_ids, params, max_new_tokens, stop_token_ids, stops, ignore_eos, logprobs,
+        token_ids, params, stops, ending = self._check_stream(prompt, sampling, max_new_tokens, stop, logprobs,
+                                                              stop_token_ids, request_id, ignore_eos)
+        return self._submit_stream(token_ids, params, max_new_tokens, ending, stops, logprobs,
                                    request_id, asynchronous=True, prompt_logprobs=prompt_logprobs,
                                    cache_salt=cache_salt, include_stop=include_stop_str_in_output,
                                    skip_special_tokens=skip_special_tokens, stream_interval=stream_interval)
@@ -1523,23 +1524,23 @@ class Launcher:
         with _in_one_prompts_words():
             check_request([token_ids], [params], max_new_tokens, self.model_config.vocab_size)
         stop_token_ids = check_stop_token_ids(stop_token_ids, self.model_config.vocab_size)
-        self._check_first_tokens([params], self._check_structured([params]),
-                                 self._ending_ids(stop_token_ids, ignore_eos))
+        ending = self._ending_ids(stop_token_ids, ignore_eos)
+        self._check_first_tokens([params], self._check_structured([params]), ending)
         self._check_lengths([token_ids], max_new_tokens)
         _checked_logprobs("logprobs", logprobs)
         stops = validate_stops(stop)
         if stops and self.tokenizer is None:  # there is no text to find them in
             raise ValueError(f"stop strings ({list(stops)!r}) need a tokenizer and {self.model_dir} has none; "
                              f"pass stop_token_ids instead")
-        return token_ids, params, stops, stop_token_ids
+        return token_ids, params, stops, ending
 
-    def _submit_stream(self, token_ids, params, max_new_tokens, stop_token_ids, stops, ignore_eos, logprobs,
+    def _submit_stream(self, token_ids, params, max_new_tokens, ending, stops, logprobs,
                        request_id, asynchronous: bool, prompt_logprobs: int | None = None,
                        cache_salt: str | None = None, include_stop: bool = False,
                        skip_special_tokens: bool = True, stream_interval: int = 1):
         """Submit one checked request (QueueFull when it would wait while max_queued_requests already
-        do) and return the stream reading it."""
-        ending = self._checked_ending_ids([params], stop_token_ids, ignore_eos)
+        do) and return the stream reading it. `ending`: the ids that end it (_ending_ids)."""
+        check_allowed_beyond_stops([params], ending)  # after the checks of _check_stream, as every path
         stream = self._new_stream(token_ids, params, max_new_tokens, ending, stops, logprobs, request_id, asynchronous,
                                   prompt_logprobs=prompt_logprobs, cache_salt=cache_salt, include_stop=include_stop,
                                   skip_special_tokens=skip_special_tokens, stream_interval=stream_interval)
@@ -1551,14 +1552,6 @@ class Launcher:
         wait while max_queued_requests requests already do). timeout_per_wave: ReplicaPool.submit_streams."""
         self._running_pool().submit_streams([s.handle for s in streams], self.config.max_queued_requests,
                                              self.config.max_num_seqs, timeout_per_wave)
-
-    def _checked_ending_ids(self, params: list[SamplingParams], stop_token_ids, ignore_eos: bool) -> tuple[int, ...]:
-        """_ending_ids, after refusing params whose allowed_token_ids are each one of those ids while
-        min_tokens holds them back or banned by a one-token bad word (check_allowed_beyond_stops): every
-        path checks this before submitting, on the params _with_bad_word_ids filled."""
-        ending = self._ending_ids(stop_token_ids, ignore_eos)
-        check_allowed_beyond_stops(params, ending)
-        return ending
 
     def _ending_ids(self, stop_token_ids, ignore_eos) -> tuple[int, ...]:
         """The token ids that end a request: stop_token_ids, and the end-of-sequence ids unless

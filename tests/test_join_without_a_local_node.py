@@ -38,6 +38,14 @@ def _group_members(pgid: int) -> dict[int, str]:
     return members
 
 
+def _kill_group(pgid: int) -> None:
+    """SIGKILL process group pgid, gone already or not."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def _kill_raylet(pgid: int) -> None:
     """SIGKILL the raylet of the head in group pgid, and wait until it is gone (its GCS stays up)."""
     raylets = [pid for pid, cmdline in _group_members(pgid).items() if cmdline.split(" ")[0].endswith("/raylet")]
@@ -75,10 +83,7 @@ def nodeless_cluster():
             _kill_raylet(head.pid)  # the group outlives `ray start` itself, its leader
             yield f"127.0.0.1:{gcs}", env
         finally:
-            try:  # the head's GCS and whatever else of it is left: its group only
-                os.killpg(head.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _kill_group(head.pid)  # the head's GCS and whatever else of it is left: its group only
             head.wait()
 
 
@@ -97,10 +102,7 @@ def _finish(run: subprocess.Popen, timeout: float) -> tuple[str, str]:
     try:
         return run.communicate(timeout=timeout)
     finally:
-        try:
-            os.killpg(run.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _kill_group(run.pid)
         run.wait()
 
 

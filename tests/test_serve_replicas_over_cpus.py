@@ -9,13 +9,13 @@ this test process would make the check one for after the connection (launch_plan
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from launcher.cluster.resources import fewer_groups_why
+from workers.net import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 # one group of TP 1 fits this host at this share; two never do, whatever the host's CPU count
@@ -23,18 +23,12 @@ THREE_QUARTERS_OF_THE_HOST = f"{0.75 * (os.cpu_count() or 1):g}"
 WOULD_START = "the private Ray cluster this launch would start (this host alone)"
 
 
-def _free_port() -> str:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return str(probe.getsockname()[1])
-
-
 def _serve(*flags: str) -> tuple[subprocess.CompletedProcess, list[str]]:
     """`corelaunch serve FLAGS` on a free port; (result, the Ray sessions it left in its temp dir)."""
     with tempfile.TemporaryDirectory(prefix="clray", dir="/tmp") as tmp:  # short: Ray's socket paths
         env = {**os.environ, "RAY_TMPDIR": tmp}
         env.pop("RAY_ADDRESS", None)
-        out = subprocess.run([sys.executable, "-m", "launcher", "serve", "--port", _free_port(), "--no-compile",
+        out = subprocess.run([sys.executable, "-m", "launcher", "serve", "--port", str(free_port()), "--no-compile",
                               "--quiet", "--ready-timeout", "60", *flags],
                              capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
         return out, sorted(p.name for p in Path(tmp).rglob("session_*"))

@@ -12,15 +12,11 @@ import pytest
 
 from shardlib.structured_output import StructuredOutput
 from tests.serving_driver import collect, request, run_loops, stop
-from tests.test_structured_output import (KINDS, VOCAB, fresh_loop, model_dir_with_tokenizer,  # noqa: F401 - fixtures
-                                          structured, wide_model)
+from tests.test_structured_output import (KINDS, VOCAB, PanicException, fresh_loop,  # noqa: F401 - fixtures
+                                          model_dir_with_tokenizer, structured, wide_model)
 from workers.structured import grammars
 from workers.structured.grammars import check_structured_output
 from workers.structured.matchers import GrammarTokenizer, RequestGrammar
-
-
-class PanicException(BaseException):
-    """As PyO3 raises a Rust panic of llguidance's."""
 
 
 class PanickingMatcher:

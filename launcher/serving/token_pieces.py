@@ -33,6 +33,12 @@ from launcher.serving.detokenizer import IncrementalDetokenizer, decode_text
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
+def _fallback_byte(piece: str) -> bytes | None:
+    """The byte a SentencePiece byte-fallback piece (`<0x20>`) stands for; None for any other piece."""
+    fallback = _BYTE_FALLBACK.fullmatch(piece)
+    return bytes([int(fallback.group(1), 16)]) if fallback else None
+
+
 def _byte_level_alphabet() -> dict[str, int]:
     """Byte-level BPE's printable stand-in for each byte: printable Latin-1 bytes stand for
     themselves, the other 68 are moved to code points from 256 up, in byte order."""
@@ -66,7 +72,8 @@ class TokenPieces:
             return cached
         text = decode_text(self.tokenizer, [token_id], skip_special_tokens=False)  # as the text is decoded
         piece = self._piece_name(token_id)
-        own_byte = self._byte_fallback(piece, text)
+        # a byte-level vocabulary, or one that spells "<0x20>" as text, has no byte-fallback pieces
+        own_byte = None if self.byte_level or text == piece else _fallback_byte(piece)
         if own_byte is not None:
             # its byte, whatever decoding it alone gives: <0x20> alone is "" (the decoder strips a
             # leading space), which left both its text and its bytes empty. A byte past ASCII goes on
@@ -92,19 +99,11 @@ class TokenPieces:
         piece = convert(token_id) if convert is not None else None
         return piece if isinstance(piece, str) else ""
 
-    def _byte_fallback(self, piece: str, text: str) -> bytes | None:
-        """The byte a SentencePiece byte-fallback piece (`<0x20>`) stands for; None for any other
-        (a byte-level vocabulary's, or one that spells "<0x20>" as text, has no such pieces)."""
-        fallback = _BYTE_FALLBACK.fullmatch(piece)
-        if fallback is None or self.byte_level or text == piece:
-            return None
-        return bytes([int(fallback.group(1), 16)])
-
     def _raw_bytes(self, token_id: int) -> bytes | None:
         piece = self._piece_name(token_id)
-        fallback = _BYTE_FALLBACK.fullmatch(piece)
-        if fallback:
-            return bytes([int(fallback.group(1), 16)])
+        own_byte = _fallback_byte(piece)
+        if own_byte:
+            return own_byte
         if self.byte_level and piece and all(c in _BYTE_LEVEL for c in piece):
             return bytes(_BYTE_LEVEL[c] for c in piece)
         return None
