@@ -38,7 +38,8 @@ from workers.serving.step_inputs import decode_inputs, prefill_batches, prefill_
 from workers.serving.step_plan import Command, DecodeRow, PlanCodec, PrefillChunk, StepPlan
 from workers.serving.token_choice import choose, request_generator
 from workers.structured.grammars import NOT_THE_GRAMMARS
-from workers.structured.matchers import TOKENIZER_WAIT_S, MatcherFailed, build_on_a_thread, start_matcher
+from workers.structured.build_threads import build_in_the_background
+from workers.structured.matchers import TOKENIZER_WAIT_S, MatcherFailed, start_matcher
 
 HEARTBEAT_S = 0.2
 """An idle leader sends an IDLE plan this often: followers wait in a collective for the next plan,
@@ -180,8 +181,9 @@ class ServingLoop:
         self.grammar_wait_s = TOKENIZER_WAIT_S
         """How long they wait for it before each fails (its build hung)."""
         self._building: dict[str, tuple[Sequence, Future]] = {}
-        """Structured requests whose matchers are being built on threads (build_on_a_thread), by id in
-        arrival order: a schema llguidance takes seconds to compile holds up no other request."""
+        """Structured requests whose matchers are being built (or wait for one of the shared build
+        threads: build_threads), by id in arrival order: a schema llguidance takes seconds to compile
+        holds up no other request."""
         self._fresh_builds: list[Future] = []
         """The builds started since the leader last admitted built ones (_admit_built waits briefly
         for these alone, not again each step for one that takes seconds)."""
@@ -446,7 +448,7 @@ class ServingLoop:
     def _admit(self, seq: Sequence, events: list[TokenEvent]) -> None:
         """Queue a submitted request for a row; a structured one once its matcher is built."""
         if seq.request.sampling.structured_output is not None:
-            future = build_on_a_thread(lambda: self._grammar(seq.request))
+            future = build_in_the_background(lambda: self._grammar(seq.request))
             future.add_done_callback(lambda _: self._wake_for_built())
             self._building[seq.request.request_id] = (seq, future)
             self._fresh_builds.append(future)
@@ -516,9 +518,11 @@ class ServingLoop:
 
     def _drop_awaiting(self, request_id: str) -> bool:
         """Drop the request if it waits for the grammar tokenizer or its matcher (a build already
-        running ends unread); whether it did."""
+        running ends unread; one still queued for a build thread never runs); whether it did."""
         awaited = self._awaiting_grammar.pop(request_id, None)
         built = self._building.pop(request_id, None)
+        if built is not None:
+            built[1].cancel()
         return awaited is not None or built is not None
 
     def _grammar(self, request: StreamRequest):
@@ -533,6 +537,8 @@ class ServingLoop:
             events.append(TokenEvent(seq.request.request_id, [], "abort"))
         waiting = list(self._awaiting_grammar) + list(self._building)
         events.extend(TokenEvent(rid, [], "abort") for rid in waiting)
+        for _, future in self._building.values():
+            future.cancel()
         self._awaiting_grammar, self._building = {}, {}
         self.held.clear()
         self.outbox.put(events, self.scheduler.load())

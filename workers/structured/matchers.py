@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 
 from shardlib.structured_output import StructuredOutput
 from workers.structured.grammars import NOT_THE_GRAMMARS
@@ -100,25 +99,6 @@ def start_matcher(tokenizer: GrammarTokenizer | None, spec: StructuredOutput, de
     for token in delivered:
         grammar.advance(token)
     return grammar
-
-
-def build_on_a_thread(build: Callable[[], object]) -> Future:
-    """build() run on a daemon thread of its own; its result (or error) in the returned Future.
-    llguidance releases the GIL while it compiles, so a grammar that takes a second or more (a JSON
-    schema of 10,000 required properties took 0.9 s on one 2-core host) leaves the serving loop
-    stepping the other requests meanwhile; a thread per build, so a cheap grammar never queues behind
-    a costly one."""
-    future: Future = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(build())
-        except BaseException as err:  # noqa: BLE001 - handed to whoever reads the future
-            future.set_exception(err)
-
-    future.set_running_or_notify_cancel()
-    threading.Thread(target=run, name="corelaunch-grammar-build", daemon=True).start()
-    return future
 
 
 class MatcherFailed(ValueError):
