@@ -352,11 +352,13 @@ def check_replicas_fit_this_host(config, plan, backend: str) -> None:
     check_groups_fit(replicas, "replicas", plan, groups_this_host_holds(config, plan, backend))
 
 
-def check_groups_fit(count: int, name: str, plan, holds: int | None, server: bool = False) -> None:
+def check_groups_fit(count: int, name: str, plan, holds: int | None, server: bool = False,
+                     least: int | None = None) -> None:
     """ValueError naming `name` (the option that asked for `count` TP groups of `plan`) when this
     host's RAM holds fewer (`holds`, from groups_this_host_holds; None: not this host's to check).
     holds 0 is refused whatever the count: the plan's own check leaves out the rank processes (and
-    a server's Serve replica), which one group alone can take past this host's RAM."""
+    a server's Serve replica), which one group alone can take past this host's RAM. least: the
+    autoscaling minimum (`corelaunch serve --min-replicas`) when `name` is its --max-replicas."""
     from shardlib.planner import format_bytes
 
     if holds is None or count <= holds:
@@ -365,12 +367,15 @@ def check_groups_fit(count: int, name: str, plan, holds: int | None, server: boo
     if holds == 0:
         raise ValueError(_no_group_fits(plan, server))
     per_group = host_bytes_per_group(plan, server)
+    # autoscaling needs a maximum above its minimum: "at most 2" from --min-replicas 2 was refused next
+    fewer = (f"Use --replicas {holds} (a fixed count: autoscaling needs --max-replicas above --min-replicas "
+             f"{least})" if least is not None and holds <= least else f"Ask for at most {holds}")
     raise ValueError(f"{name} ({count}): {count} TP groups of {plan.tp_degree} rank(s) need "
                      f"{format_bytes(count * per_group)} ({format_bytes(per_group)} each, of which "
                      f"{format_bytes(_process_bytes(plan, server))} for the "
                      f"{'rank and Serve replica' if server else 'rank'} processes) "
                      f"but this host has {format_bytes(_host_usable_bytes(plan))} usable; nothing was started. "
-                     f"Ask for at most {holds}, or shrink each group's KV cache (--max-num-seqs, --seq-len)")
+                     f"{fewer}, or shrink each group's KV cache (--max-num-seqs, --seq-len)")
 
 
 def _no_group_fits(plan, server: bool) -> str:

@@ -253,6 +253,12 @@ def test_groups_sharing_this_host_count_their_processes_and_a_servers_groups_no_
         check_groups_fit(1, "--replicas", plan, 0, server=True)
     with pytest.raises(ValueError, match=r"^--replicas \(2\): 2 TP groups .* Ask for at most 1,"):
         check_groups_fit(2, "--replicas", plan, 1, server=True)
+    # autoscaling from --min-replicas 2: "at most 2" led to --max-replicas 2, which is refused as no range
+    with pytest.raises(ValueError, match=r"^--max-replicas \(4\): 4 TP groups .* Use --replicas 2 \(a fixed "
+                                         r"count: autoscaling needs --max-replicas above --min-replicas 2\), or shrink"):
+        check_groups_fit(4, "--max-replicas", plan, 2, server=True, least=2)
+    with pytest.raises(ValueError, match=r"^--max-replicas \(4\): 4 TP groups .* Ask for at most 3, or shrink"):
+        check_groups_fit(4, "--max-replicas", plan, 3, server=True, least=2)
     static_only = make_plan(config, instance="cpu", tp=2, batch_size=8, serving_rows=0, seq_len=64)
     assert host_bytes_per_group(static_only, server=True) == (static_only.memory.total_bytes_all_ranks
                                                               + 2 * RANK_PROCESS_BYTES + SERVER_REPLICA_BYTES)

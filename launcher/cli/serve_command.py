@@ -391,7 +391,7 @@ def _plan(settings) -> Path:
     holds = groups_this_host_holds(config, planned.plan, planned.backend, server=True)
     name = "--replicas" if settings.autoscaling is None else "--max-replicas"
     least = None if settings.autoscaling is None else settings.autoscaling["min_replicas"]
-    check_groups_fit(settings.most_replicas, name, planned.plan, holds, server=True)
+    check_groups_fit(settings.most_replicas, name, planned.plan, holds, server=True, least=least)
     # plan_launch checked one group's CPUs (each replica's Launcher has one); Serve runs up to
     # most_replicas of them, and those the CPUs never hold waited out --ready-timeout
     refuse_what_a_private_start_cannot_hold(config, planned.plan, planned.backend, "nothing was started",
