@@ -30,7 +30,7 @@ def test_an_actors_shutdown_ends_a_loop_stuck_for_a_peer_that_never_joins(tmp_pa
     actors = [RankWorkerActor.options(num_cpus=0).remote(WorkerSpec(rank=r, world_size=2, backend="cpu", threads=1))
               for r in range(2)]
     try:
-        port = ray.get(actors[0].rendezvous_port.remote(), timeout=60)
+        port = ray.get(actors[0].rendezvous_port.remote("127.0.0.1"), timeout=60)
         ray.get([a.init_backend.remote("127.0.0.1", port, 60.0, [[0, 1]]) for a in actors], timeout=60)
         load = LoadSpec(config=config, layout=ShardLayout.for_model(config, 2), dtype="float32", model_dir=str(path))
         ray.get([a.load.remote(load) for a in actors], timeout=60)

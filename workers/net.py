@@ -42,11 +42,8 @@ _LATE_BIND_PORTS = (20000, 30000)
 Serve's direct-ingress ranges (30000-31000, 40000-41000), above Ray's fixed ports (6379, 8265, 10001)."""
 
 
-def free_port_for_a_late_bind(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` now, for a server that binds it only seconds later (a Serve
-    replica, after Ray and the model have started). One from the OS's ephemeral range can be taken
-    meanwhile by any outbound connection's automatic bind, or by a port-0 listener; one below that
-    range only by an explicit bind. Falls back to free_port() where none below is free."""
+def _below_the_ephemeral_range() -> list[int]:
+    """Up to 200 ports of _LATE_BIND_PORTS below this host's ephemeral range, in random order."""
     import random
 
     low, high = _LATE_BIND_PORTS
@@ -56,7 +53,15 @@ def free_port_for_a_late_bind(host: str = "127.0.0.1") -> int:
         ephemeral_low = 49152
     candidates = list(range(low, min(high, ephemeral_low)))
     random.shuffle(candidates)
-    for port in candidates[:200]:
+    return candidates[:200]
+
+
+def free_port_for_a_late_bind(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now, for a server that binds it only seconds later (a Serve
+    replica, after Ray and the model have started). One from the OS's ephemeral range can be taken
+    meanwhile by any outbound connection's automatic bind, or by a port-0 listener; one below that
+    range only by an explicit bind. Falls back to free_port() where none below is free."""
+    for port in _below_the_ephemeral_range():
         with socket.socket(address_family(host), socket.SOCK_STREAM) as sock:
             try:
                 sock.bind((host, port))
@@ -64,6 +69,18 @@ def free_port_for_a_late_bind(host: str = "127.0.0.1") -> int:
                 continue
             return port
     return free_port(host)
+
+
+def listener_below_the_ephemeral_range(host: str, backlog: int) -> socket.socket:
+    """A TCP socket listening on `host` at a port below the ephemeral range (as
+    free_port_for_a_late_bind picks), held from now on: nothing else can bind that port before
+    its owner uses it. The OS's choice where none below is free."""
+    for port in _below_the_ephemeral_range():
+        try:
+            return socket.create_server((host, port), family=address_family(host), backlog=backlog)
+        except OSError:
+            continue
+    return socket.create_server((host, 0), family=address_family(host), backlog=backlog)
 
 
 def address_toward(host: str) -> str:

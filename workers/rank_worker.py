@@ -28,7 +28,7 @@ from shardlib.sampling_params import SamplingParams
 from shardlib.sharding import ShardLayout
 from workers.backends import backend_entry, get_backend
 from workers.backends.base import RendezvousInfo
-from workers.net import free_port_for_a_late_bind
+from workers.net import listener_below_the_ephemeral_range
 from workers.serving.numbered_calls import NumberedCalls
 
 
@@ -160,18 +160,26 @@ class RankWorker:
     _numbered: NumberedCalls = field(default_factory=NumberedCalls, init=False, repr=False)
     """Rank 0: the driver's numbered submissions and cancellations, handed to the loop in order."""
     _serve_ended: threading.Event | None = field(default=None, init=False, repr=False)
+    _rendezvous_listener: socket.socket | None = field(default=None, init=False, repr=False)
+    """Rank 0: the socket listening at its rendezvous port from the port's choice until its store
+    takes it over in init_backend."""
     """Set when serve() returns: shutdown waits for it before closing the collectives the loop uses."""
 
     def describe(self) -> dict:
         """Where this rank runs: used for error messages and rendezvous."""
         return {"rank": self.spec.rank, "pid": os.getpid(), "hostname": socket.gethostname()}
 
-    def rendezvous_port(self) -> int:
-        """Called on rank 0 only: a port free on rank 0's host for the process group. Rank 0 binds it
-        only in init_backend, after a round trip through the driver: a port from the OS's ephemeral
-        range could meanwhile become any outbound connection's (Ray makes many), and the group's
-        start would fail with "Address already in use"."""
-        return free_port_for_a_late_bind(host="")  # "": free on every interface, whichever the store binds
+    def rendezvous_port(self, host: str) -> int:
+        """Called on rank 0 only: a port on rank 0's `host` address (where its store listens) for the
+        process group, listened on from now: the store starts only in init_backend, after a round
+        trip through the driver, and a port merely found free could meanwhile be bound by anything
+        else (a port of the OS's ephemeral range by any outbound connection, Ray makes many), failing
+        the group's start with "Address already in use". Below the ephemeral range all the same, as
+        the Neuron backend's second port is picked there and bound later."""
+        if self._rendezvous_listener is not None:  # asked again (a retried call): one port held at a time
+            self._rendezvous_listener.close()
+        self._rendezvous_listener = listener_below_the_ephemeral_range(host, backlog=max(128, self.spec.world_size))
+        return self._rendezvous_listener.getsockname()[1]
 
     def prepare_backend(self) -> dict:
         """Import the backend (torch with it) and set the process up, once. The driver waits for it
@@ -204,8 +212,12 @@ class RankWorker:
         node_groups: the ranks on each node (see Backend.init_process_group)."""
         start = time.perf_counter()
         self._set_up_backend()
+        listener, self._rendezvous_listener = self._rendezvous_listener, None  # the store's from here on
+        if listener is not None and listener.getsockname()[1] != port:  # not the port this rank chose
+            listener.close()
+            listener = None
         self._collectives = self._backend.init_process_group(
-            RendezvousInfo(host, port), self.spec.rank, self.spec.world_size, timeout_s, node_groups)
+            RendezvousInfo(host, port, listener), self.spec.rank, self.spec.world_size, timeout_s, node_groups)
         return {"rank": self.spec.rank, "init_time_s": time.perf_counter() - start}
 
     def load(self, load_spec: LoadSpec) -> LoadStats:
@@ -436,6 +448,9 @@ class RankWorker:
         # process group is destroyed.
         self._model = None
         self._close_collectives()
+        if self._rendezvous_listener is not None:  # a port chosen for a start that never came
+            self._rendezvous_listener.close()
+            self._rendezvous_listener = None
         if self._backend is not None:
             self._backend.shutdown()
 

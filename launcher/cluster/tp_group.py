@@ -184,10 +184,10 @@ class TPGroup:
         self._wait_all([a.prepare_backend.remote() for a in self.actors], started_by - time.monotonic(), "start",
                        named_timeout_s=self.timeouts.startup_s)
         rank0 = self.workers[0]
-        port = self._wait_all([self.actors[0].rendezvous_port.remote()], self.timeouts.rendezvous_s,
-                              "choose a rendezvous port", ranks=[0])[0]
         # Rank 0's store listens on this address alone: loopback when every rank shares its node.
         host = "127.0.0.1" if len(self.node_groups()) == 1 else rank0["node_ip"]
+        port = self._wait_all([self.actors[0].rendezvous_port.remote(host)], self.timeouts.rendezvous_s,
+                              "choose a rendezvous port", ranks=[0])[0]
         self._rendezvous = f"{host}:{port}"
         # Ranks wait a little longer than the driver does, so a missing rank is reported by the
         # driver (naming every rank still waiting) rather than by rank 0's own rendezvous timeout.

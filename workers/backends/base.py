@@ -9,7 +9,7 @@ import abc
 import datetime
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from shardlib.buckets import Buckets
@@ -26,6 +26,9 @@ class RendezvousInfo:
 
     host: str
     port: int
+    listener: socket.socket | None = field(default=None, compare=False, repr=False)
+    """Rank 0: the socket already listening at host:port since the port was chosen
+    (RankWorker.rendezvous_port), which its store takes over; None: the store binds the port."""
 
 
 @dataclass(frozen=True)
@@ -73,15 +76,16 @@ def join_torch_distributed(process_group_backend: str, rendezvous: RendezvousInf
 
 def rendezvous_store(rendezvous: RendezvousInfo, rank: int, world_size: int, timeout_s: float):
     """The group's TCPStore at the launcher's rendezvous; rank 0's listens on rendezvous.host only
-    (see join_torch_distributed), on a socket it binds itself."""
+    (see join_torch_distributed), on rendezvous.listener or else a socket it binds itself. The
+    store owns the socket once made; a store that fails closes it."""
     import torch.distributed as dist
 
     from workers.net import address_family
 
     listener = None
     if rank == 0:
-        listener = socket.create_server((rendezvous.host, rendezvous.port), family=address_family(rendezvous.host),
-                                        backlog=max(128, world_size))
+        listener = rendezvous.listener or socket.create_server(
+            (rendezvous.host, rendezvous.port), family=address_family(rendezvous.host), backlog=max(128, world_size))
     try:
         store = dist.TCPStore(rendezvous.host, rendezvous.port, world_size, rank == 0,
                               timeout=datetime.timedelta(seconds=timeout_s),
