@@ -71,6 +71,10 @@ def test_aws_configs_declare_neuron_cores_and_set_up_neuron(name):
     setup = "\n".join(config["setup_commands"])
     assert "https://pip.repos.neuron.amazonaws.com" in setup
     assert "corelaunch[neuron]" in setup
+    # the pins the suite ran with (llguidance: pyproject takes any 1.9 or later), but not torch's
+    # 2.13.0, which torch-neuronx's own torch would conflict with
+    [install] = [c for c in config["setup_commands"] if "corelaunch[neuron]" in c]
+    assert "-c $HOME/corelaunch/constraints-neuron.txt" in install
     assert config["file_mounts"] == {"~/corelaunch": "."}
     assert "ray start --head" in "\n".join(config["head_start_ray_commands"])
 
@@ -135,11 +139,12 @@ def test_the_neuron_extra_lists_what_the_backend_imports_and_the_compiler():
     assert "neuronx-cc==2.26.*" in extra and "neuronx-distributed==0.19.*" in extra
 
 
-@pytest.mark.parametrize("name", AWS)
-def test_aws_nodes_make_their_venv_on_ubuntu_24_04_too(name):
+@pytest.mark.parametrize("name", ALL)
+def test_nodes_make_their_venv_on_ubuntu_24_04_too(name):
     """The Neuron DLAMI for PyTorch 2.9 is Ubuntu 24.04, which has no python3.11 package: the
-    set-up's `apt-get install python3.11` failed and the node never joined. Each branch of the
-    command is checked by running it with python3.12 there or not (apt and sudo stood in for)."""
+    set-up's `apt-get install python3.11` failed and the node never joined (local.yaml's too, which
+    serves hosts launched by hand, Neuron ones included). Each branch of the command is checked by
+    running it with python3.12 there or not (apt and sudo stood in for)."""
     import subprocess
 
     [command] = [c for c in load(name)["setup_commands"] if "-m venv" in c]
@@ -190,3 +195,14 @@ def test_trainium_nodes_get_the_primary_volume_neuron_asks_for(name):
     for node_type in config["available_node_types"].values():
         volumes = node_type["node_config"]["BlockDeviceMappings"]
         assert volumes[0]["Ebs"]["VolumeSize"] >= 512, (name, volumes)
+
+
+def test_the_neuron_constraints_are_the_projects_but_torch():
+    """constraints-neuron.txt (the AWS configs' pins) holds every pin of constraints.txt but torch's."""
+    def pins(name):
+        lines = (CONFIG_DIR.parent / name).read_text().splitlines()
+        return {line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")}
+
+    project, neuron = pins("constraints.txt"), pins("constraints-neuron.txt")
+    assert any(pin.startswith("torch==") for pin in project)
+    assert neuron == {pin for pin in project if not pin.startswith("torch==")}
