@@ -130,13 +130,13 @@ def _layer_types(model_type: str, raw: dict[str, Any], window: int | None, layer
 def sliding_window(model_type: str, raw: dict[str, Any]) -> int | None:
     """The window when the model applies one (transformers' rule per family), else None."""
     window = raw.get("sliding_window", traits(model_type).sliding_window)
-    if window is not None:
-        count("sliding_window", window, 4096)
     if model_type in ("qwen2", "qwen3", "qwen3_moe") and not flag("use_sliding_window", raw.get("use_sliding_window")):
         return None
     if model_type == "llama":  # Llama's attention has no window, whatever config.json says
         return None
-    return window
+    # checked only where it applies: a window of 0 in a config whose family never reads it ran in
+    # transformers and was refused here
+    return None if window is None else count("sliding_window", window, 4096)
 
 
 def _gemma_rope(raw: dict[str, Any]) -> dict[str, Any]:
@@ -178,7 +178,9 @@ def family_fields(model_type: str, raw: dict[str, Any], layers: int, head_dim: i
                               "setting), not a causal language model", "corelaunch generates with causal attention "
                               "only: serve a Gemma 3 text model without it")
         fields.update(_gemma_rope(raw))
-        act = raw.get("hidden_activation", raw.get("hidden_act")) or "gelu_pytorch_tanh"
+        # transformers' Gemma 3 reads hidden_activation alone (a hidden_act beside it, as older Gemma
+        # configs write, is ignored there: reading it ran SiLU where transformers runs its default)
+        act = raw.get("hidden_activation") or "gelu_pytorch_tanh"
         act = ACTIVATION_ALIASES.get(act, act) if isinstance(act, str) else act
         scalar = raw.get("query_pre_attn_scalar")
         # attn_logit_softcapping is not read: transformers' Gemma 3 attention never applies it

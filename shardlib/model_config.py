@@ -418,8 +418,13 @@ class ModelConfig:
         # (Gemma 3 keeps one block per layer kind; family_fields has read it.)
         if "local_rope_theta" in extra:
             _check_rope("rope_scaling", raw.get("rope_scaling"), needs_type=True)
-            rope_theta, rope_scaling = extra.pop("rope_theta"), _check_rope(
-                "rope_parameters.full_attention", extra.pop("rope_scaling"), needs_type=True)
+            per_kind = raw.get("rope_parameters")  # transformers 5's layout, read first (families._gemma_rope)
+            per_kind = isinstance(per_kind, dict) and bool({"full_attention", "sliding_attention"} & per_kind.keys())
+            name = "rope_parameters.full_attention" if per_kind else "rope_scaling"
+            rope_theta, rope_scaling = extra.pop("rope_theta"), _check_rope(name, extra.pop("rope_scaling"), needs_type=True)
+            rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
+            if rope_type != "default" and rope_type in EXECUTABLE_ROPE_TYPES:  # as the one-block families
+                _refuse_partial_rotary_with_scaling(raw, name, rope_scaling, rope_type)
         else:
             rope_theta, rope_scaling = _rope_as_transformers_reads_it(raw, family.rope_theta)
         if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":

@@ -91,7 +91,9 @@ def _dbrx(h, i, layers, heads, kv_heads, vocab, experts, top_k, init, positions,
     import transformers
 
     options = dict(options)
-    # transformers 5.23's DbrxAttention reads attn_config.rope_theta, which the sub-config lacks unless given.
+    # transformers 5's DbrxAttention reads attn_config.rope_theta (the sub-config lacks it unless given)
+    # but never uses it: its rotary takes the base from rope_parameters (default 10000), so the
+    # comparisons hold at 10000 only, where corelaunch (which reads attn_config's) agrees.
     attn = dict(kv_n_heads=kv_heads, rope_theta=10000.0, clip_qkv=options.pop("clip_qkv", None))
     ffn = dict(ffn_hidden_size=i, moe_num_experts=experts, moe_top_k=top_k,
                moe_normalize_expert_weights=options.pop("moe_normalize_expert_weights", 1.0))

@@ -166,3 +166,52 @@ def test_compiled_graphs_apply_windows_rope_bases_and_caps():
                                 Buckets.build(context=[16], token=[32], batch=[2]), announce=lambda line: None)
     outs = generate(compiled, PROMPTS, [SamplingParams()] * 2, NEW_TOKENS, [EOS])
     assert [o.token_ids for o in outs] == refs
+
+
+def test_gemma3_runs_hidden_activation_alone_as_transformers_does():
+    """transformers' Gemma 3 reads hidden_activation only: a config with hidden_act "silu" (older
+    Gemma configs write hidden_act) ran SiLU here, logits 0.32 away from transformers'; "gelu" was
+    refused as not implemented, where transformers runs its default."""
+    spec = dict(model_type="gemma3_text", head_dim=16, sliding_window=WINDOW, layer_types=TWO_KINDS, hidden_act="silu")
+    hf = build_random_model(**spec)
+    raw = {k: v for k, v in hf.config.to_dict().items() if k != "hidden_activation"}  # as such a config.json
+    assert raw.get("hidden_act") == "silu"
+    config = ModelConfig.from_dict(raw)
+    assert config.hidden_act == "gelu_pytorch_tanh"
+    with torch.inference_mode():
+        expected = hf(torch.tensor([PROMPTS[0]])).logits[0, -1]
+    got = last_logits(config, hf_state_dict(hf), PROMPTS[0])
+    assert torch.allclose(got, expected, atol=1e-5), (got - expected).abs().max()
+    assert ModelConfig.from_dict({**raw, "hidden_act": "gelu"}).hidden_act == "gelu_pytorch_tanh"
+
+
+@pytest.mark.parametrize("spec", [dict(model_type="llama", sliding_window=0),
+                                  dict(model_type="qwen2", sliding_window=0, use_sliding_window=False),
+                                  dict(model_type="qwen3", sliding_window=2**40, use_sliding_window=False)])
+def test_a_window_the_family_never_applies_is_not_checked(spec):
+    """transformers runs these (Llama has no window; Qwen reads it only with use_sliding_window):
+    they were refused as "sliding_window=0 must be a positive integer"."""
+    raw = build_random_model(model_type=spec["model_type"]).config.to_dict()
+    config = ModelConfig.from_dict({**raw, **spec})
+    assert config.sliding_window is None and config.layer_types is None
+    with pytest.raises(ValueError, match=r"sliding_window"):  # where it does apply, still checked
+        ModelConfig.from_dict({**raw, **spec, "model_type": "mistral"})
+
+
+@pytest.mark.parametrize("layout", ["4.x", "5.x"])
+def test_gemma3_partial_rotary_with_scaled_rope_is_refused_as_for_the_other_families(layout):
+    """transformers' model fails with a shape error on it; corelaunch rotated every dimension."""
+    plain = build_random_model(model_type="gemma3_text", head_dim=16, sliding_window=WINDOW,
+                               layer_types=TWO_KINDS).config.to_dict()
+    raw, linear = plain, {"rope_type": "linear", "factor": 8.0}
+    if layout == "4.x":
+        raw = {**{k: v for k, v in raw.items() if k != "rope_parameters"}, "rope_scaling": linear}
+        where = "partial_rotary_factor"
+    else:
+        raw = {**raw, "rope_scaling": None, "rope_parameters": {
+            "full_attention": {**linear, "rope_theta": 1e6, "partial_rotary_factor": 0.5},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
+        where = r"rope_parameters\.full_attention\.partial_rotary_factor"
+    with pytest.raises(ValueError, match=rf"{where}.*not supported with linear rope scaling"):
+        ModelConfig.from_dict({**raw, "partial_rotary_factor": 0.5})
+    assert ModelConfig.from_dict({**plain, "partial_rotary_factor": 0.5}).rope_scaling is None  # default rope: read as before
