@@ -607,10 +607,16 @@ class ChatCompletionRequest(_GenerationRequest):
             return
         if self._structure is not None and self._reasoning[1]:
             self._structure, self._sampling = replace(self._structure, after_token=think_end), None
+            if self._reasoning[0] == "qwen3":  # its free split also ends at <tool_call>: not here
+                self._reasoning = (*self._reasoning[:2], True)
 
-    def reasoning(self) -> tuple[str, bool] | None:
+    def reasoning(self) -> tuple[str, bool] | tuple[str, bool, bool] | None:
         """(the server's reasoning parser, whether the request leaves thinking on) when the answer's
-        thinking is split from its content; None when the text is all content."""
+        thinking is split from its content; None when the text is all content. A third item, True,
+        where a qwen3 answer is `constrained` (launcher/serving/reasoning.py): its structured output
+        starts after the `</think>` token, so the split ends the thinking there alone, as the
+        constraint does, and keeps the answer as the grammar wrote it (deepseek_r1's split already
+        reads every answer so)."""
         return self._reasoning
 
     def tool_call_reader(self) -> "function_calling.ToolCallReader | None":

@@ -15,7 +15,7 @@ import copy
 from launcher.serving import openai_protocol as proto
 from launcher.serving.echoed_prompt import EchoedPrompt, prompt_logprobs, shifted
 from launcher.serving.logprob_alignment import AlignedLogprobs
-from launcher.serving.reasoning import ReasoningSplitter, ReasoningTokenCount, ThinkTokens, read_reasoning
+from launcher.serving.reasoning import ReasoningTokenCount, ThinkTokens, read_reasoning, reasoning_splitter
 from launcher.serving.token_pieces import TokenPieces
 
 
@@ -159,12 +159,12 @@ class ChatRender(_Render):
     id_prefix, chunk_object, response_object = "chatcmpl", "chat.completion.chunk", "chat.completion"
 
     def __init__(self, pieces: TokenPieces, logprobs: bool, index: int = 0, prompt_top: int | None = None,
-                 skip_special_tokens: bool = True, tool_calls=None, reasoning: tuple[str, bool] | None = None,
+                 skip_special_tokens: bool = True, tool_calls=None, reasoning: tuple | None = None,
                  include_reasoning: bool = True, think_tokens: ThinkTokens | None = None, prompt_ids=()):
         """prompt_top: vLLM's prompt_logprobs asked (the response carries them, as vLLM's chat does).
-        reasoning: (parser, thinking on) when the answer's thinking is split off (the request's
-        reasoning()); include_reasoning false leaves it out of the answer, and the logprobs too (their
-        tokens would spell it; vLLM leaves them out likewise). think_tokens: given on a server with a
+        reasoning: (parser, thinking on[, constrained]) when the answer's thinking is split off (the
+        request's reasoning()); include_reasoning false leaves it out of the answer, and the logprobs
+        too (their tokens would spell it; vLLM leaves them out likewise). think_tokens: given on a server with a
         reasoning parser, whose usage counts the reasoning's tokens (0 where `reasoning` is None: the
         text is all content), hidden or not, as vLLM counts them."""
         if reasoning is not None and reasoning[1] and not include_reasoning:  # only thinking has tokens to hide
@@ -173,10 +173,10 @@ class ChatRender(_Render):
         self.text, self.entries = [], []
         self.calls = tool_calls
         self.reasoning, self.include_reasoning = reasoning, include_reasoning
-        self.splitter = ReasoningSplitter(*reasoning) if reasoning is not None else None
+        self.splitter = reasoning_splitter(*reasoning) if reasoning is not None else None
         """This choice's text split as it streams (a whole answer is read at its end: choice())."""
         self.counts_reasoning = think_tokens is not None
-        self.thinking_count = (ReasoningTokenCount(*reasoning, think_tokens)
+        self.thinking_count = (ReasoningTokenCount(*reasoning[:2], think_tokens, *reasoning[2:])
                                if self.counts_reasoning and reasoning is not None else None)
         """Fed every delta; None where nothing is counted (no parser, or an answer all content)."""
 
@@ -289,7 +289,7 @@ class ChatRender(_Render):
         logprobs = proto.chat_logprobs(self.entries, self.pieces) if self.logprobs else None
         content, thought = "".join(self.text), None
         if self.reasoning is not None:
-            thought, content = read_reasoning(self.reasoning[0], content, self.reasoning[1])
+            thought, content = read_reasoning(self.reasoning[0], content, *self.reasoning[1:])
             if self.calls is not None:
                 self.calls.push(content or "", True)
         choice = proto.chat_choice(content, self._sent_finish(finish), logprobs, self.index)

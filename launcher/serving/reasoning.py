@@ -21,9 +21,17 @@ the tags' token ids; with the models' tokenizers each tag is one token, so the t
 - Before the end of the reasoning, every `<think>` is markup and dropped; the text before it stays
   reasoning (`pre<think>abc</think>` is reasoning "preabc").
 - The reasoning ends at the first `</think>`, which is dropped. qwen3 also ends it at the first
-  `<tool_call>` (a call written without closing the thinking), which stays, as the content's start.
+  `<tool_call>` (a call written without closing the thinking), which stays, as the content's start
+  (not in a constrained answer: below).
 - After it, deepseek_r1 keeps the text as it is (a later `<think>` or `</think>` is content); qwen3
-  drops every later `</think>` (vLLM's grammar takes it for a repeat) and keeps `<think>` as text.
+  drops every later `</think>` (vLLM's grammar takes it for a repeat; not in a constrained answer)
+  and keeps `<think>` as text.
+- qwen3 with a structured output (a forced tool call, response_format, structured_outputs: the
+  request's reasoning() says `constrained`): the engine's grammar starts only after the `</think>`
+  token (openai_protocol's settle_thinking), so the split ends the thinking there alone, as the
+  constraint does: a `<tool_call>` written while thinking is unconstrained text and stays reasoning,
+  and the answer, which the grammar wrote, is kept as written (a `</think>` in a call's arguments or
+  in the JSON stays). deepseek_r1 reads every answer so already.
 - Nothing is stripped: `<think>\n\n</think>\n\nxyz` is reasoning "\n\n", content "\n\nxyz".
 - Empty content is null. Empty reasoning is null for qwen3, "" for deepseek_r1 (vLLM's whole
   answers: `<think></think>xyz` gives reasoning "" under deepseek_r1, null under qwen3).
@@ -63,10 +71,10 @@ thinking opened up to its end, the tags' own tokens left out. It opens before th
 token whenever the request's thinking is on (deepseek_r1's prompt opens it; qwen3, whose model
 writes `<think>` itself, is read as starting inside it too, as the split does); a generated `<think>`
 token inside it is a tag, not counted. It ends at the first `</think>` token (qwen3: or a
-`<tool_call>` token), and nothing after it counts. Thinking off, or a prompt that already closed it
-(the app's settle_thinking): 0. vLLM's deepseek_r1 count differs: it counts only between a
-generated `<think>` and a `</think>`, so DeepSeek-R1, whose prompt holds the `<think>`, reports 0
-there (its qwen3 count starts inside the thinking, as this one).
+`<tool_call>` token, unless the answer is `constrained`), and nothing after it counts. Thinking
+off, or a prompt that already closed it (the app's settle_thinking): 0. vLLM's deepseek_r1 count
+differs: it counts only between a generated `<think>` and a `</think>`, so DeepSeek-R1, whose prompt
+holds the `<think>`, reports 0 there (its qwen3 count starts inside the thinking, as this one).
 Where the tokenizer has no `</think>` token, the count reads the text instead: a token counts when
 its text went wholly to the reasoning (ReasoningSplitter's), so the tokens that spell a tag, or a
 piece of one, are not counted, nor is one whose text is part reasoning, part answer.
@@ -113,12 +121,17 @@ def thinking_requested(parser: str, chat_template_kwargs: Mapping | None) -> boo
     return True
 
 
-def read_reasoning(parser: str, text: str, thinking: bool = True) -> tuple[str | None, str | None]:
+def read_reasoning(parser: str, text: str, thinking: bool = True,
+                   constrained: bool = False) -> tuple[str | None, str | None]:
     """The whole generated text's (reasoning, content) under `parser` (module docstring: the rules).
-    thinking False: the request turned thinking off (thinking_requested)."""
+    thinking False: the request turned thinking off (thinking_requested). constrained: a structured
+    output starts after the `</think>` token (the request's reasoning() says so)."""
     if check_parser(parser) == "qwen3":
         if not thinking:
             return None, text
+        if constrained:  # only the grammar's own start ends the thinking; what it wrote is kept as written
+            head, end, rest = text.partition(THINK_END)
+            return head.replace(THINK_START, "") or None, (rest if end else "") or None
         end = _first_reasoning_end_qwen3(text)
         if end is None:
             return text.replace(THINK_START, "") or None, None
@@ -197,6 +210,20 @@ class ReasoningSplitter:
             self._in_reasoning = False
 
 
+class ConstrainedAnswerSplitter(ReasoningSplitter):
+    """The splitter of a `constrained` answer (module docstring): its structured output starts after
+    the `</think>` token, so only `</think>` ends the thinking and the answer goes out as written."""
+
+    def _tags(self) -> tuple[str, ...]:
+        return (THINK_START, THINK_END) if self._in_reasoning else ()
+
+
+def reasoning_splitter(parser: str, thinking: bool = True, constrained: bool = False) -> ReasoningSplitter:
+    """A new splitter of one choice's stream; constrained: the request's reasoning() says its answer
+    is (read_reasoning's)."""
+    return (ConstrainedAnswerSplitter if constrained else ReasoningSplitter)(parser, thinking)
+
+
 @functools.cache
 def _tag_pattern(tags: tuple[str, ...]) -> re.Pattern:
     """One search for the earliest of `tags` (compiled once per set of tags)."""
@@ -211,7 +238,7 @@ class ThinkTokens:
     start: int | None = None
     end: int | None = None
     call: int | None = None
-    """`<tool_call>`'s, which ends qwen3's thinking too."""
+    """`<tool_call>`'s, which ends qwen3's thinking too (not a `constrained` answer's)."""
 
 
 class ReasoningTokenCount:
@@ -219,16 +246,18 @@ class ReasoningTokenCount:
     rule). Fed every delta's token ids and text in order; by ids where the tokenizer has a `</think>`
     token, by the text otherwise."""
 
-    def __init__(self, parser: str, thinking: bool, tokens: ThinkTokens):
+    def __init__(self, parser: str, thinking: bool, tokens: ThinkTokens, constrained: bool = False):
+        """constrained: a structured output starts after the `</think>` token, which alone ends the
+        thinking then (read_reasoning's)."""
         self.count = 0
         self._in_thinking = bool(thinking)  # deepseek_r1 passes True: the request's reasoning()
         self._start = tokens.start
-        qwen3 = check_parser(parser) == "qwen3"
-        self._ends = {tokens.end} | ({tokens.call} if qwen3 and tokens.call is not None else set())
+        ends_at_call = check_parser(parser) == "qwen3" and not constrained
+        self._ends = {tokens.end} | ({tokens.call} if ends_at_call and tokens.call is not None else set())
         # by text where the ids cannot say where the thinking ends as the split says it: no
-        # `</think>` token, or qwen3 without a `<tool_call>` token (its thinking ends at that text too)
-        self._by_text = tokens.end is None or (qwen3 and tokens.call is None)
-        self._splitter = ReasoningSplitter(parser, thinking) if self._by_text else None
+        # `</think>` token, or free qwen3 without a `<tool_call>` token (its thinking ends at that text too)
+        self._by_text = tokens.end is None or (ends_at_call and tokens.call is None)
+        self._splitter = reasoning_splitter(parser, thinking, constrained) if self._by_text else None
         self._undecided = 0
         """By text: tokens whose text the splitter still holds (it may be a tag's start)."""
 
