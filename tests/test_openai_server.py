@@ -577,6 +577,8 @@ def test_a_tokenizer_without_a_length_bound_still_gets_a_body_limit():
 def test_chat_refusals():
     assert refusal(chat, logprobs=True, top_logprobs=21).param == "top_logprobs"
     assert "needs logprobs: true" in refusal(chat, top_logprobs=2).message
+    # 0 asks for nothing: clients that send every default send it without logprobs (vLLM takes it)
+    assert chat(logprobs=False, top_logprobs=0).logprobs is False
     with pytest.raises(ProtocolError) as caught:
         parse_request(ChatCompletionRequest, {"model": MODEL, "messages": []})
     assert caught.value.param == "messages"
@@ -619,13 +621,15 @@ def test_chat_refusals():
 @pytest.mark.parametrize("message, param, words", [
     # a misspelt content: the assistant turn went to the template empty (51 prompt tokens, not 59)
     ({"role": "assistant", "contnet": "Nice to meet you."}, "messages.1.contnet", "unknown key 'contnet' in messages.1"),
-    ({"role": "assistant", "content": None, "refusal": "I will not."}, "messages.1.refusal", "refusal, audio"),
+    ({"role": "assistant", "content": None, "refusal": "I will not."}, "messages.1.refusal", "refusal and audio are not supported"),
     ({"role": "assistant", "content": "x", "audio": {"id": "a1"}}, "messages.1.audio", "unknown key 'audio'"),
     ({"role": "user", "content": "x", "tool_call_id": "c1"}, "messages.1.tool_call_id",
      "tool_call_id belongs to a tool message, and a user message has none"),
     ({"role": "user", "content": [{"type": "text", "text": "Hi", "image_url": {"url": "x"}}]},
      "messages.1.content.0.image_url", "unknown key 'image_url' in text part messages.1.content.0"),
-], ids=["misspelt-content", "refusal", "audio", "tool-call-id", "text-part-extra"])
+    ({"role": "assistant", "content": "x", "annotations": [{"type": "url_citation"}]}, "messages.1.annotations",
+     "citations are not supported"),
+], ids=["misspelt-content", "refusal", "audio", "tool-call-id", "text-part-extra", "annotations"])
 def test_a_key_a_message_does_not_take_is_refused_by_name(message, param, words):
     """Messages ignored unknown keys: each of these was answered as if the key were not there."""
     with pytest.raises(ProtocolError) as caught:
@@ -648,6 +652,12 @@ def test_a_message_key_sent_as_null_is_left_out():
         {"role": "user", "content": "x", "name": None, "refusal": None, "audio": None, "tool_call_id": None},
         {"role": "user", "content": [{"type": "text", "text": "y", "image_url": None}]}]})
     assert [m.text() for m in request.messages] == ["x", "y"]
+    # OpenAI's own answers carry an empty annotations list: a conversation recorded there is sent back
+    replayed = parse_request(ChatCompletionRequest, {"model": MODEL, "messages": [
+        {"role": "user", "content": "x"}, {"role": "assistant", "content": "yo", "annotations": [], "refusal": None},
+        {"role": "user", "content": "z"}]})
+    replayed.messages[1].check(1)
+    assert replayed.messages[1].template_form(1, "assistant") == {"role": "assistant", "content": "yo"}
 
 
 def test_developer_messages_are_system_messages_unless_the_template_knows_the_role():

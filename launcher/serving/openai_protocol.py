@@ -444,6 +444,10 @@ class ChatMessage(NullMeansDefault):
     keeps only the last turn's)."""
     reasoning_content: str | None = None
     """reasoning's older name (vLLM takes it, `reasoning` winning when both are sent)."""
+    annotations: list | None = None
+    """OpenAI's citations on an assistant's answer: its own answers carry `"annotations": []`, which a
+    conversation recorded there sends back (refused, it failed such a replay); an empty list is taken
+    as none, any citation refused (check)."""
     _template_calls = PrivateAttr(None)
     """tool_calls as the chat template takes them, made by check()."""
 
@@ -471,6 +475,9 @@ class ChatMessage(NullMeansDefault):
             # an empty assistant turn the client never meant (OpenAI refuses it); thinking alone is a turn
             raise ProtocolError(f"messages.{index}.content: an assistant message needs content or tool_calls (this "
                                 f"one has neither); send its text as content", param=f"messages.{index}.content")
+        if self.annotations:
+            raise ProtocolError(f"messages.{index}.annotations: citations are not supported (no model here makes "
+                                f"them); send an empty list or leave them out", param=f"messages.{index}.annotations")
         if self.tool_calls and self.role != "assistant":
             raise ProtocolError(f"messages.{index}.tool_calls: only an assistant message makes tool calls, not a "
                                 f"{self.role} message", param=f"messages.{index}.tool_calls")
@@ -900,8 +907,8 @@ def _field_error(error: dict, model: type[BaseModel]) -> ProtocolError:
         return ProtocolError(f"{param} ({_short(error.get('input'))}) must be {rules[param]}", param=param)
     if error["type"] == "extra_forbidden" and field == "messages" and len(loc) == 3:
         return ProtocolError(f"unknown key {clip(loc[2])!r} in messages.{loc[1]}; a message takes role, content, "
-                             f"name, and tool_calls and reasoning (assistant) or tool_call_id (tool) (OpenAI's refusal, audio and "
-                             f"annotations are not supported)", param=clip(param))
+                             f"name, and tool_calls and reasoning (assistant) or tool_call_id (tool) (OpenAI's refusal and "
+                             f"audio are not supported)", param=clip(param))
     if error["type"] == "extra_forbidden" and len(loc) > 1:  # inside an object field (stream_options)
         return ProtocolError(f"unknown parameter {clip(param)!r}; {field} must be "
                              f"{rules.get(field, 'as the OpenAI API reference says')}", param=clip(param))
@@ -1034,8 +1041,8 @@ def _check_combinations(request: _GenerationRequest, tool_call_parser: str | Non
     if isinstance(request, ChatCompletionRequest):
         if request.store:
             raise ProtocolError(f"store (true) must be {FIELD_RULES['store']}", param="store")
-        if request.top_logprobs is not None and not request.logprobs:
-            raise ProtocolError("top_logprobs needs logprobs: true", param="top_logprobs")
+        if request.top_logprobs and not request.logprobs:  # 0 asks for nothing (clients that send every default)
+            raise ProtocolError(f"top_logprobs ({request.top_logprobs}) needs logprobs: true", param="top_logprobs")
         check_template_options(request)
         for i, message in enumerate(request.messages):
             message.check(i)  # refuses missing content, bad tool calls and non-text parts now, before any work
