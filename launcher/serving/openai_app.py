@@ -53,6 +53,8 @@ from launcher.serving.prompt_probe import (head_overfills, length_overfills, lon
 from launcher.serving.reasoning import CALL_START, THINK_END, THINK_START, ThinkTokens
 from launcher.serving.response_store_server import (LocalResponses, ResponseStoreServer, SharedResponses,
                                                      StoreUnavailable)
+from launcher.serving.responses.request import (START_ANEW, STILL_GENERATING, conversation_too_long,
+                                                kept_message_count)
 from launcher.serving.server_settings import ServerSettings, api_key_from_environment, settings_from_args
 from launcher.serving.token_pieces import TokenPieces
 
@@ -582,7 +584,62 @@ def _as_responses_error(err: ProtocolError, echo) -> ProtocolError:
     param the client sent (responses_api.responses_param), named so in the message too."""
     param = responses_api.responses_param(err.param, echo)
     message = err.message if not err.param or param == err.param else err.message.replace(err.param, param)
+    if err.param == "min_tokens":  # its refusal names the request's token limit and prompt (_min_tokens_past_the_limit)
+        for chat, responses in _CHAT_WORDS_IN_A_MIN_TOKENS_REFUSAL:
+            message = message.replace(chat, responses)
+    if err.code == CONTEXT_LENGTH_EXCEEDED and echo is not None and echo.previous_response_id:
+        # most of the prompt may be the kept conversation, which the client does not send
+        message = message.replace("shorten the prompt", f"shorten the input (the prompt holds the conversation "
+                                                        f"previous_response_id continues too: to drop turns of it, "
+                                                        f"{START_ANEW})")
     return ProtocolError(message, param=param, status=err.status, type=err.type, code=err.code, headers=err.headers)
+
+
+_CHAT_WORDS_IN_A_MIN_TOKENS_REFUSAL = (("max_completion_tokens", "max_output_tokens"),
+                                       ("no max_tokens was sent", "no max_output_tokens was sent"),
+                                       ("shorten the messages", "shorten the input"))
+"""_min_tokens_past_the_limit's chat fields, as a /v1/responses request names them."""
+
+
+class _KeptTurn:
+    """One response of a server that keeps responses (responses/store.py), on its way into the store:
+    begun where it is streamed (its id is the client's from response.created on: GET reads it back in
+    progress, DELETE forgets it, continuing it is refused as still being generated), kept once
+    answered, and abandoned where it fails or the client leaves. A store that fails costs the
+    keeping, not the answer: it goes out saying store: false, and the replica's log says why."""
+
+    def __init__(self, store, turn: list, previous_id: str | None) -> None:
+        self.store, self.turn, self.previous_id = store, turn, previous_id
+        self.open: str | None = None
+        """The id begun and neither kept nor abandoned yet."""
+
+    async def begin(self, response: dict) -> None:
+        self.open = response["id"]
+        try:
+            await self.store.begin(response, self.turn, self.previous_id)
+        except StoreUnavailable as err:  # it may still be kept at its end: the store may answer then
+            SERVER_LOG.warning("corelaunch serve: response %s cannot be read back while it streams: %s",
+                               response["id"], err)
+
+    async def keep(self, response: dict) -> None:
+        self.open = None
+        try:
+            if not await self.store.put(response, self.turn, self.previous_id):
+                SERVER_LOG.info("corelaunch serve: response %s was deleted while it streamed: not kept", response["id"])
+        except StoreUnavailable as err:
+            response["store"] = False
+            SERVER_LOG.warning("corelaunch serve: response %s was answered but not kept: %s", response["id"], err)
+
+    async def abandon(self) -> None:
+        """Its in-flight record dropped where it was begun and will not be kept (failed, or cut off)."""
+        if self.open is None:
+            return
+        response_id, self.open = self.open, None
+        try:
+            await self.store.abandon(response_id)
+        except StoreUnavailable as err:  # left to the store's bound on responses in flight
+            SERVER_LOG.warning("corelaunch serve: response %s failed or was cut off and may still read back as "
+                               "in progress: %s", response_id, err)
 
 
 INVOCATION_ROUTES = (("messages", "chat_completions"), ("prompt", "completions"), ("input", "responses"))
@@ -1009,10 +1066,36 @@ class OpenAIServer:
         try:
             stream = await self._chat_choices(req)
         except ProtocolError as err:
+            if err.code == CONTEXT_LENGTH_EXCEEDED and err.param == "messages" and echo.previous_response_id:
+                raise await self._kept_conversation_too_long(req, echo, err) from None
             raise _as_responses_error(err, echo) from None
         # kept before the client sees it, so its next turn finds it
-        keep = None if turn is None else functools.partial(self._keep, turn, echo.previous_response_id)
+        keep = None if turn is None else _KeptTurn(self.responses_kept, turn, echo.previous_response_id)
         return await self._respond_responses(req, echo, stream, self._responses_render(req, stream), arrived, keep)
+
+    async def _kept_conversation_too_long(self, req, echo, err: ProtocolError) -> ProtocolError:
+        """A continued conversation's prompt that does not fit (`err`, the chat route's refusal, which
+        says "shorten the prompt", though most of it may be kept history the client never sends),
+        refused naming the kept conversation's tokens and the new input's (request.py:
+        conversation_too_long); `err` in the Responses terms where they cannot be counted. Counted
+        as rejected already, by the refusal."""
+        messages = req.chat_messages(self._template_of(req))
+        render = functools.partial(self._apply_chat_template, tools=req.template_tools(),
+                                   template_kwargs=req.chat_template_kwargs, template=req.chat_template)
+        try:  # the kept part fitted the context once (each turn did), so it is counted whole
+            kept = len(await asyncio.to_thread(render, messages[:kept_message_count(echo)], False, False, False,
+                                               False))
+        except ProtocolError:  # a template that refuses the conversation cut there
+            return _as_responses_error(err, echo)
+        try:
+            whole = len(await asyncio.to_thread(render, messages, req.add_generation_prompt,
+                                                req.continue_final_message, False, True))
+        except ProtocolError:  # far too long to count (prompt_probe.py)
+            whole = None
+        most, why = self.context_tokens - 1, f"the context holds {self.context_tokens}, one left for the answer"
+        if self.longest_prompt is not None and self.longest_prompt < most:
+            most, why = self.longest_prompt, "this server's longest prefill shape"
+        return conversation_too_long(kept, whole, most, why, bool(echo.instructions))
 
     def _responses_render(self, req, stream: ChoiceStreams) -> ChatRender:
         """A render of the Responses request's one choice, with a tool-call reader of its own."""
@@ -1021,18 +1104,10 @@ class OpenAIServer:
                           reasoning=req.reasoning(), include_reasoning=req.include_reasoning,
                           think_tokens=self._usage_think_tokens(), prompt_ids=stream.prompt_context(0))
 
-    async def _keep(self, turn: list, previous_id: str | None, response: dict) -> None:
-        """Keep an answered response; where the store fails, the answer still goes out (it was
-        generated), saying `store: false`, and the replica's log says why."""
-        try:
-            await self.responses_kept.put(response, turn, previous_id)
-        except StoreUnavailable as err:
-            response["store"] = False
-            SERVER_LOG.warning("corelaunch serve: response %s was answered but not kept: %s", response["id"], err)
-
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(self, response_id: str, request: Request) -> dict:
-        """A kept response, as it was answered (OpenAI's GET /v1/responses/{id}); 404 for one not kept."""
+        """A kept response, as it was answered (OpenAI's GET /v1/responses/{id}), or one still streaming
+        as it started (status in_progress: store.py); 404 for one not kept."""
         self._authorize(request)
         streamed = request.query_params.get("stream", "false").lower() not in ("false", "0")
         if streamed or "starting_after" in request.query_params:
@@ -1068,7 +1143,8 @@ class OpenAIServer:
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(self, response_id: str, request: Request) -> dict:
-        """Forget a kept response (OpenAI's DELETE /v1/responses/{id}); 404 for one not kept."""
+        """Forget a kept response (OpenAI's DELETE /v1/responses/{id}), or one still streaming, which its
+        end then does not keep; 404 for one not kept."""
         self._authorize(request)
         if not await self._ask_kept("delete", response_id):
             raise self._not_kept(response_id)
@@ -1406,12 +1482,20 @@ class OpenAIServer:
             raise
         try:
             items, missing = await _from_store(self.responses_kept.history(response_id))
+            # not kept yet, or not at all: asked only then (one round trip more to a shared store)
+            in_flight = items is None and missing == response_id and \
+                await _from_store(self.responses_kept.generating(response_id))
         except asyncio.CancelledError:  # the client left meanwhile
             self.metrics.finished("abort", 499)
             raise
         except ProtocolError:  # the shared store did not answer (503): no fault of the request's
             self.metrics.rejected(503, reason="unavailable")
             raise
+        if in_flight:
+            self.metrics.rejected(400)
+            raise ProtocolError(f"previous_response_id: the response {proto.clip(response_id)!r} cannot be continued "
+                                f"yet: {STILL_GENERATING}", param="previous_response_id",
+                                code="previous_response_in_progress")
         if items is None:
             self.metrics.rejected(400)
             earlier = "" if missing == response_id else f" (it continued {proto.clip(missing)!r}, which is not)"
@@ -1601,7 +1685,7 @@ class OpenAIServer:
                                  keep) -> Response:
         """A Response object, or the Responses stream's events (responses_api.ResponseEvents), for the
         chat request's one choice; its tokens timed and its ending counted as a chat request's.
-        keep(response): awaited with the finished Response object before the client gets it."""
+        keep: the response's _KeptTurn (None: not kept); a streamed one is begun as it starts."""
         response_id, created, timer = responses_api.item_id("resp"), int(time.time()), TokenTimer(self.metrics, arrived)
         if req.stream:
             outcome = {"finish_reason": "abort"}  # a client that leaves before the end
@@ -1619,24 +1703,29 @@ class OpenAIServer:
         usage = _responses_usage(stream, completion_tokens, render)
         response = responses_api.response_object(response_id, created, self.name, echo, items, status, usage,
                                                  incomplete)
-        if keep is not None:
-            await keep(response)
+        if keep is not None:  # no gap to close: the client learns its id from this answer, once kept
+            await keep.keep(response)
         return JSONResponse(response)
 
     async def _response_events(self, stream: ChoiceStreams, render: ChatRender, timer: TokenTimer, outcome: dict,
                                events, keep, whole: ChatRender):
         """The Responses stream of one request: the chat route's chunks for its one choice, told as
         `events` (a ResponseEvents) tells them, ending with response.completed (or .incomplete, or an
-        error event and response.failed); outcome["finish_reason"] as _events sets it. keep(response)
-        is awaited with the final Response object before its event goes out (failing, the stream ends
-        with response.failed instead). `whole` collects every delta too: the final response's items
-        are the whole answer's, read at the end as an answer not streamed is (a reader that reads
-        pieces cannot take back what it streamed: a call the length limit cut turns the calls before
-        it to text in the whole answer too), so the final event and the kept turn equal that answer."""
+        error event and response.failed); outcome["finish_reason"] as _events sets it. keep (a
+        _KeptTurn, or None) is begun with the response as created before its event goes out, kept
+        with the final Response object before its event goes out (failing, the stream ends with
+        response.failed instead), and abandoned where it ends otherwise. `whole` collects every delta
+        too: the final response's items are the whole answer's, read at the end as an answer not
+        streamed is (a reader that reads pieces cannot take back what it streamed: a call the length
+        limit cut turns the calls before it to text in the whole answer too), so the final event and
+        the kept turn equal that answer."""
         completion_tokens, sent_finish, engine_finish = 0, None, None
         try:
             async with aclosing(stream):
-                for event in events.opening():
+                opening = events.opening()
+                if keep is not None:
+                    await keep.begin(opening[0]["response"])
+                for event in opening:
                     yield responses_api.sse(event)
                 async for _, delta in stream:
                     timer.tokens(render.new_tokens(delta), time.perf_counter())
@@ -1651,7 +1740,7 @@ class OpenAIServer:
             items, _, _ = _whole_output(whole.choice(engine_finish))
             finished = events.finish(sent_finish, _responses_usage(stream, completion_tokens, render), items)
             if keep is not None:
-                await keep(finished[-1]["response"])
+                await keep.keep(finished[-1]["response"])
             for event in finished:
                 yield responses_api.sse(event)
         except Exception as err:  # noqa: BLE001 - headers are sent: the error can only be an event
@@ -1659,6 +1748,9 @@ class OpenAIServer:
             outcome["finish_reason"] = failure_reason(outcome["status"])
             for event in events.failed(body["error"]):
                 yield responses_api.sse(event)
+        finally:  # failed, or the client left: no record of it left in flight
+            if keep is not None:
+                await keep.abandon()
 
     def _event_stream(self, events, stream: ChoiceStreams, outcome: dict) -> Response:
         """The server-sent events of a streamed answer; closing it closes the engine's streams and

@@ -1,5 +1,6 @@
 """Where a server's kept responses (launcher/serving/responses/store.py) live, and how its route
-reaches them: both ways give the route the same coroutines (put, history, get, input_items, delete).
+reaches them: both ways give the route the same coroutines (begin, put, abandon, generating, history,
+get, input_items, delete; and forget, which the shared store's own failures use).
 
 One Serve replica keeps them in its own process (LocalResponses): nothing to share, and no process
 more on the host (on a host whose cores the ranks use, an idle Serve replica's background work comes
@@ -7,7 +8,10 @@ out of the forward, README: Limits). Several replicas share one store, its own s
 in the same application (ResponseStoreServer, reached through its handle: SharedResponses), since
 the next turn of a conversation may reach any replica; it is deleted with the application. A call
 to it that gets no answer within STORE_WAIT_S raises StoreUnavailable (Serve's router would wait
-for a dead store replica's replacement, holding every /v1/responses request meanwhile).
+for a dead store replica's replacement, holding every /v1/responses request meanwhile). A
+put that gets no answer may still land later, keeping a response whose answer said store: false: the
+response is forgotten meanwhile, as far as the store answers (store.py: forget; a put that lands
+after it keeps nothing).
 """
 
 from __future__ import annotations
@@ -33,8 +37,20 @@ class LocalResponses:
     def __init__(self, capacity: int) -> None:
         self.store = ResponseStore(capacity)
 
-    async def put(self, response: dict, input_items: list, previous_id: str | None) -> None:
-        self.store.put(response, input_items, previous_id)
+    async def begin(self, response: dict, input_items: list, previous_id: str | None) -> None:
+        self.store.begin(response, input_items, previous_id)
+
+    async def put(self, response: dict, input_items: list, previous_id: str | None) -> bool:
+        return self.store.put(response, input_items, previous_id)
+
+    async def abandon(self, response_id: str) -> None:
+        self.store.abandon(response_id)
+
+    async def generating(self, response_id: str) -> bool:
+        return self.store.generating(response_id)
+
+    async def forget(self, response_id: str) -> None:
+        self.store.forget(response_id)
 
     async def history(self, response_id: str):
         return self.store.history(response_id)
@@ -54,9 +70,21 @@ class SharedResponses:
 
     def __init__(self, handle) -> None:
         self.handle = handle
+        self._forgetting: set[asyncio.Task] = set()
+        """The forgets of responses whose put failed, under way (held: a task only weakly
+        referenced by the loop may be collected before it runs)."""
 
-    async def put(self, response: dict, input_items: list, previous_id: str | None) -> None:
-        await self._call("put", response, input_items, previous_id)
+    async def begin(self, response: dict, input_items: list, previous_id: str | None) -> None:
+        await self._call("begin", response, input_items, previous_id)
+
+    async def put(self, response: dict, input_items: list, previous_id: str | None) -> bool:
+        return await self._unless_answered_late("put", response["id"], response, input_items, previous_id)
+
+    async def abandon(self, response_id: str) -> None:
+        await self._call("abandon", response_id)
+
+    async def generating(self, response_id: str) -> bool:
+        return await self._call("generating", response_id)
 
     async def history(self, response_id: str):
         return await self._call("history", response_id)
@@ -69,6 +97,24 @@ class SharedResponses:
 
     async def delete(self, response_id: str) -> bool:
         return await self._call("delete", response_id)
+
+    async def _unless_answered_late(self, method: str, response_id: str, *args):
+        """_call, and where it fails, the response forgotten in the background (store.py: forget; not
+        awaited: the answer goes out meanwhile), so that a call that lands late keeps nothing the
+        answer did not say."""
+        try:
+            return await self._call(method, *args)
+        except StoreUnavailable:
+            forgetting = asyncio.ensure_future(self._forget(response_id))
+            self._forgetting.add(forgetting)
+            forgetting.add_done_callback(self._forgetting.discard)
+            raise
+
+    async def _forget(self, response_id: str) -> None:
+        try:
+            await self._call("forget", response_id)
+        except StoreUnavailable:
+            pass  # the store is gone or failing: nothing of it to keep a response either
 
     async def _call(self, method: str, *args):
         try:

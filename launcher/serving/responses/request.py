@@ -97,8 +97,12 @@ NO_STORE = (f"{KEEPS_NONE}, so no earlier response can be continued; send the ea
             f"output items) in input")
 """Why previous_response_id is refused by a server started without a response store."""
 NOT_KEPT_WHY = ("it was never kept (store: false, or it failed or was cut off before it finished), was deleted, "
-                "or was the least recently used when the store was full")
-"""Why a server that keeps responses has not got one."""
+                "was the least recently used when the store was full, or the server (or its response store) "
+                "restarted since")
+"""Why a server that keeps responses has not got one (kept only in memory: a restart loses them all)."""
+STILL_GENERATING = ("it is still being generated (a streamed response is kept once it finishes); send this request "
+                    "after its final event (response.completed or response.incomplete)")
+"""Why a response in flight cannot be continued yet (responses/store.py: in flight)."""
 
 STORED_STATE = {
     "conversation": "no conversations are kept here (the Conversations API is not served); continue a kept "
@@ -731,6 +735,38 @@ def _metadata(metadata) -> dict:
                                 f"{MAX_METADATA_VALUE_CHARS} characters", param=f"metadata.{clip(key)}")
         check_utf8(value, f"metadata.{clip(key)}")
     return dict(metadata)
+
+
+# ---- a continued conversation too long for the context ------------------------------------------
+START_ANEW = ("start a new conversation: send in input only the turns to keep, without previous_response_id "
+              "(truncation \"auto\" is not supported: this server never drops turns itself)")
+"""The way out of a kept conversation that leaves no room: the client chooses the turns to keep."""
+
+
+def kept_message_count(echo: ResponsesEcho) -> int:
+    """How many of the chat messages, the first ones, are the instructions and the kept turns
+    previous_response_id continues (0 without it): those before the request's own input."""
+    ends = [i + 1 for i, place in enumerate(echo._places) if place.whole == "previous_response_id"]
+    return ends[-1] if ends else 0
+
+
+def conversation_too_long(kept_tokens: int, prompt_tokens: int | None, most: int, why_most: str,
+                          instructions: bool) -> ProtocolError:
+    """The refusal of a continued conversation's prompt longer than a prompt here may be (`most`
+    tokens, `why_most` saying why), in the terms the client can act on: the kept conversation's
+    tokens (kept_tokens, with this request's instructions where it has some) and its own input's
+    (prompt_tokens less those; None where the prompt was too long to count exactly)."""
+    kept = f"the conversation previous_response_id continues{' (with the instructions)' if instructions else ''}"
+    if kept_tokens >= most:
+        return ProtocolError(f"previous_response_id: {kept} takes {kept_tokens} tokens in the chat template, and a "
+                             f"prompt here has at most {most} ({why_most}): no room is left for new input; "
+                             f"{START_ANEW}", param="previous_response_id", code="context_length_exceeded")
+    own = (f"this request's input the other {prompt_tokens - kept_tokens}" if prompt_tokens is not None
+           else f"this request's input more than the {most - kept_tokens} left")
+    return ProtocolError(f"the prompt{'' if prompt_tokens is None else f' has {prompt_tokens} tokens and'} is longer "
+                         f"than a prompt here may be, at most {most} tokens ({why_most}): {kept} takes "
+                         f"{kept_tokens} of them and {own}; shorten the input, or {START_ANEW}",
+                         param="input", code="context_length_exceeded")
 
 
 # ---- chat refusals named in the Responses request's terms ---------------------------------------

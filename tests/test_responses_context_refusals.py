@@ -1,0 +1,81 @@
+"""Refusals of /v1/responses requests that do not fit, in terms the client can act on: a continued
+conversation too long for the context names what the kept conversation takes and what the new input
+does, and the way out (a new conversation of the turns to keep: truncation "auto" is not
+supported); min_tokens past the limit names max_output_tokens and input, not the chat's fields.
+The route runs in-process over SmolLM2's tokenizer and the scripted engine, with a 512-token
+context (tests/test_tokenize_routes.py); the token counts are the tokenizer's own, rendered here."""
+
+from __future__ import annotations
+
+from tests.test_kept_responses import keeping
+from tests.test_responses_route import asked, refusal, respond, tokenizer
+
+__all__ = ["tokenizer"]  # the module-scoped fixture, taken from the route's tests
+
+START_ANEW = "start a new conversation: send in input only the turns to keep, without previous_response_id"
+
+
+def tokens(tokenizer, messages: list[dict], opening: bool) -> int:
+    return len(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=opening,
+                                             return_dict=False))
+
+
+def answer_text(response: dict) -> str:
+    return response["output"][0]["content"][0]["text"]
+
+
+def test_a_conversation_too_long_names_the_kept_turns_and_the_new_input(tokenizer):
+    server = keeping(tokenizer, "Hello there friend.")
+    first_input, new_input = "word " * 250, "more " * 250
+    first = respond(server, asked(input=first_input))
+    kept = [{"role": "user", "content": first_input}, {"role": "assistant", "content": answer_text(first)}]
+    kept_tokens = tokens(tokenizer, kept, False)
+    whole = tokens(tokenizer, [*kept, {"role": "user", "content": new_input}], True)
+    assert kept_tokens < 511 < whole  # each part fits, the two together do not
+    refused = refusal(server, asked(input=new_input, previous_response_id=first["id"]))
+    assert refused.status == 400 and refused.code == "context_length_exceeded" and refused.param == "input"
+    assert f"the prompt has {whole} tokens" in refused.message and "at most 511 tokens" in refused.message
+    assert f"continues takes {kept_tokens} of them and this request's input the other {whole - kept_tokens}" \
+        in refused.message
+    assert START_ANEW in refused.message and 'truncation "auto" is not supported' in refused.message
+    assert "shorten the prompt" not in refused.message  # the client never sends most of it
+    # an input far too long to count whole: the room it had is named
+    endless = refusal(server, asked(input="more " * 20000, previous_response_id=first["id"]))
+    assert endless.param == "input" and endless.code == "context_length_exceeded"
+    assert f"continues takes {kept_tokens} of them and this request's input more than the {511 - kept_tokens} " \
+           f"left" in endless.message
+
+
+def test_a_kept_conversation_that_fills_the_context_alone_is_named(tokenizer):
+    server = keeping(tokenizer, "Hello there friend.")
+    first_input = "word " * 503  # a 510-token prompt: the answer's first token or two fill the context
+    first = respond(server, asked(input=first_input))
+    kept = [{"role": "user", "content": first_input}, {"role": "assistant", "content": answer_text(first)}]
+    kept_tokens = tokens(tokenizer, kept, False)
+    assert kept_tokens >= 511
+    refused = refusal(server, asked(input="Go on.", previous_response_id=first["id"]))
+    assert refused.status == 400 and refused.code == "context_length_exceeded"
+    assert refused.param == "previous_response_id"
+    assert f"continues takes {kept_tokens} tokens" in refused.message and "no room is left" in refused.message
+    assert START_ANEW in refused.message
+
+
+def test_a_token_limit_past_the_context_of_a_continued_conversation_says_what_to_shorten(tokenizer):
+    server = keeping(tokenizer, "Hello there friend.")
+    first = respond(server, asked(input="word " * 100))
+    refused = refusal(server, asked(input="Go on.", previous_response_id=first["id"], max_output_tokens=500))
+    assert refused.code == "context_length_exceeded" and refused.param == "max_output_tokens"
+    assert "lower max_output_tokens" in refused.message and START_ANEW in refused.message
+    assert "shorten the prompt" not in refused.message
+
+
+def test_min_tokens_past_the_limit_is_told_in_the_routes_names(tokenizer):
+    server = keeping(tokenizer, "Hello.")
+    sent = refusal(server, asked(max_output_tokens=2, min_tokens=5))
+    assert sent.param == "min_tokens" and sent.message == ("min_tokens (5) must be at most max_output_tokens (2); "
+                                                           "lower min_tokens or raise max_output_tokens")
+    unsent = refusal(server, asked(min_tokens=10 ** 6))
+    assert unsent.param == "min_tokens" and "(no max_output_tokens was sent)" in unsent.message
+    assert unsent.message.endswith("lower min_tokens or shorten the input")
+    for chat_name in ("max_completion_tokens", "max_tokens ", "messages"):
+        assert chat_name not in sent.message + unsent.message

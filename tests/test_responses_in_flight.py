@@ -1,0 +1,225 @@
+"""A streamed response that is kept (`--responses-store N`) while it is still being generated: its
+id is the client's from response.created on, so GET reads it back in progress and lists its input,
+DELETE forgets it (its end keeps nothing), and continuing it is refused as still being generated;
+one that fails or whose client leaves leaves no record behind. The store's own rules for responses
+in flight (launcher/serving/responses/store.py), and a shared store's put that gets no answer in
+time deleted meanwhile, so that one landing late keeps nothing the answer did not say. The routes
+run in-process over SmolLM2's tokenizer and the scripted engine (tests/test_tokenize_routes.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from launcher.serving.openai_protocol import ProtocolError
+from launcher.serving.response_store_server import LocalResponses, SharedResponses, StoreUnavailable
+from launcher.serving.responses.store import ResponseStore
+from tests.test_kept_responses import keeping, request_to
+from tests.test_responses_route import asked, await_first, check_with_the_clients_types, tokenizer
+from tests.test_tokenize_routes import post
+
+__all__ = ["tokenizer"]  # the module-scoped fixture, taken from the route's tests
+
+
+def events_of(chunks: list) -> list[dict]:
+    text = "".join(chunk if isinstance(chunk, str) else chunk.decode() for chunk in chunks)
+    return [json.loads(block.split("\n")[1][len("data: "):]) for block in text.split("\n\n")[:-1]]
+
+
+async def answered_or_refused(call):
+    try:
+        return await call
+    except ProtocolError as err:
+        return err
+
+
+async def mid_stream(server, body: dict, while_streaming):
+    """The stream's first event (response.created), what while_streaming(server, its id) gives while
+    the rest is still to come, then the stream's other events."""
+    response = await server.responses(post("/v1/responses", {**body, "stream": True}))
+    chunks = response.body_iterator
+    first = events_of([await chunks.__anext__()])
+    asked_meanwhile = await while_streaming(server, first[0]["response"]["id"])
+    rest = [chunk async for chunk in chunks]
+    return first, asked_meanwhile, events_of(rest)
+
+
+async def get(server, response_id: str):
+    return await answered_or_refused(server.retrieve_response(response_id,
+                                                              request_to("GET", f"/v1/responses/{response_id}")))
+
+
+async def delete(server, response_id: str):
+    return await answered_or_refused(server.delete_response(response_id,
+                                                            request_to("DELETE", f"/v1/responses/{response_id}")))
+
+
+async def items(server, response_id: str):
+    path = f"/v1/responses/{response_id}/input_items"
+    return await answered_or_refused(server.response_input_items(response_id, request_to("GET", path)))
+
+
+async def continued(server, response_id: str):
+    return await answered_or_refused(server.responses(post("/v1/responses", asked(
+        input="And then?", previous_response_id=response_id))))
+
+
+def test_a_streamed_response_reads_back_in_progress_until_it_is_kept(tokenizer):
+    server = keeping(tokenizer, ["The sky is blue today.", "Yes."])
+
+    async def meanwhile(server, response_id):
+        return await get(server, response_id), await items(server, response_id), await continued(server, response_id)
+
+    async def run():
+        first, (read, listed, refused), rest = await mid_stream(server, asked(input="Sky?"), meanwhile)
+        created = first[0]["response"]
+        assert read == created and read["status"] == "in_progress" and read["store"] is True
+        check_with_the_clients_types(read)
+        assert [item["content"][0]["text"] for item in listed["data"]] == ["Sky?"]
+        assert isinstance(refused, ProtocolError) and refused.status == 400
+        assert refused.param == "previous_response_id" and refused.code == "previous_response_in_progress"
+        assert "still being generated" in refused.message and "response.completed" in refused.message
+        final = rest[-1]["response"]
+        assert rest[-1]["type"] == "response.completed" and await get(server, created["id"]) == final
+        answer = await continued(server, created["id"])  # once kept, it continues
+        assert json.loads(answer.body)["previous_response_id"] == created["id"]
+
+    asyncio.run(run())
+
+
+def test_a_response_deleted_while_it_streams_is_not_kept_at_its_end(tokenizer):
+    server = keeping(tokenizer, "The sky is blue today.")
+
+    async def run():
+        first, gone, rest = await mid_stream(server, asked(), delete)
+        response_id = first[0]["response"]["id"]
+        assert gone == {"id": response_id, "object": "response", "deleted": True}
+        assert rest[-1]["type"] == "response.completed"  # the answer still goes out whole
+        for call in (get, delete):
+            missing = await call(server, response_id)
+            assert isinstance(missing, ProtocolError) and missing.status == 404 and "was deleted" in missing.message
+        lost = await continued(server, response_id)
+        assert lost.code == "previous_response_not_found"
+
+    asyncio.run(run())
+
+
+def test_a_stream_that_fails_or_is_left_leaves_no_record_in_flight(tokenizer):
+    from launcher.errors import RequestTimeout
+
+    server = keeping(tokenizer, "The sky is blue today.")
+    scripted = server.launcher.astream
+
+    def fails_after_one(*args, **kwargs):
+        async def deltas():
+            async for delta in await_first(scripted(*args, **kwargs)):
+                yield delta
+            raise RequestTimeout("request r did not finish within 4 s")
+        return deltas()
+
+    async def left(server, body):  # the client reads response.created, then goes
+        response = await server.responses(post("/v1/responses", {**body, "stream": True}))
+        response_id = events_of([await response.body_iterator.__anext__()])[0]["response"]["id"]
+        assert (await get(server, response_id))["status"] == "in_progress"
+        await response.body_iterator.aclose()  # as the route's response does when the client leaves
+        return response_id
+
+    async def failed(server, body):
+        response = await server.responses(post("/v1/responses", {**body, "stream": True}))
+        events = events_of([chunk async for chunk in response.body_iterator])
+        assert events[-1]["type"] == "response.failed"
+        return events[0]["response"]["id"]
+
+    async def run():
+        gone = [await left(server, asked())]
+        server.launcher.astream = fails_after_one
+        gone.append(await failed(server, asked()))
+        for response_id in gone:
+            missing = await get(server, response_id)
+            assert isinstance(missing, ProtocolError) and missing.status == 404
+            assert not await server.responses_kept.generating(response_id)
+            assert (await continued(server, response_id)).code == "previous_response_not_found"
+
+    asyncio.run(run())
+
+
+def said(text: str) -> dict:
+    return {"type": "message", "role": "user", "content": text}
+
+
+def started(response_id: str) -> dict:
+    return {"id": response_id, "object": "response", "status": "in_progress", "output": []}
+
+
+def finished(response_id: str) -> dict:
+    return {"id": response_id, "object": "response", "status": "completed",
+            "output": [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "x"}]}]}
+
+
+def test_the_store_keeps_responses_in_flight_apart_and_bounded():
+    store = ResponseStore(2)
+    store.begin(started("r1"), [said("Hi")], None)
+    assert store.generating("r1") and store.get("r1") == started("r1") and store.input_items("r1") == [said("Hi")]
+    assert store.history("r1") == (None, "r1") and len(store) == 0  # not a turn to continue yet
+    assert store.put(finished("r1"), [said("Hi")], None) and store.get("r1") == finished("r1")
+    assert not store.generating("r1") and store.history("r1")[1] is None
+    store.begin(started("r2"), [said("Hi")], "r1")
+    assert store.delete("r2") and not store.generating("r2") and store.get("r2") is None
+    assert not store.delete("r2")  # deleted once
+    assert not store.put(finished("r2"), [said("Hi")], "r1") and store.get("r2") is None  # its end keeps nothing
+    store.begin(started("r3"), [said("Hi")], None)
+    store.abandon("r3")
+    assert store.get("r3") is None and store.put(finished("r3"), [said("Hi")], None)  # abandoned: no tombstone
+    for response_id in ("a", "b", "c"):  # past the capacity the oldest record goes
+        store.begin(started(response_id), [], None)
+    assert [store.generating(response_id) for response_id in ("a", "b", "c")] == [False, True, True]
+
+
+class LateStore:
+    """A shared store's handle whose put lands in the real store only after the replica gave up
+    waiting for it (sent, it is not called back by the wait's end); its other calls are answered at
+    once."""
+
+    def __init__(self) -> None:
+        self.store = LocalResponses(4)
+        self.sent: list[asyncio.Task] = []
+
+    def __getattr__(self, method):
+        async def late(*args):
+            await asyncio.sleep(0.2)
+            return await self.store.put(*args)
+
+        async def call(*args):
+            if method != "put":
+                return await getattr(self.store, method)(*args)
+            self.sent.append(asyncio.ensure_future(late(*args)))
+            return await asyncio.shield(self.sent[-1])
+        return SimpleNamespace(remote=call)
+
+
+@pytest.mark.parametrize("begun", [False, True])
+def test_a_put_that_gets_no_answer_in_time_keeps_nothing(monkeypatch, begun):
+    from launcher.serving import response_store_server
+
+    monkeypatch.setattr(response_store_server, "STORE_WAIT_S", 0.05)
+    late = LateStore()
+    shared = SharedResponses(late)
+
+    async def run():
+        if begun:
+            await shared.begin(started("r1"), [said("Hi")], None)
+        with pytest.raises(StoreUnavailable, match="did not answer within 0.05 s"):
+            await shared.put(finished("r1"), [said("Hi")], None)
+        await asyncio.gather(*late.sent)  # the put has landed, after the replica gave up on it
+        return await late.store.get("r1")
+
+    assert asyncio.run(run()) is None
+
+
+def test_a_server_that_restarted_is_among_the_reasons_a_response_is_not_kept(tokenizer):
+    server = keeping(tokenizer, "Hello.")
+    missing = asyncio.run(get(server, "resp_1"))
+    assert missing.status == 404 and "or the server (or its response store) restarted since" in missing.message
