@@ -272,8 +272,10 @@ class Replica:
                     self.served += 1
             if handle is not None and event.finish_reason == "error":
                 handle.fail(RequestFailed(f"request {handle.request_id} failed: {event.error}"))
-            elif handle is not None:
-                handle.deliver(event)
+            elif handle is not None and not handle.deliver(event) and handle.unread and not handle.closing:
+                # its reader's event loop has closed: nothing will read or close it, so it would run
+                # on to max_tokens holding its row (cancelled at the next poll, as a dropped one)
+                self.pool.cancel_stream(handle, deferred=True)
         now = time.monotonic()
         with self._streams_lock:
             late = [h for h in self.streams.values() if now > h.deadline]
@@ -661,6 +663,11 @@ def _overdue(handle: StreamHandle, what_then: str) -> RequestTimeout:
         f"request_timeout_s (--request-timeout) for long generations")
 
 
+SHUTTING_DOWN = ("the launcher is shut down (or shutting down); call start() again (or enter it as a context "
+                 "manager) once shutdown() has returned")
+"""A request that raced shutdown(): the same Launcher starts again (a new one is not needed)."""
+
+
 class ReplicaPool:
     """`count` replicas built by `make_group`, fed from one queue (see the module docstring)."""
 
@@ -744,7 +751,7 @@ class ReplicaPool:
         item = _Item(request)
         with self._lock:
             if self.stopping:
-                raise LaunchError("the launcher is shut down; start a new one")
+                raise LaunchError(SHUTTING_DOWN)
             if self._no_replica is not None:
                 raise NoReplicaAvailable(str(self._no_replica))
             self._queue.put(item)
@@ -767,7 +774,7 @@ class ReplicaPool:
         was restarting (or held another caller's requests) timed out prompts queued four waves deep."""
         with self._lock:
             if self.stopping:
-                raise LaunchError("the launcher is shut down; start a new one")
+                raise LaunchError(SHUTTING_DOWN)
             if self._no_replica is not None:
                 raise NoReplicaAvailable(str(self._no_replica))
             self.rows = rows

@@ -16,8 +16,9 @@ from typing import Callable
 
 from workers.serving.requests import StreamRequest, TokenEvent
 
-Sink = Callable[[object], None]
-"""Receives each TokenEvent of the request, then possibly one exception (the request failed)."""
+Sink = Callable[[object], "bool | None"]
+"""Receives each TokenEvent of the request, then possibly one exception (the request failed).
+Returns False where no reader can take it any more (an astream whose event loop closed)."""
 
 
 class StreamHandle:
@@ -46,6 +47,9 @@ class StreamHandle:
         """Its reader is done with it (ReplicaPool.cancel_stream, before the cancel reaches a replica):
         a replica no longer moves it to another, nor takes it when it arrives from one."""
         self.finished = False
+        self.unread = False
+        """Its sink said no reader can take its events any more (deliver): an astream kept past the
+        end of its event loop (asyncio.run closes only async generators, which a stream is not)."""
         self._lock = threading.Lock()
 
     def allow_waves(self, waves: int) -> None:
@@ -83,7 +87,8 @@ class StreamHandle:
                 event = dataclasses.replace(event, cached_tokens=None)
             self.delivered.extend(event.token_ids)
             self.finished = event.finish_reason is not None
-        self.sink(event)
+        if self.sink(event) is False:
+            self.unread = True
         return self.finished
 
     def fail(self, error: BaseException) -> bool:

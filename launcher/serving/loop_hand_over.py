@@ -22,19 +22,22 @@ class LoopHandOver:
         self._lock = threading.Lock()
         self._batch: list[tuple[asyncio.Queue, object]] = []
 
-    def put(self, items: asyncio.Queue, item) -> None:
+    def put(self, items: asyncio.Queue, item) -> bool:
+        """False where the loop has closed: nobody can read the item, nor any later one."""
         loop = self._loop
         if loop.is_closed():
             self._drop()  # nobody is left to read; a call scheduled before the close never runs
-            return
+            return False
         with self._lock:
             self._batch.append((items, item))
             if len(self._batch) > 1:
-                return  # the batch's hand-over is scheduled already
+                return True  # the batch's hand-over is scheduled already
         try:
             loop.call_soon_threadsafe(self._hand_over)
         except RuntimeError:  # the loop closed meanwhile
             self._drop()
+            return False
+        return True
 
     def _drop(self) -> None:
         # The batch's queues hold their loop: kept, they would keep a closed loop alive.
@@ -57,7 +60,8 @@ _hand_overs_lock = threading.Lock()
 
 def loop_sink(items: asyncio.Queue, loop: asyncio.AbstractEventLoop):
     """Events arrive on the replica's thread; they are handed to the reader's event loop, in order,
-    together with those of the loop's other streams that arrive meanwhile."""
+    together with those of the loop's other streams that arrive meanwhile. The sink returns False
+    once that loop has closed (StreamHandle.deliver: the request is then cancelled)."""
     with _hand_overs_lock:
         known = _hand_overs.get(loop)
         hand_over = known() if known is not None else None
@@ -65,7 +69,7 @@ def loop_sink(items: asyncio.Queue, loop: asyncio.AbstractEventLoop):
             hand_over = LoopHandOver(loop)
             _hand_overs[loop] = weakref.ref(hand_over)
 
-    def put(item) -> None:
-        hand_over.put(items, item)
+    def put(item) -> bool:
+        return hand_over.put(items, item)
 
     return put
