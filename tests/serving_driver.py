@@ -42,6 +42,10 @@ def collect(leader: ServingLoop, expected: set[str], timeout_s: float = 60.0,
     while set(out.finish) < expected:
         if time.monotonic() > deadline:
             raise TimeoutError(f"requests {sorted(expected - set(out.finish))} did not finish in {timeout_s} s")
+        failed = getattr(leader, "error", None)  # set by run_loops: its loop has ended, nothing more comes
+        if failed is not None:
+            raise RuntimeError(f"the leader's loop failed with requests {sorted(expected - set(out.finish))} "
+                               f"unfinished: {failed!r}") from failed
         events, _ = leader.poll(0.2)
         for event in events:
             out.events.append(event)

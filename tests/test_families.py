@@ -215,3 +215,35 @@ def test_gemma3_partial_rotary_with_scaled_rope_is_refused_as_for_the_other_fami
     with pytest.raises(ValueError, match=rf"{where}.*not supported with linear rope scaling"):
         ModelConfig.from_dict({**raw, "partial_rotary_factor": 0.5})
     assert ModelConfig.from_dict({**plain, "partial_rotary_factor": 0.5}).rope_scaling is None  # default rope: read as before
+
+
+def test_a_reused_prefix_longer_than_the_window_gives_transformers_tokens():
+    """Prefix caching with a window: the second request is seated on the first one's row (its prompt
+    and generated tokens) and prefilled from where they part, past the window (its reused slots hold
+    keys the window has left behind by then), in chunks of 3."""
+    from tests.serving_driver import collect, request, run_loops, stop
+    from workers.serving.loop import ServingConfig, ServingLoop
+
+    from workers.serving.prefix_reuse import MIN_SHARED_TOKENS
+
+    name = "gemma3_softcap"  # window 5: local and global layers
+    config, state, refs = reference(name)
+    held = PROMPTS[0] + refs[0][:-1]  # what the first request's row holds once it ends
+    assert len(held) >= MIN_SHARED_TOKENS + 2
+    second = held[:MIN_SHARED_TOKENS + 2] + [3, 7]
+    with torch.inference_mode():
+        expected = hf_greedy(build_random_model(**SPECS[name]), second, NEW_TOKENS)
+    loop = ServingLoop(build_rank_model(config, state, 0, 1, SingleRank()),
+                       ServingConfig(1, 3, 64, prefix_caching=True))
+    threads = run_loops([loop])
+    try:
+        loop.submit([request("first", PROMPTS[0], NEW_TOKENS, stop_token_ids=[EOS])])
+        first = collect(loop, {"first"})
+        loop.submit([request("second", second, NEW_TOKENS, stop_token_ids=[EOS])])
+        got = collect(loop, {"second"})
+    finally:
+        stop([loop], threads)
+    assert first.tokens["first"] == refs[0]
+    cached = [e.cached_tokens for e in got.events if e.cached_tokens is not None]
+    assert cached and cached[0] > config.sliding_window, cached  # the reuse really spans the window
+    assert got.tokens["second"] == expected
