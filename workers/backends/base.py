@@ -77,7 +77,10 @@ def join_torch_distributed(process_group_backend: str, rendezvous: RendezvousInf
 def rendezvous_store(rendezvous: RendezvousInfo, rank: int, world_size: int, timeout_s: float):
     """The group's TCPStore at the launcher's rendezvous; rank 0's listens on rendezvous.host only
     (see join_torch_distributed), on rendezvous.listener or else a socket it binds itself. The
-    store owns the socket once made; a store that fails closes it."""
+    store is handed a duplicate of the socket's descriptor and this function closes its own,
+    whatever happens: a store that fails has closed the descriptor it took already, so closing
+    that number again here hid the store's error behind EBADF and could close whatever another
+    thread of the rank had opened under that number meanwhile."""
     import torch.distributed as dist
 
     from workers.net import address_family
@@ -87,16 +90,12 @@ def rendezvous_store(rendezvous: RendezvousInfo, rank: int, world_size: int, tim
         listener = rendezvous.listener or socket.create_server(
             (rendezvous.host, rendezvous.port), family=address_family(rendezvous.host), backlog=max(128, world_size))
     try:
-        store = dist.TCPStore(rendezvous.host, rendezvous.port, world_size, rank == 0,
-                              timeout=datetime.timedelta(seconds=timeout_s),
-                              master_listen_fd=listener.fileno() if listener is not None else None)
-    except BaseException:
+        return dist.TCPStore(rendezvous.host, rendezvous.port, world_size, rank == 0,
+                             timeout=datetime.timedelta(seconds=timeout_s),
+                             master_listen_fd=os.dup(listener.fileno()) if listener is not None else None)
+    finally:
         if listener is not None:
-            listener.close()
-        raise
-    if listener is not None:
-        listener.detach()  # the store owns the descriptor now
-    return store
+            listener.close()  # the store's duplicate keeps the socket listening
 
 
 def _pin_gloo_to_the_route_to(host: str) -> None:
