@@ -368,8 +368,9 @@ def check_groups_fit(count: int, name: str, plan, holds: int | None, server: boo
         raise ValueError(_no_group_fits(plan, server))
     per_group = host_bytes_per_group(plan, server)
     # autoscaling needs a maximum above its minimum: "at most 2" from --min-replicas 2 was refused next
-    fewer = (f"Use --replicas {holds} (a fixed count: autoscaling needs --max-replicas above --min-replicas "
-             f"{least})" if least is not None and holds <= least else f"Ask for at most {holds}")
+    fewer = (f"Use --replicas {holds} in place of --min-replicas/--max-replicas (a fixed count: autoscaling "
+             f"needs --max-replicas above --min-replicas {least})" if least is not None and holds <= least
+             else f"Ask for at most {holds}")
     raise ValueError(f"{name} ({count}): {count} TP groups of {plan.tp_degree} rank(s) need "
                      f"{format_bytes(count * per_group)} ({format_bytes(per_group)} each, of which "
                      f"{format_bytes(_process_bytes(plan, server))} for the "

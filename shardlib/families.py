@@ -180,8 +180,11 @@ def family_fields(model_type: str, raw: dict[str, Any], layers: int, head_dim: i
         fields.update(_gemma_rope(raw))
         # transformers' Gemma 3 reads hidden_activation alone (a hidden_act beside it, as older Gemma
         # configs write, is ignored there: reading it ran SiLU where transformers runs its default)
-        act = raw.get("hidden_activation") or "gelu_pytorch_tanh"
+        act = raw.get("hidden_activation") or "gelu_pytorch_tanh"  # null: the default
         act = ACTIVATION_ALIASES.get(act, act) if isinstance(act, str) else act
+        if act not in ACTIVATIONS:  # named as this family's field (ModelConfig's check says hidden_act)
+            raise field_error("hidden_activation", act, f"is not implemented (corelaunch runs {', '.join(ACTIVATIONS)})",
+                              "use a checkpoint with one of those activations")
         scalar = raw.get("query_pre_attn_scalar")
         # attn_logit_softcapping is not read: transformers' Gemma 3 attention never applies it
         # (5.23 passes no softcap to its attention functions; Gemma 3's own configs set it null).

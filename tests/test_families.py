@@ -183,6 +183,8 @@ def test_gemma3_runs_hidden_activation_alone_as_transformers_does():
     got = last_logits(config, hf_state_dict(hf), PROMPTS[0])
     assert torch.allclose(got, expected, atol=1e-5), (got - expected).abs().max()
     assert ModelConfig.from_dict({**raw, "hidden_act": "gelu"}).hidden_act == "gelu_pytorch_tanh"
+    with pytest.raises(ValueError, match=r"field hidden_activation='gelu' is not implemented"):  # its own field named
+        ModelConfig.from_dict({**raw, "hidden_activation": "gelu"})
 
 
 @pytest.mark.parametrize("spec", [dict(model_type="llama", sliding_window=0),

@@ -254,8 +254,8 @@ def test_groups_sharing_this_host_count_their_processes_and_a_servers_groups_no_
     with pytest.raises(ValueError, match=r"^--replicas \(2\): 2 TP groups .* Ask for at most 1,"):
         check_groups_fit(2, "--replicas", plan, 1, server=True)
     # autoscaling from --min-replicas 2: "at most 2" led to --max-replicas 2, which is refused as no range
-    with pytest.raises(ValueError, match=r"^--max-replicas \(4\): 4 TP groups .* Use --replicas 2 \(a fixed "
-                                         r"count: autoscaling needs --max-replicas above --min-replicas 2\), or shrink"):
+    with pytest.raises(ValueError, match=r"^--max-replicas \(4\): 4 TP groups .* Use --replicas 2 in place of "
+                                         r"--min-replicas/--max-replicas \(a fixed count: autoscaling needs --max-replicas above --min-replicas 2\), or shrink"):
         check_groups_fit(4, "--max-replicas", plan, 2, server=True, least=2)
     with pytest.raises(ValueError, match=r"^--max-replicas \(4\): 4 TP groups .* Ask for at most 3, or shrink"):
         check_groups_fit(4, "--max-replicas", plan, 3, server=True, least=2)
