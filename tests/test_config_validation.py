@@ -100,7 +100,7 @@ def test_the_demo_config_is_valid():
      "rope_scaling.short_factor='x'"),
     (dict(model_type="qwen3", use_sliding_window=True, sliding_window=4, layer_types=["local"]),
      "layer_types=['local']"),
-    (dict(model_type="gemma3_text", hidden_activation="relu"), "hidden_act='relu'"),
+    (dict(model_type="gemma3_text", hidden_activation="relu"), "hidden_activation='relu'"),
     (dict(model_type="gemma3_text", query_pre_attn_scalar=0), "query_pre_attn_scalar=0"),
     # its sliding layers take the local rope base even without a window: not global layers
     (dict(model_type="gemma3_text", sliding_window=None), "sliding_window=None leaves Gemma 3's sliding_attention"),
