@@ -38,7 +38,7 @@ from workers.serving.step_inputs import decode_inputs, prefill_batches, prefill_
 from workers.serving.step_plan import Command, DecodeRow, PlanCodec, PrefillChunk, StepPlan
 from workers.serving.token_choice import choose, request_generator
 from workers.structured.grammars import NOT_THE_GRAMMARS
-from workers.structured.build_threads import build_in_the_background
+from workers.structured.build_threads import abandon_build, build_in_the_background
 from workers.structured.matchers import TOKENIZER_WAIT_S, MatcherFailed, start_matcher
 
 HEARTBEAT_S = 0.2
@@ -179,11 +179,12 @@ class ServingLoop:
         thread at the first one), by id in arrival order: admitted once it is, so the running requests
         never wait for it; a cancel finds its id without a scan (a mass cancel stays linear)."""
         self.grammar_wait_s = TOKENIZER_WAIT_S
-        """How long they wait for it before each fails (its build hung)."""
-        self._building: dict[str, tuple[Sequence, Future]] = {}
+        """How long they wait for it before each fails (its build hung), and how long one waits for
+        its matcher's build before it fails alone (that build hung, or queued behind ones that did)."""
+        self._building: dict[str, tuple[Sequence, Future, float]] = {}
         """Structured requests whose matchers are being built (or wait for one of the shared build
-        threads: build_threads), by id in arrival order: a schema llguidance takes seconds to compile
-        holds up no other request."""
+        threads: build_threads), by id in arrival order, with when each build was asked for: a schema
+        llguidance takes seconds to compile holds up no other request."""
         self._fresh_builds: list[Future] = []
         """The builds started since the leader last admitted built ones (_admit_built waits briefly
         for these alone, not again each step for one that takes seconds)."""
@@ -450,7 +451,7 @@ class ServingLoop:
         if seq.request.sampling.structured_output is not None:
             future = build_in_the_background(lambda: self._grammar(seq.request))
             future.add_done_callback(lambda _: self._wake_for_built())
-            self._building[seq.request.request_id] = (seq, future)
+            self._building[seq.request.request_id] = (seq, future, time.monotonic())
             self._fresh_builds.append(future)
             return
         self._queue(seq, events)
@@ -468,16 +469,25 @@ class ServingLoop:
 
     def _admit_built(self) -> None:
         """Queue the structured requests whose matchers are built (failing those whose build
-        failed), in arrival order, after waiting up to QUICK_BUILD_S for those not built yet."""
+        failed), in arrival order, after waiting up to QUICK_BUILD_S for those not built yet; fail
+        those whose build has not ended after grammar_wait_s, abandoning it (BuildThreads.abandon), so
+        a hung build neither holds its request for good nor one of the build threads."""
         fresh, self._fresh_builds = self._fresh_builds, []
         if not self._building:
             return
         if fresh:
             wait(fresh, timeout=QUICK_BUILD_S)
         events, building, self._building = [], self._building, {}
-        for rid, (seq, future) in building.items():
+        now = time.monotonic()
+        for rid, (seq, future, since) in building.items():
             if not future.done():
-                self._building[rid] = (seq, future)
+                if now - since < self.grammar_wait_s:
+                    self._building[rid] = (seq, future, since)
+                    continue
+                abandon_build(future)
+                events.append(TokenEvent(rid, [], "error", error=(
+                    f"the structured output's grammar was not built after {now - since:.0f} s on the "
+                    f"group's leader")))
                 continue
             try:
                 seq.grammar = future.result()
@@ -518,11 +528,12 @@ class ServingLoop:
 
     def _drop_awaiting(self, request_id: str) -> bool:
         """Drop the request if it waits for the grammar tokenizer or its matcher (a build already
-        running ends unread; one still queued for a build thread never runs); whether it did."""
+        running ends unread on a thread of its own, holding none of the shared ones; one still queued
+        for a build thread never runs); whether it did."""
         awaited = self._awaiting_grammar.pop(request_id, None)
         built = self._building.pop(request_id, None)
         if built is not None:
-            built[1].cancel()
+            abandon_build(built[1])
         return awaited is not None or built is not None
 
     def _grammar(self, request: StreamRequest):
@@ -537,8 +548,8 @@ class ServingLoop:
             events.append(TokenEvent(seq.request.request_id, [], "abort"))
         waiting = list(self._awaiting_grammar) + list(self._building)
         events.extend(TokenEvent(rid, [], "abort") for rid in waiting)
-        for _, future in self._building.values():
-            future.cancel()
+        for _, future, _ in self._building.values():
+            abandon_build(future)
         self._awaiting_grammar, self._building = {}, {}
         self.held.clear()
         self.outbox.put(events, self.scheduler.load())
