@@ -79,3 +79,38 @@ def test_min_tokens_past_the_limit_is_told_in_the_routes_names(tokenizer):
     assert unsent.message.endswith("lower min_tokens or shorten the input")
     for chat_name in ("max_completion_tokens", "max_tokens ", "messages"):
         assert chat_name not in sent.message + unsent.message
+
+
+THINKING_OF_THE_LAST_TURNS = (  # Qwen3's rule: thinking is rendered only after the last user message
+    "{% set ns = namespace(last_user=-1) %}{% for m in messages %}{% if m.role == 'user' %}"
+    "{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}<{{ m.role }}>{% if m.reasoning and loop.index0 > ns.last_user %}[{{ m.reasoning }}]"
+    "{% endif %}{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_a_kept_turns_thinking_the_template_drops_is_not_counted_as_kept(tokenizer):
+    import copy
+
+    dropping = copy.deepcopy(tokenizer)
+    dropping.chat_template = THINKING_OF_THE_LAST_TURNS
+    server = keeping(dropping, "Hello there friend.")
+    thought, first_input, new_input = "long thought " * 100, "word " * 200, "more " * 320
+    first = respond(server, asked(input=[
+        {"role": "user", "content": first_input},
+        {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": thought}]},
+        {"role": "assistant", "content": "Blue."}]))
+    kept = [{"role": "user", "content": first_input}, {"role": "assistant", "content": "Blue.", "reasoning": thought},
+            {"role": "assistant", "content": answer_text(first)}]
+    alone = dropping.apply_chat_template(kept, tokenize=True, add_generation_prompt=False, return_dict=False)
+    prompt = dropping.apply_chat_template([*kept, {"role": "user", "content": new_input}], tokenize=True,
+                                          add_generation_prompt=True, return_dict=False)
+    # alone, its thinking is rendered (it follows the last user message); in the prompt it is not, so
+    # the prompt holds the kept turns alike only up to where the thinking was
+    alike = next(i for i, (a, b) in enumerate(zip(alone, prompt)) if a != b)
+    without_thinking = tokens(dropping, [{**message, "reasoning": None} for message in kept], False)
+    assert alike <= without_thinking < len(alone) < 511 < len(prompt)
+    refused = refusal(server, asked(input=new_input, previous_response_id=first["id"]))
+    assert refused.param == "input" and f"the prompt has {len(prompt)} tokens" in refused.message
+    assert f"continues takes {alike} of them and this request's input the other {len(prompt) - alike}" \
+        in refused.message
+    assert len(prompt) - alike >= tokens(dropping, [{"role": "user", "content": new_input}], True)

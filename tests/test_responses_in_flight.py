@@ -2,8 +2,12 @@
 id is the client's from response.created on, so GET reads it back in progress and lists its input,
 DELETE forgets it (its end keeps nothing), and continuing it is refused as still being generated;
 one that fails or whose client leaves leaves no record behind. The store's own rules for responses
-in flight (launcher/serving/responses/store.py), and a shared store's put that gets no answer in
-time deleted meanwhile, so that one landing late keeps nothing the answer did not say. The routes
+in flight (launcher/serving/responses/store.py): a deleted, forgotten or abandoned id stays so
+however many streams begin after it, a begin landing late is ignored, a record past its life (its
+replica died mid-stream) reads as unknown; a shared store's put that gets no answer in time deleted
+meanwhile, so that one landing late keeps nothing the answer did not say; a shared store's begin and
+abandon sent without waiting (the first event does not wait for a slow store; a stream whose task is
+cancelled, as Starlette cancels it when the client leaves, still abandons its record). The routes
 run in-process over SmolLM2's tokenizer and the scripted engine (tests/test_tokenize_routes.py)."""
 
 from __future__ import annotations
@@ -159,22 +163,25 @@ def finished(response_id: str) -> dict:
             "output": [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "x"}]}]}
 
 
+LIFE_S = 600.0
+
+
 def test_the_store_keeps_responses_in_flight_apart_and_bounded():
     store = ResponseStore(2)
-    store.begin(started("r1"), [said("Hi")], None)
+    store.begin(started("r1"), [said("Hi")], None, LIFE_S)
     assert store.generating("r1") and store.get("r1") == started("r1") and store.input_items("r1") == [said("Hi")]
     assert store.history("r1") == (None, "r1") and len(store) == 0  # not a turn to continue yet
     assert store.put(finished("r1"), [said("Hi")], None) and store.get("r1") == finished("r1")
     assert not store.generating("r1") and store.history("r1")[1] is None
-    store.begin(started("r2"), [said("Hi")], "r1")
+    store.begin(started("r2"), [said("Hi")], "r1", LIFE_S)
     assert store.delete("r2") and not store.generating("r2") and store.get("r2") is None
     assert not store.delete("r2")  # deleted once
     assert not store.put(finished("r2"), [said("Hi")], "r1") and store.get("r2") is None  # its end keeps nothing
-    store.begin(started("r3"), [said("Hi")], None)
+    store.begin(started("r3"), [said("Hi")], None, LIFE_S)
     store.abandon("r3")
-    assert store.get("r3") is None and store.put(finished("r3"), [said("Hi")], None)  # abandoned: no tombstone
+    assert store.get("r3") is None and not store.generating("r3")
     for response_id in ("a", "b", "c"):  # past the capacity the oldest record goes
-        store.begin(started(response_id), [], None)
+        store.begin(started(response_id), [], None, LIFE_S)
     assert [store.generating(response_id) for response_id in ("a", "b", "c")] == [False, True, True]
 
 
@@ -210,7 +217,7 @@ def test_a_put_that_gets_no_answer_in_time_keeps_nothing(monkeypatch, begun):
 
     async def run():
         if begun:
-            await shared.begin(started("r1"), [said("Hi")], None)
+            shared.begin_soon(started("r1"), [said("Hi")], None, LIFE_S)
         with pytest.raises(StoreUnavailable, match="did not answer within 0.05 s"):
             await shared.put(finished("r1"), [said("Hi")], None)
         await asyncio.gather(*late.sent)  # the put has landed, after the replica gave up on it
@@ -223,3 +230,181 @@ def test_a_server_that_restarted_is_among_the_reasons_a_response_is_not_kept(tok
     server = keeping(tokenizer, "Hello.")
     missing = asyncio.run(get(server, "resp_1"))
     assert missing.status == 404 and "or the server (or its response store) restarted since" in missing.message
+
+
+class Clock:
+    """A store's clock the test moves on."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_deleted_or_forgotten_response_stays_unkept_however_many_begin_after_it():
+    store = ResponseStore(2)
+    store.begin(started("deleted"), [said("Hi")], None, LIFE_S)
+    assert store.delete("deleted")
+    store.forget("forgotten")  # a put that got no answer in time
+    for response_id in ("b", "c", "d"):  # more than the capacity begin after them
+        store.begin(started(response_id), [], None, LIFE_S)
+    assert not store.put(finished("deleted"), [said("Hi")], None) and store.get("deleted") is None
+    assert not store.put(finished("forgotten"), [said("Hi")], None) and store.get("forgotten") is None
+    # tombstones take no room of the responses in flight
+    live = ResponseStore(2)
+    live.begin(started("live"), [said("Hi")], None, LIFE_S)
+    for response_id in ("t1", "t2", "t3"):
+        live.forget(response_id)
+    assert live.get("live") == started("live") and live.generating("live")
+
+
+def test_a_begin_that_lands_after_its_put_abandon_or_delete_is_ignored():
+    store = ResponseStore(4)
+    store.put(finished("kept"), [said("Hi")], None)
+    store.begin(started("kept"), [said("Hi")], None, LIFE_S)  # a shared store's begin, come late
+    assert store.get("kept") == finished("kept") and not store.generating("kept")
+    assert store.delete("kept") and store.get("kept") is None and not store.delete("kept")
+    store.begin(started("kept"), [said("Hi")], None, LIFE_S)  # later still: after the delete
+    assert store.get("kept") is None
+    store.abandon("left")
+    store.begin(started("left"), [said("Hi")], None, LIFE_S)
+    assert not store.generating("left") and store.get("left") is None
+
+
+def test_a_record_in_flight_past_its_life_reads_as_unknown():
+    clock = Clock()
+    store = ResponseStore(4, clock=clock)
+    store.begin(started("r1"), [said("Hi")], None, 30.0)
+    clock.now = 30.0
+    assert store.generating("r1") and store.get("r1") == started("r1")
+    clock.now = 30.5  # its replica died mid-stream: no put, no abandon
+    assert not store.generating("r1") and store.get("r1") is None and store.input_items("r1") is None
+    assert not store.delete("r1")
+    assert store.put(finished("r1"), [said("Hi")], None) and store.get("r1") == finished("r1")  # a slow end
+
+
+def test_a_deleted_streaming_response_is_not_kept_though_more_streams_begin_meanwhile(tokenizer):
+    server = keeping(tokenizer, ["The sky is blue today.", "Yes it is."], capacity=1)
+
+    async def run():
+        first = await server.responses(post("/v1/responses", {**asked(input="Sky?"), "stream": True}))
+        first_id = events_of([await first.body_iterator.__anext__()])[0]["response"]["id"]
+        assert (await delete(server, first_id))["deleted"] is True
+        second = await server.responses(post("/v1/responses", {**asked(input="Sea?"), "stream": True}))
+        await second.body_iterator.__anext__()  # begun: the only room in flight is its
+        assert events_of([chunk async for chunk in first.body_iterator])[-1]["type"] == "response.completed"
+        gone = await get(server, first_id)
+        assert isinstance(gone, ProtocolError) and gone.status == 404
+        [chunk async for chunk in second.body_iterator]
+
+    asyncio.run(run())
+
+
+def test_a_streaming_response_past_its_life_reads_as_unknown(tokenizer, monkeypatch):
+    from launcher.serving import openai_app
+
+    server = keeping(tokenizer, ["The sky is blue today.", "Yes."])
+    server.launcher.config.request_timeout_s = 0.0
+    monkeypatch.setattr(openai_app, "IN_FLIGHT_MARGIN_S", 0.05)
+
+    async def meanwhile(server, response_id):
+        await asyncio.sleep(0.1)  # past the record's life: as where its replica died mid-stream
+        return await get(server, response_id), await continued(server, response_id)
+
+    async def run():
+        first, (read, refused), rest = await mid_stream(server, asked(input="Sky?"), meanwhile)
+        assert isinstance(read, ProtocolError) and read.status == 404
+        assert isinstance(refused, ProtocolError) and refused.code == "previous_response_not_found"
+        assert await get(server, first[0]["response"]["id"]) == rest[-1]["response"]  # its end still keeps it
+
+    asyncio.run(run())
+
+
+class StandIn:
+    """A shared store's handle over a store in this process: `held` methods wait for their event
+    first (each call's fate recorded in `fates`: "landed" or "cancelled"), the others answer at once."""
+
+    def __init__(self, held: dict[str, asyncio.Event]) -> None:
+        self.store, self.held = LocalResponses(4), held
+        self.fates: dict[str, list[str]] = {method: [] for method in held}
+        self.settled = asyncio.Event()
+
+    def __getattr__(self, method):
+        async def call(*args):
+            if method in self.held:
+                try:
+                    await self.held[method].wait()
+                except asyncio.CancelledError:
+                    self.fates[method].append("cancelled")
+                    self.settled.set()
+                    raise
+                answer = await getattr(self.store, method)(*args)
+                self.fates[method].append("landed")
+                self.settled.set()
+                return answer
+            return await getattr(self.store, method)(*args)
+        return SimpleNamespace(remote=call)
+
+
+def test_a_stream_cut_off_by_its_cancelled_task_still_abandons_its_record(tokenizer):
+    import anyio
+
+    server = keeping(tokenizer, "The sky is blue today.")
+    scripted = server.launcher.astream
+
+    def stalls_after_one(*args, **kwargs):
+        async def deltas():
+            async for delta in await_first(scripted(*args, **kwargs)):
+                yield delta
+            await asyncio.Event().wait()  # the engine's next token, never coming
+        return deltas()
+
+    server.launcher.astream = stalls_after_one
+
+    async def run():
+        stand_in = StandIn({"abandon": asyncio.Event()})  # it answers once the client has gone
+        server.responses_kept = SharedResponses(stand_in)
+        response = await server.responses(post("/v1/responses", {**asked(), "stream": True}))
+        seen = []
+        async with anyio.create_task_group() as group:  # as Starlette's response runs the stream
+            async def send():
+                async for chunk in response.body_iterator:
+                    seen.append(chunk)
+            group.start_soon(send)
+            while not seen:
+                await asyncio.sleep(0)
+            await asyncio.sleep(0.01)  # the stream waits for the engine
+            group.cancel_scope.cancel()  # the client disconnected
+        response_id = events_of(seen[:1])[0]["response"]["id"]
+        stand_in.held["abandon"].set()
+        await asyncio.wait_for(stand_in.settled.wait(), 5)
+        assert stand_in.fates["abandon"] == ["landed"]
+        assert not await stand_in.store.generating(response_id)
+
+    asyncio.run(run())
+
+
+def test_the_first_event_does_not_wait_for_a_slow_shared_begin(tokenizer, monkeypatch):
+    from launcher.serving import response_store_server
+
+    monkeypatch.setattr(response_store_server, "STORE_WAIT_S", 1.0)
+    server = keeping(tokenizer, "The sky is blue today.")
+
+    async def run():
+        stand_in = StandIn({"begin": asyncio.Event()})
+        server.responses_kept = SharedResponses(stand_in)
+        response = await server.responses(post("/v1/responses", {**asked(), "stream": True}))
+        first = events_of([await response.body_iterator.__anext__()])
+        assert stand_in.fates["begin"] == []  # still on its way, neither waited for nor given up
+        rest = events_of([chunk async for chunk in response.body_iterator])
+        stand_in.held["begin"].set()  # the begin lands after the put
+        await asyncio.wait_for(stand_in.settled.wait(), 5)
+        response_id = first[0]["response"]["id"]
+        assert stand_in.fates["begin"] == ["landed"] and not await stand_in.store.generating(response_id)
+        assert await get(server, response_id) == rest[-1]["response"]
+        assert (await delete(server, response_id))["deleted"] is True
+        gone = await get(server, response_id)
+        assert isinstance(gone, ProtocolError) and gone.status == 404
+
+    asyncio.run(run())

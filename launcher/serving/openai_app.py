@@ -601,25 +601,55 @@ _CHAT_WORDS_IN_A_MIN_TOKENS_REFUSAL = (("max_completion_tokens", "max_output_tok
 """_min_tokens_past_the_limit's chat fields, as a /v1/responses request names them."""
 
 
+IN_FLIGHT_MARGIN_S = 60.0
+"""How long past the request timeout a streamed response's in-flight record lives (responses/store.py):
+the stream's reader waits 30 s past it for a silent replica (request_streams._GRACE_S), and its put
+up to STORE_WAIT_S; a record older than that is of a replica that died mid-stream."""
+
+
+def _in_flight_life_s(launcher) -> float:
+    """How long a streamed response may stay in flight: its request's timeout (the route asks for no
+    other) and IN_FLIGHT_MARGIN_S. A launcher whose config names none (the tests' scripted engine)
+    gets LaunchConfig's default."""
+    timeout_s = getattr(getattr(launcher, "config", None), "request_timeout_s", None)
+    if timeout_s is None:
+        from launcher.api import LaunchConfig
+
+        timeout_s = LaunchConfig.request_timeout_s
+    return timeout_s + IN_FLIGHT_MARGIN_S
+
+
+def _kept_tokens_in_prompt(kept: list[int], whole: list[int]) -> int:
+    """How many of the prompt's (`whole`'s) first tokens are the kept conversation's (`kept`: it
+    rendered alone): those the two have alike, since a template may render the kept turns otherwise
+    once new input follows (Qwen3's drops the thinking of turns before the last user message). A
+    last kept token that differs only at the seam (its text merged with what follows into another
+    token) is counted kept."""
+    same = 0
+    for a, b in zip(kept, whole):
+        if a != b:
+            break
+        same += 1
+    return len(kept) if same == len(kept) - 1 else same
+
+
 class _KeptTurn:
     """One response of a server that keeps responses (responses/store.py), on its way into the store:
     begun where it is streamed (its id is the client's from response.created on: GET reads it back in
     progress, DELETE forgets it, continuing it is refused as still being generated), kept once
     answered, and abandoned where it fails or the client leaves. A store that fails costs the
-    keeping, not the answer: it goes out saying store: false, and the replica's log says why."""
+    keeping, not the answer: it goes out saying store: false, and the replica's log says why. Begun
+    and abandoned without waiting (response_store_server.py: begin_soon, abandon_soon): the first
+    event does not wait for a slow store, and a stream whose task is cancelled cannot await."""
 
-    def __init__(self, store, turn: list, previous_id: str | None) -> None:
-        self.store, self.turn, self.previous_id = store, turn, previous_id
+    def __init__(self, store, turn: list, previous_id: str | None, life_s: float) -> None:
+        self.store, self.turn, self.previous_id, self.life_s = store, turn, previous_id, life_s
         self.open: str | None = None
         """The id begun and neither kept nor abandoned yet."""
 
-    async def begin(self, response: dict) -> None:
+    def begin(self, response: dict) -> None:
         self.open = response["id"]
-        try:
-            await self.store.begin(response, self.turn, self.previous_id)
-        except StoreUnavailable as err:  # it may still be kept at its end: the store may answer then
-            SERVER_LOG.warning("corelaunch serve: response %s cannot be read back while it streams: %s",
-                               response["id"], err)
+        self.store.begin_soon(response, self.turn, self.previous_id, self.life_s)
 
     async def keep(self, response: dict) -> None:
         self.open = None
@@ -630,16 +660,11 @@ class _KeptTurn:
             response["store"] = False
             SERVER_LOG.warning("corelaunch serve: response %s was answered but not kept: %s", response["id"], err)
 
-    async def abandon(self) -> None:
+    def abandon(self) -> None:
         """Its in-flight record dropped where it was begun and will not be kept (failed, or cut off)."""
-        if self.open is None:
-            return
-        response_id, self.open = self.open, None
-        try:
-            await self.store.abandon(response_id)
-        except StoreUnavailable as err:  # left to the store's bound on responses in flight
-            SERVER_LOG.warning("corelaunch serve: response %s failed or was cut off and may still read back as "
-                               "in progress: %s", response_id, err)
+        if self.open is not None:
+            response_id, self.open = self.open, None
+            self.store.abandon_soon(response_id)
 
 
 INVOCATION_ROUTES = (("messages", "chat_completions"), ("prompt", "completions"), ("input", "responses"))
@@ -1070,7 +1095,8 @@ class OpenAIServer:
                 raise await self._kept_conversation_too_long(req, echo, err) from None
             raise _as_responses_error(err, echo) from None
         # kept before the client sees it, so its next turn finds it
-        keep = None if turn is None else _KeptTurn(self.responses_kept, turn, echo.previous_response_id)
+        keep = None if turn is None else _KeptTurn(self.responses_kept, turn, echo.previous_response_id,
+                                                   _in_flight_life_s(self.launcher))
         return await self._respond_responses(req, echo, stream, self._responses_render(req, stream), arrived, keep)
 
     async def _kept_conversation_too_long(self, req, echo, err: ProtocolError) -> ProtocolError:
@@ -1083,15 +1109,17 @@ class OpenAIServer:
         render = functools.partial(self._apply_chat_template, tools=req.template_tools(),
                                    template_kwargs=req.chat_template_kwargs, template=req.chat_template)
         try:  # the kept part fitted the context once (each turn did), so it is counted whole
-            kept = len(await asyncio.to_thread(render, messages[:kept_message_count(echo)], False, False, False,
-                                               False))
+            kept_ids = await asyncio.to_thread(render, messages[:kept_message_count(echo)], False, False, False,
+                                               False)
         except ProtocolError:  # a template that refuses the conversation cut there
             return _as_responses_error(err, echo)
         try:
-            whole = len(await asyncio.to_thread(render, messages, req.add_generation_prompt,
-                                                req.continue_final_message, False, True))
+            whole_ids = await asyncio.to_thread(render, messages, req.add_generation_prompt,
+                                                req.continue_final_message, False, True)
         except ProtocolError:  # far too long to count (prompt_probe.py)
-            whole = None
+            whole_ids = None
+        kept = len(kept_ids) if whole_ids is None else _kept_tokens_in_prompt(kept_ids, whole_ids)
+        whole = None if whole_ids is None else len(whole_ids)
         most, why = self.context_tokens - 1, f"the context holds {self.context_tokens}, one left for the answer"
         if self.longest_prompt is not None and self.longest_prompt < most:
             most, why = self.longest_prompt, "this server's longest prefill shape"
@@ -1724,7 +1752,7 @@ class OpenAIServer:
             async with aclosing(stream):
                 opening = events.opening()
                 if keep is not None:
-                    await keep.begin(opening[0]["response"])
+                    keep.begin(opening[0]["response"])
                 for event in opening:
                     yield responses_api.sse(event)
                 async for _, delta in stream:
@@ -1748,9 +1776,9 @@ class OpenAIServer:
             outcome["finish_reason"] = failure_reason(outcome["status"])
             for event in events.failed(body["error"]):
                 yield responses_api.sse(event)
-        finally:  # failed, or the client left: no record of it left in flight
+        finally:  # failed, or the client left (its task maybe cancelled: nothing awaited here)
             if keep is not None:
-                await keep.abandon()
+                keep.abandon()
 
     def _event_stream(self, events, stream: ChoiceStreams, outcome: dict) -> Response:
         """The server-sent events of a streamed answer; closing it closes the engine's streams and

@@ -87,7 +87,7 @@ FIELD_RULES = {
     "skip_special_tokens": "true or false (vLLM's extension; false: special tokens the model generates, an end of "
                            "turn say, stay in the text)",
     "logprobs": f"an integer in [0, {MAX_LOGPROBS}] on /v1/completions; true or false on /v1/chat/completions",
-    "top_logprobs": f"an integer in [0, {MAX_LOGPROBS}], with logprobs: true",
+    "top_logprobs": f"an integer in [0, {MAX_LOGPROBS}]; above 0 only with logprobs: true",
     "prompt_logprobs": f"an integer in [0, {MAX_LOGPROBS}] (vLLM's extension: each prompt token's log-probability, "
                        f"rank and that many most likely; not with stream: true)",
     "truncate_prompt_tokens": "an integer >= 1, or -1 (vLLM's extension: the prompt is cut to its last that many "

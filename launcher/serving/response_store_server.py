@@ -1,6 +1,7 @@
 """Where a server's kept responses (launcher/serving/responses/store.py) live, and how its route
-reaches them: both ways give the route the same coroutines (begin, put, abandon, generating, history,
-get, input_items, delete; and forget, which the shared store's own failures use).
+reaches them: both ways give the route the same coroutines (put, generating, history, get,
+input_items, delete) and the same two calls that do not wait (begin_soon, abandon_soon: a stream's
+first event does not wait for the store, and a stream cut off, its task cancelled, cannot await).
 
 One Serve replica keeps them in its own process (LocalResponses): nothing to share, and no process
 more on the host (on a host whose cores the ranks use, an idle Serve replica's background work comes
@@ -11,12 +12,15 @@ to it that gets no answer within STORE_WAIT_S raises StoreUnavailable (Serve's r
 for a dead store replica's replacement, holding every /v1/responses request meanwhile). A
 put that gets no answer may still land later, keeping a response whose answer said store: false: the
 response is forgotten meanwhile, as far as the store answers (store.py: forget; a put that lands
-after it keeps nothing).
+after it keeps nothing). begin_soon and abandon_soon reach it in the background (held tasks), so
+they may land after a later call: the store ignores a begin that comes after the response's put,
+abandon or delete (store.py: tombstones).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from ray import serve
 
@@ -25,6 +29,9 @@ from launcher.serving.responses.store import ResponseStore
 
 STORE_WAIT_S = 10.0
 """How long a replica waits for the shared store's answer to one call."""
+
+STORE_LOG = logging.getLogger("ray.serve")
+"""The replica's log (the route's own), where a call nobody waits for says it failed."""
 
 
 class StoreUnavailable(RuntimeError):
@@ -37,13 +44,22 @@ class LocalResponses:
     def __init__(self, capacity: int) -> None:
         self.store = ResponseStore(capacity)
 
-    async def begin(self, response: dict, input_items: list, previous_id: str | None) -> None:
-        self.store.begin(response, input_items, previous_id)
+    def begin_soon(self, response: dict, input_items: list, previous_id: str | None, life_s: float) -> None:
+        """Done at once here (a local store does not wait)."""
+        self.store.begin(response, input_items, previous_id, life_s)
+
+    def abandon_soon(self, response_id: str) -> None:
+        self.store.abandon(response_id)
+
+    async def begin(self, response: dict, input_items: list, previous_id: str | None, life_s: float) -> None:
+        """The shared store's (SharedResponses.begin_soon calls it)."""
+        self.store.begin(response, input_items, previous_id, life_s)
 
     async def put(self, response: dict, input_items: list, previous_id: str | None) -> bool:
         return self.store.put(response, input_items, previous_id)
 
     async def abandon(self, response_id: str) -> None:
+        """The shared store's (SharedResponses.abandon_soon calls it)."""
         self.store.abandon(response_id)
 
     async def generating(self, response_id: str) -> bool:
@@ -70,18 +86,23 @@ class SharedResponses:
 
     def __init__(self, handle) -> None:
         self.handle = handle
-        self._forgetting: set[asyncio.Task] = set()
-        """The forgets of responses whose put failed, under way (held: a task only weakly
-        referenced by the loop may be collected before it runs)."""
+        self._sending: set[asyncio.Task] = set()
+        """The calls made in the background (begin, abandon, forget) under way (held: a task only
+        weakly referenced by the loop may be collected before it runs)."""
 
-    async def begin(self, response: dict, input_items: list, previous_id: str | None) -> None:
-        await self._call("begin", response, input_items, previous_id)
+    def begin_soon(self, response: dict, input_items: list, previous_id: str | None, life_s: float) -> None:
+        """Sent in the background: the stream's first event goes out meanwhile; until it lands, the
+        response reads back as not kept."""
+        self._in_background(f"response {response['id']} cannot be read back while it streams",
+                            "begin", response, input_items, previous_id, life_s)
+
+    def abandon_soon(self, response_id: str) -> None:
+        """Sent in the background: called where the stream ends, possibly with its task cancelled."""
+        self._in_background(f"response {response_id} failed or was cut off and may read back as in progress "
+                            f"until its record's life ends", "abandon", response_id)
 
     async def put(self, response: dict, input_items: list, previous_id: str | None) -> bool:
         return await self._unless_answered_late("put", response["id"], response, input_items, previous_id)
-
-    async def abandon(self, response_id: str) -> None:
-        await self._call("abandon", response_id)
 
     async def generating(self, response_id: str) -> bool:
         return await self._call("generating", response_id)
@@ -105,16 +126,22 @@ class SharedResponses:
         try:
             return await self._call(method, *args)
         except StoreUnavailable:
-            forgetting = asyncio.ensure_future(self._forget(response_id))
-            self._forgetting.add(forgetting)
-            forgetting.add_done_callback(self._forgetting.discard)
+            self._in_background(None, "forget", response_id)
             raise
 
-    async def _forget(self, response_id: str) -> None:
+    def _in_background(self, failing: str | None, method: str, *args) -> None:
+        """_call, not awaited (a task held in _sending); where it fails, `failing` says in the replica's
+        log what that costs (None: nothing worth saying)."""
+        sending = asyncio.ensure_future(self._quietly(failing, method, *args))
+        self._sending.add(sending)
+        sending.add_done_callback(self._sending.discard)
+
+    async def _quietly(self, failing: str | None, method: str, *args) -> None:
         try:
-            await self._call("forget", response_id)
-        except StoreUnavailable:
-            pass  # the store is gone or failing: nothing of it to keep a response either
+            await self._call(method, *args)
+        except StoreUnavailable as err:  # nobody waits for it: the log says so
+            if failing is not None:
+                STORE_LOG.warning("corelaunch serve: %s: %s", failing, err)
 
     async def _call(self, method: str, *args):
         try:

@@ -761,7 +761,7 @@ def conversation_too_long(kept_tokens: int, prompt_tokens: int | None, most: int
         return ProtocolError(f"previous_response_id: {kept} takes {kept_tokens} tokens in the chat template, and a "
                              f"prompt here has at most {most} ({why_most}): no room is left for new input; "
                              f"{START_ANEW}", param="previous_response_id", code="context_length_exceeded")
-    own = (f"this request's input the other {prompt_tokens - kept_tokens}" if prompt_tokens is not None
+    own = (f"this request's input the other {max(0, prompt_tokens - kept_tokens)}" if prompt_tokens is not None
            else f"this request's input more than the {most - kept_tokens} left")
     return ProtocolError(f"the prompt{'' if prompt_tokens is None else f' has {prompt_tokens} tokens and'} is longer "
                          f"than a prompt here may be, at most {most} tokens ({why_most}): {kept} takes "

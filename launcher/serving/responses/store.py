@@ -17,20 +17,29 @@ continued: `history` names the missing one.
 
 A streamed response's id is the client's from its first event (response.created), long before its
 final one: it is recorded as in flight when it starts (`begin`), so that GET reads it back in
-progress and input_items lists its input, DELETE forgets it (its final `put` then keeps nothing),
-and continuing it can be refused as still being generated (`generating`) rather than as unknown.
-`put` or `abandon` (it failed, or the client left) ends the record. At most `capacity` are in
-flight; past that the oldest record goes (a replica that died mid-stream never ends its records),
-and that response is kept when it finishes, unless deleted meanwhile.
+progress and input_items lists its input, DELETE forgets it, and continuing it can be refused as
+still being generated (`generating`) rather than as unknown. `put` or `abandon` (it failed, or the
+client left) ends the record. A record lives `life_s` at most (begin's: the request's own timeout
+and a margin): past that it is of a replica that died mid-stream, and reads as unknown. At most
+`capacity` are in flight; past that the oldest record goes (that response is kept when it
+finishes).
+
+An id deleted, forgotten or abandoned is remembered (a tombstone: the last TOMBSTONES of them,
+whatever the capacity) so that a put or begin that lands after it keeps nothing: a shared store's
+calls may arrive late and out of order (a begin after its put, or after its abandon, is ignored).
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
 MAX_CAPACITY = 1_000_000
 """The most responses a store may be asked to keep (a bound on the option, not a memory budget)."""
+TOMBSTONES = 10_000
+"""How many ids deleted, forgotten or abandoned are remembered, so that their late put or begin keeps
+nothing (ids are random: an id, a few dozen bytes, is never reused)."""
 
 
 @dataclass(frozen=True)
@@ -44,62 +53,77 @@ class StoredResponse:
     """The response it continued (its request's previous_response_id), or None."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class _InFlight:
-    """A response being generated, as it was when it started (status in_progress, no output); or
-    one deleted or forgotten before its put came, whose put keeps nothing."""
+    """A response being generated, as it was when it started (status in_progress, no output)."""
 
-    started: StoredResponse | None
-    """None for one never begun here, only forgotten (`forget`)."""
-    deleted: bool = False
-    """DELETE named it meanwhile (or `forget`): read back as not kept, and its put keeps nothing."""
+    started: StoredResponse
+    ends: float
+    """The store's clock past which it is taken for gone (its replica died mid-stream)."""
 
 
 class ResponseStore:
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, clock=time.monotonic) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or not 1 <= capacity <= MAX_CAPACITY:
             raise ValueError(f"a response store's capacity ({capacity!r}) must be an integer from 1 to {MAX_CAPACITY}")
-        self.capacity = capacity
+        self.capacity, self._clock = capacity, clock
         self._kept: OrderedDict[str, StoredResponse] = OrderedDict()
         """Least recently used first."""
         self._in_flight: OrderedDict[str, _InFlight] = OrderedDict()
-        """Responses begun and not yet put or abandoned, the oldest first."""
+        """Responses begun and not yet put, abandoned or deleted, the oldest first."""
+        self._gone: OrderedDict[str, None] = OrderedDict()
+        """Tombstones: ids deleted, forgotten or abandoned, the oldest first (TOMBSTONES at most)."""
 
     def __len__(self) -> int:
         return len(self._kept)
 
-    def begin(self, response: dict, input_items: list, previous_id: str | None) -> None:
-        """`response` (its id is response["id"], its status in_progress) is being generated."""
-        self._record(response["id"], _InFlight(StoredResponse(response, tuple(input_items), previous_id)))
-
-    def _record(self, response_id: str, in_flight: _InFlight) -> None:
-        self._in_flight[response_id] = in_flight
+    def begin(self, response: dict, input_items: list, previous_id: str | None, life_s: float) -> None:
+        """`response` (its id is response["id"], its status in_progress) is being generated, for at
+        most life_s more seconds. Ignored where it is kept or gone already (a begin that came late)."""
+        response_id = response["id"]
+        if response_id in self._kept or response_id in self._gone:
+            return
+        started = StoredResponse(response, tuple(input_items), previous_id)
+        self._in_flight[response_id] = _InFlight(started, self._clock() + life_s)
         self._in_flight.move_to_end(response_id)
         while len(self._in_flight) > self.capacity:
             self._in_flight.popitem(last=False)
 
     def abandon(self, response_id: str) -> None:
-        """It will not be put (it failed, or the client left): its in-flight record goes."""
+        """It will not be put (it failed, or the client left): its in-flight record goes, and a begin
+        that comes later is ignored."""
         self._in_flight.pop(response_id, None)
+        self._bury(response_id)
 
     def generating(self, response_id: str) -> bool:
-        """Whether it was begun and is not yet put, abandoned or deleted."""
-        started = self._in_flight.get(response_id)
-        return started is not None and not started.deleted
+        """Whether it was begun and is not yet put, abandoned, deleted or past its life."""
+        return self._live(response_id) is not None
+
+    def _live(self, response_id: str) -> _InFlight | None:
+        in_flight = self._in_flight.get(response_id)
+        if in_flight is not None and self._clock() > in_flight.ends:
+            del self._in_flight[response_id]  # its put may still come (a slow reader): not buried
+            return None
+        return in_flight
+
+    def _bury(self, response_id: str) -> None:
+        self._gone[response_id] = None
+        self._gone.move_to_end(response_id)
+        while len(self._gone) > TOMBSTONES:
+            self._gone.popitem(last=False)
 
     def put(self, response: dict, input_items: list, previous_id: str | None) -> bool:
         """Keep `response` (its id is response["id"]), answered to `input_items` after previous_id;
-        False (nothing kept) where it was deleted while in flight."""
+        False (nothing kept) where it was deleted, forgotten or abandoned meanwhile."""
         response_id = response["id"]
-        started = self._in_flight.pop(response_id, None)
-        if started is not None and started.deleted:
+        self._in_flight.pop(response_id, None)
+        if response_id in self._gone:
             return False
         self._kept[response_id] = StoredResponse(response, tuple(input_items), previous_id)
         self._kept.move_to_end(response_id)
         while len(self._kept) > self.capacity:
             self._kept.popitem(last=False)
         return True
-
     def history(self, response_id: str) -> tuple[list | None, str | None]:
         """(every item of the conversation up to and including `response_id`, first turn first; None)
         or, when the chain cannot be read whole, (None, the id of the response that is not kept)."""
@@ -133,19 +157,23 @@ class ResponseStore:
         if kept is not None:
             self._kept.move_to_end(response_id)
             return kept
-        return self._in_flight[response_id].started if self.generating(response_id) else None
+        in_flight = self._live(response_id)
+        return None if in_flight is None else in_flight.started
 
     def delete(self, response_id: str) -> bool:
         """Forget it; False when it was neither kept nor in flight. A later turn that continued it can
         no longer be continued (its history names this one as missing); one in flight is not kept
         when it finishes."""
-        if self.generating(response_id):
-            self._in_flight[response_id].deleted = True
-            return True
-        return self._kept.pop(response_id, None) is not None
+        found = self._live(response_id) is not None
+        self._in_flight.pop(response_id, None)
+        found = self._kept.pop(response_id, None) is not None or found
+        if found:
+            self._bury(response_id)
+        return found
 
     def forget(self, response_id: str) -> None:
-        """Delete it, and keep nothing its put brings later: the replica's call to put it got no answer
-        in time (its answer said store: false), and may still land (response_store_server.py)."""
-        if not self.delete(response_id) or response_id not in self._in_flight:
-            self._record(response_id, _InFlight(None, deleted=True))
+        """Delete it, and keep nothing its put (or begin) brings later: the replica's call to put it got
+        no answer in time (its answer said store: false), and may still land (response_store_server.py)."""
+        self._in_flight.pop(response_id, None)
+        self._kept.pop(response_id, None)
+        self._bury(response_id)
