@@ -21,7 +21,10 @@ bytes read equal the shard's bytes. A dim-1 slice costs one read per row, about 
 a few seconds, a fair price for not holding a second copy of each tensor.
 Pickles are memory-mapped by torch.load(mmap=True); after each tensor is sliced its file pages are
 dropped from this process with madvise(MADV_DONTNEED) (measured: TP1 525, TP3 182 instead of 1031,
-530), so at most one tensor's pages are resident at a time.
+530). A slice is copied PICKLE_BLOCK_BYTES of rows at a time, each block's pages dropped before the
+next: copied whole, it faulted in every row it touches first, and a slice along a later dim
+(row-parallel: o_proj, down_proj) touches every row, so the rank's peak held its whole largest such
+matrix beside its shard (README, Measured: pickled checkpoints' slices).
 """
 
 from __future__ import annotations
@@ -176,20 +179,47 @@ class _PickleFile:
 
     def read(self, name: str, tslice: TensorSlice) -> torch.Tensor:
         tensor = self.tensors[name]
-        out = apply_slice(tensor, tslice)
-        self._drop_pages(tensor)
+        if tslice.is_whole or tensor.dim() == 0 or not tensor.is_contiguous():
+            out = apply_slice(tensor, tslice)
+            storage = tensor.untyped_storage()
+            self._drop_pages(storage.data_ptr(), storage.nbytes())
+            return out
+        # In blocks of rows, each block's pages dropped before the next: copied whole, a slice faulted
+        # in all the rows it touches (every row, for a later dim) before any page was dropped.
+        out = torch.empty(tslice.shape(tensor.shape), dtype=tensor.dtype)
+        row_bytes = max(1, tensor[0].numel() * tensor.element_size())
+        rows = max(1, PICKLE_BLOCK_BYTES // row_bytes)
+        if tslice.dim == 0:
+            spans = [(first, min(first + rows, stop)) for start, stop in tslice.ranges
+                     for first in range(start, stop, rows)]
+        else:
+            spans = [(first, min(first + rows, tensor.shape[0])) for first in range(0, tensor.shape[0], rows)]
+        at = 0  # where the next block goes along dim 0 of `out`
+        for first, stop in spans:
+            block = tensor[first:stop]
+            if tslice.dim == 0:
+                out[at:at + stop - first] = block
+                at += stop - first
+            else:
+                out[first:stop] = apply_slice(block, tslice)
+            self._drop_pages(block.data_ptr(), block.numel() * block.element_size())
+        if tslice.dim == 0:
+            out[at:] = 0  # pad_to's rows
         return out
 
-    def _drop_pages(self, tensor: torch.Tensor) -> None:
-        """Unmap this tensor's pages from the process (they are re-read from the file if touched again).
+    def _drop_pages(self, address: int, nbytes: int) -> None:
+        """Unmap these bytes' pages from the process (they are re-read from the file if touched again).
 
         Only for pages inside this file's own mapping: MADV_DONTNEED on anonymous memory would zero it.
         """
-        storage = tensor.untyped_storage()
-        start = storage.data_ptr() // mmap.PAGESIZE * mmap.PAGESIZE
-        stop = -(-(storage.data_ptr() + storage.nbytes()) // mmap.PAGESIZE) * mmap.PAGESIZE
+        start = address // mmap.PAGESIZE * mmap.PAGESIZE
+        stop = -(-(address + nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE
         if any(lo <= start and stop <= hi for lo, hi in self._mappings):
             _libc_madvise(start, stop - start, _MADV_DONTNEED)
+
+
+PICKLE_BLOCK_BYTES = 4 << 20
+"""How much of a pickled tensor's rows a later-dim slice copies at a time (_PickleFile.read)."""
 
 
 LEGACY_TORCH_MAGIC = pickle.dumps(torch.serialization.MAGIC_NUMBER, protocol=2)[2:-1]

@@ -1,0 +1,31 @@
+"""A pickled checkpoint's slices are copied a block of rows at a time, each block's file pages
+dropped before the next (shardlib/checkpoint.py _PickleFile.read): copied whole, a row-parallel
+slice faulted in its whole tensor first. Whatever the blocks, the slice is apply_slice's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardlib import checkpoint
+from shardlib.sharding import TensorSlice, apply_slice
+
+SLICES = [TensorSlice(0, ((3, 11),)), TensorSlice(0, ((0, 2), (7, 13)), pad_to=12), TensorSlice(1, ((5, 17),)),
+          TensorSlice(1, ((0, 3), (9, 12)), pad_to=8), TensorSlice(2, ((1, 3),)), TensorSlice(None)]
+
+
+@pytest.mark.parametrize("block_bytes", [1, 96, 1 << 20], ids=["a-row-a-block", "a-few-rows", "one-block"])
+def test_a_pickled_slice_read_in_blocks_equals_the_slice_of_the_whole(tmp_path, monkeypatch, block_bytes):
+    monkeypatch.setattr(checkpoint, "PICKLE_BLOCK_BYTES", block_bytes)
+    tensors = {"w": torch.randn(13, 20), "e": torch.randn(13, 4, 3), "b": torch.randn(13)}
+    path = tmp_path / "pytorch_model.bin"
+    torch.save(tensors, path)
+    with checkpoint._PickleFile(path) as pickled:
+        for name, tensor in tensors.items():
+            for tslice in SLICES:
+                if tslice.dim is not None and (tslice.dim >= tensor.dim()
+                                               or tslice.ranges[-1][1] > tensor.shape[tslice.dim]):
+                    continue  # not a cut this tensor has
+                got = pickled.read(name, tslice)
+                assert torch.equal(got, apply_slice(tensor, tslice)), (name, tslice)
+                assert got.is_contiguous()
