@@ -2,8 +2,11 @@
 build started 8,000 threads for 8,000 structured requests arriving at once (about 4 s of the leader's
 loop). A build whose request is dropped while it still waits for a thread never runs; one already
 running is abandoned: it ends on a thread that then exits and holds none of the shared ones, so hung
-builds of requests nobody waits for hold up no other request, and a request whose build has not ended
-after grammar_wait_s fails alone."""
+builds of requests nobody waits for hold up no other request, and a request whose build has run
+grammar_wait_s without ending fails alone. At most `limit` abandoned builds run on detached threads
+(a client cancelling costly builds as they start grew them without bound); past that an abandoned
+build keeps its place. The time a build waits for a thread is not counted against it: a burst of
+healthy builds queued past grammar_wait_s failed them all."""
 
 from __future__ import annotations
 
@@ -114,9 +117,10 @@ def test_an_abandoned_running_build_ends_on_a_thread_that_then_exits():
         release.set()
     assert [f.result(timeout=30) for f in hung] == [True, True]
     deadline = time.monotonic() + 10
-    while _named_threads(name) > pool.limit and time.monotonic() < deadline:
+    while _named_threads(name) > pool.threads and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert _named_threads(name) == pool.limit and pool.detached == 0 and pool.threads == pool.limit
+    # one replacement or two, as the queued build was taken before the second abandon or not
+    assert _named_threads(name) == pool.threads <= pool.limit and pool.detached == 0
     assert pool.submit(lambda: 7).result(timeout=10) == 7  # the threads left still take builds
 
 
@@ -158,5 +162,92 @@ def test_a_request_whose_build_never_ends_fails_alone_after_the_grammar_wait():
         stop([loop], threads)
     assert out.finish == {"hung": "error", "plain": "length"} and time.monotonic() - started < 20
     [error] = [e.error for e in out.events if e.request_id == "hung"]
-    assert "the structured output's grammar was not built after" in error and "on the group's leader" in error
+    assert "the structured output's grammar was not built after its build ran" in error
+    assert "on the group's leader (the limit is 0.5 s)" in error
     assert not loop._building
+
+
+def _runs_within(future, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not future.running() and not future.done() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return future.running() or future.done()
+
+
+def test_cancelling_builds_as_they_start_runs_at_most_twice_the_limit():
+    """A client sends costly grammars and cancels each once its build runs: before, every abandon
+    started a replacement thread, so 60 rounds at a limit of 2 left 60 compiles running at once.
+    Now at most `limit` are detached; the next abandoned ones keep their threads' places, so a new
+    build waits for one of them instead."""
+    release = threading.Event()
+    name = "test-build-churn"
+    pool = BuildThreads(limit=2, name=name)
+    futures = []
+    try:
+        for _ in range(60):
+            futures.append(pool.submit(lambda: release.wait(30)))
+            if not _runs_within(futures[-1], 2.0):  # every place taken: it waits for one
+                break
+            pool.abandon(futures[-1])
+        running = sum(f.running() for f in futures)
+        assert running == 2 * pool.limit, f"{running} builds run at once with a limit of {pool.limit}"
+        assert _named_threads(name) == 2 * pool.limit and pool.detached == pool.limit
+        assert pool.threads == pool.limit and not futures[-1].running()
+    finally:
+        release.set()
+    _, pending = wait(futures, timeout=30)
+    assert not pending and futures[-1].result() is True  # the one that waited ran once places freed
+    deadline = time.monotonic() + 10
+    while _named_threads(name) > pool.threads and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _named_threads(name) == pool.threads <= pool.limit and pool.detached == 0 and pool.running == 0
+
+
+def test_a_kept_abandoned_build_is_detached_once_a_detached_one_ends():
+    """Limit 1: A is abandoned and detached, B abandoned past the cap keeps the one place, so C
+    waits; once A ends, B is detached in its turn and C runs beside it on a new thread."""
+    ends = {key: threading.Event() for key in "AB"}
+    pool = BuildThreads(limit=1, name="test-build-kept")
+    a = pool.submit(lambda: ends["A"].wait(30) and "A")
+    try:
+        assert _runs_within(a, 10)
+        pool.abandon(a)
+        b = pool.submit(lambda: ends["B"].wait(30) and "B")
+        assert _runs_within(b, 10)
+        pool.abandon(b)
+        c = pool.submit(lambda: "C")
+        assert not _runs_within(c, 0.3) and pool.detached == 1 and pool.running == 2
+        ends["A"].set()
+        assert c.result(timeout=10) == "C" and b.running() and pool.detached == 1
+    finally:
+        for end in ends.values():
+            end.set()
+    assert b.result(timeout=30) == "B"
+    assert pool.submit(lambda: 7).result(timeout=10) == 7
+
+
+def test_builds_queued_past_the_grammar_wait_behind_a_burst_all_succeed():
+    """4 x BUILD_THREADS structured requests at once, each build taking 0.5 s of a 1.2 s grammar
+    wait: the last waves wait 1-1.5 s for a thread, and before, their healthy builds failed with
+    "not built after" (counted from when they were asked for) and were abandoned while running."""
+    release = threading.Event()
+    release.set()
+    loop = held_loop("build", release)
+    loop.grammar_wait_s = 1.2
+    built = []
+
+    def grammar(req):
+        time.sleep(0.5)  # stands for a compile well within the grammar wait
+        built.append(req.request_id)
+
+    loop._grammar = grammar  # returns None: the request then runs unconstrained to its length
+    ids = [f"s{i}" for i in range(4 * BUILD_THREADS)]
+    threads = run_loops([loop])
+    try:
+        loop.submit([request(rid, [5, 9], 3, sampling=SPEC) for rid in ids])
+        out = collect(loop, set(ids), timeout_s=60)
+    finally:
+        stop([loop], threads)
+    errors = sorted({e.error for e in out.events if e.finish_reason == "error"})
+    assert not errors, f"{len(errors)} distinct errors, e.g. {errors[0]!r}"
+    assert out.finish == dict.fromkeys(ids, "length") and sorted(built) == sorted(ids)

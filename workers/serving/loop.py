@@ -38,7 +38,7 @@ from workers.serving.step_inputs import decode_inputs, prefill_batches, prefill_
 from workers.serving.step_plan import Command, DecodeRow, PlanCodec, PrefillChunk, StepPlan
 from workers.serving.token_choice import choose, request_generator
 from workers.structured.grammars import NOT_THE_GRAMMARS
-from workers.structured.build_threads import abandon_build, build_in_the_background
+from workers.structured.build_threads import BuildFuture, abandon_build, build_in_the_background
 from workers.structured.matchers import TOKENIZER_WAIT_S, MatcherFailed, start_matcher
 
 HEARTBEAT_S = 0.2
@@ -179,12 +179,14 @@ class ServingLoop:
         thread at the first one), by id in arrival order: admitted once it is, so the running requests
         never wait for it; a cancel finds its id without a scan (a mass cancel stays linear)."""
         self.grammar_wait_s = TOKENIZER_WAIT_S
-        """How long they wait for it before each fails (its build hung), and how long one waits for
-        its matcher's build before it fails alone (that build hung, or queued behind ones that did)."""
-        self._building: dict[str, tuple[Sequence, Future, float]] = {}
+        """How long they wait for it before each fails (its build hung), and how long one's matcher
+        build may run before the request fails alone (that build hung). Counted from when the build
+        began to run, not while it waits for a build thread: healthy builds queued behind a burst do
+        not fail (the driver's request timeout and cancels bound that wait)."""
+        self._building: dict[str, tuple[Sequence, BuildFuture]] = {}
         """Structured requests whose matchers are being built (or wait for one of the shared build
-        threads: build_threads), by id in arrival order, with when each build was asked for: a schema
-        llguidance takes seconds to compile holds up no other request."""
+        threads: build_threads), by id in arrival order: a schema llguidance takes seconds to compile
+        holds up no other request."""
         self._fresh_builds: list[Future] = []
         """The builds started since the leader last admitted built ones (_admit_built waits briefly
         for these alone, not again each step for one that takes seconds)."""
@@ -451,7 +453,7 @@ class ServingLoop:
         if seq.request.sampling.structured_output is not None:
             future = build_in_the_background(lambda: self._grammar(seq.request))
             future.add_done_callback(lambda _: self._wake_for_built())
-            self._building[seq.request.request_id] = (seq, future, time.monotonic())
+            self._building[seq.request.request_id] = (seq, future)
             self._fresh_builds.append(future)
             return
         self._queue(seq, events)
@@ -470,8 +472,9 @@ class ServingLoop:
     def _admit_built(self) -> None:
         """Queue the structured requests whose matchers are built (failing those whose build
         failed), in arrival order, after waiting up to QUICK_BUILD_S for those not built yet; fail
-        those whose build has not ended after grammar_wait_s, abandoning it (BuildThreads.abandon), so
-        a hung build neither holds its request for good nor one of the build threads."""
+        those whose build has run grammar_wait_s without ending, abandoning it (BuildThreads.abandon),
+        so a hung build neither holds its request for good nor (mostly) one of the build threads. A
+        build still queued for a thread is not timed: the time it waits is not its own."""
         fresh, self._fresh_builds = self._fresh_builds, []
         if not self._building:
             return
@@ -479,15 +482,16 @@ class ServingLoop:
             wait(fresh, timeout=QUICK_BUILD_S)
         events, building, self._building = [], self._building, {}
         now = time.monotonic()
-        for rid, (seq, future, since) in building.items():
+        for rid, (seq, future) in building.items():
             if not future.done():
-                if now - since < self.grammar_wait_s:
-                    self._building[rid] = (seq, future, since)
+                started = future.started  # None while it waits for a build thread
+                if started is None or now - started < self.grammar_wait_s:
+                    self._building[rid] = (seq, future)
                     continue
                 abandon_build(future)
                 events.append(TokenEvent(rid, [], "error", error=(
-                    f"the structured output's grammar was not built after {now - since:.0f} s on the "
-                    f"group's leader")))
+                    f"the structured output's grammar was not built after its build ran {now - started:.1f} s "
+                    f"on the group's leader (the limit is {self.grammar_wait_s:g} s)")))
                 continue
             try:
                 seq.grammar = future.result()
@@ -528,8 +532,9 @@ class ServingLoop:
 
     def _drop_awaiting(self, request_id: str) -> bool:
         """Drop the request if it waits for the grammar tokenizer or its matcher (a build already
-        running ends unread on a thread of its own, holding none of the shared ones; one still queued
-        for a build thread never runs); whether it did."""
+        running ends unread, on a thread of its own holding none of the shared ones while fewer than
+        BUILD_THREADS such builds run, else on its shared one; one still queued for a build thread
+        never runs); whether it did."""
         awaited = self._awaiting_grammar.pop(request_id, None)
         built = self._building.pop(request_id, None)
         if built is not None:
@@ -548,7 +553,7 @@ class ServingLoop:
             events.append(TokenEvent(seq.request.request_id, [], "abort"))
         waiting = list(self._awaiting_grammar) + list(self._building)
         events.extend(TokenEvent(rid, [], "abort") for rid in waiting)
-        for _, future, _ in self._building.values():
+        for _, future in self._building.values():
             abandon_build(future)
         self._awaiting_grammar, self._building = {}, {}
         self.held.clear()
