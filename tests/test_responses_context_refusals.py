@@ -88,29 +88,37 @@ THINKING_OF_THE_LAST_TURNS = (  # Qwen3's rule: thinking is rendered only after 
     "{% endif %}{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
 
 
-def test_a_kept_turns_thinking_the_template_drops_is_not_counted_as_kept(tokenizer):
+def test_a_kept_turns_thinking_the_template_drops_is_not_counted_as_kept_nor_its_answer_as_new(tokenizer):
     import copy
 
     dropping = copy.deepcopy(tokenizer)
     dropping.chat_template = THINKING_OF_THE_LAST_TURNS
     server = keeping(dropping, "Hello there friend.")
-    thought, first_input, new_input = "long thought " * 100, "word " * 200, "more " * 320
+    thought, first_input, kept_answer, new_input = "long thought " * 40, "word " * 20, "Blue. " * 150, "more " * 200
     first = respond(server, asked(input=[
         {"role": "user", "content": first_input},
         {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": thought}]},
-        {"role": "assistant", "content": "Blue."}]))
-    kept = [{"role": "user", "content": first_input}, {"role": "assistant", "content": "Blue.", "reasoning": thought},
+        {"role": "assistant", "content": kept_answer}]))
+    kept = [{"role": "user", "content": first_input},
+            {"role": "assistant", "content": kept_answer, "reasoning": thought},
             {"role": "assistant", "content": answer_text(first)}]
     alone = dropping.apply_chat_template(kept, tokenize=True, add_generation_prompt=False, return_dict=False)
     prompt = dropping.apply_chat_template([*kept, {"role": "user", "content": new_input}], tokenize=True,
                                           add_generation_prompt=True, return_dict=False)
-    # alone, its thinking is rendered (it follows the last user message); in the prompt it is not, so
-    # the prompt holds the kept turns alike only up to where the thinking was
-    alike = next(i for i, (a, b) in enumerate(zip(alone, prompt)) if a != b)
     without_thinking = tokens(dropping, [{**message, "reasoning": None} for message in kept], False)
-    assert alike <= without_thinking < len(alone) < 511 < len(prompt)
+    # alone, its thinking is rendered (it follows the last user message); in the prompt it is not
+    assert without_thinking < len(alone) < 511 < len(prompt)
     refused = refusal(server, asked(input=new_input, previous_response_id=first["id"]))
     assert refused.param == "input" and f"the prompt has {len(prompt)} tokens" in refused.message
-    assert f"continues takes {alike} of them and this request's input the other {len(prompt) - alike}" \
-        in refused.message
-    assert len(prompt) - alike >= tokens(dropping, [{"role": "user", "content": new_input}], True)
+    counted_kept = int(refused.message.split("continues takes ")[1].split(" ")[0])
+    counted_new = int(refused.message.split("this request's input the other ")[1].split(";")[0])
+    assert counted_kept + counted_new == len(prompt)
+    # the new input is the new user turn (its text, and the few tokens that open and close the turns
+    # around it): the kept answer after the dropped thinking is the kept conversation's
+    new_text = len(dropping(new_input, add_special_tokens=False).input_ids)
+    new_turn = len(prompt) - without_thinking
+    assert new_text <= counted_new <= new_turn and new_turn - new_text < 10
+    # an input far too long to render is split the same way (its text stood in for by a short one)
+    endless = refusal(server, asked(input="more " * 20000, previous_response_id=first["id"]))
+    assert endless.param == "input" and f"continues takes {counted_kept} of them and this request's input more " \
+                                        f"than the {511 - counted_kept} left" in endless.message

@@ -1,14 +1,17 @@
 """A streamed response that is kept (`--responses-store N`) while it is still being generated: its
 id is the client's from response.created on, so GET reads it back in progress and lists its input,
 DELETE forgets it (its end keeps nothing), and continuing it is refused as still being generated;
-one that fails or whose client leaves leaves no record behind. The store's own rules for responses
-in flight (launcher/serving/responses/store.py): a deleted, forgotten or abandoned id stays so
-however many streams begin after it, a begin landing late is ignored, a record past its life (its
-replica died mid-stream) reads as unknown; a shared store's put that gets no answer in time deleted
-meanwhile, so that one landing late keeps nothing the answer did not say; a shared store's begin and
-abandon sent without waiting (the first event does not wait for a slow store; a stream whose task is
-cancelled, as Starlette cancels it when the client leaves, still abandons its record). The routes
-run in-process over SmolLM2's tokenizer and the scripted engine (tests/test_tokenize_routes.py)."""
+one that fails or whose client leaves leaves no record behind, even while its put is awaited. The
+store's own rules for responses in flight (launcher/serving/responses/store.py): a deleted,
+forgotten or abandoned id stays so however many streams begin after it (a stream deleted early,
+however many ids are buried before its end), a begin landing late is ignored (after the response
+was kept and pushed out too), a record past its life (its replica died mid-stream) reads as
+unknown; a shared store's put that gets no answer in time, or whose client leaves while it is
+awaited, forgotten meanwhile, so that one landing late keeps nothing the answer did not say; a
+shared store's begin and abandon sent without waiting (the first event does not wait for a slow
+store; a stream whose task is cancelled, as Starlette cancels it when the client leaves, still
+abandons its record). The routes run in-process over SmolLM2's tokenizer and the scripted engine
+(tests/test_tokenize_routes.py)."""
 
 from __future__ import annotations
 
@@ -20,13 +23,19 @@ import pytest
 
 from launcher.serving.openai_protocol import ProtocolError
 from launcher.serving.response_store_server import LocalResponses, SharedResponses, StoreUnavailable
-from launcher.serving.responses.store import ResponseStore
+from launcher.serving.responses.store import TOMBSTONES, ResponseStore
 from tests.test_kept_responses import keeping, request_to
 from tests.test_responses_route import asked, await_first, check_with_the_clients_types, tokenizer
 from tests.test_tokenize_routes import post
 
 __all__ = ["tokenizer"]  # the module-scoped fixture, taken from the route's tests
 
+
+
+async def read_into(response, seen: list) -> None:
+    """Read a streamed response's chunks into `seen`, as a client does (in a task a scope may cancel)."""
+    async for chunk in response.body_iterator:
+        seen.append(chunk)
 
 def events_of(chunks: list) -> list[dict]:
     text = "".join(chunk if isinstance(chunk, str) else chunk.decode() for chunk in chunks)
@@ -368,10 +377,7 @@ def test_a_stream_cut_off_by_its_cancelled_task_still_abandons_its_record(tokeni
         response = await server.responses(post("/v1/responses", {**asked(), "stream": True}))
         seen = []
         async with anyio.create_task_group() as group:  # as Starlette's response runs the stream
-            async def send():
-                async for chunk in response.body_iterator:
-                    seen.append(chunk)
-            group.start_soon(send)
+            group.start_soon(read_into, response, seen)
             while not seen:
                 await asyncio.sleep(0)
             await asyncio.sleep(0.01)  # the stream waits for the engine
@@ -406,5 +412,93 @@ def test_the_first_event_does_not_wait_for_a_slow_shared_begin(tokenizer, monkey
         assert (await delete(server, response_id))["deleted"] is True
         gone = await get(server, response_id)
         assert isinstance(gone, ProtocolError) and gone.status == 404
+
+    asyncio.run(run())
+
+
+def test_a_deleted_streams_mark_outlasts_any_number_of_ids_buried_before_its_end():
+    store = ResponseStore(100)
+    store.begin(started("long"), [said("Hi")], None, LIFE_S)
+    assert store.delete("long")
+    for i in range(TOMBSTONES + 1):  # more streams cut off meanwhile than tombstones are remembered
+        store.begin(started(f"cut{i}"), [], None, LIFE_S)
+        store.abandon(f"cut{i}")
+    assert store.get("long") is None and not store.generating("long") and not store.delete("long")
+    assert not store.put(finished("long"), [said("Hi")], None) and store.get("long") is None
+    # past its life, the mark is a tombstone: its put, come late, still keeps nothing
+    clock = Clock()
+    timed = ResponseStore(4, clock=clock)
+    timed.begin(started("r1"), [said("Hi")], None, 30.0)
+    assert timed.delete("r1")
+    clock.now = 31.0
+    assert not timed.generating("r1") and not timed.put(finished("r1"), [said("Hi")], None)
+    assert timed.get("r1") is None
+
+
+def test_a_begin_that_lands_after_its_response_was_kept_and_pushed_out_is_ignored():
+    store = ResponseStore(1)
+    store.put(finished("a"), [said("Hi")], None)
+    store.put(finished("b"), [said("Hi")], None)  # a was kept, then pushed out
+    store.begin(started("a"), [said("Hi")], None, LIFE_S)  # a shared store's begin, come late
+    assert store.get("a") is None and not store.generating("a") and store.history("a") == (None, "a")
+    assert store.get("b") == finished("b")
+
+
+class HeldPut:
+    """A shared store's handle whose put is held until `through` is set, as `mode` says: "cancelled"
+    with its caller; or, where the caller is cancelled, landing in the store after it (a call already
+    sent may still land: "lands late") or having landed before, only its answer held ("answered
+    late"). Its other calls are answered at once; every call's method is recorded in `calls`."""
+
+    def __init__(self, mode: str) -> None:
+        self.store, self.mode = LocalResponses(4), mode
+        self.through, self.arrived = asyncio.Event(), asyncio.Event()
+        self.calls: list[str] = []
+        self.sent: list[asyncio.Task] = []
+
+    def __getattr__(self, method):
+        async def put(*args):
+            self.arrived.set()
+            if self.mode == "answered late":
+                kept = await self.store.put(*args)
+                await self.through.wait()
+                return kept
+            await self.through.wait()
+            return await self.store.put(*args)
+
+        async def call(*args):
+            self.calls.append(method)
+            if method != "put":
+                return await getattr(self.store, method)(*args)
+            if self.mode == "cancelled":
+                return await put(*args)
+            self.sent.append(asyncio.ensure_future(put(*args)))
+            return await asyncio.shield(self.sent[-1])
+        return SimpleNamespace(remote=call)
+
+
+@pytest.mark.parametrize("mode", ["cancelled", "lands late", "answered late"])
+def test_a_client_that_leaves_while_its_put_is_awaited_leaves_no_response(tokenizer, mode):
+    import anyio
+
+    server = keeping(tokenizer, "The sky is blue today.")
+
+    async def run():
+        handle = HeldPut(mode)
+        shared = server.responses_kept = SharedResponses(handle)
+        response = await server.responses(post("/v1/responses", {**asked(), "stream": True}))
+        seen = []
+        async with anyio.create_task_group() as group:  # as Starlette's response runs the stream
+            group.start_soon(read_into, response, seen)
+            await asyncio.wait_for(handle.arrived.wait(), 5)  # the final put is under way
+            group.cancel_scope.cancel()  # the client disconnected
+        events = events_of(seen)
+        response_id = events[0]["response"]["id"]
+        assert all(event["type"] != "response.completed" for event in events)  # it never got the answer
+        await asyncio.gather(*shared._sending)  # the calls sent in the background have landed
+        handle.through.set()
+        await asyncio.gather(*handle.sent)  # and then the put, or its answer
+        assert "forget" in handle.calls
+        assert not await handle.store.generating(response_id) and await handle.store.get(response_id) is None
 
     asyncio.run(run())

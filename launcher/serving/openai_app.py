@@ -619,18 +619,60 @@ def _in_flight_life_s(launcher) -> float:
     return timeout_s + IN_FLIGHT_MARGIN_S
 
 
-def _kept_tokens_in_prompt(kept: list[int], whole: list[int]) -> int:
-    """How many of the prompt's (`whole`'s) first tokens are the kept conversation's (`kept`: it
-    rendered alone): those the two have alike, since a template may render the kept turns otherwise
-    once new input follows (Qwen3's drops the thinking of turns before the last user message). A
-    last kept token that differs only at the seam (its text merged with what follows into another
-    token) is counted kept."""
+def _alike(first: list[int], second: list[int]) -> int:
+    """How many first tokens two renders have alike."""
     same = 0
-    for a, b in zip(kept, whole):
+    for a, b in zip(first, second):
         if a != b:
             break
         same += 1
-    return len(kept) if same == len(kept) - 1 else same
+    return same
+
+
+EMPTIED_KEYS = ("role", "name", "tool_call_id")
+"""What a message of the new input keeps where _kept_conversation_too_long empties it: its place in the
+conversation (templates check roles, and a tool message's id), not its text, calls or thinking."""
+
+STAND_IN_TEXT = "x"
+"""The new input's text in the render that stands in for a prompt too long to render (the emptied
+render's counterpart: where the two part is where the new input's text starts)."""
+
+
+def _with_the_new_input_emptied(messages: list[dict], kept_count: int, text: str = "") -> list[dict]:
+    """The messages with those after the first kept_count (the new input) emptied: content `text`
+    ("": none), no tool calls or thinking. The template renders the kept turns as it does in the
+    whole prompt, new input following them (Qwen3's drops the thinking of turns before the last user
+    message, and an emptied user message is still the last), so where this render and the prompt
+    part is where the new input's text starts."""
+    emptied = [{**{key: m[key] for key in EMPTIED_KEYS if key in m}, "content": text} for m in messages[kept_count:]]
+    return [*messages[:kept_count], *emptied]
+
+
+async def _rendered_or_none(render, messages: list[dict], *opening) -> list[int] | None:
+    """render(messages, *opening) unmeasured, on a thread (what _kept_conversation_too_long renders
+    beside the prompt is the kept part, which fitted once, and bare turns); None where the template
+    refuses it (empty turns, or turns without their calls)."""
+    try:
+        return await asyncio.to_thread(render, messages, *opening, False, False)
+    except ProtocolError:
+        return None
+
+
+def _kept_tokens_in_prompt(whole: list[int] | None, emptied: list[int] | None, alone: list[int]) -> int | None:
+    """How many of the prompt's first tokens are the kept conversation's; None where that cannot be
+    told. whole: the prompt (or where it is too long to render, its stand-in: STAND_IN_TEXT for the
+    new input's text); emptied: it with the new input emptied (_with_the_new_input_emptied); either
+    None where the template refused it. alone: the kept conversation rendered alone. Where the prompt
+    starts with `alone`, those are the kept tokens (the last may differ at the seam, its text merged
+    with what follows). A template that renders the kept turns otherwise once input follows (Qwen3's
+    drops a kept turn's thinking) is counted by the tokens the prompt has alike with its emptied
+    render: counted against `alone`, everything past the dropped thinking, the kept answer included,
+    was new input."""
+    if whole is not None and _alike(alone, whole) >= len(alone) - 1:
+        return len(alone)
+    if whole is not None and emptied is not None:
+        return _alike(whole, emptied)
+    return None
 
 
 class _KeptTurn:
@@ -652,13 +694,15 @@ class _KeptTurn:
         self.store.begin_soon(response, self.turn, self.previous_id, self.life_s)
 
     async def keep(self, response: dict) -> None:
-        self.open = None
+        """Put, then no longer open: a stream cut off while its put is awaited (its task cancelled)
+        still abandons its record, and a shared store forgets what that put may keep."""
         try:
             if not await self.store.put(response, self.turn, self.previous_id):
                 SERVER_LOG.info("corelaunch serve: response %s was deleted while it streamed: not kept", response["id"])
         except StoreUnavailable as err:
             response["store"] = False
             SERVER_LOG.warning("corelaunch serve: response %s was answered but not kept: %s", response["id"], err)
+        self.open = None
 
     def abandon(self) -> None:
         """Its in-flight record dropped where it was begun and will not be kept (failed, or cut off)."""
@@ -1108,9 +1152,9 @@ class OpenAIServer:
         messages = req.chat_messages(self._template_of(req))
         render = functools.partial(self._apply_chat_template, tools=req.template_tools(),
                                    template_kwargs=req.chat_template_kwargs, template=req.chat_template)
-        try:  # the kept part fitted the context once (each turn did), so it is counted whole
-            kept_ids = await asyncio.to_thread(render, messages[:kept_message_count(echo)], False, False, False,
-                                               False)
+        kept_count = kept_message_count(echo)
+        try:  # the kept part fitted the context once (each turn did), so it is rendered unmeasured
+            kept_ids = await asyncio.to_thread(render, messages[:kept_count], False, False, False, False)
         except ProtocolError:  # a template that refuses the conversation cut there
             return _as_responses_error(err, echo)
         try:
@@ -1118,7 +1162,13 @@ class OpenAIServer:
                                                 req.continue_final_message, False, True)
         except ProtocolError:  # far too long to count (prompt_probe.py)
             whole_ids = None
-        kept = len(kept_ids) if whole_ids is None else _kept_tokens_in_prompt(kept_ids, whole_ids)
+        opening = (req.add_generation_prompt, req.continue_final_message)
+        emptied_ids = await _rendered_or_none(render, _with_the_new_input_emptied(messages, kept_count), *opening)
+        prompt_ids = whole_ids if whole_ids is not None else await _rendered_or_none(
+            render, _with_the_new_input_emptied(messages, kept_count, STAND_IN_TEXT), *opening)
+        kept = _kept_tokens_in_prompt(prompt_ids, emptied_ids, kept_ids)
+        if kept is None:  # the kept part and the new input cannot be told apart: no counts to give
+            return _as_responses_error(err, echo)
         whole = None if whole_ids is None else len(whole_ids)
         most, why = self.context_tokens - 1, f"the context holds {self.context_tokens}, one left for the answer"
         if self.longest_prompt is not None and self.longest_prompt < most:

@@ -12,7 +12,8 @@ to it that gets no answer within STORE_WAIT_S raises StoreUnavailable (Serve's r
 for a dead store replica's replacement, holding every /v1/responses request meanwhile). A
 put that gets no answer may still land later, keeping a response whose answer said store: false: the
 response is forgotten meanwhile, as far as the store answers (store.py: forget; a put that lands
-after it keeps nothing). begin_soon and abandon_soon reach it in the background (held tasks), so
+after it keeps nothing); so is one whose request was cancelled while its put was awaited (the client
+left before its answer). begin_soon and abandon_soon reach it in the background (held tasks), so
 they may land after a later call: the store ignores a begin that comes after the response's put,
 abandon or delete (store.py: tombstones).
 """
@@ -120,12 +121,13 @@ class SharedResponses:
         return await self._call("delete", response_id)
 
     async def _unless_answered_late(self, method: str, response_id: str, *args):
-        """_call, and where it fails, the response forgotten in the background (store.py: forget; not
-        awaited: the answer goes out meanwhile), so that a call that lands late keeps nothing the
-        answer did not say."""
+        """_call, and where it fails, or its caller is cancelled while it waits (the client left: it
+        never gets the answer), the response forgotten in the background (store.py: forget; not
+        awaited: the answer goes out meanwhile, and a cancelled task cannot await), so that a call
+        that lands late keeps nothing the answer did not say."""
         try:
             return await self._call(method, *args)
-        except StoreUnavailable:
+        except (StoreUnavailable, asyncio.CancelledError):
             self._in_background(None, "forget", response_id)
             raise
 

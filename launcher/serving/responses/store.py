@@ -22,24 +22,27 @@ still being generated (`generating`) rather than as unknown. `put` or `abandon` 
 client left) ends the record. A record lives `life_s` at most (begin's: the request's own timeout
 and a margin): past that it is of a replica that died mid-stream, and reads as unknown. At most
 `capacity` are in flight; past that the oldest record goes (that response is kept when it
-finishes).
+finishes). A record deleted stays, marked deleted (it reads as unknown), until its put comes (which
+then keeps nothing) or its life ends: however many other ids are buried meanwhile, a long stream
+deleted early is not kept at its end.
 
-An id deleted, forgotten or abandoned is remembered (a tombstone: the last TOMBSTONES of them,
-whatever the capacity) so that a put or begin that lands after it keeps nothing: a shared store's
-calls may arrive late and out of order (a begin after its put, or after its abandon, is ignored).
+An id deleted, forgotten, abandoned or pushed out of the kept ones is remembered (a tombstone: the
+last TOMBSTONES of them, whatever the capacity) so that a put or begin that lands after it keeps
+nothing: a shared store's calls may arrive late and out of order (a begin after its put, or after
+its abandon, is ignored; so is one after the response was kept and pushed out again).
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 MAX_CAPACITY = 1_000_000
 """The most responses a store may be asked to keep (a bound on the option, not a memory budget)."""
 TOMBSTONES = 10_000
-"""How many ids deleted, forgotten or abandoned are remembered, so that their late put or begin keeps
-nothing (ids are random: an id, a few dozen bytes, is never reused)."""
+"""How many ids deleted, forgotten, abandoned or pushed out are remembered, so that their late put or
+begin keeps nothing (ids are random: an id, a few dozen bytes, is never reused)."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,9 @@ class _InFlight:
     started: StoredResponse
     ends: float
     """The store's clock past which it is taken for gone (its replica died mid-stream)."""
+    deleted: bool = False
+    """DELETE found it: it reads as unknown, and its put keeps nothing. Marked on the record rather
+    than by a tombstone, which many other ids buried during one long stream could push out."""
 
 
 class ResponseStore:
@@ -70,24 +76,24 @@ class ResponseStore:
         self._kept: OrderedDict[str, StoredResponse] = OrderedDict()
         """Least recently used first."""
         self._in_flight: OrderedDict[str, _InFlight] = OrderedDict()
-        """Responses begun and not yet put, abandoned or deleted, the oldest first."""
+        """Responses begun and not yet put or abandoned (those deleted marked so), the oldest first."""
         self._gone: OrderedDict[str, None] = OrderedDict()
-        """Tombstones: ids deleted, forgotten or abandoned, the oldest first (TOMBSTONES at most)."""
+        """Tombstones: ids deleted, forgotten, abandoned or pushed out, the oldest first (TOMBSTONES at
+        most)."""
 
     def __len__(self) -> int:
         return len(self._kept)
 
     def begin(self, response: dict, input_items: list, previous_id: str | None, life_s: float) -> None:
         """`response` (its id is response["id"], its status in_progress) is being generated, for at
-        most life_s more seconds. Ignored where it is kept or gone already (a begin that came late)."""
+        most life_s more seconds. Ignored where it is begun, kept or gone already (a begin that came late)."""
         response_id = response["id"]
-        if response_id in self._kept or response_id in self._gone:
+        if response_id in self._kept or response_id in self._gone or response_id in self._in_flight:
             return
         started = StoredResponse(response, tuple(input_items), previous_id)
         self._in_flight[response_id] = _InFlight(started, self._clock() + life_s)
-        self._in_flight.move_to_end(response_id)
         while len(self._in_flight) > self.capacity:
-            self._in_flight.popitem(last=False)
+            self._drop_in_flight(next(iter(self._in_flight)))
 
     def abandon(self, response_id: str) -> None:
         """It will not be put (it failed, or the client left): its in-flight record goes, and a begin
@@ -100,11 +106,18 @@ class ResponseStore:
         return self._live(response_id) is not None
 
     def _live(self, response_id: str) -> _InFlight | None:
+        """Its record in flight, unless deleted or past its life (a record past its life goes)."""
         in_flight = self._in_flight.get(response_id)
         if in_flight is not None and self._clock() > in_flight.ends:
-            del self._in_flight[response_id]  # its put may still come (a slow reader): not buried
+            self._drop_in_flight(response_id)
             return None
-        return in_flight
+        return None if in_flight is None or in_flight.deleted else in_flight
+
+    def _drop_in_flight(self, response_id: str) -> None:
+        """Its record goes without its put (past its life, or pushed out): a deleted one's mark becomes
+        a tombstone; another's put may still come (a slow reader) and keeps it."""
+        if self._in_flight.pop(response_id).deleted:
+            self._bury(response_id)
 
     def _bury(self, response_id: str) -> None:
         self._gone[response_id] = None
@@ -116,14 +129,18 @@ class ResponseStore:
         """Keep `response` (its id is response["id"]), answered to `input_items` after previous_id;
         False (nothing kept) where it was deleted, forgotten or abandoned meanwhile."""
         response_id = response["id"]
-        self._in_flight.pop(response_id, None)
+        in_flight = self._in_flight.pop(response_id, None)
+        if in_flight is not None and in_flight.deleted:
+            self._bury(response_id)
+            return False
         if response_id in self._gone:
             return False
         self._kept[response_id] = StoredResponse(response, tuple(input_items), previous_id)
         self._kept.move_to_end(response_id)
         while len(self._kept) > self.capacity:
-            self._kept.popitem(last=False)
+            self._bury(self._kept.popitem(last=False)[0])  # a begin landing later does not bring it back
         return True
+
     def history(self, response_id: str) -> tuple[list | None, str | None]:
         """(every item of the conversation up to and including `response_id`, first turn first; None)
         or, when the chain cannot be read whole, (None, the id of the response that is not kept)."""
@@ -164,12 +181,14 @@ class ResponseStore:
         """Forget it; False when it was neither kept nor in flight. A later turn that continued it can
         no longer be continued (its history names this one as missing); one in flight is not kept
         when it finishes."""
-        found = self._live(response_id) is not None
-        self._in_flight.pop(response_id, None)
-        found = self._kept.pop(response_id, None) is not None or found
-        if found:
-            self._bury(response_id)
-        return found
+        in_flight = self._live(response_id)
+        if in_flight is not None:  # marked, not buried: the mark lasts until its put or its life's end
+            self._in_flight[response_id] = replace(in_flight, deleted=True)
+            return True
+        if self._kept.pop(response_id, None) is None:
+            return False
+        self._bury(response_id)
+        return True
 
     def forget(self, response_id: str) -> None:
         """Delete it, and keep nothing its put (or begin) brings later: the replica's call to put it got
