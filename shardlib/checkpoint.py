@@ -179,7 +179,7 @@ class _PickleFile:
 
     def read(self, name: str, tslice: TensorSlice) -> torch.Tensor:
         tensor = self.tensors[name]
-        if tslice.is_whole or tensor.dim() == 0 or not tensor.is_contiguous():
+        if tslice.is_whole or tensor.dim() == 0 or tensor.shape[0] == 0 or not tensor.is_contiguous():
             out = apply_slice(tensor, tslice)
             storage = tensor.untyped_storage()
             self._drop_pages(storage.data_ptr(), storage.nbytes())

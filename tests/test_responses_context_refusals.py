@@ -84,7 +84,9 @@ def test_min_tokens_past_the_limit_is_told_in_the_routes_names(tokenizer):
 THINKING_OF_THE_LAST_TURNS = (  # Qwen3's rule: thinking is rendered only after the last user message
     "{% set ns = namespace(last_user=-1) %}{% for m in messages %}{% if m.role == 'user' %}"
     "{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
-    "{% for m in messages %}<{{ m.role }}>{% if m.reasoning and loop.index0 > ns.last_user %}[{{ m.reasoning }}]"
+    # and an empty user turn refused, as some templates do (the count's stand-ins were empty turns)
+    "{% for m in messages %}{% if m.role == 'user' and not m.content %}{{ raise_exception('empty') }}{% endif %}"
+    "<{{ m.role }}>{% if m.reasoning and loop.index0 > ns.last_user %}[{{ m.reasoning }}]"
     "{% endif %}{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
 
 

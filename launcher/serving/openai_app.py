@@ -629,23 +629,23 @@ def _alike(first: list[int], second: list[int]) -> int:
     return same
 
 
-EMPTIED_KEYS = ("role", "name", "tool_call_id")
-"""What a message of the new input keeps where _kept_conversation_too_long empties it: its place in the
-conversation (templates check roles, and a tool message's id), not its text, calls or thinking."""
+STAND_IN_KEYS = ("role", "name", "tool_call_id")
+"""What a message of the new input keeps where _kept_conversation_too_long stands its text in: its
+place in the conversation (templates check roles, and a tool message's id), not its text, calls or
+thinking."""
 
-STAND_IN_TEXT = "x"
-"""The new input's text in the render that stands in for a prompt too long to render (the emptied
-render's counterpart: where the two part is where the new input's text starts)."""
+STAND_IN_TEXTS = ("x", "y")
+"""Two texts for the new input, each rendered in its place: where the two renders part is where the
+new input's text starts (not empty text, which some templates refuse for a user turn)."""
 
 
-def _with_the_new_input_emptied(messages: list[dict], kept_count: int, text: str = "") -> list[dict]:
-    """The messages with those after the first kept_count (the new input) emptied: content `text`
-    ("": none), no tool calls or thinking. The template renders the kept turns as it does in the
-    whole prompt, new input following them (Qwen3's drops the thinking of turns before the last user
-    message, and an emptied user message is still the last), so where this render and the prompt
-    part is where the new input's text starts."""
-    emptied = [{**{key: m[key] for key in EMPTIED_KEYS if key in m}, "content": text} for m in messages[kept_count:]]
-    return [*messages[:kept_count], *emptied]
+def _with_the_new_input_as(messages: list[dict], kept_count: int, text: str) -> list[dict]:
+    """The messages with those after the first kept_count (the new input) standing in as `text`: no
+    tool calls or thinking. The template renders the kept turns as it does in the whole prompt, new
+    input following them (Qwen3's drops the thinking of turns before the last user message, and the
+    stand-in user message is still the last)."""
+    stand_ins = [{**{key: m[key] for key in STAND_IN_KEYS if key in m}, "content": text} for m in messages[kept_count:]]
+    return [*messages[:kept_count], *stand_ins]
 
 
 async def _rendered_or_none(render, messages: list[dict], *opening) -> list[int] | None:
@@ -658,20 +658,20 @@ async def _rendered_or_none(render, messages: list[dict], *opening) -> list[int]
         return None
 
 
-def _kept_tokens_in_prompt(whole: list[int] | None, emptied: list[int] | None, alone: list[int]) -> int | None:
+def _kept_tokens_in_prompt(whole: list[int] | None, stand_ins: list[list[int] | None],
+                           alone: list[int]) -> int | None:
     """How many of the prompt's first tokens are the kept conversation's; None where that cannot be
-    told. whole: the prompt (or where it is too long to render, its stand-in: STAND_IN_TEXT for the
-    new input's text); emptied: it with the new input emptied (_with_the_new_input_emptied); either
-    None where the template refused it. alone: the kept conversation rendered alone. Where the prompt
-    starts with `alone`, those are the kept tokens (the last may differ at the seam, its text merged
-    with what follows). A template that renders the kept turns otherwise once input follows (Qwen3's
-    drops a kept turn's thinking) is counted by the tokens the prompt has alike with its emptied
-    render: counted against `alone`, everything past the dropped thinking, the kept answer included,
-    was new input."""
+    told. whole: the prompt (None where it is too long to render); stand_ins: the renders with the
+    new input as each of STAND_IN_TEXTS (_with_the_new_input_as; None where the template refused
+    one); alone: the kept conversation rendered alone. Where the prompt starts with `alone`, those
+    are the kept tokens (the last may differ at the seam, its text merged with what follows). A
+    template that renders the kept turns otherwise once input follows (Qwen3's drops a kept turn's
+    thinking) is counted where the two stand-in renders part: counted against `alone`, everything
+    past the dropped thinking, the kept answer included, was new input."""
     if whole is not None and _alike(alone, whole) >= len(alone) - 1:
         return len(alone)
-    if whole is not None and emptied is not None:
-        return _alike(whole, emptied)
+    if None not in stand_ins:
+        return _alike(*stand_ins)
     return None
 
 
@@ -1163,10 +1163,13 @@ class OpenAIServer:
         except ProtocolError:  # far too long to count (prompt_probe.py)
             whole_ids = None
         opening = (req.add_generation_prompt, req.continue_final_message)
-        emptied_ids = await _rendered_or_none(render, _with_the_new_input_emptied(messages, kept_count), *opening)
-        prompt_ids = whole_ids if whole_ids is not None else await _rendered_or_none(
-            render, _with_the_new_input_emptied(messages, kept_count, STAND_IN_TEXT), *opening)
-        kept = _kept_tokens_in_prompt(prompt_ids, emptied_ids, kept_ids)
+        stand_ins = [await _rendered_or_none(render, _with_the_new_input_as(messages, kept_count, text), *opening)
+                     for text in STAND_IN_TEXTS]
+        if whole_ids is None and stand_ins[0] is not None:  # too long to render: it stands in for the prompt
+            whole_for_kept = stand_ins[0]
+        else:
+            whole_for_kept = whole_ids
+        kept = _kept_tokens_in_prompt(whole_for_kept, stand_ins, kept_ids)
         if kept is None:  # the kept part and the new input cannot be told apart: no counts to give
             return _as_responses_error(err, echo)
         whole = None if whole_ids is None else len(whole_ids)
