@@ -1515,13 +1515,12 @@ class Launcher:
             prompt = [token_ids]
         else:
             raise ValueError(f"prompt ({show(prompt)}) must be a string or a non-empty list of token ids")
-        with _in_one_prompts_words():
+        with _in_one_prompts_words():  # what lies between names no prompt
             _, [token_ids] = self._tokenize(prompt)
-        params = sampling if sampling is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling ({params!r}) must be a SamplingParams")
-        [params] = self._with_bad_word_ids([params])
-        with _in_one_prompts_words():
+            params = sampling if sampling is not None else SamplingParams()
+            if not isinstance(params, SamplingParams):
+                raise ValueError(f"sampling ({params!r}) must be a SamplingParams")
+            [params] = self._with_bad_word_ids([params])
             check_request([token_ids], [params], max_new_tokens, self.model_config.vocab_size)
         stop_token_ids = check_stop_token_ids(stop_token_ids, self.model_config.vocab_size)
         ending = self._ending_ids(stop_token_ids, ignore_eos)
@@ -1532,6 +1531,7 @@ class Launcher:
         if stops and self.tokenizer is None:  # there is no text to find them in
             raise ValueError(f"stop strings ({list(stops)!r}) need a tokenizer and {self.model_dir} has none; "
                              f"pass stop_token_ids instead")
+        check_allowed_beyond_stops([params], ending)
         return token_ids, params, stops, ending
 
     def _submit_stream(self, token_ids, params, max_new_tokens, ending, stops, logprobs,
@@ -1540,7 +1540,6 @@ class Launcher:
                        skip_special_tokens: bool = True, stream_interval: int = 1):
         """Submit one checked request (QueueFull when it would wait while max_queued_requests already
         do) and return the stream reading it. `ending`: the ids that end it (_ending_ids)."""
-        check_allowed_beyond_stops([params], ending)  # after the checks of _check_stream, as every path
         stream = self._new_stream(token_ids, params, max_new_tokens, ending, stops, logprobs, request_id, asynchronous,
                                   prompt_logprobs=prompt_logprobs, cache_salt=cache_salt, include_stop=include_stop,
                                   skip_special_tokens=skip_special_tokens, stream_interval=stream_interval)

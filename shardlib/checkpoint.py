@@ -59,13 +59,10 @@ Progress = Callable[[str, int, int], None]
 
 
 # ---- safetensors: header from safetensors, bytes by preadv ------------------------------------
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-assert tuple(_SAFETENSORS_DTYPES) == READABLE_DTYPES, "the driver's check must refuse exactly what a rank cannot read"
+# in READABLE_DTYPES' order: the driver's check refuses exactly what a rank cannot read
+_SAFETENSORS_DTYPES = dict(zip(READABLE_DTYPES, (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool), strict=True))
 
 
 @dataclass(frozen=True)
@@ -179,15 +176,15 @@ class _PickleFile:
 
     def read(self, name: str, tslice: TensorSlice) -> torch.Tensor:
         tensor = self.tensors[name]
-        if tslice.is_whole or tensor.dim() == 0 or tensor.shape[0] == 0 or not tensor.is_contiguous():
+        if tslice.is_whole or tensor.dim() == 0 or not tensor.is_contiguous():
             out = apply_slice(tensor, tslice)
             storage = tensor.untyped_storage()
             self._drop_pages(storage.data_ptr(), storage.nbytes())
             return out
         # In blocks of rows, each block's pages dropped before the next: copied whole, a slice faulted
         # in all the rows it touches (every row, for a later dim) before any page was dropped.
-        out = torch.empty(tslice.shape(tensor.shape), dtype=tensor.dtype)
-        row_bytes = max(1, tensor[0].numel() * tensor.element_size())
+        out = (torch.zeros if tslice.pad_to is not None else torch.empty)(tslice.shape(tensor.shape), dtype=tensor.dtype)
+        row_bytes = max(1, tensor.stride(0) * tensor.element_size())
         rows = max(1, PICKLE_BLOCK_BYTES // row_bytes)
         if tslice.dim == 0:
             spans = [(first, min(first + rows, stop)) for start, stop in tslice.ranges
@@ -203,8 +200,6 @@ class _PickleFile:
             else:
                 out[first:stop] = apply_slice(block, tslice)
             self._drop_pages(block.data_ptr(), block.numel() * block.element_size())
-        if tslice.dim == 0:
-            out[at:] = 0  # pad_to's rows
         return out
 
     def _drop_pages(self, address: int, nbytes: int) -> None:

@@ -139,11 +139,24 @@ def sliding_window(model_type: str, raw: dict[str, Any]) -> int | None:
     return None if window is None else count("sliding_window", window, 4096)
 
 
+def per_kind_rope(raw: dict[str, Any]) -> bool:
+    """Whether Gemma 3's rope settings are one block per layer kind (transformers 5's rope_parameters)."""
+    params = raw.get("rope_parameters")
+    return isinstance(params, dict) and (FULL in params or SLIDING in params)
+
+
+def check_activation(name: str, act: Any) -> None:
+    """ValueError naming the config field `name` unless `act` is an activation the workers run."""
+    if act not in ACTIVATIONS:
+        raise field_error(name, act, f"is not implemented (corelaunch runs {', '.join(ACTIVATIONS)})",
+                          "use a checkpoint with one of those activations")
+
+
 def _gemma_rope(raw: dict[str, Any]) -> dict[str, Any]:
     """Gemma 3 keeps one rope block per layer kind (transformers 5) or rope_theta /
     rope_local_base_freq / rope_scaling (4.x): the global layers' theta and scaling, the local base."""
     params = mapping("rope_parameters", raw.get("rope_parameters"), '{"full_attention": {...}, "sliding_attention": {...}}')
-    if params and (FULL in params or SLIDING in params):
+    if per_kind_rope(raw):
         full = mapping("rope_parameters.full_attention", params.get(FULL), '{"rope_type": "default"}') or {}
         local = mapping("rope_parameters.sliding_attention", params.get(SLIDING), '{"rope_type": "default"}') or {}
         if local.get("rope_type", "default") != "default":
@@ -182,9 +195,7 @@ def family_fields(model_type: str, raw: dict[str, Any], layers: int, head_dim: i
         # configs write, is ignored there: reading it ran SiLU where transformers runs its default)
         act = raw.get("hidden_activation") or "gelu_pytorch_tanh"  # null: the default
         act = ACTIVATION_ALIASES.get(act, act) if isinstance(act, str) else act
-        if act not in ACTIVATIONS:  # named as this family's field (ModelConfig's check says hidden_act)
-            raise field_error("hidden_activation", act, f"is not implemented (corelaunch runs {', '.join(ACTIVATIONS)})",
-                              "use a checkpoint with one of those activations")
+        check_activation("hidden_activation", act)  # named as this family's field (ModelConfig's says hidden_act)
         scalar = raw.get("query_pre_attn_scalar")
         # attn_logit_softcapping is not read: transformers' Gemma 3 attention never applies it
         # (5.23 passes no softcap to its attention functions; Gemma 3's own configs set it null).

@@ -19,7 +19,8 @@ from typing import Any
 
 from shardlib.config_fields import (MAX_CONFIG_INT, MAX_LAYERS, count, field_error, finite, flag, mapping,
                                     positive_number, show, token_id, token_ids)
-from shardlib.families import ACTIVATIONS, LAYER_TYPES, SLIDING, family_fields, layer_norm_elements, traits
+from shardlib.families import (LAYER_TYPES, SLIDING, check_activation, family_fields, layer_norm_elements,
+                                per_kind_rope, traits)
 from shardlib.moe_configs import MOE_MODEL_TYPES, flatten_moe_config
 from shardlib.quantization import Quantization
 
@@ -268,9 +269,7 @@ class ModelConfig:
             raise field_error("layer_types", self.layer_types, f"must name one of {', '.join(LAYER_TYPES)} per "
                               f"layer ({self.num_hidden_layers}), with a sliding_window set",
                               "build ModelConfig with from_dict")
-        if self.hidden_act not in ACTIVATIONS:
-            raise field_error("hidden_act", self.hidden_act, f"is not implemented (corelaunch runs "
-                              f"{', '.join(ACTIVATIONS)})", "use a checkpoint with one of those activations")
+        check_activation("hidden_act", self.hidden_act)
         if self.torch_dtype not in ("float32", "bfloat16", "float16"):
             raise field_error("torch_dtype", self.torch_dtype, "must be float32, bfloat16 or float16",
                               "normalize it with normalize_dtype()")
@@ -418,13 +417,9 @@ class ModelConfig:
         # (Gemma 3 keeps one block per layer kind; family_fields has read it.)
         if "local_rope_theta" in extra:
             _check_rope("rope_scaling", raw.get("rope_scaling"), needs_type=True)
-            per_kind = raw.get("rope_parameters")  # transformers 5's layout, read first (families._gemma_rope)
-            per_kind = isinstance(per_kind, dict) and bool({"full_attention", "sliding_attention"} & per_kind.keys())
-            name = "rope_parameters.full_attention" if per_kind else "rope_scaling"
+            name = "rope_parameters.full_attention" if per_kind_rope(raw) else "rope_scaling"
             rope_theta, rope_scaling = extra.pop("rope_theta"), _check_rope(name, extra.pop("rope_scaling"), needs_type=True)
-            rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
-            if rope_type != "default" and rope_type in EXECUTABLE_ROPE_TYPES:  # as the one-block families
-                _refuse_partial_rotary_with_scaling(raw, name, rope_scaling, rope_type)
+            _refuse_partial_rotary_with_scaling(raw, name, rope_scaling or {})  # as the one-block families
         else:
             rope_theta, rope_scaling = _rope_as_transformers_reads_it(raw, family.rope_theta)
         if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
@@ -480,8 +475,7 @@ def _rope_as_transformers_reads_it(raw: dict[str, Any], family_theta: float) -> 
     name, block = ("rope_scaling", rope_scaling) if rope_scaling is not None else ("rope_parameters", rope_params or {})
     theta = block["rope_theta"] if block.get("rope_theta") is not None else top_theta  # checked by _check_rope
     rope_type = block.get("rope_type", block.get("type", "default"))
-    if rope_type != "default" and rope_type in EXECUTABLE_ROPE_TYPES:  # others: executor_gaps
-        _refuse_partial_rotary_with_scaling(raw, name, block, rope_type)
+    _refuse_partial_rotary_with_scaling(raw, name, block)
     if rope_scaling is None and rope_type != "default":
         rope_scaling = {k: v for k, v in block.items() if k != "rope_theta"}
     return theta, rope_scaling
@@ -512,13 +506,17 @@ def _refuse_disagreeing_rope_blocks(rope_scaling: dict, rope_params: dict, top_t
                       "rope_scaling, or remove rope_parameters to run what transformers runs")
 
 
-def _refuse_partial_rotary_with_scaling(raw: dict[str, Any], name: str, block: dict, rope_type: Any) -> None:
-    """partial_rotary_factor below 1 with scaled rope: the workers rotate every dimension, and
+def _refuse_partial_rotary_with_scaling(raw: dict[str, Any], name: str, block: dict) -> None:
+    """partial_rotary_factor below 1 with the scaled rope `block` says (the types corelaunch runs;
+    others are left to executor_gaps): the workers rotate every dimension, and
     transformers' model fails with a shape error (its scaled frequencies cover only the partial
     dimensions, which its Llama-family attention rotates in full; checked on tiny Llama and Qwen2
     models with linear, dynamic, yarn, llama3 and longrope scaling). As there, the block's own factor
     takes precedence over a top-level one. With default rope those families ignore the factor, as
     corelaunch does, so it is accepted there."""
+    rope_type = block.get("rope_type", block.get("type", "default"))
+    if rope_type == "default" or rope_type not in EXECUTABLE_ROPE_TYPES:
+        return
     name, value = f"{name}.partial_rotary_factor", block.get("partial_rotary_factor")
     if value is None:
         name, value = "partial_rotary_factor", raw.get("partial_rotary_factor")

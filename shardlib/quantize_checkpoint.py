@@ -45,10 +45,13 @@ _ST_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
 _WHOLE = TensorSlice(dim=None)
 
 
-def check_quantize_options(dtype: str, out_dir: str | Path) -> str:
-    """The normalized format; ValueError for an unknown dtype or an output path that exists (what
-    can be refused before the model is even found: the built-in one is converted on first use)."""
+def check_quantize_options(dtype: str, out_dir: str | Path, model_dir: str | Path | None = None) -> str:
+    """The normalized format; ValueError for an unknown dtype, an output path inside `model_dir` (when
+    given), or one that exists (what can be refused before the model is even found: the built-in
+    one is converted on first use)."""
     fmt = normalize_quant_dtype(dtype)
+    if model_dir is not None:  # the model's folder itself exists too: said as inside it, first
+        refuse_out_inside_model(model_dir, out_dir)
     from shardlib.model_path_hints import refuse_unexpanded_home
 
     refuse_unexpanded_home("--out", out_dir)
@@ -81,9 +84,8 @@ def check_quantize_request(model_dir: str | Path, dtype: str, out_dir: str | Pat
     if Path(model_dir).is_file():
         raise ValueError(f"--model {model_dir} is a file; pass the model directory that holds it "
                          f"({Path(model_dir).parent})")
-    refuse_out_inside_model(model_dir, out_dir)  # after those: a mistyped --model is named as missing
-    # after that: an --out naming the model's folder itself exists, and was told just that
-    fmt = check_quantize_options(dtype, out_dir)
+    # after those: a mistyped --model is named as missing
+    fmt = check_quantize_options(dtype, out_dir, model_dir)
     if not config_file.exists():
         if (Path(model_dir) / "manifest.json").is_file():  # what corelaunch compile or save_presharded wrote
             raise ValueError(f"--model {model_dir} is a corelaunch compiled or pre-sharded directory, not a Hugging "

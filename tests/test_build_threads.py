@@ -21,6 +21,24 @@ from tests.serving_driver import collect, request, run_loops, stop
 from workers.structured.build_threads import BUILD_THREADS, BuildThreads
 
 
+def _named_threads(name: str) -> int:
+    return sum(t.name == name for t in threading.enumerate())
+
+
+def _runs_within(future, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not future.running() and not future.done() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return future.running() or future.done()
+
+
+def _wait_for_spare_threads_to_exit(pool: BuildThreads, name: str) -> None:
+    """Wait (up to 10 s) until no more of the named threads run than the pool holds: detached ones exit as they end."""
+    deadline = time.monotonic() + 10
+    while _named_threads(name) > pool.threads and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def test_builds_beyond_the_limit_wait_for_a_thread_and_all_end_in_order():
     release = threading.Event()
     pool = BuildThreads(limit=3, name="test-build")
@@ -36,7 +54,7 @@ def test_builds_beyond_the_limit_wait_for_a_thread_and_all_end_in_order():
     futures = [pool.submit(build(i)) for i in range(40)]
     try:
         assert pool.threads == 3
-        assert sum(t.name == "test-build" for t in threading.enumerate()) == 3
+        assert _named_threads("test-build") == 3
         assert sum(f.running() for f in futures) <= 3 and not any(f.done() for f in futures)
     finally:
         release.set()
@@ -90,10 +108,6 @@ def test_the_leader_cancels_the_builds_of_requests_dropped_while_they_wait():
     assert sorted(calls) == sorted(ids[:-50])
 
 
-def _named_threads(name: str) -> int:
-    return sum(t.name == name for t in threading.enumerate())
-
-
 def test_an_abandoned_running_build_ends_on_a_thread_that_then_exits():
     """Two hung builds fill a limit of 2; abandoned, each goes on (it cannot be stopped) but frees
     its place: the queued build runs at once on a new thread, and once the hung ones end their
@@ -104,9 +118,8 @@ def test_an_abandoned_running_build_ends_on_a_thread_that_then_exits():
     hung = [pool.submit(lambda: release.wait(30)) for _ in range(2)]
     queued = pool.submit(lambda: "cheap")
     try:
-        deadline = time.monotonic() + 10
-        while not all(f.running() for f in hung) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        for future in hung:
+            _runs_within(future, 10)
         assert all(f.running() for f in hung) and not queued.done()
         for future in hung:
             pool.abandon(future)
@@ -116,9 +129,7 @@ def test_an_abandoned_running_build_ends_on_a_thread_that_then_exits():
     finally:
         release.set()
     assert [f.result(timeout=30) for f in hung] == [True, True]
-    deadline = time.monotonic() + 10
-    while _named_threads(name) > pool.threads and time.monotonic() < deadline:
-        time.sleep(0.01)
+    _wait_for_spare_threads_to_exit(pool, name)
     # one replacement or two, as the queued build was taken before the second abandon or not
     assert _named_threads(name) == pool.threads <= pool.limit and pool.detached == 0
     assert pool.submit(lambda: 7).result(timeout=10) == 7  # the threads left still take builds
@@ -134,9 +145,8 @@ def test_hung_builds_of_cancelled_requests_do_not_starve_a_cheap_one():
     try:
         loop._apply(("submit", [request(rid, [5, 9], 4, sampling=SPEC) for rid in slow]), [])
         slow_futures = [loop._building[rid][1] for rid in slow]
-        deadline = time.monotonic() + 10
-        while not all(f.running() for f in slow_futures) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        for future in slow_futures:
+            _runs_within(future, 10)
         assert all(f.running() for f in slow_futures)
         events = []
         loop._apply(("cancel", slow), events)
@@ -167,13 +177,6 @@ def test_a_request_whose_build_never_ends_fails_alone_after_the_grammar_wait():
     assert not loop._building
 
 
-def _runs_within(future, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not future.running() and not future.done() and time.monotonic() < deadline:
-        time.sleep(0.005)
-    return future.running() or future.done()
-
-
 def test_cancelling_builds_as_they_start_runs_at_most_twice_the_limit():
     """A client sends costly grammars and cancels each once its build runs: before, every abandon
     started a replacement thread, so 60 rounds at a limit of 2 left 60 compiles running at once.
@@ -197,9 +200,7 @@ def test_cancelling_builds_as_they_start_runs_at_most_twice_the_limit():
         release.set()
     _, pending = wait(futures, timeout=30)
     assert not pending and futures[-1].result() is True  # the one that waited ran once places freed
-    deadline = time.monotonic() + 10
-    while _named_threads(name) > pool.threads and time.monotonic() < deadline:
-        time.sleep(0.01)
+    _wait_for_spare_threads_to_exit(pool, name)
     assert _named_threads(name) == pool.threads <= pool.limit and pool.detached == 0 and pool.running == 0
 
 

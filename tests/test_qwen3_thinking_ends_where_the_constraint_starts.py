@@ -50,30 +50,21 @@ def streamed_calls(choices: list[dict]) -> list[dict]:
     return reassembled([call for c in choices for call in c["delta"].get("tool_calls", [])])
 
 
-def test_a_forced_named_call_written_while_thinking_stays_reasoning(tagged):
-    script = f'<think>{THOUGHT}</think>{{"city": "Paris"}}'
-    choice, usage, streamed = both(tagged, script, tools=TOOLS, tool_choice=NAMED)
+@pytest.mark.parametrize("tool_choice, answer_text, finish", [
+    (NAMED, '{"city": "Paris"}', "stop"),  # vLLM's finish for a named call
+    ("required", '[{"name": "get_weather", "parameters": {"city": "Paris"}}]', "tool_calls"),
+], ids=["named", "required"])
+def test_a_forced_call_written_while_thinking_stays_reasoning(tagged, tool_choice, answer_text, finish):
+    choice, usage, streamed = both(tagged, f"<think>{THOUGHT}</think>{answer_text}", tools=TOOLS,
+                                   tool_choice=tool_choice)
     message = choice["message"]
     assert message["reasoning"] == THOUGHT and joined(streamed, "reasoning") == THOUGHT
     for calls in (message["tool_calls"], streamed_calls(streamed)):
         [call] = calls
         assert call["function"]["name"] == "get_weather"
         assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
-    assert choice["finish_reason"] == streamed[-1]["finish_reason"] == "stop"  # vLLM's for a named call
+    assert choice["finish_reason"] == streamed[-1]["finish_reason"] == finish
     # the count goes on through the `<tool_call>` token to `</think>`
-    assert details(usage) == {"reasoning_tokens": tokens(tagged, THOUGHT)}
-
-
-def test_required_calls_after_a_call_written_while_thinking(tagged):
-    script = f'<think>{THOUGHT}</think>[{{"name": "get_weather", "parameters": {{"city": "Paris"}}}}]'
-    choice, usage, streamed = both(tagged, script, tools=TOOLS, tool_choice="required")
-    message = choice["message"]
-    assert message["reasoning"] == THOUGHT and joined(streamed, "reasoning") == THOUGHT
-    for calls in (message["tool_calls"], streamed_calls(streamed)):
-        [call] = calls
-        assert call["function"]["name"] == "get_weather"
-        assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
-    assert choice["finish_reason"] == streamed[-1]["finish_reason"] == "tool_calls"
     assert details(usage) == {"reasoning_tokens": tokens(tagged, THOUGHT)}
 
 

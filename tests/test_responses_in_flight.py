@@ -25,7 +25,7 @@ from launcher.serving.openai_protocol import ProtocolError
 from launcher.serving.response_store_server import LocalResponses, SharedResponses, StoreUnavailable
 from launcher.serving.responses.store import TOMBSTONES, ResponseStore
 from tests.test_kept_responses import keeping, request_to
-from tests.test_responses_route import asked, await_first, check_with_the_clients_types, tokenizer
+from tests.test_responses_route import asked, check_with_the_clients_types, first_then, tokenizer
 from tests.test_tokenize_routes import post
 
 __all__ = ["tokenizer"]  # the module-scoped fixture, taken from the route's tests
@@ -126,12 +126,8 @@ def test_a_stream_that_fails_or_is_left_leaves_no_record_in_flight(tokenizer):
     server = keeping(tokenizer, "The sky is blue today.")
     scripted = server.launcher.astream
 
-    def fails_after_one(*args, **kwargs):
-        async def deltas():
-            async for delta in await_first(scripted(*args, **kwargs)):
-                yield delta
-            raise RequestTimeout("request r did not finish within 4 s")
-        return deltas()
+    async def times_out():
+        raise RequestTimeout("request r did not finish within 4 s")
 
     async def left(server, body):  # the client reads response.created, then goes
         response = await server.responses(post("/v1/responses", {**body, "stream": True}))
@@ -148,7 +144,7 @@ def test_a_stream_that_fails_or_is_left_leaves_no_record_in_flight(tokenizer):
 
     async def run():
         gone = [await left(server, asked())]
-        server.launcher.astream = fails_after_one
+        server.launcher.astream = first_then(scripted, times_out)
         gone.append(await failed(server, asked()))
         for response_id in gone:
             missing = await get(server, response_id)
@@ -194,24 +190,36 @@ def test_the_store_keeps_responses_in_flight_apart_and_bounded():
     assert [store.generating(response_id) for response_id in ("a", "b", "c")] == [False, True, True]
 
 
-class LateStore:
-    """A shared store's handle whose put lands in the real store only after the replica gave up
-    waiting for it (sent, it is not called back by the wait's end); its other calls are answered at
-    once."""
+class HeldPut:
+    """A shared store's handle whose put is held until `through` is set, as `mode` says: "cancelled"
+    with its caller; or, where the caller is cancelled or gives up waiting, landing in the store after
+    it (a call already sent may still land: "lands late") or having landed before, only its answer
+    held ("answered late"). Its other calls are answered at once; every call's method is recorded in
+    `calls`."""
 
-    def __init__(self) -> None:
-        self.store = LocalResponses(4)
+    def __init__(self, mode: str) -> None:
+        self.store, self.mode = LocalResponses(4), mode
+        self.through, self.arrived = asyncio.Event(), asyncio.Event()
+        self.calls: list[str] = []
         self.sent: list[asyncio.Task] = []
 
     def __getattr__(self, method):
-        async def late(*args):
-            await asyncio.sleep(0.2)
+        async def put(*args):
+            self.arrived.set()
+            if self.mode == "answered late":
+                kept = await self.store.put(*args)
+                await self.through.wait()
+                return kept
+            await self.through.wait()
             return await self.store.put(*args)
 
         async def call(*args):
+            self.calls.append(method)
             if method != "put":
                 return await getattr(self.store, method)(*args)
-            self.sent.append(asyncio.ensure_future(late(*args)))
+            if self.mode == "cancelled":
+                return await put(*args)
+            self.sent.append(asyncio.ensure_future(put(*args)))
             return await asyncio.shield(self.sent[-1])
         return SimpleNamespace(remote=call)
 
@@ -221,7 +229,7 @@ def test_a_put_that_gets_no_answer_in_time_keeps_nothing(monkeypatch, begun):
     from launcher.serving import response_store_server
 
     monkeypatch.setattr(response_store_server, "STORE_WAIT_S", 0.05)
-    late = LateStore()
+    late = HeldPut("lands late")
     shared = SharedResponses(late)
 
     async def run():
@@ -229,6 +237,7 @@ def test_a_put_that_gets_no_answer_in_time_keeps_nothing(monkeypatch, begun):
             shared.begin_soon(started("r1"), [said("Hi")], None, LIFE_S)
         with pytest.raises(StoreUnavailable, match="did not answer within 0.05 s"):
             await shared.put(finished("r1"), [said("Hi")], None)
+        late.through.set()
         await asyncio.gather(*late.sent)  # the put has landed, after the replica gave up on it
         return await late.store.get("r1")
 
@@ -362,14 +371,7 @@ def test_a_stream_cut_off_by_its_cancelled_task_still_abandons_its_record(tokeni
     server = keeping(tokenizer, "The sky is blue today.")
     scripted = server.launcher.astream
 
-    def stalls_after_one(*args, **kwargs):
-        async def deltas():
-            async for delta in await_first(scripted(*args, **kwargs)):
-                yield delta
-            await asyncio.Event().wait()  # the engine's next token, never coming
-        return deltas()
-
-    server.launcher.astream = stalls_after_one
+    server.launcher.astream = first_then(scripted, lambda: asyncio.Event().wait())  # the next token never comes
 
     async def run():
         stand_in = StandIn({"abandon": asyncio.Event()})  # it answers once the client has gone
@@ -442,39 +444,6 @@ def test_a_begin_that_lands_after_its_response_was_kept_and_pushed_out_is_ignore
     store.begin(started("a"), [said("Hi")], None, LIFE_S)  # a shared store's begin, come late
     assert store.get("a") is None and not store.generating("a") and store.history("a") == (None, "a")
     assert store.get("b") == finished("b")
-
-
-class HeldPut:
-    """A shared store's handle whose put is held until `through` is set, as `mode` says: "cancelled"
-    with its caller; or, where the caller is cancelled, landing in the store after it (a call already
-    sent may still land: "lands late") or having landed before, only its answer held ("answered
-    late"). Its other calls are answered at once; every call's method is recorded in `calls`."""
-
-    def __init__(self, mode: str) -> None:
-        self.store, self.mode = LocalResponses(4), mode
-        self.through, self.arrived = asyncio.Event(), asyncio.Event()
-        self.calls: list[str] = []
-        self.sent: list[asyncio.Task] = []
-
-    def __getattr__(self, method):
-        async def put(*args):
-            self.arrived.set()
-            if self.mode == "answered late":
-                kept = await self.store.put(*args)
-                await self.through.wait()
-                return kept
-            await self.through.wait()
-            return await self.store.put(*args)
-
-        async def call(*args):
-            self.calls.append(method)
-            if method != "put":
-                return await getattr(self.store, method)(*args)
-            if self.mode == "cancelled":
-                return await put(*args)
-            self.sent.append(asyncio.ensure_future(put(*args)))
-            return await asyncio.shield(self.sent[-1])
-        return SimpleNamespace(remote=call)
 
 
 @pytest.mark.parametrize("mode", ["cancelled", "lands late", "answered late"])

@@ -218,15 +218,11 @@ def test_a_timeout_names_the_responses_token_limit_whole_and_streamed(tokenizer)
     server = server_over(tokenizer, "The sky is blue.")
     scripted = server.launcher.astream
 
-    def times_out(*args, **kwargs):
-        async def deltas():
-            async for delta in await_first(scripted(*args, **kwargs)):
-                yield delta
-            raise RequestTimeout("request r did not finish within 4 s (it had delivered 1 of 300 tokens); raise "
-                                 "request_timeout_s (--request-timeout) for long generations")
-        return deltas()
+    async def times_out():
+        raise RequestTimeout("request r did not finish within 4 s (it had delivered 1 of 300 tokens); raise "
+                             "request_timeout_s (--request-timeout) for long generations")
 
-    server.launcher.astream = times_out
+    server.launcher.astream = first_then(scripted, times_out)
 
     async def run(stream: bool):
         response = await server.responses(post("/v1/responses", asked(stream=stream, max_output_tokens=300)))
@@ -246,6 +242,17 @@ async def await_first(deltas):
     async for delta in deltas:
         yield delta
         return
+
+
+def first_then(scripted, then):
+    """The scripted engine's astream: its first delta, then `await then()` (raises or never returns)."""
+    def astream(*args, **kwargs):
+        async def deltas():
+            async for delta in await_first(scripted(*args, **kwargs)):
+                yield delta
+            await then()
+        return deltas()
+    return astream
 
 
 def test_the_route_needs_the_api_key(tokenizer):

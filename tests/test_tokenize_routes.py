@@ -148,7 +148,7 @@ def scripted_server(tokenizer, scripts, tool_call_parser: str | None = None, rea
         return None
 
     server.launcher = SimpleNamespace(model_config=server.launcher.model_config, shutdown=lambda: None,
-                                      config=SimpleNamespace(max_num_seqs=4), astream=astream,
+                                      config=SimpleNamespace(max_num_seqs=4, request_timeout_s=600.0), astream=astream,
                                       acheck_structured=acheck_structured)
     server.pieces, server.longest_prompt, server.several_replicas = TokenPieces(tokenizer), None, False
     server.tool_call_parser, server.default_chat_template_kwargs = tool_call_parser, None

@@ -45,9 +45,10 @@ def to_cache(values: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     if not is_quantized_cache(cache):
         return values
     # an infinite value clamped would be a finite 240 (module docstring): NaN fails its request
-    # one pass (a mask and a fill made two more on every cache write)
-    scaled = (values.float() / KV_FP8_SCALE).nan_to_num(nan=float("nan"), posinf=float("nan"), neginf=float("nan"))
-    return scaled.clamp(-KV_FP8_MAX, KV_FP8_MAX).to(KV_FP8).view(torch.uint8)
+    # in place on the scaled copy, which nothing else holds (each write is on the decode path)
+    scaled = values.float() / KV_FP8_SCALE
+    scaled.nan_to_num_(nan=float("nan"), posinf=float("nan"), neginf=float("nan")).clamp_(-KV_FP8_MAX, KV_FP8_MAX)
+    return scaled.to(KV_FP8).view(torch.uint8)
 
 
 def writable(cache: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ from shardlib.moe_params import model_names
 from shardlib.sampling_params import SamplingParams
 from shardlib.sharding import ShardLayout
 from workers.backends import backend_entry, get_backend
-from workers.backends.base import RendezvousInfo
+from workers.backends.base import RendezvousInfo, rendezvous_backlog
 from workers.net import listener_below_the_ephemeral_range
 from workers.serving.numbered_calls import NumberedCalls
 
@@ -160,10 +160,10 @@ class RankWorker:
     _numbered: NumberedCalls = field(default_factory=NumberedCalls, init=False, repr=False)
     """Rank 0: the driver's numbered submissions and cancellations, handed to the loop in order."""
     _serve_ended: threading.Event | None = field(default=None, init=False, repr=False)
+    """Set when serve() returns: shutdown waits for it before closing the collectives the loop uses."""
     _rendezvous_listener: socket.socket | None = field(default=None, init=False, repr=False)
     """Rank 0: the socket listening at its rendezvous port from the port's choice until its store
     takes it over in init_backend."""
-    """Set when serve() returns: shutdown waits for it before closing the collectives the loop uses."""
 
     def describe(self) -> dict:
         """Where this rank runs: used for error messages and rendezvous."""
@@ -178,7 +178,7 @@ class RankWorker:
         the Neuron backend's second port is picked there and bound later."""
         if self._rendezvous_listener is not None:  # asked again (a retried call): one port held at a time
             self._rendezvous_listener.close()
-        self._rendezvous_listener = listener_below_the_ephemeral_range(host, backlog=max(128, self.spec.world_size))
+        self._rendezvous_listener = listener_below_the_ephemeral_range(host, backlog=rendezvous_backlog(self.spec.world_size))
         return self._rendezvous_listener.getsockname()[1]
 
     def prepare_backend(self) -> dict:

@@ -51,8 +51,10 @@ class TensorProgress:
     one line of 272 fragments), a line for the first tensor, about one per tenth of them, and the last."""
 
     def __init__(self, stream, enabled: bool = True):
+        from shardlib.terminal import stream_is_a_terminal
+
         self.stream, self.enabled = stream, enabled
-        self.in_place = stream.isatty()
+        self.in_place = stream_is_a_terminal(stream)
         self.line_open = False  # an in-place line lacks its end until the last tensor
         self.tenths_shown = -1
 
@@ -75,18 +77,14 @@ class TensorProgress:
 
 
 def run(args: argparse.Namespace) -> int:
-    from shardlib.quantize_checkpoint import (check_quantize_options, check_quantize_request, quantize_checkpoint,
-                                              refuse_out_inside_model)
+    from shardlib.quantize_checkpoint import check_quantize_options, check_quantize_request, quantize_checkpoint
 
     model = args.model
     try:
         if model is None:  # the built-in model, converted on first use: the options are refused first
             from shardlib.demo_model import DEMO_MODEL_NAME, default_cache_dir, ensure_demo_model
-            from shardlib.quantization import normalize_quant_dtype
 
-            normalize_quant_dtype(args.dtype)  # an unknown dtype first, as check_quantize_request names it
-            refuse_out_inside_model(default_cache_dir() / DEMO_MODEL_NAME, args.out)  # the folder itself exists too
-            check_quantize_options(args.dtype, args.out)
+            check_quantize_options(args.dtype, args.out, default_cache_dir() / DEMO_MODEL_NAME)
             model = str(ensure_demo_model())
         check_quantize_request(model, args.dtype, args.out, args.lm_head)  # every refusal before any weight is read
     # OSError: the demo model's conversion lock waited too long (TimeoutError), or its cache failed

@@ -170,7 +170,7 @@ class Replica:
         pool = self.pool
         while not pool.stopping and self.state != "failed":
             streaming = getattr(self.started.group, "serving", False)
-            if streaming and not self._takes_static_now():
+            if streaming and (pool._queue.empty() or not self._takes_static_now()):  # no batch: nothing to weigh
                 self._poll_streams()  # waits up to POLL_WAIT_S, as when the queue is empty
                 continue
             try:

@@ -57,6 +57,7 @@ from launcher.serving.responses.request import (START_ANEW, STILL_GENERATING, co
                                                 kept_message_count)
 from launcher.serving.server_settings import ServerSettings, api_key_from_environment, settings_from_args
 from launcher.serving.token_pieces import TokenPieces
+from workers.serving.prefix_reuse import common_prefix_length
 
 # No documentation routes: /openapi.json, /docs and /redoc would answer without the API key. No
 # redirects from a path with a trailing slash either: their 307 told anyone which routes exist.
@@ -609,24 +610,8 @@ up to STORE_WAIT_S; a record older than that is of a replica that died mid-strea
 
 def _in_flight_life_s(launcher) -> float:
     """How long a streamed response may stay in flight: its request's timeout (the route asks for no
-    other) and IN_FLIGHT_MARGIN_S. A launcher whose config names none (the tests' scripted engine)
-    gets LaunchConfig's default."""
-    timeout_s = getattr(getattr(launcher, "config", None), "request_timeout_s", None)
-    if timeout_s is None:
-        from launcher.api import LaunchConfig
-
-        timeout_s = LaunchConfig.request_timeout_s
-    return timeout_s + IN_FLIGHT_MARGIN_S
-
-
-def _alike(first: list[int], second: list[int]) -> int:
-    """How many first tokens two renders have alike."""
-    same = 0
-    for a, b in zip(first, second):
-        if a != b:
-            break
-        same += 1
-    return same
+    other) and IN_FLIGHT_MARGIN_S."""
+    return launcher.config.request_timeout_s + IN_FLIGHT_MARGIN_S
 
 
 STAND_IN_KEYS = ("role", "name", "tool_call_id")
@@ -658,23 +643,6 @@ async def _rendered_or_none(render, messages: list[dict], *opening) -> list[int]
         return None
 
 
-def _kept_tokens_in_prompt(whole: list[int] | None, stand_ins: list[list[int] | None],
-                           alone: list[int]) -> int | None:
-    """How many of the prompt's first tokens are the kept conversation's; None where that cannot be
-    told. whole: the prompt (None where it is too long to render); stand_ins: the renders with the
-    new input as each of STAND_IN_TEXTS (_with_the_new_input_as; None where the template refused
-    one); alone: the kept conversation rendered alone. Where the prompt starts with `alone`, those
-    are the kept tokens (the last may differ at the seam, its text merged with what follows). A
-    template that renders the kept turns otherwise once input follows (Qwen3's drops a kept turn's
-    thinking) is counted where the two stand-in renders part: counted against `alone`, everything
-    past the dropped thinking, the kept answer included, was new input."""
-    if whole is not None and _alike(alone, whole) >= len(alone) - 1:
-        return len(alone)
-    if None not in stand_ins:
-        return _alike(*stand_ins)
-    return None
-
-
 class _KeptTurn:
     """One response of a server that keeps responses (responses/store.py), on its way into the store:
     begun where it is streamed (its id is the client's from response.created on: GET reads it back in
@@ -694,15 +662,17 @@ class _KeptTurn:
         self.store.begin_soon(response, self.turn, self.previous_id, self.life_s)
 
     async def keep(self, response: dict) -> None:
-        """Put, then no longer open: a stream cut off while its put is awaited (its task cancelled)
-        still abandons its record, and a shared store forgets what that put may keep."""
+        """Put, then no longer open, however the put ends: a shared store that fails it, or whose
+        caller is cancelled meanwhile, forgets the response itself (response_store_server.py); a local
+        put never waits, so it cannot be cut off."""
         try:
             if not await self.store.put(response, self.turn, self.previous_id):
                 SERVER_LOG.info("corelaunch serve: response %s was deleted while it streamed: not kept", response["id"])
         except StoreUnavailable as err:
             response["store"] = False
             SERVER_LOG.warning("corelaunch serve: response %s was answered but not kept: %s", response["id"], err)
-        self.open = None
+        finally:
+            self.open = None
 
     def abandon(self) -> None:
         """Its in-flight record dropped where it was begun and will not be kept (failed, or cut off)."""
@@ -1153,9 +1123,9 @@ class OpenAIServer:
         render = functools.partial(self._apply_chat_template, tools=req.template_tools(),
                                    template_kwargs=req.chat_template_kwargs, template=req.chat_template)
         kept_count = kept_message_count(echo)
-        try:  # the kept part fitted the context once (each turn did), so it is rendered unmeasured
-            kept_ids = await asyncio.to_thread(render, messages[:kept_count], False, False, False, False)
-        except ProtocolError:  # a template that refuses the conversation cut there
+        # the kept part fitted the context once (each turn did), so it is rendered unmeasured
+        kept_ids = await _rendered_or_none(render, messages[:kept_count], False, False)
+        if kept_ids is None:  # a template that refuses the conversation cut there
             return _as_responses_error(err, echo)
         try:
             whole_ids = await asyncio.to_thread(render, messages, req.add_generation_prompt,
@@ -1163,13 +1133,21 @@ class OpenAIServer:
         except ProtocolError:  # far too long to count (prompt_probe.py)
             whole_ids = None
         opening = (req.add_generation_prompt, req.continue_final_message)
-        stand_ins = [await _rendered_or_none(render, _with_the_new_input_as(messages, kept_count, text), *opening)
-                     for text in STAND_IN_TEXTS]
-        if whole_ids is None and stand_ins[0] is not None:  # too long to render: it stands in for the prompt
-            whole_for_kept = stand_ins[0]
-        else:
-            whole_for_kept = whole_ids
-        kept = _kept_tokens_in_prompt(whole_for_kept, stand_ins, kept_ids)
+
+        async def stand_in_renders() -> list[list[int] | None]:  # None where the template refuses one
+            return [await _rendered_or_none(render, _with_the_new_input_as(messages, kept_count, text), *opening)
+                    for text in STAND_IN_TEXTS]
+
+        prompt, stand_ins = whole_ids, None
+        if prompt is None:  # too long to render: the first stand-in takes its place
+            stand_ins = await stand_in_renders()
+            prompt = stand_ins[0]
+        if prompt is not None and common_prefix_length(kept_ids, prompt) >= len(kept_ids) - 1:
+            kept = len(kept_ids)  # the prompt starts with the kept render (its last token may merge at the seam)
+        else:  # the template renders the kept turns otherwise once input follows (Qwen3's drops their
+            # thinking): the kept part ends where the two stand-in renders part
+            stand_ins = stand_ins or await stand_in_renders()
+            kept = None if None in stand_ins else common_prefix_length(*stand_ins)
         if kept is None:  # the kept part and the new input cannot be told apart: no counts to give
             return _as_responses_error(err, echo)
         whole = None if whole_ids is None else len(whole_ids)

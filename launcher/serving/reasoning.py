@@ -126,12 +126,10 @@ def read_reasoning(parser: str, text: str, thinking: bool = True,
     """The whole generated text's (reasoning, content) under `parser` (module docstring: the rules).
     thinking False: the request turned thinking off (thinking_requested). constrained: a structured
     output starts after the `</think>` token (the request's reasoning() says so)."""
-    if check_parser(parser) == "qwen3":
-        if not thinking:
-            return None, text
-        if constrained:  # only the grammar's own start ends the thinking; what it wrote is kept as written
-            head, end, rest = text.partition(THINK_END)
-            return head.replace(THINK_START, "") or None, (rest if end else "") or None
+    qwen3 = check_parser(parser) == "qwen3"
+    if qwen3 and not thinking:
+        return None, text
+    if qwen3 and not constrained:
         end = _first_reasoning_end_qwen3(text)
         if end is None:
             return text.replace(THINK_START, "") or None, None
@@ -139,8 +137,11 @@ def read_reasoning(parser: str, text: str, thinking: bool = True,
         if rest.startswith(THINK_END):
             rest = rest[len(THINK_END):]  # a <tool_call> that ends the reasoning stays: the content's start
         return head.replace(THINK_START, "") or None, rest.replace(THINK_END, "") or None
+    # deepseek_r1's rule, which a constrained qwen3 answer follows too (only the grammar's own start
+    # ends the thinking; what it wrote is kept as written), qwen3's empty reasoning being null
     head, end, rest = text.partition(THINK_END)
-    return head.replace(THINK_START, ""), (rest if end else "") or None
+    reasoning = head.replace(THINK_START, "")
+    return (reasoning or None) if qwen3 else reasoning, (rest if end else "") or None
 
 
 def _first_reasoning_end_qwen3(text: str) -> int | None:
@@ -210,18 +211,11 @@ class ReasoningSplitter:
             self._in_reasoning = False
 
 
-class ConstrainedAnswerSplitter(ReasoningSplitter):
-    """The splitter of a `constrained` answer (module docstring): its structured output starts after
-    the `</think>` token, so only `</think>` ends the thinking and the answer goes out as written."""
-
-    def _tags(self) -> tuple[str, ...]:
-        return (THINK_START, THINK_END) if self._in_reasoning else ()
-
-
 def reasoning_splitter(parser: str, thinking: bool = True, constrained: bool = False) -> ReasoningSplitter:
     """A new splitter of one choice's stream; constrained: the request's reasoning() says its answer
-    is (read_reasoning's)."""
-    return (ConstrainedAnswerSplitter if constrained else ReasoningSplitter)(parser, thinking)
+    is (read_reasoning's), which splits as deepseek_r1's: only `</think>` ends the thinking, and the
+    answer goes out as written."""
+    return ReasoningSplitter("deepseek_r1" if constrained else parser, thinking)
 
 
 @functools.cache

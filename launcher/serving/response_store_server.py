@@ -103,7 +103,15 @@ class SharedResponses:
                             f"until its record's life ends", "abandon", response_id)
 
     async def put(self, response: dict, input_items: list, previous_id: str | None) -> bool:
-        return await self._unless_answered_late("put", response["id"], response, input_items, previous_id)
+        """The store's put; where it fails, or its caller is cancelled while it waits (the client left:
+        it never gets the answer), the response forgotten in the background (store.py: forget; not
+        awaited: the answer goes out meanwhile, and a cancelled task cannot await), so that a put
+        that lands late keeps nothing the answer did not say."""
+        try:
+            return await self._call("put", response, input_items, previous_id)
+        except (StoreUnavailable, asyncio.CancelledError):
+            self._in_background(None, "forget", response["id"])
+            raise
 
     async def generating(self, response_id: str) -> bool:
         return await self._call("generating", response_id)
@@ -119,17 +127,6 @@ class SharedResponses:
 
     async def delete(self, response_id: str) -> bool:
         return await self._call("delete", response_id)
-
-    async def _unless_answered_late(self, method: str, response_id: str, *args):
-        """_call, and where it fails, or its caller is cancelled while it waits (the client left: it
-        never gets the answer), the response forgotten in the background (store.py: forget; not
-        awaited: the answer goes out meanwhile, and a cancelled task cannot await), so that a call
-        that lands late keeps nothing the answer did not say."""
-        try:
-            return await self._call(method, *args)
-        except (StoreUnavailable, asyncio.CancelledError):
-            self._in_background(None, "forget", response_id)
-            raise
 
     def _in_background(self, failing: str | None, method: str, *args) -> None:
         """_call, not awaited (a task held in _sending); where it fails, `failing` says in the replica's

@@ -74,6 +74,11 @@ def join_torch_distributed(process_group_backend: str, rendezvous: RendezvousInf
                             timeout=datetime.timedelta(seconds=timeout_s), **options)
 
 
+def rendezvous_backlog(world_size: int) -> int:
+    """How many connections rank 0's store socket queues: every other rank may connect at once."""
+    return max(128, world_size)
+
+
 def rendezvous_store(rendezvous: RendezvousInfo, rank: int, world_size: int, timeout_s: float):
     """The group's TCPStore at the launcher's rendezvous; rank 0's listens on rendezvous.host only
     (see join_torch_distributed), on rendezvous.listener or else a socket it binds itself. The
@@ -88,7 +93,7 @@ def rendezvous_store(rendezvous: RendezvousInfo, rank: int, world_size: int, tim
     listener = None
     if rank == 0:
         listener = rendezvous.listener or socket.create_server(
-            (rendezvous.host, rendezvous.port), family=address_family(rendezvous.host), backlog=max(128, world_size))
+            (rendezvous.host, rendezvous.port), family=address_family(rendezvous.host), backlog=rendezvous_backlog(world_size))
     try:
         return dist.TCPStore(rendezvous.host, rendezvous.port, world_size, rank == 0,
                              timeout=datetime.timedelta(seconds=timeout_s),
