@@ -72,6 +72,9 @@ class ThreadTPGroup:
     _fault: BaseException | None = field(default=None, init=False)
     _call_numbers: object = field(default_factory=itertools.count, init=False)
     """Submissions and cancellations numbered as TPGroup numbers them (rank 0 runs them in order)."""
+    _calls_sent: int = field(default=0, init=False)
+    """Submissions sent to rank 0 (fail_next's fault waits for one, or for work already there)."""
+    _call_numbers_at_fault: int = field(default=0, init=False)
 
     def start(self) -> None:
         from workers.rank_worker import RankWorker, WorkerSpec
@@ -118,21 +121,23 @@ class ThreadTPGroup:
 
     def submit(self, requests) -> None:
         if self.actors:
+            self._calls_sent += 1
             self.actors[0].submit_requests(requests, next(self._call_numbers))
 
     def cancel(self, request_ids) -> None:
         if self.actors:
             self.actors[0].cancel_requests(request_ids, next(self._call_numbers))
 
-    def _raise_injected_fault(self, step: str) -> None:
-        """Stop the group and raise what kill_rank / fail_next injected, as a broken group does."""
+    def _raise_injected_fault(self, step: str, at_work: bool = True) -> None:
+        """Stop the group and raise what kill_rank / fail_next injected, as a broken group does.
+        at_work: the group has requests (fail_next's fault waits for them; a dead rank does not)."""
         from launcher.errors import WorkerDied
 
         if self._dead:
             self.kill()
             raise WorkerDied(f"rank {self._dead[0]} (in-process, pid {os.getpid()}) died while trying to "
                              f"{step}; the group was stopped")
-        if self._fault is not None:
+        if self._fault is not None and at_work:
             fault, self._fault = self._fault, None
             self.kill()
             raise fault
@@ -140,7 +145,7 @@ class ThreadTPGroup:
     def poll(self, wait_s: float):
         from launcher.errors import RankFailed
 
-        self._raise_injected_fault("serve")
+        self._raise_injected_fault("serve", at_work=False)
         if self._serve_errors or not self.actors:
             errors = dict(self._serve_errors)
             self.kill()
@@ -149,6 +154,11 @@ class ThreadTPGroup:
         # What rank 0's event stream carries to a Ray group's driver, taken from its loop directly.
         loop = self.actors[0]._leader_loop()
         events, load = loop.poll(wait_s)
+        # fail_next's fault lands on a group at work: the replica polls an idle group all the time,
+        # and a fault it took there restarted the group before the test's request reached it (the
+        # request then ran once, on the new group). The events polled are lost, as a dead group's are.
+        self._raise_injected_fault("serve", at_work=bool(events) or any(load.values())
+                                   or self._call_numbers_at_fault != self._calls_sent)
         return events, load, loop_counters(loop)
 
     def stop_serving(self, grace_s: float = 10.0) -> None:
@@ -168,8 +178,11 @@ class ThreadTPGroup:
         return self._on_every_rank("finish the request", lambda w: w.generate(request, static_id))[0]
 
     def fail_next(self, fault: BaseException) -> None:
-        """The next generate or poll raises `fault` (a GroupFault) and stops the group, as a broken one does."""
+        """The next generate, or poll while the group has requests (running, waiting, events not yet
+        polled, or submitted since), raises `fault` (a GroupFault) and stops the group, as a broken
+        one does."""
         self._fault = fault
+        self._call_numbers_at_fault = self._calls_sent
 
     def kill_rank(self, rank: int) -> None:
         """Rank `rank` is gone: the health check reports it, the next request fails with WorkerDied."""
