@@ -14,6 +14,7 @@ from launcher.compile_folders import check_compile_folders
 from launcher.errors import PlanRejected
 from launcher.progress import Progress
 from shardlib.model_config import ModelConfig, load_model_config
+from shardlib.planner import RANK_PROCESS_BYTES
 from shardlib.serving_shapes import serving_cache_rows
 
 
@@ -277,19 +278,15 @@ def nodes_on_one_host(nodes: int, starter: str, fix: str) -> ValueError:
                       f"plan would count {nodes} times; {fix}")
 
 
-RANK_PROCESS_BYTES = 384 * 2**20
-"""What a cpu rank's process holds beyond its weights, KV cache and packing scratch (Python, torch,
-Ray's worker, the compiled graphs): measured 190-200 MiB eager and about 330 MiB compiled with
-SmolLM2 (README Measured). The planner's 10% reserve is one share of the host for the OS, the
-driver and Ray; where several groups share the host, each of their ranks needs this too."""
 SERVER_REPLICA_BYTES = 448 * 2**20
 """The Serve replica in front of each group of `corelaunch serve` (its Launcher, the HTTP app,
 Serve's replica machinery): measured 400-430 MiB."""
 
 
 def _process_bytes(plan, server: bool) -> int:
-    """The allowance for one group's processes: its ranks' and, for a server, its Serve replica's."""
-    return plan.tp_degree * RANK_PROCESS_BYTES + (SERVER_REPLICA_BYTES if server else 0)
+    """The allowance for one group's processes: its ranks' (the cpu plan's "rank process" part,
+    RANK_PROCESS_BYTES each) and, for a server, its Serve replica's."""
+    return plan.tp_degree * plan.memory.process_bytes_per_rank + (SERVER_REPLICA_BYTES if server else 0)
 
 
 def _host_usable_bytes(plan) -> int:
@@ -298,17 +295,18 @@ def _host_usable_bytes(plan) -> int:
 
 
 def host_bytes_per_group(plan, server: bool = False) -> int:
-    """This host's RAM one TP group of `plan` holds at most on the cpu backend: its ranks' weights,
-    KV cache and packing scratch, each rank's process (RANK_PROCESS_BYTES) and, for a server, the
-    Serve replica in front of it (SERVER_REPLICA_BYTES). A server never runs static batches, so its
-    groups hold the serving rows alone: its own plan (max_batch_size 0) counts no others, and one made
-    with static rows (the driver API's) has them taken out here."""
+    """This host's RAM one TP group of `plan` (a cpu plan: planned_on_this_host) holds at most on the
+    cpu backend: the plan's total, whose parts are each rank's weights, KV cache, packing scratch and
+    process (RANK_PROCESS_BYTES), and, for a server, the Serve replica in front of it
+    (SERVER_REPLICA_BYTES), which the plan does not know of. A server never runs static batches, so
+    its groups hold the serving rows alone: its own plan (max_batch_size 0) counts no others, and one
+    made with static rows (the driver API's) has them taken out here."""
     mem = plan.memory
     kv_bytes = mem.kv_cache_bytes_per_rank
     if server and plan.serving_rows:
         kv_bytes = kv_bytes * plan.serving_rows // (plan.batch_size + plan.serving_rows)
-    per_rank = mem.weight_bytes_per_rank + kv_bytes + mem.packing_scratch_bytes_per_rank
-    return per_rank * plan.tp_degree + _process_bytes(plan, server)
+    per_rank = mem.fixed_bytes_per_rank + kv_bytes
+    return per_rank * plan.tp_degree + (SERVER_REPLICA_BYTES if server else 0)
 
 
 def groups_this_host_holds(config, plan, backend: str, server: bool = False) -> int | None:
@@ -345,7 +343,7 @@ def planned_on_this_host(plan):
 
 def check_replicas_fit_this_host(config, plan, backend: str) -> None:
     """cpu replicas on a private cluster (this host alone) share its RAM, which the plan checked for
-    one TP group without the ranks' processes: ValueError when `replicas` groups (one for "auto", at
+    one TP group (its ranks' processes included): ValueError when `replicas` groups (one for "auto", at
     least) cannot all fit, before they start and exhaust it. replicas="auto" is capped by the same
     count (PlannedLaunch.host_holds, Launcher._size_replicas)."""
     replicas = config.replicas if isinstance(config.replicas, int) else 1
@@ -356,15 +354,16 @@ def check_groups_fit(count: int, name: str, plan, holds: int | None, server: boo
                      least: int | None = None) -> None:
     """ValueError naming `name` (the option that asked for `count` TP groups of `plan`) when this
     host's RAM holds fewer (`holds`, from groups_this_host_holds; None: not this host's to check).
-    holds 0 is refused whatever the count: the plan's own check leaves out the rank processes (and
-    a server's Serve replica), which one group alone can take past this host's RAM. least: the
+    holds 0 is refused whatever the count: the plan's own check leaves out a server's Serve replica,
+    and a plan for another --instance was never checked against this host's RAM, so one group alone
+    can be past it. least: the
     autoscaling minimum (`corelaunch serve --min-replicas`) when `name` is its --max-replicas."""
     from shardlib.planner import format_bytes
 
     if holds is None or count <= holds:
         return
     plan = planned_on_this_host(plan)  # as groups_this_host_holds counted it: the message's figures are this host's
-    if holds == 0:
+    if holds == 0:  # a server's replica (which the plan leaves out), or a plan made for another --instance
         raise ValueError(_no_group_fits(plan, server))
     per_group = host_bytes_per_group(plan, server)
     # autoscaling needs a maximum above its minimum: "at most 2" from --min-replicas 2 was refused next
@@ -386,9 +385,10 @@ def _no_group_fits(plan, server: bool) -> str:
     processes = "rank processes and its Serve replica" if server else "rank processes"
     # a server holds no static batch (host_bytes_per_group): only its serving rows shrink
     rows = "--max-num-seqs" if server else "--max-num-seqs, or --max-batch-size for static batches"
+    # at TP 1 there is no lower degree: "Lower --tp" was advice that changed nothing
+    lower_tp = "Lower --tp (fewer rank processes), or shrink" if plan.tp_degree > 1 else "Shrink"
     return (f"one TP group of {plan.tp_degree} rank(s) needs {format_bytes(host_bytes_per_group(plan, server))} of "
             f"this host's RAM ({format_bytes(_process_bytes(plan, server))} of it for its {processes}, about "
-            f"{format_bytes(RANK_PROCESS_BYTES)} a rank, beyond the weights, KV cache and scratch the plan counts) "
+            f"{format_bytes(RANK_PROCESS_BYTES)} a rank, beside its weights, KV cache and scratch) "
             f"but this host has {format_bytes(_host_usable_bytes(plan))} usable; nothing was started. "
-            f"Lower --tp (fewer rank processes), or shrink the KV cache: a smaller --seq-len, or fewer rows "
-            f"({rows})")
+            f"{lower_tp} the KV cache: a smaller --seq-len, or fewer rows ({rows})")

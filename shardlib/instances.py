@@ -92,6 +92,9 @@ class InstanceType:
             return None
         if self.family == "trn2":
             # 64 logical cores at LNC 2 ("TP degree up to 64"); at LNC 1 all 128 cores are visible.
+            # 64 ranks a node at LNC 1 stays listed (half of a TP 128 group over 2 nodes), but a TP 64
+            # group at LNC 1 is refused by the planner: neuronx-distributed splits that 64-rank
+            # world into two groups of 32 (shardlib.planner.TRN2_LNC1_SPLIT_TP).
             return (1, 2, 4, 8, 16, 32, 64) if lnc == 2 else (1, 2, 4, 8, 16, 32, 64, 128)
         return {"inf2": (1, 2, 4, 8, 24), "trn1": (1, 2, 8, 16, 32)}[self.family]
 

@@ -8,12 +8,13 @@ values, the rule and the ways out. Rules and their error codes (the facts behind
 
 - heads_not_divisible:   num_attention_heads % tp != 0 (unless pad_q_heads pads Q heads).
 - kv_heads_incompatible: an explicit kv_strategy that cannot split the KV heads at this degree.
-- insufficient_memory:   a rank's weight shard plus its KV cache (plus, on `cpu` with float32
-                         weights, the largest matrix it packs: MemoryEstimate) exceed the memory of
-                         the cores it drives (its GPU on a gpu node), less RESERVE_FRACTION (on
-                         `cpu`: all ranks together against RAM).
+- insufficient_memory:   a rank's weight shard plus its KV cache (plus, on `cpu`, its process,
+                         RANK_PROCESS_BYTES, and with float32 weights the largest matrix it packs:
+                         MemoryEstimate) exceed the memory of the cores it drives (its GPU on a gpu
+                         node), less RESERVE_FRACTION (on `cpu`: the ranks of one node against its RAM).
 - unsupported_tp_degree: the ranks per node are not a degree NxD Inference supports on the family,
-                         or a neuron TP 4 group spans nodes (NXD_LOCAL_TP_DEGREE).
+                         a neuron TP 4 group spans nodes (NXD_LOCAL_TP_DEGREE), or TP 64 at LNC 1
+                         on trn2 (TRN2_LNC1_SPLIT_TP).
 - not_enough_cores:      TP x cores per rank exceeds the NeuronCores (or GPUs) of the nodes.
 - invalid_lnc:           LNC other than 1 or 2, or LNC 2 where the hardware has no LNC 2.
 - moe_sharding_incompatible: mixture-of-experts models: the asked moe_sharding breaks its rule at
@@ -55,7 +56,16 @@ RESERVE_FRACTION = 0.10
 # 16 GB, 70B in 148 GB) leave about this much headroom. It is a heuristic, not a measurement: very
 # large batch x seq_len prefill activations can need more.
 RESERVE_REASON = ("10% of each rank's memory is kept free for the runtime, the compiled graphs and "
-                  "their activation scratchpad (RAM for the OS and the rank processes on cpu)")
+                  "their activation scratchpad (RAM for the OS, the driver and Ray on cpu)")
+
+RANK_PROCESS_BYTES = 384 * 2**20
+"""What a cpu rank's process holds beyond its weights, KV cache and packing scratch (Python, torch,
+Ray's worker, the compiled graphs): measured 190-200 MiB eager and about 330 MiB compiled with
+SmolLM2 (README Measured). On the cpu target it is one part of each rank's memory (MemoryEstimate),
+so the plan's verdict is the launch's: a launch counts the same bytes before it starts the ranks,
+and a plan without them called layouts valid that every launch then refused. The 10% reserve
+stays the share of the OS, the driver and Ray. Device targets leave it out: there the estimate is
+the device's memory, and the process lives in the host's RAM."""
 
 DEFAULT_MAX_SEQ_LEN = 4096
 """seq_len when none is given: min(max_position_embeddings, 4096). Long-context checkpoints
@@ -75,6 +85,12 @@ takes the compute dtypes alone, so 1-byte weights come from a checkpoint quantiz
 NXD_LOCAL_TP_DEGREE = 4
 """neuronx-distributed's parallel_state lays out TP 4 as a special case (trn1's ring of four cores
 within a node): its group mesh divides LOCAL_WORLD_SIZE by 4, so the four ranks must be on one node."""
+
+TRN2_LNC1_SPLIT_TP = 64
+"""A TP degree neuronx-distributed (0.19) does not build as one group on trn2 at LNC 1: its
+parallel_state picks a ring layout for a 64-rank world at LNC 1 on trn2 that makes two TP groups of
+32 ranks, so a model sharded 64 ways would not match the groups it runs in. LNC 2 (trn2's default)
+or TP 32 are the layouts it builds as asked."""
 
 @dataclass(frozen=True)
 class PlanIssue:
@@ -111,15 +127,25 @@ class MemoryEstimate:
     (workers/packed_weight.py): while loading, each matrix's panels exist beside the original for a
     moment, and a prefill of 1024 rows or more unpacks one matrix into a temporary while it runs.
     0 elsewhere (nothing is packed)."""
+    process_bytes_per_rank: int = 0
+    """On the cpu target, RANK_PROCESS_BYTES: the rank's own process, in the same RAM as its
+    tensors. 0 on devices (the process is in the host's RAM, not the device's)."""
 
     @property
     def parts(self) -> tuple[tuple[str, int], ...]:
         """What a rank's total is made of, named as messages name it (packing scratch only where a
-        rank packs)."""
+        rank packs, the rank process only where it shares the memory counted)."""
         parts = (("weights", self.weight_bytes_per_rank), ("KV cache", self.kv_cache_bytes_per_rank))
         if self.packing_scratch_bytes_per_rank:
             parts += (("packing scratch", self.packing_scratch_bytes_per_rank),)
+        if self.process_bytes_per_rank:
+            parts += (("rank process", self.process_bytes_per_rank),)
         return parts
+
+    @property
+    def fixed_bytes_per_rank(self) -> int:
+        """Everything but the KV cache: what a smaller seq_len or fewer rows leave as it is."""
+        return self.total_bytes_per_rank - self.kv_cache_bytes_per_rank
 
     @property
     def total_bytes_per_rank(self) -> int:
@@ -138,6 +164,7 @@ class MemoryEstimate:
             "weight_bytes_per_rank": self.weight_bytes_per_rank,
             "kv_cache_bytes_per_rank": self.kv_cache_bytes_per_rank,
             "packing_scratch_bytes_per_rank": self.packing_scratch_bytes_per_rank,
+            "process_bytes_per_rank": self.process_bytes_per_rank,
             "total_bytes_per_rank": self.total_bytes_per_rank,
             "capacity_bytes_per_rank": self.capacity_bytes_per_rank,
             "capacity_bytes_per_core": self.capacity_bytes_per_core,
@@ -399,6 +426,8 @@ def _check(req: _Request, tp: int) -> _Check:
         codes.append("unsupported_tp_degree")
     elif inst.is_neuron and tp == NXD_LOCAL_TP_DEGREE and req.nodes > 1:
         codes.append("unsupported_tp_degree")
+    elif _splits_on_trn2_lnc1(inst, req.lnc, tp):
+        codes.append("unsupported_tp_degree")
     if inst.limits_ranks_per_node and per_node > inst.logical_cores(req.lnc):
         codes.append("not_enough_cores")
 
@@ -425,17 +454,22 @@ def _check(req: _Request, tp: int) -> _Check:
                                         kv_heads, inst.is_neuron),
         kv_cache_dtype=kv_dtype, tp_degree=tp,
         packing_scratch_bytes_per_rank=(_packing_scratch_elements(cfg, tp, q_per_rank, kv_per_rank, quantization is not None)
-                                        * DTYPE_BYTES["float32"] if packs else 0))
-    if inst.per_rank_memory:
-        fits = memory.total_bytes_per_rank <= memory.usable_bytes_per_rank
-    else:  # the cpu target: the ranks on one node share its RAM (the fullest node decides)
-        fits = memory.total_bytes_per_rank * per_node <= inst.memory_bytes * (1 - RESERVE_FRACTION)
+                                        * DTYPE_BYTES["float32"] if packs else 0),
+        process_bytes_per_rank=RANK_PROCESS_BYTES if inst.family == "cpu" else 0)
+    # On cpu the capacity is a rank's share of its node's RAM (the fullest node decides), so this
+    # is the node's check; per rank, in whole bytes, as the launcher divides this host's RAM.
+    fits = memory.total_bytes_per_rank <= memory.usable_bytes_per_rank
     if not fits:
         codes.append("insufficient_memory")
     return _Check(tp=tp, codes=tuple(codes), q_heads_total=heads_total, q_per_rank=q_per_rank,
                   kv_strategy=strategy, kv_problem=kv_problem, kv_per_rank=kv_per_rank,
                   ranks_per_node=per_node, memory=memory, moe_sharding=moe_sharding,
                   moe_problem=moe_problem)
+
+
+def _splits_on_trn2_lnc1(inst: InstanceType, lnc: int, tp: int) -> bool:
+    """Whether neuronx-distributed would build `tp` as two groups on this trn2 (TRN2_LNC1_SPLIT_TP)."""
+    return inst.family == "trn2" and lnc == 1 and tp == TRN2_LNC1_SPLIT_TP
 
 
 def _value(strategy) -> str | None:
@@ -503,10 +537,9 @@ def _ways_out(req: _Request, check: _Check) -> list[str]:
     mem = check.memory
     per_token = mem.kv_cache_bytes_per_rank // (req.cache_rows * req.seq_len)  # KV bytes per position of one sequence
     if "insufficient_memory" in check.codes:
-        usable = mem.usable_bytes_per_rank
-        if not req.inst.per_rank_memory:  # a rank's share of its node's usable RAM
-            usable = int(req.inst.memory_bytes * (1 - RESERVE_FRACTION)) // check.ranks_per_node
-        room = usable - mem.weight_bytes_per_rank - mem.packing_scratch_bytes_per_rank
+        # what the KV cache may take: a rank's usable memory (on cpu its share of the node's RAM)
+        # less all that a smaller cache leaves as it is (on cpu the rank process too)
+        room = mem.usable_bytes_per_rank - mem.fixed_bytes_per_rank
         if room > 0 and per_token:
             longest = room // (per_token * req.cache_rows)
             limit = req.config.max_position_embeddings  # a longer one fits the memory but not the model
@@ -531,6 +564,24 @@ def _ways_out(req: _Request, check: _Check) -> list[str]:
             if fits:
                 ways.append(_lower_dtype_way(dtype, fits))
                 break
+    ways += _node_count_ways(req)
+    if req.inst.is_neuron:
+        bigger = []
+        for other in sorted(NEURON_INSTANCES.values(), key=lambda i: i.memory_bytes):
+            if other.name != req.inst.name:
+                alt = dataclasses.replace(req, inst=other, lnc=other.default_lnc, lnc_problem=None)
+                fits = _valid_degrees(alt)
+                if fits:
+                    bigger.append(f"{other.name} (tp {fits[0]})")
+        if bigger:
+            ways.append(f"another instance: {', '.join(bigger[:3])}")
+    return ways
+
+
+def _node_count_ways(req: _Request) -> list[str]:
+    """The nearest node counts (more, and fewer where none works at this count) with degrees that
+    pass every rule."""
+    ways = []
     for nodes in range(req.nodes + 1, _MAX_SUGGESTED_NODES + 1):
         fits = _valid_degrees(dataclasses.replace(req, nodes=nodes))
         if fits:
@@ -543,16 +594,6 @@ def _ways_out(req: _Request, check: _Check) -> list[str]:
         if fits:
             ways.append(f"fewer nodes: --nodes {nodes} fits at tp {_fmt_list(fits)}")
             break
-    if req.inst.is_neuron:
-        bigger = []
-        for other in sorted(NEURON_INSTANCES.values(), key=lambda i: i.memory_bytes):
-            if other.name != req.inst.name:
-                alt = dataclasses.replace(req, inst=other, lnc=other.default_lnc, lnc_problem=None)
-                fits = _valid_degrees(alt)
-                if fits:
-                    bigger.append(f"{other.name} (tp {fits[0]})")
-        if bigger:
-            ways.append(f"another instance: {', '.join(bigger[:3])}")
     return ways
 
 
@@ -589,10 +630,14 @@ def _one_node_way_out(tp: int, req: _Request) -> str:
     return f"{family} supports no tp {tp} on any instance: use another degree{elsewhere}"
 
 
-def _describe(code: str, req: _Request, check: _Check, hint_degrees: list[int]) -> str:
+def _describe(code: str, req: _Request, check: _Check, hint_degrees: list[int], node_ways: list[str]) -> str:
+    """The message of rule `code` at `check`'s degree. node_ways: the node counts that work, named
+    where no degree works at this one (an explicit tp; "none" was the whole advice)."""
     cfg, inst, tp = req.config, req.inst, check.tp
     where = inst.name if req.nodes == 1 else f"{req.nodes} x {inst.name}"  # the degrees are for this many nodes
     works = f"degrees that work for this model on {where}: {_fmt_list(hint_degrees)}"
+    if not hint_degrees and node_ways:
+        works += "; " + "; ".join(node_ways)
     if code == "invalid_lnc":
         return req.lnc_problem
     if code == "heads_not_divisible":
@@ -621,6 +666,14 @@ def _describe(code: str, req: _Request, check: _Check, hint_degrees: list[int]) 
             return (f"tp_degree ({tp}) over {req.nodes} nodes: neuronx-distributed builds a TP {tp} group from "
                     f"{tp} ranks of one node (its process groups divide the node's ranks by {tp}), so a group "
                     f"split over nodes fails as it starts; {_one_node_way_out(tp, req)}; {works}")
+        elif _splits_on_trn2_lnc1(inst, req.lnc, tp) and (tp // req.nodes) in supported:
+            half = tp // 2
+            # LNC 2 doubles each rank's memory and holds 64 ranks a node: it always fits where LNC 1 did
+            smaller = f", or tp {half}" if half in hint_degrees else ""
+            return (f"tp_degree ({tp}) at LNC 1 on trn2: neuronx-distributed lays out a {tp}-rank world at LNC 1 "
+                    f"as two TP groups of {half} ranks each, so the {tp}-way shards would not match the groups "
+                    f"they run in; use --lnc 2 (trn2's default: {inst.logical_cores(2)} logical cores per node) "
+                    f"at tp {tp}{smaller}; {works}")
         elif req.nodes > 1:
             what = (f"tp_degree ({tp}) over {req.nodes} nodes puts {check.ranks_per_node} ranks on each "
                     f"node, which is not a supported degree on {inst.family}")
@@ -812,7 +865,9 @@ def plan(config: ModelConfig, *, instance: str | InstanceType = CPU_TARGET, tp: 
         errors.append(PlanIssue("no_valid_tp_degree", summary))
     else:
         check = _check(req, tp)
-    errors += [PlanIssue(code, _describe(code, req, check, hints)) for code in check.codes]
+    # an explicit degree with none working at this node count: the node counts that work are the way out
+    node_ways = _node_count_ways(dataclasses.replace(req, lnc_problem=None)) if tp != "auto" and not hints else []
+    errors += [PlanIssue(code, _describe(code, req, check, hints, node_ways)) for code in check.codes]
     if req.seq_len > config.max_position_embeddings:  # every degree alike: one error, not a rule per degree
         errors.append(PlanIssue("seq_len_too_long", (
             f"seq_len ({req.seq_len}) exceeds the model's max_position_embeddings ({config.max_position_embeddings}): "
@@ -893,6 +948,13 @@ def _warnings(req: _Request, check: _Check) -> list[str]:
                   if rest != cfg.torch_dtype else "")
         out.append(f"{req.dtype} plans the weights quantized per channel ({rest} for the rest and the KV "
                    f"cache); run `corelaunch quantize` to produce that checkpoint before launching it{launch}")
+    elif DTYPE_BYTES[req.dtype] == 1:  # a quantized checkpoint planned at its own 1-byte format
+        rest = planned_quantization(cfg, req.dtype, req.inst.is_neuron)[1]
+        if rest != cfg.torch_dtype:  # a launch without --dtype holds the checkpoint's dtype, not the plan's
+            out.append(f"{req.dtype} plans this quantized checkpoint's other tensors and KV cache in {rest}, but it "
+                       f"keeps {cfg.torch_dtype}, which a launch holds unless told otherwise: launch it with "
+                       f"--dtype {rest} for the memory this plan counts (or plan --dtype {cfg.torch_dtype} for "
+                       f"what it holds without)")
     if req.kv_cache_dtype is not None and inst.is_neuron:
         # workers.backends: the neuron entry's compiled_fp8_kv_cache is False (its graphs hold the cache
         # in the model's dtype); generate and serve refuse the option unless run eagerly

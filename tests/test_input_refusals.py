@@ -241,7 +241,9 @@ def test_groups_sharing_this_host_count_their_processes_and_a_servers_groups_no_
     mem = plan.memory
     per_row = mem.kv_cache_bytes_per_rank // 25
     assert per_row * 25 == mem.kv_cache_bytes_per_rank
-    assert host_bytes_per_group(plan) == mem.total_bytes_all_ranks + 2 * RANK_PROCESS_BYTES
+    # the cpu plan counts each rank's process itself (so `corelaunch plan` and the launch agree): not added twice
+    assert mem.process_bytes_per_rank == RANK_PROCESS_BYTES
+    assert host_bytes_per_group(plan) == mem.total_bytes_all_ranks
     assert host_bytes_per_group(plan, server=True) == (
         2 * (mem.weight_bytes_per_rank + 17 * per_row + mem.packing_scratch_bytes_per_rank + RANK_PROCESS_BYTES)
         + SERVER_REPLICA_BYTES)
@@ -261,7 +263,7 @@ def test_groups_sharing_this_host_count_their_processes_and_a_servers_groups_no_
         check_groups_fit(4, "--max-replicas", plan, 3, server=True, least=2)
     static_only = make_plan(config, instance="cpu", tp=2, batch_size=8, serving_rows=0, seq_len=64)
     assert host_bytes_per_group(static_only, server=True) == (static_only.memory.total_bytes_all_ranks
-                                                              + 2 * RANK_PROCESS_BYTES + SERVER_REPLICA_BYTES)
+                                                              + SERVER_REPLICA_BYTES)
 
 
 def test_auto_replicas_are_capped_by_this_hosts_memory(ray_tripwire, monkeypatch):

@@ -36,15 +36,18 @@ def _private_cpu_config(monkeypatch, replicas=1):
 
 
 def _tight_plan(host_ram):
-    """A TP 2 plan of TINY that the planner accepts (its weights and KV cache are a few MiB) on a
-    host whose usable RAM is one MiB short of the group with its two rank processes."""
+    """A TP 2 plan of TINY for trn1.32xlarge that the planner accepts, whose ranks a cpu launch runs
+    here (planned_on_this_host), on a host whose usable RAM is one MiB short of that group with its
+    two rank processes: a cpu plan of this host counts them itself, so only a plan made for another
+    --instance (or a server's Serve replica) reaches the launcher's own refusal."""
     from launcher.launch_plan import host_bytes_per_group
 
     host_ram(64 * GIB)
     per_group = host_bytes_per_group(make_plan(TINY, instance="cpu", tp=2, batch_size=8, seq_len=64))
     host_ram(int((per_group - 2**20) / 0.9))  # the planner keeps 10% back
-    plan = make_plan(TINY, instance="cpu", tp=2, batch_size=8, seq_len=64)
+    plan = make_plan(TINY, instance="trn1.32xlarge", tp=2, batch_size=8, seq_len=64)
     assert plan.valid, plan.errors
+    assert not make_plan(TINY, instance="cpu", tp=2, batch_size=8, seq_len=64).valid  # the plan says so here
     return plan
 
 
@@ -52,13 +55,14 @@ def test_one_cpu_group_this_host_cannot_hold_is_refused_with_its_bytes_and_fixes
     """holds == 0 (the group's processes take it past this host's RAM) still started one group,
     and asking for two said "Ask for at most 1"."""
     from launcher.launch_plan import check_groups_fit, check_replicas_fit_this_host, groups_this_host_holds
-    from launcher.launch_plan import host_bytes_per_group
+    from launcher.launch_plan import host_bytes_per_group, planned_on_this_host
     from shardlib.planner import format_bytes
 
     plan = _tight_plan(host_ram)
     config = _private_cpu_config(monkeypatch)
     assert groups_this_host_holds(config, plan, "cpu") == 0
-    need = r"^one TP group of 2 rank\(s\) needs " + re.escape(format_bytes(host_bytes_per_group(plan))) + " of this"
+    need = (r"^one TP group of 2 rank\(s\) needs " + re.escape(format_bytes(host_bytes_per_group(planned_on_this_host(plan))))
+            + " of this")
     for replicas in (1, 2, "auto"):
         with pytest.raises(ValueError, match=need) as info:
             check_replicas_fit_this_host(_private_cpu_config(monkeypatch, replicas), plan, "cpu")

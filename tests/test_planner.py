@@ -15,7 +15,7 @@ import pytest
 from shardlib.instances import GIB, InstanceType, cpu_host, get_instance, gpu_node
 from shardlib.model_config import ModelConfig, load_model_config
 from shardlib.param_shapes import expected_shapes
-from shardlib.planner import RESERVE_FRACTION, plan
+from shardlib.planner import RANK_PROCESS_BYTES, RESERVE_FRACTION, plan
 from shardlib.sharding import ShardLayout, slice_for
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
@@ -57,7 +57,9 @@ def test_tiny_model_bytes_by_hand():
     assert p.memory.kv_cache_bytes_per_rank == 2 * 2 * 1 * 128 * 1 * 16 * 4 == 32768
     # float32 on cpu: the largest matrix a rank packs counts too, here the fused gate/up (2 x 48 x 64)
     assert p.memory.packing_scratch_bytes_per_rank == 2 * 48 * 64 * 4 == 24576
-    assert p.memory.total_bytes_per_rank == 156928 + 32768 + 24576
+    # on cpu each rank's process shares the RAM too: counted as its allowance
+    assert p.memory.process_bytes_per_rank == RANK_PROCESS_BYTES == 384 * 2**20
+    assert p.memory.total_bytes_per_rank == 156928 + 32768 + 24576 + RANK_PROCESS_BYTES
     assert (p.kv_strategy, p.q_heads_per_rank, p.kv_heads_per_rank) == ("shard", 2, 1)
     assert p.memory.model_weight_bytes == TINY.param_count() * 4
 
@@ -381,7 +383,7 @@ def test_packing_scratch_is_the_largest_packed_matrix_on_cpu_float32_only():
         p = plan(SMOLLM2, instance="cpu", tp=tp, dtype="float32")
         assert p.memory.packing_scratch_bytes_per_rank == math.ceil(49152 / tp) * 576 * 4
         assert p.memory.total_bytes_per_rank == (p.memory.weight_bytes_per_rank + p.memory.kv_cache_bytes_per_rank
-                                                 + p.memory.packing_scratch_bytes_per_rank)
+                                                 + p.memory.packing_scratch_bytes_per_rank + RANK_PROCESS_BYTES)
     # Nothing is packed in bfloat16, on a Neuron device, or for a plan quantized on Neuron; on cpu a
     # quantized model's float32 LM head still is (here the tied embedding, left unquantized).
     assert plan(SMOLLM2, instance="cpu", tp=1, dtype="bfloat16").memory.packing_scratch_bytes_per_rank == 0
@@ -395,7 +397,7 @@ def test_packing_scratch_is_the_largest_packed_matrix_on_cpu_float32_only():
 def test_packing_scratch_decides_a_plan_at_the_edge_of_the_ram():
     # A host whose RAM after the reserve holds the shard and KV cache but not the packing scratch.
     base = plan(SMOLLM2, instance="cpu", tp=1, dtype="float32", seq_len=256)
-    without_scratch = base.memory.weight_bytes_per_rank + base.memory.kv_cache_bytes_per_rank
+    without_scratch = base.memory.weight_bytes_per_rank + base.memory.kv_cache_bytes_per_rank + RANK_PROCESS_BYTES
     ram = math.ceil((without_scratch + base.memory.packing_scratch_bytes_per_rank // 2) / (1 - RESERVE_FRACTION))
     host = InstanceType(name="cpu", family="cpu", physical_cores=2, memory_bytes=ram)
     p = plan(SMOLLM2, instance=host, tp=1, dtype="float32", seq_len=256)
@@ -591,3 +593,45 @@ def test_a_seq_len_past_the_models_positions_is_refused_as_every_launch_refuses_
         f"would be held and never used; lower seq_len (--seq-len) to {SMOLLM2.max_position_embeddings} or less")
     assert plan(SMOLLM2, instance="cpu", tp=1, seq_len=SMOLLM2.max_position_embeddings).valid
     assert plan(SMOLLM2, instance="cpu", seq_len=SMOLLM2.max_position_embeddings + 1).tp_degree == 1  # auto: as before
+
+
+# ---- node counts as the way out, trn2's TP 64 at LNC 1 ------------------------------------------
+def test_an_explicit_tp_with_no_degree_at_this_node_count_names_the_node_counts_that_work():
+    """`--nodes 3 --tp 48` for a 64-head model on trn1, and `--nodes 2 --tp 4` for SmolLM2 on
+    inf2.xlarge, said "degrees that work ...: none" and nothing else; the node counts were named
+    only for --tp auto or insufficient memory."""
+    import re
+
+    for cfg, instance, nodes, tp in ((QWEN_72B, "trn1.32xlarge", 3, 48), (SMOLLM2, "inf2.xlarge", 2, 4)):
+        p = plan(cfg, instance=instance, nodes=nodes, tp=tp)
+        assert not p.valid and p.valid_tp_degrees == (), (instance, p.error_codes)
+        for issue in p.errors:
+            if ": none" not in issue.message:
+                continue
+            offered = re.findall(r"(?:more|fewer) nodes: --nodes (\d+) fits at tp ([\d, ]+)", issue.message)
+            assert offered, issue.message
+            for other_nodes, degrees in offered:  # every degree named passes at the node count named
+                for degree in degrees.split(", "):
+                    assert plan(cfg, instance=instance, nodes=int(other_nodes), tp=int(degree)).valid, (
+                        issue.message, other_nodes, degree)
+    text = message(plan(SMOLLM2, instance="inf2.xlarge", nodes=2, tp=4), "unsupported_tp_degree")
+    assert "fewer nodes: --nodes 1 fits at tp 1" in text, text
+    # where a degree works at this node count, the message names it and no node count
+    assert "--nodes" not in message(plan(QWEN_72B, instance="trn1.32xlarge", tp=6), "heads_not_divisible")
+
+
+def test_trn2_refuses_tp_64_at_lnc_1_naming_lnc_2():
+    """neuronx-distributed builds a 64-rank world at LNC 1 on trn2 as two TP groups of 32, so a
+    64-way sharded model would not match its groups; LNC 1 listed TP 64 as supported."""
+    for nodes in (1, 2):
+        p = plan(LLAMA_70B, instance="trn2.48xlarge", tp=64, lnc=1, nodes=nodes, seq_len=1024)
+        assert "unsupported_tp_degree" in codes(p), (nodes, p.error_codes)
+        text = message(p, "unsupported_tp_degree")
+        assert "two TP groups of 32" in text and "use --lnc 2" in text and "or tp 32" in text, text
+        assert 64 not in p.valid_tp_degrees
+        assert plan(LLAMA_70B, instance="trn2.48xlarge", tp=64, lnc=2, nodes=nodes, seq_len=1024).valid
+    assert plan(LLAMA_70B, instance="trn2.48xlarge", tp=32, lnc=1, seq_len=1024).valid
+    # TP 128 at LNC 1 (64 ranks on each of 2 nodes, or 128 on one) is not the 64-rank world
+    assert plan(LLAMA_405B, instance="trn2.48xlarge", tp=128, lnc=1, nodes=2, seq_len=1024).valid
+    # auto at LNC 1 never picks 64: a model that needs more than 32 ranks' memory gets 128
+    assert plan(LLAMA_405B, instance="trn2.48xlarge", lnc=1, seq_len=1024).tp_degree == 128
