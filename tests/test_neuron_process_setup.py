@@ -3,12 +3,14 @@
 No Neuron device or SDK exists here. Two ranks run as processes of their own, each importing
 stand-ins for torch-neuronx, torch-xla and neuronx-distributed written from the public sources'
 behaviour: importing torch-neuronx sets the process up from the environment there and then (it
-imports torch-xla), and under torchrun (TORCHELASTIC_RUN_ID) it keeps the LOCAL_RANK-th core of
-NEURON_RT_VISIBLE_CORES, refusing a list whose length is not LOCAL_WORLD_SIZE. The "xla" process
-group is gloo under that name, so the ranks' collective is real. Checked: the torchrun variables,
-the node's cores and one root communicator address are in the environment before the SDK is
-imported, the LNC too, and initialize_model_parallel gets the LNC and a group of both ranks.
-Whether the real SDK accepts it is unverified.
+imports torch-xla). As newer torch-neuronx releases' Initializer does, it copies RANK and LOCAL_RANK
+into NEURON_PJRT_PROCESS_INDEX and PJRT_LOCAL_PROCESS_RANK whatever the launcher, and only under
+torchrun (TORCHELASTIC_RUN_ID set) fills in the world sizes and sets NEURON_RT_VISIBLE_CORES to
+LOCAL_RANK, dropping the core Ray gave the rank. The "xla" process group is gloo under that name, so
+the ranks' collective is real. Checked: after the stand-in's set-up each rank still has Ray's core
+and the PJRT variables describe the group, one root communicator address serves the group, the LNC
+is set, and initialize_model_parallel gets the LNC and a group of both ranks. Whether the real SDK
+accepts it is unverified.
 """
 
 from __future__ import annotations
@@ -27,22 +29,24 @@ from workers.backends.base import RendezvousInfo
 
 REPO = Path(__file__).resolve().parents[1]
 
+PJRT_KEYS = ("NEURON_PJRT_PROCESS_INDEX", "NEURON_PJRT_WORLD_SIZE", "PJRT_LOCAL_PROCESS_RANK",
+             "PJRT_LOCAL_PROCESS_COUNT")
+
 STAND_INS = {
     "torch_neuronx/__init__.py": """
         import json, os
         import torch_xla  # as the real package does: the process is set up at import
-        keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
-                "TORCHELASTIC_RUN_ID", "NEURON_RT_VISIBLE_CORES", "NEURON_RT_ROOT_COMM_ID", "NEURON_LOGICAL_NC_CONFIG")
-        seen = {k: os.environ.get(k) for k in keys}
-        if os.environ.get("TORCHELASTIC_RUN_ID"):  # torchrun: keep this rank's core of the node's
-            cores = [c for c in os.environ.get("NEURON_RT_VISIBLE_CORES", "").split(",") if c]
-            local_world = int(os.environ["LOCAL_WORLD_SIZE"])
-            if not (len(cores) <= 1 and local_world == 1):
-                if len(cores) != local_world:
-                    raise ValueError(f"LOCAL_WORLD_SIZE {local_world} is not equal to count {len(cores)} "
-                                     f"from NEURON_RT_VISIBLE_CORES {cores}")
-                os.environ["NEURON_RT_VISIBLE_CORES"] = cores[int(os.environ["LOCAL_RANK"])]
-        seen["kept_core"] = os.environ.get("NEURON_RT_VISIBLE_CORES")
+        os.environ["NEURON_PJRT_PROCESS_INDEX"] = os.environ.get("RANK", "0")
+        os.environ["PJRT_LOCAL_PROCESS_RANK"] = os.environ.get("LOCAL_RANK", "0")
+        if os.environ.get("TORCHELASTIC_RUN_ID") is not None:  # torchrun's set-up
+            if "NEURON_PJRT_PROCESSES_NUM_DEVICES" not in os.environ and "NEURON_PJRT_WORLD_SIZE" not in os.environ:
+                os.environ["NEURON_PJRT_WORLD_SIZE"] = os.environ.get("WORLD_SIZE", "1")
+                os.environ["PJRT_LOCAL_PROCESS_COUNT"] = os.environ.get("LOCAL_WORLD_SIZE", "1")
+            os.environ["NEURON_RT_VISIBLE_CORES"] = os.environ.get("LOCAL_RANK", "0")
+        keys = ("TORCHELASTIC_RUN_ID", "NEURON_PJRT_PROCESSES_NUM_DEVICES", "NEURON_RT_VISIBLE_CORES",
+                "NEURON_RT_ROOT_COMM_ID", "NEURON_LOGICAL_NC_CONFIG", "NEURON_PJRT_PROCESS_INDEX",
+                "NEURON_PJRT_WORLD_SIZE", "PJRT_LOCAL_PROCESS_RANK", "PJRT_LOCAL_PROCESS_COUNT")
+        seen = {k: os.environ.get(k) for k in keys}  # what the PJRT client would read
         with open(os.path.join(os.environ["STAND_IN_RECORD"], f"import-{os.environ.get('RANK')}.json"), "w") as f:
             json.dump(seen, f)
     """,
@@ -74,10 +78,12 @@ RANK = textwrap.dedent("""
     from workers.backends.base import RendezvousInfo
     from workers.backends.neuron import NeuronBackend
     rank, port = int(sys.argv[1]), int(sys.argv[2])
-    os.environ["NEURON_RT_VISIBLE_CORES"] = str(10 + rank)  # what Ray gives each rank's actor: its own core
+    # what Ray gives each rank's actor: its own core; 12 and 13, as for a node's second 2-rank replica
+    os.environ["NEURON_RT_VISIBLE_CORES"] = str(12 + rank)
     backend = NeuronBackend(lnc=2)
     backend.setup_process(rank, 2, threads=1)
     backend.init_process_group(RendezvousInfo("127.0.0.1", port), rank, 2, timeout_s=60.0, node_groups=[[0, 1]])
+    assert backend.ranks_on_this_node == 2, backend.ranks_on_this_node  # they share the node's CPUs to compile
     backend.shutdown()
 """)
 
@@ -90,8 +96,10 @@ def test_two_ranks_are_described_to_the_sdk_before_it_loads(tmp_path):
     for name, text in STAND_INS.items():
         (sdk / name).parent.mkdir(parents=True, exist_ok=True)
         (sdk / name).write_text(textwrap.dedent(text))
-    env = {**os.environ, "PYTHONPATH": f"{sdk}{os.pathsep}{REPO}", "STAND_IN_RECORD": str(record)}
-    for name in ("NEURON_LOGICAL_NC_CONFIG", "NEURON_RT_ROOT_COMM_ID", "TORCHELASTIC_RUN_ID", "RANK", "LOCAL_RANK"):
+    env = {**os.environ, "PYTHONPATH": f"{sdk}{os.pathsep}{REPO}", "STAND_IN_RECORD": str(record),
+           # inherited from a shell or a node started under torchrun: must not reach the SDK
+           "TORCHELASTIC_RUN_ID": "stale", "NEURON_PJRT_PROCESSES_NUM_DEVICES": "1,1,1,1"}
+    for name in ("NEURON_LOGICAL_NC_CONFIG", "NEURON_RT_ROOT_COMM_ID", "RANK", "LOCAL_RANK", *PJRT_KEYS):
         env.pop(name, None)
     port = free_port_for_a_late_bind()  # rank 0 binds it once its interpreter has started
     ranks = [subprocess.Popen([sys.executable, "-c", RANK, str(r), str(port)], cwd=REPO, env=env,
@@ -101,9 +109,9 @@ def test_two_ranks_are_described_to_the_sdk_before_it_loads(tmp_path):
         assert proc.returncode == 0, err[-3000:]
     imports = [json.loads((record / f"import-{r}.json").read_text()) for r in (0, 1)]
     for r, seen in enumerate(imports):
-        assert (seen["RANK"], seen["WORLD_SIZE"], seen["LOCAL_RANK"], seen["LOCAL_WORLD_SIZE"]) == (str(r), "2", str(r), "2")
-        assert seen["MASTER_ADDR"] == "127.0.0.1" and seen["MASTER_PORT"] == str(port) and seen["TORCHELASTIC_RUN_ID"]
-        assert seen["NEURON_RT_VISIBLE_CORES"] == "10,11" and seen["kept_core"] == str(10 + r)  # its own, by remap
+        assert seen["NEURON_RT_VISIBLE_CORES"] == str(12 + r)  # Ray's core, not LOCAL_RANK's
+        assert seen["TORCHELASTIC_RUN_ID"] is None and seen["NEURON_PJRT_PROCESSES_NUM_DEVICES"] is None
+        assert [seen[k] for k in PJRT_KEYS] == [str(r), "2", str(r), "2"]
         assert seen["NEURON_LOGICAL_NC_CONFIG"] == "2"
     assert imports[0]["NEURON_RT_ROOT_COMM_ID"] == imports[1]["NEURON_RT_ROOT_COMM_ID"]  # one per group
     assert imports[0]["NEURON_RT_ROOT_COMM_ID"].startswith("127.0.0.1:")
@@ -111,13 +119,13 @@ def test_two_ranks_are_described_to_the_sdk_before_it_loads(tmp_path):
         assert json.loads((record / f"parallel-{r}.json").read_text()) == {"tp": 2, "lnc_size": 2, "sum": 2.0}
 
 
-def test_torchrun_variables_describe_the_rank_within_its_nodes():
-    env = neuron.torchrun_environment(2, 4, [[0, 1], [2, 3]], RendezvousInfo("10.0.0.5", 29500))
+def test_pjrt_variables_describe_the_rank_within_its_nodes():
+    env = neuron.pjrt_environment(2, 4, [[0, 1], [2, 3]], RendezvousInfo("10.0.0.5", 29500))
     assert env == {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
                    "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "29500",
-                   "TORCHELASTIC_RUN_ID": "corelaunch-10.0.0.5-29500"}
-    assert neuron.torchrun_environment(0, 4, [[0, 1], [2, 3]], RendezvousInfo("10.0.0.5", 29500))[
-        "TORCHELASTIC_RUN_ID"] == env["TORCHELASTIC_RUN_ID"]  # one run id for the whole group
+                   "NEURON_PJRT_PROCESS_INDEX": "2", "NEURON_PJRT_WORLD_SIZE": "4",
+                   "PJRT_LOCAL_PROCESS_RANK": "0", "PJRT_LOCAL_PROCESS_COUNT": "2"}
+    assert "TORCHELASTIC_RUN_ID" not in env  # torchrun's set-up would replace Ray's core with LOCAL_RANK
 
 
 def test_lnc_2_needs_a_neuronx_distributed_that_takes_lnc_size():

@@ -22,10 +22,19 @@ The design differs from the CPU path (workers/compiled.py) where the device forc
   and holds only this rank's weights.
 Compiled graphs are saved with NxDModel.save into the compile cache directory (a compiled-model
 directory's cache/neuron-rank-N.pt) and loaded from there by later processes instead of compiling.
+- every rank of a node compiles at once, each with up to ModelBuilder.compile's max_workers
+  neuronx-cc jobs: left at None that is ThreadPoolExecutor's default, min(32, CPUs + 4), per rank,
+  so a 32-rank node ran about a thousand compiler jobs on its CPUs. Each rank gets its share of the
+  node's CPUs instead (compile_workers);
+- a call names the graph it runs (NxDModel.forward's model_name, the bucket's trace tag) where the
+  loaded model takes it, rather than leaving the choice to matching shapes, which the API reference
+  says must be named when ambiguous.
 """
 
 from __future__ import annotations
 
+import inspect
+import os
 import tempfile
 from pathlib import Path
 
@@ -44,6 +53,30 @@ kept, with --lnc added (compiler_args)."""
 
 def compiler_args(lnc: int) -> str:
     return f"{COMPILER_ARGS} --lnc={lnc}"
+
+
+def compile_workers(node_cpus: int | None, ranks_on_node: int) -> int:
+    """neuronx-cc jobs one rank runs at once: its share of the node's CPUs, at least one (every rank
+    on the node compiles at the same time). node_cpus None: unknown (os.cpu_count()), one job."""
+    return max(1, (node_cpus or 1) // max(1, ranks_on_node))
+
+
+def bucket_tag(phase: str, batch: int, length: int) -> str:
+    """The name a bucket's graph is traced under and called by."""
+    return f"{phase}-b{batch}-l{length}"
+
+
+def takes_keyword(function, name: str) -> bool:
+    """Whether `function` accepts keyword `name` (by name or through **kwargs). False for None or a
+    callable without a readable signature: NxDModel.load documents falling back to a TorchScript
+    module when it cannot restore an NxDModel, whose forward takes only the traced inputs."""
+    if function is None:
+        return False
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 class NeuronStep(nn.Module):
@@ -100,7 +133,7 @@ class NeuronCompiledModel:
     """Drop-in for ShardedCausalLM in workers.engine.generate on a Neuron device (UNVERIFIED)."""
 
     def __init__(self, model: ShardedCausalLM, buckets: Buckets, rank: int, world_size: int,
-                 cache_dir: str | None, import_module, lnc: int = 1) -> None:
+                 cache_dir: str | None, import_module, lnc: int = 1, ranks_on_node: int = 1) -> None:
         self.model, self.buckets = model, buckets
         self.config, self.collectives, self.dtype = model.config, model.collectives, model.dtype
         self._graphs: list[tuple[str, int, int]] = list(buckets.shapes())
@@ -120,12 +153,17 @@ class NeuronCompiledModel:
         if not saved.is_file():
             builder = nxd.ModelBuilder(step)
             for phase, batch, length in buckets.shapes():
-                builder.trace(args=self._example(phase, batch, length), tag=f"{phase}-b{batch}-l{length}")
+                builder.trace(args=self._example(phase, batch, length), tag=bucket_tag(phase, batch, length))
             self._built = True
-            builder.compile(compiler_workdir=str(workdir / "neuronx-cc"),
-                            compiler_args=compiler_args(lnc)).save(str(saved))
+            # max_workers where the installed ModelBuilder takes it (documented for the V2 API)
+            workers = ({"max_workers": compile_workers(os.cpu_count(), ranks_on_node)}
+                       if takes_keyword(builder.compile, "max_workers") else {})
+            builder.compile(compiler_workdir=str(workdir / "neuronx-cc"), compiler_args=compiler_args(lnc),
+                            **workers).save(str(saved))
         # Loaded back as this rank alone: one process drives one rank (and holds its weights only).
         self._nxd = nxd.NxDModel.load(str(saved), start_rank=rank, local_ranks_size=1)
+        self._names_graphs = takes_keyword(getattr(self._nxd, "forward", None), "model_name")
+        """Whether calls name their bucket's graph (model_name); else NxDModel routes by shape."""
         weights = {name: tensor for name, tensor in step.state_dict().items() if "_cache_" not in name}
         self._nxd.set_weights([weights])
         self._nxd.to_neuron()
@@ -145,9 +183,13 @@ class NeuronCompiledModel:
             attention_mask = torch.ones(batch, cache.max_seq_len, dtype=torch.bool)
         if logit_index is None:
             logit_index = torch.tensor([seq - 1])
-        if seq > 1:  # route by shape: a prefill graph is keyed by its context bucket alone
+        if seq > 1:  # a prefill graph is keyed by its context bucket alone
             attention_mask = attention_mask[:, :seq]
-        return self._nxd(input_ids, position_ids, attention_mask, cache_positions, logit_index)
+        inputs = (input_ids, position_ids, attention_mask, cache_positions, logit_index)
+        if not self._names_graphs:
+            return self._nxd(*inputs)
+        phase, length = ("context", seq) if seq > 1 else ("token", attention_mask.shape[1])
+        return self._nxd(*inputs, model_name=bucket_tag(phase, batch, length))
 
     forward = __call__
 

@@ -3,7 +3,8 @@
 Layout:
   manifest.json   what the directory was built for and with: model config hash, TP plan (degree, KV
                   strategy, LNC), dtype, backend, buckets, library versions (torch, transformers,
-                  corelaunch), and each graph's compile time
+                  corelaunch), each graph's compile time, and for Neuron the instance family
+                  (inf2, trn1, trn2) the graphs were compiled for
   model/          config.json, generation config and tokenizer files: the directory is self-contained
   weights/        every rank's pre-sharded weights (shardlib.presharded's format, its own manifest)
   cache/          the backend's persisted compiled graphs (CPU: inductor's cache directory)
@@ -83,19 +84,20 @@ _FIELDS = {"format_version": int, "config_hash": str, "tp_degree": int, "kv_stra
            "backend": str, "buckets": dict, "versions": dict, "granularity": (str, type(None)), "source": str,
            "model_type": str, "graphs": list, "compile_s": float, "sequence_parallel": bool,
            "kv_cache_dtype": (str, type(None)), "lnc": int, "pad_q_heads": bool, "moe_sharding": (str, type(None)),
-           "max_num_seqs": int, "max_prefill_tokens": int, "fused_projections": bool}
+           "max_num_seqs": int, "max_prefill_tokens": int, "fused_projections": bool, "instance_family": str}
 
 
 def _choices() -> dict[str, tuple]:
     """The values `corelaunch compile` writes for the manifest's settings."""
     from shardlib.expert_sharding import MOE_SHARDINGS
+    from shardlib.instances import NEURON_FAMILIES
     from shardlib.planner import KV_STRATEGIES
     from workers.backends import backend_names
     from workers.granularities import GRANULARITIES
 
     return {"kv_strategy": KV_STRATEGIES, "dtype": ("float32", "bfloat16", "float16"), "backend": backend_names(),
             "granularity": (*GRANULARITIES, None), "moe_sharding": (*MOE_SHARDINGS, None), "lnc": (1, 2),
-            "kv_cache_dtype": ("f8e4m3", None)}
+            "kv_cache_dtype": ("f8e4m3", None), "instance_family": NEURON_FAMILIES}
 
 
 def read_manifest(root: str | Path, shown: str | Path | None = None) -> dict[str, Any]:
@@ -149,6 +151,39 @@ def pads_q_heads_at(model: str | Path, tp_degree: int) -> bool:
         return load_model_config(model).num_attention_heads % tp_degree != 0
     except (OSError, ValueError):
         return True
+
+
+def instance_family_field(backend: str, instance: str) -> dict[str, str]:
+    """The manifest's record of the instance family a Neuron compile was for: {"instance_family":
+    "inf2" | "trn1" | "trn2"}, from the planned --instance; nothing for other backends. neuronx-cc
+    builds for one platform (NxD compiles for the host's), and a NEFF built for one family does not
+    run on another; the rank compiles on a host of the family --instance names (the planner sized the
+    cores for it), which this records."""
+    if backend != "neuron":
+        return {}
+    from shardlib.instances import get_instance
+
+    return {"instance_family": get_instance(instance).family}
+
+
+def refuse_another_instance_family(root: Path, manifest: dict[str, Any], instance: str | None) -> None:
+    """ValueError when a Neuron directory's graphs were compiled for another instance family than
+    the launch's --instance (graphs built for trn1 cannot run on trn2 or inf2, nor the reverse).
+    Nothing to compare for a launch without --instance (the neuron backend refuses that itself), a
+    directory of another backend, or one compiled before the family was recorded: such old
+    manifests stay loadable, unchecked, as they were."""
+    compiled_for = manifest.get("instance_family")
+    if compiled_for is None or instance is None:
+        return
+    from shardlib.instances import get_instance
+
+    launch_family = get_instance(instance).family
+    if launch_family != compiled_for:
+        raise ValueError(f"compiled-model directory {root} holds Neuron graphs compiled for {compiled_for} "
+                         f"(--instance {manifest.get('instance', compiled_for)}), which cannot run on {launch_family}; "
+                         f"this launch is for --instance {instance}. Compile again on a {launch_family} instance "
+                         f"(`corelaunch compile --backend neuron --instance {instance} --out DIR ...`), or launch on "
+                         f"a {compiled_for} instance")
 
 
 def _refuse_another_kind(root: Path, shown: Path) -> None:
@@ -256,6 +291,7 @@ def apply_compiled_dir(config):
         raise ValueError(f"compiled-model directory {root} was left half-written by a `corelaunch compile` that "
                          f"did not finish (its writer is gone and no --out links to it); compile again, then "
                          f"give the --out path")
+    refuse_another_instance_family(root, manifest, config.instance)
     if not (model_dir(pinned) / "config.json").is_file():  # told to pass a model directory as --model
         raise ValueError(f"compiled-model directory {root} is incomplete: it has no {model_dir(root)}/config.json; "
                          f"copy the whole directory again (cp -rL), or re-run `corelaunch compile --out {root}`")

@@ -156,6 +156,8 @@ def compile_model(args: argparse.Namespace) -> dict:
             "pad_q_heads": layout.pad_q_heads, "sequence_parallel": config.sequence_parallel,
             "kv_cache_dtype": config.kv_cache_dtype, "lnc": plan.lnc,
             "instance": planned.instance, "backend": planned.backend, "dtype": plan.dtype,
+            # a Neuron graph runs only on the instance family it was compiled for: checked at load
+            **compiled_dir.instance_family_field(planned.backend, planned.instance),
             "buckets": buckets.to_dict(),
             "granularity": granularity,
             "versions": library_versions(), "graphs": [], "max_num_seqs": config.max_num_seqs,

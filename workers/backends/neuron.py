@@ -7,15 +7,17 @@ What it does on a Neuron host:
   `NEURON_RT_VISIBLE_CORES` for each actor from its `neuron_cores` bundle (one logical core).
 - `init_process_group` opens the group's TCPStore at the rendezvous and, before importing anything
   of the SDK (importing torch-neuronx sets the process up from the environment), describes the
-  group the way torchrun does: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK,
-  MASTER_ADDR/PORT and TORCHELASTIC_RUN_ID (what its multi-process set-up reads, and what Ray
-  Train's XLA backend sets; without them every rank takes itself for the only process and a
-  collective reduces over one), NEURON_RT_VISIBLE_CORES as every core of the rank's node in
-  local-rank order (torch-neuronx keeps the LOCAL_RANK-th, and refuses a list of another length),
-  and a root communicator address of the group's own (NEURON_RT_ROOT_COMM_ID: a port rank 0 picks;
-  the default is one fixed port per host for every group). Then it imports the SDK (a clear error
-  where it is missing or the PyPI placeholder), joins torch.distributed over XLA through that
-  store and initialises neuronx-distributed's tensor-parallel state with the TP degree and the LNC.
+  group to torch-neuronx's PJRT client directly: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+  MASTER_ADDR/PORT, NEURON_PJRT_PROCESS_INDEX (the rank), NEURON_PJRT_WORLD_SIZE (one device per
+  process), PJRT_LOCAL_PROCESS_RANK/COUNT (without them every rank takes itself for the only process
+  and a collective reduces over one). It does NOT pose as torchrun (no TORCHELASTIC_RUN_ID): under
+  torchrun, newer torch-neuronx sets NEURON_RT_VISIBLE_CORES to LOCAL_RANK, throwing away the core
+  Ray gave the rank, so two groups on one node would take the same cores. Off torchrun it leaves
+  NEURON_RT_VISIBLE_CORES alone, so each rank keeps Ray's. A root communicator address of the
+  group's own (NEURON_RT_ROOT_COMM_ID: a port rank 0 picks; the default is one fixed port per host
+  for every group). Then it imports the SDK (a clear error where it is missing or the PyPI
+  placeholder), joins torch.distributed over XLA through that store and initialises
+  neuronx-distributed's tensor-parallel state with the TP degree and the LNC.
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ class NeuronBackend(Backend):
 
     def __init__(self, lnc: int = 1) -> None:
         self.lnc = lnc
+        self.ranks_on_this_node = 1
+        """The group's ranks on this rank's node (set by init_process_group): they compile at once
+        and share the node's CPUs (workers/compiled_neuron.py's compile_workers)."""
 
     def setup_process(self, rank: int, world_size: int, threads: int) -> None:
         runtime_lnc = os.environ.get("NEURON_LOGICAL_NC_CONFIG")
@@ -73,17 +78,19 @@ class NeuronBackend(Backend):
         import torch.distributed as dist
 
         groups = node_groups or [list(range(world_size))]
+        self.ranks_on_this_node = len(next(ranks for ranks in groups if rank in ranks))
         # The group's own store, before any SDK import: through it the ranks learn the root
-        # communicator's address and their node peers' cores, which the environment must hold
-        # when torch-neuronx sets the process up. The XLA process group then joins through it.
+        # communicator's address, which the environment must hold when torch-neuronx sets the
+        # process up. The XLA process group then joins through it.
         store = rendezvous_store(rendezvous, rank, world_size, timeout_s)  # on rendezvous.host only
         # The launcher's rendezvous wins over anything inherited from the environment: a stale
         # MASTER_ADDR would send the ranks to different places and they would wait until the timeout.
-        os.environ.update(torchrun_environment(rank, world_size, groups, rendezvous))
+        for name in INHERITED_VARIABLES_TO_DROP:
+            os.environ.pop(name, None)
+        os.environ.update(pjrt_environment(rank, world_size, groups, rendezvous))
         os.environ["NEURON_RT_ROOT_COMM_ID"] = shared_root_comm_id(store, rank, rendezvous.host)
-        node_cores = shared_node_cores(store, rank, groups)
-        if node_cores is not None:
-            os.environ["NEURON_RT_VISIBLE_CORES"] = node_cores
+        # NEURON_RT_VISIBLE_CORES stays as Ray set it from the actor's neuron_cores bundle: this
+        # rank's own core, which off torchrun torch-neuronx does not rewrite.
         import_neuron_module("torch_neuronx")
         import_neuron_module("neuronx_distributed")
         import_neuron_module("torch_xla")
@@ -98,8 +105,8 @@ class NeuronBackend(Backend):
 
     @property
     def device(self) -> torch.device:
-        xla_model = import_neuron_module("torch_xla.core.xla_model")
-        return xla_model.xla_device()
+        # torch_xla.device(): the documented way since torch-xla 2.x (xm.xla_device is the older one)
+        return import_neuron_module("torch_xla").device()
 
     def prepare_model(self, model: torch.nn.Module, compile: CompileOptions | None = None):
         """Eager: the model on the XLA device, run lazily by torch-xla. Compiled: one Neuron graph per
@@ -116,24 +123,37 @@ class NeuronBackend(Backend):
         from workers.compiled_neuron import NeuronCompiledModel
 
         return NeuronCompiledModel(model, compile.buckets, model.rank, model.layout.tp_degree,
-                                   compile.cache_dir, import_neuron_module, lnc=self.lnc)
+                                   compile.cache_dir, import_neuron_module, lnc=self.lnc,
+                                   ranks_on_node=self.ranks_on_this_node)
 
     def shutdown(self) -> None:
         leave_torch_distributed()
 
 
-def torchrun_environment(rank: int, world_size: int, node_groups: list[list[int]],
-                         rendezvous: RendezvousInfo) -> dict[str, str]:
-    """The variables torchrun gives each process, for this rank of the group: torch-neuronx's
-    multi-process set-up reads them (the run id is what makes it treat the world as several
-    processes). node_groups: the group's ranks on each node, in rank order."""
+INHERITED_VARIABLES_TO_DROP = ("TORCHELASTIC_RUN_ID", "NEURON_PJRT_PROCESSES_NUM_DEVICES")
+"""Variables a worker could inherit (a Ray node started under torchrun, a user's shell) that would
+override the group's description: TORCHELASTIC_RUN_ID switches torch-neuronx to its torchrun set-up
+(which rewrites NEURON_RT_VISIBLE_CORES to LOCAL_RANK), and NEURON_PJRT_PROCESSES_NUM_DEVICES
+describes a world of its own (torch-neuronx takes it or NEURON_PJRT_WORLD_SIZE as the world's
+description; which the runtime prefers when both are set is not documented)."""
+
+
+def pjrt_environment(rank: int, world_size: int, node_groups: list[list[int]],
+                     rendezvous: RendezvousInfo) -> dict[str, str]:
+    """This rank's place in its group, in the variables torch-neuronx's PJRT client reads: what its
+    torchrun set-up would derive from torchrun's variables, minus the core it would pick
+    (NEURON_RT_VISIBLE_CORES, Ray's). RANK and LOCAL_RANK are kept too: torch-neuronx copies them
+    into NEURON_PJRT_PROCESS_INDEX and PJRT_LOCAL_PROCESS_RANK at import whatever the launcher.
+    node_groups: the group's ranks on each node, in rank order."""
     node = next(i for i, ranks in enumerate(node_groups) if rank in ranks)
     local = node_groups[node]
+    local_rank, local_world = str(local.index(rank)), str(len(local))
     return {"RANK": str(rank), "WORLD_SIZE": str(world_size),
-            "LOCAL_RANK": str(local.index(rank)), "LOCAL_WORLD_SIZE": str(len(local)),
+            "LOCAL_RANK": local_rank, "LOCAL_WORLD_SIZE": local_world,
             "GROUP_RANK": str(node), "GROUP_WORLD_SIZE": str(len(node_groups)),
             "MASTER_ADDR": rendezvous.host, "MASTER_PORT": str(rendezvous.port),
-            "TORCHELASTIC_RUN_ID": f"corelaunch-{rendezvous.host}-{rendezvous.port}"}  # the same on every rank
+            "NEURON_PJRT_PROCESS_INDEX": str(rank), "NEURON_PJRT_WORLD_SIZE": str(world_size),
+            "PJRT_LOCAL_PROCESS_RANK": local_rank, "PJRT_LOCAL_PROCESS_COUNT": local_world}
 
 
 _ROOT_COMM_KEY = "corelaunch/neuron_root_comm_id"
@@ -150,23 +170,6 @@ def shared_root_comm_id(store, rank: int, host: str) -> str:
         address = f"[{host}]" if ":" in host and not host.startswith("[") else host
         store.set(_ROOT_COMM_KEY, f"{address}:{free_port_for_a_late_bind(host='')}")
     return store.get(_ROOT_COMM_KEY).decode()
-
-
-def shared_node_cores(store, rank: int, node_groups: list[list[int]]) -> str | None:
-    """NEURON_RT_VISIBLE_CORES for this rank as torchrun would give it: every core of the ranks on
-    its node, in local-rank order (torch-neuronx keeps the LOCAL_RANK-th of them, and refuses a
-    list of another length than LOCAL_WORLD_SIZE). Ray gives each rank's actor its own core only;
-    the ranks swap theirs through the store. None when Ray set none (nothing to remap)."""
-    own = os.environ.get("NEURON_RT_VISIBLE_CORES", "")
-    store.set(f"{_CORES_KEY}/{rank}", own)
-    local = next(ranks for ranks in node_groups if rank in ranks)
-    cores = [store.get(f"{_CORES_KEY}/{r}").decode() for r in local]
-    if not all(cores):
-        return None
-    return ",".join(cores)
-
-
-_CORES_KEY = "corelaunch/neuron_visible_cores"
 
 
 def lnc_options(initialize_model_parallel, lnc: int) -> dict:
