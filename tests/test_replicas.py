@@ -96,8 +96,11 @@ def test_unplaceable_explanations_name_what_is_missing():
     # more nodes per group (--nodes) was offered, which cannot add a CPU
     lost = explain_unplaceable({"CPU": 1}, 2, 2, [{"CPU": 1.0}], node_names=["head"])
     assert "the cluster lacks CPU (it needs 2 in all, the alive nodes have 1)" in lost, lost
-    assert "--nodes" not in lost and lost.endswith("Add nodes with these resources, or lower --tp or --cpus-per-rank "
-                                                   "(each rank's CPUs)")
+    # ... nor a smaller CPU share: the group needs 2 nodes and one is alive (it was offered)
+    assert "--nodes" not in lost and lost.endswith("Add nodes with these resources, or lower --tp"), lost
+    one_node = explain_unplaceable({"CPU": 1}, 2, 2, [{"CPU": 2.0}])
+    assert "only 1 node(s) can hold 1 such bundles, where it needs 2" in one_node, one_node
+    assert "--cpus-per-rank" not in one_node and one_node.endswith("or lower --tp"), one_node
     busy = explain_unplaceable({"CPU": 1}, 1, 1, [{"CPU": 1.0}], [{"CPU": 0.0}], ["n1"])
     assert "other groups or jobs hold" in busy and "free now: n1 {CPU: 0}" in busy
     # a Ray job's entrypoint holding a CPU: the default share never fit, and only --replicas was named

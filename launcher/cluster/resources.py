@@ -247,8 +247,11 @@ def explain_unplaceable(bundle: Mapping[str, float], tp: int, max_nodes: int,
                    f"bundles, where it needs {split} (a group over several nodes takes at most ceil(TP / --nodes) "
                    f"ranks on each)" if shares else
                    f"its {min(max_nodes, len(node_total))} roomiest node(s) hold only {sum(best)} such bundle(s)")
-        # --cpus-per-rank sizes only a cpu rank's bundle (CPU alone); a device bundle is fixed
-        cpus = " or --cpus-per-rank (each rank's CPUs)" if set(bundle) == {"CPU"} else ""
+        # --cpus-per-rank sizes only a cpu rank's bundle (CPU alone); a device bundle is fixed. Named
+        # only where some share fits: where the group needs more nodes than are alive (TP 2 over
+        # --nodes 2 on one node), no share can help.
+        cpus = (" or --cpus-per-rank (each rank's CPUs)"
+                if set(bundle) == {"CPU"} and largest_cpu_share(tp, max_nodes, node_total) is not None else "")
         if not any(bundles_that_fit(t, bundle) for t in node_total):
             # not one rank fits anywhere: more nodes per group, or fewer ranks, cannot help
             way = _no_rank_fits_way(bundle, tp, max_nodes, node_total)

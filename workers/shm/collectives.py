@@ -25,7 +25,7 @@ import torch
 
 from workers.collectives import (Collectives, TorchDistributedCollectives, require_a_dimension, require_contiguous,
                                  sum_in_rank_order_)
-from workers.shm.exchange import NodeExchange
+from workers.shm.exchange import CollectiveTimeout, NodeExchange, timeout_advice
 
 
 def _chunks(numel: int, step: int):
@@ -112,10 +112,11 @@ class HierarchicalCollectives(Collectives):
     chunk_bytes: the slot size, the same on every rank: every node cuts a tensor into the same
         chunks, so the leaders' gloo calls match.
     node_groups: the global ranks on each node, each sorted, the nodes sorted by first rank.
+    timeout_s: the process group's timeout, named in the leaders' errors.
     """
 
     def __init__(self, exchange: NodeExchange | None, leaders, world: TorchDistributedCollectives,
-                 chunk_bytes: int, node_groups: list[list[int]]) -> None:
+                 chunk_bytes: int, node_groups: list[list[int]], timeout_s: float) -> None:
         import torch.distributed as dist
 
         self._x, self._leaders, self._world, self._dist = exchange, leaders, world, dist
@@ -124,6 +125,15 @@ class HierarchicalCollectives(Collectives):
         self._max_local = max(len(g) for g in node_groups)
         # (node, local index) of each global rank, in rank order: where its partial lands
         self._place = sorted((r, node, i) for node, g in enumerate(node_groups) for i, r in enumerate(g))
+        self._timeout_s = timeout_s
+        rank = world.rank
+        others = ", ".join(str(g[0]) for g in node_groups if rank not in g)
+        self._other_leaders = f"rank{'s' if ',' in others else ''} {others}"
+        # Said by a rank whose node leader never broadcast the sum: that leader was the messenger,
+        # stuck in the gloo round below while some other node's rank held its leader back.
+        self._leader_waits_for = (f", this node's leader, which itself waits over gloo for the other nodes' "
+                                  f"leaders ({self._other_leaders}) to send their nodes' partials: the rank "
+                                  f"stuck is most likely on one of those nodes")
 
     @property
     def rank(self) -> int:
@@ -142,7 +152,8 @@ class HierarchicalCollectives(Collectives):
             if self._leaders is not None:
                 self._sum_over_nodes_(part, local)
             if self._x is not None:
-                self._x.broadcast_(part, root=0, total=flat.numel())  # the leader's total to the rest of the node
+                self._x.broadcast_(part, root=0, total=flat.numel(),  # the leader's total to the rest of the node
+                                   root_waits_for=self._leader_waits_for)
         return tensor
 
     def _gather_node(self, part: torch.Tensor, total: int) -> torch.Tensor:
@@ -158,7 +169,14 @@ class HierarchicalCollectives(Collectives):
         block = torch.zeros((self._max_local, part.numel()), dtype=part.dtype)
         block[: local.shape[0]] = local
         blocks = torch.empty((len(self._groups), *block.shape), dtype=part.dtype)
-        self._dist.all_gather(list(blocks.unbind(0)), block, group=self._leaders)
+        try:
+            self._dist.all_gather(list(blocks.unbind(0)), block, group=self._leaders)
+        except RuntimeError as err:  # gloo's own text names neither a rank nor a setting
+            raise CollectiveTimeout(
+                f"node leader rank {self.rank}: the gloo all-gather of every node's partials failed "
+                f"waiting for the other nodes' leaders ({self._other_leaders}): {str(err).strip()}. A rank "
+                f"on one of those nodes is stuck or gone, or its node frozen. "
+                f"{timeout_advice(self._timeout_s)}") from err
         sum_in_rank_order_(part, [blocks[node, i] for _, node, i in self._place])
 
     def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -222,6 +222,15 @@ class CollectiveTimeout(TimeoutError):
     """A peer did not arrive in time (or its process is gone); the group cannot be used again."""
 
 
+def timeout_advice(timeout_s: float) -> str:
+    """What to do about a collective that waited `timeout_s` for a peer (shared memory or gloo)."""
+    return (f"Restart the group. The {timeout_s:g} s is the process group's timeout, which a launched group "
+            f"sets to its --rendezvous-timeout plus 5 s: where a rank is legitimately busy longer than that "
+            f"between two collectives (a long shard read, say), raise --rendezvous-timeout; otherwise a rank "
+            f"is stuck, or its node frozen. To tell the shared-memory path apart "
+            f"from the ranks themselves, run the group with CORELAUNCH_COLLECTIVES=gloo (it waits as long)")
+
+
 class CollectivesClosed(RuntimeError):
     """A collective called on (or still waiting in) an exchange that was closed."""
 
@@ -335,8 +344,11 @@ class NodeExchange:
         finally:
             self._leave()
 
-    def broadcast_(self, flat: torch.Tensor, root: int = 0, total: int | None = None) -> None:
-        """flat <- local rank `root`'s flat."""
+    def broadcast_(self, flat: torch.Tensor, root: int = 0, total: int | None = None,
+                   root_waits_for: str = "") -> None:
+        """flat <- local rank `root`'s flat. root_waits_for: what the root waits on before it posts
+        (", which itself waits for ..."), named if this rank times out: else the message blames a
+        root that is only the messenger of a rank stuck elsewhere."""
         self._enter()
         try:
             if self.local_rank == root:
@@ -346,7 +358,7 @@ class NodeExchange:
                 raise CollectiveTimeout(self._broken)
             self._seq += 1
             slots = self._slots(self._seq & 1, flat.dtype, flat.numel())
-            self._wait(self._seq, self._only[root], signature(flat, BROADCAST, total))
+            self._wait(self._seq, self._only[root], signature(flat, BROADCAST, total), root_waits_for)
             flat.copy_(slots[root])
             self._native.publish(self._my_counter, self._seq, 0)  # "done reading" for the root's next write
         finally:
@@ -412,9 +424,10 @@ class NodeExchange:
             self._views[key] = views
         return views
 
-    def _wait(self, target: int, wanted, sig: int = 0) -> None:
+    def _wait(self, target: int, wanted, sig: int = 0, root_waits_for: str = "") -> None:
         """Until every wanted peer has published step `target`; with `sig` (the step's signature()),
-        also that each posted the same size and dtype."""
+        also that each posted the same size and dtype. root_waits_for: what the awaited peer itself
+        waits on before it can post (a clause for the timeout's message; see broadcast_)."""
         status = self._native.wait(self._counters, self._stride, self.size, wanted, target, self.spin_s,
                                    self.yield_s, self.timeout_s, self._pids, self._missing, sig)
         if status == 0:
@@ -431,15 +444,13 @@ class NodeExchange:
                 f"{describe_signature(sig)} here but {theirs}; the ranks called different collectives and the "
                 f"group cannot continue. Restart the group, and report this as a corelaunch bug")
             raise CollectiveTimeout(self._broken)
+        here = f"shared-memory collective on rank {self.global_ranks[self.local_rank]}"
         if status == 1:
-            reason = f"waited {self.timeout_s:.0f} s for {who} to reach step {target}"
+            self._broken = (f"{here}: waited {self.timeout_s:g} s for {who} to reach step {target}"
+                            f"{root_waits_for}; the group cannot continue. {timeout_advice(self.timeout_s)}")
         else:
-            reason = f"the process of {who} exited before reaching step {target}"
-        self._broken = (
-            f"shared-memory collective on rank {self.global_ranks[self.local_rank]}: {reason}; the "
-            f"group cannot continue (a peer is stuck or died). Restart the group; to rule out the "
-            f"shared-memory path set CORELAUNCH_COLLECTIVES=gloo"
-        )
+            self._broken = (f"{here}: the process of {who} exited before reaching step {target}; the group "
+                            f"cannot continue. Restart the group; that rank's own log says why it exited")
         raise CollectiveTimeout(self._broken)
 
 

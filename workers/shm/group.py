@@ -12,11 +12,13 @@ rank never leaves the others waiting.
 
 Segments are named /dev/shm/corelaunch-<id>-node<i>, where <id> is drawn by rank 0 and broadcast
 over gloo, so concurrent groups never collide. Each node's leader (its lowest rank) creates the
-segment, every local rank attaches, and the leader unlinks the name as soon as all have attached:
-from then on nothing is left in /dev/shm, whatever happens to the processes (the memory is freed
-when the last rank unmaps it, at close() or exit). The leader creates its segment only once every
-rank has loaded the C helpers (a build on a cold cache: seconds), so only a leader killed within the
-few milliseconds from creating to unlinking could leave its segment behind; the next leader to
+segment, every local rank attaches, and the leader unlinks the name as soon as all have attached
+(seen in the pid each writes into the segment, not after the world-wide round that follows, which a
+rank on another node may reach late): from then on nothing is left in /dev/shm, whatever happens to
+the processes (the memory is freed when the last rank unmaps it, at close() or exit). The leader
+creates its segment only once every rank has loaded the C helpers (a build on a cold cache:
+seconds), so only a leader killed between creating and unlinking (the one world-wide round of step
+2 between them, milliseconds of work on every rank) could leave its segment behind; the next leader to
 create one removes such orphans (no process holds the shared flock their creator kept on them until
 it unlinked them).
 
@@ -31,6 +33,7 @@ import datetime
 import logging
 import os
 import socket
+import threading
 import uuid
 
 import torch.distributed as dist
@@ -158,7 +161,9 @@ def _build(rank: int, world_size: int, groups: list[list[int]], timeout_s: float
         except Exception as err:  # noqa: BLE001 - reported to every rank, then a fallback
             error = f"{type(err).__name__}: {err}"
         _agree(error, world_size)
-        # Step 3: the others attach; then the leader removes the name (memory stays mapped).
+        # Step 3: the others attach; the leader removes the name once they all have (memory stays
+        # mapped), on a thread, not after the world-wide round below: a rank on another node slow to
+        # reach that round kept the name, left in /dev/shm if the leader was killed meanwhile.
         error = None
         try:
             if shared and local_rank > 0:
@@ -169,7 +174,12 @@ def _build(rank: int, world_size: int, groups: list[list[int]], timeout_s: float
         if segment is not None:
             exchange = NodeExchange(segment, local_rank, local, native, timeout_s,
                                     spin_s=SPIN_S, yield_s=YIELD_S)
-        _agree(error, world_size)  # also orders every pid write before the reads below
+        unlinker = _UnlinkOnceAttached(segment) if segment is not None and local_rank == 0 else None
+        try:
+            _agree(error, world_size)  # also orders every pid write before the reads below
+        finally:
+            if unlinker is not None:
+                unlinker.stop()
     except BaseException:
         if segment is not None:
             if local_rank == 0:
@@ -178,7 +188,7 @@ def _build(rank: int, world_size: int, groups: list[list[int]], timeout_s: float
         raise
     finally:
         if segment is not None and local_rank == 0:
-            segment.unlink()
+            segment.unlink()  # a local rank that failed to attach never wrote its pid
     if exchange is not None:
         exchange.read_peer_pids()
     if len(groups) == 1:
@@ -188,7 +198,39 @@ def _build(rank: int, world_size: int, groups: list[list[int]], timeout_s: float
     # default group's, so a frozen node held the leaders' collectives (and an idle replica's health) that long
     leader_group = dist.new_group(ranks=leaders, timeout=datetime.timedelta(seconds=timeout_s))
     return HierarchicalCollectives(exchange, leader_group if rank in leaders else None, gloo,
-                                   chunk_bytes=layout.slot_bytes, node_groups=groups)
+                                   chunk_bytes=layout.slot_bytes, node_groups=groups, timeout_s=timeout_s)
+
+
+class _UnlinkOnceAttached:
+    """On the leader: unlinks `segment`'s name as soon as every local rank has attached (each writes
+    its pid into its block when it does, NodeExchange.__init__), while the leader itself waits in
+    the world-wide round. A thread, because a local rank that failed to attach writes nothing: only
+    that round tells the leader so, and stop() (after it) ends the watch; the caller then unlinks."""
+
+    POLL_S = 1e-3
+
+    def __init__(self, segment) -> None:
+        self._segment = segment
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="corelaunch-shm-unlink", daemon=True)
+        self._thread.start()
+
+    def _all_attached(self) -> bool:
+        layout, words = self._segment.layout, self._segment._map
+        return all(words[layout.counter_offset(i) + 8: layout.counter_offset(i) + 12] != b"\0\0\0\0"
+                   for i in range(layout.local_size))
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            if self._all_attached():
+                self._segment.unlink()
+                return
+            self._stop.wait(self.POLL_S)
+
+    def stop(self) -> None:
+        """End the watch; after it returns the segment is the caller's alone (unlink, close)."""
+        self._stop.set()
+        self._thread.join()
 
 
 def _round_slot(slot_bytes: int) -> int:
