@@ -24,10 +24,14 @@ Choosing (RowHistories.choose): the row sharing the longest prefix with the prom
 least MIN_SHARED_TOKENS. A free row whose whole history the prompt starts with is taken as it is
 (nothing else it holds is lost); otherwise the shared part is copied into a free row that remembers
 nothing, so a longer history (another conversation behind the same system prompt) stays for its
-own next turn. With no such row, a free source is taken itself, and a running source's prefix goes
-into the row freed longest ago. Without a shared prefix:
-a free row that remembers nothing (the lowest), then the one freed longest ago, so recent histories
-live longest.
+own next turn. With no such row, some free row's history goes either way: the source's own past
+where it and the prompt part, or all of another row's. The one freed longest ago loses it, as
+without a shared prefix: a free source freed longest ago is taken itself, else the shared part is
+copied into the row freed longest ago; a free source that would lose fewer than MIN_SHARED_TOKENS
+(the same prompt sent again, say) is taken itself too. A running source's prefix goes into a free
+row that remembers nothing, else the one freed longest ago. Without a shared prefix: a free row
+that remembers nothing (the lowest), then the one freed longest ago, so recent histories live
+longest.
 """
 
 from __future__ import annotations
@@ -42,12 +46,30 @@ runs in another prefill call than the chunks that start theirs at slot 0 in the 
 
 
 def common_prefix_length(a: Tokens[int], b: Tokens[int]) -> int:
-    """How many leading ids a and b share: a bisection over slice comparisons, which run in C."""
-    a, b = tuple(a), tuple(b)
-    low, high = 0, min(len(a), len(b))  # a[:low] == b[:low]; the answer is at most high
+    """How many leading ids a and b share, by slice comparisons (which run in C): over windows that
+    double from the start, then a bisection inside the first window where they differ. Its cost
+    follows the shared length, not a and b's: the scheduler compares every running row's tokens
+    (thousands each) with a waiting prompt that often shares a system prompt or nothing. a and b
+    only need len() and slicing (a list, a tuple, scheduler.py's view of a row)."""
+    end = min(len(a), len(b))
+    low, width = 0, 64  # a[:low] == b[:low]
+    while low < end:
+        high = min(low + width, end)
+        if not _same_ids(a, b, low, high):
+            return _bisect_common(a, b, low, high - 1)
+        low, width = high, width * 2
+    return low
+
+
+def _same_ids(a: Tokens[int], b: Tokens[int], start: int, stop: int) -> bool:
+    return tuple(a[start:stop]) == tuple(b[start:stop])  # tuple(): a list's slice never equals a tuple's
+
+
+def _bisect_common(a: Tokens[int], b: Tokens[int], low: int, high: int) -> int:
+    """The shared length, given a[:low] == b[:low] and that it is at most high."""
     while low < high:
         middle = (low + high + 1) // 2
-        if a[low:middle] == b[low:middle]:
+        if _same_ids(a, b, low, middle):
             low = middle
         else:
             high = middle - 1
@@ -107,15 +129,29 @@ class RowHistories:
         fresh = min(blank) if blank else min(free_rows, key=lambda row: self._freed_order[row])
         if not reuse or len(prompt) < 2:
             return Seat(fresh)
-        best_row, best = None, 0
+        best_row, best, best_common = None, 0, 0
         candidates = [(row, self._held[row]) for row in free_rows if row in self._held and self._salts[row] == salt]
         running = [(row, held) for row, (row_salt, held) in (in_use or {}).items() if row_salt == salt]
         for row, held in candidates + running:
-            shared = min(common_prefix_length(held, prompt), len(prompt) - 1)
+            common = common_prefix_length(held, prompt)
+            shared = min(common, len(prompt) - 1)
             if shared > best and shared >= MIN_SHARED_TOKENS:
-                best_row, best = row, shared
+                best_row, best, best_common = row, shared, common
         if best_row is None:
             return Seat(fresh)
-        if best_row in self._held and (best >= len(self._held[best_row]) or not blank):
-            return Seat(best_row, best)  # its whole history is the prompt's start, or no blank row is left
+        if best_row in self._held and self._taken_as_it_is(best_row, best, best_common, fresh, bool(blank)):
+            return Seat(best_row, best)
         return Seat(fresh, best, best_row)
+
+    def _taken_as_it_is(self, row: int, shared: int, common: int, fresh: int, blank_left: bool) -> bool:
+        """Whether a prompt sharing `shared` slots with free row `row` (`common` tokens, counting the
+        last prompt token, which is prefilled again) is seated there, not copied into `fresh`."""
+        history = len(self._held[row])
+        if shared >= history:
+            return True  # its whole history is the prompt's start: nothing of it is lost
+        if blank_left:
+            return False  # a copy into a blank row costs no history at all
+        # Either this row loses its past beyond `common` (the prefill writes the same tokens up to
+        # there) or `fresh`, the free row freed longest ago, loses all of its own: the older goes,
+        # as it would for a prompt sharing nothing. A past too short to be reused is not worth it.
+        return fresh == row or history - common < MIN_SHARED_TOKENS
