@@ -69,12 +69,13 @@ class ThreadTPGroup:
     calls: int = field(default=0, init=False)
     """generate calls received."""
     _dead: list[int] = field(default_factory=list, init=False)
-    _fault: BaseException | None = field(default=None, init=False)
+    _fault: tuple[BaseException, int] | None = field(default=None, init=False)
+    """fail_next's fault and _calls_sent when it was set, in one assignment: the replica's thread
+    polls meanwhile, and two assignments let a poll between them see the fault with a stale count."""
     _call_numbers: object = field(default_factory=itertools.count, init=False)
     """Submissions and cancellations numbered as TPGroup numbers them (rank 0 runs them in order)."""
     _calls_sent: int = field(default=0, init=False)
     """Submissions sent to rank 0 (fail_next's fault waits for one, or for work already there)."""
-    _call_numbers_at_fault: int = field(default=0, init=False)
 
     def start(self) -> None:
         from workers.rank_worker import RankWorker, WorkerSpec
@@ -138,7 +139,7 @@ class ThreadTPGroup:
             raise WorkerDied(f"rank {self._dead[0]} (in-process, pid {os.getpid()}) died while trying to "
                              f"{step}; the group was stopped")
         if self._fault is not None and at_work:
-            fault, self._fault = self._fault, None
+            (fault, _), self._fault = self._fault, None
             self.kill()
             raise fault
 
@@ -157,8 +158,9 @@ class ThreadTPGroup:
         # fail_next's fault lands on a group at work: the replica polls an idle group all the time,
         # and a fault it took there restarted the group before the test's request reached it (the
         # request then ran once, on the new group). The events polled are lost, as a dead group's are.
+        pending = self._fault
         self._raise_injected_fault("serve", at_work=bool(events) or any(load.values())
-                                   or self._call_numbers_at_fault != self._calls_sent)
+                                   or (pending is not None and pending[1] != self._calls_sent))
         return events, load, loop_counters(loop)
 
     def stop_serving(self, grace_s: float = 10.0) -> None:
@@ -181,8 +183,7 @@ class ThreadTPGroup:
         """The next generate, or poll while the group has requests (running, waiting, events not yet
         polled, or submitted since), raises `fault` (a GroupFault) and stops the group, as a broken
         one does."""
-        self._fault = fault
-        self._call_numbers_at_fault = self._calls_sent
+        self._fault = (fault, self._calls_sent)
 
     def kill_rank(self, rank: int) -> None:
         """Rank `rank` is gone: the health check reports it, the next request fails with WorkerDied."""

@@ -41,3 +41,14 @@ def test_a_family_no_compile_writes_is_refused_naming_the_field(model_dir, tmp_p
     root = fake_compiled_dir(tmp_path / "c", model_dir, backend="neuron", instance_family="trn9")
     with pytest.raises(ValueError, match=r"field 'instance_family' must be one of inf2, trn1, trn2, found 'trn9'"):
         compiled_dir.read_manifest(root)
+
+
+def test_a_cpu_launch_of_a_neuron_directory_is_told_the_backend_not_a_family(model_dir, tmp_path):  # noqa: F811
+    """The family check ran first and told a cpu launch to `compile --backend neuron --instance cpu`,
+    a command that cannot work: a cpu launch meets the backend check, which names the fix."""
+    root = fake_compiled_dir(tmp_path / "c", model_dir, backend="neuron", instance="trn1.32xlarge",
+                             instance_family="trn1")
+    with pytest.raises(ValueError) as err:
+        compiled_dir.apply_compiled_dir(LaunchConfig(compiled_dir=str(root), instance="cpu", backend="cpu"))
+    message = str(err.value)
+    assert "--instance cpu" not in message and "backend: expected 'neuron' (compiled), found 'cpu'" in message, message

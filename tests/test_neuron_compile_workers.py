@@ -18,7 +18,7 @@ import torch
 from shardlib.buckets import Buckets
 from tests.test_compiled_neuron import FakeNxD, eager_model
 from workers.backends.neuron import NeuronBackend
-from workers.compiled_neuron import NeuronCompiledModel, compile_workers
+from workers.compiled_neuron import NeuronCompiledModel, compile_workers, names_graphs
 from workers.engine import generate
 from workers.sampling import SamplingParams
 
@@ -48,6 +48,9 @@ class DocumentedNxD(FakeNxD):
             def __call__(self, *args, **kwargs):
                 return self.forward(*args, **kwargs)
 
+            def get_available_keys(self):  # the graphs by the tags they were traced under
+                return set(fake.traced_shapes)
+
         class ModelBuilder(base_builder):
             def trace(self, args=None, tag=None):
                 fake.traced_shapes[tag] = tuple(tuple(a.shape) for a in args)
@@ -75,7 +78,33 @@ def test_compile_takes_the_ranks_cpu_share_and_each_call_names_its_buckets_graph
         assert fake.traced_shapes[name] == shapes, (name, shapes)
 
 
+def test_graphs_are_named_only_where_the_model_lists_every_buckets_tag():
+    """NxDModel asserts that a name agrees with the graph the input shapes route to: a model keying
+    its graphs by other names would fail every call that shape routing alone runs."""
+
+    class Model:
+        def __init__(self, keys):
+            self.keys = keys
+
+        def forward(self, *args, model_name=None):
+            return args
+
+        def get_available_keys(self):
+            return set(self.keys)
+
+    tags = {"context-b1-l8", "token-b1-l32"}
+    assert names_graphs(Model(tags | {"other"}), tags)
+    assert not names_graphs(Model({"context-b1-l8"}), tags)  # a bucket's tag missing: routed by shape
+    Model.get_available_keys = None
+    assert not names_graphs(Model(tags), tags)  # a release that lists none: routed by shape
+
+
 def test_the_device_is_torch_xlas_documented_one(monkeypatch):
     """torch_xla.device() (torch-xla 2.x's documented call) rather than xm.xla_device()."""
     monkeypatch.setitem(sys.modules, "torch_xla", types.SimpleNamespace(device=lambda: torch.device("meta")))
     assert NeuronBackend().device == torch.device("meta")
+    # an older torch-xla without torch_xla.device(): xm.xla_device()
+    monkeypatch.setitem(sys.modules, "torch_xla", types.SimpleNamespace())
+    monkeypatch.setitem(sys.modules, "torch_xla.core.xla_model",
+                        types.SimpleNamespace(xla_device=lambda: torch.device("cpu")))
+    assert NeuronBackend().device == torch.device("cpu")

@@ -110,7 +110,8 @@ def test_two_ranks_are_described_to_the_sdk_before_it_loads(tmp_path):
     imports = [json.loads((record / f"import-{r}.json").read_text()) for r in (0, 1)]
     for r, seen in enumerate(imports):
         assert seen["NEURON_RT_VISIBLE_CORES"] == str(12 + r)  # Ray's core, not LOCAL_RANK's
-        assert seen["TORCHELASTIC_RUN_ID"] is None and seen["NEURON_PJRT_PROCESSES_NUM_DEVICES"] is None
+        # the stale run id dropped, the stale device list (a world of 4) replaced by this group's
+        assert seen["TORCHELASTIC_RUN_ID"] is None and seen["NEURON_PJRT_PROCESSES_NUM_DEVICES"] == "1,1"
         assert [seen[k] for k in PJRT_KEYS] == [str(r), "2", str(r), "2"]
         assert seen["NEURON_LOGICAL_NC_CONFIG"] == "2"
     assert imports[0]["NEURON_RT_ROOT_COMM_ID"] == imports[1]["NEURON_RT_ROOT_COMM_ID"]  # one per group
@@ -124,7 +125,8 @@ def test_pjrt_variables_describe_the_rank_within_its_nodes():
     assert env == {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
                    "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "29500",
                    "NEURON_PJRT_PROCESS_INDEX": "2", "NEURON_PJRT_WORLD_SIZE": "4",
-                   "PJRT_LOCAL_PROCESS_RANK": "0", "PJRT_LOCAL_PROCESS_COUNT": "2"}
+                   "PJRT_LOCAL_PROCESS_RANK": "0", "PJRT_LOCAL_PROCESS_COUNT": "2",
+                   "NEURON_PJRT_PROCESSES_NUM_DEVICES": "1,1,1,1"}
     assert "TORCHELASTIC_RUN_ID" not in env  # torchrun's set-up would replace Ray's core with LOCAL_RANK
 
 

@@ -66,6 +66,16 @@ def bucket_tag(phase: str, batch: int, length: int) -> str:
     return f"{phase}-b{batch}-l{length}"
 
 
+def names_graphs(nxd_model, tags: set[str]) -> bool:
+    """Whether calls may name their bucket's graph: forward takes model_name and the loaded model
+    lists every bucket's tag among its graphs (get_available_keys). NxDModel asserts a name agrees
+    with the graph its shapes route to, so a name it does not key graphs by would fail every call
+    that shape routing alone runs."""
+    listed = getattr(nxd_model, "get_available_keys", None)
+    return (takes_keyword(getattr(nxd_model, "forward", None), "model_name") and listed is not None
+            and tags <= set(listed()))
+
+
 def takes_keyword(function, name: str) -> bool:
     """Whether `function` accepts keyword `name` (by name or through **kwargs). False for None or a
     callable without a readable signature: NxDModel.load documents falling back to a TorchScript
@@ -162,7 +172,7 @@ class NeuronCompiledModel:
                             **workers).save(str(saved))
         # Loaded back as this rank alone: one process drives one rank (and holds its weights only).
         self._nxd = nxd.NxDModel.load(str(saved), start_rank=rank, local_ranks_size=1)
-        self._names_graphs = takes_keyword(getattr(self._nxd, "forward", None), "model_name")
+        self._names_graphs = names_graphs(self._nxd, {bucket_tag(*shape) for shape in buckets.shapes()})
         """Whether calls name their bucket's graph (model_name); else NxDModel routes by shape."""
         weights = {name: tensor for name, tensor in step.state_dict().items() if "_cache_" not in name}
         self._nxd.set_weights([weights])

@@ -177,13 +177,21 @@ def refuse_another_instance_family(root: Path, manifest: dict[str, Any], instanc
         return
     from shardlib.instances import get_instance
 
-    launch_family = get_instance(instance).family
+    launch = get_instance(instance)
+    if not launch.is_neuron:  # a cpu or gpu launch: the backend check says what is wrong, and its fix
+        return
+    launch_family = launch.family
     if launch_family != compiled_for:
         raise ValueError(f"compiled-model directory {root} holds Neuron graphs compiled for {compiled_for} "
                          f"(--instance {manifest.get('instance', compiled_for)}), which cannot run on {launch_family}; "
-                         f"this launch is for --instance {instance}. Compile again on a {launch_family} instance "
+                         f"this launch is for --instance {instance}. Compile again on {_a(launch_family)} instance "
                          f"(`corelaunch compile --backend neuron --instance {instance} --out DIR ...`), or launch on "
-                         f"a {compiled_for} instance")
+                         f"{_a(compiled_for)} instance")
+
+
+def _a(word: str) -> str:
+    """The article before an instance family's name (an inf2, a trn1)."""
+    return f"an {word}" if word[0] in "aeiou" else f"a {word}"
 
 
 def _refuse_another_kind(root: Path, shown: Path) -> None:

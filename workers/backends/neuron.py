@@ -105,8 +105,12 @@ class NeuronBackend(Backend):
 
     @property
     def device(self) -> torch.device:
-        # torch_xla.device(): the documented way since torch-xla 2.x (xm.xla_device is the older one)
-        return import_neuron_module("torch_xla").device()
+        # torch_xla.device(): the documented call in current torch-xla; older releases have only
+        # xm.xla_device
+        torch_xla = import_neuron_module("torch_xla")
+        if hasattr(torch_xla, "device"):
+            return torch_xla.device()
+        return import_neuron_module("torch_xla.core.xla_model").xla_device()
 
     def prepare_model(self, model: torch.nn.Module, compile: CompileOptions | None = None):
         """Eager: the model on the XLA device, run lazily by torch-xla. Compiled: one Neuron graph per
@@ -130,12 +134,11 @@ class NeuronBackend(Backend):
         leave_torch_distributed()
 
 
-INHERITED_VARIABLES_TO_DROP = ("TORCHELASTIC_RUN_ID", "NEURON_PJRT_PROCESSES_NUM_DEVICES")
+INHERITED_VARIABLES_TO_DROP = ("TORCHELASTIC_RUN_ID",)
 """Variables a worker could inherit (a Ray node started under torchrun, a user's shell) that would
 override the group's description: TORCHELASTIC_RUN_ID switches torch-neuronx to its torchrun set-up
-(which rewrites NEURON_RT_VISIBLE_CORES to LOCAL_RANK), and NEURON_PJRT_PROCESSES_NUM_DEVICES
-describes a world of its own (torch-neuronx takes it or NEURON_PJRT_WORLD_SIZE as the world's
-description; which the runtime prefers when both are set is not documented)."""
+(which rewrites NEURON_RT_VISIBLE_CORES to LOCAL_RANK). An inherited
+NEURON_PJRT_PROCESSES_NUM_DEVICES is overwritten (pjrt_environment)."""
 
 
 def pjrt_environment(rank: int, world_size: int, node_groups: list[list[int]],
@@ -153,6 +156,9 @@ def pjrt_environment(rank: int, world_size: int, node_groups: list[list[int]],
             "GROUP_RANK": str(node), "GROUP_WORLD_SIZE": str(len(node_groups)),
             "MASTER_ADDR": rendezvous.host, "MASTER_PORT": str(rendezvous.port),
             "NEURON_PJRT_PROCESS_INDEX": str(rank), "NEURON_PJRT_WORLD_SIZE": str(world_size),
+            # the same world as a device count per process (one each): what PJRT clients older than
+            # NEURON_PJRT_WORLD_SIZE read, and what every torch-neuronx set-up writes for one device a process
+            "NEURON_PJRT_PROCESSES_NUM_DEVICES": ",".join(["1"] * world_size),
             "PJRT_LOCAL_PROCESS_RANK": local_rank, "PJRT_LOCAL_PROCESS_COUNT": local_world}
 
 
