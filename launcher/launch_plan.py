@@ -387,8 +387,19 @@ def _no_group_fits(plan, server: bool) -> str:
     rows = "--max-num-seqs" if server else "--max-num-seqs, or --max-batch-size for static batches"
     # at TP 1 there is no lower degree: "Lower --tp" was advice that changed nothing
     lower_tp = "Lower --tp (fewer rank processes), or shrink" if plan.tp_degree > 1 else "Shrink"
-    return (f"one TP group of {plan.tp_degree} rank(s) needs {format_bytes(host_bytes_per_group(plan, server))} of "
-            f"this host's RAM ({format_bytes(_process_bytes(plan, server))} of it for its {processes}, about "
+    usable, needs = _host_usable_bytes(plan), host_bytes_per_group(plan, server)
+    said = (f"one TP group of {plan.tp_degree} rank(s) needs {format_bytes(needs)} of this host's RAM "
+            f"({format_bytes(_process_bytes(plan, server))} of it for its {processes}, about "
             f"{format_bytes(RANK_PROCESS_BYTES)} a rank, beside its weights, KV cache and scratch) "
-            f"but this host has {format_bytes(_host_usable_bytes(plan))} usable; nothing was started. "
-            f"{lower_tp} the KV cache: a smaller --seq-len, or fewer rows ({rows})")
+            f"but this host has {format_bytes(usable)} usable; nothing was started. ")
+    kv_bytes = needs - _bytes_without_kv_cache(plan, server)
+    if needs - kv_bytes > usable:  # no smaller cache can help: it told to shrink a cache of a MiB
+        return (said + f"Even without its KV cache ({format_bytes(kv_bytes)}) it needs "
+                f"{format_bytes(needs - kv_bytes)}: run it on a host with more RAM, or with a smaller --dtype "
+                f"(the weights)" + (", or a lower --tp (fewer rank processes)" if plan.tp_degree > 1 else ""))
+    return said + f"{lower_tp} the KV cache: a smaller --seq-len, or fewer rows ({rows})"
+
+
+def _bytes_without_kv_cache(plan, server: bool) -> int:
+    """host_bytes_per_group less the KV cache: what no --seq-len or row count shrinks."""
+    return plan.memory.fixed_bytes_per_rank * plan.tp_degree + (SERVER_REPLICA_BYTES if server else 0)

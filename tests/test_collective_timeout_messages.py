@@ -8,6 +8,7 @@ stuck in gloo behind another node's rank, raised gloo's own text naming no rank 
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -69,3 +70,31 @@ def test_across_nodes_the_timeouts_point_at_the_other_node_not_the_local_leader(
     assert follower.startswith(
         "CollectiveTimeout: shared-memory collective on rank 1: waited 3 s for rank 0"), follower
     assert "this node's leader, which itself waits over gloo for the other nodes' leaders (rank 2)" in follower, follower
+
+
+def _rank_2_exits(rank, world_size):
+    """As _rank_2_never_arrives, but rank 2's process exits: gloo's connection closes, no wait runs out."""
+    from tests.test_shm_collectives import _build
+
+    coll = _build(rank, world_size, node_groups=[[0, 1], [2]], timeout_s=30.0, slot_bytes=4096)
+    if rank == 2:
+        time.sleep(1.0)
+        os._exit(0)
+    try:
+        coll.all_reduce_sum_(torch.ones(16))
+        outcome = "no error"
+    except Exception as err:  # noqa: BLE001 - the message is the finding
+        outcome = f"{type(err).__name__}: {err}"
+    coll.close()
+    return outcome
+
+
+@pytest.mark.slow
+def test_a_leader_whose_gloo_peer_exited_says_the_connection_was_lost_not_to_raise_the_timeout():
+    """The leader's gloo error was all called a timeout, advising to raise --rendezvous-timeout,
+    also where a peer's process had exited (gloo: "Connection closed by peer") a second in."""
+    results = run_ranks(3, _rank_2_exits, timeout_s=150, expect=2)
+    leader = results[0]
+    assert leader.startswith("CollectiveTimeout: node leader rank 0: the gloo all-gather"), leader
+    assert "The connection to one of them was lost" in leader and "rank 2" in leader, leader
+    assert "raise --rendezvous-timeout" not in leader, leader

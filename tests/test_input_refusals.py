@@ -249,7 +249,7 @@ def test_groups_sharing_this_host_count_their_processes_and_a_servers_groups_no_
         + SERVER_REPLICA_BYTES)
     from launcher.launch_plan import check_groups_fit
 
-    # none fits (holds 0): one group is refused too (the plan's own check leaves the rank processes out)
+    # none fits (holds 0): one group is refused too (a server's plan leaves its Serve replica out)
     with pytest.raises(ValueError, match=r"^one TP group of 2 rank\(s\) needs .* for its rank processes and its "
                                          r"Serve replica"):
         check_groups_fit(1, "--replicas", plan, 0, server=True)

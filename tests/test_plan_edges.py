@@ -68,7 +68,8 @@ def test_one_cpu_group_this_host_cannot_hold_is_refused_with_its_bytes_and_fixes
             check_replicas_fit_this_host(_private_cpu_config(monkeypatch, replicas), plan, "cpu")
         text = str(info.value)
         assert "Ask for at most" not in text and "nothing was started" in text
-        assert "--tp" in text and "--seq-len" in text and "--max-num-seqs" in text and "--max-batch-size" in text, text
+        # its KV cache is a fraction of a MiB: no --seq-len or row count could make up the MiB missing
+        assert "Even without its KV cache" in text and "a lower --tp" in text and "--seq-len" not in text, text
     with pytest.raises(ValueError, match=r"for its rank processes and its Serve replica") as info:
         check_groups_fit(1, "--replicas", plan, 0, server=True)
     assert "--max-batch-size" not in str(info.value)  # a server holds no static batch
@@ -174,3 +175,28 @@ def test_lnc_1_on_trn2_is_suggested_only_where_its_halved_memory_holds_the_layou
         fits = "insufficient_memory" not in at_lnc1.error_codes
         assert ("--lnc 1" in text) == fits, (batch_size, seq_len, at_lnc1.error_codes, text)
     assert fits is False  # the second layout is the one whose LNC 1 memory does not hold it
+
+
+def test_a_server_group_short_of_ram_even_without_its_kv_cache_is_not_told_to_shrink_it(host_ram):
+    """A host holding the plan with 1 MiB to spare holds no server group (its Serve replica, 448 MiB,
+    comes on top): the refusal advised a smaller --seq-len or fewer --max-num-seqs, shrinking a KV
+    cache of a MiB against hundreds missing."""
+    from launcher.launch_plan import check_groups_fit, groups_this_host_holds
+    from shardlib.planner import RESERVE_FRACTION
+    from shardlib.serving_shapes import serving_cache_rows
+
+    def server_plan():
+        return make_plan(TINY, instance="cpu", tp=1, batch_size=0, serving_rows=serving_cache_rows(4), seq_len=64)
+
+    host_ram(64 * GIB)
+    host_ram(int((server_plan().memory.total_bytes_per_rank + 2**20) / (1 - RESERVE_FRACTION)) + 1)
+    plan = server_plan()
+    assert plan.valid, plan.errors
+    config = SimpleNamespace(instance=None, nodes=1, ray_address=None, replicas=1)
+    holds = groups_this_host_holds(config, plan, "cpu", server=True)
+    assert holds == 0
+    with pytest.raises(ValueError) as info:
+        check_groups_fit(1, "--replicas", plan, holds, server=True)
+    text = str(info.value)
+    assert "Even without its KV cache" in text and "a host with more RAM" in text, text
+    assert "--seq-len" not in text and "--max-num-seqs" not in text, text

@@ -605,9 +605,9 @@ def test_an_explicit_tp_with_no_degree_at_this_node_count_names_the_node_counts_
     for cfg, instance, nodes, tp in ((QWEN_72B, "trn1.32xlarge", 3, 48), (SMOLLM2, "inf2.xlarge", 2, 4)):
         p = plan(cfg, instance=instance, nodes=nodes, tp=tp)
         assert not p.valid and p.valid_tp_degrees == (), (instance, p.error_codes)
-        for issue in p.errors:
-            if ": none" not in issue.message:
-                continue
+        with_none = [issue for issue in p.errors if ": none" in issue.message]
+        assert with_none, [issue.message for issue in p.errors]  # else the loop below checks nothing
+        for issue in with_none:
             offered = re.findall(r"(?:more|fewer) nodes: --nodes (\d+) fits at tp ([\d, ]+)", issue.message)
             assert offered, issue.message
             for other_nodes, degrees in offered:  # every degree named passes at the node count named

@@ -102,6 +102,18 @@ class ShmCollectives(Collectives):
         self._x.close()
 
 
+def _leader_failure(rank: int, other_leaders: str, gloo_text: str, timeout_s: float) -> str:
+    """What a node leader says when its gloo round with the other nodes' leaders failed: a wait
+    that ran out (the timeout, and the setting behind it) or a connection lost (a peer's process
+    exited or its node dropped: no timeout to raise, which the first wording advised for both)."""
+    said = (f"node leader rank {rank}: the gloo all-gather of every node's partials failed waiting for the other "
+            f"nodes' leaders ({other_leaders}): {gloo_text}.")
+    if "timed out" in gloo_text.lower():
+        return f"{said} A rank on one of those nodes is stuck, or its node frozen. {timeout_advice(timeout_s)}"
+    return (f"{said} The connection to one of them was lost: a rank's process on that node exited, or the "
+            f"node dropped off the network (that rank's own log says why). Restart the group")
+
+
 class HierarchicalCollectives(Collectives):
     """Ranks over several nodes: shared memory inside a node, gloo among node leaders.
 
@@ -172,11 +184,8 @@ class HierarchicalCollectives(Collectives):
         try:
             self._dist.all_gather(list(blocks.unbind(0)), block, group=self._leaders)
         except RuntimeError as err:  # gloo's own text names neither a rank nor a setting
-            raise CollectiveTimeout(
-                f"node leader rank {self.rank}: the gloo all-gather of every node's partials failed "
-                f"waiting for the other nodes' leaders ({self._other_leaders}): {str(err).strip()}. A rank "
-                f"on one of those nodes is stuck or gone, or its node frozen. "
-                f"{timeout_advice(self._timeout_s)}") from err
+            raise CollectiveTimeout(_leader_failure(self.rank, self._other_leaders, str(err).strip(),
+                                                    self._timeout_s)) from err
         sum_in_rank_order_(part, [blocks[node, i] for _, node, i in self._place])
 
     def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -154,9 +154,11 @@ class Segment:
         self._release()
 
     def _release(self) -> None:
-        if self._held is not None:
-            os.close(self._held)  # the lock goes with it
-            self._held = None
+        # taken before it is closed: the leader's watcher thread (group.py) and its own thread may
+        # both get here, and a descriptor closed twice could close another file that reused it
+        held, self._held = self._held, None
+        if held is not None:
+            os.close(held)  # the lock goes with it
 
     def close(self) -> None:
         """Unmap. mmap.close() succeeds even while torch views into the segment are alive

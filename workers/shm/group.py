@@ -18,7 +18,9 @@ rank on another node may reach late): from then on nothing is left in /dev/shm, 
 the processes (the memory is freed when the last rank unmaps it, at close() or exit). The leader
 creates its segment only once every rank has loaded the C helpers (a build on a cold cache:
 seconds), so only a leader killed between creating and unlinking (the one world-wide round of step
-2 between them, milliseconds of work on every rank) could leave its segment behind; the next leader to
+2 between them: milliseconds of work on every rank, but as long as the slowest rank on any node takes
+to reach it; attaching without it would need the local ranks to find the segment on their own) could
+leave its segment behind; the next leader to
 create one removes such orphans (no process holds the shared flock their creator kept on them until
 it unlinked them).
 
