@@ -107,7 +107,8 @@ def test_echo_only_drops_the_one_token_the_engine_generated():
     assert render.completion_tokens(first) == 0
     render = CompletionRender(PIECES, logprobs=False, echo=echo, echo_only=True)
     render.collect(first)
-    assert render.choice("stop") == {"index": 0, "text": "The sky is", "logprobs": None, "finish_reason": "length"}
+    assert render.choice("stop") == {"index": 0, "text": "The sky is", "logprobs": None, "finish_reason": "length",
+                                     "stop_reason": None}
 
 
 def test_vllm_prompt_logprobs_list_the_prompt_token_first_with_its_rank():

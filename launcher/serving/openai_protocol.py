@@ -8,13 +8,14 @@ tested without starting Ray or a model; launcher/serving/openai_app.py only wire
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from launcher.serving import tool_calls as function_calling  # not `tool_calls`: a message's field
 from launcher.serving.call_json import MAX_DEPTH
@@ -35,6 +36,9 @@ MAX_ALLOWED_TOKEN_IDS = 262144
 """corelaunch's bound on `allowed_token_ids` (a vLLM extension, unbounded there): as many ids as the
 largest vocabularies hold (Gemma 3's 262144); more could only repeat ids, and take the replica's event
 loop longer to check."""
+UNSEEDED = -1
+"""The seed a request sends to mean "no seed" (read as None: a fresh random seed per choice), as
+clients ported from vLLM, which reads it so, send it."""
 MAX_CHOICES = 128
 """OpenAI's bound on `n` (a server also refuses more than its max_num_seqs: openai_app.py)."""
 WHOLE_ANSWER_INTERVAL = MOST_HELD
@@ -66,15 +70,16 @@ FIELD_RULES = {
     "messages": "a non-empty list of {role, content} messages",
     "max_tokens": "an integer >= 1 (on /v1/completions 0 too, with echo: true)",
     "max_completion_tokens": "an integer >= 1",
-    "temperature": "a number in [0, 2] (0 is greedy)",
+    "temperature": f"a number in [0, {MAX_TEMPERATURE:.7g}] (0 is greedy; the higher, the flatter the draw, "
+                   f"past OpenAI's 2 too; the bound is float32's largest value, in which the logits are scaled)",
     "top_p": "a number in [0, 1] (1 turns top-p off; 0 keeps only the most likely token)",
-    "top_k": "an integer >= 0, or -1 (0 and -1 turn top-k off)",
+    "top_k": "an integer >= 0, or -1 (0 and -1 turn top-k off; a whole number written 5.0 is taken as 5)",
     "min_p": "a number in [0, 1] (0 turns min-p off)",
     "min_tokens": "an integer >= 0, at most max_tokens (no stop token, EOS included, ends the request before "
                   "that many tokens)",
     "logit_bias": f"an object of at most {MAX_LOGIT_BIAS_ENTRIES} token ids (as strings, e.g. \"50256\") mapped to "
-                  f"numbers in [-100, 100]",
-    "seed": "an integer in [-2**63, 2**63 - 1]",
+                  f"finite numbers (a bias past [-100, 100] is taken as -100 or 100)",
+    "seed": "an integer in [-2**63, 2**63 - 1] (-1: unseeded, as leaving it out)",
     "stop": f"a string or a list of at most {MAX_STOP_STRINGS} strings",
     "stop_token_ids": "a list of token ids (integers >= 0)",
     "allowed_token_ids": f"a non-empty list of at most {MAX_ALLOWED_TOKEN_IDS} token ids (integers >= 0, in the "
@@ -86,6 +91,8 @@ FIELD_RULES = {
                                   "text stays at its end)",
     "skip_special_tokens": "true or false (vLLM's extension; false: special tokens the model generates, an end of "
                            "turn say, stay in the text)",
+    "spaces_between_special_tokens": "true or false (vLLM's extension; accepted and ignored: special tokens kept in "
+                                     "the text are never spaced apart, as vLLM's fast detokenizer writes them)",
     "logprobs": f"an integer in [0, {MAX_LOGPROBS}] on /v1/completions; true or false on /v1/chat/completions",
     "top_logprobs": f"an integer in [0, {MAX_LOGPROBS}]; above 0 only with logprobs: true",
     "prompt_logprobs": f"an integer in [0, {MAX_LOGPROBS}] (vLLM's extension: each prompt token's log-probability, "
@@ -225,8 +232,9 @@ class _GenerationRequest(NullMeansDefault):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
-    temperature: float = Field(1.0, ge=0, le=2)
-    """OpenAI's default is 1 (sampling); send 0 for greedy."""
+    temperature: float = Field(1.0, ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)
+    """OpenAI's default is 1 (sampling); send 0 for greedy. Any finite temperature is taken (OpenAI's
+    API stops at 2; vLLM's takes any): up to float32's largest, in which the ranks scale the logits."""
     top_p: float = Field(1.0, ge=0, le=1)
     """0 (OpenAI allows it) keeps only the most likely token, the limit of a shrinking nucleus."""
     top_k: int = Field(0, ge=-1)
@@ -238,6 +246,8 @@ class _GenerationRequest(NullMeansDefault):
     generated, as transformers' min_new_tokens does; a stop string counts only where it ends after them
     (vLLM's rule, launcher/serving/text_stream.py)."""
     seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
+    """-1 is read as no seed (_unseeded): clients send it to mean "no seed", and as a fixed seed it
+    gave every such request the same draws."""
     stop: str | list[str] | None = Field(None)
     stop_token_ids: list[int] = Field(default_factory=list)
     """Extension: generation also ends after any of these token ids."""
@@ -247,6 +257,10 @@ class _GenerationRequest(NullMeansDefault):
     """Extension (vLLM's): the text ends with the stop string (`stop`) that ended it, instead of just
     before it; nothing after it. Likewise a stop token that ended it (a stop token id, an EOS) keeps
     its text, which is left out otherwise."""
+    spaces_between_special_tokens: bool = True
+    """Extension (vLLM's), accepted and ignored: the text is decoded by the tokenizer's fast decoder
+    (launcher/serving/detokenizer.py), which writes special tokens kept in the text
+    (skip_special_tokens false) side by side whatever this says, as vLLM's fast detokenizer does."""
     skip_special_tokens: bool = True
     """Extension (vLLM's): false keeps the special tokens the model generates (SmolLM2's `<|im_end|>`) in
     the text, where stop strings are matched too; token ids, usage, logprobs' token strings and an
@@ -298,6 +312,17 @@ class _GenerationRequest(NullMeansDefault):
     {"name", "schema", ...}} (on /v1/completions too, as vLLM takes it); "text" asks for none."""
     structured_outputs: StructuredOutputs | None = None
     """Extension (vLLM's): {"json": schema} or {"regex"}, {"choice"}, {"grammar"} (Lark), {"json_object": true}."""
+
+    @field_validator("seed")
+    @classmethod
+    def _unseeded(cls, value):
+        return None if value == UNSEEDED else value
+
+    @field_validator("top_k", mode="before")
+    @classmethod
+    def _whole_top_k(cls, value):
+        return whole_number_as_int(value)
+
     _structure = PrivateAttr(None)
     """The StructuredOutput both ask for, made and checked once by _check_combinations."""
     _sampling = PrivateAttr(None)
@@ -360,7 +385,7 @@ class _GenerationRequest(NullMeansDefault):
 
         penalties = dict(presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                          repetition_penalty=self.repetition_penalty,
-                         logit_bias={int(token): bias for token, bias in self.logit_bias.items()},
+                         logit_bias={int(token): clamped_bias(bias) for token, bias in self.logit_bias.items()},
                          min_tokens=self.min_tokens, allowed_token_ids=self.allowed_token_ids,
                          bad_words=tuple(self.bad_words or ()),
                          structured_output=self._structure)
@@ -394,6 +419,22 @@ class _GenerationRequest(NullMeansDefault):
         """Every chunk carries the usage so far: vLLM's continuous_usage_stats, which counts only with
         include_usage (vLLM's rule: alone it is accepted and does nothing)."""
         return self.include_usage() and self.stream_options.continuous_usage_stats
+
+
+def clamped_bias(bias: float) -> float:
+    """A logit bias within [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS]: past -100 a token is as good as banned
+    and past 100 as good as forced already, so a client's -1000 means what -100 does (refusing it
+    failed requests that clients written for vLLM's server send)."""
+    return max(-MAX_LOGIT_BIAS, min(MAX_LOGIT_BIAS, bias))
+
+
+def whole_number_as_int(value):
+    """A float that is a whole number (5.0) as its int, for integer fields a client's JSON may write
+    so (some clients serialise every number as a float); anything else as it came, for the field's
+    own check (5.5 is refused by name)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
 
 
 def choice_seed(seed: int, index: int) -> int:
@@ -1117,9 +1158,11 @@ def _check_logit_bias(bias: dict[str, float]) -> None:
             raise ProtocolError(f"logit_bias names token {int(token)} twice (as {clip(spellings[int(token)])!r} and "
                                 f"{clip(token)!r}); give each token one bias", param="logit_bias")
         spellings[int(token)] = token
-        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:  # NaN fails this too
-            raise ProtocolError(f"logit_bias[\"{clip(token)}\"] ({_short(value)}) must be a number in "
-                                f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]", param="logit_bias")
+        if not math.isfinite(value):  # a finite bias past +-100 is clamped (clamped_bias); these have no size
+            raise ProtocolError(f"logit_bias[\"{clip(token)}\"] ({_short(value)}) must be a finite number (one past "
+                                f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}] is taken as -{MAX_LOGIT_BIAS:g} or "
+                                f"{MAX_LOGIT_BIAS:g}); send -{MAX_LOGIT_BIAS:g} to all but ban the token, "
+                                f"{MAX_LOGIT_BIAS:g} to all but force it", param="logit_bias")
 
 
 def max_new_tokens(request: _GenerationRequest, prompt_tokens: int, context_tokens: int) -> int:

@@ -19,6 +19,14 @@ from launcher.serving.reasoning import ReasoningTokenCount, ThinkTokens, read_re
 from launcher.serving.token_pieces import TokenPieces
 
 
+def _told_stop_reason(choice: dict, stop_reason: str | int | None) -> dict:
+    """`choice` with its stop_reason (vLLM's field beside finish_reason: the stop string that matched,
+    or the stop token id that ended the answer; null otherwise), set on a whole answer's choices and
+    on the streamed chunk that carries the finish_reason."""
+    choice["stop_reason"] = stop_reason
+    return choice
+
+
 def _text_of_one_kind(before: dict, message: dict) -> bool:
     """Whether two message deltas are both only content, or both only reasoning (one delta can say
     them both)."""
@@ -41,6 +49,8 @@ class _Render:
         self.aligned = AlignedLogprobs(pieces, skip_special_tokens, prompt_ids) if logprobs else None
         self.logprobs, self.index = logprobs, index
         self.prompt_top, self.prompt_entries = prompt_top, []
+        self.stop_reason: str | int | None = None
+        """The ending delta's stop_reason, kept by collect() for choice()."""
 
     def completion_tokens(self, delta) -> int:
         return delta.completion_tokens
@@ -51,6 +61,20 @@ class _Render:
 
     def finish_reason(self, finish: str | None) -> str | None:
         return finish
+
+    def sent_stop_reason(self, delta) -> str | int | None:
+        """The stop_reason the client is told for the delta that ends the choice."""
+        return delta.stop_reason
+
+    def _keep_stop_reason(self, delta) -> None:
+        if delta.finish_reason is not None:
+            self.stop_reason = self.sent_stop_reason(delta)
+
+    def _ending_chunk(self, chunk: dict, delta) -> dict:
+        """A streamed chunk, with the stop_reason where it carries the finish_reason."""
+        if delta.finish_reason is not None:
+            _told_stop_reason(chunk["choices"][0], self.sent_stop_reason(delta))
+        return chunk
 
     def reasoning_tokens(self) -> int | None:
         """The choice's reasoning tokens so far, for the usage's completion_tokens_details; None where
@@ -102,6 +126,9 @@ class CompletionRender(_Render):
     def finish_reason(self, finish: str | None) -> str | None:
         return "length" if self.echo_only and finish is not None else finish
 
+    def sent_stop_reason(self, delta) -> str | int | None:
+        return None if self.echo_only else delta.stop_reason  # its one token is dropped: nothing stopped it
+
     def _logprobs(self, delta) -> dict | None:
         if not self.logprobs or self.echo_only:
             return None
@@ -132,17 +159,20 @@ class CompletionRender(_Render):
         logprobs = proto.merge_completion_logprobs(parts) if parts else None
         if not text and logprobs is None and delta.finish_reason is None:
             return None  # tokens whose text is held back (a possible stop string, a partial character)
-        return proto.completion_chunk(meta, text, self.finish_reason(delta.finish_reason), logprobs, self.index)
+        chunk = proto.completion_chunk(meta, text, self.finish_reason(delta.finish_reason), logprobs, self.index)
+        return self._ending_chunk(chunk, delta)
 
     def collect(self, delta) -> None:
         text, parts = self._text_and_logprobs(delta)
         self.text.append(text)
         self.logprob_parts.extend(parts)
         self._keep_prompt_entries(delta)
+        self._keep_stop_reason(delta)
 
     def choice(self, finish) -> dict:
         logprobs = proto.merge_completion_logprobs(self.logprob_parts) if self.logprobs else None
         choice = proto.completion_choice("".join(self.text), self.finish_reason(finish), logprobs, self.index)
+        _told_stop_reason(choice, self.stop_reason)
         if self.prompt_top is not None:  # vLLM's extension, per choice on completions
             choice["prompt_logprobs"] = self._vllm_prompt_logprobs()
         return choice
@@ -272,7 +302,8 @@ class ChatRender(_Render):
         message = self.message(delta)
         if not message and logprobs is None and delta.finish_reason is None:
             return None
-        return proto.chat_chunk(meta, message, self._sent_finish(delta.finish_reason), logprobs, self.index)
+        chunk = proto.chat_chunk(meta, message, self._sent_finish(delta.finish_reason), logprobs, self.index)
+        return self._ending_chunk(chunk, delta)
 
     def collect(self, delta) -> None:
         self._count_reasoning(delta)
@@ -281,6 +312,7 @@ class ChatRender(_Render):
             self.calls.push(delta.text, delta.finish_reason is not None)
         self.entries.extend(self._ready(delta))
         self._keep_prompt_entries(delta)
+        self._keep_stop_reason(delta)
 
     def response_extras(self) -> dict:
         return {} if self.prompt_top is None else {"prompt_logprobs": self._vllm_prompt_logprobs()}
@@ -292,7 +324,8 @@ class ChatRender(_Render):
             thought, content = read_reasoning(self.reasoning[0], content, *self.reasoning[1:])
             if self.calls is not None:
                 self.calls.push(content or "", True)
-        choice = proto.chat_choice(content, self._sent_finish(finish), logprobs, self.index)
+        choice = _told_stop_reason(proto.chat_choice(content, self._sent_finish(finish), logprobs, self.index),
+                                   self.stop_reason)
         if self.calls is not None:
             choice["message"] = self.calls.message()
             if content is None and not choice["message"].get("tool_calls"):  # all thinking: null, as without calls

@@ -57,8 +57,9 @@ def held_tail_length(text: str, starts: Sequence[str]) -> int:
 class StopStringMatcher:
     """Feed text deltas with push(); each returns (text safe to emit now, whether a stop was found).
 
-    After a stop is found every later push returns ("", True): the request is over. include_stop:
-    the text emitted ends with the stop string found (vLLM's include_stop_str_in_output), not before it.
+    After a stop is found every later push returns ("", True): the request is over, and `found` is
+    the stop string that ended it (the API's stop_reason). include_stop: the text emitted ends with
+    the stop string found (vLLM's include_stop_str_in_output), not before it.
     """
 
     def __init__(self, stops: Sequence[str], include_stop: bool = False):
@@ -73,6 +74,9 @@ class StopStringMatcher:
         """How many of the held characters came in a push that looked for no stop (min_tokens): a stop
         string may begin in them but must end after them."""
         self.stopped = False
+        self.found: str | None = None
+        """The stop string that ended the text, once one has: a client told which of its stops matched
+        need not search the text for it (with include_stop it is not even cut off)."""
 
     @property
     def held(self) -> str:
@@ -92,9 +96,9 @@ class StopStringMatcher:
         buffer = self._held + text
         found = self._first_stop(buffer, self._unmatchable) if match else None
         if found is not None:
-            self.stopped = True
-            self._held = ""
             start, end = found
+            self._stop_at(buffer[start:end])
+            self._held = ""
             return buffer[:end if self.include_stop else start], True
         keep = held_tail_length(buffer, self.stops)
         self._held = buffer[len(buffer) - keep:] if keep else ""
@@ -108,10 +112,13 @@ class StopStringMatcher:
         buffer = sent + text
         found = self._first_stop(buffer, len(sent)) if match else None  # ends in the new text
         if found is not None:
-            self.stopped = True
+            self._stop_at(buffer[found[0]:found[1]])
             return buffer[len(sent):found[1]], True
         self._sent_tail = buffer[-self._hold_max:] if self._hold_max else ""
         return text, False
+
+    def _stop_at(self, stop: str) -> None:
+        self.stopped, self.found = True, stop
 
     def flush(self) -> str:
         """The held tail, at the end of a request that hit no stop string (it never completed one)."""

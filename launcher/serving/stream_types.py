@@ -40,3 +40,8 @@ class StreamDelta:
     """On a delta that gathered several tokens (stream_interval): the deltas of one token each that it
     joins, in order, as they would have come one by one, for readers that need each token's text by
     itself (where a thinking ended, say); None on a delta of at most one token."""
+    stop_reason: str | int | None = None
+    """On the last delta, what ended a "stop": the stop string that matched, or the stop token id that
+    ended the text (one of the request's stop token ids, or an end token other than the tokenizer's
+    own EOS); None for the tokenizer's EOS, for a structured output's end, for "length", and on every
+    other delta. The OpenAI routes send it as the choice's stop_reason."""

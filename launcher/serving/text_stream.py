@@ -18,6 +18,16 @@ def shown_tokens(ids: list[int], finish: str | None, hidden_endings: Collection[
     return ids[:-1] if finish == "stop" and ids and ids[-1] in hidden_endings else ids
 
 
+def stop_token_reason(ids: list[int], ending_ids: Collection[int], eos_id: int | None) -> int | None:
+    """The stop token id that ended a "stop" answer (its last token, one of `ending_ids`), as its
+    stop_reason says it; None for the tokenizer's own EOS (the plain end of an answer, which names
+    no stop) and for a last token that is no stop token (a structured output's end). An end token
+    of the model's generation config other than the tokenizer's EOS (Llama 3's end of turn, say) is
+    a stop token id like the request's own, so it is named."""
+    last = ids[-1] if ids else None
+    return last if last is not None and last in ending_ids and last != eos_id else None
+
+
 def one_token_events(event: TokenEvent) -> list[TokenEvent]:
     """An event of several tokens (a stream_interval's) as the events of one token each it gathered:
     the end, error and time on the last, the first token's prompt log-probabilities and cached count
@@ -68,13 +78,18 @@ class TextStream:
         self.prompt_context: list[int] = self._detokenizer.context if self._detokenizer is not None else []
         """The prompt's last ids the text was primed with: a render places the logprobs' tokens in the
         same text (launcher/serving/logprob_alignment.py)."""
-        self._hidden_endings = frozenset() if include_stop_str_in_output else frozenset(stop_token_ids)
+        self._ending_ids = frozenset(stop_token_ids)
+        self._hidden_endings = frozenset() if include_stop_str_in_output else self._ending_ids
+        self._eos_id = getattr(tokenizer, "eos_token_id", None)
         self._stops = StopStringMatcher(stops, include_stop_str_in_output) if stops else None
         self._min_tokens = min_tokens
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self.stopped_by_string = False
+        self.stop_reason: str | int | None = None
+        """What ended a "stop", once it ended (StreamDelta.stop_reason): the stop string, or the stop
+        token id."""
 
     def delta(self, event: TokenEvent, time_to_first_token_s: float | None = None) -> StreamDelta:
         """The delta for one event; after a stop string, finish_reason is "stop" whatever the event says.
@@ -129,10 +144,14 @@ class TextStream:
         text = early + late
         if hit:
             finish, self.stopped_by_string = "stop", True
+            self.stop_reason = self._stops.found
         elif finish is not None and self._stops is not None:
             text += self._stops.flush()
+        if finish == "stop" and not hit:
+            self.stop_reason = stop_token_reason(ids, self._ending_ids, self._eos_id)
         self.completion_tokens += len(ids)
         self.finish_reason = finish
         return StreamDelta(self.request_id, text, ids, finish, self.prompt_tokens,
                            self.completion_tokens, event.logprobs, first, event.prompt_logprobs,
-                           self.stopped_by_string, event.cached_tokens)
+                           self.stopped_by_string, event.cached_tokens,
+                           stop_reason=self.stop_reason if finish is not None else None)
