@@ -648,6 +648,10 @@ class GenerationResult:
     cached_prompt_tokens: int = 0
     """Prompt tokens not prefilled, because the cache held them: in the request's row, or copied into
     it from another (prefix caching, continuous batching; LaunchConfig.prefix_caching)."""
+    stop_reason: str | int | None = None
+    """What ended a "stop" (the OpenAI routes' stop_reason): the stop string that matched, or the stop
+    token id that ended the answer (one of stop_token_ids, or an end token of the model's configs other
+    than the tokenizer's EOS); None for the tokenizer's EOS and for "length"."""
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -1362,7 +1366,8 @@ class Launcher:
                     time_to_first_token_s=out.time_to_first_token_s,
                     decode_tokens_per_s=out.decode_tokens_per_s,
                     decode_step_latencies_s=list(out.decode_step_latencies_s), logits=out.logits,
-                    replica=answer.replica, attempts=answer.attempts, token_times_s=list(out.token_times_s))
+                    replica=answer.replica, attempts=answer.attempts, token_times_s=list(out.token_times_s),
+                    stop_reason=self._stop_token_reason(out.token_ids, stops, out.finish_reason))
         if errors:
             raise errors[0]
         return results
@@ -1685,7 +1690,8 @@ class Launcher:
             decode_step_latencies_s=steps, logits=logits, replica=stream.handle.replica or 0,
             attempts=stream.handle.attempts, token_times_s=times,
             prompt_logprobs=next((e.prompt_logprobs for e in events if e.prompt_logprobs is not None), None),
-            cached_prompt_tokens=next((e.cached_tokens for e in events if e.cached_tokens is not None), 0))
+            cached_prompt_tokens=next((e.cached_tokens for e in events if e.cached_tokens is not None), 0),
+            stop_reason=stream.text.stop_reason)
 
     def _encode(self, text: str, special_tokens: bool = True) -> list[int]:
         # The lock per prompt, not per call: a call of 20,000 prompts held it for a second, and an
@@ -1942,6 +1948,15 @@ class Launcher:
         # One past the vocabulary (a token the files name that the embedding lacks) is never chosen,
         # so it never ends anything; left in, it failed every request with min_tokens.
         return [i for i in ids if 0 <= i < self.model_config.vocab_size]
+
+    def _stop_token_reason(self, token_ids, ending_ids, finish_reason: str | None) -> int | None:
+        """A static batch's stop_reason (it takes no stop strings): as a stream's (TextStream)."""
+        from launcher.serving.text_stream import stop_token_reason
+
+        if finish_reason != "stop":
+            return None
+        eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        return stop_token_reason(list(token_ids), ending_ids, eos)
 
     def _decode(self, token_ids, skip_special_tokens: bool, ending_ids, finish_reason: str | None,
                 prompt_ids=()) -> str | None:

@@ -77,6 +77,9 @@ def test_the_driver_leaves_an_ending_stop_tokens_text_out_and_generate_takes_ski
                                        **only(end_id(llm.tokenizer)))[0]
                 for batching in ("continuous", "static")}
         skipped = llm.generate(["Hi"], ignore_eos=True, **only(end_id(llm.tokenizer)))[0]
+        # what ended each: the stop token id, or nothing for the tokenizer's EOS
+        by_eos = {batching: llm.generate(["Hi"], batching=batching, **only(end_id(llm.tokenizer)))[0]
+                  for batching in ("continuous", "static")}
         for batching in ("continuous", "static"):
             with pytest.raises(ValueError, match=r"^skip_special_tokens \('no'\) must be True or False$"):
                 llm.generate(["Hi"], skip_special_tokens="no", batching=batching)
@@ -89,10 +92,13 @@ def test_the_driver_leaves_an_ending_stop_tokens_text_out_and_generate_takes_ski
         ended_async, kept_async = asyncio.run(agenerated())
     for result in (*ended.values(), ended_async):
         assert (result.text, result.token_ids, result.finish_reason) == ("", [word], "stop")
+        assert result.stop_reason == word
+    for result in by_eos.values():
+        assert (result.finish_reason, result.stop_reason) == ("stop", None)
     assert ("".join(d.text for d in streamed), [t for d in streamed for t in d.token_ids]) == ("", [word])
     assert "".join(d.text for d in shown) == WORD
     for result in (*kept.values(), kept_async):
-        assert (result.text, result.finish_reason) == (END * NEW, "length")
+        assert (result.text, result.finish_reason, result.stop_reason) == (END * NEW, "length", None)
     assert skipped.text == "" and len(skipped.token_ids) == NEW
 
 
