@@ -49,13 +49,18 @@ def _rank_2_never_arrives(rank, world_size):
         coll.close()
         return None
     start = time.monotonic()
+    return _all_reduce_outcome(coll), time.monotonic() - start
+
+
+def _all_reduce_outcome(coll) -> str:
+    """What an all-reduce raised ("no error" if nothing), the collectives closed after it."""
     try:
         coll.all_reduce_sum_(torch.ones(16))
         outcome = "no error"
     except Exception as err:  # noqa: BLE001 - the message is the finding
         outcome = f"{type(err).__name__}: {err}"
     coll.close()
-    return outcome, time.monotonic() - start
+    return outcome
 
 
 @pytest.mark.slow
@@ -80,13 +85,7 @@ def _rank_2_exits(rank, world_size):
     if rank == 2:
         time.sleep(1.0)
         os._exit(0)
-    try:
-        coll.all_reduce_sum_(torch.ones(16))
-        outcome = "no error"
-    except Exception as err:  # noqa: BLE001 - the message is the finding
-        outcome = f"{type(err).__name__}: {err}"
-    coll.close()
-    return outcome
+    return _all_reduce_outcome(coll)
 
 
 @pytest.mark.slow
