@@ -1367,7 +1367,7 @@ class Launcher:
                     decode_tokens_per_s=out.decode_tokens_per_s,
                     decode_step_latencies_s=list(out.decode_step_latencies_s), logits=out.logits,
                     replica=answer.replica, attempts=answer.attempts, token_times_s=list(out.token_times_s),
-                    stop_reason=self._stop_token_reason(out.token_ids, stops, out.finish_reason))
+                    stop_reason=self._stop_token_reason(out.token_ids, stops, out.finish_reason, ignore_eos))
         if errors:
             raise errors[0]
         return results
@@ -1409,7 +1409,8 @@ class Launcher:
         return self._submit_stream(token_ids, params, max_new_tokens, ending, stops, logprobs,
                                    request_id, asynchronous=False, prompt_logprobs=prompt_logprobs,
                                    cache_salt=cache_salt, include_stop=include_stop_str_in_output,
-                                   skip_special_tokens=skip_special_tokens, stream_interval=stream_interval)
+                                   skip_special_tokens=skip_special_tokens, stream_interval=stream_interval,
+                                   ignore_eos=ignore_eos)
 
     def astream(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None, max_new_tokens: int = 64,
                 stop_token_ids: Sequence[int] = (), stop: Sequence[str] = (), ignore_eos: bool = False,
@@ -1429,7 +1430,8 @@ class Launcher:
         return self._submit_stream(token_ids, params, max_new_tokens, ending, stops, logprobs,
                                    request_id, asynchronous=True, prompt_logprobs=prompt_logprobs,
                                    cache_salt=cache_salt, include_stop=include_stop_str_in_output,
-                                   skip_special_tokens=skip_special_tokens, stream_interval=stream_interval)
+                                   skip_special_tokens=skip_special_tokens, stream_interval=stream_interval,
+                                   ignore_eos=ignore_eos)
 
     async def acheck_structured(self, sampling: SamplingParams | Sequence[SamplingParams] | None) -> None:
         """The structured-output checks of astream and agenerate (ValueError naming what is wrong),
@@ -1542,12 +1544,13 @@ class Launcher:
     def _submit_stream(self, token_ids, params, max_new_tokens, ending, stops, logprobs,
                        request_id, asynchronous: bool, prompt_logprobs: int | None = None,
                        cache_salt: str | None = None, include_stop: bool = False,
-                       skip_special_tokens: bool = True, stream_interval: int = 1):
+                       skip_special_tokens: bool = True, stream_interval: int = 1, ignore_eos: bool = False):
         """Submit one checked request (QueueFull when it would wait while max_queued_requests already
         do) and return the stream reading it. `ending`: the ids that end it (_ending_ids)."""
         stream = self._new_stream(token_ids, params, max_new_tokens, ending, stops, logprobs, request_id, asynchronous,
                                   prompt_logprobs=prompt_logprobs, cache_salt=cache_salt, include_stop=include_stop,
-                                  skip_special_tokens=skip_special_tokens, stream_interval=stream_interval)
+                                  skip_special_tokens=skip_special_tokens, stream_interval=stream_interval,
+                                  ignore_eos=ignore_eos)
         self._submit_together([stream])
         return stream
 
@@ -1567,7 +1570,7 @@ class Launcher:
     def _new_stream(self, token_ids, params, max_new_tokens, ending_ids, stops, logprobs,
                     request_id, asynchronous: bool, return_logits: bool = False, timeout_s: float | None = None,
                     prompt_logprobs: int | None = None, cache_salt: str | None = None, include_stop: bool = False,
-                    skip_special_tokens: bool = True, stream_interval: int = 1):
+                    skip_special_tokens: bool = True, stream_interval: int = 1, ignore_eos: bool = False):
         """A checked request's stream, not yet submitted: a RequestStream, or an AsyncRequestStream
         fed on the running event loop. ending_ids: _ending_ids(). timeout_s: its deadline from
         submission (default: the request timeout). cache_salt: checked (_checked_cache_salt).
@@ -1605,7 +1608,7 @@ class Launcher:
                                 cache_salt=cache_salt, stream_interval=leader_interval)
         handle = StreamHandle(request, sink, self.config.request_timeout_s if timeout_s is None else timeout_s)
         text = TextStream(request.request_id, self.tokenizer, stops, len(token_ids), params.min_tokens, include_stop,
-                          skip_special_tokens, ending_ids, prompt_ids=token_ids)
+                          skip_special_tokens, ending_ids, prompt_ids=token_ids, ignore_eos=ignore_eos)
         if asynchronous:
             return kind(self._cancel_stream, handle, text, items, loop, gather=gather)
         return kind(self._cancel_stream, handle, text, items, gather=gather)
@@ -1634,7 +1637,7 @@ class Launcher:
         check_allowed_beyond_stops(params, ending)
         streams = [self._new_stream(ids, p, max_new_tokens, ending, (), None, None, asynchronous, return_logits,
                                     prompt_logprobs=prompt_logprobs, cache_salt=cache_salt,
-                                    skip_special_tokens=skip_special_tokens)
+                                    skip_special_tokens=skip_special_tokens, ignore_eos=ignore_eos)
                    for ids, p in zip(token_lists, params)]
         # one call, admitted as one (none of its prompts is left running alone); the prompts beyond
         # their replica's rows wait for one, a request timeout per wave of rows ahead of them
@@ -1949,13 +1952,13 @@ class Launcher:
         # so it never ends anything; left in, it failed every request with min_tokens.
         return [i for i in ids if 0 <= i < self.model_config.vocab_size]
 
-    def _stop_token_reason(self, token_ids, ending_ids, finish_reason: str | None) -> int | None:
+    def _stop_token_reason(self, token_ids, ending_ids, finish_reason: str | None, ignore_eos: bool) -> int | None:
         """A static batch's stop_reason (it takes no stop strings): as a stream's (TextStream)."""
         from launcher.serving.text_stream import stop_token_reason
 
         if finish_reason != "stop":
             return None
-        eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        eos = self.tokenizer.eos_token_id if self.tokenizer is not None and not ignore_eos else None
         return stop_token_reason(list(token_ids), ending_ids, eos)
 
     def _decode(self, token_ids, skip_special_tokens: bool, ending_ids, finish_reason: str | None,

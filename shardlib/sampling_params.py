@@ -112,6 +112,8 @@ class SamplingParams:
         if not _number(p) or not 0 < p <= 1:
             raise ValueError(f"top_p={p!r} must be a number in (0, 1] (1 turns top-p off)")
         s = self.seed
+        if type(s) is int and s == -1:  # vLLM's "no seed": code ported from it sends it (a derived
+            object.__setattr__(self, "seed", s := None)  # choice seed of -1 is set past this check)
         if s is not None and (isinstance(s, bool) or not isinstance(s, int) or not MIN_SEED <= s <= MAX_SEED):
             raise ValueError(f"seed={s!r} must be None or an integer in [-2**63, 2**63 - 1]")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -69,7 +69,15 @@ def test_two_unseeded_requests_get_different_generator_seeds():
         assert request_generator(sequence, torch.device("cpu")) is not None
         seeds.append(sequence.seed)
     # two draws of randrange(2**62) agree with probability 2**-62
-    assert seeds[0] != seeds[1] and -1 not in seeds
+    assert seeds[0] != seeds[1]
+
+
+def test_the_driver_apis_seed_minus_1_is_no_seed_too():
+    """SamplingParams(seed=-1), as code ported from vLLM writes "no seed", was a fixed seed there."""
+    from shardlib.sampling_params import SamplingParams
+
+    assert SamplingParams(temperature=1.0, seed=-1).seed is None
+    assert SamplingParams(temperature=1.0, seed=-2).seed == -2
 
 
 # ---- logit_bias past +-100 ----------------------------------------------------------------------

@@ -80,6 +80,10 @@ def test_the_driver_leaves_an_ending_stop_tokens_text_out_and_generate_takes_ski
         # what ended each: the stop token id, or nothing for the tokenizer's EOS
         by_eos = {batching: llm.generate(["Hi"], batching=batching, **only(end_id(llm.tokenizer)))[0]
                   for batching in ("continuous", "static")}
+        # under ignore_eos the EOS ends an answer only as a stop token id asked for: then it is named
+        eos_asked = {batching: llm.generate(["Hi"], batching=batching, ignore_eos=True,
+                                            stop_token_ids=[end_id(llm.tokenizer)], **only(end_id(llm.tokenizer)))[0]
+                     for batching in ("continuous", "static")}
         for batching in ("continuous", "static"):
             with pytest.raises(ValueError, match=r"^skip_special_tokens \('no'\) must be True or False$"):
                 llm.generate(["Hi"], skip_special_tokens="no", batching=batching)
@@ -95,6 +99,8 @@ def test_the_driver_leaves_an_ending_stop_tokens_text_out_and_generate_takes_ski
         assert result.stop_reason == word
     for result in by_eos.values():
         assert (result.finish_reason, result.stop_reason) == ("stop", None)
+    for result in eos_asked.values():
+        assert (result.finish_reason, result.stop_reason) == ("stop", end_id(llm.tokenizer))
     assert ("".join(d.text for d in streamed), [t for d in streamed for t in d.token_ids]) == ("", [word])
     assert "".join(d.text for d in shown) == WORD
     for result in (*kept.values(), kept_async):

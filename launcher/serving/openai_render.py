@@ -76,6 +76,12 @@ class _Render:
             _told_stop_reason(chunk["choices"][0], self.sent_stop_reason(delta))
         return chunk
 
+    def _every_chunk(self, chunk: dict, delta) -> dict:
+        """A streamed chunk with a stop_reason, null before the last (completions' chunks all carry
+        the key, as vLLM's do: a client reading it from every chunk failed on the first)."""
+        _told_stop_reason(chunk["choices"][0], self.sent_stop_reason(delta) if delta.finish_reason else None)
+        return chunk
+
     def reasoning_tokens(self) -> int | None:
         """The choice's reasoning tokens so far, for the usage's completion_tokens_details; None where
         they are not counted (no reasoning parser), which leaves that field out."""
@@ -160,7 +166,7 @@ class CompletionRender(_Render):
         if not text and logprobs is None and delta.finish_reason is None:
             return None  # tokens whose text is held back (a possible stop string, a partial character)
         chunk = proto.completion_chunk(meta, text, self.finish_reason(delta.finish_reason), logprobs, self.index)
-        return self._ending_chunk(chunk, delta)
+        return self._every_chunk(chunk, delta)
 
     def collect(self, delta) -> None:
         text, parts = self._text_and_logprobs(delta)
