@@ -74,6 +74,7 @@ class ThreadTPGroup:
     polls meanwhile, and two assignments let a poll between them see the fault with a stale count."""
     _call_numbers: object = field(default_factory=itertools.count, init=False)
     """Submissions and cancellations numbered as TPGroup numbers them (rank 0 runs them in order)."""
+    _fault_lock: threading.Lock = field(default_factory=threading.Lock, init=False)
     _calls_sent: int = field(default=0, init=False)
     """Submissions sent to rank 0 (fail_next's fault waits for one, or for work already there)."""
 
@@ -122,8 +123,8 @@ class ThreadTPGroup:
 
     def submit(self, requests) -> None:
         if self.actors:
-            self._calls_sent += 1
             self.actors[0].submit_requests(requests, next(self._call_numbers))
+            self._calls_sent += 1  # after: a poll meanwhile must not fire the fault before the requests are there
 
     def cancel(self, request_ids) -> None:
         if self.actors:
@@ -138,8 +139,10 @@ class ThreadTPGroup:
             self.kill()
             raise WorkerDied(f"rank {self._dead[0]} (in-process, pid {os.getpid()}) died while trying to "
                              f"{step}; the group was stopped")
-        if self._fault is not None and at_work:
-            (fault, _), self._fault = self._fault, None
+        with self._fault_lock:  # a driver's generate and the replica's poll may both get here
+            taken, self._fault = (self._fault, None) if at_work else (None, self._fault)
+        if taken is not None:
+            fault, _ = taken
             self.kill()
             raise fault
 

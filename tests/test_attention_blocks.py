@@ -96,9 +96,11 @@ def test_short_calls_and_traced_graphs_do_not_go_by_blocks():
 
 def test_a_windowed_models_long_prompt_equals_transformers(monkeypatch):
     """A 700-token prompt through a random Mistral with a 200-token window: every layer's attention
-    goes by blocks (counted), and the last logits equal transformers'."""
+    goes by blocks (counted), and the last logits equal transformers'. Its head_dim (8) is one the
+    prefill attention kernel tiles on no build, so the blocks are what runs (16, an AVX2 build's
+    panel width, took the kernel there)."""
     hf = build_random_model(model_type="mistral", sliding_window=200, max_position_embeddings=1024, vocab_size=256,
-                            initializer_range=0.05, seed=3)
+                            initializer_range=0.05, seed=3, num_heads=8, num_kv_heads=2)
     prompt = [(7 * i + 3) % 250 + 3 for i in range(700)]
     expected, got, calls = logits_counting_calls(monkeypatch, attention_blocks, "blocked_attention", hf, prompt)
     assert calls == hf.config.num_hidden_layers

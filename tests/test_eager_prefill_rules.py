@@ -13,7 +13,6 @@ from shardlib.model_config import ModelConfig
 from shardlib.serving_shapes import PREFILL_CONTINUE, PREFILL_START, ServingShapes
 from tests.model_factory import build_random_model
 from tests.native_kernels import skip_unless_built
-from tests.test_engine import fresh_model
 from tests.tp_harness import build_rank_model, hf_state_dict
 from workers.collectives import SingleRank
 from workers.compiled import CompiledCausalLM
@@ -24,10 +23,20 @@ from workers.serving.step_plan import PrefillChunk
 BUCKETS = Buckets.build(max_seq_len=4096, context=(256, 512, 1024, 2048), token=(4096,))
 
 
+UNTILED_HEAD_DIM = 8
+"""A head_dim the prefill attention kernel tiles on no build (its panel width is 16 with AVX2, 32 with
+AVX-512: the tests took 16, which an AVX2 build tiles, and failed on such machines)."""
+
+
+def untiled_model():
+    hf = build_random_model(hidden_size=64, num_heads=64 // UNTILED_HEAD_DIM, num_kv_heads=2)
+    return build_rank_model(ModelConfig.from_dict(hf.config.to_dict()), hf_state_dict(hf), 0, 1, SingleRank())
+
+
 def compiled_loop(model=None) -> ServingLoop:
-    """fresh_model's head_dim is 16, which the prefill attention kernel does not tile."""
+    """By default a model of UNTILED_HEAD_DIM, which the prefill attention kernel does not cover."""
     shapes = ServingShapes.build(BUCKETS, max_num_seqs=4, max_prefill_tokens=2048)
-    return ServingLoop(CompiledCausalLM(model or fresh_model(), BUCKETS, announce=lambda line: None),
+    return ServingLoop(CompiledCausalLM(model or untiled_model(), BUCKETS, announce=lambda line: None),
                        ServingConfig(4, 2048, 4096, shapes))
 
 
@@ -71,9 +80,9 @@ def test_a_ranks_warm_up_takes_its_loops_rules_which_compile_works_out_alike():
     loop = compiled_loop()
     shapes = loop.config.shapes
     built = warm_up_shapes_for(shapes, loop.continues_eagerly, loop.eager_from_width)
-    assert built == warm_up_shapes(shapes, True, 16, torch.float32)
+    assert built == warm_up_shapes(shapes, True, UNTILED_HEAD_DIM, torch.float32)
     assert built == shapes.shapes(continuing=False, chunks_below=EAGER_PREFILL_WIDTH)
-    assert warm_up_shapes_for(shapes, False, None, 1024) == warm_up_shapes(shapes, False, 16, torch.float32, 1024)
+    assert warm_up_shapes_for(shapes, False, None, 1024) == warm_up_shapes(shapes, False, UNTILED_HEAD_DIM, torch.float32, 1024)
     assert warm_up_shapes_for(shapes, False, None) == shapes.shapes()  # not cpu: every graph
 
 
@@ -83,7 +92,7 @@ def test_with_the_prefill_attention_kernel_wide_unpadded_chunks_take_their_graph
     and continuing send a call eagerly, and the warm-up builds the wide chunks' graphs; turned off,
     the width rule is back."""
     model = head_dim_64_model()
-    assert prefill_attention.covers(64, torch.float32) and not prefill_attention.covers(16, torch.float32)
+    assert prefill_attention.covers(64, torch.float32) and not prefill_attention.covers(UNTILED_HEAD_DIM, torch.float32)
     assert not prefill_attention.covers(64, torch.bfloat16)  # the kernel takes float32 only
     loop = compiled_loop(model)
     assert loop.eager_from_width is None
@@ -95,7 +104,7 @@ def test_with_the_prefill_attention_kernel_wide_unpadded_chunks_take_their_graph
     shapes = ServingShapes.build(BUCKETS, max_num_seqs=4, max_prefill_tokens=2048)
     wide = {(PREFILL_START, 1024), (PREFILL_START, 2048)}
     assert wide <= {(phase, length) for phase, _, length in warm_up_shapes(shapes, True, 64, torch.float32)}
-    assert not wide & {(phase, length) for phase, _, length in warm_up_shapes(shapes, True, 16, torch.float32)}
+    assert not wide & {(phase, length) for phase, _, length in warm_up_shapes(shapes, True, UNTILED_HEAD_DIM, torch.float32)}
     monkeypatch.setenv("CORELAUNCH_PREFILL_ATTENTION", "0")
     assert compiled_loop(model).eager_from_width == EAGER_PREFILL_WIDTH
     assert not wide & {(phase, length) for phase, _, length in warm_up_shapes(shapes, True, 64, torch.float32)}

@@ -177,7 +177,7 @@ def test_lnc_1_on_trn2_is_suggested_only_where_its_halved_memory_holds_the_layou
     assert fits is False  # the second layout is the one whose LNC 1 memory does not hold it
 
 
-def test_a_server_group_short_of_ram_even_without_its_kv_cache_is_not_told_to_shrink_it(host_ram):
+def test_a_server_group_short_of_ram_even_without_its_kv_cache_is_not_told_to_shrink_it(host_ram, monkeypatch):
     """A host holding the plan with 1 MiB to spare holds no server group (its Serve replica, 448 MiB,
     comes on top): the refusal advised a smaller --seq-len or fewer --max-num-seqs, shrinking a KV
     cache of a MiB against hundreds missing."""
@@ -192,8 +192,7 @@ def test_a_server_group_short_of_ram_even_without_its_kv_cache_is_not_told_to_sh
     host_ram(int((server_plan().memory.total_bytes_per_rank + 2**20) / (1 - RESERVE_FRACTION)) + 1)
     plan = server_plan()
     assert plan.valid, plan.errors
-    config = SimpleNamespace(instance=None, nodes=1, ray_address=None, replicas=1)
-    holds = groups_this_host_holds(config, plan, "cpu", server=True)
+    holds = groups_this_host_holds(_private_cpu_config(monkeypatch), plan, "cpu", server=True)
     assert holds == 0
     with pytest.raises(ValueError) as info:
         check_groups_fit(1, "--replicas", plan, holds, server=True)

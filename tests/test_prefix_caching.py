@@ -70,11 +70,15 @@ def test_rows_are_chosen_by_longest_shared_prefix_then_blank_then_least_recently
     assert h.choose([0, 1, 2], (1,), reuse=True) == Seat(1)  # one token: nothing can be skipped
     h.forget(2)
     assert h.choose([0, 1, 2], (1, 2, 3, 4, 5), reuse=True) == Seat(1, 2, copy_from=0)
-    # no blank row: the conversation's longer history stays, the row freed longest ago takes the copy
+    # no blank row: the smaller loss is taken, the source's past beyond the prompt (3 tokens) or the
+    # past of the row freed longest ago beyond what it shares with the prompt (2, then 4)
     h = RowHistories()
-    h.keep(2, (5, 5, 5))
+    h.keep(2, (5, 5))
     h.keep(3, (1, 2, 3, 8, 5, 6))
     assert h.choose([2, 3], (1, 2, 3, 9), reuse=True) == Seat(2, 3, copy_from=3)
+    h.keep(2, (5, 5, 5, 5))
+    h.keep(3, (1, 2, 3, 8, 5, 6))
+    assert h.choose([2, 3], (1, 2, 3, 9), reuse=True) == Seat(3, 3)
 
 
 def test_a_running_rows_prefix_is_copied_into_a_free_row(short_prefixes):

@@ -1,6 +1,6 @@
 """Prefix caching once every row holds a history (workers/serving/prefix_reuse.py): a prompt sharing
-only a system prompt with a conversation's row is copied into the row freed longest ago, so the
-conversation's next turn still finds its whole history; the scheduler's slice-at-a-time view of a
+only a system prompt with a conversation's row is copied into the row freed longest ago where that
+row loses less, so the conversation's next turn still finds its whole history; the scheduler's slice-at-a-time view of a
 running row's tokens; and the serving driver waiting past requests it was not asked about."""
 
 from __future__ import annotations
@@ -42,8 +42,22 @@ def test_without_a_blank_row_a_shared_prefix_is_copied_into_the_row_freed_longes
     # a past of fewer than MIN_SHARED_TOKENS beyond where they part is not worth another row's history
     short_tail = CONVERSATION[:-(MIN - 1)] + (9,)
     assert h.choose([0, 1, 2], short_tail, reuse=True) == Seat(0, len(short_tail) - 1)
+    # MIN tokens of row 0's past against row 1's 100: the smaller loss, row 0's, is taken
     long_tail = CONVERSATION[:-MIN] + (9,)
+    assert h.choose([0, 1, 2], long_tail, reuse=True) == Seat(0, len(long_tail) - 1)
+    h.keep(1, tuple(range(300, 300 + MIN - 1)))  # shorter pasts, row 1 the one freed longest ago
+    h.keep(2, tuple(range(400, 400 + MIN - 1)))
+    h.keep(0, CONVERSATION)
     assert h.choose([0, 1, 2], long_tail, reuse=True) == Seat(1, len(long_tail) - 1, copy_from=0)
+
+
+def test_rows_sharing_the_prompt_alike_seat_it_in_the_row_freed_longest_ago_with_no_copy():
+    """Two rows share the system prompt alike: the prompt was copied from the lower into the row freed
+    longest ago, which held those tokens already."""
+    h = RowHistories()
+    h.keep(1, SYSTEM + (1,) * 50)
+    h.keep(0, SYSTEM + (2,) * 50)
+    assert h.choose([0, 1], SYSTEM + (9,) * 20, reuse=True) == Seat(1, len(SYSTEM))
 
 
 def test_a_source_freed_longest_ago_loses_its_own_past_not_a_more_recent_row():

@@ -191,7 +191,7 @@ def refuse_another_instance_family(root: Path, manifest: dict[str, Any], instanc
 
 def _a(word: str) -> str:
     """The article before an instance family's name (an inf2, a trn1)."""
-    return f"an {word}" if word[0] in "aeiou" else f"a {word}"
+    return f"an {word}" if word[:1] in ("a", "e", "i", "o", "u") else f"a {word}"
 
 
 def _refuse_another_kind(root: Path, shown: Path) -> None:

@@ -25,11 +25,12 @@ least MIN_SHARED_TOKENS. A free row whose whole history the prompt starts with i
 (nothing else it holds is lost); otherwise the shared part is copied into a free row that remembers
 nothing, so a longer history (another conversation behind the same system prompt) stays for its
 own next turn. With no such row, some free row's history goes either way: the source's own past
-where it and the prompt part, or all of another row's. The one freed longest ago loses it, as
-without a shared prefix: a free source freed longest ago is taken itself, else the shared part is
-copied into the row freed longest ago; a free source that would lose fewer than MIN_SHARED_TOKENS
-(the same prompt sent again, say) is taken itself too. A running source's prefix goes into a free
-row that remembers nothing, else the one freed longest ago. Without a shared prefix: a free row
+where it and the prompt part, or the past of the row freed longest ago beyond what it shares with
+the prompt. The smaller loss is taken (a tie keeps the source, with no copy): the source is taken
+itself, else the shared part is copied into the row freed longest ago; a free source that would
+lose fewer than MIN_SHARED_TOKENS (the same prompt sent again, say) is taken itself too, and where
+rows share the prompt alike, the row freed longest ago is taken itself. A running source's prefix
+goes into a free row that remembers nothing, else the one freed longest ago. Without a shared prefix: a free row
 that remembers nothing (the lowest), then the one freed longest ago, so recent histories live
 longest.
 """
@@ -45,6 +46,10 @@ word and a space); skipping those saves little, while with compiling a chunk tha
 runs in another prefill call than the chunks that start theirs at slot 0 in the same step."""
 
 
+MAX_WINDOW = 1024
+"""The widest slice common_prefix_length compares at once."""
+
+
 def common_prefix_length(a: Tokens[int], b: Tokens[int]) -> int:
     """How many leading ids a and b share, by slice comparisons (which run in C): over windows that
     double from the start, then a bisection inside the first window where they differ. Its cost
@@ -57,7 +62,9 @@ def common_prefix_length(a: Tokens[int], b: Tokens[int]) -> int:
         high = min(low + width, end)
         if not _same_ids(a, b, low, high):
             return _bisect_common(a, b, low, high - 1)
-        low, width = high, width * 2
+        # capped: the bisection inside the last window copies it about twice, which cost more than
+        # the old whole-input bisection where most of a long prefix was shared
+        low, width = high, min(width * 2, MAX_WINDOW)
     return low
 
 
@@ -135,23 +142,30 @@ class RowHistories:
         for row, held in candidates + running:
             common = common_prefix_length(held, prompt)
             shared = min(common, len(prompt) - 1)
-            if shared > best and shared >= MIN_SHARED_TOKENS:
+            # on a tie, the row a copy would go to: seated there itself, nothing is copied
+            if (shared > best or (shared == best and row == fresh)) and shared >= MIN_SHARED_TOKENS:
                 best_row, best, best_common = row, shared, common
         if best_row is None:
             return Seat(fresh)
-        if best_row in self._held and self._taken_as_it_is(best_row, best, best_common, fresh, bool(blank)):
+        if best_row in self._held and self._taken_as_it_is(best_row, best, best_common, fresh, bool(blank), prompt):
             return Seat(best_row, best)
         return Seat(fresh, best, best_row)
 
-    def _taken_as_it_is(self, row: int, shared: int, common: int, fresh: int, blank_left: bool) -> bool:
+    def _taken_as_it_is(self, row: int, shared: int, common: int, fresh: int, blank_left: bool,
+                        prompt: Tokens[int]) -> bool:
         """Whether a prompt sharing `shared` slots with free row `row` (`common` tokens, counting the
         last prompt token, which is prefilled again) is seated there, not copied into `fresh`."""
         history = len(self._held[row])
-        if shared >= history:
-            return True  # its whole history is the prompt's start: nothing of it is lost
+        if shared >= history or fresh == row:
+            return True  # its whole history is the prompt's start, or it is the row a copy would go to
         if blank_left:
             return False  # a copy into a blank row costs no history at all
         # Either this row loses its past beyond `common` (the prefill writes the same tokens up to
-        # there) or `fresh`, the free row freed longest ago, loses all of its own: the older goes,
-        # as it would for a prompt sharing nothing. A past too short to be reused is not worth it.
-        return fresh == row or history - common < MIN_SHARED_TOKENS
+        # there) or `fresh`, the free row freed longest ago, loses its own past beyond what it shares
+        # with the prompt: the smaller loss is taken (a tie keeps the row, with no copy). Always
+        # copying into `fresh` wiped conversations waiting for their next turn to keep a one-off's
+        # leftovers; always taking the row wiped a conversation for a prompt sharing only its
+        # system prompt. A past too short to be reused is not worth a copy either.
+        held_there = self._held[fresh]
+        loses_there = len(held_there) - common_prefix_length(held_there, prompt)
+        return history - common < MIN_SHARED_TOKENS or history - common <= loses_there

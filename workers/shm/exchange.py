@@ -101,6 +101,7 @@ class Segment:
     the others. Unlinking only removes the name; the memory lives until every rank unmaps it."""
 
     def __init__(self, path: str, layout: SegmentLayout, create: bool, token: bytes) -> None:
+        self._release_lock = threading.Lock()
         self.path, self.layout = path, layout
         self._held: int | None = None
         if create:
@@ -154,9 +155,10 @@ class Segment:
         self._release()
 
     def _release(self) -> None:
-        # taken before it is closed: the leader's watcher thread (group.py) and its own thread may
-        # both get here, and a descriptor closed twice could close another file that reused it
-        held, self._held = self._held, None
+        # under a lock: the leader's watcher thread (group.py) and its own thread may both get here,
+        # and a descriptor closed twice could close another file that reused its number
+        with self._release_lock:
+            held, self._held = self._held, None
         if held is not None:
             os.close(held)  # the lock goes with it
 
