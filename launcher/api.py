@@ -651,7 +651,8 @@ class GenerationResult:
     stop_reason: str | int | None = None
     """What ended a "stop" (the OpenAI routes' stop_reason): the stop string that matched, or the stop
     token id that ended the answer (one of stop_token_ids, or an end token of the model's configs other
-    than the tokenizer's EOS); None for the tokenizer's EOS and for "length"."""
+    than the tokenizer's EOS, or that EOS under ignore_eos where stop_token_ids names it); None for the
+    tokenizer's EOS (config.json's first without a tokenizer) and for "length"."""
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -1608,7 +1609,8 @@ class Launcher:
                                 cache_salt=cache_salt, stream_interval=leader_interval)
         handle = StreamHandle(request, sink, self.config.request_timeout_s if timeout_s is None else timeout_s)
         text = TextStream(request.request_id, self.tokenizer, stops, len(token_ids), params.min_tokens, include_stop,
-                          skip_special_tokens, ending_ids, prompt_ids=token_ids, ignore_eos=ignore_eos)
+                          skip_special_tokens, ending_ids, prompt_ids=token_ids, ignore_eos=ignore_eos,
+                          eos_token_id=self._plain_end_id())
         if asynchronous:
             return kind(self._cancel_stream, handle, text, items, loop, gather=gather)
         return kind(self._cancel_stream, handle, text, items, gather=gather)
@@ -1958,8 +1960,14 @@ class Launcher:
 
         if finish_reason != "stop":
             return None
-        eos = self.tokenizer.eos_token_id if self.tokenizer is not None and not ignore_eos else None
-        return stop_token_reason(list(token_ids), ending_ids, eos)
+        return stop_token_reason(list(token_ids), ending_ids, None if ignore_eos else self._plain_end_id())
+
+    def _plain_end_id(self) -> int | None:
+        """The end of an answer that names no stop (stop_reason None): the tokenizer's EOS, else (a
+        launch without a tokenizer) config.json's first."""
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            return self.tokenizer.eos_token_id
+        return next(iter(self.model_config.eos_token_id), None)
 
     def _decode(self, token_ids, skip_special_tokens: bool, ending_ids, finish_reason: str | None,
                 prompt_ids=()) -> str | None:

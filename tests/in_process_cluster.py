@@ -124,7 +124,8 @@ class ThreadTPGroup:
     def submit(self, requests) -> None:
         if self.actors:
             self.actors[0].submit_requests(requests, next(self._call_numbers))
-            self._calls_sent += 1  # after: a poll meanwhile must not fire the fault before the requests are there
+            with self._fault_lock:  # after: a poll meanwhile must not fire the fault before the requests are there
+                self._calls_sent += 1
 
     def cancel(self, request_ids) -> None:
         if self.actors:

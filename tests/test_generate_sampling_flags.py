@@ -54,3 +54,10 @@ def test_a_seed_beside_a_filter_at_its_off_value_is_refused_as_a_seed_alone(off,
 def test_a_seed_with_a_filter_that_filters_is_taken():
     got = cli_sampling("--top-k", "5", "--seed", "3")
     assert (got.temperature, got.top_k, got.seed) == (1.0, 5, 3)
+
+
+def test_seed_minus_1_is_no_seed_as_the_api_reads_it():
+    """--seed -1 with a temperature seeded every prompt with -1 (the API reads -1 as no seed), and
+    alone it was refused as a seed without sampling."""
+    assert cli_sampling("--temperature", "0.8", "--seed", "-1") == SamplingParams(temperature=0.8)
+    assert cli_sampling("--seed", "-1").is_greedy

@@ -192,3 +192,13 @@ def test_a_length_finish_has_a_null_stop_reason_on_the_route(smollm2_tokenizer):
     answer = run_route(text_stream_server(smollm2_tokenizer, SCRIPT), "/v1/completions",
                        {**COMPLETION, "max_tokens": 3, "stop": ["Seine"]})
     assert (answer["choices"][0]["finish_reason"], answer["choices"][0]["stop_reason"]) == ("length", None)
+
+
+def test_without_a_tokenizer_the_configs_eos_is_the_plain_end():
+    """A launch without a tokenizer named every ending id, its plain EOS too: Launcher passes
+    config.json's first EOS as the plain end."""
+    def ended_by(token: int):
+        stream = TextStream("r", None, (), 3, stop_token_ids=(2, 7), eos_token_id=2)
+        return stream.delta(TokenEvent("r", [token], "stop")).stop_reason
+
+    assert ended_by(2) is None and ended_by(7) == 7

@@ -58,6 +58,18 @@ def test_rows_sharing_the_prompt_alike_seat_it_in_the_row_freed_longest_ago_with
     h.keep(1, SYSTEM + (1,) * 50)
     h.keep(0, SYSTEM + (2,) * 50)
     assert h.choose([0, 1], SYSTEM + (9,) * 20, reuse=True) == Seat(1, len(SYSTEM))
+    # unless the other row's whole history is the prompt's start: seated there, nothing lost at all
+    h.keep(0, SYSTEM)
+    assert h.choose([0, 1], SYSTEM + (9,) * 20, reuse=True) == Seat(0, len(SYSTEM))
+
+
+def test_a_row_of_another_salt_keeps_nothing_it_shares_with_the_prompt():
+    """Its loss counted the system prompt it shares as kept, though after a copy those slots are the
+    new salt's: 5 tokens lost against the source's 20, where it loses all its 37."""
+    h = RowHistories()
+    h.keep(1, SYSTEM + (1,) * 5, salt="theirs")  # freed longest ago
+    h.keep(0, SYSTEM + (2,) * 20)
+    assert h.choose([0, 1], SYSTEM + (9,) * 20, reuse=True) == Seat(0, len(SYSTEM))
 
 
 def test_a_source_freed_longest_ago_loses_its_own_past_not_a_more_recent_row():

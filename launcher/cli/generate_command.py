@@ -33,7 +33,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1]")
     p.add_argument("--min-p", type=float, metavar="M",
                    help="keep tokens at least M times as likely as the most likely, in [0, 1] (0 = off)")
-    p.add_argument("--seed", type=int, help="seed for reproducible sampling (each prompt is seeded with it alike)")
+    p.add_argument("--seed", type=int, help="seed for reproducible sampling (each prompt is seeded with it alike; "
+                                             "-1: no seed, as the API reads it)")
     p.add_argument("--min-tokens", type=int, metavar="N",
                    help="no stop token (EOS included) ends a prompt's generation before N tokens, at most "
                         "--max-new-tokens (default 0)")
@@ -61,6 +62,8 @@ def _sampling(args):
 
     given = {k: v for k, v in (("temperature", args.temperature), ("top_k", args.top_k), ("top_p", args.top_p),
                                ("min_p", args.min_p), ("seed", args.seed)) if v is not None}
+    if given.get("seed") == -1:  # no seed, as SamplingParams and the server read it: not a seed given
+        del given["seed"]
     penalties = {k: v for k, v in (("presence_penalty", args.presence_penalty),
                                    ("frequency_penalty", args.frequency_penalty),
                                    ("repetition_penalty", args.repetition_penalty),

@@ -60,7 +60,7 @@ class TextStream:
     def __init__(self, request_id: str, tokenizer, stops: tuple[str, ...], prompt_tokens: int,
                  min_tokens: int = 0, include_stop_str_in_output: bool = False,
                  skip_special_tokens: bool = True, stop_token_ids: Collection[int] = (),
-                 prompt_ids: Sequence[int] = (), ignore_eos: bool = False) -> None:
+                 prompt_ids: Sequence[int] = (), ignore_eos: bool = False, eos_token_id: int | None = None) -> None:
         """min_tokens: a stop string counts only where it ends in the text of the tokens after the
         first min_tokens (vLLM's rule: its min_tokens holds stop strings back as it holds stop
         tokens); it may begin earlier. include_stop_str_in_output (vLLM's): the text ends with the
@@ -82,7 +82,9 @@ class TextStream:
         self._hidden_endings = frozenset() if include_stop_str_in_output else self._ending_ids
         # the tokenizer's EOS ends an answer plainly (no stop_reason) unless ignore_eos: then it ends
         # one only as a stop token id the request named, which stop_reason names, as vLLM's does
-        self._eos_id = None if ignore_eos else getattr(tokenizer, "eos_token_id", None)
+        # (eos_token_id: the plain end where the tokenizer names none, a launch without one say)
+        plain_end = getattr(tokenizer, "eos_token_id", None)
+        self._eos_id = None if ignore_eos else (plain_end if plain_end is not None else eos_token_id)
         self._stops = StopStringMatcher(stops, include_stop_str_in_output) if stops else None
         self._min_tokens = min_tokens
         self.prompt_tokens = prompt_tokens

@@ -142,17 +142,24 @@ class RowHistories:
         for row, held in candidates + running:
             common = common_prefix_length(held, prompt)
             shared = min(common, len(prompt) - 1)
-            # on a tie, the row a copy would go to: seated there itself, nothing is copied
-            if (shared > best or (shared == best and row == fresh)) and shared >= MIN_SHARED_TOKENS:
+            # on a tie, the row a copy would go to (seated there itself, nothing is copied), unless the
+            # row found first loses nothing of its own (its whole history is the prompt's start)
+            tie_to_fresh = shared == best and row == fresh and not self._whole_start(best_row, best)
+            if (shared > best or tie_to_fresh) and shared >= MIN_SHARED_TOKENS:
                 best_row, best, best_common = row, shared, common
         if best_row is None:
             return Seat(fresh)
-        if best_row in self._held and self._taken_as_it_is(best_row, best, best_common, fresh, bool(blank), prompt):
+        if best_row in self._held and self._taken_as_it_is(best_row, best, best_common, fresh, bool(blank), prompt,
+                                                           salt):
             return Seat(best_row, best)
         return Seat(fresh, best, best_row)
 
+    def _whole_start(self, row: int | None, shared: int) -> bool:
+        """Whether free row `row` holds nothing beyond the `shared` slots a prompt starts with."""
+        return row in self._held and shared >= len(self._held[row])
+
     def _taken_as_it_is(self, row: int, shared: int, common: int, fresh: int, blank_left: bool,
-                        prompt: Tokens[int]) -> bool:
+                        prompt: Tokens[int], salt: str | None) -> bool:
         """Whether a prompt sharing `shared` slots with free row `row` (`common` tokens, counting the
         last prompt token, which is prefilled again) is seated there, not copied into `fresh`."""
         history = len(self._held[row])
@@ -167,5 +174,7 @@ class RowHistories:
         # leftovers; always taking the row wiped a conversation for a prompt sharing only its
         # system prompt. A past too short to be reused is not worth a copy either.
         held_there = self._held[fresh]
-        loses_there = len(held_there) - common_prefix_length(held_there, prompt)
+        # what it shares with the prompt stays only for its own salt (after the copy it is the prompt's)
+        kept_there = common_prefix_length(held_there, prompt) if self._salts[fresh] == salt else 0
+        loses_there = len(held_there) - kept_there
         return history - common < MIN_SHARED_TOKENS or history - common <= loses_there
