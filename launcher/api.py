@@ -1356,6 +1356,8 @@ class Launcher:
             for _, future in parts:
                 future.cancel()
             raise
+        from launcher.serving.text_stream import stop_token_reason
+
         for first, answer in answers:
             for j, out in enumerate(answer.outputs):
                 i = first + j
@@ -1368,7 +1370,8 @@ class Launcher:
                     decode_tokens_per_s=out.decode_tokens_per_s,
                     decode_step_latencies_s=list(out.decode_step_latencies_s), logits=out.logits,
                     replica=answer.replica, attempts=answer.attempts, token_times_s=list(out.token_times_s),
-                    stop_reason=self._stop_token_reason(out.token_ids, stops, out.finish_reason, ignore_eos))
+                    stop_reason=stop_token_reason(out.token_ids, out.finish_reason, stops,
+                                                  None if ignore_eos else self._plain_end_id()))
         if errors:
             raise errors[0]
         return results
@@ -1953,14 +1956,6 @@ class Launcher:
         # One past the vocabulary (a token the files name that the embedding lacks) is never chosen,
         # so it never ends anything; left in, it failed every request with min_tokens.
         return [i for i in ids if 0 <= i < self.model_config.vocab_size]
-
-    def _stop_token_reason(self, token_ids, ending_ids, finish_reason: str | None, ignore_eos: bool) -> int | None:
-        """A static batch's stop_reason (it takes no stop strings): as a stream's (TextStream)."""
-        from launcher.serving.text_stream import stop_token_reason
-
-        if finish_reason != "stop":
-            return None
-        return stop_token_reason(list(token_ids), ending_ids, None if ignore_eos else self._plain_end_id())
 
     def _plain_end_id(self) -> int | None:
         """The end of an answer that names no stop (stop_reason None): the tokenizer's EOS, else (a

@@ -301,12 +301,10 @@ def host_bytes_per_group(plan, server: bool = False) -> int:
     (SERVER_REPLICA_BYTES), which the plan does not know of. A server never runs static batches, so
     its groups hold the serving rows alone: its own plan (max_batch_size 0) counts no others, and one
     made with static rows (the driver API's) has them taken out here."""
-    mem = plan.memory
-    kv_bytes = mem.kv_cache_bytes_per_rank
+    kv_bytes = plan.memory.kv_cache_bytes_per_rank
     if server and plan.serving_rows:
         kv_bytes = kv_bytes * plan.serving_rows // (plan.batch_size + plan.serving_rows)
-    per_rank = mem.fixed_bytes_per_rank + kv_bytes
-    return per_rank * plan.tp_degree + (SERVER_REPLICA_BYTES if server else 0)
+    return _bytes_without_kv_cache(plan, server) + kv_bytes * plan.tp_degree
 
 
 def groups_this_host_holds(config, plan, backend: str, server: bool = False) -> int | None:
@@ -392,10 +390,10 @@ def _no_group_fits(plan, server: bool) -> str:
             f"({format_bytes(_process_bytes(plan, server))} of it for its {processes}, about "
             f"{format_bytes(RANK_PROCESS_BYTES)} a rank, beside its weights, KV cache and scratch) "
             f"but this host has {format_bytes(usable)} usable; nothing was started. ")
-    kv_bytes = needs - _bytes_without_kv_cache(plan, server)
-    if needs - kv_bytes > usable:  # no smaller cache can help: it told to shrink a cache of a MiB
-        return (said + f"Even without its KV cache ({format_bytes(kv_bytes)}) it needs "
-                f"{format_bytes(needs - kv_bytes)}: run it on a host with more RAM, or with a smaller --dtype "
+    without_kv = _bytes_without_kv_cache(plan, server)
+    if without_kv > usable:  # no smaller cache can help: it told to shrink a cache of a MiB
+        return (said + f"Even without its KV cache ({format_bytes(needs - without_kv)}) it needs "
+                f"{format_bytes(without_kv)}: run it on a host with more RAM, or with a smaller --dtype "
                 f"(the weights)" + (", or a lower --tp (fewer rank processes)" if plan.tp_degree > 1 else ""))
     return said + f"{lower_tp} the KV cache: a smaller --seq-len, or fewer rows ({rows})"
 

@@ -140,8 +140,10 @@ class ThreadTPGroup:
             self.kill()
             raise WorkerDied(f"rank {self._dead[0]} (in-process, pid {os.getpid()}) died while trying to "
                              f"{step}; the group was stopped")
-        with self._fault_lock:  # a driver's generate and the replica's poll may both get here
-            taken, self._fault = (self._fault, None) if at_work else (None, self._fault)
+        taken = None
+        if at_work:
+            with self._fault_lock:  # a driver's generate and the replica's poll may both get here
+                taken, self._fault = self._fault, None
         if taken is not None:
             fault, _ = taken
             self.kill()
@@ -187,7 +189,8 @@ class ThreadTPGroup:
         """The next generate, or poll while the group has requests (running, waiting, events not yet
         polled, or submitted since), raises `fault` (a GroupFault) and stops the group, as a broken
         one does."""
-        self._fault = (fault, self._calls_sent)
+        with self._fault_lock:
+            self._fault = (fault, self._calls_sent)
 
     def kill_rank(self, rank: int) -> None:
         """Rank `rank` is gone: the health check reports it, the next request fails with WorkerDied."""

@@ -4,18 +4,11 @@
 from __future__ import annotations
 
 from launcher.cluster.finish_rate import KEPT, LONGEST_WAIT_S, WINDOW_S, FinishRate
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.manual_clock import ManualClock
 
 
 def test_the_wait_is_the_recent_time_between_two_ends():
-    clock = Clock()
+    clock = ManualClock(1000.0)
     rate = FinishRate(clock)
     assert rate.retry_after_s() == 1  # nothing has ended: nothing to go by
     rate.record()
@@ -31,7 +24,7 @@ def test_the_wait_is_the_recent_time_between_two_ends():
 
 
 def test_fast_ends_say_one_second_and_a_slow_or_stalled_pool_up_to_a_minute():
-    clock = Clock()
+    clock = ManualClock(1000.0)
     rate = FinishRate(clock)
     for _ in range(KEPT * 2):  # only the last KEPT are kept
         clock.now += 0.01
@@ -65,7 +58,7 @@ def test_a_full_queue_tells_the_wait_its_streams_ending_say(tmp_path, in_process
     with Launcher(model=model_dir, tp=1, max_num_seqs=1, max_queued_requests=0, progress=False,
                   compile=False) as llm:
         llm.generate(["a"], max_new_tokens=2)  # the pool exists once something ran
-        clock = Clock()
+        clock = ManualClock(1000.0)
         llm._pool.finish_rate = FinishRate(clock)
         for _ in range(3):  # three requests end, 5 s apart on the clock
             llm.generate(["b"], max_new_tokens=2)
@@ -79,7 +72,7 @@ def test_a_full_queue_tells_the_wait_its_streams_ending_say(tmp_path, in_process
 
 
 def test_a_long_stalled_pool_says_the_longest_wait():
-    clock = Clock()
+    clock = ManualClock(1000.0)
     rate = FinishRate(clock)
     rate.record()
     clock.now += 600  # one end, ten minutes ago: requests are long, or nothing ends
@@ -89,7 +82,7 @@ def test_a_long_stalled_pool_says_the_longest_wait():
 def test_a_burst_of_ends_then_a_stall_says_the_time_since_the_last_end():
     """A pace faster than the time since the last end is a promise the pool is not keeping: after
     a burst, the window's average said one second for up to a minute of stall, then jumped to 60."""
-    clock = Clock()
+    clock = ManualClock(1000.0)
     rate = FinishRate(clock)
     for _ in range(KEPT):  # a burst: an end every 10 ms
         clock.now += 0.01

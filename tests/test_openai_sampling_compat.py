@@ -6,18 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.serving.openai_protocol import ChatCompletionRequest, CompletionRequest, ProtocolError, parse_request
-
-MODEL = "smollm2-135m-instruct"
-
-
-def completion(**fields) -> CompletionRequest:
-    return parse_request(CompletionRequest, {"model": MODEL, "prompt": "hi", **fields})
-
-
-def chat(**fields) -> ChatCompletionRequest:
-    return parse_request(ChatCompletionRequest,
-                         {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **fields})
+from launcher.serving.openai_protocol import ChatCompletionRequest, ProtocolError, parse_request
+from tests.test_openai_server import MODEL, chat, completion
 
 
 def responses(**fields) -> ChatCompletionRequest:

@@ -14,6 +14,7 @@ from launcher.serving.openai_render import ChatRender, CompletionRender
 from launcher.serving.stop_strings import StopStringMatcher
 from launcher.serving.text_stream import TextStream
 from launcher.serving.token_pieces import TokenPieces
+from tests.test_stream_interval_server import run_route
 from workers.serving.requests import TokenEvent
 
 MODEL = "smollm2-135m-instruct"
@@ -153,13 +154,6 @@ def text_stream_server(tokenizer, script: str):
 
     server.launcher.astream = astream
     return server
-
-
-def run_route(server, route: str, body: dict):
-    """The whole answer's JSON, or the stream's data objects before [DONE]."""
-    from tests.test_stream_interval_server import run_route as run
-
-    return run(server, route, body)
 
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}]}

@@ -17,11 +17,11 @@ from launcher.api import LaunchConfig
 from launcher.errors import PlanRejected
 from launcher.launch_plan import RANK_PROCESS_BYTES, check_groups_fit, groups_this_host_holds, plan_launch
 from launcher.progress import Progress
-from shardlib import instances
 from shardlib.model_config import load_model_config
 from shardlib.planner import RESERVE_FRACTION, plan as make_plan
 from shardlib.serving_shapes import serving_cache_rows
 from tests.model_factory import save_random_model
+from tests.test_plan_edges import host_ram  # noqa: F401 (the fixture: this host's RAM as the test sets it)
 
 SEQ_LEN = 256
 ROWS_AT_EDGE = 10
@@ -31,17 +31,6 @@ ROWS_AT_EDGE = 10
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return str(save_random_model(tmp_path_factory.mktemp("m"), "llama", num_heads=4, num_kv_heads=2))
-
-
-@pytest.fixture
-def host_ram(monkeypatch):
-    """Sets this host's RAM as the planner reads it, so the edge does not depend on the machine."""
-    def set_ram(n_bytes: int) -> None:
-        monkeypatch.setattr(instances, "_host_ram_bytes", lambda: n_bytes)
-        instances.cpu_host.cache_clear()
-
-    yield set_ram
-    instances.cpu_host.cache_clear()
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ import pytest
 from launcher.serving.openai_protocol import ProtocolError
 from launcher.serving.response_store_server import LocalResponses, SharedResponses, StoreUnavailable
 from launcher.serving.responses.store import TOMBSTONES, ResponseStore
+from tests.manual_clock import ManualClock
 from tests.test_kept_responses import keeping, request_to
 from tests.test_responses_route import asked, check_with_the_clients_types, first_then, tokenizer
 from tests.test_tokenize_routes import post
@@ -250,16 +251,6 @@ def test_a_server_that_restarted_is_among_the_reasons_a_response_is_not_kept(tok
     assert missing.status == 404 and "or the server (or its response store) restarted since" in missing.message
 
 
-class Clock:
-    """A store's clock the test moves on."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_a_deleted_or_forgotten_response_stays_unkept_however_many_begin_after_it():
     store = ResponseStore(2)
     store.begin(started("deleted"), [said("Hi")], None, LIFE_S)
@@ -291,7 +282,7 @@ def test_a_begin_that_lands_after_its_put_abandon_or_delete_is_ignored():
 
 
 def test_a_record_in_flight_past_its_life_reads_as_unknown():
-    clock = Clock()
+    clock = ManualClock()
     store = ResponseStore(4, clock=clock)
     store.begin(started("r1"), [said("Hi")], None, 30.0)
     clock.now = 30.0
@@ -428,7 +419,7 @@ def test_a_deleted_streams_mark_outlasts_any_number_of_ids_buried_before_its_end
     assert store.get("long") is None and not store.generating("long") and not store.delete("long")
     assert not store.put(finished("long"), [said("Hi")], None) and store.get("long") is None
     # past its life, the mark is a tombstone: its put, come late, still keeps nothing
-    clock = Clock()
+    clock = ManualClock()
     timed = ResponseStore(4, clock=clock)
     timed.begin(started("r1"), [said("Hi")], None, 30.0)
     assert timed.delete("r1")

@@ -70,12 +70,6 @@ class _Render:
         if delta.finish_reason is not None:
             self.stop_reason = self.sent_stop_reason(delta)
 
-    def _ending_chunk(self, chunk: dict, delta) -> dict:
-        """A streamed chunk, with the stop_reason where it carries the finish_reason."""
-        if delta.finish_reason is not None:
-            _told_stop_reason(chunk["choices"][0], self.sent_stop_reason(delta))
-        return chunk
-
     def _every_chunk(self, chunk: dict, delta) -> dict:
         """A streamed chunk with a stop_reason, null before the last (completions' chunks all carry
         the key, as vLLM's do: a client reading it from every chunk failed on the first)."""
@@ -309,7 +303,8 @@ class ChatRender(_Render):
         if not message and logprobs is None and delta.finish_reason is None:
             return None
         chunk = proto.chat_chunk(meta, message, self._sent_finish(delta.finish_reason), logprobs, self.index)
-        return self._ending_chunk(chunk, delta)
+        # chat's chunks carry the stop_reason only where the choice finishes (as vLLM's)
+        return self._every_chunk(chunk, delta) if delta.finish_reason is not None else chunk
 
     def collect(self, delta) -> None:
         self._count_reasoning(delta)

@@ -18,14 +18,17 @@ def shown_tokens(ids: list[int], finish: str | None, hidden_endings: Collection[
     return ids[:-1] if finish == "stop" and ids and ids[-1] in hidden_endings else ids
 
 
-def stop_token_reason(ids: list[int], ending_ids: Collection[int], eos_id: int | None) -> int | None:
+def stop_token_reason(ids: Sequence[int], finish: str | None, ending_ids: Collection[int],
+                      eos_id: int | None) -> int | None:
     """The stop token id that ended a "stop" answer (its last token, one of `ending_ids`), as its
     stop_reason says it; None for the tokenizer's own EOS (the plain end of an answer, which names
     no stop) and for a last token that is no stop token (a structured output's end). An end token
     of the model's generation config other than the tokenizer's EOS (Llama 3's end of turn, say) is
     a stop token id like the request's own, so it is named."""
-    last = ids[-1] if ids else None
-    return last if last is not None and last in ending_ids and last != eos_id else None
+    if finish != "stop" or not ids:
+        return None
+    last = ids[-1]
+    return last if last in ending_ids and last != eos_id else None
 
 
 def one_token_events(event: TokenEvent) -> list[TokenEvent]:
@@ -151,11 +154,11 @@ class TextStream:
             self.stop_reason = self._stops.found
         elif finish is not None and self._stops is not None:
             text += self._stops.flush()
-        if finish == "stop" and not hit:
-            self.stop_reason = stop_token_reason(ids, self._ending_ids, self._eos_id)
+        if finish is not None and not hit:
+            self.stop_reason = stop_token_reason(ids, finish, self._ending_ids, self._eos_id)
         self.completion_tokens += len(ids)
         self.finish_reason = finish
         return StreamDelta(self.request_id, text, ids, finish, self.prompt_tokens,
                            self.completion_tokens, event.logprobs, first, event.prompt_logprobs,
                            self.stopped_by_string, event.cached_tokens,
-                           stop_reason=self.stop_reason if finish is not None else None)
+                           stop_reason=self.stop_reason)  # set only on the delta that ends it

@@ -137,10 +137,13 @@ class RowHistories:
         if not reuse or len(prompt) < 2:
             return Seat(fresh)
         best_row, best, best_common = None, 0, 0
+        fresh_common = 0  # what `fresh` shares with the prompt, where it is a candidate (its own salt)
         candidates = [(row, self._held[row]) for row in free_rows if row in self._held and self._salts[row] == salt]
         running = [(row, held) for row, (row_salt, held) in (in_use or {}).items() if row_salt == salt]
         for row, held in candidates + running:
             common = common_prefix_length(held, prompt)
+            if row == fresh:
+                fresh_common = common
             shared = min(common, len(prompt) - 1)
             # on a tie, the row a copy would go to (seated there itself, nothing is copied), unless the
             # row found first loses nothing of its own (its whole history is the prompt's start)
@@ -149,8 +152,8 @@ class RowHistories:
                 best_row, best, best_common = row, shared, common
         if best_row is None:
             return Seat(fresh)
-        if best_row in self._held and self._taken_as_it_is(best_row, best, best_common, fresh, bool(blank), prompt,
-                                                           salt):
+        if best_row in self._held and self._taken_as_it_is(best_row, best, best_common, fresh, bool(blank),
+                                                           fresh_common):
             return Seat(best_row, best)
         return Seat(fresh, best, best_row)
 
@@ -159,7 +162,7 @@ class RowHistories:
         return row in self._held and shared >= len(self._held[row])
 
     def _taken_as_it_is(self, row: int, shared: int, common: int, fresh: int, blank_left: bool,
-                        prompt: Tokens[int], salt: str | None) -> bool:
+                        fresh_common: int) -> bool:
         """Whether a prompt sharing `shared` slots with free row `row` (`common` tokens, counting the
         last prompt token, which is prefilled again) is seated there, not copied into `fresh`."""
         history = len(self._held[row])
@@ -173,8 +176,7 @@ class RowHistories:
         # copying into `fresh` wiped conversations waiting for their next turn to keep a one-off's
         # leftovers; always taking the row wiped a conversation for a prompt sharing only its
         # system prompt. A past too short to be reused is not worth a copy either.
-        held_there = self._held[fresh]
-        # what it shares with the prompt stays only for its own salt (after the copy it is the prompt's)
-        kept_there = common_prefix_length(held_there, prompt) if self._salts[fresh] == salt else 0
-        loses_there = len(held_there) - kept_there
+        # fresh_common: what it shares with the prompt, which stays only for its own salt (0 for
+        # another: after the copy those slots are the prompt's)
+        loses_there = len(self._held[fresh]) - fresh_common
         return history - common < MIN_SHARED_TOKENS or history - common <= loses_there

@@ -108,7 +108,8 @@ def _leader_failure(rank: int, other_leaders: str, gloo_text: str, timeout_s: fl
     exited or its node dropped: no timeout to raise, which the first wording advised for both)."""
     said = (f"node leader rank {rank}: the gloo all-gather of every node's partials failed waiting for the other "
             f"nodes' leaders ({other_leaders}): {gloo_text}.")
-    if "timed out" in gloo_text.lower() or "timeout" in gloo_text.lower():
+    text = gloo_text.lower()
+    if "timed out" in text or "timeout" in text:
         return f"{said} A rank on one of those nodes is stuck, or its node frozen. {timeout_advice(timeout_s)}"
     return (f"{said} The connection to one of them was lost: a rank's process on that node exited, or the "
             f"node dropped off the network (that rank's own log says why). Restart the group.")

@@ -92,6 +92,10 @@ class SegmentLayout:
     def counter_offset(self, local_rank: int) -> int:
         return _BLOCK * (1 + local_rank)
 
+    def pid_offset(self, local_rank: int) -> int:
+        """The int32 pid a local rank writes into its block when it attaches (after its counter)."""
+        return self.counter_offset(local_rank) + 8
+
     def slot_offset(self, buffer: int, local_rank: int) -> int:
         return self.header_bytes + (buffer * self.local_size + local_rank) * self.slot_bytes
 
@@ -129,7 +133,7 @@ class Segment:
             os.close(fd)
             self._map[: len(token)] = token  # after the lock: a sweep passes over a segment without one
             # The creator's pid, so a later group can tell a segment orphaned by a killed leader.
-            pid_at = layout.counter_offset(0) + 8
+            pid_at = layout.pid_offset(0)
             self._map[pid_at: pid_at + 4] = os.getpid().to_bytes(4, "little", signed=True)
         else:
             fd = open_own_entry(path, os.O_RDWR)
@@ -278,14 +282,14 @@ class NodeExchange:
         self._closed = False
         self._unmapped = False
         torch.frombuffer(segment._map, dtype=torch.int32, count=1,
-                         offset=self.layout.counter_offset(local_rank) + 8)[0] = os.getpid()
+                         offset=self.layout.pid_offset(local_rank))[0] = os.getpid()
 
     # ---- set-up ----------------------------------------------------------------------------
     def read_peer_pids(self) -> None:
         """Remember each peer's pid (written at attach) for the dead-peer check while waiting; a
         pid this process cannot see (another pid namespace) is not checked."""
         for i in range(self.size):
-            off = self.layout.counter_offset(i) + 8
+            off = self.layout.pid_offset(i)
             pid = int(torch.frombuffer(self.segment._map, dtype=torch.int32, count=1, offset=off)[0])
             visible = pid > 0 and i != self.local_rank and process_alive(pid)
             self._pids[i] = pid if visible else 0

@@ -219,7 +219,7 @@ class _UnlinkOnceAttached:
 
     def _all_attached(self) -> bool:
         layout, words = self._segment.layout, self._segment._map
-        return all(words[layout.counter_offset(i) + 8: layout.counter_offset(i) + 12] != b"\0\0\0\0"
+        return all(words[layout.pid_offset(i): layout.pid_offset(i) + 4] != b"\0\0\0\0"
                    for i in range(layout.local_size))
 
     def _watch(self) -> None:
