@@ -292,3 +292,39 @@ def use_in_process_groups(monkeypatch, cpus: int = 2) -> InProcessCluster:
 
     monkeypatch.setattr(tp_group, "TPGroup", new_group)
     return cluster
+
+
+class TokenGate:
+    """Holds the in-process leader loops before they choose more tokens, once `after` steps have
+    chosen some, until release() (or `timeout_s`).
+
+    A test that reads a stream's first token and then injects a fault means the fault to land
+    mid-request; on a loaded host the loop's thread ran the few remaining steps to the request's end
+    before the test's thread set the fault, and the fault landed on the next request instead. Held
+    here, the request is still running when the fault is set. Steps after release() run freely, a
+    restarted group's too."""
+
+    def __init__(self, monkeypatch, after: int = 1, timeout_s: float = 60.0) -> None:
+        from workers.serving.loop import ServingLoop
+
+        self._after, self._timeout_s = after, timeout_s
+        self._steps_with_tokens = 0
+        self._lock = threading.Lock()
+        self._released = threading.Event()
+        real_choose = ServingLoop._choose
+
+        def choose_or_hold(loop, *args, **kwargs):
+            with self._lock:
+                hold = self._steps_with_tokens >= self._after
+            if hold:
+                self._released.wait(self._timeout_s)
+            events = real_choose(loop, *args, **kwargs)
+            if any(event.token_ids for event in events):
+                with self._lock:
+                    self._steps_with_tokens += 1
+            return events
+
+        monkeypatch.setattr(ServingLoop, "_choose", choose_or_hold)
+
+    def release(self) -> None:
+        self._released.set()

@@ -12,6 +12,7 @@ import torch
 from launcher.api import Launcher
 from launcher.cluster.stream_handle import StreamHandle
 from launcher.errors import WorkerDied
+from tests.in_process_cluster import TokenGate
 from tests.test_replicas import EAGER, NEW_TOKENS, PROMPTS, model_and_expected  # noqa: F401 - fixture
 from workers.sampling import SamplingParams
 from workers.serving.requests import StreamRequest, TokenEvent, TokenLogprob
@@ -55,12 +56,14 @@ def test_generate_and_stream_give_each_prompts_logprobs_once(model_and_expected,
 
 
 def test_a_fault_before_the_first_token_scores_again_and_after_it_does_not(model_and_expected,
-                                                                         in_process_cluster):
+                                                                         in_process_cluster, monkeypatch):
     model_dir, expected = model_and_expected
+    gate = TokenGate(monkeypatch)  # the first stream is still running when the fault is set
     with Launcher(model=model_dir, tp=2, max_num_seqs=1, progress=False, **EAGER) as llm:
         streams = [llm.stream(p, max_new_tokens=NEW_TOKENS, prompt_logprobs=1) for p in PROMPTS[:3]]
         first = next(streams[0])  # one row: the first streams, the others wait unscored
         llm._group.fail_next(WorkerDied("rank 1 (in-process) died while serving"))
+        gate.release()
         rest = [list(s) for s in streams]
     got = [[first] + rest[0]] + rest[1:]
     for deltas, want in zip(got, expected):

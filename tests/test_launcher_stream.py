@@ -15,6 +15,7 @@ import pytest
 
 from launcher.api import Launcher
 from launcher.errors import QueueFull, RequestCancelled, RequestFailed, RequestTimeout, WorkerDied
+from tests.in_process_cluster import TokenGate
 from tests.test_replicas import EAGER, NEW_TOKENS, PROMPTS, model_and_expected  # noqa: F401 - fixture
 
 
@@ -789,12 +790,14 @@ def test_decode_rate_and_step_times_count_the_whole_step_not_the_forward_alone(m
     assert result.decode_tokens_per_s <= 20.0
 
 
-def test_a_resumed_requests_decode_rate_leaves_the_restart_out(model_and_expected, in_process_cluster):
+def test_a_resumed_requests_decode_rate_leaves_the_restart_out(model_and_expected, in_process_cluster,
+                                                             monkeypatch):
     """A stream resumed on a restarted group: the gap into its first resumed token is the restart
     (here 2 s), timed across two leaders' clocks; it counted as a decode step (2.1 s of 5)."""
     from launcher.errors import WorkerDied
 
     model_dir, expected = model_and_expected
+    gate = TokenGate(monkeypatch, after=2)  # the stream is still running when the fault is set
     with Launcher(model=model_dir, tp=2, max_num_seqs=1, progress=False, **EAGER) as llm:
         make = llm._pool._make_group
 
@@ -807,6 +810,7 @@ def test_a_resumed_requests_decode_rate_leaves_the_restart_out(model_and_expecte
         next(stream)
         next(stream)
         llm._group.fail_next(WorkerDied("rank 1 (in-process) died while serving"))
+        gate.release()
         tokens = [t for delta in stream for t in delta.token_ids]
         result = llm._result(stream, None, list(PROMPTS[0]))
     assert result.attempts == 2 and result.token_ids == expected[0], (result.attempts, result.token_ids, tokens)
