@@ -46,8 +46,9 @@ import torch
 
 # Locating the files and checking names and shapes needs no torch (the driver does it before any
 # worker starts); the names are re-exported here, where the loaders have always found them.
-from shardlib.checkpoint_files import (CHECKPOINT_FILES, READABLE_DTYPES, CheckpointFiles,  # noqa: F401
-                                       check_dtypes, checked_names, find_checkpoint, safetensors_header,
+from shardlib.checkpoint_files import (CHECKPOINT_FILES, COPY_SAMPLE_BYTES, COPY_SAMPLES,  # noqa: F401
+                                       READABLE_DTYPES, CheckpointFiles, StoredTensor, check_dtypes,
+                                       check_stored_copies, checked_names, find_checkpoint, safetensors_header,
                                        unreadable_dtype, validated_names)
 from shardlib.model_config import ModelConfig, normalize_dtype
 from shardlib.param_shapes import expected_shapes
@@ -334,9 +335,30 @@ def _checked(ckpt: CheckpointFiles, files: dict[Path, SafetensorsFile | _PickleF
 
 
 def check_opened_checkpoint(ckpt: CheckpointFiles, config: ModelConfig) -> None:
-    """The checks a rank's load makes before reading a weight byte (a pickle's are mapped, not read)."""
+    """The checks a rank's load makes before reading a weight byte (a pickle's are mapped, not read),
+    and check_stored_copies' (a tied head or a second copy of a tensor that differs, by a few sampled
+    pages of each: the driver checked them only for safetensors, and a pickle's different head ran tied)."""
     with _open_files(ckpt) as files:
-        _checked(ckpt, files, config)
+        names = _checked(ckpt, files, config)
+        stored = {path: {name: _stored_pickled(tensor) for name, tensor in file.tensors.items()}
+                  for path, file in files.items()}
+        check_stored_copies(ckpt, stored, names, config)
+
+
+def _stored_pickled(tensor: torch.Tensor) -> StoredTensor:
+    return StoredTensor(tuple(tensor.shape), _DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype)),
+                        lambda: _sampled_tensor_bytes(tensor, COPY_SAMPLES, COPY_SAMPLE_BYTES))
+
+
+def _sampled_tensor_bytes(tensor: torch.Tensor, count: int, size: int) -> bytes:
+    """sampled_bytes of a (memory-mapped) tensor's bytes in row-major order: only the sampled pages
+    are read from the file."""
+    flat = tensor.contiguous().reshape(-1).view(torch.uint8)  # contiguous: a view, nothing copied
+    length = flat.numel()
+    if length <= count * size:
+        return flat.numpy().tobytes()
+    step = (length - size) / (count - 1)
+    return b"".join(flat[round(i * step):round(i * step) + size].numpy().tobytes() for i in range(count))
 
 
 @contextlib.contextmanager

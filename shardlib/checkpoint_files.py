@@ -13,6 +13,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from safetensors import SafetensorError, safe_open
 
@@ -81,7 +82,13 @@ def find_checkpoint(model_dir: str | Path) -> CheckpointFiles:
 
             names = _PickleFile(path).tensors
         return CheckpointFiles(directory, fmt, (path,), {n: path for n in names})
-    present = sorted(p.name for p in directory.iterdir())
+    from shardlib.model_path_hints import dangling_links
+
+    dangling = dangling_links(directory, [name for _, name in CHECKPOINT_FILES])
+    if dangling:
+        raise FileNotFoundError(dangling[0])
+    present = sorted(p.name + (" (a symlink to nothing)" if p.is_symlink() and not p.exists() else "")
+                     for p in directory.iterdir())
     shown = ", ".join(present[:12]) + (f" and {len(present) - 12} more" if len(present) > 12 else "")
     raise FileNotFoundError(
         f"no Hugging Face checkpoint in {directory}: looked for "
@@ -113,6 +120,11 @@ def _from_index(directory: Path, fmt: str, index: Path) -> CheckpointFiles:
             files[file_name] = directory / file_name
     _refuse_other_format(index, fmt, list(files))
     missing = [name for name, path in files.items() if not path.is_file()]
+    from shardlib.model_path_hints import dangling_links
+
+    dangling = dangling_links(directory, missing)
+    if dangling:
+        raise FileNotFoundError(f"checkpoint index {index} names a shard file that cannot be read: {dangling[0]}")
     if missing:
         raise FileNotFoundError(
             f"checkpoint index {index} names shard file(s) missing from {directory}: {', '.join(missing)}; "
@@ -231,7 +243,44 @@ def check_checkpoint(model_dir: str | Path, config: ModelConfig, ranks_read: boo
     names = checked_names(ckpt, {path: {n: e.shape for n, e in entries.items()} for path, entries in headers.items()},
                           config)
     check_dtypes(ckpt, {n: headers[ckpt.weight_map[n]][n].dtype for n in names}, config)
-    _check_tied_head(ckpt, headers, config)
+    stored = {path: {name: _stored_safetensor(path, entry) for name, entry in entries.items()}
+              for path, entries in headers.items()}
+    check_stored_copies(ckpt, stored, names, config)
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One stored copy of a tensor, as much as comparing two copies needs."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    """safetensors' name for it (F32, BF16, ...)."""
+    samples: Callable[[], bytes]
+    """COPY_SAMPLES samples of COPY_SAMPLE_BYTES spread over its bytes, read when called."""
+
+    def same_as(self, other: "StoredTensor") -> bool:
+        """Whether the two hold the same values, by their samples (a copy matches them exactly; copies
+        that differ only between the samples pass). A copy in another dtype is not the same: the
+        bytes cannot say."""
+        return (self.shape, self.dtype) == (other.shape, other.dtype) and self.samples() == other.samples()
+
+
+COPY_SAMPLES = 16
+COPY_SAMPLE_BYTES = 4096
+
+
+def _stored_safetensor(path: Path, entry: HeaderEntry) -> StoredTensor:
+    return StoredTensor(entry.shape, entry.dtype,
+                        lambda: sampled_bytes(path, entry.begin, entry.end, COPY_SAMPLES, COPY_SAMPLE_BYTES))
+
+
+def check_stored_copies(ckpt: CheckpointFiles, stored: dict[Path, dict[str, StoredTensor]], names: list[str],
+                        config: ModelConfig) -> None:
+    """ValueError where the checkpoint stores two different matrices where the model reads one: a needed
+    tensor in two files, or a tied LM head that is not the embedding. `stored`: each file's tensors;
+    `names`: the tensors the model reads (checked_names')."""
+    _refuse_differing_copies(ckpt, stored, names)
+    _check_tied_head(ckpt, stored, config)
 
 
 READABLE_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "I64", "I32", "I16", "I8", "U8", "BOOL")
@@ -285,24 +334,34 @@ def check_dtypes(ckpt: CheckpointFiles, dtypes: dict[str, str], config: ModelCon
                "was saved quantized by another tool or is corrupt; use the original floating-point checkpoint"))
 
 
-TIED_HEAD_SAMPLES = 16
-TIED_HEAD_SAMPLE_BYTES = 4096
+def _refuse_differing_copies(ckpt: CheckpointFiles, stored: dict[Path, dict[str, StoredTensor]],
+                             names: list[str]) -> None:
+    """ValueError when a tensor the model reads is stored again, with other values, in a file other
+    than the one the index maps it to: corelaunch read the index's copy while other loaders (transformers
+    among them) may read the other, so the check's reference and the served model differed silently.
+    A second copy of the same values is harmless and passes."""
+    for name in names:
+        mapped = ckpt.weight_map[name]
+        for path, tensors in stored.items():
+            if path != mapped and name in tensors and not tensors[name].same_as(stored[mapped][name]):
+                raise ValueError(
+                    f"tensor {name!r} is stored in both {mapped.name} and {path.name} of {ckpt.directory}, with "
+                    f"different values: the index ({ckpt.index_file.name}) maps it to {mapped.name}, but another "
+                    f"loader may read the copy in {path.name}; remove the stray copy from {path.name}, or point the "
+                    f"index at the copy you want")
 
 
-def _check_tied_head(ckpt: CheckpointFiles, headers: dict[Path, dict[str, HeaderEntry]], config: ModelConfig) -> None:
+def _check_tied_head(ckpt: CheckpointFiles, stored: dict[Path, dict[str, StoredTensor]], config: ModelConfig) -> None:
     """With tie_word_embeddings the LM head is the embedding and a stored lm_head.weight is ignored:
     fine for a saved copy of it, not for another matrix, which transformers 5 would use where 4.x
-    ties. The two are compared by sixteen samples of their bytes, spread over them (a copy matches
-    them exactly; a head that differs only between the samples passes), and a head of another dtype
-    or shape is refused (a copy in another dtype too: the bytes cannot say)."""
+    ties. The two are compared by StoredTensor.same_as: sixteen samples of their bytes, spread over
+    them, and a head of another dtype or shape is refused (a copy in another dtype too)."""
     embed = model_names(config).embed
     where = ckpt.weight_map
     if not config.tie_word_embeddings or LM_HEAD not in where or embed not in where:
         return
-    head, table = headers[where[LM_HEAD]][LM_HEAD], headers[where[embed]][embed]
-    if (head.shape, head.dtype) == (table.shape, table.dtype) and (
-            sampled_bytes(where[LM_HEAD], head.begin, head.end, TIED_HEAD_SAMPLES, TIED_HEAD_SAMPLE_BYTES)
-            == sampled_bytes(where[embed], table.begin, table.end, TIED_HEAD_SAMPLES, TIED_HEAD_SAMPLE_BYTES)):
+    head, table = stored[where[LM_HEAD]][LM_HEAD], stored[where[embed]][embed]
+    if head.same_as(table):
         return
     raise ValueError(
         f"config.json has tie_word_embeddings=true, but {ckpt.describe()} stores a {LM_HEAD} ({head.dtype} "

@@ -357,10 +357,11 @@ class ModelConfig:
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
-        """Build from a parsed config.json of any supported architecture (transformers 4.x or 5.x)."""
+    def from_dict(cls, raw: dict[str, Any], source: Path | None = None) -> "ModelConfig":
+        """Build from a parsed config.json of any supported architecture (transformers 4.x or 5.x).
+        source: the file it was read from, named where a refusal says which file to edit."""
         try:
-            return cls._from_dict(raw)
+            return cls._from_dict(raw, source)
         except ValueError as err:
             if isinstance(raw, dict) and raw.get("model_type") == "dbrx":  # its fields were renamed to Llama's
                 from shardlib.moe_configs import in_dbrx_names
@@ -369,7 +370,7 @@ class ModelConfig:
             raise
 
     @classmethod
-    def _from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
+    def _from_dict(cls, raw: dict[str, Any], source: Path | None) -> "ModelConfig":
         if not isinstance(raw, dict):
             raise ValueError(f"config.json must hold a JSON object, not {type(raw).__name__}")
         model_type = raw.get("model_type")
@@ -392,7 +393,7 @@ class ModelConfig:
         missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
                                 "num_attention_heads", "vocab_size") if k not in raw]
         if missing:
-            raise ValueError(f"config.json lacks required field(s) {missing} for a {model_type} model")
+            raise ValueError(missing_fields(missing, model_type, source))
         # Fields derived from others are checked here, under their config.json names; the rest
         # (and these again) by __post_init__. JSON null stands for an absent optional field.
         hidden = count("hidden_size", raw["hidden_size"], _EXAMPLES["hidden_size"])
@@ -526,6 +527,24 @@ def _refuse_partial_rotary_with_scaling(raw: dict[str, Any], name: str, block: d
                           "remove partial_rotary_factor (or set it to 1.0) to rotate whole heads")
 
 
+_READ_FROM_THE_WEIGHTS = {
+    "hidden_size": "the columns of model.embed_tokens.weight",
+    "intermediate_size": "the rows of an MLP's gate_proj.weight (Mixtral: of an expert's w1.weight)",
+    "num_hidden_layers": "the count of model.layers.N in the weights",
+    "num_attention_heads": "the rows of q_proj.weight divided by the head size",
+    "vocab_size": "the rows of model.embed_tokens.weight",
+}
+"""Where a checkpoint's own tensors give each required field's value (Llama-family names)."""
+
+
+def missing_fields(missing: list[str], model_type: str, source: Path | None) -> str:
+    """The refusal of a config.json without fields every model needs: which file to edit, and where
+    the values come from (it named neither)."""
+    where = "; ".join(f"{name}: {_READ_FROM_THE_WEIGHTS[name]}" for name in missing)
+    return (f"{source or 'config.json'} lacks required field(s) {missing} for a {model_type} model; add each with "
+            f"the value in the original model's config.json (the checkpoint's shapes give them too: {where})")
+
+
 def _with_top_level_original_context(raw: dict[str, Any]) -> dict[str, Any]:
     """transformers' rule for llama3, yarn and longrope scaling given as one block: a top-level
     original_max_position_embeddings (Phi-3's layout) takes precedence over the block's own (not for
@@ -555,19 +574,23 @@ def load_model_config(path: str | Path) -> ModelConfig:
     typed, path = path, Path(path)  # typed: as given, its `./` kept (a Path drops it) for the hint below
     config_file = path / "config.json" if path.is_dir() else path
     if not config_file.exists():
+        from shardlib.model_path_hints import cache_repo_hint, dangling_link, missing_model_hint
+
+        dangling = dangling_link(config_file)
+        if dangling is not None:
+            raise FileNotFoundError(dangling) from None
         if (path / "manifest.json").is_file():  # what corelaunch compile or preshard wrote
             raise FileNotFoundError(
                 f"{path} is a corelaunch compiled or pre-sharded directory (it holds manifest.json), not a Hugging "
                 f"Face model: pass the model it was made from as --model (generate and serve take the directory "
                 f"itself as --compiled or --presharded)") from None
-        from shardlib.model_path_hints import missing_model_hint
-
         raise FileNotFoundError(
             f"no Hugging Face config at {os.path.abspath(config_file)}; pass a model directory containing "
             f"config.json (`corelaunch plan` also takes the config.json file itself){missing_model_hint(typed)}"
+            f"{cache_repo_hint(path)}"
         ) from None
     raw = read_config_json(config_file)
-    config = ModelConfig.from_dict(raw)
+    config = ModelConfig.from_dict(raw, source=config_file)
     if path.is_dir() and raw.get("torch_dtype") is None and raw.get("dtype") is None:
         from shardlib.weights_dtype import stored_weights_dtype
 

@@ -51,3 +51,56 @@ def refuse_unexpanded_home(option: str, path: str | Path) -> None:
     """ValueError (unexpanded_home) for a path to be created that starts with a `~` nothing expanded."""
     if str(path).startswith("~") and not Path(path).exists():
         raise ValueError(unexpanded_home(option, path))
+
+
+def dangling_link(path: str | Path) -> str | None:
+    """What to say of a path that is a symlink to nothing, else None. A Hugging Face cache snapshot
+    holds only links into the repository's blobs/ folder: copied without it (`cp -r` of the snapshot
+    alone), every file is a link to nothing, and was called missing while a listing showed it."""
+    path = Path(path)
+    if not path.is_symlink() or path.exists():
+        return None
+    repo = _cached_repo_id(path) or "REPO_ID"
+    return (f"{path} is a symlink to {os.readlink(path)}, which does not exist (a Hugging Face cache snapshot "
+            f"copied without its blobs): copy the snapshot with `cp -rL SNAPSHOT DIR`, which copies the files the "
+            f"links point to, or download the model with `hf download {repo} --local-dir DIR`, and pass DIR")
+
+
+def dangling_links(directory: Path, names) -> list[str]:
+    """dangling_link's message for each of `names` in `directory` that is a symlink to nothing."""
+    return [found for found in (dangling_link(directory / name) for name in names) if found is not None]
+
+
+_CACHED_REPO = re.compile(r"models--(.+)")
+
+
+def _cached_repo_id(path: Path) -> str | None:
+    """owner/name of the Hugging Face cache folder (models--owner--name) that `path` lies in, if any."""
+    for part in Path(os.path.abspath(path)).parts:
+        found = _CACHED_REPO.fullmatch(part)
+        if found:
+            return found.group(1).replace("--", "/")
+    return None
+
+
+def cache_repo_hint(path: str | Path) -> str:
+    """A sentence to append when `path` is a Hugging Face cache repository folder (models--owner--name,
+    which holds refs/, blobs/ and snapshots/) rather than one of its snapshots, the folder that holds
+    config.json and the weights; "" otherwise."""
+    path = Path(path)
+    snapshots = path / "snapshots"
+    if not snapshots.is_dir():
+        return ""
+    main = path / "refs" / "main"
+    try:
+        revision = main.read_text().strip() if main.is_file() else ""
+    except (OSError, UnicodeDecodeError):  # unreadable: the snapshots are listed instead
+        revision = ""
+    if revision and (snapshots / revision).is_dir():
+        return (f"; {path} is a Hugging Face cache folder, not a model directory: pass the snapshot refs/main points "
+                f"to, {snapshots / revision}")
+    present = sorted(p.name for p in snapshots.iterdir() if p.is_dir())
+    if not present:
+        return f"; {path} is a Hugging Face cache folder with no snapshot in {snapshots}: download the model again"
+    return (f"; {path} is a Hugging Face cache folder, not a model directory: pass one of its snapshots "
+            f"({', '.join(str(snapshots / name) for name in present[:4])}{' ...' if len(present) > 4 else ''})")

@@ -13,9 +13,10 @@ samples goes unnoticed (what the sha256 of each pre-sharded file does not cover 
 guards the copy, not its source).
 
 For safetensors checkpoints the fingerprint follows the tensors, not the files: the same weights
-saved in other shards give the same fingerprint. Of a tensor stored in two shards only the copy the
-index maps it to, the one a load reads, is hashed (a copy recorded before that rule, of such a
-checkpoint, no longer matches and is refused as cut from other weights: write it again). A pickled (.bin) checkpoint has no table of
+saved in other shards give the same fingerprint. Of a tensor stored in two shards (which the driver's
+check refuses unless the copies' samples agree) only the copy the index maps it to, the one a load
+reads, is hashed (a copy recorded before that rule, of such a checkpoint, no longer matches and is
+refused as cut from other weights: write it again). A pickled (.bin) checkpoint has no table of
 contents to read without unpickling it, so its fingerprint samples each file whole (name, size and
 sixteen evenly spaced samples): re-saving it in other files changes it.
 
