@@ -653,6 +653,15 @@ class GenerationResult:
     token id that ended the answer (one of stop_token_ids, or an end token of the model's configs other
     than the tokenizer's EOS, or that EOS under ignore_eos where stop_token_ids names it); None for the
     tokenizer's EOS (config.json's first without a tokenizer) and for "length"."""
+    resumed_at: list[int] = field(default_factory=list)
+    """Continuous batching: the index (in token_ids and token_times_s) of the first token of each
+    attempt resumed after a restart; the gap ending at one spans the restart and two rank 0s' clocks
+    (empty without a restart, and for a static batch, whose re-run starts over)."""
+    submitted_at_s: float | None = None
+    """Continuous batching: the driver's time.monotonic() at the request's submission (what
+    time_to_first_token_s counts from), comparable between one process's results: a batch's
+    context encoding runs from its earliest submission to its latest first token. None for a static
+    batch."""
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -662,6 +671,13 @@ class GenerationResult:
 
 STRUCTURES_REMEMBERED = 256
 """Structured outputs whose check Launcher remembers (all forgotten at once past this many)."""
+
+BAD_WORD_LISTS_REMEMBERED = 64
+BAD_WORD_IDS_REMEMBERED = 1 << 20
+"""bad_words lists whose token sequences Launcher remembers, and their token ids in all (all
+forgotten at once past either): 128 words of 200 characters gave 9,500 ids (0.4 MB) in plain
+English, and 67,000 (1.4 MB) in characters of four UTF-8 bytes; a list of at most 128 x 2 x 800
+fits the id bound, which keeps the cache near 25 MB where 64 such lists took 90."""
 
 class Launcher:
     """Serves one model on one or more TP groups (replicas); use as a context manager or call
@@ -688,6 +704,13 @@ class Launcher:
         """_check_structured's verdicts by StructuredOutput: (None where usable, else why not; its first
         step's mask), so a request's n choices and a client repeating its schema do not compile it
         again on the caller's thread."""
+        self._bad_words_tokenized: dict[tuple[str, ...], tuple[tuple[int, ...], ...]] = {}
+        """_bad_word_sequences' results by bad_words: the OpenAI routes open one stream per choice, each
+        filling its own params, so a request of n choices tokenized its words n times on the event loop
+        (128 long words: about 0.1 s each), and a client repeating its list tokenized it again."""
+        self._bad_word_ids_remembered = 0
+        """The token ids _bad_words_tokenized holds (about: two threads adding at once may miscount a
+        list, until the next clear)."""
         self._generation_eos: tuple[int, ...] = ()
         self._tokenizer_load: BackgroundLoad | None = None
         self._tokenizer_retry = False
@@ -1699,7 +1722,8 @@ class Launcher:
             attempts=stream.handle.attempts, token_times_s=times,
             prompt_logprobs=next((e.prompt_logprobs for e in events if e.prompt_logprobs is not None), None),
             cached_prompt_tokens=next((e.cached_tokens for e in events if e.cached_tokens is not None), 0),
-            stop_reason=stream.text.stop_reason)
+            stop_reason=stream.text.stop_reason, resumed_at=list(stream.handle.resumed_at),
+            submitted_at_s=stream.handle.submitted)
 
     def _encode(self, text: str, special_tokens: bool = True) -> list[int]:
         # The lock per prompt, not per call: a call of 20,000 prompts held it for a second, and an
@@ -1795,10 +1819,27 @@ class Launcher:
                 continue
             if id(p) not in done:
                 if p.bad_words not in sequences:
-                    sequences[p.bad_words] = self._bad_word_sequences(p.bad_words)
+                    sequences[p.bad_words] = self._remembered_bad_word_sequences(p.bad_words)
                 done[id(p)] = p.with_derived(bad_words_token_ids=sequences[p.bad_words])
             filled.append(done[id(p)])
         return filled
+
+    def _remembered_bad_word_sequences(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """_bad_word_sequences(words), tokenized once per Launcher while remembered. A refused list is
+        not remembered (its error is raised each time). Threads and the event loop share the dict:
+        each get, set and clear is one step under the GIL, and two callers that miss together
+        tokenize the words twice, the same ids either way (the tokenizer never changes)."""
+        sequences = self._bad_words_tokenized.get(words)
+        if sequences is None:
+            sequences = self._bad_word_sequences(words)
+            ids = sum(map(len, sequences))
+            if (len(self._bad_words_tokenized) >= BAD_WORD_LISTS_REMEMBERED
+                    or self._bad_word_ids_remembered + ids > BAD_WORD_IDS_REMEMBERED):
+                self._bad_words_tokenized.clear()
+                self._bad_word_ids_remembered = 0
+            self._bad_words_tokenized[words] = sequences
+            self._bad_word_ids_remembered += ids
+        return sequences
 
     def _bad_word_sequences(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
         """vLLM's token sequences of bad words: each word (its leading spaces dropped) tokenized without

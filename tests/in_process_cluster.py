@@ -326,5 +326,18 @@ class TokenGate:
 
         monkeypatch.setattr(ServingLoop, "_choose", choose_or_hold)
 
+    def wait_until_held(self, timeout_s: float = 60.0) -> None:
+        """Return once `after` steps have chosen tokens (the loop holds before its next choice), or
+        raise TimeoutError."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                if self._steps_with_tokens >= self._after:
+                    return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the loop chose tokens in {self._steps_with_tokens} steps within {timeout_s} s, "
+                                   f"not {self._after}")
+            time.sleep(0.01)
+
     def release(self) -> None:
         self._released.set()

@@ -179,6 +179,44 @@ def test_the_driver_tokenizes_the_choices_bad_words_once_and_checks_nothing_agai
     assert base.bad_words_token_ids == ()  # the caller's params are not changed
 
 
+def test_streams_with_the_same_bad_words_tokenize_them_once(model_dir, in_process_cluster, monkeypatch):
+    """The OpenAI routes open one astream per choice, each filling its own params: a request of n
+    choices tokenized its bad words n times on the event loop (128 long words: about 0.1 s each),
+    and a client sending the same list again tokenized it again. The Launcher remembers them."""
+    import launcher.api
+    from launcher.api import Launcher
+
+    with Launcher(model=model_dir, tp=1, max_num_seqs=4, progress=False, compile=False) as llm:
+        word, token = one_token_word(llm)
+        words = [word, "purple elephant"]
+        tokenized = []
+        real = llm._bad_word_sequences
+        monkeypatch.setattr(llm, "_bad_word_sequences", lambda ws: tokenized.append(ws) or real(ws))
+        base = SamplingParams(temperature=1.0, seed=3, bad_words=words)
+
+        async def choices(params):  # as the completions route streams a request's choices
+            streams = [llm.astream("Hi", p, max_new_tokens=6, ignore_eos=True) for p in params]
+            return [[t for delta in [d async for d in s] for t in delta.token_ids] for s in streams]
+
+        first = asyncio.run(choices([base, base.with_derived(seed=4), base.with_derived(seed=5)]))
+        again = asyncio.run(choices([SamplingParams(temperature=1.0, seed=6, bad_words=list(words))]))
+        assert tokenized == [tuple(words)]  # one tokenization for four streams of two requests
+        assert all(token not in generated for generated in first + again), (token, first, again)
+
+        # bounded: past BAD_WORD_LISTS_REMEMBERED lists, or BAD_WORD_IDS_REMEMBERED ids, all are
+        # forgotten, and each list is tokenized right again
+        lists = [(word,), ("purple",), ("elephant",), ("purple elephant", "blue whale")]
+        for bound, most in (("BAD_WORD_LISTS_REMEMBERED", 2), ("BAD_WORD_IDS_REMEMBERED", 4)):
+            with monkeypatch.context() as bounded:
+                bounded.setattr(launcher.api, bound, most)
+                for bad in lists:
+                    [filled] = llm._with_bad_word_ids([SamplingParams(bad_words=bad)])
+                    assert filled.bad_words_token_ids == real(bad)
+                    remembered = llm._bad_words_tokenized.values()
+                    assert len(remembered) <= 2 if bound == "BAD_WORD_LISTS_REMEMBERED" else (
+                        len(remembered) == 1 or sum(len(s) for ids in remembered for s in ids) <= most)
+
+
 def test_seeded_choices_each_equal_their_own_request_over_the_completions_route(model_dir, in_process_cluster):
     """Choice i of a seeded request samples what one request seeded with choice_seed(seed, i) does."""
     from launcher.api import Launcher

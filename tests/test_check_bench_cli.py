@@ -615,12 +615,61 @@ def test_bench_counts_only_the_decode_steps_of_the_whole_batch():
     from launcher.cli.bench_command import full_batch_decode_steps
 
     # the leader's token times: rows 1 and 2 are prefilled by the 2-second steps that row 0 decodes in
-    staggered = [SimpleNamespace(token_times_s=[1.0, 3.0, 5.0, 5.1, 5.2, 5.3]),
-                 SimpleNamespace(token_times_s=[3.0, 5.0, 5.1, 5.2, 5.3, 5.4]),
-                 SimpleNamespace(token_times_s=[5.0, 5.1, 5.2, 5.3, 5.4, 5.5])]
+    staggered = [SimpleNamespace(token_times_s=[1.0, 3.0, 5.0, 5.1, 5.2, 5.3], resumed_at=[]),
+                 SimpleNamespace(token_times_s=[3.0, 5.0, 5.1, 5.2, 5.3, 5.4], resumed_at=[]),
+                 SimpleNamespace(token_times_s=[5.0, 5.1, 5.2, 5.3, 5.4, 5.5], resumed_at=[])]
     assert full_batch_decode_steps(staggered) == pytest.approx([0.1, 0.1, 0.1])
-    together = [SimpleNamespace(token_times_s=[1.0, 1.2, 1.3, 1.4]) for _ in range(3)]  # one step chose every row's
+    together = [SimpleNamespace(token_times_s=[1.0, 1.2, 1.3, 1.4], resumed_at=[]) for _ in range(3)]  # one step chose every row's
     assert full_batch_decode_steps(together) == pytest.approx([0.2, 0.1, 0.1])
+
+
+def test_bench_leaves_a_restart_out_of_the_whole_batchs_decode_steps():
+    """A TP group restarted mid-run: the rows resume at token 4 on the new rank 0's clock (here
+    another host's, 100 s behind), and the gap into it was a decode step (-99.8 s: the report then
+    refused its latencies after every run had run; on one host, seconds in p99/p100). The resumed
+    rows are prefilled again over several steps: only the steps after the last one's are the batch's."""
+    from types import SimpleNamespace
+
+    from launcher.cli.bench_command import full_batch_decode_steps
+
+    rows = [SimpleNamespace(token_times_s=[1.0, 3.0, 5.0, 5.1, -94.7, -94.6, -94.5, -94.4], resumed_at=[4]),
+            SimpleNamespace(token_times_s=[3.0, 5.0, 5.1, 5.2, -94.6, -94.5, -94.4], resumed_at=[4]),
+            SimpleNamespace(token_times_s=[5.0, 5.1, 5.2, 5.3, -94.5, -94.4], resumed_at=[4])]
+    assert full_batch_decode_steps(rows) == pytest.approx([0.1, 0.1])  # 5.0 -> 5.1, -94.5 -> -94.4
+    # a restart before a row's first token: that row's first attempt chose nothing
+    late = [SimpleNamespace(token_times_s=[1.0, 1.1, 8.0, 8.1, 8.2], resumed_at=[2]),
+            SimpleNamespace(token_times_s=[8.0, 8.1, 8.2], resumed_at=[0])]
+    assert full_batch_decode_steps(late) == pytest.approx([0.1, 0.1])
+
+
+def test_bench_times_context_encoding_from_the_calls_first_submission():
+    """Each row's time_to_first_token_s counts from its own submission: the largest of them left out
+    the time between the first row's submission and the later rows' (README: "from its submission at
+    the driver")."""
+    from types import SimpleNamespace
+
+    from launcher.cli.bench_command import context_encoding_s
+
+    rows = [SimpleNamespace(submitted_at_s=10.0, time_to_first_token_s=0.3),  # first token at 10.3
+            SimpleNamespace(submitted_at_s=10.5, time_to_first_token_s=0.4)]  # at 10.9: the call's last
+    assert context_encoding_s(rows) == pytest.approx(0.9)
+
+
+def test_a_run_too_fast_to_time_reports_null_throughput_and_valid_json(capsys):
+    """Latencies that sum to 0 (below the clock's resolution) gave throughput inf, which json.dumps
+    writes as `Infinity`, no JSON reader's number."""
+    from launcher.cli.bench_command import _print_table
+    from shardlib.evaluation.bench_report import RunTiming, build_report
+
+    report = build_report([RunTiming(e2e_s=0.5, time_to_first_token_s=0.0, decode_step_latencies_s=[0.0, 0.0],
+                                     generated_tokens=6)], batch_size=2, prompt_len=8)
+    assert report["context_encoding_model"]["throughput"] is None
+    assert report["token_generation_model"]["throughput"] is None
+    assert json.loads(json.dumps(report, allow_nan=False))["e2e_model"]["throughput"] == pytest.approx(12.0)
+    config = {"backend": "cpu", "dtype": "float32", "compile": True, "quantization": None, "kv_cache_dtype": None,
+              "tp_degree": 1, "batch_size": 2, "prompt_len": 8, "max_new_tokens": 3, "runs": 1, "warmup": 0}
+    _print_table({**report, "config": config})
+    assert "n/a prompt tokens/s" in capsys.readouterr().out
 
 
 def test_bench_refuses_bad_arguments():

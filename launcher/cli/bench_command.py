@@ -65,10 +65,37 @@ def full_batch_decode_steps(results) -> list[float]:
     prompts past the prefill budget) decoded: the gaps between the first row's tokens that began
     once the last row had its first token, on the leader's clock (each result's token_times_s, all
     from the one replica bench starts). The steps that prefilled later rows (and decoded the earlier
-    ones) are left out, and so are the last row's steps after the first row has finished."""
-    last_first_token = max(r.token_times_s[0] for r in results)
-    times = min(results, key=lambda r: r.token_times_s[0]).token_times_s
-    return [after - before for before, after in zip(times, times[1:]) if before >= last_first_token]
+    ones) are left out, and so are the last row's steps after the first row has finished.
+    Each attempt apart (resumed_at: a TP group restarted mid-run): the gap into a resumed attempt's
+    first token spans the restart, from one rank 0's clock to another's (another host's: negative,
+    or hours), and the resumed rows are prefilled again, staggered as before, on the new clock."""
+    per_row = [_attempt_times(r) for r in results]
+    # the first token chosen: clocks compare within an attempt only
+    first_row = min(per_row, key=lambda attempts: next((k, times[0]) for k, times in enumerate(attempts) if times))
+    steps = []
+    for attempt, times in enumerate(first_row):
+        running = [attempts[attempt] for attempts in per_row if attempt < len(attempts)]  # not finished before it
+        if not times or not all(running):  # a row without a token yet in this attempt: none of its steps is whole
+            continue
+        last_first_token = max(row_times[0] for row_times in running)
+        steps += [after - before for before, after in zip(times, times[1:]) if before >= last_first_token]
+    return steps
+
+
+def _attempt_times(result) -> list[list[float]]:
+    """A result's token times split at its resumed attempts: one list per attempt, each on its own
+    rank 0's clock (empty where a restart came before the attempt chose a token)."""
+    bounds = [0, *result.resumed_at, len(result.token_times_s)]
+    return [result.token_times_s[start:end] for start, end in zip(bounds, bounds[1:])]
+
+
+def context_encoding_s(results) -> float:
+    """One call's context encoding: from its earliest submission at the driver to its latest first
+    token there. Each result's time_to_first_token_s counts from its own submission, stamped as its
+    request is built, one row after another, so the largest of them left out the time before the
+    latest row's stamp."""
+    first_tokens = [r.submitted_at_s + r.time_to_first_token_s for r in results]
+    return max(first_tokens) - min(r.submitted_at_s for r in results)
 
 
 def check_a_whole_batch_decodes(args: argparse.Namespace, budget: int) -> None:
@@ -201,7 +228,7 @@ def _bench(args: argparse.Namespace) -> dict:
                     if phase == "measured":
                         timings.append(RunTiming(
                             # every prompt encoded: the last first token (several steps past the cap)
-                            e2e_s=e2e, time_to_first_token_s=max(r.time_to_first_token_s for r in results),
+                            e2e_s=e2e, time_to_first_token_s=context_encoding_s(results),
                             decode_step_latencies_s=(list(results[0].decode_step_latencies_s)
                                                      if args.batch_size * args.prompt_len <= config.max_prefill_tokens
                                                      else full_batch_decode_steps(results)),
@@ -244,6 +271,13 @@ def table_title(cfg: dict) -> str:
             f"{cfg['warmup']} warm-up")
 
 
+def throughput_text(section: dict) -> str:
+    """A section's throughput for the table: n/a where it is None (no time measured: bench_report)."""
+    if section["throughput"] is None:
+        return f"n/a {section['throughput_unit']}"
+    return f"{section['throughput']:.1f} {section['throughput_unit']}"
+
+
 def _print_table(report: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -260,7 +294,7 @@ def _print_table(report: dict) -> None:
     for name in SECTIONS:
         s = report[name]
         table.add_row(name, *(f"{s[f'latency_ms_p{p}']:.2f}" for p in PERCENTILES), f"{s['latency_ms_avg']:.2f}",
-                      f"{s['throughput']:.1f} {s['throughput_unit']}", str(s["count"]))
+                      throughput_text(s), str(s["count"]))
     class _PipeAwareConsole(Console):
         def on_broken_pipe(self) -> None:  # rich exits 1 itself; the command exits 141 as every other does
             raise BrokenPipeError

@@ -15,6 +15,8 @@ latency_ms_p99, latency_ms_p100, latency_ms_avg and throughput (NxD Inference's 
   token, timed inside rank 0). throughput = batch x steps / sum of the step times, in tokens/s
   (= batch / mean step latency).
 
+A section whose latencies sum to 0 (all below the clock's resolution) has throughput None (JSON null).
+
 Percentiles interpolate linearly between the two nearest ranks (numpy's default method), so p100 is
 the maximum. NxD Inference computes every section's throughput as max_length x batch x runs / total
 time; corelaunch uses the definitions above, which count only the tokens each part produces.
@@ -54,7 +56,9 @@ def summarize(latencies_s: Sequence[float], work: float, unit: str = "tokens/s")
     total = sum(latencies_s)
     section = {f"latency_ms_p{p}": percentile(latencies_s, p) * 1000 for p in PERCENTILES}
     section["latency_ms_avg"] = total / len(latencies_s) * 1000
-    section["throughput"] = work / total if total > 0 else math.inf
+    # None where no time was measured (every latency 0, below the clock's resolution): JSON has no
+    # infinity, and json.dumps wrote `Infinity`, which JSON readers refuse
+    section["throughput"] = work / total if total > 0 else None
     section["throughput_unit"] = unit
     section["count"] = len(latencies_s)
     return section
