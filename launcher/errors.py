@@ -42,6 +42,11 @@ class WorkerDied(GroupFault):
 class RequestTimeout(GroupFault):
     """A request did not finish within the request timeout."""
 
+    timeout_s: float | None = None
+    """The time the request was given (a wave's more for each wave of rows queued before it), where
+    the error is that one request's past its timeout (not a hung group's, nor a static batch's): the
+    OpenAI server tells it in its client's terms."""
+
 
 class RankFailed(GroupFault):
     """A rank raised an unexpected error (not the user's input) while serving; the group was stopped."""

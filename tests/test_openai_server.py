@@ -360,17 +360,21 @@ def test_a_request_past_the_request_timeout_is_a_504_naming_both_ways_out():
     outlasts the default --request-timeout: it was a 500, "generation failed", naming the timeout only."""
     from launcher.cluster.replica_pool import _overdue
     from launcher.serving.openai_app import _generation_failure
+    from launcher.serving.openai_app import _overdue as told_overdue
 
-    handle = SimpleNamespace(request_id="chatcmpl-1", timeout_s=600, delivered=[1] * 3067,
+    handle = SimpleNamespace(request_id="5f0c9e", timeout_s=600, delivered=[1] * 3067,
                              request=SimpleNamespace(max_tokens=4064))
-    status, body, headers = _generation_failure(_overdue(handle, "it was cancelled"))
+    said = told_overdue("chatcmpl-1", 600, [3067], [None])
+    status, body, headers = _generation_failure(_overdue(handle, "it was cancelled"), overdue=said)
     error = body["error"]
     assert status == 504 and (error["type"], error["code"]) == ("server_error", "generation_timeout")
     assert not _openai_client_retries(status, headers)  # it did, twice: the generation ran three times
-    assert "did not finish within 600 s (it had delivered 3067 of 4064 tokens)" in error["message"]
+    assert error["message"].startswith("response chatcmpl-1 did not finish within the request timeout (600 s); it "
+                                       "had delivered 3067 tokens; ")
+    assert "5f0c9e" not in error["message"]  # the engine's request id means nothing to the client
     assert "--request-timeout" in error["message"] and "max_tokens (max_completion_tokens)" in error["message"]
     # /v1/responses refuses max_tokens: its timeout names its own field
-    status, body, _ = _generation_failure(_overdue(handle, "it was cancelled"), "max_output_tokens")
+    status, body, _ = _generation_failure(_overdue(handle, "it was cancelled"), "max_output_tokens", said)
     assert status == 504 and "fewer tokens with max_output_tokens:" in body["error"]["message"]
     assert "max_tokens (" not in body["error"]["message"]
     status, body, headers = _generation_failure(RuntimeError("boom"))
@@ -1676,7 +1680,8 @@ def test_models_health_and_metrics(client, server):
     assert client.models.list().data[0].max_model_len == counted["max_model_len"] > 0
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4")
-    assert requests.get(f"{server.url}/health", timeout=10).status_code == 200  # open without the key
+    health = requests.get(f"{server.url}/health", timeout=10)  # open without the key
+    assert (health.status_code, health.json()) == (200, {"status": "ok"})  # the model named only behind the key
     # SageMaker's routes: /ping as /health, /invocations answered by the route its body names
     assert [requests.request(method, f"{server.url}/ping", timeout=10).status_code for method in ("GET", "POST")] == [
         200, 200]

@@ -149,14 +149,14 @@ def scripted_server(tokenizer, scripts, tool_call_parser: str | None = None, rea
 
     server.launcher = SimpleNamespace(model_config=server.launcher.model_config, shutdown=lambda: None,
                                       config=SimpleNamespace(max_num_seqs=4, request_timeout_s=600.0), astream=astream,
-                                      acheck_structured=acheck_structured)
+                                      acheck_structured=acheck_structured, model_dir=tokenizer.name_or_path)
     server.pieces, server.longest_prompt, server.several_replicas = TokenPieces(tokenizer), None, False
     server.tool_call_parser, server.default_chat_template_kwargs = tool_call_parser, None
     server.reasoning_parser = reasoning_parser
     if reasoning_parser:  # as the constructor sets them
         server.think_start, server.think_end, server.call_start = _generated_tags(
             tokenizer, len(tokenizer), (THINK_START, THINK_END, CALL_START))
-        server.turn_ends = _turn_ends(tokenizer, server.launcher.model_config)
+        server.turn_ends = _turn_ends(tokenizer, server.launcher.model_config, server.launcher.model_dir)
     return server
 
 

@@ -57,6 +57,7 @@ from launcher.serving.responses.request import (START_ANEW, STILL_GENERATING, co
                                                 kept_message_count)
 from launcher.serving.server_settings import ServerSettings, api_key_from_environment, settings_from_args
 from launcher.serving.token_pieces import TokenPieces
+from shardlib.generation_config import generation_eos_ids
 from workers.serving.prefix_reuse import common_prefix_length
 
 # No documentation routes: /openapi.json, /docs and /redoc would answer without the API key. No
@@ -550,17 +551,40 @@ RESPONSES_TOKEN_LIMIT = "max_output_tokens"
 """How a /v1/responses request bounds its tokens (it refuses the chat route's names)."""
 
 
-def _generation_failure(err: Exception, token_limit: str = CHAT_TOKEN_LIMITS) -> tuple[int, dict, dict]:
+def _plural(count: int, word: str) -> str:
+    return f"{count} {word}{'' if count == 1 else 's'}"
+
+
+def _overdue(response_id: str | None, timeout_s: float, delivered: list[int], ended: list) -> str:
+    """What a client is told of its request past the request timeout: the response id a stream gave
+    it (None: the request, whose answer not streamed carries its id only when it comes; the
+    engine's own request id, which the timeout's error names, means nothing to a client) and the
+    tokens delivered so far, choice by choice where it asked for several (`delivered[i]` and
+    `ended[i]`, choice i's: its `index`), naming those that had not ended (the timeout's error spoke
+    of one of them only)."""
+    said = f"{f'response {response_id}' if response_id else 'the request'} did not finish within the request " \
+           f"timeout ({timeout_s:g} s)"
+    if len(delivered) == 1:
+        return f"{said}; it had delivered {_plural(delivered[0], 'token')}"
+    cut = [f"choice {i} ({_plural(count, 'token')} delivered)"
+           for i, (count, end) in enumerate(zip(delivered, ended)) if not end]
+    return f"{said}; of its {len(delivered)} choices, {', '.join(cut) or 'none'} had not ended"
+
+
+def _generation_failure(err: Exception, token_limit: str = CHAT_TOKEN_LIMITS, overdue: str | None = None
+                        ) -> tuple[int, dict, dict]:
     """(HTTP status, OpenAI error body, headers) for a request that failed while generating. A
-    request past the request timeout is a 504 naming both ways out (token_limit: the route's own
+    request past the request timeout is a 504 told as `overdue` (_overdue: in the client's terms,
+    the error's own text being the driver API's; None: the error's text, a hung group's say) naming both ways out (token_limit: the route's own
     field): a chat request without it may generate up to the rest of the model's context, which on
     a slow host outlasts the default timeout (it was a 500, "generation failed"). A request whose
     replica's model failed for good is a 503 as a new request there would be, told nothing of nodes
     or processes."""
     if isinstance(err, RequestTimeout):
         return 504, proto.error_body(
-            f"{err}; or ask for fewer tokens with {token_limit}: a request without it may generate up to the "
-            f"rest of the model's context", type="server_error", code="generation_timeout"), _NO_RETRY
+            f"{overdue or err}; ask for fewer tokens with {token_limit}: a request without it may generate up to the "
+            f"rest of the model's context; or have the server's operator raise its --request-timeout for long "
+            f"generations", type="server_error", code="generation_timeout"), _NO_RETRY
     if isinstance(err, _FAILED_FOR_GOOD) or type(err) is LaunchError:  # failed for good, or stopping
         return 503, proto.error_body(
             f"generation failed: {_unavailable(err)}; the request was not finished: retry it after "
@@ -767,10 +791,13 @@ SERVER_VERSION = _installed_version()
 """What GET /version answers."""
 
 
-def _turn_ends(tokenizer, model_config) -> frozenset[int]:
-    """The ids that end a message in the model's chat: its end-of-sequence ids (config.json's and
-    the tokenizer's), which chat templates end each turn with (`<|im_end|>`, `<|eot_id|>`)."""
+def _turn_ends(tokenizer, model_config, model_dir) -> frozenset[int]:
+    """The ids that end a message in the model's chat: its end-of-sequence ids (config.json's,
+    generation_config.json's in model_dir and the tokenizer's, as the Launcher stops at them), which
+    chat templates end each turn with (`<|im_end|>`, `<|eot_id|>`: Llama 3 Instruct names its
+    <|eot_id|> only in generation_config.json)."""
     ids = set(getattr(model_config, "eos_token_id", None) or ())
+    ids.update(generation_eos_ids(model_dir))
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return frozenset(ids)
@@ -960,7 +987,7 @@ class OpenAIServer:
         if self.reasoning_parser:
             self.think_start, self.think_end, self.call_start = _generated_tags(  # one look at the vocabulary
                 self.tokenizer, self.launcher.model_config.vocab_size, (THINK_START, THINK_END, CALL_START))
-            self.turn_ends = _turn_ends(self.tokenizer, self.launcher.model_config)
+            self.turn_ends = _turn_ends(self.tokenizer, self.launcher.model_config, self.launcher.model_dir)
         self.context_tokens = _context_tokens(self.launcher)
         self.longest_prompt = _longest_prompt(self.launcher)
         self.metrics = ServerMetrics(self.launcher.load)
@@ -1002,9 +1029,12 @@ class OpenAIServer:
     # ---- routes -------------------------------------------------------------------------------
     @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' probes
     def health(self) -> Response:
+        """Open to anyone (probes send no key): with an API key set, the body leaves the model's name
+        out, which /v1/models and a model_not_found refusal tell only to a client with the key."""
+        named = {} if self.api_key is not None else {"model": self.name}
         if self._serving():
-            return JSONResponse({"status": "ok", "model": self.name})
-        return JSONResponse({"status": "failed", "model": self.name}, status_code=503)
+            return JSONResponse({"status": "ok", **named})
+        return JSONResponse({"status": "failed", **named}, status_code=503)
 
     @app.api_route("/ping", methods=["GET", "POST", "HEAD"])  # HEAD: probes, as /health
     def ping(self) -> Response:
@@ -1055,6 +1085,7 @@ class OpenAIServer:
         self._authorize(request)
         req = await self._request(proto.CompletionRequest, request)
         sent = req.prompt_inputs()
+        self._refuse_more_sequences_than_rows(req, len(sent), "prompt")  # before tokenizing any of them
         prompts = []
         measured = req.truncate_prompt_tokens is None  # a prompt to truncate may be longer than the context
         if not measured:
@@ -1224,6 +1255,7 @@ class OpenAIServer:
     async def _chat_choices(self, req) -> ChoiceStreams:
         """A chat request's prompt rendered by the template, measured and truncated, its thinking
         settled, and its choices started (the chat route's and the Responses route's)."""
+        self._refuse_more_sequences_than_rows(req, 1, "messages")  # before the template renders a long chat
         if req.truncate_prompt_tokens is not None:
             self._truncated(req, [])  # a length the context cannot hold: refused before any tokenizing
         prompt = await self._tokenized(self._apply_chat_template, req.chat_messages(self._template_of(req)),
@@ -1599,21 +1631,31 @@ class OpenAIServer:
                                 f"(GET /v1/models lists it)", param="model", status=404, code="model_not_found")
         return req
 
+    def _refuse_more_sequences_than_rows(self, req, prompt_count: int, prompt_param: str) -> None:
+        """400 (counted) for a request of more sequences (prompt_count prompts of `n` choices each)
+        than the engine runs at once: they could never run together, and a queue of them only delays
+        the others. Checked as soon as the body is parsed, before any prompt is tokenized or any
+        template rendered (200,000 one-character prompts were tokenized for 117 s, and 1.5 million
+        token-id prompts held the event loop for 11 s, before this refusal), and again where the
+        choices start."""
+        rows = self.launcher.config.max_num_seqs
+        if prompt_count * req.n <= rows:
+            return
+        self.metrics.rejected(400)
+        if prompt_count == 1:
+            raise ProtocolError(f"n ({req.n}) is more than this server runs at once (max_num_seqs {rows}): each "
+                                f"choice takes a sequence slot; ask for at most {rows} choices per request",
+                                param="n")
+        raise ProtocolError(f"{prompt_count} prompts of n ({req.n}) choices each are {prompt_count * req.n} "
+                            f"sequences, more than this server runs at once (max_num_seqs {rows}): each takes a "
+                            f"sequence slot; send at most {rows} prompts x n per request (the rest in another)",
+                            param=prompt_param)
+
     async def _start_choices(self, req, prompts: list[list[int]], max_tokens: list[int], logprobs: int | None,
                              prompt_param: str, prompt_logprobs: int | None = None) -> ChoiceStreams:
         """The engine's streams of the request's `n` choices of each prompt (prompt by prompt), all
         admitted or none: one refused (a full queue) closes those started before it, which cancels them."""
-        rows = self.launcher.config.max_num_seqs
-        if len(prompts) * req.n > rows:  # could never run at once, and a queue of them only delays the others
-            self.metrics.rejected(400)
-            if len(prompts) == 1:
-                raise ProtocolError(f"n ({req.n}) is more than this server runs at once (max_num_seqs {rows}): each "
-                                    f"choice takes a sequence slot; ask for at most {rows} choices per request",
-                                    param="n")
-            raise ProtocolError(f"{len(prompts)} prompts of n ({req.n}) choices each are {len(prompts) * req.n} "
-                                f"sequences, more than this server runs at once (max_num_seqs {rows}): each takes a "
-                                f"sequence slot; send at most {rows} prompts x n per request (the rest in another)",
-                                param=prompt_param)
+        self._refuse_more_sequences_than_rows(req, len(prompts), prompt_param)  # checked on arrival too
         for prompt, limit in zip(prompts, max_tokens):  # one limit for every prompt of a completions request
             if req.min_tokens > limit:  # said in the API's words (the engine says max_new_tokens)
                 self.metrics.rejected(400)
@@ -1627,6 +1669,9 @@ class OpenAIServer:
             raise ProtocolError(str(err), param=_refused_param(str(err), req, prompt_param)) from None
         except LaunchError as err:  # not running: the check reaches the launcher before any stream does
             raise _refused_unavailable(self.metrics, err) from None
+        except asyncio.CancelledError:  # the client left while a large grammar compiled: counted as every abort
+            self.metrics.finished("abort", 499)
+            raise
         streams = []
         try:
             for i, (prompt, limit) in enumerate(zip(prompts, max_tokens)):
@@ -1731,7 +1776,8 @@ class OpenAIServer:
             self.metrics.finished("abort", 499)
             raise
         except Exception as err:  # noqa: BLE001 - reported to the client in the OpenAI shape
-            status, body, headers = _generation_failure(err, token_limit)
+            # no response id: the client of an answer not streamed never learns it
+            status, body, headers = self._generation_failed(err, None, completion_tokens, finish, token_limit)
             self.metrics.finished(failure_reason(status), status)
             return JSONResponse(body, status_code=status, headers=headers)
         # one request, counted by its first choice's finish reason as the engine gave it (stop or length;
@@ -1803,13 +1849,23 @@ class OpenAIServer:
             for event in finished:
                 yield responses_api.sse(event)
         except Exception as err:  # noqa: BLE001 - headers are sent: the error can only be an event
-            outcome["status"], body, _ = _generation_failure(err, RESPONSES_TOKEN_LIMIT)
+            outcome["status"], body, _ = self._generation_failed(err, events.response_id, [completion_tokens],
+                                                                 [sent_finish], RESPONSES_TOKEN_LIMIT)
             outcome["finish_reason"] = failure_reason(outcome["status"])
             for event in events.failed(body["error"]):
                 yield responses_api.sse(event)
         finally:  # failed, or the client left (its task maybe cancelled: nothing awaited here)
             if keep is not None:
                 keep.abandon()
+
+    def _generation_failed(self, err: Exception, response_id: str | None, delivered: list[int], ended: list,
+                           token_limit: str = CHAT_TOKEN_LIMITS) -> tuple[int, dict, dict]:
+        """_generation_failure's answer, a timeout told in the client's terms (_overdue: its response's
+        id, each choice's delivered tokens and whether it had ended)."""
+        timeout_s = getattr(err, "timeout_s", None) if isinstance(err, RequestTimeout) else None
+        if timeout_s is None:  # not one request's own timeout (a hung group's): its text says what happened
+            return _generation_failure(err, token_limit)
+        return _generation_failure(err, token_limit, _overdue(response_id, timeout_s, delivered, ended))
 
     def _event_stream(self, events, stream: ChoiceStreams, outcome: dict) -> Response:
         """The server-sent events of a streamed answer; closing it closes the engine's streams and
@@ -1860,7 +1916,8 @@ class OpenAIServer:
                                                                     _reasoning_total(renders))))
             yield proto.SSE_DONE
         except Exception as err:  # noqa: BLE001 - headers are sent: the error can only be an event
-            outcome["status"], body, _ = _generation_failure(err)  # headers are sent already
+            outcome["status"], body, _ = self._generation_failed(err, meta.id, completion_tokens,
+                                                                 endings)  # headers are sent already
             outcome["finish_reason"] = failure_reason(outcome["status"])
             yield proto.sse_event(body)
             yield proto.SSE_DONE
