@@ -1466,7 +1466,8 @@ class Launcher:
         llguidance compiles each grammar to check it, and a large one takes seconds (a JSON schema
         of 10,000 required properties 1.6-2.3 s on one 2-core host), which astream would spend on
         the event loop, holding up every other stream and request it serves. agenerate and the
-        OpenAI server make their checks this way."""
+        OpenAI server make their checks this way. bad_words are tokenized there too, and remembered
+        (128 long words: about 0.1 s, which a client sending a new list each time cost the loop)."""
         import asyncio
 
         self._running_pool()  # not started: say so, not that the model has no tokenizer
@@ -1475,6 +1476,8 @@ class Launcher:
         params = [sampling] if isinstance(sampling, SamplingParams) else self._sampling_per_prompt(sampling, 0)
         if any(p.structured_output is not None for p in params):
             await asyncio.to_thread(self._check_structured, params)
+        if any(p.bad_words for p in params):
+            await asyncio.to_thread(self._with_bad_word_ids, params)
 
     async def agenerate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                         sampling: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -217,6 +217,30 @@ def test_streams_with_the_same_bad_words_tokenize_them_once(model_dir, in_proces
                         len(remembered) == 1 or sum(len(s) for ids in remembered for s in ids) <= most)
 
 
+def test_the_server_tokenizes_a_new_bad_words_list_off_its_event_loop(model_dir, in_process_cluster, monkeypatch):
+    """A new list's tokenizing (128 long words: about 0.1 s) ran on the event loop, which a client
+    sending another list each time made every stream and request of the replica wait for: it runs
+    on a worker thread before the choices start, and they find it remembered."""
+    import threading
+
+    from launcher.api import Launcher
+    from tests.test_skip_special_tokens import answered, replica_over
+
+    with Launcher(model=model_dir, tp=1, max_num_seqs=4, progress=False, compile=False) as llm:
+        word, _ = one_token_word(llm)
+        server = replica_over(llm)
+        threads, real = [], llm._bad_word_sequences
+        monkeypatch.setattr(llm, "_bad_word_sequences", lambda ws: threads.append(threading.get_ident()) or real(ws))
+        asked = {"model": "smollm2-135m-instruct", "prompt": "Hi", "max_tokens": 4, "n": 2, "bad_words": [word]}
+
+        async def answer_on_the_loop():
+            return await answered(server, "/v1/completions", asked), threading.get_ident()
+
+        answer, loop_thread = asyncio.run(answer_on_the_loop())
+    assert len(answer["choices"]) == 2
+    assert len(threads) == 1 and threads[0] != loop_thread
+
+
 def test_seeded_choices_each_equal_their_own_request_over_the_completions_route(model_dir, in_process_cluster):
     """Choice i of a seeded request samples what one request seeded with choice_seed(seed, i) does."""
     from launcher.api import Launcher

@@ -1661,8 +1661,9 @@ class OpenAIServer:
                 self.metrics.rejected(400)
                 raise ProtocolError(_min_tokens_past_the_limit(req, limit, len(prompt)), param="min_tokens")
         sampling = req.sampling()
-        try:  # off the event loop: llguidance compiling a large schema to check it takes seconds
-            if sampling.structured_output is not None:
+        try:  # off the event loop: llguidance compiling a large schema to check it takes seconds, and
+            # tokenizing a long bad_words list a tenth of one
+            if sampling.structured_output is not None or sampling.bad_words:
                 await self.launcher.acheck_structured(sampling)
         except ValueError as err:
             self.metrics.rejected(400)
