@@ -146,9 +146,11 @@ def _mem_total_bytes() -> int:
 
 @functools.lru_cache(maxsize=1)
 def cpu_host() -> InstanceType:
-    """This host as a planning target: its CPU count and total RAM (read once per process)."""
-    return InstanceType(name=CPU_TARGET, family="cpu", physical_cores=os.cpu_count() or 1,
-                        memory_bytes=_host_ram_bytes())
+    """This host as a planning target: the CPUs this process may use (its affinity and cgroup quota
+    counted: shardlib/host_cpus.py) and its RAM (read once per process)."""
+    from shardlib.host_cpus import host_cpus
+
+    return InstanceType(name=CPU_TARGET, family="cpu", physical_cores=host_cpus(), memory_bytes=_host_ram_bytes())
 
 
 def gpu_node(memory_per_gpu: int, gpus: int | None = None, model: str = "GPU") -> InstanceType:

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from shardlib.host_cpus import host_cpus
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,17 +59,18 @@ def test_local_starts_a_private_ray_even_with_a_cluster_recorded_on_the_host():
 
 
 PRIVATE_TO_START = "the private Ray cluster this launch would start (this host alone)"
+HOST_CPUS = host_cpus()  # what the private cluster declares: affinity and cgroup quota counted
 
 
 @pytest.mark.parametrize("options, words", [
     (["--cpus-per-rank", "64"], [f"{PRIVATE_TO_START} cannot place a TP group",
-                                 f"Lower --cpus-per-rank (at most {os.cpu_count()}, the most CPUs a node has)"]),
+                                 f"Lower --cpus-per-rank (at most {HOST_CPUS}, the most CPUs a node has)"]),
     # --replicas auto would size the replicas before the refusal above: "room for none"
     (["--cpus-per-rank", "64", "--replicas", "auto"], [f"{PRIVATE_TO_START} cannot place a TP group (replicas=auto "
                                                        f"would find room for none)", "Lower --cpus-per-rank (at most"]),
     # one group fits, two never will: the first started and the second waited the timeout out (exit 3)
-    (["--cpus-per-rank", str(os.cpu_count()), "--replicas", "2"],
-     [f"{PRIVATE_TO_START} holds 1 TP group(s) of 1 rank(s) at {os.cpu_count()} CPU a rank (--cpus-per-rank), not "
+    (["--cpus-per-rank", str(HOST_CPUS), "--replicas", "2"],
+     [f"{PRIVATE_TO_START} holds 1 TP group(s) of 1 rank(s) at {HOST_CPUS} CPU a rank (--cpus-per-rank), not "
       f"the 2 replicas asked (--replicas); lower --replicas to 1 or --cpus-per-rank, or use --replicas auto"]),
 ])
 def test_a_private_cluster_too_small_for_the_groups_is_refused_without_waiting_for_placement(options, words):

@@ -219,3 +219,83 @@ def test_a_ray_process_gone_at_start_is_no_sign_of_a_group_signal(shared_private
     assert isinstance(seen.get("died_at_start"), int), seen
     assert seen["going_for_a_death_at_start"] is False, seen
     assert seen["going_for_a_death_now"] is True, seen
+
+
+# ---- the program's own Ray session ---------------------------------------------------------------
+
+def test_a_launch_asking_for_another_cluster_than_the_programs_own_session_is_refused(ray_session):
+    """A program that ran ray.init() itself: a launch given another cluster's host:port joined the
+    program's session silently and ran there. Its own cluster, however its host is written, and no
+    address or "local", still join it."""
+    from launcher.cluster import ray_cluster
+    from launcher.errors import LaunchError
+
+    if ray_cluster._OWN_SESSION["users"] > 0:
+        pytest.skip("a launch of this process still holds a session it opened")
+    own = ray_session.get_runtime_context().gcs_address
+    with pytest.raises(LaunchError, match=rf"already connected to the Ray cluster at '{re.escape(own)}' \(a Ray "
+                                          rf"session the program opened itself\).*asks for '192.0.2.55:6379' "
+                                          rf"\(--ray-address\).*ray.shutdown\(\)"):
+        ray_cluster.connect("192.0.2.55:6379")
+    port = own.rpartition(":")[2]
+    for same in (own, f"localhost:{port}", f"127.0.0.1:{port}", None, "local"):
+        connection = ray_cluster.connect(same)
+        assert (connection.started_here, connection.joined_here) == (False, False), same
+        connection.close()  # the program's own session: left open
+    assert ray_session.is_initialized()
+
+
+# ---- a GCS with token authentication, answered by a gRPC server that checks the token ----------
+
+TOKEN_CHECKING_GCS = textwrap.dedent("""
+    import os, sys, time
+    from concurrent.futures import ThreadPoolExecutor
+    import grpc
+    from launcher.cluster import ray_cluster
+
+    def cluster_id(request, context):
+        if dict(context.invocation_metadata()).get("authorization") != "Bearer the-clusters-token":
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "InvalidAuthToken: Authentication token is missing or incorrect")
+        return b""
+
+    server = grpc.server(ThreadPoolExecutor(max_workers=1))
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        "ray.rpc.NodeInfoGcsService", {"GetClusterId": grpc.unary_unary_rpc_method_handler(cluster_id)})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    import ray
+    ray.init = lambda *a, **k: sys.exit("ray.init was called")  # the probe alone decides here
+    started = time.monotonic()
+    try:
+        ray_cluster.connect(f"127.0.0.1:{port}")
+    except Exception as err:
+        print(f"{time.monotonic() - started:.1f}", type(err).__name__, err, flush=True)
+    os.environ["RAY_AUTH_TOKEN"] = "the-clusters-token"
+    print("right token:", ray_cluster._unreachable(f"127.0.0.1:{port}", token=ray_cluster._token_metadata()))
+""")
+
+
+@pytest.mark.parametrize("variables, named", [
+    ({"RAY_AUTH_TOKEN": "another-token"}, "from RAY_AUTH_TOKEN"),
+    ({"RAY_AUTH_TOKEN_PATH": "FILE"}, "from the file RAY_AUTH_TOKEN_PATH names (FILE)"),
+])
+def test_a_wrong_token_is_refused_at_once_naming_its_source(variables, named, tmp_path):
+    """The probe sent no token, so the GCS's refusal was ignored and ray.init retried for some 20 s,
+    printed 20 lines of Ray's warnings, and said no Ray cluster answered. A fresh process: Ray's
+    token loader caches the token process-wide (the test session's Ray uses it)."""
+    token_file = tmp_path / "token"
+    token_file.write_text("another-token")
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "HOME": str(tmp_path)}
+    for name in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        env.pop(name, None)
+    env.update({k: str(token_file) if v == "FILE" else v for k, v in variables.items()})
+    out = subprocess.run([sys.executable, "-c", TOKEN_CHECKING_GCS], capture_output=True, text=True, timeout=120,
+                         env=env, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    refused, right = out.stdout.splitlines()
+    seconds, kind, message = refused.split(" ", 2)
+    assert kind == "LaunchError" and float(seconds) < 5, refused
+    assert "refused this launch's token (" + named.replace("FILE", str(token_file)) in message, message
+    assert "RAY_AUTH_TOKEN, else the file RAY_AUTH_TOKEN_PATH names, else ~/.ray/auth_token" in message
+    assert "use the cluster's token" in message and "ray stop" not in message, message
+    assert right == "right token: None"

@@ -145,11 +145,15 @@ def private_cluster(address: str | None) -> bool:
     return True
 
 
-def private_cluster_cpus(num_cpus: int | None = None) -> int | None:
-    """The CPUs the node of a private cluster that connect(num_cpus=...) starts declares (None: the
-    host's count is unknown, and Ray counts them itself). The plan counts the same total before
-    the start (launch_plan.refuse_what_a_private_start_cannot_hold): both refuse the same groups."""
-    return num_cpus or os.cpu_count()
+def private_cluster_cpus(num_cpus: int | None = None) -> int:
+    """The CPUs the node of a private cluster that connect(num_cpus=...) starts declares: num_cpus,
+    else those this process may use (its affinity and cgroup quota counted: shardlib/host_cpus.py;
+    os.cpu_count() gave a rank in a 4-CPU container on a 64-core host 64 threads). The plan counts
+    the same total before the start (launch_plan.refuse_what_a_private_start_cannot_hold): both
+    refuse the same groups."""
+    from shardlib.host_cpus import host_cpus
+
+    return num_cpus or host_cpus()
 
 
 def asked_cluster(address: str | None) -> tuple[str | None, str]:
@@ -182,6 +186,35 @@ def _another_cluster_asked(address: str | None) -> str | None:
     return (f"this process is already connected to {here} for another launch still running, and one process holds "
             f"one Ray session; this launch asks for {asked} ({how}): give it the same cluster as the running "
             f"launch, or shut that one down first (Launcher.shutdown())")
+
+
+def _programs_session_elsewhere(address: str | None) -> str | None:
+    """Why a launch given `address` outright cannot join the Ray session the calling program opened
+    itself (its own ray.init), or None: the session was joined whatever the address asked, so a
+    launch given another cluster's host:port ran on the program's cluster. Only a host:port given
+    outright is compared: None and "local" take the program's session, RAY_ADDRESS is left alone
+    (inside a Ray job or a Serve replica it names the cluster the session is on), and neither a
+    ray:// address nor a Ray Client session names a GCS to compare with."""
+    import ray
+
+    if address in (None, "local") or address.startswith("ray://") or _ray_client_session():
+        return None
+    open_at = ray.get_runtime_context().gcs_address
+    if not open_at or _same_cluster(address, open_at):
+        return None
+    return (f"this process is already connected to the Ray cluster at {open_at!r} (a Ray session the program "
+            f"opened itself), and one process holds one Ray session; this launch asks for {address!r} "
+            f"(--ray-address): give it that cluster's address or none, or end the program's session first "
+            f"(ray.shutdown())")
+
+
+def _ray_client_session() -> bool:
+    """Whether this process's Ray session is Ray Client's (ray://), which knows no GCS address here."""
+    try:
+        from ray.util.client import ray as client_ray
+    except ImportError:
+        return False
+    return bool(client_ray.is_connected())
 
 
 def on_this_host(address: str | None) -> bool:
@@ -289,10 +322,12 @@ def _same_cluster(asked: str, open_at: str) -> bool:
         return False
 
 
-def _unreachable(address: str, timeout_s: float = GCS_PROBE_S, sends_token: bool = True) -> str | None:
+def _unreachable(address: str, timeout_s: float = GCS_PROBE_S, sends_token: bool = True,
+                 token: tuple[tuple[str, str], ...] = ()) -> str | None:
     """Why nothing accepts connections at a "host:port" address (None when something does, or for
     another form, such as ray://, which ray.init checks itself). sends_token: whether the launch
-    will send Ray's token (TOKEN_NEEDED when it will not and the GCS asks for one)."""
+    will send Ray's token (TOKEN_NEEDED when it will not and the GCS asks for one); token: the
+    metadata carrying it (_token_metadata), sent with the probe (WRONG_TOKEN when the GCS refuses it)."""
     host, sep, port = address.rpartition(":")
     if not sep or not host or "://" in address or not port.isascii() or not port.isdigit():
         return None
@@ -305,17 +340,23 @@ def _unreachable(address: str, timeout_s: float = GCS_PROBE_S, sends_token: bool
         return f"nothing listens there: {err}"
     except OSError as err:
         return f"nothing accepts connections there within {timeout_s:g} s: {err}"
-    return _not_a_gcs(address, timeout_s, sends_token)
+    return _not_a_gcs(address, timeout_s, sends_token, token)
 
 
 TOKEN_NEEDED = "token needed"
 """_unreachable's answer for a GCS that refuses a launch sending no token."""
+WRONG_TOKEN = "wrong token"
+"""_unreachable's answer for a GCS that refuses the token the launch sends: ray.init retried for
+some 20 s, printed 20 lines of Ray's warnings and was reported as "no Ray cluster answered"."""
+TOKEN_SOURCES = "RAY_AUTH_TOKEN, else the file RAY_AUTH_TOKEN_PATH names, else ~/.ray/auth_token"
+"""Where Ray's token loader looks for the token, in its order."""
 _GCS_METHOD = "/ray.rpc.NodeInfoGcsService/GetClusterId"
 """A call only a Ray GCS answers (its empty request is a valid message): a GCS answers it, one with
 token authentication refuses it UNAUTHENTICATED, any other gRPC server UNIMPLEMENTED."""
 
 
-def _not_a_gcs(address: str, timeout_s: float, sends_token: bool = True) -> str | None:
+def _not_a_gcs(address: str, timeout_s: float, sends_token: bool = True,
+               token: tuple[tuple[str, str], ...] = ()) -> str | None:
     """Why the listener at `address` is not a Ray GCS, which speaks gRPC (None when it answers as
     one). ray.init retried anything else for ever, such as the dashboard's port, which `ray job
     submit --address` takes."""
@@ -329,7 +370,7 @@ def _not_a_gcs(address: str, timeout_s: float, sends_token: bool = True) -> str 
     try:
         grpc.channel_ready_future(channel).result(timeout=timeout_s)
         try:
-            channel.unary_unary(_GCS_METHOD)(b"", timeout=timeout_s)
+            channel.unary_unary(_GCS_METHOD)(b"", timeout=timeout_s, metadata=token)
         except grpc.RpcError as err:
             # Another gRPC server (Ray Client's port, 10001 by default) passed the handshake, and
             # ray.init failed some 25 s later saying no cluster answered; a GCS wanting a token this
@@ -338,6 +379,8 @@ def _not_a_gcs(address: str, timeout_s: float, sends_token: bool = True) -> str 
                 return ("something answers gRPC there but is not a Ray GCS (it does not know the GCS's calls): "
                         "Ray Client's port, 10001 by default, takes ray://host:port; the head's GCS port is "
                         "6379 by default (`ray start --head --port`)")
+            if err.code() == grpc.StatusCode.UNAUTHENTICATED and token:
+                return WRONG_TOKEN
             if err.code() == grpc.StatusCode.UNAUTHENTICATED and not sends_token:
                 return TOKEN_NEEDED
         return None  # a GCS, or an answer that says nothing (ray.init decides)
@@ -347,6 +390,50 @@ def _not_a_gcs(address: str, timeout_s: float, sends_token: bool = True) -> str 
                 f"8265 is the dashboard's, for `ray job submit --address`")
     finally:
         channel.close()
+
+
+def _token_metadata() -> tuple[tuple[str, str], ...]:
+    """The gRPC metadata carrying the token ray.init would send (("authorization", "Bearer ..."),),
+    by Ray's own token loader, or () where the launch sends none (RAY_AUTH_MODE is not "token", no
+    token is found, or a Ray without the loader: ray.init then says what is wrong). Decided on
+    RAY_AUTH_MODE as connect() reads it, not on the mode Ray's config read at import; the loader's
+    cache is reset so that the probe and ray.init read the sources as they are now."""
+    if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
+        return ()
+    try:
+        from ray._raylet import AuthenticationTokenLoader
+    except ImportError:
+        return ()
+    loader = AuthenticationTokenLoader.instance()
+    try:
+        loader.reset_cache()
+        return tuple(loader.get_token_for_http_header(ignore_auth_mode=True).items())
+    except Exception:  # noqa: BLE001 - Ray's AuthenticationError (a token file it cannot read): ray.init says it
+        return ()
+
+
+def _token_source() -> str:
+    """Which of TOKEN_SOURCES the token sent came from, by the loader's order."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return "RAY_AUTH_TOKEN"
+    if os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        return f"the file RAY_AUTH_TOKEN_PATH names ({os.environ['RAY_AUTH_TOKEN_PATH']})"
+    return "~/.ray/auth_token"
+
+
+def _token_refused(address: str, how: str) -> str:
+    """The refusal of a launch whose token the cluster at `address` does not take."""
+    return (f"the Ray cluster at {address!r} ({how}) refused this launch's token (from {_token_source()}; Ray reads "
+            f"{TOKEN_SOURCES}): use the cluster's token (`ray get-auth-token` on its head prints it) in one of them")
+
+
+def _token_missing(address: str, how: str) -> str:
+    """The refusal of a launch that sends no token to a cluster that requires one."""
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "token":
+        return (f"the Ray cluster at {address!r} ({how}) requires a token and none was found ({TOKEN_SOURCES}): "
+                f"put the cluster's token (`ray get-auth-token` on its head prints it) in one of them")
+    return (f"the Ray cluster at {address!r} ({how}) requires token authentication, which this launch does not "
+            f"use: set RAY_AUTH_MODE=token, with the cluster's token in ~/.ray/auth_token or RAY_AUTH_TOKEN")
 
 
 _AUTO_JOINS_ANY = "joins any Ray found running on this host, another user's private cluster included"
@@ -383,6 +470,8 @@ def _connect(address: str | None, num_cpus: int | None, worker_logs: bool) -> Ra
                 _OWN_SESSION["users"] += 1
                 started = _OWN_SESSION["started_here"]
                 return RayConnection(started_here=started, address=_OWN_SESSION["address"], joined_here=not started)
+        if (elsewhere := _programs_session_elsewhere(address)) is not None:
+            raise LaunchError(elsewhere)
         return RayConnection(started_here=False, address="existing session")
     if worker_logs:
         _plain_worker_prefixes_off_a_terminal()
@@ -404,21 +493,22 @@ def _connect(address: str | None, num_cpus: int | None, worker_logs: bool) -> Ra
         if recorded:  # only then is there a record to forget
             fix += ("; to forget a recorded cluster that is gone, run `ray stop` (it also stops every Ray process "
                     "of this user on this host, other launches' private clusters included)")
-        # Ray sends its token to an address given outright only under RAY_AUTH_MODE=token; to the
-        # recorded cluster whenever a token is at hand (below), which ray.init sorts out itself.
-        sends_token = recorded or os.environ.get("RAY_AUTH_MODE", "").lower() == "token"
-        unreachable = _unreachable(address, sends_token=sends_token)
-        if unreachable == TOKEN_NEEDED:
-            raise LaunchError(f"the Ray cluster at {address!r} ({how}) requires token authentication, which this "
-                              f"launch does not use: set RAY_AUTH_MODE=token, with the cluster's token in "
-                              f"~/.ray/auth_token or RAY_AUTH_TOKEN")
-        if unreachable is not None:  # ray.init would retry a port nobody listens on for ever
-            raise LaunchError(f"no Ray cluster answered at {address!r} ({how}; {unreachable}); {fix}")
         if recorded:
             # The cluster ray.init() itself would find: Ray turns token authentication on for it when
             # a token is at hand (a `ray start` after any ray.init() on this machine, which writes
-            # ~/.ray/auth_token, has it on), and never for an address given outright.
+            # ~/.ray/auth_token, has it on), and never for an address given outright. Before the
+            # probe, so that it sends the token ray.init will.
             _token_auth_as_ray_does_for_a_found_cluster()
+        # Ray sends its token only under RAY_AUTH_MODE=token (set above for the recorded cluster
+        # where a token is at hand); the probe sends the same, so a wrong one is told at once.
+        token = _token_metadata()
+        unreachable = _unreachable(address, sends_token=bool(token), token=token)
+        if unreachable == WRONG_TOKEN:
+            raise LaunchError(_token_refused(address, how))
+        if unreachable == TOKEN_NEEDED:
+            raise LaunchError(_token_missing(address, how))
+        if unreachable is not None:  # ray.init would retry a port nobody listens on for ever
+            raise LaunchError(f"no Ray cluster answered at {address!r} ({how}; {unreachable}); {fix}")
         try:
             _init(address=address, **quiet)
         except ConnectionError as err:
@@ -428,6 +518,10 @@ def _connect(address: str | None, num_cpus: int | None, worker_logs: bool) -> Ra
                                   f"its nodes, and a Ray driver joins a cluster through a node on its own machine: "
                                   f"run the command on a node of the cluster (on its head, or `ray job submit -- "
                                   f"corelaunch ...`), or pass --ray-address local for a private one") from None
+            if _TOKEN_REFUSED_BY_RAY in reasons:  # where the probe did not tell (a TLS GCS is not probed)
+                refused = _token_refused(address, how) if token else _token_missing(address, how)
+                said = reasons[reasons.index(_TOKEN_REFUSED_BY_RAY):]  # its cause's traceback left out
+                raise LaunchError(f"{refused} (Ray: {said.split('.')[0]})") from None
             if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
                 # Ray's refusal of a missing token reads as any failed connection
                 fix += ("; if the cluster runs with token authentication (`ray start` turns it on where "
@@ -466,6 +560,10 @@ def _connect(address: str | None, num_cpus: int | None, worker_logs: bool) -> Ra
 _NO_NODE_HERE = "No node info found"
 """How Ray 2.60's driver says, after retrying for GCS_SERVER_REQUEST_TIMEOUT_SECONDS (60 s), that no
 live raylet of the cluster it joins runs on its own machine (services.get_node_to_connect_for_driver)."""
+
+
+_TOKEN_REFUSED_BY_RAY = "InvalidAuthToken"
+"""How Ray's GCS names a token it refuses (missing or wrong) in the error ray.init raises."""
 
 
 def _error_chain_text(err: BaseException) -> str:
